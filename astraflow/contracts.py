@@ -1,0 +1,318 @@
+"""The records that cross a component boundary.
+
+RaaS nodes, the data layer and trainers never import each other; everything they exchange is
+one of the frozen records below (or a reference into the trajectory/weight store). Each field
+says what it means, who writes it, who reads it and what ``None`` means. Constructors validate:
+an inconsistent record is a bug in its writer and fails loudly where it is made, not three
+components later.
+
+Per-token arrays are numpy arrays (not lists) so that a batch of thousands of sequences costs
+one pickle of a few buffers when it crosses a Dask actor call.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+import numpy as np
+
+from storage.trajectories import StoredSequence
+from storage.weights import WeightVersion  # noqa: F401  (re-exported: the weight store owns it)
+
+TaskKind = Literal["train", "eval"]
+FinishReason = Literal["stop", "length", "abort"]
+
+#: value of ``Sequence.policy_ids`` / ``Sequence.versions`` on tokens no policy generated (prompt,
+#: tool output, environment feedback).
+NOT_GENERATED = -1
+
+
+@dataclass(frozen=True)
+class RolloutTask:
+    """One episode to roll out. Written by the data layer, read by a RaaS node's workflow.
+
+    A GRPO group is ``group_size`` tasks that share ``group_id`` and ``prompt``; the data layer
+    releases a group to the trainers only once every member has ended.
+    """
+
+    #: unique id of this episode, stable across lease attempts (``<group_id>/<sample index>``).
+    task_id: str
+    #: id shared by the samples of one prompt; group statistics are computed over it.
+    group_id: str
+    #: names of the policies this episode's workflow drives, in the order the workflow expects
+    #: them (a single-policy workflow gets one). ``Sequence.policy_ids`` index into this tuple.
+    policies: tuple[str, ...]
+    #: registered workflow name (``astraflow.workloads.workflows``), e.g. ``"math_single"``.
+    workflow: str
+    #: the workload payload, JSON-serialisable (for math: ``{"question": ..., "answer": ...}``).
+    prompt: Mapping[str, Any]
+    #: ``"train"`` tasks feed trainers; ``"eval"`` tasks only produce held-out metrics.
+    kind: TaskKind = "train"
+    #: 0 for the first lease, incremented each time an expired or failed lease is requeued.
+    attempt: int = 0
+    #: wall-clock time (``time.time()``) after which the data layer requeues the task;
+    #: ``None`` until the task is leased.
+    lease_deadline: float | None = None
+    #: sampling overrides for this task (``temperature``, ``max_new_tokens``); ``None`` means the
+    #: RaaS node's engine defaults.
+    sampling: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.task_id or not self.group_id:
+            raise ValueError("RolloutTask needs a non-empty task_id and group_id")
+        if not self.policies:
+            raise ValueError(f"RolloutTask {self.task_id}: policies must name at least one policy")
+        if self.attempt < 0:
+            raise ValueError(f"RolloutTask {self.task_id}: attempt must be >= 0, got {self.attempt}")
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where and when a trajectory was produced. Written by the RaaS node; read by the data
+    layer's metrics and by people debugging a run. ``None`` means "not known on this node"."""
+
+    node: str
+    partition: str | None = None
+    region: str | None = None
+    hardware: str | None = None
+    #: ``time.time()`` when the episode started / ended on the node.
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    #: seconds spent inside the inference engine for this episode.
+    engine_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True, eq=False)
+class Sequence:
+    """One token sequence of an episode (a conversation flattened into tokens).
+
+    Written by a RaaS node's workflow, stored in the trajectory store, read by the data layer
+    (routing, staleness, group statistics) and by trainers (the loss). All per-token arrays have
+    the same length.
+    """
+
+    #: int32 token ids, prompt and completion together.
+    tokens: np.ndarray
+    #: bool, True on tokens that carry a loss (tokens a policy generated).
+    loss_mask: np.ndarray
+    #: float32 behaviour log-probability of each token under the weights that sampled it;
+    #: 0.0 on tokens that were not generated.
+    logprobs: np.ndarray
+    #: int16 index into the task's ``policies`` of the policy that generated each token;
+    #: ``NOT_GENERATED`` (-1) on prompt and environment tokens.
+    policy_ids: np.ndarray
+    #: int32 weight version that generated each token; ``NOT_GENERATED`` (-1) elsewhere. A
+    #: sequence generated across a weight update carries several versions.
+    versions: np.ndarray
+    #: the scalar reward the trainers optimise.
+    reward: float
+    #: named reward components (e.g. ``{"correct": 1.0, "format": 0.0}``); empty if none.
+    rewards: Mapping[str, float] = field(default_factory=dict)
+    #: why generation ended: ``"stop"`` (end token), ``"length"`` (token budget), ``"abort"``.
+    finish_reason: FinishReason = "stop"
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        for name in ("loss_mask", "logprobs", "policy_ids", "versions"):
+            arr = getattr(self, name)
+            if len(arr) != n:
+                raise ValueError(
+                    f"Sequence.{name} has {len(arr)} entries but tokens has {n}: every per-token "
+                    "array must have one entry per token"
+                )
+        if n == 0:
+            raise ValueError("Sequence has no tokens")
+        if self.finish_reason not in ("stop", "length", "abort"):
+            raise ValueError(f"finish_reason must be stop/length/abort, got {self.finish_reason!r}")
+        gen = self.policy_ids >= 0
+        if np.any(self.loss_mask & ~gen):
+            raise ValueError("Sequence.loss_mask marks a token that no policy generated")
+        if np.any(gen != (self.versions >= 0)):
+            raise ValueError("Sequence: generated tokens need a version >= 0, other tokens -1")
+        if not np.isfinite(self.reward):
+            raise ValueError(f"Sequence.reward must be finite, got {self.reward}")
+
+    @classmethod
+    def build(
+        cls,
+        tokens,
+        loss_mask,
+        logprobs,
+        policy_ids,
+        versions,
+        reward: float,
+        rewards: Mapping[str, float] | None = None,
+        finish_reason: FinishReason = "stop",
+    ) -> "Sequence":
+        """Make a sequence from array-likes, casting to the documented dtypes."""
+        return cls(
+            tokens=np.asarray(tokens, dtype=np.int32),
+            loss_mask=np.asarray(loss_mask, dtype=bool),
+            logprobs=np.asarray(logprobs, dtype=np.float32),
+            policy_ids=np.asarray(policy_ids, dtype=np.int16),
+            versions=np.asarray(versions, dtype=np.int32),
+            reward=float(reward),
+            rewards=dict(rewards or {}),
+            finish_reason=finish_reason,
+        )
+
+    @property
+    def oldest_version(self) -> int:
+        """Lowest weight version among generated tokens (-1 if nothing was generated)."""
+        gen = self.versions[self.versions >= 0]
+        return int(gen.min()) if len(gen) else NOT_GENERATED
+
+    def num_generated(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return (
+            all(
+                np.array_equal(getattr(self, k), getattr(other, k))
+                for k in ("tokens", "loss_mask", "logprobs", "policy_ids", "versions")
+            )
+            and self.reward == other.reward
+            and dict(self.rewards) == dict(other.rewards)
+            and self.finish_reason == other.finish_reason
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class Trajectory:
+    """Everything one episode produced. Written by a RaaS node (into its own segment of the
+    trajectory store); read by the data layer, which indexes it, and by trainers through batches.
+    """
+
+    task_id: str
+    group_id: str
+    #: the task's ``policies``; ``Sequence.policy_ids`` index into it.
+    policies: tuple[str, ...]
+    workflow: str
+    kind: TaskKind
+    #: the lease attempt that produced it (``RolloutTask.attempt``).
+    attempt: int
+    sequences: tuple[Sequence, ...]
+    provenance: Provenance
+
+    def __post_init__(self) -> None:
+        if not self.sequences:
+            raise ValueError(f"Trajectory {self.task_id} has no sequences")
+        for i, seq in enumerate(self.sequences):
+            hi = int(seq.policy_ids.max())
+            if hi >= len(self.policies):
+                raise ValueError(
+                    f"Trajectory {self.task_id}: sequence {i} has policy id {hi} but the task "
+                    f"names only {len(self.policies)} policies {self.policies}"
+                )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trajectory):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    # -- storage mapping: one stored entry per sequence --------------------------------------
+    def to_stored(self) -> list[StoredSequence]:
+        meta = {
+            "policies": list(self.policies),
+            "workflow": self.workflow,
+            "kind": self.kind,
+            "attempt": self.attempt,
+            "provenance": self.provenance.to_dict(),
+        }
+        return [
+            StoredSequence(
+                task_id=self.task_id,
+                group_id=self.group_id,
+                seq_index=i,
+                num_sequences=len(self.sequences),
+                tokens=s.tokens,
+                loss_mask=s.loss_mask,
+                logprobs=s.logprobs,
+                policy_ids=s.policy_ids,
+                versions=s.versions,
+                reward=s.reward,
+                finish_reason=s.finish_reason,
+                meta=json.dumps({**meta, "rewards": dict(s.rewards)}, sort_keys=True),
+            )
+            for i, s in enumerate(self.sequences)
+        ]
+
+    @classmethod
+    def from_stored(cls, rows: list[StoredSequence]) -> "Trajectory":
+        """Rebuild a trajectory from all of its stored rows (any order)."""
+        rows = sorted(rows, key=lambda r: r.seq_index)
+        if not rows or len(rows) != rows[0].num_sequences:
+            raise ValueError("from_stored needs every row of one trajectory")
+        meta = json.loads(rows[0].meta)
+        return cls(
+            task_id=rows[0].task_id,
+            group_id=rows[0].group_id,
+            policies=tuple(meta["policies"]),
+            workflow=meta["workflow"],
+            kind=meta["kind"],
+            attempt=meta["attempt"],
+            sequences=tuple(sequence_from_stored(r) for r in rows),
+            provenance=Provenance(**meta["provenance"]),
+        )
+
+
+def sequence_from_stored(row: StoredSequence) -> Sequence:
+    return Sequence(
+        tokens=row.tokens,
+        loss_mask=row.loss_mask.astype(bool),
+        logprobs=row.logprobs,
+        policy_ids=row.policy_ids,
+        versions=row.versions,
+        reward=float(row.reward),
+        rewards=json.loads(row.meta).get("rewards", {}),
+        finish_reason=row.finish_reason,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class BatchItem:
+    """One training sequence for one policy, as the trainer consumes it.
+
+    Written by the data layer at batch time, read by the trainer's loss. ``loss_mask`` is
+    already restricted to the tokens of the batch's policy.
+    """
+
+    sequence: Sequence
+    loss_mask: np.ndarray
+    #: group statistics of ``sequence.reward`` over the group for this policy, stamped at ingest.
+    group_mean: float
+    group_std: float
+    group_size: int
+    #: trainer version at consumption minus ``sequence.oldest_version`` for this policy.
+    staleness: int
+    task_id: str
+    #: True when a replay policy reused an already-consumed sample on purpose.
+    replayed: bool = False
+
+    @property
+    def advantage(self) -> float:
+        """GRPO advantage: the reward normalised within its group."""
+        return (self.sequence.reward - self.group_mean) / (self.group_std + 1e-6)
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """A fixed-size batch of sequences for one policy. Written by the data layer's
+    ``next_batch``; read by that policy's trainer."""
+
+    policy: str
+    #: the trainer version that asked for it (staleness is measured against it).
+    version: int
+    items: tuple[BatchItem, ...]
+    #: data-layer metrics at batch time (counts, staleness histogram, wait time).
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.items)

@@ -1,0 +1,136 @@
+"""The one module that knows the on-disk layout of a run.
+
+Every path a component writes or reads is built here; no other module assembles run paths
+from strings. A run directory on shared storage looks like::
+
+    <run>/
+      config.yaml                 the resolved configuration (written once at start)
+      metrics.jsonl               one JSON object per line: the durable record of the run
+      scheduler.json              Dask scheduler address file (rendezvous for workers, CLI)
+      control/                    desired partitions and other orchestrator state
+      logs/                       one log file per process
+      trajectories/               the Zarr trajectory store (unless the config points elsewhere)
+        segments/<segment>/       one append-only segment per writer
+      weights/<policy>/v<N>/      one committed weight version (shards + manifest + marker)
+      weights/<policy>/staging/   versions being written (never read)
+      weights/<policy>/readers/   hold files of readers that have a version open
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def check_name(kind: str, name: str) -> str:
+    """Names that become path components must be plain: letters, digits, ``_ . -``."""
+    if not _SAFE.match(name):
+        raise ValueError(
+            f"{kind} name {name!r} is not usable as a path component: use letters, digits, '_', '.', '-'"
+        )
+    return name
+
+
+class RunPaths:
+    """Paths inside one run directory."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).absolute()
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def scheduler_file(self) -> Path:
+        return self.root / "scheduler.json"
+
+    @property
+    def control(self) -> Path:
+        return self.root / "control"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def log(self, process: str) -> Path:
+        return self.logs / f"{check_name('process', process)}.log"
+
+    @property
+    def trajectories(self) -> Path:
+        return self.root / "trajectories"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def jobs(self) -> Path:
+        """Rendered job scripts and their stdout/stderr."""
+        return self.root / "jobs"
+
+    def make(self) -> "RunPaths":
+        for d in (self.root, self.control, self.logs, self.jobs):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+
+# -- trajectory store layout (relative to the store root) ------------------------------------
+
+def segment_dir(store_root: Path, segment: str) -> Path:
+    return store_root / "segments" / check_name("segment", segment)
+
+
+def segment_commit_dir(store_root: Path, segment: str) -> Path:
+    """Commit markers of a segment: one file per published batch, created atomically."""
+    return segment_dir(store_root, segment) / "commits"
+
+
+def commit_marker(store_root: Path, segment: str, seqno: int) -> Path:
+    return segment_commit_dir(store_root, segment) / f"{seqno:010d}.json"
+
+
+def store_layout_file(store_root: Path) -> Path:
+    """Records the layout version of a trajectory store; opened first, checked always."""
+    return store_root / "astraflow_store.json"
+
+
+# -- weight store layout (relative to the weights root) --------------------------------------
+
+def policy_dir(weights_root: Path, policy: str) -> Path:
+    return weights_root / check_name("policy", policy)
+
+
+def version_dir(weights_root: Path, policy: str, version: int) -> Path:
+    return policy_dir(weights_root, policy) / f"v{int(version):08d}"
+
+
+def staging_dir(weights_root: Path, policy: str, version: int) -> Path:
+    return policy_dir(weights_root, policy) / "staging" / f"v{int(version):08d}"
+
+
+def manifest_file(weights_root: Path, policy: str, version: int) -> Path:
+    return version_dir(weights_root, policy, version) / "manifest.json"
+
+
+def commit_file(weights_root: Path, policy: str, version: int) -> Path:
+    """Written last: a version without it does not exist for readers."""
+    return version_dir(weights_root, policy, version) / "COMMITTED"
+
+
+def delta_dir(weights_root: Path, policy: str, from_version: int, to_version: int) -> Path:
+    """Sparse bf16 delta ``from_version -> to_version`` (written by the delta writer)."""
+    return policy_dir(weights_root, policy) / "deltas" / f"v{int(from_version):08d}-v{int(to_version):08d}"
+
+
+def readers_dir(weights_root: Path, policy: str) -> Path:
+    return policy_dir(weights_root, policy) / "readers"
+
+
+VERSION_DIR_RE = re.compile(r"^v(\d{8})$")
