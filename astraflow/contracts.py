@@ -18,7 +18,7 @@ from typing import Any, Literal, Mapping
 
 import numpy as np
 
-from storage.trajectories import StoredSequence
+from storage.trajectories import EntryRef, StoredSequence
 from storage.weights import WeightVersion  # noqa: F401  (re-exported: the weight store owns it)
 
 TaskKind = Literal["train", "eval"]
@@ -58,6 +58,9 @@ class RolloutTask:
     #: sampling overrides for this task (``temperature``, ``max_new_tokens``); ``None`` means the
     #: RaaS node's engine defaults.
     sampling: Mapping[str, Any] | None = None
+    #: a RaaS node runs this task only once it has loaded at least this weight version of every
+    #: policy in ``policies`` (evaluation rounds pin the version they evaluate); -1: any.
+    min_version: int = -1
 
     def __post_init__(self) -> None:
         if not self.task_id or not self.group_id:
@@ -274,6 +277,60 @@ def sequence_from_stored(row: StoredSequence) -> Sequence:
         rewards=json.loads(row.meta).get("rewards", {}),
         finish_reason=row.finish_reason,
     )
+
+
+@dataclass(frozen=True)
+class SequenceSummary:
+    """What the data layer needs to know of one stored sequence without reading its tokens.
+    Written by the RaaS node from the trajectory it just stored."""
+
+    ref: EntryRef
+    reward: float
+    #: per policy name that generated tokens in the sequence: (generated tokens, oldest version).
+    policy_tokens: Mapping[str, tuple[int, int]]
+    num_tokens: int
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class TrajectoryRef:
+    """``complete()`` payload: a trajectory that is committed in the trajectory store.
+    Written by a RaaS node after the segment write returned; read by the data layer."""
+
+    task_id: str
+    group_id: str
+    kind: TaskKind
+    attempt: int
+    node: str
+    sequences: tuple[SequenceSummary, ...]
+
+    @classmethod
+    def of(cls, traj: "Trajectory", refs: list[EntryRef]) -> "TrajectoryRef":
+        assert len(refs) == len(traj.sequences), "one entry per stored sequence"
+        summaries = []
+        for ref, seq in zip(refs, traj.sequences):
+            per_policy = {}
+            for idx, name in enumerate(traj.policies):
+                sel = seq.policy_ids == idx
+                if sel.any():
+                    per_policy[name] = (int((seq.loss_mask & sel).sum()), int(seq.versions[sel].min()))
+            summaries.append(
+                SequenceSummary(
+                    ref=ref,
+                    reward=seq.reward,
+                    policy_tokens=per_policy,
+                    num_tokens=len(seq.tokens),
+                    finish_reason=seq.finish_reason,
+                )
+            )
+        return cls(
+            task_id=traj.task_id,
+            group_id=traj.group_id,
+            kind=traj.kind,
+            attempt=traj.attempt,
+            node=traj.provenance.node,
+            sequences=tuple(summaries),
+        )
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,382 @@
+"""Typed run configuration.
+
+One YAML file describes a run; each component owns the section that configures it
+(``dataflow``, ``rollout``, ``policies[].trainer``, ``partitions``) and receives only that
+section, never the whole config. Cross-component rules are validators whose message says
+how to fix the file. ``load_config`` applies ``--set key=value`` overrides before validation,
+and the resolved config is written into the run directory.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from schedulers.partition import Partition
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+# -- models ------------------------------------------------------------------------------------
+
+
+class ModelInit(_Strict):
+    """How to build a model directory that does not exist yet (no downloads: built locally)."""
+
+    preset: Literal["tiny", "small", "50m"] = "small"
+    """Size preset of the locally initialised model (tiny ~0.8M, small ~10M, 50m ~50M params)."""
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    """HF architecture of the initialised model."""
+    seed: int = 0
+    """Seed of the random initialisation."""
+    warm_start_seconds: float = Field(default=0.0, ge=0)
+    """Supervised warm start on the workload's train split, in seconds (0: none). A partly
+    competent policy gives RL a non-zero reward signal."""
+    warm_start_lr: float = Field(default=1e-3, gt=0)
+    """Learning rate of the warm start."""
+
+
+# -- training ----------------------------------------------------------------------------------
+
+
+class TrainerConfig(_Strict):
+    """The trainer of one policy (owned by ``astraflow.training``)."""
+
+    backend: Literal["torch", "megatron"] = "torch"
+    """``torch``: plain PyTorch in the trainer worker; ``megatron``: Megatron-core ranks."""
+    tensor_parallel: int = Field(default=1, ge=1)
+    """Megatron tensor-parallel size (ranks started by the trainer actor); 1 for ``torch``."""
+    lr: float = Field(default=5e-4, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    clip_low: float = Field(default=0.2, ge=0)
+    """PPO clip range below 1 for the importance ratio."""
+    clip_high: float = Field(default=0.28, ge=0)
+    """PPO clip range above 1 (a higher upper clip keeps exploration alive)."""
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    """Gradient clipping norm."""
+    micro_batch: int = Field(default=64, ge=1)
+    """Sequences per forward/backward (gradient accumulation over the batch)."""
+    threads: int = Field(default=1, ge=1)
+    """torch intra-op threads of the trainer process."""
+    batch_timeout_s: float = Field(default=600.0, gt=0)
+    """How long the trainer waits for one batch before it fails the run."""
+
+
+class PolicyConfig(_Strict):
+    """One policy: a model, its trainer and its weight stream."""
+
+    name: str = "policy"
+    """Policy id; names its weight stream and its buffer."""
+    model: Path
+    """HF model directory (a real checkpoint, or built by ``init`` when missing)."""
+    init: ModelInit | None = None
+    """Build the model locally if ``model`` does not exist. ``None``: the directory must exist."""
+    trainer: TrainerConfig = TrainerConfig()
+    """Trainer settings of this policy."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", v):
+            raise ValueError("policy name must use letters, digits, '_', '.', '-' (it names directories)")
+        return v
+
+
+# -- workload ----------------------------------------------------------------------------------
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature of training rollouts."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    max_new_tokens: int = Field(default=8, ge=1)
+    """Token budget of one generation."""
+
+
+class EvalConfig(_Strict):
+    every: int = Field(default=10, ge=0)
+    """Evaluate held-out accuracy every N trainer steps of the first policy (0: never), and
+    before training."""
+    num_prompts: int = Field(default=100, ge=1)
+    """Held-out prompts per evaluation."""
+    k: int = Field(default=1, ge=1)
+    """Samples per prompt: avg@k and pass@k are reported; k=1 decodes greedily."""
+
+
+class WorkloadConfig(_Strict):
+    """What the RaaS nodes roll out (owned by ``astraflow.workloads``)."""
+
+    name: str = "math"
+    """Registered workload (dataset + reward)."""
+    workflow: str = "single_turn"
+    """Registered workflow driving the episode (``astraflow.workloads.workflows``)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Workload parameters (for math: ``digits``, ``ops``, ``num_train``, ``num_eval``)."""
+    seed: int = 0
+    """Seed of the generated dataset and of prompt order."""
+    group_size: int = Field(default=8, ge=1)
+    """Samples per prompt (a GRPO group)."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling of training rollouts."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation through the same RaaS path."""
+
+
+# -- dataflow ----------------------------------------------------------------------------------
+
+
+class PolicySpec(_Strict):
+    """A dataflow policy chosen by registered name, with its own parameters."""
+
+    type: str
+    """Registered name of the policy class."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Constructor arguments of the policy."""
+
+
+class DataflowConfig(_Strict):
+    """The data layer (owned by ``astraflow.dataflow``)."""
+
+    batch_size: int = Field(default=64, ge=1)
+    """Sequences per trainer batch (whole groups: a multiple of ``workload.group_size``)."""
+    max_staleness: int = Field(default=2, ge=0)
+    """Sequences generated more than this many versions before the consuming trainer
+    version are dropped (counted in the ledger as ``stale``)."""
+    lease_seconds: float = Field(default=30.0, gt=0)
+    """A leased task that is not completed or renewed by a heartbeat within this time is
+    requeued."""
+    max_attempts: int = Field(default=3, ge=1)
+    """A task failed or expired this many times ends as failed."""
+    prefetch_groups: int = Field(default=4, ge=0)
+    """Groups leased ahead of what the trainers need (bounds staleness and wasted work)."""
+    curator: PolicySpec = PolicySpec(type="accept_all")
+    """Prompt curator before rollout."""
+    group_filter: PolicySpec = PolicySpec(type="keep_all")
+    """Group filter after rollout."""
+    ordering: PolicySpec = PolicySpec(type="fifo")
+    """Buffer ordering (``fifo`` or ``edf``)."""
+    replay_ratio: float = Field(default=0.0, ge=0, lt=1)
+    """Fraction of each batch filled with recently consumed samples (recorded as replays)."""
+    lockstep: bool = False
+    """Multi-policy: policies advance in lockstep (a version barrier) instead of independently."""
+
+
+# -- rollout -----------------------------------------------------------------------------------
+
+
+class EngineConfig(_Strict):
+    type: Literal["hf"] = "hf"
+    """Inference engine: ``hf`` (transformers; CPU, or one GPU when available)."""
+    max_batch: int = Field(default=64, ge=1)
+    """Most requests decoded together in one batch."""
+    threads: int = Field(default=1, ge=1)
+    """torch intra-op threads of the engine."""
+
+
+class RolloutConfig(_Strict):
+    """A RaaS node (owned by ``astraflow.rollout``)."""
+
+    engine: EngineConfig = EngineConfig()
+    """The inference engine of each policy on the node."""
+    capacity: int = Field(default=32, ge=1)
+    """Episodes in flight on one node."""
+    write_batch: int = Field(default=64, ge=1)
+    """Trajectories buffered before a segment write (also flushed every ``flush_seconds``)."""
+    flush_seconds: float = Field(default=0.5, gt=0)
+    """Longest time a finished trajectory waits in the node before it is written."""
+    weight_poll_seconds: float = Field(default=0.5, gt=0)
+    """How often the node checks the weight store for a newer version."""
+    full_resync_every: int = Field(default=10, ge=1)
+    """Load full shards instead of a delta every N versions."""
+
+
+class StorageConfig(_Strict):
+    trajectories: str | None = None
+    """Trajectory store URL (directory or ``memory://``); default ``<run>/trajectories``."""
+    keep_versions: int = Field(default=3, ge=1)
+    """Weight versions kept per policy (held versions are never deleted)."""
+
+
+class ClusterConfig(_Strict):
+    dashboard_port: int = Field(default=8787, ge=0, le=65535)
+    """Dask dashboard port (0: any free port)."""
+    dashboard_host: str = "127.0.0.1"
+    """Address the dashboard binds to; the default keeps it on this machine."""
+    worker_start_timeout_s: float = Field(default=180.0, gt=0)
+    """Deadline for requested workers to join the scheduler."""
+    placement_timeout_s: float = Field(default=120.0, gt=0)
+    """Deadline for an actor to be constructed on its worker."""
+
+
+class RunSection(_Strict):
+    name: str = "run"
+    """Name of the run (run directories default to ``runs/<name>-<timestamp>``)."""
+    max_steps: int = Field(default=50, ge=1)
+    """Trainer steps per policy; the run ends when every trainer has taken them."""
+    seed: int = 0
+    """Seed of trainers and engines."""
+    mode: Literal["async", "sync"] = "async"
+    """``async``: the three components run their own loops (AstraFlow). ``sync``: a
+    trainer-centred driver loop, the baseline for comparisons."""
+    timeout_s: float = Field(default=3600.0, gt=0)
+    """Deadline of the whole run."""
+
+
+def _default_partitions() -> list[Partition]:
+    return [
+        Partition(name="data", scheduler="local", role="data", nodes=1),
+        Partition(name="trainer", scheduler="local", role="trainer", nodes=1),
+        Partition(name="rollout", scheduler="local", role="rollout", nodes=2),
+    ]
+
+
+class RunConfig(_Strict):
+    """A whole run. Each section goes only to the component that owns it."""
+
+    run: RunSection = RunSection()
+    policies: list[PolicyConfig]
+    """The policies trained in this run (one trainer each)."""
+    workload: WorkloadConfig = WorkloadConfig()
+    dataflow: DataflowConfig = DataflowConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    storage: StorageConfig = StorageConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    partitions: list[Partition] = Field(default_factory=_default_partitions)
+    """Worker pools. The embedded default: local data, trainer and two rollout workers."""
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "RunConfig":
+        if not self.policies:
+            raise ValueError("policies: name at least one policy")
+        names = [p.name for p in self.policies]
+        if len(set(names)) != len(names):
+            raise ValueError(f"policies: names must be unique, got {names}")
+        if self.dataflow.batch_size % self.workload.group_size:
+            raise ValueError(
+                f"dataflow.batch_size ({self.dataflow.batch_size}) must be a multiple of "
+                f"workload.group_size ({self.workload.group_size}): batches hold whole groups"
+            )
+        roles = {p.role for p in self.partitions}
+        for role in ("data", "trainer", "rollout"):
+            if role not in roles:
+                raise ValueError(f"partitions: add a partition with role: {role}")
+        pnames = [p.name for p in self.partitions]
+        if len(set(pnames)) != len(pnames):
+            raise ValueError(f"partitions: names must be unique, got {pnames}")
+        for pol in self.policies:
+            if pol.init is None and not pol.model.exists():
+                raise ValueError(
+                    f"policies[{pol.name}].model: {pol.model} does not exist; point it at an HF "
+                    "model directory or add an `init:` section to build one locally"
+                )
+            if pol.trainer.backend == "torch" and pol.trainer.tensor_parallel != 1:
+                raise ValueError(
+                    f"policies[{pol.name}].trainer: tensor_parallel > 1 needs backend: megatron"
+                )
+        return self
+
+    def policy(self, name: str) -> PolicyConfig:
+        for p in self.policies:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the field and the fix."""
+
+
+def _set_path(data: dict, dotted: str, value: Any) -> None:
+    """Apply one ``--set a.b.c=value`` override; list elements are addressed by index or by
+    ``name`` (``policies.solver.trainer.lr=1e-4``)."""
+    parts = dotted.split(".")
+    node: Any = data
+    for i, key in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            idx = next((j for j, el in enumerate(node) if isinstance(el, dict) and el.get("name") == key), None)
+            if idx is None and key.isdigit() and int(key) < len(node):
+                idx = int(key)
+            if idx is None:
+                raise ConfigError(f"--set {dotted}: no list element named or numbered {key!r}")
+            if last:
+                node[idx] = value
+            else:
+                node = node[idx]
+            continue
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {'.'.join(parts[:i])} is not a section")
+        if last:
+            node[key] = value
+        else:
+            node = node.setdefault(key, {})
+
+
+def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
+    out = []
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--set {pair!r}: use KEY=VALUE, e.g. --set run.max_steps=20")
+        key, raw = pair.split("=", 1)
+        out.append((key.strip(), yaml.safe_load(raw) if raw.strip() else ""))
+    return out
+
+
+def _format_validation(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; `astraflow config --help` lists the fields)"
+        lines.append(f"{loc}: {msg}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def config_from_dict(data: dict, base_dir: Path | None = None) -> RunConfig:
+    """Validate a config dict; relative model paths are resolved against ``base_dir``."""
+    data = dict(data)
+    if base_dir is not None:
+        for pol in data.get("policies") or []:
+            if isinstance(pol, dict) and "model" in pol and not Path(str(pol["model"])).is_absolute():
+                pol["model"] = str((base_dir / str(pol["model"])).resolve())
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation(err)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config, apply ``--set`` overrides, validate.
+
+    Relative model paths are resolved against the current directory (so examples run from
+    the repository root, as the README shows).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found: pass the path of a YAML config, e.g. examples/math/config.yaml")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for key, value in parse_overrides(overrides or []):
+        _set_path(data, key, value)
+    return config_from_dict(data, base_dir=Path.cwd())
+
+
+def dump_config(cfg: RunConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,635 @@
+"""The data layer: tasks, leases, the trajectory index, per-policy buffers, batches.
+
+It runs as one Dask actor and never runs a model. RaaS nodes pull tasks with ``lease`` and
+report stored trajectories with ``complete``; trainers pull batches with ``next_batch`` and
+report new weight versions with ``published``. Dataflow policies (``policies.py``) decide
+which prompts are rolled out, which groups are kept and in which order buffered groups are
+consumed; the data layer only runs them at their stages.
+
+Every public method is ``async``: Dask runs async actor methods on the worker's event loop,
+one at a time between awaits, so the state below needs no locks, and a trainer blocked in
+``next_batch`` does not block the leases that will fill its batch.
+
+Named asynchronous overlaps and their invariants:
+
+* *lease expiry*: a task leased by a node that neither completes it nor renews it (heartbeat)
+  within ``lease_seconds`` returns to the queue with ``attempt + 1``; a late completion of an
+  earlier attempt is still accepted if the task has not ended (first completion wins), later
+  ones are counted as duplicates. Every task ends exactly once (``Ledger``).
+* *rollout ahead of training*: at most ``groups_per_batch + prefetch_groups`` train groups are
+  outstanding (not yet consumed), which bounds both staleness and wasted rollouts.
+* *staleness*: a sequence whose oldest token version for the consuming policy is more than
+  ``max_staleness`` versions behind the trainer's version is dropped and counted as ``stale``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from astraflow.config import DataflowConfig, WorkloadConfig
+from astraflow.contracts import BatchItem, Batch, RolloutTask, SequenceSummary, TrajectoryRef, sequence_from_stored
+from astraflow.dataflow import policies as P
+from astraflow.dataflow.ledger import TERMINAL, Ledger
+from astraflow.workloads.base import make_workload
+from storage.trajectories import open_trajectory_store
+
+log = logging.getLogger("astraflow.dataflow")
+
+
+class BatchTimeout(TimeoutError):
+    """``next_batch`` found no full batch before its deadline."""
+
+
+@dataclass
+class _Group:
+    group_id: str
+    prompt_key: str
+    kind: str
+    task_ids: list[str]
+    results: dict[str, TrajectoryRef] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+
+    def done(self) -> bool:
+        return len(self.results) + len(self.failed) == len(self.task_ids)
+
+
+@dataclass
+class _Item:
+    """A sequence routed to one policy's buffer, waiting to be consumed."""
+
+    task_id: str
+    summary: SequenceSummary
+    oldest_version: int
+    group_mean: float
+    group_std: float
+    group_size: int
+
+
+@dataclass
+class _Ready:
+    group_id: str
+    ingest_seq: int
+    items: list[_Item]
+
+    @property
+    def oldest_version(self) -> int:
+        return min(i.oldest_version for i in self.items)
+
+
+@dataclass
+class _EvalRound:
+    version: int
+    policy: str
+    k: int
+    rewards: dict[str, list[float]] = field(default_factory=dict)  # prompt -> rewards
+    remaining: int = 0
+    started: float = field(default_factory=time.time)
+
+
+class DataLayer:
+    """Dask actor: owns tasks, leases, the trajectory index and the per-policy buffers."""
+
+    def __init__(
+        self,
+        *,
+        dataflow: DataflowConfig,
+        workload: WorkloadConfig,
+        policies: list[str],
+        store_url: str,
+        metrics_path: str | None,
+        max_steps: int,
+        seed: int = 0,
+    ):
+        self.cfg = dataflow
+        self.wcfg = workload
+        self.policy_names = list(policies)
+        self.max_steps = max_steps
+        self.store = open_trajectory_store(store_url, "a")
+        self._workload = make_workload(workload.name, workload.params, workload.seed)
+        self._train = self._workload.tasks("train")
+        self._eval = self._workload.tasks("eval")[: workload.eval.num_prompts]
+        self._rng = random.Random(seed)
+        self._order: list[int] = []
+        self._epoch = 0
+        self.curator = P.make(P.CURATORS, dataflow.curator.type, dataflow.curator.params, seed)
+        self.group_filter = P.make(P.FILTERS, dataflow.group_filter.type, dataflow.group_filter.params, seed)
+        self.ordering = P.make(P.ORDERINGS, dataflow.ordering.type, dataflow.ordering.params, seed)
+
+        self.ledger = Ledger()
+        self.tasks: dict[str, RolloutTask] = {}
+        self.pending: deque[str] = deque()
+        self.eval_pending: deque[str] = deque()
+        self.leases: dict[str, tuple[str, float]] = {}  # task -> (node, deadline)
+        self.groups: dict[str, _Group] = {}
+        self.task_group: dict[str, str] = {}
+        self.routed_left: dict[str, int] = {}  # train task -> items not yet settled
+        self.task_consumed: set[str] = set()
+        self.task_drop_reason: dict[str, str] = {}
+        self.buffers: dict[str, list[_Ready]] = {p: [] for p in self.policy_names}
+        self.replay: dict[str, deque[BatchItem]] = {p: deque(maxlen=4 * dataflow.batch_size) for p in self.policy_names}
+        self.versions: dict[str, int] = {p: 0 for p in self.policy_names}
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.eval_rounds: dict[int, _EvalRound] = {}
+        self.eval_results: list[dict[str, Any]] = []
+        self.counts: dict[str, Counter] = {p: Counter() for p in self.policy_names}
+        self.staleness_hist: dict[str, Counter] = {p: Counter() for p in self.policy_names}
+        self.wait_s: dict[str, float] = {p: 0.0 for p in self.policy_names}
+        self.last_batch: dict[str, dict[str, Any]] = {p: {} for p in self.policy_names}
+        self.sequences_generated = 0
+        self.tokens_generated = 0
+        self.finished = False
+        self._ingest_seq = 0
+        self._group_seq = 0
+        self._outstanding: set[str] = set()  # train groups not fully settled
+        self._started = time.time()
+        self._metrics = open(metrics_path, "a", buffering=1) if metrics_path else None
+        self._ready_event: asyncio.Event | None = None
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def groups_per_batch(self) -> int:
+        return self.cfg.batch_size // self.wcfg.group_size
+
+    def _event(self) -> asyncio.Event:
+        if self._ready_event is None:
+            self._ready_event = asyncio.Event()
+        return self._ready_event
+
+    def _notify(self) -> None:
+        ev = self._event()
+        ev.set()
+        self._ready_event = asyncio.Event()
+
+    def _write_metrics(self, record: dict[str, Any]) -> None:
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(record, default=float) + "\n")
+
+    def _next_prompt(self) -> int:
+        if not self._order:
+            self._order = list(range(len(self._train)))
+            self._rng.shuffle(self._order)
+            self._epoch += 1
+        return self._order.pop()
+
+    def _refill(self) -> None:
+        """Create train groups until the outstanding bound is reached."""
+        limit = self.groups_per_batch + self.cfg.prefetch_groups
+        proposals = 0
+        while not self.finished and len(self._outstanding) < limit and proposals < max(len(self._train), 1):
+            proposals += 1
+            idx = self._next_prompt()
+            payload = self._train[idx]
+            key = f"p{idx}"
+            if not self.curator.accept(key, payload):
+                self.counts[self.policy_names[0]]["curator_skipped"] += 1
+                continue
+            self._group_seq += 1
+            gid = f"g{self._group_seq:07d}"
+            tids = [f"{gid}/{j}" for j in range(self.wcfg.group_size)]
+            self.groups[gid] = _Group(gid, key, "train", tids)
+            self._outstanding.add(gid)
+            for tid in tids:
+                self._add_task(
+                    RolloutTask(
+                        task_id=tid, group_id=gid, policies=tuple(self.policy_names),
+                        workflow=self.wcfg.workflow, prompt=payload, kind="train",
+                    )
+                )
+                self.pending.append(tid)
+
+    def _add_task(self, task: RolloutTask) -> None:
+        self.tasks[task.task_id] = task
+        self.task_group[task.task_id] = task.group_id
+        self.ledger.add(task.task_id)
+
+    def _expire(self) -> None:
+        now = time.time()
+        for tid, (node, deadline) in list(self.leases.items()):
+            if deadline < now:
+                self._return(tid, "lease_expired")
+
+    def _return(self, tid: str, why: str) -> None:
+        """A leased task comes back (expired, failed, node gone): requeue or fail it."""
+        del self.leases[tid]
+        task = self.tasks[tid]
+        if task.attempt + 1 >= self.cfg.max_attempts:
+            self.ledger.requeue(tid, why)
+            self._fail(tid, f"{why}_after_{self.cfg.max_attempts}_attempts")
+            return
+        self.ledger.requeue(tid, why)
+        self.tasks[tid] = replace(task, attempt=task.attempt + 1, lease_deadline=None)
+        (self.eval_pending if task.kind == "eval" else self.pending).appendleft(tid)
+
+    def _fail(self, tid: str, reason: str) -> None:
+        self.ledger.end(tid, "failed", reason)
+        task = self.tasks.pop(tid)
+        if task.kind == "eval":
+            rnd = self.eval_rounds.get(int(task.min_version))
+            if rnd is not None:
+                rnd.remaining -= 1
+                self._maybe_finish_eval(int(task.min_version))
+            return
+        grp = self.groups[task.group_id]
+        grp.failed.add(tid)
+        if grp.done():
+            self._ingest_group(grp)
+
+    # ------------------------------------------------------------------ RaaS-facing
+    async def lease(self, node: str, capacity: int) -> list[RolloutTask]:
+        """Up to ``capacity`` tasks for ``node`` (evaluation tasks first)."""
+        self._expire()
+        info = self.nodes.setdefault(node, {"leased": 0, "completed": 0, "draining": False})
+        info["last_seen"] = time.time()
+        if info["draining"] or capacity <= 0:
+            return []
+        self._refill()
+        out: list[RolloutTask] = []
+        deadline = time.time() + self.cfg.lease_seconds
+        for queue in (self.eval_pending, self.pending):
+            while queue and len(out) < capacity:
+                tid = queue.popleft()
+                task = replace(self.tasks[tid], lease_deadline=deadline)
+                self.tasks[tid] = task
+                self.ledger.lease(tid, node)
+                self.leases[tid] = (node, deadline)
+                out.append(task)
+        info["leased"] += len(out)
+        return out
+
+    async def complete(self, refs: list[TrajectoryRef]) -> int:
+        """Record committed trajectories; returns how many were new (others were duplicates)."""
+        new = 0
+        for ref in refs:
+            lease = self.leases.get(ref.task_id)
+            if not self.ledger.tasks.get(ref.task_id) or not self.ledger.complete(ref.task_id):
+                continue
+            new += 1
+            if lease is not None:
+                del self.leases[ref.task_id]
+            else:  # a late completion of an expired attempt that was requeued but not re-leased
+                q = self.eval_pending if ref.kind == "eval" else self.pending
+                if ref.task_id in q:
+                    q.remove(ref.task_id)
+            node = self.nodes.setdefault(ref.node, {"leased": 0, "completed": 0, "draining": False})
+            node["completed"] += 1
+            self.sequences_generated += len(ref.sequences)
+            self.tokens_generated += sum(s.num_tokens for s in ref.sequences)
+            task = self.tasks.pop(ref.task_id)
+            if ref.kind == "eval":
+                self._record_eval(task, ref)
+            else:
+                grp = self.groups[task.group_id]
+                grp.results[ref.task_id] = ref
+                if grp.done():
+                    self._ingest_group(grp)
+        return new
+
+    async def fail(self, task_id: str, reason: str) -> None:
+        """A node could not run a task; it is requeued (or fails after ``max_attempts``)."""
+        if task_id in self.leases:
+            self._return(task_id, f"failed:{reason}")
+
+    async def heartbeat(self, node: str, stats: dict[str, Any]) -> dict[str, Any]:
+        """Renew the node's leases and record its stats; tells the node whether to drain."""
+        info = self.nodes.setdefault(node, {"leased": 0, "completed": 0, "draining": False})
+        info.update(stats)
+        info["last_seen"] = time.time()
+        deadline = time.time() + self.cfg.lease_seconds
+        for tid, (n, _) in list(self.leases.items()):
+            if n == node:
+                self.leases[tid] = (n, deadline)
+        self._expire()
+        return {"draining": info["draining"], "finished": self.finished}
+
+    async def drain(self, node: str) -> None:
+        """Stop leasing to ``node`` (it finishes what it holds)."""
+        self.nodes.setdefault(node, {"leased": 0, "completed": 0})["draining"] = True
+
+    async def node_gone(self, node: str) -> int:
+        """The node's worker is gone: its leases return to the queue now. Returns how many."""
+        tids = [t for t, (n, _) in self.leases.items() if n == node]
+        for tid in tids:
+            self._return(tid, "node_gone")
+        self.nodes.setdefault(node, {})["gone"] = True
+        return len(tids)
+
+    # ------------------------------------------------------------------ ingest
+    def _ingest_group(self, grp: _Group) -> None:
+        self._outstanding.discard(grp.group_id)
+        self.groups.pop(grp.group_id, None)
+        live = [t for t in grp.task_ids if t in grp.results]
+        for tid in live:
+            self.routed_left[tid] = 0
+        first_rewards: list[float] = []
+        for policy in self.policy_names:
+            items: list[_Item] = []
+            rewards: list[float] = []
+            for tid in live:
+                for s in grp.results[tid].sequences:
+                    if policy in s.policy_tokens and s.policy_tokens[policy][0] > 0:
+                        items.append(_Item(tid, s, s.policy_tokens[policy][1], 0.0, 0.0, 0))
+                        rewards.append(s.reward)
+            if not items:
+                continue
+            if policy == self.policy_names[0]:
+                first_rewards = rewards
+            c = self.counts[policy]
+            c["sequences_ingested"] += len(items)
+            for it in items:
+                self.routed_left[it.task_id] += 1
+            if len(items) < 2:
+                self._settle(policy, items, "group_incomplete")
+                continue
+            keep, reason = self.group_filter.keep(rewards)
+            if not keep:
+                c["filtered"] += len(items)
+                self._settle(policy, items, reason or "filtered")
+                continue
+            mean, std = float(np.mean(rewards)), float(np.std(rewards))
+            for it in items:
+                it.group_mean, it.group_std, it.group_size = mean, std, len(items)
+            self._ingest_seq += 1
+            self.buffers[policy].append(_Ready(grp.group_id, self._ingest_seq, items))
+            c["accepted"] += len(items)
+        if first_rewards:
+            self.curator.observe(grp.prompt_key, first_rewards)
+        for tid in live:
+            if self.routed_left[tid] == 0:
+                self._end_train_task(tid, "no_policy_tokens")
+        self._notify()
+
+    def _settle(self, policy: str, items: list[_Item], drop_reason: str | None) -> None:
+        """Items leave a buffer: consumed (``drop_reason`` None) or dropped."""
+        for it in items:
+            if drop_reason is None:
+                self.task_consumed.add(it.task_id)
+            else:
+                self.task_drop_reason.setdefault(it.task_id, drop_reason)
+            self.routed_left[it.task_id] -= 1
+            if self.routed_left[it.task_id] == 0:
+                self._end_train_task(it.task_id, self.task_drop_reason.get(it.task_id, "unknown"))
+
+    def _end_train_task(self, tid: str, reason: str) -> None:
+        self.routed_left.pop(tid, None)
+        if tid in self.task_consumed:
+            self.task_consumed.discard(tid)
+            self.ledger.end(tid, "consumed")
+        else:
+            self.ledger.end(tid, "dropped", reason)
+        self.task_drop_reason.pop(tid, None)
+
+    # ------------------------------------------------------------------ trainer-facing
+    def _available(self, policy: str, version: int) -> int:
+        """Drop stale sequences from the buffer; count what is left."""
+        buf = self.buffers[policy]
+        total = 0
+        for grp in list(buf):
+            stale = [it for it in grp.items if version - it.oldest_version > self.cfg.max_staleness]
+            if stale:
+                self.counts[policy]["stale_dropped"] += len(stale)
+                grp.items = [it for it in grp.items if it not in stale]
+                self._settle(policy, stale, "stale")
+            if not grp.items:
+                buf.remove(grp)
+            total += len(grp.items)
+        return total
+
+    def _lockstep_ok(self, version: int) -> bool:
+        return not self.cfg.lockstep or all(v >= version for v in self.versions.values())
+
+    async def next_batch(self, policy: str, version: int, timeout: float = 60.0) -> Batch:
+        """A batch of ``batch_size`` sequences for ``policy`` whose trainer is at ``version``.
+
+        Waits until the buffer holds enough fresh sequences, at most ``timeout`` seconds,
+        then raises ``BatchTimeout``."""
+        if policy not in self.buffers:
+            raise ValueError(f"unknown policy {policy!r}; known: {self.policy_names}")
+        t0 = time.time()
+        n_replay = int(self.cfg.replay_ratio * self.cfg.batch_size)
+        if len(self.replay[policy]) < n_replay:
+            n_replay = 0
+        need = self.cfg.batch_size - n_replay
+        while True:
+            self._expire()
+            self._refill()
+            if self._available(policy, version) >= need and self._lockstep_ok(version):
+                break
+            remaining = t0 + timeout - time.time()
+            if remaining <= 0:
+                raise BatchTimeout(
+                    f"no batch for {policy} v{version} within {timeout:.0f}s: "
+                    f"{self._available(policy, version)}/{need} sequences buffered, "
+                    f"{len(self.pending)} tasks pending, {len(self.leases)} leased"
+                )
+            try:
+                await asyncio.wait_for(self._event().wait(), timeout=min(remaining, 0.5))
+            except asyncio.TimeoutError:
+                pass
+        waited = time.time() - t0
+        self.wait_s[policy] += waited
+
+        buf = self.buffers[policy]
+        views = [P.BufferedGroupView(g.ingest_seq, g.oldest_version) for g in buf]
+        chosen: list[_Item] = []
+        for gi in self.ordering.order(views, version, self.cfg.max_staleness):
+            grp = buf[gi]
+            take = grp.items[: need - len(chosen)]
+            grp.items = grp.items[len(take):]
+            chosen.extend(take)
+            if len(chosen) >= need:
+                break
+        self.buffers[policy] = [g for g in buf if g.items]
+
+        rows = await asyncio.to_thread(self.store.read, [it.summary.ref for it in chosen])
+        items: list[BatchItem] = []
+        for it, row in zip(chosen, rows):
+            seq = sequence_from_stored(row)
+            pidx = json.loads(row.meta)["policies"].index(policy)
+            items.append(
+                BatchItem(
+                    sequence=seq,
+                    loss_mask=seq.loss_mask & (seq.policy_ids == pidx),
+                    group_mean=it.group_mean,
+                    group_std=it.group_std,
+                    group_size=it.group_size,
+                    staleness=version - it.oldest_version,
+                    task_id=it.task_id,
+                )
+            )
+        replays = [replace(x, replayed=True, staleness=version - x.sequence.oldest_version)
+                   for x in self._rng.sample(list(self.replay[policy]), n_replay)] if n_replay else []
+        self.replay[policy].extend(items)
+        self._settle(policy, chosen, None)
+
+        c = self.counts[policy]
+        c["consumed"] += len(items)
+        c["replayed"] += len(replays)
+        hist = Counter(x.staleness for x in items)
+        self.staleness_hist[policy].update(hist)
+        rewards = [x.sequence.reward for x in items]
+        metrics = {
+            "wait_s": waited,
+            "reward_mean": float(np.mean(rewards)),
+            "staleness_mean": float(np.mean([x.staleness for x in items])),
+            "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
+            "replayed": len(replays),
+            "response_tokens_mean": float(np.mean([x.loss_mask.sum() for x in items])),
+        }
+        self.last_batch[policy] = metrics
+        return Batch(policy=policy, version=version, items=tuple(items + replays), metrics=metrics)
+
+    async def published(self, policy: str, version: int, metrics: dict[str, Any] | None = None) -> None:
+        """The trainer of ``policy`` committed ``version``; record its step metrics."""
+        self.versions[policy] = max(self.versions[policy], version)
+        c = self.counts[policy]
+        elapsed = time.time() - self._started
+        record = {
+            "step": version,
+            "policy": policy,
+            "time": elapsed,
+            **(metrics or {}),
+            **{f"data_{k}": v for k, v in self.last_batch[policy].items()},
+            "accepted": c["accepted"],
+            "filtered": c["filtered"],
+            "stale_dropped": c["stale_dropped"],
+            "replayed": c["replayed"],
+            "consumed": c["consumed"],
+            "sequences_generated": self.sequences_generated,
+            "rollouts_per_consumed": self.sequences_generated / max(c["consumed"], 1),
+            "trajectories_per_s": self.sequences_generated / max(elapsed, 1e-9),
+            "tokens_per_s": self.tokens_generated / max(elapsed, 1e-9),
+            "trainer_wait_s": self.wait_s[policy],
+            "node_versions": {n: i.get("versions") for n, i in self.nodes.items() if not i.get("gone")},
+        }
+        self._write_metrics(record)
+        if all(v >= self.max_steps for v in self.versions.values()):
+            self.finished = True
+        every = self.wcfg.eval.every
+        if policy == self.policy_names[0] and every and (version % every == 0 or version >= self.max_steps):
+            self._start_eval(version)
+        self._notify()
+
+    # ------------------------------------------------------------------ evaluation
+    async def start_eval(self, version: int) -> None:
+        """Queue a held-out evaluation of the first policy at ``version`` (idempotent)."""
+        self._start_eval(version)
+
+    def _start_eval(self, version: int) -> None:
+        if version in self.eval_rounds:
+            return
+        k = self.wcfg.eval.k
+        policy = self.policy_names[0]
+        rnd = _EvalRound(version=version, policy=policy, k=k, remaining=len(self._eval) * k)
+        self.eval_rounds[version] = rnd
+        sampling = {"greedy": True} if k == 1 else None
+        for i, payload in enumerate(self._eval):
+            gid = f"eval-v{version}-{i}"
+            for j in range(k):
+                tid = f"{gid}/{j}"
+                self._add_task(
+                    RolloutTask(
+                        task_id=tid, group_id=gid, policies=tuple(self.policy_names),
+                        workflow=self.wcfg.workflow, prompt=payload, kind="eval",
+                        sampling=sampling, min_version=version,
+                    )
+                )
+                self.eval_pending.append(tid)
+
+    def _record_eval(self, task: RolloutTask, ref: TrajectoryRef) -> None:
+        rnd = self.eval_rounds[task.min_version]
+        rnd.rewards.setdefault(task.group_id, []).append(ref.sequences[-1].reward)
+        rnd.remaining -= 1
+        self.ledger.end(task.task_id, "evaluated")
+        self._maybe_finish_eval(task.min_version)
+
+    def _maybe_finish_eval(self, version: int) -> None:
+        rnd = self.eval_rounds[version]
+        if rnd.remaining > 0:
+            return
+        per_prompt = list(rnd.rewards.values())
+        avg = float(np.mean([np.mean(r) for r in per_prompt])) if per_prompt else 0.0
+        pass_k = float(np.mean([max(r) > 0 for r in per_prompt])) if per_prompt else 0.0
+        result = {
+            "step": version,
+            "policy": rnd.policy,
+            "time": time.time() - self._started,
+            "eval_accuracy": avg,
+            f"eval_avg@{rnd.k}": avg,
+            f"eval_pass@{rnd.k}": pass_k,
+            "eval_prompts": len(per_prompt),
+            "eval_seconds": time.time() - rnd.started,
+        }
+        self.eval_results.append(result)
+        self._write_metrics(result)
+
+    # ------------------------------------------------------------------ orchestrator-facing
+    async def finish(self) -> dict[str, Any]:
+        """End the run: every task that has not ended is dropped with reason ``run_ended``.
+        Afterwards every task in the ledger has ended exactly once."""
+        self.finished = True
+        for policy, buf in self.buffers.items():
+            for grp in buf:
+                self._settle(policy, grp.items, "run_ended")
+            buf.clear()
+        for tid, rec in list(self.ledger.tasks.items()):
+            if rec.state in TERMINAL:
+                continue
+            if tid in self.routed_left:  # completed, buffered for a policy that was cleared above
+                continue
+            self.leases.pop(tid, None)
+            self.tasks.pop(tid, None)
+            if rec.state != "completed":
+                self.ledger.events["abandoned_" + rec.state] += 1
+            self.ledger.end(tid, "dropped", "run_ended")
+        self.pending.clear()
+        self.eval_pending.clear()
+        if self._metrics is not None:
+            self._metrics.flush()
+        return self.ledger.summary()
+
+    async def eval_done(self, version: int) -> bool:
+        rnd = self.eval_rounds.get(version)
+        return rnd is not None and rnd.remaining <= 0
+
+    async def state(self) -> dict[str, Any]:
+        """A JSON-able snapshot for ``astraflow status``, the dashboard and tests."""
+        elapsed = time.time() - self._started
+        return {
+            "elapsed_s": elapsed,
+            "finished": self.finished,
+            "versions": dict(self.versions),
+            "pending": len(self.pending),
+            "eval_pending": len(self.eval_pending),
+            "leased": len(self.leases),
+            "outstanding_groups": len(self._outstanding),
+            "buffers": {p: sum(len(g.items) for g in b) for p, b in self.buffers.items()},
+            "counts": {p: dict(c) for p, c in self.counts.items()},
+            "staleness_hist": {p: {str(k): v for k, v in sorted(h.items())} for p, h in self.staleness_hist.items()},
+            "trainer_wait_s": dict(self.wait_s),
+            "sequences_generated": self.sequences_generated,
+            "tokens_generated": self.tokens_generated,
+            "trajectories_per_s": self.sequences_generated / max(elapsed, 1e-9),
+            "tokens_per_s": self.tokens_generated / max(elapsed, 1e-9),
+            "nodes": {n: {k: v for k, v in i.items()} for n, i in self.nodes.items()},
+            "eval": list(self.eval_results),
+            "ledger": self.ledger.summary(),
+            "policies_state": {
+                "curator": self.curator.state_dict(),
+                "group_filter": self.group_filter.state_dict(),
+            },
+        }
+
+    async def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None

@@ -1,0 +1,88 @@
+"""The task ledger: every leased task ends exactly once.
+
+Invariant 1 of the design lives here. A task moves ``pending -> leased -> completed`` (possibly
+``leased -> pending`` again when a lease expires or fails and attempts remain) and ends exactly
+once as one of ``consumed`` (a trainer took its sequences), ``dropped`` (with a reason: stale,
+zero_advantage, group_incomplete, run_ended), ``failed`` (with a reason) or ``evaluated`` (an
+evaluation task whose result was recorded). Ending a task twice is a bug and asserts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+TERMINAL = ("consumed", "dropped", "failed", "evaluated")
+
+
+@dataclass
+class TaskRecord:
+    state: str = "pending"  # pending | leased | completed | one of TERMINAL
+    attempt: int = 0
+    node: str | None = None
+    reason: str | None = None
+
+
+@dataclass
+class Ledger:
+    tasks: dict[str, TaskRecord] = field(default_factory=dict)
+    events: Counter = field(default_factory=Counter)
+    dropped_by_reason: Counter = field(default_factory=Counter)
+    failed_by_reason: Counter = field(default_factory=Counter)
+
+    def add(self, task_id: str) -> None:
+        assert task_id not in self.tasks, f"task {task_id} created twice"
+        self.tasks[task_id] = TaskRecord()
+        self.events["created"] += 1
+
+    def lease(self, task_id: str, node: str) -> None:
+        rec = self.tasks[task_id]
+        assert rec.state == "pending", f"lease of {task_id} in state {rec.state}"
+        rec.state, rec.node = "leased", node
+        self.events["leased"] += 1
+
+    def requeue(self, task_id: str, why: str) -> None:
+        rec = self.tasks[task_id]
+        assert rec.state == "leased", f"requeue of {task_id} in state {rec.state}"
+        rec.state, rec.node = "pending", None
+        rec.attempt += 1
+        self.events["requeued"] += 1
+        self.events[f"requeued_{why}"] += 1
+
+    def complete(self, task_id: str) -> bool:
+        """Record a completion; False for a duplicate or a completion of an ended task."""
+        rec = self.tasks.get(task_id)
+        if rec is None or rec.state not in ("leased", "pending"):
+            self.events["duplicate_completions"] += 1
+            return False
+        rec.state = "completed"
+        self.events["completed"] += 1
+        return True
+
+    def end(self, task_id: str, outcome: str, reason: str | None = None) -> None:
+        assert outcome in TERMINAL, outcome
+        rec = self.tasks[task_id]
+        assert rec.state not in TERMINAL, f"task {task_id} ended twice ({rec.state}, then {outcome})"
+        rec.state, rec.reason = outcome, reason
+        self.events[outcome] += 1
+        if outcome == "dropped":
+            self.dropped_by_reason[reason or "unknown"] += 1
+        elif outcome == "failed":
+            self.failed_by_reason[reason or "unknown"] += 1
+
+    def state_of(self, task_id: str) -> str:
+        return self.tasks[task_id].state
+
+    def open_tasks(self) -> int:
+        return sum(1 for r in self.tasks.values() if r.state not in TERMINAL)
+
+    def summary(self) -> dict:
+        states = Counter(r.state for r in self.tasks.values())
+        return {
+            "tasks": len(self.tasks),
+            "states": dict(states),
+            "events": dict(self.events),
+            "dropped_by_reason": dict(self.dropped_by_reason),
+            "failed_by_reason": dict(self.failed_by_reason),
+            "open": sum(1 for r in self.tasks.values() if r.state not in TERMINAL),
+        }

@@ -1,0 +1,280 @@
+"""A RaaS (rollout-as-a-service) node: lease tasks, run workflows, write trajectories, pull
+weights. It knows nothing about trainers, other nodes or the job scheduler.
+
+The node runs as a Dask actor; ``start()`` launches its loop in a thread with its own asyncio
+event loop, where three coroutines overlap:
+
+* the *lease loop* keeps up to ``capacity`` episodes in flight (``lease`` from the data layer,
+  one asyncio task per episode; the engine batches their generation requests);
+* the *writer* writes finished trajectories to this node's own segment of the trajectory store
+  in batches, and only after the write returned (entries committed) reports them with
+  ``complete``. Invariant: a task is never completed before its trajectory is readable;
+* the *weight watcher* polls the weight store and loads every newer committed version into the
+  engine, also while episodes are in flight (partial rollout: tokens after the swap carry the
+  new version).
+
+A heartbeat renews the node's leases and carries its stats. A node that vanishes loses
+nothing: its leases expire and the data layer requeues them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from astraflow.config import RolloutConfig, SamplingConfig
+from astraflow.contracts import Provenance, RolloutTask, Trajectory, TrajectoryRef
+from astraflow.rollout.engine import SamplingParams
+from astraflow.rollout.engines import make_engine
+from astraflow.rollout.weight_sync import WeightPuller
+from astraflow.runtime.actors import bind, call
+from astraflow.workloads.base import make_workflow, make_workload
+from storage.trajectories import open_trajectory_store
+
+log = logging.getLogger("astraflow.rollout")
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    """Who the node is; stamped into every trajectory's provenance."""
+
+    name: str
+    partition: str | None = None
+    region: str | None = None
+    hardware: str | None = None
+
+
+class RaaSNode:
+    """Dask actor: one rollout service."""
+
+    def __init__(
+        self,
+        *,
+        identity: NodeIdentity,
+        rollout: RolloutConfig,
+        models: dict[str, str],
+        workload_name: str,
+        workload_params: dict[str, Any],
+        workload_seed: int,
+        workflow: str,
+        sampling: SamplingConfig,
+        store_url: str,
+        weights_root: str,
+        data_layer: Any,
+        seed: int = 0,
+    ):
+        self.identity = identity
+        self.cfg = rollout
+        self.models = dict(models)
+        self.dl = data_layer
+        self.store_url = store_url
+        self.weights_root = weights_root
+        self.seed = seed
+        self._workload_args = (workload_name, workload_params, workload_seed)
+        self._workflow_name = workflow
+        self._sampling = SamplingParams(
+            temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens
+        )
+        self.engines: dict[str, Any] = {}
+        self.inflight: dict[str, RolloutTask] = {}
+        self.counters: dict[str, float] = {
+            "episodes": 0, "sequences": 0, "tokens": 0, "failed": 0, "idle_s": 0.0,
+            "write_s": 0.0, "lease_s": 0.0, "weight_loads": 0,
+        }
+        self.error: str | None = None
+        self.draining = False
+        self.stopped = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started_at = time.time()
+
+    # ------------------------------------------------------------------ actor API
+    def start(self) -> dict[str, int]:
+        """Load engines, catch up to the latest committed weights, start the loop. Returns the
+        weight version loaded per policy (the node leases only after this catch-up)."""
+        bind(self.dl)
+        self.store = open_trajectory_store(self.store_url, "a")
+        self.writer = self.store.writer(self.identity.name, batch_size=self.cfg.write_batch)
+        workload = make_workload(*self._workload_args)
+        self.workflow = make_workflow(self._workflow_name, workload, self._sampling, self.identity.name)
+        for policy, path in self.models.items():
+            self.engines[policy] = make_engine(self.cfg.engine, path, seed=self.seed)
+        self.puller = WeightPuller(self.weights_root, self.engines, full_resync_every=self.cfg.full_resync_every)
+        self.puller.poll()
+        self._thread = threading.Thread(target=self._run, name=f"raas-{self.identity.name}", daemon=True)
+        self._thread.start()
+        return self.versions()
+
+    def versions(self) -> dict[str, int]:
+        return {p: int(e.version) for p, e in self.engines.items()}
+
+    def drain(self) -> None:
+        """Stop leasing; in-flight episodes finish and are written."""
+        self.draining = True
+
+    def stop(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Drain, flush everything written, stop the loop (within ``timeout``)."""
+        self.draining = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.stopped = self._thread is None or not self._thread.is_alive()
+        return self.state()
+
+    def state(self) -> dict[str, Any]:
+        stats = {p: e.stats() for p, e in self.engines.items()}
+        elapsed = max(time.time() - self._started_at, 1e-9)
+        return {
+            "node": self.identity.name,
+            "partition": self.identity.partition,
+            "region": self.identity.region,
+            "hardware": self.identity.hardware,
+            "versions": self.versions(),
+            "inflight": len(self.inflight),
+            "draining": self.draining,
+            "stopped": self.stopped,
+            "error": self.error,
+            "counters": dict(self.counters),
+            "tokens_per_s": self.counters["tokens"] / elapsed,
+            "trajectories_per_s": self.counters["episodes"] / elapsed,
+            "engine": stats,
+            "weight_sync": self.puller.history[-5:] if hasattr(self, "puller") else [],
+        }
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._loop.run_until_complete(self._main())
+        except Exception as err:  # the loop's failure is reported through state(), then re-raised
+            self.error = f"{type(err).__name__}: {err}"
+            log.exception("RaaS node %s failed", self.identity.name)
+            raise
+        finally:
+            self._loop.close()
+
+    async def _main(self) -> None:
+        done: asyncio.Queue[Trajectory] = asyncio.Queue()
+        writer = asyncio.create_task(self._writer(done))
+        watcher = asyncio.create_task(self._watch_weights())
+        episodes: set[asyncio.Task] = set()
+        last_beat = 0.0
+        while not self._stop.is_set():
+            now = time.time()
+            if now - last_beat > 1.0:
+                reply = await call(self.dl.heartbeat, self.identity.name, self._beat_stats(), timeout=30)
+                last_beat = now
+                if reply["draining"]:
+                    self.draining = True
+            free = self.cfg.capacity - len(self.inflight)
+            tasks: list[RolloutTask] = []
+            if free > 0 and not self.draining:
+                t0 = time.time()
+                tasks = await call(self.dl.lease, self.identity.name, free, timeout=30)
+                self.counters["lease_s"] += time.time() - t0
+            for task in tasks:
+                self.inflight[task.task_id] = task
+                ep = asyncio.create_task(self._episode(task, done))
+                episodes.add(ep)
+                ep.add_done_callback(episodes.discard)
+            if not tasks:
+                t0 = time.time()
+                await asyncio.sleep(0.05 if self.inflight else 0.1)
+                if not self.inflight:
+                    self.counters["idle_s"] += time.time() - t0
+            else:
+                await asyncio.sleep(0)
+            if self.draining and not self.inflight and done.empty():
+                break
+        # drain: finish in-flight episodes, then flush
+        if episodes:
+            await asyncio.wait(episodes, timeout=60)
+        await done.put(None)  # type: ignore[arg-type]
+        await writer
+        watcher.cancel()
+
+    def _beat_stats(self) -> dict[str, Any]:
+        return {
+            "versions": self.versions(),
+            "inflight": len(self.inflight),
+            "episodes": self.counters["episodes"],
+            "tokens": self.counters["tokens"],
+            "partition": self.identity.partition,
+            "region": self.identity.region,
+            "hardware": self.identity.hardware,
+            "tokens_per_s": self.counters["tokens"] / max(time.time() - self._started_at, 1e-9),
+        }
+
+    async def _episode(self, task: RolloutTask, done: asyncio.Queue) -> None:
+        try:
+            if task.min_version >= 0:
+                await self._wait_for_version(task.min_version, timeout=120)
+            traj = await self.workflow.run_episode(self.engines, task)
+            traj = replace(
+                traj,
+                provenance=replace(
+                    traj.provenance,
+                    node=self.identity.name,
+                    partition=self.identity.partition,
+                    region=self.identity.region,
+                    hardware=self.identity.hardware,
+                ),
+            )
+            await done.put(traj)
+        except (TimeoutError, ValueError, RuntimeError) as err:
+            self.counters["failed"] += 1
+            log.warning("episode %s failed: %s", task.task_id, err)
+            self.inflight.pop(task.task_id, None)
+            await call(self.dl.fail, task.task_id, f"{type(err).__name__}: {err}", timeout=30)
+
+    async def _wait_for_version(self, version: int, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while min(e.version for e in self.engines.values()) < version:
+            if time.time() > deadline:
+                raise TimeoutError(f"weights v{version} not loaded within {timeout:.0f}s")
+            await asyncio.sleep(0.1)
+
+    async def _writer(self, done: asyncio.Queue) -> None:
+        """Write finished trajectories in batches to this node's segment, then complete them."""
+        closing = False
+        while not closing:
+            batch: list[Trajectory] = []
+            deadline = time.time() + self.cfg.flush_seconds
+            while len(batch) < self.cfg.write_batch:
+                try:
+                    item = await asyncio.wait_for(done.get(), timeout=max(deadline - time.time(), 0.001))
+                except asyncio.TimeoutError:
+                    break
+                if item is None:
+                    closing = True
+                    break
+                batch.append(item)
+            if not batch:
+                continue
+            t0 = time.time()
+            rows = [row for traj in batch for row in traj.to_stored()]
+            refs = await asyncio.to_thread(self.writer.write, rows)
+            self.counters["write_s"] += time.time() - t0
+            out, i = [], 0
+            for traj in batch:
+                n = len(traj.sequences)
+                out.append(TrajectoryRef.of(traj, refs[i : i + n]))
+                i += n
+                self.counters["episodes"] += 1
+                self.counters["sequences"] += n
+                self.counters["tokens"] += sum(s.num_generated() for s in traj.sequences)
+            await call(self.dl.complete, out, timeout=60)
+            for traj in batch:
+                self.inflight.pop(traj.task_id, None)
+        await asyncio.to_thread(self.writer.flush)
+
+    async def _watch_weights(self) -> None:
+        while True:
+            loaded = await asyncio.to_thread(self.puller.poll)
+            self.counters["weight_loads"] += loaded
+            await asyncio.sleep(self.cfg.weight_poll_seconds)

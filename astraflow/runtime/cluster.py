@@ -1,0 +1,79 @@
+"""The Dask scheduler of a run: started as a subprocess that writes its address to the run's
+scheduler file, so the orchestrator, the CLI, and workers started by Slurm jobs all find it
+the same way (and an sbatch head job can start it exactly like a laptop does)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from storage.paths import RunPaths
+
+
+class SchedulerProcess:
+    def __init__(self, paths: RunPaths, dashboard_host: str = "127.0.0.1", dashboard_port: int = 8787,
+                 host: str = "127.0.0.1"):
+        self.paths = paths
+        self.dashboard = f"{dashboard_host}:{dashboard_port}"
+        self.host = host
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60.0) -> str:
+        """Start the scheduler; returns its address once it wrote the scheduler file."""
+        self.paths.scheduler_file.unlink(missing_ok=True)
+        log = open(self.paths.log("scheduler"), "ab")
+        cmd = [
+            sys.executable, "-m", "distributed.cli.dask_scheduler",
+            "--host", self.host, "--port", "0",
+            "--dashboard-address", self.dashboard,
+            "--scheduler-file", str(self.paths.scheduler_file),
+            "--preload", "astraflow.runtime.dashboard",
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=worker_env()
+        )
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"the Dask scheduler exited with code {self.proc.returncode}; see {self.paths.log('scheduler')}"
+                )
+            if self.paths.scheduler_file.exists():
+                try:
+                    return json.loads(self.paths.scheduler_file.read_text())["address"]
+                except (json.JSONDecodeError, KeyError):
+                    pass  # the file is being written; read it again
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"the Dask scheduler did not start within {timeout:.0f}s; see {self.paths.log('scheduler')}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout)
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of processes we start: AstraFlow importable (actor classes must be
+    importable on every worker), one BLAS thread unless told otherwise."""
+    env = dict(os.environ)
+    root = str(repo_root())
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.update(extra or {})
+    return env

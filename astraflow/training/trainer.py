@@ -1,0 +1,154 @@
+"""The trainer of one policy: a streaming consumer of batches and a publisher of versions.
+
+It knows nothing about RaaS nodes, partitions or other policies' trainers. Its loop, in a
+thread started by ``start()``::
+
+    publish v0 (the initial weights, so every node starts from the same committed version)
+    repeat max_steps times:
+        batch = data_layer.next_batch(policy, version)      # waits, with a deadline
+        backend.train_step(batch)                           # GRPO
+        backend.publish(weight_store, policy, version + 1)  # shards + manifest + marker
+        data_layer.published(policy, version + 1, metrics)
+
+Asynchronous overlap "training vs rollout": while this loop trains on batch k, RaaS nodes
+keep generating with version <= k; the data layer bounds how stale consumed data may be.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from astraflow.config import TrainerConfig
+from astraflow.runtime.actors import bind, call_sync
+from storage.weights import WeightStore
+
+log = logging.getLogger("astraflow.training")
+
+
+def make_backend(cfg: TrainerConfig, model_path: str, seed: int):
+    if cfg.backend == "torch":
+        from astraflow.training.torch_backend import TorchBackend
+
+        return TorchBackend.from_config(cfg, model_path, seed=seed)
+    if cfg.backend == "megatron":
+        from astraflow.training.megatron.backend import MegatronBackend
+
+        return MegatronBackend.from_config(cfg, model_path, seed=seed)
+    raise ValueError(f"unknown trainer backend {cfg.backend!r}; known: torch, megatron")
+
+
+class Trainer:
+    """Dask actor: trains one policy."""
+
+    def __init__(
+        self,
+        *,
+        policy: str,
+        cfg: TrainerConfig,
+        model_path: str,
+        weights_root: str,
+        keep_versions: int,
+        data_layer: Any,
+        max_steps: int,
+        seed: int = 0,
+    ):
+        self.policy = policy
+        self.cfg = cfg
+        self.model_path = model_path
+        self.weights_root = weights_root
+        self.keep_versions = keep_versions
+        self.dl = data_layer
+        self.max_steps = max_steps
+        self.seed = seed
+        self.version = 0
+        self.done = False
+        self.error: str | None = None
+        self.wait_s = 0.0
+        self.train_s = 0.0
+        self.publish_s = 0.0
+        self.last_metrics: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._paused = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started_at = time.time()
+
+    def start(self) -> int:
+        """Build the backend, publish the initial version, start the loop. Returns the
+        version the loop starts from (a resumed run continues after its latest version)."""
+        bind(self.dl)
+        self.store = WeightStore(self.weights_root, keep_last=self.keep_versions)
+        self.backend = make_backend(self.cfg, self.model_path, self.seed)
+        latest = self.store.latest(self.policy)
+        if latest is None:
+            self.backend.publish(self.store, self.policy, 0)
+        else:
+            self.version = latest.version
+        self._thread = threading.Thread(target=self._run, name=f"trainer-{self.policy}", daemon=True)
+        self._thread.start()
+        return self.version
+
+    def pause(self, paused: bool = True) -> None:
+        """Stall the loop (tests use it to show that other policies keep training)."""
+        if paused:
+            self._paused.set()
+        else:
+            self._paused.clear()
+
+    def stop(self, timeout: float = 60.0) -> dict[str, Any]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.state()
+
+    def state(self) -> dict[str, Any]:
+        elapsed = max(time.time() - self._started_at, 1e-9)
+        return {
+            "policy": self.policy,
+            "version": self.version,
+            "done": self.done,
+            "error": self.error,
+            "wait_s": self.wait_s,
+            "train_s": self.train_s,
+            "publish_s": self.publish_s,
+            "wait_fraction": self.wait_s / elapsed,
+            "last_metrics": dict(self.last_metrics),
+        }
+
+    def _run(self) -> None:
+        try:
+            while self.version < self.max_steps and not self._stop.is_set():
+                if self._paused.is_set():
+                    time.sleep(0.1)
+                    continue
+                t0 = time.time()
+                batch = call_sync(
+                    self.dl.next_batch, self.policy, self.version, self.cfg.batch_timeout_s,
+                    timeout=self.cfg.batch_timeout_s + 30,
+                )
+                t1 = time.time()
+                metrics = self.backend.train_step(batch)
+                t2 = time.time()
+                self.backend.publish(self.store, self.policy, self.version + 1)
+                t3 = time.time()
+                self.version += 1
+                self.wait_s += t1 - t0
+                self.train_s += t2 - t1
+                self.publish_s += t3 - t2
+                self.last_metrics = {
+                    **metrics,
+                    "wait_s": t1 - t0,
+                    "train_s": t2 - t1,
+                    "publish_s": t3 - t2,
+                    "trainer_wait_fraction": self.wait_s / max(time.time() - self._started_at, 1e-9),
+                }
+                call_sync(self.dl.published, self.policy, self.version, self.last_metrics, timeout=60)
+            self.done = self.version >= self.max_steps
+        except Exception as err:  # reported through state(); the orchestrator fails the run
+            self.error = f"{type(err).__name__}: {err}"
+            log.exception("trainer %s failed", self.policy)
+        finally:
+            if hasattr(self, "backend"):
+                self.backend.close()
