@@ -1,0 +1,120 @@
+"""The one command line that starts an AstraFlow Dask worker, for every backend.
+
+Both `LocalScheduler` (a subprocess) and `SlurmScheduler` (the last line of the job script) run
+exactly `worker_command(...)`, so a worker behaves the same wherever it starts.
+
+No nanny (``--no-nanny``): the process the backend started *is* the worker. Killing it (SIGTERM
+from `cancel`/`scancel`, or a crash) kills the worker and the actors it holds, and nothing
+restarts it under the same name. A nanny would restart a dead worker with the same name but
+without its actors, so the orchestrator would see a live worker that hosts nothing; actor
+recovery is the orchestrator's job (re-place, reload state), which needs the loss to be visible.
+
+No worker dashboard (``--no-dashboard``): the scheduler's dashboard is the one users open, and a
+per-worker HTTP server costs start-up time and a port per worker.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from schedulers.partition import Partition, parse_worker_name
+
+WORKER_MODULE = "distributed.cli.dask_worker"
+
+
+def _format_amount(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def worker_command(
+    scheduler_address: str,
+    name: str,
+    resources: Mapping[str, float],
+    *,
+    nthreads: int = 1,
+    memory_limit: str = "auto",
+    python: str = sys.executable,
+    host: str | None = None,
+    interface: str | None = None,
+    death_timeout: float = 60,
+    local_directory: str | Path | None = None,
+) -> list[str]:
+    """argv of a Dask worker named `name` joining `scheduler_address`.
+
+    `scheduler_address` is ``tcp://host:port`` (passed as is) or the path of a scheduler file
+    written by ``dask scheduler --scheduler-file`` / ``astraflow run`` (``--scheduler-file``; the
+    worker reads the address when it starts, so a queued job survives a scheduler restart).
+    `host` (e.g. ``127.0.0.1``) or `interface` (e.g. ``lo``, ``ib0``) chooses the address the
+    worker listens on; give at most one. `death_timeout`: seconds a worker waits for an
+    unreachable scheduler before it exits.
+    """
+    if host is not None and interface is not None:
+        raise ValueError("give either host (an IP address) or interface (e.g. 'ib0') for the worker, not both")
+    if nthreads < 1:
+        raise ValueError(f"nthreads is {nthreads}: use 1 or more")
+    cmd = [python, "-m", WORKER_MODULE]
+    if "://" in scheduler_address:
+        cmd.append(scheduler_address)
+    elif scheduler_address.endswith(".json"):
+        cmd += ["--scheduler-file", str(scheduler_address)]
+    else:
+        raise ValueError(
+            f"scheduler address {scheduler_address!r}: give 'tcp://host:port' or the path of a scheduler file ending in .json"
+        )
+    cmd += ["--name", name, "--nthreads", str(nthreads), "--memory-limit", memory_limit]
+    if resources:
+        cmd += ["--resources", " ".join(f"{k}={_format_amount(v)}" for k, v in sorted(resources.items()))]
+    cmd += ["--no-nanny", "--no-dashboard", "--death-timeout", _format_amount(death_timeout)]
+    if host is not None:
+        cmd += ["--host", host]
+    if interface is not None:
+        cmd += ["--interface", interface]
+    if local_directory is not None:
+        cmd += ["--local-directory", str(local_directory)]
+    return cmd
+
+
+def partition_worker_command(
+    partition: Partition,
+    scheduler_address: str,
+    name: str,
+    *,
+    python: str = sys.executable,
+    host: str | None = None,
+    interface: str | None = None,
+    death_timeout: float = 60,
+    local_directory: str | Path | None = None,
+) -> list[str]:
+    """`worker_command` with threads, memory limit and resources taken from `partition`."""
+    return worker_command(
+        scheduler_address,
+        name,
+        partition.worker_resources,
+        nthreads=partition.worker_threads,
+        memory_limit=partition.worker_memory_limit,
+        python=python,
+        host=host,
+        interface=interface,
+        death_timeout=death_timeout,
+        local_directory=local_directory,
+    )
+
+
+def worker_env(partition: Partition, name: str) -> dict[str, str]:
+    """Variables every worker process gets: the partition's `env` plus who it is.
+
+    ``ASTRAFLOW_WORKER_NAME``, ``ASTRAFLOW_PARTITION``, ``ASTRAFLOW_ROLE``, ``ASTRAFLOW_REGION``,
+    ``ASTRAFLOW_HARDWARE`` let code on the worker know its role without asking the scheduler.
+    """
+    fields = parse_worker_name(name)
+    env = dict(partition.env)
+    env.update(
+        ASTRAFLOW_WORKER_NAME=name,
+        ASTRAFLOW_PARTITION=partition.name,
+        ASTRAFLOW_ROLE=str(fields["role"]),
+        ASTRAFLOW_REGION=partition.region,
+        ASTRAFLOW_HARDWARE=partition.hardware,
+    )
+    return env

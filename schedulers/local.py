@@ -1,0 +1,151 @@
+"""Workers as local subprocesses: the embedded default (a laptop, CI, no Slurm).
+
+Each worker is `worker_command(...)` started with `subprocess.Popen` in its own process group
+(so `cancel` also stops anything the worker spawned), its stdout/stderr going to
+``<log_dir>/<worker name>.log``. The job id is ``local-<pid>``. Only processes this object
+started are ever signalled, and only by their own PID/process group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from schedulers.base import JobRef, JobStatus, UnknownJobError
+from schedulers.command import partition_worker_command, worker_env
+from schedulers.partition import Partition, worker_name
+
+
+@dataclass
+class _Proc:
+    popen: subprocess.Popen
+    partition: str
+    name: str
+    log: Path
+    cancelled: bool = False
+
+
+class LocalScheduler:
+    """`Scheduler` backend that runs each worker as a subprocess of this process.
+
+    `log_dir`: where ``<worker>.log`` files go. `host`: address workers listen on (loopback by
+    default: local traffic stays on this machine). `term_timeout`: seconds `cancel` waits after
+    SIGTERM before it sends SIGKILL.
+    """
+
+    kind = "local"
+    supports_gres = False
+
+    def __init__(
+        self,
+        log_dir: str | Path,
+        *,
+        python: str = sys.executable,
+        host: str = "127.0.0.1",
+        death_timeout: float = 60,
+        term_timeout: float = 10.0,
+    ):
+        self.log_dir = Path(log_dir)
+        self.python = python
+        self.host = host
+        self.death_timeout = death_timeout
+        self.term_timeout = term_timeout
+        self._procs: dict[str, _Proc] = {}
+
+    def submit(self, partition: Partition, scheduler_address: str, count: int, start_index: int = 0) -> list[JobRef]:
+        if partition.scheduler != "local":
+            raise ValueError(
+                f"partition {partition.name!r} has scheduler {partition.scheduler!r}: submit it to that backend "
+                "or set scheduler: local"
+            )
+        if count < 0:
+            raise ValueError(f"count is {count}: use 0 or more")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        refs = []
+        for index in range(start_index, start_index + count):
+            name = worker_name(partition, index)
+            cmd = partition_worker_command(
+                partition,
+                scheduler_address,
+                name,
+                python=self.python,
+                host=self.host,
+                death_timeout=self.death_timeout,
+            )
+            log = self.log_dir / f"{name}.log"
+            with open(log, "ab") as out:
+                popen = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, **worker_env(partition, name)},
+                    start_new_session=True,  # own process group: cancel reaches the worker's children too
+                )
+            job_id = f"local-{popen.pid}"
+            self._procs[job_id] = _Proc(popen, partition.name, name, log)
+            refs.append(JobRef(job_id, partition.name, name, self.kind, log))
+        return refs
+
+    def cancel(self, job_ids: Iterable[str]) -> None:
+        ids = list(job_ids)
+        unknown = [j for j in ids if j not in self._procs]
+        procs = [self._procs[j] for j in ids if j in self._procs]
+        for p in procs:
+            if p.popen.poll() is None:
+                p.cancelled = True
+                self._signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + self.term_timeout
+        for p in procs:
+            if not p.cancelled:
+                continue
+            try:
+                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._signal(p, signal.SIGKILL)
+                p.popen.wait(timeout=self.term_timeout)
+        if unknown:
+            raise UnknownJobError(unknown, self.kind)
+
+    def jobs(self) -> list[JobStatus]:
+        out = []
+        for job_id, p in self._procs.items():
+            rc = p.popen.poll()
+            if rc is None:
+                state, reason = "RUNNING", None
+            elif p.cancelled:
+                state, reason = "CANCELLED", f"cancelled (exit code {rc})"
+            elif rc == 0:
+                state, reason = "COMPLETED", "exit code 0"
+            else:
+                state = "FAILED"
+                reason = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+                reason += f"; see {p.log}"
+            out.append(JobStatus(job_id, p.partition, p.name, state, reason, None, "localhost" if rc is None else None))
+        return out
+
+    def close(self) -> None:
+        """Cancel every worker still running (call at shutdown; also on context exit)."""
+        self.cancel([j for j, p in self._procs.items() if p.popen.poll() is None])
+
+    def __enter__(self) -> "LocalScheduler":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _signal(p: _Proc, sig: signal.Signals) -> None:
+        # The group id is the worker's own pid (start_new_session); signal only while it is unreaped,
+        # so the id cannot belong to another process.
+        if p.popen.poll() is None:
+            try:
+                os.killpg(p.popen.pid, sig)
+            except ProcessLookupError:  # the leader exited between poll() and killpg(): nothing left to stop
+                pass

@@ -1,0 +1,325 @@
+"""What a pool of workers is: the `Partition` record and the worker names derived from it.
+
+The orchestrator keeps a *desired* set of partitions (from the config and from `astraflow
+partitions add/remove`) and asks a `Scheduler` to start or stop workers for them. It then places
+actors on workers **by name**, so the name must say everything placement needs: role, partition,
+region, hardware and index. `worker_name` builds that name and `parse_worker_name` reads it back;
+they are the only two functions that know the format.
+
+A Partition is validated once, when it is built, with messages that say what to change.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SchedulerKind = Literal["local", "slurm"]
+Role = Literal["rollout", "trainer", "data"]
+ROLES: tuple[str, ...] = ("rollout", "trainer", "data")
+
+# '-' separates the fields of a worker name, so name/region/hardware may not contain it.
+_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]{0,39}$")
+_SLURM_PARTITION = re.compile(r"^[A-Za-z0-9_.-]+$")
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MEM = re.compile(r"^(\d+)([KMGT]?)$")
+_GRES_ITEM = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?::([A-Za-z0-9_.-]+?))?(?::(\d+))?$")
+_WALLTIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+_SBATCH_OPT = re.compile(r"^--[a-z][a-z0-9-]*(=\S.*)?$")
+
+# Options the worker template renders from Partition fields: setting them again is an error.
+MANAGED_SBATCH_OPTIONS: dict[str, str] = {
+    "--job-name": "the worker name (derived)",
+    "--partition": "slurm_partition",
+    "--nodes": "one node per worker (derived)",
+    "--ntasks": "one task per worker (derived)",
+    "--cpus-per-task": "cpus_per_node",
+    "--gres": "gres / gpus_per_node",
+    "--gpus": "gres / gpus_per_node",
+    "--mem": "mem",
+    "--time": "walltime",
+    "--output": "the job directory (derived)",
+    "--error": "the job directory (derived)",
+    "--comment": "the scheduler tag (derived)",
+    "--parsable": "always passed by the scheduler",
+}
+
+
+def walltime_seconds(walltime: str) -> int | None:
+    """Seconds in a Slurm time limit; None for ``INFINITE``/``UNLIMITED``.
+
+    Accepts Slurm's forms: ``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``.
+    Raises ValueError for anything else.
+    """
+    if walltime.upper() in ("INFINITE", "UNLIMITED"):
+        return None
+    m = _WALLTIME.match(walltime)
+    if not m:
+        raise ValueError(
+            f"walltime {walltime!r} is not a Slurm time limit: use 'HH:MM:SS' (e.g. '01:00:00'), "
+            "'MM', 'MM:SS', 'D-HH', 'D-HH:MM' or 'D-HH:MM:SS'"
+        )
+    days, a, b, c = m.groups()
+    if days is not None:  # D-H[:M[:S]]
+        h, mi, s = int(a), int(b or 0), int(c or 0)
+        parts = [(mi, "minutes"), (s, "seconds")]
+        if h >= 24:
+            raise ValueError(f"walltime {walltime!r}: hours must be < 24 after the day count")
+        total = int(days) * 86400 + h * 3600 + mi * 60 + s
+    elif c is not None:  # H:M:S
+        h, mi, s = int(a), int(b), int(c)
+        parts = [(mi, "minutes"), (s, "seconds")]
+        total = h * 3600 + mi * 60 + s
+    elif b is not None:  # M:S
+        mi, s = int(a), int(b)
+        parts = [(s, "seconds")]
+        total = mi * 60 + s
+    else:  # M
+        parts = []
+        total = int(a) * 60
+    for value, what in parts:
+        if value >= 60:
+            raise ValueError(f"walltime {walltime!r}: {what} must be < 60")
+    if total <= 0:
+        raise ValueError(f"walltime {walltime!r} is zero: give a positive time limit such as '01:00:00'")
+    return total
+
+
+def mem_to_dask(mem: str) -> str:
+    """Slurm memory (``4G``, ``4096M``, ``4096`` = MiB) as a Dask ``--memory-limit`` string."""
+    m = _MEM.match(mem)
+    assert m, f"unvalidated mem {mem!r}"
+    number, unit = m.groups()
+    return f"{number}{(unit or 'M')}iB"
+
+
+class Partition(BaseModel):
+    """A named pool of identical workers, started by one scheduler backend.
+
+    Written by the config loader and by `astraflow partitions add`; read by the orchestrator
+    (desired state), by the schedulers (what to start) and by placement (through worker names).
+    One worker = one process = one Slurm job on one node (or one local subprocess).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    name: str
+    """Pool name, unique in a run; part of every worker name. Letters, digits, '_' and '.'
+    (no '-': it separates the fields of a worker name)."""
+
+    scheduler: SchedulerKind = "local"
+    """Backend that starts the workers: ``local`` (subprocesses on this machine) or ``slurm``."""
+
+    slurm_partition: str | None = None
+    """Slurm partition the jobs go to (``--partition``). Must be None for ``local``; None for
+    ``slurm`` means the cluster's default partition."""
+
+    nodes: int = 1
+    """How many workers (= Slurm jobs, one node each) the pool should have. 0 = an empty pool."""
+
+    cpus_per_node: int = 1
+    """CPUs per worker (``--cpus-per-task``); also the worker's thread count unless `nthreads` is set."""
+
+    gpus_per_node: int = 0
+    """GPUs per worker. Added to the worker resources as ``GPU``; for Slurm, rendered as
+    ``--gres=gpu:N`` when `gres` is not given."""
+
+    gres: str | None = None
+    """Slurm generic resources per node, e.g. ``gpu:h100:4`` (comma-separated list allowed).
+    Slurm only. Its gpu count must equal `gpus_per_node` when both are set."""
+
+    mem: str | None = None
+    """Memory per node in Slurm syntax (``4G``, ``4096M``; a bare number is MiB); also the Dask
+    worker's memory limit. None = Slurm's default and Dask's ``auto``."""
+
+    walltime: str = "01:00:00"
+    """Slurm time limit (``--time``), e.g. ``01:00:00`` or ``2-00:00:00``. Ignored by ``local``."""
+
+    region: str = "local"
+    """Where the pool runs (site or cloud region label), part of the worker name; used for
+    cross-region routing. Letters, digits, '_' and '.'."""
+
+    hardware: str = "cpu"
+    """Hardware label (``H100``, ``A100``, ``cpu``), part of the worker name. Letters, digits, '_' and '.'."""
+
+    role: Role = "rollout"
+    """What the workers host: ``rollout`` (RaaS nodes), ``trainer`` or ``data`` (data layer)."""
+
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Dask worker resources (``--resources``). Empty = ``{role: 1}``; see `worker_resources`."""
+
+    nthreads: int | None = None
+    """Dask worker threads. None = `cpus_per_node`."""
+
+    sbatch_options: tuple[str, ...] = ()
+    """Extra ``#SBATCH`` lines as ``--opt=value`` (e.g. ``--account=proj``, ``--qos=high``).
+    Slurm only; may not repeat an option rendered from a field (``--time``: use `walltime`)."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables set for the worker process (both backends)."""
+
+    # ------------------------------------------------------------------ field checks
+    @field_validator("name", "region", "hardware")
+    @classmethod
+    def _label(cls, v: str, info) -> str:
+        if not _LABEL.match(v):
+            raise ValueError(
+                f"{info.field_name} {v!r} is not usable in worker names: use 1-40 letters, digits, "
+                "'_' or '.', starting with a letter or digit (no '-': it separates name fields)"
+            )
+        return v
+
+    @field_validator("slurm_partition")
+    @classmethod
+    def _slurm_partition(cls, v: str | None) -> str | None:
+        if v is not None and not _SLURM_PARTITION.match(v):
+            raise ValueError(f"slurm_partition {v!r}: use the name `sinfo` shows (letters, digits, '_', '.', '-')")
+        return v
+
+    @field_validator("nodes", "gpus_per_node")
+    @classmethod
+    def _non_negative(cls, v: int, info) -> int:
+        if v < 0:
+            raise ValueError(f"{info.field_name} is {v}: use 0 or more")
+        return v
+
+    @field_validator("cpus_per_node")
+    @classmethod
+    def _positive_cpus(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"cpus_per_node is {v}: use 1 or more")
+        return v
+
+    @field_validator("nthreads")
+    @classmethod
+    def _positive_threads(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"nthreads is {v}: use 1 or more, or leave it unset to use cpus_per_node")
+        return v
+
+    @field_validator("walltime")
+    @classmethod
+    def _walltime(cls, v: str) -> str:
+        walltime_seconds(v)
+        return v
+
+    @field_validator("mem")
+    @classmethod
+    def _mem(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        m = _MEM.match(v)
+        if not m or int(m.group(1)) == 0:
+            raise ValueError(f"mem {v!r}: use a positive number with an optional K/M/G/T suffix, e.g. '4G' or '4096M'")
+        return v
+
+    @field_validator("gres")
+    @classmethod
+    def _gres(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        for item in v.split(","):
+            if not _GRES_ITEM.match(item):
+                raise ValueError(f"gres {v!r}: use Slurm's 'name[:type][:count]' list, e.g. 'gpu:h100:4' or 'gpu:2'")
+        return v
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, v: dict[str, float]) -> dict[str, float]:
+        for key, amount in v.items():
+            if not _IDENT.match(key):
+                raise ValueError(f"resource name {key!r}: use letters, digits and '_' (e.g. 'rollout', 'GPU')")
+            if not math.isfinite(amount) or amount < 0:
+                raise ValueError(f"resource {key}={amount}: use a finite amount >= 0")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not _IDENT.match(key):
+                raise ValueError(f"env variable name {key!r}: use letters, digits and '_', not starting with a digit")
+        return v
+
+    @field_validator("sbatch_options")
+    @classmethod
+    def _sbatch_options(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for opt in v:
+            if not _SBATCH_OPT.match(opt) or "\n" in opt:
+                raise ValueError(f"sbatch option {opt!r}: write it as '--option=value' (or '--flag') on one line")
+            key = opt.split("=", 1)[0]
+            if key in MANAGED_SBATCH_OPTIONS:
+                raise ValueError(
+                    f"sbatch option {opt!r} is rendered from the partition: set {MANAGED_SBATCH_OPTIONS[key]} instead"
+                )
+        return v
+
+    # ------------------------------------------------------------------ cross-field checks
+    @model_validator(mode="after")
+    def _consistent(self) -> "Partition":
+        if self.scheduler == "local":
+            slurm_only = {
+                "slurm_partition": self.slurm_partition is not None,
+                "gres": self.gres is not None,
+                "sbatch_options": bool(self.sbatch_options),
+            }
+            for field, is_set in slurm_only.items():
+                if is_set:
+                    raise ValueError(
+                        f"partition {self.name!r}: {field} is a Slurm setting but scheduler is 'local': "
+                        f"remove {field} or set scheduler: slurm"
+                    )
+        if self.gres is not None and self.gpus_per_node:
+            counts = [m.group(3) for m in map(_GRES_ITEM.match, self.gres.split(",")) if m and m.group(1) == "gpu"]
+            if counts and int(counts[0] or 1) != self.gpus_per_node:
+                raise ValueError(
+                    f"partition {self.name!r}: gres {self.gres!r} asks for {counts[0] or 1} GPU(s) but "
+                    f"gpus_per_node is {self.gpus_per_node}: make them equal or drop one"
+                )
+        return self
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def worker_resources(self) -> dict[str, float]:
+        """Resources every worker advertises: `resources` (or ``{role: 1}``) plus ``GPU``."""
+        res = dict(self.resources) if self.resources else {self.role: 1.0}
+        if self.gpus_per_node and "GPU" not in res:
+            res["GPU"] = float(self.gpus_per_node)
+        return res
+
+    @property
+    def worker_threads(self) -> int:
+        """Threads per Dask worker."""
+        return self.nthreads if self.nthreads is not None else self.cpus_per_node
+
+    @property
+    def worker_memory_limit(self) -> str:
+        """The Dask ``--memory-limit`` derived from `mem` (``auto`` when unset)."""
+        return mem_to_dask(self.mem) if self.mem is not None else "auto"
+
+
+def worker_name(partition: Partition, index: int) -> str:
+    """The name of worker number `index` of `partition`: ``role-partition-region-hardware-index``.
+
+    Example: ``rollout-h100-eu-H100-0``. Placement pins actors to workers by this name.
+    """
+    if index < 0:
+        raise ValueError(f"worker index {index}: use 0 or more")
+    return f"{partition.role}-{partition.name}-{partition.region}-{partition.hardware}-{index}"
+
+
+def parse_worker_name(name: str) -> dict[str, str | int]:
+    """Inverse of `worker_name`: ``{"role", "partition", "region", "hardware", "index"}``.
+
+    Raises ValueError for a name that `worker_name` cannot have produced.
+    """
+    fields = name.split("-")
+    if len(fields) != 5:
+        raise ValueError(f"worker name {name!r} is not 'role-partition-region-hardware-index'")
+    role, part, region, hardware, index = fields
+    if role not in ROLES or not index.isdigit() or not all(_LABEL.match(x) for x in (part, region, hardware)):
+        raise ValueError(f"worker name {name!r} is not 'role-partition-region-hardware-index' (role one of {ROLES})")
+    return {"role": role, "partition": part, "region": region, "hardware": hardware, "index": int(index)}

@@ -1,0 +1,74 @@
+"""LocalScheduler against a real Dask scheduler: real worker subprocesses join by name and leave."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from schedulers import LocalScheduler, Partition, UnknownJobError, make_scheduler, parse_worker_name
+from tests.schedulers.conftest import wait_for_workers
+
+
+def _part(**kw) -> Partition:
+    return Partition(**{"name": "cpu", "region": "home", "hardware": "cpu", "role": "rollout", "nodes": 2, **kw})
+
+
+@pytest.mark.timeout(90)
+def test_submit_join_by_name_cancel(dask_scheduler, tmp_path):
+    address, _, client = dask_scheduler
+    sched = LocalScheduler(tmp_path / "logs", death_timeout=20)
+    part = _part(resources={"rollout": 1, "slots": 2})
+    refs = sched.submit(part, address, count=2, start_index=3)
+    assert [r.worker_name for r in refs] == ["rollout-cpu-home-cpu-3", "rollout-cpu-home-cpu-4"]
+    assert all(r.job_id.startswith("local-") and r.kind == "local" and r.partition == "cpu" for r in refs)
+    names = {r.worker_name for r in refs}
+    try:
+        connected = wait_for_workers(client, names, present=True, deadline_s=40)
+        assert names <= connected, f"workers did not join; logs: {[r.log.read_text()[-500:] for r in refs]}"
+        info = client.scheduler_info()["workers"].values()
+        resources = {w["name"]: w["resources"] for w in info}
+        assert resources["rollout-cpu-home-cpu-3"] == {"rollout": 1, "slots": 2}
+        # the worker environment says who it is
+        env = client.run(lambda: os.environ["ASTRAFLOW_WORKER_NAME"])
+        assert set(env.values()) == names
+        assert {j.state for j in sched.jobs()} == {"RUNNING"}
+
+        sched.cancel([refs[0].job_id])
+        left = wait_for_workers(client, {refs[0].worker_name}, present=False, deadline_s=20)
+        assert refs[0].worker_name not in left and refs[1].worker_name in left
+        states = {j.worker_name: j.state for j in sched.jobs()}
+        assert states == {refs[0].worker_name: "CANCELLED", refs[1].worker_name: "RUNNING"}
+        sched.cancel([refs[0].job_id])  # idempotent
+    finally:
+        sched.close()
+    assert wait_for_workers(client, names, present=False, deadline_s=20).isdisjoint(names)
+    assert {j.state for j in sched.jobs()} == {"CANCELLED"}
+
+
+@pytest.mark.timeout(60)
+def test_worker_that_dies_is_failed(dask_scheduler, tmp_path):
+    address, _, client = dask_scheduler
+    with make_scheduler("local", log_dir=tmp_path, death_timeout=20) as sched:
+        (ref,) = sched.submit(_part(), address, count=1)
+        assert ref.worker_name in wait_for_workers(client, {ref.worker_name}, present=True, deadline_s=40)
+        os.kill(int(ref.job_id.removeprefix("local-")), signal.SIGKILL)  # a crash, not a cancel
+        deadline = time.monotonic() + 20
+        while sched.jobs()[0].state == "RUNNING" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (status,) = sched.jobs()
+        assert status.state == "FAILED" and "signal 9" in status.reason and not status.active
+        assert parse_worker_name(status.worker_name)["index"] == 0
+
+
+def test_unknown_job_and_bad_input(tmp_path):
+    sched = LocalScheduler(tmp_path)
+    with pytest.raises(UnknownJobError, match="local-1"):
+        sched.cancel(["local-1"])
+    with pytest.raises(ValueError, match="scheduler: local"):
+        sched.submit(Partition(name="g", scheduler="slurm", slurm_partition="gpu"), "tcp://127.0.0.1:1", 1)
+    with pytest.raises(ValueError, match="scheduler file"):
+        sched.submit(_part(), "127.0.0.1:8786", 1)
+    assert sched.jobs() == []
