@@ -7,7 +7,8 @@ from strings. A run directory on shared storage looks like::
       config.yaml                 the resolved configuration (written once at start)
       metrics.jsonl               one JSON object per line: the durable record of the run
       scheduler.json              Dask scheduler address file (rendezvous for workers, CLI)
-      control/                    desired partitions and other orchestrator state
+      summary.json                final state of the run (steps, evaluations, ledger)
+      control/                    partitions.json (desired), status.json, orchestrator.json
       logs/                       one log file per process
       trajectories/               the Zarr trajectory store (unless the config points elsewhere)
         segments/<segment>/       one append-only segment per writer
@@ -54,6 +55,25 @@ class RunPaths:
     @property
     def control(self) -> Path:
         return self.root / "control"
+
+    @property
+    def desired_partitions(self) -> Path:
+        """The partitions the run should have (config + ``astraflow partitions add/remove``)."""
+        return self.control / "partitions.json"
+
+    @property
+    def status_file(self) -> Path:
+        """Snapshot of the run written by the orchestrator every tick (read by ``status``)."""
+        return self.control / "status.json"
+
+    @property
+    def orchestrator_file(self) -> Path:
+        """Who runs the orchestrator: pid, host, start time, dashboard address."""
+        return self.control / "orchestrator.json"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
 
     @property
     def logs(self) -> Path:

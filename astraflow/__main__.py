@@ -1,0 +1,3 @@
+from astraflow.cli import main
+
+main()

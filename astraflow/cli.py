@@ -1,0 +1,124 @@
+"""The ``astraflow`` command line. Each command parses, validates, lazily imports and calls
+one function; nothing here knows how a run works."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+
+class UserError(click.ClickException):
+    """Bad input: exit code 2 and one message that names the fix, no traceback."""
+
+    exit_code = 2
+
+
+def _load(config: str, overrides: tuple[str, ...]):
+    from astraflow.config import ConfigError, load_config
+
+    try:
+        return load_config(config, list(overrides))
+    except ConfigError as err:
+        raise UserError(str(err)) from None
+
+
+def _default_run_dir(name: str) -> Path:
+    import time
+
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """AstraFlow: dataflow-oriented RL for agentic LLMs.
+
+    RaaS nodes, the data layer and one trainer per policy run as Dask actors, locally
+    (the embedded default) or as Slurm jobs across partitions. Start with
+    `astraflow run examples/math/config.yaml`.
+    """
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--run-dir", type=click.Path(file_okay=False), help="Run directory (default: runs/<name>-<time>).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config value, e.g. --set run.max_steps=20 (repeatable).")
+@click.option("--quiet", is_flag=True, help="No progress output.")
+def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: bool) -> None:
+    """Train with CONFIG (a YAML file) until every trainer has taken run.max_steps steps.
+
+    Prints the Dask dashboard address, progress while it trains, and writes config.yaml,
+    metrics.jsonl, summary.json, the trajectory store, the weight store and logs into the run
+    directory. Ctrl-C stops cleanly without losing what was written.
+    """
+    cfg = _load(config, overrides)
+    from astraflow.runtime.launch import launch
+
+    try:
+        result = launch(cfg, Path(run_dir) if run_dir else _default_run_dir(cfg.run.name), quiet=quiet)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if result.interrupted:
+        sys.exit(130)
+
+
+@main.group()
+def model() -> None:
+    """Build models locally (no downloads)."""
+
+
+@model.command("init")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--preset", type=click.Choice(["tiny", "small", "50m"]), default="small", show_default=True,
+              help="Model size: tiny ~0.8M, small ~10M, 50m ~50M parameters.")
+@click.option("--arch", type=click.Choice(["qwen2", "llama"]), default="qwen2", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--warm-start-seconds", type=float, default=0.0, show_default=True,
+              help="Supervised warm start on the math train split (0: none).")
+@click.option("--warm-start-lr", type=float, default=1e-3, show_default=True)
+def model_init(out: str, preset: str, arch: str, seed: int, warm_start_seconds: float, warm_start_lr: float) -> None:
+    """Build a tiny Qwen2/Llama model with a local byte-level tokenizer into OUT (HF format)."""
+    from astraflow.config import ModelInit
+    from astraflow.runtime.launch import build_model
+
+    if Path(out).exists() and any(Path(out).iterdir()):
+        raise UserError(f"{out} exists and is not empty: choose a new directory")
+    build_model(Path(out), ModelInit(preset=preset, arch=arch, seed=seed,
+                                     warm_start_seconds=warm_start_seconds, warm_start_lr=warm_start_lr))
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
+def check(config: str, overrides: tuple[str, ...]) -> None:
+    """Validate CONFIG and print the resolved configuration."""
+    import yaml
+
+    cfg = _load(config, overrides)
+    click.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(run_dir: str, as_json: bool) -> None:
+    """Status of the run in RUN_DIR: components, partitions, versions, throughput."""
+    from astraflow.runtime.control import RunNotRunning, run_status
+
+    try:
+        st = run_status(Path(run_dir))
+    except RunNotRunning as err:
+        raise UserError(str(err)) from None
+    if as_json:
+        click.echo(json.dumps(st, indent=2, default=str))
+        return
+    from astraflow.runtime.control import format_status
+
+    click.echo(format_status(st))
+
+
+if __name__ == "__main__":
+    main()

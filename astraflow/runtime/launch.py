@@ -1,0 +1,71 @@
+"""``astraflow run``: prepare the models a config names, then hand over to the orchestrator."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+from astraflow.config import ModelInit, RunConfig, WorkloadConfig
+from astraflow.runtime.orchestrator import Orchestrator, RunResult
+from astraflow.runtime.progress import Progress
+
+
+def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = None,
+                progress: Progress | None = None) -> Path:
+    """Build a model directory locally: random init, then an optional supervised warm start
+    on the workload's train split. Written to a temporary sibling and renamed, so an
+    interrupted build never leaves a half-written model behind."""
+    from astraflow.models import init_model
+
+    progress = progress or Progress()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        with progress.waiting(f"initialising a {init.preset} {init.arch} model"):
+            init_model(tmp / "init", preset=init.preset, arch=init.arch, seed=init.seed)
+        if init.warm_start_seconds > 0:
+            from astraflow.training.warmstart import warm_start
+
+            params = dict((workload.params if workload else {}) or {})
+            with progress.waiting(f"supervised warm start for {init.warm_start_seconds:.0f}s"):
+                result = warm_start(
+                    tmp / "init", tmp / "final", seconds=init.warm_start_seconds, lr=init.warm_start_lr,
+                    workload=params, seed=init.seed, progress=progress.enabled,
+                )
+            progress.note(f"warm start: {result['steps']} steps, held-out accuracy {result['acc']:.3f}")
+            shutil.rmtree(tmp / "init")
+            (tmp / "final").rename(tmp / "init")
+        if out.exists():
+            shutil.rmtree(out)
+        (tmp / "init").rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def prepare_models(cfg: RunConfig, progress: Progress) -> None:
+    for pol in cfg.policies:
+        if pol.model.exists():
+            continue
+        assert pol.init is not None, "config validation requires init for a missing model"
+        progress.note(f"policy {pol.name}: building {pol.model} (no such directory yet)")
+        build_model(pol.model, pol.init, cfg.workload, progress)
+
+
+def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
+    logging.basicConfig(level=logging.WARNING)
+    progress = Progress(enabled=not quiet)
+    prepare_models(cfg, progress)
+    progress.note(f"run directory {run_dir}")
+    result = Orchestrator(cfg, run_dir, progress).run()
+    if result.eval:
+        first, last = result.eval[0], result.eval[-1]
+        progress.note(
+            f"held-out accuracy {first['eval_accuracy']:.3f} (v{first['step']}) -> "
+            f"{last['eval_accuracy']:.3f} (v{last['step']}) in {result.seconds:.0f}s"
+        )
+    progress.note(f"ledger: {result.ledger.get('states')}; summary in {run_dir}/summary.json")
+    return result
