@@ -161,9 +161,17 @@ def commit_file(weights_root: Path, policy: str, version: int) -> Path:
     return version_dir(weights_root, policy, version) / "COMMITTED"
 
 
+def deltas_root(weights_root: Path, policy: str) -> Path:
+    return policy_dir(weights_root, policy) / "deltas"
+
+
 def delta_dir(weights_root: Path, policy: str, from_version: int, to_version: int) -> Path:
-    """Sparse bf16 delta ``from_version -> to_version`` (written by the delta writer)."""
-    return policy_dir(weights_root, policy) / "deltas" / f"v{int(from_version):08d}-v{int(to_version):08d}"
+    """Sparse bf16 delta ``from_version -> to_version`` (written by the delta writer, which
+    creates a ``COMMITTED`` file in it last; the weight store reports only such deltas)."""
+    return deltas_root(weights_root, policy) / f"v{int(from_version):08d}-v{int(to_version):08d}"
+
+
+DELTA_DIR_RE = re.compile(r"^v(\d{8})-v(\d{8})$")
 
 
 def readers_dir(weights_root: Path, policy: str) -> Path:
