@@ -12,6 +12,8 @@ from strings. A run directory on shared storage looks like::
       logs/                       one log file per process
       trajectories/               the Zarr trajectory store (unless the config points elsewhere)
         segments/<segment>/       one append-only segment per writer
+          data/                   its Zarr v3 group (per-token and per-entry arrays)
+          commits/<seqno>.json    one commit marker per published batch
       weights/<policy>/v<N>/      one committed weight version (shards + manifest + marker)
       weights/<policy>/staging/   versions being written (never read)
       weights/<policy>/readers/   hold files of readers that have a version open
@@ -19,10 +21,16 @@ from strings. A run directory on shared storage looks like::
 
 from __future__ import annotations
 
+import os
 import re
+import uuid
 from pathlib import Path
 
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def is_plain_name(name: str) -> bool:
+    return bool(_SAFE.match(name))
 
 
 def check_name(kind: str, name: str) -> str:
@@ -101,10 +109,32 @@ class RunPaths:
         return self
 
 
+def tmp_sibling(final: Path) -> Path:
+    """A unique temporary name next to ``final`` (same directory, so rename/link is atomic).
+
+    Hidden and ending in ``.tmp``: listings of markers, versions and segments skip it, and a
+    file left behind by a killed process is recognisable and removable.
+    """
+    return final.parent / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+
+
+def is_tmp(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".tmp")
+
+
 # -- trajectory store layout (relative to the store root) ------------------------------------
+
+def segments_root(store_root: Path) -> Path:
+    return store_root / "segments"
+
 
 def segment_dir(store_root: Path, segment: str) -> Path:
     return store_root / "segments" / check_name("segment", segment)
+
+
+def segment_data_dir(store_root: Path, segment: str) -> Path:
+    """The segment's Zarr v3 group (flat per-token arrays and per-entry index arrays)."""
+    return segment_dir(store_root, segment) / "data"
 
 
 def segment_commit_dir(store_root: Path, segment: str) -> Path:
@@ -114,6 +144,9 @@ def segment_commit_dir(store_root: Path, segment: str) -> Path:
 
 def commit_marker(store_root: Path, segment: str, seqno: int) -> Path:
     return segment_commit_dir(store_root, segment) / f"{seqno:010d}.json"
+
+
+COMMIT_MARKER_RE = re.compile(r"^(\d{10})\.json$")
 
 
 def store_layout_file(store_root: Path) -> Path:
@@ -131,8 +164,12 @@ def version_dir(weights_root: Path, policy: str, version: int) -> Path:
     return policy_dir(weights_root, policy) / f"v{int(version):08d}"
 
 
+def staging_root(weights_root: Path, policy: str) -> Path:
+    return policy_dir(weights_root, policy) / "staging"
+
+
 def staging_dir(weights_root: Path, policy: str, version: int) -> Path:
-    return policy_dir(weights_root, policy) / "staging" / f"v{int(version):08d}"
+    return staging_root(weights_root, policy) / f"v{int(version):08d}"
 
 
 def manifest_file(weights_root: Path, policy: str, version: int) -> Path:
@@ -144,13 +181,29 @@ def commit_file(weights_root: Path, policy: str, version: int) -> Path:
     return version_dir(weights_root, policy, version) / "COMMITTED"
 
 
+def deltas_root(weights_root: Path, policy: str) -> Path:
+    return policy_dir(weights_root, policy) / "deltas"
+
+
 def delta_dir(weights_root: Path, policy: str, from_version: int, to_version: int) -> Path:
-    """Sparse bf16 delta ``from_version -> to_version`` (written by the delta writer)."""
-    return policy_dir(weights_root, policy) / "deltas" / f"v{int(from_version):08d}-v{int(to_version):08d}"
+    """Sparse bf16 delta ``from_version -> to_version`` (written by the delta writer, which
+    creates a ``COMMITTED`` file in it last; the weight store reports only such deltas)."""
+    return deltas_root(weights_root, policy) / f"v{int(from_version):08d}-v{int(to_version):08d}"
+
+
+DELTA_DIR_RE = re.compile(r"^v(\d{8})-v(\d{8})$")
 
 
 def readers_dir(weights_root: Path, policy: str) -> Path:
     return policy_dir(weights_root, policy) / "readers"
+
+
+def hold_file(weights_root: Path, policy: str, version: int, token: str) -> Path:
+    """A reader's hold on one version (``token`` makes it unique per hold; content: pid, host)."""
+    return readers_dir(weights_root, policy) / f"v{int(version):08d}.{check_name('hold token', token)}.hold"
+
+
+HOLD_FILE_RE = re.compile(r"^v(\d{8})\.[A-Za-z0-9_.-]+\.hold$")
 
 
 VERSION_DIR_RE = re.compile(r"^v(\d{8})$")

@@ -1,12 +1,53 @@
 """Weight store: versioned checkpoint shards per policy, committed atomically.
 
-(API skeleton: the storage implementation fills in the bodies.)
+Why it exists: trainers publish weights and RaaS nodes pull them without talking to each
+other. The store is a directory on shared storage (``paths.policy_dir``); a version is a plain
+``torch.distributed.checkpoint`` (DCP) directory, as written by Megatron's ``torch_dist``
+format or by ``dcp.save``, plus our own manifest and commit marker.
+
+Publish protocol (invariant: a reader never sees a partial version)
+-------------------------------------------------------------------
+1. Any number of ranks write their DCP shards into ``staging(policy, v)`` (never read).
+2. After all ranks finished, one process calls ``commit``: it computes the manifest (tensor
+   names, shapes and dtypes from the DCP metadata; size and sha256 of every file), fsyncs every
+   file, writes ``manifest.json``, renames the staging directory to ``v<N>`` and writes the
+   ``COMMITTED`` marker last (temp, fsync, rename). A version directory without ``COMMITTED``
+   does not exist for readers (``latest``, ``versions``, ``get``, ``load``).
+3. Retention keeps the newest ``keep_last`` committed versions and never deletes a version a
+   reader holds (``hold``). To retire a version it first renames ``COMMITTED`` away (the version
+   disappears for new readers), re-checks the holds, and only then deletes the directory.
+
+Overlap invariant (publish vs. pull): a reader holds a version for as long as it reads it
+(``load`` does so itself). A hold is a file with the reader's pid and host under
+``paths.readers_dir``; a hold of a dead pid on this host is stale and ignored, a hold from
+another host counts until its owner removes it. A reader takes the hold and then checks that
+the version is still committed, so retention and a new reader cannot both win.
+
+Sparse bf16 deltas between consecutive versions live under ``paths.delta_dir`` and are written
+by the delta writer; this module only reports them (``WeightVersion.delta_from``: the highest
+``from`` version with a committed delta, i.e. a delta directory holding a ``COMMITTED`` file).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Mapping
+from pathlib import Path
+from typing import Iterator, Mapping
+
+from storage import paths
+
+MANIFEST_FORMAT = "astraflow-weights-v1"
+_DCP_METADATA = ".metadata"
+_RETIRING = "COMMITTED.retiring"
 
 
 @dataclass(frozen=True)
@@ -27,3 +68,331 @@ class WeightVersion:
     checksums: Mapping[str, str] = field(default_factory=dict)
     #: ``time.time()`` of the commit.
     committed_at: float = 0.0
+
+    @property
+    def path(self) -> str:
+        """The version directory (a plain DCP checkpoint directory)."""
+        return str(Path(self.manifest_path).parent)
+
+
+class VersionNotCommitted(KeyError):
+    """The asked-for version is not committed (never was, not yet, or retired by retention)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; show the message as written
+        return str(self.args[0]) if self.args else ""
+
+
+class ChecksumMismatch(RuntimeError):
+    """A file of a committed version no longer matches the manifest's sha256."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(4 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    _fsync_file(path)
+
+
+def _write_atomically(final: Path, data: bytes) -> None:
+    """temp + fsync + rename (replaces ``final``), then fsync the directory."""
+    tmp = paths.tmp_sibling(final)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(final.parent)
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and not paths.is_tmp(p.name))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class WeightStore:
+    """Versioned weights of every policy under one root directory (shared storage)."""
+
+    def __init__(self, root: str | Path, keep_last: int = 3):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (the latest version is always kept), got {keep_last}")
+        self.root = Path(root).absolute()
+        self.keep_last = keep_last
+        self._host = socket.gethostname()
+
+    # -- writing -----------------------------------------------------------------------------
+    def staging(self, policy: str, version: int) -> Path:
+        """Directory where any number of ranks write the DCP shards of ``version``. Created if
+        absent; never cleared here (ranks may be writing). Readers never look at it."""
+        d = paths.staging_dir(self.root, policy, self._check_version(version))
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def discard_staging(self, policy: str, version: int) -> None:
+        """Remove a staging directory (e.g. left by a crashed publish). Call from one process."""
+        stage = paths.staging_dir(self.root, policy, self._check_version(version))
+        if stage.exists():
+            shutil.rmtree(stage)
+
+    def commit(self, policy: str, version: int, meta: dict | None = None) -> WeightVersion:
+        """Publish what the ranks wrote into ``staging(policy, version)``; call once, after all
+        ranks finished. Returns the committed version; then applies retention."""
+        version = self._check_version(version)
+        stage = paths.staging_dir(self.root, policy, version)
+        final = paths.version_dir(self.root, policy, version)
+        if paths.commit_file(self.root, policy, version).exists():
+            raise ValueError(
+                f"{policy} v{version} is already committed and versions are immutable: publish a new "
+                "version number"
+            )
+        if not (stage / _DCP_METADATA).exists():
+            raise ValueError(
+                f"nothing to commit for {policy} v{version}: {stage} has no DCP checkpoint "
+                f"({_DCP_METADATA} missing); save the shards into store.staging({policy!r}, {version}) "
+                "on every rank first (dcp.save / Megatron dist_checkpointing)"
+            )
+        if meta is not None:
+            json.dumps(meta)  # must be JSON: fail here, not after the rename
+        tensors = self._tensor_table(stage)
+        files = {}
+        for f in _files(stage):
+            _fsync_file(f)
+            files[f.relative_to(stage).as_posix()] = {"sha256": _sha256(f), "bytes": f.stat().st_size}
+        for d in sorted({f.parent for f in _files(stage)} | {stage}, reverse=True):
+            _fsync_dir(d)
+        committed_at = time.time()
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "policy": policy,
+            "version": version,
+            "checkpoint": "torch_dcp",
+            "tensors": tensors,
+            "files": files,
+            "meta": meta or {},
+            "committed_at": committed_at,
+        }
+        _write_atomically(stage / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
+        if final.exists():  # a previous commit died between rename and COMMITTED
+            shutil.rmtree(final)
+        os.rename(stage, final)
+        _fsync_dir(final.parent)
+        _fsync_dir(stage.parent)
+        _write_atomically(
+            paths.commit_file(self.root, policy, version),
+            json.dumps({"committed_at": committed_at, "manifest_sha256": _sha256(final / "manifest.json")}).encode(),
+        )
+        self.apply_retention(policy)
+        return self._version_record(policy, version, manifest)
+
+    def publish(self, policy: str, version: int, state_dict: dict, meta: dict | None = None,
+                *, thread_count: int = 1) -> WeightVersion:
+        """Single-process convenience: ``dcp.save`` (no process group) into staging, then commit."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        bad = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise ValueError(f"publish takes a flat dict of tensors; {bad[:3]} are not tensors")
+        self.discard_staging(policy, version)
+        stage = self.staging(policy, version)
+        writer = dcp.FileSystemWriter(stage, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.save(state_dict, storage_writer=writer, no_dist=True)
+        return self.commit(policy, version, meta)
+
+    # -- reading -----------------------------------------------------------------------------
+    def policies(self) -> list[str]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(n for n in names if paths.is_plain_name(n) and (self.root / n).is_dir())
+
+    def versions(self, policy: str) -> list[int]:
+        """Committed versions of ``policy``, ascending."""
+        try:
+            names = os.listdir(paths.policy_dir(self.root, policy))
+        except FileNotFoundError:
+            return []
+        out = []
+        for n in names:
+            m = paths.VERSION_DIR_RE.match(n)
+            if m and paths.commit_file(self.root, policy, int(m.group(1))).exists():
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest(self, policy: str) -> WeightVersion | None:
+        """The newest committed version, ``None`` if there is none."""
+        for v in reversed(self.versions(policy)):
+            try:
+                return self.get(policy, v)
+            except VersionNotCommitted:
+                continue  # retired between the listing and the read; try the next one
+        return None
+
+    def get(self, policy: str, version: int) -> WeightVersion:
+        return self._version_record(policy, version, self.manifest(policy, version))
+
+    def manifest(self, policy: str, version: int) -> dict:
+        """The manifest of a committed version (tensors, files with sha256, the commit's meta)."""
+        if not paths.commit_file(self.root, policy, version).exists():
+            known = self.versions(policy)
+            raise VersionNotCommitted(
+                f"{policy} v{version} is not a committed version under {self.root} (committed: "
+                f"{known or 'none'}); use latest() or one of versions()"
+            )
+        return json.loads(paths.manifest_file(self.root, policy, version).read_text())
+
+    def verify(self, policy: str, version: int) -> None:
+        """Recompute every file's sha256 and compare with the manifest (``ChecksumMismatch``)."""
+        man = self.manifest(policy, version)
+        vdir = paths.version_dir(self.root, policy, version)
+        for rel, rec in man["files"].items():
+            p = vdir / rel
+            if not p.exists() or _sha256(p) != rec["sha256"]:
+                raise ChecksumMismatch(f"{policy} v{version}: {rel} does not match its manifest checksum")
+
+    def load(self, policy: str, version: int, *, verify: bool = False) -> dict:
+        """All tensors of a committed version, in one process, whatever number of ranks wrote it
+        (plain DCP read, no process group). ``verify`` checks sha256 first."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        with self.hold(policy, version):
+            if verify:
+                self.verify(policy, version)
+            vdir = paths.version_dir(self.root, policy, version)
+            reader = dcp.FileSystemReader(vdir)
+            md = reader.read_metadata().state_dict_metadata
+            state = {
+                k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+                for k, m in md.items()
+                if isinstance(m, TensorStorageMetadata)
+            }
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+                dcp.load(state, storage_reader=reader, no_dist=True)
+            return state
+
+    @contextmanager
+    def hold(self, policy: str, version: int) -> Iterator[WeightVersion]:
+        """Keep ``version`` from retention while the block runs (pull or load it inside)."""
+        hold = paths.hold_file(self.root, policy, version, f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        hold.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomically(hold, json.dumps({"pid": os.getpid(), "host": self._host, "since": time.time()}).encode())
+        try:
+            yield self.get(policy, version)  # after the hold: retention cannot race past it
+        finally:
+            hold.unlink(missing_ok=True)
+
+    def held_versions(self, policy: str) -> set[int]:
+        """Versions with a live hold (stale holds of dead pids on this host are removed)."""
+        d = paths.readers_dir(self.root, policy)
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            return set()
+        held = set()
+        for n in names:
+            m = paths.HOLD_FILE_RE.match(n)
+            if not m:
+                continue
+            try:
+                rec = json.loads((d / n).read_text())
+            except FileNotFoundError:
+                continue  # released while we listed
+            except json.JSONDecodeError:
+                held.add(int(m.group(1)))  # being written: count it
+                continue
+            if rec.get("host") == self._host and not _pid_alive(int(rec["pid"])):
+                (d / n).unlink(missing_ok=True)
+                continue
+            held.add(int(m.group(1)))
+        return held
+
+    # -- retention ---------------------------------------------------------------------------
+    def apply_retention(self, policy: str) -> list[int]:
+        """Delete committed versions older than the newest ``keep_last``, except held ones.
+        Returns the versions deleted."""
+        committed = self.versions(policy)
+        candidates = committed[:-self.keep_last] if len(committed) > self.keep_last else []
+        deleted = []
+        for v in candidates:
+            if v in self.held_versions(policy):
+                continue
+            marker = paths.commit_file(self.root, policy, v)
+            retiring = marker.with_name(_RETIRING)
+            os.rename(marker, retiring)  # invisible to new readers from here on
+            if v in self.held_versions(policy):  # a reader got its hold in first
+                os.rename(retiring, marker)
+                continue
+            shutil.rmtree(paths.version_dir(self.root, policy, v))
+            deleted.append(v)
+        return deleted
+
+    # -- helpers -----------------------------------------------------------------------------
+    @staticmethod
+    def _check_version(version: int) -> int:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"weight versions are integers >= 0, got {version!r}")
+        return version
+
+    @staticmethod
+    def _tensor_table(ckpt: Path) -> dict:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        md = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
+        table = {}
+        for k, m in sorted(md.items()):
+            if isinstance(m, TensorStorageMetadata):
+                table[k] = {"shape": list(m.size), "dtype": str(m.properties.dtype).removeprefix("torch.")}
+            else:
+                table[k] = {"kind": "bytes"}
+        return table
+
+    def _delta_from(self, policy: str, version: int) -> int | None:
+        try:
+            names = os.listdir(paths.deltas_root(self.root, policy))
+        except FileNotFoundError:
+            return None
+        froms = [int(m.group(1)) for n in names if (m := paths.DELTA_DIR_RE.match(n)) and int(m.group(2)) == version]
+        done = [f for f in froms if (paths.delta_dir(self.root, policy, f, version) / "COMMITTED").exists()]
+        return max(done) if done else None
+
+    def _version_record(self, policy: str, version: int, manifest: dict) -> WeightVersion:
+        return WeightVersion(
+            policy=policy,
+            version=version,
+            manifest_path=str(paths.manifest_file(self.root, policy, version)),
+            has_full=True,
+            delta_from=self._delta_from(policy, version),
+            checksums={k: v["sha256"] for k, v in manifest["files"].items()},
+            committed_at=float(manifest["committed_at"]),
+        )
