@@ -364,7 +364,7 @@ class DataLayer:
         if first_rewards:
             self.curator.observe(grp.prompt_key, first_rewards)
         for tid in live:
-            if self.routed_left[tid] == 0:
+            if self.routed_left.get(tid) == 0:
                 self._end_train_task(tid, "no_policy_tokens")
         self._notify()
 

@@ -14,6 +14,7 @@ class with a ``@CURATORS.register(...)`` (or ``FILTERS`` / ``ORDERINGS``) decora
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 from dataclasses import dataclass
@@ -205,7 +206,7 @@ class EarliestDeadlineFirst(_Stateful):
 def make(registry: Registry, spec_type: str, params: dict, seed: int = 0):
     cls = registry.get(spec_type)
     kwargs = dict(params)
-    if "seed" in cls.__init__.__code__.co_varnames and "seed" not in kwargs:
+    if "seed" in inspect.signature(cls).parameters and "seed" not in kwargs:
         kwargs["seed"] = seed
     try:
         return cls(**kwargs)

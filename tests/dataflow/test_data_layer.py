@@ -1,0 +1,226 @@
+"""The data layer's rules, driven directly (no Dask) against a real in-memory Zarr store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import pytest
+
+from astraflow.config import DataflowConfig, EvalConfig, PolicySpec, WorkloadConfig
+from astraflow.dataflow import policies as P
+from astraflow.dataflow.layer import BatchTimeout, DataLayer
+from astraflow.dataflow.ledger import TERMINAL
+from storage.trajectories import open_trajectory_store
+
+from tests.dataflow.helpers import make_trajectory, store_and_ref
+
+MATH = {"digits": 1, "num_test": 10}
+
+
+def make_layer(tmp_path, policies=("p",), group_size=4, batch_size=8, eval_every=0, **df) -> DataLayer:
+    url = f"memory://{uuid.uuid4().hex}"
+    return DataLayer(
+        dataflow=DataflowConfig(batch_size=batch_size, **df),
+        workload=WorkloadConfig(name="math", params=MATH, group_size=group_size,
+                                eval=EvalConfig(every=eval_every, num_prompts=3)),
+        policies=list(policies),
+        store_url=url,
+        metrics_path=str(tmp_path / "metrics.jsonl"),
+        max_steps=5,
+    )
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class Node:
+    """Scripted node: completes leased tasks with given rewards."""
+
+    def __init__(self, layer: DataLayer, name: str = "n0"):
+        self.layer, self.name = layer, name
+        self.writer = layer.store.writer(name)
+
+    async def roll(self, n: int, reward_of=lambda t: 1.0, version: int = 0):
+        tasks = await self.layer.lease(self.name, n)
+        trajs = [make_trajectory(t, reward_of(t), version=version, node=self.name) for t in tasks]
+        await self.layer.complete(store_and_ref(self.writer, trajs))
+        return tasks
+
+
+def test_lease_complete_batch_and_group_stats(tmp_path):
+    layer = make_layer(tmp_path)
+
+    async def go():
+        node = Node(layer)
+        # rewards 0,1,0,1 within each group: mean 0.5, std 0.5
+        await node.roll(8, reward_of=lambda t: float(int(t.task_id.split("/")[1]) % 2))
+        batch = await layer.next_batch("p", 0, timeout=5)
+        assert len(batch) == 8
+        for item in batch.items:
+            assert item.group_mean == pytest.approx(0.5) and item.group_std == pytest.approx(0.5)
+            assert item.group_size == 4 and item.staleness == 0
+            assert item.advantage == pytest.approx(1.0 if item.sequence.reward else -1.0, abs=1e-4)
+            assert item.loss_mask.sum() == 4
+        states = {layer.ledger.state_of(i.task_id) for i in batch.items}
+        assert states == {"consumed"}
+
+    run(go())
+
+
+def test_group_waits_for_all_members(tmp_path):
+    layer = make_layer(tmp_path)
+
+    async def go():
+        node = Node(layer)
+        await node.roll(3)  # 3 of the first group of 4
+        with pytest.raises(BatchTimeout):
+            await layer.next_batch("p", 0, timeout=0.3)
+        assert (await layer.state())["buffers"]["p"] == 0
+
+    run(go())
+
+
+def test_expired_lease_requeued_with_next_attempt_and_late_completion_counted_once(tmp_path):
+    layer = make_layer(tmp_path, lease_seconds=0.05)
+
+    async def go():
+        tasks = await layer.lease("dead", 4)
+        time.sleep(0.1)
+        again = await layer.lease("alive", 4)
+        assert {t.task_id for t in again} == {t.task_id for t in tasks}
+        assert all(t.attempt == 1 for t in again)
+        assert layer.ledger.events["requeued_lease_expired"] == 4
+        # the dead node's late completion wins (first completion), the retry's is a duplicate
+        w = layer.store.writer("dead")
+        assert await layer.complete(store_and_ref(w, [make_trajectory(t, 1.0) for t in tasks])) == 4
+        w2 = layer.store.writer("alive")
+        assert await layer.complete(store_and_ref(w2, [make_trajectory(t, 1.0) for t in again])) == 0
+        assert layer.ledger.events["duplicate_completions"] == 4
+
+    run(go())
+
+
+def test_failed_task_fails_after_max_attempts(tmp_path):
+    layer = make_layer(tmp_path, max_attempts=2)
+
+    async def go():
+        t = (await layer.lease("n", 1))[0]
+        await layer.fail(t.task_id, "boom")
+        t2 = (await layer.lease("n", 1))[0]
+        assert t2.task_id == t.task_id and t2.attempt == 1
+        await layer.fail(t.task_id, "boom")
+        assert layer.ledger.state_of(t.task_id) == "failed"
+        assert "failed:boom_after_2_attempts" in layer.ledger.failed_by_reason
+
+    run(go())
+
+
+def test_stale_sequences_dropped_and_counted(tmp_path):
+    layer = make_layer(tmp_path, max_staleness=1)
+
+    async def go():
+        node = Node(layer)
+        await node.roll(8, reward_of=lambda t: float(int(t.task_id[-1]) % 2), version=0)
+        for v in (1, 2):
+            await layer.published("p", v, {})
+        # trainer at v2 asks: sequences from v0 are 2 versions old > max_staleness 1
+        with pytest.raises(BatchTimeout):
+            await layer.next_batch("p", 2, timeout=0.2)
+        st = await layer.state()
+        assert st["counts"]["p"]["stale_dropped"] == 8
+        assert layer.ledger.dropped_by_reason["stale"] == 8
+
+    run(go())
+
+
+def test_drop_zero_advantage_refills(tmp_path):
+    layer = make_layer(tmp_path, group_filter=PolicySpec(type="drop_zero_advantage"), prefetch_groups=0)
+
+    async def go():
+        node = Node(layer)
+        await node.roll(8, reward_of=lambda t: 1.0)  # two groups, all equal rewards
+        assert layer.ledger.dropped_by_reason["zero_advantage"] == 8
+        # the outstanding bound freed up: replacement groups are leasable
+        more = await layer.lease("n0", 8)
+        assert len(more) == 8
+
+    run(go())
+
+
+def test_finish_ends_every_task_exactly_once(tmp_path):
+    layer = make_layer(tmp_path)
+
+    async def go():
+        node = Node(layer)
+        await node.roll(6)  # one full group ingested, half of the next completed
+        await layer.lease("n1", 2)  # leased, never completed
+        summary = await layer.finish()
+        assert summary["open"] == 0
+        assert all(r.state in TERMINAL for r in layer.ledger.tasks.values())
+        assert sum(summary["states"].values()) == summary["tasks"]
+        assert layer.ledger.events["created"] == summary["tasks"]
+
+    run(go())
+
+
+def test_eval_round_reports_accuracy(tmp_path):
+    layer = make_layer(tmp_path, eval_every=1)
+
+    async def go():
+        await layer.start_eval(0)
+        leased = await layer.lease("n", 100)
+        tasks = [t for t in leased if t.kind == "eval"]
+        assert leased[:3] == tasks and len(tasks) == 3  # evaluation tasks are leased first
+        assert all(t.min_version == 0 and t.sampling == {"greedy": True} for t in tasks)
+        w = layer.store.writer("n")
+        rewards = [1.0, 0.0, 1.0]
+        await layer.complete(store_and_ref(w, [make_trajectory(t, r) for t, r in zip(tasks, rewards)]))
+        assert await layer.eval_done(0)
+        res = (await layer.state())["eval"][0]
+        assert res["eval_accuracy"] == pytest.approx(2 / 3)
+        await layer.close()
+        lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert any(x.get("eval_accuracy") == pytest.approx(2 / 3) and x["step"] == 0 for x in lines)
+
+    run(go())
+
+
+def test_replay_mixes_consumed_samples_and_records_them(tmp_path):
+    layer = make_layer(tmp_path, replay_ratio=0.5)
+
+    async def go():
+        node = Node(layer)
+        await node.roll(8, reward_of=lambda t: float(int(t.task_id[-1]) % 2))
+        first = await layer.next_batch("p", 0, timeout=5)
+        assert not any(i.replayed for i in first.items)  # nothing to replay yet
+        await node.roll(8, reward_of=lambda t: float(int(t.task_id[-1]) % 2))
+        second = await layer.next_batch("p", 0, timeout=5)
+        assert len(second) == 8 and sum(i.replayed for i in second.items) == 4
+        assert (await layer.state())["counts"]["p"]["replayed"] == 4
+
+    run(go())
+
+
+def test_new_curator_registered_in_test_needs_no_other_change(tmp_path):
+    @P.CURATORS.register("only_even_prompts_test")
+    class OnlyEven(P.AcceptAll):
+        def accept(self, prompt_key, payload):
+            return int(prompt_key[1:]) % 2 == 0
+
+    layer = make_layer(tmp_path, curator=PolicySpec(type="only_even_prompts_test"))
+
+    async def go():
+        tasks = await layer.lease("n", 8)
+        keys = {layer.groups[t.group_id].prompt_key for t in tasks}
+        assert keys and all(int(k[1:]) % 2 == 0 for k in keys)
+
+    run(go())
+
+
+def test_unknown_policy_name_lists_known(tmp_path):
+    with pytest.raises(ValueError, match="known: .*drop_zero_advantage"):
+        make_layer(tmp_path, group_filter=PolicySpec(type="nope"))
