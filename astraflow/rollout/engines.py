@@ -12,5 +12,9 @@ def make_engine(cfg: EngineConfig, model_path: str, seed: int = 0) -> InferenceE
     if cfg.type == "hf":
         from astraflow.rollout.hf_engine import HFEngine
 
-        return HFEngine(model_path, max_batch=cfg.max_batch, threads=cfg.threads, seed=seed)
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+        # version 0: the model directory is what the trainer publishes as v0
+        return HFEngine(model_path, max_batch_size=cfg.max_batch, version=0, seed=seed)
     raise ValueError(f"unknown engine type {cfg.type!r}; known: {', '.join(KNOWN)}")

@@ -30,9 +30,15 @@ log = logging.getLogger("astraflow.training")
 
 def make_backend(cfg: TrainerConfig, model_path: str, seed: int):
     if cfg.backend == "torch":
+        import torch
+
         from astraflow.training.torch_backend import TorchBackend
 
-        return TorchBackend.from_config(cfg, model_path, seed=seed)
+        torch.set_num_threads(cfg.threads)
+        return TorchBackend(
+            model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.max_grad_norm,
+            micro_batch_size=cfg.micro_batch, clip_low=cfg.clip_low, clip_high=cfg.clip_high, seed=seed,
+        )
     if cfg.backend == "megatron":
         from astraflow.training.megatron.backend import MegatronBackend
 
