@@ -164,49 +164,78 @@ class Orchestrator:
         return {w["name"]: addr for addr, w in info.items()}
 
     def _submit_actor(self, cls, worker: str, **kwargs):
-        fut = self.client.submit(cls, actor=True, workers=[self._joined()[worker]], allow_other_workers=False, **kwargs)  # type: ignore[union-attr]
-        return fut.result(timeout=self.cfg.cluster.placement_timeout_s)
+        """Construct ``cls`` as an actor pinned to the worker named ``worker``; returns the
+        future of the handle (the caller waits with the placement deadline)."""
+        return self.client.submit(  # type: ignore[union-attr]
+            cls, actor=True, workers=[self._joined()[worker]], allow_other_workers=False, **kwargs
+        )
+
+    def _wait_all(self, what: str, futures: dict[str, Any]) -> dict[str, Any]:
+        """Wait for every future with the placement deadline, naming what is still missing."""
+        deadline = time.time() + self.cfg.cluster.placement_timeout_s
+        out = {}
+        for key, fut in futures.items():
+            try:
+                out[key] = fut.result(timeout=max(deadline - time.time(), 0.1))
+            except TimeoutError:
+                missing = [k for k in futures if k not in out]
+                raise RunFailed(
+                    f"{what} did not finish within {self.cfg.cluster.placement_timeout_s:.0f}s "
+                    f"(cluster.placement_timeout_s) for {missing}; see the worker logs in {self.paths.jobs}"
+                ) from None
+        return out
 
     def _place_core(self) -> None:
+        """Data layer first (the others get its handle), then trainers and RaaS nodes, all
+        constructed and started concurrently (model loading dominates start-up)."""
         cfg = self.cfg
         data_w = next(w for w in self.workers.values() if self.partitions[w.partition].role == "data")
         trainer_ws = [w for w in self.workers.values() if self.partitions[w.partition].role == "trainer"]
         store_url = cfg.storage.trajectories or str(self.paths.trajectories)
         with self.progress.waiting("placing the data layer"):
-            self.dl = self._submit_actor(
+            self.dl = self._wait_all("placing the data layer", {"data": self._submit_actor(
                 DataLayer, data_w.job.worker_name,
                 dataflow=cfg.dataflow, workload=cfg.workload, policies=[p.name for p in cfg.policies],
                 store_url=store_url, metrics_path=str(self.paths.metrics), max_steps=cfg.run.max_steps,
                 seed=cfg.run.seed,
-            )
+            )})["data"]
             data_w.actor, data_w.started = self.dl, True
+        placed = {}
         for i, pol in enumerate(cfg.policies):
             w = trainer_ws[i % len(trainer_ws)]
-            with self.progress.waiting(f"starting trainer {pol.name} on {w.job.worker_name}"):
-                tr = self._submit_actor(
-                    Trainer, w.job.worker_name,
-                    policy=pol.name, cfg=pol.trainer, model_path=str(pol.model),
-                    weights_root=str(self.paths.weights), keep_versions=cfg.storage.keep_versions,
-                    data_layer=self.dl, max_steps=cfg.run.max_steps, seed=cfg.run.seed + i,
-                )
-                tr.start().result(timeout=cfg.cluster.placement_timeout_s)
-            self.trainers[pol.name] = tr
+            placed[pol.name] = self._submit_actor(
+                Trainer, w.job.worker_name,
+                policy=pol.name, cfg=pol.trainer, model_path=str(pol.model),
+                weights_root=str(self.paths.weights), keep_versions=cfg.storage.keep_versions,
+                data_layer=self.dl, max_steps=cfg.run.max_steps, seed=cfg.run.seed + i,
+            )
             w.started = True
         if cfg.workload.eval.every:
             self.dl.start_eval(0).result(timeout=30)
-        self._place_nodes()
+        with self.progress.waiting(f"starting {len(placed)} trainer(s) and the RaaS nodes (model loading)"):
+            self.trainers = self._wait_all("placing trainers", placed)
+            starts = {p: t.start() for p, t in self.trainers.items()}
+            self._place_nodes()
+            self._wait_all("starting trainers (backend build, v0 publish)", starts)
 
     def _place_nodes(self) -> None:
+        """Place and start a RaaS node on every rollout worker that joined and has none."""
         joined = self._joined()
-        for name, w in self.workers.items():
-            part = self.partitions[w.partition]
-            if part.role != "rollout" or w.started or w.gone or name not in joined:
-                continue
-            with self.progress.waiting(f"starting RaaS node {name} (weight catch-up)"):
-                w.actor = self._submit_actor(RaaSNode, name, **self._node_kwargs(name, part))
-                versions = w.actor.start().result(timeout=self.cfg.cluster.placement_timeout_s)
-            w.started = True
-            self.progress.note(f"RaaS node {name} serving {versions}")
+        todo = {
+            name: w for name, w in self.workers.items()
+            if self.partitions[w.partition].role == "rollout" and not w.started and not w.gone and name in joined
+        }
+        if not todo:
+            return
+        actors = self._wait_all("placing RaaS nodes", {
+            name: self._submit_actor(RaaSNode, name, **self._node_kwargs(name, self.partitions[w.partition]))
+            for name, w in todo.items()
+        })
+        versions = self._wait_all("starting RaaS nodes (engine load, weight catch-up)",
+                                  {name: a.start() for name, a in actors.items()})
+        for name, w in todo.items():
+            w.actor, w.started = actors[name], True
+            self.progress.note(f"RaaS node {name} serving {versions[name]}")
 
     def _node_kwargs(self, name: str, part: Partition) -> dict[str, Any]:
         cfg = self.cfg

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: set up the environment, start a local Slurm for the
+# Slurm tier, run pytest, stop what was started. This is the README's test command and what
+# .ci/run calls.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+# 1. environment (.venv in the checkout; torch is pinned in pyproject so no CUDA build is pulled)
+if [ ! -x .venv/bin/python ]; then
+  python3.11 -m venv .venv
+fi
+.venv/bin/pip install -q -e ".[test,megatron,plot]"
+
+# 2. a real local Slurm for the slurm tier (installs slurm-wlm + munge via apt when missing)
+export LOCAL_SLURM_DIR=${LOCAL_SLURM_DIR:-/tmp/astraflow-slurm}
+slurm_started=0
+if [ "${ASTRAFLOW_SKIP_SLURM:-0}" != 1 ]; then
+  if bash tests/slurm/local_slurm.sh start; then
+    slurm_started=1
+  else
+    echo "local Slurm could not be started: the slurm tier will be skipped" >&2
+  fi
+fi
+cleanup() {
+  if [ "$slurm_started" = 1 ]; then bash tests/slurm/local_slurm.sh stop || true; fi
+}
+trap cleanup EXIT
+
+# 3. the suite (pytest exits 5 when it collected nothing: that is a failure here too)
+set +e
+.venv/bin/python -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" = 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi
+exit "$rc"
