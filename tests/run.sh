@@ -16,11 +16,9 @@ fi
 export LOCAL_SLURM_DIR=${LOCAL_SLURM_DIR:-/tmp/astraflow-slurm}
 slurm_started=0
 if [ "${ASTRAFLOW_SKIP_SLURM:-0}" != 1 ]; then
-  if bash tests/slurm/local_slurm.sh start; then
-    slurm_started=1
-  else
-    echo "local Slurm could not be started: the slurm tier will be skipped" >&2
-  fi
+  bash tests/slurm/local_slurm.sh start   # fails the run if Slurm cannot start (ASTRAFLOW_SKIP_SLURM=1 skips the tier)
+  slurm_started=1
+  export ASTRAFLOW_REQUIRE_SLURM=1
 fi
 cleanup() {
   if [ "$slurm_started" = 1 ]; then bash tests/slurm/local_slurm.sh stop || true; fi
