@@ -13,3 +13,29 @@ if str(ROOT) not in sys.path:
 os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A 0.8M-parameter Qwen2 model with the local byte tokenizer (built once per session)."""
+    from astraflow.models import init_model
+
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    init_model(out, preset="tiny", arch="qwen2", seed=0)
+    return out
+
+
+def tiny_config(model: Path, **overrides):
+    """The tiny example config pointed at ``model``, with ``section.key`` overrides."""
+    from astraflow.config import config_from_dict, _set_path
+    import yaml
+
+    data = yaml.safe_load((ROOT / "examples" / "tiny" / "config.yaml").read_text())
+    data["policies"][0]["model"] = str(model)
+    data["policies"][0].pop("init", None)
+    for key, value in overrides.items():
+        _set_path(data, key.replace("__", "."), value)
+    return config_from_dict(data)
