@@ -14,7 +14,7 @@ from rich.console import Console
 class Progress:
     def __init__(self, enabled: bool = True, console: Console | None = None, interval_s: float = 5.0):
         self.enabled = enabled
-        self.console = console or Console(stderr=False, highlight=False)
+        self.console = console or Console(stderr=False, highlight=False, soft_wrap=True)
         self.interval_s = interval_s
         self._last = 0.0
         self._last_eval_reported = -1

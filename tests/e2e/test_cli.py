@@ -1,0 +1,106 @@
+"""The real CLI, as a user runs it: in a subprocess, with a deadline; and its bad-input paths
+through click's runner (exit code 2, one message naming the fix, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from astraflow.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _write_config(tmp_path, model, **changes) -> Path:
+    data = yaml.safe_load((ROOT / "examples" / "tiny" / "config.yaml").read_text())
+    data["policies"][0]["model"] = str(model)
+    data["policies"][0].pop("init", None)
+    for section, values in changes.items():
+        data.setdefault(section, {}).update(values)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_run_subprocess_writes_expected_records(tiny_model, tmp_path):
+    cfg = _write_config(tmp_path, tiny_model)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "astraflow", "run", str(cfg), "--run-dir", str(run_dir),
+         "--set", "run.max_steps=3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dashboard http://127.0.0.1:" in proc.stdout
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in lines if "loss" in x]
+    assert [x["step"] for x in train] == [1, 2, 3]
+    for x in lines:
+        assert {"step", "policy", "time"} <= set(x)
+    evals = [x for x in lines if "eval_accuracy" in x]
+    assert [x["step"] for x in evals] == [0, 2, 3]
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert resolved["run"]["max_steps"] == 3
+    assert (run_dir / "summary.json").exists() and (run_dir / "logs" / "scheduler.log").exists()
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"run": {"max_stepz": 3}}, "run.max_stepz: unknown key"),
+        ({"run": {"max_steps": "many"}}, "run.max_steps: Input should be a valid integer"),
+        ({"dataflow": {"batch_size": 10}}, "must be a multiple of workload.group_size"),
+    ],
+)
+def test_bad_config_exits_2_with_one_message(tiny_model, tmp_path, change, needle):
+    cfg = _write_config(tmp_path, tiny_model, **change)
+    res = CliRunner().invoke(main, ["run", str(cfg), "--run-dir", str(tmp_path / "r")])
+    assert res.exit_code == 2, res.output
+    assert needle in res.output
+    assert "Traceback" not in res.output
+
+
+def test_missing_model_names_the_fix(tmp_path):
+    data = yaml.safe_load((ROOT / "examples" / "tiny" / "config.yaml").read_text())
+    data["policies"][0]["model"] = str(tmp_path / "nope")
+    data["policies"][0].pop("init")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
+    res = CliRunner().invoke(main, ["check", str(tmp_path / "c.yaml")])
+    assert res.exit_code == 2 and "add an `init:` section" in res.output
+
+
+def test_set_override_and_bad_override(tiny_model, tmp_path):
+    cfg = _write_config(tmp_path, tiny_model)
+    res = CliRunner().invoke(main, ["check", str(cfg), "--set", "policies.solver.trainer.lr=0.01"])
+    assert res.exit_code == 0 and "lr: 0.01" in res.output
+    res = CliRunner().invoke(main, ["check", str(cfg), "--set", "run.max_steps"])
+    assert res.exit_code == 2 and "use KEY=VALUE" in res.output
+    res = CliRunner().invoke(main, ["check", str(tmp_path / "absent.yaml")])
+    assert res.exit_code == 2 and "not found" in res.output
+
+
+def test_every_shipped_config_parses(tmp_path):
+    from astraflow.config import load_config
+
+    configs = sorted((ROOT / "examples").glob("*/config*.yaml"))
+    assert configs
+    for path in configs:
+        load_config(path)
+
+
+def test_help_explains():
+    res = CliRunner().invoke(main, ["run", "--help"])
+    assert res.exit_code == 0 and "--run-dir" in res.output and "--set" in res.output
+
+
+def test_status_of_a_run_that_is_not_running(tmp_path):
+    res = CliRunner().invoke(main, ["status", str(tmp_path)])
+    assert res.exit_code == 2 and "no run has started" in res.output
