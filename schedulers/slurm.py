@@ -267,6 +267,8 @@ class SlurmScheduler:
 
     # ------------------------------------------------------------------ Scheduler protocol
     def submit(self, partition: Partition, scheduler_address: str, count: int, start_index: int = 0) -> list[JobRef]:
+        """One ``sbatch`` per worker. If one fails (`SlurmCommandError`), the jobs submitted before
+        it stay queued and are listed by `jobs()` (they carry this scheduler's tag)."""
         if count < 0:
             raise ValueError(f"count is {count}: use 0 or more")
         self.job_dir.mkdir(parents=True, exist_ok=True)
