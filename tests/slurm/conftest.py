@@ -6,6 +6,7 @@ stops it afterwards; otherwise the tests use whatever Slurm answers, and skip wh
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -18,12 +19,17 @@ from tests.schedulers.dask_fixtures import dask_scheduler  # noqa: F401  (a fixt
 SCRIPT = Path(__file__).with_name("local_slurm.sh")
 
 
+@functools.lru_cache(maxsize=1)
 def _slurm_answers() -> tuple[bool, str]:
     if shutil.which("sinfo") is None:
         return False, "sinfo is not installed (run tests/slurm/local_slurm.sh or set ASTRAFLOW_START_SLURM=1)"
-    proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=20)
-    if proc.returncode != 0 or "UP" not in proc.stdout:
-        return False, f"slurmctld does not answer `scontrol ping`: {proc.stdout.strip()} {proc.stderr.strip()}"
+    # -h: no banner; a down slurmctld makes the client retry for ~10 s, hence the short timeout
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=5)
+    except subprocess.TimeoutExpired:
+        return False, "slurmctld does not answer `sinfo` within 5 s (start it: tests/slurm/local_slurm.sh)"
+    if proc.returncode != 0:
+        return False, f"slurmctld does not answer `sinfo`: {proc.stderr.strip()} (start it: tests/slurm/local_slurm.sh)"
     return True, ""
 
 
@@ -34,6 +40,7 @@ def slurm_cluster():
     if os.environ.get("ASTRAFLOW_START_SLURM") == "1":
         subprocess.run(["bash", str(SCRIPT), "start"], check=True, timeout=300)
         started = True
+        _slurm_answers.cache_clear()
     ok, why = _slurm_answers()
     if not ok:
         pytest.skip(why)
@@ -42,7 +49,8 @@ def slurm_cluster():
         subprocess.run(["bash", str(SCRIPT), "stop"], check=True, timeout=60)
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("slurm") is not None:
-            item.fixturenames.append("slurm_cluster")
+@pytest.fixture(autouse=True)
+def _needs_slurm(request):
+    """Tests marked `slurm` get the session cluster (or a skip saying why there is none)."""
+    if request.node.get_closest_marker("slurm") is not None:
+        request.getfixturevalue("slurm_cluster")
