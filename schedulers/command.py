@@ -9,8 +9,8 @@ restarts it under the same name. A nanny would restart a dead worker with the sa
 without its actors, so the orchestrator would see a live worker that hosts nothing; actor
 recovery is the orchestrator's job (re-place, reload state), which needs the loss to be visible.
 
-No worker dashboard (``--no-dashboard``): the scheduler's dashboard is the one users open, and a
-per-worker HTTP server costs start-up time and a port per worker.
+No worker dashboard pages (``--no-dashboard``): the scheduler's dashboard is the one users open;
+the worker still serves its small HTTP endpoint (health, metrics) on a random port.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from schedulers import LocalScheduler, Partition, UnknownJobError, make_scheduler, parse_worker_name
-from tests.schedulers.conftest import wait_for_workers
+from tests.schedulers.dask_fixtures import wait_for_workers
 
 
 def _part(**kw) -> Partition:

@@ -28,9 +28,10 @@ T0=$(date +%s%N)
 
 say() { echo "[local_slurm $(( ($(date +%s%N) - T0) / 1000000 ))ms] $*"; }
 die() { say "ERROR: $*" >&2; exit 1; }
-# a pid file counts only if the process is alive and is a slurm/munge daemon (pids are reused)
-alive() { local p; [ -f "$1" ] && p=$(cat "$1") && [ -n "$p" ] && kill -0 "$p" 2>/dev/null &&
-          grep -qE '^(slurmctld|slurmd|munged)$' "/proc/$p/comm" 2>/dev/null; }
+# a pid file counts only if its process runs and is a slurm/munge daemon (pids are reused)
+alive() { local p; [ -f "$1" ] && p=$(cat "$1" 2>/dev/null) && [ -n "$p" ] && kill -0 "$p" 2>/dev/null &&
+          grep -qE '^(slurmctld|slurmd|munged)$' "/proc/$p/comm" 2>/dev/null &&
+          [ "$(awk '{print $3}' "/proc/$p/stat" 2>/dev/null)" != Z ]; }  # a zombie has already exited
 stop_pidfile() {  # SIGTERM, wait up to 5 s, then SIGKILL
   local f=$1 p
   alive "$f" || { rm -f "$f"; return 0; }

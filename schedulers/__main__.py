@@ -1,0 +1,52 @@
+"""Dry run of the Slurm backend: print the worker job scripts and sbatch lines for a partition.
+
+    python -m schedulers render partition.yaml --scheduler-address tcp://10.0.0.1:8786 --job-dir runs/x/jobs
+
+Nothing is written or submitted. The partition file is a YAML/JSON mapping of `Partition` fields.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.group()
+def main() -> None:
+    """AstraFlow scheduler backends (no astraflow import needed)."""
+
+
+@main.command()
+@click.argument("partition_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--scheduler-address", required=True, help="tcp://host:port or the path of <run>/scheduler.json")
+@click.option("--job-dir", required=True, type=click.Path(path_type=Path), help="where scripts and logs would go")
+@click.option("--count", default=1, show_default=True, help="how many workers")
+@click.option("--start-index", default=0, show_default=True)
+@click.option("--python", "python", default=sys.executable, show_default=True, help="interpreter on the compute nodes")
+@click.option("--interface", default=None, help="network interface the workers listen on (e.g. ib0)")
+@click.option("--setup-line", "setup_lines", multiple=True, help="shell line before the worker (module load ...)")
+@click.option("--tag", default="astraflow", show_default=True)
+def render(partition_file, scheduler_address, job_dir, count, start_index, python, interface, setup_lines, tag):
+    """Print the job script(s) and the sbatch line(s); submit nothing."""
+    import yaml
+    from pydantic import ValidationError
+
+    from schedulers.partition import Partition
+    from schedulers.slurm import SlurmScheduler
+
+    try:
+        partition = Partition(**yaml.safe_load(partition_file.read_text()))
+        sched = SlurmScheduler(job_dir, python=python, interface=interface, setup_lines=setup_lines, tag=tag)
+        for index in range(start_index, start_index + count):
+            script, argv = sched.render(partition, scheduler_address, index)
+            click.echo(script)
+            click.echo(f"# would run: {shlex.join(argv)}\n")
+    except (ValidationError, ValueError) as e:
+        raise click.BadParameter(str(e)) from e
+
+
+if __name__ == "__main__":
+    main()

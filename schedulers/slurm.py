@@ -1,0 +1,372 @@
+"""Workers as Slurm jobs, driven through the Slurm command-line tools.
+
+Every call to ``sbatch``, ``squeue``, ``scancel``, ``sinfo`` and ``scontrol`` goes through
+`run_slurm`, whose `SlurmCommandError` carries the exit code, command, stdout and stderr. One
+worker = one batch job on one node, its script rendered from ``templates/worker.sbatch.j2``
+(`SlurmScheduler.render` returns the script and the ``sbatch`` argv without submitting: the
+dry run). `jobs()` is one ``squeue --json`` call; `wait_for` polls it with backoff.
+
+Jobs carry ``--comment=<tag>``: `jobs()` lists the jobs with this scheduler's tag, so a restarted
+orchestrator with the same tag finds the workers it started before.
+
+Facts about the Slurm versions this targets (22.05+):
+* ``squeue --json`` ignores ``-j``/``--name`` filters in 22.05, so filtering happens here.
+* ``scancel <unknown id>`` exits 0 silently: `cancel` confirms unknown ids with ``squeue``.
+* Finished jobs stay visible in ``squeue`` for ``MinJobAge`` seconds (default 300).
+
+Why not dask-jobqueue's ``SLURMJob``: it renders its own worker command (a nanny, its own name
+suffixes) and template, which would put a second worker command line next to the one the
+local backend uses, and it is an async ``ProcessInterface`` meant to be driven by its own
+cluster object. Submission here is a handful of synchronous CLI calls we control and test.
+
+pyslurm is not used for submission or polling: it is locked to Slurm's major version (PyPI has
+only 25.11; it cannot build against 22.05). `pyslurm_status` reports whether an installed
+pyslurm matches the site's Slurm, for a future backend; the CLI path is always available.
+"""
+
+from __future__ import annotations
+
+import getpass
+import importlib.metadata
+import importlib.util
+import json
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from schedulers.base import JobRef, JobStatus, UnknownJobError
+from schedulers.command import partition_worker_command, worker_env
+from schedulers.partition import Partition, parse_worker_name, worker_name
+
+TEMPLATE_DIR = Path(__file__).parent / "templates"
+WORKER_TEMPLATE = "worker.sbatch.j2"
+_TAG = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_JOB_ID = re.compile(r"^\d+(_\d+)?$")
+
+# Slurm job states -> normalised JobState
+_STATE_MAP = {
+    "PENDING": "PENDING",
+    "CONFIGURING": "PENDING",
+    "REQUEUED": "PENDING",
+    "REQUEUE_HOLD": "PENDING",
+    "REQUEUE_FED": "PENDING",
+    "RESV_DEL_HOLD": "PENDING",
+    "RUNNING": "RUNNING",
+    "RESIZING": "RUNNING",
+    "SIGNALING": "RUNNING",
+    "STAGE_OUT": "RUNNING",
+    "COMPLETING": "RUNNING",  # processes still being cleaned up; the worker may still be connected
+    "COMPLETED": "COMPLETED",
+    "FAILED": "FAILED",
+    "BOOT_FAIL": "FAILED",
+    "NODE_FAIL": "FAILED",
+    "OUT_OF_MEMORY": "FAILED",
+    "TIMEOUT": "FAILED",
+    "DEADLINE": "FAILED",
+    "SPECIAL_EXIT": "FAILED",
+    "CANCELLED": "CANCELLED",
+    "PREEMPTED": "CANCELLED",
+    "REVOKED": "CANCELLED",
+}
+
+
+class SlurmCommandError(RuntimeError):
+    """A Slurm command failed. `returncode` is the command's exit status (127: the command is
+    not installed, 124: it timed out); `cmd`, `stdout`, `stderr` are what ran and what it said."""
+
+    def __init__(self, cmd: Sequence[str], returncode: int, stdout: str, stderr: str):
+        self.cmd = list(cmd)
+        self.returncode = returncode
+        self.stdout = stdout
+        self.stderr = stderr
+        super().__init__(f"`{shlex.join(self.cmd)}` exited with {returncode}: {(stderr or stdout).strip()[-2000:]}")
+
+
+class SlurmWaitTimeout(TimeoutError):
+    """`wait_for` reached its deadline; `last` maps each job id to its last seen status (or None)."""
+
+    def __init__(self, message: str, last: dict[str, JobStatus | None]):
+        self.last = last
+        super().__init__(message)
+
+
+def run_slurm(cmd: Sequence[str], *, timeout: float = 30.0, input: str | None = None) -> str:
+    """Run one Slurm command and return its stdout; raise `SlurmCommandError` on failure.
+
+    The single place where this package shells out to Slurm.
+    """
+    try:
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, input=input)
+    except FileNotFoundError as e:
+        raise SlurmCommandError(cmd, 127, "", f"{cmd[0]}: command not found ({e}); is Slurm installed on this host?") from e
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise SlurmCommandError(cmd, 124, out, err + f"\ntimed out after {timeout} s") from e
+    if proc.returncode != 0:
+        raise SlurmCommandError(cmd, proc.returncode, proc.stdout, proc.stderr)
+    return proc.stdout
+
+
+def backoff(deadline: float, initial: float = 0.1, factor: float = 1.6, maximum: float = 2.0) -> Iterator[float]:
+    """Sleep intervals (seconds) growing from `initial` to `maximum`, until `deadline`
+    (a `time.monotonic()` value): yields the interval after sleeping it."""
+    delay = initial
+    while (left := deadline - time.monotonic()) > 0:
+        step = min(delay, left)
+        time.sleep(step)
+        yield step
+        delay = min(delay * factor, maximum)
+
+
+def normalise_state(raw: str) -> str:
+    """Slurm job state (``RUNNING``, ``CANCELLED by 0``, ``TIMEOUT``...) -> a `JobState`."""
+    base = raw.split()[0].upper() if raw else ""
+    return _STATE_MAP.get(base, "UNKNOWN")
+
+
+def slurm_version(timeout: float = 10.0) -> tuple[int, int]:
+    """(major, minor) of the installed Slurm, from ``sinfo --version`` (e.g. ``slurm-wlm 22.05.8``)."""
+    out = run_slurm(["sinfo", "--version"], timeout=timeout)
+    m = re.search(r"(\d+)\.(\d+)", out)
+    if not m:
+        raise SlurmCommandError(["sinfo", "--version"], 0, out, "no version number in the output")
+    return int(m.group(1)), int(m.group(2))
+
+
+def pyslurm_status() -> tuple[bool, str]:
+    """Whether an installed pyslurm matches this site's Slurm (same major.minor release), and why.
+
+    Never imports pyslurm when it is absent; never raises for a missing pyslurm or Slurm.
+    """
+    if importlib.util.find_spec("pyslurm") is None:
+        return False, "pyslurm is not installed"
+    have = importlib.metadata.version("pyslurm")
+    try:
+        major, minor = slurm_version()
+    except SlurmCommandError as e:
+        return False, f"pyslurm {have} is installed but Slurm is not reachable: {e}"
+    m = re.match(r"(\d+)\.(\d+)", have)
+    if not m or (int(m.group(1)), int(m.group(2))) != (major, minor):
+        return False, f"pyslurm {have} does not match Slurm {major}.{minor:02d}: the CLI backend is used"
+    return True, f"pyslurm {have} matches Slurm {major}.{minor:02d}"
+
+
+@dataclass(frozen=True)
+class SlurmNode:
+    """One node as ``sinfo --json`` reports it (read by `astraflow partitions` and tests)."""
+
+    name: str
+    """Node name (``h100-1``)."""
+    partitions: tuple[str, ...]
+    """Slurm partitions the node belongs to."""
+    state: str
+    """Slurm node state (``idle``, ``mixed``, ``allocated``, ``down``...)."""
+    cpus: int
+    """CPUs Slurm schedules on the node."""
+    gres: str
+    """Generic resources (``gpu:h100:4``), empty when none."""
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters["shquote"] = lambda s: shlex.quote(str(s))
+    return env
+
+
+class SlurmScheduler:
+    """`Scheduler` backend submitting one Slurm batch job per worker.
+
+    `job_dir`: where rendered scripts (``<worker>.sbatch``) and logs (``<worker>.<jobid>.log``)
+    go; must be on a filesystem the compute nodes share (``<run>/jobs``). `python`: the
+    interpreter on the compute nodes (the venv with astraflow installed). `interface`/`host`:
+    what the worker listens on (``ib0`` at a site, ``lo`` for a one-host test cluster).
+    `setup_lines`: shell lines run before the worker (``module load ...``, ``source venv/bin/activate``).
+    `tag`: the ``--comment`` that marks this run's jobs. `command_timeout`: per Slurm command.
+    """
+
+    kind = "slurm"
+    supports_gres = True
+
+    def __init__(
+        self,
+        job_dir: str | Path,
+        *,
+        python: str = sys.executable,
+        interface: str | None = None,
+        host: str | None = None,
+        setup_lines: Sequence[str] = (),
+        tag: str = "astraflow",
+        death_timeout: float = 60,
+        command_timeout: float = 30.0,
+    ):
+        if not _TAG.match(tag):
+            raise ValueError(f"tag {tag!r}: use 1-64 letters, digits, '_', '.', ':' or '-'")
+        if host is not None and interface is not None:
+            raise ValueError("give either host or interface for the workers, not both")
+        self.job_dir = Path(job_dir).absolute()
+        self.python = python
+        self.interface = interface
+        self.host = host
+        self.setup_lines = tuple(setup_lines)
+        self.tag = tag
+        self.death_timeout = death_timeout
+        self.command_timeout = command_timeout
+        self._submitted: dict[str, JobRef] = {}
+        self._template = _environment().get_template(WORKER_TEMPLATE)
+
+    # ------------------------------------------------------------------ rendering (dry run)
+    def script_path(self, name: str) -> Path:
+        return self.job_dir / f"{name}.sbatch"
+
+    def render(self, partition: Partition, scheduler_address: str, index: int) -> tuple[str, list[str]]:
+        """The job script of worker `index` of `partition` and the argv that submits it.
+
+        Writes nothing and submits nothing: printing both is the dry run.
+        """
+        if partition.scheduler != "slurm":
+            raise ValueError(
+                f"partition {partition.name!r} has scheduler {partition.scheduler!r}: set scheduler: slurm "
+                "to submit it to Slurm"
+            )
+        name = worker_name(partition, index)
+        gres = partition.gres or (f"gpu:{partition.gpus_per_node}" if partition.gpus_per_node else None)
+        command = partition_worker_command(
+            partition,
+            scheduler_address,
+            name,
+            python=self.python,
+            host=self.host,
+            interface=self.interface,
+            death_timeout=self.death_timeout,
+        )
+        script = self._template.render(
+            partition=partition,
+            worker_name=name,
+            gres=gres,
+            log=str(self.job_dir / f"{name}.%j.log"),
+            tag=self.tag,
+            setup_lines=self.setup_lines,
+            env=sorted(worker_env(partition, name).items()),
+            command=command,
+        )
+        return script, ["sbatch", "--parsable", str(self.script_path(name))]
+
+    # ------------------------------------------------------------------ Scheduler protocol
+    def submit(self, partition: Partition, scheduler_address: str, count: int, start_index: int = 0) -> list[JobRef]:
+        """One ``sbatch`` per worker. If one fails (`SlurmCommandError`), the jobs submitted before
+        it stay queued and are listed by `jobs()` (they carry this scheduler's tag)."""
+        if count < 0:
+            raise ValueError(f"count is {count}: use 0 or more")
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        refs = []
+        for index in range(start_index, start_index + count):
+            script, argv = self.render(partition, scheduler_address, index)
+            path = Path(argv[-1])
+            tmp = path.with_suffix(".sbatch.tmp")
+            tmp.write_text(script)
+            tmp.replace(path)
+            out = run_slurm(argv, timeout=self.command_timeout).strip()
+            job_id = out.split(";")[0]  # --parsable prints "id" or "id;cluster"
+            if not _JOB_ID.match(job_id):
+                raise SlurmCommandError(argv, 0, out, "sbatch --parsable printed no job id")
+            name = worker_name(partition, index)
+            ref = JobRef(job_id, partition.name, name, self.kind, self.job_dir / f"{name}.{job_id}.log", path)
+            self._submitted[job_id] = ref
+            refs.append(ref)
+        return refs
+
+    def cancel(self, job_ids: Iterable[str]) -> None:
+        ids = [str(j) for j in job_ids]
+        bad = [j for j in ids if not _JOB_ID.match(j)]
+        if bad:
+            raise ValueError(f"not Slurm job ids: {bad}: pass the ids submit() returned (digits)")
+        if not ids:
+            return
+        run_slurm(["scancel", *ids], timeout=self.command_timeout)
+        # scancel exits 0 for ids it does not know: confirm with one squeue call
+        if any(j not in self._submitted for j in ids):
+            seen = {str(j["job_id"]) for j in self._squeue()}
+            unknown = [j for j in ids if j not in self._submitted and j not in seen]
+            if unknown:
+                raise UnknownJobError(unknown, self.kind)
+
+    def jobs(self) -> list[JobStatus]:
+        me = getpass.getuser()
+        out = []
+        for j in self._squeue():
+            job_id = str(j["job_id"])
+            if j.get("comment") != self.tag or j.get("user_name", me) != me:
+                continue
+            name = j.get("name", "")
+            try:
+                part = str(parse_worker_name(name)["partition"])
+            except ValueError:
+                continue  # a job with our tag that is not a worker (e.g. the head job)
+            raw = str(j.get("job_state", ""))
+            state = normalise_state(raw)
+            reason = j.get("state_reason") or None
+            if reason == "None":
+                reason = None
+            if state == "FAILED" and j.get("exit_code") not in (None, 0):
+                reason = f"{reason or raw}; exit code {j['exit_code']}"
+            node = j.get("nodes") or j.get("batch_host") or None
+            out.append(JobStatus(job_id, part, name, state, reason, raw, node if state == "RUNNING" else None))
+        return out
+
+    # ------------------------------------------------------------------ extras
+    def wait_for(self, job_ids: Iterable[str], states: Iterable[str], deadline_s: float) -> dict[str, JobStatus]:
+        """Poll `jobs()` (one squeue per poll, with backoff) until every job is in one of `states`.
+
+        Raises `SlurmWaitTimeout` (with the last statuses) when `deadline_s` passes first.
+        """
+        ids, wanted = [str(j) for j in job_ids], set(states)
+        deadline = time.monotonic() + deadline_s
+        last: dict[str, JobStatus | None] = {}
+        for _ in _first_then(backoff(deadline)):
+            by_id = {s.job_id: s for s in self.jobs()}
+            last = {j: by_id.get(j) for j in ids}
+            if all(s is not None and s.state in wanted for s in last.values()):
+                return {j: s for j, s in last.items() if s is not None}
+        summary = ", ".join(f"{j}={s.state if s else 'absent'}" for j, s in last.items())
+        raise SlurmWaitTimeout(f"jobs not in {sorted(wanted)} after {deadline_s} s: {summary}", last)
+
+    def nodes(self) -> list[SlurmNode]:
+        """The cluster's nodes from one ``sinfo --json`` call."""
+        data = json.loads(run_slurm(["sinfo", "--json"], timeout=self.command_timeout))
+        return [
+            SlurmNode(n["name"], tuple(n.get("partitions", ())), str(n.get("state", "")), int(n.get("cpus", 0)),
+                      "" if n.get("gres") in (None, "(null)") else str(n["gres"]))
+            for n in data.get("nodes", [])
+        ]
+
+    def ping(self) -> bool:
+        """True when slurmctld answers (``scontrol ping``)."""
+        try:
+            run_slurm(["scontrol", "ping"], timeout=self.command_timeout)
+        except SlurmCommandError:
+            return False
+        return True
+
+    def _squeue(self) -> list[dict[str, Any]]:
+        data = json.loads(run_slurm(["squeue", "--json", "--states=all"], timeout=self.command_timeout))
+        return list(data.get("jobs", []))
+
+
+def _first_then(it: Iterator[float]) -> Iterator[float]:
+    """Yield once immediately, then follow `it` (poll first, sleep after)."""
+    yield 0.0
+    yield from it

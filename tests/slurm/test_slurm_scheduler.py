@@ -1,0 +1,109 @@
+"""SlurmScheduler against a real (local) Slurm and a real Dask scheduler on 127.0.0.1."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from schedulers import Partition, UnknownJobError, make_scheduler
+from schedulers.slurm import SlurmCommandError, SlurmScheduler, pyslurm_status, run_slurm
+from tests.schedulers.dask_fixtures import wait_for_workers
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture
+def sched(tmp_path):
+    s = SlurmScheduler(tmp_path / "jobs", interface="lo", tag=f"aftest-{uuid.uuid4().hex[:8]}", death_timeout=30)
+    yield s
+    left = [j.job_id for j in s.jobs() if j.active]
+    if left:
+        s.cancel(left)
+
+
+def _gpu() -> Partition:
+    return Partition(name="h100", scheduler="slurm", slurm_partition="h100", nodes=2, gres="gpu:h100:1",
+                     gpus_per_node=1, region="eu", hardware="H100", role="rollout", walltime="00:10:00", mem="512M")
+
+
+def _cpu() -> Partition:
+    return Partition(name="cpu", scheduler="slurm", slurm_partition="cpu", nodes=1, region="us", hardware="cpu",
+                     role="data", walltime="10")
+
+
+@pytest.mark.timeout(90)
+def test_workers_in_two_partitions_join_by_name_and_cancel(sched, dask_scheduler):
+    address, sched_file, client = dask_scheduler
+    refs = sched.submit(_gpu(), address, count=2) + sched.submit(_cpu(), str(sched_file), count=1)
+    names = {r.worker_name for r in refs}
+    assert names == {"rollout-h100-eu-H100-0", "rollout-h100-eu-H100-1", "data-cpu-us-cpu-0"}
+    assert all(r.script.exists() for r in refs)
+
+    running = sched.wait_for([r.job_id for r in refs], {"RUNNING"}, deadline_s=30)
+    nodes = {s.worker_name: s.node for s in running.values()}
+    assert nodes["data-cpu-us-cpu-0"] == "cpu-1"
+    assert {nodes["rollout-h100-eu-H100-0"], nodes["rollout-h100-eu-H100-1"]} <= {"h100-1", "h100-2"}
+    assert {s.partition for s in running.values()} == {"h100", "cpu"}
+
+    connected = wait_for_workers(client, names, present=True, deadline_s=45)
+    assert names <= connected, f"not joined: {names - connected}; logs: " + " | ".join(
+        r.log.read_text()[-400:] for r in refs if r.log.exists())
+    resources = {w["name"]: w["resources"] for w in client.scheduler_info()["workers"].values()}
+    assert resources["rollout-h100-eu-H100-1"] == {"rollout": 1, "GPU": 1}
+    assert resources["data-cpu-us-cpu-0"] == {"data": 1}
+    # the job really got the GRES it asked for
+    env = client.run(lambda: __import__("os").environ.get("SLURM_JOB_GPUS"), workers=[
+        w for w, i in client.scheduler_info()["workers"].items() if i["name"] == "rollout-h100-eu-H100-0"])
+    assert list(env.values()) != [None]
+
+    gone = refs[0]
+    sched.cancel([gone.job_id])
+    sched.wait_for([gone.job_id], {"CANCELLED"}, deadline_s=20)
+    left = wait_for_workers(client, {gone.worker_name}, present=False, deadline_s=20)
+    assert gone.worker_name not in left and names - {gone.worker_name} <= left
+    states = {s.job_id: s.state for s in sched.jobs()}
+    assert states[gone.job_id] == "CANCELLED" and states[refs[1].job_id] == "RUNNING"
+
+    sched.cancel([r.job_id for r in refs[1:]])
+    sched.wait_for([r.job_id for r in refs], {"CANCELLED"}, deadline_s=20)
+    assert wait_for_workers(client, names, present=False, deadline_s=20).isdisjoint(names)
+
+
+@pytest.mark.timeout(30)
+def test_bad_partition_raises_with_exit_code_and_stderr(sched):
+    bad = Partition(name="x", scheduler="slurm", slurm_partition="nosuch")
+    with pytest.raises(SlurmCommandError) as info:
+        sched.submit(bad, "tcp://127.0.0.1:1", 1)
+    err = info.value
+    assert err.returncode == 1 and err.cmd[:2] == ["sbatch", "--parsable"]
+    assert "invalid partition" in err.stderr.lower()
+    assert sched.jobs() == []
+
+
+@pytest.mark.timeout(30)
+def test_cancel_unknown_id_is_detected(sched):
+    # scancel itself exits 0 for an unknown id; the scheduler confirms with squeue
+    run_slurm(["scancel", "987654"])
+    with pytest.raises(UnknownJobError, match="987654"):
+        sched.cancel(["987654"])
+    with pytest.raises(ValueError, match="digits"):
+        sched.cancel(["--all"])
+    with pytest.raises(SlurmCommandError) as info:
+        run_slurm(["squeue", "-j", "987654"])
+    assert info.value.returncode == 1 and "Invalid job id" in info.value.stderr
+
+
+@pytest.mark.timeout(30)
+def test_sinfo_and_factory(tmp_path):
+    s = make_scheduler("slurm", job_dir=tmp_path)
+    assert s.kind == "slurm" and s.supports_gres and s.ping()
+    parts = {p for n in s.nodes() for p in n.partitions}
+    assert {"h100", "a100", "cpu"} <= parts, "local_slurm.sh makes h100, a100 and cpu partitions"
+
+
+def test_pyslurm_only_when_it_matches():
+    ok, why = pyslurm_status()
+    if not ok:
+        pytest.skip(why)
+    import pyslurm  # noqa: F401  (matches the site's Slurm: importable)
