@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up AstraFlow in .venv and run the main example (math, embedded default: local Dask
+# workers, CPU model built locally, no Slurm, no downloads). Extra arguments go to
+# `astraflow run`, e.g. --set run.max_steps=20 or --run-dir runs/mine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3.11 -m venv .venv
+fi
+.venv/bin/pip install -q -e .
+exec .venv/bin/astraflow run examples/math/config.yaml "$@"
