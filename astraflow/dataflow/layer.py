@@ -109,6 +109,7 @@ class DataLayer:
         metrics_path: str | None,
         max_steps: int,
         seed: int = 0,
+        gated: bool = False,
     ):
         self.cfg = dataflow
         self.wcfg = workload
@@ -154,6 +155,9 @@ class DataLayer:
         self._started = time.time()
         self._metrics = open(metrics_path, "a", buffering=1) if metrics_path else None
         self._ready_event: asyncio.Event | None = None
+        #: groups the data layer may still create; None = free running (the AstraFlow mode).
+        #: The trainer-centred baseline (``run.mode: sync``) opens one iteration at a time.
+        self.budget: int | None = 0 if gated else None
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -186,6 +190,8 @@ class DataLayer:
         limit = self.groups_per_batch + self.cfg.prefetch_groups
         proposals = 0
         while not self.finished and len(self._outstanding) < limit and proposals < max(len(self._train), 1):
+            if self.budget is not None and self.budget <= 0:
+                return
             proposals += 1
             idx = self._next_prompt()
             payload = self._train[idx]
@@ -194,6 +200,8 @@ class DataLayer:
                 self.counts[self.policy_names[0]]["curator_skipped"] += 1
                 continue
             self._group_seq += 1
+            if self.budget is not None:
+                self.budget -= 1
             gid = f"g{self._group_seq:07d}"
             tids = [f"{gid}/{j}" for j in range(self.wcfg.group_size)]
             self.groups[gid] = _Group(gid, key, "train", tids)
@@ -518,6 +526,17 @@ class DataLayer:
         if policy == self.policy_names[0] and every and (version % every == 0 or version >= self.max_steps):
             self._start_eval(version)
         self._notify()
+
+    async def open_iteration(self, groups: int) -> None:
+        """Baseline (``run.mode: sync``, a gated data layer) control: allow exactly ``groups``
+        more groups to be created."""
+        self.budget = (self.budget or 0) + groups
+        self._refill()
+        self._notify()
+
+    async def ready(self, policy: str, version: int) -> int:
+        """Sequences buffered for ``policy`` that a trainer at ``version`` could consume."""
+        return self._available(policy, version)
 
     # ------------------------------------------------------------------ evaluation
     async def start_eval(self, version: int) -> None:

@@ -110,6 +110,11 @@ class RaaSNode:
         self._thread.start()
         return self.versions()
 
+    def refresh(self) -> dict[str, int]:
+        """Load any newer committed weights now (a driver's explicit sync point)."""
+        self.counters["weight_loads"] += self.puller.poll()
+        return self.versions()
+
     def versions(self) -> dict[str, int]:
         return {p: int(e.version) for p, e in self.engines.items()}
 

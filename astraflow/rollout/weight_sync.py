@@ -9,6 +9,7 @@ loaded weights between two decoding steps.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Mapping
 
@@ -23,10 +24,15 @@ class WeightPuller:
         self.full_resync_every = full_resync_every
         #: one record per load: policy, version, mode, bytes, seconds, commit_to_serving_s
         self.history: list[dict[str, Any]] = []
+        self._lock = threading.Lock()  # the watcher and an explicit refresh may poll at once
 
     def poll(self) -> int:
         """Load the latest committed version of every policy that has a newer one; returns how
         many versions were loaded."""
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> int:
         loaded = 0
         for policy, engine in self.engines.items():
             latest = self.store.latest(policy)

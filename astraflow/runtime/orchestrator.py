@@ -79,6 +79,8 @@ class Orchestrator:
         self.dl: Any = None
         self.trainers: dict[str, Any] = {}
         self.dashboard: str | None = None
+        #: per-iteration phase times of the trainer-centred baseline (``run.mode: sync``)
+        self.iterations: list[dict[str, float]] = []
 
     # ------------------------------------------------------------------ public
     def run(self) -> RunResult:
@@ -197,7 +199,7 @@ class Orchestrator:
                 DataLayer, data_w.job.worker_name,
                 dataflow=cfg.dataflow, workload=cfg.workload, policies=[p.name for p in cfg.policies],
                 store_url=store_url, metrics_path=str(self.paths.metrics), max_steps=cfg.run.max_steps,
-                seed=cfg.run.seed,
+                seed=cfg.run.seed, gated=cfg.run.mode == "sync",
             )})["data"]
             data_w.actor, data_w.started = self.dl, True
         placed = {}
@@ -214,7 +216,7 @@ class Orchestrator:
             self.dl.start_eval(0).result(timeout=30)
         with self.progress.waiting(f"starting {len(placed)} trainer(s) and the RaaS nodes (model loading)"):
             self.trainers = self._wait_all("placing trainers", placed)
-            starts = {p: t.start() for p, t in self.trainers.items()}
+            starts = {p: t.start(run_loop=cfg.run.mode == "async") for p, t in self.trainers.items()}
             self._place_nodes()
             self._wait_all("starting trainers (backend build, v0 publish)", starts)
 
@@ -256,6 +258,8 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ the watch loop
     def _loop(self, t0: float) -> None:
+        if self.cfg.run.mode == "sync":
+            self._sync_loop(t0)
         final = self.cfg.run.max_steps
         eval_on = bool(self.cfg.workload.eval.every)
         while True:
@@ -275,6 +279,28 @@ class Orchestrator:
             if time.time() - t0 > self.cfg.run.timeout_s:
                 raise RunFailed(f"run deadline of {self.cfg.run.timeout_s:.0f}s passed (run.timeout_s)")
             time.sleep(1.0)
+
+    def _sync_loop(self, t0: float) -> None:
+        """The trainer-centred baseline: a driver loop owns the phases (see sync_driver)."""
+        from astraflow.runtime.sync_driver import drive_sync
+
+        def tick() -> None:
+            if time.time() - self._last_tick > 1.0:
+                self._last_tick = time.time()
+                state = self.dl.state().result(timeout=30)
+                trainers = {p: t.state().result(timeout=30) for p, t in self.trainers.items()}
+                self.progress.update(state, trainers)
+                self._write_status(state, trainers)
+
+        self._last_tick = 0.0
+        cfg = self.cfg
+        self.iterations = drive_sync(
+            self.dl, self.trainers,
+            lambda: [w.actor for w in self.workers.values()
+                     if w.actor is not None and w.started and not w.gone and self.partitions[w.partition].role == "rollout"],
+            cfg.dataflow.batch_size, cfg.dataflow.batch_size // cfg.workload.group_size,
+            cfg.run.max_steps, cfg.run.timeout_s, tick,
+        )
 
     def _write_status(self, state: dict[str, Any], trainers: dict[str, Any]) -> None:
         job_states = {}
@@ -348,7 +374,8 @@ class Orchestrator:
         self.paths.summary.write_text(
             json.dumps(
                 {"steps": steps, "eval": state["eval"], "ledger": ledger, "seconds": result.seconds,
-                 "interrupted": interrupted, "nodes": nodes, "data_layer": state},
+                 "interrupted": interrupted, "nodes": nodes, "data_layer": state,
+                 "iterations": self.iterations},
                 indent=2, default=str,
             )
         )

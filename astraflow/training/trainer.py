@@ -81,9 +81,10 @@ class Trainer:
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
 
-    def start(self) -> int:
-        """Build the backend, publish the initial version, start the loop. Returns the
-        version the loop starts from (a resumed run continues after its latest version)."""
+    def start(self, run_loop: bool = True) -> int:
+        """Build the backend, publish the initial version, start the loop (unless a driver
+        calls ``step()`` itself: the trainer-centred baseline). Returns the version the loop
+        starts from (a resumed run continues after its latest version)."""
         bind(self.dl)
         self.store = WeightStore(self.weights_root, keep_last=self.keep_versions)
         self.backend = make_backend(self.cfg, self.model_path, self.seed)
@@ -92,9 +93,16 @@ class Trainer:
             self.backend.publish(self.store, self.policy, 0)
         else:
             self.version = latest.version
-        self._thread = threading.Thread(target=self._run, name=f"trainer-{self.policy}", daemon=True)
-        self._thread.start()
+        if run_loop:
+            self._thread = threading.Thread(target=self._run, name=f"trainer-{self.policy}", daemon=True)
+            self._thread.start()
         return self.version
+
+    def step(self) -> dict[str, float]:
+        """One step driven from outside (``run.mode: sync``): batch, train, publish."""
+        self._step()
+        self.done = self.version >= self.max_steps
+        return self.last_metrics
 
     def pause(self, paused: bool = True) -> None:
         """Stall the loop (tests use it to show that other policies keep training)."""
@@ -123,34 +131,37 @@ class Trainer:
             "last_metrics": dict(self.last_metrics),
         }
 
+    def _step(self) -> None:
+        t0 = time.time()
+        batch = call_sync(
+            self.dl.next_batch, self.policy, self.version, self.cfg.batch_timeout_s,
+            timeout=self.cfg.batch_timeout_s + 30,
+        )
+        t1 = time.time()
+        metrics = self.backend.train_step(batch)
+        t2 = time.time()
+        self.backend.publish(self.store, self.policy, self.version + 1)
+        t3 = time.time()
+        self.version += 1
+        self.wait_s += t1 - t0
+        self.train_s += t2 - t1
+        self.publish_s += t3 - t2
+        self.last_metrics = {
+            **metrics,
+            "wait_s": t1 - t0,
+            "train_s": t2 - t1,
+            "publish_s": t3 - t2,
+            "trainer_wait_fraction": self.wait_s / max(time.time() - self._started_at, 1e-9),
+        }
+        call_sync(self.dl.published, self.policy, self.version, self.last_metrics, timeout=60)
+
     def _run(self) -> None:
         try:
             while self.version < self.max_steps and not self._stop.is_set():
                 if self._paused.is_set():
                     time.sleep(0.1)
                     continue
-                t0 = time.time()
-                batch = call_sync(
-                    self.dl.next_batch, self.policy, self.version, self.cfg.batch_timeout_s,
-                    timeout=self.cfg.batch_timeout_s + 30,
-                )
-                t1 = time.time()
-                metrics = self.backend.train_step(batch)
-                t2 = time.time()
-                self.backend.publish(self.store, self.policy, self.version + 1)
-                t3 = time.time()
-                self.version += 1
-                self.wait_s += t1 - t0
-                self.train_s += t2 - t1
-                self.publish_s += t3 - t2
-                self.last_metrics = {
-                    **metrics,
-                    "wait_s": t1 - t0,
-                    "train_s": t2 - t1,
-                    "publish_s": t3 - t2,
-                    "trainer_wait_fraction": self.wait_s / max(time.time() - self._started_at, 1e-9),
-                }
-                call_sync(self.dl.published, self.policy, self.version, self.last_metrics, timeout=60)
+                self._step()
             self.done = self.version >= self.max_steps
         except Exception as err:  # reported through state(); the orchestrator fails the run
             self.error = f"{type(err).__name__}: {err}"

@@ -1,0 +1,61 @@
+"""The trainer-centred baseline (``run.mode: sync``), for honest comparisons.
+
+Same engines, losses, stores and actors as AstraFlow's asynchronous mode; only the control
+differs. One driver loop does what a verl-style central trainer does each iteration:
+
+1. open exactly one batch worth of groups in the data layer and wait until every policy's
+   buffer can fill a batch (rollout phase, ``R``: the slowest episode decides);
+2. train each policy in turn, one step each, publishing its new version (training phase,
+   ``T``: the RaaS nodes sit idle);
+3. make every RaaS node load the new weights before the next iteration (sync phase, ``S``).
+
+The per-iteration times are returned so that a benchmark can compute the ideal overlap
+speedup ``(R + T + S) / max(R, T)`` of a system that runs rollout and training concurrently.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+
+def drive_sync(
+    dl: Any,
+    trainers: dict[str, Any],
+    nodes: Callable[[], list[Any]],
+    batch_size: int,
+    groups_per_batch: int,
+    max_steps: int,
+    timeout_s: float,
+    on_tick: Callable[[], None] = lambda: None,
+) -> list[dict[str, float]]:
+    """Run ``max_steps`` lock-step iterations; returns one timing record per iteration."""
+    iterations: list[dict[str, float]] = []
+    version = min(t.state().result(timeout=30)["version"] for t in trainers.values())
+    while version < max_steps:
+        t0 = time.time()
+        dl.open_iteration(groups_per_batch).result(timeout=30)
+        deadline = t0 + timeout_s
+        while True:
+            st = dl.state().result(timeout=30)  # before `ready`: nothing can be ingested unseen
+            ready = {p: dl.ready(p, version).result(timeout=30) for p in trainers}
+            if all(n >= batch_size for n in ready.values()):
+                break
+            if st["outstanding_groups"] == 0 and st["pending"] == 0 and st["leased"] == 0:
+                dl.open_iteration(1).result(timeout=30)  # filters dropped groups: top up
+            if time.time() > deadline:
+                raise TimeoutError(f"sync iteration {version}: batches not ready within {timeout_s:.0f}s ({ready})")
+            on_tick()
+            time.sleep(0.02)
+        t1 = time.time()
+        for trainer in trainers.values():
+            trainer.step().result(timeout=timeout_s)
+        t2 = time.time()
+        for fut in [n.refresh() for n in nodes()]:
+            fut.result(timeout=timeout_s)
+        t3 = time.time()
+        version += 1
+        iterations.append({"step": version, "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
+                           "iteration_s": t3 - t0})
+        on_tick()
+    return iterations
