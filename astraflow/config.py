@@ -272,6 +272,18 @@ class RunConfig(_Strict):
         pnames = [p.name for p in self.partitions]
         if len(set(pnames)) != len(pnames):
             raise ValueError(f"partitions: names must be unique, got {pnames}")
+        from astraflow.workloads.base import workflow_class
+
+        try:
+            wf = workflow_class(self.workload.workflow)
+        except (ValueError, ImportError) as err:
+            raise ValueError(f"workload.workflow: {err}") from None
+        need = getattr(wf, "num_policies", 1)
+        if need != len(self.policies):
+            raise ValueError(
+                f"workload.workflow {self.workload.workflow!r} drives {need} policies but policies names "
+                f"{len(self.policies)}: list one policy per role, in the workflow's order"
+            )
         for pol in self.policies:
             if pol.init is None and not pol.model.exists():
                 raise ValueError(

@@ -203,6 +203,9 @@ class Trajectory:
     attempt: int
     sequences: tuple[Sequence, ...]
     provenance: Provenance
+    #: the episode's outcome for evaluation (e.g. correctness of the final answer), set by the
+    #: workflow; ``None`` means the reward of the last sequence of the first policy.
+    score: float | None = None
 
     def __post_init__(self) -> None:
         if not self.sequences:
@@ -228,6 +231,7 @@ class Trajectory:
             "kind": self.kind,
             "attempt": self.attempt,
             "provenance": self.provenance.to_dict(),
+            "score": self.score,
         }
         return [
             StoredSequence(
@@ -263,7 +267,15 @@ class Trajectory:
             attempt=meta["attempt"],
             sequences=tuple(sequence_from_stored(r) for r in rows),
             provenance=Provenance(**meta["provenance"]),
+            score=meta.get("score"),
         )
+
+    def episode_score(self) -> float:
+        """``score``, or the reward of the first policy's last sequence."""
+        if self.score is not None:
+            return float(self.score)
+        own = [s for s in self.sequences if (s.policy_ids == 0).any()]
+        return float((own or list(self.sequences))[-1].reward)
 
 
 def sequence_from_stored(row: StoredSequence) -> Sequence:
@@ -303,6 +315,8 @@ class TrajectoryRef:
     attempt: int
     node: str
     sequences: tuple[SequenceSummary, ...]
+    #: ``Trajectory.episode_score()``: what an evaluation counts.
+    score: float = 0.0
 
     @classmethod
     def of(cls, traj: "Trajectory", refs: list[EntryRef]) -> "TrajectoryRef":
@@ -330,6 +344,7 @@ class TrajectoryRef:
             attempt=traj.attempt,
             node=traj.provenance.node,
             sequences=tuple(summaries),
+            score=traj.episode_score(),
         )
 
 

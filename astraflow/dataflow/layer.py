@@ -16,8 +16,9 @@ Named asynchronous overlaps and their invariants:
   within ``lease_seconds`` returns to the queue with ``attempt + 1``; a late completion of an
   earlier attempt is still accepted if the task has not ended (first completion wins), later
   ones are counted as duplicates. Every task ends exactly once (``Ledger``).
-* *rollout ahead of training*: at most ``groups_per_batch + prefetch_groups`` train groups are
-  outstanding (not yet consumed), which bounds both staleness and wasted rollouts.
+* *rollout ahead of training*: groups in rollout plus the groups buffered for the hungriest
+  policy stay below ``groups_per_batch + prefetch_groups``, which bounds staleness and wasted
+  rollouts without coupling independent policies.
 * *staleness*: a sequence whose oldest token version for the consuming policy is more than
   ``max_staleness`` versions behind the trainer's version is dropped and counted as ``stale``.
 """
@@ -151,7 +152,7 @@ class DataLayer:
         self.finished = False
         self._ingest_seq = 0
         self._group_seq = 0
-        self._outstanding: set[str] = set()  # train groups not fully settled
+        self._outstanding: set[str] = set()  # train groups being rolled out (not yet ingested)
         self._started = time.time()
         self._metrics = open(metrics_path, "a", buffering=1) if metrics_path else None
         self._ready_event: asyncio.Event | None = None
@@ -186,10 +187,10 @@ class DataLayer:
         return self._order.pop()
 
     def _refill(self) -> None:
-        """Create train groups until the outstanding bound is reached."""
+        """Create train groups while the rollout-ahead bound allows."""
         limit = self.groups_per_batch + self.cfg.prefetch_groups
         proposals = 0
-        while not self.finished and len(self._outstanding) < limit and proposals < max(len(self._train), 1):
+        while not self.finished and self._ahead() < limit and proposals < max(len(self._train), 1):
             if self.budget is not None and self.budget <= 0:
                 return
             proposals += 1
@@ -214,6 +215,23 @@ class DataLayer:
                     )
                 )
                 self.pending.append(tid)
+
+    def _ahead(self) -> int:
+        """Groups rolled out ahead of training: those in rollout plus what the hungriest
+        policy has buffered. Using the hungriest policy keeps policies independent: a
+        stalled trainer's growing buffer does not starve the others (it is capped instead,
+        see ``_cap_buffer``)."""
+        return len(self._outstanding) + min(len(b) for b in self.buffers.values())
+
+    def _cap_buffer(self, policy: str) -> None:
+        """A policy whose trainer does not consume keeps at most ``4 x`` a batch of groups;
+        the oldest beyond that are dropped as ``overflow``."""
+        buf = self.buffers[policy]
+        cap = 4 * (self.groups_per_batch + self.cfg.prefetch_groups)
+        while len(buf) > cap:
+            grp = buf.pop(0)
+            self.counts[policy]["overflow_dropped"] += len(grp.items)
+            self._settle(policy, grp.items, "overflow")
 
     def _add_task(self, task: RolloutTask) -> None:
         self.tasks[task.task_id] = task
@@ -369,6 +387,7 @@ class DataLayer:
             self._ingest_seq += 1
             self.buffers[policy].append(_Ready(grp.group_id, self._ingest_seq, items))
             c["accepted"] += len(items)
+            self._cap_buffer(policy)
         if first_rewards:
             self.curator.observe(grp.prompt_key, first_rewards)
         for tid in live:
@@ -566,7 +585,7 @@ class DataLayer:
 
     def _record_eval(self, task: RolloutTask, ref: TrajectoryRef) -> None:
         rnd = self.eval_rounds[task.min_version]
-        rnd.rewards.setdefault(task.group_id, []).append(ref.sequences[-1].reward)
+        rnd.rewards.setdefault(task.group_id, []).append(ref.score)
         rnd.remaining -= 1
         self.ledger.end(task.task_id, "evaluated")
         self._maybe_finish_eval(task.min_version)

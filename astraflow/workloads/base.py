@@ -46,7 +46,18 @@ def make_workload(name: str, params: Mapping[str, Any], seed: int) -> Workload:
     return WORKLOADS.get(name)(seed=seed, **dict(params))
 
 
-def make_workflow(name: str, workload: Workload, sampling: SamplingParams, node: str) -> Workflow:
+def workflow_class(name: str):
+    """The workflow class registered as ``name``. ``"package.module:name"`` imports a user
+    module first (which registers its workflows), so a new workflow needs no change here."""
+    import importlib
+
     import astraflow.workloads.workflows  # noqa: F401  (registers the shipped workflows)
 
-    return WORKFLOWS.get(name)(workload=workload, sampling=sampling, node=node)
+    if ":" in name:
+        module, name = name.split(":", 1)
+        importlib.import_module(module)
+    return WORKFLOWS.get(name)
+
+
+def make_workflow(name: str, workload: Workload, sampling: SamplingParams, node: str) -> Workflow:
+    return workflow_class(name)(workload=workload, sampling=sampling, node=node)

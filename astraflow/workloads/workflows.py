@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import replace
 from typing import Mapping
@@ -36,6 +37,9 @@ def turn_sequence(prompt: list[int], gen: Generation, policy_index: int, reward:
 
 
 class _Base:
+    #: how many policies the workflow drives (``RolloutTask.policies`` order).
+    num_policies = 1
+
     def __init__(self, workload: Workload, sampling: SamplingParams, node: str):
         self.workload = workload
         self.sampling = sampling
@@ -67,3 +71,87 @@ class SingleTurn(_Base):
         text = engine.tokenizer.decode(gen.tokens, skip_special_tokens=True)
         reward = self.workload.reward(text, task.prompt)
         return self._trajectory(task, [turn_sequence(prompt, gen, 0, reward)], t0, gen.engine_seconds)
+
+
+def _gen_text(engine: InferenceEngine, gen: Generation) -> str:
+    return engine.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+
+
+def verify_prompt(question_prompt: str, answer_text: str) -> str:
+    """What the verifier sees: the solver's prompt and answer, then ``?`` (it answers Y/N)."""
+    return f"{question_prompt}{answer_text.strip()}?"
+
+
+def parse_verdict(text: str) -> bool | None:
+    """``True`` for an accepting verdict (first letter Y), ``False`` for N, else ``None``."""
+    t = text.strip().upper()
+    return True if t.startswith("Y") else False if t.startswith("N") else None
+
+
+def select_prompt(question_prompt: str, first: str, second: str) -> str:
+    """What the selector sees: the two candidate answers; it answers 1 or 2."""
+    return f"{question_prompt}{first.strip()}|{second.strip()}?"
+
+
+@WORKFLOWS.register("solver_verifier")
+class SolverVerifier(_Base):
+    num_policies = 2
+
+    """Policy 0 (solver) answers; policy 1 (verifier) judges the answer (Y/N); on a reject
+    the solver gets one retry that sees the rejected answer. Solver reward: correctness of
+    the final answer (on each of its turns); verifier reward: whether its verdict was right."""
+
+    async def run_episode(self, engines: Mapping[str, InferenceEngine], task: RolloutTask) -> Trajectory:
+        t0 = time.time()
+        solver, verifier = engines[task.policies[0]], engines[task.policies[1]]
+        params = sampling_for(task, self.sampling)
+        q = self.workload.render_prompt(task.prompt)
+        p1 = solver.tokenizer.encode(q)
+        g1 = await solver.generate(p1, params)
+        a1 = _gen_text(solver, g1)
+        ok1 = self.workload.reward(a1, task.prompt)
+        pv = verifier.tokenizer.encode(verify_prompt(q, a1))
+        gv = await verifier.generate(pv, replace(params, max_new_tokens=2))
+        verdict = parse_verdict(_gen_text(verifier, gv))
+        turns = [(p1, g1, 0)]
+        final = ok1
+        if verdict is False:
+            p2 = solver.tokenizer.encode(f"{q}{a1.strip()} no. {q}")
+            g2 = await solver.generate(p2, params)
+            final = self.workload.reward(_gen_text(solver, g2), task.prompt)
+            turns.append((p2, g2, 0))
+        verifier_right = float(verdict is not None and verdict == (ok1 > 0))
+        seqs = [turn_sequence(p, g, i, final) for p, g, i in turns]
+        seqs.insert(1, turn_sequence(pv, gv, 1, verifier_right))
+        secs = sum(g.engine_seconds for _, g, _ in turns) + gv.engine_seconds
+        traj = self._trajectory(task, seqs, t0, secs)
+        return replace(traj, score=final)
+
+
+@WORKFLOWS.register("solver_selector")
+class SolverSelector(_Base):
+    num_policies = 2
+
+    """Policy 0 (solver) answers twice; policy 1 (selector) picks one (1 or 2). Solver reward:
+    each attempt's own correctness; selector reward: 1 when exactly one attempt was correct
+    and it picked that one, 0 when it picked the wrong one, 0.5 when the pick could not matter.
+    The episode's score is the correctness of the picked answer."""
+
+    async def run_episode(self, engines: Mapping[str, InferenceEngine], task: RolloutTask) -> Trajectory:
+        t0 = time.time()
+        solver, selector = engines[task.policies[0]], engines[task.policies[1]]
+        params = sampling_for(task, self.sampling)
+        q = self.workload.render_prompt(task.prompt)
+        p = solver.tokenizer.encode(q)
+        g1, g2 = await asyncio.gather(solver.generate(p, params), solver.generate(p, params))
+        a1, a2 = _gen_text(solver, g1), _gen_text(solver, g2)
+        ok1, ok2 = self.workload.reward(a1, task.prompt), self.workload.reward(a2, task.prompt)
+        ps = selector.tokenizer.encode(select_prompt(q, a1, a2))
+        gs = await selector.generate(ps, replace(params, max_new_tokens=2))
+        pick_text = _gen_text(selector, gs).strip()
+        pick = 2 if pick_text.startswith("2") else 1
+        picked_ok = ok2 if pick == 2 else ok1
+        sel_reward = (1.0 if picked_ok > 0 else 0.0) if ok1 != ok2 else 0.5
+        seqs = [turn_sequence(p, g1, 0, ok1), turn_sequence(p, g2, 0, ok2), turn_sequence(ps, gs, 1, sel_reward)]
+        secs = g1.engine_seconds + g2.engine_seconds + gs.engine_seconds
+        return replace(self._trajectory(task, seqs, t0, secs), score=picked_ok)

@@ -1,0 +1,161 @@
+"""Several policies in one run: routing by per-token policy id, per-policy group statistics,
+independence, lockstep, and a workflow written only here that needs no change elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from astraflow.config import DataflowConfig, EvalConfig, WorkloadConfig
+from astraflow.contracts import NOT_GENERATED, Provenance, RolloutTask, Sequence, Trajectory
+from astraflow.dataflow.layer import BatchTimeout, DataLayer
+from astraflow.rollout.engine import SamplingParams
+from astraflow.workloads.base import WORKFLOWS, make_workload
+from astraflow.workloads.workflows import _Base, turn_sequence
+
+from tests.dataflow.helpers import store_and_ref
+
+
+def layer2(tmp_path, **df) -> DataLayer:
+    return DataLayer(
+        dataflow=DataflowConfig(batch_size=4, prefetch_groups=0, **df),
+        workload=WorkloadConfig(name="math", workflow="solver_verifier", params={"digits": 1},
+                                group_size=2, eval=EvalConfig(every=0)),
+        policies=["solver", "verifier"],
+        store_url=f"memory://{uuid.uuid4().hex}",
+        metrics_path=None,
+        max_steps=10,
+    )
+
+
+def two_policy_trajectory(task: RolloutTask, solver_reward: float, verifier_reward: float,
+                          version=(0, 0)) -> Trajectory:
+    """seq 0: solver turn; seq 1: one flattened sequence with tokens of both policies."""
+    s0 = Sequence.build(tokens=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1], logprobs=[0, 0, -1, -1],
+                        policy_ids=[-1, -1, 0, 0], versions=[-1, -1, version[0], version[0]],
+                        reward=solver_reward)
+    s1 = Sequence.build(tokens=[5, 6, 7, 8, 9], loss_mask=[0, 1, 0, 1, 1], logprobs=[0, -1, 0, -1, -1],
+                        policy_ids=[-1, 0, -1, 1, 1], versions=[-1, version[0], -1, version[1], version[1]],
+                        reward=verifier_reward)
+    return Trajectory(task.task_id, task.group_id, task.policies, task.workflow, task.kind, task.attempt,
+                      (s0, s1), Provenance(node="n"))
+
+
+_WRITERS: dict = {}
+
+
+async def _fill(layer, rewards, version=(0, 0)):
+    """Complete every leasable task, cycling through ``rewards``."""
+    w = _WRITERS.setdefault(id(layer), layer.store.writer("n"))
+    tasks = await layer.lease("n", 100)
+    trajs = [two_policy_trajectory(t, *rewards[i % len(rewards)], version=version) for i, t in enumerate(tasks)]
+    await layer.complete(store_and_ref(w, trajs))
+
+
+def test_routing_masks_and_per_policy_group_stats(tmp_path):
+    layer = layer2(tmp_path)
+
+    async def go():
+        # 2 groups of 2 episodes; solver rewards (1,0), verifier rewards (1,1)/(0,1)
+        await _fill(layer, [(1.0, 1.0), (0.0, 1.0), (1.0, 0.0), (0.0, 1.0)])
+        sb = await layer.next_batch("solver", 0, timeout=5)
+        vb = await layer.next_batch("verifier", 0, timeout=5)
+        # the solver generated tokens in both sequences of every episode -> 8 candidates, 4 taken
+        assert len(sb) == 4 and len(vb) == 4
+        for item in sb.items:
+            pid = item.sequence.policy_ids
+            assert np.array_equal(item.loss_mask, item.sequence.loss_mask & (pid == 0))
+            assert item.group_size == 4  # 2 episodes x 2 solver-bearing sequences
+        for item in vb.items:
+            assert np.array_equal(item.loss_mask, item.sequence.loss_mask & (item.sequence.policy_ids == 1))
+            assert item.loss_mask.sum() == 2
+        # verifier groups: rewards {1,1} (std 0) and {0,1} (mean .5)
+        stats = sorted({(round(i.group_mean, 3), round(i.group_std, 3)) for i in vb.items})
+        assert stats == [(0.5, 0.5), (1.0, 0.0)]
+
+    asyncio.run(go())
+
+
+def test_stalled_policy_does_not_stop_the_other(tmp_path):
+    layer = layer2(tmp_path)
+
+    async def go():
+        # the verifier's trainer never asks; the solver keeps getting batches for many steps
+        for step in range(8):
+            await _fill(layer, [(1.0, 1.0), (0.0, 1.0), (1.0, 0.0), (0.0, 1.0)], version=(step, 0))
+            b = await layer.next_batch("solver", step, timeout=5)
+            assert len(b) == 4
+            await layer.published("solver", step + 1, {})
+        st = await layer.state()
+        assert st["versions"] == {"solver": 8, "verifier": 0}
+        assert st["counts"]["verifier"].get("overflow_dropped", 0) > 0  # capped, not unbounded
+
+    asyncio.run(go())
+
+
+def test_lockstep_is_a_version_barrier(tmp_path):
+    layer = layer2(tmp_path, lockstep=True)
+
+    async def go():
+        await _fill(layer, [(1.0, 1.0), (0.0, 1.0), (1.0, 0.0), (0.0, 1.0)])
+        await _fill(layer, [(1.0, 1.0), (0.0, 1.0), (1.0, 0.0), (0.0, 1.0)])
+        await layer.next_batch("solver", 0, timeout=5)
+        await layer.published("solver", 1, {})
+        with pytest.raises(BatchTimeout):  # solver at v1 waits until the verifier reaches v1
+            await layer.next_batch("solver", 1, timeout=0.3)
+        await layer.next_batch("verifier", 0, timeout=5)
+        await layer.published("verifier", 1, {})
+        assert len(await layer.next_batch("solver", 1, timeout=5)) == 4
+
+    asyncio.run(go())
+
+
+# -- a new multi-policy workflow, defined only here ------------------------------------------
+
+
+@WORKFLOWS.register("echo_critic_test")
+class EchoCritic(_Base):
+    """Policy 0 answers, policy 1 repeats the answer; both are rewarded by the workload."""
+
+    num_policies = 2
+
+    async def run_episode(self, engines, task):
+        t0 = time.time()
+        a, b = engines[task.policies[0]], engines[task.policies[1]]
+        p = a.tokenizer.encode(self.workload.render_prompt(task.prompt))
+        ga = await a.generate(p, self.sampling)
+        r = self.workload.reward(a.tokenizer.decode(ga.tokens, skip_special_tokens=True), task.prompt)
+        pb = list(p) + [int(t) for t in ga.tokens]
+        gb = await b.generate(pb, self.sampling)
+        return self._trajectory(task, [turn_sequence(p, ga, 0, r), turn_sequence(pb, gb, 1, r)], t0, 0.0)
+
+
+def test_workflow_defined_in_a_test_runs_through_real_engines_and_data_layer(tiny_model, tmp_path):
+    from astraflow.rollout.hf_engine import HFEngine
+    from astraflow.contracts import TrajectoryRef
+
+    layer = DataLayer(
+        dataflow=DataflowConfig(batch_size=4, prefetch_groups=0),
+        workload=WorkloadConfig(name="math", workflow="echo_critic_test", params={"digits": 1},
+                                group_size=2, eval=EvalConfig(every=0)),
+        policies=["a", "b"], store_url=f"memory://{uuid.uuid4().hex}", metrics_path=None, max_steps=3,
+    )
+    engines = {"a": HFEngine(str(tiny_model), version=0), "b": HFEngine(str(tiny_model), version=0)}
+    wf = EchoCritic(workload=make_workload("math", {"digits": 1}, 0),
+                    sampling=SamplingParams(max_new_tokens=3), node="n")
+
+    async def go():
+        tasks = await layer.lease("n", 4)
+        trajs = await asyncio.gather(*(wf.run_episode(engines, t) for t in tasks))
+        w = layer.store.writer("n")
+        await layer.complete(store_and_ref(w, list(trajs)))
+        for pol, idx in (("a", 0), ("b", 1)):
+            batch = await layer.next_batch(pol, 0, timeout=5)
+            assert len(batch) == 4
+            assert all((i.sequence.policy_ids[i.loss_mask] == idx).all() for i in batch.items)
+
+    asyncio.run(go())
