@@ -748,8 +748,8 @@ class SegmentWriter:
         flat = {}
         for k, dt in FLAT_DTYPES.items():
             cat = np.concatenate(cols[k]) if lengths.sum() else np.zeros(0, dt)
-            cast = cat.astype(dt)
-            if not np.array_equal(cast, cat):
+            cast = cat.astype(dt, copy=False)
+            if cat.dtype != dt and not np.array_equal(cast, cat, equal_nan=cat.dtype.kind in "fc"):
                 raise ValueError(f"{k} values do not fit the stored dtype {dt}: cast them before writing")
             flat[k] = cast
         offsets = self._tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]])
