@@ -52,6 +52,7 @@ def test_publish_latest_load_exact(tmp_path):
         store.publish("actor", 3, {"x": 1})
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_latest_ignores_staging_and_uncommitted_version_dirs(tmp_path):
     store = WeightStore(tmp_path / "w")
     store.publish("p", 1, _state(1))
