@@ -47,6 +47,7 @@ import json
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -245,12 +246,27 @@ class _DirBackend:
         if not self.durable:
             return
         base = paths.segment_data_dir(self.root, segment)
-        for key in keys:
-            fd = os.open(base / key, os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-            finally:
-                os.close(fd)
+        # fdatasync releases the GIL; issuing them together lets the disk overlap the flushes
+        list(_sync_pool().map(_fdatasync, [base / key for key in keys]))
+
+
+def _fdatasync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+_SYNC_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _sync_pool() -> ThreadPoolExecutor:
+    """Process-wide fsync threads (recreated in a forked child, which inherits no threads)."""
+    global _SYNC_POOL
+    if _SYNC_POOL is None or _SYNC_POOL[0] != os.getpid():
+        _SYNC_POOL = (os.getpid(), ThreadPoolExecutor(max_workers=8, thread_name_prefix="trajectory-fsync"))
+    return _SYNC_POOL[1]
 
 
 class _MemoryState:
@@ -748,8 +764,8 @@ class SegmentWriter:
         flat = {}
         for k, dt in FLAT_DTYPES.items():
             cat = np.concatenate(cols[k]) if lengths.sum() else np.zeros(0, dt)
-            cast = cat.astype(dt)
-            if not np.array_equal(cast, cat):
+            cast = cat.astype(dt, copy=False)
+            if cat.dtype != dt and not np.array_equal(cast, cat, equal_nan=cat.dtype.kind in "fc"):
                 raise ValueError(f"{k} values do not fit the stored dtype {dt}: cast them before writing")
             flat[k] = cast
         offsets = self._tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]])

@@ -1,0 +1,114 @@
+"""Child-process bodies for the storage tests (importable by spawned processes).
+
+Kept out of the test modules so that a spawned child imports only this file, numpy, zarr and
+torch, not pytest's collection of the test module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+from storage.trajectories import SegmentWriter, StoredSequence, open_trajectory_store
+
+
+def make_row(writer: int, i: int, length: int | None = None) -> StoredSequence:
+    """A deterministic entry: the reader regenerates it from (writer, i) to detect torn data."""
+    rng = np.random.default_rng([writer, i])
+    n = int(length if length is not None else rng.integers(1, 300))
+    versions = rng.integers(-1, 50, n).astype(np.int32)
+    return StoredSequence(
+        task_id=f"w{writer}/t{i}",
+        group_id=f"w{writer}/g{i // 4}",
+        seq_index=i % 3,
+        num_sequences=3,
+        tokens=rng.integers(0, 2**31 - 1, n).astype(np.int32),
+        loss_mask=(versions >= 0).astype(np.uint8),
+        logprobs=rng.standard_normal(n).astype(np.float32),
+        policy_ids=np.where(versions >= 0, rng.integers(0, 3, n), -1).astype(np.int16),
+        versions=versions,
+        reward=float(rng.standard_normal()),
+        finish_reason=["stop", "length", "abort"][i % 3],
+        meta=json.dumps({"writer": writer, "i": i, "note": "ünïcødé ✓"}),
+    )
+
+
+def rows_equal(a: StoredSequence, b: StoredSequence) -> bool:
+    return (
+        all(np.array_equal(getattr(a, k), getattr(b, k), equal_nan=(k == "logprobs"))
+            for k in ("tokens", "loss_mask", "logprobs", "policy_ids", "versions"))
+        and all(getattr(a, k) == getattr(b, k)
+                for k in ("task_id", "group_id", "seq_index", "num_sequences", "reward", "finish_reason", "meta"))
+    )
+
+
+def write_segment(url: str, writer: int, n: int, batch_sizes: list[int]) -> None:
+    """Write entries 0..n-1 of ``writer`` into segment ``w<writer>`` with varying call sizes."""
+    store = open_trajectory_store(url)
+    w = store.writer(f"w{writer}", batch_size=16)
+    i = k = 0
+    while i < n:
+        step = min(batch_sizes[k % len(batch_sizes)], n - i)
+        w.write([make_row(writer, j) for j in range(i, i + step)])
+        i += step
+        k += 1
+    w.close()
+
+
+def write_then_hang(url: str, segment: str, first: int, second: int, ready_path: str) -> None:
+    """Commit ``first`` entries, then write ``second`` entries' chunk data and hang before the
+    marker (the parent SIGKILLs this process once ``ready_path`` exists)."""
+    store = open_trajectory_store(url)
+    w = store.writer(segment, batch_size=first + second)
+    w.write([make_row(0, i) for i in range(first)])
+
+    def hang() -> None:
+        with open(ready_path, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(120)
+
+    SegmentWriter._before_commit = staticmethod(hang)
+    w.write([make_row(0, i) for i in range(first, first + second)])
+
+
+def dcp_rank(rank: int, world: int, pg_file: str, weights_root: str, policy: str, version: int) -> None:
+    """One rank of a 2-rank trainer: a Shard(0) DTensor plus a rank-local tensor, saved by DCP
+    into the weight store's staging directory over a gloo group."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from storage.weights import WeightStore
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{pg_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        full = expected_full()
+        state = {
+            "layer.weight": distribute_tensor(full["layer.weight"], mesh, [Shard(0)]),
+            f"rank{rank}.bias": full[f"rank{rank}.bias"],
+        }
+        dcp.save(state, checkpoint_id=WeightStore(weights_root).staging(policy, version))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def expected_full() -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    return {
+        "layer.weight": torch.randn(8, 6, generator=g),
+        "rank0.bias": torch.randn(6, generator=g).bfloat16(),
+        "rank1.bias": torch.arange(5, dtype=torch.int64),
+    }

@@ -1,0 +1,151 @@
+"""Weight store: atomic publish, committed-only reads, multi-rank shards, holds and retention."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as tmp_mp
+
+from storage import paths
+from storage.weights import ChecksumMismatch, VersionNotCommitted, WeightStore
+from storage_workers import dcp_rank, expected_full
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(32, 16, generator=g),
+        "layers.0.mlp.weight": torch.randn(16, 16, generator=g).bfloat16(),
+        "step": torch.tensor([seed], dtype=torch.int64),
+    }
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_publish_latest_load_exact(tmp_path):
+    store = WeightStore(tmp_path / "w")
+    assert store.latest("actor") is None and store.versions("actor") == []
+    sd = _state(1)
+    wv = store.publish("actor", 1, sd, meta={"layout": "hf", "model_config": {"hidden": 16}})
+    assert store.latest("actor") == wv == store.get("actor", 1)
+    assert wv.checksums.keys() == {".metadata", "__0_0.distcp"}
+    _assert_same(store.load("actor", 1), sd)
+    man = store.manifest("actor", 1)
+    assert man["meta"] == {"layout": "hf", "model_config": {"hidden": 16}}
+    assert man["tensors"]["layers.0.mlp.weight"] == {"shape": [16, 16], "dtype": "bfloat16"}
+    store.publish("actor", 2, _state(2))
+    assert store.latest("actor").version == 2 and store.policies() == ["actor"]
+    with pytest.raises(ValueError, match="immutable"):
+        store.publish("actor", 2, _state(3))
+    with pytest.raises(ValueError, match="not tensors"):
+        store.publish("actor", 3, {"x": 1})
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_latest_ignores_staging_and_uncommitted_version_dirs(tmp_path):
+    store = WeightStore(tmp_path / "w")
+    store.publish("p", 1, _state(1))
+    # a version being written by the ranks: staged, never committed
+    dcp.save(_state(7), checkpoint_id=store.staging("p", 7), no_dist=True)
+    # a version whose commit died between the rename and the COMMITTED marker
+    shutil.copytree(paths.version_dir(store.root, "p", 1), paths.version_dir(store.root, "p", 5))
+    paths.commit_file(store.root, "p", 5).unlink()
+    assert store.latest("p").version == 1
+    assert store.versions("p") == [1]
+    for v in (5, 7):
+        with pytest.raises(VersionNotCommitted, match="committed: \\[1\\]"):
+            store.get("p", v)
+        with pytest.raises(VersionNotCommitted):
+            store.load("p", v)
+    # finishing the staged version makes it visible; the dead v5 directory is replaced on commit
+    store.commit("p", 7)
+    assert store.latest("p").version == 7
+    with pytest.raises(ValueError, match="nothing to commit"):
+        store.commit("p", 5)
+
+
+def test_manifest_checksums_are_verified(tmp_path):
+    store = WeightStore(tmp_path / "w")
+    wv = store.publish("p", 3, _state(3))
+    vdir = paths.version_dir(store.root, "p", 3)
+    for name, digest in wv.checksums.items():
+        assert hashlib.sha256((vdir / name).read_bytes()).hexdigest() == digest
+        assert store.manifest("p", 3)["files"][name]["bytes"] == (vdir / name).stat().st_size
+    store.verify("p", 3)
+    shard = vdir / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatch, match="__0_0.distcp"):
+        store.verify("p", 3)
+    with pytest.raises(ChecksumMismatch):
+        store.load("p", 3, verify=True)
+
+
+def test_retention_keeps_last_k_and_never_a_held_version(tmp_path):
+    store = WeightStore(tmp_path / "w", keep_last=2)
+    store.publish("p", 0, _state(0))
+    with store.hold("p", 0) as held:
+        assert held.version == 0
+        for v in (1, 2, 3):
+            store.publish("p", v, _state(v))
+        assert store.versions("p") == [0, 2, 3]
+        _assert_same(store.load("p", 0), _state(0))
+    store.publish("p", 4, _state(4))
+    assert store.versions("p") == [3, 4]
+    assert not paths.version_dir(store.root, "p", 0).exists()
+    assert not any(paths.readers_dir(store.root, "p").iterdir())  # holds released
+
+
+def test_stale_hold_of_dead_process_is_ignored(tmp_path):
+    store = WeightStore(tmp_path / "w", keep_last=1)
+    store.publish("p", 0, _state(0))
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)
+    hold = paths.hold_file(store.root, "p", 0, f"{child.pid}-dead")
+    hold.parent.mkdir(parents=True, exist_ok=True)
+    hold.write_text(f'{{"pid": {child.pid}, "host": "{store._host}", "since": {time.time()}}}')
+    store.publish("p", 1, _state(1))
+    assert store.versions("p") == [1] and not hold.exists()
+
+
+@pytest.mark.timeout(120)
+def test_two_rank_shards_load_in_one_process(tmp_path):
+    root = tmp_path / "w"
+    ctx = tmp_mp.start_processes(
+        dcp_rank, args=(2, str(tmp_path / "pg"), str(root), "actor", 4), nprocs=2,
+        join=False, start_method="spawn",
+    )
+    deadline = time.monotonic() + 100
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("2-rank DCP save did not finish within 100 s")
+    store = WeightStore(root)
+    stage_files = {p.name for p in store.staging("actor", 4).iterdir()}
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= stage_files
+    wv = store.commit("actor", 4, meta={"layout": "megatron"})
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(wv.checksums)
+    _assert_same(store.load("actor", 4, verify=True), expected_full())
+
+
+def test_bad_input_names_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="keep_last"):
+        WeightStore(tmp_path, keep_last=0)
+    store = WeightStore(tmp_path)
+    with pytest.raises(ValueError, match="path component"):
+        store.staging("../x", 1)
+    with pytest.raises(ValueError, match=">= 0"):
+        store.staging("p", -1)
