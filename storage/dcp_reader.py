@@ -10,6 +10,7 @@ are skipped; their names are reported so that a caller can check nothing it need
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,7 +38,10 @@ def read_dcp(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, to
     """
     shapes = dcp_tensor_shapes(path)
     sd = {k: torch.empty(size, dtype=dt) for k, (size, dt) in shapes.items()}
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    with warnings.catch_warnings():
+        # single-process load is the intent here; DCP warns about it even with no_dist=True
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}
     return sd
