@@ -95,3 +95,14 @@ def test_unsupported_configs_are_refused_with_a_reason():
     bad = tiny_llama_config(False).to_dict() | {"attention_bias": True}
     with pytest.raises(ValueError, match="bias"):
         LlamaShape.from_hf_config(bad)
+
+
+def test_backend_config_names_the_fix(tmp_path):
+    from astraflow.training.megatron.backend import MegatronBackendConfig
+
+    with pytest.raises(ValueError, match="config.json"):
+        MegatronBackendConfig(hf_checkpoint=str(tmp_path))
+    with pytest.raises(ValueError, match="module:function"):
+        MegatronBackendConfig(hf_checkpoint=str(tmp_path), loss_fn="grpo_loss")
+    with pytest.raises(ValueError, match="tp_size"):
+        MegatronBackendConfig(hf_checkpoint=str(tmp_path), tp_size=0)

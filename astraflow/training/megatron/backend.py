@@ -79,6 +79,8 @@ class MegatronBackendConfig:
     def __post_init__(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if ":" not in self.loss_fn:
+            raise ValueError(f"loss_fn {self.loss_fn!r} must look like 'package.module:function'")
         if not Path(self.hf_checkpoint, "config.json").is_file():
             raise ValueError(
                 f"hf_checkpoint {self.hf_checkpoint!r} has no config.json: point it at an HF model "

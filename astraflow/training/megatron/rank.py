@@ -43,6 +43,7 @@ class Rank:
         from astraflow.training.megatron.model import build_gpt_model, init_distributed
 
         torch.set_num_threads(int(cfg.get("threads_per_rank", 1)))
+        self.loss_fn = resolve(cfg["loss_fn"])  # fail before the expensive part
         self.spec = spec
         self.cfg = cfg
         self.device = init_distributed(spec, timeout_s=float(cfg.get("collective_timeout_s", 300)))
@@ -56,7 +57,6 @@ class Rank:
             self.model.parameters(), lr=float(cfg["lr"]), betas=tuple(cfg.get("betas", (0.9, 0.999))),
             weight_decay=float(cfg.get("weight_decay", 0.0)),
         )
-        self.loss_fn = resolve(cfg["loss_fn"])
 
     # -- compute ---------------------------------------------------------------------------
     def _token_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
