@@ -228,7 +228,7 @@ def main() -> None:
         table.add_row(str(r["version"]), f"{r['step_s']:.2f}", f"{r['shard_bytes'] / 1e6:.1f}", f"{r['publish_s']:.2f}",
                       f"{r['load_s']:.2f}", f"{r['raw_s']:.2f}", f"{r['full_serving_s']:.2f}", f"{r['delta_write_s']:.2f}",
                       f"{r['delta_serving_s']:.2f}", f"{100 * r['density']:.2f}%", f"{r['full_bf16_bytes'] / r['delta_bytes']:.1f}x")
-    console = Console()
+    console = Console(width=170)
     console.print(table)
     console.print(f"pure bf16 parameters (no fp32 master), same lr: changed elements per step "
                   f"{', '.join(f'{100 * d:.3f}%' for d in bf16_density)}")
