@@ -1,0 +1,237 @@
+"""``MegatronBackend``: the ``TrainerBackend`` that trains with Megatron-core tensor parallelism.
+
+Process layout. The trainer actor lives in one Dask worker process; a TP group needs one process
+per rank. The backend starts the ranks itself as plain subprocesses
+(``python -m astraflow.training.megatron.rank``), not with ``torch.multiprocessing.spawn``:
+Dask worker processes are daemonic and may not have ``multiprocessing`` children, a spawned child
+would re-import the worker's main module, and a subprocess gives every rank its own log file and
+a pid the backend can stop by id. torchrun is not needed on one node: the ranks rendezvous
+through a ``file://`` store in the backend's private work directory (no port to pick). For a
+multi-node TP group the same ``rank`` module runs under ``srun``/torchrun with ``env://``.
+
+Control channel. Each rank gets one end of a socket pair (``pass_fds``); the backend sends every
+command to every rank and waits for every answer, each wait with a deadline while watching the
+ranks' pids. All ranks get identical batches, so no broadcast is needed inside the TP group.
+
+Publish. ``publish(store, policy, version)``: every rank writes its shards of
+``model.sharded_state_dict()`` with ``dist_checkpointing.save`` into the store's staging
+directory, all ranks pass a barrier, then (only then) the backend calls
+``store.commit(policy, version, meta)`` with ``meta = {"layout": "megatron", "hf_config": ...}``,
+which writes the manifest and the COMMITTED marker last. A reader never sees a version whose
+shards are incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import astraflow
+from astraflow.contracts import Batch, WeightVersion
+
+
+class RankError(RuntimeError):
+    """A rank process died or did not answer in time; carries the tail of its log."""
+
+
+@dataclass(frozen=True)
+class MegatronBackendConfig:
+    """Configuration of the Megatron backend (owned by ``training/``)."""
+
+    #: HF Llama checkpoint directory the run starts from (converted to Megatron at start).
+    hf_checkpoint: str
+    #: tensor-parallel size = number of rank processes.
+    tp_size: int = 1
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    #: PPO-style clip range of the GRPO ratio: [1 - clip_low, 1 + clip_high].
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    #: global gradient-norm clip; 0 disables.
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    #: the loss, ``module:function`` with the signature of ``astraflow.training.grpo.grpo_loss``.
+    loss_fn: str = "astraflow.training.grpo:grpo_loss"
+    #: torch threads per rank (CPU).
+    threads_per_rank: int = 1
+    #: deadline for the ranks to import Megatron, build and load the model.
+    start_timeout_s: float = 300.0
+    #: deadline for one command (train step, save) on every rank.
+    step_timeout_s: float = 600.0
+    #: where rank logs go; None means the backend's private work directory.
+    log_dir: str | None = None
+    #: extra environment for the rank processes.
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if ":" not in self.loss_fn:
+            raise ValueError(f"loss_fn {self.loss_fn!r} must look like 'package.module:function'")
+        if not Path(self.hf_checkpoint, "config.json").is_file():
+            raise ValueError(
+                f"hf_checkpoint {self.hf_checkpoint!r} has no config.json: point it at an HF model "
+                "directory (save_pretrained output)"
+            )
+
+
+def collate(batch: Batch) -> dict[str, np.ndarray]:
+    """A batch as right-padded arrays aligned to next-token prediction.
+
+    ``tokens`` ``[B, T]``; ``mask``/``old_logprobs`` ``[B, T-1]`` for targets ``tokens[:, 1:]``;
+    ``advantages`` ``[B]``. Padding has mask 0 and cannot affect real tokens (causal attention).
+    """
+    if not len(batch):
+        raise ValueError("empty batch: the data layer must serve at least one sequence")
+    t = max(len(it.sequence.tokens) for it in batch.items)
+    if t < 2:
+        raise ValueError("every batch needs a sequence of at least 2 tokens (a prompt and a target)")
+    b = len(batch)
+    tokens = np.zeros((b, t), np.int64)
+    mask = np.zeros((b, t - 1), np.float32)
+    old = np.zeros((b, t - 1), np.float32)
+    adv = np.zeros((b,), np.float32)
+    for i, it in enumerate(batch.items):
+        n = len(it.sequence.tokens)
+        tokens[i, :n] = it.sequence.tokens
+        mask[i, : n - 1] = it.loss_mask[1:]
+        old[i, : n - 1] = it.sequence.logprobs[1:]
+        adv[i] = it.advantage
+    return {"tokens": tokens, "mask": mask, "old_logprobs": old, "advantages": adv}
+
+
+class MegatronBackend:
+    """Tensor-parallel Megatron-core trainer backend (see the module docstring)."""
+
+    def __init__(self, config: MegatronBackendConfig):
+        self.config = config
+        self._workdir = Path(tempfile.mkdtemp(prefix="astraflow-megatron-"))
+        log_dir = Path(config.log_dir) if config.log_dir else self._workdir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._procs: list[subprocess.Popen] = []
+        self._conns: list[Connection] = []
+        self._logs: list[Path] = []
+        repo_root = str(Path(astraflow.__file__).resolve().parents[1])
+        init_method = f"file://{self._workdir / 'rendezvous'}"
+        try:
+            for r in range(config.tp_size):
+                parent, child = socket.socketpair()
+                env = dict(os.environ)
+                env.update(config.env)
+                env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
+                env["ASTRAFLOW_RANK_FD"] = str(child.fileno())
+                env["ASTRAFLOW_RANK_SPEC"] = json.dumps(
+                    {"rank": r, "world_size": config.tp_size, "init_method": init_method, "tp_size": config.tp_size}
+                )
+                env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks share this host
+                env.setdefault("OMP_NUM_THREADS", str(config.threads_per_rank))
+                log = log_dir / f"megatron-rank{r}.log"
+                with open(log, "ab") as fh:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "astraflow.training.megatron.rank"],
+                        pass_fds=[child.fileno()], env=env, stdout=fh, stderr=subprocess.STDOUT,
+                        cwd=self._workdir,
+                    )
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(Connection(parent.detach()))
+                self._logs.append(log)
+            cfg = asdict(config)
+            cfg.pop("env")
+            infos = self._call("init", cfg, config.start_timeout_s)
+        except BaseException:
+            self._kill()
+            raise
+        self.hf_config: dict[str, Any] = infos[0]["hf_config"]
+        self.local_params = [i["local_params"] for i in infos]
+
+    # -- TrainerBackend ----------------------------------------------------------------------
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        return self._call("train", collate(batch), self.config.step_timeout_s)[0]
+
+    def save_shards(self, directory: str | Path) -> dict[str, float]:
+        """Every rank writes its Megatron ``torch_dist`` shards into ``directory`` (created here)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        return self._call("save", {"dir": str(directory)}, self.config.step_timeout_s)[0]
+
+    def publish(self, store, policy: str, version: int) -> WeightVersion:
+        """Write shards into ``store.staging(policy, version)``, then ``store.commit`` (marker last)."""
+        self.save_shards(store.staging(policy, version))
+        return store.commit(policy, version, {"layout": "megatron", "hf_config": self.hf_config})
+
+    def logprobs(self, tokens: np.ndarray) -> np.ndarray:
+        """``log p(tokens[:, t+1] | tokens[:, :t+1])``, shape ``[B, T-1]`` (evaluation, no grad)."""
+        return self._call("logprobs", {"tokens": np.asarray(tokens, np.int64)}, self.config.step_timeout_s)[0]
+
+    def close(self) -> None:
+        if not self._procs:
+            return
+        try:
+            self._call("stop", None, 60.0)
+            for p in self._procs:
+                p.wait(timeout=30)
+        finally:
+            self._kill()
+        # after a clean stop the work dir (rendezvous file, default logs) has no further use; after
+        # a failure it is kept, because the RankError message points at the logs inside it
+        shutil.rmtree(self._workdir)
+
+    def __enter__(self) -> "MegatronBackend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _call(self, cmd: str, payload: Any, timeout_s: float) -> list[Any]:
+        for c in self._conns:
+            c.send((cmd, payload))
+        deadline = time.monotonic() + timeout_s
+        results = []
+        for r, c in enumerate(self._conns):
+            while not c.poll(0.2):
+                dead = [i for i, p in enumerate(self._procs) if p.poll() is not None]
+                if dead:
+                    raise RankError(self._report(f"rank(s) {dead} exited during {cmd!r}", dead))
+                if time.monotonic() > deadline:
+                    raise RankError(self._report(f"rank {r} did not answer {cmd!r} within {timeout_s:.0f}s", [r]))
+            try:
+                status, result = c.recv()
+            except EOFError as e:
+                raise RankError(self._report(f"rank {r} closed its channel during {cmd!r}", [r])) from e
+            assert status == "ok", status
+            results.append(result)
+        return results
+
+    def _report(self, what: str, ranks: list[int]) -> str:
+        self._kill()
+        tails = []
+        for r in ranks:
+            text = self._logs[r].read_text(errors="replace") if self._logs[r].exists() else ""
+            tails.append(f"--- rank {r} log ({self._logs[r]}), last lines:\n" + "\n".join(text.splitlines()[-25:]))
+        return what + "\n" + "\n".join(tails)
+
+    def _kill(self) -> None:
+        """Stop the rank processes this backend started (by pid) and close the channels."""
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self._procs:
+            p.wait(timeout=30)
+        for c in self._conns:
+            c.close()
+        self._procs, self._conns = [], []

@@ -1,0 +1,164 @@
+"""One tensor-parallel rank of the Megatron backend, run as its own process.
+
+``MegatronBackend`` (in the trainer actor's process) starts ``tp_size`` of these with
+``python -m astraflow.training.megatron.rank`` and talks to each through a private socket pair
+(fd given in ``ASTRAFLOW_RANK_FD``). Every rank receives the same command stream, so a
+tensor-parallel step needs no extra broadcast and every rank can report its own progress.
+
+Commands (``(name, payload)`` tuples; each is answered with ``("ok", result)``):
+
+* ``init``: build the model from the HF checkpoint, create the optimiser, report parameter counts;
+* ``train``: one GRPO step on a collated batch (numpy arrays), returns metrics;
+* ``logprobs``: per-token log-probs of ``tokens[:, 1:]`` given the prefix (no grad);
+* ``save``: ``dist_checkpointing.save(model.sharded_state_dict(), dir)`` on every rank, then a barrier;
+* ``stop``: tear down the process group and exit.
+
+A failure raises out of the loop: the process exits non-zero with the traceback in its log, and
+the parent, which watches every rank's pid, reports it and stops the other ranks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import time
+from multiprocessing.connection import Connection
+
+import numpy as np
+import torch
+
+
+def resolve(dotted: str):
+    """``"package.module:attr"`` -> the attribute (loss functions are chosen by name in the config)."""
+    module, _, attr = dotted.partition(":")
+    if not attr:
+        raise ValueError(f"loss_fn {dotted!r} must look like 'package.module:function'")
+    return getattr(importlib.import_module(module), attr)
+
+
+class Rank:
+    def __init__(self, spec, cfg: dict):
+        from astraflow.training.megatron.convert import load_hf_checkpoint, load_hf_state_into
+        from astraflow.training.megatron.model import build_gpt_model, init_distributed
+
+        torch.set_num_threads(int(cfg.get("threads_per_rank", 1)))
+        self.loss_fn = resolve(cfg["loss_fn"])  # fail before the expensive part
+        self.spec = spec
+        self.cfg = cfg
+        self.device = init_distributed(spec, timeout_s=float(cfg.get("collective_timeout_s", 300)))
+        hf_sd, hf_config = load_hf_checkpoint(cfg["hf_checkpoint"])
+        self.hf_config = hf_config.to_dict()
+        self.model = build_gpt_model(hf_config, spec.tp_size, seed=int(cfg.get("seed", 0)))
+        load_hf_state_into(self.model, hf_sd, hf_config, spec.rank, spec.tp_size)
+        del hf_sd
+        self.model.to(self.device)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=float(cfg["lr"]), betas=tuple(cfg.get("betas", (0.9, 0.999))),
+            weight_decay=float(cfg.get("weight_decay", 0.0)),
+        )
+
+    # -- compute ---------------------------------------------------------------------------
+    def _token_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < T-1, shape [B, T-1]; right padding is
+        harmless under the causal mask. The vocab-parallel cross entropy returns the full value
+        on every tensor-parallel rank."""
+        inp, labels = tokens[:, :-1], tokens[:, 1:]
+        b, s = inp.shape
+        pos = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), 1)[None, None]
+        return -self.model(inp, pos, causal, labels=labels).float()
+
+    def logprobs(self, payload: dict) -> np.ndarray:
+        self.model.eval()
+        with torch.no_grad():
+            lp = self._token_logprobs(torch.as_tensor(payload["tokens"], dtype=torch.long, device=self.device))
+        return lp.cpu().numpy()
+
+    def _grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the gradient: TP-sharded parameters summed over ranks, replicated
+        ones (norms) counted once."""
+        import torch.distributed as dist
+
+        sharded = torch.zeros((), device=self.device)
+        replicated = torch.zeros((), device=self.device)
+        for p in self.model.parameters():
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().float().pow(2).sum()
+            if getattr(p, "tensor_model_parallel", False):
+                sharded += sq
+            else:
+                replicated += sq
+        if self.spec.tp_size > 1:
+            dist.all_reduce(sharded)
+        return (sharded + replicated).sqrt()
+
+    def train(self, payload: dict) -> dict:
+        t0 = time.perf_counter()
+        self.model.train()
+        dev = self.device
+        tokens = torch.as_tensor(payload["tokens"], dtype=torch.long, device=dev)
+        mask = torch.as_tensor(payload["mask"], dtype=torch.float32, device=dev)
+        old = torch.as_tensor(payload["old_logprobs"], dtype=torch.float32, device=dev)
+        adv = torch.as_tensor(payload["advantages"], dtype=torch.float32, device=dev)
+        self.opt.zero_grad(set_to_none=True)
+        new = self._token_logprobs(tokens)
+        out = self.loss_fn(new, old, adv, mask, float(self.cfg["clip_low"]), float(self.cfg["clip_high"]))
+        loss, stats = (out[0], dict(out[1])) if isinstance(out, tuple) else (out, {})
+        loss.backward()
+        gnorm = self._grad_norm()
+        max_norm = float(self.cfg.get("max_grad_norm", 0.0))
+        if max_norm > 0 and torch.isfinite(gnorm) and gnorm > max_norm:
+            scale = max_norm / (gnorm + 1e-6)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        self.opt.step()
+        m = {k: float(v) for k, v in stats.items()}
+        with torch.no_grad():
+            ntok = mask.sum().clamp_min(1)
+            m["entropy_proxy"] = float(-(new.detach() * mask).sum() / ntok)
+            m["mismatch_kl"] = float(((old - new.detach()) * mask).sum() / ntok)
+        m.update(loss=float(loss.detach()), grad_norm=float(gnorm), tokens=float(mask.sum()),
+                 step_s=time.perf_counter() - t0)
+        return m
+
+    def save(self, payload: dict) -> dict:
+        import torch.distributed as dist
+        from megatron.core import dist_checkpointing
+
+        t0 = time.perf_counter()
+        dist_checkpointing.save(self.model.sharded_state_dict(), payload["dir"])
+        dist.barrier()
+        return {"save_s": time.perf_counter() - t0}
+
+    def info(self) -> dict:
+        n = sum(p.numel() for p in self.model.parameters())
+        return {"rank": self.spec.rank, "local_params": n, "hf_config": self.hf_config}
+
+
+def main() -> None:
+    from astraflow.training.megatron.model import DistSpec, shutdown_distributed
+
+    spec = DistSpec(**json.loads(os.environ["ASTRAFLOW_RANK_SPEC"]))
+    conn = Connection(int(os.environ["ASTRAFLOW_RANK_FD"]))
+    cmd, cfg = conn.recv()
+    if cmd != "init":
+        raise ValueError(f"rank {spec.rank}: first command must be 'init', got {cmd!r}")
+    rank = Rank(spec, cfg)
+    conn.send(("ok", rank.info()))
+    handlers = {"train": rank.train, "logprobs": rank.logprobs, "save": rank.save}
+    while True:
+        cmd, payload = conn.recv()  # EOFError if the parent died: the process exits with it
+        if cmd == "stop":
+            shutdown_distributed()
+            conn.send(("ok", None))
+            return
+        if cmd not in handlers:
+            raise ValueError(f"unknown command {cmd!r}; known: {sorted(handlers) + ['stop']}")
+        conn.send(("ok", handlers[cmd](payload)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Sparse bf16 deltas: bit-exact reconstruction, integrity checks, atomic layout, sync rule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from storage import paths
+from storage.deltas import (
+    DATA_FILE, META_FILE, DeltaMismatchError, apply_delta, choose_sync, is_committed,
+    read_stats, write_delta, write_version_delta,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _versions(seed=0, lr=1e-3):
+    g = torch.Generator().manual_seed(seed)
+    prev = {"a.weight": torch.randn(64, 48, generator=g), "b.bias": torch.randn(7, generator=g),
+            "emb": torch.randn(320, 16, generator=g).to(torch.bfloat16)}
+    new = {k: (v.float() + lr * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in prev.items()}
+    new["b.bias"] = prev["b.bias"].clone()  # an unchanged tensor gives an empty index set
+    return prev, new
+
+
+def _bits(t):
+    return t.to(torch.bfloat16).view(torch.int16)
+
+
+def test_apply_is_bit_identical_to_the_full_bf16_version(tmp_path):
+    prev, new = _versions()
+    d = paths.delta_dir(tmp_path, "pol", 3, 4)
+    stats = write_version_delta(tmp_path, "pol", 3, 4, prev, new)
+    assert is_committed(d) and read_stats(d) == stats
+    assert 0 < stats.changed < stats.elements and stats.full_bytes == 2 * stats.elements
+    out = apply_delta(prev, d)
+    assert set(out) == set(new)
+    for k in new:
+        assert out[k].dtype == torch.bfloat16 and out[k].shape == new[k].shape
+        assert torch.equal(out[k].view(torch.int16), _bits(new[k])), k
+    # the unchanged tensor costs nothing; a changed element costs 4 + 2 bytes
+    assert stats.delta_bytes == 6 * stats.changed
+    # no temporary directory is left next to the committed one
+    assert [p.name for p in d.parent.iterdir()] == [d.name]
+
+
+def test_sparsity_follows_the_learning_rate(tmp_path):
+    prev, _ = _versions()
+    small = {k: (v.float() * (1 + 1e-4)).to(v.dtype) for k, v in prev.items()}
+    stats = write_delta(prev, small, tmp_path / "d")
+    big = write_delta(prev, {k: v.float() * 1.5 for k, v in prev.items()}, tmp_path / "e")
+    assert stats.density < 0.2 < big.density
+
+
+def test_corrupt_file_wrong_base_and_wrong_result_are_refused(tmp_path):
+    prev, new = _versions()
+    d = tmp_path / "d"
+    write_delta(prev, new, d)
+    other, _ = _versions(seed=1)
+    with pytest.raises(DeltaMismatchError, match="starts from"):
+        apply_delta(other, d)
+    meta = json.loads((d / META_FILE).read_text())
+    meta["result_sha256"] = "0" * 64
+    (d / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(DeltaMismatchError, match="checksum"):
+        apply_delta(prev, d)
+    raw = bytearray((d / DATA_FILE).read_bytes())
+    raw[-1] ^= 0xFF
+    (d / DATA_FILE).write_bytes(bytes(raw))
+    with pytest.raises(DeltaMismatchError, match="corrupt"):
+        apply_delta(prev, d)
+
+
+def test_uncommitted_or_mismatched_inputs_raise(tmp_path):
+    prev, new = _versions()
+    (tmp_path / "x").mkdir()
+    with pytest.raises(ValueError, match="not committed"):
+        apply_delta(prev, tmp_path / "x")
+    with pytest.raises(ValueError, match="same tensor names"):
+        write_delta(prev, {"a.weight": new["a.weight"]}, tmp_path / "y")
+    write_delta(prev, new, tmp_path / "z")
+    with pytest.raises(FileExistsError):
+        write_delta(prev, new, tmp_path / "z")
+    with pytest.raises(ValueError, match="consecutive"):
+        write_version_delta(tmp_path, "pol", 1, 3, prev, new)
+
+
+@pytest.mark.parametrize("held,latest,every,avail,want", [
+    (4, 5, 0, True, "delta"),
+    (4, 5, 10, True, "delta"),
+    (9, 10, 10, True, "full"),     # periodic full resync
+    (3, 5, 0, True, "full"),       # two versions behind
+    (4, 5, 0, False, "full"),      # no delta on disk
+    (None, 5, 0, True, "full"),    # a new reader
+])
+def test_choose_sync(held, latest, every, avail, want):
+    assert choose_sync(held, latest, every, avail) == want
+
+
+def test_choose_sync_rejects_nonsense():
+    with pytest.raises(ValueError):
+        choose_sync(5, 5, 0, True)
+    with pytest.raises(ValueError):
+        choose_sync(4, 5, -1, True)
