@@ -40,9 +40,13 @@ def make_backend(cfg: TrainerConfig, model_path: str, seed: int):
             micro_batch_size=cfg.micro_batch, clip_low=cfg.clip_low, clip_high=cfg.clip_high, seed=seed,
         )
     if cfg.backend == "megatron":
-        from astraflow.training.megatron.backend import MegatronBackend
+        from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig
 
-        return MegatronBackend.from_config(cfg, model_path, seed=seed)
+        return MegatronBackend(MegatronBackendConfig(
+            hf_checkpoint=model_path, tp_size=cfg.tensor_parallel, lr=cfg.lr, weight_decay=cfg.weight_decay,
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, max_grad_norm=cfg.max_grad_norm, seed=seed,
+            threads_per_rank=cfg.threads,
+        ))
     raise ValueError(f"unknown trainer backend {cfg.backend!r}; known: torch, megatron")
 
 
@@ -148,6 +152,7 @@ class Trainer:
         self.publish_s += t3 - t2
         self.last_metrics = {
             **metrics,
+            "reward_mean": float(sum(i.sequence.reward for i in batch.items) / max(len(batch), 1)),
             "wait_s": t1 - t0,
             "train_s": t2 - t1,
             "publish_s": t3 - t2,
