@@ -375,7 +375,9 @@ class Orchestrator:
             json.dumps(
                 {"steps": steps, "eval": state["eval"], "ledger": ledger, "seconds": result.seconds,
                  "interrupted": interrupted, "nodes": nodes, "data_layer": state,
-                 "iterations": self.iterations},
+                 "iterations": self.iterations,
+                 "workers": {n: {"job_id": w.job.job_id, "partition": w.partition, "gone": w.gone,
+                                 "served": w.started} for n, w in self.workers.items()}},
                 indent=2, default=str,
             )
         )

@@ -92,7 +92,7 @@ def test_killed_rollout_worker_loses_no_task_and_is_replaced(tiny_model, tmp_pat
     ev = result.ledger["events"]
     assert ev.get("requeued_node_gone", 0) + ev.get("requeued_lease_expired", 0) > 0
     assert result.ledger["open"] == 0
-    # the partition was refilled with a new worker
+    # the partition was refilled with a new worker (it may join after the last step on a busy machine)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert victim[0] not in summary["nodes"]
-    assert any(n.startswith("rollout-rollout") and n.endswith("-2") for n in summary["nodes"])
+    assert victim[0] not in summary["nodes"] and summary["workers"][victim[0]]["gone"]
+    assert any(n.startswith("rollout-rollout") and n.endswith("-2") for n in summary["workers"])
