@@ -80,6 +80,11 @@ class RunPaths:
         return self.control / "orchestrator.json"
 
     @property
+    def dataflow_state(self) -> Path:
+        """The data layer's saved state: dataflow policies, versions (for resuming a run)."""
+        return self.control / "dataflow_state.json"
+
+    @property
     def summary(self) -> Path:
         return self.root / "summary.json"
 

@@ -111,6 +111,7 @@ class DataLayer:
         max_steps: int,
         seed: int = 0,
         gated: bool = False,
+        state_path: str | None = None,
     ):
         self.cfg = dataflow
         self.wcfg = workload
@@ -159,6 +160,9 @@ class DataLayer:
         #: groups the data layer may still create; None = free running (the AstraFlow mode).
         #: The trainer-centred baseline (``run.mode: sync``) opens one iteration at a time.
         self.budget: int | None = 0 if gated else None
+        self._state_path = Path(state_path) if state_path else None
+        if self._state_path is not None and self._state_path.exists():
+            self._restore(json.loads(self._state_path.read_text()))
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -539,6 +543,7 @@ class DataLayer:
             "node_versions": {n: i.get("versions") for n, i in self.nodes.items() if not i.get("gone")},
         }
         self._write_metrics(record)
+        self._save()
         if all(v >= self.max_steps for v in self.versions.values()):
             self.finished = True
         every = self.wcfg.eval.every
@@ -556,6 +561,36 @@ class DataLayer:
     async def ready(self, policy: str, version: int) -> int:
         """Sequences buffered for ``policy`` that a trainer at ``version`` could consume."""
         return self._available(policy, version)
+
+    # ------------------------------------------------------------------ save / restore
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs: the dataflow policies' own state, the trainers'
+        versions and the prompt order. Leases and buffers are not saved: the tasks of an
+        interrupted run end as ``run_ended`` and are rolled out again."""
+        return {
+            "versions": dict(self.versions),
+            "curator": self.curator.state_dict(),
+            "group_filter": self.group_filter.state_dict(),
+            "ordering": self.ordering.state_dict(),
+            "order": list(self._order),
+            "epoch": self._epoch,
+            "group_seq": self._group_seq,
+        }
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.versions.update({p: v for p, v in state["versions"].items() if p in self.versions})
+        self.curator.load_state_dict(state["curator"])
+        self.group_filter.load_state_dict(state["group_filter"])
+        self.ordering.load_state_dict(state["ordering"])
+        self._order, self._epoch = list(state["order"]), state["epoch"]
+        self._group_seq = state["group_seq"]
+
+    def _save(self) -> None:
+        if self._state_path is None:
+            return
+        tmp = self._state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state_dict(), default=float))
+        tmp.replace(self._state_path)
 
     # ------------------------------------------------------------------ evaluation
     async def start_eval(self, version: int) -> None:

@@ -86,6 +86,8 @@ class Orchestrator:
     def run(self) -> RunResult:
         t0 = time.time()
         interrupted = False
+        if self.paths.summary.exists():  # resuming a finished run: keep its old summary aside
+            self.paths.summary.rename(self.paths.summary.with_name(f"summary.{int(time.time())}.json"))
         dump_config(self.cfg, self.paths.config)
         write_desired(self.paths, list(self.partitions.values()))
         try:
@@ -199,7 +201,7 @@ class Orchestrator:
                 DataLayer, data_w.job.worker_name,
                 dataflow=cfg.dataflow, workload=cfg.workload, policies=[p.name for p in cfg.policies],
                 store_url=store_url, metrics_path=str(self.paths.metrics), max_steps=cfg.run.max_steps,
-                seed=cfg.run.seed, gated=cfg.run.mode == "sync",
+                seed=cfg.run.seed, gated=cfg.run.mode == "sync", state_path=str(self.paths.dataflow_state),
             )})["data"]
             data_w.actor, data_w.started = self.dl, True
         placed = {}
@@ -212,13 +214,13 @@ class Orchestrator:
                 data_layer=self.dl, max_steps=cfg.run.max_steps, seed=cfg.run.seed + i,
             )
             w.started = True
-        if cfg.workload.eval.every:
-            self.dl.start_eval(0).result(timeout=30)
         with self.progress.waiting(f"starting {len(placed)} trainer(s) and the RaaS nodes (model loading)"):
             self.trainers = self._wait_all("placing trainers", placed)
             starts = {p: t.start(run_loop=cfg.run.mode == "async") for p, t in self.trainers.items()}
             self._place_nodes()
-            self._wait_all("starting trainers (backend build, v0 publish)", starts)
+            versions = self._wait_all("starting trainers (backend build, v0 publish)", starts)
+        if cfg.workload.eval.every:  # the curve starts where training starts (0, or a resumed version)
+            self.dl.start_eval(min(versions.values())).result(timeout=30)
 
     def _place_nodes(self) -> None:
         """Place and start a RaaS node on every rollout worker that joined and has none."""

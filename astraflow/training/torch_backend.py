@@ -100,6 +100,10 @@ class TorchBackend:
         """Current weights under their HF names (detached CPU tensors)."""
         return {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
 
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Continue from committed weights (a resumed run; the optimiser state starts fresh)."""
+        self.model.load_state_dict(state)
+
     def publish(self, store, policy: str, version: int):
         """``store.publish(policy, version, state_dict, meta)``; returns its ``WeightVersion``."""
         meta: dict[str, Any] = {

@@ -95,8 +95,15 @@ class Trainer:
         latest = self.store.latest(self.policy)
         if latest is None:
             self.backend.publish(self.store, self.policy, 0)
-        else:
+        else:  # resuming a run: continue from its newest committed weights
             self.version = latest.version
+            if latest.version > 0:
+                if not hasattr(self.backend, "load_state_dict"):
+                    raise ValueError(
+                        f"trainer backend {self.cfg.backend!r} cannot resume from committed weights yet: "
+                        "start a new run directory"
+                    )
+                self.backend.load_state_dict(self.store.load(self.policy, latest.version))
         if run_loop:
             self._thread = threading.Thread(target=self._run, name=f"trainer-{self.policy}", daemon=True)
             self._thread.start()

@@ -96,3 +96,21 @@ def test_killed_rollout_worker_loses_no_task_and_is_replaced(tiny_model, tmp_pat
     summary = json.loads((run_dir / "summary.json").read_text())
     assert victim[0] not in summary["nodes"] and summary["workers"][victim[0]]["gone"]
     assert any(n.startswith("rollout-rollout") and n.endswith("-2") for n in summary["workers"])
+
+
+@pytest.mark.timeout(300)
+def test_resume_continues_from_committed_weights_and_dataflow_state(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(tiny_model, **{"run.max_steps": 2, "workload.eval.every": 0,
+                                     "dataflow.curator": {"type": "filter_solved", "params": {"threshold": 0.5}}})
+    Orchestrator(cfg, run_dir).run()
+    saved = json.loads((run_dir / "control" / "dataflow_state.json").read_text())
+    assert saved["versions"] == {"solver": 2} and "success" in saved["curator"]
+    cfg2 = tiny_config(tiny_model, **{"run.max_steps": 4, "workload.eval.every": 0,
+                                      "dataflow.curator": {"type": "filter_solved", "params": {"threshold": 0.5}}})
+    result = Orchestrator(cfg2, run_dir).run()
+    assert result.steps == {"solver": 4}
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == [1, 2, 3, 4]
+    assert WeightStore(run_dir / "weights").latest("solver").version == 4
+    assert list(run_dir.glob("summary.*.json")), "the first run's summary is kept"
