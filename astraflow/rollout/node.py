@@ -66,6 +66,7 @@ class RaaSNode:
         weights_root: str,
         data_layer: Any,
         seed: int = 0,
+        use_deltas: bool = False,
     ):
         self.identity = identity
         self.cfg = rollout
@@ -74,6 +75,7 @@ class RaaSNode:
         self.store_url = store_url
         self.weights_root = weights_root
         self.seed = seed
+        self.use_deltas = use_deltas
         self._workload_args = (workload_name, workload_params, workload_seed)
         self._workflow_name = workflow
         self._sampling = SamplingParams(
@@ -104,7 +106,8 @@ class RaaSNode:
         self.workflow = make_workflow(self._workflow_name, workload, self._sampling, self.identity.name)
         for policy, path in self.models.items():
             self.engines[policy] = make_engine(self.cfg.engine, path, seed=self.seed)
-        self.puller = WeightPuller(self.weights_root, self.engines, full_resync_every=self.cfg.full_resync_every)
+        self.puller = WeightPuller(self.weights_root, self.engines, full_resync_every=self.cfg.full_resync_every,
+                                   use_deltas=self.use_deltas)
         self.puller.poll()
         self._thread = threading.Thread(target=self._run, name=f"raas-{self.identity.name}", daemon=True)
         self._thread.start()

@@ -212,6 +212,7 @@ class Orchestrator:
                 policy=pol.name, cfg=pol.trainer, model_path=str(pol.model),
                 weights_root=str(self.paths.weights), keep_versions=cfg.storage.keep_versions,
                 data_layer=self.dl, max_steps=cfg.run.max_steps, seed=cfg.run.seed + i,
+                write_deltas=cfg.storage.deltas,
             )
             w.started = True
         with self.progress.waiting(f"starting {len(placed)} trainer(s) and the RaaS nodes (model loading)"):
@@ -256,6 +257,7 @@ class Orchestrator:
             weights_root=str(self.paths.weights),
             data_layer=self.dl,
             seed=cfg.run.seed,
+            use_deltas=cfg.storage.deltas,
         )
 
     # ------------------------------------------------------------------ the watch loop

@@ -64,6 +64,7 @@ class Trainer:
         data_layer: Any,
         max_steps: int,
         seed: int = 0,
+        write_deltas: bool = False,
     ):
         self.policy = policy
         self.cfg = cfg
@@ -84,6 +85,11 @@ class Trainer:
         self._paused = threading.Event()
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
+        self.write_deltas = write_deltas
+        #: per version: delta density, bytes and write seconds (``storage.deltas``)
+        self.delta_history: list[dict[str, float]] = []
+        self._delta_thread: threading.Thread | None = None
+        self._delta_base: tuple[int, dict] | None = None
 
     def start(self, run_loop: bool = True) -> int:
         """Build the backend, publish the initial version, start the loop (unless a driver
@@ -139,6 +145,7 @@ class Trainer:
             "train_s": self.train_s,
             "publish_s": self.publish_s,
             "wait_fraction": self.wait_s / elapsed,
+            "deltas": self.delta_history[-5:],
             "last_metrics": dict(self.last_metrics),
         }
 
@@ -154,6 +161,8 @@ class Trainer:
         self.backend.publish(self.store, self.policy, self.version + 1)
         t3 = time.time()
         self.version += 1
+        if self.write_deltas:
+            self._write_delta_async(self.version)
         self.wait_s += t1 - t0
         self.train_s += t2 - t1
         self.publish_s += t3 - t2
@@ -166,6 +175,31 @@ class Trainer:
             "trainer_wait_fraction": self.wait_s / max(time.time() - self._started_at, 1e-9),
         }
         call_sync(self.dl.published, self.policy, self.version, self.last_metrics, timeout=60)
+
+    def _write_delta_async(self, version: int) -> None:
+        """Asynchronous overlap "delta writing vs training": the sparse delta ``v-1 -> v`` is
+        computed from the committed shards in a helper thread while the next step trains.
+        Invariant: at most one delta is being written; a version whose predecessor was not
+        read in time gets no delta (readers then load full shards)."""
+        if self._delta_thread is not None and self._delta_thread.is_alive():
+            self._delta_thread.join()
+        self._delta_thread = threading.Thread(target=self._write_delta, args=(version,), daemon=True)
+        self._delta_thread.start()
+
+    def _write_delta(self, version: int) -> None:
+        from storage.deltas import write_version_delta
+
+        t0 = time.time()
+        new = self.store.load(self.policy, version)
+        base = self._delta_base
+        if base is None or base[0] != version - 1:
+            prev_version = version - 1
+            base = (prev_version, self.store.load(self.policy, prev_version)) if prev_version in self.store.versions(self.policy) else None
+        if base is not None:
+            stats = write_version_delta(self.store.root, self.policy, version - 1, version, base[1], new)
+            self.delta_history.append({"version": version, "density": stats.density, "delta_bytes": stats.delta_bytes,
+                                       "full_bytes": stats.full_bytes, "write_s": time.time() - t0})
+        self._delta_base = (version, new)
 
     def _run(self) -> None:
         try:
