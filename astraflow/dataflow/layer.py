@@ -674,6 +674,11 @@ class DataLayer:
         rnd = self.eval_rounds.get(version)
         return rnd is not None and rnd.remaining <= 0
 
+    async def progress(self) -> dict[str, int]:
+        """Cheap counters for pollers that only need to know how far the run is."""
+        return {"sequences_generated": self.sequences_generated, "tokens_generated": self.tokens_generated,
+                **{f"version_{p}": v for p, v in self.versions.items()}}
+
     async def state(self) -> dict[str, Any]:
         """A JSON-able snapshot for ``astraflow status``, the dashboard and tests."""
         elapsed = time.time() - self._started

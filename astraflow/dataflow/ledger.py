@@ -29,22 +29,32 @@ class Ledger:
     events: Counter = field(default_factory=Counter)
     dropped_by_reason: Counter = field(default_factory=Counter)
     failed_by_reason: Counter = field(default_factory=Counter)
+    #: tasks per state, kept up to date on every transition (summaries are O(1))
+    state_counts: Counter = field(default_factory=Counter)
+
+    def _move(self, rec: TaskRecord, new: str) -> None:
+        self.state_counts[rec.state] -= 1
+        self.state_counts[new] += 1
+        rec.state = new
 
     def add(self, task_id: str) -> None:
         assert task_id not in self.tasks, f"task {task_id} created twice"
         self.tasks[task_id] = TaskRecord()
+        self.state_counts["pending"] += 1
         self.events["created"] += 1
 
     def lease(self, task_id: str, node: str) -> None:
         rec = self.tasks[task_id]
         assert rec.state == "pending", f"lease of {task_id} in state {rec.state}"
-        rec.state, rec.node = "leased", node
+        self._move(rec, "leased")
+        rec.node = node
         self.events["leased"] += 1
 
     def requeue(self, task_id: str, why: str) -> None:
         rec = self.tasks[task_id]
         assert rec.state == "leased", f"requeue of {task_id} in state {rec.state}"
-        rec.state, rec.node = "pending", None
+        self._move(rec, "pending")
+        rec.node = None
         rec.attempt += 1
         self.events["requeued"] += 1
         self.events[f"requeued_{why}"] += 1
@@ -55,7 +65,7 @@ class Ledger:
         if rec is None or rec.state not in ("leased", "pending"):
             self.events["duplicate_completions"] += 1
             return False
-        rec.state = "completed"
+        self._move(rec, "completed")
         self.events["completed"] += 1
         return True
 
@@ -63,7 +73,8 @@ class Ledger:
         assert outcome in TERMINAL, outcome
         rec = self.tasks[task_id]
         assert rec.state not in TERMINAL, f"task {task_id} ended twice ({rec.state}, then {outcome})"
-        rec.state, rec.reason = outcome, reason
+        self._move(rec, outcome)
+        rec.reason = reason
         self.events[outcome] += 1
         if outcome == "dropped":
             self.dropped_by_reason[reason or "unknown"] += 1
@@ -74,15 +85,15 @@ class Ledger:
         return self.tasks[task_id].state
 
     def open_tasks(self) -> int:
-        return sum(1 for r in self.tasks.values() if r.state not in TERMINAL)
+        return sum(n for s, n in self.state_counts.items() if s not in TERMINAL)
 
     def summary(self) -> dict:
-        states = Counter(r.state for r in self.tasks.values())
+        states = {s: n for s, n in self.state_counts.items() if n}
         return {
             "tasks": len(self.tasks),
             "states": dict(states),
             "events": dict(self.events),
             "dropped_by_reason": dict(self.dropped_by_reason),
             "failed_by_reason": dict(self.failed_by_reason),
-            "open": sum(1 for r in self.tasks.values() if r.state not in TERMINAL),
+            "open": self.open_tasks(),
         }

@@ -82,7 +82,10 @@ class RaaSNode:
             temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens
         )
         self.engines: dict[str, Any] = {}
+        #: episodes being generated (they count against ``capacity``)
         self.inflight: dict[str, RolloutTask] = {}
+        #: finished episodes not yet written and completed (their leases are still held)
+        self.writing: set[str] = set()
         self.counters: dict[str, float] = {
             "episodes": 0, "sequences": 0, "tokens": 0, "failed": 0, "idle_s": 0.0,
             "write_s": 0.0, "lease_s": 0.0, "weight_loads": 0,
@@ -144,6 +147,7 @@ class RaaSNode:
             "hardware": self.identity.hardware,
             "versions": self.versions(),
             "inflight": len(self.inflight),
+            "writing": len(self.writing),
             "draining": self.draining,
             "stopped": self.stopped,
             "error": self.error,
@@ -167,6 +171,7 @@ class RaaSNode:
             self._loop.close()
 
     async def _main(self) -> None:
+        self._slot_free = asyncio.Event()
         done: asyncio.Queue[Trajectory] = asyncio.Queue()
         writer = asyncio.create_task(self._writer(done))
         watcher = asyncio.create_task(self._watch_weights())
@@ -190,14 +195,18 @@ class RaaSNode:
                 ep = asyncio.create_task(self._episode(task, done))
                 episodes.add(ep)
                 ep.add_done_callback(episodes.discard)
-            if not tasks:
-                t0 = time.time()
-                await asyncio.sleep(0.05 if self.inflight else 0.1)
-                if not self.inflight:
-                    self.counters["idle_s"] += time.time() - t0
-            else:
-                await asyncio.sleep(0)
-            if self.draining and not self.inflight and done.empty():
+            t0 = time.time()
+            if not tasks and free > 0:
+                await asyncio.sleep(0.05)  # the data layer had nothing: ask again shortly
+            else:  # wait until an episode frees a slot (or the heartbeat is due)
+                self._slot_free.clear()
+                try:
+                    await asyncio.wait_for(self._slot_free.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+            if not self.inflight:
+                self.counters["idle_s"] += time.time() - t0
+            if self.draining and not self.inflight and done.empty() and not self.writing:
                 break
         # drain: finish in-flight episodes, then flush
         if episodes:
@@ -233,12 +242,15 @@ class RaaSNode:
                     hardware=self.identity.hardware,
                 ),
             )
+            self.writing.add(task.task_id)
             await done.put(traj)
         except (TimeoutError, ValueError, RuntimeError) as err:
             self.counters["failed"] += 1
             log.warning("episode %s failed: %s", task.task_id, err)
-            self.inflight.pop(task.task_id, None)
             await call(self.dl.fail, task.task_id, f"{type(err).__name__}: {err}", timeout=30)
+        finally:
+            self.inflight.pop(task.task_id, None)
+            self._slot_free.set()
 
     async def _wait_for_version(self, version: int, timeout: float) -> None:
         deadline = time.time() + timeout
@@ -278,7 +290,7 @@ class RaaSNode:
                 self.counters["tokens"] += sum(s.num_generated() for s in traj.sequences)
             await call(self.dl.complete, out, timeout=60)
             for traj in batch:
-                self.inflight.pop(traj.task_id, None)
+                self.writing.discard(traj.task_id)
         await asyncio.to_thread(self.writer.flush)
 
     async def _watch_weights(self) -> None:

@@ -1,0 +1,156 @@
+"""What the RaaS machinery costs on top of its inference engine.
+
+Side by side in one run, on the same model, prompts, sampling and concurrency:
+
+* **bare engine**: ``HFEngine.generate`` for every prompt, ``capacity`` requests in flight,
+  in one process;
+* **RaaS node**: the same engine inside a ``RaaSNode`` actor on a Dask worker, leasing the same
+  tasks from a ``DataLayer`` actor on another worker, writing trajectories to a Zarr store on
+  disk and completing them (no trainer: a RaaS node runs alone against a data layer).
+
+Reports generated tokens/s of both, their ratio (goal >= 0.95) and the system overhead per
+trajectory (lease, store write + index, completion) in milliseconds.
+
+    python benchmarks/rollout_overhead.py [--groups 64] [--group-size 8] [--preset tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_new: int, seed: int) -> tuple[float, int]:
+    import torch
+
+    from astraflow.rollout.engine import SamplingParams
+    from astraflow.rollout.hf_engine import HFEngine
+
+    torch.set_num_threads(1)
+    engine = HFEngine(str(model_dir), version=0, max_batch_size=capacity, seed=seed)
+    params = SamplingParams(max_new_tokens=max_new)
+
+    async def go() -> int:
+        sem = asyncio.Semaphore(capacity)
+
+        async def one(p):
+            async with sem:
+                return len((await engine.generate(p, params)).tokens)
+
+        return sum(await asyncio.gather(*(one(p) for p in prompts)))
+
+    t0 = time.perf_counter()
+    tokens = asyncio.run(go())
+    return time.perf_counter() - t0, tokens
+
+
+def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int, capacity: int,
+         max_new: int, digits: int, seed: int) -> dict:
+    from distributed import Client, LocalCluster
+
+    from astraflow.config import DataflowConfig, EngineConfig, EvalConfig, RolloutConfig, SamplingConfig, WorkloadConfig
+    from astraflow.dataflow.layer import DataLayer
+    from astraflow.rollout.node import NodeIdentity, RaaSNode
+    from storage.weights import WeightStore
+
+    weights = work / "weights"
+    WeightStore(weights)  # an empty store: the node serves the model directory as version 0
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                      host="127.0.0.1") as cluster, Client(cluster) as client:
+        addrs = sorted(client.scheduler_info()["workers"])
+        wl = WorkloadConfig(name="math", params={"digits": digits}, group_size=group_size,
+                            sampling=SamplingConfig(max_new_tokens=max_new), eval=EvalConfig(every=0))
+        dl = client.submit(
+            DataLayer, actor=True, workers=[addrs[0]],
+            dataflow=DataflowConfig(batch_size=group_size, prefetch_groups=groups), workload=wl,
+            policies=["p"], store_url=str(work / "trajectories"), metrics_path=None, max_steps=1, seed=seed,
+        ).result(timeout=120)
+        node = client.submit(
+            RaaSNode, actor=True, workers=[addrs[1]],
+            identity=NodeIdentity(name="bench"), rollout=RolloutConfig(capacity=capacity, engine=EngineConfig(max_batch=capacity)),
+            models={"p": str(model_dir)}, workload_name="math", workload_params={"digits": digits},
+            workload_seed=0, workflow="single_turn", sampling=wl.sampling, store_url=str(work / "trajectories"),
+            weights_root=str(weights), data_layer=dl, seed=seed,
+        ).result(timeout=120)
+        node.start().result(timeout=300)
+        t_start = time.perf_counter()  # engine loaded: from here on it is lease, generate, write, complete
+        deadline = time.time() + 900
+        while time.time() < deadline:
+            st = dl.progress().result(timeout=30)
+            if st["sequences_generated"] >= n_tasks:
+                break
+            time.sleep(0.05)
+        wall = time.perf_counter() - t_start
+        nst = node.stop(timeout=60).result(timeout=90)
+    c = nst["counters"]
+    busy = nst["engine"]["p"]["busy_seconds"]
+    return {"counters": c, "engine_busy_s": busy, "node": nst, "wall_s": wall,
+            "tokens_at_end": st["tokens_generated"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--groups", type=int, default=48)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--capacity", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    ap.add_argument("--digits", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from astraflow.models import init_model
+    from astraflow.workloads.base import make_workload
+
+    work = Path(tempfile.mkdtemp(prefix="rollout-overhead-", dir=ROOT / "benchmarks"))
+    model_dir = init_model(work / "model", preset=args.preset, seed=args.seed)
+    wl = make_workload("math", {"digits": args.digits}, 0)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    train = wl.tasks("train")
+    n = args.groups * args.group_size
+    # the data layer shuffles prompts; the bare run uses the same prompt distribution and count
+    prompts = [tok.encode(wl.render_prompt(train[i % len(train)])) for i in range(args.groups) for _ in range(args.group_size)]
+
+    bare_s, bare_tokens = bare(model_dir, prompts, args.capacity, args.max_new_tokens, args.seed)
+    t0 = time.perf_counter()
+    r = raas(model_dir, work, n, args.groups, args.group_size, args.capacity, args.max_new_tokens, args.digits, args.seed)
+    c = r["counters"]
+    raas_tokens = c["tokens"]
+    # end to end: from the engine being loaded to the last trajectory completed in the data layer
+    raas_s = r["wall_s"]
+    bare_tps, raas_tps = bare_tokens / bare_s, raas_tokens / raas_s
+    overhead_ms = 1000 * (c["lease_s"] + c["write_s"]) / max(c["episodes"], 1)
+
+    table = Table(title=f"rollout overhead ({n} episodes, capacity {args.capacity}, {args.preset} model)")
+    for col in ("path", "episodes", "tokens", "seconds", "tokens/s"):
+        table.add_column(col, justify="right")
+    table.add_row("bare engine", str(n), str(bare_tokens), f"{bare_s:.2f}", f"{bare_tps:.0f}")
+    table.add_row("RaaS node", str(int(c["episodes"])), str(int(raas_tokens)), f"{raas_s:.2f}", f"{raas_tps:.0f}")
+    Console().print(table)
+    print(f"per-trajectory system overhead: lease {1000 * c['lease_s'] / max(c['episodes'], 1):.2f} ms, "
+          f"store write+index {1000 * c['write_s'] / max(c['episodes'], 1):.2f} ms, "
+          f"idle {c['idle_s']:.1f}s; wall of the RaaS run incl. start-up {time.perf_counter() - t0:.1f}s")
+    print("RESULT " + json.dumps({
+        "ratio_vs_bare_engine": round(raas_tps / bare_tps, 3),
+        "bare_tokens_per_s": round(bare_tps, 1),
+        "raas_tokens_per_s": round(raas_tps, 1),
+        "overhead_ms_per_trajectory": round(overhead_ms, 3),
+        "episodes": int(c["episodes"]),
+    }))
+
+
+if __name__ == "__main__":
+    main()
