@@ -51,7 +51,8 @@ class NodeView(_View):
     region: str = Field(description="the partition's region label")
     job_id: str = Field(description="local pid-based id or Slurm job id")
     state: str = Field(description="job state from the scheduler (RUNNING, PENDING, ...); "
-                                   "DRAINING while it finishes its leases; GONE once it left")
+                                   "DRAINING while it finishes its leases; GONE once it left; "
+                                   "ENDED when the run finished")
     versions: dict[str, int] = Field(description="weight version served per policy (RaaS nodes; empty otherwise)")
     leased_now: int = Field(description="tasks the node holds right now (in flight)")
     leased_total: int = Field(description="tasks leased to the node since it joined")
@@ -147,10 +148,13 @@ def _max_steps(paths: RunPaths) -> int | None:
     return int(value) if value is not None else None
 
 
-def _node_view(name: str, worker: dict[str, Any], part: dict[str, Any], info: dict[str, Any], now: float) -> NodeView:
+def _node_view(name: str, worker: dict[str, Any], part: dict[str, Any], info: dict[str, Any], now: float,
+               finished: bool) -> NodeView:
     state = str(worker.get("state", "UNKNOWN"))
     if info.get("gone") or state == "GONE":
         state = "GONE"
+    elif finished:  # the last snapshot predates shutdown, which cancelled every job
+        state = "ENDED"
     elif worker.get("draining") or info.get("draining"):
         state = "DRAINING"
     tokens = int(info.get("tokens", 0))
@@ -183,6 +187,8 @@ def build_status_view(run_dir: Path | str, now: float | None = None) -> StatusVi
     status = _read_json(paths.status_file)
     summary = _read_json(paths.summary)
     info = _read_json(paths.orchestrator_file) or {}
+    if not paths.root.is_dir():
+        raise ValueError(f"{run_dir} is not a run directory: pass the --run-dir of `astraflow run`")
     if status is None and summary is None:
         raise ValueError(f"no run has started in {run_dir} yet (no {paths.status_file}): "
                          f"pass the --run-dir of `astraflow run`")
@@ -201,7 +207,8 @@ def build_status_view(run_dir: Path | str, now: float | None = None) -> StatusVi
         w = workers.get(name, {})
         node_info = dl_nodes.get(name, {})
         pname = w.get("partition", node_info.get("partition", "?"))
-        by_part.setdefault(pname, []).append(_node_view(name, w, parts_cfg.get(pname, {}), node_info, now))
+        by_part.setdefault(pname, []).append(_node_view(name, w, parts_cfg.get(pname, {}), node_info, now,
+                                                            summary is not None))
     partitions = [
         PartitionView(
             name=n, scheduler=str(p.get("scheduler", "?")), role=str(p.get("role", "?")),
@@ -409,7 +416,8 @@ def write_plots(run_dir: Path | str, out: Path | str | None = None) -> list[Path
     ax2 = ax.twinx()
     for p, c in view.policies.items():
         ax.plot(*pts(c.time, c.trajectories_per_s), marker=".", color="tab:blue", label=f"{p} trajectories/s")
-        ax2.plot(*pts(c.time, c.tokens_per_s), marker=".", color="tab:orange", label=f"{p} tokens/s")
+        ax2.plot(*pts(c.time, c.tokens_per_s), marker=".", color="tab:orange", linestyle="--",
+                 label=f"{p} tokens/s")
     ax.set(title="throughput (cumulative average)", xlabel="seconds", ylabel="trajectories/s")
     ax2.set_ylabel("tokens/s")
     h1, l1 = ax.get_legend_handles_labels()

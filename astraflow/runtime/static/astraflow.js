@@ -2,7 +2,8 @@
 // tables and inline-SVG charts. Plain JavaScript, nothing loaded from the network.
 "use strict";
 
-const REFRESH_MS = 2000;
+// ?refresh=MS on the page address changes the interval (tests use a short one)
+const REFRESH_MS = Math.max(200, Number(new URLSearchParams(location.search).get("refresh")) || 2000);
 const SVG = "http://www.w3.org/2000/svg";
 const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"];
 
@@ -44,34 +45,45 @@ function row(cells, attrs = {}) {
 // ---------------------------------------------------------------- charts (inline SVG)
 const W = 320, H = 170, PAD = { l: 42, r: 10, t: 8, b: 26 };
 
-function niceRange(vals, fixed) {
-  if (fixed) return fixed;
-  let lo = Math.min(...vals), hi = Math.max(...vals);
-  if (!Number.isFinite(lo)) return [0, 1];
-  if (lo === hi) { lo -= 0.5; hi += 0.5; }
-  const pad = (hi - lo) * 0.05;
-  return [lo - pad, hi + pad];
+// ticks at 1, 2 or 5 times a power of ten covering [lo, hi]; integer ticks when `integer`
+function niceTicks(lo, hi, integer, n = 4) {
+  if (!Number.isFinite(lo) || !Number.isFinite(hi)) { lo = 0; hi = 1; }
+  if (lo === hi) { lo -= integer ? 1 : Math.abs(lo) * 0.1 || 0.5; hi += integer ? 1 : Math.abs(hi) * 0.1 || 0.5; }
+  const raw = (hi - lo) / n, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+  let step = [1, 2, 5, 10].map((m) => m * mag).find((s) => s >= raw);
+  if (integer) step = Math.max(1, Math.round(step));
+  const t0 = Math.floor(lo / step) * step, t1 = Math.ceil(hi / step) * step;
+  const ticks = [];
+  for (let t = t0; t <= t1 + step / 2; t += step) ticks.push(+t.toPrecision(10));
+  return ticks;
 }
 
-function axes(svg, [x0, x1], [y0, y1], xlabel) {
+function label(t) {
+  const a = Math.abs(t);
+  if (a >= 1e4) return (t / 1e3).toFixed(0) + "k";
+  return String(+t.toPrecision(4));
+}
+
+// xt, yt: tick lists (the axes span their first to last tick, or `xspan` when given)
+function axes(svg, xt, yt, xlabel, xspan) {
+  const [x0, x1] = xspan || [xt[0], xt[xt.length - 1]];
+  const [y0, y1] = [yt[0], yt[yt.length - 1]];
   const sx = (x) => PAD.l + ((x - x0) / (x1 - x0 || 1)) * (W - PAD.l - PAD.r);
   const sy = (y) => H - PAD.b - ((y - y0) / (y1 - y0 || 1)) * (H - PAD.t - PAD.b);
   svg.appendChild(svgEl("rect", { x: PAD.l, y: PAD.t, width: W - PAD.l - PAD.r, height: H - PAD.t - PAD.b, fill: "#fcfcfc", stroke: "#ddd" }));
-  for (let i = 0; i <= 4; i++) {
-    const y = y0 + ((y1 - y0) * i) / 4;
+  for (const y of yt) {
     svg.appendChild(svgEl("line", { x1: PAD.l, x2: W - PAD.r, y1: sy(y), y2: sy(y), stroke: "#eee" }));
-    svg.appendChild(svgEl("text", { x: PAD.l - 4, y: sy(y) + 3, "text-anchor": "end" }, +y.toPrecision(3)));
+    svg.appendChild(svgEl("text", { x: PAD.l - 4, y: sy(y) + 3, "text-anchor": "end" }, label(y)));
   }
-  for (let i = 0; i <= 4; i++) {
-    const x = x0 + ((x1 - x0) * i) / 4;
-    svg.appendChild(svgEl("text", { x: sx(x), y: H - PAD.b + 12, "text-anchor": "middle" }, +x.toPrecision(3)));
+  for (const x of xt) {
+    svg.appendChild(svgEl("text", { x: sx(x), y: H - PAD.b + 12, "text-anchor": "middle" }, label(x)));
   }
   svg.appendChild(svgEl("text", { x: (PAD.l + W - PAD.r) / 2, y: H - 2, "text-anchor": "middle" }, xlabel));
   return [sx, sy];
 }
 
 // series: [{name, xs, ys}]; points with y === null are skipped
-function lineChart(id, title, xlabel, series, yfixed) {
+function lineChart(id, title, xlabel, series, yfixed, xint) {
   const box = el("div", { class: "chart", id });
   box.appendChild(el("h3", {}, title));
   const svg = svgEl("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}` });
@@ -80,7 +92,9 @@ function lineChart(id, title, xlabel, series, yfixed) {
   if (!all.length) {
     svg.appendChild(svgEl("text", { x: W / 2, y: H / 2, "text-anchor": "middle" }, "no data yet"));
   } else {
-    const [sx, sy] = axes(svg, niceRange(all.map((p) => p[0])), niceRange(all.map((p) => p[1]), yfixed), xlabel);
+    const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
+    const yt = yfixed ? [0, 0.25, 0.5, 0.75, 1] : niceTicks(Math.min(...ys), Math.max(...ys), false);
+    const [sx, sy] = axes(svg, niceTicks(Math.min(...xs), Math.max(...xs), xint), yt, xlabel);
     pts.forEach((p, k) => {
       const color = COLORS[k % COLORS.length];
       svg.appendChild(svgEl("polyline", { points: p.map(([x, y]) => `${sx(x)},${sy(y)}`).join(" "), fill: "none", stroke: color, "stroke-width": 1.8 }));
@@ -101,7 +115,9 @@ function barChart(id, title, xlabel, hist) {
   } else {
     const lo = Math.min(0, ...keys), hi = Math.max(...keys);
     const ymax = Math.max(...Object.values(hist));
-    const [sx, sy] = axes(svg, [lo - 0.5, hi + 0.5], [0, ymax * 1.1], xlabel);
+    const xt = [];
+    for (let k = lo; k <= hi; k++) xt.push(k);
+    const [sx, sy] = axes(svg, xt, niceTicks(0, ymax * 1.08, true), xlabel, [lo - 0.6, hi + 0.6]);
     const bw = (sx(1) - sx(0)) * 0.8;
     for (const k of keys) {
       const v = hist[String(k)];
@@ -184,10 +200,10 @@ function renderMetrics(mv, st) {
     const hist = (st && st.policies.find((p) => p.name === name) || {}).staleness_hist || c.staleness_hist;
     const charts = el("div", { class: "charts", id: `charts-${name}` });
     charts.append(
-      lineChart(`chart-${name}-reward`, `${name}: mean reward`, "trainer step", [{ xs: c.step, ys: c.reward_mean }]),
-      lineChart(`chart-${name}-accuracy`, `${name}: held-out accuracy`, "weight version", [{ xs: c.eval_step, ys: c.eval_accuracy }], [0, 1]),
+      lineChart(`chart-${name}-reward`, `${name}: mean reward`, "trainer step", [{ xs: c.step, ys: c.reward_mean }], null, true),
+      lineChart(`chart-${name}-accuracy`, `${name}: held-out accuracy`, "weight version", [{ xs: c.eval_step, ys: c.eval_accuracy }], [0, 1], true),
       barChart(`chart-${name}-staleness`, `${name}: staleness of consumed trajectories`, "versions behind", hist),
-      lineChart(`chart-${name}-wait`, `${name}: trainer wait fraction`, "trainer step", [{ xs: c.step, ys: c.trainer_wait_fraction }], [0, 1]),
+      lineChart(`chart-${name}-wait`, `${name}: trainer wait fraction`, "trainer step", [{ xs: c.step, ys: c.trainer_wait_fraction }], [0, 1], true),
       lineChart(`chart-${name}-throughput`, "trajectories/s (run average)", "seconds", [{ xs: c.time, ys: c.trajectories_per_s }]),
     );
     parts.push(charts);
