@@ -150,5 +150,20 @@ def plot(run_dir: str, out: str | None) -> None:
         click.echo(str(p))
 
 
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--logdir", type=click.Path(file_okay=False), help="Event file directory (default: RUN_DIR/tensorboard).")
+@click.option("--follow", is_flag=True, help="Keep mirroring new lines until the run ends.")
+def tensorboard(run_dir: str, logdir: str | None, follow: bool) -> None:
+    """Mirror RUN_DIR's metrics.jsonl into TensorBoard event files (needs `pip install tensorboard`)."""
+    from astraflow.runtime.monitoring import export_tensorboard
+
+    try:
+        n = export_tensorboard(Path(run_dir), Path(logdir) if logdir else None, follow=follow)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    click.echo(f"{n} metrics lines written to {logdir or Path(run_dir) / 'tensorboard'}")
+
+
 if __name__ == "__main__":
     main()

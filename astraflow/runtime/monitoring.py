@@ -301,6 +301,20 @@ _TRAINER_KEYS = {
 }
 
 
+def tail_records(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """The complete JSON lines of ``path`` after byte ``offset``, and the offset after them
+    (a line still being written is left for the next call)."""
+    if not path.exists():
+        return [], offset
+    with path.open("rb") as fh:
+        fh.seek(offset)
+        chunk = fh.read()
+    end = chunk.rfind(b"\n")
+    if end < 0:
+        return [], offset
+    return [json.loads(raw) for raw in chunk[: end + 1].splitlines() if raw.strip()], offset + end + 1
+
+
 class MetricsReader:
     """Reads ``metrics.jsonl`` incrementally: each :meth:`view` parses only lines appended since
     the previous call (the file only grows; a line being written is left for the next call)."""
@@ -332,20 +346,10 @@ class MetricsReader:
             c["staleness_hist"][str(k)] = c["staleness_hist"].get(str(k), 0) + int(v)
 
     def read(self) -> None:
-        f = self.paths.metrics
-        if not f.exists():
-            return
-        with f.open("rb") as fh:
-            fh.seek(self._offset)
-            chunk = fh.read()
-        end = chunk.rfind(b"\n")
-        if end < 0:
-            return
-        for raw in chunk[: end + 1].splitlines():
-            if raw.strip():
-                self._add(json.loads(raw))
-                self._lines += 1
-        self._offset += end + 1
+        records, self._offset = tail_records(self.paths.metrics, self._offset)
+        for rec in records:
+            self._add(rec)
+            self._lines += 1
 
     def view(self) -> MetricsView:
         self.read()
@@ -357,6 +361,50 @@ class MetricsReader:
 
 def read_metrics(run_dir: Path | str) -> MetricsView:
     return MetricsReader(run_dir).view()
+
+
+# ---------------------------------------------------------------------------- TensorBoard
+
+def _stale(paths: RunPaths) -> bool:
+    status = _read_json(paths.status_file)
+    return status is not None and time.time() - float(status.get("written_at", 0)) > STALE_AFTER_S
+
+
+def export_tensorboard(run_dir: Path | str, logdir: Path | str | None = None, follow: bool = False,
+                       poll_s: float = 2.0) -> int:
+    """Mirror ``metrics.jsonl`` into TensorBoard event files (optional: needs the ``tensorboard``
+    package; nothing in a run depends on it). Every numeric field of a trainer line becomes the
+    scalar ``<policy>/<field>`` at its step, every evaluation field ``<policy>/eval/<field>``.
+
+    ``follow=True`` keeps mirroring new lines until the run ends (``summary.json`` appears) or its
+    orchestrator stops writing status (older than :data:`STALE_AFTER_S`). Returns lines written."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ValueError("TensorBoard export needs the tensorboard package: pip install tensorboard") from None
+    paths = RunPaths(Path(run_dir))
+    if not paths.metrics.exists() and not follow:
+        raise ValueError(f"{paths.metrics} does not exist: pass the --run-dir of a run that started")
+    writer = SummaryWriter(log_dir=str(logdir if logdir is not None else paths.root / "tensorboard"))
+    offset = written = 0
+    try:
+        while True:
+            # decided before reading, so the lines written before the run ended are all read
+            ended = not follow or paths.summary.exists() or _stale(paths)
+            records, offset = tail_records(paths.metrics, offset)
+            for rec in records:
+                prefix = f"{rec.get('policy', '?')}/" + ("eval/" if "eval_accuracy" in rec else "")
+                for key, value in rec.items():
+                    if key not in ("step", "policy") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                        writer.add_scalar(prefix + key, value, global_step=int(rec["step"]))
+                written += 1
+            writer.flush()
+            if ended:
+                break
+            time.sleep(poll_s)
+    finally:
+        writer.close()
+    return written
 
 
 # ---------------------------------------------------------------------------- plots

@@ -30,6 +30,23 @@ CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 class LiveRun:
     def __init__(self, run_dir: Path, thread: threading.Thread, box: dict):
         self.run_dir, self.thread, self.box = run_dir, thread, box
+        self.captured: dict = {}  # what the dashboard served while the run was live
+        self.capturer = threading.Thread(target=self._capture, daemon=True)
+        self.capturer.start()
+
+    def _capture(self) -> None:
+        """Fetch every AstraFlow endpoint once the first status snapshot exists (the run is
+        short: tests check the answers afterwards, whatever order they run in)."""
+        try:
+            base = self.dashboard_base()
+            self.captured["base"] = base
+            self.captured["status"] = _get(f"{base}/astraflow/api/status.json")
+            self.captured["metrics"] = _get(f"{base}/astraflow/api/metrics.json")
+            for key, path in (("page", "/astraflow"), ("js", "/astraflow/static/astraflow.js"), ("dask", "/status")):
+                with urllib.request.urlopen(base + path, timeout=10) as r:
+                    self.captured[key] = r.read().decode()
+        except Exception as err:  # handed to the test that reads the capture
+            self.captured["error"] = err
 
     def dashboard_base(self, timeout: float = 120.0) -> str:
         """``http://host:port`` of the run's dashboard, once the orchestrator wrote it."""
@@ -83,31 +100,6 @@ def _get(url: str, deadline_s: float = 90.0) -> dict:
             if err.code != 503 or time.time() > deadline:
                 raise
         time.sleep(0.3)
-
-
-@pytest.mark.timeout(240)
-def test_endpoints_follow_the_schema_while_running(live_run):
-    base = live_run.dashboard_base()
-    assert base.startswith("http://127.0.0.1:"), "the dashboard binds to localhost by default"
-    st = _get(f"{base}/astraflow/api/status.json")
-    view = StatusView.model_validate(st)  # extra="forbid": an undocumented field fails here
-    assert view.running and not view.finished
-    assert [p.name for p in view.policies] == ["solver"]
-    roles = {p.name: p.role for p in view.partitions}
-    assert roles == {"data": "data", "trainer": "trainer", "rollout": "rollout"}
-    rollout = next(p for p in view.partitions if p.role == "rollout")
-    assert len(rollout.nodes) == 2 and all(n.hardware == "cpu" and n.region == "local" for n in rollout.nodes)
-    assert view.ledger.totals["created"] >= view.ledger.totals["leased"] > 0
-    mv = MetricsView.model_validate(_get(f"{base}/astraflow/api/metrics.json"))
-    assert mv.schema_version == view.schema_version == 1
-    # the page and its assets are served by the same server, and the Dask dashboard links to it
-    with urllib.request.urlopen(f"{base}/astraflow", timeout=10) as r:
-        page = r.read().decode()
-    assert "/astraflow/static/astraflow.js" in page
-    with urllib.request.urlopen(f"{base}/astraflow/static/astraflow.js", timeout=10) as r:
-        assert b"/astraflow/api/status.json" in r.read()
-    with urllib.request.urlopen(f"{base}/status", timeout=10) as r:
-        assert 'href="astraflow"' in r.read().decode()
 
 
 def _driver(tmp: Path):
@@ -170,6 +162,28 @@ def test_page_shows_live_values_in_a_browser(live_run, tmp_path):
         print(f"\nscreenshot of the AstraFlow page: {shot}")
     finally:
         driver.quit()
+
+
+@pytest.mark.timeout(240)
+def test_endpoints_follow_the_schema_while_running(live_run):
+    live_run.capturer.join(180)
+    cap = live_run.captured
+    assert "error" not in cap, cap.get("error")
+    assert cap["base"].startswith("http://127.0.0.1:"), "the dashboard binds to localhost by default"
+    view = StatusView.model_validate(cap["status"])  # extra="forbid": an undocumented field fails here
+    assert view.running and not view.finished
+    assert [p.name for p in view.policies] == ["solver"]
+    roles = {p.name: p.role for p in view.partitions}
+    assert roles == {"data": "data", "trainer": "trainer", "rollout": "rollout"}
+    rollout = next(p for p in view.partitions if p.role == "rollout")
+    assert len(rollout.nodes) == 2 and all(n.hardware == "cpu" and n.region == "local" for n in rollout.nodes)
+    assert view.ledger.totals["created"] >= view.ledger.totals["leased"] > 0
+    mv = MetricsView.model_validate(cap["metrics"])
+    assert mv.schema_version == view.schema_version == 1
+    # the page and its assets are served by the same server, and the Dask dashboard links to it
+    assert "/astraflow/static/astraflow.js" in cap["page"]
+    assert "/astraflow/api/status.json" in cap["js"]
+    assert 'href="astraflow"' in cap["dask"]
 
 
 def _timeless(view: StatusView) -> dict:
@@ -245,3 +259,21 @@ def test_status_of_a_directory_without_a_run_names_the_fix(tmp_path):
     assert res.exit_code == 2 and "--run-dir" in res.output
     res = CliRunner().invoke(main, ["plot", str(tmp_path)])
     assert res.exit_code == 2 and "no metrics" in res.output
+
+
+@pytest.mark.timeout(300)
+def test_tensorboard_mirror_of_metrics(live_run, tmp_path):
+    pytest.importorskip("tensorboard", reason="TensorBoard export is optional (pip install tensorboard)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    live_run.finish()
+    res = CliRunner().invoke(main, ["tensorboard", str(live_run.run_dir), "--logdir", str(tmp_path / "tb"), "--follow"])
+    assert res.exit_code == 0, res.output
+    ea = EventAccumulator(str(tmp_path / "tb"))
+    ea.Reload()
+    curves = read_metrics(live_run.run_dir).policies["solver"]
+    reward = ea.Scalars("solver/reward_mean")
+    assert [e.step for e in reward] == curves.step
+    assert [e.value for e in reward] == pytest.approx(curves.reward_mean)
+    acc = ea.Scalars("solver/eval/eval_accuracy")
+    assert [e.step for e in acc] == curves.eval_step
