@@ -193,7 +193,8 @@ def build_status_view(run_dir: Path | str, now: float | None = None) -> StatusVi
         raise ValueError(f"no run has started in {run_dir} yet (no {paths.status_file}): "
                          f"pass the --run-dir of `astraflow run`")
     status = status or {"data_layer": summary.get("data_layer", {}), "trainers": {}, "partitions": {}, "workers": {}}  # type: ignore[union-attr]
-    dl = status.get("data_layer") or {}
+    # a finished run: the data layer's final state (every task ended) is in the summary
+    dl = (summary or {}).get("data_layer") or status.get("data_layer") or {}
     written = status.get("written_at")
     age = now - written if written is not None else None
     from astraflow.runtime.control import _alive

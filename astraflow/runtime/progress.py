@@ -15,7 +15,7 @@ from rich.markup import escape
 
 class Progress:
     def __init__(self, enabled: bool = True, console: Console | None = None, interval_s: float = 5.0,
-                 heartbeat_s: float = 30.0):
+                 heartbeat_s: float = 15.0):
         self.enabled = enabled
         self.heartbeat_s = heartbeat_s
         self._waits: list[list[str]] = []  # [what, detail] of the open waiting() blocks, innermost last

@@ -206,6 +206,7 @@ def test_status_json_and_plots_after_the_run(live_run, tmp_path):
     assert pol.eval_step == MAX_STEPS and pol.eval_accuracy is not None
     assert sum(pol.staleness_hist.values()) == pol.consumed
     assert view.ledger.totals["consumed"] == pol.consumed
+    assert view.ledger.open == 0 and view.ledger.tasks == result.ledger["tasks"]  # the final ledger
     # `astraflow status --json` prints the same view as the endpoint
     res = CliRunner().invoke(main, ["status", str(live_run.run_dir), "--json"])
     assert res.exit_code == 0, res.output
