@@ -103,21 +103,66 @@ def check(config: str, overrides: tuple[str, ...]) -> None:
 
 @main.command()
 @click.argument("run_dir", type=click.Path(file_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def status(run_dir: str, as_json: bool) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Machine-readable output: the same view as the dashboard's /astraflow/api/status.json "
+                   "(also for a finished run).")
+@click.option("--metrics", is_flag=True,
+              help="With --json: the curves of metrics.jsonl instead (/astraflow/api/metrics.json).")
+def status(run_dir: str, as_json: bool, metrics: bool) -> None:
     """Status of the run in RUN_DIR: components, partitions, versions, throughput."""
-    from astraflow.runtime.control import RunNotRunning, run_status
+    if metrics and not as_json:
+        raise UserError("--metrics goes with --json (for pictures of the curves use `astraflow plot RUN_DIR`)")
+    if as_json:
+        from astraflow.runtime.monitoring import build_status_view, read_metrics
+
+        if metrics:
+            if not (Path(run_dir) / "metrics.jsonl").exists():
+                raise UserError(f"{run_dir} has no metrics.jsonl: pass the --run-dir of a run that started")
+            click.echo(read_metrics(Path(run_dir)).model_dump_json(indent=2))
+            return
+        try:
+            view = build_status_view(Path(run_dir))
+        except ValueError as err:
+            raise UserError(str(err)) from None
+        click.echo(view.model_dump_json(indent=2))
+        return
+    from astraflow.runtime.control import RunNotRunning, format_status, run_status
 
     try:
         st = run_status(Path(run_dir))
     except RunNotRunning as err:
         raise UserError(str(err)) from None
-    if as_json:
-        click.echo(json.dumps(st, indent=2, default=str))
-        return
-    from astraflow.runtime.control import format_status
-
     click.echo(format_status(st))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--out", type=click.Path(file_okay=False), help="Output directory (default: RUN_DIR/plots).")
+def plot(run_dir: str, out: str | None) -> None:
+    """Write PNG plots of RUN_DIR's metrics.jsonl: reward, held-out accuracy, throughput, staleness."""
+    from astraflow.runtime.monitoring import write_plots
+
+    try:
+        paths = write_plots(Path(run_dir), Path(out) if out else None)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    for p in paths:
+        click.echo(str(p))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--logdir", type=click.Path(file_okay=False), help="Event file directory (default: RUN_DIR/tensorboard).")
+@click.option("--follow", is_flag=True, help="Keep mirroring new lines until the run ends.")
+def tensorboard(run_dir: str, logdir: str | None, follow: bool) -> None:
+    """Mirror RUN_DIR's metrics.jsonl into TensorBoard event files (needs `pip install tensorboard`)."""
+    from astraflow.runtime.monitoring import export_tensorboard
+
+    try:
+        n = export_tensorboard(Path(run_dir), Path(logdir) if logdir else None, follow=follow)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    click.echo(f"{n} metrics lines written to {logdir or Path(run_dir) / 'tensorboard'}")
 
 
 if __name__ == "__main__":

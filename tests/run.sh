@@ -12,6 +12,17 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q -e ".[test,megatron,plot]"
 
+# 1b. Debian chromium + chromedriver for the browser test of the dashboard page (tests/monitoring);
+#     Selenium drives them, nothing downloads a browser
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; }
+  else
+    sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null
+  fi
+fi
+
 # 2. a real local Slurm for the slurm tier (installs slurm-wlm + munge via apt when missing)
 export LOCAL_SLURM_DIR=${LOCAL_SLURM_DIR:-/tmp/astraflow-slurm}
 slurm_started=0

@@ -35,7 +35,8 @@ class SchedulerProcess:
             "--preload", "astraflow.runtime.dashboard",
         ]
         self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=worker_env()
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=worker_env({"ASTRAFLOW_RUN_DIR": str(self.paths.root.resolve())}),  # for the AstraFlow page
         )
         deadline = time.time() + timeout
         while time.time() < deadline:

@@ -1,8 +1,107 @@
-"""Scheduler preload: the AstraFlow page on the Dask dashboard (placeholder route until the
-monitoring page lands). Loaded with ``dask scheduler --preload astraflow.runtime.dashboard``."""
+"""Scheduler preload: the AstraFlow page on the Dask dashboard of a run.
+
+HPC users already open the Dask dashboard of their cluster; this puts what an RL run needs on
+the same server (same port, same bind address, a link in the dashboard's top bar):
+
+* ``/astraflow`` — the page (``static/astraflow.html`` + ``astraflow.js``, no CDN: it works
+  on a compute node without internet), refreshed every 2 s from the two endpoints below;
+* ``/astraflow/api/status.json`` — :class:`astraflow.runtime.monitoring.StatusView`;
+* ``/astraflow/api/metrics.json`` — :class:`astraflow.runtime.monitoring.MetricsView`.
+
+Loaded with ``dask scheduler --preload astraflow.runtime.dashboard``; the run directory comes
+from ``ASTRAFLOW_RUN_DIR`` (set by :class:`astraflow.runtime.cluster.SchedulerProcess`). The
+endpoints only read files of the run directory (the orchestrator's ``control/status.json`` and
+the data layer's ``metrics.jsonl``), so the page never slows the scheduler or the run down.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+from pathlib import Path
+
+from tornado import web
+
+from astraflow.runtime.monitoring import MetricsReader, build_status_view
+
+log = logging.getLogger("astraflow.dashboard")
+
+RUN_DIR_ENV = "ASTRAFLOW_RUN_DIR"
+STATIC = Path(__file__).with_name("static")
+PAGE = "astraflow"
+
+
+class _JSON(web.RequestHandler):
+    def set_default_headers(self) -> None:
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Cache-Control", "no-store")
+
+    def _fail(self, code: int, msg: str) -> None:
+        self.set_status(code)
+        self.finish(json.dumps({"error": msg}))
+
+
+class StatusHandler(_JSON):
+    def initialize(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def get(self) -> None:
+        try:
+            view = build_status_view(self.run_dir)
+        except ValueError as err:  # no status snapshot yet: the page shows the message and retries
+            return self._fail(503, str(err))
+        self.finish(view.model_dump_json())
+
+
+class MetricsHandler(_JSON):
+    def initialize(self, reader: MetricsReader) -> None:
+        self.reader = reader
+
+    def get(self) -> None:
+        self.finish(self.reader.view().model_dump_json())
+
+
+class PageHandler(web.RequestHandler):
+    def get(self) -> None:
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.set_header("Cache-Control", "no-store")
+        self.finish((STATIC / "astraflow.html").read_bytes())
+
+
+class StaticHandler(web.StaticFileHandler):
+    def set_extra_headers(self, path: str) -> None:
+        self.set_header("Cache-Control", "no-cache")  # revalidate: an upgraded AstraFlow serves new assets
+
+
+def routes(run_dir: Path) -> list[tuple]:
+    """The AstraFlow routes for ``run_dir`` (also used by tests on a plain tornado app)."""
+    reader = MetricsReader(run_dir)
+    return [
+        (rf"/{PAGE}/?", PageHandler),
+        (rf"/{PAGE}/api/status\.json", StatusHandler, {"run_dir": run_dir}),
+        (rf"/{PAGE}/api/metrics\.json", MetricsHandler, {"reader": reader}),
+        (rf"/{PAGE}/static/(.*)", StaticHandler, {"path": str(STATIC)}),
+    ]
+
+
+def _link_from_dashboard(scheduler) -> None:
+    """Add the page to the Dask dashboard's top bar (its page list is shared by every
+    dashboard document, so appending to it is enough)."""
+    try:
+        from distributed.dashboard.scheduler import template_variables
+    except ImportError:  # no bokeh: the Dask dashboard has no top bar to link from
+        return
+    pages = template_variables(scheduler)["pages"]
+    if PAGE not in pages:
+        pages.append(PAGE)
+
 
 def dask_setup(scheduler) -> None:  # noqa: D401  (Dask preload hook)
-    return None
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    app = getattr(scheduler, "http_application", None)
+    if not run_dir or app is None:
+        log.warning("AstraFlow page not installed: %s", "no dashboard" if app is None else f"{RUN_DIR_ENV} is not set")
+        return
+    app.add_handlers(r".*$", routes(Path(run_dir)))
+    _link_from_dashboard(scheduler)

@@ -30,7 +30,8 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
             from astraflow.training.warmstart import warm_start
 
             params = dict((workload.params if workload else {}) or {})
-            with progress.waiting(f"supervised warm start for {init.warm_start_seconds:.0f}s"):
+            # the warm start draws its own progress bar
+            with progress.waiting(f"supervised warm start for {init.warm_start_seconds:.0f}s", live=False):
                 result = warm_start(
                     tmp / "init", tmp / "final", seconds=init.warm_start_seconds, lr=init.warm_start_lr,
                     workload=params, seed=init.seed, progress=progress.enabled,

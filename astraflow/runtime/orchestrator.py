@@ -117,6 +117,9 @@ class Orchestrator:
         host = cc.dashboard_host
         self.dashboard = f"http://{host}:{dash}/status" if dash else None
         self.progress.note(f"Dask scheduler {address}; dashboard {self.dashboard}")
+        if dash:
+            exposed = "" if host in ("127.0.0.1", "localhost", "::1") else f" (bound to {host}: cluster.dashboard_host)"
+            self.progress.note(f"AstraFlow page http://{host}:{dash}/astraflow{exposed}")
         write_orchestrator_info(self.paths, self.dashboard, address)
         self._reconcile()
         core = [w for w in self.workers.values() if self.partitions[w.partition].role in ("data", "trainer")]
@@ -154,11 +157,20 @@ class Orchestrator:
 
     def _wait_workers(self, names: list[str], timeout: float) -> None:
         deadline = time.time() + timeout
+        states: dict[str, str] = {}
+        next_poll = 0.0
         while True:
             joined = self._joined()
             missing = [n for n in names if n not in joined]
             if not missing:
                 return
+            if time.time() >= next_poll:  # job states (PENDING in a Slurm queue, ...) every 5 s
+                next_poll = time.time() + 5.0
+                states = {j.job_id: str(j.state) for sched in self.schedulers.values() for j in sched.jobs()}
+            shown = ", ".join(f"{n} ({states.get(self.workers[n].job.job_id, '?')})" if n in self.workers else n
+                              for n in missing[:3])
+            self.progress.detail(f"{len(names) - len(missing)}/{len(names)} joined; not yet {shown}"
+                                 + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
             if time.time() > deadline:
                 raise RunFailed(f"workers did not join within {timeout:.0f}s: {missing}; see {self.paths.jobs}/*.log")
             time.sleep(0.2)
@@ -179,6 +191,7 @@ class Orchestrator:
         deadline = time.time() + self.cfg.cluster.placement_timeout_s
         out = {}
         for key, fut in futures.items():
+            self.progress.detail(f"{len(out)}/{len(futures)} ready; waiting for {key}")
             try:
                 out[key] = fut.result(timeout=max(deadline - time.time(), 0.1))
             except TimeoutError:
@@ -266,6 +279,7 @@ class Orchestrator:
             self._sync_loop(t0)
         final = self.cfg.run.max_steps
         eval_on = bool(self.cfg.workload.eval.every)
+        eval_waited = False
         while True:
             state = self.dl.state().result(timeout=30)
             trainers = {p: t.state().result(timeout=30) for p, t in self.trainers.items()}
@@ -280,6 +294,9 @@ class Orchestrator:
             done = all(st["done"] for st in trainers.values())
             if done and (not eval_on or self.dl.eval_done(final).result(timeout=30)):
                 return
+            if done and not eval_waited:
+                eval_waited = True
+                self.progress.note(f"trainers took {final} steps; waiting for the held-out evaluation of v{final}")
             if time.time() - t0 > self.cfg.run.timeout_s:
                 raise RunFailed(f"run deadline of {self.cfg.run.timeout_s:.0f}s passed (run.timeout_s)")
             time.sleep(1.0)

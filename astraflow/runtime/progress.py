@@ -4,16 +4,21 @@ weight version per RaaS node). Plain lines when the output is not a terminal (lo
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 from rich.console import Console
+from rich.markup import escape
 
 
 class Progress:
-    def __init__(self, enabled: bool = True, console: Console | None = None, interval_s: float = 5.0):
+    def __init__(self, enabled: bool = True, console: Console | None = None, interval_s: float = 5.0,
+                 heartbeat_s: float = 15.0):
         self.enabled = enabled
+        self.heartbeat_s = heartbeat_s
+        self._waits: list[list[str]] = []  # [what, detail] of the open waiting() blocks, innermost last
         self.console = console or Console(stderr=False, highlight=False, soft_wrap=True)
         self.interval_s = interval_s
         self._last = 0.0
@@ -24,15 +29,54 @@ class Progress:
             self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg}")
 
     @contextmanager
-    def waiting(self, what: str) -> Iterator[None]:
-        """Show what is being waited for while the block runs; report how long it took."""
-        t0 = time.time()
-        if self.enabled and self.console.is_terminal:
-            with self.console.status(f"{what} ..."):
-                yield
-        else:
+    def waiting(self, what: str, live: bool = True) -> Iterator[None]:
+        """Show what is being waited for, and for how long, while the block runs; report how
+        long it took. On a terminal a spinner line counts the seconds; in a log a line says
+        what started and, every ``heartbeat_s``, that it is still waiting. :meth:`detail` adds
+        what the innermost wait is blocked on (e.g. the workers that have not joined).
+        ``live=False`` for a block that draws its own progress bar (one live display at a time)."""
+        if not self.enabled:
             yield
+            return
+        t0 = time.time()
+        self._waits.append([what, ""])
+        stop = threading.Event()
+        on_terminal = self.console.is_terminal and live
+        if not self.console.is_terminal:
+            self.note(f"{what} ...")
+
+        def text() -> str:
+            detail = self._waits[-1][1] if self._waits and self._waits[-1][0] == what else ""
+            return f"{what} ... {time.time() - t0:.0f}s" + (f" [dim]({escape(detail)})[/dim]" if detail else "")
+
+        def tick(status) -> None:  # the spinner's seconds, or a heartbeat line in logs
+            last_note = t0
+            while not stop.wait(1.0):
+                if status is not None:
+                    status.update(text())
+                elif time.time() - last_note >= self.heartbeat_s:
+                    last_note = time.time()
+                    self.note("still " + text()[0].lower() + text()[1:])
+
+        status = self.console.status(text()) if on_terminal else None
+        if status is not None:
+            status.start()
+        ticker = threading.Thread(target=tick, args=(status,), daemon=True, name="astraflow-progress")
+        ticker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            ticker.join(timeout=5)
+            if status is not None:
+                status.stop()
+            self._waits.pop()
         self.note(f"{what}: done in {time.time() - t0:.1f}s")
+
+    def detail(self, msg: str) -> None:
+        """What the innermost :meth:`waiting` block is blocked on right now (shown with it)."""
+        if self._waits:
+            self._waits[-1][1] = msg
 
     def update(self, state: dict[str, Any], trainers: dict[str, dict[str, Any]]) -> None:
         if not self.enabled:

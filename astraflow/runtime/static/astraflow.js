@@ -1,0 +1,239 @@
+// The AstraFlow page: polls /astraflow/api/status.json and metrics.json every 2 s and renders
+// tables and inline-SVG charts. Plain JavaScript, nothing loaded from the network.
+"use strict";
+
+// ?refresh=MS on the page address changes the interval (tests use a short one)
+const REFRESH_MS = Math.max(200, Number(new URLSearchParams(location.search).get("refresh")) || 2000);
+const SVG = "http://www.w3.org/2000/svg";
+const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"];
+
+const $ = (id) => document.getElementById(id);
+const fmt = (x, d = 2) => (x === null || x === undefined || Number.isNaN(x) ? "–" : Number(x).toFixed(d));
+const pct = (x) => (x === null || x === undefined ? "–" : (100 * x).toFixed(0) + "%");
+
+function el(tag, attrs = {}, text) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+function svgEl(tag, attrs = {}, text) {
+  const e = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+function duration(s) {
+  s = Math.round(s);
+  if (s < 60) return s + "s";
+  if (s < 3600) return Math.floor(s / 60) + "m " + (s % 60) + "s";
+  return Math.floor(s / 3600) + "h " + Math.floor((s % 3600) / 60) + "m";
+}
+
+function row(cells, attrs = {}) {
+  const tr = el("tr", attrs);
+  for (const c of cells) {
+    if (c instanceof Node) { const td = el("td"); td.appendChild(c); tr.appendChild(td); }
+    else if (Array.isArray(c)) tr.appendChild(el("td", c[1], c[0]));
+    else tr.appendChild(el("td", {}, c));
+  }
+  return tr;
+}
+
+// ---------------------------------------------------------------- charts (inline SVG)
+const W = 320, H = 170, PAD = { l: 42, r: 10, t: 8, b: 26 };
+
+// ticks at 1, 2 or 5 times a power of ten covering [lo, hi]; integer ticks when `integer`
+function niceTicks(lo, hi, integer, n = 4) {
+  if (!Number.isFinite(lo) || !Number.isFinite(hi)) { lo = 0; hi = 1; }
+  if (lo === hi) { lo -= integer ? 1 : Math.abs(lo) * 0.1 || 0.5; hi += integer ? 1 : Math.abs(hi) * 0.1 || 0.5; }
+  const raw = (hi - lo) / n, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+  let step = [1, 2, 5, 10].map((m) => m * mag).find((s) => s >= raw);
+  if (integer) step = Math.max(1, Math.round(step));
+  const t0 = Math.floor(lo / step) * step, t1 = Math.ceil(hi / step) * step;
+  const ticks = [];
+  for (let t = t0; t <= t1 + step / 2; t += step) ticks.push(+t.toPrecision(10));
+  return ticks;
+}
+
+function label(t) {
+  const a = Math.abs(t);
+  if (a >= 1e4) return (t / 1e3).toFixed(0) + "k";
+  return String(+t.toPrecision(4));
+}
+
+// xt, yt: tick lists (the axes span their first to last tick, or `xspan` when given)
+function axes(svg, xt, yt, xlabel, xspan) {
+  const [x0, x1] = xspan || [xt[0], xt[xt.length - 1]];
+  const [y0, y1] = [yt[0], yt[yt.length - 1]];
+  const sx = (x) => PAD.l + ((x - x0) / (x1 - x0 || 1)) * (W - PAD.l - PAD.r);
+  const sy = (y) => H - PAD.b - ((y - y0) / (y1 - y0 || 1)) * (H - PAD.t - PAD.b);
+  svg.appendChild(svgEl("rect", { x: PAD.l, y: PAD.t, width: W - PAD.l - PAD.r, height: H - PAD.t - PAD.b, fill: "#fcfcfc", stroke: "#ddd" }));
+  for (const y of yt) {
+    svg.appendChild(svgEl("line", { x1: PAD.l, x2: W - PAD.r, y1: sy(y), y2: sy(y), stroke: "#eee" }));
+    svg.appendChild(svgEl("text", { x: PAD.l - 4, y: sy(y) + 3, "text-anchor": "end" }, label(y)));
+  }
+  for (const x of xt) {
+    svg.appendChild(svgEl("text", { x: sx(x), y: H - PAD.b + 12, "text-anchor": "middle" }, label(x)));
+  }
+  svg.appendChild(svgEl("text", { x: (PAD.l + W - PAD.r) / 2, y: H - 2, "text-anchor": "middle" }, xlabel));
+  return [sx, sy];
+}
+
+// series: [{name, xs, ys}]; points with y === null are skipped
+function lineChart(id, title, xlabel, series, yfixed, xint) {
+  const box = el("div", { class: "chart", id });
+  box.appendChild(el("h3", {}, title));
+  const svg = svgEl("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}` });
+  const pts = series.map((s) => s.xs.map((x, i) => [x, s.ys[i]]).filter(([, y]) => y !== null && y !== undefined));
+  const all = pts.flat();
+  if (!all.length) {
+    svg.appendChild(svgEl("text", { x: W / 2, y: H / 2, "text-anchor": "middle" }, "no data yet"));
+  } else {
+    const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
+    const yt = yfixed ? [0, 0.25, 0.5, 0.75, 1] : niceTicks(Math.min(...ys), Math.max(...ys), false);
+    const [sx, sy] = axes(svg, niceTicks(Math.min(...xs), Math.max(...xs), xint), yt, xlabel);
+    pts.forEach((p, k) => {
+      const color = COLORS[k % COLORS.length];
+      svg.appendChild(svgEl("polyline", { points: p.map(([x, y]) => `${sx(x)},${sy(y)}`).join(" "), fill: "none", stroke: color, "stroke-width": 1.8 }));
+      if (p.length <= 60) for (const [x, y] of p) svg.appendChild(svgEl("circle", { cx: sx(x), cy: sy(y), r: 2.5, fill: color }));
+    });
+  }
+  box.appendChild(svg);
+  return box;
+}
+
+function barChart(id, title, xlabel, hist) {
+  const box = el("div", { class: "chart", id });
+  box.appendChild(el("h3", {}, title));
+  const svg = svgEl("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}` });
+  const keys = Object.keys(hist).map(Number).sort((a, b) => a - b);
+  if (!keys.length) {
+    svg.appendChild(svgEl("text", { x: W / 2, y: H / 2, "text-anchor": "middle" }, "no data yet"));
+  } else {
+    const lo = Math.min(0, ...keys), hi = Math.max(...keys);
+    const ymax = Math.max(...Object.values(hist));
+    const xt = [];
+    for (let k = lo; k <= hi; k++) xt.push(k);
+    const [sx, sy] = axes(svg, xt, niceTicks(0, ymax * 1.08, true), xlabel, [lo - 0.6, hi + 0.6]);
+    const bw = (sx(1) - sx(0)) * 0.8;
+    for (const k of keys) {
+      const v = hist[String(k)];
+      svg.appendChild(svgEl("rect", { x: sx(k) - bw / 2, y: sy(v), width: bw, height: sy(0) - sy(v), fill: COLORS[0] }));
+      svg.appendChild(svgEl("text", { x: sx(k), y: sy(v) - 2, "text-anchor": "middle" }, v));
+    }
+  }
+  box.appendChild(svg);
+  return box;
+}
+
+// ---------------------------------------------------------------- rendering
+function renderStatus(st) {
+  $("run-dir").textContent = st.run_dir;
+  const badge = $("run-state");
+  const state = st.running ? "running" : st.finished ? "finished" : "stopped";
+  badge.textContent = state;
+  badge.className = "badge " + state;
+  $("elapsed").textContent = duration(st.elapsed_s);
+  $("traj-s").textContent = fmt(st.trajectories_per_s, 1);
+  $("tok-s").textContent = fmt(st.tokens_per_s, 0);
+
+  const pb = $("policies").tBodies[0];
+  pb.replaceChildren(...st.policies.map((p) => row([
+    p.name,
+    [`${p.step}${p.max_steps !== null ? " / " + p.max_steps : ""}`, { id: `policy-${p.name}-step`, "data-value": p.step }],
+    [fmt(p.reward_mean, 3), { id: `policy-${p.name}-reward` }],
+    [p.eval_accuracy === null ? "–" : `${fmt(p.eval_accuracy, 3)} (v${p.eval_step})`, { id: `policy-${p.name}-accuracy` }],
+    [pct(p.wait_fraction), { id: `policy-${p.name}-wait` }],
+    p.buffer, p.accepted, p.filtered, p.stale_dropped, p.replayed,
+    [p.consumed, { id: `policy-${p.name}-consumed`, "data-value": p.consumed }],
+  ])));
+
+  const nb = $("nodes").tBodies[0];
+  const rows = [];
+  for (const part of st.partitions) {
+    const tr = el("tr", { class: "partition" });
+    tr.appendChild(el("td", { colspan: 12 },
+      `${part.name} — ${part.scheduler}, role ${part.role}, ${part.hardware} in ${part.region}: ${part.live} live of ${part.desired} desired`));
+    rows.push(tr);
+    for (const n of part.nodes) {
+      const versions = Object.entries(n.versions).map(([p, v]) => `${p}:v${v}`).join(" ") || "–";
+      const isRollout = n.role === "rollout";
+      rows.push(row([
+        n.name, n.role, n.hardware, n.region, n.job_id, [n.state, { class: "state-" + n.state }],
+        [versions, { id: `node-${n.name}-versions` }],
+        isRollout ? n.leased_now : "–", isRollout ? n.leased_total : "–",
+        isRollout ? fmt(n.trajectories_per_s, 2) : "–",
+        [isRollout ? fmt(n.tokens_per_s, 1) : "–", { id: `node-${n.name}-tokens` }],
+        n.last_seen_s === null ? "–" : fmt(n.last_seen_s, 1) + "s ago",
+      ], { "data-node": n.name }));
+    }
+  }
+  nb.replaceChildren(...rows);
+
+  const L = st.ledger;
+  const kv = (title, obj, id) => {
+    const t = el("table", { id });
+    t.appendChild(el("thead")).appendChild(el("tr")).append(el("th", { colspan: 2 }, title));
+    const tb = t.appendChild(el("tbody"));
+    const entries = Object.entries(obj);
+    if (!entries.length) tb.appendChild(row(["none", ""]));
+    for (const [k, v] of entries) tb.appendChild(row([k, [v, { "data-key": k }]]));
+    return t;
+  };
+  const box = el("div", { class: "ledger" });
+  box.append(
+    kv(`events (${L.tasks} tasks, ${L.open} open)`, L.totals, "ledger-totals"),
+    kv("tasks by state", L.states, "ledger-states"),
+    kv("dropped by reason", L.dropped_by_reason, "ledger-dropped"),
+    kv("failed by reason", L.failed_by_reason, "ledger-failed"),
+  );
+  $("ledger").replaceChildren(box);
+}
+
+function renderMetrics(mv, st) {
+  const holder = $("charts");
+  const parts = [];
+  for (const [name, c] of Object.entries(mv.policies)) {
+    const hist = (st && st.policies.find((p) => p.name === name) || {}).staleness_hist || c.staleness_hist;
+    const charts = el("div", { class: "charts", id: `charts-${name}` });
+    charts.append(
+      lineChart(`chart-${name}-reward`, `${name}: mean reward`, "trainer step", [{ xs: c.step, ys: c.reward_mean }], null, true),
+      lineChart(`chart-${name}-accuracy`, `${name}: held-out accuracy`, "weight version", [{ xs: c.eval_step, ys: c.eval_accuracy }], [0, 1], true),
+      barChart(`chart-${name}-staleness`, `${name}: staleness of consumed trajectories`, "versions behind", hist),
+      lineChart(`chart-${name}-wait`, `${name}: trainer wait fraction`, "trainer step", [{ xs: c.step, ys: c.trainer_wait_fraction }], [0, 1], true),
+      lineChart(`chart-${name}-throughput`, "trajectories/s (run average)", "seconds", [{ xs: c.time, ys: c.trajectories_per_s }]),
+    );
+    parts.push(charts);
+  }
+  holder.replaceChildren(...parts);
+}
+
+let lastStatus = null;
+
+async function getJSON(url) {
+  const r = await fetch(url, { cache: "no-store" });
+  const body = await r.json();
+  if (!r.ok) throw new Error(body.error || `${url}: HTTP ${r.status}`);
+  return body;
+}
+
+async function refresh() {
+  try {
+    const [st, mv] = await Promise.all([getJSON("/astraflow/api/status.json"), getJSON("/astraflow/api/metrics.json")]);
+    lastStatus = st;
+    renderStatus(st);
+    renderMetrics(mv, st);
+    $("error").hidden = true;
+    $("updated").textContent = `updated ${new Date().toLocaleTimeString()} (snapshot ${fmt(st.age_s, 1)}s old)`;
+  } catch (err) {
+    $("error").hidden = false;
+    $("error").textContent = String(err.message || err);
+  } finally {
+    setTimeout(refresh, REFRESH_MS);
+  }
+}
+
+refresh();

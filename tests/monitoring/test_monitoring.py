@@ -1,0 +1,280 @@
+"""Monitoring of a real run: the AstraFlow page on the Dask dashboard (in headless Debian
+chromium), its JSON endpoints against the documented schema, ``astraflow status --json`` and
+``astraflow plot``. One tiny orchestrated run (module fixture) serves every test here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from astraflow.cli import main
+from astraflow.runtime.monitoring import MetricsReader, MetricsView, StatusView, build_status_view, read_metrics
+from astraflow.runtime.orchestrator import Orchestrator
+
+from tests.conftest import tiny_config
+
+MAX_STEPS = 10
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+
+
+class LiveRun:
+    def __init__(self, run_dir: Path, thread: threading.Thread, box: dict):
+        self.run_dir, self.thread, self.box = run_dir, thread, box
+        self.captured: dict = {}  # what the dashboard served while the run was live
+        self.capturer = threading.Thread(target=self._capture, daemon=True)
+        self.capturer.start()
+
+    def _capture(self) -> None:
+        """Fetch every AstraFlow endpoint once the first status snapshot exists (the run is
+        short: tests check the answers afterwards, whatever order they run in)."""
+        try:
+            base = self.dashboard_base()
+            self.captured["base"] = base
+            self.captured["status"] = _get(f"{base}/astraflow/api/status.json")
+            self.captured["metrics"] = _get(f"{base}/astraflow/api/metrics.json")
+            for key, path in (("page", "/astraflow"), ("js", "/astraflow/static/astraflow.js"), ("dask", "/status")):
+                with urllib.request.urlopen(base + path, timeout=10) as r:
+                    self.captured[key] = r.read().decode()
+        except Exception as err:  # handed to the test that reads the capture
+            self.captured["error"] = err
+
+    def dashboard_base(self, timeout: float = 120.0) -> str:
+        """``http://host:port`` of the run's dashboard, once the orchestrator wrote it."""
+        f = self.run_dir / "control" / "orchestrator.json"
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if "error" in self.box:
+                raise self.box["error"]
+            if f.exists():
+                dash = json.loads(f.read_text()).get("dashboard")
+                assert dash, "the orchestrator wrote no dashboard address"
+                return dash.rsplit("/", 1)[0]
+            time.sleep(0.2)
+        raise TimeoutError(f"no dashboard address in {f} within {timeout}s")
+
+    def finish(self, timeout: float = 240.0):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the run did not finish"
+        assert "error" not in self.box, self.box.get("error")
+        return self.box["result"]
+
+
+@pytest.fixture(scope="module")
+def live_run(tiny_model, tmp_path_factory):
+    cfg = tiny_config(tiny_model, **{"run.max_steps": MAX_STEPS, "workload.eval.every": 5})
+    run_dir = tmp_path_factory.mktemp("monitoring") / "run"
+    orch = Orchestrator(cfg, run_dir)
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = orch.run()
+        except BaseException as err:  # handed to the test thread
+            box["error"] = err
+
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    run = LiveRun(run_dir, th, box)
+    yield run
+    th.join(240)
+
+
+def _get(url: str, deadline_s: float = 90.0) -> dict:
+    """GET a JSON endpoint, retrying while it answers 503 (no status snapshot yet)."""
+    deadline = time.time() + deadline_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as err:
+            if err.code != 503 or time.time() > deadline:
+                raise
+        time.sleep(0.3)
+
+
+def _driver(tmp: Path):
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+
+    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+        pytest.skip("Debian chromium + chromium-driver are not installed (tests/run.sh installs them)")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--window-size=1400,1400", f"--user-data-dir={tempfile.mkdtemp(dir=tmp)}"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(240)
+def test_page_shows_live_values_in_a_browser(live_run, tmp_path):
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+
+    driver = _driver(tmp_path)
+    try:
+        base = live_run.dashboard_base()
+        driver.get(f"{base}/astraflow?refresh=300")
+
+        def read(elem_id: str) -> str | None:
+            try:
+                return driver.find_element("id", elem_id).get_attribute("data-value")
+            except (NoSuchElementException, StaleElementReferenceException):
+                return None  # not rendered yet, or re-rendered while read
+
+        seen: list[int] = []
+        deadline = time.time() + 150
+        while time.time() < deadline and not (len(set(seen)) >= 2 and seen[-1] > seen[0]):
+            value = read("policy-solver-step")
+            if value is not None and (not seen or int(value) != seen[-1]):
+                seen.append(int(value))
+            if not live_run.thread.is_alive():
+                break
+            time.sleep(0.1)
+        assert len(set(seen)) >= 2 and seen == sorted(seen), f"trainer step on the page did not advance: {seen}"
+        # the run's nodes, their weight versions, the ledger and the charts are on the page
+        text = driver.find_element("tag name", "body").text
+        for name in ("rollout-rollout-local-cpu-0", "rollout-rollout-local-cpu-1", "data-data-local-cpu-0"):
+            assert name in text
+        assert "solver:v" in driver.find_element("id", "node-rollout-rollout-local-cpu-0-versions").text
+        created = driver.find_element("css selector", '#ledger-totals td[data-key="created"]').text
+        assert int(created) > 0
+        assert driver.find_elements("css selector", "#chart-solver-reward svg polyline")
+        assert driver.find_elements("css selector", "#chart-solver-staleness svg rect")
+        # script errors fail the test (503s before the first status snapshot are expected)
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and e["source"] != "network"]
+        assert not errors, errors
+        shot = tmp_path / "astraflow-page.png"
+        driver.save_screenshot(str(shot))
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        print(f"\nscreenshot of the AstraFlow page: {shot}")
+    finally:
+        driver.quit()
+
+
+@pytest.mark.timeout(240)
+def test_endpoints_follow_the_schema_while_running(live_run):
+    live_run.capturer.join(180)
+    cap = live_run.captured
+    assert "error" not in cap, cap.get("error")
+    assert cap["base"].startswith("http://127.0.0.1:"), "the dashboard binds to localhost by default"
+    view = StatusView.model_validate(cap["status"])  # extra="forbid": an undocumented field fails here
+    assert view.running and not view.finished
+    assert [p.name for p in view.policies] == ["solver"]
+    roles = {p.name: p.role for p in view.partitions}
+    assert roles == {"data": "data", "trainer": "trainer", "rollout": "rollout"}
+    rollout = next(p for p in view.partitions if p.role == "rollout")
+    assert len(rollout.nodes) == 2 and all(n.hardware == "cpu" and n.region == "local" for n in rollout.nodes)
+    assert view.ledger.totals["created"] >= view.ledger.totals["leased"] > 0
+    mv = MetricsView.model_validate(cap["metrics"])
+    assert mv.schema_version == view.schema_version == 1
+    # the page and its assets are served by the same server, and the Dask dashboard links to it
+    assert "/astraflow/static/astraflow.js" in cap["page"]
+    assert "/astraflow/api/status.json" in cap["js"]
+    assert 'href="astraflow"' in cap["dask"]
+
+
+def _timeless(view: StatusView) -> dict:
+    """The view without the fields measured against the clock of the reader."""
+    d = view.model_dump(exclude={"age_s"})
+    for part in d["partitions"]:
+        for node in part["nodes"]:
+            node.pop("last_seen_s")
+    return d
+
+
+@pytest.mark.timeout(300)
+def test_status_json_and_plots_after_the_run(live_run, tmp_path):
+    result = live_run.finish()
+    assert result.steps == {"solver": MAX_STEPS}
+    view = build_status_view(live_run.run_dir)
+    assert view.finished and not view.running
+    pol = view.policies[0]
+    assert pol.step == pol.max_steps == MAX_STEPS
+    assert pol.eval_step == MAX_STEPS and pol.eval_accuracy is not None
+    assert sum(pol.staleness_hist.values()) == pol.consumed
+    assert view.ledger.totals["consumed"] == pol.consumed
+    assert view.ledger.open == 0 and view.ledger.tasks == result.ledger["tasks"]  # the final ledger
+    # `astraflow status --json` prints the same view as the endpoint
+    res = CliRunner().invoke(main, ["status", str(live_run.run_dir), "--json"])
+    assert res.exit_code == 0, res.output
+    cli = StatusView.model_validate_json(res.output)
+    assert _timeless(cli) == _timeless(view)
+    res = CliRunner().invoke(main, ["status", str(live_run.run_dir), "--json", "--metrics"])
+    assert res.exit_code == 0, res.output
+    curves = MetricsView.model_validate_json(res.output).policies["solver"]
+    assert curves.step == list(range(1, MAX_STEPS + 1))
+    assert curves.eval_step[-1] == MAX_STEPS and len(curves.eval_accuracy) == len(curves.eval_step)
+    assert curves.staleness_hist == pol.staleness_hist  # the durable record agrees with the live state
+    # plots
+    out = tmp_path / "plots"
+    res = CliRunner().invoke(main, ["plot", str(live_run.run_dir), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["accuracy.png", "reward.png", "staleness.png", "throughput.png"]
+    for png in out.iterdir():
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        img = plt.imread(png)
+        assert img.shape[0] >= 200 and img.shape[1] >= 300, (png, img.shape)
+        assert img.std() > 0.01, f"{png} is blank"
+    assert res.output.split() == [str(out / n) for n in ("reward.png", "accuracy.png", "throughput.png", "staleness.png")]
+
+
+def test_metrics_reader_reads_only_complete_appended_lines(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    line = {"step": 1, "policy": "a", "time": 1.0, "reward_mean": 0.5, "data_staleness_hist": {"0": 3}}
+    f.write_text(json.dumps(line) + "\n" + json.dumps({**line, "step": 2})[:20])  # second line half written
+    reader = MetricsReader(tmp_path)
+    v = reader.view()
+    assert v.lines == 1 and v.policies["a"].step == [1]
+    with f.open("a") as fh:
+        fh.write(json.dumps({**line, "step": 2})[20:] + "\n")
+        fh.write(json.dumps({"step": 2, "policy": "a", "time": 2.0, "eval_accuracy": 0.25}) + "\n")
+    v = reader.view()
+    assert v.lines == 3
+    c = v.policies["a"]
+    assert c.step == [1, 2] and c.reward_mean == [0.5, 0.5] and c.loss == [None, None]
+    assert c.eval_step == [2] and c.eval_accuracy == [0.25] and c.staleness_hist == {"0": 6}
+    assert read_metrics(tmp_path) == v  # a fresh reader agrees with the incremental one
+
+
+def test_status_of_a_directory_without_a_run_names_the_fix(tmp_path):
+    res = CliRunner().invoke(main, ["status", str(tmp_path), "--json"])
+    assert res.exit_code == 2 and "--run-dir" in res.output
+    res = CliRunner().invoke(main, ["plot", str(tmp_path)])
+    assert res.exit_code == 2 and "no metrics" in res.output
+
+
+@pytest.mark.timeout(300)
+def test_tensorboard_mirror_of_metrics(live_run, tmp_path):
+    pytest.importorskip("tensorboard", reason="TensorBoard export is optional (pip install tensorboard)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    live_run.finish()
+    res = CliRunner().invoke(main, ["tensorboard", str(live_run.run_dir), "--logdir", str(tmp_path / "tb"), "--follow"])
+    assert res.exit_code == 0, res.output
+    ea = EventAccumulator(str(tmp_path / "tb"))
+    ea.Reload()
+    curves = read_metrics(live_run.run_dir).policies["solver"]
+    reward = ea.Scalars("solver/reward_mean")
+    assert [e.step for e in reward] == curves.step
+    assert [e.value for e in reward] == pytest.approx(curves.reward_mean)
+    acc = ea.Scalars("solver/eval/eval_accuracy")
+    assert [e.step for e in acc] == curves.eval_step

@@ -1,0 +1,51 @@
+"""Long waits say what they wait for and for how long, also in a log (no terminal)."""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+
+import pytest
+from rich.console import Console
+
+from astraflow.runtime.progress import Progress
+
+
+def _progress(heartbeat_s: float) -> tuple[Progress, io.StringIO]:
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=False, width=200, highlight=False)
+    return Progress(console=console, heartbeat_s=heartbeat_s), buf
+
+
+@pytest.mark.timeout(30)
+def test_a_wait_in_a_log_names_what_it_waits_for_and_for_how_long():
+    progress, buf = _progress(heartbeat_s=1.0)
+    with progress.waiting("waiting for 2 workers to join"):
+        progress.detail("1/2 joined; not yet rollout-x-1 (PENDING)")
+        time.sleep(2.6)
+    lines = buf.getvalue().splitlines()
+    assert lines[0].endswith("waiting for 2 workers to join ...")
+    still = [x for x in lines if "still waiting for 2 workers to join" in x]
+    assert still and "(1/2 joined; not yet rollout-x-1 (PENDING))" in still[-1]
+    assert re.search(r"\.\.\. [12]s", still[0]), still
+    m = re.search(r"waiting for 2 workers to join: done in (\d+\.\d)s", lines[-1])
+    assert m and 2.5 <= float(m.group(1)) < 10
+
+
+def test_nested_waits_keep_their_own_detail_and_disabled_progress_is_silent():
+    progress, buf = _progress(heartbeat_s=60)
+    with progress.waiting("outer"):
+        progress.detail("outer detail")
+        with progress.waiting("inner"):
+            progress.detail("inner detail")
+            assert progress._waits == [["outer", "outer detail"], ["inner", "inner detail"]]
+        assert progress._waits == [["outer", "outer detail"]]
+    assert progress._waits == []
+    assert [x.split(" ", 1)[1] for x in buf.getvalue().splitlines()][-1].startswith("outer: done in")
+    quiet, qbuf = _progress(heartbeat_s=0.1)
+    quiet.enabled = False
+    with quiet.waiting("nothing to see"):
+        quiet.detail("ignored")
+        time.sleep(0.3)
+    assert qbuf.getvalue() == ""
