@@ -215,7 +215,7 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
         add_partition(Path(run_dir), part)
     except (RunNotRunning, PartitionError) as err:
         raise UserError(str(err)) from None
-    click.echo(f"partition {part.name} added: {part.nodes} {part.scheduler} worker(s)"
+    click.echo(f"partition {part.name} requested: {part.nodes} {part.scheduler} worker(s)"
                + (f" in Slurm partition {part.slurm_partition}" if part.slurm_partition else ""))
     if wait_s <= 0:
         return

@@ -10,13 +10,13 @@ with every task ended exactly once.
 Pacing: a node finishes at most `rollout.capacity` episodes per `rollout.flush_seconds`, so a
 trainer step needs at least batch_size / (capacity / flush_seconds) seconds per node whatever
 the CPU speed; `max_steps` is chosen so the run cannot end before the last action (the test
-checks that, and says so if it ever fails).
+checks that, and says so if it ever fails). The added partition has two nodes, so cancelling
+one leaves the run a serving node while the replacement loads.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -31,7 +31,7 @@ from schedulers.slurm import SlurmScheduler, run_slurm
 from storage.trajectories import open_trajectory_store
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_STEPS = 24
+MAX_STEPS = 32
 
 
 def _status(run_dir: Path) -> dict | None:
@@ -107,7 +107,7 @@ def test_partitions_added_removed_and_killed_mid_run_lose_no_task(tiny_model, tm
         st = _status(run_dir)
         assert st["partitions"]["h100"]["state"] == "removed" and st["partitions"]["h100"]["removal_mode"] == "drain"
         version = st["trainers"]["solver"]["version"]
-        assert version <= MAX_STEPS - 4, f"the run is too fast for this test (v{version}): raise MAX_STEPS"
+        assert version <= MAX_STEPS - 3, f"the run is too fast for this test (v{version}): raise MAX_STEPS"
 
         # 5. one a100 worker job is cancelled from outside: noticed, its tasks requeued, refilled
         victim_name = st["partitions"]["a100"]["workers"][0]
@@ -143,4 +143,3 @@ def test_partitions_added_removed_and_killed_mid_run_lose_no_task(tiny_model, tm
     # the head job ended by itself, and no worker job of this run is left
     left = [j for j in SlurmScheduler(tmp_path / "jobs", tag=tag).jobs() if j.active]
     assert not left, left
-    assert os.path.exists(run_dir / "jobs")
