@@ -133,7 +133,8 @@ def test_partitions_added_removed_and_killed_mid_run_lose_no_task(tiny_model, tm
     parts = summary["partitions"]
     assert parts["h100"]["state"] == "removed" and parts["bad"]["state"] == "removed" and parts["bad"]["error"]
     assert parts["a100"]["state"] == "active"
-    assert summary["workers"][victim_name]["phase"] == "gone" and "CANCELLED" in summary["workers"][victim_name]["note"]
+    note = summary["workers"][victim_name]["note"]  # whichever the orchestrator saw first
+    assert summary["workers"][victim_name]["phase"] == "gone" and ("CANCELLED" in note or "left" in note), note
     assert any(n.startswith("rollout-a100-") and n.endswith("-2") for n in summary["workers"])
     # provenance: trajectories in the store came from both Slurm partitions
     store = open_trajectory_store(str(run_dir / "trajectories"), "r")
