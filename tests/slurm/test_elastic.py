@@ -77,7 +77,7 @@ def test_partitions_added_removed_and_killed_mid_run_lose_no_task(tiny_model, tm
     config = _config(tmp_path, tiny_model)
     head = run_slurm([
         "sbatch", "--parsable", "--partition=cpu", "--cpus-per-task=1", "--mem=1G", "--time=00:10:00",
-        f"--output={head_log}", f"--chdir={ROOT}",
+        f"--output={head_log}", f"--error={head_log}", f"--chdir={ROOT}",
         f"--export=ALL,ASTRAFLOW_PYTHON={sys.executable}",
         str(ROOT / "jobs" / "astraflow-head.sbatch"), str(config), str(run_dir),
     ]).strip().split(";")[0]
