@@ -165,5 +165,145 @@ def tensorboard(run_dir: str, logdir: str | None, follow: bool) -> None:
     click.echo(f"{n} metrics lines written to {logdir or Path(run_dir) / 'tensorboard'}")
 
 
+# -- partitions of a running run -----------------------------------------------------------------
+# These commands change a run only by writing its desired partitions (control/partitions.json);
+# the orchestrator reconciles them on its next tick and reports the outcome in status.json.
+
+
+@main.group()
+def partitions() -> None:
+    """List, add and remove worker partitions of a running run (found through its RUN_DIR)."""
+
+
+def _partition_errors(err) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc}: {msg}" if loc else msg)
+    return "invalid partition:\n  " + "\n  ".join(lines)
+
+
+@partitions.command("list")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def partitions_list(run_dir: str, as_json: bool) -> None:
+    """The partitions of the run: desired size, live and serving workers, jobs, throughput."""
+    from astraflow.runtime.control import RunNotRunning, format_partitions, run_status
+
+    try:
+        st = run_status(Path(run_dir))
+    except RunNotRunning as err:
+        raise UserError(str(err)) from None
+    if as_json:
+        click.echo(json.dumps(st.get("partitions", {}), indent=2, default=str))
+    else:
+        click.echo(format_partitions(st))
+
+
+@partitions.command("add")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.argument("name", required=False)
+@click.option("--from-yaml", "from_yaml", type=click.Path(dir_okay=False),
+              help="A YAML mapping of Partition fields (options given here override it).")
+@click.option("--scheduler", type=click.Choice(["slurm", "local"]), default=None, help="[default: slurm]")
+@click.option("--slurm-partition", default=None, help="Slurm partition (sbatch --partition).")
+@click.option("--nodes", type=int, default=None, help="Workers (one Slurm job, one node each). [default: 1]")
+@click.option("--cpus-per-node", type=int, default=None)
+@click.option("--gpus-per-node", type=int, default=None)
+@click.option("--gres", default=None, help="Slurm GRES per node, e.g. gpu:h100:4.")
+@click.option("--mem", default=None, help="Memory per node, e.g. 16G.")
+@click.option("--walltime", default=None, help="Slurm time limit, e.g. 04:00:00.")
+@click.option("--region", default=None)
+@click.option("--hardware", default=None, help="Hardware label in worker names, e.g. H100.")
+@click.option("--role", type=click.Choice(["rollout", "trainer", "data"]), default=None,
+              help="Only rollout pools can join a running run.  [default: rollout]")
+@click.option("--sbatch-option", "sbatch_options", multiple=True, metavar="--OPT=VALUE",
+              help="Extra #SBATCH line, e.g. --sbatch-option=--account=proj (repeatable).")
+@click.option("--wait", "wait_s", type=float, default=20.0, show_default=True,
+              help="Seconds to wait for the orchestrator to submit the jobs (0: do not wait).")
+def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s: float, **fields) -> None:
+    """Add partition NAME to the running run in RUN_DIR.
+
+    The orchestrator submits its worker jobs on its next tick and starts a RaaS node on every
+    worker that joins (after a weight catch-up). If sbatch refuses the jobs, this command
+    says why, withdraws the partition (the run is unaffected) and exits with 2.
+    """
+    import yaml
+    from pydantic import ValidationError
+
+    from astraflow.runtime.control import PartitionError, RunNotRunning, add_partition, remove_partition, wait_partition
+    from schedulers.partition import Partition
+
+    data: dict = {}
+    if from_yaml:
+        try:
+            data = yaml.safe_load(Path(from_yaml).read_text()) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise UserError(f"--from-yaml {from_yaml}: {err}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"--from-yaml {from_yaml}: write a mapping of partition fields (name, scheduler, nodes, ...)")
+    if name:
+        data["name"] = name
+    if "name" not in data:
+        raise UserError("give the partition NAME (or a `name:` in --from-yaml)")
+    data.setdefault("scheduler", "slurm")
+    data.setdefault("role", "rollout")
+    for key, value in fields.items():
+        if value is not None and value != ():
+            data[key] = list(value) if key == "sbatch_options" else value
+    try:
+        part = Partition(**data)
+    except ValidationError as err:
+        raise UserError(_partition_errors(err)) from None
+    try:
+        add_partition(Path(run_dir), part)
+    except (RunNotRunning, PartitionError) as err:
+        raise UserError(str(err)) from None
+    click.echo(f"partition {part.name} requested: {part.nodes} {part.scheduler} worker(s)"
+               + (f" in Slurm partition {part.slurm_partition}" if part.slurm_partition else ""))
+    if wait_s <= 0:
+        return
+    try:
+        entry = wait_partition(Path(run_dir), part.name, wait_s, until="submitted")
+    except TimeoutError as err:
+        click.echo(f"warning: {err}", err=True)
+        return
+    except RunNotRunning as err:
+        raise UserError(str(err)) from None
+    if entry.get("error"):
+        remove_partition(Path(run_dir), part.name, "now")
+        raise UserError(f"partition {part.name} was refused: {entry['error']}\n"
+                        "it was withdrawn; the run is unaffected. Fix the options and add it again")
+    jobs = ", ".join(f"{j} ({s})" for j, s in entry.get("jobs", {}).items())
+    click.echo(f"submitted: {jobs}")
+
+
+@partitions.command("remove")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.argument("name")
+@click.option("--drain/--now", default=True, show_default=True,
+              help="--drain: nodes stop leasing and finish what they hold, then the jobs are cancelled. "
+                   "--now: cancel at once; their leased tasks are requeued.")
+@click.option("--wait", "wait_s", type=float, default=0.0, show_default=True,
+              help="Seconds to wait until the partition is removed (0: do not wait).")
+def partitions_remove(run_dir: str, name: str, drain: bool, wait_s: float) -> None:
+    """Remove partition NAME from the running run in RUN_DIR. No task is lost either way."""
+    from astraflow.runtime.control import PartitionError, RunNotRunning, remove_partition, wait_partition
+
+    try:
+        remove_partition(Path(run_dir), name, "drain" if drain else "now")
+    except (RunNotRunning, PartitionError) as err:
+        raise UserError(str(err)) from None
+    click.echo(f"partition {name}: removal requested ({'drain' if drain else 'now'})")
+    if wait_s > 0:
+        try:
+            entry = wait_partition(Path(run_dir), name, wait_s, until="removed")
+        except TimeoutError as err:
+            click.echo(f"warning: {err}", err=True)
+            return
+        click.echo(f"partition {name} removed in {entry.get('drain_seconds') or 0:.1f}s")
+
+
 if __name__ == "__main__":
     main()

@@ -219,6 +219,23 @@ class ClusterConfig(_Strict):
     """Deadline for requested workers to join the scheduler."""
     placement_timeout_s: float = Field(default=120.0, gt=0)
     """Deadline for an actor to be constructed on its worker."""
+    drain_timeout_s: float = Field(default=120.0, gt=0)
+    """Deadline for a removed RaaS node to finish and write its in-flight episodes before its
+    job is cancelled anyway (what it still holds is requeued)."""
+    scheduler_host: str = "127.0.0.1"
+    """Address the Dask scheduler listens on. The loopback default keeps a one-host run on this
+    machine; on a cluster use the head node's address or set `scheduler_interface`."""
+    scheduler_interface: str | None = None
+    """Network interface the Dask scheduler listens on (e.g. ``ib0``); overrides `scheduler_host`."""
+    worker_interface: str | None = None
+    """Interface Slurm workers listen on (e.g. ``ib0``). None: the default route's, or
+    ``127.0.0.1`` when the scheduler is on loopback (a one-host cluster)."""
+    worker_python: str | None = None
+    """Interpreter Slurm worker jobs run (a venv on the shared filesystem). None: the one
+    running the orchestrator."""
+    slurm_setup_lines: list[str] = Field(default_factory=list)
+    """Shell lines every Slurm worker job runs before the worker (``module load ...``,
+    ``source /shared/venv/bin/activate``)."""
 
 
 class RunSection(_Strict):

@@ -17,10 +17,13 @@ from storage.paths import RunPaths
 
 class SchedulerProcess:
     def __init__(self, paths: RunPaths, dashboard_host: str = "127.0.0.1", dashboard_port: int = 8787,
-                 host: str = "127.0.0.1"):
+                 host: str | None = "127.0.0.1", interface: str | None = None):
+        if interface is not None:
+            host = None  # listen on the interface's address (e.g. ib0 on the head node)
         self.paths = paths
         self.dashboard = f"{dashboard_host}:{dashboard_port}"
         self.host = host
+        self.interface = interface
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60.0) -> str:
@@ -29,7 +32,7 @@ class SchedulerProcess:
         log = open(self.paths.log("scheduler"), "ab")
         cmd = [
             sys.executable, "-m", "distributed.cli.dask_scheduler",
-            "--host", self.host, "--port", "0",
+            *(["--host", self.host] if self.host else ["--interface", str(self.interface)]), "--port", "0",
             "--dashboard-address", self.dashboard,
             "--scheduler-file", str(self.paths.scheduler_file),
             "--preload", "astraflow.runtime.dashboard",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 
 from astraflow.config import ModelInit, RunConfig, WorkloadConfig
@@ -56,8 +58,21 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
         build_model(pol.model, pol.init, cfg.workload, progress)
 
 
+def _sigterm_stops_cleanly() -> None:
+    """SIGTERM (``scancel`` of a head job, ``kill``) takes the Ctrl-C path: a clean stop that
+    flushes the nodes, closes the ledger and cancels the worker jobs."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
     logging.basicConfig(level=logging.WARNING)
+    _sigterm_stops_cleanly()
     progress = Progress(enabled=not quiet)
     prepare_models(cfg, progress)
     progress.note(f"run directory {run_dir}")

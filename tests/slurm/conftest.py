@@ -2,6 +2,8 @@
 
 With ``ASTRAFLOW_START_SLURM=1`` the session starts the local cluster with that script and
 stops it afterwards; otherwise the tests use whatever Slurm answers, and skip when none does.
+With ``ASTRAFLOW_REQUIRE_SLURM=1`` (set by tests/run.sh after it started the local cluster) an
+unreachable Slurm *fails* the tier instead of skipping it, so CI cannot pass without it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def slurm_cluster():
         _slurm_answers.cache_clear()
     ok, why = _slurm_answers()
     if not ok:
+        if os.environ.get("ASTRAFLOW_REQUIRE_SLURM") == "1":
+            pytest.fail(f"ASTRAFLOW_REQUIRE_SLURM=1 but Slurm is unreachable: {why}", pytrace=False)
         pytest.skip(why)
     yield
     if started:

@@ -1,0 +1,161 @@
+"""Elastic partitions on a real Slurm: how fast a running run grows and shrinks.
+
+One run of `examples/elastic/config.yaml` (tiny model; data layer and trainer local, RaaS nodes as
+Slurm jobs in partition h100), driven through the real CLI while it trains:
+
+1. throughput with the first partition alone;
+2. `partitions add a100` (Slurm) -> seconds until the first trajectory from a100 is committed and
+   visible in `astraflow status` (job start, worker join, actor placement, model load and weight
+   catch-up included; goal <= 30 s), and the same for a `scheduler: local` partition added next
+   (the baseline: no Slurm in the path);
+3. throughput with both;
+4. `partitions remove h100 --drain` -> seconds until its job is cancelled, then throughput after;
+5. Ctrl-C (a clean stop), then the ledger: lost tasks = tasks never ended + tasks failed.
+
+Brings up the local Slurm (tests/slurm/local_slurm.sh) when none answers, and stops it if it did.
+
+    python benchmarks/elastic.py [--window 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from schedulers.slurm import SlurmScheduler  # noqa: E402
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+
+
+def cli(*args: str, timeout: float = 120) -> str:
+    proc = subprocess.run([sys.executable, "-m", "astraflow", *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"astraflow {' '.join(args)} exited {proc.returncode}: {proc.stdout}{proc.stderr}")
+    return proc.stdout
+
+
+def status(run_dir: Path) -> dict:
+    f = run_dir / "control" / "status.json"
+    return json.loads(f.read_text()) if f.exists() else {}
+
+
+def wait(what: str, check, deadline_s: float, interval: float = 0.2):
+    deadline = time.time() + deadline_s
+    while time.time() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"{what}: not within {deadline_s:.0f}s")
+
+
+def completed(run_dir: Path) -> int:
+    """Trajectories committed so far, all partitions (the data layer's node table)."""
+    return sum(int(n.get("completed", 0)) for n in status(run_dir).get("data_layer", {}).get("nodes", {}).values())
+
+
+def rate(run_dir: Path, seconds: float) -> float:
+    t0, c0 = time.time(), completed(run_dir)
+    time.sleep(seconds)
+    return (completed(run_dir) - c0) / (time.time() - t0)
+
+
+def add_and_time(run_dir: Path, name: str, *opts: str) -> float:
+    t0 = time.time()
+    cli("partitions", "add", str(run_dir), name, "--wait", "0", *opts)
+    wait(f"first trajectory from {name}",
+         lambda: status(run_dir).get("partitions", {}).get(name, {}).get("completed", 0) > 0, 120)
+    return time.time() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--window", type=float, default=8.0, help="seconds per throughput measurement")
+    args = ap.parse_args()
+    console = Console()
+    started_slurm = False
+    if not SlurmScheduler(tempfile.gettempdir()).ping():
+        subprocess.run(["bash", str(ROOT / "tests" / "slurm" / "local_slurm.sh"), "start"], check=True, timeout=300)
+        started_slurm = True
+    tmp = Path(tempfile.mkdtemp(prefix="af-elastic-"))
+    run_dir, model = tmp / "run", tmp / "model"
+    subprocess.run([sys.executable, "-m", "astraflow", "model", "init", str(model), "--preset", "tiny"],
+                   check=True, env=ENV, cwd=ROOT, capture_output=True, timeout=300)
+    log = open(tmp / "run.log", "w")
+    run = subprocess.Popen(
+        [sys.executable, "-m", "astraflow", "run", "examples/elastic/config.yaml", "--run-dir", str(run_dir),
+         "--set", f"policies.0.model={model}", "--set", "run.max_steps=100000", "--set", "workload.eval.every=0",
+         "--set", "run.timeout_s=900"],
+        cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT,
+    )
+    tag = None
+    res: dict = {}
+    try:
+        wait("h100 serving", lambda: status(run_dir).get("partitions", {}).get("h100", {}).get("serving", 0) > 0, 240)
+        tag = status(run_dir)["tag"]
+        res["traj_per_s_h100_only"] = rate(run_dir, args.window)
+        res["seconds_to_first_trajectory"] = add_and_time(run_dir, "a100", "--slurm-partition", "a100", "--hardware", "A100")
+        res["traj_per_s_h100_a100"] = rate(run_dir, args.window)
+        res["seconds_to_first_trajectory_local"] = add_and_time(run_dir, "loc", "--scheduler", "local")
+        cli("partitions", "remove", str(run_dir), "loc", "--now", "--wait", "60")
+        t0 = time.time()
+        cli("partitions", "remove", str(run_dir), "h100", "--drain", "--wait", "120")
+        res["seconds_to_drain"] = time.time() - t0
+        res["drain_seconds_orchestrator"] = status(run_dir)["partitions"]["h100"]["drain_seconds"]
+        res["traj_per_s_a100_only"] = rate(run_dir, args.window)
+    finally:
+        run.send_signal(signal.SIGINT)
+        try:
+            run.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            run.wait(timeout=30)
+        if tag is not None:  # any worker job of this run still queued (none after a clean stop)
+            sched = SlurmScheduler(tmp / "jobs", tag=tag)
+            sched.cancel([j.job_id for j in sched.jobs() if j.active])
+        if started_slurm:
+            subprocess.run(["bash", str(ROOT / "tests" / "slurm" / "local_slurm.sh"), "stop"], check=True, timeout=60)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ledger = summary["ledger"]
+    res["lost_tasks"] = int(ledger["open"]) + sum(ledger.get("failed_by_reason", {}).values())
+    res["ledger_states"] = ledger["states"]
+    res["ratio_throughput_add"] = res["traj_per_s_h100_a100"] / max(res["traj_per_s_h100_only"], 1e-9)
+    res["ratio_throughput_remove"] = res["traj_per_s_a100_only"] / max(res["traj_per_s_h100_a100"], 1e-9)
+    res["ratio_first_trajectory_slurm_vs_local"] = (
+        res["seconds_to_first_trajectory"] / max(res["seconds_to_first_trajectory_local"], 1e-9))
+
+    table = Table(title="elastic partitions (tiny model, local Slurm, this machine)")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("trajectories/s, h100 only", f"{res['traj_per_s_h100_only']:.1f}"),
+        ("add a100 (Slurm) -> first trajectory, s", f"{res['seconds_to_first_trajectory']:.1f}"),
+        ("trajectories/s, h100 + a100", f"{res['traj_per_s_h100_a100']:.1f}"),
+        ("add loc (local, baseline) -> first trajectory, s", f"{res['seconds_to_first_trajectory_local']:.1f}"),
+        ("remove h100 --drain -> removed, s (CLI / orchestrator)",
+         f"{res['seconds_to_drain']:.1f} / {res['drain_seconds_orchestrator']:.1f}"),
+        ("trajectories/s, a100 only", f"{res['traj_per_s_a100_only']:.1f}"),
+        ("lost tasks", str(res["lost_tasks"])),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    print("RESULT " + json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

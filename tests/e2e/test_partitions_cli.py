@@ -1,0 +1,108 @@
+"""`astraflow partitions` bad-input paths through click's runner: exit code 2, one message that
+names the fix, no traceback, and the run's desired partitions left as they were.
+
+The CLI talks to a run only through its run directory, so a run directory whose control files
+say "running" (written by this process with the orchestrator's own writers, pid = this test)
+is the real boundary; the accepted paths against a live orchestrator are in tests/slurm.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from astraflow.cli import main
+from astraflow.runtime.control import read_desired_file, write_desired, write_json_atomic, write_orchestrator_info
+from schedulers import Partition
+from storage.paths import RunPaths
+
+
+@pytest.fixture
+def live_run(tmp_path):
+    paths = RunPaths(tmp_path / "run").make()
+    parts = [Partition(name="data", role="data"), Partition(name="trainer", role="trainer"),
+             Partition(name="h100", scheduler="slurm", slurm_partition="h100", role="rollout")]
+    write_desired(paths, parts)
+    write_orchestrator_info(paths, None, "tcp://127.0.0.1:1")
+    write_json_atomic(paths.status_file, {
+        "written_at": time.time(), "run_dir": str(paths.root), "data_layer": {}, "trainers": {},
+        "partitions": {p.name: {**p.model_dump(mode="json"), "state": "active", "live": 1, "serving": 1, "jobs": {}}
+                       for p in parts},
+        "workers": {},
+    })
+    return paths
+
+
+def _invoke(*args):
+    res = CliRunner().invoke(main, list(args))
+    assert "Traceback" not in res.output
+    return res.exit_code, res.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--nodes", "-1"], "nodes: nodes is -1: use 0 or more"),
+    (["--walltime", "99:99"], "walltime: walltime '99:99': seconds must be < 60"),
+    (["--mem", "lots"], "mem: mem 'lots'"),
+    (["--gres", "gpu:h100:x:y"], "gres: gres 'gpu:h100:x:y'"),
+    (["--sbatch-option=--time=10"], "set walltime instead"),
+    (["--scheduler", "local", "--slurm-partition", "a100"], "slurm_partition is a Slurm setting but scheduler is 'local'"),
+    (["--role", "trainer"], "only rollout partitions can be added"),
+])
+def test_add_with_bad_options_exits_2_naming_the_field(live_run, args, needle):
+    before = live_run.desired_partitions.read_text()
+    code, out = _invoke("partitions", "add", str(live_run.root), "new", "--wait", "0", *args)
+    assert code == 2, out
+    assert needle in out
+    assert live_run.desired_partitions.read_text() == before
+
+
+def test_add_bad_name_and_duplicate(live_run):
+    code, out = _invoke("partitions", "add", str(live_run.root), "a-b", "--wait", "0")
+    assert code == 2 and "name: name 'a-b' is not usable in worker names" in out
+    code, out = _invoke("partitions", "add", str(live_run.root), "h100", "--wait", "0")
+    assert code == 2 and "already exists" in out
+
+
+def test_add_writes_the_desired_file(live_run, tmp_path):
+    (tmp_path / "p.yaml").write_text("name: a100\nslurm_partition: a100\nnodes: 2\nhardware: A100\n")
+    code, out = _invoke("partitions", "add", str(live_run.root), "--from-yaml", str(tmp_path / "p.yaml"),
+                        "--mem", "4G", "--sbatch-option", "--qos=high", "--wait", "0")
+    assert code == 0, out
+    parts, _ = read_desired_file(live_run)
+    a100 = parts["a100"]
+    assert (a100.scheduler, a100.nodes, a100.mem, a100.sbatch_options) == ("slurm", 2, "4G", ("--qos=high",))
+
+
+def test_remove_unknown_lists_known_and_refuses_core_roles(live_run):
+    code, out = _invoke("partitions", "remove", str(live_run.root), "nope")
+    assert code == 2 and "known partitions are data, h100, trainer" in out
+    code, out = _invoke("partitions", "remove", str(live_run.root), "trainer")
+    assert code == 2 and "only rollout partitions can be removed" in out
+    code, out = _invoke("partitions", "remove", str(live_run.root), "h100", "--now")
+    assert code == 0, out
+    parts, removals = read_desired_file(live_run)
+    assert "h100" not in parts and removals == {"h100": "now"}
+
+
+def test_not_running_run_exits_2(live_run, tmp_path):
+    st = json.loads(live_run.status_file.read_text())
+    st["written_at"] = time.time() - 3600  # the orchestrator stopped writing an hour ago
+    write_json_atomic(live_run.status_file, st)
+    for args in (["partitions", "list", str(live_run.root)],
+                 ["partitions", "add", str(live_run.root), "x", "--wait", "0"],
+                 ["partitions", "remove", str(live_run.root), "h100"],
+                 ["status", str(live_run.root)]):
+        code, out = _invoke(*args)
+        assert code == 2 and "is not running" in out, (args, out)
+    code, out = _invoke("partitions", "list", str(tmp_path / "nowhere"))
+    assert code == 2 and "is not a run directory" in out
+
+
+def test_list_shows_partitions(live_run):
+    code, out = _invoke("partitions", "list", str(live_run.root))
+    assert code == 0 and "h100" in out and "slurm" in out
+    code, out = _invoke("partitions", "list", str(live_run.root), "--json")
+    assert code == 0 and set(json.loads(out)) == {"data", "trainer", "h100"}
