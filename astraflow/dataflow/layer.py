@@ -682,6 +682,7 @@ class DataLayer:
     async def state(self) -> dict[str, Any]:
         """A JSON-able snapshot for ``astraflow status``, the dashboard and tests."""
         elapsed = time.time() - self._started
+        held = Counter(node for node, _ in self.leases.values())
         return {
             "elapsed_s": elapsed,
             "finished": self.finished,
@@ -698,7 +699,7 @@ class DataLayer:
             "tokens_generated": self.tokens_generated,
             "trajectories_per_s": self.sequences_generated / max(elapsed, 1e-9),
             "tokens_per_s": self.tokens_generated / max(elapsed, 1e-9),
-            "nodes": {n: {k: v for k, v in i.items()} for n, i in self.nodes.items()},
+            "nodes": {n: {**i, "leases_held": held.get(n, 0)} for n, i in self.nodes.items()},
             "eval": list(self.eval_results),
             "ledger": self.ledger.summary(),
             "policies_state": {

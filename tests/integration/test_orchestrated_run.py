@@ -78,7 +78,7 @@ def test_killed_rollout_worker_loses_no_task_and_is_replaced(tiny_model, tmp_pat
         if st:
             nodes = st["data_layer"]["nodes"]
             for name, w in st["workers"].items():
-                if name.startswith("rollout") and nodes.get(name, {}).get("inflight", 0) > 0:
+                if name.startswith("rollout") and nodes.get(name, {}).get("leases_held", 0) > 0:
                     victim = (name, int(w["job_id"].split("-")[1]))
                     break
         time.sleep(0.2)
