@@ -1,0 +1,178 @@
+"""Small causal language models built offline, and one loader for any HF causal-LM directory.
+
+AstraFlow's embedded default (CPU, no network) still needs a real model and tokenizer to run
+end to end: no pretrained causal LM is installable without a hub download. This module builds
+them from scratch: a byte-level BPE tokenizer with the 256 byte symbols and no merges (every
+string round-trips), four special tokens and a chat template, plus a Qwen2 or Llama config of
+a chosen size with randomly initialised weights, saved in the ordinary HF layout
+(``config.json`` + ``model.safetensors`` + tokenizer files). ``load_model`` reads such a
+directory the same way it reads a real checkpoint, so nothing downstream knows the difference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: special tokens, in id order after the 256 byte symbols.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+
+#: im_start/im_end chat template (Jinja): one turn per message, and an opened assistant turn
+#: when ``add_generation_prompt`` is set.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+#: vocabulary size of the built models: 256 bytes + 4 specials, rounded up to a multiple of 64.
+VOCAB_SIZE = 320
+
+#: model shapes by preset name. Parameter counts are for vocab 320 with tied embeddings.
+PRESETS: dict[str, dict[str, int]] = {
+    # ~0.8M parameters
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2),
+    # ~10M parameters
+    "small": dict(hidden_size=320, intermediate_size=1024, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4),
+    # ~50M parameters
+    "50m": dict(hidden_size=640, intermediate_size=1792, num_hidden_layers=10,
+                num_attention_heads=10, num_key_value_heads=5),
+}
+
+ARCHS = ("qwen2", "llama")
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer (no merges) wrapped as a ``PreTrainedTokenizerFast``.
+
+    Ids 0..255 are the byte symbols, 256.. the ``SPECIAL_TOKENS``; padding is on the left (for
+    batched decoding) and ``apply_chat_template`` uses ``CHAT_TEMPLATE``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_symbols = sorted(pre_tokenizers.ByteLevel.alphabet(), key=_byte_of_symbol)
+    vocab = {sym: i for i, sym in enumerate(byte_symbols)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        bos_token=None,
+        pad_token="<|pad|>",
+        unk_token=None,
+        additional_special_tokens=["<|endoftext|>", "<|im_start|>"],
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _byte_of_symbol(sym: str) -> int:
+    """The byte a ByteLevel symbol stands for (GPT-2's printable remapping of 0..255)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    table = {}
+    extra = 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table[sym]
+
+
+def make_config(preset: str = "tiny", arch: str = "qwen2", tokenizer=None):
+    """The HF config of a preset (``PRESETS``) for ``arch`` (``ARCHS``)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; known presets: {sorted(PRESETS)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown model arch {arch!r}; known archs: {list(ARCHS)}")
+    tok = tokenizer if tokenizer is not None else build_tokenizer()
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **PRESETS[preset],
+    )
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common)
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**common)
+
+
+def init_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen2", seed: int = 0) -> Path:
+    """Build a randomly initialised model of ``preset``/``arch`` and save model + tokenizer
+    to ``out_dir`` in HF format (safetensors). Deterministic in ``seed``. Returns ``out_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    tok = build_tokenizer()
+    config = make_config(preset, arch, tok)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """Load any HF causal-LM directory as ``(model, tokenizer)``, model in eval mode on CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ValueError(
+            f"{p} is not an HF model directory (no config.json); build one with "
+            "astraflow.models.init_model(out_dir) or point at a saved checkpoint"
+        )
+    tok = AutoTokenizer.from_pretrained(p)
+    model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype)
+    model.eval()
+    return model, tok
+
+
+def num_parameters(model) -> int:
+    """Distinct parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def greedy_complete(model, tokenizer, prompts: list[str], max_new_tokens: int = 8,
+                    batch_size: int = 256) -> list[str]:
+    """Greedy completions of ``prompts`` (text, special tokens dropped), batched with left
+    padding. Used for held-out evaluation by warm starts and benchmarks."""
+    was_training = model.training
+    model.eval()
+    stop = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    out: list[str] = []
+    for s in range(0, len(prompts), batch_size):
+        enc = tokenizer(prompts[s : s + batch_size], return_tensors="pt", padding=True,
+                        padding_side="left")
+        gen = model.generate(
+            **enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        out.extend(tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+    model.train(was_training)
+    return out

@@ -1,0 +1,257 @@
+"""``HFEngine``: the CPU inference engine of a RaaS node (plain ``transformers`` model).
+
+Many asyncio episodes on a node call ``await engine.generate(...)`` one request at a time; the
+engine gathers every request pending at that moment and decodes them as one left-padded
+batch with its own decode loop over the model's KV cache. Owning the loop (instead of calling
+``model.generate``) gives two things the trainer needs:
+
+* exact behaviour log-probs: the log-softmax of the fp32 logits at temperature 1 of every
+  sampled token, equal to a teacher-forced forward of the same weights on the same tokens;
+* weight swaps between two decoding steps (partial rollout).
+
+Asynchronous overlap "weight swap vs in-flight generation": ``load_weights`` may be called at
+any time, from any thread. When no batch is decoding the weights are replaced at once. While a
+batch is decoding the new weights are held as *pending* and applied between two steps; the
+engine then re-encodes the batch's tokens so far with the new weights (the KV cache of the old
+weights is dropped), so every token after the swap is sampled from, and carries the version
+and exact log-prob of, the new weights; tokens before it keep the old version. Invariant: a
+token's (version, log-prob) always describe the weights that produced its distribution.
+
+Requests that arrive while a batch is decoding wait for the next batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from astraflow.rollout.engine import Generation, SamplingParams
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    future: asyncio.Future
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class HFEngine:
+    """CPU transformers engine implementing ``astraflow.rollout.engine.InferenceEngine``.
+
+    ``model`` is a path to an HF causal-LM directory or an already loaded ``(model, tokenizer)``
+    pair. ``max_batch_size`` caps the sequences decoded together; ``seed`` seeds sampling.
+    """
+
+    def __init__(
+        self,
+        model: str | Any,
+        *,
+        tokenizer: Any = None,
+        version: int = -1,
+        max_batch_size: int = 256,
+        seed: int = 0,
+    ) -> None:
+        if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+            from astraflow.models import load_model
+
+            self.model, self.tokenizer = load_model(model)
+        else:
+            if tokenizer is None:
+                raise ValueError("HFEngine(model_object) needs tokenizer=...; or pass a model directory")
+            self.model, self.tokenizer = model, tokenizer
+        self.model.eval()
+        if max_batch_size < 1:
+            raise ValueError(f"HFEngine: max_batch_size must be >= 1, got {max_batch_size}")
+        self.max_batch_size = max_batch_size
+        self.version = version
+        self._pad_id = self.tokenizer.pad_token_id
+        if self._pad_id is None:
+            self._pad_id = self.tokenizer.eos_token_id
+        stops = {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                 self.tokenizer.convert_tokens_to_ids("<|endoftext|>")}
+        unk = self.tokenizer.unk_token_id
+        self._stop_ids = frozenset(s for s in stops if s is not None and s != unk)
+        self._max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        self._gen = torch.Generator().manual_seed(seed)
+        self._pending: list[_Request] = []
+        self._lock = threading.Lock()
+        self._pending_weights: tuple[dict[str, torch.Tensor], int] | None = None
+        self._decoding = False
+        self._loop_task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
+        self._stats = dict(tokens=0, requests=0, batches=0, busy_seconds=0.0, weight_swaps=0,
+                           decode_steps=0)
+
+    # -- protocol ------------------------------------------------------------------------
+    async def generate(self, prompt_tokens: list[int], params: SamplingParams) -> Generation:
+        prompt = [int(t) for t in prompt_tokens]
+        if not prompt:
+            raise ValueError("HFEngine.generate: prompt_tokens is empty")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"HFEngine.generate: max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        if not params.greedy and params.temperature <= 0:
+            raise ValueError("HFEngine.generate: temperature must be > 0; use greedy=True for argmax")
+        if self._max_positions and len(prompt) + params.max_new_tokens > self._max_positions:
+            raise ValueError(
+                f"HFEngine.generate: prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) "
+                f"exceeds the model's {self._max_positions} positions; shorten one of them"
+            )
+        loop = asyncio.get_running_loop()
+        req = _Request(prompt, params, loop.create_future())
+        self._pending.append(req)
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = loop.create_task(self._serve())
+        return await req.future
+
+    def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Replace the weights (HF names, exact). Applied now if idle, else between two steps."""
+        with self._lock:
+            if not self._decoding:
+                self._apply(state_dict, version)
+                return
+            owned = {k: torch.as_tensor(v).detach().clone() for k, v in state_dict.items()}
+            self._pending_weights = (owned, version)
+
+    def stats(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self._stats.items()}
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    # -- internals -----------------------------------------------------------------------
+    def _apply(self, state_dict: Mapping[str, Any], version: int) -> None:
+        sd = {k: torch.as_tensor(v) for k, v in state_dict.items()}
+        missing, unexpected = self.model.load_state_dict(sd, strict=False)
+        # tied heads may be absent from a publisher's state dict; anything else is an error
+        missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ValueError(
+                f"HFEngine.load_weights: state dict does not match the model (missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}); publish weights with HF parameter names"
+            )
+        self.version = int(version)
+        self._stats["weight_swaps"] += 1
+
+    def _take_pending_weights(self) -> bool:
+        with self._lock:
+            if self._pending_weights is None:
+                return False
+            sd, version = self._pending_weights
+            self._pending_weights = None
+            self._apply(sd, version)
+            return True
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._pending:
+            batch = self._pending[: self.max_batch_size]
+            del self._pending[: len(batch)]
+            with self._lock:
+                self._decoding = True
+            t0 = time.perf_counter()
+            try:
+                await self._decode(batch, loop)
+            except Exception as exc:  # the failure belongs to the batch's episodes: hand it to them
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(exc)
+                continue
+            finally:
+                with self._lock:
+                    self._decoding = False
+                self._take_pending_weights()
+            dt = time.perf_counter() - t0
+            self._stats["busy_seconds"] += dt
+            self._stats["batches"] += 1
+            for r in batch:
+                self._stats["requests"] += 1
+                self._stats["tokens"] += len(r.tokens)
+                r.future.set_result(
+                    Generation(
+                        tokens=np.asarray(r.tokens, dtype=np.int32),
+                        logprobs=np.asarray(r.logprobs, dtype=np.float32),
+                        versions=np.asarray(r.versions, dtype=np.int32),
+                        finish_reason=r.finish_reason or "length",
+                        engine_seconds=dt,
+                    )
+                )
+
+    async def _decode(self, batch: list[_Request], loop: asyncio.AbstractEventLoop) -> None:
+        n = len(batch)
+        plen = max(len(r.prompt) for r in batch)
+        ids = torch.full((n, plen), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((n, plen), dtype=torch.long)
+        for i, r in enumerate(batch):
+            ids[i, plen - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[i, plen - len(r.prompt):] = 1
+        max_new = max(r.params.max_new_tokens for r in batch)
+        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in batch])
+        greedy = torch.tensor([r.params.greedy for r in batch])
+        top_p = torch.tensor([1.0 if r.params.greedy else r.params.top_p for r in batch])
+        stops = [self._stop_ids | set(r.params.stop_token_ids) for r in batch]
+        active = [True] * n
+
+        # prefill
+        logits, cache = await loop.run_in_executor(self._executor, self._forward, ids, mask, None)
+        for _step in range(max_new):
+            tok, lp = self._sample(logits, temps, greedy, top_p)
+            for i, r in enumerate(batch):
+                if not active[i]:
+                    continue
+                t = int(tok[i])
+                r.tokens.append(t)
+                r.logprobs.append(float(lp[i]))
+                r.versions.append(self.version)
+                if t in stops[i]:
+                    r.finish_reason, active[i] = "stop", False
+                elif len(r.tokens) >= r.params.max_new_tokens:
+                    r.finish_reason, active[i] = "length", False
+            if not any(active):
+                break
+            # finished rows keep decoding a pad token (ignored) so the batch stays rectangular
+            nxt = torch.where(torch.tensor(active), tok, torch.full_like(tok, self._pad_id))
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
+            self._stats["decode_steps"] += 1
+            if self._take_pending_weights():
+                # new weights: re-encode everything so far, the old KV cache is stale
+                logits, cache = await loop.run_in_executor(self._executor, self._forward, ids, mask, None)
+            else:
+                logits, cache = await loop.run_in_executor(
+                    self._executor, self._forward, ids[:, -1:], mask, cache
+                )
+
+    @torch.no_grad()
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache):
+        """One forward; ``ids`` is the whole (left-padded) batch when ``cache`` is None, else
+        the last column. Returns fp32 logits of the last position and the new cache."""
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        pos = pos[:, -ids.shape[1]:]
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :].float(), out.cache
+
+    def _sample(self, logits, temps, greedy, top_p):
+        logp = torch.log_softmax(logits, dim=-1)  # temperature 1: the behaviour log-probs
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        if bool((top_p < 1.0).any()):
+            sp, si = probs.sort(dim=-1, descending=True)
+            keep = (sp.cumsum(-1) - sp) < top_p[:, None]
+            sp = sp * keep
+            probs = torch.zeros_like(probs).scatter(-1, si, sp)
+        sampled = torch.multinomial(probs, 1, generator=self._gen)[:, 0]
+        tok = torch.where(greedy, logits.argmax(-1), sampled)
+        return tok, logp.gather(-1, tok[:, None])[:, 0]

@@ -1,0 +1,115 @@
+"""The GRPO loss, shared by every trainer backend.
+
+Group-relative policy optimisation: each sampled sequence's advantage is its reward
+normalised within its group (``BatchItem.advantage``, from the group mean/std the data layer
+stamped at ingest), and the policy is pushed along it with a PPO-style clipped importance
+ratio against the *behaviour* log-probs the inference engine recorded (so stale or
+partially-rolled-out tokens are corrected per token). No KL term. The loss is token-level: a
+sum over every loss token of the batch divided by the number of loss tokens in the whole batch
+(also when the batch is split into micro-batches: pass ``num_tokens``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from astraflow.contracts import Batch
+
+
+def grpo_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    num_tokens: int | float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped-ratio GRPO loss.
+
+    ``new_logprobs``/``old_logprobs``/``mask``: ``[B, T]`` (the mask selects loss tokens);
+    ``advantages``: ``[B]`` (one per sequence) or ``[B, T]``. Per token:
+    ``-min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)`` with ``r = exp(new - old)``.
+    Returns ``(loss, stats)``; the loss is the masked sum divided by ``num_tokens`` (default:
+    the number of loss tokens in ``mask``).
+    """
+    mask = mask.to(new_logprobs.dtype)
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages
+    adv = adv.to(new_logprobs.dtype)
+    log_ratio = new_logprobs - old_logprobs.to(new_logprobs.dtype)
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    denom = float(num_tokens) if num_tokens is not None else float(mask.sum().item())
+    denom = max(denom, 1.0)
+    loss = (per_token * mask).sum() / denom
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1.0)
+        stats = {
+            "clip_frac": float(((unclipped != clipped).to(mask.dtype) * mask).sum() / n),
+            "ratio_mean": float((ratio * mask).sum() / n),
+            # k3 estimator of KL(behaviour || current), a drift diagnostic only
+            "approx_kl": float(((torch.exp(-log_ratio) - 1 + log_ratio) * mask).sum() / n),
+        }
+    return loss, stats
+
+
+@dataclass
+class Collated:
+    """A batch as right-padded tensors. ``logprob`` entries are aligned to the token index:
+    ``old_logprobs[b, t]`` is the behaviour log-prob of ``tokens[b, t]``."""
+
+    tokens: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long
+    loss_mask: torch.Tensor  # [B, T] bool
+    old_logprobs: torch.Tensor  # [B, T] float32
+    advantages: torch.Tensor  # [B] float32
+    rewards: torch.Tensor  # [B] float32
+
+
+def collate(batch: Batch, pad_id: int) -> Collated:
+    """Right-pad the batch's sequences into tensors."""
+    if not len(batch):
+        raise ValueError("collate: the batch is empty")
+    items = batch.items
+    T = max(len(it.sequence.tokens) for it in items)
+    B = len(items)
+    tokens = np.full((B, T), pad_id, dtype=np.int64)
+    attn = np.zeros((B, T), dtype=np.int64)
+    lmask = np.zeros((B, T), dtype=bool)
+    old = np.zeros((B, T), dtype=np.float32)
+    for i, it in enumerate(items):
+        n = len(it.sequence.tokens)
+        tokens[i, :n] = it.sequence.tokens
+        attn[i, :n] = 1
+        lmask[i, :n] = it.loss_mask
+        old[i, :n] = it.sequence.logprobs
+    # the first token has no prediction: it can never carry a loss
+    lmask[:, 0] = False
+    return Collated(
+        tokens=torch.from_numpy(tokens),
+        attention_mask=torch.from_numpy(attn),
+        loss_mask=torch.from_numpy(lmask),
+        old_logprobs=torch.from_numpy(old),
+        advantages=torch.tensor([it.advantage for it in items], dtype=torch.float32),
+        rewards=torch.tensor([it.sequence.reward for it in items], dtype=torch.float32),
+    )
+
+
+def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Log-prob of every token under ``model`` in one forward (fp32 log-softmax, temperature 1).
+
+    ``tokens``/``attention_mask``: ``[B, T]``, left- or right-padded (positions are computed
+    from the mask). Returns ``[B, T]`` aligned to the token index; column 0 and pad positions
+    are 0. Gradients flow when called with grad enabled.
+    """
+    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=tokens, attention_mask=attention_mask, position_ids=pos).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logp.gather(-1, tokens[:, 1:, None])[..., 0]
+    out = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+    return out * attention_mask.to(out.dtype)

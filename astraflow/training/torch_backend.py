@@ -1,0 +1,119 @@
+"""``TorchBackend``: the plain-PyTorch trainer backend (CPU or one GPU).
+
+Owns one HF causal LM and its AdamW optimiser and implements ``TrainerBackend``: a
+``train_step`` is one optimiser step over a whole ``Batch`` (split into micro-batches of at
+most ``micro_batch_size`` sequences, gradients accumulated, the token-level GRPO loss
+normalised by the loss tokens of the whole batch), with gradient-norm clipping. ``publish``
+hands the current weights, under their HF names, to the weight store.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from astraflow.contracts import Batch
+from astraflow.training.grpo import collate, grpo_loss, token_logprobs
+
+
+class TorchBackend:
+    """Plain-PyTorch GRPO trainer backend. ``model_path``: an HF causal-LM directory."""
+
+    def __init__(
+        self,
+        model_path: str,
+        lr: float = 1e-4,
+        *,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.99),
+        grad_clip: float = 1.0,
+        micro_batch_size: int | None = None,
+        clip_low: float = 0.2,
+        clip_high: float = 0.28,
+        device: str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        from astraflow.models import load_model
+
+        if lr <= 0:
+            raise ValueError(f"TorchBackend: lr must be > 0, got {lr}")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"TorchBackend: micro_batch_size must be >= 1 or None, got {micro_batch_size}")
+        torch.manual_seed(seed)
+        self.model, self.tokenizer = load_model(model_path)
+        self.model.to(device)
+        self.device = device
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.grad_clip = grad_clip
+        self.micro_batch_size = micro_batch_size
+        self.clip_low, self.clip_high = clip_low, clip_high
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
+        )
+        self.steps = 0
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.model.train()
+        c = collate(batch, self.pad_id)
+        total_tokens = int(c.loss_mask.sum())
+        B = c.tokens.shape[0]
+        mb = self.micro_batch_size or B
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        agg = {"clip_frac": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0}
+        for s in range(0, B, mb):
+            sl = slice(s, s + mb)
+            # trim right padding of this micro-batch
+            width = int(c.attention_mask[sl].sum(-1).max())
+            tok = c.tokens[sl, :width].to(self.device)
+            att = c.attention_mask[sl, :width].to(self.device)
+            lm = c.loss_mask[sl, :width].to(self.device)
+            new = token_logprobs(self.model, tok, att)
+            loss, st = grpo_loss(
+                new, c.old_logprobs[sl, :width].to(self.device), c.advantages[sl].to(self.device), lm,
+                self.clip_low, self.clip_high, num_tokens=total_tokens,
+            )
+            loss.backward()
+            loss_sum += loss.item()
+            w = float(lm.sum()) / max(total_tokens, 1)
+            for k in agg:
+                agg[k] += st[k] * w
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.steps += 1
+        self.model.eval()
+        return {
+            "loss": loss_sum,
+            "grad_norm": float(grad_norm),
+            **agg,
+            "num_tokens": float(total_tokens),
+            "num_sequences": float(B),
+            "reward_mean": float(c.rewards.mean()),
+            "advantage_abs_mean": float(c.advantages.abs().mean()),
+            "seconds": time.perf_counter() - t0,
+        }
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Current weights under their HF names (detached CPU tensors)."""
+        return {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
+
+    def publish(self, store, policy: str, version: int):
+        """``store.publish(policy, version, state_dict, meta)``; returns its ``WeightVersion``."""
+        meta: dict[str, Any] = {
+            "layout": "hf",
+            "arch": self.model.config.model_type,
+            "config": self.model.config.to_dict(),
+            "train_steps": self.steps,
+        }
+        return store.publish(policy, version, self.state_dict(), meta=meta)
+
+    def save(self, out_dir: str) -> None:
+        """Write the current model and tokenizer as an HF directory."""
+        self.model.save_pretrained(out_dir, safe_serialization=True)
+        self.tokenizer.save_pretrained(out_dir)
+
+    def close(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,150 @@
+"""Generated arithmetic problems: the workload of the first real RL run.
+
+A task a tiny model can learn on two CPU cores, with a reward that cannot be argued with:
+``a <op> b`` with operands of up to ``digits`` digits, graded by exact match of the first
+integer in the completion. Problems are generated, not downloaded; the train and held-out
+splits are fixed by a hash of the problem and the seed, so they are deterministic and
+disjoint whatever sizes are asked for.
+
+Interface (kept small on purpose): ``make_dataset(cfg, split) -> list[{"question", "answer"}]``,
+``format_prompt(item) -> str`` and ``math_reward(completion_text, answer) -> float``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+SPLITS = ("train", "test")
+OPS = ("+", "-", "*")
+#: up to this many distinct problems the generator enumerates all of them (then shuffles).
+_ENUMERATE_LIMIT = 300_000
+
+
+@dataclass(frozen=True)
+class MathConfig:
+    """What problems to generate. Read by ``make_dataset``; JSON-friendly for configs."""
+
+    #: maximum digits of each operand (operands are drawn from ``0 .. 10**digits - 1``).
+    digits: int = 2
+    #: operators to draw from, any of ``OPS``.
+    ops: tuple[str, ...] = ("+",)
+    #: fraction of all problems that belong to the held-out split.
+    test_fraction: float = 0.1
+    #: number of problems in each split; ``None`` means every problem of the split.
+    num_train: int | None = None
+    num_test: int | None = 200
+    #: seed of the split assignment and of the order of the problems.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.digits <= 9:
+            raise ValueError(f"math workload: digits must be in 1..9, got {self.digits}")
+        bad = [op for op in self.ops if op not in OPS]
+        if bad or not self.ops:
+            raise ValueError(f"math workload: ops must be a non-empty subset of {OPS}, got {self.ops}")
+        if not 0.0 < self.test_fraction < 1.0:
+            raise ValueError(f"math workload: test_fraction must be in (0, 1), got {self.test_fraction}")
+
+    @classmethod
+    def from_any(cls, cfg: "MathConfig | Mapping[str, Any] | None") -> "MathConfig":
+        if cfg is None:
+            return cls()
+        if isinstance(cfg, MathConfig):
+            return cfg
+        known = {f.name for f in fields(cls)}
+        unknown = set(cfg) - known - {"type", "name"}
+        if unknown:
+            raise ValueError(f"math workload: unknown settings {sorted(unknown)}; known: {sorted(known)}")
+        kw = {k: v for k, v in cfg.items() if k in known}
+        if "ops" in kw:
+            kw["ops"] = tuple(kw["ops"])
+        return cls(**kw)
+
+
+def _solve(a: int, op: str, b: int) -> int:
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    return a * b
+
+
+def _split_of(a: int, op: str, b: int, cfg: MathConfig) -> str:
+    h = hashlib.blake2b(f"{cfg.seed}:{a}{op}{b}".encode(), digest_size=8).digest()
+    u = int.from_bytes(h, "little") / 2**64
+    return "test" if u < cfg.test_fraction else "train"
+
+
+def make_dataset(cfg: MathConfig | Mapping[str, Any] | None, split: str) -> list[dict[str, str]]:
+    """Problems of ``split`` (``"train"`` or ``"test"``) as ``{"question": "12+34", "answer": "46"}``,
+    in a seed-determined order. The two splits never share a problem."""
+    if split not in SPLITS:
+        raise ValueError(f"math workload: split must be one of {SPLITS}, got {split!r}")
+    cfg = MathConfig.from_any(cfg)
+    want = cfg.num_train if split == "train" else cfg.num_test
+    n_ops = 10**cfg.digits
+    space = n_ops * n_ops * len(cfg.ops)
+    rng = random.Random(f"{cfg.seed}:{split}")
+    if space <= _ENUMERATE_LIMIT:
+        probs = [
+            (a, op, b)
+            for op in cfg.ops
+            for a in range(n_ops)
+            for b in range(n_ops)
+            if _split_of(a, op, b, cfg) == split
+        ]
+        rng.shuffle(probs)
+        if want is not None:
+            probs = probs[:want]
+    else:
+        if want is None:
+            raise ValueError(
+                f"math workload: {space} possible problems are too many to list; set num_{split}"
+            )
+        seen: set[tuple[int, str, int]] = set()
+        probs = []
+        while len(probs) < want:
+            p = (rng.randrange(n_ops), rng.choice(cfg.ops), rng.randrange(n_ops))
+            if p not in seen and _split_of(*p, cfg) == split:
+                seen.add(p)
+                probs.append(p)
+    return [{"question": f"{a}{op}{b}", "answer": str(_solve(a, op, b))} for a, op, b in probs]
+
+
+def format_prompt(item: Mapping[str, Any]) -> str:
+    """The plain prompt the models see (short on purpose: ``"12+34="``)."""
+    return f"{item['question']}="
+
+
+def format_target(item: Mapping[str, Any]) -> str:
+    """The supervised completion for warm starts (the end-of-turn token is added by the caller)."""
+    return str(item["answer"])
+
+
+_INT = re.compile(r"-?\d+")
+
+
+def parse_answer(completion_text: str) -> int | None:
+    """The first integer in the completion (leading spaces, ``=`` and trailing text tolerated),
+    or ``None`` if there is none."""
+    m = _INT.search(completion_text)
+    return int(m.group()) if m else None
+
+
+def math_reward(completion_text: str, answer: str | int) -> float:
+    """1.0 if the first integer of the completion equals ``answer`` exactly, else 0.0."""
+    got = parse_answer(completion_text)
+    return 1.0 if got is not None and got == int(answer) else 0.0
+
+
+def accuracy(completions: list[str], items: list[Mapping[str, Any]]) -> float:
+    """Mean ``math_reward`` of completions against their items' answers."""
+    if len(completions) != len(items):
+        raise ValueError(f"accuracy: {len(completions)} completions for {len(items)} items")
+    if not items:
+        return 0.0
+    return sum(math_reward(c, it["answer"]) for c, it in zip(completions, items)) / len(items)
