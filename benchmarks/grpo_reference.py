@@ -126,14 +126,15 @@ def main(argv=None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="grpo_ref_"))
     t_start = time.perf_counter()
 
-    ws_seconds, ws_steps = 0.0, 0
+    ws_seconds, ws_steps, ws_cpu = 0.0, 0, 0.0
     if a.model_dir is None:
+        c0 = time.process_time()
         init_dir = init_model(tmp / "init", preset=a.preset, arch=a.arch, seed=a.seed)
         model_dir = Path(a.save_warm) if a.save_warm else tmp / "warm"
         ws = warm_start(init_dir, model_dir, seconds=a.ws_max_seconds, target_acc=a.ws_target,
                         lr=a.ws_lr, batch_size=a.ws_batch, workload=wl, eval_every=a.ws_eval_every,
                         eval_size=a.eval_size, seed=a.seed, progress=console.is_terminal)
-        ws_seconds, ws_steps = ws["seconds"], ws["steps"]
+        ws_seconds, ws_steps, ws_cpu = ws["seconds"], ws["steps"], time.process_time() - c0
         console.print(f"warm start: {ws_steps} steps, {ws_seconds:.1f} s, held-out acc {ws['acc']:.3f}")
     else:
         model_dir = Path(a.model_dir)
@@ -152,6 +153,7 @@ def main(argv=None) -> dict:
 
     loop = asyncio.new_event_loop()
     t0 = time.perf_counter()
+    c0 = time.process_time()
     acc0 = loop.run_until_complete(_evaluate(engine, tok, test, a.max_new_tokens))
     curve = [{"seconds": 0.0, "step": 0, "acc": acc0, "train_reward": None}]
     table.add_row("0", "0", "-", f"{acc0:.3f}", "0.0", "-", "-", "-")
@@ -178,11 +180,14 @@ def main(argv=None) -> dict:
             sps = (time.perf_counter() - step_t) / a.eval_every
             step_t = time.perf_counter()
             rewards_window = []
-            curve.append({"seconds": round(el, 1), "step": step, "acc": acc, "train_reward": round(tr, 4)})
+            curve.append({"seconds": round(el, 1), "cpu_seconds": round(time.process_time() - c0, 1),
+                          "step": step, "acc": acc, "train_reward": round(tr, 4)})
             table.add_row(f"{el:.0f}", str(step), f"{tr:.3f}", f"{acc:.3f}", f"{gain:+.1f}", f"{sps:.2f}",
                           f"{last_stats['clip_frac']:.3f}", f"{last_stats['approx_kl']:.4f}")
-            console.print(f"[{el:6.0f}s] step {step:5d}  train reward {tr:.3f}  held-out acc {acc:.3f}  "
-                          f"gain {gain:+.1f} pts", highlight=False)
+            console.print(f"[{el:6.0f}s cpu {time.process_time() - c0:5.0f}s] step {step:5d}  train reward {tr:.3f}  held-out acc {acc:.3f}  "
+                          f"gain {gain:+.1f} pts  clip {last_stats['clip_frac']:.3f} "
+                          f"kl {last_stats['approx_kl']:.4f} |A| {last_stats['advantage_abs_mean']:.2f}",
+                          highlight=False)
             if a.stop_at_gain is not None and gain >= a.stop_at_gain:
                 break
     if step % a.eval_every:
@@ -190,6 +195,7 @@ def main(argv=None) -> dict:
         curve.append({"seconds": round(time.perf_counter() - t0, 1), "step": step, "acc": acc,
                       "train_reward": None})
     rl_seconds = time.perf_counter() - t0
+    rl_cpu = time.process_time() - c0
     loop.close()
     console.print(table)
     best = max(c["acc"] for c in curve)
@@ -202,7 +208,11 @@ def main(argv=None) -> dict:
         "rl_seconds": round(rl_seconds, 1),
         "rl_steps": step,
         "seconds_to_gain30": round(t_gain30, 1) if t_gain30 is not None else None,
+        # CPU seconds of this process: with --threads 1 on a busy machine, about the wall time
+        # the same run takes on an idle one
+        "rl_cpu_seconds": round(rl_cpu, 1),
         "warmstart_seconds": round(ws_seconds, 1),
+        "warmstart_cpu_seconds": round(ws_cpu, 1),
         "warmstart_steps": ws_steps,
         "total_seconds": round(time.perf_counter() - t_start, 1),
         "engine": engine.stats(),

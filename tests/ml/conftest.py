@@ -13,4 +13,4 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _two_threads():
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
