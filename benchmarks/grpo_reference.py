@@ -61,6 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--clip-low", type=float, default=0.2)
     p.add_argument("--clip-high", type=float, default=0.28)
     p.add_argument("--rl-seconds", type=float, default=600.0)
+    p.add_argument("--rl-cpu-seconds", type=float, default=None,
+                   help="also end RL after this many CPU seconds of this process (a proxy for an idle "
+                        "machine's wall time when tuning with --threads 1 on a busy one)")
     p.add_argument("--eval-every", type=int, default=20, help="RL steps between held-out evals")
     p.add_argument("--eval-size", type=int, default=400)
     p.add_argument("--stop-at-gain", type=float, default=None,
@@ -162,7 +165,9 @@ def main(argv=None) -> dict:
     last_stats: dict = {}
     acc = acc0
     step_t = time.perf_counter()
-    while time.perf_counter() - t0 < a.rl_seconds:
+    while time.perf_counter() - t0 < a.rl_seconds and (
+        a.rl_cpu_seconds is None or time.process_time() - c0 < a.rl_cpu_seconds
+    ):
         items = [train[rng.randrange(len(train))] for _ in range(a.prompts)]
         results = loop.run_until_complete(_rollout(engine, tok, items, a.group, params))
         batch, mean_r = make_batch(results, tok, a.group, step)
