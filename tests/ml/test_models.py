@@ -43,7 +43,7 @@ def test_presets_sizes():
     # parameter counts from the config alone (no allocation of the big presets' optimiser)
     from transformers import AutoModelForCausalLM
 
-    want = {"tiny": (0.5e6, 1.2e6), "small": (8e6, 12e6), "50m": (40e6, 60e6)}
+    want = {"tiny": (0.5e6, 1.2e6), "mini": (1.5e6, 4e6), "small": (8e6, 12e6), "50m": (40e6, 60e6)}
     for name in PRESETS:
         with torch.device("meta"):
             m = AutoModelForCausalLM.from_config(make_config(name, "qwen2"))
