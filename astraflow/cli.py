@@ -72,7 +72,7 @@ def model() -> None:
 
 @model.command("init")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--preset", type=click.Choice(["tiny", "small", "50m"]), default="small", show_default=True,
+@click.option("--preset", type=click.Choice(["tiny", "mini", "small", "50m"]), default="small", show_default=True,
               help="Model size: tiny ~0.8M, small ~10M, 50m ~50M parameters.")
 @click.option("--arch", type=click.Choice(["qwen2", "llama"]), default="qwen2", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)

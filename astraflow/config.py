@@ -29,8 +29,8 @@ class _Strict(BaseModel):
 class ModelInit(_Strict):
     """How to build a model directory that does not exist yet (no downloads: built locally)."""
 
-    preset: Literal["tiny", "small", "50m"] = "small"
-    """Size preset of the locally initialised model (tiny ~0.8M, small ~10M, 50m ~50M params)."""
+    preset: Literal["tiny", "mini", "small", "50m"] = "small"
+    """Size preset of the locally initialised model (tiny ~0.8M, mini ~2.4M, small ~10M, 50m ~50M params)."""
     arch: Literal["qwen2", "llama"] = "qwen2"
     """HF architecture of the initialised model."""
     seed: int = 0

@@ -1,0 +1,232 @@
+"""Single-process GRPO reference run: does the ML stack really learn, and how fast, on this CPU?
+
+No Dask, no stores: the same pieces the distributed run uses (``HFEngine`` for rollouts,
+``grpo_loss`` through ``TorchBackend`` for updates, ``warm_start`` for the SFT start), wired
+in one synchronous loop. It is the baseline the distributed example is measured against and
+the place to tune hyperparameters.
+
+    init model -> warm start (partial, to ~target accuracy) -> GRPO steps
+    (P prompts x G samples each, on-policy, weights pushed to the engine after every step),
+    held-out greedy accuracy every ``--eval-every`` steps.
+
+The baseline is the policy at the start of RL (its held-out accuracy is measured with the same
+evaluation); the result is the gain in accuracy points and the time RL took to reach it.
+Prints a table and ends with one ``RESULT {json}`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from astraflow.contracts import Batch, BatchItem, Sequence  # noqa: E402
+from astraflow.models import init_model, num_parameters  # noqa: E402
+from astraflow.rollout.engine import SamplingParams  # noqa: E402
+from astraflow.rollout.hf_engine import HFEngine  # noqa: E402
+from astraflow.training.torch_backend import TorchBackend  # noqa: E402
+from astraflow.training.warmstart import warm_start  # noqa: E402
+from astraflow.workloads.math import MathConfig, format_prompt, make_dataset, math_reward  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="small")
+    p.add_argument("--arch", default="qwen2")
+    p.add_argument("--digits", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ws-target", type=float, default=0.25, help="stop the warm start at this held-out acc")
+    p.add_argument("--ws-max-seconds", type=float, default=240.0)
+    p.add_argument("--ws-lr", type=float, default=1e-3)
+    p.add_argument("--ws-batch", type=int, default=64)
+    p.add_argument("--ws-eval-every", type=int, default=25)
+    p.add_argument("--lr", type=float, default=3e-4, help="RL learning rate")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per RL step")
+    p.add_argument("--group", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--clip-low", type=float, default=0.2)
+    p.add_argument("--clip-high", type=float, default=0.28)
+    p.add_argument("--rl-seconds", type=float, default=600.0)
+    p.add_argument("--rl-cpu-seconds", type=float, default=None,
+                   help="also end RL after this many CPU seconds of this process (a proxy for an idle "
+                        "machine's wall time when tuning with --threads 1 on a busy one)")
+    p.add_argument("--eval-every", type=int, default=20, help="RL steps between held-out evals")
+    p.add_argument("--eval-size", type=int, default=400)
+    p.add_argument("--stop-at-gain", type=float, default=None,
+                   help="end RL early once the gain (points) reaches this")
+    p.add_argument("--model-dir", default=None, help="reuse a warm-started HF dir (skips init + warm start)")
+    p.add_argument("--save-warm", default=None, help="save the warm-started model here")
+    return p.parse_args(argv)
+
+
+async def _rollout(engine, tok, items, group, params):
+    reqs = []
+    for it in items:
+        prompt = tok(format_prompt(it))["input_ids"]
+        for _ in range(group):
+            reqs.append((it, prompt, engine.generate(prompt, params)))
+    gens = await asyncio.gather(*[r[2] for r in reqs])
+    return [(it, prompt, g) for (it, prompt, _), g in zip(reqs, gens)]
+
+
+def make_batch(results, tok, group, version) -> tuple[Batch, float]:
+    items, rewards = [], []
+    for gi in range(0, len(results), group):
+        chunk = results[gi : gi + group]
+        seqs = []
+        for it, prompt, g in chunk:
+            text = tok.decode(g.tokens.tolist(), skip_special_tokens=True)
+            r = math_reward(text, it["answer"])
+            n_p, n_c = len(prompt), len(g.tokens)
+            seqs.append(Sequence.build(
+                tokens=np.concatenate([np.asarray(prompt, dtype=np.int32), g.tokens]),
+                loss_mask=np.r_[np.zeros(n_p, bool), np.ones(n_c, bool)],
+                logprobs=np.r_[np.zeros(n_p, np.float32), g.logprobs],
+                policy_ids=np.r_[np.full(n_p, -1), np.zeros(n_c)],
+                versions=np.r_[np.full(n_p, -1), g.versions],
+                reward=r, finish_reason=g.finish_reason,
+            ))
+        rs = np.array([s.reward for s in seqs])
+        rewards.extend(rs.tolist())
+        for j, s in enumerate(seqs):
+            items.append(BatchItem(sequence=s, loss_mask=s.loss_mask, group_mean=float(rs.mean()),
+                                   group_std=float(rs.std()), group_size=len(seqs), staleness=0,
+                                   task_id=f"{gi}/{j}"))
+    return Batch(policy="policy", version=version, items=tuple(items)), float(np.mean(rewards))
+
+
+async def _evaluate(engine, tok, test, max_new_tokens):
+    params = SamplingParams(greedy=True, max_new_tokens=max_new_tokens)
+    gens = await asyncio.gather(*[engine.generate(tok(format_prompt(it))["input_ids"], params) for it in test])
+    texts = [tok.decode(g.tokens.tolist(), skip_special_tokens=True) for g in gens]
+    return float(np.mean([math_reward(t, it["answer"]) for t, it in zip(texts, test)]))
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    console = Console()
+    wl = MathConfig(digits=a.digits, num_test=a.eval_size, seed=a.seed)
+    train = make_dataset(wl, "train")
+    test = make_dataset(wl, "test")
+    tmp = Path(tempfile.mkdtemp(prefix="grpo_ref_"))
+    t_start = time.perf_counter()
+
+    ws_seconds, ws_steps, ws_cpu = 0.0, 0, 0.0
+    if a.model_dir is None:
+        c0 = time.process_time()
+        init_dir = init_model(tmp / "init", preset=a.preset, arch=a.arch, seed=a.seed)
+        model_dir = Path(a.save_warm) if a.save_warm else tmp / "warm"
+        ws = warm_start(init_dir, model_dir, seconds=a.ws_max_seconds, target_acc=a.ws_target,
+                        lr=a.ws_lr, batch_size=a.ws_batch, workload=wl, eval_every=a.ws_eval_every,
+                        eval_size=a.eval_size, seed=a.seed, progress=console.is_terminal)
+        ws_seconds, ws_steps, ws_cpu = ws["seconds"], ws["steps"], time.process_time() - c0
+        console.print(f"warm start: {ws_steps} steps, {ws_seconds:.1f} s, held-out acc {ws['acc']:.3f}")
+    else:
+        model_dir = Path(a.model_dir)
+
+    engine = HFEngine(str(model_dir), version=0, seed=a.seed)
+    backend = TorchBackend(str(model_dir), lr=a.lr, clip_low=a.clip_low, clip_high=a.clip_high, seed=a.seed)
+    tok = engine.tokenizer
+    console.print(f"model: {a.preset}/{a.arch}, {num_parameters(backend.model) / 1e6:.2f} M params, "
+                  f"{a.threads} threads")
+    params = SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new_tokens)
+    rng = random.Random(a.seed + 1)
+
+    table = Table(title=f"GRPO reference ({a.preset}, {a.prompts}x{a.group}, lr {a.lr:g})")
+    for c in ("rl s", "step", "train reward", "held-out acc", "gain pts", "s/step", "clip", "kl"):
+        table.add_column(c, justify="right")
+
+    loop = asyncio.new_event_loop()
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    acc0 = loop.run_until_complete(_evaluate(engine, tok, test, a.max_new_tokens))
+    curve = [{"seconds": 0.0, "step": 0, "acc": acc0, "train_reward": None}]
+    table.add_row("0", "0", "-", f"{acc0:.3f}", "0.0", "-", "-", "-")
+    console.print(f"acc before RL: {acc0:.3f}")
+    step, rewards_window, t_gain30 = 0, [], None
+    last_stats: dict = {}
+    acc = acc0
+    step_t = time.perf_counter()
+    while time.perf_counter() - t0 < a.rl_seconds and (
+        a.rl_cpu_seconds is None or time.process_time() - c0 < a.rl_cpu_seconds
+    ):
+        items = [train[rng.randrange(len(train))] for _ in range(a.prompts)]
+        results = loop.run_until_complete(_rollout(engine, tok, items, a.group, params))
+        batch, mean_r = make_batch(results, tok, a.group, step)
+        rewards_window.append(mean_r)
+        last_stats = backend.train_step(batch)
+        step += 1
+        engine.load_weights(backend.state_dict(), step)
+        if step % a.eval_every == 0:
+            acc = loop.run_until_complete(_evaluate(engine, tok, test, a.max_new_tokens))
+            el = time.perf_counter() - t0
+            gain = 100 * (acc - acc0)
+            if t_gain30 is None and gain >= 30:
+                t_gain30 = el
+            tr = float(np.mean(rewards_window))
+            sps = (time.perf_counter() - step_t) / a.eval_every
+            step_t = time.perf_counter()
+            rewards_window = []
+            curve.append({"seconds": round(el, 1), "cpu_seconds": round(time.process_time() - c0, 1),
+                          "step": step, "acc": acc, "train_reward": round(tr, 4)})
+            table.add_row(f"{el:.0f}", str(step), f"{tr:.3f}", f"{acc:.3f}", f"{gain:+.1f}", f"{sps:.2f}",
+                          f"{last_stats['clip_frac']:.3f}", f"{last_stats['approx_kl']:.4f}")
+            console.print(f"[{el:6.0f}s cpu {time.process_time() - c0:5.0f}s] step {step:5d}  train reward {tr:.3f}  held-out acc {acc:.3f}  "
+                          f"gain {gain:+.1f} pts  clip {last_stats['clip_frac']:.3f} "
+                          f"kl {last_stats['approx_kl']:.4f} |A| {last_stats['advantage_abs_mean']:.2f}",
+                          highlight=False)
+            if a.stop_at_gain is not None and gain >= a.stop_at_gain:
+                break
+    if step % a.eval_every:
+        acc = loop.run_until_complete(_evaluate(engine, tok, test, a.max_new_tokens))
+        curve.append({"seconds": round(time.perf_counter() - t0, 1), "step": step, "acc": acc,
+                      "train_reward": None})
+    rl_seconds = time.perf_counter() - t0
+    rl_cpu = time.process_time() - c0
+    loop.close()
+    console.print(table)
+    best = max(c["acc"] for c in curve)
+    result = {
+        "acc_before": acc0,
+        "acc_after": acc,
+        "acc_best": best,
+        "gain_points": round(100 * (acc - acc0), 2),
+        "gain_ratio": round(acc / acc0, 3) if acc0 > 0 else None,
+        "rl_seconds": round(rl_seconds, 1),
+        "rl_steps": step,
+        "seconds_to_gain30": round(t_gain30, 1) if t_gain30 is not None else None,
+        # CPU seconds of this process: with --threads 1 on a busy machine, about the wall time
+        # the same run takes on an idle one
+        "rl_cpu_seconds": round(rl_cpu, 1),
+        "warmstart_seconds": round(ws_seconds, 1),
+        "warmstart_cpu_seconds": round(ws_cpu, 1),
+        "warmstart_steps": ws_steps,
+        "total_seconds": round(time.perf_counter() - t_start, 1),
+        "engine": engine.stats(),
+        "settings": {k: v for k, v in vars(a).items() if k not in ("model_dir", "save_warm")},
+        "curve": curve,
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

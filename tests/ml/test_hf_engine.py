@@ -1,0 +1,131 @@
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from astraflow.models import load_model
+from astraflow.rollout.engine import SamplingParams
+from astraflow.rollout.hf_engine import HFEngine
+
+PROMPTS = ["1+2=", "12+34=", "7+88=", "hello world, longer prompt"]
+
+
+def _prompts(tok):
+    return [tok(p)["input_ids"] for p in PROMPTS]
+
+
+def _gather(engine, prompts, params):
+    async def main():
+        return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+
+    return asyncio.run(main())
+
+
+def _teacher_forced(model, prompt, completion):
+    full = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logp = model(full).logits.float().log_softmax(-1)
+    return logp[0, len(prompt) - 1 : -1].gather(-1, full[0, len(prompt):, None])[:, 0].numpy()
+
+
+def test_logprobs_match_teacher_forcing(tiny_dir):
+    eng = HFEngine(tiny_dir, seed=1)
+    prompts = _prompts(eng.tokenizer)
+    gens = _gather(eng, prompts, SamplingParams(max_new_tokens=12, temperature=1.3))
+    assert eng.stats()["batches"] == 1  # all concurrent requests went into one batch
+    for p, g in zip(prompts, gens):
+        assert len(g.tokens) == len(g.logprobs) == len(g.versions) >= 1
+        assert g.tokens.dtype == np.int32 and g.logprobs.dtype == np.float32
+        np.testing.assert_allclose(g.logprobs, _teacher_forced(eng.model, p, g.tokens), atol=1e-4)
+        assert (g.versions == -1).all()
+        assert g.finish_reason in ("stop", "length")
+
+
+def test_greedy_equals_hf_generate_and_batching_is_invisible(tiny_dir):
+    eng = HFEngine(tiny_dir)
+    prompts = _prompts(eng.tokenizer)
+    params = SamplingParams(max_new_tokens=10, greedy=True)
+    batched = _gather(eng, prompts, params)
+    single = [_gather(eng, [p], params)[0] for p in prompts]
+    model, tok = load_model(tiny_dir)
+    for p, b, s in zip(prompts, batched, single):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(p):]
+        assert b.tokens.tolist() == ref.tolist()
+        assert b.tokens.tolist() == s.tokens.tolist()
+        np.testing.assert_allclose(b.logprobs, s.logprobs, atol=1e-4)
+
+
+def test_stop_token_ends_sequence(tiny_dir):
+    eng = HFEngine(tiny_dir)
+    p = _prompts(eng.tokenizer)[1]
+    first = _gather(eng, [p], SamplingParams(max_new_tokens=5, greedy=True))[0]
+    stop_at = int(first.tokens[2])
+    g = _gather(eng, [p], SamplingParams(max_new_tokens=5, greedy=True, stop_token_ids=(stop_at,)))[0]
+    assert g.finish_reason == "stop"
+    assert int(g.tokens[-1]) == stop_at
+    assert len(g.tokens) == list(first.tokens).index(stop_at) + 1
+    assert first.finish_reason == "length" or int(first.tokens[-1]) == eng.tokenizer.eos_token_id
+
+
+def test_weight_swap_mid_generation_tags_versions(tiny_dir, tmp_path):
+    from astraflow.models import init_model
+
+    new_model, _ = load_model(init_model(tmp_path / "other", preset="tiny", seed=7))
+    new_sd = new_model.state_dict()
+    eng = HFEngine(tiny_dir, seed=3)
+    prompts = _prompts(eng.tokenizer)
+    n_before = 4
+
+    async def main():
+        tasks = [asyncio.ensure_future(eng.generate(p, SamplingParams(max_new_tokens=10, temperature=1.0,
+                                                                      stop_token_ids=())))
+                 for p in prompts]
+        # let the decode loop run a few steps, then publish version 5 while it is in flight
+        while eng.stats()["decode_steps"] < n_before - 1:
+            await asyncio.sleep(0.001)
+        eng.load_weights(new_sd, version=5)
+        assert eng.version == -1  # pending until the next step boundary
+        return await asyncio.gather(*tasks)
+
+    gens = asyncio.run(main())
+    assert eng.version == 5
+    old_model, _ = load_model(tiny_dir)
+    saw_mixed = False
+    for p, g in zip(prompts, gens):
+        v = g.versions.tolist()
+        assert set(v) <= {-1, 5}
+        assert v == sorted(v, key=lambda x: x != -1)  # old versions first, then new
+        k = v.count(-1)
+        assert k >= n_before - 1
+        if 0 < k < len(v):
+            saw_mixed = True
+        # each token's log-prob is the teacher-forced log-prob of the weights that made it
+        ref_old = _teacher_forced(old_model, p, g.tokens)
+        ref_new = _teacher_forced(new_model, p, g.tokens)
+        np.testing.assert_allclose(g.logprobs[:k], ref_old[:k], atol=1e-4)
+        np.testing.assert_allclose(g.logprobs[k:], ref_new[k:], atol=1e-4)
+    assert saw_mixed
+    assert eng.stats()["weight_swaps"] == 1
+
+
+def test_idle_load_weights_applies_now(tiny_dir):
+    eng = HFEngine(tiny_dir)
+    sd = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    eng.load_weights(sd, 3)
+    assert eng.version == 3
+    g = _gather(eng, _prompts(eng.tokenizer)[:1], SamplingParams(max_new_tokens=3, greedy=True))[0]
+    assert (g.versions == 3).all()
+    with pytest.raises(ValueError, match="HF parameter names"):
+        eng.load_weights({"nope": torch.zeros(1)}, 4)
+
+
+def test_bad_requests(tiny_dir):
+    eng = HFEngine(tiny_dir)
+    with pytest.raises(ValueError, match="empty"):
+        _gather(eng, [[]], SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        _gather(eng, [[1, 2]], SamplingParams(temperature=0.0))
+    with pytest.raises(ValueError, match="positions"):
+        _gather(eng, [[1, 2]], SamplingParams(max_new_tokens=10_000))
