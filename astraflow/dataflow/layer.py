@@ -564,26 +564,41 @@ class DataLayer:
 
     # ------------------------------------------------------------------ save / restore
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs: the dataflow policies' own state, the trainers'
-        versions and the prompt order. Leases and buffers are not saved: the tasks of an
-        interrupted run end as ``run_ended`` and are rolled out again."""
+        """What a resumed run needs: the dataflow policies' own state (random streams
+        included) with their ``type`` names, the trainers' versions, the prompt order and its
+        shuffling stream. Leases and buffers are not saved: the tasks of an interrupted run
+        end as ``run_ended`` and are rolled out again."""
+        version, internal, gauss = self._rng.getstate()
         return {
             "versions": dict(self.versions),
+            "policy_types": {"curator": self.cfg.curator.type, "group_filter": self.cfg.group_filter.type,
+                             "ordering": self.cfg.ordering.type},
             "curator": self.curator.state_dict(),
             "group_filter": self.group_filter.state_dict(),
             "ordering": self.ordering.state_dict(),
             "order": list(self._order),
             "epoch": self._epoch,
             "group_seq": self._group_seq,
+            "rng_state": [version, list(internal), gauss],
         }
 
     def _restore(self, state: dict[str, Any]) -> None:
+        """Load ``state_dict()``. A policy whose ``type`` changed in the config since the
+        state was saved starts fresh (with a warning) instead of loading foreign state."""
         self.versions.update({p: v for p, v in state["versions"].items() if p in self.versions})
-        self.curator.load_state_dict(state["curator"])
-        self.group_filter.load_state_dict(state["group_filter"])
-        self.ordering.load_state_dict(state["ordering"])
+        saved_types = state.get("policy_types", {})
+        for stage in ("curator", "group_filter", "ordering"):
+            current = getattr(self.cfg, stage).type
+            if saved_types.get(stage, current) != current:
+                log.warning("dataflow.%s changed from %r to %r since the run was saved: it starts fresh",
+                            stage, saved_types[stage], current)
+                continue
+            getattr(self, stage).load_state_dict(state[stage])
         self._order, self._epoch = list(state["order"]), state["epoch"]
         self._group_seq = state["group_seq"]
+        if "rng_state" in state:
+            version, internal, gauss = state["rng_state"]
+            self._rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
 
     def _save(self) -> None:
         if self._state_path is None:
