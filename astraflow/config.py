@@ -68,6 +68,26 @@ class TrainerConfig(_Strict):
     """torch intra-op threads of the trainer process."""
     batch_timeout_s: float = Field(default=600.0, gt=0)
     """How long the trainer waits for one batch before it fails the run."""
+    off_policy: Literal["ppo_clip", "tis", "m2po"] = "ppo_clip"
+    """How the loss corrects for stale (off-policy) tokens, through the per-token ratio
+    ``r = pi_new / pi_behaviour``: ``ppo_clip`` clips ``r`` to ``[1 - clip_low, 1 + clip_high]``
+    (PPO surrogate); ``tis`` weights the policy gradient by ``min(r, is_cap)`` (truncated
+    importance sampling); ``m2po`` masks the tokens with the largest ``(log r)^2`` until their
+    batch mean is at most ``m2_tau`` and uses the unclipped ratio on the rest. The Megatron
+    backend supports ``ppo_clip`` only."""
+    is_cap: float = Field(default=2.0, gt=0)
+    """``off_policy: tis``: the truncation ``C`` of the importance weight ``min(r, C)``."""
+    m2_tau: float = Field(default=0.04, gt=0)
+    """``off_policy: m2po``: bound on the mean ``(log r)^2`` of the tokens kept in the loss."""
+
+    @model_validator(mode="after")
+    def _off_policy_backend(self) -> "TrainerConfig":
+        if self.backend == "megatron" and self.off_policy != "ppo_clip":
+            raise ValueError(
+                f"trainer.off_policy {self.off_policy!r} is implemented by the torch backend only; "
+                "set trainer.backend: torch or trainer.off_policy: ppo_clip"
+            )
+        return self
 
 
 class PolicyConfig(_Strict):

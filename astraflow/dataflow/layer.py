@@ -149,6 +149,8 @@ class DataLayer:
         self.wait_s: dict[str, float] = {p: 0.0 for p in self.policy_names}
         self.last_batch: dict[str, dict[str, Any]] = {p: {} for p in self.policy_names}
         self.sequences_generated = 0
+        #: sequences of training rollouts only (evaluation excluded): the cost of the data
+        self.train_sequences_generated = 0
         self.tokens_generated = 0
         self.finished = False
         self._ingest_seq = 0
@@ -313,6 +315,8 @@ class DataLayer:
             node = self.nodes.setdefault(ref.node, {"leased": 0, "completed": 0, "draining": False})
             node["completed"] += 1
             self.sequences_generated += len(ref.sequences)
+            if ref.kind != "eval":
+                self.train_sequences_generated += len(ref.sequences)
             self.tokens_generated += sum(s.num_tokens for s in ref.sequences)
             task = self.tasks.pop(ref.task_id)
             if ref.kind == "eval":
@@ -520,7 +524,16 @@ class DataLayer:
         return Batch(policy=policy, version=version, items=tuple(items + replays), metrics=metrics)
 
     async def published(self, policy: str, version: int, metrics: dict[str, Any] | None = None) -> None:
-        """The trainer of ``policy`` committed ``version``; record its step metrics."""
+        """The trainer of ``policy`` committed ``version``; record its step metrics.
+
+        The metrics line (one per policy and step) holds the trainer's own metrics, the last
+        batch's (``data_*``: wait, staleness histogram of the batch, replays), and the
+        policy's cumulative dataflow counts: ``accepted`` / ``filtered`` (group filter) /
+        ``stale_dropped`` / ``overflow_dropped`` / ``replayed`` / ``consumed`` sequences,
+        ``curator_skipped`` prompts (the curator runs before rollout, for all policies:
+        counted on the first), ``staleness_hist`` over every consumed sequence,
+        ``trainer_wait_s`` and ``rollouts_per_consumed`` (training sequences generated per
+        sequence consumed: the price of filtering and staleness), with the policy names."""
         self.versions[policy] = max(self.versions[policy], version)
         c = self.counts[policy]
         elapsed = time.time() - self._started
@@ -530,13 +543,20 @@ class DataLayer:
             "time": elapsed,
             **(metrics or {}),
             **{f"data_{k}": v for k, v in self.last_batch[policy].items()},
+            "dataflow": {"curator": self.cfg.curator.type, "group_filter": self.cfg.group_filter.type,
+                         "ordering": self.cfg.ordering.type, "replay_ratio": self.cfg.replay_ratio,
+                         "max_staleness": self.cfg.max_staleness},
             "accepted": c["accepted"],
             "filtered": c["filtered"],
             "stale_dropped": c["stale_dropped"],
+            "overflow_dropped": c["overflow_dropped"],
             "replayed": c["replayed"],
             "consumed": c["consumed"],
+            "curator_skipped": c["curator_skipped"],
+            "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist[policy].items())},
             "sequences_generated": self.sequences_generated,
-            "rollouts_per_consumed": self.sequences_generated / max(c["consumed"], 1),
+            "rollouts_generated": self.train_sequences_generated,
+            "rollouts_per_consumed": self.train_sequences_generated / max(c["consumed"], 1),
             "trajectories_per_s": self.sequences_generated / max(elapsed, 1e-9),
             "tokens_per_s": self.tokens_generated / max(elapsed, 1e-9),
             "trainer_wait_s": self.wait_s[policy],
@@ -564,26 +584,41 @@ class DataLayer:
 
     # ------------------------------------------------------------------ save / restore
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs: the dataflow policies' own state, the trainers'
-        versions and the prompt order. Leases and buffers are not saved: the tasks of an
-        interrupted run end as ``run_ended`` and are rolled out again."""
+        """What a resumed run needs: the dataflow policies' own state (random streams
+        included) with their ``type`` names, the trainers' versions, the prompt order and its
+        shuffling stream. Leases and buffers are not saved: the tasks of an interrupted run
+        end as ``run_ended`` and are rolled out again."""
+        version, internal, gauss = self._rng.getstate()
         return {
             "versions": dict(self.versions),
+            "policy_types": {"curator": self.cfg.curator.type, "group_filter": self.cfg.group_filter.type,
+                             "ordering": self.cfg.ordering.type},
             "curator": self.curator.state_dict(),
             "group_filter": self.group_filter.state_dict(),
             "ordering": self.ordering.state_dict(),
             "order": list(self._order),
             "epoch": self._epoch,
             "group_seq": self._group_seq,
+            "rng_state": [version, list(internal), gauss],
         }
 
     def _restore(self, state: dict[str, Any]) -> None:
+        """Load ``state_dict()``. A policy whose ``type`` changed in the config since the
+        state was saved starts fresh (with a warning) instead of loading foreign state."""
         self.versions.update({p: v for p, v in state["versions"].items() if p in self.versions})
-        self.curator.load_state_dict(state["curator"])
-        self.group_filter.load_state_dict(state["group_filter"])
-        self.ordering.load_state_dict(state["ordering"])
+        saved_types = state.get("policy_types", {})
+        for stage in ("curator", "group_filter", "ordering"):
+            current = getattr(self.cfg, stage).type
+            if saved_types.get(stage, current) != current:
+                log.warning("dataflow.%s changed from %r to %r since the run was saved: it starts fresh",
+                            stage, saved_types[stage], current)
+                continue
+            getattr(self, stage).load_state_dict(state[stage])
         self._order, self._epoch = list(state["order"]), state["epoch"]
         self._group_seq = state["group_seq"]
+        if "rng_state" in state:
+            version, internal, gauss = state["rng_state"]
+            self._rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
 
     def _save(self) -> None:
         if self._state_path is None:

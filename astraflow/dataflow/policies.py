@@ -10,6 +10,11 @@ Stages (each a small protocol; the data layer calls them and nothing else knows 
 Every policy keeps its state in plain JSON-able attributes and implements
 ``state_dict()``/``load_state_dict()`` so a run can save and restore it. A new policy is a new
 class with a ``@CURATORS.register(...)`` (or ``FILTERS`` / ``ORDERINGS``) decorator.
+
+Randomised policies draw from their own ``random.Random`` (``self._rng``, seeded from the run
+seed). Its state is part of ``state_dict()`` (key ``rng_state``), so a restored policy
+*continues* its random stream: a run resumed from a checkpoint makes the same decisions the
+uninterrupted run would have made from that point, given the same observations.
 """
 
 from __future__ import annotations
@@ -31,10 +36,27 @@ class _Stateful:
     """Default state handling: every public attribute is state."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        rng = self.__dict__.get("_rng")
+        if isinstance(rng, random.Random):
+            version, internal, gauss = rng.getstate()
+            state["rng_state"] = [version, list(internal), gauss]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        rng_state = state.pop("rng_state", None)
+        unknown = set(state) - set(self.state_dict())
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: unknown keys {sorted(unknown)}; "
+                "the saved state belongs to another policy (check dataflow.* in the config)"
+            )
         self.__dict__.update(state)
+        if rng_state is not None:
+            version, internal, gauss = rng_state
+            self._rng = random.Random()
+            self._rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
 
 
 class Curator(Protocol):

@@ -7,6 +7,19 @@ ratio against the *behaviour* log-probs the inference engine recorded (so stale 
 partially-rolled-out tokens are corrected per token). No KL term. The loss is token-level: a
 sum over every loss token of the batch divided by the number of loss tokens in the whole batch
 (also when the batch is split into micro-batches: pass ``num_tokens``).
+
+Off-policy correction (``trainer.off_policy``) decides how a token's importance ratio
+``r = exp(new - behaviour)`` enters the loss, i.e. how stale data is accepted:
+
+* ``ppo_clip`` (default): the clipped PPO surrogate above.
+* ``tis``: truncated importance sampling. The policy-gradient term ``A * log pi_new`` is
+  weighted per token by ``min(r, is_cap)``, detached (a weight, not a path for gradients):
+  stale tokens with a large ratio cannot blow up the step, and nothing is clipped to zero.
+* ``m2po``: second-moment masking. The tokens with the largest ``(log r)^2`` are masked out
+  until the mean ``(log r)^2`` of the kept tokens is at most ``m2_tau``; kept tokens use the
+  *unclipped* ratio ``-r * A``. It bounds the drift of the batch as a whole while keeping
+  most tokens (even quite stale ones) in the gradient. The mask is computed over the tokens
+  of one call (a micro-batch when the trainer splits the batch).
 """
 
 from __future__ import annotations
@@ -19,6 +32,30 @@ import torch
 from astraflow.contracts import Batch
 
 
+OFF_POLICY = ("ppo_clip", "tis", "m2po")
+"""Known ``off_policy`` corrections of ``grpo_loss`` (see the module docstring)."""
+
+
+def m2_keep_mask(log_ratio: torch.Tensor, mask: torch.Tensor, tau: float) -> torch.Tensor:
+    """M2PO's token mask: drop the loss tokens with the largest ``(log r)^2`` (fewest needed)
+    so that the mean ``(log r)^2`` of the kept loss tokens is ``<= tau``. Returns a bool mask
+    of the kept tokens (a subset of ``mask``)."""
+    sel = mask.bool()
+    m2 = log_ratio.detach().float() ** 2
+    vals = m2[sel]
+    keep = torch.zeros_like(sel)
+    if vals.numel() == 0:
+        return keep
+    order = torch.argsort(vals)  # ascending: the smallest are kept first
+    prefix_mean = torch.cumsum(vals[order], 0) / torch.arange(1, vals.numel() + 1, dtype=vals.dtype)
+    # prefix means of an ascending sequence never decrease: keep the longest prefix <= tau
+    n_keep = int((prefix_mean <= tau).sum())
+    kept = torch.zeros(vals.numel(), dtype=torch.bool)
+    kept[order[:n_keep]] = True
+    keep[sel] = kept
+    return keep
+
+
 def grpo_loss(
     new_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -27,15 +64,23 @@ def grpo_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     num_tokens: int | float | None = None,
+    *,
+    off_policy: str = "ppo_clip",
+    is_cap: float = 2.0,
+    m2_tau: float = 0.04,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped-ratio GRPO loss.
+    """GRPO loss with the chosen off-policy correction.
 
     ``new_logprobs``/``old_logprobs``/``mask``: ``[B, T]`` (the mask selects loss tokens);
-    ``advantages``: ``[B]`` (one per sequence) or ``[B, T]``. Per token:
-    ``-min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)`` with ``r = exp(new - old)``.
-    Returns ``(loss, stats)``; the loss is the masked sum divided by ``num_tokens`` (default:
-    the number of loss tokens in ``mask``).
+    ``advantages``: ``[B]`` (one per sequence) or ``[B, T]``. With ``r = exp(new - old)``, per
+    token: ``ppo_clip``: ``-min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)``; ``tis``:
+    ``-min(r, is_cap).detach() * A * new``; ``m2po``: ``-r * A`` on the tokens kept by
+    ``m2_keep_mask(log r, mask, m2_tau)``, 0 elsewhere. Returns ``(loss, stats)``; the loss
+    is the masked sum divided by ``num_tokens`` (default: the number of loss tokens in
+    ``mask``; masked-out M2PO tokens still count, so masking shrinks the step).
     """
+    if off_policy not in OFF_POLICY:
+        raise ValueError(f"unknown off_policy {off_policy!r}; known: {', '.join(OFF_POLICY)}")
     mask = mask.to(new_logprobs.dtype)
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
     adv = adv.to(new_logprobs.dtype)
@@ -43,10 +88,18 @@ def grpo_loss(
     ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
+    loss_mask = mask
+    if off_policy == "ppo_clip":
+        per_token = -torch.minimum(unclipped, clipped)
+    elif off_policy == "tis":
+        weight = torch.clamp(ratio, max=is_cap).detach()
+        per_token = -weight * adv * new_logprobs
+    else:  # m2po
+        loss_mask = m2_keep_mask(log_ratio, mask, m2_tau).to(mask.dtype)
+        per_token = -unclipped
     denom = float(num_tokens) if num_tokens is not None else float(mask.sum().item())
     denom = max(denom, 1.0)
-    loss = (per_token * mask).sum() / denom
+    loss = (per_token * loss_mask).sum() / denom
     with torch.no_grad():
         n = mask.sum().clamp(min=1.0)
         stats = {
@@ -55,6 +108,10 @@ def grpo_loss(
             # k3 estimator of KL(behaviour || current), a drift diagnostic only
             "approx_kl": float(((torch.exp(-log_ratio) - 1 + log_ratio) * mask).sum() / n),
         }
+        if off_policy == "tis":
+            stats["is_truncated_frac"] = float(((ratio > is_cap).to(mask.dtype) * mask).sum() / n)
+        if off_policy == "m2po":
+            stats["m2_masked_frac"] = float(((mask - loss_mask) * mask).sum() / n)
     return loss, stats
 
 

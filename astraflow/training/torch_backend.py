@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from astraflow.contracts import Batch
-from astraflow.training.grpo import collate, grpo_loss, token_logprobs
+from astraflow.training.grpo import OFF_POLICY, collate, grpo_loss, token_logprobs
 
 
 class TorchBackend:
@@ -34,6 +34,9 @@ class TorchBackend:
         clip_high: float = 0.28,
         device: str = "cpu",
         seed: int = 0,
+        off_policy: str = "ppo_clip",
+        is_cap: float = 2.0,
+        m2_tau: float = 0.04,
     ) -> None:
         from astraflow.models import load_model
 
@@ -41,6 +44,10 @@ class TorchBackend:
             raise ValueError(f"TorchBackend: lr must be > 0, got {lr}")
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"TorchBackend: micro_batch_size must be >= 1 or None, got {micro_batch_size}")
+        if off_policy not in OFF_POLICY:
+            raise ValueError(f"TorchBackend: unknown off_policy {off_policy!r}; known: {', '.join(OFF_POLICY)}")
+        #: off-policy correction of the loss (``grpo.grpo_loss``) and its parameters
+        self.off_policy, self.is_cap, self.m2_tau = off_policy, is_cap, m2_tau
         torch.manual_seed(seed)
         self.model, self.tokenizer = load_model(model_path)
         self.model.to(device)
@@ -75,12 +82,13 @@ class TorchBackend:
             loss, st = grpo_loss(
                 new, c.old_logprobs[sl, :width].to(self.device), c.advantages[sl].to(self.device), lm,
                 self.clip_low, self.clip_high, num_tokens=total_tokens,
+                off_policy=self.off_policy, is_cap=self.is_cap, m2_tau=self.m2_tau,
             )
             loss.backward()
             loss_sum += loss.item()
             w = float(lm.sum()) / max(total_tokens, 1)
-            for k in agg:
-                agg[k] += st[k] * w
+            for k in st:
+                agg[k] = agg.get(k, 0.0) + st[k] * w
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
         self.steps += 1
