@@ -95,6 +95,8 @@ class _EvalRound:
     rewards: dict[str, list[float]] = field(default_factory=dict)  # prompt -> rewards
     remaining: int = 0
     started: float = field(default_factory=time.time)
+    #: weight versions of the first policy that actually generated the evaluated answers
+    versions_used: list[int] = field(default_factory=list)
 
 
 class DataLayer:
@@ -165,6 +167,8 @@ class DataLayer:
         self._state_path = Path(state_path) if state_path else None
         if self._state_path is not None and self._state_path.exists():
             self._restore(json.loads(self._state_path.read_text()))
+        if workload.eval.every:  # the curve starts where training starts (0, or a resumed version)
+            self._start_eval(min(self.versions.values()))
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -442,6 +446,14 @@ class DataLayer:
     def _lockstep_ok(self, version: int) -> bool:
         return not self.cfg.lockstep or all(v >= version for v in self.versions.values())
 
+    def _initial_eval_done(self) -> bool:
+        """Training waits for the first evaluation round, so that it measures exactly the
+        starting weights (no newer version exists before the first batch is served)."""
+        if not self.eval_rounds:
+            return True
+        first = self.eval_rounds[min(self.eval_rounds)]
+        return first.remaining <= 0
+
     async def next_batch(self, policy: str, version: int, timeout: float = 60.0) -> Batch:
         """A batch of ``batch_size`` sequences for ``policy`` whose trainer is at ``version``.
 
@@ -457,7 +469,8 @@ class DataLayer:
         while True:
             self._expire()
             self._refill()
-            if self._available(policy, version) >= need and self._lockstep_ok(version):
+            if (self._available(policy, version) >= need and self._lockstep_ok(version)
+                    and self._initial_eval_done()):
                 break
             remaining = t0 + timeout - time.time()
             if remaining <= 0:
@@ -656,6 +669,8 @@ class DataLayer:
     def _record_eval(self, task: RolloutTask, ref: TrajectoryRef) -> None:
         rnd = self.eval_rounds[task.min_version]
         rnd.rewards.setdefault(task.group_id, []).append(ref.score)
+        first = self.policy_names[0]
+        rnd.versions_used += [s.policy_tokens[first][1] for s in ref.sequences if first in s.policy_tokens]
         rnd.remaining -= 1
         self.ledger.end(task.task_id, "evaluated")
         self._maybe_finish_eval(task.min_version)
@@ -675,6 +690,10 @@ class DataLayer:
             f"eval_avg@{rnd.k}": avg,
             f"eval_pass@{rnd.k}": pass_k,
             "eval_prompts": len(per_prompt),
+            # an evaluation requested at v runs on v or newer weights (nodes never go back);
+            # the first one gates training, so it always runs on exactly the starting weights
+            "eval_version_min": min(rnd.versions_used, default=version),
+            "eval_version_max": max(rnd.versions_used, default=version),
             "eval_seconds": time.time() - rnd.started,
         }
         self.eval_results.append(result)

@@ -356,9 +356,7 @@ class Orchestrator:
             for w in trainer_ws + [data_w]:
                 w.enter("serving", None)
             self._place_nodes(wait=True)
-            versions = self._wait_all("starting trainers (backend build, v0 publish)", starts)
-        if cfg.workload.eval.every:  # the curve starts where training starts (0, or a resumed version)
-            self.dl.start_eval(min(versions.values())).result(timeout=30)
+            self._wait_all("starting trainers (backend build, v0 publish)", starts)
 
     def _place_nodes(self, wait: bool = False) -> None:
         """Advance every worker one step (place, start, drain, notice losses). With `wait`,
