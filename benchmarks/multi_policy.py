@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--verifier-warm", type=float, default=20.0)
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
-    console = Console()
+    console = Console(width=130)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mp-bench-"))
     workload = WorkloadConfig(name="math", params={"digits": args.digits})
     t0 = time.time()
