@@ -40,6 +40,11 @@ class ModelInit(_Strict):
     competent policy gives RL a non-zero reward signal."""
     warm_start_lr: float = Field(default=1e-3, gt=0)
     """Learning rate of the warm start."""
+    task: Literal["solve", "verify", "select"] = "solve"
+    """Role the warm start teaches: ``solve`` (``"12+34="`` -> ``"46"``), ``verify`` (the
+    ``solver_verifier`` verifier: ``"12+34=46?"`` -> ``Y``/``N``) or ``select`` (the
+    ``solver_selector`` selector: ``"12+34=46|47?"`` -> ``1``/``2``). Pick the one matching
+    the policy's role in the workflow."""
 
 
 # -- training ----------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import random
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
@@ -120,6 +121,9 @@ class DataLayer:
         self.policy_names = list(policies)
         self.max_steps = max_steps
         self.store = open_trajectory_store(store_url, "a")
+        #: the store object is not thread-safe and batches of different policies are read in
+        #: worker threads concurrently (two trainers asking at once): reads take this lock.
+        self._store_lock = threading.Lock()
         self._workload = make_workload(workload.name, workload.params, workload.seed)
         self._train = self._workload.tasks("train")
         self._eval = self._workload.tasks("eval")[: workload.eval.num_prompts]
@@ -184,6 +188,10 @@ class DataLayer:
         ev = self._event()
         ev.set()
         self._ready_event = asyncio.Event()
+
+    def _read_rows(self, refs: list) -> list:
+        with self._store_lock:
+            return self.store.read(refs)
 
     def _write_metrics(self, record: dict[str, Any]) -> None:
         if self._metrics is not None:
@@ -498,7 +506,7 @@ class DataLayer:
                 break
         self.buffers[policy] = [g for g in buf if g.items]
 
-        rows = await asyncio.to_thread(self.store.read, [it.summary.ref for it in chosen])
+        rows = await asyncio.to_thread(self._read_rows, [it.summary.ref for it in chosen])
         items: list[BatchItem] = []
         for it, row in zip(chosen, rows):
             seq = sequence_from_stored(row)

@@ -33,12 +33,14 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
 
             params = dict((workload.params if workload else {}) or {})
             # the warm start draws its own progress bar
-            with progress.waiting(f"supervised warm start for {init.warm_start_seconds:.0f}s", live=False):
+            with progress.waiting(f"supervised warm start ({init.task}) for {init.warm_start_seconds:.0f}s",
+                                  live=False):
                 result = warm_start(
                     tmp / "init", tmp / "final", seconds=init.warm_start_seconds, lr=init.warm_start_lr,
-                    workload=params, seed=init.seed, progress=progress.enabled,
+                    workload=params, seed=init.seed, progress=progress.enabled, task=init.task,
                 )
-            progress.note(f"warm start: {result['steps']} steps, held-out accuracy {result['acc']:.3f}")
+            progress.note(f"warm start ({init.task}): {result['steps']} steps, "
+                          f"held-out accuracy {result['acc']:.3f}")
             shutil.rmtree(tmp / "init")
             (tmp / "final").rename(tmp / "init")
         if out.exists():

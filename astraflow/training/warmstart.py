@@ -7,6 +7,16 @@ partly competent policy, the regime where RL's gain is visible and measurable.
 
 Loss: next-token cross-entropy on the answer and the end-of-turn token only (the prompt
 carries no loss); the prompt format is the workload's (``format_prompt``).
+
+``task`` picks the role being warmed up, for multi-policy runs whose second policy should
+also start partly competent (the prompts are exactly the workflows', from
+``astraflow.workloads.prompts``):
+
+* ``"solve"``: ``"12+34="`` -> ``"46"`` (the default);
+* ``"verify"``: ``verify_prompt(q, candidate)`` (``"12+34=46?"``) -> ``"Y"`` / ``"N"``; the
+  candidate is the right answer half of the time, else off by a small amount (1..3);
+* ``"select"``: ``select_prompt(q, a1, a2)`` (``"12+34=46|47?"``) -> ``"1"`` / ``"2"``;
+  exactly one candidate is right, at a random position.
 """
 
 from __future__ import annotations
@@ -20,13 +30,51 @@ import torch
 
 from astraflow.models import greedy_complete, load_model
 from astraflow.workloads.math import MathConfig, accuracy, format_prompt, format_target, make_dataset
+from astraflow.workloads.prompts import select_prompt, verify_prompt
+
+#: roles a warm start can teach (see the module docstring).
+TASKS = ("solve", "verify", "select")
+
+
+def _near_miss(answer: str, rng: random.Random) -> str:
+    """A wrong answer close to ``answer`` (off by 1..3; kept non-negative when possible)."""
+    a = int(answer)
+    d = rng.randint(1, 3) * rng.choice((-1, 1))
+    if a + d < 0 <= a:
+        d = -d
+    return str(a + d)
+
+
+def task_examples(task: str, items: list[Mapping[str, Any]], rng: random.Random) -> list[tuple[str, str]]:
+    """``(prompt, target)`` pairs of ``task`` built from math problems (one pair per item)."""
+    if task not in TASKS:
+        raise ValueError(f"warm start: unknown task {task!r}; known tasks: {list(TASKS)}")
+    out = []
+    for it in items:
+        q = format_prompt(it)
+        if task == "solve":
+            out.append((q, format_target(it)))
+        elif task == "verify":
+            right = rng.random() < 0.5
+            cand = str(it["answer"]) if right else _near_miss(str(it["answer"]), rng)
+            out.append((verify_prompt(q, cand), "Y" if right else "N"))
+        else:
+            first_right = rng.random() < 0.5
+            good, bad = str(it["answer"]), _near_miss(str(it["answer"]), rng)
+            a1, a2 = (good, bad) if first_right else (bad, good)
+            out.append((select_prompt(q, a1, a2), "1" if first_right else "2"))
+    return out
 
 
 def _encode(tok, items: list[Mapping[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _encode_pairs(tok, [(format_prompt(it), format_target(it)) for it in items])
+
+
+def _encode_pairs(tok, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     seqs, masks = [], []
-    for it in items:
-        p = tok(format_prompt(it))["input_ids"]
-        a = tok(format_target(it))["input_ids"] + [tok.eos_token_id]
+    for prompt, target in pairs:
+        p = tok(prompt)["input_ids"]
+        a = tok(target)["input_ids"] + [tok.eos_token_id]
         seqs.append(p + a)
         masks.append([0] * len(p) + [1] * len(a))
     T = max(len(s) for s in seqs)
@@ -45,6 +93,19 @@ def evaluate(model, tok, items: list[Mapping[str, Any]], max_new_tokens: int = 8
     return accuracy(greedy_complete(model, tok, [format_prompt(i) for i in items], max_new_tokens), items)
 
 
+def evaluate_task(model, tok, task: str, items: list[Mapping[str, Any]], seed: int = 0) -> float:
+    """Held-out greedy accuracy on ``task``: for ``solve`` exact match of the answer, for
+    ``verify``/``select`` whether the completion starts with the target letter/digit (the
+    candidates are drawn from a fixed ``seed``, so repeated calls see the same examples)."""
+    if task == "solve":
+        return evaluate(model, tok, items)
+    pairs = task_examples(task, items, random.Random(f"eval:{seed}"))
+    outs = greedy_complete(model, tok, [p for p, _ in pairs], 2)
+    if not pairs:
+        return 0.0
+    return sum(o.strip().upper().startswith(t) for o, (_, t) in zip(outs, pairs)) / len(pairs)
+
+
 def warm_start(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -60,9 +121,13 @@ def warm_start(
     warmup_steps: int = 20,
     seed: int = 0,
     progress: bool = True,
+    task: str = "solve",
     on_eval: Callable[[dict[str, float]], None] | None = None,
 ) -> dict[str, Any]:
     """SFT ``model_dir`` on the math train split and save the result to ``out_dir`` (HF dir).
+
+    ``task`` is the role taught (``TASKS``: ``solve``, ``verify``, ``select``; see the module
+    docstring); accuracy is then that role's (``evaluate_task``).
 
     Stops at the first of: ``steps`` optimiser steps, ``seconds`` of wall time, held-out greedy
     accuracy >= ``target_acc``. Held-out greedy accuracy is measured every ``eval_every`` steps
@@ -73,6 +138,8 @@ def warm_start(
         raise ValueError("warm_start needs a stopping rule: steps=, seconds= or target_acc=")
     if batch_size < 1 or lr <= 0:
         raise ValueError(f"warm_start: batch_size must be >= 1 and lr > 0 (got {batch_size}, {lr})")
+    if task not in TASKS:
+        raise ValueError(f"warm_start: unknown task {task!r}; known tasks: {list(TASKS)}")
     cfg = MathConfig.from_any(workload)
     train = make_dataset(cfg, "train")
     test = make_dataset(cfg, "test")[:eval_size]
@@ -87,7 +154,7 @@ def warm_start(
     step, loss_v, acc = 0, float("nan"), float("nan")
 
     def do_eval() -> float:
-        a = evaluate(model, tok, test)
+        a = evaluate_task(model, tok, task, test, seed)
         rec = {"step": step, "seconds": time.perf_counter() - t0, "loss": loss_v, "acc": a}
         history.append(rec)
         if on_eval is not None:
@@ -96,19 +163,19 @@ def warm_start(
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    columns = [TextColumn("warm start"), BarColumn(), TextColumn("step {task.completed:.0f}"),
+    columns = [TextColumn(f"warm start ({task})"), BarColumn(), TextColumn("step {task.completed:.0f}"),
                TextColumn("loss {task.fields[loss]:.3f} acc {task.fields[acc]:.2f}"),
                TimeElapsedColumn()]
     total = steps if steps is not None else None
     with Progress(*columns, disable=not progress, transient=False) as bar:
-        task = bar.add_task("sft", total=total, loss=float("nan"), acc=float("nan"))
+        bar_task = bar.add_task("sft", total=total, loss=float("nan"), acc=float("nan"))
         while True:
             if steps is not None and step >= steps:
                 break
             if seconds is not None and time.perf_counter() - t0 >= seconds:
                 break
             items = [train[rng.randrange(len(train))] for _ in range(batch_size)]
-            ids, att, lm = _encode(tok, items)
+            ids, att, lm = _encode_pairs(tok, task_examples(task, items, rng))
             logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
             tgt = ids[:, 1:]
             m = lm[:, 1:]
@@ -123,9 +190,9 @@ def warm_start(
             if eval_every and step % eval_every == 0:
                 acc = do_eval()
                 if target_acc is not None and acc >= target_acc:
-                    bar.update(task, completed=step, loss=loss_v, acc=acc)
+                    bar.update(bar_task, completed=step, loss=loss_v, acc=acc)
                     break
-            bar.update(task, completed=step, loss=loss_v, acc=acc)
+            bar.update(bar_task, completed=step, loss=loss_v, acc=acc)
     if not history or history[-1]["step"] != step:
         acc = do_eval()
     model.eval()

@@ -13,6 +13,7 @@ import numpy as np
 from astraflow.contracts import NOT_GENERATED, Provenance, RolloutTask, Sequence, Trajectory
 from astraflow.rollout.engine import Generation, InferenceEngine, SamplingParams
 from astraflow.workloads.base import WORKFLOWS, Workload
+from astraflow.workloads.prompts import parse_verdict, select_prompt, verify_prompt  # noqa: F401  (re-exported)
 
 
 def sampling_for(task: RolloutTask, default: SamplingParams) -> SamplingParams:
@@ -75,22 +76,6 @@ class SingleTurn(_Base):
 
 def _gen_text(engine: InferenceEngine, gen: Generation) -> str:
     return engine.tokenizer.decode(gen.tokens, skip_special_tokens=True)
-
-
-def verify_prompt(question_prompt: str, answer_text: str) -> str:
-    """What the verifier sees: the solver's prompt and answer, then ``?`` (it answers Y/N)."""
-    return f"{question_prompt}{answer_text.strip()}?"
-
-
-def parse_verdict(text: str) -> bool | None:
-    """``True`` for an accepting verdict (first letter Y), ``False`` for N, else ``None``."""
-    t = text.strip().upper()
-    return True if t.startswith("Y") else False if t.startswith("N") else None
-
-
-def select_prompt(question_prompt: str, first: str, second: str) -> str:
-    """What the selector sees: the two candidate answers; it answers 1 or 2."""
-    return f"{question_prompt}{first.strip()}|{second.strip()}?"
 
 
 @WORKFLOWS.register("solver_verifier")

@@ -1,0 +1,174 @@
+"""Multi-policy collaborative training against the trainer-centred baseline, side by side.
+
+Same machine, same models, same task (2-digit addition), same number of trainer steps:
+
+(a) solver only (``single_turn``, asynchronous);
+(b) solver + verifier, ``run.mode: sync`` (one driver loop: roll out a full batch for every
+    policy, train each policy in turn, push weights, repeat);
+(c) solver + verifier, AstraFlow's asynchronous mode (each policy advances on its own, bounded
+    by ``max_staleness``).
+
+Per-iteration time: (b) the median ``iteration_s`` of ``summary.json``; (a) and (c) the wall
+time of the steady-state training phase (from the first step line of version max_steps/2 to
+the last step line in ``metrics.jsonl``, over all policies) divided by the steps in it: the
+first steps of an asynchronous run consume batches rolled out ahead during start-up and would
+flatter it. The table also shows the all-steps figures (first to last step line; for (b) the
+mean ``iteration_s``) and RESULT carries their ratio as ``speedup_all_steps``. Held-out accuracy: one greedy evaluation at the end
+(``eval.every = max_steps``; the data layer also evaluates v0 before training), counting the
+episode ``score`` = final-answer correctness. The ideal overlap speedup is computed from (b)'s
+measured rollout R, training T and sync/idle S: median over iterations of
+``(R + T + S) / max(R, T)``; ``fraction_of_ideal`` is (b)/(c) divided by it.
+
+The models are built once (tiny preset, short supervised warm starts via ``build_model``: the
+verifier on its own role, ``task: verify``) and copied read-only into every run.
+
+    python benchmarks/multi_policy.py [--steps 16] [--batch 64] [--solver-warm 45] [--verifier-warm 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from astraflow.config import ModelInit, WorkloadConfig, config_from_dict  # noqa: E402
+from astraflow.runtime.launch import build_model, launch  # noqa: E402
+
+
+def make_config(args, workdir: Path, models: dict[str, Path], mode: str, two: bool) -> dict:
+    policies = [{"name": "solver", "model": str(models["solver"]), "trainer": {"lr": args.lr, "threads": 1}}]
+    if two:
+        policies.append({"name": "verifier", "model": str(models["verifier"]), "trainer": {"lr": args.lr, "threads": 1}})
+    return {
+        "run": {"name": f"mp-{mode}-{len(policies)}", "max_steps": args.steps, "mode": mode, "timeout_s": 600,
+                "seed": 0},
+        "policies": policies,
+        "workload": {"name": "math", "workflow": "solver_verifier" if two else "single_turn",
+                     "params": {"digits": args.digits, "num_test": args.eval_prompts},
+                     "group_size": args.group, "sampling": {"temperature": 1.0, "max_new_tokens": 5},
+                     "eval": {"every": args.steps, "num_prompts": args.eval_prompts}},
+        "dataflow": {"batch_size": args.batch, "max_staleness": 2, "prefetch_groups": args.batch // args.group},
+        "rollout": {"capacity": args.batch, "engine": {"max_batch": args.batch}},
+        "partitions": [
+            {"name": "data", "scheduler": "local", "role": "data", "nodes": 1},
+            # one trainer process per policy, so that two trainers can step at the same time
+            {"name": "trainer", "scheduler": "local", "role": "trainer", "nodes": len(policies)},
+            {"name": "rollout", "scheduler": "local", "role": "rollout", "nodes": 2},
+        ],
+        "cluster": {"dashboard_port": 0},
+    }
+
+
+def step_span(lines: list[dict], from_step: int = 1) -> tuple[float, int]:
+    """Seconds from the first trainer-step line of version ``from_step`` (any policy) to the last
+    step line (all policies), and the number of step intervals in between."""
+    steps = [x for x in lines if "loss" in x]
+    last = max(x["step"] for x in steps)
+    start = min(x["time"] for x in steps if x["step"] == from_step)
+    end = max(x["time"] for x in steps)
+    return end - start, last - from_step
+
+
+def run_one(label: str, cfg_dict: dict, run_dir: Path, console: Console) -> dict:
+    cfg = config_from_dict(cfg_dict)
+    t0 = time.time()
+    result = launch(cfg, run_dir, quiet=True)
+    wall = time.time() - t0
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    evals = [x for x in lines if "eval_accuracy" in x]
+    final = max(evals, key=lambda x: x["step"])
+    span, n = step_span(lines)
+    # steady state: the second half of the steps, after the batches rolled out ahead during
+    # start-up (at most max_staleness + prefetch) are used up
+    half = max(1, cfg.run.max_steps // 2)
+    span2, n2 = step_span(lines, half)
+    out = {"label": label, "wall_s": wall, "steps": result.steps, "acc": final["eval_accuracy"],
+           "acc_v0": min(evals, key=lambda x: x["step"])["eval_accuracy"], "eval_step": final["step"],
+           "span_s": span, "span_steps": n, "per_iter_all_s": span / max(n, 1),
+           "per_iter_s": span2 / max(n2, 1),
+           "iterations": summary.get("iterations", [])}
+    if out["iterations"]:
+        its = out["iterations"]
+        out["per_iter_s"] = statistics.median(it["iteration_s"] for it in its)
+        out["per_iter_all_s"] = statistics.mean(it["iteration_s"] for it in its)
+        out["R"] = statistics.median(it["rollout_s"] for it in its)
+        out["T"] = statistics.median(it["train_s"] for it in its)
+        out["S"] = statistics.median(it["sync_s"] for it in its)
+        out["ideal"] = statistics.median(
+            (it["rollout_s"] + it["train_s"] + it["sync_s"]) / max(it["rollout_s"], it["train_s"]) for it in its)
+    console.print(f"[bold]{label}[/]: {wall:.0f}s wall, {out['per_iter_s']:.2f}s/iteration, "
+                  f"held-out accuracy {out['acc_v0']:.3f} (v0) -> {out['acc']:.3f} (v{out['eval_step']})")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--digits", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--eval-prompts", type=int, default=200)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--solver-warm", type=float, default=60.0)
+    ap.add_argument("--verifier-warm", type=float, default=20.0)
+    ap.add_argument("--workdir", type=Path, default=None)
+    args = ap.parse_args()
+    console = Console(width=130)
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="mp-bench-"))
+    workload = WorkloadConfig(name="math", params={"digits": args.digits})
+    t0 = time.time()
+    models = {
+        "solver": build_model(work / "models" / "solver",
+                              ModelInit(preset=args.preset, warm_start_seconds=args.solver_warm,
+                                        warm_start_lr=3e-3, seed=0, task="solve"), workload),
+        "verifier": build_model(work / "models" / "verifier",
+                                ModelInit(preset=args.preset, warm_start_seconds=args.verifier_warm,
+                                          warm_start_lr=3e-3, seed=1, task="verify"), workload),
+    }
+    console.print(f"models built in {time.time() - t0:.0f}s under {work / 'models'}")
+    a = run_one("(a) solver only", make_config(args, work, models, "async", False), work / "a", console)
+    b = run_one("(b) solver+verifier sync", make_config(args, work, models, "sync", True), work / "b", console)
+    c = run_one("(c) solver+verifier async", make_config(args, work, models, "async", True), work / "c", console)
+
+    speedup = b["per_iter_s"] / c["per_iter_s"]
+    ideal = b["ideal"]
+    table = Table(title=f"multi-policy, {args.steps} steps x {args.batch} seqs, {args.preset} models, "
+                        f"{args.digits}-digit addition")
+    for col in ("run", "s / iteration", "s / it (all)", "R", "T", "S", "acc v0", f"acc v{args.steps}", "wall s"):
+        table.add_column(col, justify="right")
+    for r in (a, b, c):
+        table.add_row(r["label"], f"{r['per_iter_s']:.2f}", f"{r['per_iter_all_s']:.2f}",
+                      *(f"{r[k]:.2f}" if k in r else "-" for k in ("R", "T", "S")),
+                      f"{r['acc_v0']:.3f}", f"{r['acc']:.3f}", f"{r['wall_s']:.0f}")
+    console.print(table)
+    console.print(f"speedup (b)/(c) {speedup:.2f}x; ideal overlap speedup from (b) {ideal:.2f}x; "
+                  f"fraction of ideal {speedup / ideal:.2f}")
+    res = {"speedup": round(speedup, 3), "ideal_speedup": round(ideal, 3),
+           "fraction_of_ideal": round(speedup / ideal, 3),
+           "acc_solver_only": a["acc"], "acc_sync": b["acc"], "acc_async": c["acc"],
+           "s_per_iter": {"solver_only": round(a["per_iter_s"], 3), "sync": round(b["per_iter_s"], 3),
+                          "async": round(c["per_iter_s"], 3)},
+           "speedup_all_steps": round(b["per_iter_all_s"] / c["per_iter_all_s"], 3),
+           "sync_R_T_S": [round(b["R"], 3), round(b["T"], 3), round(b["S"], 3)],
+           "steps": args.steps, "batch": args.batch, "preset": args.preset, "digits": args.digits}
+    print("RESULT " + json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
