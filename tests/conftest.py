@@ -39,3 +39,21 @@ def tiny_config(model: Path, **overrides):
     for key, value in overrides.items():
         _set_path(data, key.replace("__", "."), value)
     return config_from_dict(data)
+
+
+def run_in_thread(orchestrator):
+    """Run ``orchestrator.run()`` in a daemon thread; returns ``(thread, box)`` where ``box``
+    receives ``result`` or the ``error`` the run raised (re-raised by the test that joins)."""
+    import threading
+
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = orchestrator.run()
+        except BaseException as err:  # handed to the test thread
+            box["error"] = err
+
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    return th, box

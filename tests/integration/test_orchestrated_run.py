@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -16,21 +15,7 @@ from astraflow.runtime.orchestrator import Orchestrator
 from storage.trajectories import open_trajectory_store
 from storage.weights import WeightStore
 
-from tests.conftest import tiny_config
-
-
-def _run_in_thread(orch):
-    box = {}
-
-    def target():
-        try:
-            box["result"] = orch.run()
-        except BaseException as err:  # handed to the test thread
-            box["error"] = err
-
-    th = threading.Thread(target=target, daemon=True)
-    th.start()
-    return th, box
+from tests.conftest import run_in_thread, tiny_config
 
 
 def _status(run_dir):
@@ -70,7 +55,7 @@ def test_killed_rollout_worker_loses_no_task_and_is_replaced(tiny_model, tmp_pat
                                      "workload.eval.every": 0})
     run_dir = tmp_path / "run"
     orch = Orchestrator(cfg, run_dir)
-    th, box = _run_in_thread(orch)
+    th, box = run_in_thread(orch)
     victim = None
     deadline = time.time() + 180
     while time.time() < deadline and victim is None:

@@ -20,7 +20,7 @@ from astraflow.cli import main
 from astraflow.runtime.monitoring import MetricsReader, MetricsView, StatusView, build_status_view, read_metrics
 from astraflow.runtime.orchestrator import Orchestrator
 
-from tests.conftest import tiny_config
+from tests.conftest import run_in_thread, tiny_config
 
 MAX_STEPS = 10
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -73,17 +73,7 @@ class LiveRun:
 def live_run(tiny_model, tmp_path_factory):
     cfg = tiny_config(tiny_model, **{"run.max_steps": MAX_STEPS, "workload.eval.every": 5})
     run_dir = tmp_path_factory.mktemp("monitoring") / "run"
-    orch = Orchestrator(cfg, run_dir)
-    box: dict = {}
-
-    def target():
-        try:
-            box["result"] = orch.run()
-        except BaseException as err:  # handed to the test thread
-            box["error"] = err
-
-    th = threading.Thread(target=target, daemon=True)
-    th.start()
+    th, box = run_in_thread(Orchestrator(cfg, run_dir))
     run = LiveRun(run_dir, th, box)
     yield run
     th.join(240)
