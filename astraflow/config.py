@@ -40,6 +40,10 @@ class ModelInit(_Strict):
     competent policy gives RL a non-zero reward signal."""
     warm_start_lr: float = Field(default=1e-3, gt=0)
     """Learning rate of the warm start."""
+    warm_start_target: float | None = Field(default=None, gt=0, le=1)
+    """Stop the warm start as soon as held-out accuracy reaches this (checked every 25 steps;
+    ``warm_start_seconds`` stays the upper bound). Makes RL start from the same competence
+    on fast and slow machines. ``None``: run for ``warm_start_seconds``."""
     task: Literal["solve", "verify", "select"] = "solve"
     """Role the warm start teaches: ``solve`` (``"12+34="`` -> ``"46"``), ``verify`` (the
     ``solver_verifier`` verifier: ``"12+34=46?"`` -> ``Y``/``N``) or ``select`` (the

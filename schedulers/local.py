@@ -19,6 +19,7 @@ from pathlib import Path
 
 from schedulers.base import JobRef, JobStatus, UnknownJobError
 from schedulers.command import partition_worker_command, worker_env
+from schedulers.procs import die_with_parent
 from schedulers.partition import Partition, worker_name
 
 
@@ -87,6 +88,7 @@ class LocalScheduler:
                     stderr=subprocess.STDOUT,
                     env={**os.environ, **worker_env(partition, name)},
                     start_new_session=True,  # own process group: cancel reaches the worker's children too
+                    preexec_fn=die_with_parent,  # no orphaned worker if this process dies
                 )
             job_id = f"local-{popen.pid}"
             self._procs[job_id] = _Proc(popen, partition.name, name, log)

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from schedulers.procs import die_with_parent
 from storage.paths import RunPaths
 
 
@@ -38,7 +39,7 @@ class SchedulerProcess:
             "--preload", "astraflow.runtime.dashboard",
         ]
         self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
             env=worker_env({"ASTRAFLOW_RUN_DIR": str(self.paths.root.resolve())}),  # for the AstraFlow page
         )
         deadline = time.time() + timeout

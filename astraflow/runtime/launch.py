@@ -38,6 +38,8 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
                 result = warm_start(
                     tmp / "init", tmp / "final", seconds=init.warm_start_seconds, lr=init.warm_start_lr,
                     workload=params, seed=init.seed, progress=progress.enabled, task=init.task,
+                    target_acc=init.warm_start_target,
+                    eval_every=25 if init.warm_start_target is not None else 50,
                 )
             progress.note(f"warm start ({init.task}): {result['steps']} steps, "
                           f"held-out accuracy {result['acc']:.3f}")
@@ -70,6 +72,9 @@ def _sigterm_stops_cleanly() -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)
+    # a run started in the background by a non-interactive shell inherits SIGINT ignored;
+    # `kill -INT` (and Ctrl-C) must still stop it cleanly
+    signal.signal(signal.SIGINT, handler)
 
 
 def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
