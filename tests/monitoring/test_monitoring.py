@@ -134,15 +134,23 @@ def test_page_shows_live_values_in_a_browser(live_run, tmp_path):
                 break
             time.sleep(0.1)
         assert len(set(seen)) >= 2 and seen == sorted(seen), f"trainer step on the page did not advance: {seen}"
-        # the run's nodes, their weight versions, the ledger and the charts are on the page
-        text = driver.find_element("tag name", "body").text
+        # the run's nodes, their weight versions, the ledger and the charts are on the page.
+        # The page re-renders every 300 ms: read through JavaScript, which runs between
+        # renders, instead of holding element references that a re-render makes stale.
+        def js_text(selector: str) -> str:
+            return driver.execute_script(
+                "const e = document.querySelector(arguments[0]); return e ? e.textContent : '';", selector)
+
+        def js_count(selector: str) -> int:
+            return driver.execute_script("return document.querySelectorAll(arguments[0]).length;", selector)
+
+        text = js_text("body")
         for name in ("rollout-rollout-local-cpu-0", "rollout-rollout-local-cpu-1", "data-data-local-cpu-0"):
             assert name in text
-        assert "solver:v" in driver.find_element("id", "node-rollout-rollout-local-cpu-0-versions").text
-        created = driver.find_element("css selector", '#ledger-totals td[data-key="created"]').text
-        assert int(created) > 0
-        assert driver.find_elements("css selector", "#chart-solver-reward svg polyline")
-        assert driver.find_elements("css selector", "#chart-solver-staleness svg rect")
+        assert "solver:v" in js_text("#node-rollout-rollout-local-cpu-0-versions")
+        assert int(js_text('#ledger-totals td[data-key="created"]')) > 0
+        assert js_count("#chart-solver-reward svg polyline") > 0
+        assert js_count("#chart-solver-staleness svg rect") > 0
         # script errors fail the test (503s before the first status snapshot are expected)
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and e["source"] != "network"]
         assert not errors, errors

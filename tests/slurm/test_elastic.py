@@ -7,10 +7,10 @@ trajectories, a bad one is refused without harming the run, the first is removed
 one worker job is cancelled from outside with `scancel`, and the run still finishes its steps
 with every task ended exactly once.
 
-Pacing: a node finishes at most `rollout.capacity` episodes per `rollout.flush_seconds`, so a
-trainer step needs at least batch_size / (capacity / flush_seconds) seconds per node whatever
-the CPU speed; `max_steps` is chosen so the run cannot end before the last action (the test
-checks that, and says so if it ever fails). The added partition has two nodes, so cancelling
+Pacing: every episode takes at least 0.5 s (a test-only workflow, `slow_workflow.py`) and a
+node runs `rollout.capacity` (4) at once, so a trainer step (16 sequences) takes about 2 s per
+serving node whatever the CPU speed; `max_steps` is chosen so the run cannot end before the
+last action (the test checks that, and says so if it ever fails). The added partition has two nodes, so cancelling
 one leaves the run a serving node while the replacement loads.
 """
 
@@ -31,7 +31,7 @@ from schedulers.slurm import SlurmScheduler, run_slurm
 from storage.trajectories import open_trajectory_store
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_STEPS = 32
+MAX_STEPS = 80
 
 
 def _status(run_dir: Path) -> dict | None:
@@ -61,6 +61,9 @@ def _config(tmp_path: Path, model: Path) -> Path:
     data["policies"][0].pop("init", None)
     data["run"].update(max_steps=MAX_STEPS, timeout_s=500)
     data["workload"]["eval"]["every"] = 0
+    # paced: 4 episodes in flight per node, 0.5 s each -> ~0.5 step (16 sequences) per second
+    # per node, whatever the machine (see slow_workflow.py)
+    data["workload"]["workflow"] = "tests.slurm.slow_workflow:slow_single_turn_test"
     data["dataflow"].update(lease_seconds=15, prefetch_groups=2)
     data["rollout"].update(capacity=4, flush_seconds=0.5)
     data["cluster"].update(placement_timeout_s=180, worker_start_timeout_s=180, drain_timeout_s=30)
