@@ -195,7 +195,7 @@ class RaaSNode:
                 ep = asyncio.create_task(self._episode(task, done))
                 episodes.add(ep)
                 ep.add_done_callback(episodes.discard)
-            t0 = time.time()
+            t0, was_idle = time.time(), not self.inflight
             if not tasks and free > 0:
                 await asyncio.sleep(0.05)  # the data layer had nothing: ask again shortly
             else:  # wait until an episode frees a slot (or the heartbeat is due)
@@ -204,7 +204,7 @@ class RaaSNode:
                     await asyncio.wait_for(self._slot_free.wait(), timeout=1.0)
                 except asyncio.TimeoutError:
                     pass
-            if not self.inflight:
+            if was_idle:  # nothing was generating during this wait
                 self.counters["idle_s"] += time.time() - t0
             if self.draining and not self.inflight and done.empty() and not self.writing:
                 break
