@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -113,7 +114,8 @@ def main() -> None:
     from astraflow.models import init_model
     from astraflow.workloads.base import make_workload
 
-    work = Path(tempfile.mkdtemp(prefix="rollout-overhead-", dir=ROOT / "benchmarks"))
+    (ROOT / "benchmarks" / "out").mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="rollout-overhead-", dir=ROOT / "benchmarks" / "out"))
     model_dir = init_model(work / "model", preset=args.preset, seed=args.seed)
     wl = make_workload("math", {"digits": args.digits}, 0)
     from transformers import AutoTokenizer
@@ -143,6 +145,7 @@ def main() -> None:
     print(f"per-trajectory system overhead: lease {1000 * c['lease_s'] / max(c['episodes'], 1):.2f} ms, "
           f"store write+index {1000 * c['write_s'] / max(c['episodes'], 1):.2f} ms, "
           f"idle {c['idle_s']:.1f}s; wall of the RaaS run incl. start-up {time.perf_counter() - t0:.1f}s")
+    shutil.rmtree(work, ignore_errors=True)
     print("RESULT " + json.dumps({
         "ratio_vs_bare_engine": round(raas_tps / bare_tps, 3),
         "bare_tokens_per_s": round(bare_tps, 1),
