@@ -72,3 +72,32 @@ def test_unknown_job_and_bad_input(tmp_path):
     with pytest.raises(ValueError, match="scheduler file"):
         sched.submit(_part(), "127.0.0.1:8786", 1)
     assert sched.jobs() == []
+
+
+def test_worker_dies_with_the_process_that_started_it(tmp_path):
+    """An orchestrator killed outright (SIGKILL, a test timeout) leaves no orphaned worker."""
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import os, sys\n"
+        "from schedulers.local import LocalScheduler\n"
+        "from schedulers.partition import Partition\n"
+        f"s = LocalScheduler({str(tmp_path)!r}, death_timeout=600)\n"
+        "ref = s.submit(Partition(name='p', role='rollout'), 'tcp://127.0.0.1:9', 1)[0]\n"
+        "print(ref.job_id.split('-')[1], flush=True)\n"
+        "os._exit(0)  # no cleanup: as if killed\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout.strip())
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, 9)  # stop what the test started before failing
+    raise AssertionError(f"worker {pid} outlived the process that started it")
