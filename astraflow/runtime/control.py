@@ -112,14 +112,6 @@ def read_desired_file(paths: RunPaths) -> tuple[dict[str, Partition], dict[str, 
     return parts, dict(data.get("removals", {}))
 
 
-def read_desired(paths: RunPaths) -> dict[str, Partition]:
-    return read_desired_file(paths)[0]
-
-
-def desired_removal_mode(paths: RunPaths, name: str) -> str:
-    return read_desired_file(paths)[1].get(name, "drain")
-
-
 @contextlib.contextmanager
 def desired_lock(paths: RunPaths, timeout: float = 10.0) -> Iterator[None]:
     """Exclusive lock for a read-modify-write of the desired file (deadline: `timeout`)."""

@@ -49,9 +49,7 @@ from astraflow.config import RunConfig, dump_config
 from astraflow.dataflow.layer import DataLayer
 from astraflow.rollout.node import NodeIdentity, RaaSNode
 from astraflow.runtime.cluster import SchedulerProcess, repo_root
-from astraflow.runtime.control import (  # noqa: F401  (re-exported: the desired file used to live here)
-    desired_removal_mode,
-    read_desired,
+from astraflow.runtime.control import (
     read_desired_file,
     write_desired,
     write_json_atomic,
