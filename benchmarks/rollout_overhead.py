@@ -56,6 +56,7 @@ def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_new: int,
 def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int, capacity: int,
          max_new: int, digits: int, seed: int) -> dict:
     from distributed import Client, LocalCluster
+    from astraflow.runtime.cluster import connected_workers
 
     from astraflow.config import DataflowConfig, EngineConfig, EvalConfig, RolloutConfig, SamplingConfig, WorkloadConfig
     from astraflow.dataflow.layer import DataLayer
@@ -66,7 +67,7 @@ def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int
     WeightStore(weights)  # an empty store: the node serves the model directory as version 0
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
                       host="127.0.0.1") as cluster, Client(cluster) as client:
-        addrs = sorted(client.scheduler_info()["workers"])
+        addrs = sorted(connected_workers(client))
         wl = WorkloadConfig(name="math", params={"digits": digits}, group_size=group_size,
                             sampling=SamplingConfig(max_new_tokens=max_new), eval=EvalConfig(every=0))
         dl = client.submit(

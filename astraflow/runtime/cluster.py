@@ -82,3 +82,13 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.update(extra or {})
     return env
+
+
+def connected_workers(client) -> dict[str, dict]:
+    """``{address: info}`` of every worker connected to the scheduler now, from a fresh query.
+
+    Not ``Client.scheduler_info()``: that returns the client's cached identity, which a
+    background refresh (every ``distributed.client.scheduler-info-interval``) overwrites with a
+    copy that lists *no* workers; read in between, every worker looks gone (seen as a run failing
+    with "worker left the Dask scheduler" on a loaded 2-core machine)."""
+    return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])

@@ -48,7 +48,7 @@ from distributed import Client
 from astraflow.config import RunConfig, dump_config
 from astraflow.dataflow.layer import DataLayer
 from astraflow.rollout.node import NodeIdentity, RaaSNode
-from astraflow.runtime.cluster import SchedulerProcess, repo_root
+from astraflow.runtime.cluster import SchedulerProcess, connected_workers, repo_root
 from astraflow.runtime.control import (
     read_desired_file,
     write_desired,
@@ -297,7 +297,7 @@ class Orchestrator:
             time.sleep(0.2)
 
     def _joined(self) -> dict[str, str]:
-        info = self.client.scheduler_info(n_workers=-1)["workers"]  # type: ignore[union-attr]
+        info = connected_workers(self.client)
         return {w["name"]: addr for addr, w in info.items()}
 
     def _submit_actor(self, cls, worker: str, **kwargs):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from astraflow.runtime.cluster import connected_workers
+
 
 def start_dask_scheduler(tmp: Path, deadline_s: float = 30.0) -> tuple[subprocess.Popen, str, Path]:
     """Start `dask scheduler` on loopback; return (process, tcp address, scheduler file)."""
@@ -42,7 +44,7 @@ def wait_for_workers(client, names: set[str], present: bool, deadline_s: float) 
     """Poll the scheduler until all `names` are (or none is) connected; return the connected names."""
     deadline = time.monotonic() + deadline_s
     while True:
-        connected = {w["name"] for w in client.scheduler_info(n_workers=-1)["workers"].values()}
+        connected = {w["name"] for w in connected_workers(client).values()}
         if (names <= connected) if present else not (names & connected):
             return connected
         if time.monotonic() > deadline:

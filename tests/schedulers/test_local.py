@@ -9,7 +9,7 @@ import time
 import pytest
 
 from schedulers import LocalScheduler, Partition, UnknownJobError, make_scheduler, parse_worker_name
-from tests.schedulers.dask_fixtures import wait_for_workers
+from tests.schedulers.dask_fixtures import connected_workers, wait_for_workers
 
 
 def _part(**kw) -> Partition:
@@ -28,7 +28,7 @@ def test_submit_join_by_name_cancel(dask_scheduler, tmp_path):
     try:
         connected = wait_for_workers(client, names, present=True, deadline_s=40)
         assert names <= connected, f"workers did not join; logs: {[r.log.read_text()[-500:] for r in refs]}"
-        info = client.scheduler_info()["workers"].values()
+        info = connected_workers(client).values()
         resources = {w["name"]: w["resources"] for w in info}
         assert resources["rollout-cpu-home-cpu-3"] == {"rollout": 1, "slots": 2}
         # the worker environment says who it is
@@ -101,3 +101,30 @@ def test_worker_dies_with_the_process_that_started_it(tmp_path):
         time.sleep(0.1)
     os.kill(pid, 9)  # stop what the test started before failing
     raise AssertionError(f"worker {pid} outlived the process that started it")
+
+
+@pytest.mark.timeout(90)
+def test_connected_workers_never_reads_the_refreshed_cache(tmp_path):
+    """The client refreshes its cached identity in the background with *no* workers listed;
+    ``Client.scheduler_info()`` read right after that refresh says every worker left (a run died
+    of it in CI). With the refresh made very frequent, the old way loses workers here and
+    ``connected_workers`` never does."""
+    import dask
+    from distributed import Client
+
+    from tests.schedulers.dask_fixtures import start_dask_scheduler, stop
+
+    proc, address, _ = start_dask_scheduler(tmp_path)
+    try:
+        with make_scheduler("local", log_dir=tmp_path, death_timeout=20) as sched:
+            (ref,) = sched.submit(_part(), address, count=1)
+            with dask.config.set({"distributed.client.scheduler-info-interval": "1ms"}), \
+                    Client(address, timeout=30) as client:
+                assert ref.worker_name in wait_for_workers(client, {ref.worker_name}, present=True, deadline_s=40)
+                cached_misses = sum(not client.scheduler_info(n_workers=-1)["workers"] for _ in range(300))
+                fresh_misses = sum(not connected_workers(client) for _ in range(300))
+        print(f"misses in 300 reads: cached {cached_misses}, fresh {fresh_misses}")
+        assert fresh_misses == 0
+        assert cached_misses > 0, "the race this guards against did not show here (Dask changed?)"
+    finally:
+        stop(proc)

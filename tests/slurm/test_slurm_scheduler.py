@@ -8,7 +8,7 @@ import pytest
 
 from schedulers import Partition, UnknownJobError, make_scheduler
 from schedulers.slurm import SlurmCommandError, SlurmScheduler, pyslurm_status, run_slurm
-from tests.schedulers.dask_fixtures import wait_for_workers
+from tests.schedulers.dask_fixtures import connected_workers, wait_for_workers
 
 pytestmark = pytest.mark.slurm
 
@@ -49,12 +49,12 @@ def test_workers_in_two_partitions_join_by_name_and_cancel(sched, dask_scheduler
     connected = wait_for_workers(client, names, present=True, deadline_s=45)
     assert names <= connected, f"not joined: {names - connected}; logs: " + " | ".join(
         r.log.read_text()[-400:] for r in refs if r.log.exists())
-    resources = {w["name"]: w["resources"] for w in client.scheduler_info()["workers"].values()}
+    resources = {w["name"]: w["resources"] for w in connected_workers(client).values()}
     assert resources["rollout-h100-eu-H100-1"] == {"rollout": 1, "GPU": 1}
     assert resources["data-cpu-us-cpu-0"] == {"data": 1}
     # the job really got the GRES it asked for
     env = client.run(lambda: __import__("os").environ.get("SLURM_JOB_GPUS"), workers=[
-        w for w, i in client.scheduler_info()["workers"].items() if i["name"] == "rollout-h100-eu-H100-0"])
+        w for w, i in connected_workers(client).items() if i["name"] == "rollout-h100-eu-H100-0"])
     assert list(env.values()) != [None]
 
     gone = refs[0]
