@@ -75,6 +75,9 @@ class TrainerConfig(_Strict):
     """Sequences per forward/backward (gradient accumulation over the batch)."""
     threads: int = Field(default=1, ge=1)
     """torch intra-op threads of the trainer process."""
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where the torch backend trains: ``auto`` (the worker's GPU when it has one, else the
+    CPU), ``cpu``, ``cuda`` or ``cuda:N``. The megatron backend places its ranks itself."""
     batch_timeout_s: float = Field(default=600.0, gt=0)
     """How long the trainer waits for one batch before it fails the run."""
     off_policy: Literal["ppo_clip", "tis", "m2po"] = "ppo_clip"
@@ -209,6 +212,9 @@ class EngineConfig(_Strict):
     """Most requests decoded together in one batch."""
     threads: int = Field(default=1, ge=1)
     """torch intra-op threads of the engine."""
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where the engine runs: ``auto`` (the worker's GPU when it has one, else the CPU),
+    ``cpu``, ``cuda`` or ``cuda:N``."""
 
 
 class RolloutConfig(_Strict):

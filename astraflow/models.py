@@ -155,6 +155,17 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
     return model, tok
 
 
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` -> the process's first visible GPU if there is one, else the CPU; ``"cpu"``,
+    ``"cuda"``, ``"cuda:N"`` as given. A GPU asked for on a host without one is a clear error."""
+    if device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no GPU here; use device: auto or cpu")
+    return dev
+
+
 def num_parameters(model) -> int:
     """Distinct parameters (tied embeddings counted once)."""
     return sum(p.numel() for p in model.parameters())

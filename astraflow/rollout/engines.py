@@ -16,5 +16,5 @@ def make_engine(cfg: EngineConfig, model_path: str, seed: int = 0) -> InferenceE
 
         torch.set_num_threads(cfg.threads)
         # version 0: the model directory is what the trainer publishes as v0
-        return HFEngine(model_path, max_batch_size=cfg.max_batch, version=0, seed=seed)
+        return HFEngine(model_path, max_batch_size=cfg.max_batch, version=0, seed=seed, device=cfg.device)
     raise ValueError(f"unknown engine type {cfg.type!r}; known: {', '.join(KNOWN)}")

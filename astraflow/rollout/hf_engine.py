@@ -1,4 +1,4 @@
-"""``HFEngine``: the CPU inference engine of a RaaS node (plain ``transformers`` model).
+"""``HFEngine``: the inference engine of a RaaS node (plain ``transformers`` model, CPU or one GPU).
 
 Many asyncio episodes on a node call ``await engine.generate(...)`` one request at a time; the
 engine gathers every request pending at that moment and decodes them as one left-padded
@@ -47,10 +47,12 @@ class _Request:
 
 
 class HFEngine:
-    """CPU transformers engine implementing ``astraflow.rollout.engine.InferenceEngine``.
+    """transformers engine implementing ``astraflow.rollout.engine.InferenceEngine``.
 
     ``model`` is a path to an HF causal-LM directory or an already loaded ``(model, tokenizer)``
-    pair. ``max_batch_size`` caps the sequences decoded together; ``seed`` seeds sampling.
+    pair. ``max_batch_size`` caps the sequences decoded together; ``seed`` seeds sampling;
+    ``device`` is ``auto`` (a GPU when torch sees one), ``cpu`` or ``cuda[:N]``: the model,
+    the KV cache and sampling live there, finished tokens come back to the host once per step.
     """
 
     def __init__(
@@ -61,7 +63,10 @@ class HFEngine:
         version: int = -1,
         max_batch_size: int = 256,
         seed: int = 0,
+        device: str = "auto",
     ) -> None:
+        from astraflow.models import resolve_device
+
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
             from astraflow.models import load_model
 
@@ -70,6 +75,8 @@ class HFEngine:
             if tokenizer is None:
                 raise ValueError("HFEngine(model_object) needs tokenizer=...; or pass a model directory")
             self.model, self.tokenizer = model, tokenizer
+        self.device = resolve_device(device)
+        self.model.to(self.device)
         self.model.eval()
         if max_batch_size < 1:
             raise ValueError(f"HFEngine: max_batch_size must be >= 1, got {max_batch_size}")
@@ -83,7 +90,7 @@ class HFEngine:
         unk = self.tokenizer.unk_token_id
         self._stop_ids = frozenset(s for s in stops if s is not None and s != unk)
         self._max_positions = getattr(self.model.config, "max_position_embeddings", None)
-        self._gen = torch.Generator().manual_seed(seed)
+        self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._pending: list[_Request] = []
         self._lock = threading.Lock()
         self._pending_weights: tuple[dict[str, torch.Tensor], int] | None = None
@@ -196,9 +203,11 @@ class HFEngine:
             ids[i, plen - len(r.prompt):] = torch.tensor(r.prompt)
             mask[i, plen - len(r.prompt):] = 1
         max_new = max(r.params.max_new_tokens for r in batch)
-        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in batch])
-        greedy = torch.tensor([r.params.greedy for r in batch])
-        top_p = torch.tensor([1.0 if r.params.greedy else r.params.top_p for r in batch])
+        dev = self.device
+        ids, mask = ids.to(dev), mask.to(dev)
+        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in batch], device=dev)
+        greedy = torch.tensor([r.params.greedy for r in batch], device=dev)
+        top_p = torch.tensor([1.0 if r.params.greedy else r.params.top_p for r in batch], device=dev)
         stops = [self._stop_ids | set(r.params.stop_token_ids) for r in batch]
         active = [True] * n
 
@@ -206,12 +215,13 @@ class HFEngine:
         logits, cache = await loop.run_in_executor(self._executor, self._forward, ids, mask, None)
         for _step in range(max_new):
             tok, lp = self._sample(logits, temps, greedy, top_p)
+            tok_host, lp_host = tok.tolist(), lp.tolist()  # one device -> host copy per step
             for i, r in enumerate(batch):
                 if not active[i]:
                     continue
-                t = int(tok[i])
+                t = tok_host[i]
                 r.tokens.append(t)
-                r.logprobs.append(float(lp[i]))
+                r.logprobs.append(lp_host[i])
                 r.versions.append(self.version)
                 if t in stops[i]:
                     r.finish_reason, active[i] = "stop", False
@@ -220,9 +230,9 @@ class HFEngine:
             if not any(active):
                 break
             # finished rows keep decoding a pad token (ignored) so the batch stays rectangular
-            nxt = torch.where(torch.tensor(active), tok, torch.full_like(tok, self._pad_id))
+            nxt = torch.where(torch.tensor(active, device=dev), tok, torch.full_like(tok, self._pad_id))
             ids = torch.cat([ids, nxt[:, None]], dim=1)
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long, device=dev)], dim=1)
             self._stats["decode_steps"] += 1
             if self._take_pending_weights():
                 # new weights: re-encode everything so far, the old KV cache is stale

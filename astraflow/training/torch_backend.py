@@ -32,13 +32,13 @@ class TorchBackend:
         micro_batch_size: int | None = None,
         clip_low: float = 0.2,
         clip_high: float = 0.28,
-        device: str = "cpu",
+        device: str = "auto",
         seed: int = 0,
         off_policy: str = "ppo_clip",
         is_cap: float = 2.0,
         m2_tau: float = 0.04,
     ) -> None:
-        from astraflow.models import load_model
+        from astraflow.models import load_model, resolve_device
 
         if lr <= 0:
             raise ValueError(f"TorchBackend: lr must be > 0, got {lr}")
@@ -50,8 +50,8 @@ class TorchBackend:
         self.off_policy, self.is_cap, self.m2_tau = off_policy, is_cap, m2_tau
         torch.manual_seed(seed)
         self.model, self.tokenizer = load_model(model_path)
-        self.model.to(device)
-        self.device = device
+        self.device = resolve_device(device)
+        self.model.to(self.device)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size

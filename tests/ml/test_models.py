@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from astraflow.models import PRESETS, build_tokenizer, init_model, load_model, make_config, num_parameters
@@ -60,3 +61,22 @@ def test_bad_preset_and_dir(tmp_path):
         make_config("tiny", arch="gpt9")
     with pytest.raises(ValueError, match="config.json"):
         load_model(tmp_path)
+
+
+def test_device_auto_is_the_cpu_here_and_a_missing_gpu_is_a_clear_error():
+    import torch
+
+    from astraflow.config import EngineConfig, TrainerConfig
+    from astraflow.models import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert resolve_device("auto").type == "cuda"
+    else:
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(ValueError, match="no GPU"):
+            resolve_device("cuda")
+    assert TrainerConfig(device="cuda:1").device == "cuda:1"
+    for bad in ("gpu", "cuda:x"):
+        with pytest.raises(ValueError):
+            EngineConfig(device=bad)
