@@ -47,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--arch", default="qwen2")
     p.add_argument("--digits", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="engine and trainer device (cpu: the 2-core reference)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ws-target", type=float, default=0.25, help="stop the warm start at this held-out acc")
     p.add_argument("--ws-max-seconds", type=float, default=240.0)
@@ -142,8 +143,9 @@ def main(argv=None) -> dict:
     else:
         model_dir = Path(a.model_dir)
 
-    engine = HFEngine(str(model_dir), version=0, seed=a.seed)
-    backend = TorchBackend(str(model_dir), lr=a.lr, clip_low=a.clip_low, clip_high=a.clip_high, seed=a.seed)
+    engine = HFEngine(str(model_dir), version=0, seed=a.seed, device=a.device)
+    backend = TorchBackend(str(model_dir), lr=a.lr, clip_low=a.clip_low, clip_high=a.clip_high, seed=a.seed,
+                           device=a.device)
     tok = engine.tokenizer
     console.print(f"model: {a.preset}/{a.arch}, {num_parameters(backend.model) / 1e6:.2f} M params, "
                   f"{a.threads} threads")

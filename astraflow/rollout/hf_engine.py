@@ -23,6 +23,7 @@ Requests that arrive while a batch is decoding wait for the next batch.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -90,6 +91,10 @@ class HFEngine:
         unk = self.tokenizer.unk_token_id
         self._stop_ids = frozenset(s for s in stops if s is not None and s != unk)
         self._max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        # transformers >= 5.2x calls the KV cache ``cache``; earlier 5.x (the vLLM extra pins
+        # < 5.20) ``past_key_values``: pass it under whichever name this model's forward takes
+        fwd = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._pending: list[_Request] = []
         self._lock = threading.Lock()
@@ -249,10 +254,10 @@ class HFEngine:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         pos = pos[:, -ids.shape[1]:]
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-            logits_to_keep=1,
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+            **{self._cache_kw: cache},
         )
-        return out.logits[:, -1, :].float(), out.cache
+        return out.logits[:, -1, :].float(), getattr(out, self._cache_kw)
 
     def _sample(self, logits, temps, greedy, top_p):
         logp = torch.log_softmax(logits, dim=-1)  # temperature 1: the behaviour log-probs

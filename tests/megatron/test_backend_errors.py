@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig, RankError
 from tests.megatron.helpers import save_tiny_llama
@@ -13,7 +14,8 @@ def test_rank_failure_raises_rank_error_with_log_tail(tmp_path):
     hf = save_tiny_llama(tmp_path / "hf", tied=False)
     with pytest.raises(RankError) as err:
         MegatronBackend(MegatronBackendConfig(
-            hf_checkpoint=str(hf), tp_size=2, loss_fn="no_such_module_xyz:grpo_loss",
+            hf_checkpoint=str(hf), tp_size=1 if torch.cuda.device_count() == 1 else 2,  # a rank per GPU
+            loss_fn="no_such_module_xyz:grpo_loss",
             start_timeout_s=60, log_dir=str(tmp_path / "logs"),
         ))
     assert "no_such_module_xyz" in str(err.value) and "during 'init'" in str(err.value)

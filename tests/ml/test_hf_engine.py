@@ -23,10 +23,10 @@ def _gather(engine, prompts, params):
 
 
 def _teacher_forced(model, prompt, completion):
-    full = torch.tensor([list(prompt) + list(completion)])
+    full = torch.tensor([list(prompt) + list(completion)], device=model.device)  # the engine's device
     with torch.no_grad():
         logp = model(full).logits.float().log_softmax(-1)
-    return logp[0, len(prompt) - 1 : -1].gather(-1, full[0, len(prompt):, None])[:, 0].numpy()
+    return logp[0, len(prompt) - 1 : -1].gather(-1, full[0, len(prompt):, None])[:, 0].cpu().numpy()
 
 
 def test_logprobs_match_teacher_forcing(tiny_dir):

@@ -18,8 +18,9 @@ def _batch(model, tok, rewards=(1.0, 0.0, 0.0, 1.0)):
     for c, r in zip(comps, rewards):
         c = c + [tok.eos_token_id]
         toks = torch.tensor([prompt + c])
+        dev_toks = toks.to(model.device)  # the backend's device (a GPU where there is one)
         with torch.no_grad():
-            lp = token_logprobs(model, toks, torch.ones_like(toks))[0].numpy()
+            lp = token_logprobs(model, dev_toks, torch.ones_like(dev_toks))[0].cpu().numpy()
         gen = np.arange(len(prompt) + len(c)) >= len(prompt)
         seqs.append(Sequence.build(toks[0].numpy(), gen, np.where(gen, lp, 0.0), np.where(gen, 0, -1),
                                    np.where(gen, 0, -1), r))
@@ -31,9 +32,9 @@ def _batch(model, tok, rewards=(1.0, 0.0, 0.0, 1.0)):
 
 
 def _seq_logprob(model, seq):
-    t = torch.tensor([seq.tokens.tolist()], dtype=torch.long)
+    t = torch.tensor([seq.tokens.tolist()], dtype=torch.long, device=model.device)
     with torch.no_grad():
-        lp = token_logprobs(model, t, torch.ones_like(t))[0].numpy()
+        lp = token_logprobs(model, t, torch.ones_like(t))[0].cpu().numpy()
     return float(lp[seq.loss_mask].sum())
 
 

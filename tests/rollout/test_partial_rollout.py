@@ -25,7 +25,7 @@ N_NEW = 48
 
 def _perturbed(model, scale=0.05, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return {k: v.detach() + scale * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu() + scale * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
 
 
 async def _generate_across_a_swap(engine: HFEngine, prompts, new_sd, swap_after_steps=6):

@@ -14,13 +14,13 @@ from storage.weights import WeightStore
 
 def _served(engine: HFEngine) -> dict[str, torch.Tensor]:
     engine._take_pending_weights()  # the engine applies a swap between decoding steps
-    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in engine.model.state_dict().items()}
 
 
 def _versions(model_dir, root, n=3):
     store = WeightStore(root, keep_last=10)
     model = HFEngine(str(model_dir)).model
-    base = dict(model.named_parameters())  # a tied head appears once (as the embedding)
+    base = {k: t.detach().cpu() for k, t in model.named_parameters()}  # a tied head appears once (as the embedding)
     sds = []
     g = torch.Generator().manual_seed(0)
     for v in range(n):

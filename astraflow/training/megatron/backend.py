@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 import astraflow
 from astraflow.contracts import Batch, WeightVersion
@@ -118,6 +119,12 @@ class MegatronBackend:
 
     def __init__(self, config: MegatronBackendConfig):
         self.config = config
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if 0 < gpus < config.tp_size:  # each rank takes its own GPU (NCCL); CPU-only hosts use gloo
+            raise ValueError(
+                f"tensor_parallel={config.tp_size} needs {config.tp_size} GPUs on this node and it has {gpus}: "
+                "lower trainer.tensor_parallel, or give the trainer partition more GPUs per node"
+            )
         self._workdir = Path(tempfile.mkdtemp(prefix="astraflow-megatron-"))
         log_dir = Path(config.log_dir) if config.log_dir else self._workdir
         log_dir.mkdir(parents=True, exist_ok=True)
