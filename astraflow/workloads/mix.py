@@ -38,7 +38,9 @@ class MixtureWorkload:
     params: {...}}`` (``params`` optional; ``weight`` defaults to 1). Every source gets the
     run's ``seed`` unless its ``params`` set one."""
 
-    def __init__(self, seed: int = 0, sources: Mapping[str, Mapping[str, Any]] | None = None):
+    def __init__(self, seed: int = 0, sources: Mapping[str, Mapping[str, Any]] | None = None, **unknown: Any):
+        if unknown:
+            raise ValueError(f"mix workload: unknown params {sorted(unknown)}; known: ['sources']")
         if not sources or not isinstance(sources, Mapping):
             raise ValueError(
                 "mix workload: params.sources must map at least one source name to "
