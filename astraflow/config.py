@@ -152,7 +152,8 @@ class WorkloadConfig(_Strict):
     workflow: str = "single_turn"
     """Registered workflow driving the episode (``astraflow.workloads.workflows``)."""
     params: dict[str, Any] = Field(default_factory=dict)
-    """Workload parameters (for math: ``digits``, ``ops``, ``num_train``, ``num_eval``)."""
+    """Workload parameters (for math: ``digits``, ``ops``, ``num_train``, ``num_eval``; for
+    ``mix``: ``sources: {name: {workload, weight, params}}``, mixed by weight)."""
     seed: int = 0
     """Seed of the generated dataset and of prompt order."""
     group_size: int = Field(default=8, ge=1)
@@ -340,7 +341,19 @@ class RunConfig(_Strict):
                 f"workload.workflow {self.workload.workflow!r} drives {need} policies but policies names "
                 f"{len(self.policies)}: list one policy per role, in the workflow's order"
             )
+        from astraflow.workloads.base import make_workload
+
+        try:  # cheap: workloads generate their prompts lazily, in tasks()
+            make_workload(self.workload.name, self.workload.params, self.workload.seed)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"workload ({self.workload.name}): {err}") from None
         for pol in self.policies:
+            if pol.init is not None and pol.init.warm_start_seconds > 0 and self.workload.name != "math":
+                raise ValueError(
+                    f"policies[{pol.name}].init.warm_start_seconds: the supervised warm start trains on "
+                    f"the math workload's generator, not on workload {self.workload.name!r}; set it to 0 "
+                    "or point model at a directory built by a math config"
+                )
             if pol.init is None and not pol.model.exists():
                 raise ValueError(
                     f"policies[{pol.name}].model: {pol.model} does not exist; point it at an HF "

@@ -21,6 +21,20 @@ Named asynchronous overlaps and their invariants:
   rollouts without coupling independent policies.
 * *staleness*: a sequence whose oldest token version for the consuming policy is more than
   ``max_staleness`` versions behind the trainer's version is dropped and counted as ``stale``.
+
+Mixing of sources (datasets/workloads by weight, the ``mix`` workload): every group carries
+the source of its prompt (``payload["source"]``; a workload without ``source_weights()`` is
+one source ``""`` of weight 1, and everything below reduces to the single-source rules).
+
+* *before rollout*: each source has its own shuffled prompt order and its own rollout-ahead
+  bound (its weighted share of ``groups_per_batch + prefetch_groups``, raised to what a
+  waiting batch still lacks of it); the next group goes to the source furthest below its
+  weighted share of the groups ahead, so a source whose groups are filtered more often gets
+  more rollouts, and a source with a full buffer never blocks a starved one.
+* *at batch time*: a batch's groups are apportioned to sources by weight (largest credit
+  first, the fractional credit carried across batches, so long-run proportions are exact);
+  within a source the configured ordering picks groups. A batch waits until every source
+  has its quota; the credit is saved with the rest of the state.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import threading
 import time
@@ -58,6 +73,7 @@ class _Group:
     prompt_key: str
     kind: str
     task_ids: list[str]
+    source: str = ""
     results: dict[str, TrajectoryRef] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
 
@@ -82,6 +98,7 @@ class _Ready:
     group_id: str
     ingest_seq: int
     items: list[_Item]
+    source: str = ""
 
     @property
     def oldest_version(self) -> int:
@@ -98,6 +115,8 @@ class _EvalRound:
     started: float = field(default_factory=time.time)
     #: weight versions of the first policy that actually generated the evaluated answers
     versions_used: list[int] = field(default_factory=list)
+    #: eval group id -> source of its prompt (mixtures only)
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 class DataLayer:
@@ -127,9 +146,33 @@ class DataLayer:
         self._workload = make_workload(workload.name, workload.params, workload.seed)
         self._train = self._workload.tasks("train")
         self._eval = self._workload.tasks("eval")[: workload.eval.num_prompts]
+        weights = getattr(self._workload, "source_weights", None)
+        #: source name -> weight; one source "" of weight 1 unless the workload is a mixture
+        self.source_weights: dict[str, float] = dict(weights()) if weights is not None else {"": 1.0}
+        self._mixing = weights is not None
+        #: source -> indices into ``self._train`` of its prompts
+        self._by_source: dict[str, list[int]] = {s: [] for s in self.source_weights}
+        for i, payload in enumerate(self._train):
+            src = self._source_of(payload)
+            if src not in self._by_source:
+                raise ValueError(f"workload {workload.name!r}: a payload names source {src!r}, "
+                                 f"not one of its source_weights() {sorted(self.source_weights)}")
+            self._by_source[src].append(i)
+        empty = [s for s, idx in self._by_source.items() if not idx]
+        if empty and self._train:
+            raise ValueError(f"workload {workload.name!r}: sources {empty} have no training prompts; "
+                             "give them data or remove them")
         self._rng = random.Random(seed)
-        self._order: list[int] = []
-        self._epoch = 0
+        #: per source: the rest of the current epoch's shuffled prompt order, and epochs started
+        self._order: dict[str, list[int]] = {s: [] for s in self.source_weights}
+        self._epoch: dict[str, int] = {s: 0 for s in self.source_weights}
+        #: batch-time mixing credit, per policy and source, in groups (sums to 0 per policy)
+        self.mix_credit: dict[str, dict[str, float]] = {
+            p: {s: 0.0 for s in self.source_weights} for p in policies}
+        #: policy -> source -> sequences a waiting ``next_batch`` still lacks (see ``_refill``)
+        self._short: dict[str, dict[str, int]] = {}
+        self.consumed_by_source: dict[str, Counter] = {p: Counter() for p in policies}
+        self.groups_by_source: Counter = Counter()
         self.curator = P.make(P.CURATORS, dataflow.curator.type, dataflow.curator.params, seed)
         self.group_filter = P.make(P.FILTERS, dataflow.group_filter.type, dataflow.group_filter.params, seed)
         self.ordering = P.make(P.ORDERINGS, dataflow.ordering.type, dataflow.ordering.params, seed)
@@ -197,22 +240,30 @@ class DataLayer:
         if self._metrics is not None:
             self._metrics.write(json.dumps(record, default=float) + "\n")
 
-    def _next_prompt(self) -> int:
-        if not self._order:
-            self._order = list(range(len(self._train)))
-            self._rng.shuffle(self._order)
-            self._epoch += 1
-        return self._order.pop()
+    def _source_of(self, payload: dict[str, Any]) -> str:
+        return str(payload.get("source", "")) if self._mixing else ""
+
+    def _next_prompt(self, source: str = "") -> int:
+        order = self._order[source]
+        if not order:
+            order.extend(self._by_source[source])
+            self._rng.shuffle(order)
+            self._epoch[source] += 1
+        return order.pop()
 
     def _refill(self) -> None:
-        """Create train groups while the rollout-ahead bound allows."""
+        """Create train groups while the rollout-ahead bound allows (per source, see
+        ``_refill_source``)."""
         limit = self.groups_per_batch + self.cfg.prefetch_groups
         proposals = 0
-        while not self.finished and self._ahead() < limit and proposals < max(len(self._train), 1):
+        while not self.finished and proposals < max(len(self._train), 1):
+            source = self._refill_source(limit)
+            if source is None:
+                return
             if self.budget is not None and self.budget <= 0:
                 return
             proposals += 1
-            idx = self._next_prompt()
+            idx = self._next_prompt(source)
             payload = self._train[idx]
             key = f"p{idx}"
             if not self.curator.accept(key, payload):
@@ -223,7 +274,8 @@ class DataLayer:
                 self.budget -= 1
             gid = f"g{self._group_seq:07d}"
             tids = [f"{gid}/{j}" for j in range(self.wcfg.group_size)]
-            self.groups[gid] = _Group(gid, key, "train", tids)
+            self.groups[gid] = _Group(gid, key, "train", tids, source)
+            self.groups_by_source[source] += 1
             self._outstanding.add(gid)
             for tid in tids:
                 self._add_task(
@@ -234,12 +286,40 @@ class DataLayer:
                 )
                 self.pending.append(tid)
 
-    def _ahead(self) -> int:
-        """Groups rolled out ahead of training: those in rollout plus what the hungriest
-        policy has buffered. Using the hungriest policy keeps policies independent: a
-        stalled trainer's growing buffer does not starve the others (it is capped instead,
+    def _ahead(self) -> dict[str, int]:
+        """Groups rolled out ahead of training, per source: those in rollout plus what the
+        hungriest policy has buffered. Using the hungriest policy keeps policies independent:
+        a stalled trainer's growing buffer does not starve the others (it is capped instead,
         see ``_cap_buffer``)."""
-        return len(self._outstanding) + min(len(b) for b in self.buffers.values())
+        out = Counter(self.groups[g].source for g in self._outstanding)
+        for s in self.source_weights:
+            out[s] += min(sum(1 for g in b if g.source == s) for b in self.buffers.values())
+        return {s: out[s] for s in self.source_weights}
+
+    def _refill_source(self, limit: int) -> str | None:
+        """The source of the next group, or ``None`` when every source is at its bound.
+
+        A source's bound is its weighted share of ``limit`` (rounded up; all of it for a
+        single source). A source may exceed it while a waiting batch lacks more of its
+        sequences than its groups in rollout will bring (otherwise a buffer holding partial
+        groups could wait forever). Among the sources below their bound, the one whose
+        groups ahead, plus the new one, are the smallest multiple of its weight goes next:
+        groups ahead follow the weights, so a source whose groups are filtered (and leave
+        the count) is refilled more often."""
+        ahead = self._ahead()
+        total_w = sum(self.source_weights.values())
+        gs = self.wcfg.group_size
+        best, best_key = None, math.inf
+        for s, w in self.source_weights.items():
+            bound = limit if len(self.source_weights) == 1 else max(1, math.ceil(limit * w / total_w - 1e-9))
+            in_rollout = gs * sum(1 for g in self._outstanding if self.groups[g].source == s)
+            starved = any(short.get(s, 0) > in_rollout for short in self._short.values())
+            if ahead[s] >= bound and not starved:
+                continue
+            key = (ahead[s] + 1) / w
+            if key < best_key:
+                best, best_key = s, key
+        return best
 
     def _cap_buffer(self, policy: str) -> None:
         """A policy whose trainer does not consume keeps at most ``4 x`` a batch of groups;
@@ -405,7 +485,7 @@ class DataLayer:
             for it in items:
                 it.group_mean, it.group_std, it.group_size = mean, std, len(items)
             self._ingest_seq += 1
-            self.buffers[policy].append(_Ready(grp.group_id, self._ingest_seq, items))
+            self.buffers[policy].append(_Ready(grp.group_id, self._ingest_seq, items, grp.source))
             c["accepted"] += len(items)
             self._cap_buffer(policy)
         if first_rewards:
@@ -451,6 +531,38 @@ class DataLayer:
             total += len(grp.items)
         return total
 
+    def _available_by_source(self, policy: str, version: int) -> dict[str, int]:
+        """``_available`` (stale sequences dropped), per source."""
+        self._available(policy, version)
+        out = {s: 0 for s in self.source_weights}
+        for grp in self.buffers[policy]:
+            out[grp.source] += len(grp.items)
+        return out
+
+    def _quotas(self, policy: str, need: int) -> tuple[dict[str, int], dict[str, float]]:
+        """Sequences of each source in the next batch of ``policy`` and the mixing credit
+        after it (committed only when the batch is served).
+
+        The batch's ``need / group_size`` groups are apportioned by largest remainder with
+        the remainder carried over: every source earns ``groups x weight / total`` credit
+        per batch, each group goes to the source with the most credit (ties: config order)
+        and costs it 1. Credits sum to 0 and stay bounded, so over many batches each source
+        gets exactly its share, even when a batch's share is not a whole number of groups.
+        A part of a group (``need`` not a multiple of the group size, with replay) goes the
+        same way, costing its fraction of a group."""
+        if len(self.source_weights) == 1:
+            return {s: need for s in self.source_weights}, dict(self.mix_credit[policy])
+        gs = self.wcfg.group_size
+        total_w = sum(self.source_weights.values())
+        credit = {s: c + need / gs * self.source_weights[s] / total_w for s, c in self.mix_credit[policy].items()}
+        quota = {s: 0 for s in self.source_weights}
+        full, rest = divmod(need, gs)
+        for n, cost in [(gs, 1.0)] * full + ([(rest, rest / gs)] if rest else []):
+            s = max(credit, key=credit.__getitem__)  # first of the largest: config order breaks ties
+            quota[s] += n
+            credit[s] -= cost
+        return quota, credit
+
     def _lockstep_ok(self, version: int) -> bool:
         return not self.cfg.lockstep or all(v >= version for v in self.versions.values())
 
@@ -474,36 +586,50 @@ class DataLayer:
         if len(self.replay[policy]) < n_replay:
             n_replay = 0
         need = self.cfg.batch_size - n_replay
-        while True:
-            self._expire()
-            self._refill()
-            if (self._available(policy, version) >= need and self._lockstep_ok(version)
-                    and self._initial_eval_done()):
-                break
-            remaining = t0 + timeout - time.time()
-            if remaining <= 0:
-                raise BatchTimeout(
-                    f"no batch for {policy} v{version} within {timeout:.0f}s: "
-                    f"{self._available(policy, version)}/{need} sequences buffered, "
-                    f"{len(self.pending)} tasks pending, {len(self.leases)} leased"
-                )
-            try:
-                await asyncio.wait_for(self._event().wait(), timeout=min(remaining, 0.5))
-            except asyncio.TimeoutError:
-                pass
+        quota, credit = self._quotas(policy, need)
+        try:
+            while True:
+                self._expire()
+                self._refill()
+                avail = self._available_by_source(policy, version)
+                short = {s: q - avail[s] for s, q in quota.items() if avail[s] < q}
+                if not short and self._lockstep_ok(version) and self._initial_eval_done():
+                    break
+                self._short[policy] = short  # lets _refill exceed a source's bound for this batch
+                remaining = t0 + timeout - time.time()
+                if remaining <= 0:
+                    sources = (f" (short: {', '.join(f'source {s!r} {avail[s]}/{quota[s]}' for s in short)})"
+                               if self._mixing and short else "")
+                    raise BatchTimeout(
+                        f"no batch for {policy} v{version} within {timeout:.0f}s: "
+                        f"{sum(avail.values())}/{need} sequences buffered{sources}, "
+                        f"{len(self.pending)} tasks pending, {len(self.leases)} leased"
+                    )
+                try:
+                    await asyncio.wait_for(self._event().wait(), timeout=min(remaining, 0.5))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self._short.pop(policy, None)
         waited = time.time() - t0
         self.wait_s[policy] += waited
+        self.mix_credit[policy] = credit
 
         buf = self.buffers[policy]
-        views = [P.BufferedGroupView(g.ingest_seq, g.oldest_version) for g in buf]
         chosen: list[_Item] = []
-        for gi in self.ordering.order(views, version, self.cfg.max_staleness):
-            grp = buf[gi]
-            take = grp.items[: need - len(chosen)]
-            grp.items = grp.items[len(take):]
-            chosen.extend(take)
-            if len(chosen) >= need:
-                break
+        for source, q in quota.items():
+            mine = [g for g in buf if g.source == source]
+            views = [P.BufferedGroupView(g.ingest_seq, g.oldest_version) for g in mine]
+            got = 0
+            for gi in self.ordering.order(views, version, self.cfg.max_staleness):
+                if got >= q:
+                    break
+                grp = mine[gi]
+                take = grp.items[: q - got]
+                grp.items = grp.items[len(take):]
+                chosen.extend(take)
+                got += len(take)
+            self.consumed_by_source[policy][source] += got
         self.buffers[policy] = [g for g in buf if g.items]
 
         rows = await asyncio.to_thread(self._read_rows, [it.summary.ref for it in chosen])
@@ -541,6 +667,8 @@ class DataLayer:
             "replayed": len(replays),
             "response_tokens_mean": float(np.mean([x.loss_mask.sum() for x in items])),
         }
+        if self._mixing:
+            metrics["consumed_by_source"] = {s: q for s, q in quota.items()}
         self.last_batch[policy] = metrics
         return Batch(policy=policy, version=version, items=tuple(items + replays), metrics=metrics)
 
@@ -554,7 +682,9 @@ class DataLayer:
         ``curator_skipped`` prompts (the curator runs before rollout, for all policies:
         counted on the first), ``staleness_hist`` over every consumed sequence,
         ``trainer_wait_s`` and ``rollouts_per_consumed`` (training sequences generated per
-        sequence consumed: the price of filtering and staleness), with the policy names."""
+        sequence consumed: the price of filtering and staleness), with the policy names.
+        With several sources (``mix``): ``consumed_by_source`` (cumulative sequences of each
+        source consumed by this policy) and ``groups_by_source`` (train groups created)."""
         self.versions[policy] = max(self.versions[policy], version)
         c = self.counts[policy]
         elapsed = time.time() - self._started
@@ -583,6 +713,9 @@ class DataLayer:
             "trainer_wait_s": self.wait_s[policy],
             "node_versions": {n: i.get("versions") for n, i in self.nodes.items() if not i.get("gone")},
         }
+        if self._mixing:
+            record["consumed_by_source"] = self._consumed_by_source(policy)
+            record["groups_by_source"] = self._groups_by_source()
         self._write_metrics(record)
         self._save()
         if all(v >= self.max_steps for v in self.versions.values()):
@@ -591,6 +724,12 @@ class DataLayer:
         if policy == self.policy_names[0] and every and (version % every == 0 or version >= self.max_steps):
             self._start_eval(version)
         self._notify()
+
+    def _consumed_by_source(self, policy: str) -> dict[str, int]:
+        return {s: self.consumed_by_source[policy][s] for s in self.source_weights}
+
+    def _groups_by_source(self) -> dict[str, int]:
+        return {s: self.groups_by_source[s] for s in self.source_weights}
 
     async def open_iteration(self, groups: int) -> None:
         """Baseline (``run.mode: sync``, a gated data layer) control: allow exactly ``groups``
@@ -606,9 +745,10 @@ class DataLayer:
     # ------------------------------------------------------------------ save / restore
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs: the dataflow policies' own state (random streams
-        included) with their ``type`` names, the trainers' versions, the prompt order and its
-        shuffling stream. Leases and buffers are not saved: the tasks of an interrupted run
-        end as ``run_ended`` and are rolled out again."""
+        included) with their ``type`` names, the trainers' versions, the prompt order of each
+        source and its shuffling stream, and the batch-time mixing credit. Leases and buffers
+        are not saved: the tasks of an interrupted run end as ``run_ended`` and are rolled
+        out again."""
         version, internal, gauss = self._rng.getstate()
         return {
             "versions": dict(self.versions),
@@ -617,8 +757,9 @@ class DataLayer:
             "curator": self.curator.state_dict(),
             "group_filter": self.group_filter.state_dict(),
             "ordering": self.ordering.state_dict(),
-            "order": list(self._order),
-            "epoch": self._epoch,
+            "order": {s: list(o) for s, o in self._order.items()},
+            "epoch": dict(self._epoch),
+            "mix_credit": {p: dict(c) for p, c in self.mix_credit.items()},
             "group_seq": self._group_seq,
             "rng_state": [version, list(internal), gauss],
         }
@@ -635,7 +776,19 @@ class DataLayer:
                             stage, saved_types[stage], current)
                 continue
             getattr(self, stage).load_state_dict(state[stage])
-        self._order, self._epoch = list(state["order"]), state["epoch"]
+        order, epoch = state["order"], state["epoch"]
+        if isinstance(order, list):  # saved before sources existed: one source ""
+            order, epoch = {"": order}, {"": epoch}
+        if set(order) == set(self.source_weights):
+            self._order = {s: list(o) for s, o in order.items()}
+            self._epoch = {s: int(e) for s, e in epoch.items()}
+        else:
+            log.warning("workload sources changed from %s to %s since the run was saved: prompt orders "
+                        "and mixing credit start fresh", sorted(order), sorted(self.source_weights))
+        credit = state.get("mix_credit", {})
+        for p, c in credit.items():
+            if p in self.mix_credit and set(c) == set(self.mix_credit[p]):
+                self.mix_credit[p] = {s: float(x) for s, x in c.items()}
         self._group_seq = state["group_seq"]
         if "rng_state" in state:
             version, internal, gauss = state["rng_state"]
@@ -663,6 +816,7 @@ class DataLayer:
         sampling = {"greedy": True} if k == 1 else None
         for i, payload in enumerate(self._eval):
             gid = f"eval-v{version}-{i}"
+            rnd.sources[gid] = self._source_of(payload)
             for j in range(k):
                 tid = f"{gid}/{j}"
                 self._add_task(
@@ -704,6 +858,11 @@ class DataLayer:
             "eval_version_max": max(rnd.versions_used, default=version),
             "eval_seconds": time.time() - rnd.started,
         }
+        if len(self.source_weights) > 1:
+            by_source: dict[str, list[float]] = {}
+            for gid, r in rnd.rewards.items():
+                by_source.setdefault(rnd.sources[gid], []).append(float(np.mean(r)))
+            result["eval_accuracy_by_source"] = {s: float(np.mean(v)) for s, v in by_source.items()}
         self.eval_results.append(result)
         self._write_metrics(result)
 
@@ -753,6 +912,10 @@ class DataLayer:
             "eval_pending": len(self.eval_pending),
             "leased": len(self.leases),
             "outstanding_groups": len(self._outstanding),
+            "sources": {s: {"weight": w, "groups_created": self.groups_by_source[s],
+                            "consumed": {p: self.consumed_by_source[p][s] for p in self.policy_names},
+                            "mix_credit": {p: self.mix_credit[p][s] for p in self.policy_names}}
+                        for s, w in self.source_weights.items()},
             "buffers": {p: sum(len(g.items) for g in b) for p, b in self.buffers.items()},
             "counts": {p: dict(c) for p, c in self.counts.items()},
             "staleness_hist": {p: {str(k): v for k, v in sorted(h.items())} for p, h in self.staleness_hist.items()},

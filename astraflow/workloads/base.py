@@ -27,6 +27,10 @@ class Workload(Protocol):
     def reward(self, completion: str, payload: Mapping[str, Any]) -> float:
         """Verifiable reward of a completion (1.0 correct, 0.0 wrong)."""
 
+    # Optional: ``source_weights() -> dict[str, float]`` for a workload made of several
+    # sources (``mix``); its payloads then carry ``"source": <name>`` and the data layer
+    # mixes the sources by these weights. Without it a workload is one source of weight 1.
+
 
 class Workflow(Protocol):
     """Episode logic. ``engines`` maps every policy of the task to its engine."""
@@ -42,6 +46,7 @@ WORKFLOWS: Registry = Registry("workflow")
 
 def make_workload(name: str, params: Mapping[str, Any], seed: int) -> Workload:
     import astraflow.workloads.math  # noqa: F401  (registers the shipped workloads)
+    import astraflow.workloads.mix  # noqa: F401
 
     return WORKLOADS.get(name)(seed=seed, **dict(params))
 
