@@ -36,7 +36,7 @@ PRESETS: dict[str, dict[str, int]] = {
     # ~0.8M parameters
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2),
-    # ~2.4M parameters (tiny's width x2: more capacity at a few times tiny's step cost)
+    # ~2.4M parameters as qwen2 with tied embeddings, 3.2M as llama (tiny's width x2; the main example)
     "mini": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2),
     # ~10M parameters

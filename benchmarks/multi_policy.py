@@ -22,7 +22,7 @@ measured rollout R, training T and sync/idle S: median over iterations of
 The models are built once (tiny preset, short supervised warm starts via ``build_model``: the
 verifier on its own role, ``task: verify``) and copied read-only into every run.
 
-    python benchmarks/multi_policy.py [--steps 16] [--batch 64] [--solver-warm 45] [--verifier-warm 20]
+    python benchmarks/multi_policy.py [--steps 16] [--batch 64] [--solver-target 0.3] [--verifier-warm 60]
 """
 
 from __future__ import annotations
@@ -122,11 +122,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--digits", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--lr", type=float, default=1e-4, help="RL lr (>= 5e-4 wrecks a partly trained tiny policy)")
     ap.add_argument("--eval-prompts", type=int, default=200)
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--solver-warm", type=float, default=60.0)
-    ap.add_argument("--verifier-warm", type=float, default=20.0)
+    ap.add_argument("--solver-warm", type=float, default=240.0, help="upper bound of the solver's warm start (s)")
+    ap.add_argument("--solver-target", type=float, default=0.3,
+                    help="stop the solver's warm start at this held-out accuracy (as the main example)")
+    ap.add_argument("--verifier-warm", type=float, default=60.0)
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
     console = Console(width=130)
@@ -136,7 +138,8 @@ def main() -> None:
     models = {
         "solver": build_model(work / "models" / "solver",
                               ModelInit(preset=args.preset, warm_start_seconds=args.solver_warm,
-                                        warm_start_lr=3e-3, seed=0, task="solve"), workload),
+                                        warm_start_target=args.solver_target, warm_start_lr=3e-3, seed=0,
+                                        task="solve"), workload),
         "verifier": build_model(work / "models" / "verifier",
                                 ModelInit(preset=args.preset, warm_start_seconds=args.verifier_warm,
                                           warm_start_lr=3e-3, seed=1, task="verify"), workload),

@@ -29,12 +29,15 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 
 class DirStore:
