@@ -18,6 +18,13 @@ and exact log-prob of, the new weights; tokens before it keep the old version. I
 token's (version, log-prob) always describe the weights that produced its distribution.
 
 Requests that arrive while a batch is decoding wait for the next batch.
+
+The forward passes run on the event loop's own thread, one step at a time, yielding to the
+loop between steps (finished episodes, lease replies and new requests are handled there).
+Handing each step to a worker thread instead cost two GIL hand-offs per decoded token, which
+inside a busy RaaS node process cost about a third of the node's tokens/s
+(``benchmarks/rollout_overhead.py``: median 1,890 -> 2,833 tokens/s on the tiny model); torch releases the GIL inside its kernels, so the node's
+writer and weight-watcher threads still run during a step.
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ import asyncio
 import inspect
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -101,7 +107,6 @@ class HFEngine:
         self._pending_weights: tuple[dict[str, torch.Tensor], int] | None = None
         self._decoding = False
         self._loop_task: asyncio.Task | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         self._stats = dict(tokens=0, requests=0, batches=0, busy_seconds=0.0, weight_swaps=0,
                            decode_steps=0)
 
@@ -139,7 +144,7 @@ class HFEngine:
         return {k: float(v) for k, v in self._stats.items()}
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        """Nothing to release (kept for the engine protocol)."""
 
     # -- internals -----------------------------------------------------------------------
     def _apply(self, state_dict: Mapping[str, Any], version: int) -> None:
@@ -165,7 +170,6 @@ class HFEngine:
             return True
 
     async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
         while self._pending:
             batch = self._pending[: self.max_batch_size]
             del self._pending[: len(batch)]
@@ -173,7 +177,7 @@ class HFEngine:
                 self._decoding = True
             t0 = time.perf_counter()
             try:
-                await self._decode(batch, loop)
+                await self._decode(batch)
             except Exception as exc:  # the failure belongs to the batch's episodes: hand it to them
                 for r in batch:
                     if not r.future.done():
@@ -199,7 +203,7 @@ class HFEngine:
                     )
                 )
 
-    async def _decode(self, batch: list[_Request], loop: asyncio.AbstractEventLoop) -> None:
+    async def _decode(self, batch: list[_Request]) -> None:
         n = len(batch)
         plen = max(len(r.prompt) for r in batch)
         ids = torch.full((n, plen), self._pad_id, dtype=torch.long)
@@ -217,7 +221,7 @@ class HFEngine:
         active = [True] * n
 
         # prefill
-        logits, cache = await loop.run_in_executor(self._executor, self._forward, ids, mask, None)
+        logits, cache = self._forward(ids, mask, None)
         for _step in range(max_new):
             tok, lp = self._sample(logits, temps, greedy, top_p)
             tok_host, lp_host = tok.tolist(), lp.tolist()  # one device -> host copy per step
@@ -239,13 +243,12 @@ class HFEngine:
             ids = torch.cat([ids, nxt[:, None]], dim=1)
             mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long, device=dev)], dim=1)
             self._stats["decode_steps"] += 1
+            await asyncio.sleep(0)  # let the loop run between two steps
             if self._take_pending_weights():
                 # new weights: re-encode everything so far, the old KV cache is stale
-                logits, cache = await loop.run_in_executor(self._executor, self._forward, ids, mask, None)
+                logits, cache = self._forward(ids, mask, None)
             else:
-                logits, cache = await loop.run_in_executor(
-                    self._executor, self._forward, ids[:, -1:], mask, cache
-                )
+                logits, cache = self._forward(ids[:, -1:], mask, cache)
 
     @torch.no_grad()
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache):

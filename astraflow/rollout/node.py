@@ -178,6 +178,7 @@ class RaaSNode:
         episodes: set[asyncio.Task] = set()
         last_beat = 0.0
         while not self._stop.is_set():
+            self._slot_free.clear()  # a slot freed from here on (even during the lease call) ends the wait below
             now = time.time()
             if now - last_beat > 1.0:
                 reply = await call(self.dl.heartbeat, self.identity.name, self._beat_stats(), timeout=30)
@@ -196,10 +197,9 @@ class RaaSNode:
                 episodes.add(ep)
                 ep.add_done_callback(episodes.discard)
             t0, was_idle = time.time(), not self.inflight
-            if not tasks and free > 0:
-                await asyncio.sleep(0.05)  # the data layer had nothing: ask again shortly
+            if len(self.inflight) < self.cfg.capacity and not self.draining:
+                await asyncio.sleep(0.05)  # the data layer had too few tasks: ask again shortly
             else:  # wait until an episode frees a slot (or the heartbeat is due)
-                self._slot_free.clear()
                 try:
                     await asyncio.wait_for(self._slot_free.wait(), timeout=1.0)
                 except asyncio.TimeoutError:
