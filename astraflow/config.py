@@ -44,8 +44,9 @@ class ModelInit(_Strict):
     """Stop the warm start as soon as held-out accuracy reaches this (checked every 25 steps;
     ``warm_start_seconds`` stays the upper bound). Makes RL start from the same competence
     on fast and slow machines. ``None``: run for ``warm_start_seconds``."""
-    task: Literal["solve", "verify", "select"] = "solve"
-    """Role the warm start teaches: ``solve`` (``"12+34="`` -> ``"46"``), ``verify`` (the
+    task: Literal["solve", "solve_retry", "verify", "select"] = "solve"
+    """Role the warm start teaches: ``solve`` (``"12+34="`` -> ``"46"``), ``solve_retry`` (the
+    ``solver_verifier`` solver: half ``solve``, half its retry turn after a reject), ``verify`` (the
     ``solver_verifier`` verifier: ``"12+34=46?"`` -> ``Y``/``N``) or ``select`` (the
     ``solver_selector`` selector: ``"12+34=46|47?"`` -> ``1``/``2``). Pick the one matching
     the policy's role in the workflow."""

@@ -139,7 +139,7 @@ def main() -> None:
         "solver": build_model(work / "models" / "solver",
                               ModelInit(preset=args.preset, warm_start_seconds=args.solver_warm,
                                         warm_start_target=args.solver_target, warm_start_lr=3e-3, seed=0,
-                                        task="solve"), workload),
+                                        task="solve_retry"), workload),
         "verifier": build_model(work / "models" / "verifier",
                                 ModelInit(preset=args.preset, warm_start_seconds=args.verifier_warm,
                                           warm_start_lr=3e-3, seed=1, task="verify"), workload),

@@ -13,6 +13,9 @@ also start partly competent (the prompts are exactly the workflows', from
 ``astraflow.workloads.prompts``):
 
 * ``"solve"``: ``"12+34="`` -> ``"46"`` (the default);
+* ``"solve_retry"``: the solver of a ``solver_verifier`` run: half ``"solve"``, half its retry
+  turn after a reject, ``retry_prompt(q, near_miss)`` (``"12+34=47 no. 12+34="``) -> ``"46"``
+  (a solver never shown that format answers the retry at random);
 * ``"verify"``: ``verify_prompt(q, candidate)`` (``"12+34=46?"``) -> ``"Y"`` / ``"N"``; the
   candidate is the right answer half of the time, else off by a small amount (1..3);
 * ``"select"``: ``select_prompt(q, a1, a2)`` (``"12+34=46|47?"``) -> ``"1"`` / ``"2"``;
@@ -30,10 +33,10 @@ import torch
 
 from astraflow.models import greedy_complete, load_model
 from astraflow.workloads.math import MathConfig, accuracy, format_prompt, format_target, make_dataset
-from astraflow.workloads.prompts import select_prompt, verify_prompt
+from astraflow.workloads.prompts import retry_prompt, select_prompt, verify_prompt
 
 #: roles a warm start can teach (see the module docstring).
-TASKS = ("solve", "verify", "select")
+TASKS = ("solve", "solve_retry", "verify", "select")
 
 
 def _near_miss(answer: str, rng: random.Random) -> str:
@@ -52,8 +55,10 @@ def task_examples(task: str, items: list[Mapping[str, Any]], rng: random.Random)
     out = []
     for it in items:
         q = format_prompt(it)
-        if task == "solve":
+        if task == "solve" or (task == "solve_retry" and rng.random() < 0.5):
             out.append((q, format_target(it)))
+        elif task == "solve_retry":
+            out.append((retry_prompt(q, _near_miss(str(it["answer"]), rng)), format_target(it)))
         elif task == "verify":
             right = rng.random() < 0.5
             cand = str(it["answer"]) if right else _near_miss(str(it["answer"]), rng)
@@ -97,7 +102,7 @@ def evaluate_task(model, tok, task: str, items: list[Mapping[str, Any]], seed: i
     """Held-out greedy accuracy on ``task``: for ``solve`` exact match of the answer, for
     ``verify``/``select`` whether the completion starts with the target letter/digit (the
     candidates are drawn from a fixed ``seed``, so repeated calls see the same examples)."""
-    if task == "solve":
+    if task in ("solve", "solve_retry"):  # the first turn's accuracy: what the run starts from
         return evaluate(model, tok, items)
     pairs = task_examples(task, items, random.Random(f"eval:{seed}"))
     outs = greedy_complete(model, tok, [p for p, _ in pairs], 2)

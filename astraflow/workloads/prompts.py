@@ -13,6 +13,11 @@ def verify_prompt(question_prompt: str, answer_text: str) -> str:
     return f"{question_prompt}{answer_text.strip()}?"
 
 
+def retry_prompt(question_prompt: str, rejected_answer: str) -> str:
+    """What the solver sees on its retry after a reject: its answer, the verdict, the question again."""
+    return f"{question_prompt}{rejected_answer.strip()} no. {question_prompt}"
+
+
 def parse_verdict(text: str) -> bool | None:
     """``True`` for an accepting verdict (first letter Y), ``False`` for N, else ``None``."""
     t = text.strip().upper()

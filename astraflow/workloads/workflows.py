@@ -13,7 +13,9 @@ import numpy as np
 from astraflow.contracts import NOT_GENERATED, Provenance, RolloutTask, Sequence, Trajectory
 from astraflow.rollout.engine import Generation, InferenceEngine, SamplingParams
 from astraflow.workloads.base import WORKFLOWS, Workload
-from astraflow.workloads.prompts import parse_verdict, select_prompt, verify_prompt  # noqa: F401  (re-exported)
+from astraflow.workloads.prompts import (  # noqa: F401  (re-exported)
+    parse_verdict, retry_prompt, select_prompt, verify_prompt,
+)
 
 
 def sampling_for(task: RolloutTask, default: SamplingParams) -> SamplingParams:
@@ -101,7 +103,7 @@ class SolverVerifier(_Base):
         turns = [(p1, g1, 0)]
         final = ok1
         if verdict is False:
-            p2 = solver.tokenizer.encode(f"{q}{a1.strip()} no. {q}")
+            p2 = solver.tokenizer.encode(retry_prompt(q, a1))
             g2 = await solver.generate(p2, params)
             final = self.workload.reward(_gen_text(solver, g2), task.prompt)
             turns.append((p2, g2, 0))

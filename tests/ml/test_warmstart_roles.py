@@ -9,7 +9,7 @@ from astraflow.config import ModelInit
 from astraflow.models import load_model
 from astraflow.training.warmstart import _encode_pairs, task_examples, warm_start
 from astraflow.workloads.math import make_dataset
-from astraflow.workloads.workflows import parse_verdict, select_prompt, verify_prompt
+from astraflow.workloads.workflows import parse_verdict, retry_prompt, select_prompt, verify_prompt
 
 WL = {"digits": 2, "num_test": 20}
 
@@ -30,6 +30,22 @@ def test_verify_examples_are_half_right_with_matching_verdicts():
         assert parse_verdict(target) is right
         n_yes += right
     assert 0.4 < n_yes / len(items) < 0.6
+
+
+def test_solve_retry_examples_mix_first_turns_and_retries_after_a_wrong_answer():
+    items = make_dataset(WL, "train")[:400]
+    pairs = task_examples("solve_retry", items, random.Random(2))
+    retries = 0
+    for it, (prompt, target) in zip(items, pairs):
+        q = f"{it['question']}="
+        assert target.startswith(str(it["answer"]))  # always the right answer
+        if prompt == q:
+            continue
+        retries += 1
+        rejected = prompt[len(q):].split(" no. ")[0]
+        assert prompt == retry_prompt(q, rejected) and prompt.endswith(q)  # the workflow's own retry turn
+        assert 1 <= abs(int(rejected) - int(it["answer"])) <= 3
+    assert 0.4 < retries / len(items) < 0.6
 
 
 def test_select_examples_have_exactly_one_right_candidate():
