@@ -73,7 +73,7 @@ def model() -> None:
 @model.command("init")
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--preset", type=click.Choice(["tiny", "mini", "small", "50m"]), default="small", show_default=True,
-              help="Model size: tiny ~0.8M, small ~10M, 50m ~50M parameters.")
+              help="Model size: tiny ~0.8M, mini ~2.4-3.2M, small ~10M, 50m ~50M parameters.")
 @click.option("--arch", type=click.Choice(["qwen2", "llama"]), default="qwen2", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--warm-start-seconds", type=float, default=0.0, show_default=True,
