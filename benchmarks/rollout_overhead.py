@@ -56,11 +56,11 @@ def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_new: int,
 def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int, capacity: int,
          max_new: int, digits: int, seed: int) -> dict:
     from distributed import Client, LocalCluster
-    from astraflow.runtime.cluster import connected_workers
 
     from astraflow.config import DataflowConfig, EngineConfig, EvalConfig, RolloutConfig, SamplingConfig, WorkloadConfig
     from astraflow.dataflow.layer import DataLayer
     from astraflow.rollout.node import NodeIdentity, RaaSNode
+    from astraflow.runtime.cluster import connected_workers
     from storage.weights import WeightStore
 
     weights = work / "weights"

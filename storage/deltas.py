@@ -2,8 +2,8 @@
 
 Why: a remote or cross-region RaaS node that holds version ``v-1`` should not pull every shard
 of ``v``. At RL learning rates (1e-6..5e-6) only a fraction of the bf16 elements change from one
-optimiser step to the next, so sending (flat index, new bf16 value) for the changed elements is
-several times smaller than the full bf16 weights.
+optimiser step to the next, so sending only the changed elements (where, and by how much) is
+far smaller than the full bf16 weights.
 
 Format of a delta directory (``storage.paths.delta_dir(root, policy, v-1, v)``), format 2::
 

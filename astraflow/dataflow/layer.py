@@ -58,6 +58,7 @@ from astraflow.contracts import BatchItem, Batch, RolloutTask, SequenceSummary, 
 from astraflow.dataflow import policies as P
 from astraflow.dataflow.ledger import TERMINAL, Ledger
 from astraflow.workloads.base import make_workload
+from astraflow.workloads.mix import SOURCE_KEY
 from storage.trajectories import open_trajectory_store
 
 log = logging.getLogger("astraflow.dataflow")
@@ -241,7 +242,7 @@ class DataLayer:
             self._metrics.write(json.dumps(record, default=float) + "\n")
 
     def _source_of(self, payload: dict[str, Any]) -> str:
-        return str(payload.get("source", "")) if self._mixing else ""
+        return str(payload.get(SOURCE_KEY, "")) if self._mixing else ""
 
     def _next_prompt(self, source: str = "") -> int:
         order = self._order[source]
@@ -286,15 +287,13 @@ class DataLayer:
                 )
                 self.pending.append(tid)
 
-    def _ahead(self) -> dict[str, int]:
-        """Groups rolled out ahead of training, per source: those in rollout plus what the
-        hungriest policy has buffered. Using the hungriest policy keeps policies independent:
-        a stalled trainer's growing buffer does not starve the others (it is capped instead,
-        see ``_cap_buffer``)."""
-        out = Counter(self.groups[g].source for g in self._outstanding)
-        for s in self.source_weights:
-            out[s] += min(sum(1 for g in b if g.source == s) for b in self.buffers.values())
-        return {s: out[s] for s in self.source_weights}
+    def _ahead(self, rolling: Counter) -> dict[str, int]:
+        """Groups rolled out ahead of training, per source: those in rollout (``rolling``)
+        plus what the hungriest policy has buffered. Using the hungriest policy keeps policies
+        independent: a stalled trainer's growing buffer does not starve the others (it is
+        capped instead, see ``_cap_buffer``)."""
+        return {s: rolling[s] + min(sum(1 for g in b if g.source == s) for b in self.buffers.values())
+                for s in self.source_weights}
 
     def _refill_source(self, limit: int) -> str | None:
         """The source of the next group, or ``None`` when every source is at its bound.
@@ -306,13 +305,14 @@ class DataLayer:
         groups ahead, plus the new one, are the smallest multiple of its weight goes next:
         groups ahead follow the weights, so a source whose groups are filtered (and leave
         the count) is refilled more often."""
-        ahead = self._ahead()
+        rolling = Counter(self.groups[g].source for g in self._outstanding)
+        ahead = self._ahead(rolling)
         total_w = sum(self.source_weights.values())
         gs = self.wcfg.group_size
         best, best_key = None, math.inf
         for s, w in self.source_weights.items():
             bound = limit if len(self.source_weights) == 1 else max(1, math.ceil(limit * w / total_w - 1e-9))
-            in_rollout = gs * sum(1 for g in self._outstanding if self.groups[g].source == s)
+            in_rollout = gs * rolling[s]
             starved = any(short.get(s, 0) > in_rollout for short in self._short.values())
             if ahead[s] >= bound and not starved:
                 continue
@@ -668,7 +668,7 @@ class DataLayer:
             "response_tokens_mean": float(np.mean([x.loss_mask.sum() for x in items])),
         }
         if self._mixing:
-            metrics["consumed_by_source"] = {s: q for s, q in quota.items()}
+            metrics["consumed_by_source"] = dict(quota)
         self.last_batch[policy] = metrics
         return Batch(policy=policy, version=version, items=tuple(items + replays), metrics=metrics)
 

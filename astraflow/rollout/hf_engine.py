@@ -23,8 +23,9 @@ The forward passes run on the event loop's own thread, one step at a time, yield
 loop between steps (finished episodes, lease replies and new requests are handled there).
 Handing each step to a worker thread instead cost two GIL hand-offs per decoded token, which
 inside a busy RaaS node process cost about a third of the node's tokens/s
-(``benchmarks/rollout_overhead.py``: median 1,890 -> 2,833 tokens/s on the tiny model); torch releases the GIL inside its kernels, so the node's
-writer and weight-watcher threads still run during a step.
+(``benchmarks/rollout_overhead.py``: median 1,890 -> 2,833 tokens/s on the tiny model); torch
+releases the GIL inside its kernels, so the node's writer and weight-watcher threads still run
+during a step.
 """
 
 from __future__ import annotations
@@ -72,11 +73,9 @@ class HFEngine:
         seed: int = 0,
         device: str = "auto",
     ) -> None:
-        from astraflow.models import resolve_device
+        from astraflow.models import load_model, resolve_device
 
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
-            from astraflow.models import load_model
-
             self.model, self.tokenizer = load_model(model)
         else:
             if tokenizer is None:
