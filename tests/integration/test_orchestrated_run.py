@@ -51,8 +51,11 @@ def test_components_exchange_tasks_trajectories_and_weights(tiny_model, tmp_path
 
 @pytest.mark.timeout(300)
 def test_killed_rollout_worker_loses_no_task_and_is_replaced(tiny_model, tmp_path):
+    # paced episodes (>= 0.5 s each): a node seen holding leases still holds them when it is
+    # killed a moment later (a fast node could finish them in between and lose nothing to requeue)
     cfg = tiny_config(tiny_model, **{"run.max_steps": 8, "dataflow.lease_seconds": 5,
-                                     "workload.eval.every": 0})
+                                     "workload.eval.every": 0,
+                                     "workload.workflow": "tests.slurm.slow_workflow:slow_single_turn_test"})
     run_dir = tmp_path / "run"
     orch = Orchestrator(cfg, run_dir)
     th, box = run_in_thread(orch)
