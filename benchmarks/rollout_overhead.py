@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shutil
 import sys
@@ -29,14 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_new: int, seed: int) -> tuple[float, int, dict]:
+def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_batch: int, max_new: int, seed: int) -> tuple[float, int, dict]:
     import torch
 
     from astraflow.rollout.engine import SamplingParams
     from astraflow.rollout.hf_engine import HFEngine
 
     torch.set_num_threads(1)
-    engine = HFEngine(str(model_dir), version=0, max_batch_size=capacity, seed=seed)
+    engine = HFEngine(str(model_dir), version=0, max_batch_size=max_batch, seed=seed, device="cpu")
     params = SamplingParams(max_new_tokens=max_new)
 
     async def go() -> int:
@@ -53,31 +54,60 @@ def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_new: int,
     return time.perf_counter() - t0, tokens, engine.stats()
 
 
-def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int, capacity: int,
-         max_new: int, digits: int, seed: int) -> dict:
-    from distributed import Client, LocalCluster
+@contextlib.contextmanager
+def system_workers(work: Path):
+    """A Dask scheduler, a data worker and a rollout worker, started exactly as ``astraflow run``
+    starts them (``SchedulerProcess`` + ``LocalScheduler``: no nanny). Yields the client and
+    the two worker addresses. (A ``LocalCluster``'s nannies set ``MALLOC_TRIM_THRESHOLD_``,
+    which alone cost the engine 20-40 % of its tokens/s here: not what a user runs.)"""
+    from distributed import Client
 
+    from astraflow.runtime.cluster import SchedulerProcess, connected_workers
+    from schedulers.local import LocalScheduler
+    from schedulers.partition import Partition
+    from storage.paths import RunPaths
+
+    paths = RunPaths(work)
+    paths.logs.mkdir(parents=True, exist_ok=True)
+    scheduler = SchedulerProcess(paths, dashboard_port=0)
+    address = scheduler.start()
+    workers = LocalScheduler(paths.logs)
+    try:
+        for role in ("data", "rollout"):
+            workers.submit(Partition(name="bench", role=role, region="home", hardware="cpu"), address, count=1)
+        with Client(address) as client:
+            deadline = time.time() + 120
+            while len(connected_workers(client)) < 2:
+                if time.time() > deadline:
+                    raise TimeoutError(f"benchmark workers did not join within 120 s; see {paths.logs}")
+                time.sleep(0.2)
+            by_name = {w["name"]: a for a, w in connected_workers(client).items()}
+            yield client, by_name["data-bench-home-cpu-0"], by_name["rollout-bench-home-cpu-0"]
+    finally:
+        workers.close()
+        scheduler.stop()
+
+
+def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int, capacity: int,
+         max_batch: int, max_new: int, digits: int, seed: int) -> dict:
     from astraflow.config import DataflowConfig, EngineConfig, EvalConfig, RolloutConfig, SamplingConfig, WorkloadConfig
     from astraflow.dataflow.layer import DataLayer
     from astraflow.rollout.node import NodeIdentity, RaaSNode
-    from astraflow.runtime.cluster import connected_workers
     from storage.weights import WeightStore
 
     weights = work / "weights"
     WeightStore(weights)  # an empty store: the node serves the model directory as version 0
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                      host="127.0.0.1") as cluster, Client(cluster) as client:
-        addrs = sorted(connected_workers(client))
+    with system_workers(work) as (client, data_addr, rollout_addr):
         wl = WorkloadConfig(name="math", params={"digits": digits}, group_size=group_size,
                             sampling=SamplingConfig(max_new_tokens=max_new), eval=EvalConfig(every=0))
         dl = client.submit(
-            DataLayer, actor=True, workers=[addrs[0]],
+            DataLayer, actor=True, workers=[data_addr],
             dataflow=DataflowConfig(batch_size=group_size, prefetch_groups=groups), workload=wl,
             policies=["p"], store_url=str(work / "trajectories"), metrics_path=None, max_steps=1, seed=seed,
         ).result(timeout=120)
         node = client.submit(
-            RaaSNode, actor=True, workers=[addrs[1]],
-            identity=NodeIdentity(name="bench"), rollout=RolloutConfig(capacity=capacity, engine=EngineConfig(max_batch=capacity)),
+            RaaSNode, actor=True, workers=[rollout_addr], identity=NodeIdentity(name="bench"),
+            rollout=RolloutConfig(capacity=capacity, engine=EngineConfig(max_batch=max_batch, device="cpu")),
             models={"p": str(model_dir)}, workload_name="math", workload_params={"digits": digits},
             workload_seed=0, workflow="single_turn", sampling=wl.sampling, store_url=str(work / "trajectories"),
             weights_root=str(weights), data_layer=dl, seed=seed,
@@ -102,7 +132,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--groups", type=int, default=48)
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--capacity", type=int, default=64)
+    ap.add_argument("--capacity", type=int, default=128, help="episodes in flight (both paths)")
+    ap.add_argument("--max-batch", type=int, default=64, help="engine batch size (both paths)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     ap.add_argument("--digits", type=int, default=2)
@@ -130,8 +161,9 @@ def main() -> None:
 
     rows = []  # one (bare, RaaS) pair per repetition, alternating: load drifts hit both alike
     for rep in range(args.reps):
-        bare_s, bare_tokens, bare_stats = bare(model_dir, prompts, args.capacity, args.max_new_tokens, args.seed)
-        r = raas(model_dir, work / f"rep{rep}", n, args.groups, args.group_size, args.capacity, args.max_new_tokens,
+        bare_s, bare_tokens, bare_stats = bare(model_dir, prompts, args.capacity, args.max_batch, args.max_new_tokens, args.seed)
+        r = raas(model_dir, work / f"rep{rep}", n, args.groups, args.group_size, args.capacity, args.max_batch,
+                 args.max_new_tokens,
                  args.digits, args.seed)
         c = r["counters"]
         # end to end: from the engine being loaded to the last trajectory completed in the data layer
@@ -140,7 +172,7 @@ def main() -> None:
                          ratio=(c["tokens"] / r["wall_s"]) / (bare_tokens / bare_s)))
         print(f"rep {rep + 1}/{args.reps}: ratio {rows[-1]['ratio']:.3f}", flush=True)
 
-    table = Table(title=f"rollout overhead ({n} episodes, capacity {args.capacity}, {args.preset} model)")
+    table = Table(title=f"rollout overhead ({n} episodes, {args.capacity} in flight, engine batch {args.max_batch}, {args.preset} model)")
     for col in ("rep", "path", "tokens", "seconds", "tokens/s", "engine busy s", "mean batch", "ratio"):
         table.add_column(col, justify="right")
     for i, x in enumerate(rows):

@@ -172,8 +172,10 @@ class RaaSNode:
 
     async def _main(self) -> None:
         self._slot_free = asyncio.Event()
-        done: asyncio.Queue[Trajectory] = asyncio.Queue()
-        writer = asyncio.create_task(self._writer(done))
+        self._finished: list[Trajectory] = []  # generated, waiting for the writer
+        self._finished_event = asyncio.Event()
+        self._closing = False
+        writer = asyncio.create_task(self._writer())
         watcher = asyncio.create_task(self._watch_weights())
         episodes: set[asyncio.Task] = set()
         last_beat = 0.0
@@ -193,7 +195,7 @@ class RaaSNode:
                 self.counters["lease_s"] += time.time() - t0
             for task in tasks:
                 self.inflight[task.task_id] = task
-                ep = asyncio.create_task(self._episode(task, done))
+                ep = asyncio.create_task(self._episode(task))
                 episodes.add(ep)
                 ep.add_done_callback(episodes.discard)
             t0, was_idle = time.time(), not self.inflight
@@ -206,12 +208,13 @@ class RaaSNode:
                     pass
             if was_idle:  # nothing was generating during this wait
                 self.counters["idle_s"] += time.time() - t0
-            if self.draining and not self.inflight and done.empty() and not self.writing:
+            if self.draining and not self.inflight and not self.writing:
                 break
         # drain: finish in-flight episodes, then flush
         if episodes:
             await asyncio.wait(episodes, timeout=60)
-        await done.put(None)  # type: ignore[arg-type]
+        self._closing = True
+        self._finished_event.set()
         await writer
         watcher.cancel()
 
@@ -227,7 +230,7 @@ class RaaSNode:
             "tokens_per_s": self.counters["tokens"] / max(time.time() - self._started_at, 1e-9),
         }
 
-    async def _episode(self, task: RolloutTask, done: asyncio.Queue) -> None:
+    async def _episode(self, task: RolloutTask) -> None:
         try:
             if task.min_version >= 0:
                 await self._wait_for_version(task.min_version, timeout=120)
@@ -243,7 +246,8 @@ class RaaSNode:
                 ),
             )
             self.writing.add(task.task_id)
-            await done.put(traj)
+            self._finished.append(traj)
+            self._finished_event.set()
         except (TimeoutError, ValueError, RuntimeError) as err:
             self.counters["failed"] += 1
             log.warning("episode %s failed: %s", task.task_id, err)
@@ -259,23 +263,31 @@ class RaaSNode:
                 raise TimeoutError(f"weights v{version} not loaded within {timeout:.0f}s")
             await asyncio.sleep(0.1)
 
-    async def _writer(self, done: asyncio.Queue) -> None:
-        """Write finished trajectories in batches to this node's segment, then complete them."""
-        closing = False
-        while not closing:
-            batch: list[Trajectory] = []
-            deadline = time.time() + self.cfg.flush_seconds
-            while len(batch) < self.cfg.write_batch:
+    async def _writer(self) -> None:
+        """Write finished trajectories in batches to this node's segment, then complete them.
+
+        A batch is written when it is full (``write_batch``), when its oldest trajectory has
+        waited ``flush_seconds``, or at once when nothing else is being generated. One wake-up
+        takes every trajectory finished since the last: the engine yields to the event loop
+        only between decoding steps, so waiting per trajectory would starve the writer."""
+        while True:
+            if not self._finished:
+                if self._closing:
+                    break
+                self._finished_event.clear()
+                await self._finished_event.wait()
+                continue
+            oldest = time.time()
+            while (len(self._finished) < self.cfg.write_batch and self.inflight and not self._closing
+                   and time.time() - oldest < self.cfg.flush_seconds):
+                self._finished_event.clear()
                 try:
-                    item = await asyncio.wait_for(done.get(), timeout=max(deadline - time.time(), 0.001))
+                    await asyncio.wait_for(self._finished_event.wait(),
+                                           timeout=self.cfg.flush_seconds - (time.time() - oldest))
                 except asyncio.TimeoutError:
                     break
-                if item is None:
-                    closing = True
-                    break
-                batch.append(item)
-            if not batch:
-                continue
+            batch = self._finished[: self.cfg.write_batch]
+            del self._finished[: len(batch)]
             t0 = time.time()
             rows = [row for traj in batch for row in traj.to_stored()]
             refs = await asyncio.to_thread(self.writer.write, rows)
