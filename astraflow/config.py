@@ -214,6 +214,10 @@ class EngineConfig(_Strict):
     """Most requests decoded together in one batch."""
     threads: int = Field(default=1, ge=1)
     """torch intra-op threads of the engine."""
+    process: bool = True
+    """Run the engine in a process of its own, next to the node's Dask worker. The node's
+    Python work (Dask comms, trajectory writes) then no longer competes with decoding for the
+    interpreter lock (``benchmarks/rollout_overhead.py``). ``false``: in the worker process."""
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """Where the engine runs: ``auto`` (the worker's GPU when it has one, else the CPU),
     ``cpu``, ``cuda`` or ``cuda:N``."""

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
+
 from astraflow.config import EngineConfig
 from astraflow.rollout.engine import InferenceEngine
+
+log = logging.getLogger("astraflow.rollout")
 
 KNOWN = ("hf",)
 
@@ -16,5 +21,15 @@ def make_engine(cfg: EngineConfig, model_path: str, seed: int = 0) -> InferenceE
 
         torch.set_num_threads(cfg.threads)
         # version 0: the model directory is what the trainer publishes as v0
+        if cfg.process:
+            if multiprocessing.current_process().daemon:
+                log.warning("rollout.engine.process: this worker process is daemonic (a Dask nanny with "
+                            "distributed.worker.daemon: true) and cannot start the engine process; the engine "
+                            "runs in the worker process instead")
+            else:
+                from astraflow.rollout.process_engine import ProcessEngine
+
+                return ProcessEngine(model_path, max_batch_size=cfg.max_batch, seed=seed, device=cfg.device,
+                                     threads=cfg.threads, version=0)
         return HFEngine(model_path, max_batch_size=cfg.max_batch, version=0, seed=seed, device=cfg.device)
     raise ValueError(f"unknown engine type {cfg.type!r}; known: {', '.join(KNOWN)}")

@@ -135,7 +135,10 @@ class RaaSNode:
         if self._thread is not None:
             self._thread.join(timeout)
         self.stopped = self._thread is None or not self._thread.is_alive()
-        return self.state()
+        st = self.state()
+        for engine in self.engines.values():
+            engine.close()
+        return st
 
     def state(self) -> dict[str, Any]:
         stats = {p: e.stats() for p, e in self.engines.items()}
