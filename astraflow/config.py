@@ -229,7 +229,9 @@ class RolloutConfig(_Strict):
     engine: EngineConfig = EngineConfig()
     """The inference engine of each policy on the node."""
     capacity: int = Field(default=32, ge=1)
-    """Episodes in flight on one node."""
+    """Episodes in flight on one node. Above ``engine.max_batch`` (2x is a good start) the next
+    batch already waits in the engine while one decodes, so the engine never idles for a lease
+    round trip."""
     write_batch: int = Field(default=64, ge=1)
     """Trajectories buffered before a segment write (also flushed every ``flush_seconds``)."""
     flush_seconds: float = Field(default=0.5, gt=0)

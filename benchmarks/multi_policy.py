@@ -23,6 +23,7 @@ The models are built once (tiny preset, short supervised warm starts via ``build
 verifier on its own role, ``task: verify``) and copied read-only into every run.
 
     python benchmarks/multi_policy.py [--steps 16] [--batch 64] [--solver-target 0.3] [--verifier-warm 60]
+        [--rollout-nodes 2] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def make_config(args, workdir: Path, models: dict[str, Path], mode: str, two: bo
             {"name": "data", "scheduler": "local", "role": "data", "nodes": 1},
             # one trainer process per policy, so that two trainers can step at the same time
             {"name": "trainer", "scheduler": "local", "role": "trainer", "nodes": len(policies)},
-            {"name": "rollout", "scheduler": "local", "role": "rollout", "nodes": 2},
+            {"name": "rollout", "scheduler": "local", "role": "rollout", "nodes": args.rollout_nodes},
         ],
         "cluster": {"dashboard_port": 0},
     }
@@ -129,25 +130,29 @@ def main() -> None:
     ap.add_argument("--solver-target", type=float, default=0.3,
                     help="stop the solver's warm start at this held-out accuracy (as the main example)")
     ap.add_argument("--verifier-warm", type=float, default=60.0)
-    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--rollout-nodes", type=int, default=2, help="RaaS nodes (each runs its engine in its own process)")
+    ap.add_argument("--workdir", type=Path, default=None, help="reuse the models built under this directory")
     args = ap.parse_args()
     console = Console(width=130)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mp-bench-"))
     workload = WorkloadConfig(name="math", params={"digits": args.digits})
     t0 = time.time()
-    models = {
-        "solver": build_model(work / "models" / "solver",
-                              ModelInit(preset=args.preset, warm_start_seconds=args.solver_warm,
-                                        warm_start_target=args.solver_target, warm_start_lr=3e-3, seed=0,
-                                        task="solve_retry"), workload),
-        "verifier": build_model(work / "models" / "verifier",
-                                ModelInit(preset=args.preset, warm_start_seconds=args.verifier_warm,
-                                          warm_start_lr=3e-3, seed=1, task="verify"), workload),
+    inits = {
+        "solver": ModelInit(preset=args.preset, warm_start_seconds=args.solver_warm,
+                            warm_start_target=args.solver_target, warm_start_lr=3e-3, seed=0, task="solve_retry"),
+        "verifier": ModelInit(preset=args.preset, warm_start_seconds=args.verifier_warm, warm_start_lr=3e-3, seed=1,
+                              task="verify"),
     }
+    models = {}
+    for role, init in inits.items():
+        out = work / "models" / role
+        # a --workdir of an earlier run: its models are reused (same warm starts, less waiting)
+        models[role] = out if (out / "config.json").exists() else build_model(out, init, workload)
     console.print(f"models built in {time.time() - t0:.0f}s under {work / 'models'}")
-    a = run_one("(a) solver only", make_config(args, work, models, "async", False), work / "a", console)
-    b = run_one("(b) solver+verifier sync", make_config(args, work, models, "sync", True), work / "b", console)
-    c = run_one("(c) solver+verifier async", make_config(args, work, models, "async", True), work / "c", console)
+    runs = work / time.strftime("runs-%Y%m%d-%H%M%S")  # fresh run directories, also in a reused workdir
+    a = run_one("(a) solver only", make_config(args, work, models, "async", False), runs / "a", console)
+    b = run_one("(b) solver+verifier sync", make_config(args, work, models, "sync", True), runs / "b", console)
+    c = run_one("(c) solver+verifier async", make_config(args, work, models, "async", True), runs / "c", console)
 
     speedup = b["per_iter_s"] / c["per_iter_s"]
     ideal = b["ideal"]
@@ -169,7 +174,8 @@ def main() -> None:
                           "async": round(c["per_iter_s"], 3)},
            "speedup_all_steps": round(b["per_iter_all_s"] / c["per_iter_all_s"], 3),
            "sync_R_T_S": [round(b["R"], 3), round(b["T"], 3), round(b["S"], 3)],
-           "steps": args.steps, "batch": args.batch, "preset": args.preset, "digits": args.digits}
+           "steps": args.steps, "batch": args.batch, "preset": args.preset, "digits": args.digits,
+           "rollout_nodes": args.rollout_nodes}
     print("RESULT " + json.dumps(res))
 
 

@@ -1,17 +1,22 @@
 """What the RaaS machinery costs on top of its inference engine.
 
-Side by side in one run, on the same model, prompts, sampling and concurrency:
+Side by side in one run, on the same model, prompts, sampling, in-flight count and engine
+batch size:
 
 * **bare engine**: ``HFEngine.generate`` for every prompt, ``capacity`` requests in flight,
-  in one process;
-* **RaaS node**: the same engine inside a ``RaaSNode`` actor on a Dask worker, leasing the same
-  tasks from a ``DataLayer`` actor on another worker, writing trajectories to a Zarr store on
-  disk and completing them (no trainer: a RaaS node runs alone against a data layer).
+  in one process: the engine alone, fed as fast as it can take requests;
+* **RaaS node**: a ``RaaSNode`` actor on a Dask worker, leasing the same number of tasks from
+  a ``DataLayer`` actor on another worker, running the ``single_turn`` workflow, writing
+  trajectories to a Zarr store on disk and completing them (no trainer: a RaaS node runs alone
+  against a data layer). The scheduler and workers are started exactly as ``astraflow run``
+  starts them, and the node runs its engine as configured by default (in its own process).
 
-Reports generated tokens/s of both, their ratio (goal >= 0.95) and the system overhead per
-trajectory (lease, store write + index, completion) in milliseconds.
+Reports generated tokens/s of both, their ratio (goal >= 0.95), each engine's busy time and
+mean batch, and the store write + index time per trajectory in milliseconds. Repetitions
+alternate bare and RaaS (load drifts hit both alike); the median ratio is the result.
 
-    python benchmarks/rollout_overhead.py [--groups 48] [--reps 3] [--preset tiny]
+    python benchmarks/rollout_overhead.py [--groups 200] [--reps 3] [--capacity 128] [--max-batch 64]
+        [--in-process]   # the engine inside the node's worker process (rollout.engine.process: false)
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ def system_workers(work: Path):
 
 
 def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int, capacity: int,
-         max_batch: int, max_new: int, digits: int, seed: int) -> dict:
+         max_batch: int, max_new: int, digits: int, seed: int, engine_process: bool = True) -> dict:
     from astraflow.config import DataflowConfig, EngineConfig, EvalConfig, RolloutConfig, SamplingConfig, WorkloadConfig
     from astraflow.dataflow.layer import DataLayer
     from astraflow.rollout.node import NodeIdentity, RaaSNode
@@ -107,7 +112,8 @@ def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int
         ).result(timeout=120)
         node = client.submit(
             RaaSNode, actor=True, workers=[rollout_addr], identity=NodeIdentity(name="bench"),
-            rollout=RolloutConfig(capacity=capacity, engine=EngineConfig(max_batch=max_batch, device="cpu")),
+            rollout=RolloutConfig(capacity=capacity, engine=EngineConfig(max_batch=max_batch, device="cpu",
+                                                                            process=engine_process)),
             models={"p": str(model_dir)}, workload_name="math", workload_params={"digits": digits},
             workload_seed=0, workflow="single_turn", sampling=wl.sampling, store_url=str(work / "trajectories"),
             weights_root=str(weights), data_layer=dl, seed=seed,
@@ -130,7 +136,7 @@ def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--groups", type=int, default=48)
+    ap.add_argument("--groups", type=int, default=200)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--capacity", type=int, default=128, help="episodes in flight (both paths)")
     ap.add_argument("--max-batch", type=int, default=64, help="engine batch size (both paths)")
@@ -139,6 +145,8 @@ def main() -> None:
     ap.add_argument("--digits", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=3, help="alternating bare/RaaS repetitions (median reported)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run the node's engine inside its worker process (rollout.engine.process: false)")
     args = ap.parse_args()
 
     from rich.console import Console
@@ -163,8 +171,7 @@ def main() -> None:
     for rep in range(args.reps):
         bare_s, bare_tokens, bare_stats = bare(model_dir, prompts, args.capacity, args.max_batch, args.max_new_tokens, args.seed)
         r = raas(model_dir, work / f"rep{rep}", n, args.groups, args.group_size, args.capacity, args.max_batch,
-                 args.max_new_tokens,
-                 args.digits, args.seed)
+                 args.max_new_tokens, args.digits, args.seed, engine_process=not args.in_process)
         c = r["counters"]
         # end to end: from the engine being loaded to the last trajectory completed in the data layer
         rows.append(dict(bare_s=bare_s, bare_tokens=bare_tokens, bare_stats=bare_stats, raas_s=r["wall_s"],
@@ -172,7 +179,8 @@ def main() -> None:
                          ratio=(c["tokens"] / r["wall_s"]) / (bare_tokens / bare_s)))
         print(f"rep {rep + 1}/{args.reps}: ratio {rows[-1]['ratio']:.3f}", flush=True)
 
-    table = Table(title=f"rollout overhead ({n} episodes, {args.capacity} in flight, engine batch {args.max_batch}, {args.preset} model)")
+    table = Table(title=f"rollout overhead ({n} episodes, {args.capacity} in flight, engine batch {args.max_batch}, "
+                        f"{args.preset} model, engine {'in the worker' if args.in_process else 'in its own process'})")
     for col in ("rep", "path", "tokens", "seconds", "tokens/s", "engine busy s", "mean batch", "ratio"):
         table.add_column(col, justify="right")
     for i, x in enumerate(rows):
@@ -198,6 +206,7 @@ def main() -> None:
         "raas_tokens_per_s": round(raas_tps, 1),
         "overhead_ms_per_trajectory": round(overhead_ms, 3),
         "episodes": int(c["episodes"]),
+        "engine_process": not args.in_process,
     }))
 
 

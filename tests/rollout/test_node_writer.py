@@ -1,0 +1,126 @@
+"""The RaaS node's writer policy: write when a batch is full, when nothing else is being
+generated (do not make the trainer wait ``flush_seconds`` for the last trajectories), or when
+the oldest has waited ``flush_seconds``; take every finished trajectory in one wake-up; never
+complete a task before its trajectory is in the store.
+
+The node's loop is driven directly (no Dask): the data-layer handle is the process boundary, so
+a recorder stands in for it; the trajectory store is a real Zarr store on disk."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+
+import pytest
+
+from astraflow.config import RolloutConfig, SamplingConfig
+from astraflow.contracts import RolloutTask
+from astraflow.rollout.node import NodeIdentity, RaaSNode
+from storage.trajectories import open_trajectory_store
+from tests.dataflow.helpers import make_trajectory
+
+
+class _Completions:
+    """Stands in for the data-layer actor handle: ``complete`` returns a done future."""
+
+    def __init__(self, store_url: str):
+        self.store_url = store_url
+        self.batches: list[tuple[float, list[str]]] = []
+
+    def complete(self, refs):
+        # the invariant: every completed trajectory is already readable in the store
+        store = open_trajectory_store(self.store_url, "r")
+        assert len(store.read([s.ref for r in refs for s in r.sequences])) == len(refs)
+        self.batches.append((time.monotonic(), [r.task_id for r in refs]))
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(len(refs))
+        return fut
+
+
+def _node(tmp_path, **rollout) -> tuple[RaaSNode, _Completions]:
+    url = str(tmp_path / "trajectories")
+    dl = _Completions(url)
+    node = RaaSNode(identity=NodeIdentity(name="n0"), rollout=RolloutConfig(**rollout), models={},
+                    workload_name="math", workload_params={}, workload_seed=0, workflow="single_turn",
+                    sampling=SamplingConfig(),
+                    store_url=url, weights_root=str(tmp_path / "weights"), data_layer=dl)
+    node.writer = open_trajectory_store(url, "a").writer("n0", batch_size=64)
+    return node, dl
+
+
+def _traj(i: int):
+    return make_trajectory(RolloutTask(task_id=f"g{i}/0", group_id=f"g{i}", policies=("p",), workflow="single_turn",
+                                       prompt={"q": i}, kind="train"), reward=1.0)
+
+
+async def _drive(node: RaaSNode, script) -> None:
+    node._finished, node._finished_event, node._closing = [], asyncio.Event(), False
+    writer = asyncio.create_task(node._writer())
+    await script()
+    node._closing = True
+    node._finished_event.set()
+    await asyncio.wait_for(writer, 30)
+
+
+def _finish(node: RaaSNode, trajs) -> None:
+    for t in trajs:
+        node.writing.add(t.task_id)
+        node._finished.append(t)
+    node._finished_event.set()
+
+
+@pytest.mark.timeout(60)
+def test_writes_at_once_when_nothing_is_generating(tmp_path):
+    node, dl = _node(tmp_path, write_batch=1000, flush_seconds=30.0)
+
+    async def script():
+        t0 = time.monotonic()
+        _finish(node, [_traj(i) for i in range(3)])  # the last episodes of the node: inflight is empty
+        while not dl.batches:
+            assert time.monotonic() - t0 < 5, "the writer waited for flush_seconds with nothing generating"
+            await asyncio.sleep(0.01)
+
+    asyncio.run(_drive(node, script))
+    assert [ids for _, ids in dl.batches] == [["g0/0", "g1/0", "g2/0"]]
+    assert not node.writing and node.counters["episodes"] == 3
+
+
+@pytest.mark.timeout(60)
+def test_holds_a_partial_batch_while_episodes_generate_then_writes_it_full(tmp_path):
+    node, dl = _node(tmp_path, write_batch=4, flush_seconds=30.0)
+    node.inflight = {"still/0": None}  # an episode is still generating
+
+    async def script():
+        _finish(node, [_traj(i) for i in range(3)])
+        await asyncio.sleep(0.3)
+        assert dl.batches == []  # 3 of 4, more are coming: wait
+        _finish(node, [_traj(3)])
+        t0 = time.monotonic()
+        while not dl.batches:
+            assert time.monotonic() - t0 < 5
+            await asyncio.sleep(0.01)
+
+    asyncio.run(_drive(node, script))
+    assert [len(ids) for _, ids in dl.batches] == [4]
+
+
+@pytest.mark.timeout(60)
+def test_flushes_after_flush_seconds_and_takes_everything_finished_per_wake_up(tmp_path):
+    node, dl = _node(tmp_path, write_batch=4, flush_seconds=0.3)
+    node.inflight = {"still/0": None}
+
+    async def script():
+        t0 = time.monotonic()
+        _finish(node, [_traj(i) for i in range(10)])  # one wake-up: batches of 4, 4, then 2 held
+        while sum(len(ids) for _, ids in dl.batches) < 10:
+            assert time.monotonic() - t0 < 5
+            await asyncio.sleep(0.01)
+        return t0
+
+    asyncio.run(_drive(node, script))
+    sizes = [len(ids) for _, ids in dl.batches]
+    assert sizes == [4, 4, 2]
+    # the partial batch went out because its oldest waited flush_seconds, not earlier
+    assert dl.batches[2][0] - dl.batches[1][0] >= 0.25
+    assert sorted(i for _, ids in dl.batches for i in ids) == sorted(f"g{i}/0" for i in range(10))
