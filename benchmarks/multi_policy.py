@@ -23,7 +23,7 @@ The models are built once (tiny preset, short supervised warm starts via ``build
 verifier on its own role, ``task: verify``) and copied read-only into every run.
 
     python benchmarks/multi_policy.py [--steps 16] [--batch 64] [--solver-target 0.3] [--verifier-warm 60]
-        [--rollout-nodes 2] [--workdir DIR]
+        [--rollout-nodes 1] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def main() -> None:
     ap.add_argument("--solver-target", type=float, default=0.3,
                     help="stop the solver's warm start at this held-out accuracy (as the main example)")
     ap.add_argument("--verifier-warm", type=float, default=60.0)
-    ap.add_argument("--rollout-nodes", type=int, default=2, help="RaaS nodes (each runs its engine in its own process)")
+    ap.add_argument("--rollout-nodes", type=int, default=1,
+                    help="RaaS nodes (each runs its engine in its own process; on 2 cores one leaves the trainers a core)")
     ap.add_argument("--workdir", type=Path, default=None, help="reuse the models built under this directory")
     args = ap.parse_args()
     console = Console(width=130)
