@@ -30,6 +30,7 @@ from astraflow.config import RolloutConfig, SamplingConfig
 from astraflow.contracts import Provenance, RolloutTask, Trajectory, TrajectoryRef
 from astraflow.rollout.engine import SamplingParams
 from astraflow.rollout.engines import make_engine
+from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.rollout.weight_sync import WeightPuller
 from astraflow.runtime.actors import bind, call
 from astraflow.workloads.base import make_workflow, make_workload
@@ -254,6 +255,10 @@ class RaaSNode:
         except (TimeoutError, ValueError, RuntimeError) as err:
             self.counters["failed"] += 1
             log.warning("episode %s failed: %s", task.task_id, err)
+            if isinstance(err, EngineProcessError):
+                # no engine, no episodes: stop leasing so that other nodes get the tasks instead
+                # of this node failing them one after another; the error shows in state()
+                self.error, self.draining = str(err), True
             await call(self.dl.fail, task.task_id, f"{type(err).__name__}: {err}", timeout=30)
         finally:
             self.inflight.pop(task.task_id, None)

@@ -17,6 +17,7 @@ import pytest
 from astraflow.config import RolloutConfig, SamplingConfig
 from astraflow.contracts import RolloutTask
 from astraflow.rollout.node import NodeIdentity, RaaSNode
+from astraflow.rollout.process_engine import EngineProcessError
 from storage.trajectories import open_trajectory_store
 from tests.dataflow.helpers import make_trajectory
 
@@ -27,6 +28,13 @@ class _Completions:
     def __init__(self, store_url: str):
         self.store_url = store_url
         self.batches: list[tuple[float, list[str]]] = []
+        self.failed: list[tuple[str, str]] = []
+
+    def fail(self, task_id, reason):
+        self.failed.append((task_id, reason))
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(True)
+        return fut
 
     def complete(self, refs):
         # the invariant: every completed trajectory is already readable in the store
@@ -124,3 +132,39 @@ def test_flushes_after_flush_seconds_and_takes_everything_finished_per_wake_up(t
     # the partial batch went out because its oldest waited flush_seconds, not earlier
     assert dl.batches[2][0] - dl.batches[1][0] >= 0.25
     assert sorted(i for _, ids in dl.batches for i in ids) == sorted(f"g{i}/0" for i in range(10))
+
+
+class _DeadEngine:
+    version = 0
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    async def generate(self, prompt, params):
+        raise EngineProcessError("the engine process exited with code -9; see the worker log")
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_engine_process_stops_the_node_leasing(tmp_path, tiny_model):
+    """A node whose engine process died fails the episode it was running and stops leasing, so
+    the data layer hands the tasks to other nodes instead of this node failing them all."""
+    from astraflow.workloads.base import make_workflow, make_workload
+    from astraflow.rollout.engine import SamplingParams
+
+    node, dl = _node(tmp_path)
+    from transformers import AutoTokenizer
+
+    node.engines = {"p": _DeadEngine(AutoTokenizer.from_pretrained(str(tiny_model)))}
+    node.workflow = make_workflow("single_turn", make_workload("math", {}, 0), SamplingParams(), "n0")
+    task = RolloutTask(task_id="g0/0", group_id="g0", policies=("p",), workflow="single_turn",
+                       prompt=make_workload("math", {}, 0).tasks("train")[0], kind="train")
+    node.inflight[task.task_id] = task
+
+    async def run():
+        node._slot_free = asyncio.Event()
+        await node._episode(task)
+
+    asyncio.run(run())
+    assert dl.failed and dl.failed[0][0] == "g0/0" and "exited with code -9" in dl.failed[0][1]
+    assert node.draining and "exited with code -9" in node.error
+    assert not node.inflight
