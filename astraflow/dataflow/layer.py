@@ -118,6 +118,9 @@ class _EvalRound:
     versions_used: list[int] = field(default_factory=list)
     #: eval group id -> source of its prompt (mixtures only)
     sources: dict[str, str] = field(default_factory=dict)
+    #: the finished record; written once every earlier round of the policy is written too
+    result: dict[str, Any] | None = None
+    written: bool = False
 
 
 class DataLayer:
@@ -863,14 +866,28 @@ class DataLayer:
             for gid, r in rnd.rewards.items():
                 by_source.setdefault(rnd.sources[gid], []).append(float(np.mean(r)))
             result["eval_accuracy_by_source"] = {s: float(np.mean(v)) for s, v in by_source.items()}
-        self.eval_results.append(result)
-        self._write_metrics(result)
+        rnd.result = result
+        # records go out in version order: rounds overlap, and a later one can finish first
+        for r in sorted((r for r in self.eval_rounds.values() if r.policy == rnd.policy), key=lambda r: r.version):
+            if r.written:
+                continue
+            if r.result is None:
+                break
+            r.written = True
+            self.eval_results.append(r.result)
+            self._write_metrics(r.result)
 
     # ------------------------------------------------------------------ orchestrator-facing
     async def finish(self) -> dict[str, Any]:
         """End the run: every task that has not ended is dropped with reason ``run_ended``.
         Afterwards every task in the ledger has ended exactly once."""
         self.finished = True
+        # finished evaluations held back behind an unfinished earlier one are measured: keep them
+        for r in sorted(self.eval_rounds.values(), key=lambda r: r.version):
+            if r.result is not None and not r.written:
+                r.written = True
+                self.eval_results.append(r.result)
+                self._write_metrics(r.result)
         for policy, buf in self.buffers.items():
             for grp in buf:
                 self._settle(policy, grp.items, "run_ended")
@@ -893,7 +910,7 @@ class DataLayer:
 
     async def eval_done(self, version: int) -> bool:
         rnd = self.eval_rounds.get(version)
-        return rnd is not None and rnd.remaining <= 0
+        return rnd is not None and rnd.written
 
     async def progress(self) -> dict[str, int]:
         """Cheap counters for pollers that only need to know how far the run is."""

@@ -189,6 +189,38 @@ def test_eval_round_reports_accuracy(tmp_path):
     run(go())
 
 
+def test_eval_records_are_written_in_version_order(tmp_path):
+    """Evaluation rounds overlap and a later one can finish first: its record waits for the
+    earlier one, so metrics.jsonl and state()["eval"] list versions in order; a round held back
+    at the end of the run is still written."""
+    layer = make_layer(tmp_path, eval_every=1)
+
+    async def go():
+        # the layer evaluates v0 on its own; then rounds at v2, v3, v5 overlap
+        await layer.start_eval(2)
+        await layer.start_eval(3)
+        await layer.start_eval(5)
+        await layer.start_eval(6)
+        leased = [t for t in await layer.lease("n", 100) if t.kind == "eval"]
+        by_version = {v: [t for t in leased if t.min_version == v] for v in (0, 2, 3, 5, 6)}
+        w = layer.store.writer("n")
+        await layer.complete(store_and_ref(w, [make_trajectory(t, 0.5) for t in by_version[0]]))
+        await layer.complete(store_and_ref(w, [make_trajectory(t, 1.0) for t in by_version[3]]))
+        assert [e["step"] for e in (await layer.state())["eval"]] == [0] and not await layer.eval_done(3)
+        await layer.complete(store_and_ref(w, [make_trajectory(t, 0.0) for t in by_version[2]]))
+        assert [e["step"] for e in (await layer.state())["eval"]] == [0, 2, 3]
+        assert await layer.eval_done(3)
+        await layer.complete(store_and_ref(w, [make_trajectory(t, 1.0) for t in by_version[5][:-1]]))
+        await layer.complete(store_and_ref(w, [make_trajectory(t, 1.0) for t in by_version[6]]))
+        assert [e["step"] for e in (await layer.state())["eval"]] == [0, 2, 3]  # v6 waits for v5
+        await layer.finish()  # v5 never finishes: v6, measured, is still written
+        await layer.close()
+        lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [(x["step"], x["eval_accuracy"]) for x in lines if "eval_accuracy" in x] == [(0, 0.5), (2, 0.0), (3, 1.0), (6, 1.0)]
+
+    run(go())
+
+
 def test_replay_mixes_consumed_samples_and_records_them(tmp_path):
     layer = make_layer(tmp_path, replay_ratio=0.5)
 
