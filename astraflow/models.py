@@ -139,9 +139,9 @@ def init_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen2", s
     return out
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
-    """Load any HF causal-LM directory as ``(model, tokenizer)``, model in eval mode on CPU."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(path: str | Path):
+    """The tokenizer of an HF model directory (checked to be one)."""
+    from transformers import AutoTokenizer
 
     p = Path(path)
     if not (p / "config.json").is_file():
@@ -149,8 +149,15 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
             f"{p} is not an HF model directory (no config.json); build one with "
             "astraflow.models.init_model(out_dir) or point at a saved checkpoint"
         )
-    tok = AutoTokenizer.from_pretrained(p)
-    model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype)
+    return AutoTokenizer.from_pretrained(p)
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """Load any HF causal-LM directory as ``(model, tokenizer)``, model in eval mode on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(Path(path), dtype=dtype)
     model.eval()
     return model, tok
 

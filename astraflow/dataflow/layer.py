@@ -867,11 +867,18 @@ class DataLayer:
                 by_source.setdefault(rnd.sources[gid], []).append(float(np.mean(r)))
             result["eval_accuracy_by_source"] = {s: float(np.mean(v)) for s, v in by_source.items()}
         rnd.result = result
-        # records go out in version order: rounds overlap, and a later one can finish first
-        for r in sorted((r for r in self.eval_rounds.values() if r.policy == rnd.policy), key=lambda r: r.version):
+        self._write_evals()
+
+    def _write_evals(self, past_unfinished: bool = False) -> None:
+        """Write finished evaluation records in version order: rounds overlap and a later one
+        can finish first, so it waits for the earlier ones unless ``past_unfinished`` (at the
+        end of the run, when an unfinished round never will)."""
+        for r in sorted(self.eval_rounds.values(), key=lambda r: r.version):
             if r.written:
                 continue
             if r.result is None:
+                if past_unfinished:
+                    continue
                 break
             r.written = True
             self.eval_results.append(r.result)
@@ -882,12 +889,7 @@ class DataLayer:
         """End the run: every task that has not ended is dropped with reason ``run_ended``.
         Afterwards every task in the ledger has ended exactly once."""
         self.finished = True
-        # finished evaluations held back behind an unfinished earlier one are measured: keep them
-        for r in sorted(self.eval_rounds.values(), key=lambda r: r.version):
-            if r.result is not None and not r.written:
-                r.written = True
-                self.eval_results.append(r.result)
-                self._write_metrics(r.result)
+        self._write_evals(past_unfinished=True)  # rounds held back behind an unfinished one were measured
         for policy, buf in self.buffers.items():
             for grp in buf:
                 self._settle(policy, grp.items, "run_ended")

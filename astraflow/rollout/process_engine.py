@@ -59,9 +59,9 @@ class ProcessEngine:
 
     def __init__(self, model_path: str, *, max_batch_size: int, seed: int = 0, device: str = "auto",
                  threads: int = 1, version: int = 0, start_timeout: float = START_TIMEOUT_S):
-        from transformers import AutoTokenizer
+        from astraflow.models import load_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        self.tokenizer = load_tokenizer(model_path)  # a bad path fails here, before a process starts
         self.version = version
         self._reap_lock = threading.Lock()
         ctx = multiprocessing.get_context("spawn")
@@ -167,8 +167,7 @@ class ProcessEngine:
             except (EOFError, OSError):
                 break
             if msg[0] == "results":
-                _, results, stats, version = msg
-                self._stats = stats
+                _, results, self._stats, _version = msg
                 if self._loop is not None:
                     self._loop.call_soon_threadsafe(self._resolve, results)
         self._reap(5)
