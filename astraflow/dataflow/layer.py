@@ -675,7 +675,8 @@ class DataLayer:
         self.last_batch[policy] = metrics
         return Batch(policy=policy, version=version, items=tuple(items + replays), metrics=metrics)
 
-    async def published(self, policy: str, version: int, metrics: dict[str, Any] | None = None) -> None:
+    async def published(self, policy: str, version: int, metrics: dict[str, Any] | None = None,
+                        batch_metrics: dict[str, Any] | None = None) -> None:
         """The trainer of ``policy`` committed ``version``; record its step metrics.
 
         The metrics line (one per policy and step) holds the trainer's own metrics, the last
@@ -687,7 +688,9 @@ class DataLayer:
         ``trainer_wait_s`` and ``rollouts_per_consumed`` (training sequences generated per
         sequence consumed: the price of filtering and staleness), with the policy names.
         With several sources (``mix``): ``consumed_by_source`` (cumulative sequences of each
-        source consumed by this policy) and ``groups_by_source`` (train groups created)."""
+        source consumed by this policy) and ``groups_by_source`` (train groups created).
+        ``batch_metrics``: the trained batch's ``Batch.metrics`` (the trainer may already hold
+        the next batch; without them, the last batch served is reported)."""
         self.versions[policy] = max(self.versions[policy], version)
         c = self.counts[policy]
         elapsed = time.time() - self._started
@@ -696,7 +699,7 @@ class DataLayer:
             "policy": policy,
             "time": elapsed,
             **(metrics or {}),
-            **{f"data_{k}": v for k, v in self.last_batch[policy].items()},
+            **{f"data_{k}": v for k, v in (batch_metrics or self.last_batch[policy]).items()},
             "dataflow": {"curator": self.cfg.curator.type, "group_filter": self.cfg.group_filter.type,
                          "ordering": self.cfg.ordering.type, "replay_ratio": self.cfg.replay_ratio,
                          "max_staleness": self.cfg.max_staleness},

@@ -19,6 +19,8 @@ class TrainerBackend(Protocol):
 
     def publish(self, store, policy: str, version: int) -> WeightVersion:
         """Write the current weights as ``version`` of ``policy`` into the weight store and
-        commit it (all ranks finish writing before the commit marker)."""
+        commit it (all ranks finish writing before the commit marker). A backend that can
+        also ``snapshot()`` its weights (a dict of CPU tensors) takes them as ``state=`` and
+        is published by a helper thread while it trains the next step."""
 
     def close(self) -> None: ...

@@ -112,15 +112,21 @@ class TorchBackend:
         """Continue from committed weights (a resumed run; the optimiser state starts fresh)."""
         self.model.load_state_dict(state)
 
-    def publish(self, store, policy: str, version: int):
-        """``store.publish(policy, version, state_dict, meta)``; returns its ``WeightVersion``."""
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the current weights (CPU), unaffected by later steps: the trainer
+        publishes it in a helper thread while the next step trains."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def publish(self, store, policy: str, version: int, state: dict[str, torch.Tensor] | None = None):
+        """``store.publish(policy, version, weights, meta)`` with ``state`` (a ``snapshot()``)
+        or else the current weights; returns its ``WeightVersion``."""
         meta: dict[str, Any] = {
             "layout": "hf",
             "arch": self.model.config.model_type,
             "config": self.model.config.to_dict(),
             "train_steps": self.steps,
         }
-        return store.publish(policy, version, self.state_dict(), meta=meta)
+        return store.publish(policy, version, self.state_dict() if state is None else state, meta=meta)
 
     def save(self, out_dir: str) -> None:
         """Write the current model and tokenizer as an HF directory."""

@@ -1,0 +1,117 @@
+"""The trainer's own loop: while step k trains, the batch for step k+1 is requested (for the
+version it will be trained at) and version k is committed by a helper thread from a copy of
+its weights. Versions are committed and reported in order, each with the weights right after
+its step and the metrics of the batch it was trained on, and the last one is committed before
+the trainer says it is done.
+
+The data-layer actor handle is the process boundary: a recorder stands in for it; the backend
+(a tiny model) and the weight store (on disk) are real."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import torch
+
+from astraflow.config import TrainerConfig
+from astraflow.contracts import Batch
+from astraflow.training.torch_backend import TorchBackend
+from astraflow.training.trainer import Trainer
+from storage.weights import WeightStore
+from tests.ml.test_torch_backend import _batch
+
+
+def _done(value=None):
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+class _DataLayer:
+    """Stands in for the data-layer handle: serves copies of one GRPO group, each tagged with
+    its serial number, and records the calls in order."""
+
+    _worker = "test"  # ``bind`` leaves a handle that is already bound alone
+
+    def __init__(self, batch: Batch):
+        self.batch = batch
+        self.events: list[tuple[str, int]] = []
+        self.published_batches: dict[int, dict] = {}
+        self.served = 0
+        self.lock = threading.Lock()
+
+    def next_batch(self, policy, version, timeout):
+        with self.lock:
+            self.events.append(("next_batch", version))
+            self.served += 1
+            return _done(Batch(policy=policy, version=version, items=self.batch.items,
+                               metrics={"serial": self.served}))
+
+    def published(self, policy, version, metrics, batch_metrics=None):
+        with self.lock:
+            self.events.append(("published", version))
+            self.published_batches[version] = dict(batch_metrics)
+        return _done()
+
+
+def _trainer(tmp_path, tiny_dir, dl, max_steps):
+    return Trainer(policy="p", cfg=TrainerConfig(lr=1e-3), model_path=tiny_dir,
+                   weights_root=str(tmp_path / "weights"), keep_versions=max_steps + 1, data_layer=dl,
+                   max_steps=max_steps)
+
+
+def test_prefetch_and_background_publish_commit_every_step_in_order(tmp_path, tiny_dir):
+    steps = 4
+    ref = TorchBackend(tiny_dir, lr=1e-3)
+    batch = _batch(ref.model, ref.tokenizer)
+    expected = []  # the weights after each step, trained the plain way
+    for _ in range(steps):
+        ref.train_step(batch)
+        expected.append(ref.snapshot())
+
+    dl = _DataLayer(batch)
+    tr = _trainer(tmp_path, tiny_dir, dl, steps)
+    assert tr.start() == 0
+    deadline = time.time() + 120
+    while not tr.state()["done"] and tr.state()["error"] is None and time.time() < deadline:
+        time.sleep(0.05)
+    st = tr.stop()
+    assert st["error"] is None and st["done"] and st["version"] == steps
+
+    # one request per step, each for the version its batch is trained at; none past the end
+    fetched = [v for e, v in dl.events if e == "next_batch"]
+    assert fetched == list(range(steps))
+    # versions reported in order, each with the metrics of the batch it was trained on
+    assert [v for e, v in dl.events if e == "published"] == list(range(1, steps + 1))
+    assert {v: m["serial"] for v, m in dl.published_batches.items()} == {v: v for v in range(1, steps + 1)}
+    # the next batch is requested while the current one trains, not after its publish
+    assert dl.events.index(("next_batch", 1)) < dl.events.index(("published", 1))
+
+    # every committed version holds exactly the weights right after its step
+    store = WeightStore(tmp_path / "weights")
+    assert store.versions("p") == list(range(steps + 1))
+    for v in range(1, steps + 1):
+        got = store.load("p", v)
+        for name, want in expected[v - 1].items():
+            assert torch.equal(got[name], want), (v, name)
+
+
+def test_a_failed_publish_stops_the_trainer_with_the_error(tmp_path, tiny_dir, monkeypatch):
+    ref = TorchBackend(tiny_dir, lr=1e-3)
+    dl = _DataLayer(_batch(ref.model, ref.tokenizer))
+    tr = _trainer(tmp_path, tiny_dir, dl, 5)
+    tr.start(run_loop=False)
+    calls = []
+
+    def publish(store, policy, version, state=None):
+        calls.append(version)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tr.backend, "publish", publish)
+    tr._run()  # the loop, in this thread
+    st = tr.state()
+    assert st["error"] == "OSError: disk full"
+    assert not st["done"] and st["version"] == 0
+    assert calls[0] == 1 and ("published", 1) not in dl.events
