@@ -92,6 +92,11 @@ class TrainerConfig(_Strict):
     """``off_policy: tis``: the truncation ``C`` of the importance weight ``min(r, C)``."""
     m2_tau: float = Field(default=0.04, gt=0)
     """``off_policy: m2po``: bound on the mean ``(log r)^2`` of the tokens kept in the loss."""
+    skip_zero_advantage: bool = True
+    """Torch backend: do not compute the forward/backward of sequences whose group-normalised
+    advantage is 0 (every sample of their group scored alike). They add exactly nothing to
+    the ``ppo_clip``/``tis`` loss or its gradient, so the step is the same with less work
+    (about 40 % of the sequences of the main example). ``m2po`` always trains every sequence."""
 
     @model_validator(mode="after")
     def _off_policy_backend(self) -> "TrainerConfig":

@@ -3,7 +3,10 @@
 Owns one HF causal LM and its AdamW optimiser and implements ``TrainerBackend``: a
 ``train_step`` is one optimiser step over a whole ``Batch`` (split into micro-batches of at
 most ``micro_batch_size`` sequences, gradients accumulated, the token-level GRPO loss
-normalised by the loss tokens of the whole batch), with gradient-norm clipping. ``publish``
+normalised by the loss tokens of the whole batch), with gradient-norm clipping. Sequences
+with advantage 0 add exactly nothing to the ``ppo_clip``/``tis`` loss or its gradient and are
+not computed (``skip_zero_advantage``; early in GRPO about 40 % of them: whole groups that
+scored alike); the loss statistics are then over the trained sequences. ``publish``
 hands the current weights, under their HF names, to the weight store.
 """
 
@@ -37,6 +40,7 @@ class TorchBackend:
         off_policy: str = "ppo_clip",
         is_cap: float = 2.0,
         m2_tau: float = 0.04,
+        skip_zero_advantage: bool = True,
     ) -> None:
         from astraflow.models import load_model, resolve_device
 
@@ -48,6 +52,8 @@ class TorchBackend:
             raise ValueError(f"TorchBackend: unknown off_policy {off_policy!r}; known: {', '.join(OFF_POLICY)}")
         #: off-policy correction of the loss (``grpo.grpo_loss``) and its parameters
         self.off_policy, self.is_cap, self.m2_tau = off_policy, is_cap, m2_tau
+        #: skip the forward/backward of sequences whose advantage is 0 (same step, less work)
+        self.skip_zero_advantage = skip_zero_advantage
         torch.manual_seed(seed)
         self.model, self.tokenizer = load_model(model_path)
         self.device = resolve_device(device)
@@ -65,14 +71,21 @@ class TorchBackend:
         t0 = time.perf_counter()
         self.model.train()
         c = collate(batch, self.pad_id)
-        total_tokens = int(c.loss_mask.sum())
+        total_tokens = int(c.loss_mask.sum())  # the loss is normalised by all of them, trained or not
         B = c.tokens.shape[0]
+        rows = torch.arange(B)
+        if self.skip_zero_advantage and self.off_policy != "m2po":
+            # a sequence with advantage 0 (a group whose samples all scored alike) contributes
+            # exactly 0 to the ppo_clip / tis loss and its gradient: skip its forward/backward.
+            # (m2po's token mask depends on every token's ratio, so it trains on all rows.)
+            rows = torch.nonzero(c.advantages != 0).flatten()
+        trained_tokens = int(c.loss_mask[rows].sum())
         mb = self.micro_batch_size or B
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         agg = {"clip_frac": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0}
-        for s in range(0, B, mb):
-            sl = slice(s, s + mb)
+        for s in range(0, len(rows), mb):
+            sl = rows[s : s + mb]
             # trim right padding of this micro-batch
             width = int(c.attention_mask[sl].sum(-1).max())
             tok = c.tokens[sl, :width].to(self.device)
@@ -86,9 +99,12 @@ class TorchBackend:
             )
             loss.backward()
             loss_sum += loss.item()
-            w = float(lm.sum()) / max(total_tokens, 1)
+            w = float(lm.sum()) / max(trained_tokens, 1)
             for k in st:
                 agg[k] = agg.get(k, 0.0) + st[k] * w
+        for p in self.model.parameters():  # nothing trained: the step still sees a zero gradient
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
         self.steps += 1
@@ -99,6 +115,7 @@ class TorchBackend:
             **agg,
             "num_tokens": float(total_tokens),
             "num_sequences": float(B),
+            "trained_sequences": float(len(rows)),
             "reward_mean": float(c.rewards.mean()),
             "advantage_abs_mean": float(c.advantages.abs().mean()),
             "seconds": time.perf_counter() - t0,

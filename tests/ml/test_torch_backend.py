@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -108,3 +109,37 @@ def test_bad_settings(tiny_dir):
         TorchBackend(tiny_dir, lr=0)
     with pytest.raises(ValueError, match="micro_batch_size"):
         TorchBackend(tiny_dir, micro_batch_size=0)
+
+
+@pytest.mark.parametrize("off_policy", ["ppo_clip", "tis"])
+def test_skipping_zero_advantage_sequences_is_the_same_step(tiny_dir, off_policy):
+    """A group that scored alike has advantage 0: skipping its forward/backward gives the same
+    loss, gradient and weights as computing it (the loss is still normalised by every token)."""
+    full = TorchBackend(tiny_dir, lr=1e-3, off_policy=off_policy, skip_zero_advantage=False)
+    skip = TorchBackend(tiny_dir, lr=1e-3, off_policy=off_policy)
+    learning = _batch(full.model, full.tokenizer)
+    alike = _batch(full.model, full.tokenizer, rewards=(1.0, 1.0, 1.0, 1.0))
+    alike = tuple(replace(it, task_id=f"h/{i}") for i, it in enumerate(alike.items))
+    batch = Batch(policy="p", version=0, items=learning.items + alike)
+    assert sum(it.advantage == 0 for it in batch.items) == 4
+    for _ in range(2):
+        a, b = full.train_step(batch), skip.train_step(batch)
+        assert a["trained_sequences"] == 8 and b["trained_sequences"] == 4
+        assert abs(a["loss"] - b["loss"]) < 1e-6 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5
+    for (name, pa), pb in zip(full.model.named_parameters(), skip.model.parameters()):
+        assert torch.allclose(pa, pb, atol=1e-6), name
+
+
+def test_a_batch_without_signal_still_steps_the_optimiser(tiny_dir):
+    """All advantages 0: nothing is computed, and the optimiser steps on a zero gradient exactly
+    as it would have after computing one (AdamW's moments carry on)."""
+    full = TorchBackend(tiny_dir, lr=1e-3, skip_zero_advantage=False)
+    skip = TorchBackend(tiny_dir, lr=1e-3)
+    signal = _batch(full.model, full.tokenizer)
+    flat = _batch(full.model, full.tokenizer, rewards=(0.0, 0.0, 0.0, 0.0))
+    for batch in (signal, flat, flat):
+        full.train_step(batch)
+        out = skip.train_step(batch)
+    assert out["trained_sequences"] == 0 and out["loss"] == 0.0
+    for (name, pa), pb in zip(full.model.named_parameters(), skip.model.parameters()):
+        assert torch.allclose(pa, pb, atol=1e-6), name
