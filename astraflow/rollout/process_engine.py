@@ -14,9 +14,12 @@ semantics rely on):
 
 * node -> engine: ``("generate", [(id, prompt, params), ...])`` — every request submitted in
   one event-loop tick travels in one message; ``("weights", version, state_dict)``;
-  ``("close",)``.
+  ``("load", weights_root, policy, version)`` — the engine process reads a committed version
+  from the weight store itself (what the node's weight watcher sends: the weights never
+  cross the pipe); ``("close",)``.
 * engine -> node: ``("ready", version)`` once; ``("results", [(id, Generation | error
-  text), ...], stats, version)`` — every request finished in one tick of the engine's loop.
+  text), ...], stats, version)`` — every request finished in one tick of the engine's loop;
+  ``("load_failed", version, reason, current_version)``.
 
 Weights are applied by ``HFEngine.load_weights`` inside the engine process, so partial rollout
 keeps its exact semantics: a weight message sent before a generate message is applied before
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import multiprocessing
 import os
 import threading
@@ -41,6 +45,8 @@ import time
 from typing import Any, Mapping
 
 from astraflow.rollout.engine import Generation, SamplingParams
+
+log = logging.getLogger("astraflow.rollout")
 
 
 #: ``HFEngine.stats()`` keys (reported as zeros until the first reply)
@@ -127,6 +133,15 @@ class ProcessEngine:
         self._send(("weights", int(version), arrays))
         self.version = int(version)
 
+    def load_version(self, weights_root: str, policy: str, version: int) -> None:
+        """Have the engine process read committed ``version`` of ``policy`` from the weight
+        store itself (no copy of the weights through the pipe: the node only polls). Same
+        ordering as ``load_weights``. If the read fails there (e.g. retention removed the
+        version first), the engine keeps its weights, ``version`` falls back to theirs and the
+        failure is logged, so the node's next poll tries the newest version again."""
+        self._send(("load", str(weights_root), policy, int(version)))
+        self.version = int(version)
+
     def stats(self) -> dict[str, float]:
         return dict(self._stats)
 
@@ -170,6 +185,11 @@ class ProcessEngine:
                 _, results, self._stats, _version = msg
                 if self._loop is not None:
                     self._loop.call_soon_threadsafe(self._resolve, results)
+            elif msg[0] == "load_failed":
+                _, wanted, reason, current = msg
+                log.warning("engine process could not load weights v%d (%s); it keeps v%d", wanted, reason, current)
+                if self.version == wanted:
+                    self.version = current
         self._reap(5)
         self._dead = f"the engine process exited with code {self._proc.exitcode}; see the worker log"
         if self._loop is not None and not self._loop.is_closed():
@@ -221,15 +241,31 @@ def _engine_main(conn, model_path: str, max_batch: int, seed: int, device: str, 
     asyncio.run(_serve(conn, engine))
 
 
+def _read_version(root: str, policy: str, version: int) -> dict:
+    """A committed version from the weight store, under its HF names."""
+    from astraflow.weightconv import to_hf_state_dict
+    from storage.weights import WeightStore
+
+    store = WeightStore(root)
+    with store.hold(policy, version):
+        meta = store.manifest(policy, version).get("meta", {})
+        return to_hf_state_dict(store.load(policy, version), meta)
+
+
 async def _serve(conn, engine) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     done: list[tuple[int, Any]] = []
+    send_lock = threading.Lock()  # the loop and the reader thread both send
+
+    def send(msg: tuple) -> None:
+        with send_lock:
+            conn.send(msg)
 
     def flush() -> None:
         out = done[:]
         done.clear()
-        conn.send(("results", out, engine.stats(), engine.version))
+        send(("results", out, engine.stats(), engine.version))
 
     async def run(rid: int, prompt: list[int], params: SamplingParams) -> None:
         try:
@@ -259,6 +295,13 @@ async def _serve(conn, engine) -> None:
                 msg = conn.recv()
             except (EOFError, OSError):
                 os._exit(0)  # the node process is gone: nothing here needs saving
+            if msg[0] == "load":  # read here, off the decode loop; later messages wait (order)
+                _, root, policy, version = msg
+                try:
+                    msg = ("weights", version, _read_version(root, policy, version))
+                except Exception as err:  # keep serving the current weights; the node retries
+                    send(("load_failed", version, f"{type(err).__name__}: {err}", engine.version))
+                    continue
             loop.call_soon_threadsafe(handle, msg)
             if msg[0] == "close":
                 return

@@ -47,6 +47,13 @@ class WeightPuller:
             if latest is None or latest.version <= engine.version:
                 continue
             t0 = time.time()
+            if not self.use_deltas and hasattr(engine, "load_version"):
+                # an engine in its own process reads the version itself: nothing to copy here
+                engine.load_version(self.store.root, policy, latest.version)
+                self.history.append({"policy": policy, "version": latest.version, "mode": "full",
+                                     "in_engine_process": True, "load_s": time.time() - t0})
+                loaded += 1
+                continue
             with self.store.hold(policy, latest.version):
                 manifest = self.store.manifest(policy, latest.version)
                 state, mode, extra = self._fetch(policy, latest.version, latest.delta_from)

@@ -52,6 +52,59 @@ def test_publish_latest_load_exact(tmp_path):
         store.publish("actor", 3, {"x": 1})
 
 
+def test_published_versions_are_read_straight_from_the_file(tmp_path, monkeypatch):
+    """``publish`` writes whole contiguous tensors and says so in the manifest; ``load`` then
+    takes them from the file's bytes without ``dcp.load`` and gets exactly what was saved
+    (views and odd dtypes included). A version written by ranks and ``commit`` (no such
+    promise) and a file that does not look as expected still go through ``dcp.load``."""
+    import storage.weights as weights_mod
+
+    store = WeightStore(tmp_path / "w")
+    g = torch.Generator().manual_seed(0)
+    sd = {**_state(1), "transposed": torch.randn(5, 3, generator=g).T, "scalar": torch.tensor(2.5),
+          "empty": torch.zeros(0, 4), "half": torch.randn(6, generator=g).half()}
+    store.publish("actor", 1, sd)
+    assert store.manifest("actor", 1)["whole_tensors"] is True
+
+    used_dcp = []
+    real_load = dcp.load
+    monkeypatch.setattr(dcp, "load", lambda *a, **k: used_dcp.append(1) or real_load(*a, **k))
+    _assert_same(store.load("actor", 1), sd)
+    assert used_dcp == []
+
+    # a layout the fast reader does not recognise: dcp.load, same tensors
+    monkeypatch.setattr(weights_mod, "_read_whole_tensors", lambda vdir, md: None)
+    _assert_same(store.load("actor", 1), sd)
+    assert used_dcp == [1]
+    monkeypatch.undo()
+
+    # written by dcp.save into staging and committed: no promise, dcp.load
+    with pytest.warns(UserWarning):
+        dcp.save(_state(2), storage_writer=dcp.FileSystemWriter(store.staging("actor", 2)), no_dist=True)
+    store.commit("actor", 2)
+    assert store.manifest("actor", 2)["whole_tensors"] is False
+    monkeypatch.setattr(dcp, "load", lambda *a, **k: used_dcp.append(2) or real_load(*a, **k))
+    _assert_same(store.load("actor", 2), _state(2))
+    assert used_dcp == [1, 2]
+
+
+def test_fast_reader_refuses_what_it_does_not_recognise(tmp_path):
+    """Compressed or resized records: ``_read_whole_tensors`` answers None (then dcp.load)."""
+    import torch.distributed.checkpoint as dcp_mod
+
+    from storage.weights import _read_whole_tensors
+
+    store = WeightStore(tmp_path / "w")
+    store.publish("actor", 1, _state(1))
+    vdir = paths.version_dir(store.root, "actor", 1)
+    md = dcp_mod.FileSystemReader(vdir).read_metadata()
+    assert _read_whole_tensors(vdir, md) is not None
+    name = next(iter(md.state_dict_metadata))
+    md.state_dict_metadata[name].size = torch.Size([3, 3])  # bytes on disk no longer match
+    md.state_dict_metadata[name].chunks[0].sizes = torch.Size([3, 3])
+    assert _read_whole_tensors(vdir, md) is None
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_latest_ignores_staging_and_uncommitted_version_dirs(tmp_path):
     store = WeightStore(tmp_path / "w")
