@@ -241,6 +241,9 @@ class RolloutConfig(_Strict):
     """Trajectories buffered before a segment write (also flushed every ``flush_seconds``)."""
     flush_seconds: float = Field(default=0.5, gt=0)
     """Longest time a finished trajectory waits in the node before it is written."""
+    lease_wait_seconds: float = Field(default=0.5, ge=0, le=5)
+    """How long one lease call may wait in the data layer for tasks when it has none (a long
+    poll: tasks reach the node the moment they exist, without a call every few ms)."""
     weight_poll_seconds: float = Field(default=0.5, gt=0)
     """How often the node checks the weight store for a newer version."""
     full_resync_every: int = Field(default=10, ge=1)

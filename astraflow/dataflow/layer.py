@@ -372,14 +372,27 @@ class DataLayer:
             self._ingest_group(grp)
 
     # ------------------------------------------------------------------ RaaS-facing
-    async def lease(self, node: str, capacity: int) -> list[RolloutTask]:
-        """Up to ``capacity`` tasks for ``node`` (evaluation tasks first)."""
+    async def lease(self, node: str, capacity: int, wait: float = 0.0) -> list[RolloutTask]:
+        """Up to ``capacity`` tasks for ``node`` (evaluation tasks first). ``wait``: when there
+        are none, wait up to this many seconds for some (a long poll: the node gets the tasks
+        of a batch the moment the trainer's request makes room for them, with one call)."""
         self._expire()
         info = self.nodes.setdefault(node, {"leased": 0, "completed": 0, "draining": False})
         info["last_seen"] = time.time()
         if info["draining"] or capacity <= 0:
             return []
         self._refill()
+        deadline = time.time() + wait
+        while not (self.eval_pending or self.pending) and not self.finished and not info["draining"]:
+            remaining = deadline - time.time()
+            if remaining <= 0:
+                break
+            try:  # woken by _notify (a batch served, trajectories ingested, a version published)
+                await asyncio.wait_for(self._event().wait(), timeout=min(remaining, 0.1))
+            except asyncio.TimeoutError:
+                pass
+            self._expire()
+            self._refill()
         out: list[RolloutTask] = []
         deadline = time.time() + self.cfg.lease_seconds
         for queue in (self.eval_pending, self.pending):
@@ -655,6 +668,7 @@ class DataLayer:
                    for x in self._rng.sample(list(self.replay[policy]), n_replay)] if n_replay else []
         self.replay[policy].extend(items)
         self._settle(policy, chosen, None)
+        self._notify()  # room for new groups: wakes the nodes' waiting lease calls
 
         c = self.counts[policy]
         c["consumed"] += len(items)

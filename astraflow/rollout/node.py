@@ -195,7 +195,8 @@ class RaaSNode:
             tasks: list[RolloutTask] = []
             if free > 0 and not self.draining:
                 t0 = time.time()
-                tasks = await call(self.dl.lease, self.identity.name, free, timeout=30)
+                # a long poll when idle-capable: the data layer answers as soon as it has tasks
+                tasks = await call(self.dl.lease, self.identity.name, free, self.cfg.lease_wait_seconds, timeout=30)
                 self.counters["lease_s"] += time.time() - t0
             for task in tasks:
                 self.inflight[task.task_id] = task

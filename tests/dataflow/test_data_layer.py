@@ -256,3 +256,26 @@ def test_new_curator_registered_in_test_needs_no_other_change(tmp_path):
 def test_unknown_policy_name_lists_known(tmp_path):
     with pytest.raises(ValueError, match="known: .*drop_zero_advantage"):
         make_layer(tmp_path, group_filter=PolicySpec(type="nope"))
+
+
+def test_a_waiting_lease_gets_the_tasks_a_served_batch_makes_room_for(tmp_path):
+    """Long poll: with everything rolled out ahead, ``lease(wait=...)`` waits in the data layer
+    and returns the new groups' tasks as soon as the trainer's batch is served (one call, no
+    polling), and returns empty-handed when its wait runs out."""
+    layer = make_layer(tmp_path, prefetch_groups=0)
+
+    async def go():
+        node = Node(layer)
+        await node.roll(8)  # the one batch allowed ahead: rolled out and buffered
+        t0 = time.monotonic()
+        assert await layer.lease("n0", 8, 0.3) == []
+        assert time.monotonic() - t0 >= 0.25
+        waiting = asyncio.create_task(layer.lease("n0", 8, 5.0))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        t_served = time.monotonic()
+        await layer.next_batch("p", 0, timeout=5)
+        tasks = await asyncio.wait_for(waiting, 2.0)
+        assert len(tasks) == 8 and time.monotonic() - t_served < 0.5
+
+    run(go())
