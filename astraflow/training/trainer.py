@@ -58,6 +58,10 @@ def make_backend(cfg: TrainerConfig, model_path: str, seed: int):
     raise ValueError(f"unknown trainer backend {cfg.backend!r}; known: torch, megatron")
 
 
+class _Stopped(Exception):
+    """``stop()`` was called while the loop waited for a batch."""
+
+
 class _Background:
     """``fn()`` in a daemon thread; ``result()`` waits and returns its value or raises its error.
     (Daemon, unlike a ``ThreadPoolExecutor``'s threads: one blocked in a call to the data layer
@@ -193,11 +197,20 @@ class Trainer:
         }
 
     def _fetch(self, version: int):
-        """The data layer's next batch for a trainer at ``version`` (waits, with a deadline)."""
-        return call_sync(
-            self.dl.next_batch, self.policy, version, self.cfg.batch_timeout_s,
-            timeout=self.cfg.batch_timeout_s + 30,
-        )
+        """The data layer's next batch for a trainer at ``version``: waits up to
+        ``batch_timeout_s`` (then the data layer's ``BatchTimeout``), in calls of at most 2 s
+        so that ``stop()`` ends the wait (``_Stopped``) instead of sitting out the deadline
+        when no node is generating any more (e.g. Ctrl-C)."""
+        deadline = time.time() + self.cfg.batch_timeout_s
+        while True:
+            wait = max(min(2.0, deadline - time.time()), 0.01)
+            try:
+                return call_sync(self.dl.next_batch, self.policy, version, wait, timeout=wait + 30)
+            except TimeoutError:  # BatchTimeout: nothing within this call's wait
+                if time.time() >= deadline:
+                    raise
+                if self._stop.is_set():
+                    raise _Stopped from None
 
     def _commit(self, version: int, state: dict | None, batch, metrics: dict[str, float],
                 wait_s: float, train_s: float) -> None:
@@ -279,6 +292,8 @@ class Trainer:
                 publishing, pending = None, publishing
                 pending.result()
             self.done = self.committed >= self.max_steps
+        except _Stopped:
+            log.info("trainer %s stopped while waiting for a batch (at v%d)", self.policy, self.version)
         except Exception as err:  # reported through state(); the orchestrator fails the run
             self.error = f"{type(err).__name__}: {err}"
             log.exception("trainer %s failed", self.policy)

@@ -112,3 +112,29 @@ def test_a_failed_publish_stops_the_trainer_with_the_error(tmp_path, tiny_dir, m
     assert st["error"] == "OSError: disk full"
     assert not st["done"] and st["version"] == 0
     assert calls[0] == 1 and ("published", 1) not in dl.events
+
+
+class _NoData(_DataLayer):
+    """A data layer with nothing to serve: each call waits its timeout, then times out."""
+
+    def next_batch(self, policy, version, timeout):
+        with self.lock:
+            self.events.append(("next_batch", version))
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        threading.Timer(timeout, fut.set_exception, args=(TimeoutError(f"no batch within {timeout}s"),)).start()
+        return fut
+
+
+def test_stop_ends_a_wait_for_a_batch_that_will_not_come(tmp_path, tiny_dir):
+    """Ctrl-C after the nodes stopped: the trainer waits for a batch in short calls, so stop()
+    returns within seconds, not after ``batch_timeout_s``; this is not an error."""
+    ref = TorchBackend(tiny_dir, lr=1e-3)
+    dl = _NoData(_batch(ref.model, ref.tokenizer))
+    tr = _trainer(tmp_path, tiny_dir, dl, 3)
+    tr.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    st = tr.stop(timeout=30)
+    assert time.monotonic() - t0 < 5
+    assert st["error"] is None and not st["done"] and st["version"] == 0
+    assert not tr._thread.is_alive()
