@@ -58,8 +58,11 @@ class RolloutTask:
     #: sampling overrides for this task (``temperature``, ``max_new_tokens``); ``None`` means the
     #: RaaS node's engine defaults.
     sampling: Mapping[str, Any] | None = None
-    #: a RaaS node runs this task only once it has loaded at least this weight version of every
-    #: policy in ``policies`` (evaluation rounds pin the version they evaluate); -1: any.
+    #: a RaaS node runs this task only once it has loaded at least this weight version of the
+    #: first policy in ``policies`` (evaluation rounds pin the version they evaluate; the other
+    #: policies of a multi-policy episode take part with whatever version they have, since they
+    #: advance on their own and may only get there by training on rollouts this task would
+    #: hold up); -1: any.
     min_version: int = -1
 
     def __post_init__(self) -> None:

@@ -238,7 +238,7 @@ class RaaSNode:
     async def _episode(self, task: RolloutTask) -> None:
         try:
             if task.min_version >= 0:
-                await self._wait_for_version(task.min_version, timeout=120)
+                await self._wait_for_version(task.policies[0], task.min_version, timeout=120)
             traj = await self.workflow.run_episode(self.engines, task)
             traj = replace(
                 traj,
@@ -265,11 +265,11 @@ class RaaSNode:
             self.inflight.pop(task.task_id, None)
             self._slot_free.set()
 
-    async def _wait_for_version(self, version: int, timeout: float) -> None:
+    async def _wait_for_version(self, policy: str, version: int, timeout: float) -> None:
         deadline = time.time() + timeout
-        while min(e.version for e in self.engines.values()) < version:
+        while self.engines[policy].version < version:
             if time.time() > deadline:
-                raise TimeoutError(f"weights v{version} not loaded within {timeout:.0f}s")
+                raise TimeoutError(f"weights {policy} v{version} not loaded within {timeout:.0f}s")
             await asyncio.sleep(0.1)
 
     async def _writer(self) -> None:

@@ -168,3 +168,17 @@ def test_a_dead_engine_process_stops_the_node_leasing(tmp_path, tiny_model):
     assert dl.failed and dl.failed[0][0] == "g0/0" and "exited with code -9" in dl.failed[0][1]
     assert node.draining and "exited with code -9" in node.error
     assert not node.inflight
+
+
+def test_an_evaluation_task_waits_for_its_own_policy_version_only(tmp_path):
+    """An evaluation round pins the version of the policy it evaluates (the first of the task);
+    a second policy that is behind must not hold it up: it may only catch up by training on
+    rollouts that waiting evaluation tasks would keep off the node (a deadlock seen with
+    solver at v60, verifier at v57)."""
+    from types import SimpleNamespace
+
+    node, _ = _node(tmp_path)
+    node.engines = {"solver": SimpleNamespace(version=60), "verifier": SimpleNamespace(version=57)}
+    asyncio.run(asyncio.wait_for(node._wait_for_version("solver", 60, timeout=5), 2))
+    with pytest.raises(TimeoutError, match="solver v61"):
+        asyncio.run(node._wait_for_version("solver", 61, timeout=0.3))
