@@ -63,7 +63,8 @@ def make_config(args, workdir: Path, models: dict[str, Path], mode: str, two: bo
                      "group_size": args.group, "sampling": {"temperature": 1.0, "max_new_tokens": 5},
                      "eval": {"every": args.steps, "num_prompts": args.eval_prompts}},
         "dataflow": {"batch_size": args.batch, "max_staleness": 2, "prefetch_groups": args.batch // args.group},
-        "rollout": {"capacity": args.batch, "engine": {"max_batch": args.batch}},
+        # episodes in flight per node (asynchronous modes; the sync driver rolls out one batch)
+        "rollout": {"capacity": args.capacity or args.batch, "engine": {"max_batch": args.batch}},
         "partitions": [
             {"name": "data", "scheduler": "local", "role": "data", "nodes": 1},
             # one trainer process per policy, so that two trainers can step at the same time
@@ -132,6 +133,8 @@ def main() -> None:
     ap.add_argument("--verifier-warm", type=float, default=60.0)
     ap.add_argument("--rollout-nodes", type=int, default=1,
                     help="RaaS nodes (each runs its engine in its own process; on 2 cores one leaves the trainers a core)")
+    ap.add_argument("--capacity", type=int, default=None,
+                    help="episodes in flight per RaaS node (default: --batch)")
     ap.add_argument("--workdir", type=Path, default=None, help="reuse the models built under this directory")
     args = ap.parse_args()
     console = Console(width=130)
