@@ -64,7 +64,7 @@ def make_config(args, workdir: Path, models: dict[str, Path], mode: str, two: bo
                      "eval": {"every": args.steps, "num_prompts": args.eval_prompts}},
         "dataflow": {"batch_size": args.batch, "max_staleness": 2, "prefetch_groups": args.batch // args.group},
         # episodes in flight per node (asynchronous modes; the sync driver rolls out one batch)
-        "rollout": {"capacity": args.capacity or args.batch, "engine": {"max_batch": args.batch}},
+        "rollout": {"capacity": args.capacity or 2 * args.batch, "engine": {"max_batch": args.batch}},
         "partitions": [
             {"name": "data", "scheduler": "local", "role": "data", "nodes": 1},
             # one trainer process per policy, so that two trainers can step at the same time
@@ -134,7 +134,8 @@ def main() -> None:
     ap.add_argument("--rollout-nodes", type=int, default=1,
                     help="RaaS nodes (each runs its engine in its own process; on 2 cores one leaves the trainers a core)")
     ap.add_argument("--capacity", type=int, default=None,
-                    help="episodes in flight per RaaS node (default: --batch)")
+                    help="episodes in flight per RaaS node (default: 2x --batch, the next batch queued "
+                         "in the engine; the sync driver rolls out one batch either way)")
     ap.add_argument("--workdir", type=Path, default=None, help="reuse the models built under this directory")
     args = ap.parse_args()
     console = Console(width=130)
