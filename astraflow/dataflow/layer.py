@@ -703,8 +703,9 @@ class DataLayer:
         sequence consumed: the price of filtering and staleness), with the policy names.
         With several sources (``mix``): ``consumed_by_source`` (cumulative sequences of each
         source consumed by this policy) and ``groups_by_source`` (train groups created).
-        ``batch_metrics``: the trained batch's ``Batch.metrics`` (the trainer may already hold
-        the next batch; without them, the last batch served is reported)."""
+        ``batch_metrics``: the ``Batch.metrics`` of the batch this version was trained on (the
+        trainer reports a version after it fetched the next batch; without them, the last
+        batch served is reported)."""
         self.versions[policy] = max(self.versions[policy], version)
         c = self.counts[policy]
         elapsed = time.time() - self._started

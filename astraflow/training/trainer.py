@@ -206,9 +206,12 @@ class Trainer:
             wait = max(min(2.0, deadline - time.time()), 0.01)
             try:
                 return call_sync(self.dl.next_batch, self.policy, version, wait, timeout=wait + 30)
-            except TimeoutError:  # BatchTimeout: nothing within this call's wait
+            except TimeoutError as err:  # BatchTimeout: nothing within this call's wait
                 if time.time() >= deadline:
-                    raise
+                    raise TimeoutError(
+                        f"trainer {self.policy}: no batch within trainer.batch_timeout_s = "
+                        f"{self.cfg.batch_timeout_s:g} s; last answer: {err}"
+                    ) from err
                 if self._stop.is_set():
                     raise _Stopped from None
 
