@@ -243,13 +243,10 @@ def _engine_main(conn, model_path: str, max_batch: int, seed: int, device: str, 
 
 def _read_version(root: str, policy: str, version: int) -> dict:
     """A committed version from the weight store, under its HF names."""
-    from astraflow.weightconv import to_hf_state_dict
+    from astraflow.rollout.weight_sync import read_full_version
     from storage.weights import WeightStore
 
-    store = WeightStore(root)
-    with store.hold(policy, version):
-        meta = store.manifest(policy, version).get("meta", {})
-        return to_hf_state_dict(store.load(policy, version), meta)
+    return read_full_version(WeightStore(root), policy, version)
 
 
 async def _serve(conn, engine) -> None:

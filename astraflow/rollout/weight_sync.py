@@ -21,6 +21,13 @@ from storage.deltas import DeltaMismatchError, apply_delta, choose_sync, read_st
 from storage.weights import WeightStore
 
 
+def read_full_version(store: WeightStore, policy: str, version: int) -> dict[str, torch.Tensor]:
+    """A committed version's full shards under their HF names (held while read)."""
+    with store.hold(policy, version):
+        meta = store.manifest(policy, version).get("meta", {})
+        return to_hf_state_dict(store.load(policy, version), meta)
+
+
 class WeightPuller:
     def __init__(self, weights_root: str, engines: Mapping[str, Any], full_resync_every: int = 10,
                  use_deltas: bool = False):

