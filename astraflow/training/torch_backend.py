@@ -102,9 +102,10 @@ class TorchBackend:
             w = float(lm.sum()) / max(trained_tokens, 1)
             for k in st:
                 agg[k] = agg.get(k, 0.0) + st[k] * w
-        for p in self.model.parameters():  # nothing trained: the step still sees a zero gradient
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        if len(rows) == 0:  # nothing trained: the step still sees the zero gradient it would have
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
         self.steps += 1
