@@ -157,7 +157,8 @@ class Trainer:
 
     def step(self) -> dict[str, float]:
         """One step driven from outside (``run.mode: sync``): batch, train, publish, in turn."""
-        self._commit(self.version, None, *self._train_next())
+        step = self._train_next()  # advances self.version: call it before reading the version
+        self._commit(self.version, None, *step)
         self.done = self.committed >= self.max_steps
         return self.last_metrics
 
