@@ -391,3 +391,58 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.items)
+
+    def __reduce__(self):
+        # A batch crosses a Dask actor call once per trainer step. Pickled field by field it
+        # is ~5 small arrays per item, each its own out-of-band frame (640 frames, 14 ms to
+        # send 128 items); packed into one array per field it is a handful (about 1 ms).
+        return (_unpack_batch, _pack_batch(self))
+
+
+_SEQ_ARRAYS = {"tokens": np.int32, "loss_mask": bool, "logprobs": np.float32, "policy_ids": np.int16,
+               "versions": np.int32}
+
+
+def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.empty(0, dtype)
+
+
+def _pack_batch(batch: Batch) -> tuple:
+    items = batch.items
+    seqs = [it.sequence for it in items]
+    columns = {name: _concat([getattr(s, name) for s in seqs], dt) for name, dt in _SEQ_ARRAYS.items()}
+    columns["item_loss_mask"] = _concat([it.loss_mask for it in items], bool)
+    lengths = np.array([[len(s.tokens), len(it.loss_mask)] for s, it in zip(seqs, items)], np.int64).reshape(-1, 2)
+    floats = np.array([[it.sequence.reward, it.group_mean, it.group_std] for it in items], np.float64).reshape(-1, 3)
+    ints = np.array([[it.group_size, it.staleness, it.replayed] for it in items], np.int64).reshape(-1, 3)
+    small = [(it.task_id, s.finish_reason, dict(s.rewards)) for s, it in zip(seqs, items)]
+    return (batch.policy, batch.version, dict(batch.metrics), columns, lengths, floats, ints, small)
+
+
+def _restore(cls, fields: dict):
+    """An instance with these fields, without ``__init__``: what plain unpickling does (the
+    record was validated when its writer made it)."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
+def _unpack_batch(policy, version, metrics, columns, lengths, floats, ints, small) -> Batch:
+    parts = {}
+    for name, arr in columns.items():
+        ends = np.cumsum(lengths[:, 1 if name == "item_loss_mask" else 0]).tolist()
+        parts[name] = [arr[a:b] for a, b in zip([0] + ends[:-1], ends)]
+    fl, it = floats.tolist(), ints.tolist()
+    items = []
+    for i, (task_id, finish, rewards) in enumerate(small):
+        seq = _restore(Sequence, {
+            "tokens": parts["tokens"][i], "loss_mask": parts["loss_mask"][i], "logprobs": parts["logprobs"][i],
+            "policy_ids": parts["policy_ids"][i], "versions": parts["versions"][i], "reward": fl[i][0],
+            "rewards": rewards, "finish_reason": finish,
+        })
+        items.append(_restore(BatchItem, {
+            "sequence": seq, "loss_mask": parts["item_loss_mask"][i], "group_mean": fl[i][1],
+            "group_std": fl[i][2], "group_size": it[i][0], "staleness": it[i][1], "task_id": task_id,
+            "replayed": bool(it[i][2]),
+        }))
+    return Batch(policy=policy, version=version, items=tuple(items), metrics=metrics)

@@ -94,6 +94,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _quiet_dcp_logger() -> None:
+    """DCP's own logger sits at DEBUG behind a NullHandler: every save builds ~90 log records
+    that nobody sees (7 ms of a 60 ms publish of 13 MB). Raise it to WARNING."""
+    import logging
+
+    logger = logging.getLogger("c10d-NullHandler-dcp_logger")
+    if logger.level < logging.WARNING:
+        logger.setLevel(logging.WARNING)
+
+
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -274,6 +284,7 @@ class WeightStore:
         self.discard_staging(policy, version)
         stage = self.staging(policy, version)
         writer = dcp.FileSystemWriter(stage, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
+        _quiet_dcp_logger()
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             dcp.save(state_dict, storage_writer=writer, no_dist=True)

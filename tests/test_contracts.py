@@ -1,0 +1,55 @@
+"""A batch crosses a Dask actor call once per trainer step: it must arrive whole and packed."""
+
+import pickle
+
+import numpy as np
+from distributed.protocol import dumps, loads
+
+from astraflow.contracts import Batch, BatchItem, Sequence
+
+
+def _batch(n: int) -> Batch:
+    rng = np.random.default_rng(0)
+    items = []
+    for i in range(n):
+        n_prompt, n_gen = 3 + i % 4, 1 + i % 5  # sequences of different lengths
+        seq = Sequence.build(
+            tokens=rng.integers(0, 100, n_prompt + n_gen),
+            loss_mask=np.r_[np.zeros(n_prompt, bool), np.ones(n_gen, bool)],
+            logprobs=np.r_[np.zeros(n_prompt), -rng.random(n_gen)],
+            policy_ids=np.r_[np.full(n_prompt, -1), np.full(n_gen, i % 2)],
+            versions=np.r_[np.full(n_prompt, -1), np.full(n_gen, 7 + i % 3)],
+            reward=float(i % 2), rewards={"correct": float(i % 2)} if i % 3 else {},
+            finish_reason="length" if i % 4 == 0 else "stop",
+        )
+        own = seq.loss_mask & (seq.policy_ids == 0)  # the batch's policy's tokens only
+        items.append(BatchItem(sequence=seq, loss_mask=own, group_mean=0.25 * (i % 4), group_std=0.5,
+                               group_size=8, staleness=i % 3, task_id=f"g{i // 8}/{i % 8}",
+                               replayed=i == 5))
+    return Batch(policy="solver", version=9, items=tuple(items), metrics={"stale_dropped": 3})
+
+
+def _same(a: Batch, b: Batch) -> None:
+    assert (b.policy, b.version, dict(b.metrics), len(b)) == (a.policy, a.version, dict(a.metrics), len(a))
+    for x, y in zip(a.items, b.items):
+        assert y.sequence == x.sequence
+        assert y.sequence.tokens.dtype == x.sequence.tokens.dtype
+        assert np.array_equal(y.loss_mask, x.loss_mask) and y.loss_mask.dtype == bool
+        assert (y.group_mean, y.group_std, y.group_size, y.staleness, y.task_id, y.replayed) == \
+               (x.group_mean, x.group_std, x.group_size, x.staleness, x.task_id, x.replayed)
+        assert y.advantage == x.advantage
+
+
+def test_batch_round_trips_through_pickle_and_dask_in_a_few_frames():
+    batch = _batch(40)
+    _same(batch, pickle.loads(pickle.dumps(batch, protocol=5)))
+    frames = dumps({"result": batch})
+    # one frame per packed column, not several per item (40 items would be ~200 frames)
+    assert len(frames) < 20
+    _same(batch, loads(frames)["result"])
+
+
+def test_empty_batch_round_trips():
+    empty = Batch(policy="p", version=0, items=())
+    back = loads(dumps({"result": empty}))["result"]
+    assert len(back) == 0 and back.policy == "p"
