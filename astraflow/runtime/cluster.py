@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from schedulers.command import quiet_dask_env
 from schedulers.procs import die_with_parent
 from storage.paths import RunPaths
 
@@ -74,12 +75,14 @@ def repo_root() -> Path:
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of processes we start: AstraFlow importable (actor classes must be
-    importable on every worker), one BLAS thread unless told otherwise."""
+    importable on every worker), one BLAS thread and Dask's monitors slowed down
+    (``QUIET_DASK_ENV``) unless told otherwise."""
     env = dict(os.environ)
     root = str(repo_root())
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.update(quiet_dask_env(env))
     env.update(extra or {})
     return env
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from schedulers import Partition
+from schedulers.command import QUIET_DASK_ENV, worker_env
 from schedulers.slurm import SlurmScheduler, normalise_state
 
 GOLDEN = Path(__file__).with_name("golden")
@@ -48,7 +49,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_rendered_script_matches_golden(case, tmp_path):
+def test_rendered_script_matches_golden(case, tmp_path, monkeypatch):
+    for key in QUIET_DASK_ENV:  # the script exports them unless the submitting shell sets them
+        monkeypatch.delenv(key, raising=False)
     partition, address, index, site = CASES[case]
     script, argv = SlurmScheduler(**site).render(partition, address, index)
     text = script + "# sbatch argv: " + " ".join(argv) + "\n"
@@ -76,3 +79,16 @@ def test_render_refuses_local_partition():
 )
 def test_normalise_state(raw, state):
     assert normalise_state(raw) == state
+
+
+def test_worker_env_quiets_dask_monitors_unless_set(monkeypatch):
+    for key in QUIET_DASK_ENV:
+        monkeypatch.delenv(key, raising=False)
+    part = Partition(name="cpu", scheduler="local", role="data",
+                     env={"DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "20ms"})
+    monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED", "True")
+    env = worker_env(part, "data-cpu-local-cpu-0")
+    assert env["DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL"] == "20ms"  # the partition's value wins
+    assert "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED" not in env  # the shell's value is inherited
+    assert env["DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL"] == "1s"
+    assert env["ASTRAFLOW_ROLE"] == "data"
