@@ -11,6 +11,8 @@ the place to tune hyperparameters.
 
 The baseline is the policy at the start of RL (its held-out accuracy is measured with the same
 evaluation); the result is the gain in accuracy points and the time RL took to reach it.
+``--compare-run RUN_DIR`` puts an ``astraflow run`` directory's curve next to this one's, per
+minute of RL (RESULT key ``compare``).
 Prints a table and ends with one ``RESULT {json}`` line.
 """
 
@@ -71,7 +73,63 @@ def parse_args(argv=None):
                    help="end RL early once the gain (points) reaches this")
     p.add_argument("--model-dir", default=None, help="reuse a warm-started HF dir (skips init + warm start)")
     p.add_argument("--save-warm", default=None, help="save the warm-started model here")
+    p.add_argument("--compare-run", default=None, metavar="RUN_DIR",
+                   help="an `astraflow run` directory (e.g. the main example's): compare its held-out "
+                        "accuracy curve with this run's per minute of RL")
     return p.parse_args(argv)
+
+
+def _gain30_minutes(curve: list[tuple[float, float]], smooth: int = 1) -> float | None:
+    """First minute at which accuracy (a ``smooth``-point moving average) is 30 points above the start."""
+    acc = np.array([a for _, a in curve])
+    if smooth > 1:
+        acc = np.convolve(acc, np.ones(smooth) / smooth, mode="valid")
+        times = [t for t, _ in curve][smooth // 2 : smooth // 2 + len(acc)]
+    else:
+        times = [t for t, _ in curve]
+    return next((round(t, 2) for t, a in zip(times, acc) if a - curve[0][1] >= 0.30), None)
+
+
+def compare_with_run(run_dir: Path, reference: list[tuple[float, float]], console: Console) -> dict:
+    """Both curves (minutes of RL, held-out accuracy) on one time grid over their common span:
+    mean accuracy overall and per window, and when each first gained 30 points. The run's clock
+    starts at its first evaluation (v0, before RL), as this script's does."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    evals = sorted((x for x in lines if "eval_accuracy" in x), key=lambda x: x["time"])
+    if len(evals) < 2:
+        raise ValueError(f"{run_dir}/metrics.jsonl has {len(evals)} evaluation lines: run it longer (eval.every)")
+    system = [((e["time"] - evals[0]["time"]) / 60, e["eval_accuracy"]) for e in evals]
+    span = min(system[-1][0], reference[-1][0])
+    grid = np.linspace(0.0, span, 600)
+    on_grid = {name: np.interp(grid, [t for t, _ in c], [a for _, a in c])
+               for name, c in (("system", system), ("reference", reference))}
+    edges = [0.0, span / 3, 2 * span / 3, span]
+    windows = []
+    table = Table(title=f"held-out accuracy per minute of RL: {run_dir.name} vs this reference")
+    for col in ("minutes", "system", "reference"):
+        table.add_column(col, justify="right")
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        m = (grid >= lo) & (grid <= hi)
+        w = {"from_min": round(lo, 2), "to_min": round(hi, 2),
+             "system": round(float(on_grid["system"][m].mean()), 4),
+             "reference": round(float(on_grid["reference"][m].mean()), 4)}
+        windows.append(w)
+        table.add_row(f"{lo:.1f}-{hi:.1f}", f"{w['system']:.3f}", f"{w['reference']:.3f}")
+    out = {
+        "run_dir": str(run_dir), "common_minutes": round(span, 2), "windows": windows,
+        "mean_acc_system": round(float(on_grid["system"].mean()), 4),
+        "mean_acc_reference": round(float(on_grid["reference"].mean()), 4),
+        "gain30_min_system": _gain30_minutes(system), "gain30_min_reference": _gain30_minutes(reference),
+        "gain30_min_system_smoothed3": _gain30_minutes(system, 3),
+        "gain30_min_reference_smoothed3": _gain30_minutes(reference, 3),
+    }
+    out["mean_acc_ratio"] = round(out["mean_acc_system"] / max(out["mean_acc_reference"], 1e-9), 3)
+    table.add_row(f"0-{span:.1f}", f"{out['mean_acc_system']:.3f}", f"{out['mean_acc_reference']:.3f}")
+    console.print(table)
+    console.print(f"+30 points first at {out['gain30_min_system']} min (system) vs "
+                  f"{out['gain30_min_reference']} min (reference); on a 3-evaluation moving average "
+                  f"{out['gain30_min_system_smoothed3']} vs {out['gain30_min_reference_smoothed3']} min")
+    return out
 
 
 async def _rollout(engine, tok, items, group, params):
@@ -226,6 +284,9 @@ def main(argv=None) -> dict:
         "settings": {k: v for k, v in vars(a).items() if k not in ("model_dir", "save_warm")},
         "curve": curve,
     }
+    if a.compare_run:
+        result["compare"] = compare_with_run(Path(a.compare_run), [(c["seconds"] / 60, c["acc"]) for c in curve],
+                                             console)
     print("RESULT " + json.dumps(result), flush=True)
     return result
 
