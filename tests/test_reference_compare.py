@@ -1,6 +1,7 @@
 """The per-minute comparison of a run directory with the single-process reference
 (``benchmarks/grpo_reference.py --compare-run``)."""
 
+import io
 import json
 
 import pytest
@@ -20,7 +21,7 @@ def _run_dir(tmp_path, evals):
 def test_curves_compared_on_their_common_span(tmp_path):
     run = _run_dir(tmp_path, [(0, 0.3), (1, 0.5), (2, 0.7)])  # system: linear 0.3 -> 0.7 in 2 min
     reference = [(0.0, 0.3), (1.5, 0.55), (3.0, 0.9)]  # +30 points only at its last evaluation
-    out = compare_with_run(run, reference, Console(file=open("/dev/null", "w")))
+    out = compare_with_run(run, reference, Console(file=io.StringIO()))
     assert out["common_minutes"] == 2.0
     assert out["mean_acc_system"] == pytest.approx(0.5, abs=1e-3)  # mean of a line over 0..2
     # piecewise linear: 0.3 -> 0.55 over 1.5 min, then on to 0.55 + 0.5 * 0.35 / 1.5 at 2 min
@@ -34,4 +35,4 @@ def test_curves_compared_on_their_common_span(tmp_path):
 def test_a_run_without_evaluations_is_refused(tmp_path):
     run = _run_dir(tmp_path, [(0, 0.3)])
     with pytest.raises(ValueError, match="eval.every"):
-        compare_with_run(run, [(0.0, 0.3), (1.0, 0.4)], Console(file=open("/dev/null", "w")))
+        compare_with_run(run, [(0.0, 0.3), (1.0, 0.4)], Console(file=io.StringIO()))
