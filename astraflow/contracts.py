@@ -377,6 +377,20 @@ class BatchItem:
         return (self.sequence.reward - self.group_mean) / (self.group_std + 1e-6)
 
 
+class Packed(list):
+    """A list that crosses a Dask actor call as one object.
+
+    Dask serialises a plain ``list`` argument or result element by element, each record its
+    own pickle and out-of-band frame with its own header (``distributed.protocol.serialize``
+    iterates lists); a ``complete`` of 60 trajectory refs was 60 frames. A list subclass is
+    pickled whole, in one frame, and arrives as a ``Packed``, which is a ``list``.
+    ``astraflow.runtime.actors.call`` packs plain list arguments; actor methods that return a
+    list of records return a ``Packed``."""
+
+    def __reduce__(self):
+        return (Packed, (list(self),))
+
+
 @dataclass(frozen=True, eq=False)
 class Batch:
     """A fixed-size batch of sequences for one policy. Written by the data layer's

@@ -17,6 +17,7 @@ from strings. A run directory on shared storage looks like::
       weights/<policy>/v<N>/      one committed weight version (shards + manifest + marker)
       weights/<policy>/staging/   versions being written (never read)
       weights/<policy>/readers/   hold files of readers that have a version open
+      trainer_state/<policy>/     a trainer's own state for resuming (optimizer.pt)
 """
 
 from __future__ import annotations
@@ -102,6 +103,10 @@ class RunPaths:
     @property
     def weights(self) -> Path:
         return self.root / "weights"
+
+    def optimizer_state(self, policy: str) -> Path:
+        """A trainer's saved optimiser state (AdamW moments), for resuming the run."""
+        return self.root / "trainer_state" / check_name("policy", policy) / "optimizer.pt"
 
     @property
     def jobs(self) -> Path:

@@ -1,11 +1,14 @@
-"""A batch crosses a Dask actor call once per trainer step: it must arrive whole and packed."""
+"""What crosses a Dask actor call often must arrive whole and packed: a batch (once per trainer
+step), the lists of tasks and trajectory refs (every lease and complete)."""
 
 import pickle
 
 import numpy as np
-from distributed.protocol import dumps, loads
+from distributed.protocol import dumps, loads, to_serialize
 
-from astraflow.contracts import Batch, BatchItem, Sequence
+from astraflow.contracts import Batch, BatchItem, Packed, RolloutTask, Sequence, SequenceSummary, TrajectoryRef
+from astraflow.runtime.actors import call_sync
+from storage.trajectories import EntryRef
 
 
 def _batch(n: int) -> Batch:
@@ -53,3 +56,40 @@ def test_empty_batch_round_trips():
     empty = Batch(policy="p", version=0, items=())
     back = loads(dumps({"result": empty}))["result"]
     assert len(back) == 0 and back.policy == "p"
+
+
+def _refs(n: int) -> list[TrajectoryRef]:
+    return [TrajectoryRef(task_id=f"g{i // 8}/{i % 8}", group_id=f"g{i // 8}", kind="train", attempt=0, node="n0",
+                          sequences=tuple(SequenceSummary(ref=EntryRef("n0/seg-1", 2 * i + j), reward=float(j),
+                                                          policy_tokens={"solver": (3, 7)}, num_tokens=12,
+                                                          finish_reason="stop") for j in range(2)),
+                          score=1.0) for i in range(n)]
+
+
+def test_packed_list_crosses_dask_in_one_frame_and_arrives_as_a_list():
+    refs = _refs(40)
+    # what an actor call sends: each argument wrapped by ``to_serialize``
+    plain = dumps({"args": [to_serialize(list(refs))]})
+    packed = dumps({"args": [to_serialize(Packed(refs))]})
+    assert len(plain) > 40 and len(packed) <= 4  # a frame per record against one for the list
+    back = loads(packed)["args"][0]
+    assert isinstance(back, list) and back == refs
+    tasks = Packed(RolloutTask(task_id=f"g/{i}", group_id="g", policies=("a", "b"), workflow="w",
+                               prompt={"question": "1+2=", "answer": 3}) for i in range(3))
+    assert loads(dumps({"result": to_serialize(tasks)}))["result"] == list(tasks)
+
+
+def test_call_sends_plain_lists_packed():
+    seen = {}
+
+    class Future:
+        def result(self, timeout):
+            return None
+
+    def method(*args, **kwargs):
+        seen.update(args=args, kwargs=kwargs)
+        return Future()
+
+    call_sync(method, [1, 2], "x", (3,), refs=[4], n=5)
+    assert type(seen["args"][0]) is Packed and seen["args"][0] == [1, 2]
+    assert seen["args"][1:] == ("x", (3,)) and type(seen["kwargs"]["refs"]) is Packed and seen["kwargs"]["n"] == 5

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from astraflow.config import DataflowConfig, WorkloadConfig
-from astraflow.contracts import BatchItem, Batch, RolloutTask, SequenceSummary, TrajectoryRef, sequence_from_stored
+from astraflow.contracts import BatchItem, Batch, Packed, RolloutTask, SequenceSummary, TrajectoryRef, sequence_from_stored
 from astraflow.dataflow import policies as P
 from astraflow.dataflow.ledger import TERMINAL, Ledger
 from astraflow.workloads.base import make_workload
@@ -404,7 +404,7 @@ class DataLayer:
                 self.leases[tid] = (node, deadline)
                 out.append(task)
         info["leased"] += len(out)
-        return out
+        return Packed(out)
 
     async def complete(self, refs: list[TrajectoryRef]) -> int:
         """Record committed trajectories; returns how many were new (others were duplicates)."""

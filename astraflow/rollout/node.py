@@ -89,7 +89,8 @@ class RaaSNode:
         self.writing: set[str] = set()
         self.counters: dict[str, float] = {
             "episodes": 0, "sequences": 0, "tokens": 0, "failed": 0, "idle_s": 0.0,
-            "write_s": 0.0, "lease_s": 0.0, "weight_loads": 0,
+            "write_s": 0.0, "lease_s": 0.0, "lease_calls": 0, "leased": 0, "complete_calls": 0,
+            "weight_loads": 0,
         }
         self.error: str | None = None
         self.draining = False
@@ -198,6 +199,8 @@ class RaaSNode:
                 # a long poll when idle-capable: the data layer answers as soon as it has tasks
                 tasks = await call(self.dl.lease, self.identity.name, free, self.cfg.lease_wait_seconds, timeout=30)
                 self.counters["lease_s"] += time.time() - t0
+                self.counters["lease_calls"] += 1
+                self.counters["leased"] += len(tasks)
             for task in tasks:
                 self.inflight[task.task_id] = task
                 ep = asyncio.create_task(self._episode(task))
@@ -310,6 +313,7 @@ class RaaSNode:
                 self.counters["sequences"] += n
                 self.counters["tokens"] += sum(s.num_generated() for s in traj.sequences)
             await call(self.dl.complete, out, timeout=60)
+            self.counters["complete_calls"] += 1
             for traj in batch:
                 self.writing.discard(traj.task_id)
         await asyncio.to_thread(self.writer.flush)

@@ -346,7 +346,7 @@ class Orchestrator:
                 policy=pol.name, cfg=pol.trainer, model_path=str(pol.model),
                 weights_root=str(self.paths.weights), keep_versions=cfg.storage.keep_versions,
                 data_layer=self.dl, max_steps=cfg.run.max_steps, seed=cfg.run.seed + i,
-                write_deltas=cfg.storage.deltas,
+                write_deltas=cfg.storage.deltas, optimizer_path=str(self.paths.optimizer_state(pol.name)),
             )
         with self.progress.waiting(f"starting {len(placed)} trainer(s) and the RaaS nodes (model loading)"):
             self.trainers = self._wait_all("placing trainers", placed)
@@ -634,9 +634,10 @@ class Orchestrator:
                 nodes[n] = f.result(timeout=120)
             except _FUTURE_ERRORS as err:  # the worker died during shutdown: its leases end as run_ended
                 nodes[n] = {"node": n, "error": f"{type(err).__name__}: {err}"}
-        steps = {}
+        steps, trainers = {}, {}
         for p, t in self.trainers.items():
-            steps[p] = t.stop(timeout=120).result(timeout=150)["version"]
+            trainers[p] = t.stop(timeout=120).result(timeout=150)
+            steps[p] = trainers[p]["version"]
         ledger = self.dl.finish().result(timeout=60)
         state = self.dl.state().result(timeout=30)
         self.dl.close().result(timeout=30)
@@ -644,7 +645,7 @@ class Orchestrator:
         self.paths.summary.write_text(
             json.dumps(
                 {"steps": steps, "eval": state["eval"], "ledger": ledger, "seconds": result.seconds,
-                 "interrupted": interrupted, "nodes": nodes, "data_layer": state,
+                 "interrupted": interrupted, "nodes": nodes, "trainers": trainers, "data_layer": state,
                  "iterations": self.iterations,
                  "workers": {n: {"partition": w.partition, "job_id": w.job.job_id, "phase": w.phase, "note": w.note,
                                  "gone": w.gone, "served": w.actor is not None}

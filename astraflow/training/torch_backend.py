@@ -127,8 +127,21 @@ class TorchBackend:
         return {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Continue from committed weights (a resumed run; the optimiser state starts fresh)."""
+        """Continue from committed weights (a resumed run; ``load_optimizer_state`` restores
+        the optimiser's moments, else they start fresh)."""
         self.model.load_state_dict(state)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimiser's state (moments, step counts, hyperparameters), for a checkpoint."""
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Continue with saved optimiser moments (``ValueError`` if they belong to another
+        model); the hyperparameters stay this backend's (a resumed run may change ``lr``)."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(state)
+        for g, own in zip(self.optimizer.param_groups, groups):
+            g.update(own)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of the current weights (CPU), unaffected by later steps: the trainer

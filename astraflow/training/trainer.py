@@ -23,8 +23,10 @@ was measured and dropped: it gained nothing here and consumed staler data.)
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from astraflow.config import TrainerConfig
@@ -103,6 +105,7 @@ class Trainer:
         max_steps: int,
         seed: int = 0,
         write_deltas: bool = False,
+        optimizer_path: str | None = None,
     ):
         self.policy = policy
         self.cfg = cfg
@@ -130,6 +133,10 @@ class Trainer:
         self.delta_history: list[dict[str, float]] = []
         self._delta_thread: threading.Thread | None = None
         self._delta_base: tuple[int, dict] | None = None
+        #: where the optimiser state is saved (``trainer.optimizer_checkpoint_every``); None: never
+        self.optimizer_path = Path(optimizer_path) if optimizer_path else None
+        #: the trainer version whose optimiser state a resumed run continued with (None: fresh)
+        self.optimizer_resumed_from: int | None = None
 
     def start(self, run_loop: bool = True) -> int:
         """Build the backend, publish the initial version, start the loop (unless a driver
@@ -150,6 +157,7 @@ class Trainer:
                         "start a new run directory"
                     )
                 self.backend.load_state_dict(self.store.load(self.policy, latest.version))
+                self._load_optimizer()
         if run_loop:
             self._thread = threading.Thread(target=self._run, name=f"trainer-{self.policy}", daemon=True)
             self._thread.start()
@@ -170,7 +178,52 @@ class Trainer:
         t1 = time.time()
         metrics = self.backend.train_step(batch)
         self.version += 1
+        every = self.cfg.optimizer_checkpoint_every
+        if every and self.version % every == 0:
+            self.save_optimizer()
         return batch, metrics, t1 - t0, time.time() - t1
+
+    def save_optimizer(self) -> bool:
+        """Write the backend's optimiser state (with the version its weights are at) to
+        ``optimizer_path``, atomically; False when there is no path or the backend has none.
+        A failure is logged, not raised: it must not stop training."""
+        if self.optimizer_path is None or not hasattr(self.backend, "optimizer_state") or self.version == 0:
+            return False
+        import torch
+
+        from storage.paths import tmp_sibling
+
+        try:
+            self.optimizer_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = tmp_sibling(self.optimizer_path)
+            torch.save({"policy": self.policy, "version": self.version,
+                        "optimizer": self.backend.optimizer_state()}, tmp)
+            os.replace(tmp, self.optimizer_path)
+            return True
+        except Exception:
+            log.exception("trainer %s: saving the optimiser state of v%d failed", self.policy, self.version)
+            return False
+
+    def _load_optimizer(self) -> None:
+        """A resumed run: continue with the saved optimiser state when there is one. It may be
+        a few steps older than the weights (saved every ``optimizer_checkpoint_every`` steps,
+        and the run stopped without saving again): older moments still beat fresh ones."""
+        path = self.optimizer_path
+        if path is None or not path.exists() or not hasattr(self.backend, "load_optimizer_state"):
+            log.info("trainer %s: resuming at v%d with a fresh optimiser state", self.policy, self.version)
+            return
+        import torch
+
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            self.backend.load_optimizer_state(saved["optimizer"])
+        except (ValueError, KeyError) as err:
+            log.warning("trainer %s: %s does not fit this model (%s); starting with a fresh optimiser state",
+                        self.policy, path, err)
+            return
+        self.optimizer_resumed_from = int(saved["version"])
+        log.info("trainer %s: resuming at v%d with the optimiser state of v%d", self.policy, self.version,
+                 self.optimizer_resumed_from)
 
     def pause(self, paused: bool = True) -> None:
         """Stall the loop (tests use it to show that other policies keep training)."""
@@ -182,7 +235,9 @@ class Trainer:
     def stop(self, timeout: float = 60.0) -> dict[str, Any]:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(timeout)  # the loop saves the optimiser state on its way out
+        elif hasattr(self, "backend"):  # run.mode sync: a driver stepped this trainer
+            self.save_optimizer()
         return self.state()
 
     def state(self) -> dict[str, Any]:
@@ -198,6 +253,7 @@ class Trainer:
             "publish_s": self.publish_s,
             "wait_fraction": self.wait_s / elapsed,
             "deltas": self.delta_history[-5:],
+            "optimizer_resumed_from": self.optimizer_resumed_from,
             "last_metrics": dict(self.last_metrics),
         }
 
@@ -306,4 +362,5 @@ class Trainer:
                 except Exception:
                     log.exception("trainer %s: publishing v%d failed", self.policy, self.version)
             if hasattr(self, "backend"):
+                self.save_optimizer()
                 self.backend.close()

@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from astraflow.dataflow.ledger import TERMINAL
 from astraflow.runtime.orchestrator import Orchestrator
@@ -94,6 +95,8 @@ def test_resume_continues_from_committed_weights_and_dataflow_state(tiny_model, 
     Orchestrator(cfg, run_dir).run()
     saved = json.loads((run_dir / "control" / "dataflow_state.json").read_text())
     assert saved["versions"] == {"solver": 2} and "success" in saved["curator"]
+    optimizer = run_dir / "trainer_state" / "solver" / "optimizer.pt"
+    assert torch.load(optimizer, weights_only=True)["version"] == 2  # saved when the trainer stopped
     cfg2 = tiny_config(tiny_model, **{"run.max_steps": 4, "workload.eval.every": 0,
                                       "dataflow.curator": {"type": "filter_solved", "params": {"threshold": 0.5}}})
     result = Orchestrator(cfg2, run_dir).run()
@@ -101,4 +104,8 @@ def test_resume_continues_from_committed_weights_and_dataflow_state(tiny_model, 
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "loss" in x] == [1, 2, 3, 4]
     assert WeightStore(run_dir / "weights").latest("solver").version == 4
+    # the resumed trainer continued with the first run's AdamW moments, and saved its own
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trainers"]["solver"]["optimizer_resumed_from"] == 2
+    assert torch.load(optimizer, weights_only=True)["version"] == 4
     assert list(run_dir.glob("summary.*.json")), "the first run's summary is kept"

@@ -143,3 +143,28 @@ def test_a_batch_without_signal_still_steps_the_optimiser(tiny_dir):
     assert out["trained_sequences"] == 0 and out["loss"] == 0.0
     for (name, pa), pb in zip(full.model.named_parameters(), skip.model.parameters()):
         assert torch.allclose(pa, pb, atol=1e-6), name
+
+
+def test_resuming_with_the_saved_optimiser_state_is_the_same_step(tiny_dir, tmp_path):
+    """Weights + optimiser state saved after two steps and loaded into a new backend: its
+    third step is the uninterrupted backend's; with fresh moments it is not. The saved ``lr``
+    does not override the resumed backend's own."""
+    ref = TorchBackend(tiny_dir, lr=1e-3)
+    batch = _batch(ref.model, ref.tokenizer)
+    for _ in range(2):
+        ref.train_step(batch)
+    torch.save(ref.optimizer_state(), tmp_path / "opt.pt")
+    weights = ref.snapshot()
+    resumed, fresh = TorchBackend(tiny_dir, lr=1e-3), TorchBackend(tiny_dir, lr=1e-3)
+    for be in (resumed, fresh):
+        be.load_state_dict(weights)
+    resumed.load_optimizer_state(torch.load(tmp_path / "opt.pt", weights_only=True))
+    for be in (ref, resumed, fresh):
+        be.train_step(batch)
+    after = ref.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in resumed.state_dict().items())
+    assert not all(torch.allclose(after[k], v) for k, v in fresh.state_dict().items())
+    other = TorchBackend(tiny_dir, lr=5e-4)
+    other.load_optimizer_state(torch.load(tmp_path / "opt.pt", weights_only=True))
+    assert other.optimizer.param_groups[0]["lr"] == 5e-4
+    assert other.optimizer.state_dict()["state"][0]["step"] == 2

@@ -136,3 +136,51 @@ def test_stop_ends_a_wait_for_a_batch_that_will_not_come(tmp_path, tiny_dir):
     st = tr.stop(timeout=30)
     assert st["error"] is None and not st["done"] and st["version"] == 0
     assert not tr._thread.is_alive()
+
+
+class _DataThenNone(_NoData):
+    """Serves ``n`` batches, then nothing."""
+
+    def __init__(self, batch: Batch, n: int):
+        super().__init__(batch)
+        self.left = n
+
+    def next_batch(self, policy, version, timeout):
+        if self.left > 0:
+            self.left -= 1
+            return _DataLayer.next_batch(self, policy, version, timeout)
+        return super().next_batch(policy, version, timeout)
+
+
+def test_optimiser_state_is_saved_periodically_and_at_stop_and_resumed(tmp_path, tiny_dir):
+    ref = TorchBackend(tiny_dir, lr=1e-3)
+    batch = _batch(ref.model, ref.tokenizer)
+    path = tmp_path / "trainer_state" / "p" / "optimizer.pt"
+
+    def trainer(dl):
+        return Trainer(policy="p", cfg=TrainerConfig(lr=1e-3, optimizer_checkpoint_every=2), model_path=tiny_dir,
+                       weights_root=str(tmp_path / "weights"), keep_versions=10, data_layer=dl, max_steps=10,
+                       optimizer_path=str(path))
+
+    tr = trainer(_DataThenNone(batch, 3))
+    tr.start()
+    deadline = time.time() + 120
+    while tr.state()["version"] < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    # three steps trained, the trainer waits for a fourth batch: the checkpoint of step 2 is there
+    assert torch.load(path, weights_only=True)["version"] == 2
+    st = tr.stop(timeout=30)
+    assert st["version"] == 3 and st["optimizer_resumed_from"] is None
+    saved = torch.load(path, weights_only=True)
+    assert saved["version"] == 3 and saved["optimizer"]["state"][0]["step"] == 3  # saved on the way out
+
+    again = trainer(_NoData(batch))
+    assert again.start(run_loop=False) == 3
+    assert again.state()["optimizer_resumed_from"] == 3
+    assert again.backend.optimizer.state_dict()["state"][0]["step"] == 3
+    again.stop()
+
+    torch.save({"policy": "p", "version": 3, "optimizer": {"state": {}, "param_groups": []}}, path)
+    third = trainer(_NoData(batch))  # a state that does not fit the model: fresh moments, no failure
+    assert third.start(run_loop=False) == 3 and third.state()["optimizer_resumed_from"] is None
+    assert third.backend.optimizer.state_dict()["state"] == {}
