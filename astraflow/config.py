@@ -252,6 +252,10 @@ class RolloutConfig(_Strict):
     """How often the node checks the weight store for a newer version."""
     full_resync_every: int = Field(default=10, ge=1)
     """Load full shards instead of a delta every N versions."""
+    engine_restarts: int = Field(default=3, ge=0)
+    """How many times a node restarts an engine process that died (its in-flight episodes
+    fail and are requeued; the new process loads the newest committed weights before the node
+    leases again). After that the node stops leasing and reports the error."""
 
 
 class StorageConfig(_Strict):

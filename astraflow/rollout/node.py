@@ -90,8 +90,10 @@ class RaaSNode:
         self.counters: dict[str, float] = {
             "episodes": 0, "sequences": 0, "tokens": 0, "failed": 0, "idle_s": 0.0,
             "write_s": 0.0, "lease_s": 0.0, "lease_calls": 0, "leased": 0, "complete_calls": 0,
-            "weight_loads": 0,
+            "weight_loads": 0, "engine_restarts": 0,
         }
+        #: restarting a dead engine process (``_recover``): no leases meanwhile
+        self._recovery: asyncio.Task | None = None
         self.error: str | None = None
         self.draining = False
         self.stopped = False
@@ -194,7 +196,8 @@ class RaaSNode:
                     self.draining = True
             free = self.cfg.capacity - len(self.inflight)
             tasks: list[RolloutTask] = []
-            if free > 0 and not self.draining:
+            recovering = self._recovery is not None and not self._recovery.done()
+            if free > 0 and not self.draining and not recovering:
                 t0 = time.time()
                 # a long poll when idle-capable: the data layer answers as soon as it has tasks
                 tasks = await call(self.dl.lease, self.identity.name, free, self.cfg.lease_wait_seconds, timeout=30)
@@ -259,14 +262,40 @@ class RaaSNode:
         except (TimeoutError, ValueError, RuntimeError) as err:
             self.counters["failed"] += 1
             log.warning("episode %s failed: %s", task.task_id, err)
-            if isinstance(err, EngineProcessError):
-                # no engine, no episodes: stop leasing so that other nodes get the tasks instead
-                # of this node failing them one after another; the error shows in state()
-                self.error, self.draining = str(err), True
+            if isinstance(err, EngineProcessError) and (self._recovery is None or self._recovery.done()):
+                self._recovery = asyncio.get_running_loop().create_task(self._recover(err))
             await call(self.dl.fail, task.task_id, f"{type(err).__name__}: {err}", timeout=30)
         finally:
             self.inflight.pop(task.task_id, None)
             self._slot_free.set()
+
+    async def _recover(self, err: EngineProcessError) -> None:
+        """An engine process died. Restart it (``rollout.engine_restarts`` times per node) and
+        load the newest committed weights into it before leasing again; the episodes it was
+        running have failed and are requeued. Past the budget (or an engine that cannot be
+        restarted) the node stops leasing, so that other nodes get the tasks instead of this
+        one failing them one after another; the error shows in ``state()``."""
+        dead = [p for p, e in self.engines.items() if getattr(e, "dead", None)]
+        restartable = all(hasattr(e, "restart") for e in self.engines.values())
+        if not dead and restartable:
+            return  # an episode of the process restarted before failed late: nothing to do
+        budget = self.cfg.engine_restarts - self.counters["engine_restarts"]
+        if not dead or not restartable or len(dead) > budget:
+            log.error("node %s: %s; no engine restarts left (rollout.engine_restarts = %d): it stops leasing",
+                      self.identity.name, err, self.cfg.engine_restarts)
+            self.error, self.draining = str(err), True
+            return
+        try:
+            for policy in dead:
+                log.warning("node %s: the engine process of %s died (%s); restarting it (%d of %d)",
+                            self.identity.name, policy, self.engines[policy].dead,
+                            self.counters["engine_restarts"] + 1, self.cfg.engine_restarts)
+                await asyncio.to_thread(self.engines[policy].restart)
+                self.counters["engine_restarts"] += 1
+            self.counters["weight_loads"] += await asyncio.to_thread(self.puller.poll)
+        except Exception as again:  # e.g. the model no longer loads: as past the budget
+            log.exception("node %s: restarting the engine process failed", self.identity.name)
+            self.error, self.draining = f"{err}; restarting it failed: {type(again).__name__}: {again}", True
 
     async def _wait_for_version(self, policy: str, version: int, timeout: float) -> None:
         deadline = time.time() + timeout
@@ -320,6 +349,10 @@ class RaaSNode:
 
     async def _watch_weights(self) -> None:
         while True:
-            loaded = await asyncio.to_thread(self.puller.poll)
-            self.counters["weight_loads"] += loaded
+            try:
+                self.counters["weight_loads"] += await asyncio.to_thread(self.puller.poll)
+            except EngineProcessError:
+                pass  # the engine died: ``_recover`` restarts it and loads the newest version
+            except Exception:  # e.g. shared storage briefly unreadable: the next poll tries again
+                log.exception("node %s: polling the weight store failed", self.identity.name)
             await asyncio.sleep(self.cfg.weight_poll_seconds)

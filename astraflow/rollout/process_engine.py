@@ -29,7 +29,8 @@ steps. ``version`` on this side is the last version *sent*: every request submit
 
 Failure: if the engine process dies, every pending and later ``generate`` raises
 ``EngineProcessError`` (a ``RuntimeError``) naming the exit code; the node fails those tasks
-(the data layer requeues them), stops leasing and reports the error in its state. If the node process dies, the engine process sees the pipe close
+(the data layer requeues them) and ``restart()``s the engine process (up to
+``rollout.engine_restarts`` times; then it stops leasing and reports the error in its state). If the node process dies, the engine process sees the pipe close
 and exits at once: it holds nothing that needs saving.
 """
 
@@ -69,38 +70,70 @@ class ProcessEngine:
 
         self.tokenizer = load_tokenizer(model_path)  # a bad path fails here, before a process starts
         self.version = version
+        self._model_path = str(model_path)
+        self._args = (str(model_path), max_batch_size, seed, device, threads)
+        self._start_timeout = start_timeout
         self._reap_lock = threading.Lock()
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(
-            target=_engine_main, name="astraflow-engine", daemon=True,
-            args=(child_conn, str(model_path), max_batch_size, seed, device, threads, version),
-        )
-        self._proc.start()
-        child_conn.close()  # the child holds its end; ours closing lets us see its death as EOF
-        if not self._conn.poll(start_timeout):
-            self._kill()
-            raise EngineProcessError(f"the engine process did not load {model_path} within {start_timeout:.0f}s")
-        try:
-            msg = self._conn.recv()
-        except EOFError:
-            self._reap(5)
-            raise EngineProcessError(
-                f"the engine process exited with code {self._proc.exitcode} while loading {model_path}; "
-                "see the worker log for its traceback"
-            ) from None
-        if msg[0] != "ready":
-            self._kill()
-            raise EngineProcessError(f"the engine process failed to start: {msg[1]}")
         self._send_lock = threading.Lock()  # the loop thread (generate) and the weight watcher send
         self._ids = itertools.count()
         self._futures: dict[int, asyncio.Future] = {}
         self._outbox: list[tuple[int, list[int], SamplingParams]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0.0)  # the engine's, as of its last reply
+        self._stats_before = dict.fromkeys(STAT_KEYS, 0.0)  # summed over earlier engine processes
+        #: engine processes started after the first died (``restart``)
+        self.restarts = 0
         self._dead: str | None = None
-        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._spawn(version)
+
+    def _spawn(self, version: int) -> None:
+        """Start an engine process holding the model directory's weights as ``version``, wait
+        until it is ready, start the reader thread."""
+        ctx = multiprocessing.get_context("spawn")
+        conn, child_conn = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=_engine_main, name="astraflow-engine", daemon=True,
+                           args=(child_conn, *self._args, version))
+        self._conn, self._proc = conn, proc
+        proc.start()
+        child_conn.close()  # the child holds its end; ours closing lets us see its death as EOF
+        path, timeout = self._model_path, self._start_timeout
+        if not conn.poll(timeout):
+            self._kill()
+            raise EngineProcessError(f"the engine process did not load {path} within {timeout:.0f}s")
+        try:
+            msg = conn.recv()
+        except EOFError:
+            self._reap(5)
+            raise EngineProcessError(
+                f"the engine process exited with code {proc.exitcode} while loading {path}; "
+                "see the worker log for its traceback"
+            ) from None
+        if msg[0] != "ready":
+            self._kill()
+            raise EngineProcessError(f"the engine process failed to start: {msg[1]}")
+        self.version = version
+        self._dead = None
+        self._reader = threading.Thread(target=self._read, args=(conn, proc), name="engine-reader", daemon=True)
         self._reader.start()
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine process is gone (None while it serves)."""
+        return self._dead
+
+    def restart(self) -> None:
+        """Start a new engine process after this one died (blocking: the model loads). It
+        holds the model directory's weights as version 0; the caller loads the newest
+        committed version next (``load_version``: the pipe keeps that before any request).
+        The requests of the dead process have failed already."""
+        if self._dead is None:
+            raise RuntimeError("ProcessEngine.restart: the engine process is still serving")
+        self._reader.join(10)  # it has failed the dead process's requests on its way out
+        self._conn.close()
+        self._stats_before = {k: self._stats_before[k] + self._stats.get(k, 0.0) for k in STAT_KEYS}
+        self._stats = dict.fromkeys(STAT_KEYS, 0.0)
+        self._spawn(0)
+        self.restarts += 1
 
     @property
     def pid(self) -> int | None:
@@ -143,7 +176,7 @@ class ProcessEngine:
         self.version = int(version)
 
     def stats(self) -> dict[str, float]:
-        return dict(self._stats)
+        return {k: self._stats_before[k] + self._stats.get(k, 0.0) for k in STAT_KEYS}
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine process (SIGKILL after ``timeout``)."""
@@ -174,11 +207,11 @@ class ProcessEngine:
                 if fut is not None and not fut.done():
                     fut.set_exception(EngineProcessError(f"engine process unreachable: {err}"))
 
-    def _read(self) -> None:
-        """Reader thread: hand each results message to the event loop."""
+    def _read(self, conn, proc) -> None:
+        """Reader thread of one engine process: hand each results message to the event loop."""
         while True:
             try:
-                msg = self._conn.recv()
+                msg = conn.recv()
             except (EOFError, OSError):
                 break
             if msg[0] == "results":
@@ -190,8 +223,9 @@ class ProcessEngine:
                 log.warning("engine process could not load weights v%d (%s); it keeps v%d", wanted, reason, current)
                 if self.version == wanted:
                     self.version = current
-        self._reap(5)
-        self._dead = f"the engine process exited with code {self._proc.exitcode}; see the worker log"
+        with self._reap_lock:
+            proc.join(5)
+        self._dead = f"the engine process exited with code {proc.exitcode}; see the worker log"
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._fail_all)
 

@@ -163,11 +163,86 @@ def test_a_dead_engine_process_stops_the_node_leasing(tmp_path, tiny_model):
     async def run():
         node._slot_free = asyncio.Event()
         await node._episode(task)
+        await node._recovery
 
     asyncio.run(run())
     assert dl.failed and dl.failed[0][0] == "g0/0" and "exited with code -9" in dl.failed[0][1]
     assert node.draining and "exited with code -9" in node.error
     assert not node.inflight
+
+
+@pytest.mark.timeout(180)
+def test_a_node_restarts_a_dead_engine_process_with_the_newest_weights(tmp_path, tiny_model):
+    """The engine process is killed (SIGKILL, by its PID) while the node runs an episode: the
+    episode's task fails (the data layer requeues it), the node starts a new engine process,
+    loads the newest committed version into it and goes on; once ``rollout.engine_restarts``
+    is spent, a death stops the node leasing instead."""
+    import os
+    import signal
+
+    import torch
+
+    from astraflow.models import load_model
+    from astraflow.rollout.process_engine import ProcessEngine
+    from astraflow.rollout.weight_sync import WeightPuller
+    from astraflow.workloads.base import make_workflow, make_workload
+    from astraflow.rollout.engine import SamplingParams
+    from storage.weights import WeightStore
+
+    node, dl = _node(tmp_path, engine_restarts=1, weight_poll_seconds=0.05)
+    model, _ = load_model(str(tiny_model))
+    store = WeightStore(tmp_path / "weights")
+    store.publish("p", 3, {k: v + 0.01 for k, v in model.state_dict().items()}, meta={"layout": "hf"})
+    engine = ProcessEngine(str(tiny_model), max_batch_size=8, device="cpu")
+    node.engines = {"p": engine}
+    node.puller = WeightPuller(str(tmp_path / "weights"), node.engines)
+    workload = make_workload("math", {}, 0)
+    node.workflow = make_workflow("single_turn", workload, SamplingParams(max_new_tokens=300), "n0")
+    tasks = [RolloutTask(task_id=f"g0/{i}", group_id="g0", policies=("p",), workflow="single_turn",
+                         prompt=workload.tasks("train")[i], kind="train") for i in range(3)]
+
+    async def episode_killed(task, publish=None):
+        node.inflight[task.task_id] = task
+        ep = asyncio.ensure_future(node._episode(task))
+        await asyncio.sleep(0.3)
+        assert not ep.done(), "the episode (300 tokens to sample) should still be generating"
+        os.kill(engine.pid, signal.SIGKILL)  # our own child, by its PID
+        if publish is not None:  # a version committed while the engine is dead: the watcher meets it
+            store.publish("p", publish, {k: v + 0.01 * publish for k, v in model.state_dict().items()},
+                          meta={"layout": "hf"})
+        await asyncio.wait_for(ep, 30)
+        await asyncio.wait_for(node._recovery, 120)
+
+    async def run():
+        node._slot_free = asyncio.Event()
+        node._finished, node._finished_event = [], asyncio.Event()
+        watcher = asyncio.create_task(node._watch_weights())  # it polls while the engine is dead
+        await asyncio.sleep(0.5)
+        assert engine.version == 3
+        await episode_killed(tasks[0], publish=4)
+        assert [t for t, _ in dl.failed] == ["g0/0"] and "exited with code -9" in dl.failed[0][1]
+        assert node.counters["engine_restarts"] == 1 and not node.draining and node.error is None
+        assert engine.dead is None and engine.version == 4  # caught up before leasing again
+        # the weight watcher outlived the dead engine: it loads the next version
+        store.publish("p", 5, {k: v + 0.05 for k, v in model.state_dict().items()}, meta={"layout": "hf"})
+        for _ in range(100):
+            if engine.version == 5:
+                break
+            await asyncio.sleep(0.1)
+        assert engine.version == 5 and not watcher.done()
+        watcher.cancel()
+        node.inflight[tasks[1].task_id] = tasks[1]
+        await node._episode(tasks[1])  # served by the new process, with v5
+        assert [t.task_id for t in node._finished] == ["g0/1"]
+        assert set(node._finished[0].sequences[0].versions[node._finished[0].sequences[0].loss_mask].tolist()) == {5}
+        await episode_killed(tasks[2])  # no restarts left
+        assert node.draining and "exited with code -9" in node.error
+
+    torch.set_num_threads(1)
+    try:
+        asyncio.run(run())
+    finally:
+        engine.close()
 
 
 def test_an_evaluation_task_waits_for_its_own_policy_version_only(tmp_path):

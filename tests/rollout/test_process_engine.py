@@ -118,7 +118,21 @@ def test_a_dead_engine_process_fails_its_requests(tiny_model):
             await eng.generate(prompt, SamplingParams(max_new_tokens=2))
 
     asyncio.run(main())
+    # restarted: a new process with the model directory's weights (v0) serves the same engine
+    dead_pid = eng.pid
+    eng.restart()
+    assert eng.dead is None and eng.restarts == 1 and eng.version == 0 and eng.pid != dead_pid
+
+    async def again():
+        return await eng.generate(prompt, SamplingParams(max_new_tokens=3, greedy=True))
+
+    gen = asyncio.run(again())
+    assert len(gen.tokens) >= 1 and set(gen.versions.tolist()) == {0}
+    assert eng.stats()["requests"] >= 1
+    with pytest.raises(RuntimeError, match="still serving"):
+        eng.restart()
     eng.close()
+    assert not eng._proc.is_alive()
 
 
 @pytest.mark.timeout(120)
