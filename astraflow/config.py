@@ -97,10 +97,11 @@ class TrainerConfig(_Strict):
     the trainer stops, under ``<run>/trainer_state/<policy>/``; a run resumed on the same run
     directory continues with it instead of fresh moments. 0: only when the trainer stops."""
     skip_zero_advantage: bool = True
-    """Torch backend: do not compute the forward/backward of sequences whose group-normalised
-    advantage is 0 (every sample of their group scored alike). They add exactly nothing to
-    the ``ppo_clip``/``tis`` loss or its gradient, so the step is the same with less work
-    (about 40 % of the sequences of the main example). ``m2po`` always trains every sequence."""
+    """Do not compute the forward/backward of sequences whose group-normalised advantage is 0
+    (every sample of their group scored alike). They add exactly nothing to the
+    ``ppo_clip``/``tis`` loss or its gradient, so the step is the same with less work (about
+    40 % of the sequences of the main example). Both backends; ``m2po`` always trains every
+    sequence."""
 
     @model_validator(mode="after")
     def _off_policy_backend(self) -> "TrainerConfig":

@@ -55,7 +55,7 @@ def make_backend(cfg: TrainerConfig, model_path: str, seed: int):
         return MegatronBackend(MegatronBackendConfig(
             hf_checkpoint=model_path, tp_size=cfg.tensor_parallel, lr=cfg.lr, weight_decay=cfg.weight_decay,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, max_grad_norm=cfg.max_grad_norm, seed=seed,
-            threads_per_rank=cfg.threads,
+            threads_per_rank=cfg.threads, skip_zero_advantage=cfg.skip_zero_advantage,
         ))
     raise ValueError(f"unknown trainer backend {cfg.backend!r}; known: torch, megatron")
 

@@ -76,6 +76,11 @@ class MegatronBackendConfig:
     log_dir: str | None = None
     #: extra environment for the rank processes.
     env: dict[str, str] = field(default_factory=dict)
+    #: do not send sequences whose advantage is 0 to the ranks: they add exactly nothing to the
+    #: clipped loss or its gradient (whole GRPO groups that scored alike); the loss keeps the
+    #: whole batch's token count as its normaliser, so the step is the same. Needs a ``loss_fn``
+    #: that takes ``num_tokens`` (``grpo_loss`` does); with one that does not, every row trains.
+    skip_zero_advantage: bool = True
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -87,6 +92,29 @@ class MegatronBackendConfig:
                 f"hf_checkpoint {self.hf_checkpoint!r} has no config.json: point it at an HF model "
                 "directory (save_pretrained output)"
             )
+
+
+def drop_zero_advantage(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """``collate``'s arrays without the rows whose advantage is 0, trimmed to the longest kept
+    row, plus ``num_tokens`` (the whole batch's loss tokens, the loss normaliser) and
+    ``num_sequences``. Unchanged when every row or no row has an advantage (a batch without
+    signal still steps the optimiser, on zero gradients)."""
+    keep = arrays["advantages"] != 0
+    if keep.all() or not keep.any():
+        return arrays
+    mask = arrays["mask"][keep]
+    width = int(np.nonzero(mask.any(0))[0].max()) + 2 if mask.any() else 2  # last loss target + 1
+    return {"tokens": arrays["tokens"][keep, :width], "mask": mask[:, : width - 1],
+            "old_logprobs": arrays["old_logprobs"][keep, : width - 1], "advantages": arrays["advantages"][keep],
+            "num_tokens": float(arrays["mask"].sum()), "num_sequences": len(keep)}
+
+
+def _takes_num_tokens(loss_fn: str) -> bool:
+    import importlib
+    import inspect
+
+    module, name = loss_fn.split(":")
+    return "num_tokens" in inspect.signature(getattr(importlib.import_module(module), name)).parameters
 
 
 def collate(batch: Batch) -> dict[str, np.ndarray]:
@@ -164,10 +192,15 @@ class MegatronBackend:
             raise
         self.hf_config: dict[str, Any] = infos[0]["hf_config"]
         self.local_params = [i["local_params"] for i in infos]
+        self.skip_zero_advantage = config.skip_zero_advantage and _takes_num_tokens(config.loss_fn)
 
     # -- TrainerBackend ----------------------------------------------------------------------
     def train_step(self, batch: Batch) -> dict[str, float]:
-        return self._call("train", collate(batch), self.config.step_timeout_s)[0]
+        arrays = collate(batch)
+        trained = drop_zero_advantage(arrays) if self.skip_zero_advantage else arrays
+        metrics = self._call("train", trained, self.config.step_timeout_s)[0]
+        metrics.update(num_sequences=float(len(batch)), trained_sequences=float(len(trained["advantages"])))
+        return metrics
 
     def save_shards(self, directory: str | Path) -> dict[str, float]:
         """Every rank writes its Megatron ``torch_dist`` shards into ``directory`` (created here)."""

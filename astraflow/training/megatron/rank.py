@@ -104,7 +104,9 @@ class Rank:
         adv = torch.as_tensor(payload["advantages"], dtype=torch.float32, device=dev)
         self.opt.zero_grad(set_to_none=True)
         new = self._token_logprobs(tokens)
-        out = self.loss_fn(new, old, adv, mask, float(self.cfg["clip_low"]), float(self.cfg["clip_high"]))
+        # rows without advantage left out by the backend: normalise by the whole batch's tokens
+        extra = {"num_tokens": float(payload["num_tokens"])} if "num_tokens" in payload else {}
+        out = self.loss_fn(new, old, adv, mask, float(self.cfg["clip_low"]), float(self.cfg["clip_high"]), **extra)
         loss, stats = (out[0], dict(out[1])) if isinstance(out, tuple) else (out, {})
         loss.backward()
         gnorm = self._grad_norm()
