@@ -190,6 +190,9 @@ class DataLayer:
         self.task_group: dict[str, str] = {}
         self.routed_left: dict[str, int] = {}  # train task -> items not yet settled
         self.task_consumed: set[str] = set()
+        #: per policy: the items of the batch served to a trainer at version v, by v, until the
+        #: trainer reports v + 1 committed (``published``): only then are they consumed
+        self.serving: dict[str, dict[int, list[_Item]]] = {p: {} for p in self.policy_names}
         self.task_drop_reason: dict[str, str] = {}
         self.buffers: dict[str, list[_Ready]] = {p: [] for p in self.policy_names}
         self.replay: dict[str, deque[BatchItem]] = {p: deque(maxlen=4 * dataflow.batch_size) for p in self.policy_names}
@@ -667,7 +670,10 @@ class DataLayer:
         replays = [replace(x, replayed=True, staleness=version - x.sequence.oldest_version)
                    for x in self._rng.sample(list(self.replay[policy]), n_replay)] if n_replay else []
         self.replay[policy].extend(items)
-        self._settle(policy, chosen, None)
+        lost = self.serving[policy].pop(version, None)
+        if lost:  # this version asks again: the batch served before never reached its training
+            self._settle(policy, lost, "served_not_trained")
+        self.serving[policy][version] = chosen  # consumed once the version trained on it is committed
         self._notify()  # room for new groups: wakes the nodes' waiting lease calls
 
         c = self.counts[policy]
@@ -707,6 +713,7 @@ class DataLayer:
         trainer reports a version after it fetched the next batch; without them, the last
         batch served is reported)."""
         self.versions[policy] = max(self.versions[policy], version)
+        self._settle(policy, self.serving[policy].pop(version - 1, []), None)  # trained and committed
         c = self.counts[policy]
         elapsed = time.time() - self._started
         record = {
@@ -912,6 +919,9 @@ class DataLayer:
             for grp in buf:
                 self._settle(policy, grp.items, "run_ended")
             buf.clear()
+            for served in self.serving[policy].values():  # fetched by a trainer, never committed
+                self._settle(policy, served, "served_not_trained")
+            self.serving[policy].clear()
         for tid, rec in list(self.ledger.tasks.items()):
             if rec.state in TERMINAL:
                 continue

@@ -65,8 +65,32 @@ def test_lease_complete_batch_and_group_stats(tmp_path):
             assert item.group_size == 4 and item.staleness == 0
             assert item.advantage == pytest.approx(1.0 if item.sequence.reward else -1.0, abs=1e-4)
             assert item.loss_mask.sum() == 4
-        states = {layer.ledger.state_of(i.task_id) for i in batch.items}
-        assert states == {"consumed"}
+        # served is not consumed: the tasks end when the version trained on them is committed
+        assert {layer.ledger.state_of(i.task_id) for i in batch.items} == {"completed"}
+        await layer.published("p", 1, {"loss": 0.0})
+        assert {layer.ledger.state_of(i.task_id) for i in batch.items} == {"consumed"}
+
+    run(go())
+
+
+def test_a_batch_served_but_never_trained_is_not_consumed(tmp_path):
+    """A trainer that asks again for the same version (its first answer was lost) or stops
+    before it commits the version trained on a batch: those tasks end as dropped
+    (``served_not_trained``), not consumed, and each ends once."""
+    layer = make_layer(tmp_path)
+
+    async def go():
+        node = Node(layer)
+        await node.roll(16, reward_of=lambda t: float(int(t.task_id.split("/")[1]) % 2))
+        lost = await layer.next_batch("p", 0, timeout=5)
+        again = await layer.next_batch("p", 0, timeout=5)  # the same version asks again
+        assert {i.task_id for i in lost.items}.isdisjoint(i.task_id for i in again.items)
+        assert {layer.ledger.state_of(i.task_id) for i in lost.items} == {"dropped"}
+        assert layer.ledger.dropped_by_reason["served_not_trained"] == 8
+        summary = await layer.finish()  # `again` was never committed either
+        assert {layer.ledger.state_of(i.task_id) for i in again.items} == {"dropped"}
+        assert layer.ledger.dropped_by_reason["served_not_trained"] == 16
+        assert summary["open"] == 0 and "consumed" not in summary["states"]
 
     run(go())
 
