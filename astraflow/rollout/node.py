@@ -228,6 +228,10 @@ class RaaSNode:
         self._finished_event.set()
         await writer
         watcher.cancel()
+        try:  # a last heartbeat: the final counters, and the error a failed node stopped on
+            await call(self.dl.heartbeat, self.identity.name, self._beat_stats(), timeout=10)
+        except Exception as err:  # the data layer may be gone already at the end of a run
+            log.info("node %s: last heartbeat not delivered: %s", self.identity.name, err)
 
     def _beat_stats(self) -> dict[str, Any]:
         return {
@@ -239,6 +243,11 @@ class RaaSNode:
             "region": self.identity.region,
             "hardware": self.identity.hardware,
             "tokens_per_s": self.counters["tokens"] / max(time.time() - self._started_at, 1e-9),
+            "engine_restarts": self.counters["engine_restarts"],
+            "engine_pids": {p: e.pid for p, e in self.engines.items() if getattr(e, "pid", None)},
+            # a node that stopped leasing after an error it could not recover from: the
+            # orchestrator replaces its worker (``Orchestrator._replace_failed_nodes``)
+            "error": self.error,
         }
 
     async def _episode(self, task: RolloutTask) -> None:

@@ -450,6 +450,22 @@ class Orchestrator:
             self._check_failures(w.partition)
         self.progress.note(f"worker {name} is gone ({why}); {n} leases requeued")
 
+    def _replace_failed_nodes(self, state: dict[str, Any]) -> None:
+        """A RaaS node that stopped leasing after an error it could not recover from (its
+        engine process died more often than ``rollout.engine_restarts``) is replaced like a lost
+        worker: its job is cancelled, its leases requeued, its partition refilled. It counts as
+        a failure, so a partition whose nodes keep failing stops being refilled."""
+        reports = state.get("nodes", {})
+        for name, w in list(self.workers.items()):
+            if w.phase != "serving" or self.partitions[w.partition].role != "rollout":
+                continue
+            error = reports.get(name, {}).get("error")
+            if error:
+                self._scheduler_for(self.partitions[w.partition]).cancel([w.job.job_id])
+                self._lost(w, f"RaaS node failed: {error}")
+                self.pstate[w.partition].failures += 1
+                self._check_failures(w.partition)
+
     def _fail_placement(self, w: _Worker, why: str) -> None:
         """The actor could not be built or started: cancel the job (its slot is refilled)."""
         self._scheduler_for(self.partitions[w.partition]).cancel([w.job.job_id])
@@ -498,6 +514,7 @@ class Orchestrator:
                     raise RunFailed(f"trainer {p} failed: {st['error']}")
             self._reconcile()
             self._advance()
+            self._replace_failed_nodes(state)
             self._track_partitions(state)
             self.progress.update(state, trainers)
             self._write_status(state, trainers)

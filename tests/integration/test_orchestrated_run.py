@@ -88,6 +88,37 @@ def test_killed_rollout_worker_loses_no_task_and_is_replaced(tiny_model, tmp_pat
 
 
 @pytest.mark.timeout(300)
+def test_a_node_whose_engine_keeps_dying_is_replaced(tiny_model, tmp_path):
+    """With no engine restarts allowed, killing a node's engine process (by the PID the node
+    reports) makes the node stop leasing; the orchestrator replaces its worker and the run
+    finishes with every task ended once."""
+    cfg = tiny_config(tiny_model, **{"run.max_steps": 8, "workload.eval.every": 0, "rollout.engine_restarts": 0,
+                                     "workload.workflow": "tests.slurm.slow_workflow:slow_single_turn_test"})
+    run_dir = tmp_path / "run"
+    th, box = run_in_thread(Orchestrator(cfg, run_dir))
+    victim = None
+    deadline = time.time() + 180
+    while time.time() < deadline and victim is None:
+        st = _status(run_dir)
+        for name, info in (st or {}).get("data_layer", {}).get("nodes", {}).items():
+            if info.get("engine_pids") and info.get("leases_held", 0) > 0:
+                victim = (name, info["engine_pids"]["solver"])
+                break
+        time.sleep(0.2)
+    assert victim, "no rollout node with an engine process had tasks in flight"
+    os.kill(victim[1], signal.SIGKILL)  # the engine process this run started, by its PID
+    th.join(240)
+    assert not th.is_alive(), "the run did not finish after an engine process was killed"
+    assert "error" not in box, box.get("error")
+    result = box["result"]
+    assert result.steps == {"solver": 8} and result.ledger["open"] == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    gone = summary["workers"][victim[0]]
+    assert gone["gone"] and "RaaS node failed" in gone["note"] and "exited with code -9" in gone["note"]
+    assert any(n.startswith("rollout-rollout") and n.endswith("-2") for n in summary["workers"])
+
+
+@pytest.mark.timeout(300)
 def test_resume_continues_from_committed_weights_and_dataflow_state(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     cfg = tiny_config(tiny_model, **{"run.max_steps": 2, "workload.eval.every": 0,
