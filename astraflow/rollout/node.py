@@ -283,7 +283,8 @@ class RaaSNode:
         load the newest committed weights into it before leasing again; the episodes it was
         running have failed and are requeued. Past the budget (or an engine that cannot be
         restarted) the node stops leasing, so that other nodes get the tasks instead of this
-        one failing them one after another; the error shows in ``state()``."""
+        one failing them one after another; its heartbeats carry the error, and the
+        orchestrator replaces its worker."""
         dead = [p for p, e in self.engines.items() if getattr(e, "dead", None)]
         restartable = all(hasattr(e, "restart") for e in self.engines.values())
         if not dead and restartable:

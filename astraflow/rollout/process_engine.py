@@ -29,9 +29,10 @@ steps. ``version`` on this side is the last version *sent*: every request submit
 
 Failure: if the engine process dies, every pending and later ``generate`` raises
 ``EngineProcessError`` (a ``RuntimeError``) naming the exit code; the node fails those tasks
-(the data layer requeues them) and ``restart()``s the engine process (up to
-``rollout.engine_restarts`` times; then it stops leasing and reports the error in its state). If the node process dies, the engine process sees the pipe close
-and exits at once: it holds nothing that needs saving.
+(the data layer requeues them) and ``restart()``s the engine process, up to
+``rollout.engine_restarts`` times (then it stops leasing, reports the error, and the
+orchestrator replaces its worker). If the node process dies, the engine process sees the pipe
+close and exits at once: it holds nothing that needs saving.
 """
 
 from __future__ import annotations

@@ -214,12 +214,12 @@ class Trainer:
             return
         import torch
 
-        saved = torch.load(path, map_location="cpu", weights_only=True)
         try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
             self.backend.load_optimizer_state(saved["optimizer"])
-        except (ValueError, KeyError) as err:
-            log.warning("trainer %s: %s does not fit this model (%s); starting with a fresh optimiser state",
-                        self.policy, path, err)
+        except Exception as err:  # unreadable, or another model's: fresh moments, not a failed resume
+            log.warning("trainer %s: %s cannot be used (%s: %s); starting with a fresh optimiser state",
+                        self.policy, path, type(err).__name__, err)
             return
         self.optimizer_resumed_from = int(saved["version"])
         log.info("trainer %s: resuming at v%d with the optimiser state of v%d", self.policy, self.version,

@@ -184,3 +184,7 @@ def test_optimiser_state_is_saved_periodically_and_at_stop_and_resumed(tmp_path,
     third = trainer(_NoData(batch))  # a state that does not fit the model: fresh moments, no failure
     assert third.start(run_loop=False) == 3 and third.state()["optimizer_resumed_from"] is None
     assert third.backend.optimizer.state_dict()["state"] == {}
+
+    path.write_bytes(b"not a checkpoint")  # unreadable: the same
+    fourth = trainer(_NoData(batch))
+    assert fourth.start(run_loop=False) == 3 and fourth.state()["optimizer_resumed_from"] is None
