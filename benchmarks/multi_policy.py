@@ -12,8 +12,9 @@ Per-iteration time: (b) the median ``iteration_s`` of ``summary.json``; (a) and 
 time of the steady-state training phase (from the moment every policy had trained version
 max_steps/2 to the moment every policy had trained its last, from ``metrics.jsonl``) divided by
 the iterations in it: the first steps of an asynchronous run consume batches rolled out ahead
-during start-up and would flatter it. The table also shows the all-steps figures (first to last step line; for (b) the
-mean ``iteration_s``) and RESULT carries their ratio as ``speedup_all_steps``. Held-out accuracy: one greedy evaluation at the end
+during start-up and would flatter it. The table also shows the all-steps figures (first to
+last step line; for (b) the mean ``iteration_s``) and RESULT carries their ratio as
+``speedup_all_steps``. Held-out accuracy: one greedy evaluation at the end
 (``eval.every = max_steps``; the data layer also evaluates v0 before training), counting the
 episode ``score`` = final-answer correctness. The ideal overlap speedup is computed from (b)'s
 measured rollout R, training T and sync/idle S: median over iterations of

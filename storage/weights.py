@@ -116,8 +116,9 @@ def _fsync_dir(path: Path) -> None:
     _fsync_file(path)
 
 
-def _write_atomically(final: Path, data: bytes) -> None:
-    """temp + fsync + rename (replaces ``final``), then fsync the directory."""
+def write_atomically(final: Path, data: bytes) -> None:
+    """temp + fsync + rename (replaces ``final``), then fsync the directory. A reader sees the
+    old file or the new one, never part of one (also used for a trainer's optimiser state)."""
     tmp = paths.tmp_sibling(final)
     try:
         with open(tmp, "wb") as f:
@@ -257,13 +258,13 @@ class WeightStore:
             "whole_tensors": bool(whole_tensors),
             "committed_at": committed_at,
         }
-        _write_atomically(stage / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
+        write_atomically(stage / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
         if final.exists():  # a previous commit died between rename and COMMITTED
             shutil.rmtree(final)
         os.rename(stage, final)
         _fsync_dir(final.parent)
         _fsync_dir(stage.parent)
-        _write_atomically(
+        write_atomically(
             paths.commit_file(self.root, policy, version),
             json.dumps({"committed_at": committed_at, "manifest_sha256": _sha256(final / "manifest.json")}).encode(),
         )
@@ -380,7 +381,7 @@ class WeightStore:
         """Keep ``version`` from retention while the block runs (pull or load it inside)."""
         hold = paths.hold_file(self.root, policy, version, f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
         hold.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(hold, json.dumps({"pid": os.getpid(), "host": self._host, "since": time.time()}).encode())
+        write_atomically(hold, json.dumps({"pid": os.getpid(), "host": self._host, "since": time.time()}).encode())
         try:
             yield self.get(policy, version)  # after the hold: retention cannot race past it
         finally:

@@ -71,8 +71,7 @@ class ProcessEngine:
 
         self.tokenizer = load_tokenizer(model_path)  # a bad path fails here, before a process starts
         self.version = version
-        self._model_path = str(model_path)
-        self._args = (str(model_path), max_batch_size, seed, device, threads)
+        self._args = (str(model_path), max_batch_size, seed, device, threads)  # what each process starts with
         self._start_timeout = start_timeout
         self._reap_lock = threading.Lock()
         self._send_lock = threading.Lock()  # the loop thread (generate) and the weight watcher send
@@ -97,7 +96,7 @@ class ProcessEngine:
         self._conn, self._proc = conn, proc
         proc.start()
         child_conn.close()  # the child holds its end; ours closing lets us see its death as EOF
-        path, timeout = self._model_path, self._start_timeout
+        path, timeout = self._args[0], self._start_timeout
         if not conn.poll(timeout):
             self._kill()
             raise EngineProcessError(f"the engine process did not load {path} within {timeout:.0f}s")

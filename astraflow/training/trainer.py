@@ -22,8 +22,8 @@ was measured and dropped: it gained nothing here and consumed staler data.)
 
 from __future__ import annotations
 
+import io
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from astraflow.config import TrainerConfig
 from astraflow.runtime.actors import bind, call_sync
-from storage.weights import WeightStore
+from storage.weights import WeightStore, write_atomically
 
 log = logging.getLogger("astraflow.training")
 
@@ -191,14 +191,12 @@ class Trainer:
             return False
         import torch
 
-        from storage.paths import tmp_sibling
-
         try:
-            self.optimizer_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = tmp_sibling(self.optimizer_path)
+            buf = io.BytesIO()
             torch.save({"policy": self.policy, "version": self.version,
-                        "optimizer": self.backend.optimizer_state()}, tmp)
-            os.replace(tmp, self.optimizer_path)
+                        "optimizer": self.backend.optimizer_state()}, buf)
+            self.optimizer_path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(self.optimizer_path, buf.getvalue())
             return True
         except Exception:
             log.exception("trainer %s: saving the optimiser state of v%d failed", self.policy, self.version)
