@@ -47,9 +47,14 @@ class ModelInit(_Strict):
     task: Literal["solve", "solve_retry", "verify", "select"] = "solve"
     """Role the warm start teaches: ``solve`` (``"12+34="`` -> ``"46"``), ``solve_retry`` (the
     ``solver_verifier`` solver: half ``solve``, half its retry turn after a reject), ``verify`` (the
-    ``solver_verifier`` verifier: ``"12+34=46?"`` -> ``Y``/``N``) or ``select`` (the
-    ``solver_selector`` selector: ``"12+34=46|47?"`` -> ``1``/``2``). Pick the one matching
-    the policy's role in the workflow."""
+    ``solver_verifier`` verifier: ``"12+34=47?"`` -> ``"46N"``, its own sum, then the verdict) or
+    ``select`` (the ``solver_selector`` selector: ``"12+34=46|47?"`` -> ``1``/``2``). Pick the
+    one matching the policy's role in the workflow."""
+    start_from: str | None = None
+    """Name of an earlier policy in ``policies`` whose model this one starts from instead of a
+    random initialisation (``preset``, ``arch`` and ``seed`` are then unused): the roles of one
+    workflow sharing one base model, as multi-agent RL starts every agent from the same
+    pretrained checkpoint. The warm start then teaches this policy's ``task`` on top."""
 
 
 # -- training ----------------------------------------------------------------------------------
@@ -371,7 +376,14 @@ class RunConfig(_Strict):
             make_workload(self.workload.name, self.workload.params, self.workload.seed)
         except (ValueError, TypeError) as err:
             raise ValueError(f"workload ({self.workload.name}): {err}") from None
-        for pol in self.policies:
+        for i, pol in enumerate(self.policies):
+            base = pol.init.start_from if pol.init is not None else None
+            if base is not None and base not in [p.name for p in self.policies[:i]]:
+                raise ValueError(
+                    f"policies[{pol.name}].init.start_from: {base!r} is not a policy listed before "
+                    f"{pol.name!r}; name one of {[p.name for p in self.policies[:i]]} (models are built "
+                    "in the order of `policies`)"
+                )
             if pol.init is not None and pol.init.warm_start_seconds > 0 and self.workload.name != "math":
                 raise ValueError(
                     f"policies[{pol.name}].init.warm_start_seconds: the supervised warm start trains on "

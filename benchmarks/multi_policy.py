@@ -20,10 +20,16 @@ episode ``score`` = final-answer correctness. The ideal overlap speedup is compu
 measured rollout R, training T and sync/idle S: median over iterations of
 ``(R + T + S) / max(R, T)``; ``fraction_of_ideal`` is (b)/(c) divided by it.
 
-The models are built once (tiny preset, short supervised warm starts via ``build_model``: the
-verifier on its own role, ``task: verify``) and copied read-only into every run.
+The models are built once and copied read-only into every run: the solver (tiny preset) by a
+short supervised warm start stopped at ``--solver-target`` held-out accuracy, the verifier from
+the solver's model (``init.start_from``: one base model for both roles) by a warm start on its
+own role (``task: verify``, ``"12+34=47?"`` -> ``"46N"``) stopped at ``--verifier-target``
+held-out verdict accuracy. Learning to verify teaches the verifier the sum as well, so it ends
+a better solver than the solver: that is the regime in which a verifier can help (a verifier
+built from the same base that is no better than the solver shares its mistakes and accepts
+them, see the README).
 
-    python benchmarks/multi_policy.py [--steps 16] [--batch 64] [--solver-target 0.3] [--verifier-warm 60]
+    python benchmarks/multi_policy.py [--steps 16] [--batch 64] [--solver-target 0.3] [--verifier-target 0.9]
         [--rollout-nodes 1] [--workdir DIR]
 """
 
@@ -63,7 +69,7 @@ def make_config(args, workdir: Path, models: dict[str, Path], mode: str, two: bo
                      "params": {"digits": args.digits, "num_test": args.eval_prompts},
                      "group_size": args.group, "sampling": {"temperature": 1.0, "max_new_tokens": 5},
                      "eval": {"every": args.steps, "num_prompts": args.eval_prompts}},
-        "dataflow": {"batch_size": args.batch, "max_staleness": 2, "prefetch_groups": args.batch // args.group},
+        "dataflow": {"batch_size": args.batch, "max_staleness": args.max_staleness, "prefetch_groups": args.batch // args.group},
         # episodes in flight per node (asynchronous modes; the sync driver rolls out one batch)
         # weight_poll_seconds: a step takes ~0.5 s here; polling every 0.5 s (the default, kind to
         # a shared filesystem) left rollouts a version older and dropped 9 % of them as stale (3 %)
@@ -135,7 +141,13 @@ def main() -> None:
     ap.add_argument("--solver-warm", type=float, default=240.0, help="upper bound of the solver's warm start (s)")
     ap.add_argument("--solver-target", type=float, default=0.3,
                     help="stop the solver's warm start at this held-out accuracy (as the main example)")
-    ap.add_argument("--verifier-warm", type=float, default=60.0)
+    ap.add_argument("--verifier-warm", type=float, default=900.0, help="upper bound of the verifier's warm start (s)")
+    ap.add_argument("--verifier-target", type=float, default=0.9,
+                    help="stop the verifier's warm start at this held-out verdict accuracy")
+    ap.add_argument("--max-staleness", type=int, default=4,
+                    help="versions a sequence may lag its trainer (every mode); each episode gives the solver "
+                         "1-2 sequences and the verifier 1, so the solver's surplus ages in its buffer: at 2 "
+                         "about 40 %% of its sequences were dropped as stale, rolled out for nothing")
     ap.add_argument("--rollout-nodes", type=int, default=1,
                     help="RaaS nodes (each runs its engine in its own process; on 2 cores one leaves the trainers a core)")
     ap.add_argument("--capacity", type=int, default=None,
@@ -150,14 +162,16 @@ def main() -> None:
     inits = {
         "solver": ModelInit(preset=args.preset, warm_start_seconds=args.solver_warm,
                             warm_start_target=args.solver_target, warm_start_lr=3e-3, seed=0, task="solve_retry"),
-        "verifier": ModelInit(preset=args.preset, warm_start_seconds=args.verifier_warm, warm_start_lr=3e-3, seed=1,
-                              task="verify"),
+        "verifier": ModelInit(preset=args.preset, warm_start_seconds=args.verifier_warm,
+                              warm_start_target=args.verifier_target, warm_start_lr=1e-3, seed=1, task="verify",
+                              start_from="solver"),
     }
-    models = {}
+    models: dict[str, Path] = {}
     for role, init in inits.items():
         out = work / "models" / role
         # a --workdir of an earlier run: its models are reused (same warm starts, less waiting)
-        models[role] = out if (out / "config.json").exists() else build_model(out, init, workload)
+        base = models[init.start_from] if init.start_from else None
+        models[role] = out if (out / "config.json").exists() else build_model(out, init, workload, base=base)
     console.print(f"models built in {time.time() - t0:.0f}s under {work / 'models'}")
     runs = work / time.strftime("runs-%Y%m%d-%H%M%S")  # fresh run directories, also in a reused workdir
     a = run_one("(a) solver only", make_config(args, work, models, "async", False), runs / "a", console)
@@ -185,7 +199,7 @@ def main() -> None:
            "speedup_all_steps": round(b["per_iter_all_s"] / c["per_iter_all_s"], 3),
            "sync_R_T_S": [round(b["R"], 3), round(b["T"], 3), round(b["S"], 3)],
            "steps": args.steps, "batch": args.batch, "preset": args.preset, "digits": args.digits,
-           "rollout_nodes": args.rollout_nodes}
+           "rollout_nodes": args.rollout_nodes, "max_staleness": args.max_staleness}
     print("RESULT " + json.dumps(res))
 
 

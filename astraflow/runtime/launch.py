@@ -15,10 +15,11 @@ from astraflow.runtime.progress import Progress
 
 
 def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = None,
-                progress: Progress | None = None) -> Path:
-    """Build a model directory locally: random init, then an optional supervised warm start
-    on the workload's train split. Written to a temporary sibling and renamed, so an
-    interrupted build never leaves a half-written model behind."""
+                progress: Progress | None = None, base: Path | None = None) -> Path:
+    """Build a model directory locally: random init (or a copy of the ``base`` model
+    directory, ``init.start_from``'s), then an optional supervised warm start on the
+    workload's train split. Written to a temporary sibling and renamed, so an interrupted
+    build never leaves a half-written model behind."""
     from astraflow.models import init_model
 
     progress = progress or Progress()
@@ -26,8 +27,11 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        with progress.waiting(f"initialising a {init.preset} {init.arch} model"):
-            init_model(tmp / "init", preset=init.preset, arch=init.arch, seed=init.seed)
+        if base is not None:
+            shutil.copytree(base, tmp / "init")
+        else:
+            with progress.waiting(f"initialising a {init.preset} {init.arch} model"):
+                init_model(tmp / "init", preset=init.preset, arch=init.arch, seed=init.seed)
         if init.warm_start_seconds > 0:
             from astraflow.training.warmstart import warm_start
 
@@ -40,6 +44,8 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
                     workload=params, seed=init.seed, progress=progress.enabled, task=init.task,
                     target_acc=init.warm_start_target,
                     eval_every=25 if init.warm_start_target is not None else 50,
+                    # shown in the heartbeat lines of a log ("still supervised warm start ...")
+                    on_eval=lambda r: progress.detail(f"step {r['step']}, held-out accuracy {r['acc']:.2f}"),
                 )
             progress.note(f"warm start ({init.task}): {result['steps']} steps, "
                           f"held-out accuracy {result['acc']:.3f}")
@@ -58,8 +64,10 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
         if pol.model.exists():
             continue
         assert pol.init is not None, "config validation requires init for a missing model"
-        progress.note(f"policy {pol.name}: building {pol.model} (no such directory yet)")
-        build_model(pol.model, pol.init, cfg.workload, progress)
+        base = cfg.policy(pol.init.start_from).model if pol.init.start_from else None
+        progress.note(f"policy {pol.name}: building {pol.model} (no such directory yet)"
+                      + (f" from {base}" if base else ""))
+        build_model(pol.model, pol.init, cfg.workload, progress, base=base)
 
 
 def _sigterm_stops_cleanly() -> None:

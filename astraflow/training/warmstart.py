@@ -16,8 +16,12 @@ also start partly competent (the prompts are exactly the workflows', from
 * ``"solve_retry"``: the solver of a ``solver_verifier`` run: half ``"solve"``, half its retry
   turn after a reject, ``retry_prompt(q, near_miss)`` (``"12+34=47 no. 12+34="``) -> ``"46"``
   (a solver never shown that format answers the retry at random);
-* ``"verify"``: ``verify_prompt(q, candidate)`` (``"12+34=46?"``) -> ``"Y"`` / ``"N"``; the
-  candidate is the right answer half of the time, else off by a small amount (1..3);
+* ``"verify"``: ``verify_prompt(q, candidate)`` (``"12+34=47?"``) -> ``"46N"``: the verifier
+  works the sum out itself, then compares (``"46Y"`` for ``"12+34=46?"``); the candidate is the
+  right answer half of the time, else off by a small amount (1..3). A verdict alone (``"N"``)
+  has no signal a small model can start from (it must find ``units(a + b) == units(c)`` in one
+  step: the loss sat at chance for 1,600 steps, also from a solver's weights); writing the sum
+  first gives it one (that of ``solve``), and the comparison after it is then learnt;
 * ``"select"``: ``select_prompt(q, a1, a2)`` (``"12+34=46|47?"``) -> ``"1"`` / ``"2"``;
   exactly one candidate is right, at a random position.
 """
@@ -33,7 +37,7 @@ import torch
 
 from astraflow.models import greedy_complete, load_model
 from astraflow.workloads.math import MathConfig, accuracy, format_prompt, format_target, make_dataset
-from astraflow.workloads.prompts import retry_prompt, select_prompt, verify_prompt
+from astraflow.workloads.prompts import VERIFY_NEW_TOKENS, parse_verdict, retry_prompt, select_prompt, verify_prompt
 
 #: roles a warm start can teach (see the module docstring).
 TASKS = ("solve", "solve_retry", "verify", "select")
@@ -62,7 +66,7 @@ def task_examples(task: str, items: list[Mapping[str, Any]], rng: random.Random)
         elif task == "verify":
             right = rng.random() < 0.5
             cand = str(it["answer"]) if right else _near_miss(str(it["answer"]), rng)
-            out.append((verify_prompt(q, cand), "Y" if right else "N"))
+            out.append((verify_prompt(q, cand), format_target(it) + ("Y" if right else "N")))
         else:
             first_right = rng.random() < 0.5
             good, bad = str(it["answer"]), _near_miss(str(it["answer"]), rng)
@@ -100,14 +104,18 @@ def evaluate(model, tok, items: list[Mapping[str, Any]], max_new_tokens: int = 8
 
 def evaluate_task(model, tok, task: str, items: list[Mapping[str, Any]], seed: int = 0) -> float:
     """Held-out greedy accuracy on ``task``: for ``solve`` exact match of the answer, for
-    ``verify``/``select`` whether the completion starts with the target letter/digit (the
-    candidates are drawn from a fixed ``seed``, so repeated calls see the same examples)."""
+    ``verify`` whether the verdict (``parse_verdict``) is right, for ``select`` whether the
+    completion starts with the right digit (the candidates are drawn from a fixed ``seed``, so
+    repeated calls see the same examples)."""
     if task in ("solve", "solve_retry"):  # the first turn's accuracy: what the run starts from
         return evaluate(model, tok, items)
     pairs = task_examples(task, items, random.Random(f"eval:{seed}"))
-    outs = greedy_complete(model, tok, [p for p, _ in pairs], 2)
     if not pairs:
         return 0.0
+    if task == "verify":
+        outs = greedy_complete(model, tok, [p for p, _ in pairs], VERIFY_NEW_TOKENS)
+        return sum(parse_verdict(o) == parse_verdict(t) for o, (_, t) in zip(outs, pairs)) / len(pairs)
+    outs = greedy_complete(model, tok, [p for p, _ in pairs], 2)
     return sum(o.strip().upper().startswith(t) for o, (_, t) in zip(outs, pairs)) / len(pairs)
 
 

@@ -8,8 +8,13 @@ They live apart from the workflows so that a module that must not import the rol
 from __future__ import annotations
 
 
+#: completion budget of the verifier: its own working (the sum, a few digits), then Y/N.
+VERIFY_NEW_TOKENS = 8
+
+
 def verify_prompt(question_prompt: str, answer_text: str) -> str:
-    """What the verifier sees: the solver's prompt and answer, then ``?`` (it answers Y/N)."""
+    """What the verifier sees: the solver's prompt and answer, then ``?``. It answers with its
+    own working and a verdict, Y or N (``"12+34=47?"`` -> ``"46N"``; see ``parse_verdict``)."""
     return f"{question_prompt}{answer_text.strip()}?"
 
 
@@ -19,9 +24,12 @@ def retry_prompt(question_prompt: str, rejected_answer: str) -> str:
 
 
 def parse_verdict(text: str) -> bool | None:
-    """``True`` for an accepting verdict (first letter Y), ``False`` for N, else ``None``."""
-    t = text.strip().upper()
-    return True if t.startswith("Y") else False if t.startswith("N") else None
+    """The verdict in a verifier's completion: the last ``Y`` (accept, ``True``) or ``N``
+    (reject, ``False``), after any working written before it (``"46N"``); ``None`` if neither."""
+    for ch in reversed(text.strip().upper()):
+        if ch in "YN":
+            return ch == "Y"
+    return None
 
 
 def select_prompt(question_prompt: str, first: str, second: str) -> str:

@@ -14,7 +14,7 @@ from astraflow.contracts import NOT_GENERATED, Provenance, RolloutTask, Sequence
 from astraflow.rollout.engine import Generation, InferenceEngine, SamplingParams
 from astraflow.workloads.base import WORKFLOWS, Workload
 from astraflow.workloads.prompts import (  # noqa: F401  (re-exported)
-    parse_verdict, retry_prompt, select_prompt, verify_prompt,
+    VERIFY_NEW_TOKENS, parse_verdict, retry_prompt, select_prompt, verify_prompt,
 )
 
 
@@ -82,11 +82,12 @@ def _gen_text(engine: InferenceEngine, gen: Generation) -> str:
 
 @WORKFLOWS.register("solver_verifier")
 class SolverVerifier(_Base):
-    num_policies = 2
+    """Policy 0 (solver) answers; policy 1 (verifier) judges the answer: it may write its
+    working first, its verdict is the last Y/N (``parse_verdict``); on a reject the solver gets
+    one retry that sees the rejected answer. Solver reward: correctness of the final answer (on
+    each of its turns); verifier reward: whether its verdict was right."""
 
-    """Policy 0 (solver) answers; policy 1 (verifier) judges the answer (Y/N); on a reject
-    the solver gets one retry that sees the rejected answer. Solver reward: correctness of
-    the final answer (on each of its turns); verifier reward: whether its verdict was right."""
+    num_policies = 2
 
     async def run_episode(self, engines: Mapping[str, InferenceEngine], task: RolloutTask) -> Trajectory:
         t0 = time.time()
@@ -98,7 +99,7 @@ class SolverVerifier(_Base):
         a1 = _gen_text(solver, g1)
         ok1 = self.workload.reward(a1, task.prompt)
         pv = verifier.tokenizer.encode(verify_prompt(q, a1))
-        gv = await verifier.generate(pv, replace(params, max_new_tokens=2))
+        gv = await verifier.generate(pv, replace(params, max_new_tokens=VERIFY_NEW_TOKENS))
         verdict = parse_verdict(_gen_text(verifier, gv))
         turns = [(p1, g1, 0)]
         final = ok1
@@ -117,12 +118,12 @@ class SolverVerifier(_Base):
 
 @WORKFLOWS.register("solver_selector")
 class SolverSelector(_Base):
-    num_policies = 2
-
     """Policy 0 (solver) answers twice; policy 1 (selector) picks one (1 or 2). Solver reward:
     each attempt's own correctness; selector reward: 1 when exactly one attempt was correct
     and it picked that one, 0 when it picked the wrong one, 0.5 when the pick could not matter.
     The episode's score is the correctness of the picked answer."""
+
+    num_policies = 2
 
     async def run_episode(self, engines: Mapping[str, InferenceEngine], task: RolloutTask) -> Trajectory:
         t0 = time.time()
