@@ -96,6 +96,24 @@ def step_span(lines: list[dict], from_step: int = 1) -> tuple[float, int]:
     return end - start, last - from_step
 
 
+def verifier_at_start(models: dict[str, Path], digits: int, n: int) -> dict:
+    """What the verifier brings before RL, greedy on ``n`` held-out problems: how often its
+    verdict on the solver's own answer is right, and how often the sum it writes first is."""
+    from astraflow.models import greedy_complete, load_model
+    from astraflow.workloads.math import format_prompt, make_dataset
+    from astraflow.workloads.prompts import VERIFY_NEW_TOKENS, parse_verdict, verify_prompt
+
+    items = make_dataset({"digits": digits, "num_test": n}, "test")
+    qs, answers = [format_prompt(i) for i in items], [str(i["answer"]) for i in items]
+    firsts = [a.strip() for a in greedy_complete(*load_model(models["solver"]), qs, 8)]
+    outs = greedy_complete(*load_model(models["verifier"]), [verify_prompt(q, a) for q, a in zip(qs, firsts)],
+                           VERIFY_NEW_TOKENS)
+    right = [f == a for f, a in zip(firsts, answers)]
+    return {"solver_acc": sum(right) / n,
+            "verdict_acc": sum(parse_verdict(o) == r for o, r in zip(outs, right)) / n,
+            "own_sum_acc": sum(o.strip().rstrip("YNyn").strip() == a for o, a in zip(outs, answers)) / n}
+
+
 def run_one(label: str, cfg_dict: dict, run_dir: Path, console: Console) -> dict:
     cfg = config_from_dict(cfg_dict)
     t0 = time.time()
@@ -173,6 +191,10 @@ def main() -> None:
         base = models[init.start_from] if init.start_from else None
         models[role] = out if (out / "config.json").exists() else build_model(out, init, workload, base=base)
     console.print(f"models built in {time.time() - t0:.0f}s under {work / 'models'}")
+    vstart = verifier_at_start(models, args.digits, args.eval_prompts)
+    console.print(f"before RL, greedy on {args.eval_prompts} held-out problems: solver right {vstart['solver_acc']:.3f}; "
+                  f"verifier's verdict on the solver's answer right {vstart['verdict_acc']:.3f}, "
+                  f"the sum it writes first right {vstart['own_sum_acc']:.3f}")
     runs = work / time.strftime("runs-%Y%m%d-%H%M%S")  # fresh run directories, also in a reused workdir
     a = run_one("(a) solver only", make_config(args, work, models, "async", False), runs / "a", console)
     b = run_one("(b) solver+verifier sync", make_config(args, work, models, "sync", True), runs / "b", console)
@@ -199,7 +221,8 @@ def main() -> None:
            "speedup_all_steps": round(b["per_iter_all_s"] / c["per_iter_all_s"], 3),
            "sync_R_T_S": [round(b["R"], 3), round(b["T"], 3), round(b["S"], 3)],
            "steps": args.steps, "batch": args.batch, "preset": args.preset, "digits": args.digits,
-           "rollout_nodes": args.rollout_nodes, "max_staleness": args.max_staleness}
+           "rollout_nodes": args.rollout_nodes, "max_staleness": args.max_staleness,
+           "verifier_at_start": {k: round(v, 3) for k, v in vstart.items()}}
     print("RESULT " + json.dumps(res))
 
 
