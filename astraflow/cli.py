@@ -78,8 +78,12 @@ def model() -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--warm-start-seconds", type=float, default=0.0, show_default=True,
               help="Supervised warm start on the math train split (0: none).")
+@click.option("--warm-start-steps", type=int, default=None,
+              help="Bound the warm start in optimiser steps (the same model on any machine) instead of or "
+                   "as well as in seconds.")
 @click.option("--warm-start-lr", type=float, default=1e-3, show_default=True)
-def model_init(out: str, preset: str, arch: str, seed: int, warm_start_seconds: float, warm_start_lr: float) -> None:
+def model_init(out: str, preset: str, arch: str, seed: int, warm_start_seconds: float, warm_start_steps: int | None,
+               warm_start_lr: float) -> None:
     """Build a tiny Qwen2/Llama model with a local byte-level tokenizer into OUT (HF format)."""
     from astraflow.config import ModelInit
     from astraflow.runtime.launch import build_model
@@ -87,7 +91,8 @@ def model_init(out: str, preset: str, arch: str, seed: int, warm_start_seconds: 
     if Path(out).exists() and any(Path(out).iterdir()):
         raise UserError(f"{out} exists and is not empty: choose a new directory")
     build_model(Path(out), ModelInit(preset=preset, arch=arch, seed=seed,
-                                     warm_start_seconds=warm_start_seconds, warm_start_lr=warm_start_lr))
+                                     warm_start_seconds=warm_start_seconds, warm_start_steps=warm_start_steps,
+                                     warm_start_lr=warm_start_lr))
 
 
 @main.command()

@@ -38,12 +38,17 @@ class ModelInit(_Strict):
     warm_start_seconds: float = Field(default=0.0, ge=0)
     """Supervised warm start on the workload's train split, in seconds (0: none). A partly
     competent policy gives RL a non-zero reward signal."""
+    warm_start_steps: int | None = Field(default=None, ge=1)
+    """Upper bound of the warm start in optimiser steps (``None``: none; set alone, it runs
+    the warm start with no time bound). The warm start is seeded, so a bound in steps builds
+    the same model on a fast and a slow machine, which a bound in seconds does not. With
+    several bounds the first reached stops it."""
     warm_start_lr: float = Field(default=1e-3, gt=0)
     """Learning rate of the warm start."""
     warm_start_target: float | None = Field(default=None, gt=0, le=1)
     """Stop the warm start as soon as held-out accuracy reaches this (checked every 25 steps;
-    ``warm_start_seconds`` stays the upper bound). Makes RL start from the same competence
-    on fast and slow machines. ``None``: run for ``warm_start_seconds``."""
+    ``warm_start_seconds`` / ``warm_start_steps`` stay the upper bounds). Makes RL start from
+    the same competence on fast and slow machines. ``None``: run to the bounds."""
     task: Literal["solve", "solve_retry", "verify", "select"] = "solve"
     """Role the warm start teaches: ``solve`` (``"12+34="`` -> ``"46"``), ``solve_retry`` (the
     ``solver_verifier`` solver: half ``solve``, half its retry turn after a reject), ``verify`` (the
@@ -55,6 +60,11 @@ class ModelInit(_Strict):
     random initialisation (``preset``, ``arch`` and ``seed`` are then unused): the roles of one
     workflow sharing one base model, as multi-agent RL starts every agent from the same
     pretrained checkpoint. The warm start then teaches this policy's ``task`` on top."""
+
+    @property
+    def warm_starts(self) -> bool:
+        """Whether the build includes a supervised warm start."""
+        return self.warm_start_seconds > 0 or self.warm_start_steps is not None
 
 
 # -- training ----------------------------------------------------------------------------------
@@ -384,7 +394,7 @@ class RunConfig(_Strict):
                     f"{pol.name!r}; name one of {[p.name for p in self.policies[:i]]} (models are built "
                     "in the order of `policies`)"
                 )
-            if pol.init is not None and pol.init.warm_start_seconds > 0 and self.workload.name != "math":
+            if pol.init is not None and pol.init.warm_starts and self.workload.name != "math":
                 raise ValueError(
                     f"policies[{pol.name}].init.warm_start_seconds: the supervised warm start trains on "
                     f"the math workload's generator, not on workload {self.workload.name!r}; set it to 0 "

@@ -21,7 +21,7 @@ measured rollout R, training T and sync/idle S: median over iterations of
 ``(R + T + S) / max(R, T)``; ``fraction_of_ideal`` is (b)/(c) divided by it.
 
 The models are built once and copied read-only into every run: the solver (tiny preset) by a
-short supervised warm start stopped at ``--solver-target`` held-out accuracy, the verifier from
+short supervised warm start (``--solver-steps``; it ends at 0.19 held-out accuracy), the verifier from
 the solver's model (``init.start_from``: one base model for both roles) by a warm start on its
 own role (``task: verify``, ``"12+34=47?"`` -> ``"46N"``) stopped at ``--verifier-target``
 held-out verdict accuracy. Learning to verify teaches the verifier the sum as well, so it ends
@@ -29,7 +29,7 @@ a better solver than the solver: that is the regime in which a verifier can help
 built from the same base that is no better than the solver shares its mistakes and accepts
 them, see the README).
 
-    python benchmarks/multi_policy.py [--steps 16] [--batch 64] [--solver-target 0.3] [--verifier-target 0.9]
+    python benchmarks/multi_policy.py [--steps 16] [--batch 64] [--solver-target 0.3] [--verifier-target 0.9] [--max-staleness 4]
         [--rollout-nodes 1] [--workdir DIR]
 """
 
@@ -156,12 +156,14 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4, help="RL lr (>= 5e-4 wrecks a partly trained tiny policy)")
     ap.add_argument("--eval-prompts", type=int, default=200)
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--solver-warm", type=float, default=240.0, help="upper bound of the solver's warm start (s)")
+    # bounds in steps, not seconds: the warm starts are seeded, so every machine builds the same models
+    ap.add_argument("--solver-steps", type=int, default=1226,
+                    help="upper bound of the solver's warm start (optimiser steps; 1,226 gives 0.19)")
     ap.add_argument("--solver-target", type=float, default=0.3,
-                    help="stop the solver's warm start at this held-out accuracy (as the main example)")
-    ap.add_argument("--verifier-warm", type=float, default=900.0, help="upper bound of the verifier's warm start (s)")
+                    help="stop the solver's warm start earlier at this held-out accuracy")
+    ap.add_argument("--verifier-steps", type=int, default=6000, help="upper bound of the verifier's warm start")
     ap.add_argument("--verifier-target", type=float, default=0.9,
-                    help="stop the verifier's warm start at this held-out verdict accuracy")
+                    help="stop the verifier's warm start at this held-out verdict accuracy (3,550 steps)")
     ap.add_argument("--max-staleness", type=int, default=4,
                     help="versions a sequence may lag its trainer (every mode); each episode gives the solver "
                          "1-2 sequences and the verifier 1, so the solver's surplus ages in its buffer: at 2 "
@@ -178,9 +180,9 @@ def main() -> None:
     workload = WorkloadConfig(name="math", params={"digits": args.digits})
     t0 = time.time()
     inits = {
-        "solver": ModelInit(preset=args.preset, warm_start_seconds=args.solver_warm,
+        "solver": ModelInit(preset=args.preset, warm_start_steps=args.solver_steps,
                             warm_start_target=args.solver_target, warm_start_lr=3e-3, seed=0, task="solve_retry"),
-        "verifier": ModelInit(preset=args.preset, warm_start_seconds=args.verifier_warm,
+        "verifier": ModelInit(preset=args.preset, warm_start_steps=args.verifier_steps,
                               warm_start_target=args.verifier_target, warm_start_lr=1e-3, seed=1, task="verify",
                               start_from="solver"),
     }

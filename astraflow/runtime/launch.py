@@ -32,15 +32,17 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
         else:
             with progress.waiting(f"initialising a {init.preset} {init.arch} model"):
                 init_model(tmp / "init", preset=init.preset, arch=init.arch, seed=init.seed)
-        if init.warm_start_seconds > 0:
+        if init.warm_starts:
             from astraflow.training.warmstart import warm_start
 
             params = dict((workload.params if workload else {}) or {})
+            bounds = [f"{init.warm_start_seconds:.0f}s"] if init.warm_start_seconds > 0 else []
+            bounds += [f"{init.warm_start_steps} steps"] if init.warm_start_steps is not None else []
             # the warm start draws its own progress bar
-            with progress.waiting(f"supervised warm start ({init.task}) for {init.warm_start_seconds:.0f}s",
-                                  live=False):
+            with progress.waiting(f"supervised warm start ({init.task}) for {' or '.join(bounds)}", live=False):
                 result = warm_start(
-                    tmp / "init", tmp / "final", seconds=init.warm_start_seconds, lr=init.warm_start_lr,
+                    tmp / "init", tmp / "final", seconds=init.warm_start_seconds or None,
+                    steps=init.warm_start_steps, lr=init.warm_start_lr,
                     workload=params, seed=init.seed, progress=progress.enabled, task=init.task,
                     target_acc=init.warm_start_target,
                     eval_every=25 if init.warm_start_target is not None else 50,
