@@ -398,7 +398,7 @@ class RunConfig(_Strict):
                 raise ValueError(
                     f"policies[{pol.name}].init.warm_start_seconds: the supervised warm start trains on "
                     f"the math workload's generator, not on workload {self.workload.name!r}; set it to 0 "
-                    "or point model at a directory built by a math config"
+                    "(and drop warm_start_steps) or point model at a directory built by a math config"
                 )
             if pol.init is None and not pol.model.exists():
                 raise ValueError(
