@@ -4,8 +4,9 @@ Invariant 1 of the design lives here. A task moves ``pending -> leased -> comple
 ``leased -> pending`` again when a lease expires or fails and attempts remain) and ends exactly
 once as one of ``consumed`` (a trainer trained on its sequences and committed that version),
 ``dropped`` (with a reason: stale, zero_advantage, group_incomplete, run_ended,
-served_not_trained: fetched by a trainer that stopped or asked again before committing), ``failed`` (with a reason) or ``evaluated`` (an
-evaluation task whose result was recorded). Ending a task twice is a bug and asserts.
+served_not_trained: fetched by a trainer that stopped or asked again before committing),
+``failed`` (with a reason) or ``evaluated`` (an evaluation task whose result was recorded).
+Ending a task twice is a bug and asserts.
 """
 
 from __future__ import annotations
