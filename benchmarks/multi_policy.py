@@ -20,6 +20,13 @@ episode ``score`` = final-answer correctness. The ideal overlap speedup is compu
 measured rollout R, training T and sync/idle S: median over iterations of
 ``(R + T + S) / max(R, T)``; ``fraction_of_ideal`` is (b)/(c) divided by it.
 
+``--repeats`` (default 3) runs (a), (b) and (c) that many times, interleaved (a b c, then
+c b a, ...), each repeat with its own seed: this machine's speed drifts by 10-30 % within
+minutes, and one (b) and one (c) run minutes apart measured the drift as much as the overlap
+(single pairs gave 0.82-1.12 of the ideal on the same code). Speedups and fractions are taken
+within each repeat, RESULT carries their medians (and every repeat under ``per_repeat``);
+accuracies are means over the repeats (one 200-prompt evaluation is +-0.03).
+
 The models are built once and copied read-only into every run: the solver (tiny preset) by a
 short supervised warm start (``--solver-steps``; it ends at 0.19 held-out accuracy), the verifier from
 the solver's model (``init.start_from``: one base model for both roles) by a warm start on its
@@ -30,7 +37,7 @@ built from the same base that is no better than the solver shares its mistakes a
 them, see the README).
 
     python benchmarks/multi_policy.py [--steps 16] [--batch 64] [--solver-target 0.3] [--verifier-target 0.9] [--max-staleness 4]
-        [--rollout-nodes 1] [--workdir DIR]
+        [--rollout-nodes 1] [--repeats 3] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -57,13 +64,13 @@ from astraflow.config import ModelInit, WorkloadConfig, config_from_dict  # noqa
 from astraflow.runtime.launch import build_model, launch  # noqa: E402
 
 
-def make_config(args, workdir: Path, models: dict[str, Path], mode: str, two: bool) -> dict:
+def make_config(args, workdir: Path, models: dict[str, Path], mode: str, two: bool, seed: int = 0) -> dict:
     policies = [{"name": "solver", "model": str(models["solver"]), "trainer": {"lr": args.lr, "threads": 1}}]
     if two:
         policies.append({"name": "verifier", "model": str(models["verifier"]), "trainer": {"lr": args.lr, "threads": 1}})
     return {
         "run": {"name": f"mp-{mode}-{len(policies)}", "max_steps": args.steps, "mode": mode, "timeout_s": 600,
-                "seed": 0},
+                "seed": seed},
         "policies": policies,
         "workload": {"name": "math", "workflow": "solver_verifier" if two else "single_turn",
                      "params": {"digits": args.digits, "num_test": args.eval_prompts},
@@ -173,6 +180,9 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=None,
                     help="episodes in flight per RaaS node (default: 2x --batch, the next batch queued "
                          "in the engine; the sync driver rolls out one batch either way)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="run (a), (b) and (c) this many times, interleaved, each repeat with its own seed; "
+                         "speedups are medians of the per-repeat pairs, accuracies means")
     ap.add_argument("--workdir", type=Path, default=None, help="reuse the models built under this directory")
     args = ap.parse_args()
     console = Console(width=130)
@@ -198,30 +208,61 @@ def main() -> None:
                   f"verifier's verdict on the solver's answer right {vstart['verdict_acc']:.3f}, "
                   f"the sum it writes first right {vstart['own_sum_acc']:.3f}")
     runs = work / time.strftime("runs-%Y%m%d-%H%M%S")  # fresh run directories, also in a reused workdir
-    a = run_one("(a) solver only", make_config(args, work, models, "async", False), runs / "a", console)
-    b = run_one("(b) solver+verifier sync", make_config(args, work, models, "sync", True), runs / "b", console)
-    c = run_one("(c) solver+verifier async", make_config(args, work, models, "async", True), runs / "c", console)
+    # Repeats, interleaved: the machine's speed drifts by 10-30 % within minutes, and a pair of
+    # runs minutes apart measured that drift as much as the overlap. Every repeat runs (a), (b)
+    # and (c) with its own seed, the order reversed every other repeat, so that neither mode
+    # always runs on the busier side; the speedups are taken pair by pair.
+    reps: list[dict[str, dict]] = []
+    for i in range(args.repeats):
+        order = ("a", "b", "c") if i % 2 == 0 else ("c", "b", "a")
+        rep = {}
+        for key in order:
+            label, mode, two = {"a": ("(a) solver only", "async", False), "b": ("(b) solver+verifier sync", "sync", True),
+                                "c": ("(c) solver+verifier async", "async", True)}[key]
+            tag = f", repeat {i + 1}/{args.repeats}" if args.repeats > 1 else ""
+            rep[key] = run_one(label + tag, make_config(args, work, models, mode, two, seed=i), runs / f"{key}{i}", console)
+        reps.append(rep)
 
-    speedup = b["per_iter_s"] / c["per_iter_s"]
-    ideal = b["ideal"]
+    def med(key: str, field: str) -> float:
+        return statistics.median(r[key][field] for r in reps)
+
+    def mean(key: str, field: str) -> float:
+        return statistics.fmean(r[key][field] for r in reps)
+
+    pairs = [{"speedup": r["b"]["per_iter_s"] / r["c"]["per_iter_s"], "ideal": r["b"]["ideal"]} for r in reps]
+    for p in pairs:
+        p["fraction"] = p["speedup"] / p["ideal"]
+    speedup, ideal = statistics.median(p["speedup"] for p in pairs), statistics.median(p["ideal"] for p in pairs)
+    fraction = statistics.median(p["fraction"] for p in pairs)
     table = Table(title=f"multi-policy, {args.steps} steps x {args.batch} seqs, {args.preset} models, "
-                        f"{args.digits}-digit addition")
-    for col in ("run", "s / iteration", "s / it (all)", "R", "T", "S", "acc v0", f"acc v{args.steps}", "wall s"):
+                        f"{args.digits}-digit addition, {args.repeats} repeat(s)")
+    for col in ("rep", "run", "s/it", "s/it (all)", "R", "T", "S", "acc v0", f"acc v{args.steps}",
+                "wall s", "speedup", "of ideal", "fraction"):
         table.add_column(col, justify="right")
-    for r in (a, b, c):
-        table.add_row(r["label"], f"{r['per_iter_s']:.2f}", f"{r['per_iter_all_s']:.2f}",
-                      *(f"{r[k]:.2f}" if k in r else "-" for k in ("R", "T", "S")),
-                      f"{r['acc_v0']:.3f}", f"{r['acc']:.3f}", f"{r['wall_s']:.0f}")
+    for i, (rep, p) in enumerate(zip(reps, pairs)):
+        for key in ("a", "b", "c"):
+            r = rep[key]
+            extra = (f"{p['speedup']:.2f}x", f"{p['ideal']:.2f}x", f"{p['fraction']:.2f}") if key == "c" else ("",) * 3
+            table.add_row(str(i + 1), {"a": "(a) solver", "b": "(b) sync", "c": "(c) async"}[key], f"{r['per_iter_s']:.2f}", f"{r['per_iter_all_s']:.2f}",
+                          *(f"{r[k]:.2f}" if k in r else "-" for k in ("R", "T", "S")),
+                          f"{r['acc_v0']:.3f}", f"{r['acc']:.3f}", f"{r['wall_s']:.0f}", *extra)
     console.print(table)
-    console.print(f"speedup (b)/(c) {speedup:.2f}x; ideal overlap speedup from (b) {ideal:.2f}x; "
-                  f"fraction of ideal {speedup / ideal:.2f}")
-    res = {"speedup": round(speedup, 3), "ideal_speedup": round(ideal, 3),
-           "fraction_of_ideal": round(speedup / ideal, 3),
-           "acc_solver_only": a["acc"], "acc_sync": b["acc"], "acc_async": c["acc"],
-           "s_per_iter": {"solver_only": round(a["per_iter_s"], 3), "sync": round(b["per_iter_s"], 3),
-                          "async": round(c["per_iter_s"], 3)},
-           "speedup_all_steps": round(b["per_iter_all_s"] / c["per_iter_all_s"], 3),
-           "sync_R_T_S": [round(b["R"], 3), round(b["T"], 3), round(b["S"], 3)],
+    per_repeat = ", ".join(f"{p['fraction']:.2f}" for p in pairs)
+    console.print(f"median over {args.repeats} repeat(s): speedup (b)/(c) {speedup:.2f}x; ideal overlap speedup from (b) "
+                  f"{ideal:.2f}x; fraction of ideal {fraction:.2f} (per repeat: "
+                  f"{per_repeat}); "
+                  f"mean held-out accuracy (a) {mean('a', 'acc'):.3f}, (b) {mean('b', 'acc'):.3f}, (c) {mean('c', 'acc'):.3f}")
+    res = {"speedup": round(speedup, 3), "ideal_speedup": round(ideal, 3), "fraction_of_ideal": round(fraction, 3),
+           "acc_solver_only": round(mean("a", "acc"), 4), "acc_sync": round(mean("b", "acc"), 4),
+           "acc_async": round(mean("c", "acc"), 4),
+           "repeats": args.repeats,
+           "per_repeat": [{"fraction_of_ideal": round(p["fraction"], 3), "speedup": round(p["speedup"], 3),
+                           "ideal_speedup": round(p["ideal"], 3),
+                           "acc": {k: r[k]["acc"] for k in ("a", "b", "c")}} for r, p in zip(reps, pairs)],
+           "s_per_iter": {"solver_only": round(med("a", "per_iter_s"), 3), "sync": round(med("b", "per_iter_s"), 3),
+                          "async": round(med("c", "per_iter_s"), 3)},
+           "speedup_all_steps": round(med("b", "per_iter_all_s") / med("c", "per_iter_all_s"), 3),
+           "sync_R_T_S": [round(med("b", k), 3) for k in ("R", "T", "S")],
            "steps": args.steps, "batch": args.batch, "preset": args.preset, "digits": args.digits,
            "rollout_nodes": args.rollout_nodes, "max_staleness": args.max_staleness,
            "verifier_at_start": {k: round(v, 3) for k, v in vstart.items()}}
