@@ -27,16 +27,19 @@ def sampling_for(task: RolloutTask, default: SamplingParams) -> SamplingParams:
 
 def turn_sequence(prompt: list[int], gen: Generation, policy_index: int, reward: float) -> Sequence:
     """A prompt + one generated turn as a ``Sequence`` (prompt tokens carry no loss)."""
-    n_p, n_g = len(prompt), len(gen.tokens)
-    return Sequence.build(
-        tokens=np.concatenate([np.asarray(prompt, dtype=np.int32), gen.tokens]),
-        loss_mask=np.r_[np.zeros(n_p, bool), np.ones(n_g, bool)],
-        logprobs=np.r_[np.zeros(n_p, np.float32), gen.logprobs],
-        policy_ids=np.r_[np.full(n_p, NOT_GENERATED, np.int16), np.full(n_g, policy_index, np.int16)],
-        versions=np.r_[np.full(n_p, NOT_GENERATED, np.int32), gen.versions],
-        reward=reward,
-        finish_reason=gen.finish_reason,
-    )
+    n_p, n = len(prompt), len(prompt) + len(gen.tokens)
+    tokens = np.empty(n, np.int32)
+    tokens[:n_p], tokens[n_p:] = prompt, gen.tokens
+    loss_mask = np.zeros(n, bool)
+    loss_mask[n_p:] = True
+    logprobs = np.zeros(n, np.float32)
+    logprobs[n_p:] = gen.logprobs
+    policy_ids = np.full(n, NOT_GENERATED, np.int16)
+    policy_ids[n_p:] = policy_index
+    versions = np.full(n, NOT_GENERATED, np.int32)
+    versions[n_p:] = gen.versions
+    return Sequence(tokens=tokens, loss_mask=loss_mask, logprobs=logprobs, policy_ids=policy_ids,
+                    versions=versions, reward=float(reward), finish_reason=gen.finish_reason)
 
 
 class _Base:
