@@ -53,7 +53,8 @@ class ModelInit(_Strict):
     """Role the warm start teaches: ``solve`` (``"12+34="`` -> ``"46"``), ``solve_retry`` (the
     ``solver_verifier`` solver: half ``solve``, half its retry turn after a reject), ``verify`` (the
     ``solver_verifier`` verifier: ``"12+34=47?"`` -> ``"46N"``, its own sum, then the verdict) or
-    ``select`` (the ``solver_selector`` selector: ``"12+34=46|47?"`` -> ``1``/``2``). Pick the
+    ``select`` (the ``solver_selector`` selector: ``"12+34=46|47?"`` -> ``"46>1"``, its own sum,
+    then the position of the candidate equal to it). Pick the
     one matching the policy's role in the workflow."""
     start_from: str | None = None
     """Name of an earlier policy in ``policies`` whose model this one starts from instead of a

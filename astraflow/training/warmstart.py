@@ -22,8 +22,9 @@ also start partly competent (the prompts are exactly the workflows', from
   has no signal a small model can start from (it must find ``units(a + b) == units(c)`` in one
   step: the loss sat at chance for 1,600 steps, also from a solver's weights); writing the sum
   first gives it one (that of ``solve``), and the comparison after it is then learnt;
-* ``"select"``: ``select_prompt(q, a1, a2)`` (``"12+34=46|47?"``) -> ``"1"`` / ``"2"``;
-  exactly one candidate is right, at a random position.
+* ``"select"``: ``select_prompt(q, a1, a2)`` (``"12+34=46|47?"``) -> ``"46>1"``: as the
+  verifier, the selector writes the sum first, then the position of the candidate equal to it;
+  exactly one candidate is right, at a random position, the other off by 1..3.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ import torch
 
 from astraflow.models import greedy_complete, load_model
 from astraflow.workloads.math import MathConfig, accuracy, format_prompt, format_target, make_dataset
-from astraflow.workloads.prompts import VERIFY_NEW_TOKENS, parse_verdict, retry_prompt, select_prompt, verify_prompt
+from astraflow.workloads.prompts import (
+    SELECT_NEW_TOKENS, VERIFY_NEW_TOKENS, parse_pick, parse_verdict, retry_prompt, select_prompt, verify_prompt,
+)
 
 #: roles a warm start can teach (see the module docstring).
 TASKS = ("solve", "solve_retry", "verify", "select")
@@ -71,7 +74,7 @@ def task_examples(task: str, items: list[Mapping[str, Any]], rng: random.Random)
             first_right = rng.random() < 0.5
             good, bad = str(it["answer"]), _near_miss(str(it["answer"]), rng)
             a1, a2 = (good, bad) if first_right else (bad, good)
-            out.append((select_prompt(q, a1, a2), "1" if first_right else "2"))
+            out.append((select_prompt(q, a1, a2), format_target(it) + (">1" if first_right else ">2")))
     return out
 
 
@@ -105,8 +108,8 @@ def evaluate(model, tok, items: list[Mapping[str, Any]], max_new_tokens: int = 8
 def evaluate_task(model, tok, task: str, items: list[Mapping[str, Any]], seed: int = 0) -> float:
     """Held-out greedy accuracy on ``task``: for ``solve`` exact match of the answer, for
     ``verify`` whether the verdict (``parse_verdict``) is right, for ``select`` whether the
-    completion starts with the right digit (the candidates are drawn from a fixed ``seed``, so
-    repeated calls see the same examples)."""
+    pick (``parse_pick``) is (the candidates are drawn from a fixed ``seed``, so repeated calls
+    see the same examples)."""
     if task in ("solve", "solve_retry"):  # the first turn's accuracy: what the run starts from
         return evaluate(model, tok, items)
     pairs = task_examples(task, items, random.Random(f"eval:{seed}"))
@@ -115,8 +118,8 @@ def evaluate_task(model, tok, task: str, items: list[Mapping[str, Any]], seed: i
     if task == "verify":
         outs = greedy_complete(model, tok, [p for p, _ in pairs], VERIFY_NEW_TOKENS)
         return sum(parse_verdict(o) == parse_verdict(t) for o, (_, t) in zip(outs, pairs)) / len(pairs)
-    outs = greedy_complete(model, tok, [p for p, _ in pairs], 2)
-    return sum(o.strip().upper().startswith(t) for o, (_, t) in zip(outs, pairs)) / len(pairs)
+    outs = greedy_complete(model, tok, [p for p, _ in pairs], SELECT_NEW_TOKENS)
+    return sum(parse_pick(o) == parse_pick(t) for o, (_, t) in zip(outs, pairs)) / len(pairs)
 
 
 def warm_start(

@@ -32,6 +32,18 @@ def parse_verdict(text: str) -> bool | None:
     return None
 
 
+#: completion budget of the selector: its own working (the sum), ``>``, then 1 or 2.
+SELECT_NEW_TOKENS = 8
+
+
 def select_prompt(question_prompt: str, first: str, second: str) -> str:
-    """What the selector sees: the two candidate answers; it answers 1 or 2."""
+    """What the selector sees: the two candidate answers. It answers with its own working and
+    a pick, 1 or 2 (``"12+34=46|47?"`` -> ``"46>1"``; see ``parse_pick``)."""
     return f"{question_prompt}{first.strip()}|{second.strip()}?"
+
+
+def parse_pick(text: str) -> int | None:
+    """The pick in a selector's completion: the 1 or 2 after the last ``>`` (after any working
+    written before it, ``"46>1"``), or a bare ``"1"``/``"2"``; ``None`` if there is none."""
+    pick = text.strip().rsplit(">", 1)[-1].strip()
+    return int(pick[0]) if pick[:1] in ("1", "2") else None

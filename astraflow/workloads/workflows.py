@@ -14,7 +14,7 @@ from astraflow.contracts import NOT_GENERATED, Provenance, RolloutTask, Sequence
 from astraflow.rollout.engine import Generation, InferenceEngine, SamplingParams
 from astraflow.workloads.base import WORKFLOWS, Workload
 from astraflow.workloads.prompts import (  # noqa: F401  (re-exported)
-    VERIFY_NEW_TOKENS, parse_verdict, retry_prompt, select_prompt, verify_prompt,
+    SELECT_NEW_TOKENS, VERIFY_NEW_TOKENS, parse_pick, parse_verdict, retry_prompt, select_prompt, verify_prompt,
 )
 
 
@@ -121,10 +121,12 @@ class SolverVerifier(_Base):
 
 @WORKFLOWS.register("solver_selector")
 class SolverSelector(_Base):
-    """Policy 0 (solver) answers twice; policy 1 (selector) picks one (1 or 2). Solver reward:
-    each attempt's own correctness; selector reward: 1 when exactly one attempt was correct
-    and it picked that one, 0 when it picked the wrong one, 0.5 when the pick could not matter.
-    The episode's score is the correctness of the picked answer."""
+    """Policy 0 (solver) answers twice; policy 1 (selector) picks one, 1 or 2: it may write its
+    working first, its pick follows the last ``>`` (``parse_pick``). Solver reward: each
+    attempt's own correctness; selector reward: 1 when exactly one attempt was correct and it
+    picked that one, 0 when it picked the wrong one or no pick could be read, 0.5 when the pick
+    could not matter. The episode's score is the correctness of the picked answer (the first
+    attempt's when no pick could be read)."""
 
     num_policies = 2
 
@@ -138,11 +140,13 @@ class SolverSelector(_Base):
         a1, a2 = _gen_text(solver, g1), _gen_text(solver, g2)
         ok1, ok2 = self.workload.reward(a1, task.prompt), self.workload.reward(a2, task.prompt)
         ps = selector.tokenizer.encode(select_prompt(q, a1, a2))
-        gs = await selector.generate(ps, replace(params, max_new_tokens=2))
-        pick_text = _gen_text(selector, gs).strip()
-        pick = 2 if pick_text.startswith("2") else 1
+        gs = await selector.generate(ps, replace(params, max_new_tokens=SELECT_NEW_TOKENS))
+        pick = parse_pick(_gen_text(selector, gs))
         picked_ok = ok2 if pick == 2 else ok1
-        sel_reward = (1.0 if picked_ok > 0 else 0.0) if ok1 != ok2 else 0.5
+        if pick is None:
+            sel_reward = 0.0
+        else:
+            sel_reward = (1.0 if picked_ok > 0 else 0.0) if ok1 != ok2 else 0.5
         seqs = [turn_sequence(p, g1, 0, ok1), turn_sequence(p, g2, 0, ok2), turn_sequence(ps, gs, 1, sel_reward)]
         secs = g1.engine_seconds + g2.engine_seconds + gs.engine_seconds
         return replace(self._trajectory(task, seqs, t0, secs), score=picked_ok)
