@@ -126,7 +126,11 @@ class SolverSelector(_Base):
     attempt's own correctness; selector reward: 1 when exactly one attempt was correct and it
     picked that one, 0 when it picked the wrong one or no pick could be read, 0.5 when the pick
     could not matter. The episode's score is the correctness of the picked answer (the first
-    attempt's when no pick could be read)."""
+    attempt's when no pick could be read).
+
+    Under greedy sampling (evaluation) only the first attempt is greedy; the second samples
+    at the node's temperature: two greedy attempts are the same answer, which leaves nothing to
+    pick from, and the evaluation would measure the solver alone."""
 
     num_policies = 2
 
@@ -136,7 +140,8 @@ class SolverSelector(_Base):
         params = sampling_for(task, self.sampling)
         q = self.workload.render_prompt(task.prompt)
         p = solver.tokenizer.encode(q)
-        g1, g2 = await asyncio.gather(solver.generate(p, params), solver.generate(p, params))
+        second = replace(params, greedy=False) if params.greedy else params
+        g1, g2 = await asyncio.gather(solver.generate(p, params), solver.generate(p, second))
         a1, a2 = _gen_text(solver, g1), _gen_text(solver, g2)
         ok1, ok2 = self.workload.reward(a1, task.prompt), self.workload.reward(a2, task.prompt)
         ps = selector.tokenizer.encode(select_prompt(q, a1, a2))

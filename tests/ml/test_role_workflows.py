@@ -31,10 +31,12 @@ class Scripted:
     def __init__(self, tok, answers: dict[str, list[str]]):
         self.tokenizer, self.answers, self.version = tok, {k: list(v) for k, v in answers.items()}, 0
         self.seen: list[tuple[str, int]] = []  # (prompt text, max_new_tokens)
+        self.greedy: list[bool] = []
 
     async def generate(self, prompt, params: SamplingParams) -> Generation:
         text = self.tokenizer.decode(prompt, skip_special_tokens=True)
         self.seen.append((text, params.max_new_tokens))
+        self.greedy.append(params.greedy)
         ids = self.tokenizer.encode(self.answers[text].pop(0)) + [self.tokenizer.eos_token_id]
         n = len(ids)
         return Generation(tokens=np.asarray(ids, np.int32), logprobs=np.full(n, -0.5, np.float32),
@@ -46,10 +48,10 @@ def tok(tiny_dir):
     return load_model(tiny_dir)[1]
 
 
-def run(workflow_cls, engines):
+def run(workflow_cls, engines, sampling=None):
     wf = workflow_cls(make_workload("math", {"digits": 2}, 0), SamplingParams(max_new_tokens=5), "n")
     task = RolloutTask(task_id="g/0", group_id="g", policies=("solver", "second"), workflow="w",
-                       prompt=ITEM, kind="train")
+                       prompt=ITEM, kind="train", sampling=sampling)
     return asyncio.run(wf.run_episode(engines, task))
 
 
@@ -96,3 +98,14 @@ def test_solver_selector_rules(tok, a1, a2, pick, picked_ok, selector_r):
     ok = [float(a == "46") for a in (a1, a2)]
     assert rewards_by_policy(traj) == [(0, ok[0]), (0, ok[1]), (1, selector_r)]
     assert traj.score == picked_ok
+
+
+def test_a_greedy_selector_episode_samples_its_second_attempt(tok):
+    """Evaluation is greedy; two greedy attempts would be one answer twice, nothing to pick."""
+    solver = Scripted(tok, {Q: ["46", "47"]})
+    selector = Scripted(tok, {select_prompt(Q, "46", "47"): ["46>1"]})
+    run(SolverSelector, {"solver": solver, "second": selector}, sampling={"greedy": True})
+    assert solver.greedy == [True, False]
+    solver = Scripted(tok, {Q: ["46", "47"]})
+    run(SolverSelector, {"solver": solver, "second": Scripted(tok, {select_prompt(Q, "46", "47"): ["1"]})})
+    assert solver.greedy == [False, False]
