@@ -54,8 +54,8 @@ class ModelInit(_Strict):
     ``solver_verifier`` solver: half ``solve``, half its retry turn after a reject), ``verify`` (the
     ``solver_verifier`` verifier: ``"12+34=47?"`` -> ``"46N"``, its own sum, then the verdict) or
     ``select`` (the ``solver_selector`` selector: ``"12+34=46|47?"`` -> ``"46>1"``, its own sum,
-    then the position of the candidate equal to it). Pick the
-    one matching the policy's role in the workflow."""
+    then the position of the candidate equal to it). Pick the one matching the policy's role in
+    the workflow."""
     start_from: str | None = None
     """Name of an earlier policy in ``policies`` whose model this one starts from instead of a
     random initialisation (``preset``, ``arch`` and ``seed`` are then unused): the roles of one

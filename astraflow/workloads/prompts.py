@@ -44,6 +44,9 @@ def select_prompt(question_prompt: str, first: str, second: str) -> str:
 
 def parse_pick(text: str) -> int | None:
     """The pick in a selector's completion: the 1 or 2 after the last ``>`` (after any working
-    written before it, ``"46>1"``), or a bare ``"1"``/``"2"``; ``None`` if there is none."""
-    pick = text.strip().rsplit(">", 1)[-1].strip()
-    return int(pick[0]) if pick[:1] in ("1", "2") else None
+    written before it, ``"46>1"``), or a completion that is just ``"1"`` or ``"2"``; ``None``
+    otherwise (a sum with no ``>`` after it, ``"12"``, is working, not a pick)."""
+    pick = text.strip()
+    if ">" in pick:
+        pick = pick.rsplit(">", 1)[1].strip()[:1]
+    return int(pick) if pick in ("1", "2") else None

@@ -79,6 +79,7 @@ def test_the_pick_is_the_digit_after_the_last_arrow():
     assert parse_pick("4>6>2") == 2  # the last one counts
     assert parse_pick("46") is None and parse_pick("46>") is None and parse_pick("") is None
     assert parse_pick("46>3") is None
+    assert parse_pick("12") is None and parse_pick("125") is None  # working with no pick after it
 
 
 def test_solve_examples_and_unknown_task():
