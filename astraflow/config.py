@@ -223,7 +223,7 @@ class DataflowConfig(_Strict):
     group_filter: PolicySpec = PolicySpec(type="keep_all")
     """Group filter after rollout."""
     ordering: PolicySpec = PolicySpec(type="fifo")
-    """Buffer ordering (``fifo`` or ``edf``)."""
+    """Buffer ordering (``fifo``, ``edf`` or ``freshest``)."""
     replay_ratio: float = Field(default=0.0, ge=0, lt=1)
     """Fraction of each batch filled with recently consumed samples (recorded as replays)."""
     lockstep: bool = False

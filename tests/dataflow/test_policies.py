@@ -130,7 +130,7 @@ def test_group_filters():
     assert roundtrip(keep_all, P.FILTERS, "keep_all").keep([1.0, 1.0]) == (True, None)
 
 
-def test_fifo_and_edf_orders():
+def test_fifo_edf_and_freshest_orders():
     V = P.BufferedGroupView
     groups = [V(ingest_seq=3, oldest_version=5), V(ingest_seq=1, oldest_version=7),
               V(ingest_seq=2, oldest_version=4), V(ingest_seq=4, oldest_version=4)]
@@ -139,7 +139,10 @@ def test_fifo_and_edf_orders():
     assert fifo.order(groups, version=8, max_staleness=4) == [1, 2, 0, 3]
     # deadline = oldest_version + max_staleness: 4 (ingest 2), 4 (ingest 4), 5, 7
     assert edf.order(groups, version=8, max_staleness=4) == [2, 3, 0, 1]
-    for name, pol in (("fifo", fifo), ("edf", edf)):
+    # freshest: newest oldest_version first, the later ready among equals: 7, 5, 4 (ingest 4), 4 (ingest 2)
+    freshest = P.make(P.ORDERINGS, "freshest", {})
+    assert freshest.order(groups, version=8, max_staleness=4) == [1, 0, 3, 2]
+    for name, pol in (("fifo", fifo), ("edf", edf), ("freshest", freshest)):
         assert roundtrip(pol, P.ORDERINGS, name).order(groups, 8, 4) == pol.order(groups, 8, 4)
 
 
