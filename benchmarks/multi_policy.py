@@ -20,6 +20,13 @@ episode ``score`` = final-answer correctness. The ideal overlap speedup is compu
 measured rollout R, training T and sync/idle S: median over iterations of
 ``(R + T + S) / max(R, T)``; ``fraction_of_ideal`` is (b)/(c) divided by it.
 
+The ideal assumes that rollout and training, overlapped, cost no more than the longer of the
+two. On a machine where (b)'s rollout phase alone keeps more than one core busy that is not
+reachable: the benchmark also measures the CPU seconds an iteration costs (every process of the
+run together, ``CpuSampler``) and reports the ideal with ``CPU seconds / cores`` as a further
+floor under an iteration's time (``cpu_bound_ideal_speedup``, ``fraction_of_cpu_bound_ideal``),
+next to, not instead of, the ideal above.
+
 ``--repeats`` (default 3) runs (a), (b) and (c) that many times, interleaved (a b c, then
 c b a, ...), each repeat with its own seed: this machine's speed drifts by 10-30 % within
 minutes, and one (b) and one (c) run minutes apart measured the drift as much as the overlap
@@ -48,6 +55,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +65,7 @@ os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import psutil  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -121,10 +130,70 @@ def verifier_at_start(models: dict[str, Path], digits: int, n: int) -> dict:
             "own_sum_acc": sum(o.strip().rstrip("YNyn").strip() == a for o, a in zip(outs, answers)) / n}
 
 
+class CpuSampler(threading.Thread):
+    """CPU seconds used by every process this one started (Dask scheduler and workers, their
+    engine processes), sampled every ``interval`` s together with the step every policy has
+    reached (read from the run's ``metrics.jsonl`` as it grows): the CPU an iteration costs,
+    whichever processes spend it. On a machine with C cores no schedule runs an iteration in
+    less than its CPU seconds / C, however well rollout and training overlap."""
+
+    def __init__(self, run_dir: Path, num_policies: int, interval: float = 0.2):
+        super().__init__(daemon=True)
+        self.metrics, self.num_policies, self.interval = run_dir / "metrics.jsonl", num_policies, interval
+        self.samples: list[tuple[float, int]] = []  # (CPU seconds, step every policy reached)
+        self._steps: dict[str, int] = {}
+        self._pos, self._halt = 0, threading.Event()
+
+    def _cpu(self) -> float:
+        total = 0.0
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:  # exited between the listing and the read
+                pass
+        return total
+
+    def _step(self) -> int:
+        if self.metrics.exists():
+            with self.metrics.open() as f:
+                f.seek(self._pos)
+                chunk = f.read()
+            done = chunk.rfind("\n") + 1  # complete lines only
+            self._pos += done
+            for line in chunk[:done].splitlines():
+                rec = json.loads(line)
+                if "loss" in rec:
+                    self._steps[rec["policy"]] = max(self._steps.get(rec["policy"], 0), rec["step"])
+        return min(self._steps.values()) if len(self._steps) == self.num_policies else 0
+
+    def run(self) -> None:
+        while not self._halt.wait(self.interval):
+            self.samples.append((self._cpu(), self._step()))
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+    def per_iteration(self, from_step: int) -> float | None:
+        """CPU seconds per iteration from the first sample at ``from_step`` or later to the
+        first at the last step reached."""
+        first = next(((c, s) for c, s in self.samples if s >= from_step), None)
+        last = next(((c, s) for c, s in self.samples if self.samples and s >= self.samples[-1][1]), None)
+        if first is None or last is None or last[1] <= first[1]:
+            return None
+        return (last[0] - first[0]) / (last[1] - first[1])
+
+
 def run_one(label: str, cfg_dict: dict, run_dir: Path, console: Console) -> dict:
     cfg = config_from_dict(cfg_dict)
+    sampler = CpuSampler(run_dir, len(cfg.policies))
+    sampler.start()
     t0 = time.time()
-    result = launch(cfg, run_dir, quiet=True)
+    try:
+        result = launch(cfg, run_dir, quiet=True)
+    finally:
+        sampler.stop()
     wall = time.time() - t0
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -138,7 +207,7 @@ def run_one(label: str, cfg_dict: dict, run_dir: Path, console: Console) -> dict
     out = {"label": label, "wall_s": wall, "steps": result.steps, "acc": final["eval_accuracy"],
            "acc_v0": min(evals, key=lambda x: x["step"])["eval_accuracy"], "eval_step": final["step"],
            "span_s": span, "span_steps": n, "per_iter_all_s": span / max(n, 1),
-           "per_iter_s": span2 / max(n2, 1),
+           "per_iter_s": span2 / max(n2, 1), "cpu_per_iter_s": sampler.per_iteration(half),
            "iterations": summary.get("iterations", [])}
     if out["iterations"]:
         its = out["iterations"]
@@ -229,35 +298,50 @@ def main() -> None:
     def mean(key: str, field: str) -> float:
         return statistics.fmean(r[key][field] for r in reps)
 
+    cores = len(os.sched_getaffinity(0))
     pairs = [{"speedup": r["b"]["per_iter_s"] / r["c"]["per_iter_s"], "ideal": r["b"]["ideal"]} for r in reps]
-    for p in pairs:
+    for r, p in zip(reps, pairs):
         p["fraction"] = p["speedup"] / p["ideal"]
+        # the same ideal with the machine's CPU as a further bound: an iteration of (b)'s work
+        # cannot take less than its CPU seconds / cores, however rollout and training overlap
+        b = r["b"]
+        floor = max(b["R"], b["T"], (b["cpu_per_iter_s"] or 0.0) / cores)
+        p["cpu_ideal"] = b["per_iter_s"] / floor
+        p["cpu_fraction"] = p["speedup"] / p["cpu_ideal"]
     speedup, ideal = statistics.median(p["speedup"] for p in pairs), statistics.median(p["ideal"] for p in pairs)
     fraction = statistics.median(p["fraction"] for p in pairs)
+    cpu_ideal, cpu_fraction = (statistics.median(p[k] for p in pairs) for k in ("cpu_ideal", "cpu_fraction"))
     table = Table(title=f"multi-policy, {args.steps} steps x {args.batch} seqs, {args.preset} models, "
                         f"{args.digits}-digit addition, {args.repeats} repeat(s)")
-    for col in ("rep", "run", "s/it", "s/it (all)", "R", "T", "S", "acc v0", f"acc v{args.steps}",
-                "wall s", "speedup", "of ideal", "fraction"):
+    for col in ("rep", "run", "s/it", "s/it (all)", "R", "T", "S", "CPU s/it", "acc v0", f"acc v{args.steps}",
+                "wall s", "speedup", "of ideal", "fraction", "of CPU-bound", "fraction"):
         table.add_column(col, justify="right")
     for i, (rep, p) in enumerate(zip(reps, pairs)):
         for key in ("a", "b", "c"):
             r = rep[key]
-            extra = (f"{p['speedup']:.2f}x", f"{p['ideal']:.2f}x", f"{p['fraction']:.2f}") if key == "c" else ("",) * 3
-            table.add_row(str(i + 1), {"a": "(a) solver", "b": "(b) sync", "c": "(c) async"}[key], f"{r['per_iter_s']:.2f}", f"{r['per_iter_all_s']:.2f}",
-                          *(f"{r[k]:.2f}" if k in r else "-" for k in ("R", "T", "S")),
+            extra = (f"{p['speedup']:.2f}x", f"{p['ideal']:.2f}x", f"{p['fraction']:.2f}", f"{p['cpu_ideal']:.2f}x",
+                     f"{p['cpu_fraction']:.2f}") if key == "c" else ("",) * 5
+            cpu = f"{r['cpu_per_iter_s']:.2f}" if r["cpu_per_iter_s"] is not None else "-"
+            table.add_row(str(i + 1), {"a": "(a) solver", "b": "(b) sync", "c": "(c) async"}[key], f"{r['per_iter_s']:.2f}",
+                          f"{r['per_iter_all_s']:.2f}", *(f"{r[k]:.2f}" if k in r else "-" for k in ("R", "T", "S")), cpu,
                           f"{r['acc_v0']:.3f}", f"{r['acc']:.3f}", f"{r['wall_s']:.0f}", *extra)
     console.print(table)
     per_repeat = ", ".join(f"{p['fraction']:.2f}" for p in pairs)
     console.print(f"median over {args.repeats} repeat(s): speedup (b)/(c) {speedup:.2f}x; ideal overlap speedup from (b) "
                   f"{ideal:.2f}x; fraction of ideal {fraction:.2f} (per repeat: "
-                  f"{per_repeat}); "
+                  f"{per_repeat}); with the CPU as a further bound ((b)'s CPU seconds per iteration / {cores} cores) the "
+                  f"ideal is {cpu_ideal:.2f}x and (c) reaches {cpu_fraction:.2f} of it; "
                   f"mean held-out accuracy (a) {mean('a', 'acc'):.3f}, (b) {mean('b', 'acc'):.3f}, (c) {mean('c', 'acc'):.3f}")
     res = {"speedup": round(speedup, 3), "ideal_speedup": round(ideal, 3), "fraction_of_ideal": round(fraction, 3),
            "acc_solver_only": round(mean("a", "acc"), 4), "acc_sync": round(mean("b", "acc"), 4),
            "acc_async": round(mean("c", "acc"), 4),
-           "repeats": args.repeats,
+           "cpu_bound_ideal_speedup": round(cpu_ideal, 3), "fraction_of_cpu_bound_ideal": round(cpu_fraction, 3),
+           "cores": cores, "repeats": args.repeats,
            "per_repeat": [{"fraction_of_ideal": round(p["fraction"], 3), "speedup": round(p["speedup"], 3),
-                           "ideal_speedup": round(p["ideal"], 3),
+                           "ideal_speedup": round(p["ideal"], 3), "cpu_bound_ideal_speedup": round(p["cpu_ideal"], 3),
+                           "fraction_of_cpu_bound_ideal": round(p["cpu_fraction"], 3),
+                           "cpu_per_iter_s": {k: r[k]["cpu_per_iter_s"] and round(r[k]["cpu_per_iter_s"], 3)
+                                              for k in ("a", "b", "c")},
                            "acc": {k: r[k]["acc"] for k in ("a", "b", "c")}} for r, p in zip(reps, pairs)],
            "s_per_iter": {"solver_only": round(med("a", "per_iter_s"), 3), "sync": round(med("b", "per_iter_s"), 3),
                           "async": round(med("c", "per_iter_s"), 3)},
