@@ -178,9 +178,12 @@ class CpuSampler(threading.Thread):
     def per_iteration(self, from_step: int) -> float | None:
         """CPU seconds per iteration from the first sample at ``from_step`` or later to the
         first at the last step reached."""
+        if not self.samples:
+            return None
+        end = self.samples[-1][1]
         first = next(((c, s) for c, s in self.samples if s >= from_step), None)
-        last = next(((c, s) for c, s in self.samples if self.samples and s >= self.samples[-1][1]), None)
-        if first is None or last is None or last[1] <= first[1]:
+        last = next((c, s) for c, s in self.samples if s >= end)
+        if first is None or last[1] <= first[1]:
             return None
         return (last[0] - first[0]) / (last[1] - first[1])
 
