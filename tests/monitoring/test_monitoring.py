@@ -73,8 +73,8 @@ class LiveRun:
 def browser(tmp_path_factory):
     """Headless chromium, started before the run (``live_run`` asks for it first): on a busy
     2-core machine chromium's start-up took longer than the whole 10-step run, and the page
-    then only ever showed the last step. ``None`` where chromium or selenium is missing (the
-    browser test skips; the others do not need it)."""
+    then only ever showed the last step. Where chromium or selenium is missing it yields the
+    reason instead (the browser test skips with it; the others do not need a browser)."""
     try:
         driver = _driver(tmp_path_factory.mktemp("chromium"))
     except pytest.skip.Exception as why:
