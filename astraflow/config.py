@@ -238,6 +238,12 @@ class EngineConfig(_Strict):
     """Inference engine: ``hf`` (transformers; CPU, or one GPU when available)."""
     max_batch: int = Field(default=64, ge=1)
     """Most requests decoded together in one batch."""
+    swap_min_remaining: int = Field(default=16, ge=0)
+    """A newer weight version that arrives while a batch decodes is applied between two
+    decoding steps (partial rollout: the batch is re-encoded with the new weights) only while at
+    least this many steps are left; nearer the end the batch finishes first. Re-encoding costs
+    a prefill of every row: for short answers it costs more than the fresher tokens are worth.
+    0: always at the next step."""
     threads: int = Field(default=1, ge=1)
     """torch intra-op threads of the engine."""
     process: bool = True

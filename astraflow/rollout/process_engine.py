@@ -52,7 +52,7 @@ log = logging.getLogger("astraflow.rollout")
 
 
 #: ``HFEngine.stats()`` keys (reported as zeros until the first reply)
-STAT_KEYS = ("tokens", "requests", "batches", "busy_seconds", "weight_swaps", "decode_steps")
+STAT_KEYS = ("tokens", "requests", "batches", "busy_seconds", "weight_swaps", "decode_steps", "reencoded_rows")
 #: seconds ``ProcessEngine`` waits for the engine process to load its model
 START_TIMEOUT_S = 300.0
 
@@ -66,12 +66,14 @@ class ProcessEngine:
     the node process has threads). ``tokenizer`` is loaded here for the workflows."""
 
     def __init__(self, model_path: str, *, max_batch_size: int, seed: int = 0, device: str = "auto",
-                 threads: int = 1, version: int = 0, start_timeout: float = START_TIMEOUT_S):
+                 threads: int = 1, version: int = 0, start_timeout: float = START_TIMEOUT_S,
+                 swap_min_remaining: int = 16):
         from astraflow.models import load_tokenizer
 
         self.tokenizer = load_tokenizer(model_path)  # a bad path fails here, before a process starts
         self.version = version
-        self._args = (str(model_path), max_batch_size, seed, device, threads)  # what each process starts with
+        # what each engine process starts with
+        self._args = (str(model_path), max_batch_size, seed, device, threads, swap_min_remaining)
         self._start_timeout = start_timeout
         self._reap_lock = threading.Lock()
         self._send_lock = threading.Lock()  # the loop thread (generate) and the weight watcher send
@@ -259,7 +261,8 @@ class ProcessEngine:
 # -- the engine process ----------------------------------------------------------------------
 
 
-def _engine_main(conn, model_path: str, max_batch: int, seed: int, device: str, threads: int, version: int) -> None:
+def _engine_main(conn, model_path: str, max_batch: int, seed: int, device: str, threads: int,
+                 swap_min_remaining: int, version: int) -> None:
     """Entry point of the engine process."""
     import torch
 
@@ -267,7 +270,8 @@ def _engine_main(conn, model_path: str, max_batch: int, seed: int, device: str, 
     try:
         from astraflow.rollout.hf_engine import HFEngine
 
-        engine = HFEngine(model_path, max_batch_size=max_batch, version=version, seed=seed, device=device)
+        engine = HFEngine(model_path, max_batch_size=max_batch, version=version, seed=seed, device=device,
+                          swap_min_remaining=swap_min_remaining)
     except Exception as err:  # reported to the node, which raises it as a start failure
         conn.send(("error", f"{type(err).__name__}: {err}"))
         return

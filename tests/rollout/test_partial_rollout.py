@@ -141,3 +141,26 @@ def test_data_layer_staleness_comes_from_the_oldest_token(swapped, tmp_path):
         assert strict.ledger.dropped_by_reason["stale"] == 2
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("swap_min_remaining", [0, N_NEW + 1])
+def test_a_swap_near_the_end_of_a_batch_waits_for_it(tiny_model, swap_min_remaining):
+    """With fewer than ``swap_min_remaining`` decoding steps left, a swap is not worth a
+    re-encode of the batch: the batch finishes on its weights (every token v0, nothing
+    re-encoded) and the next batch starts on the new ones. With 0 it lands mid-batch."""
+    engine = HFEngine(str(tiny_model), version=0, seed=3, swap_min_remaining=swap_min_remaining)
+    tok = engine.tokenizer
+    prompts = [tok.encode(f"{a}+{b}=") for a, b in ((1, 2), (3, 4))]
+
+    async def go():
+        gens = await _generate_across_a_swap(engine, prompts, _perturbed(engine.model))
+        after = await engine.generate(prompts[0], SamplingParams(temperature=1.0, max_new_tokens=2))
+        return gens, after
+
+    gens, after = asyncio.run(go())
+    versions = {v for g in gens for v in g.versions.tolist()}
+    if swap_min_remaining == 0:
+        assert versions == {0, 1} and engine.stats()["reencoded_rows"] == len(prompts)
+    else:
+        assert versions == {0} and engine.stats()["reencoded_rows"] == 0
+    assert engine.version == 1 and after.versions.tolist() == [1] * len(after.tokens)
