@@ -18,6 +18,11 @@ from typing import Any, Mapping, Protocol
 import numpy as np
 
 
+#: default of ``swap_min_remaining`` for the engines (``rollout.engine.swap_min_remaining``): a
+#: weight swap lands mid-batch only with at least this many decoding steps left
+SWAP_MIN_REMAINING = 16
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0

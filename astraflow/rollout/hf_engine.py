@@ -47,7 +47,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from astraflow.rollout.engine import Generation, SamplingParams
+from astraflow.rollout.engine import SWAP_MIN_REMAINING, Generation, SamplingParams
 
 
 @dataclass(eq=False)
@@ -79,7 +79,7 @@ class HFEngine:
         tokenizer: Any = None,
         version: int = -1,
         max_batch_size: int = 256,
-        swap_min_remaining: int = 16,
+        swap_min_remaining: int = SWAP_MIN_REMAINING,
         seed: int = 0,
         device: str = "auto",
     ) -> None:
@@ -256,13 +256,18 @@ class HFEngine:
             mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long, device=dev)], dim=1)
             self._stats["decode_steps"] += 1
             await asyncio.sleep(0)  # let the loop run between two steps
-            left = max(r.params.max_new_tokens - len(r.tokens) for r, a in zip(batch, active) if a)
-            if left >= self.swap_min_remaining and self._take_pending_weights():
+            if self._pending_weights is not None and self._steps_left(batch, active) >= self.swap_min_remaining \
+                    and self._take_pending_weights():
                 # new weights: re-encode everything so far, the old KV cache is stale
                 self._stats["reencoded_rows"] += n
                 logits, cache = self._forward(ids, mask, None)
             else:
                 logits, cache = self._forward(ids[:, -1:], mask, cache)
+
+    @staticmethod
+    def _steps_left(batch: list[_Request], active: list[bool]) -> int:
+        """Decoding steps the batch still needs (its longest unfinished request)."""
+        return max(r.params.max_new_tokens - len(r.tokens) for r, a in zip(batch, active) if a)
 
     @torch.no_grad()
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache):

@@ -46,7 +46,7 @@ import threading
 import time
 from typing import Any, Mapping
 
-from astraflow.rollout.engine import Generation, SamplingParams
+from astraflow.rollout.engine import SWAP_MIN_REMAINING, Generation, SamplingParams
 
 log = logging.getLogger("astraflow.rollout")
 
@@ -67,7 +67,7 @@ class ProcessEngine:
 
     def __init__(self, model_path: str, *, max_batch_size: int, seed: int = 0, device: str = "auto",
                  threads: int = 1, version: int = 0, start_timeout: float = START_TIMEOUT_S,
-                 swap_min_remaining: int = 16):
+                 swap_min_remaining: int = SWAP_MIN_REMAINING):
         from astraflow.models import load_tokenizer
 
         self.tokenizer = load_tokenizer(model_path)  # a bad path fails here, before a process starts
