@@ -36,3 +36,33 @@ def test_a_run_without_evaluations_is_refused(tmp_path):
     run = _run_dir(tmp_path, [(0, 0.3)])
     with pytest.raises(ValueError, match="eval.every"):
         compare_with_run(run, [(0.0, 0.3), (1.0, 0.4)], Console(file=io.StringIO()))
+
+
+def test_every_system_run_is_compared_with_every_reference(tmp_path):
+    from benchmarks.system_vs_reference import compare_pairs
+
+    (tmp_path / "fast").mkdir()
+    (tmp_path / "slow").mkdir()
+    fast = _run_dir(tmp_path / "fast", [(0, 0.3), (1, 0.62), (2, 0.7)])
+    slow = _run_dir(tmp_path / "slow", [(0, 0.3), (1, 0.4), (2, 0.5)])
+    ref = {"curve": [{"seconds": 0, "acc": 0.3}, {"seconds": 60, "acc": 0.5}, {"seconds": 120, "acc": 0.6},
+                     {"seconds": 180, "acc": 0.65}]}
+    never = {"curve": [{"seconds": 0, "acc": 0.3}, {"seconds": 120, "acc": 0.4}]}
+    out = compare_pairs([("fast", fast), ("slow", slow)], [("ref", ref), ("never", never)],
+                        Console(file=io.StringIO()))
+    assert out["pairs"] == 4
+    by = {(p["system"], p["reference"]): p for p in out["pair_details"]}
+    assert by["fast", "ref"]["gain30_min_system"] == 1.0 and by["fast", "ref"]["gain30_min_reference"] == 2.0
+    assert by["fast", "ref"]["gain30_ahead"] and by["fast", "never"]["gain30_ahead"]  # the other never got there
+    assert not by["slow", "ref"]["gain30_ahead"] and not by["slow", "never"]["gain30_ahead"]  # never got there
+    assert out["gain30_ahead_fraction"] == 0.5
+    assert by["slow", "ref"]["mean_acc_ratio"] < 1 < by["fast", "ref"]["mean_acc_ratio"]
+    assert out["min_acc_ratio"] == min(p["mean_acc_ratio"] for p in out["pair_details"])
+    assert out["mean_acc_ratio"] == pytest.approx(sum(p["mean_acc_ratio"] for p in out["pair_details"]) / 4, abs=1e-3)
+
+
+def test_compare_pairs_needs_both_sides(tmp_path):
+    from benchmarks.system_vs_reference import compare_pairs
+
+    with pytest.raises(ValueError, match="at least one"):
+        compare_pairs([], [("ref", {"curve": []})], Console(file=io.StringIO()))
