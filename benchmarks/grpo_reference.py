@@ -61,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=6)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="the trainer's forward/backward (TorchBackend precision; the engine stays fp32)")
     p.add_argument("--clip-low", type=float, default=0.2)
     p.add_argument("--clip-high", type=float, default=0.28)
     p.add_argument("--rl-seconds", type=float, default=600.0)
@@ -203,6 +205,7 @@ def main(argv=None) -> dict:
 
     engine = HFEngine(str(model_dir), version=0, seed=a.seed, device=a.device)
     backend = TorchBackend(str(model_dir), lr=a.lr, clip_low=a.clip_low, clip_high=a.clip_high, seed=a.seed,
+                           precision=a.precision,
                            device=a.device)
     tok = engine.tokenizer
     console.print(f"model: {a.preset}/{a.arch}, {num_parameters(backend.model) / 1e6:.2f} M params, "

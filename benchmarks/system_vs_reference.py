@@ -141,7 +141,7 @@ def main(argv=None) -> dict:
     sets = [x for o in a.overrides for x in ("--set", o)]
     ref_args = [
         "--preset", pol.init.preset if pol.init else "mini", "--arch", pol.init.arch if pol.init else "llama",
-        "--lr", str(pol.trainer.lr), "--prompts", str(cfg.dataflow.batch_size // cfg.workload.group_size),
+        "--lr", str(pol.trainer.lr), "--precision", pol.trainer.precision, "--prompts", str(cfg.dataflow.batch_size // cfg.workload.group_size),
         "--group", str(cfg.workload.group_size), "--threads", "2",
         "--digits", str(cfg.workload.params.get("digits", 2)),
         "--eval-size", str(cfg.workload.eval.num_prompts), "--eval-every", str(cfg.workload.eval.every),

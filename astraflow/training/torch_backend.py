@@ -6,7 +6,9 @@ most ``micro_batch_size`` sequences, gradients accumulated, the token-level GRPO
 normalised by the loss tokens of the whole batch), with gradient-norm clipping. Sequences
 with advantage 0 add exactly nothing to the ``ppo_clip``/``tis`` loss or its gradient and are
 not computed (``skip_zero_advantage``; early in GRPO about 40 % of them: whole groups that
-scored alike); the loss statistics are then over the trained sequences. ``publish``
+scored alike); the loss statistics are then over the trained sequences. ``precision="bf16"``
+runs the forward/backward under bf16 autocast (the weights, gradients and AdamW state stay
+fp32). ``publish``
 hands the current weights, under their HF names, to the weight store.
 """
 
@@ -19,6 +21,10 @@ import torch
 
 from astraflow.contracts import Batch
 from astraflow.training.grpo import OFF_POLICY, collate, grpo_loss, token_logprobs
+
+
+PRECISIONS = ("fp32", "bf16")
+"""``TorchBackend(precision=...)``: everything fp32, or the forward/backward under bf16 autocast."""
 
 
 class TorchBackend:
@@ -41,6 +47,7 @@ class TorchBackend:
         is_cap: float = 2.0,
         m2_tau: float = 0.04,
         skip_zero_advantage: bool = True,
+        precision: str = "fp32",
     ) -> None:
         from astraflow.models import load_model, resolve_device
 
@@ -48,10 +55,14 @@ class TorchBackend:
             raise ValueError(f"TorchBackend: lr must be > 0, got {lr}")
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"TorchBackend: micro_batch_size must be >= 1 or None, got {micro_batch_size}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"TorchBackend: unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
         if off_policy not in OFF_POLICY:
             raise ValueError(f"TorchBackend: unknown off_policy {off_policy!r}; known: {', '.join(OFF_POLICY)}")
         #: off-policy correction of the loss (``grpo.grpo_loss``) and its parameters
         self.off_policy, self.is_cap, self.m2_tau = off_policy, is_cap, m2_tau
+        #: ``bf16``: forward and backward under bf16 autocast (fp32 weights, grads, optimiser)
+        self.precision = precision
         #: skip the forward/backward of sequences whose advantage is 0 (same step, less work)
         self.skip_zero_advantage = skip_zero_advantage
         torch.manual_seed(seed)
@@ -91,7 +102,8 @@ class TorchBackend:
             tok = c.tokens[sl, :width].to(self.device)
             att = c.attention_mask[sl, :width].to(self.device)
             lm = c.loss_mask[sl, :width].to(self.device)
-            new = token_logprobs(self.model, tok, att)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+                new = token_logprobs(self.model, tok, att)  # its log-softmax is fp32 either way
             loss, st = grpo_loss(
                 new, c.old_logprobs[sl, :width].to(self.device), c.advantages[sl].to(self.device), lm,
                 self.clip_low, self.clip_high, num_tokens=total_tokens,

@@ -47,7 +47,7 @@ def make_backend(cfg: TrainerConfig, model_path: str, seed: int):
             model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.max_grad_norm,
             micro_batch_size=cfg.micro_batch, clip_low=cfg.clip_low, clip_high=cfg.clip_high, seed=seed,
             off_policy=cfg.off_policy, is_cap=cfg.is_cap, m2_tau=cfg.m2_tau, device=cfg.device,
-            skip_zero_advantage=cfg.skip_zero_advantage,
+            skip_zero_advantage=cfg.skip_zero_advantage, precision=cfg.precision,
         )
     if cfg.backend == "megatron":
         from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig
