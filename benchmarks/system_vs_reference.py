@@ -5,8 +5,8 @@ at least as well per minute as a well-tuned single-process GRPO trainer on the s
 (``benchmarks/grpo_reference.py``: the same engine, loss, model directory, learning rate and
 batch, on-policy, in one process with 2 threads). One reading of one pair is noise (a
 200-prompt evaluation moves by +-3.5 points; this machine's speed by +-10 %), so this script
-runs ``--pairs`` rounds, alternating a system run and a reference run, and compares every
-system run with every reference run:
+runs ``--pairs`` rounds, alternating a system run and a reference run (reference run ``i`` with
+seed ``i``), and compares every system run with every reference run:
 
 * ``mean_acc_ratio``: mean held-out accuracy over the common span of RL minutes, system /
   reference (both curves interpolated on one time grid; ``grpo_reference.compare_with_run``);
@@ -141,9 +141,11 @@ def main(argv=None) -> dict:
     sets = [x for o in a.overrides for x in ("--set", o)]
     ref_args = [
         "--preset", pol.init.preset if pol.init else "mini", "--arch", pol.init.arch if pol.init else "llama",
-        "--lr", str(pol.trainer.lr), "--precision", pol.trainer.precision, "--prompts", str(cfg.dataflow.batch_size // cfg.workload.group_size),
+        "--lr", str(pol.trainer.lr), "--precision", pol.trainer.precision,
+        "--prompts", str(cfg.dataflow.batch_size // cfg.workload.group_size),
         "--group", str(cfg.workload.group_size), "--threads", "2",
         "--digits", str(cfg.workload.params.get("digits", 2)),
+        "--data-seed", str(cfg.workload.params.get("seed", cfg.workload.seed)),
         "--eval-size", str(cfg.workload.eval.num_prompts), "--eval-every", str(cfg.workload.eval.every),
         "--max-new-tokens", str(cfg.workload.sampling.max_new_tokens),
         "--temperature", str(cfg.workload.sampling.temperature), "--model-dir", str(model_dir),
@@ -164,7 +166,10 @@ def main(argv=None) -> dict:
         if ref_seconds is None:
             ref_seconds = summary["rl_seconds"] + a.reference_extra_seconds
         name = f"reference{i + 1}"
-        _run([sys.executable, "benchmarks/grpo_reference.py", *ref_args, "--rl-seconds", f"{ref_seconds:.0f}"],
+        # a seed of its own (prompt order, sampling): the pairs then cover the reference's learning
+        # noise, not only its speed (with one seed its curve per step is the same in every run)
+        _run([sys.executable, "benchmarks/grpo_reference.py", *ref_args, "--rl-seconds", f"{ref_seconds:.0f}",
+              "--seed", str(i)],
              work / f"{name}.log", console, f"reference run {i + 1}/{a.pairs}")
         res = _result(work / f"{name}.log")
         refs.append((name, res))
