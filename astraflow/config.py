@@ -121,9 +121,10 @@ class TrainerConfig(_Strict):
     precision: Literal["fp32", "bf16"] = "fp32"
     """Torch backend: ``bf16`` runs the forward and backward under bf16 autocast (matrix
     products in bf16; weights, gradients, optimiser state and the log-softmax stay fp32).
-    On a GPU, or a CPU with AVX-512 BF16 / AMX, the products are ~2x faster; the log-probs it
-    trains on differ from the engine's fp32 ones by bf16 rounding, which the ratio sees as
-    noise. ``fp32``: everything in fp32."""
+    On a GPU, or a CPU with AVX-512 BF16 / AMX, the products are ~2x faster (on a CPU the
+    attention then runs eager: its bf16 flash-attention backward is slower than fp32); the
+    log-probs it trains on differ from the engine's fp32 ones by bf16 rounding, which the
+    ratio sees as noise. ``fp32``: everything in fp32."""
 
     @model_validator(mode="after")
     def _off_policy_backend(self) -> "TrainerConfig":

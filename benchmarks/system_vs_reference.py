@@ -178,6 +178,8 @@ def main(argv=None) -> dict:
 
     systems += [(Path(d).name, Path(d), _system_summary(Path(d))) for d in a.system_run]
     refs += [(Path(f).name, _result(Path(f))) for f in a.reference_result]
+    if not systems or not refs:
+        raise SystemExit("nothing to compare: --pairs 0 needs at least one --system-run and one --reference-result")
     result = compare_pairs([(n, d) for n, d, _ in systems], refs, console)
     result.update({
         "system_steps_per_s": [s["steps_per_s"] for _, _, s in systems],
