@@ -28,7 +28,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from itertools import product
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from astraflow.config import load_config  # noqa: E402
+from astraflow.runtime.monitoring import read_metrics  # noqa: E402
 from benchmarks.grpo_reference import compare_with_run  # noqa: E402
 
 
@@ -67,25 +67,28 @@ def _result(log: Path) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def _run(cmd: list[str], log: Path, console: Console, what: str) -> float:
+def _run(cmd: list[str], log: Path, console: Console, what: str) -> None:
     console.print(f"[bold]{what}[/bold]: {' '.join(cmd[1:])}  (log {log})")
-    t0 = time.perf_counter()
     with log.open("w") as f:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
         raise SystemExit(f"{what} failed (exit {rc}); the end of {log}:\n{tail}")
-    return time.perf_counter() - t0
 
 
 def _system_summary(run_dir: Path) -> dict:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    evals = sorted((x for x in lines if "eval_accuracy" in x), key=lambda x: x["time"])
-    steps = [x for x in lines if "eval_accuracy" not in x and "step" in x and "loss" in x]
-    rl_s = evals[-1]["time"] - evals[0]["time"]
-    return {"acc_before": evals[0]["eval_accuracy"], "acc_after": evals[-1]["eval_accuracy"],
-            "rl_seconds": round(rl_s, 1), "steps": max((x["step"] for x in steps), default=0),
-            "steps_per_s": round(max((x["step"] for x in steps), default=0) / max(rl_s, 1e-9), 2)}
+    """Held-out accuracy before and after RL, RL seconds and trainer steps/s of a run directory
+    (its first policy's curves, as ``astraflow plot`` reads them)."""
+    view = read_metrics(run_dir)
+    if not view.policies:
+        raise SystemExit(f"{run_dir}/metrics.jsonl holds no step: is it an `astraflow run` directory?")
+    c = next(iter(view.policies.values()))
+    if len(c.eval_time) < 2:
+        raise SystemExit(f"{run_dir} has {len(c.eval_time)} evaluations: run it longer (workload.eval.every)")
+    rl_s = c.eval_time[-1] - c.eval_time[0]
+    steps = max(c.step, default=0)
+    return {"acc_before": c.eval_accuracy[0], "acc_after": c.eval_accuracy[-1], "rl_seconds": round(rl_s, 1),
+            "steps": steps, "steps_per_s": round(steps / max(rl_s, 1e-9), 2)}
 
 
 def _no_later(system: float | None, reference: float | None) -> bool:

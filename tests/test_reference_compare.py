@@ -61,7 +61,7 @@ def test_every_system_run_is_compared_with_every_reference(tmp_path):
     assert out["mean_acc_ratio"] == pytest.approx(sum(p["mean_acc_ratio"] for p in out["pair_details"]) / 4, abs=1e-3)
 
 
-def test_compare_pairs_needs_both_sides(tmp_path):
+def test_compare_pairs_needs_both_sides():
     from benchmarks.system_vs_reference import compare_pairs
 
     with pytest.raises(ValueError, match="at least one"):

@@ -196,7 +196,7 @@ def test_bf16_autocast_trains_in_the_same_direction_with_fp32_state(tiny_dir):
         TorchBackend(tiny_dir, precision="fp16")
 
 
-def test_bf16_is_a_torch_backend_option(tmp_path):
+def test_bf16_is_a_torch_backend_option():
     from astraflow.config import TrainerConfig
 
     assert TrainerConfig(precision="bf16").precision == "bf16"
