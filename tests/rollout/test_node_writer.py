@@ -202,11 +202,14 @@ def test_a_node_restarts_a_dead_engine_process_with_the_newest_weights(tmp_path,
                          prompt=workload.tasks("train")[i], kind="train") for i in range(3)]
 
     async def episode_killed(task, publish=None):
+        # The engine is paused (SIGSTOP) before the episode asks it for tokens, so the episode is
+        # still waiting on it when it dies, however fast the machine samples 300 tokens.
+        os.kill(engine.pid, signal.SIGSTOP)  # our own child, by its PID
         node.inflight[task.task_id] = task
         ep = asyncio.ensure_future(node._episode(task))
         await asyncio.sleep(0.3)
-        assert not ep.done(), "the episode (300 tokens to sample) should still be generating"
-        os.kill(engine.pid, signal.SIGKILL)  # our own child, by its PID
+        assert not ep.done(), "the episode should be waiting on the paused engine"
+        os.kill(engine.pid, signal.SIGKILL)  # kills a stopped process too
         if publish is not None:  # a version committed while the engine is dead: the watcher meets it
             store.publish("p", publish, {k: v + 0.01 * publish for k, v in model.state_dict().items()},
                           meta={"layout": "hf"})
