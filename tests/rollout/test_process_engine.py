@@ -107,9 +107,12 @@ def test_a_dead_engine_process_fails_its_requests(tiny_model):
     prompt = eng.tokenizer("1+1=")["input_ids"]
 
     async def main():
+        # paused first, so the request is still unanswered when the process dies on any machine
+        os.kill(eng.pid, signal.SIGSTOP)  # our own child, by PID
         fut = asyncio.ensure_future(eng.generate(prompt, SamplingParams(max_new_tokens=400, temperature=1.0)))
         await asyncio.sleep(0.2)
-        os.kill(eng.pid, signal.SIGKILL)  # our own child, by PID
+        assert not fut.done()
+        os.kill(eng.pid, signal.SIGKILL)  # kills a stopped process too
         t0 = time.time()
         with pytest.raises(EngineProcessError, match="exited with code -9"):
             await asyncio.wait_for(fut, 30)
