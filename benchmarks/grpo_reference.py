@@ -65,7 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=6)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                   help="the trainer's forward/backward (TorchBackend precision; the engine stays fp32)")
+                   help="the trainer's forward/backward (TorchBackend precision)")
+    p.add_argument("--engine-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the engine's weights and forward passes (rollout.engine.dtype)")
     p.add_argument("--clip-low", type=float, default=0.2)
     p.add_argument("--clip-high", type=float, default=0.28)
     p.add_argument("--rl-seconds", type=float, default=600.0)
@@ -206,7 +208,7 @@ def main(argv=None) -> dict:
     else:
         model_dir = Path(a.model_dir)
 
-    engine = HFEngine(str(model_dir), version=0, seed=a.seed, device=a.device)
+    engine = HFEngine(str(model_dir), version=0, seed=a.seed, device=a.device, dtype=a.engine_dtype)
     backend = TorchBackend(str(model_dir), lr=a.lr, clip_low=a.clip_low, clip_high=a.clip_high, seed=a.seed,
                            precision=a.precision,
                            device=a.device)

@@ -144,7 +144,7 @@ def main(argv=None) -> dict:
     sets = [x for o in a.overrides for x in ("--set", o)]
     ref_args = [
         "--preset", pol.init.preset if pol.init else "mini", "--arch", pol.init.arch if pol.init else "llama",
-        "--lr", str(pol.trainer.lr), "--precision", pol.trainer.precision,
+        "--lr", str(pol.trainer.lr), "--precision", pol.trainer.precision, "--engine-dtype", cfg.rollout.engine.dtype,
         "--prompts", str(cfg.dataflow.batch_size // cfg.workload.group_size),
         "--group", str(cfg.workload.group_size), "--threads", "2",
         "--digits", str(cfg.workload.params.get("digits", 2)),

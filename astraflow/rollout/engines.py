@@ -30,7 +30,8 @@ def make_engine(cfg: EngineConfig, model_path: str, seed: int = 0) -> InferenceE
                 from astraflow.rollout.process_engine import ProcessEngine
 
                 return ProcessEngine(model_path, max_batch_size=cfg.max_batch, seed=seed, device=cfg.device,
-                                     threads=cfg.threads, version=0, swap_min_remaining=cfg.swap_min_remaining)
+                                     threads=cfg.threads, version=0, swap_min_remaining=cfg.swap_min_remaining,
+                                     dtype=cfg.dtype)
         return HFEngine(model_path, max_batch_size=cfg.max_batch, version=0, seed=seed, device=cfg.device,
-                        swap_min_remaining=cfg.swap_min_remaining)
+                        swap_min_remaining=cfg.swap_min_remaining, dtype=cfg.dtype)
     raise ValueError(f"unknown engine type {cfg.type!r}; known: {', '.join(KNOWN)}")

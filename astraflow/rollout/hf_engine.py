@@ -6,7 +6,9 @@ batch with its own decode loop over the model's KV cache. Owning the loop (inste
 ``model.generate``) gives two things the trainer needs:
 
 * exact behaviour log-probs: the log-softmax of the fp32 logits at temperature 1 of every
-  sampled token, equal to a teacher-forced forward of the same weights on the same tokens;
+  sampled token, equal to a teacher-forced forward of the same weights on the same tokens
+  (``dtype="bf16"`` computes in bf16, as GPU engines do: the trainer's fp32 log-probs then
+  differ a little from these, and the loss's importance ratio accounts for it);
 * weight swaps between two decoding steps (partial rollout).
 
 Asynchronous overlap "weight swap vs in-flight generation": ``load_weights`` may be called at
@@ -49,6 +51,9 @@ import torch
 
 from astraflow.rollout.engine import SWAP_MIN_REMAINING, Generation, SamplingParams
 
+#: ``HFEngine(dtype=...)``: the engine's weights and compute
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 @dataclass(eq=False)
 class _Request:
@@ -70,6 +75,9 @@ class HFEngine:
     the next step; see the module docstring); ``seed`` seeds sampling;
     ``device`` is ``auto`` (a GPU when torch sees one), ``cpu`` or ``cuda[:N]``: the model,
     the KV cache and sampling live there, finished tokens come back to the host once per step.
+    ``dtype`` is ``fp32`` or ``bf16``: the weights and the forward passes (the logits are cast
+    to fp32 for sampling and log-probs); published fp32 weights are cast on load. bf16 decodes
+    ~1.9x faster on a CPU with native bf16 (AVX512-BF16/AMX) and on every recent GPU.
     """
 
     def __init__(
@@ -82,6 +90,7 @@ class HFEngine:
         swap_min_remaining: int = SWAP_MIN_REMAINING,
         seed: int = 0,
         device: str = "auto",
+        dtype: str = "fp32",
     ) -> None:
         from astraflow.models import load_model, resolve_device
 
@@ -92,7 +101,10 @@ class HFEngine:
                 raise ValueError("HFEngine(model_object) needs tokenizer=...; or pass a model directory")
             self.model, self.tokenizer = model, tokenizer
         self.device = resolve_device(device)
-        self.model.to(self.device)
+        if dtype not in DTYPES:
+            raise ValueError(f"HFEngine: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        self.dtype = dtype
+        self.model.to(self.device, dtype=DTYPES[dtype])
         self.model.eval()
         if max_batch_size < 1:
             raise ValueError(f"HFEngine: max_batch_size must be >= 1, got {max_batch_size}")

@@ -67,13 +67,13 @@ class ProcessEngine:
 
     def __init__(self, model_path: str, *, max_batch_size: int, seed: int = 0, device: str = "auto",
                  threads: int = 1, version: int = 0, start_timeout: float = START_TIMEOUT_S,
-                 swap_min_remaining: int = SWAP_MIN_REMAINING):
+                 swap_min_remaining: int = SWAP_MIN_REMAINING, dtype: str = "fp32"):
         from astraflow.models import load_tokenizer
 
         self.tokenizer = load_tokenizer(model_path)  # a bad path fails here, before a process starts
         self.version = version
         # what each engine process starts with
-        self._args = (str(model_path), max_batch_size, seed, device, threads, swap_min_remaining)
+        self._args = (str(model_path), max_batch_size, seed, device, threads, swap_min_remaining, dtype)
         self._start_timeout = start_timeout
         self._reap_lock = threading.Lock()
         self._send_lock = threading.Lock()  # the loop thread (generate) and the weight watcher send
@@ -262,7 +262,7 @@ class ProcessEngine:
 
 
 def _engine_main(conn, model_path: str, max_batch: int, seed: int, device: str, threads: int,
-                 swap_min_remaining: int, version: int) -> None:
+                 swap_min_remaining: int, dtype: str, version: int) -> None:
     """Entry point of the engine process."""
     import torch
 
@@ -271,7 +271,7 @@ def _engine_main(conn, model_path: str, max_batch: int, seed: int, device: str, 
         from astraflow.rollout.hf_engine import HFEngine
 
         engine = HFEngine(model_path, max_batch_size=max_batch, version=version, seed=seed, device=device,
-                          swap_min_remaining=swap_min_remaining)
+                          swap_min_remaining=swap_min_remaining, dtype=dtype)
     except Exception as err:  # reported to the node, which raises it as a start failure
         conn.send(("error", f"{type(err).__name__}: {err}"))
         return

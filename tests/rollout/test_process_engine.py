@@ -150,3 +150,22 @@ def test_a_model_that_cannot_load_is_a_start_error(tiny_model, tmp_path):
     # not a model directory at all: refused before any process starts
     with pytest.raises(ValueError, match="not an HF model directory"):
         ProcessEngine(str(tmp_path / "nowhere"), max_batch_size=4, device="cpu")
+
+
+@pytest.mark.timeout(120)
+def test_the_engine_process_honours_dtype(tiny_model):
+    """``rollout.engine.dtype: bf16`` reaches the engine process: its sampled tokens and
+    log-probs are those of a bf16 ``HFEngine`` in this process, not of the fp32 one."""
+    torch.set_num_threads(1)
+    proc = ProcessEngine(str(tiny_model), max_batch_size=16, seed=5, device="cpu", dtype="bf16")
+    try:
+        prompts = [proc.tokenizer(p)["input_ids"] for p in PROMPTS]
+        params = SamplingParams(max_new_tokens=10, temperature=1.2)
+        bf16 = HFEngine(str(tiny_model), max_batch_size=16, seed=5, version=0, device="cpu", dtype="bf16")
+        fp32 = HFEngine(str(tiny_model), max_batch_size=16, seed=5, version=0, device="cpu")
+        got = _gather(proc, prompts, params)
+        _same(got, _gather(bf16, prompts, params))
+        assert any(not np.allclose(x.logprobs, y.logprobs, atol=1e-5)
+                   for x, y in zip(got, _gather(fp32, prompts, params)) if len(x.tokens) == len(y.tokens))
+    finally:
+        proc.close()
