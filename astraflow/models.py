@@ -173,6 +173,24 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def warn_if_bf16_is_emulated(device: torch.device, setting: str) -> None:
+    """Log a warning when bf16 compute is asked for on a CPU that has no native bf16
+    (AVX512-BF16 or AMX): torch then emulates it, slower than fp32. ``setting`` names the
+    config field to change."""
+    if device.type != "cpu":
+        return
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN: no native bf16 either
+        native = False
+    if not native:
+        import logging
+
+        logging.getLogger("astraflow").warning(
+            "%s: bf16 on a CPU without native bf16 (AVX512-BF16 or AMX) is emulated and slower than "
+            "fp32 here; set %s=fp32", setting, setting)
+
+
 def num_parameters(model) -> int:
     """Distinct parameters (tied embeddings counted once)."""
     return sum(p.numel() for p in model.parameters())

@@ -92,7 +92,7 @@ class HFEngine:
         device: str = "auto",
         dtype: str = "fp32",
     ) -> None:
-        from astraflow.models import load_model, resolve_device
+        from astraflow.models import load_model, resolve_device, warn_if_bf16_is_emulated
 
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
             self.model, self.tokenizer = load_model(model)
@@ -105,6 +105,8 @@ class HFEngine:
             raise ValueError(f"HFEngine: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.dtype = dtype
         self.model.to(self.device, dtype=DTYPES[dtype])
+        if dtype == "bf16":
+            warn_if_bf16_is_emulated(self.device, "rollout.engine.dtype")
         self.model.eval()
         if max_batch_size < 1:
             raise ValueError(f"HFEngine: max_batch_size must be >= 1, got {max_batch_size}")

@@ -49,7 +49,7 @@ class TorchBackend:
         skip_zero_advantage: bool = True,
         precision: str = "fp32",
     ) -> None:
-        from astraflow.models import load_model, resolve_device
+        from astraflow.models import load_model, resolve_device, warn_if_bf16_is_emulated
 
         if lr <= 0:
             raise ValueError(f"TorchBackend: lr must be > 0, got {lr}")
@@ -69,6 +69,8 @@ class TorchBackend:
         self.model, self.tokenizer = load_model(model_path)
         self.device = resolve_device(device)
         self.model.to(self.device)
+        if precision == "bf16":
+            warn_if_bf16_is_emulated(self.device, "policies[].trainer.precision")
         if precision == "bf16" and self.device.type == "cpu":
             # the CPU's bf16 flash-attention backward runs ~10x slower than its fp32 one (measured:
             # it ate the whole gain of the bf16 products); eager attention is a bf16 bmm + softmax

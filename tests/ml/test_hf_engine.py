@@ -161,3 +161,20 @@ def test_bf16_engine_samples_from_bf16_weights_and_casts_published_fp32_ones(tin
     assert torch.equal(eng.model.state_dict()[name], new_sd[name].to(torch.bfloat16))
     with pytest.raises(ValueError, match="dtype must be one of fp32, bf16"):
         HFEngine(tiny_dir, dtype="fp16")
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns_and_names_the_setting(monkeypatch, caplog):
+    from astraflow.models import warn_if_bf16_is_emulated
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    with caplog.at_level("WARNING", logger="astraflow"):
+        warn_if_bf16_is_emulated(cpu, "rollout.engine.dtype")
+    assert caplog.records == []
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    with caplog.at_level("WARNING", logger="astraflow"):
+        warn_if_bf16_is_emulated(cpu, "rollout.engine.dtype")
+        warn_if_bf16_is_emulated(torch.device("cuda"), "rollout.engine.dtype")  # GPUs: not this check
+    assert [r.getMessage() for r in caplog.records] == [
+        "rollout.engine.dtype: bf16 on a CPU without native bf16 (AVX512-BF16 or AMX) is emulated and slower "
+        "than fp32 here; set rollout.engine.dtype=fp32"]
