@@ -14,11 +14,13 @@ semantics rely on):
 
 * node -> engine: ``("generate", [(id, prompt, params), ...])`` — every request submitted in
   one event-loop tick travels in one message; ``("weights", version, state_dict)``;
-  ``("load", weights_root, policy, version)`` — the engine process reads a committed version
-  from the weight store itself (what the node's weight watcher sends: the weights never
-  cross the pipe); ``("close",)``.
+  ``("load", weights_root, policy, version, use_deltas, full_resync_every)`` — the engine
+  process reads a committed version from the weight store itself, full shards or its last
+  version plus a delta (``weight_sync.VersionReader``; what the node's weight watcher sends:
+  the weights never cross the pipe); ``("close",)``.
 * engine -> node: ``("ready", version)`` once; ``("results", [(id, Generation | error
   text), ...], stats, version)`` — every request finished in one tick of the engine's loop;
+  ``("loaded", record)`` (how a ``load`` was read: mode, seconds, delta statistics);
   ``("load_failed", version, reason, current_version)``.
 
 Weights are applied by ``HFEngine.load_weights`` inside the engine process, so partial rollout
@@ -85,6 +87,7 @@ class ProcessEngine:
         self._stats_before = dict.fromkeys(STAT_KEYS, 0.0)  # summed over earlier engine processes
         #: engine processes started after the first died (``restart``)
         self.restarts = 0
+        self._load_records: list[dict[str, Any]] = []  # ("loaded", record) replies not yet taken
         self._dead: str | None = None
         self._spawn(version)
 
@@ -168,14 +171,22 @@ class ProcessEngine:
         self._send(("weights", int(version), arrays))
         self.version = int(version)
 
-    def load_version(self, weights_root: str, policy: str, version: int) -> None:
+    def load_version(self, weights_root: str, policy: str, version: int, *, use_deltas: bool = False,
+                     full_resync_every: int = 10) -> None:
         """Have the engine process read committed ``version`` of ``policy`` from the weight
-        store itself (no copy of the weights through the pipe: the node only polls). Same
-        ordering as ``load_weights``. If the read fails there (e.g. retention removed the
-        version first), the engine keeps its weights, ``version`` falls back to theirs and the
-        failure is logged, so the node's next poll tries the newest version again."""
-        self._send(("load", str(weights_root), policy, int(version)))
+        store itself (no copy of the weights through the pipe: the node only polls); with
+        ``use_deltas`` as its last version plus the sparse delta when one fits
+        (``weight_sync.VersionReader``). Same ordering as ``load_weights``. If the read fails
+        there (e.g. retention removed the version first), the engine keeps its weights,
+        ``version`` falls back to theirs and the failure is logged, so the node's next poll
+        tries the newest version again."""
+        self._send(("load", str(weights_root), policy, int(version), bool(use_deltas), int(full_resync_every)))
         self.version = int(version)
+
+    def take_load_records(self) -> list[dict[str, Any]]:
+        """The engine process's records of the versions it read since the last call."""
+        records, self._load_records = self._load_records, []
+        return records
 
     def stats(self) -> dict[str, float]:
         return {k: self._stats_before[k] + self._stats.get(k, 0.0) for k in STAT_KEYS}
@@ -220,6 +231,8 @@ class ProcessEngine:
                 _, results, self._stats, _version = msg
                 if self._loop is not None:
                     self._loop.call_soon_threadsafe(self._resolve, results)
+            elif msg[0] == "loaded":
+                self._load_records.append(msg[1])
             elif msg[0] == "load_failed":
                 _, wanted, reason, current = msg
                 log.warning("engine process could not load weights v%d (%s); it keeps v%d", wanted, reason, current)
@@ -279,14 +292,6 @@ def _engine_main(conn, model_path: str, max_batch: int, seed: int, device: str, 
     asyncio.run(_serve(conn, engine))
 
 
-def _read_version(root: str, policy: str, version: int) -> dict:
-    """A committed version from the weight store, under its HF names."""
-    from astraflow.rollout.weight_sync import read_full_version
-    from storage.weights import WeightStore
-
-    return read_full_version(WeightStore(root), policy, version)
-
-
 async def _serve(conn, engine) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -324,19 +329,31 @@ async def _serve(conn, engine) -> None:
         elif msg[0] == "close":
             stop.set()
 
+    readers: dict[tuple, Any] = {}  # one VersionReader per (root, deltas, resync): it holds the last version
+
     def read() -> None:
+        from astraflow.rollout.weight_sync import VersionReader
+
         while True:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
                 os._exit(0)  # the node process is gone: nothing here needs saving
             if msg[0] == "load":  # read here, off the decode loop; later messages wait (order)
-                _, root, policy, version = msg
+                _, root, policy, version, use_deltas, every = msg
+                key = (root, use_deltas, every)
+                if key not in readers:
+                    readers[key] = VersionReader(root, use_deltas, every)
+                t0 = time.time()
                 try:
-                    msg = ("weights", version, _read_version(root, policy, version))
+                    state, record = readers[key].read(policy, version)
                 except Exception as err:  # keep serving the current weights; the node retries
                     send(("load_failed", version, f"{type(err).__name__}: {err}", engine.version))
                     continue
+                now = time.time()
+                send(("loaded", {**record, "in_engine_process": True, "load_s": now - t0,
+                                 "commit_to_serving_s": now - record["committed_at"]}))
+                msg = ("weights", version, state)
             loop.call_soon_threadsafe(handle, msg)
             if msg[0] == "close":
                 return

@@ -21,64 +21,31 @@ from storage.deltas import DeltaMismatchError, apply_delta, choose_sync, read_st
 from storage.weights import WeightStore
 
 
-def read_full_version(store: WeightStore, policy: str, version: int) -> dict[str, torch.Tensor]:
-    """A committed version's full shards under their HF names (held while read)."""
-    with store.hold(policy, version):
-        meta = store.manifest(policy, version).get("meta", {})
-        return to_hf_state_dict(store.load(policy, version), meta)
+class VersionReader:
+    """Reads committed versions for one engine, under their HF names: the full shards, or
+    (``use_deltas``) the version it read last, held as bf16, plus the sparse delta between
+    the two, with full shards every ``full_resync_every`` versions and whenever a delta does
+    not fit. It runs where the weights are needed: in the node for an engine in the node's
+    process, in the engine process for a ``ProcessEngine`` (then only a version number
+    crosses the pipe, deltas or not)."""
 
-
-class WeightPuller:
-    def __init__(self, weights_root: str, engines: Mapping[str, Any], full_resync_every: int = 10,
-                 use_deltas: bool = False):
+    def __init__(self, weights_root: str, use_deltas: bool = False, full_resync_every: int = 10):
         self.store = WeightStore(weights_root)
-        self.engines = engines
-        self.full_resync_every = full_resync_every
         self.use_deltas = use_deltas
-        #: with deltas: the last loaded version per policy, in the store's layout, as bf16
+        self.full_resync_every = full_resync_every
+        #: with deltas: the last version read per policy, in the store's layout, as bf16
         self._held: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
-        #: one record per load: policy, version, mode, bytes, seconds, commit_to_serving_s
-        self.history: list[dict[str, Any]] = []
-        self._lock = threading.Lock()  # the watcher and an explicit refresh may poll at once
 
-    def poll(self) -> int:
-        """Load the latest committed version of every policy that has a newer one; returns how
-        many versions were loaded."""
-        with self._lock:
-            return self._poll()
-
-    def _poll(self) -> int:
-        loaded = 0
-        for policy, engine in self.engines.items():
-            latest = self.store.latest(policy)
-            if latest is None or latest.version <= engine.version:
-                continue
-            t0 = time.time()
-            if not self.use_deltas and hasattr(engine, "load_version"):
-                # an engine in its own process reads the version itself: nothing to copy here
-                engine.load_version(self.store.root, policy, latest.version)
-                self.history.append({"policy": policy, "version": latest.version, "mode": "full",
-                                     "in_engine_process": True, "load_s": time.time() - t0})
-                loaded += 1
-                continue
-            with self.store.hold(policy, latest.version):
-                manifest = self.store.manifest(policy, latest.version)
-                state, mode, extra = self._fetch(policy, latest.version, latest.delta_from)
-            hf = to_hf_state_dict(state, manifest.get("meta", {}))
-            engine.load_weights(hf, latest.version)
-            now = time.time()
-            self.history.append(
-                {
-                    "policy": policy,
-                    "version": latest.version,
-                    "mode": mode,
-                    "load_s": now - t0,
-                    "commit_to_serving_s": now - latest.committed_at,
-                    **extra,
-                }
-            )
-            loaded += 1
-        return loaded
+    def read(self, policy: str, version: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``(state_dict, record)``: the version's tensors and how they were read (``mode``
+        ``full``/``delta``, delta statistics or the reason a delta was not used,
+        ``committed_at``)."""
+        with self.store.hold(policy, version):
+            rec = self.store.get(policy, version)
+            state, mode, extra = self._fetch(policy, version, rec.delta_from)
+            meta = self.store.manifest(policy, version).get("meta", {})
+        return to_hf_state_dict(state, meta), {"policy": policy, "version": version, "mode": mode,
+                                               "committed_at": rec.committed_at, **extra}
 
     def _fetch(self, policy: str, version: int, delta_from: int | None) -> tuple[dict, str, dict]:
         """The tensors of ``version``: full shards, or the held version plus a delta."""
@@ -102,3 +69,51 @@ class WeightPuller:
         state = {k: v.to(torch.bfloat16) for k, v in self.store.load(policy, version).items()}
         self._held[policy] = (version, state)
         return state, "full", {"delta_fallback": reason} if reason else {}
+
+
+class WeightPuller:
+    """A node's weight watcher: loads every policy's newest committed version into its engine.
+    An engine with ``load_version`` (``ProcessEngine``) reads the version itself, with a
+    ``VersionReader`` of the same settings in its own process; the records of those reads come
+    back with the engine's replies and join ``history`` at the next poll."""
+
+    def __init__(self, weights_root: str, engines: Mapping[str, Any], full_resync_every: int = 10,
+                 use_deltas: bool = False):
+        self.store = WeightStore(weights_root)
+        self.engines = engines
+        self.full_resync_every = full_resync_every
+        self.use_deltas = use_deltas
+        self.reader = VersionReader(weights_root, use_deltas, full_resync_every)
+        #: one record per load: policy, version, mode, load_s, commit_to_serving_s (and the
+        #: delta's statistics); ``in_engine_process`` for a read done by the engine's process
+        self.history: list[dict[str, Any]] = []
+        self._lock = threading.Lock()  # the watcher and an explicit refresh may poll at once
+
+    def poll(self) -> int:
+        """Load the latest committed version of every policy that has a newer one; returns how
+        many versions were loaded."""
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> int:
+        loaded = 0
+        for policy, engine in self.engines.items():
+            if hasattr(engine, "take_load_records"):
+                self.history.extend(engine.take_load_records())
+            latest = self.store.latest(policy)
+            if latest is None or latest.version <= engine.version:
+                continue
+            if hasattr(engine, "load_version"):
+                # an engine in its own process reads the version itself: nothing to copy here
+                engine.load_version(self.store.root, policy, latest.version, use_deltas=self.use_deltas,
+                                    full_resync_every=self.full_resync_every)
+                loaded += 1
+                continue
+            t0 = time.time()
+            state, record = self.reader.read(policy, latest.version)
+            engine.load_weights(state, latest.version)
+            now = time.time()
+            self.history.append({**record, "load_s": now - t0, "commit_to_serving_s": now - record["committed_at"]})
+            loaded += 1
+        del self.history[:-100]  # the node reports the last few; keep memory flat on long runs
+        return loaded

@@ -75,3 +75,55 @@ def test_without_deltas_the_engine_serves_exact_full_weights(tiny_model, tmp_pat
     served = _served(engine)
     assert all(torch.equal(served[k], t) for k, t in sds[-1].items())
     assert paths.delta_dir(tmp_path, "p", 1, 2).exists()
+
+
+def test_an_engine_process_applies_deltas_itself(tiny_model, tmp_path, monkeypatch):
+    """With deltas, an engine in its own process reads each version itself (its last version
+    plus the delta): no weights cross the pipe, and it serves exactly what an in-process
+    engine fed by the node's puller serves. Its records reach the puller's history."""
+    import asyncio
+    import time
+
+    import numpy as np
+
+    from astraflow.rollout.engine import SamplingParams
+    from astraflow.rollout.process_engine import ProcessEngine
+
+    def no_pipe_copy(self, state_dict, version):
+        raise AssertionError("the weights went through the pipe")
+
+    monkeypatch.setattr(ProcessEngine, "load_weights", no_pipe_copy)
+    store, sds = _versions(tiny_model, tmp_path)
+    proc = ProcessEngine(str(tiny_model), max_batch_size=8, seed=0, device="cpu", version=-1)
+    try:
+        local = HFEngine(str(tiny_model), max_batch_size=8, seed=0, version=-1, device="cpu")
+        remote_puller = WeightPuller(str(tmp_path), {"p": proc}, full_resync_every=10, use_deltas=True)
+        local_puller = WeightPuller(str(tmp_path), {"p": local}, full_resync_every=10, use_deltas=True)
+
+        def pull_both(version):
+            assert remote_puller.poll() == 1 and local_puller.poll() == 1
+            deadline = time.time() + 60
+            while not any(r["version"] == version for r in remote_puller.history) and time.time() < deadline:
+                time.sleep(0.05)
+                remote_puller.poll()  # takes the engine process's records
+            return [r for r in remote_puller.history if r["version"] == version][0]
+
+        first = pull_both(2)
+        assert first["mode"] == "full" and first["in_engine_process"]
+        sd3 = {k: t + 1e-2 * (torch.rand(t.shape) < 0.05) for k, t in sds[-1].items()}
+        store.publish("p", 3, sd3, meta={"layout": "hf"})
+        write_version_delta(tmp_path, "p", 2, 3, sds[-1], sd3)
+        rec = pull_both(3)
+        assert rec["mode"] == "delta" and 0 < rec["delta_density"] < 1 and rec["load_s"] >= 0
+        assert local_puller.history[-1]["mode"] == "delta"
+        prompts = [proc.tokenizer(p)["input_ids"] for p in ("1+2=", "12+34=", "7+88=")]
+
+        async def gen(engine):
+            return await asyncio.gather(*[engine.generate(p, SamplingParams(max_new_tokens=8, greedy=True))
+                                          for p in prompts])
+
+        for a, b in zip(asyncio.run(gen(proc)), asyncio.run(gen(local))):
+            assert a.tokens.tolist() == b.tokens.tolist() and set(a.versions.tolist()) == {3}
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    finally:
+        proc.close()
