@@ -40,6 +40,7 @@ close and exits at once: it holds nothing that needs saving.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import multiprocessing
@@ -87,7 +88,9 @@ class ProcessEngine:
         self._stats_before = dict.fromkeys(STAT_KEYS, 0.0)  # summed over earlier engine processes
         #: engine processes started after the first died (``restart``)
         self.restarts = 0
-        self._load_records: list[dict[str, Any]] = []  # ("loaded", record) replies not yet taken
+        #: ("loaded", record) replies not yet taken (appended by the reader thread; a deque's
+        #: append and popleft are atomic)
+        self._load_records: collections.deque[dict[str, Any]] = collections.deque(maxlen=1000)
         self._dead: str | None = None
         self._spawn(version)
 
@@ -185,7 +188,9 @@ class ProcessEngine:
 
     def take_load_records(self) -> list[dict[str, Any]]:
         """The engine process's records of the versions it read since the last call."""
-        records, self._load_records = self._load_records, []
+        records = []
+        while self._load_records:
+            records.append(self._load_records.popleft())
         return records
 
     def stats(self) -> dict[str, float]:
