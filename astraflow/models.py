@@ -179,11 +179,9 @@ def warn_if_bf16_is_emulated(device: torch.device, setting: str) -> None:
     config field to change."""
     if device.type != "cpu":
         return
-    try:
-        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a torch build without oneDNN: no native bf16 either
-        native = False
-    if not native:
+    # (torch.ops.mkldnn._is_mkldnn_bf16_supported() is true on any AVX512 CPU, emulating or not)
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if not any(probe is not None and probe() for probe in probes):
         import logging
 
         logging.getLogger("astraflow").warning(

@@ -105,7 +105,9 @@ class HFEngine:
         if dtype not in DTYPES:
             raise ValueError(f"HFEngine: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.dtype = dtype
-        self.model.to(self.device, dtype=DTYPES[dtype])
+        self.model.to(self.device)
+        for p in self.model.parameters():  # the weights only: float buffers (RoPE's inverse
+            p.data = p.data.to(DTYPES[dtype])  # frequencies) stay fp32, or long positions drift
         if dtype == "bf16":
             warn_if_bf16_is_emulated(self.device, "rollout.engine.dtype")
         self.model.eval()

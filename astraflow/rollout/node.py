@@ -162,7 +162,7 @@ class RaaSNode:
             "tokens_per_s": self.counters["tokens"] / elapsed,
             "trajectories_per_s": self.counters["episodes"] / elapsed,
             "engine": stats,
-            "weight_sync": self.puller.history[-5:] if hasattr(self, "puller") else [],
+            "weight_sync": self.puller.recent(5) if hasattr(self, "puller") else [],
         }
 
     # ------------------------------------------------------------------ the loop

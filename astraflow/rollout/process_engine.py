@@ -183,8 +183,12 @@ class ProcessEngine:
         there (e.g. retention removed the version first), the engine keeps its weights,
         ``version`` falls back to theirs and the failure is logged, so the node's next poll
         tries the newest version again."""
-        self._send(("load", str(weights_root), policy, int(version), bool(use_deltas), int(full_resync_every)))
-        self.version = int(version)
+        before, self.version = self.version, int(version)  # before the send: a fast load_failed resets it
+        try:
+            self._send(("load", str(weights_root), policy, int(version), bool(use_deltas), int(full_resync_every)))
+        except BaseException:
+            self.version = before
+            raise
 
     def take_load_records(self) -> list[dict[str, Any]]:
         """The engine process's records of the versions it read since the last call."""

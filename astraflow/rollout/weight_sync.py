@@ -87,7 +87,22 @@ class WeightPuller:
         #: one record per load: policy, version, mode, load_s, commit_to_serving_s (and the
         #: delta's statistics); ``in_engine_process`` for a read done by the engine's process
         self.history: list[dict[str, Any]] = []
+        #: the version last handed to each in-process engine: one that arrives mid-batch waits
+        #: there as a pending swap while ``engine.version`` still names the old one
+        self._handed: dict[str, int] = {}
         self._lock = threading.Lock()  # the watcher and an explicit refresh may poll at once
+
+    def recent(self, n: int = 5) -> list[dict[str, Any]]:
+        """The last ``n`` load records (engine processes' records included as they arrive)."""
+        with self._lock:
+            self._take_engine_records()
+            return self.history[-n:]
+
+    def _take_engine_records(self) -> None:
+        for engine in self.engines.values():
+            if hasattr(engine, "take_load_records"):
+                self.history.extend(engine.take_load_records())
+        del self.history[:-100]  # the node reports the last few; keep memory flat on long runs
 
     def poll(self) -> int:
         """Load the latest committed version of every policy that has a newer one; returns how
@@ -97,11 +112,10 @@ class WeightPuller:
 
     def _poll(self) -> int:
         loaded = 0
+        self._take_engine_records()
         for policy, engine in self.engines.items():
-            if hasattr(engine, "take_load_records"):
-                self.history.extend(engine.take_load_records())
             latest = self.store.latest(policy)
-            if latest is None or latest.version <= engine.version:
+            if latest is None or latest.version <= max(engine.version, self._handed.get(policy, -1)):
                 continue
             if hasattr(engine, "load_version"):
                 # an engine in its own process reads the version itself: nothing to copy here
@@ -112,8 +126,8 @@ class WeightPuller:
             t0 = time.time()
             state, record = self.reader.read(policy, latest.version)
             engine.load_weights(state, latest.version)
+            self._handed[policy] = latest.version
             now = time.time()
             self.history.append({**record, "load_s": now - t0, "commit_to_serving_s": now - record["committed_at"]})
             loaded += 1
-        del self.history[:-100]  # the node reports the last few; keep memory flat on long runs
         return loaded

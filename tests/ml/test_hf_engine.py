@@ -141,6 +141,8 @@ def test_bf16_engine_samples_from_bf16_weights_and_casts_published_fp32_ones(tin
 
     eng = HFEngine(tiny_dir, seed=1, dtype="bf16")
     assert all(p.dtype == torch.bfloat16 for p in eng.model.parameters())
+    buffers = {n: b.dtype for n, b in eng.model.named_buffers() if b.is_floating_point()}
+    assert any("inv_freq" in n for n in buffers) and set(buffers.values()) == {torch.float32}  # exact RoPE angles
     prompts = _prompts(eng.tokenizer)
     gens = _gather(eng, prompts, SamplingParams(max_new_tokens=12, temperature=1.3))
     fp32, _ = load_model(tiny_dir)
@@ -167,11 +169,12 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_and_names_the_setting(monkeypat
     from astraflow.models import warn_if_bf16_is_emulated
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     with caplog.at_level("WARNING", logger="astraflow"):
         warn_if_bf16_is_emulated(cpu, "rollout.engine.dtype")
     assert caplog.records == []
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)  # e.g. a Skylake: AVX512 only
     with caplog.at_level("WARNING", logger="astraflow"):
         warn_if_bf16_is_emulated(cpu, "rollout.engine.dtype")
         warn_if_bf16_is_emulated(torch.device("cuda"), "rollout.engine.dtype")  # GPUs: not this check

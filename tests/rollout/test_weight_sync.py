@@ -93,6 +93,7 @@ def test_an_engine_process_applies_deltas_itself(tiny_model, tmp_path, monkeypat
         raise AssertionError("the weights went through the pipe")
 
     monkeypatch.setattr(ProcessEngine, "load_weights", no_pipe_copy)
+    torch.set_num_threads(1)  # as the engine process: the same kernels, the same greedy tokens
     store, sds = _versions(tiny_model, tmp_path)
     proc = ProcessEngine(str(tiny_model), max_batch_size=8, seed=0, device="cpu", version=-1)
     try:
@@ -110,7 +111,8 @@ def test_an_engine_process_applies_deltas_itself(tiny_model, tmp_path, monkeypat
 
         first = pull_both(2)
         assert first["mode"] == "full" and first["in_engine_process"]
-        sd3 = {k: t + 1e-2 * (torch.rand(t.shape) < 0.05) for k, t in sds[-1].items()}
+        g = torch.Generator().manual_seed(3)
+        sd3 = {k: t + 1e-2 * (torch.rand(t.shape, generator=g) < 0.05) for k, t in sds[-1].items()}
         store.publish("p", 3, sd3, meta={"layout": "hf"})
         write_version_delta(tmp_path, "p", 2, 3, sds[-1], sd3)
         rec = pull_both(3)
@@ -127,3 +129,24 @@ def test_an_engine_process_applies_deltas_itself(tiny_model, tmp_path, monkeypat
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
     finally:
         proc.close()
+
+
+def test_a_swap_pending_in_a_decoding_engine_is_not_read_again(tiny_model, tmp_path):
+    """A version handed to an in-process engine while it decodes waits there as a pending swap
+    (``engine.version`` still names the old one): the next poll does not read it again (with
+    deltas that read would find nothing to apply), and the swap lands when the batch ends."""
+    store, sds = _versions(tiny_model, tmp_path)
+    engine = HFEngine(str(tiny_model), version=-1)
+    puller = WeightPuller(str(tmp_path), {"p": engine}, full_resync_every=10, use_deltas=True)
+    assert puller.poll() == 1 and engine.version == 2
+    engine._decoding = True  # as between two decoding steps of a batch
+    sd3 = {k: t * 1.01 for k, t in sds[-1].items()}
+    store.publish("p", 3, sd3, meta={"layout": "hf"})
+    write_version_delta(tmp_path, "p", 2, 3, sds[-1], sd3)
+    assert puller.poll() == 1 and engine.version == 2  # handed over, pending
+    assert puller.poll() == 0 and [r["version"] for r in puller.history] == [2, 3]
+    engine._decoding = False
+    served = _served(engine)  # the batch ended: the pending swap applies
+    assert engine.version == 3
+    for k, t in sd3.items():
+        assert torch.equal(served[k], t.to(torch.bfloat16).to(served[k].dtype)), k
