@@ -77,7 +77,7 @@ class HFEngine:
     the KV cache and sampling live there, finished tokens come back to the host once per step.
     ``dtype`` is ``fp32`` or ``bf16``: the weights and the forward passes (the logits are cast
     to fp32 for sampling and log-probs); published fp32 weights are cast on load. bf16 decodes
-    the main example's batches 1.7x faster on a CPU with native bf16 (AVX512-BF16/AMX;
+    the main example's batches 1.6-1.7x faster on a CPU with native bf16 (AVX512-BF16/AMX;
     ``benchmarks/engine_dtype.py``); on GPUs bf16 is the usual engine dtype.
     """
 
