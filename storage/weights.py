@@ -453,7 +453,9 @@ class WeightStore:
                 table[k] = {"kind": "bytes"}
         return table
 
-    def _delta_from(self, policy: str, version: int) -> int | None:
+    def delta_from(self, policy: str, version: int) -> int | None:
+        """The newest version a committed sparse delta to ``version`` starts from (``None``: no
+        delta); ``WeightVersion.delta_from`` without reading the manifest."""
         try:
             names = os.listdir(paths.deltas_root(self.root, policy))
         except FileNotFoundError:
@@ -468,7 +470,7 @@ class WeightStore:
             version=version,
             manifest_path=str(paths.manifest_file(self.root, policy, version)),
             has_full=True,
-            delta_from=self._delta_from(policy, version),
+            delta_from=self.delta_from(policy, version),
             checksums={k: v["sha256"] for k, v in manifest["files"].items()},
             committed_at=float(manifest["committed_at"]),
         )

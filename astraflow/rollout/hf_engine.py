@@ -52,7 +52,7 @@ import torch
 from astraflow.rollout.engine import SWAP_MIN_REMAINING, Generation, SamplingParams
 
 #: ``HFEngine(dtype=...)``: the engine's weights and compute
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = ("fp32", "bf16")
 
 
 @dataclass(eq=False)
@@ -106,9 +106,9 @@ class HFEngine:
             raise ValueError(f"HFEngine: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.dtype = dtype
         self.model.to(self.device)
-        for p in self.model.parameters():  # the weights only: float buffers (RoPE's inverse
-            p.data = p.data.to(DTYPES[dtype])  # frequencies) stay fp32, or long positions drift
         if dtype == "bf16":
+            for p in self.model.parameters():  # the weights only: float buffers (RoPE's inverse
+                p.data = p.data.to(torch.bfloat16)  # frequencies) stay fp32, or long positions drift
             warn_if_bf16_is_emulated(self.device, "rollout.engine.dtype")
         self.model.eval()
         if max_batch_size < 1:

@@ -353,15 +353,12 @@ async def _serve(conn, engine) -> None:
                 key = (root, use_deltas, every)
                 if key not in readers:
                     readers[key] = VersionReader(root, use_deltas, every)
-                t0 = time.time()
                 try:
                     state, record = readers[key].read(policy, version)
                 except Exception as err:  # keep serving the current weights; the node retries
                     send(("load_failed", version, f"{type(err).__name__}: {err}", engine.version))
                     continue
-                now = time.time()
-                send(("loaded", {**record, "in_engine_process": True, "load_s": now - t0,
-                                 "commit_to_serving_s": now - record["committed_at"]}))
+                send(("loaded", {**record, "in_engine_process": True}))
                 msg = ("weights", version, state)
             loop.call_soon_threadsafe(handle, msg)
             if msg[0] == "close":

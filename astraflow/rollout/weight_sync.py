@@ -38,14 +38,17 @@ class VersionReader:
 
     def read(self, policy: str, version: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """``(state_dict, record)``: the version's tensors and how they were read (``mode``
-        ``full``/``delta``, delta statistics or the reason a delta was not used,
-        ``committed_at``)."""
+        ``full``/``delta``, delta statistics or the reason a delta was not used, ``load_s``,
+        ``commit_to_serving_s`` as of the end of the read)."""
+        t0 = time.time()
         with self.store.hold(policy, version):
-            rec = self.store.get(policy, version)
-            state, mode, extra = self._fetch(policy, version, rec.delta_from)
-            meta = self.store.manifest(policy, version).get("meta", {})
-        return to_hf_state_dict(state, meta), {"policy": policy, "version": version, "mode": mode,
-                                               "committed_at": rec.committed_at, **extra}
+            manifest = self.store.manifest(policy, version)
+            delta_from = self.store.delta_from(policy, version) if self.use_deltas else None
+            state, mode, extra = self._fetch(policy, version, delta_from)
+        now = time.time()
+        return to_hf_state_dict(state, manifest.get("meta", {})), {
+            "policy": policy, "version": version, "mode": mode, "load_s": now - t0,
+            "commit_to_serving_s": now - float(manifest["committed_at"]), **extra}
 
     def _fetch(self, policy: str, version: int, delta_from: int | None) -> tuple[dict, str, dict]:
         """The tensors of ``version``: full shards, or the held version plus a delta."""
@@ -123,11 +126,9 @@ class WeightPuller:
                                     full_resync_every=self.full_resync_every)
                 loaded += 1
                 continue
-            t0 = time.time()
             state, record = self.reader.read(policy, latest.version)
             engine.load_weights(state, latest.version)
             self._handed[policy] = latest.version
-            now = time.time()
-            self.history.append({**record, "load_s": now - t0, "commit_to_serving_s": now - record["committed_at"]})
+            self.history.append(record)
             loaded += 1
         return loaded
