@@ -85,7 +85,7 @@ def model() -> None:
 def model_init(out: str, preset: str, arch: str, seed: int, warm_start_seconds: float, warm_start_steps: int | None,
                warm_start_lr: float) -> None:
     """Build a tiny Qwen2/Llama model with a local byte-level tokenizer into OUT (HF format)."""
-    from astraflow.config import ModelInit
+    from astraflow.training.config import ModelInit
     from astraflow.runtime.launch import build_model
 
     if Path(out).exists() and any(Path(out).iterdir()):

@@ -7,7 +7,8 @@ an inconsistent record is a bug in its writer and fails loudly where it is made,
 components later.
 
 Per-token arrays are numpy arrays (not lists) so that a batch of thousands of sequences costs
-one pickle of a few buffers when it crosses a Dask actor call.
+one pickle of a few buffers when it crosses a Dask actor call (``astraflow.transport`` owns that
+wire format).
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ from storage.weights import WeightVersion  # noqa: F401  (re-exported: the weigh
 
 TaskKind = Literal["train", "eval"]
 FinishReason = Literal["stop", "length", "abort"]
+
+# Throughput names. Each means one thing wherever it appears (a node's stats, the data layer's
+# metrics, ``status``, the dashboard, metrics.jsonl):
+#   episodes_per_s          trajectories (episodes) completed per second
+#   sequences_per_s         stored sequences per second (an episode stores one per model turn)
+#   generated_tokens_per_s  tokens a policy sampled (loss mask 1) per second; prompt, tool and
+#                           environment tokens are not counted
+# A *step* is one optimiser update of a trainer; a *version* is a published weight version.
+# A trainer at step n has published version n (version 0: the initial weights).
 
 #: value of ``Sequence.policy_ids`` / ``Sequence.versions`` on tokens no policy generated (prompt,
 #: tool output, environment feedback).
@@ -44,7 +54,7 @@ class RolloutTask:
     #: names of the policies this episode's workflow drives, in the order the workflow expects
     #: them (a single-policy workflow gets one). ``Sequence.policy_ids`` index into this tuple.
     policies: tuple[str, ...]
-    #: registered workflow name (``astraflow.workloads.workflows``), e.g. ``"math_single"``.
+    #: registered workflow name (``astraflow.rollout.workflows``), e.g. ``"math_single"``.
     workflow: str
     #: the workload payload, JSON-serialisable (for math: ``{"question": ..., "answer": ...}``).
     prompt: Mapping[str, Any]
@@ -254,25 +264,6 @@ class Trajectory:
             for i, s in enumerate(self.sequences)
         ]
 
-    @classmethod
-    def from_stored(cls, rows: list[StoredSequence]) -> "Trajectory":
-        """Rebuild a trajectory from all of its stored rows (any order)."""
-        rows = sorted(rows, key=lambda r: r.seq_index)
-        if not rows or len(rows) != rows[0].num_sequences:
-            raise ValueError("from_stored needs every row of one trajectory")
-        meta = json.loads(rows[0].meta)
-        return cls(
-            task_id=rows[0].task_id,
-            group_id=rows[0].group_id,
-            policies=tuple(meta["policies"]),
-            workflow=meta["workflow"],
-            kind=meta["kind"],
-            attempt=meta["attempt"],
-            sequences=tuple(sequence_from_stored(r) for r in rows),
-            provenance=Provenance(**meta["provenance"]),
-            score=meta.get("score"),
-        )
-
     def episode_score(self) -> float:
         """``score``, or the reward of the first policy's last sequence."""
         if self.score is not None:
@@ -377,20 +368,6 @@ class BatchItem:
         return (self.sequence.reward - self.group_mean) / (self.group_std + 1e-6)
 
 
-class Packed(list):
-    """A list that crosses a Dask actor call as one object.
-
-    Dask serialises a plain ``list`` argument or result element by element, each record its
-    own pickle and out-of-band frame with its own header (``distributed.protocol.serialize``
-    iterates lists); a ``complete`` of 60 trajectory refs was 60 frames. A list subclass is
-    pickled whole, in one frame, and arrives as a ``Packed``, which is a ``list``.
-    ``astraflow.runtime.actors.call`` packs plain list arguments; actor methods that return a
-    list of records return a ``Packed``."""
-
-    def __reduce__(self):
-        return (Packed, (list(self),))
-
-
 @dataclass(frozen=True, eq=False)
 class Batch:
     """A fixed-size batch of sequences for one policy. Written by the data layer's
@@ -405,58 +382,3 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.items)
-
-    def __reduce__(self):
-        # A batch crosses a Dask actor call once per trainer step. Pickled field by field it
-        # is ~5 small arrays per item, each its own out-of-band frame (640 frames, 14 ms to
-        # send 128 items); packed into one array per field it is a handful (about 1 ms).
-        return (_unpack_batch, _pack_batch(self))
-
-
-_SEQ_ARRAYS = {"tokens": np.int32, "loss_mask": bool, "logprobs": np.float32, "policy_ids": np.int16,
-               "versions": np.int32}
-
-
-def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
-    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.empty(0, dtype)
-
-
-def _pack_batch(batch: Batch) -> tuple:
-    items = batch.items
-    seqs = [it.sequence for it in items]
-    columns = {name: _concat([getattr(s, name) for s in seqs], dt) for name, dt in _SEQ_ARRAYS.items()}
-    columns["item_loss_mask"] = _concat([it.loss_mask for it in items], bool)
-    lengths = np.array([[len(s.tokens), len(it.loss_mask)] for s, it in zip(seqs, items)], np.int64).reshape(-1, 2)
-    floats = np.array([[it.sequence.reward, it.group_mean, it.group_std] for it in items], np.float64).reshape(-1, 3)
-    ints = np.array([[it.group_size, it.staleness, it.replayed] for it in items], np.int64).reshape(-1, 3)
-    small = [(it.task_id, s.finish_reason, dict(s.rewards)) for s, it in zip(seqs, items)]
-    return (batch.policy, batch.version, dict(batch.metrics), columns, lengths, floats, ints, small)
-
-
-def _restore(cls, fields: dict):
-    """An instance with these fields, without ``__init__``: what plain unpickling does (the
-    record was validated when its writer made it)."""
-    obj = object.__new__(cls)
-    obj.__dict__.update(fields)
-    return obj
-
-
-def _unpack_batch(policy, version, metrics, columns, lengths, floats, ints, small) -> Batch:
-    parts = {}
-    for name, arr in columns.items():
-        ends = np.cumsum(lengths[:, 1 if name == "item_loss_mask" else 0]).tolist()
-        parts[name] = [arr[a:b] for a, b in zip([0] + ends[:-1], ends)]
-    fl, it = floats.tolist(), ints.tolist()
-    items = []
-    for i, (task_id, finish, rewards) in enumerate(small):
-        seq = _restore(Sequence, {
-            "tokens": parts["tokens"][i], "loss_mask": parts["loss_mask"][i], "logprobs": parts["logprobs"][i],
-            "policy_ids": parts["policy_ids"][i], "versions": parts["versions"][i], "reward": fl[i][0],
-            "rewards": rewards, "finish_reason": finish,
-        })
-        items.append(_restore(BatchItem, {
-            "sequence": seq, "loss_mask": parts["item_loss_mask"][i], "group_mean": fl[i][1],
-            "group_std": fl[i][2], "group_size": it[i][0], "staleness": it[i][1], "task_id": task_id,
-            "replayed": bool(it[i][2]),
-        }))
-    return Batch(policy=policy, version=version, items=tuple(items), metrics=metrics)

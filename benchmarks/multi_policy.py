@@ -69,7 +69,11 @@ import psutil  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from astraflow.config import ModelInit, WorkloadConfig, config_from_dict  # noqa: E402
+from astraflow.config import config_from_dict  # noqa: E402
+
+from astraflow.training.config import ModelInit  # noqa: E402
+
+from astraflow.workloads.config import WorkloadConfig  # noqa: E402
 from astraflow.runtime.launch import build_model, launch  # noqa: E402
 
 

@@ -95,7 +95,9 @@ def system_workers(work: Path):
 
 def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int, capacity: int,
          max_batch: int, max_new: int, digits: int, seed: int, engine_process: bool = True) -> dict:
-    from astraflow.config import DataflowConfig, EngineConfig, EvalConfig, RolloutConfig, SamplingConfig, WorkloadConfig
+    from astraflow.dataflow.config import DataflowConfig
+    from astraflow.rollout.config import EngineConfig, RolloutConfig
+    from astraflow.workloads.config import EvalConfig, SamplingConfig, WorkloadConfig
     from astraflow.dataflow.layer import DataLayer
     from astraflow.rollout.node import NodeIdentity, RaaSNode
     from storage.weights import WeightStore

@@ -28,6 +28,14 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tests share 2 cores with the processes they start: one intra-op thread each."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def tiny_config(model: Path, **overrides):
     """The tiny example config pointed at ``model``, with ``section.key`` overrides."""
     from astraflow.config import config_from_dict, _set_path

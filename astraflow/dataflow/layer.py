@@ -23,7 +23,7 @@ Named asynchronous overlaps and their invariants:
   ``max_staleness`` versions behind the trainer's version is dropped and counted as ``stale``.
 
 Mixing of sources (datasets/workloads by weight, the ``mix`` workload): every group carries
-the source of its prompt (``payload["source"]``; a workload without ``source_weights()`` is
+the source of its prompt (``payload["source"]``; a single-source workload's ``source_weights()`` is
 one source ``""`` of weight 1, and everything below reduces to the single-source rules).
 
 * *before rollout*: each source has its own shuffled prompt order and its own rollout-ahead
@@ -53,8 +53,11 @@ from typing import Any
 
 import numpy as np
 
-from astraflow.config import DataflowConfig, WorkloadConfig
-from astraflow.contracts import BatchItem, Batch, Packed, RolloutTask, SequenceSummary, TrajectoryRef, sequence_from_stored
+from astraflow.dataflow.config import DataflowConfig
+
+from astraflow.workloads.config import WorkloadConfig
+from astraflow.contracts import BatchItem, Batch, RolloutTask, SequenceSummary, TrajectoryRef, sequence_from_stored
+from astraflow.transport import Packed
 from astraflow.dataflow import policies as P
 from astraflow.dataflow.ledger import TERMINAL, Ledger
 from astraflow.workloads.base import make_workload
@@ -150,10 +153,9 @@ class DataLayer:
         self._workload = make_workload(workload.name, workload.params, workload.seed)
         self._train = self._workload.tasks("train")
         self._eval = self._workload.tasks("eval")[: workload.eval.num_prompts]
-        weights = getattr(self._workload, "source_weights", None)
         #: source name -> weight; one source "" of weight 1 unless the workload is a mixture
-        self.source_weights: dict[str, float] = dict(weights()) if weights is not None else {"": 1.0}
-        self._mixing = weights is not None
+        self.source_weights: dict[str, float] = dict(self._workload.source_weights())
+        self._mixing = set(self.source_weights) != {""}
         #: source -> indices into ``self._train`` of its prompts
         self._by_source: dict[str, list[int]] = {s: [] for s in self.source_weights}
         for i, payload in enumerate(self._train):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 
-from astraflow.config import EngineConfig
+from astraflow.rollout.config import EngineConfig
 from astraflow.rollout.engine import InferenceEngine
 
 log = logging.getLogger("astraflow.rollout")

@@ -26,14 +26,17 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from astraflow.config import RolloutConfig, SamplingConfig
+from astraflow.rollout.config import RolloutConfig
+
+from astraflow.workloads.config import SamplingConfig
 from astraflow.contracts import Provenance, RolloutTask, Trajectory, TrajectoryRef
 from astraflow.rollout.engine import SamplingParams
 from astraflow.rollout.engines import make_engine
 from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.rollout.weight_sync import WeightPuller
-from astraflow.runtime.actors import bind, call
-from astraflow.workloads.base import make_workflow, make_workload
+from astraflow.transport import bind, call
+from astraflow.rollout.workflows import make_workflow
+from astraflow.workloads.base import make_workload
 from storage.trajectories import open_trajectory_store
 
 log = logging.getLogger("astraflow.rollout")

@@ -9,7 +9,11 @@ import tempfile
 import threading
 from pathlib import Path
 
-from astraflow.config import ModelInit, RunConfig, WorkloadConfig
+from astraflow.config import RunConfig
+
+from astraflow.training.config import ModelInit
+
+from astraflow.workloads.config import WorkloadConfig
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
 from astraflow.runtime.progress import Progress
 

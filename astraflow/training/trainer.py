@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from astraflow.config import TrainerConfig
-from astraflow.runtime.actors import bind, call_sync
+from astraflow.training.config import TrainerConfig
+from astraflow.transport import bind, call_sync
 from storage.weights import WeightStore, write_atomically
 
 log = logging.getLogger("astraflow.training")

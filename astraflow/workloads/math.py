@@ -171,3 +171,6 @@ class MathWorkload:
 
     def reward(self, completion: str, payload: Mapping[str, Any]) -> float:
         return math_reward(completion, payload["answer"])
+
+    def source_weights(self) -> dict[str, float]:
+        return {"": 1.0}

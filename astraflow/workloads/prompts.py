@@ -2,7 +2,7 @@
 
 They live apart from the workflows so that a module that must not import the rollout side
 (the warm start in ``astraflow.training``) can build exactly the prompts the workflows send.
-``astraflow.workloads.workflows`` re-exports them.
+``astraflow.rollout.workflows`` uses them.
 """
 
 from __future__ import annotations

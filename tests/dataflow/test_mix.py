@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from astraflow.config import ConfigError, DataflowConfig, EvalConfig, PolicySpec, WorkloadConfig, config_from_dict
+from astraflow.config import ConfigError, config_from_dict
+
+from astraflow.dataflow.config import DataflowConfig, PolicySpec
+
+from astraflow.workloads.config import EvalConfig, WorkloadConfig
 from astraflow.dataflow.layer import BatchTimeout, DataLayer
 from astraflow.workloads.base import WORKLOADS, make_workload
 from astraflow.workloads.math import format_prompt, make_dataset

@@ -10,12 +10,15 @@ import uuid
 import numpy as np
 import pytest
 
-from astraflow.config import DataflowConfig, EvalConfig, WorkloadConfig
+from astraflow.dataflow.config import DataflowConfig
+
+from astraflow.workloads.config import EvalConfig, WorkloadConfig
 from astraflow.contracts import NOT_GENERATED, Provenance, RolloutTask, Sequence, Trajectory
 from astraflow.dataflow.layer import BatchTimeout, DataLayer
 from astraflow.rollout.engine import SamplingParams
-from astraflow.workloads.base import WORKFLOWS, make_workload
-from astraflow.workloads.workflows import _Base, turn_sequence
+from astraflow.rollout.workflows import WORKFLOWS
+from astraflow.workloads.base import make_workload
+from astraflow.rollout.workflows import _Base, turn_sequence
 
 from tests.dataflow.helpers import store_and_ref
 

@@ -9,7 +9,9 @@ import uuid
 
 import pytest
 
-from astraflow.config import DataflowConfig, EvalConfig, PolicySpec, WorkloadConfig
+from astraflow.dataflow.config import DataflowConfig, PolicySpec
+
+from astraflow.workloads.config import EvalConfig, WorkloadConfig
 from astraflow.dataflow import policies as P
 from astraflow.dataflow.layer import DataLayer
 

@@ -14,7 +14,9 @@ import time
 
 import pytest
 
-from astraflow.config import RolloutConfig, SamplingConfig
+from astraflow.rollout.config import RolloutConfig
+
+from astraflow.workloads.config import SamplingConfig
 from astraflow.contracts import RolloutTask
 from astraflow.rollout.node import NodeIdentity, RaaSNode
 from astraflow.rollout.process_engine import EngineProcessError
@@ -148,7 +150,8 @@ class _DeadEngine:
 def test_a_dead_engine_process_stops_the_node_leasing(tmp_path, tiny_model):
     """A node whose engine process died fails the episode it was running and stops leasing, so
     the data layer hands the tasks to other nodes instead of this node failing them all."""
-    from astraflow.workloads.base import make_workflow, make_workload
+    from astraflow.rollout.workflows import make_workflow
+    from astraflow.workloads.base import make_workload
     from astraflow.rollout.engine import SamplingParams
 
     node, dl = _node(tmp_path)
@@ -185,7 +188,8 @@ def test_a_node_restarts_a_dead_engine_process_with_the_newest_weights(tmp_path,
     from astraflow.models import load_model
     from astraflow.rollout.process_engine import ProcessEngine
     from astraflow.rollout.weight_sync import WeightPuller
-    from astraflow.workloads.base import make_workflow, make_workload
+    from astraflow.rollout.workflows import make_workflow
+    from astraflow.workloads.base import make_workload
     from astraflow.rollout.engine import SamplingParams
     from storage.weights import WeightStore
 

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from astraflow.config import DataflowConfig, EvalConfig, WorkloadConfig
+from astraflow.dataflow.config import DataflowConfig
+
+from astraflow.workloads.config import EvalConfig, WorkloadConfig
 from astraflow.contracts import NOT_GENERATED, Provenance, Sequence, Trajectory, TrajectoryRef
 from astraflow.dataflow.layer import BatchTimeout, DataLayer
 from astraflow.rollout.engine import SamplingParams

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from astraflow.workloads.base import WORKFLOWS
-from astraflow.workloads.workflows import SingleTurn
+from astraflow.rollout.workflows import WORKFLOWS, SingleTurn
 
 DELAY_S = 0.5
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from astraflow.config import TrainerConfig
+from astraflow.training.config import TrainerConfig
 from astraflow.training.grpo import grpo_loss, m2_keep_mask
 
 

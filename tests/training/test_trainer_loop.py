@@ -14,12 +14,12 @@ import time
 
 import torch
 
-from astraflow.config import TrainerConfig
+from astraflow.training.config import TrainerConfig
 from astraflow.contracts import Batch
 from astraflow.training.torch_backend import TorchBackend
 from astraflow.training.trainer import Trainer
 from storage.weights import WeightStore
-from tests.ml.test_torch_backend import _batch
+from tests.training.test_torch_backend import _batch
 
 
 def _done(value=None):
@@ -55,15 +55,15 @@ class _DataLayer:
         return _done()
 
 
-def _trainer(tmp_path, tiny_dir, dl, max_steps):
-    return Trainer(policy="p", cfg=TrainerConfig(lr=1e-3), model_path=tiny_dir,
+def _trainer(tmp_path, tiny_model, dl, max_steps):
+    return Trainer(policy="p", cfg=TrainerConfig(lr=1e-3), model_path=tiny_model,
                    weights_root=str(tmp_path / "weights"), keep_versions=max_steps + 1, data_layer=dl,
                    max_steps=max_steps)
 
 
-def test_background_publish_commits_every_step_in_order(tmp_path, tiny_dir):
+def test_background_publish_commits_every_step_in_order(tmp_path, tiny_model):
     steps = 4
-    ref = TorchBackend(tiny_dir, lr=1e-3)
+    ref = TorchBackend(tiny_model, lr=1e-3)
     batch = _batch(ref.model, ref.tokenizer)
     expected = []  # the weights after each step, trained the plain way
     for _ in range(steps):
@@ -71,7 +71,7 @@ def test_background_publish_commits_every_step_in_order(tmp_path, tiny_dir):
         expected.append(ref.snapshot())
 
     dl = _DataLayer(batch)
-    tr = _trainer(tmp_path, tiny_dir, dl, steps)
+    tr = _trainer(tmp_path, tiny_model, dl, steps)
     assert tr.start() == 0
     deadline = time.time() + 120
     while not tr.state()["done"] and tr.state()["error"] is None and time.time() < deadline:
@@ -95,10 +95,10 @@ def test_background_publish_commits_every_step_in_order(tmp_path, tiny_dir):
             assert torch.equal(got[name], want), (v, name)
 
 
-def test_a_failed_publish_stops_the_trainer_with_the_error(tmp_path, tiny_dir, monkeypatch):
-    ref = TorchBackend(tiny_dir, lr=1e-3)
+def test_a_failed_publish_stops_the_trainer_with_the_error(tmp_path, tiny_model, monkeypatch):
+    ref = TorchBackend(tiny_model, lr=1e-3)
     dl = _DataLayer(_batch(ref.model, ref.tokenizer))
-    tr = _trainer(tmp_path, tiny_dir, dl, 5)
+    tr = _trainer(tmp_path, tiny_model, dl, 5)
     tr.start(run_loop=False)
     calls = []
 
@@ -125,12 +125,12 @@ class _NoData(_DataLayer):
         return fut
 
 
-def test_stop_ends_a_wait_for_a_batch_that_will_not_come(tmp_path, tiny_dir):
+def test_stop_ends_a_wait_for_a_batch_that_will_not_come(tmp_path, tiny_model):
     """Ctrl-C after the nodes stopped: the trainer waits for a batch in short calls, so its
     thread ends within stop()'s join, long before ``batch_timeout_s`` (600 s); not an error."""
-    ref = TorchBackend(tiny_dir, lr=1e-3)
+    ref = TorchBackend(tiny_model, lr=1e-3)
     dl = _NoData(_batch(ref.model, ref.tokenizer))
-    tr = _trainer(tmp_path, tiny_dir, dl, 3)
+    tr = _trainer(tmp_path, tiny_model, dl, 3)
     tr.start()
     time.sleep(1.0)
     st = tr.stop(timeout=30)
@@ -152,13 +152,13 @@ class _DataThenNone(_NoData):
         return super().next_batch(policy, version, timeout)
 
 
-def test_optimiser_state_is_saved_periodically_and_at_stop_and_resumed(tmp_path, tiny_dir):
-    ref = TorchBackend(tiny_dir, lr=1e-3)
+def test_optimiser_state_is_saved_periodically_and_at_stop_and_resumed(tmp_path, tiny_model):
+    ref = TorchBackend(tiny_model, lr=1e-3)
     batch = _batch(ref.model, ref.tokenizer)
     path = tmp_path / "trainer_state" / "p" / "optimizer.pt"
 
     def trainer(dl):
-        return Trainer(policy="p", cfg=TrainerConfig(lr=1e-3, optimizer_checkpoint_every=2), model_path=tiny_dir,
+        return Trainer(policy="p", cfg=TrainerConfig(lr=1e-3, optimizer_checkpoint_every=2), model_path=tiny_model,
                        weights_root=str(tmp_path / "weights"), keep_versions=10, data_layer=dl, max_steps=10,
                        optimizer_path=str(path))
 

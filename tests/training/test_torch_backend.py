@@ -39,8 +39,8 @@ def _seq_logprob(model, seq):
     return float(lp[seq.loss_mask].sum())
 
 
-def test_train_step_moves_probability_towards_rewarded(tiny_dir):
-    be = TorchBackend(tiny_dir, lr=3e-3)
+def test_train_step_moves_probability_towards_rewarded(tiny_model):
+    be = TorchBackend(tiny_model, lr=3e-3)
     batch = _batch(be.model, be.tokenizer)
     good, bad = batch.items[0].sequence, batch.items[1].sequence
     g0, b0 = _seq_logprob(be.model, good), _seq_logprob(be.model, bad)
@@ -53,9 +53,9 @@ def test_train_step_moves_probability_towards_rewarded(tiny_dir):
     assert _seq_logprob(be.model, bad) < b0 - 0.1
 
 
-def test_micro_batching_is_the_same_step(tiny_dir):
-    a = TorchBackend(tiny_dir, lr=1e-3)
-    b = TorchBackend(tiny_dir, lr=1e-3, micro_batch_size=1)
+def test_micro_batching_is_the_same_step(tiny_model):
+    a = TorchBackend(tiny_model, lr=1e-3)
+    b = TorchBackend(tiny_model, lr=1e-3, micro_batch_size=1)
     batch = _batch(a.model, a.tokenizer)
     sa, sb = a.train_step(batch), b.train_step(batch)
     assert abs(sa["loss"] - sb["loss"]) < 1e-5
@@ -83,10 +83,10 @@ class _DirStore:
         return WeightVersion(policy=policy, version=version, manifest_path=str(d / "manifest.json"))
 
 
-def test_publish_roundtrip_into_engine(tiny_dir, tmp_path):
+def test_publish_roundtrip_into_engine(tiny_model, tmp_path):
     from astraflow.rollout.hf_engine import HFEngine
 
-    be = TorchBackend(tiny_dir, lr=3e-3)
+    be = TorchBackend(tiny_model, lr=3e-3)
     be.train_step(_batch(be.model, be.tokenizer))
     real = getattr(weights_mod, "WeightStore", None)
     store = real(tmp_path / "ws") if real is not None else _DirStore(tmp_path)
@@ -98,25 +98,25 @@ def test_publish_roundtrip_into_engine(tiny_dir, tmp_path):
         sd = load_file(str(tmp_path / "p" / "v1" / "model.safetensors"))
         meta = json.loads((tmp_path / "p" / "v1" / "manifest.json").read_text())["meta"]
         assert meta["layout"] == "hf"
-        eng = HFEngine(tiny_dir)
+        eng = HFEngine(tiny_model)
         eng.load_weights(sd, 1)
         for k, v in be.state_dict().items():
             assert torch.equal(eng.model.state_dict()[k], v), k
 
 
-def test_bad_settings(tiny_dir):
+def test_bad_settings(tiny_model):
     with pytest.raises(ValueError, match="lr"):
-        TorchBackend(tiny_dir, lr=0)
+        TorchBackend(tiny_model, lr=0)
     with pytest.raises(ValueError, match="micro_batch_size"):
-        TorchBackend(tiny_dir, micro_batch_size=0)
+        TorchBackend(tiny_model, micro_batch_size=0)
 
 
 @pytest.mark.parametrize("off_policy", ["ppo_clip", "tis"])
-def test_skipping_zero_advantage_sequences_is_the_same_step(tiny_dir, off_policy):
+def test_skipping_zero_advantage_sequences_is_the_same_step(tiny_model, off_policy):
     """A group that scored alike has advantage 0: skipping its forward/backward gives the same
     loss, gradient and weights as computing it (the loss is still normalised by every token)."""
-    full = TorchBackend(tiny_dir, lr=1e-3, off_policy=off_policy, skip_zero_advantage=False)
-    skip = TorchBackend(tiny_dir, lr=1e-3, off_policy=off_policy)
+    full = TorchBackend(tiny_model, lr=1e-3, off_policy=off_policy, skip_zero_advantage=False)
+    skip = TorchBackend(tiny_model, lr=1e-3, off_policy=off_policy)
     learning = _batch(full.model, full.tokenizer)
     alike = _batch(full.model, full.tokenizer, rewards=(1.0, 1.0, 1.0, 1.0))
     alike = tuple(replace(it, task_id=f"h/{i}") for i, it in enumerate(alike.items))
@@ -130,11 +130,11 @@ def test_skipping_zero_advantage_sequences_is_the_same_step(tiny_dir, off_policy
         assert torch.allclose(pa, pb, atol=1e-6), name
 
 
-def test_a_batch_without_signal_still_steps_the_optimiser(tiny_dir):
+def test_a_batch_without_signal_still_steps_the_optimiser(tiny_model):
     """All advantages 0: nothing is computed, and the optimiser steps on a zero gradient exactly
     as it would have after computing one (AdamW's moments carry on)."""
-    full = TorchBackend(tiny_dir, lr=1e-3, skip_zero_advantage=False)
-    skip = TorchBackend(tiny_dir, lr=1e-3)
+    full = TorchBackend(tiny_model, lr=1e-3, skip_zero_advantage=False)
+    skip = TorchBackend(tiny_model, lr=1e-3)
     signal = _batch(full.model, full.tokenizer)
     flat = _batch(full.model, full.tokenizer, rewards=(0.0, 0.0, 0.0, 0.0))
     for batch in (signal, flat, flat):
@@ -145,17 +145,17 @@ def test_a_batch_without_signal_still_steps_the_optimiser(tiny_dir):
         assert torch.allclose(pa, pb, atol=1e-6), name
 
 
-def test_resuming_with_the_saved_optimiser_state_is_the_same_step(tiny_dir, tmp_path):
+def test_resuming_with_the_saved_optimiser_state_is_the_same_step(tiny_model, tmp_path):
     """Weights + optimiser state saved after two steps and loaded into a new backend: its
     third step is the uninterrupted backend's; with fresh moments it is not. The saved ``lr``
     does not override the resumed backend's own."""
-    ref = TorchBackend(tiny_dir, lr=1e-3)
+    ref = TorchBackend(tiny_model, lr=1e-3)
     batch = _batch(ref.model, ref.tokenizer)
     for _ in range(2):
         ref.train_step(batch)
     torch.save(ref.optimizer_state(), tmp_path / "opt.pt")
     weights = ref.snapshot()
-    resumed, fresh = TorchBackend(tiny_dir, lr=1e-3), TorchBackend(tiny_dir, lr=1e-3)
+    resumed, fresh = TorchBackend(tiny_model, lr=1e-3), TorchBackend(tiny_model, lr=1e-3)
     for be in (resumed, fresh):
         be.load_state_dict(weights)
     resumed.load_optimizer_state(torch.load(tmp_path / "opt.pt", weights_only=True))
@@ -164,18 +164,18 @@ def test_resuming_with_the_saved_optimiser_state_is_the_same_step(tiny_dir, tmp_
     after = ref.state_dict()
     assert all(torch.equal(after[k], v) for k, v in resumed.state_dict().items())
     assert not all(torch.allclose(after[k], v) for k, v in fresh.state_dict().items())
-    other = TorchBackend(tiny_dir, lr=5e-4)
+    other = TorchBackend(tiny_model, lr=5e-4)
     other.load_optimizer_state(torch.load(tmp_path / "opt.pt", weights_only=True))
     assert other.optimizer.param_groups[0]["lr"] == 5e-4
     assert other.optimizer.state_dict()["state"][0]["step"] == 2
 
 
-def test_bf16_autocast_trains_in_the_same_direction_with_fp32_state(tiny_dir):
+def test_bf16_autocast_trains_in_the_same_direction_with_fp32_state(tiny_model):
     """``precision="bf16"``: the forward/backward runs under bf16 autocast; the weights, their
     gradients and the optimiser state stay fp32; on-policy the ratio is 1 up to bf16 rounding,
     and the step moves probability towards the rewarded completions like the fp32 one."""
-    fp32 = TorchBackend(tiny_dir, lr=3e-3)
-    bf16 = TorchBackend(tiny_dir, lr=3e-3, precision="bf16")
+    fp32 = TorchBackend(tiny_model, lr=3e-3)
+    bf16 = TorchBackend(tiny_model, lr=3e-3, precision="bf16")
     batch = _batch(fp32.model, fp32.tokenizer)
     good, bad = batch.items[0].sequence, batch.items[1].sequence
     g0, b0 = _seq_logprob(bf16.model, good), _seq_logprob(bf16.model, bad)
@@ -193,11 +193,11 @@ def test_bf16_autocast_trains_in_the_same_direction_with_fp32_state(tiny_dir):
     assert _seq_logprob(bf16.model, good) > g0 + 0.1
     assert _seq_logprob(bf16.model, bad) < b0 - 0.1
     with pytest.raises(ValueError, match="precision"):
-        TorchBackend(tiny_dir, precision="fp16")
+        TorchBackend(tiny_model, precision="fp16")
 
 
 def test_bf16_is_a_torch_backend_option():
-    from astraflow.config import TrainerConfig
+    from astraflow.training.config import TrainerConfig
 
     assert TrainerConfig(precision="bf16").precision == "bf16"
     with pytest.raises(ValueError, match="trainer.precision"):

@@ -29,8 +29,8 @@ def _teacher_forced(model, prompt, completion):
     return logp[0, len(prompt) - 1 : -1].gather(-1, full[0, len(prompt):, None])[:, 0].cpu().numpy()
 
 
-def test_logprobs_match_teacher_forcing(tiny_dir):
-    eng = HFEngine(tiny_dir, seed=1)
+def test_logprobs_match_teacher_forcing(tiny_model):
+    eng = HFEngine(tiny_model, seed=1)
     prompts = _prompts(eng.tokenizer)
     gens = _gather(eng, prompts, SamplingParams(max_new_tokens=12, temperature=1.3))
     assert eng.stats()["batches"] == 1  # all concurrent requests went into one batch
@@ -42,13 +42,13 @@ def test_logprobs_match_teacher_forcing(tiny_dir):
         assert g.finish_reason in ("stop", "length")
 
 
-def test_greedy_equals_hf_generate_and_batching_is_invisible(tiny_dir):
-    eng = HFEngine(tiny_dir)
+def test_greedy_equals_hf_generate_and_batching_is_invisible(tiny_model):
+    eng = HFEngine(tiny_model)
     prompts = _prompts(eng.tokenizer)
     params = SamplingParams(max_new_tokens=10, greedy=True)
     batched = _gather(eng, prompts, params)
     single = [_gather(eng, [p], params)[0] for p in prompts]
-    model, tok = load_model(tiny_dir)
+    model, tok = load_model(tiny_model)
     for p, b, s in zip(prompts, batched, single):
         ref = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(p):]
@@ -57,8 +57,8 @@ def test_greedy_equals_hf_generate_and_batching_is_invisible(tiny_dir):
         np.testing.assert_allclose(b.logprobs, s.logprobs, atol=1e-4)
 
 
-def test_stop_token_ends_sequence(tiny_dir):
-    eng = HFEngine(tiny_dir)
+def test_stop_token_ends_sequence(tiny_model):
+    eng = HFEngine(tiny_model)
     p = _prompts(eng.tokenizer)[1]
     first = _gather(eng, [p], SamplingParams(max_new_tokens=5, greedy=True))[0]
     stop_at = int(first.tokens[2])
@@ -69,14 +69,14 @@ def test_stop_token_ends_sequence(tiny_dir):
     assert first.finish_reason == "length" or int(first.tokens[-1]) == eng.tokenizer.eos_token_id
 
 
-def test_weight_swap_mid_generation_tags_versions(tiny_dir, tmp_path):
+def test_weight_swap_mid_generation_tags_versions(tiny_model, tmp_path):
     from astraflow.models import init_model
 
     new_model, _ = load_model(init_model(tmp_path / "other", preset="tiny", seed=7))
     new_sd = new_model.state_dict()
     # 0: the swap lands at the next step however few are left (10 new tokens here; the default
     # would finish the batch first, see test_partial_rollout)
-    eng = HFEngine(tiny_dir, seed=3, swap_min_remaining=0)
+    eng = HFEngine(tiny_model, seed=3, swap_min_remaining=0)
     prompts = _prompts(eng.tokenizer)
     n_before = 4
 
@@ -93,7 +93,7 @@ def test_weight_swap_mid_generation_tags_versions(tiny_dir, tmp_path):
 
     gens = asyncio.run(main())
     assert eng.version == 5
-    old_model, _ = load_model(tiny_dir)
+    old_model, _ = load_model(tiny_model)
     saw_mixed = False
     for p, g in zip(prompts, gens):
         v = g.versions.tolist()
@@ -112,8 +112,8 @@ def test_weight_swap_mid_generation_tags_versions(tiny_dir, tmp_path):
     assert eng.stats()["weight_swaps"] == 1
 
 
-def test_idle_load_weights_applies_now(tiny_dir):
-    eng = HFEngine(tiny_dir)
+def test_idle_load_weights_applies_now(tiny_model):
+    eng = HFEngine(tiny_model)
     sd = {k: v.clone() for k, v in eng.model.state_dict().items()}
     eng.load_weights(sd, 3)
     assert eng.version == 3
@@ -123,8 +123,8 @@ def test_idle_load_weights_applies_now(tiny_dir):
         eng.load_weights({"nope": torch.zeros(1)}, 4)
 
 
-def test_bad_requests(tiny_dir):
-    eng = HFEngine(tiny_dir)
+def test_bad_requests(tiny_model):
+    eng = HFEngine(tiny_model)
     with pytest.raises(ValueError, match="empty"):
         _gather(eng, [[]], SamplingParams())
     with pytest.raises(ValueError, match="temperature"):
@@ -133,19 +133,19 @@ def test_bad_requests(tiny_dir):
         _gather(eng, [[1, 2]], SamplingParams(max_new_tokens=10_000))
 
 
-def test_bf16_engine_samples_from_bf16_weights_and_casts_published_fp32_ones(tiny_dir, tmp_path):
+def test_bf16_engine_samples_from_bf16_weights_and_casts_published_fp32_ones(tiny_model, tmp_path):
     """``dtype="bf16"``: the weights live in bf16, the behaviour log-probs are those of a bf16
     teacher-forced forward (fp32 log-softmax of its logits) and close to the fp32 model's; a
     published fp32 state dict is cast on load."""
     from astraflow.models import init_model
 
-    eng = HFEngine(tiny_dir, seed=1, dtype="bf16")
+    eng = HFEngine(tiny_model, seed=1, dtype="bf16")
     assert all(p.dtype == torch.bfloat16 for p in eng.model.parameters())
     buffers = {n: b.dtype for n, b in eng.model.named_buffers() if b.is_floating_point()}
     assert any("inv_freq" in n for n in buffers) and set(buffers.values()) == {torch.float32}  # exact RoPE angles
     prompts = _prompts(eng.tokenizer)
     gens = _gather(eng, prompts, SamplingParams(max_new_tokens=12, temperature=1.3))
-    fp32, _ = load_model(tiny_dir)
+    fp32, _ = load_model(tiny_model)
     off_fp32 = 0.0
     for p, g in zip(prompts, gens):
         assert g.logprobs.dtype == np.float32 and np.isfinite(g.logprobs).all()
@@ -162,7 +162,7 @@ def test_bf16_engine_samples_from_bf16_weights_and_casts_published_fp32_ones(tin
     name = "model.layers.0.mlp.up_proj.weight"
     assert torch.equal(eng.model.state_dict()[name], new_sd[name].to(torch.bfloat16))
     with pytest.raises(ValueError, match="dtype must be one of fp32, bf16"):
-        HFEngine(tiny_dir, dtype="fp16")
+        HFEngine(tiny_model, dtype="fp16")
 
 
 def test_bf16_on_a_cpu_without_native_bf16_warns_and_names_the_setting(monkeypatch, caplog):

@@ -66,7 +66,9 @@ def test_bad_preset_and_dir(tmp_path):
 def test_device_auto_is_the_cpu_here_and_a_missing_gpu_is_a_clear_error():
     import torch
 
-    from astraflow.config import EngineConfig, TrainerConfig
+    from astraflow.rollout.config import EngineConfig
+
+    from astraflow.training.config import TrainerConfig
     from astraflow.models import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")

@@ -1,21 +1,57 @@
-"""Shipped workflows. Each is a class registered by name; a RaaS node calls
-``run_episode(engines, task)`` and knows nothing else about it."""
+"""Workflows: the episode logic a RaaS node runs (the rollout side of a workload).
+
+A *workflow* drives one or more policies' engines over a task (``single_turn``,
+``solver_verifier``, ``solver_selector``) and scores the result with the task's workload; it is
+registered by name and chosen in the config (``workload.workflow``), and a user's workflow is
+``package.module:name``. A RaaS node calls ``run_episode(engines, task)`` and knows nothing else
+about it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from dataclasses import replace
-from typing import Mapping
+import importlib
+from typing import ClassVar, Mapping, Protocol
 
 import numpy as np
 
 from astraflow.contracts import NOT_GENERATED, Provenance, RolloutTask, Sequence, Trajectory
 from astraflow.rollout.engine import Generation, InferenceEngine, SamplingParams
-from astraflow.workloads.base import WORKFLOWS, Workload
+from astraflow.registry import Registry
+from astraflow.workloads.base import Workload
 from astraflow.workloads.prompts import (  # noqa: F401  (re-exported)
     SELECT_NEW_TOKENS, VERIFY_NEW_TOKENS, parse_pick, parse_verdict, retry_prompt, select_prompt, verify_prompt,
 )
+
+
+class Workflow(Protocol):
+    """Episode logic. ``engines`` maps every policy of the task to its engine."""
+
+    #: how many policies the workflow drives, in ``RolloutTask.policies`` order (the run's
+    #: ``policies`` list must name one per role).
+    num_policies: ClassVar[int]
+
+    async def run_episode(
+        self, engines: Mapping[str, InferenceEngine], task: RolloutTask
+    ) -> Trajectory: ...
+
+
+WORKFLOWS: Registry = Registry("workflow")
+
+
+def workflow_class(name: str) -> type[Workflow]:
+    """The workflow class registered as ``name``. ``"package.module:name"`` imports a user
+    module first (which registers its workflows), so a new workflow needs no change here."""
+    if ":" in name:
+        module, name = name.split(":", 1)
+        importlib.import_module(module)
+    return WORKFLOWS.get(name)
+
+
+def make_workflow(name: str, workload: Workload, sampling: SamplingParams, node: str) -> Workflow:
+    return workflow_class(name)(workload=workload, sampling=sampling, node=node)
 
 
 def sampling_for(task: RolloutTask, default: SamplingParams) -> SamplingParams:

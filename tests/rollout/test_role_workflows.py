@@ -17,7 +17,7 @@ from astraflow.contracts import RolloutTask
 from astraflow.models import load_model
 from astraflow.rollout.engine import Generation, SamplingParams
 from astraflow.workloads.base import make_workload
-from astraflow.workloads.workflows import (
+from astraflow.rollout.workflows import (
     SELECT_NEW_TOKENS, VERIFY_NEW_TOKENS, SolverSelector, SolverVerifier, retry_prompt, select_prompt, verify_prompt,
 )
 
@@ -44,8 +44,8 @@ class Scripted:
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_dir):
-    return load_model(tiny_dir)[1]
+def tok(tiny_model):
+    return load_model(tiny_model)[1]
 
 
 def run(workflow_cls, engines, sampling=None):

@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from astraflow.config import ModelInit
+from astraflow.training.config import ModelInit
 from astraflow.models import load_model
 from astraflow.training.warmstart import _encode_pairs, task_examples, warm_start
 from astraflow.workloads.math import make_dataset
-from astraflow.workloads.workflows import parse_pick, parse_verdict, retry_prompt, select_prompt, verify_prompt
+from astraflow.workloads.prompts import parse_pick, parse_verdict, retry_prompt, select_prompt, verify_prompt
 
 WL = {"digits": 2, "num_test": 20}
 
@@ -89,8 +89,8 @@ def test_solve_examples_and_unknown_task():
         task_examples("judge", items, random.Random(0))
 
 
-def test_targets_carry_the_loss_only(tiny_dir):
-    _, tok = load_model(tiny_dir)
+def test_targets_carry_the_loss_only(tiny_model):
+    _, tok = load_model(tiny_model)
     ids, att, lm = _encode_pairs(tok, [("3+4=7?", "Y"), ("3+4=7|8?", "1")])
     for row in range(2):
         masked = ids[row][lm[row]].tolist()
@@ -98,9 +98,9 @@ def test_targets_carry_the_loss_only(tiny_dir):
 
 
 @pytest.mark.parametrize("task", ["verify", "select"])
-def test_role_warm_start_lowers_the_loss(tiny_dir, tmp_path, task):
+def test_role_warm_start_lowers_the_loss(tiny_model, tmp_path, task):
     losses = []
-    res = warm_start(tiny_dir, tmp_path / task, steps=40, lr=3e-3, batch_size=32, workload=WL, task=task,
+    res = warm_start(tiny_model, tmp_path / task, steps=40, lr=3e-3, batch_size=32, workload=WL, task=task,
                      eval_every=20, eval_size=20, progress=False, on_eval=lambda r: losses.append(r["loss"]))
     assert res["steps"] == 40 and 0.0 <= res["acc"] <= 1.0
     # the first loss (a near-uniform guess over 320 symbols) is ~ln(320) = 5.8; both targets hold
@@ -116,27 +116,27 @@ def test_model_init_task_field():
         ModelInit(task="judge")
 
 
-def test_a_role_can_start_from_an_earlier_policys_model(tiny_dir, tmp_path):
+def test_a_role_can_start_from_an_earlier_policys_model(tiny_model, tmp_path):
     """``init.start_from``: the verifier is built from the solver's model (one base model for
     every role), not from a random initialisation."""
     import torch
 
     from astraflow.runtime.launch import build_model
 
-    out = build_model(tmp_path / "verifier", ModelInit(preset="mini", seed=5, task="verify"), base=tiny_dir)
-    (a, _), (b, _) = load_model(tiny_dir), load_model(out)
+    out = build_model(tmp_path / "verifier", ModelInit(preset="mini", seed=5, task="verify"), base=tiny_model)
+    (a, _), (b, _) = load_model(tiny_model), load_model(out)
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)  # the preset is unused
 
 
-def test_start_from_must_name_an_earlier_policy(tiny_dir):
+def test_start_from_must_name_an_earlier_policy(tiny_model):
     from astraflow.config import ConfigError, config_from_dict
     from tests.conftest import tiny_config
 
-    base = tiny_config(tiny_dir).model_dump(mode="json")
+    base = tiny_config(tiny_model).model_dump(mode="json")
     base["workload"]["workflow"] = "solver_verifier"
     base["policies"] = [
-        {"name": "solver", "model": str(tiny_dir)},
+        {"name": "solver", "model": str(tiny_model)},
         {"name": "verifier", "model": "/nonexistent/verifier", "init": {"task": "verify", "start_from": "solver"}},
     ]
     cfg = config_from_dict(base)

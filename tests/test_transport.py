@@ -6,8 +6,8 @@ import pickle
 import numpy as np
 from distributed.protocol import dumps, loads, to_serialize
 
-from astraflow.contracts import Batch, BatchItem, Packed, RolloutTask, Sequence, SequenceSummary, TrajectoryRef
-from astraflow.runtime.actors import call_sync
+from astraflow.contracts import Batch, BatchItem, RolloutTask, Sequence, SequenceSummary, TrajectoryRef
+from astraflow.transport import Packed, call_sync
 from storage.trajectories import EntryRef
 
 

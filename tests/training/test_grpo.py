@@ -39,10 +39,10 @@ def _seq(tokens, n_prompt, reward, logprobs=None):
     return Sequence.build(tokens, gen, lp, np.where(gen, 0, -1), np.where(gen, 0, -1), reward)
 
 
-def test_collate_and_token_logprobs(tiny_dir):
+def test_collate_and_token_logprobs(tiny_model):
     from astraflow.models import load_model
 
-    model, tok = load_model(tiny_dir)
+    model, tok = load_model(tiny_model)
     seqs = [_seq([1, 2, 3, 4, 5], 2, 1.0), _seq([7, 8, 9], 1, 0.0)]
     items = tuple(
         BatchItem(sequence=s, loss_mask=s.loss_mask, group_mean=0.5, group_std=0.5, group_size=2,

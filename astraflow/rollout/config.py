@@ -1,0 +1,62 @@
+"""Config of a RaaS node and its inference engine."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from astraflow.configbase import Strict
+
+
+class EngineConfig(Strict):
+    type: Literal["hf"] = "hf"
+    """Inference engine: ``hf`` (transformers; CPU, or one GPU when available)."""
+    max_batch: int = Field(default=64, ge=1)
+    """Most requests decoded together in one batch."""
+    swap_min_remaining: int = Field(default=16, ge=0)
+    """A newer weight version that arrives while a batch decodes is applied between two
+    decoding steps (partial rollout: the batch is re-encoded with the new weights) only while at
+    least this many steps are left; nearer the end the batch finishes first. Re-encoding costs
+    a prefill of every row: for short answers it costs more than the fresher tokens are worth.
+    0: always at the next step."""
+    threads: int = Field(default=1, ge=1)
+    """torch intra-op threads of the engine."""
+    process: bool = True
+    """Run the engine in a process of its own, next to the node's Dask worker. The node's
+    Python work (Dask comms, trajectory writes) then no longer competes with decoding for the
+    interpreter lock (``benchmarks/rollout_overhead.py``). ``false``: in the worker process."""
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where the engine runs: ``auto`` (the worker's GPU when it has one, else the CPU),
+    ``cpu``, ``cuda`` or ``cuda:N``."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """The engine's weights and forward passes. ``bf16`` decodes ~1.6x faster where the
+    hardware has bf16 (GPUs; CPUs with AVX512-BF16 or AMX; elsewhere it is slower than fp32);
+    its log-probs then differ slightly from the trainer's fp32 ones, which the loss's clipped
+    importance ratio absorbs. Sampling and log-probs are computed from fp32 logits either way."""
+
+
+class RolloutConfig(Strict):
+    """A RaaS node (owned by ``astraflow.rollout``)."""
+
+    engine: EngineConfig = EngineConfig()
+    """The inference engine of each policy on the node."""
+    capacity: int = Field(default=32, ge=1)
+    """Episodes in flight on one node. Above ``engine.max_batch`` (2x is a good start) the next
+    batch already waits in the engine while one decodes, so the engine never idles for a lease
+    round trip."""
+    write_batch: int = Field(default=64, ge=1)
+    """Trajectories buffered before a segment write (also flushed every ``flush_seconds``)."""
+    flush_seconds: float = Field(default=0.5, gt=0)
+    """Longest time a finished trajectory waits in the node before it is written."""
+    lease_wait_seconds: float = Field(default=0.5, ge=0, le=5)
+    """How long one lease call may wait in the data layer for tasks when it has none (a long
+    poll: tasks reach the node the moment they exist, without a call every few ms)."""
+    weight_poll_seconds: float = Field(default=0.5, gt=0)
+    """How often the node checks the weight store for a newer version."""
+    full_resync_every: int = Field(default=10, ge=1)
+    """Load full shards instead of a delta every N versions."""
+    engine_restarts: int = Field(default=3, ge=0)
+    """How many times a node restarts an engine process that died (its in-flight episodes
+    fail and are requeued; the new process loads the newest committed weights before the node
+    leases again). After that the node stops leasing and reports the error."""

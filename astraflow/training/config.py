@@ -1,0 +1,143 @@
+"""Config of what the training side owns: each policy's model, how it is built, its trainer."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from astraflow.configbase import Strict
+
+
+class ModelInit(Strict):
+    """How to build a model directory that does not exist yet (no downloads: built locally)."""
+
+    preset: Literal["tiny", "mini", "small", "50m"] = "small"
+    """Size preset of the locally initialised model (tiny ~0.8M, mini ~2.4M, small ~10M, 50m ~50M params)."""
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    """HF architecture of the initialised model."""
+    seed: int = 0
+    """Seed of the random initialisation."""
+    warm_start_seconds: float = Field(default=0.0, ge=0)
+    """Supervised warm start on the workload's train split, in seconds (0: none). A partly
+    competent policy gives RL a non-zero reward signal."""
+    warm_start_steps: int | None = Field(default=None, ge=1)
+    """Upper bound of the warm start in optimiser steps (``None``: none; set alone, it runs
+    the warm start with no time bound). The warm start is seeded, so a bound in steps builds
+    the same model on a fast and a slow machine, which a bound in seconds does not. With
+    several bounds the first reached stops it."""
+    warm_start_lr: float = Field(default=1e-3, gt=0)
+    """Learning rate of the warm start."""
+    warm_start_target: float | None = Field(default=None, gt=0, le=1)
+    """Stop the warm start as soon as held-out accuracy reaches this (checked every 25 steps;
+    ``warm_start_seconds`` / ``warm_start_steps`` stay the upper bounds). Makes RL start from
+    the same competence on fast and slow machines. ``None``: run to the bounds."""
+    task: Literal["solve", "solve_retry", "verify", "select"] = "solve"
+    """Role the warm start teaches: ``solve`` (``"12+34="`` -> ``"46"``), ``solve_retry`` (the
+    ``solver_verifier`` solver: half ``solve``, half its retry turn after a reject), ``verify`` (the
+    ``solver_verifier`` verifier: ``"12+34=47?"`` -> ``"46N"``, its own sum, then the verdict) or
+    ``select`` (the ``solver_selector`` selector: ``"12+34=46|47?"`` -> ``"46>1"``, its own sum,
+    then the position of the candidate equal to it). Pick the one matching the policy's role in
+    the workflow."""
+    start_from: str | None = None
+    """Name of an earlier policy in ``policies`` whose model this one starts from instead of a
+    random initialisation (``preset``, ``arch`` and ``seed`` are then unused): the roles of one
+    workflow sharing one base model, as multi-agent RL starts every agent from the same
+    pretrained checkpoint. The warm start then teaches this policy's ``task`` on top."""
+
+    @property
+    def warm_starts(self) -> bool:
+        """Whether the build includes a supervised warm start."""
+        return self.warm_start_seconds > 0 or self.warm_start_steps is not None
+
+
+class TrainerConfig(Strict):
+    """The trainer of one policy (owned by ``astraflow.training``)."""
+
+    backend: Literal["torch", "megatron"] = "torch"
+    """``torch``: plain PyTorch in the trainer worker; ``megatron``: Megatron-core ranks."""
+    tensor_parallel: int = Field(default=1, ge=1)
+    """Megatron tensor-parallel size (ranks started by the trainer actor); 1 for ``torch``."""
+    lr: float = Field(default=5e-4, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    clip_low: float = Field(default=0.2, ge=0)
+    """PPO clip range below 1 for the importance ratio."""
+    clip_high: float = Field(default=0.28, ge=0)
+    """PPO clip range above 1 (a higher upper clip keeps exploration alive)."""
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    """Gradient clipping norm."""
+    micro_batch: int = Field(default=64, ge=1)
+    """Sequences per forward/backward (gradient accumulation over the batch)."""
+    threads: int = Field(default=1, ge=1)
+    """torch intra-op threads of the trainer process."""
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where the torch backend trains: ``auto`` (the worker's GPU when it has one, else the
+    CPU), ``cpu``, ``cuda`` or ``cuda:N``. The megatron backend places its ranks itself."""
+    batch_timeout_s: float = Field(default=600.0, gt=0)
+    """How long the trainer waits for one batch before it fails the run."""
+    off_policy: Literal["ppo_clip", "tis", "m2po"] = "ppo_clip"
+    """How the loss corrects for stale (off-policy) tokens, through the per-token ratio
+    ``r = pi_new / pi_behaviour``: ``ppo_clip`` clips ``r`` to ``[1 - clip_low, 1 + clip_high]``
+    (PPO surrogate); ``tis`` weights the policy gradient by ``min(r, is_cap)`` (truncated
+    importance sampling); ``m2po`` masks the tokens with the largest ``(log r)^2`` until their
+    batch mean is at most ``m2_tau`` and uses the unclipped ratio on the rest. The Megatron
+    backend supports ``ppo_clip`` only."""
+    is_cap: float = Field(default=2.0, gt=0)
+    """``off_policy: tis``: the truncation ``C`` of the importance weight ``min(r, C)``."""
+    m2_tau: float = Field(default=0.04, gt=0)
+    """``off_policy: m2po``: bound on the mean ``(log r)^2`` of the tokens kept in the loss."""
+    optimizer_checkpoint_every: int = Field(default=100, ge=0)
+    """Torch backend: save the optimiser state (AdamW moments) every this many steps and when
+    the trainer stops, under ``<run>/trainer_state/<policy>/``; a run resumed on the same run
+    directory continues with it instead of fresh moments. 0: only when the trainer stops."""
+    skip_zero_advantage: bool = True
+    """Do not compute the forward/backward of sequences whose group-normalised advantage is 0
+    (every sample of their group scored alike). They add exactly nothing to the
+    ``ppo_clip``/``tis`` loss or its gradient, so the step is the same with less work (about
+    40 % of the sequences of the main example). Both backends; ``m2po`` always trains every
+    sequence."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Torch backend: ``bf16`` runs the forward and backward under bf16 autocast (matrix
+    products in bf16; weights, gradients, optimiser state and the log-softmax stay fp32).
+    On a GPU, or a CPU with AVX-512 BF16 / AMX, the products are ~2x faster (on a CPU the
+    attention then runs eager: its bf16 flash-attention backward is slower than fp32); the
+    log-probs it trains on differ from the engine's fp32 ones by bf16 rounding, which the
+    ratio sees as noise. ``fp32``: everything in fp32."""
+
+    @model_validator(mode="after")
+    def _off_policy_backend(self) -> "TrainerConfig":
+        if self.backend == "megatron" and self.off_policy != "ppo_clip":
+            raise ValueError(
+                f"trainer.off_policy {self.off_policy!r} is implemented by the torch backend only; "
+                "set trainer.backend: torch or trainer.off_policy: ppo_clip"
+            )
+        if self.backend == "megatron" and self.precision != "fp32":
+            raise ValueError(
+                f"trainer.precision {self.precision!r} is implemented by the torch backend only; "
+                "set trainer.backend: torch or trainer.precision: fp32"
+            )
+        return self
+
+
+class PolicyConfig(Strict):
+    """One policy: a model, its trainer and its weight stream."""
+
+    name: str = "policy"
+    """Policy id; names its weight stream and its buffer."""
+    model: Path
+    """HF model directory (a real checkpoint, or built by ``init`` when missing)."""
+    init: ModelInit | None = None
+    """Build the model locally if ``model`` does not exist. ``None``: the directory must exist."""
+    trainer: TrainerConfig = TrainerConfig()
+    """Trainer settings of this policy."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", v):
+            raise ValueError("policy name must use letters, digits, '_', '.', '-' (it names directories)")
+        return v

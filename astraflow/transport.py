@@ -1,0 +1,110 @@
+"""The Dask transport: how components call each other's actors and what crosses the wire.
+
+Component loops run in their own thread (with their own asyncio loop) inside a worker and call
+other actors through handles. A handle deserialised into an actor is not bound to the worker
+when the call comes from such a thread (``get_worker()`` only works on Dask's own threads), so
+``bind`` binds it once from the actor's method, and ``call`` turns a handle call into an
+awaitable with a deadline.
+
+Wire format: Dask serialises a plain ``list`` element by element (one pickle and one frame per
+record), so list arguments and list results travel as one ``Packed``; a ``Batch`` travels as
+one array per field instead of ~5 arrays per item (``copyreg`` registration below, so the
+record itself stays a plain dataclass). Components import this module; it imports none of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copyreg
+from typing import Any
+
+import numpy as np
+from distributed import get_worker
+
+from astraflow.contracts import Batch, BatchItem, Sequence
+
+
+class Packed(list):
+    """A list that crosses a Dask actor call as one object (one pickle, one frame); it arrives
+    as a ``Packed``, which is a ``list``. ``call`` packs plain list arguments; actor methods
+    that return a list of records return a ``Packed``."""
+
+    def __reduce__(self):
+        return (Packed, (list(self),))
+
+
+def bind(handle: Any) -> Any:
+    """Bind an actor handle to the current worker (call from an actor method)."""
+    if handle is not None and getattr(handle, "_worker", None) is None:
+        handle._worker = get_worker()
+    return handle
+
+
+async def call(method: Any, *args: Any, timeout: float = 60.0, **kwargs: Any) -> Any:
+    """``await call(handle.method, ...)`` from a component thread's event loop; raises
+    ``TimeoutError`` after ``timeout`` seconds."""
+    fut = method(*map(_pack, args), **{k: _pack(v) for k, v in kwargs.items()})
+    return await asyncio.to_thread(fut.result, timeout)
+
+
+def call_sync(method: Any, *args: Any, timeout: float = 60.0, **kwargs: Any) -> Any:
+    """Blocking form of ``call`` for plain threads."""
+    return method(*map(_pack, args), **{k: _pack(v) for k, v in kwargs.items()}).result(timeout)
+
+
+def _pack(value: Any) -> Any:
+    return Packed(value) if type(value) is list else value
+
+
+# -- Batch wire format ----------------------------------------------------------------------
+
+_SEQ_ARRAYS = {"tokens": np.int32, "loss_mask": bool, "logprobs": np.float32, "policy_ids": np.int16,
+               "versions": np.int32}
+
+
+def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.empty(0, dtype)
+
+
+def _reduce_batch(batch: Batch) -> tuple:
+    items = batch.items
+    seqs = [it.sequence for it in items]
+    columns = {name: _concat([getattr(s, name) for s in seqs], dt) for name, dt in _SEQ_ARRAYS.items()}
+    columns["item_loss_mask"] = _concat([it.loss_mask for it in items], bool)
+    lengths = np.array([[len(s.tokens), len(it.loss_mask)] for s, it in zip(seqs, items)], np.int64).reshape(-1, 2)
+    floats = np.array([[it.sequence.reward, it.group_mean, it.group_std] for it in items], np.float64).reshape(-1, 3)
+    ints = np.array([[it.group_size, it.staleness, it.replayed] for it in items], np.int64).reshape(-1, 3)
+    small = [(it.task_id, s.finish_reason, dict(s.rewards)) for s, it in zip(seqs, items)]
+    return (_unpack_batch, (batch.policy, batch.version, dict(batch.metrics), columns, lengths, floats, ints, small))
+
+
+def _restore(cls, fields: dict):
+    """An instance with these fields, without ``__init__``: what plain unpickling does (the
+    record was validated when its writer made it)."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
+def _unpack_batch(policy, version, metrics, columns, lengths, floats, ints, small) -> Batch:
+    parts = {}
+    for name, arr in columns.items():
+        ends = np.cumsum(lengths[:, 1 if name == "item_loss_mask" else 0]).tolist()
+        parts[name] = [arr[a:b] for a, b in zip([0] + ends[:-1], ends)]
+    fl, it = floats.tolist(), ints.tolist()
+    items = []
+    for i, (task_id, finish, rewards) in enumerate(small):
+        seq = _restore(Sequence, {
+            "tokens": parts["tokens"][i], "loss_mask": parts["loss_mask"][i], "logprobs": parts["logprobs"][i],
+            "policy_ids": parts["policy_ids"][i], "versions": parts["versions"][i], "reward": fl[i][0],
+            "rewards": rewards, "finish_reason": finish,
+        })
+        items.append(_restore(BatchItem, {
+            "sequence": seq, "loss_mask": parts["item_loss_mask"][i], "group_mean": fl[i][1],
+            "group_std": fl[i][2], "group_size": it[i][0], "staleness": it[i][1], "task_id": task_id,
+            "replayed": bool(it[i][2]),
+        }))
+    return Batch(policy=policy, version=version, items=tuple(items), metrics=metrics)
+
+
+copyreg.pickle(Batch, _reduce_batch)

@@ -1,0 +1,68 @@
+"""The one way to write a file of the run directory atomically.
+
+Write a temp sibling, fsync it, rename (or hard-link, for create-only files) it over the final
+name, then fsync the directory: a reader sees the old file or the new one, never part of one,
+and after the call returns the file survives a crash of the machine. Every writer of the run
+directory goes through ``write_atomically`` / ``write_json`` / ``create_atomically``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from storage.paths import tmp_sibling
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_tmp(final: Path, data: bytes, durable: bool) -> Path:
+    tmp = tmp_sibling(final)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        if durable:
+            os.fsync(f.fileno())
+    return tmp
+
+
+def write_atomically(final: Path, data: bytes | str, durable: bool = True) -> None:
+    """Replace ``final`` with ``data`` (temp, fsync, rename, fsync the directory).
+    ``durable=False`` skips both fsyncs (still atomic for readers; for files that are rewritten
+    every few seconds and cost nothing to lose, such as a status snapshot)."""
+    final = Path(final)
+    tmp = _write_tmp(final, data.encode() if isinstance(data, str) else data, durable)
+    try:
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if durable:
+        fsync_path(final.parent)
+
+
+def create_atomically(final: Path, data: bytes | str, durable: bool = True) -> None:
+    """Create ``final`` with ``data`` only if it does not exist (``FileExistsError`` otherwise):
+    temp, fsync, hard link, fsync the directory. Readers see the whole file or nothing."""
+    final = Path(final)
+    tmp = _write_tmp(final, data.encode() if isinstance(data, str) else data, durable)
+    try:
+        os.link(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if durable:
+        fsync_path(final.parent)
+
+
+def write_json(final: Path, data: Any, durable: bool = True, **dumps: Any) -> None:
+    """``write_atomically`` of ``json.dumps(data, **dumps)`` (``default=str`` unless given)."""
+    dumps.setdefault("default", str)
+    write_atomically(final, json.dumps(data, **dumps), durable=durable)

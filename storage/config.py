@@ -1,0 +1,18 @@
+"""Config of the run's storage: where trajectories go, how many weight versions are kept, deltas."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StorageConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    trajectories: str | None = None
+    """Trajectory store URL (directory or ``memory://``); default ``<run>/trajectories``."""
+    keep_versions: int = Field(default=3, ge=1)
+    """Weight versions kept per policy (held versions are never deleted)."""
+    deltas: bool = False
+    """Write a sparse bf16 delta ``v-1 -> v`` after every commit (off the training critical
+    path) and let RaaS nodes that are one version behind apply it instead of loading full
+    shards. Nodes then serve the bf16 view of the weights (as GPU engines do)."""
