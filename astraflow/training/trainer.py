@@ -16,8 +16,8 @@ keep generating with version <= k; the data layer bounds how stale consumed data
 The publish of the version just trained overlaps the next step (backends that
 ``supports_snapshot``, i.e. ``torch``): a helper thread writes and commits a copy of
 the weights while the loop fetches and trains the next batch; versions are committed and
-reported in order, at most one publish in flight. (Requesting the next batch early as well
-was measured and dropped: it gained nothing here and consumed staler data.)
+reported in order, at most one publish in flight. The next batch is requested only once its
+step can start (an earlier request would train on staler data).
 """
 
 from __future__ import annotations
