@@ -2,8 +2,8 @@
 
 Why it exists: the Zarr store adds chunking, commit markers and fsyncs on top of plain file
 writes; this measures what that costs. ``--writers`` processes (one segment each, like RaaS
-nodes) write ``--n`` trajectories of ~512 tokens in batches of 64; then one reader polls the
-index and reads every entry back (like the data layer). The baseline, in the same run, writes
+nodes) write ``--n`` trajectories of ~512 tokens in batches of 64; then one reader counts the
+committed entries and reads every entry back (like the data layer). The baseline, in the same run, writes
 the same bytes (per-token arrays, per-entry numbers, string columns) as plain files with one
 process, fsyncs them and reads them back.
 
@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from storage.trajectories import StoredSequence, open_trajectory_store  # noqa: E402
+from storage.trajectories import EntryRef, StoredSequence, open_trajectory_store  # noqa: E402
 
 
 def make_rows(writer: int, n: int, tokens: int) -> list[StoredSequence]:
@@ -102,13 +102,13 @@ def bench_store(root: Path, n: int, writers: int, tokens: int, batch: int, durab
     warm_up()
     t0 = time.perf_counter()
     reader = open_trajectory_store(url, "r")
-    infos, cursor = reader.poll()
+    refs = [EntryRef(s, i) for s in reader.segments() for i in range(reader.count(s))]
     got_tokens = 0
-    for i in range(0, len(infos), 1024):
-        for row in reader.read([x.ref for x in infos[i:i + 1024]]):
+    for i in range(0, len(refs), 1024):
+        for row in reader.read(refs[i:i + 1024]):
             got_tokens += len(row.tokens)
     read_s = time.perf_counter() - t0
-    assert len(infos) == n, f"read back {len(infos)} of {n} entries"
+    assert len(refs) == n, f"read back {len(refs)} of {n} entries"
     return {"write_s": write_s, "read_s": read_s, "tokens": got_tokens}
 
 

@@ -156,8 +156,8 @@ def main() -> None:
     from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig
     from astraflow.weightconv import megatron_to_hf
     from storage import paths
-    from storage.dcp_reader import read_dcp
     from storage.deltas import apply_delta, write_delta
+    from storage.weights import read_checkpoint
 
     try:
         import astraflow.training.grpo  # noqa: F401
@@ -183,7 +183,7 @@ def main() -> None:
             be.publish(store, "p", 0)
             reader = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
             held = {k: v.to(torch.bfloat16) for k, v in
-                    megatron_to_hf(read_dcp(paths.version_dir(store.root, "p", 0)), cfg).items()}
+                    megatron_to_hf(read_checkpoint(paths.version_dir(store.root, "p", 0)), cfg).items()}
             reader.load_state_dict(held, strict=True)
             for v in range(1, args.steps + 1):
                 # behaviour log-probs = the trainer's own on these tokens (on-policy, ratio 1)
@@ -198,7 +198,7 @@ def main() -> None:
                 raw_s = raw_copy_s(nbytes, work)
                 # reader, full: DCP read + convert + bf16 + load_state_dict
                 t0 = time.perf_counter()
-                sd = read_dcp(vdir)
+                sd = read_checkpoint(vdir)
                 load_s = time.perf_counter() - t0
                 new_bf16 = {k: x.to(torch.bfloat16) for k, x in megatron_to_hf(sd, cfg).items()}
                 reader.load_state_dict(new_bf16, strict=True)

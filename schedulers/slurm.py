@@ -45,6 +45,7 @@ import jinja2
 from schedulers.base import JobRef, JobStatus, UnknownJobError
 from schedulers.command import partition_worker_command, worker_env
 from schedulers.partition import Partition, parse_worker_name, worker_name
+from storage.atomic import write_atomically
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 WORKER_TEMPLATE = "worker.sbatch.j2"
@@ -276,9 +277,8 @@ class SlurmScheduler:
         for index in range(start_index, start_index + count):
             script, argv = self.render(partition, scheduler_address, index)
             path = Path(argv[-1])
-            tmp = path.with_suffix(".sbatch.tmp")
-            tmp.write_text(script)
-            tmp.replace(path)
+            # sbatch copies the script when it submits: atomic for readers, no fsync needed
+            write_atomically(path, script, durable=False)
             out = run_slurm(argv, timeout=self.command_timeout).strip()
             job_id = out.split(";")[0]  # --parsable prints "id" or "id;cluster"
             if not _JOB_ID.match(job_id):

@@ -45,6 +45,7 @@ from numcodecs import Blosc
 from safetensors.torch import load_file, save_file
 
 from storage import paths
+from storage.atomic import fsync_path, write_atomically
 
 FORMAT = 2
 #: elements per compressed chunk (Blosc buffers stay far below its 2 GiB limit)
@@ -103,14 +104,6 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_delta(prev_sd: Mapping[str, torch.Tensor], new_sd: Mapping[str, torch.Tensor],
                 out_dir: str | Path) -> DeltaStats:
     """Write the sparse bf16 delta ``prev_sd -> new_sd`` into ``out_dir`` atomically.
@@ -151,7 +144,7 @@ def write_delta(prev_sd: Mapping[str, torch.Tensor], new_sd: Mapping[str, torch.
     stats = DeltaStats(tensors=len(shapes), elements=elements, changed=changed,
                        density=changed / max(elements, 1), delta_bytes=delta_bytes,
                        full_bytes=2 * elements)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    tmp = paths.tmp_sibling(out_dir)
     tmp.mkdir(parents=True)
     save_file(payload, str(tmp / DATA_FILE))
     meta = {
@@ -165,13 +158,9 @@ def write_delta(prev_sd: Mapping[str, torch.Tensor], new_sd: Mapping[str, torch.
     }
     (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
     for f in (DATA_FILE, META_FILE):
-        _fsync(tmp / f)
+        fsync_path(tmp / f)
     os.rename(tmp, out_dir)
-    marker_tmp = out_dir / f".{MARKER}.tmp"
-    marker_tmp.write_text(meta["result_sha256"])
-    _fsync(marker_tmp)
-    os.rename(marker_tmp, out_dir / MARKER)
-    _fsync(out_dir)
+    write_atomically(out_dir / MARKER, meta["result_sha256"])  # fsyncs the marker, then out_dir
     return stats
 
 

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from storage import paths
+from storage.atomic import fsync_path, write_atomically
 
 MANIFEST_FORMAT = "astraflow-weights-v1"
 _DCP_METADATA = ".metadata"
@@ -95,8 +96,8 @@ def _sha256(path: Path) -> str:
 
 
 def _quiet_dcp_logger() -> None:
-    """DCP's own logger sits at DEBUG behind a NullHandler: every save builds ~90 log records
-    that nobody sees (7 ms of a 60 ms publish of 13 MB). Raise it to WARNING."""
+    """DCP's own logger sits at DEBUG behind a NullHandler: every save builds log records that
+    nobody sees, which costs time on a small publish. Raise it to WARNING."""
     import logging
 
     logger = logging.getLogger("c10d-NullHandler-dcp_logger")
@@ -104,31 +105,38 @@ def _quiet_dcp_logger() -> None:
         logger.setLevel(logging.WARNING)
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def read_checkpoint(path: str | Path, *, whole_tensors: bool = False) -> dict:
+    """Every tensor of a DCP checkpoint directory (a version directory) at its global shape, on
+    CPU, in this process: no process group, whatever number of ranks wrote it. Non-tensor
+    entries (Megatron's ``_extra_state`` byte blobs) are skipped.
 
+    ``whole_tensors`` (the version's manifest says so: written by ``publish``): take the
+    tensors straight from the file's bytes, which saves unpickling every tensor; any other
+    layout, or anything unexpected in the file, goes through ``dcp.load``. Takes no hold: to
+    read a committed version that retention may delete, use ``WeightStore.load``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-def _fsync_dir(path: Path) -> None:
-    _fsync_file(path)
-
-
-def write_atomically(final: Path, data: bytes) -> None:
-    """temp + fsync + rename (replaces ``final``), then fsync the directory. A reader sees the
-    old file or the new one, never part of one (also used for a trainer's optimiser state)."""
-    tmp = paths.tmp_sibling(final)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(final.parent)
+    path = Path(path)
+    if not (path / _DCP_METADATA).is_file():
+        raise ValueError(f"{path} is not a DCP checkpoint (no {_DCP_METADATA}): pass a committed version directory")
+    reader = dcp.FileSystemReader(path)
+    metadata = reader.read_metadata()
+    if whole_tensors:
+        state = _read_whole_tensors(path, metadata)
+        if state is not None:
+            return state
+    state = {
+        k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for k, m in metadata.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # a single-process load is the intent; DCP warns about it
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
 
 
 def _read_whole_tensors(vdir: Path, metadata) -> dict | None:
@@ -242,10 +250,10 @@ class WeightStore:
         tensors = self._tensor_table(stage)
         files = {}
         for f in _files(stage):
-            _fsync_file(f)
+            fsync_path(f)
             files[f.relative_to(stage).as_posix()] = {"sha256": _sha256(f), "bytes": f.stat().st_size}
         for d in sorted({f.parent for f in _files(stage)} | {stage}, reverse=True):
-            _fsync_dir(d)
+            fsync_path(d)
         committed_at = time.time()
         manifest = {
             "format": MANIFEST_FORMAT,
@@ -262,8 +270,8 @@ class WeightStore:
         if final.exists():  # a previous commit died between rename and COMMITTED
             shutil.rmtree(final)
         os.rename(stage, final)
-        _fsync_dir(final.parent)
-        _fsync_dir(stage.parent)
+        fsync_path(final.parent)
+        fsync_path(stage.parent)
         write_atomically(
             paths.commit_file(self.root, policy, version),
             json.dumps({"committed_at": committed_at, "manifest_sha256": _sha256(final / "manifest.json")}).encode(),
@@ -344,37 +352,15 @@ class WeightStore:
                 raise ChecksumMismatch(f"{policy} v{version}: {rel} does not match its manifest checksum")
 
     def load(self, policy: str, version: int, *, verify: bool = False) -> dict:
-        """All tensors of a committed version, in one process, whatever number of ranks wrote it
-        (plain DCP read, no process group). ``verify`` checks sha256 first.
-
-        A version written by ``publish`` (whole contiguous tensors, one file; its manifest says
-        ``whole_tensors``) is read straight from the file's bytes: the same tensors, 3-4x faster
-        than ``dcp.load`` (which unpickles every tensor; 40 ms of a 13 MB version here). Any other
-        layout, or anything unexpected in the file, goes through ``dcp.load``."""
-        import torch
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+        """All tensors of a committed version (``read_checkpoint``), held against retention
+        while it is read. ``verify`` checks sha256 first. A version written by ``publish``
+        (whole contiguous tensors, one file; its manifest says ``whole_tensors``) is read
+        straight from the file's bytes."""
         with self.hold(policy, version):
             if verify:
                 self.verify(policy, version)
-            vdir = paths.version_dir(self.root, policy, version)
-            reader = dcp.FileSystemReader(vdir)
-            metadata = reader.read_metadata()
-            if self.manifest(policy, version).get("whole_tensors"):
-                state = _read_whole_tensors(vdir, metadata)
-                if state is not None:
-                    return state
-            md = metadata.state_dict_metadata
-            state = {
-                k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-                for k, m in md.items()
-                if isinstance(m, TensorStorageMetadata)
-            }
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-                dcp.load(state, storage_reader=reader, no_dist=True)
-            return state
+            whole = bool(self.manifest(policy, version).get("whole_tensors"))
+            return read_checkpoint(paths.version_dir(self.root, policy, version), whole_tensors=whole)
 
     @contextmanager
     def hold(self, policy: str, version: int) -> Iterator[WeightVersion]:

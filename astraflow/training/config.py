@@ -109,7 +109,13 @@ class TrainerConfig(Strict):
     ratio sees as noise. ``fp32``: everything in fp32."""
 
     @model_validator(mode="after")
-    def _off_policy_backend(self) -> "TrainerConfig":
+    def _backend_settings(self) -> "TrainerConfig":
+        """Settings that only one backend implements (the backends themselves do not re-check)."""
+        if self.backend == "torch" and self.tensor_parallel != 1:
+            raise ValueError(
+                f"trainer.tensor_parallel {self.tensor_parallel} needs trainer.backend: megatron "
+                "(the torch backend trains on one device); set tensor_parallel: 1 or backend: megatron"
+            )
         if self.backend == "megatron" and self.off_policy != "ppo_clip":
             raise ValueError(
                 f"trainer.off_policy {self.off_policy!r} is implemented by the torch backend only; "

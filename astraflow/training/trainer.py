@@ -13,11 +13,11 @@ thread started by ``start()``::
 Asynchronous overlap "training vs rollout": while this loop trains on batch k, RaaS nodes
 keep generating with version <= k; the data layer bounds how stale consumed data may be.
 
-The publish of the version just trained overlaps the next step (backends that can
-``snapshot()`` their weights, i.e. ``torch``): a helper thread writes and commits a copy of
+The publish of the version just trained overlaps the next step (backends that
+``supports_snapshot``, i.e. ``torch``): a helper thread writes and commits a copy of
 the weights while the loop fetches and trains the next batch; versions are committed and
-reported in order, at most one publish in flight. (Requesting the next batch early as well
-was measured and dropped: it gained nothing here and consumed staler data.)
+reported in order, at most one publish in flight. The next batch is requested only once its
+step can start (an earlier request would train on staler data).
 """
 
 from __future__ import annotations
@@ -29,14 +29,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from astraflow.training.backend import TrainerBackend
 from astraflow.training.config import TrainerConfig
 from astraflow.transport import bind, call_sync
-from storage.weights import WeightStore, write_atomically
+from storage.atomic import write_atomically
+from storage.weights import WeightStore
 
 log = logging.getLogger("astraflow.training")
 
 
-def make_backend(cfg: TrainerConfig, model_path: str, seed: int):
+def make_backend(cfg: TrainerConfig, model_path: str, seed: int) -> TrainerBackend:
     if cfg.backend == "torch":
         import torch
 
@@ -115,7 +117,8 @@ class Trainer:
         self.dl = data_layer
         self.max_steps = max_steps
         self.seed = seed
-        #: the version the backend's weights are at; ``committed``: the newest one in the store
+        #: the version the backend's weights are at (= optimiser steps taken, counted from the
+        #: initial weights, version 0); ``committed``: the newest version in the store
         self.version = 0
         self.committed = 0
         self.done = False
@@ -125,7 +128,6 @@ class Trainer:
         self.publish_s = 0.0
         self.last_metrics: dict[str, float] = {}
         self._stop = threading.Event()
-        self._paused = threading.Event()
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
         self.write_deltas = write_deltas
@@ -135,8 +137,11 @@ class Trainer:
         self._delta_base: tuple[int, dict] | None = None
         #: where the optimiser state is saved (``trainer.optimizer_checkpoint_every``); None: never
         self.optimizer_path = Path(optimizer_path) if optimizer_path else None
-        #: the trainer version whose optimiser state a resumed run continued with (None: fresh)
+        #: the version whose optimiser state a resumed run continued with (None: fresh)
         self.optimizer_resumed_from: int | None = None
+        #: built by ``start()``; None before (``stop()`` of a trainer never started saves nothing)
+        self.backend: TrainerBackend | None = None
+        self.store: WeightStore | None = None
 
     def start(self, run_loop: bool = True) -> int:
         """Build the backend, publish the initial version, start the loop (unless a driver
@@ -151,7 +156,7 @@ class Trainer:
         else:  # resuming a run: continue from its newest committed weights
             self.version = self.committed = latest.version
             if latest.version > 0:
-                if not hasattr(self.backend, "load_state_dict"):
+                if not self.backend.supports_resume:
                     raise ValueError(
                         f"trainer backend {self.cfg.backend!r} cannot resume from committed weights yet: "
                         "start a new run directory"
@@ -165,20 +170,20 @@ class Trainer:
 
     def step(self) -> dict[str, float]:
         """One step driven from outside (``run.mode: sync``): batch, train, publish, in turn."""
-        step = self._train_next()  # advances self.version: call it before reading the version
-        self._commit(self.version, None, *step)
+        trained = self._train_next()  # advances self.version: call it before reading the version
+        self._commit(self.version, None, *trained)
         self.done = self.committed >= self.max_steps
         return self.last_metrics
 
     def _train_next(self) -> tuple[Any, dict[str, float], float, float]:
-        """Fetch the next batch and train on it: ``(batch, metrics, wait_s, train_s)``; the
-        backend's weights are then at ``self.version`` (not yet published)."""
+        """Fetch the next batch and take one optimiser step on it: ``(batch, metrics, wait_s,
+        train_s)``; the backend's weights are then at ``self.version`` (not yet published)."""
         t0 = time.time()
         batch = self._fetch(self.version)
         t1 = time.time()
         metrics = self.backend.train_step(batch)
         self.version += 1
-        every = self.cfg.optimizer_checkpoint_every
+        every = self.cfg.optimizer_checkpoint_every  # in steps; the version counts them
         if every and self.version % every == 0:
             self.save_optimizer()
         return batch, metrics, t1 - t0, time.time() - t1
@@ -187,7 +192,7 @@ class Trainer:
         """Write the backend's optimiser state (with the version its weights are at) to
         ``optimizer_path``, atomically; False when there is no path or the backend has none.
         A failure is logged, not raised: it must not stop training."""
-        if self.optimizer_path is None or not hasattr(self.backend, "optimizer_state") or self.version == 0:
+        if self.optimizer_path is None or not self.backend.supports_optimizer_state or self.version == 0:
             return False
         import torch
 
@@ -207,7 +212,7 @@ class Trainer:
         a few steps older than the weights (saved every ``optimizer_checkpoint_every`` steps,
         and the run stopped without saving again): older moments still beat fresh ones."""
         path = self.optimizer_path
-        if path is None or not path.exists() or not hasattr(self.backend, "load_optimizer_state"):
+        if path is None or not path.exists() or not self.backend.supports_optimizer_state:
             log.info("trainer %s: resuming at v%d with a fresh optimiser state", self.policy, self.version)
             return
         import torch
@@ -223,18 +228,11 @@ class Trainer:
         log.info("trainer %s: resuming at v%d with the optimiser state of v%d", self.policy, self.version,
                  self.optimizer_resumed_from)
 
-    def pause(self, paused: bool = True) -> None:
-        """Stall the loop (tests use it to show that other policies keep training)."""
-        if paused:
-            self._paused.set()
-        else:
-            self._paused.clear()
-
     def stop(self, timeout: float = 60.0) -> dict[str, Any]:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)  # the loop saves the optimiser state on its way out
-        elif hasattr(self, "backend"):  # run.mode sync: a driver stepped this trainer
+        elif self.backend is not None:  # run.mode sync: a driver stepped this trainer
             self.save_optimizer()
         return self.state()
 
@@ -277,7 +275,8 @@ class Trainer:
     def _commit(self, version: int, state: dict | None, batch, metrics: dict[str, float],
                 wait_s: float, train_s: float) -> None:
         """Publish ``version`` (``state``: a snapshot taken right after its step; None: the
-        backend's current weights), then report the step to the data layer."""
+        backend's current weights), then report the version, with its step's metrics, to the
+        data layer."""
         t0 = time.time()
         if state is None:
             self.backend.publish(self.store, self.policy, version)
@@ -326,23 +325,20 @@ class Trainer:
         self._delta_base = (version, new)
 
     def _run(self) -> None:
-        overlap = hasattr(self.backend, "snapshot")  # backends that can copy their weights
+        overlap = self.backend.supports_snapshot  # publish version n while step n+1 trains
         publishing: _Background | None = None  # the previous version, committed meanwhile
         try:
             while self.version < self.max_steps and not self._stop.is_set():
-                if self._paused.is_set():
-                    time.sleep(0.1)
-                    continue
-                step = self._train_next()
+                trained = self._train_next()
                 if not overlap:
-                    self._commit(self.version, None, *step)
+                    self._commit(self.version, None, *trained)
                     continue
                 state = self.backend.snapshot()
                 if publishing is not None:  # versions are committed in order, one at a time
                     publishing, previous = None, publishing
                     previous.result()
                 publishing = _Background(
-                    lambda a=(self.version, state, *step): self._commit(*a), f"publish-{self.policy}",
+                    lambda a=(self.version, state, *trained): self._commit(*a), f"publish-{self.policy}",
                 )
             if publishing is not None:
                 publishing, pending = None, publishing
@@ -359,6 +355,6 @@ class Trainer:
                     publishing.result()
                 except Exception:
                     log.exception("trainer %s: publishing v%d failed", self.policy, self.version)
-            if hasattr(self, "backend"):
+            if self.backend is not None:
                 self.save_optimizer()
                 self.backend.close()

@@ -35,8 +35,7 @@ def test_components_exchange_tasks_trajectories_and_weights(tiny_model, tmp_path
     # trajectories: both nodes wrote their own segment
     store = open_trajectory_store(str(tmp_path / "run" / "trajectories"), "r")
     assert len(store.segments()) == 2
-    entries, _ = store.poll(None)
-    assert len(entries) >= 4 * cfg.dataflow.batch_size
+    assert sum(store.count(s) for s in store.segments()) >= 4 * cfg.dataflow.batch_size
     # nodes served versions newer than 0 (they pulled weights)
     served = [h for n in result.nodes.values() for h in n["weight_sync"]]
     assert served and max(h["version"] for h in served) >= 1

@@ -1,4 +1,4 @@
-"""Megatron trainer -> checkpoint shards -> plain DCP reader -> HF Llama: log-prob parity.
+"""Megatron trainer -> checkpoint shards -> the weight store's reader -> HF Llama: log-prob parity.
 
 For TP=1 (untied embeddings) and TP=2 (tied, two rank processes over gloo): start the real
 ``MegatronBackend`` from an HF checkpoint, check its log-probs equal the HF model's (HF->Megatron
@@ -23,7 +23,7 @@ pytest.importorskip("megatron.core")
 from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig  # noqa: E402
 from astraflow.weightconv import megatron_to_hf  # noqa: E402
 from storage import paths  # noqa: E402
-from storage.dcp_reader import read_dcp  # noqa: E402
+from storage.weights import read_checkpoint  # noqa: E402
 from tests.megatron.helpers import (  # noqa: E402
     MiniStore, grpo_batch, hf_logprobs, loss_fn_name, prompts, save_tiny_llama,
 )
@@ -69,7 +69,7 @@ def test_megatron_matches_hf_before_and_after_training(trained):
     assert np.abs(t["after"] - t["before"]).max() > 100 * TOL
     # published shards, read without Megatron, converted to HF: the trainer's log-probs
     assert paths.commit_file(t["root"], "p", 1).exists()
-    hf_sd = megatron_to_hf(read_dcp(t["version_dir"]), t["cfg"])
+    hf_sd = megatron_to_hf(read_checkpoint(t["version_dir"]), t["cfg"])
     err = np.abs(t["after"] - hf_logprobs(hf_sd, t["cfg"], t["toks"])).max()
     assert err < TOL, f"max |logprob diff| {err}"
 
@@ -78,7 +78,7 @@ def test_megatron_matches_hf_before_and_after_training(trained):
 @pytest.mark.parametrize("swap", [("mlp.gate_proj", "mlp.up_proj"), ("self_attn.k_proj", "self_attn.v_proj")])
 def test_a_wrong_mapping_fails_the_parity_check(trained, swap):
     t = trained
-    hf_sd = dict(megatron_to_hf(read_dcp(t["version_dir"]), t["cfg"]))
+    hf_sd = dict(megatron_to_hf(read_checkpoint(t["version_dir"]), t["cfg"]))
     for layer in range(t["cfg"].num_hidden_layers):
         a, b = (f"model.layers.{layer}.{s}.weight" for s in swap)
         hf_sd[a], hf_sd[b] = hf_sd[b], hf_sd[a]

@@ -28,7 +28,7 @@ from click.testing import CliRunner
 
 from astraflow.cli import main
 from schedulers.slurm import SlurmScheduler, run_slurm
-from storage.trajectories import open_trajectory_store
+from storage.trajectories import EntryRef, open_trajectory_store
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_STEPS = 80
@@ -141,7 +141,7 @@ def test_partitions_added_removed_and_killed_mid_run_lose_no_task(tiny_model, tm
     assert any(n.startswith("rollout-a100-") and n.endswith("-2") for n in summary["workers"])
     # provenance: trajectories in the store came from both Slurm partitions
     store = open_trajectory_store(str(run_dir / "trajectories"), "r")
-    entries, _ = store.poll(None)
+    entries = store.read([EntryRef(s, i) for s in store.segments() for i in range(store.count(s))])
     seen = {json.loads(e.meta).get("provenance", {}).get("partition") for e in entries}
     assert {"h100", "a100"} <= seen, seen
     # the head job ended by itself, and no worker job of this run is left

@@ -27,7 +27,7 @@ from storage.trajectories import (
     TrajectoryStore,
     open_trajectory_store,
 )
-from storage_workers import make_row, rows_equal, write_segment, write_then_hang
+from storage_workers import committed_refs, make_row, rows_equal, write_segment, write_then_hang
 
 
 @st.composite
@@ -83,36 +83,25 @@ class TrajectoryStoreConformance:
         for i, row in zip(order, got):
             assert rows_equal(rows[i], row), i
             assert row.tokens.dtype == np.int32 and row.policy_ids.dtype == np.int16
-        infos, _ = open_trajectory_store(store.url, "r").poll({s: store.count(s) for s in store.segments() if s != segment})
-        for info, row in zip(infos, rows):
-            gen = row.versions[row.versions >= 0]
-            assert (info.length, info.reward, info.task_id, info.meta) == (len(row.tokens), row.reward, row.task_id, row.meta)
-            assert info.min_version == (gen.min() if len(gen) else -1)
-            assert info.max_version == (gen.max() if len(gen) else -1)
+        assert open_trajectory_store(store.url, "r").count(segment) == len(rows)
 
-    # -- poll and cursor ----------------------------------------------------------------------
-    def test_poll_returns_each_entry_once(self, make_store):
+    # -- counting what is committed -----------------------------------------------------------
+    def test_count_follows_every_commit_of_every_segment(self, make_store):
         store = make_store()
+        reader = make_store("r")
         a, b = store.writer("a", batch_size=5), store.writer("b", batch_size=7)
-        seen: list[EntryRef] = []
-        cursor = None
-        written = []
+        written: list[EntryRef] = []
         for step in range(4):
             written += a.write([make_row(1, 10 * step + i) for i in range(3 + step)])
             if step % 2:
                 written += b.write([make_row(2, 10 * step + i) for i in range(11)])
-            infos, cursor = store.poll(cursor)
-            seen += [i.ref for i in infos]
-        assert sorted(seen, key=lambda r: (r.segment, r.index)) == sorted(written, key=lambda r: (r.segment, r.index))
-        assert len(set(seen)) == len(seen)
-        assert store.poll(cursor) == ([], cursor)
-        assert store.segments() == ["a", "b"]
+            assert {s: reader.count(s) for s in reader.segments()} == {"a": a.committed, "b": b.committed}
+        assert committed_refs(reader) == sorted(written, key=lambda r: (r.segment, r.index))
+        assert store.segments() == ["a", "b"] and reader.count("unknown") == 0
 
-    def test_cursor_json_round_trip_and_reopen_continues(self, make_store):
+    def test_reopen_continues_after_the_last_commit(self, make_store):
         store = make_store()
         store.writer("seg", batch_size=4).write([make_row(3, i) for i in range(10)])
-        first, cursor = store.poll()
-        saved = json.dumps(cursor)
         del store
         # "restart": a new store object and a new writer for the same segment
         store2 = make_store()
@@ -120,19 +109,16 @@ class TrajectoryStoreConformance:
         assert w.committed == 10
         refs = w.write([make_row(3, i) for i in range(10, 15)])
         assert [r.index for r in refs] == [10, 11, 12, 13, 14]
-        again, cursor2 = make_store("r").poll(json.loads(saved))
-        assert [i.ref for i in again] == refs
-        assert [i.task_id for i in first + again] == [f"w3/t{i}" for i in range(15)]
+        reader = make_store("r")
+        assert committed_refs(reader) == [EntryRef("seg", i) for i in range(15)]
+        assert [r.task_id for r in reader.read(committed_refs(reader))] == [f"w3/t{i}" for i in range(15)]
         assert all(rows_equal(make_row(3, 10 + k), r) for k, r in enumerate(store2.read(refs)))
-        assert cursor2 == {"seg": 15}
 
-    def test_read_rejects_uncommitted_and_bad_cursor(self, make_store):
+    def test_read_rejects_uncommitted_and_bad_names(self, make_store):
         store = make_store()
         store.writer("seg").write([make_row(0, 0)])
         with pytest.raises(EntryNotCommitted, match="committed"):
             store.read([EntryRef("seg", 1)])
-        with pytest.raises(ValueError, match="another store"):
-            store.poll({"seg": 5})
         with pytest.raises(ValueError, match="path component"):
             store.writer("../evil")
         with pytest.raises(ValueError, match="mode='a'"):
@@ -149,20 +135,19 @@ class TrajectoryStoreConformance:
         procs = [ctx.Process(target=write_segment, args=(store_url, w, n, [1, 7, 16, 33, 3])) for w in range(writers)]
         for p in procs:
             p.start()
-        seen: dict[tuple[str, int], None] = {}
-        cursor: dict = {}
+        # read what is committed while the writers go on, as the data layer does (count, read)
+        seen = {f"w{w}": 0 for w in range(writers)}
         deadline = time.monotonic() + 90
         try:
-            while len(seen) < n * writers:
-                assert time.monotonic() < deadline, f"saw {len(seen)} of {n * writers} entries before the deadline"
-                infos, cursor = store.poll(cursor)
-                for info, row in zip(infos, store.read([i.ref for i in infos])):
-                    key = (info.ref.segment, info.ref.index)
-                    assert key not in seen, f"{key} polled twice"
-                    seen[key] = None
-                    w = int(info.ref.segment[1:])
-                    assert rows_equal(make_row(w, info.ref.index), row), f"torn entry {key}"
-                if not infos:
+            while sum(seen.values()) < n * writers:
+                assert time.monotonic() < deadline, f"saw {seen} of {n} entries per writer before the deadline"
+                new = [EntryRef(s, i) for s in seen for i in range(seen[s], store.count(s))]
+                for ref, row in zip(new, store.read(new)):
+                    assert ref.index == seen[ref.segment], f"{ref} out of order"
+                    seen[ref.segment] += 1
+                    w = int(ref.segment[1:])
+                    assert rows_equal(make_row(w, ref.index), row), f"torn entry {ref}"
+                if not new:
                     time.sleep(0.02)
         finally:
             for p in procs:
@@ -171,7 +156,7 @@ class TrajectoryStoreConformance:
                     p.kill()
                     p.join()
         assert [p.exitcode for p in procs] == [0] * writers
-        assert cursor == {f"w{w}": n for w in range(writers)}
+        assert {s: store.count(s) for s in store.segments()} == {f"w{w}": n for w in range(writers)}
 
     @pytest.mark.timeout(120)
     def test_killed_writer_leaves_nothing_visible_and_segment_continues(self, make_store, store_url, tmp_path):
@@ -203,8 +188,7 @@ class TrajectoryStoreConformance:
         t0 = sum(len(make_row(0, i).tokens) for i in range(first))
         orphan = np.concatenate([make_row(0, i).tokens for i in range(first, first + second)])
         assert np.array_equal(tokens[t0:t0 + len(orphan)], orphan)
-        infos, cursor = make_store("r").poll()
-        assert [i.ref.index for i in infos] == list(range(first))
+        assert make_store("r").count("seg") == first
         with pytest.raises(EntryNotCommitted):
             make_store("r").read([EntryRef("seg", first)])
         # reopening continues after the last committed entry and overwrites the orphaned data
@@ -212,8 +196,7 @@ class TrajectoryStoreConformance:
         refs = w2.write([make_row(5, i, length=37) for i in range(6)])
         assert [r.index for r in refs] == list(range(first, first + 6))
         reader = make_store("r")
-        more, _ = reader.poll(cursor)
-        assert [i.ref for i in more] == refs
+        assert committed_refs(reader)[first:] == refs
         got = reader.read([EntryRef("seg", i) for i in range(first + 6)])
         assert all(rows_equal(make_row(0, i), got[i]) for i in range(first))
         assert all(rows_equal(make_row(5, k, length=37), got[first + k]) for k in range(6))

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from storage.trajectories import SegmentWriter, StoredSequence, open_trajectory_store
+from storage.trajectories import EntryRef, SegmentWriter, StoredSequence, TrajectoryStore, open_trajectory_store
 
 
 def make_row(writer: int, i: int, length: int | None = None) -> StoredSequence:
@@ -34,6 +34,11 @@ def make_row(writer: int, i: int, length: int | None = None) -> StoredSequence:
         finish_reason=["stop", "length", "abort"][i % 3],
         meta=json.dumps({"writer": writer, "i": i, "note": "ünïcødé ✓"}),
     )
+
+
+def committed_refs(store: TrajectoryStore) -> list[EntryRef]:
+    """Every committed entry of the store, in segment then entry order."""
+    return [EntryRef(s, i) for s in store.segments() for i in range(store.count(s))]
 
 
 def rows_equal(a: StoredSequence, b: StoredSequence) -> bool:

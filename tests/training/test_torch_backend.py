@@ -104,11 +104,18 @@ def test_publish_roundtrip_into_engine(tiny_model, tmp_path):
             assert torch.equal(eng.model.state_dict()[k], v), k
 
 
-def test_bad_settings(tiny_model):
-    with pytest.raises(ValueError, match="lr"):
-        TorchBackend(tiny_model, lr=0)
-    with pytest.raises(ValueError, match="micro_batch_size"):
-        TorchBackend(tiny_model, micro_batch_size=0)
+def test_bad_settings():
+    """The trainer's settings are checked once, by its config (the backend takes them as given)."""
+    from pydantic import ValidationError
+
+    from astraflow.training.config import TrainerConfig
+
+    with pytest.raises(ValidationError, match="lr"):
+        TrainerConfig(lr=0)
+    with pytest.raises(ValidationError, match="micro_batch"):
+        TrainerConfig(micro_batch=0)
+    with pytest.raises(ValidationError, match="tensor_parallel.*backend: megatron"):
+        TrainerConfig(tensor_parallel=2)
 
 
 @pytest.mark.parametrize("off_policy", ["ppo_clip", "tis"])
@@ -192,13 +199,13 @@ def test_bf16_autocast_trains_in_the_same_direction_with_fp32_state(tiny_model):
         assert bf16.model.config._attn_implementation == "eager"
     assert _seq_logprob(bf16.model, good) > g0 + 0.1
     assert _seq_logprob(bf16.model, bad) < b0 - 0.1
-    with pytest.raises(ValueError, match="precision"):
-        TorchBackend(tiny_model, precision="fp16")
 
 
 def test_bf16_is_a_torch_backend_option():
     from astraflow.training.config import TrainerConfig
 
     assert TrainerConfig(precision="bf16").precision == "bf16"
+    with pytest.raises(ValueError, match="precision"):
+        TrainerConfig(precision="fp16")
     with pytest.raises(ValueError, match="trainer.precision"):
         TrainerConfig(backend="megatron", precision="bf16")

@@ -83,8 +83,6 @@ class MegatronBackendConfig:
     skip_zero_advantage: bool = True
 
     def __post_init__(self) -> None:
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if ":" not in self.loss_fn:
             raise ValueError(f"loss_fn {self.loss_fn!r} must look like 'package.module:function'")
         if not Path(self.hf_checkpoint, "config.json").is_file():
@@ -144,6 +142,13 @@ def collate(batch: Batch) -> dict[str, np.ndarray]:
 
 class MegatronBackend:
     """Tensor-parallel Megatron-core trainer backend (see the module docstring)."""
+
+    #: ``TrainerBackend`` capabilities: the weights live in the rank processes, so there is no
+    #: in-process copy to publish in the background, no resume from committed weights and no
+    #: optimiser checkpoint (the methods below raise; the trainer does not call them).
+    supports_snapshot = False
+    supports_resume = False
+    supports_optimizer_state = False
 
     def __init__(self, config: MegatronBackendConfig):
         self.config = config
@@ -208,10 +213,24 @@ class MegatronBackend:
         directory.mkdir(parents=True, exist_ok=True)
         return self._call("save", {"dir": str(directory)}, self.config.step_timeout_s)[0]
 
-    def publish(self, store, policy: str, version: int) -> WeightVersion:
-        """Write shards into ``store.staging(policy, version)``, then ``store.commit`` (marker last)."""
+    def publish(self, store, policy: str, version: int, state: dict | None = None) -> WeightVersion:
+        """Write shards into ``store.staging(policy, version)``, then ``store.commit`` (marker last).
+        Always the ranks' current weights: ``state`` is for backends that ``supports_snapshot``."""
+        assert state is None, "MegatronBackend publishes its ranks' weights; it takes no snapshot"
         self.save_shards(store.staging(policy, version))
         return store.commit(policy, version, {"layout": "megatron", "hf_config": self.hf_config})
+
+    def snapshot(self) -> dict:
+        raise NotImplementedError("MegatronBackend.supports_snapshot is False")
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError("MegatronBackend.supports_resume is False")
+
+    def optimizer_state(self) -> dict[str, Any]:
+        raise NotImplementedError("MegatronBackend.supports_optimizer_state is False")
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError("MegatronBackend.supports_optimizer_state is False")
 
     def logprobs(self, tokens: np.ndarray) -> np.ndarray:
         """``log p(tokens[:, t+1] | tokens[:, :t+1])``, shape ``[B, T-1]`` (evaluation, no grad)."""

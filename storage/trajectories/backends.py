@@ -1,0 +1,245 @@
+"""Trajectory store, backends room: where a store keeps its bytes.
+
+Why it exists: the writer and the reader speak to one small protocol (``StoreBackend``), and
+two implementations answer it: a directory on a shared filesystem (many processes, markers
+created atomically through ``storage.atomic``) and an in-process registry by name
+(``memory://<name>``; tests and the embedded default). ``open_backend`` picks one from a URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+from zarr.core.sync import sync as _zarr_sync
+from zarr.storage import LocalStore, MemoryStore
+
+from storage import paths
+from storage.atomic import create_atomically
+
+
+class StoreBackend(Protocol):
+    """What the store needs from where its bytes live. Markers are created once, never replaced
+    (``FileExistsError`` when one exists); ``sync_chunks`` makes written chunk data durable."""
+
+    #: writers and readers in other processes (and nodes) see the same store.
+    supports_multiprocess: bool
+    #: chunk data and markers are fsynced before a batch counts as committed.
+    durable: bool
+
+    def describe(self) -> str: ...
+    def read_layout(self) -> bytes | None: ...
+    def create_layout(self, data: bytes) -> None: ...
+    def list_segments(self) -> list[str]: ...
+    def zarr_store(self, segment: str, read_only: bool) -> Any: ...
+    def list_markers(self, segment: str) -> list[int]: ...
+    def read_marker(self, segment: str, seqno: int) -> bytes | None: ...
+    def publish_marker(self, segment: str, seqno: int, data: bytes) -> None: ...
+    def prepare_segment(self, segment: str) -> None: ...
+    def sync_chunks(self, segment: str, keys: list[str]) -> None: ...
+
+
+class DirBackend:
+    """A directory (``paths.segments_root`` and friends), shared by many processes."""
+
+    supports_multiprocess = True
+
+    def __init__(self, root: Path, durable: bool):
+        self.root = root
+        self.durable = durable
+
+    def describe(self) -> str:
+        return str(self.root)
+
+    def read_layout(self) -> bytes | None:
+        try:
+            return paths.store_layout_file(self.root).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def create_layout(self, data: bytes) -> None:
+        paths.segments_root(self.root).mkdir(parents=True, exist_ok=True)
+        try:
+            create_atomically(paths.store_layout_file(self.root), data)
+        except FileExistsError:
+            pass  # another process created the store first; the caller re-reads and checks it
+
+    def list_segments(self) -> list[str]:
+        try:
+            names = os.listdir(paths.segments_root(self.root))
+        except FileNotFoundError:
+            return []
+        return sorted(n for n in names if not paths.is_tmp(n) and paths.is_plain_name(n))
+
+    def zarr_store(self, segment: str, read_only: bool) -> Any:
+        return LocalStore(paths.segment_data_dir(self.root, segment), read_only=read_only)
+
+    def prepare_segment(self, segment: str) -> None:
+        commits = paths.segment_commit_dir(self.root, segment)
+        commits.mkdir(parents=True, exist_ok=True)
+        for name in os.listdir(commits):  # temp files of a killed writer of this segment
+            if paths.is_tmp(name):
+                (commits / name).unlink(missing_ok=True)
+
+    def list_markers(self, segment: str) -> list[int]:
+        try:
+            names = os.listdir(paths.segment_commit_dir(self.root, segment))
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := paths.COMMIT_MARKER_RE.match(n)))
+
+    def read_marker(self, segment: str, seqno: int) -> bytes | None:
+        try:
+            return paths.commit_marker(self.root, segment, seqno).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def publish_marker(self, segment: str, seqno: int, data: bytes) -> None:
+        create_atomically(paths.commit_marker(self.root, segment, seqno), data, durable=self.durable)
+
+    def sync_chunks(self, segment: str, keys: list[str]) -> None:
+        if not self.durable:
+            return
+        base = paths.segment_data_dir(self.root, segment)
+        # fdatasync releases the GIL; issuing them together lets the disk overlap the flushes
+        list(_sync_pool().map(_fdatasync, [base / key for key in keys]))
+
+
+def _fdatasync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+_SYNC_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _sync_pool() -> ThreadPoolExecutor:
+    """Process-wide fsync threads (recreated in a forked child, which inherits no threads)."""
+    global _SYNC_POOL
+    if _SYNC_POOL is None or _SYNC_POOL[0] != os.getpid():
+        _SYNC_POOL = (os.getpid(), ThreadPoolExecutor(max_workers=8, thread_name_prefix="trajectory-fsync"))
+    return _SYNC_POOL[1]
+
+
+class _MemoryState:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.layout: bytes | None = None
+        self.zarr: dict[str, dict] = {}
+        self.markers: dict[str, dict[int, bytes]] = {}
+
+
+#: in-process stores by name (``memory://<name>``); lives as long as the process.
+_MEMORY_STORES: dict[str, _MemoryState] = {}
+_MEMORY_LOCK = threading.Lock()
+
+
+class MemoryBackend:
+    """An in-process store (``memory://<name>``): the same semantics within one process."""
+
+    supports_multiprocess = False
+    durable = False
+
+    def __init__(self, name: str, state: _MemoryState):
+        self.name = name
+        self.state = state
+
+    def describe(self) -> str:
+        return f"memory://{self.name}"
+
+    def read_layout(self) -> bytes | None:
+        return self.state.layout
+
+    def create_layout(self, data: bytes) -> None:
+        with self.state.lock:
+            if self.state.layout is None:
+                self.state.layout = data
+
+    def list_segments(self) -> list[str]:
+        with self.state.lock:
+            return sorted(self.state.markers)
+
+    def zarr_store(self, segment: str, read_only: bool) -> Any:
+        with self.state.lock:
+            d = self.state.zarr.setdefault(segment, {})
+        return MemoryStore(store_dict=d, read_only=read_only)
+
+    def prepare_segment(self, segment: str) -> None:
+        with self.state.lock:
+            self.state.markers.setdefault(segment, {})
+
+    def list_markers(self, segment: str) -> list[int]:
+        with self.state.lock:
+            return sorted(self.state.markers.get(segment, {}))
+
+    def read_marker(self, segment: str, seqno: int) -> bytes | None:
+        with self.state.lock:
+            return self.state.markers.get(segment, {}).get(seqno)
+
+    def publish_marker(self, segment: str, seqno: int, data: bytes) -> None:
+        with self.state.lock:
+            markers = self.state.markers.setdefault(segment, {})
+            if seqno in markers:
+                raise FileExistsError(f"memory://{self.name} segment {segment} marker {seqno}")
+            markers[seqno] = data
+
+    def sync_chunks(self, segment: str, keys: list[str]) -> None:
+        return None
+
+
+def gather(coros: list) -> list:
+    """Run Zarr's async calls concurrently on Zarr's own event loop (one round trip)."""
+
+    async def _all() -> list:
+        return await asyncio.gather(*coros)
+
+    return _zarr_sync(_all())
+
+
+def open_backend(url: str, mode: str, durable: bool) -> StoreBackend:
+    """The backend a store URL names: ``memory://<name>``, ``file:///abs/path`` or a directory
+    path. ``mode="a"`` creates a memory store that does not exist and checks that a directory
+    is writable; ``mode="r"`` refuses a memory store that does not exist."""
+    if url.startswith("memory://"):
+        name = url[len("memory://"):]
+        paths.check_name("memory store", name)
+        with _MEMORY_LOCK:
+            state = _MEMORY_STORES.get(name)
+            if state is None and mode == "a":
+                state = _MEMORY_STORES[name] = _MemoryState()
+        if state is None:
+            raise FileNotFoundError(
+                f"no in-process trajectory store {url!r}: open it with mode='a' first (memory stores "
+                "exist only inside the process that created them)"
+            )
+        return MemoryBackend(name, state)
+    if "://" in url and not url.startswith("file://"):
+        scheme = url.split("://", 1)[0]
+        raise ValueError(
+            f"unknown trajectory store scheme {scheme!r} in {url!r}: known are a plain directory "
+            "path, 'file://', 'memory://'"
+        )
+    root = Path(url[len("file://"):] if url.startswith("file://") else url).absolute()
+    if mode == "a":
+        _check_writable_dir(root)
+    return DirBackend(root, durable)
+
+
+def _check_writable_dir(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = paths.tmp_sibling(root / "write-probe")
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(
+            f"trajectory store directory {root} is not writable ({e.strerror or e}): point the store "
+            "at a directory this process can create files in, or open it with mode='r' to only read"
+        ) from e

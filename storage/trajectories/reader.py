@@ -1,0 +1,231 @@
+"""Trajectory store, reader room: opening a store, finding what is committed, reading entries.
+
+Why it exists: the data layer and trainers read entries that RaaS nodes committed, by
+reference, without a lock and while writers keep appending. A reader trusts only commit
+markers (gap-free, immutable once published) and reads a batch of entries with one Zarr call
+per array per run of nearby entries.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from pathlib import Path
+
+import zarr
+
+from storage import paths
+from storage.trajectories.backends import StoreBackend, gather, open_backend
+from storage.trajectories.layout import (
+    FLAT_DTYPES, LAYOUT_VERSION, EntryNotCommitted, EntryRef, Marker, StoredSequence, layout_record,
+)
+from storage.trajectories.writer import SegmentWriter
+
+#: token gap below which read() fetches one covering slice instead of two.
+_MERGE_GAP_TOKENS = 32 * 1024
+
+
+def open_trajectory_store(url: str, mode: str = "a", *, durable: bool = True) -> "TrajectoryStore":
+    """Open (``mode="r"``: must exist) or open-or-create (``mode="a"``) a trajectory store.
+
+    ``url``: a directory path, ``file:///abs/path`` (shared filesystem), or ``memory://<name>``
+    (in-process). ``durable`` (directories only): fsync chunk data and markers before a batch
+    counts as committed, so a committed entry survives a machine crash, not only a process
+    crash. Turning it off trades that for speed on scratch stores.
+    """
+    if mode not in ("r", "a"):
+        raise ValueError(f"mode must be 'r' (existing store, read-only) or 'a' (create if absent), got {mode!r}")
+    if not isinstance(url, (str, os.PathLike)):
+        raise ValueError(f"store url must be a string path or URL, got {type(url).__name__}")
+    return TrajectoryStore(open_backend(os.fspath(url), mode, durable), mode)
+
+
+class SegmentView:
+    """What one store object (or a writer resuming a segment) knows about one segment: its
+    markers (immutable once published) and its opened arrays (reopened when the writer grew
+    them past the known shape)."""
+
+    def __init__(self, backend: StoreBackend, segment: str):
+        self.backend = backend
+        self.segment = segment
+        self.markers: list[Marker] = []
+        self.starts: list[int] = []
+        self.loaded = False
+        self._arrays: dict[str, zarr.Array] = {}
+
+    @property
+    def committed(self) -> int:
+        return self.markers[-1].end if self.markers else 0
+
+    def refresh(self) -> None:
+        if not self.loaded:
+            for seqno in self.backend.list_markers(self.segment):
+                if seqno != len(self.markers):
+                    break  # markers are gap-free; anything after a gap is not committed yet
+                self._add(seqno, self.backend.read_marker(self.segment, seqno))
+            self.loaded = True
+        while True:
+            data = self.backend.read_marker(self.segment, len(self.markers))
+            if data is None:
+                return
+            self._add(len(self.markers), data)
+
+    def _add(self, seqno: int, data: bytes | None) -> None:
+        assert data is not None, f"marker {seqno} of {self.segment} vanished"
+        m = Marker.parse(seqno, data)
+        assert m.start == self.committed, f"segment {self.segment}: marker {seqno} does not continue the last one"
+        self.markers.append(m)
+        self.starts.append(m.start)
+
+    def marker_of(self, index: int) -> Marker:
+        return self.markers[bisect.bisect_right(self.starts, index) - 1]
+
+    def array(self, name: str, needed: int) -> zarr.Array:
+        arr = self._arrays.get(name)
+        if arr is None or arr.shape[0] < needed:
+            arr = zarr.open_array(store=self.backend.zarr_store(self.segment, read_only=True), path=name, mode="r")
+            assert arr.shape[0] >= needed, f"{self.segment}/{name} is shorter than its committed range"
+            self._arrays[name] = arr
+        return arr
+
+
+class TrajectoryStore:
+    """A trajectory store opened by one process. Not thread-safe; open one per thread."""
+
+    def __init__(self, backend: StoreBackend, mode: str):
+        self._backend = backend
+        self._mode = mode
+        layout = backend.read_layout()
+        if layout is None:
+            if mode == "r":
+                raise FileNotFoundError(
+                    f"no trajectory store at {backend.describe()} (no {paths.store_layout_file(Path('.')).name}): "
+                    "check the path, or open it with mode='a' to create one"
+                )
+            backend.create_layout(layout_record())
+            layout = backend.read_layout()
+            assert layout is not None
+        rec = json.loads(layout)
+        found = rec.get("layout_version")
+        if found != LAYOUT_VERSION:
+            raise ValueError(
+                f"trajectory store at {backend.describe()} has layout version {found}, this code reads "
+                f"version {LAYOUT_VERSION}: read it with the AstraFlow version that wrote it, or point "
+                "this run at a new store directory"
+            )
+        self._views: dict[str, SegmentView] = {}
+
+    @property
+    def url(self) -> str:
+        return self._backend.describe()
+
+    @property
+    def supports_multiprocess(self) -> bool:
+        """True when writers and readers in other processes (and nodes) see the same store."""
+        return self._backend.supports_multiprocess
+
+    def writer(self, segment: str, batch_size: int = 64) -> SegmentWriter:
+        """The writer of ``segment`` (created if absent). One live writer per segment: a second
+        one is detected only when both publish the same marker (``SegmentConflict``)."""
+        if self._mode == "r":
+            raise ValueError(f"store {self.url} was opened with mode='r': open it with mode='a' to write")
+        paths.check_name("segment", segment)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        view = SegmentView(self._backend, segment)
+        view.refresh()  # the writer continues after the last committed marker
+        return SegmentWriter(self._backend, segment, batch_size, view.markers)
+
+    def segments(self) -> list[str]:
+        return self._backend.list_segments()
+
+    def _view(self, segment: str) -> SegmentView:
+        v = self._views.get(segment)
+        if v is None:
+            v = self._views[segment] = SegmentView(self._backend, paths.check_name("segment", segment))
+        return v
+
+    def read(self, refs: list[EntryRef]) -> list[StoredSequence]:
+        """The entries ``refs`` name, in that order, exactly as written (batched: one Zarr call
+        per array per run of nearby entries). ``EntryNotCommitted`` for an uncommitted ref."""
+        by_seg: dict[str, list[int]] = {}
+        for pos, ref in enumerate(refs):
+            by_seg.setdefault(ref.segment, []).append(pos)
+        out: list[StoredSequence | None] = [None] * len(refs)
+        # 1) index rows of the requested entries (one covering slice per segment)
+        plans = []
+        for seg, positions in by_seg.items():
+            view = self._view(seg)
+            idx = [refs[p].index for p in positions]
+            if max(idx) >= view.committed:
+                view.refresh()
+            bad = [i for i in idx if i < 0 or i >= view.committed]
+            if bad:
+                raise EntryNotCommitted(
+                    f"segment {seg!r} of {self.url} has {view.committed} committed entries; "
+                    f"asked for {bad[:5]}: pass only refs returned by write()"
+                )
+            plans.append((view, positions, idx, min(idx), max(idx) + 1))
+        got = gather([
+            c
+            for view, _, _, a, b in plans
+            for c in (view.array("index", b).async_array.getitem(slice(a, b)),
+                      view.array("reward", b).async_array.getitem(slice(a, b)))
+        ]) if plans else []
+        # 2) token runs: sorted by offset, merged when close, one slice per array per run
+        run_jobs = []  # (view, t0, t1, [(pos, entry_index, offset, length, index_row, reward)])
+        for k, (view, positions, idx, a, _) in enumerate(plans):
+            index, reward = got[2 * k], got[2 * k + 1]
+            items = sorted(
+                ((p, i, int(index[i - a][0]), int(index[i - a][1]), index[i - a], float(reward[i - a]))
+                 for p, i in zip(positions, idx)),
+                key=lambda t: t[2],
+            )
+            cur: list = []
+            t0 = t1 = 0
+            for it in items:
+                if cur and it[2] - t1 > _MERGE_GAP_TOKENS:
+                    run_jobs.append((view, t0, t1, cur))
+                    cur = []
+                if not cur:
+                    t0 = it[2]
+                    t1 = it[2]
+                cur.append(it)
+                t1 = max(t1, it[2] + it[3])
+            if cur:
+                run_jobs.append((view, t0, t1, cur))
+        coros = [
+            view.array(name, t1).async_array.getitem(slice(t0, t1))
+            for view, t0, t1, _ in run_jobs
+            for name in FLAT_DTYPES
+        ]
+        flat = gather(coros) if coros else []
+        names = list(FLAT_DTYPES)
+        for r, (view, t0, _, items) in enumerate(run_jobs):
+            arrays = dict(zip(names, flat[r * len(names):(r + 1) * len(names)]))
+            for pos, i, off, length, row, rew in items:
+                s = slice(off - t0, off - t0 + length)
+                m = view.marker_of(i)
+                j = i - m.start
+                out[pos] = StoredSequence(
+                    task_id=m.strings["task_id"][j],
+                    group_id=m.strings["group_id"][j],
+                    seq_index=int(row[2]),
+                    num_sequences=int(row[3]),
+                    tokens=arrays["tokens"][s].copy(),
+                    loss_mask=arrays["loss_mask"][s].copy(),
+                    logprobs=arrays["logprobs"][s].copy(),
+                    policy_ids=arrays["policy_ids"][s].copy(),
+                    versions=arrays["versions"][s].copy(),
+                    reward=rew,
+                    finish_reason=m.strings["finish_reason"][j],
+                    meta=m.strings["meta"][j],
+                )
+        return out  # type: ignore[return-value]
+
+    def count(self, segment: str) -> int:
+        """Committed entries of ``segment`` (0 for an unknown one)."""
+        view = self._view(segment)
+        view.refresh()
+        return view.committed

@@ -1,0 +1,166 @@
+"""Trajectory store, writer room: appending entries to one segment and committing them.
+
+Why it exists: a RaaS node publishes finished trajectories to its own segment without
+talking to anyone. A batch is published in two steps, chunk data first (fsynced when the
+store is durable), then a commit marker created atomically; readers trust only markers, so a
+writer killed in between leaves nothing visible, and its successor overwrites the orphaned
+chunk data.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import zarr
+
+from storage.trajectories.backends import StoreBackend, gather
+from storage.trajectories.layout import (
+    FLAT_DTYPES, INDEX_CHUNK, INDEX_COLUMNS, REWARD_CHUNK, STRING_COLUMNS, EntryRef, Marker, SegmentConflict,
+    StoredSequence, flat_chunk, marker_record,
+)
+
+
+def _chunk_keys(name: str, chunk: int, a: int, b: int, suffix: str = "") -> list[str]:
+    if b <= a:
+        return []
+    return [f"{name}/c/{c}{suffix}" for c in range(a // chunk, (b - 1) // chunk + 1)]
+
+
+class SegmentWriter:
+    """Appends entries to one segment. The only process that writes (or resizes) its arrays."""
+
+    #: test hook: called after a batch's chunk data is written and before its marker exists.
+    _before_commit: Callable[[], None] | None = None
+
+    def __init__(self, backend: StoreBackend, segment: str, batch_size: int, committed: list[Marker]):
+        """``committed``: the segment's committed markers, in order (``TrajectoryStore.writer``
+        reads them); the writer continues after the last one."""
+        self._backend = backend
+        self.segment = segment
+        self.batch_size = batch_size
+        self._closed = False
+        backend.prepare_segment(segment)
+        self._arrays = self._open_arrays()
+        # continue after the last committed marker (uncommitted chunk data is overwritten)
+        last = committed[-1] if committed else None
+        self._seqno = len(committed)
+        self._entries = last.end if last else 0
+        self._tokens = last.tok_end if last else 0
+
+    def _open_arrays(self) -> dict[str, zarr.Array]:
+        # chunks equal to the fill value are still written: every touched chunk file exists
+        # (fsync needs it) and orphaned data of a killed writer is always overwritten.
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            group = zarr.open_group(store=self._backend.zarr_store(self.segment, read_only=False), mode="a")
+            existing = set(group.array_keys())
+            arrays: dict[str, zarr.Array] = {}
+            for name, dt in FLAT_DTYPES.items():
+                arrays[name] = group[name] if name in existing else group.create_array(
+                    name, shape=(0,), chunks=(flat_chunk(name),), dtype=dt, compressors=None, fill_value=0)
+            arrays["index"] = group["index"] if "index" in existing else group.create_array(
+                "index", shape=(0, len(INDEX_COLUMNS)), chunks=(INDEX_CHUNK, len(INDEX_COLUMNS)),
+                dtype=np.int64, compressors=None, fill_value=0)
+            arrays["reward"] = group["reward"] if "reward" in existing else group.create_array(
+                "reward", shape=(0,), chunks=(REWARD_CHUNK,), dtype=np.float64, compressors=None, fill_value=0.0)
+        for arr in arrays.values():
+            assert arr.config.write_empty_chunks
+        return arrays
+
+    @property
+    def committed(self) -> int:
+        """Entries committed in this segment so far (by this writer and its predecessors)."""
+        return self._entries
+
+    def write(self, rows: list[StoredSequence]) -> list[EntryRef]:
+        """Publish ``rows`` in batches of ``batch_size``; every returned ref is committed."""
+        if self._closed:
+            raise ValueError(f"writer of segment {self.segment!r} is closed: open a new one with store.writer()")
+        refs: list[EntryRef] = []
+        for i in range(0, len(rows), self.batch_size):
+            refs.extend(self._publish(rows[i:i + self.batch_size]))
+        return refs
+
+    def flush(self) -> None:
+        """Nothing is buffered between calls: ``write`` publishes what it was given."""
+        return None
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __enter__(self) -> "SegmentWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _grow(self, name: str, needed: int, chunk: int) -> None:
+        """Over-allocate (capacity doubles): resizing rewrites array metadata, so keep it rare."""
+        arr = self._arrays[name]
+        cap = arr.shape[0]
+        if needed > cap:
+            new = -(-max(needed, 2 * cap, chunk) // chunk) * chunk
+            arr.resize((new,) + tuple(arr.shape[1:]))
+
+    def _publish(self, batch: list[StoredSequence]) -> list[EntryRef]:
+        if not batch:
+            return []
+        n = len(batch)
+        lengths = np.empty(n, dtype=np.int64)
+        cols: dict[str, list[np.ndarray]] = {k: [] for k in FLAT_DTYPES}
+        for r, row in enumerate(batch):
+            length = len(row.tokens)
+            for k in FLAT_DTYPES:
+                a = np.asarray(getattr(row, k))
+                if a.ndim != 1 or len(a) != length:
+                    raise ValueError(
+                        f"entry {row.task_id!r}: {k} has shape {a.shape} but tokens has {length} entries; "
+                        "every per-token array must be 1-D with one value per token"
+                    )
+                cols[k].append(a)
+            lengths[r] = length
+        flat = {}
+        for k, dt in FLAT_DTYPES.items():
+            cat = np.concatenate(cols[k]) if lengths.sum() else np.zeros(0, dt)
+            cast = cat.astype(dt, copy=False)
+            if cat.dtype != dt and not np.array_equal(cast, cat, equal_nan=cat.dtype.kind in "fc"):
+                raise ValueError(f"{k} values do not fit the stored dtype {dt}: cast them before writing")
+            flat[k] = cast
+        offsets = self._tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        index = np.empty((n, len(INDEX_COLUMNS)), dtype=np.int64)
+        index[:, 0] = offsets
+        index[:, 1] = lengths
+        index[:, 2] = [r.seq_index for r in batch]
+        index[:, 3] = [r.num_sequences for r in batch]
+        rewards = np.array([float(r.reward) for r in batch], dtype=np.float64)
+        strings = {c: [getattr(r, c) for r in batch] for c in STRING_COLUMNS}
+        for c, vals in strings.items():
+            bad = [v for v in vals if not isinstance(v, str)]
+            if bad:
+                raise ValueError(f"StoredSequence.{c} must be str, got {type(bad[0]).__name__}")
+        t0, t1 = self._tokens, self._tokens + int(lengths.sum())
+        e0, e1 = self._entries, self._entries + n
+        for k in FLAT_DTYPES:
+            self._grow(k, t1, flat_chunk(k))
+        self._grow("index", e1, INDEX_CHUNK)
+        self._grow("reward", e1, REWARD_CHUNK)
+        writes = [self._arrays[k].async_array.setitem(slice(t0, t1), flat[k]) for k in FLAT_DTYPES if t1 > t0]
+        writes.append(self._arrays["index"].async_array.setitem(slice(e0, e1), index))
+        writes.append(self._arrays["reward"].async_array.setitem(slice(e0, e1), rewards))
+        gather(writes)
+        keys = [key for k in FLAT_DTYPES for key in _chunk_keys(k, flat_chunk(k), t0, t1)]
+        keys += _chunk_keys("index", INDEX_CHUNK, e0, e1, "/0") + _chunk_keys("reward", REWARD_CHUNK, e0, e1)
+        self._backend.sync_chunks(self.segment, keys)
+        if self._before_commit is not None:
+            self._before_commit()
+        marker = marker_record(self._seqno, (e0, e1), (t0, t1), strings)
+        try:
+            self._backend.publish_marker(self.segment, self._seqno, marker)
+        except FileExistsError as e:
+            raise SegmentConflict(
+                f"commit marker {self._seqno} of segment {self.segment!r} already exists: another writer is "
+                "writing this segment; give every writer its own segment name"
+            ) from e
+        self._seqno += 1
+        self._entries, self._tokens = e1, t1
+        return [EntryRef(self.segment, i) for i in range(e0, e1)]
