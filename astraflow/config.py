@@ -149,10 +149,6 @@ class RunConfig(Strict):
                     f"policies[{pol.name}].model: {pol.model} does not exist; point it at an HF "
                     "model directory or add an `init:` section to build one locally"
                 )
-            if pol.trainer.backend == "torch" and pol.trainer.tensor_parallel != 1:
-                raise ValueError(
-                    f"policies[{pol.name}].trainer: tensor_parallel > 1 needs backend: megatron"
-                )
         return self
 
     def policy(self, name: str) -> PolicyConfig:
@@ -211,7 +207,7 @@ def _format_validation(err: ValidationError) -> str:
         loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; `astraflow config --help` lists the fields)"
+            msg = "unknown key (check the spelling; docs/configuration.md lists the sections and where each field is documented)"
         lines.append(f"{loc}: {msg}")
     return "invalid config:\n  " + "\n  ".join(lines)
 

@@ -27,11 +27,15 @@ def fsync_path(path: Path) -> None:
 
 def _write_tmp(final: Path, data: bytes, durable: bool) -> Path:
     tmp = tmp_sibling(final)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        if durable:
-            os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return tmp
 
 
