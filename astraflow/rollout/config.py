@@ -9,9 +9,13 @@ from pydantic import Field
 from astraflow.configbase import Strict
 
 
+#: the engine types ``rollout.engine.type`` can name (``engines.make_engine`` builds them)
+EngineType = Literal["hf"]
+
+
 class EngineConfig(Strict):
-    type: Literal["hf"] = "hf"
-    """Inference engine: ``hf`` (transformers; CPU, or one GPU when available)."""
+    type: EngineType = "hf"
+    """Inference engine: ``hf`` (transformers; CPU, or one GPU when available), the one type today."""
     max_batch: int = Field(default=64, ge=1)
     """Most requests decoded together in one batch."""
     swap_min_remaining: int = Field(default=16, ge=0)

@@ -175,6 +175,35 @@ class HFEngine:
     def close(self) -> None:
         """Nothing to release (kept for the engine protocol)."""
 
+    # -- capabilities: an engine in the caller's process ---------------------------------
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    @property
+    def dead(self) -> str | None:
+        return None  # if it dies, the node's process dies with it
+
+    @property
+    def restartable(self) -> bool:
+        return False
+
+    def restart(self) -> None:
+        raise RuntimeError("HFEngine runs in the node's process and cannot be restarted; "
+                           "set rollout.engine.process: true for a restartable engine process")
+
+    @property
+    def loads_versions_itself(self) -> bool:
+        return False
+
+    def load_version(self, weights_root: str, policy: str, version: int, *, use_deltas: bool = False,
+                     full_resync_every: int = 10) -> None:
+        raise RuntimeError("HFEngine does not read the weight store itself: read the version with "
+                           "weight_sync.VersionReader and pass it to load_weights")
+
+    def take_load_records(self) -> list[dict[str, Any]]:
+        return []  # the node's own reader records what it loads
+
     # -- internals -----------------------------------------------------------------------
     def _apply(self, state_dict: Mapping[str, Any], version: int) -> None:
         sd = {k: torch.as_tensor(v) for k, v in state_dict.items()}

@@ -124,10 +124,15 @@ class ProcessEngine:
         self._reader = threading.Thread(target=self._read, args=(conn, proc), name="engine-reader", daemon=True)
         self._reader.start()
 
+    # -- capabilities: an engine in a process of its own -----------------------------------
     @property
     def dead(self) -> str | None:
         """Why the engine process is gone (None while it serves)."""
         return self._dead
+
+    @property
+    def restartable(self) -> bool:
+        return True
 
     def restart(self) -> None:
         """Start a new engine process after this one died (blocking: the model loads). It
@@ -146,6 +151,10 @@ class ProcessEngine:
     @property
     def pid(self) -> int | None:
         return self._proc.pid
+
+    @property
+    def loads_versions_itself(self) -> bool:
+        return True
 
     # -- protocol ------------------------------------------------------------------------
     async def generate(self, prompt_tokens: list[int], params: SamplingParams) -> Generation:
