@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator, field_validator, \
-    model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 SchedulerKind = Literal["local", "slurm"]

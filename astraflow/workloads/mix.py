@@ -27,7 +27,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from astraflow.configbase import Strict
-from astraflow.workloads.base import WORKLOADS, Workload, error_text, explain, make_workload, params_model, workload_class
+from astraflow.workloads.base import (WORKLOADS, Workload, error_text, explain, make_workload, params_model,
+                                      workload_class)
 
 #: the payload key that names a payload's source (added by the mixture).
 SOURCE_KEY = "source"
