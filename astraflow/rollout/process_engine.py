@@ -4,8 +4,8 @@ Why: a RaaS node process also runs the Dask worker (comms for lease/complete/hea
 trajectory writer (Zarr encoding) and the weight watcher, all Python. An engine in the same
 process shares the interpreter lock with them, and torch releases that lock in every one of
 the hundreds of small kernels of a decoding step, so each busy neighbour thread delays every
-step (``benchmarks/rollout_overhead.py`` measured the in-process engine's decoding 1.3-1.6x
-slower inside a node than alone). Inference servers split the same way (vLLM runs its engine
+step (``benchmarks/rollout_overhead.py`` compares the in-process engine's decoding inside a
+node with the engine alone). Inference servers split the same way (vLLM runs its engine
 core apart from the API server for this reason). Here the node keeps its event loop, episodes
 and bookkeeping; the engine process runs only ``HFEngine``'s decode loop.
 
