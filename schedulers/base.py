@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal, Protocol, runtime_checkable
+from typing import Any, Iterable, Literal, Protocol, get_args, runtime_checkable
 
 from schedulers.partition import Partition
 
 JobState = Literal["PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "UNKNOWN"]
-JOB_STATES: tuple[str, ...] = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "UNKNOWN")
+JOB_STATES: tuple[str, ...] = get_args(JobState)
 ACTIVE_STATES: frozenset[str] = frozenset({"PENDING", "RUNNING"})
 """States of a job that holds (or will hold) a worker; the rest are final (UNKNOWN excepted)."""
 

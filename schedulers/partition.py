@@ -11,24 +11,66 @@ A Partition is validated once, when it is built, with messages that say what to 
 
 from __future__ import annotations
 
-import math
 import re
-from typing import Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator, field_validator,
+                      model_validator)
+from pydantic_core import PydanticCustomError
 
 SchedulerKind = Literal["local", "slurm"]
 Role = Literal["rollout", "trainer", "data"]
-ROLES: tuple[str, ...] = ("rollout", "trainer", "data")
+ROLES: tuple[str, ...] = get_args(Role)
 
 # '-' separates the fields of a worker name, so name/region/hardware may not contain it.
-_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]{0,39}$")
-_SLURM_PARTITION = re.compile(r"^[A-Za-z0-9_.-]+$")
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_LABEL_RE = r"^[A-Za-z0-9][A-Za-z0-9_.]{0,39}$"
+_LABEL = re.compile(_LABEL_RE)
+_IDENT = r"^[A-Za-z_][A-Za-z0-9_]*$"
 _MEM = re.compile(r"^(\d+)([KMGT]?)$")
-_GRES_ITEM = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?::([A-Za-z0-9_.-]+?))?(?::(\d+))?$")
+_GRES_ITEM_RE = r"([A-Za-z_][A-Za-z0-9_]*)(?::([A-Za-z0-9_.-]+?))?(?::(\d+))?"
+_GRES_ITEM = re.compile(rf"^{_GRES_ITEM_RE}$")
 _WALLTIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
-_SBATCH_OPT = re.compile(r"^--[a-z][a-z0-9-]*(=\S.*)?$")
+
+#: the errors of a field's own constraint (``ge``, ``pattern``, ...), which `_fix` rewords
+_CONSTRAINT_ERRORS = frozenset({"greater_than_equal", "string_pattern_mismatch", "finite_number"})
+
+
+def _fix(message: str) -> WrapValidator:
+    """Word a field's constraint failure as ``message``, which says what to change
+    (``{field}``: the field's name, ``{value}``: the rejected value); other errors (a wrong
+    type) keep pydantic's words."""
+
+    def wrap(value: Any, handler: Any, info: ValidationInfo) -> Any:
+        try:
+            return handler(value)
+        except ValidationError as err:
+            if not all(e["type"] in _CONSTRAINT_ERRORS for e in err.errors()):
+                raise
+            raise PydanticCustomError("partition_field", message,
+                                      {"field": info.field_name or "", "value": repr(value)}) from None
+
+    return WrapValidator(wrap)
+
+
+#: a part of every worker name
+Label = Annotated[str, Field(pattern=_LABEL_RE), _fix(
+    "{field} {value} is not usable in worker names: use 1-40 letters, digits, '_' or '.', starting with a "
+    "letter or digit (no '-': it separates name fields)")]
+Count = Annotated[int, Field(ge=0), _fix("{field} is {value}: use 0 or more")]
+SlurmPartitionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$"), _fix(
+    "slurm_partition {value}: use the name `sinfo` shows (letters, digits, '_', '.', '-')")]
+Mem = Annotated[str, Field(pattern=r"^0*[1-9]\d*[KMGT]?$"), _fix(
+    "mem {value}: use a positive number with an optional K/M/G/T suffix, e.g. '4G' or '4096M'")]
+Gres = Annotated[str, Field(pattern=rf"^{_GRES_ITEM_RE}(?:,{_GRES_ITEM_RE})*$"), _fix(
+    "gres {value}: use Slurm's 'name[:type][:count]' list, e.g. 'gpu:h100:4' or 'gpu:2'")]
+ResourceName = Annotated[str, Field(pattern=_IDENT), _fix(
+    "resource name {value}: use letters, digits and '_' (e.g. 'rollout', 'GPU')")]
+ResourceAmount = Annotated[float, Field(ge=0, allow_inf_nan=False), _fix(
+    "resource amount {value}: use a finite amount >= 0")]
+EnvName = Annotated[str, Field(pattern=_IDENT), _fix(
+    "env variable name {value}: use letters, digits and '_', not starting with a digit")]
+SbatchOption = Annotated[str, Field(pattern=r"^--[a-z][a-z0-9-]*(=\S.*)?$"), _fix(
+    "sbatch option {value}: write it as '--option=value' (or '--flag') on one line")]
 
 # Options the worker template renders from Partition fields: setting them again is an error.
 MANAGED_SBATCH_OPTIONS: dict[str, str] = {
@@ -106,150 +148,73 @@ class Partition(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
-    name: str
+    name: Label
     """Pool name, unique in a run; part of every worker name. Letters, digits, '_' and '.'
     (no '-': it separates the fields of a worker name)."""
 
     scheduler: SchedulerKind = "local"
     """Backend that starts the workers: ``local`` (subprocesses on this machine) or ``slurm``."""
 
-    slurm_partition: str | None = None
+    slurm_partition: SlurmPartitionName | None = None
     """Slurm partition the jobs go to (``--partition``). Must be None for ``local``; None for
     ``slurm`` means the cluster's default partition."""
 
-    nodes: int = 1
+    nodes: Count = 1
     """How many workers (= Slurm jobs, one node each) the pool should have. 0 = an empty pool."""
 
-    cpus_per_node: int = 1
+    cpus_per_node: Annotated[int, Field(ge=1), _fix("cpus_per_node is {value}: use 1 or more")] = 1
     """CPUs per worker (``--cpus-per-task``); also the worker's thread count unless `nthreads` is set."""
 
-    gpus_per_node: int = 0
+    gpus_per_node: Count = 0
     """GPUs per worker. Added to the worker resources as ``GPU``; for Slurm, rendered as
     ``--gres=gpu:N`` when `gres` is not given."""
 
-    gres: str | None = None
+    gres: Gres | None = None
     """Slurm generic resources per node, e.g. ``gpu:h100:4`` (comma-separated list allowed).
     Slurm only. Its gpu count must equal `gpus_per_node` when both are set."""
 
-    mem: str | None = None
+    mem: Mem | None = None
     """Memory per node in Slurm syntax (``4G``, ``4096M``; a bare number is MiB); also the Dask
     worker's memory limit. None = Slurm's default and Dask's ``auto``."""
 
     walltime: str = "01:00:00"
     """Slurm time limit (``--time``), e.g. ``01:00:00`` or ``2-00:00:00``. Ignored by ``local``."""
 
-    region: str = "local"
+    region: Label = "local"
     """Where the pool runs (site or cloud region label), part of the worker name; used for
     cross-region routing. Letters, digits, '_' and '.'."""
 
-    hardware: str = "cpu"
+    hardware: Label = "cpu"
     """Hardware label (``H100``, ``A100``, ``cpu``), part of the worker name. Letters, digits, '_' and '.'."""
 
     role: Role = "rollout"
     """What the workers host: ``rollout`` (RaaS nodes), ``trainer`` or ``data`` (data layer)."""
 
-    resources: dict[str, float] = Field(default_factory=dict)
+    resources: dict[ResourceName, ResourceAmount] = Field(default_factory=dict)
     """Dask worker resources (``--resources``). Empty = ``{role: 1}``; see `worker_resources`."""
 
-    nthreads: int | None = None
+    nthreads: Annotated[int, Field(ge=1), _fix(
+        "nthreads is {value}: use 1 or more, or leave it unset to use cpus_per_node")] | None = None
     """Dask worker threads. None = `cpus_per_node`."""
 
-    sbatch_options: tuple[str, ...] = ()
+    sbatch_options: tuple[SbatchOption, ...] = ()
     """Extra ``#SBATCH`` lines as ``--opt=value`` (e.g. ``--account=proj``, ``--qos=high``).
     Slurm only; may not repeat an option rendered from a field (``--time``: use `walltime`)."""
 
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[EnvName, str] = Field(default_factory=dict)
     """Environment variables set for the worker process (both backends)."""
 
     # ------------------------------------------------------------------ field checks
-    @field_validator("name", "region", "hardware")
-    @classmethod
-    def _label(cls, v: str, info) -> str:
-        if not _LABEL.match(v):
-            raise ValueError(
-                f"{info.field_name} {v!r} is not usable in worker names: use 1-40 letters, digits, "
-                "'_' or '.', starting with a letter or digit (no '-': it separates name fields)"
-            )
-        return v
-
-    @field_validator("slurm_partition")
-    @classmethod
-    def _slurm_partition(cls, v: str | None) -> str | None:
-        if v is not None and not _SLURM_PARTITION.match(v):
-            raise ValueError(f"slurm_partition {v!r}: use the name `sinfo` shows (letters, digits, '_', '.', '-')")
-        return v
-
-    @field_validator("nodes", "gpus_per_node")
-    @classmethod
-    def _non_negative(cls, v: int, info) -> int:
-        if v < 0:
-            raise ValueError(f"{info.field_name} is {v}: use 0 or more")
-        return v
-
-    @field_validator("cpus_per_node")
-    @classmethod
-    def _positive_cpus(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"cpus_per_node is {v}: use 1 or more")
-        return v
-
-    @field_validator("nthreads")
-    @classmethod
-    def _positive_threads(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError(f"nthreads is {v}: use 1 or more, or leave it unset to use cpus_per_node")
-        return v
-
     @field_validator("walltime")
     @classmethod
     def _walltime(cls, v: str) -> str:
         walltime_seconds(v)
         return v
 
-    @field_validator("mem")
-    @classmethod
-    def _mem(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        m = _MEM.match(v)
-        if not m or int(m.group(1)) == 0:
-            raise ValueError(f"mem {v!r}: use a positive number with an optional K/M/G/T suffix, e.g. '4G' or '4096M'")
-        return v
-
-    @field_validator("gres")
-    @classmethod
-    def _gres(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        for item in v.split(","):
-            if not _GRES_ITEM.match(item):
-                raise ValueError(f"gres {v!r}: use Slurm's 'name[:type][:count]' list, e.g. 'gpu:h100:4' or 'gpu:2'")
-        return v
-
-    @field_validator("resources")
-    @classmethod
-    def _resources(cls, v: dict[str, float]) -> dict[str, float]:
-        for key, amount in v.items():
-            if not _IDENT.match(key):
-                raise ValueError(f"resource name {key!r}: use letters, digits and '_' (e.g. 'rollout', 'GPU')")
-            if not math.isfinite(amount) or amount < 0:
-                raise ValueError(f"resource {key}={amount}: use a finite amount >= 0")
-        return v
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for key in v:
-            if not _IDENT.match(key):
-                raise ValueError(f"env variable name {key!r}: use letters, digits and '_', not starting with a digit")
-        return v
-
     @field_validator("sbatch_options")
     @classmethod
     def _sbatch_options(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         for opt in v:
-            if not _SBATCH_OPT.match(opt) or "\n" in opt:
-                raise ValueError(f"sbatch option {opt!r}: write it as '--option=value' (or '--flag') on one line")
             key = opt.split("=", 1)[0]
             if key in MANAGED_SBATCH_OPTIONS:
                 raise ValueError(

@@ -9,9 +9,13 @@ from pydantic import Field
 from astraflow.configbase import Strict
 
 
+#: the engine types ``rollout.engine.type`` can name (``engines.make_engine`` builds them)
+EngineType = Literal["hf"]
+
+
 class EngineConfig(Strict):
-    type: Literal["hf"] = "hf"
-    """Inference engine: ``hf`` (transformers; CPU, or one GPU when available)."""
+    type: EngineType = "hf"
+    """Inference engine: ``hf`` (transformers; CPU, or one GPU when available), the one type today."""
     max_batch: int = Field(default=64, ge=1)
     """Most requests decoded together in one batch."""
     swap_min_remaining: int = Field(default=16, ge=0)
@@ -30,7 +34,7 @@ class EngineConfig(Strict):
     """Where the engine runs: ``auto`` (the worker's GPU when it has one, else the CPU),
     ``cpu``, ``cuda`` or ``cuda:N``."""
     dtype: Literal["fp32", "bf16"] = "fp32"
-    """The engine's weights and forward passes. ``bf16`` decodes ~1.6x faster where the
+    """The engine's weights and forward passes. ``bf16`` decodes faster where the
     hardware has bf16 (GPUs; CPUs with AVX512-BF16 or AMX; elsewhere it is slower than fp32);
     its log-probs then differ slightly from the trainer's fp32 ones, which the loss's clipped
     importance ratio absorbs. Sampling and log-probs are computed from fp32 logits either way."""

@@ -50,7 +50,18 @@ class Generation:
 
 
 class InferenceEngine(Protocol):
-    """Implemented by ``HFEngine`` (CPU, transformers) and, on GPUs, the vLLM engine."""
+    """What a RaaS node and its workflows need from an inference engine.
+
+    ``rollout.engine.type: hf`` is the one engine type today: ``HFEngine`` (transformers, CPU
+    or one GPU) in the node's process, or ``ProcessEngine``, the same engine in a process of
+    its own (``rollout.engine.process``). Another engine (a vLLM server, say) would implement
+    this protocol, its capabilities included, and register a type in ``engines.make_engine``.
+
+    Capabilities are properties the node reads, never probes: ``pid`` and ``dead`` (is the
+    engine a process of its own, has it died), ``restartable`` (``restart()`` replaces a dead
+    one), ``loads_versions_itself`` (``load_version()`` reads a committed version from the
+    weight store in the engine's process; otherwise the node reads it and calls
+    ``load_weights``)."""
 
     #: the weight version currently loaded (-1: the initial model from disk).
     version: int
@@ -64,3 +75,37 @@ class InferenceEngine(Protocol):
 
     def stats(self) -> dict[str, float]:
         """Counters: tokens generated, busy seconds, requests, batches."""
+
+    def close(self) -> None:
+        """Release the engine (stop its process, if it has one)."""
+
+    @property
+    def pid(self) -> int | None:
+        """The engine's own process; None for an engine in the caller's process."""
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine is gone, None while it serves. An engine in the caller's process is
+        never reported dead: if it dies, the process (the node) dies with it."""
+
+    @property
+    def restartable(self) -> bool:
+        """Whether ``restart()`` can replace the engine after it died."""
+
+    def restart(self) -> None:
+        """Start a new engine after this one died, holding the model directory's weights as
+        version 0 (blocking); the caller loads the newest committed version next."""
+
+    @property
+    def loads_versions_itself(self) -> bool:
+        """Whether the engine reads committed versions from the weight store itself
+        (``load_version``); False: the caller reads them and calls ``load_weights``."""
+
+    def load_version(self, weights_root: str, policy: str, version: int, *, use_deltas: bool = False,
+                     full_resync_every: int = 10) -> None:
+        """Have the engine read committed ``version`` of ``policy`` from the weight store at
+        ``weights_root`` and load it (only where ``loads_versions_itself``)."""
+
+    def take_load_records(self) -> list[dict[str, Any]]:
+        """The records of the versions the engine read itself since the last call (how each
+        was read: mode, seconds, delta statistics); empty for an engine without its own reader."""

@@ -1,16 +1,18 @@
-"""Engine factory keyed by ``rollout.engine.type``."""
+"""Engine factory keyed by ``rollout.engine.type`` (the types are ``config.EngineType``)."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+from typing import get_args
 
-from astraflow.rollout.config import EngineConfig
+from astraflow.rollout.config import EngineConfig, EngineType
 from astraflow.rollout.engine import InferenceEngine
 
 log = logging.getLogger("astraflow.rollout")
 
-KNOWN = ("hf",)
+#: the engine types this factory builds: one list, the config's
+KNOWN: tuple[str, ...] = get_args(EngineType)
 
 
 def make_engine(cfg: EngineConfig, model_path: str, seed: int = 0) -> InferenceEngine:

@@ -23,16 +23,14 @@ A swap lands mid-batch only while at least ``swap_min_remaining`` decoding steps
 (default 16); closer to the batch's end the batch finishes on its weights and the swap
 follows it. Re-encoding costs a prefill of every row, which for short generations costs more
 than the few fresher tokens are worth (a sequence's staleness is set by its oldest token
-anyway): in the main example (5 new tokens, a new version every ~0.5 s) swapping at once
-re-encoded 36 % as many rows as the engine decoded.
+anyway).
 
 Requests that arrive while a batch is decoding wait for the next batch.
 
 The forward passes run on the event loop's own thread, one step at a time, yielding to the
 loop between steps (finished episodes, lease replies and new requests are handled there).
-Handing each step to a worker thread instead cost two GIL hand-offs per decoded token, which
-inside a busy RaaS node process cost about a third of the node's tokens/s
-(``benchmarks/rollout_overhead.py``: median 1,890 -> 2,833 tokens/s on the tiny model); torch
+Handing each step to a worker thread instead would cost two GIL hand-offs per decoded token,
+which a busy RaaS node process pays in tokens/s (``benchmarks/rollout_overhead.py``); torch
 releases the GIL inside its kernels, so the node's writer and weight-watcher threads still run
 during a step.
 """
@@ -77,7 +75,7 @@ class HFEngine:
     the KV cache and sampling live there, finished tokens come back to the host once per step.
     ``dtype`` is ``fp32`` or ``bf16``: the weights and the forward passes (the logits are cast
     to fp32 for sampling and log-probs); published fp32 weights are cast on load. bf16 decodes
-    the main example's batches 1.6-1.7x faster on a CPU with native bf16 (AVX512-BF16/AMX;
+    faster where the hardware has it (GPUs; CPUs with AVX512-BF16/AMX;
     ``benchmarks/engine_dtype.py``); on GPUs bf16 is the usual engine dtype.
     """
 
@@ -174,6 +172,35 @@ class HFEngine:
 
     def close(self) -> None:
         """Nothing to release (kept for the engine protocol)."""
+
+    # -- capabilities: an engine in the caller's process ---------------------------------
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    @property
+    def dead(self) -> str | None:
+        return None  # if it dies, the node's process dies with it
+
+    @property
+    def restartable(self) -> bool:
+        return False
+
+    def restart(self) -> None:
+        raise RuntimeError("HFEngine runs in the node's process and cannot be restarted; "
+                           "set rollout.engine.process: true for a restartable engine process")
+
+    @property
+    def loads_versions_itself(self) -> bool:
+        return False
+
+    def load_version(self, weights_root: str, policy: str, version: int, *, use_deltas: bool = False,
+                     full_resync_every: int = 10) -> None:
+        raise RuntimeError("HFEngine does not read the weight store itself: read the version with "
+                           "weight_sync.VersionReader and pass it to load_weights")
+
+    def take_load_records(self) -> list[dict[str, Any]]:
+        return []  # the node's own reader records what it loads
 
     # -- internals -----------------------------------------------------------------------
     def _apply(self, state_dict: Mapping[str, Any], version: int) -> None:

@@ -30,7 +30,7 @@ from astraflow.rollout.config import RolloutConfig
 
 from astraflow.workloads.config import SamplingConfig
 from astraflow.contracts import Provenance, RolloutTask, Trajectory, TrajectoryRef
-from astraflow.rollout.engine import SamplingParams
+from astraflow.rollout.engine import InferenceEngine, SamplingParams
 from astraflow.rollout.engines import make_engine
 from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.rollout.weight_sync import WeightPuller
@@ -85,7 +85,9 @@ class RaaSNode:
         self._sampling = SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens
         )
-        self.engines: dict[str, Any] = {}
+        self.engines: dict[str, InferenceEngine] = {}
+        #: the weight watcher's puller; None until ``start()`` has loaded the engines
+        self.puller: WeightPuller | None = None
         #: episodes being generated (they count against ``capacity``)
         self.inflight: dict[str, RolloutTask] = {}
         #: finished episodes not yet written and completed (their leases are still held)
@@ -165,7 +167,7 @@ class RaaSNode:
             "tokens_per_s": self.counters["tokens"] / elapsed,
             "trajectories_per_s": self.counters["episodes"] / elapsed,
             "engine": stats,
-            "weight_sync": self.puller.recent(5) if hasattr(self, "puller") else [],
+            "weight_sync": self.puller.recent(5) if self.puller is not None else [],
         }
 
     # ------------------------------------------------------------------ the loop
@@ -247,7 +249,7 @@ class RaaSNode:
             "hardware": self.identity.hardware,
             "tokens_per_s": self.counters["tokens"] / max(time.time() - self._started_at, 1e-9),
             "engine_restarts": self.counters["engine_restarts"],
-            "engine_pids": {p: e.pid for p, e in self.engines.items() if getattr(e, "pid", None)},
+            "engine_pids": {p: e.pid for p, e in self.engines.items() if e.pid is not None},
             # a node that stopped leasing after an error it could not recover from: the
             # orchestrator replaces its worker (``Orchestrator._replace_failed_nodes``)
             "error": self.error,
@@ -288,8 +290,8 @@ class RaaSNode:
         restarted) the node stops leasing, so that other nodes get the tasks instead of this
         one failing them one after another; its heartbeats carry the error, and the
         orchestrator replaces its worker."""
-        dead = [p for p, e in self.engines.items() if getattr(e, "dead", None)]
-        restartable = all(hasattr(e, "restart") for e in self.engines.values())
+        dead = [p for p, e in self.engines.items() if e.dead]
+        restartable = all(e.restartable for e in self.engines.values())
         if not dead and restartable:
             return  # an episode of the process restarted before failed late: nothing to do
         budget = self.cfg.engine_restarts - self.counters["engine_restarts"]

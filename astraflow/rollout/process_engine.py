@@ -4,8 +4,8 @@ Why: a RaaS node process also runs the Dask worker (comms for lease/complete/hea
 trajectory writer (Zarr encoding) and the weight watcher, all Python. An engine in the same
 process shares the interpreter lock with them, and torch releases that lock in every one of
 the hundreds of small kernels of a decoding step, so each busy neighbour thread delays every
-step (``benchmarks/rollout_overhead.py`` measured the in-process engine's decoding 1.3-1.6x
-slower inside a node than alone). Inference servers split the same way (vLLM runs its engine
+step (``benchmarks/rollout_overhead.py`` compares the in-process engine's decoding inside a
+node with the engine alone). Inference servers split the same way (vLLM runs its engine
 core apart from the API server for this reason). Here the node keeps its event loop, episodes
 and bookkeeping; the engine process runs only ``HFEngine``'s decode loop.
 
@@ -124,10 +124,15 @@ class ProcessEngine:
         self._reader = threading.Thread(target=self._read, args=(conn, proc), name="engine-reader", daemon=True)
         self._reader.start()
 
+    # -- capabilities: an engine in a process of its own -----------------------------------
     @property
     def dead(self) -> str | None:
         """Why the engine process is gone (None while it serves)."""
         return self._dead
+
+    @property
+    def restartable(self) -> bool:
+        return True
 
     def restart(self) -> None:
         """Start a new engine process after this one died (blocking: the model loads). It
@@ -146,6 +151,10 @@ class ProcessEngine:
     @property
     def pid(self) -> int | None:
         return self._proc.pid
+
+    @property
+    def loads_versions_itself(self) -> bool:
+        return True
 
     # -- protocol ------------------------------------------------------------------------
     async def generate(self, prompt_tokens: list[int], params: SamplingParams) -> Generation:

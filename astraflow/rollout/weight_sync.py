@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
+from astraflow.rollout.engine import InferenceEngine
 from astraflow.weightconv import to_hf_state_dict
 from storage import paths
 from storage.deltas import DeltaMismatchError, apply_delta, choose_sync, read_stats
@@ -76,11 +77,11 @@ class VersionReader:
 
 class WeightPuller:
     """A node's weight watcher: loads every policy's newest committed version into its engine.
-    An engine with ``load_version`` (``ProcessEngine``) reads the version itself, with a
+    An engine that ``loads_versions_itself`` (``ProcessEngine``) reads the version itself, with a
     ``VersionReader`` of the same settings in its own process; the records of those reads come
     back with the engine's replies and join ``history`` at the next poll."""
 
-    def __init__(self, weights_root: str, engines: Mapping[str, Any], full_resync_every: int = 10,
+    def __init__(self, weights_root: str, engines: Mapping[str, InferenceEngine], full_resync_every: int = 10,
                  use_deltas: bool = False):
         self.store = WeightStore(weights_root)
         self.engines = engines
@@ -103,8 +104,7 @@ class WeightPuller:
 
     def _take_engine_records(self) -> None:
         for engine in self.engines.values():
-            if hasattr(engine, "take_load_records"):
-                self.history.extend(engine.take_load_records())
+            self.history.extend(engine.take_load_records())
         del self.history[:-100]  # the node reports the last few; keep memory flat on long runs
 
     def poll(self) -> int:
@@ -120,7 +120,7 @@ class WeightPuller:
             latest = self.store.latest(policy)
             if latest is None or latest.version <= max(engine.version, self._handed.get(policy, -1)):
                 continue
-            if hasattr(engine, "load_version"):
+            if engine.loads_versions_itself:
                 # an engine in its own process reads the version itself: nothing to copy here
                 engine.load_version(self.store.root, policy, latest.version, use_deltas=self.use_deltas,
                                     full_resync_every=self.full_resync_every)

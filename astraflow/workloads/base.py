@@ -4,17 +4,29 @@ A *workload* is a dataset plus a verifiable reward (``math``, ``mix``): the prom
 how a prompt is rendered and how a completion is scored. It is registered by name and chosen in
 the config. Workloads are a leaf: they import no engine and no component; the episode logic
 that drives engines over a workload's tasks (workflows) lives on the rollout side.
+
+A workload's ``params`` (``workload.params`` in the config) are typed: the class names their
+pydantic model as ``Params``, which config validation checks them against (a bad or unknown
+param fails ``astraflow check`` naming the field) and the class validates them with when it is
+built.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol
+from typing import Any, ClassVar, Mapping, Protocol
+
+from pydantic import BaseModel, ValidationError
 
 from astraflow.registry import Registry
 
 
 class Workload(Protocol):
-    """A dataset of prompts with a verifiable reward."""
+    """A dataset of prompts with a verifiable reward, built as ``cls(seed=seed, **params)``
+    (``workload.seed``, unless ``params`` sets ``seed``)."""
+
+    #: the pydantic model of the workload's ``params``. A class registered without one (a
+    #: test's ad-hoc workload) gets its params as keyword arguments, unchecked by the config.
+    Params: ClassVar[type[BaseModel]]
 
     def tasks(self, split: str) -> list[dict[str, Any]]:
         """The payloads of a split (``"train"`` or ``"eval"``), deterministic by seed."""
@@ -34,8 +46,54 @@ class Workload(Protocol):
 WORKLOADS: Registry = Registry("workload")
 
 
-def make_workload(name: str, params: Mapping[str, Any], seed: int) -> Workload:
+def workload_class(name: str) -> type:
+    """The workload class registered as ``name`` (``ValueError`` listing the known ones)."""
     import astraflow.workloads.math  # noqa: F401  (registers the shipped workloads)
     import astraflow.workloads.mix  # noqa: F401
 
-    return WORKLOADS.get(name)(seed=seed, **dict(params))
+    return WORKLOADS.get(name)
+
+
+def params_model(name: str) -> type[BaseModel] | None:
+    """The params model of workload ``name``; None for a workload registered without one."""
+    return getattr(workload_class(name), "Params", None)
+
+
+def check_params(name: str, params: Mapping[str, Any]) -> None:
+    """Validate ``params`` against workload ``name``'s params model: a pydantic
+    ``ValidationError`` (a ``ValueError``) naming each bad or unknown field."""
+    model = params_model(name)
+    if model is not None:
+        model.model_validate(params)
+
+
+def make_workload(name: str, params: Mapping[str, Any], seed: int) -> Workload:
+    """Build workload ``name`` seeded by ``seed`` unless ``params`` sets ``seed``; bad params
+    raise ``ValueError`` naming the field and the fix."""
+    cls = workload_class(name)
+    try:
+        return cls(**{"seed": seed, **params})
+    except ValidationError as err:
+        raise ValueError(explain(name, err, params_model(name))) from None
+
+
+def error_text(error: Mapping[str, Any]) -> str:
+    """One pydantic error's message (a validator's own ``ValueError`` text without the
+    ``Value error,`` prefix pydantic adds)."""
+    if error["type"] == "value_error":
+        return str(error["ctx"]["error"])
+    return str(error["msg"])
+
+
+def explain(name: str, err: ValidationError, model: type[BaseModel] | None) -> str:
+    """``err`` as one line: ``<name> workload: <field>: <what is wrong>; ...``, unknown params
+    listed together with the known ones (the fields of ``model``)."""
+    unknown = sorted(str(e["loc"][0]) for e in err.errors() if e["type"] == "extra_forbidden" and len(e["loc"]) == 1)
+    known = f"; known: {sorted(model.model_fields)}" if model is not None else ""
+    parts = [f"unknown params {unknown}{known}"] if unknown else []
+    for e in err.errors():
+        if e["type"] == "extra_forbidden" and len(e["loc"]) == 1:
+            continue
+        loc = ".".join(str(x) for x in e["loc"])
+        parts.append(f"{loc}: {error_text(e)}" if loc else error_text(e))
+    return f"{name} workload: " + "; ".join(parts)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from astraflow.configbase import Strict
+from astraflow.workloads.base import check_params, workload_class
 
 
 class SamplingConfig(Strict):
@@ -36,8 +37,10 @@ class WorkloadConfig(Strict):
     workflow: str = "single_turn"
     """Registered workflow driving the episode (``astraflow.rollout.workflows``)."""
     params: dict[str, Any] = Field(default_factory=dict)
-    """Workload parameters (for math: ``digits``, ``ops``, ``num_train``, ``num_eval``; for
-    ``mix``: ``sources: {name: {workload, weight, params}}``, mixed by weight)."""
+    """Workload parameters, checked against the workload's params model (math:
+    ``astraflow.workloads.math.MathConfig``: ``digits``, ``ops``, ``num_train``, ``num_test``,
+    ...; mix: ``astraflow.workloads.mix.MixParams``: ``sources: {name: {workload, weight,
+    params}}``, mixed by weight). Kept as written, so the resolved config reads like the file."""
     seed: int = 0
     """Seed of the generated dataset and of prompt order."""
     group_size: int = Field(default=8, ge=1)
@@ -46,3 +49,16 @@ class WorkloadConfig(Strict):
     """Sampling of training rollouts."""
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation through the same RaaS path."""
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        workload_class(name)  # an unknown name raises, listing the known ones
+        return name
+
+    @field_validator("params")
+    @classmethod
+    def _params_fit(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "name" in info.data:  # else the name failed: that is the error to fix first
+            check_params(info.data["name"], params)  # errors name the field: workload.params.<field>
+        return params

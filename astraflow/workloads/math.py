@@ -15,54 +15,53 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, get_args
+
+from pydantic import Field, ValidationError
+
+from astraflow.configbase import Strict
+from astraflow.workloads.base import WORKLOADS, explain
 
 SPLITS = ("train", "test")
-OPS = ("+", "-", "*")
 #: up to this many distinct problems the generator enumerates all of them (then shuffles).
 _ENUMERATE_LIMIT = 300_000
 
 
-@dataclass(frozen=True)
-class MathConfig:
-    """What problems to generate. Read by ``make_dataset``; JSON-friendly for configs."""
+#: the operators a problem can use
+Op = Literal["+", "-", "*"]
+OPS: tuple[str, ...] = get_args(Op)
 
-    #: maximum digits of each operand (operands are drawn from ``0 .. 10**digits - 1``).
-    digits: int = 2
-    #: operators to draw from, any of ``OPS``.
-    ops: tuple[str, ...] = ("+",)
-    #: fraction of all problems that belong to the held-out split.
-    test_fraction: float = 0.1
-    #: number of problems in each split; ``None`` means every problem of the split.
-    num_train: int | None = None
-    num_test: int | None = 200
-    #: seed of the split assignment and of the order of the problems.
+
+class MathConfig(Strict):
+    """What problems to generate: the math workload's ``params`` (frozen). Read by
+    ``make_dataset``."""
+
+    digits: int = Field(default=2, ge=1, le=9)
+    """Maximum digits of each operand (operands are drawn from ``0 .. 10**digits - 1``)."""
+    ops: tuple[Op, ...] = Field(default=("+",), min_length=1)
+    """Operators to draw from, a non-empty subset of ``OPS``."""
+    test_fraction: float = Field(default=0.1, gt=0, lt=1)
+    """Fraction of all problems that belong to the held-out split."""
+    num_train: int | None = Field(default=None, ge=0)
+    """Problems in the train split; ``None``: every problem of the split."""
+    num_test: int | None = Field(default=200, ge=0)
+    """Problems in the held-out split; ``None``: every problem of the split."""
     seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.digits <= 9:
-            raise ValueError(f"math workload: digits must be in 1..9, got {self.digits}")
-        bad = [op for op in self.ops if op not in OPS]
-        if bad or not self.ops:
-            raise ValueError(f"math workload: ops must be a non-empty subset of {OPS}, got {self.ops}")
-        if not 0.0 < self.test_fraction < 1.0:
-            raise ValueError(f"math workload: test_fraction must be in (0, 1), got {self.test_fraction}")
+    """Seed of the split assignment and of the order of the problems (as a workload's param:
+    ``workload.seed`` unless set here)."""
 
     @classmethod
     def from_any(cls, cfg: "MathConfig | Mapping[str, Any] | None") -> "MathConfig":
+        """``cfg`` itself, the defaults for ``None``, or a mapping validated (``ValueError``
+        naming the bad or unknown field)."""
         if cfg is None:
             return cls()
         if isinstance(cfg, MathConfig):
             return cfg
-        known = {f.name for f in fields(cls)}
-        unknown = set(cfg) - known - {"type", "name"}
-        if unknown:
-            raise ValueError(f"math workload: unknown settings {sorted(unknown)}; known: {sorted(known)}")
-        kw = {k: v for k, v in cfg.items() if k in known}
-        if "ops" in kw:
-            kw["ops"] = tuple(kw["ops"])
-        return cls(**kw)
+        try:
+            return cls.model_validate(cfg)
+        except ValidationError as err:
+            raise ValueError(explain("math", err, cls)) from None
 
 
 def _solve(a: int, op: str, b: int) -> int:
@@ -152,16 +151,16 @@ def accuracy(completions: list[str], items: list[Mapping[str, Any]]) -> float:
 
 # -- the registered workload ---------------------------------------------------------------------
 
-from astraflow.workloads.base import WORKLOADS  # noqa: E402  (registry import at the end: no cycle)
-
 
 @WORKLOADS.register("math")
 class MathWorkload:
     """Generated arithmetic with an exact-match reward (``workload.params`` are ``MathConfig``
     fields; ``workload.seed`` seeds it unless ``params`` sets ``seed``)."""
 
+    Params = MathConfig
+
     def __init__(self, seed: int = 0, **params: Any):
-        self.cfg = MathConfig.from_any({"seed": seed, **params})
+        self.cfg = MathConfig.model_validate({"seed": seed, **params})
 
     def tasks(self, split: str) -> list[dict[str, Any]]:
         return make_dataset(self.cfg, "test" if split == "eval" else split)

@@ -21,66 +21,110 @@ source ``""`` of weight 1).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Annotated, Any, Mapping
 
-from astraflow.workloads.base import WORKLOADS, Workload, make_workload
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from astraflow.configbase import Strict
+from astraflow.workloads.base import (WORKLOADS, Workload, error_text, explain, make_workload, params_model,
+                                      workload_class)
 
 #: the payload key that names a payload's source (added by the mixture).
 SOURCE_KEY = "source"
-_SOURCE_FIELDS = {"workload", "weight", "params"}
+_SHAPE = "{workload: <name>, weight: <w>, params: {...}}"
+
+
+class Source(Strict):
+    """One source of a mixture."""
+
+    workload: str
+    """Registered workload of the source (not ``mix``: list a mix's sources directly)."""
+    weight: float = Field(default=1.0, gt=0, strict=True)
+    """Share of the source, relative to the other sources' weights."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """The source workload's params (checked against its params model)."""
+
+    @field_validator("workload")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if name == "mix":
+            raise ValueError("workload mix is itself a mix; list its sources directly")
+        workload_class(name)  # an unknown name raises, listing the known ones
+        return name
+
+    @model_validator(mode="after")
+    def _params_fit(self) -> "Source":
+        model = params_model(self.workload)
+        if model is not None:
+            try:
+                model.model_validate(self.params)
+            except ValidationError as err:
+                raise ValueError(explain(self.workload, err, model)) from None
+        return self
+
+
+class MixParams(Strict):
+    """The ``mix`` workload's params."""
+
+    sources: dict[Annotated[str, Field(min_length=1)], Source] = Field(
+        default_factory=dict, min_length=1, validate_default=True)
+    """Source name -> ``{workload, weight, params}``, mixed by weight."""
+
+    @field_validator("sources", mode="wrap")
+    @classmethod
+    def _name_the_source(cls, sources: Any, handler: Any) -> dict[str, Source]:
+        """The sources' errors as sentences that name the source and the fix."""
+        try:
+            return handler(sources)
+        except ValidationError as err:
+            raise PydanticCustomError("mix_sources", "{why}", {"why": _why(err)}) from None
+
+
+def _why(err: ValidationError) -> str:
+    """What is wrong with the sources, one clause per source and problem."""
+    out: list[str] = []
+    unknown: dict[Any, list[str]] = {}
+    for e in err.errors():
+        if len(e["loc"]) == 0:
+            out.append(f"must map at least one source name to {_SHAPE}, e.g. "
+                       "sources: {add2: {workload: math, weight: 3, params: {digits: 2}}}")
+            continue
+        name, *field = e["loc"]
+        src = f"source {name!r}"
+        if field == ["[key]"]:
+            out.append(f"source names must be non-empty strings, got {name!r}")
+        elif not field and e["type"] == "model_type":
+            out.append(f"{src} must be a mapping {_SHAPE}")
+        elif e["type"] == "extra_forbidden":
+            unknown.setdefault(name, []).append(str(field[0]))
+        elif e["type"] == "missing":
+            out.append(f"{src} needs `{field[0]}: <registered name>`, e.g. math")
+        elif field == ["weight"]:
+            out.append(f"{src} has weight {e['input']!r}; set weight to a number > 0 "
+                       "(remove the source to leave it out)")
+        elif e["type"] == "value_error":  # a validator's sentence (unknown workload, a nested mix, bad params)
+            out.append(f"{src}: {error_text(e)}")
+        else:
+            out.append(f"{src}: {'.'.join(map(str, field))}: {error_text(e)}")
+    for name, keys in unknown.items():
+        out.append(f"source {name!r} has unknown keys {sorted(keys)}; known: {sorted(Source.model_fields)} "
+                   "(workload parameters go under params:)")
+    return "; ".join(dict.fromkeys(out))
 
 
 @WORKLOADS.register("mix")
 class MixtureWorkload:
-    """Several registered workloads mixed by weight (``workload.params.sources``).
+    """Several registered workloads mixed by weight (``workload.params.sources``, ``MixParams``).
+    Every source gets the run's ``seed`` unless its ``params`` set one."""
 
-    ``sources`` maps a source name to ``{workload: <registered name>, weight: <w > 0>,
-    params: {...}}`` (``params`` optional; ``weight`` defaults to 1). Every source gets the
-    run's ``seed`` unless its ``params`` set one."""
+    Params = MixParams
 
-    def __init__(self, seed: int = 0, sources: Mapping[str, Mapping[str, Any]] | None = None, **unknown: Any):
-        if unknown:
-            raise ValueError(f"mix workload: unknown params {sorted(unknown)}; known: ['sources']")
-        if not sources or not isinstance(sources, Mapping):
-            raise ValueError(
-                "mix workload: params.sources must map at least one source name to "
-                "{workload: <name>, weight: <w>, params: {...}}, e.g. "
-                "sources: {add2: {workload: math, weight: 3, params: {digits: 2}}}"
-            )
-        self.sources: dict[str, Workload] = {}
-        self._weights: dict[str, float] = {}
-        for name, spec in sources.items():
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"mix workload: source names must be non-empty strings, got {name!r}")
-            if not isinstance(spec, Mapping):
-                raise ValueError(
-                    f"mix workload: source {name!r} must be a mapping "
-                    "{workload: <name>, weight: <w>, params: {...}}"
-                )
-            unknown = set(spec) - _SOURCE_FIELDS
-            if unknown:
-                raise ValueError(
-                    f"mix workload: source {name!r} has unknown keys {sorted(unknown)}; known: "
-                    f"{sorted(_SOURCE_FIELDS)} (workload parameters go under params:)"
-                )
-            if "workload" not in spec:
-                raise ValueError(f"mix workload: source {name!r} needs `workload: <registered name>`, e.g. math")
-            if spec["workload"] == "mix":
-                raise ValueError(f"mix workload: source {name!r} is itself a mix; list its sources directly")
-            weight = spec.get("weight", 1.0)
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-                raise ValueError(
-                    f"mix workload: source {name!r} has weight {weight!r}; set weight to a number > 0 "
-                    "(remove the source to leave it out)"
-                )
-            params = spec.get("params") or {}
-            if not isinstance(params, Mapping):
-                raise ValueError(f"mix workload: source {name!r}: params must be a mapping, got {params!r}")
-            try:
-                self.sources[name] = make_workload(str(spec["workload"]), params, seed)
-            except ValueError as err:
-                raise ValueError(f"mix workload: source {name!r}: {err}") from None
-            self._weights[name] = float(weight)
+    def __init__(self, seed: int = 0, **params: Any):
+        cfg = MixParams.model_validate(params)
+        self.sources: dict[str, Workload] = {
+            name: make_workload(src.workload, src.params, seed) for name, src in cfg.sources.items()}
+        self._weights: dict[str, float] = {name: src.weight for name, src in cfg.sources.items()}
 
     def source_weights(self) -> dict[str, float]:
         """Source name -> weight (as configured, not normalised), in config order."""

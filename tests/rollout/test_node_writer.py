@@ -137,7 +137,13 @@ def test_flushes_after_flush_seconds_and_takes_everything_finished_per_wake_up(t
 
 
 class _DeadEngine:
+    """An engine whose every request fails as a dead engine process's do, and which cannot be
+    restarted (the capabilities of the engine protocol)."""
+
     version = 0
+    pid = None
+    dead = None
+    restartable = False
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

@@ -29,7 +29,7 @@ def test_sampled_large_space_and_ops():
 
 def test_from_mapping_and_errors():
     assert MathConfig.from_any({"digits": 1, "ops": ["+"]}) == MathConfig(digits=1)
-    with pytest.raises(ValueError, match="unknown settings"):
+    with pytest.raises(ValueError, match=r"unknown params \[.digitz.\]"):
         MathConfig.from_any({"digitz": 1})
     with pytest.raises(ValueError, match="split"):
         make_dataset(None, "val")
