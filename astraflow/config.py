@@ -22,7 +22,7 @@ from astraflow.dataflow.config import DataflowConfig
 from astraflow.rollout.config import RolloutConfig
 from astraflow.training.config import PolicyConfig
 from astraflow.workloads.config import WorkloadConfig
-from schedulers.partition import Partition
+from schedulers.partition import ROLES, Partition
 from storage.config import StorageConfig
 
 
@@ -106,7 +106,7 @@ class RunConfig(Strict):
                 f"workload.group_size ({self.workload.group_size}): batches hold whole groups"
             )
         roles = {p.role for p in self.partitions}
-        for role in ("data", "trainer", "rollout"):
+        for role in ROLES:
             if role not in roles:
                 raise ValueError(f"partitions: add a partition with role: {role}")
         pnames = [p.name for p in self.partitions]
@@ -126,7 +126,8 @@ class RunConfig(Strict):
             )
         from astraflow.workloads.base import make_workload
 
-        try:  # cheap: workloads generate their prompts lazily, in tasks()
+        try:  # cheap: workloads generate their prompts lazily, in tasks(); catches a user's
+            # workload without a Params model whose constructor rejects its params
             make_workload(self.workload.name, self.workload.params, self.workload.seed)
         except (ValueError, TypeError) as err:
             raise ValueError(f"workload ({self.workload.name}): {err}") from None
@@ -205,7 +206,7 @@ def _format_validation(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
-        msg = e["msg"]
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; docs/configuration.md lists the sections and where each field is documented)"
         lines.append(f"{loc}: {msg}")
