@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from astraflow.dataflow import policies as P
+from astraflow.dataflow import rules as P
 
 
 def roundtrip(policy, registry, name, **params):
