@@ -376,7 +376,6 @@ class DataLayer:
         """A JSON-able snapshot for ``astraflow status``, the dashboard and tests."""
         elapsed = time.time() - self._started
         held = Counter(node for node, _ in self.leases.held.values())
-        buf = self.buffers.status()
         return {
             "elapsed_s": elapsed,
             "finished": self.finished,
@@ -389,10 +388,7 @@ class DataLayer:
                             "consumed": {p: self.mixer.consumed[p][s] for p in self.policy_names},
                             "mix_credit": {p: self.mixer.credit[p][s] for p in self.policy_names}}
                         for s, w in self.mixer.weights.items()},
-            "buffers": buf["buffers"],
-            "counts": buf["counts"],
-            "staleness_hist": buf["staleness_hist"],
-            "trainer_wait_s": buf["trainer_wait_s"],
+            **self.buffers.status(),  # buffers, counts, staleness_hist, trainer_wait_s
             "sequences_generated": self.generated.sequences,
             "tokens_generated": self.generated.tokens,
             **self.generated.rates(elapsed),

@@ -12,7 +12,7 @@ import pytest
 from astraflow.dataflow.config import DataflowConfig, DropZeroAdvantageRule, UserCurator
 
 from astraflow.workloads.config import EvalConfig, WorkloadConfig
-from astraflow.dataflow import rules as P
+from astraflow.dataflow import rules as R
 from astraflow.dataflow.layer import BatchTimeout, DataLayer
 from astraflow.dataflow.ledger import TERMINAL
 from storage.trajectories import open_trajectory_store
@@ -264,8 +264,8 @@ def test_replay_mixes_consumed_samples_and_records_them(tmp_path):
 
 
 def test_new_curator_registered_in_test_needs_no_other_change(tmp_path):
-    @P.CURATORS.register("only_even_prompts_test")
-    class OnlyEven(P.AcceptAll):
+    @R.CURATORS.register("only_even_prompts_test")
+    class OnlyEven(R.AcceptAll):
         def accept(self, prompt_key, payload):
             return int(prompt_key[1:]) % 2 == 0
 

@@ -12,14 +12,14 @@ import pytest
 from astraflow.dataflow.config import DataflowConfig, DropZeroAdvantageRule, FilterSolvedRule, GresoRule, UserCurator
 
 from astraflow.workloads.config import EvalConfig, WorkloadConfig
-from astraflow.dataflow import rules as P
+from astraflow.dataflow import rules as R
 from astraflow.dataflow.layer import DataLayer
 
 from tests.dataflow.helpers import make_trajectory, store_and_ref
 
 
-@P.CURATORS.register("odd_prompts_skipped_test")
-class SkipOdd(P.AcceptAll):
+@R.CURATORS.register("odd_prompts_skipped_test")
+class SkipOdd(R.AcceptAll):
     def accept(self, prompt_key, payload):
         return int(prompt_key[1:]) % 2 == 0
 
