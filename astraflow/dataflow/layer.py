@@ -116,6 +116,11 @@ class DataLayer:
         """Groups allowed ahead of training (see ``mixing.py``, *rollout ahead of training*)."""
         return self.groups_per_batch + self.cfg.prefetch_groups
 
+    @property
+    def counts(self) -> dict[str, Counter]:
+        """Per-policy dataflow counts (``Buffers.counts``)."""
+        return self.buffers.counts
+
     def _rules(self) -> dict[str, Any]:
         return {"curator": self.curator, "group_filter": self.group_filter, "ordering": self.ordering}
 
@@ -246,9 +251,6 @@ class DataLayer:
         return self.leases.node_gone(node)
 
     # ------------------------------------------------------------------ trainer-facing
-    def _lockstep_ok(self, version: int) -> bool:
-        return not self.cfg.lockstep or all(v >= version for v in self.versions.values())
-
     async def next_batch(self, policy: str, version: int, timeout: float = 60.0) -> Batch:
         """A batch of ``batch_size`` sequences for ``policy`` whose trainer is at ``version``.
 
@@ -268,7 +270,8 @@ class DataLayer:
                 self._refill()
                 avail = self.buffers.available_by_source(policy, version, self.mixer.weights)
                 short = {s: q - avail[s] for s, q in quota.items() if avail[s] < q}
-                if not short and self._lockstep_ok(version) and self.evals.initial_done():
+                lockstep_ok = not self.cfg.lockstep or all(v >= version for v in self.versions.values())
+                if not short and lockstep_ok and self.evals.initial_done():
                     break
                 self.mixer.short[policy] = short  # lets _refill exceed a source's bound for this batch
                 remaining = t0 + timeout - time.time()
@@ -296,18 +299,8 @@ class DataLayer:
 
     async def published(self, policy: str, version: int, metrics: dict[str, Any] | None = None,
                         batch_metrics: dict[str, Any] | None = None) -> None:
-        """The trainer of ``policy`` committed ``version``; record its step metrics.
-
-        The metrics line (one per policy and step) holds the trainer's own metrics, the last
-        batch's (``data_*``: wait, staleness histogram of the batch, replays), and the
-        policy's cumulative dataflow counts: ``accepted`` / ``filtered`` (group filter) /
-        ``stale_dropped`` / ``overflow_dropped`` / ``replayed`` / ``consumed`` sequences,
-        ``curator_skipped`` prompts (the curator runs before rollout, for all policies:
-        counted on the first), ``staleness_hist`` over every consumed sequence,
-        ``trainer_wait_s`` and ``rollouts_per_consumed`` (training sequences generated per
-        sequence consumed: the price of filtering and staleness), with the rules' names.
-        With several sources (``mix``): ``consumed_by_source`` (cumulative sequences of each
-        source consumed by this policy) and ``groups_by_source`` (train groups created).
+        """The trainer of ``policy`` committed ``version``: the batch it trained on is consumed,
+        its metrics line is written (``record.step_record``) and the state saved.
         ``batch_metrics``: the ``Batch.metrics`` of the batch this version was trained on (the
         trainer reports a version after it fetched the next batch; without them, the last
         batch served is reported)."""

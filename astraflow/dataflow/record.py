@@ -74,9 +74,17 @@ def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str,
                 batch_metrics: dict[str, Any], cfg: DataflowConfig, counts: Counter,
                 staleness_hist: Counter, generated: Generated, trainer_wait_s: float,
                 node_versions: dict[str, Any], by_source: dict[str, dict[str, int]] | None) -> dict[str, Any]:
-    """The metrics line of ``policy``'s step ``version``: the trainer's ``metrics``, the batch's
-    (``data_*``), the rules in use and the policy's cumulative dataflow counts (see
-    ``DataLayer.published``)."""
+    """The metrics line of ``policy``'s step ``version`` (one per policy and step).
+
+    It holds the trainer's own ``metrics``, the batch's (``data_*``: wait, staleness histogram
+    of the batch, replays), the rules in use and the policy's cumulative dataflow counts:
+    ``accepted`` / ``filtered`` (group filter) / ``stale_dropped`` / ``overflow_dropped`` /
+    ``replayed`` / ``consumed`` sequences, ``curator_skipped`` prompts (the curator runs before
+    rollout, for all policies: counted on the first), ``staleness_hist`` over every consumed
+    sequence, ``trainer_wait_s`` and ``rollouts_per_consumed`` (training sequences generated
+    per sequence consumed: the price of filtering and staleness). With several sources
+    (``mix``, ``by_source``): ``consumed_by_source`` (cumulative sequences of each source
+    consumed by this policy) and ``groups_by_source`` (train groups created)."""
     return {
         "step": version,
         "policy": policy,
