@@ -9,10 +9,10 @@ import uuid
 
 import pytest
 
-from astraflow.dataflow.config import DataflowConfig, PolicySpec
+from astraflow.dataflow.config import DataflowConfig, DropZeroAdvantageRule, UserCurator
 
 from astraflow.workloads.config import EvalConfig, WorkloadConfig
-from astraflow.dataflow import policies as P
+from astraflow.dataflow import rules as R
 from astraflow.dataflow.layer import BatchTimeout, DataLayer
 from astraflow.dataflow.ledger import TERMINAL
 from storage.trajectories import open_trajectory_store
@@ -164,7 +164,7 @@ def test_stale_sequences_dropped_and_counted(tmp_path):
 
 
 def test_drop_zero_advantage_refills(tmp_path):
-    layer = make_layer(tmp_path, group_filter=PolicySpec(type="drop_zero_advantage"), prefetch_groups=0)
+    layer = make_layer(tmp_path, group_filter=DropZeroAdvantageRule(), prefetch_groups=0)
 
     async def go():
         node = Node(layer)
@@ -264,24 +264,24 @@ def test_replay_mixes_consumed_samples_and_records_them(tmp_path):
 
 
 def test_new_curator_registered_in_test_needs_no_other_change(tmp_path):
-    @P.CURATORS.register("only_even_prompts_test")
-    class OnlyEven(P.AcceptAll):
+    @R.CURATORS.register("only_even_prompts_test")
+    class OnlyEven(R.AcceptAll):
         def accept(self, prompt_key, payload):
             return int(prompt_key[1:]) % 2 == 0
 
-    layer = make_layer(tmp_path, curator=PolicySpec(type="only_even_prompts_test"))
+    layer = make_layer(tmp_path, curator=UserCurator(type="only_even_prompts_test"))
 
     async def go():
         tasks = await layer.lease("n", 8)
-        keys = {layer.groups[t.group_id].prompt_key for t in tasks}
+        keys = {layer.buffers.rolling[t.group_id].prompt_key for t in tasks}
         assert keys and all(int(k[1:]) % 2 == 0 for k in keys)
 
     run(go())
 
 
-def test_unknown_policy_name_lists_known(tmp_path):
+def test_unknown_rule_name_lists_known(tmp_path):
     with pytest.raises(ValueError, match="known: .*drop_zero_advantage"):
-        make_layer(tmp_path, group_filter=PolicySpec(type="nope"))
+        make_layer(tmp_path, group_filter={"type": "nope"})
 
 
 def test_a_waiting_lease_gets_the_tasks_a_served_batch_makes_room_for(tmp_path):

@@ -15,7 +15,7 @@ import yaml
 
 from astraflow.config import ConfigError, config_from_dict
 
-from astraflow.dataflow.config import DataflowConfig, PolicySpec
+from astraflow.dataflow.config import DataflowConfig, DropZeroAdvantageRule
 
 from astraflow.workloads.config import EvalConfig, WorkloadConfig
 from astraflow.dataflow.layer import BatchTimeout, DataLayer
@@ -203,7 +203,7 @@ def test_refill_follows_weights_over_time(tmp_path):
 
     async def go():
         await serve(layer, 20)
-        created = layer._groups_by_source()
+        created = layer.mixer.groups_by_source()
         total = sum(created.values())
         for s, share in {"a": 0.25, "b": 0.5, "c": 0.25}.items():
             assert created[s] / total == pytest.approx(share, abs=0.05), created
@@ -224,7 +224,7 @@ def test_batch_composition_3_to_1_every_batch(tmp_path):
             assert len(batch) == 16
             assert batch_sources(batch, leased) == {"a": 12, "b": 4}
             assert batch.metrics["consumed_by_source"] == {"a": 12, "b": 4}
-        assert layer._consumed_by_source("p") == {"a": 144, "b": 48}
+        assert layer.mixer.consumed_by_source("p") == {"a": 144, "b": 48}
 
     asyncio.run(go())
 
@@ -246,7 +246,7 @@ def test_batch_composition_thirds_in_the_long_run(tmp_path):
             totals.update(got)
         assert totals == {"a": 160, "b": 160, "c": 160}
         # credits stay bounded and sum to 0
-        credit = layer.mix_credit["p"]
+        credit = layer.mixer.credit["p"]
         assert sum(credit.values()) == pytest.approx(0, abs=1e-9) and max(map(abs, credit.values())) < 1
 
     asyncio.run(go())
@@ -258,7 +258,7 @@ def test_quotas_apportion_fractional_shares_exactly(tmp_path):
     layer = make_layer(tmp_path, params={"sources": sources(a=2, b=1)})
     totals = Counter()
     for i in range(9):
-        quota, layer.mix_credit["p"] = layer._quotas("p", 16)
+        quota, layer.mixer.credit["p"] = layer.mixer.quotas("p", 16)
         assert sum(quota.values()) == 16 and all(v % 4 == 0 for v in quota.values())
         totals.update(quota)
         if i % 3 == 2:
@@ -266,7 +266,7 @@ def test_quotas_apportion_fractional_shares_exactly(tmp_path):
     # with replay a batch needs 10 of 16 sequences: parts of groups go by credit too
     totals = Counter()
     for _ in range(6):
-        quota, layer.mix_credit["p"] = layer._quotas("p", 10)
+        quota, layer.mixer.credit["p"] = layer.mixer.quotas("p", 10)
         assert sum(quota.values()) == 10
         totals.update(quota)
     assert totals == {"a": 40, "b": 20}
@@ -277,7 +277,7 @@ def test_filtered_source_gets_more_rollouts_and_batches_still_fill(tmp_path):
     is even (about 3/4 of 1-digit products): they are dropped, ``b`` is rolled out more often,
     and every batch still holds its 1:1 share."""
     layer = make_layer(tmp_path, params={"sources": sources(a=1, b=1)},
-                       group_filter=PolicySpec(type="drop_zero_advantage"), prefetch_groups=0)
+                       group_filter=DropZeroAdvantageRule(), prefetch_groups=0)
 
     def reward_of(t):
         if t.prompt["source"] == "b" and int(t.prompt["answer"]) % 2 == 0:
@@ -288,7 +288,7 @@ def test_filtered_source_gets_more_rollouts_and_batches_still_fill(tmp_path):
         batches = await serve(layer, 8, reward_of=reward_of)
         for batch in batches:
             assert batch.metrics["consumed_by_source"] == {"a": 8, "b": 8}
-        created = layer._groups_by_source()
+        created = layer.mixer.groups_by_source()
         assert created["b"] >= 2 * created["a"], created
         assert layer.ledger.dropped_by_reason["zero_advantage"] > 0
 
@@ -297,13 +297,13 @@ def test_filtered_source_gets_more_rollouts_and_batches_still_fill(tmp_path):
 
 def test_timeout_names_the_short_source(tmp_path):
     layer = make_layer(tmp_path, params={"sources": sources(a=1, b=1)},
-                       group_filter=PolicySpec(type="drop_zero_advantage"))
+                       group_filter=DropZeroAdvantageRule())
 
     async def go():
         with pytest.raises(BatchTimeout, match=r"short: source 'b' 0/8"):
             await serve(layer, 1, reward_of=lambda t: 1.0 if t.prompt["source"] == "b" else mixed_reward(t),
                         timeout=1.0)
-        assert layer._short == {}
+        assert layer.mixer.short == {}
 
     asyncio.run(go())
 
@@ -320,20 +320,20 @@ def test_credit_and_prompt_orders_saved_and_restored(tmp_path):
 
     asyncio.run(go())
     state = json.loads(json.dumps(layer.state_dict()))
-    assert state["mix_credit"]["p"] == layer.mix_credit["p"] and any(state["mix_credit"]["p"].values())
+    assert state["mix_credit"]["p"] == layer.mixer.credit["p"] and any(state["mix_credit"]["p"].values())
     path = tmp_path / "state.json"
     path.write_text(json.dumps(state))
     resumed = make_layer(tmp_path, params=params, state_path=str(path))
-    assert resumed.mix_credit == layer.mix_credit
-    assert resumed._order == layer._order and resumed._epoch == layer._epoch
+    assert resumed.mixer.credit == layer.mixer.credit
+    assert resumed.mixer.order == layer.mixer.order and resumed.mixer.epoch == layer.mixer.epoch
     # the next batches are apportioned the same way
     for _ in range(5):
-        q1, c1 = layer._quotas("p", 16)
-        q2, c2 = resumed._quotas("p", 16)
+        q1, c1 = layer.mixer.quotas("p", 16)
+        q2, c2 = resumed.mixer.quotas("p", 16)
         assert q1 == q2 and c1 == c2
-        layer.mix_credit["p"], resumed.mix_credit["p"] = c1, c2
+        layer.mixer.credit["p"], resumed.mixer.credit["p"] = c1, c2
     # a fresh layer (no state) starts from zero credit: it would apportion differently
-    assert make_layer(tmp_path, params=params).mix_credit != layer.mix_credit
+    assert make_layer(tmp_path, params=params).mixer.credit != layer.mixer.credit
 
 
 def test_eval_reports_accuracy_by_source(tmp_path):
@@ -368,7 +368,7 @@ def test_one_source_changes_nothing(tmp_path):
         q_single = [p["question"] for p in l_single.values()]
         n = min(len(q_plain), len(q_single))
         assert n >= 12 * 4 and q_plain[:n] == q_single[:n]
-        assert plain.source_weights == {"": 1.0} and plain.state_dict()["order"].keys() == {""}
-        assert all(v == 0.0 for v in plain.mix_credit["p"].values())
+        assert plain.mixer.weights == {"": 1.0} and plain.state_dict()["order"].keys() == {""}
+        assert all(v == 0.0 for v in plain.mixer.credit["p"].values())
 
     asyncio.run(go())

@@ -9,17 +9,17 @@ import uuid
 
 import pytest
 
-from astraflow.dataflow.config import DataflowConfig, PolicySpec
+from astraflow.dataflow.config import DataflowConfig, DropZeroAdvantageRule, FilterSolvedRule, GresoRule, UserCurator
 
 from astraflow.workloads.config import EvalConfig, WorkloadConfig
-from astraflow.dataflow import policies as P
+from astraflow.dataflow import rules as R
 from astraflow.dataflow.layer import DataLayer
 
 from tests.dataflow.helpers import make_trajectory, store_and_ref
 
 
-@P.CURATORS.register("odd_prompts_skipped_test")
-class SkipOdd(P.AcceptAll):
+@R.CURATORS.register("odd_prompts_skipped_test")
+class SkipOdd(R.AcceptAll):
     def accept(self, prompt_key, payload):
         return int(prompt_key[1:]) % 2 == 0
 
@@ -39,8 +39,8 @@ def alternating(t):
 
 
 def test_every_step_line_reports_counts_staleness_wait_and_rollout_cost(tmp_path):
-    layer = make_layer(tmp_path, group_filter=PolicySpec(type="drop_zero_advantage"),
-                       curator=PolicySpec(type="odd_prompts_skipped_test"), replay_ratio=0.5,
+    layer = make_layer(tmp_path, group_filter=DropZeroAdvantageRule(),
+                       curator=UserCurator(type="odd_prompts_skipped_test"), replay_ratio=0.5,
                        max_staleness=1, prefetch_groups=0)
 
     async def roll(n, reward_of, version=0):
@@ -85,7 +85,7 @@ def test_every_step_line_reports_counts_staleness_wait_and_rollout_cost(tmp_path
 
 def test_dataflow_state_is_saved_at_publish_and_restored_with_random_streams(tmp_path):
     state = tmp_path / "dataflow_state.json"
-    spec = dict(curator=PolicySpec(type="greso", params={"floor": 0.2}))
+    spec = dict(curator=GresoRule(params={"floor": 0.2}))
     layer = make_layer(tmp_path, state_path=str(state), **spec)
 
     async def go():
@@ -105,7 +105,7 @@ def test_dataflow_state_is_saved_at_publish_and_restored_with_random_streams(tmp
         for c in (layer.curator, resumed.curator):
             c.observe(k, [1.0] * 4)
     assert [resumed.curator.accept(k, {}) for k in keys * 3] == [layer.curator.accept(k, {}) for k in keys * 3]
-    assert [resumed._next_prompt() for _ in range(150)] == [layer._next_prompt() for _ in range(150)]
+    assert [resumed.mixer.next_prompt() for _ in range(150)] == [layer.mixer.next_prompt() for _ in range(150)]
     # a changed curator type starts fresh instead of loading foreign state
-    other = make_layer(tmp_path, state_path=str(state), curator=PolicySpec(type="filter_solved"))
+    other = make_layer(tmp_path, state_path=str(state), curator=FilterSolvedRule())
     assert other.curator.success == {} and other.versions["p"] == 1

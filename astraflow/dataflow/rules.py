@@ -1,30 +1,41 @@
-"""Composable dataflow policies, registered by name and chosen in the config.
+"""Dataflow rules: which prompts are rolled out, which groups are kept, in which order.
 
-Stages (each a small protocol; the data layer calls them and nothing else knows they exist):
+The data layer's decisions about data, registered by name and chosen in the config. They are
+called *rules* (not policies: the policies are the models being trained). Stages (each a small
+protocol; the data layer calls them and nothing else knows they exist):
 
 * ``Curator`` before rollout: ``accept(prompt_key, payload) -> bool`` and ``observe(prompt_key,
   rewards)`` after a group ends (to learn which prompts are worth rolling out).
 * ``GroupFilter`` after rollout: ``keep(rewards) -> (bool, reason)`` for one (group, policy).
-* ``Ordering`` of the buffer: ``pick(groups, version) -> list[index]`` in consumption order.
+* ``Ordering`` of the buffer: ``order(groups, version, max_staleness) -> list[index]`` in
+  consumption order.
 
-Every policy keeps its state in plain JSON-able attributes and implements
-``state_dict()``/``load_state_dict()`` so a run can save and restore it. A new policy is a new
-class with a ``@CURATORS.register(...)`` (or ``FILTERS`` / ``ORDERINGS``) decorator.
+A rule class is built from its validated parameters, ``cls(params, seed)``: ``Params`` (a
+pydantic model next to the class) holds the parameters with their defaults and bounds, the
+one place they are written; ``astraflow/dataflow/config.py`` uses it to check a config before
+any process starts. A new rule is a new class with a ``Params`` model and a
+``@CURATORS.register(...)`` (or ``FILTERS`` / ``ORDERINGS``) decorator; a config names it as
+``package.module:name`` (the module is imported, which registers it), as workflows are named.
 
-Randomised policies draw from their own ``random.Random`` (``self._rng``, seeded from the run
-seed). Its state is part of ``state_dict()`` (key ``rng_state``), so a restored policy
-*continues* its random stream: a run resumed from a checkpoint makes the same decisions the
-uninterrupted run would have made from that point, given the same observations.
+Every rule keeps its state in plain JSON-able attributes and implements
+``state_dict()``/``load_state_dict()`` so a run can save and restore it. Randomised rules draw
+from their own ``random.Random`` (``self._rng``, seeded from the run seed unless their
+``params.seed`` says otherwise). Its state is part of ``state_dict()`` (key ``rng_state``), so
+a restored rule *continues* its random stream: a run resumed from a checkpoint makes the same
+decisions the uninterrupted run would have made from that point, given the same observations.
 """
 
 from __future__ import annotations
 
-import inspect
+import importlib
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, ClassVar, Protocol, Sequence
 
+from pydantic import BaseModel, Field
+
+from astraflow.configbase import Strict
 from astraflow.registry import Registry
 
 CURATORS: Registry = Registry("prompt curator")
@@ -32,8 +43,24 @@ FILTERS: Registry = Registry("group filter")
 ORDERINGS: Registry = Registry("buffer ordering")
 
 
+class NoParams(Strict):
+    """A rule without parameters."""
+
+
+class SeededParams(Strict):
+    """Parameters of a randomised rule."""
+
+    seed: int | None = None
+    """Seed of the rule's random stream; None: the run seed."""
+
+
 class _Stateful:
-    """Default state handling: every public attribute is state."""
+    """Construction from ``Params`` and default state handling: every public attribute is state."""
+
+    Params: ClassVar[type[BaseModel]] = NoParams
+
+    def __init__(self, params: BaseModel, seed: int = 0):
+        del params, seed  # a rule without parameters or randomness
 
     def state_dict(self) -> dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
@@ -50,13 +77,17 @@ class _Stateful:
         if unknown:
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: unknown keys {sorted(unknown)}; "
-                "the saved state belongs to another policy (check dataflow.* in the config)"
+                "the saved state belongs to another rule (check dataflow.* in the config)"
             )
         self.__dict__.update(state)
         if rng_state is not None:
             version, internal, gauss = rng_state
             self._rng = random.Random()
             self._rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+
+
+def _rng(params: SeededParams, seed: int) -> random.Random:
+    return random.Random(seed if params.seed is None else params.seed)
 
 
 class Curator(Protocol):
@@ -100,18 +131,27 @@ class AcceptAll(_Stateful):
         return None
 
 
+class FilterSolvedParams(SeededParams):
+    threshold: float = Field(default=0.9, ge=0, le=1)
+    """A prompt whose recent success rate is above this is skipped."""
+    decay: float = Field(default=0.5, ge=0, le=1)
+    """Weight of the previous rate in the moving average of the success rate."""
+    explore: float = Field(default=0.1, ge=0, le=1)
+    """Probability that a skipped prompt is rolled out anyway (forgetting is noticed)."""
+
+
 @CURATORS.register("filter_solved")
 class FilterSolved(_Stateful):
     """Skip prompts whose recent success rate (an exponential moving average with ``decay``)
     is above ``threshold``; a skipped prompt is still tried with probability ``explore`` so
     that forgetting is noticed."""
 
-    def __init__(self, threshold: float = 0.9, decay: float = 0.5, explore: float = 0.1, seed: int = 0):
-        if not 0 <= threshold <= 1:
-            raise ValueError("filter_solved.threshold must be in [0, 1]")
-        self.threshold, self.decay, self.explore = threshold, decay, explore
+    Params = FilterSolvedParams
+
+    def __init__(self, params: FilterSolvedParams, seed: int = 0):
+        self.threshold, self.decay, self.explore = params.threshold, params.decay, params.explore
         self.success: dict[str, float] = {}
-        self._rng = random.Random(seed)
+        self._rng = _rng(params, seed)
 
     def accept(self, prompt_key: str, payload: dict) -> bool:
         if self.success.get(prompt_key, 0.0) <= self.threshold:
@@ -124,6 +164,15 @@ class FilterSolved(_Stateful):
         self.success[prompt_key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
 
 
+class GresoParams(SeededParams):
+    floor: float = Field(default=0.1, gt=0, le=1)
+    """Every prompt keeps at least this chance to be retried."""
+    base: float = Field(default=0.5, ge=0, le=1)
+    """Skip probability after a streak of ``k`` zero-variance groups: ``rate x (1 - base^k)``."""
+    target_skip: float = Field(default=0.5, ge=0, le=1)
+    """Fraction of proposals the adaptive ``rate`` aims to skip."""
+
+
 @CURATORS.register("greso")
 class Greso(_Stateful):
     """GRESO-style pre-rollout filtering: a prompt whose groups keep having zero reward
@@ -131,15 +180,15 @@ class Greso(_Stateful):
     bounded by ``1 - floor`` (every prompt keeps a chance ``floor`` to be retried). ``rate``
     adapts so that roughly ``target_skip`` of proposals are skipped."""
 
-    def __init__(self, floor: float = 0.1, base: float = 0.5, target_skip: float = 0.5, seed: int = 0):
-        if not 0 < floor <= 1:
-            raise ValueError("greso.floor must be in (0, 1]")
-        self.floor, self.base, self.target_skip = floor, base, target_skip
+    Params = GresoParams
+
+    def __init__(self, params: GresoParams, seed: int = 0):
+        self.floor, self.base, self.target_skip = params.floor, params.base, params.target_skip
         self.streak: dict[str, int] = {}
         self.rate = 1.0
         self.proposed = 0
         self.skipped = 0
-        self._rng = random.Random(seed)
+        self._rng = _rng(params, seed)
 
     def skip_probability(self, prompt_key: str) -> float:
         k = self.streak.get(prompt_key, 0)
@@ -160,15 +209,26 @@ class Greso(_Stateful):
         self.streak[prompt_key] = self.streak.get(prompt_key, 0) + 1 if zero_var else 0
 
 
+class CurriculumParams(SeededParams):
+    target: float = Field(default=0.5, ge=0, le=1)
+    """Success rate of the prompts accepted most often."""
+    width: float = Field(default=0.35, gt=0)
+    """Width of the acceptance bell around ``target``."""
+    floor: float = Field(default=0.1, ge=0, le=1)
+    """Lowest acceptance probability of a seen prompt."""
+
+
 @CURATORS.register("curriculum")
 class Curriculum(_Stateful):
     """Weight prompts by difficulty estimated from outcomes: accept with probability highest
     for prompts whose success rate is near ``target`` (neither solved nor hopeless)."""
 
-    def __init__(self, target: float = 0.5, width: float = 0.35, floor: float = 0.1, seed: int = 0):
-        self.target, self.width, self.floor = target, width, floor
+    Params = CurriculumParams
+
+    def __init__(self, params: CurriculumParams, seed: int = 0):
+        self.target, self.width, self.floor = params.target, params.width, params.floor
         self.rate: dict[str, float] = {}
-        self._rng = random.Random(seed)
+        self._rng = _rng(params, seed)
 
     def weight(self, prompt_key: str) -> float:
         r = self.rate.get(prompt_key)
@@ -190,6 +250,8 @@ class Curriculum(_Stateful):
 
 @FILTERS.register("keep_all")
 class KeepAll(_Stateful):
+    """Keep every group."""
+
     def keep(self, rewards: Sequence[float]) -> tuple[bool, str | None]:
         return True, None
 
@@ -237,12 +299,26 @@ class FreshestFirst(_Stateful):
         return sorted(range(len(groups)), key=lambda i: (-groups[i].oldest_version, -groups[i].ingest_seq))
 
 
-def make(registry: Registry, spec_type: str, params: dict, seed: int = 0):
-    cls = registry.get(spec_type)
-    kwargs = dict(params)
-    if "seed" in inspect.signature(cls).parameters and "seed" not in kwargs:
-        kwargs["seed"] = seed
-    try:
-        return cls(**kwargs)
-    except TypeError as err:
-        raise ValueError(f"{registry.kind} {spec_type!r}: bad parameters {params}: {err}") from None
+# -- construction ------------------------------------------------------------------------------
+
+
+def rule_class(registry: Registry, name: str) -> type:
+    """The rule class registered as ``name``. ``"package.module:name"`` imports the user's
+    module first (which registers its rules), so a new rule needs no change here."""
+    if ":" in name:
+        module, name = name.split(":", 1)
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ValueError(f"{registry.kind} {module}:{name}: cannot import {module!r} ({err}); "
+                             "put the module on PYTHONPATH or fix its name") from None
+    return registry.get(name)
+
+
+def make(registry: Registry, name: str, params: BaseModel | dict[str, Any], seed: int = 0):
+    """The rule ``name`` of ``registry`` built from ``params`` (a dict is validated against the
+    class's ``Params``: ``ValueError`` naming the bad parameter) with the run ``seed``."""
+    cls = rule_class(registry, name)
+    if not isinstance(params, cls.Params):
+        params = cls.Params.model_validate(params)
+    return cls(params, seed)

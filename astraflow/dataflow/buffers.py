@@ -1,0 +1,299 @@
+"""Buffers and batch assembly: from a finished group of rollouts to the batch a trainer uses.
+
+A train group is rolled out (``rolling``), then ingested when all its tasks ended: per policy,
+the sequences carrying that policy's tokens, with the group's reward statistics, pass the group
+filter into that policy's buffer (``ready``). A batch takes sequences from the buffer in the
+configured ordering, adds replayed ones, and is *served*; its tasks are *consumed* only when the
+trainer commits the version trained on it (``commit``). Each routed sequence is settled exactly
+once (consumed or dropped with a reason); a task ends in the ``Ledger`` when all its sequences
+are settled.
+
+Named asynchronous overlap, *staleness*: a sequence whose oldest token version for the consuming
+policy is more than ``max_staleness`` versions behind the trainer's version is dropped and
+counted as ``stale`` (``available``, just before a batch is assembled), so no batch holds a
+sequence older than the bound, however far rollouts ran ahead.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from astraflow.contracts import Batch, BatchItem, SequenceSummary, TrajectoryRef, sequence_from_stored
+from astraflow.dataflow.ledger import Ledger
+from astraflow.dataflow.rules import BufferedGroupView, GroupFilter, Ordering
+
+
+@dataclass
+class RolloutGroup:
+    """A train group being rolled out: its tasks and those that completed or failed."""
+
+    group_id: str
+    prompt_key: str
+    kind: str
+    task_ids: list[str]
+    source: str = ""
+    results: dict[str, TrajectoryRef] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+
+    def done(self) -> bool:
+        return len(self.results) + len(self.failed) == len(self.task_ids)
+
+
+@dataclass
+class Item:
+    """A sequence routed to one policy's buffer, waiting to be consumed."""
+
+    task_id: str
+    summary: SequenceSummary
+    oldest_version: int
+    group_mean: float
+    group_std: float
+    group_size: int
+
+
+@dataclass
+class ReadyGroup:
+    """A group's sequences of one policy in its buffer."""
+
+    group_id: str
+    ingest_seq: int
+    items: list[Item]
+    source: str = ""
+
+    @property
+    def oldest_version(self) -> int:
+        return min(i.oldest_version for i in self.items)
+
+
+class Buffers:
+    """Groups in rollout, per-policy buffers, served batches, replay and batch statistics."""
+
+    def __init__(self, policies: list[str], *, batch_size: int, group_size: int, limit: int,
+                 max_staleness: int, ledger: Ledger, rng: random.Random):
+        self.policies = list(policies)
+        self.group_size = group_size
+        #: a policy whose trainer does not consume keeps at most this many groups
+        self.cap_groups = 4 * limit
+        self.max_staleness = max_staleness
+        self.ledger = ledger
+        #: draws replayed samples (shared with the prompt orders: one stream, saved with the run)
+        self.rng = rng
+        #: train groups being rolled out (not yet ingested), by group id
+        self.rolling: dict[str, RolloutGroup] = {}
+        self.group_seq = 0
+        self.ready: dict[str, list[ReadyGroup]] = {p: [] for p in self.policies}
+        self.replay: dict[str, deque[BatchItem]] = {p: deque(maxlen=4 * batch_size) for p in self.policies}
+        #: per policy: the items of the batch served to a trainer at version v, by v, until the
+        #: trainer reports v + 1 committed (``commit``): only then are they consumed
+        self.serving: dict[str, dict[int, list[Item]]] = {p: {} for p in self.policies}
+        self.routed_left: dict[str, int] = {}  # train task -> items not yet settled
+        self.task_consumed: set[str] = set()
+        self.task_drop_reason: dict[str, str] = {}
+        self.counts: dict[str, Counter] = {p: Counter() for p in self.policies}
+        self.staleness_hist: dict[str, Counter] = {p: Counter() for p in self.policies}
+        self.wait_s: dict[str, float] = {p: 0.0 for p in self.policies}
+        self.last_batch: dict[str, dict[str, Any]] = {p: {} for p in self.policies}
+        self._ingest_seq = 0
+
+    # -- before ingest -----------------------------------------------------------------------
+    def open_group(self, prompt_key: str, source: str) -> RolloutGroup:
+        """A new train group of ``group_size`` tasks, in rollout."""
+        self.group_seq += 1
+        gid = f"g{self.group_seq:07d}"
+        grp = RolloutGroup(gid, prompt_key, "train", [f"{gid}/{j}" for j in range(self.group_size)], source)
+        self.rolling[gid] = grp
+        return grp
+
+    def groups_ahead(self, sources: Sequence[str]) -> dict[str, int]:
+        """Groups the hungriest policy has buffered, per source."""
+        return {s: min(sum(1 for g in b if g.source == s) for b in self.ready.values()) for s in sources}
+
+    # -- ingest ------------------------------------------------------------------------------
+    def ingest(self, grp: RolloutGroup, group_filter: GroupFilter) -> list[float]:
+        """A finished group enters the buffers (see the module docstring); returns the first
+        policy's rewards (what the curator observes; empty if it generated nothing)."""
+        self.rolling.pop(grp.group_id, None)
+        live = [t for t in grp.task_ids if t in grp.results]
+        for tid in live:
+            self.routed_left[tid] = 0
+        first_rewards: list[float] = []
+        for policy in self.policies:
+            items: list[Item] = []
+            rewards: list[float] = []
+            for tid in live:
+                for s in grp.results[tid].sequences:
+                    if policy in s.policy_tokens and s.policy_tokens[policy][0] > 0:
+                        items.append(Item(tid, s, s.policy_tokens[policy][1], 0.0, 0.0, 0))
+                        rewards.append(s.reward)
+            if not items:
+                continue
+            if policy == self.policies[0]:
+                first_rewards = rewards
+            c = self.counts[policy]
+            c["sequences_ingested"] += len(items)
+            for it in items:
+                self.routed_left[it.task_id] += 1
+            if len(items) < 2:
+                self.settle(policy, items, "group_incomplete")
+                continue
+            keep, reason = group_filter.keep(rewards)
+            if not keep:
+                c["filtered"] += len(items)
+                self.settle(policy, items, reason or "filtered")
+                continue
+            mean, std = float(np.mean(rewards)), float(np.std(rewards))
+            for it in items:
+                it.group_mean, it.group_std, it.group_size = mean, std, len(items)
+            self._ingest_seq += 1
+            self.ready[policy].append(ReadyGroup(grp.group_id, self._ingest_seq, items, grp.source))
+            c["accepted"] += len(items)
+            self.cap(policy)
+        for tid in live:
+            if self.routed_left.get(tid) == 0:
+                self._end_task(tid, "no_policy_tokens")
+        return first_rewards
+
+    def cap(self, policy: str) -> None:
+        """A policy whose trainer does not consume keeps at most ``cap_groups`` groups; the
+        oldest beyond that are dropped as ``overflow``."""
+        buf = self.ready[policy]
+        while len(buf) > self.cap_groups:
+            grp = buf.pop(0)
+            self.counts[policy]["overflow_dropped"] += len(grp.items)
+            self.settle(policy, grp.items, "overflow")
+
+    def settle(self, policy: str, items: list[Item], drop_reason: str | None) -> None:
+        """Items leave a buffer: consumed (``drop_reason`` None) or dropped."""
+        for it in items:
+            if drop_reason is None:
+                self.task_consumed.add(it.task_id)
+            else:
+                self.task_drop_reason.setdefault(it.task_id, drop_reason)
+            self.routed_left[it.task_id] -= 1
+            if self.routed_left[it.task_id] == 0:
+                self._end_task(it.task_id, self.task_drop_reason.get(it.task_id, "unknown"))
+
+    def _end_task(self, tid: str, reason: str) -> None:
+        self.routed_left.pop(tid, None)
+        if tid in self.task_consumed:
+            self.task_consumed.discard(tid)
+            self.ledger.end(tid, "consumed")
+        else:
+            self.ledger.end(tid, "dropped", reason)
+        self.task_drop_reason.pop(tid, None)
+
+    # -- batches -----------------------------------------------------------------------------
+    def available(self, policy: str, version: int) -> int:
+        """Drop stale sequences from the buffer; count what is left."""
+        buf = self.ready[policy]
+        total = 0
+        for grp in list(buf):
+            stale = [it for it in grp.items if version - it.oldest_version > self.max_staleness]
+            if stale:
+                self.counts[policy]["stale_dropped"] += len(stale)
+                grp.items = [it for it in grp.items if it not in stale]
+                self.settle(policy, stale, "stale")
+            if not grp.items:
+                buf.remove(grp)
+            total += len(grp.items)
+        return total
+
+    def available_by_source(self, policy: str, version: int, sources: Sequence[str]) -> dict[str, int]:
+        """``available`` (stale sequences dropped), per source."""
+        self.available(policy, version)
+        out = {s: 0 for s in sources}
+        for grp in self.ready[policy]:
+            out[grp.source] += len(grp.items)
+        return out
+
+    def take(self, policy: str, quota: dict[str, int], ordering: Ordering, version: int
+             ) -> tuple[list[Item], dict[str, int]]:
+        """Take each source's quota of items from the buffer in ``ordering``'s order; the
+        items and how many of each source were taken."""
+        buf = self.ready[policy]
+        chosen: list[Item] = []
+        taken: dict[str, int] = {}
+        for source, q in quota.items():
+            mine = [g for g in buf if g.source == source]
+            views = [BufferedGroupView(g.ingest_seq, g.oldest_version) for g in mine]
+            got = 0
+            for gi in ordering.order(views, version, self.max_staleness):
+                if got >= q:
+                    break
+                grp = mine[gi]
+                take = grp.items[: q - got]
+                grp.items = grp.items[len(take):]
+                chosen.extend(take)
+                got += len(take)
+            taken[source] = got
+        self.ready[policy] = [g for g in buf if g.items]
+        return chosen, taken
+
+    def serve(self, policy: str, version: int, chosen: list[Item], rows: list, n_replay: int,
+              waited: float, by_source: dict[str, int] | None) -> Batch:
+        """The batch of ``chosen`` items (their stored ``rows``) plus ``n_replay`` replayed
+        ones, recorded as served to ``policy``'s trainer at ``version``. A batch served before
+        at the same version never reached its training: it is dropped (``served_not_trained``)."""
+        items: list[BatchItem] = []
+        for it, row in zip(chosen, rows):
+            seq = sequence_from_stored(row)
+            pidx = json.loads(row.meta)["policies"].index(policy)
+            items.append(BatchItem(
+                sequence=seq, loss_mask=seq.loss_mask & (seq.policy_ids == pidx), group_mean=it.group_mean,
+                group_std=it.group_std, group_size=it.group_size, staleness=version - it.oldest_version,
+                task_id=it.task_id,
+            ))
+        replays = [replace(x, replayed=True, staleness=version - x.sequence.oldest_version)
+                   for x in self.rng.sample(list(self.replay[policy]), n_replay)] if n_replay else []
+        self.replay[policy].extend(items)
+        lost = self.serving[policy].pop(version, None)
+        if lost:  # this version asks again: the batch served before never reached its training
+            self.settle(policy, lost, "served_not_trained")
+        self.serving[policy][version] = chosen  # consumed once the version trained on it is committed
+
+        c = self.counts[policy]
+        c["consumed"] += len(items)
+        c["replayed"] += len(replays)
+        hist = Counter(x.staleness for x in items)
+        self.staleness_hist[policy].update(hist)
+        metrics = {
+            "wait_s": waited,
+            "reward_mean": float(np.mean([x.sequence.reward for x in items])),
+            "staleness_mean": float(np.mean([x.staleness for x in items])),
+            "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
+            "replayed": len(replays),
+            "response_tokens_mean": float(np.mean([x.loss_mask.sum() for x in items])),
+        }
+        if by_source is not None:
+            metrics["consumed_by_source"] = dict(by_source)
+        self.last_batch[policy] = metrics
+        return Batch(policy=policy, version=version, items=tuple(items + replays), metrics=metrics)
+
+    def commit(self, policy: str, version: int) -> None:
+        """``policy``'s trainer committed ``version``: the batch served at ``version - 1`` is consumed."""
+        self.settle(policy, self.serving[policy].pop(version - 1, []), None)
+
+    def end_run(self) -> None:
+        """Every buffered item is dropped (``run_ended``), every served batch never committed
+        too (``served_not_trained``)."""
+        for policy, buf in self.ready.items():
+            for grp in buf:
+                self.settle(policy, grp.items, "run_ended")
+            buf.clear()
+            for served in self.serving[policy].values():
+                self.settle(policy, served, "served_not_trained")
+            self.serving[policy].clear()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "buffers": {p: sum(len(g.items) for g in b) for p, b in self.ready.items()},
+            "counts": {p: dict(c) for p, c in self.counts.items()},
+            "staleness_hist": {p: {str(k): v for k, v in sorted(h.items())} for p, h in self.staleness_hist.items()},
+            "trainer_wait_s": dict(self.wait_s),
+        }

@@ -1,0 +1,139 @@
+"""Evaluation rounds: held-out accuracy of the first policy at chosen versions.
+
+A round at version ``v`` is ``k`` evaluation tasks per held-out prompt (greedy when ``k`` is
+1), leased before any training task. A round may run on ``v`` or newer weights (nodes never go
+back; ``eval_version_min``/``max`` record which); the first round gates training, so it always
+measures exactly the starting weights. Rounds overlap and a later one can finish first: records
+are written in version order, a finished round waiting for every earlier one (``write``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from astraflow.contracts import RolloutTask, TrajectoryRef
+
+
+@dataclass
+class EvalRound:
+    version: int
+    policy: str
+    k: int
+    rewards: dict[str, list[float]] = field(default_factory=dict)  # prompt -> rewards
+    remaining: int = 0
+    started: float = field(default_factory=time.time)
+    #: weight versions of the first policy that actually generated the evaluated answers
+    versions_used: list[int] = field(default_factory=list)
+    #: eval group id -> source of its prompt (mixtures only)
+    sources: dict[str, str] = field(default_factory=dict)
+    #: the finished record; written once every earlier round of the policy is written too
+    result: dict[str, Any] | None = None
+    written: bool = False
+
+
+class EvalRounds:
+    """Rounds by version, their tasks, and the records of finished rounds."""
+
+    def __init__(self, payloads: list[dict[str, Any]], sources: list[str], *, k: int, policies: list[str],
+                 workflow: str, by_source: bool, started: float, write: Callable[[dict[str, Any]], None]):
+        self.payloads, self.sources = payloads, sources
+        self.by_source = by_source  # records add ``eval_accuracy_by_source`` (several sources)
+        self.k = k
+        self.policies = list(policies)
+        self.workflow = workflow
+        self.started = started  # the data layer's start: records' ``time``
+        self._write = write
+        self.rounds: dict[int, EvalRound] = {}
+        #: records written, in version order
+        self.results: list[dict[str, Any]] = []
+
+    def start(self, version: int) -> list[RolloutTask]:
+        """The tasks of a new round at ``version`` (none if it exists)."""
+        if version in self.rounds:
+            return []
+        rnd = EvalRound(version=version, policy=self.policies[0], k=self.k, remaining=len(self.payloads) * self.k)
+        self.rounds[version] = rnd
+        sampling = {"greedy": True} if self.k == 1 else None
+        tasks = []
+        for i, payload in enumerate(self.payloads):
+            gid = f"eval-v{version}-{i}"
+            rnd.sources[gid] = self.sources[i]
+            tasks += [RolloutTask(task_id=f"{gid}/{j}", group_id=gid, policies=tuple(self.policies),
+                                  workflow=self.workflow, prompt=payload, kind="eval", sampling=sampling,
+                                  min_version=version)
+                      for j in range(self.k)]
+        return tasks
+
+    def initial_done(self) -> bool:
+        """Training waits for the first round, so that it measures exactly the starting
+        weights (no newer version exists before the first batch is served)."""
+        if not self.rounds:
+            return True
+        return self.rounds[min(self.rounds)].remaining <= 0
+
+    def done(self, version: int) -> bool:
+        rnd = self.rounds.get(version)
+        return rnd is not None and rnd.written
+
+    def record(self, task: RolloutTask, ref: TrajectoryRef) -> None:
+        """An evaluation task completed."""
+        rnd = self.rounds[task.min_version]
+        rnd.rewards.setdefault(task.group_id, []).append(ref.score)
+        first = self.policies[0]
+        rnd.versions_used += [s.policy_tokens[first][1] for s in ref.sequences if first in s.policy_tokens]
+        rnd.remaining -= 1
+        self._maybe_finish(task.min_version)
+
+    def failed(self, task: RolloutTask) -> None:
+        """An evaluation task ended as failed: its round finishes without it."""
+        if int(task.min_version) in self.rounds:
+            self.rounds[int(task.min_version)].remaining -= 1
+            self._maybe_finish(int(task.min_version))
+
+    def _maybe_finish(self, version: int) -> None:
+        rnd = self.rounds[version]
+        if rnd.remaining > 0:
+            return
+        per_prompt = list(rnd.rewards.values())
+        avg = float(np.mean([np.mean(r) for r in per_prompt])) if per_prompt else 0.0
+        pass_k = float(np.mean([max(r) > 0 for r in per_prompt])) if per_prompt else 0.0
+        result = {
+            "step": version,
+            "policy": rnd.policy,
+            "time": time.time() - self.started,
+            "eval_accuracy": avg,
+            f"eval_avg@{rnd.k}": avg,
+            f"eval_pass@{rnd.k}": pass_k,
+            "eval_prompts": len(per_prompt),
+            # an evaluation requested at v runs on v or newer weights (nodes never go back);
+            # the first one gates training, so it always runs on exactly the starting weights
+            "eval_version_min": min(rnd.versions_used, default=version),
+            "eval_version_max": max(rnd.versions_used, default=version),
+            "eval_seconds": time.time() - rnd.started,
+        }
+        if self.by_source:
+            by_source: dict[str, list[float]] = {}
+            for gid, r in rnd.rewards.items():
+                by_source.setdefault(rnd.sources[gid], []).append(float(np.mean(r)))
+            result["eval_accuracy_by_source"] = {s: float(np.mean(v)) for s, v in by_source.items()}
+        rnd.result = result
+        self.write()
+
+    def write(self, past_unfinished: bool = False) -> None:
+        """Write finished records in version order: a finished round waits for the earlier
+        ones unless ``past_unfinished`` (at the end of the run, when an unfinished round never
+        will finish)."""
+        for r in sorted(self.rounds.values(), key=lambda r: r.version):
+            if r.written:
+                continue
+            if r.result is None:
+                if past_unfinished:
+                    continue
+                break
+            r.written = True
+            self.results.append(r.result)
+            self._write(r.result)

@@ -1,0 +1,159 @@
+"""What the data layer writes into the run directory: metrics lines and its saved state.
+
+* ``metrics.jsonl``: one line per policy and trainer step (``step_record``) and one per
+  finished evaluation round, appended (a line-buffered append, not an atomic rewrite: the file
+  only grows and a reader skips a torn last line).
+* ``dataflow_state.json``: what a resumed run needs (``snapshot`` / ``restore``), rewritten
+  atomically and durably at every committed step (``save``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from astraflow.contracts import TrajectoryRef
+from astraflow.dataflow.config import DataflowConfig
+from astraflow.dataflow.mixing import Mixer
+from storage.atomic import write_json
+
+log = logging.getLogger("astraflow.dataflow")
+
+#: the rule stages of ``DataflowConfig``, each saved under its own key
+RULE_STAGES = ("curator", "group_filter", "ordering")
+#: key of the rules' ``type`` names in the saved state (its name predates "rules"; kept so that
+#: a run saved before still resumes)
+RULE_TYPES_KEY = "policy_types"
+
+
+@dataclass
+class Generated:
+    """What the RaaS nodes generated, for throughput and the rollout cost of the data."""
+
+    sequences: int = 0
+    #: sequences of training rollouts only (evaluation excluded): the cost of the data
+    train_sequences: int = 0
+    tokens: int = 0
+
+    def add(self, ref: TrajectoryRef) -> None:
+        self.sequences += len(ref.sequences)
+        if ref.kind != "eval":
+            self.train_sequences += len(ref.sequences)
+        self.tokens += sum(s.num_tokens for s in ref.sequences)
+
+    def rates(self, elapsed: float) -> dict[str, float]:
+        return {"trajectories_per_s": self.sequences / max(elapsed, 1e-9),
+                "tokens_per_s": self.tokens / max(elapsed, 1e-9)}
+
+
+class MetricsLog:
+    """``metrics.jsonl``, opened for appending (``path`` None: nothing is written)."""
+
+    def __init__(self, path: str | None):
+        self._file = open(path, "a", buffering=1) if path else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record, default=float) + "\n")
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str, Any],
+                batch_metrics: dict[str, Any], cfg: DataflowConfig, counts: Counter,
+                staleness_hist: Counter, generated: Generated, trainer_wait_s: float,
+                node_versions: dict[str, Any], by_source: dict[str, dict[str, int]] | None) -> dict[str, Any]:
+    """The metrics line of ``policy``'s step ``version`` (one per policy and step).
+
+    It holds the trainer's own ``metrics``, the batch's (``data_*``: wait, staleness histogram
+    of the batch, replays), the rules in use and the policy's cumulative dataflow counts:
+    ``accepted`` / ``filtered`` (group filter) / ``stale_dropped`` / ``overflow_dropped`` /
+    ``replayed`` / ``consumed`` sequences, ``curator_skipped`` prompts (the curator runs before
+    rollout, for all policies: counted on the first), ``staleness_hist`` over every consumed
+    sequence, ``trainer_wait_s`` and ``rollouts_per_consumed`` (training sequences generated
+    per sequence consumed: the price of filtering and staleness). With several sources
+    (``mix``, ``by_source``): ``consumed_by_source`` (cumulative sequences of each source
+    consumed by this policy) and ``groups_by_source`` (train groups created)."""
+    return {
+        "step": version,
+        "policy": policy,
+        "time": elapsed,
+        **metrics,
+        **{f"data_{k}": v for k, v in batch_metrics.items()},
+        "dataflow": {"curator": cfg.curator.type, "group_filter": cfg.group_filter.type,
+                     "ordering": cfg.ordering.type, "replay_ratio": cfg.replay_ratio,
+                     "max_staleness": cfg.max_staleness},
+        "accepted": counts["accepted"],
+        "filtered": counts["filtered"],
+        "stale_dropped": counts["stale_dropped"],
+        "overflow_dropped": counts["overflow_dropped"],
+        "replayed": counts["replayed"],
+        "consumed": counts["consumed"],
+        "curator_skipped": counts["curator_skipped"],
+        "staleness_hist": {str(k): v for k, v in sorted(staleness_hist.items())},
+        "sequences_generated": generated.sequences,
+        "rollouts_generated": generated.train_sequences,
+        "rollouts_per_consumed": generated.train_sequences / max(counts["consumed"], 1),
+        **generated.rates(elapsed),
+        "trainer_wait_s": trainer_wait_s,
+        "node_versions": node_versions,
+        **(by_source or {}),
+    }
+
+
+def snapshot(*, versions: dict[str, int], cfg: DataflowConfig, rules: dict[str, Any], mixer: Mixer,
+             group_seq: int) -> dict[str, Any]:
+    """What a resumed run needs: the trainers' versions, the rules' own state (random streams
+    included) with their ``type`` names, the prompt order of each source and the shuffling
+    stream, and the batch-time mixing credit. Leases and buffers are not saved: the tasks of
+    an interrupted run end as ``run_ended`` and are rolled out again."""
+    version, internal, gauss = mixer.rng.getstate()
+    return {
+        "versions": dict(versions),
+        RULE_TYPES_KEY: {stage: getattr(cfg, stage).type for stage in RULE_STAGES},
+        **{stage: rules[stage].state_dict() for stage in RULE_STAGES},
+        **mixer.state_dict(),
+        "group_seq": group_seq,
+        "rng_state": [version, list(internal), gauss],
+    }
+
+
+def restore(state: dict[str, Any], *, versions: dict[str, int], cfg: DataflowConfig, rules: dict[str, Any],
+            mixer: Mixer) -> int:
+    """Load a ``snapshot`` into the parts; returns the saved group counter. A rule whose
+    ``type`` changed in the config since the state was saved starts fresh (with a warning)
+    instead of loading foreign state."""
+    versions.update({p: v for p, v in state["versions"].items() if p in versions})
+    saved_types = state.get(RULE_TYPES_KEY, {})
+    for stage in RULE_STAGES:
+        current = getattr(cfg, stage).type
+        if saved_types.get(stage, current) != current:
+            log.warning("dataflow.%s changed from %r to %r since the run was saved: it starts fresh",
+                        stage, saved_types[stage], current)
+            continue
+        rules[stage].load_state_dict(state[stage])
+    mixer.load_state_dict(state)
+    if "rng_state" in state:
+        version, internal, gauss = state["rng_state"]
+        mixer.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+    return state["group_seq"]
+
+
+def load(path: Path) -> dict[str, Any] | None:
+    """The saved state at ``path``, or None when there is none."""
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def save(path: Path, state: dict[str, Any]) -> None:
+    write_json(path, state, default=float)

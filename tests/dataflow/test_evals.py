@@ -1,0 +1,54 @@
+"""Evaluation rounds on their own: their tasks, accuracy records, failures, the records'
+version order and the first round gating training."""
+
+from __future__ import annotations
+
+import pytest
+
+from astraflow.contracts import TrajectoryRef
+from astraflow.dataflow.evals import EvalRounds
+
+PAYLOADS = [{"q": i} for i in range(3)]
+
+
+def rounds(k=1, sources=("", "", ""), by_source=False):
+    written: list[dict] = []
+    ev = EvalRounds(PAYLOADS, list(sources), k=k, policies=["p", "q"], workflow="w", by_source=by_source,
+                    started=0.0, write=written.append)
+    return ev, written
+
+
+def finish(ev, tasks, score=1.0):
+    for t in tasks:
+        ev.record(t, TrajectoryRef(t.task_id, t.group_id, "eval", 0, "n", (), score=score))
+
+
+def test_a_round_is_k_tasks_per_prompt_and_starts_once():
+    ev, _ = rounds(k=2)
+    tasks = ev.start(4)
+    assert [t.task_id for t in tasks] == [f"eval-v4-{i}/{j}" for i in range(3) for j in range(2)]
+    assert all(t.kind == "eval" and t.min_version == 4 and t.sampling is None for t in tasks)
+    assert ev.start(4) == [] and rounds()[0].start(0)[0].sampling == {"greedy": True}
+
+
+def test_records_accuracy_and_writes_in_version_order():
+    ev, written = rounds()
+    t0, t2 = ev.start(0), ev.start(2)
+    assert not ev.initial_done()
+    finish(ev, t2, 1.0)
+    assert written == [] and not ev.done(2)  # waits for v0
+    finish(ev, t0[:2], 0.0)
+    ev.failed(t0[2])  # a failed task: the round finishes without it
+    assert ev.initial_done() and [(r["step"], r["eval_accuracy"]) for r in written] == [(0, 0.0), (2, 1.0)]
+    assert written[0]["eval_prompts"] == 2 and ev.done(2) and ev.results == written
+
+
+def test_an_unfinished_round_is_passed_at_the_end_and_accuracy_by_source():
+    ev, written = rounds(sources=("a", "b", "a"), by_source=True)
+    ev.start(0)
+    t1 = ev.start(1)
+    finish(ev, t1[:2], 1.0)
+    finish(ev, t1[2:], 0.0)
+    ev.write(past_unfinished=True)
+    (rec,) = written
+    assert rec["step"] == 1 and rec["eval_accuracy_by_source"] == {"a": pytest.approx(0.5), "b": 1.0}

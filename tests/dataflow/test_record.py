@@ -1,0 +1,69 @@
+"""What the data layer writes on its own: metrics lines appended, the saved state written
+atomically and restored (rules, prompt orders, random stream), including a state saved before."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+from astraflow.dataflow import record as rec
+from astraflow.dataflow import rules as R
+from astraflow.dataflow.config import DataflowConfig
+from astraflow.dataflow.mixing import Mixer
+
+
+def parts(seed=0, curator="greso"):
+    cfg = DataflowConfig(curator={"type": curator})
+    rules = {"curator": R.make(R.CURATORS, curator, {}, seed), "group_filter": R.make(R.FILTERS, "keep_all", {}),
+             "ordering": R.make(R.ORDERINGS, "fifo", {})}
+    mixer = Mixer("math", {"": 1.0}, [{}] * 5, ["p"], 4, random.Random(seed))
+    return cfg, rules, mixer
+
+
+def test_metrics_lines_are_appended(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    for step in (1, 2):
+        log = rec.MetricsLog(str(path))
+        log.write({"step": step, "x": 1.5})
+        log.close()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+    rec.MetricsLog(None).write({"step": 3})  # no path: nothing written, no error
+
+
+def test_snapshot_saved_atomically_and_restored(tmp_path):
+    cfg, rules, mixer = parts()
+    rules["curator"].observe("p1", [1.0, 1.0])
+    mixer.next_prompt()
+    state = rec.snapshot(versions={"p": 3}, cfg=cfg, rules=rules, mixer=mixer, group_seq=7)
+    assert state["policy_types"] == {"curator": "greso", "group_filter": "keep_all", "ordering": "fifo"}
+    path = tmp_path / "dataflow_state.json"
+    rec.save(path, state)
+    assert [p.name for p in tmp_path.iterdir()] == ["dataflow_state.json"]  # no temp file left
+    cfg2, rules2, mixer2 = parts(seed=9)
+    versions = {"p": 0}
+    assert rec.restore(rec.load(path), versions=versions, cfg=cfg2, rules=rules2, mixer=mixer2) == 7
+    assert versions == {"p": 3} and rules2["curator"].streak == {"p1": 1}
+    assert [mixer2.next_prompt() for _ in range(9)] == [mixer.next_prompt() for _ in range(9)]
+    assert rec.load(tmp_path / "absent.json") is None
+
+
+def test_a_changed_rule_type_starts_fresh(tmp_path, caplog):
+    cfg, rules, mixer = parts()
+    rules["curator"].observe("p1", [1.0, 1.0])
+    state = json.loads(json.dumps(rec.snapshot(versions={"p": 1}, cfg=cfg, rules=rules, mixer=mixer, group_seq=0)))
+    cfg2, rules2, mixer2 = parts(curator="filter_solved")
+    with caplog.at_level(logging.WARNING, logger="astraflow.dataflow"):
+        rec.restore(state, versions={"p": 0}, cfg=cfg2, rules=rules2, mixer=mixer2)
+    assert rules2["curator"].success == {} and "dataflow.curator changed from 'greso'" in caplog.text
+
+
+def test_generated_counts_training_and_evaluation_apart():
+    from astraflow.contracts import SequenceSummary, TrajectoryRef
+
+    seq = SequenceSummary(ref=None, reward=1.0, policy_tokens={}, num_tokens=5, finish_reason="stop")
+    g = rec.Generated()
+    g.add(TrajectoryRef("t", "g", "train", 0, "n", (seq, seq)))
+    g.add(TrajectoryRef("e", "e", "eval", 0, "n", (seq,)))
+    assert (g.sequences, g.train_sequences, g.tokens) == (3, 2, 15)
+    assert g.rates(1.5) == {"trajectories_per_s": 2.0, "tokens_per_s": 10.0}

@@ -1,0 +1,27 @@
+"""A dataflow rule written outside the package: configs name it
+``tests.dataflow.user_rules:every_nth_test`` (the module is imported, which registers it)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from astraflow.configbase import Strict
+from astraflow.dataflow.rules import CURATORS, AcceptAll
+
+
+class EveryNthParams(Strict):
+    n: int = Field(default=2, ge=1)
+    """Accept prompts whose index is a multiple of this."""
+
+
+@CURATORS.register("every_nth_test")
+class EveryNth(AcceptAll):
+    """Roll out every ``n``-th prompt only."""
+
+    Params = EveryNthParams
+
+    def __init__(self, params: EveryNthParams, seed: int = 0):
+        self.n = params.n
+
+    def accept(self, prompt_key: str, payload: dict) -> bool:
+        return int(prompt_key[1:]) % self.n == 0
