@@ -1,6 +1,6 @@
 """Name -> class registries for everything a config selects by name.
 
-Workloads, workflows, dataflow policies and engines register themselves with a decorator; a
+Workloads, workflows and dataflow rules register themselves with a decorator; a
 config names them. An unknown name raises ``ValueError`` listing the known ones, so a typo
 in a config fails at load time with the fix in the message.
 """

@@ -157,7 +157,7 @@ def main() -> None:
     from astraflow.weightconv import megatron_to_hf
     from storage import paths
     from storage.deltas import apply_delta, write_delta
-    from storage.weights import read_checkpoint
+    from storage.checkpoint import read_checkpoint
 
     try:
         import astraflow.training.grpo  # noqa: F401

@@ -82,7 +82,7 @@ class RunPaths:
 
     @property
     def dataflow_state(self) -> Path:
-        """The data layer's saved state: dataflow policies, versions (for resuming a run)."""
+        """The data layer's saved state: dataflow rules, versions (for resuming a run)."""
         return self.control / "dataflow_state.json"
 
     @property

@@ -45,9 +45,9 @@ from typing import Iterator, Mapping
 
 from storage import paths
 from storage.atomic import fsync_path, write_atomically
+from storage.checkpoint import DCP_METADATA, quiet_dcp_logger, read_checkpoint
 
 MANIFEST_FORMAT = "astraflow-weights-v1"
-_DCP_METADATA = ".metadata"
 _RETIRING = "COMMITTED.retiring"
 
 
@@ -93,98 +93,6 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(4 << 20):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _quiet_dcp_logger() -> None:
-    """DCP's own logger sits at DEBUG behind a NullHandler: every save builds log records that
-    nobody sees, which costs time on a small publish. Raise it to WARNING."""
-    import logging
-
-    logger = logging.getLogger("c10d-NullHandler-dcp_logger")
-    if logger.level < logging.WARNING:
-        logger.setLevel(logging.WARNING)
-
-
-def read_checkpoint(path: str | Path, *, whole_tensors: bool = False) -> dict:
-    """Every tensor of a DCP checkpoint directory (a version directory) at its global shape, on
-    CPU, in this process: no process group, whatever number of ranks wrote it. Non-tensor
-    entries (Megatron's ``_extra_state`` byte blobs) are skipped.
-
-    ``whole_tensors`` (the version's manifest says so: written by ``publish``): take the
-    tensors straight from the file's bytes, which saves unpickling every tensor; any other
-    layout, or anything unexpected in the file, goes through ``dcp.load``. Takes no hold: to
-    read a committed version that retention may delete, use ``WeightStore.load``."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = Path(path)
-    if not (path / _DCP_METADATA).is_file():
-        raise ValueError(f"{path} is not a DCP checkpoint (no {_DCP_METADATA}): pass a committed version directory")
-    reader = dcp.FileSystemReader(path)
-    metadata = reader.read_metadata()
-    if whole_tensors:
-        state = _read_whole_tensors(path, metadata)
-        if state is not None:
-            return state
-    state = {
-        k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-        for k, m in metadata.state_dict_metadata.items()
-        if isinstance(m, TensorStorageMetadata)
-    }
-    with warnings.catch_warnings():  # a single-process load is the intent; DCP warns about it
-        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    return state
-
-
-def _read_whole_tensors(vdir: Path, metadata) -> dict | None:
-    """The tensors of a DCP checkpoint whose items are whole tensors saved with ``torch.save``
-    (an uncompressed zip per item, its one storage record holding exactly the tensor's bytes),
-    read as views of each file's bytes; ``None`` when anything differs from that layout."""
-    import io
-    import zipfile
-
-    import torch
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    tensors = metadata.state_dict_metadata
-    if not all(isinstance(m, TensorStorageMetadata) and len(m.chunks) == 1
-               and tuple(m.chunks[0].sizes) == tuple(m.size) and not any(m.chunks[0].offsets)
-               for m in tensors.values()):
-        return None
-    files: dict[str, bytearray] = {}
-    state = {}
-    for index, info in metadata.storage_data.items():
-        meta = tensors.get(index.fqn)
-        if meta is None or info.transform_descriptors:
-            return None
-        buf = files.get(info.relative_path)
-        if buf is None:
-            path = vdir / info.relative_path
-            buf = files[info.relative_path] = bytearray(path.stat().st_size)
-            with open(path, "rb", buffering=0) as f:
-                f.readinto(buf)
-        item = memoryview(buf)[info.offset : info.offset + info.length]
-        try:
-            with zipfile.ZipFile(io.BytesIO(item)) as z:
-                records = [r for r in z.infolist() if r.filename.rsplit("/", 2)[-2:-1] == ["data"]]
-        except zipfile.BadZipFile:
-            return None
-        dtype = meta.properties.dtype
-        numel = 1
-        for n in meta.size:
-            numel *= n
-        if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED or \
-                records[0].file_size != numel * dtype.itemsize:
-            return None
-        header = item[records[0].header_offset : records[0].header_offset + 30]
-        start = (info.offset + records[0].header_offset + 30
-                 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little"))
-        state[index.fqn] = (torch.frombuffer(buf, dtype=dtype, count=numel, offset=start).view(tuple(meta.size))
-                            if numel else torch.empty(tuple(meta.size), dtype=dtype))
-    return state if len(state) == len(tensors) else None
 
 
 def _files(root: Path) -> list[Path]:
@@ -239,10 +147,10 @@ class WeightStore:
                 f"{policy} v{version} is already committed and versions are immutable: publish a new "
                 "version number"
             )
-        if not (stage / _DCP_METADATA).exists():
+        if not (stage / DCP_METADATA).exists():
             raise ValueError(
                 f"nothing to commit for {policy} v{version}: {stage} has no DCP checkpoint "
-                f"({_DCP_METADATA} missing); save the shards into store.staging({policy!r}, {version}) "
+                f"({DCP_METADATA} missing); save the shards into store.staging({policy!r}, {version}) "
                 "on every rank first (dcp.save / Megatron dist_checkpointing)"
             )
         if meta is not None:
@@ -293,7 +201,7 @@ class WeightStore:
         self.discard_staging(policy, version)
         stage = self.staging(policy, version)
         writer = dcp.FileSystemWriter(stage, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
-        _quiet_dcp_logger()
+        quiet_dcp_logger()
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             dcp.save(state_dict, storage_writer=writer, no_dist=True)

@@ -23,7 +23,7 @@ pytest.importorskip("megatron.core")
 from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig  # noqa: E402
 from astraflow.weightconv import megatron_to_hf  # noqa: E402
 from storage import paths  # noqa: E402
-from storage.weights import read_checkpoint  # noqa: E402
+from storage.checkpoint import read_checkpoint  # noqa: E402
 from tests.megatron.helpers import (  # noqa: E402
     MiniStore, grpo_batch, hf_logprobs, loss_fn_name, prompts, save_tiny_llama,
 )

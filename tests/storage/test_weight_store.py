@@ -57,7 +57,7 @@ def test_published_versions_are_read_straight_from_the_file(tmp_path, monkeypatc
     takes them from the file's bytes without ``dcp.load`` and gets exactly what was saved
     (views and odd dtypes included). A version written by ranks and ``commit`` (no such
     promise) and a file that does not look as expected still go through ``dcp.load``."""
-    import storage.weights as weights_mod
+    import storage.checkpoint as checkpoint_mod
 
     store = WeightStore(tmp_path / "w")
     g = torch.Generator().manual_seed(0)
@@ -73,7 +73,7 @@ def test_published_versions_are_read_straight_from_the_file(tmp_path, monkeypatc
     assert used_dcp == []
 
     # a layout the fast reader does not recognise: dcp.load, same tensors
-    monkeypatch.setattr(weights_mod, "_read_whole_tensors", lambda vdir, md: None)
+    monkeypatch.setattr(checkpoint_mod, "_read_whole_tensors", lambda vdir, md: None)
     _assert_same(store.load("actor", 1), sd)
     assert used_dcp == [1]
     monkeypatch.undo()
@@ -92,7 +92,7 @@ def test_fast_reader_refuses_what_it_does_not_recognise(tmp_path):
     """Compressed or resized records: ``_read_whole_tensors`` answers None (then dcp.load)."""
     import torch.distributed.checkpoint as dcp_mod
 
-    from storage.weights import _read_whole_tensors
+    from storage.checkpoint import _read_whole_tensors
 
     store = WeightStore(tmp_path / "w")
     store.publish("actor", 1, _state(1))

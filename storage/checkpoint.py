@@ -1,0 +1,106 @@
+"""Reading a DCP checkpoint directory (a weight version) into one state dict, in one process.
+
+The weight store (``storage.weights``) writes and commits versions; this module reads the
+tensors of one, whatever number of ranks wrote it: straight from the files' bytes when every
+item is a whole tensor saved by ``publish``, through ``torch.distributed.checkpoint`` otherwise.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+#: the file every DCP checkpoint directory holds.
+DCP_METADATA = ".metadata"
+
+
+def quiet_dcp_logger() -> None:
+    """DCP's own logger sits at DEBUG behind a NullHandler: every save builds log records that
+    nobody sees, which costs time on a small publish. Raise it to WARNING."""
+    import logging
+
+    logger = logging.getLogger("c10d-NullHandler-dcp_logger")
+    if logger.level < logging.WARNING:
+        logger.setLevel(logging.WARNING)
+
+
+def read_checkpoint(path: str | Path, *, whole_tensors: bool = False) -> dict:
+    """Every tensor of a DCP checkpoint directory (a version directory) at its global shape, on
+    CPU, in this process: no process group, whatever number of ranks wrote it. Non-tensor
+    entries (Megatron's ``_extra_state`` byte blobs) are skipped.
+
+    ``whole_tensors`` (the version's manifest says so: written by ``publish``): take the
+    tensors straight from the file's bytes, which saves unpickling every tensor; any other
+    layout, or anything unexpected in the file, goes through ``dcp.load``. Takes no hold: to
+    read a committed version that retention may delete, use ``WeightStore.load``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    if not (path / DCP_METADATA).is_file():
+        raise ValueError(f"{path} is not a DCP checkpoint (no {DCP_METADATA}): pass a committed version directory")
+    reader = dcp.FileSystemReader(path)
+    metadata = reader.read_metadata()
+    if whole_tensors:
+        state = _read_whole_tensors(path, metadata)
+        if state is not None:
+            return state
+    state = {
+        k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for k, m in metadata.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # a single-process load is the intent; DCP warns about it
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+def _read_whole_tensors(vdir: Path, metadata) -> dict | None:
+    """The tensors of a DCP checkpoint whose items are whole tensors saved with ``torch.save``
+    (an uncompressed zip per item, its one storage record holding exactly the tensor's bytes),
+    read as views of each file's bytes; ``None`` when anything differs from that layout."""
+    import io
+    import zipfile
+
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tensors = metadata.state_dict_metadata
+    if not all(isinstance(m, TensorStorageMetadata) and len(m.chunks) == 1
+               and tuple(m.chunks[0].sizes) == tuple(m.size) and not any(m.chunks[0].offsets)
+               for m in tensors.values()):
+        return None
+    files: dict[str, bytearray] = {}
+    state = {}
+    for index, info in metadata.storage_data.items():
+        meta = tensors.get(index.fqn)
+        if meta is None or info.transform_descriptors:
+            return None
+        buf = files.get(info.relative_path)
+        if buf is None:
+            path = vdir / info.relative_path
+            buf = files[info.relative_path] = bytearray(path.stat().st_size)
+            with open(path, "rb", buffering=0) as f:
+                f.readinto(buf)
+        item = memoryview(buf)[info.offset : info.offset + info.length]
+        try:
+            with zipfile.ZipFile(io.BytesIO(item)) as z:
+                records = [r for r in z.infolist() if r.filename.rsplit("/", 2)[-2:-1] == ["data"]]
+        except zipfile.BadZipFile:
+            return None
+        dtype = meta.properties.dtype
+        numel = 1
+        for n in meta.size:
+            numel *= n
+        if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED or \
+                records[0].file_size != numel * dtype.itemsize:
+            return None
+        header = item[records[0].header_offset : records[0].header_offset + 30]
+        start = (info.offset + records[0].header_offset + 30
+                 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little"))
+        state[index.fqn] = (torch.frombuffer(buf, dtype=dtype, count=numel, offset=start).view(tuple(meta.size))
+                            if numel else torch.empty(tuple(meta.size), dtype=dtype))
+    return state if len(state) == len(tensors) else None
