@@ -316,8 +316,8 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
 def _removal_modes(command):
     """One flag per removal mode (``--drain``, ``--now``), all setting ``mode``."""
     for mode in reversed(REMOVAL_MODES):
-        default = mode == DEFAULT_REMOVAL
-        command = click.option(f"--{mode}", "mode", flag_value=mode, default=default,
+        default = {"default": True} if mode == DEFAULT_REMOVAL else {}
+        command = click.option(f"--{mode}", "mode", flag_value=mode, **default,
                                help=REMOVAL_HELP[mode].capitalize() + (" [default]" if default else "") + ".")(command)
     return command
 
