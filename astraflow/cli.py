@@ -1,13 +1,29 @@
 """The ``astraflow`` command line. Each command parses, validates, lazily imports and calls
-one function; nothing here knows how a run works."""
+one function; nothing here knows how a run works.
+
+Choices, defaults and help of options that set a config field come from the config type that
+owns the field (its ``Literal`` values, its default, its docstring), so the CLI and the config
+never disagree.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
 
 import click
+from pydantic import BaseModel
+
+from astraflow.runtime.control import DEFAULT_REMOVAL, REMOVAL_HELP, REMOVAL_MODES
+from astraflow.training.config import ModelInit
+from schedulers.partition import Partition
+from storage.paths import RunPaths, default_run_dir
+
+#: scheduler of a partition added to a running run when neither the options nor --from-yaml
+#: name one (a pool that joins a running run is usually a Slurm partition)
+ADD_SCHEDULER = "slurm"
 
 
 class UserError(click.ClickException):
@@ -28,7 +44,23 @@ def _load(config: str, overrides: tuple[str, ...]):
 def _default_run_dir(name: str) -> Path:
     import time
 
-    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return default_run_dir(name, time.strftime("%Y%m%d-%H%M%S"))
+
+
+def _field(model: type[BaseModel], name: str, **overrides: Any) -> dict[str, Any]:
+    """``click.option`` keywords for config field ``model.name``: its choices (a ``Literal``),
+    its default and its docstring as help; ``overrides`` replace any of them."""
+    f = model.model_fields[name]
+    kw: dict[str, Any] = {"default": f.default, "show_default": f.default is not None,
+                          "help": " ".join((f.description or "").replace("``", "`").split())}
+    if get_origin(f.annotation) is Literal:
+        kw["type"] = click.Choice(get_args(f.annotation))
+    kw.update(overrides)
+    return kw
+
+
+def _choices(model: type[BaseModel], name: str) -> click.Choice:
+    return click.Choice(get_args(model.model_fields[name].annotation))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -72,20 +104,17 @@ def model() -> None:
 
 @model.command("init")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--preset", type=click.Choice(["tiny", "mini", "small", "50m"]), default="small", show_default=True,
-              help="Model size: tiny ~0.8M, mini ~2.4-3.2M, small ~10M, 50m ~50M parameters.")
-@click.option("--arch", type=click.Choice(["qwen2", "llama"]), default="qwen2", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--warm-start-seconds", type=float, default=0.0, show_default=True,
-              help="Supervised warm start on the math train split (0: none).")
-@click.option("--warm-start-steps", type=int, default=None,
-              help="Bound the warm start in optimiser steps (the same model on any machine) instead of or "
-                   "as well as in seconds.")
-@click.option("--warm-start-lr", type=float, default=1e-3, show_default=True)
+@click.option("--preset", **_field(ModelInit, "preset"))
+@click.option("--arch", **_field(ModelInit, "arch"))
+@click.option("--seed", type=int, **_field(ModelInit, "seed"))
+@click.option("--warm-start-seconds", type=float, **_field(ModelInit, "warm_start_seconds"))
+@click.option("--warm-start-steps", type=int, **_field(ModelInit, "warm_start_steps"))
+@click.option("--warm-start-lr", type=float, **_field(ModelInit, "warm_start_lr"))
 def model_init(out: str, preset: str, arch: str, seed: int, warm_start_seconds: float, warm_start_steps: int | None,
                warm_start_lr: float) -> None:
-    """Build a tiny Qwen2/Llama model with a local byte-level tokenizer into OUT (HF format)."""
-    from astraflow.training.config import ModelInit
+    """Build a tiny Qwen2/Llama model with a local byte-level tokenizer into OUT (HF format).
+
+    The warm start trains on the math workload's train split."""
     from astraflow.runtime.launch import build_model
 
     if Path(out).exists() and any(Path(out).iterdir()):
@@ -121,7 +150,7 @@ def status(run_dir: str, as_json: bool, metrics: bool) -> None:
         from astraflow.runtime.monitoring import build_status_view, read_metrics
 
         if metrics:
-            if not (Path(run_dir) / "metrics.jsonl").exists():
+            if not RunPaths(run_dir).metrics.exists():
                 raise UserError(f"{run_dir} has no metrics.jsonl: pass the --run-dir of a run that started")
             click.echo(read_metrics(Path(run_dir)).model_dump_json(indent=2))
             return
@@ -131,7 +160,7 @@ def status(run_dir: str, as_json: bool, metrics: bool) -> None:
             raise UserError(str(err)) from None
         click.echo(view.model_dump_json(indent=2))
         return
-    from astraflow.runtime.control import RunNotRunning, format_status, run_status
+    from astraflow.runtime.monitoring import RunNotRunning, format_status, run_status
 
     try:
         st = run_status(Path(run_dir))
@@ -167,7 +196,7 @@ def tensorboard(run_dir: str, logdir: str | None, follow: bool) -> None:
         n = export_tensorboard(Path(run_dir), Path(logdir) if logdir else None, follow=follow)
     except ValueError as err:
         raise UserError(str(err)) from None
-    click.echo(f"{n} metrics lines written to {logdir or Path(run_dir) / 'tensorboard'}")
+    click.echo(f"{n} metrics lines written to {logdir or RunPaths(run_dir).tensorboard}")
 
 
 # -- partitions of a running run -----------------------------------------------------------------
@@ -194,7 +223,7 @@ def _partition_errors(err) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def partitions_list(run_dir: str, as_json: bool) -> None:
     """The partitions of the run: desired size, live and serving workers, jobs, throughput."""
-    from astraflow.runtime.control import RunNotRunning, format_partitions, run_status
+    from astraflow.runtime.monitoring import RunNotRunning, format_partitions, run_status
 
     try:
         st = run_status(Path(run_dir))
@@ -211,18 +240,19 @@ def partitions_list(run_dir: str, as_json: bool) -> None:
 @click.argument("name", required=False)
 @click.option("--from-yaml", "from_yaml", type=click.Path(dir_okay=False),
               help="A YAML mapping of Partition fields (options given here override it).")
-@click.option("--scheduler", type=click.Choice(["slurm", "local"]), default=None, help="[default: slurm]")
+@click.option("--scheduler", type=_choices(Partition, "scheduler"), default=None, help=f"[default: {ADD_SCHEDULER}]")
 @click.option("--slurm-partition", default=None, help="Slurm partition (sbatch --partition).")
-@click.option("--nodes", type=int, default=None, help="Workers (one Slurm job, one node each). [default: 1]")
-@click.option("--cpus-per-node", type=int, default=None)
-@click.option("--gpus-per-node", type=int, default=None)
+@click.option("--nodes", type=int, default=None,
+              help=f"Workers (one Slurm job, one node each). [default: {Partition.model_fields['nodes'].default}]")
+@click.option("--cpus-per-node", type=int, **_field(Partition, "cpus_per_node", default=None, show_default=False))
+@click.option("--gpus-per-node", type=int, **_field(Partition, "gpus_per_node", default=None, show_default=False))
 @click.option("--gres", default=None, help="Slurm GRES per node, e.g. gpu:h100:4.")
 @click.option("--mem", default=None, help="Memory per node, e.g. 16G.")
 @click.option("--walltime", default=None, help="Slurm time limit, e.g. 04:00:00.")
-@click.option("--region", default=None)
+@click.option("--region", **_field(Partition, "region", default=None, show_default=False))
 @click.option("--hardware", default=None, help="Hardware label in worker names, e.g. H100.")
-@click.option("--role", type=click.Choice(["rollout", "trainer", "data"]), default=None,
-              help="Only rollout pools can join a running run.  [default: rollout]")
+@click.option("--role", type=_choices(Partition, "role"), default=None,
+              help=f"Only rollout pools can join a running run.  [default: {Partition.model_fields['role'].default}]")
 @click.option("--sbatch-option", "sbatch_options", multiple=True, metavar="--OPT=VALUE",
               help="Extra #SBATCH line, e.g. --sbatch-option=--account=proj (repeatable).")
 @click.option("--wait", "wait_s", type=float, default=20.0, show_default=True,
@@ -237,8 +267,8 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
     import yaml
     from pydantic import ValidationError
 
-    from astraflow.runtime.control import PartitionError, RunNotRunning, add_partition, remove_partition, wait_partition
-    from schedulers.partition import Partition
+    from astraflow.runtime.control import PartitionError, add_partition, remove_partition, wait_partition
+    from astraflow.runtime.monitoring import RunNotRunning
 
     data: dict = {}
     if from_yaml:
@@ -252,8 +282,7 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
         data["name"] = name
     if "name" not in data:
         raise UserError("give the partition NAME (or a `name:` in --from-yaml)")
-    data.setdefault("scheduler", "slurm")
-    data.setdefault("role", "rollout")
+    data.setdefault("scheduler", ADD_SCHEDULER)
     for key, value in fields.items():
         if value is not None and value != ():
             data[key] = list(value) if key == "sbatch_options" else value
@@ -277,30 +306,38 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
     except RunNotRunning as err:
         raise UserError(str(err)) from None
     if entry.get("error"):
-        remove_partition(Path(run_dir), part.name, "now")
+        remove_partition(Path(run_dir), part.name, "now")  # withdraw at once: it has no worker yet
         raise UserError(f"partition {part.name} was refused: {entry['error']}\n"
                         "it was withdrawn; the run is unaffected. Fix the options and add it again")
     jobs = ", ".join(f"{j} ({s})" for j, s in entry.get("jobs", {}).items())
     click.echo(f"submitted: {jobs}")
 
 
+def _removal_modes(command):
+    """One flag per removal mode (``--drain``, ``--now``), all setting ``mode``."""
+    for mode in reversed(REMOVAL_MODES):
+        default = {"default": True} if mode == DEFAULT_REMOVAL else {}
+        command = click.option(f"--{mode}", "mode", flag_value=mode, **default,
+                               help=REMOVAL_HELP[mode].capitalize() + (" [default]" if default else "") + ".")(command)
+    return command
+
+
 @partitions.command("remove")
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.argument("name")
-@click.option("--drain/--now", default=True, show_default=True,
-              help="--drain: nodes stop leasing and finish what they hold, then the jobs are cancelled. "
-                   "--now: cancel at once; their leased tasks are requeued.")
+@_removal_modes
 @click.option("--wait", "wait_s", type=float, default=0.0, show_default=True,
               help="Seconds to wait until the partition is removed (0: do not wait).")
-def partitions_remove(run_dir: str, name: str, drain: bool, wait_s: float) -> None:
+def partitions_remove(run_dir: str, name: str, mode: str, wait_s: float) -> None:
     """Remove partition NAME from the running run in RUN_DIR. No task is lost either way."""
-    from astraflow.runtime.control import PartitionError, RunNotRunning, remove_partition, wait_partition
+    from astraflow.runtime.control import PartitionError, remove_partition, wait_partition
+    from astraflow.runtime.monitoring import RunNotRunning
 
     try:
-        remove_partition(Path(run_dir), name, "drain" if drain else "now")
+        remove_partition(Path(run_dir), name, mode)
     except (RunNotRunning, PartitionError) as err:
         raise UserError(str(err)) from None
-    click.echo(f"partition {name}: removal requested ({'drain' if drain else 'now'})")
+    click.echo(f"partition {name}: removal requested ({mode})")
     if wait_s > 0:
         try:
             entry = wait_partition(Path(run_dir), name, wait_s, until="removed")

@@ -23,6 +23,7 @@ from astraflow.rollout.config import RolloutConfig
 from astraflow.training.config import PolicyConfig
 from astraflow.workloads.config import WorkloadConfig
 from schedulers.partition import ROLES, Partition
+from storage.atomic import write_atomically
 from storage.config import StorageConfig
 
 
@@ -247,4 +248,5 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
 
 
 def dump_config(cfg: RunConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    """Write the resolved config (``<run>/config.yaml``) atomically and durably."""
+    write_atomically(path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

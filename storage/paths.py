@@ -8,7 +8,10 @@ from strings. A run directory on shared storage looks like::
       metrics.jsonl               one JSON object per line: the durable record of the run
       scheduler.json              Dask scheduler address file (rendezvous for workers, CLI)
       summary.json                final state of the run (steps, evaluations, ledger)
-      control/                    partitions.json (desired), status.json, orchestrator.json
+      summary.<time>.json         the summary of an earlier run in the same directory (resumed)
+      control/                    partitions.json (desired) + partitions.lock, status.json,
+                                  orchestrator.json, dataflow_state.json
+      plots/, tensorboard/        written on request by ``astraflow plot`` / ``astraflow tensorboard``
       logs/                       one log file per process
       trajectories/               the Zarr trajectory store (unless the config points elsewhere)
         segments/<segment>/       one append-only segment per writer
@@ -71,6 +74,11 @@ class RunPaths:
         return self.control / "partitions.json"
 
     @property
+    def partitions_lock(self) -> Path:
+        """Held (flock) by a CLI call for its read-modify-write of `desired_partitions`."""
+        return self.control / "partitions.lock"
+
+    @property
     def status_file(self) -> Path:
         """Snapshot of the run written by the orchestrator every tick (read by ``status``)."""
         return self.control / "status.json"
@@ -88,6 +96,20 @@ class RunPaths:
     @property
     def summary(self) -> Path:
         return self.root / "summary.json"
+
+    def archived_summary(self, stamp: int) -> Path:
+        """Where the summary of a finished run is kept when the directory is run again."""
+        return self.root / f"summary.{int(stamp)}.json"
+
+    @property
+    def plots(self) -> Path:
+        """Default output directory of ``astraflow plot``."""
+        return self.root / "plots"
+
+    @property
+    def tensorboard(self) -> Path:
+        """Default event-file directory of ``astraflow tensorboard``."""
+        return self.root / "tensorboard"
 
     @property
     def logs(self) -> Path:
@@ -117,6 +139,11 @@ class RunPaths:
         for d in (self.root, self.control, self.logs, self.jobs):
             d.mkdir(parents=True, exist_ok=True)
         return self
+
+
+def default_run_dir(name: str, stamp: str, parent: Path = Path("runs")) -> Path:
+    """The run directory ``astraflow run`` uses when none is given: ``runs/<name>-<stamp>``."""
+    return parent / f"{name}-{stamp}"
 
 
 def tmp_sibling(final: Path) -> Path:

@@ -1,4 +1,4 @@
-"""Scheduler preload: the AstraFlow page on the Dask dashboard of a run.
+"""Runtime room, scheduler preload: the AstraFlow page on the Dask dashboard of a run.
 
 HPC users already open the Dask dashboard of their cluster; this puts what an RL run needs on
 the same server (same port, same bind address, a link in the dashboard's top bar):

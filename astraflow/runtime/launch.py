@@ -1,4 +1,5 @@
-"""``astraflow run``: prepare the models a config names, then hand over to the orchestrator."""
+"""Runtime room: ``astraflow run``. Prepare the models a config names, then hand over to the
+orchestrator."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ import threading
 from pathlib import Path
 
 from astraflow.config import RunConfig
-
-from astraflow.training.config import ModelInit
-
-from astraflow.workloads.config import WorkloadConfig
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
 from astraflow.runtime.progress import Progress
+from astraflow.training.config import ModelInit
+from astraflow.workloads.config import WorkloadConfig
+from storage.paths import RunPaths
 
 
 def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = None,
@@ -104,5 +104,5 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
             f"held-out accuracy {first['eval_accuracy']:.3f} (v{first['step']}) -> "
             f"{last['eval_accuracy']:.3f} (v{last['step']}) in {result.seconds:.0f}s"
         )
-    progress.note(f"ledger: {result.ledger.get('states')}; summary in {run_dir}/summary.json")
+    progress.note(f"ledger: {result.ledger.get('states')}; summary in {RunPaths(run_dir).summary}")
     return result

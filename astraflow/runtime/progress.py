@@ -1,16 +1,20 @@
-"""Terminal progress of a run: what is being waited for (and for how long), and one status
-line per interval while it trains (step, reward, held-out accuracy, throughput, staleness,
-weight version per RaaS node). Plain lines when the output is not a terminal (logs, CI)."""
+"""Runtime room: terminal progress of a run. What is being waited for (and for how long), and
+one status line per interval while it trains (step, reward, held-out accuracy, throughput,
+staleness, weight version per RaaS node), from the same per-tick `Tick` the status file is
+written from. Plain lines when the output is not a terminal (logs, CI)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from rich.console import Console
 from rich.markup import escape
+
+if TYPE_CHECKING:
+    from astraflow.runtime.monitoring import Tick
 
 
 class Progress:
@@ -78,9 +82,11 @@ class Progress:
         if self._waits:
             self._waits[-1][1] = msg
 
-    def update(self, state: dict[str, Any], trainers: dict[str, dict[str, Any]]) -> None:
+    def update(self, tick: Tick) -> None:
+        """Report new evaluations at once, and one status line every ``interval_s``."""
         if not self.enabled:
             return
+        state, trainers = tick.data_layer, tick.trainers
         for ev in state.get("eval", []):
             if ev["step"] > self._last_eval_reported:
                 self._last_eval_reported = ev["step"]

@@ -15,7 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from astraflow.cli import main
-from astraflow.runtime.control import read_desired_file, write_desired, write_json_atomic, write_orchestrator_info
+from astraflow.runtime.control import read_desired_file, write_desired
+from astraflow.runtime.monitoring import write_orchestrator_info, write_status
 from schedulers import Partition
 from storage.paths import RunPaths
 
@@ -27,7 +28,7 @@ def live_run(tmp_path):
              Partition(name="h100", scheduler="slurm", slurm_partition="h100", role="rollout")]
     write_desired(paths, parts)
     write_orchestrator_info(paths, None, "tcp://127.0.0.1:1")
-    write_json_atomic(paths.status_file, {
+    write_status(paths, {
         "written_at": time.time(), "run_dir": str(paths.root), "data_layer": {}, "trainers": {},
         "partitions": {p.name: {**p.model_dump(mode="json"), "state": "active", "live": 1, "serving": 1, "jobs": {}}
                        for p in parts},
@@ -90,7 +91,7 @@ def test_remove_unknown_lists_known_and_refuses_core_roles(live_run):
 def test_not_running_run_exits_2(live_run, tmp_path):
     st = json.loads(live_run.status_file.read_text())
     st["written_at"] = time.time() - 3600  # the orchestrator stopped writing an hour ago
-    write_json_atomic(live_run.status_file, st)
+    write_status(live_run, st)
     for args in (["partitions", "list", str(live_run.root)],
                  ["partitions", "add", str(live_run.root), "x", "--wait", "0"],
                  ["partitions", "remove", str(live_run.root), "h100"],

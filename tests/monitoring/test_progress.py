@@ -23,14 +23,17 @@ def test_a_wait_in_a_log_names_what_it_waits_for_and_for_how_long():
     progress, buf = _progress(heartbeat_s=1.0)
     with progress.waiting("waiting for 2 workers to join"):
         progress.detail("1/2 joined; not yet rollout-x-1 (PENDING)")
-        time.sleep(2.6)
+        deadline = time.time() + 10
+        while "still waiting" not in buf.getvalue():  # until the first heartbeat line
+            assert time.time() < deadline, f"no heartbeat line within 10 s: {buf.getvalue()!r}"
+            time.sleep(0.05)
     lines = buf.getvalue().splitlines()
     assert lines[0].endswith("waiting for 2 workers to join ...")
     still = [x for x in lines if "still waiting for 2 workers to join" in x]
     assert still and "(1/2 joined; not yet rollout-x-1 (PENDING))" in still[-1]
     assert re.search(r"\.\.\. [12]s", still[0]), still
     m = re.search(r"waiting for 2 workers to join: done in (\d+\.\d)s", lines[-1])
-    assert m and 2.5 <= float(m.group(1)) < 10
+    assert m and 1.0 <= float(m.group(1)) < 10
 
 
 def test_nested_waits_keep_their_own_detail_and_disabled_progress_is_silent():

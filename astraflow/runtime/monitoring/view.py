@@ -1,38 +1,26 @@
-"""What a person watching a run sees, built in one place from the run directory.
+"""Monitoring room: the status view, the live state of a run as one typed JSON document.
 
-The orchestrator writes ``control/status.json`` every tick and the data layer appends one line
-per trainer step (and per evaluation) to ``metrics.jsonl``. Three readers show those numbers —
-the AstraFlow page on the Dask dashboard (``/astraflow/api/*.json``), ``astraflow status
---json`` and ``astraflow plot`` — and all of them go through this module, so they never
-disagree. Nothing here talks to the cluster: a run directory on shared storage is enough.
-
-Two views, both plain JSON whose schema is the pydantic models below (``extra="forbid"``, so a
-field added on one side and not documented here fails the schema test):
-
-* :func:`build_status_view` -> :class:`StatusView`: the live state — partitions with their
-  RaaS nodes, policies, ledger totals, throughput. Cheap; the page polls it every ~2 s.
-* :class:`MetricsReader` -> :class:`MetricsView`: the curves from ``metrics.jsonl`` per policy
-  (trainer steps and held-out evaluations). It reads only the lines appended since the last call.
-
-:func:`write_plots` renders the curves as PNGs with matplotlib (optional dependency ``plot``).
+:func:`build_status_view` -> :class:`StatusView`: partitions with their RaaS nodes, policies,
+ledger totals, throughput, built from the run's status files (`read_snapshot`). The AstraFlow
+page on the Dask dashboard (``/astraflow/api/status.json``, polled every ~2 s) and
+``astraflow status --json`` both serve it, so they never disagree. Its schema is the pydantic
+models below (``extra="forbid"``: a field added on one side and not documented here fails the
+schema test).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from astraflow.runtime.monitoring.snapshot import STALE_AFTER_S, read_snapshot
 from storage.paths import RunPaths
 
 SCHEMA_VERSION = 1
-
-#: a status snapshot older than this means the orchestrator is not running any more
-#: (the same rule as ``astraflow status``).
-STALE_AFTER_S = 30.0
+"""Version of the status and metrics views; bumped when a field changes meaning."""
 
 
 class _View(BaseModel):
@@ -116,7 +104,8 @@ class StatusView(_View):
 
     schema_version: int = Field(description=f"{SCHEMA_VERSION}; bumped when a field changes meaning")
     run_dir: str
-    running: bool = Field(description="the orchestrator is alive and wrote status within the last 30 s")
+    running: bool = Field(description=f"the orchestrator is alive and wrote status within the last "
+                                      f"{STALE_AFTER_S:.0f} s")
     finished: bool = Field(description="the run ended (summary.json exists)")
     written_at: float | None = Field(description="unix time of the status snapshot; None before the first")
     age_s: float | None = Field(description="seconds since the snapshot was written")
@@ -130,12 +119,6 @@ class StatusView(_View):
 
 
 LEDGER_EVENTS = ("created", "leased", "completed", "requeued", "failed", "consumed", "dropped", "evaluated")
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.exists():
-        return None
-    return json.loads(path.read_text())
 
 
 def _max_steps(paths: RunPaths) -> int | None:
@@ -182,11 +165,9 @@ def build_status_view(run_dir: Path | str, now: float | None = None) -> StatusVi
 
     Raises ``ValueError`` when ``run_dir`` holds no run yet (no status snapshot and no summary).
     """
-    paths = RunPaths(Path(run_dir))
     now = time.time() if now is None else now
-    status = _read_json(paths.status_file)
-    summary = _read_json(paths.summary)
-    info = _read_json(paths.orchestrator_file) or {}
+    snap = read_snapshot(run_dir, now)
+    paths, status, summary = snap.paths, snap.status, snap.summary
     if not paths.root.is_dir():
         raise ValueError(f"{run_dir} is not a run directory: pass the --run-dir of `astraflow run`")
     if status is None and summary is None:
@@ -195,11 +176,7 @@ def build_status_view(run_dir: Path | str, now: float | None = None) -> StatusVi
     status = status or {"data_layer": summary.get("data_layer", {}), "trainers": {}, "partitions": {}, "workers": {}}  # type: ignore[union-attr]
     # a finished run: the data layer's final state (every task ended) is in the summary
     dl = (summary or {}).get("data_layer") or status.get("data_layer") or {}
-    written = status.get("written_at")
-    age = now - written if written is not None else None
-    from astraflow.runtime.control import _alive
-
-    running = bool(info) and _alive(info) and age is not None and age < STALE_AFTER_S and summary is None
+    written, age, running, info = snap.written_at, snap.age_s, snap.running, snap.info
     dl_nodes = dl.get("nodes", {})
     workers = status.get("workers", {})
     parts_cfg = status.get("partitions", {})
@@ -263,224 +240,3 @@ def build_status_view(run_dir: Path | str, now: float | None = None) -> StatusVi
     )
 
 
-# ---------------------------------------------------------------------------- metrics view
-
-class PolicyCurves(_View):
-    """Curves of one policy; the trainer lists share one index (one entry per step line)."""
-
-    step: list[int] = Field(description="trainer step (weight version published)")
-    time: list[float] = Field(description="seconds since the data layer started")
-    reward_mean: list[float | None]
-    loss: list[float | None]
-    trainer_wait_fraction: list[float | None]
-    staleness_mean: list[float | None] = Field(description="mean staleness of the step's batch")
-    trajectories_per_s: list[float | None] = Field(description="run-wide, cumulative average at that step")
-    tokens_per_s: list[float | None]
-    filtered: list[int | None] = Field(description="cumulative counts at that step")
-    stale_dropped: list[int | None]
-    replayed: list[int | None]
-    eval_step: list[int] = Field(description="versions evaluated on the held-out split")
-    eval_time: list[float]
-    eval_accuracy: list[float]
-    staleness_hist: dict[str, int] = Field(description="staleness of every consumed trajectory, summed over steps")
-
-
-class MetricsView(_View):
-    """The curves of ``metrics.jsonl``: ``/astraflow/api/metrics.json`` and ``astraflow plot``."""
-
-    schema_version: int
-    run_dir: str
-    lines: int = Field(description="lines of metrics.jsonl read (a partial last line is not counted)")
-    policies: dict[str, PolicyCurves]
-
-
-_TRAINER_KEYS = {
-    "reward_mean": "reward_mean", "loss": "loss", "trainer_wait_fraction": "trainer_wait_fraction",
-    "staleness_mean": "data_staleness_mean", "trajectories_per_s": "trajectories_per_s",
-    "tokens_per_s": "tokens_per_s", "filtered": "filtered", "stale_dropped": "stale_dropped",
-    "replayed": "replayed",
-}
-
-
-def tail_records(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
-    """The complete JSON lines of ``path`` after byte ``offset``, and the offset after them
-    (a line still being written is left for the next call)."""
-    if not path.exists():
-        return [], offset
-    with path.open("rb") as fh:
-        fh.seek(offset)
-        chunk = fh.read()
-    end = chunk.rfind(b"\n")
-    if end < 0:
-        return [], offset
-    return [json.loads(raw) for raw in chunk[: end + 1].splitlines() if raw.strip()], offset + end + 1
-
-
-class MetricsReader:
-    """Reads ``metrics.jsonl`` incrementally: each :meth:`view` parses only lines appended since
-    the previous call (the file only grows; a line being written is left for the next call)."""
-
-    def __init__(self, run_dir: Path | str):
-        self.paths = RunPaths(Path(run_dir))
-        self._offset = 0
-        self._lines = 0
-        self._curves: dict[str, dict[str, Any]] = {}
-
-    def _policy(self, name: str) -> dict[str, Any]:
-        if name not in self._curves:
-            self._curves[name] = {k: [] for k in PolicyCurves.model_fields if k != "staleness_hist"}
-            self._curves[name]["staleness_hist"] = {}
-        return self._curves[name]
-
-    def _add(self, rec: dict[str, Any]) -> None:
-        c = self._policy(str(rec.get("policy", "?")))
-        if "eval_accuracy" in rec:
-            c["eval_step"].append(int(rec["step"]))
-            c["eval_time"].append(float(rec.get("time", 0.0)))
-            c["eval_accuracy"].append(float(rec["eval_accuracy"]))
-            return
-        c["step"].append(int(rec["step"]))
-        c["time"].append(float(rec.get("time", 0.0)))
-        for key, src in _TRAINER_KEYS.items():
-            c[key].append(rec.get(src))
-        for k, v in (rec.get("data_staleness_hist") or {}).items():
-            c["staleness_hist"][str(k)] = c["staleness_hist"].get(str(k), 0) + int(v)
-
-    def read(self) -> None:
-        records, self._offset = tail_records(self.paths.metrics, self._offset)
-        for rec in records:
-            self._add(rec)
-            self._lines += 1
-
-    def view(self) -> MetricsView:
-        self.read()
-        return MetricsView(
-            schema_version=SCHEMA_VERSION, run_dir=str(self.paths.root), lines=self._lines,
-            policies={p: PolicyCurves(**c) for p, c in self._curves.items()},
-        )
-
-
-def read_metrics(run_dir: Path | str) -> MetricsView:
-    return MetricsReader(run_dir).view()
-
-
-# ---------------------------------------------------------------------------- TensorBoard
-
-def _stale(paths: RunPaths) -> bool:
-    status = _read_json(paths.status_file)
-    return status is not None and time.time() - float(status.get("written_at", 0)) > STALE_AFTER_S
-
-
-def export_tensorboard(run_dir: Path | str, logdir: Path | str | None = None, follow: bool = False,
-                       poll_s: float = 2.0) -> int:
-    """Mirror ``metrics.jsonl`` into TensorBoard event files (optional: needs the ``tensorboard``
-    package; nothing in a run depends on it). Every numeric field of a trainer line becomes the
-    scalar ``<policy>/<field>`` at its step, every evaluation field ``<policy>/eval/<field>``.
-
-    ``follow=True`` keeps mirroring new lines until the run ends (``summary.json`` appears) or its
-    orchestrator stops writing status (older than :data:`STALE_AFTER_S`). Returns lines written."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ValueError("TensorBoard export needs the tensorboard package: pip install tensorboard") from None
-    paths = RunPaths(Path(run_dir))
-    if not paths.metrics.exists() and not follow:
-        raise ValueError(f"{paths.metrics} does not exist: pass the --run-dir of a run that started")
-    writer = SummaryWriter(log_dir=str(logdir if logdir is not None else paths.root / "tensorboard"))
-    offset = written = 0
-    try:
-        while True:
-            # decided before reading, so the lines written before the run ended are all read
-            ended = not follow or paths.summary.exists() or _stale(paths)
-            records, offset = tail_records(paths.metrics, offset)
-            for rec in records:
-                prefix = f"{rec.get('policy', '?')}/" + ("eval/" if "eval_accuracy" in rec else "")
-                for key, value in rec.items():
-                    if key not in ("step", "policy") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                        writer.add_scalar(prefix + key, value, global_step=int(rec["step"]))
-                written += 1
-            writer.flush()
-            if ended:
-                break
-            time.sleep(poll_s)
-    finally:
-        writer.close()
-    return written
-
-
-# ---------------------------------------------------------------------------- plots
-
-PLOTS = ("reward", "accuracy", "throughput", "staleness")
-
-
-def write_plots(run_dir: Path | str, out: Path | str | None = None) -> list[Path]:
-    """Write ``reward.png``, ``accuracy.png``, ``throughput.png`` and ``staleness.png`` from the
-    run's ``metrics.jsonl`` into ``out`` (default ``<run>/plots``); returns the paths written."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ValueError("astraflow plot needs matplotlib: pip install 'astraflow[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    view = read_metrics(run_dir)
-    if not view.policies:
-        raise ValueError(f"{RunPaths(Path(run_dir)).metrics} has no metrics yet: plot a run that took a step")
-    out_dir = Path(out) if out is not None else RunPaths(Path(run_dir)).root / "plots"
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    def pts(xs: list, ys: list) -> tuple[list, list]:
-        keep = [(x, y) for x, y in zip(xs, ys) if y is not None]
-        return [x for x, _ in keep], [y for _, y in keep]
-
-    written = []
-
-    def save(fig, name: str) -> None:
-        fig.tight_layout()
-        path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for p, c in view.policies.items():
-        ax.plot(*pts(c.step, c.reward_mean), marker=".", label=p)
-    ax.set(title="mean reward per training batch", xlabel="trainer step", ylabel="reward")
-    ax.legend(loc="best"), ax.grid(alpha=0.3)
-    save(fig, "reward")
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for p, c in view.policies.items():
-        if c.eval_step:
-            ax.plot(c.eval_step, c.eval_accuracy, marker="o", label=p)
-    ax.set(title="held-out accuracy", xlabel="weight version", ylabel="accuracy", ylim=(-0.02, 1.02))
-    if any(c.eval_step for c in view.policies.values()):
-        ax.legend(loc="best")
-    else:
-        ax.text(0.5, 0.5, "no evaluation yet", ha="center", va="center", transform=ax.transAxes)
-    ax.grid(alpha=0.3)
-    save(fig, "accuracy")
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax2 = ax.twinx()
-    for p, c in view.policies.items():
-        ax.plot(*pts(c.time, c.trajectories_per_s), marker=".", color="tab:blue", label=f"{p} trajectories/s")
-        ax2.plot(*pts(c.time, c.tokens_per_s), marker=".", color="tab:orange", linestyle="--",
-                 label=f"{p} tokens/s")
-    ax.set(title="throughput (cumulative average)", xlabel="seconds", ylabel="trajectories/s")
-    ax2.set_ylabel("tokens/s")
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="best"), ax.grid(alpha=0.3)
-    save(fig, "throughput")
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    n = len(view.policies)
-    for i, (p, c) in enumerate(view.policies.items()):
-        ks = sorted(c.staleness_hist, key=int)
-        ax.bar([int(k) + (i - (n - 1) / 2) * 0.8 / n for k in ks], [c.staleness_hist[k] for k in ks],
-               width=0.8 / n, label=p)
-    ax.set(title="staleness of consumed trajectories", xlabel="versions behind", ylabel="trajectories")
-    ax.legend(loc="best"), ax.grid(alpha=0.3, axis="y")
-    save(fig, "staleness")
-    return written

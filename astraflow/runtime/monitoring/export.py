@@ -1,0 +1,126 @@
+"""Monitoring room: a run's curves outside the page, as PNG plots (``astraflow plot``, needs
+matplotlib) or TensorBoard event files (``astraflow tensorboard``, needs tensorboard). Both read
+``metrics.jsonl`` through the metrics reader; neither is needed by a run.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from astraflow.runtime.monitoring.metrics import read_metrics, tail_records
+from astraflow.runtime.monitoring.snapshot import read_snapshot
+from storage.paths import RunPaths
+
+
+def export_tensorboard(run_dir: Path | str, logdir: Path | str | None = None, follow: bool = False,
+                       poll_s: float = 2.0) -> int:
+    """Mirror ``metrics.jsonl`` into TensorBoard event files (optional: needs the ``tensorboard``
+    package; nothing in a run depends on it). Every numeric field of a trainer line becomes the
+    scalar ``<policy>/<field>`` at its step, every evaluation field ``<policy>/eval/<field>``.
+
+    ``follow=True`` keeps mirroring new lines until the run ends (``summary.json`` appears) or its
+    orchestrator stops writing status (its snapshot is stale: ``Snapshot.stale``). Returns lines written."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ValueError("TensorBoard export needs the tensorboard package: pip install tensorboard") from None
+    paths = RunPaths(Path(run_dir))
+    if not paths.metrics.exists() and not follow:
+        raise ValueError(f"{paths.metrics} does not exist: pass the --run-dir of a run that started")
+    writer = SummaryWriter(log_dir=str(logdir if logdir is not None else paths.tensorboard))
+    offset = written = 0
+    try:
+        while True:
+            # decided before reading, so the lines written before the run ended are all read
+            ended = not follow or paths.summary.exists() or read_snapshot(paths.root).stale
+            records, offset = tail_records(paths.metrics, offset)
+            for rec in records:
+                prefix = f"{rec.get('policy', '?')}/" + ("eval/" if "eval_accuracy" in rec else "")
+                for key, value in rec.items():
+                    if key not in ("step", "policy") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                        writer.add_scalar(prefix + key, value, global_step=int(rec["step"]))
+                written += 1
+            writer.flush()
+            if ended:
+                break
+            time.sleep(poll_s)
+    finally:
+        writer.close()
+    return written
+
+
+PLOTS = ("reward", "accuracy", "throughput", "staleness")
+
+
+def write_plots(run_dir: Path | str, out: Path | str | None = None) -> list[Path]:
+    """Write ``reward.png``, ``accuracy.png``, ``throughput.png`` and ``staleness.png`` from the
+    run's ``metrics.jsonl`` into ``out`` (default ``<run>/plots``); returns the paths written."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("astraflow plot needs matplotlib: pip install 'astraflow[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    view = read_metrics(run_dir)
+    if not view.policies:
+        raise ValueError(f"{RunPaths(Path(run_dir)).metrics} has no metrics yet: plot a run that took a step")
+    out_dir = Path(out) if out is not None else RunPaths(Path(run_dir)).plots
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def pts(xs: list, ys: list) -> tuple[list, list]:
+        keep = [(x, y) for x, y in zip(xs, ys) if y is not None]
+        return [x for x, _ in keep], [y for _, y in keep]
+
+    written = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for p, c in view.policies.items():
+        ax.plot(*pts(c.step, c.reward_mean), marker=".", label=p)
+    ax.set(title="mean reward per training batch", xlabel="trainer step", ylabel="reward")
+    ax.legend(loc="best"), ax.grid(alpha=0.3)
+    save(fig, "reward")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for p, c in view.policies.items():
+        if c.eval_step:
+            ax.plot(c.eval_step, c.eval_accuracy, marker="o", label=p)
+    ax.set(title="held-out accuracy", xlabel="weight version", ylabel="accuracy", ylim=(-0.02, 1.02))
+    if any(c.eval_step for c in view.policies.values()):
+        ax.legend(loc="best")
+    else:
+        ax.text(0.5, 0.5, "no evaluation yet", ha="center", va="center", transform=ax.transAxes)
+    ax.grid(alpha=0.3)
+    save(fig, "accuracy")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax2 = ax.twinx()
+    for p, c in view.policies.items():
+        ax.plot(*pts(c.time, c.trajectories_per_s), marker=".", color="tab:blue", label=f"{p} trajectories/s")
+        ax2.plot(*pts(c.time, c.tokens_per_s), marker=".", color="tab:orange", linestyle="--",
+                 label=f"{p} tokens/s")
+    ax.set(title="throughput (cumulative average)", xlabel="seconds", ylabel="trajectories/s")
+    ax2.set_ylabel("tokens/s")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="best"), ax.grid(alpha=0.3)
+    save(fig, "throughput")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    n = len(view.policies)
+    for i, (p, c) in enumerate(view.policies.items()):
+        ks = sorted(c.staleness_hist, key=int)
+        ax.bar([int(k) + (i - (n - 1) / 2) * 0.8 / n for k in ks], [c.staleness_hist[k] for k in ks],
+               width=0.8 / n, label=p)
+    ax.set(title="staleness of consumed trajectories", xlabel="versions behind", ylabel="trajectories")
+    ax.legend(loc="best"), ax.grid(alpha=0.3, axis="y")
+    save(fig, "staleness")
+    return written

@@ -1,0 +1,117 @@
+"""Monitoring room: the curves of a run, read from ``metrics.jsonl``.
+
+The data layer appends one JSON line per trainer step and per held-out evaluation; that file is
+the durable record of a run. :class:`MetricsReader` -> :class:`MetricsView` turns it into curves
+per policy for the AstraFlow page (``/astraflow/api/metrics.json``), ``astraflow status --json
+--metrics`` and the plots, reading only the lines appended since its last call.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from astraflow.runtime.monitoring.view import SCHEMA_VERSION, _View
+from storage.paths import RunPaths
+
+
+class PolicyCurves(_View):
+    """Curves of one policy; the trainer lists share one index (one entry per step line)."""
+
+    step: list[int] = Field(description="trainer step (weight version published)")
+    time: list[float] = Field(description="seconds since the data layer started")
+    reward_mean: list[float | None]
+    loss: list[float | None]
+    trainer_wait_fraction: list[float | None]
+    staleness_mean: list[float | None] = Field(description="mean staleness of the step's batch")
+    trajectories_per_s: list[float | None] = Field(description="run-wide, cumulative average at that step")
+    tokens_per_s: list[float | None]
+    filtered: list[int | None] = Field(description="cumulative counts at that step")
+    stale_dropped: list[int | None]
+    replayed: list[int | None]
+    eval_step: list[int] = Field(description="versions evaluated on the held-out split")
+    eval_time: list[float]
+    eval_accuracy: list[float]
+    staleness_hist: dict[str, int] = Field(description="staleness of every consumed trajectory, summed over steps")
+
+
+class MetricsView(_View):
+    """The curves of ``metrics.jsonl``: ``/astraflow/api/metrics.json`` and ``astraflow plot``."""
+
+    schema_version: int
+    run_dir: str
+    lines: int = Field(description="lines of metrics.jsonl read (a partial last line is not counted)")
+    policies: dict[str, PolicyCurves]
+
+
+_TRAINER_KEYS = {
+    "reward_mean": "reward_mean", "loss": "loss", "trainer_wait_fraction": "trainer_wait_fraction",
+    "staleness_mean": "data_staleness_mean", "trajectories_per_s": "trajectories_per_s",
+    "tokens_per_s": "tokens_per_s", "filtered": "filtered", "stale_dropped": "stale_dropped",
+    "replayed": "replayed",
+}
+
+
+def tail_records(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """The complete JSON lines of ``path`` after byte ``offset``, and the offset after them
+    (a line still being written is left for the next call)."""
+    if not path.exists():
+        return [], offset
+    with path.open("rb") as fh:
+        fh.seek(offset)
+        chunk = fh.read()
+    end = chunk.rfind(b"\n")
+    if end < 0:
+        return [], offset
+    return [json.loads(raw) for raw in chunk[: end + 1].splitlines() if raw.strip()], offset + end + 1
+
+
+class MetricsReader:
+    """Reads ``metrics.jsonl`` incrementally: each :meth:`view` parses only lines appended since
+    the previous call (the file only grows; a line being written is left for the next call)."""
+
+    def __init__(self, run_dir: Path | str):
+        self.paths = RunPaths(Path(run_dir))
+        self._offset = 0
+        self._lines = 0
+        self._curves: dict[str, dict[str, Any]] = {}
+
+    def _policy(self, name: str) -> dict[str, Any]:
+        if name not in self._curves:
+            self._curves[name] = {k: [] for k in PolicyCurves.model_fields if k != "staleness_hist"}
+            self._curves[name]["staleness_hist"] = {}
+        return self._curves[name]
+
+    def _add(self, rec: dict[str, Any]) -> None:
+        c = self._policy(str(rec.get("policy", "?")))
+        if "eval_accuracy" in rec:
+            c["eval_step"].append(int(rec["step"]))
+            c["eval_time"].append(float(rec.get("time", 0.0)))
+            c["eval_accuracy"].append(float(rec["eval_accuracy"]))
+            return
+        c["step"].append(int(rec["step"]))
+        c["time"].append(float(rec.get("time", 0.0)))
+        for key, src in _TRAINER_KEYS.items():
+            c[key].append(rec.get(src))
+        for k, v in (rec.get("data_staleness_hist") or {}).items():
+            c["staleness_hist"][str(k)] = c["staleness_hist"].get(str(k), 0) + int(v)
+
+    def read(self) -> None:
+        records, self._offset = tail_records(self.paths.metrics, self._offset)
+        for rec in records:
+            self._add(rec)
+            self._lines += 1
+
+    def view(self) -> MetricsView:
+        self.read()
+        return MetricsView(
+            schema_version=SCHEMA_VERSION, run_dir=str(self.paths.root), lines=self._lines,
+            policies={p: PolicyCurves(**c) for p, c in self._curves.items()},
+        )
+
+
+def read_metrics(run_dir: Path | str) -> MetricsView:
+    return MetricsReader(run_dir).view()

@@ -1,0 +1,54 @@
+"""Monitoring room: the plain-text status of ``astraflow status`` and ``astraflow partitions
+list``, formatted from the status snapshot as `run_status` returns it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def format_partitions(st: dict[str, Any]) -> str:
+    """One line per partition: kind, role, state, desired/live/serving workers, rate, error."""
+    lines = [f"{'partition':<14} {'scheduler':<9} {'slurm':<8} {'role':<8} {'state':<9} "
+             f"{'desired':>7} {'live':>4} {'serving':>7} {'traj':>6} {'traj/s':>6}  jobs"]
+    for name, p in st.get("partitions", {}).items():
+        jobs = " ".join(f"{j}:{s}" for j, s in p.get("jobs", {}).items()) or "-"
+        lines.append(
+            f"{name:<14} {p['scheduler']:<9} {p.get('slurm_partition') or '-':<8} {p['role']:<8} "
+            f"{p.get('state', '?'):<9} {p['nodes']:>7} {p.get('live', 0):>4} {p.get('serving', 0):>7} "
+            f"{p.get('completed', 0):>6} {p.get('trajectories_per_s', 0.0):>6.1f}  {jobs}"
+        )
+        if p.get("error"):
+            lines.append(f"  error: {p['error']}")
+    return "\n".join(lines)
+
+
+def format_status(st: dict[str, Any]) -> str:
+    dl = st.get("data_layer", {})
+    lines = [
+        f"run {st.get('run_dir')}  elapsed {dl.get('elapsed_s', 0):.0f}s  dashboard {st['orchestrator'].get('dashboard')}",
+        "policies:",
+    ]
+    for p, t in st.get("trainers", {}).items():
+        m = t.get("last_metrics", {})
+        lines.append(
+            f"  {p:<12} version {t['version']:>4}  reward {m.get('reward_mean', float('nan')):.3f}  "
+            f"wait {t.get('wait_fraction', 0):.0%}  buffer {dl.get('buffers', {}).get(p, 0)}"
+        )
+    lines.append("partitions:")
+    lines += ["  " + x for x in format_partitions(st).splitlines()]
+    lines.append("workers:")
+    for name, w in st.get("workers", {}).items():
+        node = dl.get("nodes", {}).get(name, {})
+        lines.append(
+            f"  {name:<36} {w['job_id']:<14} {w['state']:<9} {w.get('phase', '-'):<9} "
+            f"versions {node.get('versions', '-')}  {node.get('completed', 0)} traj  "
+            f"{node.get('tokens_per_s', 0):.0f} tok/s"
+        )
+    lines.append(
+        f"throughput: {dl.get('trajectories_per_s', 0):.1f} traj/s, {dl.get('tokens_per_s', 0):.0f} tok/s; "
+        f"ledger {dl.get('ledger', {}).get('states', {})}"
+    )
+    evals = dl.get("eval", [])
+    if evals:
+        lines.append("held-out accuracy: " + ", ".join(f"v{e['step']}={e['eval_accuracy']:.3f}" for e in evals))
+    return "\n".join(lines)

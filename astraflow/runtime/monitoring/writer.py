@@ -1,0 +1,125 @@
+"""Monitoring room: what the orchestrator writes about a run, in one place with its readers.
+
+Each tick the orchestrator reads one `Tick` (the data layer's state and every trainer's) and
+hands it to the terminal progress and to `StatusWriter.write` (``control/status.json``); at
+the end `StatusWriter.write_summary` writes ``summary.json``. The partition table of both adds
+what the orchestrator knows (states, live/serving workers, jobs) to the data layer's per-node
+counts, with a trajectory rate over the last ~10 s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from astraflow.runtime.monitoring.snapshot import write_status, write_summary
+from storage.paths import RunPaths
+
+if TYPE_CHECKING:
+    from astraflow.runtime.reconcile import PartitionSet
+    from astraflow.runtime.workers import Fleet
+
+#: seconds of history behind a partition's ``trajectories_per_s``
+RATE_WINDOW_S = 10.0
+
+
+@dataclass(frozen=True)
+class Tick:
+    """What the orchestrator reads from the components once per tick."""
+
+    data_layer: dict[str, Any]
+    """``DataLayer.state()``: versions, buffers, counts, ledger, per-node table, evaluations."""
+    trainers: dict[str, dict[str, Any]]
+    """``Trainer.state()`` per policy: version, done, error, last metrics, wait fraction."""
+
+
+class StatusWriter:
+    """Builds and writes ``control/status.json`` and ``summary.json`` of one run."""
+
+    def __init__(self, paths: RunPaths, tag: str, parts: PartitionSet, fleet: Fleet):
+        self.paths = paths
+        self.tag = tag
+        self.parts = parts
+        self.fleet = fleet
+        self._rates: deque[tuple[float, dict[str, int]]] = deque()
+
+    def track(self, tick: Tick) -> None:
+        """Per-partition trajectory counts from the data layer's node table, and the history
+        the rate is computed from (the throughput `astraflow status` and the benchmarks report)."""
+        done: dict[str, int] = {n: 0 for n in self.parts.partitions}
+        for node, info in tick.data_layer.get("nodes", {}).items():
+            w = self.fleet.workers.get(node)
+            if w is not None:
+                done[w.partition] = done.get(w.partition, 0) + int(info.get("completed", 0))
+        now = time.time()
+        for name, n in done.items():
+            ps = self.parts.state.get(name)
+            if ps is not None and n > 0 and ps.first_trajectory_at is None:
+                ps.first_trajectory_at = now
+        self._rates.append((now, done))
+        while len(self._rates) > 2 and now - self._rates[1][0] >= RATE_WINDOW_S:
+            self._rates.popleft()
+
+    def partitions(self) -> dict[str, Any]:
+        """The partition table: each partition's spec, state, workers, jobs and rate."""
+        out = {}
+        t1, last = self._rates[-1] if self._rates else (time.time(), {})
+        t0, first = self._rates[0] if self._rates else (t1, {})
+        for n, p in self.parts.partitions.items():
+            ps = self.parts.state[n]
+            mine = self.fleet.in_partition(n)
+            rate = (last.get(n, 0) - first.get(n, 0)) / (t1 - t0) if t1 > t0 else 0.0
+            out[n] = {
+                **p.model_dump(mode="json"),
+                "state": ps.state,
+                "error": ps.error,
+                "live": sum(1 for w in mine if not w.gone),
+                "serving": sum(1 for w in mine if w.phase == "serving"),
+                "draining": sum(1 for w in mine if w.draining),
+                "workers": [w.name for w in mine if not w.gone],
+                "jobs": {w.job.job_id: self.fleet.job_state(w) for w in mine if not w.gone},
+                "completed": last.get(n, 0),
+                "trajectories_per_s": rate,
+                "seen_at": ps.seen_at,
+                "first_trajectory_at": ps.first_trajectory_at,
+                "removal_mode": ps.removal_mode,
+                "removal_requested_at": ps.removal_requested_at,
+                "removed_at": ps.removed_at,
+                "drain_seconds": (ps.removed_at - ps.removal_requested_at) if ps.removed_at and ps.removal_requested_at else None,
+            }
+        return out
+
+    def write(self, tick: Tick) -> None:
+        """Publish ``control/status.json`` (what `read_snapshot` reads back)."""
+        fleet = self.fleet
+        write_status(self.paths, {
+            "written_at": time.time(),
+            "run_dir": str(self.paths.root),
+            "tag": self.tag,
+            "data_layer": tick.data_layer,
+            "trainers": tick.trainers,
+            "partitions": self.partitions(),
+            "workers": {
+                n: {"job_id": w.job.job_id, "partition": w.partition, "kind": w.job.kind,
+                    "state": fleet.job_state(w), "phase": w.phase, "note": w.note,
+                    "draining": w.draining, "actor": w.started, "log": str(w.job.log) if w.job.log else None}
+                for n, w in fleet.workers.items()
+            },
+        })
+
+    def write_summary(self, *, steps: dict[str, int], ledger: dict[str, Any], seconds: float, interrupted: bool,
+                      nodes: dict[str, Any], trainers: dict[str, Any], data_layer: dict[str, Any],
+                      iterations: list[dict[str, float]]) -> None:
+        """Publish ``summary.json``: the final state of the run (``data_layer`` after every
+        task ended), what each node and trainer returned when stopped, and every worker."""
+        write_summary(self.paths, {
+            "steps": steps, "eval": data_layer["eval"], "ledger": ledger, "seconds": seconds,
+            "interrupted": interrupted, "nodes": nodes, "trainers": trainers, "data_layer": data_layer,
+            "iterations": iterations,
+            "workers": {n: {"partition": w.partition, "job_id": w.job.job_id, "phase": w.phase, "note": w.note,
+                            "gone": w.gone, "served": w.actor is not None}
+                        for n, w in self.fleet.workers.items()},
+            "partitions": self.partitions(),
+        })

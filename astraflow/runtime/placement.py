@@ -1,0 +1,164 @@
+"""Runtime room: bring-up and placement. Starts the run's Dask scheduler and connects to it,
+builds actors on workers chosen **by name** (the name says role, partition, region, hardware),
+and waits for workers and actors with deadlines that name what is still missing.
+
+What each actor is built with (`data_layer_kwargs`, `trainer_kwargs`, `node_kwargs`) is a pure
+function of the config and the run paths: each component receives only its own config section.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from distributed import Client
+
+from astraflow.rollout.node import NodeIdentity
+from astraflow.runtime.cluster import SchedulerProcess, connected_workers, repo_root
+from astraflow.runtime.monitoring import write_orchestrator_info
+from astraflow.runtime.workers import RunFailed
+from schedulers import Partition
+from storage.paths import RunPaths
+
+if TYPE_CHECKING:
+    from astraflow.config import ClusterConfig, RunConfig
+    from astraflow.runtime.progress import Progress
+    from astraflow.training.config import PolicyConfig
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class Placement:
+    """The Dask scheduler process and client of a run, and actors placed on named workers."""
+
+    def __init__(self, paths: RunPaths, cluster: ClusterConfig, progress: Progress):
+        self.paths = paths
+        self.cluster = cluster
+        self.progress = progress
+        self.scheduler_proc: SchedulerProcess | None = None
+        self.client: Client | None = None
+        self.dashboard: str | None = None
+
+    def start(self) -> None:
+        """Start the scheduler (workers started later import AstraFlow from this checkout),
+        connect, and publish who runs the orchestrator in ``control/orchestrator.json``."""
+        os.environ["PYTHONPATH"] = str(repo_root()) + (
+            os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""
+        )
+        cc = self.cluster
+        self.scheduler_proc = SchedulerProcess(self.paths, cc.dashboard_host, cc.dashboard_port,
+                                               host=cc.scheduler_host, interface=cc.scheduler_interface)
+        with self.progress.waiting("starting the Dask scheduler"):
+            address = self.scheduler_proc.start()
+        self.client = Client(address, timeout=30)
+        dash = self.client.scheduler_info().get("services", {}).get("dashboard")
+        host = cc.dashboard_host
+        self.dashboard = f"http://{host}:{dash}/status" if dash else None
+        self.progress.note(f"Dask scheduler {address}; dashboard {self.dashboard}")
+        if dash:
+            exposed = "" if host in LOOPBACK else f" (bound to {host}: cluster.dashboard_host)"
+            self.progress.note(f"AstraFlow page http://{host}:{dash}/astraflow{exposed}")
+        write_orchestrator_info(self.paths, self.dashboard, address)
+
+    def scheduler_address(self, part: Partition) -> str:
+        """Slurm workers read the scheduler file when they start (a job that waited in the queue
+        still finds the scheduler); local ones get the address directly."""
+        if part.scheduler == "slurm":
+            return str(self.paths.scheduler_file.resolve())
+        return self.client.scheduler.address  # type: ignore[union-attr]
+
+    def joined(self) -> dict[str, str]:
+        """``{worker name: address}`` of the workers connected now."""
+        info = connected_workers(self.client)
+        return {w["name"]: addr for addr, w in info.items()}
+
+    def submit_actor(self, cls, worker: str, **kwargs):
+        """Construct ``cls`` as an actor pinned to the worker named ``worker``; returns the
+        future of the handle (the caller waits with the placement deadline)."""
+        return self.client.submit(  # type: ignore[union-attr]
+            cls, actor=True, workers=[self.joined()[worker]], allow_other_workers=False, **kwargs
+        )
+
+    def wait_all(self, what: str, futures: dict[str, Any]) -> dict[str, Any]:
+        """Wait for every future with the placement deadline, naming what is still missing."""
+        timeout = self.cluster.placement_timeout_s
+        deadline = time.time() + timeout
+        out = {}
+        for key, fut in futures.items():
+            self.progress.detail(f"{len(out)}/{len(futures)} ready; waiting for {key}")
+            try:
+                out[key] = fut.result(timeout=max(deadline - time.time(), 0.1))
+            except TimeoutError:
+                missing = [k for k in futures if k not in out]
+                raise RunFailed(
+                    f"{what} did not finish within {timeout:.0f}s (cluster.placement_timeout_s) for {missing}; "
+                    f"see the worker logs in {self.paths.jobs}"
+                ) from None
+        return out
+
+    def wait_workers(self, names: list[str], job_states: Callable[[], dict[str, str]]) -> None:
+        """Wait until every named worker joined (deadline ``cluster.worker_start_timeout_s``),
+        showing which have not and the state of their jobs (``job_states``: worker name ->
+        state, asked every 5 s: PENDING in a Slurm queue, ...)."""
+        timeout = self.cluster.worker_start_timeout_s
+        deadline = time.time() + timeout
+        states: dict[str, str] = {}
+        next_poll = 0.0
+        while True:
+            joined = self.joined()
+            missing = [n for n in names if n not in joined]
+            if not missing:
+                return
+            if time.time() >= next_poll:
+                next_poll = time.time() + 5.0
+                states = job_states()
+            shown = ", ".join(f"{n} ({states.get(n, '?')})" for n in missing[:3])
+            self.progress.detail(f"{len(names) - len(missing)}/{len(names)} joined; not yet {shown}"
+                                 + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+            if time.time() > deadline:
+                raise RunFailed(f"workers did not join within {timeout:.0f}s: {missing}; see {self.paths.jobs}/*.log")
+            time.sleep(0.2)
+
+
+# -- what each actor is built with ----------------------------------------------------------------
+
+def store_url(cfg: RunConfig, paths: RunPaths) -> str:
+    return cfg.storage.trajectories or str(paths.trajectories)
+
+
+def data_layer_kwargs(cfg: RunConfig, paths: RunPaths) -> dict[str, Any]:
+    return dict(
+        dataflow=cfg.dataflow, workload=cfg.workload, policies=[p.name for p in cfg.policies],
+        store_url=store_url(cfg, paths), metrics_path=str(paths.metrics), max_steps=cfg.run.max_steps,
+        seed=cfg.run.seed, gated=cfg.run.mode == "sync", state_path=str(paths.dataflow_state),
+    )
+
+
+def trainer_kwargs(cfg: RunConfig, paths: RunPaths, index: int, pol: PolicyConfig, data_layer: Any) -> dict[str, Any]:
+    """The trainer of policy number `index` (its seed is offset by the index)."""
+    return dict(
+        policy=pol.name, cfg=pol.trainer, model_path=str(pol.model),
+        weights_root=str(paths.weights), keep_versions=cfg.storage.keep_versions,
+        data_layer=data_layer, max_steps=cfg.run.max_steps, seed=cfg.run.seed + index,
+        write_deltas=cfg.storage.deltas, optimizer_path=str(paths.optimizer_state(pol.name)),
+    )
+
+
+def node_kwargs(cfg: RunConfig, paths: RunPaths, name: str, part: Partition, data_layer: Any) -> dict[str, Any]:
+    """The RaaS node on worker `name` of partition `part`."""
+    return dict(
+        identity=NodeIdentity(name=name, partition=part.name, region=part.region, hardware=part.hardware),
+        rollout=cfg.rollout,
+        models={p.name: str(p.model) for p in cfg.policies},
+        workload_name=cfg.workload.name,
+        workload_params=cfg.workload.params,
+        workload_seed=cfg.workload.seed,
+        workflow=cfg.workload.workflow,
+        sampling=cfg.workload.sampling,
+        store_url=store_url(cfg, paths),
+        weights_root=str(paths.weights),
+        data_layer=data_layer,
+        seed=cfg.run.seed,
+        use_deltas=cfg.storage.deltas,
+    )

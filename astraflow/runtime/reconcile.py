@@ -1,0 +1,144 @@
+"""Runtime room: partition reconciliation. The *desired* partitions (the config, plus
+``astraflow partitions add/remove`` written to ``control/partitions.json``) against the worker
+jobs that exist: submit the missing workers, start removing the workers of a partition that
+left the set (drain or now), and stop refilling a partition whose workers keep dying.
+
+`PartitionSet` owns the partitions, what the orchestrator knows about each (`PartitionState`,
+shown in ``status.json``) and the scheduler backends that start their workers. It never blocks
+on a worker: a removal only starts a drain, which the worker state machine finishes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from astraflow.runtime.control import DEFAULT_REMOVAL, read_desired_file
+from schedulers import Partition, make_scheduler, parse_worker_name
+from schedulers.slurm import SlurmCommandError
+from storage.paths import RunPaths
+
+if TYPE_CHECKING:
+    from astraflow.config import ClusterConfig
+    from astraflow.runtime.progress import Progress
+    from astraflow.runtime.workers import Fleet, Worker
+
+#: a partition whose workers were lost before serving this many times per desired node is
+#: marked failed and no longer refilled
+FAILURES_PER_NODE = 3
+
+
+@dataclass
+class PartitionState:
+    """What the orchestrator knows about one partition beyond its spec (shown in status.json)."""
+
+    state: str = "active"
+    """active | removing (its workers drain) | removed | failed (sbatch refused it, or its
+    workers kept dying: not refilled until it is removed and added again)."""
+    error: str | None = None
+    seen_at: float = field(default_factory=time.time)
+    first_trajectory_at: float | None = None
+    removal_requested_at: float | None = None
+    removed_at: float | None = None
+    removal_mode: str | None = None
+    failures: int = 0
+    """Workers of this partition lost before they served; too many marks it failed."""
+
+
+def run_tag(paths: RunPaths) -> str:
+    """The ``--comment`` of a run's Slurm jobs: readable and unique per run directory."""
+    base = re.sub(r"[^A-Za-z0-9_.-]", "_", paths.root.name)[:40] or "run"
+    digest = hashlib.sha1(str(paths.root.resolve()).encode()).hexdigest()[:8]
+    return f"astraflow.{base}.{digest}"
+
+
+class PartitionSet:
+    """The run's partitions, their states and the scheduler backends of their workers."""
+
+    def __init__(self, partitions: list[Partition], paths: RunPaths, cluster: ClusterConfig, progress: Progress):
+        self.paths = paths
+        self.cluster = cluster
+        self.progress = progress
+        self.partitions: dict[str, Partition] = {p.name: p for p in partitions}
+        self.state: dict[str, PartitionState] = {p.name: PartitionState() for p in partitions}
+        self.schedulers: dict[str, Any] = {}
+
+    def scheduler_for(self, part: Partition):
+        if part.scheduler not in self.schedulers:
+            cc = self.cluster
+            if part.scheduler == "local":
+                kwargs: dict[str, Any] = {"log_dir": self.paths.jobs}
+            else:
+                iface = cc.worker_interface
+                host = None
+                if iface is None and cc.scheduler_interface is None and cc.scheduler_host in ("127.0.0.1", "localhost"):
+                    host = "127.0.0.1"  # a loopback scheduler: the workers are on this host too
+                kwargs = {"job_dir": self.paths.jobs, "tag": run_tag(self.paths),
+                          "setup_lines": tuple(cc.slurm_setup_lines), "interface": iface, "host": host}
+                if cc.worker_python:
+                    kwargs["python"] = cc.worker_python
+            self.schedulers[part.scheduler] = make_scheduler(part.scheduler, **kwargs)
+        return self.schedulers[part.scheduler]
+
+    def cancel(self, w: Worker) -> None:
+        """Cancel the job of worker `w` (its actor dies with it)."""
+        self.scheduler_for(self.partitions[w.partition]).cancel([w.job.job_id])
+
+    def refused(self) -> dict[str, str | None]:
+        """Partitions marked failed, with why (at start, a refused partition ends the run)."""
+        return {n: ps.error for n, ps in self.state.items() if ps.state == "failed"}
+
+    def record_failure(self, name: str, last_note: str) -> None:
+        """A worker of partition `name` was lost before it served (or its node failed);
+        too many such losses mark the partition failed so it is not refilled again and again."""
+        part, ps = self.partitions[name], self.state[name]
+        ps.failures += 1
+        if ps.state == "active" and ps.failures >= FAILURES_PER_NODE * max(part.nodes, 1):
+            ps.state = "failed"
+            ps.error = (f"{ps.failures} workers were lost before serving (last: {last_note}); not refilling. "
+                        f"See the logs in {self.paths.jobs}; remove and add the partition to retry")
+            self.progress.note(f"partition {name}: {ps.error}")
+
+    def reconcile(self, fleet: Fleet, address_for: Callable[[Partition], str]) -> None:
+        """Submit or remove worker jobs so each desired partition has ``nodes`` live workers.
+
+        Never blocks on a worker: removals only start a drain (finished by `Fleet.advance`)."""
+        desired, removals = read_desired_file(self.paths)
+        for name, part in desired.items():
+            if name not in self.state or self.state[name].state == "removed":
+                self.state[name] = PartitionState()  # new, or added again after its removal
+            self.partitions[name] = part
+        for name, part in self.partitions.items():
+            ps = self.state[name]
+            mine = [w for w in fleet.in_partition(name) if not w.gone]
+            if name not in desired:
+                if ps.state in ("active", "failed"):
+                    ps.state, ps.removal_requested_at = "removing", time.time()
+                    ps.removal_mode = removals.get(name, DEFAULT_REMOVAL)
+                    self.progress.note(f"removing partition {name} ({ps.removal_mode}): {len(mine)} worker(s)")
+                for w in mine:
+                    if not w.draining:
+                        fleet.remove(w, drain=ps.removal_mode == "drain")
+                if ps.state == "removing" and not mine:
+                    ps.state, ps.removed_at = "removed", time.time()
+                    self.progress.note(f"partition {name} removed in {ps.removed_at - ps.removal_requested_at:.1f}s")
+                continue
+            if ps.state == "failed":
+                continue
+            live = [w for w in mine if not w.draining]
+            missing = part.nodes - len(live)
+            if missing > 0:
+                used = {parse_worker_name(w.name)["index"] for w in fleet.in_partition(name)}
+                start = max(used) + 1 if used else 0
+                try:
+                    jobs = self.scheduler_for(part).submit(part, address_for(part), missing, start)
+                except (SlurmCommandError, ValueError) as err:
+                    ps.state, ps.error = "failed", f"submitting workers failed: {err}"
+                    self.progress.note(f"partition {name}: {ps.error}")
+                    jobs = []
+                for job in jobs:
+                    fleet.add(job, name)
+                    self.progress.note(f"submitted {job.kind} worker {job.worker_name} ({job.job_id})")

@@ -1,0 +1,274 @@
+"""Runtime room: the worker state machine. One `Worker` per worker job, and the `Fleet` that
+advances every worker one step per orchestrator tick, so the loop never blocks on a slow
+worker (a Slurm job in the queue, a model loading, a drain).
+
+Rollout workers move through these phases::
+
+    submitted --joined--> placing --actor built--> starting --caught up--> serving
+        any phase --remove--> draining (node stops leasing, finishes and writes what it holds)
+                  --> gone (job cancelled; leases still held are requeued by ``node_gone``)
+        any phase --job ended / worker left--> gone (leases requeued, the partition refilled)
+
+Data and trainer workers are placed once at start (by the orchestrator) and only ever leave
+the ``serving`` phase by being lost, which ends the run.
+
+Named overlap, *drain vs. lease expiry*: a draining node keeps heartbeating, so its leases stay
+valid until it completes them; only after its ``stop`` returns (or ``cluster.drain_timeout_s``
+passes) is the job cancelled and whatever it still holds requeued. A task therefore ends once
+either way: completed by the draining node, or requeued and completed by another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from schedulers import JobRef, JobStatus, Partition
+
+if TYPE_CHECKING:
+    from astraflow.config import ClusterConfig
+    from astraflow.runtime.placement import Placement
+    from astraflow.runtime.progress import Progress
+    from astraflow.runtime.reconcile import PartitionSet
+
+log = logging.getLogger("astraflow.runtime")
+
+
+class RunFailed(RuntimeError):
+    """A component reported an error or the run passed its deadline."""
+
+
+#: errors a pending placement/start/stop future can end with when its worker dies or the
+#: actor's constructor fails; anything else is a bug and propagates.
+FUTURE_ERRORS = (OSError, RuntimeError, ValueError, TimeoutError, KeyError, asyncio.CancelledError)
+
+PHASES = ("submitted", "placing", "starting", "serving", "draining", "gone")
+
+#: phases in which a RaaS node exists on the worker (its leases must be requeued when it goes)
+NODE_PHASES = ("starting", "serving", "draining")
+
+
+@dataclass
+class Worker:
+    """One worker job and what the orchestrator has placed on it (see the module docstring)."""
+
+    job: JobRef
+    partition: str
+    phase: str = "submitted"
+    actor: Any = None
+    future: Any = None
+    """The pending placement, start or stop call of the current phase (None when there is none)."""
+    since: float = field(default_factory=time.time)
+    """When the current phase began (its deadline counts from here)."""
+    joined_at: float | None = None
+    note: str | None = None
+    """Why the worker is gone (job state, placement failure, removal)."""
+
+    @property
+    def name(self) -> str:
+        return self.job.worker_name
+
+    @property
+    def gone(self) -> bool:
+        return self.phase == "gone"
+
+    @property
+    def draining(self) -> bool:
+        return self.phase == "draining"
+
+    @property
+    def started(self) -> bool:
+        return self.phase in NODE_PHASES or (self.phase == "gone" and self.actor is not None)
+
+    def enter(self, phase: str, future: Any = None) -> None:
+        assert phase in PHASES, phase
+        self.phase, self.future, self.since = phase, future, time.time()
+
+
+class Fleet:
+    """Every worker job of the run and the state machine that advances them.
+
+    ``place_node(name, partition)`` submits a RaaS actor to the named worker and returns the
+    future of its handle; ``dl`` is the data layer's handle once it is placed (leases of lost
+    nodes are requeued through it)."""
+
+    def __init__(self, parts: PartitionSet, placement: Placement, cluster: ClusterConfig, progress: Progress,
+                 place_node: Callable[[str, Partition], Any]):
+        self.parts = parts
+        self.placement = placement
+        self.cluster = cluster
+        self.progress = progress
+        self.place_node = place_node
+        self.workers: dict[str, Worker] = {}
+        self.jobs: dict[str, JobStatus] = {}
+        self.dl: Any = None
+
+    # ------------------------------------------------------------------ queries
+    def add(self, job: JobRef, partition: str) -> Worker:
+        w = self.workers[job.worker_name] = Worker(job=job, partition=partition)
+        return w
+
+    def role(self, w: Worker) -> str:
+        return self.parts.partitions[w.partition].role
+
+    def of_role(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if self.role(w) == role]
+
+    def in_partition(self, name: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.partition == name]
+
+    def serving_nodes(self) -> list[Any]:
+        """The actors of the RaaS nodes that serve now (the sync driver's nodes)."""
+        return [w.actor for w in self.of_role("rollout") if w.actor is not None and w.phase == "serving"]
+
+    def job_state(self, w: Worker) -> str:
+        if w.gone:
+            return "GONE"
+        st = self.jobs.get(w.job.job_id)
+        return st.state if st is not None else "UNKNOWN"
+
+    def listed_states(self) -> dict[str, str]:
+        """``{worker name: job state}`` from a fresh listing (shown while waiting for workers)."""
+        by_job = {j.job_id: str(j.state) for sched in self.parts.schedulers.values() for j in sched.jobs()}
+        return {n: by_job[w.job.job_id] for n, w in self.workers.items() if w.job.job_id in by_job}
+
+    def poll_jobs(self) -> None:
+        """One batched job listing per scheduler per tick (`advance` and the status share it)."""
+        jobs: dict[str, JobStatus] = {}
+        for sched in self.parts.schedulers.values():
+            jobs.update({j.job_id: j for j in sched.jobs()})
+        self.jobs = jobs
+
+    # ------------------------------------------------------------------ the state machine
+    def advance(self) -> None:
+        """One step of every worker's state machine; never waits for a worker."""
+        self.poll_jobs()
+        joined = self.placement.joined()
+        now = time.time()
+        deadline = self.cluster.placement_timeout_s
+        for name, w in list(self.workers.items()):
+            if w.gone:
+                continue
+            st = self.jobs.get(w.job.job_id)
+            if st is not None and not st.active:
+                self.lost(w, f"job {w.job.job_id} {st.state}" + (f" ({st.reason})" if st.reason else ""))
+                continue
+            if w.joined_at is not None and name not in joined:
+                self.lost(w, "worker left the Dask scheduler")
+                continue
+            if w.joined_at is None and name in joined:
+                w.joined_at = now
+            if self.role(w) != "rollout":
+                continue  # data and trainer actors are placed by the orchestrator at start
+            if w.phase == "submitted" and w.joined_at is not None:
+                w.enter("placing", self.place_node(name, self.parts.partitions[w.partition]))
+            elif w.phase == "placing" and w.future.done():
+                try:
+                    w.actor = w.future.result(timeout=5)
+                except FUTURE_ERRORS as err:
+                    self.fail_placement(w, f"placement failed: {type(err).__name__}: {err}")
+                    continue
+                w.enter("starting", w.actor.start())
+            elif w.phase == "starting" and w.future.done():
+                try:
+                    versions = w.future.result(timeout=5)
+                except FUTURE_ERRORS as err:
+                    self.fail_placement(w, f"placement failed: start: {type(err).__name__}: {err}")
+                    continue
+                w.enter("serving")
+                self.progress.note(f"RaaS node {name} serving {versions}")
+            elif w.phase in ("placing", "starting") and now - w.since > deadline:
+                self.fail_placement(w, f"placement failed: {w.phase} took more than {deadline:.0f}s "
+                                       f"(cluster.placement_timeout_s); see {w.job.log}")
+            elif w.phase == "draining":
+                timeout = self.cluster.drain_timeout_s
+                if w.future is None or w.future.done() or now - w.since > timeout:
+                    if w.future is not None and w.future.done():
+                        try:
+                            w.future.result(timeout=5)
+                        except FUTURE_ERRORS as err:
+                            log.warning("stopping %s during its drain failed: %s", name, err)
+                    self.finish_removal(w, "drained" if w.future is not None and w.future.done() else "drain timed out")
+
+    def place_nodes(self, wait: bool = False) -> None:
+        """Advance every worker one step (place, start, drain, notice losses). With `wait`,
+        keep advancing until no rollout worker that already joined is still placing or starting
+        (the initial placement; deadline ``cluster.placement_timeout_s`` per phase)."""
+        self.advance()
+        if not wait:
+            return
+
+        def busy() -> bool:
+            return any(w.phase in ("placing", "starting") or (w.phase == "submitted" and w.joined_at is not None)
+                       for w in self.of_role("rollout"))
+
+        while busy():  # each phase has its own deadline in advance(), so this ends
+            time.sleep(0.1)
+            self.advance()
+        rollout = self.of_role("rollout")
+        if rollout and not any(w.phase == "serving" for w in rollout):
+            notes = "; ".join(f"{w.name}: {w.note}" for w in rollout if w.note)
+            raise RunFailed(f"no RaaS node could start: {notes or 'no rollout worker joined'}")
+
+    # ------------------------------------------------------------------ losses and failures
+    def lost(self, w: Worker, why: str) -> None:
+        """A worker vanished on its own: requeue its leases now; the partition is refilled by
+        the reconciler unless it was removed. A lost data or trainer worker ends the run."""
+        role = self.role(w)
+        was = w.phase
+        w.enter("gone")
+        w.note = why
+        if role != "rollout":
+            raise RunFailed(f"{role} worker {w.name} is gone ({why}); see {w.job.log}")
+        n = self.dl.node_gone(w.name).result(timeout=30) if was in NODE_PHASES else 0
+        if was != "serving" and was != "draining":
+            self._count_failure(w)
+        self.progress.note(f"worker {w.name} is gone ({why}); {n} leases requeued")
+
+    def replace_failed_nodes(self, state: dict[str, Any]) -> None:
+        """A RaaS node that stopped leasing after an error it could not recover from (its
+        engine process died more often than ``rollout.engine_restarts``) is replaced like a lost
+        worker: its job is cancelled, its leases requeued, its partition refilled. It counts as
+        a failure, so a partition whose nodes keep failing stops being refilled."""
+        reports = state.get("nodes", {})
+        for name, w in list(self.workers.items()):
+            if w.phase != "serving" or self.role(w) != "rollout":
+                continue
+            error = reports.get(name, {}).get("error")
+            if error:
+                self.parts.cancel(w)
+                self.lost(w, f"RaaS node failed: {error}")
+                self._count_failure(w)
+
+    def fail_placement(self, w: Worker, why: str) -> None:
+        """The actor could not be built or started: cancel the job (its slot is refilled)."""
+        self.parts.cancel(w)
+        self.lost(w, why)
+
+    def _count_failure(self, w: Worker) -> None:
+        last = next((x.note for x in reversed(list(self.workers.values()))
+                     if x.partition == w.partition and x.note), "unknown")
+        self.parts.record_failure(w.partition, last)
+
+    # ------------------------------------------------------------------ removal
+    def remove(self, w: Worker, drain: bool) -> None:
+        """Start removing a worker. Drain: the data layer stops leasing to it and the node is
+        told to stop (it finishes and writes what it holds); `advance` cancels the job when
+        that returns. Now (or a worker with no node yet): cancel at once, requeue its leases."""
+        if drain and w.phase in ("starting", "serving"):
+            self.dl.drain(w.name).result(timeout=30)
+            w.enter("draining", w.actor.stop(timeout=self.cluster.drain_timeout_s))
+            self.progress.note(f"draining worker {w.name}")
+            return
+        self.finish_removal(w, "removed now" if not drain else "removed before serving")
+
+    def finish_removal(self, w: Worker, why: str) -> None:
+        had_node = w.phase in NODE_PHASES
+        self.parts.cancel(w)
+        n = self.dl.node_gone(w.name).result(timeout=30) if had_node else 0
+        w.enter("gone")
+        w.note = why
+        self.progress.note(f"removed worker {w.name} ({why}; {n} leases requeued)")

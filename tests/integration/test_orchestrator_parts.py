@@ -1,0 +1,84 @@
+"""The orchestrator's parts alone, without a cluster: partition reconciliation against a
+desired-partitions file, the failure rule that stops refilling a partition, the Slurm tag of a
+run, and what each actor is built with."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from astraflow.config import ClusterConfig
+from astraflow.runtime.control import write_desired
+from astraflow.runtime.placement import data_layer_kwargs, node_kwargs, trainer_kwargs
+from astraflow.runtime.progress import Progress
+from astraflow.runtime.reconcile import FAILURES_PER_NODE, PartitionSet, run_tag
+from astraflow.runtime.workers import Worker
+from schedulers import JobRef, Partition
+from storage.paths import RunPaths
+
+from tests.conftest import tiny_config
+
+
+class _Fleet:
+    """The two calls reconciliation makes on the worker state machine, recorded."""
+
+    def __init__(self):
+        self.workers: dict[str, Worker] = {}
+        self.removed: list[tuple[str, bool]] = []
+
+    def in_partition(self, name):
+        return [w for w in self.workers.values() if w.partition == name]
+
+    def remove(self, w, drain):
+        self.removed.append((w.name, drain))
+        w.enter("gone")
+
+
+def _worker(part: str, i: int) -> Worker:
+    name = f"rollout-{part}-local-cpu-{i}"
+    return Worker(job=JobRef(job_id=f"local-{i}", partition=part, worker_name=name, kind="local", log=None),
+                  partition=part, phase="serving")
+
+
+def test_a_partition_left_out_of_the_desired_set_is_removed_with_its_mode(tmp_path):
+    paths = RunPaths(tmp_path / "run").make()
+    parts = [Partition(name="rollout", nodes=2), Partition(name="extra", nodes=1)]
+    pset = PartitionSet(parts, paths, ClusterConfig(), Progress(enabled=False))
+    fleet = _Fleet()
+    for w in (_worker("rollout", 0), _worker("rollout", 1), _worker("extra", 0)):
+        fleet.workers[w.name] = w
+    write_desired(paths, parts[:1], {"extra": "now"})
+    pset.reconcile(fleet, address_for=lambda part: "tcp://unused")  # nothing missing: nothing submitted
+    assert fleet.removed == [("rollout-extra-local-cpu-0", False)]
+    assert pset.state["extra"].state == "removing" and pset.state["extra"].removal_mode == "now"
+    pset.reconcile(fleet, address_for=lambda part: "tcp://unused")
+    assert pset.state["extra"].state == "removed" and pset.state["rollout"].state == "active"
+
+
+def test_a_partition_whose_workers_keep_dying_is_marked_failed(tmp_path):
+    pset = PartitionSet([Partition(name="rollout", nodes=2)], RunPaths(tmp_path), ClusterConfig(), Progress(enabled=False))
+    for _ in range(FAILURES_PER_NODE * 2 - 1):
+        pset.record_failure("rollout", "job FAILED")
+    assert pset.refused() == {}
+    pset.record_failure("rollout", "job FAILED")
+    assert "last: job FAILED" in pset.refused()["rollout"]
+
+
+def test_run_tag_is_readable_and_unique_per_directory(tmp_path):
+    a, b = run_tag(RunPaths(tmp_path / "my run")), run_tag(RunPaths(tmp_path / "x" / "my run"))
+    assert a.startswith("astraflow.my_run.") and a != b and a == run_tag(RunPaths(tmp_path / "my run"))
+
+
+def test_each_actor_gets_its_own_section(tmp_path):
+    cfg = tiny_config(tmp_path, **{"run.seed": 7})  # placement only names the model directory
+    paths = RunPaths(tmp_path / "run")
+    dl = SimpleNamespace(name="data layer handle")
+    part = Partition(name="h100", region="eu", hardware="H100")
+    node = node_kwargs(cfg, paths, "rollout-h100-eu-H100-0", part, dl)
+    assert node["identity"].partition == "h100" and node["identity"].region == "eu"
+    assert node["rollout"] is cfg.rollout and node["data_layer"] is dl
+    assert node["store_url"] == str(paths.trajectories) and node["weights_root"] == str(paths.weights)
+    trainer = trainer_kwargs(cfg, paths, 1, cfg.policies[0], dl)
+    assert trainer["seed"] == 8 and trainer["cfg"] is cfg.policies[0].trainer
+    assert trainer["optimizer_path"] == str(paths.optimizer_state(cfg.policies[0].name))
+    data = data_layer_kwargs(cfg, paths)
+    assert data["dataflow"] is cfg.dataflow and data["gated"] is (cfg.run.mode == "sync")

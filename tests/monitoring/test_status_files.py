@@ -1,0 +1,103 @@
+"""The status files of a run without a cluster: what the orchestrator's `StatusWriter` writes is
+what `run_status`, the status view and the text status read back, and every reader applies the
+one liveness rule (process alive, snapshot younger than `STALE_AFTER_S`, no summary)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from astraflow.runtime.monitoring import (
+    STALE_AFTER_S,
+    RunNotRunning,
+    StatusWriter,
+    Tick,
+    archive_summary,
+    build_status_view,
+    format_status,
+    read_snapshot,
+    run_status,
+    write_orchestrator_info,
+)
+from astraflow.runtime.progress import Progress
+from astraflow.runtime.reconcile import PartitionSet
+from astraflow.runtime.workers import Fleet
+from astraflow.config import ClusterConfig
+from schedulers import JobRef, Partition
+from storage.paths import RunPaths
+
+PARTS = [Partition(name="data", role="data"), Partition(name="trainer", role="trainer"),
+         Partition(name="rollout", role="rollout", nodes=2)]
+
+
+def _writer(paths: RunPaths) -> tuple[StatusWriter, Fleet]:
+    progress = Progress(enabled=False)
+    parts = PartitionSet(PARTS, paths, ClusterConfig(), progress)
+    fleet = Fleet(parts, placement=None, cluster=ClusterConfig(), progress=progress, place_node=lambda n, p: None)
+    for i, part in enumerate(PARTS):
+        name = f"{part.role}-{part.name}-local-cpu-0"
+        fleet.add(JobRef(job_id=f"local-{100 + i}", partition=part.name, worker_name=name, kind="local", log=None),
+                  part.name)
+    fleet.workers["rollout-rollout-local-cpu-0"].enter("serving")
+    return StatusWriter(paths, "astraflow.run.x", parts, fleet), fleet
+
+
+def _tick(completed: int) -> Tick:
+    node = {"partition": "rollout", "completed": completed, "versions": {"solver": 1}, "tokens": 10,
+            "tokens_per_s": 5.0, "episodes": 2, "last_seen": time.time()}
+    return Tick(data_layer={"elapsed_s": 3.0, "trajectories_per_s": 1.5, "tokens_per_s": 20.0, "versions": {"solver": 1},
+                            "nodes": {"rollout-rollout-local-cpu-0": node}, "eval": [], "ledger": {"states": {}}},
+                trainers={"solver": {"version": 1, "done": False, "error": None, "last_metrics": {"reward_mean": 0.5},
+                                     "wait_fraction": 0.25}})
+
+
+def test_what_the_writer_writes_every_reader_reads_back(tmp_path):
+    paths = RunPaths(tmp_path / "run").make()
+    writer, fleet = _writer(paths)
+    write_orchestrator_info(paths, "http://127.0.0.1:1/status", "tcp://127.0.0.1:2")
+    writer.track(_tick(0))
+    writer.track(_tick(4))
+    writer.write(_tick(4))
+    st = run_status(paths.root)
+    assert st["running"] and st["orchestrator"]["dashboard"] == "http://127.0.0.1:1/status"
+    assert st["tag"] == "astraflow.run.x"
+    rollout = st["partitions"]["rollout"]
+    assert rollout["completed"] == 4 and rollout["serving"] == 1 and rollout["live"] == 1
+    assert rollout["trajectories_per_s"] > 0 and rollout["first_trajectory_at"] is not None
+    assert st["workers"]["rollout-rollout-local-cpu-0"]["phase"] == "serving"
+    assert "rollout-rollout-local-cpu-0" in format_status(st)
+    view = build_status_view(paths.root)
+    assert view.running and not view.finished and view.age_s is not None and view.age_s < STALE_AFTER_S
+    assert [p.name for p in view.partitions] == ["data", "trainer", "rollout"]
+    assert view.policies[0].reward_mean == 0.5
+    # the final summary ends the run for every reader, and a second run keeps it aside
+    writer.write_summary(steps={"solver": 1}, ledger={}, seconds=1.0, interrupted=False, nodes={}, trainers={},
+                         data_layer=_tick(4).data_layer, iterations=[])
+    summary = json.loads(paths.summary.read_text())
+    assert summary["workers"]["rollout-rollout-local-cpu-0"]["served"] is False
+    assert set(summary["partitions"]) == {"data", "trainer", "rollout"}
+    assert build_status_view(paths.root).finished and not read_snapshot(paths.root).running
+    with pytest.raises(RunNotRunning, match="is not running"):
+        run_status(paths.root)
+    archive_summary(paths)
+    assert not paths.summary.exists() and len(list(paths.root.glob("summary.*.json"))) == 1
+
+
+def test_a_stale_or_missing_snapshot_is_not_running(tmp_path):
+    paths = RunPaths(tmp_path / "run").make()
+    with pytest.raises(RunNotRunning, match="no run has started"):
+        run_status(paths.root)
+    with pytest.raises(ValueError, match="--run-dir"):
+        build_status_view(paths.root)
+    writer, _ = _writer(paths)
+    write_orchestrator_info(paths, None, None)
+    writer.write(_tick(0))
+    later = time.time() + STALE_AFTER_S + 1
+    snap = read_snapshot(paths.root, now=later)
+    assert snap.stale and not snap.running
+    assert not build_status_view(paths.root, now=later).running
+    info = json.loads(paths.orchestrator_file.read_text())
+    paths.orchestrator_file.write_text(json.dumps({**info, "host": "elsewhere", "pid": 1}))
+    assert read_snapshot(paths.root).running  # another host: only the age tells
