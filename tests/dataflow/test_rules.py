@@ -214,10 +214,10 @@ def run_config(tmp_path, **dataflow):
 
 @pytest.mark.parametrize("stage, bad, needle", [
     ("curator", {"type": "no_such"},
-     r"dataflow.curator: Value error, unknown prompt curator 'no_such'; known: accept_all, curriculum, filter_solved, greso"),
+     r"dataflow.curator: unknown prompt curator 'no_such'; known: accept_all, curriculum, filter_solved, greso"),
     ("group_filter", {"type": "keep_some"}, r"dataflow.group_filter: .*known: drop_zero_advantage, keep_all"),
     ("ordering", {"type": "lifo"}, r"dataflow.ordering: .*known: edf, fifo, freshest"),
-    ("ordering", {"params": {}}, r"dataflow.ordering: Value error, needs a `type:`"),
+    ("ordering", {"params": {}}, r"dataflow.ordering: needs a `type:`"),
     ("curator", {"type": "filter_solved", "params": {"threshold": 1.5}},
      r"dataflow.curator.filter_solved.params.threshold: Input should be less than or equal to 1"),
     ("curator", {"type": "greso", "params": {"floor": 0}}, r"dataflow.curator.greso.params.floor: Input should be greater than 0"),

@@ -14,7 +14,7 @@ from astraflow.workloads.math import MathConfig
     ("math", {"ops": ["/"]}, ("params", "ops", 0), "'+', '-' or '*'"),
     ("math", {"digitz": 1}, ("params", "digitz"), "Extra inputs"),
     ("mix", {"sources": {"a": {"workload": "math", "weight": 0}}}, ("params", "sources"), "source 'a' has weight 0"),
-    ("nope", {}, ("name",), "unknown workload 'nope'; known: math, mix"),
+    ("nope", {}, ("name",), "unknown workload 'nope'; known: "),  # the shipped ones and any a test registered
 ])
 def test_config_names_the_bad_field(name, params, loc, needle):
     with pytest.raises(ValidationError) as err:
