@@ -1,0 +1,25 @@
+"""A user's own workflow, kept outside AstraFlow and named in the config as
+``examples.custom_workflow.flows:two_tries``: the policy answers; a wrong answer gets one more
+try, and the episode keeps both turns (each a sequence rewarded by its own correctness)."""
+
+from __future__ import annotations
+
+import time
+
+from astraflow.rollout.workflows import WORKFLOWS, SingleTurn, sampling_for, turn_sequence
+
+
+@WORKFLOWS.register("two_tries")
+class TwoTries(SingleTurn):
+    async def run_episode(self, engines, task):
+        t0, engine = time.time(), engines[task.policies[0]]
+        prompt = engine.tokenizer.encode(self.workload.render_prompt(task.prompt))
+        seqs, secs = [], 0.0
+        for _ in range(2):
+            gen = await engine.generate(prompt, sampling_for(task, self.sampling))
+            reward = self.workload.reward(engine.tokenizer.decode(gen.tokens, skip_special_tokens=True), task.prompt)
+            seqs.append(turn_sequence(prompt, gen, 0, reward))
+            secs += gen.engine_seconds
+            if reward > 0:
+                break
+        return self._trajectory(task, seqs, t0, secs)
