@@ -71,6 +71,21 @@ def main() -> None:
     (the embedded default) or as Slurm jobs across partitions. Start with
     `astraflow run examples/math/config.yaml`.
     """
+    _user_modules_from_cwd()
+
+
+def _user_modules_from_cwd() -> None:
+    """Put the working directory on the import path of this process and of every process it
+    starts, as ``python -m`` does: a config's ``package.module:name`` (a user's workflow,
+    workload or rule) then imports from where the command runs."""
+    import os
+
+    cwd = str(Path.cwd())
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if cwd not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([cwd, *parts])
 
 
 @main.command()

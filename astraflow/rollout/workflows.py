@@ -46,7 +46,11 @@ def workflow_class(name: str) -> type[Workflow]:
     module first (which registers its workflows), so a new workflow needs no change here."""
     if ":" in name:
         module, name = name.split(":", 1)
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            raise ValueError(f"cannot import {module!r} ({err}): run from the directory that holds it, "
+                             "or install its package") from None
     return WORKFLOWS.get(name)
 
 
@@ -78,7 +82,11 @@ def turn_sequence(prompt: list[int], gen: Generation, policy_index: int, reward:
                     versions=versions, reward=float(reward), finish_reason=gen.finish_reason)
 
 
-class _Base:
+class WorkflowBase:
+    """The base of a workflow: built with the run's workload, the node's sampling defaults and
+    the node's name; ``trajectory`` wraps an episode's sequences with the task's identity and
+    the node's provenance."""
+
     #: how many policies the workflow drives (``RolloutTask.policies`` order).
     num_policies = 1
 
@@ -87,7 +95,8 @@ class _Base:
         self.sampling = sampling
         self.node = node
 
-    def _trajectory(self, task: RolloutTask, seqs: list[Sequence], t0: float, engine_s: float) -> Trajectory:
+    def trajectory(self, task: RolloutTask, seqs: list[Sequence], t0: float, engine_s: float) -> Trajectory:
+        """The episode of ``task`` made of ``seqs``, started at ``t0``, ``engine_s`` seconds in engines."""
         return Trajectory(
             task_id=task.task_id,
             group_id=task.group_id,
@@ -101,7 +110,7 @@ class _Base:
 
 
 @WORKFLOWS.register("single_turn")
-class SingleTurn(_Base):
+class SingleTurn(WorkflowBase):
     """One policy answers the prompt once; the workload's reward scores the answer."""
 
     async def run_episode(self, engines: Mapping[str, InferenceEngine], task: RolloutTask) -> Trajectory:
@@ -112,7 +121,7 @@ class SingleTurn(_Base):
         gen = await engine.generate(prompt, sampling_for(task, self.sampling))
         text = engine.tokenizer.decode(gen.tokens, skip_special_tokens=True)
         reward = self.workload.reward(text, task.prompt)
-        return self._trajectory(task, [turn_sequence(prompt, gen, 0, reward)], t0, gen.engine_seconds)
+        return self.trajectory(task, [turn_sequence(prompt, gen, 0, reward)], t0, gen.engine_seconds)
 
 
 def _gen_text(engine: InferenceEngine, gen: Generation) -> str:
@@ -120,7 +129,7 @@ def _gen_text(engine: InferenceEngine, gen: Generation) -> str:
 
 
 @WORKFLOWS.register("solver_verifier")
-class SolverVerifier(_Base):
+class SolverVerifier(WorkflowBase):
     """Policy 0 (solver) answers; policy 1 (verifier) judges the answer: it may write its
     working first, its verdict is the last Y/N (``parse_verdict``); on a reject the solver gets
     one retry that sees the rejected answer. Solver reward: correctness of the final answer (on
@@ -151,12 +160,12 @@ class SolverVerifier(_Base):
         seqs = [turn_sequence(p, g, i, final) for p, g, i in turns]
         seqs.insert(1, turn_sequence(pv, gv, 1, verifier_right))
         secs = sum(g.engine_seconds for _, g, _ in turns) + gv.engine_seconds
-        traj = self._trajectory(task, seqs, t0, secs)
+        traj = self.trajectory(task, seqs, t0, secs)
         return replace(traj, score=final)
 
 
 @WORKFLOWS.register("solver_selector")
-class SolverSelector(_Base):
+class SolverSelector(WorkflowBase):
     """Policy 0 (solver) answers twice; policy 1 (selector) picks one, 1 or 2: it may write its
     working first, its pick follows the last ``>`` (``parse_pick``). Solver reward: each
     attempt's own correctness; selector reward: 1 when exactly one attempt was correct and it
@@ -190,4 +199,4 @@ class SolverSelector(_Base):
             sel_reward = (1.0 if picked_ok > 0 else 0.0) if ok1 != ok2 else 0.5
         seqs = [turn_sequence(p, g1, 0, ok1), turn_sequence(p, g2, 0, ok2), turn_sequence(ps, gs, 1, sel_reward)]
         secs = g1.engine_seconds + g2.engine_seconds + gs.engine_seconds
-        return replace(self._trajectory(task, seqs, t0, secs), score=picked_ok)
+        return replace(self.trajectory(task, seqs, t0, secs), score=picked_ok)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import time
 
-from astraflow.rollout.workflows import WORKFLOWS, SingleTurn, sampling_for, turn_sequence
+from astraflow.rollout.workflows import WORKFLOWS, WorkflowBase, sampling_for, turn_sequence
 
 
 @WORKFLOWS.register("two_tries")
-class TwoTries(SingleTurn):
+class TwoTries(WorkflowBase):
     async def run_episode(self, engines, task):
         t0, engine = time.time(), engines[task.policies[0]]
         prompt = engine.tokenizer.encode(self.workload.render_prompt(task.prompt))
@@ -22,4 +22,4 @@ class TwoTries(SingleTurn):
             secs += gen.engine_seconds
             if reward > 0:
                 break
-        return self._trajectory(task, seqs, t0, secs)
+        return self.trajectory(task, seqs, t0, secs)

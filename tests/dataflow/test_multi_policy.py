@@ -18,7 +18,7 @@ from astraflow.dataflow.layer import BatchTimeout, DataLayer
 from astraflow.rollout.engine import SamplingParams
 from astraflow.rollout.workflows import WORKFLOWS
 from astraflow.workloads.base import make_workload
-from astraflow.rollout.workflows import _Base, turn_sequence
+from astraflow.rollout.workflows import WorkflowBase, turn_sequence
 
 from tests.dataflow.helpers import store_and_ref
 
@@ -121,7 +121,7 @@ def test_lockstep_is_a_version_barrier(tmp_path):
 
 
 @WORKFLOWS.register("echo_critic_test")
-class EchoCritic(_Base):
+class EchoCritic(WorkflowBase):
     """Policy 0 answers, policy 1 repeats the answer; both are rewarded by the workload."""
 
     num_policies = 2
@@ -134,7 +134,7 @@ class EchoCritic(_Base):
         r = self.workload.reward(a.tokenizer.decode(ga.tokens, skip_special_tokens=True), task.prompt)
         pb = list(p) + [int(t) for t in ga.tokens]
         gb = await b.generate(pb, self.sampling)
-        return self._trajectory(task, [turn_sequence(p, ga, 0, r), turn_sequence(pb, gb, 1, r)], t0, 0.0)
+        return self.trajectory(task, [turn_sequence(p, ga, 0, r), turn_sequence(pb, gb, 1, r)], t0, 0.0)
 
 
 def test_workflow_defined_in_a_test_runs_through_real_engines_and_data_layer(tiny_model, tmp_path):

@@ -1,0 +1,47 @@
+"""The README's user workflow (``examples/custom_workflow/flows.py``), named as
+``module:name``: registered on import, a second try only after a wrong answer, each try a
+sequence rewarded by its own correctness."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from astraflow.contracts import RolloutTask
+from astraflow.models import load_model
+from astraflow.rollout.engine import SamplingParams
+from astraflow.rollout.workflows import workflow_class
+from astraflow.workloads.base import make_workload
+from tests.rollout.test_role_workflows import Scripted
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    return load_model(tiny_model)[1]
+
+
+def _episode(tok, answers):
+    cls = workflow_class("examples.custom_workflow.flows:two_tries")
+    wf = cls(make_workload("math", {"digits": 2}, 0), SamplingParams(max_new_tokens=5), "n")
+    engine = Scripted(tok, {"12+34=": answers})
+    task = RolloutTask(task_id="g/0", group_id="g", policies=("solver",), workflow="two_tries",
+                       prompt={"question": "12+34", "answer": 46}, kind="train")
+    return asyncio.run(wf.run_episode({"solver": engine}, task)), engine
+
+
+def test_a_right_first_answer_ends_the_episode(tok):
+    traj, engine = _episode(tok, ["46"])
+    assert [s.reward for s in traj.sequences] == [1.0] and len(engine.seen) == 1
+
+
+def test_a_wrong_answer_gets_one_more_try(tok):
+    traj, _ = _episode(tok, ["45", "46"])
+    assert [s.reward for s in traj.sequences] == [0.0, 1.0]
+    traj, _ = _episode(tok, ["45", "44"])
+    assert [s.reward for s in traj.sequences] == [0.0, 0.0] and traj.episode_score() == 0.0
+
+
+def test_an_unimportable_module_names_the_fix():
+    with pytest.raises(ValueError, match="cannot import 'no_such_pkg.flows'.*run from the directory"):
+        workflow_class("no_such_pkg.flows:x")
