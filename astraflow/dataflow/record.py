@@ -34,20 +34,26 @@ RULE_TYPES_KEY = "policy_types"
 class Generated:
     """What the RaaS nodes generated, for throughput and the rollout cost of the data."""
 
+    #: completed trajectories (episodes)
+    episodes: int = 0
     sequences: int = 0
     #: sequences of training rollouts only (evaluation excluded): the cost of the data
     train_sequences: int = 0
+    #: tokens a policy sampled (prompt and tool/environment tokens are not counted)
     tokens: int = 0
 
     def add(self, ref: TrajectoryRef) -> None:
+        self.episodes += 1
         self.sequences += len(ref.sequences)
         if ref.kind != "eval":
             self.train_sequences += len(ref.sequences)
-        self.tokens += sum(s.num_tokens for s in ref.sequences)
+        self.tokens += sum(n for s in ref.sequences for n, _ in s.policy_tokens.values())
 
     def rates(self, elapsed: float) -> dict[str, float]:
-        return {"trajectories_per_s": self.sequences / max(elapsed, 1e-9),
-                "tokens_per_s": self.tokens / max(elapsed, 1e-9)}
+        """The throughput names of ``astraflow.contracts``, averaged over ``elapsed`` seconds."""
+        elapsed = max(elapsed, 1e-9)
+        return {"episodes_per_s": self.episodes / elapsed, "sequences_per_s": self.sequences / elapsed,
+                "generated_tokens_per_s": self.tokens / elapsed}
 
 
 class MetricsLog:

@@ -164,8 +164,8 @@ class RaaSNode:
             "stopped": self.stopped,
             "error": self.error,
             "counters": dict(self.counters),
-            "tokens_per_s": self.counters["tokens"] / elapsed,
-            "trajectories_per_s": self.counters["episodes"] / elapsed,
+            "generated_tokens_per_s": self.counters["tokens"] / elapsed,
+            "episodes_per_s": self.counters["episodes"] / elapsed,
             "engine": stats,
             "weight_sync": self.puller.recent(5) if self.puller is not None else [],
         }
@@ -247,7 +247,7 @@ class RaaSNode:
             "partition": self.identity.partition,
             "region": self.identity.region,
             "hardware": self.identity.hardware,
-            "tokens_per_s": self.counters["tokens"] / max(time.time() - self._started_at, 1e-9),
+            "generated_tokens_per_s": self.counters["tokens"] / max(time.time() - self._started_at, 1e-9),
             "engine_restarts": self.counters["engine_restarts"],
             "engine_pids": {p: e.pid for p, e in self.engines.items() if e.pid is not None},
             # a node that stopped leasing after an error it could not recover from: the

@@ -113,6 +113,6 @@ class Progress:
         )
         self.note(
             " | ".join(parts)
-            + f" | {state['trajectories_per_s']:.1f} traj/s {state['tokens_per_s']:.0f} tok/s"
+            + f" | {state['episodes_per_s']:.1f} ep/s {state['generated_tokens_per_s']:.0f} tok/s"
             + f" | staleness {hist} | nodes {nodes}"
         )

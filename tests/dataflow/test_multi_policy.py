@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import weakref
 
 import numpy as np
 import pytest
@@ -48,12 +49,14 @@ def two_policy_trajectory(task: RolloutTask, solver_reward: float, verifier_rewa
                       (s0, s1), Provenance(node="n"))
 
 
-_WRITERS: dict = {}
+#: one segment writer per data layer; weak keys, so a later layer that reuses a collected
+#: layer's id() never gets a writer into the old layer's store
+_WRITERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 async def _fill(layer, rewards, version=(0, 0)):
     """Complete every leasable task, cycling through ``rewards``."""
-    w = _WRITERS.setdefault(id(layer), layer.store.writer("n"))
+    w = _WRITERS.setdefault(layer, layer.store.writer("n"))
     tasks = await layer.lease("n", 100)
     trajs = [two_policy_trajectory(t, *rewards[i % len(rewards)], version=version) for i, t in enumerate(tasks)]
     await layer.complete(store_and_ref(w, trajs))

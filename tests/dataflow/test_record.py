@@ -61,9 +61,10 @@ def test_a_changed_rule_type_starts_fresh(tmp_path, caplog):
 def test_generated_counts_training_and_evaluation_apart():
     from astraflow.contracts import SequenceSummary, TrajectoryRef
 
-    seq = SequenceSummary(ref=None, reward=1.0, policy_tokens={}, num_tokens=5, finish_reason="stop")
+    # 5 tokens stored, 2 of them sampled by the policy (the rest: prompt)
+    seq = SequenceSummary(ref=None, reward=1.0, policy_tokens={"p": (2, 0)}, num_tokens=5, finish_reason="stop")
     g = rec.Generated()
     g.add(TrajectoryRef("t", "g", "train", 0, "n", (seq, seq)))
     g.add(TrajectoryRef("e", "e", "eval", 0, "n", (seq,)))
-    assert (g.sequences, g.train_sequences, g.tokens) == (3, 2, 15)
-    assert g.rates(1.5) == {"trajectories_per_s": 2.0, "tokens_per_s": 10.0}
+    assert (g.episodes, g.sequences, g.train_sequences, g.tokens) == (2, 3, 2, 6)
+    assert g.rates(1.5) == {"episodes_per_s": 2 / 1.5, "sequences_per_s": 2.0, "generated_tokens_per_s": 4.0}

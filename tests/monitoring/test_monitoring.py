@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from astraflow.cli import main
-from astraflow.runtime.monitoring import MetricsReader, MetricsView, StatusView, build_status_view, read_metrics
+from astraflow.runtime.monitoring import SCHEMA_VERSION, MetricsReader, MetricsView, StatusView, build_status_view, read_metrics
 from astraflow.runtime.orchestrator import Orchestrator
 
 from tests.conftest import run_in_thread, tiny_config
@@ -191,7 +191,7 @@ def test_endpoints_follow_the_schema_while_running(live_run):
     assert len(rollout.nodes) == 2 and all(n.hardware == "cpu" and n.region == "local" for n in rollout.nodes)
     assert view.ledger.totals["created"] >= view.ledger.totals["leased"] > 0
     mv = MetricsView.model_validate(cap["metrics"])
-    assert mv.schema_version == view.schema_version == 1
+    assert mv.schema_version == view.schema_version == SCHEMA_VERSION
     # the page and its assets are served by the same server, and the Dask dashboard links to it
     assert "/astraflow/static/astraflow.js" in cap["page"]
     assert "/astraflow/api/status.json" in cap["js"]

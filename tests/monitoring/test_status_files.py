@@ -46,8 +46,8 @@ def _writer(paths: RunPaths) -> tuple[StatusWriter, Fleet]:
 
 def _tick(completed: int) -> Tick:
     node = {"partition": "rollout", "completed": completed, "versions": {"solver": 1}, "tokens": 10,
-            "tokens_per_s": 5.0, "episodes": 2, "last_seen": time.time()}
-    return Tick(data_layer={"elapsed_s": 3.0, "trajectories_per_s": 1.5, "tokens_per_s": 20.0, "versions": {"solver": 1},
+            "generated_tokens_per_s": 5.0, "episodes": 2, "last_seen": time.time()}
+    return Tick(data_layer={"elapsed_s": 3.0, "episodes_per_s": 1.5, "generated_tokens_per_s": 20.0, "versions": {"solver": 1},
                             "nodes": {"rollout-rollout-local-cpu-0": node}, "eval": [], "ledger": {"states": {}}},
                 trainers={"solver": {"version": 1, "done": False, "error": None, "last_metrics": {"reward_mean": 0.5},
                                      "wait_fraction": 0.25}})
@@ -65,7 +65,7 @@ def test_what_the_writer_writes_every_reader_reads_back(tmp_path):
     assert st["tag"] == "astraflow.run.x"
     rollout = st["partitions"]["rollout"]
     assert rollout["completed"] == 4 and rollout["serving"] == 1 and rollout["live"] == 1
-    assert rollout["trajectories_per_s"] > 0 and rollout["first_trajectory_at"] is not None
+    assert rollout["episodes_per_s"] > 0 and rollout["first_trajectory_at"] is not None
     assert st["workers"]["rollout-rollout-local-cpu-0"]["phase"] == "serving"
     assert "rollout-rollout-local-cpu-0" in format_status(st)
     view = build_status_view(paths.root)

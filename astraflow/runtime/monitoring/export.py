@@ -104,10 +104,10 @@ def write_plots(run_dir: Path | str, out: Path | str | None = None) -> list[Path
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax2 = ax.twinx()
     for p, c in view.policies.items():
-        ax.plot(*pts(c.time, c.trajectories_per_s), marker=".", color="tab:blue", label=f"{p} trajectories/s")
-        ax2.plot(*pts(c.time, c.tokens_per_s), marker=".", color="tab:orange", linestyle="--",
+        ax.plot(*pts(c.time, c.episodes_per_s), marker=".", color="tab:blue", label=f"{p} episodes/s")
+        ax2.plot(*pts(c.time, c.generated_tokens_per_s), marker=".", color="tab:orange", linestyle="--",
                  label=f"{p} tokens/s")
-    ax.set(title="throughput (cumulative average)", xlabel="seconds", ylabel="trajectories/s")
+    ax.set(title="throughput (cumulative average)", xlabel="seconds", ylabel="episodes/s")
     ax2.set_ylabel("tokens/s")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()

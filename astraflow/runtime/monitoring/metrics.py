@@ -27,8 +27,8 @@ class PolicyCurves(_View):
     loss: list[float | None]
     trainer_wait_fraction: list[float | None]
     staleness_mean: list[float | None] = Field(description="mean staleness of the step's batch")
-    trajectories_per_s: list[float | None] = Field(description="run-wide, cumulative average at that step")
-    tokens_per_s: list[float | None]
+    episodes_per_s: list[float | None] = Field(description="run-wide, cumulative average at that step")
+    generated_tokens_per_s: list[float | None]
     filtered: list[int | None] = Field(description="cumulative counts at that step")
     stale_dropped: list[int | None]
     replayed: list[int | None]
@@ -49,8 +49,8 @@ class MetricsView(_View):
 
 _TRAINER_KEYS = {
     "reward_mean": "reward_mean", "loss": "loss", "trainer_wait_fraction": "trainer_wait_fraction",
-    "staleness_mean": "data_staleness_mean", "trajectories_per_s": "trajectories_per_s",
-    "tokens_per_s": "tokens_per_s", "filtered": "filtered", "stale_dropped": "stale_dropped",
+    "staleness_mean": "data_staleness_mean", "episodes_per_s": "episodes_per_s",
+    "generated_tokens_per_s": "generated_tokens_per_s", "filtered": "filtered", "stale_dropped": "stale_dropped",
     "replayed": "replayed",
 }
 

@@ -9,13 +9,13 @@ from typing import Any
 def format_partitions(st: dict[str, Any]) -> str:
     """One line per partition: kind, role, state, desired/live/serving workers, rate, error."""
     lines = [f"{'partition':<14} {'scheduler':<9} {'slurm':<8} {'role':<8} {'state':<9} "
-             f"{'desired':>7} {'live':>4} {'serving':>7} {'traj':>6} {'traj/s':>6}  jobs"]
+             f"{'desired':>7} {'live':>4} {'serving':>7} {'episodes':>8} {'ep/s':>6}  jobs"]
     for name, p in st.get("partitions", {}).items():
         jobs = " ".join(f"{j}:{s}" for j, s in p.get("jobs", {}).items()) or "-"
         lines.append(
             f"{name:<14} {p['scheduler']:<9} {p.get('slurm_partition') or '-':<8} {p['role']:<8} "
             f"{p.get('state', '?'):<9} {p['nodes']:>7} {p.get('live', 0):>4} {p.get('serving', 0):>7} "
-            f"{p.get('completed', 0):>6} {p.get('trajectories_per_s', 0.0):>6.1f}  {jobs}"
+            f"{p.get('completed', 0):>8} {p.get('episodes_per_s', 0.0):>6.1f}  {jobs}"
         )
         if p.get("error"):
             lines.append(f"  error: {p['error']}")
@@ -41,11 +41,12 @@ def format_status(st: dict[str, Any]) -> str:
         node = dl.get("nodes", {}).get(name, {})
         lines.append(
             f"  {name:<36} {w['job_id']:<14} {w['state']:<9} {w.get('phase', '-'):<9} "
-            f"versions {node.get('versions', '-')}  {node.get('completed', 0)} traj  "
-            f"{node.get('tokens_per_s', 0):.0f} tok/s"
+            f"versions {node.get('versions', '-')}  {node.get('completed', 0)} episodes  "
+            f"{node.get('generated_tokens_per_s', 0):.0f} generated tok/s"
         )
     lines.append(
-        f"throughput: {dl.get('trajectories_per_s', 0):.1f} traj/s, {dl.get('tokens_per_s', 0):.0f} tok/s; "
+        f"throughput: {dl.get('episodes_per_s', 0):.1f} episodes/s, {dl.get('sequences_per_s', 0):.1f} sequences/s, "
+        f"{dl.get('generated_tokens_per_s', 0):.0f} generated tok/s; "
         f"ledger {dl.get('ledger', {}).get('states', {})}"
     )
     evals = dl.get("eval", [])

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from astraflow.runtime.monitoring.snapshot import STALE_AFTER_S, read_snapshot
 from storage.paths import RunPaths
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Version of the status and metrics views; bumped when a field changes meaning."""
 
 
@@ -46,9 +46,9 @@ class NodeView(_View):
     leased_total: int = Field(description="tasks leased to the node since it joined")
     completed_total: int = Field(description="tasks the node completed")
     episodes: int = Field(description="episodes the node generated")
-    tokens: int = Field(description="response tokens the node generated")
-    trajectories_per_s: float = Field(description="episodes per second over the node's lifetime")
-    tokens_per_s: float = Field(description="response tokens per second over the node's lifetime")
+    tokens: int = Field(description="tokens the node's policies sampled (prompts and tool output not counted)")
+    episodes_per_s: float = Field(description="episodes per second over the node's lifetime")
+    generated_tokens_per_s: float = Field(description="sampled tokens per second over the node's lifetime")
     last_seen_s: float | None = Field(description="seconds since its last heartbeat; None: never (not a RaaS node)")
 
 
@@ -111,8 +111,9 @@ class StatusView(_View):
     age_s: float | None = Field(description="seconds since the snapshot was written")
     elapsed_s: float = Field(description="seconds since the data layer started")
     dashboard: str | None = Field(description="the Dask dashboard address")
-    trajectories_per_s: float = Field(description="run-wide trajectories per second")
-    tokens_per_s: float = Field(description="run-wide response tokens per second")
+    episodes_per_s: float = Field(description="run-wide episodes per second")
+    sequences_per_s: float = Field(description="run-wide stored sequences per second")
+    generated_tokens_per_s: float = Field(description="run-wide sampled tokens per second")
     policies: list[PolicyView]
     partitions: list[PartitionView]
     ledger: LedgerView
@@ -141,12 +142,12 @@ def _node_view(name: str, worker: dict[str, Any], part: dict[str, Any], info: di
     elif worker.get("draining") or info.get("draining"):
         state = "DRAINING"
     tokens = int(info.get("tokens", 0))
-    tok_s = float(info.get("tokens_per_s", 0.0))
+    tok_s = float(info.get("generated_tokens_per_s", 0.0))
     episodes = int(info.get("episodes", 0))
-    if "trajectories_per_s" in info:
-        traj_s = float(info["trajectories_per_s"])
+    if "episodes_per_s" in info:
+        ep_s = float(info["episodes_per_s"])
     else:  # heartbeats carry lifetime tokens and tokens/s: the node's age is their ratio
-        traj_s = episodes * tok_s / tokens if tokens and tok_s else 0.0
+        ep_s = episodes * tok_s / tokens if tokens and tok_s else 0.0
     seen = info.get("last_seen")
     return NodeView(
         name=name, partition=worker.get("partition", info.get("partition", "?")), role=part.get("role", "?"),
@@ -155,7 +156,7 @@ def _node_view(name: str, worker: dict[str, Any], part: dict[str, Any], info: di
         versions={p: int(v) for p, v in (info.get("versions") or {}).items()},
         leased_now=int(info.get("inflight", 0)), leased_total=int(info.get("leased", 0)),
         completed_total=int(info.get("completed", 0)), episodes=episodes, tokens=tokens,
-        trajectories_per_s=traj_s, tokens_per_s=tok_s,
+        episodes_per_s=ep_s, generated_tokens_per_s=tok_s,
         last_seen_s=(now - float(seen)) if seen is not None else None,
     )
 
@@ -235,7 +236,8 @@ def build_status_view(run_dir: Path | str, now: float | None = None) -> StatusVi
     return StatusView(
         schema_version=SCHEMA_VERSION, run_dir=str(paths.root), running=running, finished=summary is not None,
         written_at=written, age_s=age, elapsed_s=float(dl.get("elapsed_s", 0.0)), dashboard=info.get("dashboard"),
-        trajectories_per_s=float(dl.get("trajectories_per_s", 0.0)), tokens_per_s=float(dl.get("tokens_per_s", 0.0)),
+        episodes_per_s=float(dl.get("episodes_per_s", 0.0)), sequences_per_s=float(dl.get("sequences_per_s", 0.0)),
+        generated_tokens_per_s=float(dl.get("generated_tokens_per_s", 0.0)),
         policies=policies, partitions=partitions, ledger=ledger,
     )
 

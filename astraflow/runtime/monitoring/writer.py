@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from astraflow.runtime.reconcile import PartitionSet
     from astraflow.runtime.workers import Fleet
 
-#: seconds of history behind a partition's ``trajectories_per_s``
+#: seconds of history behind a partition's ``episodes_per_s``
 RATE_WINDOW_S = 10.0
 
 
@@ -81,7 +81,7 @@ class StatusWriter:
                 "workers": [w.name for w in mine if not w.gone],
                 "jobs": {w.job.job_id: self.fleet.job_state(w) for w in mine if not w.gone},
                 "completed": last.get(n, 0),
-                "trajectories_per_s": rate,
+                "episodes_per_s": rate,
                 "seen_at": ps.seen_at,
                 "first_trajectory_at": ps.first_trajectory_at,
                 "removal_mode": ps.removal_mode,

@@ -137,8 +137,8 @@ function renderStatus(st) {
   badge.textContent = state;
   badge.className = "badge " + state;
   $("elapsed").textContent = duration(st.elapsed_s);
-  $("traj-s").textContent = fmt(st.trajectories_per_s, 1);
-  $("tok-s").textContent = fmt(st.tokens_per_s, 0);
+  $("traj-s").textContent = fmt(st.episodes_per_s, 1);
+  $("tok-s").textContent = fmt(st.generated_tokens_per_s, 0);
 
   const pb = $("policies").tBodies[0];
   pb.replaceChildren(...st.policies.map((p) => row([
@@ -165,8 +165,8 @@ function renderStatus(st) {
         n.name, n.role, n.hardware, n.region, n.job_id, [n.state, { class: "state-" + n.state }],
         [versions, { id: `node-${n.name}-versions` }],
         isRollout ? n.leased_now : "–", isRollout ? n.leased_total : "–",
-        isRollout ? fmt(n.trajectories_per_s, 2) : "–",
-        [isRollout ? fmt(n.tokens_per_s, 1) : "–", { id: `node-${n.name}-tokens` }],
+        isRollout ? fmt(n.episodes_per_s, 2) : "–",
+        [isRollout ? fmt(n.generated_tokens_per_s, 1) : "–", { id: `node-${n.name}-tokens` }],
         n.last_seen_s === null ? "–" : fmt(n.last_seen_s, 1) + "s ago",
       ], { "data-node": n.name }));
     }
@@ -204,7 +204,7 @@ function renderMetrics(mv, st) {
       lineChart(`chart-${name}-accuracy`, `${name}: held-out accuracy`, "weight version", [{ xs: c.eval_step, ys: c.eval_accuracy }], [0, 1], true),
       barChart(`chart-${name}-staleness`, `${name}: staleness of consumed trajectories`, "versions behind", hist),
       lineChart(`chart-${name}-wait`, `${name}: trainer wait fraction`, "trainer step", [{ xs: c.step, ys: c.trainer_wait_fraction }], [0, 1], true),
-      lineChart(`chart-${name}-throughput`, "trajectories/s (run average)", "seconds", [{ xs: c.time, ys: c.trajectories_per_s }]),
+      lineChart(`chart-${name}-throughput`, "episodes/s (run average)", "seconds", [{ xs: c.time, ys: c.episodes_per_s }]),
     );
     parts.push(charts);
   }
