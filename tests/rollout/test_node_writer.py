@@ -231,8 +231,10 @@ def test_a_node_restarts_a_dead_engine_process_with_the_newest_weights(tmp_path,
         node._slot_free = asyncio.Event()
         node._finished, node._finished_event = [], asyncio.Event()
         watcher = asyncio.create_task(node._watch_weights())  # it polls while the engine is dead
-        await asyncio.sleep(0.5)
-        assert engine.version == 3
+        deadline = time.monotonic() + 30
+        while engine.version != 3:  # the watcher loads the newest committed version
+            assert time.monotonic() < deadline, f"the engine is still at v{engine.version}"
+            await asyncio.sleep(0.02)
         await episode_killed(tasks[0], publish=4)
         assert [t for t, _ in dl.failed] == ["g0/0"] and "exited with code -9" in dl.failed[0][1]
         assert node.counters["engine_restarts"] == 1 and not node.draining and node.error is None

@@ -132,7 +132,10 @@ def test_stop_ends_a_wait_for_a_batch_that_will_not_come(tmp_path, tiny_model):
     dl = _NoData(_batch(ref.model, ref.tokenizer))
     tr = _trainer(tmp_path, tiny_model, dl, 3)
     tr.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 30
+    while not dl.events:  # the trainer is waiting for its first batch
+        assert time.monotonic() < deadline, "the trainer never asked for a batch"
+        time.sleep(0.02)
     st = tr.stop(timeout=30)
     assert st["error"] is None and not st["done"] and st["version"] == 0
     assert not tr._thread.is_alive()
