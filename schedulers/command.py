@@ -26,11 +26,10 @@ WORKER_MODULE = "distributed.cli.dask_worker"
 
 #: Dask settings for the processes AstraFlow starts (as ``DASK_*`` variables, which Dask reads
 #: at import). Dask's defaults poll for dashboards we do not use at rates made for short tasks:
-#: a statistical profiler sampling every thread every 10 ms, an event-loop tick every 20 ms,
-#: memory and system monitors every 0.1 and 0.5 s. An idle worker spent 4.2 % of a core on them
-#: (scheduler 2.3 %), with these values 0.3 % (0.65 %; ``benchmarks/dask_overhead.py``): on a
-#: 2-core machine running a scheduler and four workers that is a tenth of the machine. A
-#: variable already set (in the shell, or a partition's ``env``) wins, e.g.
+#: a statistical profiler sampling every thread, a fast event-loop tick, memory and system
+#: monitors several times a second: on a small machine running a scheduler and several workers
+#: a noticeable share of its CPU (``benchmarks/dask_overhead.py`` measures it). A variable
+#: already set (in the shell, or a partition's ``env``) wins, e.g.
 #: ``DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=True`` for the dashboard's Profile page.
 QUIET_DASK_ENV = {
     "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",

@@ -97,13 +97,12 @@ class TrainerConfig(Strict):
     skip_zero_advantage: bool = True
     """Do not compute the forward/backward of sequences whose group-normalised advantage is 0
     (every sample of their group scored alike). They add exactly nothing to the
-    ``ppo_clip``/``tis`` loss or its gradient, so the step is the same with less work (about
-    40 % of the sequences of the main example). Both backends; ``m2po`` always trains every
+    ``ppo_clip``/``tis`` loss or its gradient, so the step is the same with less work. Both backends; ``m2po`` always trains every
     sequence."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """Torch backend: ``bf16`` runs the forward and backward under bf16 autocast (matrix
     products in bf16; weights, gradients, optimiser state and the log-softmax stay fp32).
-    On a GPU, or a CPU with AVX-512 BF16 / AMX, the products are ~2x faster (on a CPU the
+    On a GPU, or a CPU with AVX-512 BF16 / AMX, the products are faster (on a CPU the
     attention then runs eager: its bf16 flash-attention backward is slower than fp32); the
     log-probs it trains on differ from the engine's fp32 ones by bf16 rounding, which the
     ratio sees as noise. ``fp32``: everything in fp32."""

@@ -4,8 +4,9 @@ Megatron-core assumes a CUDA device in a few places that matter for us even with
 ``use_cpu_initialization=True`` and a gloo process group: it asks ``torch.cuda.current_device()``
 for the device of a few buffers (rotary inv_freq, logits helpers), calls
 ``torch.cuda.synchronize()`` around checkpoint I/O, and seeds a CUDA RNG tracker. On a machine
-without CUDA (CI, laptops, the embedded default) we replace exactly these three things, measured
-to be sufficient on megatron-core 0.16.1 (see PLATFORM.md), and nothing else.
+without CUDA (CI, laptops, the embedded default) we replace exactly these three things, which
+suffice for the pinned megatron-core (``pyproject.toml``; the parity tests check it), and nothing
+else.
 
 The patch is applied only when ``not torch.cuda.is_available()``; on a GPU node it is a no-op and
 Megatron runs unmodified. It is idempotent and process-wide (it patches the ``torch.cuda``
