@@ -58,10 +58,10 @@ def run_one(work: Path, setting: str, admission: str, steps: int, repeat: int) -
     # steps per second between the first and the last step (model loading and the first
     # evaluation excluded, as the trainer's own pace)
     first = step_lines[0]
-    pace = (last["version"] - first["version"]) / max(last["time"] - first["time"], 1e-9)
+    pace = (last["step"] - first["step"]) / max(last["time"] - first["time"], 1e-9)
     generated, trained = last["rollouts_generated"], last["consumed"]
     return {
-        "setting": setting, "admission": admission, "repeat": repeat, "steps": last["version"],
+        "setting": setting, "admission": admission, "repeat": repeat, "steps": last["step"],
         "generated": generated, "trained": trained, "stale_dropped": last["stale_dropped"],
         "generated_per_trained": generated / max(trained, 1),
         "stale_drop_fraction": last["stale_dropped"] / max(generated, 1),

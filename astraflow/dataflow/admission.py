@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 
 @dataclass
@@ -121,3 +121,21 @@ def clocks(*, policies: list[str], versions: Mapping[str, int], serving: Mapping
             active=not finished[p] and paces[p].active(now),
         ))
     return out
+
+
+def rule_of(layer: Any) -> Callable[[str, float, int], bool]:
+    """``admits(source, share, rolling)`` over the clocks of a ``DataLayer`` at this moment."""
+    cfg, buffers = layer.cfg, layer.buffers
+    cl = clocks(
+        policies=layer.policy_names, versions=layer.versions, serving=buffers.serving, ready=buffers.ready,
+        accepted={p: c["accepted"] for p, c in buffers.counts.items()}, groups_ingested=buffers.groups_ingested,
+        group_size=layer.wcfg.group_size, per_batch=cfg.batch_size - int(cfg.replay_ratio * cfg.batch_size),
+        nodes=layer.leases.nodes, node_window_s=cfg.lease_seconds, paces=layer.paces,
+        finished={p: v >= layer.max_steps for p, v in layer.versions.items()}, now=time.time())
+    return lambda source, share, rolling: admits(source, share, rolling, cl, cfg.max_staleness)
+
+
+def lags(held: Mapping[str, int] | None, committed: Mapping[str, int]) -> bool:
+    """Whether a node holding versions ``held`` is behind a committed version of its policies."""
+    held = held or {}
+    return any(int(held.get(p, v)) < v for p, v in committed.items())

@@ -174,20 +174,8 @@ class DataLayer:
                                             workflow=self.wcfg.workflow, prompt=payload, kind="train"))
 
     def _admission(self):
-        """``admits(source, share, rolling)`` for ``Mixer.pick_source`` (``admission: version``),
-        over the clocks of this moment; None for ``admission: prefetch``."""
-        if self.cfg.admission != "version":
-            return None
-        now = time.time()
-        clocks = admission.clocks(
-            policies=self.policy_names, versions=self.versions, serving=self.buffers.serving,
-            ready=self.buffers.ready, accepted={p: c["accepted"] for p, c in self.buffers.counts.items()},
-            groups_ingested=self.buffers.groups_ingested, group_size=self.wcfg.group_size,
-            per_batch=self.cfg.batch_size - int(self.cfg.replay_ratio * self.cfg.batch_size),
-            nodes=self.leases.nodes, node_window_s=self.cfg.lease_seconds, paces=self.paces,
-            finished={p: v >= self.max_steps for p, v in self.versions.items()}, now=now)
-        return lambda source, share, rolling: admission.admits(source, share, rolling, clocks,
-                                                               self.cfg.max_staleness)
+        """``admits(source, share, rolling)`` for ``Mixer.pick_source``; None for ``admission: prefetch``."""
+        return admission.rule_of(self) if self.cfg.admission == "version" else None
 
     def _task_failed(self, task: RolloutTask) -> None:
         """A task ended as failed (``Leases``): its round or group goes on without it."""
@@ -231,18 +219,13 @@ class DataLayer:
             remaining = deadline - time.time()
             if remaining <= 0:
                 break
-            if self.mixer.refused and self._node_lags(info):
+            if self.mixer.refused and admission.lags(info.get("versions"), self.versions):
                 break
             # woken by _notify (a batch served, trajectories ingested, a version published)
             await self._wait(min(remaining, 0.1))
             self.leases.expire()
             self._refill()
         return Packed(self.leases.take(node, capacity))
-
-    def _node_lags(self, info: dict[str, Any]) -> bool:
-        """Whether the node holds a version older than its policy's trainer has committed."""
-        held = info.get("versions") or {}
-        return any(int(held.get(p, v)) < v for p, v in self.versions.items())
 
     async def complete(self, refs: list[TrajectoryRef]) -> int:
         """Record committed trajectories; returns how many were new (others were duplicates)."""
