@@ -87,6 +87,8 @@ class Buffers:
         #: train groups being rolled out (not yet ingested), by group id
         self.rolling: dict[str, RolloutGroup] = {}
         self.group_seq = 0
+        #: train groups that finished rollout (kept or not): what admission divides yields by
+        self.groups_ingested = 0
         self.ready: dict[str, list[ReadyGroup]] = {p: [] for p in self.policies}
         self.replay: dict[str, deque[BatchItem]] = {p: deque(maxlen=4 * batch_size) for p in self.policies}
         #: per policy: the items of the batch served to a trainer at version v, by v, until the
@@ -119,6 +121,7 @@ class Buffers:
         """A finished group enters the buffers (see the module docstring); returns the first
         policy's rewards (what the curator observes; empty if it generated nothing)."""
         self.rolling.pop(grp.group_id, None)
+        self.groups_ingested += 1
         live = [t for t in grp.task_ids if t in grp.results]
         for tid in live:
             self.routed_left[tid] = 0

@@ -159,7 +159,14 @@ class DataflowConfig(Strict):
     max_attempts: int = Field(default=3, ge=1)
     """A task failed or expired this many times ends as failed."""
     prefetch_groups: int = Field(default=4, ge=0)
-    """Groups leased ahead of what the trainers need (bounds staleness and wasted work)."""
+    """Groups rolled out ahead of what the trainers need beyond one batch: an upper bound on
+    the work in flight and buffered, whatever ``admission`` allows."""
+    admission: Literal["version", "prefetch"] = "version"
+    """When the data layer starts a new group. ``version``: only when the group can still be
+    trained on when it arrives, from each trainer's version, ``max_staleness``, the batch size,
+    the work already in flight or buffered and the oldest weights a node holds
+    (``astraflow/dataflow/admission.py``), and within ``prefetch_groups``; ``prefetch``: within
+    ``prefetch_groups`` alone (more of what is generated can age past ``max_staleness``)."""
     curator: CuratorSpec = AcceptAllRule()
     """Prompt curator before rollout (``accept_all``, ``filter_solved``, ``greso``, ``curriculum``)."""
     group_filter: GroupFilterSpec = KeepAllRule()

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from astraflow.contracts import Batch, RolloutTask, TrajectoryRef
+from astraflow.dataflow import admission
 from astraflow.dataflow import record as rec
 from astraflow.dataflow import rules as R
 from astraflow.dataflow.buffers import Buffers, RolloutGroup
@@ -92,6 +93,8 @@ class DataLayer:
                                 by_source=len(self.mixer.weights) > 1, started=self._started,
                                 write=self.metrics.write)
         self.versions: dict[str, int] = {p: 0 for p in self.policy_names}
+        #: when each trainer asked for batches (admission tells a slow trainer from a stopped one)
+        self.paces = {p: admission.TrainerPace() for p in self.policy_names}
         self.generated = rec.Generated()
         self.finished = False
         self._ready_event: asyncio.Event | None = None
@@ -150,8 +153,11 @@ class DataLayer:
         proposals = 0
         while not self.finished and proposals < max(len(self._train), 1):
             rolling = Counter(g.source for g in self.buffers.rolling.values())
-            source = self.mixer.pick_source(self.limit, rolling, self.buffers.groups_ahead(self.mixer.weights))
+            source = self.mixer.pick_source(self.limit, rolling, self.buffers.groups_ahead(self.mixer.weights),
+                                            self._admission())
             if source is None or (self.budget is not None and self.budget <= 0):
+                # refused groups: counted on the first policy, as the curator's skips are
+                self.buffers.counts[self.policy_names[0]]["admission_refused"] += self.mixer.refused
                 return
             proposals += 1
             idx = self.mixer.next_prompt(source)
@@ -166,6 +172,10 @@ class DataLayer:
             for tid in grp.task_ids:
                 self.leases.add(RolloutTask(task_id=tid, group_id=grp.group_id, policies=tuple(self.policy_names),
                                             workflow=self.wcfg.workflow, prompt=payload, kind="train"))
+
+    def _admission(self):
+        """``admits(source, share, rolling)`` for ``Mixer.pick_source``; None for ``admission: prefetch``."""
+        return admission.rule_of(self) if self.cfg.admission == "version" else None
 
     def _task_failed(self, task: RolloutTask) -> None:
         """A task ended as failed (``Leases``): its round or group goes on without it."""
@@ -188,13 +198,19 @@ class DataLayer:
             self.leases.add(task)
 
     # ------------------------------------------------------------------ RaaS-facing
-    async def lease(self, node: str, capacity: int, wait: float = 0.0) -> list[RolloutTask]:
+    async def lease(self, node: str, capacity: int, wait: float = 0.0,
+                    versions: dict[str, int] | None = None) -> list[RolloutTask]:
         """Up to ``capacity`` tasks for ``node`` (evaluation tasks first). ``wait``: when there
         are none, wait up to this many seconds for some (a long poll: the node gets the tasks
-        of a batch the moment the trainer's request makes room for them, with one call)."""
+        of a batch the moment the trainer's request makes room for them, with one call).
+        ``versions``: the weight version the node holds per policy (admission by version);
+        while admission refuses new groups because a node's weights are too old, the call
+        returns at once, so that the node asks again with the weights it loads next."""
         self.leases.expire()
         info = self.leases.node(node)
         info["last_seen"] = time.time()
+        if versions is not None:
+            info["versions"] = dict(versions)
         if info["draining"] or capacity <= 0:
             return []
         self._refill()
@@ -202,6 +218,8 @@ class DataLayer:
         while not self.leases.waiting() and not self.finished and not info["draining"]:
             remaining = deadline - time.time()
             if remaining <= 0:
+                break
+            if self.mixer.refused and admission.lags(info.get("versions"), self.versions):
                 break
             # woken by _notify (a batch served, trajectories ingested, a version published)
             await self._wait(min(remaining, 0.1))
@@ -259,6 +277,9 @@ class DataLayer:
         if policy not in self.versions:
             raise ValueError(f"unknown policy {policy!r}; known: {self.policy_names}")
         t0 = time.time()
+        pace = self.paces[policy]
+        pace.asked(t0)
+        pace.waiting += 1
         n_replay = int(self.cfg.replay_ratio * self.cfg.batch_size)
         if len(self.buffers.replay[policy]) < n_replay:
             n_replay = 0
@@ -286,6 +307,7 @@ class DataLayer:
                 await self._wait(min(remaining, 0.5))
         finally:
             self.mixer.short.pop(policy, None)
+            pace.waiting -= 1
         waited = time.time() - t0
         self.buffers.wait_s[policy] += waited
         self.mixer.credit[policy] = credit

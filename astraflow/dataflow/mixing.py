@@ -28,7 +28,7 @@ import logging
 import math
 import random
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 from astraflow.workloads.mix import SOURCE_KEY
 
@@ -67,6 +67,8 @@ class Mixer:
         self.short: dict[str, dict[str, int]] = {}
         self.consumed: dict[str, Counter] = {p: Counter() for p in policies}
         self.groups_created: Counter = Counter()
+        #: the last ``pick_source`` found nothing because admission refused a source
+        self.refused = False
 
     def source_of(self, payload: dict[str, Any]) -> str:
         return str(payload.get(SOURCE_KEY, "")) if self.mixing else ""
@@ -81,7 +83,8 @@ class Mixer:
             self.epoch[source] += 1
         return order.pop()
 
-    def pick_source(self, limit: int, rolling: Counter, buffered: dict[str, int]) -> str | None:
+    def pick_source(self, limit: int, rolling: Counter, buffered: dict[str, int],
+                    admits: Callable[[str, float, int], bool] | None = None) -> str | None:
         """The source of the next group, or ``None`` when every source is at its bound.
 
         ``rolling``: groups in rollout per source; ``buffered``: groups the hungriest policy
@@ -91,9 +94,12 @@ class Mixer:
         partial groups could wait forever). Among the sources below their bound, the one whose
         groups ahead, plus the new one, are the smallest multiple of its weight goes next:
         groups ahead follow the weights, so a source whose groups are filtered (and leave the
-        count) is refilled more often."""
+        count) is refilled more often. ``admits(source, share, rolling)`` (admission by
+        version) may refuse a source that is below its bound; a starved source is never
+        refused, and ``refused`` says whether a refusal left the answer None."""
         total_w = sum(self.weights.values())
         best, best_key = None, math.inf
+        self.refused = False
         for s, w in self.weights.items():
             ahead = rolling[s] + buffered[s]
             bound = limit if len(self.weights) == 1 else max(1, math.ceil(limit * w / total_w - 1e-9))
@@ -101,9 +107,14 @@ class Mixer:
             starved = any(short.get(s, 0) > in_rollout for short in self.short.values())
             if ahead >= bound and not starved:
                 continue
+            if not starved and admits is not None and not admits(s, w / total_w, rolling[s]):
+                self.refused = True
+                continue
             key = (ahead + 1) / w
             if key < best_key:
                 best, best_key = s, key
+        if best is not None:
+            self.refused = False
         return best
 
     def quotas(self, policy: str, need: int) -> tuple[dict[str, int], dict[str, float]]:

@@ -86,7 +86,8 @@ def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str,
     of the batch, replays), the rules in use and the policy's cumulative dataflow counts:
     ``accepted`` / ``filtered`` (group filter) / ``stale_dropped`` / ``overflow_dropped`` /
     ``replayed`` / ``consumed`` sequences, ``curator_skipped`` prompts (the curator runs before
-    rollout, for all policies: counted on the first), ``staleness_hist`` over every consumed
+    rollout, for all policies: counted on the first), ``admission_refused`` (times a new group
+    was refused because it could not have been trained on; on the first policy too), ``staleness_hist`` over every consumed
     sequence, ``trainer_wait_s`` and ``rollouts_per_consumed`` (training sequences generated
     per sequence consumed: the price of filtering and staleness). With several sources
     (``mix``, ``by_source``): ``consumed_by_source`` (cumulative sequences of each source
@@ -99,7 +100,7 @@ def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str,
         **{f"data_{k}": v for k, v in batch_metrics.items()},
         "dataflow": {"curator": cfg.curator.type, "group_filter": cfg.group_filter.type,
                      "ordering": cfg.ordering.type, "replay_ratio": cfg.replay_ratio,
-                     "max_staleness": cfg.max_staleness},
+                     "max_staleness": cfg.max_staleness, "admission": cfg.admission},
         "accepted": counts["accepted"],
         "filtered": counts["filtered"],
         "stale_dropped": counts["stale_dropped"],
@@ -107,6 +108,7 @@ def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str,
         "replayed": counts["replayed"],
         "consumed": counts["consumed"],
         "curator_skipped": counts["curator_skipped"],
+        "admission_refused": counts["admission_refused"],
         "staleness_hist": {str(k): v for k, v in sorted(staleness_hist.items())},
         "sequences_generated": generated.sequences,
         "rollouts_generated": generated.train_sequences,

@@ -205,7 +205,8 @@ class RaaSNode:
             if free > 0 and not self.draining and not recovering:
                 t0 = time.time()
                 # a long poll when idle-capable: the data layer answers as soon as it has tasks
-                tasks = await call(self.dl.lease, self.identity.name, free, self.cfg.lease_wait_seconds, timeout=30)
+                tasks = await call(self.dl.lease, self.identity.name, free, self.cfg.lease_wait_seconds,
+                                   versions=self.versions(), timeout=30)
                 self.counters["lease_s"] += time.time() - t0
                 self.counters["lease_calls"] += 1
                 self.counters["leased"] += len(tasks)
@@ -248,6 +249,8 @@ class RaaSNode:
             "region": self.identity.region,
             "hardware": self.identity.hardware,
             "generated_tokens_per_s": self.counters["tokens"] / max(time.time() - self._started_at, 1e-9),
+            # share of its life the node had nothing to generate: rollout capacity to spare
+            "idle_fraction": self.counters["idle_s"] / max(time.time() - self._started_at, 1e-9),
             "engine_restarts": self.counters["engine_restarts"],
             "engine_pids": {p: e.pid for p, e in self.engines.items() if e.pid is not None},
             # a node that stopped leasing after an error it could not recover from: the

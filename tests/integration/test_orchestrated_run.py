@@ -139,3 +139,25 @@ def test_resume_continues_from_committed_weights_and_dataflow_state(tiny_model, 
     assert summary["trainers"]["solver"]["optimizer_resumed_from"] == 2
     assert torch.load(optimizer, weights_only=True)["version"] == 4
     assert list(run_dir.glob("summary.*.json")), "the first run's summary is kept"
+
+
+@pytest.mark.timeout(300)
+def test_admission_by_version_keeps_stale_drops_below_the_bound(tiny_model, tmp_path):
+    """Two RaaS nodes with room for many episodes and a tight staleness bound: rollout outpaces
+    the trainer, yet almost nothing generated ages past the bound, and the trainers' wait and
+    the nodes' idle fractions reach the status view."""
+    from astraflow.runtime.monitoring import build_status_view
+
+    cfg = tiny_config(tiny_model, **{"run.max_steps": 20, "dataflow.max_staleness": 1, "dataflow.prefetch_groups": 16,
+                                     "rollout.capacity": 32, "workload.eval.every": 0})
+    assert cfg.dataflow.admission == "version"
+    result = Orchestrator(cfg, tmp_path / "run").run()
+    assert result.steps == {"solver": 20}
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = [x for x in lines if "loss" in x][-1]
+    assert last["stale_dropped"] <= 0.05 * last["rollouts_generated"], last
+    assert last["admission_refused"] > 0  # the rule, not luck, kept them fresh
+    view = build_status_view(tmp_path / "run")
+    nodes = [n for p in view.partitions for n in p.nodes if n.role == "rollout"]
+    assert nodes and all(n.idle_fraction is not None and 0 <= n.idle_fraction <= 1 for n in nodes)
+    assert 0 <= view.policies[0].wait_fraction <= 1

@@ -43,7 +43,12 @@ def format_status(st: dict[str, Any]) -> str:
             f"  {name:<36} {w['job_id']:<14} {w['state']:<9} {w.get('phase', '-'):<9} "
             f"versions {node.get('versions', '-')}  {node.get('completed', 0)} episodes  "
             f"{node.get('generated_tokens_per_s', 0):.0f} generated tok/s"
+            + (f"  idle {node['idle_fraction']:.0%}" if "idle_fraction" in node else "")
         )
+    idle = [n["idle_fraction"] for n in dl.get("nodes", {}).values() if "idle_fraction" in n and not n.get("gone")]
+    waits = [t.get("wait_fraction", 0.0) for t in st.get("trainers", {}).values()]
+    if idle and waits:  # which side to grow: waiting trainers want rollout, idle nodes want training
+        lines.append(f"balance: trainer wait {max(waits):.0%}, rollout idle {sum(idle) / len(idle):.0%}")
     lines.append(
         f"throughput: {dl.get('episodes_per_s', 0):.1f} episodes/s, {dl.get('sequences_per_s', 0):.1f} sequences/s, "
         f"{dl.get('generated_tokens_per_s', 0):.0f} generated tok/s; "

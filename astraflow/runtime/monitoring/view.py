@@ -49,6 +49,8 @@ class NodeView(_View):
     tokens: int = Field(description="tokens the node's policies sampled (prompts and tool output not counted)")
     episodes_per_s: float = Field(description="episodes per second over the node's lifetime")
     generated_tokens_per_s: float = Field(description="sampled tokens per second over the node's lifetime")
+    idle_fraction: float | None = Field(description="share of the node's lifetime with nothing to generate "
+                                                    "(RaaS nodes; None otherwise)")
     last_seen_s: float | None = Field(description="seconds since its last heartbeat; None: never (not a RaaS node)")
 
 
@@ -114,6 +116,10 @@ class StatusView(_View):
     episodes_per_s: float = Field(description="run-wide episodes per second")
     sequences_per_s: float = Field(description="run-wide stored sequences per second")
     generated_tokens_per_s: float = Field(description="run-wide sampled tokens per second")
+    rollout_idle_fraction: float | None = Field(
+        description="mean idle fraction of the live RaaS nodes; with the trainers' wait fractions it "
+                    "says which side to grow (idle nodes: training is the bottleneck; waiting "
+                    "trainers: rollout is). None before a node reported")
     policies: list[PolicyView]
     partitions: list[PartitionView]
     ledger: LedgerView
@@ -157,6 +163,7 @@ def _node_view(name: str, worker: dict[str, Any], part: dict[str, Any], info: di
         leased_now=int(info.get("inflight", 0)), leased_total=int(info.get("leased", 0)),
         completed_total=int(info.get("completed", 0)), episodes=episodes, tokens=tokens,
         episodes_per_s=ep_s, generated_tokens_per_s=tok_s,
+        idle_fraction=float(info["idle_fraction"]) if "idle_fraction" in info else None,
         last_seen_s=(now - float(seen)) if seen is not None else None,
     )
 
@@ -238,7 +245,14 @@ def build_status_view(run_dir: Path | str, now: float | None = None) -> StatusVi
         written_at=written, age_s=age, elapsed_s=float(dl.get("elapsed_s", 0.0)), dashboard=info.get("dashboard"),
         episodes_per_s=float(dl.get("episodes_per_s", 0.0)), sequences_per_s=float(dl.get("sequences_per_s", 0.0)),
         generated_tokens_per_s=float(dl.get("generated_tokens_per_s", 0.0)),
+        rollout_idle_fraction=_mean_idle(partitions),
         policies=policies, partitions=partitions, ledger=ledger,
     )
+
+
+def _mean_idle(partitions: list[PartitionView]) -> float | None:
+    idle = [n.idle_fraction for part in partitions for n in part.nodes
+            if n.idle_fraction is not None and n.state not in ("GONE", "ENDED")]
+    return sum(idle) / len(idle) if idle else None
 
 

@@ -139,6 +139,9 @@ function renderStatus(st) {
   $("elapsed").textContent = duration(st.elapsed_s);
   $("traj-s").textContent = fmt(st.episodes_per_s, 1);
   $("tok-s").textContent = fmt(st.generated_tokens_per_s, 0);
+  const waits = st.policies.map((p) => p.wait_fraction);
+  $("trainer-wait").textContent = waits.length ? pct(Math.max(...waits)) : "–";
+  $("rollout-idle").textContent = st.rollout_idle_fraction === null ? "–" : pct(st.rollout_idle_fraction);
 
   const pb = $("policies").tBodies[0];
   pb.replaceChildren(...st.policies.map((p) => row([
@@ -155,7 +158,7 @@ function renderStatus(st) {
   const rows = [];
   for (const part of st.partitions) {
     const tr = el("tr", { class: "partition" });
-    tr.appendChild(el("td", { colspan: 12 },
+    tr.appendChild(el("td", { colspan: 13 },
       `${part.name} — ${part.scheduler}, role ${part.role}, ${part.hardware} in ${part.region}: ${part.live} live of ${part.desired} desired`));
     rows.push(tr);
     for (const n of part.nodes) {
@@ -167,6 +170,7 @@ function renderStatus(st) {
         isRollout ? n.leased_now : "–", isRollout ? n.leased_total : "–",
         isRollout ? fmt(n.episodes_per_s, 2) : "–",
         [isRollout ? fmt(n.generated_tokens_per_s, 1) : "–", { id: `node-${n.name}-tokens` }],
+        isRollout && n.idle_fraction !== null ? pct(n.idle_fraction) : "–",
         n.last_seen_s === null ? "–" : fmt(n.last_seen_s, 1) + "s ago",
       ], { "data-node": n.name }));
     }

@@ -1,0 +1,141 @@
+"""Admission by version: a new group is rolled out only if it can still be trained on.
+
+Every sequence older than ``max_staleness`` versions when its trainer takes it is dropped:
+rollout compute paid for nothing. The data layer therefore starts a new group (of a source)
+only when, for every policy whose trainer is active, the group can arrive in a batch it may
+still train on.
+
+Named asynchronous overlap, *admission vs staleness*. For policy ``p``:
+
+* ``next``: the version whose batch ``p``'s trainer takes next (its version, or one past the
+  batch it is training on now);
+* ``oldest``: the oldest weight version of ``p`` among the RaaS nodes that lease (a node
+  samples with the weights it holds, so no token of the new group is older);
+* ``per_batch``: new sequences of the group's source in one batch of ``p`` (the batch size less
+  its replayed share, times the source's mixing weight);
+* ``ahead``: sequences of the source that ``p`` takes before the new group's: those buffered
+  for ``p`` plus those the groups in rollout will bring (groups x the sequences an ingested
+  group has given ``p`` on average, so groups a filter drops count for what they yield).
+
+Batches take buffered groups oldest first, so the new group's sequences are taken at about
+``next + floor(ahead / per_batch)``, and the group is admitted when that, less ``oldest``,
+is at most ``max_staleness``. A policy that finished, whose trainer has not asked for a batch
+yet, or stopped asking (``TrainerPace.active``), does not hold the others back; a batch a trainer waits for is always
+allowed to fill (the mixer's *starved* rule), so the bound cannot deadlock a run. The
+``prefetch_groups`` bound on groups ahead still applies on top.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+
+@dataclass
+class PolicyClock:
+    """What admission knows of one policy's trainer and buffer."""
+
+    #: the version whose batch the trainer takes next
+    next_version: int
+    #: source -> sequences buffered for the policy
+    buffered: dict[str, int]
+    #: new (not replayed) sequences in one batch
+    per_batch: float
+    #: sequences one ingested group gives the policy, on average (after the group filter)
+    per_group: float
+    #: the oldest version of the policy's weights among the leasing nodes (None: no node known)
+    oldest_node_version: int | None
+    #: whether the policy's trainer still takes batches (not finished, not stalled)
+    active: bool = True
+
+
+def admits(source: str, share: float, rolling: int, clocks: list[PolicyClock], max_staleness: int) -> bool:
+    """Whether a new group of ``source`` (``share`` of each batch; ``rolling`` groups of it in
+    rollout) can still be trained on by every active policy (see the module docstring)."""
+    for c in clocks:
+        if not c.active:
+            continue
+        per_batch = max(c.per_batch * share, 1e-9)
+        ahead = c.buffered.get(source, 0) + rolling * c.per_group
+        taken_at = c.next_version + math.floor(ahead / per_batch)
+        oldest = c.next_version if c.oldest_node_version is None else min(c.oldest_node_version, c.next_version)
+        if taken_at - oldest > max_staleness:
+            return False
+    return True
+
+
+@dataclass
+class TrainerPace:
+    """When a policy's trainer last asked for a batch, to tell a slow trainer from a stopped one."""
+
+    last_ask: float | None = None
+    waiting: int = 0
+    #: moving average of the seconds between two requests
+    interval: float = 0.0
+    #: a trainer silent this long (and at least this many intervals) counts as stalled
+    stall_floor_s: float = 30.0
+    stall_intervals: float = 4.0
+
+    def asked(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        if self.last_ask is not None:
+            gap = now - self.last_ask
+            self.interval = gap if self.interval == 0.0 else 0.8 * self.interval + 0.2 * gap
+        self.last_ask = now
+
+    def active(self, now: float | None = None) -> bool:
+        """Waiting for a batch, or asked for one within what its pace explains. A trainer that
+        has not asked yet (still loading) or went silent (stopped) holds no one back."""
+        if self.waiting:
+            return True
+        if self.last_ask is None:
+            return False
+        now = time.time() if now is None else now
+        return now - self.last_ask <= max(self.stall_floor_s, self.stall_intervals * self.interval)
+
+
+def clocks(*, policies: list[str], versions: Mapping[str, int], serving: Mapping[str, Mapping[int, Any]],
+           ready: Mapping[str, list], accepted: Mapping[str, int], groups_ingested: int, group_size: int,
+           per_batch: float, nodes: Mapping[str, Mapping[str, Any]], node_window_s: float,
+           paces: Mapping[str, TrainerPace], finished: Mapping[str, bool], now: float) -> list[PolicyClock]:
+    """One ``PolicyClock`` per policy from the data layer's state: ``serving`` (versions whose
+    batch a trainer holds), ``ready`` (buffered groups, each with ``source`` and ``items``),
+    ``accepted`` (sequences kept per policy), ``nodes`` (``versions``, ``last_seen``,
+    ``draining`` per node; nodes not seen within ``node_window_s`` are ignored)."""
+    live = [n for n in nodes.values() if n.get("versions") and not n.get("draining") and not n.get("gone")
+            and now - float(n.get("last_seen", 0.0)) <= node_window_s]
+    out = []
+    for p in policies:
+        held = [int(n["versions"][p]) for n in live if p in n["versions"]]
+        buffered: dict[str, int] = {}
+        for grp in ready[p]:
+            buffered[grp.source] = buffered.get(grp.source, 0) + len(grp.items)
+        out.append(PolicyClock(
+            next_version=max(int(versions[p]), max(serving[p], default=-1) + 1),
+            buffered=buffered,
+            per_batch=per_batch,
+            per_group=accepted.get(p, 0) / groups_ingested if groups_ingested else float(group_size),
+            oldest_node_version=max(min(held), 0) if held else None,
+            active=not finished[p] and paces[p].active(now),
+        ))
+    return out
+
+
+def rule_of(layer: Any) -> Callable[[str, float, int], bool]:
+    """``admits(source, share, rolling)`` over the clocks of a ``DataLayer`` at this moment."""
+    cfg, buffers = layer.cfg, layer.buffers
+    cl = clocks(
+        policies=layer.policy_names, versions=layer.versions, serving=buffers.serving, ready=buffers.ready,
+        accepted={p: c["accepted"] for p, c in buffers.counts.items()}, groups_ingested=buffers.groups_ingested,
+        group_size=layer.wcfg.group_size, per_batch=cfg.batch_size - int(cfg.replay_ratio * cfg.batch_size),
+        nodes=layer.leases.nodes, node_window_s=cfg.lease_seconds, paces=layer.paces,
+        finished={p: v >= layer.max_steps for p, v in layer.versions.items()}, now=time.time())
+    return lambda source, share, rolling: admits(source, share, rolling, cl, cfg.max_staleness)
+
+
+def lags(held: Mapping[str, int] | None, committed: Mapping[str, int]) -> bool:
+    """Whether a node holding versions ``held`` is behind a committed version of its policies."""
+    held = held or {}
+    return any(int(held.get(p, v)) < v for p, v in committed.items())

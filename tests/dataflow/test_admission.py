@@ -1,0 +1,105 @@
+"""Admission by version: the rule on scripted versions and work ahead (lag, replay, filtered
+groups, mixing, two policies, stopped trainers), and the data layer applying it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from astraflow.dataflow.admission import PolicyClock, TrainerPace, admits
+from tests.dataflow.helpers import make_trajectory, store_and_ref
+from tests.dataflow.test_data_layer import make_layer
+
+
+def clock(**kw) -> PolicyClock:
+    base = dict(next_version=10, buffered={}, per_batch=128.0, per_group=8.0, oldest_node_version=10)
+    return PolicyClock(**{**base, **kw})
+
+
+@pytest.mark.parametrize("ahead_groups, lag, staleness, ok", [
+    # batches of 16 groups; a new group is taken at next + floor(ahead / 16)
+    (0, 0, 0, True),      # the next batch: on-policy
+    (15, 0, 0, True),     # still the next batch
+    (16, 0, 0, False),    # one batch later: 1 version stale, bound 0
+    (16, 0, 1, True),
+    (47, 0, 2, True),     # taken at next + 2
+    (48, 0, 2, False),
+    (16, 1, 2, True),     # node one version behind: taken at next + 1, tokens from next - 1
+    (32, 1, 2, False),
+    (0, 3, 2, False),     # a node three versions behind: nothing it generates can be trained on
+])
+def test_a_group_is_admitted_only_if_it_can_be_trained_on(ahead_groups, lag, staleness, ok):
+    c = clock(oldest_node_version=10 - lag)
+    # the groups ahead split between the buffer (sequences) and rollout (groups)
+    buffered = ahead_groups // 2
+    c.buffered = {"": buffered * 8}
+    assert admits("", 1.0, ahead_groups - buffered, [c], staleness) is ok
+
+
+def test_replay_and_filters_change_what_a_batch_takes():
+    # a quarter of each batch replayed: 96 new sequences a batch, so 12 groups fill one
+    assert admits("", 1.0, 11, [clock(per_batch=96.0)], 0)
+    assert not admits("", 1.0, 12, [clock(per_batch=96.0)], 0)
+    # half the groups dropped by the filter: a group in rollout brings 4 sequences on average
+    assert admits("", 1.0, 31, [clock(per_group=4.0)], 0)
+    assert not admits("", 1.0, 32, [clock(per_group=4.0)], 0)
+
+
+def test_mixing_counts_each_source_against_its_share_of_a_batch():
+    c = clock(buffered={"a": 96, "b": 0})  # 12 groups of source a buffered
+    # a has 3/4 of each batch (12 groups): a 13th is one batch later; b's quarter is empty
+    assert not admits("a", 0.75, 0, [c], 0)
+    assert admits("b", 0.25, 3, [c], 0) and not admits("b", 0.25, 4, [c], 0)
+
+
+def test_every_active_policy_must_be_able_to_train_on_it_a_stopped_one_does_not_count():
+    solver, verifier = clock(), clock(next_version=3, oldest_node_version=3, buffered={"": 200})
+    assert not admits("", 1.0, 0, [solver, verifier], 0)  # the verifier holds a full batch
+    verifier.active = False
+    assert admits("", 1.0, 0, [solver, verifier], 0)
+
+
+def test_a_trainer_is_active_while_it_asks_at_its_pace():
+    pace = TrainerPace(stall_floor_s=30.0)
+    assert not pace.active(0.0)  # still loading: holds no one back
+    pace.asked(0.0)
+    pace.waiting = 1
+    assert pace.active(1000.0)  # waiting for a batch
+    pace.waiting = 0
+    for t in (10.0, 20.0, 30.0):
+        pace.asked(t)
+    assert pace.active(30.0 + 35.0)  # 4 x its 10 s pace: still training
+    assert not pace.active(30.0 + 45.0)  # silent for longer: stopped
+
+
+def test_a_node_behind_the_trainer_gets_no_new_group_and_no_long_wait(tmp_path):
+    layer = make_layer(tmp_path, batch_size=8, max_staleness=0, prefetch_groups=4)
+
+    async def go():
+        await layer.published("p", 3, {})
+        asked = asyncio.create_task(layer.next_batch("p", 3, timeout=30))
+        await asyncio.sleep(0)  # the trainer waits for its batch: its groups may always start
+        first = await layer.lease("n0", 100, versions={"p": 3})
+        assert len(first) == 8  # the batch it waits for, nothing beyond (staleness 0)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await layer.lease("lagging", 100, 5.0, versions={"p": 2}) == []
+        assert loop.time() - t0 < 1.0  # no long poll: it comes back with newer weights
+        w = layer.store.writer("n0")
+        await layer.complete(store_and_ref(w, [make_trajectory(t, float(i % 2), version=3) for i, t in enumerate(first)]))
+        assert len(await asyncio.wait_for(asked, 10)) == 8
+        assert layer.counts["p"]["admission_refused"] > 0
+
+    asyncio.run(go())
+
+
+def test_prefetch_admission_keeps_the_groups_ahead_bound_only(tmp_path):
+    layer = make_layer(tmp_path, batch_size=8, max_staleness=0, prefetch_groups=4, admission="prefetch")
+
+    async def go():
+        await layer.published("p", 3, {})
+        tasks = await layer.lease("lagging", 100, versions={"p": 0})
+        assert len(tasks) == 8 + 4 * 4  # one batch and 4 groups ahead, however old the node is
+
+    asyncio.run(go())
