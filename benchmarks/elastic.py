@@ -10,11 +10,14 @@ Slurm jobs in partition h100), driven through the real CLI while it trains:
    (the baseline: no Slurm in the path);
 3. throughput with both;
 4. `partitions remove h100 --drain` -> seconds until its job is cancelled, then throughput after;
-5. Ctrl-C (a clean stop), then the ledger: lost tasks = tasks never ended + tasks failed.
+5. Ctrl-C (a clean stop), then the ledger: lost tasks = tasks never ended + tasks failed, and
+   the rollouts wasted: generated per sequence trained and the fraction dropped as stale
+   (``--admission prefetch`` runs the former admission rule for comparison; with ``version``
+   more nodes than the trainer can use are left idle rather than rolling out stale work).
 
 Brings up the local Slurm (tests/slurm/local_slurm.sh) when none answers, and stops it if it did.
 
-    python benchmarks/elastic.py [--window 8]
+    python benchmarks/elastic.py [--window 8] [--admission version|prefetch]
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ def add_and_time(run_dir: Path, name: str, *opts: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--window", type=float, default=8.0, help="seconds per throughput measurement")
+    ap.add_argument("--admission", choices=["version", "prefetch"], default="version",
+                    help="dataflow.admission of the run")
     args = ap.parse_args()
     console = Console()
     started_slurm = False
@@ -99,7 +104,7 @@ def main() -> None:
     run = subprocess.Popen(
         [sys.executable, "-m", "astraflow", "run", "examples/elastic/config.yaml", "--run-dir", str(run_dir),
          "--set", f"policies.0.model={model}", "--set", "run.max_steps=100000", "--set", "workload.eval.every=0",
-         "--set", "run.timeout_s=900"],
+         "--set", "run.timeout_s=900", "--set", f"dataflow.admission={args.admission}"],
         cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT,
     )
     tag = None
@@ -133,6 +138,12 @@ def main() -> None:
     ledger = summary["ledger"]
     res["lost_tasks"] = int(ledger["open"]) + sum(ledger.get("failed_by_reason", {}).values())
     res["ledger_states"] = ledger["states"]
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"accepted"' in x]
+    last = steps[-1] if steps else {}
+    res["admission"] = args.admission
+    res["generated_per_trained"] = last.get("rollouts_generated", 0) / max(last.get("consumed", 0), 1)
+    res["stale_drop_fraction"] = last.get("stale_dropped", 0) / max(last.get("rollouts_generated", 0), 1)
+    res["trainer_steps"] = last.get("step", 0)
     res["ratio_throughput_add"] = res["traj_per_s_h100_a100"] / max(res["traj_per_s_h100_only"], 1e-9)
     res["ratio_throughput_remove"] = res["traj_per_s_a100_only"] / max(res["traj_per_s_h100_a100"], 1e-9)
     res["ratio_first_trajectory_slurm_vs_local"] = (
@@ -150,6 +161,8 @@ def main() -> None:
          f"{res['seconds_to_drain']:.1f} / {res['drain_seconds_orchestrator']:.1f}"),
         ("trajectories/s, a100 only", f"{res['traj_per_s_a100_only']:.1f}"),
         ("lost tasks", str(res["lost_tasks"])),
+        (f"admission {args.admission}: generated per trained, stale-dropped fraction",
+         f"{res['generated_per_trained']:.2f} / {res['stale_drop_fraction']:.3f}"),
     ]
     for row in rows:
         table.add_row(*row)

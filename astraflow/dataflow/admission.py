@@ -20,9 +20,11 @@ Named asynchronous overlap, *admission vs staleness*. For policy ``p``:
 Batches take buffered groups oldest first, so the new group's sequences are taken at about
 ``next + floor(ahead / per_batch)``, and the group is admitted when that, less ``oldest``,
 is at most ``max_staleness``. A policy that finished, whose trainer has not asked for a batch
-yet, or stopped asking (``TrainerPace.active``), does not hold the others back; a batch a trainer waits for is always
-allowed to fill (the mixer's *starved* rule), so the bound cannot deadlock a run. The
-``prefetch_groups`` bound on groups ahead still applies on top.
+yet, or stopped asking (``TrainerPace.active``), does not hold the others back. A batch a
+trainer waits for has nothing ahead of it, so its groups are admitted as soon as the nodes
+hold weights at most ``max_staleness`` versions old (nodes load every committed version, so
+this cannot deadlock); before that, whatever they generated would be dropped. The
+``prefetch_groups`` bound on groups ahead still applies on top (a waiting batch may exceed it).
 """
 
 from __future__ import annotations
@@ -96,12 +98,12 @@ class TrainerPace:
         return now - self.last_ask <= max(self.stall_floor_s, self.stall_intervals * self.interval)
 
 
-def clocks(*, policies: list[str], versions: Mapping[str, int], serving: Mapping[str, Mapping[int, Any]],
+def clocks(*, policies: list[str], versions: Mapping[str, int], served: Mapping[str, list[int]],
            ready: Mapping[str, list], accepted: Mapping[str, int], groups_ingested: int, group_size: int,
            per_batch: float, nodes: Mapping[str, Mapping[str, Any]], node_window_s: float,
            paces: Mapping[str, TrainerPace], finished: Mapping[str, bool], now: float) -> list[PolicyClock]:
-    """One ``PolicyClock`` per policy from the data layer's state: ``serving`` (versions whose
-    batch a trainer holds), ``ready`` (buffered groups, each with ``source`` and ``items``),
+    """One ``PolicyClock`` per policy from the data layer's state: ``served`` (versions whose
+    batch a trainer holds or is being handed), ``ready`` (buffered groups, each with ``source`` and ``items``),
     ``accepted`` (sequences kept per policy), ``nodes`` (``versions``, ``last_seen``,
     ``draining`` per node; nodes not seen within ``node_window_s`` are ignored)."""
     live = [n for n in nodes.values() if n.get("versions") and not n.get("draining") and not n.get("gone")
@@ -113,7 +115,7 @@ def clocks(*, policies: list[str], versions: Mapping[str, int], serving: Mapping
         for grp in ready[p]:
             buffered[grp.source] = buffered.get(grp.source, 0) + len(grp.items)
         out.append(PolicyClock(
-            next_version=max(int(versions[p]), max(serving[p], default=-1) + 1),
+            next_version=max(int(versions[p]), max(served[p], default=-1) + 1),
             buffered=buffered,
             per_batch=per_batch,
             per_group=accepted.get(p, 0) / groups_ingested if groups_ingested else float(group_size),
@@ -127,7 +129,9 @@ def rule_of(layer: Any) -> Callable[[str, float, int], bool]:
     """``admits(source, share, rolling)`` over the clocks of a ``DataLayer`` at this moment."""
     cfg, buffers = layer.cfg, layer.buffers
     cl = clocks(
-        policies=layer.policy_names, versions=layer.versions, serving=buffers.serving, ready=buffers.ready,
+        policies=layer.policy_names, versions=layer.versions, ready=buffers.ready,
+        served={p: [*buffers.serving[p], *([buffers.reading[p]] if p in buffers.reading else [])]
+                for p in layer.policy_names},
         accepted={p: c["accepted"] for p, c in buffers.counts.items()}, groups_ingested=buffers.groups_ingested,
         group_size=layer.wcfg.group_size, per_batch=cfg.batch_size - int(cfg.replay_ratio * cfg.batch_size),
         nodes=layer.leases.nodes, node_window_s=cfg.lease_seconds, paces=layer.paces,

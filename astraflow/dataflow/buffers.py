@@ -94,6 +94,8 @@ class Buffers:
         #: per policy: the items of the batch served to a trainer at version v, by v, until the
         #: trainer reports v + 1 committed (``commit``): only then are they consumed
         self.serving: dict[str, dict[int, list[Item]]] = {p: {} for p in self.policies}
+        #: per policy: the version of a batch taken from the buffer whose rows are being read
+        self.reading: dict[str, int] = {}
         self.routed_left: dict[str, int] = {}  # train task -> items not yet settled
         self.task_consumed: set[str] = set()
         self.task_drop_reason: dict[str, str] = {}

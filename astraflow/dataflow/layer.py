@@ -313,7 +313,11 @@ class DataLayer:
         self.mixer.credit[policy] = credit
         chosen, taken = self.buffers.take(policy, quota, self.ordering, version)
         self.mixer.consumed[policy].update(taken)
-        rows = await asyncio.to_thread(self._read_rows, [it.summary.ref for it in chosen])
+        self.buffers.reading[policy] = version  # taken from the buffer, not yet served (admission counts it)
+        try:
+            rows = await asyncio.to_thread(self._read_rows, [it.summary.ref for it in chosen])
+        finally:
+            self.buffers.reading.pop(policy, None)
         batch = self.buffers.serve(policy, version, chosen, rows, n_replay, waited,
                                    quota if self.mixer.mixing else None)
         self._notify()  # room for new groups: wakes the nodes' waiting lease calls

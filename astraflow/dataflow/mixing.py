@@ -95,8 +95,9 @@ class Mixer:
         groups ahead, plus the new one, are the smallest multiple of its weight goes next:
         groups ahead follow the weights, so a source whose groups are filtered (and leave the
         count) is refilled more often. ``admits(source, share, rolling)`` (admission by
-        version) may refuse a source that is below its bound; a starved source is never
-        refused, and ``refused`` says whether a refusal left the answer None."""
+        version) may refuse any source, a starved one too: what it would roll out could not be
+        trained on (a waiting batch fills once the nodes hold fresher weights); ``refused``
+        says whether a refusal left the answer None."""
         total_w = sum(self.weights.values())
         best, best_key = None, math.inf
         self.refused = False
@@ -107,7 +108,7 @@ class Mixer:
             starved = any(short.get(s, 0) > in_rollout for short in self.short.values())
             if ahead >= bound and not starved:
                 continue
-            if not starved and admits is not None and not admits(s, w / total_w, rolling[s]):
+            if admits is not None and not admits(s, w / total_w, rolling[s]):
                 self.refused = True
                 continue
             key = (ahead + 1) / w
