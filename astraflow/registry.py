@@ -7,6 +7,7 @@ in a config fails at load time with the fix in the message.
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
@@ -25,6 +26,19 @@ class Registry(Generic[T]):
             return obj
 
         return deco
+
+    def resolve(self, name: str) -> T:
+        """``get``, where ``"package.module:name"`` first imports the user's module (which
+        registers its classes), so a new one needs no change in AstraFlow. A module that cannot
+        be imported is a ``ValueError`` naming the fix."""
+        if ":" in name:
+            module, name = name.split(":", 1)
+            try:
+                importlib.import_module(module)
+            except ImportError as err:
+                raise ValueError(f"{self.kind} {module}:{name}: cannot import {module!r} ({err}); run from "
+                                 "the directory that holds it, or install its package") from None
+        return self.get(name)
 
     def get(self, name: str) -> T:
         try:

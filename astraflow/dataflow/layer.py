@@ -303,6 +303,9 @@ class DataLayer:
                         f"no batch for {policy} v{version} within {timeout:.0f}s: "
                         f"{sum(avail.values())}/{need} sequences buffered{sources}, "
                         f"{len(self.leases.pending)} tasks pending, {len(self.leases.held)} leased"
+                        + ("; admission refuses new groups that could not be trained on: do the RaaS "
+                           "nodes load new weight versions (their logs, rollout.weight_poll_seconds)?"
+                           if self.mixer.refused else "")
                     )
                 await self._wait(min(remaining, 0.5))
         finally:

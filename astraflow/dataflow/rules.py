@@ -27,7 +27,6 @@ decisions the uninterrupted run would have made from that point, given the same 
 
 from __future__ import annotations
 
-import importlib
 import math
 import random
 from dataclasses import dataclass
@@ -305,14 +304,7 @@ class FreshestFirst(RuleBase):
 def rule_class(registry: Registry, name: str) -> type:
     """The rule class registered as ``name``. ``"package.module:name"`` imports the user's
     module first (which registers its rules), so a new rule needs no change here."""
-    if ":" in name:
-        module, name = name.split(":", 1)
-        try:
-            importlib.import_module(module)
-        except ImportError as err:
-            raise ValueError(f"{registry.kind} {module}:{name}: cannot import {module!r} ({err}); "
-                             "put the module on PYTHONPATH or fix its name") from None
-    return registry.get(name)
+    return registry.resolve(name)
 
 
 def make(registry: Registry, name: str, params: BaseModel | dict[str, Any], seed: int = 0):

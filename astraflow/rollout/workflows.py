@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
-import importlib
 from typing import ClassVar, Mapping, Protocol
 
 import numpy as np
@@ -44,14 +43,7 @@ WORKFLOWS: Registry = Registry("workflow")
 def workflow_class(name: str) -> type[Workflow]:
     """The workflow class registered as ``name``. ``"package.module:name"`` imports a user
     module first (which registers its workflows), so a new workflow needs no change here."""
-    if ":" in name:
-        module, name = name.split(":", 1)
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as err:
-            raise ValueError(f"cannot import {module!r} ({err}): run from the directory that holds it, "
-                             "or install its package") from None
-    return WORKFLOWS.get(name)
+    return WORKFLOWS.resolve(name)
 
 
 def make_workflow(name: str, workload: Workload, sampling: SamplingParams, node: str) -> Workflow:
