@@ -112,6 +112,10 @@ class Scheduler(Protocol):
         """Every job this scheduler started (and, for Slurm, every job with its tag), one batched query."""
         ...
 
+    def close(self) -> None:
+        """Release what the backend itself holds, at shutdown (after ``cancel``)."""
+        ...
+
 
 def make_scheduler(kind: str, **kwargs: Any) -> Scheduler:
     """Build the scheduler backend for `kind` (``local`` or ``slurm``) with its keyword options."""

@@ -289,6 +289,9 @@ class SlurmScheduler:
             refs.append(ref)
         return refs
 
+    def close(self) -> None:
+        """Nothing to release: Slurm jobs live in Slurm and are cancelled by id (``cancel``)."""
+
     def cancel(self, job_ids: Iterable[str]) -> None:
         ids = [str(j) for j in job_ids]
         bad = [j for j in ids if not _JOB_ID.match(j)]

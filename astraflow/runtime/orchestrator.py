@@ -235,7 +235,6 @@ class Orchestrator:
             self.placement.client.close()
         for sched in self.parts.schedulers.values():
             sched.cancel([w.job.job_id for w in self.workers.values() if w.job.kind == sched.kind and not w.gone])
-            if hasattr(sched, "close"):  # not part of the Scheduler protocol (schedulers/base.py)
-                sched.close()
+            sched.close()
         if self.placement.scheduler_proc is not None:
             self.placement.scheduler_proc.stop()
