@@ -17,9 +17,9 @@ Named asynchronous overlap, *admission vs staleness*. For policy ``p``:
   for ``p`` plus those the groups in rollout will bring (groups x the sequences an ingested
   group has given ``p`` on average, so groups a filter drops count for what they yield).
 
-Batches take buffered groups oldest first, so the new group's sequences are taken at about
-``next + floor(ahead / per_batch)``, and the group is admitted when that, less ``oldest``,
-is at most ``max_staleness``. A policy that finished, whose trainer has not asked for a batch
+Batches take buffered groups oldest first, so the new group's last sequence is taken at about
+``next + floor((ahead + per_group - 1) / per_batch)``, and the group is admitted when that,
+less ``oldest``, is at most ``max_staleness``. A policy that finished, whose trainer has not asked for a batch
 yet, or stopped asking (``TrainerPace.active``), does not hold the others back. A batch a
 trainer waits for has nothing ahead of it, so its groups are admitted as soon as the nodes
 hold weights at most ``max_staleness`` versions old (nodes load every committed version, so
@@ -61,7 +61,9 @@ def admits(source: str, share: float, rolling: int, clocks: list[PolicyClock], m
             continue
         per_batch = max(c.per_batch * share, 1e-9)
         ahead = c.buffered.get(source, 0) + rolling * c.per_group
-        taken_at = c.next_version + math.floor(ahead / per_batch)
+        # the batch that takes the new group's last sequence (a group whose yield varies,
+        # a multi-turn episode's, may otherwise spill into a batch past the bound)
+        taken_at = c.next_version + math.floor(max(ahead + c.per_group - 1, 0) / per_batch)
         oldest = c.next_version if c.oldest_node_version is None else min(c.oldest_node_version, c.next_version)
         if taken_at - oldest > max_staleness:
             return False

@@ -56,8 +56,10 @@ class RolloutConfig(Strict):
     lease_wait_seconds: float = Field(default=0.5, ge=0, le=5)
     """How long one lease call may wait in the data layer for tasks when it has none (a long
     poll: tasks reach the node the moment they exist, without a call every few ms)."""
-    weight_poll_seconds: float = Field(default=0.5, gt=0)
-    """How often the node checks the weight store for a newer version."""
+    weight_poll_seconds: float = Field(default=0.1, gt=0)
+    """How often the node checks the weight store for a newer version (a listing of the policy's
+    version directory). A node whose weights fall more than ``dataflow.max_staleness`` versions
+    behind gets no new work until it loads newer ones, so poll well within a trainer step."""
     full_resync_every: int = Field(default=10, ge=1)
     """Load full shards instead of a delta every N versions."""
     engine_restarts: int = Field(default=3, ge=0)
