@@ -151,10 +151,13 @@ class DataLayer:
         """Create train groups while the rollout-ahead bound allows (``Mixer.pick_source``),
         each from the next prompt of its source that the curator accepts."""
         proposals = 0
+        # versions, served batches, buffers and nodes do not change during a refill (only the
+        # groups in rollout do, and they are passed separately): one rule for the whole call
+        admits = self._admission()
         while not self.finished and proposals < max(len(self._train), 1):
             rolling = Counter(g.source for g in self.buffers.rolling.values())
             source = self.mixer.pick_source(self.limit, rolling, self.buffers.groups_ahead(self.mixer.weights),
-                                            self._admission())
+                                            admits)
             if source is None or (self.budget is not None and self.budget <= 0):
                 # refused groups: counted on the first policy, as the curator's skips are
                 self.buffers.counts[self.policy_names[0]]["admission_refused"] += self.mixer.refused
