@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from astraflow.agents.workload import is_agentic
 from astraflow.configbase import Strict
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.rollout.config import RolloutConfig
@@ -94,6 +95,28 @@ class RunConfig(Strict):
     partitions: list[Partition] = Field(default_factory=_default_partitions)
     """Worker pools. The embedded default: local data, trainer and two rollout workers."""
 
+    def _check_agentic(self, workload: Any) -> None:
+        """An agentic workload runs under the ``agent`` workflow, and its environments must
+        fit the contract (a bad signature fails here, not in the run)."""
+        from astraflow.agents.env import signature_problems
+
+        wf, name = self.workload.workflow, self.workload.name
+        if not is_agentic(type(workload)):
+            if wf == "agent":
+                raise ValueError(f"workload.workflow: 'agent' needs an agentic workload (one with "
+                                 f"environment()); {name!r} has none: use single_turn")
+            return
+        if wf != "agent":
+            raise ValueError(f"workload.workflow: {name!r} is an agentic workload; set workload.workflow: agent")
+        try:
+            env = workload.environment()
+        except Exception as err:
+            raise ValueError(f"workload ({name}): environment() failed: {type(err).__name__}: {err}") from None
+        problems = signature_problems(type(env))
+        if problems:
+            raise ValueError(f"workload ({name}): its environment does not fit the contract "
+                             f"(astraflow.agents.env.Environment): {'; '.join(problems)}")
+
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
         if not self.policies:
@@ -129,9 +152,11 @@ class RunConfig(Strict):
 
         try:  # cheap: workloads generate their prompts lazily, in tasks(); catches a user's
             # workload without a Params model whose constructor rejects its params
-            make_workload(self.workload.name, self.workload.params, self.workload.seed)
+            workload = make_workload(self.workload.name, self.workload.params, self.workload.seed)
         except (ValueError, TypeError) as err:
             raise ValueError(f"workload ({self.workload.name}): {err}") from None
+        self._check_agentic(workload)
+        agentic = is_agentic(type(workload))
         for i, pol in enumerate(self.policies):
             base = pol.init.start_from if pol.init is not None else None
             if base is not None and base not in [p.name for p in self.policies[:i]]:
@@ -140,10 +165,11 @@ class RunConfig(Strict):
                     f"{pol.name!r}; name one of {[p.name for p in self.policies[:i]]} (models are built "
                     "in the order of `policies`)"
                 )
-            if pol.init is not None and pol.init.warm_starts and self.workload.name != "math":
+            if pol.init is not None and pol.init.warm_starts and self.workload.name != "math" and not agentic:
                 raise ValueError(
                     f"policies[{pol.name}].init.warm_start_seconds: the supervised warm start trains on "
-                    f"the math workload's generator, not on workload {self.workload.name!r}; set it to 0 "
+                    f"the math workload's generator or an agentic workload's expert, not on workload "
+                    f"{self.workload.name!r}; set it to 0 "
                     "(and drop warm_start_steps) or point model at a directory built by a math config"
                 )
             if pol.init is None and not pol.model.exists():

@@ -219,6 +219,12 @@ class Trajectory:
     #: the episode's outcome for evaluation (e.g. correctness of the final answer), set by the
     #: workflow; ``None`` means the reward of the last sequence of the first policy.
     score: float | None = None
+    #: episode statistics of a multi-turn episode (``turns``, ``tool_calls``, ``invalid_calls``,
+    #: ``truncated``, ``success``, seconds in the engine / tools / environment); empty if none.
+    stats: Mapping[str, float] = field(default_factory=dict)
+    #: the episode's turns as the episode viewer shows them (JSON-serialisable: the task, each
+    #: turn's token span, text, tool calls and rewards); ``None`` for single-turn workflows.
+    episode: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.sequences:
@@ -245,6 +251,7 @@ class Trajectory:
             "attempt": self.attempt,
             "provenance": self.provenance.to_dict(),
             "score": self.score,
+            "stats": dict(self.stats),
         }
         return [
             StoredSequence(
@@ -259,7 +266,9 @@ class Trajectory:
                 versions=s.versions,
                 reward=s.reward,
                 finish_reason=s.finish_reason,
-                meta=json.dumps({**meta, "rewards": dict(s.rewards)}, sort_keys=True),
+                meta=json.dumps({**meta, "rewards": dict(s.rewards),
+                                 **({"episode": self.episode} if i == 0 and self.episode else {})},
+                                sort_keys=True),
             )
             for i, s in enumerate(self.sequences)
         ]
@@ -311,6 +320,8 @@ class TrajectoryRef:
     sequences: tuple[SequenceSummary, ...]
     #: ``Trajectory.episode_score()``: what an evaluation counts.
     score: float = 0.0
+    #: ``Trajectory.stats`` (multi-turn episodes), for metrics and evaluation.
+    stats: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, traj: "Trajectory", refs: list[EntryRef]) -> "TrajectoryRef":
@@ -339,6 +350,7 @@ class TrajectoryRef:
             node=traj.provenance.node,
             sequences=tuple(summaries),
             score=traj.episode_score(),
+            stats=dict(traj.stats),
         )
 
 

@@ -3,7 +3,7 @@
 AstraFlow's embedded default (CPU, no network) still needs a real model and tokenizer to run
 end to end: no pretrained causal LM is installable without a hub download. This module builds
 them from scratch: a byte-level BPE tokenizer with the 256 byte symbols and no merges (every
-string round-trips), four special tokens and a chat template, plus a Qwen2 or Llama config of
+string round-trips), four special tokens, the two tool-call tags and a chat template, plus a Qwen2 or Llama config of
 a chosen size with randomly initialised weights, saved in the ordinary HF layout
 (``config.json`` + ``model.safetensors`` + tokenizer files). ``load_model`` reads such a
 directory the same way it reads a real checkpoint, so nothing downstream knows the difference.
@@ -18,6 +18,10 @@ import torch
 
 #: special tokens, in id order after the 256 byte symbols.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+
+#: the tool-call tags (``astraflow.agents.tools``) as single tokens, ids after the specials, as
+#: tool-using models' tokenizers have them.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>")
 
 #: im_start/im_end chat template (Jinja): one turn per message, and an opened assistant turn
 #: when ``add_generation_prompt`` is set.
@@ -65,6 +69,7 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_tokens(list(TOOL_TOKENS))  # plain added tokens: decoding keeps them
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -105,7 +110,7 @@ def make_config(preset: str = "tiny", arch: str = "qwen2", tokenizer=None):
     tok = tokenizer if tokenizer is not None else build_tokenizer()
     common: dict[str, Any] = dict(
         vocab_size=VOCAB_SIZE,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
         tie_word_embeddings=True,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,

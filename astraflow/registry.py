@@ -30,14 +30,17 @@ class Registry(Generic[T]):
     def resolve(self, name: str) -> T:
         """``get``, where ``"package.module:name"`` first imports the user's module (which
         registers its classes), so a new one needs no change in AstraFlow. A module that cannot
-        be imported is a ``ValueError`` naming the fix."""
+        be imported is a ``ValueError`` naming the fix. ``name`` is the registered name, or the
+        name of an unregistered class in the module."""
         if ":" in name:
             module, name = name.split(":", 1)
             try:
-                importlib.import_module(module)
+                mod = importlib.import_module(module)
             except ImportError as err:
                 raise ValueError(f"{self.kind} {module}:{name}: cannot import {module!r} ({err}); run from "
                                  "the directory that holds it, or install its package") from None
+            if name not in self._items and hasattr(mod, name):  # a class the module did not register
+                return getattr(mod, name)
         return self.get(name)
 
     def get(self, name: str) -> T:

@@ -5,7 +5,8 @@
   ``runtime`` that places them, the composed run config (``astraflow.config``) or the CLI:
   they share only the contracts, the transport, their own config section, ``storage`` and
   ``workloads``;
-* ``workloads`` is a leaf: it imports no component and no runtime;
+* ``workloads`` is a leaf: it imports no component and no runtime; ``agents`` (the environment
+  contract) is a leaf below it;
 * ``transport`` and ``contracts`` import no component and no runtime;
 * no cycle between packages (``astraflow.<package>``, each top-level module of ``astraflow``,
   ``storage``, ``schedulers``).
@@ -25,6 +26,8 @@ FORBIDDEN = {
     **{f"astraflow.{c}": [f"astraflow.{o}" for o in COMPONENTS if o != c]
        + ["astraflow.runtime", "astraflow.config", "astraflow.cli"] for c in COMPONENTS},
     "astraflow.workloads": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime", "astraflow.config"],
+    "astraflow.agents": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime", "astraflow.config",
+                                                                   "astraflow.workloads"],
     "astraflow.transport": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime"],
     "astraflow.contracts": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime"],
     "storage": ["astraflow"],

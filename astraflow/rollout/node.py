@@ -276,7 +276,7 @@ class RaaSNode:
             self.writing.add(task.task_id)
             self._finished.append(traj)
             self._finished_event.set()
-        except (TimeoutError, ValueError, RuntimeError) as err:
+        except Exception as err:  # a workflow's, environment's or tool's error fails this episode only
             self.counters["failed"] += 1
             log.warning("episode %s failed: %s", task.task_id, err)
             if isinstance(err, EngineProcessError) and (self._recovery is None or self._recovery.done()):

@@ -43,6 +43,8 @@ WORKFLOWS: Registry = Registry("workflow")
 def workflow_class(name: str) -> type[Workflow]:
     """The workflow class registered as ``name``. ``"package.module:name"`` imports a user
     module first (which registers its workflows), so a new workflow needs no change here."""
+    import astraflow.rollout.agent  # noqa: F401  (registers "agent"; it builds on this module)
+
     return WORKFLOWS.resolve(name)
 
 

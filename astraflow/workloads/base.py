@@ -13,6 +13,7 @@ built.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, ClassVar, Mapping, Protocol
 
 from pydantic import BaseModel, ValidationError
@@ -46,12 +47,16 @@ class Workload(Protocol):
 WORKLOADS: Registry = Registry("workload")
 
 
-def workload_class(name: str) -> type:
-    """The workload class registered as ``name`` (``ValueError`` listing the known ones)."""
-    import astraflow.workloads.math  # noqa: F401  (registers the shipped workloads)
-    import astraflow.workloads.mix  # noqa: F401
+#: the modules of the shipped workloads (imported to register them)
+BUILTIN_MODULES = ("astraflow.workloads.math", "astraflow.workloads.mix")
 
-    return WORKLOADS.get(name)
+
+def workload_class(name: str) -> type:
+    """The workload class registered as ``name``, or a user's ``"package.module:name"``
+    (``ValueError`` listing the known ones, or naming a module that does not import)."""
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
+    return WORKLOADS.resolve(name)
 
 
 def params_model(name: str) -> type[BaseModel] | None:

@@ -1,0 +1,190 @@
+"""The multi-turn agent loop, independent of the inference engine.
+
+``run_agent_episode`` drives one environment with one policy: model turn -> tool calls (run by
+the environment's ``ToolBox``) or an environment step -> the observation appended as untrained
+tokens -> next turn, until the environment says ``done``, ``max_turns`` model turns were taken
+or the context budget is spent (a *truncation*: recorded, not an error). It returns an
+``EpisodeLog``: one token sequence with its loss mask, behaviour log-probs and per-token weight
+versions, the rewards, the turns (for the episode viewer) and the episode's statistics.
+
+The engine enters only through ``generate(tokens, max_new_tokens)``, an async callable
+returning an object with ``tokens``, ``logprobs``, ``versions``, ``finish_reason`` and
+``engine_seconds`` (a RaaS node's engine, or a local model in a warm start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping
+
+import numpy as np
+
+from astraflow.agents.chat import ChatRenderer
+from astraflow.agents.env import Environment, EpisodeError, StepResult, check_messages
+from astraflow.agents.tools import parse_action
+
+Generate = Callable[[list[int], int], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    max_turns: int = 8
+    """Model turns at most; an episode that reaches it without ``done`` is truncated."""
+    max_context_tokens: int = 1024
+    """Tokens of the whole episode at most; one that would pass it is truncated."""
+    max_new_tokens: int = 64
+    """Token budget of one model turn."""
+
+
+@dataclass
+class EpisodeLog:
+    """What one episode produced (see the module docstring)."""
+
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    #: the turns in order: ``{"kind": "observation" | "model" | "tool" | "env", "start", "end",
+    #: ...}`` with token spans into ``tokens`` (what the episode viewer renders)
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    final_reward: float = 0.0
+    turn_rewards: list[float] = field(default_factory=list)
+    success: float = 0.0
+    done: bool = False
+    truncated: str | None = None  # "max_turns" | "context" | None
+    finish_reason: str = "stop"
+    tool_calls: int = 0
+    invalid_calls: int = 0
+    engine_seconds: float = 0.0
+    tool_seconds: float = 0.0
+    env_seconds: float = 0.0
+
+    @property
+    def reward(self) -> float:
+        """The episode's return: the final reward plus every per-turn reward."""
+        return self.final_reward + float(sum(self.turn_rewards))
+
+    def stats(self) -> dict[str, float]:
+        model_turns = sum(1 for t in self.turns if t["kind"] == "model")
+        return {"turns": float(model_turns), "tool_calls": float(self.tool_calls),
+                "invalid_calls": float(self.invalid_calls), "truncated": float(self.truncated is not None),
+                "success": float(self.success), "engine_s": self.engine_seconds,
+                "tool_s": self.tool_seconds, "env_s": self.env_seconds}
+
+    def append(self, ids: list[int], *, kind: str, **info: Any) -> None:
+        """Untrained tokens (observation, closing) as a turn of ``kind`` (``None``: no turn)."""
+        start = len(self.tokens)
+        self.tokens += ids
+        self.loss_mask += [False] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+        if kind:
+            self.turns.append({"kind": kind, "start": start, "end": len(self.tokens), **info})
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"tokens": np.asarray(self.tokens, np.int32), "loss_mask": np.asarray(self.loss_mask, bool),
+                "logprobs": np.asarray(self.logprobs, np.float32), "versions": np.asarray(self.versions, np.int32)}
+
+
+async def _timed(coro: Awaitable[Any], timeout: float, what: str) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    try:
+        out = await asyncio.wait_for(coro, timeout)
+    except asyncio.TimeoutError:
+        raise EpisodeError(f"{what} ran past its {timeout:g} s deadline") from None
+    except EpisodeError:
+        raise
+    except Exception as err:
+        raise EpisodeError(f"{what} raised {type(err).__name__}: {err}") from err
+    return out, time.perf_counter() - t0
+
+
+async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Environment,
+                            task: Mapping[str, Any], limits: AgentLimits) -> EpisodeLog:
+    """One episode of ``env`` on ``task``; ``env.close()`` is awaited whatever happens."""
+    log = EpisodeLog()
+    timeout = float(env.step_timeout_s)
+    try:
+        first, secs = await _timed(env.reset(task), timeout, f"{type(env).__name__}.reset")
+        log.env_seconds += secs
+        log.append(renderer.start(check_messages(first, "reset")), kind="observation",
+                   messages=first)
+        if len(log.tokens) >= limits.max_context_tokens:
+            raise EpisodeError(f"the first observation has {len(log.tokens)} tokens, more than the "
+                               f"context budget of {limits.max_context_tokens}")
+        for _ in range(limits.max_turns):
+            room = limits.max_context_tokens - len(log.tokens)
+            gen = await generate(list(log.tokens), min(limits.max_new_tokens, room))
+            log.engine_seconds += float(gen.engine_seconds)
+            gen_ids = [int(t) for t in gen.tokens]
+            ended = bool(gen_ids) and gen_ids[-1] == renderer.eos_id and gen.finish_reason == "stop"
+            start = len(log.tokens)
+            log.tokens += gen_ids
+            log.loss_mask += [True] * len(gen_ids)
+            log.logprobs += [float(x) for x in gen.logprobs]
+            log.versions += [int(v) for v in gen.versions]
+            log.finish_reason = gen.finish_reason
+            text = renderer.tok.decode(gen_ids[:-1] if ended else gen_ids, skip_special_tokens=False)
+            action = parse_action(text)
+            vs = [int(v) for v in gen.versions]
+            log.turns.append({"kind": "model", "start": start, "end": len(log.tokens), "text": text,
+                              "versions": [min(vs), max(vs)] if vs else [], "finish": gen.finish_reason})
+            closing = renderer.close_turn(ended)
+            if action.tool_calls or action.errors:
+                messages, calls = [], []
+                for err in action.errors:
+                    log.invalid_calls += 1
+                    messages.append({"role": "tool", "content": f"error: {err}"})
+                    calls.append({"error": err})
+                for call in action.tool_calls:
+                    log.tool_calls += 1
+                    res = await env.tools.run(call)
+                    log.tool_seconds += res.seconds
+                    log.invalid_calls += 0 if res.valid else 1
+                    messages.append({"role": "tool", "content": res.content})
+                    calls.append({"name": call.name, "arguments": dict(call.arguments), "result": res.content,
+                                  "valid": res.valid})
+                result, kind = StepResult(observation=messages), "tool"
+            else:
+                result, secs = await _timed(env.step(action), timeout, f"{type(env).__name__}.step")
+                log.env_seconds += secs
+                if not isinstance(result, StepResult):
+                    raise EpisodeError(f"{type(env).__name__}.step returned {type(result).__name__}, not a StepResult")
+                check_messages(result.observation, "step")
+                if not math.isfinite(float(result.reward)):
+                    raise EpisodeError(f"{type(env).__name__}.step returned reward {result.reward}")
+                kind, calls = "env", []
+            if result.done:
+                log.final_reward, log.done = float(result.reward), True
+                log.success = float(result.info.get("success", result.reward))
+                # nothing follows the last turn: its observation is recorded, not tokenised
+                log.turns.append({"kind": kind, "start": len(log.tokens), "end": len(log.tokens),
+                                  "messages": result.observation, "reward": float(result.reward), "done": True,
+                                  "calls": calls, "info": _jsonable(result.info)})
+                break
+            if result.reward:
+                log.turn_rewards.append(float(result.reward))
+            obs = closing + renderer.observation(result.observation)
+            if len(log.tokens) + len(obs) >= limits.max_context_tokens:
+                log.truncated = "context"
+                log.append(closing, kind="")
+                break
+            log.append(obs, kind=kind, messages=result.observation, reward=float(result.reward), calls=calls)
+        else:
+            log.truncated = "max_turns"
+        return log
+    finally:
+        try:
+            await asyncio.wait_for(env.close(), timeout)
+        except Exception:  # a failing close must not hide the episode's own outcome
+            pass
+
+
+def _jsonable(info: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in info.items():
+        out[str(k)] = v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
+    return out

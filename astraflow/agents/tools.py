@@ -1,0 +1,188 @@
+"""Tools an agent may call, the one tool-call syntax, and running calls under deadlines.
+
+The syntax (the Hermes/Qwen convention, which chat templates of tool-using models express)::
+
+    <tool_call>{"name": "search", "arguments": {"query": "capital of Norway"}}</tool_call>
+
+A turn may hold several calls; each result comes back as one ``tool`` message. A call that
+cannot be read (no closing tag, bad JSON, no ``name``), names an unknown tool or passes
+arguments that do not fit the tool's schema gets an *error observation* the model can learn
+from, and counts as an invalid call; it never fails the episode. A tool that raises, runs
+past its timeout or returns something that is neither text nor JSON fails the episode
+(``EpisodeError``).
+
+Tools run off the node's event loop: an ``async def`` tool is awaited with its deadline, a
+plain function runs in a shared thread pool, so a slow tool stalls neither heartbeats nor other
+episodes. A thread cannot be killed: a plain tool that never returns keeps its worker thread
+until it does (code that may never return belongs in the code sandbox, a process of its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+
+from astraflow.agents.env import Action, EpisodeError, ToolCall
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|$)", re.DOTALL)
+
+#: shared by every plain (non-async) tool of the process
+_POOL = ThreadPoolExecutor(max_workers=32, thread_name_prefix="astraflow-tool")
+
+
+def format_call(name: str, arguments: dict[str, Any]) -> str:
+    """The text of one call in the tool-call syntax (what a demonstration writes)."""
+    return CALL_OPEN + json.dumps({"name": name, "arguments": arguments}, separators=(",", ":")) + CALL_CLOSE
+
+
+def parse_action(text: str) -> Action:
+    """The model turn ``text`` as an ``Action``: its well-formed calls and, for every call that
+    could not be read, why."""
+    calls, errors = [], []
+    for m in _CALL.finditer(text):
+        body, closed = m.group(1), m.group(0).endswith(CALL_CLOSE)
+        if not closed:
+            errors.append(f"a tool call must end with {CALL_CLOSE}")
+            continue
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as err:
+            errors.append(f"the tool call is not valid JSON ({err.msg} at character {err.pos})")
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            errors.append('a tool call must be {"name": <tool>, "arguments": {...}}')
+            continue
+        args = obj.get("arguments", {})
+        if not isinstance(args, dict):
+            errors.append(f"the arguments of {obj['name']} must be a JSON object")
+            continue
+        calls.append(ToolCall(name=obj["name"], arguments=args))
+    return Action(text=text, tool_calls=tuple(calls), errors=tuple(errors))
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A callable the model may call by ``name`` with JSON ``arguments`` fitting ``schema``."""
+
+    name: str
+    description: str
+    fn: Callable[..., Any]
+    #: the pydantic model of the arguments (built from ``fn``'s signature by ``tool``)
+    arguments: type[BaseModel]
+    timeout_s: float = 10.0
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        """The JSON schema of the tool (name, description, parameters), as chat templates take it."""
+        params = self.arguments.model_json_schema()
+        params.pop("title", None)
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": params}}
+
+
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, timeout_s: float = 10.0,
+         description: str | None = None):
+    """Make a ``Tool`` of a function (``@tool`` or ``@tool(timeout_s=2)``): its typed parameters
+    are the JSON arguments, its docstring's first line the description."""
+
+    def make(f: Callable[..., Any]) -> Tool:
+        fields = {}
+        for p in inspect.signature(f).parameters.values():
+            if p.name == "self":
+                continue
+            ann = Any if p.annotation is inspect.Parameter.empty else p.annotation
+            fields[p.name] = (ann, ... if p.default is inspect.Parameter.empty else p.default)
+        model = create_model(f"{f.__name__}_args", __config__=ConfigDict(extra="forbid"), **fields)
+        desc = description or (inspect.getdoc(f) or "").split("\n")[0]
+        return Tool(name=name or f.__name__, description=desc, fn=f, arguments=model, timeout_s=timeout_s)
+
+    return make(fn) if fn is not None else make
+
+
+@dataclass
+class ToolResult:
+    """One call's outcome: the text the model sees and whether the call was valid."""
+
+    content: str
+    valid: bool
+    seconds: float = 0.0
+
+
+class ToolBox:
+    """The tools of one episode, by name."""
+
+    def __init__(self, tools: Iterable[Tool]):
+        self.tools: dict[str, Tool] = {}
+        for t in tools:
+            if t.name in self.tools:
+                raise ValueError(f"two tools are named {t.name!r}")
+            self.tools[t.name] = t
+
+    def __len__(self) -> int:
+        return len(self.tools)
+
+    def schemas(self) -> list[dict[str, Any]]:
+        return [t.schema for t in self.tools.values()]
+
+    def describe(self) -> str:
+        """One line per tool, ``name(arg: type, ...): description``, for a system prompt."""
+        lines = []
+        for t in self.tools.values():
+            props = t.arguments.model_json_schema().get("properties", {})
+            args = ", ".join(f"{k}: {v.get('type', 'any')}" for k, v in props.items())
+            lines.append(f"{t.name}({args}): {t.description}")
+        return "\n".join(lines)
+
+    async def run(self, call: ToolCall) -> ToolResult:
+        """Run one call under its tool's deadline; see the module docstring for what is an
+        error observation and what fails the episode."""
+        t = self.tools.get(call.name)
+        if t is None:
+            known = ", ".join(self.tools) or "none"
+            return ToolResult(f"error: unknown tool {call.name!r}; tools: {known}", valid=False)
+        try:
+            args = t.arguments.model_validate(dict(call.arguments))
+        except ValidationError as err:
+            why = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in err.errors())
+            return ToolResult(f"error: wrong arguments for {t.name}: {why}", valid=False)
+        kwargs = {k: getattr(args, k) for k in type(args).model_fields}
+        t0 = time.perf_counter()
+        try:
+            if inspect.iscoroutinefunction(t.fn):
+                out = await asyncio.wait_for(t.fn(**kwargs), t.timeout_s)
+            else:
+                loop = asyncio.get_running_loop()
+                out = await asyncio.wait_for(loop.run_in_executor(_POOL, lambda: t.fn(**kwargs)), t.timeout_s)
+        except asyncio.TimeoutError:
+            raise EpisodeError(f"tool {t.name} ran past its {t.timeout_s:g} s timeout") from None
+        except Exception as err:
+            raise EpisodeError(f"tool {t.name} raised {type(err).__name__}: {err}") from err
+        return ToolResult(_as_text(t.name, out), valid=True, seconds=time.perf_counter() - t0)
+
+
+def _as_text(name: str, out: Any) -> str:
+    if isinstance(out, str):
+        return out
+    try:
+        return json.dumps(out)
+    except (TypeError, ValueError):
+        raise EpisodeError(f"tool {name} returned {type(out).__name__}, neither text nor JSON") from None
+
+
+@dataclass
+class ToolStats:
+    """Counters of one episode's tool use."""
+
+    calls: int = 0
+    invalid: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)

@@ -1,0 +1,70 @@
+"""The base of agentic workloads: tasks, a fresh environment per episode, and an expert.
+
+An agentic workload is a ``Workload`` (``astraflow.workloads.base``) run by the ``agent``
+workflow: instead of a prompt and a reward it gives each episode an ``Environment``. Its
+``Params`` include the episode limits (``AgentParams``). Its environments may offer
+``expert_action()``, the next turn of a scripted expert: the source of the demonstrations a
+warm start trains on and of the conformance check that the expert succeeds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from pydantic import Field
+
+from astraflow.agents.env import Environment
+from astraflow.agents.episode import AgentLimits
+from astraflow.configbase import Strict
+
+
+class AgentParams(Strict):
+    """Parameters every agentic workload has (a workload's ``Params`` extends it)."""
+
+    max_turns: int = Field(default=6, ge=1)
+    """Model turns per episode at most (then the episode is truncated)."""
+    max_context_tokens: int = Field(default=1024, ge=16)
+    """Tokens per episode at most, observations included (then it is truncated)."""
+    num_train: int = Field(default=2000, ge=1)
+    """Tasks in the train split."""
+    num_test: int = Field(default=200, ge=1)
+    """Tasks in the held-out split (disjoint from train)."""
+    seed: int = 0
+    """Seed of the generated data (``workload.seed`` unless set here)."""
+
+
+class AgentWorkload:
+    """Base class: set ``Params``, implement ``tasks`` and ``environment``."""
+
+    Params: type[AgentParams] = AgentParams
+    #: the workflow that runs it
+    workflow = "agent"
+
+    def __init__(self, seed: int = 0, **params: Any):
+        self.params = self.Params.model_validate({"seed": seed, **params})
+
+    def limits(self, max_new_tokens: int) -> AgentLimits:
+        return AgentLimits(max_turns=self.params.max_turns, max_context_tokens=self.params.max_context_tokens,
+                           max_new_tokens=max_new_tokens)
+
+    def tasks(self, split: str) -> list[dict[str, Any]]:
+        """Payloads of ``"train"`` or ``"eval"``; a ``difficulty`` key is reported per level."""
+        raise NotImplementedError
+
+    def environment(self) -> Environment:
+        """A fresh environment for one episode."""
+        raise NotImplementedError
+
+    def source_weights(self) -> dict[str, float]:
+        return {"": 1.0}
+
+    def render_prompt(self, payload: Mapping[str, Any]) -> str:
+        raise TypeError(f"{type(self).__name__} is an agentic workload: set workload.workflow: agent")
+
+    def reward(self, completion: str, payload: Mapping[str, Any]) -> float:
+        raise TypeError(f"{type(self).__name__} is an agentic workload: set workload.workflow: agent")
+
+
+def is_agentic(workload_cls: type) -> bool:
+    """Whether a workload class gives environments (runs under the ``agent`` workflow)."""
+    return callable(getattr(workload_cls, "environment", None))

@@ -1,0 +1,193 @@
+"""The agent loop on scripted turns: token layout, masks, tools, rewards, truncation, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from astraflow.agents.chat import ChatRenderer
+from astraflow.agents.env import Action, EnvironmentBase, EpisodeError, StepResult
+from astraflow.agents.episode import AgentLimits, run_agent_episode
+from astraflow.agents.tools import ToolBox, format_call, tool
+from astraflow.models import build_tokenizer
+
+
+@tool(timeout_s=5)
+def add(a: int, b: int) -> str:
+    """Add two integers."""
+    return str(a + b)
+
+
+@tool(timeout_s=0.3)
+def nap(seconds: float) -> str:
+    """Sleep, then answer (a slow tool)."""
+    time.sleep(seconds)
+    return "awake"
+
+
+class SumEnv(EnvironmentBase):
+    """Answer ``a+b``; a per-turn reward of 0.1 for each tool call the env is told about."""
+
+    step_timeout_s = 2.0
+
+    def __init__(self, shaped: float = 0.0):
+        super().__init__()
+        self.tools = ToolBox([add, nap])
+        self.shaped = shaped
+        self.closed = 0
+
+    async def reset(self, task):
+        self.task = task
+        return [{"role": "user", "content": f"{task['a']}+{task['b']}?"}]
+
+    async def step(self, action: Action) -> StepResult:
+        if action.text.strip() == "hmm":
+            return StepResult([{"role": "user", "content": "answer please"}], reward=self.shaped)
+        ok = action.text.strip() == str(self.task["a"] + self.task["b"])
+        return StepResult([{"role": "user", "content": "ok" if ok else "no"}], reward=float(ok), done=True,
+                          info={"success": float(ok)})
+
+    async def close(self):
+        self.closed += 1
+
+
+@dataclass
+class Gen:
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
+    engine_seconds: float = 0.01
+
+
+def scripted(tok, turns: list[str], version: int = 3):
+    """A ``generate`` that writes ``turns`` in order (each ending with the end-of-turn token)."""
+    it = iter(turns)
+    seen: list[list[int]] = []
+
+    async def generate(tokens, max_new):
+        seen.append(list(tokens))
+        ids = tok.encode(next(it), add_special_tokens=False) + [tok.eos_token_id]
+        finish = "stop"
+        if len(ids) > max_new:
+            ids, finish = ids[:max_new], "length"
+        n = len(ids)
+        return Gen(np.array(ids), np.full(n, -0.5, np.float32), np.full(n, version, np.int32), finish)
+
+    generate.seen = seen
+    return generate
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def run(gen, tok, env, task=None, **limits):
+    return asyncio.run(run_agent_episode(gen, ChatRenderer(tok), env, task or {"a": 2, "b": 3},
+                                         AgentLimits(**limits)))
+
+
+def test_tool_then_answer_layout_and_masks(tok):
+    env = SumEnv()
+    gen = scripted(tok, [format_call("add", {"a": 2, "b": 3}), "5"])
+    log = run(gen, tok, env)
+    assert log.done and log.success == 1.0 and log.final_reward == 1.0 and env.closed == 1
+    assert log.tool_calls == 1 and log.invalid_calls == 0 and log.truncated is None
+    a = log.arrays()
+    # each turn's context is exactly the tokens stored before it
+    assert gen.seen[1] == log.tokens[: len(gen.seen[1])]
+    # trained tokens are exactly the generated ones, in order, with their versions
+    model_turns = [t for t in log.turns if t["kind"] == "model"]
+    generated = [tok for t in model_turns for tok in log.tokens[t["start"]:t["end"]]]
+    assert list(a["tokens"][a["loss_mask"]]) == generated
+    assert set(a["versions"][a["loss_mask"]]) == {3} and set(a["versions"][~a["loss_mask"]]) == {-1}
+    assert np.all(a["logprobs"][~a["loss_mask"]] == 0)
+    text = tok.decode(log.tokens)
+    assert "<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n5<|im_end|>" in text
+    assert text.startswith("<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n<tool_call>")
+
+
+@pytest.mark.parametrize("turn,why", [
+    ('<tool_call>{"name": "add", "arguments": {"a": 1}</tool_call>', "not valid JSON"),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}', "must end with"),
+    ('<tool_call>{"name": "mul", "arguments": {"a": 1, "b": 2}}</tool_call>', "unknown tool 'mul'"),
+    ('<tool_call>{"name": "add", "arguments": {"a": "x", "b": 2}}</tool_call>', "wrong arguments for add"),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2, "c": 3}}</tool_call>', "wrong arguments for add"),
+    ('<tool_call>["add"]</tool_call>', '"name"'),
+])
+def test_bad_calls_become_error_observations(tok, turn, why):
+    log = run(scripted(tok, [turn, "5"]), tok, SumEnv())
+    tool_turn = next(t for t in log.turns if t["kind"] == "tool")
+    assert why in tool_turn["messages"][0]["content"] and tool_turn["messages"][0]["content"].startswith("error:")
+    assert log.invalid_calls == 1 and log.done and log.success == 1.0
+
+
+def test_per_turn_rewards_add_to_the_return(tok):
+    log = run(scripted(tok, ["hmm", "hmm", "5"]), tok, SumEnv(shaped=0.25))
+    assert log.turn_rewards == [0.25, 0.25] and log.final_reward == 1.0 and log.reward == 1.5
+
+
+def test_max_turns_and_context_truncate(tok):
+    log = run(scripted(tok, ["hmm"] * 3), tok, SumEnv(), max_turns=3)
+    assert log.truncated == "max_turns" and not log.done and log.reward == 0.0
+    log = run(scripted(tok, ["hmm"] * 50), tok, SumEnv(), max_context_tokens=80)
+    assert log.truncated == "context" and len(log.tokens) <= 80 and log.stats()["truncated"] == 1.0
+    log = run(scripted(tok, ["a long answer " * 10]), tok, SumEnv(), max_new_tokens=8)
+    assert log.turns[1]["finish"] == "length" and log.done  # a cut turn is still an action
+
+
+def test_env_failures_fail_the_episode_and_close_it(tok):
+    class Raising(SumEnv):
+        async def step(self, action):
+            raise KeyError("boom")
+
+    class Hanging(SumEnv):
+        step_timeout_s = 0.2
+
+        async def step(self, action):
+            await asyncio.sleep(10)
+
+    class Garbage(SumEnv):
+        async def step(self, action):
+            return {"reward": 1}
+
+    for cls, why in ((Raising, "raised KeyError"), (Hanging, "deadline"), (Garbage, "not a StepResult")):
+        env = cls()
+        with pytest.raises(EpisodeError, match=why):
+            run(scripted(tok, ["5"]), tok, env)
+        assert env.closed == 1
+    env = SumEnv()
+    with pytest.raises(EpisodeError, match="timeout"):
+        run(scripted(tok, [format_call("nap", {"seconds": 2})]), tok, env)
+    assert env.closed == 1
+
+
+def test_slow_tool_does_not_delay_another_episode(tok):
+    """One episode waits on a tool that sleeps in its thread; the other finishes meanwhile."""
+    done_at = {}
+
+    async def both():
+        async def one(name, turns):
+            t0 = time.perf_counter()
+            await run_agent_episode(scripted(tok, turns), ChatRenderer(tok), SumEnv(), {"a": 2, "b": 3},
+                                    AgentLimits())
+            done_at[name] = time.perf_counter() - t0
+
+        await asyncio.gather(one("slow", [format_call("nap", {"seconds": 0.25}), "5"]),
+                             one("fast", ["hmm", "hmm", "5"]))
+
+    asyncio.run(both())
+    assert done_at["fast"] < 0.15 < done_at["slow"]
+
+
+def test_plain_text_model_without_template(tok):
+    plain = build_tokenizer()
+    plain.chat_template = None
+    log = run(scripted(plain, ["hmm", "5"]), plain, SumEnv())
+    assert plain.decode(log.tokens).startswith("2+3?\nhmm<|im_end|>\nanswer please\n5")
+    assert log.done and log.success == 1.0
