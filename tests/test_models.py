@@ -13,7 +13,9 @@ def test_tokenizer_roundtrip_and_specials():
     assert tok.convert_tokens_to_ids("<|im_end|>") == tok.eos_token_id
     assert tok.pad_token_id == tok.convert_tokens_to_ids("<|pad|>")
     assert tok.padding_side == "left"
-    assert len(tok) == 260
+    assert len(tok) == 262  # 256 bytes, 4 specials, 2 tool-call tags
+    call = tok.encode("<tool_call>{}</tool_call>", add_special_tokens=False)
+    assert len(call) == 4 and tok.decode(call, skip_special_tokens=True) == "<tool_call>{}</tool_call>"
 
 
 def test_chat_template():
