@@ -29,9 +29,8 @@ _PROBE = "\x1f"
 
 
 class ChatRenderer:
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None):
+    def __init__(self, tokenizer: Any):
         self.tok = tokenizer
-        self.tools = tools or None
         self.templated = bool(getattr(tokenizer, "chat_template", None))
         self.eos_id = tokenizer.eos_token_id
         if self.templated:
@@ -44,18 +43,20 @@ class ChatRenderer:
         else:
             self._closing = "\n"
 
-    def _render(self, messages: list[Message], gen: bool = False) -> str:
-        kw = {"tools": self.tools} if self.tools else {}
+    def _render(self, messages: list[Message], gen: bool = False, tools: list[dict[str, Any]] | None = None) -> str:
+        kw = {"tools": tools} if tools else {}
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **kw)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
-    def start(self, messages: list[Message]) -> list[int]:
-        """Tokens of the first observation, ending where the model's first turn begins."""
+    def start(self, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Tokens of the first observation, ending where the model's first turn begins. The
+        tools' JSON schemas go to the template (a tool-using model's template lists them in its
+        system prompt; a template that does not use them ignores them)."""
         if not self.templated:
             return self.encode("".join(m["content"] + "\n" for m in messages))
-        return self.encode(self._render(messages, gen=True))
+        return self.encode(self._render(messages, gen=True, tools=tools))
 
     def observation(self, messages: list[Message]) -> list[int]:
         """Tokens of ``messages`` following a closed model turn, ending where the next turn begins."""

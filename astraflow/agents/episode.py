@@ -110,8 +110,9 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
     try:
         first, secs = await _timed(env.reset(task), timeout, f"{type(env).__name__}.reset")
         log.env_seconds += secs
-        log.append(renderer.start(check_messages(first, "reset")), kind="observation",
-                   messages=first)
+        schemas = getattr(env.tools, "schemas", None)
+        log.append(renderer.start(check_messages(first, "reset"), tools=schemas() if schemas else None),
+                   kind="observation", messages=first)
         if len(log.tokens) >= limits.max_context_tokens:
             raise EpisodeError(f"the first observation has {len(log.tokens)} tokens, more than the "
                                f"context budget of {limits.max_context_tokens}")

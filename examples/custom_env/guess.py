@@ -1,0 +1,78 @@
+"""A user's own agentic workload, in a file of its own: find a secret digit with a probe tool.
+
+Named in the config as ``examples.custom_env.guess:GuessWorkload`` (run from the repository
+root); nothing in AstraFlow is edited. The model may call ``probe(n)`` (answers ``higher``,
+``lower`` or ``yes``) and ends by answering the digit as a plain turn. Success is 1 when the
+answer is right; each probe costs a small per-turn reward, so fewer probes mean a higher return.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from pydantic import Field
+
+from astraflow.agents.env import Action, EnvironmentBase, StepResult
+from astraflow.agents.tools import ToolBox, format_call, tool
+from astraflow.agents.workload import AgentParams, AgentWorkload
+
+
+class GuessParams(AgentParams):
+    max_turns: int = 5
+    max_context_tokens: int = 512
+    probe_cost: float = Field(default=0.05, ge=0)
+    """Per-turn reward of -probe_cost for each probe."""
+
+
+class GuessEnv(EnvironmentBase):
+    step_timeout_s = 5.0
+
+    def __init__(self, probe_cost: float):
+        super().__init__()
+        self.probe_cost = probe_cost
+
+        @tool(timeout_s=1)
+        def probe(n: int) -> str:
+            """Compare n with the secret digit."""
+            self.probes += 1
+            return "yes" if n == self.secret else "higher" if self.secret > n else "lower"
+
+        self.tools = ToolBox([probe])
+
+    async def reset(self, task: dict[str, Any]) -> list[dict[str, str]]:
+        self.secret, self.probes, self.lo, self.hi = int(task["secret"]), 0, 0, 9
+        return [{"role": "user", "content": "Find the digit 0-9. probe(n) says higher/lower/yes."}]
+
+    async def step(self, action: Action) -> StepResult:
+        text = action.text.strip()
+        ok = float(text.isdigit() and int(text) == self.secret)
+        # the probes' cost enters as this final step's shaping, one reward per episode
+        return StepResult([{"role": "user", "content": "right" if ok else "wrong"}],
+                          reward=ok - self.probe_cost * self.probes, done=True, info={"success": ok})
+
+    def expert_action(self) -> str:
+        """Binary search: probe the middle of what is left until a probe says yes."""
+        if self.lo == self.hi:
+            return str(self.lo)
+        mid = (self.lo + self.hi) // 2
+        # the expert reads the answer it will get from the state it knows
+        if self.secret > mid:
+            self.lo = mid + 1
+        elif self.secret < mid:
+            self.hi = mid - 1
+        else:
+            self.lo = self.hi = mid
+        return format_call("probe", {"n": mid})
+
+
+class GuessWorkload(AgentWorkload):
+    Params = GuessParams
+
+    def tasks(self, split: str) -> list[dict[str, Any]]:
+        rng = random.Random(f"{self.params.seed}:{split}")
+        n = self.params.num_train if split == "train" else self.params.num_test
+        return [{"secret": rng.randrange(10), "difficulty": 1} for _ in range(n)]
+
+    def environment(self) -> GuessEnv:
+        return GuessEnv(self.params.probe_cost)
