@@ -272,7 +272,9 @@ class _Suite:
     async def episode(self, what: str, task: Mapping[str, Any], turn: Any) -> EpisodeLog | None:
         """One episode of a fresh environment whose model turns are ``turn(env)``; the log, or
         ``None`` with a problem when it failed, overran, or closed other than once."""
-        env = _Counted(self.workload.environment())
+        inner = self.workload.environment()
+        # named like the environment's class: the loop's messages name it
+        env = type(type(inner).__name__, (_Counted,), {})(inner)
         tok, eos = self.tok, self.renderer.eos_id
 
         async def generate(tokens: list[int], max_new: int) -> _Turn:
@@ -296,6 +298,9 @@ class _Suite:
             return None
         except EpisodeError as err:
             self.problems.append(f"{what}: the episode failed: {err}")
+            log = None
+        except Exception as err:  # any error of the code under test is a finding
+            self.problems.append(f"{what}: the episode raised {type(err).__name__}: {err}")
             log = None
         if env.closes != 1:
             self.problems.append(f"{what}: close() was called {env.closes} times, not once")
