@@ -56,7 +56,7 @@ class EpisodeLog:
     done: bool = False
     truncated: str | None = None  # "max_turns" | "context" | None
     finish_reason: str = "stop"
-    tool_calls: int = 0
+    tool_calls: int = 0  # call attempts, malformed ones included
     invalid_calls: int = 0
     engine_seconds: float = 0.0
     tool_seconds: float = 0.0
@@ -135,7 +135,8 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
             closing = renderer.close_turn(ended)
             if action.tool_calls or action.errors:
                 messages, calls = [], []
-                for err in action.errors:
+                for err in action.errors:  # a call that could not be read still counts as one
+                    log.tool_calls += 1
                     log.invalid_calls += 1
                     messages.append({"role": "tool", "content": f"error: {err}"})
                     calls.append({"error": err})

@@ -30,6 +30,10 @@ class EvalRound:
     versions_used: list[int] = field(default_factory=list)
     #: eval group id -> source of its prompt (mixtures only)
     sources: dict[str, str] = field(default_factory=dict)
+    #: eval group id -> the prompt's ``difficulty`` (payloads that have one)
+    difficulty: dict[str, str] = field(default_factory=dict)
+    #: multi-turn episode statistics of the round's episodes (``TrajectoryRef.stats``)
+    stats: list[dict[str, float]] = field(default_factory=list)
     #: the finished record; written once every earlier round of the policy is written too
     result: dict[str, Any] | None = None
     written: bool = False
@@ -62,6 +66,8 @@ class EvalRounds:
         for i, payload in enumerate(self.payloads):
             gid = f"eval-v{version}-{i}"
             rnd.sources[gid] = self.sources[i]
+            if "difficulty" in payload:
+                rnd.difficulty[gid] = str(payload["difficulty"])
             tasks += [RolloutTask(task_id=f"{gid}/{j}", group_id=gid, policies=tuple(self.policies),
                                   workflow=self.workflow, prompt=payload, kind="eval", sampling=sampling,
                                   min_version=version)
@@ -83,6 +89,8 @@ class EvalRounds:
         """An evaluation task completed."""
         rnd = self.rounds[task.min_version]
         rnd.rewards.setdefault(task.group_id, []).append(ref.score)
+        if ref.stats:
+            rnd.stats.append(dict(ref.stats))
         first = self.policies[0]
         rnd.versions_used += [s.policy_tokens[first][1] for s in ref.sequences if first in s.policy_tokens]
         rnd.remaining -= 1
@@ -115,6 +123,15 @@ class EvalRounds:
             "eval_version_max": max(rnd.versions_used, default=version),
             "eval_seconds": time.time() - rnd.started,
         }
+        result.update(episode_summary(rnd.stats, prefix="eval_"))
+        if rnd.difficulty:
+            levels: dict[str, list[list[float]]] = {}
+            for gid, r in rnd.rewards.items():
+                levels.setdefault(rnd.difficulty.get(gid, "?"), []).append(r)
+            result["eval_by_difficulty"] = {
+                d: {"accuracy": float(np.mean([np.mean(r) for r in rs])),
+                    f"pass@{rnd.k}": float(np.mean([max(r) > 0 for r in rs])), "prompts": len(rs)}
+                for d, rs in sorted(levels.items())}
         if self.by_source:
             by_source: dict[str, list[float]] = {}
             for gid, r in rnd.rewards.items():
@@ -137,3 +154,20 @@ class EvalRounds:
             r.written = True
             self.results.append(r.result)
             self._write(r.result)
+
+
+def episode_summary(stats: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    """Means of multi-turn episode statistics (none for single-turn episodes): turns per
+    episode, tool calls per episode, the invalid-call rate (invalid calls per call attempted,
+    malformed ones included),
+    the truncated fraction and the share of episode time spent in tools and environments."""
+    if not stats:
+        return {}
+    total = {k: float(sum(s.get(k, 0.0) for s in stats)) for k in
+             ("turns", "tool_calls", "invalid_calls", "truncated", "engine_s", "tool_s", "env_s")}
+    n = len(stats)
+    busy = total["engine_s"] + total["tool_s"] + total["env_s"]
+    return {f"{prefix}turns": total["turns"] / n, f"{prefix}tool_calls": total["tool_calls"] / n,
+            f"{prefix}invalid_call_rate": total["invalid_calls"] / max(total["tool_calls"], 1.0),
+            f"{prefix}truncated_frac": total["truncated"] / n,
+            f"{prefix}env_time_fraction": (total["tool_s"] + total["env_s"]) / busy if busy > 0 else 0.0}

@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from astraflow.contracts import TrajectoryRef
 from astraflow.dataflow.config import DataflowConfig
+from astraflow.dataflow.evals import episode_summary
 from astraflow.dataflow.mixing import Mixer
 from storage.atomic import write_json
 
@@ -42,12 +43,27 @@ class Generated:
     #: tokens a policy sampled (prompt and tool/environment tokens are not counted)
     tokens: int = 0
 
+    #: multi-turn statistics of the training episodes since a policy's last step record
+    episode_stats: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    _before_first: list[dict[str, float]] = field(default_factory=list)
+
     def add(self, ref: TrajectoryRef) -> None:
+        if ref.stats and ref.kind != "eval":
+            for window in self.episode_stats.values():
+                window.append(dict(ref.stats))
+            if not self.episode_stats:  # before any step record: kept for every policy's first
+                self._before_first.append(dict(ref.stats))
         self.episodes += 1
         self.sequences += len(ref.sequences)
         if ref.kind != "eval":
             self.train_sequences += len(ref.sequences)
         self.tokens += sum(n for s in ref.sequences for n, _ in s.policy_tokens.values())
+
+    def take_episode_stats(self, policy: str) -> list[dict[str, float]]:
+        """The training episodes' statistics since ``policy``'s previous call."""
+        out = self.episode_stats.get(policy, self._before_first)
+        self.episode_stats[policy] = []
+        return out
 
     def rates(self, elapsed: float) -> dict[str, float]:
         """The throughput names of ``astraflow.contracts``, averaged over ``elapsed`` seconds."""
@@ -91,7 +107,9 @@ def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str,
     sequence, ``trainer_wait_s`` and ``rollouts_per_consumed`` (training sequences generated
     per sequence consumed: the price of filtering and staleness). With several sources
     (``mix``, ``by_source``): ``consumed_by_source`` (cumulative sequences of each source
-    consumed by this policy) and ``groups_by_source`` (train groups created)."""
+    consumed by this policy) and ``groups_by_source`` (train groups created). Multi-turn runs
+    add ``episode_turns``, ``episode_tool_calls``, ``episode_invalid_call_rate``,
+    ``episode_truncated_frac`` and ``episode_env_time_fraction`` (``evals.episode_summary``)."""
     return {
         "step": version,
         "policy": policy,
@@ -114,6 +132,8 @@ def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str,
         "rollouts_generated": generated.train_sequences,
         "rollouts_per_consumed": generated.train_sequences / max(counts["consumed"], 1),
         **generated.rates(elapsed),
+        # multi-turn episodes: means over the training episodes since the previous step
+        **episode_summary(generated.take_episode_stats(policy), prefix="episode_"),
         "trainer_wait_s": trainer_wait_s,
         "node_versions": node_versions,
         **(by_source or {}),

@@ -17,7 +17,7 @@ from typing import Mapping
 import numpy as np
 
 from astraflow.agents.chat import ChatRenderer
-from astraflow.agents.episode import run_agent_episode
+from astraflow.agents.episode import EpisodeLog, run_agent_episode
 from astraflow.contracts import NOT_GENERATED, RolloutTask, Sequence, Trajectory
 from astraflow.rollout.engine import InferenceEngine
 from astraflow.rollout.workflows import WORKFLOWS, WorkflowBase, sampling_for
@@ -51,13 +51,19 @@ class AgentWorkflow(WorkflowBase):
         env = self.workload.environment()
         log = await run_agent_episode(generate, self.renderer(engine), env, task.prompt,
                                       self.workload.limits(params.max_new_tokens))
-        arrays = log.arrays()
-        policy_ids = np.where(arrays["loss_mask"], 0, NOT_GENERATED).astype(np.int16)
-        seq = Sequence(tokens=arrays["tokens"], loss_mask=arrays["loss_mask"], logprobs=arrays["logprobs"],
-                       policy_ids=policy_ids, versions=arrays["versions"], reward=log.reward,
-                       rewards={"final": log.final_reward, "turns": float(sum(log.turn_rewards))},
-                       finish_reason="length" if log.truncated else "stop")
-        traj = self.trajectory(task, [seq], t0, log.engine_seconds)
+        traj = self.trajectory(task, [episode_sequence(log)], t0, log.engine_seconds)
         return replace(traj, score=log.success, stats=log.stats(),
                        episode={"task": dict(task.prompt), "turns": log.turns,
                                 "truncated": log.truncated, "final_reward": log.final_reward})
+
+
+def episode_sequence(log: EpisodeLog) -> Sequence:
+    """The stored sequence of an episode: its reward is the episode's return (final plus
+    per-turn rewards), which GRPO normalises within the group, so every generated token of the
+    episode gets the same advantage; ``rewards`` keeps the two parts."""
+    arrays = log.arrays()
+    policy_ids = np.where(arrays["loss_mask"], 0, NOT_GENERATED).astype(np.int16)
+    return Sequence(tokens=arrays["tokens"], loss_mask=arrays["loss_mask"], logprobs=arrays["logprobs"],
+                    policy_ids=policy_ids, versions=arrays["versions"], reward=log.reward,
+                    rewards={"final": log.final_reward, "turns": float(sum(log.turn_rewards))},
+                    finish_reason="length" if log.truncated else "stop")

@@ -1,0 +1,53 @@
+"""Multi-turn statistics in step records and evaluation rounds (per difficulty)."""
+
+from __future__ import annotations
+
+from astraflow.contracts import RolloutTask, SequenceSummary, TrajectoryRef
+from astraflow.dataflow.evals import EvalRounds, episode_summary
+from astraflow.dataflow.record import Generated
+from storage.trajectories import EntryRef
+
+
+def ref(task_id: str, score: float, kind: str = "train", **stats) -> TrajectoryRef:
+    summary = SequenceSummary(ref=EntryRef(segment="s", index=0), reward=score, policy_tokens={"p": (5, 0)},
+                              num_tokens=20, finish_reason="stop")
+    base = {"turns": 2.0, "tool_calls": 1.0, "invalid_calls": 0.0, "truncated": 0.0, "success": score,
+            "engine_s": 1.0, "tool_s": 0.5, "env_s": 0.5}
+    return TrajectoryRef(task_id=task_id, group_id=task_id.split("/")[0], kind=kind, attempt=0, node="n",
+                         sequences=(summary,), score=score, stats={**base, **stats})
+
+
+def test_episode_summary_means_and_rates():
+    s = episode_summary([ref("a/0", 1).stats, ref("a/1", 0, invalid_calls=1.0, tool_calls=3.0, truncated=1.0).stats],
+                        prefix="x_")
+    assert s == {"x_turns": 2.0, "x_tool_calls": 2.0, "x_invalid_call_rate": 0.25, "x_truncated_frac": 0.5,
+                 "x_env_time_fraction": 0.5}
+    assert episode_summary([], prefix="x_") == {}
+
+
+def test_step_windows_are_per_policy():
+    g = Generated()
+    g.add(ref("a/0", 1))
+    g.add(ref("e/0", 1, kind="eval", turns=9.0))  # evaluation episodes are not training statistics
+    assert [s["turns"] for s in g.take_episode_stats("p")] == [2.0]
+    assert [s["turns"] for s in g.take_episode_stats("q")] == [2.0]  # its first record sees them too
+    g.add(ref("b/0", 0, turns=4.0))
+    assert [s["turns"] for s in g.take_episode_stats("p")] == [4.0]
+    assert g.take_episode_stats("p") == [] and len(g.take_episode_stats("q")) == 1
+
+
+def test_eval_round_reports_difficulty_and_episode_stats():
+    written = []
+    payloads = [{"q": 1, "difficulty": 1}, {"q": 2, "difficulty": 2}, {"q": 3, "difficulty": 2}]
+    rounds = EvalRounds(payloads, [""] * 3, k=2, policies=["p"], workflow="agent", by_source=False, started=0.0,
+                        write=written.append)
+    tasks = rounds.start(0)
+    scores = {"eval-v0-0": [1, 1], "eval-v0-1": [1, 0], "eval-v0-2": [0, 0]}
+    for t in tasks:
+        gid, j = t.group_id, int(t.task_id.split("/")[1])
+        rounds.record(t, ref(t.task_id, scores[gid][j], kind="eval", invalid_calls=float(j)))
+    (rec,) = written
+    assert rec["eval_accuracy"] == (1 + 0.5 + 0) / 3 and rec["eval_pass@2"] == 2 / 3
+    assert rec["eval_by_difficulty"] == {"1": {"accuracy": 1.0, "pass@2": 1.0, "prompts": 1},
+                                         "2": {"accuracy": 0.25, "pass@2": 0.5, "prompts": 2}}
+    assert rec["eval_turns"] == 2.0 and rec["eval_invalid_call_rate"] == 0.5
