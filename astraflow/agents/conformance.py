@@ -29,12 +29,11 @@ import inspect
 import json
 import random
 import string
-from dataclasses import dataclass
 from typing import Any, Mapping
 
-import numpy as np
 
 from astraflow.agents.chat import ChatRenderer
+from astraflow.agents.demos import _turn
 from astraflow.agents.env import EpisodeError, check_messages, signature_problems
 from astraflow.agents.episode import AgentLimits, EpisodeLog, _timed, run_agent_episode
 from astraflow.agents.tools import format_call
@@ -59,17 +58,6 @@ def assert_conforms(workload: Any, **kwargs: Any) -> None:
     problems = check_environment(workload, **kwargs)
     if problems:
         raise AssertionError(f"{type(workload).__name__} does not conform:\n  - " + "\n  - ".join(problems))
-
-
-@dataclass
-class _Turn:
-    """A scripted turn in the shape ``run_agent_episode`` expects from an engine."""
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    finish_reason: str
-    engine_seconds: float = 0.0
 
 
 class _Counted:
@@ -277,16 +265,13 @@ class _Suite:
         env = type(type(inner).__name__, (_Counted,), {})(inner)
         tok, eos = self.tok, self.renderer.eos_id
 
-        async def generate(tokens: list[int], max_new: int) -> _Turn:
+        async def generate(tokens: list[int], max_new: int) -> Any:
             text = turn(env.env)
             text = await text if inspect.isawaitable(text) else text
             if not isinstance(text, str):
                 raise EpisodeError(f"the scripted turn is {type(text).__name__}, not text")
             ids = list(tok.encode(text, add_special_tokens=False)) + ([eos] if eos is not None else [])
-            finish = "stop" if len(ids) <= max_new else "length"
-            ids = ids[:max_new]
-            n = len(ids)
-            return _Turn(np.array(ids, np.int64), np.zeros(n, np.float32), np.zeros(n, np.int32), finish)
+            return _turn(ids[:max_new], "stop" if len(ids) <= max_new else "length")
 
         tools = getattr(env.tools, "tools", {})
         tool_s = max([float(t.timeout_s) for t in tools.values()], default=0.0) * max(1, len(tools))

@@ -47,6 +47,12 @@ def test_every_registered_agentic_workload_conforms(name, tok):
     assert_conforms(make_workload(name, {}, seed=0), n_tasks=4, tokenizer=tok)
 
 
+def test_the_test_toy_workload_conforms(tok):
+    from tests.agents.toy import LookupWorkload
+
+    assert_conforms(LookupWorkload(), n_tasks=4, tokenizer=tok)
+
+
 # -- a small good environment, and broken variants of it -------------------------------------------
 
 

@@ -16,12 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(180)
 def test_calculator_example_runs(tiny_model, tmp_path):
     data = yaml.safe_load((ROOT / "examples" / "calculator" / "config.yaml").read_text())
     data["policies"][0]["model"] = str(tiny_model)
     data["policies"][0].pop("init")  # an untrained model: this checks the path, not learning
-    data["run"].update(max_steps=2, timeout_s=90)
+    data["run"].update(max_steps=2, timeout_s=100)
     data["workload"].update(group_size=4, eval={"every": 2, "num_prompts": 4})
     data["workload"]["params"].update(num_train=50, num_test=10)
     data["workload"]["sampling"]["max_new_tokens"] = 32
@@ -32,7 +32,7 @@ def test_calculator_example_runs(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "astraflow", "run", str(cfg), "--run-dir", str(run_dir), "--quiet"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=150,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
