@@ -227,6 +227,7 @@ def _user_check(tmp_path: Path, module: str, name: str = "mymod") -> subprocess.
     ({**GOOD, "reset": "async def reset(self):\n        task = None"}, 2, "MyEnv.reset must take (self, task)"),
     ({**GOOD, "reset": "import no_such_module_\n\n    async def reset(self, task):"}, 2,
      "cannot import 'mymod' (No module named 'no_such_module_')"),
+    ({**GOOD, "reset": "async def reset(self, task)"}, 2, "importing 'mymod' raised SyntaxError"),
 ])
 def test_user_environment_through_astraflow_check(tmp_path, methods, code, needle):
     proc = _user_check(tmp_path, textwrap.dedent(USER_MODULE.format(**methods)))
