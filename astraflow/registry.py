@@ -39,6 +39,9 @@ class Registry(Generic[T]):
             except ImportError as err:
                 raise ValueError(f"{self.kind} {module}:{name}: cannot import {module!r} ({err}); run from "
                                  "the directory that holds it, or install its package") from None
+            except Exception as err:  # a user's module that fails as it runs: name it, no traceback
+                raise ValueError(f"{self.kind} {module}:{name}: importing {module!r} raised "
+                                 f"{type(err).__name__}: {err}") from None
             if name not in self._items and hasattr(mod, name):  # a class the module did not register
                 return getattr(mod, name)
         return self.get(name)

@@ -1,0 +1,236 @@
+"""The conformance suite, run on every agentic workload in the registry (a workload added to
+``BUILTIN_MODULES`` is picked up here with no change), on deliberately broken environments
+(each must be reported), and through ``astraflow check`` on a user's module in ``tmp_path``.
+
+To check your own environment, in a test of yours::
+
+    from astraflow.agents.conformance import assert_conforms
+    assert_conforms(MyWorkload())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from astraflow.agents.conformance import assert_conforms, check_environment
+from astraflow.agents.env import Action, EnvironmentBase, StepResult
+from astraflow.agents.tools import ToolBox, format_call, tool
+from astraflow.agents.workload import AgentParams, AgentWorkload, is_agentic
+from astraflow.models import build_tokenizer
+from astraflow.workloads.base import BUILTIN_MODULES, WORKLOADS, make_workload
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def agentic_workloads() -> list[str]:
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
+    return [n for n in WORKLOADS.names() if is_agentic(WORKLOADS.get(n))]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.mark.parametrize("name", agentic_workloads())
+def test_every_registered_agentic_workload_conforms(name, tok):
+    assert_conforms(make_workload(name, {}, seed=0), n_tasks=4, tokenizer=tok)
+
+
+def test_the_test_toy_workload_conforms(tok):
+    from tests.agents.toy import LookupWorkload
+
+    assert_conforms(LookupWorkload(), n_tasks=4, tokenizer=tok)
+
+
+# -- a small good environment, and broken variants of it -------------------------------------------
+
+
+@tool
+def echo(text: str) -> str:
+    """Repeat the text."""
+    return text
+
+
+class EchoEnv(EnvironmentBase):
+    """Say the task's word; an ``echo`` tool helps."""
+
+    step_timeout_s = 1.0
+
+    def __init__(self):
+        super().__init__()
+        self.tools = ToolBox([echo])
+
+    async def reset(self, task):
+        self.task, self.turn = task, 0
+        return [{"role": "user", "content": f"say {task['word']}"}]
+
+    async def step(self, action: Action) -> StepResult:
+        ok = float(action.text.strip() == self.task["word"])
+        return StepResult(reward=ok, done=True, info={"success": ok})
+
+    def expert_action(self) -> str:
+        self.turn += 1
+        return format_call("echo", {"text": self.task["word"]}) if self.turn == 1 else self.task["word"]
+
+
+class EchoWorkload(AgentWorkload):
+    env_cls = EchoEnv
+
+    def tasks(self, split):
+        return [{"word": w} for w in (["alpha", "beta", "gamma"] if split == "train" else ["delta"])]
+
+    def environment(self):
+        return self.env_cls()
+
+
+def broken(**methods):
+    """``EchoWorkload`` with its environment's ``methods`` replaced."""
+    env_cls = type("Broken", (EchoEnv,), methods)
+    return type("BrokenWorkload", (EchoWorkload,), {"env_cls": env_cls})()
+
+
+async def _raise_on_garbage(self, action):
+    if action.text.strip() not in ("alpha", "beta", "gamma", "delta"):
+        raise ValueError("cannot parse the answer")
+    return await EchoEnv.step(self, action)
+
+
+async def _hang(self, action):
+    await asyncio.sleep(30)
+
+
+async def _random_reset(self, task):
+    self.task, self.turn = task, 0
+    return [{"role": "user", "content": f"say {task['word']} #{random.random()}"}]
+
+
+async def _no_messages(self, task):
+    self.task = task
+    return []
+
+
+async def _bad_close(self):
+    raise OSError("socket already closed")
+
+
+async def _never_done(self, action):
+    return StepResult(observation=[{"role": "user", "content": "again"}])
+
+
+class _DuplicateTools:
+    tools: dict = {}
+
+    def schemas(self):
+        s = {"type": "function", "function": {"name": "t", "description": "d", "parameters": {"type": "object"}}}
+        return [s, s, {"type": "function", "function": {"name": "u", "description": "", "parameters": {}}}]
+
+
+class Shared(EchoWorkload):
+    def __init__(self):
+        super().__init__()
+        self.env = EchoEnv()
+
+    def environment(self):
+        return self.env
+
+
+class NotJson(EchoWorkload):
+    def tasks(self, split):
+        return [{"word": "alpha", "tags": {"a"}}]
+
+
+class Unstable(EchoWorkload):
+    def tasks(self, split):
+        return [{"word": w} for w in random.sample(["alpha", "beta", "gamma"], 3)]
+
+
+def test_a_good_environment_conforms(tok):
+    assert check_environment(EchoWorkload(), tokenizer=tok) == []
+
+
+@pytest.mark.parametrize("workload,needle", [
+    (broken(step=_raise_on_garbage), "on random text ('"),
+    (broken(step=_raise_on_garbage), "the episode failed: Broken.step raised ValueError: cannot parse"),
+    (broken(step=_hang), "ran past its 1 s deadline"),
+    (broken(reset=_random_reset), "reset(task 0) returned different messages"),
+    (broken(reset=_no_messages), "reset(task 0) returned no message"),
+    (broken(close=_bad_close), "close() raised OSError: socket already closed"),
+    (broken(step=_never_done), "replaying the expert on task 0 did not succeed: it was truncated (max_turns)"),
+    (broken(expert_action=lambda self: "omega"), "replaying the expert on task 0 did not succeed: success 0.0"),
+    (broken(__init__=lambda self: (EchoEnv.__init__(self), setattr(self, "tools", _DuplicateTools()))[0]),
+     "tool names must be unique; repeated: ['t']"),
+    (broken(__init__=lambda self: (EchoEnv.__init__(self), setattr(self, "tools", _DuplicateTools()))[0]),
+     "tool u: parameters must be a JSON schema of type 'object'"),
+    (broken(step=lambda self, action: StepResult(done=True)), "Broken.step must be 'async def'"),
+    (Shared(), "environment() returned the same instance twice"),
+    (NotJson(), "tasks('train')[0] is not a JSON object that survives a round trip"),
+    (Unstable(), "tasks('train') differs between two calls"),
+])
+def test_a_broken_environment_is_reported(workload, needle, tok):
+    problems = check_environment(workload, n_tasks=2, tokenizer=tok)
+    assert any(needle in p for p in problems), problems
+    with pytest.raises(AssertionError, match="does not conform"):
+        assert_conforms(workload, n_tasks=2, tokenizer=tok)
+
+
+# -- a user's environment, written only here, through `astraflow check` ---------------------------
+
+USER_MODULE = '''
+from astraflow.agents.env import EnvironmentBase, StepResult
+from astraflow.agents.workload import AgentWorkload
+
+
+class MyEnv(EnvironmentBase):
+    {reset}
+        self.task = task
+        return [{{"role": "user", "content": "say hi"}}]
+
+    {step}
+        return StepResult(reward=float(action.text == "hi"), done=True)
+
+
+class MyWorkload(AgentWorkload):
+    def tasks(self, split):
+        return [{{"id": 0}}]
+
+    def environment(self):
+        return MyEnv()
+'''
+
+GOOD = {"reset": "async def reset(self, task):", "step": "async def step(self, action):"}
+
+
+def _user_check(tmp_path: Path, module: str, name: str = "mymod") -> subprocess.CompletedProcess:
+    (tmp_path / f"{name}.py").write_text(module)
+    data = yaml.safe_load((ROOT / "examples" / "tiny" / "config.yaml").read_text())
+    data["policies"][0]["model"] = str(tmp_path / "model")
+    data["workload"] = {"name": f"{name}:MyWorkload", "workflow": "agent", "group_size": 4}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    return subprocess.run([sys.executable, "-m", "astraflow", "check", "config.yaml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("methods,code,needle", [
+    (GOOD, 0, "name: mymod:MyWorkload"),
+    ({**GOOD, "step": "def step(self, action):"}, 2, "MyEnv.step must be 'async def'"),
+    ({**GOOD, "reset": "async def reset(self):\n        task = None"}, 2, "MyEnv.reset must take (self, task)"),
+    ({**GOOD, "reset": "import no_such_module_\n\n    async def reset(self, task):"}, 2,
+     "cannot import 'mymod' (No module named 'no_such_module_')"),
+    ({**GOOD, "reset": "async def reset(self, task)"}, 2, "importing 'mymod' raised SyntaxError"),
+])
+def test_user_environment_through_astraflow_check(tmp_path, methods, code, needle):
+    proc = _user_check(tmp_path, textwrap.dedent(USER_MODULE.format(**methods)))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == code, out
+    assert needle in out and "Traceback" not in out, out
