@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -153,3 +154,61 @@ def test_endpoint_parses_the_query(server):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(f"{server}/astraflow/api/episodes.json?limit=0&min_reward=x")
     assert err.value.code == 400 and "limit" in json.loads(err.value.read())["error"]
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(180)
+def test_page_shows_episode_turns_and_filters_in_a_browser(server, tmp_path):
+    from tests.monitoring.test_monitoring import _driver
+
+    driver = _driver(tmp_path)  # skips where chromium or selenium is missing
+    try:
+        driver.get(f"{server}/astraflow?refresh=300")
+
+        def js(script: str, *args):
+            return driver.execute_script(script, *args)
+
+        def shown(deadline_s: float = 30.0, want=None) -> list[str]:
+            """Task ids of the episodes on the page, once there are some (and they are ``want``)."""
+            deadline = time.time() + deadline_s
+            while True:
+                got = js("return Array.from(document.querySelectorAll('#episodes .episode')).map(e => e.dataset.task);")
+                if got and (want is None or got == want) or time.time() > deadline:
+                    return got
+                time.sleep(0.1)
+
+        got = shown()
+        assert got[:3] == ["ag-truncated", "ag-hostile", "ag-solved"], got
+        # the solved episode turn by turn: the tool call and its result, weight versions, rewards
+        turns = js("""const e = document.querySelector('[data-task="ag-solved"]'); e.open = true;
+                      return Array.from(e.querySelectorAll('.turn')).map(t => [t.dataset.kind, t.textContent]);""")
+        assert [k for k, _ in turns] == ["observation", "model", "tool", "model", "env"]
+        assert "user: 2+3?" in turns[0][1]
+        assert "v3" in turns[1][1] and "<tool_call>" in turns[1][1]
+        assert 'add({"a":2,"b":3})' in turns[2][1] and "→ 5" in turns[2][1]
+        assert "reward 1.000" in turns[4][1] and "done" in turns[4][1]
+        summary = js("return document.querySelector('[data-task=\"ag-solved\"] summary').textContent;")
+        assert "reward 1.000 (final 1.000, turns 0.000)" in summary and "arith" in summary
+        # model output is shown as text, never as markup
+        text = js("""const e = document.querySelector('[data-task="ag-hostile"]');
+                     return e.querySelectorAll('.turn-model pre')[1].textContent;""")
+        assert text == HOSTILE
+        assert js("return document.querySelector('#episodes img') === null && window.pwned === undefined;")
+        assert "truncated: max_turns" in js(
+            "return document.querySelector('[data-task=\"ag-truncated\"] summary').textContent;")
+        assert "no turn log" in js("return document.querySelector('[data-task=\"st-5-1\"]').textContent;")
+        js("document.querySelector('[data-task=\"ag-hostile\"]').open = true;"
+           "document.getElementById('episodes-section').scrollIntoView();")
+        driver.save_screenshot(str(tmp_path / "episodes.png"))
+        print(f"\nscreenshot of the episode viewer: {tmp_path / 'episodes.png'}")
+        # filters: a workload, then a reward range
+        js("const s = document.getElementById('ep-workload'); s.value = 'arith'; document.getElementById('ep-apply').click();")
+        assert shown(want=["ag-solved"]) == ["ag-solved"]
+        js("""document.getElementById('ep-workload').value = '';
+              document.getElementById('ep-min').value = '0.35'; document.getElementById('ep-max').value = '0.45';
+              document.getElementById('ep-apply').click();""")
+        assert shown(want=["st-4-1", "st-4-0"]) == ["st-4-1", "st-4-0"]
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and e["source"] != "network"]
+        assert not errors, errors
+    finally:
+        driver.quit()
