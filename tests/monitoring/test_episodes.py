@@ -100,6 +100,8 @@ def test_budget_sample_and_cache(tok, tmp_path, monkeypatch):
     got = [cold.view(EpisodeQuery(limit=20, sample=0)) for _ in range(3)]
     assert [(len(g.recent), g.partial) for g in got] == [(2, True), (9, True), (15, False)]
     assert ids(got[1].recent) == ids(got[2].recent)[:9]
+    small = EpisodeReader(run_dir, cache_entries=2)  # memory stays bounded, the answer is the same
+    assert small.view(EpisodeQuery(limit=20, sample=0)).recent == got[2].recent and small._cached <= 2
     # a batch published later is on top at the next request
     w = open_trajectory_store(str(RunPaths(run_dir).trajectories), "a", durable=False).writer("rollout-2")
     w.write(single_turn("late", reward=0.9, kind="eval").to_stored())

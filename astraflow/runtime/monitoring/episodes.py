@@ -179,13 +179,15 @@ class EpisodeReader:
     """Reads episodes of one run directory; keeps the batches it read (they never change).
     Not thread-safe: the dashboard calls it from one thread."""
 
-    def __init__(self, run_dir: str | Path, *, read_budget: int = 64, cache_batches: int = 1024):
+    def __init__(self, run_dir: str | Path, *, read_budget: int = 32, cache_entries: int = 4096):
         """``read_budget``: batches not yet cached read per request at most (half for the
-        newest, plus one per segment, half for the sample); ``cache_batches``: batches kept."""
+        newest, plus one per segment, half for the sample); ``cache_entries``: entries kept
+        (whole batches, least recently used dropped first: it bounds the memory used)."""
         self.paths = RunPaths(run_dir)
         self.read_budget = read_budget
-        self.cache_batches = cache_batches
+        self.cache_entries = cache_entries
         self._cache: OrderedDict[tuple[str, int], list[EpisodeView]] = OrderedDict()
+        self._cached = 0  # entries in the cache
         self._store: TrajectoryStore | None = None
         self._config: tuple[float, dict[str, Any]] | None = None
         self._workload = ""  # the run's workload name: an episode's workload when its payload names no source
@@ -211,8 +213,9 @@ class EpisodeReader:
             return None
         budget[0] -= 1
         got = self._cache[key] = episode_views(store.batch(*key), self._workload)
-        while len(self._cache) > self.cache_batches:
-            self._cache.popitem(last=False)
+        self._cached += len(got)
+        while self._cached > self.cache_entries and len(self._cache) > 1:
+            self._cached -= len(self._cache.popitem(last=False)[1])
         return got
 
     def view(self, q: EpisodeQuery) -> EpisodesView:
