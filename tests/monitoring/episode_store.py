@@ -8,13 +8,13 @@ import asyncio
 import time
 from pathlib import Path
 
-import numpy as np
 import yaml
 
 from astraflow.agents.chat import ChatRenderer
 from astraflow.agents.episode import AgentLimits, run_agent_episode
 from astraflow.agents.tools import format_call
-from astraflow.contracts import NOT_GENERATED, Provenance, Sequence, Trajectory
+from astraflow.contracts import Provenance, Sequence, Trajectory
+from astraflow.rollout.agent import episode_sequence
 from storage.paths import RunPaths
 from storage.trajectories import open_trajectory_store
 
@@ -29,13 +29,9 @@ def agentic(tok, task_id: str, turns: list[str], task: dict, *, version: int = 3
     """One episode of ``SumEnv`` on ``task``, stored as the ``agent`` workflow stores it."""
     log = asyncio.run(run_agent_episode(scripted(tok, turns, version), ChatRenderer(tok), SumEnv(shaped=0.25),
                                         task, AgentLimits(max_turns=max_turns)))
-    a = log.arrays()
-    seq = Sequence(tokens=a["tokens"], loss_mask=a["loss_mask"], logprobs=a["logprobs"],
-                   policy_ids=np.where(a["loss_mask"], 0, NOT_GENERATED).astype(np.int16), versions=a["versions"],
-                   reward=log.reward, rewards={"final": log.final_reward, "turns": float(sum(log.turn_rewards))},
-                   finish_reason="length" if log.truncated else "stop")
     return Trajectory(task_id=task_id, group_id=f"g-{task_id}", policies=("solver",), workflow="agent", kind=kind,
-                      attempt=0, sequences=(seq,), provenance=Provenance(node="rollout-0", started_at=time.time()),
+                      attempt=0, sequences=(episode_sequence(log),),
+                      provenance=Provenance(node="rollout-0", started_at=time.time()),
                       score=log.success, stats=log.stats(),
                       episode={"task": dict(task), "turns": log.turns, "truncated": log.truncated,
                                "final_reward": log.final_reward})
