@@ -6,12 +6,16 @@ the same server (same port, same bind address, a link in the dashboard's top bar
 * ``/astraflow`` — the page (``static/astraflow.html`` + ``astraflow.js``, no CDN: it works
   on a compute node without internet), refreshed every 2 s from the two endpoints below;
 * ``/astraflow/api/status.json`` — :class:`astraflow.runtime.monitoring.StatusView`;
-* ``/astraflow/api/metrics.json`` — :class:`astraflow.runtime.monitoring.MetricsView`.
+* ``/astraflow/api/metrics.json`` — :class:`astraflow.runtime.monitoring.MetricsView`;
+* ``/astraflow/api/episodes.json?limit=&sample=&workload=&policy=&kind=&min_reward=&max_reward=``
+  — :class:`astraflow.runtime.monitoring.episodes.EpisodesView`: the newest stored episodes and
+  a sample of older ones, turn by turn, for the page's episode viewer (fetched on demand).
 
 Loaded with ``dask scheduler --preload astraflow.runtime.dashboard``; the run directory comes
 from ``ASTRAFLOW_RUN_DIR`` (set by :class:`astraflow.runtime.cluster.SchedulerProcess`). The
-endpoints only read files of the run directory (the orchestrator's ``control/status.json`` and
-the data layer's ``metrics.jsonl``), so the page never slows the scheduler or the run down.
+endpoints only read files of the run directory (the orchestrator's ``control/status.json``, the
+data layer's ``metrics.jsonl``, the trajectory store's newest batches: a bounded read per request,
+on a thread of its own, off the scheduler's event loop), so the page never slows the run down.
 """
 
 from __future__ import annotations
@@ -19,11 +23,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pydantic import ValidationError
 from tornado import web
+from tornado.ioloop import IOLoop
 
 from astraflow.runtime.monitoring import MetricsReader, build_status_view
+from astraflow.runtime.monitoring.episodes import EpisodeQuery, EpisodeReader
 
 log = logging.getLogger("astraflow.dashboard")
 
@@ -62,6 +70,24 @@ class MetricsHandler(_JSON):
         self.finish(self.reader.view().model_dump_json())
 
 
+class EpisodesHandler(_JSON):
+    def initialize(self, reader: EpisodeReader, pool: ThreadPoolExecutor) -> None:
+        self.reader, self.pool = reader, pool
+
+    async def get(self) -> None:
+        args = {k: v for k in EpisodeQuery.model_fields if (v := self.get_argument(k, "").strip())}
+        try:
+            query = EpisodeQuery.model_validate(args)
+        except ValidationError as err:
+            return self._fail(400, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()))
+        try:  # the reader's one thread: store reads never block the scheduler's event loop
+            view = await IOLoop.current().run_in_executor(self.pool, self.reader.view, query)
+        except Exception as err:  # e.g. a store of another layout version: the page shows why
+            log.warning("episodes.json: %s", err, exc_info=True)
+            return self._fail(500, f"{type(err).__name__}: {err}")
+        self.finish(view.model_dump_json())
+
+
 class PageHandler(web.RequestHandler):
     def get(self) -> None:
         self.set_header("Content-Type", "text/html; charset=utf-8")
@@ -77,10 +103,13 @@ class StaticHandler(web.StaticFileHandler):
 def routes(run_dir: Path) -> list[tuple]:
     """The AstraFlow routes for ``run_dir`` (also used by tests on a plain tornado app)."""
     reader = MetricsReader(run_dir)
+    episodes = {"reader": EpisodeReader(run_dir),
+                "pool": ThreadPoolExecutor(max_workers=1, thread_name_prefix="astraflow-episodes")}
     return [
         (rf"/{PAGE}/?", PageHandler),
         (rf"/{PAGE}/api/status\.json", StatusHandler, {"run_dir": run_dir}),
         (rf"/{PAGE}/api/metrics\.json", MetricsHandler, {"reader": reader}),
+        (rf"/{PAGE}/api/episodes\.json", EpisodesHandler, episodes),
         (rf"/{PAGE}/static/(.*)", StaticHandler, {"path": str(STATIC)}),
     ]
 

@@ -7,7 +7,8 @@ the narrow interface between them.
 
 Rooms: ``layout`` (the schema: arrays, dtypes, index columns, marker and entry records),
 ``writer`` (``SegmentWriter``: appending and committing), ``reader`` (``open_trajectory_store``,
-``TrajectoryStore``: what is committed, reading entries), ``backends`` (where the bytes live).
+``TrajectoryStore``: what is committed, reading entries, and ``batch``: one published batch
+without its tokens, for monitors), ``backends`` (where the bytes live).
 
 Layout and commit protocol
 --------------------------
@@ -51,10 +52,11 @@ from storage.trajectories.layout import (
     SegmentConflict,
     StoredSequence,
 )
-from storage.trajectories.reader import TrajectoryStore, open_trajectory_store
+from storage.trajectories.reader import CommittedBatch, TrajectoryStore, open_trajectory_store
 from storage.trajectories.writer import SegmentWriter
 
 __all__ = [
+    "CommittedBatch",
     "FLAT_DTYPES",
     "INDEX_COLUMNS",
     "LAYOUT_VERSION",

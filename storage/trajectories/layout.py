@@ -93,12 +93,13 @@ class Marker:
     tok_start: int  # token range [tok_start, tok_end)
     tok_end: int
     strings: dict[str, list[str]]
+    written_at: float = 0.0  # the writer's time.time() when it published the batch
 
     @classmethod
     def parse(cls, seqno: int, data: bytes) -> "Marker":
         rec = json.loads(data)
         return cls(seqno, rec["entries"][0], rec["entries"][1], rec["tokens"][0], rec["tokens"][1],
-                   {k: rec[k] for k in STRING_COLUMNS})
+                   {k: rec[k] for k in STRING_COLUMNS}, float(rec.get("written_at", 0.0)))
 
 
 def marker_record(seqno: int, entries: tuple[int, int], tokens: tuple[int, int],

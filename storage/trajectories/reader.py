@@ -11,8 +11,10 @@ from __future__ import annotations
 import bisect
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import zarr
 
 from storage import paths
@@ -39,6 +41,21 @@ def open_trajectory_store(url: str, mode: str = "a", *, durable: bool = True) ->
     if not isinstance(url, (str, os.PathLike)):
         raise ValueError(f"store url must be a string path or URL, got {type(url).__name__}")
     return TrajectoryStore(open_backend(os.fspath(url), mode, durable), mode)
+
+
+@dataclass(frozen=True)
+class CommittedBatch:
+    """One published batch of a segment without its tokens (``TrajectoryStore.batch``): its
+    entries ``[start, end)``, when it was published, its string columns, rewards and index rows."""
+
+    segment: str
+    seqno: int
+    start: int
+    end: int
+    written_at: float
+    strings: dict[str, list[str]]
+    rewards: np.ndarray  # float64, one per entry
+    index: np.ndarray  # int64 (entries, len(INDEX_COLUMNS)): offset, length, seq_index, num_sequences
 
 
 class SegmentView:
@@ -223,6 +240,30 @@ class TrajectoryStore:
                     meta=m.strings["meta"][j],
                 )
         return out  # type: ignore[return-value]
+
+    def batch_count(self, segment: str) -> int:
+        """Published batches (commit markers) of ``segment``, from a directory listing: no
+        marker is read, so a monitor can find the newest batches without scanning the others."""
+        n = 0
+        for seqno in self._backend.list_markers(paths.check_name("segment", segment)):
+            if seqno != n:
+                break  # gap-free: anything after a gap is not committed yet
+            n += 1
+        return n
+
+    def batch(self, segment: str, seqno: int) -> CommittedBatch:
+        """Published batch ``seqno`` of ``segment`` (its marker plus one small read of the reward
+        and index arrays, no tokens). Immutable once published: callers may cache it.
+        ``EntryNotCommitted`` when no such marker exists."""
+        data = self._backend.read_marker(paths.check_name("segment", segment), seqno)
+        if data is None:
+            raise EntryNotCommitted(f"segment {segment!r} of {self.url} has no published batch {seqno}")
+        m = Marker.parse(seqno, data)
+        view = self._view(segment)
+        index, reward = gather([view.array("index", m.end).async_array.getitem(slice(m.start, m.end)),
+                                view.array("reward", m.end).async_array.getitem(slice(m.start, m.end))])
+        return CommittedBatch(segment, seqno, m.start, m.end, m.written_at, m.strings,
+                              np.asarray(reward, np.float64), np.asarray(index, np.int64))
 
     def count(self, segment: str) -> int:
         """Committed entries of ``segment`` (0 for an unknown one)."""

@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from astraflow.cli import main
 from astraflow.runtime.monitoring import SCHEMA_VERSION, MetricsReader, MetricsView, StatusView, build_status_view, read_metrics
+from astraflow.runtime.monitoring.episodes import EpisodeQuery, EpisodeReader, EpisodesView
 from astraflow.runtime.orchestrator import Orchestrator
 
 from tests.conftest import run_in_thread, tiny_config
@@ -42,6 +43,7 @@ class LiveRun:
             self.captured["base"] = base
             self.captured["status"] = _get(f"{base}/astraflow/api/status.json")
             self.captured["metrics"] = _get(f"{base}/astraflow/api/metrics.json")
+            self.captured["episodes"] = _get(f"{base}/astraflow/api/episodes.json")
             for key, path in (("page", "/astraflow"), ("js", "/astraflow/static/astraflow.js"), ("dask", "/status")):
                 with urllib.request.urlopen(base + path, timeout=10) as r:
                     self.captured[key] = r.read().decode()
@@ -192,6 +194,8 @@ def test_endpoints_follow_the_schema_while_running(live_run):
     assert view.ledger.totals["created"] >= view.ledger.totals["leased"] > 0
     mv = MetricsView.model_validate(cap["metrics"])
     assert mv.schema_version == view.schema_version == SCHEMA_VERSION
+    ev = EpisodesView.model_validate(cap["episodes"])
+    assert ev.store == str(live_run.run_dir / "trajectories") and ev.workloads == ["math"]
     # the page and its assets are served by the same server, and the Dask dashboard links to it
     assert "/astraflow/static/astraflow.js" in cap["page"]
     assert "/astraflow/api/status.json" in cap["js"]
@@ -219,6 +223,9 @@ def test_status_json_and_plots_after_the_run(live_run, tmp_path):
     assert sum(pol.staleness_hist.values()) == pol.consumed
     assert view.ledger.totals["consumed"] == pol.consumed
     assert view.ledger.open == 0 and view.ledger.tasks == result.ledger["tasks"]  # the final ledger
+    # the episode viewer reads the run's single-turn entries (no turn log) from its store
+    ev = EpisodeReader(live_run.run_dir).view(EpisodeQuery(limit=5, kind="train"))
+    assert len(ev.recent) == 5 and {(e.workload, e.workflow, len(e.turns)) for e in ev.recent} == {("math", "single_turn", 0)}
     # `astraflow status --json` prints the same view as the endpoint
     res = CliRunner().invoke(main, ["status", str(live_run.run_dir), "--json"])
     assert res.exit_code == 0, res.output
