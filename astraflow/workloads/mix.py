@@ -26,6 +26,7 @@ from typing import Annotated, Any, Mapping
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from astraflow.agents.workload import is_agentic
 from astraflow.configbase import Strict
 from astraflow.workloads.base import (WORKLOADS, Workload, error_text, explain, make_workload, params_model,
                                       workload_class)
@@ -50,7 +51,9 @@ class Source(Strict):
     def _registered(cls, name: str) -> str:
         if name == "mix":
             raise ValueError("workload mix is itself a mix; list its sources directly")
-        workload_class(name)  # an unknown name raises, listing the known ones
+        if is_agentic(workload_class(name)):  # an unknown name raises, listing the known ones
+            raise ValueError(f"workload {name} is agentic (multi-turn); a mix's sources are single-turn "
+                             "workloads: run it on its own with workflow: agent")
         return name
 
     @model_validator(mode="after")

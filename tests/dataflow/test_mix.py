@@ -140,6 +140,7 @@ def test_mixture_dispatches_prompt_and_reward_to_the_source():
     ({"sources": {"a": {"weight": 1}}}, "source 'a' needs `workload"),
     ({"sources": {"a": {"workload": "nope"}}}, "source 'a': unknown workload 'nope'; known: .*math"),
     ({"sources": {"a": {"workload": "math", "params": {"digits": 0}}}}, "source 'a': math workload: digits"),
+    ({"sources": {"a": {"workload": "calculator"}}}, "calculator is agentic"),
     ({"sources": {"a": {"workload": "mix"}}}, "itself a mix"),
 ])
 def test_mixture_rejects_bad_sources(params, needle):
