@@ -159,45 +159,46 @@ def bare(model_dir: Path, workload: LedgerWorkload, tasks: list[dict], concurren
     return out
 
 
-def raas(model_dir: Path, work: Path, params: dict[str, Any], groups: int, group_size: int, concurrency: int,
-         max_batch: int, max_new: int, seed: int) -> dict[str, Any]:
+def raas(workers: tuple, model_dir: Path, work: Path, params: dict[str, Any], groups: int, group_size: int,
+         concurrency: int, max_batch: int, max_new: int, seed: int) -> dict[str, Any]:
+    """One RaaS run on ``workers`` (``rollout_overhead.system_workers``): a fresh data layer,
+    node, weight store and trajectory store under ``work``."""
     from astraflow.dataflow.config import DataflowConfig
     from astraflow.dataflow.layer import DataLayer
     from astraflow.rollout.config import EngineConfig, RolloutConfig
     from astraflow.rollout.node import NodeIdentity, RaaSNode
     from astraflow.workloads.config import EvalConfig, SamplingConfig, WorkloadConfig
-    from benchmarks.rollout_overhead import system_workers
     from storage.trajectories import EntryRef, open_trajectory_store
     from storage.weights import WeightStore
 
     n = groups * group_size
     weights, store = work / "weights", work / "trajectories"
     WeightStore(weights)  # an empty store: the node serves the model directory as version 0
-    with system_workers(work) as (client, data_addr, rollout_addr):
-        wl = WorkloadConfig(name=WORKLOAD, workflow="agent", params=params, group_size=group_size,
-                            sampling=SamplingConfig(max_new_tokens=max_new), eval=EvalConfig(every=0))
-        # groups_per_batch (1) + prefetch_groups: the data layer creates exactly ``groups`` groups
-        dl = client.submit(
-            DataLayer, actor=True, workers=[data_addr],
-            dataflow=DataflowConfig(batch_size=group_size, prefetch_groups=groups - 1), workload=wl,
-            policies=["p"], store_url=str(store), metrics_path=None, max_steps=1, seed=seed,
-        ).result(timeout=120)
-        node = client.submit(
-            RaaSNode, actor=True, workers=[rollout_addr], identity=NodeIdentity(name="bench"),
-            rollout=RolloutConfig(capacity=concurrency, engine=EngineConfig(max_batch=max_batch, device="cpu")),
-            models={"p": str(model_dir)}, workload_name=WORKLOAD, workload_params=params, workload_seed=0,
-            workflow="agent", sampling=wl.sampling, store_url=str(store), weights_root=str(weights),
-            data_layer=dl, seed=seed,
-        ).result(timeout=120)
-        node.start().result(timeout=300)
-        t0 = time.perf_counter()  # engine loaded: from here on it is lease, episodes, write, complete
-        deadline = time.time() + 900
-        while dl.progress().result(timeout=30)["sequences_generated"] < n:
-            if time.time() > deadline:
-                raise TimeoutError(f"the RaaS node completed fewer than {n} episodes within 900 s")
-            time.sleep(0.02)
-        wall = time.perf_counter() - t0
-        nst = node.stop(timeout=60).result(timeout=90)
+    client, data_addr, rollout_addr = workers
+    wl = WorkloadConfig(name=WORKLOAD, workflow="agent", params=params, group_size=group_size,
+                        sampling=SamplingConfig(max_new_tokens=max_new), eval=EvalConfig(every=0))
+    # groups_per_batch (1) + prefetch_groups: the data layer creates exactly ``groups`` groups
+    dl = client.submit(
+        DataLayer, actor=True, workers=[data_addr],
+        dataflow=DataflowConfig(batch_size=group_size, prefetch_groups=groups - 1), workload=wl,
+        policies=["p"], store_url=str(store), metrics_path=None, max_steps=1, seed=seed,
+    ).result(timeout=120)
+    node = client.submit(
+        RaaSNode, actor=True, workers=[rollout_addr], identity=NodeIdentity(name="bench"),
+        rollout=RolloutConfig(capacity=concurrency, engine=EngineConfig(max_batch=max_batch, device="cpu")),
+        models={"p": str(model_dir)}, workload_name=WORKLOAD, workload_params=params, workload_seed=0,
+        workflow="agent", sampling=wl.sampling, store_url=str(store), weights_root=str(weights),
+        data_layer=dl, seed=seed,
+    ).result(timeout=120)
+    node.start().result(timeout=300)
+    t0 = time.perf_counter()  # engine loaded: from here on it is lease, episodes, write, complete
+    deadline = time.time() + 900
+    while dl.progress().result(timeout=30)["sequences_generated"] < n:
+        if time.time() > deadline:
+            raise TimeoutError(f"the RaaS node completed fewer than {n} episodes within 900 s")
+        time.sleep(0.05)
+    wall = time.perf_counter() - t0
+    nst = node.stop(timeout=60).result(timeout=90)
     reader = open_trajectory_store(str(store), "r")
     rows = []
     for row in reader.read([EntryRef(s, i) for s in reader.segments() for i in range(reader.count(s))]):
@@ -235,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from astraflow.models import init_model
     from astraflow.workloads.base import make_workload
+    from benchmarks.rollout_overhead import system_workers
 
     # the workers import this module by name (``WORKLOAD``)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -249,12 +251,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # every train task once per group member: the tasks the data layer hands out (in its order)
         tasks = [t for t in workload.tasks("train") for _ in range(args.group_size)]
         reps = []
-        for rep in range(args.reps):
-            b = bare(model_dir, workload, tasks, args.concurrency, args.max_batch, args.max_new_tokens, args.seed)
-            r = raas(model_dir, work / f"rep{rep}", params, groups, args.group_size, args.concurrency,
-                     args.max_batch, args.max_new_tokens, args.seed)
-            reps.append({"bare": b, "raas": r, "ratio": r["episodes_per_s"] / b["episodes_per_s"]})
-            print(f"rep {rep + 1}/{args.reps}: ratio {reps[-1]['ratio']:.3f}", flush=True)
+        with system_workers(work / "cluster") as workers:
+            for rep in range(args.reps):
+                b = bare(model_dir, workload, tasks, args.concurrency, args.max_batch, args.max_new_tokens,
+                         args.seed)
+                r = raas(workers, model_dir, work / f"rep{rep}", params, groups, args.group_size,
+                         args.concurrency, args.max_batch, args.max_new_tokens, args.seed)
+                reps.append({"bare": b, "raas": r, "ratio": r["episodes_per_s"] / b["episodes_per_s"]})
+                print(f"rep {rep + 1}/{args.reps}: ratio {reps[-1]['ratio']:.3f}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
