@@ -54,3 +54,17 @@ class LookupWorkload(AgentWorkload):
 
     def environment(self) -> LookupEnv:
         return LookupEnv()
+
+
+class BrokenEnv(LookupEnv):
+    async def reset(self, task):
+        if task["key"].startswith("k3"):
+            raise KeyError("the environment broke")
+        return await super().reset(task)
+
+
+class BrokenWorkload(LookupWorkload):
+    """The lookup workload whose environment raises ``KeyError`` in ``reset`` on keys ``k3*``."""
+
+    def environment(self) -> LookupEnv:
+        return BrokenEnv()
