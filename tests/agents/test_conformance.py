@@ -47,10 +47,10 @@ def test_every_registered_agentic_workload_conforms(name, tok):
     assert_conforms(make_workload(name, {}, seed=0), n_tasks=4, tokenizer=tok)
 
 
-def test_the_test_toy_workload_conforms(tok):
-    from tests.agents.toy import LookupWorkload
-
-    assert_conforms(LookupWorkload(), n_tasks=4, tokenizer=tok)
+@pytest.mark.parametrize("name", ["tests.agents.toy:LookupWorkload", "examples.custom_env.guess:GuessWorkload"])
+def test_user_workloads_named_by_module_conform(name, tok):
+    """The test's toy and the README's user example, loaded as a config names them."""
+    assert_conforms(make_workload(name, {}, seed=0), n_tasks=6, tokenizer=tok)
 
 
 # -- a small good environment, and broken variants of it -------------------------------------------
