@@ -90,9 +90,12 @@ class Progress:
         for ev in state.get("eval", []):
             if ev["step"] > self._last_eval_reported:
                 self._last_eval_reported = ev["step"]
+                agentic = (f", {ev['eval_turns']:.1f} turns/episode, invalid calls {ev['eval_invalid_call_rate']:.0%}"
+                           if "eval_turns" in ev else "")
                 self.note(
                     f"[bold]eval[/bold] {ev['policy']} v{ev['step']}: held-out accuracy "
-                    f"[bold]{ev['eval_accuracy']:.3f}[/bold] ({ev['eval_prompts']} prompts, {ev['eval_seconds']:.1f}s)"
+                    f"[bold]{ev['eval_accuracy']:.3f}[/bold] ({ev['eval_prompts']} prompts, {ev['eval_seconds']:.1f}s"
+                    f"{agentic})"
                 )
         now = time.time()
         if now - self._last < self.interval_s:
