@@ -33,9 +33,9 @@ from typing import Any, Mapping
 
 
 from astraflow.agents.chat import ChatRenderer
-from astraflow.agents.demos import _turn
+from astraflow.agents.demos import scripted_turn
 from astraflow.agents.env import EpisodeError, check_messages, signature_problems
-from astraflow.agents.episode import AgentLimits, EpisodeLog, _timed, run_agent_episode
+from astraflow.agents.episode import AgentLimits, EpisodeLog, timed, run_agent_episode
 from astraflow.agents.tools import format_call
 
 
@@ -194,7 +194,7 @@ class _Suite:
             env = self.workload.environment()
             timeout = float(env.step_timeout_s)
             try:
-                first, _ = await _timed(env.reset(task), timeout, f"reset(task {i})")
+                first, _ = await timed(env.reset(task), timeout, f"reset(task {i})")
                 check_messages(first, f"reset(task {i})")
                 if not first:
                     raise EpisodeError(f"reset(task {i}) returned no message")
@@ -210,7 +210,7 @@ class _Suite:
                 return False
             finally:
                 try:
-                    await _timed(env.close(), timeout, f"close after reset(task {i})")
+                    await timed(env.close(), timeout, f"close after reset(task {i})")
                 except EpisodeError as err:
                     self.problems.append(str(err))
         if firsts[0] != firsts[1]:
@@ -271,7 +271,7 @@ class _Suite:
             if not isinstance(text, str):
                 raise EpisodeError(f"the scripted turn is {type(text).__name__}, not text")
             ids = list(tok.encode(text, add_special_tokens=False)) + ([eos] if eos is not None else [])
-            return _turn(ids[:max_new], "stop" if len(ids) <= max_new else "length")
+            return scripted_turn(ids[:max_new], "stop" if len(ids) <= max_new else "length")
 
         tools = getattr(env.tools, "tools", {})
         tool_s = max([float(t.timeout_s) for t in tools.values()], default=0.0) * max(1, len(tools))

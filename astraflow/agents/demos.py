@@ -30,7 +30,8 @@ class _Turn:
     engine_seconds: float = 0.0
 
 
-def _turn(ids: list[int], finish: str) -> _Turn:
+def scripted_turn(ids: list[int], finish: str) -> _Turn:
+    """A model turn that was not sampled (an expert's, a test's): the shape ``generate`` returns."""
     n = len(ids)
     return _Turn(np.asarray(ids, np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32), finish)
 
@@ -44,7 +45,7 @@ async def demonstration(workload: Any, renderer: ChatRenderer, task: Mapping[str
 
     async def generate(tokens: list[int], max_new: int) -> _Turn:
         ids = renderer.encode(env.expert_action()) + [renderer.eos_id]
-        return _turn(ids[:max_new], "stop" if len(ids) <= max_new else "length")
+        return scripted_turn(ids[:max_new], "stop" if len(ids) <= max_new else "length")
 
     return await run_agent_episode(generate, renderer, env, task, limits)
 
@@ -91,9 +92,9 @@ class _Lockstep:
             eos = self.tok.eos_token_id
             if eos in row:
                 row = row[: row.index(eos) + 1]
-                fut.set_result(_turn(row, "stop"))
+                fut.set_result(scripted_turn(row, "stop"))
             else:
-                fut.set_result(_turn(row, "length"))
+                fut.set_result(scripted_turn(row, "length"))
 
 
 def greedy_success(model: Any, tok: Any, workload: Any, tasks: list[Mapping[str, Any]],

@@ -89,7 +89,8 @@ class EpisodeLog:
                 "logprobs": np.asarray(self.logprobs, np.float32), "versions": np.asarray(self.versions, np.int32)}
 
 
-async def _timed(coro: Awaitable[Any], timeout: float, what: str) -> tuple[Any, float]:
+async def timed(coro: Awaitable[Any], timeout: float, what: str) -> tuple[Any, float]:
+    """``(result, seconds)`` of an environment call, any failure or a missed deadline an ``EpisodeError``."""
     t0 = time.perf_counter()
     try:
         out = await asyncio.wait_for(coro, timeout)
@@ -108,7 +109,7 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
     log = EpisodeLog()
     timeout = float(env.step_timeout_s)
     try:
-        first, secs = await _timed(env.reset(task), timeout, f"{type(env).__name__}.reset")
+        first, secs = await timed(env.reset(task), timeout, f"{type(env).__name__}.reset")
         log.env_seconds += secs
         schemas = getattr(env.tools, "schemas", None)
         log.append(renderer.start(check_messages(first, "reset"), tools=schemas() if schemas else None),
@@ -151,7 +152,7 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
                                   "valid": res.valid})
                 result, kind = StepResult(observation=messages), "tool"
             else:
-                result, secs = await _timed(env.step(action), timeout, f"{type(env).__name__}.step")
+                result, secs = await timed(env.step(action), timeout, f"{type(env).__name__}.step")
                 log.env_seconds += secs
                 if not isinstance(result, StepResult):
                     raise EpisodeError(f"{type(env).__name__}.step returned {type(result).__name__}, not a StepResult")
