@@ -202,7 +202,7 @@ class TextWorldEnv(EnvironmentBase):
 
     async def step(self, action: Action) -> StepResult:
         self.turns += 1
-        before = self.world.dist[self.target_room()][self.room] if not self.success() else 0
+        before = self.world.dist[self.target_room()][self.room]  # not done yet: a target remains
         had = self.task.get("object") in self.held
         text, valid = self.command(action.text)
         if self.success():
