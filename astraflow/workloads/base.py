@@ -48,7 +48,8 @@ WORKLOADS: Registry = Registry("workload")
 
 
 #: the modules of the shipped workloads (imported to register them)
-BUILTIN_MODULES = ("astraflow.workloads.math", "astraflow.workloads.mix", "astraflow.workloads.calculator")
+BUILTIN_MODULES = ("astraflow.workloads.math", "astraflow.workloads.mix", "astraflow.workloads.calculator",
+                   "astraflow.workloads.textworld")
 
 
 def workload_class(name: str) -> type:

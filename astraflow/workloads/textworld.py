@@ -1,0 +1,318 @@
+"""A small text world in the AgentBench/ALFWorld style: the built-in multi-step agentic workload.
+
+The world is generated locally from the seed: a fixed map per seed (rooms on a grid joined
+by doors north/south/east/west, a spanning tree plus a few extra doors) with two containers
+in fixed rooms. A task places objects in rooms and asks the agent to reach a goal:
+
+* ``go``: ``Go to the lab.``
+* ``take``: ``Take the coin from the lab.``
+* ``put``: ``Put the coin from the lab in the box.``
+
+The agent acts with short plain-text commands, one per turn (``go north``, ``take coin``,
+``put coin in box``, ``look``); a command the world cannot carry out gets an observation
+saying why, never an error. Observations are terse on purpose: the policy is a byte-level
+model (one token per character), so a whole expert episode stays near 200 tokens.
+
+Generalisation: the map is the same in every task of a seed (the policy learns it), and the
+held-out split holds *start/goal combinations* never trained on (a task's start room, kind,
+object, source room and container, hashed with the seed), so held-out success measures a
+policy that navigates, not one that memorised episodes. ``difficulty`` is the number of
+expert steps (1..``max_difficulty``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import deque
+from typing import Any, Mapping
+
+from pydantic import Field
+
+from astraflow.agents.env import Action, EnvironmentBase, Message, StepResult
+from astraflow.agents.workload import AgentParams, AgentWorkload
+from astraflow.workloads.base import WORKLOADS
+
+ROOM_NAMES = ("hall", "den", "lab", "attic", "shed", "bath", "porch", "study", "pantry", "loft", "gym", "cellar")
+OBJECTS = ("key", "coin", "apple", "book")
+CONTAINERS = ("box", "bag")
+#: direction -> (dx, dy); north is up (y - 1)
+DIRS = {"north": (0, -1), "south": (0, 1), "east": (1, 0), "west": (-1, 0)}
+_ABBREV = {d[0]: d for d in DIRS}
+KINDS = ("go", "take", "put")
+
+
+class TextWorldParams(AgentParams):
+    """The text world's ``workload.params``."""
+
+    width: int = Field(default=3, ge=2, le=4)
+    """Columns of the room grid."""
+    height: int = Field(default=3, ge=1, le=3)
+    """Rows of the room grid (``width * height`` rooms, at most 12)."""
+    extra_doors: int = Field(default=1, ge=0)
+    """Doors added to the map's spanning tree (loops: more than one way round)."""
+    max_difficulty: int = Field(default=4, ge=1, le=8)
+    """Longest task, in expert steps."""
+    test_fraction: float = Field(default=0.2, gt=0, lt=1)
+    """Share of start/goal combinations held out for evaluation."""
+    shaped: bool = False
+    """Per-turn rewards: +0.1 for progress (a step closer to the current target room, taking
+    the goal object), -0.1 for a command the world cannot carry out."""
+    max_turns: int = Field(default=6, ge=1)
+    """Model turns per episode at most; the world ends the episode (a failure) after them."""
+
+
+class World:
+    """The fixed map of a seed: room names, doors and container rooms."""
+
+    def __init__(self, width: int, height: int, extra_doors: int, seed: int):
+        rng = random.Random(f"textworld-map:{seed}")
+        cells = [(x, y) for y in range(height) for x in range(width)]
+        names = list(ROOM_NAMES)
+        rng.shuffle(names)
+        self.rooms: list[str] = names[: len(cells)]
+        self.cell = dict(zip(self.rooms, cells))
+        at = {c: r for r, c in self.cell.items()}
+        self.doors: dict[str, dict[str, str]] = {r: {} for r in self.rooms}
+
+        def link(a: tuple[int, int], b: tuple[int, int]) -> None:
+            for d, (dx, dy) in DIRS.items():
+                if (a[0] + dx, a[1] + dy) == b:
+                    self.doors[at[a]][d] = at[b]
+                    self.doors[at[b]][_opposite(d)] = at[a]
+
+        def neighbours(c: tuple[int, int]) -> list[tuple[int, int]]:
+            return [(c[0] + dx, c[1] + dy) for dx, dy in DIRS.values() if (c[0] + dx, c[1] + dy) in at]
+
+        seen, stack = {cells[0]}, [cells[0]]  # randomised depth-first spanning tree
+        while stack:
+            free = [n for n in neighbours(stack[-1]) if n not in seen]
+            if not free:
+                stack.pop()
+                continue
+            nxt = rng.choice(free)
+            link(stack[-1], nxt)
+            seen.add(nxt)
+            stack.append(nxt)
+        missing = [(a, b) for a in cells for b in neighbours(a) if a < b and at[b] not in self.doors[at[a]].values()]
+        rng.shuffle(missing)
+        for a, b in missing[:extra_doors]:
+            link(a, b)
+        where = rng.sample(self.rooms, len(CONTAINERS))
+        self.container_room: dict[str, str] = dict(zip(CONTAINERS, where))
+        self.dist = {r: self._bfs(r) for r in self.rooms}
+
+    def _bfs(self, src: str) -> dict[str, int]:
+        dist, queue = {src: 0}, deque([src])
+        while queue:
+            r = queue.popleft()
+            for n in self.doors[r].values():
+                if n not in dist:
+                    dist[n] = dist[r] + 1
+                    queue.append(n)
+        return dist
+
+    def toward(self, room: str, target: str) -> str:
+        """The first direction (in ``DIRS`` order) of a shortest path from ``room`` to ``target``."""
+        for d in DIRS:
+            n = self.doors[room].get(d)
+            if n is not None and self.dist[target][n] == self.dist[target][room] - 1:
+                return d
+        raise AssertionError(f"no way from {room} to {target}")
+
+
+def _opposite(d: str) -> str:
+    return {"north": "south", "south": "north", "east": "west", "west": "east"}[d]
+
+
+def expert_steps(world: World, core: Mapping[str, Any]) -> int:
+    """Expert steps of a task: moves on shortest paths plus one per take/put."""
+    if core["kind"] == "go":
+        return world.dist[core["start"]][core["target"]]
+    hops = world.dist[core["start"]][core["from"]] + 1
+    if core["kind"] == "take":
+        return hops
+    return hops + world.dist[core["from"]][world.container_room[core["container"]]] + 1
+
+
+def goal_text(core: Mapping[str, Any]) -> str:
+    if core["kind"] == "go":
+        return f"Go to the {core['target']}."
+    if core["kind"] == "take":
+        return f"Take the {core['object']} from the {core['from']}."
+    return f"Put the {core['object']} from the {core['from']} in the {core['container']}."
+
+
+class TextWorldEnv(EnvironmentBase):
+    """One episode of the text world (see the module docstring); offers ``expert_action``."""
+
+    step_timeout_s = 5.0
+
+    def __init__(self, world: World, shaped: bool = False, max_turns: int = 6):
+        super().__init__()
+        self.world, self.shaped, self.max_turns = world, shaped, max_turns
+
+    # -- state ---------------------------------------------------------------------------
+
+    async def reset(self, task: Mapping[str, Any]) -> list[Message]:
+        self.task = dict(task)
+        self.room = task["start"]
+        self.turns = 0
+        self.held: list[str] = []
+        self.floor: dict[str, list[str]] = {r: [] for r in self.world.rooms}
+        self.inside: dict[str, list[str]] = {c: [] for c in CONTAINERS}
+        for obj, room in task["objects"]:
+            self.floor[room].append(obj)
+        return [{"role": "user", "content": f"{task['goal']}\n{self.describe()}"}]
+
+    def describe(self) -> str:
+        seen = self.floor[self.room] + [c for c, r in self.world.container_room.items() if r == self.room]
+        return f"In {self.room}." + (f" You see {', '.join(seen)}." if seen else "")
+
+    def success(self) -> bool:
+        t = self.task
+        if t["kind"] == "go":
+            return self.room == t["target"]
+        if t["kind"] == "take":
+            return t["object"] in self.held
+        return t["object"] in self.inside[t["container"]]
+
+    def target_room(self) -> str:
+        """The room the expert heads for now."""
+        t = self.task
+        if t["kind"] == "go":
+            return t["target"]
+        if t["kind"] == "put" and t["object"] in self.held:
+            return self.world.container_room[t["container"]]
+        for c, objs in self.inside.items():
+            if t["object"] in objs:
+                return self.world.container_room[c]
+        return next(r for r, objs in self.floor.items() if t["object"] in objs)
+
+    def expert_action(self) -> str:
+        """The next command of a scripted optimal expert from the current state."""
+        t, target = self.task, self.target_room()
+        if self.room != target:
+            return f"go {self.world.toward(self.room, target)}"
+        if t["object"] not in self.held:
+            return f"take {t['object']}"
+        return f"put {t['object']} in {t['container']}"
+
+    # -- commands ------------------------------------------------------------------------
+
+    async def step(self, action: Action) -> StepResult:
+        self.turns += 1
+        before = self.world.dist[self.target_room()][self.room]  # not done yet: a target remains
+        had = self.task.get("object") in self.held
+        text, valid = self.command(action.text)
+        if self.success():
+            return StepResult([{"role": "user", "content": text}], reward=1.0, done=True, info={"success": 1.0})
+        if self.turns >= self.max_turns:
+            return StepResult([{"role": "user", "content": text}], reward=0.0, done=True, info={"success": 0.0})
+        reward = 0.0
+        if self.shaped:
+            if not valid:
+                reward = -0.1
+            elif self.world.dist[self.target_room()][self.room] < before or (not had and self.task.get("object") in self.held):
+                reward = 0.1
+        return StepResult([{"role": "user", "content": text}], reward=reward)
+
+    def command(self, raw: str) -> tuple[str, bool]:
+        """Carry out one command: (the observation, whether it was valid)."""
+        words = raw.strip().lower().rstrip(".!").split()
+        if not words:
+            return "Say a command: go, take, put.", False
+        verb, rest = words[0], words[1:]
+        if verb in DIRS or verb in _ABBREV:
+            verb, rest = "go", [verb]
+        if verb == "go" and len(rest) == 1:
+            d = _ABBREV.get(rest[0], rest[0])
+            if d not in DIRS:
+                return f"No direction {rest[0]}.", False
+            if d not in self.world.doors[self.room]:
+                return f"No door {d}.", False
+            self.room = self.world.doors[self.room][d]
+            return self.describe(), True
+        if verb == "look" and not rest:
+            return self.describe(), True
+        if verb == "take" and len(rest) == 1:
+            obj = rest[0]
+            if obj in self.floor[self.room]:
+                self.floor[self.room].remove(obj)
+            else:
+                box = next((c for c, objs in self.inside.items()
+                            if obj in objs and self.world.container_room[c] == self.room), None)
+                if box is None:
+                    return f"No {obj} here.", False
+                self.inside[box].remove(obj)
+            self.held.append(obj)
+            return f"You take the {obj}.", True
+        if verb == "put" and len(rest) == 3 and rest[1] in ("in", "into"):
+            obj, box = rest[0], rest[2]
+            if obj not in self.held:
+                return f"You have no {obj}.", False
+            if self.world.container_room.get(box) != self.room:
+                return f"No {box} here.", False
+            self.held.remove(obj)
+            self.inside[box].append(obj)
+            return f"You put the {obj} in the {box}.", True
+        return "Unknown command. Try: go north, take key, put key in box.", False
+
+
+@WORKLOADS.register("textworld")
+class TextWorldWorkload(AgentWorkload):
+    """The text world (see the module docstring); ``workload.params`` are ``TextWorldParams``."""
+
+    Params = TextWorldParams
+
+    def __init__(self, seed: int = 0, **params: Any):
+        super().__init__(seed=seed, **params)
+        p = self.params
+        if p.width * p.height > len(ROOM_NAMES):
+            raise ValueError(f"textworld workload: width * height is at most {len(ROOM_NAMES)} rooms")
+        self.world = World(p.width, p.height, p.extra_doors, p.seed)
+
+    def environment(self) -> TextWorldEnv:
+        return TextWorldEnv(self.world, shaped=self.params.shaped, max_turns=self.params.max_turns)
+
+    def cores(self, split: str) -> dict[int, list[dict[str, Any]]]:
+        """The start/goal combinations of ``split`` (``"train"`` or ``"eval"``) by difficulty."""
+        w, p = self.world, self.params
+        every: list[dict[str, Any]] = []
+        for s in w.rooms:
+            every += [{"kind": "go", "start": s, "target": t} for t in w.rooms if t != s]
+            for o in OBJECTS:
+                every += [{"kind": "take", "start": s, "object": o, "from": r} for r in w.rooms]
+                every += [{"kind": "put", "start": s, "object": o, "from": r, "container": c}
+                          for r in w.rooms for c in CONTAINERS]
+        out: dict[int, list[dict[str, Any]]] = {}
+        for core in every:
+            d = expert_steps(w, core)
+            if 1 <= d <= p.max_difficulty and _split_of(core, p) == split:
+                out.setdefault(d, []).append(core)
+        return out
+
+    def tasks(self, split: str) -> list[dict[str, Any]]:
+        if split not in ("train", "eval"):
+            raise ValueError(f"textworld workload: split must be 'train' or 'eval', got {split!r}")
+        p = self.params
+        by_level = self.cores(split)
+        levels = sorted(by_level)
+        rng = random.Random(f"textworld-tasks:{p.seed}:{split}")
+        out = []
+        for i in range(p.num_train if split == "train" else p.num_test):
+            level = levels[i % len(levels)]  # difficulties in equal shares
+            core = dict(rng.choice(by_level[level]))
+            objects = [] if core["kind"] == "go" else [(core["object"], core["from"])]
+            other = rng.choice([o for o in OBJECTS if o != core.get("object")])  # a distractor
+            objects.append((other, rng.choice(self.world.rooms)))
+            rng.shuffle(objects)
+            out.append({**core, "objects": [list(x) for x in objects], "goal": goal_text(core), "difficulty": level})
+        rng.shuffle(out)
+        return out
+
+
+def _split_of(core: Mapping[str, Any], p: TextWorldParams) -> str:
+    key = "|".join(f"{k}={core[k]}" for k in sorted(core))
+    h = hashlib.blake2b(f"{p.seed}:{key}".encode(), digest_size=8).digest()
+    return "eval" if int.from_bytes(h, "little") / 2**64 < p.test_fraction else "train"

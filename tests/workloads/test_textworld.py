@@ -1,0 +1,147 @@
+"""The text world: a deterministic map, disjoint splits, an expert that always succeeds, invalid
+commands as observations, shaped rewards, and a real ``astraflow run`` of it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from astraflow.agents.chat import ChatRenderer
+from astraflow.agents.env import Action, signature_problems
+from astraflow.agents.episode import run_agent_episode
+from astraflow.models import build_tokenizer
+from astraflow.workloads.base import make_workload, workload_class
+from astraflow.workloads.textworld import TextWorldEnv, TextWorldWorkload
+from tests.agents.test_episode import Gen, scripted
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def _live_scripted(tok, env, turns):
+    """A ``generate`` that writes the expert's next command each turn (asked once per turn)."""
+
+    async def generate(tokens, max_new):
+        turns.append(env.expert_action())
+        ids = tok.encode(turns[-1], add_special_tokens=False) + [tok.eos_token_id]
+        n = len(ids)
+        return Gen(np.array(ids), np.zeros(n, np.float32), np.zeros(n, np.int32), "stop")
+
+    generate.turns = turns
+    return generate
+
+
+def play(tok, wl, task, commands=None):
+    """One episode of ``task``: the expert's commands, or ``commands`` in order."""
+    env = wl.environment()
+    gen = _live_scripted(tok, env, []) if commands is None else scripted(tok, commands)
+    log = asyncio.run(run_agent_episode(gen, ChatRenderer(tok), env, task, wl.limits(32)))
+    return log, env
+
+
+def test_registered_and_fits_the_contract():
+    assert workload_class("textworld") is TextWorldWorkload
+    assert signature_problems(TextWorldEnv) == []
+
+
+def test_world_and_tasks_are_deterministic_by_seed():
+    a, b, c = (make_workload("textworld", {}, s) for s in (0, 0, 1))
+    assert a.world.doors == b.world.doors and a.tasks("train") == b.tasks("train") and a.tasks("eval") == b.tasks("eval")
+    assert a.world.doors != c.world.doors or a.tasks("train") != c.tasks("train")
+    # every room reachable from every other
+    assert all(len(a.world.dist[r]) == len(a.world.rooms) for r in a.world.rooms)
+
+
+def test_splits_hold_disjoint_start_goal_combinations():
+    wl = make_workload("textworld", {"num_train": 500, "num_test": 100}, 0)
+    core = lambda t: tuple(sorted((k, v) for k, v in t.items() if k not in ("objects", "goal", "difficulty")))  # noqa: E731
+    train, held = {core(t) for t in wl.tasks("train")}, {core(t) for t in wl.tasks("eval")}
+    assert train and held and not train & held
+    levels = {t["difficulty"] for t in wl.tasks("eval")}
+    assert levels == {1, 2, 3, 4}
+    with pytest.raises(ValueError, match="split"):
+        wl.tasks("test")
+
+
+def test_the_expert_succeeds_in_exactly_difficulty_steps_with_compact_episodes(tok):
+    wl = make_workload("textworld", {"num_train": 150, "num_test": 60}, 3)
+    for task in wl.tasks("train") + wl.tasks("eval"):
+        log, _ = play(tok, wl, task)
+        assert log.done and log.success == 1.0 and log.final_reward == 1.0, (task, log.turns)
+        assert sum(t["kind"] == "model" for t in log.turns) == task["difficulty"]
+        assert len(log.tokens) < 300
+
+
+def test_invalid_commands_are_observations_not_errors(tok):
+    wl = make_workload("textworld", {"max_turns": 6}, 0)
+    task = next(t for t in wl.tasks("eval") if t["kind"] == "put")
+    walls = [d for d in ("north", "south", "east", "west") if d not in wl.world.doors[task["start"]]]
+    bad = ["dance", "", f"go {walls[0]}" if walls else "go up", "take unicorn", "put coin in sock", "go"]
+    log, env = play(tok, wl, task, bad)
+    replies = [t["messages"][0]["content"] for t in log.turns if t["kind"] == "env"]
+    assert replies[0].startswith("Unknown command") and replies[1].startswith("Say a command")
+    assert replies[3] == "No unicorn here." and replies[4] == "You have no coin."
+    assert log.done and log.success == 0.0 and env.room == task["start"]  # the world ended it: out of turns
+
+
+def test_shaped_rewards_reward_progress_and_punish_invalid_commands(tok):
+    wl = make_workload("textworld", {"shaped": True}, 0)
+    task = next(t for t in wl.tasks("train") if t["kind"] == "put" and t["difficulty"] == 4)
+    log, _ = play(tok, wl, task)
+    assert log.success == 1.0 and log.turn_rewards == [0.1, 0.1, 0.1] and log.reward == pytest.approx(1.3)
+    log, _ = play(tok, wl, task, ["jump", "jump", "jump", "jump", "jump", "jump"])
+    assert log.turn_rewards == [-0.1] * 5 and log.final_reward == 0.0
+    plain = make_workload("textworld", {}, 0)
+    log, _ = play(tok, plain, task)
+    assert log.turn_rewards == [] and log.reward == 1.0
+
+
+def test_commands_change_the_world():
+    wl = make_workload("textworld", {}, 0)
+    env = wl.environment()
+    task = next(t for t in wl.tasks("train") if t["kind"] == "put" and t["start"] == t["from"])
+    asyncio.run(env.reset(task))
+    obj, box = task["object"], task["container"]
+    assert obj in env.describe()
+    assert env.command(f"take {obj}") == (f"You take the {obj}.", True)
+    assert obj not in env.describe() and env.held == [obj]
+    room = wl.world.container_room[box]
+    env.room = room
+    res = asyncio.run(env.step(Action(f"put {obj} in {box}")))
+    assert res.done and res.reward == 1.0 and res.info == {"success": 1.0}
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_cli_run_of_the_example_writes_eval_records(tiny_model, tmp_path):
+    data = yaml.safe_load((ROOT / "examples" / "textworld" / "config.yaml").read_text())
+    data["policies"][0]["model"] = str(tiny_model)
+    data["policies"][0].pop("init")
+    data["run"].update(max_steps=2, timeout_s=120)
+    data["workload"]["params"].update(num_test=8)
+    data["workload"]["group_size"] = 4
+    data["workload"]["eval"] = {"every": 1, "num_prompts": 8}
+    data["dataflow"]["batch_size"] = 8
+    data["cluster"] = {"dashboard_port": 0}
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "astraflow", "run", str(cfg), "--run-dir", str(run_dir)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == [1, 2]
+    evals = [x for x in lines if "eval_accuracy" in x]
+    assert [x["step"] for x in evals] == [0, 1, 2]
+    assert "held-out accuracy" in proc.stdout
