@@ -1,17 +1,12 @@
 """The text world: a deterministic map, disjoint splits, an expert that always succeeds, invalid
-commands as observations, shaped rewards, and a real ``astraflow run`` of it."""
+commands as observations, shaped rewards (its CLI run: ``tests/e2e/test_agent_cli.py``)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from astraflow.agents.chat import ChatRenderer
 from astraflow.agents.env import Action, signature_problems
@@ -21,7 +16,6 @@ from astraflow.workloads.base import make_workload, workload_class
 from astraflow.workloads.textworld import TextWorldEnv, TextWorldWorkload
 from tests.agents.test_episode import Gen, scripted
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -120,28 +114,3 @@ def test_commands_change_the_world():
     env.room = room
     res = asyncio.run(env.step(Action(f"put {obj} in {box}")))
     assert res.done and res.reward == 1.0 and res.info == {"success": 1.0}
-
-
-@pytest.mark.e2e
-@pytest.mark.timeout(180)
-def test_cli_run_of_the_example_writes_eval_records(tiny_model, tmp_path):
-    data = yaml.safe_load((ROOT / "examples" / "textworld" / "config.yaml").read_text())
-    data["policies"][0]["model"] = str(tiny_model)
-    data["policies"][0].pop("init")
-    data["run"].update(max_steps=2, timeout_s=120)
-    data["workload"]["params"].update(num_test=8)
-    data["workload"]["group_size"] = 4
-    data["workload"]["eval"] = {"every": 1, "num_prompts": 8}
-    data["dataflow"]["batch_size"] = 8
-    data["cluster"] = {"dashboard_port": 0}
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(yaml.safe_dump(data))
-    run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "astraflow", "run", str(cfg), "--run-dir", str(run_dir)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines if "loss" in x] == [1, 2]
-    evals = [x for x in lines if "eval_accuracy" in x]
-    assert [x["step"] for x in evals] == [0, 1, 2]
-    assert "held-out accuracy" in proc.stdout
