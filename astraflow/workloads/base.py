@@ -48,7 +48,7 @@ WORKLOADS: Registry = Registry("workload")
 
 
 #: the modules of the shipped workloads (imported to register them)
-BUILTIN_MODULES = ("astraflow.workloads.math", "astraflow.workloads.mix")
+BUILTIN_MODULES = ("astraflow.workloads.math", "astraflow.workloads.mix", "astraflow.workloads.search")
 
 
 def workload_class(name: str) -> type:
