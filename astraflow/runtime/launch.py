@@ -10,10 +10,12 @@ import tempfile
 import threading
 from pathlib import Path
 
+from astraflow.agents.workload import is_agentic
 from astraflow.config import RunConfig
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
 from astraflow.runtime.progress import Progress
 from astraflow.training.config import ModelInit
+from astraflow.workloads.base import make_workload, workload_class
 from astraflow.workloads.config import WorkloadConfig
 from storage.paths import RunPaths
 
@@ -37,24 +39,31 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
             with progress.waiting(f"initialising a {init.preset} {init.arch} model"):
                 init_model(tmp / "init", preset=init.preset, arch=init.arch, seed=init.seed)
         if init.warm_starts:
-            from astraflow.training.warmstart import warm_start
-
             params = dict((workload.params if workload else {}) or {})
             bounds = [f"{init.warm_start_seconds:.0f}s"] if init.warm_start_seconds > 0 else []
             bounds += [f"{init.warm_start_steps} steps"] if init.warm_start_steps is not None else []
+            common = dict(seconds=init.warm_start_seconds or None, steps=init.warm_start_steps,
+                          lr=init.warm_start_lr, seed=init.seed, progress=progress.enabled,
+                          target_acc=init.warm_start_target,
+                          eval_every=25 if init.warm_start_target is not None else 50,
+                          # shown in the heartbeat lines of a log ("still supervised warm start ...")
+                          on_eval=lambda r: progress.detail(f"step {r['step']}, held-out accuracy {r['acc']:.2f}"))
+            agentic = workload is not None and is_agentic(workload_class(workload.name))
+            what = "expert demonstrations" if agentic else init.task
             # the warm start draws its own progress bar
-            with progress.waiting(f"supervised warm start ({init.task}) for {' or '.join(bounds)}", live=False):
-                result = warm_start(
-                    tmp / "init", tmp / "final", seconds=init.warm_start_seconds or None,
-                    steps=init.warm_start_steps, lr=init.warm_start_lr,
-                    workload=params, seed=init.seed, progress=progress.enabled, task=init.task,
-                    target_acc=init.warm_start_target,
-                    eval_every=25 if init.warm_start_target is not None else 50,
-                    # shown in the heartbeat lines of a log ("still supervised warm start ...")
-                    on_eval=lambda r: progress.detail(f"step {r['step']}, held-out accuracy {r['acc']:.2f}"),
-                )
-            progress.note(f"warm start ({init.task}): {result['steps']} steps, "
-                          f"held-out accuracy {result['acc']:.3f}")
+            with progress.waiting(f"supervised warm start ({what}) for {' or '.join(bounds)}", live=False):
+                if agentic:
+                    from astraflow.training.agent_warmstart import agent_warm_start
+
+                    wl = make_workload(workload.name, params, workload.seed)
+                    result = agent_warm_start(tmp / "init", tmp / "final", wl,
+                                              max_new_tokens=workload.sampling.max_new_tokens, **common)
+                else:
+                    from astraflow.training.warmstart import warm_start
+
+                    result = warm_start(tmp / "init", tmp / "final", workload=params, task=init.task, **common)
+            progress.note(f"warm start ({what}): {result['steps']} steps, "
+                          f"held-out {'success' if agentic else 'accuracy'} {result['acc']:.3f}")
             shutil.rmtree(tmp / "init")
             (tmp / "final").rename(tmp / "init")
         if out.exists():

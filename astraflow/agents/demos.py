@@ -1,0 +1,128 @@
+"""Expert demonstrations and local greedy episodes, for warm starts and evaluation.
+
+* ``demonstration``: one episode in which the environment's scripted expert
+  (``env.expert_action()``) writes every model turn. The result has the exact token layout of
+  a RaaS rollout (``run_agent_episode`` builds both), so a warm start trains on what RL will
+  continue from: loss on the expert's turns only.
+* ``greedy_success``: held-out success of a local model, its episodes run concurrently and their
+  turns decoded greedily in one batch per round (lockstep), so a warm start can stop at a
+  target competence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from astraflow.agents.chat import ChatRenderer
+from astraflow.agents.episode import AgentLimits, EpisodeLog, run_agent_episode
+
+
+@dataclass
+class _Turn:
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
+    engine_seconds: float = 0.0
+
+
+def _turn(ids: list[int], finish: str) -> _Turn:
+    n = len(ids)
+    return _Turn(np.asarray(ids, np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32), finish)
+
+
+async def demonstration(workload: Any, renderer: ChatRenderer, task: Mapping[str, Any],
+                        limits: AgentLimits) -> EpisodeLog:
+    """The scripted expert's episode of ``task`` (the environment must offer ``expert_action``)."""
+    env = workload.environment()
+    if not callable(getattr(env, "expert_action", None)):
+        raise ValueError(f"{type(env).__name__} has no expert_action(): it cannot make demonstrations")
+
+    async def generate(tokens: list[int], max_new: int) -> _Turn:
+        ids = renderer.encode(env.expert_action()) + [renderer.eos_id]
+        return _turn(ids[:max_new], "stop" if len(ids) <= max_new else "length")
+
+    return await run_agent_episode(generate, renderer, env, task, limits)
+
+
+def demonstrations(workload: Any, renderer: ChatRenderer, tasks: list[Mapping[str, Any]],
+                   limits: AgentLimits) -> list[EpisodeLog]:
+    """``demonstration`` of each task (successful ones only: an expert that fails teaches nothing)."""
+    async def all_of() -> list[EpisodeLog]:
+        return [await demonstration(workload, renderer, t, limits) for t in tasks]
+
+    return [log for log in asyncio.run(all_of()) if log.success > 0]
+
+
+class _Lockstep:
+    """A ``generate`` shared by concurrent episodes: requests wait until every live episode has
+    one, then are decoded greedily in one left-padded batch."""
+
+    def __init__(self, model: Any, tok: Any):
+        self.model, self.tok = model, tok
+        self.pending: list[tuple[list[int], int, asyncio.Future]] = []
+
+    async def __call__(self, tokens: list[int], max_new: int) -> _Turn:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((tokens, max_new, fut))
+        return await fut
+
+    def flush(self) -> None:
+        import torch
+
+        batch, self.pending = self.pending, []
+        T = max(len(t) for t, _, _ in batch)
+        pad = self.tok.pad_token_id
+        ids = torch.full((len(batch), T), pad, dtype=torch.long)
+        att = torch.zeros((len(batch), T), dtype=torch.long)
+        for i, (t, _, _) in enumerate(batch):
+            ids[i, T - len(t):] = torch.tensor(t)
+            att[i, T - len(t):] = 1
+        max_new = max(m for _, m, _ in batch)
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new, do_sample=False,
+                                      eos_token_id=self.tok.eos_token_id, pad_token_id=pad)
+        for i, (_, m, fut) in enumerate(batch):
+            row = out[i, T:].tolist()[:m]
+            eos = self.tok.eos_token_id
+            if eos in row:
+                row = row[: row.index(eos) + 1]
+                fut.set_result(_turn(row, "stop"))
+            else:
+                fut.set_result(_turn(row, "length"))
+
+
+def greedy_success(model: Any, tok: Any, workload: Any, tasks: list[Mapping[str, Any]],
+                   limits: AgentLimits) -> float:
+    """Mean success of greedy episodes of ``model`` on ``tasks`` (0 for an episode that fails)."""
+    if not tasks:
+        return 0.0
+    was_training = model.training
+    model.eval()
+    renderer = ChatRenderer(tok)
+    gen = _Lockstep(model, tok)
+
+    async def one(task: Mapping[str, Any]) -> float:
+        try:
+            log = await run_agent_episode(gen, renderer, workload.environment(), task, limits)
+        except Exception:  # an environment error fails the episode, as on a RaaS node
+            return 0.0
+        return log.success
+
+    async def all_of() -> list[float]:
+        jobs = [asyncio.ensure_future(one(t)) for t in tasks]
+        while not all(j.done() for j in jobs):
+            live = sum(not j.done() for j in jobs)
+            if gen.pending and len(gen.pending) >= live:
+                gen.flush()
+            await asyncio.sleep(0 if gen.pending else 0.001)
+        return [j.result() for j in jobs]
+
+    try:
+        return float(np.mean(asyncio.run(all_of())))
+    finally:
+        model.train(was_training)

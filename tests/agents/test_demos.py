@@ -1,0 +1,58 @@
+"""Demonstrations, the agentic warm start and the agent workflow on a real engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from astraflow.agents.chat import ChatRenderer
+from astraflow.agents.demos import demonstrations, greedy_success
+from astraflow.contracts import RolloutTask
+from astraflow.models import load_model
+from astraflow.rollout.engine import SamplingParams
+from astraflow.rollout.hf_engine import HFEngine
+from astraflow.rollout.workflows import make_workflow
+from astraflow.training.agent_warmstart import agent_warm_start
+from tests.agents.toy import TABLE, LookupWorkload
+
+
+def test_demonstrations_train_only_the_expert_turns(tiny_model):
+    _, tok = load_model(tiny_model)
+    wl = LookupWorkload()
+    logs = demonstrations(wl, ChatRenderer(tok), wl.tasks("train")[:3], wl.limits(64))
+    assert len(logs) == 3 and all(log.success == 1.0 and log.tool_calls == 1 for log in logs)
+    log = logs[0]
+    trained = tok.decode([t for t, m in zip(log.tokens, log.loss_mask) if m])
+    assert trained == '<tool_call>{"name":"lookup","arguments":{"key":"k0"}}</tool_call><|im_end|>v0<|im_end|>'
+
+
+def test_warm_start_learns_the_expert(tiny_model, tmp_path):
+    wl = LookupWorkload()
+    res = agent_warm_start(tiny_model, tmp_path / "out", wl, max_new_tokens=64, steps=4, lr=1e-3,
+                           batch_size=8, eval_every=0, eval_size=4, progress=False)
+    assert res["steps"] == 4 and res["demos"] == 30 and 0.0 <= res["acc"] <= 1.0
+    assert np.isfinite(res["loss"]) and (tmp_path / "out" / "model.safetensors").exists()
+    model, tok = load_model(tmp_path / "out")
+    assert 0.0 <= greedy_success(model, tok, wl, wl.tasks("eval")[:3], wl.limits(64)) <= 1.0
+
+
+def test_agent_workflow_on_the_engine_stores_what_was_generated(tiny_model):
+    engine = HFEngine(str(tiny_model), version=0, seed=1)
+    wl = LookupWorkload()
+    wf = make_workflow("agent", wl, SamplingParams(max_new_tokens=24), node="n0")
+    task = RolloutTask(task_id="g/0", group_id="g", policies=("p",), workflow="agent", prompt={"key": "k31"})
+    traj = asyncio.run(wf.run_episode({"p": engine}, task))
+    engine.close()
+    (seq,) = traj.sequences
+    ep = traj.episode
+    assert ep["task"] == {"key": "k31"} and ep["turns"][0]["kind"] == "observation"
+    model_turns = [t for t in ep["turns"] if t["kind"] == "model"]
+    assert 1 <= len(model_turns) <= 3 and traj.stats["turns"] == len(model_turns)
+    # the trained tokens are exactly the model turns' spans; everything else is untrained
+    span = np.zeros(len(seq.tokens), bool)
+    for t in model_turns:
+        span[t["start"]:t["end"]] = True
+    assert np.array_equal(span, seq.loss_mask)
+    assert np.all(seq.versions[seq.loss_mask] == 0) and np.all(seq.policy_ids[~seq.loss_mask] == -1)
+    assert seq.reward == traj.score in (0.0, 1.0) and TABLE["k31"]
