@@ -65,8 +65,8 @@ class SearchParams(AgentParams):
     """Documents one search returns."""
     describe_tools: bool = False
     """Open each episode with a system message describing the tool (costs tokens every episode)."""
-    num_train: int = Field(default=1500, ge=1)
-    """Questions in the train split."""
+    num_train: int | None = Field(default=None, ge=1)
+    """Questions in the train split; ``None``: every question not held out."""
     num_test: int = Field(default=200, ge=1)
     """Questions in the held-out split (disjoint from train)."""
 
@@ -254,12 +254,14 @@ class SearchWorkload(AgentWorkload):
             for q in queues:
                 if q:
                     order.append(q.pop(0))
-        if len(order) < p.num_test + p.num_train:
+        want = p.num_test + (p.num_train or 1)
+        if len(order) < want:
             raise ValueError(f"search workload: the knowledge base has {len(order)} questions, fewer than "
-                             f"num_test + num_train = {p.num_test + p.num_train}; lower them or raise "
+                             f"num_test + num_train = {want}; lower them or raise "
                              "num_people / num_companies / num_cities")
         payloads = [self.payload(c) for c in order]
-        return {"eval": payloads[:p.num_test], "train": payloads[p.num_test:p.num_test + p.num_train]}
+        end = None if p.num_train is None else p.num_test + p.num_train
+        return {"eval": payloads[:p.num_test], "train": payloads[p.num_test:end]}
 
     @staticmethod
     def payload(chain: list[str]) -> dict[str, Any]:
