@@ -14,9 +14,8 @@ import pytest
 import yaml
 
 from astraflow.agents.chat import ChatRenderer
-from astraflow.agents.env import Action
+from astraflow.agents.env import Action, signature_problems
 from astraflow.agents.episode import run_agent_episode
-from astraflow.agents.env import signature_problems
 from astraflow.models import build_tokenizer
 from astraflow.workloads.base import make_workload
 from astraflow.workloads.search import SearchEnv, parse_answer
