@@ -49,7 +49,7 @@ WORKLOADS: Registry = Registry("workload")
 
 #: the modules of the shipped workloads (imported to register them)
 BUILTIN_MODULES = ("astraflow.workloads.math", "astraflow.workloads.mix", "astraflow.workloads.calculator",
-                   "astraflow.workloads.textworld")
+                   "astraflow.workloads.textworld", "astraflow.workloads.search")
 
 
 def workload_class(name: str) -> type:

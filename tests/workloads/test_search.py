@@ -1,0 +1,127 @@
+"""The search workload: a deterministic knowledge base and splits, correct answer chains, BM25
+finding what the expert asks for, the expert succeeding through the real agent loop, wrong
+answers scoring 0, and a short run of the real CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from astraflow.agents.chat import ChatRenderer
+from astraflow.agents.env import Action, signature_problems
+from astraflow.agents.episode import run_agent_episode
+from astraflow.models import build_tokenizer
+from astraflow.workloads.base import make_workload
+from astraflow.workloads.search import SearchEnv, parse_answer
+from tests.agents.test_episode import scripted
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = {"num_people": 40, "num_companies": 8, "num_cities": 8, "num_countries": 3, "num_train": 150,
+         "num_test": 40}
+
+
+@pytest.fixture(scope="module")
+def wl():
+    return make_workload("search", SMALL, seed=0)
+
+
+def test_knowledge_base_and_splits_are_deterministic_and_disjoint(wl):
+    again = make_workload("search", SMALL, seed=0)
+    assert again.kb.documents() == wl.kb.documents()
+    assert again.tasks("train") == wl.tasks("train") and again.tasks("eval") == wl.tasks("eval")
+    other = make_workload("search", SMALL, seed=1)
+    assert other.kb.documents() != wl.kb.documents()
+    train, held = wl.tasks("train"), wl.tasks("eval")
+    assert len(train) == 150 and len(held) == 40
+    assert not {t["question"] for t in train} & {t["question"] for t in held}
+    assert {t["difficulty"] for t in held} == {1, 2, 3}
+    # the held-out split does not depend on how many train questions are asked for
+    assert make_workload("search", {**SMALL, "num_train": 20}, seed=0).tasks("eval") == held
+    with pytest.raises(ValueError, match="split"):
+        wl.tasks("test")
+    with pytest.raises(ValueError, match="fewer than num_test"):
+        make_workload("search", {**SMALL, "num_train": 10_000}, seed=0).tasks("train")
+    with pytest.raises(ValueError, match="num_countries"):
+        make_workload("search", {**SMALL, "num_countries": 9}, seed=0)
+
+
+def test_answer_chains_follow_the_facts(wl):
+    for t in wl.tasks("train") + wl.tasks("eval"):
+        chain = t["chain"]
+        assert t["difficulty"] == len(chain) // 2 and 1 <= t["difficulty"] <= 3
+        assert t["question"] == " ".join([chain[0]] + chain[1::2]) + "?"
+        for i in range(0, len(chain) - 1, 2):
+            assert wl.kb.facts[chain[i], chain[i + 1]] == chain[i + 2]
+        assert t["answer"] == chain[-1] and len(set(chain[::2])) == len(chain[::2])  # no entity twice
+
+
+def test_bm25_ranks_the_needed_document_first(wl):
+    for t in wl.tasks("eval"):
+        chain = t["chain"]
+        for i in range(0, len(chain) - 1, 2):
+            lines = wl.index.search(f"{chain[i]} {chain[i + 1]}")
+            assert len(lines) == 2 and lines[0] == f"{chain[i]} {chain[i + 1]} {chain[i + 2]}"
+    assert wl.index.search("Qqqq xyzzy") == [] and wl.index.search("?") == []
+    # one index, shared by every episode's environment
+    assert wl.environment().tools.tools["search"] is wl.environment().tools.tools["search"]
+
+
+def _expert_episode(wl, task, tok):
+    env = wl.environment()
+
+    async def generate(tokens, max_new):
+        return await scripted(tok, [env.expert_action()])(tokens, max_new)
+
+    return asyncio.run(run_agent_episode(generate, ChatRenderer(tok), env, task, wl.limits(64)))
+
+
+def test_expert_succeeds_through_the_agent_loop(wl):
+    tok = build_tokenizer()
+    assert not signature_problems(SearchEnv)
+    for task in wl.tasks("eval")[:12]:
+        log = _expert_episode(wl, task, tok)
+        assert log.done and log.success == 1.0 and log.reward == 1.0 and log.truncated is None
+        assert log.tool_calls == task["difficulty"] and log.invalid_calls == 0
+        assert len(log.tokens) < 400
+
+
+@pytest.mark.parametrize("text,ok", [("Mira", 1.0), ("answer: mira.", 1.0), (" Mira\nbecause", 1.0),
+                                     ("Kalo", 0.0), ("", 0.0), ("the answer is Mira", 0.0)])
+def test_answers_are_scored(text, ok):
+    assert parse_answer("Answer: Mira!") == "Mira"
+    env = make_workload("search", SMALL, seed=0).environment()
+    asyncio.run(env.reset({"question": "Kalo born?", "answer": "Mira", "chain": ["Kalo", "born", "Mira"],
+                           "difficulty": 1}))
+    res = asyncio.run(env.step(Action(text=text)))
+    assert res.done and res.reward == ok and res.info["success"] == ok
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_cli_run_writes_eval_records(tiny_model, tmp_path):
+    data = yaml.safe_load((ROOT / "examples" / "search" / "config.yaml").read_text())
+    data["policies"][0]["model"] = str(tiny_model)
+    data["policies"][0].pop("init")
+    data["run"].update(max_steps=2, timeout_s=90)
+    data["workload"]["params"].update(SMALL)
+    data["workload"].update(group_size=4, eval={"every": 2, "num_prompts": 8})
+    data["workload"]["sampling"]["max_new_tokens"] = 24
+    data["dataflow"].update(batch_size=8)
+    data["rollout"].update(capacity=16, engine={"max_batch": 16})
+    data["cluster"]["dashboard_port"] = 0
+    cfg = tmp_path / "search.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "astraflow", "run", str(cfg), "--run-dir", str(run_dir)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == [1, 2]
+    evals = [x for x in lines if "eval_accuracy" in x]
+    assert [x["step"] for x in evals] == [0, 2] and all(0.0 <= x["eval_accuracy"] <= 1.0 for x in evals)
