@@ -22,7 +22,7 @@ EXAMPLES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "examples").gl
 
 def test_the_agentic_examples_are_found():
     assert {"examples/calculator/config.yaml", "examples/custom_env/config.yaml",
-            "examples/textworld/config.yaml"} <= set(EXAMPLES)
+            "examples/search/config.yaml", "examples/textworld/config.yaml"} <= set(EXAMPLES)
 
 
 @pytest.mark.e2e

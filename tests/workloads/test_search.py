@@ -1,17 +1,12 @@
 """The search workload: a deterministic knowledge base and splits, correct answer chains, BM25
 finding what the expert asks for, the expert succeeding through the real agent loop, wrong
-answers scoring 0, and a short run of the real CLI."""
+answers scoring 0 (its CLI run: ``tests/e2e/test_agent_cli.py``)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import yaml
 
 from astraflow.agents.chat import ChatRenderer
 from astraflow.agents.env import Action, signature_problems
@@ -21,7 +16,6 @@ from astraflow.workloads.base import make_workload
 from astraflow.workloads.search import SearchEnv, parse_answer
 from tests.agents.test_episode import scripted
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"num_people": 40, "num_companies": 8, "num_cities": 8, "num_countries": 3, "num_train": 150,
          "num_test": 40}
 
@@ -100,28 +94,3 @@ def test_answers_are_scored(text, ok):
                            "difficulty": 1}))
     res = asyncio.run(env.step(Action(text=text)))
     assert res.done and res.reward == ok and res.info["success"] == ok
-
-
-@pytest.mark.e2e
-@pytest.mark.timeout(120)
-def test_cli_run_writes_eval_records(tiny_model, tmp_path):
-    data = yaml.safe_load((ROOT / "examples" / "search" / "config.yaml").read_text())
-    data["policies"][0]["model"] = str(tiny_model)
-    data["policies"][0].pop("init")
-    data["run"].update(max_steps=2, timeout_s=90)
-    data["workload"]["params"].update(SMALL)
-    data["workload"].update(group_size=4, eval={"every": 2, "num_prompts": 8})
-    data["workload"]["sampling"]["max_new_tokens"] = 24
-    data["dataflow"].update(batch_size=8)
-    data["rollout"].update(capacity=16, engine={"max_batch": 16})
-    data["cluster"]["dashboard_port"] = 0
-    cfg = tmp_path / "search.yaml"
-    cfg.write_text(yaml.safe_dump(data))
-    run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "astraflow", "run", str(cfg), "--run-dir", str(run_dir)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=110)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines if "loss" in x] == [1, 2]
-    evals = [x for x in lines if "eval_accuracy" in x]
-    assert [x["step"] for x in evals] == [0, 2] and all(0.0 <= x["eval_accuracy"] <= 1.0 for x in evals)
