@@ -3,8 +3,10 @@
 An agentic workload is a ``Workload`` (``astraflow.workloads.base``) run by the ``agent``
 workflow: instead of a prompt and a reward it gives each episode an ``Environment``. Its
 ``Params`` include the episode limits (``AgentParams``). Its environments may offer
-``expert_action()``, the next turn of a scripted expert: the source of the demonstrations a
-warm start trains on and of the conformance check that the expert succeeds.
+``expert_action()``, the next turn of a scripted expert, called once per model turn in order
+(tool-call turns included, which never reach ``step``: the expert keeps its own count): the
+source of the demonstrations a warm start trains on and of the conformance check that the
+expert succeeds.
 """
 
 from __future__ import annotations
