@@ -25,7 +25,7 @@ import hashlib
 import random
 import re
 import threading
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from pydantic import Field
 
@@ -51,13 +51,18 @@ class SearchParams(AgentParams):
     """The search workload's ``params``: the size of the knowledge base, the questions and
     the search results."""
 
-    num_people: int = Field(default=200, ge=2)
+    kb: Literal["per_task", "shared"] = "per_task"
+    """``per_task``: every task has a knowledge base of its own, generated from the task's seed
+    (new names every time: the agent must read and copy what it finds, it cannot remember
+    answers; train and held-out tasks are drawn alike). ``shared``: one knowledge base for all
+    tasks (raise the sizes below), held-out questions being other chains over the same facts."""
+    num_people: int = Field(default=8, ge=2)
     """People in the knowledge base (each born in a city, working for a company)."""
-    num_companies: int = Field(default=40, ge=1)
+    num_companies: int = Field(default=3, ge=1)
     """Companies (each with a CEO among its employees and a headquarters city)."""
-    num_cities: int = Field(default=40, ge=1)
+    num_cities: int = Field(default=4, ge=1)
     """Cities (each in a country)."""
-    num_countries: int = Field(default=10, ge=1)
+    num_countries: int = Field(default=2, ge=1)
     """Countries (each with a capital among its cities); at most ``num_cities``."""
     max_hops: int = Field(default=3, ge=1, le=3)
     """Lookups a question needs at most (its ``difficulty`` is its number of lookups)."""
@@ -66,7 +71,8 @@ class SearchParams(AgentParams):
     describe_tools: bool = False
     """Open each episode with a system message describing the tool (costs tokens every episode)."""
     num_train: int | None = Field(default=None, ge=1)
-    """Questions in the train split; ``None``: every question not held out."""
+    """Questions in the train split; ``None``: 2000 with ``kb: per_task``, every question not
+    held out with ``kb: shared``."""
     num_test: int = Field(default=200, ge=1)
     """Questions in the held-out split (disjoint from train)."""
 
@@ -82,14 +88,14 @@ def _names(rng: random.Random, n: int) -> list[str]:
 class KnowledgeBase:
     """The generated facts: ``facts[(entity, relation)] = object`` and ``kind[entity]``."""
 
-    def __init__(self, p: SearchParams):
+    def __init__(self, p: SearchParams, seed: str | None = None):
         if p.num_countries > p.num_cities:
             raise ValueError(f"search workload: num_countries ({p.num_countries}) must be at most "
                              f"num_cities ({p.num_cities}): every country has a capital among its cities")
         if p.num_companies > p.num_people:
             raise ValueError(f"search workload: num_companies ({p.num_companies}) must be at most "
                              f"num_people ({p.num_people}): every company has a CEO among its employees")
-        rng = random.Random(f"search-kb:{p.seed}")
+        rng = random.Random(f"search-kb:{p.seed if seed is None else seed}")
         sizes = {"person": p.num_people, "company": p.num_companies, "city": p.num_cities,
                  "country": p.num_countries}
         pool = _names(rng, sum(sizes.values()))
@@ -184,21 +190,28 @@ def parse_answer(text: str) -> str:
 
 
 class SearchEnv(EnvironmentBase):
-    """One episode: the question, searches through the shared index, a scored answer."""
+    """One episode: the question, searches through its knowledge base's index, a scored answer."""
 
     step_timeout_s = 10.0
 
-    def __init__(self, search_tool: Tool, describe: bool):
+    def __init__(self, workload: "SearchWorkload"):
         super().__init__()
-        self.tools = ToolBox([search_tool])
-        self.describe = describe
+        self.workload = workload
+        self.index: KnowledgeIndex | None = None
+
+        def search(query: str) -> str:
+            """Search the knowledge base: the best matching lines."""
+            return "\n".join(self.index.search(query)) or "no results"
+
+        self.tools = ToolBox([tool(search, timeout_s=5.0)])
         self.task: Mapping[str, Any] = {}
         self._expert_turn = 0
 
     async def reset(self, task: Mapping[str, Any]) -> list[Message]:
         self.task, self._expert_turn = task, 0
+        self.index = self.workload.index_of(task)
         first = [{"role": "user", "content": task["question"]}]
-        if self.describe:
+        if self.workload.params.describe_tools:
             first.insert(0, {"role": "system", "content": "Tools:\n" + self.tools.describe()})
         return first
 
@@ -226,16 +239,35 @@ class SearchWorkload(AgentWorkload):
 
     def __init__(self, seed: int = 0, **params: Any):
         super().__init__(seed=seed, **params)
-        self.kb = KnowledgeBase(self.params)
-        self.index = KnowledgeIndex(self.kb.documents(), self.params.top_k)
-        index = self.index
-
-        def search(query: str) -> str:
-            """Search the knowledge base: the best matching lines."""
-            return "\n".join(index.search(query)) or "no results"
-
-        self.search_tool = tool(search, timeout_s=5.0)
+        self.kb = KnowledgeBase(self.params) if self.params.kb == "shared" else None
+        self.index = KnowledgeIndex(self.kb.documents(), self.params.top_k) if self.kb else None
         self._splits: dict[str, list[dict[str, Any]]] | None = None
+
+    def index_of(self, task: Mapping[str, Any]) -> KnowledgeIndex:
+        """The index a task searches: its own knowledge base's, or the shared one."""
+        if "kb" in task:
+            return KnowledgeIndex(KnowledgeBase(self.params, seed=task["kb"]).documents(), self.params.top_k)
+        if self.index is None:
+            raise ValueError("search workload: a task without its own knowledge base ('kb') needs kb: shared")
+        return self.index
+
+    def _per_task_splits(self) -> dict[str, list[dict[str, Any]]]:
+        """Tasks with a knowledge base each, seeded by split and index (train and held-out never
+        share one), difficulties 1..max_hops in turn."""
+        p = self.params
+        out: dict[str, list[dict[str, Any]]] = {}
+        for split, n in (("eval", p.num_test), ("train", p.num_train or 2000)):
+            tasks = []
+            for i in range(n):
+                kb_seed = f"{p.seed}:{split}:{i}"
+                hops = 1 + i % p.max_hops
+                chains = [c for c in KnowledgeBase(p, seed=kb_seed).chains(hops) if len(c) // 2 == hops]
+                if not chains:
+                    raise ValueError(f"search workload: a knowledge base this small has no {hops}-hop "
+                                     "question; raise num_people / num_companies / num_cities")
+                tasks.append({**self.payload(random.Random(kb_seed).choice(chains)), "kb": kb_seed})
+            out[split] = tasks
+        return out
 
     def _make_splits(self) -> dict[str, list[dict[str, Any]]]:
         """Questions of each difficulty in a seed-fixed hashed order; held-out takes the first
@@ -273,8 +305,8 @@ class SearchWorkload(AgentWorkload):
         if split not in ("train", "eval"):
             raise ValueError(f"search workload: split must be 'train' or 'eval', got {split!r}")
         if self._splits is None:
-            self._splits = self._make_splits()
+            self._splits = self._per_task_splits() if self.params.kb == "per_task" else self._make_splits()
         return self._splits[split]
 
     def environment(self) -> SearchEnv:
-        return SearchEnv(self.search_tool, self.params.describe_tools)
+        return SearchEnv(self)

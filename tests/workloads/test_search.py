@@ -16,8 +16,8 @@ from astraflow.workloads.base import make_workload
 from astraflow.workloads.search import SearchEnv, parse_answer
 from tests.agents.test_episode import scripted
 
-SMALL = {"num_people": 40, "num_companies": 8, "num_cities": 8, "num_countries": 3, "num_train": 150,
-         "num_test": 40}
+SMALL = {"kb": "shared", "num_people": 40, "num_companies": 8, "num_cities": 8, "num_countries": 3,
+         "num_train": 150, "num_test": 40}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,10 @@ def test_bm25_ranks_the_needed_document_first(wl):
             assert len(lines) == 2 and lines[0] == f"{chain[i]} {chain[i + 1]} {chain[i + 2]}"
     assert wl.index.search("Qqqq xyzzy") == [] and wl.index.search("?") == []
     # one index, shared by every episode's environment
-    assert wl.environment().tools.tools["search"] is wl.environment().tools.tools["search"]
+    envs = [wl.environment() for _ in range(2)]
+    for env in envs:
+        asyncio.run(env.reset(wl.tasks("eval")[0]))
+    assert envs[0].index is envs[1].index is wl.index
 
 
 def _expert_episode(wl, task, tok):
@@ -75,9 +78,11 @@ def _expert_episode(wl, task, tok):
     return asyncio.run(run_agent_episode(generate, ChatRenderer(tok), env, task, wl.limits(64)))
 
 
-def test_expert_succeeds_through_the_agent_loop(wl):
+@pytest.mark.parametrize("kb", ["shared", "per_task"])
+def test_expert_succeeds_through_the_agent_loop(kb):
     tok = build_tokenizer()
     assert not signature_problems(SearchEnv)
+    wl = make_workload("search", {"kb": kb, **({} if kb == "per_task" else SMALL)}, seed=0)
     for task in wl.tasks("eval")[:12]:
         log = _expert_episode(wl, task, tok)
         assert log.done and log.success == 1.0 and log.reward == 1.0 and log.truncated is None
@@ -94,3 +99,25 @@ def test_answers_are_scored(text, ok):
                            "difficulty": 1}))
     res = asyncio.run(env.step(Action(text=text)))
     assert res.done and res.reward == ok and res.info["success"] == ok
+
+
+def test_per_task_knowledge_bases_are_the_tasks_own():
+    """Each task searches a knowledge base of its own (new names), made from the task's seed;
+    train and held-out tasks never share one, and difficulties take turns."""
+    wl = make_workload("search", {"num_train": 30, "num_test": 12}, seed=0)
+    train, held = wl.tasks("train"), wl.tasks("eval")
+    assert make_workload("search", {"num_train": 30, "num_test": 12}, seed=0).tasks("train") == train
+    assert not {t["kb"] for t in train} & {t["kb"] for t in held}
+    assert [t["difficulty"] for t in held[:6]] == [1, 2, 3, 1, 2, 3]
+    for t in train + held:
+        from astraflow.workloads.search import KnowledgeBase
+
+        facts = KnowledgeBase(wl.params, seed=t["kb"]).facts
+        chain = t["chain"]
+        assert all(facts[chain[i], chain[i + 1]] == chain[i + 2] for i in range(0, len(chain) - 1, 2))
+    a, b = wl.environment(), wl.environment()
+    asyncio.run(a.reset(held[0]))
+    asyncio.run(b.reset(held[1]))
+    assert a.index.documents != b.index.documents
+    with pytest.raises(ValueError, match="kb: shared"):
+        wl.index_of({"question": "x?"})
