@@ -22,6 +22,7 @@ once per workload, on the first search, and shared by every episode's environmen
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 import re
 import threading
@@ -161,6 +162,8 @@ class KnowledgeIndex:
     def _tokens(self, texts: list[str]):
         import bm25s
 
+        logging.getLogger("bm25s").setLevel(logging.WARNING)  # it sets DEBUG: a line per index built
+
         # no stopwords: every word of a generated document is a name or a relation
         return bm25s.tokenize(texts, stopwords=None, return_ids=False, show_progress=False)
 
@@ -168,6 +171,7 @@ class KnowledgeIndex:
         """The ``top_k`` best documents for ``query`` (fewer if fewer share a word with it)."""
         import bm25s
 
+        logging.getLogger("bm25s").setLevel(logging.WARNING)  # it sets DEBUG: a line per index built
         with self._lock:
             if self._bm25 is None:
                 bm25 = bm25s.BM25()
