@@ -12,7 +12,8 @@ layout, are what each task changes. A task asks the agent to reach a goal:
 
 The agent acts with short plain-text commands, one per turn (``go north`` or ``go n``, ``take
 coin``, ``put coin in box``, ``look``); a command the world cannot carry out gets an observation
-saying why, never an error. Observations list the exits with the rooms behind them (``In hall.
+saying why, never an error (a move into a wall also says where the agent still is, so it
+recovers by reading). Observations list the exits with the rooms behind them (``In hall.
 Exits: n lab, e den. You see key.``), so stepping toward a target in sight is reading, and the
 way round a missing door is found from the exits, not memorised. They are terse on purpose: the
 policy is a byte-level model (one token per character).
@@ -245,7 +246,7 @@ class TextWorldEnv(EnvironmentBase):
             if d not in DIRS:
                 return f"No direction {rest[0]}.", False
             if d not in self.world.doors[self.room]:
-                return f"No door {d}.", False
+                return f"No door {d}. {self.describe()}", False  # where it still is: recover by reading
             self.room = self.world.doors[self.room][d]
             return self.describe(), True
         if verb == "look" and not rest:

@@ -113,6 +113,8 @@ def test_invalid_commands_are_observations_not_errors(tok):
     replies = [t["messages"][0]["content"] for t in log.turns if t["kind"] == "env"]
     assert replies[0].startswith("Unknown command") and replies[1].startswith("Say a command")
     assert replies[3] == "No unicorn here." and replies[4] == "You have no coin."
+    if walls:  # a move into a wall says where the agent still is
+        assert replies[2] == f"No door {walls[0]}. {env.describe()}" and "Exits: " in replies[2]
     assert log.done and log.success == 0.0 and env.room == task["start"]  # the world ended it: out of turns
 
 
