@@ -1,30 +1,36 @@
 """A small text world in the AgentBench/ALFWorld style: the built-in multi-step agentic workload.
 
-The world is generated locally from the seed: a fixed map per seed (rooms on a grid joined
-by doors north/south/east/west, a spanning tree plus a few extra doors) with two containers
-in fixed rooms. A task places objects in rooms and asks the agent to reach a goal:
+Rooms sit on a grid; every task has its own map: which neighbouring rooms are joined by a door
+(north/south/east/west; a random spanning tree plus ``extra_doors``), where the box and the bag
+stand and where the objects lie are drawn per task. The room names keep their grid cells for a
+seed (a compass the policy can learn: the lab is east of the hall), so the doors, never the
+layout, are what each task changes. A task asks the agent to reach a goal:
 
 * ``go``: ``Go to the lab.``
 * ``take``: ``Take the coin from the lab.``
-* ``put``: ``Put the coin from the lab in the box.``
+* ``put``: ``Put the coin from the lab in the box in the den.``
 
-The agent acts with short plain-text commands, one per turn (``go north``, ``take coin``,
-``put coin in box``, ``look``); a command the world cannot carry out gets an observation
-saying why, never an error. Observations are terse on purpose: the policy is a byte-level
-model (one token per character), so a whole expert episode stays near 200 tokens.
+The agent acts with short plain-text commands, one per turn (``go north`` or ``go n``, ``take
+coin``, ``put coin in box``, ``look``); a command the world cannot carry out gets an observation
+saying why, never an error (a move into a wall also says where the agent still is, so it
+recovers by reading). Observations list the exits with the rooms behind them (``In hall.
+Exits: n lab, e den. You see key.``), so stepping toward a target in sight is reading, and the
+way round a missing door is found from the exits, not memorised. They are terse on purpose: the
+policy is a byte-level model (one token per character).
 
-Generalisation: the map is the same in every task of a seed (the policy learns it), and the
-held-out split holds *start/goal combinations* never trained on (a task's start room, kind,
-object, source room and container, hashed with the seed), so held-out success measures a
-policy that navigates, not one that memorised episodes. ``difficulty`` is the number of
-expert steps (1..``max_difficulty``).
+Generalisation: train and held-out tasks come from the same generator (i.i.d.) and are split by
+a hash of the whole task (map, start, goal, objects), so no held-out task is ever trained on and
+what RL improves on train is what held-out success measures. ``difficulty`` is the number of
+expert steps (1..``max_difficulty``), in equal shares per split.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections import deque
+from functools import lru_cache
 from typing import Any, Mapping
 
 from pydantic import Field
@@ -49,12 +55,12 @@ class TextWorldParams(AgentParams):
     """Columns of the room grid."""
     height: int = Field(default=3, ge=1, le=3)
     """Rows of the room grid (``width * height`` rooms, at most 12)."""
-    extra_doors: int = Field(default=1, ge=0)
-    """Doors added to the map's spanning tree (loops: more than one way round)."""
+    extra_doors: int = Field(default=2, ge=0)
+    """Doors added to each map's spanning tree (loops: more than one way round)."""
     max_difficulty: int = Field(default=4, ge=1, le=8)
     """Longest task, in expert steps."""
     test_fraction: float = Field(default=0.2, gt=0, lt=1)
-    """Share of start/goal combinations held out for evaluation."""
+    """Share of generated tasks that fall in the held-out split (by a hash of the whole task)."""
     shaped: bool = False
     """Per-turn rewards: +0.1 for progress (a step closer to the current target room, taking
     the goal object), -0.1 for a command the world cannot carry out."""
@@ -63,13 +69,13 @@ class TextWorldParams(AgentParams):
 
 
 class World:
-    """The fixed map of a seed: room names, doors and container rooms."""
+    """One task's map: the seed's room names on their grid cells, the task's doors and containers."""
 
-    def __init__(self, width: int, height: int, extra_doors: int, seed: int):
-        rng = random.Random(f"textworld-map:{seed}")
-        cells = [(x, y) for y in range(height) for x in range(width)]
+    def __init__(self, width: int, height: int, extra_doors: int, seed: int, layout: int = 0):
         names = list(ROOM_NAMES)
-        rng.shuffle(names)
+        random.Random(f"textworld-names:{seed}").shuffle(names)
+        rng = random.Random(f"textworld-map:{seed}:{layout}")
+        cells = [(x, y) for y in range(height) for x in range(width)]
         self.rooms: list[str] = names[: len(cells)]
         self.cell = dict(zip(self.rooms, cells))
         at = {c: r for r, c in self.cell.items()}
@@ -84,7 +90,8 @@ class World:
         def neighbours(c: tuple[int, int]) -> list[tuple[int, int]]:
             return [(c[0] + dx, c[1] + dy) for dx, dy in DIRS.values() if (c[0] + dx, c[1] + dy) in at]
 
-        seen, stack = {cells[0]}, [cells[0]]  # randomised depth-first spanning tree
+        first = rng.choice(cells)
+        seen, stack = {first}, [first]  # randomised depth-first spanning tree
         while stack:
             free = [n for n in neighbours(stack[-1]) if n not in seen]
             if not free:
@@ -98,7 +105,7 @@ class World:
         rng.shuffle(missing)
         for a, b in missing[:extra_doors]:
             link(a, b)
-        where = rng.sample(self.rooms, len(CONTAINERS))
+        where = [rng.choice(self.rooms) for _ in CONTAINERS]
         self.container_room: dict[str, str] = dict(zip(CONTAINERS, where))
         self.dist = {r: self._bfs(r) for r in self.rooms}
 
@@ -121,6 +128,12 @@ class World:
         raise AssertionError(f"no way from {room} to {target}")
 
 
+@lru_cache(maxsize=4096)
+def world_of(width: int, height: int, extra_doors: int, seed: int, layout: int) -> World:
+    """The (cached, read-only) map of a task."""
+    return World(width, height, extra_doors, seed, layout)
+
+
 def _opposite(d: str) -> str:
     return {"north": "south", "south": "north", "east": "west", "west": "east"}[d]
 
@@ -135,12 +148,13 @@ def expert_steps(world: World, core: Mapping[str, Any]) -> int:
     return hops + world.dist[core["from"]][world.container_room[core["container"]]] + 1
 
 
-def goal_text(core: Mapping[str, Any]) -> str:
+def goal_text(world: World, core: Mapping[str, Any]) -> str:
     if core["kind"] == "go":
         return f"Go to the {core['target']}."
     if core["kind"] == "take":
         return f"Take the {core['object']} from the {core['from']}."
-    return f"Put the {core['object']} from the {core['from']} in the {core['container']}."
+    box = core["container"]
+    return f"Put the {core['object']} from the {core['from']} in the {box} in the {world.container_room[box]}."
 
 
 class TextWorldEnv(EnvironmentBase):
@@ -148,14 +162,15 @@ class TextWorldEnv(EnvironmentBase):
 
     step_timeout_s = 5.0
 
-    def __init__(self, world: World, shaped: bool = False, max_turns: int = 6):
+    def __init__(self, grid: tuple[int, int, int, int], shaped: bool = False, max_turns: int = 6):
         super().__init__()
-        self.world, self.shaped, self.max_turns = world, shaped, max_turns
+        self.grid, self.shaped, self.max_turns = grid, shaped, max_turns  # (width, height, extra_doors, seed)
 
     # -- state ---------------------------------------------------------------------------
 
     async def reset(self, task: Mapping[str, Any]) -> list[Message]:
         self.task = dict(task)
+        self.world = world_of(*self.grid, task["layout"])
         self.room = task["start"]
         self.turns = 0
         self.held: list[str] = []
@@ -166,8 +181,9 @@ class TextWorldEnv(EnvironmentBase):
         return [{"role": "user", "content": f"{task['goal']}\n{self.describe()}"}]
 
     def describe(self) -> str:
+        exits = ", ".join(f"{d[0]} {n}" for d, n in sorted(self.world.doors[self.room].items(), key=_dir_order))
         seen = self.floor[self.room] + [c for c, r in self.world.container_room.items() if r == self.room]
-        return f"In {self.room}." + (f" You see {', '.join(seen)}." if seen else "")
+        return f"In {self.room}. Exits: {exits}." + (f" You see {', '.join(seen)}." if seen else "")
 
     def success(self) -> bool:
         t = self.task
@@ -193,7 +209,7 @@ class TextWorldEnv(EnvironmentBase):
         """The next command of a scripted optimal expert from the current state."""
         t, target = self.task, self.target_room()
         if self.room != target:
-            return f"go {self.world.toward(self.room, target)}"
+            return f"go {self.world.toward(self.room, target)[0]}"  # as the exits name it
         if t["object"] not in self.held:
             return f"take {t['object']}"
         return f"put {t['object']} in {t['container']}"
@@ -230,7 +246,7 @@ class TextWorldEnv(EnvironmentBase):
             if d not in DIRS:
                 return f"No direction {rest[0]}.", False
             if d not in self.world.doors[self.room]:
-                return f"No door {d}.", False
+                return f"No door {d}. {self.describe()}", False  # where it still is: recover by reading
             self.room = self.world.doors[self.room][d]
             return self.describe(), True
         if verb == "look" and not rest:
@@ -270,49 +286,63 @@ class TextWorldWorkload(AgentWorkload):
         p = self.params
         if p.width * p.height > len(ROOM_NAMES):
             raise ValueError(f"textworld workload: width * height is at most {len(ROOM_NAMES)} rooms")
-        self.world = World(p.width, p.height, p.extra_doors, p.seed)
+        self.grid = (p.width, p.height, p.extra_doors, p.seed)
 
     def environment(self) -> TextWorldEnv:
-        return TextWorldEnv(self.world, shaped=self.params.shaped, max_turns=self.params.max_turns)
+        return TextWorldEnv(self.grid, shaped=self.params.shaped, max_turns=self.params.max_turns)
 
-    def cores(self, split: str) -> dict[int, list[dict[str, Any]]]:
-        """The start/goal combinations of ``split`` (``"train"`` or ``"eval"``) by difficulty."""
-        w, p = self.world, self.params
-        every: list[dict[str, Any]] = []
-        for s in w.rooms:
-            every += [{"kind": "go", "start": s, "target": t} for t in w.rooms if t != s]
-            for o in OBJECTS:
-                every += [{"kind": "take", "start": s, "object": o, "from": r} for r in w.rooms]
-                every += [{"kind": "put", "start": s, "object": o, "from": r, "container": c}
-                          for r in w.rooms for c in CONTAINERS]
-        out: dict[int, list[dict[str, Any]]] = {}
-        for core in every:
-            d = expert_steps(w, core)
-            if 1 <= d <= p.max_difficulty and _split_of(core, p) == split:
-                out.setdefault(d, []).append(core)
-        return out
+    def world(self, task: Mapping[str, Any]) -> World:
+        """The map of ``task``."""
+        return world_of(*self.grid, task["layout"])
+
+    def _draw(self, rng: random.Random, level: int) -> dict[str, Any]:
+        """A random task of ``level`` expert steps: a kind that has such tasks, then maps, rooms and
+        objects drawn until one fits."""
+        kind = rng.choice([k for k in KINDS if level >= (2 if k == "put" else 1)])
+        while True:
+            layout = rng.randrange(2**31)
+            w = world_of(*self.grid, layout)
+            if kind == "go":
+                fits = [{"kind": kind, "start": s, "target": t} for s in w.rooms for t in w.rooms]
+            else:
+                fits = [{"kind": kind, "start": s, "from": r, **({"container": c} if kind == "put" else {})}
+                        for s in w.rooms for r in w.rooms for c in (CONTAINERS if kind == "put" else ("",))]
+            fits = [c for c in fits if expert_steps(w, c) == level]
+            if not fits:
+                continue
+            core = rng.choice(fits)
+            if kind != "go":
+                core["object"] = rng.choice(OBJECTS)
+            objects = [] if kind == "go" else [(core["object"], core["from"])]
+            other = rng.choice([o for o in OBJECTS if o != core.get("object")])  # a distractor
+            objects.append((other, rng.choice(w.rooms)))
+            rng.shuffle(objects)
+            return {"layout": layout, **core, "objects": [list(x) for x in objects],
+                    "goal": goal_text(w, core), "difficulty": level}
 
     def tasks(self, split: str) -> list[dict[str, Any]]:
+        """``num_train`` or ``num_test`` tasks of ``split``: one stream of random tasks, each in the
+        split its hash says, difficulties in equal shares."""
         if split not in ("train", "eval"):
             raise ValueError(f"textworld workload: split must be 'train' or 'eval', got {split!r}")
         p = self.params
-        by_level = self.cores(split)
-        levels = sorted(by_level)
-        rng = random.Random(f"textworld-tasks:{p.seed}:{split}")
-        out = []
-        for i in range(p.num_train if split == "train" else p.num_test):
-            level = levels[i % len(levels)]  # difficulties in equal shares
-            core = dict(rng.choice(by_level[level]))
-            objects = [] if core["kind"] == "go" else [(core["object"], core["from"])]
-            other = rng.choice([o for o in OBJECTS if o != core.get("object")])  # a distractor
-            objects.append((other, rng.choice(self.world.rooms)))
-            rng.shuffle(objects)
-            out.append({**core, "objects": [list(x) for x in objects], "goal": goal_text(core), "difficulty": level})
-        rng.shuffle(out)
+        rng = random.Random(f"textworld-tasks:{p.seed}")
+        n = p.num_train if split == "train" else p.num_test
+        out: list[dict[str, Any]] = []
+        while len(out) < n:
+            level = len(out) % p.max_difficulty + 1
+            task = self._draw(rng, level)
+            if _split_of(task, p) == split:
+                out.append(task)
+        random.Random(f"textworld-order:{p.seed}:{split}").shuffle(out)
         return out
 
 
-def _split_of(core: Mapping[str, Any], p: TextWorldParams) -> str:
-    key = "|".join(f"{k}={core[k]}" for k in sorted(core))
+def _dir_order(item: tuple[str, str]) -> int:
+    return list(DIRS).index(item[0])
+
+
+def _split_of(task: Mapping[str, Any], p: TextWorldParams) -> str:
+    key = json.dumps({k: v for k, v in task.items() if k != "goal"}, sort_keys=True)
     h = hashlib.blake2b(f"{p.seed}:{key}".encode(), digest_size=8).digest()
     return "eval" if int.from_bytes(h, "little") / 2**64 < p.test_fraction else "train"

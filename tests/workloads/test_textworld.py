@@ -1,9 +1,11 @@
-"""The text world: a deterministic map, disjoint splits, an expert that always succeeds, invalid
-commands as observations, shaped rewards (its CLI run: ``tests/e2e/test_agent_cli.py``)."""
+"""The text world: deterministic maps and tasks, i.i.d. disjoint splits, exits in the
+observations, an expert that always succeeds, invalid commands as observations, shaped rewards
+(its CLI run: ``tests/e2e/test_agent_cli.py``)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
@@ -15,7 +17,6 @@ from astraflow.models import build_tokenizer
 from astraflow.workloads.base import make_workload, workload_class
 from astraflow.workloads.textworld import TextWorldEnv, TextWorldWorkload
 from tests.agents.test_episode import Gen, scripted
-
 
 
 @pytest.fixture(scope="module")
@@ -51,21 +52,41 @@ def test_registered_and_fits_the_contract():
 
 def test_world_and_tasks_are_deterministic_by_seed():
     a, b, c = (make_workload("textworld", {}, s) for s in (0, 0, 1))
-    assert a.world.doors == b.world.doors and a.tasks("train") == b.tasks("train") and a.tasks("eval") == b.tasks("eval")
-    assert a.world.doors != c.world.doors or a.tasks("train") != c.tasks("train")
+    assert a.tasks("train") == b.tasks("train") and a.tasks("eval") == b.tasks("eval")
+    assert a.tasks("train") != c.tasks("train")
+    task = a.tasks("train")[0]
+    assert a.world(task).doors == b.world(task).doors
+    # each task has its own map; the room names keep their grid cells for a seed
+    worlds = [a.world(t) for t in a.tasks("train")[:20]]
+    assert len({str(w.doors) for w in worlds}) > 10 and len({str(w.cell) for w in worlds}) == 1
     # every room reachable from every other
-    assert all(len(a.world.dist[r]) == len(a.world.rooms) for r in a.world.rooms)
+    assert all(len(w.dist[r]) == len(w.rooms) for w in worlds for r in w.rooms)
 
 
-def test_splits_hold_disjoint_start_goal_combinations():
-    wl = make_workload("textworld", {"num_train": 500, "num_test": 100}, 0)
-    core = lambda t: tuple(sorted((k, v) for k, v in t.items() if k not in ("objects", "goal", "difficulty")))  # noqa: E731
-    train, held = {core(t) for t in wl.tasks("train")}, {core(t) for t in wl.tasks("eval")}
-    assert train and held and not train & held
-    levels = {t["difficulty"] for t in wl.tasks("eval")}
-    assert levels == {1, 2, 3, 4}
+def test_splits_are_disjoint_draws_of_one_generator():
+    wl = make_workload("textworld", {"num_train": 500, "num_test": 200}, 0)
+    key = lambda t: json.dumps(t, sort_keys=True)  # noqa: E731
+    train, held = {key(t) for t in wl.tasks("train")}, {key(t) for t in wl.tasks("eval")}
+    assert len(train) == 500 and len(held) == 200 and not train & held
+    for split in ("train", "eval"):
+        tasks = wl.tasks(split)
+        assert {t["difficulty"] for t in tasks} == {1, 2, 3, 4}
+        assert {t["kind"] for t in tasks} == {"go", "take", "put"}
     with pytest.raises(ValueError, match="split"):
         wl.tasks("test")
+
+
+def test_observations_list_the_exits_with_the_rooms_behind_them():
+    wl = make_workload("textworld", {}, 0)
+    env = wl.environment()
+    task = wl.tasks("eval")[0]
+    first = asyncio.run(env.reset(task))[0]["content"]
+    assert first.startswith(task["goal"] + "\nIn " + task["start"] + ". Exits: ")
+    exits = env.describe().split("Exits: ")[1].split(".")[0].split(", ")
+    doors = env.world.doors[env.room]
+    assert exits == [f"{d[0]} {doors[d]}" for d in ("north", "south", "east", "west") if d in doors]
+    d, n = next(iter(env.world.doors[env.room].items()))
+    assert env.command(f"go {d[0]}") == (env.describe(), True) and env.room == n
 
 
 def test_the_expert_succeeds_in_exactly_difficulty_steps_with_compact_episodes(tok):
@@ -74,18 +95,20 @@ def test_the_expert_succeeds_in_exactly_difficulty_steps_with_compact_episodes(t
         log, _ = play(tok, wl, task)
         assert log.done and log.success == 1.0 and log.final_reward == 1.0, (task, log.turns)
         assert sum(t["kind"] == "model" for t in log.turns) == task["difficulty"]
-        assert len(log.tokens) < 300
+        assert len(log.tokens) < 400
 
 
 def test_invalid_commands_are_observations_not_errors(tok):
     wl = make_workload("textworld", {"max_turns": 6}, 0)
     task = next(t for t in wl.tasks("eval") if t["kind"] == "put")
-    walls = [d for d in ("north", "south", "east", "west") if d not in wl.world.doors[task["start"]]]
+    walls = [d for d in ("north", "south", "east", "west") if d not in wl.world(task).doors[task["start"]]]
     bad = ["dance", "", f"go {walls[0]}" if walls else "go up", "take unicorn", "put coin in sock", "go"]
     log, env = play(tok, wl, task, bad)
     replies = [t["messages"][0]["content"] for t in log.turns if t["kind"] == "env"]
     assert replies[0].startswith("Unknown command") and replies[1].startswith("Say a command")
     assert replies[3] == "No unicorn here." and replies[4] == "You have no coin."
+    if walls:  # a move into a wall says where the agent still is
+        assert replies[2] == f"No door {walls[0]}. {env.describe()}" and "Exits: " in replies[2]
     assert log.done and log.success == 0.0 and env.room == task["start"]  # the world ended it: out of turns
 
 
@@ -110,7 +133,7 @@ def test_commands_change_the_world():
     assert obj in env.describe()
     assert env.command(f"take {obj}") == (f"You take the {obj}.", True)
     assert obj not in env.describe() and env.held == [obj]
-    room = wl.world.container_room[box]
+    room = wl.world(task).container_room[box]
     env.room = room
     res = asyncio.run(env.step(Action(f"put {obj} in {box}")))
     assert res.done and res.reward == 1.0 and res.info == {"success": 1.0}
