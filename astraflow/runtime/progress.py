@@ -90,8 +90,8 @@ class Progress:
         for ev in state.get("eval", []):
             if ev["step"] > self._last_eval_reported:
                 self._last_eval_reported = ev["step"]
-                agentic = (f", {ev['eval_turns']:.1f} turns/episode, invalid calls {ev['eval_invalid_call_rate']:.0%}"
-                           if "eval_turns" in ev else "")
+                agentic = (f", {ev['eval_turns']:.1f} turns and {ev['eval_tool_calls']:.1f} tool calls per episode, "
+                           f"{ev['eval_invalid_call_rate']:.0%} of the calls invalid" if "eval_turns" in ev else "")
                 self.note(
                     f"[bold]eval[/bold] {ev['policy']} v{ev['step']}: held-out accuracy "
                     f"[bold]{ev['eval_accuracy']:.3f}[/bold] ({ev['eval_prompts']} prompts, {ev['eval_seconds']:.1f}s"
