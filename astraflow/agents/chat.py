@@ -75,10 +75,3 @@ class ChatRenderer:
             ids = ids[1:]
         return ids
 
-    def assistant_turn(self, content: str) -> tuple[list[int], list[int]]:
-        """A demonstration's model turn: (trained tokens: the content and the end-of-turn token,
-        untrained tokens: the rest of the closing)."""
-        ids = self.encode(content)
-        if self.eos_id is not None:
-            ids.append(self.eos_id)
-        return ids, self.close_turn(ended_on_eos=self.eos_id is not None)

@@ -25,7 +25,7 @@ import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
@@ -177,12 +177,3 @@ def _as_text(name: str, out: Any) -> str:
     except (TypeError, ValueError):
         raise EpisodeError(f"tool {name} returned {type(out).__name__}, neither text nor JSON") from None
 
-
-@dataclass
-class ToolStats:
-    """Counters of one episode's tool use."""
-
-    calls: int = 0
-    invalid: int = 0
-    seconds: float = 0.0
-    errors: list[str] = field(default_factory=list)

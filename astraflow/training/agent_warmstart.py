@@ -10,7 +10,6 @@ RL's gain is visible.
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,6 +19,7 @@ from astraflow.agents.chat import ChatRenderer
 from astraflow.agents.demos import demonstrations, greedy_success
 from astraflow.agents.episode import EpisodeLog
 from astraflow.models import load_model
+from astraflow.training.warmstart import supervised_loop
 
 
 def _collate(logs: list[EpisodeLog], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -73,50 +73,10 @@ def agent_warm_start(
         raise ValueError(f"{type(workload).__name__}: the expert succeeded on none of {len(picked)} train "
                          "tasks; nothing to warm start on")
     held_out = workload.tasks("eval")[:eval_size]
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(warmup_steps, 1)))
-    history: list[dict[str, float]] = []
-    t0 = time.perf_counter()
-    step, loss_v, acc = 0, float("nan"), float("nan")
-
-    def do_eval() -> float:
-        a = greedy_success(model, tok, workload, held_out, limits)
-        rec = {"step": step, "seconds": time.perf_counter() - t0, "loss": loss_v, "acc": a}
-        history.append(rec)
-        if on_eval is not None:
-            on_eval(rec)
-        return a
-
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = [TextColumn("warm start (expert demonstrations)"), BarColumn(), TextColumn("step {task.completed:.0f}"),
-               TextColumn("loss {task.fields[loss]:.3f} success {task.fields[acc]:.2f}"), TimeElapsedColumn()]
-    with Progress(*columns, disable=not progress, transient=False) as bar:
-        bar_task = bar.add_task("sft", total=steps, loss=float("nan"), acc=float("nan"))
-        while (steps is None or step < steps) and (seconds is None or time.perf_counter() - t0 < seconds):
-            ids, att, lm = _collate([demos[rng.randrange(len(demos))] for _ in range(batch_size)], tok.pad_token_id)
-            logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
-            m = lm[:, 1:]
-            loss = torch.nn.functional.cross_entropy(logits[m], ids[:, 1:][m])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            step, loss_v = step + 1, loss.item()
-            if eval_every and step % eval_every == 0:
-                acc = do_eval()
-                if target_acc is not None and acc >= target_acc:
-                    bar.update(bar_task, completed=step, loss=loss_v, acc=acc)
-                    break
-            bar.update(bar_task, completed=step, loss=loss_v, acc=acc)
-    if not history or history[-1]["step"] != step:
-        acc = do_eval()
-    model.eval()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    return {"steps": step, "seconds": time.perf_counter() - t0, "loss": loss_v, "acc": acc,
-            "history": history, "demos": len(demos)}
+    result = supervised_loop(
+        model, tok, out_dir,
+        lambda: _collate([demos[rng.randrange(len(demos))] for _ in range(batch_size)], tok.pad_token_id),
+        lambda: greedy_success(model, tok, workload, held_out, limits),
+        label="expert demonstrations", steps=steps, seconds=seconds, lr=lr, target_acc=target_acc,
+        eval_every=eval_every, warmup_steps=warmup_steps, progress=progress, on_eval=on_eval)
+    return {**result, "demos": len(demos)}

@@ -162,6 +162,26 @@ def warm_start(
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model, tok = load_model(model_dir)
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        items = [train[rng.randrange(len(train))] for _ in range(batch_size)]
+        return _encode_pairs(tok, task_examples(task, items, rng))
+
+    return supervised_loop(model, tok, out_dir, next_batch, lambda: evaluate_task(model, tok, task, test, seed),
+                           label=task, steps=steps, seconds=seconds, lr=lr, target_acc=target_acc,
+                           eval_every=eval_every, warmup_steps=warmup_steps, progress=progress, on_eval=on_eval)
+
+
+def supervised_loop(model: Any, tok: Any, out_dir: str | Path,
+                    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                    evaluate: Callable[[], float], *, label: str, steps: int | None, seconds: float | None,
+                    lr: float, target_acc: float | None, eval_every: int, warmup_steps: int, progress: bool,
+                    on_eval: Callable[[dict[str, float]], None] | None) -> dict[str, Any]:
+    """The SFT loop of every warm start: next-token cross-entropy on the loss-masked tokens of
+    ``next_batch()`` (``ids, attention, loss mask``), AdamW with a linear warmup, until ``steps``,
+    ``seconds`` or ``evaluate() >= target_acc`` (measured every ``eval_every`` steps and once at
+    the end); the model and tokenizer are saved to ``out_dir``. Returns ``{"steps", "seconds",
+    "loss", "acc", "history"}``."""
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(warmup_steps, 1)))
@@ -170,7 +190,7 @@ def warm_start(
     step, loss_v, acc = 0, float("nan"), float("nan")
 
     def do_eval() -> float:
-        a = evaluate_task(model, tok, task, test, seed)
+        a = evaluate()
         rec = {"step": step, "seconds": time.perf_counter() - t0, "loss": loss_v, "acc": a}
         history.append(rec)
         if on_eval is not None:
@@ -179,30 +199,22 @@ def warm_start(
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    columns = [TextColumn(f"warm start ({task})"), BarColumn(), TextColumn("step {task.completed:.0f}"),
+    columns = [TextColumn(f"warm start ({label})"), BarColumn(), TextColumn("step {task.completed:.0f}"),
                TextColumn("loss {task.fields[loss]:.3f} acc {task.fields[acc]:.2f}"),
                TimeElapsedColumn()]
-    total = steps if steps is not None else None
     with Progress(*columns, disable=not progress, transient=False) as bar:
-        bar_task = bar.add_task("sft", total=total, loss=float("nan"), acc=float("nan"))
-        while True:
-            if steps is not None and step >= steps:
-                break
-            if seconds is not None and time.perf_counter() - t0 >= seconds:
-                break
-            items = [train[rng.randrange(len(train))] for _ in range(batch_size)]
-            ids, att, lm = _encode_pairs(tok, task_examples(task, items, rng))
+        bar_task = bar.add_task("sft", total=steps, loss=float("nan"), acc=float("nan"))
+        while (steps is None or step < steps) and (seconds is None or time.perf_counter() - t0 < seconds):
+            ids, att, lm = next_batch()
             logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
-            tgt = ids[:, 1:]
             m = lm[:, 1:]
-            loss = torch.nn.functional.cross_entropy(logits[m], tgt[m])
+            loss = torch.nn.functional.cross_entropy(logits[m], ids[:, 1:][m])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
-            step += 1
-            loss_v = loss.item()
+            step, loss_v = step + 1, loss.item()
             if eval_every and step % eval_every == 0:
                 acc = do_eval()
                 if target_acc is not None and acc >= target_acc:
@@ -216,5 +228,4 @@ def warm_start(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    return {"steps": step, "seconds": time.perf_counter() - t0, "loss": loss_v, "acc": acc,
-            "history": history}
+    return {"steps": step, "seconds": time.perf_counter() - t0, "loss": loss_v, "acc": acc, "history": history}

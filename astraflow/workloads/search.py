@@ -31,7 +31,7 @@ from typing import Any, Literal, Mapping
 from pydantic import Field
 
 from astraflow.agents.env import Action, EnvironmentBase, Message, StepResult
-from astraflow.agents.tools import Tool, ToolBox, format_call, tool
+from astraflow.agents.tools import ToolBox, format_call, tool
 from astraflow.agents.workload import AgentParams, AgentWorkload
 from astraflow.workloads.base import WORKLOADS
 

@@ -24,7 +24,7 @@ import yaml
 from astraflow.agents.conformance import assert_conforms, check_environment
 from astraflow.agents.env import Action, EnvironmentBase, StepResult
 from astraflow.agents.tools import ToolBox, format_call, tool
-from astraflow.agents.workload import AgentParams, AgentWorkload, is_agentic
+from astraflow.agents.workload import AgentWorkload, is_agentic
 from astraflow.models import build_tokenizer
 from astraflow.workloads.base import BUILTIN_MODULES, WORKLOADS, make_workload
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from astraflow.contracts import RolloutTask, SequenceSummary, TrajectoryRef
+from astraflow.contracts import SequenceSummary, TrajectoryRef
 from astraflow.dataflow.evals import EvalRounds, episode_summary
 from astraflow.dataflow.record import Generated
 from storage.trajectories import EntryRef
