@@ -143,11 +143,18 @@ def model_init(out: str, preset: str, arch: str, seed: int, warm_start_seconds: 
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
 def check(config: str, overrides: tuple[str, ...]) -> None:
-    """Validate CONFIG and print the resolved configuration."""
+    """Validate CONFIG and print the resolved configuration, then read the workload's data as a
+    run would and say what it found (a dataset's bad rows listed by file and line)."""
     import yaml
 
     cfg = _load(config, overrides)
     click.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    from astraflow.runtime.launch import check_data
+
+    try:
+        click.echo(check_data(cfg.workload), err=True)
+    except ValueError as err:
+        raise UserError(str(err)) from None
 
 
 @main.command()

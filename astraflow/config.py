@@ -18,6 +18,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from astraflow.agents.workload import is_agentic
+from astraflow.workloads.datafiles import resolve_path
 from astraflow.configbase import Strict
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.rollout.config import RolloutConfig
@@ -165,13 +166,19 @@ class RunConfig(Strict):
                     f"{pol.name!r}; name one of {[p.name for p in self.policies[:i]]} (models are built "
                     "in the order of `policies`)"
                 )
-            if pol.init is not None and pol.init.warm_starts and self.workload.name != "math" and not agentic:
+            demos = agentic or hasattr(workload, "demonstration")
+            if pol.init is not None and pol.init.warm_starts and self.workload.name != "math" and not demos:
                 raise ValueError(
                     f"policies[{pol.name}].init.warm_start_seconds: the supervised warm start trains on "
-                    f"the math workload's generator or an agentic workload's expert, not on workload "
+                    f"the math workload's generator, an agentic workload's expert or a workload's "
+                    f"demonstrations (the dataset workload's reference solutions), not on workload "
                     f"{self.workload.name!r}; set it to 0 "
                     "(and drop warm_start_steps) or point model at a directory built by a math config"
                 )
+            if pol.init is not None and pol.init.warm_starts and self.workload.name != "math" and pol.init.task != "solve":
+                raise ValueError(
+                    f"policies[{pol.name}].init.task: {pol.init.task!r} is a role of the math workload's "
+                    f"warm start; with workload {self.workload.name!r} leave it at 'solve'")
             if pol.init is None and not pol.model.exists():
                 raise ValueError(
                     f"policies[{pol.name}].model: {pol.model} does not exist; point it at an HF "
@@ -247,10 +254,26 @@ def config_from_dict(data: dict, base_dir: Path | None = None) -> RunConfig:
         for pol in data.get("policies") or []:
             if isinstance(pol, dict) and "model" in pol and not Path(str(pol["model"])).is_absolute():
                 pol["model"] = str((base_dir / str(pol["model"])).resolve())
+        _resolve_data_paths(data.get("workload"), base_dir)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_validation(err)) from None
+
+
+def _resolve_data_paths(workload: Any, base_dir: Path) -> None:
+    """Make the data paths of ``dataset`` workloads (also as sources of a ``mix``) absolute
+    against ``base_dir``: workers on other nodes start in other directories."""
+    if not isinstance(workload, dict) or not isinstance(workload.get("params"), dict):
+        return
+    params = workload["params"]
+    if workload.get("name") == "dataset":
+        for key in ("path", "test_path"):
+            if isinstance(params.get(key), str):
+                params[key] = resolve_path(params[key], base_dir)
+    for source in (params.get("sources") or {}).values() if workload.get("name") == "mix" else []:
+        if isinstance(source, dict):  # a source names its workload under ``workload``
+            _resolve_data_paths({"name": source.get("workload"), "params": source.get("params")}, base_dir)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

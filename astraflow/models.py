@@ -11,8 +11,9 @@ directory the same way it reads a real checkpoint, so nothing downstream knows t
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -61,7 +62,6 @@ def build_tokenizer():
     batched decoding) and ``apply_chat_template`` uses ``CHAT_TEMPLATE``.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     byte_symbols = sorted(pre_tokenizers.ByteLevel.alphabet(), key=_byte_of_symbol)
     vocab = {sym: i for i, sym in enumerate(byte_symbols)}
@@ -70,6 +70,38 @@ def build_tokenizer():
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     tok.add_tokens(list(TOOL_TOKENS))  # plain added tokens: decoding keeps them
+    return _wrap(tok)
+
+
+def build_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 1024):
+    """A byte-level BPE tokenizer *trained* on ``texts`` (``tokenizers``' BPE trainer), with
+    the same special tokens, tool-call tags and chat template as ``build_tokenizer``: the kind of
+    tokenizer real checkpoints have, for exercising the chat path with multi-byte tokens.
+
+    Digits are split one by one before merging (as Llama 3 and Qwen do), so numbers keep their
+    digit structure; every string still round-trips through the 256 byte symbols."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    reserved = len(SPECIAL_TOKENS) + len(TOOL_TOKENS)
+    if vocab_size < 256 + reserved:
+        raise ValueError(f"a BPE vocabulary needs at least {256 + reserved} tokens (the bytes and the "
+                         f"special tokens), got vocab_size {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TOOL_TOKENS), special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    scaffold = ["system\n", "user\n", "assistant\n"] * 200  # the chat template's role lines merge too
+    tok.train_from_iterator(itertools.chain(texts, scaffold), trainer)
+    tok.add_tokens(list(TOOL_TOKENS))
+    return _wrap(tok)
+
+
+def _wrap(tok):
+    """A ``tokenizers.Tokenizer`` with our special tokens as a ``PreTrainedTokenizerFast``."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -109,7 +141,7 @@ def make_config(preset: str = "tiny", arch: str = "qwen2", tokenizer=None):
         raise ValueError(f"unknown model arch {arch!r}; known archs: {list(ARCHS)}")
     tok = tokenizer if tokenizer is not None else build_tokenizer()
     common: dict[str, Any] = dict(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=max(VOCAB_SIZE, -(-len(tok) // 64) * 64),  # room for every token, a multiple of 64
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         rms_norm_eps=1e-6,
@@ -128,12 +160,14 @@ def make_config(preset: str = "tiny", arch: str = "qwen2", tokenizer=None):
     return LlamaConfig(**common)
 
 
-def init_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen2", seed: int = 0) -> Path:
+def init_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen2", seed: int = 0,
+               tokenizer=None) -> Path:
     """Build a randomly initialised model of ``preset``/``arch`` and save model + tokenizer
-    to ``out_dir`` in HF format (safetensors). Deterministic in ``seed``. Returns ``out_dir``."""
+    to ``out_dir`` in HF format (safetensors). Deterministic in ``seed``. ``tokenizer``: the
+    byte-level ``build_tokenizer()`` unless given (``build_bpe_tokenizer``). Returns ``out_dir``."""
     from transformers import AutoModelForCausalLM
 
-    tok = build_tokenizer()
+    tok = tokenizer if tokenizer is not None else build_tokenizer()
     config = make_config(preset, arch, tok)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -75,3 +75,30 @@ class ChatRenderer:
             ids = ids[1:]
         return ids
 
+
+
+def prompt_ids(tokenizer: Any, workload: Any, payload: Any) -> list[int]:
+    """Token ids of a single-turn prompt: the workload's chat messages (``render_messages``)
+    rendered with the tokenizer's chat template and its generation prompt when both exist,
+    else the workload's plain text (``render_prompt``) as the model's tokenizer encodes it."""
+    render = getattr(workload, "render_messages", None)
+    if render is not None and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(render(payload), tokenize=False, add_generation_prompt=True)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(workload.render_prompt(payload)))
+
+
+def end_of_turn_ids(tokenizer: Any) -> list[int]:
+    """The tokens that end a model turn: the end-of-sequence token and, with a chat template,
+    the special token the template closes an assistant message with (``<|im_end|>``,
+    ``<|eot_id|>``, ``<end_of_turn>``), which need not be the tokenizer's eos."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            closing = ChatRenderer(tokenizer)._closing
+        except Exception:  # a template that cannot render the probe conversation: eos only
+            closing = ""
+        special = set(getattr(tokenizer, "all_special_ids", [])) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+        first = list(tokenizer.encode(closing.lstrip(), add_special_tokens=False))[:1]
+        ids += [i for i in first if i in special and i not in ids]
+    return ids

@@ -47,6 +47,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from astraflow.agents.chat import end_of_turn_ids
 from astraflow.rollout.engine import SWAP_MIN_REMAINING, Generation, SamplingParams
 
 #: ``HFEngine(dtype=...)``: the engine's weights and compute
@@ -120,7 +121,9 @@ class HFEngine:
         if self._pad_id is None:
             self._pad_id = self.tokenizer.eos_token_id
         stops = {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                 self.tokenizer.convert_tokens_to_ids("<|endoftext|>")}
+                 self.tokenizer.convert_tokens_to_ids("<|endoftext|>"), *end_of_turn_ids(self.tokenizer)}
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        stops |= set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])  # a model's list of ends
         unk = self.tokenizer.unk_token_id
         self._stop_ids = frozenset(s for s in stops if s is not None and s != unk)
         self._max_positions = getattr(self.model.config, "max_position_embeddings", None)

@@ -16,6 +16,7 @@ from typing import ClassVar, Mapping, Protocol
 
 import numpy as np
 
+from astraflow.agents.chat import prompt_ids
 from astraflow.contracts import NOT_GENERATED, Provenance, RolloutTask, Sequence, Trajectory
 from astraflow.rollout.engine import Generation, InferenceEngine, SamplingParams
 from astraflow.registry import Registry
@@ -111,7 +112,7 @@ class SingleTurn(WorkflowBase):
         t0 = time.time()
         policy = task.policies[0]
         engine = engines[policy]
-        prompt = engine.tokenizer.encode(self.workload.render_prompt(task.prompt))
+        prompt = prompt_ids(engine.tokenizer, self.workload, task.prompt)
         gen = await engine.generate(prompt, sampling_for(task, self.sampling))
         text = engine.tokenizer.decode(gen.tokens, skip_special_tokens=True)
         reward = self.workload.reward(text, task.prompt)

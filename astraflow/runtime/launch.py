@@ -36,8 +36,12 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
         if base is not None:
             shutil.copytree(base, tmp / "init")
         else:
+            tokenizer = None
+            if init.tokenizer == "bpe":
+                with progress.waiting(f"training a {init.vocab_size}-token BPE tokenizer on the train split"):
+                    tokenizer = bpe_for(workload, init.vocab_size)
             with progress.waiting(f"initialising a {init.preset} {init.arch} model"):
-                init_model(tmp / "init", preset=init.preset, arch=init.arch, seed=init.seed)
+                init_model(tmp / "init", preset=init.preset, arch=init.arch, seed=init.seed, tokenizer=tokenizer)
         if init.warm_starts:
             params = dict((workload.params if workload else {}) or {})
             bounds = [f"{init.warm_start_seconds:.0f}s"] if init.warm_start_seconds > 0 else []
@@ -49,7 +53,9 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
                           # shown in the heartbeat lines of a log ("still supervised warm start ...")
                           on_eval=lambda r: progress.detail(f"step {r['step']}, held-out accuracy {r['acc']:.2f}"))
             agentic = workload is not None and is_agentic(workload_class(workload.name))
-            what = "expert demonstrations" if agentic else init.task
+            demos = (workload is not None and workload.name != "math" and not agentic
+                     and hasattr(workload_class(workload.name), "demonstration"))
+            what = "expert demonstrations" if agentic else "reference solutions" if demos else init.task
             # the warm start draws its own progress bar
             with progress.waiting(f"supervised warm start ({what}) for {' or '.join(bounds)}", live=False):
                 if agentic:
@@ -58,6 +64,12 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
                     wl = make_workload(workload.name, params, workload.seed)
                     result = agent_warm_start(tmp / "init", tmp / "final", wl,
                                               max_new_tokens=workload.sampling.max_new_tokens, **common)
+                elif demos:
+                    from astraflow.training.demo_warmstart import demo_warm_start
+
+                    wl = make_workload(workload.name, params, workload.seed)
+                    result = demo_warm_start(tmp / "init", tmp / "final", wl,
+                                             max_new_tokens=workload.sampling.max_new_tokens, **common)
                 else:
                     from astraflow.training.warmstart import warm_start
 
@@ -72,6 +84,30 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def bpe_for(workload: WorkloadConfig | None, vocab_size: int):
+    """A BPE tokenizer trained on ``workload``'s train split: each prompt as plain text and its
+    demonstration (reference solution) where the workload has one."""
+    from astraflow.models import build_bpe_tokenizer
+
+    if workload is None:
+        raise ValueError("init.tokenizer: bpe trains on the workload's train split; the config has no workload")
+    wl = make_workload(workload.name, dict(workload.params or {}), workload.seed)
+    demo = getattr(wl, "demonstration", None)
+    texts = (wl.render_prompt(p) + (demo(p) if demo is not None else "") for p in wl.tasks("train"))
+    return build_bpe_tokenizer(texts, vocab_size)
+
+
+def check_data(workload: WorkloadConfig) -> str:
+    """Read the workload's train and held-out splits as a run will: one line of what was found
+    (with the bad rows of a dataset, by location). ``ValueError`` naming the fix when a split is
+    empty or the data cannot be read."""
+    wl = make_workload(workload.name, dict(workload.params or {}), workload.seed)
+    n_train, n_eval = len(wl.tasks("train")), len(wl.tasks("eval"))
+    report = getattr(wl, "report", None)
+    found = f"workload {workload.name}: {n_train} train and {n_eval} held-out prompts"
+    return f"{found}; {report.summary()}" if report is not None and report.bad else found
 
 
 def prepare_models(cfg: RunConfig, progress: Progress) -> None:
@@ -104,6 +140,7 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
     logging.basicConfig(level=logging.WARNING)
     _sigterm_stops_cleanly()
     progress = Progress(enabled=not quiet)
+    progress.note(check_data(cfg.workload))
     prepare_models(cfg, progress)
     progress.note(f"run directory {run_dir}")
     result = Orchestrator(cfg, run_dir, progress).run()

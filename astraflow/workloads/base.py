@@ -49,7 +49,8 @@ WORKLOADS: Registry = Registry("workload")
 
 #: the modules of the shipped workloads (imported to register them)
 BUILTIN_MODULES = ("astraflow.workloads.math", "astraflow.workloads.mix", "astraflow.workloads.calculator",
-                   "astraflow.workloads.textworld", "astraflow.workloads.search")
+                   "astraflow.workloads.textworld", "astraflow.workloads.search",
+                   "astraflow.workloads.dataset")
 
 
 def workload_class(name: str) -> type:

@@ -171,5 +171,9 @@ class MathWorkload:
     def reward(self, completion: str, payload: Mapping[str, Any]) -> float:
         return math_reward(completion, payload["answer"])
 
+    def demonstration(self, payload: Mapping[str, Any]) -> str:
+        """The supervised completion of ``payload`` (its answer)."""
+        return format_target(payload)
+
     def source_weights(self) -> dict[str, float]:
         return {"": 1.0}

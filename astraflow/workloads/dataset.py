@@ -1,0 +1,313 @@
+"""A workload read from the user's own data: JSONL, JSON, Parquet, CSV or a ``save_to_disk``
+directory, with a field mapping, a prompt template and a reward chosen by name.
+
+``workload.name: dataset``, and ``workload.params`` (``DatasetParams``) say where the rows are,
+which fields hold the prompt (text, or chat messages) and the reference answer, how the answer
+is read from that field (``answer_format``), how the held-out split is made, and which reward
+scores completions (``astraflow.workloads.rewards``). Presets give the public field layouts of
+GSM8K (``question`` / ``answer`` ending in ``#### N``) and MATH (``problem`` / ``solution``
+with ``\\boxed{}``); any field set explicitly overrides the preset.
+
+Prompts are chat messages (an optional system prompt, then the user turn rendered from
+``prompt_template``): the workflows render them with the tokenizer's chat template where the
+model has one and as plain text otherwise. The reference solution is the demonstration a
+supervised warm start trains on.
+
+Bad rows (missing or empty fields, unparseable lines, an answer the reward cannot score, a
+template that does not render) are skipped, counted by reason and reported with their
+location (``report``), never a crash; a split left with no usable row is an error naming why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Literal, Mapping
+
+from pydantic import Field, model_validator
+
+from astraflow.configbase import Strict
+from astraflow.workloads.base import WORKLOADS
+from astraflow.workloads.datafiles import Row, read_rows
+from astraflow.workloads.rewards import answer_problem, boxed_answer, gsm8k_answer, resolve_reward
+
+#: field layouts of public datasets, by preset name (fields a config sets win)
+PRESETS: dict[str, dict[str, Any]] = {
+    "gsm8k": dict(prompt_field="question", answer_field="answer", answer_format="gsm8k", reward="math_verify",
+                  prompt_template='{{ prompt }}\nGive your reasoning, then the final answer after "####".'),
+    "math": dict(prompt_field="problem", answer_field="solution", answer_format="boxed", reward="math_verify",
+                 difficulty_field="level",
+                 prompt_template="{{ prompt }}\nGive your reasoning, then the final answer in \\boxed{}."),
+}
+
+#: what an unset field means without a preset
+DEFAULTS: dict[str, Any] = dict(prompt_field="prompt", answer_field="answer", answer_format="plain",
+                                reward="exact", prompt_template="{{ prompt }}", difficulty_field=None)
+
+#: how many bad rows a report lists by location (all are counted)
+REPORT_EXAMPLES = 10
+
+
+class DatasetParams(Strict):
+    """The ``dataset`` workload's ``params``."""
+
+    path: str
+    """The data: a file (``.jsonl``, ``.json``, ``.parquet``, ``.csv``), a glob of files, or a
+    directory written by ``datasets``' ``save_to_disk`` (a ``DatasetDict`` gives its splits).
+    Relative paths are resolved against the directory the run starts in."""
+    test_path: str | None = None
+    """A separate held-out file (then ``path`` is all training data)."""
+    format: Literal["auto", "jsonl", "json", "parquet", "csv", "disk"] = "auto"
+    """How to read the files; ``auto``: by suffix (a directory: ``disk``)."""
+    preset: Literal["gsm8k", "math"] | None = None
+    """A public field layout: ``gsm8k`` (question / answer ending in ``#### N``) or ``math``
+    (problem / solution with ``\\boxed{}``, difficulty from ``level``)."""
+    prompt_field: str | None = None
+    """The field holding the prompt text (default ``prompt``, or the preset's)."""
+    messages_field: str | None = None
+    """The field holding the prompt as chat messages (``[{role, content}, ...]``, ending with a
+    user turn) instead of ``prompt_field``."""
+    answer_field: str | None = None
+    """The field holding the reference answer or solution (default ``answer``)."""
+    answer_format: Literal["plain", "gsm8k", "boxed"] | None = None
+    """How the reference answer is read from ``answer_field``: ``plain`` (the field as it is),
+    ``gsm8k`` (the text after the last ``####``), ``boxed`` (the last ``\\boxed{}``)."""
+    id_field: str | None = None
+    """An optional unique id per row (default: the row's location)."""
+    difficulty_field: str | None = None
+    """An optional difficulty per row: held-out results are then also reported per difficulty."""
+    split_field: str | None = None
+    """A field naming each row's split (``train_split`` / ``test_split`` values); rows of other
+    splits are skipped. Unset, and with no ``test_path`` or on-disk splits: a seeded fraction."""
+    train_split: str = "train"
+    """The value (or on-disk split name) of training rows."""
+    test_split: str = "test"
+    """The value (or on-disk split name) of held-out rows."""
+    test_fraction: float = Field(default=0.1, gt=0, lt=1)
+    """Held-out fraction when the data has no split of its own (by a seeded hash of each row's
+    prompt, so it does not depend on row order)."""
+    num_train: int | None = Field(default=None, ge=1)
+    """Use at most this many training rows (``None``: all)."""
+    num_test: int | None = Field(default=None, ge=1)
+    """Use at most this many held-out rows (``None``: all)."""
+    system_prompt: str | None = None
+    """A system message put before every prompt."""
+    prompt_template: str | None = None
+    """Jinja2 template of the user turn: ``{{ prompt }}`` is the prompt field; every field of
+    the row is available by name (default ``{{ prompt }}``, or the preset's)."""
+    reward: str | None = None
+    """How completions are scored: ``exact``, ``numeric``, ``math_verify`` (HF ``math-verify``:
+    LaTeX and equivalent forms), ``regex`` (the answer is a pattern), or a user's
+    ``package.module:function`` taking ``(completion, answer, payload)`` (default ``exact``, or
+    the preset's)."""
+    seed: int = 0
+    """Seed of the held-out split and of the order of the rows."""
+
+    @model_validator(mode="after")
+    def _fill(self) -> "DatasetParams":
+        preset = PRESETS.get(self.preset or "", {})
+        for name, default in DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, preset.get(name, default))
+        resolve_reward(self.reward)  # an unknown reward fails here, listing the known ones
+        _template(self.prompt_template)  # a template that does not compile fails here
+        return self
+
+
+def _template(text: str):
+    from jinja2 import StrictUndefined, TemplateSyntaxError
+    from jinja2.sandbox import SandboxedEnvironment
+
+    try:
+        return SandboxedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True).from_string(text)
+    except TemplateSyntaxError as err:
+        raise ValueError(f"prompt_template does not compile: {err}") from None
+
+
+@dataclass
+class DataReport:
+    """What reading a dataset found: rows read, rows used per split, bad rows by reason with
+    the first few locations."""
+
+    source: str
+    rows: int = 0
+    used: dict[str, int] = field(default_factory=dict)
+    bad: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
+
+    def skip(self, row: Row, kind: str, detail: str = "") -> None:
+        """Count ``row`` as bad for reason ``kind`` (``detail``: what exactly, for the listing)."""
+        self.bad[kind] += 1
+        if len(self.examples) < REPORT_EXAMPLES:
+            self.examples.append(f"{row.location}: {kind}{f' ({detail})' if detail else ''}")
+
+    def summary(self) -> str:
+        """One paragraph: counts, then the bad rows listed by location."""
+        used = ", ".join(f"{n} {s}" for s, n in self.used.items())
+        text = f"dataset {self.source}: {self.rows} rows read, used {used}"
+        if self.bad:
+            reasons = "; ".join(f"{n} {r}" for r, n in self.bad.most_common())
+            text += f"; {sum(self.bad.values())} bad rows skipped ({reasons}): " + "; ".join(self.examples)
+            if sum(self.bad.values()) > len(self.examples):
+                text += "; ..."
+        return text
+
+
+@WORKLOADS.register("dataset")
+class DatasetWorkload:
+    """Prompts and reference answers read from files (``DatasetParams``), scored by a named reward."""
+
+    Params = DatasetParams
+
+    def __init__(self, seed: int = 0, **params: Any):
+        self.cfg = DatasetParams.model_validate({"seed": seed, **params})
+        self._reward = resolve_reward(self.cfg.reward)
+        self._template = _template(self.cfg.prompt_template)
+        self.report = DataReport(self.cfg.path if self.cfg.test_path is None else f"{self.cfg.path} + {self.cfg.test_path}")
+
+    # -- the workload interface ---------------------------------------------------------------
+    def tasks(self, split: str) -> list[dict[str, Any]]:
+        """The payloads of ``split`` (``train``, or ``eval``/``test`` for the held-out rows)."""
+        if split not in ("train", "eval", "test"):
+            raise ValueError(f"dataset workload: split must be train, eval or test, got {split!r}")
+        return self._splits["train" if split == "train" else "test"]
+
+    def render_messages(self, payload: Mapping[str, Any]) -> list[dict[str, str]]:
+        """The prompt as chat messages, for tokenizers with a chat template."""
+        return [dict(m) for m in payload["messages"]]
+
+    def render_prompt(self, payload: Mapping[str, Any]) -> str:
+        """The prompt as plain text (models without a chat template): the messages' contents, one
+        per line, then a newline."""
+        return "".join(m["content"] + "\n" for m in payload["messages"])
+
+    def reward(self, completion: str, payload: Mapping[str, Any]) -> float:
+        return float(self._reward(completion, payload["answer"], payload))
+
+    def demonstration(self, payload: Mapping[str, Any]) -> str:
+        """What a supervised warm start teaches for ``payload``: the reference solution."""
+        return payload["solution"]
+
+    def source_weights(self) -> dict[str, float]:
+        return {"": 1.0}
+
+    # -- reading -----------------------------------------------------------------------------------
+    @cached_property
+    def _splits(self) -> dict[str, list[dict[str, Any]]]:
+        cfg = self.cfg
+        self.report = DataReport(self.report.source)
+        rows = read_rows(cfg.path, cfg.format)
+        tests = read_rows(cfg.test_path, cfg.format) if cfg.test_path else []
+        self.report.rows = len(rows) + len(tests)
+        splits: dict[str, list[dict[str, Any]]] = {"train": [], "test": []}
+        for row in rows:
+            payload = self._payload(row)
+            if payload is not None:
+                which = self._split_of(row, payload, bool(cfg.test_path))
+                if which is not None:
+                    splits[which].append(payload)
+        for row in tests:
+            payload = self._payload(row)
+            if payload is not None:
+                splits["test"].append(payload)
+        limits = {"train": cfg.num_train, "test": cfg.num_test}
+        for name, items in splits.items():
+            random.Random(f"{cfg.seed}:{name}").shuffle(items)
+            if limits[name] is not None:
+                del items[limits[name]:]
+            self.report.used[name] = len(items)
+            if not items:
+                raise ValueError(f"dataset workload: no usable {name} rows. {self.report.summary()}. "
+                                 f"{_fix_for(name, cfg)}")
+        return splits
+
+    def _split_of(self, row: Row, payload: Mapping[str, Any], all_train: bool) -> str | None:
+        cfg = self.cfg
+        if all_train:
+            return "train"
+        label = row.split if row.split is not None else (
+            row.fields.get(cfg.split_field) if cfg.split_field else None)
+        if row.split is not None or cfg.split_field:
+            if label == cfg.train_split:
+                return "train"
+            if label == cfg.test_split:
+                return "test"
+            return None
+        key = f"{cfg.seed}:{payload['id'] if cfg.id_field else payload['text']}"
+        u = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") / 2**64
+        return "test" if u < cfg.test_fraction else "train"
+
+    def _payload(self, row: Row) -> dict[str, Any] | None:
+        """The task payload of ``row``, or ``None`` (counted in the report) when it is bad."""
+        cfg = self.cfg
+        if row.fields is None:
+            self.report.skip(row, *(row.error or "unreadable").split(": ", 1))
+            return None
+        f = row.fields
+        if not any(v not in (None, "") for v in f.values()):
+            self.report.skip(row, "empty row")
+            return None
+        messages = self._messages(row)
+        if messages is None:
+            return None
+        solution = f.get(cfg.answer_field)
+        if solution is None or str(solution).strip() == "":
+            self.report.skip(row, f"missing field {cfg.answer_field!r}")
+            return None
+        solution = str(solution)
+        if cfg.answer_format == "gsm8k":
+            answer = gsm8k_answer(solution)
+        elif cfg.answer_format == "boxed":
+            answer = boxed_answer(solution)
+            if answer is None:
+                self.report.skip(row, "answer without \\boxed{}", repr(solution[-40:]))
+                return None
+        else:
+            answer = solution.strip()
+        problem = answer_problem(cfg.reward, answer)
+        if problem is not None:
+            self.report.skip(row, f"answer the {cfg.reward} reward cannot score", problem)
+            return None
+        payload: dict[str, Any] = {"messages": messages, "answer": answer, "solution": solution,
+                                   "text": messages[-1]["content"], "row": row.location}
+        if cfg.id_field:
+            if f.get(cfg.id_field) in (None, ""):
+                self.report.skip(row, f"missing field {cfg.id_field!r}")
+                return None
+            payload["id"] = str(f[cfg.id_field])
+        if cfg.difficulty_field and f.get(cfg.difficulty_field) not in (None, ""):
+            payload["difficulty"] = str(f[cfg.difficulty_field])
+        return payload
+
+    def _messages(self, row: Row) -> list[dict[str, str]] | None:
+        cfg, f = self.cfg, row.fields or {}
+        system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+        if cfg.messages_field:
+            msgs = f.get(cfg.messages_field)
+            ok = isinstance(msgs, list) and msgs and all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ("system", "user", "assistant")
+                for m in msgs) and msgs[-1]["role"] == "user"
+            if not ok:
+                self.report.skip(row, f"field {cfg.messages_field!r} is not chat messages ending with a user turn")
+                return None
+            return system + [{"role": m["role"], "content": m["content"]} for m in msgs]
+        prompt = f.get(cfg.prompt_field)
+        if prompt is None or str(prompt).strip() == "":
+            self.report.skip(row, f"missing field {cfg.prompt_field!r}")
+            return None
+        try:
+            text = self._template.render({**f, "prompt": str(prompt)})
+        except Exception as err:  # an undefined field in this row, a filter that fails on it
+            self.report.skip(row, "prompt_template does not render", str(err))
+            return None
+        return system + [{"role": "user", "content": text}]
+
+
+def _fix_for(split: str, cfg: DatasetParams) -> str:
+    if cfg.split_field:
+        value = cfg.train_split if split == "train" else cfg.test_split
+        return f"Check that field {cfg.split_field!r} has rows with the value {value!r} (train_split / test_split)"
+    return "Check the field names (prompt_field, answer_field, preset) against the file"

@@ -1,0 +1,177 @@
+"""Rewards chosen by name: how a completion is scored against a task's reference answer.
+
+A reward is a function ``(completion, answer, payload) -> float`` registered in ``REWARDS``
+(``exact``, ``numeric``, ``math_verify``, ``regex``) or a user's ``"package.module:name"``.
+``answer`` is the reference answer as the dataset workload extracted it (``#### 42`` of a
+GSM8K solution is ``"42"``, the last ``\\boxed{}`` of a MATH solution its contents).
+
+Each reward also has a *checker* for reference answers, used when a dataset is read: an
+answer the reward can never match (a ``numeric`` reward over ``"seven"``) is bad data, counted
+and reported with its row, not a task that silently scores 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from typing import Any, Callable, Mapping
+
+from astraflow.registry import Registry
+
+RewardFn = Callable[[str, str, Mapping[str, Any]], float]
+
+REWARDS: Registry = Registry("reward")
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """The reward registered as ``name`` or a user's ``"package.module:name"`` function
+    (``ValueError`` listing the known ones)."""
+    return REWARDS.resolve(name)
+
+
+def answer_problem(name: str, answer: str) -> str | None:
+    """Why reward ``name`` cannot score against ``answer`` (``None``: it can)."""
+    check = getattr(resolve_reward(name), "check_answer", None)
+    return check(answer) if check is not None else None
+
+
+def _checker(fn: Callable[[str], str | None]) -> Callable[[RewardFn], RewardFn]:
+    def attach(reward: RewardFn) -> RewardFn:
+        reward.check_answer = fn  # type: ignore[attr-defined]
+        return reward
+    return attach
+
+
+# -- answers in text ---------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_FINAL = re.compile(r"####\s*(.+)")
+
+
+def gsm8k_answer(solution: str) -> str:
+    """The final answer of a GSM8K-style solution: the text after the last ``####``, commas
+    and a trailing period dropped (``"... #### 1,200"`` -> ``"1200"``); the solution stripped
+    when it has no ``####``."""
+    found = _FINAL.findall(solution)
+    text = found[-1] if found else solution
+    return text.strip().replace(",", "").rstrip(".").strip()
+
+
+def boxed_answer(solution: str) -> str | None:
+    """The contents of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``solution``, braces
+    balanced; ``None`` if there is none."""
+    start = max(solution.rfind("\\boxed"), solution.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = solution.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(solution)):
+        depth += {"{": 1, "}": -1}.get(solution[j], 0)
+        if depth == 0:
+            return solution[i + 1 : j].strip()
+    return None
+
+
+def to_number(text: str) -> float | None:
+    """``text`` as a number (commas as thousands separators allowed), or ``None``."""
+    try:
+        return float(text.strip().replace(",", ""))
+    except ValueError:
+        return None
+
+
+def final_number(completion: str) -> float | None:
+    """The number a completion answers with: the one after its last ``####`` if it writes one
+    (the GSM8K convention), else the last number in it; ``None`` if it has none."""
+    found = _FINAL.findall(completion)
+    if found and (numbers := _NUMBER.findall(found[-1])):
+        return to_number(numbers[0])
+    numbers = _NUMBER.findall(completion)
+    return to_number(numbers[-1]) if numbers else None
+
+
+# -- the rewards ------------------------------------------------------------------------------------
+
+
+def _exact_problem(answer: str) -> str | None:
+    return None if answer.strip() else "empty answer"
+
+
+@REWARDS.register("exact")
+@_checker(_exact_problem)
+def exact_match(completion: str, answer: str, payload: Mapping[str, Any]) -> float:
+    """1.0 when the completion's final answer (after its last ``####``, else the whole
+    completion), stripped, equals the reference exactly."""
+    found = _FINAL.findall(completion)
+    got = (found[-1] if found else completion).strip()
+    return 1.0 if got == answer.strip() else 0.0
+
+
+def _numeric_problem(answer: str) -> str | None:
+    return None if to_number(answer) is not None else f"answer {answer[:40]!r} is not a number"
+
+
+@REWARDS.register("numeric")
+@_checker(_numeric_problem)
+def numeric_match(completion: str, answer: str, payload: Mapping[str, Any]) -> float:
+    """1.0 when the completion's number (``final_number``) equals the reference number (to
+    1e-6 relative), else 0.0."""
+    want, got = to_number(answer), final_number(completion)
+    if want is None or got is None:
+        return 0.0
+    return 1.0 if abs(got - want) <= 1e-6 * max(1.0, abs(want)) else 0.0
+
+
+def _math_verify_problem(answer: str) -> str | None:
+    return None if _mv_parse(answer) else f"math-verify cannot parse answer {answer[:40]!r}"
+
+
+def _mv_parse(text: str) -> list:
+    from math_verify import parse
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # not a warning per call about its timeout
+
+    # math-verify bounds its parsing with SIGALRM, which only the main thread may set; elsewhere
+    # (a RaaS node's reward thread) it runs unbounded over a completion of bounded length
+    main = threading.current_thread() is threading.main_thread()
+    if "$" not in text and "\\" in text:
+        text = f"${text}$"  # a bare LaTeX answer (a MATH \boxed{} content) as math
+    return parse(text, parsing_timeout=5 if main else None)
+
+
+@REWARDS.register("math_verify")
+@_checker(_math_verify_problem)
+def math_verify_match(completion: str, answer: str, payload: Mapping[str, Any]) -> float:
+    """1.0 when HF's ``math-verify`` finds the completion's answer mathematically equal to the
+    reference (``\\frac{1}{2}``, ``0.5`` and ``1/2`` agree; ``\\boxed{}`` answers and GSM8K's
+    ``#### N`` are extracted), else 0.0."""
+    from math_verify import verify
+
+    found = _FINAL.findall(completion)
+    pred = _mv_parse(found[-1] if found else completion[-2000:])
+    if not pred:
+        return 0.0
+    main = threading.current_thread() is threading.main_thread()
+    return 1.0 if verify(_mv_parse(answer), pred, timeout_seconds=5 if main else None) else 0.0
+
+
+@REWARDS.register("regex")
+@_checker(lambda answer: _regex_problem(answer))
+def regex_match(completion: str, answer: str, payload: Mapping[str, Any]) -> float:
+    """1.0 when the reference answer, read as a regular expression, matches the completion
+    (``re.search``), else 0.0: references such as ``"(?i)paris"`` or ``"^4[02]$"``."""
+    try:
+        return 1.0 if re.search(answer, completion.strip()) else 0.0
+    except re.error:
+        return 0.0
+
+
+def _regex_problem(answer: str) -> str | None:
+    try:
+        re.compile(answer)
+    except re.error as err:
+        return f"answer {answer[:40]!r} is not a regular expression ({err})"
+    return None

@@ -1,0 +1,149 @@
+"""The ``dataset`` workload: every reader, the field layouts and presets, splits, prompt
+rendering, and bad rows reported with their location instead of a crash."""
+
+import json
+
+import pytest
+
+from astraflow.workloads.base import make_workload
+
+ROWS = [{"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}", "level": i % 3}
+        for i in range(40)]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def dataset(**params):
+    return make_workload("dataset", params, seed=0)
+
+
+def _write(tmp_path, fmt):
+    import datasets
+
+    ds = datasets.Dataset.from_list(ROWS)
+    if fmt == "jsonl":
+        return write_jsonl(tmp_path / "d.jsonl", ROWS)
+    if fmt == "json":
+        (tmp_path / "d.json").write_text(json.dumps(ROWS))
+        return tmp_path / "d.json"
+    if fmt == "parquet":
+        ds.to_parquet(str(tmp_path / "d.parquet"))
+        return tmp_path / "d.parquet"
+    if fmt == "csv":
+        ds.to_csv(str(tmp_path / "d.csv"), index=False)
+        return tmp_path / "d.csv"
+    ds.save_to_disk(str(tmp_path / "saved"))
+    return tmp_path / "saved"
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "csv", "disk"])
+def test_every_reader_gives_the_same_tasks(tmp_path, fmt):
+    wl = dataset(path=str(_write(tmp_path, fmt)), preset="gsm8k", test_fraction=0.25)
+    train, test = wl.tasks("train"), wl.tasks("eval")
+    assert len(train) + len(test) == len(ROWS) and train and test
+    by_text = {r["question"]: r for r in ROWS}
+    for p in train + test:
+        row = by_text[p["messages"][-1]["content"].split("\n")[0]]
+        assert p["answer"] == str(2 * int(row["question"].split()[2]))
+        assert p["solution"] == row["answer"]
+        assert wl.reward(f"blah\n#### {p['answer']}", p) == 1.0
+    assert not {p["text"] for p in train} & {p["text"] for p in test}
+
+
+def test_seeded_split_is_deterministic_and_independent_of_row_order(tmp_path):
+    a = dataset(path=str(write_jsonl(tmp_path / "a.jsonl", ROWS)), preset="gsm8k", test_fraction=0.3, seed=7)
+    b = dataset(path=str(write_jsonl(tmp_path / "b.jsonl", ROWS[::-1])), preset="gsm8k", test_fraction=0.3, seed=7)
+    assert {p["text"] for p in a.tasks("eval")} == {p["text"] for p in b.tasks("eval")}
+    c = dataset(path=str(tmp_path / "a.jsonl"), preset="gsm8k", test_fraction=0.3, seed=8)
+    assert {p["text"] for p in a.tasks("eval")} != {p["text"] for p in c.tasks("eval")}
+
+
+def test_split_field_test_path_and_limits(tmp_path):
+    rows = [dict(r, split="test" if i < 5 else "train") for i, r in enumerate(ROWS)]
+    wl = dataset(path=str(write_jsonl(tmp_path / "s.jsonl", rows)), preset="gsm8k", split_field="split")
+    assert len(wl.tasks("eval")) == 5 and len(wl.tasks("train")) == 35
+    wl = dataset(path=str(write_jsonl(tmp_path / "tr.jsonl", ROWS[:30])), test_path=str(write_jsonl(tmp_path / "te.jsonl", ROWS[30:])),
+                 preset="gsm8k", num_train=12, num_test=4)
+    assert len(wl.tasks("train")) == 12 and len(wl.tasks("eval")) == 4
+    assert all(p["row"].startswith("tr.jsonl") for p in wl.tasks("train"))
+
+
+def test_datasetdict_on_disk_gives_its_splits(tmp_path):
+    import datasets
+
+    datasets.DatasetDict(train=datasets.Dataset.from_list(ROWS[:30]),
+                         test=datasets.Dataset.from_list(ROWS[30:])).save_to_disk(str(tmp_path / "dd"))
+    wl = dataset(path=str(tmp_path / "dd"), preset="gsm8k")
+    assert len(wl.tasks("train")) == 30 and len(wl.tasks("eval")) == 10
+
+
+def test_glob_reads_every_file(tmp_path):
+    write_jsonl(tmp_path / "part-0.jsonl", ROWS[:20])
+    write_jsonl(tmp_path / "part-1.jsonl", ROWS[20:])
+    wl = dataset(path=str(tmp_path / "part-*.jsonl"), preset="gsm8k", test_fraction=0.2)
+    assert len(wl.tasks("train")) + len(wl.tasks("eval")) == 40
+
+
+def test_math_preset_reads_boxed_answers_and_difficulty(tmp_path):
+    rows = [{"problem": f"Halve {i}.", "solution": f"It is $\\boxed{{\\frac{{{i}}}{{2}}}}$.", "level": f"Level {1 + i % 5}"}
+            for i in range(1, 30)]
+    wl = dataset(path=str(write_jsonl(tmp_path / "m.jsonl", rows)), preset="math", test_fraction=0.3)
+    p = wl.tasks("eval")[0]
+    n = int(p["text"].split()[1].rstrip("."))
+    assert p["answer"] == f"\\frac{{{n}}}{{2}}" and p["difficulty"].startswith("Level")
+    assert "\\boxed{}" in p["text"]  # the preset's instruction
+    assert wl.reward(f"so \\boxed{{{n / 2}}}", p) == 1.0
+    assert wl.reward(f"so \\boxed{{{n + 1}}}", p) == 0.0
+
+
+def test_custom_fields_template_system_prompt_and_messages(tmp_path):
+    rows = [{"q": f"capital of country {i}", "a": f"city{i}", "lang": "en", "id": f"r{i}"} for i in range(20)]
+    wl = dataset(path=str(write_jsonl(tmp_path / "c.jsonl", rows)), prompt_field="q", answer_field="a", id_field="id",
+                 prompt_template="[{{ lang }}] {{ prompt }}?", system_prompt="Answer in one word.", test_fraction=0.5)
+    p = wl.tasks("train")[0]
+    assert p["messages"][0] == {"role": "system", "content": "Answer in one word."}
+    assert p["messages"][1]["content"].startswith("[en] capital of country") and p["id"].startswith("r")
+    assert wl.render_prompt(p) == f"Answer in one word.\n{p['messages'][1]['content']}\n"
+    assert wl.reward(f" {p['answer']} ", p) == 1.0  # exact, the default reward
+    chats = [{"messages": [{"role": "user", "content": f"say {i}"}], "answer": str(i)} for i in range(20)]
+    wl = dataset(path=str(write_jsonl(tmp_path / "m.jsonl", chats)), messages_field="messages", reward="numeric",
+                 test_fraction=0.5)
+    assert wl.tasks("train")[0]["messages"][-1]["content"].startswith("say ")
+
+
+def test_bad_rows_are_counted_and_located_not_fatal(tmp_path):
+    lines = [json.dumps(ROWS[0]), "", json.dumps({"question": "no answer"}), "{}", "not json at all",
+             json.dumps({"question": "q", "answer": "#### seven"}), json.dumps(ROWS[1]), json.dumps(ROWS[2])]
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "test.jsonl").write_text(json.dumps(ROWS[3]) + "\n")
+    wl = dataset(path=str(tmp_path / "bad.jsonl"), test_path=str(tmp_path / "test.jsonl"), preset="gsm8k", reward="numeric")
+    assert len(wl.tasks("train")) == 3
+    rep = wl.report
+    assert sum(rep.bad.values()) == 4 and rep.rows == 8
+    text = rep.summary()
+    for where in ("bad.jsonl line 3: missing field 'answer'", "bad.jsonl line 4: empty row", "bad.jsonl line 5: not JSON",
+                  "bad.jsonl line 6: answer the numeric reward cannot score"):
+        assert where in text, text
+
+
+def test_a_split_with_no_usable_row_is_an_error_naming_the_fix(tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "p", "answer": "a"}] * 3)
+    with pytest.raises(ValueError, match="no usable train rows.*missing field 'question'.*prompt_field"):
+        dataset(path=str(path), preset="gsm8k").tasks("train")
+    with pytest.raises(ValueError, match="does not exist"):
+        dataset(path=str(tmp_path / "missing.jsonl")).tasks("train")
+    (tmp_path / "d.txt").write_text("x")
+    with pytest.raises(ValueError, match="set workload.params.format"):
+        dataset(path=str(tmp_path / "d.txt")).tasks("train")
+
+
+def test_bad_params_fail_at_construction():
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        dataset(path="x.jsonl", reward="nope")
+    with pytest.raises(ValueError, match="prompt_template does not compile"):
+        dataset(path="x.jsonl", prompt_template="{{ unclosed")
+    with pytest.raises(ValueError, match="preset"):
+        dataset(path="x.jsonl", preset="squad")

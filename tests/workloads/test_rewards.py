@@ -1,0 +1,79 @@
+"""Rewards chosen by name: exact, numeric, math_verify (HF math-verify), regex, and the
+answer extraction of the GSM8K and MATH layouts."""
+
+import threading
+
+import pytest
+
+from astraflow.workloads.rewards import (
+    answer_problem, boxed_answer, final_number, gsm8k_answer, resolve_reward,
+)
+
+
+def score(name: str, completion: str, answer: str) -> float:
+    return resolve_reward(name)(completion, answer, {})
+
+
+@pytest.mark.parametrize("completion", ["0.5", "1/2", "\\frac{1}{2}", "$\\frac{1}{2}$", "The answer is \\boxed{\\frac12}.",
+                                        "so it is 0.50", "working...\n#### 1/2"])
+def test_math_verify_accepts_equivalent_forms(completion):
+    assert score("math_verify", completion, "\\frac{1}{2}") == 1.0
+
+
+@pytest.mark.parametrize("completion", ["0.6", "2", "\\frac{1}{3}", "no idea", "", "#### 5"])
+def test_math_verify_rejects_wrong_answers(completion):
+    assert score("math_verify", completion, "\\frac{1}{2}") == 0.0
+
+
+def test_math_verify_runs_off_the_main_thread():
+    """A RaaS node scores in worker threads, where math-verify's SIGALRM timeout is unavailable."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(score("math_verify", "x = 0.5", "1/2")))
+    t.start()
+    t.join()
+    assert out == [1.0]
+
+
+def test_numeric_reads_the_final_answer():
+    assert score("numeric", "12 + 7 = 19\n#### 19", "19") == 1.0
+    assert score("numeric", "#### 1,200", "1200") == 1.0
+    assert score("numeric", "first 3 then 19", "19") == 1.0  # the last number without ####
+    assert score("numeric", "#### 18 (not 19)", "19") == 0.0  # the number after #### wins
+    assert score("numeric", "nothing", "19") == 0.0
+    assert final_number("-4.5 is it") == -4.5
+
+
+def test_exact_and_regex():
+    assert score("exact", " Paris ", "Paris") == 1.0
+    assert score("exact", "paris", "Paris") == 0.0
+    assert score("exact", "thinking\n#### Paris", "Paris") == 1.0
+    assert score("regex", "It is PARIS.", "(?i)paris") == 1.0
+    assert score("regex", "London", "(?i)paris") == 0.0
+
+
+def test_answer_checks_name_what_a_reward_cannot_score():
+    assert answer_problem("numeric", "seven") is not None
+    assert answer_problem("numeric", "1,200") is None
+    assert answer_problem("math_verify", "\\frac{1}{2}") is None
+    assert answer_problem("math_verify", "") is not None
+    assert answer_problem("regex", "(unclosed") is not None
+    assert answer_problem("exact", "  ") is not None
+
+
+def test_extraction_of_public_layouts():
+    assert gsm8k_answer("She has 3 + 4 = <<3+4=7>>7 apples.\n#### 7") == "7"
+    assert gsm8k_answer("#### 1,234.") == "1234"
+    assert boxed_answer("so $x = \\boxed{\\frac{a}{b^{2}}}$ and \\boxed{3}") == "3"
+    assert boxed_answer("only \\boxed{\\frac{a}{b^{2}}}") == "\\frac{a}{b^{2}}"
+    assert boxed_answer("no box here") is None
+
+
+def user_reward(completion, answer, payload):
+    """A user's reward named by module:name in a config."""
+    return 1.0 if answer in completion else 0.5
+
+
+def test_user_reward_by_module_name():
+    assert resolve_reward("tests.workloads.test_rewards:user_reward")("abc", "b", {}) == 1.0
+    with pytest.raises(ValueError, match="known: exact, math_verify, numeric, regex"):
+        resolve_reward("no_such_reward")
