@@ -21,14 +21,14 @@ ITEMS = ["apples", "books", "coins", "stamps", "cards", "pens", "shells", "marbl
 
 
 def _add(rng: random.Random) -> tuple[str, str]:
-    n, it, a, b = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(2, 60), rng.randint(2, 39)
+    n, it, a, b = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(2, 30), rng.randint(2, 19)
     q = rng.choice([f"{n} has {a} {it} and gets {b} more. How many {it} does {n} have now?",
                     f"{n} found {a} {it} on Monday and {b} {it} on Tuesday. How many {it} did {n} find?"])
     return q, f"{a} + {b} = {a + b}\n#### {a + b}"
 
 
 def _sub(rng: random.Random) -> tuple[str, str]:
-    n, it, a = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(10, 80)
+    n, it, a = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(5, 40)
     b = rng.randint(1, a - 1)
     q = rng.choice([f"{n} had {a} {it} and gave away {b}. How many {it} does {n} have left?",
                     f"There are {a} {it} in a box. {n} takes {b} of them. How many {it} are still in the box?"])
@@ -36,14 +36,14 @@ def _sub(rng: random.Random) -> tuple[str, str]:
 
 
 def _mul(rng: random.Random) -> tuple[str, str]:
-    n, it, a, b = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(2, 9), rng.randint(2, 12)
+    n, it, a, b = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(2, 5), rng.randint(2, 9)
     q = rng.choice([f"{n} buys {a} bags with {b} {it} in each bag. How many {it} does {n} buy?",
                     f"{n} gets {b} {it} every day for {a} days. How many {it} does {n} get?"])
     return q, f"{a} * {b} = {a * b}\n#### {a * b}"
 
 
 def _two_step(rng: random.Random) -> tuple[str, str]:
-    n, it, a, b = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(5, 50), rng.randint(2, 30)
+    n, it, a, b = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(5, 20), rng.randint(2, 9)
     c = rng.randint(1, a + b - 1)
     q = f"{n} has {a} {it}, buys {b} more and then gives {c} to a friend. How many {it} does {n} have now?"
     return q, f"{a} + {b} = {a + b}\n{a + b} - {c} = {a + b - c}\n#### {a + b - c}"
