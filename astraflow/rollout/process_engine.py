@@ -175,7 +175,9 @@ class ProcessEngine:
         return await fut
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        """Send the weights (numpy copies: plain pickles, no shared-memory handles to leak)."""
+        """Send the weights (numpy copies: plain pickles, no shared-memory handles to leak). They
+        travel as fp32 (numpy has no bf16): a bf16 version upcasts exactly, and a bf16 engine
+        casts it back to the same values."""
         import torch
 
         arrays = {k: (v.detach().to("cpu", torch.float32).numpy() if isinstance(v, torch.Tensor) else v)
