@@ -253,6 +253,21 @@ def config_from_dict(data: dict, base_dir: Path | None = None) -> RunConfig:
         raise ConfigError(_format_validation(err)) from None
 
 
+def check_models(cfg: RunConfig) -> None:
+    """Check that every policy model directory that exists loads (config, architecture, weight
+    files, tokenizer; the weights themselves are not read): ``ConfigError`` naming the policy,
+    the directory and the fix. Directories still to be built by ``init`` are skipped. Separate
+    from validation, which stays cheap and needs no model on disk."""
+    from astraflow.models import check_model_dir
+
+    for pol in cfg.policies:
+        if pol.model.exists():
+            try:
+                check_model_dir(pol.model)
+            except ValueError as err:
+                raise ConfigError(f"policies[{pol.name}].model: {err}") from None
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config, apply ``--set`` overrides, validate.
 

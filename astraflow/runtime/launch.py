@@ -37,7 +37,8 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
             shutil.copytree(base, tmp / "init")
         else:
             with progress.waiting(f"initialising a {init.preset} {init.arch} model"):
-                init_model(tmp / "init", preset=init.preset, arch=init.arch, seed=init.seed)
+                init_model(tmp / "init", preset=init.preset, arch=init.arch, seed=init.seed,
+                           tie_word_embeddings=init.tie_embeddings)
         if init.warm_starts:
             params = dict((workload.params if workload else {}) or {})
             bounds = [f"{init.warm_start_seconds:.0f}s"] if init.warm_start_seconds > 0 else []

@@ -18,6 +18,9 @@ class ModelInit(Strict):
     """Size preset of the locally initialised model (tiny ~0.8M, mini ~2.4M, small ~10M, 50m ~50M params)."""
     arch: Literal["qwen2", "llama"] = "qwen2"
     """HF architecture of the initialised model."""
+    tie_embeddings: bool = True
+    """Whether the output head shares the input embedding's weights (``tie_word_embeddings``);
+    ``false`` gives the model a separate ``lm_head``, as most larger checkpoints have."""
     seed: int = 0
     """Seed of the random initialisation."""
     warm_start_seconds: float = Field(default=0.0, ge=0)
@@ -43,9 +46,10 @@ class ModelInit(Strict):
     the workflow."""
     start_from: str | None = None
     """Name of an earlier policy in ``policies`` whose model this one starts from instead of a
-    random initialisation (``preset``, ``arch`` and ``seed`` are then unused): the roles of one
-    workflow sharing one base model, as multi-agent RL starts every agent from the same
-    pretrained checkpoint. The warm start then teaches this policy's ``task`` on top."""
+    random initialisation (``preset``, ``arch``, ``tie_embeddings`` and ``seed`` are then
+    unused): the roles of one workflow sharing one base model, as multi-agent RL starts every
+    agent from the same pretrained checkpoint. The warm start then teaches this policy's
+    ``task`` on top."""
 
     @property
     def warm_starts(self) -> bool:
