@@ -33,10 +33,13 @@ class UserError(click.ClickException):
 
 
 def _load(config: str, overrides: tuple[str, ...]):
-    from astraflow.config import ConfigError, load_config
+    """The validated config, its existing model directories checked to load."""
+    from astraflow.config import ConfigError, check_models, load_config
 
     try:
-        return load_config(config, list(overrides))
+        cfg = load_config(config, list(overrides))
+        check_models(cfg)
+        return cfg
     except ConfigError as err:
         raise UserError(str(err)) from None
 
@@ -122,11 +125,12 @@ def model() -> None:
 @click.option("--preset", **_field(ModelInit, "preset"))
 @click.option("--arch", **_field(ModelInit, "arch"))
 @click.option("--seed", type=int, **_field(ModelInit, "seed"))
+@click.option("--tie-embeddings/--untie-embeddings", **_field(ModelInit, "tie_embeddings"))
 @click.option("--warm-start-seconds", type=float, **_field(ModelInit, "warm_start_seconds"))
 @click.option("--warm-start-steps", type=int, **_field(ModelInit, "warm_start_steps"))
 @click.option("--warm-start-lr", type=float, **_field(ModelInit, "warm_start_lr"))
-def model_init(out: str, preset: str, arch: str, seed: int, warm_start_seconds: float, warm_start_steps: int | None,
-               warm_start_lr: float) -> None:
+def model_init(out: str, preset: str, arch: str, seed: int, tie_embeddings: bool, warm_start_seconds: float,
+               warm_start_steps: int | None, warm_start_lr: float) -> None:
     """Build a tiny Qwen2/Llama model with a local byte-level tokenizer into OUT (HF format).
 
     The warm start trains on the math workload's train split."""
@@ -134,7 +138,7 @@ def model_init(out: str, preset: str, arch: str, seed: int, warm_start_seconds: 
 
     if Path(out).exists() and any(Path(out).iterdir()):
         raise UserError(f"{out} exists and is not empty: choose a new directory")
-    build_model(Path(out), ModelInit(preset=preset, arch=arch, seed=seed,
+    build_model(Path(out), ModelInit(preset=preset, arch=arch, seed=seed, tie_embeddings=tie_embeddings,
                                      warm_start_seconds=warm_start_seconds, warm_start_steps=warm_start_steps,
                                      warm_start_lr=warm_start_lr))
 

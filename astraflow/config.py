@@ -276,6 +276,21 @@ def _resolve_data_paths(workload: Any, base_dir: Path) -> None:
             _resolve_data_paths({"name": source.get("workload"), "params": source.get("params")}, base_dir)
 
 
+def check_models(cfg: RunConfig) -> None:
+    """Check that every policy model directory that exists loads (config, architecture, weight
+    files, tokenizer; the weights themselves are not read): ``ConfigError`` naming the policy,
+    the directory and the fix. Directories still to be built by ``init`` are skipped. Separate
+    from validation, which stays cheap and needs no model on disk."""
+    from astraflow.models import check_model_dir
+
+    for pol in cfg.policies:
+        if pol.model.exists():
+            try:
+                check_model_dir(pol.model)
+            except ValueError as err:
+                raise ConfigError(f"policies[{pol.name}].model: {err}") from None
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config, apply ``--set`` overrides, validate.
 

@@ -25,6 +25,8 @@ high bits, which bit-shuffling lines up for zstd: about 1.3 bytes per changed el
 
 Everything is compared and reconstructed on the **bf16 bit patterns** (``x.to(bfloat16)``), so
 ``apply_delta(bf16(v-1), delta) == bf16(v)`` bit for bit; the reader keeps its weights as bf16.
+Versions published in bf16 (the trainer's ``publish_dtype``) are taken as they are: the same
+delta, whichever dtype the versions were published in.
 The directory is written under a temporary name, fsynced, renamed into place, then marked.
 
 This module is part of ``storage`` and imports nothing from ``astraflow``.

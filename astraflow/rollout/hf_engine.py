@@ -75,7 +75,9 @@ class HFEngine:
     ``device`` is ``auto`` (a GPU when torch sees one), ``cpu`` or ``cuda[:N]``: the model,
     the KV cache and sampling live there, finished tokens come back to the host once per step.
     ``dtype`` is ``fp32`` or ``bf16``: the weights and the forward passes (the logits are cast
-    to fp32 for sampling and log-probs); published fp32 weights are cast on load. bf16 decodes
+    to fp32 for sampling and log-probs). Published weights of either dtype are cast to the
+    engine's on load: bf16 ones go into a bf16 engine as they are and into an fp32 engine
+    upcast, both exact; fp32 ones into a bf16 engine are rounded. bf16 decodes
     faster where the hardware has it (GPUs; CPUs with AVX512-BF16/AMX;
     ``benchmarks/engine_dtype.py``); on GPUs bf16 is the usual engine dtype.
     """
@@ -162,7 +164,8 @@ class HFEngine:
         return await req.future
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        """Replace the weights (HF names, exact). Applied now if idle, else between two steps."""
+        """Replace the weights (HF names; cast to the engine's dtype). Applied now if idle,
+        else between two steps."""
         with self._lock:
             if not self._decoding:
                 self._apply(state_dict, version)
@@ -208,7 +211,7 @@ class HFEngine:
     # -- internals -----------------------------------------------------------------------
     def _apply(self, state_dict: Mapping[str, Any], version: int) -> None:
         sd = {k: torch.as_tensor(v) for k, v in state_dict.items()}
-        missing, unexpected = self.model.load_state_dict(sd, strict=False)
+        missing, unexpected = self.model.load_state_dict(sd, strict=False)  # copy_ casts each tensor
         # tied heads may be absent from a publisher's state dict; anything else is an error
         missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
         if missing or unexpected:

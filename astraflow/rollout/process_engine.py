@@ -71,9 +71,10 @@ class ProcessEngine:
     def __init__(self, model_path: str, *, max_batch_size: int, seed: int = 0, device: str = "auto",
                  threads: int = 1, version: int = 0, start_timeout: float = START_TIMEOUT_S,
                  swap_min_remaining: int = SWAP_MIN_REMAINING, dtype: str = "fp32"):
-        from astraflow.models import load_tokenizer
+        from astraflow.models import check_model_dir, load_tokenizer
 
-        self.tokenizer = load_tokenizer(model_path)  # a bad path fails here, before a process starts
+        check_model_dir(model_path, tokenizer=False)  # a bad directory fails here, before a process starts
+        self.tokenizer = load_tokenizer(model_path)
         self.version = version
         # what each engine process starts with
         self._args = (str(model_path), max_batch_size, seed, device, threads, swap_min_remaining, dtype)
@@ -175,7 +176,9 @@ class ProcessEngine:
         return await fut
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        """Send the weights (numpy copies: plain pickles, no shared-memory handles to leak)."""
+        """Send the weights (numpy copies: plain pickles, no shared-memory handles to leak). They
+        travel as fp32 (numpy has no bf16): a bf16 version upcasts exactly, and a bf16 engine
+        casts it back to the same values."""
         import torch
 
         arrays = {k: (v.detach().to("cpu", torch.float32).numpy() if isinstance(v, torch.Tensor) else v)

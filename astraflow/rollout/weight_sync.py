@@ -39,16 +39,19 @@ class VersionReader:
 
     def read(self, policy: str, version: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """``(state_dict, record)``: the version's tensors and how they were read (``mode``
-        ``full``/``delta``, delta statistics or the reason a delta was not used, ``load_s``,
-        ``commit_to_serving_s`` as of the end of the read)."""
+        ``full``/``delta``, the ``dtype`` the trainer published it in, delta statistics or the
+        reason a delta was not used, ``load_s``, ``commit_to_serving_s`` as of the end of the
+        read). A bf16 version comes back as bf16 tensors: the engine casts them on load."""
         t0 = time.time()
         with self.store.hold(policy, version):
             manifest = self.store.manifest(policy, version)
             delta_from = self.store.delta_from(policy, version) if self.use_deltas else None
             state, mode, extra = self._fetch(policy, version, delta_from)
         now = time.time()
-        return to_hf_state_dict(state, manifest.get("meta", {})), {
-            "policy": policy, "version": version, "mode": mode, "load_s": now - t0,
+        meta = manifest.get("meta", {})
+        return to_hf_state_dict(state, meta), {
+            "policy": policy, "version": version, "mode": mode, "dtype": meta.get("dtype", "fp32"),
+            "load_s": now - t0,
             "commit_to_serving_s": now - float(manifest["committed_at"]), **extra}
 
     def _fetch(self, policy: str, version: int, delta_from: int | None) -> tuple[dict, str, dict]:

@@ -41,7 +41,8 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
                 with progress.waiting(f"training a {init.vocab_size}-token BPE tokenizer on the train split"):
                     tokenizer = bpe_for(workload, init.vocab_size)
             with progress.waiting(f"initialising a {init.preset} {init.arch} model"):
-                init_model(tmp / "init", preset=init.preset, arch=init.arch, seed=init.seed, tokenizer=tokenizer)
+                init_model(tmp / "init", preset=init.preset, arch=init.arch, seed=init.seed,
+                           tie_word_embeddings=init.tie_embeddings, tokenizer=tokenizer)
         if init.warm_starts:
             params = dict((workload.params if workload else {}) or {})
             bounds = [f"{init.warm_start_seconds:.0f}s"] if init.warm_start_seconds > 0 else []

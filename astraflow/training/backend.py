@@ -38,13 +38,19 @@ class TrainerBackend(Protocol):
     def publish(self, store, policy: str, version: int, state: dict | None = None) -> WeightVersion:
         """Write the current weights (or ``state``, a ``snapshot()``; only with
         ``supports_snapshot``) as ``version`` of ``policy`` into the weight store and commit it
-        (all ranks finish writing before the commit marker)."""
+        (all ranks finish writing before the commit marker). Floating-point parameters go out in
+        the configured ``publish_dtype``, recorded as ``meta["dtype"]``."""
 
     def snapshot(self) -> dict:
-        """A copy of the current weights (CPU tensors), unaffected by later steps."""
+        """A copy of the weights as they are published (CPU tensors), unaffected by later steps."""
+
+    def state_dict(self) -> dict:
+        """The current weights at full precision (with ``supports_optimizer_state``: saved with
+        the optimiser state when versions are published in a narrower dtype)."""
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from these weights (a committed version, read by the trainer)."""
+        """Continue from these weights (a committed version, read by the trainer, or the master
+        weights saved with the optimiser state), cast to the backend's own dtype."""
 
     def optimizer_state(self) -> dict[str, Any]:
         """The optimiser's state, for a checkpoint."""

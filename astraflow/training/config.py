@@ -18,6 +18,9 @@ class ModelInit(Strict):
     """Size preset of the locally initialised model (tiny ~0.8M, mini ~2.4M, small ~10M, 50m ~50M params)."""
     arch: Literal["qwen2", "llama"] = "qwen2"
     """HF architecture of the initialised model."""
+    tie_embeddings: bool = True
+    """Whether the output head shares the input embedding's weights (``tie_word_embeddings``);
+    ``false`` gives the model a separate ``lm_head``, as most larger checkpoints have."""
     seed: int = 0
     """Seed of the random initialisation."""
     tokenizer: Literal["byte", "bpe"] = "byte"
@@ -50,9 +53,10 @@ class ModelInit(Strict):
     the workflow."""
     start_from: str | None = None
     """Name of an earlier policy in ``policies`` whose model this one starts from instead of a
-    random initialisation (``preset``, ``arch`` and ``seed`` are then unused): the roles of one
-    workflow sharing one base model, as multi-agent RL starts every agent from the same
-    pretrained checkpoint. The warm start then teaches this policy's ``task`` on top."""
+    random initialisation (``preset``, ``arch``, ``tie_embeddings`` and ``seed`` are then
+    unused): the roles of one workflow sharing one base model, as multi-agent RL starts every
+    agent from the same pretrained checkpoint. The warm start then teaches this policy's
+    ``task`` on top."""
 
     @property
     def warm_starts(self) -> bool:
@@ -99,8 +103,9 @@ class TrainerConfig(Strict):
     """``off_policy: m2po``: bound on the mean ``(log r)^2`` of the tokens kept in the loss."""
     optimizer_checkpoint_every: int = Field(default=100, ge=0)
     """Torch backend: save the optimiser state (AdamW moments) every this many steps and when
-    the trainer stops, under ``<run>/trainer_state/<policy>/``; a run resumed on the same run
-    directory continues with it instead of fresh moments. 0: only when the trainer stops."""
+    the trainer stops, under ``<run>/trainer_state/<policy>/`` (with the fp32 weights when
+    ``publish_dtype`` is narrower); a run resumed on the same run directory continues with it
+    instead of fresh moments. 0: only when the trainer stops."""
     skip_zero_advantage: bool = True
     """Do not compute the forward/backward of sequences whose group-normalised advantage is 0
     (every sample of their group scored alike). They add exactly nothing to the
@@ -113,6 +118,15 @@ class TrainerConfig(Strict):
     attention then runs eager: its bf16 flash-attention backward is slower than fp32); the
     log-probs it trains on differ from the engine's fp32 ones by bf16 rounding, which the
     ratio sees as noise. ``fp32``: everything in fp32."""
+    publish_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """dtype of the floating-point weights in each published version, on disk and on the wire
+    (the fp32 weights the optimiser updates are not changed): ``auto`` is ``bf16`` when the
+    trainer trains in bf16 (``precision: bf16``; the Megatron backend's parameters are fp32, so
+    ``fp32`` there) and ``fp32`` otherwise. A bf16 version is half the bytes; a bf16 engine
+    serves its values as they are, an fp32 engine upcasts them exactly. Integer tensors and
+    buffers are published unchanged; sparse deltas are bf16 either way. With a narrower dtype
+    the optimiser checkpoint also keeps the fp32 weights, so a resumed run continues from
+    them (from the published bf16 ones only if that checkpoint is older than the version)."""
 
     @model_validator(mode="after")
     def _backend_settings(self) -> "TrainerConfig":
@@ -133,6 +147,14 @@ class TrainerConfig(Strict):
                 "set trainer.backend: torch or trainer.precision: fp32"
             )
         return self
+
+    @property
+    def resolved_publish_dtype(self) -> Literal["fp32", "bf16"]:
+        """``publish_dtype`` with ``auto`` resolved: the dtype the trainer trains in (``bf16``
+        for ``precision: bf16``; the Megatron backend's parameters are fp32)."""
+        if self.publish_dtype != "auto":
+            return self.publish_dtype
+        return "bf16" if self.backend == "torch" and self.precision == "bf16" else "fp32"
 
 
 class PolicyConfig(Strict):

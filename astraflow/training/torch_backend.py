@@ -8,7 +8,9 @@ with advantage 0 add exactly nothing to the ``ppo_clip``/``tis`` loss or its gra
 not computed (``skip_zero_advantage``; early in GRPO whole groups score alike); the loss
 statistics are then over the trained sequences. ``precision="bf16"`` runs the
 forward/backward under bf16 autocast (the weights, gradients and AdamW state stay fp32).
-``publish`` hands the current weights, under their HF names, to the weight store.
+``publish`` hands the current weights, under their HF names, to the weight store, the
+parameters cast to ``publish_dtype`` (``bf16`` halves every version; the fp32 master weights
+stay as they are).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class TorchBackend:
         m2_tau: float = 0.04,
         skip_zero_advantage: bool = True,
         precision: Literal["fp32", "bf16"] = "fp32",
+        publish_dtype: Literal["auto", "fp32", "bf16"] = "auto",
     ) -> None:
         from astraflow.models import load_model, resolve_device, warn_if_bf16_is_emulated
 
@@ -56,6 +59,9 @@ class TorchBackend:
         self.off_policy, self.is_cap, self.m2_tau = off_policy, is_cap, m2_tau
         #: ``bf16``: forward and backward under bf16 autocast (fp32 weights, grads, optimiser)
         self.precision = precision
+        #: dtype of the published parameters (``auto``: the one the forward/backward runs in)
+        self.publish_dtype = (("bf16" if precision == "bf16" else "fp32") if publish_dtype == "auto"
+                              else publish_dtype)
         #: skip the forward/backward of sequences whose advantage is 0 (same step, less work)
         self.skip_zero_advantage = skip_zero_advantage
         torch.manual_seed(seed)
@@ -76,6 +82,9 @@ class TorchBackend:
             self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
         )
         self.steps = 0
+        #: every name a parameter has in ``state_dict()`` (a tied head under both of its names);
+        #: only these are cast for publishing: buffers and integer tensors go out as they are
+        self._param_names = {k for k, _ in self.model.named_parameters(remove_duplicate=False)}
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -134,13 +143,14 @@ class TorchBackend:
         }
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Current weights under their HF names (detached CPU tensors)."""
+        """Current (master, fp32) weights under their HF names (detached CPU tensors)."""
         return {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Continue from committed weights (a resumed run; ``load_optimizer_state`` restores
-        the optimiser's moments, else they start fresh)."""
-        self.model.load_state_dict(state)
+        the optimiser's moments, else they start fresh). A bf16 version is upcast into the
+        fp32 parameters."""
+        self.model.load_state_dict(state)  # copies into the parameters, casting to their dtype
 
     def optimizer_state(self) -> dict[str, Any]:
         """The optimiser's state (moments, step counts, hyperparameters), for a checkpoint."""
@@ -155,20 +165,31 @@ class TorchBackend:
             g.update(own)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """A copy of the current weights (CPU), unaffected by later steps: the trainer
-        publishes it in a helper thread while the next step trains."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        """A copy of the current weights as they are published (CPU, parameters in
+        ``publish_dtype``), unaffected by later steps: the trainer publishes it in a helper
+        thread while the next step trains."""
+        return self._for_publish(self.model.state_dict(), copy=True)
+
+    def _for_publish(self, state: dict[str, torch.Tensor], copy: bool = False) -> dict[str, torch.Tensor]:
+        """``state`` on the CPU with its floating-point parameters in ``publish_dtype``."""
+        dtype = torch.bfloat16 if self.publish_dtype == "bf16" else torch.float32
+        return {k: v.detach().to("cpu", dtype if k in self._param_names and v.is_floating_point() else v.dtype,
+                                 copy=copy)
+                for k, v in state.items()}
 
     def publish(self, store, policy: str, version: int, state: dict[str, torch.Tensor] | None = None):
         """``store.publish(policy, version, weights, meta)`` with ``state`` (a ``snapshot()``)
-        or else the current weights; returns its ``WeightVersion``."""
+        or else the current weights, parameters in ``publish_dtype`` (``meta["dtype"]``);
+        returns its ``WeightVersion``."""
         meta: dict[str, Any] = {
             "layout": "hf",
             "arch": self.model.config.model_type,
             "config": self.model.config.to_dict(),
             "train_steps": self.steps,
+            "dtype": self.publish_dtype,
         }
-        return store.publish(policy, version, self.state_dict() if state is None else state, meta=meta)
+        weights = self._for_publish(self.model.state_dict() if state is None else state)
+        return store.publish(policy, version, weights, meta=meta)
 
     def save(self, out_dir: str) -> None:
         """Write the current model and tokenizer as an HF directory."""

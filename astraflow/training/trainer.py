@@ -50,6 +50,7 @@ def make_backend(cfg: TrainerConfig, model_path: str, seed: int) -> TrainerBacke
             micro_batch_size=cfg.micro_batch, clip_low=cfg.clip_low, clip_high=cfg.clip_high, seed=seed,
             off_policy=cfg.off_policy, is_cap=cfg.is_cap, m2_tau=cfg.m2_tau, device=cfg.device,
             skip_zero_advantage=cfg.skip_zero_advantage, precision=cfg.precision,
+            publish_dtype=cfg.resolved_publish_dtype,
         )
     if cfg.backend == "megatron":
         from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig
@@ -58,6 +59,7 @@ def make_backend(cfg: TrainerConfig, model_path: str, seed: int) -> TrainerBacke
             hf_checkpoint=model_path, tp_size=cfg.tensor_parallel, lr=cfg.lr, weight_decay=cfg.weight_decay,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, max_grad_norm=cfg.max_grad_norm, seed=seed,
             threads_per_rank=cfg.threads, skip_zero_advantage=cfg.skip_zero_advantage,
+            publish_dtype=cfg.resolved_publish_dtype,
         ))
     raise ValueError(f"unknown trainer backend {cfg.backend!r}; known: torch, megatron")
 
@@ -191,15 +193,19 @@ class Trainer:
     def save_optimizer(self) -> bool:
         """Write the backend's optimiser state (with the version its weights are at) to
         ``optimizer_path``, atomically; False when there is no path or the backend has none.
-        A failure is logged, not raised: it must not stop training."""
+        Versions published narrower than the fp32 master weights (``publish_dtype: bf16``) are
+        rounded, so the master weights are saved with it (``master_weights``). A failure is
+        logged, not raised: it must not stop training."""
         if self.optimizer_path is None or not self.backend.supports_optimizer_state or self.version == 0:
             return False
         import torch
 
         try:
+            record = {"policy": self.policy, "version": self.version, "optimizer": self.backend.optimizer_state()}
+            if self.cfg.resolved_publish_dtype != "fp32":
+                record["master_weights"] = self.backend.state_dict()
             buf = io.BytesIO()
-            torch.save({"policy": self.policy, "version": self.version,
-                        "optimizer": self.backend.optimizer_state()}, buf)
+            torch.save(record, buf)
             self.optimizer_path.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(self.optimizer_path, buf.getvalue())
             return True
@@ -212,8 +218,10 @@ class Trainer:
         a few steps older than the weights (saved every ``optimizer_checkpoint_every`` steps,
         and the run stopped without saving again): older moments still beat fresh ones."""
         path = self.optimizer_path
+        rounded = self.store.manifest(self.policy, self.version)["meta"].get("dtype", "fp32") != "fp32"
         if path is None or not path.exists() or not self.backend.supports_optimizer_state:
             log.info("trainer %s: resuming at v%d with a fresh optimiser state", self.policy, self.version)
+            self._warn_rounded(rounded, None)
             return
         import torch
 
@@ -223,10 +231,23 @@ class Trainer:
         except Exception as err:  # unreadable, or another model's: fresh moments, not a failed resume
             log.warning("trainer %s: %s cannot be used (%s: %s); starting with a fresh optimiser state",
                         self.policy, path, type(err).__name__, err)
+            self._warn_rounded(rounded, None)
             return
         self.optimizer_resumed_from = int(saved["version"])
+        master = saved.get("master_weights") if self.optimizer_resumed_from == self.version else None
+        if master is not None:  # the exact weights the published version was rounded from
+            self.backend.load_state_dict(master)
         log.info("trainer %s: resuming at v%d with the optimiser state of v%d", self.policy, self.version,
                  self.optimizer_resumed_from)
+        self._warn_rounded(rounded and master is None, self.optimizer_resumed_from)
+
+    def _warn_rounded(self, rounded: bool, checkpoint_version: int | None) -> None:
+        """A resume that continues from a published version rounded to a narrower dtype."""
+        if rounded:
+            log.warning("trainer %s: resuming from the published weights of v%d, rounded to their publish "
+                        "dtype (the fp32 master weights are only in an optimiser checkpoint of the same version; "
+                        "this one is of %s)", self.policy, self.version,
+                        "none" if checkpoint_version is None else f"v{checkpoint_version}")
 
     def stop(self, timeout: float = 60.0) -> dict[str, Any]:
         self._stop.set()

@@ -144,14 +144,17 @@ def test_a_dead_engine_process_fails_its_requests(tiny_model):
 def test_a_model_that_cannot_load_is_a_start_error(tiny_model, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
-    for f in tiny_model.iterdir():  # config and tokenizer load here; the missing weights fail there
-        if not f.name.endswith(".safetensors"):
-            (broken / f.name).write_bytes(f.read_bytes())
+    for f in tiny_model.iterdir():  # config, tokenizer and a weight file check out here; the
+        # weights, corrupt, fail there
+        (broken / f.name).write_bytes(b"not safetensors" if f.name.endswith(".safetensors") else f.read_bytes())
     with pytest.raises(EngineProcessError, match="failed to start"):
         ProcessEngine(str(broken), max_batch_size=4, device="cpu")
-    # not a model directory at all: refused before any process starts
+    # not a model directory at all, or one without weights: refused before any process starts
     with pytest.raises(ValueError, match="not an HF model directory"):
         ProcessEngine(str(tmp_path / "nowhere"), max_batch_size=4, device="cpu")
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no weights"):
+        ProcessEngine(str(broken), max_batch_size=4, device="cpu")
 
 
 @pytest.mark.timeout(120)

@@ -194,7 +194,7 @@ def test_bf16_autocast_trains_in_the_same_direction_with_fp32_state(tiny_model):
     assert np.isfinite(out["loss"]) and out["grad_norm"] > 0
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in bf16.model.parameters())
     assert all(v.dtype == torch.float32 for st in bf16.optimizer.state.values() for k, v in st.items() if k != "step")
-    assert all(v.dtype == torch.float32 for v in bf16.state_dict().values())  # published as fp32
+    assert all(v.dtype == torch.float32 for v in bf16.state_dict().values())  # master weights (published: publish_dtype)
     if bf16.device.type == "cpu":  # the CPU's bf16 flash-attention backward is slow: eager attention
         assert bf16.model.config._attn_implementation == "eager"
     assert _seq_logprob(bf16.model, good) > g0 + 0.1

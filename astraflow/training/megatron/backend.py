@@ -16,9 +16,10 @@ ranks' pids. All ranks get identical batches, so no broadcast is needed inside t
 Publish. ``publish(store, policy, version)``: every rank writes its shards of
 ``model.sharded_state_dict()`` with ``dist_checkpointing.save`` into the store's staging
 directory, all ranks pass a barrier, then (only then) the backend calls
-``store.commit(policy, version, meta)`` with ``meta = {"layout": "megatron", "hf_config": ...}``,
-which writes the manifest and the COMMITTED marker last. A reader never sees a version whose
-shards are incomplete.
+``store.commit(policy, version, meta)`` with ``meta = {"layout": "megatron", "hf_config": ...,
+"dtype": ...}``, which writes the manifest and the COMMITTED marker last. A reader never sees a
+version whose shards are incomplete. The ranks write their floating-point shards in
+``publish_dtype`` (their own parameters stay as they are).
 """
 
 from __future__ import annotations
@@ -81,8 +82,13 @@ class MegatronBackendConfig:
     #: whole batch's token count as its normaliser, so the step is the same. Needs a ``loss_fn``
     #: that takes ``num_tokens`` (``grpo_loss`` does); with one that does not, every row trains.
     skip_zero_advantage: bool = True
+    #: dtype of the published floating-point shards, ``fp32`` or ``bf16`` (the ranks' parameters
+    #: are fp32 either way).
+    publish_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
+        if self.publish_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"publish_dtype must be fp32 or bf16, got {self.publish_dtype!r}")
         if ":" not in self.loss_fn:
             raise ValueError(f"loss_fn {self.loss_fn!r} must look like 'package.module:function'")
         if not Path(self.hf_checkpoint, "config.json").is_file():
@@ -208,20 +214,26 @@ class MegatronBackend:
         return metrics
 
     def save_shards(self, directory: str | Path) -> dict[str, float]:
-        """Every rank writes its Megatron ``torch_dist`` shards into ``directory`` (created here)."""
+        """Every rank writes its Megatron ``torch_dist`` shards into ``directory`` (created here),
+        floating-point ones in ``publish_dtype``."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        return self._call("save", {"dir": str(directory)}, self.config.step_timeout_s)[0]
+        return self._call("save", {"dir": str(directory), "dtype": self.config.publish_dtype},
+                          self.config.step_timeout_s)[0]
 
     def publish(self, store, policy: str, version: int, state: dict | None = None) -> WeightVersion:
         """Write shards into ``store.staging(policy, version)``, then ``store.commit`` (marker last).
         Always the ranks' current weights: ``state`` is for backends that ``supports_snapshot``."""
         assert state is None, "MegatronBackend publishes its ranks' weights; it takes no snapshot"
         self.save_shards(store.staging(policy, version))
-        return store.commit(policy, version, {"layout": "megatron", "hf_config": self.hf_config})
+        return store.commit(policy, version, {"layout": "megatron", "hf_config": self.hf_config,
+                                              "dtype": self.config.publish_dtype})
 
     def snapshot(self) -> dict:
         raise NotImplementedError("MegatronBackend.supports_snapshot is False")
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError("MegatronBackend's weights live in its ranks; publish them instead")
 
     def load_state_dict(self, state: dict) -> None:
         raise NotImplementedError("MegatronBackend.supports_resume is False")

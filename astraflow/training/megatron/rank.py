@@ -10,7 +10,8 @@ Commands (``(name, payload)`` tuples; each is answered with ``("ok", result)``):
 * ``init``: build the model from the HF checkpoint, create the optimiser, report parameter counts;
 * ``train``: one GRPO step on a collated batch (numpy arrays), returns metrics;
 * ``logprobs``: per-token log-probs of ``tokens[:, 1:]`` given the prefix (no grad);
-* ``save``: ``dist_checkpointing.save(model.sharded_state_dict(), dir)`` on every rank, then a barrier;
+* ``save``: ``dist_checkpointing.save(model.sharded_state_dict(), dir)`` on every rank (floating
+  shards cast to the payload's ``dtype``), then a barrier;
 * ``stop``: tear down the process group and exit.
 
 A failure raises out of the loop: the process exits non-zero with the traceback in its log, and
@@ -27,6 +28,24 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 import torch
+
+
+def _cast_shards(sharded: dict, dtype: torch.dtype) -> dict:
+    """A sharded state dict whose floating-point tensors are copies in ``dtype`` (factories
+    built first, so that the saved tensors are what gets cast); the model is not touched."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    apply_factories(sharded)
+
+    def cast(x):
+        if isinstance(x, ShardedTensor) and x.data is not None and x.data.is_floating_point():
+            return replace(x, data=x.data.to(dtype), dtype=dtype)
+        return x
+
+    return dict_list_map_inplace(cast, sharded)
 
 
 def resolve(dotted: str):
@@ -131,7 +150,10 @@ class Rank:
         from megatron.core import dist_checkpointing
 
         t0 = time.perf_counter()
-        dist_checkpointing.save(self.model.sharded_state_dict(), payload["dir"])
+        sharded = self.model.sharded_state_dict()
+        if payload.get("dtype", "fp32") == "bf16":
+            sharded = _cast_shards(sharded, torch.bfloat16)
+        dist_checkpointing.save(sharded, payload["dir"])
         dist.barrier()
         return {"save_s": time.perf_counter() - t0}
 
