@@ -21,14 +21,14 @@ ITEMS = ["apples", "books", "coins", "stamps", "cards", "pens", "shells", "marbl
 
 
 def _add(rng: random.Random) -> tuple[str, str]:
-    n, it, a, b = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(2, 30), rng.randint(2, 19)
+    n, it, a, b = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(1, 20), rng.randint(1, 9)
     q = rng.choice([f"{n} has {a} {it} and gets {b} more. How many {it} does {n} have now?",
                     f"{n} found {a} {it} on Monday and {b} {it} on Tuesday. How many {it} did {n} find?"])
     return q, f"{a} + {b} = {a + b}\n#### {a + b}"
 
 
 def _sub(rng: random.Random) -> tuple[str, str]:
-    n, it, a = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(5, 40)
+    n, it, a = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(2, 20)
     b = rng.randint(1, a - 1)
     q = rng.choice([f"{n} had {a} {it} and gave away {b}. How many {it} does {n} have left?",
                     f"There are {a} {it} in a box. {n} takes {b} of them. How many {it} are still in the box?"])
@@ -43,7 +43,7 @@ def _mul(rng: random.Random) -> tuple[str, str]:
 
 
 def _two_step(rng: random.Random) -> tuple[str, str]:
-    n, it, a, b = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(5, 20), rng.randint(2, 9)
+    n, it, a, b = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(2, 12), rng.randint(1, 9)
     c = rng.randint(1, a + b - 1)
     q = f"{n} has {a} {it}, buys {b} more and then gives {c} to a friend. How many {it} does {n} have now?"
     return q, f"{a} + {b} = {a + b}\n{a + b} - {c} = {a + b - c}\n#### {a + b - c}"

@@ -57,10 +57,13 @@ def test_dataset_example_builds_a_bpe_chat_model_and_trains(wordproblems, tmp_pa
     assert [x["step"] for x in lines if "loss" in x] == [1, 2]
     evals = [x for x in lines if "eval_accuracy" in x]
     assert [x["step"] for x in evals] == [0, 2] and all(x["eval_by_difficulty"] for x in evals)
-    from astraflow.runtime.monitoring.episodes import EpisodeQuery, EpisodeReader
+    from storage.trajectories import open_trajectory_store
+    from storage.trajectories.layout import EntryRef
 
-    seen = EpisodeReader(run_dir).view(EpisodeQuery(limit=3, sample=0)).recent
-    assert seen and all(e.turns[0].text.startswith("<|im_start|>user\n") for e in seen)  # the chat-rendered prompt
+    store = open_trajectory_store(str(run_dir / "trajectories"), mode="r")
+    stored, = store.read([EntryRef(store.segments()[0], 0)])
+    prompt = tok.decode(stored.tokens[~stored.loss_mask.astype(bool)])
+    assert prompt.startswith("<|im_start|>user\n") and prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
 
 
 @pytest.mark.e2e
