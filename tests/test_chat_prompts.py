@@ -92,3 +92,15 @@ def test_warm_start_on_reference_solutions_learns_in_the_rollout_layout(tmp_path
     assert out["steps"] == 30 and first_loss < 3.0  # from ln(vocab) ~ 6 at random init
     model, tok = load_model(tmp_path / "w")
     assert len(tok) == len(bpe) and 0.0 <= out["acc"] <= 1.0
+
+
+def test_a_mixture_renders_each_source_its_own_way(tmp_path, bpe):
+    wl_path = tmp_path / "wp.jsonl"
+    wl_path.write_text("".join(json.dumps({"question": c.split("\n")[0], "answer": "\n".join(c.split("\n")[1:])}) + "\n"
+                               for c in CORPUS))
+    mix = make_workload("mix", {"sources": {
+        "words": {"workload": "dataset", "weight": 1, "params": {"path": str(wl_path), "preset": "gsm8k", "reward": "numeric"}},
+        "sums": {"workload": "math", "weight": 1, "params": {"digits": 1, "num_test": 5}}}}, seed=0)
+    by_source = {p["source"]: p for p in mix.tasks("eval")}
+    assert bpe.decode(prompt_ids(bpe, mix, by_source["words"])).startswith("<|im_start|>user\n")
+    assert bpe.decode(prompt_ids(bpe, mix, by_source["sums"])) == f"{by_source['sums']['question']}="

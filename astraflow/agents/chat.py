@@ -82,8 +82,9 @@ def prompt_ids(tokenizer: Any, workload: Any, payload: Any) -> list[int]:
     rendered with the tokenizer's chat template and its generation prompt when both exist,
     else the workload's plain text (``render_prompt``) as the model's tokenizer encodes it."""
     render = getattr(workload, "render_messages", None)
-    if render is not None and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(render(payload), tokenize=False, add_generation_prompt=True)
+    messages = render(payload) if render is not None and getattr(tokenizer, "chat_template", None) else None
+    if messages is not None:  # (a mixture returns None for its plain-text sources)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(workload.render_prompt(payload)))
 

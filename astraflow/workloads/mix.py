@@ -172,5 +172,10 @@ class MixtureWorkload:
     def render_prompt(self, payload: Mapping[str, Any]) -> str:
         return self._source(payload).render_prompt(self._untagged(payload))
 
+    def render_messages(self, payload: Mapping[str, Any]) -> list[dict[str, str]] | None:
+        """The source's chat messages, or ``None`` for a source whose prompts are plain text."""
+        render = getattr(self._source(payload), "render_messages", None)
+        return render(self._untagged(payload)) if render is not None else None
+
     def reward(self, completion: str, payload: Mapping[str, Any]) -> float:
         return self._source(payload).reward(completion, self._untagged(payload))
