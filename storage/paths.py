@@ -10,7 +10,7 @@ from strings. A run directory on shared storage looks like::
       summary.json                final state of the run (steps, evaluations, ledger)
       summary.<time>.json         the summary of an earlier run in the same directory (resumed)
       control/                    partitions.json (desired) + partitions.lock, status.json,
-                                  orchestrator.json, dataflow_state.json
+                                  orchestrator.json, dataflow_state.json, run.lock
       plots/, tensorboard/        written on request by ``astraflow plot`` / ``astraflow tensorboard``
       logs/                       one log file per process
       trajectories/               the Zarr trajectory store (unless the config points elsewhere)
@@ -77,6 +77,12 @@ class RunPaths:
     def partitions_lock(self) -> Path:
         """Held (flock) by a CLI call for its read-modify-write of `desired_partitions`."""
         return self.control / "partitions.lock"
+
+    @property
+    def run_lock(self) -> Path:
+        """Held (flock) by the ``astraflow run`` that owns the directory; it says who (pid, host,
+        start time)."""
+        return self.control / "run.lock"
 
     @property
     def status_file(self) -> Path:

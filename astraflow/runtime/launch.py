@@ -14,6 +14,7 @@ from astraflow.agents.workload import is_agentic
 from astraflow.config import RunConfig
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
 from astraflow.runtime.progress import Progress
+from astraflow.runtime.runlock import RunDirLock
 from astraflow.training.config import ModelInit
 from astraflow.workloads.base import make_workload, workload_class
 from astraflow.workloads.config import WorkloadConfig
@@ -138,13 +139,17 @@ def _sigterm_stops_cleanly() -> None:
 
 
 def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
+    """Run ``cfg`` in ``run_dir``. The directory's lock is held from before any model is built or
+    process started until the run ends (``RunDirError`` when another run holds it); the data is
+    read before, so a bad dataset leaves no run directory behind."""
     logging.basicConfig(level=logging.WARNING)
-    _sigterm_stops_cleanly()
     progress = Progress(enabled=not quiet)
     progress.note(check_data(cfg.workload))
-    prepare_models(cfg, progress)
-    progress.note(f"run directory {run_dir}")
-    result = Orchestrator(cfg, run_dir, progress).run()
+    with RunDirLock(run_dir):
+        _sigterm_stops_cleanly()
+        prepare_models(cfg, progress)
+        progress.note(f"run directory {run_dir}")
+        result = Orchestrator(cfg, run_dir, progress).run()
     if result.eval:
         first, last = result.eval[0], result.eval[-1]
         progress.note(

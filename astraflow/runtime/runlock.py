@@ -1,0 +1,104 @@
+"""Runtime room: one ``astraflow run`` per run directory.
+
+A run holds an exclusive ``flock`` on ``control/run.lock`` from before it starts any process
+until it exits. The kernel drops the lock when the holding process ends, however it ends, so a
+crashed run never leaves a stale lock and running again on the directory (a resume) just works.
+The file also says who holds it (pid, host, start time), for the message a second run gets.
+The descriptor is not inheritable (PEP 446): the processes a run starts do not keep it alive.
+On NFS, Linux maps ``flock`` to the server's byte-range locks, so runs on two hosts see each other.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from storage.paths import RunPaths
+
+log = logging.getLogger("astraflow.runtime")
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used: it cannot be created, or a live run holds it."""
+
+
+class RunDirLock:
+    """The exclusive lock of one run directory: ``with RunDirLock(run_dir): ...`` or
+    ``acquire()`` / ``release()``. ``acquire`` raises ``RunDirError`` naming the run that holds
+    the directory (or why it cannot be created) and the fix."""
+
+    def __init__(self, run_dir: str | Path):
+        self.paths = RunPaths(run_dir)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> "RunDirLock":
+        if self._fd is not None:
+            return self
+        root, lock = self.paths.root, self.paths.run_lock
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            where = f" ({err.filename})" if err.filename else ""
+            raise RunDirError(f"run directory {root} cannot be created or written: {err.strerror or err}{where}; "
+                              "pass a --run-dir in a place you can write to") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe(_read_holder(fd))
+            os.close(fd)
+            raise RunDirError(
+                f"run directory {root} is in use by a running `astraflow run` ({holder}): pass another "
+                "--run-dir, or stop that run first (Ctrl-C, or scancel its job) and run again on this "
+                "directory to resume it") from None
+        except OSError as err:  # a filesystem without locks: run unguarded rather than not at all
+            log.warning("cannot lock %s (%s); nothing stops a second run on this directory", lock, err)
+            os.close(fd)
+            return self
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Give the directory up (closing the descriptor drops the lock; the file stays)."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.ftruncate(fd, 0)  # no holder to name any more
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> dict:
+    """What the holder wrote (empty while it is still writing it)."""
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _describe(holder: dict) -> str:
+    if not holder:
+        return "pid and host not recorded yet"
+    started = holder.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {when}"
