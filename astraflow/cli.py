@@ -34,11 +34,12 @@ class UserError(click.ClickException):
 
 def _load(config: str, overrides: tuple[str, ...]):
     """The validated config, its existing model directories checked to load."""
-    from astraflow.config import ConfigError, check_models, load_config
+    from astraflow.config import ConfigError, check_devices, check_models, load_config
 
     try:
         cfg = load_config(config, list(overrides))
         check_models(cfg)
+        check_devices(cfg)
         return cfg
     except ConfigError as err:
         raise UserError(str(err)) from None
@@ -106,11 +107,15 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     """
     cfg = _load(config, overrides)
     from astraflow.runtime.launch import launch
+    from astraflow.runtime.workers import RunFailed
+    from astraflow.training.numerics import NonFiniteError
 
     try:
         result = launch(cfg, Path(run_dir) if run_dir else _default_run_dir(cfg.run.name), quiet=quiet)
     except ValueError as err:
         raise UserError(str(err)) from None
+    except (RunFailed, NonFiniteError) as err:  # the run started and failed: exit 1, its reason
+        raise click.ClickException(f"the run failed: {err}") from None
     if result.interrupted:
         sys.exit(130)
 

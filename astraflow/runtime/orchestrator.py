@@ -16,13 +16,15 @@ Each tick of its loop it:
 3. shows progress and writes the status, and ends the run when every trainer took its steps
    and the last evaluation finished (or on Ctrl-C / a component error / the run deadline).
 
-Shutdown always runs, in this order: RaaS nodes drain and flush (nothing written is lost),
-trainers stop, the data layer ends every open task in the ledger and closes ``metrics.jsonl``,
-worker jobs are cancelled by id, the scheduler process is stopped by pid.
+Shutdown of a run that ends or is interrupted goes in this order: RaaS nodes drain and flush
+(nothing written is lost), trainers stop, the data layer ends every open task in the ledger and
+closes ``metrics.jsonl``, worker jobs are cancelled by id, the scheduler process is stopped by
+pid. A run that fails (a component error, a deadline) raises at once, after only the last two.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +44,8 @@ from schedulers import Partition
 from storage.paths import RunPaths
 
 __all__ = ["PHASES", "Orchestrator", "RunFailed", "RunResult", "Worker"]
+
+log = logging.getLogger("astraflow.runtime")
 
 
 @dataclass
@@ -103,6 +107,9 @@ class Orchestrator:
         except KeyboardInterrupt:
             interrupted = True
             self.progress.note("interrupted: stopping cleanly (nodes flush what they wrote)")
+        except BaseException:  # a failed run still cancels its worker jobs and stops its scheduler
+            self._teardown_quietly()
+            raise
         try:
             result = self._shutdown(t0, interrupted)
         finally:
@@ -228,6 +235,14 @@ class Orchestrator:
         self.status.write_summary(steps=steps, ledger=ledger, seconds=result.seconds, interrupted=interrupted,
                                   nodes=nodes, trainers=trainers, data_layer=state, iterations=self.iterations)
         return result
+
+    def _teardown_quietly(self) -> None:
+        """``_teardown`` on the way out of a failed run: its own errors are logged, so that the
+        run's error is the one reported."""
+        try:
+            self._teardown()
+        except Exception:
+            log.exception("stopping the workers and the scheduler of a failed run")
 
     def _teardown(self) -> None:
         """Cancel every worker job still alive (by id) and stop the scheduler (by pid)."""

@@ -38,7 +38,7 @@ class ModelInit(Strict):
     the warm start with no time bound). The warm start is seeded, so a bound in steps builds
     the same model on a fast and a slow machine, which a bound in seconds does not. With
     several bounds the first reached stops it."""
-    warm_start_lr: float = Field(default=1e-3, gt=0)
+    warm_start_lr: float = Field(default=1e-3, gt=0, allow_inf_nan=False)
     """Learning rate of the warm start."""
     warm_start_target: float | None = Field(default=None, gt=0, le=1)
     """Stop the warm start as soon as held-out accuracy reaches this (checked every 25 steps;
@@ -71,7 +71,7 @@ class TrainerConfig(Strict):
     """``torch``: plain PyTorch in the trainer worker; ``megatron``: Megatron-core ranks."""
     tensor_parallel: int = Field(default=1, ge=1)
     """Megatron tensor-parallel size (ranks started by the trainer actor); 1 for ``torch``."""
-    lr: float = Field(default=5e-4, gt=0)
+    lr: float = Field(default=5e-4, gt=0, allow_inf_nan=False)
     """AdamW learning rate."""
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW weight decay."""
@@ -90,6 +90,11 @@ class TrainerConfig(Strict):
     CPU), ``cpu``, ``cuda`` or ``cuda:N``. The megatron backend places its ranks itself."""
     batch_timeout_s: float = Field(default=600.0, gt=0)
     """How long the trainer waits for one batch before it fails the run."""
+    max_nonfinite_steps: int = Field(default=3, ge=1)
+    """Steps in a row with a loss or gradient norm that is not finite (nan/inf) after which the
+    trainer stops the run, naming the likely cause (``lr`` too high, or bad data). The torch
+    backend skips each such step (no weight changes; ``nonfinite_skipped`` in its metrics, and
+    its version republishes the same weights); weights that are not finite are never published."""
     off_policy: Literal["ppo_clip", "tis", "m2po"] = "ppo_clip"
     """How the loss corrects for stale (off-policy) tokens, through the per-token ratio
     ``r = pi_new / pi_behaviour``: ``ppo_clip`` clips ``r`` to ``[1 - clip_low, 1 + clip_high]``

@@ -3,10 +3,12 @@
 Owns one HF causal LM and its AdamW optimiser and implements ``TrainerBackend``: a
 ``train_step`` is one optimiser step over a whole ``Batch`` (split into micro-batches of at
 most ``micro_batch_size`` sequences, gradients accumulated, the token-level GRPO loss
-normalised by the loss tokens of the whole batch), with gradient-norm clipping. Sequences
-with advantage 0 add exactly nothing to the ``ppo_clip``/``tis`` loss or its gradient and are
-not computed (``skip_zero_advantage``; early in GRPO whole groups score alike); the loss
-statistics are then over the trained sequences. ``precision="bf16"`` runs the
+normalised by the loss tokens of the whole batch), with gradient-norm clipping. A step whose
+loss or gradient norm is not finite changes no weight (``training.numerics``: counted in its
+metrics; the trainer stops after too many in a row), and ``publish`` refuses weights that are
+not finite. Sequences with advantage 0 add exactly nothing to the ``ppo_clip``/``tis`` loss or
+its gradient and are not computed (``skip_zero_advantage``; early in GRPO whole groups score
+alike); the loss statistics are then over the trained sequences. ``precision="bf16"`` runs the
 forward/backward under bf16 autocast (the weights, gradients and AdamW state stay fp32).
 ``publish`` hands the current weights, under their HF names, to the weight store, the
 parameters cast to ``publish_dtype`` (``bf16`` halves every version; the fp32 master weights
@@ -15,6 +17,7 @@ stay as they are).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Literal
 
@@ -22,6 +25,7 @@ import torch
 
 from astraflow.contracts import Batch
 from astraflow.training.grpo import collate, grpo_loss, token_logprobs
+from astraflow.training.numerics import refuse_nonfinite
 
 
 class TorchBackend:
@@ -82,6 +86,8 @@ class TorchBackend:
             self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
         )
         self.steps = 0
+        #: steps skipped because their loss or gradient norm was not finite (in all)
+        self.nonfinite_skipped = 0
         #: every name a parameter has in ``state_dict()`` (a tied head under both of its names);
         #: only these are cast for publishing: buffers and integer tensors go out as they are
         self._param_names = {k for k, _ in self.model.named_parameters(remove_duplicate=False)}
@@ -127,7 +133,12 @@ class TorchBackend:
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.optimizer.step()
+        finite = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        else:  # no weight (nor optimiser moment) takes a nan/inf: drop the gradient
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_skipped += 1
         self.steps += 1
         self.model.eval()
         return {
@@ -139,6 +150,8 @@ class TorchBackend:
             "trained_sequences": float(len(rows)),
             "reward_mean": float(c.rewards.mean()),
             "advantage_abs_mean": float(c.advantages.abs().mean()),
+            "nonfinite_skipped": float(not finite),
+            "nonfinite_skipped_total": float(self.nonfinite_skipped),
             "seconds": time.perf_counter() - t0,
         }
 
@@ -180,7 +193,7 @@ class TorchBackend:
     def publish(self, store, policy: str, version: int, state: dict[str, torch.Tensor] | None = None):
         """``store.publish(policy, version, weights, meta)`` with ``state`` (a ``snapshot()``)
         or else the current weights, parameters in ``publish_dtype`` (``meta["dtype"]``);
-        returns its ``WeightVersion``."""
+        returns its ``WeightVersion``. ``NonFiniteError`` instead when a weight is nan/inf."""
         meta: dict[str, Any] = {
             "layout": "hf",
             "arch": self.model.config.model_type,
@@ -189,6 +202,7 @@ class TorchBackend:
             "dtype": self.publish_dtype,
         }
         weights = self._for_publish(self.model.state_dict() if state is None else state)
+        refuse_nonfinite(weights, policy, version)
         return store.publish(policy, version, weights, meta=meta)
 
     def save(self, out_dir: str) -> None:

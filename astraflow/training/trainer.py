@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from astraflow.training.backend import TrainerBackend
 from astraflow.training.config import TrainerConfig
+from astraflow.training.numerics import NonFiniteSteps, nonfinite_tensors
 from astraflow.transport import bind, call_sync
 from storage.atomic import write_atomically
 from storage.weights import WeightStore
@@ -129,6 +130,8 @@ class Trainer:
         self.train_s = 0.0
         self.publish_s = 0.0
         self.last_metrics: dict[str, float] = {}
+        #: counts the steps in a row with a nan/inf loss or gradient norm (``max_nonfinite_steps``)
+        self.nonfinite = NonFiniteSteps(policy, cfg.max_nonfinite_steps)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
@@ -184,6 +187,7 @@ class Trainer:
         batch = self._fetch(self.version)
         t1 = time.time()
         metrics = self.backend.train_step(batch)
+        self.nonfinite.observe(metrics, self.version + 1)
         self.version += 1
         every = self.cfg.optimizer_checkpoint_every  # in steps; the version counts them
         if every and self.version % every == 0:
@@ -192,7 +196,8 @@ class Trainer:
 
     def save_optimizer(self) -> bool:
         """Write the backend's optimiser state (with the version its weights are at) to
-        ``optimizer_path``, atomically; False when there is no path or the backend has none.
+        ``optimizer_path``, atomically; False when there is no path, the backend has none or its
+        weights hold nan/inf (a resume must not continue from them).
         Versions published narrower than the fp32 master weights (``publish_dtype: bf16``) are
         rounded, so the master weights are saved with it (``master_weights``). A failure is
         logged, not raised: it must not stop training."""
@@ -200,6 +205,11 @@ class Trainer:
             return False
         import torch
 
+        bad = nonfinite_tensors(self.backend.state_dict())
+        if bad:
+            log.warning("trainer %s: not saving the optimiser state of v%d, weights hold nan/inf (%s)",
+                        self.policy, self.version, ", ".join(bad[:3]))
+            return False
         try:
             record = {"policy": self.policy, "version": self.version, "optimizer": self.backend.optimizer_state()}
             if self.cfg.resolved_publish_dtype != "fp32":
