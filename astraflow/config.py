@@ -118,6 +118,14 @@ class RunConfig(Strict):
             raise ValueError(f"workload ({name}): its environment does not fit the contract "
                              f"(astraflow.agents.env.Environment): {'; '.join(problems)}")
 
+    def _check_can_learn(self) -> None:
+        """Settings under which no step can change the weights, whatever the data."""
+        if self.workload.group_size < 2:
+            raise ValueError(
+                f"workload.group_size: {self.workload.group_size} cannot train: GRPO's advantage is a reward "
+                "minus its group's mean, 0 for a group of one (and the data layer keeps only groups of 2 or "
+                "more, whatever dataflow.group_filter says); set workload.group_size: 2 or more")
+
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
         if not self.policies:
@@ -125,6 +133,7 @@ class RunConfig(Strict):
         names = [p.name for p in self.policies]
         if len(set(names)) != len(names):
             raise ValueError(f"policies: names must be unique, got {names}")
+        self._check_can_learn()
         if self.dataflow.batch_size % self.workload.group_size:
             raise ValueError(
                 f"dataflow.batch_size ({self.dataflow.batch_size}) must be a multiple of "
@@ -232,7 +241,16 @@ def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
         if "=" not in pair:
             raise ConfigError(f"--set {pair!r}: use KEY=VALUE, e.g. --set run.max_steps=20")
         key, raw = pair.split("=", 1)
-        out.append((key.strip(), yaml.safe_load(raw) if raw.strip() else ""))
+        key = key.strip()
+        if not key or "" in key.split("."):
+            raise ConfigError(f"--set {pair!r}: {key!r} is not a dotted key; use KEY=VALUE, e.g. --set run.max_steps=20")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as err:
+            why = str(getattr(err, "problem", None) or err).splitlines()[0]
+            raise ConfigError(f"--set {pair!r}: the value is not valid YAML ({why}); quote it, "
+                              f"e.g. --set '{key}=\"...\"'") from None
+        out.append((key, value))
     return out
 
 
@@ -291,6 +309,31 @@ def check_models(cfg: RunConfig) -> None:
                 raise ConfigError(f"policies[{pol.name}].model: {err}") from None
 
 
+def check_devices(cfg: RunConfig) -> None:
+    """``ConfigError`` when a GPU (``cuda``, ``cuda:N``) is asked for by a component that runs only
+    on this machine (all partitions of its role are ``scheduler: local``) and torch sees no such
+    GPU here. Components on Slurm partitions run elsewhere and are not judged from here."""
+    def local(role: str) -> bool:
+        return all(p.scheduler == "local" for p in cfg.partitions if p.role == role)
+
+    asked = [(f"policies[{p.name}].trainer.device", p.trainer.device, "trainer")
+             for p in cfg.policies if p.trainer.backend == "torch"]
+    asked.append(("rollout.engine.device", cfg.rollout.engine.device, "rollout"))
+    asked = [(field, dev, role) for field, dev, role in asked if dev.startswith("cuda") and local(role)]
+    if not asked:
+        return
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for field, dev, role in asked:
+        index = int(dev.partition(":")[2] or 0)
+        if index >= have:
+            seen = f"torch sees {have} GPU(s) here" if have else "torch sees no GPU here"
+            raise ConfigError(f"{field}: {dev!r} asked for, but {seen} and the {role} runs on this machine "
+                              f"(its partitions are scheduler: local); set {field}: auto or cpu, or place "
+                              f"the {role} on a GPU partition (scheduler: slurm)")
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config, apply ``--set`` overrides, validate.
 
@@ -301,7 +344,12 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     if not path.is_file():
         raise ConfigError(f"config file {path} not found: pass the path of a YAML config, e.g. examples/math/config.yaml")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
+                          "save the config as UTF-8") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path} cannot be read: {err.strerror or err}; check its permissions") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
