@@ -2,10 +2,13 @@
 rendering, and bad rows reported with their location instead of a crash."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from astraflow.workloads.base import make_workload
+
+ROOT = Path(__file__).resolve().parents[2]
 
 ROWS = [{"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}", "level": i % 3}
         for i in range(40)]
@@ -147,3 +150,29 @@ def test_bad_params_fail_at_construction():
         dataset(path="x.jsonl", prompt_template="{{ unclosed")
     with pytest.raises(ValueError, match="preset"):
         dataset(path="x.jsonl", preset="squad")
+
+
+def test_relative_data_paths_resolve_against_the_start_directory(tmp_path):
+    """Workers start elsewhere: the resolved config holds absolute data paths, also in a mix."""
+    import yaml
+
+    from astraflow.config import config_from_dict
+
+    (tmp_path / "data").mkdir()
+    write_jsonl(tmp_path / "data" / "train.jsonl", ROWS)
+    data = yaml.safe_load((ROOT / "examples" / "wordproblems" / "config.yaml").read_text())
+    data["policies"][0]["model"] = "models/none"
+    data["workload"]["params"].update(path="data/train.jsonl", test_path=None, test_fraction=0.2)
+    cfg = config_from_dict(data, base_dir=tmp_path)
+    assert cfg.workload.params["path"] == str(tmp_path / "data" / "train.jsonl")
+    assert cfg.policies[0].model == tmp_path / "models" / "none"
+    data = yaml.safe_load((ROOT / "examples" / "wordproblems" / "config.yaml").read_text())
+    data["policies"][0]["model"] = "models/none"
+    data["policies"][0].pop("init")
+    data["workload"] = {"name": "mix", "params": {"sources": {
+        "words": {"workload": "dataset", "weight": 1, "params": {"path": "data/*.jsonl", "preset": "gsm8k"}},
+        "sums": {"workload": "math", "weight": 1}}}}
+    with pytest.raises(ValueError, match="models/none does not exist"):  # validation ran on resolved paths
+        config_from_dict(data, base_dir=tmp_path)
+    resolved = data["workload"]["params"]["sources"]["words"]["params"]["path"]
+    assert resolved == str(tmp_path / "data" / "*.jsonl")
