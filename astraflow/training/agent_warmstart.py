@@ -59,8 +59,6 @@ def agent_warm_start(
     Stops at the first of ``steps``, ``seconds`` and held-out greedy success >= ``target_acc``
     (measured every ``eval_every`` steps on ``eval_size`` eval tasks). Returns ``{"steps",
     "seconds", "loss", "acc", "history", "demos"}`` like ``warmstart.warm_start``."""
-    if steps is None and seconds is None and target_acc is None:
-        raise ValueError("agent_warm_start needs a stopping rule: steps=, seconds= or target_acc=")
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model, tok = load_model(model_dir)

@@ -23,8 +23,7 @@ from astraflow.training.warmstart import supervised_loop
 
 def encode_examples(tok: Any, workload: Any, payloads: list[dict[str, Any]]) -> list[tuple[list[int], list[int]]]:
     """``(prompt ids, target ids)`` per payload; the target ends with the end-of-turn token."""
-    end = end_of_turn_ids(tok)
-    stop = end[-1:] if len(end) > 1 else end  # the template's end-of-turn token when it has one
+    stop = end_of_turn_ids(tok)[-1:]  # the template's end-of-turn token when it has one, else eos
     return [(prompt_ids(tok, workload, p), list(tok.encode(workload.demonstration(p), add_special_tokens=False)) + stop)
             for p in payloads]
 
@@ -50,6 +49,7 @@ def greedy_texts(model: Any, tok: Any, prompts: list[list[int]], max_new_tokens:
     was_training = model.training
     model.eval()
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    stops = end_of_turn_ids(tok)
     out: list[str] = []
     for s in range(0, len(prompts), batch_size):
         chunk = prompts[s : s + batch_size]
@@ -57,7 +57,7 @@ def greedy_texts(model: Any, tok: Any, prompts: list[list[int]], max_new_tokens:
         ids = torch.tensor([[pad] * (T - len(p)) + p for p in chunk])
         att = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in chunk])
         gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=end_of_turn_ids(tok), pad_token_id=pad)
+                             eos_token_id=stops, pad_token_id=pad)
         out.extend(tok.batch_decode(gen[:, T:], skip_special_tokens=True))
     model.train(was_training)
     return out
@@ -95,8 +95,6 @@ def demo_warm_start(
     (every ``eval_every`` steps, on ``eval_size`` held-out tasks, completions of up to
     ``max_new_tokens``). Returns ``{"steps", "seconds", "loss", "acc", "history"}`` like
     ``warmstart.warm_start``."""
-    if steps is None and seconds is None and target_acc is None:
-        raise ValueError("demo_warm_start needs a stopping rule: steps=, seconds= or target_acc=")
     if not hasattr(workload, "demonstration"):
         raise ValueError(f"{type(workload).__name__} gives no demonstrations (a demonstration(payload) method); "
                          "it cannot be warm-started: remove init.warm_start_* or start from a trained model")

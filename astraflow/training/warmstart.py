@@ -150,8 +150,6 @@ def warm_start(
     (0: only at the end) on ``eval_size`` test problems. Returns ``{"steps", "seconds", "loss", "acc", "history"}`` where ``acc`` is the
     last measured held-out accuracy (measured once more at the end) and ``history`` the evals.
     """
-    if steps is None and seconds is None and target_acc is None:
-        raise ValueError("warm_start needs a stopping rule: steps=, seconds= or target_acc=")
     if batch_size < 1 or lr <= 0:
         raise ValueError(f"warm_start: batch_size must be >= 1 and lr > 0 (got {batch_size}, {lr})")
     if task not in TASKS:
@@ -182,6 +180,8 @@ def supervised_loop(model: Any, tok: Any, out_dir: str | Path,
     ``seconds`` or ``evaluate() >= target_acc`` (measured every ``eval_every`` steps and once at
     the end); the model and tokenizer are saved to ``out_dir``. Returns ``{"steps", "seconds",
     "loss", "acc", "history"}``."""
+    if steps is None and seconds is None and target_acc is None:
+        raise ValueError(f"warm start ({label}) needs a stopping rule: steps=, seconds= or target_acc=")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(warmup_steps, 1)))

@@ -12,6 +12,7 @@ and reported with its row, not a task that silently scores 0.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -126,7 +127,7 @@ def numeric_match(completion: str, answer: str, payload: Mapping[str, Any]) -> f
 
 
 def _math_verify_problem(answer: str) -> str | None:
-    return None if _mv_parse(answer) else f"math-verify cannot parse answer {answer[:40]!r}"
+    return None if _gold(answer) else f"math-verify cannot parse answer {answer[:40]!r}"
 
 
 def _mv_parse(text: str) -> list:
@@ -155,18 +156,13 @@ def math_verify_match(completion: str, answer: str, payload: Mapping[str, Any]) 
     if not pred:
         return 0.0
     main = threading.current_thread() is threading.main_thread()
-    return 1.0 if verify(_mv_parse(answer), pred, timeout_seconds=5 if main else None) else 0.0
+    return 1.0 if verify(_gold(answer), pred, timeout_seconds=5 if main else None) else 0.0
 
 
-@REWARDS.register("regex")
-@_checker(lambda answer: _regex_problem(answer))
-def regex_match(completion: str, answer: str, payload: Mapping[str, Any]) -> float:
-    """1.0 when the reference answer, read as a regular expression, matches the completion
-    (``re.search``), else 0.0: references such as ``"(?i)paris"`` or ``"^4[02]$"``."""
-    try:
-        return 1.0 if re.search(answer, completion.strip()) else 0.0
-    except re.error:
-        return 0.0
+@functools.lru_cache(maxsize=4096)
+def _gold(answer: str) -> list:
+    """A reference answer parsed once: every completion of its group is compared with it."""
+    return _mv_parse(answer)
 
 
 def _regex_problem(answer: str) -> str | None:
@@ -175,3 +171,14 @@ def _regex_problem(answer: str) -> str | None:
     except re.error as err:
         return f"answer {answer[:40]!r} is not a regular expression ({err})"
     return None
+
+
+@REWARDS.register("regex")
+@_checker(_regex_problem)
+def regex_match(completion: str, answer: str, payload: Mapping[str, Any]) -> float:
+    """1.0 when the reference answer, read as a regular expression, matches the completion
+    (``re.search``), else 0.0: references such as ``"(?i)paris"`` or ``"^4[02]$"``."""
+    try:
+        return 1.0 if re.search(answer, completion.strip()) else 0.0
+    except re.error:
+        return 0.0
