@@ -59,6 +59,20 @@ def demonstrations(workload: Any, renderer: ChatRenderer, tasks: list[Mapping[st
     return [log for log in asyncio.run(all_of()) if log.success > 0]
 
 
+def demonstration_texts(workload: Any, tasks: list[Mapping[str, Any]], tokenizer: Any,
+                        max_new_tokens: int = 1024) -> list[str]:
+    """The text of each successful expert episode of ``tasks`` (special and tool-call tokens
+    left out): the corpus a tokenizer for this workload is trained on, so that observations,
+    tool results and the expert's turns all merge into few tokens."""
+    renderer = ChatRenderer(tokenizer)
+    logs = demonstrations(workload, renderer, tasks, workload.limits(max_new_tokens))
+    tags = [t for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if not t.special]
+    texts = [tokenizer.decode(log.tokens, skip_special_tokens=True) for log in logs]
+    for tag in tags:
+        texts = [t.replace(tag.content, " ") for t in texts]
+    return texts
+
+
 class _Lockstep:
     """A ``generate`` shared by concurrent episodes: requests wait until every live episode has
     one, then are decoded greedily in one left-padded batch."""

@@ -90,12 +90,18 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
 
 def bpe_for(workload: WorkloadConfig | None, vocab_size: int):
     """A BPE tokenizer trained on ``workload``'s train split: each prompt as plain text and its
-    demonstration (reference solution) where the workload has one."""
+    demonstration (reference solution) where the workload has one; for an agentic workload, its
+    expert's episodes (observations, tool results and turns)."""
     from astraflow.models import build_bpe_tokenizer
 
     if workload is None:
         raise ValueError("init.tokenizer: bpe trains on the workload's train split; the config has no workload")
     wl = make_workload(workload.name, dict(workload.params or {}), workload.seed)
+    if is_agentic(type(wl)):
+        from astraflow.agents.demos import demonstration_texts
+        from astraflow.models import build_tokenizer
+
+        return build_bpe_tokenizer(demonstration_texts(wl, wl.tasks("train"), build_tokenizer()), vocab_size)
     demo = getattr(wl, "demonstration", None)
     texts = (wl.render_prompt(p) + (demo(p) if demo is not None else "") for p in wl.tasks("train"))
     return build_bpe_tokenizer(texts, vocab_size)

@@ -56,3 +56,22 @@ def test_agent_workflow_on_the_engine_stores_what_was_generated(tiny_model):
     assert np.array_equal(span, seq.loss_mask)
     assert np.all(seq.versions[seq.loss_mask] == 0) and np.all(seq.policy_ids[~seq.loss_mask] == -1)
     assert seq.reward == traj.score in (0.0, 1.0) and TABLE["k31"]
+
+
+def test_a_bpe_tokenizer_for_an_agentic_workload_learns_its_episodes():
+    """``tokenizer: bpe`` on an agentic workload trains on its expert's episodes: the same
+    demonstrations take far fewer tokens and still decode to the same text."""
+    from astraflow.models import build_tokenizer
+    from astraflow.runtime.launch import bpe_for
+    from astraflow.workloads.base import make_workload
+    from astraflow.workloads.config import WorkloadConfig
+
+    cfg = WorkloadConfig(name="textworld", workflow="agent", params={"num_train": 200, "num_test": 20})
+    bpe, byte = bpe_for(cfg, 400), build_tokenizer()
+    wl = make_workload("textworld", dict(cfg.params), cfg.seed)
+    tasks = wl.tasks("train")[:20]
+    logs = {name: demonstrations(wl, ChatRenderer(tok), tasks, wl.limits(64))
+            for name, tok in (("bpe", bpe), ("byte", byte))}
+    assert len(logs["bpe"]) == len(logs["byte"]) == 20
+    assert sum(len(x.tokens) for x in logs["bpe"]) < 0.5 * sum(len(x.tokens) for x in logs["byte"])
+    assert [bpe.decode(x.tokens) for x in logs["bpe"]] == [byte.decode(x.tokens) for x in logs["byte"]]
