@@ -118,6 +118,22 @@ def test_a_node_whose_engine_keeps_dying_is_replaced(tiny_model, tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_a_node_whose_loop_hangs_is_replaced(tiny_model, tmp_path):
+    """A node whose loop stops calling the data layer (here: an episode that blocks it) for
+    ``dataflow.lease_seconds`` is replaced like a lost worker, though its Dask worker is alive:
+    its job is cancelled, its leases requeued, its partition refilled; the run finishes."""
+    cfg = tiny_config(tiny_model, **{"run.max_steps": 4, "workload.eval.every": 0, "dataflow.lease_seconds": 5,
+                                     "workload.workflow": "tests.integration.stuck_workflow:stuck_first_node_test"})
+    run_dir = tmp_path / "run"
+    result = Orchestrator(cfg, run_dir).run()
+    assert result.steps == {"solver": 4} and result.ledger["open"] == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stuck = next(w for n, w in summary["workers"].items() if n.startswith("rollout") and n.endswith("-0"))
+    assert stuck["gone"] and "has not called the data layer" in stuck["note"], stuck
+    assert any(n.startswith("rollout-rollout") and n.endswith("-2") for n in summary["workers"])
+
+
+@pytest.mark.timeout(300)
 def test_resume_continues_from_committed_weights_and_dataflow_state(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     cfg = tiny_config(tiny_model, **{"run.max_steps": 2, "workload.eval.every": 0,
