@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 
-from astraflow.dataflow.ledger import TERMINAL
 from astraflow.runtime.orchestrator import Orchestrator
 from storage.trajectories import open_trajectory_store
 from storage.weights import WeightStore
