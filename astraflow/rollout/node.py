@@ -16,12 +16,10 @@ event loop, where three coroutines overlap:
 A heartbeat renews the leases of the tasks the node still works on and carries its stats. A
 node that vanishes loses nothing: its leases expire and the data layer requeues them.
 
-Failure containment: any exception of an episode (workflow, reward, environment, tool, of any
-type) fails that task only; it is requeued up to ``dataflow.max_attempts``. A reward runs off the
-loop under ``rollout.reward_timeout_s``. A task the node lost track of is left out of the
-heartbeat, so its lease expires rather than being renewed for ever. If the loop itself dies
-(the writer, the weight watcher or a data-layer call failed), the node sends one last heartbeat
-with the error and stops; the orchestrator replaces it (also when it went silent).
+Failure containment: an exception of any type in an episode fails that task only (requeued up
+to ``dataflow.max_attempts``); rewards run off the loop under ``rollout.reward_timeout_s``. A
+loop that dies (writer, weight watcher, a data-layer call) sends a last heartbeat with its
+error, and the orchestrator replaces the node (also one that went silent).
 """
 
 from __future__ import annotations
@@ -196,8 +194,7 @@ class RaaSNode:
             self._loop.close()
 
     def _last_word(self) -> None:
-        """A dead loop's last heartbeat: its error (the orchestrator replaces the node) and no task
-        held (nothing is renewed; the leases are requeued when the node is replaced or expire)."""
+        """A dead loop's last heartbeat: its error (the orchestrator replaces the node), no lease renewed."""
         try:
             call_sync(self.dl.heartbeat, self.identity.name, self._beat_stats(holding=()), timeout=10)
         except Exception as err:  # the data layer may be what failed; silence is noticed too
@@ -306,9 +303,7 @@ class RaaSNode:
             self._finished_event.set()
         except GeneratorExit:  # the coroutine is closed with the node's loop: nothing left to report to
             raise
-        except BaseException as err:  # any error of a workflow, reward, environment or tool, of any type,
-            # fails this task only (a ``BaseException`` would otherwise end the asyncio task silently,
-            # or the node's loop, with the lease still held)
+        except BaseException as err:  # of any type, or the asyncio task (or the loop) ends with the lease held
             self.counters["failed"] += 1
             log.warning("episode %s failed: %s: %s", task.task_id, type(err).__name__, err)
             if isinstance(err, EngineProcessError) and (self._recovery is None or self._recovery.done()):
