@@ -255,9 +255,12 @@ class Orchestrator:
         ledger: dict[str, Any] = {}
         state: dict[str, Any] = {}
         if self.dl is not None:
+            # with the data layer lost, nothing a node flushes could be completed: nodes are not waited for
+            dl_lost = any(w.gone for w in self.fleet.of_role("data"))
             stops = {w.name: (w.future if w.draining else waits.start(f"node {w.name}",
                                                                       lambda w=w: w.actor.stop(timeout=node_s)))
-                     for w in self.fleet.of_role("rollout") if w.phase in NODE_PHASES and w.actor is not None}
+                     for w in self.fleet.of_role("rollout")
+                     if w.phase in NODE_PHASES and w.actor is not None and not dl_lost}
             for n, f in stops.items():  # a node that did not answer: its leases end as run_ended
                 nodes[n] = waits.result(f"node {n}", f, node_s + 10) or {"node": n, "error": waits.errors.get(f"node {n}")}
             stops = {p: waits.start(f"trainer {p}", lambda t=t: t.stop(timeout=trainer_s)) for p, t in self.trainers.items()}
