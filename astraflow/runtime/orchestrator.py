@@ -287,7 +287,8 @@ class Orchestrator:
             steps.append(("closing the Dask client", self.placement.client.close))
         for sched in self.parts.schedulers.values():
             alive = [w.job.job_id for w in self.workers.values() if w.job.kind == sched.kind and not w.gone]
-            steps.append((f"cancelling the {sched.kind} jobs {alive}", lambda s=sched, a=alive: (s.cancel(a), s.close())))
+            steps += [(f"cancelling the {sched.kind} jobs {alive}", lambda s=sched, a=alive: s.cancel(a)),
+                      (f"closing the {sched.kind} scheduler", sched.close)]
         if self.placement.scheduler_proc is not None:
             steps.append(("stopping the Dask scheduler", self.placement.scheduler_proc.stop))
         for what, step in steps:
