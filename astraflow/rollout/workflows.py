@@ -67,8 +67,11 @@ def workflow_class(name: str) -> type[Workflow]:
 
 def make_workflow(name: str, workload: Workload, sampling: SamplingParams, node: str,
                   reward_timeout_s: float = REWARD_TIMEOUT_S) -> Workflow:
-    """Workflow ``name``, built with these keywords (a ``WorkflowBase`` subclass takes them all)."""
-    return workflow_class(name)(workload=workload, sampling=sampling, node=node, reward_timeout_s=reward_timeout_s)
+    """Workflow ``name``, built with these keywords (``reward_timeout_s`` only for a
+    ``WorkflowBase`` subclass: a workflow class of its own takes the first three)."""
+    cls = workflow_class(name)
+    extra = {"reward_timeout_s": reward_timeout_s} if isinstance(cls, type) and issubclass(cls, WorkflowBase) else {}
+    return cls(workload=workload, sampling=sampling, node=node, **extra)
 
 
 def sampling_for(task: RolloutTask, default: SamplingParams) -> SamplingParams:
