@@ -103,7 +103,9 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
 
     Prints the Dask dashboard address, progress while it trains, and writes config.yaml,
     metrics.jsonl, summary.json, the trajectory store, the weight store and logs into the run
-    directory. Ctrl-C stops cleanly without losing what was written.
+    directory. Ctrl-C (or SIGTERM, scancel) stops cleanly without losing what was written and
+    exits with 130; a run that fails exits with 1 and its reason in one line. Either way
+    summary.json records how the run ended (status, reason) and the worker jobs are cancelled.
     """
     cfg = _load(config, overrides)
     from astraflow.runtime.launch import launch
@@ -117,6 +119,8 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     except (RunFailed, NonFiniteError) as err:  # the run started and failed: exit 1, its reason
         raise click.ClickException(f"the run failed: {err}") from None
     if result.interrupted:
+        click.echo(f"the run was {result.ending.reason}; summary in {RunPaths(result.run_dir).summary}; "
+                   "run again on this directory to resume it", err=True)
         sys.exit(130)
 
 

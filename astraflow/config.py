@@ -44,6 +44,11 @@ class ClusterConfig(Strict):
     drain_timeout_s: float = Field(default=120.0, gt=0)
     """Deadline for a removed RaaS node to finish and write its in-flight episodes before its
     job is cancelled anyway (what it still holds is requeued)."""
+    stop_grace_s: float = Field(default=15.0, gt=0)
+    """Longest the stop of a failed or interrupted run waits for its components (RaaS nodes
+    flush, trainers stop, the data layer closes the ledger) before it cancels the worker jobs.
+    Keep it well under Slurm's ``KillWait`` (30 s by default): after ``scancel`` the head job has
+    that long before it is killed, and it still has to cancel its jobs and write the summary."""
     scheduler_host: str = "127.0.0.1"
     """Address the Dask scheduler listens on. The loopback default keeps a one-host run on this
     machine; on a cluster use the head node's address or set `scheduler_interface`."""

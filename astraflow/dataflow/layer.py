@@ -255,11 +255,14 @@ class DataLayer:
             self.leases.give_back(task_id, f"failed:{reason}")
 
     async def heartbeat(self, node: str, stats: dict[str, Any]) -> dict[str, Any]:
-        """Renew the node's leases and record its stats; tells the node whether to drain."""
+        """Renew the node's leases and record its stats; tells the node whether to drain.
+        ``stats["holding"]``: the ids of the tasks the node still works on (only their leases
+        are renewed; absent: all of the node's)."""
+        holding = stats.pop("holding", None)
         info = self.leases.node(node)
         info.update(stats)
         info["last_seen"] = time.time()
-        self.leases.renew(node)
+        self.leases.renew(node, None if holding is None else set(holding))
         self.leases.expire()
         return {"draining": info["draining"], "finished": self.finished}
 
@@ -417,7 +420,9 @@ class DataLayer:
             "sequences_generated": self.generated.sequences,
             "tokens_generated": self.generated.tokens,
             **self.generated.rates(elapsed),
-            "nodes": {n: {**i, "leases_held": held.get(n, 0)} for n, i in self.leases.nodes.items()},
+            # silent_s: since the node's last call (the orchestrator replaces a node whose loop went silent)
+            "nodes": {n: {**i, "leases_held": held.get(n, 0), "silent_s": time.time() - i.get("last_seen", time.time())}
+                      for n, i in self.leases.nodes.items()},
             "eval": list(self.evals.results),
             "ledger": self.ledger.summary(),
             "rules_state": {"curator": self.curator.state_dict(), "group_filter": self.group_filter.state_dict()},

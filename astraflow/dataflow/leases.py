@@ -6,7 +6,8 @@ node with a deadline, completed, or handed back. Every transition is recorded in
 failed goes to the ``on_failed`` callback, which settles its group or evaluation round.
 
 Named asynchronous overlap, *lease expiry*: a task leased by a node that neither completes it
-nor renews it (``renew``, on the node's heartbeat) within ``lease_seconds`` returns to the
+nor renews it (``renew``, on the node's heartbeat, for the tasks the node says it holds) within
+``lease_seconds`` returns to the
 front of its queue with ``attempt + 1``, or ends as failed after ``max_attempts``. A late
 completion of an earlier attempt is still accepted if the task has not ended (the first
 completion wins); later ones are counted as duplicates. Every task ends exactly once.
@@ -92,11 +93,14 @@ class Leases:
             if deadline < now:
                 self.give_back(tid, "lease_expired")
 
-    def renew(self, node: str) -> None:
-        """Extend every lease of ``node`` by ``lease_seconds`` from now."""
+    def renew(self, node: str, holding: Container[str] | None = None) -> None:
+        """Extend the leases of ``node`` by ``lease_seconds`` from now: those in ``holding`` (the
+        tasks the node says it still works on), or all of them when it does not say. A lease the
+        node no longer knows of (its episode ended without a completion or a failure reaching
+        here) is not renewed, so it expires instead of being held for ever."""
         deadline = time.time() + self.lease_seconds
         for tid, (n, _) in list(self.held.items()):
-            if n == node:
+            if n == node and (holding is None or tid in holding):
                 self.held[tid] = (n, deadline)
 
     def give_back(self, tid: str, why: str) -> None:

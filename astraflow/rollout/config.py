@@ -62,6 +62,11 @@ class RolloutConfig(Strict):
     behind gets no new work until it loads newer ones, so poll well within a trainer step."""
     full_resync_every: int = Field(default=10, ge=1)
     """Load full shards instead of a delta every N versions."""
+    reward_timeout_s: float = Field(default=30.0, gt=0)
+    """Deadline of one reward call. Rewards run off the node's event loop, so a slow one stalls
+    neither heartbeats nor other episodes; one past its deadline fails its episode (retried up to
+    ``dataflow.max_attempts``). A reward that may never return belongs in the sandbox: a thread
+    cannot be killed, so it keeps its pool thread."""
     engine_restarts: int = Field(default=3, ge=0)
     """How many times a node restarts an engine process that died (its in-flight episodes
     fail and are requeued; the new process loads the newest committed weights before the node

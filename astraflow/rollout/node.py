@@ -13,8 +13,13 @@ event loop, where three coroutines overlap:
   engine, also while episodes are in flight (partial rollout: tokens after the swap carry the
   new version).
 
-A heartbeat renews the node's leases and carries its stats. A node that vanishes loses
-nothing: its leases expire and the data layer requeues them.
+A heartbeat renews the leases of the tasks the node still works on and carries its stats. A
+node that vanishes loses nothing: its leases expire and the data layer requeues them.
+
+Failure containment: an exception of any type in an episode fails that task only (requeued up
+to ``dataflow.max_attempts``); rewards run off the loop under ``rollout.reward_timeout_s``. A
+loop that dies (writer, weight watcher, a data-layer call) sends a last heartbeat with its
+error, and the orchestrator replaces the node (also one that went silent).
 """
 
 from __future__ import annotations
@@ -29,12 +34,12 @@ from typing import Any
 from astraflow.rollout.config import RolloutConfig
 
 from astraflow.workloads.config import SamplingConfig
-from astraflow.contracts import Provenance, RolloutTask, Trajectory, TrajectoryRef
+from astraflow.contracts import RolloutTask, Trajectory, TrajectoryRef
 from astraflow.rollout.engine import InferenceEngine, SamplingParams
 from astraflow.rollout.engines import make_engine
 from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.rollout.weight_sync import WeightPuller
-from astraflow.transport import bind, call
+from astraflow.transport import bind, call, call_sync
 from astraflow.rollout.workflows import make_workflow
 from astraflow.workloads.base import make_workload
 from storage.trajectories import open_trajectory_store
@@ -102,6 +107,8 @@ class RaaSNode:
         self.error: str | None = None
         self.draining = False
         self.stopped = False
+        #: when a stopping node gives up waiting for its in-flight episodes (set by ``stop``)
+        self._give_up_at: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -115,7 +122,8 @@ class RaaSNode:
         self.store = open_trajectory_store(self.store_url, "a")
         self.writer = self.store.writer(self.identity.name, batch_size=self.cfg.write_batch)
         workload = make_workload(*self._workload_args)
-        self.workflow = make_workflow(self._workflow_name, workload, self._sampling, self.identity.name)
+        self.workflow = make_workflow(self._workflow_name, workload, self._sampling, self.identity.name,
+                                      reward_timeout_s=self.cfg.reward_timeout_s)
         for policy, path in self.models.items():
             self.engines[policy] = make_engine(self.cfg.engine, path, seed=self.seed)
         self.puller = WeightPuller(self.weights_root, self.engines, full_resync_every=self.cfg.full_resync_every,
@@ -138,8 +146,10 @@ class RaaSNode:
         self.draining = True
 
     def stop(self, timeout: float = 30.0) -> dict[str, Any]:
-        """Drain, flush everything written, stop the loop (within ``timeout``)."""
+        """Drain, flush everything written, stop the loop (within ``timeout``: episodes still
+        running a few seconds before it are abandoned, so that what finished is written)."""
         self.draining = True
+        self._give_up_at = time.time() + max(timeout - min(5.0, timeout / 2), 0.0)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -175,23 +185,35 @@ class RaaSNode:
         self._loop = asyncio.new_event_loop()
         try:
             self._loop.run_until_complete(self._main())
-        except Exception as err:  # the loop's failure is reported through state(), then re-raised
-            self.error = f"{type(err).__name__}: {err}"
+        except BaseException as err:  # whatever stopped the loop is reported, then re-raised
+            self.error, self.draining = f"{type(err).__name__}: {err}", True
             log.exception("RaaS node %s failed", self.identity.name)
+            self._last_word()
             raise
         finally:
             self._loop.close()
+
+    def _last_word(self) -> None:
+        """A dead loop's last heartbeat: its error (the orchestrator replaces the node), no lease renewed."""
+        try:
+            call_sync(self.dl.heartbeat, self.identity.name, self._beat_stats(holding=()), timeout=10)
+        except Exception as err:  # the data layer may be what failed; silence is noticed too
+            log.warning("node %s: the heartbeat with its error was not delivered: %s", self.identity.name, err)
 
     async def _main(self) -> None:
         self._slot_free = asyncio.Event()
         self._finished: list[Trajectory] = []  # generated, waiting for the writer
         self._finished_event = asyncio.Event()
         self._closing = False
-        writer = asyncio.create_task(self._writer())
-        watcher = asyncio.create_task(self._watch_weights())
+        writer = asyncio.create_task(self._writer(), name="the trajectory writer")
+        watcher = asyncio.create_task(self._watch_weights(), name="the weight watcher")
         episodes: set[asyncio.Task] = set()
         last_beat = 0.0
         while not self._stop.is_set():
+            for helper in (writer, watcher):
+                if helper.done():  # it died: without it, finished episodes would hold their leases for ever
+                    helper.result()
+                    raise RuntimeError(f"{helper.get_name()} of node {self.identity.name} ended")
             self._slot_free.clear()  # a slot freed from here on (even during the lease call) ends the wait below
             now = time.time()
             if now - last_beat > 1.0:
@@ -229,7 +251,7 @@ class RaaSNode:
                 break
         # drain: finish in-flight episodes, then flush
         if episodes:
-            await asyncio.wait(episodes, timeout=60)
+            await asyncio.wait(episodes, timeout=60 if self._give_up_at is None else max(self._give_up_at - time.time(), 0))
         self._closing = True
         self._finished_event.set()
         await writer
@@ -239,8 +261,11 @@ class RaaSNode:
         except Exception as err:  # the data layer may be gone already at the end of a run
             log.info("node %s: last heartbeat not delivered: %s", self.identity.name, err)
 
-    def _beat_stats(self) -> dict[str, Any]:
+    def _beat_stats(self, holding: Any = None) -> dict[str, Any]:
+        """What a heartbeat carries; ``holding``: the tasks whose leases to renew (default: those
+        being generated or written)."""
         return {
+            "holding": list(self.inflight.keys() | self.writing if holding is None else holding),
             "versions": self.versions(),
             "inflight": len(self.inflight),
             "episodes": self.counters["episodes"],
@@ -276,15 +301,28 @@ class RaaSNode:
             self.writing.add(task.task_id)
             self._finished.append(traj)
             self._finished_event.set()
-        except Exception as err:  # a workflow's, environment's or tool's error fails this episode only
+        except GeneratorExit:  # the coroutine is closed with the node's loop: nothing left to report to
+            raise
+        except BaseException as err:  # of any type, or the asyncio task (or the loop) ends with the lease held
             self.counters["failed"] += 1
-            log.warning("episode %s failed: %s", task.task_id, err)
+            log.warning("episode %s failed: %s: %s", task.task_id, type(err).__name__, err)
             if isinstance(err, EngineProcessError) and (self._recovery is None or self._recovery.done()):
                 self._recovery = asyncio.get_running_loop().create_task(self._recover(err))
-            await call(self.dl.fail, task.task_id, f"{type(err).__name__}: {err}", timeout=30)
+            await self._fail(task, f"{type(err).__name__}: {err}")
+            if isinstance(err, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise  # the episode itself was cancelled: the cancellation goes on
         finally:
             self.inflight.pop(task.task_id, None)
             self._slot_free.set()
+
+    async def _fail(self, task: RolloutTask, reason: str) -> None:
+        """Tell the data layer ``task`` failed (it is requeued up to its attempt limit). When the
+        call does not get through, the task is no longer reported as held, so its lease expires."""
+        try:
+            await call(self.dl.fail, task.task_id, reason, timeout=30)
+        except Exception as err:  # an actor call fails with whatever the transport or the actor raised
+            log.warning("node %s: reporting the failure of %s failed (%s); its lease will expire",
+                        self.identity.name, task.task_id, err)
 
     async def _recover(self, err: EngineProcessError) -> None:
         """An engine process died. Restart it (``rollout.engine_restarts`` times per node) and

@@ -5,12 +5,17 @@ A *workflow* drives one or more policies' engines over a task (``single_turn``,
 registered by name and chosen in the config (``workload.workflow``), and a user's workflow is
 ``package.module:name``. A RaaS node calls ``run_episode(engines, task)`` and knows nothing else
 about it.
+
+A workflow scores with ``await self.score(text, payload)``: the workload's reward runs in a
+thread pool under a deadline, off the node's event loop (a reward that hangs fails its episode
+instead of freezing the node, heartbeats included).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import ClassVar, Mapping, Protocol
 
@@ -40,6 +45,17 @@ class Workflow(Protocol):
 
 WORKFLOWS: Registry = Registry("workflow")
 
+#: deadline of one reward call when none is given (``rollout.reward_timeout_s`` sets it)
+REWARD_TIMEOUT_S = 30.0
+
+#: shared by the reward calls of every workflow of the process; a reward past its deadline keeps
+#: its thread until it returns (a thread cannot be killed), so the pool has room to spare
+_REWARD_POOL = ThreadPoolExecutor(max_workers=32, thread_name_prefix="astraflow-reward")
+
+
+class RewardTimeout(TimeoutError):
+    """A reward call ran past its deadline (the episode fails and its task is retried)."""
+
 
 def workflow_class(name: str) -> type[Workflow]:
     """The workflow class registered as ``name``. ``"package.module:name"`` imports a user
@@ -49,8 +65,13 @@ def workflow_class(name: str) -> type[Workflow]:
     return WORKFLOWS.resolve(name)
 
 
-def make_workflow(name: str, workload: Workload, sampling: SamplingParams, node: str) -> Workflow:
-    return workflow_class(name)(workload=workload, sampling=sampling, node=node)
+def make_workflow(name: str, workload: Workload, sampling: SamplingParams, node: str,
+                  reward_timeout_s: float = REWARD_TIMEOUT_S) -> Workflow:
+    """Workflow ``name``, built with these keywords (``reward_timeout_s`` only for a
+    ``WorkflowBase`` subclass: a workflow class of its own takes the first three)."""
+    cls = workflow_class(name)
+    extra = {"reward_timeout_s": reward_timeout_s} if isinstance(cls, type) and issubclass(cls, WorkflowBase) else {}
+    return cls(workload=workload, sampling=sampling, node=node, **extra)
 
 
 def sampling_for(task: RolloutTask, default: SamplingParams) -> SamplingParams:
@@ -79,16 +100,28 @@ def turn_sequence(prompt: list[int], gen: Generation, policy_index: int, reward:
 
 class WorkflowBase:
     """The base of a workflow: built with the run's workload, the node's sampling defaults and
-    the node's name; ``trajectory`` wraps an episode's sequences with the task's identity and
-    the node's provenance."""
+    the node's name; ``score`` runs the workload's reward under ``reward_timeout_s``;
+    ``trajectory`` wraps an episode's sequences with the task's identity and the node's provenance."""
 
     #: how many policies the workflow drives (``RolloutTask.policies`` order).
     num_policies = 1
 
-    def __init__(self, workload: Workload, sampling: SamplingParams, node: str):
+    def __init__(self, workload: Workload, sampling: SamplingParams, node: str,
+                 reward_timeout_s: float = REWARD_TIMEOUT_S):
         self.workload = workload
         self.sampling = sampling
         self.node = node
+        self.reward_timeout_s = reward_timeout_s
+
+    async def score(self, completion: str, payload: Mapping) -> float:
+        """``workload.reward(completion, payload)`` in the reward pool, off the event loop;
+        ``RewardTimeout`` past ``reward_timeout_s``; the reward's own error propagates."""
+        fut = asyncio.get_running_loop().run_in_executor(_REWARD_POOL, self.workload.reward, completion, payload)
+        try:
+            return await asyncio.wait_for(fut, self.reward_timeout_s)
+        except TimeoutError:
+            raise RewardTimeout(f"{type(self.workload).__name__}.reward ran past its {self.reward_timeout_s:g} s "
+                                "deadline (rollout.reward_timeout_s)") from None
 
     def trajectory(self, task: RolloutTask, seqs: list[Sequence], t0: float, engine_s: float) -> Trajectory:
         """The episode of ``task`` made of ``seqs``, started at ``t0``, ``engine_s`` seconds in engines."""
@@ -115,7 +148,7 @@ class SingleTurn(WorkflowBase):
         prompt = prompt_ids(engine.tokenizer, self.workload, task.prompt)
         gen = await engine.generate(prompt, sampling_for(task, self.sampling))
         text = engine.tokenizer.decode(gen.tokens, skip_special_tokens=True)
-        reward = self.workload.reward(text, task.prompt)
+        reward = await self.score(text, task.prompt)
         return self.trajectory(task, [turn_sequence(prompt, gen, 0, reward)], t0, gen.engine_seconds)
 
 
@@ -140,7 +173,7 @@ class SolverVerifier(WorkflowBase):
         p1 = solver.tokenizer.encode(q)
         g1 = await solver.generate(p1, params)
         a1 = _gen_text(solver, g1)
-        ok1 = self.workload.reward(a1, task.prompt)
+        ok1 = await self.score(a1, task.prompt)
         pv = verifier.tokenizer.encode(verify_prompt(q, a1))
         gv = await verifier.generate(pv, replace(params, max_new_tokens=VERIFY_NEW_TOKENS))
         verdict = parse_verdict(_gen_text(verifier, gv))
@@ -149,7 +182,7 @@ class SolverVerifier(WorkflowBase):
         if verdict is False:
             p2 = solver.tokenizer.encode(retry_prompt(q, a1))
             g2 = await solver.generate(p2, params)
-            final = self.workload.reward(_gen_text(solver, g2), task.prompt)
+            final = await self.score(_gen_text(solver, g2), task.prompt)
             turns.append((p2, g2, 0))
         verifier_right = float(verdict is not None and verdict == (ok1 > 0))
         seqs = [turn_sequence(p, g, i, final) for p, g, i in turns]
@@ -183,7 +216,7 @@ class SolverSelector(WorkflowBase):
         second = replace(params, greedy=False) if params.greedy else params
         g1, g2 = await asyncio.gather(solver.generate(p, params), solver.generate(p, second))
         a1, a2 = _gen_text(solver, g1), _gen_text(solver, g2)
-        ok1, ok2 = self.workload.reward(a1, task.prompt), self.workload.reward(a2, task.prompt)
+        ok1, ok2 = await asyncio.gather(self.score(a1, task.prompt), self.score(a2, task.prompt))
         ps = selector.tokenizer.encode(select_prompt(q, a1, a2))
         gs = await selector.generate(ps, replace(params, max_new_tokens=SELECT_NEW_TOKENS))
         pick = parse_pick(_gen_text(selector, gs))

@@ -130,8 +130,9 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
 
 
 def _sigterm_stops_cleanly() -> None:
-    """SIGTERM (``scancel`` of a head job, ``kill``) takes the Ctrl-C path: a clean stop that
-    flushes the nodes, closes the ledger and cancels the worker jobs."""
+    """SIGTERM (``scancel`` of a head job, ``kill``) takes the Ctrl-C path: a stop bounded by
+    ``cluster.stop_grace_s`` that flushes the nodes, closes the ledger, writes the summary and
+    cancels the worker jobs (those of them the signal also reached are skipped)."""
     if threading.current_thread() is not threading.main_thread():
         return
 

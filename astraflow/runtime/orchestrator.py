@@ -14,18 +14,22 @@ Each tick of its loop it:
    layer about workers that vanished (their leases are requeued at once instead of waiting for
    expiry);
 3. shows progress and writes the status, and ends the run when every trainer took its steps
-   and the last evaluation finished (or on Ctrl-C / a component error / the run deadline).
+   and the last evaluation finished (or on Ctrl-C / SIGTERM, a lost data-layer or trainer
+   worker, a component error, an actor call that raised, the run deadline).
 
-Shutdown of a run that ends or is interrupted goes in this order: RaaS nodes drain and flush
-(nothing written is lost), trainers stop, the data layer ends every open task in the ledger and
-closes ``metrics.jsonl``, worker jobs are cancelled by id, the scheduler process is stopped by
-pid. A run that fails (a component error, a deadline) raises at once, after only the last two.
+Every ending takes one path out (`stopping`): RaaS nodes drain and flush (nothing written is
+lost), trainers stop, the data layer ends every open task in the ledger and closes
+``metrics.jsonl``, ``summary.json`` records the ending (``status``, ``reason``), worker jobs are
+cancelled by id, the scheduler process is stopped by pid. After a failure or a signal every
+wait on a component is bounded by ``cluster.stop_grace_s`` in all, and a component that is gone
+is skipped (noted in the summary); then a failed run raises ``RunFailed`` with its reason.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +42,9 @@ from astraflow.runtime.monitoring import StatusWriter, Tick, archive_summary
 from astraflow.runtime.placement import Placement, data_layer_kwargs, node_kwargs, trainer_kwargs
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.reconcile import PartitionSet, run_tag
+from astraflow.runtime.stopping import BoundedWaits, Ending
 from astraflow.runtime.workers import FUTURE_ERRORS, NODE_PHASES, PHASES, Fleet, RunFailed, Worker
+from astraflow.training.numerics import NonFiniteError
 from astraflow.training.trainer import Trainer
 from schedulers import Partition
 from storage.paths import RunPaths
@@ -57,6 +63,7 @@ class RunResult:
     seconds: float
     interrupted: bool = False
     nodes: dict[str, Any] = field(default_factory=dict)
+    ending: Ending = Ending("completed")
 
 
 class Orchestrator:
@@ -69,6 +76,8 @@ class Orchestrator:
         self.fleet = Fleet(self.parts, self.placement, cfg.cluster, self.progress, self._place_node)
         self.status = StatusWriter(self.paths, self.run_tag(), self.parts, self.fleet)
         self.trainers: dict[str, Any] = {}
+        #: the last state read from the components (the summary's fallback when they are gone)
+        self.last_tick: Tick | None = None
         #: per-iteration phase times of the trainer-centred baseline (``run.mode: sync``)
         self.iterations: list[dict[str, float]] = []
 
@@ -95,25 +104,38 @@ class Orchestrator:
         return run_tag(self.paths)
 
     def run(self) -> RunResult:
+        """Run until the run ends, however it ends, then stop it on the one way out (module
+        docstring). Returns the result of a completed or interrupted run; raises ``RunFailed``
+        with the reason of a failed one, after its summary is written and its jobs cancelled."""
         t0 = time.time()
-        interrupted = False
         archive_summary(self.paths)  # resuming a finished run: keep its old summary aside
         dump_config(self.cfg, self.paths.config)
         write_desired(self.paths, list(self.partitions.values()))
+        ending = Ending("completed")
         try:
             self._bring_up()
             self._place_core()
             self._loop(t0)
-        except KeyboardInterrupt:
-            interrupted = True
-            self.progress.note("interrupted: stopping cleanly (nodes flush what they wrote)")
-        except BaseException:  # a failed run still cancels its worker jobs and stops its scheduler
-            self._teardown_quietly()
+        except KeyboardInterrupt as sig:  # Ctrl-C, or SIGTERM (launch turns it into this)
+            ending = Ending("interrupted", f"stopped by {sig.args[0] if sig.args else 'Ctrl-C'}")
+            self.progress.note(f"{ending.reason}: stopping (nodes flush what they wrote)")
+        except RunFailed as err:
+            ending = Ending("failed", str(err))
+        except NonFiniteError as err:  # the sync driver's trainer step stopped on its numerics guard
+            ending = Ending("failed", f"NonFiniteError: {err}")
+        except Exception as err:  # an actor call that raised, a bug: the same way out, traceback in the log
+            ending = Ending("failed", f"{type(err).__name__}: {err} (traceback in {self.paths.log('orchestrator')})")
+            with open(self.paths.log("orchestrator"), "a") as f:
+                traceback.print_exc(file=f)
+        except BaseException:  # SystemExit and the like: no summary, but no orphaned jobs either
+            self._teardown()
             raise
         try:
-            result = self._shutdown(t0, interrupted)
+            result = self._shutdown(t0, ending)
         finally:
             self._teardown()
+        if ending.status == "failed":
+            raise RunFailed(f"{ending.reason} (summary in {self.paths.summary})")
         return result
 
     # ------------------------------------------------------------------ bring-up
@@ -159,11 +181,17 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ the watch loop
     def _tick(self) -> Tick:
-        """The data layer's and every trainer's state, read once for this tick."""
-        return Tick(data_layer=self.dl.state().result(timeout=30),
-                    trainers={p: t.state().result(timeout=30) for p, t in self.trainers.items()})
+        """The data layer's and every trainer's state, read once for this tick. A component that
+        does not answer is most often a lost worker: ``RunFailed`` then names it."""
+        try:
+            return Tick(data_layer=self.dl.state().result(timeout=30),
+                        trainers={p: t.state().result(timeout=30) for p, t in self.trainers.items()})
+        except FUTURE_ERRORS:
+            self.fleet.check_core()
+            raise
 
     def _show(self, tick: Tick) -> None:
+        self.last_tick = tick
         self.progress.update(tick)
         self.status.write(tick)
 
@@ -180,7 +208,7 @@ class Orchestrator:
                     raise RunFailed(f"trainer {p} failed: {st['error']}")
             self._reconcile()
             self.fleet.advance()
-            self.fleet.replace_failed_nodes(tick.data_layer)
+            self.fleet.replace_failed_nodes(tick.data_layer, silent_after=self.cfg.dataflow.lease_seconds)
             self.status.track(tick)
             self._show(tick)
             done = all(st["done"] for st in tick.trainers.values())
@@ -213,43 +241,58 @@ class Orchestrator:
         )
 
     # ------------------------------------------------------------------ shutdown
-    def _shutdown(self, t0: float, interrupted: bool) -> RunResult:
+    def _shutdown(self, t0: float, ending: Ending) -> RunResult:
+        """Stop the components in order and write ``summary.json`` with ``ending``. Every wait
+        is bounded (`BoundedWaits`): after a failure or a signal all together by
+        ``cluster.stop_grace_s``, nodes and trainers each getting a share so that the data layer
+        can still close the ledger. What a component that is gone would have said comes from the
+        last tick; what did not answer is listed as ``stop_errors``."""
+        grace = self.cfg.cluster.stop_grace_s
+        node_s, trainer_s = (60.0, 120.0) if ending.clean else (0.4 * grace, 0.3 * grace)
+        waits = BoundedWaits(600.0 if ending.clean else grace)
         nodes: dict[str, Any] = {}
-        if self.dl is None:
-            return RunResult(self.paths.root, {}, [], {}, time.time() - t0, interrupted)
-        futures = {w.name: (w.future if w.draining else w.actor.stop(timeout=60)) for w in self.fleet.of_role("rollout")
-                   if w.phase in NODE_PHASES and w.actor is not None}
-        for n, f in futures.items():
-            try:
-                nodes[n] = f.result(timeout=120)
-            except FUTURE_ERRORS as err:  # the worker died during shutdown: its leases end as run_ended
-                nodes[n] = {"node": n, "error": f"{type(err).__name__}: {err}"}
-        steps, trainers = {}, {}
-        for p, t in self.trainers.items():
-            trainers[p] = t.stop(timeout=120).result(timeout=150)
-            steps[p] = trainers[p]["version"]
-        ledger = self.dl.finish().result(timeout=60)
-        state = self.dl.state().result(timeout=30)
-        self.dl.close().result(timeout=30)
-        result = RunResult(self.paths.root, steps, state["eval"], ledger, time.time() - t0, interrupted, nodes)
-        self.status.write_summary(steps=steps, ledger=ledger, seconds=result.seconds, interrupted=interrupted,
-                                  nodes=nodes, trainers=trainers, data_layer=state, iterations=self.iterations)
+        trainers: dict[str, Any] = {}
+        ledger: dict[str, Any] = {}
+        state: dict[str, Any] = {}
+        if self.dl is not None:
+            # with the data layer lost, nothing a node flushes could be completed: nodes are not waited for
+            dl_lost = any(w.gone for w in self.fleet.of_role("data"))
+            stops = {w.name: (w.future if w.draining else waits.start(f"node {w.name}",
+                                                                      lambda w=w: w.actor.stop(timeout=node_s)))
+                     for w in self.fleet.of_role("rollout")
+                     if w.phase in NODE_PHASES and w.actor is not None and not dl_lost}
+            for n, f in stops.items():  # a node that did not answer: its leases end as run_ended
+                nodes[n] = waits.result(f"node {n}", f, node_s + 10) or {"node": n, "error": waits.errors.get(f"node {n}")}
+            stops = {p: waits.start(f"trainer {p}", lambda t=t: t.stop(timeout=trainer_s)) for p, t in self.trainers.items()}
+            trainers = {p: waits.result(f"trainer {p}", f, trainer_s + 30) for p, f in stops.items()}
+            ledger = waits.call("data layer finish", lambda: self.dl.finish(), 60) or {}
+            state = waits.call("data layer state", lambda: self.dl.state(), 30) or {}
+            waits.call("data layer close", lambda: self.dl.close(), 30)
+        last = self.last_tick
+        state = state or (last.data_layer if last else {})
+        trainers = {p: t or (last.trainers.get(p) if last else None) for p, t in trainers.items()}
+        steps = {p: t["version"] for p, t in trainers.items() if t}
+        result = RunResult(self.paths.root, steps, state.get("eval", []), ledger or state.get("ledger", {}),
+                           time.time() - t0, ending.status == "interrupted", nodes, ending)
+        self.status.write_summary(ending=ending, steps=steps, ledger=result.ledger, ledger_closed=bool(ledger),
+                                  seconds=result.seconds, nodes=nodes, trainers=trainers, data_layer=state,
+                                  iterations=self.iterations, stop_errors=waits.errors)
         return result
 
-    def _teardown_quietly(self) -> None:
-        """``_teardown`` on the way out of a failed run: its own errors are logged, so that the
-        run's error is the one reported."""
-        try:
-            self._teardown()
-        except Exception:
-            log.exception("stopping the workers and the scheduler of a failed run")
-
     def _teardown(self) -> None:
-        """Cancel every worker job still alive (by id) and stop the scheduler (by pid)."""
+        """Cancel every worker job still alive (by id) and stop the scheduler (by pid). Each step
+        is tried even when one before failed; a failure is logged (a job may be left running)."""
+        steps: list[tuple[str, Any]] = []
         if self.placement.client is not None:
-            self.placement.client.close()
+            steps.append(("closing the Dask client", self.placement.client.close))
         for sched in self.parts.schedulers.values():
-            sched.cancel([w.job.job_id for w in self.workers.values() if w.job.kind == sched.kind and not w.gone])
-            sched.close()
+            alive = [w.job.job_id for w in self.workers.values() if w.job.kind == sched.kind and not w.gone]
+            steps += [(f"cancelling the {sched.kind} jobs {alive}", lambda s=sched, a=alive: s.cancel(a)),
+                      (f"closing the {sched.kind} scheduler", sched.close)]
         if self.placement.scheduler_proc is not None:
-            self.placement.scheduler_proc.stop()
+            steps.append(("stopping the Dask scheduler", self.placement.scheduler_proc.stop))
+        for what, step in steps:
+            try:
+                step()
+            except Exception as err:  # the next step still runs: no job or process left behind for this one
+                log.warning("%s failed: %s: %s", what, type(err).__name__, err)

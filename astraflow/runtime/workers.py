@@ -152,12 +152,9 @@ class Fleet:
         for name, w in list(self.workers.items()):
             if w.gone:
                 continue
-            st = self.jobs.get(w.job.job_id)
-            if st is not None and not st.active:
-                self.lost(w, f"job {w.job.job_id} {st.state}" + (f" ({st.reason})" if st.reason else ""))
-                continue
-            if w.joined_at is not None and name not in joined:
-                self.lost(w, "worker left the Dask scheduler")
+            why = self._why_lost(w, joined)
+            if why:
+                self.lost(w, why)
                 continue
             if w.joined_at is None and name in joined:
                 w.joined_at = now
@@ -192,6 +189,27 @@ class Fleet:
                         except FUTURE_ERRORS as err:
                             log.warning("stopping %s during its drain failed: %s", name, err)
                     self.finish_removal(w, "drained" if w.future is not None and w.future.done() else "drain timed out")
+
+    def _why_lost(self, w: Worker, joined: dict[str, str]) -> str | None:
+        """Why worker ``w`` is lost (its job ended, it left the Dask scheduler), or None."""
+        st = self.jobs.get(w.job.job_id)
+        if st is not None and not st.active:
+            return f"job {w.job.job_id} {st.state}" + (f" ({st.reason})" if st.reason else "")
+        if w.joined_at is not None and w.name not in joined:
+            return "worker left the Dask scheduler"
+        return None
+
+    def check_core(self) -> None:
+        """``RunFailed`` naming a data-layer or trainer worker that is lost (called when a
+        component stops answering, so that the run's reason names the lost worker, not the
+        failed call); returns when none is."""
+        self.poll_jobs()
+        joined = self.placement.joined()
+        for w in self.workers.values():
+            if self.role(w) != "rollout" and not w.gone:
+                why = self._why_lost(w, joined)
+                if why:
+                    self.lost(w, why)  # raises RunFailed
 
     def place_nodes(self, wait: bool = False) -> None:
         """Advance every worker one step (place, start, drain, notice losses). With `wait`,
@@ -228,16 +246,23 @@ class Fleet:
             self._count_failure(w)
         self.progress.note(f"worker {w.name} is gone ({why}); {n} leases requeued")
 
-    def replace_failed_nodes(self, state: dict[str, Any]) -> None:
+    def replace_failed_nodes(self, state: dict[str, Any], silent_after: float) -> None:
         """A RaaS node that stopped leasing after an error it could not recover from (its
-        engine process died more often than ``rollout.engine_restarts``) is replaced like a lost
-        worker: its job is cancelled, its leases requeued, its partition refilled. It counts as
-        a failure, so a partition whose nodes keep failing stops being refilled."""
+        engine process died more often than ``rollout.engine_restarts``, its loop died) or whose
+        loop has not called the data layer for ``silent_after`` seconds (its leases are expiring)
+        is replaced like a lost worker: its job is cancelled, its leases requeued, its partition
+        refilled. It counts as a failure, so a partition whose nodes keep failing stops being
+        refilled."""
         reports = state.get("nodes", {})
+        now = time.time()
         for name, w in list(self.workers.items()):
             if w.phase != "serving" or self.role(w) != "rollout":
                 continue
-            error = reports.get(name, {}).get("error")
+            report = reports.get(name, {})
+            error = report.get("error")
+            silent = report.get("silent_s", now - w.since)  # not heard of yet: since it began serving
+            if not error and silent > silent_after and now - w.since > silent_after:
+                error = f"its loop has not called the data layer for {silent:.0f}s (dataflow.lease_seconds)"
             if error:
                 self.parts.cancel(w)
                 self.lost(w, f"RaaS node failed: {error}")

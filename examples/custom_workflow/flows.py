@@ -17,7 +17,8 @@ class TwoTries(WorkflowBase):
         seqs, secs = [], 0.0
         for _ in range(2):
             gen = await engine.generate(prompt, sampling_for(task, self.sampling))
-            reward = self.workload.reward(engine.tokenizer.decode(gen.tokens, skip_special_tokens=True), task.prompt)
+            # the reward runs off the node's event loop, under rollout.reward_timeout_s
+            reward = await self.score(engine.tokenizer.decode(gen.tokens, skip_special_tokens=True), task.prompt)
             seqs.append(turn_sequence(prompt, gen, 0, reward))
             secs += gen.engine_seconds
             if reward > 0:

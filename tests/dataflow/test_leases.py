@@ -82,3 +82,19 @@ def test_node_gone_hands_back_its_leases_and_end_all_drops_the_rest():
     assert leases.ledger.dropped_by_reason["run_ended"] == 3
     assert leases.ledger.events["abandoned_leased"] == 1 and leases.ledger.events["abandoned_pending"] == 2
     assert not leases.waiting() and not leases.held
+
+
+def test_a_heartbeat_renews_only_the_tasks_the_node_still_holds():
+    """A task the node lost track of (its episode ended without a completion or a failure that
+    reached the data layer) is left out of the heartbeat: its lease expires and is requeued,
+    instead of being renewed for ever."""
+    leases, _ = make()
+    for i in range(2):
+        leases.add(task(f"g/{i}"))
+    held, lost = leases.take("n", 2)
+    for t in (held, lost):
+        expire_now(leases, t.task_id)
+    leases.renew("n", holding={held.task_id})
+    leases.expire()
+    assert list(leases.held) == [held.task_id] and list(leases.pending) == [lost.task_id]
+    assert leases.ledger.events["requeued_lease_expired"] == 1

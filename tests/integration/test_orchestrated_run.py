@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 
-from astraflow.dataflow.ledger import TERMINAL
 from astraflow.runtime.orchestrator import Orchestrator
 from storage.trajectories import open_trajectory_store
 from storage.weights import WeightStore
@@ -114,6 +113,22 @@ def test_a_node_whose_engine_keeps_dying_is_replaced(tiny_model, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     gone = summary["workers"][victim[0]]
     assert gone["gone"] and "RaaS node failed" in gone["note"] and "exited with code -9" in gone["note"]
+    assert any(n.startswith("rollout-rollout") and n.endswith("-2") for n in summary["workers"])
+
+
+@pytest.mark.timeout(300)
+def test_a_node_whose_loop_hangs_is_replaced(tiny_model, tmp_path):
+    """A node whose loop stops calling the data layer (here: an episode that blocks it) for
+    ``dataflow.lease_seconds`` is replaced like a lost worker, though its Dask worker is alive:
+    its job is cancelled, its leases requeued, its partition refilled; the run finishes."""
+    cfg = tiny_config(tiny_model, **{"run.max_steps": 4, "workload.eval.every": 0, "dataflow.lease_seconds": 5,
+                                     "workload.workflow": "tests.integration.stuck_workflow:stuck_first_node_test"})
+    run_dir = tmp_path / "run"
+    result = Orchestrator(cfg, run_dir).run()
+    assert result.steps == {"solver": 4} and result.ledger["open"] == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stuck = next(w for n, w in summary["workers"].items() if n.startswith("rollout") and n.endswith("-0"))
+    assert stuck["gone"] and "has not called the data layer" in stuck["note"], stuck
     assert any(n.startswith("rollout-rollout") and n.endswith("-2") for n in summary["workers"])
 
 

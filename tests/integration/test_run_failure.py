@@ -4,6 +4,8 @@ among them), not a traceback."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from click.testing import CliRunner
 
@@ -27,6 +29,25 @@ def test_a_failed_run_still_tears_down(tmp_path, monkeypatch):
     with pytest.raises(RunFailed):
         orch.run()
     assert torn_down == [True]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["reason"].startswith("trainer solver failed")
+
+
+def test_an_unexpected_error_takes_the_same_way_out_with_its_traceback_in_the_log(tmp_path, monkeypatch):
+    """An error that is not a named run failure (an actor call that raised, a bug) still writes
+    the summary and tears down; the reason is one line, the traceback goes to the log."""
+    orch = Orchestrator(tiny_config(tmp_path), tmp_path / "run")
+
+    def fail():
+        raise KeyError("solver")
+
+    monkeypatch.setattr(orch, "_bring_up", fail)
+    with pytest.raises(RunFailed, match=r"KeyError: 'solver' \(traceback in .*orchestrator.log\)") as err:
+        orch.run()
+    assert "\n" not in str(err.value)
+    assert "Traceback" in (tmp_path / "run" / "logs" / "orchestrator.log").read_text()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["reason"].startswith("KeyError: 'solver'")
 
 
 @pytest.mark.parametrize("error", [

@@ -23,6 +23,7 @@ from astraflow.runtime.monitoring import (
 )
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.reconcile import PartitionSet
+from astraflow.runtime.stopping import Ending
 from astraflow.runtime.workers import Fleet
 from astraflow.config import ClusterConfig
 from schedulers import JobRef, Partition
@@ -73,9 +74,10 @@ def test_what_the_writer_writes_every_reader_reads_back(tmp_path):
     assert [p.name for p in view.partitions] == ["data", "trainer", "rollout"]
     assert view.policies[0].reward_mean == 0.5
     # the final summary ends the run for every reader, and a second run keeps it aside
-    writer.write_summary(steps={"solver": 1}, ledger={}, seconds=1.0, interrupted=False, nodes={}, trainers={},
-                         data_layer=_tick(4).data_layer, iterations=[])
+    writer.write_summary(ending=Ending("completed"), steps={"solver": 1}, ledger={}, ledger_closed=True, seconds=1.0,
+                         nodes={}, trainers={}, data_layer=_tick(4).data_layer, iterations=[], stop_errors={})
     summary = json.loads(paths.summary.read_text())
+    assert summary["status"] == "completed" and summary["reason"] is None and not summary["interrupted"]
     assert summary["workers"]["rollout-rollout-local-cpu-0"]["served"] is False
     assert set(summary["partitions"]) == {"data", "trainer", "rollout"}
     assert build_status_view(paths.root).finished and not read_snapshot(paths.root).running

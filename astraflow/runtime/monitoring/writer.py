@@ -109,15 +109,19 @@ class StatusWriter:
             },
         })
 
-    def write_summary(self, *, steps: dict[str, int], ledger: dict[str, Any], seconds: float, interrupted: bool,
-                      nodes: dict[str, Any], trainers: dict[str, Any], data_layer: dict[str, Any],
-                      iterations: list[dict[str, float]]) -> None:
-        """Publish ``summary.json``: the final state of the run (``data_layer`` after every
-        task ended), what each node and trainer returned when stopped, and every worker."""
+    def write_summary(self, *, ending: Any, steps: dict[str, int], ledger: dict[str, Any], ledger_closed: bool,
+                      seconds: float, nodes: dict[str, Any], trainers: dict[str, Any], data_layer: dict[str, Any],
+                      iterations: list[dict[str, float]], stop_errors: dict[str, str]) -> None:
+        """Publish ``summary.json``: how the run ended (``status``: completed, interrupted or
+        failed, and its ``reason``), the final state of the run (``data_layer`` after every task
+        ended; the last one read when the data layer was gone, then ``ledger_closed`` is false),
+        what each node and trainer returned when stopped, every worker, and what did not answer
+        while the run stopped (``stop_errors``)."""
         write_summary(self.paths, {
-            "steps": steps, "eval": data_layer["eval"], "ledger": ledger, "seconds": seconds,
-            "interrupted": interrupted, "nodes": nodes, "trainers": trainers, "data_layer": data_layer,
-            "iterations": iterations,
+            "status": ending.status, "reason": ending.reason,
+            "steps": steps, "eval": data_layer.get("eval", []), "ledger": ledger, "ledger_closed": ledger_closed,
+            "seconds": seconds, "interrupted": ending.status == "interrupted", "nodes": nodes, "trainers": trainers,
+            "data_layer": data_layer, "iterations": iterations, "stop_errors": stop_errors,
             "workers": {n: {"partition": w.partition, "job_id": w.job.job_id, "phase": w.phase, "note": w.note,
                             "gone": w.gone, "served": w.actor is not None}
                         for n, w in self.fleet.workers.items()},

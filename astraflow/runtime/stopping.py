@@ -1,0 +1,75 @@
+"""Runtime room: how a run ended, and waits that cannot hang the way out.
+
+Every ending of a run (its last step, Ctrl-C or SIGTERM, a lost data-layer or trainer worker,
+the run deadline, an actor call that raised) leaves through the same path in the orchestrator:
+stop the components, write ``summary.json`` with the `Ending`, cancel the worker jobs. On that
+path a component may already be gone, so every actor call is made through `BoundedWaits`: all
+of them share one deadline, and a call that raises or does not answer is noted, never raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+log = logging.getLogger("astraflow.runtime")
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a run ended; written into ``summary.json`` as ``status`` and ``reason``."""
+
+    status: str
+    """``completed`` (every trainer took its steps), ``interrupted`` (Ctrl-C, SIGTERM, scancel)
+    or ``failed``."""
+    reason: str | None = None
+    """Why it was interrupted or failed, in one line; None for a completed run."""
+
+    @property
+    def clean(self) -> bool:
+        return self.status == "completed"
+
+
+class BoundedWaits:
+    """Actor calls that share one deadline, ``seconds`` from now. A call that raises (an actor's
+    error comes back as whatever type it raised; a lost worker's as ``RuntimeError``) or that
+    does not answer in time is noted in ``errors`` and gives None."""
+
+    #: the least time a call is given once the deadline has passed (a live actor answers in it)
+    FLOOR_S = 0.5
+
+    def __init__(self, seconds: float):
+        self.deadline = time.monotonic() + seconds
+        self.errors: dict[str, str] = {}
+
+    def left(self, cap: float) -> float:
+        """Seconds the next wait may take: ``cap``, or less when the deadline is nearer."""
+        return max(min(cap, self.deadline - time.monotonic()), self.FLOOR_S)
+
+    def start(self, what: str, make_call: Callable[[], Any]) -> Any:
+        """``make_call()``: start an actor call and return its future (None if even that fails:
+        the handle of an actor whose worker was lost raises at once)."""
+        try:
+            return make_call()
+        except Exception as err:  # whatever the handle raises, the way out goes on
+            self._note(what, err)
+            return None
+
+    def result(self, what: str, future: Any, cap: float) -> Any:
+        """The result of ``future`` within ``left(cap)`` seconds, or None."""
+        if future is None:
+            return None
+        try:
+            return future.result(timeout=self.left(cap))
+        except Exception as err:  # an actor's own error, a lost worker, a timeout: noted, not raised
+            self._note(what, err)
+            return None
+
+    def call(self, what: str, make_call: Callable[[], Any], cap: float) -> Any:
+        return self.result(what, self.start(what, make_call), cap)
+
+    def _note(self, what: str, err: Exception) -> None:
+        self.errors[what] = f"{type(err).__name__}: {err}".strip()
+        log.info("stopping the run: %s: %s", what, self.errors[what])  # reported in summary.json

@@ -1,0 +1,131 @@
+"""The one way out of a run, through the real CLI in a subprocess: a trainer worker killed
+mid-run, or SIGTERM reaching the head and its local workers at once (what ``scancel`` of a head
+job does), ends the run within a few seconds with a non-zero exit, one message line and no
+traceback; ``summary.json`` records how it ended and no worker process is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_cli import ROOT, _write_config
+
+#: how long the way out may take after the kill: the stop's grace (cluster.stop_grace_s) plus
+#: cancelling the jobs and stopping the scheduler, with room for a loaded machine
+EXIT_WITHIN_S = 45.0
+
+
+def _start(tmp_path: Path, tiny_model: Path) -> tuple[subprocess.Popen, Path]:
+    """A paced run (each episode takes >= 0.5 s) that would go on far longer than the test."""
+    cfg = _write_config(tmp_path, tiny_model)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "astraflow", "run", str(cfg), "--run-dir", str(run_dir), "--quiet",
+         "--set", "run.max_steps=1000", "--set", "workload.eval.every=0",
+         "--set", "workload.workflow=tests.slurm.slow_workflow:slow_single_turn_test"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    return proc, run_dir
+
+
+def _workers_once_training(proc: subprocess.Popen, run_dir: Path, deadline_s: float = 150) -> dict[str, dict]:
+    """The run's workers (from its status file) once its trainer has committed a version."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        f = run_dir / "control" / "status.json"
+        try:
+            st = json.loads(f.read_text()) if f.exists() else None
+        except ValueError:  # being replaced right now
+            st = None
+        if st and any(t.get("version", 0) >= 1 for t in st["trainers"].values()):
+            return st["workers"]
+        time.sleep(0.3)
+    raise AssertionError("the run did not start training in time")
+
+
+def _pid(worker: dict) -> int:
+    return int(worker["job_id"].removeprefix("local-"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _finish(proc: subprocess.Popen, killed_at: float) -> tuple[int, list[str], str, float]:
+    try:
+        out, err = proc.communicate(timeout=EXIT_WITHIN_S + 60)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # the CLI this test started, by its PID
+        out, err = proc.communicate()
+        raise AssertionError(f"the CLI did not exit: {err[-3000:]}")
+    lines = [line for line in err.splitlines() if line.strip()]
+    return proc.returncode, lines, out + err, time.monotonic() - killed_at
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("role", ["trainer", "data"])
+def test_a_killed_core_worker_fails_the_run_in_one_line_with_a_summary(tiny_model, tmp_path, role):
+    proc, run_dir = _start(tmp_path, tiny_model)
+    try:
+        workers = _workers_once_training(proc, run_dir)
+        victim = next(w for w in workers.values() if w["partition"] == role)
+        os.kill(_pid(victim), signal.SIGKILL)  # a worker this test's run started, by its PID
+        rc, lines, everything, took = _finish(proc, time.monotonic())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert rc == 1, everything[-3000:]
+    assert len(lines) == 1 and "Traceback" not in everything, everything[-3000:]
+    assert lines[0].startswith(f"Error: the run failed: {role} worker") and "is gone" in lines[0], lines
+    assert took < EXIT_WITHIN_S, f"the way out took {took:.0f}s"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["reason"].startswith(f"{role} worker")
+    if role == "trainer":  # the data layer was still there: it closed the ledger, every task ended once
+        assert summary["ledger_closed"] and summary["ledger"]["open"] == 0
+        assert "trainer solver" in summary["stop_errors"]
+    else:  # the ledger could not be closed: the summary keeps the last one read, and says so
+        assert not summary["ledger_closed"] and summary["ledger"]["tasks"] > 0
+        assert "data layer finish" in summary["stop_errors"]
+    assert not [n for n, w in workers.items() if _alive(_pid(w))], "worker processes were left running"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_head_and_its_workers_stops_in_one_line_with_a_summary(tiny_model, tmp_path):
+    """What ``scancel`` of a head job does: SIGTERM to every process of the job at once, so the
+    stop finds its data layer and trainer gone and must still write the summary and exit."""
+    proc, run_dir = _start(tmp_path, tiny_model)
+    try:
+        workers = _workers_once_training(proc, run_dir)
+        killed_at = time.monotonic()
+        for w in workers.values():  # processes this test's run started, by their PIDs
+            if w["partition"] in ("data", "trainer"):
+                os.kill(_pid(w), signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGTERM)
+        rc, lines, everything, took = _finish(proc, killed_at)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert rc == 130, everything[-3000:]
+    assert len(lines) == 1 and "Traceback" not in everything, everything[-3000:]
+    assert lines[0].startswith("the run was stopped by signal 15") and "summary.json" in lines[0], lines
+    assert took < EXIT_WITHIN_S, f"the way out took {took:.0f}s"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["reason"] == "stopped by signal 15"
+    assert summary["steps"]["solver"] >= 1  # from the last state read: the trainer was gone
+    assert not [n for n, w in workers.items() if _alive(_pid(w))], "worker processes were left running"
