@@ -88,6 +88,10 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
     return out
 
 
+#: expert episodes a BPE tokenizer of an agentic workload is trained on (plenty for its merges)
+BPE_AGENT_EPISODES = 2000
+
+
 def bpe_for(workload: WorkloadConfig | None, vocab_size: int):
     """A BPE tokenizer trained on ``workload``'s train split: each prompt as plain text and its
     demonstration (reference solution) where the workload has one; for an agentic workload, its
@@ -101,7 +105,8 @@ def bpe_for(workload: WorkloadConfig | None, vocab_size: int):
         from astraflow.agents.demos import demonstration_texts
         from astraflow.models import build_tokenizer
 
-        return build_bpe_tokenizer(demonstration_texts(wl, wl.tasks("train"), build_tokenizer()), vocab_size)
+        corpus = wl.tasks("train")[:BPE_AGENT_EPISODES]
+        return build_bpe_tokenizer(demonstration_texts(wl, corpus, build_tokenizer()), vocab_size)
     demo = getattr(wl, "demonstration", None)
     texts = (wl.render_prompt(p) + (demo(p) if demo is not None else "") for p in wl.tasks("train"))
     return build_bpe_tokenizer(texts, vocab_size)

@@ -48,7 +48,7 @@ def agent_warm_start(
     target_acc: float | None = None,
     eval_every: int = 50,
     eval_size: int = 100,
-    num_demos: int = 2000,
+    num_demos: int = 20000,
     warmup_steps: int = 20,
     seed: int = 0,
     progress: bool = True,
