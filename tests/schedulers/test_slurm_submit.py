@@ -4,8 +4,6 @@ calls: the third ``sbatch`` fails, and the two jobs submitted before it must be 
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 
 import pytest
@@ -13,33 +11,7 @@ import pytest
 from schedulers import Partition, worker_name
 from schedulers.slurm import PartialSubmitError, SlurmCommandError, SlurmScheduler
 
-SBATCH = """#!/bin/sh
-# counts its calls in {calls}; the third one fails as sbatch does
-n=$(( $(cat {calls} 2>/dev/null || echo 0) + 1 ))
-echo $n > {calls}
-if [ $n -eq {fail_at} ]; then
-  echo "sbatch: error: Batch job submission failed: Requested node configuration is not available" >&2
-  exit 1
-fi
-echo "$(( 4100 + n ));cluster"
-"""
-
-SCANCEL = """#!/bin/sh
-echo "$@" >> {log}
-exit {rc}
-"""
-
-
-def _fake_slurm(tmp_path: Path, monkeypatch, fail_at: int = 3, scancel_rc: int = 0) -> Path:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in (("sbatch", SBATCH.format(calls=tmp_path / "calls", fail_at=fail_at)),
-                       ("scancel", SCANCEL.format(log=tmp_path / "scancel.log", rc=scancel_rc))):
-        exe = bin_dir / name
-        exe.write_text(text)
-        exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    return tmp_path
+from tests.schedulers.fake_slurm import fake_slurm
 
 
 def _sched(tmp_path: Path) -> SlurmScheduler:
@@ -50,7 +22,7 @@ PART = Partition(name="gpu", scheduler="slurm", nodes=4, role="rollout")
 
 
 def test_a_failing_third_sbatch_cancels_the_two_jobs_already_submitted(tmp_path, monkeypatch):
-    rec = _fake_slurm(tmp_path, monkeypatch)
+    rec = fake_slurm(tmp_path, monkeypatch)
     sched = _sched(tmp_path)
     with pytest.raises(PartialSubmitError) as info:
         sched.submit(PART, "tcp://127.0.0.1:8786", 4)
@@ -67,14 +39,14 @@ def test_a_failing_third_sbatch_cancels_the_two_jobs_already_submitted(tmp_path,
 
 
 def test_when_cancelling_fails_too_the_error_names_the_jobs_to_cancel(tmp_path, monkeypatch):
-    rec = _fake_slurm(tmp_path, monkeypatch, scancel_rc=1)
+    rec = fake_slurm(tmp_path, monkeypatch, scancel_rc=1)
     with pytest.raises(PartialSubmitError, match=r"failed too: .*scancel 4101 4102"):
         _sched(tmp_path).submit(PART, "tcp://127.0.0.1:8786", 4)
     assert (rec / "scancel.log").read_text().split() == ["4101", "4102"]
 
 
 def test_a_first_sbatch_that_fails_raises_its_own_error_and_cancels_nothing(tmp_path, monkeypatch):
-    rec = _fake_slurm(tmp_path, monkeypatch, fail_at=1)
+    rec = fake_slurm(tmp_path, monkeypatch, fail_at=1)
     with pytest.raises(SlurmCommandError) as info:
         _sched(tmp_path).submit(PART, "tcp://127.0.0.1:8786", 4)
     assert not isinstance(info.value, PartialSubmitError)
@@ -82,7 +54,7 @@ def test_a_first_sbatch_that_fails_raises_its_own_error_and_cancels_nothing(tmp_
 
 
 def test_all_submitted_when_none_fails(tmp_path, monkeypatch):
-    _fake_slurm(tmp_path, monkeypatch, fail_at=99)
+    fake_slurm(tmp_path, monkeypatch, fail_at=99)
     refs = _sched(tmp_path).submit(PART, "tcp://127.0.0.1:8786", 4)
     assert [r.job_id for r in refs] == ["4101", "4102", "4103", "4104"]
     assert [r.worker_name for r in refs] == [worker_name(PART, i) for i in range(4)]
