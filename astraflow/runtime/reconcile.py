@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from astraflow.runtime.control import DEFAULT_REMOVAL, read_desired_file
+from astraflow.runtime.control import DEFAULT_REMOVAL, PartitionError, read_desired_file
 from schedulers import Partition, make_scheduler, parse_worker_name
 from schedulers.slurm import SlurmCommandError
 from storage.paths import RunPaths
@@ -74,6 +74,8 @@ class PartitionSet:
         self.partitions: dict[str, Partition] = {p.name: p for p in partitions}
         self.state: dict[str, PartitionState] = {p.name: PartitionState() for p in partitions}
         self.schedulers: dict[str, Any] = {}
+        #: why the desired-partitions file was last unreadable (noted once per new error)
+        self._desired_error: str | None = None
 
     def scheduler_for(self, part: Partition):
         if part.scheduler not in self.schedulers:
@@ -123,7 +125,16 @@ class PartitionSet:
         """Submit or remove worker jobs so each desired partition has ``nodes`` live workers.
 
         Never blocks on a worker: removals only start a drain (finished by `Fleet.advance`)."""
-        desired, removals = read_desired_file(self.paths)
+        try:
+            desired, removals = read_desired_file(self.paths)
+        except PartitionError as err:  # a damaged file: keep the partitions the run has
+            if str(err) != self._desired_error:
+                self.progress.note(str(err))
+            self._desired_error = str(err)
+            desired = {n: p for n, p in self.partitions.items() if self.state[n].state not in ("removing", "removed")}
+            removals = {}
+        else:
+            self._desired_error = None
         for name, part in desired.items():
             if name not in self.state or self.state[name].state == "removed":
                 self.state[name] = PartitionState()  # new, or added again after its removal
