@@ -195,11 +195,11 @@ def status(run_dir: str, as_json: bool, metrics: bool) -> None:
             raise UserError(str(err)) from None
         click.echo(view.model_dump_json(indent=2))
         return
-    from astraflow.runtime.monitoring import RunNotRunning, format_status, run_status
+    from astraflow.runtime.monitoring import format_status, run_status
 
     try:
         st = run_status(Path(run_dir))
-    except RunNotRunning as err:
+    except ValueError as err:  # RunNotRunning, or a damaged status file (named, with the fix)
         raise UserError(str(err)) from None
     click.echo(format_status(st))
 
@@ -258,11 +258,11 @@ def _partition_errors(err) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def partitions_list(run_dir: str, as_json: bool) -> None:
     """The partitions of the run: desired size, live and serving workers, jobs, throughput."""
-    from astraflow.runtime.monitoring import RunNotRunning, format_partitions, run_status
+    from astraflow.runtime.monitoring import format_partitions, run_status
 
     try:
         st = run_status(Path(run_dir))
-    except RunNotRunning as err:
+    except ValueError as err:  # RunNotRunning, or a damaged status file
         raise UserError(str(err)) from None
     if as_json:
         click.echo(json.dumps(st.get("partitions", {}), indent=2, default=str))
@@ -302,14 +302,13 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
     import yaml
     from pydantic import ValidationError
 
-    from astraflow.runtime.control import PartitionError, add_partition, remove_partition, wait_partition
-    from astraflow.runtime.monitoring import RunNotRunning
+    from astraflow.runtime.control import add_partition, remove_partition, wait_partition
 
     data: dict = {}
     if from_yaml:
         try:
-            data = yaml.safe_load(Path(from_yaml).read_text()) or {}
-        except (OSError, yaml.YAMLError) as err:
+            data = yaml.safe_load(Path(from_yaml).read_bytes().decode("utf-8")) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
             raise UserError(f"--from-yaml {from_yaml}: {err}") from None
         if not isinstance(data, dict):
             raise UserError(f"--from-yaml {from_yaml}: write a mapping of partition fields (name, scheduler, nodes, ...)")
@@ -327,7 +326,7 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
         raise UserError(_partition_errors(err)) from None
     try:
         add_partition(Path(run_dir), part)
-    except (RunNotRunning, PartitionError) as err:
+    except ValueError as err:  # RunNotRunning, PartitionError, a damaged file of the run
         raise UserError(str(err)) from None
     click.echo(f"partition {part.name} requested: {part.nodes} {part.scheduler} worker(s)"
                + (f" in Slurm partition {part.slurm_partition}" if part.slurm_partition else ""))
@@ -338,7 +337,7 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
     except TimeoutError as err:
         click.echo(f"warning: {err}", err=True)
         return
-    except RunNotRunning as err:
+    except ValueError as err:
         raise UserError(str(err)) from None
     if entry.get("error"):
         remove_partition(Path(run_dir), part.name, "now")  # withdraw at once: it has no worker yet
@@ -365,12 +364,11 @@ def _removal_modes(command):
               help="Seconds to wait until the partition is removed (0: do not wait).")
 def partitions_remove(run_dir: str, name: str, mode: str, wait_s: float) -> None:
     """Remove partition NAME from the running run in RUN_DIR. No task is lost either way."""
-    from astraflow.runtime.control import PartitionError, remove_partition, wait_partition
-    from astraflow.runtime.monitoring import RunNotRunning
+    from astraflow.runtime.control import remove_partition, wait_partition
 
     try:
         remove_partition(Path(run_dir), name, mode)
-    except (RunNotRunning, PartitionError) as err:
+    except ValueError as err:  # RunNotRunning, PartitionError, a damaged file of the run
         raise UserError(str(err)) from None
     click.echo(f"partition {name}: removal requested ({mode})")
     if wait_s > 0:
@@ -379,6 +377,8 @@ def partitions_remove(run_dir: str, name: str, mode: str, wait_s: float) -> None
         except TimeoutError as err:
             click.echo(f"warning: {err}", err=True)
             return
+        except ValueError as err:
+            raise UserError(str(err)) from None
         click.echo(f"partition {name} removed in {entry.get('drain_seconds') or 0:.1f}s")
 
 

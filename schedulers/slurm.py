@@ -91,6 +91,16 @@ class SlurmCommandError(RuntimeError):
         super().__init__(f"`{shlex.join(self.cmd)}` exited with {returncode}: {(stderr or stdout).strip()[-2000:]}")
 
 
+class PartialSubmitError(SlurmCommandError):
+    """``submit`` failed part way: the failed ``sbatch`` (its command, exit code and output)
+    and ``cancelled``, the ids of the jobs the call had submitted before it, then cancelled."""
+
+    def __init__(self, failed: SlurmCommandError, cancelled: list[str], undone: str):
+        super().__init__(failed.cmd, failed.returncode, failed.stdout, failed.stderr)
+        self.cancelled = list(cancelled)
+        self.args = (f"sbatch failed after {len(cancelled)} job(s) of the request were submitted: {failed}; {undone}",)
+
+
 class SlurmWaitTimeout(TimeoutError):
     """`wait_for` reached its deadline; `last` maps each job id to its last seen status (or None)."""
 
@@ -268,26 +278,48 @@ class SlurmScheduler:
 
     # ------------------------------------------------------------------ Scheduler protocol
     def submit(self, partition: Partition, scheduler_address: str, count: int, start_index: int = 0) -> list[JobRef]:
-        """One ``sbatch`` per worker. If one fails (`SlurmCommandError`), the jobs submitted before
-        it stay queued and are listed by `jobs()` (they carry this scheduler's tag)."""
+        """One ``sbatch`` per worker, all or none: if one fails, the jobs this call submitted
+        before it are cancelled by id and `PartialSubmitError` says which (a request is never
+        left half-submitted with jobs nobody tracks)."""
         if count < 0:
             raise ValueError(f"count is {count}: use 0 or more")
         self.job_dir.mkdir(parents=True, exist_ok=True)
-        refs = []
+        refs: list[JobRef] = []
         for index in range(start_index, start_index + count):
-            script, argv = self.render(partition, scheduler_address, index)
-            path = Path(argv[-1])
-            # sbatch copies the script when it submits: atomic for readers, no fsync needed
-            write_atomically(path, script, durable=False)
-            out = run_slurm(argv, timeout=self.command_timeout).strip()
-            job_id = out.split(";")[0]  # --parsable prints "id" or "id;cluster"
-            if not _JOB_ID.match(job_id):
-                raise SlurmCommandError(argv, 0, out, "sbatch --parsable printed no job id")
-            name = worker_name(partition, index)
-            ref = JobRef(job_id, partition.name, name, self.kind, self.job_dir / f"{name}.{job_id}.log", path)
-            self._submitted[job_id] = ref
-            refs.append(ref)
+            try:
+                refs.append(self._submit_one(partition, scheduler_address, index))
+            except SlurmCommandError as err:
+                if not refs:
+                    raise
+                self._undo(refs, err)
         return refs
+
+    def _submit_one(self, partition: Partition, scheduler_address: str, index: int) -> JobRef:
+        script, argv = self.render(partition, scheduler_address, index)
+        path = Path(argv[-1])
+        # sbatch copies the script when it submits: atomic for readers, no fsync needed
+        write_atomically(path, script, durable=False)
+        out = run_slurm(argv, timeout=self.command_timeout).strip()
+        job_id = out.split(";")[0]  # --parsable prints "id" or "id;cluster"
+        if not _JOB_ID.match(job_id):
+            raise SlurmCommandError(argv, 0, out, "sbatch --parsable printed no job id")
+        name = worker_name(partition, index)
+        ref = JobRef(job_id, partition.name, name, self.kind, self.job_dir / f"{name}.{job_id}.log", path)
+        self._submitted[job_id] = ref
+        return ref
+
+    def _undo(self, refs: list[JobRef], err: SlurmCommandError) -> None:
+        """Cancel the jobs a failed submit call already submitted, then raise `PartialSubmitError`."""
+        ids = [r.job_id for r in refs]
+        try:
+            run_slurm(["scancel", *ids], timeout=self.command_timeout)
+            undone = f"cancelled the {len(ids)} job(s) it had already submitted ({', '.join(ids)})"
+        except SlurmCommandError as again:
+            undone = (f"cancelling the {len(ids)} job(s) it had already submitted ({', '.join(ids)}) failed too: "
+                      f"{again}; cancel them with `scancel {' '.join(ids)}`")
+        for job_id in ids:
+            self._submitted.pop(job_id, None)
+        raise PartialSubmitError(err, ids, undone) from err
 
     def close(self) -> None:
         """Nothing to release: Slurm jobs live in Slurm and are cancelled by id (``cancel``)."""

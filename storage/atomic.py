@@ -3,7 +3,8 @@
 Write a temp sibling, fsync it, rename (or hard-link, for create-only files) it over the final
 name, then fsync the directory: a reader sees the old file or the new one, never part of one,
 and after the call returns the file survives a crash of the machine. Every writer of the run
-directory goes through ``write_atomically`` / ``write_json`` / ``create_atomically``.
+directory goes through ``write_atomically`` / ``write_json`` / ``create_atomically``; readers of
+a JSON file that a person may have edited or damaged use ``read_json_object``.
 """
 
 from __future__ import annotations
@@ -70,3 +71,19 @@ def write_json(final: Path, data: Any, durable: bool = True, **dumps: Any) -> No
     """``write_atomically`` of ``json.dumps(data, **dumps)`` (``default=str`` unless given)."""
     dumps.setdefault("default", str)
     write_atomically(final, json.dumps(data, **dumps), durable=durable)
+
+
+class UnreadableFile(ValueError):
+    """A file of the run directory exists but is not what its writer writes (not UTF-8, not
+    JSON, not a JSON object, or unreadable); the message names the file and what is wrong."""
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; `UnreadableFile` when it is anything else."""
+    try:
+        data = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as err:  # ValueError: not UTF-8 or not JSON
+        raise UnreadableFile(f"{path} cannot be read as JSON ({type(err).__name__}: {err})") from None
+    if not isinstance(data, dict):
+        raise UnreadableFile(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,15 +73,36 @@ class Generated:
                 "generated_tokens_per_s": self.tokens / elapsed}
 
 
+def finite_json(value: Any) -> Any:
+    """``value`` with every float that is not finite (a skipped step's nan loss, an inf) as None
+    and numpy scalars as Python ones, so that its JSON is strict (no NaN/Infinity literals)."""
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # a numpy scalar
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _as_finite_float(value: Any) -> float | None:
+    """JSON for an object json does not know (a number type of another library)."""
+    f = float(value)
+    return f if math.isfinite(f) else None
+
+
 class MetricsLog:
-    """``metrics.jsonl``, opened for appending (``path`` None: nothing is written)."""
+    """``metrics.jsonl``, opened for appending (``path`` None: nothing is written). Every line is
+    strict JSON: a value that is not finite is written as null."""
 
     def __init__(self, path: str | None):
         self._file = open(path, "a", buffering=1) if path else None
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record, default=float) + "\n")
+            self._file.write(json.dumps(finite_json(record), default=_as_finite_float, allow_nan=False) + "\n")
 
     def flush(self) -> None:
         if self._file is not None:

@@ -67,6 +67,11 @@ class RolloutConfig(Strict):
     neither heartbeats nor other episodes; one past its deadline fails its episode (retried up to
     ``dataflow.max_attempts``). A reward that may never return belongs in the sandbox: a thread
     cannot be killed, so it keeps its pool thread."""
+    episode_timeout_s: float = Field(default=600.0, gt=0)
+    """Deadline of one whole episode (waiting for its weight version, every turn, engine call,
+    tool and reward). An episode past it is cancelled and its task failed (retried up to
+    ``dataflow.max_attempts``), so an engine call that never returns cannot hold a lease for
+    ever through the node's heartbeats. Raise it for workflows with very long episodes."""
     engine_restarts: int = Field(default=3, ge=0)
     """How many times a node restarts an engine process that died (its in-flight episodes
     fail and are requeued; the new process loads the newest committed weights before the node

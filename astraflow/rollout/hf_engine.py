@@ -235,6 +235,9 @@ class HFEngine:
         while self._pending:
             batch = self._pending[: self.max_batch_size]
             del self._pending[: len(batch)]
+            batch = [r for r in batch if not r.future.done()]  # requests of cancelled episodes: not decoded
+            if not batch:
+                continue
             with self._lock:
                 self._decoding = True
             t0 = time.perf_counter()
@@ -255,6 +258,8 @@ class HFEngine:
             for r in batch:
                 self._stats["requests"] += 1
                 self._stats["tokens"] += len(r.tokens)
+                if r.future.done():  # its episode was cancelled (its deadline) while it decoded
+                    continue
                 r.future.set_result(
                     Generation(
                         tokens=np.asarray(r.tokens, dtype=np.int32),

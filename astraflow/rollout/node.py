@@ -17,7 +17,8 @@ A heartbeat renews the leases of the tasks the node still works on and carries i
 node that vanishes loses nothing: its leases expire and the data layer requeues them.
 
 Failure containment: an exception of any type in an episode fails that task only (requeued up
-to ``dataflow.max_attempts``); rewards run off the loop under ``rollout.reward_timeout_s``. A
+to ``dataflow.max_attempts``); rewards run off the loop under ``rollout.reward_timeout_s``, and a
+whole episode is cancelled (its task failed) past ``rollout.episode_timeout_s``. A
 loop that dies (writer, weight watcher, a data-layer call) sends a last heartbeat with its
 error, and the orchestrator replaces the node (also one that went silent).
 """
@@ -45,6 +46,10 @@ from astraflow.workloads.base import make_workload
 from storage.trajectories import open_trajectory_store
 
 log = logging.getLogger("astraflow.rollout")
+
+
+class EpisodeTimeout(TimeoutError):
+    """An episode ran past ``rollout.episode_timeout_s``: it was cancelled and its task failed."""
 
 
 @dataclass(frozen=True)
@@ -283,11 +288,23 @@ class RaaSNode:
             "error": self.error,
         }
 
+    async def _generate(self, task: RolloutTask) -> Trajectory:
+        """The episode of ``task``: wait for the weight version it needs, then run the workflow."""
+        if task.min_version >= 0:
+            await self._wait_for_version(task.policies[0], task.min_version, timeout=120)
+        return await self.workflow.run_episode(self.engines, task)
+
     async def _episode(self, task: RolloutTask) -> None:
         try:
-            if task.min_version >= 0:
-                await self._wait_for_version(task.policies[0], task.min_version, timeout=120)
-            traj = await self.workflow.run_episode(self.engines, task)
+            deadline = asyncio.timeout(self.cfg.episode_timeout_s)
+            try:
+                async with deadline:
+                    traj = await self._generate(task)
+            except TimeoutError:
+                if not deadline.expired():
+                    raise  # a deadline inside the episode (a reward's, a tool's): its own message
+                raise EpisodeTimeout(f"episode ran past its {self.cfg.episode_timeout_s:g} s deadline "
+                                     "(rollout.episode_timeout_s); it was cancelled") from None
             traj = replace(
                 traj,
                 provenance=replace(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any, Literal, get_args
 
 from astraflow.runtime.monitoring.snapshot import run_status
 from schedulers.partition import Partition
-from storage.atomic import write_json
+from storage.atomic import read_json_object, write_json
 from storage.paths import RunPaths
 
 # -- desired partitions (written by the CLI, read by the orchestrator) ------------------------
@@ -55,13 +54,30 @@ def write_desired(paths: RunPaths, partitions: list[Partition], removals: dict[s
 
 
 def read_desired_file(paths: RunPaths) -> tuple[dict[str, Partition], dict[str, str]]:
-    """The desired partitions by name and the removal mode of each removed one."""
+    """The desired partitions by name and the removal mode of each removed one. A damaged file
+    raises `PartitionError` naming it (the orchestrator then keeps the partitions it has)."""
     f = paths.desired_partitions
     if not f.exists():
         return {}, {}
-    data = json.loads(f.read_text())
-    parts = {p["name"]: Partition.model_validate(p) for p in data.get("partitions", [])}
-    return parts, dict(data.get("removals", {}))
+    try:
+        data = read_json_object(f)
+        entries, removals = data.get("partitions", []), data.get("removals", {})
+        if not isinstance(entries, list) or not isinstance(removals, dict):
+            raise ValueError("'partitions' must be a list and 'removals' a mapping")
+        parts = {}
+        for entry in entries:
+            part = Partition.model_validate(entry)  # a ValidationError is a ValueError
+            parts[part.name] = part
+        bad = {k: v for k, v in removals.items() if v not in REMOVAL_MODES}
+        if bad:
+            raise ValueError(f"removal modes {bad}: use one of {REMOVAL_MODES}")
+    except ValueError as err:
+        raise PartitionError(
+            f"{f} is not a valid desired-partitions file ({' '.join(str(err).split())[:300]}); the running run "
+            "ignores it and keeps its partitions. Restore it as {\"partitions\": [...], \"removals\": {}} with "
+            "the entries `astraflow partitions list --json` shows"
+        ) from None
+    return parts, {str(k): str(v) for k, v in removals.items()}
 
 
 @contextlib.contextmanager
@@ -106,7 +122,7 @@ def add_partition(run_dir: Path, part: Partition) -> None:
             raise PartitionError(
                 f"partition {part.name!r} already exists in this run: choose another name or remove it first"
             )
-        status = json.loads(paths.status_file.read_text())
+        status = read_json_object(paths.status_file)
         old = status.get("partitions", {}).get(part.name)
         if old is not None and old.get("state") not in ("removed", "failed"):
             raise PartitionError(

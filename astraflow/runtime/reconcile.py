@@ -1,7 +1,8 @@
 """Runtime room: partition reconciliation. The *desired* partitions (the config, plus
 ``astraflow partitions add/remove`` written to ``control/partitions.json``) against the worker
 jobs that exist: submit the missing workers, start removing the workers of a partition that
-left the set (drain or now), and stop refilling a partition whose workers keep dying.
+left the set (drain or now), back off refilling a partition whose workers fail, and stop
+refilling it when they keep failing.
 
 `PartitionSet` owns the partitions, what the orchestrator knows about each (`PartitionState`,
 shown in ``status.json``) and the scheduler backends that start their workers. It never blocks
@@ -16,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from astraflow.runtime.control import DEFAULT_REMOVAL, read_desired_file
+from astraflow.runtime.control import DEFAULT_REMOVAL, PartitionError, read_desired_file
 from schedulers import Partition, make_scheduler, parse_worker_name
 from schedulers.slurm import SlurmCommandError
 from storage.paths import RunPaths
@@ -26,9 +27,14 @@ if TYPE_CHECKING:
     from astraflow.runtime.progress import Progress
     from astraflow.runtime.workers import Fleet, Worker
 
-#: a partition whose workers were lost before serving this many times per desired node is
-#: marked failed and no longer refilled
+#: a partition whose workers failed this many times per desired node is marked failed and no
+#: longer refilled
 FAILURES_PER_NODE = 3
+
+#: after its n-th failure a partition is refilled only after REFILL_BACKOFF_S * 2**(n-1)
+#: seconds (at most REFILL_BACKOFF_MAX_S): a crash loop does not resubmit at the tick rate
+REFILL_BACKOFF_S = 2.0
+REFILL_BACKOFF_MAX_S = 60.0
 
 
 @dataclass
@@ -45,7 +51,10 @@ class PartitionState:
     removed_at: float | None = None
     removal_mode: str | None = None
     failures: int = 0
-    """Workers of this partition lost before they served; too many marks it failed."""
+    """Workers of this partition that failed (lost before serving or soon after, replaced after
+    an error); too many mark it failed."""
+    refill_at: float | None = None
+    """No worker is submitted for it before this time (the backoff after its last failure)."""
 
 
 def run_tag(paths: RunPaths) -> str:
@@ -65,6 +74,8 @@ class PartitionSet:
         self.partitions: dict[str, Partition] = {p.name: p for p in partitions}
         self.state: dict[str, PartitionState] = {p.name: PartitionState() for p in partitions}
         self.schedulers: dict[str, Any] = {}
+        #: why the desired-partitions file was last unreadable (noted once per new error)
+        self._desired_error: str | None = None
 
     def scheduler_for(self, part: Partition):
         if part.scheduler not in self.schedulers:
@@ -92,21 +103,38 @@ class PartitionSet:
         return {n: ps.error for n, ps in self.state.items() if ps.state == "failed"}
 
     def record_failure(self, name: str, last_note: str) -> None:
-        """A worker of partition `name` was lost before it served (or its node failed);
-        too many such losses mark the partition failed so it is not refilled again and again."""
+        """A worker of partition `name` failed (lost before it served or soon after, or its node
+        failed): the partition is refilled only after a growing backoff, and too many failures
+        mark it failed so it is not refilled again and again. Both are noted in the progress
+        and shown by ``astraflow status``."""
         part, ps = self.partitions[name], self.state[name]
         ps.failures += 1
-        if ps.state == "active" and ps.failures >= FAILURES_PER_NODE * max(part.nodes, 1):
-            ps.state = "failed"
-            ps.error = (f"{ps.failures} workers were lost before serving (last: {last_note}); not refilling. "
+        limit = FAILURES_PER_NODE * max(part.nodes, 1)
+        if ps.state == "active" and ps.failures >= limit:
+            ps.state, ps.refill_at = "failed", None
+            ps.error = (f"{ps.failures} workers failed (last: {last_note}); not refilling. "
                         f"See the logs in {self.paths.jobs}; remove and add the partition to retry")
             self.progress.note(f"partition {name}: {ps.error}")
+        elif ps.state == "active":
+            delay = min(REFILL_BACKOFF_S * 2 ** (ps.failures - 1), REFILL_BACKOFF_MAX_S)
+            ps.refill_at = time.time() + delay
+            self.progress.note(f"partition {name}: worker failure {ps.failures} of {limit} before it stops being "
+                               f"refilled (last: {last_note}); refilling in {delay:.0f}s")
 
     def reconcile(self, fleet: Fleet, address_for: Callable[[Partition], str]) -> None:
         """Submit or remove worker jobs so each desired partition has ``nodes`` live workers.
 
         Never blocks on a worker: removals only start a drain (finished by `Fleet.advance`)."""
-        desired, removals = read_desired_file(self.paths)
+        try:
+            desired, removals = read_desired_file(self.paths)
+        except PartitionError as err:  # a damaged file: keep the partitions the run has
+            if str(err) != self._desired_error:
+                self.progress.note(str(err))
+            self._desired_error = str(err)
+            desired = {n: p for n, p in self.partitions.items() if self.state[n].state not in ("removing", "removed")}
+            removals = {}
+        else:
+            self._desired_error = None
         for name, part in desired.items():
             if name not in self.state or self.state[name].state == "removed":
                 self.state[name] = PartitionState()  # new, or added again after its removal
@@ -130,7 +158,7 @@ class PartitionSet:
                 continue
             live = [w for w in mine if not w.draining]
             missing = part.nodes - len(live)
-            if missing > 0:
+            if missing > 0 and (ps.refill_at is None or time.time() >= ps.refill_at):
                 used = {parse_worker_name(w.name)["index"] for w in fleet.in_partition(name)}
                 start = max(used) + 1 if used else 0
                 try:

@@ -45,6 +45,10 @@ class RunFailed(RuntimeError):
 #: actor's constructor fails; anything else is a bug and propagates.
 FUTURE_ERRORS = (OSError, RuntimeError, ValueError, TimeoutError, KeyError, asyncio.CancelledError)
 
+#: a worker lost after serving this long is not counted as a failure of its partition (the end
+#: of a healthy worker: preemption, walltime); one lost sooner is part of a crash loop
+SERVED_LONG_S = 300.0
+
 PHASES = ("submitted", "placing", "starting", "serving", "draining", "gone")
 
 #: phases in which a RaaS node exists on the worker (its leases must be requeued when it goes)
@@ -232,19 +236,21 @@ class Fleet:
             raise RunFailed(f"no RaaS node could start: {notes or 'no rollout worker joined'}")
 
     # ------------------------------------------------------------------ losses and failures
-    def lost(self, w: Worker, why: str) -> None:
-        """A worker vanished on its own: requeue its leases now; the partition is refilled by
-        the reconciler unless it was removed. A lost data or trainer worker ends the run."""
+    def lost(self, w: Worker, why: str, failed: bool = False) -> None:
+        """A worker vanished on its own (or, ``failed``, is replaced after an error): requeue its
+        leases now; the partition is refilled by the reconciler unless it was removed. A worker
+        lost before serving or within ``SERVED_LONG_S`` of it counts as a failure of its
+        partition (backoff, then no refill). A lost data or trainer worker ends the run."""
         role = self.role(w)
-        was = w.phase
+        was, served_s = w.phase, time.time() - w.since
         w.enter("gone")
         w.note = why
         if role != "rollout":
             raise RunFailed(f"{role} worker {w.name} is gone ({why}); see {w.job.log}")
         n = self.dl.node_gone(w.name).result(timeout=30) if was in NODE_PHASES else 0
-        if was != "serving" and was != "draining":
-            self._count_failure(w)
         self.progress.note(f"worker {w.name} is gone ({why}); {n} leases requeued")
+        if failed or was not in ("serving", "draining") or (was == "serving" and served_s < SERVED_LONG_S):
+            self._count_failure(w)
 
     def replace_failed_nodes(self, state: dict[str, Any], silent_after: float) -> None:
         """A RaaS node that stopped leasing after an error it could not recover from (its
@@ -265,8 +271,7 @@ class Fleet:
                 error = f"its loop has not called the data layer for {silent:.0f}s (dataflow.lease_seconds)"
             if error:
                 self.parts.cancel(w)
-                self.lost(w, f"RaaS node failed: {error}")
-                self._count_failure(w)
+                self.lost(w, f"RaaS node failed: {error}", failed=True)
 
     def fail_placement(self, w: Worker, why: str) -> None:
         """The actor could not be built or started: cancel the job (its slot is refilled)."""

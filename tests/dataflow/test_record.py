@@ -68,3 +68,22 @@ def test_generated_counts_training_and_evaluation_apart():
     g.add(TrajectoryRef("e", "e", "eval", 0, "n", (seq,)))
     assert (g.episodes, g.sequences, g.train_sequences, g.tokens) == (2, 3, 2, 6)
     assert g.rates(1.5) == {"episodes_per_s": 2 / 1.5, "sequences_per_s": 2.0, "generated_tokens_per_s": 4.0}
+
+
+def test_a_skipped_non_finite_step_writes_strict_json(tmp_path):
+    import numpy as np
+    import torch
+
+    path = tmp_path / "metrics.jsonl"
+    log = rec.MetricsLog(str(path))
+    log.write({"step": 3, "loss": float("nan"), "grad_norm": float("inf"), "nonfinite_skipped": True,
+               "reward_mean": np.float32("nan"), "tokens": np.int64(7), "kl": torch.tensor(float("-inf")),
+               "hist": {"0": 2}, "series": [1.0, float("nan")]})
+    log.close()
+
+    def refuse(literal):
+        raise AssertionError(f"{literal} written to metrics.jsonl")
+
+    line = json.loads(path.read_text(), parse_constant=refuse)
+    assert line == {"step": 3, "loss": None, "grad_norm": None, "nonfinite_skipped": True, "reward_mean": None,
+                    "tokens": 7, "kl": None, "hist": {"0": 2}, "series": [1.0, None]}

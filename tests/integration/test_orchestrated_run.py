@@ -129,7 +129,11 @@ def test_a_node_whose_loop_hangs_is_replaced(tiny_model, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     stuck = next(w for n, w in summary["workers"].items() if n.startswith("rollout") and n.endswith("-0"))
     assert stuck["gone"] and "has not called the data layer" in stuck["note"], stuck
-    assert any(n.startswith("rollout-rollout") and n.endswith("-2") for n in summary["workers"])
+    # counted as a failure of its partition, which is refilled after a short backoff (the run
+    # may have finished on the other node before that)
+    part = summary["partitions"]["rollout"]
+    refilled = any(n.startswith("rollout-rollout") and n.endswith("-2") for n in summary["workers"])
+    assert part["failures"] == 1 and (refilled or part["refill_in_s"] is not None), part
 
 
 @pytest.mark.timeout(300)

@@ -82,3 +82,20 @@ def test_each_actor_gets_its_own_section(tmp_path):
     assert trainer["optimizer_path"] == str(paths.optimizer_state(cfg.policies[0].name))
     data = data_layer_kwargs(cfg, paths)
     assert data["dataflow"] is cfg.dataflow and data["gated"] is (cfg.run.mode == "sync")
+
+
+def test_a_damaged_desired_file_keeps_the_partitions_the_run_has(tmp_path):
+    paths = RunPaths(tmp_path / "run").make()
+    parts = [Partition(name="rollout", nodes=1)]
+    notes: list[str] = []
+    progress = Progress(enabled=False)
+    progress.note = notes.append
+    pset = PartitionSet(parts, paths, ClusterConfig(), progress)
+    fleet = _Fleet()
+    w = _worker("rollout", 0)
+    fleet.workers[w.name] = w
+    paths.desired_partitions.write_bytes(b"\xff garbage")
+    for _ in range(2):
+        pset.reconcile(fleet, address_for=lambda part: "tcp://unused")
+    assert fleet.removed == [] and pset.state["rollout"].state == "active"
+    assert len(notes) == 1 and "not a valid desired-partitions file" in notes[0]  # said once

@@ -1,7 +1,8 @@
 """A RaaS node's own loop against a real data layer: any exception of a workflow or a reward,
 of any type, fails that task (requeued up to ``dataflow.max_attempts``, then failed) and
 releases its lease; a reward that hangs fails its episode at ``rollout.reward_timeout_s``
-without freezing the node; a node whose loop dies says so in a last heartbeat and its leases
+without freezing the node; an engine call that hangs fails its episode at
+``rollout.episode_timeout_s``; a node whose loop dies says so in a last heartbeat and its leases
 stop being renewed.
 
 The data layer runs in this process on an event loop of its own, behind `LocalActor`, which
@@ -24,7 +25,7 @@ from astraflow.rollout.engine import SamplingParams
 from astraflow.rollout.hf_engine import HFEngine
 from astraflow.rollout.node import NodeIdentity, RaaSNode
 from astraflow.rollout.weight_sync import WeightPuller
-from astraflow.rollout.workflows import SingleTurn
+from astraflow.rollout.workflows import SingleTurn, workflow_class
 from astraflow.workloads.base import make_workload
 from astraflow.workloads.config import SamplingConfig, WorkloadConfig
 from storage.trajectories import open_trajectory_store
@@ -110,16 +111,21 @@ class MathWithReward:
         return self.wl.reward(completion, payload)
 
 
-def _rig(tmp_path, tiny_model, workflow_cls, reward_timeout_s: float = 30.0, max_attempts: int = 2):
-    """A data layer behind `LocalActor` and a node serving it with ``workflow_cls``. Leases last
-    far longer than the test: a lease released during it was released by a failure report."""
+def _rig(tmp_path, tiny_model, workflow_cls, reward_timeout_s: float = 30.0, max_attempts: int = 2,
+         episode_timeout_s: float = 600.0):
+    """A data layer behind `LocalActor` and a node serving it with ``workflow_cls`` (a class, or
+    a workflow name such as ``module:name``). Leases last far longer than the test: a lease
+    released during it was released by a failure report."""
+    if isinstance(workflow_cls, str):
+        workflow_cls = workflow_class(workflow_cls)
     url = str(tmp_path / "trajectories")
     layer = DataLayer(dataflow=DataflowConfig(batch_size=8, lease_seconds=300, max_attempts=max_attempts),
                       workload=WorkloadConfig(name="math", params=MATH, group_size=4), policies=["p"],
                       store_url=url, metrics_path=str(tmp_path / "metrics.jsonl"), max_steps=5)
     dl = LocalActor(layer)
     node = RaaSNode(identity=NodeIdentity(name="n0"),
-                    rollout=RolloutConfig(capacity=4, reward_timeout_s=reward_timeout_s),
+                    rollout=RolloutConfig(capacity=4, reward_timeout_s=reward_timeout_s,
+                                          episode_timeout_s=episode_timeout_s),
                     models={}, workload_name="math", workload_params=MATH, workload_seed=0,
                     workflow="single_turn", sampling=SamplingConfig(max_new_tokens=4), store_url=url,
                     weights_root=str(tmp_path / "weights"), data_layer=dl)
@@ -200,6 +206,30 @@ def test_a_hanging_reward_fails_its_episode_at_its_deadline_and_the_node_goes_on
         assert "deadline (rollout.reward_timeout_s)" in _reasons(_ledger(dl))
     finally:
         release.set()
+
+
+@pytest.mark.timeout(120)
+def test_an_episode_whose_engine_call_hangs_is_failed_at_its_deadline_and_requeued(tmp_path, tiny_model, stop_after):
+    t0 = time.monotonic()
+    _, dl, node, _ = _rig(tmp_path, tiny_model, "tests.rollout.hanging_workflow:hanging_engine_call_test",
+                          episode_timeout_s=2.0)
+    stop_after((node, dl))
+    _wait("the hung episode to fail at its deadline", lambda: "EpisodeTimeout" in _reasons(_ledger(dl)))
+    assert time.monotonic() - t0 < 30
+    [hung] = node.workflow.hung
+    # requeued (attempt 2 of 2), not failed for good: another attempt of the same task completes
+    def state():
+        return dl.read(lambda layer: layer.ledger.tasks[hung].state)
+    _wait("the requeued task to be done", lambda: state() not in ("pending", "leased"))
+    assert state() in ("completed", "evaluated", "consumed"), state()
+    summary = _ledger(dl)
+    assert summary["events"].get("requeued_lease_expired", 0) == 0  # released by the failure report
+    assert "rollout.episode_timeout_s" in _reasons(summary)
+    assert node.counters["failed"] >= 1 and node.counters["episodes"] >= 2
+    assert node._thread.is_alive() and node.error is None, node.error  # the node goes on serving
+    assert dl.state().result(10)["nodes"]["n0"]["silent_s"] < 5
+    node.stop(timeout=10)
+    assert not _held(dl)
 
 
 class _FullDisk:

@@ -9,6 +9,7 @@ per policy for the AstraFlow page (``/astraflow/api/metrics.json``), ``astraflow
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from pydantic import Field
 
 from astraflow.runtime.monitoring.view import SCHEMA_VERSION, _View
 from storage.paths import RunPaths
+
+log = logging.getLogger("astraflow.monitoring")
 
 
 class PolicyCurves(_View):
@@ -44,6 +47,7 @@ class MetricsView(_View):
     schema_version: int
     run_dir: str
     lines: int = Field(description="lines of metrics.jsonl read (a partial last line is not counted)")
+    skipped: int = Field(default=0, description="damaged lines skipped (not JSON, not a metrics record)")
     policies: dict[str, PolicyCurves]
 
 
@@ -53,20 +57,54 @@ _TRAINER_KEYS = {
     "generated_tokens_per_s": "generated_tokens_per_s", "filtered": "filtered", "stale_dropped": "stale_dropped",
     "replayed": "replayed",
 }
+#: the curves of counts (integers)
+_COUNT_KEYS = ("filtered", "stale_dropped", "replayed")
 
 
-def tail_records(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
-    """The complete JSON lines of ``path`` after byte ``offset``, and the offset after them
-    (a line still being written is left for the next call)."""
+def _is_record(rec: Any) -> bool:
+    """A line a reader can use: a JSON object with an integer ``step`` (and a numeric
+    ``eval_accuracy`` on an evaluation line)."""
+    return (isinstance(rec, dict) and isinstance(rec.get("step"), int) and not isinstance(rec["step"], bool)
+            and ("eval_accuracy" not in rec or _number(rec["eval_accuracy"]) is not None))
+
+
+def _number(value: Any) -> float | int | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def tail_lines(path: Path, offset: int) -> tuple[list[dict[str, Any]], int, int]:
+    """The metrics records among the complete lines of ``path`` after byte ``offset``, how many
+    lines were skipped (not UTF-8, not JSON, not a record: a damaged line never stops a reader),
+    and the offset after them (a line still being written is left for the next call)."""
     if not path.exists():
-        return [], offset
+        return [], 0, offset
     with path.open("rb") as fh:
         fh.seek(offset)
         chunk = fh.read()
     end = chunk.rfind(b"\n")
     if end < 0:
-        return [], offset
-    return [json.loads(raw) for raw in chunk[: end + 1].splitlines() if raw.strip()], offset + end + 1
+        return [], 0, offset
+    records, skipped = [], 0
+    for raw in chunk[: end + 1].splitlines():
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except ValueError:  # not UTF-8 or not JSON
+            rec = None
+        if _is_record(rec):
+            records.append(rec)
+        else:
+            skipped += 1
+    if skipped:
+        log.warning("%s: skipped %d damaged line(s) after byte %d", path, skipped, offset)
+    return records, skipped, offset + end + 1
+
+
+def tail_records(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """`tail_lines` without the count of skipped lines."""
+    records, _, offset = tail_lines(path, offset)
+    return records, offset
 
 
 class MetricsReader:
@@ -77,6 +115,7 @@ class MetricsReader:
         self.paths = RunPaths(Path(run_dir))
         self._offset = 0
         self._lines = 0
+        self._skipped = 0
         self._curves: dict[str, dict[str, Any]] = {}
 
     def _policy(self, name: str) -> dict[str, Any]:
@@ -86,21 +125,27 @@ class MetricsReader:
         return self._curves[name]
 
     def _add(self, rec: dict[str, Any]) -> None:
+        """Add one record (`_is_record`); a field of the wrong type reads as missing."""
         c = self._policy(str(rec.get("policy", "?")))
+        when = float(_number(rec.get("time")) or 0.0)
         if "eval_accuracy" in rec:
-            c["eval_step"].append(int(rec["step"]))
-            c["eval_time"].append(float(rec.get("time", 0.0)))
+            c["eval_step"].append(rec["step"])
+            c["eval_time"].append(when)
             c["eval_accuracy"].append(float(rec["eval_accuracy"]))
             return
-        c["step"].append(int(rec["step"]))
-        c["time"].append(float(rec.get("time", 0.0)))
+        c["step"].append(rec["step"])
+        c["time"].append(when)
         for key, src in _TRAINER_KEYS.items():
-            c[key].append(rec.get(src))
-        for k, v in (rec.get("data_staleness_hist") or {}).items():
-            c["staleness_hist"][str(k)] = c["staleness_hist"].get(str(k), 0) + int(v)
+            value = _number(rec.get(src))
+            c[key].append(value if key not in _COUNT_KEYS or isinstance(value, int) else None)
+        hist = rec.get("data_staleness_hist")
+        for k, v in (hist.items() if isinstance(hist, dict) else ()):
+            if isinstance(v, int) and not isinstance(v, bool) and str(k).lstrip("-").isdigit():
+                c["staleness_hist"][str(k)] = c["staleness_hist"].get(str(k), 0) + v
 
     def read(self) -> None:
-        records, self._offset = tail_records(self.paths.metrics, self._offset)
+        records, skipped, self._offset = tail_lines(self.paths.metrics, self._offset)
+        self._skipped += skipped
         for rec in records:
             self._add(rec)
             self._lines += 1
@@ -108,7 +153,7 @@ class MetricsReader:
     def view(self) -> MetricsView:
         self.read()
         return MetricsView(
-            schema_version=SCHEMA_VERSION, run_dir=str(self.paths.root), lines=self._lines,
+            schema_version=SCHEMA_VERSION, run_dir=str(self.paths.root), lines=self._lines, skipped=self._skipped,
             policies={p: PolicyCurves(**c) for p, c in self._curves.items()},
         )
 

@@ -11,7 +11,6 @@ connection to the cluster: a run directory on shared storage is enough.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storage.atomic import write_json
+from storage.atomic import UnreadableFile, read_json_object, write_json
 from storage.paths import RunPaths
 
 #: a status snapshot older than this means the orchestrator is not running any more.
@@ -59,10 +58,23 @@ def archive_summary(paths: RunPaths) -> None:
 
 # -- reading (the CLI, the dashboard page) -------------------------------------------------------
 
+#: what to do about each status file that cannot be read (`_read_json`)
+_FIXES = {
+    "status.json": "the run's orchestrator rewrites it every tick; if no run is running there, delete it",
+    "orchestrator.json": "written when a run starts; if no run is running there, delete it",
+    "summary.json": "the record of how the run ended; restore it from a copy, or move it aside to read the rest",
+}
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, None when it does not exist; `UnreadableFile` (a
+    ``ValueError``) naming the file and the fix when it is damaged."""
     if not path.exists():
         return None
-    return json.loads(path.read_text())
+    try:
+        return read_json_object(path)
+    except UnreadableFile as err:
+        raise UnreadableFile(f"{err}: {_FIXES.get(path.name, 'restore or delete it')}") from None
 
 
 def orchestrator_alive(info: dict[str, Any]) -> bool:

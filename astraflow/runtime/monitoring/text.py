@@ -17,6 +17,10 @@ def format_partitions(st: dict[str, Any]) -> str:
             f"{p.get('state', '?'):<9} {p['nodes']:>7} {p.get('live', 0):>4} {p.get('serving', 0):>7} "
             f"{p.get('completed', 0):>8} {p.get('episodes_per_s', 0.0):>6.1f}  {jobs}"
         )
+        if p.get("failures"):
+            wait = p.get("refill_in_s")
+            lines.append(f"  failures: {p['failures']} worker(s) failed"
+                         + (f"; refilling in {wait:.0f}s (backoff)" if wait else ""))
         if p.get("error"):
             lines.append(f"  error: {p['error']}")
     return "\n".join(lines)

@@ -65,6 +65,10 @@ class PartitionView(_View):
     desired: int = Field(description="nodes the partition should have")
     live: int = Field(description="its workers that are not gone")
     nodes: list[NodeView] = Field(description="its workers, by name")
+    state: str = Field(default="?", description="active | removing | removed | failed (not refilled); ? when unknown")
+    failures: int = Field(default=0, description="its workers that failed (lost before serving or soon after)")
+    refill_in_s: float | None = Field(default=None, description="seconds until it is refilled again (backoff after a failure); None when not waiting")
+    error: str | None = Field(default=None, description="why it failed; None while healthy")
 
 
 class PolicyView(_View):
@@ -200,6 +204,8 @@ def build_status_view(run_dir: Path | str, now: float | None = None) -> StatusVi
             name=n, scheduler=str(p.get("scheduler", "?")), role=str(p.get("role", "?")),
             hardware=str(p.get("hardware", "?")), region=str(p.get("region", "?")),
             desired=int(p.get("nodes", 0)), live=int(p.get("live", 0)), nodes=by_part.get(n, []),
+            state=str(p.get("state", "?")), failures=int(p.get("failures", 0)),
+            refill_in_s=p.get("refill_in_s"), error=p.get("error"),
         )
         for n, p in parts_cfg.items()
     ] + [  # nodes the data layer knows in a partition no longer configured

@@ -75,6 +75,8 @@ class StatusWriter:
                 **p.model_dump(mode="json"),
                 "state": ps.state,
                 "error": ps.error,
+                "failures": ps.failures,
+                "refill_in_s": max(ps.refill_at - time.time(), 0.0) if ps.refill_at and ps.state == "active" else None,
                 "live": sum(1 for w in mine if not w.gone),
                 "serving": sum(1 for w in mine if w.phase == "serving"),
                 "draining": sum(1 for w in mine if w.draining),

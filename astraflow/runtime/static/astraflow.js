@@ -159,7 +159,11 @@ function renderStatus(st) {
   for (const part of st.partitions) {
     const tr = el("tr", { class: "partition" });
     tr.appendChild(el("td", { colspan: 13 },
-      `${part.name} — ${part.scheduler}, role ${part.role}, ${part.hardware} in ${part.region}: ${part.live} live of ${part.desired} desired`));
+      `${part.name} — ${part.scheduler}, role ${part.role}, ${part.hardware} in ${part.region}: ${part.live} live of ${part.desired} desired`
+      + (part.state !== "active" && part.state !== "?" ? `, ${part.state}` : "")
+      + (part.failures ? `, ${part.failures} failed` : "")
+      + (part.refill_in_s ? `, refilling in ${Math.round(part.refill_in_s)}s` : "")
+      + (part.error ? ` — ${part.error}` : "")));
     rows.push(tr);
     for (const n of part.nodes) {
       const versions = Object.entries(n.versions).map(([p, v]) => `${p}:v${v}`).join(" ") || "–";

@@ -1,0 +1,127 @@
+"""Bad input to every CLI command that reads a run directory or a file: damaged files of a run
+(status, orchestrator, summary, desired partitions: not UTF-8, not JSON, not an object), a
+``--from-yaml`` that is not UTF-8, paths that do not exist. Each exits 2 with one message line
+and no traceback; the metrics readers (``status --json --metrics``, ``plot``) skip damaged lines
+of ``metrics.jsonl`` and still work. In process (`CliRunner`): the subprocess path of the same
+CLI is covered by ``test_bad_input.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from astraflow.cli import main
+from storage.paths import RunPaths
+
+GARBAGE = b"\xff\xfe{not json"
+METRICS = (b'{"step": 1, "policy": "p", "reward_mean": 0.5, "time": 1.0}\n'
+           b'{"step": 2, "policy": "p", "rew\n'          # a truncated line
+           b"\xff\xfe garbage\n[1, 2]\n\"text\"\n"        # not UTF-8, not an object
+           b'{"step": "x", "policy": "p"}\n'              # no integer step
+           b'{"step": 3, "policy": "p", "reward_mean": NaN, "loss": "high", "time": 3.0}\n'
+           b'{"step": 4, "policy": "p", "reward_mean": 0.7, "time": 4.0, "data_staleness_hist": {"0": 2, "x": 1}}\n')
+
+
+def _run_dir(tmp_path: Path, **files: bytes | str) -> str:
+    """A run directory whose orchestrator (this process) looks alive, with ``files`` written
+    over its own (attribute names of `RunPaths`, or ``/relative/path``)."""
+    p = RunPaths(tmp_path / "run").make()
+    p.orchestrator_file.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                               "started": time.time(), "dashboard": None, "scheduler": None}))
+    p.status_file.write_text(json.dumps({"written_at": time.time(), "run_dir": str(p.root), "partitions": {},
+                                         "workers": {}, "data_layer": {}, "trainers": {}}))
+    p.desired_partitions.write_text(json.dumps({"partitions": [{"name": "rollout"}], "removals": {}}))
+    p.metrics.write_bytes(METRICS)
+    for name, content in files.items():
+        path = p.root / name[1:] if name.startswith("/") else getattr(p, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+    return str(p.root)
+
+
+def _add(**files):
+    return lambda t: ["partitions", "add", _run_dir(t, **files), "extra", "--nodes", "1", "--wait", "0"]
+
+
+EXIT_2 = {
+    "status: status.json not UTF-8": (lambda t: ["status", _run_dir(t, status_file=GARBAGE)], "status.json cannot be read"),
+    "status: status.json a list": (lambda t: ["status", _run_dir(t, status_file="[1]")], "status.json holds a JSON list"),
+    "status --json: status.json truncated": (lambda t: ["status", "--json", _run_dir(t, status_file='{"written_at": ')],
+                                             "status.json cannot be read"),
+    "status: orchestrator.json garbage": (lambda t: ["status", _run_dir(t, orchestrator_file=GARBAGE)],
+                                          "orchestrator.json cannot be read"),
+    "status: summary.json garbage": (lambda t: ["status", _run_dir(t, summary=GARBAGE)], "summary.json cannot be read"),
+    "status --json: summary.json a number": (lambda t: ["status", "--json", _run_dir(t, summary="3")],
+                                             "summary.json holds a JSON int"),
+    "status: no run directory": (lambda t: ["status", str(t / "nope")], "is not a run directory"),
+    "partitions list: status.json garbage": (lambda t: ["partitions", "list", _run_dir(t, status_file=GARBAGE)],
+                                             "status.json cannot be read"),
+    "partitions add: desired file garbage": (_add(desired_partitions=GARBAGE), "not a valid desired-partitions file"),
+    "partitions add: desired file a list": (_add(desired_partitions="[1]"), "not a valid desired-partitions file"),
+    "partitions add: desired entry invalid": (_add(desired_partitions='{"partitions": [{"nodes": -1}]}'),
+                                              "not a valid desired-partitions file"),
+    "partitions add: status.json garbage": (_add(status_file=GARBAGE), "status.json cannot be read"),
+    "partitions remove: desired file garbage": (lambda t: ["partitions", "remove", _run_dir(t, desired_partitions=GARBAGE),
+                                                           "rollout"], "not a valid desired-partitions file"),
+    "partitions add --from-yaml not UTF-8": (lambda t: ["partitions", "add", _run_dir(t, **{"/p.yaml": b"name: x # caf\xe9\n"}),
+                                                        "--from-yaml", str(t / "run" / "p.yaml")], "can't decode"),
+    "partitions add --from-yaml missing": (lambda t: ["partitions", "add", _run_dir(t), "--from-yaml", str(t / "no.yaml")],
+                                           "No such file"),
+    "check: config missing": (lambda t: ["check", str(t / "no.yaml")], "not found"),
+    "run: config missing": (lambda t: ["run", str(t / "no.yaml")], "not found"),
+    "plot: no metrics line": (lambda t: ["plot", _run_dir(t, metrics=GARBAGE + b"\n")], "has no metrics yet"),
+    "model init: directory not empty": (lambda t: ["model", "init", _run_dir(t)], "exists and is not empty"),
+}
+
+
+def _invoke(args):
+    res = CliRunner().invoke(main, args)
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exc_info
+    assert "Traceback" not in res.output
+    return res
+
+
+@pytest.mark.parametrize("case", list(EXIT_2))
+def test_bad_input_exits_2_with_one_line(case, tmp_path):
+    make, needle = EXIT_2[case]
+    res = _invoke(make(tmp_path))
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2, res.output
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and needle in lines[0], res.output
+
+
+def test_status_metrics_skips_damaged_lines(tmp_path):
+    res = _invoke(["status", "--json", "--metrics", _run_dir(tmp_path)])
+    assert res.exit_code == 0, res.output
+    view = json.loads(res.output[res.output.index("{"):])
+    curves = view["policies"]["p"]
+    assert curves["step"] == [1, 3, 4] and view["skipped"] == 5
+    assert curves["reward_mean"] == [0.5, None, 0.7] and curves["loss"] == [None, None, None]
+    assert curves["staleness_hist"] == {"0": 2}
+
+
+def test_plot_skips_damaged_lines(tmp_path):
+    res = _invoke(["plot", _run_dir(tmp_path), "--out", str(tmp_path / "plots")])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "accuracy.png", "reward.png", "staleness.png", "throughput.png"]
+
+
+def test_the_dashboard_status_reads_a_damaged_snapshot_as_an_error_message(tmp_path):
+    from astraflow.runtime.monitoring import MetricsReader, build_status_view
+
+    run = Path(_run_dir(tmp_path, status_file=GARBAGE))
+    with pytest.raises(ValueError, match="status.json cannot be read"):  # the page shows it and retries
+        build_status_view(run)
+    reader = MetricsReader(run)
+    assert reader.view().lines == 3
+    with open(RunPaths(run).metrics, "ab") as fh:  # a damaged line appended later does not stop it
+        fh.write(b'{"step": 5, "policy": "p"\n{"step": 6, "policy": "p", "reward_mean": 0.9}\n')
+    view = reader.view()
+    assert view.lines == 4 and view.skipped == 6 and view.policies["p"].step[-1] == 6

@@ -1,0 +1,111 @@
+"""A crash-looping partition, without a cluster: each failure of a worker delays the next
+refill (a growing backoff) and enough of them stop the refills; both are visible in the status
+text. A worker lost soon after it began serving counts, one lost after long service does not.
+Worker jobs go to a fake ``sbatch`` on PATH (the process boundary to Slurm), which also lets a
+partial submission fail part way: the partition is then marked failed, naming the cancelled jobs."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+from astraflow.config import ClusterConfig
+from astraflow.runtime.control import write_desired
+from astraflow.runtime.monitoring import StatusWriter, format_partitions
+from astraflow.runtime.progress import Progress
+from astraflow.runtime.reconcile import FAILURES_PER_NODE, REFILL_BACKOFF_S, PartitionSet
+from astraflow.runtime.workers import SERVED_LONG_S, Fleet
+from schedulers import Partition
+from storage.paths import RunPaths
+
+from tests.schedulers.fake_slurm import fake_slurm
+
+
+class _DataLayer:
+    """What `Fleet.lost` calls on the data layer's actor handle: ``node_gone`` (no leases held)."""
+
+    def node_gone(self, name: str) -> Future:
+        fut: Future = Future()
+        fut.set_result(0)
+        return fut
+
+
+def _setup(tmp_path, nodes: int = 1):
+    paths = RunPaths(tmp_path / "run").make()
+    progress = Progress(enabled=False)
+    part = Partition(name="gpu", scheduler="slurm", nodes=nodes, role="rollout")
+    pset = PartitionSet([part], paths, ClusterConfig(), progress)
+    fleet = Fleet(pset, placement=None, cluster=ClusterConfig(), progress=progress, place_node=lambda n, p: None)
+    fleet.dl = _DataLayer()
+    write_desired(paths, [part])
+    return paths, pset, fleet
+
+
+def _reconcile(pset: PartitionSet, fleet: Fleet) -> None:
+    pset.reconcile(fleet, address_for=lambda part: "tcp://127.0.0.1:8786")
+
+
+def _status_text(paths: RunPaths, pset: PartitionSet, fleet: Fleet) -> str:
+    writer = StatusWriter(paths, "t", pset, fleet)
+    return format_partitions({"partitions": writer.partitions()})
+
+
+def _calls(rec) -> int:
+    return int((rec / "calls").read_text()) if (rec / "calls").exists() else 0
+
+
+def test_a_failing_partition_is_refilled_after_a_backoff_then_no_more(tmp_path, monkeypatch):
+    rec = fake_slurm(tmp_path, monkeypatch, fail_at=99)
+    paths, pset, fleet = _setup(tmp_path)
+    _reconcile(pset, fleet)
+    assert _calls(rec) == 1
+    [w] = fleet.workers.values()
+    w.enter("serving")
+    fleet.lost(w, "job 4101 FAILED")  # soon after it began serving: a crash
+    ps = pset.state["gpu"]
+    assert ps.failures == 1 and ps.refill_at is not None and ps.state == "active"
+    _reconcile(pset, fleet)
+    assert _calls(rec) == 1, "refilled during its backoff"
+    text = _status_text(paths, pset, fleet)
+    assert "failures: 1 worker(s) failed; refilling in 2s (backoff)" in text, text
+    time.sleep(REFILL_BACKOFF_S + 0.1)
+    _reconcile(pset, fleet)
+    assert _calls(rec) == 2
+    delays = []
+    for i in range(FAILURES_PER_NODE - 1):
+        [live] = [x for x in fleet.workers.values() if not x.gone]
+        fleet.lost(live, "job FAILED")  # before serving
+        if ps.refill_at is not None:
+            delays.append(round(ps.refill_at - time.time()))
+            ps.refill_at = time.time()  # its backoff has passed
+            _reconcile(pset, fleet)
+    assert delays == [2 * REFILL_BACKOFF_S] * (FAILURES_PER_NODE - 2)  # doubled after the second failure
+    assert ps.state == "failed" and ps.failures == FAILURES_PER_NODE
+    calls = _calls(rec)
+    _reconcile(pset, fleet)
+    assert _calls(rec) == calls, "a failed partition was refilled"
+    text = _status_text(paths, pset, fleet)
+    assert "failed" in text and f"{FAILURES_PER_NODE} workers failed (last: job FAILED); not refilling" in text
+
+
+def test_a_worker_lost_after_long_service_is_not_a_failure(tmp_path, monkeypatch):
+    fake_slurm(tmp_path, monkeypatch, fail_at=99)
+    _, pset, fleet = _setup(tmp_path)
+    _reconcile(pset, fleet)
+    [w] = fleet.workers.values()
+    w.enter("serving")
+    w.since -= SERVED_LONG_S + 1
+    fleet.lost(w, "job 4101 PREEMPTED")
+    assert pset.state["gpu"].failures == 0 and pset.state["gpu"].refill_at is None
+
+
+def test_a_partial_submission_marks_the_partition_failed_naming_the_cancelled_jobs(tmp_path, monkeypatch):
+    rec = fake_slurm(tmp_path, monkeypatch, fail_at=3)
+    paths, pset, fleet = _setup(tmp_path, nodes=4)
+    _reconcile(pset, fleet)
+    assert (rec / "scancel.log").read_text().split() == ["4101", "4102"]
+    assert not fleet.workers  # nothing of the request is tracked
+    ps = pset.state["gpu"]
+    assert ps.state == "failed"
+    assert "cancelled the 2 job(s) it had already submitted (4101, 4102)" in ps.error
+    assert "Requested node configuration is not available" in _status_text(paths, pset, fleet)
