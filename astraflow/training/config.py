@@ -26,8 +26,8 @@ class ModelInit(Strict):
     tokenizer: Literal["byte", "bpe"] = "byte"
     """``byte``: a byte-level tokenizer with no merges (every byte one token; the fast examples).
     ``bpe``: a byte-level BPE trained on the workload's train split (its prompts and reference
-    solutions), as real checkpoints have: shorter sequences, multi-byte tokens. Both have a chat
-    template."""
+    solutions; an agentic workload's expert episodes), as real checkpoints have: shorter
+    sequences, multi-byte tokens. Both have a chat template."""
     vocab_size: int = Field(default=1024, ge=262, le=65536)
     """``tokenizer: bpe``: vocabulary size (bytes, merges and special tokens)."""
     warm_start_seconds: float = Field(default=0.0, ge=0)

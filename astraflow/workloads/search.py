@@ -9,8 +9,8 @@ the result names into its next query, and finally answers with a plain turn hold
 name (``Mira``; an ``answer:`` prefix is tolerated). That turn ends the episode: reward 1 if it
 names the answer, else 0 (an empty turn scores 0 too, there are no hints).
 
-Everything is short on purpose: the policy is a byte-level model (one token per character), so
-names have four letters, documents three words, questions no prose and no system prompt (set
+Everything is short on purpose: the policies are small local models (a few tokens per word),
+so names have four letters, documents three words, questions no prose and no system prompt (set
 ``describe_tools`` for one), and a search returns ``top_k`` lines.
 
 Retrieval is BM25 by ``bm25s``: maintained, fast sparse-matrix BM25 in pure Python on

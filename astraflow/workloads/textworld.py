@@ -16,7 +16,7 @@ saying why, never an error (a move into a wall also says where the agent still i
 recovers by reading). Observations list the exits with the rooms behind them (``In hall.
 Exits: n lab, e den. You see key.``), so stepping toward a target in sight is reading, and the
 way round a missing door is found from the exits, not memorised. They are terse on purpose: the
-policy is a byte-level model (one token per character).
+policies are small local models.
 
 Generalisation: train and held-out tasks come from the same generator (i.i.d.) and are split by
 a hash of the whole task (map, start, goal, objects), so no held-out task is ever trained on and
