@@ -47,7 +47,9 @@ def test_agentic_example_runs(example, tiny_model, tmp_path):
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [x for x in lines if "loss" in x]
     assert [x["step"] for x in train] == [1, 2]
-    assert all(x["episode_turns"] >= 1 and 0 <= x["episode_invalid_call_rate"] <= 1 for x in train)
+    # episode statistics cover the episodes since the previous step (a step may have none new)
+    stats = [x for x in train if "episode_turns" in x]
+    assert stats and all(x["episode_turns"] >= 1 and 0 <= x["episode_invalid_call_rate"] <= 1 for x in stats)
     evals = [x for x in lines if "eval_accuracy" in x]
     assert [x["step"] for x in evals] == [0, 2]
     assert all(x["eval_turns"] >= 1 and x["eval_by_difficulty"] for x in evals)
