@@ -11,7 +11,9 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -22,8 +24,10 @@ from tests.e2e.test_cli import ROOT, _write_config
 EXIT_WITHIN_S = 45.0
 
 
-def _start(tmp_path: Path, tiny_model: Path) -> tuple[subprocess.Popen, Path]:
-    """A paced run (each episode takes >= 0.5 s) that would go on far longer than the test."""
+@contextmanager
+def _running(tmp_path: Path, tiny_model: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """A paced run (each episode takes >= 0.5 s) that would go on far longer than the test;
+    killed on the way out if the test left it running."""
     cfg = _write_config(tmp_path, tiny_model)
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
@@ -32,7 +36,12 @@ def _start(tmp_path: Path, tiny_model: Path) -> tuple[subprocess.Popen, Path]:
          "--set", "workload.workflow=tests.slurm.slow_workflow:slow_single_turn_test"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    return proc, run_dir
+    try:
+        yield proc, run_dir
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
 
 
 def _workers_once_training(proc: subprocess.Popen, run_dir: Path, deadline_s: float = 150) -> dict[str, dict]:
@@ -78,16 +87,11 @@ def _finish(proc: subprocess.Popen, killed_at: float) -> tuple[int, list[str], s
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("role", ["trainer", "data"])
 def test_a_killed_core_worker_fails_the_run_in_one_line_with_a_summary(tiny_model, tmp_path, role):
-    proc, run_dir = _start(tmp_path, tiny_model)
-    try:
+    with _running(tmp_path, tiny_model) as (proc, run_dir):
         workers = _workers_once_training(proc, run_dir)
         victim = next(w for w in workers.values() if w["partition"] == role)
         os.kill(_pid(victim), signal.SIGKILL)  # a worker this test's run started, by its PID
         rc, lines, everything, took = _finish(proc, time.monotonic())
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
     assert rc == 1, everything[-3000:]
     assert len(lines) == 1 and "Traceback" not in everything, everything[-3000:]
     assert lines[0].startswith(f"Error: the run failed: {role} worker") and "is gone" in lines[0], lines
@@ -108,8 +112,7 @@ def test_a_killed_core_worker_fails_the_run_in_one_line_with_a_summary(tiny_mode
 def test_sigterm_to_the_head_and_its_workers_stops_in_one_line_with_a_summary(tiny_model, tmp_path):
     """What ``scancel`` of a head job does: SIGTERM to every process of the job at once, so the
     stop finds its data layer and trainer gone and must still write the summary and exit."""
-    proc, run_dir = _start(tmp_path, tiny_model)
-    try:
+    with _running(tmp_path, tiny_model) as (proc, run_dir):
         workers = _workers_once_training(proc, run_dir)
         killed_at = time.monotonic()
         for w in workers.values():  # processes this test's run started, by their PIDs
@@ -117,10 +120,6 @@ def test_sigterm_to_the_head_and_its_workers_stops_in_one_line_with_a_summary(ti
                 os.kill(_pid(w), signal.SIGTERM)
         os.kill(proc.pid, signal.SIGTERM)
         rc, lines, everything, took = _finish(proc, killed_at)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
     assert rc == 130, everything[-3000:]
     assert len(lines) == 1 and "Traceback" not in everything, everything[-3000:]
     assert lines[0].startswith("the run was stopped by signal 15") and "summary.json" in lines[0], lines
