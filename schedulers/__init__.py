@@ -15,7 +15,7 @@ from schedulers.base import (
     UnknownJobError,
     make_scheduler,
 )
-from schedulers.command import partition_worker_command, worker_command, worker_env
+from schedulers.command import TLSFiles, partition_worker_command, worker_command, worker_env
 from schedulers.local import LocalScheduler
 from schedulers.partition import Partition, parse_worker_name, walltime_seconds, worker_name
 
@@ -31,6 +31,7 @@ __all__ = [
     "UnknownJobError",
     "make_scheduler",
     "parse_worker_name",
+    "TLSFiles",
     "partition_worker_command",
     "walltime_seconds",
     "worker_command",

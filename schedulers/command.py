@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from schedulers.partition import Partition, parse_worker_name
 
@@ -37,6 +39,33 @@ QUIET_DASK_ENV = {
     "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "2s",
     "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL": "1s",
 }
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """The PEM files with which a run's scheduler, workers and clients authenticate each other
+    (mutual TLS): the authority's certificate, and the certificate + key every component presents.
+    A worker given them joins only a scheduler holding a certificate from the same authority,
+    and the scheduler admits only such workers and clients."""
+
+    ca_file: Path
+    cert_file: Path
+    key_file: Path | None = None
+    """None when `cert_file` holds the key too."""
+
+    def args(self) -> list[str]:
+        """The ``dask scheduler`` / ``dask worker`` options that turn TLS on with these files."""
+        key = ["--tls-key", str(self.key_file)] if self.key_file else []
+        return ["--tls-ca-file", str(self.ca_file), "--tls-cert", str(self.cert_file), *key]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ca_file": str(self.ca_file), "cert_file": str(self.cert_file),
+                "key_file": str(self.key_file) if self.key_file else None}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "TLSFiles":
+        key = data.get("key_file")
+        return cls(Path(data["ca_file"]), Path(data["cert_file"]), Path(key) if key else None)
 
 
 def quiet_dask_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -60,6 +89,7 @@ def worker_command(
     interface: str | None = None,
     death_timeout: float = 60,
     local_directory: str | Path | None = None,
+    tls: TLSFiles | None = None,
 ) -> list[str]:
     """argv of a Dask worker named `name` joining `scheduler_address`.
 
@@ -68,7 +98,7 @@ def worker_command(
     worker reads the address when it starts, so a queued job survives a scheduler restart).
     `host` (e.g. ``127.0.0.1``) or `interface` (e.g. ``lo``, ``ib0``) chooses the address the
     worker listens on; give at most one. `death_timeout`: seconds a worker waits for an
-    unreachable scheduler before it exits.
+    unreachable scheduler before it exits. `tls`: the run's certificates, for a ``tls://`` scheduler.
     """
     if host is not None and interface is not None:
         raise ValueError("give either host (an IP address) or interface (e.g. 'ib0') for the worker, not both")
@@ -93,6 +123,8 @@ def worker_command(
         cmd += ["--interface", interface]
     if local_directory is not None:
         cmd += ["--local-directory", str(local_directory)]
+    if tls is not None:
+        cmd += tls.args()
     return cmd
 
 
@@ -106,6 +138,7 @@ def partition_worker_command(
     interface: str | None = None,
     death_timeout: float = 60,
     local_directory: str | Path | None = None,
+    tls: TLSFiles | None = None,
 ) -> list[str]:
     """`worker_command` with threads, memory limit and resources taken from `partition`."""
     return worker_command(
@@ -119,6 +152,7 @@ def partition_worker_command(
         interface=interface,
         death_timeout=death_timeout,
         local_directory=local_directory,
+        tls=tls,
     )
 
 

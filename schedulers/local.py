@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from schedulers.base import JobRef, JobStatus, UnknownJobError
-from schedulers.command import partition_worker_command, worker_env
+from schedulers.command import TLSFiles, partition_worker_command, worker_env
 from schedulers.procs import die_with_parent
 from schedulers.partition import Partition, worker_name
 
@@ -37,7 +37,7 @@ class LocalScheduler:
 
     `log_dir`: where ``<worker>.log`` files go. `host`: address workers listen on (loopback by
     default: local traffic stays on this machine). `term_timeout`: seconds `cancel` waits after
-    SIGTERM before it sends SIGKILL.
+    SIGTERM before it sends SIGKILL. `tls`: the run's certificates, for a ``tls://`` scheduler.
     """
 
     kind = "local"
@@ -51,12 +51,14 @@ class LocalScheduler:
         host: str = "127.0.0.1",
         death_timeout: float = 60,
         term_timeout: float = 10.0,
+        tls: TLSFiles | None = None,
     ):
         self.log_dir = Path(log_dir)
         self.python = python
         self.host = host
         self.death_timeout = death_timeout
         self.term_timeout = term_timeout
+        self.tls = tls
         self._procs: dict[str, _Proc] = {}
 
     def submit(self, partition: Partition, scheduler_address: str, count: int, start_index: int = 0) -> list[JobRef]:
@@ -78,6 +80,7 @@ class LocalScheduler:
                 python=self.python,
                 host=self.host,
                 death_timeout=self.death_timeout,
+                tls=self.tls,
             )
             log = self.log_dir / f"{name}.log"
             with open(log, "ab") as out:

@@ -43,7 +43,7 @@ from typing import Any
 import jinja2
 
 from schedulers.base import JobRef, JobStatus, UnknownJobError
-from schedulers.command import partition_worker_command, worker_env
+from schedulers.command import TLSFiles, partition_worker_command, worker_env
 from schedulers.partition import Partition, parse_worker_name, worker_name
 from storage.atomic import write_atomically
 
@@ -223,6 +223,7 @@ class SlurmScheduler:
         tag: str = "astraflow",
         death_timeout: float = 60,
         command_timeout: float = 30.0,
+        tls: TLSFiles | None = None,
     ):
         if not _TAG.match(tag):
             raise ValueError(f"tag {tag!r}: use 1-64 letters, digits, '_', '.', ':' or '-'")
@@ -236,6 +237,7 @@ class SlurmScheduler:
         self.tag = tag
         self.death_timeout = death_timeout
         self.command_timeout = command_timeout
+        self.tls = tls
         self._submitted: dict[str, JobRef] = {}
         self._template = _environment().get_template(WORKER_TEMPLATE)
 
@@ -263,6 +265,7 @@ class SlurmScheduler:
             host=self.host,
             interface=self.interface,
             death_timeout=self.death_timeout,
+            tls=self.tls,
         )
         script = self._template.render(
             partition=partition,

@@ -12,20 +12,21 @@ import sys
 import time
 from pathlib import Path
 
-from schedulers.command import quiet_dask_env
+from schedulers.command import TLSFiles, quiet_dask_env
 from schedulers.procs import die_with_parent
 from storage.paths import RunPaths
 
 
 class SchedulerProcess:
     def __init__(self, paths: RunPaths, dashboard_host: str = "127.0.0.1", dashboard_port: int = 8787,
-                 host: str | None = "127.0.0.1", interface: str | None = None):
+                 host: str | None = "127.0.0.1", interface: str | None = None, tls: TLSFiles | None = None):
         if interface is not None:
             host = None  # listen on the interface's address (e.g. ib0 on the head node)
         self.paths = paths
         self.dashboard = f"{dashboard_host}:{dashboard_port}"
         self.host = host
         self.interface = interface
+        self.tls = tls
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60.0) -> str:
@@ -38,6 +39,7 @@ class SchedulerProcess:
             "--dashboard-address", self.dashboard,
             "--scheduler-file", str(self.paths.scheduler_file),
             "--preload", "astraflow.runtime.dashboard",
+            *(["--protocol", "tls", *self.tls.args()] if self.tls else []),
         ]
         self.proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,

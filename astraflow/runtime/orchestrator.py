@@ -145,6 +145,7 @@ class Orchestrator:
     def _bring_up(self) -> None:
         """Start the scheduler, submit every configured worker job, wait until all joined."""
         self.placement.start()
+        self.parts.tls = self.placement.tls
         self._reconcile()
         refused = self.parts.refused()
         if refused:

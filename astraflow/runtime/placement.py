@@ -17,8 +17,9 @@ from distributed import Client
 from astraflow.rollout.node import NodeIdentity
 from astraflow.runtime.cluster import SchedulerProcess, connected_workers, repo_root
 from astraflow.runtime.monitoring import write_orchestrator_info
+from astraflow.runtime.security import client_security, run_tls
 from astraflow.runtime.workers import RunFailed
-from schedulers import Partition
+from schedulers import Partition, TLSFiles
 from storage.paths import RunPaths
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ class Placement:
         self.scheduler_proc: SchedulerProcess | None = None
         self.client: Client | None = None
         self.dashboard: str | None = None
+        #: the run's TLS certificates (None: TLS turned off); workers are started with them
+        self.tls: TLSFiles | None = None
 
     def start(self) -> None:
         """Start the scheduler (workers started later import AstraFlow from this checkout),
@@ -47,11 +50,12 @@ class Placement:
             os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""
         )
         cc = self.cluster
+        self.tls = run_tls(self.paths, cc.tls)
         self.scheduler_proc = SchedulerProcess(self.paths, cc.dashboard_host, cc.dashboard_port,
-                                               host=cc.scheduler_host, interface=cc.scheduler_interface)
+                                               host=cc.scheduler_host, interface=cc.scheduler_interface, tls=self.tls)
         with self.progress.waiting("starting the Dask scheduler"):
             address = self.scheduler_proc.start()
-        self.client = Client(address, timeout=30)
+        self.client = Client(address, timeout=30, security=client_security(self.tls))
         dash = self.client.scheduler_info().get("services", {}).get("dashboard")
         host = cc.dashboard_host
         self.dashboard = f"http://{host}:{dash}/status" if dash else None

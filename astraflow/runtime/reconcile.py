@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from astraflow.runtime.control import DEFAULT_REMOVAL, PartitionError, read_desired_file
-from schedulers import Partition, make_scheduler, parse_worker_name
+from schedulers import Partition, TLSFiles, make_scheduler, parse_worker_name
 from schedulers.slurm import SlurmCommandError
 from storage.paths import RunPaths
 
@@ -74,6 +74,8 @@ class PartitionSet:
         self.partitions: dict[str, Partition] = {p.name: p for p in partitions}
         self.state: dict[str, PartitionState] = {p.name: PartitionState() for p in partitions}
         self.schedulers: dict[str, Any] = {}
+        #: the run's TLS certificates, given to every worker (set once the scheduler started)
+        self.tls: TLSFiles | None = None
         #: why the desired-partitions file was last unreadable (noted once per new error)
         self._desired_error: str | None = None
 
@@ -91,7 +93,7 @@ class PartitionSet:
                           "setup_lines": tuple(cc.slurm_setup_lines), "interface": iface, "host": host}
                 if cc.worker_python:
                     kwargs["python"] = cc.worker_python
-            self.schedulers[part.scheduler] = make_scheduler(part.scheduler, **kwargs)
+            self.schedulers[part.scheduler] = make_scheduler(part.scheduler, tls=self.tls, **kwargs)
         return self.schedulers[part.scheduler]
 
     def cancel(self, w: Worker) -> None:
