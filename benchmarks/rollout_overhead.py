@@ -9,11 +9,15 @@ batch size:
   a ``DataLayer`` actor on another worker, running the ``single_turn`` workflow, writing
   trajectories to a Zarr store on disk and completing them (no trainer: a RaaS node runs alone
   against a data layer). The scheduler and workers are started exactly as ``astraflow run``
-  starts them, and the node runs its engine as configured by default (in its own process).
+  starts them, with the run's mutual TLS, and the node runs its engine as configured by default
+  (in its own process);
+* **RaaS node, plain TCP**: the same with TLS turned off (``cluster.tls.enabled: false``), so
+  the cost of encrypting and authenticating the run's Dask traffic is measured too.
 
-Reports generated tokens/s of both, their ratio (goal >= 0.95), each engine's busy time and
-mean batch, and the store write + index time per trajectory in milliseconds. Repetitions
-alternate bare and RaaS (load drifts hit both alike); the median ratio is the result.
+Reports generated tokens/s of all three, the RaaS/bare ratio (goal >= 0.95) and the TLS/plain
+ratio, each engine's busy time and mean batch, and the store write + index time per trajectory
+in milliseconds. Repetitions alternate the three (load drifts hit all alike); the median
+ratios are the result.
 
     python benchmarks/rollout_overhead.py [--groups 200] [--reps 3] [--capacity 128] [--max-batch 64]
         [--in-process]   # the engine inside the node's worker process (rollout.engine.process: false)
@@ -60,27 +64,30 @@ def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_batch: in
 
 
 @contextlib.contextmanager
-def system_workers(work: Path):
+def system_workers(work: Path, tls: bool = True):
     """A Dask scheduler, a data worker and a rollout worker, started exactly as ``astraflow run``
-    starts them (``SchedulerProcess`` + ``LocalScheduler``: no nanny). Yields the client and
+    starts them (``SchedulerProcess`` + ``LocalScheduler``: no nanny; with the run's mutual TLS
+    unless `tls` is false). Yields the client and
     the two worker addresses. (A ``LocalCluster``'s nannies set ``MALLOC_TRIM_THRESHOLD_``,
     which alone cost the engine 20-40 % of its tokens/s here: not what a user runs.)"""
     from distributed import Client
 
     from astraflow.runtime.cluster import SchedulerProcess, connected_workers
+    from astraflow.runtime.security import client_security, create_run_certificates
     from schedulers.local import LocalScheduler
     from schedulers.partition import Partition
     from storage.paths import RunPaths
 
     paths = RunPaths(work)
     paths.logs.mkdir(parents=True, exist_ok=True)
-    scheduler = SchedulerProcess(paths, dashboard_port=0)
+    files = create_run_certificates(work / "security") if tls else None
+    scheduler = SchedulerProcess(paths, dashboard_port=0, tls=files)
     address = scheduler.start()
-    workers = LocalScheduler(paths.logs)
+    workers = LocalScheduler(paths.logs, tls=files)
     try:
         for role in ("data", "rollout"):
             workers.submit(Partition(name="bench", role=role, region="home", hardware="cpu"), address, count=1)
-        with Client(address) as client:
+        with Client(address, security=client_security(files)) as client:
             deadline = time.time() + 120
             while len(connected_workers(client)) < 2:
                 if time.time() > deadline:
@@ -94,7 +101,7 @@ def system_workers(work: Path):
 
 
 def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int, capacity: int,
-         max_batch: int, max_new: int, digits: int, seed: int, engine_process: bool = True) -> dict:
+         max_batch: int, max_new: int, digits: int, seed: int, engine_process: bool = True, tls: bool = True) -> dict:
     from astraflow.dataflow.config import DataflowConfig
     from astraflow.rollout.config import EngineConfig, RolloutConfig
     from astraflow.workloads.config import EvalConfig, SamplingConfig, WorkloadConfig
@@ -104,7 +111,7 @@ def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int
 
     weights = work / "weights"
     WeightStore(weights)  # an empty store: the node serves the model directory as version 0
-    with system_workers(work) as (client, data_addr, rollout_addr):
+    with system_workers(work, tls) as (client, data_addr, rollout_addr):
         wl = WorkloadConfig(name="math", params={"digits": digits}, group_size=group_size,
                             sampling=SamplingConfig(max_new_tokens=max_new), eval=EvalConfig(every=0))
         dl = client.submit(
@@ -169,41 +176,56 @@ def main() -> None:
     # the data layer shuffles prompts; the bare run uses the same prompt distribution and count
     prompts = [tok.encode(wl.render_prompt(train[i % len(train)])) for i in range(args.groups) for _ in range(args.group_size)]
 
-    rows = []  # one (bare, RaaS) pair per repetition, alternating: load drifts hit both alike
+    rows = []  # one (bare, RaaS, RaaS plain TCP) triple per repetition, alternating: load drifts hit all alike
     for rep in range(args.reps):
         bare_s, bare_tokens, bare_stats = bare(model_dir, prompts, args.capacity, args.max_batch, args.max_new_tokens, args.seed)
-        r = raas(model_dir, work / f"rep{rep}", n, args.groups, args.group_size, args.capacity, args.max_batch,
-                 args.max_new_tokens, args.digits, args.seed, engine_process=not args.in_process)
+        runs = {tls: raas(model_dir, work / f"rep{rep}-{'tls' if tls else 'tcp'}", n, args.groups, args.group_size,
+                          args.capacity, args.max_batch, args.max_new_tokens, args.digits, args.seed,
+                          engine_process=not args.in_process, tls=tls)
+                for tls in ((True, False) if rep % 2 == 0 else (False, True))}
+        r, plain = runs[True], runs[False]
         c = r["counters"]
         # end to end: from the engine being loaded to the last trajectory completed in the data layer
         rows.append(dict(bare_s=bare_s, bare_tokens=bare_tokens, bare_stats=bare_stats, raas_s=r["wall_s"],
                          raas_tokens=c["tokens"], c=c, raas_stats=r["node"]["engine"]["p"],
-                         ratio=(c["tokens"] / r["wall_s"]) / (bare_tokens / bare_s)))
-        print(f"rep {rep + 1}/{args.reps}: ratio {rows[-1]['ratio']:.3f}", flush=True)
+                         ratio=(c["tokens"] / r["wall_s"]) / (bare_tokens / bare_s),
+                         plain_s=plain["wall_s"], plain_tokens=plain["counters"]["tokens"],
+                         plain_stats=plain["node"]["engine"]["p"],
+                         tls_ratio=(c["tokens"] / r["wall_s"]) / (plain["counters"]["tokens"] / plain["wall_s"])))
+        print(f"rep {rep + 1}/{args.reps}: ratio {rows[-1]['ratio']:.3f}, TLS/plain {rows[-1]['tls_ratio']:.3f}",
+              flush=True)
 
     table = Table(title=f"rollout overhead ({n} episodes, {args.capacity} in flight, engine batch {args.max_batch}, "
                         f"{args.preset} model, engine {'in the worker' if args.in_process else 'in its own process'})")
-    for col in ("rep", "path", "tokens", "seconds", "tokens/s", "engine busy s", "mean batch", "ratio"):
+    for col in ("rep", "path", "tokens", "seconds", "tokens/s", "engine busy s", "mean batch", "ratio to bare"):
         table.add_column(col, justify="right")
     for i, x in enumerate(rows):
         b, e = x["bare_stats"], x["raas_stats"]
         table.add_row(str(i + 1), "bare engine", str(x["bare_tokens"]), f"{x['bare_s']:.2f}",
                       f"{x['bare_tokens'] / x['bare_s']:.0f}", f"{b['busy_seconds']:.2f}",
                       f"{b['requests'] / max(b['batches'], 1):.1f}", "")
-        table.add_row("", "RaaS node", str(int(x["raas_tokens"])), f"{x['raas_s']:.2f}",
+        table.add_row("", "RaaS node (TLS)", str(int(x["raas_tokens"])), f"{x['raas_s']:.2f}",
                       f"{x['raas_tokens'] / x['raas_s']:.0f}", f"{e['busy_seconds']:.2f}",
                       f"{e['requests'] / max(e['batches'], 1):.1f}", f"{x['ratio']:.3f}")
+        p = x["plain_stats"]
+        table.add_row("", "RaaS node (plain TCP)", str(int(x["plain_tokens"])), f"{x['plain_s']:.2f}",
+                      f"{x['plain_tokens'] / x['plain_s']:.0f}", f"{p['busy_seconds']:.2f}",
+                      f"{p['requests'] / max(p['batches'], 1):.1f}",
+                      f"{(x['plain_tokens'] / x['plain_s']) / (x['bare_tokens'] / x['bare_s']):.3f}")
     Console().print(table)
     med = sorted(rows, key=lambda x: x["ratio"])[len(rows) // 2]
     c = med["c"]
     bare_tps, raas_tps = med["bare_tokens"] / med["bare_s"], med["raas_tokens"] / med["raas_s"]
     overhead_ms = 1000 * c["write_s"] / max(c["episodes"], 1)
-    print(f"median of {len(rows)}: ratio {med['ratio']:.3f}; per-trajectory store write+index "
+    tls_ratio = sorted(x["tls_ratio"] for x in rows)[len(rows) // 2]
+    print(f"median of {len(rows)}: ratio {med['ratio']:.3f}, TLS/plain TCP {tls_ratio:.3f}; per-trajectory store write+index "
           f"{overhead_ms:.2f} ms (lease calls overlap decoding and are not counted)")
     shutil.rmtree(work, ignore_errors=True)
     print("RESULT " + json.dumps({
         "ratio_vs_bare_engine": round(med["ratio"], 3),
         "ratios": [round(x["ratio"], 3) for x in rows],
+        "tls_vs_plain_tcp": round(tls_ratio, 3),
+        "tls_vs_plain_tcp_ratios": [round(x["tls_ratio"], 3) for x in rows],
         "bare_tokens_per_s": round(bare_tps, 1),
         "raas_tokens_per_s": round(raas_tps, 1),
         "overhead_ms_per_trajectory": round(overhead_ms, 3),
