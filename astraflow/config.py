@@ -24,6 +24,7 @@ from astraflow.dataflow.config import DataflowConfig
 from astraflow.rollout.config import RolloutConfig
 from astraflow.training.config import PolicyConfig
 from astraflow.workloads.config import WorkloadConfig
+from schedulers.command import is_loopback
 from schedulers.partition import ROLES, Partition
 from storage.atomic import write_atomically
 from storage.config import StorageConfig
@@ -69,7 +70,9 @@ class ClusterConfig(Strict):
     dashboard_port: int = Field(default=8787, ge=0, le=65535)
     """Dask dashboard port (0: any free port)."""
     dashboard_host: str = "127.0.0.1"
-    """Address the dashboard binds to; the default keeps it on this machine."""
+    """Address the dashboard binds to; the default keeps it on this machine (reach it through an
+    SSH tunnel or the site's proxy). Any other address serves it over HTTPS with the run's
+    certificate, to requests carrying the run's token only."""
     worker_start_timeout_s: float = Field(default=180.0, gt=0)
     """Deadline for requested workers to join the scheduler."""
     placement_timeout_s: float = Field(default=120.0, gt=0)
@@ -99,6 +102,15 @@ class ClusterConfig(Strict):
     tls: TLSConfig = TLSConfig()
     """Mutual TLS on all Dask traffic: on by default with certificates the run creates
     (``docs/security.md``)."""
+
+    @model_validator(mode="after")
+    def _exposed_dashboard(self) -> "ClusterConfig":
+        if not is_loopback(self.dashboard_host) and not self.tls.enabled:
+            raise ValueError(
+                f"cluster.dashboard_host {self.dashboard_host!r} is reachable from other machines, where the dashboard "
+                "is served only over HTTPS with a token, which needs cluster.tls: enable it, or keep "
+                "dashboard_host: 127.0.0.1 and open it through an SSH tunnel or your site's proxy")
+        return self
 
 
 class RunSection(Strict):

@@ -15,6 +15,7 @@ the worker still serves its small HTTP endpoint (health, metrics) on a random po
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 from collections.abc import Mapping
@@ -66,6 +67,16 @@ class TLSFiles:
     def from_json(cls, data: Mapping[str, Any]) -> "TLSFiles":
         key = data.get("key_file")
         return cls(Path(data["ca_file"]), Path(data["cert_file"]), Path(key) if key else None)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or name a server binds to) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def quiet_dask_env(environ: Mapping[str, str]) -> dict[str, str]:

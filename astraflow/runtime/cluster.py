@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from astraflow.runtime.dashboard import ACCESS_ENV, RUN_DIR_ENV, TOKEN_FILE_ENV
 from schedulers.command import TLSFiles, quiet_dask_env
 from schedulers.procs import die_with_parent
 from storage.paths import RunPaths
@@ -19,7 +20,13 @@ from storage.paths import RunPaths
 
 class SchedulerProcess:
     def __init__(self, paths: RunPaths, dashboard_host: str = "127.0.0.1", dashboard_port: int = 8787,
-                 host: str | None = "127.0.0.1", interface: str | None = None, tls: TLSFiles | None = None):
+                 host: str | None = "127.0.0.1", interface: str | None = None, tls: TLSFiles | None = None,
+                 dashboard_token_file: Path | None = None):
+        """`tls`: the run's certificates (mutual TLS on every connection; None: plain TCP).
+        `dashboard_token_file`: serve the dashboard over HTTPS (with `tls`'s certificate) to
+        requests that carry this file's token only: required when it binds beyond loopback."""
+        if dashboard_token_file is not None and tls is None:
+            raise ValueError("a dashboard with a token is served over HTTPS: give the run's TLS files too")
         if interface is not None:
             host = None  # listen on the interface's address (e.g. ib0 on the head node)
         self.paths = paths
@@ -27,6 +34,7 @@ class SchedulerProcess:
         self.host = host
         self.interface = interface
         self.tls = tls
+        self.dashboard_token_file = dashboard_token_file
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60.0) -> str:
@@ -43,7 +51,7 @@ class SchedulerProcess:
         ]
         self.proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
-            env=worker_env({"ASTRAFLOW_RUN_DIR": str(self.paths.root.resolve())}),  # for the AstraFlow page
+            env=worker_env({RUN_DIR_ENV: str(self.paths.root.resolve()), **self._dashboard_env()}),
         )
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -59,6 +67,18 @@ class SchedulerProcess:
             time.sleep(0.1)
         self.stop()
         raise TimeoutError(f"the Dask scheduler did not start within {timeout:.0f}s; see {self.paths.log('scheduler')}")
+
+    def _dashboard_env(self) -> dict[str, str]:
+        """What the dashboard preload needs beyond the run directory: HTTPS and the token, when
+        the dashboard is reachable from other machines."""
+        if self.dashboard_token_file is None or self.tls is None:
+            return {}
+        env = {TOKEN_FILE_ENV: str(self.dashboard_token_file),
+               ACCESS_ENV: f"HTTPS, with the run's token (bound to {self.dashboard.rsplit(':', 1)[0]})",
+               "DASK_DISTRIBUTED__SCHEDULER__DASHBOARD__TLS__CERT": str(self.tls.cert_file)}
+        if self.tls.key_file is not None:
+            env["DASK_DISTRIBUTED__SCHEDULER__DASHBOARD__TLS__KEY"] = str(self.tls.key_file)
+        return env
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

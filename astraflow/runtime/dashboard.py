@@ -16,10 +16,19 @@ from ``ASTRAFLOW_RUN_DIR`` (set by :class:`astraflow.runtime.cluster.SchedulerPr
 endpoints only read files of the run directory (the orchestrator's ``control/status.json``, the
 data layer's ``metrics.jsonl``, the trajectory store's newest batches: a bounded read per request,
 on a thread of its own, off the scheduler's event loop), so the page never slows the run down.
+Every handler answers GET only: nothing on this server changes the run.
+
+Access: the dashboard binds to loopback by default. Bound to another address it is served over
+HTTPS and every request (Dask's pages, their websockets, this page) must carry the run's token:
+``?token=`` once (it is then kept in a cookie), or an ``Authorization: token ...`` header.
+``ASTRAFLOW_DASHBOARD_TOKEN_FILE`` names the token's file, ``ASTRAFLOW_DASHBOARD_ACCESS`` what the
+page says about access.
 """
 
 from __future__ import annotations
 
+import hmac
+import html
 import json
 import logging
 import os
@@ -36,6 +45,9 @@ from astraflow.runtime.monitoring.episodes import EpisodeQuery, EpisodeReader
 log = logging.getLogger("astraflow.dashboard")
 
 RUN_DIR_ENV = "ASTRAFLOW_RUN_DIR"
+TOKEN_FILE_ENV = "ASTRAFLOW_DASHBOARD_TOKEN_FILE"
+ACCESS_ENV = "ASTRAFLOW_DASHBOARD_ACCESS"
+TOKEN_COOKIE = "astraflow_dashboard"
 STATIC = Path(__file__).with_name("static")
 PAGE = "astraflow"
 
@@ -92,7 +104,51 @@ class PageHandler(web.RequestHandler):
     def get(self) -> None:
         self.set_header("Content-Type", "text/html; charset=utf-8")
         self.set_header("Cache-Control", "no-store")
-        self.finish((STATIC / "astraflow.html").read_bytes())
+        access = os.environ.get(ACCESS_ENV, "this machine only (loopback)")
+        page = (STATIC / "astraflow.html").read_text().replace("{{ACCESS}}", html.escape(access))
+        self.finish(page.encode())
+
+
+class TokenRequired(web.RequestHandler):
+    """Answers every request that lacks the run's token."""
+
+    def prepare(self) -> None:
+        self.set_status(403)
+        self.set_header("Content-Type", "text/plain; charset=utf-8")
+        self.finish("This AstraFlow dashboard needs the run's token: open the address `astraflow run` printed "
+                    "(also in <run dir>/security/dashboard.url), or send 'Authorization: token <token>'.\n")
+
+
+class TokenAccepted(web.RequestHandler):
+    """A request with a valid ``?token=``: keep the token in a cookie, then go to the page asked for."""
+
+    def prepare(self) -> None:
+        self.set_cookie(TOKEN_COOKIE, self.get_query_argument("token"), httponly=True, secure=True,
+                        samesite="Strict", path="/")
+        rest = "&".join(f"{k}={v.decode()}" for k, vs in self.request.query_arguments.items() if k != "token"
+                        for v in vs)
+        self.redirect(self.request.path + (f"?{rest}" if rest else ""))
+
+
+def require_token(app: web.Application, token: str) -> None:
+    """Route every request of `app` without `token` to `TokenRequired` (its one entry point is
+    ``find_handler``: Dask's pages, Bokeh's websockets and the AstraFlow page alike)."""
+    find = app.find_handler
+
+    def valid(value: str | None) -> bool:
+        return bool(value) and hmac.compare_digest(value.encode(), token.encode())  # type: ignore[union-attr]
+
+    def guarded(request, **kwargs):
+        auth = request.headers.get("Authorization", "")
+        cookie = request.cookies.get(TOKEN_COOKIE)
+        if valid(auth.removeprefix("token ").strip()) or (cookie is not None and valid(cookie.value)):
+            return find(request, **kwargs)
+        query = request.query_arguments.get("token")
+        if query and valid(query[0].decode(errors="replace")):
+            return app.get_handler_delegate(request, TokenAccepted)
+        return app.get_handler_delegate(request, TokenRequired)
+
+    app.find_handler = guarded  # type: ignore[method-assign]
 
 
 class StaticHandler(web.StaticFileHandler):
@@ -132,5 +188,8 @@ def dask_setup(scheduler) -> None:  # noqa: D401  (Dask preload hook)
     if not run_dir or app is None:
         log.warning("AstraFlow page not installed: %s", "no dashboard" if app is None else f"{RUN_DIR_ENV} is not set")
         return
+    token_file = os.environ.get(TOKEN_FILE_ENV)
+    if token_file:
+        require_token(app, Path(token_file).read_text().strip())
     app.add_handlers(r".*$", routes(Path(run_dir)))
     _link_from_dashboard(scheduler)

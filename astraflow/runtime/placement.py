@@ -9,6 +9,7 @@ function of the config and the run paths: each component receives only its own c
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -17,18 +18,17 @@ from distributed import Client
 from astraflow.rollout.node import NodeIdentity
 from astraflow.runtime.cluster import SchedulerProcess, connected_workers, repo_root
 from astraflow.runtime.monitoring import write_orchestrator_info
-from astraflow.runtime.security import client_security, run_tls
+from astraflow.runtime.security import client_security, dashboard_token, run_tls
 from astraflow.runtime.workers import RunFailed
 from schedulers import Partition, TLSFiles
+from schedulers.command import is_loopback
+from storage.atomic import write_atomically
 from storage.paths import RunPaths
 
 if TYPE_CHECKING:
     from astraflow.config import ClusterConfig, RunConfig
     from astraflow.runtime.progress import Progress
     from astraflow.training.config import PolicyConfig
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
 
 class Placement:
     """The Dask scheduler process and client of a run, and actors placed on named workers."""
@@ -51,18 +51,26 @@ class Placement:
         )
         cc = self.cluster
         self.tls = run_tls(self.paths, cc.tls)
+        exposed = not is_loopback(cc.dashboard_host)  # then HTTPS and a token (the config checked TLS is on)
+        token_file = dashboard_token(self.paths) if exposed else None
         self.scheduler_proc = SchedulerProcess(self.paths, cc.dashboard_host, cc.dashboard_port,
-                                               host=cc.scheduler_host, interface=cc.scheduler_interface, tls=self.tls)
+                                               host=cc.scheduler_host, interface=cc.scheduler_interface, tls=self.tls,
+                                               dashboard_token_file=token_file)
         with self.progress.waiting("starting the Dask scheduler"):
             address = self.scheduler_proc.start()
         self.client = Client(address, timeout=30, security=client_security(self.tls))
         dash = self.client.scheduler_info().get("services", {}).get("dashboard")
-        host = cc.dashboard_host
-        self.dashboard = f"http://{host}:{dash}/status" if dash else None
+        host = cc.dashboard_host if cc.dashboard_host not in ("0.0.0.0", "::") else socket.getfqdn()
+        base = f"{'https' if exposed else 'http'}://{host}:{dash}" if dash else None
+        self.dashboard = f"{base}/status" if base else None
         self.progress.note(f"Dask scheduler {address}; dashboard {self.dashboard}")
-        if dash:
-            exposed = "" if host in LOOPBACK else f" (bound to {host}: cluster.dashboard_host)"
-            self.progress.note(f"AstraFlow page http://{host}:{dash}/astraflow{exposed}")
+        if base and token_file is not None:
+            url = f"{base}/astraflow?token={token_file.read_text().strip()}"
+            write_atomically(token_file.with_name("dashboard.url"), url + "\n")
+            self.progress.note(f"AstraFlow page {url} (bound to {cc.dashboard_host}: HTTPS with the run's "
+                               "certificate, and this token; keep it to yourself)")
+        elif base:
+            self.progress.note(f"AstraFlow page {base}/astraflow")
         write_orchestrator_info(self.paths, self.dashboard, address)
 
     def scheduler_address(self, part: Partition) -> str:

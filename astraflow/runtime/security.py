@@ -22,6 +22,7 @@ import datetime
 import ipaddress
 import logging
 import os
+import secrets
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -41,6 +42,14 @@ VALIDITY = datetime.timedelta(days=400)
 
 def security_dir(paths: RunPaths) -> Path:
     return paths.root / "security"
+
+
+def dashboard_token(paths: RunPaths) -> Path:
+    """A new random token for the run's dashboard, in an owner-only file; returns the file."""
+    f = security_dir(paths) / "dashboard.token"
+    security_dir(paths).mkdir(mode=0o700, parents=True, exist_ok=True)
+    _private_write(f, secrets.token_urlsafe(32).encode())
+    return f
 
 
 def _private_write(path: Path, data: bytes) -> None:
