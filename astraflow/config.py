@@ -25,6 +25,8 @@ from astraflow.rollout.config import RolloutConfig
 from astraflow.training.config import PolicyConfig
 from astraflow.workloads.config import WorkloadConfig
 from schedulers.partition import ROLES, Partition
+from schedulers.policy import (DEFAULT_SBATCH_OPTIONS_ALLOWLIST, DEFAULT_WORKER_ENV_ALLOWLIST, EnvAllowlist,
+                               SbatchAllowlist, WorkerPolicy)
 from storage.atomic import write_atomically
 from storage.config import StorageConfig
 
@@ -63,6 +65,15 @@ class ClusterConfig(Strict):
     slurm_setup_lines: list[str] = Field(default_factory=list)
     """Shell lines every Slurm worker job runs before the worker (``module load ...``,
     ``source /shared/venv/bin/activate``)."""
+    worker_env_allowlist: EnvAllowlist = Field(default_factory=lambda: list(DEFAULT_WORKER_ENV_ALLOWLIST))
+    """Environment variables a partition's ``env`` may set: names or fnmatch patterns. A list given
+    here replaces the default (thread, GPU, NCCL and logging knobs; see ``schedulers/policy.py``).
+    Loader, interpreter, shell, plugin and endpoint variables (``LD_*``, ``PYTHON*``, ``PATH``...)
+    are admitted only by an entry naming them exactly."""
+    sbatch_options_allowlist: SbatchAllowlist = Field(default_factory=lambda: list(DEFAULT_SBATCH_OPTIONS_ALLOWLIST))
+    """Extra sbatch options a partition's ``sbatch_options`` may use: exact long names
+    (``--account``, ``--qos``...). A list given here replaces the default; options AstraFlow
+    renders itself or that break job tracking (``--array``, ``--wrap``...) cannot be listed."""
 
 
 class RunSection(Strict):
@@ -151,6 +162,10 @@ class RunConfig(Strict):
         pnames = [p.name for p in self.partitions]
         if len(set(pnames)) != len(pnames):
             raise ValueError(f"partitions: names must be unique, got {pnames}")
+        policy = WorkerPolicy.of(self.cluster.worker_env_allowlist, self.cluster.sbatch_options_allowlist)
+        problems = [line for p in self.partitions for line in policy.problems(p)]
+        if problems:
+            raise ValueError("\n  ".join(problems))
         from astraflow.rollout.workflows import workflow_class
 
         try:

@@ -24,6 +24,9 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 from schedulers.partition import MANAGED_SBATCH_OPTIONS, Partition
 
@@ -122,6 +125,11 @@ def check_sbatch_allowlist(entries: Iterable[str]) -> tuple[str, ...]:
             raise ValueError(f"{SBATCH_FIELD}: {e} cannot be allowed ({NEVER_SBATCH_OPTIONS[e]}): "
                              "remove it from the list")
     return out
+
+
+#: config field types of the two allowlists, each entry checked
+EnvAllowlist = Annotated[list[str], AfterValidator(lambda v: list(check_env_allowlist(v)))]
+SbatchAllowlist = Annotated[list[str], AfterValidator(lambda v: list(check_sbatch_allowlist(v)))]
 
 
 def env_allowed(name: str, allowlist: Iterable[str]) -> bool:
