@@ -13,8 +13,9 @@ from click.testing import CliRunner
 from astraflow.cli import main
 from astraflow.runtime.control import read_desired_file
 from schedulers.policy import DEFAULT_SBATCH_OPTIONS_ALLOWLIST, DEFAULT_WORKER_ENV_ALLOWLIST
-from tests.e2e.test_partitions_cli import live_run  # noqa: F401  (fixture)
+from tests.e2e.test_partitions_cli import live_run
 
+__all__ = ["live_run"]  # the fixture: a run directory whose control files say "running"
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -39,7 +40,8 @@ def _config(tmp_path, env=None, sbatch=(), cluster=None) -> Path:
 @pytest.mark.parametrize("env, sbatch, needle", [
     ({"LD_PRELOAD": "/tmp/evil.so"}, (), "partitions[gpu].env: LD_PRELOAD is not in cluster.worker_env_allowlist"),
     ({"PYTHONPATH": "/tmp/evil"}, (), "partitions[gpu].env: PYTHONPATH is not in cluster.worker_env_allowlist"),
-    ({}, ("--export=ALL,LD_PRELOAD=x",), "partitions[gpu].sbatch_options: --export is not in cluster.sbatch_options_allowlist"),
+    ({}, ("--export=ALL,LD_PRELOAD=x",),
+     "partitions[gpu].sbatch_options: --export is not in cluster.sbatch_options_allowlist"),
     ({}, ("--chdir=/tmp",), "partitions[gpu].sbatch_options: --chdir is not in cluster.sbatch_options_allowlist"),
 ])
 def test_check_refuses_what_the_allowlists_do_not_name(tmp_path, env, sbatch, needle):
@@ -69,7 +71,7 @@ def test_check_refuses_a_never_allowed_sbatch_option_in_the_allowlist(tmp_path):
     ("", ["--sbatch-option=--chdir=/tmp"], "--chdir is not in cluster.sbatch_options_allowlist"),
     ("", ["--sbatch-option=--comment=x --export=ALL"], "without blanks, quotes"),
 ])
-def test_partitions_add_refuses_what_the_allowlists_do_not_name(live_run, tmp_path, yaml_text, args, needle):  # noqa: F811
+def test_partitions_add_refuses_what_the_allowlists_do_not_name(live_run, tmp_path, yaml_text, args, needle):
     (tmp_path / "p.yaml").write_text(yaml_text or "{}\n")
     before = live_run.desired_partitions.read_text()
     code, out = _invoke("partitions", "add", str(live_run.root), "new", "--from-yaml", str(tmp_path / "p.yaml"),
@@ -79,7 +81,7 @@ def test_partitions_add_refuses_what_the_allowlists_do_not_name(live_run, tmp_pa
     assert live_run.desired_partitions.read_text() == before
 
 
-def test_partitions_add_uses_the_runs_saved_allowlists(live_run, tmp_path):  # noqa: F811
+def test_partitions_add_uses_the_runs_saved_allowlists(live_run, tmp_path):
     (tmp_path / "p.yaml").write_text("env: {LD_LIBRARY_PATH: /opt/site/lib}\nsbatch_options: ['--chdir=/scratch']\n")
     add = ["partitions", "add", str(live_run.root), "site", "--from-yaml", str(tmp_path / "p.yaml"), "--wait", "0"]
     code, out = _invoke(*add)

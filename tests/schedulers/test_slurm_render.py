@@ -94,7 +94,8 @@ def test_script_with_spaces_in_paths_runs_the_worker_command_exactly(tmp_path, m
     assert lines[-1] == "env=a 'b' \"c\" $HOME `id`"
     assert not (tmp_path / "pwned").exists()
     log = str(run / "jobs").replace("%", "%%") + "/rollout-cpu-local-cpu-0.%j.log"
-    assert argv == ["sbatch", "--parsable", f"--output={log}", f"--error={log}", str(run / "jobs" / "rollout-cpu-local-cpu-0.sbatch")]
+    script_file = str(run / "jobs" / "rollout-cpu-local-cpu-0.sbatch")
+    assert argv == ["sbatch", "--parsable", f"--output={log}", f"--error={log}", script_file]
 
 
 @pytest.mark.parametrize("bad", ["/tmp/a\nb", "/tmp/a\\b", "/tmp/a\rb"])
