@@ -26,6 +26,8 @@ from astraflow.training.config import PolicyConfig
 from astraflow.workloads.config import WorkloadConfig
 from schedulers.command import is_loopback
 from schedulers.partition import ROLES, Partition
+from schedulers.policy import (DEFAULT_SBATCH_OPTIONS_ALLOWLIST, DEFAULT_WORKER_ENV_ALLOWLIST, EnvAllowlist,
+                               SbatchAllowlist, WorkerPolicy)
 from storage.atomic import write_atomically
 from storage.config import StorageConfig
 
@@ -102,6 +104,15 @@ class ClusterConfig(Strict):
     tls: TLSConfig = TLSConfig()
     """Mutual TLS on all Dask traffic: on by default with certificates the run creates
     (``docs/security.md``)."""
+    worker_env_allowlist: EnvAllowlist = Field(default_factory=lambda: list(DEFAULT_WORKER_ENV_ALLOWLIST))
+    """Environment variables a partition's ``env`` may set: names or fnmatch patterns. A list given
+    here replaces the default (thread, GPU, NCCL and logging knobs; see ``schedulers/policy.py``).
+    Loader, interpreter, shell, plugin and endpoint variables (``LD_*``, ``PYTHON*``, ``PATH``...)
+    are admitted only by an entry naming them exactly."""
+    sbatch_options_allowlist: SbatchAllowlist = Field(default_factory=lambda: list(DEFAULT_SBATCH_OPTIONS_ALLOWLIST))
+    """Extra sbatch options a partition's ``sbatch_options`` may use: exact long names
+    (``--account``, ``--qos``...). A list given here replaces the default; options AstraFlow
+    renders itself or that break job tracking (``--array``, ``--wrap``...) cannot be listed."""
 
     @model_validator(mode="after")
     def _exposed_dashboard(self) -> "ClusterConfig":
@@ -199,6 +210,10 @@ class RunConfig(Strict):
         pnames = [p.name for p in self.partitions]
         if len(set(pnames)) != len(pnames):
             raise ValueError(f"partitions: names must be unique, got {pnames}")
+        policy = WorkerPolicy.of(self.cluster.worker_env_allowlist, self.cluster.sbatch_options_allowlist)
+        problems = [line for p in self.partitions for line in policy.problems(p)]
+        if problems:
+            raise ValueError("\n  ".join(problems))
         from astraflow.rollout.workflows import workflow_class
 
         try:

@@ -69,8 +69,12 @@ ResourceAmount = Annotated[float, Field(ge=0, allow_inf_nan=False), _fix(
     "resource amount {value}: use a finite amount >= 0")]
 EnvName = Annotated[str, Field(pattern=_IDENT), _fix(
     "env variable name {value}: use letters, digits and '_', not starting with a digit")]
-SbatchOption = Annotated[str, Field(pattern=r"^--[a-z][a-z0-9-]*(=\S.*)?$"), _fix(
-    "sbatch option {value}: write it as '--option=value' (or '--flag') on one line")]
+# sbatch reads ``#SBATCH`` lines itself, splitting at blanks and treating quotes, '\' and '#'
+# specially: a value made of other printable characters is read exactly as written.
+SbatchOption = Annotated[str, Field(pattern=r"^--[a-z][a-z0-9-]*(=[A-Za-z0-9_.,:;=+@%&|!*/()\[\]{}<>^~?-]+)?$"), _fix(
+    "sbatch option {value}: write it as '--option=value' (or '--flag') on one line, the value without "
+    "blanks, quotes, '\\', '#', '$' or '`' (sbatch reads #SBATCH lines itself)")]
+EnvValue = Annotated[str, Field(pattern=r"^[^\x00]*$"), _fix("env value {value}: remove the NUL character")]
 
 # Options the worker template renders from Partition fields: setting them again is an error.
 MANAGED_SBATCH_OPTIONS: dict[str, str] = {
@@ -199,10 +203,12 @@ class Partition(BaseModel):
 
     sbatch_options: tuple[SbatchOption, ...] = ()
     """Extra ``#SBATCH`` lines as ``--opt=value`` (e.g. ``--account=proj``, ``--qos=high``).
-    Slurm only; may not repeat an option rendered from a field (``--time``: use `walltime`)."""
+    Slurm only; may not repeat an option rendered from a field (``--time``: use `walltime`); names
+    must be in the run's ``cluster.sbatch_options_allowlist`` (see `schedulers.policy`)."""
 
-    env: dict[EnvName, str] = Field(default_factory=dict)
-    """Environment variables set for the worker process (both backends)."""
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict)
+    """Environment variables set for the worker process (both backends). Names must be in the
+    run's ``cluster.worker_env_allowlist`` (see `schedulers.policy`)."""
 
     # ------------------------------------------------------------------ field checks
     @field_validator("walltime")

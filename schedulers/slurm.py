@@ -3,7 +3,7 @@
 Every call to ``sbatch``, ``squeue``, ``scancel``, ``sinfo`` and ``scontrol`` goes through
 `run_slurm`, whose `SlurmCommandError` carries the exit code, command, stdout and stderr. One
 worker = one batch job on one node, its script rendered from ``templates/worker.sbatch.j2``
-(`SlurmScheduler.render` returns the script and the ``sbatch`` argv without submitting: the
+by `schedulers.sbatch_script` (`SlurmScheduler.render` returns the script and the ``sbatch`` argv without submitting: the
 dry run). `jobs()` is one ``squeue --json`` call; `wait_for` polls it with backoff.
 
 Jobs carry ``--comment=<tag>``: `jobs()` lists the jobs with this scheduler's tag, so a restarted
@@ -40,15 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jinja2
-
 from schedulers.base import JobRef, JobStatus, UnknownJobError
 from schedulers.command import TLSFiles, partition_worker_command, worker_env
 from schedulers.partition import Partition, parse_worker_name, worker_name
+from schedulers.sbatch_script import WORKER_TEMPLATE, check_job_dir, environment, render_worker_job
 from storage.atomic import write_atomically
 
-TEMPLATE_DIR = Path(__file__).parent / "templates"
-WORKER_TEMPLATE = "worker.sbatch.j2"
 _TAG = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
 
@@ -187,17 +184,6 @@ class SlurmNode:
     """Generic resources (``gpu:h100:4``), empty when none."""
 
 
-def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
-    env.filters["shquote"] = lambda s: shlex.quote(str(s))
-    return env
-
-
 class SlurmScheduler:
     """`Scheduler` backend submitting one Slurm batch job per worker.
 
@@ -205,7 +191,8 @@ class SlurmScheduler:
     go; must be on a filesystem the compute nodes share (``<run>/jobs``). `python`: the
     interpreter on the compute nodes (the venv with astraflow installed). `interface`/`host`:
     what the worker listens on (``ib0`` at a site, ``lo`` for a one-host test cluster).
-    `setup_lines`: shell lines run before the worker (``module load ...``, ``source venv/bin/activate``).
+    `setup_lines`: shell lines run before the worker (``module load ...``, ``source venv/bin/activate``),
+    as written: they are the run owner's shell, not quoted values.
     `tag`: the ``--comment`` that marks this run's jobs. `command_timeout`: per Slurm command.
     """
 
@@ -229,7 +216,7 @@ class SlurmScheduler:
             raise ValueError(f"tag {tag!r}: use 1-64 letters, digits, '_', '.', ':' or '-'")
         if host is not None and interface is not None:
             raise ValueError("give either host or interface for the workers, not both")
-        self.job_dir = Path(job_dir).absolute()
+        self.job_dir = check_job_dir(job_dir)
         self.python = python
         self.interface = interface
         self.host = host
@@ -239,7 +226,7 @@ class SlurmScheduler:
         self.command_timeout = command_timeout
         self.tls = tls
         self._submitted: dict[str, JobRef] = {}
-        self._template = _environment().get_template(WORKER_TEMPLATE)
+        self._template = environment().get_template(WORKER_TEMPLATE)
 
     # ------------------------------------------------------------------ rendering (dry run)
     def script_path(self, name: str) -> Path:
@@ -256,7 +243,6 @@ class SlurmScheduler:
                 "to submit it to Slurm"
             )
         name = worker_name(partition, index)
-        gres = partition.gres or (f"gpu:{partition.gpus_per_node}" if partition.gpus_per_node else None)
         command = partition_worker_command(
             partition,
             scheduler_address,
@@ -267,17 +253,8 @@ class SlurmScheduler:
             death_timeout=self.death_timeout,
             tls=self.tls,
         )
-        script = self._template.render(
-            partition=partition,
-            worker_name=name,
-            gres=gres,
-            log=str(self.job_dir / f"{name}.%j.log"),
-            tag=self.tag,
-            setup_lines=self.setup_lines,
-            env=sorted(worker_env(partition, name).items()),
-            command=command,
-        )
-        return script, ["sbatch", "--parsable", str(self.script_path(name))]
+        return render_worker_job(self._template, partition, name, job_dir=self.job_dir, tag=self.tag,
+                                 setup_lines=self.setup_lines, env=worker_env(partition, name), command=command)
 
     # ------------------------------------------------------------------ Scheduler protocol
     def submit(self, partition: Partition, scheduler_address: str, count: int, start_index: int = 0) -> list[JobRef]:

@@ -14,6 +14,10 @@ The desired-partitions file::
 left the set is to be stopped. Writers hold ``control/partitions.lock`` (flock) for the whole
 read-modify-write and publish with an atomic rename, so the orchestrator, which only reads,
 never sees a partial file and two CLI calls never lose each other's change.
+
+A partition's ``env`` and ``sbatch_options`` must pass the run's allowlists
+(`schedulers.policy`): `add_partition` checks them against the run's saved config, and the
+orchestrator checks every partition it reads from the file against its own config.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any, Literal, get_args
 
 from astraflow.runtime.monitoring.snapshot import run_status
 from schedulers.partition import Partition
+from schedulers.policy import WorkerPolicy
 from storage.atomic import read_json_object, write_json
 from storage.paths import RunPaths
 
@@ -80,6 +85,27 @@ def read_desired_file(paths: RunPaths) -> tuple[dict[str, Partition], dict[str, 
     return parts, {str(k): str(v) for k, v in removals.items()}
 
 
+def run_worker_policy(paths: RunPaths) -> WorkerPolicy:
+    """The allowlists of the run's saved config (``<run>/config.yaml``); the defaults when the run
+    has no saved config or its config leaves them out. Raises `PartitionError` for a config that
+    cannot be read or whose allowlists are invalid."""
+    import yaml
+
+    f = paths.config
+    if not f.exists():
+        return WorkerPolicy()
+    try:
+        data = yaml.safe_load(f.read_bytes().decode("utf-8")) or {}
+        cluster = data.get("cluster") if isinstance(data, dict) else None
+        cluster = cluster if isinstance(cluster, dict) else {}
+        return WorkerPolicy.of(cluster.get("worker_env_allowlist"), cluster.get("sbatch_options_allowlist"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError, TypeError) as err:
+        raise PartitionError(
+            f"{f}: the run's allowlists (cluster.worker_env_allowlist, cluster.sbatch_options_allowlist) cannot "
+            f"be read from it ({' '.join(str(err).split())[:300]}); restore the run's config"
+        ) from None
+
+
 @contextlib.contextmanager
 def desired_lock(paths: RunPaths, timeout: float = 10.0) -> Iterator[None]:
     """Exclusive lock for a read-modify-write of the desired file (deadline: `timeout`)."""
@@ -107,7 +133,8 @@ def add_partition(run_dir: Path, part: Partition) -> None:
     """Add `part` to the desired set of the running run in `run_dir`.
 
     Only rollout partitions can join a running run (data and trainer are placed at start).
-    Raises `RunNotRunning` or `PartitionError` (a duplicate name, a wrong role).
+    Raises `RunNotRunning` or `PartitionError` (a duplicate name, a wrong role, an env variable
+    or sbatch option outside the run's allowlists).
     """
     run_status(run_dir)
     if part.role != "rollout":
@@ -116,6 +143,9 @@ def add_partition(run_dir: Path, part: Partition) -> None:
             "running run (data and trainer workers are placed when the run starts; put them in the config)"
         )
     paths = RunPaths(run_dir)
+    problems = run_worker_policy(paths).problems(part)
+    if problems:
+        raise PartitionError("partition refused:\n  " + "\n  ".join(problems))
     with desired_lock(paths):
         parts, removals = read_desired_file(paths)
         if part.name in parts:

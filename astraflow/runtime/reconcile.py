@@ -2,7 +2,8 @@
 ``astraflow partitions add/remove`` written to ``control/partitions.json``) against the worker
 jobs that exist: submit the missing workers, start removing the workers of a partition that
 left the set (drain or now), back off refilling a partition whose workers fail, and stop
-refilling it when they keep failing.
+refilling it when they keep failing. A partition of the file whose ``env`` or
+``sbatch_options`` the run's allowlists refuse is never started (`schedulers.policy`).
 
 `PartitionSet` owns the partitions, what the orchestrator knows about each (`PartitionState`,
 shown in ``status.json``) and the scheduler backends that start their workers. It never blocks
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from astraflow.runtime.control import DEFAULT_REMOVAL, PartitionError, read_desired_file
 from schedulers import Partition, TLSFiles, make_scheduler, parse_worker_name
+from schedulers.policy import WorkerPolicy
 from schedulers.slurm import SlurmCommandError
 from storage.paths import RunPaths
 
@@ -78,6 +80,9 @@ class PartitionSet:
         self.tls: TLSFiles | None = None
         #: why the desired-partitions file was last unreadable (noted once per new error)
         self._desired_error: str | None = None
+        self.policy = WorkerPolicy.of(cluster.worker_env_allowlist, cluster.sbatch_options_allowlist)
+        #: the refusals by the allowlists already noted
+        self._refusals_noted: set[str] = set()
 
     def scheduler_for(self, part: Partition):
         if part.scheduler not in self.schedulers:
@@ -123,6 +128,22 @@ class PartitionSet:
             self.progress.note(f"partition {name}: worker failure {ps.failures} of {limit} before it stops being "
                                f"refilled (last: {last_note}); refilling in {delay:.0f}s")
 
+    def _refuse_disallowed(self, desired: dict[str, Partition]) -> None:
+        """Keep partitions the allowlists refuse from starting: a new one is marked failed with
+        why (``astraflow partitions add --wait`` reports it), one the run has keeps the spec it
+        runs with. Each refusal is noted once."""
+        for name, why in self.policy.refusals(desired).items():
+            ps, old = self.state.get(name), self.partitions.get(name)
+            if ps is not None and ps.state != "removed" and old is not None and not self.policy.problems(old):
+                desired[name] = old
+                why = f"{why} (the run keeps the partition as it was)"
+            elif ps is None or ps.state != "failed":
+                self.state[name] = PartitionState(state="failed", error=f"refused by the run's allowlists: {why}")
+            note = f"partition {name} in {self.paths.desired_partitions} refused: {why}"
+            if note not in self._refusals_noted:
+                self._refusals_noted.add(note)
+                self.progress.note(note)
+
     def reconcile(self, fleet: Fleet, address_for: Callable[[Partition], str]) -> None:
         """Submit or remove worker jobs so each desired partition has ``nodes`` live workers.
 
@@ -137,6 +158,7 @@ class PartitionSet:
             removals = {}
         else:
             self._desired_error = None
+        self._refuse_disallowed(desired)
         for name, part in desired.items():
             if name not in self.state or self.state[name].state == "removed":
                 self.state[name] = PartitionState()  # new, or added again after its removal

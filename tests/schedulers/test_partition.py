@@ -94,3 +94,15 @@ def test_factory_lists_known_kinds(tmp_path):
     assert make_scheduler("local", log_dir=tmp_path).kind == "local"
     with pytest.raises(ValueError, match="'local', 'slurm'"):
         make_scheduler("pbs")
+
+
+@pytest.mark.parametrize("opt", ["--comment=a --export=ALL", "--account=\"x\"", "--account='x'", "--x=a#b",
+                                 "--x=$HOME", "--x=a\\b", "--x=`id`", "--qos=high\n", "--qos=high\n#SBATCH --export=ALL"])
+def test_sbatch_option_values_sbatch_would_not_read_literally_are_refused(opt):
+    with pytest.raises(ValidationError, match="without blanks, quotes"):
+        Partition(name="x", scheduler="slurm", sbatch_options=(opt,))
+
+
+def test_env_values_with_nul_are_refused():
+    with pytest.raises(ValidationError, match="remove the NUL character"):
+        Partition(name="x", env={"A": "a\x00b"})

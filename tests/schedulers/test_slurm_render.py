@@ -7,6 +7,7 @@ Regenerate after an intended template change with
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -41,6 +42,13 @@ CASES = {
                   resources={"trainer": 1, "policy_main": 1}),
         "tcp://10.1.2.3:8786", 0, SITE,
     ),
+    "spaces_in_paths": (
+        Partition(name="cpu", scheduler="slurm", nodes=1, role="rollout", sbatch_options=("--constraint=a100&ib",),
+                  env={"NCCL_DEBUG": "it's \"INFO\" $HOME `x`"}),
+        "/shared/runs/my run (50%)/scheduler.json", 1,
+        dict(job_dir="/shared/runs/my run (50%)/jobs", python="/opt/my venv/bin/python",
+             setup_lines=('source "/opt/my venv/bin/activate"',), interface="ib0", tag="astraflow.my_run.0123abcd"),
+    ),
     "data_cpu": (
         Partition(name="cpu", scheduler="slurm", slurm_partition="cpu", nodes=1, role="data", region="eu"),
         "tcp://127.0.0.1:8786", 0, dict(job_dir="/tmp/run/jobs", python="/usr/bin/python3", host="127.0.0.1"),
@@ -54,7 +62,7 @@ def test_rendered_script_matches_golden(case, tmp_path, monkeypatch):
         monkeypatch.delenv(key, raising=False)
     partition, address, index, site = CASES[case]
     script, argv = SlurmScheduler(**site).render(partition, address, index)
-    text = script + "# sbatch argv: " + " ".join(argv) + "\n"
+    text = script + "# sbatch argv: " + shlex.join(argv) + "\n"
     golden = GOLDEN / f"{case}.sbatch"
     if UPDATE:
         golden.write_text(text)
@@ -64,6 +72,36 @@ def test_rendered_script_matches_golden(case, tmp_path, monkeypatch):
     path = tmp_path / "job.sh"
     path.write_text(script)
     subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def test_script_with_spaces_in_paths_runs_the_worker_command_exactly(tmp_path, monkeypatch):
+    """Run the rendered script with bash, its interpreter a stand-in that prints its argv: every
+    path and value arrives as one argument, unchanged."""
+    venv = tmp_path / "my venv" / "bin"
+    venv.mkdir(parents=True)
+    python = venv / "python"
+    python.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\nprintf "env=%s\\n" "$NCCL_DEBUG"\n')
+    python.chmod(0o755)
+    run = tmp_path / "my run $(touch pwned) 50%"
+    part = Partition(name="cpu", scheduler="slurm", role="rollout", env={"NCCL_DEBUG": "a 'b' \"c\" $HOME `id`"})
+    sched = SlurmScheduler(run / "jobs", python=str(python), host="127.0.0.1", tag="t")
+    script, argv = sched.render(part, str(run / "scheduler.json"), 0)
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    out = subprocess.run(["bash", str(path)], capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    lines = out.splitlines()
+    assert lines[:4] == ["-m", "distributed.cli.dask_worker", "--scheduler-file", str(run / "scheduler.json")]
+    assert lines[-1] == "env=a 'b' \"c\" $HOME `id`"
+    assert not (tmp_path / "pwned").exists()
+    log = str(run / "jobs").replace("%", "%%") + "/rollout-cpu-local-cpu-0.%j.log"
+    script_file = str(run / "jobs" / "rollout-cpu-local-cpu-0.sbatch")
+    assert argv == ["sbatch", "--parsable", f"--output={log}", f"--error={log}", script_file]
+
+
+@pytest.mark.parametrize("bad", ["/tmp/a\nb", "/tmp/a\\b", "/tmp/a\rb"])
+def test_job_dir_slurm_cannot_name_logs_in_is_refused(bad):
+    with pytest.raises(ValueError, match="control character or a backslash"):
+        SlurmScheduler(bad)
 
 
 def test_render_refuses_local_partition():

@@ -1,0 +1,90 @@
+"""The job script of a Slurm worker and the ``sbatch`` argv that submits it.
+
+The script is rendered from ``templates/worker.sbatch.j2``. Every value in it that comes from
+the config or the filesystem is either validated to a plain character set (worker and partition
+names, the tag, resources, extra sbatch options) or shell-quoted (``export`` values and the
+worker command). `setup_lines` are the exception: they are shell the run's owner writes
+(``cluster.slurm_setup_lines``) and run as written.
+
+The log path is given to sbatch on its command line (``--output``/``--error``), not in an
+``#SBATCH`` line: sbatch parses those lines itself, splitting at blanks and giving quotes and
+``\\`` their own meaning, while an argv element reaches it unparsed, whatever the run directory
+is called.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import jinja2
+
+from schedulers.partition import Partition
+
+TEMPLATE_DIR = Path(__file__).parent / "templates"
+WORKER_TEMPLATE = "worker.sbatch.j2"
+
+#: what a worker name may be made of (it becomes a job name and part of file names)
+_WORKER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+#: characters a job directory may not contain: control characters would end a script line, and
+#: a backslash turns off Slurm's ``%j`` replacement in file names
+_BAD_DIR_CHARS = re.compile(r"[\x00-\x1f\x7f\\]")
+
+
+def environment() -> jinja2.Environment:
+    """The Jinja environment of the job templates, with the ``shquote`` filter."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters["shquote"] = lambda s: shlex.quote(str(s))
+    return env
+
+
+def check_job_dir(job_dir: str | Path) -> Path:
+    """`job_dir` as an absolute path, or ValueError when Slurm could not use it for log files."""
+    path = Path(job_dir).absolute()
+    if _BAD_DIR_CHARS.search(str(path)):
+        raise ValueError(f"job directory {str(path)!r} has a control character or a backslash: Slurm cannot "
+                         "name log files in it; choose a run directory without them")
+    return path
+
+
+def log_pattern(job_dir: Path, name: str) -> str:
+    """The sbatch ``--output`` file name of worker `name`: ``<job_dir>/<name>.%j.log``, with any
+    ``%`` of the directory doubled so Slurm keeps it as written."""
+    return f"{str(job_dir).replace('%', '%%')}/{name}.%j.log"
+
+
+def render_worker_job(
+    template: jinja2.Template,
+    partition: Partition,
+    name: str,
+    *,
+    job_dir: Path,
+    tag: str,
+    setup_lines: Sequence[str],
+    env: Mapping[str, str],
+    command: Sequence[str],
+) -> tuple[str, list[str]]:
+    """The job script of worker `name` of `partition` and the argv that submits it (the script
+    is written to ``<job_dir>/<name>.sbatch``, the argv's last element)."""
+    if not _WORKER_NAME.match(name):
+        raise ValueError(f"worker name {name!r}: use letters, digits, '_', '.' and '-'")
+    gres = partition.gres or (f"gpu:{partition.gpus_per_node}" if partition.gpus_per_node else None)
+    log = log_pattern(job_dir, name)
+    script = template.render(
+        partition=partition,
+        worker_name=name,
+        gres=gres,
+        log=str(job_dir / f"{name}.%j.log"),
+        tag=tag,
+        setup_lines=tuple(setup_lines),
+        env=sorted(env.items()),
+        command=list(command),
+    )
+    return script, ["sbatch", "--parsable", f"--output={log}", f"--error={log}", str(job_dir / f"{name}.sbatch")]
