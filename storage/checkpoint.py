@@ -3,12 +3,16 @@
 The weight store (``storage.weights``) writes and commits versions; this module reads the
 tensors of one, whatever number of ranks wrote it: straight from the files' bytes when every
 item is a whole tensor saved by ``publish``, through ``torch.distributed.checkpoint`` otherwise.
+The ``.metadata`` pickle is read by ``storage.safe_pickle`` (only DCP's own classes), never by
+DCP's ``FileSystemReader.read_metadata``, which would run whatever a forged file names.
 """
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
+
+from storage.safe_pickle import load_dcp_metadata
 
 #: the file every DCP checkpoint directory holds.
 DCP_METADATA = ".metadata"
@@ -24,7 +28,29 @@ def quiet_dcp_logger() -> None:
         logger.setLevel(logging.WARNING)
 
 
-def read_checkpoint(path: str | Path, *, whole_tensors: bool = False) -> dict:
+def read_metadata(path: str | Path, *, sha256: str | None = None):
+    """The DCP ``Metadata`` of checkpoint directory ``path``, read safely (``load_dcp_metadata``;
+    ``sha256``: the manifest's checksum of the ``.metadata`` file, checked before unpickling)."""
+    return load_dcp_metadata(Path(path) / DCP_METADATA, sha256=sha256)
+
+
+def _reader(path: Path, metadata):
+    """A ``FileSystemReader`` for ``path`` that hands DCP the already (safely) read metadata
+    instead of unpickling the file itself."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _PreparsedReader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return _PreparsedReader(path)
+
+
+def read_checkpoint(path: str | Path, *, whole_tensors: bool = False, metadata_sha256: str | None = None) -> dict:
     """Every tensor of a DCP checkpoint directory (a version directory) at its global shape, on
     CPU, in this process: no process group, whatever number of ranks wrote it. Non-tensor
     entries (Megatron's ``_extra_state`` byte blobs) are skipped.
@@ -32,7 +58,9 @@ def read_checkpoint(path: str | Path, *, whole_tensors: bool = False) -> dict:
     ``whole_tensors`` (the version's manifest says so: written by ``publish``): take the
     tensors straight from the file's bytes, which saves unpickling every tensor; any other
     layout, or anything unexpected in the file, goes through ``dcp.load``. Takes no hold: to
-    read a committed version that retention may delete, use ``WeightStore.load``."""
+    read a committed version that retention may delete, use ``WeightStore.load``.
+    ``metadata_sha256``: the manifest's checksum of ``.metadata``; a mismatch, or a class DCP
+    never writes, raises ``UnsafeCheckpointError`` before anything in the file is called."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -40,8 +68,7 @@ def read_checkpoint(path: str | Path, *, whole_tensors: bool = False) -> dict:
     path = Path(path)
     if not (path / DCP_METADATA).is_file():
         raise ValueError(f"{path} is not a DCP checkpoint (no {DCP_METADATA}): pass a committed version directory")
-    reader = dcp.FileSystemReader(path)
-    metadata = reader.read_metadata()
+    metadata = read_metadata(path, sha256=metadata_sha256)
     if whole_tensors:
         state = _read_whole_tensors(path, metadata)
         if state is not None:
@@ -54,7 +81,7 @@ def read_checkpoint(path: str | Path, *, whole_tensors: bool = False) -> dict:
     with warnings.catch_warnings():  # a single-process load is the intent; DCP warns about it
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        dcp.load(state, storage_reader=_reader(path, metadata), no_dist=True)
     return state
 
 

@@ -45,7 +45,7 @@ from typing import Iterator, Mapping
 
 from storage import paths
 from storage.atomic import fsync_path, write_atomically
-from storage.checkpoint import DCP_METADATA, quiet_dcp_logger, read_checkpoint
+from storage.checkpoint import DCP_METADATA, quiet_dcp_logger, read_checkpoint, read_metadata
 
 MANIFEST_FORMAT = "astraflow-weights-v1"
 _RETIRING = "COMMITTED.retiring"
@@ -93,6 +93,15 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(4 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _metadata_sha256(manifest: dict, policy: str, version: int) -> str:
+    """The manifest's sha256 of the version's ``.metadata`` (checked before it is unpickled)."""
+    rec = manifest.get("files", {}).get(DCP_METADATA)
+    if not isinstance(rec, dict) or not isinstance(rec.get("sha256"), str):
+        raise ChecksumMismatch(f"{policy} v{version}: the manifest has no sha256 of {DCP_METADATA}, so it cannot "
+                               "be read safely; delete the version and re-publish it")
+    return rec["sha256"]
 
 
 def _files(root: Path) -> list[Path]:
@@ -263,12 +272,15 @@ class WeightStore:
         """All tensors of a committed version (``read_checkpoint``), held against retention
         while it is read. ``verify`` checks sha256 first. A version written by ``publish``
         (whole contiguous tensors, one file; its manifest says ``whole_tensors``) is read
-        straight from the file's bytes."""
+        straight from the file's bytes. The ``.metadata`` pickle is checked against its manifest
+        sha256 and unpickled with DCP's classes only (``storage.safe_pickle``)."""
         with self.hold(policy, version):
             if verify:
                 self.verify(policy, version)
-            whole = bool(self.manifest(policy, version).get("whole_tensors"))
-            return read_checkpoint(paths.version_dir(self.root, policy, version), whole_tensors=whole)
+            man = self.manifest(policy, version)
+            return read_checkpoint(paths.version_dir(self.root, policy, version),
+                                   whole_tensors=bool(man.get("whole_tensors")),
+                                   metadata_sha256=_metadata_sha256(man, policy, version))
 
     @contextmanager
     def hold(self, policy: str, version: int) -> Iterator[WeightVersion]:
@@ -335,10 +347,9 @@ class WeightStore:
 
     @staticmethod
     def _tensor_table(ckpt: Path) -> dict:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        md = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
+        md = read_metadata(ckpt).state_dict_metadata
         table = {}
         for k, m in sorted(md.items()):
             if isinstance(m, TensorStorageMetadata):

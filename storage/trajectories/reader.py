@@ -101,7 +101,10 @@ class SegmentView:
     def array(self, name: str, needed: int) -> zarr.Array:
         arr = self._arrays.get(name)
         if arr is None or arr.shape[0] < needed:
-            arr = zarr.open_array(store=self.backend.zarr_store(self.segment, read_only=True), path=name, mode="r")
+            # Zarr v3 only (what the writer creates): v3 has no object dtype, so no pickle codec
+            # can decode a chunk; a forged v2 ``.zarray`` naming one is never opened.
+            arr = zarr.open_array(store=self.backend.zarr_store(self.segment, read_only=True), path=name, mode="r",
+                                 zarr_format=3)
             assert arr.shape[0] >= needed, f"{self.segment}/{name} is shorter than its committed range"
             self._arrays[name] = arr
         return arr

@@ -52,7 +52,8 @@ class SegmentWriter:
         # chunks equal to the fill value are still written: every touched chunk file exists
         # (fsync needs it) and orphaned data of a killed writer is always overwritten.
         with zarr.config.set({"array.write_empty_chunks": True}):
-            group = zarr.open_group(store=self._backend.zarr_store(self.segment, read_only=False), mode="a")
+            group = zarr.open_group(store=self._backend.zarr_store(self.segment, read_only=False), mode="a",
+                                    zarr_format=3)
             existing = set(group.array_keys())
             arrays: dict[str, zarr.Array] = {}
             for name, dt in FLAT_DTYPES.items():
