@@ -1,0 +1,89 @@
+"""What mutual TLS on the run's Dask traffic costs the main example.
+
+The main example (``examples/math/config.yaml``, embedded default: local Dask workers, CPU
+model) runs through ``astraflow.runtime.launch`` (the code path of ``astraflow run``) twice per
+repeat: with ``cluster.tls`` on (the default) and off (plain TCP), alternating which goes first.
+Reported per run: trainer steps per second between the first and the last step (model loading
+and the first evaluation excluded), episodes generated per second, held-out accuracy at the end.
+The last line is ``RESULT {json}`` with the mean steps/s of TLS over plain TCP.
+
+Run from the repository root: ``python benchmarks/tls_cost.py [--steps 200] [--repeats 1]``.
+The first run builds the main example's model (``runs/models/math-mini-llama``) if missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def run_one(work: Path, tls: bool, steps: int, repeat: int) -> dict:
+    from astraflow.config import load_config
+    from astraflow.runtime.launch import launch
+
+    overrides = {"cluster.tls.enabled": tls, "run.max_steps": steps, "workload.eval.every": steps,
+                 "cluster.dashboard_port": 0, "run.seed": repeat}
+    cfg = load_config(ROOT / "examples" / "math" / "config.yaml", [f"{k}={v}" for k, v in overrides.items()])
+    run_dir = work / f"{'tls' if tls else 'tcp'}-{repeat}"
+    launch(cfg, run_dir, quiet=True)
+    address = json.loads((run_dir / "control" / "orchestrator.json").read_text()).get("scheduler", "")
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    step_lines = [x for x in lines if "accepted" in x]
+    evals = [x for x in lines if "eval_accuracy" in x]
+    first, last = step_lines[0], step_lines[-1]
+    seconds = max(last["time"] - first["time"], 1e-9)
+    return {"tls": tls, "repeat": repeat, "address": address, "steps": last["step"],
+            "steps_per_s": (last["step"] - first["step"]) / seconds,
+            "episodes_per_s": (last["rollouts_generated"] - first["rollouts_generated"]) / seconds,
+            "acc_after": evals[-1]["eval_accuracy"] if evals else float("nan")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=200, help="trainer steps per run")
+    ap.add_argument("--repeats", type=int, default=1, help="TLS/plain pairs, alternating which goes first")
+    ap.add_argument("--workdir", type=Path, default=None, help="keep the run directories here")
+    args = ap.parse_args()
+
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="astraflow-tls-"))
+    work.mkdir(parents=True, exist_ok=True)
+    os.chdir(ROOT)  # the example's model path is relative to the repository root
+    rows, t0 = [], time.time()
+    for repeat in range(args.repeats):
+        for tls in ((True, False) if repeat % 2 == 0 else (False, True)):
+            row = run_one(work, tls, args.steps, repeat)
+            rows.append(row)
+            print(f"[{time.time() - t0:6.0f}s] {'TLS' if tls else 'plain TCP':<9} {row['steps_per_s']:.2f} steps/s  "
+                  f"{row['episodes_per_s']:.1f} episodes/s  acc {row['acc_after']:.3f}  ({row['address']})", flush=True)
+
+    print()
+    print(f"{'traffic':<10} {'repeat':>6} {'steps':>6} {'steps/s':>8} {'episodes/s':>10} {'held-out':>8}")
+    for r in rows:
+        print(f"{'TLS' if r['tls'] else 'plain TCP':<10} {r['repeat']:>6} {r['steps']:>6} {r['steps_per_s']:>8.2f} "
+              f"{r['episodes_per_s']:>10.1f} {r['acc_after']:>8.3f}")
+
+    def mean(tls: bool, key: str) -> float:
+        vals = [r[key] for r in rows if r["tls"] == tls]
+        return sum(vals) / len(vals)
+
+    print("RESULT " + json.dumps({
+        "steps_per_s_ratio_tls_vs_plain": round(mean(True, "steps_per_s") / mean(False, "steps_per_s"), 3),
+        "episodes_per_s_ratio_tls_vs_plain": round(mean(True, "episodes_per_s") / mean(False, "episodes_per_s"), 3),
+        "tls_steps_per_s": round(mean(True, "steps_per_s"), 3), "plain_steps_per_s": round(mean(False, "steps_per_s"), 3),
+        "steps": args.steps, "repeats": args.repeats,
+    }))
+
+
+if __name__ == "__main__":
+    main()
