@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from astraflow.runtime.control import DEFAULT_REMOVAL, REMOVAL_HELP, REMOVAL_MODES
 from astraflow.training.config import ModelInit
 from schedulers.partition import Partition
+from storage.ownership import owner_only
 from storage.paths import RunPaths, default_run_dir
 
 #: scheduler of a partition added to a running run when neither the options nor --from-yaml
@@ -107,6 +108,7 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     exits with 130; a run that fails exits with 1 and its reason in one line. Either way
     summary.json records how the run ended (status, reason) and the worker jobs are cancelled.
     """
+    click.get_current_context().with_resource(owner_only())  # inherited by the processes it starts
     cfg = _load(config, overrides)
     from astraflow.runtime.launch import launch
     from astraflow.runtime.workers import RunFailed
@@ -240,8 +242,10 @@ def tensorboard(run_dir: str, logdir: str | None, follow: bool) -> None:
 
 
 @main.group()
-def partitions() -> None:
+@click.pass_context
+def partitions(ctx: click.Context) -> None:
     """List, add and remove worker partitions of a running run (found through its RUN_DIR)."""
+    ctx.with_resource(owner_only())
 
 
 def _partition_errors(err) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from astraflow.agents.workload import is_agentic
 from astraflow.workloads.datafiles import resolve_path
@@ -30,7 +30,10 @@ from schedulers.policy import (DEFAULT_SBATCH_OPTIONS_ALLOWLIST, DEFAULT_WORKER_
                                SbatchAllowlist, WorkerPolicy)
 from storage.atomic import write_atomically
 from storage.config import StorageConfig
+from storage.paths import is_plain_name
 
+#: longest ``run.name`` (it is part of run directory and Slurm job names)
+RUN_NAME_MAX = 64
 
 # -- the run's own sections (the orchestrator reads them) ---------------------------------------
 
@@ -126,7 +129,8 @@ class ClusterConfig(Strict):
 
 class RunSection(Strict):
     name: str = "run"
-    """Name of the run (run directories default to ``runs/<name>-<timestamp>``)."""
+    """Name of the run (run directories default to ``runs/<name>-<timestamp>``): 1-64 letters,
+    digits, ``_ . -``, starting with a letter or digit."""
     max_steps: int = Field(default=50, ge=1)
     """Trainer steps per policy; the run ends when every trainer has taken them."""
     seed: int = 0
@@ -136,6 +140,16 @@ class RunSection(Strict):
     trainer-centred driver loop, the baseline for comparisons."""
     timeout_s: float = Field(default=3600.0, gt=0)
     """Deadline of the whole run."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        """The name becomes a path component and part of job names: nothing a shell, a path or
+        a job name could read as more than one plain word."""
+        if not is_plain_name(v) or len(v) > RUN_NAME_MAX:
+            raise ValueError(f"{v!r} cannot name a run: use 1-{RUN_NAME_MAX} letters, digits, '_', '.', '-', "
+                             "starting with a letter or digit (no spaces, '/', '%' or newlines), e.g. 'math-grpo'")
+        return v
 
 
 def _default_partitions() -> list[Partition]:

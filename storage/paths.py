@@ -34,12 +34,12 @@ _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 def is_plain_name(name: str) -> bool:
-    return bool(_SAFE.match(name))
+    return bool(_SAFE.fullmatch(name))
 
 
 def check_name(kind: str, name: str) -> str:
     """Names that become path components must be plain: letters, digits, ``_ . -``."""
-    if not _SAFE.match(name):
+    if not is_plain_name(name):  # fullmatch: '$' alone would let a trailing newline through
         raise ValueError(
             f"{kind} name {name!r} is not usable as a path component: use letters, digits, '_', '.', '-'"
         )
@@ -142,7 +142,9 @@ class RunPaths:
         return self.root / "jobs"
 
     def make(self) -> "RunPaths":
-        for d in (self.root, self.control, self.logs, self.jobs):
+        """Create the run directory (owner-only, mode 0700, when it is new) and its subdirectories."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for d in (self.control, self.logs, self.jobs):
             d.mkdir(parents=True, exist_ok=True)
         return self
 

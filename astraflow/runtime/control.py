@@ -33,6 +33,7 @@ from astraflow.runtime.monitoring.snapshot import run_status
 from schedulers.partition import Partition
 from schedulers.policy import WorkerPolicy
 from storage.atomic import read_json_object, write_json
+from storage.ownership import check_owner_only
 from storage.paths import RunPaths
 
 # -- desired partitions (written by the CLI, read by the orchestrator) ------------------------
@@ -133,9 +134,11 @@ def add_partition(run_dir: Path, part: Partition) -> None:
     """Add `part` to the desired set of the running run in `run_dir`.
 
     Only rollout partitions can join a running run (data and trainer are placed at start).
-    Raises `RunNotRunning` or `PartitionError` (a duplicate name, a wrong role, an env variable
-    or sbatch option outside the run's allowlists).
+    Raises `UnsafeRunDir` (other users can change the run directory), `RunNotRunning` or
+    `PartitionError` (a duplicate name, a wrong role, an env variable or sbatch option outside
+    the run's allowlists).
     """
+    check_owner_only(run_dir)
     run_status(run_dir)
     if part.role != "rollout":
         raise PartitionError(
@@ -164,9 +167,11 @@ def add_partition(run_dir: Path, part: Partition) -> None:
 
 
 def remove_partition(run_dir: Path, name: str, mode: RemovalMode = DEFAULT_REMOVAL) -> Partition:
-    """Remove partition `name` from the desired set (`mode`: one of `REMOVAL_MODES`); returns it."""
+    """Remove partition `name` from the desired set (`mode`: one of `REMOVAL_MODES`); returns it.
+    Raises like `add_partition`."""
     if mode not in REMOVAL_MODES:
         raise PartitionError(f"removal mode {mode!r}: use one of {REMOVAL_MODES}")
+    check_owner_only(run_dir)
     run_status(run_dir)
     paths = RunPaths(run_dir)
     with desired_lock(paths):

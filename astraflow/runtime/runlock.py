@@ -18,6 +18,7 @@ import socket
 import time
 from pathlib import Path
 
+from storage.ownership import make_owner_only
 from storage.paths import RunPaths
 
 log = logging.getLogger("astraflow.runtime")
@@ -30,7 +31,8 @@ class RunDirError(ValueError):
 class RunDirLock:
     """The exclusive lock of one run directory: ``with RunDirLock(run_dir): ...`` or
     ``acquire()`` / ``release()``. ``acquire`` raises ``RunDirError`` naming the run that holds
-    the directory (or why it cannot be created) and the fix."""
+    the directory (or why it cannot be created) and the fix; ``UnsafeRunDir`` when the directory
+    is not owner-only (`storage.ownership`), before anything is written in it."""
 
     def __init__(self, run_dir: str | Path):
         self.paths = RunPaths(run_dir)
@@ -45,8 +47,9 @@ class RunDirLock:
             return self
         root, lock = self.paths.root, self.paths.run_lock
         try:
+            make_owner_only(root)  # UnsafeRunDir (a ValueError) when other users can change it
             lock.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as err:
             where = f" ({err.filename})" if err.filename else ""
             raise RunDirError(f"run directory {root} cannot be created or written: {err.strerror or err}{where}; "
