@@ -26,6 +26,7 @@ from astraflow.training.config import PolicyConfig
 from astraflow.workloads.config import WorkloadConfig
 from schedulers.command import is_loopback
 from schedulers.partition import ROLES, Partition
+from schedulers.tls import TLSConfig
 from schedulers.policy import (DEFAULT_SBATCH_OPTIONS_ALLOWLIST, DEFAULT_WORKER_ENV_ALLOWLIST, EnvAllowlist,
                                SbatchAllowlist, WorkerPolicy)
 from storage.atomic import write_atomically
@@ -36,39 +37,6 @@ from storage.paths import is_plain_name
 RUN_NAME_MAX = 64
 
 # -- the run's own sections (the orchestrator reads them) ---------------------------------------
-
-
-class TLSConfig(Strict):
-    """``cluster.tls``: how the run's Dask traffic is secured."""
-
-    enabled: bool = True
-    """Mutual TLS on every Dask connection (scheduler, workers, clients). ``false`` = plain TCP:
-    anyone who can reach the scheduler's port can run code as you; only for a machine that is yours alone."""
-    ca_file: Path | None = None
-    """A site-provided CA certificate (PEM). None: the run creates its own authority."""
-    cert_file: Path | None = None
-    """A site-provided certificate (PEM) signed by `ca_file`, used by every component of the run."""
-    key_file: Path | None = None
-    """Its private key (PEM); None when `cert_file` holds the key too."""
-
-    @model_validator(mode="after")
-    def _site_files(self) -> "TLSConfig":
-        given = {"ca_file": self.ca_file, "cert_file": self.cert_file}
-        missing = [k for k, v in given.items() if v is None]
-        if missing and (len(missing) == 1 or self.key_file is not None):
-            raise ValueError(f"cluster.tls: site certificates need ca_file and cert_file (key_file if separate); "
-                             f"{', '.join(missing)} missing: set it, or remove the others to let the run create its own")
-        if not self.enabled and self.ca_file is not None:
-            raise ValueError("cluster.tls: certificate files are set but enabled is false: remove them or enable TLS")
-        for name in ("ca_file", "cert_file", "key_file"):
-            p = getattr(self, name)
-            if p is not None and not p.is_file():
-                raise ValueError(f"cluster.tls.{name}: {p} is not a readable file: point it at a PEM file")
-        return self
-
-    @property
-    def site_provided(self) -> bool:
-        return self.ca_file is not None
 
 
 class ClusterConfig(Strict):

@@ -15,7 +15,8 @@ from schedulers.base import (
     UnknownJobError,
     make_scheduler,
 )
-from schedulers.command import TLSFiles, partition_worker_command, worker_command, worker_env
+from schedulers.command import partition_worker_command, worker_command, worker_env
+from schedulers.tls import TLSConfig, TLSFiles
 from schedulers.local import LocalScheduler
 from schedulers.partition import Partition, parse_worker_name, walltime_seconds, worker_name
 
@@ -31,6 +32,7 @@ __all__ = [
     "UnknownJobError",
     "make_scheduler",
     "parse_worker_name",
+    "TLSConfig",
     "TLSFiles",
     "partition_worker_command",
     "walltime_seconds",

@@ -19,11 +19,10 @@ import ipaddress
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from schedulers.partition import Partition, parse_worker_name
+from schedulers.tls import TLSFiles
 
 WORKER_MODULE = "distributed.cli.dask_worker"
 
@@ -40,33 +39,6 @@ QUIET_DASK_ENV = {
     "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "2s",
     "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL": "1s",
 }
-
-
-@dataclass(frozen=True)
-class TLSFiles:
-    """The PEM files with which a run's scheduler, workers and clients authenticate each other
-    (mutual TLS): the authority's certificate, and the certificate + key every component presents.
-    A worker given them joins only a scheduler holding a certificate from the same authority,
-    and the scheduler admits only such workers and clients."""
-
-    ca_file: Path
-    cert_file: Path
-    key_file: Path | None = None
-    """None when `cert_file` holds the key too."""
-
-    def args(self) -> list[str]:
-        """The ``dask scheduler`` / ``dask worker`` options that turn TLS on with these files."""
-        key = ["--tls-key", str(self.key_file)] if self.key_file else []
-        return ["--tls-ca-file", str(self.ca_file), "--tls-cert", str(self.cert_file), *key]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"ca_file": str(self.ca_file), "cert_file": str(self.cert_file),
-                "key_file": str(self.key_file) if self.key_file else None}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "TLSFiles":
-        key = data.get("key_file")
-        return cls(Path(data["ca_file"]), Path(data["cert_file"]), Path(key) if key else None)
 
 
 def is_loopback(host: str) -> bool:

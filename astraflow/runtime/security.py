@@ -32,7 +32,7 @@ from storage.atomic import read_json_object, write_json
 from storage.paths import RunPaths
 
 if TYPE_CHECKING:
-    from astraflow.config import TLSConfig
+    from schedulers.tls import TLSConfig
 
 log = logging.getLogger("astraflow.security")
 

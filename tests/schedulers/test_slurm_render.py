@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from schedulers import Partition
+from schedulers import Partition, TLSFiles
 from schedulers.command import QUIET_DASK_ENV, worker_env
 from schedulers.slurm import SlurmScheduler, normalise_state
 
@@ -47,7 +47,10 @@ CASES = {
                   env={"NCCL_DEBUG": "it's \"INFO\" $HOME `x`"}),
         "/shared/runs/my run (50%)/scheduler.json", 1,
         dict(job_dir="/shared/runs/my run (50%)/jobs", python="/opt/my venv/bin/python",
-             setup_lines=('source "/opt/my venv/bin/activate"',), interface="ib0", tag="astraflow.my_run.0123abcd"),
+             setup_lines=('source "/opt/my venv/bin/activate"',), interface="ib0", tag="astraflow.my_run.0123abcd",
+             tls=TLSFiles(Path("/shared/runs/my run (50%)/security/ca.pem"),
+                          Path("/shared/runs/my run (50%)/security/run.pem"),
+                          Path("/shared/runs/my run (50%)/security/run-key.pem"))),
     ),
     "data_cpu": (
         Partition(name="cpu", scheduler="slurm", slurm_partition="cpu", nodes=1, role="data", region="eu"),

@@ -1,0 +1,75 @@
+"""Mutual TLS between the processes of a run: the files every component presents, and the
+``cluster.tls`` settings that choose them (the run's own authority, the site's, or none).
+The certificates themselves are made by ``astraflow.runtime.security``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """The PEM files with which a run's scheduler, workers and clients authenticate each other
+    (mutual TLS): the authority's certificate, and the certificate + key every component presents.
+    A worker given them joins only a scheduler holding a certificate from the same authority,
+    and the scheduler admits only such workers and clients."""
+
+    ca_file: Path
+    cert_file: Path
+    key_file: Path | None = None
+    """None when `cert_file` holds the key too."""
+
+    def args(self) -> list[str]:
+        """The ``dask scheduler`` / ``dask worker`` options that turn TLS on with these files."""
+        key = ["--tls-key", str(self.key_file)] if self.key_file else []
+        return ["--tls-ca-file", str(self.ca_file), "--tls-cert", str(self.cert_file), *key]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ca_file": str(self.ca_file), "cert_file": str(self.cert_file),
+                "key_file": str(self.key_file) if self.key_file else None}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "TLSFiles":
+        key = data.get("key_file")
+        return cls(Path(data["ca_file"]), Path(data["cert_file"]), Path(key) if key else None)
+
+
+
+class TLSConfig(BaseModel):
+    """``cluster.tls``: how the run's Dask traffic is secured."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    enabled: bool = True
+    """Mutual TLS on every Dask connection (scheduler, workers, clients). ``false`` = plain TCP:
+    anyone who can reach the scheduler's port can run code as you; only for a machine that is yours alone."""
+    ca_file: Path | None = None
+    """A site-provided CA certificate (PEM). None: the run creates its own authority."""
+    cert_file: Path | None = None
+    """A site-provided certificate (PEM) signed by `ca_file`, used by every component of the run."""
+    key_file: Path | None = None
+    """Its private key (PEM); None when `cert_file` holds the key too."""
+
+    @model_validator(mode="after")
+    def _site_files(self) -> "TLSConfig":
+        given = {"ca_file": self.ca_file, "cert_file": self.cert_file}
+        missing = [k for k, v in given.items() if v is None]
+        if missing and (len(missing) == 1 or self.key_file is not None):
+            raise ValueError(f"cluster.tls: site certificates need ca_file and cert_file (key_file if separate); "
+                             f"{', '.join(missing)} missing: set it, or remove the others to let the run create its own")
+        if not self.enabled and self.ca_file is not None:
+            raise ValueError("cluster.tls: certificate files are set but enabled is false: remove them or enable TLS")
+        for name in ("ca_file", "cert_file", "key_file"):
+            p = getattr(self, name)
+            if p is not None and not p.is_file():
+                raise ValueError(f"cluster.tls.{name}: {p} is not a readable file: point it at a PEM file")
+        return self
+
+    @property
+    def site_provided(self) -> bool:
+        return self.ca_file is not None
