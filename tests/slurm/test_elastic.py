@@ -91,6 +91,11 @@ def test_partitions_added_removed_and_killed_mid_run_lose_no_task(tiny_model, tm
                    150, head_log)
         tag = st["tag"]
         assert st["partitions"]["data"]["scheduler"] == "local" and st["partitions"]["h100"]["scheduler"] == "slurm"
+        # every Dask connection of the run is mutual TLS, the Slurm workers' included, and the CLI,
+        # which only reads and writes the run directory, works all the same
+        assert json.loads((run_dir / "control" / "orchestrator.json").read_text())["scheduler"].startswith("tls://")
+        code, out = _cli("status", str(run_dir))
+        assert code == 0 and "h100" in out, out
 
         # 2. a bad request is refused with exit 2 and leaves the run alone
         code, out = _cli("partitions", "add", str(run_dir), "bad", "--slurm-partition", "nosuch", "--wait", "20")
