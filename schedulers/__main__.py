@@ -29,23 +29,34 @@ def main() -> None:
 @click.option("--interface", default=None, help="network interface the workers listen on (e.g. ib0)")
 @click.option("--setup-line", "setup_lines", multiple=True, help="shell line before the worker (module load ...)")
 @click.option("--tag", default="astraflow", show_default=True)
-def render(partition_file, scheduler_address, job_dir, count, start_index, python, interface, setup_lines, tag):
-    """Print the job script(s) and the sbatch line(s); submit nothing."""
+@click.option("--tls", "tls_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="the run's security/tls.json (default: next to a scheduler file given as --scheduler-address)")
+def render(partition_file, scheduler_address, job_dir, count, start_index, python, interface, setup_lines, tag,
+           tls_file):
+    """Print the job script(s) and the sbatch line(s); submit nothing. Workers of a run with TLS
+    (the default) get its certificates, so they can join its scheduler."""
+    import json
+
     import yaml
     from pydantic import ValidationError
 
     from schedulers.partition import Partition
     from schedulers.slurm import SlurmScheduler
+    from schedulers.tls import TLSFiles
 
+    if tls_file is None and scheduler_address.endswith(".json"):
+        tls_file = Path(scheduler_address).parent / "security" / "tls.json"
+        tls_file = tls_file if tls_file.exists() else None
     try:
         partition = Partition(**yaml.safe_load(partition_file.read_text()))
-        sched = SlurmScheduler(job_dir, python=python, interface=interface, setup_lines=setup_lines, tag=tag)
+        tls = TLSFiles.from_json(json.loads(tls_file.read_text())) if tls_file else None
+        sched = SlurmScheduler(job_dir, python=python, interface=interface, setup_lines=setup_lines, tag=tag, tls=tls)
         for index in range(start_index, start_index + count):
             script, argv = sched.render(partition, scheduler_address, index)
             click.echo(script)
             click.echo(f"# would run: {shlex.join(argv)}\n")
-    except (ValidationError, ValueError) as e:
-        raise click.BadParameter(str(e)) from e
+    except (ValidationError, ValueError, KeyError, OSError) as e:
+        raise click.BadParameter(f"{type(e).__name__}: {e}" if isinstance(e, (KeyError, OSError)) else str(e)) from e
 
 
 if __name__ == "__main__":

@@ -133,3 +133,25 @@ def test_worker_env_quiets_dask_monitors_unless_set(monkeypatch):
     assert "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED" not in env  # the shell's value is inherited
     assert env["DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL"] == "1s"
     assert env["ASTRAFLOW_ROLE"] == "data"
+
+
+def test_the_dry_run_gives_workers_the_runs_certificates(tmp_path):
+    """``python -m schedulers render`` with a run's scheduler file: the rendered worker joins
+    with the certificates named in the run's ``security/tls.json``; without one, none."""
+    import json
+
+    from click.testing import CliRunner
+
+    from schedulers.__main__ import main
+
+    part = tmp_path / "part.yaml"
+    part.write_text("name: cpu\nscheduler: slurm\nrole: rollout\n")
+    run = tmp_path / "run"
+    (run / "security").mkdir(parents=True)
+    args = ["render", str(part), "--scheduler-address", str(run / "scheduler.json"), "--job-dir", str(run / "jobs")]
+    assert "--tls-ca-file" not in CliRunner().invoke(main, args).output
+    files = TLSFiles(run / "security" / "ca.pem", run / "security" / "run.pem", run / "security" / "run-key.pem")
+    (run / "security" / "tls.json").write_text(json.dumps(files.to_json()))
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    assert f"--tls-ca-file {run}/security/ca.pem --tls-cert {run}/security/run.pem" in res.output
