@@ -70,33 +70,41 @@ class LocalScheduler:
         if count < 0:
             raise ValueError(f"count is {count}: use 0 or more")
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        refs = []
+        refs: list[JobRef] = []
         for index in range(start_index, start_index + count):
-            name = worker_name(partition, index)
-            cmd = partition_worker_command(
-                partition,
-                scheduler_address,
-                name,
-                python=self.python,
-                host=self.host,
-                death_timeout=self.death_timeout,
-                tls=self.tls,
-            )
-            log = self.log_dir / f"{name}.log"
-            with open(log, "ab") as out:
-                popen = subprocess.Popen(
-                    cmd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env={**os.environ, **worker_env(partition, name)},
-                    start_new_session=True,  # own process group: cancel reaches the worker's children too
-                    preexec_fn=die_with_parent,  # no orphaned worker if this process dies
-                )
-            job_id = f"local-{popen.pid}"
-            self._procs[job_id] = _Proc(popen, partition.name, name, log)
-            refs.append(JobRef(job_id, partition.name, name, self.kind, log))
+            try:
+                refs.append(self._start(partition, scheduler_address, worker_name(partition, index)))
+            except OSError as err:  # all or none: the workers this call started go too
+                self.cancel([r.job_id for r in refs])
+                undone = f", and stopped the {len(refs)} it had started" if refs else ""
+                raise OSError(f"starting local worker {worker_name(partition, index)} failed: "
+                              f"{type(err).__name__}: {err}{undone}") from err
         return refs
+
+    def _start(self, partition: Partition, scheduler_address: str, name: str) -> JobRef:
+        cmd = partition_worker_command(
+            partition,
+            scheduler_address,
+            name,
+            python=self.python,
+            host=self.host,
+            death_timeout=self.death_timeout,
+            tls=self.tls,
+        )
+        log = self.log_dir / f"{name}.log"
+        with open(log, "ab") as out:
+            popen = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **worker_env(partition, name)},
+                start_new_session=True,  # own process group: cancel reaches the worker's children too
+                preexec_fn=die_with_parent,  # no orphaned worker if this process dies
+            )
+        job_id = f"local-{popen.pid}"
+        self._procs[job_id] = _Proc(popen, partition.name, name, log)
+        return JobRef(job_id, partition.name, name, self.kind, log)
 
     def cancel(self, job_ids: Iterable[str]) -> None:
         ids = list(job_ids)

@@ -187,7 +187,7 @@ class PartitionSet:
                 start = max(used) + 1 if used else 0
                 try:
                     jobs = self.scheduler_for(part).submit(part, address_for(part), missing, start)
-                except (SlurmCommandError, ValueError) as err:
+                except (SlurmCommandError, ValueError, OSError) as err:  # OSError: a local worker that cannot start
                     ps.state, ps.error = "failed", f"submitting workers failed: {err}"
                     self.progress.note(f"partition {name}: {ps.error}")
                     jobs = []

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from schedulers import LocalScheduler, Partition, UnknownJobError, make_scheduler, parse_worker_name
+from schedulers import LocalScheduler, Partition, UnknownJobError, make_scheduler, parse_worker_name, worker_name
 from tests.schedulers.dask_fixtures import connected_workers, wait_for_workers
 
 
@@ -128,3 +128,16 @@ def test_connected_workers_never_reads_the_refreshed_cache(tmp_path):
         assert cached_misses > 0, "the race this guards against did not show here (Dask changed?)"
     finally:
         stop(proc)
+
+
+def test_submit_is_all_or_none(tmp_path):
+    """A worker that cannot start (its log cannot be opened) fails the whole request: the
+    workers the call had already started are stopped, none is left running or listed active."""
+    sched = LocalScheduler(tmp_path, death_timeout=20)
+    part = Partition(name="pool", role="rollout")
+    (tmp_path / f"{worker_name(part, 1)}.log").mkdir()  # the second worker's log is a directory
+    with pytest.raises(OSError, match=r"starting local worker rollout-pool-local-cpu-1 failed.*stopped the 1"):
+        sched.submit(part, "tcp://127.0.0.1:1", 3)
+    jobs = sched.jobs()
+    assert len(jobs) == 1 and jobs[0].state == "CANCELLED" and not jobs[0].active
+    sched.close()
