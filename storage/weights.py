@@ -87,6 +87,11 @@ class ChecksumMismatch(RuntimeError):
     """A file of a committed version no longer matches the manifest's sha256."""
 
 
+class DamagedVersion(ValueError):
+    """A committed version whose manifest cannot be read or does not match the sha256 its commit
+    marker records; the message names the file and how to go on from the version before it."""
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -257,7 +262,22 @@ class WeightStore:
                 f"{policy} v{version} is not a committed version under {self.root} (committed: "
                 f"{known or 'none'}); use latest() or one of versions()"
             )
-        return json.loads(paths.manifest_file(self.root, policy, version).read_text())
+        mfile, marker = paths.manifest_file(self.root, policy, version), paths.commit_file(self.root, policy, version)
+        try:
+            data = mfile.read_bytes()
+            expected = json.loads(marker.read_bytes()).get("manifest_sha256")
+            if expected and hashlib.sha256(data).hexdigest() != expected:
+                raise ValueError(f"its sha256 is not the one {marker.name} records")
+            manifest = json.loads(data)
+            if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+                raise ValueError("it is not a manifest (a JSON object with 'files')")
+        except (OSError, ValueError, AttributeError) as err:  # JSON and UTF-8 errors are ValueErrors
+            if not marker.exists():
+                raise VersionNotCommitted(f"{policy} v{version} was retired while it was read") from None
+            raise DamagedVersion(
+                f"{mfile} is damaged ({type(err).__name__}: {err}): move {mfile.parent} out of the run "
+                "directory to go on from the version before it, or restore the file") from None
+        return manifest
 
     def verify(self, policy: str, version: int) -> None:
         """Recompute every file's sha256 and compare with the manifest (``ChecksumMismatch``)."""

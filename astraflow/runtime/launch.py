@@ -150,6 +150,18 @@ def _sigterm_stops_cleanly() -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
+    """Before anything starts on a run directory that has weights: each policy's newest committed
+    version must be readable (``DamagedVersion``, a ValueError naming the file and the fix)."""
+    from storage.weights import WeightStore
+
+    weights = RunPaths(run_dir).weights
+    if weights.is_dir():
+        store = WeightStore(weights)
+        for pol in cfg.policies:
+            store.latest(pol.name)
+
+
 def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
     """Run ``cfg`` in ``run_dir``. The directory's lock is held from before any model is built or
     process started until the run ends (``RunDirError`` when another run holds it); the data is
@@ -158,6 +170,7 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
     progress = Progress(enabled=not quiet)
     progress.note(check_data(cfg.workload))
     with RunDirLock(run_dir):
+        check_resumable(cfg, run_dir)
         _sigterm_stops_cleanly()
         prepare_models(cfg, progress)
         progress.note(f"run directory {run_dir}")

@@ -125,3 +125,21 @@ def test_the_dashboard_status_reads_a_damaged_snapshot_as_an_error_message(tmp_p
         fh.write(b'{"step": 5, "policy": "p"\n{"step": 6, "policy": "p", "reward_mean": 0.9}\n')
     view = reader.view()
     assert view.lines == 4 and view.skipped == 6 and view.policies["p"].step[-1] == 6
+
+
+def test_resuming_on_a_damaged_manifest_exits_2_before_anything_starts(tmp_path):
+    import torch
+
+    from storage import paths as store_paths
+    from storage.weights import WeightStore
+
+    run = RunPaths(tmp_path / "run").make()
+    WeightStore(run.weights).publish("solver", 3, {"w": torch.ones(2)})
+    manifest = store_paths.manifest_file(run.weights, "solver", 3)
+    manifest.write_bytes(GARBAGE)
+    config = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "config.yaml"
+    res = CliRunner().invoke(main, ["run", str(config), "--run-dir", str(run.root), "--quiet"])
+    assert res.exit_code == 2, res.output
+    assert f"{manifest} is damaged" in res.output and "out of the run directory" in res.output
+    assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
+    assert not run.scheduler_file.exists() and not run.summary.exists()  # nothing started

@@ -202,3 +202,32 @@ def test_bad_input_names_the_fix(tmp_path):
         store.staging("../x", 1)
     with pytest.raises(ValueError, match=">= 0"):
         store.staging("p", -1)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "edited", "not an object", "missing"])
+def test_a_damaged_manifest_is_named_not_read(tmp_path, damage):
+    """A manifest that is not JSON, was edited after the commit (its sha256 no longer matches the
+    commit marker), is not a manifest or is gone: ``DamagedVersion`` names it and the way on."""
+    from storage.weights import DamagedVersion
+
+    store = WeightStore(tmp_path)
+    store.publish("p", 1, {"w": torch.ones(2)})
+    man = paths.manifest_file(tmp_path, "p", 1)
+    if damage == "garbage":
+        man.write_bytes(b"\xff{not json")
+    elif damage == "edited":
+        man.write_text(man.read_text().replace('"p"', '"q"', 1) + " ")
+    elif damage == "not an object":
+        man.write_text("[1, 2]")
+    else:
+        man.unlink()
+    with pytest.raises(DamagedVersion, match=rf"{man} is damaged .*move .*v.*1 out of the run directory"):
+        store.latest("p")
+
+
+def test_a_version_retired_while_read_is_not_damaged(tmp_path):
+    store = WeightStore(tmp_path)
+    store.publish("p", 1, {"w": torch.ones(2)})
+    shutil.rmtree(paths.version_dir(tmp_path, "p", 1))  # retention removed it, commit marker and all
+    with pytest.raises(VersionNotCommitted):
+        store.manifest("p", 1)
