@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -140,8 +141,14 @@ def _sigterm_stops_cleanly() -> None:
     cancels the worker jobs (those of them the signal also reached are skipped)."""
     if threading.current_thread() is not threading.main_thread():
         return
+    stopping = threading.Event()
 
     def handler(signum, frame):
+        if stopping.is_set():  # a second Ctrl-C must not break the stop that is bounded anyway
+            sys.stderr.write(f"already stopping (signal {signum} ignored): the components get "
+                             "cluster.stop_grace_s, then the summary is written and the jobs cancelled\n")
+            return
+        stopping.set()
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)

@@ -128,3 +128,27 @@ def test_sigterm_to_the_head_and_its_workers_stops_in_one_line_with_a_summary(ti
     assert summary["status"] == "interrupted" and summary["reason"] == "stopped by signal 15"
     assert summary["steps"]["solver"] >= 1  # from the last state read: the trainer was gone
     assert not [n for n, w in workers.items() if _alive(_pid(w))], "worker processes were left running"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_ctrl_c_again_during_the_stop_does_not_break_it(tiny_model, tmp_path):
+    """A user who presses Ctrl-C again while the run stops: the stop goes on (a note says so),
+    the summary is written and the run exits 130 without a traceback."""
+    with _running(tmp_path, tiny_model) as (proc, run_dir):
+        workers = _workers_once_training(proc, run_dir)
+        killed_at = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        for _ in range(3):
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGINT)
+            time.sleep(0.2)
+        rc, lines, everything, took = _finish(proc, killed_at)
+    assert rc == 130, everything[-3000:]
+    assert "Traceback" not in everything and "Aborted" not in everything, everything[-3000:]
+    assert lines[-1].startswith("the run was stopped by signal 2") and "summary.json" in lines[-1], lines
+    assert lines[:-1] and all(line.startswith("already stopping") for line in lines[:-1]), lines
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["ledger_closed"]
+    assert not [n for n, w in workers.items() if _alive(_pid(w))], "worker processes were left running"
