@@ -111,15 +111,21 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     click.get_current_context().with_resource(owner_only())  # inherited by the processes it starts
     cfg = _load(config, overrides)
     from astraflow.runtime.launch import launch
+    from astraflow.runtime.stopping import disk_full, disk_full_reason
     from astraflow.runtime.workers import RunFailed
     from astraflow.training.numerics import NonFiniteError
 
+    rd = Path(run_dir) if run_dir else _default_run_dir(cfg.run.name)
     try:
-        result = launch(cfg, Path(run_dir) if run_dir else _default_run_dir(cfg.run.name), quiet=quiet)
+        result = launch(cfg, rd, quiet=quiet)
     except ValueError as err:
         raise UserError(str(err)) from None
     except (RunFailed, NonFiniteError) as err:  # the run started and failed: exit 1, its reason
         raise click.ClickException(f"the run failed: {err}") from None
+    except OSError as err:  # a full disk before the run got going (lock, config, models)
+        if not disk_full(err):
+            raise
+        raise click.ClickException(f"the run failed: {disk_full_reason(err, rd)}") from None
     if result.interrupted:
         click.echo(f"the run was {result.ending.reason}; summary in {RunPaths(result.run_dir).summary}; "
                    "run again on this directory to resume it", err=True)

@@ -27,6 +27,7 @@ is skipped (noted in the summary); then a failed run raises ``RunFailed`` with i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import traceback
@@ -42,7 +43,7 @@ from astraflow.runtime.monitoring import StatusWriter, Tick, archive_summary
 from astraflow.runtime.placement import Placement, data_layer_kwargs, node_kwargs, trainer_kwargs
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.reconcile import PartitionSet, run_tag
-from astraflow.runtime.stopping import BoundedWaits, Ending
+from astraflow.runtime.stopping import BoundedWaits, Ending, disk_full, disk_full_reason
 from astraflow.runtime.workers import FUTURE_ERRORS, NODE_PHASES, PHASES, Fleet, RunFailed, Worker
 from astraflow.training.numerics import NonFiniteError
 from astraflow.training.trainer import Trainer
@@ -124,14 +125,23 @@ class Orchestrator:
         except NonFiniteError as err:  # the sync driver's trainer step stopped on its numerics guard
             ending = Ending("failed", f"NonFiniteError: {err}")
         except Exception as err:  # an actor call that raised, a bug: the same way out, traceback in the log
-            ending = Ending("failed", f"{type(err).__name__}: {err} (traceback in {self.paths.log('orchestrator')})")
-            with open(self.paths.log("orchestrator"), "a") as f:
-                traceback.print_exc(file=f)
+            if disk_full(err):
+                ending = Ending("failed", disk_full_reason(err, self.paths.root))
+            else:
+                ending = Ending("failed", f"{type(err).__name__}: {err} (traceback in {self.paths.log('orchestrator')})")
+                with contextlib.suppress(OSError), open(self.paths.log("orchestrator"), "a") as f:
+                    traceback.print_exc(file=f)
         except BaseException:  # SystemExit and the like: no summary, but no orphaned jobs either
             self._teardown()
             raise
         try:
             result = self._shutdown(t0, ending)
+        except OSError as err:  # the summary could not be written: the run still leaves in one line
+            if not disk_full(err):
+                raise
+            full = disk_full_reason(err, self.paths.root)
+            before = f"{ending.reason}; then " if ending.reason and not ending.reason.startswith("no space left") else ""
+            raise RunFailed(f"{before}{full}; summary.json could not be written") from None
         finally:
             self._teardown()
         if ending.status == "failed":

@@ -9,9 +9,11 @@ of them share one deadline, and a call that raises or does not answer is noted, 
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 log = logging.getLogger("astraflow.runtime")
@@ -30,6 +32,19 @@ class Ending:
     @property
     def clean(self) -> bool:
         return self.status == "completed"
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether `err` is a write refused because the filesystem (or the user's quota) is full."""
+    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_reason(err: OSError, run_dir: Path) -> str:
+    """One line for a run stopped by a full disk: what could not be written, and the way on
+    (every write of a run is atomic or committed by a marker, so the directory resumes)."""
+    what = f"writing {err.filename}" if err.filename else "a write"
+    return (f"no space left on the filesystem of {run_dir} ({what} failed): free space there (or move the run "
+            "directory to a larger filesystem), then run `astraflow run` again on this directory to resume")
 
 
 class BoundedWaits:
