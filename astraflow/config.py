@@ -22,6 +22,7 @@ from astraflow.workloads.datafiles import resolve_path
 from astraflow.configbase import Strict
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.rollout.config import RolloutConfig
+from astraflow.sandbox.config import SandboxConfig
 from astraflow.training.config import PolicyConfig
 from astraflow.workloads.config import WorkloadConfig
 from schedulers.command import is_loopback
@@ -139,6 +140,8 @@ class RunConfig(Strict):
     rollout: RolloutConfig = RolloutConfig()
     storage: StorageConfig = StorageConfig()
     cluster: ClusterConfig = ClusterConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    """Where model-written code runs: bubblewrap, its limits and concurrency (docs/sandbox.md)."""
     partitions: list[Partition] = Field(default_factory=_default_partitions)
     """Worker pools. The embedded default: local data, trainer and two rollout workers."""
 

@@ -1,0 +1,142 @@
+"""The first code that runs inside the sandbox (standard library only; copied into each
+execution's input directory, never imported by the host).
+
+argv: result fd, CPU seconds, address-space bytes, process count, then the test names (the
+host parses them from the tests; ``tests`` alone: the whole source is one test). It reads the
+nonce from stdin, sets the resource limits every later process inherits, runs /in/program.py,
+then /in/tests.py and each named test in the program's namespace, and reports on the result
+pipe: one ``repr((nonce, event, payload))`` line per event. Imports are kept to the few the
+success path needs: they are most of an execution's start-up time.
+
+The program runs in this interpreter: one that digs into this module's frames could forge the
+report. The nonce stops printing or blind writes to a file descriptor, not introspection.
+"""
+
+import os
+import resource
+import sys
+
+ERROR_CHARS = 500
+CHANNEL: list = []  # (the open result pipe, nonce), for the report of the runner's own failure
+
+
+def main() -> int:
+    fd, cpu_s, memory, nproc = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    names = sys.argv[5:]
+    nonce = sys.stdin.readline().strip()
+    devnull = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.set_inheritable(fd, False)  # exec'd children do not get the channel
+    out = os.fdopen(fd, "w", buffering=1)
+    CHANNEL.append((out, nonce))
+    memory_line = repr((nonce, "memory", None)) + "\n"
+
+    def send(event: str, payload=None) -> None:
+        out.write(repr((nonce, event, payload)) + "\n")
+
+    cpu = int(cpu_s + 0.999)
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    send("start")
+
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+
+    def run_source(path: str, label: str) -> tuple[bool, str | None, int]:
+        """(ran cleanly, the exception line, exit code) of exec-ing ``path`` in the namespace."""
+        try:
+            with open(path, "rb") as f:
+                source = f.read().decode("utf-8")
+            exec(compile(source, path, "exec"), namespace)
+            return True, None, 0
+        except SystemExit as err:
+            code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+            if code == 0:
+                return True, None, 0
+            return False, f"SystemExit: {err.code}", code
+        except MemoryError:
+            out.write(memory_line)
+            print_error(sys.exc_info()[1])
+            return False, "MemoryError", 1
+        except UnicodeDecodeError as err:
+            print(f"{label} is not valid UTF-8: {err}", file=sys.stderr)
+            return False, f"UnicodeDecodeError: {err}", 1
+        except BaseException as err:  # the program's error, whatever it is
+            print_error(err)
+            return False, describe(err), 1
+
+    ok, error, code = run_source("/in/program.py", "the program")
+    send("program", ok)
+    if not ok:
+        return code
+    if not names:
+        send("done")
+        return 0
+    ok, error, _ = run_source("/in/tests.py", "the tests")
+    if names == ["tests"] or not ok:  # the whole source is one test, or its top level failed
+        for name in names:
+            send("test", (name, ok, error))
+        send("done")
+        return 0 if ok else 1
+    failed = 0
+    for name in names:
+        passed, error = run_test(namespace.get(name), memory_line, out)
+        failed += not passed
+        send("test", (name, passed, error))
+    send("done")
+    return 1 if failed else 0
+
+
+def run_test(fn, memory_line: str, out) -> tuple[bool, str | None]:
+    if not callable(fn):
+        return False, "TypeError: not a function after the tests ran"
+    try:
+        result = fn()
+        if hasattr(result, "__await__"):
+            import asyncio
+
+            asyncio.run(result)
+        return True, None
+    except MemoryError:
+        out.write(memory_line)
+        return False, "MemoryError"
+    except BaseException as err:
+        return False, describe(err)
+
+
+def print_error(err: BaseException) -> None:
+    """The traceback to stderr, the runner's own frames left out."""
+    import traceback
+
+    tb = err.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    traceback.print_exception(type(err), err, tb)
+
+
+def describe(err: BaseException) -> str:
+    """The exception line; a bare AssertionError names the failing source line."""
+    import traceback
+
+    line = traceback.format_exception_only(type(err), err)[-1].strip()
+    if isinstance(err, AssertionError) and not str(err):
+        frames = traceback.extract_tb(err.__traceback__)
+        if frames and frames[-1].line:
+            line = f"AssertionError: {frames[-1].line.strip()}"
+    return line[:ERROR_CHARS]
+
+
+if __name__ == "__main__":
+    try:
+        status = main()
+    except BaseException as exc:  # the runner itself failed: the host reports sandbox_error
+        sys.stderr.write(f"sandbox runner failed: {exc!r}\n")
+        for out, nonce in CHANNEL:
+            out.write(repr((nonce, "runner_error", repr(exc))) + "\n")
+            out.flush()
+        status = 70
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
