@@ -207,7 +207,7 @@ class Orchestrator:
             return Tick(data_layer=self.dl.state().result(timeout=30),
                         trainers={p: t.state().result(timeout=30) for p, t in self.trainers.items()})
         except FUTURE_ERRORS:
-            self.fleet.check_core()
+            self.fleet.check_core(wait_s=10.0)
             raise
 
     def _show(self, tick: Tick) -> None:
@@ -260,7 +260,7 @@ class Orchestrator:
         def recover() -> bool:
             """After a trainer call failed: replace a lost trainer worker (True), or False."""
             try:
-                self.fleet.check_core()
+                self.fleet.check_core(wait_s=10.0)
             except TrainerLost as lost:
                 self.restarts.replace(lost)
                 return True

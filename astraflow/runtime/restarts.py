@@ -23,6 +23,7 @@ out with a line naming why and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -93,7 +94,7 @@ class TrainerRestarts:
             started[p] = {"worker": w.name, "why": why, "at": time.time(), "from_version": version,
                           "discarded_versions": dropped, "put_back": back["put_back"],
                           "recovered_versions": back["recovered"]}
-            self.progress.note(
+            self._note(
                 f"trainer {p} lost ({why}): restarting it ({n} of {limit}) from v{version}; "
                 f"{back['put_back']} sequences served to it put back"
                 + (f", uncommitted v{dropped} discarded" if dropped else ""))
@@ -124,9 +125,15 @@ class TrainerRestarts:
             gap = ("a fresh optimiser state (no checkpoint: trainer.optimizer_checkpoint_every)" if opt is None
                    else f"the optimiser state of v{opt}" + (f" ({versions[p] - opt} steps older than its weights)"
                                                             if opt != versions[p] else ""))
-            msg = f"trainer {p} restarted on {new.name} at v{versions[p]} with {gap}"
-            self.progress.note(msg)
-            log.warning(msg)
+            self._note(f"trainer {p} restarted on {new.name} at v{versions[p]} with {gap}")
+
+    def _note(self, msg: str) -> None:
+        """In the progress and in ``logs/orchestrator.log`` (the terminal of a quiet run stays
+        for the one line a run ends with)."""
+        self.progress.note(msg)
+        log.info(msg)
+        with contextlib.suppress(OSError), open(self.paths.log("orchestrator"), "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
 
     def _new_worker(self, partition: str, why: str):
         """Submit a worker to the lost one's partition and wait until it joined."""

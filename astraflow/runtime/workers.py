@@ -214,17 +214,24 @@ class Fleet:
             return "worker left the Dask scheduler"
         return None
 
-    def check_core(self) -> None:
-        """``RunFailed`` naming a data-layer or trainer worker that is lost (called when a
-        component stops answering, so that the run's reason names the lost worker, not the
-        failed call); returns when none is."""
-        self.poll_jobs()
-        joined = self.placement.joined()
-        for w in self.workers.values():
-            if self.role(w) != "rollout" and not w.gone:
-                why = self._why_lost(w, joined)
-                if why:
-                    self.lost(w, why)  # raises RunFailed
+    def check_core(self, wait_s: float = 0.0) -> None:
+        """``RunFailed`` (``TrainerLost``) naming a data-layer or trainer worker that is lost
+        (called when a component stops answering, so that the run's reason names the lost
+        worker, not the failed call, and a lost trainer is replaced); returns when none is,
+        after looking again for up to ``wait_s`` (a call can fail before the job's end or the
+        worker's departure is seen)."""
+        deadline = time.time() + wait_s
+        while True:
+            self.poll_jobs()
+            joined = self.placement.joined()
+            for w in self.workers.values():
+                if self.role(w) != "rollout" and not w.gone:
+                    why = self._why_lost(w, joined)
+                    if why:
+                        self.lost(w, why)  # raises RunFailed
+            if time.time() >= deadline:
+                return
+            time.sleep(0.5)
 
     def place_nodes(self, wait: bool = False) -> None:
         """Advance every worker one step (place, start, drain, notice losses). With `wait`,

@@ -151,7 +151,10 @@ def test_a_killed_trainer_worker_is_replaced_and_the_run_completes_nothing_lost_
     (restart,) = summary["trainer_restarts"]["solver"]["restarts"]
     assert restart["worker"] == victim_name(workers, victim) and restart["new_worker"] != restart["worker"]
     assert restart["from_version"] >= 3 and restart["resumed_version"] == restart["from_version"]
-    assert restart["optimizer_version"] is not None and restart["optimizer_gap"] in (0, 1)
+    # a checkpoint every 2 steps: the moments lag the weights by at most a step, or (the trainer
+    # killed between a step and its commit) a checkpoint newer than the weights is not used
+    assert restart["optimizer_gap"] in (0, 1) or restart["optimizer_version"] is None, restart
+    assert f"trainer solver restarted on {restart['new_worker']}" in (run_dir / "logs" / "orchestrator.log").read_text()
     train = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in train if x.get("policy") == "solver"] == list(range(1, steps + 1))  # no gap, no repeat
     ledger = summary["ledger"]
