@@ -59,6 +59,11 @@ class ClusterConfig(Strict):
     flush, trainers stop, the data layer closes the ledger) before it cancels the worker jobs.
     Keep it well under Slurm's ``KillWait`` (30 s by default): after ``scancel`` the head job has
     that long before it is killed, and it still has to cancel its jobs and write the summary."""
+    trainer_restarts: int = Field(default=2, ge=0)
+    """Times the trainer of each policy is restarted when its worker is lost (killed, out of
+    memory, node failure): a new worker is started and the trainer resumes from the newest
+    committed version and optimiser checkpoint (``docs/failures.md``). Past it, or with 0, a
+    lost trainer worker ends the run."""
     scheduler_host: str = "127.0.0.1"
     """Address the Dask scheduler listens on. The loopback default keeps a one-host run on this
     machine; on a cluster use the head node's address or set `scheduler_interface`."""

@@ -31,8 +31,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
+
+from astraflow.contracts import RolloutTask
 
 
 @dataclass
@@ -145,3 +148,49 @@ def lags(held: Mapping[str, int] | None, committed: Mapping[str, int]) -> bool:
     """Whether a node holding versions ``held`` is behind a committed version of its policies."""
     held = held or {}
     return any(int(held.get(p, v)) < v for p, v in committed.items())
+
+
+def refill(layer: Any) -> None:
+    """Create train groups of ``layer`` (a ``DataLayer``) while the rollout-ahead bound allows
+    (``Mixer.pick_source``) and, with ``admission: version``, this module's rule admits them,
+    each from the next prompt of its source that the curator accepts."""
+    mixer, buffers, first = layer.mixer, layer.buffers, layer.policy_names[0]
+    proposals = 0
+    # versions, served batches, buffers and nodes do not change during a refill (only the
+    # groups in rollout do, and they are passed separately): one rule for the whole call
+    admits_now = rule_of(layer) if layer.cfg.admission == "version" else None
+    while not layer.finished and proposals < max(len(layer._train), 1):
+        rolling = Counter(g.source for g in buffers.rolling.values())
+        source = mixer.pick_source(layer.limit, rolling, buffers.groups_ahead(mixer.weights), admits_now)
+        if source is None or (layer.budget is not None and layer.budget <= 0):
+            # refused groups: counted on the first policy, as the curator's skips are
+            buffers.counts[first]["admission_refused"] += mixer.refused
+            return
+        proposals += 1
+        idx = mixer.next_prompt(source)
+        payload = layer._train[idx]
+        if not layer.curator.accept(f"p{idx}", payload):
+            buffers.counts[first]["curator_skipped"] += 1
+            continue
+        if layer.budget is not None:
+            layer.budget -= 1
+        grp = buffers.open_group(f"p{idx}", source)
+        mixer.groups_created[source] += 1
+        for tid in grp.task_ids:
+            layer.leases.add(RolloutTask(task_id=tid, group_id=grp.group_id, policies=tuple(layer.policy_names),
+                                         workflow=layer.wcfg.workflow, prompt=payload, kind="train"))
+
+
+def no_batch_reason(layer: Any, policy: str, version: int, timeout: float, avail: Mapping[str, int],
+                    quota: Mapping[str, int], need: int) -> str:
+    """Why ``next_batch`` found no batch in time: what is buffered, short, pending, leased, and
+    whether admission is refusing new groups (then the nodes' weights are what to check)."""
+    short = [s for s, q in quota.items() if avail[s] < q]
+    sources = (f" (short: {', '.join(f'source {s!r} {avail[s]}/{quota[s]}' for s in short)})"
+               if layer.mixer.mixing and short else "")
+    return (f"no batch for {policy} v{version} within {timeout:.0f}s: "
+            f"{sum(avail.values())}/{need} sequences buffered{sources}, "
+            f"{len(layer.leases.pending)} tasks pending, {len(layer.leases.held)} leased"
+            + ("; admission refuses new groups that could not be trained on: do the RaaS "
+               "nodes load new weight versions (their logs, rollout.weight_poll_seconds)?"
+               if layer.mixer.refused else ""))

@@ -55,6 +55,10 @@ class Item:
     group_mean: float
     group_std: float
     group_size: int
+    #: where it came from in the buffer (a batch that never trained puts it back there)
+    group_id: str = ""
+    source: str = ""
+    ingest_seq: int = 0
 
 
 @dataclass
@@ -153,9 +157,10 @@ class Buffers:
                 self.settle(policy, items, reason or "filtered")
                 continue
             mean, std = float(np.mean(rewards)), float(np.std(rewards))
+            self._ingest_seq += 1
             for it in items:
                 it.group_mean, it.group_std, it.group_size = mean, std, len(items)
-            self._ingest_seq += 1
+                it.group_id, it.source, it.ingest_seq = grp.group_id, grp.source, self._ingest_seq
             self.ready[policy].append(ReadyGroup(grp.group_id, self._ingest_seq, items, grp.source))
             c["accepted"] += len(items)
             self.cap(policy)
@@ -283,6 +288,42 @@ class Buffers:
     def commit(self, policy: str, version: int) -> None:
         """``policy``'s trainer committed ``version``: the batch served at ``version - 1`` is consumed."""
         self.settle(policy, self.serving[policy].pop(version - 1, []), None)
+
+    def put_back(self, policy: str, from_version: int) -> list[Item]:
+        """``policy``'s trainer was lost and a new one resumes from the committed ``from_version``:
+        every batch served at ``from_version`` or later never reached a committed version, so
+        its items return to the buffer, in their groups and ingest order, to be served again
+        (not dropped as ``served_not_trained``; they may still age past ``max_staleness`` and
+        be dropped as ``stale``, counted). What serving counted for them is taken back, and
+        they leave the replay pool (they re-enter it when served again). Returns the items."""
+        back: list[Item] = []
+        for v in sorted(v for v in self.serving[policy] if v >= from_version):
+            items = self.serving[policy].pop(v)
+            back += items
+            self.staleness_hist[policy].subtract(Counter(v - it.oldest_version for it in items))
+        if not back:
+            return back
+        c = self.counts[policy]
+        c["consumed"] -= len(back)
+        c["put_back"] += len(back)
+        self.staleness_hist[policy] = +self.staleness_hist[policy]  # no zero or negative bins
+        ids = {it.task_id for it in back}
+        pool = self.replay[policy]
+        self.replay[policy] = deque((x for x in pool if x.task_id not in ids), maxlen=pool.maxlen)
+        self.restore(policy, back)
+        return back
+
+    def restore(self, policy: str, items: list[Item]) -> None:
+        """Items taken from ``policy``'s buffer but never trained on return to it, each into its
+        group (re-created if the rest of it left), the groups in ingest order."""
+        groups = {g.ingest_seq: g for g in self.ready[policy]}
+        for it in items:
+            grp = groups.get(it.ingest_seq)
+            if grp is None:
+                grp = groups[it.ingest_seq] = ReadyGroup(it.group_id, it.ingest_seq, [], it.source)
+            grp.items.append(it)
+        self.ready[policy] = sorted(groups.values(), key=lambda g: g.ingest_seq)
+        self.cap(policy)
 
     def end_run(self) -> None:
         """Every buffered item is dropped (``run_ended``), every served batch never committed

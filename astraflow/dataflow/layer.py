@@ -95,6 +95,8 @@ class DataLayer:
         self.versions: dict[str, int] = {p: 0 for p in self.policy_names}
         #: when each trainer asked for batches (admission tells a slow trainer from a stopped one)
         self.paces = {p: admission.TrainerPace() for p in self.policy_names}
+        #: per policy: times its trainer was lost and replaced (``trainer_restarted``)
+        self.trainer_restarts: Counter = Counter()
         self.generated = rec.Generated()
         self.finished = False
         self._ready_event: asyncio.Event | None = None
@@ -148,37 +150,8 @@ class DataLayer:
             return self.store.read(refs)
 
     def _refill(self) -> None:
-        """Create train groups while the rollout-ahead bound allows (``Mixer.pick_source``),
-        each from the next prompt of its source that the curator accepts."""
-        proposals = 0
-        # versions, served batches, buffers and nodes do not change during a refill (only the
-        # groups in rollout do, and they are passed separately): one rule for the whole call
-        admits = self._admission()
-        while not self.finished and proposals < max(len(self._train), 1):
-            rolling = Counter(g.source for g in self.buffers.rolling.values())
-            source = self.mixer.pick_source(self.limit, rolling, self.buffers.groups_ahead(self.mixer.weights),
-                                            admits)
-            if source is None or (self.budget is not None and self.budget <= 0):
-                # refused groups: counted on the first policy, as the curator's skips are
-                self.buffers.counts[self.policy_names[0]]["admission_refused"] += self.mixer.refused
-                return
-            proposals += 1
-            idx = self.mixer.next_prompt(source)
-            payload = self._train[idx]
-            if not self.curator.accept(f"p{idx}", payload):
-                self.buffers.counts[self.policy_names[0]]["curator_skipped"] += 1
-                continue
-            if self.budget is not None:
-                self.budget -= 1
-            grp = self.buffers.open_group(f"p{idx}", source)
-            self.mixer.groups_created[source] += 1
-            for tid in grp.task_ids:
-                self.leases.add(RolloutTask(task_id=tid, group_id=grp.group_id, policies=tuple(self.policy_names),
-                                            workflow=self.wcfg.workflow, prompt=payload, kind="train"))
-
-    def _admission(self):
-        """``admits(source, share, rolling)`` for ``Mixer.pick_source``; None for ``admission: prefetch``."""
-        return admission.rule_of(self) if self.cfg.admission == "version" else None
+        """Create train groups while the rollout-ahead bound and admission allow (``admission.refill``)."""
+        admission.refill(self)
 
     def _task_failed(self, task: RolloutTask) -> None:
         """A task ended as failed (``Leases``): its round or group goes on without it."""
@@ -291,6 +264,7 @@ class DataLayer:
             n_replay = 0
         need = self.cfg.batch_size - n_replay
         quota, credit = self.mixer.quotas(policy, need)
+        incarnation = self.trainer_restarts[policy]
         try:
             while True:
                 self.leases.expire()
@@ -303,16 +277,7 @@ class DataLayer:
                 self.mixer.short[policy] = short  # lets _refill exceed a source's bound for this batch
                 remaining = t0 + timeout - time.time()
                 if remaining <= 0:
-                    sources = (f" (short: {', '.join(f'source {s!r} {avail[s]}/{quota[s]}' for s in short)})"
-                               if self.mixer.mixing and short else "")
-                    raise BatchTimeout(
-                        f"no batch for {policy} v{version} within {timeout:.0f}s: "
-                        f"{sum(avail.values())}/{need} sequences buffered{sources}, "
-                        f"{len(self.leases.pending)} tasks pending, {len(self.leases.held)} leased"
-                        + ("; admission refuses new groups that could not be trained on: do the RaaS "
-                           "nodes load new weight versions (their logs, rollout.weight_poll_seconds)?"
-                           if self.mixer.refused else "")
-                    )
+                    raise BatchTimeout(admission.no_batch_reason(self, policy, version, timeout, avail, quota, need))
                 await self._wait(min(remaining, 0.5))
         finally:
             self.mixer.short.pop(policy, None)
@@ -327,6 +292,10 @@ class DataLayer:
             rows = await asyncio.to_thread(self._read_rows, [it.summary.ref for it in chosen])
         finally:
             self.buffers.reading.pop(policy, None)
+        if self.trainer_restarts[policy] != incarnation:  # asked by the trainer that was lost
+            self.buffers.restore(policy, chosen)
+            self.mixer.consumed[policy].subtract(taken)
+            raise RuntimeError(f"the trainer of {policy} was replaced while this call waited: it serves nothing")
         batch = self.buffers.serve(policy, version, chosen, rows, n_replay, waited,
                                    quota if self.mixer.mixing else None)
         self._notify()  # room for new groups: wakes the nodes' waiting lease calls
@@ -339,6 +308,11 @@ class DataLayer:
         ``batch_metrics``: the ``Batch.metrics`` of the batch this version was trained on (the
         trainer reports a version after it fetched the next batch; without them, the last
         batch served is reported)."""
+        self._committed(policy, version, metrics, batch_metrics)
+        self._notify()
+
+    def _committed(self, policy: str, version: int, metrics: dict[str, Any] | None,
+                   batch_metrics: dict[str, Any] | None) -> None:
         self.versions[policy] = max(self.versions[policy], version)
         self.buffers.commit(policy, version)  # the batch trained on is consumed
         by_source = ({"consumed_by_source": self.mixer.consumed_by_source(policy),
@@ -357,7 +331,23 @@ class DataLayer:
         every = self.wcfg.eval.every
         if policy == self.policy_names[0] and every and (version % every == 0 or version >= self.max_steps):
             self._start_eval(version)
+
+    async def trainer_restarted(self, policy: str, from_version: int) -> dict[str, Any]:
+        """``policy``'s trainer was lost; a new one resumes from ``from_version``, the newest
+        committed version (called before it starts). Versions up to it that the lost trainer
+        committed without reporting are recorded now (their batches consumed, their metrics
+        line marked ``recovered``); every batch served at ``from_version`` or later goes back to
+        the buffer to be served again (``Buffers.put_back``): nothing is dropped as
+        ``served_not_trained``, nothing is trained twice. A batch call the lost trainer still
+        has pending serves nothing. Returns ``{"put_back": n, "recovered": [versions]}``."""
+        self.trainer_restarts[policy] += 1
+        recovered = list(range(self.versions[policy] + 1, from_version + 1))
+        for v in recovered:
+            self._committed(policy, v, {"recovered": True}, {})
+        back = self.buffers.put_back(policy, from_version)
+        self.mixer.consumed[policy].subtract(Counter(it.source for it in back))
         self._notify()
+        return {"put_back": len(back), "recovered": recovered}
 
     async def open_iteration(self, groups: int) -> None:
         """Baseline (``run.mode: sync``, a gated data layer) control: allow exactly ``groups``
@@ -402,31 +392,7 @@ class DataLayer:
 
     async def state(self) -> dict[str, Any]:
         """A JSON-able snapshot for ``astraflow status``, the dashboard and tests."""
-        elapsed = time.time() - self._started
-        held = Counter(node for node, _ in self.leases.held.values())
-        return {
-            "elapsed_s": elapsed,
-            "finished": self.finished,
-            "versions": dict(self.versions),
-            "pending": len(self.leases.pending),
-            "eval_pending": len(self.leases.eval_pending),
-            "leased": len(self.leases.held),
-            "outstanding_groups": len(self.buffers.rolling),
-            "sources": {s: {"weight": w, "groups_created": self.mixer.groups_created[s],
-                            "consumed": {p: self.mixer.consumed[p][s] for p in self.policy_names},
-                            "mix_credit": {p: self.mixer.credit[p][s] for p in self.policy_names}}
-                        for s, w in self.mixer.weights.items()},
-            **self.buffers.status(),  # buffers, counts, staleness_hist, trainer_wait_s
-            "sequences_generated": self.generated.sequences,
-            "tokens_generated": self.generated.tokens,
-            **self.generated.rates(elapsed),
-            # silent_s: since the node's last call (the orchestrator replaces a node whose loop went silent)
-            "nodes": {n: {**i, "leases_held": held.get(n, 0), "silent_s": time.time() - i.get("last_seen", time.time())}
-                      for n, i in self.leases.nodes.items()},
-            "eval": list(self.evals.results),
-            "ledger": self.ledger.summary(),
-            "rules_state": {"curator": self.curator.state_dict(), "group_filter": self.group_filter.state_dict()},
-        }
+        return rec.layer_status(self)
 
     async def close(self) -> None:
         self.metrics.close()

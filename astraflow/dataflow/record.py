@@ -12,16 +12,20 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from astraflow.contracts import TrajectoryRef
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.dataflow.evals import episode_summary
 from astraflow.dataflow.mixing import Mixer
 from storage.atomic import write_json
+
+if TYPE_CHECKING:
+    from astraflow.dataflow.layer import DataLayer
 
 log = logging.getLogger("astraflow.dataflow")
 
@@ -207,3 +211,35 @@ def load(path: Path) -> dict[str, Any] | None:
 
 def save(path: Path, state: dict[str, Any]) -> None:
     write_json(path, state, default=float)
+
+
+def layer_status(dl: DataLayer) -> dict[str, Any]:
+    """The data layer's JSON-able snapshot (``DataLayer.state``): versions, queues, sources,
+    buffers and counts, throughput, the per-node table, evaluations, the ledger, rule state."""
+    now = time.time()
+    elapsed = now - dl._started
+    held = Counter(node for node, _ in dl.leases.held.values())
+    return {
+        "elapsed_s": elapsed,
+        "finished": dl.finished,
+        "versions": dict(dl.versions),
+        "pending": len(dl.leases.pending),
+        "eval_pending": len(dl.leases.eval_pending),
+        "leased": len(dl.leases.held),
+        "outstanding_groups": len(dl.buffers.rolling),
+        "sources": {s: {"weight": w, "groups_created": dl.mixer.groups_created[s],
+                        "consumed": {p: dl.mixer.consumed[p][s] for p in dl.policy_names},
+                        "mix_credit": {p: dl.mixer.credit[p][s] for p in dl.policy_names}}
+                    for s, w in dl.mixer.weights.items()},
+        **dl.buffers.status(),  # buffers, counts, staleness_hist, trainer_wait_s
+        "trainer_restarts": dict(dl.trainer_restarts),
+        "sequences_generated": dl.generated.sequences,
+        "tokens_generated": dl.generated.tokens,
+        **dl.generated.rates(elapsed),
+        # silent_s: since the node's last call (the orchestrator replaces a node whose loop went silent)
+        "nodes": {n: {**i, "leases_held": held.get(n, 0), "silent_s": now - i.get("last_seen", now)}
+                  for n, i in dl.leases.nodes.items()},
+        "eval": list(dl.evals.results),
+        "ledger": dl.ledger.summary(),
+        "rules_state": {"curator": dl.curator.state_dict(), "group_filter": dl.group_filter.state_dict()},
+    }

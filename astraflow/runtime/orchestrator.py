@@ -4,6 +4,7 @@ and delegates each concern to its own module:
 * bring-up and placement (`placement`): the Dask scheduler, actors on named workers, deadlines;
 * the worker state machine (`workers`): phases, losses, failed nodes, removals and drains;
 * partition reconciliation (`reconcile`): desired partitions against the worker jobs;
+* trainer restarts (`restarts`): a lost trainer worker replaced, its trainer resumed;
 * status and summary (`monitoring.writer`): ``control/status.json`` each tick, ``summary.json``.
 
 Each tick of its loop it:
@@ -14,8 +15,10 @@ Each tick of its loop it:
    layer about workers that vanished (their leases are requeued at once instead of waiting for
    expiry);
 3. shows progress and writes the status, and ends the run when every trainer took its steps
-   and the last evaluation finished (or on Ctrl-C / SIGTERM, a lost data-layer or trainer
-   worker, a component error, an actor call that raised, the run deadline).
+   and the last evaluation finished (or on Ctrl-C / SIGTERM, a lost data-layer worker, a lost
+   trainer worker past ``cluster.trainer_restarts``, a component error, an actor call that
+   raised, the run deadline). A lost trainer worker within its restarts is replaced
+   (`restarts`) and the loop goes on.
 
 Every ending takes one path out (`stopping`): RaaS nodes drain and flush (nothing written is
 lost), trainers stop, the data layer ends every open task in the ledger and closes
@@ -43,8 +46,9 @@ from astraflow.runtime.monitoring import StatusWriter, Tick, archive_summary
 from astraflow.runtime.placement import Placement, data_layer_kwargs, node_kwargs, trainer_kwargs
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.reconcile import PartitionSet, run_tag
+from astraflow.runtime.restarts import TrainerRestarts
 from astraflow.runtime.stopping import BoundedWaits, Ending, disk_full, disk_full_reason
-from astraflow.runtime.workers import FUTURE_ERRORS, NODE_PHASES, PHASES, Fleet, RunFailed, Worker
+from astraflow.runtime.workers import FUTURE_ERRORS, NODE_PHASES, PHASES, Fleet, RunFailed, TrainerLost, Worker
 from astraflow.training.numerics import NonFiniteError
 from astraflow.training.trainer import Trainer
 from schedulers import Partition
@@ -76,7 +80,11 @@ class Orchestrator:
         self.parts = PartitionSet(list(cfg.partitions), self.paths, cfg.cluster, self.progress)
         self.fleet = Fleet(self.parts, self.placement, cfg.cluster, self.progress, self._place_node)
         self.status = StatusWriter(self.paths, self.run_tag(), self.parts, self.fleet)
+        #: the trainers' handles by policy; replaced in place when a trainer is restarted
         self.trainers: dict[str, Any] = {}
+        self.restarts = TrainerRestarts(cfg, self.paths, self.fleet, self.placement, self.progress,
+                                        self.trainers, self._reconcile)
+        self.status.trainer_restarts = self.restarts.record
         #: the last state read from the components (the summary's fallback when they are gone)
         self.last_tick: Tick | None = None
         #: per-iteration phase times of the trainer-centred baseline (``run.mode: sync``)
@@ -177,13 +185,14 @@ class Orchestrator:
             self.fleet.dl = placement.wait_all("placing the data layer", {"data": placement.submit_actor(
                 DataLayer, data_w.name, **data_layer_kwargs(cfg, self.paths))})["data"]
             data_w.actor = self.dl
+        self.restarts.placed_on = {pol.name: trainer_ws[i % len(trainer_ws)].name for i, pol in enumerate(cfg.policies)}
         placed = {
-            pol.name: placement.submit_actor(Trainer, trainer_ws[i % len(trainer_ws)].name,
+            pol.name: placement.submit_actor(Trainer, self.restarts.placed_on[pol.name],
                                              **trainer_kwargs(cfg, self.paths, i, pol, self.dl))
             for i, pol in enumerate(cfg.policies)
         }
         with self.progress.waiting(f"starting {len(placed)} trainer(s) and the RaaS nodes (model loading)"):
-            self.trainers = placement.wait_all("placing trainers", placed)
+            self.trainers.update(placement.wait_all("placing trainers", placed))
             starts = {p: t.start(run_loop=cfg.run.mode == "async") for p, t in self.trainers.items()}
             for w in trainer_ws + [data_w]:
                 w.enter("serving", None)
@@ -198,7 +207,7 @@ class Orchestrator:
             return Tick(data_layer=self.dl.state().result(timeout=30),
                         trainers={p: t.state().result(timeout=30) for p, t in self.trainers.items()})
         except FUTURE_ERRORS:
-            self.fleet.check_core()
+            self.fleet.check_core(wait_s=10.0)
             raise
 
     def _show(self, tick: Tick) -> None:
@@ -213,13 +222,17 @@ class Orchestrator:
         eval_on = bool(self.cfg.workload.eval.every)
         eval_waited = False
         while True:
-            tick = self._tick()
-            for p, st in tick.trainers.items():
-                if st["error"]:
-                    raise RunFailed(f"trainer {p} failed: {st['error']}")
-            self._reconcile()
-            self.fleet.advance()
-            self.fleet.replace_failed_nodes(tick.data_layer, silent_after=self.cfg.dataflow.lease_seconds)
+            try:
+                tick = self._tick()
+                for p, st in tick.trainers.items():
+                    if st["error"]:
+                        raise RunFailed(f"trainer {p} failed: {st['error']}")
+                self._reconcile()
+                self.fleet.advance()
+                self.fleet.replace_failed_nodes(tick.data_layer, silent_after=self.cfg.dataflow.lease_seconds)
+            except TrainerLost as lost:
+                self.restarts.replace(lost)  # or RunFailed: restarts spent, backend cannot resume
+                continue
             self.status.track(tick)
             self._show(tick)
             done = all(st["done"] for st in tick.trainers.values())
@@ -244,11 +257,20 @@ class Orchestrator:
                 last_tick = time.time()
                 self._show(self._tick())
 
+        def recover() -> bool:
+            """After a trainer call failed: replace a lost trainer worker (True), or False."""
+            try:
+                self.fleet.check_core(wait_s=10.0)
+            except TrainerLost as lost:
+                self.restarts.replace(lost)
+                return True
+            return False
+
         cfg = self.cfg
         self.iterations = drive_sync(
             self.dl, self.trainers, self.fleet.serving_nodes,
             cfg.dataflow.batch_size, cfg.dataflow.batch_size // cfg.workload.group_size,
-            cfg.run.max_steps, cfg.run.timeout_s, tick,
+            cfg.run.max_steps, cfg.run.timeout_s, tick, recover,
         )
 
     # ------------------------------------------------------------------ shutdown

@@ -28,8 +28,13 @@ def drive_sync(
     max_steps: int,
     timeout_s: float,
     on_tick: Callable[[], None] = lambda: None,
+    recover: Callable[[], bool] = lambda: False,
 ) -> list[dict[str, float]]:
-    """Run ``max_steps`` lock-step iterations; returns one timing record per iteration."""
+    """Run ``max_steps`` lock-step iterations; returns one timing record per iteration.
+
+    ``trainers`` is the orchestrator's dict of handles: when a step fails, ``recover()`` says
+    whether a lost trainer was restarted (its handle swapped in that dict); the step is then
+    taken again by the new trainer unless the lost one had committed it already."""
     iterations: list[dict[str, float]] = []
     version = min(t.state().result(timeout=30)["version"] for t in trainers.values())
     while version < max_steps:
@@ -48,8 +53,14 @@ def drive_sync(
             on_tick()
             time.sleep(0.02)
         t1 = time.time()
-        for trainer in trainers.values():
-            trainer.step().result(timeout=timeout_s)
+        for p in list(trainers):
+            try:
+                trainers[p].step().result(timeout=timeout_s)
+            except Exception:
+                if not recover():
+                    raise
+                if trainers[p].state().result(timeout=30)["version"] <= version:
+                    trainers[p].step().result(timeout=timeout_s)
         t2 = time.time()
         for fut in [n.refresh() for n in nodes()]:
             fut.result(timeout=timeout_s)

@@ -9,8 +9,10 @@ Rollout workers move through these phases::
                   --> gone (job cancelled; leases still held are requeued by ``node_gone``)
         any phase --job ended / worker left--> gone (leases requeued, the partition refilled)
 
-Data and trainer workers are placed once at start (by the orchestrator) and only ever leave
-the ``serving`` phase by being lost, which ends the run.
+Data and trainer workers are placed by the orchestrator and only ever leave the ``serving``
+phase by being lost: a lost data-layer worker ends the run, a lost trainer worker raises
+`TrainerLost`, which the orchestrator answers by placing the trainer on a new worker
+(``cluster.trainer_restarts`` times per policy; see ``restarts``).
 
 Named overlap, *drain vs. lease expiry*: a draining node keeps heartbeating, so its leases stay
 valid until it completes them; only after its ``stop`` returns (or ``cluster.drain_timeout_s``
@@ -39,6 +41,15 @@ log = logging.getLogger("astraflow.runtime")
 
 class RunFailed(RuntimeError):
     """A component reported an error or the run passed its deadline."""
+
+
+class TrainerLost(RunFailed):
+    """A trainer worker is gone: the orchestrator replaces it (``restarts``) while it may; left
+    uncaught (at bring-up, or restarts spent) it fails the run like any lost core worker."""
+
+    def __init__(self, message: str, worker: Worker, why: str):
+        super().__init__(message)
+        self.worker, self.why = worker, why
 
 
 #: errors a pending placement/start/stop future can end with when its worker dies or the
@@ -203,17 +214,24 @@ class Fleet:
             return "worker left the Dask scheduler"
         return None
 
-    def check_core(self) -> None:
-        """``RunFailed`` naming a data-layer or trainer worker that is lost (called when a
-        component stops answering, so that the run's reason names the lost worker, not the
-        failed call); returns when none is."""
-        self.poll_jobs()
-        joined = self.placement.joined()
-        for w in self.workers.values():
-            if self.role(w) != "rollout" and not w.gone:
-                why = self._why_lost(w, joined)
-                if why:
-                    self.lost(w, why)  # raises RunFailed
+    def check_core(self, wait_s: float = 0.0) -> None:
+        """``RunFailed`` (``TrainerLost``) naming a data-layer or trainer worker that is lost
+        (called when a component stops answering, so that the run's reason names the lost
+        worker, not the failed call, and a lost trainer is replaced); returns when none is,
+        after looking again for up to ``wait_s`` (a call can fail before the job's end or the
+        worker's departure is seen)."""
+        deadline = time.time() + wait_s
+        while True:
+            self.poll_jobs()
+            joined = self.placement.joined()
+            for w in self.workers.values():
+                if self.role(w) != "rollout" and not w.gone:
+                    why = self._why_lost(w, joined)
+                    if why:
+                        self.lost(w, why)  # raises RunFailed
+            if time.time() >= deadline:
+                return
+            time.sleep(0.5)
 
     def place_nodes(self, wait: bool = False) -> None:
         """Advance every worker one step (place, start, drain, notice losses). With `wait`,
@@ -240,11 +258,14 @@ class Fleet:
         """A worker vanished on its own (or, ``failed``, is replaced after an error): requeue its
         leases now; the partition is refilled by the reconciler unless it was removed. A worker
         lost before serving or within ``SERVED_LONG_S`` of it counts as a failure of its
-        partition (backoff, then no refill). A lost data or trainer worker ends the run."""
+        partition (backoff, then no refill). A lost data worker ends the run (``RunFailed``), a
+        lost trainer worker raises ``TrainerLost``."""
         role = self.role(w)
         was, served_s = w.phase, time.time() - w.since
         w.enter("gone")
         w.note = why
+        if role == "trainer":
+            raise TrainerLost(f"trainer worker {w.name} is gone ({why}); see {w.job.log}", w, why)
         if role != "rollout":
             raise RunFailed(f"{role} worker {w.name} is gone ({why}); see {w.job.log}")
         n = self.dl.node_gone(w.name).result(timeout=30) if was in NODE_PHASES else 0

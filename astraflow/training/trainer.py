@@ -226,7 +226,8 @@ class Trainer:
     def _load_optimizer(self) -> None:
         """A resumed run: continue with the saved optimiser state when there is one. It may be
         a few steps older than the weights (saved every ``optimizer_checkpoint_every`` steps,
-        and the run stopped without saving again): older moments still beat fresh ones."""
+        and the run stopped without saving again): older moments still beat fresh ones. One
+        newer than the weights (a trainer killed between a step and its commit) is not used."""
         path = self.optimizer_path
         rounded = self.store.manifest(self.policy, self.version)["meta"].get("dtype", "fp32") != "fp32"
         if path is None or not path.exists() or not self.backend.supports_optimizer_state:
@@ -237,6 +238,9 @@ class Trainer:
 
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True)
+            if int(saved["version"]) > self.version:  # saved after its step, the trainer died before the commit
+                raise ValueError(f"it is of v{saved['version']}, newer than the committed weights (its moments "
+                                 "hold the gradient of a batch that will be trained again)")
             self.backend.load_optimizer_state(saved["optimizer"])
         except Exception as err:  # unreadable, or another model's: fresh moments, not a failed resume
             log.warning("trainer %s: %s cannot be used (%s: %s); starting with a fresh optimiser state",

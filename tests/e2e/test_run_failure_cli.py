@@ -1,7 +1,9 @@
-"""The one way out of a run, through the real CLI in a subprocess: a trainer worker killed
-mid-run, or SIGTERM reaching the head and its local workers at once (what ``scancel`` of a head
-job does), ends the run within a few seconds with a non-zero exit, one message line and no
-traceback; ``summary.json`` records how it ended and no worker process is left behind."""
+"""The one way out of a run, through the real CLI in a subprocess: a core worker killed mid-run
+(the data layer's; a trainer's with its restarts off or spent), or SIGTERM reaching the head and
+its local workers at once (what ``scancel`` of a head job does), ends the run within a few
+seconds with a non-zero exit, one message line and no traceback; ``summary.json`` records how it
+ended and no worker process is left behind. A trainer worker killed within its restarts is
+replaced and the run completes: nothing lost, nothing trained twice."""
 
 from __future__ import annotations
 
@@ -25,15 +27,18 @@ EXIT_WITHIN_S = 45.0
 
 
 @contextmanager
-def _running(tmp_path: Path, tiny_model: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
-    """A paced run (each episode takes >= 0.5 s) that would go on far longer than the test;
-    killed on the way out if the test left it running."""
+def _running(tmp_path: Path, tiny_model: Path, *sets: str, max_steps: int = 1000, quiet: bool = True,
+             ) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """A paced run (each episode takes >= 0.5 s) that would go on far longer than the test
+    (unless ``max_steps`` says otherwise); ``sets``: more ``--set`` overrides. Killed on the way
+    out if the test left it running."""
     cfg = _write_config(tmp_path, tiny_model)
     run_dir = tmp_path / "run"
+    extra = [arg for s in sets for arg in ("--set", s)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "astraflow", "run", str(cfg), "--run-dir", str(run_dir), "--quiet",
-         "--set", "run.max_steps=1000", "--set", "workload.eval.every=0",
-         "--set", "workload.workflow=tests.slurm.slow_workflow:slow_single_turn_test"],
+        [sys.executable, "-m", "astraflow", "run", str(cfg), "--run-dir", str(run_dir), *(["--quiet"] if quiet else []),
+         "--set", f"run.max_steps={max_steps}", "--set", "workload.eval.every=0",
+         "--set", "workload.workflow=tests.slurm.slow_workflow:slow_single_turn_test", *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -44,8 +49,8 @@ def _running(tmp_path: Path, tiny_model: Path) -> Iterator[tuple[subprocess.Pope
             proc.wait(30)
 
 
-def _workers_once_training(proc: subprocess.Popen, run_dir: Path, deadline_s: float = 150) -> dict[str, dict]:
-    """The run's workers (from its status file) once its trainer has committed a version."""
+def _status_once(proc: subprocess.Popen, run_dir: Path, ready, what: str, deadline_s: float = 150) -> dict:
+    """The run's status file once ``ready(status)`` holds."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
@@ -54,10 +59,21 @@ def _workers_once_training(proc: subprocess.Popen, run_dir: Path, deadline_s: fl
             st = json.loads(f.read_text()) if f.exists() else None
         except ValueError:  # being replaced right now
             st = None
-        if st and any(t.get("version", 0) >= 1 for t in st["trainers"].values()):
-            return st["workers"]
+        if st and ready(st):
+            return st
         time.sleep(0.3)
-    raise AssertionError("the run did not start training in time")
+    raise AssertionError(f"the run did not reach '{what}' in time")
+
+
+def _workers_once_training(proc: subprocess.Popen, run_dir: Path, deadline_s: float = 150) -> dict[str, dict]:
+    """The run's workers (from its status file) once its trainer has committed a version."""
+    return _status_once(proc, run_dir, lambda st: any(t.get("version", 0) >= 1 for t in st["trainers"].values()),
+                        "training", deadline_s)["workers"]
+
+
+def _serving_trainer(workers: dict[str, dict]) -> dict:
+    return next(w for w in workers.values() if w["partition"] == "trainer" and w["state"] != "GONE"
+                and w.get("phase") == "serving")
 
 
 def _pid(worker: dict) -> int:
@@ -87,7 +103,9 @@ def _finish(proc: subprocess.Popen, killed_at: float) -> tuple[int, list[str], s
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("role", ["trainer", "data"])
 def test_a_killed_core_worker_fails_the_run_in_one_line_with_a_summary(tiny_model, tmp_path, role):
-    with _running(tmp_path, tiny_model) as (proc, run_dir):
+    """The data layer's worker, or a trainer's with its restarts off (the behaviour before
+    trainer restarts)."""
+    with _running(tmp_path, tiny_model, "cluster.trainer_restarts=0") as (proc, run_dir):
         workers = _workers_once_training(proc, run_dir)
         victim = next(w for w in workers.values() if w["partition"] == role)
         os.kill(_pid(victim), signal.SIGKILL)  # a worker this test's run started, by its PID
@@ -95,6 +113,8 @@ def test_a_killed_core_worker_fails_the_run_in_one_line_with_a_summary(tiny_mode
     assert rc == 1, everything[-3000:]
     assert len(lines) == 1 and "Traceback" not in everything, everything[-3000:]
     assert lines[0].startswith(f"Error: the run failed: {role} worker") and "is gone" in lines[0], lines
+    if role == "trainer":
+        assert "cluster.trainer_restarts: 0" in lines[0], lines
     assert took < EXIT_WITHIN_S, f"the way out took {took:.0f}s"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["reason"].startswith(f"{role} worker")
@@ -104,6 +124,79 @@ def test_a_killed_core_worker_fails_the_run_in_one_line_with_a_summary(tiny_mode
     else:  # the ledger could not be closed: the summary keeps the last one read, and says so
         assert not summary["ledger_closed"] and summary["ledger"]["tasks"] > 0
         assert "data layer finish" in summary["stop_errors"]
+    assert not [n for n, w in workers.items() if _alive(_pid(w))], "worker processes were left running"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(420)
+def test_a_killed_trainer_worker_is_replaced_and_the_run_completes_nothing_lost_nothing_trained_twice(
+        tiny_model, tmp_path):
+    steps = 14
+    with _running(tmp_path, tiny_model, "policies.0.trainer.optimizer_checkpoint_every=2", max_steps=steps,
+                  quiet=False) as (proc, run_dir):
+        workers = _status_once(proc, run_dir, lambda st: 3 <= st["trainers"]["solver"]["version"] < steps - 4,
+                                "v3")["workers"]
+        victim = _serving_trainer(workers)
+        os.kill(_pid(victim), signal.SIGKILL)  # a worker this test's run started, by its PID
+        try:
+            out, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # the CLI this test started, by its PID
+            out, err = proc.communicate()
+            raise AssertionError(f"the run did not end: {out[-3000:]}{err[-3000:]}")
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert "trainer solver lost" in out and "restarting it (1 of 2)" in out, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == {"solver": steps}
+    (restart,) = summary["trainer_restarts"]["solver"]["restarts"]
+    assert restart["worker"] == victim_name(workers, victim) and restart["new_worker"] != restart["worker"]
+    assert restart["from_version"] >= 3 and restart["resumed_version"] == restart["from_version"]
+    # a checkpoint every 2 steps: the moments lag the weights by at most a step, or (the trainer
+    # killed between a step and its commit) a checkpoint newer than the weights is not used
+    assert restart["optimizer_gap"] in (0, 1) or restart["optimizer_version"] is None, restart
+    assert f"trainer solver restarted on {restart['new_worker']}" in (run_dir / "logs" / "orchestrator.log").read_text()
+    train = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in train if x.get("policy") == "solver"] == list(range(1, steps + 1))  # no gap, no repeat
+    ledger = summary["ledger"]
+    assert summary["ledger_closed"] and ledger["open"] == 0
+    # nothing trained twice, nothing lost: every committed step consumed one batch of tasks never
+    # consumed before (a task ends once: the ledger asserts), and no served batch was dropped
+    assert ledger["states"]["consumed"] == 16 * steps, ledger
+    assert "served_not_trained" not in ledger["dropped_by_reason"], ledger
+    assert summary["data_layer"]["counts"]["solver"]["consumed"] == 16 * steps
+    assert summary["data_layer"]["trainer_restarts"] == {"solver": 1}
+    pids = [int(w["job_id"].removeprefix("local-")) for w in summary["workers"].values()]
+    assert len(pids) == len(workers) + 1 and not [p for p in pids if _alive(p)], "worker processes were left running"
+
+
+def victim_name(workers: dict[str, dict], victim: dict) -> str:
+    return next(n for n, w in workers.items() if w is victim)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(420)
+def test_a_trainer_worker_killed_past_its_restarts_fails_the_run_naming_the_limit(tiny_model, tmp_path):
+    with _running(tmp_path, tiny_model, "cluster.trainer_restarts=1") as (proc, run_dir):
+        first = _serving_trainer(_workers_once_training(proc, run_dir))
+        os.kill(_pid(first), signal.SIGKILL)  # a worker this test's run started, by its PID
+
+        def restarted_and_training(st: dict) -> bool:
+            r = st.get("trainer_restarts", {}).get("solver", {}).get("restarts", [])
+            return bool(r) and st["trainers"]["solver"]["version"] > r[0]["from_version"]
+
+        workers = _status_once(proc, run_dir, restarted_and_training, "restarted")["workers"]
+        second = _serving_trainer(workers)
+        assert second["job_id"] != first["job_id"]
+        os.kill(_pid(second), signal.SIGKILL)
+        rc, lines, everything, took = _finish(proc, time.monotonic())
+    assert rc == 1, everything[-3000:]
+    assert len(lines) == 1 and "Traceback" not in everything, everything[-3000:]
+    assert lines[0].startswith("Error: the run failed: trainer worker") and "is gone" in lines[0], lines
+    assert "already restarted 1 time(s)" in lines[0] and "cluster.trainer_restarts: 1" in lines[0], lines
+    assert took < EXIT_WITHIN_S, f"the way out took {took:.0f}s"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["trainer_restarts"]["solver"]["count"] == 1
+    assert summary["ledger_closed"] and summary["ledger"]["open"] == 0
     assert not [n for n, w in workers.items() if _alive(_pid(w))], "worker processes were left running"
 
 

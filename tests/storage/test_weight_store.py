@@ -128,6 +128,22 @@ def test_latest_ignores_staging_and_uncommitted_version_dirs(tmp_path):
         store.commit("p", 5)
 
 
+def test_discard_uncommitted_removes_what_a_dead_publisher_left_after_the_newest_version(tmp_path):
+    """Before a replacement trainer starts: half-published versions of the dead one go; the
+    committed versions stay."""
+    store = WeightStore(tmp_path / "w")
+    store.publish("p", 1, _state(1))
+    store.publish("p", 2, _state(2))
+    dcp.save(_state(3), checkpoint_id=store.staging("p", 3), no_dist=True)  # staged, never committed
+    shutil.copytree(paths.version_dir(store.root, "p", 2), paths.version_dir(store.root, "p", 4))
+    paths.commit_file(store.root, "p", 4).unlink()  # renamed, marker never written
+    assert store.discard_uncommitted("p") == [3, 4]
+    assert store.versions("p") == [1, 2] and not paths.version_dir(store.root, "p", 4).exists()
+    assert not any(paths.staging_root(store.root, "p").iterdir())
+    _assert_same(store.load("p", 2), _state(2))
+    assert store.discard_uncommitted("p") == [] and store.discard_uncommitted("q") == []
+
+
 def test_manifest_checksums_are_verified(tmp_path):
     store = WeightStore(tmp_path / "w")
     wv = store.publish("p", 3, _state(3))

@@ -32,11 +32,14 @@ def format_status(st: dict[str, Any]) -> str:
         f"run {st.get('run_dir')}  elapsed {dl.get('elapsed_s', 0):.0f}s  dashboard {st['orchestrator'].get('dashboard')}",
         "policies:",
     ]
+    restarts = st.get("trainer_restarts") or {}
     for p, t in st.get("trainers", {}).items():
         m = t.get("last_metrics", {})
+        r = restarts.get(p, {})
         lines.append(
             f"  {p:<12} version {t['version']:>4}  reward {m.get('reward_mean', float('nan')):.3f}  "
             f"wait {t.get('wait_fraction', 0):.0%}  buffer {dl.get('buffers', {}).get(p, 0)}"
+            + (f"  restarts {r['count']}/{r.get('limit', '?')}" if r.get("count") else "")
         )
     lines.append("partitions:")
     lines += ["  " + x for x in format_partitions(st).splitlines()]

@@ -91,6 +91,8 @@ class PolicyView(_View):
     replayed: int = Field(description="trajectories replayed into batches")
     consumed: int = Field(description="trajectories consumed by the trainer")
     staleness_hist: dict[str, int] = Field(description="consumed trajectories by staleness (versions behind)")
+    restarts: int = Field(default=0, description="times its trainer was restarted after its worker was lost "
+                                                 "(at most cluster.trainer_restarts)")
 
 
 class LedgerView(_View):
@@ -217,6 +219,7 @@ def build_status_view(run_dir: Path | str, now: float | None = None) -> StatusVi
     trainers = status.get("trainers", {})
     policy_names = list(dict.fromkeys([*dl.get("versions", {}), *trainers]))
     evals = dl.get("eval", [])
+    restarts = (summary or {}).get("trainer_restarts") or status.get("trainer_restarts") or {}
     policies = []
     for p in policy_names:
         t = trainers.get(p, {})
@@ -236,6 +239,7 @@ def build_status_view(run_dir: Path | str, now: float | None = None) -> StatusVi
             stale_dropped=int(c.get("stale_dropped", 0)), replayed=int(c.get("replayed", 0)),
             consumed=int(c.get("consumed", 0)),
             staleness_hist={str(k): int(v) for k, v in dl.get("staleness_hist", {}).get(p, {}).items()},
+            restarts=int(restarts.get(p, {}).get("count", 0)),
         ))
     led = dl.get("ledger", {})
     events = led.get("events", {})

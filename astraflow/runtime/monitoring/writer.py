@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from astraflow.runtime.monitoring.snapshot import write_status, write_summary
 from storage.paths import RunPaths
@@ -44,6 +44,8 @@ class StatusWriter:
         self.parts = parts
         self.fleet = fleet
         self._rates: deque[tuple[float, dict[str, int]]] = deque()
+        #: the trainers' restarts per policy (set by the orchestrator; ``TrainerRestarts.record``)
+        self.trainer_restarts: Callable[[], dict[str, Any]] = dict
 
     def track(self, tick: Tick) -> None:
         """Per-partition trajectory counts from the data layer's node table, and the history
@@ -102,6 +104,7 @@ class StatusWriter:
             "tag": self.tag,
             "data_layer": tick.data_layer,
             "trainers": tick.trainers,
+            "trainer_restarts": self.trainer_restarts(),
             "partitions": self.partitions(),
             "workers": {
                 n: {"job_id": w.job.job_id, "partition": w.partition, "kind": w.job.kind,
@@ -117,12 +120,15 @@ class StatusWriter:
         """Publish ``summary.json``: how the run ended (``status``: completed, interrupted or
         failed, and its ``reason``), the final state of the run (``data_layer`` after every task
         ended; the last one read when the data layer was gone, then ``ledger_closed`` is false),
-        what each node and trainer returned when stopped, every worker, and what did not answer
-        while the run stopped (``stop_errors``)."""
+        what each node and trainer returned when stopped, the trainers' restarts per policy
+        (``trainer_restarts``: count, limit, and per restart the lost worker, why, the versions
+        resumed and the optimiser state's), every worker, and what did not answer while the
+        run stopped (``stop_errors``)."""
         write_summary(self.paths, {
             "status": ending.status, "reason": ending.reason,
             "steps": steps, "eval": data_layer.get("eval", []), "ledger": ledger, "ledger_closed": ledger_closed,
             "seconds": seconds, "interrupted": ending.status == "interrupted", "nodes": nodes, "trainers": trainers,
+            "trainer_restarts": self.trainer_restarts(),
             "data_layer": data_layer, "iterations": iterations, "stop_errors": stop_errors,
             "workers": {n: {"partition": w.partition, "job_id": w.job.job_id, "phase": w.phase, "note": w.note,
                             "gone": w.gone, "served": w.actor is not None}

@@ -1,0 +1,151 @@
+"""Runtime room: a lost trainer worker is replaced and the run goes on.
+
+When `Fleet` notices a trainer worker gone (its job ended, it left the Dask scheduler) it raises
+`TrainerLost`; the orchestrator hands it to `TrainerRestarts.replace`, which, for every policy
+whose trainer ran on that worker, while ``cluster.trainer_restarts`` allows:
+
+1. cancels the lost worker's job (a worker that only left the scheduler must not publish again);
+2. reads the newest committed version ``V`` of the policy and removes what the dead trainer
+   half-published after it (`WeightStore.discard_uncommitted`);
+3. tells the data layer (`DataLayer.trainer_restarted`): versions up to ``V`` it committed but
+   never reported are recorded, batches served at ``V`` or later return to the buffer, so
+   nothing is dropped as ``served_not_trained`` and nothing is trained twice;
+4. submits a new worker to the trainer partition (the reconciler refills it), waits for it to
+   join, places a `Trainer` with the same arguments and starts it: it resumes from ``V`` and
+   the newest optimiser checkpoint, which may be older than ``V`` (the gap is noted, logged and
+   recorded: those moments lag the weights by that many steps);
+5. swaps the handle in the orchestrator's ``trainers`` (the dict the sync driver holds too).
+
+The orchestrator's loop waits while this happens (RaaS nodes keep generating). When the
+restarts of a policy are spent, or its backend cannot resume, the run fails on its one way
+out with a line naming why and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from astraflow.runtime.placement import trainer_kwargs
+from astraflow.runtime.workers import RunFailed, TrainerLost
+from astraflow.training.trainer import Trainer
+from storage.weights import WeightStore
+
+if TYPE_CHECKING:
+    from astraflow.config import RunConfig
+    from astraflow.runtime.placement import Placement
+    from astraflow.runtime.progress import Progress
+    from astraflow.runtime.workers import Fleet
+    from storage.paths import RunPaths
+
+log = logging.getLogger("astraflow.runtime")
+
+
+class TrainerRestarts:
+    """Which worker each policy's trainer runs on, and its restarts (shown in status.json and
+    summary.json as ``trainer_restarts``)."""
+
+    def __init__(self, cfg: RunConfig, paths: RunPaths, fleet: Fleet, placement: Placement, progress: Progress,
+                 trainers: dict[str, Any], reconcile: Callable[[], None]):
+        self.cfg, self.paths, self.fleet, self.placement, self.progress = cfg, paths, fleet, placement, progress
+        #: the orchestrator's handles by policy, swapped in place
+        self.trainers = trainers
+        self.reconcile = reconcile
+        #: policy -> name of the worker its trainer runs on
+        self.placed_on: dict[str, str] = {}
+        #: policy -> one record per restart (worker lost, why, new worker, versions)
+        self.history: dict[str, list[dict[str, Any]]] = {p.name: [] for p in cfg.policies}
+
+    def record(self) -> dict[str, Any]:
+        """``{policy: {"count": n, "restarts": [...]}}`` for status.json and summary.json."""
+        return {p: {"count": len(h), "limit": self.cfg.cluster.trainer_restarts, "restarts": list(h)}
+                for p, h in self.history.items()}
+
+    def replace(self, lost: TrainerLost) -> None:
+        """Restart every trainer that ran on the lost worker (module docstring), or raise
+        ``RunFailed`` saying why it cannot be and the fix."""
+        w, why = lost.worker, lost.why
+        policies = [p for p, name in self.placed_on.items() if name == w.name]
+        limit = self.cfg.cluster.trainer_restarts
+        for p in policies:
+            if limit == 0:
+                raise RunFailed(f"{lost}; restarting its trainer is off (cluster.trainer_restarts: 0): "
+                                "set it above 0 to restart a lost trainer, or run again on this run directory")
+            if len(self.history[p]) >= limit:
+                raise RunFailed(f"{lost}; trainer {p} was already restarted {limit} time(s), the limit "
+                                f"(cluster.trainer_restarts: {limit}): raise it, or find why its workers die")
+        try:
+            self.fleet.parts.cancel(w)  # it may only have left the scheduler: it must not publish again
+        except Exception as err:  # the job is most often gone already
+            log.warning("cancelling the lost trainer worker %s failed: %s", w.name, err)
+        if not policies:  # a trainer worker that held no trainer: the reconciler refills it
+            self.progress.note(f"trainer worker {w.name} is gone ({why}); it held no trainer")
+            return
+        store = WeightStore(self.paths.weights, keep_last=self.cfg.storage.keep_versions)
+        started: dict[str, dict[str, Any]] = {}
+        for p in policies:
+            latest = store.latest(p)
+            version = latest.version if latest is not None else 0
+            dropped = store.discard_uncommitted(p)
+            back = self.fleet.dl.trainer_restarted(p, version).result(timeout=60)
+            n = len(self.history[p]) + 1
+            started[p] = {"worker": w.name, "why": why, "at": time.time(), "from_version": version,
+                          "discarded_versions": dropped, "put_back": back["put_back"],
+                          "recovered_versions": back["recovered"]}
+            self._note(
+                f"trainer {p} lost ({why}): restarting it ({n} of {limit}) from v{version}; "
+                f"{back['put_back']} sequences served to it put back"
+                + (f", uncommitted v{dropped} discarded" if dropped else ""))
+        new = self._new_worker(w.partition, why)
+        index = {pol.name: i for i, pol in enumerate(self.cfg.policies)}
+        pols = {pol.name: pol for pol in self.cfg.policies}
+        try:
+            with self.progress.waiting(f"restarting trainer(s) {', '.join(policies)} on {new.name}"):
+                placed = self.placement.wait_all("placing the restarted trainer", {
+                    p: self.placement.submit_actor(Trainer, new.name, **trainer_kwargs(
+                        self.cfg, self.paths, index[p], pols[p], self.fleet.dl)) for p in policies})
+                starts = {p: t.start(run_loop=self.cfg.run.mode == "async") for p, t in placed.items()}
+                versions = self.placement.wait_all("starting the restarted trainer", starts)
+                states = {p: t.state().result(timeout=30) for p, t in placed.items()}
+        except RunFailed:
+            raise
+        except Exception as err:  # the actor's error: e.g. a backend that cannot resume
+            raise RunFailed(f"{lost}; restarting trainer(s) {', '.join(policies)} failed: "
+                            f"{type(err).__name__}: {err}") from None
+        new.enter("serving")
+        for p, t in placed.items():
+            self.trainers[p] = t
+            self.placed_on[p] = new.name
+            opt = states[p].get("optimizer_resumed_from")
+            self.history[p].append({**started[p], "new_worker": new.name, "resumed_version": versions[p],
+                                    "optimizer_version": opt,
+                                    "optimizer_gap": None if opt is None else versions[p] - opt})
+            gap = ("a fresh optimiser state (no checkpoint: trainer.optimizer_checkpoint_every)" if opt is None
+                   else f"the optimiser state of v{opt}" + (f" ({versions[p] - opt} steps older than its weights)"
+                                                            if opt != versions[p] else ""))
+            self._note(f"trainer {p} restarted on {new.name} at v{versions[p]} with {gap}")
+
+    def _note(self, msg: str) -> None:
+        """In the progress and in ``logs/orchestrator.log`` (the terminal of a quiet run stays
+        for the one line a run ends with)."""
+        self.progress.note(msg)
+        log.info(msg)
+        with contextlib.suppress(OSError), open(self.paths.log("orchestrator"), "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+
+    def _new_worker(self, partition: str, why: str):
+        """Submit a worker to the lost one's partition and wait until it joined."""
+        before = set(self.fleet.workers)
+        self.reconcile()
+        fresh = [x for x in self.fleet.in_partition(partition) if x.name not in before and not x.gone]
+        if not fresh:
+            ps = self.fleet.parts.state[partition]
+            raise RunFailed(f"trainer worker lost ({why}) and no new worker could be submitted to partition "
+                            f"{partition}: {ps.error or ps.state}; see {self.paths.jobs}")
+        new = fresh[0]
+        with self.progress.waiting(f"waiting for the new trainer worker {new.name}"):
+            self.placement.wait_workers([new.name], self.fleet.listed_states)
+        new.joined_at = time.time()
+        return new

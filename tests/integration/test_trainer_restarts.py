@@ -1,0 +1,105 @@
+"""Trainer restarts without a cluster: when restarts are off or spent the run fails with a line
+naming the limit and the fix; the sync driver takes a step again on the restarted trainer
+(through the handle swapped in the dict it holds) unless the lost one had committed it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from astraflow.runtime.progress import Progress
+from astraflow.runtime.restarts import TrainerRestarts
+from astraflow.runtime.sync_driver import drive_sync
+from astraflow.runtime.workers import RunFailed, TrainerLost, Worker
+from schedulers import JobRef
+from storage.paths import RunPaths
+
+from tests.conftest import tiny_config
+
+
+class _Done:
+    def __init__(self, value=None, error: Exception | None = None):
+        self.value, self.error = value, error
+
+    def result(self, timeout=None):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def _lost() -> TrainerLost:
+    w = Worker(job=JobRef(job_id="local-1", partition="trainer", worker_name="trainer-trainer-local-cpu-0",
+                          kind="local", log=None), partition="trainer", phase="gone")
+    return TrainerLost(f"trainer worker {w.name} is gone (job local-1 FAILED); see its log", w, "job local-1 FAILED")
+
+
+def _restarts(tmp_path, limit: int, used: int) -> TrainerRestarts:
+    cfg = tiny_config(tmp_path, **{"cluster.trainer_restarts": limit})
+    r = TrainerRestarts(cfg, RunPaths(tmp_path / "run"), SimpleNamespace(), SimpleNamespace(),
+                        Progress(enabled=False), {}, lambda: None)
+    r.placed_on = {"solver": "trainer-trainer-local-cpu-0"}
+    r.history["solver"] = [{}] * used
+    return r
+
+
+def test_restarts_off_fail_the_run_naming_the_setting(tmp_path):
+    with pytest.raises(RunFailed, match=r"is gone \(job local-1 FAILED\).*cluster.trainer_restarts: 0"):
+        _restarts(tmp_path, 0, 0).replace(_lost())
+
+
+def test_restarts_spent_fail_the_run_naming_the_limit_and_the_fix(tmp_path):
+    with pytest.raises(RunFailed, match=r"already restarted 2 time\(s\).*cluster.trainer_restarts: 2\): raise it"):
+        _restarts(tmp_path, 2, 2).replace(_lost())
+
+
+class _Trainer:
+    """A trainer at ``version`` whose first ``fail`` steps raise (its worker died)."""
+
+    def __init__(self, version: int, fail: int = 0, commit_then_die: bool = False):
+        self.version, self.fail, self.commit_then_die, self.steps = version, fail, commit_then_die, 0
+
+    def state(self):
+        return _Done({"version": self.version})
+
+    def step(self):
+        if self.fail:
+            self.fail -= 1
+            if self.commit_then_die:
+                self.version += 1
+            return _Done(error=OSError("actor is gone"))
+        self.version += 1
+        self.steps += 1
+        return _Done({})
+
+
+class _DataLayer:
+    def open_iteration(self, groups):
+        return _Done()
+
+    def state(self):
+        return _Done({"outstanding_groups": 0, "pending": 0, "leased": 0})
+
+    def ready(self, policy, version):
+        return _Done(16)
+
+
+@pytest.mark.parametrize("committed", [False, True])
+def test_the_sync_driver_steps_the_restarted_trainer(committed):
+    lost = _Trainer(0, fail=1, commit_then_die=committed)
+    trainers = {"solver": lost}
+    new = _Trainer(0)
+
+    def recover() -> bool:  # what the orchestrator does: a new trainer, resumed, swapped in place
+        new.version = lost.version
+        trainers["solver"] = new
+        return True
+
+    iterations = drive_sync(_DataLayer(), trainers, lambda: [], 16, 4, 3, 10.0, recover=recover)
+    assert [it["step"] for it in iterations] == [1, 2, 3]
+    assert new.version == 3 and new.steps == (2 if committed else 3)
+
+
+def test_the_sync_driver_raises_what_is_not_a_lost_trainer():
+    with pytest.raises(OSError):
+        drive_sync(_DataLayer(), {"solver": _Trainer(0, fail=1)}, lambda: [], 16, 4, 3, 10.0)
