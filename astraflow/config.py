@@ -146,7 +146,8 @@ class RunConfig(Strict):
     storage: StorageConfig = StorageConfig()
     cluster: ClusterConfig = ClusterConfig()
     sandbox: SandboxConfig = SandboxConfig()
-    """Where model-written code runs: bubblewrap, its limits and concurrency (docs/sandbox.md)."""
+    """Where model-written code runs (the ``code`` workload's tests): bubblewrap, its limits and
+    concurrency per RaaS node (docs/sandbox.md)."""
     partitions: list[Partition] = Field(default_factory=_default_partitions)
     """Worker pools. The embedded default: local data, trainer and two rollout workers."""
 
