@@ -220,7 +220,8 @@ class Trajectory:
     #: workflow; ``None`` means the reward of the last sequence of the first policy.
     score: float | None = None
     #: episode statistics of a multi-turn episode (``turns``, ``tool_calls``, ``invalid_calls``,
-    #: ``truncated``, ``success``, seconds in the engine / tools / environment); empty if none.
+    #: ``truncated``, ``success``, seconds in the engine / tools / environment) or a workload's
+    #: own (``reward_and_stats``: how a program ended, say); empty if none.
     stats: Mapping[str, float] = field(default_factory=dict)
     #: the episode's turns as the episode viewer shows them (JSON-serialisable: the task, each
     #: turn's token span, text, tool calls and rewards); ``None`` for single-turn workflows.

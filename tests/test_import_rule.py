@@ -7,6 +7,8 @@
   ``workloads``;
 * ``workloads`` is a leaf: it imports no component and no runtime; ``agents`` (the environment
   contract) is a leaf below it;
+* ``sandbox`` (running model-written code) is a leaf: no component, runtime, run config,
+  workload, agent or CLI;
 * ``transport`` and ``contracts`` import no component and no runtime;
 * no cycle between packages (``astraflow.<package>``, each top-level module of ``astraflow``,
   ``storage``, ``schedulers``).
@@ -28,6 +30,9 @@ FORBIDDEN = {
     "astraflow.workloads": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime", "astraflow.config"],
     "astraflow.agents": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime", "astraflow.config",
                                                                    "astraflow.workloads"],
+    "astraflow.sandbox": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime", "astraflow.config",
+                                                                    "astraflow.workloads", "astraflow.agents",
+                                                                    "astraflow.cli"],
     "astraflow.transport": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime"],
     "astraflow.contracts": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime"],
     "storage": ["astraflow"],

@@ -32,8 +32,12 @@ class EvalRound:
     sources: dict[str, str] = field(default_factory=dict)
     #: eval group id -> the prompt's ``difficulty`` (payloads that have one)
     difficulty: dict[str, str] = field(default_factory=dict)
-    #: multi-turn episode statistics of the round's episodes (``TrajectoryRef.stats``)
+    #: episode statistics of the round's episodes (``TrajectoryRef.stats``)
     stats: list[dict[str, float]] = field(default_factory=list)
+    #: eval group id -> the second evaluation set of its prompt (payloads with ``eval_set``)
+    sets: dict[str, str] = field(default_factory=dict)
+    #: episode statistics of each second evaluation set
+    set_stats: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     #: the finished record; written once every earlier round of the policy is written too
     result: dict[str, Any] | None = None
     written: bool = False
@@ -43,8 +47,13 @@ class EvalRounds:
     """Rounds by version, their tasks, and the records of finished rounds."""
 
     def __init__(self, payloads: list[dict[str, Any]], sources: list[str], *, k: int, policies: list[str],
-                 workflow: str, by_source: bool, started: float, write: Callable[[dict[str, Any]], None]):
+                 workflow: str, by_source: bool, started: float, write: Callable[[dict[str, Any]], None],
+                 final: int | None = None):
         self.payloads, self.sources = payloads, sources
+        #: prompts of second evaluation sets (an ``eval_set`` tag: HumanEval next to a held-out
+        #: split) run only in the first round and in rounds at ``final`` or later, which bounds
+        #: their cost; they are reported apart (``eval_sets``), not in ``eval_accuracy``
+        self.final = final
         self.by_source = by_source  # records add ``eval_accuracy_by_source`` (several sources)
         self.k = k
         self.policies = list(policies)
@@ -59,12 +68,16 @@ class EvalRounds:
         """The tasks of a new round at ``version`` (none if it exists)."""
         if version in self.rounds:
             return []
-        rnd = EvalRound(version=version, policy=self.policies[0], k=self.k, remaining=len(self.payloads) * self.k)
+        with_sets = not self.rounds or (self.final is not None and version >= self.final)
+        chosen = [(i, p) for i, p in enumerate(self.payloads) if with_sets or "eval_set" not in p]
+        rnd = EvalRound(version=version, policy=self.policies[0], k=self.k, remaining=len(chosen) * self.k)
         self.rounds[version] = rnd
         sampling = {"greedy": True} if self.k == 1 else None
         tasks = []
-        for i, payload in enumerate(self.payloads):
+        for i, payload in chosen:
             gid = f"eval-v{version}-{i}"
+            if "eval_set" in payload:
+                rnd.sets[gid] = str(payload["eval_set"])
             rnd.sources[gid] = self.sources[i]
             if "difficulty" in payload:
                 rnd.difficulty[gid] = str(payload["difficulty"])
@@ -90,7 +103,8 @@ class EvalRounds:
         rnd = self.rounds[task.min_version]
         rnd.rewards.setdefault(task.group_id, []).append(ref.score)
         if ref.stats:
-            rnd.stats.append(dict(ref.stats))
+            extra = rnd.sets.get(task.group_id)
+            (rnd.stats if extra is None else rnd.set_stats.setdefault(extra, [])).append(dict(ref.stats))
         first = self.policies[0]
         rnd.versions_used += [s.policy_tokens[first][1] for s in ref.sequences if first in s.policy_tokens]
         rnd.remaining -= 1
@@ -106,7 +120,7 @@ class EvalRounds:
         rnd = self.rounds[version]
         if rnd.remaining > 0:
             return
-        per_prompt = list(rnd.rewards.values())
+        per_prompt = [r for gid, r in rnd.rewards.items() if gid not in rnd.sets]
         avg = float(np.mean([np.mean(r) for r in per_prompt])) if per_prompt else 0.0
         pass_k = float(np.mean([max(r) > 0 for r in per_prompt])) if per_prompt else 0.0
         result = {
@@ -124,9 +138,13 @@ class EvalRounds:
             "eval_seconds": time.time() - rnd.started,
         }
         result.update(episode_summary(rnd.stats, prefix="eval_"))
+        if rnd.sets:
+            result["eval_sets"] = self._sets(rnd)
         if rnd.difficulty:
             levels: dict[str, list[list[float]]] = {}
             for gid, r in rnd.rewards.items():
+                if gid in rnd.sets:
+                    continue
                 levels.setdefault(rnd.difficulty.get(gid, "?"), []).append(r)
             result["eval_by_difficulty"] = {
                 d: {"accuracy": float(np.mean([np.mean(r) for r in rs])),
@@ -135,10 +153,23 @@ class EvalRounds:
         if self.by_source:
             by_source: dict[str, list[float]] = {}
             for gid, r in rnd.rewards.items():
+                if gid in rnd.sets:
+                    continue
                 by_source.setdefault(rnd.sources[gid], []).append(float(np.mean(r)))
             result["eval_accuracy_by_source"] = {s: float(np.mean(v)) for s, v in by_source.items()}
         rnd.result = result
         self.write()
+
+    @staticmethod
+    def _sets(rnd: EvalRound) -> dict[str, dict[str, Any]]:
+        """Accuracy, pass@k, prompts and episode statistics of each second evaluation set."""
+        out: dict[str, dict[str, Any]] = {}
+        for name in sorted(set(rnd.sets.values())):
+            rs = [r for gid, r in rnd.rewards.items() if rnd.sets.get(gid) == name]
+            out[name] = {"accuracy": float(np.mean([np.mean(r) for r in rs])) if rs else 0.0,
+                         f"pass@{rnd.k}": float(np.mean([max(r) > 0 for r in rs])) if rs else 0.0,
+                         "prompts": len(rs), **episode_summary(rnd.set_stats.get(name, []), prefix="")}
+        return out
 
     def write(self, past_unfinished: bool = False) -> None:
         """Write finished records in version order: a finished round waits for the earlier
@@ -156,13 +187,22 @@ class EvalRounds:
             self._write(r.result)
 
 
+#: the statistics of multi-turn episodes (``agents.episode``), summarised as rates below
+MULTI_TURN = ("turns", "tool_calls", "invalid_calls", "truncated", "success", "engine_s", "tool_s", "env_s")
+
+
 def episode_summary(stats: list[dict[str, float]], prefix: str) -> dict[str, float]:
-    """Means of multi-turn episode statistics (none for single-turn episodes): turns per
-    episode, tool calls per episode, the invalid-call rate (invalid calls per call attempted,
-    malformed ones included),
-    the truncated fraction and the share of episode time spent in tools and environments."""
+    """Means of episode statistics (none when episodes report none). Multi-turn episodes:
+    turns per episode, tool calls per episode, the invalid-call rate (invalid calls per call
+    attempted, malformed ones included), the truncated fraction and the share of episode time
+    spent in tools and environments. Any other statistic (a workload's own, ``code_timeout``
+    say) is its mean over the episodes, as ``<prefix><name>``."""
     if not stats:
         return {}
+    own = sorted({k for s in stats for k in s} - set(MULTI_TURN))
+    means = {f"{prefix}{k}": float(sum(s.get(k, 0.0) for s in stats)) / len(stats) for k in own}
+    if not any("turns" in s for s in stats):
+        return means
     total = {k: float(sum(s.get(k, 0.0) for s in stats)) for k in
              ("turns", "tool_calls", "invalid_calls", "truncated", "engine_s", "tool_s", "env_s")}
     n = len(stats)
@@ -170,4 +210,4 @@ def episode_summary(stats: list[dict[str, float]], prefix: str) -> dict[str, flo
     return {f"{prefix}turns": total["turns"] / n, f"{prefix}tool_calls": total["tool_calls"] / n,
             f"{prefix}invalid_call_rate": total["invalid_calls"] / max(total["tool_calls"], 1.0),
             f"{prefix}truncated_frac": total["truncated"] / n,
-            f"{prefix}env_time_fraction": (total["tool_s"] + total["env_s"]) / busy if busy > 0 else 0.0}
+            f"{prefix}env_time_fraction": (total["tool_s"] + total["env_s"]) / busy if busy > 0 else 0.0, **means}

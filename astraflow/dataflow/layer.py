@@ -74,7 +74,10 @@ class DataLayer:
         self._store_lock = threading.Lock()
         wl = make_workload(workload.name, workload.params, workload.seed)
         self._train = wl.tasks("train")
-        evals = wl.tasks("eval")[: workload.eval.num_prompts]
+        held_out = wl.tasks("eval")
+        # eval.num_prompts bounds the held-out split; a second set (``eval_set``) comes whole
+        evals = ([p for p in held_out if "eval_set" not in p][: workload.eval.num_prompts]
+                 + [p for p in held_out if "eval_set" in p])
         self._started = time.time()
         #: one random stream for prompt orders and replay sampling (saved with the run)
         rng = random.Random(seed)
@@ -91,7 +94,7 @@ class DataLayer:
         self.evals = EvalRounds(evals, [self.mixer.source_of(p) for p in evals], k=workload.eval.k,
                                 policies=self.policy_names, workflow=workload.workflow,
                                 by_source=len(self.mixer.weights) > 1, started=self._started,
-                                write=self.metrics.write)
+                                write=self.metrics.write, final=max_steps)
         self.versions: dict[str, int] = {p: 0 for p in self.policy_names}
         #: when each trainer asked for batches (admission tells a slow trainer from a stopped one)
         self.paces = {p: admission.TrainerPace() for p in self.policy_names}

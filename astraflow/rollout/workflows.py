@@ -119,7 +119,19 @@ class WorkflowBase:
     async def score(self, completion: str, payload: Mapping) -> float:
         """``workload.reward(completion, payload)`` in the reward pool, off the event loop;
         ``RewardTimeout`` past ``reward_timeout_s``; the reward's own error propagates."""
-        fut = asyncio.get_running_loop().run_in_executor(_REWARD_POOL, self.workload.reward, completion, payload)
+        return await self._in_pool(self.workload.reward, completion, payload)
+
+    async def score_and_stats(self, completion: str, payload: Mapping) -> tuple[float, dict[str, float]]:
+        """The reward and the episode statistics of a workload that reports them
+        (``reward_and_stats``: how a program ended, say), else ``score`` and no statistics."""
+        fn = getattr(self.workload, "reward_and_stats", None)
+        if fn is None:
+            return await self.score(completion, payload), {}
+        reward, stats = await self._in_pool(fn, completion, payload)
+        return float(reward), {k: float(v) for k, v in stats.items()}
+
+    async def _in_pool(self, fn, completion: str, payload: Mapping):
+        fut = asyncio.get_running_loop().run_in_executor(_REWARD_POOL, fn, completion, payload)
         try:
             return await asyncio.wait_for(fut, self.reward_timeout_s)
         except TimeoutError:
@@ -142,7 +154,8 @@ class WorkflowBase:
 
 @WORKFLOWS.register("single_turn")
 class SingleTurn(WorkflowBase):
-    """One policy answers the prompt once; the workload's reward scores the answer."""
+    """One policy answers the prompt once; the workload's reward scores the answer (with the
+    workload's episode statistics, where it reports them, on the trajectory)."""
 
     async def run_episode(self, engines: Mapping[str, InferenceEngine], task: RolloutTask) -> Trajectory:
         t0 = time.time()
@@ -151,8 +164,9 @@ class SingleTurn(WorkflowBase):
         prompt = prompt_ids(engine.tokenizer, self.workload, task.prompt)
         gen = await engine.generate(prompt, sampling_for(task, self.sampling))
         text = engine.tokenizer.decode(gen.tokens, skip_special_tokens=True)
-        reward = await self.score(text, task.prompt)
-        return self.trajectory(task, [turn_sequence(prompt, gen, 0, reward)], t0, gen.engine_seconds)
+        reward, stats = await self.score_and_stats(text, task.prompt)
+        traj = self.trajectory(task, [turn_sequence(prompt, gen, 0, reward)], t0, gen.engine_seconds)
+        return replace(traj, stats=stats) if stats else traj
 
 
 def _gen_text(engine: InferenceEngine, gen: Generation) -> str:

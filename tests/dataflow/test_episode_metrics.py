@@ -51,3 +51,35 @@ def test_eval_round_reports_difficulty_and_episode_stats():
     assert rec["eval_by_difficulty"] == {"1": {"accuracy": 1.0, "pass@2": 1.0, "prompts": 1},
                                          "2": {"accuracy": 0.25, "pass@2": 0.5, "prompts": 2}}
     assert rec["eval_turns"] == 2.0 and rec["eval_invalid_call_rate"] == 0.5
+
+
+def plain_ref(task_id: str, score: float, kind: str = "train", **stats) -> TrajectoryRef:
+    """A single-turn episode whose workload reports statistics of its own (``reward_and_stats``)."""
+    summary = SequenceSummary(ref=EntryRef(segment="s", index=0), reward=score, policy_tokens={"p": (5, 0)},
+                              num_tokens=20, finish_reason="stop")
+    return TrajectoryRef(task_id=task_id, group_id=task_id.split("/")[0], kind=kind, attempt=0, node="n",
+                         sequences=(summary,), score=score, stats=stats)
+
+
+def test_a_workloads_own_statistics_are_means():
+    s = episode_summary([{"code_timeout": 1.0, "code_pass": 0.0}, {"code_pass": 1.0}], prefix="episode_")
+    assert s == {"episode_code_timeout": 0.5, "episode_code_pass": 0.5}
+
+
+def test_second_eval_sets_run_first_and_last_and_are_reported_apart():
+    written = []
+    payloads = [{"q": 1}, {"q": 2}, {"q": 3, "eval_set": "humaneval"}]
+    rounds = EvalRounds(payloads, [""] * 3, k=1, policies=["p"], workflow="single_turn", by_source=False,
+                        started=0.0, write=written.append, final=4)
+    for version, expect in ((0, 3), (2, 2), (4, 3)):
+        tasks = rounds.start(version)
+        assert len(tasks) == expect
+        for t in tasks:
+            extra = t.prompt.get("eval_set") is not None
+            rounds.record(t, plain_ref(t.task_id, 0.0 if extra else 1.0, kind="eval",
+                                       code_timeout=float(extra), code_pass=float(not extra)))
+    first, middle, last = written
+    assert first["eval_accuracy"] == 1.0 and first["eval_prompts"] == 2 and first["eval_code_timeout"] == 0.0
+    assert first["eval_sets"] == {"humaneval": {"accuracy": 0.0, "pass@1": 0.0, "prompts": 1,
+                                                "code_timeout": 1.0, "code_pass": 0.0}}
+    assert "eval_sets" not in middle and last["eval_sets"]["humaneval"]["prompts"] == 1

@@ -1,0 +1,118 @@
+"""The bubblewrap command line of one execution, and the check that bubblewrap works here.
+
+Only what the interpreter needs is bound, read-only: the system directories, a few files of
+/etc, the interpreter's own prefix when it lives elsewhere, and the execution's input
+directory. Everything else (the run directory, home directories, /root, /etc/shadow, other
+processes, the network) does not exist inside.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from .config import SandboxConfig
+
+FIX = "install bubblewrap (apt-get install -y bubblewrap), or set sandbox.bwrap to its path"
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+ETC_FILES = ("/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d",
+             "/etc/localtime", f"/etc/python{sys.version_info.major}.{sys.version_info.minor}",
+             "/etc/python3")
+IN_DIR, SCRATCH = "/in", "/scratch"
+ENV = {"HOME": SCRATCH, "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+       "TMPDIR": "/tmp", "PYTHONIOENCODING": "utf-8"}
+
+
+class SandboxUnavailable(RuntimeError):
+    """Bubblewrap is missing or cannot create its namespaces here; the message names the fix."""
+
+
+def interpreter(cfg: SandboxConfig) -> str:
+    """The real path of the Python run inside: the configured one, else the machine's base
+    python3 (never a venv: its packages are not the sandbox's)."""
+    if cfg.interpreter:
+        found = shutil.which(cfg.interpreter) or cfg.interpreter
+    elif Path("/usr/bin/python3").exists():
+        found = "/usr/bin/python3"
+    else:
+        found = str(Path(sys.base_prefix) / "bin" / "python3")
+    real = os.path.realpath(found)
+    if not os.access(real, os.X_OK):
+        raise SandboxUnavailable(f"sandbox interpreter {found} is not an executable: "
+                                 "set sandbox.interpreter to a python3 of this machine")
+    return real
+
+
+def bwrap_path(cfg: SandboxConfig) -> str:
+    found = shutil.which(cfg.bwrap)
+    if not found:
+        raise SandboxUnavailable(f"bubblewrap ({cfg.bwrap}) not found: {FIX}")
+    return found
+
+
+def _binds(python: str) -> list[str]:
+    args: list[str] = []
+    for d in SYSTEM_DIRS:
+        if os.path.islink(d):  # merged /usr: /lib -> usr/lib
+            args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    for f in ETC_FILES:
+        if os.path.exists(f):
+            args += ["--ro-bind", f, f]
+    if not any(python.startswith(d + "/") for d in SYSTEM_DIRS):
+        prefix = str(Path(python).parents[1])  # <prefix>/bin/python3.X
+        args += ["--ro-bind", prefix, prefix]
+    return args
+
+
+def command(cfg: SandboxConfig, python: str, in_dir: str, result_fd: int) -> list[str]:
+    """bwrap argv running the runner on ``in_dir``; the runner reports on ``result_fd``."""
+    limits = {"cpu_s": cfg.cpu_s, "memory": cfg.memory_mb << 20, "nproc": cfg.max_processes}
+    args = [bwrap_path(cfg), "--unshare-all", "--unshare-user", "--disable-userns",
+            "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]
+    for k, v in ENV.items():
+        args += ["--setenv", k, v]
+    args += _binds(python)
+    args += ["--proc", "/proc", "--dev", "/dev",
+             "--size", str(cfg.scratch_mb << 20), "--perms", "1777", "--tmpfs", SCRATCH,
+             "--size", str(cfg.scratch_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
+             "--ro-bind", in_dir, IN_DIR, "--chdir", SCRATCH,
+             python, "-I", "-B", f"{IN_DIR}/runner.py", str(result_fd), _json(limits)]
+    return args
+
+
+def _json(obj: dict) -> str:
+    import json
+
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def drop_privileges(cfg: SandboxConfig) -> dict:
+    """Popen keywords: as root, run bubblewrap as ``sandbox_uid`` (the kernel does not limit
+    root's process count); otherwise as ourselves."""
+    if os.geteuid() != 0:
+        return {}
+    return {"user": cfg.sandbox_uid, "group": cfg.sandbox_uid, "extra_groups": []}
+
+
+def probe(cfg: SandboxConfig) -> None:
+    """Raise SandboxUnavailable unless bubblewrap can start the interpreter in its namespaces."""
+    python = interpreter(cfg)
+    args = [bwrap_path(cfg), "--unshare-all", "--unshare-user", "--die-with-parent",
+            "--clearenv", *_binds(python), "--proc", "/proc", "--dev", "/dev",
+            python, "-I", "-c", "pass"]
+    try:
+        proc = subprocess.run(args, capture_output=True, timeout=30, stdin=subprocess.DEVNULL,
+                              **drop_privileges(cfg))
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise SandboxUnavailable(f"bubblewrap could not run: {err}: {FIX}") from None
+    if proc.returncode != 0:
+        why = proc.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no message"]
+        raise SandboxUnavailable(
+            f"bubblewrap cannot create a sandbox here ({why[0]}): it needs unprivileged user "
+            "namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0, "
+            f"no AppArmor restriction on bwrap); {FIX}")

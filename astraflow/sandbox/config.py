@@ -1,0 +1,39 @@
+"""The run config's top-level ``sandbox:`` section: how many executions run at once and the
+limits each one gets. A leaf: pydantic and the config base only."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from astraflow.configbase import Strict
+
+
+class SandboxConfig(Strict):
+    concurrency: int = Field(2, ge=1)
+    """Executions at once per process (per RaaS node); more callers wait for a slot."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Wall-clock limit of one execution; past it the whole process tree is killed (status
+    ``timeout``)."""
+    cpu_s: float = Field(10.0, gt=0)
+    """CPU-time limit of each process of an execution (RLIMIT_CPU; status ``timeout``)."""
+    memory_mb: int = Field(512, ge=32)
+    """Address-space limit of each process (RLIMIT_AS): an allocation past it fails (status
+    ``memory``)."""
+    max_processes: int = Field(32, ge=2)
+    """Processes (and threads) an execution may have at once (RLIMIT_NPROC in the execution's
+    own user namespace, the interpreter included)."""
+    max_output_bytes: int = Field(65536, ge=1024)
+    """Cap on stdout + stderr together; more kills the execution (status ``output_limit``)."""
+    scratch_mb: int = Field(64, ge=1)
+    """Size of the execution's writable scratch directory (a tmpfs, gone with the execution)."""
+    interpreter: str | None = None
+    """Python run inside the sandbox; None = the base python3 of this machine (``/usr/bin/python3``,
+    else the interpreter under this process's venv). Its prefix is bound read-only."""
+    scratch_root: str | None = None
+    """Host directory that holds each execution's inputs while it runs (removed afterwards);
+    None = ``<system temp dir>/astraflow-sandbox``. Keep it outside run directories."""
+    sandbox_uid: int = Field(65534, ge=1)
+    """When the node runs as root: the unprivileged uid (and gid) an execution runs as, so
+    the kernel enforces the process limit (it exempts root). Default: nobody."""
+    bwrap: str = "bwrap"
+    """The bubblewrap executable (a name on PATH or a path)."""

@@ -1,0 +1,230 @@
+"""Sandbox: run a model-written program and its tests in bubblewrap, bounded and cleaned up.
+
+One execution: a fresh input directory (the runner, the program, the tests) under the scratch
+root, bound read-only inside; bubblewrap started in a process group of its own with its own
+user, PID, network, mount, IPC and UTS namespaces; its output read with a cap until it exits
+or the wall-clock deadline passes; then its process group killed (the PID namespace dies with
+its init, taking every process of the program with it) and the input directory removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from . import bwrap
+from .config import SandboxConfig
+from .result import SandboxResult, TestOutcome
+
+RUNNER = (Path(__file__).with_name("runner.py")).read_text(encoding="utf-8")
+MAX_CHANNEL_BYTES = 1 << 20  # the result pipe: a few lines per test
+EXIT_GRACE_S = 1.0  # after bubblewrap exits, how long its pipes may take to close
+SIGNALLED = {128 + signal.SIGXCPU: "timeout", 128 + signal.SIGKILL: "timeout"}  # CPU limit
+
+
+class Sandbox:
+    """Runs programs in bubblewrap; at most ``cfg.concurrency`` at once (callers wait)."""
+
+    def __init__(self, cfg: SandboxConfig = SandboxConfig()):
+        self.cfg = cfg
+        self._slots = threading.BoundedSemaphore(cfg.concurrency)
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._checked = False
+
+    def check(self) -> None:
+        """Raise SandboxUnavailable (naming the fix) unless bubblewrap works here; once."""
+        with self._lock:
+            if not self._checked:
+                bwrap.probe(self.cfg)
+                self._checked = True
+
+    def run(self, program: str | bytes, tests: str | None = None, *,
+            timeout_s: float | None = None) -> SandboxResult:
+        """Run ``program`` then each ``test_*`` of ``tests`` in its namespace; blocking."""
+        if not isinstance(program, (str, bytes)):
+            raise TypeError(f"program must be str or bytes, not {type(program).__name__}")
+        if tests is not None and not isinstance(tests, str):
+            raise TypeError(f"tests must be str or None, not {type(tests).__name__}")
+        timeout = self.cfg.timeout_s if timeout_s is None else float(timeout_s)
+        if not timeout > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.check()
+        with self._slots:
+            return self._execute(program, tests, timeout)
+
+    async def arun(self, program: str | bytes, tests: str | None = None, *,
+                   timeout_s: float | None = None) -> SandboxResult:
+        """``run`` on the sandbox's own bounded thread pool: the event loop never blocks."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="sandbox")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._pool, lambda: self.run(program, tests, timeout_s=timeout_s))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    # -- one execution --------------------------------------------------------------------
+
+    def _execute(self, program: str | bytes, tests: str | None, timeout: float) -> SandboxResult:
+        start = time.monotonic()
+        in_dir = self._input_dir(program, tests)
+        try:
+            return self._spawn_and_collect(in_dir, tests, timeout, start)
+        finally:
+            shutil.rmtree(in_dir, ignore_errors=True)
+
+    def _input_dir(self, program: str | bytes, tests: str | None) -> str:
+        root = Path(self.cfg.scratch_root or Path(tempfile.gettempdir()) / "astraflow-sandbox")
+        root.mkdir(parents=True, exist_ok=True, mode=0o711)
+        path = tempfile.mkdtemp(prefix="exec-", dir=root)
+        os.chmod(path, 0o755)  # readable by the unprivileged uid the sandbox runs as
+        files = {"runner.py": RUNNER.encode(),
+                 "program.py": program.encode("utf-8", "surrogateescape") if isinstance(program, str)
+                 else program}
+        if tests is not None:
+            files["tests.py"] = tests.encode("utf-8", "surrogateescape")
+        for name, data in files.items():
+            with open(os.path.join(path, name), "wb") as f:
+                f.write(data)
+            os.chmod(os.path.join(path, name), 0o644)
+        return path
+
+    def _spawn_and_collect(self, in_dir: str, tests: str | None, timeout: float,
+                           start: float) -> SandboxResult:
+        cfg = self.cfg
+        nonce = secrets.token_hex(16)
+        r_fd, w_fd = os.pipe()
+        try:
+            cmd = bwrap.command(cfg, bwrap.interpreter(cfg), in_dir, w_fd)
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, pass_fds=(w_fd,), process_group=0,
+                                    **bwrap.drop_privileges(cfg))
+        except (OSError, bwrap.SandboxUnavailable) as err:
+            os.close(r_fd)
+            os.close(w_fd)
+            return _result("sandbox_error", (), "", f"sandbox could not start: {err}", None, start)
+        os.close(w_fd)
+        try:
+            proc.stdin.write(nonce.encode() + b"\n")
+            proc.stdin.close()
+        except OSError:
+            pass  # bubblewrap already failed: its stderr says why
+        out, err, channel, killed = _collect(proc, r_fd, start + timeout, cfg.max_output_bytes)
+        return _judge(proc.returncode, out, err, _events(channel, nonce), killed, tests, start)
+
+
+def _collect(proc: subprocess.Popen, r_fd: int, deadline: float,
+             cap: int) -> tuple[bytes, bytes, bytes, str | None]:
+    """Read stdout, stderr and the result pipe until they close or a limit trips, then kill
+    the process group and wait. Returns the bytes read and why it was killed (or None)."""
+    sel = selectors.DefaultSelector()
+    o_fd, e_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    bufs = {o_fd: bytearray(), e_fd: bytearray(), r_fd: bytearray()}
+    for fd in bufs:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    killed, exited_at = None, None
+    try:
+        while sel.get_map():
+            now = time.monotonic()
+            if proc.poll() is not None and exited_at is None:
+                exited_at = now
+            if exited_at is not None and now > exited_at + EXIT_GRACE_S:
+                break
+            if now >= deadline:
+                killed = "timeout"
+                break
+            for key, _ in sel.select(timeout=min(0.1, max(deadline - now, 0.001))):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fd)
+                    continue
+                bufs[key.fd] += chunk
+            shown = len(bufs[o_fd]) + len(bufs[e_fd])
+            if shown > cap or len(bufs[r_fd]) > MAX_CHANNEL_BYTES:
+                killed = "output_limit"
+                break
+    finally:
+        sel.close()
+        _kill(proc)
+        for f in (proc.stdout, proc.stderr):
+            f.close()
+        os.close(r_fd)
+    out, err = bytes(bufs[o_fd]), bytes(bufs[e_fd])
+    if len(out) + len(err) > cap:
+        out = out[:cap]
+        err = err[:max(cap - len(out), 0)]
+    return out, err, bytes(bufs[r_fd]), killed
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL bubblewrap's process group and reap it; its sandbox init then gets SIGKILL too
+    (--die-with-parent) and the kernel kills everything left in the PID namespace."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _events(channel: bytes, nonce: str) -> list[dict]:
+    events = []
+    for line in channel.decode("utf-8", "replace").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("nonce") == nonce:
+            events.append(event)
+    return events
+
+
+def _judge(code: int | None, out: bytes, err: bytes, events: list[dict], killed: str | None,
+           tests: str | None, start: float) -> SandboxResult:
+    kinds = {e["event"] for e in events}
+    outcomes, expected = {}, []
+    for e in events:
+        if e["event"] == "tests":
+            expected = [str(n) for n in e.get("names", [])]
+        elif e["event"] == "test":
+            outcomes.setdefault(str(e.get("name")), TestOutcome(
+                str(e.get("name")), bool(e.get("passed")), e.get("error")))
+    if tests is not None and not expected:
+        expected = ["tests"]
+    why = {"timeout": "not run: the execution timed out", "output_limit": "not run: output limit"}
+    missing = why.get(killed or "", "not run: the program exited before this test")
+    results = tuple(outcomes.get(n) or TestOutcome(n, False, missing) for n in expected)
+    if killed:
+        status = killed
+    elif "start" not in kinds or "runner_error" in kinds:
+        status = "sandbox_error"
+    elif code in SIGNALLED:
+        status = SIGNALLED[code]
+    elif "memory" in kinds:
+        status = "memory"
+    elif code == 0 and "done" in kinds and all(t.passed for t in results):
+        status = "ok"
+    else:
+        status = "failure"
+    return _result(status, results, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
+                   code, start)
+
+
+def _result(status, tests, stdout, stderr, code, start) -> SandboxResult:
+    return SandboxResult(status=status, tests=tuple(tests), stdout=stdout, stderr=stderr,
+                         exit_code=code, wall_s=time.monotonic() - start)

