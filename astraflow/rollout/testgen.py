@@ -5,7 +5,7 @@ and policy 1 (the tester) writes one suite of asserts for it, each from the prob
 do not see each other's text, so they generate concurrently). The solver's candidates are
 scored by the workload's hidden tests; the suite is run in the sandbox against the reference
 solution and against each distinct wrong candidate, and ``astraflow.workloads.testgen.
-tester_reward`` turns those runs into the tester's reward. Every sandbox run goes through the
+suite_reward`` turns those runs into the tester's reward. Every sandbox run goes through the
 sandbox's ``arun`` (bounded concurrency, off the node's event loop) under
 ``rollout.reward_timeout_s``.
 """
@@ -21,7 +21,7 @@ from astraflow.agents.chat import prompt_ids
 from astraflow.contracts import RolloutTask, Trajectory
 from astraflow.rollout.engine import InferenceEngine
 from astraflow.rollout.workflows import WORKFLOWS, WorkflowBase, sampling_for, turn_sequence
-from astraflow.workloads.testgen import TesterView, parse_suite, tester_reward
+from astraflow.workloads.testgen import TesterView, parse_suite, suite_reward
 
 
 class _Unjudged:
@@ -35,7 +35,7 @@ class _Unjudged:
 class SolverTestgen(WorkflowBase):
     """Policy 0 (solver) writes ``SOLUTIONS`` candidate solutions (one under greedy sampling:
     evaluation), each rewarded by the hidden tests; policy 1 (tester) writes one suite of
-    asserts from the problem, rewarded by ``tester_reward``: 0 unless it is valid and passes on
+    asserts from the problem, rewarded by ``suite_reward``: 0 unless it is valid and passes on
     the reference, then 0.2 plus 0.8 times the fraction of the episode's wrong candidates it
     rejects (1.0 when none is wrong). The episode's score is the first candidate's reward
     (held-out pass@1 under greedy evaluation). The tester writes up to the node's
@@ -78,16 +78,16 @@ class SolverTestgen(WorkflowBase):
 
     async def judge_suite(self, text: str, payload: Mapping[str, Any], candidates: list[str],
                           scores: list[float]) -> tuple[float, dict[str, Any]]:
-        """``tester_reward`` of the suite ``text``: run against the reference solution and each
+        """``suite_reward`` of the suite ``text``: run against the reference solution and each
         distinct wrong candidate program (those whose hidden-test reward is below 1)."""
         suite = parse_suite(text, payload["entry_point"])
         ref = self.tester_view.reference_program(payload)
         if not suite.valid or ref is None:
-            return tester_reward(suite, None, [])
+            return suite_reward(suite, None, [])
         wrong = list(dict.fromkeys(self.workload.program(c, payload) for c, s in zip(candidates, scores) if s < 1.0))
         source = suite.source()
         reference, *runs = await asyncio.gather(*(self._run(p, source) for p in [ref, *wrong]))
-        return tester_reward(suite, reference, runs)
+        return suite_reward(suite, reference, runs)
 
     async def _run(self, program: str, tests: str) -> Any:
         from astraflow.sandbox import default_sandbox

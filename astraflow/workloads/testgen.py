@@ -7,7 +7,7 @@ The tester sees the problem (the task's signature and docstring, then ``# tests`
     assert add_3(5) == 8
     assert add_3(-2) == 1
 
-Each assert becomes one ``test_gen_<i>`` function for the sandbox. The rule (``tester_reward``)
+Each assert becomes one ``test_gen_<i>`` function for the sandbox. The rule (``suite_reward``)
 is pure: it reads the sandbox results of the suite run against the reference solution and
 against the episode's wrong candidates; the workflow (``astraflow.rollout.testgen``) runs them.
 It lives here, not on the rollout side, so that the warm start (``astraflow.training``) builds
@@ -96,7 +96,7 @@ def parse_suite(text: str, entry_point: str) -> Suite:
 # -- what the tester sees and is taught --------------------------------------------------------
 
 
-def tester_prompt(payload: Mapping[str, Any]) -> str:
+def suite_prompt(payload: Mapping[str, Any]) -> str:
     """The tester's prompt: the problem (signature and docstring) and ``# tests``."""
     return payload["prompt"].rstrip("\n") + "\n" + TESTS_HEADER
 
@@ -118,7 +118,7 @@ def hidden_asserts(payload: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def tester_demonstration(payload: Mapping[str, Any], n: int = DEMO_ASSERTS) -> str:
+def suite_demonstration(payload: Mapping[str, Any], n: int = DEMO_ASSERTS) -> str:
     """A correct suite for ``payload``: the first ``n`` of its hidden tests' asserts that are in
     the tester's format (the generated tasks' hidden tests all are). ``ValueError`` naming the
     task when it has none."""
@@ -144,10 +144,10 @@ class TesterView:
         return self.workload.tasks(split)
 
     def render_prompt(self, payload: Mapping[str, Any]) -> str:
-        return tester_prompt(payload)
+        return suite_prompt(payload)
 
     def demonstration(self, payload: Mapping[str, Any]) -> str:
-        return tester_demonstration(payload)
+        return suite_demonstration(payload)
 
     def reference_program(self, payload: Mapping[str, Any]) -> str | None:
         """The reference solution as the sandbox runs it; None when the task has none."""
@@ -182,7 +182,7 @@ def passes(result: Any, suite: Suite) -> bool:
     return result.status == "ok" and all(o is True for o in outcomes(result, suite))
 
 
-def tester_reward(suite: Suite, reference: Any | None, candidates: Sequence[Any]) -> tuple[float, dict[str, Any]]:
+def suite_reward(suite: Suite, reference: Any | None, candidates: Sequence[Any]) -> tuple[float, dict[str, Any]]:
     """The tester's reward for ``suite`` and what it is made of (see ``docs/multi_policy.md``).
 
     ``reference``: the sandbox result of the suite run against the reference solution (None:

@@ -103,8 +103,8 @@ INVALID = parse_suite("assert add_3(5) ==", "add_3")
     (VALID, run("PP"), [run("", "sandbox_error"), run("PP")], R, 1, 0, 1),
     (VALID, run("PP"), [run("", "sandbox_error")], 1.0, 0, 0, 1),
 ])
-def test_tester_reward_rule(suite, reference, candidates, reward, wrong, rejected, unjudged):
-    got, info = tg.tester_reward(suite, reference, candidates)
+def test_suite_reward_rule(suite, reference, candidates, reward, wrong, rejected, unjudged):
+    got, info = tg.suite_reward(suite, reference, candidates)
     assert got == pytest.approx(reward)
     assert 0.0 <= got <= 1.0
     assert (info["wrong"], info["rejected"], info["unjudged"]) == (wrong, rejected, unjudged)
@@ -113,25 +113,25 @@ def test_tester_reward_rule(suite, reference, candidates, reward, wrong, rejecte
 
 
 def test_per_assert_details_are_recorded():
-    _, info = tg.tester_reward(VALID, run("PP"), [run("FP"), run("FF"), run("PP")])
+    _, info = tg.suite_reward(VALID, run("PP"), [run("FP"), run("FF"), run("PP")])
     assert info["asserts"] == ["assert add_3(5) == 8", "assert add_3(0) == 3"]
     assert info["reference_outcomes"] == [True, True]
     assert info["rejects_per_assert"] == [2, 1]
-    _, bad = tg.tester_reward(VALID, run("PF"), [])
+    _, bad = tg.suite_reward(VALID, run("PF"), [])
     assert bad["reference_outcomes"] == [True, False] and bad["reference_status"] == "failure"
-    _, inv = tg.tester_reward(INVALID, None, [])
+    _, inv = tg.suite_reward(INVALID, None, [])
     assert inv["error"] == "line 1: not Python" and inv["asserts"] == []
 
 
 def test_prompt_and_demonstration_come_from_the_task():
-    assert tg.tester_prompt(PAYLOAD) == 'def add_3(x):\n    """Return x plus 3."""\n# tests\n'
+    assert tg.suite_prompt(PAYLOAD) == 'def add_3(x):\n    """Return x plus 3."""\n# tests\n'
     assert hidden_asserts(PAYLOAD) == ["assert add_3(5) == 8", "assert add_3(-2) == 1", "assert add_3(0) == 3",
                                        "assert add_3(7) == 10"]
-    demo = tg.tester_demonstration(PAYLOAD)
+    demo = tg.suite_demonstration(PAYLOAD)
     assert demo == "assert add_3(5) == 8\nassert add_3(-2) == 1\nassert add_3(0) == 3\n"
     assert parse_suite(demo, "add_3").valid  # what the warm start teaches is a valid suite
     with pytest.raises(ValueError, match="no `assert f"):
-        tg.tester_demonstration({**PAYLOAD, "tests": "def test_check():\n    check(add_3)\n"})
+        tg.suite_demonstration({**PAYLOAD, "tests": "def test_check():\n    check(add_3)\n"})
 
 
 def test_suite_is_a_value():
