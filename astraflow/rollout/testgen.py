@@ -21,7 +21,7 @@ from astraflow.agents.chat import prompt_ids
 from astraflow.contracts import RolloutTask, Trajectory
 from astraflow.rollout.engine import InferenceEngine
 from astraflow.rollout.workflows import WORKFLOWS, WorkflowBase, sampling_for, turn_sequence
-from astraflow.workloads.testgen import TesterView, parse_suite, suite_reward
+from astraflow.workloads.testgen import SUITE_NEW_TOKENS, TesterView, parse_suite, suite_reward
 
 
 class _Unjudged:
@@ -38,8 +38,7 @@ class SolverTestgen(WorkflowBase):
     asserts from the problem, rewarded by ``suite_reward``: 0 unless it is valid and passes on
     the reference, then 0.2 plus 0.8 times the fraction of the episode's wrong candidates it
     rejects (1.0 when none is wrong). The episode's score is the first candidate's reward
-    (held-out pass@1 under greedy evaluation). The tester writes up to the node's
-    ``max_new_tokens``."""
+    (held-out pass@1 under greedy evaluation). The tester writes up to ``SUITE_NEW_TOKENS``."""
 
     num_policies = 2
     #: candidate solutions per episode (the solver's sequences; the tester has one)
@@ -57,7 +56,9 @@ class SolverTestgen(WorkflowBase):
         ps = prompt_ids(solver.tokenizer, self.workload, payload)
         pt = prompt_ids(tester.tokenizer, self.tester_view, payload)
         k = 1 if params.greedy else self.SOLUTIONS
-        *gens, gt = await asyncio.gather(*(solver.generate(ps, params) for _ in range(k)), tester.generate(pt, params))
+        suite_params = replace(params, max_new_tokens=SUITE_NEW_TOKENS)
+        *gens, gt = await asyncio.gather(*(solver.generate(ps, params) for _ in range(k)),
+                                         tester.generate(pt, suite_params))
         texts = [solver.tokenizer.decode(g.tokens, skip_special_tokens=True) for g in gens]
         scores = await asyncio.gather(*(self.score(t, payload) for t in texts))
         suite_text = tester.tokenizer.decode(gt.tokens, skip_special_tokens=True)

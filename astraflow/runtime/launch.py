@@ -71,12 +71,12 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
                     from astraflow.training.demo_warmstart import demo_warm_start
 
                     wl = make_workload(workload.name, params, workload.seed)
+                    max_new = workload.sampling.max_new_tokens
                     if init.task == "test":  # the tester of solver_testgen: its prompts and suites
-                        from astraflow.workloads.testgen import TesterView
+                        from astraflow.workloads.testgen import SUITE_NEW_TOKENS, TesterView
 
-                        wl = TesterView(wl)
-                    result = demo_warm_start(tmp / "init", tmp / "final", wl,
-                                             max_new_tokens=workload.sampling.max_new_tokens, **common)
+                        wl, max_new = TesterView(wl), SUITE_NEW_TOKENS
+                    result = demo_warm_start(tmp / "init", tmp / "final", wl, max_new_tokens=max_new, **common)
                 else:
                     from astraflow.training.warmstart import warm_start
 

@@ -24,8 +24,10 @@ from typing import Any, Mapping, Sequence
 TESTS_HEADER = "# tests\n"
 #: a suite with more asserts than this is invalid (it bounds the sandbox work of one suite)
 MAX_ASSERTS = 8
-#: asserts in a warm-start demonstration (the first of the task's hidden tests)
-DEMO_ASSERTS = 3
+#: asserts in a warm-start demonstration (the shortest of the task's hidden tests)
+DEMO_ASSERTS = 2
+#: the tester's completion budget in tokens (the node's ``max_new_tokens`` is the solver's)
+SUITE_NEW_TOKENS = 64
 #: the reward of a valid suite that passes the reference but rejects none of the wrong
 #: candidates: above an invalid or incorrect suite (0), below one that rejects them (1)
 VALID_REWARD = 0.2
@@ -119,10 +121,12 @@ def hidden_asserts(payload: Mapping[str, Any]) -> list[str]:
 
 
 def suite_demonstration(payload: Mapping[str, Any], n: int = DEMO_ASSERTS) -> str:
-    """A correct suite for ``payload``: the first ``n`` of its hidden tests' asserts that are in
-    the tester's format (the generated tasks' hidden tests all are). ``ValueError`` naming the
-    task when it has none."""
-    lines = hidden_asserts(payload)[:n]
+    """A correct suite for ``payload``: the ``n`` shortest of its hidden tests' asserts that are
+    in the tester's format (the generated tasks' hidden tests all are), in their order; short,
+    so that it fits ``SUITE_NEW_TOKENS``. ``ValueError`` naming the task when it has none."""
+    found = hidden_asserts(payload)
+    keep = set(sorted(range(len(found)), key=lambda i: (len(found[i]), i))[:n])
+    lines = [a for i, a in enumerate(found) if i in keep]
     if not lines:
         raise ValueError(f"task {payload.get('id')}: its hidden tests have no `assert f(...) == ...` line to "
                          "teach the tester; warm-start the tester on tasks that do (the generated families)")

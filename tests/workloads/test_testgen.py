@@ -128,7 +128,7 @@ def test_prompt_and_demonstration_come_from_the_task():
     assert hidden_asserts(PAYLOAD) == ["assert add_3(5) == 8", "assert add_3(-2) == 1", "assert add_3(0) == 3",
                                        "assert add_3(7) == 10"]
     demo = tg.suite_demonstration(PAYLOAD)
-    assert demo == "assert add_3(5) == 8\nassert add_3(-2) == 1\nassert add_3(0) == 3\n"
+    assert demo == "assert add_3(5) == 8\nassert add_3(0) == 3\n"  # the two shortest, in order
     assert parse_suite(demo, "add_3").valid  # what the warm start teaches is a valid suite
     with pytest.raises(ValueError, match="no `assert f"):
         tg.suite_demonstration({**PAYLOAD, "tests": "def test_check():\n    check(add_3)\n"})
