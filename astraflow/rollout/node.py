@@ -42,6 +42,7 @@ from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.rollout.weight_sync import WeightPuller
 from astraflow.transport import bind, call, call_sync
 from astraflow.rollout.workflows import make_workflow
+from astraflow.sandbox import SandboxConfig, configure as configure_sandbox
 from astraflow.workloads.base import make_workload
 from storage.trajectories import open_trajectory_store
 
@@ -81,6 +82,7 @@ class RaaSNode:
         data_layer: Any,
         seed: int = 0,
         use_deltas: bool = False,
+        sandbox: SandboxConfig | None = None,
     ):
         self.identity = identity
         self.cfg = rollout
@@ -90,6 +92,7 @@ class RaaSNode:
         self.weights_root = weights_root
         self.seed = seed
         self.use_deltas = use_deltas
+        self._sandbox = sandbox
         self._workload_args = (workload_name, workload_params, workload_seed)
         self._workflow_name = workflow
         self._sampling = SamplingParams(
@@ -126,6 +129,8 @@ class RaaSNode:
         bind(self.dl)
         self.store = open_trajectory_store(self.store_url, "a")
         self.writer = self.store.writer(self.identity.name, batch_size=self.cfg.write_batch)
+        if self._sandbox is not None:  # the run's ``sandbox:`` for the rewards that run code here
+            configure_sandbox(self._sandbox)
         workload = make_workload(*self._workload_args)
         self.workflow = make_workflow(self._workflow_name, workload, self._sampling, self.identity.name,
                                       reward_timeout_s=self.cfg.reward_timeout_s)

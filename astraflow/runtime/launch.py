@@ -134,6 +134,9 @@ def check_data(workload: WorkloadConfig) -> str:
 
 
 def prepare_models(cfg: RunConfig, progress: Progress) -> None:
+    from astraflow.sandbox import configure
+
+    configure(cfg.sandbox)  # a warm start's held-out checks score with the run's sandbox limits
     for pol in cfg.policies:
         if pol.model.exists():
             continue

@@ -173,4 +173,5 @@ def node_kwargs(cfg: RunConfig, paths: RunPaths, name: str, part: Partition, dat
         data_layer=data_layer,
         seed=cfg.run.seed,
         use_deltas=cfg.storage.deltas,
+        sandbox=cfg.sandbox,
     )
