@@ -25,6 +25,10 @@ IN_DIR, SCRATCH = "/in", "/scratch"
 ENV = {"HOME": SCRATCH, "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
        "TMPDIR": "/tmp", "PYTHONIOENCODING": "utf-8"}
 
+# bubblewrap itself starts with this, not the node's environment: its init process stays
+# visible inside (/proc/1/environ)
+HOST_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+
 
 class SandboxUnavailable(RuntimeError):
     """Bubblewrap is missing or cannot create its namespaces here; the message names the fix."""
@@ -107,7 +111,7 @@ def probe(cfg: SandboxConfig) -> None:
             python, "-I", "-c", "pass"]
     try:
         proc = subprocess.run(args, capture_output=True, timeout=30, stdin=subprocess.DEVNULL,
-                              **drop_privileges(cfg))
+                              env=HOST_ENV, **drop_privileges(cfg))
     except (OSError, subprocess.TimeoutExpired) as err:
         raise SandboxUnavailable(f"bubblewrap could not run: {err}: {FIX}") from None
     if proc.returncode != 0:

@@ -9,6 +9,7 @@ its init, taking every process of the program with it) and the input directory r
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import os
@@ -113,7 +114,7 @@ class Sandbox:
             cmd = bwrap.command(cfg, bwrap.interpreter(cfg), in_dir, w_fd)
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, pass_fds=(w_fd,), process_group=0,
-                                    **bwrap.drop_privileges(cfg))
+                                    env=bwrap.HOST_ENV, **bwrap.drop_privileges(cfg))
         except (OSError, bwrap.SandboxUnavailable) as err:
             os.close(r_fd)
             os.close(w_fd)
@@ -197,17 +198,16 @@ def _events(channel: bytes, nonce: str) -> list[dict]:
 def _judge(code: int | None, out: bytes, err: bytes, events: list[dict], killed: str | None,
            tests: str | None, start: float) -> SandboxResult:
     kinds = {e["event"] for e in events}
-    outcomes, expected = {}, []
+    outcomes = {}
     for e in events:
-        if e["event"] == "tests":
-            expected = [str(n) for n in e.get("names", [])]
-        elif e["event"] == "test":
+        if e["event"] == "test":
             outcomes.setdefault(str(e.get("name")), TestOutcome(
                 str(e.get("name")), bool(e.get("passed")), e.get("error")))
-    if tests is not None and not expected:
-        expected = ["tests"]
+    expected = [] if tests is None else test_names(tests)
     why = {"timeout": "not run: the execution timed out", "output_limit": "not run: output limit"}
-    missing = why.get(killed or "", "not run: the program exited before this test")
+    default = ("not run: the program failed" if "program" not in kinds or "test" not in kinds
+               else "not run: the program exited before this test")
+    missing = why.get(killed or "", default)
     results = tuple(outcomes.get(n) or TestOutcome(n, False, missing) for n in expected)
     if killed:
         status = killed
@@ -223,6 +223,18 @@ def _judge(code: int | None, out: bytes, err: bytes, events: list[dict], killed:
         status = "failure"
     return _result(status, results, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
                    code, start)
+
+
+def test_names(tests: str) -> list[str]:
+    """The tests' top-level ``test_*`` functions in order, or ["tests"] when there are none
+    (the whole source is one test). The tests come from the workload, not the model."""
+    try:
+        tree = ast.parse(tests)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return ["tests"]
+    names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+             and n.name.startswith("test_")]
+    return list(dict.fromkeys(names)) or ["tests"]
 
 
 def _result(status, tests, stdout, stderr, code, start) -> SandboxResult:

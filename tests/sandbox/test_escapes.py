@@ -1,0 +1,184 @@
+"""Escape attempts against the real bubblewrap sandbox: each must end bounded, structured and
+without a trace on the host. Every case has a short timeout."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from astraflow.sandbox import Sandbox, SandboxConfig
+
+from .conftest import sandbox_processes
+
+LIMITS = dict(timeout_s=3.0, cpu_s=2.0, memory_mb=256, max_processes=16, max_output_bytes=4096)
+
+
+@pytest.fixture(scope="module")
+def sb():
+    return Sandbox(SandboxConfig(**LIMITS))
+
+
+def test_an_infinite_loop_times_out(sb):
+    r = sb.run("while True:\n    pass\n", timeout_s=1.0)
+    assert r.status == "timeout" and r.wall_s < 3
+
+
+def test_the_cpu_limit_stops_a_spinning_program_before_the_wall_clock():
+    r = Sandbox(SandboxConfig(**{**LIMITS, "cpu_s": 1.0, "timeout_s": 20})).run("while True:\n    pass\n")
+    assert r.status == "timeout" and r.exit_code in (128 + signal.SIGXCPU, 128 + signal.SIGKILL)
+    assert r.wall_s < 15
+
+
+def test_sleeping_past_the_deadline_times_out(sb):
+    r = sb.run("import time\ntime.sleep(60)\n", timeout_s=1.0)
+    assert r.status == "timeout" and r.wall_s < 3
+
+
+def test_a_fork_bomb_stays_under_the_process_limit(sb):
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    token = "/in/runner.py"  # in the argv of bubblewrap and of every process of the execution
+    peak, done = [0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], len(sandbox_processes(token)))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        r = sb.run(bomb, timeout_s=1.5)
+    finally:
+        done.set()
+        watcher.join()
+    assert r.status == "timeout"
+    # the limit counts the sandbox's init and the program's processes; bubblewrap's own
+    # process outside the namespaces comes on top
+    assert 0 < peak[0] <= LIMITS["max_processes"] + 1, peak[0]
+    time.sleep(0.2)
+    assert sandbox_processes(token) == []
+
+
+def test_fork_fails_past_the_limit(sb):
+    prog = ("import os, time\nn = 0\ntry:\n    for _ in range(200):\n        if os.fork() == 0:\n"
+            "            time.sleep(5)\n            os._exit(0)\n        n += 1\nexcept OSError as err:\n"
+            "    print('refused after', n, type(err).__name__)\n")
+    r = sb.run(prog, timeout_s=3)
+    assert "refused after" in r.stdout and int(r.stdout.split()[2]) < LIMITS["max_processes"]
+
+
+@pytest.mark.parametrize("prog", ["x = bytearray(1 << 30)\n",
+                                  "chunks = []\nwhile True:\n    chunks.append(bytearray(1 << 24))\n"])
+def test_a_memory_hog_gets_status_memory(sb, prog):
+    r = sb.run(prog)
+    assert r.status == "memory", (r.status, r.stderr[-300:])
+
+
+def test_huge_output_is_cut_and_killed(sb):
+    r = sb.run("while True:\n    print('x' * 1000)\n")
+    assert r.status == "output_limit"
+    assert len(r.stdout.encode()) + len(r.stderr.encode()) <= LIMITS["max_output_bytes"]
+
+
+def test_files_outside_the_scratch_directory_are_not_there(sb, tmp_path, monkeypatch):
+    secret = secrets.token_hex(8)
+    run_dir, home = tmp_path / "run", tmp_path / "home"
+    (run_dir).mkdir()
+    (run_dir / "config.yaml").write_text(secret)
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_rsa").write_text(secret)
+    monkeypatch.setenv("HOME", str(home))
+    paths = [str(run_dir / "config.yaml"), str(home / ".ssh" / "id_rsa"), "/etc/shadow",
+             "/etc/passwd", "/root/.bashrc", os.path.expanduser("~/.ssh/id_rsa")]
+    prog = ("import os\nfor p in %r:\n    try:\n        print('READ', p, open(p).read())\n"
+            "    except OSError as err:\n        print('DENIED', p, type(err).__name__)\n"
+            "print(sorted(os.listdir('/')))\n" % (paths,))
+    r = sb.run(prog)
+    assert r.status == "ok" and secret not in r.stdout and "READ" not in r.stdout, r.stdout
+    assert "'root'" not in r.stdout and "'home'" not in r.stdout and "'etc'" in r.stdout
+
+
+def test_writes_outside_the_scratch_directory_do_not_reach_the_host(sb, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    name = "escape-" + secrets.token_hex(6)
+    targets = [str(run_dir / name), f"/tmp/{name}", f"/usr/{name}", f"/in/{name}", f"/{name}"]
+    prog = ("for p in %r:\n    try:\n        open(p, 'w').write('x')\n        print('WROTE', p)\n"
+            "    except OSError as err:\n        print('DENIED', p, type(err).__name__)\n"
+            "open('scratch-file', 'w').write('mine')\nprint(open('scratch-file').read())\n" % (targets,))
+    r = sb.run(prog)
+    assert r.status == "ok" and r.stdout.rstrip().endswith("mine"), r.stdout
+    for t in targets:
+        assert not os.path.exists(t), t
+    assert not os.path.exists(os.path.join(os.getcwd(), "scratch-file"))
+
+
+def test_the_nodes_environment_is_not_visible(sb, monkeypatch):
+    secret = secrets.token_hex(8)
+    monkeypatch.setenv("ASTRAFLOW_TEST_SECRET", secret)
+    prog = ("import os\nprint(dict(os.environ))\nfor p in ('/proc/self/environ', '/proc/1/environ'):\n"
+            "    try:\n        print(open(p, 'rb').read())\n    except OSError as err:\n        print(err)\n")
+    r = sb.run(prog)
+    assert r.status == "ok" and secret not in r.stdout and "ASTRAFLOW_TEST_SECRET" not in r.stdout
+
+
+def test_no_network_not_even_the_hosts_loopback(sb):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    prog = ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', %d), timeout=1)\n"
+            "    print('CONNECTED')\nexcept OSError as err:\n    print('REFUSED', err)\n" % port)
+    try:
+        r = sb.run(prog)
+        with pytest.raises(socket.timeout):
+            server.accept()
+    finally:
+        server.close()
+    assert r.status == "ok" and "REFUSED" in r.stdout and "CONNECTED" not in r.stdout
+
+
+def test_signals_cannot_reach_the_parent_or_host_processes(sb):
+    bystander = subprocess.Popen(["sleep", "30"], **({"user": 65534} if os.geteuid() == 0 else {}))
+    try:
+        prog = ("import os, signal\nfor pid in [os.getppid(), %d, %d] + list(range(1, 4096)):\n"
+                "    if pid != os.getpid():\n        try:\n            os.kill(pid, signal.SIGKILL)\n"
+                "        except OSError:\n            pass\nprint('still here')\n" % (os.getpid(), bystander.pid))
+        r = sb.run(prog)
+        assert r.status in ("ok", "failure", "sandbox_error") and r.wall_s < LIMITS["timeout_s"]
+        assert bystander.poll() is None  # a host process of the sandbox's own uid survives
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+@pytest.mark.parametrize("ending", ["", "import time\ntime.sleep(60)\n"])
+def test_a_daemon_does_not_outlive_the_execution(sb, ending):
+    token = "daemon-" + secrets.token_hex(6)
+    prog = ("import os, sys\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            "        fd = os.open('/dev/null', os.O_RDWR)\n        for i in (0, 1, 2):\n            os.dup2(fd, i)\n"
+            "        os.execv(sys.executable, [sys.executable, '-c', 'import time\\nwhile True: time.sleep(0.05)', %r])\n"
+            "    os._exit(0)\nimport time\ntime.sleep(0.3)\n" % token) + ending
+    r = sb.run(prog, timeout_s=1.5)
+    assert r.status == ("ok" if not ending else "timeout"), (r.status, r.stderr)
+    time.sleep(0.2)
+    assert sandbox_processes(token) == []
+
+
+def test_a_program_that_is_not_utf8_fails(sb):
+    r = sb.run(b"print('caf\xe9')\n\xff\xfe")
+    assert r.status == "failure" and "UTF-8" in r.stderr
+
+
+def test_a_program_that_is_not_python_fails(sb):
+    r = sb.run("def f(:\n    return\n", "def test_f():\n    assert f()\n")
+    assert r.status == "failure" and "SyntaxError" in r.stderr
+    assert [(t.name, t.passed) for t in r.tests] == [("test_f", False)]

@@ -1,0 +1,153 @@
+"""Structured results for each exit reason, the concurrency bound, deadlines under contention
+and ``arun`` off the event loop, on the real bubblewrap sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+from astraflow.sandbox import Sandbox, SandboxConfig, SandboxUnavailable, configure, default_sandbox
+
+ADD = "def add(a, b):\n    return a + b\n"
+LIMITS = dict(timeout_s=3.0, cpu_s=2.0, memory_mb=256, max_processes=16, max_output_bytes=4096)
+
+
+@pytest.fixture(scope="module")
+def sb():
+    return Sandbox(SandboxConfig(**LIMITS))
+
+
+def test_every_test_passes(sb):
+    r = sb.run(ADD + "print('hello')\n", "def test_one():\n    assert add(1, 2) == 3\n\n"
+               "def test_two():\n    assert add(-1, 1) == 0\n")
+    assert (r.status, r.passed, r.total, r.all_passed, r.exit_code) == ("ok", 2, 2, True, 0)
+    assert r.stdout == "hello\n" and [t.name for t in r.tests] == ["test_one", "test_two"]
+    assert json.loads(json.dumps(r.to_json()))["passed"] == 2
+
+
+def test_one_failing_test_fails_only_itself(sb):
+    r = sb.run(ADD, "def test_ok():\n    assert add(1, 2) == 3\n\ndef test_bad():\n    assert add(1, 2) == 4\n\n"
+               "def test_raises():\n    add(1)\n\ndef test_msg():\n    assert False, 'wrong sum'\n")
+    assert r.status == "failure" and (r.passed, r.total) == (1, 4)
+    errors = {t.name: t.error for t in r.tests}
+    assert errors["test_ok"] is None
+    assert errors["test_bad"] == "AssertionError: assert add(1, 2) == 4"
+    assert errors["test_raises"].startswith("TypeError:")
+    assert errors["test_msg"] == "AssertionError: wrong sum"
+
+
+def test_tests_without_test_functions_are_one_test(sb):
+    ok = sb.run(ADD, "assert add(2, 2) == 4\n")
+    bad = sb.run(ADD, "assert add(2, 2) == 5\n")
+    assert (ok.status, [(t.name, t.passed) for t in ok.tests]) == ("ok", [("tests", True)])
+    assert (bad.status, [(t.name, t.passed) for t in bad.tests]) == ("failure", [("tests", False)])
+
+
+def test_without_tests_the_exit_code_decides(sb):
+    assert sb.run("pass\n").status == "ok"
+    r = sb.run("import sys\nsys.exit(3)\n")
+    assert (r.status, r.exit_code, r.tests) == ("failure", 3, ())
+    r = sb.run("raise ValueError('boom')\n")
+    assert r.status == "failure" and r.stderr.rstrip().endswith("ValueError: boom")
+    assert "runner.py" not in r.stderr  # the traceback is the program's, not the runner's
+
+
+def test_a_program_that_crashes_before_the_tests_fails_them_all(sb):
+    r = sb.run("raise SystemExit(1)\n", "def test_a():\n    pass\n\ndef test_b():\n    pass\n")
+    assert r.status == "failure" and [(t.name, t.passed) for t in r.tests] == [("test_a", False), ("test_b", False)]
+
+
+def test_a_program_that_exits_during_the_tests_fails_the_rest(sb):
+    r = sb.run(ADD, "def test_a():\n    pass\n\ndef test_b():\n    import os\n    os._exit(0)\n\ndef test_c():\n    pass\n")
+    assert r.status == "failure" and [t.passed for t in r.tests] == [True, False, False]
+
+
+def test_printing_a_fake_report_does_not_pass_the_tests(sb):
+    fake = json.dumps({"nonce": "guess", "event": "test", "name": "test_a", "passed": True, "error": None})
+    prog = f"import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, {fake!r}.encode() + b'\\n')\n    except OSError:\n        pass\nprint({fake!r})\nos._exit(0)\n"
+    r = sb.run(prog, "def test_a():\n    assert False\n")
+    assert r.status == "failure" and not r.tests[0].passed
+
+
+@pytest.mark.parametrize("prog, status", [
+    ("while True:\n    pass\n", "timeout"),
+    ("x = bytearray(1 << 30)\n", "memory"),
+    ("print('y' * 100000)\n", "output_limit"),
+])
+def test_each_limit_has_its_status(sb, prog, status):
+    r = sb.run(prog, "def test_a():\n    pass\n", timeout_s=1.0)
+    assert r.status == status and [(t.name, t.passed) for t in r.tests] == [("test_a", False)]
+
+
+def test_a_broken_sandbox_is_a_sandbox_error_not_the_programs_fault():
+    broken = Sandbox(SandboxConfig(**LIMITS, interpreter="/bin/false"))
+    broken._checked = True  # past the start-up check, as if the interpreter broke later
+    r = broken.run("print('fine')\n")
+    assert r.status == "sandbox_error"
+
+
+def test_missing_bubblewrap_names_the_fix():
+    with pytest.raises(SandboxUnavailable, match="apt-get install -y bubblewrap"):
+        Sandbox(SandboxConfig(bwrap="/nonexistent/bwrap")).run("pass\n")
+
+
+def test_bad_arguments_are_errors(sb):
+    with pytest.raises(ValueError, match="timeout_s"):
+        sb.run("pass\n", timeout_s=0)
+    with pytest.raises(TypeError):
+        sb.run(None)
+
+
+def test_the_pool_bounds_concurrency():
+    n = 2
+    sb = Sandbox(SandboxConfig(**{**LIMITS, "concurrency": n}))
+    prog = "import time\nprint(time.time())\ntime.sleep(0.8)\nprint(time.time())\n"
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(sb.run(prog))) for _ in range(n + 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    spans = [tuple(map(float, r.stdout.split())) for r in results]
+    assert len(spans) == n + 1
+    most = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
+    assert most <= n, spans
+
+
+def test_a_stuck_execution_cannot_hold_others_past_its_deadline():
+    sb = Sandbox(SandboxConfig(**{**LIMITS, "concurrency": 1}))
+    stuck = threading.Thread(target=sb.run, args=("while True:\n    pass\n",), kwargs={"timeout_s": 1.0})
+    stuck.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    r = sb.run("print('next')\n")
+    stuck.join()
+    assert r.status == "ok" and time.monotonic() - t0 < 1.0 + 2.0
+
+
+def test_arun_does_not_block_the_event_loop(sb):
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.02)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        r = await sb.arun("import time\ntime.sleep(0.6)\n")
+        ticker.cancel()
+        return r, ticks
+
+    r, ticks = asyncio.run(main())
+    assert r.status == "ok" and ticks >= 10
+
+
+def test_the_process_wide_sandbox_is_configured_once():
+    first = configure(SandboxConfig(concurrency=1))
+    assert default_sandbox() is first and first.cfg.concurrency == 1
