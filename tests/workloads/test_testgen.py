@@ -136,3 +136,18 @@ def test_prompt_and_demonstration_come_from_the_task():
 
 def test_suite_is_a_value():
     assert Suite(("assert f(1) == 2",)).valid and not Suite((), "no asserts").valid
+
+
+def test_the_tester_warm_start_needs_a_code_workload(tmp_path):
+    import yaml
+
+    from astraflow.config import config_from_dict
+    from tests.conftest import ROOT
+
+    data = yaml.safe_load((ROOT / "examples" / "code" / "config_testgen.yaml").read_text())
+    for pol in data["policies"]:
+        pol["model"] = str(tmp_path / pol["name"])
+    config_from_dict(data)  # the example itself is valid
+    data["workload"] = {"name": "math", "workflow": "solver_verifier"}
+    with pytest.raises(ValueError, match="'test' teaches the test generator of a code workload"):
+        config_from_dict(data)
