@@ -10,6 +10,8 @@ target means what the run's evaluation means.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import random
 from pathlib import Path
 from typing import Any, Callable
@@ -68,7 +70,9 @@ def success_rate(model: Any, tok: Any, workload: Any, payloads: list[dict[str, A
     if not payloads:
         return 0.0
     texts = greedy_texts(model, tok, [prompt_ids(tok, workload, p) for p in payloads], max_new_tokens)
-    return sum(workload.reward(t, p) for t, p in zip(texts, payloads)) / len(payloads)
+    # a few at once: a reward that runs a program waits on its sandbox (which bounds the concurrency)
+    with ThreadPoolExecutor(4) as pool:
+        return sum(pool.map(workload.reward, texts, payloads)) / len(payloads)
 
 
 def demo_warm_start(
