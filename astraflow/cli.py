@@ -17,6 +17,7 @@ import click
 from pydantic import BaseModel
 
 from astraflow.runtime.control import DEFAULT_REMOVAL, REMOVAL_HELP, REMOVAL_MODES
+from astraflow.sandbox.cli import sandbox as sandbox_cli
 from astraflow.training.config import ModelInit
 from schedulers.partition import Partition
 from storage.ownership import owner_only
@@ -385,6 +386,8 @@ def partitions_remove(run_dir: str, name: str, mode: str, wait_s: float) -> None
             raise UserError(str(err)) from None
         click.echo(f"partition {name} removed in {entry.get('drain_seconds') or 0:.1f}s")
 
+
+main.add_command(sandbox_cli)  # astraflow sandbox run PROGRAM [--tests FILE]: see docs/sandbox.md
 
 if __name__ == "__main__":
     main()

@@ -22,7 +22,7 @@ from astraflow.workloads.datafiles import resolve_path
 from astraflow.configbase import Strict
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.rollout.config import RolloutConfig
-from astraflow.sandbox import SandboxConfig
+from astraflow.sandbox.config import SandboxConfig
 from astraflow.training.config import PolicyConfig
 from astraflow.workloads.config import WorkloadConfig
 from schedulers.command import is_loopback
@@ -139,8 +139,8 @@ class RunConfig(Strict):
     dataflow: DataflowConfig = DataflowConfig()
     rollout: RolloutConfig = RolloutConfig()
     sandbox: SandboxConfig = SandboxConfig()
-    """Where model-written code runs (the ``code`` workload's tests): concurrency per RaaS node
-    and each execution's limits (``astraflow.sandbox``)."""
+    """Where model-written code runs (the ``code`` workload's tests): bubblewrap, concurrency per
+    RaaS node and each execution's limits (``astraflow.sandbox``, docs/sandbox.md)."""
     storage: StorageConfig = StorageConfig()
     cluster: ClusterConfig = ClusterConfig()
     partitions: list[Partition] = Field(default_factory=_default_partitions)

@@ -23,6 +23,18 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
   fi
 fi
 
+# 1c. Debian bubblewrap for the code sandbox (astraflow/sandbox, tests/sandbox); with it installed
+#     the sandbox tests must run, not skip
+if ! command -v bwrap >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null; }
+  else
+    sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null
+  fi
+fi
+export ASTRAFLOW_REQUIRE_SANDBOX=1
+
 # 2. a real local Slurm for the slurm tier (installs slurm-wlm + munge via apt when missing)
 export LOCAL_SLURM_DIR=${LOCAL_SLURM_DIR:-/tmp/astraflow-slurm}
 slurm_started=0

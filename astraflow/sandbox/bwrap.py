@@ -73,9 +73,9 @@ def _binds(python: str) -> list[str]:
     return args
 
 
-def command(cfg: SandboxConfig, python: str, in_dir: str, result_fd: int) -> list[str]:
+def command(cfg: SandboxConfig, python: str, in_dir: str, result_fd: int,
+            test_names: list[str]) -> list[str]:
     """bwrap argv running the runner on ``in_dir``; the runner reports on ``result_fd``."""
-    limits = {"cpu_s": cfg.cpu_s, "memory": cfg.memory_mb << 20, "nproc": cfg.max_processes}
     args = [bwrap_path(cfg), "--unshare-all", "--unshare-user", "--disable-userns",
             "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]
     for k, v in ENV.items():
@@ -85,14 +85,9 @@ def command(cfg: SandboxConfig, python: str, in_dir: str, result_fd: int) -> lis
              "--size", str(cfg.scratch_mb << 20), "--perms", "1777", "--tmpfs", SCRATCH,
              "--size", str(cfg.scratch_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
              "--ro-bind", in_dir, IN_DIR, "--chdir", SCRATCH,
-             python, "-I", "-B", f"{IN_DIR}/runner.py", str(result_fd), _json(limits)]
+             python, "-I", "-B", f"{IN_DIR}/runner.py", str(result_fd), str(cfg.cpu_s),
+             str(cfg.memory_mb << 20), str(cfg.max_processes), *test_names]
     return args
-
-
-def _json(obj: dict) -> str:
-    import json
-
-    return json.dumps(obj, separators=(",", ":"))
 
 
 def drop_privileges(cfg: SandboxConfig) -> dict:

@@ -1,26 +1,28 @@
 """The first code that runs inside the sandbox (standard library only; copied into each
 execution's input directory, never imported by the host).
 
-It reads the nonce from stdin, sets the resource limits every later process inherits, then
-runs /in/program.py and each ``test_*`` of /in/tests.py in one namespace, and reports on the
-result pipe (fd given in argv): one JSON line per event, each carrying the nonce. The program
-runs in this interpreter, so a program that digs into this module's frames could forge the
-report: the nonce stops printing or blind writes to a file descriptor, not introspection.
+argv: result fd, CPU seconds, address-space bytes, process count, then the test names (the
+host parses them from the tests; ``tests`` alone: the whole source is one test). It reads the
+nonce from stdin, sets the resource limits every later process inherits, runs /in/program.py,
+then /in/tests.py and each named test in the program's namespace, and reports on the result
+pipe: one ``repr((nonce, event, payload))`` line per event. Imports are kept to the few the
+success path needs: they are most of an execution's start-up time.
+
+The program runs in this interpreter: one that digs into this module's frames could forge the
+report. The nonce stops printing or blind writes to a file descriptor, not introspection.
 """
 
-import ast
-import json
 import os
 import resource
 import sys
-import traceback
 
 ERROR_CHARS = 500
-CHANNEL: list = []  # the open result pipe, for the report of the runner's own failure
+CHANNEL: list = []  # (the open result pipe, nonce), for the report of the runner's own failure
 
 
 def main() -> int:
-    fd, limits = int(sys.argv[1]), json.loads(sys.argv[2])
+    fd, cpu_s, memory, nproc = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    names = sys.argv[5:]
     nonce = sys.stdin.readline().strip()
     devnull = os.open("/dev/null", os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -28,15 +30,15 @@ def main() -> int:
     os.set_inheritable(fd, False)  # exec'd children do not get the channel
     out = os.fdopen(fd, "w", buffering=1)
     CHANNEL.append((out, nonce))
-    memory_line = json.dumps({"nonce": nonce, "event": "memory"}) + "\n"
+    memory_line = repr((nonce, "memory", None)) + "\n"
 
-    def send(event: str, **fields) -> None:
-        out.write(json.dumps({"nonce": nonce, "event": event, **fields}) + "\n")
+    def send(event: str, payload=None) -> None:
+        out.write(repr((nonce, event, payload)) + "\n")
 
-    cpu = int(limits["cpu_s"] + 0.999)
+    cpu = int(cpu_s + 0.999)
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (limits["memory"], limits["memory"]))
-    resource.setrlimit(resource.RLIMIT_NPROC, (limits["nproc"], limits["nproc"]))
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     send("start")
 
@@ -47,8 +49,7 @@ def main() -> int:
         try:
             with open(path, "rb") as f:
                 source = f.read().decode("utf-8")
-            code = compile(source, path, "exec")
-            exec(code, namespace)
+            exec(compile(source, path, "exec"), namespace)
             return True, None, 0
         except SystemExit as err:
             code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
@@ -67,41 +68,25 @@ def main() -> int:
             return False, describe(err), 1
 
     ok, error, code = run_source("/in/program.py", "the program")
+    send("program", ok)
     if not ok:
-        send("program", ok=False, error=error)
-        sys.stdout.flush()
         return code
-    send("program", ok=True, error=None)
-    if not os.path.exists("/in/tests.py"):
+    if not names:
         send("done")
         return 0
-    names = test_names("/in/tests.py")
     ok, error, _ = run_source("/in/tests.py", "the tests")
-    if not names or not ok:  # the whole source is one test, or its top level failed
-        for name in names or ["tests"]:
-            send("test", name=name, passed=ok, error=error)
+    if names == ["tests"] or not ok:  # the whole source is one test, or its top level failed
+        for name in names:
+            send("test", (name, ok, error))
         send("done")
         return 0 if ok else 1
     failed = 0
     for name in names:
         passed, error = run_test(namespace.get(name), memory_line, out)
         failed += not passed
-        send("test", name=name, passed=passed, error=error)
+        send("test", (name, passed, error))
     send("done")
     return 1 if failed else 0
-
-
-def test_names(path: str) -> list[str]:
-    """Top-level ``test_*`` functions of the tests, in order; [] when unparsable (the exec
-    that follows reports the error)."""
-    try:
-        with open(path, "rb") as f:
-            tree = ast.parse(f.read().decode("utf-8"))
-    except (SyntaxError, ValueError, UnicodeDecodeError, MemoryError, RecursionError):
-        return []
-    names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-             and n.name.startswith("test_")]
-    return list(dict.fromkeys(names))
 
 
 def run_test(fn, memory_line: str, out) -> tuple[bool, str | None]:
@@ -123,6 +108,8 @@ def run_test(fn, memory_line: str, out) -> tuple[bool, str | None]:
 
 def print_error(err: BaseException) -> None:
     """The traceback to stderr, the runner's own frames left out."""
+    import traceback
+
     tb = err.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
@@ -131,6 +118,8 @@ def print_error(err: BaseException) -> None:
 
 def describe(err: BaseException) -> str:
     """The exception line; a bare AssertionError names the failing source line."""
+    import traceback
+
     line = traceback.format_exception_only(type(err), err)[-1].strip()
     if isinstance(err, AssertionError) and not str(err):
         frames = traceback.extract_tb(err.__traceback__)
@@ -142,10 +131,10 @@ def describe(err: BaseException) -> str:
 if __name__ == "__main__":
     try:
         status = main()
-    except BaseException as err:  # the runner itself failed: the host reports sandbox_error
-        traceback.print_exc()
+    except BaseException as exc:  # the runner itself failed: the host reports sandbox_error
+        sys.stderr.write(f"sandbox runner failed: {exc!r}\n")
         for out, nonce in CHANNEL:
-            out.write(json.dumps({"nonce": nonce, "event": "runner_error", "error": repr(err)}) + "\n")
+            out.write(repr((nonce, "runner_error", repr(exc))) + "\n")
             out.flush()
         status = 70
     sys.stdout.flush()

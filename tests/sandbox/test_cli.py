@@ -1,0 +1,41 @@
+"""``astraflow sandbox run``: the summary, --json, and exit 2 with the fix for bad input."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from astraflow.cli import main
+
+
+def _files(tmp_path):
+    prog = tmp_path / "prog.py"
+    prog.write_text("def add(a, b):\n    return a + b\nprint('hi')\n")
+    tests = tmp_path / "tests.py"
+    tests.write_text("def test_a():\n    assert add(1, 2) == 3\n\ndef test_b():\n    assert add(1, 2) == 4\n")
+    return prog, tests
+
+
+def test_run_prints_a_summary_and_exits_0_whatever_the_program_did(tmp_path):
+    prog, tests = _files(tmp_path)
+    r = CliRunner().invoke(main, ["sandbox", "run", str(prog), "--tests", str(tests)])
+    assert r.exit_code == 0, r.output
+    assert "status: failure (1/2 tests passed" in r.output and "FAIL test_b: AssertionError" in r.output
+
+
+def test_run_json(tmp_path):
+    prog, tests = _files(tmp_path)
+    r = CliRunner().invoke(main, ["sandbox", "run", str(prog), "--json", "--timeout", "5"])
+    assert r.exit_code == 0 and json.loads(r.output)["status"] == "ok"
+
+
+def test_bad_input_exits_2_naming_the_fix(tmp_path, monkeypatch):
+    prog, _ = _files(tmp_path)
+    r = CliRunner().invoke(main, ["sandbox", "run", str(tmp_path / "missing.py")])
+    assert r.exit_code == 2 and "give the path of a Python file" in r.output
+    r = CliRunner().invoke(main, ["sandbox", "run", str(prog), "--timeout", "0"])
+    assert r.exit_code == 2 and "positive number of seconds" in r.output
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on PATH
+    r = CliRunner().invoke(main, ["sandbox", "run", str(prog)])
+    assert r.exit_code == 2 and "apt-get install -y bubblewrap" in r.output
