@@ -243,10 +243,18 @@ class RunConfig(Strict):
                     f"{self.workload.name!r}; set it to 0 "
                     "(and drop warm_start_steps) or point model at a directory built by a math config"
                 )
-            if pol.init is not None and pol.init.warm_starts and self.workload.name != "math" and pol.init.task != "solve":
+            tester = pol.init is not None and pol.init.task == "test"
+            if tester and (not callable(getattr(workload, "program", None)) or not hasattr(workload, "demonstration")):
+                raise ValueError(
+                    f"policies[{pol.name}].init.task: 'test' teaches the test generator of a code workload "
+                    f"(workload.name: code, workflow solver_testgen); workload {self.workload.name!r} has no "
+                    "programs to test: use another task")
+            if (pol.init is not None and pol.init.warm_starts and self.workload.name != "math"
+                    and pol.init.task not in ("solve", "test")):
                 raise ValueError(
                     f"policies[{pol.name}].init.task: {pol.init.task!r} is a role of the math workload's "
-                    f"warm start; with workload {self.workload.name!r} leave it at 'solve'")
+                    f"warm start; with workload {self.workload.name!r} leave it at 'solve' ('test' for "
+                    "the tester of a code workload)")
             if pol.init is None and not pol.model.exists():
                 raise ValueError(
                     f"policies[{pol.name}].model: {pol.model} does not exist; point it at an HF "

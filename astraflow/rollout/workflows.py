@@ -1,7 +1,7 @@
 """Workflows: the episode logic a RaaS node runs (the rollout side of a workload).
 
 A *workflow* drives one or more policies' engines over a task (``single_turn``,
-``solver_verifier``, ``solver_selector``) and scores the result with the task's workload; it is
+``solver_verifier``, ``solver_selector``, ``solver_testgen``) and scores the result with the task's workload; it is
 registered by name and chosen in the config (``workload.workflow``), and a user's workflow is
 ``package.module:name``. A RaaS node calls ``run_episode(engines, task)`` and knows nothing else
 about it.
@@ -14,6 +14,7 @@ instead of freezing the node, heartbeats included).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -60,7 +61,9 @@ class RewardTimeout(TimeoutError):
 def workflow_class(name: str) -> type[Workflow]:
     """The workflow class registered as ``name``. ``"package.module:name"`` imports a user
     module first (which registers its workflows), so a new workflow needs no change here."""
-    import astraflow.rollout.agent  # noqa: F401  (registers "agent"; it builds on this module)
+    # the workflows that build on this module register on import: "agent", "solver_testgen"
+    for module in ("astraflow.rollout.agent", "astraflow.rollout.testgen"):
+        importlib.import_module(module)
 
     return WORKFLOWS.resolve(name)
 

@@ -58,7 +58,8 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
             agentic = workload is not None and is_agentic(workload_class(workload.name))
             demos = (workload is not None and workload.name != "math" and not agentic
                      and hasattr(workload_class(workload.name), "demonstration"))
-            what = "expert demonstrations" if agentic else "reference solutions" if demos else init.task
+            what = ("expert demonstrations" if agentic else "tests from the hidden tests" if init.task == "test"
+                    else "reference solutions" if demos else init.task)
             # the warm start draws its own progress bar
             with progress.waiting(f"supervised warm start ({what}) for {' or '.join(bounds)}", live=False):
                 if agentic:
@@ -71,8 +72,12 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
                     from astraflow.training.demo_warmstart import demo_warm_start
 
                     wl = make_workload(workload.name, params, workload.seed)
-                    result = demo_warm_start(tmp / "init", tmp / "final", wl,
-                                             max_new_tokens=workload.sampling.max_new_tokens, **common)
+                    max_new = workload.sampling.max_new_tokens
+                    if init.task == "test":  # the tester of solver_testgen: its prompts and suites
+                        from astraflow.workloads.testgen import SUITE_NEW_TOKENS, TesterView
+
+                        wl, max_new = TesterView(wl), SUITE_NEW_TOKENS
+                    result = demo_warm_start(tmp / "init", tmp / "final", wl, max_new_tokens=max_new, **common)
                 else:
                     from astraflow.training.warmstart import warm_start
 
@@ -109,7 +114,12 @@ def bpe_for(workload: WorkloadConfig | None, vocab_size: int):
         corpus = wl.tasks("train")[:BPE_AGENT_EPISODES]
         return build_bpe_tokenizer(demonstration_texts(wl, corpus, build_tokenizer()), vocab_size)
     demo = getattr(wl, "demonstration", None)
-    texts = (wl.render_prompt(p) + (demo(p) if demo is not None else "") for p in wl.tasks("train"))
+    texts = [wl.render_prompt(p) + (demo(p) if demo is not None else "") for p in wl.tasks("train")]
+    if workload.workflow == "solver_testgen":  # the tester's prompts and suites share the tokenizer
+        from astraflow.workloads.testgen import TesterView, hidden_asserts
+
+        view = TesterView(wl)
+        texts += [view.render_prompt(p) + "\n".join(hidden_asserts(p)) for p in wl.tasks("train")]
     return build_bpe_tokenizer(texts, vocab_size)
 
 

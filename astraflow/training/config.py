@@ -44,13 +44,14 @@ class ModelInit(Strict):
     """Stop the warm start as soon as held-out accuracy reaches this (checked every 25 steps;
     ``warm_start_seconds`` / ``warm_start_steps`` stay the upper bounds). Makes RL start from
     the same competence on fast and slow machines. ``None``: run to the bounds."""
-    task: Literal["solve", "solve_retry", "verify", "select"] = "solve"
+    task: Literal["solve", "solve_retry", "verify", "select", "test"] = "solve"
     """Role the warm start teaches: ``solve`` (``"12+34="`` -> ``"46"``), ``solve_retry`` (the
     ``solver_verifier`` solver: half ``solve``, half its retry turn after a reject), ``verify`` (the
     ``solver_verifier`` verifier: ``"12+34=47?"`` -> ``"46N"``, its own sum, then the verdict) or
     ``select`` (the ``solver_selector`` selector: ``"12+34=46|47?"`` -> ``"46>1"``, its own sum,
-    then the position of the candidate equal to it). Pick the one matching the policy's role in
-    the workflow."""
+    then the position of the candidate equal to it) or ``test`` (the ``solver_testgen`` tester of
+    the ``code`` workload: the problem, ``# tests`` -> asserts taken from the hidden tests,
+    ``astraflow.workloads.testgen``). Pick the one matching the policy's role in the workflow."""
     start_from: str | None = None
     """Name of an earlier policy in ``policies`` whose model this one starts from instead of a
     random initialisation (``preset``, ``arch``, ``tie_embeddings`` and ``seed`` are then
