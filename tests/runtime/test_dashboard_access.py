@@ -15,7 +15,7 @@ from astraflow.config import ClusterConfig
 from astraflow.runtime import dashboard
 from astraflow.runtime.cluster import SchedulerProcess
 from astraflow.runtime.security import client_security, dashboard_token, run_tls
-from astraflow.config import TLSConfig
+from schedulers.tls import TLSConfig
 from storage.paths import RunPaths
 
 WRITES = ("POST", "PUT", "DELETE", "PATCH")

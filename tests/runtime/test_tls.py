@@ -14,7 +14,7 @@ import time
 import pytest
 from distributed import Client
 
-from astraflow.config import TLSConfig
+from schedulers.tls import TLSConfig
 from astraflow.runtime.cluster import SchedulerProcess, connected_workers, worker_env
 from astraflow.runtime.security import client_security, create_run_certificates, run_tls, security_for_address
 from schedulers import LocalScheduler, Partition, worker_command

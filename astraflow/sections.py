@@ -1,0 +1,104 @@
+"""The run's own sections of the config, ``run`` and ``cluster``: how the run as a whole is named,
+bounded and placed (the orchestrator reads them; no component does). ``astraflow.config``
+composes them with the components' sections."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from astraflow.configbase import Strict
+from schedulers.command import is_loopback
+from schedulers.policy import (DEFAULT_SBATCH_OPTIONS_ALLOWLIST, DEFAULT_WORKER_ENV_ALLOWLIST, EnvAllowlist,
+                               SbatchAllowlist)
+from schedulers.tls import TLSConfig
+from storage.paths import is_plain_name
+
+RUN_NAME_MAX = 64
+
+
+class ClusterConfig(Strict):
+    dashboard_port: int = Field(default=8787, ge=0, le=65535)
+    """Dask dashboard port (0: any free port)."""
+    dashboard_host: str = "127.0.0.1"
+    """Address the dashboard binds to; the default keeps it on this machine (reach it through an
+    SSH tunnel or the site's proxy). Any other address serves it over HTTPS with the run's
+    certificate, to requests carrying the run's token only."""
+    worker_start_timeout_s: float = Field(default=180.0, gt=0)
+    """Deadline for requested workers to join the scheduler."""
+    placement_timeout_s: float = Field(default=120.0, gt=0)
+    """Deadline for an actor to be constructed on its worker."""
+    drain_timeout_s: float = Field(default=120.0, gt=0)
+    """Deadline for a removed RaaS node to finish and write its in-flight episodes before its
+    job is cancelled anyway (what it still holds is requeued)."""
+    stop_grace_s: float = Field(default=15.0, gt=0)
+    """Longest the stop of a failed or interrupted run waits for its components (RaaS nodes
+    flush, trainers stop, the data layer closes the ledger) before it cancels the worker jobs.
+    Keep it well under Slurm's ``KillWait`` (30 s by default): after ``scancel`` the head job has
+    that long before it is killed, and it still has to cancel its jobs and write the summary."""
+    trainer_restarts: int = Field(default=2, ge=0)
+    """Times the trainer of each policy is restarted when its worker is lost (killed, out of
+    memory, node failure): a new worker is started and the trainer resumes from the newest
+    committed version and optimiser checkpoint (``docs/failures.md``). Past it, or with 0, a
+    lost trainer worker ends the run."""
+    scheduler_host: str = "127.0.0.1"
+    """Address the Dask scheduler listens on. The loopback default keeps a one-host run on this
+    machine; on a cluster use the head node's address or set `scheduler_interface`."""
+    scheduler_interface: str | None = None
+    """Network interface the Dask scheduler listens on (e.g. ``ib0``); overrides `scheduler_host`."""
+    worker_interface: str | None = None
+    """Interface Slurm workers listen on (e.g. ``ib0``). None: the default route's, or
+    ``127.0.0.1`` when the scheduler is on loopback (a one-host cluster)."""
+    worker_python: str | None = None
+    """Interpreter Slurm worker jobs run (a venv on the shared filesystem). None: the one
+    running the orchestrator."""
+    slurm_setup_lines: list[str] = Field(default_factory=list)
+    """Shell lines every Slurm worker job runs before the worker (``module load ...``,
+    ``source /shared/venv/bin/activate``)."""
+    tls: TLSConfig = TLSConfig()
+    """Mutual TLS on all Dask traffic: on by default with certificates the run creates
+    (``docs/security.md``)."""
+    worker_env_allowlist: EnvAllowlist = Field(default_factory=lambda: list(DEFAULT_WORKER_ENV_ALLOWLIST))
+    """Environment variables a partition's ``env`` may set: names or fnmatch patterns. A list given
+    here replaces the default (thread, GPU, NCCL and logging knobs; see ``schedulers/policy.py``).
+    Loader, interpreter, shell, plugin and endpoint variables (``LD_*``, ``PYTHON*``, ``PATH``...)
+    are admitted only by an entry naming them exactly."""
+    sbatch_options_allowlist: SbatchAllowlist = Field(default_factory=lambda: list(DEFAULT_SBATCH_OPTIONS_ALLOWLIST))
+    """Extra sbatch options a partition's ``sbatch_options`` may use: exact long names
+    (``--account``, ``--qos``...). A list given here replaces the default; options AstraFlow
+    renders itself or that break job tracking (``--array``, ``--wrap``...) cannot be listed."""
+
+    @model_validator(mode="after")
+    def _exposed_dashboard(self) -> "ClusterConfig":
+        if not is_loopback(self.dashboard_host) and not self.tls.enabled:
+            raise ValueError(
+                f"cluster.dashboard_host {self.dashboard_host!r} is reachable from other machines, where the dashboard "
+                "is served only over HTTPS with a token, which needs cluster.tls: enable it, or keep "
+                "dashboard_host: 127.0.0.1 and open it through an SSH tunnel or your site's proxy")
+        return self
+
+
+class RunSection(Strict):
+    name: str = "run"
+    """Name of the run (run directories default to ``runs/<name>-<timestamp>``): 1-64 letters,
+    digits, ``_ . -``, starting with a letter or digit."""
+    max_steps: int = Field(default=50, ge=1)
+    """Trainer steps per policy; the run ends when every trainer has taken them."""
+    seed: int = 0
+    """Seed of trainers and engines."""
+    mode: Literal["async", "sync"] = "async"
+    """``async``: the three components run their own loops (AstraFlow). ``sync``: a
+    trainer-centred driver loop, the baseline for comparisons."""
+    timeout_s: float = Field(default=3600.0, gt=0)
+    """Deadline of the whole run."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        """The name becomes a path component and part of job names: nothing a shell, a path or
+        a job name could read as more than one plain word."""
+        if not is_plain_name(v) or len(v) > RUN_NAME_MAX:
+            raise ValueError(f"{v!r} cannot name a run: use 1-{RUN_NAME_MAX} letters, digits, '_', '.', '-', "
+                             "starting with a letter or digit (no spaces, '/', '%' or newlines), e.g. 'math-grpo'")
+        return v
