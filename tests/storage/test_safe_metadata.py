@@ -62,6 +62,10 @@ def _set_manifest_sha(store: WeightStore, vdir: Path) -> None:
     man = json.loads(man_path.read_text())
     man["files"][DCP_METADATA]["sha256"] = hashlib.sha256((vdir / DCP_METADATA).read_bytes()).hexdigest()
     man_path.write_text(json.dumps(man))
+    marker = paths.commit_file(store.root, "p", 1)  # and the commit marker's record of the manifest
+    commit = json.loads(marker.read_text())
+    commit["manifest_sha256"] = hashlib.sha256(man_path.read_bytes()).hexdigest()
+    marker.write_text(json.dumps(commit))
 
 
 @pytest.mark.parametrize("payload", [_RunsShell, _TouchesFile])
