@@ -26,8 +26,14 @@ ENV = {"HOME": SCRATCH, "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8
        "TMPDIR": "/tmp", "PYTHONIOENCODING": "utf-8"}
 
 # bubblewrap itself starts with this, not the node's environment: its init process stays
-# visible inside (/proc/1/environ)
+# pid 1 inside (were /proc mounted, its environment would be readable)
 HOST_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+
+
+# no /proc (nothing of any process to read, the sandbox's own included) and only these devices,
+# not bubblewrap's whole --dev tree: fewer mounts, a smaller surface, a faster start
+DEVICES = ("--dev-bind", "/dev/null", "/dev/null", "--ro-bind", "/dev/zero", "/dev/zero",
+           "--ro-bind", "/dev/urandom", "/dev/urandom", "--ro-bind", "/dev/random", "/dev/random")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -81,11 +87,11 @@ def command(cfg: SandboxConfig, python: str, in_dir: str, result_fd: int,
     for k, v in ENV.items():
         args += ["--setenv", k, v]
     args += _binds(python)
-    args += ["--proc", "/proc", "--dev", "/dev",
+    args += [*DEVICES,
              "--size", str(cfg.scratch_mb << 20), "--perms", "1777", "--tmpfs", SCRATCH,
              "--size", str(cfg.scratch_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
              "--ro-bind", in_dir, IN_DIR, "--chdir", SCRATCH,
-             python, "-I", "-B", f"{IN_DIR}/runner.py", str(result_fd), str(cfg.cpu_s),
+             python, "-I", "-S", "-B", f"{IN_DIR}/runner.py", str(result_fd), str(cfg.cpu_s),
              str(cfg.memory_mb << 20), str(cfg.max_processes), *test_names]
     return args
 
@@ -102,8 +108,7 @@ def probe(cfg: SandboxConfig) -> None:
     """Raise SandboxUnavailable unless bubblewrap can start the interpreter in its namespaces."""
     python = interpreter(cfg)
     args = [bwrap_path(cfg), "--unshare-all", "--unshare-user", "--die-with-parent",
-            "--clearenv", *_binds(python), "--proc", "/proc", "--dev", "/dev",
-            python, "-I", "-c", "pass"]
+            "--clearenv", *_binds(python), *DEVICES, python, "-I", "-S", "-c", "pass"]
     try:
         proc = subprocess.run(args, capture_output=True, timeout=30, stdin=subprocess.DEVNULL,
                               env=HOST_ENV, **drop_privileges(cfg))

@@ -117,15 +117,33 @@ def print_error(err: BaseException) -> None:
 
 
 def describe(err: BaseException) -> str:
-    """The exception line; a bare AssertionError names the failing source line."""
-    import traceback
-
-    line = traceback.format_exception_only(type(err), err)[-1].strip()
-    if isinstance(err, AssertionError) and not str(err):
-        frames = traceback.extract_tb(err.__traceback__)
-        if frames and frames[-1].line:
-            line = f"AssertionError: {frames[-1].line.strip()}"
+    """The exception line (as Python prints it last); a bare AssertionError names the failing
+    source line. Built by hand: importing ``traceback`` would cost every failing execution
+    more than the rest of the runner."""
+    cls = type(err)
+    name = cls.__qualname__ if cls.__module__ in ("builtins", "__main__") else f"{cls.__module__}.{cls.__qualname__}"
+    try:
+        message = str(err)
+    except BaseException:
+        message = "<exception str() failed>"
+    line = f"{name}: {message}" if message else name
+    if isinstance(err, AssertionError) and not message:
+        tb = err.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        source = _source_line(tb.tb_frame.f_code.co_filename, tb.tb_lineno) if tb is not None else ""
+        if source:
+            line = f"AssertionError: {source}"
     return line[:ERROR_CHARS]
+
+
+def _source_line(path: str, lineno: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().decode("utf-8", "replace").splitlines()
+        return lines[lineno - 1].strip() if 0 < lineno <= len(lines) else ""
+    except OSError:
+        return ""
 
 
 if __name__ == "__main__":
