@@ -42,13 +42,31 @@ class Sandbox:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._checked = False
+        self._root = Path()
 
     def check(self) -> None:
         """Raise SandboxUnavailable (naming the fix) unless bubblewrap works here; once."""
         with self._lock:
             if not self._checked:
                 bwrap.probe(self.cfg)
+                self._root = self._scratch_root()
                 self._checked = True
+
+    def _scratch_root(self) -> Path:
+        """The directory execution inputs go under, made (0711 whatever the umask) and checked:
+        run as another uid, the sandbox must be able to pass through every directory above it."""
+        root = Path(self.cfg.scratch_root or Path(tempfile.gettempdir()) / "astraflow-sandbox").absolute()
+        if not root.is_dir():
+            root.mkdir(parents=True, exist_ok=True)
+            os.chmod(root, 0o711)
+        if bwrap.drop_privileges(self.cfg):
+            for d in (root, *root.parents):
+                if not os.stat(d).st_mode & 0o001:
+                    raise bwrap.SandboxUnavailable(
+                        f"the sandbox runs as uid {self.cfg.sandbox_uid}, which cannot pass through {d} (mode "
+                        f"{os.stat(d).st_mode & 0o777:04o}) to reach its inputs under {root}: set "
+                        "sandbox.scratch_root to a directory under one it can (e.g. /tmp), or chmod o+x it")
+        return root
 
     def run(self, program: str | bytes, tests: str | None = None, *,
             timeout_s: float | None = None) -> SandboxResult:
@@ -89,9 +107,7 @@ class Sandbox:
             shutil.rmtree(in_dir, ignore_errors=True)
 
     def _input_dir(self, program: str | bytes, tests: str | None) -> str:
-        root = Path(self.cfg.scratch_root or Path(tempfile.gettempdir()) / "astraflow-sandbox")
-        root.mkdir(parents=True, exist_ok=True, mode=0o711)
-        path = tempfile.mkdtemp(prefix="exec-", dir=root)
+        path = tempfile.mkdtemp(prefix="exec-", dir=self._root)
         os.chmod(path, 0o755)  # readable by the unprivileged uid the sandbox runs as
         files = {"runner.py": RUNNER.encode(),
                  "program.py": program.encode("utf-8", "surrogateescape") if isinstance(program, str)

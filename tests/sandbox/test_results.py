@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -151,3 +152,28 @@ def test_arun_does_not_block_the_event_loop(sb):
 def test_the_process_wide_sandbox_is_configured_once():
     first = configure(SandboxConfig(concurrency=1))
     assert default_sandbox() is first and first.cfg.concurrency == 1
+
+
+def test_a_new_scratch_root_works_under_an_owner_only_umask():
+    """A run works under umask 077: the scratch root it creates must still let the sandbox's
+    unprivileged uid reach its execution directories."""
+    import shutil
+    import tempfile
+    import uuid
+
+    root = os.path.join(tempfile.gettempdir(), f"astraflow-sandbox-test-{uuid.uuid4().hex[:8]}")
+    old = os.umask(0o077)
+    try:
+        result = Sandbox(SandboxConfig(scratch_root=root)).run("print(1)", None)
+    finally:
+        os.umask(old)
+        shutil.rmtree(root, ignore_errors=True)
+    assert result.status == "ok", result.stderr
+
+
+def test_a_scratch_root_the_sandbox_cannot_reach_names_the_fix(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("only a node running as root drops to another uid for the sandbox")
+    tmp_path.chmod(0o700)
+    with pytest.raises(SandboxUnavailable, match=r"cannot pass through .* set sandbox.scratch_root"):
+        Sandbox(SandboxConfig(scratch_root=str(tmp_path / "sb"))).run("print(1)", None)
