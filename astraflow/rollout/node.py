@@ -129,9 +129,11 @@ class RaaSNode:
         bind(self.dl)
         self.store = open_trajectory_store(self.store_url, "a")
         self.writer = self.store.writer(self.identity.name, batch_size=self.cfg.write_batch)
-        if self._sandbox is not None:  # the run's ``sandbox:`` for the rewards that run code here
-            configure_sandbox(self._sandbox)
         workload = make_workload(*self._workload_args)
+        if self._sandbox is not None:  # the run's ``sandbox:`` for the rewards that run code here
+            sandbox = configure_sandbox(self._sandbox)
+            if getattr(workload, "uses_sandbox", False):
+                sandbox.check()  # a node without a working sandbox fails its start, not every episode
         self.workflow = make_workflow(self._workflow_name, workload, self._sampling, self.identity.name,
                                       reward_timeout_s=self.cfg.reward_timeout_s)
         for policy, path in self.models.items():

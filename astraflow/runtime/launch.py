@@ -170,6 +170,19 @@ def _sigterm_stops_cleanly() -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def check_sandbox(cfg: RunConfig) -> None:
+    """A workload whose rewards run programs needs a working sandbox on this machine: a
+    ValueError naming the fix before anything starts, not a failed reward per episode."""
+    if not getattr(workload_class(cfg.workload.name), "uses_sandbox", False):
+        return
+    from astraflow.sandbox import Sandbox, SandboxUnavailable
+
+    try:
+        Sandbox(cfg.sandbox).check()
+    except SandboxUnavailable as err:
+        raise ValueError(f"sandbox: {err}") from None
+
+
 def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
     """Before anything starts on a run directory that has weights: each policy's newest committed
     version must be readable (``DamagedVersion``, a ValueError naming the file and the fix)."""
@@ -189,6 +202,7 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
     logging.basicConfig(level=logging.WARNING)
     progress = Progress(enabled=not quiet)
     progress.note(check_data(cfg.workload))
+    check_sandbox(cfg)
     with RunDirLock(run_dir):
         check_resumable(cfg, run_dir)
         _sigterm_stops_cleanly()

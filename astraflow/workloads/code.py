@@ -156,6 +156,9 @@ def humaneval_tasks() -> list[dict[str, Any]]:
 class CodeWorkload:
     """Complete a Python function; scored by its hidden tests in the sandbox (``CodeParams``)."""
 
+    #: its rewards run programs: a run checks the sandbox works before anything starts
+    uses_sandbox = True
+
     Params = CodeParams
 
     def __init__(self, seed: int = 0, **params: Any):

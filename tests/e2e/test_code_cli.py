@@ -60,3 +60,17 @@ def test_code_example_runs(tiny_model, tmp_path):
         assert x["eval_prompts"] == 6 and "eval_code_timeout" in x
         he = x["eval_sets"]["humaneval"]
         assert he["prompts"] == 3 and he["code_sandbox_error"] == 0.0 and 0.0 <= he["pass@1"] <= 1.0
+
+
+def test_without_a_working_sandbox_the_run_exits_2_before_anything_starts(tmp_path):
+    """A code run on a machine where bubblewrap is missing: one line naming the fix, at once,
+    no run directory (not every episode failing until a deadline)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "astraflow", "run", str(ROOT / "examples/code/config.yaml"), "--run-dir", str(run_dir),
+         "--set", "sandbox.bwrap=/nonexistent/bwrap", "--quiet"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and "sandbox: bubblewrap (/nonexistent/bwrap) not found" in lines[0], lines
+    assert "apt-get install -y bubblewrap" in lines[0] and not run_dir.exists()
