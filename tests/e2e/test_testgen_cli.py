@@ -7,7 +7,6 @@ bubblewrap: skipped without it unless ASTRAFLOW_REQUIRE_SANDBOX=1."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,18 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from astraflow.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
+from tests.e2e.test_code_cli import need_sandbox
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def need_sandbox() -> None:
-    try:
-        Sandbox(SandboxConfig()).check()
-    except SandboxUnavailable as err:
-        if os.environ.get("ASTRAFLOW_REQUIRE_SANDBOX") == "1":
-            raise
-        pytest.skip(f"no working sandbox here: {err}")
 
 
 @pytest.mark.e2e
