@@ -10,7 +10,8 @@ from strings. A run directory on shared storage looks like::
       summary.json                final state of the run (steps, evaluations, ledger)
       summary.<time>.json         the summary of an earlier run in the same directory (resumed)
       control/                    partitions.json (desired) + partitions.lock, status.json,
-                                  orchestrator.json, dataflow_state.json, run.lock
+                                  orchestrator.json, dataflow_state.json, run.lock,
+                                  dataflow.snapshot + ledger.jsonl (the data layer's durable state)
       plots/, tensorboard/        written on request by ``astraflow plot`` / ``astraflow tensorboard``
       logs/                       one log file per process
       trajectories/               the Zarr trajectory store (unless the config points elsewhere)
@@ -98,6 +99,16 @@ class RunPaths:
     def dataflow_state(self) -> Path:
         """The data layer's saved state: dataflow rules, versions (for resuming a run)."""
         return self.control / "dataflow_state.json"
+
+    @property
+    def dataflow_snapshot(self) -> Path:
+        """Everything the data layer holds, rewritten before each call that changed it answers."""
+        return self.control / "dataflow.snapshot"
+
+    @property
+    def ledger_journal(self) -> Path:
+        """One line per task created and per task ended, across the run's incarnations."""
+        return self.control / "ledger.jsonl"
 
     @property
     def summary(self) -> Path:

@@ -1,4 +1,9 @@
-"""Reading a DCP checkpoint's ``.metadata`` file (a pickle) without letting the file run code.
+"""Unpickling files from the run directory without letting them run code.
+
+``AllowlistUnpickler`` resolves only the globals it is given; the DCP metadata reader below and
+the data layer's snapshot (``astraflow.dataflow.durable``) build on it.
+
+Reading a DCP checkpoint's ``.metadata`` file (a pickle):
 
 Why: the run directory lives on storage other users of a cluster may be able to write to, and
 a plain ``pickle.load`` (what ``torch.distributed.checkpoint.FileSystemReader`` does) calls
@@ -41,16 +46,38 @@ class UnsafeCheckpointError(RuntimeError):
     arbitrary code, or a checksum that does not match the manifest): it is refused unread."""
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, source: Path):
+class AllowlistUnpickler(pickle.Unpickler):
+    """Unpickles ``data`` resolving only the globals in ``allowed`` (module -> names); any other
+    reference (a function to call, a class with a custom reduce) goes to ``refuse``, which
+    raises. Persistent ids are refused too."""
+
+    allowed: dict[str, frozenset[str]] = {}
+
+    def __init__(self, data: bytes, source: Path | str, allowed: dict[str, frozenset[str]] | None = None):
         super().__init__(io.BytesIO(data))
         self._source = source
+        if allowed is not None:
+            self.allowed = allowed
 
     def find_class(self, module: str, name: str):
+        if name in self.allowed.get(module, ()):
+            return super().find_class(module, name)
+        return self.refuse(module, name)
+
+    def refuse(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"{self._source} refers to {module}.{name}, which is not allowed here; "
+                                     "nothing in it was run")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError(f"{self._source} holds a persistent id; nothing in it was run")
+
+
+class _MetadataUnpickler(AllowlistUnpickler):
+    allowed = ALLOWED_GLOBALS
+
+    def refuse(self, module: str, name: str):
         import torch
 
-        if name in ALLOWED_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
         value = getattr(torch, name, None) if module == "torch" else None
         if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):  # constants, not callables
             return value

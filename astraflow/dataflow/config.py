@@ -177,3 +177,8 @@ class DataflowConfig(Strict):
     """Fraction of each batch filled with recently consumed samples (recorded as replays)."""
     lockstep: bool = False
     """Multi-policy: policies advance in lockstep (a version barrier) instead of independently."""
+    durable: bool = True
+    """Snapshot the data layer's state (tasks, leases, buffers, ledger) before every call that
+    changed it answers, so that a lost data-layer worker is replaced and a crashed run resumes
+    with nothing lost or trained twice (``astraflow/dataflow/durable.py``). Off: a lost
+    data-layer worker ends the run, and a resumed run rolls out its unfinished tasks again."""

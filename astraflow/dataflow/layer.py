@@ -12,7 +12,9 @@ own the state, each with its named asynchronous overlap:
   (*staleness*);
 * ``evals.py``: held-out evaluation rounds;
 * ``record.py``: the metrics lines and the saved state;
-* ``rules.py``: the dataflow rules (curator, group filter, ordering) run at their stages.
+* ``rules.py``: the dataflow rules (curator, group filter, ordering) run at their stages;
+* ``durable.py``: the snapshot every call that changed the state writes before it answers,
+  and the ledger's journal (a re-placed or resumed data layer continues from them).
 
 Every public method is ``async``: Dask runs async actor methods on the worker's event loop,
 one at a time between awaits, so the state needs no locks, and a trainer blocked in
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from astraflow.contracts import Batch, RolloutTask, TrajectoryRef
-from astraflow.dataflow import admission
+from astraflow.dataflow import admission, durable
 from astraflow.dataflow import record as rec
 from astraflow.dataflow import rules as R
 from astraflow.dataflow.buffers import Buffers, RolloutGroup
@@ -63,11 +65,20 @@ class DataLayer:
         seed: int = 0,
         gated: bool = False,
         state_path: str | None = None,
+        snapshot_path: str | None = None,
+        journal_path: str | None = None,
+        keep_leases: bool = False,
     ):
         self.cfg = dataflow
         self.wcfg = workload
         self.policy_names = list(policies)
         self.max_steps = max_steps
+        self.fingerprint = durable.fingerprint_of(self.policy_names, workload)
+        snapshot = Path(snapshot_path) if snapshot_path else None
+        journal = Path(journal_path) if journal_path else None
+        saved_all = durable.load(snapshot) if snapshot is not None else None  # UnusableSnapshot: refused
+        if saved_all is not None:  # lines written after it describe changes it does not have
+            durable.cut_back(saved_all, journal, Path(metrics_path) if metrics_path else None)
         self.store = open_trajectory_store(store_url, "a")
         #: the store object is not thread-safe and batches of different policies are read in
         #: worker threads concurrently (two trainers asking at once): reads take this lock.
@@ -88,6 +99,8 @@ class DataLayer:
         self.ordering = R.make(R.ORDERINGS, dataflow.ordering.type, dataflow.ordering.params, seed)
         self.leases = Leases(dataflow.lease_seconds, dataflow.max_attempts, self._task_failed)
         self.ledger = self.leases.ledger
+        self.journal = durable.Journal(journal)
+        self.ledger.journal = self.journal
         self.buffers = Buffers(self.policy_names, batch_size=dataflow.batch_size, group_size=workload.group_size,
                                limit=self.limit, max_staleness=dataflow.max_staleness, ledger=self.ledger, rng=rng)
         self.metrics = rec.MetricsLog(metrics_path)
@@ -107,11 +120,26 @@ class DataLayer:
         #: The trainer-centred baseline (``run.mode: sync``) opens one iteration at a time.
         self.budget: int | None = 0 if gated else None
         self._state_path = Path(state_path) if state_path else None
-        saved = rec.load(self._state_path) if self._state_path is not None else None
+        self.snapshots = durable.Snapshots(snapshot, self._capture)
+        #: per policy: versions of batches served before this layer was re-placed (their
+        #: trainer may never have received them: asked again, they are put back, not dropped)
+        self._in_doubt: dict[str, set[int]] = {p: set() for p in self.policy_names}
+        #: what was restored (None: nothing), for the orchestrator's log
+        self.restored: dict[str, Any] | None = None
+        full = saved_all is not None and saved_all["fingerprint"] == self.fingerprint
+        saved = saved_all["core"] if saved_all is not None else (
+            rec.load(self._state_path) if self._state_path is not None else None)
         if saved is not None:
             self.buffers.group_seq = rec.restore(saved, versions=self.versions, cfg=self.cfg,
                                                  rules=self._rules(), mixer=self.mixer)
-        if workload.eval.every:  # the curve starts where training starts (0, or a resumed version)
+        if full:
+            self.restored = durable.restore(self, saved_all, journal, keep_leases)
+            if keep_leases:
+                self._in_doubt = {p: set(self.buffers.serving[p]) for p in self.policy_names}
+        elif saved_all is not None:  # the config changed what its tasks mean: they end here
+            for tid in saved_all["ledger"]["live"]:
+                self.journal(tid, "dropped", "config_changed")
+        if workload.eval.every and not keep_leases:  # the curve starts where training starts (0, or a resumed version)
             self._start_eval(min(self.versions.values()))
 
     # ------------------------------------------------------------------ wiring
@@ -185,12 +213,14 @@ class DataLayer:
         ``versions``: the weight version the node holds per policy (admission by version);
         while admission refuses new groups because a node's weights are too old, the call
         returns at once, so that the node asks again with the weights it loads next."""
+        mark = self._mark()
         self.leases.expire()
         info = self.leases.node(node)
         info["last_seen"] = time.time()
         if versions is not None:
             info["versions"] = dict(versions)
         if info["draining"] or capacity <= 0:
+            await self._durable(mark)
             return []
         self._refill()
         deadline = time.time() + wait
@@ -204,10 +234,13 @@ class DataLayer:
             await self._wait(min(remaining, 0.1))
             self.leases.expire()
             self._refill()
-        return Packed(self.leases.take(node, capacity))
+        out = Packed(self.leases.take(node, capacity))
+        await self._durable(mark)  # a node never runs a task the next data layer does not know
+        return out
 
     async def complete(self, refs: list[TrajectoryRef]) -> int:
         """Record committed trajectories; returns how many were new (others were duplicates)."""
+        mark = self._mark()
         new = 0
         for ref in refs:
             task = self.leases.complete(ref)
@@ -223,32 +256,39 @@ class DataLayer:
                 grp.results[ref.task_id] = ref
                 if grp.done():
                     self._ingest(grp)
+        await self._durable(mark)
         return new
 
     async def fail(self, task_id: str, reason: str) -> None:
         """A node could not run a task; it is requeued (or fails after ``max_attempts``)."""
         if task_id in self.leases.held:
             self.leases.give_back(task_id, f"failed:{reason}")
+            await self._durable()
 
     async def heartbeat(self, node: str, stats: dict[str, Any]) -> dict[str, Any]:
         """Renew the node's leases and record its stats; tells the node whether to drain.
         ``stats["holding"]``: the ids of the tasks the node still works on (only their leases
         are renewed; absent: all of the node's)."""
         holding = stats.pop("holding", None)
+        mark = self._mark()
         info = self.leases.node(node)
         info.update(stats)
         info["last_seen"] = time.time()
         self.leases.renew(node, None if holding is None else set(holding))
         self.leases.expire()
+        await self._durable(mark)
         return {"draining": info["draining"], "finished": self.finished}
 
     async def drain(self, node: str) -> None:
         """Stop leasing to ``node`` (it finishes what it holds)."""
         self.leases.node(node)["draining"] = True
+        await self._durable()
 
     async def node_gone(self, node: str) -> int:
         """The node's worker is gone: its leases return to the queue now. Returns how many."""
-        return self.leases.node_gone(node)
+        n = self.leases.node_gone(node)
+        await self._durable()
+        return n
 
     # ------------------------------------------------------------------ trainer-facing
     async def next_batch(self, policy: str, version: int, timeout: float = 60.0) -> Batch:
@@ -268,6 +308,9 @@ class DataLayer:
         need = self.cfg.batch_size - n_replay
         quota, credit = self.mixer.quotas(policy, need)
         incarnation = self.trainer_restarts[policy]
+        if version in self._in_doubt[policy]:  # served by the data layer this one replaced, asked again
+            self._in_doubt[policy].discard(version)
+            self._put_back(policy, version)
         try:
             while True:
                 self.leases.expire()
@@ -302,6 +345,7 @@ class DataLayer:
         batch = self.buffers.serve(policy, version, chosen, rows, n_replay, waited,
                                    quota if self.mixer.mixing else None)
         self._notify()  # room for new groups: wakes the nodes' waiting lease calls
+        await self._durable()  # a batch the next data layer does not know of is never trained
         return batch
 
     async def published(self, policy: str, version: int, metrics: dict[str, Any] | None = None,
@@ -310,9 +354,13 @@ class DataLayer:
         its metrics line is written (``record.step_record``) and the state saved.
         ``batch_metrics``: the ``Batch.metrics`` of the batch this version was trained on (the
         trainer reports a version after it fetched the next batch; without them, the last
-        batch served is reported)."""
+        batch served is reported). Reporting a version again (a call retried after the data layer
+        was re-placed) changes nothing."""
+        if version <= self.versions[policy]:
+            return
         self._committed(policy, version, metrics, batch_metrics)
         self._notify()
+        await self._durable(sync=True)
 
     def _committed(self, policy: str, version: int, metrics: dict[str, Any] | None,
                    batch_metrics: dict[str, Any] | None) -> None:
@@ -335,22 +383,29 @@ class DataLayer:
         if policy == self.policy_names[0] and every and (version % every == 0 or version >= self.max_steps):
             self._start_eval(version)
 
-    async def trainer_restarted(self, policy: str, from_version: int) -> dict[str, Any]:
+    async def trainer_restarted(self, policy: str, from_version: int, restart: bool = True) -> dict[str, Any]:
         """``policy``'s trainer was lost; a new one resumes from ``from_version``, the newest
         committed version (called before it starts). Versions up to it that the lost trainer
         committed without reporting are recorded now (their batches consumed, their metrics
         line marked ``recovered``); every batch served at ``from_version`` or later goes back to
         the buffer to be served again (``Buffers.put_back``): nothing is dropped as
         ``served_not_trained``, nothing is trained twice. A batch call the lost trainer still
-        has pending serves nothing. Returns ``{"put_back": n, "recovered": [versions]}``."""
-        self.trainer_restarts[policy] += 1
+        has pending serves nothing. ``restart`` False: a resumed run's trainer starts (the same
+        recovery, not counted as a restart). Returns ``{"put_back": n, "recovered": [versions]}``."""
+        if restart:
+            self.trainer_restarts[policy] += 1
         recovered = list(range(self.versions[policy] + 1, from_version + 1))
         for v in recovered:
             self._committed(policy, v, {"recovered": True}, {})
+        back = self._put_back(policy, from_version)
+        self._notify()
+        await self._durable(sync=True)
+        return {"put_back": len(back), "recovered": recovered}
+
+    def _put_back(self, policy: str, from_version: int) -> list:
         back = self.buffers.put_back(policy, from_version)
         self.mixer.consumed[policy].subtract(Counter(it.source for it in back))
-        self._notify()
-        return {"put_back": len(back), "recovered": recovered}
+        return back
 
     async def open_iteration(self, groups: int) -> None:
         """Baseline (``run.mode: sync``, a gated data layer) control: allow exactly ``groups``
@@ -358,6 +413,7 @@ class DataLayer:
         self.budget = (self.budget or 0) + groups
         self._refill()
         self._notify()
+        await self._durable()
 
     async def ready(self, policy: str, version: int) -> int:
         """Sequences buffered for ``policy`` that a trainer at ``version`` could consume."""
@@ -368,10 +424,24 @@ class DataLayer:
         return rec.snapshot(versions=self.versions, cfg=self.cfg, rules=self._rules(), mixer=self.mixer,
                             group_seq=self.buffers.group_seq)
 
+    def _capture(self) -> bytes:
+        return durable.capture(self, metrics_len=self.metrics.length(), journal_len=self.journal.flush())
+
+    def _mark(self) -> int:
+        """A number that changes whenever a task is created, leased, requeued, completed or ends."""
+        return self.ledger.events.total()
+
+    async def _durable(self, mark: int | None = None, sync: bool = False) -> None:
+        """Return once the state is in a snapshot (``durable.Snapshots``); with ``mark``
+        (``_mark()`` at the call's start), only when the ledger moved since."""
+        if mark is None or self._mark() != mark:
+            await self.snapshots.commit(sync)
+
     # ------------------------------------------------------------------ evaluation
     async def start_eval(self, version: int) -> None:
         """Queue a held-out evaluation of the first policy at ``version`` (idempotent)."""
         self._start_eval(version)
+        await self._durable()
 
     async def eval_done(self, version: int) -> bool:
         return self.evals.done(version)
@@ -386,6 +456,7 @@ class DataLayer:
         # a completed task still routed to a buffer is ended by it, not here
         self.leases.end_all(keep=self.buffers.routed_left)
         self.metrics.flush()
+        await self._durable(sync=True)
         return self.ledger.summary()
 
     async def progress(self) -> dict[str, int]:
@@ -399,3 +470,4 @@ class DataLayer:
 
     async def close(self) -> None:
         self.metrics.close()
+        self.journal.close()

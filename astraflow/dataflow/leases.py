@@ -126,7 +126,7 @@ class Leases:
     def end_all(self, keep: Container[str]) -> None:
         """End of the run: every task that has not ended, except those in ``keep``, is
         dropped as ``run_ended`` (a leased or waiting one is also counted as abandoned)."""
-        for tid, rec in list(self.ledger.tasks.items()):
+        for tid, rec in list(self.ledger.live.items()):
             if rec.state in TERMINAL or tid in keep:
                 continue
             self.held.pop(tid, None)

@@ -7,12 +7,16 @@ once as one of ``consumed`` (a trainer trained on its sequences and committed th
 served_not_trained: fetched by a trainer that stopped or asked again before committing),
 ``failed`` (with a reason) or ``evaluated`` (an evaluation task whose result was recorded).
 Ending a task twice is a bug and asserts.
+
+``journal`` (when set) is told every creation and every end, in order: the data layer appends
+them to ``ledger.jsonl`` (``durable.py``), the run's record that every task ended once.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 TERMINAL = ("consumed", "dropped", "failed", "evaluated")
 
@@ -33,6 +37,10 @@ class Ledger:
     failed_by_reason: Counter = field(default_factory=Counter)
     #: tasks per state, kept up to date on every transition (summaries are O(1))
     state_counts: Counter = field(default_factory=Counter)
+    #: the tasks that have not ended (what a snapshot of the data layer saves)
+    live: dict[str, TaskRecord] = field(default_factory=dict)
+    #: told ``(task_id, "created" or an outcome, reason)`` on every creation and end
+    journal: Callable[[str, str, str | None], None] | None = None
 
     def _move(self, rec: TaskRecord, new: str) -> None:
         self.state_counts[rec.state] -= 1
@@ -41,9 +49,11 @@ class Ledger:
 
     def add(self, task_id: str) -> None:
         assert task_id not in self.tasks, f"task {task_id} created twice"
-        self.tasks[task_id] = TaskRecord()
+        self.tasks[task_id] = self.live[task_id] = TaskRecord()
         self.state_counts["pending"] += 1
         self.events["created"] += 1
+        if self.journal is not None:
+            self.journal(task_id, "created", None)
 
     def lease(self, task_id: str, node: str) -> None:
         rec = self.tasks[task_id]
@@ -77,6 +87,9 @@ class Ledger:
         assert rec.state not in TERMINAL, f"task {task_id} ended twice ({rec.state}, then {outcome})"
         self._move(rec, outcome)
         rec.reason = reason
+        self.live.pop(task_id, None)
+        if self.journal is not None:
+            self.journal(task_id, outcome, reason)
         self.events[outcome] += 1
         if outcome == "dropped":
             self.dropped_by_reason[reason or "unknown"] += 1
@@ -92,7 +105,7 @@ class Ledger:
     def summary(self) -> dict:
         states = {s: n for s, n in self.state_counts.items() if n}
         return {
-            "tasks": len(self.tasks),
+            "tasks": self.events["created"],
             "states": dict(states),
             "events": dict(self.events),
             "dropped_by_reason": dict(self.dropped_by_reason),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -111,6 +112,13 @@ class MetricsLog:
     def flush(self) -> None:
         if self._file is not None:
             self._file.flush()
+
+    def length(self) -> int:
+        """The file's length in bytes, everything written so far included."""
+        if self._file is None:
+            return 0
+        self._file.flush()
+        return os.fstat(self._file.fileno()).st_size
 
     def close(self) -> None:
         if self._file is not None:

@@ -139,11 +139,15 @@ def store_url(cfg: RunConfig, paths: RunPaths) -> str:
     return cfg.storage.trajectories or str(paths.trajectories)
 
 
-def data_layer_kwargs(cfg: RunConfig, paths: RunPaths) -> dict[str, Any]:
+def data_layer_kwargs(cfg: RunConfig, paths: RunPaths, keep_leases: bool = False) -> dict[str, Any]:
+    """``keep_leases``: a data layer re-placed while the run's RaaS nodes still run."""
+    durable = cfg.dataflow.durable
     return dict(
         dataflow=cfg.dataflow, workload=cfg.workload, policies=[p.name for p in cfg.policies],
         store_url=store_url(cfg, paths), metrics_path=str(paths.metrics), max_steps=cfg.run.max_steps,
         seed=cfg.run.seed, gated=cfg.run.mode == "sync", state_path=str(paths.dataflow_state),
+        snapshot_path=str(paths.dataflow_snapshot) if durable else None,
+        journal_path=str(paths.ledger_journal) if durable else None, keep_leases=keep_leases,
     )
 
 

@@ -1,0 +1,257 @@
+"""Durability: the data layer's state outlives its worker and the run's head.
+
+Nothing committed is lost and nothing is trained twice when the data layer's worker dies (it
+is re-placed from this state, see ``runtime/restarts.py``) or the whole run does (the next
+``astraflow run`` on the directory continues from it). Two files in ``<run>/control/``:
+
+* ``dataflow.snapshot``: everything the layer holds that is not rebuilt from the config: tasks
+  and their leases, the ledger's open tasks and counters, groups in rollout with the
+  trajectories completed so far, the buffers, batches served and not yet committed, evaluation
+  rounds, counters, and what ``dataflow_state.json`` holds (versions, rules, prompt orders,
+  the random stream). It is rewritten (temp file + rename) before any call that changed the
+  state returns; calls that run at the same time share one write (``Snapshots``: a group
+  commit), and the write at a commit is fsynced. A call's answer therefore never tells a node or
+  a trainer something the next data layer will not know. Not saved: the replay pool (it refills
+  from the next batches) and node statistics (the next heartbeat brings them).
+* ``ledger.jsonl``: one line per task created and per task ended (``{"t": id, "e": "created" |
+  outcome, "r": reason}``): the run's record that every task ended once, across incarnations.
+
+The snapshot records how long ``ledger.jsonl`` and ``metrics.jsonl`` were when it was taken. A
+restore cuts both back to those lengths: lines written after the last snapshot describe changes
+the restored layer does not have, and are written again when the calls are retried.
+
+The snapshot is a pickle read back by ``storage.safe_pickle.AllowlistUnpickler`` with only the
+record classes below: a forged file cannot run code, it is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import pickle
+import time
+from collections import Counter, deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from astraflow.dataflow.ledger import TERMINAL, TaskRecord
+from storage.atomic import write_atomically
+from storage.safe_pickle import AllowlistUnpickler
+
+if TYPE_CHECKING:
+    from astraflow.dataflow.layer import DataLayer
+    from astraflow.workloads.config import WorkloadConfig
+
+FORMAT = 1
+
+#: what a snapshot may refer to: the data layer's records, and numpy scalars/arrays in payloads
+SNAPSHOT_GLOBALS: dict[str, frozenset[str]] = {
+    "astraflow.contracts": frozenset({"RolloutTask", "TrajectoryRef", "SequenceSummary"}),
+    "storage.trajectories.layout": frozenset({"EntryRef"}),
+    "astraflow.dataflow.ledger": frozenset({"TaskRecord"}),
+    "astraflow.dataflow.buffers": frozenset({"RolloutGroup", "Item", "ReadyGroup"}),
+    "astraflow.dataflow.evals": frozenset({"EvalRound"}),
+    "astraflow.dataflow.record": frozenset({"Generated"}),
+    "collections": frozenset({"Counter", "deque", "OrderedDict"}),
+    "numpy": frozenset({"dtype", "ndarray"}),
+    "numpy.core.multiarray": frozenset({"scalar", "_reconstruct"}),
+    "numpy._core.multiarray": frozenset({"scalar", "_reconstruct"}),
+}
+
+
+class UnusableSnapshot(ValueError):
+    """The snapshot cannot be restored (unreadable, forged, or of another configuration)."""
+
+
+def fingerprint_of(policies: list[str], workload: WorkloadConfig) -> str:
+    """What the saved tasks, groups and buffers depend on: a resumed run whose config changed
+    these restores only what ``dataflow_state.json`` holds (its open tasks end as dropped)."""
+    key = {"policies": list(policies), "group_size": workload.group_size, "workload": workload.name,
+           "params": workload.params, "seed": workload.seed, "workflow": workload.workflow}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class Journal:
+    """``ledger.jsonl``: appended on every creation and end, flushed before every snapshot."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._file = open(path, "a", buffering=1 << 16) if path is not None else None
+
+    def __call__(self, task_id: str, event: str, reason: str | None) -> None:
+        if self._file is not None:
+            line = {"t": task_id, "e": event} if reason is None else {"t": task_id, "e": event, "r": reason}
+            self._file.write(json.dumps(line) + "\n")
+
+    def flush(self) -> int:
+        """Flush to the kernel; the file's length."""
+        if self._file is None:
+            return 0
+        self._file.flush()
+        return os.fstat(self._file.fileno()).st_size
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_journal(path: Path) -> list[dict[str, Any]]:
+    """The lines of a ``ledger.jsonl`` (a last line cut short by a crash is skipped)."""
+    out = []
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def cut_back(state: dict[str, Any], journal_path: Path | None, metrics_path: Path | None) -> None:
+    """Cut ``ledger.jsonl`` and ``metrics.jsonl`` back to their lengths when ``state`` was
+    taken (before they are opened for appending)."""
+    for path, length in ((journal_path, state["lengths"]["journal"]), (metrics_path, state["lengths"]["metrics"])):
+        if path is not None and path.exists() and path.stat().st_size > length:
+            os.truncate(path, length)
+
+
+class Snapshots:
+    """Group commit of the data layer's snapshot: ``await commit()`` returns once a snapshot
+    taken after the call began is written. Calls that await at the same time share a write;
+    one arriving during a write waits for the next. ``sync``: fsync that write."""
+
+    def __init__(self, path: Path | None, capture: Callable[[], bytes]):
+        self.path = path
+        self._capture = capture
+        self._waiters: list[asyncio.Future] = []
+        self._sync = False
+        self._writer: asyncio.Task | None = None
+        self.writes = 0
+        self.write_s = 0.0
+
+    async def commit(self, sync: bool = False) -> None:
+        if self.path is None:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        self._sync = self._sync or sync
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.ensure_future(self._write_all())
+        await fut
+
+    async def _write_all(self) -> None:
+        while self._waiters:
+            await asyncio.sleep(0)  # the calls running now join this write
+            waiters, self._waiters = self._waiters, []
+            sync, self._sync = self._sync, False
+            t0 = time.perf_counter()
+            try:
+                data = self._capture()  # on the event loop: one consistent state
+                await asyncio.to_thread(write_atomically, self.path, data, sync)
+            except BaseException as err:  # e.g. disk full: every waiting call fails with it
+                for w in waiters:
+                    if not w.done():
+                        w.set_exception(err)
+                continue
+            self.writes += 1
+            self.write_s += time.perf_counter() - t0
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
+
+
+# -- what is saved -----------------------------------------------------------------------------
+
+_BUFFER_FIELDS = ("rolling", "group_seq", "groups_ingested", "ready", "serving", "routed_left", "task_consumed",
+                  "task_drop_reason", "counts", "staleness_hist", "wait_s", "last_batch", "_ingest_seq")
+
+
+def capture(dl: DataLayer, metrics_len: int, journal_len: int) -> bytes:
+    """The pickled snapshot of ``dl`` (module docstring)."""
+    leases, ledger, buffers = dl.leases, dl.ledger, dl.buffers
+    state = {
+        "format": FORMAT,
+        "fingerprint": dl.fingerprint,
+        "saved_at": time.time(),
+        "lengths": {"metrics": metrics_len, "journal": journal_len},
+        "core": dl.state_dict(),
+        "layer": {"started": dl._started, "finished": dl.finished, "budget": dl.budget,
+                  "trainer_restarts": dl.trainer_restarts, "generated": dl.generated},
+        "leases": {"tasks": leases.tasks, "pending": list(leases.pending), "eval_pending": list(leases.eval_pending),
+                   "held": {t: n for t, (n, _) in leases.held.items()},
+                   "nodes": {n: {k: i[k] for k in ("leased", "completed", "draining", "gone") if k in i}
+                             for n, i in leases.nodes.items()}},
+        "ledger": {"live": ledger.live, "events": ledger.events, "dropped_by_reason": ledger.dropped_by_reason,
+                   "failed_by_reason": ledger.failed_by_reason, "state_counts": ledger.state_counts},
+        "buffers": {f: getattr(buffers, f) for f in _BUFFER_FIELDS},
+        "mixer": {"consumed": dl.mixer.consumed, "groups_created": dl.mixer.groups_created},
+        "evals": {"rounds": dl.evals.rounds, "results": dl.evals.results},
+    }
+    return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def load(path: Path) -> dict[str, Any] | None:
+    """The snapshot at ``path`` (None when there is none); ``UnusableSnapshot`` when it cannot
+    be read or refers to anything but the data layer's records."""
+    if not path.exists():
+        return None
+    try:
+        state = AllowlistUnpickler(path.read_bytes(), path, SNAPSHOT_GLOBALS).load()
+    except Exception as err:
+        raise UnusableSnapshot(f"{path} cannot be read ({type(err).__name__}: {err})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UnusableSnapshot(f"{path} is not a data-layer snapshot of this AstraFlow version")
+    return state
+
+
+def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, keep_leases: bool) -> dict[str, Any]:
+    """Load ``state`` (``load``) into a freshly built ``dl`` (files already ``cut_back``;
+    ``rec.restore`` of ``state["core"]`` done by the caller). ``keep_leases``: the nodes holding leases
+    still run (the data layer alone was replaced): their leases stay, with a fresh deadline;
+    otherwise (a new run incarnation) they go back to the queue, without counting an attempt.
+    Returns what was restored, for the log."""
+    layer, ls, lg, bf = state["layer"], state["leases"], state["ledger"], state["buffers"]
+    dl._started = dl.evals.started = layer["started"]
+    dl.budget = layer["budget"]
+    dl.finished = all(v >= dl.max_steps for v in dl.versions.values())  # a resumed run may go further
+    dl.trainer_restarts = Counter(layer["trainer_restarts"])
+    dl.generated = layer["generated"]
+    ledger = dl.ledger
+    # ended tasks are known from the journal (duplicate completions of them are recognised)
+    for line in read_journal(journal_path) if journal_path is not None else []:
+        if line.get("e") in TERMINAL:
+            ledger.tasks[line["t"]] = TaskRecord(state=line["e"], reason=line.get("r"))
+    ledger.live = lg["live"]
+    ledger.tasks.update(ledger.live)
+    ledger.events, ledger.dropped_by_reason = lg["events"], lg["dropped_by_reason"]
+    ledger.failed_by_reason, ledger.state_counts = lg["failed_by_reason"], lg["state_counts"]
+    leases = dl.leases
+    leases.tasks = ls["tasks"]
+    leases.pending, leases.eval_pending = deque(ls["pending"]), deque(ls["eval_pending"])
+    leases.nodes = {n: dict(i) for n, i in ls["nodes"].items()}
+    deadline = time.time() + leases.lease_seconds
+    released = 0
+    for tid, node in ls["held"].items():
+        if keep_leases:
+            leases.held[tid] = (node, deadline)
+            continue
+        released += 1
+        rec = ledger.live[tid]
+        ledger._move(rec, "pending")
+        rec.node = None
+        ledger.events["requeued_run_resumed"] += 1
+        leases._queue(leases.tasks[tid].kind).appendleft(tid)
+    if not keep_leases:
+        for info in leases.nodes.values():
+            info["gone"] = True  # the nodes of an earlier incarnation
+    for f in _BUFFER_FIELDS:
+        setattr(dl.buffers, f, bf[f])
+    dl.mixer.consumed, dl.mixer.groups_created = state["mixer"]["consumed"], state["mixer"]["groups_created"]
+    dl.evals.rounds, dl.evals.results = state["evals"]["rounds"], state["evals"]["results"]
+    return {"open_tasks": len(ledger.live), "leases_kept": len(leases.held), "leases_released": released,
+            "groups_rolling": len(dl.buffers.rolling),
+            "buffered": sum(len(g.items) for b in dl.buffers.ready.values() for g in b),
+            "served_uncommitted": {p: sorted(s) for p, s in dl.buffers.serving.items() if s}}

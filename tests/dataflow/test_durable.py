@@ -1,0 +1,209 @@
+"""The data layer's durable state (``astraflow/dataflow/durable.py``): a layer built on the
+snapshot and journal of a lost one continues exactly where the lost one last answered, with
+nothing lost and nothing trained twice; a resumed run's leases go back to the queue; a forged
+snapshot is refused without running anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import uuid
+from collections import Counter
+
+import pytest
+
+from astraflow.dataflow import durable
+from astraflow.dataflow.config import DataflowConfig
+from astraflow.dataflow.layer import DataLayer
+from astraflow.workloads.config import EvalConfig, WorkloadConfig
+from tests.dataflow.test_data_layer import MATH, Node, run
+from tests.dataflow.helpers import make_trajectory, store_and_ref
+
+
+def _alternating(t) -> float:
+    return float(int(t.task_id.split("/")[1]) % 2)
+
+
+class Paths:
+    def __init__(self, tmp_path):
+        self.url = f"memory://{uuid.uuid4().hex}"
+        self.metrics = tmp_path / "metrics.jsonl"
+        self.snapshot = tmp_path / "dataflow.snapshot"
+        self.journal = tmp_path / "ledger.jsonl"
+        self.state = tmp_path / "dataflow_state.json"
+
+    def layer(self, keep_leases=False, group_size=4, eval_every=0, max_steps=5) -> DataLayer:
+        return DataLayer(
+            dataflow=DataflowConfig(batch_size=8),
+            workload=WorkloadConfig(name="math", params=MATH, group_size=group_size,
+                                    eval=EvalConfig(every=eval_every, num_prompts=3)),
+            policies=["p"], store_url=self.url, metrics_path=str(self.metrics), max_steps=max_steps,
+            state_path=str(self.state), snapshot_path=str(self.snapshot), journal_path=str(self.journal),
+            keep_leases=keep_leases,
+        )
+
+    def journal_lines(self) -> list[dict]:
+        return [json.loads(x) for x in self.journal.read_text().splitlines()]
+
+    def steps(self) -> list[int]:
+        return [json.loads(x)["step"] for x in self.metrics.read_text().splitlines() if '"step"' in x]
+
+
+def _ended_once(lines: list[dict]) -> Counter:
+    """Every created task ends exactly once; returns the outcomes."""
+    created = Counter(x["t"] for x in lines if x["e"] == "created")
+    ended = Counter(x["t"] for x in lines if x["e"] != "created")
+    assert set(created.values()) == {1} and set(ended.values()) == {1}, (created, ended)
+    assert set(created) == set(ended)
+    return Counter(x["e"] for x in lines if x["e"] != "created")
+
+
+def test_a_replaced_layer_continues_where_the_lost_one_answered(tmp_path):
+    paths = Paths(tmp_path)
+    lost = paths.layer()
+    node = Node(lost)
+
+    async def before():
+        await node.roll(16, reward_of=_alternating)
+        first = await lost.next_batch("p", 0, timeout=5)
+        await lost.published("p", 1, {"loss": 0.0})
+        held = await lost.lease("n0", 4)  # the node still works on these when the layer dies
+        in_hand = await lost.next_batch("p", 1, timeout=5)  # the trainer may or may not have it
+        await lost.close()
+        return first, held, in_hand
+
+    first, held, in_hand = run(before())
+    live = {t: r.state for t, r in lost.ledger.live.items()}
+    layer = paths.layer(keep_leases=True)
+    assert layer.restored["leases_kept"] == 4 and layer.restored["served_uncommitted"] == {"p": [1]}
+    assert layer.versions == {"p": 1} and {t: r.state for t, r in layer.ledger.live.items()} == live
+    assert set(layer.leases.held) == {t.task_id for t in held}
+    assert layer.counts["p"]["consumed"] == 16
+
+    async def after():
+        node.layer = layer
+        again = await layer.next_batch("p", 1, timeout=5)  # asked again: put back, served again
+        assert sorted(i.task_id for i in again.items) == sorted(i.task_id for i in in_hand.items)
+        await layer.published("p", 2, {"loss": 0.0})
+        trajs = [make_trajectory(t, _alternating(t)) for t in held]
+        assert await layer.complete(store_and_ref(node.writer, trajs)) == 4  # the node reports to the new one
+        await layer.finish()
+        await layer.close()
+
+    run(after())
+    outcomes = _ended_once(paths.journal_lines())
+    assert outcomes["consumed"] == 16 and "served_not_trained" not in paths.journal.read_text()
+    assert paths.steps() == [1, 2]
+    consumed = {x["t"] for x in paths.journal_lines() if x["e"] == "consumed"}
+    assert consumed == {i.task_id for i in first.items} | {i.task_id for i in in_hand.items}
+
+
+def test_a_version_reported_again_changes_nothing(tmp_path):
+    paths = Paths(tmp_path)
+    layer = paths.layer()
+
+    async def go():
+        await Node(layer).roll(8, reward_of=_alternating)
+        await layer.next_batch("p", 0, timeout=5)
+        await layer.published("p", 1, {"loss": 0.0})
+        await layer.published("p", 1, {"loss": 0.0})  # a retried call
+        await layer.close()
+
+    run(go())
+    assert paths.steps() == [1]
+
+
+def test_lines_written_after_the_last_snapshot_are_cut_back(tmp_path):
+    paths = Paths(tmp_path)
+    layer = paths.layer()
+
+    async def go():
+        await Node(layer).roll(8, reward_of=_alternating)
+        await layer.next_batch("p", 0, timeout=5)
+        await layer.published("p", 1, {"loss": 0.0})
+        await layer.close()
+
+    run(go())
+    good_metrics, good_journal = paths.metrics.read_text(), paths.journal.read_text()
+    with open(paths.metrics, "a") as f:  # a step line and ends the dead layer wrote, unsaved
+        f.write(json.dumps({"step": 2, "policy": "p"}) + "\n")
+    with open(paths.journal, "a") as f:
+        f.write(json.dumps({"t": "g0000001/0", "e": "consumed"}) + "\n")
+    paths.layer(keep_leases=True).metrics.close()
+    assert paths.metrics.read_text() == good_metrics and paths.journal.read_text() == good_journal
+
+
+def test_a_resumed_run_requeues_the_old_leases_and_puts_back_uncommitted_batches(tmp_path):
+    paths = Paths(tmp_path)
+    old = paths.layer()
+
+    async def before():
+        node = Node(old)
+        await node.roll(8, reward_of=_alternating)
+        served = await old.next_batch("p", 0, timeout=5)  # the run dies before v1 is committed
+        held = await old.lease("n0", 4)
+        await old.close()
+        return served, held
+
+    served, held = run(before())
+    layer = paths.layer(keep_leases=False)
+    assert not layer.leases.held and layer.restored["leases_released"] == 4
+    assert all(layer.leases.tasks[t.task_id].attempt == 0 for t in held)  # not the task's fault
+    assert set(layer.leases.pending) >= {t.task_id for t in held}
+
+    async def after():
+        out = await layer.trainer_restarted("p", 0, restart=False)  # the resumed trainer starts at v0
+        assert out == {"put_back": 8, "recovered": []} and not layer.trainer_restarts["p"]
+        again = await layer.next_batch("p", 0, timeout=5)
+        assert sorted(i.task_id for i in again.items) == sorted(i.task_id for i in served.items)
+        await layer.published("p", 1, {"loss": 0.0})
+        await layer.finish()
+        await layer.close()
+
+    run(after())
+    assert _ended_once(paths.journal_lines())["consumed"] == 8
+
+
+def test_a_changed_config_ends_the_saved_tasks_instead_of_restoring_them(tmp_path):
+    paths = Paths(tmp_path)
+    old = paths.layer()
+
+    async def before():
+        await old.lease("n0", 4)
+        await old.close()
+
+    run(before())
+    layer = paths.layer(group_size=2)
+    assert layer.restored is None and not layer.leases.held
+    run(layer.close())
+    lines = paths.journal_lines()
+    assert {x["r"] for x in lines if x["e"] != "created"} == {"config_changed"}
+    created = {x["t"] for x in lines if x["e"] == "created"}
+    assert created and created <= {x["t"] for x in lines if x["e"] == "dropped"}
+
+
+def test_a_resumed_evaluation_round_is_not_started_twice(tmp_path):
+    paths = Paths(tmp_path)
+    old = paths.layer(eval_every=2)
+    eval_tasks = len(old.leases.eval_pending)
+    run(old.close())
+    layer = paths.layer(eval_every=2)
+    assert len(layer.leases.eval_pending) == eval_tasks and list(layer.evals.rounds) == [0]
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_a_forged_snapshot_is_refused_without_running_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "dataflow.snapshot"
+    path.write_bytes(pickle.dumps({"format": durable.FORMAT, "x": _Boom()}))
+    with pytest.raises(durable.UnusableSnapshot, match="posix.system|os.system"):
+        durable.load(path)
+    assert not (tmp_path / "pwned").exists()
+    path.write_bytes(b"\x80\x05not a pickle")
+    with pytest.raises(durable.UnusableSnapshot, match="cannot be read"):
+        durable.load(path)
