@@ -42,6 +42,12 @@ class ClusterConfig(Strict):
     memory, node failure): a new worker is started and the trainer resumes from the newest
     committed version and optimiser checkpoint (``docs/failures.md``). Past it, or with 0, a
     lost trainer worker ends the run."""
+    data_layer_restarts: int = Field(default=2, ge=0)
+    """Times the data layer is re-placed when its worker is lost: a new worker is started and
+    the data layer is rebuilt there from its durable state (``dataflow.durable``), with every
+    lease, buffered sequence and served batch it had answered; trainers and RaaS nodes
+    reconnect to it (``docs/failures.md``). Past it, or with 0, a lost data-layer worker ends
+    the run."""
     scheduler_host: str = "127.0.0.1"
     """Address the Dask scheduler listens on. The loopback default keeps a one-host run on this
     machine; on a cluster use the head node's address or set `scheduler_interface`."""

@@ -10,16 +10,25 @@ Wire format: Dask serialises a plain ``list`` element by element (one pickle and
 record), so list arguments and list results travel as one ``Packed``; a ``Batch`` travels as
 one array per field instead of ~5 arrays per item (``copyreg`` registration below, so the
 record itself stays a plain dataclass). Components import this module; it imports none of them.
+
+Re-placed actors: a component holds the data layer through a ``Link``, a handle that the
+orchestrator swaps (``Link.set``) when it re-places the data layer on another worker. A call
+through it that finds the actor's worker lost waits for the new handle and is made again
+there; the data layer's calls are safe to repeat (a repeated completion or commit is
+recognised, see ``astraflow/dataflow/durable.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copyreg
+import logging
+import threading
 from typing import Any
 
 import numpy as np
 from distributed import get_worker
+from distributed.comm.core import CommClosedError
 
 from astraflow.contracts import Batch, BatchItem, Sequence
 
@@ -54,6 +63,98 @@ def call_sync(method: Any, *args: Any, timeout: float = 60.0, **kwargs: Any) -> 
 
 def _pack(value: Any) -> Any:
     return Packed(value) if type(value) is list else value
+
+
+log = logging.getLogger("astraflow.transport")
+
+#: what Dask's actor calls raise when the actor's worker is gone (a pending call, a new one)
+_LOST_MESSAGES = ("Unable to contact Actor's worker", "Worker holding Actor was lost")
+
+
+def actor_lost(err: BaseException) -> bool:
+    """Whether a failed actor call failed because the actor's worker is gone (not because the
+    actor raised, and not a deadline)."""
+    if isinstance(err, TimeoutError):
+        return False
+    return isinstance(err, CommClosedError) or any(m in str(err) for m in _LOST_MESSAGES)
+
+
+class Link:
+    """A swappable actor handle (module docstring). ``link.method(*args)`` returns an object
+    with ``result(timeout)`` like an actor call's future, so ``call``/``call_sync`` take it as
+    they take a handle's method. A call that finds the actor lost waits up to ``reconnect_s``
+    for ``set`` to bring a new handle, then is made again on it (with its full ``timeout``);
+    without one it raises the loss."""
+
+    def __init__(self, handle: Any, what: str, reconnect_s: float = 300.0):
+        self.what = what
+        self.reconnect_s = reconnect_s
+        self._handle = handle
+        self._generation = 0
+        self._bound: Any = None
+        self._changed = threading.Condition()
+
+    # ``bind`` sets ``_worker``: bind the current handle and every later one to that worker
+    @property
+    def _worker(self) -> Any:
+        return self._bound
+
+    @_worker.setter
+    def _worker(self, worker: Any) -> None:
+        self._bound = worker
+        if self._handle is not None and getattr(self._handle, "_worker", None) is None:
+            self._handle._worker = worker
+
+    def set(self, handle: Any) -> None:
+        """The actor was re-placed: calls from now on (and those waiting) go to ``handle``."""
+        if self._bound is not None and getattr(handle, "_worker", None) is None:
+            handle._worker = self._bound
+        with self._changed:
+            self._handle = handle
+            self._generation += 1
+            self._changed.notify_all()
+
+    def current(self) -> tuple[Any, int]:
+        with self._changed:
+            return self._handle, self._generation
+
+    def wait_for_new(self, generation: int, err: BaseException) -> None:
+        """Wait until a handle newer than ``generation`` is set; raise ``err`` after ``reconnect_s``."""
+        log.warning("%s is unreachable (%s): waiting up to %.0fs for it to be re-placed", self.what, err,
+                    self.reconnect_s)
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._generation != generation, timeout=self.reconnect_s):
+                raise err
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _LinkMethod(self, name)
+
+
+class _LinkMethod:
+    def __init__(self, link: Link, name: str):
+        self.link, self.name = link, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_LinkCall":
+        return _LinkCall(self.link, self.name, args, kwargs)
+
+
+class _LinkCall:
+    """One call through a ``Link``; ``result`` makes it, and makes it again after a re-placement."""
+
+    def __init__(self, link: Link, name: str, args: tuple, kwargs: dict):
+        self.link, self.name, self.args, self.kwargs = link, name, args, kwargs
+
+    def result(self, timeout: float | None = None) -> Any:
+        while True:
+            handle, generation = self.link.current()
+            try:
+                return getattr(handle, self.name)(*self.args, **self.kwargs).result(timeout)
+            except Exception as err:
+                if not actor_lost(err):
+                    raise
+                self.link.wait_for_new(generation, err)
 
 
 # -- Batch wire format ----------------------------------------------------------------------

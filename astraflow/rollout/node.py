@@ -40,7 +40,7 @@ from astraflow.rollout.engine import InferenceEngine, SamplingParams
 from astraflow.rollout.engines import make_engine
 from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.rollout.weight_sync import WeightPuller
-from astraflow.transport import bind, call, call_sync
+from astraflow.transport import Link, bind, call, call_sync
 from astraflow.rollout.workflows import make_workflow
 from astraflow.sandbox import SandboxConfig, configure as configure_sandbox
 from astraflow.workloads.base import make_workload
@@ -87,7 +87,7 @@ class RaaSNode:
         self.identity = identity
         self.cfg = rollout
         self.models = dict(models)
-        self.dl = data_layer
+        self.dl = Link(data_layer, "the data layer")  # swapped by ``reconnect``
         self.store_url = store_url
         self.weights_root = weights_root
         self.seed = seed
@@ -123,6 +123,11 @@ class RaaSNode:
         self._started_at = time.time()
 
     # ------------------------------------------------------------------ actor API
+    def reconnect(self, data_layer: Any) -> None:
+        """The data layer was re-placed on another worker: calls go to ``data_layer`` from now
+        on (those waiting for it are made again there)."""
+        self.dl.set(bind(data_layer))
+
     def start(self) -> dict[str, int]:
         """Load engines, catch up to the latest committed weights, start the loop. Returns the
         weight version loaded per policy (the node leases only after this catch-up)."""

@@ -4,7 +4,8 @@ and delegates each concern to its own module:
 * bring-up and placement (`placement`): the Dask scheduler, actors on named workers, deadlines;
 * the worker state machine (`workers`): phases, losses, failed nodes, removals and drains;
 * partition reconciliation (`reconcile`): desired partitions against the worker jobs;
-* trainer restarts (`restarts`): a lost trainer worker replaced, its trainer resumed;
+* restarts (`restarts`): a lost trainer worker replaced, its trainer resumed; a lost
+  data-layer worker replaced, the data layer restored from its durable state;
 * status and summary (`monitoring.writer`): ``control/status.json`` each tick, ``summary.json``.
 
 Each tick of its loop it:
@@ -15,10 +16,10 @@ Each tick of its loop it:
    layer about workers that vanished (their leases are requeued at once instead of waiting for
    expiry);
 3. shows progress and writes the status, and ends the run when every trainer took its steps
-   and the last evaluation finished (or on Ctrl-C / SIGTERM, a lost data-layer worker, a lost
-   trainer worker past ``cluster.trainer_restarts``, a component error, an actor call that
-   raised, the run deadline). A lost trainer worker within its restarts is replaced
-   (`restarts`) and the loop goes on.
+   and the last evaluation finished (or on Ctrl-C / SIGTERM, a lost data-layer or trainer
+   worker past ``cluster.data_layer_restarts`` / ``cluster.trainer_restarts``, a component
+   error, an actor call that raised, the run deadline). A lost trainer or data-layer worker
+   within its restarts is replaced (`restarts`) and the loop goes on.
 
 Every ending takes one path out (`stopping`): RaaS nodes drain and flush (nothing written is
 lost), trainers stop, the data layer ends every open task in the ledger and closes
@@ -46,13 +47,15 @@ from astraflow.runtime.monitoring import StatusWriter, Tick, archive_summary
 from astraflow.runtime.placement import Placement, data_layer_kwargs, node_kwargs, trainer_kwargs
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.reconcile import PartitionSet, run_tag
-from astraflow.runtime.restarts import TrainerRestarts
+from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts
 from astraflow.runtime.stopping import BoundedWaits, Ending, disk_full, disk_full_reason
-from astraflow.runtime.workers import FUTURE_ERRORS, NODE_PHASES, PHASES, Fleet, RunFailed, TrainerLost, Worker
+from astraflow.runtime.workers import (FUTURE_ERRORS, NODE_PHASES, PHASES, DataLayerLost, Fleet, RunFailed,
+                                      TrainerLost, Worker)
 from astraflow.training.numerics import NonFiniteError
 from astraflow.training.trainer import Trainer
 from schedulers import Partition
 from storage.paths import RunPaths
+from storage.weights import WeightStore
 
 __all__ = ["PHASES", "Orchestrator", "RunFailed", "RunResult", "Worker"]
 
@@ -85,6 +88,9 @@ class Orchestrator:
         self.restarts = TrainerRestarts(cfg, self.paths, self.fleet, self.placement, self.progress,
                                         self.trainers, self._reconcile)
         self.status.trainer_restarts = self.restarts.record
+        self.dl_restarts = DataLayerRestarts(cfg, self.paths, self.fleet, self.placement, self.progress,
+                                             self.trainers, self._reconcile)
+        self.status.data_layer_restarts = self.dl_restarts.record
         #: the last state read from the components (the summary's fallback when they are gone)
         self.last_tick: Tick | None = None
         #: per-iteration phase times of the trainer-centred baseline (``run.mode: sync``)
@@ -185,6 +191,7 @@ class Orchestrator:
             self.fleet.dl = placement.wait_all("placing the data layer", {"data": placement.submit_actor(
                 DataLayer, data_w.name, **data_layer_kwargs(cfg, self.paths))})["data"]
             data_w.actor = self.dl
+            self._recover_served()
         self.restarts.placed_on = {pol.name: trainer_ws[i % len(trainer_ws)].name for i, pol in enumerate(cfg.policies)}
         placed = {
             pol.name: placement.submit_actor(Trainer, self.restarts.placed_on[pol.name],
@@ -198,6 +205,16 @@ class Orchestrator:
                 w.enter("serving", None)
             self.fleet.place_nodes(wait=True)
             placement.wait_all("starting trainers (backend build, v0 publish)", starts)
+
+    def _recover_served(self) -> None:
+        """A resumed run: each trainer starts from its newest committed version; the data
+        layer records the versions committed but never reported and puts back the batches
+        served after them (what a restarted trainer gets, ``DataLayer.trainer_restarted``)."""
+        store = WeightStore(self.paths.weights, keep_last=self.cfg.storage.keep_versions)
+        for pol in self.cfg.policies:
+            latest = store.latest(pol.name)
+            if latest is not None:
+                self.dl.trainer_restarted(pol.name, latest.version, restart=False).result(timeout=60)
 
     # ------------------------------------------------------------------ the watch loop
     def _tick(self) -> Tick:
@@ -232,6 +249,9 @@ class Orchestrator:
                 self.fleet.replace_failed_nodes(tick.data_layer, silent_after=self.cfg.dataflow.lease_seconds)
             except TrainerLost as lost:
                 self.restarts.replace(lost)  # or RunFailed: restarts spent, backend cannot resume
+                continue
+            except DataLayerLost as lost:
+                self.dl_restarts.replace(lost)  # or RunFailed: restarts spent, state not durable
                 continue
             self.status.track(tick)
             self._show(tick)

@@ -1,4 +1,4 @@
-"""Runtime room: a lost trainer worker is replaced and the run goes on.
+"""Runtime room: a lost trainer or data-layer worker is replaced and the run goes on.
 
 When `Fleet` notices a trainer worker gone (its job ended, it left the Dask scheduler) it raises
 `TrainerLost`; the orchestrator hands it to `TrainerRestarts.replace`, which, for every policy
@@ -19,6 +19,12 @@ whose trainer ran on that worker, while ``cluster.trainer_restarts`` allows:
 The orchestrator's loop waits while this happens (RaaS nodes keep generating). When the
 restarts of a policy are spent, or its backend cannot resume, the run fails on its one way
 out with a line naming why and the fix.
+
+A lost data-layer worker (`DataLayerRestarts`, ``cluster.data_layer_restarts`` times): its job
+is cancelled, a new worker is submitted to the data partition, and a `DataLayer` is built there
+from the lost one's durable state (``dataflow/durable.py``: everything it had answered, leases
+kept), then handed to every trainer and RaaS node (``reconnect``). Their calls meanwhile wait
+for it (``transport.Link``) and are made again on it; it recognises repeats.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from astraflow.runtime.placement import trainer_kwargs
-from astraflow.runtime.workers import RunFailed, TrainerLost
+from astraflow.dataflow.layer import DataLayer
+from astraflow.runtime.placement import data_layer_kwargs, trainer_kwargs
+from astraflow.runtime.workers import FUTURE_ERRORS, NODE_PHASES, DataLayerLost, RunFailed, TrainerLost
 from astraflow.training.trainer import Trainer
 from storage.weights import WeightStore
 
@@ -128,24 +135,96 @@ class TrainerRestarts:
             self._note(f"trainer {p} restarted on {new.name} at v{versions[p]} with {gap}")
 
     def _note(self, msg: str) -> None:
-        """In the progress and in ``logs/orchestrator.log`` (the terminal of a quiet run stays
-        for the one line a run ends with)."""
-        self.progress.note(msg)
-        log.info(msg)
-        with contextlib.suppress(OSError), open(self.paths.log("orchestrator"), "a") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+        note(self.progress, self.paths, msg)
 
     def _new_worker(self, partition: str, why: str):
-        """Submit a worker to the lost one's partition and wait until it joined."""
-        before = set(self.fleet.workers)
-        self.reconcile()
-        fresh = [x for x in self.fleet.in_partition(partition) if x.name not in before and not x.gone]
-        if not fresh:
-            ps = self.fleet.parts.state[partition]
-            raise RunFailed(f"trainer worker lost ({why}) and no new worker could be submitted to partition "
-                            f"{partition}: {ps.error or ps.state}; see {self.paths.jobs}")
-        new = fresh[0]
-        with self.progress.waiting(f"waiting for the new trainer worker {new.name}"):
-            self.placement.wait_workers([new.name], self.fleet.listed_states)
-        new.joined_at = time.time()
-        return new
+        return new_worker(self, "trainer", partition, why)
+
+
+def note(progress: Progress, paths: RunPaths, msg: str) -> None:
+    """In the progress and in ``logs/orchestrator.log`` (the terminal of a quiet run stays for
+    the one line a run ends with)."""
+    progress.note(msg)
+    log.info(msg)
+    with contextlib.suppress(OSError), open(paths.log("orchestrator"), "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+
+
+def new_worker(r: TrainerRestarts | DataLayerRestarts, role: str, partition: str, why: str):
+    """Submit a worker to the lost one's partition and wait until it joined."""
+    before = set(r.fleet.workers)
+    r.reconcile()
+    fresh = [x for x in r.fleet.in_partition(partition) if x.name not in before and not x.gone]
+    if not fresh:
+        ps = r.fleet.parts.state[partition]
+        raise RunFailed(f"{role} worker lost ({why}) and no new worker could be submitted to partition "
+                        f"{partition}: {ps.error or ps.state}; see {r.paths.jobs}")
+    new = fresh[0]
+    with r.progress.waiting(f"waiting for the new {role} worker {new.name}"):
+        r.placement.wait_workers([new.name], r.fleet.listed_states)
+    new.joined_at = time.time()
+    return new
+
+
+class DataLayerRestarts:
+    """Re-places a lost data layer (module docstring); its restarts are shown in status.json
+    and summary.json as ``data_layer_restarts``."""
+
+    def __init__(self, cfg: RunConfig, paths: RunPaths, fleet: Fleet, placement: Placement, progress: Progress,
+                 trainers: dict[str, Any], reconcile: Callable[[], None]):
+        self.cfg, self.paths, self.fleet, self.placement, self.progress = cfg, paths, fleet, placement, progress
+        self.trainers = trainers
+        self.reconcile = reconcile
+        self.history: list[dict[str, Any]] = []
+
+    def record(self) -> dict[str, Any]:
+        return {"count": len(self.history), "limit": self.cfg.cluster.data_layer_restarts,
+                "restarts": list(self.history)}
+
+    def replace(self, lost: DataLayerLost) -> None:
+        """Re-place the data layer on a new worker and reconnect everyone to it, or raise
+        ``RunFailed`` saying why it cannot be and the fix."""
+        w, why = lost.worker, lost.why
+        limit = self.cfg.cluster.data_layer_restarts
+        if not self.cfg.dataflow.durable:
+            raise RunFailed(f"{lost}; its state is not saved (dataflow.durable: false), so it cannot be re-placed: "
+                            "turn it on, or run again on this run directory")
+        if limit == 0 or len(self.history) >= limit:
+            raise RunFailed(f"{lost}; the data layer was already re-placed {len(self.history)} time(s), the limit "
+                            f"(cluster.data_layer_restarts: {limit}): raise it, or find why its workers die")
+        t0 = time.time()
+        try:
+            self.fleet.parts.cancel(w)  # it may only have left the scheduler: it must not answer again
+        except Exception as err:  # the job is most often gone already
+            log.warning("cancelling the lost data-layer worker %s failed: %s", w.name, err)
+        n = len(self.history) + 1
+        note(self.progress, self.paths, f"data layer lost ({why}): re-placing it ({n} of {limit}) from its saved state")
+        new = new_worker(self, "data-layer", w.partition, why)
+        try:
+            with self.progress.waiting(f"restoring the data layer on {new.name}"):
+                dl = self.placement.wait_all("placing the re-placed data layer", {"data": self.placement.submit_actor(
+                    DataLayer, new.name, **data_layer_kwargs(self.cfg, self.paths, keep_leases=True))})["data"]
+                restored = dl.state().result(timeout=60).get("restored") or {}
+        except RunFailed:
+            raise
+        except Exception as err:  # the actor's error: e.g. a snapshot it cannot use
+            raise RunFailed(f"{lost}; re-placing the data layer failed: {type(err).__name__}: {err}") from None
+        self.fleet.dl = new.actor = dl
+        new.enter("serving")
+        holders = {f"trainer {p}": t for p, t in self.trainers.items()}
+        holders.update({f"node {x.name}": x.actor for x in self.fleet.workers.values()
+                        if self.fleet.role(x) == "rollout" and x.phase in NODE_PHASES and x.actor is not None})
+        calls = {k: h.reconnect(dl) for k, h in holders.items()}
+        missed = []
+        for k, fut in calls.items():
+            try:
+                fut.result(timeout=30)
+            except FUTURE_ERRORS as err:  # a node that cannot be told is replaced when it goes silent
+                missed.append(k)
+                log.warning("reconnecting %s to the re-placed data layer failed: %s", k, err)
+        self.history.append({"worker": w.name, "why": why, "at": t0, "new_worker": new.name,
+                             "seconds": time.time() - t0, "restored": restored, "not_reconnected": missed})
+        note(self.progress, self.paths,
+             f"data layer restored on {new.name} in {time.time() - t0:.0f}s: {restored.get('open_tasks', 0)} open "
+             f"tasks, {restored.get('leases_kept', 0)} leases kept, {restored.get('buffered', 0)} sequences "
+             f"buffered; {len(calls) - len(missed)} of {len(calls)} components reconnected")

@@ -10,9 +10,10 @@ Rollout workers move through these phases::
         any phase --job ended / worker left--> gone (leases requeued, the partition refilled)
 
 Data and trainer workers are placed by the orchestrator and only ever leave the ``serving``
-phase by being lost: a lost data-layer worker ends the run, a lost trainer worker raises
-`TrainerLost`, which the orchestrator answers by placing the trainer on a new worker
-(``cluster.trainer_restarts`` times per policy; see ``restarts``).
+phase by being lost: a lost trainer worker raises `TrainerLost`, a lost data-layer worker
+`DataLayerLost`, which the orchestrator answers by placing the component on a new worker
+(``cluster.trainer_restarts`` times per policy, ``cluster.data_layer_restarts`` times; see
+``restarts``).
 
 Named overlap, *drain vs. lease expiry*: a draining node keeps heartbeating, so its leases stay
 valid until it completes them; only after its ``stop`` returns (or ``cluster.drain_timeout_s``
@@ -43,13 +44,22 @@ class RunFailed(RuntimeError):
     """A component reported an error or the run passed its deadline."""
 
 
-class TrainerLost(RunFailed):
-    """A trainer worker is gone: the orchestrator replaces it (``restarts``) while it may; left
-    uncaught (at bring-up, or restarts spent) it fails the run like any lost core worker."""
+class CoreWorkerLost(RunFailed):
+    """A worker holding a trainer or the data layer is gone; left uncaught (at bring-up, or
+    its restarts spent) it fails the run."""
 
     def __init__(self, message: str, worker: Worker, why: str):
         super().__init__(message)
         self.worker, self.why = worker, why
+
+
+class TrainerLost(CoreWorkerLost):
+    """A trainer worker is gone: the orchestrator replaces it (``restarts``) while it may."""
+
+
+class DataLayerLost(CoreWorkerLost):
+    """The data layer's worker is gone: the orchestrator re-places the data layer from its
+    durable state (``restarts``) while it may."""
 
 
 #: errors a pending placement/start/stop future can end with when its worker dies or the
@@ -258,14 +268,16 @@ class Fleet:
         """A worker vanished on its own (or, ``failed``, is replaced after an error): requeue its
         leases now; the partition is refilled by the reconciler unless it was removed. A worker
         lost before serving or within ``SERVED_LONG_S`` of it counts as a failure of its
-        partition (backoff, then no refill). A lost data worker ends the run (``RunFailed``), a
-        lost trainer worker raises ``TrainerLost``."""
+        partition (backoff, then no refill). A lost trainer worker raises ``TrainerLost``, a lost
+        data-layer worker ``DataLayerLost``."""
         role = self.role(w)
         was, served_s = w.phase, time.time() - w.since
         w.enter("gone")
         w.note = why
         if role == "trainer":
             raise TrainerLost(f"trainer worker {w.name} is gone ({why}); see {w.job.log}", w, why)
+        if role == "data":
+            raise DataLayerLost(f"data-layer worker {w.name} is gone ({why}); see {w.job.log}", w, why)
         if role != "rollout":
             raise RunFailed(f"{role} worker {w.name} is gone ({why}); see {w.job.log}")
         n = self.dl.node_gone(w.name).result(timeout=30) if was in NODE_PHASES else 0

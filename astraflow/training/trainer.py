@@ -32,7 +32,7 @@ from typing import Any, Callable
 from astraflow.training.backend import TrainerBackend
 from astraflow.training.config import TrainerConfig
 from astraflow.training.numerics import NonFiniteSteps, nonfinite_tensors
-from astraflow.transport import bind, call_sync
+from astraflow.transport import Link, bind, call_sync
 from storage.atomic import write_atomically
 from storage.weights import WeightStore
 
@@ -117,7 +117,7 @@ class Trainer:
         self.model_path = model_path
         self.weights_root = weights_root
         self.keep_versions = keep_versions
-        self.dl = data_layer
+        self.dl = Link(data_layer, "the data layer")  # swapped by ``reconnect``
         self.max_steps = max_steps
         self.seed = seed
         #: the version the backend's weights are at (= optimiser steps taken, counted from the
@@ -147,6 +147,11 @@ class Trainer:
         #: built by ``start()``; None before (``stop()`` of a trainer never started saves nothing)
         self.backend: TrainerBackend | None = None
         self.store: WeightStore | None = None
+
+    def reconnect(self, data_layer: Any) -> None:
+        """The data layer was re-placed on another worker: calls go to ``data_layer`` from now
+        on (those waiting for it are made again there)."""
+        self.dl.set(bind(data_layer))
 
     def start(self, run_loop: bool = True) -> int:
         """Build the backend, publish the initial version, start the loop (unless a driver

@@ -103,9 +103,8 @@ def _finish(proc: subprocess.Popen, killed_at: float) -> tuple[int, list[str], s
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("role", ["trainer", "data"])
 def test_a_killed_core_worker_fails_the_run_in_one_line_with_a_summary(tiny_model, tmp_path, role):
-    """The data layer's worker, or a trainer's with its restarts off (the behaviour before
-    trainer restarts)."""
-    with _running(tmp_path, tiny_model, "cluster.trainer_restarts=0") as (proc, run_dir):
+    """The data layer's worker, or a trainer's, with their restarts off."""
+    with _running(tmp_path, tiny_model, "cluster.trainer_restarts=0", "cluster.data_layer_restarts=0") as (proc, run_dir):
         workers = _workers_once_training(proc, run_dir)
         victim = next(w for w in workers.values() if w["partition"] == role)
         os.kill(_pid(victim), signal.SIGKILL)  # a worker this test's run started, by its PID
@@ -113,8 +112,7 @@ def test_a_killed_core_worker_fails_the_run_in_one_line_with_a_summary(tiny_mode
     assert rc == 1, everything[-3000:]
     assert len(lines) == 1 and "Traceback" not in everything, everything[-3000:]
     assert lines[0].startswith(f"Error: the run failed: {role} worker") and "is gone" in lines[0], lines
-    if role == "trainer":
-        assert "cluster.trainer_restarts: 0" in lines[0], lines
+    assert f"cluster.{'trainer' if role == 'trainer' else 'data_layer'}_restarts: 0" in lines[0], lines
     assert took < EXIT_WITHIN_S, f"the way out took {took:.0f}s"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["reason"].startswith(f"{role} worker")

@@ -46,6 +46,8 @@ class StatusWriter:
         self._rates: deque[tuple[float, dict[str, int]]] = deque()
         #: the trainers' restarts per policy (set by the orchestrator; ``TrainerRestarts.record``)
         self.trainer_restarts: Callable[[], dict[str, Any]] = dict
+        #: the data layer's re-placements (``DataLayerRestarts.record``)
+        self.data_layer_restarts: Callable[[], dict[str, Any]] = dict
 
     def track(self, tick: Tick) -> None:
         """Per-partition trajectory counts from the data layer's node table, and the history
@@ -105,6 +107,7 @@ class StatusWriter:
             "data_layer": tick.data_layer,
             "trainers": tick.trainers,
             "trainer_restarts": self.trainer_restarts(),
+            "data_layer_restarts": self.data_layer_restarts(),
             "partitions": self.partitions(),
             "workers": {
                 n: {"job_id": w.job.job_id, "partition": w.partition, "kind": w.job.kind,
@@ -129,6 +132,7 @@ class StatusWriter:
             "steps": steps, "eval": data_layer.get("eval", []), "ledger": ledger, "ledger_closed": ledger_closed,
             "seconds": seconds, "interrupted": ending.status == "interrupted", "nodes": nodes, "trainers": trainers,
             "trainer_restarts": self.trainer_restarts(),
+            "data_layer_restarts": self.data_layer_restarts(),
             "data_layer": data_layer, "iterations": iterations, "stop_errors": stop_errors,
             "workers": {n: {"partition": w.partition, "job_id": w.job.job_id, "phase": w.phase, "note": w.note,
                             "gone": w.gone, "served": w.actor is not None}
