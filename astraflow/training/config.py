@@ -108,10 +108,11 @@ class TrainerConfig(Strict):
     m2_tau: float = Field(default=0.04, gt=0)
     """``off_policy: m2po``: bound on the mean ``(log r)^2`` of the tokens kept in the loss."""
     optimizer_checkpoint_every: int = Field(default=100, ge=0)
-    """Torch backend: save the optimiser state (AdamW moments) every this many steps and when
-    the trainer stops, under ``<run>/trainer_state/<policy>/`` (with the fp32 weights when
-    ``publish_dtype`` is narrower); a run resumed on the same run directory continues with it
-    instead of fresh moments. 0: only when the trainer stops."""
+    """Save the optimiser state (AdamW moments) every this many steps and when the trainer
+    stops, under ``<run>/trainer_state/<policy>/`` (with the fp32 weights when ``publish_dtype``
+    is narrower); a run resumed on the same run directory continues with it instead of fresh
+    moments. The Megatron backend's state is per tensor-parallel rank: a resume with another
+    ``tensor_parallel`` starts with fresh moments. 0: only when the trainer stops."""
     skip_zero_advantage: bool = True
     """Do not compute the forward/backward of sequences whose group-normalised advantage is 0
     (every sample of their group scored alike). They add exactly nothing to the

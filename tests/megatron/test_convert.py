@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from astraflow.training.megatron.convert import shard_for_rank
+from astraflow.training.megatron.convert import gather_shards, shard_for_rank, to_module_state
 from astraflow.weightconv import (
     LlamaShape, fuse_qkv, hf_to_megatron, megatron_to_hf, split_qkv, unstack_checkpoint,
 )
@@ -109,3 +109,25 @@ def test_backend_config_names_the_fix(tmp_path):
 
     with pytest.raises(ValueError, match="tensor_parallel"):
         TrainerConfig(backend="megatron", tensor_parallel=0)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gathered_shards_are_the_full_state(tp):
+    meg = hf_to_megatron(_hf_sd(False), tiny_llama_config(False))
+    back = gather_shards([shard_for_rank(meg, r, tp) for r in range(tp)])
+    assert set(back) == set(meg) and all(torch.equal(back[k], meg[k]) for k in meg)
+
+
+def test_every_spelling_of_the_weights_becomes_module_names():
+    cfg = tiny_llama_config(True)
+    hf = _hf_sd(True)
+    meg = hf_to_megatron(hf, cfg)
+    stacked = {k: v for k, v in meg.items() if not k.startswith("decoder.layers.")}
+    for name in ("input_layernorm.weight", "self_attention.linear_qkv.weight"):
+        ck = "self_attention.linear_qkv.layer_norm_weight" if name == "input_layernorm.weight" else name
+        stacked[f"decoder.layers.{ck}"] = torch.stack([meg[f"decoder.layers.{i}.{name}"] for i in range(2)])
+    for spelling in (hf, meg):
+        got = to_module_state(spelling, cfg)
+        assert set(got) == set(meg) and all(torch.equal(got[k], meg[k]) for k in meg)
+    got = to_module_state(stacked, cfg)  # checkpoint names: unstacked
+    assert torch.equal(got["decoder.layers.1.input_layernorm.weight"], meg["decoder.layers.1.input_layernorm.weight"])

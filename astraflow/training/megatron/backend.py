@@ -20,6 +20,13 @@ directory, all ranks pass a barrier, then (only then) the backend calls
 "dtype": ...}``, which writes the manifest and the COMMITTED marker last. A reader never sees a
 version whose shards are incomplete. The ranks write their floating-point shards in
 ``publish_dtype`` (their own parameters stay as they are).
+
+Resume. ``load_state_dict`` takes a committed version (any TP size, fp32 or bf16) or HF-named
+weights, cuts each rank's shard here and sends it; ``state_dict`` gathers the shards back under
+HF names. ``optimizer_state`` is every rank's AdamW state keyed by parameter name, with the
+parallel layout it belongs to; it loads only under that layout (``state``). Everything loaded is
+checked against the shapes the ranks reported at ``init`` before it is sent, so a refused state
+raises ``ValueError`` and leaves the ranks running.
 """
 
 from __future__ import annotations
@@ -42,6 +49,10 @@ import torch
 
 import astraflow
 from astraflow.contracts import Batch, WeightVersion
+from astraflow.training.megatron.convert import check_shard, gather_shards, shard_for_rank, to_module_state
+from astraflow.training.megatron.state import BACKEND as STATE_BACKEND
+from astraflow.training.megatron.state import check_optimizer_state, layout, pack, unpack
+from astraflow.weightconv import megatron_to_hf
 
 
 class RankError(RuntimeError):
@@ -150,11 +161,12 @@ class MegatronBackend:
     """Tensor-parallel Megatron-core trainer backend (see the module docstring)."""
 
     #: ``TrainerBackend`` capabilities: the weights live in the rank processes, so there is no
-    #: in-process copy to publish in the background, no resume from committed weights and no
-    #: optimiser checkpoint (the methods below raise; the trainer does not call them).
+    #: in-process copy to publish in the background (``snapshot`` raises; the trainer does not
+    #: call it). A run resumes from committed weights in any TP layout, and with its optimiser
+    #: state in the layout it was saved with (``state``).
     supports_snapshot = False
-    supports_resume = False
-    supports_optimizer_state = False
+    supports_resume = True
+    supports_optimizer_state = True
 
     def __init__(self, config: MegatronBackendConfig):
         self.config = config
@@ -203,6 +215,8 @@ class MegatronBackend:
             raise
         self.hf_config: dict[str, Any] = infos[0]["hf_config"]
         self.local_params = [i["local_params"] for i in infos]
+        #: per rank: parameter name -> shape, what a loaded state is checked against before it is sent
+        self.param_shapes: list[dict[str, list[int]]] = [i["params"] for i in infos]
         self.skip_zero_advantage = config.skip_zero_advantage and _takes_num_tokens(config.loss_fn)
 
     # -- TrainerBackend ----------------------------------------------------------------------
@@ -232,17 +246,36 @@ class MegatronBackend:
     def snapshot(self) -> dict:
         raise NotImplementedError("MegatronBackend.supports_snapshot is False")
 
-    def state_dict(self) -> dict:
-        raise NotImplementedError("MegatronBackend's weights live in its ranks; publish them instead")
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The ranks' current (fp32) weights, gathered from their shards, under HF names: what the
+        trainer checks for nan/inf and saves as master weights; ``load_state_dict`` takes it back."""
+        shards = [unpack(b) for b in self._call("weights", None, self.config.step_timeout_s)]
+        return megatron_to_hf(gather_shards(shards), self.hf_config)
 
     def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError("MegatronBackend.supports_resume is False")
+        """Continue from these weights: a committed version as ``WeightStore.load`` reads it
+        (Megatron checkpoint names, possibly bf16, written under any TP size), or HF-named
+        weights (``state_dict``). Each rank gets its shard, cast to its fp32 parameters.
+        ``ValueError`` when they do not fit the model (the ranks are left as they were)."""
+        full = to_module_state(state, self.hf_config)
+        shards = [shard_for_rank(full, r, self.config.tp_size) for r in range(self.config.tp_size)]
+        for r, (shard, shapes) in enumerate(zip(shards, self.param_shapes)):
+            check_shard(shard, shapes, r)
+        self._call("load_weights", None, self.config.step_timeout_s, per_rank=[pack(s) for s in shards])
 
     def optimizer_state(self) -> dict[str, Any]:
-        raise NotImplementedError("MegatronBackend.supports_optimizer_state is False")
+        """Every rank's AdamW state keyed by parameter name, with the parallel layout it belongs
+        to (``state`` describes the record)."""
+        ranks = [unpack(b) for b in self._call("optimizer_state", None, self.config.step_timeout_s)]
+        return {"backend": STATE_BACKEND, "layout": layout(self.config.tp_size), "ranks": ranks}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError("MegatronBackend.supports_optimizer_state is False")
+        """Continue with saved moments. ``ValueError`` (the ranks untouched) when they were saved
+        under another parallel layout or for another model; the hyperparameters stay this
+        backend's (a resumed run may change ``lr``)."""
+        check_optimizer_state(state, self.param_shapes)
+        self._call("load_optimizer_state", None, self.config.step_timeout_s,
+                   per_rank=[pack(rec) for rec in state["ranks"]])
 
     def logprobs(self, tokens: np.ndarray) -> np.ndarray:
         """``log p(tokens[:, t+1] | tokens[:, :t+1])``, shape ``[B, T-1]`` (evaluation, no grad)."""
@@ -268,9 +301,10 @@ class MegatronBackend:
         self.close()
 
     # -- plumbing ----------------------------------------------------------------------------
-    def _call(self, cmd: str, payload: Any, timeout_s: float) -> list[Any]:
-        for c in self._conns:
-            c.send((cmd, payload))
+    def _call(self, cmd: str, payload: Any, timeout_s: float, per_rank: list[Any] | None = None) -> list[Any]:
+        """Send ``cmd`` with ``payload`` (or rank r ``per_rank[r]``) to every rank; their answers."""
+        for r, c in enumerate(self._conns):
+            c.send((cmd, payload if per_rank is None else per_rank[r]))
         deadline = time.monotonic() + timeout_s
         results = []
         for r, c in enumerate(self._conns):

@@ -2,7 +2,8 @@
 
 The HF <-> Megatron *name and layout* mapping lives in ``astraflow.weightconv`` (RaaS nodes need
 it too); this module adds what only the trainer needs: cutting a full Megatron tensor into the
-shard a tensor-parallel rank holds, and loading those shards into the module.
+shard a tensor-parallel rank holds (and putting the shards back together), and loading those
+shards into the module.
 
 Tensor-parallel split of each Megatron tensor (``tp`` ranks, rank ``r``):
 
@@ -15,11 +16,11 @@ Tensor-parallel split of each Megatron tensor (``tp`` ranks, rank ``r``):
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from astraflow.weightconv import LlamaShape, hf_to_megatron, megatron_to_hf  # noqa: F401 (re-exported)
+from astraflow.weightconv import LlamaShape, hf_to_megatron, is_checkpoint_layout, unstack_checkpoint
 
 _ROWS = ("embedding.word_embeddings.weight", "output_layer.weight", "self_attention.linear_qkv.weight")
 _COLS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
@@ -45,22 +46,62 @@ def shard_for_rank(full: Mapping[str, torch.Tensor], tp_rank: int, tp_size: int)
     return out
 
 
+def gather_shards(shards: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The full (TP=1) module state dict from every tensor-parallel rank's tensors, given in rank
+    order: the inverse of ``shard_for_rank``."""
+    out = {}
+    for name, first in shards[0].items():
+        parts = [s[name] for s in shards]
+        if name.endswith(_FC1):
+            halves = [p.chunk(2, 0) for p in parts]
+            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+        elif name.endswith(_ROWS):
+            out[name] = torch.cat(parts, 0)
+        elif name.endswith(_COLS):
+            out[name] = torch.cat(parts, 1)
+        else:
+            out[name] = first
+    return out
+
+
+def to_module_state(state: Mapping[str, Any], hf_config: Any) -> dict[str, torch.Tensor]:
+    """Full Megatron *module*-named tensors from weights in any spelling a resume meets: HF names
+    (``MegatronBackend.state_dict``, saved as master weights), Megatron *checkpoint* names (a
+    version this backend published, as ``WeightStore.load`` reads it) or module names."""
+    if "model.embed_tokens.weight" in state:
+        return hf_to_megatron(state, hf_config)
+    if is_checkpoint_layout(state):
+        return unstack_checkpoint(state, LlamaShape.from_hf_config(hf_config).num_layers)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def check_shard(shard: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequence[int]], rank: int) -> None:
+    """``ValueError`` unless ``shard`` has exactly the tensors ``shapes`` names (a rank's
+    parameters), each of its shape."""
+    if set(shard) != set(shapes):
+        raise ValueError(
+            f"weights do not match the Megatron model of rank {rank}: missing "
+            f"{sorted(set(shapes) - set(shard))[:5]}, unexpected {sorted(set(shard) - set(shapes))[:5]}"
+        )
+    for name, t in shard.items():
+        if tuple(t.shape) != tuple(shapes[name]):
+            raise ValueError(f"{name}: the weights give {tuple(t.shape)}, rank {rank}'s model has {tuple(shapes[name])}")
+
+
+def load_shard_into(model: torch.nn.Module, shard: Mapping[str, torch.Tensor], rank: int) -> None:
+    """Copy this rank's tensors into the model, cast to its parameters' dtype and device
+    (strict except ``_extra_state``)."""
+    own = model.state_dict()
+    check_shard(shard, {k: v.shape for k, v in own.items() if isinstance(v, torch.Tensor)}, rank)
+    with torch.no_grad():
+        for name, t in shard.items():
+            own[name].copy_(t)
+
+
 def load_hf_state_into(model: torch.nn.Module, hf_sd: Mapping[str, torch.Tensor], hf_config: Any,
                        tp_rank: int, tp_size: int) -> None:
     """Copy an HF Llama state dict into this rank's Megatron model (strict except ``_extra_state``)."""
-    mine = shard_for_rank(hf_to_megatron(hf_sd, hf_config), tp_rank, tp_size)
-    own = model.state_dict()
-    expected = {k for k, v in own.items() if isinstance(v, torch.Tensor)}
-    if set(mine) != expected:
-        raise ValueError(
-            "HF checkpoint does not match the Megatron model: missing "
-            f"{sorted(expected - set(mine))[:5]}, unexpected {sorted(set(mine) - expected)[:5]}"
-        )
-    with torch.no_grad():
-        for name, t in mine.items():
-            if own[name].shape != t.shape:
-                raise ValueError(f"{name}: HF gives {tuple(t.shape)}, model has {tuple(own[name].shape)}")
-            own[name].copy_(t)
+    load_shard_into(model, shard_for_rank(hf_to_megatron(hf_sd, hf_config), tp_rank, tp_size), tp_rank)
 
 
 def load_hf_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], Any]:

@@ -12,6 +12,10 @@ Commands (``(name, payload)`` tuples; each is answered with ``("ok", result)``):
 * ``logprobs``: per-token log-probs of ``tokens[:, 1:]`` given the prefix (no grad);
 * ``save``: ``dist_checkpointing.save(model.sharded_state_dict(), dir)`` on every rank (floating
   shards cast to the payload's ``dtype``), then a barrier;
+* ``weights`` / ``load_weights``: this rank's parameters out / in (``state.pack``ed bytes; the
+  backend sends each rank its own shard, checked against the shapes ``init`` reported);
+* ``optimizer_state`` / ``load_optimizer_state``: this rank's AdamW state keyed by parameter
+  name (``state.named_optimizer_state``), out / in;
 * ``stop``: tear down the process group and exit.
 
 A failure raises out of the loop: the process exits non-zero with the traceback in its log, and
@@ -28,6 +32,8 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 import torch
+
+from astraflow.training.megatron.state import load_named_optimizer_state, named_optimizer_state, pack, unpack
 
 
 def _cast_shards(sharded: dict, dtype: torch.dtype) -> dict:
@@ -157,9 +163,24 @@ class Rank:
         dist.barrier()
         return {"save_s": time.perf_counter() - t0}
 
+    def weights(self, payload: None) -> bytes:
+        return pack({k: v.detach().cpu() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)})
+
+    def load_weights(self, payload: bytes) -> None:
+        from astraflow.training.megatron.convert import load_shard_into
+
+        load_shard_into(self.model, unpack(payload), self.spec.rank)
+
+    def optimizer_state(self, payload: None) -> bytes:
+        return pack(named_optimizer_state(self.model, self.opt))
+
+    def load_optimizer_state(self, payload: bytes) -> None:
+        load_named_optimizer_state(self.model, self.opt, unpack(payload))
+
     def info(self) -> dict:
         n = sum(p.numel() for p in self.model.parameters())
-        return {"rank": self.spec.rank, "local_params": n, "hf_config": self.hf_config}
+        return {"rank": self.spec.rank, "local_params": n, "hf_config": self.hf_config,
+                "params": {k: list(p.shape) for k, p in self.model.named_parameters()}}
 
 
 def main() -> None:
@@ -172,7 +193,9 @@ def main() -> None:
         raise ValueError(f"rank {spec.rank}: first command must be 'init', got {cmd!r}")
     rank = Rank(spec, cfg)
     conn.send(("ok", rank.info()))
-    handlers = {"train": rank.train, "logprobs": rank.logprobs, "save": rank.save}
+    handlers = {"train": rank.train, "logprobs": rank.logprobs, "save": rank.save, "weights": rank.weights,
+                "load_weights": rank.load_weights, "optimizer_state": rank.optimizer_state,
+                "load_optimizer_state": rank.load_optimizer_state}
     while True:
         cmd, payload = conn.recv()  # EOFError if the parent died: the process exits with it
         if cmd == "stop":

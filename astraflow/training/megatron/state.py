@@ -1,0 +1,111 @@
+"""What a resume needs from the Megatron ranks: their weights and their AdamW state, in and out.
+
+The weights cross the control channel as full tensors (the backend cuts and reassembles the
+tensor-parallel shards with ``convert``), so any parallel layout can load any version. The
+optimiser state does not: each rank's moments belong to the shards it holds. It is saved as
+
+    {"backend": "megatron", "layout": {"tensor_parallel": T, "data_parallel": 1, "pipeline_parallel": 1},
+     "ranks": [one record per tensor-parallel rank, in rank order]}
+
+where a rank's record is its ``torch.optim.AdamW.state_dict()`` keyed by parameter *name*
+instead of position (``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups":
+[{hyperparameters..., "params": [names]}]}``): plain dicts of tensors and numbers, so
+``torch.save`` / ``torch.load(weights_only=True)`` round-trip it. It loads only into the same
+layout (``ValueError`` naming both otherwise); names and shapes are checked against each rank's
+parameters in the backend, before anything is sent, so a refused state leaves the ranks running.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Mapping, Sequence
+
+import torch
+
+BACKEND = "megatron"
+
+
+def pack(obj: Any) -> bytes:
+    """``obj`` (dicts of tensors and numbers) as bytes for the control channel. A tensor that is
+    a view of a larger storage (a shard cut from a full tensor, a version read from one file
+    buffer) is copied first: ``torch.save`` writes a tensor's whole storage."""
+    def compact(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.clone() if x.untyped_storage().nbytes() != x.nbytes else x
+        if isinstance(x, dict):
+            return {k: compact(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(compact(v) for v in x)
+        return x
+
+    buf = io.BytesIO()
+    torch.save(compact(obj), buf)
+    return buf.getvalue()
+
+
+def unpack(data: bytes) -> Any:
+    """The inverse of ``pack`` (tensors and plain containers only: ``weights_only``)."""
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def layout(tp_size: int) -> dict[str, int]:
+    """The parallel layout an optimiser state is sharded for. This backend runs one
+    tensor-parallel group; the other sizes are recorded so that a state written under another
+    layout is refused rather than misread."""
+    return {"tensor_parallel": tp_size, "data_parallel": 1, "pipeline_parallel": 1}
+
+
+def _fmt(lay: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in lay.items())
+
+
+def check_optimizer_state(state: Any, params: Sequence[Mapping[str, Sequence[int]]]) -> None:
+    """``ValueError`` unless ``state`` is a Megatron optimiser state for this backend's layout
+    (``params``: per rank, parameter name -> shape) whose names and moment shapes fit."""
+    if not isinstance(state, dict) or state.get("backend") != BACKEND or "ranks" not in state:
+        raise ValueError("not an optimiser state of the Megatron backend (a run trained with another "
+                         "trainer.backend?): it needs the keys 'backend', 'layout' and 'ranks'")
+    current = layout(len(params))
+    if state.get("layout") != current:
+        raise ValueError(
+            f"the optimiser state was saved with the parallel layout {_fmt(state.get('layout') or {})} and "
+            f"this trainer runs {_fmt(current)}: its moments are sharded for the saved layout; resume with "
+            "that trainer.tensor_parallel to keep them"
+        )
+    if len(state["ranks"]) != len(params):
+        raise ValueError(f"the optimiser state holds {len(state['ranks'])} rank(s) for {_fmt(current)}: it is damaged")
+    for r, (rec, own) in enumerate(zip(state["ranks"], params)):
+        unknown = sorted(set(rec["state"]) - set(own))
+        if unknown:
+            raise ValueError(f"optimiser state of rank {r} names parameters this model does not have: {unknown[:5]}")
+        for name, moments in rec["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if tuple(moments[key].shape) != tuple(own[name]):
+                    raise ValueError(f"optimiser state of rank {r}: {name} {key} has shape "
+                                     f"{tuple(moments[key].shape)}, the parameter {tuple(own[name])}")
+        groups = [g["params"] for g in rec["param_groups"]]
+        if groups != [list(own)]:
+            raise ValueError(f"optimiser state of rank {r} has other parameter groups than this model's one "
+                             "group of every parameter")
+
+
+def named_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's optimiser state keyed by parameter name (the module docstring's record).
+    The optimiser was built on ``model.parameters()``, so position i is the i-th named parameter."""
+    names = [n for n, _ in model.named_parameters()]
+    sd = opt.state_dict()
+    return {
+        "state": {names[i]: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                  for i, s in sd["state"].items()},
+        "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+                         for g in sd["param_groups"]],
+    }
+
+
+def load_named_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, record: dict[str, Any]) -> None:
+    """Continue with a rank's saved moments (checked by ``check_optimizer_state``); the
+    hyperparameters stay this optimiser's (a resumed run may change ``lr``)."""
+    index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
+    own = opt.state_dict()["param_groups"]
+    assert [g["params"] for g in record["param_groups"]] == [[n for n in index]], "check_optimizer_state first"
+    opt.load_state_dict({"state": {index[n]: s for n, s in record["state"].items()}, "param_groups": own})
