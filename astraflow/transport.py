@@ -97,7 +97,7 @@ class Link:
     # ``bind`` sets ``_worker``: bind the current handle and every later one to that worker
     @property
     def _worker(self) -> Any:
-        return self._bound
+        return self._bound if self._bound is not None else getattr(self._handle, "_worker", None)
 
     @_worker.setter
     def _worker(self, worker: Any) -> None:
