@@ -185,14 +185,23 @@ def check_sandbox(cfg: RunConfig) -> None:
 
 def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
     """Before anything starts on a run directory that has weights: each policy's newest committed
-    version must be readable (``DamagedVersion``, a ValueError naming the file and the fix)."""
+    version must be readable (``DamagedVersion``, a ValueError naming the file and the fix), and
+    so must the data layer's snapshot (``UnusableSnapshot``, a ValueError too)."""
+    from astraflow.dataflow import durable
     from storage.weights import WeightStore
 
-    weights = RunPaths(run_dir).weights
-    if weights.is_dir():
-        store = WeightStore(weights)
+    paths = RunPaths(run_dir)
+    if paths.weights.is_dir():
+        store = WeightStore(paths.weights)
         for pol in cfg.policies:
             store.latest(pol.name)
+    if cfg.dataflow.durable:
+        try:
+            durable.load(paths.dataflow_snapshot)
+        except durable.UnusableSnapshot as err:
+            raise durable.UnusableSnapshot(
+                f"{err}: move it aside to resume from control/dataflow_state.json alone (the tasks the run had "
+                "in flight are then rolled out again), or start a new run directory") from None
 
 
 def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:

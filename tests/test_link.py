@@ -1,0 +1,63 @@
+"""A ``Link`` (``astraflow.transport``): a call through it that finds the actor's worker killed
+waits for the re-placed actor and is made again there; without one it raises the loss; an error
+the actor itself raises is not retried. A real Dask cluster with worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+from distributed import Client, LocalCluster
+
+from astraflow.transport import Link, actor_lost
+
+
+class _Echo:
+    def __init__(self):
+        self.calls = 0
+
+    def pid(self) -> int:
+        self.calls += 1
+        return os.getpid()
+
+    def fail(self) -> None:
+        raise ValueError("the actor's own error")
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None,
+                      host="127.0.0.1") as cluster, Client(cluster) as c:
+        yield c
+
+
+def _actor(client, index: int):
+    workers = sorted(client.scheduler_info()["workers"])
+    return client.submit(_Echo, actor=True, workers=[workers[index]], pure=False).result()
+
+
+def test_a_call_waits_for_the_re_placed_actor_and_is_made_again(client):
+    old = _actor(client, 0)
+    link = Link(old, "the echo", reconnect_s=60)
+    os.kill(old.pid().result(), signal.SIGKILL)  # a worker of the cluster this test started
+    new = _actor(client, 1)
+    threading.Timer(1.0, link.set, args=(new,)).start()
+    assert link.pid().result(timeout=30) == new.pid().result()
+
+
+def test_without_a_new_actor_the_loss_is_raised(client):
+    old = _actor(client, 1)
+    link = Link(old, "the echo", reconnect_s=1)
+    os.kill(old.pid().result(), signal.SIGKILL)
+    with pytest.raises(Exception) as err:
+        link.pid().result(timeout=30)
+    assert actor_lost(err.value), err.value
+
+
+def test_the_actors_own_error_is_not_retried(client):
+    link = Link(_actor(client, 0), "the echo", reconnect_s=60)
+    with pytest.raises(ValueError, match="the actor's own error"):
+        link.fail().result(timeout=30)
+    assert not actor_lost(ValueError("the actor's own error")) and not actor_lost(TimeoutError("slow"))
