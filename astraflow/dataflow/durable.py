@@ -36,6 +36,7 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from astraflow.dataflow import record as rec
 from astraflow.dataflow.ledger import TERMINAL, TaskRecord
 from storage.atomic import write_atomically
 from storage.safe_pickle import AllowlistUnpickler
@@ -163,6 +164,53 @@ class Snapshots:
                     w.set_result(None)
 
 
+class Durability:
+    """The data layer's snapshot and journal (module docstring): built before the layer opens
+    its files (a saved snapshot cuts them back first), attached and restored once it is built."""
+
+    def __init__(self, snapshot_path: str | None, journal_path: str | None, metrics_path: str | None,
+                 policies: list[str], workload: WorkloadConfig):
+        self.fingerprint = fingerprint_of(policies, workload)
+        self.snapshot_path = Path(snapshot_path) if snapshot_path else None
+        self.journal_path = Path(journal_path) if journal_path else None
+        #: the saved snapshot (None: none); ``UnusableSnapshot`` when it cannot be used
+        self.saved = load(self.snapshot_path) if self.snapshot_path is not None else None
+        if self.saved is not None:
+            cut_back(self.saved, self.journal_path, Path(metrics_path) if metrics_path else None)
+        self.journal = Journal(self.journal_path)
+        self.snapshots = Snapshots(self.snapshot_path, self._capture)
+        self._dl: DataLayer | None = None
+
+    def _capture(self) -> bytes:
+        dl = self._dl
+        return capture(dl, metrics_len=dl.metrics.length(), journal_len=self.journal.flush())
+
+    def restore(self, dl: DataLayer, keep_leases: bool) -> tuple[dict[str, Any] | None, dict[str, set[int]]]:
+        """Attach to the built ``dl`` and load what was saved: the whole snapshot when it is of
+        this configuration, else only its ``core`` (or ``dataflow_state.json`` when there is no
+        snapshot), the saved open tasks then ending as dropped (``config_changed``). Returns
+        what was restored (None: nothing) and, per policy, the versions of batches served and
+        not committed when ``keep_leases`` (the data layer was re-placed)."""
+        self._dl = dl
+        dl.ledger.journal = self.journal
+        saved = self.saved
+        core = saved["core"] if saved is not None else (rec.load(dl._state_path) if dl._state_path else None)
+        if core is not None:
+            dl.buffers.group_seq = rec.restore(core, versions=dl.versions, cfg=dl.cfg, rules=dl._rules(),
+                                               mixer=dl.mixer)
+        in_doubt: dict[str, set[int]] = {p: set() for p in dl.policy_names}
+        if saved is None:
+            return None, in_doubt
+        if saved["fingerprint"] != self.fingerprint:  # the config changed what its tasks mean
+            for tid in saved["ledger"]["live"]:
+                self.journal(tid, "dropped", "config_changed")
+            return None, in_doubt
+        restored = restore(dl, saved, self.journal_path, keep_leases)
+        if keep_leases:
+            in_doubt = {p: set(dl.buffers.serving[p]) for p in dl.policy_names}
+        return restored, in_doubt
+
+
 # -- what is saved -----------------------------------------------------------------------------
 
 _BUFFER_FIELDS = ("rolling", "group_seq", "groups_ingested", "ready", "serving", "routed_left", "task_consumed",
@@ -174,7 +222,7 @@ def capture(dl: DataLayer, metrics_len: int, journal_len: int) -> bytes:
     leases, ledger, buffers = dl.leases, dl.ledger, dl.buffers
     state = {
         "format": FORMAT,
-        "fingerprint": dl.fingerprint,
+        "fingerprint": dl.durability.fingerprint,
         "saved_at": time.time(),
         "lengths": {"metrics": metrics_len, "journal": journal_len},
         "core": dl.state_dict(),

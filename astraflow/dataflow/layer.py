@@ -10,6 +10,8 @@ own the state, each with its named asynchronous overlap:
   ahead of training*);
 * ``buffers.py``: ingest of finished groups, per-policy buffers, replay and the batch itself
   (*staleness*);
+* ``serving.py``: the trainer-facing calls (batches served, versions committed, a trainer
+  replaced: *served, then committed*);
 * ``evals.py``: held-out evaluation rounds;
 * ``record.py``: the metrics lines and the saved state;
 * ``rules.py``: the dataflow rules (curator, group filter, ordering) run at their stages;
@@ -31,7 +33,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from astraflow.contracts import Batch, RolloutTask, TrajectoryRef
+from astraflow.contracts import RolloutTask, TrajectoryRef
 from astraflow.dataflow import admission, durable
 from astraflow.dataflow import record as rec
 from astraflow.dataflow import rules as R
@@ -40,17 +42,16 @@ from astraflow.dataflow.config import DataflowConfig
 from astraflow.dataflow.evals import EvalRounds
 from astraflow.dataflow.leases import Leases
 from astraflow.dataflow.mixing import Mixer
+from astraflow.dataflow.serving import BatchTimeout, TrainerFacing
 from astraflow.transport import Packed
 from astraflow.workloads.base import make_workload
 from astraflow.workloads.config import WorkloadConfig
 from storage.trajectories import open_trajectory_store
 
-
-class BatchTimeout(TimeoutError):
-    """``next_batch`` found no full batch before its deadline."""
+__all__ = ["BatchTimeout", "DataLayer"]
 
 
-class DataLayer:
+class DataLayer(TrainerFacing):
     """Dask actor: owns tasks, leases, the trajectory index and the per-policy buffers."""
 
     def __init__(
@@ -73,12 +74,8 @@ class DataLayer:
         self.wcfg = workload
         self.policy_names = list(policies)
         self.max_steps = max_steps
-        self.fingerprint = durable.fingerprint_of(self.policy_names, workload)
-        snapshot = Path(snapshot_path) if snapshot_path else None
-        journal = Path(journal_path) if journal_path else None
-        saved_all = durable.load(snapshot) if snapshot is not None else None  # UnusableSnapshot: refused
-        if saved_all is not None:  # lines written after it describe changes it does not have
-            durable.cut_back(saved_all, journal, Path(metrics_path) if metrics_path else None)
+        #: the snapshot and journal; opened first: a restore cuts files back before they are appended to
+        self.durability = durable.Durability(snapshot_path, journal_path, metrics_path, self.policy_names, workload)
         self.store = open_trajectory_store(store_url, "a")
         #: the store object is not thread-safe and batches of different policies are read in
         #: worker threads concurrently (two trainers asking at once): reads take this lock.
@@ -99,8 +96,6 @@ class DataLayer:
         self.ordering = R.make(R.ORDERINGS, dataflow.ordering.type, dataflow.ordering.params, seed)
         self.leases = Leases(dataflow.lease_seconds, dataflow.max_attempts, self._task_failed)
         self.ledger = self.leases.ledger
-        self.journal = durable.Journal(journal)
-        self.ledger.journal = self.journal
         self.buffers = Buffers(self.policy_names, batch_size=dataflow.batch_size, group_size=workload.group_size,
                                limit=self.limit, max_staleness=dataflow.max_staleness, ledger=self.ledger, rng=rng)
         self.metrics = rec.MetricsLog(metrics_path)
@@ -120,25 +115,10 @@ class DataLayer:
         #: The trainer-centred baseline (``run.mode: sync``) opens one iteration at a time.
         self.budget: int | None = 0 if gated else None
         self._state_path = Path(state_path) if state_path else None
-        self.snapshots = durable.Snapshots(snapshot, self._capture)
-        #: per policy: versions of batches served before this layer was re-placed (their
-        #: trainer may never have received them: asked again, they are put back, not dropped)
-        self._in_doubt: dict[str, set[int]] = {p: set() for p in self.policy_names}
-        #: what was restored (None: nothing), for the orchestrator's log
-        self.restored: dict[str, Any] | None = None
-        full = saved_all is not None and saved_all["fingerprint"] == self.fingerprint
-        saved = saved_all["core"] if saved_all is not None else (
-            rec.load(self._state_path) if self._state_path is not None else None)
-        if saved is not None:
-            self.buffers.group_seq = rec.restore(saved, versions=self.versions, cfg=self.cfg,
-                                                 rules=self._rules(), mixer=self.mixer)
-        if full:
-            self.restored = durable.restore(self, saved_all, journal, keep_leases)
-            if keep_leases:
-                self._in_doubt = {p: set(self.buffers.serving[p]) for p in self.policy_names}
-        elif saved_all is not None:  # the config changed what its tasks mean: they end here
-            for tid in saved_all["ledger"]["live"]:
-                self.journal(tid, "dropped", "config_changed")
+        #: what was restored (None: nothing), and per policy the versions of batches the layer this
+        #: one replaced had served (their trainer may never have received them: asked again, they
+        #: are put back, not dropped)
+        self.restored, self._in_doubt = self.durability.restore(self, keep_leases)
         if workload.eval.every and not keep_leases:  # the curve starts where training starts (0, or a resumed version)
             self._start_eval(min(self.versions.values()))
 
@@ -290,142 +270,10 @@ class DataLayer:
         await self._durable()
         return n
 
-    # ------------------------------------------------------------------ trainer-facing
-    async def next_batch(self, policy: str, version: int, timeout: float = 60.0) -> Batch:
-        """A batch of ``batch_size`` sequences for ``policy`` whose trainer is at ``version``.
-
-        Waits until the buffer holds enough fresh sequences of every source's quota, at most
-        ``timeout`` seconds, then raises ``BatchTimeout``."""
-        if policy not in self.versions:
-            raise ValueError(f"unknown policy {policy!r}; known: {self.policy_names}")
-        t0 = time.time()
-        pace = self.paces[policy]
-        pace.asked(t0)
-        pace.waiting += 1
-        n_replay = int(self.cfg.replay_ratio * self.cfg.batch_size)
-        if len(self.buffers.replay[policy]) < n_replay:
-            n_replay = 0
-        need = self.cfg.batch_size - n_replay
-        quota, credit = self.mixer.quotas(policy, need)
-        incarnation = self.trainer_restarts[policy]
-        if version in self._in_doubt[policy]:  # served by the data layer this one replaced, asked again
-            self._in_doubt[policy].discard(version)
-            self._put_back(policy, version)
-        try:
-            while True:
-                self.leases.expire()
-                self._refill()
-                avail = self.buffers.available_by_source(policy, version, self.mixer.weights)
-                short = {s: q - avail[s] for s, q in quota.items() if avail[s] < q}
-                lockstep_ok = not self.cfg.lockstep or all(v >= version for v in self.versions.values())
-                if not short and lockstep_ok and self.evals.initial_done():
-                    break
-                self.mixer.short[policy] = short  # lets _refill exceed a source's bound for this batch
-                remaining = t0 + timeout - time.time()
-                if remaining <= 0:
-                    raise BatchTimeout(admission.no_batch_reason(self, policy, version, timeout, avail, quota, need))
-                await self._wait(min(remaining, 0.5))
-        finally:
-            self.mixer.short.pop(policy, None)
-            pace.waiting -= 1
-        waited = time.time() - t0
-        self.buffers.wait_s[policy] += waited
-        self.mixer.credit[policy] = credit
-        chosen, taken = self.buffers.take(policy, quota, self.ordering, version)
-        self.mixer.consumed[policy].update(taken)
-        self.buffers.reading[policy] = version  # taken from the buffer, not yet served (admission counts it)
-        try:
-            rows = await asyncio.to_thread(self._read_rows, [it.summary.ref for it in chosen])
-        finally:
-            self.buffers.reading.pop(policy, None)
-        if self.trainer_restarts[policy] != incarnation:  # asked by the trainer that was lost
-            self.buffers.restore(policy, chosen)
-            self.mixer.consumed[policy].subtract(taken)
-            raise RuntimeError(f"the trainer of {policy} was replaced while this call waited: it serves nothing")
-        batch = self.buffers.serve(policy, version, chosen, rows, n_replay, waited,
-                                   quota if self.mixer.mixing else None)
-        self._notify()  # room for new groups: wakes the nodes' waiting lease calls
-        await self._durable()  # a batch the next data layer does not know of is never trained
-        return batch
-
-    async def published(self, policy: str, version: int, metrics: dict[str, Any] | None = None,
-                        batch_metrics: dict[str, Any] | None = None) -> None:
-        """The trainer of ``policy`` committed ``version``: the batch it trained on is consumed,
-        its metrics line is written (``record.step_record``) and the state saved.
-        ``batch_metrics``: the ``Batch.metrics`` of the batch this version was trained on (the
-        trainer reports a version after it fetched the next batch; without them, the last
-        batch served is reported). Reporting a version again (a call retried after the data layer
-        was re-placed) changes nothing."""
-        if version <= self.versions[policy]:
-            return
-        self._committed(policy, version, metrics, batch_metrics)
-        self._notify()
-        await self._durable(sync=True)
-
-    def _committed(self, policy: str, version: int, metrics: dict[str, Any] | None,
-                   batch_metrics: dict[str, Any] | None) -> None:
-        self.versions[policy] = max(self.versions[policy], version)
-        self.buffers.commit(policy, version)  # the batch trained on is consumed
-        by_source = ({"consumed_by_source": self.mixer.consumed_by_source(policy),
-                      "groups_by_source": self.mixer.groups_by_source()} if self.mixer.mixing else None)
-        self.metrics.write(rec.step_record(
-            policy=policy, version=version, elapsed=time.time() - self._started, metrics=metrics or {},
-            batch_metrics=batch_metrics or self.buffers.last_batch[policy], cfg=self.cfg,
-            counts=self.buffers.counts[policy], staleness_hist=self.buffers.staleness_hist[policy],
-            generated=self.generated, trainer_wait_s=self.buffers.wait_s[policy],
-            node_versions={n: i.get("versions") for n, i in self.leases.nodes.items() if not i.get("gone")},
-            by_source=by_source))
-        if self._state_path is not None:
-            rec.save(self._state_path, self.state_dict())
-        if all(v >= self.max_steps for v in self.versions.values()):
-            self.finished = True
-        every = self.wcfg.eval.every
-        if policy == self.policy_names[0] and every and (version % every == 0 or version >= self.max_steps):
-            self._start_eval(version)
-
-    async def trainer_restarted(self, policy: str, from_version: int, restart: bool = True) -> dict[str, Any]:
-        """``policy``'s trainer was lost; a new one resumes from ``from_version``, the newest
-        committed version (called before it starts). Versions up to it that the lost trainer
-        committed without reporting are recorded now (their batches consumed, their metrics
-        line marked ``recovered``); every batch served at ``from_version`` or later goes back to
-        the buffer to be served again (``Buffers.put_back``): nothing is dropped as
-        ``served_not_trained``, nothing is trained twice. A batch call the lost trainer still
-        has pending serves nothing. ``restart`` False: a resumed run's trainer starts (the same
-        recovery, not counted as a restart). Returns ``{"put_back": n, "recovered": [versions]}``."""
-        if restart:
-            self.trainer_restarts[policy] += 1
-        recovered = list(range(self.versions[policy] + 1, from_version + 1))
-        for v in recovered:
-            self._committed(policy, v, {"recovered": True}, {})
-        back = self._put_back(policy, from_version)
-        self._notify()
-        await self._durable(sync=True)
-        return {"put_back": len(back), "recovered": recovered}
-
-    def _put_back(self, policy: str, from_version: int) -> list:
-        back = self.buffers.put_back(policy, from_version)
-        self.mixer.consumed[policy].subtract(Counter(it.source for it in back))
-        return back
-
-    async def open_iteration(self, groups: int) -> None:
-        """Baseline (``run.mode: sync``, a gated data layer) control: allow exactly ``groups``
-        more groups to be created."""
-        self.budget = (self.budget or 0) + groups
-        self._refill()
-        self._notify()
-        await self._durable()
-
-    async def ready(self, policy: str, version: int) -> int:
-        """Sequences buffered for ``policy`` that a trainer at ``version`` could consume."""
-        return self.buffers.available(policy, version)
-
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs (``record.snapshot``)."""
         return rec.snapshot(versions=self.versions, cfg=self.cfg, rules=self._rules(), mixer=self.mixer,
                             group_seq=self.buffers.group_seq)
-
-    def _capture(self) -> bytes:
-        return durable.capture(self, metrics_len=self.metrics.length(), journal_len=self.journal.flush())
 
     def _mark(self) -> int:
         """A number that changes whenever a task is created, leased, requeued, completed or ends."""
@@ -435,7 +283,7 @@ class DataLayer:
         """Return once the state is in a snapshot (``durable.Snapshots``); with ``mark``
         (``_mark()`` at the call's start), only when the ledger moved since."""
         if mark is None or self._mark() != mark:
-            await self.snapshots.commit(sync)
+            await self.durability.snapshots.commit(sync)
 
     # ------------------------------------------------------------------ evaluation
     async def start_eval(self, version: int) -> None:
@@ -470,4 +318,4 @@ class DataLayer:
 
     async def close(self) -> None:
         self.metrics.close()
-        self.journal.close()
+        self.durability.journal.close()
