@@ -24,6 +24,7 @@ import asyncio
 import copyreg
 import logging
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -141,7 +142,14 @@ class _LinkMethod:
 
 
 class _LinkCall:
-    """One call through a ``Link``; ``result`` makes it, and makes it again after a re-placement."""
+    """One call through a ``Link``; ``result`` makes it, and makes it again after a re-placement.
+
+    A call to an actor whose worker was killed does not always fail at once (a new connection
+    to the dead worker's address is retried until Dask's connect timeout), so the answer is
+    awaited in slices: when the link got a new handle meanwhile, the call is made again there."""
+
+    #: seconds between two looks at whether the actor was re-placed while a call waits
+    SLICE_S = 1.0
 
     def __init__(self, link: Link, name: str, args: tuple, kwargs: dict):
         self.link, self.name, self.args, self.kwargs = link, name, args, kwargs
@@ -149,8 +157,18 @@ class _LinkCall:
     def result(self, timeout: float | None = None) -> Any:
         while True:
             handle, generation = self.link.current()
+            deadline = None if timeout is None else time.monotonic() + timeout
             try:
-                return getattr(handle, self.name)(*self.args, **self.kwargs).result(timeout)
+                fut = getattr(handle, self.name)(*self.args, **self.kwargs)
+                while True:
+                    left = self.SLICE_S if deadline is None else min(self.SLICE_S, deadline - time.monotonic())
+                    try:
+                        return fut.result(max(left, 0.001))
+                    except TimeoutError:
+                        if self.link.current()[1] != generation:
+                            break  # re-placed while this call waited: make it again there
+                        if deadline is not None and time.monotonic() >= deadline:
+                            raise
             except Exception as err:
                 if not actor_lost(err):
                     raise

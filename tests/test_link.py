@@ -34,6 +34,7 @@ def client():
 
 
 def _actor(client, index: int):
+    client.wait_for_workers(2, timeout=60)  # a killed worker is restarted by its nanny
     workers = sorted(client.scheduler_info()["workers"])
     return client.submit(_Echo, actor=True, workers=[workers[index]], pure=False).result()
 
