@@ -15,38 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.main_example_runs import run_main_example  # noqa: E402
 
 
 def run_one(work: Path, tls: bool, steps: int, repeat: int) -> dict:
-    from astraflow.config import load_config
-    from astraflow.runtime.launch import launch
-
-    overrides = {"cluster.tls.enabled": tls, "run.max_steps": steps, "workload.eval.every": steps,
-                 "cluster.dashboard_port": 0, "run.seed": repeat}
-    cfg = load_config(ROOT / "examples" / "math" / "config.yaml", [f"{k}={v}" for k, v in overrides.items()])
-    run_dir = work / f"{'tls' if tls else 'tcp'}-{repeat}"
-    launch(cfg, run_dir, quiet=True)
-    address = json.loads((run_dir / "control" / "orchestrator.json").read_text()).get("scheduler", "")
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    step_lines = [x for x in lines if "accepted" in x]
-    evals = [x for x in lines if "eval_accuracy" in x]
-    first, last = step_lines[0], step_lines[-1]
-    seconds = max(last["time"] - first["time"], 1e-9)
-    return {"tls": tls, "repeat": repeat, "address": address, "steps": last["step"],
-            "steps_per_s": (last["step"] - first["step"]) / seconds,
-            "episodes_per_s": (last["rollouts_generated"] - first["rollouts_generated"]) / seconds,
-            "acc_after": evals[-1]["eval_accuracy"] if evals else float("nan")}
+    row = run_main_example(work / f"{'tls' if tls else 'tcp'}-{repeat}", {"cluster.tls.enabled": tls}, steps, repeat)
+    return {"tls": tls, "repeat": repeat, **row}
 
 
 def main() -> None:
@@ -58,7 +38,6 @@ def main() -> None:
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="astraflow-tls-"))
     work.mkdir(parents=True, exist_ok=True)
-    os.chdir(ROOT)  # the example's model path is relative to the repository root
     rows, t0 = [], time.time()
     for repeat in range(args.repeats):
         for tls in ((True, False) if repeat % 2 == 0 else (False, True)):

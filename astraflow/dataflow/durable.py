@@ -132,12 +132,20 @@ class Snapshots:
         self._writer: asyncio.Task | None = None
         self.writes = 0
         self.write_s = 0.0
+        self.bytes = 0
+        #: calls that awaited a write (more than writes: calls share them)
+        self.commits = 0
+
+    def stats(self) -> dict[str, Any]:
+        return {"writes": self.writes, "commits": self.commits, "write_s": round(self.write_s, 3),
+                "last_bytes": self.bytes}
 
     async def commit(self, sync: bool = False) -> None:
         if self.path is None:
             return
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
+        self.commits += 1
         self._sync = self._sync or sync
         if self._writer is None or self._writer.done():
             self._writer = asyncio.ensure_future(self._write_all())
@@ -159,6 +167,7 @@ class Snapshots:
                 continue
             self.writes += 1
             self.write_s += time.perf_counter() - t0
+            self.bytes = len(data)
             for w in waiters:
                 if not w.done():
                     w.set_result(None)

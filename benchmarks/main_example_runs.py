@@ -1,0 +1,45 @@
+"""Shared by the benchmarks that compare two settings of the main example side by side.
+
+``run_main_example`` runs ``examples/math/config.yaml`` (embedded default: local Dask workers,
+CPU model) through ``astraflow.runtime.launch`` (the code path of ``astraflow run``) with
+``--set``-style overrides and reads back, from its run directory, trainer steps per second
+between the first and the last step (model loading and the first evaluation excluded),
+episodes per second, the held-out accuracy at the end, and the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def run_main_example(run_dir: Path, overrides: dict[str, Any], steps: int, seed: int) -> dict[str, Any]:
+    """One run of the main example (``steps`` trainer steps, one evaluation at the end)."""
+    from astraflow.config import load_config
+    from astraflow.runtime.launch import launch
+
+    os.chdir(ROOT)  # the example's model path is relative to the repository root
+    sets = {"run.max_steps": steps, "workload.eval.every": steps, "cluster.dashboard_port": 0, "run.seed": seed,
+            **overrides}
+    cfg = load_config(ROOT / "examples" / "math" / "config.yaml", [f"{k}={v}" for k, v in sets.items()])
+    launch(cfg, run_dir, quiet=True)
+    address = json.loads((run_dir / "control" / "orchestrator.json").read_text()).get("scheduler", "")
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    step_lines = [x for x in lines if "accepted" in x]
+    evals = [x for x in lines if "eval_accuracy" in x]
+    first, last = step_lines[0], step_lines[-1]
+    seconds = max(last["time"] - first["time"], 1e-9)
+    return {"address": address, "steps": last["step"],
+            "steps_per_s": (last["step"] - first["step"]) / seconds,
+            "episodes_per_s": (last["rollouts_generated"] - first["rollouts_generated"]) / seconds,
+            "acc_after": evals[-1]["eval_accuracy"] if evals else float("nan"),
+            "summary": json.loads((run_dir / "summary.json").read_text())}
