@@ -20,7 +20,7 @@ from schedulers import LocalScheduler, Partition
 from storage.paths import RunPaths
 from tests.e2e.test_run_failure_cli import ROOT, _finish, _running, _workers_once_training
 
-MAX_STEPS = 24
+MAX_STEPS = 12
 
 
 @pytest.mark.e2e
