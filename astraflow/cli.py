@@ -106,19 +106,24 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     Prints the Dask dashboard address, progress while it trains, and writes config.yaml,
     metrics.jsonl, summary.json, the trajectory store, the weight store and logs into the run
     directory. Ctrl-C (or SIGTERM, scancel) stops cleanly without losing what was written and
-    exits with 130; a run that fails exits with 1 and its reason in one line. Either way
-    summary.json records how the run ended (status, reason) and the worker jobs are cancelled.
+    exits with 130; SIGUSR1 (the head job's walltime warning) stops the same way and exits with
+    75 (the head job then requeues); a failed run exits with 1 and its reason in one line.
+    summary.json records how the run ended and the worker jobs are cancelled. Run again on the
+    directory to resume it (jobs a previous incarnation left are cancelled first).
     """
     click.get_current_context().with_resource(owner_only())  # inherited by the processes it starts
     cfg = _load(config, overrides)
     from astraflow.runtime.launch import launch
-    from astraflow.runtime.stopping import disk_full, disk_full_reason
+    from astraflow.runtime.stopping import REQUEUE_EXIT_CODE, StopForRequeue, disk_full, disk_full_reason
     from astraflow.runtime.workers import RunFailed
     from astraflow.training.numerics import NonFiniteError
 
     rd = Path(run_dir) if run_dir else _default_run_dir(cfg.run.name)
     try:
         result = launch(cfg, rd, quiet=quiet)
+    except StopForRequeue as sig:  # before the run started: nothing to stop, resumed all the same
+        click.echo(f"stopped by {sig.args[0]} for a requeue before the run started; run again on {rd}", err=True)
+        sys.exit(REQUEUE_EXIT_CODE)
     except ValueError as err:
         raise UserError(str(err)) from None
     except (RunFailed, NonFiniteError) as err:  # the run started and failed: exit 1, its reason
@@ -130,7 +135,7 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     if result.interrupted:
         click.echo(f"the run was {result.ending.reason}; summary in {RunPaths(result.run_dir).summary}; "
                    "run again on this directory to resume it", err=True)
-        sys.exit(130)
+        sys.exit(REQUEUE_EXIT_CODE if result.ending.requeue else 130)
 
 
 @main.group()

@@ -1,9 +1,10 @@
 """The boundary between the orchestrator and whatever starts worker processes.
 
 The orchestrator reconciles a desired set of `Partition`s with the workers that exist. It needs
-only three operations from a job scheduler: start N workers of a partition, stop some of them,
-and list them all in one call. `Scheduler` is that Protocol; `LocalScheduler` (subprocesses) and
-`SlurmScheduler` (sbatch/squeue/scancel) implement it, and `make_scheduler` picks one by kind.
+only four operations from a job scheduler: start N workers of a partition, stop some of them,
+list them all in one call, and, when a run resumes, cancel what its previous incarnation left.
+`Scheduler` is that Protocol; `LocalScheduler` (subprocesses) and `SlurmScheduler`
+(sbatch/squeue/scancel) implement it, and `make_scheduler` picks one by kind.
 
 Every worker runs the same command line (`schedulers.command.worker_command`), so a worker
 started by Slurm and one started locally join the Dask scheduler the same way, under a name
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal, Protocol, get_args, runtime_checkable
+from typing import Any, Iterable, Literal, Protocol, Sequence, get_args, runtime_checkable
 
 from schedulers.partition import Partition
 
@@ -51,6 +52,10 @@ class JobRef:
     """File receiving the worker's stdout/stderr (None if the backend does not know it yet)."""
     script: Path | None = None
     """Rendered job script (Slurm); None for local workers."""
+    identity: str | None = None
+    """What shows that the job's process is still this job when its id can name another one
+    later: a local worker's `schedulers.procs.process_identity` (host, boot id, start time of
+    its pid). None for Slurm jobs (a run finds its own by their ``--comment`` tag)."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,13 @@ class Scheduler(Protocol):
 
     def jobs(self) -> list[JobStatus]:
         """Every job this scheduler started (and, for Slurm, every job with its tag), one batched query."""
+        ...
+
+    def cancel_previous(self, records: Sequence[JobRef]) -> list[JobStatus]:
+        """Cancel the jobs a previous incarnation of this run started that are still active,
+        and return them as they were. `records` are the `JobRef`s that incarnation recorded;
+        a job is cancelled only when the backend can verify it is still that job (a reused pid
+        or job id is left alone). Call it before this incarnation submits anything."""
         ...
 
     def close(self) -> None:

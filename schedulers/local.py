@@ -3,7 +3,9 @@
 Each worker is `worker_command(...)` started with `subprocess.Popen` in its own process group
 (so `cancel` also stops anything the worker spawned), its stdout/stderr going to
 ``<log_dir>/<worker name>.log``. The job id is ``local-<pid>``. Only processes this object
-started are ever signalled, and only by their own PID/process group.
+started are ever signalled, and only by their own PID/process group, with one exception:
+`cancel_previous` stops the workers a previous incarnation of the run started, and only those
+whose pid still belongs to that very worker (its recorded `process_identity` and command line).
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from schedulers.base import JobRef, JobStatus, UnknownJobError
 from schedulers.command import TLSFiles, partition_worker_command, worker_env
-from schedulers.procs import die_with_parent
+from schedulers.procs import die_with_parent, process_argv, process_identity
 from schedulers.partition import Partition, worker_name
 
 
@@ -104,7 +106,7 @@ class LocalScheduler:
             )
         job_id = f"local-{popen.pid}"
         self._procs[job_id] = _Proc(popen, partition.name, name, log)
-        return JobRef(job_id, partition.name, name, self.kind, log)
+        return JobRef(job_id, partition.name, name, self.kind, log, identity=process_identity(popen.pid))
 
     def cancel(self, job_ids: Iterable[str]) -> None:
         ids = list(job_ids)
@@ -143,6 +145,27 @@ class LocalScheduler:
             out.append(JobStatus(job_id, p.partition, p.name, state, reason, None, "localhost" if rc is None else None))
         return out
 
+    def cancel_previous(self, records: Sequence[JobRef]) -> list[JobStatus]:
+        """Stop the workers of `records` (a previous incarnation's) that still run: SIGTERM to
+        the worker's process group, SIGKILL after `term_timeout`. A record's pid is signalled
+        only while it is verifiably that worker: the same `process_identity` (so not a pid the
+        kernel has given to another process since, nor one on another host) and a command line
+        naming the worker (``--name <worker>``). The check and the signal are a few
+        microseconds apart, and a reused pid would also have to lead a process group."""
+        victims = [(ref, int(ref.job_id.removeprefix("local-"))) for ref in records
+                   if ref.kind == self.kind and ref.identity and ref.job_id.removeprefix("local-").isdigit()]
+        victims = [(ref, pid) for ref, pid in victims if _is_worker(pid, ref)]
+        for ref, pid in victims:
+            _killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.term_timeout
+        while any(_is_worker(pid, ref) for ref, pid in victims) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for ref, pid in victims:
+            if _is_worker(pid, ref):
+                _killpg(pid, signal.SIGKILL)
+        return [JobStatus(ref.job_id, ref.partition, ref.worker_name, "RUNNING", "left by a previous incarnation",
+                          None, ref.identity.split("/", 1)[0] if ref.identity else None) for ref, _ in victims]
+
     def close(self) -> None:
         """Cancel every worker still running (call at shutdown; also on context exit)."""
         self.cancel([j for j, p in self._procs.items() if p.popen.poll() is None])
@@ -162,3 +185,18 @@ class LocalScheduler:
                 os.killpg(p.popen.pid, sig)
             except ProcessLookupError:  # the leader exited between poll() and killpg(): nothing left to stop
                 pass
+
+
+def _is_worker(pid: int, ref: JobRef) -> bool:
+    """Whether `pid` is still the worker `ref` recorded: same identity, ``--name <worker>`` in its argv."""
+    if ref.identity is None or process_identity(pid) != ref.identity:
+        return False
+    argv = process_argv(pid)
+    return any(a == "--name" and b == ref.worker_name for a, b in zip(argv, argv[1:]))
+
+
+def _killpg(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)  # the worker leads its own group (start_new_session)
+    except ProcessLookupError:  # it ended since the check: nothing left to stop
+        pass

@@ -7,7 +7,7 @@ by `schedulers.sbatch_script` (`SlurmScheduler.render` returns the script and th
 dry run). `jobs()` is one ``squeue --json`` call; `wait_for` polls it with backoff.
 
 Jobs carry ``--comment=<tag>``: `jobs()` lists the jobs with this scheduler's tag, so a restarted
-orchestrator with the same tag finds the workers it started before.
+orchestrator with the same tag finds the workers it started before (`cancel_previous` cancels them).
 
 Facts about the Slurm versions this targets (22.05+):
 * ``squeue --json`` ignores ``-j``/``--name`` filters in 22.05, so filtering happens here.
@@ -318,6 +318,17 @@ class SlurmScheduler:
             unknown = [j for j in ids if j not in self._submitted and j not in seen]
             if unknown:
                 raise UnknownJobError(unknown, self.kind)
+
+    def cancel_previous(self, records: Sequence[JobRef]) -> list[JobStatus]:
+        """Cancel every active worker job with this run's tag that this object did not submit
+        (call it before this incarnation submits). `records` are not needed: Slurm lists a
+        run's jobs by its tag, which also finds a job submitted just before a crash that was
+        never recorded, while a recorded id alone proves nothing once Slurm reuses ids (a
+        cluster whose state was reset numbers its jobs from 1 again)."""
+        stale = [j for j in self.jobs() if j.active and j.job_id not in self._submitted]
+        if stale:
+            run_slurm(["scancel", *(j.job_id for j in stale)], timeout=self.command_timeout)
+        return stale
 
     def jobs(self) -> list[JobStatus]:
         me = getpass.getuser()

@@ -14,6 +14,8 @@ from strings. A run directory on shared storage looks like::
                                   dataflow.snapshot + ledger.jsonl (the data layer's durable state)
       plots/, tensorboard/        written on request by ``astraflow plot`` / ``astraflow tensorboard``
       logs/                       one log file per process
+      jobs/                       worker job scripts and logs; submitted.json: every job the
+                                  current incarnation submitted (the next one cancels leftovers)
       trajectories/               the Zarr trajectory store (unless the config points elsewhere)
         segments/<segment>/       one append-only segment per writer
           data/                   its Zarr v3 group (per-token and per-entry arrays)
@@ -151,6 +153,11 @@ class RunPaths:
     def jobs(self) -> Path:
         """Rendered job scripts and their stdout/stderr."""
         return self.root / "jobs"
+
+    @property
+    def job_records(self) -> Path:
+        """Every worker job the current incarnation of the run submitted (`astraflow.runtime.jobrecords`)."""
+        return self.jobs / "submitted.json"
 
     def make(self) -> "RunPaths":
         """Create the run directory (owner-only, mode 0700, when it is new) and its subdirectories."""

@@ -13,9 +13,11 @@ from pathlib import Path
 
 from astraflow.agents.workload import is_agentic
 from astraflow.config import RunConfig
+from astraflow.runtime.jobrecords import PreviousJobs, cancel_previous_jobs
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.runlock import RunDirLock
+from astraflow.runtime.stopping import REQUEUE_SIGNAL, StopForRequeue
 from astraflow.training.config import ModelInit
 from astraflow.workloads.base import make_workload, workload_class
 from astraflow.workloads.config import WorkloadConfig
@@ -148,10 +150,12 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
         build_model(pol.model, pol.init, cfg.workload, progress, base=base)
 
 
-def _sigterm_stops_cleanly() -> None:
+def _signals_stop_cleanly() -> None:
     """SIGTERM (``scancel`` of a head job, ``kill``) takes the Ctrl-C path: a stop bounded by
     ``cluster.stop_grace_s`` that flushes the nodes, closes the ledger, writes the summary and
-    cancels the worker jobs (those of them the signal also reached are skipped)."""
+    cancels the worker jobs (those of them the signal also reached are skipped). The requeue
+    signal (SIGUSR1, the head job's warning before its walltime) takes the same path as
+    `StopForRequeue`: the summary says ``requeue`` and the CLI exits with `REQUEUE_EXIT_CODE`."""
     if threading.current_thread() is not threading.main_thread():
         return
     stopping = threading.Event()
@@ -162,9 +166,10 @@ def _sigterm_stops_cleanly() -> None:
                              "cluster.stop_grace_s, then the summary is written and the jobs cancelled\n")
             return
         stopping.set()
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise (StopForRequeue if signum == REQUEUE_SIGNAL else KeyboardInterrupt)(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(REQUEUE_SIGNAL, handler)
     # a run started in the background by a non-interactive shell inherits SIGINT ignored;
     # `kill -INT` (and Ctrl-C) must still stop it cleanly
     signal.signal(signal.SIGINT, handler)
@@ -204,20 +209,31 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
                 "in flight are then rolled out again), or start a new run directory") from None
 
 
+def cancel_leftovers(cfg: RunConfig, lock: RunDirLock, progress: Progress) -> PreviousJobs:
+    """Cancel the worker jobs a previous incarnation of the run left active (`jobrecords`), only
+    while ``lock`` is held: without it a live run might own them (a filesystem without locks)."""
+    if not lock.held:
+        progress.note("not checking for jobs left by a previous incarnation: the run directory is not locked")
+        return PreviousJobs()
+    return cancel_previous_jobs(lock.paths, cfg.cluster, cfg.partitions, progress)
+
+
 def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
     """Run ``cfg`` in ``run_dir``. The directory's lock is held from before any model is built or
     process started until the run ends (``RunDirError`` when another run holds it); the data is
-    read before, so a bad dataset leaves no run directory behind."""
+    read before, so a bad dataset leaves no run directory behind. With the lock held, the jobs
+    a previous incarnation left are cancelled before anything starts."""
     logging.basicConfig(level=logging.WARNING)
+    _signals_stop_cleanly()
     progress = Progress(enabled=not quiet)
     progress.note(check_data(cfg.workload))
     check_sandbox(cfg)
-    with RunDirLock(run_dir):
+    with RunDirLock(run_dir) as lock:
         check_resumable(cfg, run_dir)
-        _sigterm_stops_cleanly()
+        previous = cancel_leftovers(cfg, lock, progress)
         prepare_models(cfg, progress)
         progress.note(f"run directory {run_dir}")
-        result = Orchestrator(cfg, run_dir, progress).run()
+        result = Orchestrator(cfg, run_dir, progress, previous).run()
     if result.eval:
         first, last = result.eval[0], result.eval[-1]
         progress.note(

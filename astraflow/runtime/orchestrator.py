@@ -43,12 +43,13 @@ from astraflow.config import RunConfig, dump_config
 from astraflow.dataflow.layer import DataLayer
 from astraflow.rollout.node import RaaSNode
 from astraflow.runtime.control import write_desired
+from astraflow.runtime.jobrecords import PreviousJobs
 from astraflow.runtime.monitoring import StatusWriter, Tick, archive_summary
 from astraflow.runtime.placement import Placement, data_layer_kwargs, node_kwargs, trainer_kwargs
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.reconcile import PartitionSet, run_tag
 from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts
-from astraflow.runtime.stopping import BoundedWaits, Ending, disk_full, disk_full_reason
+from astraflow.runtime.stopping import BoundedWaits, Ending, disk_full, disk_full_reason, interrupted
 from astraflow.runtime.workers import (FUTURE_ERRORS, NODE_PHASES, PHASES, DataLayerLost, Fleet, RunFailed,
                                       TrainerLost, Worker)
 from astraflow.training.numerics import NonFiniteError
@@ -75,7 +76,10 @@ class RunResult:
 
 
 class Orchestrator:
-    def __init__(self, cfg: RunConfig, run_dir: Path, progress: Progress | None = None):
+    def __init__(self, cfg: RunConfig, run_dir: Path, progress: Progress | None = None,
+                 previous_jobs: PreviousJobs | None = None):
+        """`previous_jobs`: what `launch` cancelled of the previous incarnation's worker jobs
+        (recorded in the status and the summary)."""
         self.cfg = cfg
         self.paths = RunPaths(run_dir).make()
         self.progress = progress or Progress(enabled=False)
@@ -83,6 +87,7 @@ class Orchestrator:
         self.parts = PartitionSet(list(cfg.partitions), self.paths, cfg.cluster, self.progress)
         self.fleet = Fleet(self.parts, self.placement, cfg.cluster, self.progress, self._place_node)
         self.status = StatusWriter(self.paths, self.run_tag(), self.parts, self.fleet)
+        self.status.previous_jobs = (previous_jobs or PreviousJobs()).as_dict()
         #: the trainers' handles by policy; replaced in place when a trainer is restarted
         self.trainers: dict[str, Any] = {}
         self.restarts = TrainerRestarts(cfg, self.paths, self.fleet, self.placement, self.progress,
@@ -131,8 +136,8 @@ class Orchestrator:
             self._bring_up()
             self._place_core()
             self._loop(t0)
-        except KeyboardInterrupt as sig:  # Ctrl-C, or SIGTERM (launch turns it into this)
-            ending = Ending("interrupted", f"stopped by {sig.args[0] if sig.args else 'Ctrl-C'}")
+        except KeyboardInterrupt as sig:  # Ctrl-C, SIGTERM or the requeue signal (launch turns them into this)
+            ending = interrupted(sig)
             self.progress.note(f"{ending.reason}: stopping (nodes flush what they wrote)")
         except RunFailed as err:
             ending = Ending("failed", str(err))

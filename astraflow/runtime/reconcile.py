@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from astraflow.runtime.control import DEFAULT_REMOVAL, PartitionError, read_desired_file
+from astraflow.runtime.jobrecords import JobRecords
 from schedulers import Partition, TLSFiles, make_scheduler, parse_worker_name
 from schedulers.policy import WorkerPolicy
 from schedulers.slurm import SlurmCommandError
@@ -66,6 +67,24 @@ def run_tag(paths: RunPaths) -> str:
     return f"astraflow.{base}.{digest}"
 
 
+def run_scheduler(kind: str, paths: RunPaths, cluster: ClusterConfig, tls: TLSFiles | None):
+    """The scheduler backend of `kind` for the run in `paths`, set up from the run's cluster
+    settings (its jobs tagged with `run_tag`, so every incarnation of the run finds them)."""
+    cc = cluster
+    if kind == "local":
+        kwargs: dict[str, Any] = {"log_dir": paths.jobs}
+    else:
+        iface = cc.worker_interface
+        host = None
+        if iface is None and cc.scheduler_interface is None and cc.scheduler_host in ("127.0.0.1", "localhost"):
+            host = "127.0.0.1"  # a loopback scheduler: the workers are on this host too
+        kwargs = {"job_dir": paths.jobs, "tag": run_tag(paths),
+                  "setup_lines": tuple(cc.slurm_setup_lines), "interface": iface, "host": host}
+        if cc.worker_python:
+            kwargs["python"] = cc.worker_python
+    return make_scheduler(kind, tls=tls, **kwargs)
+
+
 class PartitionSet:
     """The run's partitions, their states and the scheduler backends of their workers."""
 
@@ -83,22 +102,12 @@ class PartitionSet:
         self.policy = WorkerPolicy.of(cluster.worker_env_allowlist, cluster.sbatch_options_allowlist)
         #: the refusals by the allowlists already noted
         self._refusals_noted: set[str] = set()
+        #: every job this incarnation submits, recorded for the next one (`jobrecords`)
+        self.records = JobRecords(paths)
 
     def scheduler_for(self, part: Partition):
         if part.scheduler not in self.schedulers:
-            cc = self.cluster
-            if part.scheduler == "local":
-                kwargs: dict[str, Any] = {"log_dir": self.paths.jobs}
-            else:
-                iface = cc.worker_interface
-                host = None
-                if iface is None and cc.scheduler_interface is None and cc.scheduler_host in ("127.0.0.1", "localhost"):
-                    host = "127.0.0.1"  # a loopback scheduler: the workers are on this host too
-                kwargs = {"job_dir": self.paths.jobs, "tag": run_tag(self.paths),
-                          "setup_lines": tuple(cc.slurm_setup_lines), "interface": iface, "host": host}
-                if cc.worker_python:
-                    kwargs["python"] = cc.worker_python
-            self.schedulers[part.scheduler] = make_scheduler(part.scheduler, tls=self.tls, **kwargs)
+            self.schedulers[part.scheduler] = run_scheduler(part.scheduler, self.paths, self.cluster, self.tls)
         return self.schedulers[part.scheduler]
 
     def cancel(self, w: Worker) -> None:
@@ -194,3 +203,4 @@ class PartitionSet:
                 for job in jobs:
                     fleet.add(job, name)
                     self.progress.note(f"submitted {job.kind} worker {job.worker_name} ({job.job_id})")
+                self.records.add(jobs)  # after the fleet has them: a failed write still leaves them cancelled at the end

@@ -1,6 +1,6 @@
 """Runtime room: how a run ended, and waits that cannot hang the way out.
 
-Every ending of a run (its last step, Ctrl-C or SIGTERM, a lost data-layer worker, a lost
+Every ending of a run (its last step, Ctrl-C or SIGTERM, the requeue signal, a lost data-layer worker, a lost
 trainer worker past its restarts, the run deadline, an actor call that raised) leaves through the same path in the orchestrator:
 stop the components, write ``summary.json`` with the `Ending`, cancel the worker jobs. On that
 path a component may already be gone, so every actor call is made through `BoundedWaits`: all
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,19 +20,43 @@ from typing import Any, Callable
 log = logging.getLogger("astraflow.runtime")
 
 
+#: the signal that stops a run *to be resumed*: a Slurm head job gets it before its walltime
+#: (``#SBATCH --signal=B:USR1@...``, forwarded to the run by jobs/astraflow-head.sbatch)
+REQUEUE_SIGNAL = signal.SIGUSR1
+
+#: what ``astraflow run`` exits with after it stopped on `REQUEUE_SIGNAL` (``EX_TEMPFAIL``: try
+#: again later); the head job requeues itself on it and on nothing else
+REQUEUE_EXIT_CODE = 75
+
+
+class StopForRequeue(KeyboardInterrupt):
+    """Raised in the main thread by `REQUEUE_SIGNAL`: the run stops the way Ctrl-C stops it
+    (nodes flush, trainers commit, summary, jobs cancelled), marked to be resumed."""
+
+
 @dataclass(frozen=True)
 class Ending:
-    """How a run ended; written into ``summary.json`` as ``status`` and ``reason``."""
+    """How a run ended; written into ``summary.json`` as ``status``, ``reason`` and ``requeue``."""
 
     status: str
-    """``completed`` (every trainer took its steps), ``interrupted`` (Ctrl-C, SIGTERM, scancel)
-    or ``failed``."""
+    """``completed`` (every trainer took its steps), ``interrupted`` (Ctrl-C, SIGTERM, scancel,
+    the requeue signal) or ``failed``."""
     reason: str | None = None
     """Why it was interrupted or failed, in one line; None for a completed run."""
+    requeue: bool = False
+    """True when it was interrupted to be resumed (`StopForRequeue`): the head job requeues."""
 
     @property
     def clean(self) -> bool:
         return self.status == "completed"
+
+
+def interrupted(sig: KeyboardInterrupt) -> Ending:
+    """The `Ending` of a run stopped by Ctrl-C, SIGTERM or the requeue signal."""
+    by = f"stopped by {sig.args[0] if sig.args else 'Ctrl-C'}"
+    if isinstance(sig, StopForRequeue):
+        return Ending("interrupted", f"{by} for a requeue (the warning before the walltime)", requeue=True)
+    return Ending("interrupted", by)
 
 
 def disk_full(err: BaseException) -> bool:

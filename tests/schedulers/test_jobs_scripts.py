@@ -1,9 +1,16 @@
-"""The launcher scripts under jobs/ parse and refuse bad use with a message."""
+"""The launcher scripts under jobs/ parse and refuse bad use with a message, and the head
+script passes Slurm's walltime warning on and requeues its job only when the run stopped for it."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
+
+import pytest
 
 JOBS = Path(__file__).parents[2] / "jobs"
 
@@ -30,3 +37,91 @@ def test_head_script_refuses_an_interpreter_without_astraflow(tmp_path):
     proc = subprocess.run(["bash", str(JOBS / "astraflow-head.sbatch"), "c.yaml"], capture_output=True, text=True,
                           cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "ASTRAFLOW_PYTHON": "/usr/bin/true-nope"})
     assert proc.returncode == 2 and "cannot import astraflow" in proc.stderr
+
+
+# -- walltime warning and requeue: the script's decisions, with `astraflow run` and `scontrol`
+# standing in as small scripts (the real path runs on the local Slurm: tests/slurm/test_requeue.py)
+
+#: stands in for `$ASTRAFLOW_PYTHON`: `-c` runs the real interpreter; `-m astraflow run` says it
+#: started, exits 75 on SIGUSR1 as astraflow does, and otherwise exits with $STUB_RC
+STUB_PY = """#!/bin/bash
+if [ "$1" = -c ]; then exec {python} "$@"; fi
+echo "$@" > "$STUB_DIR/args"
+trap 'kill $s 2>/dev/null; echo usr1 >> "$STUB_DIR/signals"; exit 75' USR1
+sleep "${{STUB_SLEEP:-0}}" & s=$!
+wait $s
+exit "${{STUB_RC:-0}}"
+"""
+STUB_SCONTROL = '#!/bin/sh\necho "$@" >> "$STUB_DIR/scontrol"\n'
+
+
+def _head(tmp_path, *, restarts: int | None = None, **env: str) -> subprocess.Popen:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("py", STUB_PY.format(python=sys.executable)), ("scontrol", STUB_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "c.yaml").write_text("run: {}\n")
+    full = {"PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin", "PYTHONPATH": str(JOBS.parent), "STUB_DIR": str(tmp_path),
+            "ASTRAFLOW_PYTHON": str(bin_dir / "py"), "SLURM_JOB_ID": "77", **env}
+    if restarts is not None:
+        full["SLURM_RESTART_COUNT"] = str(restarts)
+    return subprocess.Popen(["bash", str(JOBS / "astraflow-head.sbatch"), "c.yaml", str(tmp_path / "run")],
+                            cwd=tmp_path, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _warned(tmp_path, proc: subprocess.Popen) -> tuple[int, str]:
+    """Send the walltime warning to the script (as Slurm's ``B:USR1`` does) once astraflow runs."""
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "args").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # the stand-in's trap is set just after it writes args
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=30)
+    return proc.returncode, out
+
+
+def test_head_script_asks_for_requeue_and_an_early_warning():
+    text = (JOBS / "astraflow-head.sbatch").read_text()
+    assert "#SBATCH --requeue\n" in text and "#SBATCH --signal=B:USR1@300\n" in text
+    assert "#SBATCH --open-mode=append\n" in text  # both incarnations in one log
+    assert "\nexec " not in text  # the shell must stay to pass the warning on and requeue
+
+
+def test_the_warning_reaches_astraflow_and_the_job_requeues_itself(tmp_path):
+    rc, out = _warned(tmp_path, _head(tmp_path, STUB_SLEEP="30"))
+    assert (tmp_path / "signals").read_text() == "usr1\n"
+    assert (tmp_path / "scontrol").read_text() == "requeue 77\n", out
+    assert rc == 0 and "requeueing job 77 (requeue 1 of at most 10)" in out, out
+    assert (tmp_path / "args").read_text().split()[:4] == ["-m", "astraflow", "run", "c.yaml"]
+
+
+def test_requeues_stop_at_the_cap(tmp_path):
+    rc, out = _warned(tmp_path, _head(tmp_path, restarts=2, STUB_SLEEP="30", ASTRAFLOW_MAX_REQUEUES="2"))
+    assert rc == 75 and not (tmp_path / "scontrol").exists(), out
+    assert "requeued 2 times already (ASTRAFLOW_MAX_REQUEUES=2)" in out, out
+
+
+@pytest.mark.parametrize("stub_rc", ["0", "1", "130"])
+def test_a_run_that_ended_otherwise_is_not_requeued(tmp_path, stub_rc):
+    proc = _head(tmp_path, STUB_RC=stub_rc)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == int(stub_rc) and not (tmp_path / "scontrol").exists(), out
+
+
+def test_a_requeued_job_whose_run_completed_does_not_run_again(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text('{"status": "completed"}')
+    proc = _head(tmp_path, restarts=1)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "completed already" in out and not (tmp_path / "args").exists(), out
+    (tmp_path / "run" / "summary.json").write_text('{"status": "interrupted", "requeue": true}')
+    proc = _head(tmp_path, restarts=1)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and (tmp_path / "args").exists() and "incarnation 2" in out, out
+
+
+def test_a_bad_requeue_cap_is_refused_naming_the_fix(tmp_path):
+    proc = _head(tmp_path, ASTRAFLOW_MAX_REQUEUES="many")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "ASTRAFLOW_MAX_REQUEUES='many': set it to a whole number" in out, out

@@ -13,6 +13,9 @@
 #   LOCAL_SLURM_CPUS=8                         CPUs advertised per virtual node (may exceed real cores)
 #   LOCAL_SLURM_GPUS=4                         fake GRES gpu:<partition>:N on every non-"cpu" partition (0: none)
 #   LOCAL_SLURM_NO_APT=0                       1: fail instead of calling apt-get
+#   LOCAL_SLURM_CRED_EXPIRE=15                 job credential lifetime (s); a requeued job waits this long
+#                                              before it starts again (Slurm's default, 120 s, would make
+#                                              the requeue test sit idle; a job started sooner is refused)
 #
 # start is idempotent: with the same settings and the daemons alive it only waits for idle nodes.
 # stop kills only the daemons whose pid files this script's config names (and munged if it started it).
@@ -23,6 +26,7 @@ D=${LOCAL_SLURM_DIR:-/tmp/astraflow-slurm}
 PARTS=${LOCAL_SLURM_PARTITIONS:-"h100:2 a100:1 cpu:1"}
 CPUS=${LOCAL_SLURM_CPUS:-8}
 GPUS=${LOCAL_SLURM_GPUS:-4}
+CRED_EXPIRE=${LOCAL_SLURM_CRED_EXPIRE:-15}
 HOST=$(hostname -s)
 T0=$(date +%s%N)
 
@@ -112,6 +116,7 @@ SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=$CRED_EXPIRE
 StateSaveLocation=$D/state
 SlurmdSpoolDir=$D/spool/%n
 SlurmctldPidFile=$D/run/slurmctld.pid

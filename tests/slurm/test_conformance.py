@@ -15,11 +15,11 @@ from tests.schedulers.dask_fixtures import wait_for_workers
 BACKENDS = ["local", pytest.param("slurm", marks=pytest.mark.slurm)]
 
 
-def _backend(kind: str, tmp_path) -> tuple[Scheduler, Partition]:
+def _backend(kind: str, tmp_path, tag: str | None = None) -> tuple[Scheduler, Partition]:
     if kind == "local":
         return make_scheduler("local", log_dir=tmp_path / "logs", death_timeout=20), Partition(name="pool", role="trainer")
     sched = make_scheduler("slurm", job_dir=tmp_path / "jobs", interface="lo", death_timeout=20,
-                           tag=f"conf-{uuid.uuid4().hex[:8]}")
+                           tag=tag or f"conf-{uuid.uuid4().hex[:8]}")
     return sched, Partition(name="pool", scheduler="slurm", slurm_partition="a100", role="trainer", walltime="5")
 
 
@@ -46,3 +46,26 @@ def test_scheduler_contract(kind, tmp_path, dask_scheduler):
         sched.wait_for([r.job_id for r in refs], {"CANCELLED"}, deadline_s=20)
     assert {s.state for s in sched.jobs()} == {"CANCELLED"}
     sched.cancel([refs[0].job_id])  # cancelling a finished job is a no-op
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_new_incarnation_cancels_what_the_previous_one_left(kind, tmp_path, dask_scheduler):
+    """A second backend object for the same run (a resumed run's) cancels the first one's live
+    jobs from their records and reports them; the first object's view agrees they ended."""
+    address, _, client = dask_scheduler
+    tag = f"conf-{uuid.uuid4().hex[:8]}"
+    old, part = _backend(kind, tmp_path, tag)
+    refs = old.submit(part, address, count=1)
+    try:
+        assert {r.worker_name for r in refs} <= wait_for_workers(client, {r.worker_name for r in refs}, True, 45)
+        new, _ = _backend(kind, tmp_path, tag)
+        stale = new.cancel_previous(refs)
+        assert [(s.job_id, s.worker_name, s.partition) for s in stale] == [(r.job_id, r.worker_name, "pool") for r in refs]
+        assert all(s.state == "RUNNING" for s in stale)
+        assert wait_for_workers(client, {r.worker_name for r in refs}, False, 30).isdisjoint({r.worker_name for r in refs})
+        if kind == "slurm":  # cancellation is asynchronous in Slurm
+            new.wait_for([r.job_id for r in refs], {"CANCELLED"}, deadline_s=20)
+        assert new.cancel_previous(refs) == []  # nothing active is left
+    finally:
+        old.cancel([r.job_id for r in refs])

@@ -48,6 +48,8 @@ class StatusWriter:
         self.trainer_restarts: Callable[[], dict[str, Any]] = dict
         #: the data layer's re-placements (``DataLayerRestarts.record``)
         self.data_layer_restarts: Callable[[], dict[str, Any]] = dict
+        #: the previous incarnation's worker jobs cancelled at start (``PreviousJobs.as_dict``)
+        self.previous_jobs: dict[str, Any] = {"cancelled": [], "errors": {}}
 
     def track(self, tick: Tick) -> None:
         """Per-partition trajectory counts from the data layer's node table, and the history
@@ -108,6 +110,7 @@ class StatusWriter:
             "trainers": tick.trainers,
             "trainer_restarts": self.trainer_restarts(),
             "data_layer_restarts": self.data_layer_restarts(),
+            "previous_jobs": self.previous_jobs,
             "partitions": self.partitions(),
             "workers": {
                 n: {"job_id": w.job.job_id, "partition": w.partition, "kind": w.job.kind,
@@ -121,17 +124,19 @@ class StatusWriter:
                       seconds: float, nodes: dict[str, Any], trainers: dict[str, Any], data_layer: dict[str, Any],
                       iterations: list[dict[str, float]], stop_errors: dict[str, str]) -> None:
         """Publish ``summary.json``: how the run ended (``status``: completed, interrupted or
-        failed, and its ``reason``), the final state of the run (``data_layer`` after every task
-        ended; the last one read when the data layer was gone, then ``ledger_closed`` is false),
+        failed, its ``reason``, and ``requeue``: stopped to be resumed by a requeued head job),
+        the final state of the run (``data_layer`` after every task ended; the last one read
+        when the data layer was gone, then ``ledger_closed`` is false),
         what each node and trainer returned when stopped, the trainers' restarts per policy
         (``trainer_restarts``: count, limit, and per restart the lost worker, why, the versions
-        resumed and the optimiser state's), every worker, and what did not answer while the
-        run stopped (``stop_errors``)."""
+        resumed and the optimiser state's), the previous incarnation's jobs cancelled at start
+        (``previous_jobs``), every worker, and what did not answer while the run stopped
+        (``stop_errors``)."""
         write_summary(self.paths, {
-            "status": ending.status, "reason": ending.reason,
+            "status": ending.status, "reason": ending.reason, "requeue": ending.requeue,
             "steps": steps, "eval": data_layer.get("eval", []), "ledger": ledger, "ledger_closed": ledger_closed,
             "seconds": seconds, "interrupted": ending.status == "interrupted", "nodes": nodes, "trainers": trainers,
-            "trainer_restarts": self.trainer_restarts(),
+            "trainer_restarts": self.trainer_restarts(), "previous_jobs": self.previous_jobs,
             "data_layer_restarts": self.data_layer_restarts(),
             "data_layer": data_layer, "iterations": iterations, "stop_errors": stop_errors,
             "workers": {n: {"partition": w.partition, "job_id": w.job.job_id, "phase": w.phase, "note": w.note,
