@@ -165,6 +165,8 @@ class _LinkCall:
                     try:
                         return fut.result(max(left, 0.001))
                     except TimeoutError:
+                        if getattr(fut, "done", lambda: True)():
+                            raise  # the actor's own answer (e.g. no batch in time), not this slice's end
                         if self.link.current()[1] != generation:
                             break  # re-placed while this call waited: make it again there
                         if deadline is not None and time.monotonic() >= deadline:

@@ -62,3 +62,22 @@ def test_the_actors_own_error_is_not_retried(client):
     with pytest.raises(ValueError, match="the actor's own error"):
         link.fail().result(timeout=30)
     assert not actor_lost(ValueError("the actor's own error")) and not actor_lost(TimeoutError("slow"))
+
+
+class _Slow:
+    def timeout_after(self, seconds: float) -> None:
+        import time
+
+        time.sleep(seconds)
+        raise TimeoutError("the actor's own deadline")
+
+
+def test_a_timeout_the_actor_raises_is_its_answer_not_a_slice_to_wait_out(client):
+    import time
+
+    workers = sorted(client.scheduler_info()["workers"])
+    link = Link(client.submit(_Slow, actor=True, workers=[workers[0]], pure=False).result(), "the slow one")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="the actor's own deadline"):
+        link.timeout_after(1.5).result(timeout=30)
+    assert time.monotonic() - t0 < 10

@@ -10,8 +10,11 @@ is re-placed from this state, see ``runtime/restarts.py``) or the whole run does
   rounds, counters, and what ``dataflow_state.json`` holds (versions, rules, prompt orders,
   the random stream). It is rewritten (temp file + rename) before any call that changed the
   state returns; calls that run at the same time share one write (``Snapshots``: a group
-  commit), and the write at a commit is fsynced. A call's answer therefore never tells a node or
-  a trainer something the next data layer will not know. Not saved: the replay pool (it refills
+  commit). A call's answer therefore never tells a node or a trainer something the next data
+  layer will not know. Writes reach the kernel, which is enough when a process is killed; only
+  the writes at the end of a run and at a trainer's restart are fsynced. After a machine loses
+  power the snapshot may be older than the weight store: the resume's ``trainer_restarted``
+  records the versions committed since, and the tasks leased since are leased again. Not saved: the replay pool (it refills
   from the next batches) and node statistics (the next heartbeat brings them).
 * ``ledger.jsonl``: one line per task created and per task ended (``{"t": id, "e": "created" |
   outcome, "r": reason}``): the run's record that every task ended once, across incarnations.

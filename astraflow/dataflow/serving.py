@@ -97,7 +97,7 @@ class TrainerFacing:
             return
         self._committed(policy, version, metrics, batch_metrics)
         self._notify()
-        await self._durable(sync=True)
+        await self._durable()
 
     def _committed(self, policy: str, version: int, metrics: dict[str, Any] | None,
                    batch_metrics: dict[str, Any] | None) -> None:
