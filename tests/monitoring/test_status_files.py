@@ -69,6 +69,12 @@ def test_what_the_writer_writes_every_reader_reads_back(tmp_path):
     assert rollout["episodes_per_s"] > 0 and rollout["first_trajectory_at"] is not None
     assert st["workers"]["rollout-rollout-local-cpu-0"]["phase"] == "serving"
     assert "rollout-rollout-local-cpu-0" in format_status(st)
+    assert "data layer: re-placed" not in format_status(st)
+    writer.data_layer_restarts = lambda: {"count": 1, "limit": 2, "restarts": [
+        {"worker": "data-data-local-cpu-0", "why": "job local-1 FAILED", "new_worker": "data-data-local-cpu-1"}]}
+    writer.write(_tick(4))
+    assert ("data layer: re-placed 1/2 time(s), last on data-data-local-cpu-1 (job local-1 FAILED)"
+            in format_status(run_status(paths.root)))
     view = build_status_view(paths.root)
     assert view.running and not view.finished and view.age_s is not None and view.age_s < STALE_AFTER_S
     assert [p.name for p in view.partitions] == ["data", "trainer", "rollout"]

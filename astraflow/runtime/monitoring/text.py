@@ -41,6 +41,11 @@ def format_status(st: dict[str, Any]) -> str:
             f"wait {t.get('wait_fraction', 0):.0%}  buffer {dl.get('buffers', {}).get(p, 0)}"
             + (f"  restarts {r['count']}/{r.get('limit', '?')}" if r.get("count") else "")
         )
+    dlr = st.get("data_layer_restarts") or {}
+    if dlr.get("count"):
+        last = dlr["restarts"][-1]
+        lines.append(f"data layer: re-placed {dlr['count']}/{dlr.get('limit', '?')} time(s), last on "
+                     f"{last.get('new_worker')} ({last.get('why')})")
     lines.append("partitions:")
     lines += ["  " + x for x in format_partitions(st).splitlines()]
     lines.append("workers:")
