@@ -270,17 +270,28 @@ def _resolve_data_paths(workload: Any, base_dir: Path) -> None:
 
 def check_models(cfg: RunConfig) -> None:
     """Check that every policy model directory that exists loads (config, architecture, weight
-    files, tokenizer; the weights themselves are not read): ``ConfigError`` naming the policy,
-    the directory and the fix. Directories still to be built by ``init`` are skipped. Separate
-    from validation, which stays cheap and needs no model on disk."""
+    files, tokenizer; the weights themselves are not read), and that the Megatron backend can
+    build its architecture where a policy trains with it: ``ConfigError`` naming the policy,
+    the directory and the fix. Directories still to be built by ``init`` are skipped (both of
+    its archs convert). Separate from validation, which stays cheap and needs no model on disk."""
+    import json
+
     from astraflow.models import check_model_dir
+    from astraflow.weightconv import GPTShape
 
     for pol in cfg.policies:
-        if pol.model.exists():
+        if not pol.model.exists():
+            continue
+        try:
+            check_model_dir(pol.model)
+        except ValueError as err:
+            raise ConfigError(f"policies[{pol.name}].model: {err}") from None
+        if pol.trainer.backend == "megatron":
             try:
-                check_model_dir(pol.model)
+                GPTShape.from_hf_config(json.loads((pol.model / "config.json").read_text()))
             except ValueError as err:
-                raise ConfigError(f"policies[{pol.name}].model: {err}") from None
+                raise ConfigError(f"policies[{pol.name}].model: {pol.model}: trainer.backend megatron "
+                                  f"cannot train it: {err}") from None
 
 
 def check_devices(cfg: RunConfig) -> None:

@@ -1,14 +1,19 @@
-"""Name and layout mapping between HF Llama state dicts and Megatron-core GPT state dicts.
+"""Name and layout mapping between HF decoder state dicts (Llama, Qwen2) and Megatron-core GPT ones.
 
 Neutral ground for both sides of weight sync: the trainer (``training/megatron``) converts an HF
 checkpoint into Megatron to start from it, and RaaS nodes (``rollout/``) convert a committed
 Megatron checkpoint back into the HF layout their engine loads. Neither package may import the
 other, so the mapping lives here. Pure tensor code: no Megatron import, no process group.
 
+Supported HF architectures (``SUPPORTED_MODEL_TYPES``): ``llama`` (no biases) and ``qwen2`` (the
+Llama block plus q/k/v projection biases). Both: RMSNorm, RoPE without scaling, GQA, SwiGLU MLP,
+tied or separate output head. Anything else is refused by ``GPTShape.from_hf_config``.
+
 Layouts (``L`` layers, ``G`` query groups = KV heads, ``h`` = head_dim, ``q = heads // G``):
 
 * fused QKV ``linear_qkv.weight`` is ``[G * (q + 2) * h, hidden]``, per group the group's ``q``
-  query heads, then its key head, then its value head;
+  query heads, then its key head, then its value head; the Qwen2 bias ``linear_qkv.bias`` is
+  ``[G * (q + 2) * h]`` in the same row order;
 * ``linear_fc1.weight`` is ``[gate; up]`` (SwiGLU), ``[2 * ffn, hidden]``;
 * with tied embeddings Megatron has no ``output_layer.weight``; HF's ``lm_head.weight`` is the
   embedding.
@@ -31,9 +36,13 @@ import torch
 Tensor = torch.Tensor
 
 
+#: HF ``model_type``s the conversion (and so the Megatron backend) supports.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
 @dataclass(frozen=True)
-class LlamaShape:
-    """The architecture numbers of a Llama model that both layouts need."""
+class GPTShape:
+    """The architecture numbers of a supported HF decoder that both layouts need."""
 
     vocab_size: int
     hidden_size: int
@@ -46,27 +55,40 @@ class LlamaShape:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    #: the q/k/v projections have biases (Qwen2); the output projection and the MLP never do.
+    qkv_bias: bool = False
 
     @classmethod
-    def from_hf_config(cls, config: Any | Mapping[str, Any]) -> "LlamaShape":
-        """From a ``transformers`` config object or its ``to_dict()``."""
+    def from_hf_config(cls, config: Any | Mapping[str, Any]) -> "GPTShape":
+        """From a ``transformers`` config object or its ``to_dict()``. ``ValueError`` naming the
+        reason for an architecture, or a feature of one, that the Megatron GPT model does not have."""
         c = dict(config) if isinstance(config, Mapping) else config.to_dict()
         model_type = c.get("model_type", "llama")
-        if model_type != "llama":
+        if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"model_type {model_type!r} is not supported by the Megatron conversion: use a "
-                "LlamaConfig (a bias-free Megatron GPT maps to Llama, not Qwen2)"
+                f"model_type {model_type!r} is not supported by the Megatron conversion; supported: "
+                "llama (LlamaForCausalLM, no biases) and qwen2 (Qwen2ForCausalLM, q/k/v biases). "
+                "Train other architectures with trainer.backend: torch"
             )
-        for key in ("attention_bias", "mlp_bias"):
-            if c.get(key):
-                raise ValueError(f"{key}=True is not supported: the Megatron GPT config is bias-free")
+        heads = int(c["num_attention_heads"])
+        layers = int(c["num_hidden_layers"])
+        if model_type == "llama":
+            # Megatron has one switch for every linear bias (add_bias_linear) and one for q/k/v
+            # only; Llama's attention_bias (q/k/v and o) and mlp_bias fit neither
+            for key in ("attention_bias", "mlp_bias"):
+                if c.get(key):
+                    raise ValueError(f"Llama {key}=True is not supported by the Megatron conversion "
+                                     "(only q/k/v biases, as Qwen2 has, are)")
+        elif _qwen2_sliding_window(c, layers):
+            raise ValueError("Qwen2 sliding-window attention (use_sliding_window with max_window_layers < "
+                             "num_hidden_layers) is not supported by the Megatron conversion: every layer "
+                             "must attend to the full context")
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={c['hidden_act']!r}: only SwiGLU (silu) is supported")
         rope = c.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default" or c.get("rope_scaling"):
             raise ValueError("rope scaling is not supported by the Megatron conversion")
         theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-        heads = int(c["num_attention_heads"])
         kv = int(c.get("num_key_value_heads") or heads)
         if heads % kv:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
@@ -74,7 +96,7 @@ class LlamaShape:
             vocab_size=int(c["vocab_size"]),
             hidden_size=int(c["hidden_size"]),
             intermediate_size=int(c["intermediate_size"]),
-            num_layers=int(c["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv,
             head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
@@ -82,7 +104,22 @@ class LlamaShape:
             rope_theta=float(theta),
             max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
         )
+
+
+#: the former name, from when only Llama was supported
+LlamaShape = GPTShape
+
+
+def _qwen2_sliding_window(c: Mapping[str, Any], layers: int) -> bool:
+    """Whether a Qwen2 config has sliding-window layers: ``layer_types`` says so where the config
+    object filled it in; a raw ``config.json`` may only have the switches it is derived from."""
+    types = c.get("layer_types")
+    if types is not None:
+        return "sliding_attention" in types
+    return bool(c.get("use_sliding_window")) and c.get("sliding_window") is not None \
+        and int(c.get("max_window_layers", layers)) < layers
 
 
 # per-layer names: (megatron module suffix, megatron checkpoint suffix, hf suffix); the fused
@@ -94,47 +131,46 @@ _LAYER_SIMPLE = (
     ("mlp.linear_fc2.weight", "mlp.linear_fc2.weight", "mlp.down_proj.weight"),
 )
 _QKV = "self_attention.linear_qkv.weight"
+_QKV_BIAS = "self_attention.linear_qkv.bias"
 _FC1 = "mlp.linear_fc1.weight"
-_STACKED_PER_LAYER = tuple(ck for _, ck, _ in _LAYER_SIMPLE) + (_QKV, _FC1)
+_STACKED_PER_LAYER = tuple(ck for _, ck, _ in _LAYER_SIMPLE) + (_QKV, _QKV_BIAS, _FC1)
 
 
-def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, shape: LlamaShape) -> Tensor:
-    """HF q/k/v projections -> Megatron fused QKV (grouped per KV head)."""
-    g, h, hid = shape.num_kv_heads, shape.head_dim, q.shape[-1]
+def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, shape: GPTShape) -> Tensor:
+    """HF q/k/v projections -> Megatron fused QKV (grouped per KV head). Weights (``[rows,
+    hidden]``) and biases (``[rows]``) alike: only the leading (output) axis is regrouped."""
+    g, h, rest = shape.num_kv_heads, shape.head_dim, tuple(q.shape[1:])
     per = shape.num_heads // g
     return torch.cat(
-        [q.reshape(g, per * h, hid), k.reshape(g, h, hid), v.reshape(g, h, hid)], dim=1
-    ).reshape(g * (per + 2) * h, hid)
+        [q.reshape(g, per * h, *rest), k.reshape(g, h, *rest), v.reshape(g, h, *rest)], dim=1
+    ).reshape(g * (per + 2) * h, *rest)
 
 
-def split_qkv(qkv: Tensor, shape: LlamaShape) -> tuple[Tensor, Tensor, Tensor]:
-    """Megatron fused QKV -> HF q, k, v projections (the inverse of ``fuse_qkv``)."""
-    g, h = shape.num_kv_heads, shape.head_dim
+def split_qkv(qkv: Tensor, shape: GPTShape) -> tuple[Tensor, Tensor, Tensor]:
+    """Megatron fused QKV weight or bias -> HF q, k, v projections (the inverse of ``fuse_qkv``)."""
+    g, h, rest = shape.num_kv_heads, shape.head_dim, tuple(qkv.shape[1:])
     per = shape.num_heads // g
-    hid = qkv.shape[-1]
-    grouped = qkv.reshape(g, (per + 2) * h, hid)
+    grouped = qkv.reshape(g, (per + 2) * h, *rest)
     q, k, v = torch.split(grouped, [per * h, h, h], dim=1)
     return (
-        q.reshape(g * per * h, hid).contiguous(),
-        k.reshape(g * h, hid).contiguous(),
-        v.reshape(g * h, hid).contiguous(),
+        q.reshape(g * per * h, *rest).contiguous(),
+        k.reshape(g * h, *rest).contiguous(),
+        v.reshape(g * h, *rest).contiguous(),
     )
 
 
 def hf_to_megatron(hf_sd: Mapping[str, Tensor], hf_config: Any | Mapping[str, Any]) -> dict[str, Tensor]:
-    """HF Llama state dict -> Megatron GPT state dict in *module* names (unsharded, TP=1)."""
-    s = LlamaShape.from_hf_config(hf_config)
+    """HF Llama/Qwen2 state dict -> Megatron GPT state dict in *module* names (unsharded, TP=1)."""
+    s = GPTShape.from_hf_config(hf_config)
     out = {"embedding.word_embeddings.weight": hf_sd["model.embed_tokens.weight"]}
     for i in range(s.num_layers):
         hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
         for mod, _ck, hf in _LAYER_SIMPLE:
             out[mp + mod] = hf_sd[hp + hf]
-        out[mp + _QKV] = fuse_qkv(
-            hf_sd[hp + "self_attn.q_proj.weight"],
-            hf_sd[hp + "self_attn.k_proj.weight"],
-            hf_sd[hp + "self_attn.v_proj.weight"],
-            s,
-        )
+        attn = hp + "self_attn."
+        out[mp + _QKV] = fuse_qkv(*(hf_sd[f"{attn}{p}_proj.weight"] for p in "qkv"), s)
+        if s.qkv_bias:
+            out[mp + _QKV_BIAS] = fuse_qkv(*(hf_sd[f"{attn}{p}_proj.bias"] for p in "qkv"), s)
         out[mp + _FC1] = torch.cat([hf_sd[hp + "mlp.gate_proj.weight"], hf_sd[hp + "mlp.up_proj.weight"]], 0)
     out["decoder.final_layernorm.weight"] = hf_sd["model.norm.weight"]
     if not s.tie_word_embeddings:
@@ -147,8 +183,8 @@ def unstack_checkpoint(sd: Mapping[str, Tensor], num_layers: int) -> dict[str, T
 
     Entries that are not tensors (Megatron's ``_extra_state`` objects) are dropped."""
     ck_to_mod = {ck: mod for mod, ck, _ in _LAYER_SIMPLE}
-    ck_to_mod[_QKV] = _QKV
-    ck_to_mod[_FC1] = _FC1
+    for name in (_QKV, _QKV_BIAS, _FC1):
+        ck_to_mod[name] = name
     out: dict[str, Tensor] = {}
     for name, t in sd.items():
         if not isinstance(t, Tensor):
@@ -171,12 +207,12 @@ def is_checkpoint_layout(sd: Mapping[str, Any]) -> bool:
 
 
 def megatron_to_hf(sd: Mapping[str, Tensor], hf_config: Any | Mapping[str, Any]) -> dict[str, Tensor]:
-    """Megatron GPT state dict (module or checkpoint names, unsharded) -> HF Llama state dict.
+    """Megatron GPT state dict (module or checkpoint names, unsharded) -> HF Llama/Qwen2 state dict.
 
     The exact inverse of ``hf_to_megatron``. For tied embeddings ``lm_head.weight`` is the same
     tensor as ``model.embed_tokens.weight`` (what HF's ``state_dict()`` of a tied model holds).
     """
-    s = LlamaShape.from_hf_config(hf_config)
+    s = GPTShape.from_hf_config(hf_config)
     if is_checkpoint_layout(sd):
         sd = unstack_checkpoint(sd, s.num_layers)
     emb = sd["embedding.word_embeddings.weight"]
@@ -185,10 +221,11 @@ def megatron_to_hf(sd: Mapping[str, Tensor], hf_config: Any | Mapping[str, Any])
         hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
         for mod, _ck, hf in _LAYER_SIMPLE:
             out[hp + hf] = sd[mp + mod]
-        q, k, v = split_qkv(sd[mp + _QKV], s)
-        out[hp + "self_attn.q_proj.weight"] = q
-        out[hp + "self_attn.k_proj.weight"] = k
-        out[hp + "self_attn.v_proj.weight"] = v
+        for p, t in zip("qkv", split_qkv(sd[mp + _QKV], s)):
+            out[f"{hp}self_attn.{p}_proj.weight"] = t
+        if s.qkv_bias:
+            for p, t in zip("qkv", split_qkv(sd[mp + _QKV_BIAS], s)):
+                out[f"{hp}self_attn.{p}_proj.bias"] = t
         gate, up = torch.chunk(sd[mp + _FC1], 2, dim=0)
         out[hp + "mlp.gate_proj.weight"] = gate.contiguous()
         out[hp + "mlp.up_proj.weight"] = up.contiguous()

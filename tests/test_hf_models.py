@@ -194,12 +194,14 @@ def test_the_trainer_and_the_engines_fail_with_the_same_message(tiny_model, tmp_
             build(str(bad))
 
 
-def _check(tmp_path: Path, model: Path):
+def _check(tmp_path: Path, model: Path, **trainer):
     from astraflow.cli import main
 
     data = yaml.safe_load((ROOT / "examples" / "tiny" / "config.yaml").read_text())
     data["policies"][0]["model"] = str(model)
     data["policies"][0].pop("init", None)
+    if trainer:
+        data["policies"][0]["trainer"] = trainer
     cfg = tmp_path / "config.yaml"
     cfg.write_text(yaml.safe_dump(data))
     return CliRunner().invoke(main, ["check", str(cfg)])
@@ -227,3 +229,18 @@ def test_check_names_a_model_directory_that_cannot_be_loaded(tiny_model, tmp_pat
 def test_check_accepts_an_untied_model(untied, tmp_path):
     res = _check(tmp_path, untied)
     assert res.exit_code == 0, res.output
+
+
+def test_check_refuses_an_architecture_the_megatron_backend_cannot_train(tiny_model, untied, tmp_path):
+    """Qwen2 (tied or not) passes for ``trainer.backend: megatron``; another causal LM that
+    transformers knows is refused before any rank starts, naming the supported ones."""
+    for model in (tiny_model, untied):
+        res = _check(tmp_path, model, backend="megatron")
+        assert res.exit_code == 0, res.output
+    bad = _broken(tiny_model, tmp_path, "m")
+    _edit_json(bad / "config.json", model_type="mistral", architectures=["MistralForCausalLM"])
+    assert _check(tmp_path, bad).exit_code == 0  # the torch backend trains it
+    res = _check(tmp_path, bad, backend="megatron")
+    assert res.exit_code == 2, res.output
+    assert f"policies[solver].model: {bad}: trainer.backend megatron cannot train it" in res.output
+    assert "model_type 'mistral' is not supported" in res.output and "qwen2" in res.output

@@ -1,4 +1,4 @@
-"""Shared pieces of the Megatron tests: a tiny offline Llama, a GRPO loss fallback, a weight-store
+"""Shared pieces of the Megatron tests: tiny offline Llama and Qwen2 models, a GRPO loss fallback, a weight-store
 stand-in with the lead's ``staging``/``commit`` API, and synthetic GRPO batches.
 
 The real ``astraflow.training.grpo`` and ``storage.weights.WeightStore`` are written on other
@@ -38,6 +38,40 @@ def save_tiny_llama(out_dir: Path, tied: bool, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_llama_config(tied))
     model.save_pretrained(out_dir)
+    return out_dir
+
+
+def tiny_qwen2_config(tied: bool, layers: int = 2):
+    """The Qwen2 counterpart of ``tiny_llama_config``, with Qwen2's own rope base and a norm eps
+    unlike Megatron's default, so that a setting the conversion drops shows in the parity."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rms_norm_eps=1e-6, tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+
+
+def tiny_qwen2(tied: bool, seed: int = 0):
+    """A random tiny ``Qwen2ForCausalLM``. HF initialises the q/k/v biases to zero and the norms
+    to one, where a wrong mapping of them would not show; here they are random too."""
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(tiny_qwen2_config(tied))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("norm.weight"):
+                p.normal_(1.0, 0.1)
+    return model
+
+
+def save_tiny_qwen2(out_dir: Path, tied: bool, seed: int = 0) -> Path:
+    tiny_qwen2(tied, seed).save_pretrained(out_dir)
     return out_dir
 
 
@@ -103,10 +137,11 @@ def grpo_batch(tokens: np.ndarray, behaviour_lp: np.ndarray, prompt_len: int = 4
 
 
 def hf_logprobs(hf_sd: dict, hf_config, tokens: np.ndarray) -> np.ndarray:
-    """log p(tokens[:, t+1] | prefix) under an HF Llama holding ``hf_sd`` (strict load)."""
-    from transformers import LlamaForCausalLM
+    """log p(tokens[:, t+1] | prefix) under the HF model of ``hf_config`` (Llama, Qwen2) holding
+    ``hf_sd`` (strict load)."""
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM(hf_config).float().eval()
+    model = AutoModelForCausalLM.from_config(hf_config).float().eval()
     model.load_state_dict(hf_sd, strict=True)
     t = torch.as_tensor(tokens)
     with torch.no_grad():

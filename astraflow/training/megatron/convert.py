@@ -1,4 +1,4 @@
-"""Load HF Llama weights into a (tensor-parallel) Megatron GPTModel, and read them back.
+"""Load HF Llama/Qwen2 weights into a (tensor-parallel) Megatron GPTModel, and read them back.
 
 The HF <-> Megatron *name and layout* mapping lives in ``astraflow.weightconv`` (RaaS nodes need
 it too); this module adds what only the trainer needs: cutting a full Megatron tensor into the
@@ -7,8 +7,9 @@ shards into the module.
 
 Tensor-parallel split of each Megatron tensor (``tp`` ranks, rank ``r``):
 
-* column-parallel (``embedding.word_embeddings``, ``output_layer``, ``linear_qkv``): rows split
-  in ``tp`` contiguous chunks (QKV rows are grouped per KV head, so each rank gets whole groups);
+* column-parallel (``embedding.word_embeddings``, ``output_layer``, ``linear_qkv`` and its Qwen2
+  bias): rows split in ``tp`` contiguous chunks (QKV rows are grouped per KV head, so each rank
+  gets whole groups, the bias the same rows as the weight);
 * ``linear_fc1`` (SwiGLU): rank ``r`` holds ``[gate_r; up_r]``, the r-th chunk of gate and of up;
 * row-parallel (``linear_proj``, ``linear_fc2``): columns split in ``tp`` chunks;
 * norms: replicated.
@@ -20,9 +21,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from astraflow.weightconv import LlamaShape, hf_to_megatron, is_checkpoint_layout, unstack_checkpoint
+from astraflow.weightconv import GPTShape, hf_to_megatron, is_checkpoint_layout, unstack_checkpoint
 
-_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight", "self_attention.linear_qkv.weight")
+_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight", "self_attention.linear_qkv.weight",
+         "self_attention.linear_qkv.bias")
 _COLS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 _FC1 = "mlp.linear_fc1.weight"
 
@@ -71,7 +73,7 @@ def to_module_state(state: Mapping[str, Any], hf_config: Any) -> dict[str, torch
     if "model.embed_tokens.weight" in state:
         return hf_to_megatron(state, hf_config)
     if is_checkpoint_layout(state):
-        return unstack_checkpoint(state, LlamaShape.from_hf_config(hf_config).num_layers)
+        return unstack_checkpoint(state, GPTShape.from_hf_config(hf_config).num_layers)
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
@@ -100,15 +102,15 @@ def load_shard_into(model: torch.nn.Module, shard: Mapping[str, torch.Tensor], r
 
 def load_hf_state_into(model: torch.nn.Module, hf_sd: Mapping[str, torch.Tensor], hf_config: Any,
                        tp_rank: int, tp_size: int) -> None:
-    """Copy an HF Llama state dict into this rank's Megatron model (strict except ``_extra_state``)."""
+    """Copy an HF Llama/Qwen2 state dict into this rank's Megatron model (strict except ``_extra_state``)."""
     load_shard_into(model, shard_for_rank(hf_to_megatron(hf_sd, hf_config), tp_rank, tp_size), tp_rank)
 
 
 def load_hf_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], Any]:
-    """(state dict in fp32, config) of an HF Llama checkpoint directory, read offline."""
-    from transformers import AutoConfig, LlamaForCausalLM
+    """(state dict in fp32, config) of an HF Llama or Qwen2 checkpoint directory, read offline."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
-    LlamaShape.from_hf_config(config)  # fail early, with a clear message, on unsupported configs
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    GPTShape.from_hf_config(config)  # fail early, with a clear message, on unsupported configs
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, config

@@ -1,11 +1,13 @@
-"""Build a Megatron-core ``GPTModel`` equivalent to an HF Llama config, and start its process group.
+"""Build a Megatron-core ``GPTModel`` equivalent to an HF Llama or Qwen2 config, and start its
+process group.
 
 The trainer keeps HF checkpoints as its interchange format (rollout engines load HF layouts); the
 Megatron model is built from the same config so that the HF <-> Megatron conversion in
-``astraflow.weightconv`` is exact. Only what a Llama block has is supported: RMSNorm, RoPE
-(non-interleaved, full head), GQA, SwiGLU MLP, no biases, optional tied embeddings. Anything
-else in the config (rope scaling, biases, sliding windows) raises ``ValueError`` instead of
-silently building a different model.
+``astraflow.weightconv`` is exact. Supported is what a Llama block has: RMSNorm (the config's
+eps), RoPE (non-interleaved, full head, the config's ``rope_theta``), GQA, SwiGLU MLP, tied or
+separate output head; plus Qwen2's q/k/v biases (``add_qkv_bias``). Anything else in the config
+(rope scaling, other biases, sliding windows, other architectures) raises ``ValueError``
+(``GPTShape.from_hf_config``) instead of silently building a different model.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from astraflow.training.megatron.cpu_standins import apply_cpu_standins, seed_model_parallel_rng
-from astraflow.weightconv import LlamaShape
+from astraflow.weightconv import GPTShape
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,9 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def transformer_config(shape: LlamaShape, tp_size: int, params_dtype: torch.dtype = torch.float32):
-    """The Megatron ``TransformerConfig`` of a Llama shape (dropout 0, no fusions needing apex/TE)."""
+def transformer_config(shape: GPTShape, tp_size: int, params_dtype: torch.dtype = torch.float32):
+    """The Megatron ``TransformerConfig`` of an HF shape (dropout 0, no fusions needing apex/TE).
+    Qwen2's q/k/v biases are ``add_qkv_bias``; ``add_bias_linear`` (every other linear) stays off."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -110,7 +113,7 @@ def transformer_config(shape: LlamaShape, tp_size: int, params_dtype: torch.dtyp
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=shape.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp_size,
@@ -128,7 +131,8 @@ def transformer_config(shape: LlamaShape, tp_size: int, params_dtype: torch.dtyp
 
 def build_gpt_model(hf_config: Any | Mapping[str, Any], tp_size: int, seed: int = 0,
                     params_dtype: torch.dtype = torch.float32):
-    """A Megatron ``GPTModel`` (local layer spec) with the architecture of an HF Llama config.
+    """A Megatron ``GPTModel`` (local layer spec) with the architecture of an HF Llama or Qwen2
+    config; the output layer shares the embedding exactly when ``tie_word_embeddings`` says so.
 
     Call after ``init_distributed`` (Megatron needs its parallel state even for TP=1). Weights
     are randomly initialised; load real ones with ``astraflow.training.megatron.convert``.
@@ -136,7 +140,7 @@ def build_gpt_model(hf_config: Any | Mapping[str, Any], tp_size: int, seed: int 
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    shape = LlamaShape.from_hf_config(hf_config)
+    shape = GPTShape.from_hf_config(hf_config)
     seed_model_parallel_rng(seed)
     config = transformer_config(shape, tp_size, params_dtype)
     model = GPTModel(
