@@ -88,6 +88,28 @@ class RunConfig(Strict):
                 "minus its group's mean, 0 for a group of one (and the data layer keeps only groups of 2 or "
                 "more, whatever dataflow.group_filter says); set workload.group_size: 2 or more")
 
+    def _check_trainer_ranks(self) -> None:
+        """A Megatron trainer's ``tensor_parallel * data_parallel`` ranks take one GPU each on a
+        GPU partition, and every batch is split over its ``data_parallel`` replicas."""
+        for pol in self.policies:
+            t = pol.trainer
+            if t.backend != "megatron":
+                continue
+            field = f"policies[{pol.name}].trainer"
+            if self.dataflow.batch_size < t.data_parallel:
+                raise ValueError(
+                    f"{field}.data_parallel {t.data_parallel} splits every batch over that many replicas, and "
+                    f"dataflow.batch_size is {self.dataflow.batch_size}: raise dataflow.batch_size to at least "
+                    f"{t.data_parallel} or lower {field}.data_parallel")
+            ranks = t.tensor_parallel * t.data_parallel
+            for part in self.partitions:
+                if part.role == "trainer" and 0 < part.gpus_per_node < ranks:
+                    raise ValueError(
+                        f"{field}: tensor_parallel {t.tensor_parallel} x data_parallel {t.data_parallel} = "
+                        f"{ranks} ranks, one GPU each, and partition {part.name!r} gives a trainer "
+                        f"{part.gpus_per_node} GPU(s) per node: lower tensor_parallel or data_parallel, or "
+                        f"set gpus_per_node: {ranks} on the trainer partition")
+
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
         if not self.policies:
@@ -112,6 +134,7 @@ class RunConfig(Strict):
         problems = [line for p in self.partitions for line in policy.problems(p)]
         if problems:
             raise ValueError("\n  ".join(problems))
+        self._check_trainer_ranks()
         from astraflow.rollout.workflows import workflow_class
 
         try:

@@ -72,6 +72,12 @@ class TrainerConfig(Strict):
     """``torch``: plain PyTorch in the trainer worker; ``megatron``: Megatron-core ranks."""
     tensor_parallel: int = Field(default=1, ge=1)
     """Megatron tensor-parallel size (ranks started by the trainer actor); 1 for ``torch``."""
+    data_parallel: int = Field(default=1, ge=1)
+    """Megatron data-parallel size: replicas of the tensor-parallel group, each training on its
+    share of every batch (shares balanced by token count), gradients summed across replicas
+    before the step, which is the one a single replica takes on the whole batch. The trainer
+    starts ``tensor_parallel * data_parallel`` ranks (one GPU each on a GPU node, gloo
+    processes on a CPU one); a batch needs at least ``data_parallel`` sequences. 1 for ``torch``."""
     lr: float = Field(default=5e-4, gt=0, allow_inf_nan=False)
     """AdamW learning rate."""
     weight_decay: float = Field(default=0.0, ge=0)
@@ -112,7 +118,8 @@ class TrainerConfig(Strict):
     stops, under ``<run>/trainer_state/<policy>/`` (with the fp32 weights when ``publish_dtype``
     is narrower); a run resumed on the same run directory continues with it instead of fresh
     moments. The Megatron backend's state is per tensor-parallel rank: a resume with another
-    ``tensor_parallel`` starts with fresh moments. 0: only when the trainer stops."""
+    ``tensor_parallel`` starts with fresh moments (another ``data_parallel`` keeps them: the
+    replicas' moments are equal). 0: only when the trainer stops."""
     skip_zero_advantage: bool = True
     """Do not compute the forward/backward of sequences whose group-normalised advantage is 0
     (every sample of their group scored alike). They add exactly nothing to the
@@ -142,6 +149,11 @@ class TrainerConfig(Strict):
             raise ValueError(
                 f"trainer.tensor_parallel {self.tensor_parallel} needs trainer.backend: megatron "
                 "(the torch backend trains on one device); set tensor_parallel: 1 or backend: megatron"
+            )
+        if self.backend == "torch" and self.data_parallel != 1:
+            raise ValueError(
+                f"trainer.data_parallel {self.data_parallel} needs trainer.backend: megatron "
+                "(the torch backend trains on one device); set data_parallel: 1 or backend: megatron"
             )
         if self.backend == "megatron" and self.off_policy != "ppo_clip":
             raise ValueError(

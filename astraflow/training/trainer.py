@@ -57,8 +57,9 @@ def make_backend(cfg: TrainerConfig, model_path: str, seed: int) -> TrainerBacke
         from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig
 
         return MegatronBackend(MegatronBackendConfig(
-            hf_checkpoint=model_path, tp_size=cfg.tensor_parallel, lr=cfg.lr, weight_decay=cfg.weight_decay,
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high, max_grad_norm=cfg.max_grad_norm, seed=seed,
+            hf_checkpoint=model_path, tp_size=cfg.tensor_parallel, dp_size=cfg.data_parallel, lr=cfg.lr,
+            weight_decay=cfg.weight_decay, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+            max_grad_norm=cfg.max_grad_norm, seed=seed,
             threads_per_rank=cfg.threads, skip_zero_advantage=cfg.skip_zero_advantage,
             publish_dtype=cfg.resolved_publish_dtype,
         ))

@@ -1,17 +1,26 @@
-"""``MegatronBackend``: the ``TrainerBackend`` that trains with Megatron-core tensor parallelism.
+"""``MegatronBackend``: the ``TrainerBackend`` that trains with Megatron-core tensor and data
+parallelism.
 
 Process layout. The trainer actor lives in one Dask worker process; a TP group needs one process
-per rank. The backend starts the ranks itself as plain subprocesses
-(``python -m astraflow.training.megatron.rank``), not with ``torch.multiprocessing.spawn``:
-Dask worker processes are daemonic and may not have ``multiprocessing`` children, a spawned child
-would re-import the worker's main module, and a subprocess gives every rank its own log file and
-a pid the backend can stop by id. torchrun is not needed on one node: the ranks rendezvous
+per rank, and ``dp_size`` replicas of it make ``tp_size * dp_size`` rank processes (rank
+``dp_rank * tp_size + tp_rank``, Megatron's order; one GPU each on a GPU node). The backend
+starts the ranks itself as plain subprocesses (``python -m astraflow.training.megatron.rank``),
+not with ``torch.multiprocessing.spawn``: Dask worker processes are daemonic and may not have
+``multiprocessing`` children, a spawned child would re-import the worker's main module, and a
+subprocess gives every rank its own log file and a pid the backend can stop by id. torchrun is not needed on one node: the ranks rendezvous
 through a ``file://`` store in the backend's private work directory (no port to pick). For a
 multi-node TP group the same ``rank`` module runs under ``srun``/torchrun with ``env://``.
 
 Control channel. Each rank gets one end of a socket pair (``pass_fds``); the backend sends every
-command to every rank and waits for every answer, each wait with a deadline while watching the
-ranks' pids. All ranks get identical batches, so no broadcast is needed inside the TP group.
+command to every rank (or, for what one replica answers alone, to data-parallel rank 0's) and
+waits for every answer, each wait with a deadline while watching the ranks' pids. The ranks of
+a TP group get identical payloads, so no broadcast is needed inside it.
+
+Data parallelism. ``train_step`` splits the batch's rows over the replicas, balanced by token
+count (``batching.balance_by_tokens``); each share's loss is normalised by the whole batch's
+loss tokens and the ranks sum the gradients over the data-parallel group before the step
+(``rank``), so ``dp_size`` replicas take the step one replica takes on the whole batch. The
+weights stay identical on every replica.
 
 Publish. ``publish(store, policy, version)``: every rank writes its shards of
 ``model.sharded_state_dict()`` with ``dist_checkpointing.save`` into the store's staging
@@ -19,14 +28,17 @@ directory, all ranks pass a barrier, then (only then) the backend calls
 ``store.commit(policy, version, meta)`` with ``meta = {"layout": "megatron", "hf_config": ...,
 "dtype": ...}``, which writes the manifest and the COMMITTED marker last. A reader never sees a
 version whose shards are incomplete. The ranks write their floating-point shards in
-``publish_dtype`` (their own parameters stay as they are).
+``publish_dtype`` (their own parameters stay as they are). Only data-parallel rank 0 of each
+tensor-parallel rank writes shards (Megatron marks the other replicas' copies as replicas), so
+a version is the same whatever ``dp_size``.
 
 Resume. ``load_state_dict`` takes a committed version (any TP size, fp32 or bf16) or HF-named
 weights, cuts each rank's shard here and sends it; ``state_dict`` gathers the shards back under
-HF names. ``optimizer_state`` is every rank's AdamW state keyed by parameter name, with the
-parallel layout it belongs to; it loads only under that layout (``state``). Everything loaded is
-checked against the shapes the ranks reported at ``init`` before it is sent, so a refused state
-raises ``ValueError`` and leaves the ranks running.
+HF names (both from data-parallel rank 0; every replica gets the weights). ``optimizer_state``
+is every tensor-parallel rank's AdamW state keyed by parameter name, with the parallel layout
+it belongs to; it loads under the same tensor-parallel size and any data-parallel size
+(``state``). Everything loaded is checked against the shapes the ranks reported at ``init``
+before it is sent, so a refused state raises ``ValueError`` and leaves the ranks running.
 """
 
 from __future__ import annotations
@@ -49,6 +61,9 @@ import torch
 
 import astraflow
 from astraflow.contracts import Batch, WeightVersion
+from astraflow.training.megatron.batching import (
+    collate, combine_metrics, drop_zero_advantage, split_for_data_parallel, takes_num_tokens,
+)
 from astraflow.training.megatron.convert import check_shard, gather_shards, shard_for_rank, to_module_state
 from astraflow.training.megatron.state import BACKEND as STATE_BACKEND
 from astraflow.training.megatron.state import check_optimizer_state, layout, pack, unpack
@@ -65,8 +80,11 @@ class MegatronBackendConfig:
 
     #: HF Llama checkpoint directory the run starts from (converted to Megatron at start).
     hf_checkpoint: str
-    #: tensor-parallel size = number of rank processes.
+    #: tensor-parallel size: rank processes per model replica.
     tp_size: int = 1
+    #: data-parallel size: model replicas, each training on its share of a batch; the backend
+    #: starts ``tp_size * dp_size`` rank processes.
+    dp_size: int = 1
     lr: float = 1e-6
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
@@ -98,6 +116,14 @@ class MegatronBackendConfig:
     publish_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.dp_size < 1:
+            raise ValueError(f"tp_size ({self.tp_size}) and dp_size ({self.dp_size}) must be 1 or more")
+        if self.dp_size > 1 and not takes_num_tokens(self.loss_fn):
+            raise ValueError(
+                f"dp_size={self.dp_size} needs a loss_fn that takes num_tokens (the whole batch's loss "
+                f"tokens, which every replica's share is normalised by); {self.loss_fn} does not: add it "
+                "(see astraflow.training.grpo:grpo_loss) or set trainer.data_parallel: 1"
+            )
         if self.publish_dtype not in ("fp32", "bf16"):
             raise ValueError(f"publish_dtype must be fp32 or bf16, got {self.publish_dtype!r}")
         if ":" not in self.loss_fn:
@@ -109,72 +135,26 @@ class MegatronBackendConfig:
             )
 
 
-def drop_zero_advantage(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-    """``collate``'s arrays without the rows whose advantage is 0, trimmed to the longest kept
-    row, plus ``num_tokens`` (the whole batch's loss tokens, the loss normaliser) and
-    ``num_sequences``. Unchanged when every row or no row has an advantage (a batch without
-    signal still steps the optimiser, on zero gradients)."""
-    keep = arrays["advantages"] != 0
-    if keep.all() or not keep.any():
-        return arrays
-    mask = arrays["mask"][keep]
-    width = int(np.nonzero(mask.any(0))[0].max()) + 2 if mask.any() else 2  # last loss target + 1
-    return {"tokens": arrays["tokens"][keep, :width], "mask": mask[:, : width - 1],
-            "old_logprobs": arrays["old_logprobs"][keep, : width - 1], "advantages": arrays["advantages"][keep],
-            "num_tokens": float(arrays["mask"].sum()), "num_sequences": len(keep)}
-
-
-def _takes_num_tokens(loss_fn: str) -> bool:
-    import importlib
-    import inspect
-
-    module, name = loss_fn.split(":")
-    return "num_tokens" in inspect.signature(getattr(importlib.import_module(module), name)).parameters
-
-
-def collate(batch: Batch) -> dict[str, np.ndarray]:
-    """A batch as right-padded arrays aligned to next-token prediction.
-
-    ``tokens`` ``[B, T]``; ``mask``/``old_logprobs`` ``[B, T-1]`` for targets ``tokens[:, 1:]``;
-    ``advantages`` ``[B]``. Padding has mask 0 and cannot affect real tokens (causal attention).
-    """
-    if not len(batch):
-        raise ValueError("empty batch: the data layer must serve at least one sequence")
-    t = max(len(it.sequence.tokens) for it in batch.items)
-    if t < 2:
-        raise ValueError("every batch needs a sequence of at least 2 tokens (a prompt and a target)")
-    b = len(batch)
-    tokens = np.zeros((b, t), np.int64)
-    mask = np.zeros((b, t - 1), np.float32)
-    old = np.zeros((b, t - 1), np.float32)
-    adv = np.zeros((b,), np.float32)
-    for i, it in enumerate(batch.items):
-        n = len(it.sequence.tokens)
-        tokens[i, :n] = it.sequence.tokens
-        mask[i, : n - 1] = it.loss_mask[1:]
-        old[i, : n - 1] = it.sequence.logprobs[1:]
-        adv[i] = it.advantage
-    return {"tokens": tokens, "mask": mask, "old_logprobs": old, "advantages": adv}
-
-
 class MegatronBackend:
-    """Tensor-parallel Megatron-core trainer backend (see the module docstring)."""
+    """Tensor- and data-parallel Megatron-core trainer backend (see the module docstring)."""
 
     #: ``TrainerBackend`` capabilities: the weights live in the rank processes, so there is no
     #: in-process copy to publish in the background (``snapshot`` raises; the trainer does not
-    #: call it). A run resumes from committed weights in any TP layout, and with its optimiser
-    #: state in the layout it was saved with (``state``).
+    #: call it). A run resumes from committed weights in any TP/DP layout, and with its optimiser
+    #: state under the TP size it was saved with (any DP size, ``state``).
     supports_snapshot = False
     supports_resume = True
     supports_optimizer_state = True
 
     def __init__(self, config: MegatronBackendConfig):
         self.config = config
+        world = config.tp_size * config.dp_size
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if 0 < gpus < config.tp_size:  # each rank takes its own GPU (NCCL); CPU-only hosts use gloo
+        if 0 < gpus < world:  # each rank takes its own GPU (NCCL); CPU-only hosts use gloo
             raise ValueError(
-                f"tensor_parallel={config.tp_size} needs {config.tp_size} GPUs on this node and it has {gpus}: "
-                "lower trainer.tensor_parallel, or give the trainer partition more GPUs per node"
+                f"tensor_parallel={config.tp_size} x data_parallel={config.dp_size} needs {world} GPUs on "
+                f"this node and it has {gpus}: lower trainer.tensor_parallel or trainer.data_parallel, or "
+                "give the trainer partition more GPUs per node"
             )
         self._workdir = Path(tempfile.mkdtemp(prefix="astraflow-megatron-"))
         log_dir = Path(config.log_dir) if config.log_dir else self._workdir
@@ -185,14 +165,15 @@ class MegatronBackend:
         repo_root = str(Path(astraflow.__file__).resolve().parents[1])
         init_method = f"file://{self._workdir / 'rendezvous'}"
         try:
-            for r in range(config.tp_size):
+            for r in range(world):
                 parent, child = socket.socketpair()
                 env = dict(os.environ)
                 env.update(config.env)
                 env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
                 env["ASTRAFLOW_RANK_FD"] = str(child.fileno())
                 env["ASTRAFLOW_RANK_SPEC"] = json.dumps(
-                    {"rank": r, "world_size": config.tp_size, "init_method": init_method, "tp_size": config.tp_size}
+                    {"rank": r, "world_size": world, "init_method": init_method, "tp_size": config.tp_size,
+                     "dp_size": config.dp_size}
                 )
                 env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks share this host
                 env.setdefault("OMP_NUM_THREADS", str(config.threads_per_rank))
@@ -214,16 +195,37 @@ class MegatronBackend:
             self._kill()
             raise
         self.hf_config: dict[str, Any] = infos[0]["hf_config"]
-        self.local_params = [i["local_params"] for i in infos]
-        #: per rank: parameter name -> shape, what a loaded state is checked against before it is sent
-        self.param_shapes: list[dict[str, list[int]]] = [i["params"] for i in infos]
-        self.skip_zero_advantage = config.skip_zero_advantage and _takes_num_tokens(config.loss_fn)
+        #: per rank: its tensor-parallel rank and its data-parallel replica
+        self.tp_rank = [i["tp_rank"] for i in infos]
+        self.dp_rank = [i["dp_rank"] for i in infos]
+        #: the ranks of data-parallel replica 0, in tensor-parallel order: what answers for the model
+        self.first_replica = [r for r in range(world) if self.dp_rank[r] == 0]
+        #: per replica: its tensor-parallel rank 0, what answers for the replica's rows
+        self.replica_heads = sorted((r for r in range(world) if self.tp_rank[r] == 0), key=self.dp_rank.__getitem__)
+        assert [self.tp_rank[r] for r in self.first_replica] == list(range(config.tp_size))
+        self.local_params = [infos[r]["local_params"] for r in self.first_replica]
+        #: per tensor-parallel rank: parameter name -> shape, what a loaded state is checked
+        #: against before it is sent
+        self.param_shapes: list[dict[str, list[int]]] = [infos[r]["params"] for r in self.first_replica]
+        self.skip_zero_advantage = config.skip_zero_advantage and takes_num_tokens(config.loss_fn)
 
     # -- TrainerBackend ----------------------------------------------------------------------
     def train_step(self, batch: Batch) -> dict[str, float]:
+        dp = self.config.dp_size
+        if len(batch) < dp:
+            raise ValueError(
+                f"a batch of {len(batch)} sequence(s) cannot be split over data_parallel={dp} replicas: "
+                "raise dataflow.batch_size to at least trainer.data_parallel, or lower trainer.data_parallel"
+            )
         arrays = collate(batch)
         trained = drop_zero_advantage(arrays) if self.skip_zero_advantage else arrays
-        metrics = self._call("train", trained, self.config.step_timeout_s)[0]
+        if dp == 1:
+            metrics = self._call("train", trained, self.config.step_timeout_s)[0]
+        else:
+            shares = split_for_data_parallel(trained, dp)
+            answers = self._call("train", None, self.config.step_timeout_s,
+                                 per_rank=[shares[d] for d in self.dp_rank])
+            metrics = combine_metrics([answers[r] for r in self.replica_heads])
         metrics.update(num_sequences=float(len(batch)), trained_sequences=float(len(trained["advantages"])))
         return metrics
 
@@ -232,8 +234,9 @@ class MegatronBackend:
         floating-point ones in ``publish_dtype``."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        return self._call("save", {"dir": str(directory), "dtype": self.config.publish_dtype},
-                          self.config.step_timeout_s)[0]
+        answers = self._call("save", {"dir": str(directory), "dtype": self.config.publish_dtype},
+                             self.config.step_timeout_s)
+        return {"save_s": max(a["save_s"] for a in answers)}
 
     def publish(self, store, policy: str, version: int, state: dict | None = None) -> WeightVersion:
         """Write shards into ``store.staging(policy, version)``, then ``store.commit`` (marker last).
@@ -249,37 +252,49 @@ class MegatronBackend:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The ranks' current (fp32) weights, gathered from their shards, under HF names: what the
         trainer checks for nan/inf and saves as master weights; ``load_state_dict`` takes it back."""
-        shards = [unpack(b) for b in self._call("weights", None, self.config.step_timeout_s)]
+        shards = [unpack(b) for b in self._call("weights", None, self.config.step_timeout_s, ranks=self.first_replica)]
         return megatron_to_hf(gather_shards(shards), self.hf_config)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from these weights: a committed version as ``WeightStore.load`` reads it
         (Megatron checkpoint names, possibly bf16, written under any TP size), or HF-named
-        weights (``state_dict``). Each rank gets its shard, cast to its fp32 parameters.
-        ``ValueError`` when they do not fit the model (the ranks are left as they were)."""
+        weights (``state_dict``). Each rank (of every replica) gets its shard, cast to its fp32
+        parameters. ``ValueError`` when they do not fit the model (the ranks are left as they
+        were)."""
         full = to_module_state(state, self.hf_config)
         shards = [shard_for_rank(full, r, self.config.tp_size) for r in range(self.config.tp_size)]
         for r, (shard, shapes) in enumerate(zip(shards, self.param_shapes)):
             check_shard(shard, shapes, r)
-        self._call("load_weights", None, self.config.step_timeout_s, per_rank=[pack(s) for s in shards])
+        packed = [pack(s) for s in shards]
+        self._call("load_weights", None, self.config.step_timeout_s, per_rank=[packed[t] for t in self.tp_rank])
 
     def optimizer_state(self) -> dict[str, Any]:
-        """Every rank's AdamW state keyed by parameter name, with the parallel layout it belongs
-        to (``state`` describes the record)."""
-        ranks = [unpack(b) for b in self._call("optimizer_state", None, self.config.step_timeout_s)]
-        return {"backend": STATE_BACKEND, "layout": layout(self.config.tp_size), "ranks": ranks}
+        """Every tensor-parallel rank's AdamW state keyed by parameter name (from replica 0: the
+        replicas' moments are equal), with the parallel layout it belongs to (``state``
+        describes the record)."""
+        answers = self._call("optimizer_state", None, self.config.step_timeout_s, ranks=self.first_replica)
+        return {"backend": STATE_BACKEND, "layout": layout(self.config.tp_size, self.config.dp_size),
+                "ranks": [unpack(b) for b in answers]}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        """Continue with saved moments. ``ValueError`` (the ranks untouched) when they were saved
-        under another parallel layout or for another model; the hyperparameters stay this
-        backend's (a resumed run may change ``lr``)."""
-        check_optimizer_state(state, self.param_shapes)
-        self._call("load_optimizer_state", None, self.config.step_timeout_s,
-                   per_rank=[pack(rec) for rec in state["ranks"]])
+        """Continue with saved moments, every replica with its tensor-parallel rank's record
+        (saved under any ``dp_size``). ``ValueError`` (the ranks untouched) when they were
+        saved under another tensor-parallel size or for another model; the hyperparameters stay
+        this backend's (a resumed run may change ``lr``)."""
+        check_optimizer_state(state, self.param_shapes, self.config.dp_size)
+        packed = [pack(rec) for rec in state["ranks"]]
+        self._call("load_optimizer_state", None, self.config.step_timeout_s, per_rank=[packed[t] for t in self.tp_rank])
 
     def logprobs(self, tokens: np.ndarray) -> np.ndarray:
-        """``log p(tokens[:, t+1] | tokens[:, :t+1])``, shape ``[B, T-1]`` (evaluation, no grad)."""
-        return self._call("logprobs", {"tokens": np.asarray(tokens, np.int64)}, self.config.step_timeout_s)[0]
+        """``log p(tokens[:, t+1] | tokens[:, :t+1])``, shape ``[B, T-1]`` (evaluation, no grad;
+        the rows split in order over the replicas)."""
+        tokens = np.asarray(tokens, np.int64)
+        if self.config.dp_size == 1:
+            return self._call("logprobs", {"tokens": tokens}, self.config.step_timeout_s)[0]
+        parts = np.array_split(tokens, self.config.dp_size)
+        answers = self._call("logprobs", None, self.config.step_timeout_s,
+                             per_rank=[{"tokens": parts[d]} for d in self.dp_rank])
+        return np.concatenate([answers[r] for r in self.replica_heads])
 
     def close(self) -> None:
         if not self._procs:
@@ -301,13 +316,17 @@ class MegatronBackend:
         self.close()
 
     # -- plumbing ----------------------------------------------------------------------------
-    def _call(self, cmd: str, payload: Any, timeout_s: float, per_rank: list[Any] | None = None) -> list[Any]:
-        """Send ``cmd`` with ``payload`` (or rank r ``per_rank[r]``) to every rank; their answers."""
-        for r, c in enumerate(self._conns):
-            c.send((cmd, payload if per_rank is None else per_rank[r]))
+    def _call(self, cmd: str, payload: Any, timeout_s: float, per_rank: list[Any] | None = None,
+              ranks: list[int] | None = None) -> list[Any]:
+        """Send ``cmd`` with ``payload`` (or rank r ``per_rank[r]``) to every rank, or only to
+        ``ranks`` (a command no collective runs in); their answers, in the order sent."""
+        ranks = list(range(len(self._conns))) if ranks is None else ranks
+        for r in ranks:
+            self._conns[r].send((cmd, payload if per_rank is None else per_rank[r]))
         deadline = time.monotonic() + timeout_s
         results = []
-        for r, c in enumerate(self._conns):
+        for r in ranks:
+            c = self._conns[r]
             while not c.poll(0.2):
                 dead = [i for i, p in enumerate(self._procs) if p.poll() is not None]
                 if dead:

@@ -30,13 +30,17 @@ class DistSpec:
 
     #: this process's rank in [0, world_size).
     rank: int
-    #: number of rank processes; equals the tensor-parallel size (no data/pipeline parallelism).
+    #: number of rank processes: tp_size * dp_size (no pipeline parallelism).
     world_size: int
     #: torch.distributed rendezvous: ``file://<path>`` (one host or a shared file system, no
     #: port to pick) or ``tcp://host:port`` / ``env://`` under torchrun or srun.
     init_method: str
     #: tensor-parallel size; must divide the number of KV heads and the vocabulary.
     tp_size: int
+    #: data-parallel size: replicas of the tensor-parallel group, each training on its share
+    #: of a batch. Megatron's rank order puts tensor-parallel ranks next to each other:
+    #: rank = dp_rank * tp_size + tp_rank.
+    dp_size: int = 1
 
 
 def init_distributed(spec: DistSpec, timeout_s: float = 120.0) -> torch.device:
@@ -47,10 +51,11 @@ def init_distributed(spec: DistSpec, timeout_s: float = 120.0) -> torch.device:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    if spec.world_size != spec.tp_size:
+    if spec.world_size != spec.tp_size * spec.dp_size:
         raise ValueError(
-            f"world_size={spec.world_size} but tp_size={spec.tp_size}: the Megatron backend runs "
-            "one tensor-parallel group (no data/pipeline parallelism); launch tp_size ranks"
+            f"world_size={spec.world_size} but tp_size={spec.tp_size} x dp_size={spec.dp_size}: the "
+            "Megatron backend runs dp_size replicas of one tensor-parallel group (no pipeline "
+            "parallelism); launch tp_size * dp_size ranks"
         )
     if torch.cuda.is_available():
         backend = "nccl"
@@ -68,6 +73,7 @@ def init_distributed(spec: DistSpec, timeout_s: float = 120.0) -> torch.device:
         world_size=spec.world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    # the data-parallel size is what the world leaves: world_size / tp_size
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=spec.tp_size)
     return device
 

@@ -1,17 +1,32 @@
-"""One tensor-parallel rank of the Megatron backend, run as its own process.
+"""One rank of the Megatron backend (a tensor-parallel rank of one data-parallel replica), run
+as its own process.
 
-``MegatronBackend`` (in the trainer actor's process) starts ``tp_size`` of these with
+``MegatronBackend`` (in the trainer actor's process) starts ``tp_size * dp_size`` of these with
 ``python -m astraflow.training.megatron.rank`` and talks to each through a private socket pair
-(fd given in ``ASTRAFLOW_RANK_FD``). Every rank receives the same command stream, so a
-tensor-parallel step needs no extra broadcast and every rank can report its own progress.
+(fd given in ``ASTRAFLOW_RANK_FD``). Every rank receives the same command stream; the ranks of
+one data-parallel replica get the same payload, so a tensor-parallel step needs no extra
+broadcast and every rank can report its own progress.
+
+Data parallelism (``dp_size > 1``): each replica trains on its share of the batch and
+Megatron-core's ``DistributedDataParallel`` wrapper (contiguous gradient buffer, one all-reduce
+over the data-parallel group after the backward, no overlap) sums the replicas' gradients
+before the global-norm clip and the AdamW step; every replica then takes the same step. The
+gradients are summed, not averaged, because each share's loss is already normalised by the
+whole batch's token count (``batching``). The optimiser stays ``torch.optim.AdamW`` on every
+replica (moments replicated, the ``state`` record unchanged). Megatron's distributed optimizer,
+which shards the moments over the replicas, is not used: it replaces this AdamW and its
+per-parameter record, and a saved state would then be cut for one data-parallel size.
 
 Commands (``(name, payload)`` tuples; each is answered with ``("ok", result)``):
 
 * ``init``: build the model from the HF checkpoint, create the optimiser, report parameter counts;
-* ``train``: one GRPO step on a collated batch (numpy arrays), returns metrics;
-* ``logprobs``: per-token log-probs of ``tokens[:, 1:]`` given the prefix (no grad);
+* ``train``: one GRPO step on this replica's share of a collated batch (numpy arrays; may have
+  no rows), returns metrics;
+* ``logprobs``: per-token log-probs of ``tokens[:, 1:]`` given the prefix (no grad; each replica
+  gets its own rows);
 * ``save``: ``dist_checkpointing.save(model.sharded_state_dict(), dir)`` on every rank (floating
-  shards cast to the payload's ``dtype``), then a barrier;
+  shards cast to the payload's ``dtype``), then a barrier. Megatron marks the shards of
+  data-parallel rank > 0 as replicas, so only data-parallel rank 0 writes them;
 * ``weights`` / ``load_weights``: this rank's parameters out / in (``state.pack``ed bytes; the
   backend sends each rank its own shard, checked against the shapes ``init`` reported);
 * ``optimizer_state`` / ``load_optimizer_state``: this rank's AdamW state keyed by parameter
@@ -54,6 +69,19 @@ def _cast_shards(sharded: dict, dtype: torch.dtype) -> dict:
     return dict_list_map_inplace(cast, sharded)
 
 
+def wrap_data_parallel(model):
+    """Megatron-core's ``DistributedDataParallel`` around ``model`` (the parameters stay the
+    model's; their gradients go to one contiguous ``main_grad`` buffer per dtype, reduced with
+    one all-reduce in ``finish_grad_sync``). ``calculate_per_token_loss`` makes the reduction a
+    sum: the loss is already normalised by the whole batch's token count."""
+    from dataclasses import replace
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
+    return DistributedDataParallel(replace(model.config, calculate_per_token_loss=True), ddp_config, model)
+
+
 def resolve(dotted: str):
     """``"package.module:attr"`` -> the attribute (loss functions are chosen by name in the config)."""
     module, _, attr = dotted.partition(":")
@@ -64,6 +92,8 @@ def resolve(dotted: str):
 
 class Rank:
     def __init__(self, spec, cfg: dict):
+        from megatron.core import parallel_state
+
         from astraflow.training.megatron.convert import load_hf_checkpoint, load_hf_state_into
         from astraflow.training.megatron.model import build_gpt_model, init_distributed
 
@@ -72,12 +102,18 @@ class Rank:
         self.spec = spec
         self.cfg = cfg
         self.device = init_distributed(spec, timeout_s=float(cfg.get("collective_timeout_s", 300)))
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        assert spec.rank == self.dp_rank * spec.tp_size + self.tp_rank, "Megatron's rank order changed"
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
         hf_sd, hf_config = load_hf_checkpoint(cfg["hf_checkpoint"])
         self.hf_config = hf_config.to_dict()
         self.model = build_gpt_model(hf_config, spec.tp_size, seed=int(cfg.get("seed", 0)))
-        load_hf_state_into(self.model, hf_sd, hf_config, spec.rank, spec.tp_size)
+        # every replica loads the same weights: they start, and stay, equal
+        load_hf_state_into(self.model, hf_sd, hf_config, self.tp_rank, spec.tp_size)
         del hf_sd
         self.model.to(self.device)
+        self.ddp = wrap_data_parallel(self.model) if spec.dp_size > 1 else None
         self.opt = torch.optim.AdamW(
             self.model.parameters(), lr=float(cfg["lr"]), betas=tuple(cfg.get("betas", (0.9, 0.999))),
             weight_decay=float(cfg.get("weight_decay", 0.0)),
@@ -95,14 +131,17 @@ class Rank:
         return -self.model(inp, pos, causal, labels=labels).float()
 
     def logprobs(self, payload: dict) -> np.ndarray:
+        if not len(payload["tokens"]):  # a replica with no rows of this request
+            return np.zeros((0, max(np.shape(payload["tokens"])[1] - 1, 0)), np.float32)
         self.model.eval()
         with torch.no_grad():
             lp = self._token_logprobs(torch.as_tensor(payload["tokens"], dtype=torch.long, device=self.device))
         return lp.cpu().numpy()
 
     def _grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradient: TP-sharded parameters summed over ranks, replicated
-        ones (norms) counted once."""
+        """Global L2 norm of the gradient: TP-sharded parameters summed over the tensor-parallel
+        group, replicated ones (norms) counted once. Called after the data-parallel reduction,
+        so every replica gets the same norm."""
         import torch.distributed as dist
 
         sharded = torch.zeros((), device=self.device)
@@ -116,7 +155,7 @@ class Rank:
             else:
                 replicated += sq
         if self.spec.tp_size > 1:
-            dist.all_reduce(sharded)
+            dist.all_reduce(sharded, group=self.tp_group)
         return (sharded + replicated).sqrt()
 
     def train(self, payload: dict) -> dict:
@@ -128,12 +167,22 @@ class Rank:
         old = torch.as_tensor(payload["old_logprobs"], dtype=torch.float32, device=dev)
         adv = torch.as_tensor(payload["advantages"], dtype=torch.float32, device=dev)
         self.opt.zero_grad(set_to_none=True)
-        new = self._token_logprobs(tokens)
-        # rows without advantage left out by the backend: normalise by the whole batch's tokens
-        extra = {"num_tokens": float(payload["num_tokens"])} if "num_tokens" in payload else {}
-        out = self.loss_fn(new, old, adv, mask, float(self.cfg["clip_low"]), float(self.cfg["clip_high"]), **extra)
-        loss, stats = (out[0], dict(out[1])) if isinstance(out, tuple) else (out, {})
-        loss.backward()
+        if self.ddp is not None:
+            self.ddp.zero_grad_buffer()
+        if len(tokens):
+            new = self._token_logprobs(tokens)
+            # a share of the batch, or rows without advantage left out by the backend: normalise
+            # by the whole batch's tokens
+            extra = {"num_tokens": float(payload["num_tokens"])} if "num_tokens" in payload else {}
+            out = self.loss_fn(new, old, adv, mask, float(self.cfg["clip_low"]), float(self.cfg["clip_high"]), **extra)
+            loss, stats = (out[0], dict(out[1])) if isinstance(out, tuple) else (out, {})
+            loss.backward()
+        else:  # a replica without rows: zero gradients into the reduction, no statistics
+            new, loss, stats = torch.zeros_like(old), torch.zeros(()), {}
+        if self.ddp is not None:
+            self.ddp.finish_grad_sync()  # sum over the data-parallel group, into main_grad
+            for p in self.model.parameters():
+                p.grad = p.main_grad
         gnorm = self._grad_norm()
         max_norm = float(self.cfg.get("max_grad_norm", 0.0))
         if max_norm > 0 and torch.isfinite(gnorm) and gnorm > max_norm:
@@ -169,7 +218,7 @@ class Rank:
     def load_weights(self, payload: bytes) -> None:
         from astraflow.training.megatron.convert import load_shard_into
 
-        load_shard_into(self.model, unpack(payload), self.spec.rank)
+        load_shard_into(self.model, unpack(payload), self.tp_rank)
 
     def optimizer_state(self, payload: None) -> bytes:
         return pack(named_optimizer_state(self.model, self.opt))
@@ -179,7 +228,8 @@ class Rank:
 
     def info(self) -> dict:
         n = sum(p.numel() for p in self.model.parameters())
-        return {"rank": self.spec.rank, "local_params": n, "hf_config": self.hf_config,
+        return {"rank": self.spec.rank, "tp_rank": self.tp_rank, "dp_rank": self.dp_rank,
+                "local_params": n, "hf_config": self.hf_config,
                 "params": {k: list(p.shape) for k, p in self.model.named_parameters()}}
 
 

@@ -4,15 +4,21 @@ The weights cross the control channel as full tensors (the backend cuts and reas
 tensor-parallel shards with ``convert``), so any parallel layout can load any version. The
 optimiser state does not: each rank's moments belong to the shards it holds. It is saved as
 
-    {"backend": "megatron", "layout": {"tensor_parallel": T, "data_parallel": 1, "pipeline_parallel": 1},
+    {"backend": "megatron", "layout": {"tensor_parallel": T, "data_parallel": D, "pipeline_parallel": 1},
      "ranks": [one record per tensor-parallel rank, in rank order]}
 
 where a rank's record is its ``torch.optim.AdamW.state_dict()`` keyed by parameter *name*
 instead of position (``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups":
 [{hyperparameters..., "params": [names]}]}``): plain dicts of tensors and numbers, so
-``torch.save`` / ``torch.load(weights_only=True)`` round-trip it. It loads only into the same
-layout (``ValueError`` naming both otherwise); names and shapes are checked against each rank's
-parameters in the backend, before anything is sent, so a refused state leaves the ranks running.
+``torch.save`` / ``torch.load(weights_only=True)`` round-trip it.
+
+Data parallelism replicates the moments: every replica applies the same reduced gradient to
+the same weights, so the records of data-parallel rank 0 are the whole state and a state
+loads under any ``data_parallel`` (each replica gets its tensor-parallel rank's record;
+``data_parallel`` is recorded for the reader). It loads only under the same tensor- and
+pipeline-parallel sizes (``ValueError`` naming both layouts otherwise); names and shapes are
+checked against each rank's parameters in the backend, before anything is sent, so a refused
+state leaves the ranks running.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ from typing import Any, Mapping, Sequence
 import torch
 
 BACKEND = "megatron"
+
+#: the layout sizes a saved optimiser state must match to load (``data_parallel`` need not)
+SHARDED_BY = ("tensor_parallel", "pipeline_parallel")
 
 
 def pack(obj: Any) -> bytes:
@@ -48,27 +57,29 @@ def unpack(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
-def layout(tp_size: int) -> dict[str, int]:
-    """The parallel layout an optimiser state is sharded for. This backend runs one
-    tensor-parallel group; the other sizes are recorded so that a state written under another
-    layout is refused rather than misread."""
-    return {"tensor_parallel": tp_size, "data_parallel": 1, "pipeline_parallel": 1}
+def layout(tp_size: int, dp_size: int = 1) -> dict[str, int]:
+    """The parallel layout an optimiser state was written under. The moments are sharded by
+    the tensor- and pipeline-parallel sizes (``SHARDED_BY``) and replicated over the
+    data-parallel one."""
+    return {"tensor_parallel": tp_size, "data_parallel": dp_size, "pipeline_parallel": 1}
 
 
 def _fmt(lay: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in lay.items())
 
 
-def check_optimizer_state(state: Any, params: Sequence[Mapping[str, Sequence[int]]]) -> None:
+def check_optimizer_state(state: Any, params: Sequence[Mapping[str, Sequence[int]]], dp_size: int = 1) -> None:
     """``ValueError`` unless ``state`` is a Megatron optimiser state for this backend's layout
-    (``params``: per rank, parameter name -> shape) whose names and moment shapes fit."""
+    (``params``: per tensor-parallel rank, parameter name -> shape; ``dp_size``: its
+    data-parallel size, which may differ from the saved one) whose names and moment shapes fit."""
     if not isinstance(state, dict) or state.get("backend") != BACKEND or "ranks" not in state:
         raise ValueError("not an optimiser state of the Megatron backend (a run trained with another "
                          "trainer.backend?): it needs the keys 'backend', 'layout' and 'ranks'")
-    current = layout(len(params))
-    if state.get("layout") != current:
+    current = layout(len(params), dp_size)
+    saved = state.get("layout") or {}
+    if any(saved.get(k) != current[k] for k in SHARDED_BY):
         raise ValueError(
-            f"the optimiser state was saved with the parallel layout {_fmt(state.get('layout') or {})} and "
+            f"the optimiser state was saved with the parallel layout {_fmt(saved)} and "
             f"this trainer runs {_fmt(current)}: its moments are sharded for the saved layout; resume with "
             "that trainer.tensor_parallel to keep them"
         )

@@ -1,0 +1,54 @@
+"""``trainer.data_parallel``: checked by the trainer's config (torch backend: 1 only) and against
+the run (every batch splits over the replicas; a GPU trainer partition gives every rank a GPU).
+No model is built: the policy's model is left to its ``init`` section."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from astraflow.config import ConfigError, _set_path, config_from_dict
+from astraflow.training.config import TrainerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(60)
+
+
+def _config(**overrides):
+    data = yaml.safe_load((ROOT / "examples" / "tiny" / "config.yaml").read_text())
+    data["policies"][0]["model"] = "/nonexistent/model"  # built by its init section
+    data["policies"][0]["trainer"] = {"backend": "megatron"}
+    for key, value in overrides.items():
+        _set_path(data, key, value)
+    return config_from_dict(data)
+
+
+def test_data_parallel_needs_the_megatron_backend():
+    assert TrainerConfig().data_parallel == 1
+    assert TrainerConfig(backend="megatron", data_parallel=2, tensor_parallel=2).data_parallel == 2
+    with pytest.raises(ValidationError, match="data_parallel 2 needs trainer.backend: megatron"):
+        TrainerConfig(data_parallel=2)
+    with pytest.raises(ValidationError, match="data_parallel"):
+        TrainerConfig(backend="megatron", data_parallel=0)
+
+
+def test_every_batch_must_reach_every_replica():
+    assert _config(**{"policies.0.trainer.data_parallel": 16}).policies[0].trainer.data_parallel == 16
+    with pytest.raises(ConfigError, match=r"data_parallel 32 splits every batch.*dataflow.batch_size is 16: "
+                                          r"raise dataflow.batch_size to at least 32"):
+        _config(**{"policies.0.trainer.data_parallel": 32})
+
+
+def test_a_gpu_trainer_partition_needs_a_gpu_per_rank():
+    parts = [{"name": "data", "role": "data"}, {"name": "rollout", "role": "rollout"},
+             {"name": "gpu", "role": "trainer", "gpus_per_node": 2}]
+    ok = _config(partitions=parts, **{"policies.0.trainer.tensor_parallel": 2})
+    assert ok.policies[0].trainer.tensor_parallel == 2
+    with pytest.raises(ConfigError, match=r"tensor_parallel 2 x data_parallel 2 = 4 ranks, one GPU each, and "
+                                          r"partition 'gpu' gives a trainer 2 GPU\(s\) per node"):
+        _config(partitions=parts, **{"policies.0.trainer.tensor_parallel": 2, "policies.0.trainer.data_parallel": 2})
+    cpu = [dict(p, gpus_per_node=0) for p in parts]  # CPU trainers run any number of gloo ranks
+    assert _config(partitions=cpu, **{"policies.0.trainer.data_parallel": 4}).policies[0].trainer.data_parallel == 4
