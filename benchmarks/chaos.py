@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -66,9 +67,11 @@ def clean_run(config: Path, work: Path, sets: list[str], deadline_s: float) -> d
     run = CliRun(config, work / "baseline", sets, work / "baseline.log")
     t0 = time.time()
     run.start()
-    rc = finish(run, deadline_s)
-    wall = time.time() - t0
-    left = run.stop()
+    try:
+        rc = finish(run, deadline_s)
+    finally:
+        wall = time.time() - t0
+        left = run.stop()
     return {"rc": rc, "wall_s": wall, "left": left, "audit": audit_run(work / "baseline")}
 
 
@@ -81,7 +84,9 @@ def chaos_run(config: Path, work: Path, sets: list[str], args: argparse.Namespac
     killer.t0 = t0
     try:
         kills = killer.run_all()
-        rc = finish(run, args.deadline - (time.time() - t0))
+        # a part that did not come back: the run is most likely stuck; a short wait tells
+        remaining = args.deadline - (time.time() - t0)
+        rc = finish(run, remaining if all(k.recovered for k in kills) else min(remaining, 120.0))
     finally:
         wall = time.time() - t0
         left = run.stop()  # a run that did not end (a hang) is stopped here, by PID
@@ -145,6 +150,16 @@ def report(base: dict, chaos: dict, args: argparse.Namespace) -> dict:
     }
 
 
+def stop_on_signals() -> None:
+    """SIGTERM (and SIGINT, ignored in a job started in the background) end the benchmark
+    through its cleanup: the run it started is stopped and its processes killed by PID."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=ROOT / "examples" / "math" / "config.yaml")
@@ -159,6 +174,7 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=3600.0, help="seconds each run may take in all")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the run directories and logs here")
     args = ap.parse_args()
+    stop_on_signals()
 
     work = (args.workdir or Path(tempfile.mkdtemp(prefix="astraflow-chaos-"))).absolute()
     work.mkdir(parents=True, exist_ok=True)

@@ -235,13 +235,14 @@ class Killer:
                    for p in parts)
 
     def _target(self, kind: str, st: dict[str, Any]) -> tuple[str, tuple[int, int]] | None:
-        """What to kill for ``kind`` now (a name and a process identity), or None."""
+        """What to kill for ``kind`` now (a worker name, or the CLI's, and a process identity),
+        or None."""
         if kind == "orchestrator":
             ident = proc_identity(self.run.proc.pid)
             return ("astraflow run", ident) if ident else None
         if kind == "engine":
             nodes = worker_pids(st, "rollout", "serving")
-            cands = [(f"engine of {n}", pid) for n, pid in engine_pids(st) if n in nodes
+            cands = [(n, pid) for n, pid in engine_pids(st) if n in nodes
                      and parent_of(pid) == nodes[n]]  # the engine is a child of that node's worker
         else:
             if kind == "node" and not self._node_kill_allowed(st):
@@ -251,6 +252,10 @@ class Killer:
         cands = [(n, ident) for n, pid in sorted(cands) if (ident := proc_identity(pid))]
         return self.rng.choice(cands) if cands else None
 
+    @staticmethod
+    def _node_report(st: dict[str, Any], node: str) -> dict[str, Any]:
+        return st.get("data_layer", {}).get("nodes", {}).get(node, {})
+
     # -- recovery ---------------------------------------------------------------------------
     def _recovered(self, k: Kill, st: dict[str, Any]) -> bool:
         if self._version(st) <= k.version:
@@ -258,10 +263,26 @@ class Killer:
         if k.kind == "node":
             return k.target not in worker_pids(st) and self._rollout_ok(st)
         if k.kind == "engine":
-            return self._rollout_ok(st) and all(pid != k.pid for _, pid in engine_pids(st))
+            return self._engine_back(k, st)
         if k.kind in ("trainer", "data"):
             return self._counts(st)[k.kind] > k.before[k.kind]
         return True  # the orchestrator: a status of the resumed incarnation (read since the resume)
+
+    def _engine_back(self, k: Kill, st: dict[str, Any]) -> bool:
+        """The node restarted its engine (its count of restarts grew, its engine PID changed)
+        and completed episodes after that: a new PID alone shows a process that may still be
+        loading. Or the node was replaced after all, and its successor serves."""
+        if k.target not in worker_pids(st, "rollout", "serving"):
+            if k.target not in worker_pids(st) and self._rollout_ok(st) and "replaced" not in k.note:
+                k.note += "; its node was replaced instead"
+            return k.target not in worker_pids(st) and self._rollout_ok(st)
+        info = self._node_report(st, k.target)
+        if info.get("engine_restarts", 0) <= k.before["engine_restarts"] or k.pid in (info.get("engine_pids") or {}).values():
+            return False
+        if k.before.get("episodes_then") is None:  # the restart has begun: episodes from here on are the new engine's
+            k.before["episodes_then"] = info.get("episodes", 0)
+            return False
+        return info.get("episodes", 0) > k.before["episodes_then"] and self._rollout_ok(st)
 
     def _wait_recovery(self, k: Kill, since: float) -> None:
         deadline = time.time() + self.recovery_timeout_s
@@ -334,8 +355,11 @@ class Killer:
             else:  # the planned kinds cannot be killed now (the crash-loop limit): another instead
                 plan.pop(0)
             k = Kill(kind, time.time() - self.t0, self._version(st), target, ident[0], before=self._counts(st))
+            if kind == "engine":
+                k.before["engine_restarts"] = self._node_report(st, target).get("engine_restarts", 0)
             self.done.append(k)
-            self.say(f"[{k.at_s:6.0f}s] kill {len(self.done)}/{self.kills}: {kind} {target} (pid {ident[0]}) "
+            what = f"engine of {target}" if kind == "engine" else target
+            self.say(f"[{k.at_s:6.0f}s] kill {len(self.done)}/{self.kills}: {kind} {what} (pid {ident[0]}) "
                      f"at v{k.version}")
             since = time.time()
             if kind == "orchestrator":
