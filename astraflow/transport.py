@@ -14,7 +14,8 @@ record itself stays a plain dataclass). Components import this module; it import
 Re-placed actors: a component holds the data layer through a ``Link``, a handle that the
 orchestrator swaps (``Link.set``) when it re-places the data layer on another worker. A call
 through it that finds the actor's worker lost waits for the new handle and is made again
-there; the data layer's calls are safe to repeat (a repeated completion or commit is
+there, and so is a call still pending when the handle is swapped; the data layer's calls are
+safe to repeat (a repeated completion or commit is
 recognised, see ``astraflow/dataflow/durable.py``).
 """
 
@@ -24,6 +25,7 @@ import asyncio
 import copyreg
 import logging
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -140,8 +142,22 @@ class _LinkMethod:
         return _LinkCall(self.link, self.name, args, kwargs)
 
 
+#: how often a pending call through a ``Link`` looks whether its handle was replaced
+RECHECK_S = 1.0
+
+
+class _Replaced(Exception):
+    """The ``Link`` got a new handle while a call on the old one was pending."""
+
+
 class _LinkCall:
-    """One call through a ``Link``; ``result`` makes it, and makes it again after a re-placement."""
+    """One call through a ``Link``; ``result`` makes it, and makes it again after a re-placement.
+
+    Named overlap, *pending call vs. re-placement*: a call pending on an actor whose worker
+    dies may never answer (Dask's handle can wait for the lost actor's task to come back, which
+    it never does), so it is not waited for: once the link holds a newer handle, the call is
+    made again there. The old actor is gone by then (its worker's job is cancelled before the
+    swap) and the data layer recognises a repeat, so the call takes effect once."""
 
     def __init__(self, link: Link, name: str, args: tuple, kwargs: dict):
         self.link, self.name, self.args, self.kwargs = link, name, args, kwargs
@@ -150,11 +166,27 @@ class _LinkCall:
         while True:
             handle, generation = self.link.current()
             try:
-                return getattr(handle, self.name)(*self.args, **self.kwargs).result(timeout)
+                return self._wait(getattr(handle, self.name)(*self.args, **self.kwargs), generation, timeout)
+            except _Replaced:
+                continue
             except Exception as err:
                 if not actor_lost(err):
                     raise
                 self.link.wait_for_new(generation, err)
+
+    def _wait(self, fut: Any, generation: int, timeout: float | None) -> Any:
+        """``fut``'s result within ``timeout``, looking every ``RECHECK_S`` whether the link was
+        given a newer handle than ``generation`` (then ``_Replaced``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"timed out after {timeout} s.")
+            try:
+                return fut.result(RECHECK_S if left is None else min(RECHECK_S, left))
+            except TimeoutError:
+                if self.link.current()[1] != generation:
+                    raise _Replaced from None
 
 
 # -- Batch wire format ----------------------------------------------------------------------
