@@ -11,9 +11,9 @@ What it kills, found by PID in the files the run writes (``control/status.json``
 * ``orchestrator``: the ``astraflow run`` process itself, followed by what a user does: the same
   command again on the same run directory (the resume).
 
-A kill counts as recovered when its part is back (a new node serving, a new engine PID, a
-restart recorded in ``status.json``, the resumed incarnation's status) and the trainer has
-committed a version past the one of the kill. The next kill waits for that, then a seeded
+A kill counts as recovered when its part is back (a new node serving; the node's engine
+restarted and completing episodes again; a restart recorded in ``status.json``; the resumed
+incarnation's status) and the trainer has committed a version past the one of the kill. The next kill waits for that, then a seeded
 exponential gap, so a replacement is never killed before it finished. Node kills are kept below
 the partition's crash-loop limit (``runtime.reconcile.FAILURES_PER_NODE`` failures per node mark
 it failed, by design) and the run's last steps are left alone so that it can finish.
