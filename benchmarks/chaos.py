@@ -91,6 +91,7 @@ def chaos_run(config: Path, work: Path, sets: list[str], args: argparse.Namespac
         wall = time.time() - t0
         left = run.stop()  # a run that did not end (a hang) is stopped here, by PID
     return {"rc": rc, "wall_s": wall, "left": left, "kills": kills, "skipped": killer.skipped,
+            "unplanned": killer.unplanned_losses(),
             "orphans": killer.orphans, "incarnations": len(run.incarnations), "audit": audit_run(work / "chaos")}
 
 
@@ -110,6 +111,8 @@ def report(base: dict, chaos: dict, args: argparse.Namespace) -> dict:
     print(f"{'all':<13} {len(kills):>5} {sum(k.recovered for k in kills):>9}")
     for note in chaos["skipped"] + [k.note for k in kills if k.kind == "orchestrator"]:
         print(f"  note: {note.lstrip('; ')}")
+    for loss in chaos["unplanned"]:
+        print(f"  a worker lost without being killed: {loss}")
     lost_per_kill = (chaos["wall_s"] - base["wall_s"]) / len(kills) if kills else None
     print()
     print(f"{'':<28} {'baseline':>10} {'chaos':>10}")
@@ -144,7 +147,7 @@ def report(base: dict, chaos: dict, args: argparse.Namespace) -> dict:
         "seconds_lost_per_kill": None if lost_per_kill is None else round(lost_per_kill, 1),
         "baseline_wall_s": round(base["wall_s"], 1), "chaos_wall_s": round(chaos["wall_s"], 1),
         "orphans_at_resume": chaos["orphans"]["workers"], "orphan_engines_at_resume": chaos["orphans"]["engines"],
-        "processes_left": len(base["left"]) + len(chaos["left"]),
+        "processes_left": len(base["left"]) + len(chaos["left"]), "unplanned_worker_losses": len(chaos["unplanned"]),
         "audit_ok": c["ok"] and chaos["rc"] == 0, "baseline_audit_ok": b["ok"],
         "steps": args.steps, "seed": args.seed,
     }

@@ -13,8 +13,8 @@ What it kills, found by PID in the files the run writes (``control/status.json``
 
 A kill counts as recovered when its part is back (a new node serving; the node's engine
 restarted and completing episodes again; a restart recorded in ``status.json``; the resumed
-incarnation's status) and the trainer has committed a version past the one of the kill. The next kill waits for that, then a seeded
-exponential gap, so a replacement is never killed before it finished. Node kills are kept below
+incarnation's status) and the trainer has committed a version past the one of the kill. The
+next kill waits for that, then a seeded exponential gap, so a replacement is never killed before it finished. Node kills are kept below
 the partition's crash-loop limit (``runtime.reconcile.FAILURES_PER_NODE`` failures per node mark
 it failed, by design) and the run's last steps are left alone so that it can finish.
 
@@ -90,6 +90,8 @@ class CliRun:
         self.incarnations: list[subprocess.Popen] = []
         #: every worker and engine process of the run seen in its status file
         self.seen: set[tuple[int, int]] = set()
+        #: ``{pid: (worker, why)}`` of every worker the status file showed gone, and why
+        self.losses: dict[int, tuple[str, str]] = {}
 
     @property
     def proc(self) -> subprocess.Popen:
@@ -113,6 +115,9 @@ class CliRun:
             self.seen.add(ident)
         for ident in filter(None, (proc_identity(pid) for _, pid in engine_pids(st))):
             self.seen.add(ident)
+        for n, w in st.get("workers", {}).items():
+            if w.get("phase") == "gone" and w["job_id"].startswith("local-"):
+                self.losses.setdefault(int(w["job_id"].removeprefix("local-")), (n, w.get("note") or "?"))
         return st
 
     def orchestrator_pid(self) -> int | None:
@@ -322,6 +327,12 @@ class Killer:
         k.note = (f"resumed as pid {new.pid}; left by the killed incarnation when it resumed: "
                   f"{len(left['workers'])} worker(s), {len(left['engines'])} engine(s)")
         return resumed_at
+
+    def unplanned_losses(self) -> list[str]:
+        """Workers the run lost that this killer did not kill (a node replaced after an error,
+        say): each is a part that failed on its own during the chaos."""
+        killed = {k.pid for k in self.done}
+        return [f"{name}: {why}" for pid, (name, why) in sorted(self.run.losses.items()) if pid not in killed]
 
     def run_all(self) -> list[Kill]:
         """Kill ``kills`` times (or until the run nears its end, ends, or a part does not come

@@ -2,8 +2,8 @@
 its engine process, the trainer's worker, the data layer's worker, and the ``astraflow run``
 process followed by the user's resume on the same run directory), by the benchmark's own
 killer (``benchmarks/chaos_killer.py``) and judged by its audit (``benchmarks/chaos_audit.py``):
-nothing lost, nothing trained twice, every task ended once, steps contiguous, the run completes
-and no process of it is left behind."""
+nothing lost, nothing trained twice, every task ended once, steps contiguous, the run completes,
+no part fails on its own in the aftermath of a kill, and no process of the run is left behind."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def test_one_kill_of_each_kind_loses_nothing_and_the_run_completes(tiny_model, t
     log = "\n".join(lines) + "\n" + run.log.read_text()[-4000:]
     assert sorted(k.kind for k in kills) == sorted(KINDS), log
     assert all(k.recovered for k in kills), log
+    assert not killer.unplanned_losses(), log  # no part failed on its own after a kill (a hung call, say)
     assert rc == 0, log
     assert killer.orphans == {"workers": 0, "engines": 0}, log  # the killed incarnation's processes died with it
     audit = audit_run(tmp_path / "run")
