@@ -2,12 +2,16 @@
 step), the lists of tasks and trajectory refs (every lease and complete)."""
 
 import pickle
+import threading
+import time
 
 import numpy as np
+import pytest
 from distributed.protocol import dumps, loads, to_serialize
 
 from astraflow.contracts import Batch, BatchItem, RolloutTask, Sequence, SequenceSummary, TrajectoryRef
-from astraflow.transport import Packed, call_sync
+from astraflow import transport
+from astraflow.transport import Link, Packed, call_sync
 from storage.trajectories import EntryRef
 
 
@@ -93,3 +97,56 @@ def test_call_sends_plain_lists_packed():
     call_sync(method, [1, 2], "x", (3,), refs=[4], n=5)
     assert type(seen["args"][0]) is Packed and seen["args"][0] == [1, 2]
     assert seen["args"][1:] == ("x", (3,)) and type(seen["kwargs"]["refs"]) is Packed and seen["kwargs"]["n"] == 5
+
+
+class _Pending:
+    """An actor call's future that never answers (a call pending on an actor whose worker died)."""
+
+    def result(self, timeout):
+        time.sleep(timeout)
+        raise TimeoutError(f"timed out after {timeout} s.")
+
+    def done(self):
+        return False
+
+
+class _Answered:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self, timeout):
+        return self.value
+
+    def done(self):
+        return True
+
+
+class _Handle:
+    def __init__(self, future):
+        self.future, self.calls = future, 0
+
+    def lease(self, *args):
+        self.calls += 1
+        return self.future
+
+
+def test_a_call_pending_on_a_lost_actor_is_made_again_on_its_replacement(monkeypatch):
+    """The data layer's worker dies while a node's call waits on it; the orchestrator swaps the
+    link to the re-placed data layer: the call is made again there at once, instead of waiting
+    out its deadline on an actor that will never answer."""
+    monkeypatch.setattr(transport._LinkCall, "SLICE_S", 0.05)
+    old, new = _Handle(_Pending()), _Handle(_Answered(["t1"]))
+    link = Link(old, "the data layer")
+    threading.Timer(0.3, link.set, args=(new,)).start()
+    t0 = time.monotonic()
+    assert call_sync(link.lease, "n0", 4, timeout=30) == ["t1"]
+    assert time.monotonic() - t0 < 5 and old.calls == 1 and new.calls == 1
+
+
+def test_a_call_through_a_link_that_is_not_replaced_still_times_out(monkeypatch):
+    monkeypatch.setattr(transport._LinkCall, "SLICE_S", 0.05)
+    link = Link(_Handle(_Pending()), "the data layer")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        call_sync(link.lease, "n0", 4, timeout=0.4)
+    assert 0.35 < time.monotonic() - t0 < 3

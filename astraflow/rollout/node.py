@@ -372,15 +372,28 @@ class RaaSNode:
             return
         try:
             for policy in dead:
-                log.warning("node %s: the engine process of %s died (%s); restarting it (%d of %d)",
-                            self.identity.name, policy, self.engines[policy].dead,
-                            self.counters["engine_restarts"] + 1, self.cfg.engine_restarts)
-                await asyncio.to_thread(self.engines[policy].restart)
-                self.counters["engine_restarts"] += 1
+                await self._restart_engine(policy, self.engines[policy].dead)
             self.counters["weight_loads"] += await asyncio.to_thread(self.puller.poll)
-        except Exception as again:  # e.g. the model no longer loads: as past the budget
+        except Exception as again:  # its starts spent (e.g. the model no longer loads), or the weights did not load
             log.exception("node %s: restarting the engine process failed", self.identity.name)
             self.error, self.draining = f"{err}; restarting it failed: {type(again).__name__}: {again}", True
+
+    async def _restart_engine(self, policy: str, why: str | None) -> None:
+        """Start a new engine process for ``policy``, each start counted against
+        ``rollout.engine_restarts``. A process that dies while it starts (killed, or out of
+        memory while loading the model) is one more death: it is started again while the budget
+        allows, and past it the error propagates (the node stops leasing)."""
+        while True:
+            self.counters["engine_restarts"] += 1
+            log.warning("node %s: the engine process of %s died (%s); restarting it (%d of %d)",
+                        self.identity.name, policy, why, self.counters["engine_restarts"], self.cfg.engine_restarts)
+            try:
+                await asyncio.to_thread(self.engines[policy].restart)
+                return
+            except EngineProcessError as again:
+                if self.counters["engine_restarts"] >= self.cfg.engine_restarts:
+                    raise
+                why = str(again)
 
     async def _wait_for_version(self, policy: str, version: int, timeout: float) -> None:
         deadline = time.time() + timeout

@@ -261,6 +261,45 @@ def test_a_node_restarts_a_dead_engine_process_with_the_newest_weights(tmp_path,
         engine.close()
 
 
+class _DiesWhileStarting:
+    """A dead engine process whose next ``deaths`` starts die while loading the model (as one
+    killed or out of memory then does), and which serves after that."""
+
+    version = 0
+    pid = None
+    restartable = True
+
+    def __init__(self, deaths: int):
+        self.dead: str | None = "the engine process exited with code -9; see the worker log"
+        self.deaths, self.starts = deaths, 0
+
+    def restart(self):
+        self.starts += 1
+        if self.starts <= self.deaths:
+            raise EngineProcessError("the engine process exited with code -9 while loading m; see the worker log")
+        self.dead = None
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("budget, serves", [(3, True), (2, False)])
+def test_an_engine_process_that_dies_while_it_restarts_is_started_again_within_the_budget(tmp_path, budget, serves):
+    """A second death while the new process loads costs one more restart of
+    ``rollout.engine_restarts``: within it the node goes on serving, past it it stops leasing."""
+    from types import SimpleNamespace
+
+    node, _ = _node(tmp_path, engine_restarts=budget)
+    engine = _DiesWhileStarting(deaths=2)
+    node.engines = {"p": engine}
+    node.puller = SimpleNamespace(poll=lambda: 1)
+    asyncio.run(node._recover(EngineProcessError(engine.dead)))
+    assert engine.starts == min(budget, 3) and node.counters["engine_restarts"] == min(budget, 3)
+    if serves:
+        assert engine.dead is None and not node.draining and node.error is None
+        assert node.counters["weight_loads"] == 1  # the newest weights before leasing again
+    else:
+        assert node.draining and "restarting it failed" in node.error and "while loading" in node.error
+
+
 def test_an_evaluation_task_waits_for_its_own_policy_version_only(tmp_path):
     """An evaluation round pins the version of the policy it evaluates (the first of the task);
     a second policy that is behind must not hold it up: it may only catch up by training on
