@@ -111,11 +111,12 @@ def test_a_killed_core_worker_fails_the_run_in_one_line_with_a_summary(tiny_mode
         rc, lines, everything, took = _finish(proc, time.monotonic())
     assert rc == 1, everything[-3000:]
     assert len(lines) == 1 and "Traceback" not in everything, everything[-3000:]
-    assert lines[0].startswith(f"Error: the run failed: {role} worker") and "is gone" in lines[0], lines
+    what = "trainer worker" if role == "trainer" else "data-layer worker"
+    assert lines[0].startswith(f"Error: the run failed: {what}") and "is gone" in lines[0], lines
     assert f"cluster.{'trainer' if role == 'trainer' else 'data_layer'}_restarts: 0" in lines[0], lines
     assert took < EXIT_WITHIN_S, f"the way out took {took:.0f}s"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["reason"].startswith(f"{role} worker")
+    assert summary["status"] == "failed" and summary["reason"].startswith(what)
     if role == "trainer":  # the data layer was still there: it closed the ledger, every task ended once
         assert summary["ledger_closed"] and summary["ledger"]["open"] == 0
         assert "trainer solver" in summary["stop_errors"]
