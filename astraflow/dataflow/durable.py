@@ -291,7 +291,8 @@ def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, kee
     leases = dl.leases
     leases.tasks = ls["tasks"]
     leases.pending, leases.eval_pending = deque(ls["pending"]), deque(ls["eval_pending"])
-    leases.nodes = {n: dict(i) for n, i in ls["nodes"].items()}
+    # a new incarnation's nodes may reuse the names of the old ones: they start with a clean slate
+    leases.nodes = {n: dict(i) for n, i in ls["nodes"].items()} if keep_leases else {}
     deadline = time.time() + leases.lease_seconds
     released = 0
     for tid, node in ls["held"].items():
@@ -304,9 +305,6 @@ def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, kee
         rec.node = None
         ledger.events["requeued_run_resumed"] += 1
         leases._queue(leases.tasks[tid].kind).appendleft(tid)
-    if not keep_leases:
-        for info in leases.nodes.values():
-            info["gone"] = True  # the nodes of an earlier incarnation
     for f in _BUFFER_FIELDS:
         setattr(dl.buffers, f, bf[f])
     dl.mixer.consumed, dl.mixer.groups_created = state["mixer"]["consumed"], state["mixer"]["groups_created"]

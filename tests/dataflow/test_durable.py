@@ -207,3 +207,17 @@ def test_a_forged_snapshot_is_refused_without_running_it(tmp_path, monkeypatch):
     path.write_bytes(b"\x80\x05not a pickle")
     with pytest.raises(durable.UnusableSnapshot, match="cannot be read"):
         durable.load(path)
+
+
+def test_a_resumed_run_forgets_the_old_nodes_a_new_one_may_reuse_a_name(tmp_path):
+    paths = Paths(tmp_path)
+    old = paths.layer()
+
+    async def before():
+        await old.lease("n0", 4)
+        await old.drain("n0")  # a clean stop drains every node
+        await old.close()
+
+    run(before())
+    layer = paths.layer(keep_leases=False)
+    assert len(run(layer.lease("n0", 4))) == 4  # the new incarnation's n0 is not draining
