@@ -303,6 +303,7 @@ class DataLayer(TrainerFacing):
         self.buffers.end_run()
         # a completed task still routed to a buffer is ended by it, not here
         self.leases.end_all(keep=self.buffers.routed_left)
+        self.buffers.rolling.clear()  # every task of a group still in rollout has ended: a resume starts afresh
         self.metrics.flush()
         await self._durable(sync=True)
         return self.ledger.summary()
