@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from collections import Counter
 
 import pytest
 
-from tests.e2e.test_run_failure_cli import _pid, _running, _status_once
+from tests.e2e.test_run_failure_cli import _completed, _pid, _running, _status_once
 
 LEASE_S = 5.0
 
@@ -32,12 +31,7 @@ def test_a_paused_data_layer_past_the_lease_time_is_ridden_out(tiny_model, tmp_p
             time.sleep(3 * LEASE_S)
         finally:
             os.kill(_pid(victim), signal.SIGCONT)
-        try:
-            out, err = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # the CLI this test started, by its PID
-            out, err = proc.communicate()
-            raise AssertionError(f"the run did not end: {out[-3000:]}{err[-3000:]}")
+        out, err = _completed(proc)
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == {"solver": steps}

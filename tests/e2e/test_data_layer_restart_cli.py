@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 from collections import Counter
 
 import pytest
 
-from tests.e2e.test_run_failure_cli import _alive, _pid, _running, _status_once
+from tests.e2e.test_run_failure_cli import _completed, _alive, _pid, _running, _status_once
 
 
 @pytest.mark.e2e
@@ -25,12 +24,7 @@ def test_a_killed_data_layer_worker_is_replaced_and_the_run_completes_nothing_lo
                                "v3")["workers"]
         victim = next(w for w in workers.values() if w["partition"] == "data" and w.get("phase") == "serving")
         os.kill(_pid(victim), signal.SIGKILL)  # a worker this test's run started, by its PID
-        try:
-            out, err = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # the CLI this test started, by its PID
-            out, err = proc.communicate()
-            raise AssertionError(f"the run did not end: {out[-3000:]}{err[-3000:]}")
+        out, err = _completed(proc)
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert "data layer lost" in out and "re-placing it (1 of 2)" in out, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

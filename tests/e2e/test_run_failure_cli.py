@@ -88,6 +88,16 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _completed(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
+    """The run's stdout and stderr once it ended (killed, and the test failed, past ``timeout``)."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # the CLI this test started, by its PID
+        out, err = proc.communicate()
+        raise AssertionError(f"the run did not end: {out[-3000:]}{err[-3000:]}") from None
+
+
 def _finish(proc: subprocess.Popen, killed_at: float) -> tuple[int, list[str], str, float]:
     try:
         out, err = proc.communicate(timeout=EXIT_WITHIN_S + 60)
@@ -137,12 +147,7 @@ def test_a_killed_trainer_worker_is_replaced_and_the_run_completes_nothing_lost_
                                 "v3")["workers"]
         victim = _serving_trainer(workers)
         os.kill(_pid(victim), signal.SIGKILL)  # a worker this test's run started, by its PID
-        try:
-            out, err = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # the CLI this test started, by its PID
-            out, err = proc.communicate()
-            raise AssertionError(f"the run did not end: {out[-3000:]}{err[-3000:]}")
+        out, err = _completed(proc)
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert "trainer solver lost" in out and "restarting it (1 of 2)" in out, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
