@@ -36,12 +36,13 @@ class UserError(click.ClickException):
 
 def _load(config: str, overrides: tuple[str, ...]):
     """The validated config, its existing model directories checked to load."""
-    from astraflow.config import ConfigError, check_devices, check_models, load_config
+    from astraflow.config import ConfigError, check_devices, check_engine, check_models, load_config
 
     try:
         cfg = load_config(config, list(overrides))
         check_models(cfg)
         check_devices(cfg)
+        check_engine(cfg)
         return cfg
     except ConfigError as err:
         raise UserError(str(err)) from None

@@ -342,6 +342,19 @@ def check_devices(cfg: RunConfig) -> None:
                               f"the {role} on a GPU partition (scheduler: slurm)")
 
 
+def check_engine(cfg: RunConfig) -> None:
+    """``ConfigError`` with the install command when ``rollout.engine.type: vllm`` is chosen and
+    vLLM is not installed in this environment (the one the run's workers use)."""
+    if cfg.rollout.engine.type != "vllm":
+        return
+    from astraflow.rollout.vllm_setup import require_vllm
+
+    try:
+        require_vllm()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config, apply ``--set`` overrides, validate.
 

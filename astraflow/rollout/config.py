@@ -4,18 +4,44 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from astraflow.configbase import Strict
 
 
 #: the engine types ``rollout.engine.type`` can name (``engines.make_engine`` builds them)
-EngineType = Literal["hf"]
+EngineType = Literal["hf", "vllm"]
+
+
+class VLLMConfig(Strict):
+    """``rollout.engine.vllm``: the vLLM engine's own settings (``rollout/vllm_engine.py``)."""
+
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    """Fraction of each GPU's memory vLLM may take (weights, activations, KV cache)."""
+    max_model_len: int | None = Field(default=None, ge=16)
+    """Longest prompt + completion in tokens; ``None``: the model's ``max_position_embeddings``."""
+    weight_update: Literal["auto", "in_place", "recreate"] = "auto"
+    """How a new weight version reaches the engine. ``in_place``: vLLM's weight-transfer
+    protocol (pause, start, update, finish, resume) with the weights read from the weight store
+    inside vLLM's workers; ``recreate``: a new engine on the new weights (seconds to start);
+    ``auto``: in place, except on builds where in-place updates are known to give wrong
+    log-probs (the CPU build), which re-create. Every update is checked against the version's
+    probe log-probs either way, and a failed check re-creates the engine."""
+    probe_tolerance: float = Field(default=0.05, gt=0)
+    """Largest mean absolute difference (nats) between the engine's log-probs of the version's
+    probe sequence and the trainer's that counts as the right weights. Versions published in
+    bf16 are probed by the trainer with the bf16 weights, so the difference is rounding noise
+    far below this; a wrong update is off by whole nats."""
+    cpu_kvcache_gib: float = Field(default=2.0, gt=0)
+    """CPU build only: KV cache size (``VLLM_CPU_KVCACHE_SPACE``)."""
+    enforce_eager: bool = True
+    """No CUDA graphs / compilation: faster start and re-creation, slower decoding on GPUs."""
 
 
 class EngineConfig(Strict):
     type: EngineType = "hf"
-    """Inference engine: ``hf`` (transformers; CPU, or one GPU when available), the one type today."""
+    """Inference engine: ``hf`` (transformers; CPU, or one GPU when available) or ``vllm``
+    (vLLM's V1 engine with continuous batching; needs the ``vllm`` extra, see ``vllm:``)."""
     max_batch: int = Field(default=64, ge=1)
     """Most requests decoded together in one batch."""
     swap_min_remaining: int = Field(default=16, ge=0)
@@ -38,6 +64,19 @@ class EngineConfig(Strict):
     hardware has bf16 (GPUs; CPUs with AVX512-BF16 or AMX; elsewhere it is slower than fp32);
     its log-probs then differ slightly from the trainer's fp32 ones, which the loss's clipped
     importance ratio absorbs. Sampling and log-probs are computed from fp32 logits either way."""
+
+
+    tensor_parallel: int = Field(default=1, ge=1)
+    """``vllm``: GPUs of the worker one engine is sharded over (tensor parallel). ``hf``: 1."""
+    vllm: VLLMConfig = VLLMConfig()
+    """Settings only the ``vllm`` engine reads."""
+
+    @model_validator(mode="after")
+    def _hf_is_one_device(self) -> "EngineConfig":
+        if self.type == "hf" and self.tensor_parallel != 1:
+            raise ValueError("rollout.engine.tensor_parallel > 1 needs rollout.engine.type: vllm "
+                             "(the hf engine runs on one device)")
+        return self
 
 
 class RolloutConfig(Strict):

@@ -36,4 +36,10 @@ def make_engine(cfg: EngineConfig, model_path: str, seed: int = 0) -> InferenceE
                                      dtype=cfg.dtype)
         return HFEngine(model_path, max_batch_size=cfg.max_batch, version=0, seed=seed, device=cfg.device,
                         swap_min_remaining=cfg.swap_min_remaining, dtype=cfg.dtype)
+    if cfg.type == "vllm":
+        from astraflow.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, options=cfg.vllm, max_batch_size=cfg.max_batch, seed=seed, version=0,
+                          tensor_parallel=cfg.tensor_parallel, dtype=cfg.dtype, threads=cfg.threads,
+                          swap_min_remaining=cfg.swap_min_remaining)
     raise ValueError(f"unknown engine type {cfg.type!r}; known: {', '.join(KNOWN)}")

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 
 from astraflow.contracts import Batch
+from astraflow.probe import make_probe
 from astraflow.training.grpo import collate, grpo_loss, token_logprobs
 from astraflow.training.numerics import refuse_nonfinite
 
@@ -181,7 +182,9 @@ class TorchBackend:
         """A copy of the current weights as they are published (CPU, parameters in
         ``publish_dtype``), unaffected by later steps: the trainer publishes it in a helper
         thread while the next step trains."""
-        return self._for_publish(self.model.state_dict(), copy=True)
+        snap = _Snapshot(self._for_publish(self.model.state_dict(), copy=True))
+        snap.probe = make_probe(self.model, snap)  # now: the model trains on while the copy is published
+        return snap
 
     def _for_publish(self, state: dict[str, torch.Tensor], copy: bool = False) -> dict[str, torch.Tensor]:
         """``state`` on the CPU with its floating-point parameters in ``publish_dtype``."""
@@ -192,7 +195,8 @@ class TorchBackend:
 
     def publish(self, store, policy: str, version: int, state: dict[str, torch.Tensor] | None = None):
         """``store.publish(policy, version, weights, meta)`` with ``state`` (a ``snapshot()``)
-        or else the current weights, parameters in ``publish_dtype`` (``meta["dtype"]``);
+        or else the current weights, parameters in ``publish_dtype`` (``meta["dtype"]``), and
+        the log-probs of the probe sequence under them (``meta["probe"]``, ``astraflow.probe``);
         returns its ``WeightVersion``. ``NonFiniteError`` instead when a weight is nan/inf."""
         meta: dict[str, Any] = {
             "layout": "hf",
@@ -203,6 +207,8 @@ class TorchBackend:
         }
         weights = self._for_publish(self.model.state_dict() if state is None else state)
         refuse_nonfinite(weights, policy, version)
+        # the probe engines check their update against: from exactly the published tensors
+        meta["probe"] = getattr(state, "probe", None) or make_probe(self.model, weights)
         return store.publish(policy, version, weights, meta=meta)
 
     def save(self, out_dir: str) -> None:
@@ -212,3 +218,9 @@ class TorchBackend:
 
     def close(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+
+class _Snapshot(dict):
+    """``snapshot()``'s copy of the weights, with the probe computed when it was taken."""
+
+    probe: dict | None = None

@@ -1,0 +1,73 @@
+"""The probe a trainer publishes with each weight version, so that an engine can check its update.
+
+An engine that loads new weights in place can get it wrong without an error (a kernel that
+keeps a stale repacked copy, a shard loaded into the wrong slot). The cheap, end-to-end check
+is to score a fixed token sequence: the trainer computes the teacher-forced log-probs of the
+probe sequence with exactly the weights it publishes and stores them in the version's
+manifest (``meta["probe"]``); after loading the version the engine scores the same tokens and
+compares. A wrong update is off by nats, rounding noise by far less.
+
+``meta["probe"]`` (written by the trainer backend at publish, read by rollout engines):
+
+* ``tokens``: the probe sequence (token ids, a fixed pseudo-random sequence over the vocabulary);
+* ``logprobs``: ``log p(tokens[i] | tokens[:i])`` for ``i >= 1``, fp32 from the published weights.
+
+A version without ``probe`` (e.g. a Megatron backend's) cannot be checked this way.
+
+Neutral ground like ``weightconv``: the trainer writes it, rollout reads it, neither imports the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+#: tokens in the probe sequence
+PROBE_LEN = 32
+
+
+def probe_tokens(vocab_size: int, n: int = PROBE_LEN, seed: int = 0) -> list[int]:
+    """A fixed pseudo-random token sequence over the vocabulary (the same for every version)."""
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(0, vocab_size, size=n)]
+
+
+def teacher_forced_logprobs(model: Any, tokens: Sequence[int], state: Mapping[str, Any] | None = None) -> list[float]:
+    """``log p(tokens[i] | tokens[:i])`` for ``i >= 1`` under an HF causal LM, fp32 logits;
+    with ``state`` (HF names) the model's forward uses those tensors instead of its own
+    parameters (cast to fp32 on the model's device), leaving the model untouched."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+    with torch.no_grad():
+        if state is None:
+            logits = model(input_ids=ids).logits
+        else:
+            # one value per tied parameter (named_parameters lists one name of each)
+            names = {k for k, _ in model.named_parameters()} | {k for k, _ in model.named_buffers()}
+            params = {k: v.to(device, torch.float32) for k, v in state.items() if k in names and v.is_floating_point()}
+            logits = torch.func.functional_call(model, params, args=(), kwargs={"input_ids": ids}, strict=False).logits
+        logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+        return logp.gather(-1, ids[0, 1:, None])[:, 0].tolist()
+
+
+def make_probe(model: Any, state: Mapping[str, Any] | None = None) -> dict[str, list]:
+    """``meta["probe"]`` for ``model`` (or for ``state`` run through its architecture), in eval
+    mode (no dropout) whatever mode the model is in."""
+    tokens = probe_tokens(int(model.config.vocab_size))
+    training = model.training
+    model.eval()
+    try:
+        return {"tokens": tokens, "logprobs": teacher_forced_logprobs(model, tokens, state)}
+    finally:
+        model.train(training)
+
+
+def probe_error(expected: Sequence[float], got: Sequence[float]) -> float:
+    """Mean absolute difference in nats between two probe log-prob lists of the same length."""
+    a, b = np.asarray(expected, dtype=np.float64), np.asarray(got, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"probe log-probs of different lengths: {a.shape} vs {b.shape}")
+    return float(np.abs(a - b).mean())

@@ -1,0 +1,297 @@
+"""``VLLMEngine``: vLLM's V1 engine (``AsyncLLM``) behind the ``InferenceEngine`` protocol.
+
+vLLM batches continuously: each ``generate`` is one vLLM request that joins the running batch
+at the next step and leaves it when it stops. Prompts go in as token ids (no re-tokenisation);
+each sampled token comes back with its raw log-prob (temperature 1, before top-p: vLLM's
+``logprobs_mode="raw_logprobs"``), the behaviour log-prob of the loss, and is tagged with the
+weight version the engine held when the token was sampled.
+
+vLLM runs its engine core (scheduler, workers, the model) in processes of its own; this object
+lives in the node's process and drives ``AsyncLLM`` from an event loop on a thread of its own,
+so the node's loop only hands requests over (one hop per request, not per token) and a weight
+update never blocks it.
+
+Asynchronous overlap "weight update vs in-flight generation" (``rollout/vllm_updates.py``):
+``load_version`` may be called at any time. New requests wait at a gate while an update runs.
+Requests in flight then either finish first (fewer than ``swap_min_remaining`` tokens left) or
+are aborted and resumed from their generated prefix under the new weights (partial rollout).
+Invariant, as with ``HFEngine``: a token's (version, log-prob) describe the weights that
+sampled it.
+
+Failure: if vLLM's engine core dies, every pending and later ``generate`` raises
+``EngineProcessError`` and ``dead`` says why; the node ``restart()``s the engine (a new
+``AsyncLLM`` on the model directory as version 0) and loads the newest version into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from astraflow.agents.chat import end_of_turn_ids
+from astraflow.rollout.engine import SWAP_MIN_REMAINING, Generation, SamplingParams
+from astraflow.rollout.process_engine import EngineProcessError
+
+log = logging.getLogger("astraflow.rollout")
+
+#: seconds an engine start (or re-creation) may take before it counts as failed
+START_TIMEOUT_S = 600.0
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    #: set by an update that aborts the request: resume it from its prefix afterwards
+    resume: bool = False
+    rid: str = ""
+
+
+class VLLMEngine:
+    """``InferenceEngine`` on vLLM's ``AsyncLLM``. ``options`` is ``rollout.engine.vllm``
+    (``VLLMConfig``); ``tensor_parallel`` shards the model over the worker's GPUs; ``threads``
+    are the CPU build's OpenMP threads. Raises ``ValueError`` with the install command when
+    vLLM is not installed (``vllm_setup.require_vllm``)."""
+
+    def __init__(self, model_path: str, *, options: Any, max_batch_size: int = 256, seed: int = 0,
+                 version: int = 0, tensor_parallel: int = 1, dtype: str = "fp32", threads: int = 1,
+                 swap_min_remaining: int = SWAP_MIN_REMAINING):
+        from astraflow.models import check_model_dir, load_tokenizer
+        from astraflow.rollout import vllm_setup
+        from astraflow.rollout.vllm_updates import Updater
+
+        vllm_setup.require_vllm()
+        check_model_dir(model_path, tokenizer=False)
+        self.model_path = str(model_path)
+        self.tokenizer = load_tokenizer(model_path)
+        self.options = options
+        self.swap_min_remaining = swap_min_remaining
+        self._engine_kwargs = dict(max_batch_size=max_batch_size, seed=seed, tensor_parallel=tensor_parallel,
+                                   dtype=dtype, threads=threads)
+        self._stop_ids = sorted(self._stops(Path(model_path)))
+        self._ids = itertools.count()
+        self._running: dict[str, _Request] = {}
+        self._stats = dict(tokens=0, requests=0, batches=0, busy_seconds=0.0, weight_swaps=0, decode_steps=0,
+                           reencoded_rows=0, recreations=0)
+        #: the version asked for last (``load_version``); ``serving_version``: the one loaded
+        self.version = version
+        self.serving_version = version
+        self.restarts = 0
+        self._dead: str | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine", daemon=True)
+        self._thread.start()
+        self._gate: asyncio.Event = self._call(self._make_gate())
+        self.llm = None
+        self._call(self._start(self.model_path, version), timeout=START_TIMEOUT_S)
+        self.updater = Updater(self)
+
+    # -- protocol ------------------------------------------------------------------------
+    async def generate(self, prompt_tokens: list[int], params: SamplingParams) -> Generation:
+        prompt = [int(t) for t in prompt_tokens]
+        if not prompt:
+            raise ValueError("VLLMEngine.generate: prompt_tokens is empty")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"VLLMEngine.generate: max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        if not params.greedy and params.temperature <= 0:
+            raise ValueError("VLLMEngine.generate: temperature must be > 0; use greedy=True for argmax")
+        limit = self.max_model_len
+        if limit and len(prompt) + params.max_new_tokens > limit:
+            raise ValueError(f"VLLMEngine.generate: prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) "
+                             f"exceeds the engine's {limit} tokens (rollout.engine.vllm.max_model_len); "
+                             "shorten one of them")
+        if self._dead:
+            raise EngineProcessError(self._dead)
+        fut = asyncio.run_coroutine_threadsafe(self._generate(_Request(prompt, params)), self._loop)
+        return await asyncio.wrap_future(fut)  # cancelling the caller cancels (aborts) the request
+
+    def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Load HF-named tensors as ``version`` (blocking; unverified unless re-created: a state
+        dict carries no probe). The node uses ``load_version`` instead."""
+        self.updater.submit_state(state_dict, int(version)).result()
+
+    def load_version(self, weights_root: str, policy: str, version: int, *, use_deltas: bool = False,
+                     full_resync_every: int = 10) -> None:
+        """Start loading committed ``version`` of ``policy`` from the weight store and return:
+        requests submitted after this call are generated by it (or a newer one). If the load
+        fails the engine keeps its weights, ``version`` falls back to theirs and the failure
+        is logged, so the node's next poll tries again."""
+        self.version = int(version)
+        self.updater.submit_store(str(weights_root), policy, int(version), use_deltas, full_resync_every)
+
+    def take_load_records(self) -> list[dict[str, Any]]:
+        return self.updater.take_records()
+
+    def stats(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self._stats.items()}
+
+    def close(self) -> None:
+        """Shut vLLM down (its engine core and worker processes are reaped) and stop the loop."""
+        if self._loop.is_closed():
+            return
+        if self._thread.is_alive():
+            self._call(self._shutdown(), timeout=120)
+            self.updater.close()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+        self._loop.close()
+
+    # -- capabilities ----------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        """The engine core process (vLLM's workers are its children)."""
+        procs = self._core_processes()
+        return procs[0].pid if procs else None
+
+    @property
+    def dead(self) -> str | None:
+        if self._dead is None and self.llm is not None and self.llm.errored:
+            codes = [p.exitcode for p in self._core_processes()]
+            self._dead = f"the vLLM engine core died (exit codes {codes}); see the worker log"
+        return self._dead
+
+    @property
+    def restartable(self) -> bool:
+        return True
+
+    def restart(self) -> None:
+        """A new ``AsyncLLM`` on the model directory as version 0 (blocking); the caller loads
+        the newest committed version next."""
+        if self.dead is None:
+            raise RuntimeError("VLLMEngine.restart: the engine is still serving")
+        try:
+            self._call(self._shutdown(), timeout=120)
+            self._call(self._start(self.model_path, 0), timeout=START_TIMEOUT_S)
+        except (RuntimeError, TimeoutError, concurrent.futures.TimeoutError) as err:
+            raise EngineProcessError(f"restarting the vLLM engine failed: {err}") from err
+        self.version = self.serving_version = 0
+        self.updater.forget_readers()
+        self._dead = None
+        self.restarts += 1
+
+    @property
+    def loads_versions_itself(self) -> bool:
+        return True
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.llm.model_config.max_model_len if self.llm is not None else None
+
+    # -- internals (all coroutines run on the engine's own loop) ----------------------------
+    def _call(self, coro, timeout: float | None = None):
+        """Run ``coro`` on the engine's loop from another thread and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _make_gate(self) -> asyncio.Event:
+        gate = asyncio.Event()
+        gate.set()
+        return gate
+
+    def _stops(self, model_dir: Path) -> set[int]:
+        """End-of-turn tokens: the tokenizer's eos and chat-template closer, the model's
+        generation-config eos (a list for some models)."""
+        tok = self.tokenizer
+        stops = {tok.eos_token_id, *end_of_turn_ids(tok)}
+        for name in ("<|im_end|>", "<|endoftext|>"):
+            stops.add(tok.convert_tokens_to_ids(name))
+        gen = model_dir / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            stops |= set(eos if isinstance(eos, list) else [eos])
+        return {int(s) for s in stops if s is not None and s != tok.unk_token_id}
+
+    async def _start(self, model_dir: str, version: int) -> None:
+        """Create the ``AsyncLLM`` on ``model_dir`` holding ``version`` (blocks this loop while
+        it loads); vLLM labels the tokens it generates with the version from then on."""
+        from astraflow.rollout.vllm_setup import make_async_llm
+
+        self.llm = make_async_llm(model_dir, self.options, **self._engine_kwargs)
+        await self.llm.update_weight_version(str(version))
+
+    async def _shutdown(self) -> None:
+        if self.llm is not None:
+            llm, self.llm = self.llm, None
+            llm.shutdown()
+
+    def _core_processes(self) -> list:
+        manager = getattr(getattr(getattr(self.llm, "engine_core", None), "resources", None), "engine_manager", None)
+        return list(getattr(manager, "processes", []))
+
+    def _sampling(self, req: _Request):
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        p = req.params
+        return VSamplingParams(
+            temperature=0.0 if p.greedy else p.temperature, top_p=1.0 if p.greedy else p.top_p,
+            max_tokens=p.max_new_tokens - len(req.tokens), logprobs=0, detokenize=False,
+            stop_token_ids=sorted(set(self._stop_ids) | set(p.stop_token_ids)),
+            output_kind=RequestOutputKind.DELTA, skip_special_tokens=False)
+
+    async def _generate(self, req: _Request) -> Generation:
+        """One request: run it, and again from its prefix each time an update aborts it."""
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        finish = "length"
+        while True:
+            await self._gate.wait()
+            if self.dead:
+                raise EngineProcessError(self.dead)
+            req.rid, req.resume = f"r{next(self._ids)}", False
+            version, start = self.serving_version, len(req.tokens)
+            self._running[req.rid] = req
+            finish, spans = None, None
+            try:
+                async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt + req.tokens),
+                                                   self._sampling(req), req.rid):
+                    c = out.outputs[0]
+                    req.tokens += c.token_ids
+                    req.logprobs += [d[t].logprob for d, t in zip(c.logprobs or [], c.token_ids)]
+                    finish, spans = c.finish_reason or finish, c.weight_versions or spans
+            except EngineDeadError as err:
+                raise EngineProcessError(self.dead or f"the vLLM engine core died: {err}") from None
+            finally:
+                self._running.pop(req.rid, None)
+            req.versions += _versions(spans, len(req.tokens) - start, version)
+            if not (req.resume and finish == "abort" and len(req.tokens) < req.params.max_new_tokens):
+                break
+            self._stats["reencoded_rows"] += 1
+        assert len(req.tokens) == len(req.logprobs) == len(req.versions)
+        self._stats["requests"] += 1
+        self._stats["tokens"] += len(req.tokens)
+        self._stats["busy_seconds"] += loop.time() - t0
+        return Generation(tokens=np.asarray(req.tokens, dtype=np.int32),
+                          logprobs=np.asarray(req.logprobs, dtype=np.float32),
+                          versions=np.asarray(req.versions, dtype=np.int32),
+                          finish_reason="stop" if finish == "stop" else ("abort" if finish == "abort" else "length"),
+                          engine_seconds=loop.time() - t0)
+
+    def steps_left(self) -> int:
+        """Tokens the longest running request may still generate (0: none running)."""
+        return max((r.params.max_new_tokens - len(r.tokens) for r in self._running.values()), default=0)
+
+
+def _versions(spans: list | None, n: int, fallback: int) -> list[int]:
+    """Per-token versions of one request segment from vLLM's weight-version spans (the
+    version the engine core held when it produced each token), ``fallback`` where absent."""
+    out = [fallback] * n
+    for span in spans or []:
+        if span.version.lstrip("-").isdigit():
+            lo, hi = min(span.start, n), min(span.end, n)
+            out[lo:hi] = [int(span.version)] * (hi - lo)
+    return out

