@@ -221,9 +221,13 @@ class VLLMEngine:
         await self.llm.update_weight_version(str(version))
 
     async def _shutdown(self) -> None:
+        """Shut the ``AsyncLLM`` down and reap its engine core (vLLM kills the workers under it)."""
         if self.llm is not None:
+            procs = self._core_processes()
             llm, self.llm = self.llm, None
             llm.shutdown()
+            for proc in procs:
+                proc.join(30)
 
     def _core_processes(self) -> list:
         manager = getattr(getattr(getattr(self.llm, "engine_core", None), "resources", None), "engine_manager", None)

@@ -72,6 +72,7 @@ class Updater:
         self._newest_asked = -1
         self._scratch = Path(tempfile.mkdtemp(prefix="astraflow-vllm-"))
         self._warned_unverified = False
+        self.last_read: dict[str, Any] = {}
 
     # -- called from any thread --------------------------------------------------------------
     def submit_store(self, root: str, policy: str, version: int, use_deltas: bool, every: int):
@@ -136,11 +137,13 @@ class Updater:
         record: dict[str, Any] = {"policy": policy, "version": version, "mode": self.mode, "engine": "vllm",
                                   "resumed_requests": aborted}
         if self.mode == "in_place":
-            await self._in_place(root, policy, version, use_deltas, every)
+            record["read"] = await self._in_place(root, policy, version, use_deltas, every)
         elif self.mode == "reload":
             await self._reload(self._write_model_dir(root, policy, version, use_deltas, every), version)
         else:
             await self._recreate(self._write_model_dir(root, policy, version, use_deltas, every), version)
+        if self.mode != "in_place":
+            record["read"] = self.last_read
         await eng.llm.resume_generation()
         if probe is not None:
             err = await self._probe_error(probe)
@@ -181,7 +184,7 @@ class Updater:
         await eng.llm.pause_generation(mode="wait", clear_cache=True)
         return 0
 
-    async def _in_place(self, root: str, policy: str, version: int, use_deltas: bool, every: int) -> None:
+    async def _in_place(self, root: str, policy: str, version: int, use_deltas: bool, every: int) -> dict:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         llm = self.engine.llm
@@ -190,6 +193,7 @@ class Updater:
             "weights_root": root, "policy": policy, "version": version, "use_deltas": use_deltas,
             "full_resync_every": every}))
         await llm.finish_weight_update(weight_version=str(version))
+        return (await llm.collective_rpc("astraflow_last_read"))[0]  # rank 0's read: full or delta
 
     async def _reload(self, model_dir: Path, version: int) -> None:
         await self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
@@ -212,7 +216,7 @@ class Updater:
         key = (root, use_deltas, every)
         if key not in self._readers:
             self._readers[key] = VersionReader(*key)
-        state, _ = self._readers[key].read(policy, version)
+        state, self.last_read = self._readers[key].read(policy, version)
         out = self._scratch / f"v{version}"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)

@@ -58,6 +58,8 @@ class StoreWeightTransferEngine(WeightTransferEngine[StoreInitInfo, StoreUpdateI
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._readers: dict[tuple, Any] = {}
+        #: how the last version was read (``VersionReader``'s record: full or delta, seconds)
+        self.last_record: dict[str, Any] = {}
 
     def init_transfer_engine(self, init_info: StoreInitInfo) -> None:
         """No rendezvous: every update names its own version."""
@@ -78,17 +80,23 @@ class StoreWeightTransferEngine(WeightTransferEngine[StoreInitInfo, StoreUpdateI
         key = (update_info.weights_root, update_info.use_deltas, update_info.full_resync_every)
         if key not in self._readers:
             self._readers[key] = VersionReader(*key)
-        state, _record = self._readers[key].read(update_info.policy, update_info.version)
+        state, record = self._readers[key].read(update_info.policy, update_info.version)
         self.model.load_weights(iter(state.items()))
+        self.last_record = {k: v for k, v in record.items() if isinstance(v, (int, float, str, type(None)))}
 
     def shutdown(self) -> None:
         self._readers.clear()
 
 
 class WorkerExtension:
-    """Mixed into vLLM's worker class (``worker_extension_cls``) only so that vLLM imports this
-    module in every worker, which registers the ``astraflow_store`` backend before the worker
-    creates its weight-transfer engine."""
+    """Mixed into vLLM's worker class (``worker_extension_cls``): vLLM imports this module in
+    every worker, which registers the ``astraflow_store`` backend before the worker creates
+    its weight-transfer engine; its method is reachable through ``collective_rpc``."""
+
+    def astraflow_last_read(self) -> dict[str, Any]:
+        """How this worker read the last version (full shards or a delta, seconds)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(getattr(engine, "last_record", {}))
 
 
 def register() -> None:

@@ -1,0 +1,61 @@
+"""The vLLM test tier: runs where vLLM is importable (``bash tests/run_vllm.sh`` builds such a
+venv with the CPU build), skips cleanly everywhere else.
+
+Versions are published the way a trainer publishes them: HF-named tensors in the weight store
+with ``meta["probe"]`` computed by ``astraflow.probe.make_probe`` (what ``TorchBackend.publish``
+calls). Their weights are rounded to bf16 values, so the full (fp32) and the delta (bf16-held)
+paths load exactly the same numbers and one reference model serves both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here (bash tests/run_vllm.sh runs this tier)")
+
+import torch  # noqa: E402
+
+from astraflow.models import init_model, load_model  # noqa: E402
+from astraflow.probe import make_probe, teacher_forced_logprobs  # noqa: E402
+
+
+def bf16_exact(model) -> dict[str, torch.Tensor]:
+    """The model's weights rounded to bf16 values (kept fp32), loaded back into it."""
+    sd = {k: v.to(torch.bfloat16).to(torch.float32) for k, v in model.state_dict().items()}
+    model.load_state_dict(sd)
+    return sd
+
+
+def publish(store, policy: str, version: int, model) -> dict[str, torch.Tensor]:
+    """Publish ``model`` (bf16-exact weights) as ``version`` with its probe; returns the tensors."""
+    sd = bf16_exact(model)
+    store.publish(policy, version, sd, meta={"layout": "hf", "arch": model.config.model_type,
+                                            "probe": make_probe(model)})
+    return sd
+
+
+def reference_logprobs(model, prompt: list[int], tokens) -> list[float]:
+    """Teacher-forced log-probs of ``tokens`` after ``prompt`` (the trainer's computation)."""
+    return teacher_forced_logprobs(model, list(prompt) + [int(t) for t in tokens])[len(prompt) - 1:]
+
+
+@pytest.fixture(scope="session")
+def vllm_models(tmp_path_factory) -> dict[str, Path]:
+    """Three tiny Qwen2 models of one architecture and tokenizer, different weights."""
+    out = {}
+    for seed in (0, 1, 2):
+        path = tmp_path_factory.mktemp("vllm-models") / f"tiny{seed}"
+        init_model(path, preset="tiny", arch="qwen2", seed=seed)
+        model, tok = load_model(path)
+        bf16_exact(model)
+        model.save_pretrained(path, safe_serialization=True)  # the directory holds bf16-exact weights too
+        out[f"v{seed}"] = path
+    return out
+
+
+def engine_options(**overrides):
+    from astraflow.rollout.config import VLLMConfig
+
+    return VLLMConfig(max_model_len=1024, cpu_kvcache_gib=1, **overrides)

@@ -1,0 +1,188 @@
+"""``VLLMEngine`` against the HF engine and the trainer's own forward, through weight updates.
+
+One engine serves the whole module, in order: generation on the initial weights, a partial
+rollout across a full update, a finish-then-swap update, a delta update, an engine crash and
+restart. The tests share it because each engine start costs seconds on the CPU build.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from astraflow.models import load_model
+from astraflow.rollout.engine import SamplingParams
+from astraflow.rollout.hf_engine import HFEngine
+from astraflow.rollout.process_engine import EngineProcessError
+from astraflow.rollout.vllm_engine import VLLMEngine
+from storage.deltas import write_version_delta
+from storage.weights import WeightStore
+
+from .conftest import engine_options, publish, reference_logprobs
+
+PROMPTS = ["1+2=", "12+34=", "7+88=", "a longer prompt: 55+44="]
+POLICY = "p"
+
+
+def _gather(engine, prompts, params):
+    async def main():
+        return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+
+    return asyncio.run(main())
+
+
+def _wait_loaded(engine, version: int, deadline_s: float = 300):
+    """Until the engine serves ``version`` (an update runs on the engine's own thread)."""
+    end = time.monotonic() + deadline_s
+    while engine.serving_version < version:
+        assert time.monotonic() < end, f"v{version} not loaded; records {engine.take_load_records()}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def setup(vllm_models, tmp_path_factory):
+    store = WeightStore(tmp_path_factory.mktemp("weights"), keep_last=10)
+    m0, tok = load_model(vllm_models["v0"])
+    publish(store, POLICY, 0, m0)
+    engine = VLLMEngine(str(vllm_models["v0"]), options=engine_options(), max_batch_size=16, seed=0,
+                        threads=2, swap_min_remaining=0)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    yield engine, store, prompts, m0
+    procs = engine._core_processes()
+    engine.close()
+    assert not any(p.is_alive() for p in procs), "vLLM's engine core outlived close()"
+
+
+def test_greedy_generation_equals_the_hf_engine_on_the_same_weights(setup, vllm_models):
+    engine, _, prompts, _ = setup
+    params = SamplingParams(max_new_tokens=24, greedy=True)
+    hf = HFEngine(str(vllm_models["v0"]), version=0, device="cpu")
+    want = _gather(hf, prompts, params)
+    got = _gather(engine, prompts, params)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g.tokens, w.tokens)
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
+        assert g.finish_reason == w.finish_reason
+        assert (g.versions == 0).all()
+
+
+def test_sampled_logprobs_are_the_trainers_teacher_forced_ones(setup):
+    engine, _, prompts, m0 = setup
+    outs = _gather(engine, prompts * 2, SamplingParams(max_new_tokens=32, temperature=0.7, top_p=0.9))
+    for prompt, out in zip(prompts * 2, outs):
+        assert len(out.tokens) == len(out.logprobs) == len(out.versions) > 0
+        np.testing.assert_allclose(out.logprobs, reference_logprobs(m0, prompt, out.tokens), atol=1e-4)
+
+
+def test_a_stop_token_ends_the_completion_and_is_kept(setup):
+    engine, _, prompts, _ = setup
+    free = _gather(engine, prompts[:1], SamplingParams(max_new_tokens=16, greedy=True))[0]
+    stop = int(free.tokens[3])
+    first = list(free.tokens).index(stop)
+    out = _gather(engine, prompts[:1], SamplingParams(max_new_tokens=16, greedy=True, stop_token_ids=(stop,)))[0]
+    assert out.finish_reason == "stop"
+    np.testing.assert_array_equal(out.tokens, free.tokens[: first + 1])
+
+
+def test_an_update_mid_generation_resumes_under_the_new_weights_with_per_token_versions(setup, vllm_models):
+    """Partial rollout: the running request is aborted, v1 loaded in place and verified, the
+    request resumed from its prefix; tokens before carry v0 and v0's log-probs, after v1's."""
+    engine, store, prompts, m0 = setup
+    m1, _ = load_model(vllm_models["v1"])
+    publish(store, POLICY, 1, m1)
+    params = SamplingParams(max_new_tokens=400, greedy=True)
+
+    async def main():
+        task = asyncio.ensure_future(engine.generate(prompts[0], params))
+        while not any(len(r.tokens) >= 8 for r in list(engine._running.values())):
+            assert not task.done()
+            await asyncio.sleep(0.01)
+        engine.load_version(str(store.root), POLICY, 1)
+        return await task
+
+    out = asyncio.run(main())
+    _wait_loaded(engine, 1)
+    switch = int(np.argmax(out.versions == 1))
+    assert 8 <= switch < len(out.tokens) and set(out.versions[:switch]) == {0} and set(out.versions[switch:]) == {1}
+    full = reference_logprobs(m0, prompts[0], out.tokens)
+    np.testing.assert_allclose(out.logprobs[:switch], full[:switch], atol=1e-4)
+    after = reference_logprobs(m1, prompts[0], out.tokens)
+    np.testing.assert_allclose(out.logprobs[switch:], after[switch:], atol=1e-4)
+    rec = [r for r in engine.take_load_records() if r["version"] == 1][0]
+    assert rec["mode"] == "in_place" and rec["probe_error"] < 1e-3 and rec["resumed_requests"] == 1
+
+
+def test_near_its_end_a_request_finishes_on_its_weights_before_the_swap(setup, vllm_models):
+    engine, store, prompts, _ = setup
+    m2, _ = load_model(vllm_models["v2"])
+    publish(store, POLICY, 2, m2)
+    engine.swap_min_remaining = 10_000  # every running request is nearer its end than this
+    params = SamplingParams(max_new_tokens=200, greedy=True)
+
+    async def main():
+        task = asyncio.ensure_future(engine.generate(prompts[1], params))
+        while not any(len(r.tokens) >= 4 for r in list(engine._running.values())):
+            await asyncio.sleep(0.01)
+        engine.load_version(str(store.root), POLICY, 2, use_deltas=True, full_resync_every=100)
+        late = await engine.generate(prompts[1], SamplingParams(max_new_tokens=8, greedy=True))
+        return await task, late
+
+    try:
+        out, late = asyncio.run(main())
+    finally:
+        engine.swap_min_remaining = 0
+    assert set(out.versions) == {1}  # finished on v1
+    assert set(late.versions) == {2}  # submitted after load_version: generated by v2
+    np.testing.assert_allclose(late.logprobs, reference_logprobs(m2, prompts[1], late.tokens), atol=1e-4)
+    rec = engine.take_load_records()[-1]
+    assert rec["resumed_requests"] == 0 and rec["read"]["mode"] == "full"
+
+
+def test_a_sparse_delta_update_serves_the_new_version(setup, vllm_models):
+    engine, store, prompts, m0 = setup
+    # v3 = v2 with a few weights changed: a delta from v2 applies to what the workers hold
+    m3, _ = load_model(vllm_models["v2"])
+    prev = {k: v.clone() for k, v in m3.state_dict().items()}
+    for name, p in m3.named_parameters():
+        if name.endswith("mlp.down_proj.weight"):
+            p.data[:4] += 0.5
+    new = publish(store, POLICY, 3, m3)
+    write_version_delta(store.root, POLICY, 2, 3, prev, new)
+    # the workers read v2 in full (deltas on) in the test before; now they apply the delta 2 -> 3
+    engine.load_version(str(store.root), POLICY, 3, use_deltas=True, full_resync_every=100)
+    _wait_loaded(engine, 3)
+    out = _gather(engine, prompts[:2], SamplingParams(max_new_tokens=16, temperature=1.0))
+    for prompt, o in zip(prompts[:2], out):
+        assert set(o.versions) == {3}
+        np.testing.assert_allclose(o.logprobs, reference_logprobs(m3, prompt, o.tokens), atol=1e-4)
+    rec = engine.take_load_records()[-1]
+    assert rec["version"] == 3 and rec["probe_error"] < 1e-3
+    assert rec["read"]["mode"] == "delta" and rec["read"]["delta_density"] < 0.5
+
+
+def test_a_dead_engine_core_fails_its_requests_and_restarts(setup):
+    engine, _, prompts, m0 = setup
+    params = SamplingParams(max_new_tokens=400, greedy=True)
+
+    async def main():
+        task = asyncio.ensure_future(engine.generate(prompts[0], params))
+        while not engine._running:
+            await asyncio.sleep(0.01)
+        os.kill(engine.pid, signal.SIGKILL)  # the engine core we started, by its pid
+        with pytest.raises(EngineProcessError):
+            await task
+        with pytest.raises(EngineProcessError):
+            await engine.generate(prompts[0], params)
+
+    asyncio.run(main())
+    assert engine.dead and engine.restartable
+    engine.restart()
+    assert engine.dead is None and engine.version == 0
+    out = _gather(engine, prompts[:1], SamplingParams(max_new_tokens=8, greedy=True))[0]
+    assert set(out.versions) == {0}
+    np.testing.assert_allclose(out.logprobs, reference_logprobs(m0, prompts[0], out.tokens), atol=1e-4)
