@@ -20,13 +20,15 @@ class VLLMConfig(Strict):
     """Fraction of each GPU's memory vLLM may take (weights, activations, KV cache)."""
     max_model_len: int | None = Field(default=None, ge=16)
     """Longest prompt + completion in tokens; ``None``: the model's ``max_position_embeddings``."""
-    weight_update: Literal["auto", "in_place", "recreate"] = "auto"
+    weight_update: Literal["auto", "in_place", "reload", "recreate"] = "auto"
     """How a new weight version reaches the engine. ``in_place``: vLLM's weight-transfer
     protocol (pause, start, update, finish, resume) with the weights read from the weight store
-    inside vLLM's workers; ``recreate``: a new engine on the new weights (seconds to start);
-    ``auto``: in place, except on builds where in-place updates are known to give wrong
-    log-probs (the CPU build), which re-create. Every update is checked against the version's
-    probe log-probs either way, and a failed check re-creates the engine."""
+    inside vLLM's workers; ``reload``: vLLM's older ``reload_weights`` call (for a vLLM without
+    the protocol; it serves wrong log-probs on the CPU build); ``recreate``: a new engine on
+    the new weights (an engine start per version); ``auto``: ``in_place`` where the installed
+    vLLM has the protocol, else ``recreate``. Every update is checked against the version's
+    probe log-probs, and one that fails the check is redone by re-creating the engine (with a
+    warning naming the vLLM build), as is every later update of that engine."""
     probe_tolerance: float = Field(default=0.05, gt=0)
     """Largest mean absolute difference (nats) between the engine's log-probs of the version's
     probe sequence and the trainer's that counts as the right weights. Versions published in

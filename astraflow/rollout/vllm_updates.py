@@ -149,9 +149,9 @@ class Updater:
             err = await self._probe_error(probe)
             record["probe_error"] = err
             if err > self.tolerance and self.mode != "recreate":
-                log.warning("vLLM engine: after an %s update to %s v%d its log-probs of the version's probe are "
-                            "%.3f nats off the trainer's (tolerance %.3f): %s serves wrong weights after %s "
-                            "updates; re-creating the engine, now and for every later update",
+                log.warning("vLLM engine: after the %r update to %s v%d its log-probs of the version's probe are "
+                            "%.3f nats off the trainer's (tolerance %.3f): %s served wrong weights after a %r "
+                            "update; re-creating the engine, now and for every later update",
                             self.mode, policy, version, err, self.tolerance, self.build, self.mode)
                 record["fallback"] = "recreate"
                 self.mode = "recreate"

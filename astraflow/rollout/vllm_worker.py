@@ -81,6 +81,11 @@ class StoreWeightTransferEngine(WeightTransferEngine[StoreInitInfo, StoreUpdateI
         if key not in self._readers:
             self._readers[key] = VersionReader(*key)
         state, record = self._readers[key].read(update_info.policy, update_info.version)
+        tied = getattr(self.model_config.hf_config, "tie_word_embeddings", False)
+        if tied and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+            # a tied head left out of the version (HF's save_pretrained, Megatron's converter): load
+            # it explicitly, or a build that keeps a processed copy of the head serves the old one
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
         self.model.load_weights(iter(state.items()))
         self.last_record = {k: v for k, v in record.items() if isinstance(v, (int, float, str, type(None)))}
 

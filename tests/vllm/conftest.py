@@ -28,10 +28,11 @@ def bf16_exact(model) -> dict[str, torch.Tensor]:
     return sd
 
 
-def publish(store, policy: str, version: int, model) -> dict[str, torch.Tensor]:
-    """Publish ``model`` (bf16-exact weights) as ``version`` with its probe; returns the tensors."""
+def publish(store, policy: str, version: int, model, drop: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Publish ``model`` (bf16-exact weights, less the ``drop`` names) as ``version`` with its
+    probe; returns the tensors."""
     sd = bf16_exact(model)
-    store.publish(policy, version, sd, meta={"layout": "hf", "arch": model.config.model_type,
+    store.publish(policy, version, {k: v for k, v in sd.items() if k not in drop}, meta={"layout": "hf", "arch": model.config.model_type,
                                             "probe": make_probe(model)})
     return sd
 

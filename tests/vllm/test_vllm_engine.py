@@ -165,6 +165,20 @@ def test_a_sparse_delta_update_serves_the_new_version(setup, vllm_models):
     assert rec["read"]["mode"] == "delta" and rec["read"]["delta_density"] < 0.5
 
 
+def test_an_in_place_update_without_the_tied_head_serves_the_new_head(setup, vllm_models):
+    """A tied-embedding version without ``lm_head.weight`` (as ``save_pretrained`` writes one):
+    the head follows the embedding in place, no re-creation needed."""
+    engine, store, prompts, _ = setup
+    m1, _ = load_model(vllm_models["v1"])
+    publish(store, POLICY, 4, m1, drop=("lm_head.weight",))
+    engine.load_version(str(store.root), POLICY, 4)
+    _wait_loaded(engine, 4)
+    rec = engine.take_load_records()[-1]
+    assert rec["mode"] == "in_place" and rec["probe_error"] < 1e-3 and "fallback" not in rec
+    out = _gather(engine, prompts[:1], SamplingParams(max_new_tokens=16, temperature=1.0))[0]
+    np.testing.assert_allclose(out.logprobs, reference_logprobs(m1, prompts[0], out.tokens), atol=1e-4)
+
+
 def test_a_dead_engine_core_fails_its_requests_and_restarts(setup):
     engine, _, prompts, m0 = setup
     params = SamplingParams(max_new_tokens=400, greedy=True)

