@@ -1,0 +1,57 @@
+"""Without vLLM installed, AstraFlow still imports and tests, and choosing the ``vllm`` engine
+fails before anything starts: exit code 2 and the install command, from ``astraflow check`` and
+``astraflow run`` alike (the same validation runs first in both)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from astraflow.rollout.vllm_setup import vllm_available
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(vllm_available(), reason="vLLM is installed here: tests/vllm covers it")
+
+
+def _config(tmp_path: Path, model: Path) -> Path:
+    data = yaml.safe_load((ROOT / "examples" / "tiny" / "config.yaml").read_text())
+    data["policies"][0]["model"] = str(model)
+    data["policies"][0].pop("init", None)
+    data["rollout"]["engine"] = {"type": "vllm"}
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    return cfg
+
+
+@pytest.mark.parametrize("command", ["check", "run"])
+def test_choosing_vllm_without_it_exits_2_with_the_install_command(tiny_model, tmp_path, command):
+    cfg = _config(tmp_path, tiny_model)
+    extra = ["--run-dir", str(tmp_path / "run")] if command == "run" else []
+    res = subprocess.run([sys.executable, "-m", "astraflow", command, str(cfg), *extra],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "rollout.engine.type: vllm needs vLLM" in res.stderr and "pip install -e '.[vllm]'" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "run").exists()  # refused before the run directory was made
+
+
+def test_the_engine_modules_import_vllm_only_when_an_engine_is_built():
+    """The rollout package, its factory and config load without vLLM."""
+    code = ("import sys; import astraflow.rollout.engines, astraflow.rollout.node, astraflow.rollout.vllm_setup; "
+            "assert 'vllm' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=ROOT)
+
+
+def test_a_tensor_parallel_hf_engine_is_refused():
+    from pydantic import ValidationError
+
+    from astraflow.rollout.config import EngineConfig
+
+    with pytest.raises(ValidationError, match="tensor_parallel > 1 needs rollout.engine.type: vllm"):
+        EngineConfig(tensor_parallel=2)
+    assert EngineConfig(type="vllm", tensor_parallel=2).tensor_parallel == 2
