@@ -3,7 +3,7 @@
 Side by side in one run, on the same model, prompts, sampling, in-flight count and engine
 batch size:
 
-* **bare engine**: ``HFEngine.generate`` for every prompt, ``capacity`` requests in flight,
+* **bare engine**: the engine's ``generate`` (``HFEngine``; ``VLLMEngine`` with ``--engine vllm``) for every prompt, ``capacity`` requests in flight,
   in one process: the engine alone, fed as fast as it can take requests;
 * **RaaS node**: a ``RaaSNode`` actor on a Dask worker, leasing the same number of tasks from
   a ``DataLayer`` actor on another worker, running the ``single_turn`` workflow, writing
@@ -21,6 +21,7 @@ ratios are the result.
 
     python benchmarks/rollout_overhead.py [--groups 200] [--reps 3] [--capacity 128] [--max-batch 64]
         [--in-process]   # the engine inside the node's worker process (rollout.engine.process: false)
+        [--engine vllm]  # both paths on the vLLM engine (vLLM's own engine core process)
 """
 
 from __future__ import annotations
@@ -39,14 +40,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_batch: int, max_new: int, seed: int) -> tuple[float, int, dict]:
+def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_batch: int, max_new: int, seed: int,
+         engine_type: str = "hf") -> tuple[float, int, dict]:
     import torch
 
+    from astraflow.rollout.config import EngineConfig
     from astraflow.rollout.engine import SamplingParams
+    from astraflow.rollout.engines import make_engine
     from astraflow.rollout.hf_engine import HFEngine
 
     torch.set_num_threads(1)
-    engine = HFEngine(str(model_dir), version=0, max_batch_size=max_batch, seed=seed, device="cpu")
+    if engine_type == "hf":
+        engine = HFEngine(str(model_dir), version=0, max_batch_size=max_batch, seed=seed, device="cpu")
+    else:  # built as the node builds it
+        engine = make_engine(EngineConfig(type=engine_type, max_batch=max_batch), str(model_dir), seed=seed)
     params = SamplingParams(max_new_tokens=max_new)
 
     async def go() -> int:
@@ -60,7 +67,9 @@ def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_batch: in
 
     t0 = time.perf_counter()
     tokens = asyncio.run(go())
-    return time.perf_counter() - t0, tokens, engine.stats()
+    wall = time.perf_counter() - t0
+    engine.close()
+    return wall, tokens, engine.stats()
 
 
 @contextlib.contextmanager
@@ -101,7 +110,8 @@ def system_workers(work: Path, tls: bool = True):
 
 
 def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int, capacity: int,
-         max_batch: int, max_new: int, digits: int, seed: int, engine_process: bool = True, tls: bool = True) -> dict:
+         max_batch: int, max_new: int, digits: int, seed: int, engine_process: bool = True, tls: bool = True,
+         engine_type: str = "hf") -> dict:
     from astraflow.dataflow.config import DataflowConfig
     from astraflow.rollout.config import EngineConfig, RolloutConfig
     from astraflow.workloads.config import EvalConfig, SamplingConfig, WorkloadConfig
@@ -121,8 +131,8 @@ def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int
         ).result(timeout=120)
         node = client.submit(
             RaaSNode, actor=True, workers=[rollout_addr], identity=NodeIdentity(name="bench"),
-            rollout=RolloutConfig(capacity=capacity, engine=EngineConfig(max_batch=max_batch, device="cpu",
-                                                                            process=engine_process)),
+            rollout=RolloutConfig(capacity=capacity, engine=EngineConfig(type=engine_type, max_batch=max_batch,
+                                                                            device="cpu", process=engine_process)),
             models={"p": str(model_dir)}, workload_name="math", workload_params={"digits": digits},
             workload_seed=0, workflow="single_turn", sampling=wl.sampling, store_url=str(work / "trajectories"),
             weights_root=str(weights), data_layer=dl, seed=seed,
@@ -154,6 +164,8 @@ def main() -> None:
     ap.add_argument("--digits", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=3, help="alternating bare/RaaS repetitions (median reported)")
+    ap.add_argument("--engine", default="hf", choices=["hf", "vllm"],
+                    help="the engine of both paths (vllm: needs vLLM installed, e.g. the venv of tests/run_vllm.sh)")
     ap.add_argument("--in-process", action="store_true",
                     help="run the node's engine inside its worker process (rollout.engine.process: false)")
     args = ap.parse_args()
@@ -178,10 +190,11 @@ def main() -> None:
 
     rows = []  # one (bare, RaaS, RaaS plain TCP) triple per repetition, alternating: load drifts hit all alike
     for rep in range(args.reps):
-        bare_s, bare_tokens, bare_stats = bare(model_dir, prompts, args.capacity, args.max_batch, args.max_new_tokens, args.seed)
+        bare_s, bare_tokens, bare_stats = bare(model_dir, prompts, args.capacity, args.max_batch, args.max_new_tokens, args.seed,
+                                                 args.engine)
         runs = {tls: raas(model_dir, work / f"rep{rep}-{'tls' if tls else 'tcp'}", n, args.groups, args.group_size,
                           args.capacity, args.max_batch, args.max_new_tokens, args.digits, args.seed,
-                          engine_process=not args.in_process, tls=tls)
+                          engine_process=not args.in_process, tls=tls, engine_type=args.engine)
                 for tls in ((True, False) if rep % 2 == 0 else (False, True))}
         r, plain = runs[True], runs[False]
         c = r["counters"]
@@ -196,7 +209,8 @@ def main() -> None:
               flush=True)
 
     table = Table(title=f"rollout overhead ({n} episodes, {args.capacity} in flight, engine batch {args.max_batch}, "
-                        f"{args.preset} model, engine {'in the worker' if args.in_process else 'in its own process'})")
+                        f"{args.preset} model, {args.engine} engine"
+                        f"{'' if args.engine == 'vllm' else ' in the worker' if args.in_process else ' in its own process'})")
     for col in ("rep", "path", "tokens", "seconds", "tokens/s", "engine busy s", "mean batch", "ratio to bare"):
         table.add_column(col, justify="right")
     for i, x in enumerate(rows):
@@ -231,6 +245,7 @@ def main() -> None:
         "overhead_ms_per_trajectory": round(overhead_ms, 3),
         "episodes": int(c["episodes"]),
         "engine_process": not args.in_process,
+        "engine": args.engine,
     }))
 
 
