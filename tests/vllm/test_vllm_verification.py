@@ -44,7 +44,7 @@ def forced_reload(vllm_models):
     assert not any(p.is_alive() for p in procs)
 
 
-@pytest.mark.skipif("not is_cpu_build()", reason="reload_weights is known wrong only on the CPU build")
+@pytest.mark.skipif(not is_cpu_build(), reason="reload_weights is known wrong only on the CPU build")
 def test_a_wrong_in_place_reload_is_caught_by_the_probe_and_redone_by_recreating(forced_reload, vllm_models,
                                                                                   tmp_path, caplog):
     engine = forced_reload
