@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed here (bash tests/run_vllm.sh runs this tier)")
+import torch
 
-import torch  # noqa: E402
+from astraflow.models import init_model, load_model
+from astraflow.probe import make_probe, teacher_forced_logprobs
 
-from astraflow.models import init_model, load_model  # noqa: E402
-from astraflow.probe import make_probe, teacher_forced_logprobs  # noqa: E402
 
 
 def bf16_exact(model) -> dict[str, torch.Tensor]:

@@ -16,6 +16,8 @@ import logging
 import numpy as np
 import pytest
 
+pytest.importorskip("vllm", reason="vLLM is not installed here (bash tests/run_vllm.sh runs this tier)")
+
 from astraflow.models import load_model
 from astraflow.rollout.engine import SamplingParams
 from astraflow.rollout.vllm_engine import VLLMEngine
