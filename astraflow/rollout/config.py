@@ -53,14 +53,17 @@ class EngineConfig(Strict):
     a prefill of every row: for short answers it costs more than the fresher tokens are worth.
     0: always at the next step."""
     threads: int = Field(default=1, ge=1)
-    """torch intra-op threads of the engine."""
+    """torch intra-op threads of the engine (``vllm`` on the CPU build: its OpenMP threads,
+    bound to the first CPUs of the worker unless ``VLLM_CPU_OMP_THREADS_BIND`` is set)."""
     process: bool = True
     """Run the engine in a process of its own, next to the node's Dask worker. The node's
     Python work (Dask comms, trajectory writes) then no longer competes with decoding for the
-    interpreter lock (``benchmarks/rollout_overhead.py``). ``false``: in the worker process."""
+    interpreter lock (``benchmarks/rollout_overhead.py``). ``false``: in the worker process.
+    ``vllm`` always runs its engine core in processes of its own and ignores this."""
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """Where the engine runs: ``auto`` (the worker's GPU when it has one, else the CPU),
-    ``cpu``, ``cuda`` or ``cuda:N``."""
+    ``cpu``, ``cuda`` or ``cuda:N``. ``vllm`` runs on the GPUs the worker sees (the first
+    ``tensor_parallel`` of them), or on the CPU with vLLM's CPU build."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """The engine's weights and forward passes. ``bf16`` decodes faster where the
     hardware has bf16 (GPUs; CPUs with AVX512-BF16 or AMX; elsewhere it is slower than fp32);

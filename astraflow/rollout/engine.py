@@ -52,10 +52,11 @@ class Generation:
 class InferenceEngine(Protocol):
     """What a RaaS node and its workflows need from an inference engine.
 
-    ``rollout.engine.type: hf`` is the one engine type today: ``HFEngine`` (transformers, CPU
-    or one GPU) in the node's process, or ``ProcessEngine``, the same engine in a process of
-    its own (``rollout.engine.process``). Another engine (a vLLM server, say) would implement
-    this protocol, its capabilities included, and register a type in ``engines.make_engine``.
+    ``rollout.engine.type: hf``: ``HFEngine`` (transformers, CPU or one GPU) in the node's
+    process, or ``ProcessEngine``, the same engine in a process of its own
+    (``rollout.engine.process``); ``vllm``: ``VLLMEngine`` (vLLM's V1 engine, its engine core in
+    processes of its own). Another engine implements this protocol, its capabilities included,
+    and registers a type in ``engines.make_engine``.
 
     Capabilities are properties the node reads, never probes: ``pid`` and ``dead`` (is the
     engine a process of its own, has it died), ``restartable`` (``restart()`` replaces a dead

@@ -95,8 +95,14 @@ class VLLMEngine:
         self._thread.start()
         self._gate: asyncio.Event = self._call(self._make_gate())
         self.llm = None
-        self._call(self._start(self.model_path, version), timeout=START_TIMEOUT_S)
-        self.updater = Updater(self)
+        try:
+            self._call(self._start(self.model_path, version), timeout=START_TIMEOUT_S)
+            self.updater = Updater(self)
+        except BaseException:
+            self._call(self._shutdown(), timeout=120)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+            raise
 
     # -- protocol ------------------------------------------------------------------------
     async def generate(self, prompt_tokens: list[int], params: SamplingParams) -> Generation:
@@ -112,8 +118,8 @@ class VLLMEngine:
             raise ValueError(f"VLLMEngine.generate: prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) "
                              f"exceeds the engine's {limit} tokens (rollout.engine.vllm.max_model_len); "
                              "shorten one of them")
-        if self._dead:
-            raise EngineProcessError(self._dead)
+        if self.dead:
+            raise EngineProcessError(self.dead)
         fut = asyncio.run_coroutine_threadsafe(self._generate(_Request(prompt, params)), self._loop)
         return await asyncio.wrap_future(fut)  # cancelling the caller cancels (aborts) the request
 
@@ -135,6 +141,8 @@ class VLLMEngine:
         return self.updater.take_records()
 
     def stats(self) -> dict[str, float]:
+        """The HF engine's counters (``batches`` and ``decode_steps`` stay 0: vLLM schedules
+        steps itself), ``reencoded_rows`` = requests resumed after an update, ``recreations``."""
         return {k: float(v) for k, v in self._stats.items()}
 
     def close(self) -> None:

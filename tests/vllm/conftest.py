@@ -1,5 +1,6 @@
 """The vLLM test tier: runs where vLLM is importable (``bash tests/run_vllm.sh`` builds such a
-venv with the CPU build), skips cleanly everywhere else.
+venv with the CPU build); each module skips itself everywhere else (``importorskip``), and this
+conftest imports nothing of vLLM.
 
 Versions are published the way a trainer publishes them: HF-named tensors in the weight store
 with ``meta["probe"]`` computed by ``astraflow.probe.make_probe`` (what ``TorchBackend.publish``
@@ -17,7 +18,6 @@ import torch
 
 from astraflow.models import init_model, load_model
 from astraflow.probe import make_probe, teacher_forced_logprobs
-
 
 
 def bf16_exact(model) -> dict[str, torch.Tensor]:
