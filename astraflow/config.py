@@ -111,6 +111,18 @@ class RunConfig(Strict):
                         f"set gpus_per_node: {ranks} on the trainer partition")
 
     @model_validator(mode="after")
+    def _engine_fits_rollout_gpus(self) -> "RunConfig":
+        """A ``vllm`` engine's ``tensor_parallel`` shards take one GPU each of a rollout worker."""
+        tp = self.rollout.engine.tensor_parallel
+        for part in self.partitions:
+            if part.role == "rollout" and 0 < part.gpus_per_node < tp:
+                raise ValueError(
+                    f"rollout.engine.tensor_parallel {tp} shards each engine over {tp} GPUs, and partition "
+                    f"{part.name!r} gives a rollout worker {part.gpus_per_node}: lower tensor_parallel or set "
+                    f"gpus_per_node: {tp} on that partition")
+        return self
+
+    @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
         if not self.policies:
             raise ValueError("policies: name at least one policy")

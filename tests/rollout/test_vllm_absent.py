@@ -55,3 +55,16 @@ def test_a_tensor_parallel_hf_engine_is_refused():
     with pytest.raises(ValidationError, match="tensor_parallel > 1 needs rollout.engine.type: vllm"):
         EngineConfig(tensor_parallel=2)
     assert EngineConfig(type="vllm", tensor_parallel=2).tensor_parallel == 2
+
+
+def test_a_tensor_parallel_larger_than_a_rollout_workers_gpus_is_refused(tiny_model):
+    from astraflow.config import ConfigError
+    from tests.conftest import tiny_config
+
+    parts = [{"name": "gpu", "role": "rollout", "scheduler": "slurm", "gpus_per_node": 1},
+             {"name": "trainer", "role": "trainer"}, {"name": "data", "role": "data"}]
+    with pytest.raises(ConfigError, match="tensor_parallel 2 shards each engine over 2 GPUs, and partition 'gpu'"):
+        tiny_config(tiny_model, rollout__engine__type="vllm", rollout__engine__tensor_parallel=2, partitions=parts)
+    parts[0]["gpus_per_node"] = 2
+    assert tiny_config(tiny_model, rollout__engine__type="vllm", rollout__engine__tensor_parallel=2,
+                       partitions=parts).rollout.engine.tensor_parallel == 2
