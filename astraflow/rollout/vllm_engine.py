@@ -250,7 +250,7 @@ class VLLMEngine:
             temperature=0.0 if p.greedy else p.temperature, top_p=1.0 if p.greedy else p.top_p,
             max_tokens=p.max_new_tokens - len(req.tokens), logprobs=0, detokenize=False,
             stop_token_ids=sorted(set(self._stop_ids) | set(p.stop_token_ids)),
-            output_kind=RequestOutputKind.DELTA, skip_special_tokens=False)
+            output_kind=RequestOutputKind.FINAL_ONLY, skip_special_tokens=False)
 
     async def _generate(self, req: _Request) -> Generation:
         """One request: run it, and again from its prefix each time an update aborts it."""
@@ -269,6 +269,8 @@ class VLLMEngine:
             self._running[req.rid] = req
             finish, spans = None, None
             try:
+                # one output per request (its end, or its abort with what it generated so far):
+                # no per-token Python work in the node's process
                 async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt + req.tokens),
                                                    self._sampling(req), req.rid):
                     c = out.outputs[0]
@@ -295,7 +297,17 @@ class VLLMEngine:
 
     def steps_left(self) -> int:
         """Tokens the longest running request may still generate (0: none running)."""
-        return max((r.params.max_new_tokens - len(r.tokens) for r in self._running.values()), default=0)
+        return max((r.params.max_new_tokens - len(r.tokens) - self._generated(r.rid) for r in self._running.values()),
+                   default=0)
+
+    def _generated(self, rid: str) -> int:
+        """Tokens vLLM has generated so far for the running request ``rid`` (its output
+        processor's count; 0 where this vLLM does not expose it: the request counts as just
+        started, so an update aborts and resumes it)."""
+        proc = getattr(self.llm, "output_processor", None)
+        ids = getattr(proc, "external_req_ids", {}).get(rid, [])
+        states = [getattr(proc, "request_states", {}).get(i) for i in ids]
+        return max((s.detokenizer.num_output_tokens() for s in states if s is not None and s.detokenizer), default=0)
 
 
 def _versions(spans: list | None, n: int, fallback: int) -> list[int]:

@@ -101,7 +101,7 @@ def test_an_update_mid_generation_resumes_under_the_new_weights_with_per_token_v
 
     async def main():
         task = asyncio.ensure_future(engine.generate(prompts[0], params))
-        while not any(len(r.tokens) >= 8 for r in list(engine._running.values())):
+        while not any(engine._generated(rid) >= 8 for rid in list(engine._running)):
             assert not task.done()
             await asyncio.sleep(0.01)
         engine.load_version(str(store.root), POLICY, 1)
@@ -128,7 +128,7 @@ def test_near_its_end_a_request_finishes_on_its_weights_before_the_swap(setup, v
 
     async def main():
         task = asyncio.ensure_future(engine.generate(prompts[1], params))
-        while not any(len(r.tokens) >= 4 for r in list(engine._running.values())):
+        while not any(engine._generated(rid) >= 4 for rid in list(engine._running)):
             await asyncio.sleep(0.01)
         engine.load_version(str(store.root), POLICY, 2, use_deltas=True, full_resync_every=100)
         late = await engine.generate(prompts[1], SamplingParams(max_new_tokens=8, greedy=True))
