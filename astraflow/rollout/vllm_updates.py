@@ -15,9 +15,11 @@ How a version gets into vLLM (``rollout.engine.vllm.weight_update``):
 A silent wrong update is the failure guarded against: after every update the engine scores
 the version's probe sequence (``astraflow.probe``, published by the trainer in the manifest)
 and compares with the trainer's log-probs. An in-place update off by more than
-``probe_tolerance`` is redone by re-creating the engine, with a warning naming the vLLM build,
-and that engine re-creates for every later update. A version without a probe is loaded
-unverified (logged once).
+``probe_tolerance`` is redone by re-creating the engine. If the fresh engine is right, the
+in-place path served wrong weights on this build: a warning names the build and that engine
+re-creates for every later update. If the fresh engine is as far off, the gap is the engine's
+numerics (a bf16 engine against the trainer's fp32 probe), and the tolerance rises to twice it.
+A version without a probe is loaded unverified (logged once).
 
 Asynchronous overlap "weight update vs in-flight generation": an update closes the engine's
 gate (new requests and resumptions wait), then either aborts the running requests, which
@@ -146,22 +148,16 @@ class Updater:
             record["read"] = self.last_read
         await eng.llm.resume_generation()
         if probe is not None:
-            err = await self._probe_error(probe)
-            record["probe_error"] = err
+            err = record["probe_error"] = await self._probe_error(probe)
             if err > self.tolerance and self.mode != "recreate":
-                log.warning("vLLM engine: after the %r update to %s v%d its log-probs of the version's probe are "
-                            "%.3f nats off the trainer's (tolerance %.3f): %s served wrong weights after a %r "
-                            "update; re-creating the engine, now and for every later update",
-                            self.mode, policy, version, err, self.tolerance, self.build, self.mode)
-                record["fallback"] = "recreate"
-                self.mode = "recreate"
                 await self._recreate(self._write_model_dir(root, policy, version, use_deltas, every), version)
                 await eng.llm.resume_generation()
-                err = record["probe_error_after_fallback"] = await self._probe_error(probe)
-            if err > self.tolerance:
+                fresh = record["probe_error_after_fallback"] = await self._probe_error(probe)
+                record["fallback"] = "recreate"
+                self._judge(err, fresh, policy, version)
+            elif err > self.tolerance:
                 log.warning("vLLM engine: %s v%d's probe log-probs are %.3f nats off the trainer's on a freshly "
-                            "created engine; the engine dtype may explain it (rollout.engine.dtype), else raise "
-                            "rollout.engine.vllm.probe_tolerance", policy, version, err)
+                            "created engine (tolerance %.3f)", policy, version, err, self.tolerance)
         elif not self._warned_unverified:
             self._warned_unverified = True
             log.warning("vLLM engine: %s v%d carries no probe (meta.probe) and is loaded unverified", policy, version)
@@ -169,6 +165,24 @@ class Updater:
         eng._stats["weight_swaps"] += 1
         record["load_s"] = time.time() - t0
         self._records.append(record)
+
+    def _judge(self, err: float, fresh: float, policy: str, version: int) -> None:
+        """After an in-place update off by ``err`` and a re-created engine off by ``fresh`` on
+        the same version: a fresh engine is right by construction, so if it is about as far
+        off, the gap is this engine's numerics (its dtype), not the update: the tolerance rises
+        to twice it and updates stay in place. Otherwise the in-place path served wrong weights
+        on this build: every later update re-creates."""
+        if fresh > self.tolerance:
+            self.tolerance = 2 * fresh
+            log.warning("vLLM engine: a freshly created engine scores %s v%d's probe %.3f nats off the trainer's "
+                        "(the engine's dtype, rollout.engine.dtype, against the trainer's fp32 probe): the probe "
+                        "tolerance of this engine is now %.3f nats", policy, version, fresh, self.tolerance)
+        if err > self.tolerance:
+            log.warning("vLLM engine: after the %r update to %s v%d its log-probs of the version's probe were "
+                        "%.3f nats off the trainer's (a re-created engine: %.3f): %s served wrong weights after "
+                        "a %r update; the engine was re-created on the version, as it will be for every later update",
+                        self.mode, policy, version, err, fresh, self.build, self.mode)
+            self.mode = "recreate"
 
     async def _quiesce(self) -> int:
         """Stop generation for an update: abort the running requests (they resume from their
