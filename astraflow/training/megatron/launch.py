@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from pathlib import Path
@@ -141,60 +142,26 @@ class SrunRanks:
             MASTER_PORT=str(free_port(allocation.master_addr)),
         )
         self.command = srun_command(allocation, launch.world, launch.log_dir, sys.executable, RANK_MODULE)
-        with open(self.srun_log, "ab") as fh:
-            self.proc = subprocess.Popen(self.command, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, cwd=launch.workdir)
+        self.proc: subprocess.Popen | None = None
         try:
-            self.conns = self._accept(server, token.encode(), time.monotonic() + start_timeout_s)
+            with open(self.srun_log, "ab") as fh:
+                self.proc = subprocess.Popen(self.command, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, cwd=launch.workdir)
+            self.conns, hellos = accept_ranks(server, token.encode(), launch.world,
+                                              time.monotonic() + start_timeout_s, self._check_running)
         except BaseException:
             self.kill()
             raise
         finally:
             server.close()
+        self.where = [{"host": h.get("host"), "pid": h.get("pid")} for h in hellos]
+        self.step = hellos[0].get("step")
 
-    def _accept(self, server: socket.socket, token: bytes, deadline: float) -> list[Connection]:
-        """Every rank's authenticated connection, in rank order. Each handshake runs in its own
-        thread, so that a peer that connects and says nothing holds up nothing."""
-        done: queue.Queue = queue.Queue()
-        pending: list[socket.socket] = []
-        by_rank: dict[int, tuple[Connection, dict]] = {}
-        server.settimeout(0.2)
-        try:
-            while len(by_rank) < self.world:
-                if self.proc.poll() is not None:
-                    raise RankError(f"srun exited ({self.proc.returncode}) before all {self.world} ranks connected "
-                                    f"({sorted(by_rank)} did); see {self.srun_log} and the rank logs")
-                if time.monotonic() > deadline:
-                    raise RankError(f"ranks {sorted(set(range(self.world)) - set(by_rank))} did not connect to the "
-                                    f"backend within the start deadline; see {self.srun_log} and the rank logs")
-                try:
-                    sock, _ = server.accept()
-                except TimeoutError:
-                    sock = None
-                if sock is not None:
-                    pending.append(sock)
-                    threading.Thread(target=_handshake, args=(sock, token, done), daemon=True).start()
-                while not done.empty():
-                    conn, hello = done.get()
-                    rank = hello.get("rank")
-                    if not isinstance(rank, int) or not 0 <= rank < self.world or rank in by_rank:
-                        conn.close()
-                        continue
-                    by_rank[rank] = (conn, hello)
-        except BaseException:
-            for conn, _ in by_rank.values():
-                conn.close()
-            raise
-        finally:
-            for sock in pending:  # wakes a handshake still waiting on a silent peer
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                sock.close()
-        self.where = [{"host": by_rank[r][1].get("host"), "pid": by_rank[r][1].get("pid")} for r in range(self.world)]
-        self.step = by_rank[0][1].get("step")
-        return [by_rank[r][0] for r in range(self.world)]
+    def _check_running(self) -> None:
+        if self.proc.poll() is not None:
+            said = self.srun_log.read_text(errors="replace").splitlines()[-10:] if self.srun_log.exists() else []
+            raise RankError(f"srun exited ({self.proc.returncode}) before every rank connected; see {self.srun_log} "
+                            "and the rank logs. srun said:\n" + "\n".join(said))
 
     def exited(self) -> list[int]:
         """Every rank once the step has ended (srun ends with the step; with
@@ -207,7 +174,7 @@ class SrunRanks:
     def kill(self) -> None:
         """End the step: SIGTERM to srun (which signals every task), then, if it lingers,
         ``scancel`` of the step and SIGKILL to srun; close the channels."""
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=30)
@@ -219,6 +186,52 @@ class SrunRanks:
         for c in self.conns:
             c.close()
         self.conns = []
+
+
+def accept_ranks(server: socket.socket, token: bytes, world: int, deadline: float,
+                 check: Callable[[], None]) -> tuple[list[Connection], list[dict]]:
+    """Every rank's authenticated connection and hello, in rank order, from ``server``'s
+    connections (``check`` raises when the ranks can no longer come). Each handshake runs in its
+    own thread, so a peer that connects and says nothing holds up nothing; a peer without the
+    token, or naming a rank that is taken or out of range, is dropped."""
+    done: queue.Queue = queue.Queue()
+    pending: list[socket.socket] = []
+    by_rank: dict[int, tuple[Connection, dict]] = {}
+    server.settimeout(0.2)
+    try:
+        while len(by_rank) < world:
+            check()
+            if time.monotonic() > deadline:
+                raise RankError(f"ranks {sorted(set(range(world)) - set(by_rank))} did not connect to the backend "
+                                "within the start deadline; see the rank logs")
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                sock = None
+            if sock is not None:
+                pending.append(sock)
+                threading.Thread(target=_handshake, args=(sock, token, done), daemon=True).start()
+            while not done.empty():
+                sock, conn, hello = done.get()
+                pending.remove(sock)  # authenticated: its own descriptor, not to be shut down below
+                sock.close()
+                rank = hello.get("rank")
+                if type(rank) is not int or not 0 <= rank < world or rank in by_rank:
+                    conn.close()
+                    continue
+                by_rank[rank] = (conn, hello)
+    except BaseException:
+        for conn, _ in by_rank.values():
+            conn.close()
+        raise
+    finally:
+        for sock in pending:  # wakes a handshake still waiting on a silent peer, ends a failed one
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+    return [by_rank[r][0] for r in range(world)], [by_rank[r][1] for r in range(world)]
 
 
 def _handshake(sock: socket.socket, token: bytes, done: queue.Queue) -> None:
@@ -237,7 +250,7 @@ def _handshake(sock: socket.socket, token: bytes, done: queue.Queue) -> None:
     except Exception:  # a wrong token, a peer that hung up, garbage
         conn.close()
         return
-    done.put((conn, hello))
+    done.put((sock, conn, hello))
 
 
 def free_port(host: str) -> int:
