@@ -321,11 +321,22 @@ class MegatronBackend:
                     raise RankError(self._report(f"rank {r} did not answer {cmd!r} within {timeout_s:.0f}s", [r]))
             try:
                 status, result = c.recv()
-            except EOFError as e:
+            except (EOFError, OSError) as e:  # OSError: a TCP channel reset by its peer
+                dead = self._exited_soon()
+                if dead:
+                    raise RankError(self._report(f"rank(s) {dead} exited during {cmd!r}", dead)) from e
                 raise RankError(self._report(f"rank {r} closed its channel during {cmd!r}", [r])) from e
             assert status == "ok", status
             results.append(result)
         return results
+
+    def _exited_soon(self, wait_s: float = 10.0) -> list[int]:
+        """The ranks that have exited, given ``wait_s`` to show it: a channel closes just before
+        its process ends (and under srun, the step ends a moment after its failed rank)."""
+        deadline = time.monotonic() + wait_s
+        while not (dead := self._ranks.exited()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return dead
 
     def _report(self, what: str, ranks: list[int]) -> str:
         self._kill()

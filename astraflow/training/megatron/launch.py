@@ -128,7 +128,7 @@ class SrunRanks:
         self.allocation = allocation
         #: ``job.step`` of the ranks' step, as the ranks report it (for ``scancel``)
         self.step: str | None = None
-        #: per rank: host and pid, as the ranks report them
+        #: per rank: its Slurm node, host and pid, as the ranks report them
         self.where: list[dict] = []
         token = secrets.token_hex(32)
         server = socket.create_server((allocation.master_addr, 0))
@@ -154,7 +154,7 @@ class SrunRanks:
             raise
         finally:
             server.close()
-        self.where = [{"host": h.get("host"), "pid": h.get("pid")} for h in hellos]
+        self.where = [{k: h.get(k) for k in ("node", "host", "pid")} for h in hellos]
         self.step = hellos[0].get("step")
 
     def _check_running(self) -> None:
@@ -295,5 +295,5 @@ def rank_channel(rank: int) -> Connection:
     conn = Client((host, int(port)), authkey=token)
     step = f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}"
     conn.send_bytes(json.dumps({"rank": rank, "step": step, "host": socket.gethostname(),
-                                "pid": os.getpid()}).encode())
+                                "node": os.environ.get("SLURMD_NODENAME"), "pid": os.getpid()}).encode())
     return conn
