@@ -1,5 +1,6 @@
 """``trainer.data_parallel``: checked by the trainer's config (torch backend: 1 only) and against
-the run (every batch splits over the replicas; a GPU trainer partition gives every rank a GPU).
+the run (every batch splits over the replicas; a GPU trainer partition gives every rank a GPU;
+a multi-node one, ``nodes_per_worker x gpus_per_node`` ranks exactly, reported by ``astraflow check``).
 No model is built: the policy's model is left to its ``init`` section."""
 
 from __future__ import annotations
