@@ -41,6 +41,18 @@ def _default_partitions() -> list[Partition]:
     ]
 
 
+def _multi_node_mismatch(field: str, tp: int, dp: int, part: Partition) -> str:
+    """Why ``tp x dp`` ranks cannot run on multi-node trainer partition ``part``, and the fix."""
+    world = part.ranks_per_worker
+    per_node = f"gpus_per_node {part.gpus_per_node}" if part.gpus_per_node else "1 rank per node (no GPUs)"
+    fix = (f"set {field}.data_parallel: {world // tp}" if world % tp == 0 else
+           f"choose tensor_parallel x data_parallel = {world}")
+    return (f"{field}: tensor_parallel {tp} x data_parallel {dp} = {tp * dp} ranks, but trainer partition "
+            f"{part.name!r} spans nodes_per_worker {part.nodes_per_worker} x {per_node} = {world} ranks (one per "
+            f"GPU on every node of its job): {fix}, or change the partition's nodes_per_worker / gpus_per_node "
+            f"so that they multiply to {tp * dp}")
+
+
 class RunConfig(Strict):
     """A whole run. Each section goes only to the component that owns it."""
 
@@ -90,10 +102,18 @@ class RunConfig(Strict):
 
     def _check_trainer_ranks(self) -> None:
         """A Megatron trainer's ``tensor_parallel * data_parallel`` ranks take one GPU each on a
-        GPU partition, and every batch is split over its ``data_parallel`` replicas."""
+        GPU partition (exactly all of them on a multi-node one, whose world size is
+        ``nodes_per_worker * gpus_per_node``), and every batch is split over its
+        ``data_parallel`` replicas. Only Megatron trainers use more than one node."""
+        multi = [p.name for p in self.partitions if p.role == "trainer" and p.nodes_per_worker > 1]
         for pol in self.policies:
             t = pol.trainer
             if t.backend != "megatron":
+                if multi:
+                    raise ValueError(
+                        f"policies[{pol.name}].trainer: the {t.backend} backend trains on one node, and trainer "
+                        f"partition(s) {multi} span several (nodes_per_worker > 1): set trainer.backend: megatron "
+                        "or nodes_per_worker: 1")
                 continue
             field = f"policies[{pol.name}].trainer"
             if self.dataflow.batch_size < t.data_parallel:
@@ -103,7 +123,9 @@ class RunConfig(Strict):
                     f"{t.data_parallel} or lower {field}.data_parallel")
             ranks = t.tensor_parallel * t.data_parallel
             for part in self.partitions:
-                if part.role == "trainer" and 0 < part.gpus_per_node < ranks:
+                if part.role == "trainer" and part.nodes_per_worker > 1 and ranks != part.ranks_per_worker:
+                    raise ValueError(_multi_node_mismatch(field, t.tensor_parallel, t.data_parallel, part))
+                if part.role == "trainer" and part.nodes_per_worker == 1 and 0 < part.gpus_per_node < ranks:
                     raise ValueError(
                         f"{field}: tensor_parallel {t.tensor_parallel} x data_parallel {t.data_parallel} = "
                         f"{ranks} ranks, one GPU each, and partition {part.name!r} gives a trainer "
