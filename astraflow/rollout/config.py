@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from astraflow.configbase import Strict
 
@@ -25,7 +25,19 @@ class EngineConfig(Strict):
     a prefill of every row: for short answers it costs more than the fresher tokens are worth.
     0: always at the next step."""
     threads: int = Field(default=1, ge=1)
-    """torch intra-op threads of the engine."""
+    """torch intra-op threads of the node's engines, split evenly between its replicas (each
+    gets at least one)."""
+    replicas: int | None = Field(default=None, ge=1)
+    """Engines per policy on one node, each with its own share of the node (``EnginePool``
+    spreads the node's requests over them, every replica takes every weight version). None:
+    one per ``tensor_parallel`` GPUs of the worker (its partition's ``gpus_per_node``; every
+    GPU used), 1 on a CPU worker. Set it on a CPU worker with many cores to run several
+    engines side by side (``threads`` is split between them); replicas beyond the GPUs share
+    them in turn."""
+    tensor_parallel: int = Field(default=1, ge=1)
+    """GPUs each engine spans by tensor parallelism (one engine over several GPUs instead of
+    one engine per GPU). Only an engine type that shards a model can; ``hf`` runs each engine
+    on one device, so it takes 1."""
     process: bool = True
     """Run the engine in a process of its own, next to the node's Dask worker. The node's
     Python work (Dask comms, trajectory writes) then no longer competes with decoding for the
@@ -38,6 +50,15 @@ class EngineConfig(Strict):
     hardware has bf16 (GPUs; CPUs with AVX512-BF16 or AMX; elsewhere it is slower than fp32);
     its log-probs then differ slightly from the trainer's fp32 ones, which the loss's clipped
     importance ratio absorbs. Sampling and log-probs are computed from fp32 logits either way."""
+
+    @model_validator(mode="after")
+    def _parallelism(self) -> "EngineConfig":
+        if self.type == "hf" and self.tensor_parallel > 1:
+            raise ValueError(
+                f"rollout.engine.tensor_parallel {self.tensor_parallel}: the hf engine runs each engine on one "
+                "device and cannot shard a model over GPUs; set tensor_parallel: 1 (a node then runs one engine "
+                "per GPU, or rollout.engine.replicas of them), or use an engine type with tensor parallelism")
+        return self
 
 
 class RolloutConfig(Strict):
