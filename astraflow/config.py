@@ -21,6 +21,7 @@ from astraflow.agents.workload import is_agentic
 from astraflow.workloads.datafiles import resolve_path
 from astraflow.configbase import Strict
 from astraflow.dataflow.config import DataflowConfig
+from astraflow.partition_settings import check_partition, effective_rollout, effective_trainer
 from astraflow.rollout.config import RolloutConfig
 from astraflow.sandbox.config import SandboxConfig
 from astraflow.training.config import PolicyConfig
@@ -134,6 +135,8 @@ class RunConfig(Strict):
         problems = [line for p in self.partitions for line in policy.problems(p)]
         if problems:
             raise ValueError("\n  ".join(problems))
+        for part in self.partitions:
+            check_partition(part, self.rollout, {p.name: p.trainer for p in self.policies})
         self._check_trainer_ranks()
         from astraflow.rollout.workflows import workflow_class
 
@@ -327,6 +330,13 @@ def check_devices(cfg: RunConfig) -> None:
     asked = [(f"policies[{p.name}].trainer.device", p.trainer.device, "trainer")
              for p in cfg.policies if p.trainer.backend == "torch"]
     asked.append(("rollout.engine.device", cfg.rollout.engine.device, "rollout"))
+    for part in cfg.partitions:  # a partition's own device (its ``rollout:`` / ``trainer:``)
+        if part.role == "rollout" and "device" in part.rollout.get("engine", {}):
+            asked.append((f"partitions[{part.name}].rollout.engine.device",
+                          effective_rollout(cfg.rollout, part).engine.device, "rollout"))
+        if part.role == "trainer" and "device" in part.trainer:
+            asked += [(f"partitions[{part.name}].trainer.device", effective_trainer(p.trainer, part).device,
+                       "trainer") for p in cfg.policies if p.trainer.backend == "torch"][:1]
     asked = [(field, dev, role) for field, dev, role in asked if dev.startswith("cuda") and local(role)]
     if not asked:
         return

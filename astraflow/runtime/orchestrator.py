@@ -183,6 +183,9 @@ class Orchestrator:
         with self.progress.waiting(f"waiting for {len(self.workers)} workers to join"):
             self.placement.wait_workers(names, self.fleet.listed_states)
 
+    def _partition_of(self, worker: str) -> Partition:
+        return self.partitions[self.workers[worker].partition]
+
     def _place_node(self, name: str, part: Partition):
         return self.placement.submit_actor(RaaSNode, name, **node_kwargs(self.cfg, self.paths, name, part, self.dl))
 
@@ -200,7 +203,8 @@ class Orchestrator:
         self.restarts.placed_on = {pol.name: trainer_ws[i % len(trainer_ws)].name for i, pol in enumerate(cfg.policies)}
         placed = {
             pol.name: placement.submit_actor(Trainer, self.restarts.placed_on[pol.name],
-                                             **trainer_kwargs(cfg, self.paths, i, pol, self.dl))
+                                             **trainer_kwargs(cfg, self.paths, i, pol, self.dl,
+                                                              self._partition_of(self.restarts.placed_on[pol.name])))
             for i, pol in enumerate(cfg.policies)
         }
         with self.progress.waiting(f"starting {len(placed)} trainer(s) and the RaaS nodes (model loading)"):
