@@ -15,7 +15,7 @@ EngineType = Literal["hf"]
 
 class EngineConfig(Strict):
     type: EngineType = "hf"
-    """Inference engine: ``hf`` (transformers; CPU, or one GPU when available), the one type today."""
+    """Inference engine: ``hf`` (transformers; CPU, or one GPU per engine), the one type today."""
     max_batch: int = Field(default=64, ge=1)
     """Most requests decoded together in one batch."""
     swap_min_remaining: int = Field(default=16, ge=0)
@@ -43,8 +43,9 @@ class EngineConfig(Strict):
     Python work (Dask comms, trajectory writes) then no longer competes with decoding for the
     interpreter lock (``benchmarks/rollout_overhead.py``). ``false``: in the worker process."""
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
-    """Where the engine runs: ``auto`` (the worker's GPU when it has one, else the CPU),
-    ``cpu``, ``cuda`` or ``cuda:N``."""
+    """Where the engines run: ``auto`` or ``cuda`` (the worker's GPUs, one engine per GPU; ``auto``
+    falls back to the CPU where there is none), ``cpu``, or ``cuda:N`` (that GPU, shared by the
+    node's engines)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """The engine's weights and forward passes. ``bf16`` decodes faster where the
     hardware has bf16 (GPUs; CPUs with AVX512-BF16 or AMX; elsewhere it is slower than fp32);
