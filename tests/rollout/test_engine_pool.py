@@ -175,6 +175,20 @@ def test_a_dead_replica_is_restarted_while_the_other_keeps_serving(pool, tiny_mo
     assert pids == {"p": first_pid, "p#1": second.pid}
 
 
+@pytest.mark.timeout(120)
+def test_replicas_in_the_node_process_take_every_version_too(tiny_model, tmp_path):
+    """``rollout.engine.process: false``: the replicas are ``HFEngine``s in the node's process,
+    the node reads each version and hands it to every replica."""
+    engine = make_engine(EngineConfig(replicas=2, process=False, device="cpu"), str(tiny_model))
+    assert isinstance(engine, EnginePool) and all(isinstance(r, HFEngine) for r in engine.replicas)
+    _publish(WeightStore(tmp_path / "weights"), tiny_model, 2)
+    assert WeightPuller(str(tmp_path / "weights"), {"p": engine}).poll() == 1
+    assert [r.version for r in engine.replicas] == [2, 2]
+    prompts = [engine.tokenizer(p)["input_ids"] for p in PROMPTS[:4]]
+    assert {int(v) for g in _gather(engine, prompts, GREEDY) for v in g.versions} == {2}
+    assert engine.routed == [2, 2]
+
+
 def test_a_single_engine_being_restarted_stops_the_node_leasing():
     """Without a second replica, nothing serves while the engine restarts: no leases."""
     from types import SimpleNamespace
