@@ -41,6 +41,7 @@ from typing import Any
 
 from astraflow.config import RunConfig, dump_config
 from astraflow.dataflow.layer import DataLayer
+from astraflow.partition_settings import check_partition
 from astraflow.rollout.node import RaaSNode
 from astraflow.runtime.control import write_desired
 from astraflow.runtime.jobrecords import PreviousJobs
@@ -84,7 +85,9 @@ class Orchestrator:
         self.paths = RunPaths(run_dir).make()
         self.progress = progress or Progress(enabled=False)
         self.placement = Placement(self.paths, cfg.cluster, self.progress)
-        self.parts = PartitionSet(list(cfg.partitions), self.paths, cfg.cluster, self.progress)
+        trainers = {pol.name: pol.trainer for pol in cfg.policies}
+        self.parts = PartitionSet(list(cfg.partitions), self.paths, cfg.cluster, self.progress,
+                                  check_settings=lambda part: check_partition(part, cfg.rollout, trainers))
         self.fleet = Fleet(self.parts, self.placement, cfg.cluster, self.progress, self._place_node)
         self.status = StatusWriter(self.paths, self.run_tag(), self.parts, self.fleet)
         self.status.previous_jobs = (previous_jobs or PreviousJobs()).as_dict()
