@@ -1,7 +1,7 @@
 """Per-partition settings (``partitions[].rollout`` / ``partitions[].trainer``): merged over the
 run's sections for the workers of the partition, validated like them, an unknown key named
 with the keys allowed there; ``astraflow check`` exits 2 on a bad one and prints what each
-partition runs with; ``astraflow partitions add`` refuses settings that do not fit the run."""
+partition runs with (``astraflow partitions add`` with settings: tests/e2e/test_partitions_cli.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from astraflow.rollout.config import RolloutConfig
 from astraflow.training.config import TrainerConfig
 from schedulers import Partition
 from tests.e2e.test_cli import _write_config
-from tests.e2e.test_partitions_cli import live_run  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = RolloutConfig(capacity=32, engine={"max_batch": 16, "threads": 4})
@@ -94,16 +93,11 @@ def test_check_exits_2_on_an_unknown_partition_setting(tiny_model, tmp_path):
     assert "Traceback" not in res.output
 
 
-def test_partitions_add_takes_settings_and_refuses_bad_ones(live_run, tmp_path):  # noqa: F811
-    from astraflow.runtime.control import read_desired_file
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_a_partitions_own_gpu_is_judged_by_where_that_partition_runs(tiny_model, tmp_path):
+    from astraflow.config import ConfigError, check_devices, load_config
 
-    (tmp_path / "bad.yaml").write_text("name: a100\nrollout: {engine: {max_batch: 0}}\n")
-    res = CliRunner().invoke(main, ["partitions", "add", str(live_run.root), "--from-yaml",
-                                    str(tmp_path / "bad.yaml"), "--wait", "0"])
-    assert res.exit_code == 2 and "partitions[a100].rollout.engine.max_batch" in res.output, res.output
-    (tmp_path / "good.yaml").write_text("name: a100\nrollout: {capacity: 64, engine: {max_batch: 32}}\n")
-    res = CliRunner().invoke(main, ["partitions", "add", str(live_run.root), "--from-yaml",
-                                    str(tmp_path / "good.yaml"), "--wait", "0"])
-    assert res.exit_code == 0, res.output
-    parts, _ = read_desired_file(live_run)
-    assert parts["a100"].rollout == {"capacity": 64, "engine": {"max_batch": 32}}
+    cfg = load_config(_config(tmp_path, tiny_model, PARTS), ["partitions.cpu.rollout.engine.device=cuda:3"])
+    with pytest.raises(ConfigError, match=r"partitions\[cpu\].rollout.engine.device: 'cuda:3' asked for"):
+        check_devices(cfg)
+    check_devices(load_config(_config(tmp_path, tiny_model, PARTS), ["partitions.h100.rollout.engine.device=cuda:3"]))
