@@ -101,3 +101,23 @@ def test_a_partitions_own_gpu_is_judged_by_where_that_partition_runs(tiny_model,
     with pytest.raises(ConfigError, match=r"partitions\[cpu\].rollout.engine.device: 'cuda:3' asked for"):
         check_devices(cfg)
     check_devices(load_config(_config(tmp_path, tiny_model, PARTS), ["partitions.h100.rollout.engine.device=cuda:3"]))
+
+
+def test_placement_gives_a_partitions_workers_its_settings(tmp_path):
+    """A RaaS node of a partition gets the run's rollout section with the partition's settings
+    over it and the partition's GPUs (one engine each); a trainer its partition's micro-batch."""
+    from types import SimpleNamespace
+
+    from astraflow.runtime.placement import node_kwargs, trainer_kwargs
+    from storage.paths import RunPaths
+    from tests.integration.test_orchestrator_parts import tiny_config
+
+    cfg = tiny_config(tmp_path, **{"rollout.capacity": 24})
+    part = Partition(name="h100", hardware="H100", gpus_per_node=4, rollout={"engine": {"max_batch": 128}})
+    kw = node_kwargs(cfg, RunPaths(tmp_path / "run"), "rollout-h100-local-H100-0", part, SimpleNamespace())
+    assert kw["rollout"].engine.max_batch == 128 and kw["rollout"].capacity == 24 and kw["gpus"] == 4
+    assert kw["rollout"].engine.threads == cfg.rollout.engine.threads
+    assert isinstance(kw["rollout"], RolloutConfig)
+    a100 = Partition(name="a100", role="trainer", trainer={"micro_batch": 4})
+    kw = trainer_kwargs(cfg, RunPaths(tmp_path / "run"), 0, cfg.policies[0], SimpleNamespace(), a100)
+    assert kw["cfg"].micro_batch == 4 and kw["cfg"].lr == cfg.policies[0].trainer.lr

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from astraflow.rollout.config import EngineConfig, RolloutConfig
+from astraflow.rollout.config import EngineConfig
 from astraflow.rollout.engine import SamplingParams
 from astraflow.rollout.engine_pool import EnginePool, plan_replicas, replicas_of, serving
 from astraflow.rollout.engines import make_engine
@@ -222,21 +222,3 @@ def test_a_2_gpu_worker_uses_both_gpus(tiny_model):
 def _visible() -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     return [d for d in env.split(",") if d] if env else [str(i) for i in range(torch.cuda.device_count())]
-
-
-def test_a_partitions_rollout_settings_reach_its_nodes(tmp_path):
-    """Placement gives a node of a partition the run's rollout section with the partition's
-    settings over it, and the partition's GPUs (one engine each)."""
-    from types import SimpleNamespace
-
-    from astraflow.runtime.placement import node_kwargs
-    from schedulers import Partition
-    from storage.paths import RunPaths
-    from tests.integration.test_orchestrator_parts import tiny_config
-
-    cfg = tiny_config(tmp_path, **{"rollout.capacity": 24})
-    part = Partition(name="h100", hardware="H100", gpus_per_node=4, rollout={"engine": {"max_batch": 128}})
-    kw = node_kwargs(cfg, RunPaths(tmp_path / "run"), "rollout-h100-local-H100-0", part, SimpleNamespace())
-    assert kw["rollout"].engine.max_batch == 128 and kw["rollout"].capacity == 24 and kw["gpus"] == 4
-    assert kw["rollout"].engine.threads == cfg.rollout.engine.threads
-    assert isinstance(kw["rollout"], RolloutConfig)
