@@ -21,6 +21,7 @@ from astraflow.agents.workload import is_agentic
 from astraflow.workloads.datafiles import resolve_path
 from astraflow.configbase import Strict
 from astraflow.dataflow.config import DataflowConfig
+from astraflow.partition_settings import check_partition, effective_rollout
 from astraflow.rollout.config import RolloutConfig
 from astraflow.sandbox.config import SandboxConfig
 from astraflow.training.config import PolicyConfig
@@ -156,6 +157,8 @@ class RunConfig(Strict):
         problems = [line for p in self.partitions for line in policy.problems(p)]
         if problems:
             raise ValueError("\n  ".join(problems))
+        for part in self.partitions:
+            check_partition(part, self.rollout, {p.name: p.trainer for p in self.policies})
         self._check_trainer_ranks()
         from astraflow.rollout.workflows import workflow_class
 
@@ -341,15 +344,24 @@ def check_models(cfg: RunConfig) -> None:
 
 def check_devices(cfg: RunConfig) -> None:
     """``ConfigError`` when a GPU (``cuda``, ``cuda:N``) is asked for by a component that runs only
-    on this machine (all partitions of its role are ``scheduler: local``) and torch sees no such
-    GPU here. Components on Slurm partitions run elsewhere and are not judged from here."""
+    on this machine (all partitions of its role are ``scheduler: local``; for a partition's own
+    ``rollout:`` / ``trainer:`` device, that partition) and torch sees no such GPU here.
+    Components on Slurm partitions run elsewhere and are not judged from here."""
     def local(role: str) -> bool:
         return all(p.scheduler == "local" for p in cfg.partitions if p.role == role)
 
-    asked = [(f"policies[{p.name}].trainer.device", p.trainer.device, "trainer")
+    asked = [(f"policies[{p.name}].trainer.device", p.trainer.device, "trainer", local("trainer"))
              for p in cfg.policies if p.trainer.backend == "torch"]
-    asked.append(("rollout.engine.device", cfg.rollout.engine.device, "rollout"))
-    asked = [(field, dev, role) for field, dev, role in asked if dev.startswith("cuda") and local(role)]
+    asked.append(("rollout.engine.device", cfg.rollout.engine.device, "rollout", local("rollout")))
+    torch_trainer = any(p.trainer.backend == "torch" for p in cfg.policies)
+    for part in cfg.partitions:
+        here = part.scheduler == "local"
+        if part.role == "rollout" and "device" in part.rollout.get("engine", {}):
+            asked.append((f"partitions[{part.name}].rollout.engine.device",
+                          effective_rollout(cfg.rollout, part).engine.device, "rollout", here))
+        if part.role == "trainer" and "device" in part.trainer and torch_trainer:
+            asked.append((f"partitions[{part.name}].trainer.device", str(part.trainer["device"]), "trainer", here))
+    asked = [(field, dev, role) for field, dev, role, on_this in asked if dev.startswith("cuda") and on_this]
     if not asked:
         return
     import torch

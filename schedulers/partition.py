@@ -216,6 +216,16 @@ class Partition(BaseModel):
     Slurm only; may not repeat an option rendered from a field (``--time``: use `walltime`); names
     must be in the run's ``cluster.sbatch_options_allowlist`` (see `schedulers.policy`)."""
 
+    rollout: dict[str, Any] = Field(default_factory=dict)
+    """Rollout settings of this partition's RaaS nodes over the run's ``rollout`` section, in
+    its shape (``{capacity: 256, engine: {max_batch: 128}}``): for pools whose hardware differs.
+    Role ``rollout`` only; validated by the run config (``astraflow.partition_settings``)."""
+
+    trainer: dict[str, Any] = Field(default_factory=dict)
+    """Trainer settings of the trainers this partition hosts over each policy's ``trainer``
+    section (its hardware fields: ``micro_batch``, ``threads``, ``device``). Role ``trainer``
+    only; validated by the run config (``astraflow.partition_settings``)."""
+
     env: dict[EnvName, EnvValue] = Field(default_factory=dict)
     """Environment variables set for the worker process (both backends). Names must be in the
     run's ``cluster.worker_env_allowlist`` (see `schedulers.policy`)."""

@@ -56,6 +56,8 @@ class InferenceEngine(Protocol):
     or one GPU) in the node's process, or ``ProcessEngine``, the same engine in a process of
     its own (``rollout.engine.process``). Another engine (a vLLM server, say) would implement
     this protocol, its capabilities included, and register a type in ``engines.make_engine``.
+    A node with several engines per policy (one per GPU) holds them in an ``EnginePool``
+    (``engine_pool``), itself an ``InferenceEngine``; the node restarts its replicas one by one.
 
     Capabilities are properties the node reads, never probes: ``pid`` and ``dead`` (is the
     engine a process of its own, has it died), ``restartable`` (``restart()`` replaces a dead
