@@ -171,13 +171,19 @@ def model_init(out: str, preset: str, arch: str, seed: int, tie_embeddings: bool
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
 def check(config: str, overrides: tuple[str, ...]) -> None:
-    """Validate CONFIG and print the resolved configuration, then read the workload's data as a
-    run would and say what it found (a dataset's bad rows listed by file and line)."""
+    """Validate CONFIG and print the resolved configuration, then (on stderr) what each
+    partition's workers run with (engines per RaaS node, the settings a partition changes) and
+    read the workload's data as a run would and say what it found (a dataset's bad rows listed
+    by file and line)."""
     import yaml
 
     cfg = _load(config, overrides)
     click.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    from astraflow.partition_settings import plan_lines
     from astraflow.runtime.launch import check_data
+
+    for line in plan_lines(cfg.partitions, cfg.rollout, {p.name: p.trainer for p in cfg.policies}):
+        click.echo(line, err=True)
 
     try:
         click.echo(check_data(cfg.workload), err=True)

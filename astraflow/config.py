@@ -21,6 +21,7 @@ from astraflow.agents.workload import is_agentic
 from astraflow.workloads.datafiles import resolve_path
 from astraflow.configbase import Strict
 from astraflow.dataflow.config import DataflowConfig
+from astraflow.partition_settings import check_partition, effective_rollout
 from astraflow.rollout.config import RolloutConfig
 from astraflow.sandbox.config import SandboxConfig
 from astraflow.training.config import PolicyConfig
@@ -39,6 +40,18 @@ def _default_partitions() -> list[Partition]:
         Partition(name="trainer", scheduler="local", role="trainer", nodes=1),
         Partition(name="rollout", scheduler="local", role="rollout", nodes=2),
     ]
+
+
+def _multi_node_mismatch(field: str, tp: int, dp: int, part: Partition) -> str:
+    """Why ``tp x dp`` ranks cannot run on multi-node trainer partition ``part``, and the fix."""
+    world = part.ranks_per_worker
+    per_node = f"gpus_per_node {part.gpus_per_node}" if part.gpus_per_node else "1 rank per node (no GPUs)"
+    fix = (f"set {field}.data_parallel: {world // tp}" if world % tp == 0 else
+           f"choose tensor_parallel x data_parallel = {world}")
+    return (f"{field}: tensor_parallel {tp} x data_parallel {dp} = {tp * dp} ranks, but trainer partition "
+            f"{part.name!r} spans nodes_per_worker {part.nodes_per_worker} x {per_node} = {world} ranks (one per "
+            f"GPU on every node of its job): {fix}, or change the partition's nodes_per_worker / gpus_per_node "
+            f"so that they multiply to {tp * dp}")
 
 
 class RunConfig(Strict):
@@ -90,10 +103,18 @@ class RunConfig(Strict):
 
     def _check_trainer_ranks(self) -> None:
         """A Megatron trainer's ``tensor_parallel * data_parallel`` ranks take one GPU each on a
-        GPU partition, and every batch is split over its ``data_parallel`` replicas."""
+        GPU partition (exactly all of them on a multi-node one, whose world size is
+        ``nodes_per_worker * gpus_per_node``), and every batch is split over its
+        ``data_parallel`` replicas. Only Megatron trainers use more than one node."""
+        multi = [p.name for p in self.partitions if p.role == "trainer" and p.nodes_per_worker > 1]
         for pol in self.policies:
             t = pol.trainer
             if t.backend != "megatron":
+                if multi:
+                    raise ValueError(
+                        f"policies[{pol.name}].trainer: the {t.backend} backend trains on one node, and trainer "
+                        f"partition(s) {multi} span several (nodes_per_worker > 1): set trainer.backend: megatron "
+                        "or nodes_per_worker: 1")
                 continue
             field = f"policies[{pol.name}].trainer"
             if self.dataflow.batch_size < t.data_parallel:
@@ -103,7 +124,9 @@ class RunConfig(Strict):
                     f"{t.data_parallel} or lower {field}.data_parallel")
             ranks = t.tensor_parallel * t.data_parallel
             for part in self.partitions:
-                if part.role == "trainer" and 0 < part.gpus_per_node < ranks:
+                if part.role == "trainer" and part.nodes_per_worker > 1 and ranks != part.ranks_per_worker:
+                    raise ValueError(_multi_node_mismatch(field, t.tensor_parallel, t.data_parallel, part))
+                if part.role == "trainer" and part.nodes_per_worker == 1 and 0 < part.gpus_per_node < ranks:
                     raise ValueError(
                         f"{field}: tensor_parallel {t.tensor_parallel} x data_parallel {t.data_parallel} = "
                         f"{ranks} ranks, one GPU each, and partition {part.name!r} gives a trainer "
@@ -146,6 +169,8 @@ class RunConfig(Strict):
         problems = [line for p in self.partitions for line in policy.problems(p)]
         if problems:
             raise ValueError("\n  ".join(problems))
+        for part in self.partitions:
+            check_partition(part, self.rollout, {p.name: p.trainer for p in self.policies})
         self._check_trainer_ranks()
         from astraflow.rollout.workflows import workflow_class
 
@@ -331,15 +356,24 @@ def check_models(cfg: RunConfig) -> None:
 
 def check_devices(cfg: RunConfig) -> None:
     """``ConfigError`` when a GPU (``cuda``, ``cuda:N``) is asked for by a component that runs only
-    on this machine (all partitions of its role are ``scheduler: local``) and torch sees no such
-    GPU here. Components on Slurm partitions run elsewhere and are not judged from here."""
+    on this machine (all partitions of its role are ``scheduler: local``; for a partition's own
+    ``rollout:`` / ``trainer:`` device, that partition) and torch sees no such GPU here.
+    Components on Slurm partitions run elsewhere and are not judged from here."""
     def local(role: str) -> bool:
         return all(p.scheduler == "local" for p in cfg.partitions if p.role == role)
 
-    asked = [(f"policies[{p.name}].trainer.device", p.trainer.device, "trainer")
+    asked = [(f"policies[{p.name}].trainer.device", p.trainer.device, "trainer", local("trainer"))
              for p in cfg.policies if p.trainer.backend == "torch"]
-    asked.append(("rollout.engine.device", cfg.rollout.engine.device, "rollout"))
-    asked = [(field, dev, role) for field, dev, role in asked if dev.startswith("cuda") and local(role)]
+    asked.append(("rollout.engine.device", cfg.rollout.engine.device, "rollout", local("rollout")))
+    torch_trainer = any(p.trainer.backend == "torch" for p in cfg.policies)
+    for part in cfg.partitions:
+        here = part.scheduler == "local"
+        if part.role == "rollout" and "device" in part.rollout.get("engine", {}):
+            asked.append((f"partitions[{part.name}].rollout.engine.device",
+                          effective_rollout(cfg.rollout, part).engine.device, "rollout", here))
+        if part.role == "trainer" and "device" in part.trainer and torch_trainer:
+            asked.append((f"partitions[{part.name}].trainer.device", str(part.trainer["device"]), "trainer", here))
+    asked = [(field, dev, role) for field, dev, role, on_this in asked if dev.startswith("cuda") and on_this]
     if not asked:
         return
     import torch

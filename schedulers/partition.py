@@ -80,8 +80,9 @@ EnvValue = Annotated[str, Field(pattern=r"^[^\x00]*$"), _fix("env value {value}:
 MANAGED_SBATCH_OPTIONS: dict[str, str] = {
     "--job-name": "the worker name (derived)",
     "--partition": "slurm_partition",
-    "--nodes": "one node per worker (derived)",
+    "--nodes": "nodes_per_worker",
     "--ntasks": "one task per worker (derived)",
+    "--ntasks-per-node": "gpus_per_node (a multi-node trainer's ranks per node)",
     "--cpus-per-task": "cpus_per_node",
     "--gres": "gres / gpus_per_node",
     "--gpus": "gres / gpus_per_node",
@@ -147,7 +148,8 @@ class Partition(BaseModel):
 
     Written by the config loader and by `astraflow partitions add`; read by the orchestrator
     (desired state), by the schedulers (what to start) and by placement (through worker names).
-    One worker = one process = one Slurm job on one node (or one local subprocess).
+    One worker = one process = one Slurm job (or one local subprocess); the job has one node,
+    except a trainer's with ``nodes_per_worker`` > 1, whose Megatron ranks span them all.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
@@ -165,6 +167,14 @@ class Partition(BaseModel):
 
     nodes: Count = 1
     """How many workers (= Slurm jobs, one node each) the pool should have. 0 = an empty pool."""
+
+    nodes_per_worker: Annotated[int, Field(ge=1), _fix("nodes_per_worker is {value}: use 1 or more")] = 1
+    """Slurm nodes in each worker's job. More than 1 only for a ``trainer`` partition on
+    ``slurm``: the job asks for ``--nodes`` this many with ``--ntasks-per-node`` =
+    `gpus_per_node` (1 without GPUs), the Dask worker runs once, on the first node, and a
+    Megatron trainer starts its ranks over all of them (``srun``), so ``tensor_parallel x
+    data_parallel`` must equal ``nodes_per_worker x gpus_per_node`` (`ranks_per_worker`).
+    `nodes` stays the number of workers (jobs)."""
 
     cpus_per_node: Annotated[int, Field(ge=1), _fix("cpus_per_node is {value}: use 1 or more")] = 1
     """CPUs per worker (``--cpus-per-task``); also the worker's thread count unless `nthreads` is set."""
@@ -206,6 +216,16 @@ class Partition(BaseModel):
     Slurm only; may not repeat an option rendered from a field (``--time``: use `walltime`); names
     must be in the run's ``cluster.sbatch_options_allowlist`` (see `schedulers.policy`)."""
 
+    rollout: dict[str, Any] = Field(default_factory=dict)
+    """Rollout settings of this partition's RaaS nodes over the run's ``rollout`` section, in
+    its shape (``{capacity: 256, engine: {max_batch: 128}}``): for pools whose hardware differs.
+    Role ``rollout`` only; validated by the run config (``astraflow.partition_settings``)."""
+
+    trainer: dict[str, Any] = Field(default_factory=dict)
+    """Trainer settings of the trainers this partition hosts over each policy's ``trainer``
+    section (its hardware fields: ``micro_batch``, ``threads``, ``device``). Role ``trainer``
+    only; validated by the run config (``astraflow.partition_settings``)."""
+
     env: dict[EnvName, EnvValue] = Field(default_factory=dict)
     """Environment variables set for the worker process (both backends). Names must be in the
     run's ``cluster.worker_env_allowlist`` (see `schedulers.policy`)."""
@@ -243,6 +263,11 @@ class Partition(BaseModel):
                         f"partition {self.name!r}: {field} is a Slurm setting but scheduler is 'local': "
                         f"remove {field} or set scheduler: slurm"
                     )
+        if self.nodes_per_worker > 1 and (self.scheduler != "slurm" or self.role != "trainer"):
+            raise ValueError(
+                f"partition {self.name!r}: nodes_per_worker {self.nodes_per_worker} spans Slurm nodes for a "
+                f"multi-node Megatron trainer; this one is a {self.scheduler} {self.role} partition: set "
+                "nodes_per_worker: 1, or use it on a scheduler: slurm, role: trainer partition")
         if self.gres is not None and self.gpus_per_node:
             counts = [m.group(3) for m in map(_GRES_ITEM.match, self.gres.split(",")) if m and m.group(1) == "gpu"]
             if counts and int(counts[0] or 1) != self.gpus_per_node:
@@ -260,6 +285,16 @@ class Partition(BaseModel):
         if self.gpus_per_node and "GPU" not in res:
             res["GPU"] = float(self.gpus_per_node)
         return res
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Trainer ranks on each node of a multi-node worker's job: one per GPU (1 without GPUs)."""
+        return max(self.gpus_per_node, 1)
+
+    @property
+    def ranks_per_worker(self) -> int:
+        """The world size of a multi-node trainer worker: ``nodes_per_worker x ranks_per_node``."""
+        return self.nodes_per_worker * self.ranks_per_node
 
     @property
     def worker_threads(self) -> int:

@@ -6,6 +6,11 @@ names, the tag, resources, extra sbatch options) or shell-quoted (``export`` val
 worker command). `setup_lines` are the exception: they are shell the run's owner writes
 (``cluster.slurm_setup_lines``) and run as written.
 
+A trainer partition with ``nodes_per_worker`` > 1 gets a job of that many nodes with one task
+per GPU (``--ntasks-per-node``, the node's CPUs shared among them): the batch script, and so the
+Dask worker, still runs once, on the first node; the Megatron backend starts its ranks as an
+``srun`` step of the job.
+
 The log path is given to sbatch on its command line (``--output``/``--error``), not in an
 ``#SBATCH`` line: sbatch parses those lines itself, splitting at blanks and giving quotes and
 ``\\`` their own meaning, while an argv element reaches it unparsed, whatever the run directory
@@ -81,6 +86,7 @@ def render_worker_job(
         partition=partition,
         worker_name=name,
         gres=gres,
+        cpus_per_rank=max(partition.cpus_per_node // partition.ranks_per_node, 1),
         log=str(job_dir / f"{name}.%j.log"),
         tag=tag,
         setup_lines=tuple(setup_lines),

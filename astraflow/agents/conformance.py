@@ -19,7 +19,8 @@ What it checks, on ``n_tasks`` tasks drawn from both splits:
   arguments) never fail the episode: they become a ``StepResult`` or an error observation;
 * every episode ends within ``max_turns`` model turns and its deadline, ``close`` is called
   exactly once and does not raise;
-* when the environment offers ``expert_action()``, replaying the expert succeeds on every task.
+* when the environment offers ``expert_action()``, replaying the expert succeeds on every task;
+  with ``explore_action(rng)``, an episode of its random commands runs like any other.
 """
 
 from __future__ import annotations
@@ -159,6 +160,10 @@ class _Suite:
         if tasks and hasattr(env, "expert_action"):
             for i, task in enumerate(tasks):
                 await self.check_expert(i, task)
+        if tasks and hasattr(env, "explore_action"):
+            rng = random.Random(0)
+            await self.episode("playing explore_action's random commands", tasks[0],
+                               lambda env: env.explore_action(rng))
         return p
 
     def tasks(self, n: int) -> list[Mapping[str, Any]]:

@@ -3,7 +3,9 @@
 * ``demonstration``: one episode in which the environment's scripted expert
   (``env.expert_action()``) writes every model turn. The result has the exact token layout of
   a RaaS rollout (``run_agent_episode`` builds both), so a warm start trains on what RL will
-  continue from: loss on the expert's turns only.
+  continue from: loss on the expert's turns only. With ``noise`` the expert is epsilon-greedy:
+  that share of its turns is the environment's ``explore_action(rng)`` instead (a random
+  plausible command), and the expert recovers from where it led.
 * ``greedy_success``: held-out success of a local model, its episodes run concurrently and their
   turns decoded greedily in one batch per round (lockstep), so a warm start can stop at a
   target competence.
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -37,24 +40,33 @@ def scripted_turn(ids: list[int], finish: str) -> _Turn:
 
 
 async def demonstration(workload: Any, renderer: ChatRenderer, task: Mapping[str, Any],
-                        limits: AgentLimits) -> EpisodeLog:
-    """The scripted expert's episode of ``task`` (the environment must offer ``expert_action``)."""
+                        limits: AgentLimits, noise: float = 0.0, rng: random.Random | None = None) -> EpisodeLog:
+    """The scripted expert's episode of ``task`` (the environment must offer ``expert_action``,
+    and ``explore_action`` when ``noise`` > 0)."""
     env = workload.environment()
     if not callable(getattr(env, "expert_action", None)):
         raise ValueError(f"{type(env).__name__} has no expert_action(): it cannot make demonstrations")
+    if noise > 0 and not callable(getattr(env, "explore_action", None)):
+        raise ValueError(f"{type(env).__name__} has no explore_action(rng): demonstrations with noise need "
+                         "one; set init.demo_noise: 0")
+    rng = rng or random.Random(0)
 
     async def generate(tokens: list[int], max_new: int) -> _Turn:
-        ids = renderer.encode(env.expert_action()) + [renderer.eos_id]
+        turn = env.explore_action(rng) if noise > 0 and rng.random() < noise else env.expert_action()
+        ids = renderer.encode(turn) + [renderer.eos_id]
         return scripted_turn(ids[:max_new], "stop" if len(ids) <= max_new else "length")
 
     return await run_agent_episode(generate, renderer, env, task, limits)
 
 
 def demonstrations(workload: Any, renderer: ChatRenderer, tasks: list[Mapping[str, Any]],
-                   limits: AgentLimits) -> list[EpisodeLog]:
-    """``demonstration`` of each task (successful ones only: an expert that fails teaches nothing)."""
+                   limits: AgentLimits, noise: float = 0.0, seed: int = 0) -> list[EpisodeLog]:
+    """``demonstration`` of each task (successful ones only: an expert that fails teaches
+    nothing; with ``noise``, the episodes its detours made fail are left out too)."""
+    rng = random.Random(f"demonstrations:{seed}")
+
     async def all_of() -> list[EpisodeLog]:
-        return [await demonstration(workload, renderer, t, limits) for t in tasks]
+        return [await demonstration(workload, renderer, t, limits, noise, rng) for t in tasks]
 
     return [log for log in asyncio.run(all_of()) if log.success > 0]
 

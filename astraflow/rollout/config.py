@@ -42,8 +42,8 @@ class VLLMConfig(Strict):
 
 class EngineConfig(Strict):
     type: EngineType = "hf"
-    """Inference engine: ``hf`` (transformers; CPU, or one GPU when available) or ``vllm``
-    (vLLM's V1 engine with continuous batching; needs the ``vllm`` extra, see ``vllm:``)."""
+    """Inference engine: ``hf`` (transformers; CPU, or one GPU per engine) or ``vllm`` (vLLM's
+    V1 engine with continuous batching; needs the ``vllm`` extra, see ``vllm:``)."""
     max_batch: int = Field(default=64, ge=1)
     """Most requests decoded together in one batch."""
     swap_min_remaining: int = Field(default=16, ge=0)
@@ -53,34 +53,45 @@ class EngineConfig(Strict):
     a prefill of every row: for short answers it costs more than the fresher tokens are worth.
     0: always at the next step."""
     threads: int = Field(default=1, ge=1)
-    """torch intra-op threads of the engine (``vllm`` on the CPU build: its OpenMP threads,
-    bound to the first CPUs of the worker unless ``VLLM_CPU_OMP_THREADS_BIND`` is set)."""
+    """torch intra-op threads of the node's engines, split evenly between its replicas (each
+    gets at least one); ``vllm`` on the CPU build: its OpenMP threads, bound to the first CPUs
+    of the worker unless ``VLLM_CPU_OMP_THREADS_BIND`` is set."""
+    replicas: int | None = Field(default=None, ge=1)
+    """Engines per policy on one node, each with its own share of the node (``EnginePool``
+    spreads the node's requests over them, every replica takes every weight version). None:
+    one per ``tensor_parallel`` GPUs of the worker (its partition's ``gpus_per_node``; every
+    GPU used), 1 on a CPU worker. Set it on a CPU worker with many cores to run several
+    engines side by side (``threads`` is split between them); replicas beyond the GPUs share
+    them in turn."""
+    tensor_parallel: int = Field(default=1, ge=1)
+    """GPUs each engine spans by tensor parallelism (one engine over several GPUs instead of
+    one engine per GPU). Only an engine type that shards a model can; ``hf`` runs each engine
+    on one device, so it takes 1; ``vllm`` shards each engine over them."""
     process: bool = True
     """Run the engine in a process of its own, next to the node's Dask worker. The node's
     Python work (Dask comms, trajectory writes) then no longer competes with decoding for the
     interpreter lock (``benchmarks/rollout_overhead.py``). ``false``: in the worker process.
     ``vllm`` always runs its engine core in processes of its own and ignores this."""
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
-    """Where the engine runs: ``auto`` (the worker's GPU when it has one, else the CPU),
-    ``cpu``, ``cuda`` or ``cuda:N``. ``vllm`` runs on the GPUs the worker sees (the first
-    ``tensor_parallel`` of them), or on the CPU with vLLM's CPU build."""
+    """Where the engines run: ``auto`` or ``cuda`` (the worker's GPUs, one engine per GPU; ``auto``
+    falls back to the CPU where there is none), ``cpu``, or ``cuda:N`` (that GPU, shared by the
+    node's engines). ``vllm`` runs on the GPUs its replica is given, or on the CPU with vLLM's
+    CPU build."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """The engine's weights and forward passes. ``bf16`` decodes faster where the
     hardware has bf16 (GPUs; CPUs with AVX512-BF16 or AMX; elsewhere it is slower than fp32);
     its log-probs then differ slightly from the trainer's fp32 ones, which the loss's clipped
     importance ratio absorbs. Sampling and log-probs are computed from fp32 logits either way."""
-
-
-    tensor_parallel: int = Field(default=1, ge=1)
-    """``vllm``: GPUs of the worker one engine is sharded over (tensor parallel). ``hf``: 1."""
     vllm: VLLMConfig = VLLMConfig()
     """Settings only the ``vllm`` engine reads."""
 
     @model_validator(mode="after")
-    def _hf_is_one_device(self) -> "EngineConfig":
-        if self.type == "hf" and self.tensor_parallel != 1:
-            raise ValueError("rollout.engine.tensor_parallel > 1 needs rollout.engine.type: vllm "
-                             "(the hf engine runs on one device)")
+    def _parallelism(self) -> "EngineConfig":
+        if self.type == "hf" and self.tensor_parallel > 1:
+            raise ValueError(
+                f"rollout.engine.tensor_parallel {self.tensor_parallel}: the hf engine runs each engine on one "
+                "device and cannot shard a model over GPUs; set tensor_parallel: 1 (a node then runs one engine "
+                "per GPU, or rollout.engine.replicas of them), or use an engine type with tensor parallelism")
         return self
 
 

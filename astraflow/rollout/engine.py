@@ -57,6 +57,8 @@ class InferenceEngine(Protocol):
     (``rollout.engine.process``); ``vllm``: ``VLLMEngine`` (vLLM's V1 engine, its engine core in
     processes of its own). Another engine implements this protocol, its capabilities included,
     and registers a type in ``engines.make_engine``.
+    A node with several engines per policy (one per GPU) holds them in an ``EnginePool``
+    (``engine_pool``), itself an ``InferenceEngine``; the node restarts its replicas one by one.
 
     Capabilities are properties the node reads, never probes: ``pid`` and ``dead`` (is the
     engine a process of its own, has it died), ``restartable`` (``restart()`` replaces a dead

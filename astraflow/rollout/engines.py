@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 from typing import get_args
 
 from astraflow.rollout.config import EngineConfig, EngineType
 from astraflow.rollout.engine import InferenceEngine
+from astraflow.rollout.engine_pool import EnginePool, ReplicaPlan, plan_replicas
 
 log = logging.getLogger("astraflow.rollout")
 
@@ -15,14 +17,35 @@ log = logging.getLogger("astraflow.rollout")
 KNOWN: tuple[str, ...] = get_args(EngineType)
 
 
-def make_engine(cfg: EngineConfig, model_path: str, seed: int = 0) -> InferenceEngine:
+def make_engine(cfg: EngineConfig, model_path: str, seed: int = 0, gpus: int = 0) -> InferenceEngine:
+    """The engine of one policy on a node whose partition gives it ``gpus`` GPUs: one engine,
+    or an ``EnginePool`` of ``plan_replicas``' engines (one per GPU by default)."""
+    if cfg.type not in KNOWN:
+        raise ValueError(f"unknown engine type {cfg.type!r}; known: {', '.join(KNOWN)}")
+    import torch
+
+    cuda_seen = torch.cuda.device_count() if gpus and cfg.device in ("auto", "cuda") else 0
+    plans = plan_replicas(cfg, gpus, cuda_seen, os.environ.get("CUDA_VISIBLE_DEVICES"), seed=seed)
+    torch.set_num_threads(cfg.threads)  # this process's own (an engine here; replicas in processes split it)
+    engines: list[InferenceEngine] = []
+    try:
+        for plan in plans:
+            engines.append(_make_one(cfg, model_path, plan))
+    except BaseException:  # a replica that fails to start: stop the ones already started
+        for engine in engines:
+            engine.close()
+        raise
+    if len(engines) > 1:
+        log.info("%d engine replicas of %s: %s", len(engines), model_path,
+                 ", ".join(p.visible_devices or p.device for p in plans))
+    return engines[0] if len(engines) == 1 else EnginePool(engines)
+
+
+def _make_one(cfg: EngineConfig, model_path: str, plan: ReplicaPlan) -> InferenceEngine:
+    # version 0: the model directory is what the trainer publishes as v0
     if cfg.type == "hf":
         from astraflow.rollout.hf_engine import HFEngine
 
-        import torch
-
-        torch.set_num_threads(cfg.threads)
-        # version 0: the model directory is what the trainer publishes as v0
         if cfg.process:
             if multiprocessing.current_process().daemon:
                 log.warning("rollout.engine.process: this worker process is daemonic (a Dask nanny with "
@@ -31,15 +54,15 @@ def make_engine(cfg: EngineConfig, model_path: str, seed: int = 0) -> InferenceE
             else:
                 from astraflow.rollout.process_engine import ProcessEngine
 
-                return ProcessEngine(model_path, max_batch_size=cfg.max_batch, seed=seed, device=cfg.device,
-                                     threads=cfg.threads, version=0, swap_min_remaining=cfg.swap_min_remaining,
-                                     dtype=cfg.dtype)
-        return HFEngine(model_path, max_batch_size=cfg.max_batch, version=0, seed=seed, device=cfg.device,
+                return ProcessEngine(model_path, max_batch_size=cfg.max_batch, seed=plan.seed, device=plan.device,
+                                     threads=plan.threads, version=0, swap_min_remaining=cfg.swap_min_remaining,
+                                     dtype=cfg.dtype, visible_devices=plan.visible_devices)
+        return HFEngine(model_path, max_batch_size=cfg.max_batch, version=0, seed=plan.seed, device=plan.device_in_node,
                         swap_min_remaining=cfg.swap_min_remaining, dtype=cfg.dtype)
     if cfg.type == "vllm":
         from astraflow.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, options=cfg.vllm, max_batch_size=cfg.max_batch, seed=seed, version=0,
-                          tensor_parallel=cfg.tensor_parallel, dtype=cfg.dtype, threads=cfg.threads,
-                          swap_min_remaining=cfg.swap_min_remaining)
+        return VLLMEngine(model_path, options=cfg.vllm, max_batch_size=cfg.max_batch, seed=plan.seed, version=0,
+                          tensor_parallel=cfg.tensor_parallel, dtype=cfg.dtype, threads=plan.threads,
+                          swap_min_remaining=cfg.swap_min_remaining, visible_devices=plan.visible_devices)
     raise ValueError(f"unknown engine type {cfg.type!r}; known: {', '.join(KNOWN)}")

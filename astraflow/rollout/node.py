@@ -5,7 +5,8 @@ The node runs as a Dask actor; ``start()`` launches its loop in a thread with it
 event loop, where three coroutines overlap:
 
 * the *lease loop* keeps up to ``capacity`` episodes in flight (``lease`` from the data layer,
-  one asyncio task per episode; the engine batches their generation requests);
+  one asyncio task per episode; the engine batches their generation requests; a node with
+  several engines per policy, one per GPU by default, spreads them: ``engine_pool``);
 * the *writer* writes finished trajectories to this node's own segment of the trajectory store
   in batches, and only after the write returned (entries committed) reports them with
   ``complete``. Invariant: a task is never completed before its trajectory is readable;
@@ -37,6 +38,7 @@ from astraflow.rollout.config import RolloutConfig
 from astraflow.workloads.config import SamplingConfig
 from astraflow.contracts import RolloutTask, Trajectory, TrajectoryRef
 from astraflow.rollout.engine import InferenceEngine, SamplingParams
+from astraflow.rollout.engine_pool import dead_engines, engine_pids, replicas_of, serving
 from astraflow.rollout.engines import make_engine
 from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.rollout.weight_sync import WeightPuller
@@ -83,6 +85,7 @@ class RaaSNode:
         seed: int = 0,
         use_deltas: bool = False,
         sandbox: SandboxConfig | None = None,
+        gpus: int = 0,
     ):
         self.identity = identity
         self.cfg = rollout
@@ -92,6 +95,8 @@ class RaaSNode:
         self.weights_root = weights_root
         self.seed = seed
         self.use_deltas = use_deltas
+        #: GPUs the node's partition gives it (``gpus_per_node``): its engines spread over them
+        self.gpus = gpus
         self._sandbox = sandbox
         self._workload_args = (workload_name, workload_params, workload_seed)
         self._workflow_name = workflow
@@ -110,8 +115,11 @@ class RaaSNode:
             "write_s": 0.0, "lease_s": 0.0, "lease_calls": 0, "leased": 0, "complete_calls": 0,
             "weight_loads": 0, "engine_restarts": 0,
         }
-        #: restarting a dead engine process (``_recover``): no leases meanwhile
+        #: restarting dead engine processes (``_recover``): no leases meanwhile, unless every
+        #: policy has an engine replica that still serves
         self._recovery: asyncio.Task | None = None
+        #: the engines ``_recover`` is restarting and catching up
+        self._reviving: list[InferenceEngine] = []
         self.error: str | None = None
         self.draining = False
         self.stopped = False
@@ -142,7 +150,7 @@ class RaaSNode:
         self.workflow = make_workflow(self._workflow_name, workload, self._sampling, self.identity.name,
                                       reward_timeout_s=self.cfg.reward_timeout_s)
         for policy, path in self.models.items():
-            self.engines[policy] = make_engine(self.cfg.engine, path, seed=self.seed)
+            self.engines[policy] = make_engine(self.cfg.engine, path, seed=self.seed, gpus=self.gpus)
         self.puller = WeightPuller(self.weights_root, self.engines, full_resync_every=self.cfg.full_resync_every,
                                    use_deltas=self.use_deltas)
         self.puller.poll()
@@ -194,6 +202,7 @@ class RaaSNode:
             "generated_tokens_per_s": self.counters["tokens"] / elapsed,
             "episodes_per_s": self.counters["episodes"] / elapsed,
             "engine": stats,
+            "engine_replicas": {p: len(replicas_of(e)) for p, e in self.engines.items()},
             "weight_sync": self.puller.recent(5) if self.puller is not None else [],
         }
 
@@ -241,6 +250,11 @@ class RaaSNode:
             free = self.cfg.capacity - len(self.inflight)
             tasks: list[RolloutTask] = []
             recovering = self._recovery is not None and not self._recovery.done()
+            if not recovering and self.error is None and dead_engines(self.engines):  # died while idle
+                self._recovery = asyncio.get_running_loop().create_task(
+                    self._recover(EngineProcessError(dead_engines(self.engines)[0][1].dead)))
+                recovering = True
+            recovering = recovering and not serving(self.engines, self._reviving)
             if free > 0 and not self.draining and not recovering:
                 t0 = time.time()
                 # a long poll when idle-capable: the data layer answers as soon as it has tasks
@@ -294,7 +308,7 @@ class RaaSNode:
             # share of its life the node had nothing to generate: rollout capacity to spare
             "idle_fraction": self.counters["idle_s"] / max(time.time() - self._started_at, 1e-9),
             "engine_restarts": self.counters["engine_restarts"],
-            "engine_pids": {p: e.pid for p, e in self.engines.items() if e.pid is not None},
+            "engine_pids": engine_pids(self.engines),
             # a node that stopped leasing after an error it could not recover from: the
             # orchestrator replaces its worker (``Orchestrator._replace_failed_nodes``)
             "error": self.error,
@@ -354,14 +368,14 @@ class RaaSNode:
                         self.identity.name, task.task_id, err)
 
     async def _recover(self, err: EngineProcessError) -> None:
-        """An engine process died. Restart it (``rollout.engine_restarts`` times per node) and
-        load the newest committed weights into it before leasing again; the episodes it was
-        running have failed and are requeued. Past the budget (or an engine that cannot be
-        restarted) the node stops leasing, so that other nodes get the tasks instead of this
-        one failing them one after another; its heartbeats carry the error, and the
-        orchestrator replaces its worker."""
-        dead = [p for p, e in self.engines.items() if e.dead]
-        restartable = all(e.restartable for e in self.engines.values())
+        """Engine processes died. Restart each (``rollout.engine_restarts`` times per node) and
+        load the newest committed weights into it; the episodes it was running have failed and
+        are requeued. The node leases meanwhile only where every policy still has a replica
+        serving. Past the budget (or an engine that cannot be restarted) the node stops
+        leasing, so that other nodes get the tasks instead of this one failing them one after
+        another; its heartbeats carry the error, and the orchestrator replaces its worker."""
+        dead = dead_engines(self.engines)
+        restartable = all(r.restartable for e in self.engines.values() for r in replicas_of(e))
         if not dead and restartable:
             return  # an episode of the process restarted before failed late: nothing to do
         budget = self.cfg.engine_restarts - self.counters["engine_restarts"]
@@ -370,25 +384,29 @@ class RaaSNode:
                       self.identity.name, err, self.cfg.engine_restarts)
             self.error, self.draining = str(err), True
             return
+        self._reviving = [engine for _, engine in dead]
         try:
-            for policy in dead:
-                await self._restart_engine(policy, self.engines[policy].dead)
+            for label, engine in dead:
+                await self._restart_engine(label, engine)
             self.counters["weight_loads"] += await asyncio.to_thread(self.puller.poll)
         except Exception as again:  # its starts spent (e.g. the model no longer loads), or the weights did not load
             log.exception("node %s: restarting the engine process failed", self.identity.name)
             self.error, self.draining = f"{err}; restarting it failed: {type(again).__name__}: {again}", True
+        finally:
+            self._reviving = []
 
-    async def _restart_engine(self, policy: str, why: str | None) -> None:
-        """Start a new engine process for ``policy``, each start counted against
-        ``rollout.engine_restarts``. A process that dies while it starts (killed, or out of
-        memory while loading the model) is one more death: it is started again while the budget
-        allows, and past it the error propagates (the node stops leasing)."""
+    async def _restart_engine(self, label: str, engine: InferenceEngine) -> None:
+        """Start a new process for the dead ``engine`` (of policy ``label``), each start counted
+        against ``rollout.engine_restarts``. A process that dies while it starts (killed, or out
+        of memory while loading the model) is one more death: it is started again while the
+        budget allows, and past it the error propagates (the node stops leasing)."""
+        why = engine.dead
         while True:
             self.counters["engine_restarts"] += 1
             log.warning("node %s: the engine process of %s died (%s); restarting it (%d of %d)",
-                        self.identity.name, policy, why, self.counters["engine_restarts"], self.cfg.engine_restarts)
+                        self.identity.name, label, why, self.counters["engine_restarts"], self.cfg.engine_restarts)
             try:
-                await asyncio.to_thread(self.engines[policy].restart)
+                await asyncio.to_thread(engine.restart)
                 return
             except EngineProcessError as again:
                 if self.counters["engine_restarts"] >= self.cfg.engine_restarts:

@@ -66,18 +66,22 @@ class EngineProcessError(RuntimeError):
 
 class ProcessEngine:
     """``InferenceEngine`` whose ``HFEngine`` runs in a child process (spawned, not forked:
-    the node process has threads). ``tokenizer`` is loaded here for the workflows."""
+    the node process has threads). ``tokenizer`` is loaded here for the workflows.
+    ``visible_devices``: the child's ``CUDA_VISIBLE_DEVICES`` (the GPUs of one replica of an
+    ``EnginePool``; ``device`` then names them as the child sees them); None: the node's."""
 
     def __init__(self, model_path: str, *, max_batch_size: int, seed: int = 0, device: str = "auto",
                  threads: int = 1, version: int = 0, start_timeout: float = START_TIMEOUT_S,
-                 swap_min_remaining: int = SWAP_MIN_REMAINING, dtype: str = "fp32"):
+                 swap_min_remaining: int = SWAP_MIN_REMAINING, dtype: str = "fp32",
+                 visible_devices: str | None = None):
         from astraflow.models import check_model_dir, load_tokenizer
 
         check_model_dir(model_path, tokenizer=False)  # a bad directory fails here, before a process starts
         self.tokenizer = load_tokenizer(model_path)
         self.version = version
         # what each engine process starts with
-        self._args = (str(model_path), max_batch_size, seed, device, threads, swap_min_remaining, dtype)
+        self._args = (str(model_path), max_batch_size, seed, device, threads, swap_min_remaining, dtype,
+                      visible_devices)
         self._start_timeout = start_timeout
         self._reap_lock = threading.Lock()
         self._send_lock = threading.Lock()  # the loop thread (generate) and the weight watcher send
@@ -296,8 +300,10 @@ class ProcessEngine:
 
 
 def _engine_main(conn, model_path: str, max_batch: int, seed: int, device: str, threads: int,
-                 swap_min_remaining: int, dtype: str, version: int) -> None:
+                 swap_min_remaining: int, dtype: str, visible_devices: str | None, version: int) -> None:
     """Entry point of the engine process."""
+    if visible_devices is not None:  # before CUDA initialises: the process sees only its GPUs
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     import torch
 
     torch.set_num_threads(threads)

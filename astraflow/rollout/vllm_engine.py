@@ -61,13 +61,14 @@ class _Request:
 
 class VLLMEngine:
     """``InferenceEngine`` on vLLM's ``AsyncLLM``. ``options`` is ``rollout.engine.vllm``
-    (``VLLMConfig``); ``tensor_parallel`` shards the model over the worker's GPUs; ``threads``
+    (``VLLMConfig``); ``tensor_parallel`` shards the model over the worker's GPUs (a replica's
+    ``visible_devices``, as ``engine_pool.plan_replicas`` gives them, when set); ``threads``
     are the CPU build's OpenMP threads. Raises ``ValueError`` with the install command when
     vLLM is not installed (``vllm_setup.require_vllm``)."""
 
     def __init__(self, model_path: str, *, options: Any, max_batch_size: int = 256, seed: int = 0,
                  version: int = 0, tensor_parallel: int = 1, dtype: str = "fp32", threads: int = 1,
-                 swap_min_remaining: int = SWAP_MIN_REMAINING):
+                 swap_min_remaining: int = SWAP_MIN_REMAINING, visible_devices: str | None = None):
         from astraflow.models import check_model_dir, load_tokenizer
         from astraflow.rollout import vllm_setup
         from astraflow.rollout.vllm_updates import Updater
@@ -79,7 +80,7 @@ class VLLMEngine:
         self.options = options
         self.swap_min_remaining = swap_min_remaining
         self._engine_kwargs = dict(max_batch_size=max_batch_size, seed=seed, tensor_parallel=tensor_parallel,
-                                   dtype=dtype, threads=threads)
+                                   dtype=dtype, threads=threads, visible_devices=visible_devices)
         self._stop_ids = sorted(self._stops(Path(model_path)))
         self._ids = itertools.count()
         self._running: dict[str, _Request] = {}

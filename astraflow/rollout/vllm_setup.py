@@ -12,7 +12,9 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
-from typing import Any
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 #: what to run where vLLM is missing (the GPU build; the CPU build is in the README)
 INSTALL_HINT = ("pip install -e '.[vllm]' (the CUDA build, GPU clusters); on a CPU-only machine the CPU build "
@@ -67,8 +69,30 @@ def cpu_environment(threads: int, kvcache_gib: float) -> dict[str, str]:
             "VLLM_CPU_KVCACHE_SPACE": str(max(int(round(kvcache_gib)), 1))}
 
 
+_ENV_LOCK = threading.Lock()
+
+
+@contextmanager
+def _cuda_visible(devices: str | None) -> Iterator[None]:
+    """``CUDA_VISIBLE_DEVICES=devices`` while vLLM spawns its engine core, which takes the
+    environment with it (one replica's GPUs); nothing when ``devices`` is None."""
+    if devices is None:
+        yield
+        return
+    with _ENV_LOCK:
+        before = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 def make_async_llm(model_dir: str, options: Any, *, max_batch_size: int, seed: int, tensor_parallel: int,
-                   dtype: str, threads: int):
+                   dtype: str, threads: int, visible_devices: str | None = None):
     """An ``AsyncLLM`` (vLLM V1) on ``model_dir`` configured from ``rollout.engine``: raw
     log-probs, our weight-transfer backend and worker extension, the CPU build's environment."""
     from astraflow.rollout import vllm_worker  # registers the weight-transfer backend here too
@@ -89,4 +113,5 @@ def make_async_llm(model_dir: str, options: Any, *, max_batch_size: int, seed: i
     )
     if has_weight_transfer():
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_worker.BACKEND)
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    with _cuda_visible(visible_devices):
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))

@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from astraflow.partition_settings import check_partition
+from astraflow.rollout.config import RolloutConfig
 from astraflow.runtime.monitoring.snapshot import run_status
 from schedulers.partition import Partition
 from schedulers.policy import WorkerPolicy
@@ -107,6 +109,21 @@ def run_worker_policy(paths: RunPaths) -> WorkerPolicy:
         ) from None
 
 
+def run_rollout(paths: RunPaths) -> RolloutConfig:
+    """The ``rollout`` section of the run's saved config (the defaults when it has none).
+    Raises `PartitionError` for a config that cannot be read."""
+    import yaml
+
+    f = paths.config
+    try:
+        data = (yaml.safe_load(f.read_bytes().decode("utf-8")) or {}) if f.exists() else {}
+        section = data.get("rollout") if isinstance(data, dict) else None
+        return RolloutConfig.model_validate(section if isinstance(section, dict) else {})
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as err:
+        raise PartitionError(f"{f}: the run's rollout section cannot be read from it "
+                             f"({' '.join(str(err).split())[:300]}); restore the run's config") from None
+
+
 @contextlib.contextmanager
 def desired_lock(paths: RunPaths, timeout: float = 10.0) -> Iterator[None]:
     """Exclusive lock for a read-modify-write of the desired file (deadline: `timeout`)."""
@@ -136,7 +153,7 @@ def add_partition(run_dir: Path, part: Partition) -> None:
     Only rollout partitions can join a running run (data and trainer are placed at start).
     Raises `UnsafeRunDir` (other users can change the run directory), `RunNotRunning` or
     `PartitionError` (a duplicate name, a wrong role, an env variable or sbatch option outside
-    the run's allowlists).
+    the run's allowlists, ``rollout:`` settings that do not fit the run's rollout section).
     """
     check_owner_only(run_dir)
     run_status(run_dir)
@@ -149,6 +166,10 @@ def add_partition(run_dir: Path, part: Partition) -> None:
     problems = run_worker_policy(paths).problems(part)
     if problems:
         raise PartitionError("partition refused:\n  " + "\n  ".join(problems))
+    try:  # its ``rollout:`` settings over the run's own rollout section
+        check_partition(part, run_rollout(paths), {})
+    except ValueError as err:
+        raise PartitionError(f"partition refused: {err}") from None
     with desired_lock(paths):
         parts, removals = read_desired_file(paths)
         if part.name in parts:

@@ -68,7 +68,7 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
                     from astraflow.training.agent_warmstart import agent_warm_start
 
                     wl = make_workload(workload.name, params, workload.seed)
-                    result = agent_warm_start(tmp / "init", tmp / "final", wl,
+                    result = agent_warm_start(tmp / "init", tmp / "final", wl, demo_noise=init.demo_noise,
                                               max_new_tokens=workload.sampling.max_new_tokens, **common)
                 elif demos:
                     from astraflow.training.demo_warmstart import demo_warm_start

@@ -41,6 +41,7 @@ from typing import Any
 
 from astraflow.config import RunConfig, dump_config
 from astraflow.dataflow.layer import DataLayer
+from astraflow.partition_settings import check_partition
 from astraflow.rollout.node import RaaSNode
 from astraflow.runtime.control import write_desired
 from astraflow.runtime.jobrecords import PreviousJobs
@@ -84,7 +85,9 @@ class Orchestrator:
         self.paths = RunPaths(run_dir).make()
         self.progress = progress or Progress(enabled=False)
         self.placement = Placement(self.paths, cfg.cluster, self.progress)
-        self.parts = PartitionSet(list(cfg.partitions), self.paths, cfg.cluster, self.progress)
+        trainers = {pol.name: pol.trainer for pol in cfg.policies}
+        self.parts = PartitionSet(list(cfg.partitions), self.paths, cfg.cluster, self.progress,
+                                  check_settings=lambda part: check_partition(part, cfg.rollout, trainers))
         self.fleet = Fleet(self.parts, self.placement, cfg.cluster, self.progress, self._place_node)
         self.status = StatusWriter(self.paths, self.run_tag(), self.parts, self.fleet)
         self.status.previous_jobs = (previous_jobs or PreviousJobs()).as_dict()
@@ -183,6 +186,9 @@ class Orchestrator:
         with self.progress.waiting(f"waiting for {len(self.workers)} workers to join"):
             self.placement.wait_workers(names, self.fleet.listed_states)
 
+    def _partition_of(self, worker: str) -> Partition:
+        return self.partitions[self.workers[worker].partition]
+
     def _place_node(self, name: str, part: Partition):
         return self.placement.submit_actor(RaaSNode, name, **node_kwargs(self.cfg, self.paths, name, part, self.dl))
 
@@ -200,7 +206,8 @@ class Orchestrator:
         self.restarts.placed_on = {pol.name: trainer_ws[i % len(trainer_ws)].name for i, pol in enumerate(cfg.policies)}
         placed = {
             pol.name: placement.submit_actor(Trainer, self.restarts.placed_on[pol.name],
-                                             **trainer_kwargs(cfg, self.paths, i, pol, self.dl))
+                                             **trainer_kwargs(cfg, self.paths, i, pol, self.dl,
+                                                              self._partition_of(self.restarts.placed_on[pol.name])))
             for i, pol in enumerate(cfg.policies)
         }
         with self.progress.waiting(f"starting {len(placed)} trainer(s) and the RaaS nodes (model loading)"):

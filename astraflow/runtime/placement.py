@@ -3,7 +3,9 @@ builds actors on workers chosen **by name** (the name says role, partition, regi
 and waits for workers and actors with deadlines that name what is still missing.
 
 What each actor is built with (`data_layer_kwargs`, `trainer_kwargs`, `node_kwargs`) is a pure
-function of the config and the run paths: each component receives only its own config section.
+function of the config, the run paths and the partition of its worker: each component receives
+only its own config section, with the partition's settings merged over it
+(`astraflow.partition_settings`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from distributed import Client
 
+from astraflow.partition_settings import effective_rollout, effective_trainer
 from astraflow.rollout.node import NodeIdentity
 from astraflow.runtime.cluster import SchedulerProcess, connected_workers, repo_root
 from astraflow.runtime.monitoring import write_orchestrator_info
@@ -151,10 +154,11 @@ def data_layer_kwargs(cfg: RunConfig, paths: RunPaths, keep_leases: bool = False
     )
 
 
-def trainer_kwargs(cfg: RunConfig, paths: RunPaths, index: int, pol: PolicyConfig, data_layer: Any) -> dict[str, Any]:
-    """The trainer of policy number `index` (its seed is offset by the index)."""
+def trainer_kwargs(cfg: RunConfig, paths: RunPaths, index: int, pol: PolicyConfig, data_layer: Any,
+                   part: Partition | None = None) -> dict[str, Any]:
+    """The trainer of policy number `index` (its seed is offset by the index) on a worker of `part`."""
     return dict(
-        policy=pol.name, cfg=pol.trainer, model_path=str(pol.model),
+        policy=pol.name, cfg=effective_trainer(pol.trainer, part), model_path=str(pol.model),
         weights_root=str(paths.weights), keep_versions=cfg.storage.keep_versions,
         data_layer=data_layer, max_steps=cfg.run.max_steps, seed=cfg.run.seed + index,
         write_deltas=cfg.storage.deltas, optimizer_path=str(paths.optimizer_state(pol.name)),
@@ -165,7 +169,8 @@ def node_kwargs(cfg: RunConfig, paths: RunPaths, name: str, part: Partition, dat
     """The RaaS node on worker `name` of partition `part`."""
     return dict(
         identity=NodeIdentity(name=name, partition=part.name, region=part.region, hardware=part.hardware),
-        rollout=cfg.rollout,
+        rollout=effective_rollout(cfg.rollout, part),
+        gpus=part.gpus_per_node,
         models={p.name: str(p.model) for p in cfg.policies},
         workload_name=cfg.workload.name,
         workload_params=cfg.workload.params,

@@ -3,7 +3,8 @@
 jobs that exist: submit the missing workers, start removing the workers of a partition that
 left the set (drain or now), back off refilling a partition whose workers fail, and stop
 refilling it when they keep failing. A partition of the file whose ``env`` or
-``sbatch_options`` the run's allowlists refuse is never started (`schedulers.policy`).
+``sbatch_options`` the run's allowlists refuse (`schedulers.policy`), or whose ``rollout:``
+settings do not fit the run's config (`astraflow.partition_settings`), is never started.
 
 `PartitionSet` owns the partitions, what the orchestrator knows about each (`PartitionState`,
 shown in ``status.json``) and the scheduler backends that start their workers. It never blocks
@@ -88,7 +89,8 @@ def run_scheduler(kind: str, paths: RunPaths, cluster: ClusterConfig, tls: TLSFi
 class PartitionSet:
     """The run's partitions, their states and the scheduler backends of their workers."""
 
-    def __init__(self, partitions: list[Partition], paths: RunPaths, cluster: ClusterConfig, progress: Progress):
+    def __init__(self, partitions: list[Partition], paths: RunPaths, cluster: ClusterConfig, progress: Progress,
+                 check_settings: Callable[[Partition], None] | None = None):
         self.paths = paths
         self.cluster = cluster
         self.progress = progress
@@ -100,6 +102,8 @@ class PartitionSet:
         #: why the desired-partitions file was last unreadable (noted once per new error)
         self._desired_error: str | None = None
         self.policy = WorkerPolicy.of(cluster.worker_env_allowlist, cluster.sbatch_options_allowlist)
+        #: raises ValueError for a partition whose settings do not fit the run's config
+        self.check_settings = check_settings
         #: the refusals by the allowlists already noted
         self._refusals_noted: set[str] = set()
         #: every job this incarnation submits, recorded for the next one (`jobrecords`)
@@ -137,18 +141,34 @@ class PartitionSet:
             self.progress.note(f"partition {name}: worker failure {ps.failures} of {limit} before it stops being "
                                f"refilled (last: {last_note}); refilling in {delay:.0f}s")
 
+    def _refusal(self, part: Partition) -> str | None:
+        """Why the run does not start ``part`` (None: it may): the allowlists, or settings
+        (``rollout:``, ``trainer:``) that do not fit the run's config."""
+        problems = self.policy.problems(part)
+        if problems:
+            return f"refused by the run's allowlists: {'; '.join(problems)}"
+        if self.check_settings is not None:
+            try:
+                self.check_settings(part)
+            except ValueError as err:
+                return f"refused: {err}"
+        return None
+
     def _refuse_disallowed(self, desired: dict[str, Partition]) -> None:
-        """Keep partitions the allowlists refuse from starting: a new one is marked failed with
-        why (``astraflow partitions add --wait`` reports it), one the run has keeps the spec it
-        runs with. Each refusal is noted once."""
-        for name, why in self.policy.refusals(desired).items():
+        """Keep partitions the run refuses (``_refusal``) from starting: a new one is marked
+        failed with why (``astraflow partitions add --wait`` reports it), one the run has keeps
+        the spec it runs with. Each refusal is noted once."""
+        for name, part in list(desired.items()):
+            why = self._refusal(part)
+            if why is None:
+                continue
             ps, old = self.state.get(name), self.partitions.get(name)
-            if ps is not None and ps.state != "removed" and old is not None and not self.policy.problems(old):
+            if ps is not None and ps.state != "removed" and old is not None and self._refusal(old) is None:
                 desired[name] = old
                 why = f"{why} (the run keeps the partition as it was)"
             elif ps is None or ps.state != "failed":
-                self.state[name] = PartitionState(state="failed", error=f"refused by the run's allowlists: {why}")
-            note = f"partition {name} in {self.paths.desired_partitions} refused: {why}"
+                self.state[name] = PartitionState(state="failed", error=why)
+            note = f"partition {name} in {self.paths.desired_partitions}: {why}"
             if note not in self._refusals_noted:
                 self._refusals_noted.add(note)
                 self.progress.note(note)

@@ -112,7 +112,8 @@ class TrainerRestarts:
             with self.progress.waiting(f"restarting trainer(s) {', '.join(policies)} on {new.name}"):
                 placed = self.placement.wait_all("placing the restarted trainer", {
                     p: self.placement.submit_actor(Trainer, new.name, **trainer_kwargs(
-                        self.cfg, self.paths, index[p], pols[p], self.fleet.dl)) for p in policies})
+                        self.cfg, self.paths, index[p], pols[p], self.fleet.dl,
+                        self.fleet.parts.partitions[new.partition])) for p in policies})
                 starts = {p: t.start(run_loop=self.cfg.run.mode == "async") for p, t in placed.items()}
                 versions = self.placement.wait_all("starting the restarted trainer", starts)
                 states = {p: t.state().result(timeout=30) for p, t in placed.items()}

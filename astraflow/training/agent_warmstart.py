@@ -50,6 +50,7 @@ def agent_warm_start(
     eval_size: int = 100,
     num_demos: int = 20000,
     warmup_steps: int = 20,
+    demo_noise: float = 0.0,
     seed: int = 0,
     progress: bool = True,
     on_eval: Callable[[dict[str, float]], None] | None = None,
@@ -58,7 +59,8 @@ def agent_warm_start(
 
     Stops at the first of ``steps``, ``seconds`` and held-out greedy success >= ``target_acc``
     (measured every ``eval_every`` steps on ``eval_size`` eval tasks). Returns ``{"steps",
-    "seconds", "loss", "acc", "history", "demos"}`` like ``warmstart.warm_start``."""
+    "seconds", "loss", "acc", "history", "demos"}`` like ``warmstart.warm_start``. ``demo_noise``:
+    the share of expert turns replaced by random plausible ones (``demos.demonstration``)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model, tok = load_model(model_dir)
@@ -66,7 +68,7 @@ def agent_warm_start(
     limits = workload.limits(max_new_tokens)
     train = workload.tasks("train")
     picked = rng.sample(train, min(num_demos, len(train)))
-    demos = demonstrations(workload, renderer, picked, limits)
+    demos = demonstrations(workload, renderer, picked, limits, noise=demo_noise, seed=seed)
     if not demos:
         raise ValueError(f"{type(workload).__name__}: the expert succeeded on none of {len(picked)} train "
                          "tasks; nothing to warm start on")

@@ -44,6 +44,11 @@ class ModelInit(Strict):
     """Stop the warm start as soon as held-out accuracy reaches this (checked every 25 steps;
     ``warm_start_seconds`` / ``warm_start_steps`` stay the upper bounds). Makes RL start from
     the same competence on fast and slow machines. ``None``: run to the bounds."""
+    demo_noise: float = Field(default=0.0, ge=0, lt=1)
+    """Agentic warm start: the share of the expert's turns replaced by a random plausible
+    command (the environment's ``explore_action``), the expert recovering from where it led: an
+    epsilon-greedy expert, as offline-RL datasets of "medium" quality are. The warm-started
+    policy then knows the task but acts noisily when sampled, which RL learns to stop."""
     task: Literal["solve", "solve_retry", "verify", "select", "test"] = "solve"
     """Role the warm start teaches: ``solve`` (``"12+34="`` -> ``"46"``), ``solve_retry`` (the
     ``solver_verifier`` solver: half ``solve``, half its retry turn after a reject), ``verify`` (the

@@ -214,6 +214,10 @@ class TextWorldEnv(EnvironmentBase):
             return f"take {t['object']}"
         return f"put {t['object']} in {t['container']}"
 
+    def explore_action(self, rng: random.Random) -> str:
+        """A random move through one of the exits (the noisy turns of an epsilon-greedy expert)."""
+        return f"go {rng.choice(sorted(self.world.doors[self.room]))[0]}"
+
     # -- commands ------------------------------------------------------------------------
 
     async def step(self, action: Action) -> StepResult:

@@ -75,3 +75,27 @@ def test_a_bpe_tokenizer_for_an_agentic_workload_learns_its_episodes():
     assert len(logs["bpe"]) == len(logs["byte"]) == 20
     assert sum(len(x.tokens) for x in logs["bpe"]) < 0.5 * sum(len(x.tokens) for x in logs["byte"])
     assert [bpe.decode(x.tokens) for x in logs["bpe"]] == [byte.decode(x.tokens) for x in logs["byte"]]
+
+
+def test_a_noisy_expert_detours_and_recovers_and_needs_explore_action():
+    import pytest
+
+    from astraflow.models import build_tokenizer
+    from astraflow.workloads.base import make_workload
+
+    tok = build_tokenizer()
+    renderer = ChatRenderer(tok)
+    wl = make_workload("textworld", {"num_train": 60, "max_turns": 12}, 0)
+    tasks, limits = wl.tasks("train"), wl.limits(16)
+    def model_turns(log):
+        return sum(t["kind"] == "model" for t in log.turns)
+
+    clean = demonstrations(wl, renderer, tasks, limits)
+    noisy = demonstrations(wl, renderer, tasks, limits, noise=0.5, seed=1)
+    # the clean expert takes exactly `difficulty` turns; detours make longer successful episodes
+    assert len(clean) == 60 and all(model_turns(log) == t["difficulty"] for log, t in zip(clean, tasks))
+    assert noisy and all(log.success == 1.0 for log in noisy)
+    assert sum(map(model_turns, noisy)) > sum(map(model_turns, clean)) * len(noisy) / len(clean)
+    assert demonstrations(wl, renderer, tasks, limits, noise=0.5, seed=1)[0].tokens == noisy[0].tokens  # seeded
+    with pytest.raises(ValueError, match="explore_action"):
+        demonstrations(LookupWorkload(), renderer, LookupWorkload().tasks("train")[:1], limits, noise=0.5)

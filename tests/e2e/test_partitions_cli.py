@@ -77,6 +77,18 @@ def test_add_writes_the_desired_file(live_run, tmp_path):
     assert (a100.scheduler, a100.nodes, a100.mem, a100.sbatch_options) == ("slurm", 2, "4G", ("--qos=high",))
 
 
+def test_partitions_add_takes_settings_and_refuses_bad_ones(live_run, tmp_path):
+    (tmp_path / "bad.yaml").write_text("name: a100\nrollout: {engine: {max_batch: 0}}\n")
+    code, out = _invoke("partitions", "add", str(live_run.root), "--from-yaml", str(tmp_path / "bad.yaml"), "--wait", "0")
+    assert code == 2 and "partitions[a100].rollout.engine.max_batch" in out, out
+    (tmp_path / "good.yaml").write_text("name: a100\nrollout: {capacity: 64, engine: {max_batch: 32}}\n")
+    code, out = _invoke("partitions", "add", str(live_run.root), "--from-yaml", str(tmp_path / "good.yaml"),
+                        "--wait", "0")
+    assert code == 0, out
+    parts, _ = read_desired_file(live_run)
+    assert parts["a100"].rollout == {"capacity": 64, "engine": {"max_batch": 32}}
+
+
 def test_remove_unknown_lists_known_and_refuses_core_roles(live_run):
     code, out = _invoke("partitions", "remove", str(live_run.root), "nope")
     assert code == 2 and "known partitions are data, h100, trainer" in out

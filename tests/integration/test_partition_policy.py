@@ -68,3 +68,20 @@ def test_a_variable_the_config_names_is_accepted(tmp_path, monkeypatch):
     assert _calls(rec) == 2 and pset.state["site"].state == "active"
     script = (paths.jobs / "rollout-site-local-cpu-0.sbatch").read_text()
     assert "export LD_LIBRARY_PATH=/opt/site/lib" in script
+
+
+def test_a_partition_whose_settings_do_not_fit_the_run_is_not_started(tmp_path, monkeypatch):
+    """Written into the file by hand with a rollout setting the run's config does not have
+    (``astraflow partitions add`` refuses it before): never started, the status says why."""
+    from astraflow.partition_settings import check_partition
+    from astraflow.rollout.config import RolloutConfig
+
+    rec = fake_slurm(tmp_path, monkeypatch, fail_at=99)
+    paths, pset, fleet, notes = _setup(tmp_path)
+    pset.check_settings = lambda part: check_partition(part, RolloutConfig(), {})
+    bad = Partition(name="bad", scheduler="slurm", role="rollout", rollout={"engine": {"max_bach": 8}})
+    write_desired(paths, [GPU, bad])
+    _reconcile(pset, fleet)
+    assert _calls(rec) == 1 and {w.partition for w in fleet.workers.values()} == {"gpu"}
+    assert pset.state["bad"].state == "failed"
+    assert "partitions[bad].rollout.engine.max_bach: unknown key" in pset.state["bad"].error

@@ -52,7 +52,7 @@ def test_a_tensor_parallel_hf_engine_is_refused():
 
     from astraflow.rollout.config import EngineConfig
 
-    with pytest.raises(ValidationError, match="tensor_parallel > 1 needs rollout.engine.type: vllm"):
+    with pytest.raises(ValidationError, match="the hf engine runs each engine on one device"):
         EngineConfig(tensor_parallel=2)
     assert EngineConfig(type="vllm", tensor_parallel=2).tensor_parallel == 2
 

@@ -42,6 +42,13 @@ CASES = {
                   resources={"trainer": 1, "policy_main": 1}),
         "tcp://10.1.2.3:8786", 0, SITE,
     ),
+    # a multi-node Megatron trainer: 2 nodes x 4 GPUs, one job, the worker on the first node
+    "trainer_2x4": (
+        Partition(name="h100x2", scheduler="slurm", slurm_partition="gpu-h100", nodes=1, nodes_per_worker=2,
+                  cpus_per_node=32, gpus_per_node=4, gres="gpu:h100:4", mem="256G", walltime="12:00:00",
+                  region="eu", hardware="H100", role="trainer"),
+        "/shared/runs/demo/scheduler.json", 0, SITE,
+    ),
     "spaces_in_paths": (
         Partition(name="cpu", scheduler="slurm", nodes=1, role="rollout", sbatch_options=("--constraint=a100&ib",),
                   env={"NCCL_DEBUG": "it's \"INFO\" $HOME `x`"}),

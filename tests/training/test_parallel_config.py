@@ -1,5 +1,6 @@
 """``trainer.data_parallel``: checked by the trainer's config (torch backend: 1 only) and against
-the run (every batch splits over the replicas; a GPU trainer partition gives every rank a GPU).
+the run (every batch splits over the replicas; a GPU trainer partition gives every rank a GPU;
+a multi-node one, ``nodes_per_worker x gpus_per_node`` ranks exactly, reported by ``astraflow check``).
 No model is built: the policy's model is left to its ``init`` section."""
 
 from __future__ import annotations
@@ -52,3 +53,51 @@ def test_a_gpu_trainer_partition_needs_a_gpu_per_rank():
         _config(partitions=parts, **{"policies.0.trainer.tensor_parallel": 2, "policies.0.trainer.data_parallel": 2})
     cpu = [dict(p, gpus_per_node=0) for p in parts]  # CPU trainers run any number of gloo ranks
     assert _config(partitions=cpu, **{"policies.0.trainer.data_parallel": 4}).policies[0].trainer.data_parallel == 4
+
+
+MULTI = [{"name": "data", "role": "data"}, {"name": "rollout", "role": "rollout"},
+         {"name": "big", "role": "trainer", "scheduler": "slurm", "nodes_per_worker": 2, "gpus_per_node": 4}]
+
+
+def test_a_multi_node_trainer_partition_needs_exactly_one_rank_per_gpu():
+    """World size = nodes_per_worker x gpus_per_node; TP x DP must equal it (not only fit in it)."""
+    ok = _config(partitions=MULTI, **{"policies.0.trainer.tensor_parallel": 2, "policies.0.trainer.data_parallel": 4})
+    assert ok.partitions[2].ranks_per_worker == 8
+    with pytest.raises(ConfigError, match=r"tensor_parallel 2 x data_parallel 2 = 4 ranks, but trainer partition 'big' "
+                                          r"spans nodes_per_worker 2 x gpus_per_node 4 = 8 ranks .*set "
+                                          r"policies\[solver\].trainer.data_parallel: 4, or change the partition"):
+        _config(partitions=MULTI, **{"policies.0.trainer.tensor_parallel": 2, "policies.0.trainer.data_parallel": 2})
+    with pytest.raises(ConfigError, match=r"3 x data_parallel 1 = 3 ranks.*choose tensor_parallel x data_parallel = 8"):
+        _config(partitions=MULTI, **{"policies.0.trainer.tensor_parallel": 3})
+    cpu = [dict(p, gpus_per_node=0) if p["name"] == "big" else p for p in MULTI]  # one gloo rank per node
+    assert _config(partitions=cpu, **{"policies.0.trainer.data_parallel": 2}).policies[0].trainer.data_parallel == 2
+    torch_trainer = {"policies.0.trainer.backend": "torch"}
+    with pytest.raises(ConfigError, match=r"the torch backend trains on one node, and trainer partition\(s\) \['big'\]"):
+        _config(partitions=MULTI, **torch_trainer)
+
+
+def test_only_a_slurm_trainer_partition_spans_nodes():
+    from schedulers import Partition
+
+    with pytest.raises(ValidationError, match="nodes_per_worker 2 spans Slurm nodes .* this one is a slurm rollout"):
+        Partition(name="r", role="rollout", scheduler="slurm", nodes_per_worker=2)
+    with pytest.raises(ValidationError, match="this one is a local trainer partition"):
+        Partition(name="t", role="trainer", nodes_per_worker=2)
+    with pytest.raises(ValidationError, match="rendered from the partition: set gpus_per_node"):
+        Partition(name="t", role="trainer", scheduler="slurm", sbatch_options=("--ntasks-per-node=2",))
+
+
+def test_check_reports_the_mismatch_and_exits_2(tmp_path):
+    from click.testing import CliRunner
+
+    from astraflow.cli import main
+
+    data = yaml.safe_load((ROOT / "examples" / "tiny" / "config.yaml").read_text())
+    data["policies"][0]["model"] = str(tmp_path / "model")  # built by its init section
+    data["policies"][0]["trainer"] = {"backend": "megatron", "tensor_parallel": 2, "data_parallel": 2}
+    data["partitions"] = MULTI
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
+    res = CliRunner().invoke(main, ["check", str(tmp_path / "c.yaml")])
+    assert res.exit_code == 2, res.output
+    assert "= 4 ranks, but trainer partition 'big' spans nodes_per_worker 2 x gpus_per_node 4 = 8" in res.output
+    assert "Traceback" not in res.output

@@ -3,18 +3,21 @@ parallelism.
 
 Process layout. The trainer actor lives in one Dask worker process; a TP group needs one process
 per rank, and ``dp_size`` replicas of it make ``tp_size * dp_size`` rank processes (rank
-``dp_rank * tp_size + tp_rank``, Megatron's order; one GPU each on a GPU node). The backend
-starts the ranks itself as plain subprocesses (``python -m astraflow.training.megatron.rank``),
-not with ``torch.multiprocessing.spawn``: Dask worker processes are daemonic and may not have
-``multiprocessing`` children, a spawned child would re-import the worker's main module, and a
-subprocess gives every rank its own log file and a pid the backend can stop by id. torchrun is not needed on one node: the ranks rendezvous
-through a ``file://`` store in the backend's private work directory (no port to pick). For a
-multi-node TP group the same ``rank`` module runs under ``srun``/torchrun with ``env://``.
+``dp_rank * tp_size + tp_rank``, Megatron's order; one GPU each on a GPU node). On one node the
+backend starts the ranks itself as plain subprocesses (``python -m
+astraflow.training.megatron.rank``), not with ``torch.multiprocessing.spawn``: Dask worker
+processes are daemonic and may not have ``multiprocessing`` children, a spawned child would
+re-import the worker's main module, and a subprocess gives every rank its own log file and a pid
+the backend can stop by id. They rendezvous through a ``file://`` store in the backend's private
+work directory (no port to pick). When the trainer's Slurm job spans several nodes, the same
+``rank`` module runs as one ``srun`` job step over the whole allocation, with ``env://``
+rendezvous (``launch``, ``slurm``; ``launcher`` chooses).
 
-Control channel. Each rank gets one end of a socket pair (``pass_fds``); the backend sends every
-command to every rank (or, for what one replica answers alone, to data-parallel rank 0's) and
-waits for every answer, each wait with a deadline while watching the ranks' pids. The ranks of
-a TP group get identical payloads, so no broadcast is needed inside it.
+Control channel. Each rank gets one end of a socket pair (``pass_fds``), or under srun an
+authenticated TCP connection back to the backend (``launch``); the backend sends every command
+to every rank (or, for what one replica answers alone, to data-parallel rank 0's) and waits for
+every answer, each wait with a deadline while watching the ranks' processes. The ranks of a TP
+group get identical payloads, so no broadcast is needed inside it.
 
 Data parallelism. ``train_step`` splits the batch's rows over the replicas, balanced by token
 count (``batching.balance_by_tokens``); each share's loss is normalised by the whole batch's
@@ -43,12 +46,8 @@ before it is sent, so a refused state raises ``ValueError`` and leaves the ranks
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -65,13 +64,11 @@ from astraflow.training.megatron.batching import (
     collate, combine_metrics, drop_zero_advantage, split_for_data_parallel, takes_num_tokens,
 )
 from astraflow.training.megatron.convert import check_shard, gather_shards, shard_for_rank, to_module_state
+from astraflow.training.megatron.launch import RankError, RankLaunch, start_ranks
+from astraflow.training.megatron.slurm import Allocation
 from astraflow.training.megatron.state import BACKEND as STATE_BACKEND
 from astraflow.training.megatron.state import check_optimizer_state, layout, pack, unpack
 from astraflow.weightconv import megatron_to_hf
-
-
-class RankError(RuntimeError):
-    """A rank process died or did not answer in time; carries the tail of its log."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +111,10 @@ class MegatronBackendConfig:
     #: dtype of the published floating-point shards, ``fp32`` or ``bf16`` (the ranks' parameters
     #: are fp32 either way).
     publish_dtype: str = "fp32"
+    #: how the ranks start: ``local`` (subprocesses of the backend on its own host), ``srun``
+    #: (one job step over the Slurm job the backend runs in, ranks on every node of it), or
+    #: ``auto``: ``srun`` inside a Slurm job of more than one node, else ``local``.
+    launcher: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.dp_size < 1:
@@ -124,6 +125,8 @@ class MegatronBackendConfig:
                 f"tokens, which every replica's share is normalised by); {self.loss_fn} does not: add it "
                 "(see astraflow.training.grpo:grpo_loss) or set trainer.data_parallel: 1"
             )
+        if self.launcher not in ("auto", "local", "srun"):
+            raise ValueError(f"launcher must be auto, local or srun, got {self.launcher!r}")
         if self.publish_dtype not in ("fp32", "bf16"):
             raise ValueError(f"publish_dtype must be fp32 or bf16, got {self.publish_dtype!r}")
         if ":" not in self.loss_fn:
@@ -150,7 +153,10 @@ class MegatronBackend:
         self.config = config
         world = config.tp_size * config.dp_size
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if 0 < gpus < world:  # each rank takes its own GPU (NCCL); CPU-only hosts use gloo
+        multi_node = config.launcher == "srun" or (config.launcher == "auto" and Allocation.spans_nodes())
+        # each rank takes its own GPU (NCCL); CPU-only hosts use gloo. Across nodes the
+        # allocation is checked instead (``slurm.Allocation``)
+        if 0 < gpus < world and not multi_node:
             raise ValueError(
                 f"tensor_parallel={config.tp_size} x data_parallel={config.dp_size} needs {world} GPUs on "
                 f"this node and it has {gpus}: lower trainer.tensor_parallel or trainer.data_parallel, or "
@@ -159,35 +165,16 @@ class MegatronBackend:
         self._workdir = Path(tempfile.mkdtemp(prefix="astraflow-megatron-"))
         log_dir = Path(config.log_dir) if config.log_dir else self._workdir
         log_dir.mkdir(parents=True, exist_ok=True)
-        self._procs: list[subprocess.Popen] = []
-        self._conns: list[Connection] = []
-        self._logs: list[Path] = []
         repo_root = str(Path(astraflow.__file__).resolve().parents[1])
-        init_method = f"file://{self._workdir / 'rendezvous'}"
+        env = dict(os.environ)
+        env.update(config.env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
+        env.setdefault("OMP_NUM_THREADS", str(config.threads_per_rank))
+        launch = RankLaunch(world, config.tp_size, config.dp_size, env, log_dir, self._workdir)
+        self._ranks = start_ranks(config.launcher, launch, config.start_timeout_s)
+        self._conns: list[Connection] = self._ranks.conns
+        self._logs: list[Path] = self._ranks.logs
         try:
-            for r in range(world):
-                parent, child = socket.socketpair()
-                env = dict(os.environ)
-                env.update(config.env)
-                env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
-                env["ASTRAFLOW_RANK_FD"] = str(child.fileno())
-                env["ASTRAFLOW_RANK_SPEC"] = json.dumps(
-                    {"rank": r, "world_size": world, "init_method": init_method, "tp_size": config.tp_size,
-                     "dp_size": config.dp_size}
-                )
-                env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks share this host
-                env.setdefault("OMP_NUM_THREADS", str(config.threads_per_rank))
-                log = log_dir / f"megatron-rank{r}.log"
-                with open(log, "ab") as fh:
-                    proc = subprocess.Popen(
-                        [sys.executable, "-m", "astraflow.training.megatron.rank"],
-                        pass_fds=[child.fileno()], env=env, stdout=fh, stderr=subprocess.STDOUT,
-                        cwd=self._workdir,
-                    )
-                child.close()
-                self._procs.append(proc)
-                self._conns.append(Connection(parent.detach()))
-                self._logs.append(log)
             cfg = asdict(config)
             cfg.pop("env")
             infos = self._call("init", cfg, config.start_timeout_s)
@@ -297,12 +284,11 @@ class MegatronBackend:
         return np.concatenate([answers[r] for r in self.replica_heads])
 
     def close(self) -> None:
-        if not self._procs:
+        if not self._conns:
             return
         try:
             self._call("stop", None, 60.0)
-            for p in self._procs:
-                p.wait(timeout=30)
+            self._ranks.wait(30)
         finally:
             self._kill()
         # after a clean stop the work dir (rendezvous file, default logs) has no further use; after
@@ -328,18 +314,29 @@ class MegatronBackend:
         for r in ranks:
             c = self._conns[r]
             while not c.poll(0.2):
-                dead = [i for i, p in enumerate(self._procs) if p.poll() is not None]
+                dead = self._ranks.exited()
                 if dead:
                     raise RankError(self._report(f"rank(s) {dead} exited during {cmd!r}", dead))
                 if time.monotonic() > deadline:
                     raise RankError(self._report(f"rank {r} did not answer {cmd!r} within {timeout_s:.0f}s", [r]))
             try:
                 status, result = c.recv()
-            except EOFError as e:
+            except (EOFError, OSError) as e:  # OSError: a TCP channel reset by its peer
+                dead = self._exited_soon()
+                if dead:
+                    raise RankError(self._report(f"rank(s) {dead} exited during {cmd!r}", dead)) from e
                 raise RankError(self._report(f"rank {r} closed its channel during {cmd!r}", [r])) from e
             assert status == "ok", status
             results.append(result)
         return results
+
+    def _exited_soon(self, wait_s: float = 10.0) -> list[int]:
+        """The ranks that have exited, given ``wait_s`` to show it: a channel closes just before
+        its process ends (and under srun, the step ends a moment after its failed rank)."""
+        deadline = time.monotonic() + wait_s
+        while not (dead := self._ranks.exited()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return dead
 
     def _report(self, what: str, ranks: list[int]) -> str:
         self._kill()
@@ -347,15 +344,12 @@ class MegatronBackend:
         for r in ranks:
             text = self._logs[r].read_text(errors="replace") if self._logs[r].exists() else ""
             tails.append(f"--- rank {r} log ({self._logs[r]}), last lines:\n" + "\n".join(text.splitlines()[-25:]))
+        for log in self._ranks.launcher_logs:  # what srun said about the step
+            text = log.read_text(errors="replace") if log.exists() else ""
+            tails.append(f"--- {log}, last lines:\n" + "\n".join(text.splitlines()[-10:]))
         return what + "\n" + "\n".join(tails)
 
     def _kill(self) -> None:
-        """Stop the rank processes this backend started (by pid) and close the channels."""
-        for p in self._procs:
-            if p.poll() is None:
-                p.kill()
-        for p in self._procs:
-            p.wait(timeout=30)
-        for c in self._conns:
-            c.close()
-        self._procs, self._conns = [], []
+        """Stop the rank processes this backend started and close the channels."""
+        self._ranks.kill()
+        self._conns = []

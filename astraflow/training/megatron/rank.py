@@ -2,10 +2,11 @@
 as its own process.
 
 ``MegatronBackend`` (in the trainer actor's process) starts ``tp_size * dp_size`` of these with
-``python -m astraflow.training.megatron.rank`` and talks to each through a private socket pair
-(fd given in ``ASTRAFLOW_RANK_FD``). Every rank receives the same command stream; the ranks of
-one data-parallel replica get the same payload, so a tensor-parallel step needs no extra
-broadcast and every rank can report its own progress.
+``python -m astraflow.training.megatron.rank`` (as subprocesses, or as one srun job step across
+nodes) and talks to each through a private channel (``launch.rank_channel``: an inherited
+socket pair, or an authenticated TCP connection back to the backend). Every rank receives the
+same command stream; the ranks of one data-parallel replica get the same payload, so a
+tensor-parallel step needs no extra broadcast and every rank can report its own progress.
 
 Data parallelism (``dp_size > 1``): each replica trains on its share of the batch and
 Megatron-core's ``DistributedDataParallel`` wrapper (contiguous gradient buffer, one all-reduce
@@ -40,10 +41,7 @@ the parent, which watches every rank's pid, reports it and stops the other ranks
 from __future__ import annotations
 
 import importlib
-import json
-import os
 import time
-from multiprocessing.connection import Connection
 
 import numpy as np
 import torch
@@ -234,10 +232,11 @@ class Rank:
 
 
 def main() -> None:
+    from astraflow.training.megatron.launch import rank_channel, rank_spec
     from astraflow.training.megatron.model import DistSpec, shutdown_distributed
 
-    spec = DistSpec(**json.loads(os.environ["ASTRAFLOW_RANK_SPEC"]))
-    conn = Connection(int(os.environ["ASTRAFLOW_RANK_FD"]))
+    spec = DistSpec(**rank_spec())
+    conn = rank_channel(spec.rank)
     cmd, cfg = conn.recv()
     if cmd != "init":
         raise ValueError(f"rank {spec.rank}: first command must be 'init', got {cmd!r}")

@@ -1,0 +1,132 @@
+"""Per-partition settings: a partition's ``rollout:`` and ``trainer:`` mappings, merged over the
+run's sections for the workers it hosts (pools whose hardware differs: larger batches on
+H100s than on A100s, more engine threads on a many-core CPU pool).
+
+A partition's ``rollout:`` has the shape of the ``rollout`` section (any of its fields, nested
+ones included); its ``trainer:`` holds only the fields of a policy's ``trainer`` section that
+follow the hardware (``TRAINER_FIELDS``): the rest changes what a trainer learns, and a
+trainer restarted on another pool must learn the same way. The merged sections are validated
+as the run's are; an unknown key is an error naming the keys allowed there.
+
+`Partition` (``schedulers``, which never imports AstraFlow) carries the mappings as plain
+data; this module is where they get their types. The run config checks them when it loads,
+``astraflow partitions add`` against the running run's saved config, and placement merges them
+when it builds a RaaS node or a trainer on a worker of the partition.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from pydantic import BaseModel, ValidationError
+
+from astraflow.rollout.config import RolloutConfig
+from astraflow.training.config import TrainerConfig
+from schedulers.partition import Partition
+
+#: the trainer fields a partition may set: they follow the hardware, not what is learnt
+TRAINER_FIELDS: tuple[str, ...] = ("micro_batch", "threads", "device")
+
+
+def effective_rollout(base: RolloutConfig, part: Partition | None) -> RolloutConfig:
+    """The ``rollout`` section of the RaaS nodes of ``part``: ``base`` with its settings over it."""
+    if part is None or not part.rollout:
+        return base
+    return _merged(base, part.rollout, f"partitions[{part.name}].rollout", None)
+
+
+def effective_trainer(base: TrainerConfig, part: Partition | None) -> TrainerConfig:
+    """A policy's ``trainer`` section on a worker of ``part``: ``base`` with its settings over it."""
+    if part is None or not part.trainer:
+        return base
+    return _merged(base, part.trainer, f"partitions[{part.name}].trainer", TRAINER_FIELDS)
+
+
+def check_partition(part: Partition, rollout: RolloutConfig, trainers: Mapping[str, TrainerConfig]) -> None:
+    """ValueError naming the field and the fix when ``part``'s settings cannot be used: set on
+    a partition of another role, an unknown key, a bad value, an engine that spans more GPUs
+    than the partition's workers have."""
+    for section, role in (("rollout", "rollout"), ("trainer", "trainer")):
+        if getattr(part, section) and part.role != role:
+            raise ValueError(f"partitions[{part.name}].{section}: settings for {role} workers on a partition of "
+                             f"role {part.role!r}; move them to a {role} partition or remove them")
+    if part.role == "rollout":
+        engine = effective_rollout(rollout, part).engine
+        tp, gpus = engine.tensor_parallel, part.gpus_per_node
+        if tp > 1 and (gpus < tp or gpus % tp):
+            raise ValueError(
+                f"partitions[{part.name}]: rollout.engine.tensor_parallel {tp} spans {tp} GPUs per engine and the "
+                f"partition gives a node {gpus}: set gpus_per_node to a multiple of {tp}, or lower tensor_parallel")
+    for trainer in trainers.values():
+        effective_trainer(trainer, part)
+
+
+def changed(base: BaseModel, merged: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """``{dotted field: value}`` where ``merged`` differs from ``base`` (what a partition changes)."""
+    out: dict[str, Any] = {}
+    for name in type(base).model_fields:
+        a, b = getattr(base, name), getattr(merged, name)
+        if isinstance(a, BaseModel) and isinstance(b, BaseModel):
+            out.update(changed(a, b, f"{prefix}{name}."))
+        elif a != b:
+            out[f"{prefix}{name}"] = b
+    return out
+
+
+def _merged(base: BaseModel, settings: Mapping[str, Any], where: str, allowed: tuple[str, ...] | None) -> Any:
+    _check_keys(type(base), settings, where, allowed)
+    data = _deep_merge(base.model_dump(), settings)
+    try:
+        return type(base).model_validate(data)
+    except ValidationError as err:
+        problems = "; ".join(f"{where}.{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+                             if e["loc"] else f"{where}: {e['msg'].removeprefix('Value error, ')}"
+                             for e in err.errors())
+        raise ValueError(problems) from None
+
+
+def _check_keys(model: type[BaseModel], settings: Mapping[str, Any], where: str,
+                allowed: tuple[str, ...] | None) -> None:
+    """Every key names a field of ``model`` (of ``allowed``, when given), sections recursively."""
+    if not isinstance(settings, Mapping):
+        raise ValueError(f"{where}: write a mapping of {model.__name__} fields, got {settings!r}")
+    names = allowed if allowed is not None else tuple(model.model_fields)
+    for key, value in settings.items():
+        if key not in names:
+            raise ValueError(f"{where}.{key}: unknown key; a partition may set {', '.join(names)}")
+        sub = model.model_fields[key].annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel) and isinstance(value, Mapping):
+            _check_keys(sub, value, f"{where}.{key}", None)
+
+
+def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(out.get(key), dict) and isinstance(value, Mapping) \
+            else value
+    return out
+
+
+def plan_lines(partitions: list[Partition], rollout: RolloutConfig, trainers: Mapping[str, TrainerConfig]) -> list[str]:
+    """What each partition's workers run with, one line each (``astraflow check`` prints them):
+    engines per policy on a RaaS node (as on a node that sees its GPUs) and the settings the
+    partition changes."""
+    lines = []
+    for part in partitions:
+        what = f"partition {part.name} ({part.role}, {part.nodes} node(s), {part.gpus_per_node} GPU(s) each)"
+        if part.role == "rollout":
+            cfg = effective_rollout(rollout, part)
+            eng = cfg.engine
+            on_gpus = part.gpus_per_node > 0 and eng.device in ("auto", "cuda")
+            n = eng.replicas or (max(part.gpus_per_node // eng.tensor_parallel, 1) if on_gpus else 1)
+            where = f"{eng.tensor_parallel} GPU(s) each" if on_gpus else f"on {eng.device}"
+            what += f": {n} engine(s) per policy, {where}, {max(1, eng.threads // n)} thread(s) each"
+            diff = changed(rollout, cfg, "rollout.")
+        else:  # a trainer partition's fields replace every policy's
+            for trainer in trainers.values():
+                effective_trainer(trainer, part)  # validated
+            diff = {f"trainer.{k}": v for k, v in part.trainer.items()}
+        if diff:
+            what += "; " + ", ".join(f"{k}={v}" for k, v in diff.items())
+        lines.append(what)
+    return lines

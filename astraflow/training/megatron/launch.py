@@ -1,0 +1,299 @@
+"""Starting the Megatron backend's rank processes, and each rank's control channel.
+
+Both launchers give the backend the same thing: one ``multiprocessing.connection.Connection``
+per rank (in rank order), the per-rank log files, the ranks that have exited, and a way to stop
+them all.
+
+* ``LocalRanks`` (one node; the default): ``world`` plain subprocesses of the backend,
+  ``file://`` rendezvous in the backend's private work directory, control over a socket pair
+  per rank (the child's end passed by fd). Nothing listens on a port.
+* ``SrunRanks`` (a trainer job that spans several nodes): one ``srun`` job step inside the
+  trainer's own Slurm job starts the ranks on every node of the allocation (``srun_command``);
+  ``env://`` rendezvous (``MASTER_ADDR`` = the first node, where the backend runs, and a free
+  ``MASTER_PORT``); each rank takes ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` from Slurm's
+  ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``. A socket pair cannot cross nodes, so each
+  rank connects back over TCP to a listener of the backend, and both sides prove they hold the
+  launch's secret token (``multiprocessing.connection``'s HMAC challenge, both ways) before
+  anything is unpickled: other users of the cluster can reach that port.
+
+The rank side of both is ``rank_spec`` and ``rank_channel``; ``slurm`` reads the allocation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
+from pathlib import Path
+
+from astraflow.training.megatron.slurm import Allocation, cancel_step, srun_command
+
+RANK_MODULE = "astraflow.training.megatron.rank"
+#: a rank's hello after the handshake is a small JSON object; anything longer is refused
+_HELLO_MAX = 4096
+
+
+class RankError(RuntimeError):
+    """A rank process died or did not answer in time; carries the tail of its log."""
+
+
+@dataclass(frozen=True)
+class RankLaunch:
+    """What every launcher needs: the layout, the ranks' environment, where logs go."""
+
+    world: int
+    tp_size: int
+    dp_size: int
+    #: the whole environment of a rank process (the launcher adds its rendezvous keys)
+    env: dict[str, str]
+    log_dir: Path
+    #: the backend's private directory (rendezvous file, the ranks' working directory)
+    workdir: Path
+
+    def spec(self, **extra) -> str:
+        """``ASTRAFLOW_RANK_SPEC``: the layout, the rendezvous and, from a local launch, the rank."""
+        return json.dumps({"world_size": self.world, "tp_size": self.tp_size, "dp_size": self.dp_size, **extra})
+
+    def log(self, rank: int) -> Path:
+        return self.log_dir / f"megatron-rank{rank}.log"
+
+
+class LocalRanks:
+    """``world`` subprocesses on this host, one socket pair each (see the module docstring)."""
+
+    def __init__(self, launch: RankLaunch):
+        self.logs = [launch.log(r) for r in range(launch.world)]
+        self.launcher_logs: list[Path] = []
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        init_method = f"file://{launch.workdir / 'rendezvous'}"
+        try:
+            for r in range(launch.world):
+                parent, child = socket.socketpair()
+                env = dict(launch.env)
+                env["ASTRAFLOW_RANK_FD"] = str(child.fileno())
+                env["ASTRAFLOW_RANK_SPEC"] = launch.spec(rank=r, init_method=init_method)
+                env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks share this host
+                with open(self.logs[r], "ab") as fh:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", RANK_MODULE], pass_fds=[child.fileno()], env=env, stdout=fh,
+                        stderr=subprocess.STDOUT, cwd=launch.workdir,
+                    )
+                child.close()
+                self.procs.append(proc)
+                self.conns.append(Connection(parent.detach()))
+        except BaseException:
+            self.kill()
+            raise
+
+    def exited(self) -> list[int]:
+        """The ranks whose process has ended."""
+        return [i for i, p in enumerate(self.procs) if p.poll() is not None]
+
+    def wait(self, timeout_s: float) -> None:
+        for p in self.procs:
+            p.wait(timeout=timeout_s)
+
+    def kill(self) -> None:
+        """Stop the processes this launcher started (by pid) and close the channels."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait(timeout=30)
+        for c in self.conns:
+            c.close()
+        self.procs, self.conns = [], []
+
+
+class SrunRanks:
+    """The ranks as one ``srun`` job step of the allocation the backend runs in, each connected
+    back over TCP with the launch's token (see the module docstring)."""
+
+    def __init__(self, launch: RankLaunch, allocation: Allocation, start_timeout_s: float):
+        self.world = launch.world
+        self.logs = [launch.log(r) for r in range(launch.world)]
+        self.srun_log = launch.log_dir / "megatron-srun.log"
+        self.launcher_logs = [self.srun_log]
+        self.conns: list[Connection] = []
+        self.allocation = allocation
+        #: ``job.step`` of the ranks' step, as the ranks report it (for ``scancel``)
+        self.step: str | None = None
+        #: per rank: its Slurm node, host and pid, as the ranks report them
+        self.where: list[dict] = []
+        token = secrets.token_hex(32)
+        server = socket.create_server((allocation.master_addr, 0))
+        host, port = server.getsockname()[:2]
+        env = dict(launch.env)
+        env.update(
+            ASTRAFLOW_RANK_SPEC=launch.spec(init_method="env://"),
+            ASTRAFLOW_RANK_CONTROL=f"{host}:{port}",
+            ASTRAFLOW_RANK_TOKEN=token,
+            MASTER_ADDR=allocation.master_addr,
+            MASTER_PORT=str(free_port(allocation.master_addr)),
+        )
+        self.command = srun_command(allocation, launch.world, launch.log_dir, sys.executable, RANK_MODULE)
+        self.proc: subprocess.Popen | None = None
+        try:
+            with open(self.srun_log, "ab") as fh:
+                self.proc = subprocess.Popen(self.command, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, cwd=launch.workdir)
+            self.conns, hellos = accept_ranks(server, token.encode(), launch.world,
+                                              time.monotonic() + start_timeout_s, self._check_running)
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            server.close()
+        self.where = [{k: h.get(k) for k in ("node", "host", "pid")} for h in hellos]
+        self.step = hellos[0].get("step")
+
+    def _check_running(self) -> None:
+        if self.proc.poll() is not None:
+            said = self.srun_log.read_text(errors="replace").splitlines()[-10:] if self.srun_log.exists() else []
+            raise RankError(f"srun exited ({self.proc.returncode}) before every rank connected; see {self.srun_log} "
+                            "and the rank logs. srun said:\n" + "\n".join(said))
+
+    def exited(self) -> list[int]:
+        """Every rank once the step has ended (srun ends with the step; with
+        ``--kill-on-bad-exit`` one rank failing ends all of them)."""
+        return list(range(self.world)) if self.proc.poll() is not None else []
+
+    def wait(self, timeout_s: float) -> None:
+        self.proc.wait(timeout=timeout_s)
+
+    def kill(self) -> None:
+        """End the step: SIGTERM to srun (which signals every task), then, if it lingers,
+        ``scancel`` of the step and SIGKILL to srun; close the channels."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                if self.step:
+                    cancel_step(self.step)
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        for c in self.conns:
+            c.close()
+        self.conns = []
+
+
+def accept_ranks(server: socket.socket, token: bytes, world: int, deadline: float,
+                 check: Callable[[], None]) -> tuple[list[Connection], list[dict]]:
+    """Every rank's authenticated connection and hello, in rank order, from ``server``'s
+    connections (``check`` raises when the ranks can no longer come). Each handshake runs in its
+    own thread, so a peer that connects and says nothing holds up nothing; a peer without the
+    token, or naming a rank that is taken or out of range, is dropped."""
+    done: queue.Queue = queue.Queue()
+    pending: list[socket.socket] = []
+    by_rank: dict[int, tuple[Connection, dict]] = {}
+    server.settimeout(0.2)
+    try:
+        while len(by_rank) < world:
+            check()
+            if time.monotonic() > deadline:
+                raise RankError(f"ranks {sorted(set(range(world)) - set(by_rank))} did not connect to the backend "
+                                "within the start deadline; see the rank logs")
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                sock = None
+            if sock is not None:
+                pending.append(sock)
+                threading.Thread(target=_handshake, args=(sock, token, done), daemon=True).start()
+            while not done.empty():
+                sock, conn, hello = done.get()
+                pending.remove(sock)  # authenticated: its own descriptor, not to be shut down below
+                sock.close()
+                rank = hello.get("rank")
+                if type(rank) is not int or not 0 <= rank < world or rank in by_rank:
+                    conn.close()
+                    continue
+                by_rank[rank] = (conn, hello)
+    except BaseException:
+        for conn, _ in by_rank.values():
+            conn.close()
+        raise
+    finally:
+        for sock in pending:  # wakes a handshake still waiting on a silent peer, ends a failed one
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+    return [by_rank[r][0] for r in range(world)], [by_rank[r][1] for r in range(world)]
+
+
+def _handshake(sock: socket.socket, token: bytes, done: queue.Queue) -> None:
+    """Authenticate one connection both ways, then read the rank's hello; a failure closes it."""
+    try:
+        sock.settimeout(None)
+        conn = Connection(os.dup(sock.fileno()))
+    except OSError:
+        return
+    try:
+        deliver_challenge(conn, token)
+        answer_challenge(conn, token)
+        hello = json.loads(conn.recv_bytes(_HELLO_MAX))
+        if not isinstance(hello, dict):
+            raise ValueError("hello is not an object")
+    except Exception:  # a wrong token, a peer that hung up, garbage
+        conn.close()
+        return
+    done.put((sock, conn, hello))
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` now (the OS picks it; rank 0 binds it moments later)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_ranks(launcher: str, launch: RankLaunch, start_timeout_s: float) -> LocalRanks | SrunRanks:
+    """``LocalRanks`` or ``SrunRanks`` for ``launcher`` (``auto``: srun inside a Slurm job that
+    spans more than one node, else local)."""
+    if launcher == "auto":
+        launcher = "srun" if Allocation.spans_nodes() else "local"
+    if launcher == "local":
+        return LocalRanks(launch)
+    return SrunRanks(launch, Allocation.from_env(launch.world), start_timeout_s)
+
+
+# -- the rank's side ---------------------------------------------------------------------------
+def rank_spec() -> dict:
+    """This rank's ``DistSpec`` fields. Under srun the rank is Slurm's ``SLURM_PROCID``, also
+    exported as ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` for ``env://`` and the GPU choice."""
+    spec = json.loads(os.environ["ASTRAFLOW_RANK_SPEC"])
+    if "rank" not in spec:
+        rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+        if world != spec["world_size"]:
+            raise ValueError(f"srun started {world} tasks but the backend expects {spec['world_size']} ranks")
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=os.environ["SLURM_LOCALID"])
+        spec["rank"] = rank
+    return spec
+
+
+def rank_channel(rank: int) -> Connection:
+    """The channel to the backend: the inherited socket pair end, or (under srun) a TCP
+    connection authenticated with the launch's token, then a hello naming this rank."""
+    if "ASTRAFLOW_RANK_FD" in os.environ:
+        return Connection(int(os.environ["ASTRAFLOW_RANK_FD"]))
+    host, _, port = os.environ["ASTRAFLOW_RANK_CONTROL"].rpartition(":")
+    # popped: nothing this rank starts (checkpoint writer processes) needs the token
+    token = os.environ.pop("ASTRAFLOW_RANK_TOKEN").encode()
+    conn = Client((host, int(port)), authkey=token)
+    step = f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}"
+    conn.send_bytes(json.dumps({"rank": rank, "step": step, "host": socket.gethostname(),
+                                "node": os.environ.get("SLURMD_NODENAME"), "pid": os.getpid()}).encode())
+    return conn

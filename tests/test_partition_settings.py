@@ -1,0 +1,123 @@
+"""Per-partition settings (``partitions[].rollout`` / ``partitions[].trainer``): merged over the
+run's sections for the workers of the partition, validated like them, an unknown key named
+with the keys allowed there; ``astraflow check`` exits 2 on a bad one and prints what each
+partition runs with (``astraflow partitions add`` with settings: tests/e2e/test_partitions_cli.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from astraflow.cli import main
+from astraflow.partition_settings import check_partition, effective_rollout, effective_trainer
+from astraflow.rollout.config import RolloutConfig
+from astraflow.training.config import TrainerConfig
+from schedulers import Partition
+from tests.e2e.test_cli import _write_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = RolloutConfig(capacity=32, engine={"max_batch": 16, "threads": 4})
+
+
+def test_rollout_settings_merge_over_the_runs_nested():
+    part = Partition(name="h100", gpus_per_node=4, rollout={"capacity": 256, "engine": {"max_batch": 128}})
+    got = effective_rollout(RUN, part)
+    assert (got.capacity, got.engine.max_batch, got.engine.threads) == (256, 128, 4)  # threads: the run's
+    assert effective_rollout(RUN, Partition(name="cpu")) is RUN
+
+
+def test_trainer_settings_merge_over_each_policys():
+    part = Partition(name="a100", role="trainer", trainer={"micro_batch": 8})
+    got = effective_trainer(TrainerConfig(lr=1e-4, micro_batch=64), part)
+    assert (got.micro_batch, got.lr) == (8, 1e-4)
+
+
+@pytest.mark.parametrize("part, needle", [
+    (Partition(name="h100", rollout={"engine": {"maxbatch": 8}}),
+     "partitions[h100].rollout.engine.maxbatch: unknown key; a partition may set type, max_batch,"),
+    (Partition(name="h100", rollout={"capasity": 8}), "partitions[h100].rollout.capasity: unknown key"),
+    (Partition(name="h100", rollout={"engine": {"max_batch": 0}}),
+     "partitions[h100].rollout.engine.max_batch: Input should be greater than or equal to 1"),
+    (Partition(name="h100", rollout={"engine": 3}), "partitions[h100].rollout.engine: Input should be"),
+    (Partition(name="t", role="trainer", trainer={"lr": 0.1}),
+     "partitions[t].trainer.lr: unknown key; a partition may set micro_batch, threads, device"),
+    (Partition(name="t", role="trainer", rollout={"capacity": 8}),
+     "partitions[t].rollout: settings for rollout workers on a partition of role 'trainer'"),
+    (Partition(name="h100", rollout={"engine": {"tensor_parallel": 2}}),
+     "the hf engine runs each engine on one device"),
+])
+def test_bad_settings_name_the_field_and_the_fix(part, needle):
+    with pytest.raises(ValueError) as err:
+        check_partition(part, RUN, {"solver": TrainerConfig()})
+    assert needle in str(err.value)
+
+
+def _config(tmp_path, tiny_model, partitions):
+    cfg = _write_config(tmp_path, tiny_model)
+    data = yaml.safe_load(cfg.read_text())
+    data["partitions"] = partitions
+    cfg.write_text(yaml.safe_dump(data))
+    return cfg
+
+
+PARTS = [{"name": "data", "role": "data"}, {"name": "trainer", "role": "trainer", "trainer": {"micro_batch": 8}},
+         {"name": "cpu", "role": "rollout", "rollout": {"engine": {"replicas": 2, "threads": 4}}},
+         {"name": "h100", "role": "rollout", "scheduler": "slurm", "gpus_per_node": 4,
+          "rollout": {"capacity": 256, "engine": {"max_batch": 128}}}]
+
+
+def test_check_prints_what_each_partition_runs_with(tiny_model, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "astraflow", "check", str(_config(tmp_path, tiny_model, PARTS))],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert yaml.safe_load(proc.stdout)["partitions"][3]["rollout"] == PARTS[3]["rollout"]  # the config as given
+    lines = proc.stderr.splitlines()
+    assert "partition trainer (trainer, 1 node(s), 0 GPU(s) each); trainer.micro_batch=8" in lines
+    assert ("partition cpu (rollout, 1 node(s), 0 GPU(s) each): 2 engine(s) per policy, on auto, 2 thread(s) each; "
+            "rollout.engine.threads=4, rollout.engine.replicas=2") in lines
+    h100 = next(x for x in lines if x.startswith("partition h100"))
+    assert "4 engine(s) per policy, 1 GPU(s) each" in h100 and "rollout.capacity=256" in h100
+    assert "rollout.engine.max_batch=128" in h100
+
+
+def test_check_exits_2_on_an_unknown_partition_setting(tiny_model, tmp_path):
+    bad = [*PARTS[:3], {**PARTS[3], "rollout": {"engine": {"max_batchh": 128}}}]
+    res = CliRunner().invoke(main, ["check", str(_config(tmp_path, tiny_model, bad))])
+    assert res.exit_code == 2, res.output
+    assert "partitions[h100].rollout.engine.max_batchh: unknown key; a partition may set" in res.output
+    assert "Traceback" not in res.output
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_a_partitions_own_gpu_is_judged_by_where_that_partition_runs(tiny_model, tmp_path):
+    from astraflow.config import ConfigError, check_devices, load_config
+
+    cfg = load_config(_config(tmp_path, tiny_model, PARTS), ["partitions.cpu.rollout.engine.device=cuda:3"])
+    with pytest.raises(ConfigError, match=r"partitions\[cpu\].rollout.engine.device: 'cuda:3' asked for"):
+        check_devices(cfg)
+    check_devices(load_config(_config(tmp_path, tiny_model, PARTS), ["partitions.h100.rollout.engine.device=cuda:3"]))
+
+
+def test_placement_gives_a_partitions_workers_its_settings(tmp_path):
+    """A RaaS node of a partition gets the run's rollout section with the partition's settings
+    over it and the partition's GPUs (one engine each); a trainer its partition's micro-batch."""
+    from types import SimpleNamespace
+
+    from astraflow.runtime.placement import node_kwargs, trainer_kwargs
+    from storage.paths import RunPaths
+    from tests.integration.test_orchestrator_parts import tiny_config
+
+    cfg = tiny_config(tmp_path, **{"rollout.capacity": 24})
+    part = Partition(name="h100", hardware="H100", gpus_per_node=4, rollout={"engine": {"max_batch": 128}})
+    kw = node_kwargs(cfg, RunPaths(tmp_path / "run"), "rollout-h100-local-H100-0", part, SimpleNamespace())
+    assert kw["rollout"].engine.max_batch == 128 and kw["rollout"].capacity == 24 and kw["gpus"] == 4
+    assert kw["rollout"].engine.threads == cfg.rollout.engine.threads
+    assert isinstance(kw["rollout"], RolloutConfig)
+    a100 = Partition(name="a100", role="trainer", trainer={"micro_batch": 4})
+    kw = trainer_kwargs(cfg, RunPaths(tmp_path / "run"), 0, cfg.policies[0], SimpleNamespace(), a100)
+    assert kw["cfg"].micro_batch == 4 and kw["cfg"].lr == cfg.policies[0].trainer.lr
