@@ -7,15 +7,19 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from astraflow.configbase import Strict
+from astraflow.rollout.sim_config import SimEngineConfig
 
 
 #: the engine types ``rollout.engine.type`` can name (``engines.make_engine`` builds them)
-EngineType = Literal["hf"]
+EngineType = Literal["hf", "sim"]
 
 
 class EngineConfig(Strict):
     type: EngineType = "hf"
-    """Inference engine: ``hf`` (transformers; CPU, or one GPU per engine), the one type today."""
+    """Inference engine: ``hf`` (transformers; CPU, or one GPU per engine), or ``sim`` (no model:
+    it takes the time a serving engine on ``sim.hardware`` would, ``docs/sim.md``)."""
+    sim: SimEngineConfig = SimEngineConfig()
+    """The simulated engine's hardware profile and response lengths (``type: sim`` only)."""
     max_batch: int = Field(default=64, ge=1)
     """Most requests decoded together in one batch."""
     swap_min_remaining: int = Field(default=16, ge=0)
