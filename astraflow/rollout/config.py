@@ -98,7 +98,20 @@ class RolloutConfig(Strict):
     tool and reward). An episode past it is cancelled and its task failed (retried up to
     ``dataflow.max_attempts``), so an engine call that never returns cannot hold a lease for
     ever through the node's heartbeats. Raise it for workflows with very long episodes."""
+    nodes_per_worker: int = Field(default=1, ge=1)
+    """RaaS nodes on each rollout worker, all on one shared asyncio loop (``rollout/node_group.py``).
+    Above 1 only with ``engine.type: sim``: sim nodes do no work of their own, so a hundred of
+    them fit in one process (``docs/sim.md``)."""
     engine_restarts: int = Field(default=3, ge=0)
     """How many times a node restarts an engine process that died (its in-flight episodes
     fail and are requeued; the new process loads the newest committed weights before the node
     leases again). After that the node stops leasing and reports the error."""
+
+    @model_validator(mode="after")
+    def _shared_nodes(self) -> "RolloutConfig":
+        if self.nodes_per_worker > 1 and self.engine.type != "sim":
+            raise ValueError(
+                f"rollout.nodes_per_worker {self.nodes_per_worker}: several nodes share one process and one "
+                "event loop, which only sim engines (no model, no decoding work) allow; set "
+                "rollout.engine.type: sim or nodes_per_worker: 1")
+        return self
