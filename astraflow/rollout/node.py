@@ -64,6 +64,8 @@ class NodeIdentity:
     partition: str | None = None
     region: str | None = None
     hardware: str | None = None
+    #: the worker the node shares with others (``rollout.nodes_per_worker``); None: its own
+    worker: str | None = None
 
 
 class RaaSNode:
@@ -314,6 +316,7 @@ class RaaSNode:
             "partition": self.identity.partition,
             "region": self.identity.region,
             "hardware": self.identity.hardware,
+            "worker": self.identity.worker,
             "generated_tokens_per_s": self.counters["tokens"] / max(time.time() - self._started_at, 1e-9),
             # share of its life the node had nothing to generate: rollout capacity to spare
             "idle_fraction": self.counters["idle_s"] / max(time.time() - self._started_at, 1e-9),

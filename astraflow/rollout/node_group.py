@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from astraflow.rollout.node import NodeIdentity, RaaSNode
+from astraflow.transport import bind
 
 
 def member_name(worker: str, index: int) -> str:
@@ -29,8 +30,9 @@ class RaaSNodeGroup:
     def __init__(self, *, identity: NodeIdentity, **node_kwargs: Any):
         count = node_kwargs["rollout"].nodes_per_worker
         self.identity = identity
+        self._data_layer = node_kwargs["data_layer"]
         seed = node_kwargs.pop("seed", 0)
-        self.nodes = [RaaSNode(identity=replace(identity, name=member_name(identity.name, i)),
+        self.nodes = [RaaSNode(identity=replace(identity, name=member_name(identity.name, i), worker=identity.name),
                                seed=seed * 100_003 + i, **node_kwargs) for i in range(count)]
 
     def _each(self, fn) -> list[Any]:
@@ -38,7 +40,10 @@ class RaaSNodeGroup:
             return list(pool.map(fn, self.nodes))
 
     def start(self) -> dict[str, int]:
-        return _lowest(self._each(lambda n: n.start()))
+        bind(self._data_layer)
+        # one after the other: opening segment writers of one store at once is not safe, and a
+        # sim node starts in milliseconds
+        return _lowest([n.start() for n in self.nodes])
 
     def refresh(self) -> dict[str, int]:
         return _lowest(self._each(lambda n: n.refresh()))

@@ -72,4 +72,6 @@ def test_fifty_sim_nodes_share_one_loop_and_all_keep_their_heartbeats(tmp_path):
     assert len({id(n._loop) for n in group.nodes}) == 1
     store = open_trajectory_store(url, "r")
     written = {seg: store.count(seg) for seg in store.segments()}
-    assert sum(written.values()) >= NODES and len([s for s, c in written.items() if c]) >= NODES // 2
+    # work goes to whichever node asks first: trajectories in several nodes' own segments
+    assert sum(written.values()) >= NODES and set(written) <= set(names)
+    assert len([s for s, c in written.items() if c]) >= 5
