@@ -52,9 +52,10 @@ class Generation:
 class InferenceEngine(Protocol):
     """What a RaaS node and its workflows need from an inference engine.
 
-    ``rollout.engine.type: hf`` is the one engine type today: ``HFEngine`` (transformers, CPU
-    or one GPU) in the node's process, or ``ProcessEngine``, the same engine in a process of
-    its own (``rollout.engine.process``). Another engine (a vLLM server, say) would implement
+    ``rollout.engine.type: hf`` is ``HFEngine`` (transformers, CPU or one GPU) in the node's
+    process, or ``ProcessEngine``, the same engine in a process of its own
+    (``rollout.engine.process``); ``sim`` is ``SimEngine``, no model, the timing of a serving
+    engine (``sim_engine``). Another engine (a vLLM server, say) would implement
     this protocol, its capabilities included, and register a type in ``engines.make_engine``.
     A node with several engines per policy (one per GPU) holds them in an ``EnginePool``
     (``engine_pool``), itself an ``InferenceEngine``; the node restarts its replicas one by one.
