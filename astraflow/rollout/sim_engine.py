@@ -151,8 +151,12 @@ class SimEngine:
         """Advance the timeline from event to event: a request admitted, one finished, or one
         arriving (which may change the batch and so every request's rate)."""
         while True:
+            # a request whose caller gave up (its episode was cancelled) is aborted
+            self._active = [r for r in self._active if not r.future.done()]
             while self._queue and len(self._active) < self.profile.max_batch:
                 req = self._queue.popleft()
+                if req.future.done():
+                    continue
                 req.prefill_left = self.profile.ttft_s + req.prompt_len / self.profile.prefill_tokens_per_s
                 self._active.append(req)
                 self._stats["batches"] += 1

@@ -114,3 +114,17 @@ def test_the_factory_builds_sim_engines_and_presets_validate():
     assert SimEngineConfig(hardware="a100", ttft_s=1.0).profile().ttft_s == 1.0
     with pytest.raises(ValueError, match="peak_tokens_per_s"):
         SimEngineConfig(single_tokens_per_s=500, peak_tokens_per_s=100)
+
+
+def test_a_cancelled_request_frees_its_slot():
+    clock = VirtualClock()
+    eng = SimEngine(_cfg(max_batch=1), clock=clock)
+
+    async def main():
+        first = asyncio.ensure_future(eng.generate([], SamplingParams(max_new_tokens=10_000)))
+        await asyncio.sleep(0)
+        first.cancel()
+        return await eng.generate([], SamplingParams(max_new_tokens=10_000))
+
+    gen = asyncio.run(main())
+    assert gen.engine_seconds == pytest.approx(0.5 + 1.0)  # it did not queue behind the cancelled one
