@@ -222,12 +222,21 @@ class RunConfig(Strict):
                     f"policies[{pol.name}].init.task: {pol.init.task!r} is a role of the math workload's "
                     f"warm start; with workload {self.workload.name!r} leave it at 'solve' ('test' for "
                     "the tester of a code workload)")
-            if pol.init is None and not pol.model.exists():
+            if pol.trainer.backend == "sim" and self.rollout.engine.type != "sim":
+                raise ValueError(
+                    f"policies[{pol.name}].trainer.backend: sim publishes versions without weights, which only "
+                    "the sim engine can take; set rollout.engine.type: sim, or a real trainer backend")
+            if pol.init is None and not pol.model.exists() and not self.simulated(pol):
                 raise ValueError(
                     f"policies[{pol.name}].model: {pol.model} does not exist; point it at an HF "
                     "model directory or add an `init:` section to build one locally"
                 )
         return self
+
+    def simulated(self, pol: PolicyConfig) -> bool:
+        """Whether ``pol`` runs without a model: sim engines and a sim trainer (``docs/sim.md``);
+        its ``model`` is then only a name."""
+        return self.rollout.engine.type == "sim" and pol.trainer.backend == "sim"
 
     def policy(self, name: str) -> PolicyConfig:
         for p in self.policies:

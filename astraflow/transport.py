@@ -165,8 +165,11 @@ class _LinkCall:
                     try:
                         return fut.result(max(left, 0.001))
                     except TimeoutError:
-                        if getattr(fut, "done", lambda: True)():
-                            raise  # the actor's own answer (e.g. no batch in time), not this slice's end
+                        done = getattr(fut, "done", None)
+                        if done is None:
+                            raise
+                        if done():  # settled as the slice ended: its own answer (a value, or the
+                            return fut.result(self.SLICE_S)  # actor's error, e.g. no batch in time)
                         if self.link.current()[1] != generation:
                             break  # re-placed while this call waited: make it again there
                         if deadline is not None and time.monotonic() >= deadline:

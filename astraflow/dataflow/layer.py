@@ -260,8 +260,9 @@ class DataLayer(TrainerFacing):
         return {"draining": info["draining"], "finished": self.finished}
 
     async def drain(self, node: str) -> None:
-        """Stop leasing to ``node`` (it finishes what it holds)."""
-        self.leases.node(node)["draining"] = True
+        """Stop leasing to ``node`` and the nodes sharing its worker (they finish what they hold)."""
+        for name in self.leases.on_worker(node):
+            self.leases.node(name)["draining"] = True
         await self._durable()
 
     async def node_gone(self, node: str) -> int:

@@ -115,12 +115,20 @@ class Leases:
         self.tasks[tid] = replace(task, attempt=task.attempt + 1, lease_deadline=None)
         self._queue(task.kind).appendleft(tid)
 
+    def on_worker(self, node: str) -> list[str]:
+        """``node`` and the nodes that share its worker (heartbeat ``worker``: several nodes per
+        worker, ``rollout.nodes_per_worker``)."""
+        return [node] + [n for n, info in self.nodes.items() if info.get("worker") == node and n != node]
+
     def node_gone(self, node: str) -> int:
-        """The node's worker is gone: its leases are handed back now. Returns how many."""
-        tids = [t for t, (n, _) in self.held.items() if n == node]
+        """The node's worker is gone (with every node on it): their leases are handed back
+        now. Returns how many."""
+        names = set(self.on_worker(node))
+        tids = [t for t, (n, _) in self.held.items() if n in names]
         for tid in tids:
             self.give_back(tid, "node_gone")
-        self.nodes.setdefault(node, {})["gone"] = True
+        for name in names:
+            self.nodes.setdefault(name, {})["gone"] = True
         return len(tids)
 
     def end_all(self, keep: Container[str]) -> None:

@@ -7,10 +7,11 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from astraflow.configbase import Strict
+from astraflow.rollout.sim_config import SimEngineConfig
 
 
 #: the engine types ``rollout.engine.type`` can name (``engines.make_engine`` builds them)
-EngineType = Literal["hf", "vllm"]
+EngineType = Literal["hf", "vllm", "sim"]
 
 
 class VLLMConfig(Strict):
@@ -42,8 +43,11 @@ class VLLMConfig(Strict):
 
 class EngineConfig(Strict):
     type: EngineType = "hf"
-    """Inference engine: ``hf`` (transformers; CPU, or one GPU per engine) or ``vllm`` (vLLM's
-    V1 engine with continuous batching; needs the ``vllm`` extra, see ``vllm:``)."""
+    """Inference engine: ``hf`` (transformers; CPU, or one GPU per engine), ``vllm`` (vLLM's
+    V1 engine with continuous batching; needs the ``vllm`` extra, see ``vllm:``) or ``sim`` (no
+    model: it takes the time a serving engine on ``sim.hardware`` would, ``docs/sim.md``)."""
+    sim: SimEngineConfig = SimEngineConfig()
+    """The simulated engine's hardware profile and response lengths (``type: sim`` only)."""
     max_batch: int = Field(default=64, ge=1)
     """Most requests decoded together in one batch."""
     swap_min_remaining: int = Field(default=16, ge=0)
@@ -127,7 +131,20 @@ class RolloutConfig(Strict):
     tool and reward). An episode past it is cancelled and its task failed (retried up to
     ``dataflow.max_attempts``), so an engine call that never returns cannot hold a lease for
     ever through the node's heartbeats. Raise it for workflows with very long episodes."""
+    nodes_per_worker: int = Field(default=1, ge=1)
+    """RaaS nodes on each rollout worker, all on one shared asyncio loop (``rollout/node_group.py``).
+    Above 1 only with ``engine.type: sim``: sim nodes do no work of their own, so a hundred of
+    them fit in one process (``docs/sim.md``)."""
     engine_restarts: int = Field(default=3, ge=0)
     """How many times a node restarts an engine process that died (its in-flight episodes
     fail and are requeued; the new process loads the newest committed weights before the node
     leases again). After that the node stops leasing and reports the error."""
+
+    @model_validator(mode="after")
+    def _shared_nodes(self) -> "RolloutConfig":
+        if self.nodes_per_worker > 1 and self.engine.type != "sim":
+            raise ValueError(
+                f"rollout.nodes_per_worker {self.nodes_per_worker}: several nodes share one process and one "
+                "event loop, which only sim engines (no model, no decoding work) allow; set "
+                "rollout.engine.type: sim or nodes_per_worker: 1")
+        return self

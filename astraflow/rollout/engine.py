@@ -55,8 +55,9 @@ class InferenceEngine(Protocol):
     ``rollout.engine.type: hf``: ``HFEngine`` (transformers, CPU or one GPU) in the node's
     process, or ``ProcessEngine``, the same engine in a process of its own
     (``rollout.engine.process``); ``vllm``: ``VLLMEngine`` (vLLM's V1 engine, its engine core in
-    processes of its own). Another engine implements this protocol, its capabilities included,
-    and registers a type in ``engines.make_engine``.
+    processes of its own); ``sim``: ``SimEngine``, no model, the timing of a serving engine
+    (``sim_engine``). Another engine implements this protocol, its capabilities included, and
+    registers a type in ``engines.make_engine``.
     A node with several engines per policy (one per GPU) holds them in an ``EnginePool``
     (``engine_pool``), itself an ``InferenceEngine``; the node restarts its replicas one by one.
 

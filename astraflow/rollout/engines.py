@@ -22,6 +22,8 @@ def make_engine(cfg: EngineConfig, model_path: str, seed: int = 0, gpus: int = 0
     or an ``EnginePool`` of ``plan_replicas``' engines (one per GPU by default)."""
     if cfg.type not in KNOWN:
         raise ValueError(f"unknown engine type {cfg.type!r}; known: {', '.join(KNOWN)}")
+    if cfg.type == "sim":  # no model, no torch: one simulated engine per replica
+        return _make_sim(cfg, seed, gpus)
     import torch
 
     cuda_seen = torch.cuda.device_count() if gpus and cfg.device in ("auto", "cuda") else 0
@@ -39,6 +41,16 @@ def make_engine(cfg: EngineConfig, model_path: str, seed: int = 0, gpus: int = 0
         log.info("%d engine replicas of %s: %s", len(engines), model_path,
                  ", ".join(p.visible_devices or p.device for p in plans))
     return engines[0] if len(engines) == 1 else EnginePool(engines)
+
+
+def _make_sim(cfg: EngineConfig, seed: int, gpus: int) -> InferenceEngine:
+    """``rollout.engine.replicas`` sim engines (default: one per GPU of the worker, or one),
+    each seeded differently; version 0 as with a model directory."""
+    from astraflow.rollout.sim_engine import SimEngine
+
+    count = cfg.replicas or max(gpus // cfg.tensor_parallel, 1)
+    engines: list[InferenceEngine] = [SimEngine(cfg.sim, seed=seed * 1009 + i, version=0) for i in range(count)]
+    return engines[0] if count == 1 else EnginePool(engines)
 
 
 def _make_one(cfg: EngineConfig, model_path: str, plan: ReplicaPlan) -> InferenceEngine:

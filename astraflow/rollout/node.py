@@ -41,6 +41,7 @@ from astraflow.rollout.engine import InferenceEngine, SamplingParams
 from astraflow.rollout.engine_pool import dead_engines, engine_pids, replicas_of, serving
 from astraflow.rollout.engines import make_engine
 from astraflow.rollout.process_engine import EngineProcessError
+from astraflow.rollout.shared_loop import shared_loop
 from astraflow.rollout.weight_sync import WeightPuller
 from astraflow.transport import Link, bind, call, call_sync
 from astraflow.rollout.workflows import make_workflow
@@ -63,6 +64,8 @@ class NodeIdentity:
     partition: str | None = None
     region: str | None = None
     hardware: str | None = None
+    #: the worker the node shares with others (``rollout.nodes_per_worker``); None: its own
+    worker: str | None = None
 
 
 class RaaSNode:
@@ -154,8 +157,11 @@ class RaaSNode:
         self.puller = WeightPuller(self.weights_root, self.engines, full_resync_every=self.cfg.full_resync_every,
                                    use_deltas=self.use_deltas)
         self.puller.poll()
-        self._thread = threading.Thread(target=self._run, name=f"raas-{self.identity.name}", daemon=True)
-        self._thread.start()
+        if self.cfg.nodes_per_worker > 1:  # one loop for all the nodes of the process
+            self._thread = shared_loop().run(self._guarded())
+        else:
+            self._thread = threading.Thread(target=self._run, name=f"raas-{self.identity.name}", daemon=True)
+            self._thread.start()
         return self.versions()
 
     def refresh(self) -> dict[str, int]:
@@ -208,16 +214,22 @@ class RaaSNode:
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
-        self._loop = asyncio.new_event_loop()
+        loop = asyncio.new_event_loop()
         try:
-            self._loop.run_until_complete(self._main())
+            loop.run_until_complete(self._guarded())
+        finally:
+            loop.close()
+
+    async def _guarded(self) -> None:
+        """The node's loop, on a thread's own event loop (``_run``) or on the shared one."""
+        self._loop = asyncio.get_running_loop()
+        try:
+            await self._main()
         except BaseException as err:  # whatever stopped the loop is reported, then re-raised
             self.error, self.draining = f"{type(err).__name__}: {err}", True
             log.exception("RaaS node %s failed", self.identity.name)
-            self._last_word()
+            await asyncio.to_thread(self._last_word)
             raise
-        finally:
-            self._loop.close()
 
     def _last_word(self) -> None:
         """A dead loop's last heartbeat: its error (the orchestrator replaces the node), no lease renewed."""
@@ -304,6 +316,7 @@ class RaaSNode:
             "partition": self.identity.partition,
             "region": self.identity.region,
             "hardware": self.identity.hardware,
+            "worker": self.identity.worker,
             "generated_tokens_per_s": self.counters["tokens"] / max(time.time() - self._started_at, 1e-9),
             # share of its life the node had nothing to generate: rollout capacity to spare
             "idle_fraction": self.counters["idle_s"] / max(time.time() - self._started_at, 1e-9),

@@ -61,8 +61,8 @@ class RewardTimeout(TimeoutError):
 def workflow_class(name: str) -> type[Workflow]:
     """The workflow class registered as ``name``. ``"package.module:name"`` imports a user
     module first (which registers its workflows), so a new workflow needs no change here."""
-    # the workflows that build on this module register on import: "agent", "solver_testgen"
-    for module in ("astraflow.rollout.agent", "astraflow.rollout.testgen"):
+    # the workflows that build on this module register on import: "agent", "solver_testgen", "sim"
+    for module in ("astraflow.rollout.agent", "astraflow.rollout.testgen", "astraflow.rollout.sim_workflow"):
         importlib.import_module(module)
 
     return WORKFLOWS.resolve(name)

@@ -141,7 +141,7 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
 
     configure(cfg.sandbox)  # a warm start's held-out checks score with the run's sandbox limits
     for pol in cfg.policies:
-        if pol.model.exists():
+        if pol.model.exists() or cfg.simulated(pol):
             continue
         assert pol.init is not None, "config validation requires init for a missing model"
         base = cfg.policy(pol.init.start_from).model if pol.init.start_from else None

@@ -43,6 +43,7 @@ from astraflow.config import RunConfig, dump_config
 from astraflow.dataflow.layer import DataLayer
 from astraflow.partition_settings import check_partition
 from astraflow.rollout.node import RaaSNode
+from astraflow.rollout.node_group import RaaSNodeGroup
 from astraflow.runtime.control import write_desired
 from astraflow.runtime.jobrecords import PreviousJobs
 from astraflow.runtime.monitoring import StatusWriter, Tick, archive_summary
@@ -190,7 +191,9 @@ class Orchestrator:
         return self.partitions[self.workers[worker].partition]
 
     def _place_node(self, name: str, part: Partition):
-        return self.placement.submit_actor(RaaSNode, name, **node_kwargs(self.cfg, self.paths, name, part, self.dl))
+        kwargs = node_kwargs(self.cfg, self.paths, name, part, self.dl)
+        actor = RaaSNodeGroup if kwargs["rollout"].nodes_per_worker > 1 else RaaSNode
+        return self.placement.submit_actor(actor, name, **kwargs)
 
     def _place_core(self) -> None:
         """Data layer first (the others get its handle), then trainers and RaaS nodes, all

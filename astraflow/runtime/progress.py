@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from astraflow.runtime.monitoring import Tick
 
 
+#: nodes named on a progress line; more are counted
+MAX_NODES_SHOWN = 8
+
 class Progress:
     def __init__(self, enabled: bool = True, console: Console | None = None, interval_s: float = 5.0,
                  heartbeat_s: float = 15.0):
@@ -109,11 +112,11 @@ class Progress:
                 f"loss {m.get('loss', float('nan')):.4f} wait {t.get('wait_fraction', 0):.0%}"
             )
         hist = next(iter(state.get("staleness_hist", {}).values()), {})
-        nodes = " ".join(
-            f"{n.split('-')[1]}{n.split('-')[-1]}:v{(i.get('versions') or {}).get(next(iter(trainers), ''), '?')}"
-            for n, i in state.get("nodes", {}).items()
-            if not i.get("gone") and n.startswith("rollout")
-        )
+        shown = [f"{n.split('-')[1]}{n.split('-')[-1]}:v{(i.get('versions') or {}).get(next(iter(trainers), ''), '?')}"
+                 for n, i in state.get("nodes", {}).items() if not i.get("gone") and n.startswith("rollout")]
+        # many nodes (``rollout.nodes_per_worker``): the first few, then how many more
+        nodes = " ".join(shown[:MAX_NODES_SHOWN]) + (f" +{len(shown) - MAX_NODES_SHOWN} more"
+                                                      if len(shown) > MAX_NODES_SHOWN else "")
         self.note(
             " | ".join(parts)
             + f" | {state['episodes_per_s']:.1f} ep/s {state['generated_tokens_per_s']:.0f} tok/s"

@@ -297,7 +297,7 @@ class Fleet:
         for name, w in list(self.workers.items()):
             if w.phase != "serving" or self.role(w) != "rollout":
                 continue
-            report = reports.get(name, {})
+            report = worker_report(reports, name)
             error = report.get("error")
             silent = report.get("silent_s", now - w.since)  # not heard of yet: since it began serving
             if not error and silent > silent_after and now - w.since > silent_after:
@@ -335,3 +335,13 @@ class Fleet:
         w.enter("gone")
         w.note = why
         self.progress.note(f"removed worker {w.name} ({why}; {n} leases requeued)")
+
+
+def worker_report(reports: dict[str, Any], worker: str) -> dict[str, Any]:
+    """The data layer's report of the node on ``worker``; with several nodes per worker
+    (``rollout.nodes_per_worker``), the worst of them: the first error, the longest silence."""
+    members = [r for r in reports.values() if r.get("worker") == worker]
+    if not members:
+        return reports.get(worker, {})
+    errors = [r["error"] for r in members if r.get("error")]
+    return {"error": errors[0] if errors else None, "silent_s": max(r.get("silent_s", 0.0) for r in members)}

@@ -73,8 +73,14 @@ class ModelInit(Strict):
 class TrainerConfig(Strict):
     """The trainer of one policy (owned by ``astraflow.training``)."""
 
-    backend: Literal["torch", "megatron"] = "torch"
-    """``torch``: plain PyTorch in the trainer worker; ``megatron``: Megatron-core ranks."""
+    backend: Literal["torch", "megatron", "sim"] = "torch"
+    """``torch``: plain PyTorch in the trainer worker; ``megatron``: Megatron-core ranks; ``sim``:
+    no model, each step takes ``sim_step_seconds`` (+ ``sim_seconds_per_token``) and publishes a
+    tiny version (``docs/sim.md``)."""
+    sim_step_seconds: float = Field(default=1.0, ge=0)
+    """``backend: sim``: the time one optimiser step takes."""
+    sim_seconds_per_token: float = Field(default=0.0, ge=0)
+    """``backend: sim``: time added per loss token of the batch."""
     tensor_parallel: int = Field(default=1, ge=1)
     """Megatron tensor-parallel size (ranks started by the trainer actor); 1 for ``torch``."""
     data_parallel: int = Field(default=1, ge=1)

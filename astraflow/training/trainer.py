@@ -63,7 +63,11 @@ def make_backend(cfg: TrainerConfig, model_path: str, seed: int) -> TrainerBacke
             threads_per_rank=cfg.threads, skip_zero_advantage=cfg.skip_zero_advantage,
             publish_dtype=cfg.resolved_publish_dtype,
         ))
-    raise ValueError(f"unknown trainer backend {cfg.backend!r}; known: torch, megatron")
+    if cfg.backend == "sim":
+        from astraflow.training.sim_backend import SimBackend
+
+        return SimBackend(step_seconds=cfg.sim_step_seconds, seconds_per_token=cfg.sim_seconds_per_token)
+    raise ValueError(f"unknown trainer backend {cfg.backend!r}; known: torch, megatron, sim")
 
 
 class _Stopped(Exception):

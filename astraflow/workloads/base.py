@@ -50,7 +50,7 @@ WORKLOADS: Registry = Registry("workload")
 #: the modules of the shipped workloads (imported to register them)
 BUILTIN_MODULES = ("astraflow.workloads.math", "astraflow.workloads.mix", "astraflow.workloads.calculator",
                    "astraflow.workloads.textworld", "astraflow.workloads.search",
-                   "astraflow.workloads.dataset", "astraflow.workloads.code")
+                   "astraflow.workloads.dataset", "astraflow.workloads.code", "astraflow.workloads.sim")
 
 
 def workload_class(name: str) -> type:
