@@ -39,7 +39,7 @@ def test_trainer_settings_merge_over_each_policys():
 
 @pytest.mark.parametrize("part, needle", [
     (Partition(name="h100", rollout={"engine": {"maxbatch": 8}}),
-     "partitions[h100].rollout.engine.maxbatch: unknown key; a partition may set type, max_batch,"),
+     "partitions[h100].rollout.engine.maxbatch: unknown key; a partition may set type, sim, max_batch,"),
     (Partition(name="h100", rollout={"capasity": 8}), "partitions[h100].rollout.capasity: unknown key"),
     (Partition(name="h100", rollout={"engine": {"max_batch": 0}}),
      "partitions[h100].rollout.engine.max_batch: Input should be greater than or equal to 1"),
