@@ -131,7 +131,10 @@ class RunConfig(Strict):
                         f"{field}: tensor_parallel {t.tensor_parallel} x data_parallel {t.data_parallel} = "
                         f"{ranks} ranks, one GPU each, and partition {part.name!r} gives a trainer "
                         f"{part.gpus_per_node} GPU(s) per node: lower tensor_parallel or data_parallel, or "
-                        f"set gpus_per_node: {ranks} on the trainer partition")
+                        f"set gpus_per_node: {ranks} on the trainer partition"
+                        + (f", or span {ranks // part.gpus_per_node} nodes with nodes_per_worker: "
+                           f"{ranks // part.gpus_per_node} (nodes counts trainer workers, not the nodes of one)"
+                           if ranks % part.gpus_per_node == 0 else ""))
 
     @model_validator(mode="after")
     def _engine_fits_rollout_gpus(self) -> "RunConfig":

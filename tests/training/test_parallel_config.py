@@ -49,7 +49,8 @@ def test_a_gpu_trainer_partition_needs_a_gpu_per_rank():
     ok = _config(partitions=parts, **{"policies.0.trainer.tensor_parallel": 2})
     assert ok.policies[0].trainer.tensor_parallel == 2
     with pytest.raises(ConfigError, match=r"tensor_parallel 2 x data_parallel 2 = 4 ranks, one GPU each, and "
-                                          r"partition 'gpu' gives a trainer 2 GPU\(s\) per node"):
+                                          r"partition 'gpu' gives a trainer 2 GPU\(s\) per node: .* or span 2 nodes "
+                                          r"with nodes_per_worker: 2"):
         _config(partitions=parts, **{"policies.0.trainer.tensor_parallel": 2, "policies.0.trainer.data_parallel": 2})
     cpu = [dict(p, gpus_per_node=0) for p in parts]  # CPU trainers run any number of gloo ranks
     assert _config(partitions=cpu, **{"policies.0.trainer.data_parallel": 4}).policies[0].trainer.data_parallel == 4
