@@ -39,6 +39,7 @@ from astraflow.workloads.config import SamplingConfig
 from astraflow.contracts import RolloutTask, Trajectory, TrajectoryRef
 from astraflow.rollout.engine import InferenceEngine, SamplingParams
 from astraflow.rollout.engine_pool import dead_engines, engine_pids, replicas_of, serving
+from astraflow.rollout.engine_recovery import EngineRecovery
 from astraflow.rollout.engines import make_engine
 from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.rollout.shared_loop import shared_loop
@@ -68,7 +69,7 @@ class NodeIdentity:
     worker: str | None = None
 
 
-class RaaSNode:
+class RaaSNode(EngineRecovery):
     """Dask actor: one rollout service."""
 
     def __init__(
@@ -379,52 +380,6 @@ class RaaSNode:
         except Exception as err:  # an actor call fails with whatever the transport or the actor raised
             log.warning("node %s: reporting the failure of %s failed (%s); its lease will expire",
                         self.identity.name, task.task_id, err)
-
-    async def _recover(self, err: EngineProcessError) -> None:
-        """Engine processes died. Restart each (``rollout.engine_restarts`` times per node) and
-        load the newest committed weights into it; the episodes it was running have failed and
-        are requeued. The node leases meanwhile only where every policy still has a replica
-        serving. Past the budget (or an engine that cannot be restarted) the node stops
-        leasing, so that other nodes get the tasks instead of this one failing them one after
-        another; its heartbeats carry the error, and the orchestrator replaces its worker."""
-        dead = dead_engines(self.engines)
-        restartable = all(r.restartable for e in self.engines.values() for r in replicas_of(e))
-        if not dead and restartable:
-            return  # an episode of the process restarted before failed late: nothing to do
-        budget = self.cfg.engine_restarts - self.counters["engine_restarts"]
-        if not dead or not restartable or len(dead) > budget:
-            log.error("node %s: %s; no engine restarts left (rollout.engine_restarts = %d): it stops leasing",
-                      self.identity.name, err, self.cfg.engine_restarts)
-            self.error, self.draining = str(err), True
-            return
-        self._reviving = [engine for _, engine in dead]
-        try:
-            for label, engine in dead:
-                await self._restart_engine(label, engine)
-            self.counters["weight_loads"] += await asyncio.to_thread(self.puller.poll)
-        except Exception as again:  # its starts spent (e.g. the model no longer loads), or the weights did not load
-            log.exception("node %s: restarting the engine process failed", self.identity.name)
-            self.error, self.draining = f"{err}; restarting it failed: {type(again).__name__}: {again}", True
-        finally:
-            self._reviving = []
-
-    async def _restart_engine(self, label: str, engine: InferenceEngine) -> None:
-        """Start a new process for the dead ``engine`` (of policy ``label``), each start counted
-        against ``rollout.engine_restarts``. A process that dies while it starts (killed, or out
-        of memory while loading the model) is one more death: it is started again while the
-        budget allows, and past it the error propagates (the node stops leasing)."""
-        why = engine.dead
-        while True:
-            self.counters["engine_restarts"] += 1
-            log.warning("node %s: the engine process of %s died (%s); restarting it (%d of %d)",
-                        self.identity.name, label, why, self.counters["engine_restarts"], self.cfg.engine_restarts)
-            try:
-                await asyncio.to_thread(engine.restart)
-                return
-            except EngineProcessError as again:
-                if self.counters["engine_restarts"] >= self.cfg.engine_restarts:
-                    raise
-                why = str(again)
 
     async def _wait_for_version(self, policy: str, version: int, timeout: float) -> None:
         deadline = time.time() + timeout
