@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from storage.paths import tmp_sibling
 
@@ -24,6 +25,32 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fdatasync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+_SYNC_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def sync_together(data_files: Iterable[Path] = (), full: Iterable[Path] = ()) -> None:
+    """fdatasync ``data_files`` and fsync ``full`` (files or directories) concurrently: the
+    calls release the GIL, so the disk flushes them in one round instead of one after another."""
+    global _SYNC_POOL
+    jobs = [(_fdatasync_path, p) for p in data_files] + [(fsync_path, p) for p in full]
+    if len(jobs) <= 1:
+        for fn, p in jobs:
+            fn(p)
+        return
+    if _SYNC_POOL is None or _SYNC_POOL[0] != os.getpid():  # a forked child inherits no threads
+        _SYNC_POOL = (os.getpid(), ThreadPoolExecutor(max_workers=8, thread_name_prefix="fsync"))
+    for f in [_SYNC_POOL[1].submit(fn, p) for fn, p in jobs]:
+        f.result()
 
 
 def _write_tmp(final: Path, data: bytes, durable: bool) -> Path:
@@ -54,12 +81,17 @@ def write_atomically(final: Path, data: bytes | str, durable: bool = True) -> No
         fsync_path(final.parent)
 
 
-def create_atomically(final: Path, data: bytes | str, durable: bool = True) -> None:
+def create_atomically(final: Path, data: bytes | str, durable: bool = True, *,
+                      along_data: Iterable[Path] = (), along: Iterable[Path] = ()) -> None:
     """Create ``final`` with ``data`` only if it does not exist (``FileExistsError`` otherwise):
-    temp, fsync, hard link, fsync the directory. Readers see the whole file or nothing."""
+    temp, fsync, hard link, fsync the directory. Readers see the whole file or nothing.
+    ``along_data`` (fdatasynced) and ``along`` (fsynced; directories too): what ``final``
+    commits, made durable together with the temp file, before ``final`` exists."""
     final = Path(final)
-    tmp = _write_tmp(final, data.encode() if isinstance(data, str) else data, durable)
+    tmp = _write_tmp(final, data.encode() if isinstance(data, str) else data, durable=False)
     try:
+        if durable:
+            sync_together(along_data, [tmp, *along])
         os.link(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)

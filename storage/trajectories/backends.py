@@ -8,23 +8,27 @@ created atomically through ``storage.atomic``) and an in-process registry by nam
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
-from zarr.core.sync import sync as _zarr_sync
+from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import LocalStore, MemoryStore
 
 from storage import paths
 from storage.atomic import create_atomically
+from storage.trajectories.chunks import Piece
+
+_BUFFERS = default_buffer_prototype()
 
 
 class StoreBackend(Protocol):
     """What the store needs from where its bytes live. Markers are created once, never replaced
-    (``FileExistsError`` when one exists); ``sync_chunks`` makes written chunk data durable."""
+    (``FileExistsError`` when one exists). ``write_chunks``/``read_chunks`` move byte ranges of
+    chunks (``chunks.Piece``: key, chunk size, offset, length, offset in ``buf``) in place; a
+    chunk never written reads as zeros. A durable backend makes what ``write_chunks`` and
+    ``metadata_changed`` touched durable before ``publish_marker`` creates the marker."""
 
     #: writers and readers in other processes (and nodes) see the same store.
     supports_multiprocess: bool
@@ -40,7 +44,9 @@ class StoreBackend(Protocol):
     def read_marker(self, segment: str, seqno: int) -> bytes | None: ...
     def publish_marker(self, segment: str, seqno: int, data: bytes) -> None: ...
     def prepare_segment(self, segment: str) -> None: ...
-    def sync_chunks(self, segment: str, keys: list[str]) -> None: ...
+    def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None: ...
+    def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None: ...
+    def metadata_changed(self, segment: str, key: str) -> None: ...
 
 
 class DirBackend:
@@ -51,6 +57,8 @@ class DirBackend:
     def __init__(self, root: Path, durable: bool):
         self.root = root
         self.durable = durable
+        # per segment: chunk files written and directories changed since its last marker
+        self._unsynced: dict[str, tuple[set[Path], set[Path]]] = {}
 
     def describe(self) -> str:
         return str(self.root)
@@ -99,33 +107,71 @@ class DirBackend:
             return None
 
     def publish_marker(self, segment: str, seqno: int, data: bytes) -> None:
-        create_atomically(paths.commit_marker(self.root, segment, seqno), data, durable=self.durable)
+        # one flush round for the batch's chunks, new directories and the marker's temp file,
+        # then the link makes the batch visible and the directory fsync makes it durable
+        files, dirs = self._unsynced.pop(segment, (set(), set()))
+        create_atomically(paths.commit_marker(self.root, segment, seqno), data, durable=self.durable,
+                          along_data=sorted(files), along=sorted(dirs))
 
-    def sync_chunks(self, segment: str, keys: list[str]) -> None:
-        if not self.durable:
-            return
+    def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
         base = paths.segment_data_dir(self.root, segment)
-        # fdatasync releases the GIL; issuing them together lets the disk overlap the flushes
-        list(_sync_pool().map(_fdatasync, [base / key for key in keys]))
+        files, dirs = self._unsynced.setdefault(segment, (set(), set()))
+        for key, chunk_bytes, offset, nbytes, at in pieces:
+            path = base / key
+            try:
+                fd = os.open(path, os.O_WRONLY)
+            except FileNotFoundError:
+                dirs.update(_make_dirs(path.parent, base))
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                dirs.add(path.parent)
+            try:
+                if os.fstat(fd).st_size != chunk_bytes:  # new, or cut short by a killed writer
+                    os.ftruncate(fd, chunk_bytes)
+                done = 0
+                while done < nbytes:
+                    done += os.pwrite(fd, buf[at + done:at + nbytes], offset + done)
+            finally:
+                os.close(fd)
+            files.add(path)
+
+    def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
+        base = paths.segment_data_dir(self.root, segment)
+        fds: dict[str, int | None] = {}
+        try:
+            for key, chunk_bytes, offset, nbytes, at in pieces:
+                if key not in fds:
+                    try:
+                        fds[key] = os.open(base / key, os.O_RDONLY)
+                    except FileNotFoundError:
+                        fds[key] = None  # a chunk never written holds the fill value (0)
+                fd = fds[key]
+                if fd is None:
+                    buf[at:at + nbytes] = bytes(nbytes)
+                    continue
+                got = os.preadv(fd, [buf[at:at + nbytes]], offset)
+                if got != nbytes:
+                    raise OSError(f"{base / key} holds {offset + got} bytes, fewer than the {offset + nbytes} its "
+                                  f"committed entries need (chunk size {chunk_bytes}): the segment is damaged")
+        finally:
+            for fd in fds.values():
+                if fd is not None:
+                    os.close(fd)
+
+    def metadata_changed(self, segment: str, key: str) -> None:
+        path = paths.segment_data_dir(self.root, segment) / key
+        files, dirs = self._unsynced.setdefault(segment, (set(), set()))
+        files.add(path)
+        dirs.add(path.parent)  # Zarr replaces the file by a rename
 
 
-def _fdatasync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
-
-
-_SYNC_POOL: tuple[int, ThreadPoolExecutor] | None = None
-
-
-def _sync_pool() -> ThreadPoolExecutor:
-    """Process-wide fsync threads (recreated in a forked child, which inherits no threads)."""
-    global _SYNC_POOL
-    if _SYNC_POOL is None or _SYNC_POOL[0] != os.getpid():
-        _SYNC_POOL = (os.getpid(), ThreadPoolExecutor(max_workers=8, thread_name_prefix="trajectory-fsync"))
-    return _SYNC_POOL[1]
+def _make_dirs(d: Path, base: Path) -> list[Path]:
+    """Create ``d`` and its missing parents up to ``base``; the directories whose entries
+    changed (to fsync before a commit marker names their files)."""
+    if d.exists():
+        return []
+    changed = _make_dirs(d.parent, base) if d.parent != base else []
+    d.mkdir(exist_ok=True)
+    return changed + [d.parent]
 
 
 class _MemoryState:
@@ -190,17 +236,24 @@ class MemoryBackend:
                 raise FileExistsError(f"memory://{self.name} segment {segment} marker {seqno}")
             markers[seqno] = data
 
-    def sync_chunks(self, segment: str, keys: list[str]) -> None:
+    def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
+        with self.state.lock:
+            d = self.state.zarr.setdefault(segment, {})
+            for key, chunk_bytes, offset, nbytes, at in pieces:
+                old = d.get(key)
+                chunk = bytearray(old.to_bytes() if old is not None else bytes(chunk_bytes))
+                chunk[offset:offset + nbytes] = buf[at:at + nbytes]
+                d[key] = _BUFFERS.buffer.from_bytes(bytes(chunk))
+
+    def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
+        with self.state.lock:
+            d = self.state.zarr.get(segment, {})
+            for key, chunk_bytes, offset, nbytes, at in pieces:
+                old = d.get(key)
+                buf[at:at + nbytes] = old.to_bytes()[offset:offset + nbytes] if old is not None else bytes(nbytes)
+
+    def metadata_changed(self, segment: str, key: str) -> None:
         return None
-
-
-def gather(coros: list) -> list:
-    """Run Zarr's async calls concurrently on Zarr's own event loop (one round trip)."""
-
-    async def _all() -> list:
-        return await asyncio.gather(*coros)
-
-    return _zarr_sync(_all())
 
 
 def open_backend(url: str, mode: str, durable: bool) -> StoreBackend:

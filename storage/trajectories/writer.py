@@ -14,17 +14,16 @@ from typing import Callable
 import numpy as np
 import zarr
 
-from storage.trajectories.backends import StoreBackend, gather
+from storage.trajectories.backends import StoreBackend
+from storage.trajectories.chunks import RawArray
 from storage.trajectories.layout import (
-    FLAT_DTYPES, INDEX_CHUNK, INDEX_COLUMNS, REWARD_CHUNK, STRING_COLUMNS, EntryRef, Marker, SegmentConflict,
+    ARRAY_DTYPES, FLAT_DTYPES, INDEX_CHUNK, INDEX_COLUMNS, REWARD_CHUNK, STRING_COLUMNS, EntryRef, Marker, SegmentConflict,
     StoredSequence, flat_chunk, marker_record,
 )
 
 
-def _chunk_keys(name: str, chunk: int, a: int, b: int, suffix: str = "") -> list[str]:
-    if b <= a:
-        return []
-    return [f"{name}/c/{c}{suffix}" for c in range(a // chunk, (b - 1) // chunk + 1)]
+def _bytes_of(a: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
 
 
 class SegmentWriter:
@@ -42,6 +41,7 @@ class SegmentWriter:
         self._closed = False
         backend.prepare_segment(segment)
         self._arrays = self._open_arrays()
+        self._raw = {name: RawArray.of(arr, name, ARRAY_DTYPES[name]) for name, arr in self._arrays.items()}
         # continue after the last committed marker (uncommitted chunk data is overwritten)
         last = committed[-1] if committed else None
         self._seqno = len(committed)
@@ -49,23 +49,19 @@ class SegmentWriter:
         self._tokens = last.tok_end if last else 0
 
     def _open_arrays(self) -> dict[str, zarr.Array]:
-        # chunks equal to the fill value are still written: every touched chunk file exists
-        # (fsync needs it) and orphaned data of a killed writer is always overwritten.
-        with zarr.config.set({"array.write_empty_chunks": True}):
-            group = zarr.open_group(store=self._backend.zarr_store(self.segment, read_only=False), mode="a",
-                                    zarr_format=3)
-            existing = set(group.array_keys())
-            arrays: dict[str, zarr.Array] = {}
-            for name, dt in FLAT_DTYPES.items():
-                arrays[name] = group[name] if name in existing else group.create_array(
-                    name, shape=(0,), chunks=(flat_chunk(name),), dtype=dt, compressors=None, fill_value=0)
-            arrays["index"] = group["index"] if "index" in existing else group.create_array(
-                "index", shape=(0, len(INDEX_COLUMNS)), chunks=(INDEX_CHUNK, len(INDEX_COLUMNS)),
-                dtype=np.int64, compressors=None, fill_value=0)
-            arrays["reward"] = group["reward"] if "reward" in existing else group.create_array(
-                "reward", shape=(0,), chunks=(REWARD_CHUNK,), dtype=np.float64, compressors=None, fill_value=0.0)
-        for arr in arrays.values():
-            assert arr.config.write_empty_chunks
+        # Zarr writes only the arrays' metadata; the chunks are written in place (``chunks``)
+        group = zarr.open_group(store=self._backend.zarr_store(self.segment, read_only=False), mode="a",
+                                zarr_format=3)
+        existing = set(group.array_keys())
+        arrays: dict[str, zarr.Array] = {}
+        for name, dt in FLAT_DTYPES.items():
+            arrays[name] = group[name] if name in existing else group.create_array(
+                name, shape=(0,), chunks=(flat_chunk(name),), dtype=dt, compressors=None, fill_value=0)
+        arrays["index"] = group["index"] if "index" in existing else group.create_array(
+            "index", shape=(0, len(INDEX_COLUMNS)), chunks=(INDEX_CHUNK, len(INDEX_COLUMNS)),
+            dtype=np.int64, compressors=None, fill_value=0)
+        arrays["reward"] = group["reward"] if "reward" in existing else group.create_array(
+            "reward", shape=(0,), chunks=(REWARD_CHUNK,), dtype=np.float64, compressors=None, fill_value=0.0)
         return arrays
 
     @property
@@ -95,13 +91,15 @@ class SegmentWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _grow(self, name: str, needed: int, chunk: int) -> None:
-        """Over-allocate (capacity doubles): resizing rewrites array metadata, so keep it rare."""
+    def _grow(self, name: str, needed: int) -> None:
+        """Over-allocate (capacity doubles): resizing rewrites array metadata, so keep it rare.
+        Readers of this store go by the markers, not the shape; other Zarr readers need it."""
         arr = self._arrays[name]
-        cap = arr.shape[0]
+        cap, chunk = arr.shape[0], self._raw[name].chunk_rows
         if needed > cap:
             new = -(-max(needed, 2 * cap, chunk) // chunk) * chunk
             arr.resize((new,) + tuple(arr.shape[1:]))
+            self._backend.metadata_changed(self.segment, f"{name}/zarr.json")
 
     def _publish(self, batch: list[StoredSequence]) -> list[EntryRef]:
         if not batch:
@@ -142,16 +140,14 @@ class SegmentWriter:
         t0, t1 = self._tokens, self._tokens + int(lengths.sum())
         e0, e1 = self._entries, self._entries + n
         for k in FLAT_DTYPES:
-            self._grow(k, t1, flat_chunk(k))
-        self._grow("index", e1, INDEX_CHUNK)
-        self._grow("reward", e1, REWARD_CHUNK)
-        writes = [self._arrays[k].async_array.setitem(slice(t0, t1), flat[k]) for k in FLAT_DTYPES if t1 > t0]
-        writes.append(self._arrays["index"].async_array.setitem(slice(e0, e1), index))
-        writes.append(self._arrays["reward"].async_array.setitem(slice(e0, e1), rewards))
-        gather(writes)
-        keys = [key for k in FLAT_DTYPES for key in _chunk_keys(k, flat_chunk(k), t0, t1)]
-        keys += _chunk_keys("index", INDEX_CHUNK, e0, e1, "/0") + _chunk_keys("reward", REWARD_CHUNK, e0, e1)
-        self._backend.sync_chunks(self.segment, keys)
+            self._grow(k, t1)
+        self._grow("index", e1)
+        self._grow("reward", e1)
+        for name, start, data in [*((k, t0, flat[k]) for k in FLAT_DTYPES), ("index", e0, index), ("reward", e0, rewards)]:
+            if len(data):
+                raw = self._raw[name]
+                self._backend.write_chunks(self.segment, raw.pieces(start, start + len(data)),
+                                           _bytes_of(data))
         if self._before_commit is not None:
             self._before_commit()
         marker = marker_record(self._seqno, (e0, e1), (t0, t1), strings)
