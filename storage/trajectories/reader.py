@@ -193,49 +193,39 @@ class TrajectoryStore:
                 )
             plans.append((view, positions, idx, min(idx), max(idx) + 1))
         got = [c for view, _, _, a, b in plans for c in (view.rows("index", a, b), view.rows("reward", a, b))]
-        # 2) token runs: sorted by offset, merged when close, one slice per array per run
-        run_jobs = []  # (view, t0, t1, [(pos, entry_index, offset, length, index_row, reward)])
+        # 2) token runs: sorted by offset, merged when close, one read per array per run
+        run_jobs = []  # (view, t0, t1, [(offset, pos, entry_index, index_row, reward)])
         for k, (view, positions, idx, a, _) in enumerate(plans):
-            index, reward = got[2 * k], got[2 * k + 1]
-            items = sorted(
-                ((p, i, int(index[i - a][0]), int(index[i - a][1]), index[i - a], float(reward[i - a]))
-                 for p, i in zip(positions, idx)),
-                key=lambda t: t[2],
-            )
+            rel = np.asarray(idx, dtype=np.int64) - a
+            items = sorted(zip(got[2 * k][:, 0][rel].tolist(), positions, idx, got[2 * k][rel].tolist(),
+                               got[2 * k + 1][rel].tolist()))
             cur: list = []
             t0 = t1 = 0
             for it in items:
-                if cur and it[2] - t1 > _MERGE_GAP_TOKENS:
+                if cur and it[0] - t1 > _MERGE_GAP_TOKENS:
                     run_jobs.append((view, t0, t1, cur))
                     cur = []
                 if not cur:
-                    t0 = it[2]
-                    t1 = it[2]
+                    t0 = t1 = it[0]
                 cur.append(it)
-                t1 = max(t1, it[2] + it[3])
+                t1 = max(t1, it[0] + it[3][1])
             if cur:
                 run_jobs.append((view, t0, t1, cur))
-        flat = [view.rows(name, t0, t1) for view, t0, t1, _ in run_jobs for name in FLAT_DTYPES]
-        names = list(FLAT_DTYPES)
-        for r, (view, t0, _, items) in enumerate(run_jobs):
-            arrays = dict(zip(names, flat[r * len(names):(r + 1) * len(names)]))
-            for pos, i, off, length, row, rew in items:
-                s = slice(off - t0, off - t0 + length)
+        # 3) one StoredSequence per entry, its arrays copied out of the run (a caller keeping
+        # a few entries must not keep the whole run alive)
+        for view, t0, t1, items in run_jobs:
+            tokens, loss_mask, logprobs, policy_ids, versions = (view.rows(name, t0, t1) for name in FLAT_DTYPES)
+            for off, pos, i, row, rew in items:
+                a, b = off - t0, off - t0 + row[1]
                 m = view.marker_of(i)
                 j = i - m.start
+                strings = m.strings
                 out[pos] = StoredSequence(
-                    task_id=m.strings["task_id"][j],
-                    group_id=m.strings["group_id"][j],
-                    seq_index=int(row[2]),
-                    num_sequences=int(row[3]),
-                    tokens=arrays["tokens"][s].copy(),
-                    loss_mask=arrays["loss_mask"][s].copy(),
-                    logprobs=arrays["logprobs"][s].copy(),
-                    policy_ids=arrays["policy_ids"][s].copy(),
-                    versions=arrays["versions"][s].copy(),
-                    reward=rew,
-                    finish_reason=m.strings["finish_reason"][j],
-                    meta=m.strings["meta"][j],
+                    task_id=strings["task_id"][j], group_id=strings["group_id"][j],
+                    seq_index=row[2], num_sequences=row[3],
+                    tokens=tokens[a:b].copy(), loss_mask=loss_mask[a:b].copy(), logprobs=logprobs[a:b].copy(),
+                    policy_ids=policy_ids[a:b].copy(), versions=versions[a:b].copy(),
+                    reward=rew, finish_reason=strings["finish_reason"][j], meta=strings["meta"][j],
                 )
         return out  # type: ignore[return-value]
 

@@ -92,12 +92,13 @@ class SegmentWriter:
         self.close()
 
     def _grow(self, name: str, needed: int) -> None:
-        """Over-allocate (capacity doubles): resizing rewrites array metadata, so keep it rare.
-        Readers of this store go by the markers, not the shape; other Zarr readers need it."""
+        """Over-allocate (capacity grows fourfold, from 16 chunks): resizing rewrites the array's
+        metadata and costs a flush, so keep it rare. The shape costs no disk (only written chunks
+        exist); readers of this store go by the markers, other Zarr readers by the shape."""
         arr = self._arrays[name]
         cap, chunk = arr.shape[0], self._raw[name].chunk_rows
         if needed > cap:
-            new = -(-max(needed, 2 * cap, chunk) // chunk) * chunk
+            new = -(-max(needed, 4 * cap, 16 * chunk) // chunk) * chunk
             arr.resize((new,) + tuple(arr.shape[1:]))
             self._backend.metadata_changed(self.segment, f"{name}/zarr.json")
 
