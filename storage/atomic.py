@@ -3,8 +3,9 @@
 Write a temp sibling, fsync it, rename (or hard-link, for create-only files) it over the final
 name, then fsync the directory: a reader sees the old file or the new one, never part of one,
 and after the call returns the file survives a crash of the machine. Every writer of the run
-directory goes through ``write_atomically`` / ``write_json`` / ``create_atomically``; readers of
-a JSON file that a person may have edited or damaged use ``read_json_object``.
+directory goes through ``write_atomically`` / ``write_json`` / ``create_atomically`` (or
+``create_in_order``: several files of one directory, committed together); readers of a JSON
+file that a person may have edited or damaged use ``read_json_object``.
 """
 
 from __future__ import annotations
@@ -81,22 +82,34 @@ def write_atomically(final: Path, data: bytes | str, durable: bool = True) -> No
         fsync_path(final.parent)
 
 
-def create_atomically(final: Path, data: bytes | str, durable: bool = True, *,
-                      along_data: Iterable[Path] = (), along: Iterable[Path] = ()) -> None:
+def create_atomically(final: Path, data: bytes | str, durable: bool = True) -> None:
     """Create ``final`` with ``data`` only if it does not exist (``FileExistsError`` otherwise):
-    temp, fsync, hard link, fsync the directory. Readers see the whole file or nothing.
-    ``along_data`` (fdatasynced) and ``along`` (fsynced; directories too): what ``final``
-    commits, made durable together with the temp file, before ``final`` exists."""
-    final = Path(final)
-    tmp = _write_tmp(final, data.encode() if isinstance(data, str) else data, durable=False)
+    temp, fsync, hard link, fsync the directory. Readers see the whole file or nothing."""
+    create_in_order([(final, data)], durable=durable)
+
+
+def create_in_order(files: list[tuple[Path, bytes | str]], durable: bool = True, *,
+                    along_data: Iterable[Path] = (), along: Iterable[Path] = ()) -> None:
+    """``create_atomically`` for several files of one directory, created in the given order
+    (a reader that sees one sees those before it) and made durable together: their temp files,
+    ``along_data`` (fdatasynced) and ``along`` (fsynced, directories too; what the files
+    commit) in one concurrent flush before the first link, the directory once after the last.
+    ``FileExistsError`` at the first that exists; those before it stay created."""
+    finals = [Path(f) for f, _ in files]
+    assert len({f.parent for f in finals}) <= 1, "create_in_order creates files of one directory"
+    tmps: list[Path] = []
     try:
+        for final, (_, data) in zip(finals, files):
+            tmps.append(_write_tmp(final, data.encode() if isinstance(data, str) else data, durable=False))
         if durable:
-            sync_together(along_data, [tmp, *along])
-        os.link(tmp, final)
+            sync_together(along_data, [*tmps, *along])
+        for tmp, final in zip(tmps, finals):
+            os.link(tmp, final)
     finally:
-        tmp.unlink(missing_ok=True)
-    if durable:
-        fsync_path(final.parent)
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+    if durable and finals:
+        fsync_path(finals[0].parent)
 
 
 def write_json(final: Path, data: Any, durable: bool = True, **dumps: Any) -> None:

@@ -17,7 +17,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import LocalStore, MemoryStore
 
 from storage import paths
-from storage.atomic import create_atomically
+from storage.atomic import create_atomically, create_in_order, fsync_path
 from storage.trajectories.chunks import Piece
 
 _BUFFERS = default_buffer_prototype()
@@ -25,7 +25,7 @@ _BUFFERS = default_buffer_prototype()
 
 class StoreBackend(Protocol):
     """What the store needs from where its bytes live. Markers are created once, never replaced
-    (``FileExistsError`` when one exists). ``write_chunks``/``read_chunks`` move byte ranges of
+    (``FileExistsError`` when one exists), in the order given. ``write_chunks``/``read_chunks`` move byte ranges of
     chunks (``chunks.Piece``: key, chunk size, offset, length, offset in ``buf``) in place; a
     chunk never written reads as zeros. A durable backend makes what ``write_chunks`` and
     ``metadata_changed`` touched durable before ``publish_marker`` creates the marker."""
@@ -42,7 +42,7 @@ class StoreBackend(Protocol):
     def zarr_store(self, segment: str, read_only: bool) -> Any: ...
     def list_markers(self, segment: str) -> list[int]: ...
     def read_marker(self, segment: str, seqno: int) -> bytes | None: ...
-    def publish_marker(self, segment: str, seqno: int, data: bytes) -> None: ...
+    def publish_markers(self, segment: str, markers: list[tuple[int, bytes]]) -> None: ...
     def prepare_segment(self, segment: str) -> None: ...
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None: ...
     def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None: ...
@@ -92,6 +92,14 @@ class DirBackend:
         for name in os.listdir(commits):  # temp files of a killed writer of this segment
             if paths.is_tmp(name):
                 (commits / name).unlink(missing_ok=True)
+        # markers after a gap: a group commit's links that a machine crash kept while losing an
+        # earlier one (its write never returned); readers stop at the gap, the writer reuses them
+        seqnos = self.list_markers(segment)
+        stale = [n for k, n in enumerate(seqnos) if n != k]
+        for n in stale:
+            paths.commit_marker(self.root, segment, n).unlink(missing_ok=True)
+        if stale and self.durable:
+            fsync_path(commits)
 
     def list_markers(self, segment: str) -> list[int]:
         try:
@@ -106,12 +114,12 @@ class DirBackend:
         except FileNotFoundError:
             return None
 
-    def publish_marker(self, segment: str, seqno: int, data: bytes) -> None:
-        # one flush round for the batch's chunks, new directories and the marker's temp file,
-        # then the link makes the batch visible and the directory fsync makes it durable
+    def publish_markers(self, segment: str, markers: list[tuple[int, bytes]]) -> None:
+        # one flush round for the chunks, new directories and the markers' temp files; then the
+        # links make the batches visible in order and one directory fsync makes them durable
         files, dirs = self._unsynced.pop(segment, (set(), set()))
-        create_atomically(paths.commit_marker(self.root, segment, seqno), data, durable=self.durable,
-                          along_data=sorted(files), along=sorted(dirs))
+        create_in_order([(paths.commit_marker(self.root, segment, seqno), data) for seqno, data in markers],
+                        durable=self.durable, along_data=sorted(files), along=sorted(dirs))
 
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
         base = paths.segment_data_dir(self.root, segment)
@@ -229,12 +237,13 @@ class MemoryBackend:
         with self.state.lock:
             return self.state.markers.get(segment, {}).get(seqno)
 
-    def publish_marker(self, segment: str, seqno: int, data: bytes) -> None:
+    def publish_markers(self, segment: str, markers: list[tuple[int, bytes]]) -> None:
         with self.state.lock:
-            markers = self.state.markers.setdefault(segment, {})
-            if seqno in markers:
-                raise FileExistsError(f"memory://{self.name} segment {segment} marker {seqno}")
-            markers[seqno] = data
+            published = self.state.markers.setdefault(segment, {})
+            for seqno, data in markers:
+                if seqno in published:
+                    raise FileExistsError(f"memory://{self.name} segment {segment} marker {seqno}")
+                published[seqno] = data
 
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
         with self.state.lock:

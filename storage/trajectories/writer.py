@@ -29,7 +29,7 @@ def _bytes_of(a: np.ndarray) -> memoryview:
 class SegmentWriter:
     """Appends entries to one segment. The only process that writes (or resizes) its arrays."""
 
-    #: test hook: called after a batch's chunk data is written and before its marker exists.
+    #: test hook: called after a write's chunk data is written and before its markers exist.
     _before_commit: Callable[[], None] | None = None
 
     def __init__(self, backend: StoreBackend, segment: str, batch_size: int, committed: list[Marker]):
@@ -73,9 +73,27 @@ class SegmentWriter:
         """Publish ``rows`` in batches of ``batch_size``; every returned ref is committed."""
         if self._closed:
             raise ValueError(f"writer of segment {self.segment!r} is closed: open a new one with store.writer()")
-        refs: list[EntryRef] = []
+        # group commit: every batch's chunk data first, then their markers in order, made
+        # durable by one flush round before the first link and one directory fsync after the last
+        seqno, e, t = self._seqno, self._entries, self._tokens
+        markers: list[tuple[int, bytes]] = []
         for i in range(0, len(rows), self.batch_size):
-            refs.extend(self._publish(rows[i:i + self.batch_size]))
+            data, e, t = self._stage(rows[i:i + self.batch_size], seqno, e, t)
+            markers.append((seqno, data))
+            seqno += 1
+        if not markers:
+            return []
+        if self._before_commit is not None:
+            self._before_commit()
+        try:
+            self._backend.publish_markers(self.segment, markers)
+        except FileExistsError as err:
+            raise SegmentConflict(
+                f"a commit marker in {self._seqno}..{seqno - 1} of segment {self.segment!r} already exists: another "
+                "writer is writing this segment; give every writer its own segment name"
+            ) from err
+        refs = [EntryRef(self.segment, i) for i in range(self._entries, e)]
+        self._seqno, self._entries, self._tokens = seqno, e, t
         return refs
 
     def flush(self) -> None:
@@ -102,9 +120,9 @@ class SegmentWriter:
             arr.resize((new,) + tuple(arr.shape[1:]))
             self._backend.metadata_changed(self.segment, f"{name}/zarr.json")
 
-    def _publish(self, batch: list[StoredSequence]) -> list[EntryRef]:
-        if not batch:
-            return []
+    def _stage(self, batch: list[StoredSequence], seqno: int, e0: int, t0: int) -> tuple[bytes, int, int]:
+        """Write the chunk data of ``batch`` (entries from ``e0``, tokens from ``t0``); its
+        marker's bytes and where the next batch starts. Nothing of it is visible yet."""
         n = len(batch)
         lengths = np.empty(n, dtype=np.int64)
         cols: dict[str, list[np.ndarray]] = {k: [] for k in FLAT_DTYPES}
@@ -126,7 +144,7 @@ class SegmentWriter:
             if cat.dtype != dt and not np.array_equal(cast, cat, equal_nan=cat.dtype.kind in "fc"):
                 raise ValueError(f"{k} values do not fit the stored dtype {dt}: cast them before writing")
             flat[k] = cast
-        offsets = self._tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        offsets = t0 + np.concatenate([[0], np.cumsum(lengths)[:-1]])
         index = np.empty((n, len(INDEX_COLUMNS)), dtype=np.int64)
         index[:, 0] = offsets
         index[:, 1] = lengths
@@ -138,27 +156,13 @@ class SegmentWriter:
             bad = [v for v in vals if not isinstance(v, str)]
             if bad:
                 raise ValueError(f"StoredSequence.{c} must be str, got {type(bad[0]).__name__}")
-        t0, t1 = self._tokens, self._tokens + int(lengths.sum())
-        e0, e1 = self._entries, self._entries + n
+        t1, e1 = t0 + int(lengths.sum()), e0 + n
         for k in FLAT_DTYPES:
             self._grow(k, t1)
         self._grow("index", e1)
         self._grow("reward", e1)
         for name, start, data in [*((k, t0, flat[k]) for k in FLAT_DTYPES), ("index", e0, index), ("reward", e0, rewards)]:
             if len(data):
-                raw = self._raw[name]
-                self._backend.write_chunks(self.segment, raw.pieces(start, start + len(data)),
+                self._backend.write_chunks(self.segment, self._raw[name].pieces(start, start + len(data)),
                                            _bytes_of(data))
-        if self._before_commit is not None:
-            self._before_commit()
-        marker = marker_record(self._seqno, (e0, e1), (t0, t1), strings)
-        try:
-            self._backend.publish_marker(self.segment, self._seqno, marker)
-        except FileExistsError as e:
-            raise SegmentConflict(
-                f"commit marker {self._seqno} of segment {self.segment!r} already exists: another writer is "
-                "writing this segment; give every writer its own segment name"
-            ) from e
-        self._seqno += 1
-        self._entries, self._tokens = e1, t1
-        return [EntryRef(self.segment, i) for i in range(e0, e1)]
+        return marker_record(seqno, (e0, e1), (t0, t1), strings), e1, t1
