@@ -28,8 +28,11 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _fdatasync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _fdatasync(file: Path | str | int) -> None:
+    if isinstance(file, int):  # an open file descriptor
+        os.fdatasync(file)
+        return
+    fd = os.open(file, os.O_RDONLY)
     try:
         os.fdatasync(fd)
     finally:
@@ -39,11 +42,12 @@ def _fdatasync_path(path: Path) -> None:
 _SYNC_POOL: tuple[int, ThreadPoolExecutor] | None = None
 
 
-def sync_together(data_files: Iterable[Path] = (), full: Iterable[Path] = ()) -> None:
-    """fdatasync ``data_files`` and fsync ``full`` (files or directories) concurrently: the
-    calls release the GIL, so the disk flushes them in one round instead of one after another."""
+def sync_together(data_files: Iterable[Path | str | int] = (), full: Iterable[Path] = ()) -> None:
+    """fdatasync ``data_files`` (paths or open descriptors) and fsync ``full`` (files or
+    directories) concurrently: the calls release the GIL, so the disk flushes them in one round
+    instead of one after another."""
     global _SYNC_POOL
-    jobs = [(_fdatasync_path, p) for p in data_files] + [(fsync_path, p) for p in full]
+    jobs = [(_fdatasync, p) for p in data_files] + [(fsync_path, p) for p in full]
     if len(jobs) <= 1:
         for fn, p in jobs:
             fn(p)
@@ -89,7 +93,7 @@ def create_atomically(final: Path, data: bytes | str, durable: bool = True) -> N
 
 
 def create_in_order(files: list[tuple[Path, bytes | str]], durable: bool = True, *,
-                    along_data: Iterable[Path] = (), along: Iterable[Path] = ()) -> None:
+                    along_data: Iterable[Path | str | int] = (), along: Iterable[Path] = ()) -> None:
     """``create_atomically`` for several files of one directory, created in the given order
     (a reader that sees one sees those before it) and made durable together: their temp files,
     ``along_data`` (fdatasynced) and ``along`` (fsynced, directories too; what the files

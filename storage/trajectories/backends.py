@@ -58,7 +58,7 @@ class DirBackend:
         self.root = root
         self.durable = durable
         # per segment: chunk files written and directories changed since its last marker
-        self._unsynced: dict[str, tuple[set[Path], set[Path]]] = {}
+        self._unsynced: dict[str, tuple[dict[str, int | None], set[Path]]] = {}
 
     def describe(self) -> str:
         return str(self.root)
@@ -117,39 +117,49 @@ class DirBackend:
     def publish_markers(self, segment: str, markers: list[tuple[int, bytes]]) -> None:
         # one flush round for the chunks, new directories and the markers' temp files; then the
         # links make the batches visible in order and one directory fsync makes them durable
-        files, dirs = self._unsynced.pop(segment, (set(), set()))
-        create_in_order([(paths.commit_marker(self.root, segment, seqno), data) for seqno, data in markers],
-                        durable=self.durable, along_data=sorted(files), along=sorted(dirs))
+        files, dirs = self._unsynced.pop(segment, ({}, set()))
+        try:
+            create_in_order([(paths.commit_marker(self.root, segment, seqno), data) for seqno, data in markers],
+                            durable=self.durable, along=sorted(dirs),
+                            along_data=[fd if fd is not None else path for path, fd in files.items()])
+        finally:
+            for fd in files.values():
+                if fd is not None:
+                    os.close(fd)
 
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
-        base = paths.segment_data_dir(self.root, segment)
-        files, dirs = self._unsynced.setdefault(segment, (set(), set()))
+        base = str(paths.segment_data_dir(self.root, segment))
+        # chunk files written since the last marker, kept open (up to a bound) until it is synced
+        files, dirs = self._unsynced.setdefault(segment, ({}, set()))
         for key, chunk_bytes, offset, nbytes, at in pieces:
-            path = base / key
-            try:
-                fd = os.open(path, os.O_WRONLY)
-            except FileNotFoundError:
-                dirs.update(_make_dirs(path.parent, base))
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-                dirs.add(path.parent)
-            try:
+            path = os.path.join(base, key)
+            fd = files.get(path)
+            if fd is None:
+                try:
+                    fd = os.open(path, os.O_WRONLY)
+                except FileNotFoundError:
+                    parent = Path(path).parent
+                    dirs.update(_make_dirs(parent, Path(base)))
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                    dirs.add(parent)
                 if os.fstat(fd).st_size != chunk_bytes:  # new, or cut short by a killed writer
                     os.ftruncate(fd, chunk_bytes)
-                done = 0
-                while done < nbytes:
-                    done += os.pwrite(fd, buf[at + done:at + nbytes], offset + done)
-            finally:
-                os.close(fd)
-            files.add(path)
+            done = 0
+            while done < nbytes:
+                done += os.pwrite(fd, buf[at + done:at + nbytes], offset + done)
+            if path not in files and sum(f is not None for f in files.values()) >= _MAX_OPEN:
+                os.close(fd)  # synced by path instead
+                fd = None
+            files[path] = fd
 
     def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
-        base = paths.segment_data_dir(self.root, segment)
+        base = str(paths.segment_data_dir(self.root, segment))
         fds: dict[str, int | None] = {}
         try:
             for key, chunk_bytes, offset, nbytes, at in pieces:
                 if key not in fds:
                     try:
-                        fds[key] = os.open(base / key, os.O_RDONLY)
+                        fds[key] = os.open(os.path.join(base, key), os.O_RDONLY)
                     except FileNotFoundError:
                         fds[key] = None  # a chunk never written holds the fill value (0)
                 fd = fds[key]
@@ -158,7 +168,7 @@ class DirBackend:
                     continue
                 got = os.preadv(fd, [buf[at:at + nbytes]], offset)
                 if got != nbytes:
-                    raise OSError(f"{base / key} holds {offset + got} bytes, fewer than the {offset + nbytes} its "
+                    raise OSError(f"{os.path.join(base, key)} holds {offset + got} bytes, fewer than the {offset + nbytes} its "
                                   f"committed entries need (chunk size {chunk_bytes}): the segment is damaged")
         finally:
             for fd in fds.values():
@@ -167,9 +177,13 @@ class DirBackend:
 
     def metadata_changed(self, segment: str, key: str) -> None:
         path = paths.segment_data_dir(self.root, segment) / key
-        files, dirs = self._unsynced.setdefault(segment, (set(), set()))
-        files.add(path)
+        files, dirs = self._unsynced.setdefault(segment, ({}, set()))
+        files.setdefault(str(path), None)
         dirs.add(path.parent)  # Zarr replaces the file by a rename
+
+
+#: chunk files a writer keeps open between writing and syncing them (more are synced by path).
+_MAX_OPEN = 64
 
 
 def _make_dirs(d: Path, base: Path) -> list[Path]:
