@@ -168,8 +168,9 @@ class DirBackend:
                     continue
                 got = os.preadv(fd, [buf[at:at + nbytes]], offset)
                 if got != nbytes:
-                    raise OSError(f"{os.path.join(base, key)} holds {offset + got} bytes, fewer than the {offset + nbytes} its "
-                                  f"committed entries need (chunk size {chunk_bytes}): the segment is damaged")
+                    raise OSError(f"{os.path.join(base, key)} holds {offset + got} bytes, fewer than the "
+                                  f"{offset + nbytes} its committed entries need (chunk size {chunk_bytes}): "
+                                  "the segment is damaged")
         finally:
             for fd in fds.values():
                 if fd is not None:

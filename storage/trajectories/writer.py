@@ -1,8 +1,9 @@
 """Trajectory store, writer room: appending entries to one segment and committing them.
 
 Why it exists: a RaaS node publishes finished trajectories to its own segment without
-talking to anyone. A batch is published in two steps, chunk data first (fsynced when the
-store is durable), then a commit marker created atomically; readers trust only markers, so a
+talking to anyone. A ``write`` publishes its batches in two steps, the chunk data of all of
+them first (written in place, ``chunks``), then one commit marker per batch, created in order
+after one flush of everything (when the store is durable); readers trust only markers, so a
 writer killed in between leaves nothing visible, and its successor overwrites the orphaned
 chunk data.
 """
@@ -17,8 +18,8 @@ import zarr
 from storage.trajectories.backends import StoreBackend
 from storage.trajectories.chunks import RawArray
 from storage.trajectories.layout import (
-    ARRAY_DTYPES, FLAT_DTYPES, INDEX_CHUNK, INDEX_COLUMNS, REWARD_CHUNK, STRING_COLUMNS, EntryRef, Marker, SegmentConflict,
-    StoredSequence, flat_chunk, marker_record,
+    ARRAY_DTYPES, FLAT_DTYPES, INDEX_CHUNK, INDEX_COLUMNS, REWARD_CHUNK, STRING_COLUMNS, EntryRef, Marker,
+    SegmentConflict, StoredSequence, flat_chunk, marker_record,
 )
 
 
@@ -161,7 +162,8 @@ class SegmentWriter:
             self._grow(k, t1)
         self._grow("index", e1)
         self._grow("reward", e1)
-        for name, start, data in [*((k, t0, flat[k]) for k in FLAT_DTYPES), ("index", e0, index), ("reward", e0, rewards)]:
+        parts = [*((k, t0, flat[k]) for k in FLAT_DTYPES), ("index", e0, index), ("reward", e0, rewards)]
+        for name, start, data in parts:
             if len(data):
                 self._backend.write_chunks(self.segment, self._raw[name].pieces(start, start + len(data)),
                                            _bytes_of(data))

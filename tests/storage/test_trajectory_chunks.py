@@ -105,7 +105,8 @@ def _write_segment_through_zarr(root, segment: str, rows, chunk_bytes: int, comp
         arr = group.create_array(k, shape=(len(flat),), chunks=(chunk_bytes // dt.itemsize,), dtype=dt,
                                  compressors=compressors, fill_value=0)
         arr[:] = flat
-    index = np.array([[sum(lengths[:i]), n, r.seq_index, r.num_sequences] for i, (n, r) in enumerate(zip(lengths, rows))])
+    index = np.array([[sum(lengths[:i]), n, r.seq_index, r.num_sequences]
+                      for i, (n, r) in enumerate(zip(lengths, rows))])
     group.create_array("index", shape=index.shape, chunks=(2048, 4), dtype=np.int64, compressors=None,
                        fill_value=0)[:] = index
     group.create_array("reward", shape=(len(rows),), chunks=(16384,), dtype=np.float64, compressors=None,
