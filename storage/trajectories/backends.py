@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import LocalStore, MemoryStore
 
@@ -59,9 +60,16 @@ class DirBackend:
         self.durable = durable
         # per segment: chunk files written and directories changed since its last marker
         self._unsynced: dict[str, tuple[dict[str, int | None], set[Path]]] = {}
+        self._data_dirs: dict[str, str] = {}
 
     def describe(self) -> str:
         return str(self.root)
+
+    def _data_dir(self, segment: str) -> str:
+        d = self._data_dirs.get(segment)
+        if d is None:
+            d = self._data_dirs[segment] = str(paths.segment_data_dir(self.root, segment))
+        return d
 
     def read_layout(self) -> bytes | None:
         try:
@@ -128,7 +136,7 @@ class DirBackend:
                     os.close(fd)
 
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
-        base = str(paths.segment_data_dir(self.root, segment))
+        base = self._data_dir(segment)
         # chunk files written since the last marker, kept open (up to a bound) until it is synced
         files, dirs = self._unsynced.setdefault(segment, ({}, set()))
         for key, chunk_bytes, offset, nbytes, at in pieces:
@@ -153,7 +161,7 @@ class DirBackend:
             files[path] = fd
 
     def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
-        base = str(paths.segment_data_dir(self.root, segment))
+        base = self._data_dir(segment)
         fds: dict[str, int | None] = {}
         try:
             for key, chunk_bytes, offset, nbytes, at in pieces:
@@ -265,16 +273,22 @@ class MemoryBackend:
             d = self.state.zarr.setdefault(segment, {})
             for key, chunk_bytes, offset, nbytes, at in pieces:
                 old = d.get(key)
-                chunk = bytearray(old.to_bytes() if old is not None else bytes(chunk_bytes))
-                chunk[offset:offset + nbytes] = buf[at:at + nbytes]
-                d[key] = _BUFFERS.buffer.from_bytes(bytes(chunk))
+                chunk = old.as_numpy_array() if old is not None else None
+                if chunk is None or not chunk.flags.writeable or len(chunk) != chunk_bytes:
+                    # a chunk of its own, written in place from now on (as a file is)
+                    fresh = np.zeros(chunk_bytes, np.uint8)
+                    if chunk is not None:
+                        fresh[:min(len(chunk), chunk_bytes)] = chunk[:chunk_bytes]
+                    chunk = fresh
+                    d[key] = _BUFFERS.buffer.from_array_like(chunk)
+                chunk[offset:offset + nbytes] = np.frombuffer(buf[at:at + nbytes], np.uint8)
 
     def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
         with self.state.lock:
             d = self.state.zarr.get(segment, {})
             for key, chunk_bytes, offset, nbytes, at in pieces:
                 old = d.get(key)
-                buf[at:at + nbytes] = old.to_bytes()[offset:offset + nbytes] if old is not None else bytes(nbytes)
+                buf[at:at + nbytes] = old.as_numpy_array()[offset:offset + nbytes] if old is not None else bytes(nbytes)
 
     def metadata_changed(self, segment: str, key: str) -> None:
         return None
