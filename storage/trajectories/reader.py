@@ -21,7 +21,8 @@ from storage import paths
 from storage.trajectories.backends import StoreBackend, open_backend
 from storage.trajectories.chunks import RawArray
 from storage.trajectories.layout import (
-    ARRAY_DTYPES, FLAT_DTYPES, LAYOUT_VERSION, EntryNotCommitted, EntryRef, Marker, StoredSequence, layout_record,
+    ARRAY_DTYPES, FLAT_DTYPES, LAYOUT_VERSION, STRING_COLUMNS, EntryNotCommitted, EntryRef, Marker, StoredSequence,
+    layout_record,
 )
 from storage.trajectories.writer import SegmentWriter
 
@@ -215,17 +216,18 @@ class TrajectoryStore:
         # a few entries must not keep the whole run alive)
         for view, t0, t1, items in run_jobs:
             tokens, loss_mask, logprobs, policy_ids, versions = (view.rows(name, t0, t1) for name in FLAT_DTYPES)
+            m = None
             for off, pos, i, row, rew in items:
                 a, b = off - t0, off - t0 + row[1]
-                m = view.marker_of(i)
+                if m is None or not m.start <= i < m.end:
+                    m = view.marker_of(i)
+                    task_ids, group_ids, reasons, metas = (m.strings[c] for c in STRING_COLUMNS)
                 j = i - m.start
-                strings = m.strings
+                # positional: the fields in StoredSequence's order (cheaper than keywords, per row)
                 out[pos] = StoredSequence(
-                    task_id=strings["task_id"][j], group_id=strings["group_id"][j],
-                    seq_index=row[2], num_sequences=row[3],
-                    tokens=tokens[a:b].copy(), loss_mask=loss_mask[a:b].copy(), logprobs=logprobs[a:b].copy(),
-                    policy_ids=policy_ids[a:b].copy(), versions=versions[a:b].copy(),
-                    reward=rew, finish_reason=strings["finish_reason"][j], meta=strings["meta"][j],
+                    task_ids[j], group_ids[j], row[2], row[3],
+                    tokens[a:b].copy(), loss_mask[a:b].copy(), logprobs[a:b].copy(), policy_ids[a:b].copy(),
+                    versions[a:b].copy(), rew, reasons[j], metas[j],
                 )
         return out  # type: ignore[return-value]
 
