@@ -127,6 +127,11 @@ class DirBackend:
         # links make the batches visible in order and one directory fsync makes them durable
         files, dirs = self._unsynced.pop(segment, ({}, set()))
         try:
+            if not self.durable:  # nothing to sync: close first (on NFS, close flushes the data)
+                for path, fd in files.items():
+                    if fd is not None:
+                        os.close(fd)
+                        files[path] = None
             create_in_order([(paths.commit_marker(self.root, segment, seqno), data) for seqno, data in markers],
                             durable=self.durable, along=sorted(dirs),
                             along_data=[fd if fd is not None else path for path, fd in files.items()])
