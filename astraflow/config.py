@@ -92,6 +92,11 @@ class RunConfig(Strict):
         if problems:
             raise ValueError(f"workload ({name}): its environment does not fit the contract "
                              f"(astraflow.agents.env.Environment): {'; '.join(problems)}")
+        noisy = [p.name for p in self.policies if p.init is not None and p.init.demo_noise > 0]
+        if noisy and not callable(getattr(env, "explore_action", None)):
+            raise ValueError(f"policies[{noisy[0]}].init.demo_noise needs the environment's explore_action(rng) "
+                             f"(a random plausible command), and {type(env).__name__} ({name}) has none: add it "
+                             "(docs/agents.md) or set demo_noise: 0")
 
     def _check_can_learn(self) -> None:
         """Settings under which no step can change the weights, whatever the data."""
