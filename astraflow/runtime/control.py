@@ -1,6 +1,7 @@
 """Runtime room: changing a running run through its run directory.
 
-The CLI changes a run only by writing its desired partitions (``control/partitions.json``),
+The CLI (and the orchestrator's autoscaler, `set_partition_nodes`) changes a run only by writing
+its desired partitions (``control/partitions.json``),
 which the orchestrator reconciles on its next tick and reports back in ``control/status.json``
 (read through `astraflow.runtime.monitoring`). Nothing here needs a connection to the cluster,
 so ``astraflow partitions`` works from any login node that sees the shared run directory.
@@ -207,6 +208,21 @@ def remove_partition(run_dir: Path, name: str, mode: RemovalMode = DEFAULT_REMOV
                 "running run (stop the run to remove the data layer or a trainer)"
             )
         removals[name] = mode
+        write_desired(paths, list(parts.values()), removals)
+    return part
+
+
+def set_partition_nodes(paths: RunPaths, name: str, nodes: int) -> Partition | None:
+    """Set ``nodes`` of the desired partition ``name`` (the autoscaler's change; the orchestrator
+    reconciles it like an added or removed partition: workers submitted, or the newest drained).
+    Returns the partition as written; None when it is no longer in the desired set. Raises
+    `PartitionError` when the file is damaged or locked, ValueError when ``nodes`` leaves its
+    autoscale bounds."""
+    with desired_lock(paths):
+        parts, removals = read_desired_file(paths)
+        if name not in parts:
+            return None
+        part = parts[name] = Partition.model_validate({**parts[name].model_dump(), "nodes": nodes})
         write_desired(paths, list(parts.values()), removals)
     return part
 

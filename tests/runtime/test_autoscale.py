@@ -1,0 +1,149 @@
+"""The autoscaler's decision on scripted signals: it grows when trainers wait, drains when they
+never do, stays within bounds, respects cooldowns and the evidence window, and never flaps on a
+signal that moves inside its band. Also the config checks that guard it."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from astraflow.config import config_from_dict
+from astraflow.runtime.autoscale import Autoscaler, Sample, Slot
+from astraflow.sections import AutoscaleConfig
+from schedulers.partition import AutoscaleBounds, Partition
+
+CFG = AutoscaleConfig(high_wait=0.3, low_wait=0.05, window_s=10.0)
+
+
+class Script:
+    """Feeds an autoscaler one sample per second whose window has the given wait fraction, and
+    applies its decisions to the slots as the orchestrator would (the workers settle at once)."""
+
+    def __init__(self, cfg: AutoscaleConfig, slots: list[Slot]):
+        self.scaler = Autoscaler(cfg)
+        self.slots = slots
+        self.t = 0.0
+        self.wait = 0.0
+        self.stale = self.consumed = 0
+        self.decisions = []
+
+    def run(self, seconds: int, wait_fraction, stale_per_s: int = 0, consumed_per_s: int = 10):
+        for i in range(seconds):
+            self.t += 1.0
+            self.wait += wait_fraction(i) if callable(wait_fraction) else wait_fraction
+            self.stale += stale_per_s
+            self.consumed += consumed_per_s
+            self.scaler.observe(Sample(self.t, {"solver": self.wait}, self.stale, self.consumed))
+            d = self.scaler.decide(self.t, self.slots)
+            self.decisions.append(d)
+            if d.action != "hold":
+                self.slots = [Slot(s.name, d.target, s.bounds) if s.name == d.partition else s for s in self.slots]
+        return self
+
+    def actions(self):
+        return [(d.action, d.partition, d.desired, d.target) for d in self.decisions if d.action != "hold"]
+
+    def nodes(self):
+        return {s.name: s.desired for s in self.slots}
+
+
+def slot(name, desired, lo=1, hi=3, cooldown=0.0):
+    return Slot(name, desired, AutoscaleBounds(min_nodes=lo, max_nodes=hi, cooldown_s=cooldown))
+
+
+def test_waiting_trainers_grow_the_first_partition_with_headroom_up_to_its_max():
+    s = Script(CFG, [slot("cheap", 1, hi=2), slot("dear", 1, hi=3)]).run(60, 0.8)
+    # every change needs a fresh window of evidence: one change per ~10 s, cheap first, then dear
+    assert s.actions()[:3] == [("add", "cheap", 1, 2), ("add", "dear", 1, 2), ("add", "dear", 2, 3)]
+    assert s.nodes() == {"cheap": 2, "dear": 3}  # both at max_nodes, never past it
+    last = s.decisions[-1]
+    assert last.action == "hold" and "at max_nodes" in last.reason
+    first = next(d for d in s.decisions if d.action == "add")
+    assert first.t >= CFG.window_s and first.signals["trainer_wait"] == pytest.approx(0.8)
+    assert "trainer wait 80% > high_wait 30%" in first.reason
+
+
+def test_busy_trainers_drain_the_last_partition_down_to_its_min():
+    s = Script(CFG, [slot("cheap", 2, lo=1), slot("dear", 2, lo=1)]).run(60, 0.0)
+    assert s.actions()[:2] == [("drain", "dear", 2, 1), ("drain", "cheap", 2, 1)]
+    assert s.nodes() == {"cheap": 1, "dear": 1}
+    assert "at min_nodes" in s.decisions[-1].reason
+
+
+def test_no_decision_before_a_full_window_of_evidence():
+    s = Script(CFG, [slot("a", 1)]).run(9, 1.0)
+    assert s.actions() == [] and all("collecting evidence" in d.reason for d in s.decisions)
+    s.run(2, 1.0)
+    assert s.actions() == [("add", "a", 1, 2)]
+
+
+def test_cooldown_holds_a_partition_changed_recently():
+    s = Script(CFG, [slot("a", 1, hi=5, cooldown=35.0)]).run(60, 0.9)
+    times = [d.t for d in s.decisions if d.action == "add"]
+    assert len(times) == 2 and times[1] - times[0] >= 35.0
+    assert any("cooling down" in d.reason for d in s.decisions)
+
+
+def test_a_signal_oscillating_inside_the_band_never_changes_anything():
+    # wait swings between 6 % and 28 % every other second, and in slow waves: always inside [5 %, 30 %]
+    s = Script(CFG, [slot("a", 2)]).run(120, lambda i: 0.06 if i % 2 else 0.28)
+    s.run(120, lambda i: 0.06 if (i // 15) % 2 else 0.28)
+    assert s.actions() == [] and s.nodes() == {"a": 2}
+    assert "within [5%, 30%]" in s.decisions[-1].reason
+
+
+def test_settling_workers_hold_and_restart_the_window():
+    scaler = Autoscaler(CFG)
+    for t in range(20):
+        scaler.observe(Sample(float(t), {"solver": 0.9 * t}))
+    d = scaler.decide(20.0, [Slot("a", 2, AutoscaleBounds(max_nodes=4), settling=1)])
+    assert d.action == "hold" and "to start or drain" in d.reason
+    assert scaler.signals() is None  # the evidence after the change is gathered afresh
+
+
+def test_stale_drops_drain_unless_trainers_starve():
+    cfg = AutoscaleConfig(high_wait=0.3, low_wait=0.05, window_s=10.0, max_stale_fraction=0.2)
+    s = Script(cfg, [slot("a", 3)]).run(12, 0.1, stale_per_s=5, consumed_per_s=10)
+    assert s.actions() == [("drain", "a", 3, 2)] and "stale drops 33%" in s.decisions[-2].reason + s.decisions[-1].reason
+    s = Script(cfg, [slot("a", 2)]).run(12, 0.6, stale_per_s=5, consumed_per_s=10)
+    assert s.actions() == [("add", "a", 2, 3)]
+
+
+def test_finished_trainers_and_restarted_counters_give_no_signal():
+    scaler = Autoscaler(CFG)
+    for t in range(15):
+        scaler.observe(Sample(float(t), {}))
+    assert scaler.decide(15.0, [slot("a", 2)]).reason == "no trainer is training"
+
+
+# ---------------------------------------------------------------- config
+
+BASE = {
+    "policies": [{"name": "solver", "model": "sim", "trainer": {"backend": "sim"}}],
+    "workload": {"name": "sim", "workflow": "sim"},
+    "rollout": {"engine": {"type": "sim"}},
+}
+
+
+def _cfg(**extra):
+    parts = [{"name": "data", "role": "data"}, {"name": "trainer", "role": "trainer"}, *extra.pop("rollout_parts")]
+    return config_from_dict({**BASE, **extra, "partitions": parts})
+
+
+def test_config_errors_name_the_fix():
+    bounded = [{"name": "r", "role": "rollout", "nodes": 1, "autoscale": {"min_nodes": 1, "max_nodes": 3}}]
+    cfg = config_from_dict({**BASE, "autoscale": {}, "partitions": [
+        {"name": "data", "role": "data"}, {"name": "trainer", "role": "trainer"}, *bounded]})
+    assert cfg.autoscale.high_wait == 0.3 and cfg.partitions[2].autoscale.max_nodes == 3
+    with pytest.raises(ValueError, match="add one"):
+        _cfg(rollout_parts=bounded)
+    with pytest.raises(ValueError, match="no partition has bounds"):
+        _cfg(autoscale={}, rollout_parts=[{"name": "r", "role": "rollout"}])
+    with pytest.raises(ValueError, match="low_wait 0.4 must be below high_wait"):
+        AutoscaleConfig(low_wait=0.4, high_wait=0.3)
+    with pytest.raises(ValidationError, match="set nodes between min_nodes and max_nodes"):
+        Partition(name="r", nodes=5, autoscale={"max_nodes": 3})
+    with pytest.raises(ValidationError, match="make min_nodes <= max_nodes"):
+        Partition(name="r", nodes=2, autoscale={"min_nodes": 3, "max_nodes": 2})
+    with pytest.raises(ValidationError, match="remove its autoscale section"):
+        Partition(name="t", role="trainer", autoscale={"max_nodes": 2})
