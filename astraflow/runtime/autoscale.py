@@ -12,8 +12,8 @@ Nothing flaps, by three rules together:
 * **a band**: between ``low_wait`` and ``high_wait`` nothing changes, so a signal oscillating
   inside it is ignored;
 * **evidence**: a decision needs ``window_s`` seconds of samples, averaged; the window starts
-  afresh after every change, and only once the workers it started or drained have settled
-  (none submitted, placing, starting or draining);
+  after every trainer took its first step, and afresh after every change once the workers it
+  started or drained have settled (none submitted, placing, starting or draining);
 * **cooldown**: a partition changed less than its ``cooldown_s`` ago is not changed again.
 
 Which partition: growing takes the first partition in config order with headroom (below its
@@ -49,6 +49,9 @@ class Sample:
     """Sequences dropped as too stale, all policies together."""
     consumed: int = 0
     """Sequences consumed by the trainers, all policies together."""
+    started: bool = True
+    """Every training trainer committed a step: what a trainer waits before its first batch is
+    start-up (nodes loading, the first rollouts), not a lack of rollout capacity."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,9 @@ class Autoscaler:
         """The decision for this tick. ``slots`` in config order. An add or a drain restarts the
         window and starts the partition's cooldown."""
         cfg = self.cfg
+        if self.samples and not self.samples[-1].started:
+            self.restart_window()
+            return Decision("hold", "waiting for the trainers' first steps (start-up waits are not a signal)", {}, now)
         settling = sum(s.settling for s in slots)
         if settling:
             self.restart_window()

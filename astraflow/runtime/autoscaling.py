@@ -45,12 +45,14 @@ SETTLING = ("submitted", "placing", "starting", "draining")
 def sample_of(tick: Tick, now: float) -> Sample:
     """The autoscaler's counters in one tick: trainers still training, all policies' counts."""
     counts = tick.data_layer.get("counts", {})
+    training = [st for st in tick.trainers.values() if not st.get("done")]
     return Sample(
         t=now,
         wait_s={p: float(st.get("wait_total_s", st.get("wait_s", 0.0))) for p, st in tick.trainers.items()
                 if not st.get("done")},
         stale_dropped=sum(int(c.get("stale_dropped", 0)) for c in counts.values()),
         consumed=sum(int(c.get("consumed", 0)) for c in counts.values()),
+        started=all(int(st.get("version", 0)) >= 1 for st in training),
     )
 
 
@@ -102,7 +104,7 @@ class AutoscaleDriver:
         record = d.as_dict()
         self.changes.append(record)
         shown = ", ".join(f"{k} {v:.2f}" for k, v in d.signals.items() if v is not None)
-        self.progress.note(f"autoscale: {d.reason} [{shown}]")
+        self.progress.note(f"autoscale: {d.reason} (signals: {shown})")
         log.info("autoscale: %s", json.dumps(record))
         self.paths.control.mkdir(parents=True, exist_ok=True)
         with open(self.paths.autoscale_log, "a") as f:

@@ -101,6 +101,5 @@ def autoscale_lines(a: dict[str, Any] | None) -> list[str]:
     if last:
         out.append(f"  now: {last['action']}: {last['reason']}")
     for d in a.get("changes", [])[-5:]:
-        out.append(f"  {time.strftime('%H:%M:%S', time.localtime(d['t']))} {d['action']} {d['count']} on "
-                   f"{d['partition']} ({d['desired']} -> {d['target']}): {d['reason']}")
+        out.append(f"  {time.strftime('%H:%M:%S', time.localtime(d['t']))} {d['reason']}")
     return out
