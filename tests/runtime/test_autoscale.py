@@ -4,13 +4,23 @@ signal that moves inside its band. Also the config checks that guard it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
-from astraflow.config import config_from_dict
+from astraflow.config import ClusterConfig, config_from_dict
 from astraflow.runtime.autoscale import Autoscaler, Sample, Slot
+from astraflow.runtime.autoscaling import AutoscaleDriver
+from astraflow.runtime.monitoring import Tick
+from astraflow.runtime.control import read_desired_file, set_partition_nodes, write_desired
+from astraflow.runtime.progress import Progress
+from astraflow.runtime.reconcile import PartitionSet
+from astraflow.runtime.workers import Worker
 from astraflow.sections import AutoscaleConfig
+from schedulers import JobRef
 from schedulers.partition import AutoscaleBounds, Partition
+from storage.paths import RunPaths
 
 CFG = AutoscaleConfig(high_wait=0.3, low_wait=0.05, window_s=10.0)
 
@@ -147,3 +157,73 @@ def test_config_errors_name_the_fix():
         Partition(name="r", nodes=2, autoscale={"min_nodes": 3, "max_nodes": 2})
     with pytest.raises(ValidationError, match="remove its autoscale section"):
         Partition(name="t", role="trainer", autoscale={"max_nodes": 2})
+
+
+# ---------------------------------------------------------------- applying a decision
+
+class _Fleet:
+    """The calls reconciliation makes on the worker state machine, recorded."""
+
+    def __init__(self, workers):
+        self.workers = {w.name: w for w in workers}
+        self.removed: list[tuple[str, bool]] = []
+
+    def in_partition(self, name):
+        return [w for w in self.workers.values() if w.partition == name]
+
+    def remove(self, w, drain):
+        self.removed.append((w.name, drain))
+        w.enter("draining")
+
+
+def _worker(i: int, phase: str) -> Worker:
+    name = f"rollout-r-local-cpu-{i}"
+    return Worker(job=JobRef(job_id=f"local-{i}", partition="r", worker_name=name, kind="local", log=None),
+                  partition="r", phase=phase)
+
+
+def test_a_lowered_node_count_drains_workers_not_serving_first_then_the_newest(tmp_path):
+    paths = RunPaths(tmp_path / "run").make()
+    part = Partition(name="r", nodes=4, autoscale={"min_nodes": 1, "max_nodes": 4})
+    other = Partition(name="s", nodes=0)
+    write_desired(paths, [part, other], {"gone": "now"})
+    pset = PartitionSet([part, other], paths, ClusterConfig(), Progress(enabled=False))
+    fleet = _Fleet([_worker(0, "serving"), _worker(1, "serving"), _worker(2, "starting"), _worker(3, "serving")])
+    written = set_partition_nodes(paths, "r", 2)
+    assert written.nodes == 2 and written.autoscale == part.autoscale
+    parts, removals = read_desired_file(paths)
+    assert list(parts) == ["r", "s"] and removals == {"gone": "now"}  # order and removals kept
+    pset.reconcile(fleet, address_for=lambda p: "tcp://unused")
+    assert fleet.removed == [("rollout-r-local-cpu-2", True), ("rollout-r-local-cpu-3", True)]
+    pset.reconcile(fleet, address_for=lambda p: "tcp://unused")  # draining workers are not counted twice
+    assert len(fleet.removed) == 2 and pset.partitions["r"].nodes == 2
+    with pytest.raises(ValueError, match="outside its autoscale bounds"):
+        set_partition_nodes(paths, "r", 5)
+    assert set_partition_nodes(paths, "nosuch", 1) is None
+
+
+def test_the_driver_reads_the_tick_and_writes_the_change_where_partitions_add_would(tmp_path):
+    paths = RunPaths(tmp_path / "run").make()
+    part = Partition(name="r", nodes=1, autoscale={"min_nodes": 1, "max_nodes": 3, "cooldown_s": 0})
+    write_desired(paths, [part])
+    pset = PartitionSet([part], paths, ClusterConfig(), Progress(enabled=False))
+    fleet = _Fleet([_worker(0, "serving")])
+    notes = []
+    progress = Progress(enabled=False)
+    progress.note = notes.append
+    driver = AutoscaleDriver(AutoscaleConfig(window_s=5.0), paths, pset, fleet, progress)
+
+    def tick(t, version):  # a trainer that waits 90 % of the time
+        return Tick(data_layer={"counts": {"solver": {"consumed": 10 * t, "stale_dropped": 0}}},
+                    trainers={"solver": {"version": version, "done": False, "wait_total_s": 0.9 * t}})
+
+    assert "first steps" in driver.step(tick(0, 0), now=0.0).reason  # before the first step: no signal
+    decisions = [driver.step(tick(t, 1), now=float(t)) for t in range(1, 8)]
+    assert [d.action for d in decisions] == ["hold"] * 5 + ["add", "hold"]
+    assert read_desired_file(paths)[0]["r"].nodes == 2
+    logged = [json.loads(x) for x in paths.autoscale_log.read_text().splitlines()]
+    assert [(x["action"], x["desired"], x["target"]) for x in logged] == [("add", 1, 2)]
+    assert logged[0]["signals"]["trainer_wait"] == pytest.approx(0.9)
+    assert len(notes) == 1 and "add 1 worker(s) of r (1 -> 2)" in notes[0] and "trainer_wait 0.90" in notes[0]
+    st = driver.status()
+    assert st["changes"] == logged and st["config"]["window_s"] == 5.0 and st["last"]["action"] == "hold"
