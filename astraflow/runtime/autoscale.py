@@ -109,7 +109,13 @@ class Autoscaler:
     changed_at: dict[str, float] = field(default_factory=dict)
 
     def observe(self, sample: Sample) -> None:
-        """Add one tick's counters; keep the window's worth (plus the one sample before it)."""
+        """Add one tick's counters; keep the window's worth (plus the one sample before it). A
+        counter that went down (a restarted trainer or data layer counts afresh) restarts the window."""
+        if self.samples:
+            prev = self.samples[-1]
+            if (sample.stale_dropped < prev.stale_dropped or sample.consumed < prev.consumed
+                    or any(sample.wait_s[p] < prev.wait_s[p] for p in sample.wait_s if p in prev.wait_s)):
+                self.samples.clear()
         self.samples.append(sample)
         while len(self.samples) > 2 and sample.t - self.samples[1].t >= self.cfg.window_s:
             self.samples.popleft()

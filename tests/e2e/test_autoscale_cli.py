@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,19 +26,27 @@ from astraflow.runtime.monitoring import StatusView
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(240)
-def test_a_trainer_that_speeds_up_gets_a_node_and_one_that_slows_down_loses_it(tmp_path):
+@pytest.fixture(scope="module")
+def autoscaled_run(tmp_path_factory):
+    """examples/sim/autoscale.yaml run once through the CLI: (run directory, its output)."""
+    tmp = tmp_path_factory.mktemp("autoscale")
     data = yaml.safe_load((ROOT / "examples/sim/autoscale.yaml").read_text())
     assert data["policies"][0]["trainer"]["sim_step_schedule"] == {2: 0.05, 8: 3.0}
     data["run"].update(max_steps=14, timeout_s=200)  # four more slow steps than the example: margin for the drain
-    cfg = tmp_path / "config.yaml"
+    cfg = tmp / "config.yaml"
     cfg.write_text(yaml.safe_dump(data))
-    run_dir = tmp_path / "run"
+    run_dir = tmp / "run"
     proc = subprocess.run([sys.executable, "-m", "astraflow", "run", str(cfg), "--run-dir", str(run_dir)],
                           cwd=ROOT, capture_output=True, text=True, timeout=220)
     out = proc.stdout[-4000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, out
+    return run_dir, proc.stdout, out
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_trainer_that_speeds_up_gets_a_node_and_one_that_slows_down_loses_it(autoscaled_run):
+    run_dir, stdout, out = autoscaled_run
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == {"solver": 14}
 
@@ -52,7 +61,7 @@ def test_a_trainer_that_speeds_up_gets_a_node_and_one_that_slows_down_loses_it(t
     assert drain["signals"]["trainer_wait"] < 0.1 and "< low_wait 10%" in drain["reason"]
     assert all(c["signals"]["evidence_s"] >= 3.0 for c in changes)  # a full window behind each
     assert all(1 <= c["target"] <= 2 for c in changes)
-    assert "autoscale: trainer wait" in proc.stdout  # noted in the run's output
+    assert "autoscale: trainer wait" in stdout  # noted in the run's output
 
     # the added worker served and generated, then was drained (not killed)
     workers = summary["workers"]
@@ -78,3 +87,44 @@ def test_a_trainer_that_speeds_up_gets_a_node_and_one_that_slows_down_loses_it(t
     assert rollout.versions["solver"] and max(rollout.versions["solver"]) <= 14
     trainer_part = next(p for p in view.partitions if p.name == "trainer")
     assert trainer_part.consumed == 0 and trainer_part.autoscale is None
+
+
+@pytest.mark.e2e
+@pytest.mark.browser
+@pytest.mark.timeout(240)
+def test_the_dashboard_page_shows_the_decisions_and_the_partition_view(autoscaled_run, tmp_path):
+    from astraflow.runtime.cluster import SchedulerProcess
+    from astraflow.runtime.security import client_security, run_tls
+    from schedulers.tls import TLSConfig
+    from storage.paths import RunPaths
+    from tests.monitoring.test_monitoring import _driver
+
+    run_dir, _, _ = autoscaled_run
+    driver = _driver(tmp_path)  # skips without chromium and selenium
+    paths = RunPaths(run_dir)
+    files = run_tls(paths, TLSConfig())
+    proc = SchedulerProcess(paths, "127.0.0.1", 0, tls=files)
+    try:
+        from distributed import Client
+
+        with Client(proc.start(), timeout=20, security=client_security(files)) as client:
+            port = client.scheduler_info()["services"]["dashboard"]
+        driver.get(f"http://127.0.0.1:{port}/astraflow?refresh=300")
+
+        def js(expr: str):
+            return driver.execute_script(expr)
+
+        deadline = time.time() + 60
+        while time.time() < deadline and not js("return document.querySelectorAll('#autoscale tbody tr').length"):
+            time.sleep(0.3)
+        rows = js("return [...document.querySelectorAll('#autoscale tbody tr')].map(r => r.textContent)")
+        assert len(rows) >= 2 and "drain" in rows[0] and "2 → 1" in rows[0] and "add" in rows[-1], rows
+        assert not js("return document.getElementById('autoscale-section').hidden")
+        head = js("return document.getElementById('partition-rollout').textContent")
+        assert "traj/s" in head and "staleness mean" in head and "serving solver:v" in head, head
+        assert "autoscale 1–2 nodes" in head, head
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and e["source"] != "network"]
+        assert not errors, errors
+    finally:
+        driver.quit()
+        proc.stop()

@@ -124,6 +124,11 @@ def test_finished_trainers_and_restarted_counters_give_no_signal():
     for t in range(15):
         scaler.observe(Sample(float(t), {}))
     assert scaler.decide(15.0, [slot("a", 2)]).reason == "no trainer is training"
+    scaler = Autoscaler(CFG)
+    for t in range(15):  # a trainer restarted at t=10 counts its wait from 0 again: not a busy trainer
+        scaler.observe(Sample(float(t), {"solver": 0.2 * t if t < 10 else 0.2 * (t - 10)}))
+    d = scaler.decide(15.0, [slot("a", 2)])
+    assert d.action == "hold" and "collecting evidence (4 of 10 s)" in d.reason
 
 
 # ---------------------------------------------------------------- config

@@ -8,7 +8,8 @@ dashboard and ``astraflow status --json`` (`view`), the ``astraflow status`` tex
 curves (`metrics`) and their plots and TensorBoard mirror (`export`). Nothing here talks to the
 cluster: a run directory on shared storage is enough.
 
-Reading order: `snapshot` (the files and the one rule for "running"), `writer`, `view`,
+Reading order: `snapshot` (the files and the one rule for "running"), `writer` (with
+`partition_stats`), `view`,
 `metrics`, `text`, `export`.
 """
 
