@@ -26,7 +26,7 @@ from astraflow.rollout.config import RolloutConfig
 from astraflow.sandbox.config import SandboxConfig
 from astraflow.training.config import PolicyConfig
 from astraflow.workloads.config import WorkloadConfig
-from astraflow.sections import AutoscaleConfig, ClusterConfig, RunSection
+from astraflow.sections import AutoscaleConfig, ClusterConfig, RunSection, check_autoscale
 from schedulers.partition import ROLES, Partition
 from schedulers.policy import WorkerPolicy
 from storage.atomic import write_atomically
@@ -73,20 +73,6 @@ class RunConfig(Strict):
     autoscale: AutoscaleConfig | None = None
     """The autoscaler of the rollout partitions with ``autoscale:`` bounds (docs/autoscaling.md).
     None: none (a partition's bounds then need this section)."""
-
-    def _check_autoscale(self) -> None:
-        bounded = [p.name for p in self.partitions if p.autoscale is not None]
-        if self.autoscale is None:
-            if bounded:
-                raise ValueError(f"partitions {bounded} have autoscale bounds but the run has no autoscale section: "
-                                 "add one (e.g. autoscale: {high_wait: 0.3, low_wait: 0.05}) or remove the bounds")
-            return
-        if self.autoscale.enabled and not bounded:
-            raise ValueError("autoscale: no partition has bounds to scale within: give a rollout partition "
-                             "autoscale: {min_nodes: 1, max_nodes: 4}, or set autoscale.enabled: false")
-        if self.autoscale.enabled and self.run.mode == "sync":
-            raise ValueError("autoscale acts on asynchronous runs (run.mode: async); the sync baseline's driver "
-                             "owns its phases: set autoscale.enabled: false or run.mode: async")
 
     def _check_agentic(self, workload: Any) -> None:
         """An agentic workload runs under the ``agent`` workflow, and its environments must
@@ -192,7 +178,7 @@ class RunConfig(Strict):
         for part in self.partitions:
             check_partition(part, self.rollout, {p.name: p.trainer for p in self.policies})
         self._check_trainer_ranks()
-        self._check_autoscale()
+        check_autoscale(self.autoscale, self.partitions, self.run.mode)
         from astraflow.rollout.workflows import workflow_class
 
         try:

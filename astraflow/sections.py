@@ -1,6 +1,6 @@
-"""The run's own sections of the config, ``run`` and ``cluster``: how the run as a whole is named,
-bounded and placed (the orchestrator reads them; no component does). ``astraflow.config``
-composes them with the components' sections."""
+"""The run's own sections of the config, ``run``, ``cluster`` and ``autoscale``: how the run as a
+whole is named, bounded, placed and scaled (the orchestrator reads them; no component does).
+``astraflow.config`` composes them with the components' sections."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from astraflow.configbase import Strict
 from schedulers.command import is_loopback
+from schedulers.partition import Partition
 from schedulers.policy import (DEFAULT_SBATCH_OPTIONS_ALLOWLIST, DEFAULT_WORKER_ENV_ALLOWLIST, EnvAllowlist,
                                SbatchAllowlist)
 from schedulers.tls import TLSConfig
@@ -138,3 +139,19 @@ class AutoscaleConfig(Strict):
             raise ValueError(f"autoscale: low_wait {self.low_wait} must be below high_wait {self.high_wait} (the band "
                              "between them is where nothing changes): e.g. low_wait: 0.05, high_wait: 0.3")
         return self
+
+
+def check_autoscale(autoscale: AutoscaleConfig | None, partitions: list[Partition], mode: str) -> None:
+    """The run's ``autoscale`` section against its partitions' bounds (ValueError naming the fix)."""
+    bounded = [p.name for p in partitions if p.autoscale is not None]
+    if autoscale is None:
+        if bounded:
+            raise ValueError(f"partitions {bounded} have autoscale bounds but the run has no autoscale section: "
+                             "add one (e.g. autoscale: {high_wait: 0.3, low_wait: 0.05}) or remove the bounds")
+        return
+    if autoscale.enabled and not bounded:
+        raise ValueError("autoscale: no partition has bounds to scale within: give a rollout partition "
+                         "autoscale: {min_nodes: 1, max_nodes: 4}, or set autoscale.enabled: false")
+    if autoscale.enabled and mode == "sync":
+        raise ValueError("autoscale acts on asynchronous runs (run.mode: async); the sync baseline's driver "
+                         "owns its phases: set autoscale.enabled: false or run.mode: async")

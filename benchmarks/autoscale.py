@@ -70,7 +70,8 @@ def run(kind: str, args: argparse.Namespace, tmp: Path) -> dict:
     changes = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     consumed = sum(c.get("consumed", 0) for c in dl["counts"].values())
     return {"kind": kind, "run_s": summary["seconds"], "wall_s": wall, "worker_s": node_s,
-            "trainer_wait": trainer["wait_fraction"], "generated_per_trained": dl["sequences_generated"] / max(consumed, 1),
+            "trainer_wait": trainer["wait_fraction"],
+            "generated_per_trained": dl["sequences_generated"] / max(consumed, 1),
             "changes": " ".join(f"{c['action']}@{c['t'] - changes[0]['t']:.0f}s" for c in changes) or "-"}
 
 

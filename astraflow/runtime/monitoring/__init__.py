@@ -41,7 +41,8 @@ from astraflow.runtime.monitoring.view import (
 from astraflow.runtime.monitoring.writer import StatusWriter, Tick
 
 __all__ = [
-    "AutoscaleView", "DecisionView", "PLOTS", "SCHEMA_VERSION", "STALE_AFTER_S", "LedgerView", "MetricsReader", "MetricsView", "NodeView",
+    "AutoscaleView", "DecisionView", "PLOTS", "SCHEMA_VERSION", "STALE_AFTER_S", "LedgerView", "MetricsReader",
+    "MetricsView", "NodeView",
     "PartitionView", "PolicyCurves", "PolicyView", "RunNotRunning", "Snapshot", "StatusView", "StatusWriter",
     "Tick", "archive_summary", "build_status_view", "export_tensorboard", "format_partitions", "format_status",
     "read_metrics", "read_snapshot", "run_status", "tail_records", "write_orchestrator_info", "write_plots",

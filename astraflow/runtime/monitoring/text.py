@@ -80,7 +80,8 @@ def partition_stats_line(p: dict[str, Any]) -> str:
     """A rollout partition's throughput, staleness of what it generated, versions served and
     autoscale bounds, on one indented line."""
     mean, worst = p.get("staleness_mean"), p.get("staleness_max")
-    stale = f"staleness mean {mean:.2f} max {worst} ({p.get('consumed', 0)} consumed)" if mean is not None else "staleness -"
+    stale = (f"staleness mean {mean:.2f} max {worst} ({p.get('consumed', 0)} consumed)" if mean is not None
+             else "staleness -")
     served = " ".join(f"{pol}:" + (f"v{vs[0]}" if len(vs) == 1 else f"v{vs[0]}-v{vs[-1]}")
                       for pol, vs in (p.get("versions") or {}).items() if vs) or "-"
     b = p.get("autoscale")

@@ -307,7 +307,8 @@ def build_status_view(run_dir: Path | str, now: float | None = None) -> StatusVi
 
 def _partition_stats(p: dict[str, Any]) -> dict[str, Any]:
     """A partition's throughput, staleness, versions and bounds from its status entry."""
-    return {"trajectories_per_s": float(p.get("episodes_per_s", 0.0)), "tokens_per_s": float(p.get("tokens_per_s", 0.0)),
+    return {"trajectories_per_s": float(p.get("episodes_per_s", 0.0)),
+            "tokens_per_s": float(p.get("tokens_per_s", 0.0)),
             "consumed": int(p.get("consumed", 0)), "staleness_mean": p.get("staleness_mean"),
             "staleness_max": p.get("staleness_max"),
             "versions": {k: [int(x) for x in v] for k, v in (p.get("versions") or {}).items()},
