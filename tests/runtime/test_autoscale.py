@@ -233,3 +233,24 @@ def test_the_driver_reads_the_tick_and_writes_the_change_where_partitions_add_wo
     assert len(notes) == 1 and "add 1 worker(s) of r (1 -> 2)" in notes[0] and "trainer_wait 0.90" in notes[0]
     st = driver.status()
     assert st["changes"] == logged and st["config"]["window_s"] == 5.0 and st["last"]["action"] == "hold"
+
+
+def test_partitions_add_refuses_bounds_a_run_without_an_autoscaler_would_ignore(tmp_path):
+    import time
+
+    import yaml
+
+    from astraflow.runtime.control import PartitionError, add_partition
+    from astraflow.runtime.monitoring import write_orchestrator_info, write_status
+
+    paths = RunPaths(tmp_path / "run").make()
+    write_desired(paths, [Partition(name="r", nodes=1)])
+    write_orchestrator_info(paths, None, "tcp://127.0.0.1:1")  # "running": this process, status just written
+    write_status(paths, {"written_at": time.time(), "run_dir": str(paths.root), "data_layer": {}, "trainers": {},
+                         "partitions": {}, "workers": {}})
+    bounded = Partition(name="extra", nodes=1, autoscale={"max_nodes": 3})
+    with pytest.raises(PartitionError, match="no enabled autoscale section, so nothing would scale it"):
+        add_partition(paths.root, bounded)
+    paths.config.write_text(yaml.safe_dump({"autoscale": {"high_wait": 0.4}}))
+    add_partition(paths.root, bounded)
+    assert read_desired_file(paths)[0]["extra"].autoscale.max_nodes == 3
