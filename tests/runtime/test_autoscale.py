@@ -254,3 +254,28 @@ def test_partitions_add_refuses_bounds_a_run_without_an_autoscaler_would_ignore(
     paths.config.write_text(yaml.safe_dump({"autoscale": {"high_wait": 0.4}}))
     add_partition(paths.root, bounded)
     assert read_desired_file(paths)[0]["extra"].autoscale.max_nodes == 3
+
+
+def test_partition_views_sum_nodes_by_their_heartbeat_partition():
+    from collections import Counter
+
+    from astraflow.runtime.monitoring.partition_stats import (partition_counts, partition_versions,
+                                                              staleness_summary)
+
+    fleet = _Fleet([_worker(0, "serving")])
+    dl = {
+        "nodes": {
+            "rollout-r-local-cpu-0": {"completed": 5, "tokens": 500, "versions": {"solver": 3}},  # no heartbeat yet
+            "rollout-h-eu-H100-0.n0": {"partition": "h", "completed": 7, "tokens": 700, "versions": {"solver": 4}},
+            "rollout-h-eu-H100-0.n1": {"partition": "h", "completed": 1, "tokens": 100, "versions": {"solver": 2}},
+            "rollout-h-eu-H100-1.n0": {"partition": "h", "completed": 2, "tokens": 9, "gone": True,
+                                       "versions": {"solver": 1}},
+        },
+        "consumed_staleness_by_node": {"rollout-h-eu-H100-0.n0": {"0": 3, "2": 1}, "rollout-r-local-cpu-0": {"1": 4}},
+    }
+    counts = partition_counts(dl, fleet, ["r", "h", "empty"])
+    assert counts["h"]["completed"] == 10 and counts["h"]["tokens"] == 809 and counts["r"]["completed"] == 5
+    assert counts["h"]["staleness"] == Counter({0: 3, 2: 1}) and counts["empty"]["completed"] == 0
+    assert staleness_summary(counts["h"]["staleness"]) == {"consumed": 4, "staleness_mean": 0.5, "staleness_max": 2}
+    assert staleness_summary(Counter()) == {"consumed": 0, "staleness_mean": None, "staleness_max": None}
+    assert partition_versions(dl, fleet) == {"r": {"solver": [3]}, "h": {"solver": [2, 4]}}  # gone nodes left out
