@@ -78,7 +78,7 @@ class Slot:
     """Its ``nodes`` now (the desired worker count)."""
     bounds: AutoscaleBounds
     settling: int = 0
-    """Its workers still submitted, placing, starting or draining."""
+    """Its workers still submitted, placing, starting or draining, or wanted but not submitted."""
 
 
 @dataclass(frozen=True)

@@ -71,13 +71,16 @@ class AutoscaleDriver:
         self.changes: deque[dict[str, Any]] = deque(maxlen=RECENT)
 
     def slots(self) -> list[Slot]:
-        """The active rollout partitions with bounds, in the desired set's order."""
+        """The active rollout partitions with bounds, in the desired set's order; a worker still
+        starting or draining, or one not even submitted yet, counts as settling."""
         out = []
         for name, part in self.parts.partitions.items():
             if part.autoscale is None or part.role != "rollout" or self.parts.state[name].state != "active":
                 continue
-            settling = sum(1 for w in self.fleet.in_partition(name) if w.phase in SETTLING)
-            out.append(Slot(name, part.nodes, part.autoscale, settling))
+            mine = [w for w in self.fleet.in_partition(name) if not w.gone]
+            settling = sum(1 for w in mine if w.phase in SETTLING)
+            unsubmitted = part.nodes - sum(1 for w in mine if not w.draining)  # e.g. refill backoff after a failure
+            out.append(Slot(name, part.nodes, part.autoscale, settling + max(unsubmitted, 0)))
         return out
 
     def step(self, tick: Tick, now: float | None = None) -> Decision:
