@@ -26,7 +26,7 @@ from astraflow.rollout.config import RolloutConfig
 from astraflow.sandbox.config import SandboxConfig
 from astraflow.training.config import PolicyConfig
 from astraflow.workloads.config import WorkloadConfig
-from astraflow.sections import ClusterConfig, RunSection
+from astraflow.sections import AutoscaleConfig, ClusterConfig, RunSection, check_autoscale
 from schedulers.partition import ROLES, Partition
 from schedulers.policy import WorkerPolicy
 from storage.atomic import write_atomically
@@ -70,6 +70,9 @@ class RunConfig(Strict):
     concurrency per RaaS node (docs/sandbox.md)."""
     partitions: list[Partition] = Field(default_factory=_default_partitions)
     """Worker pools. The embedded default: local data, trainer and two rollout workers."""
+    autoscale: AutoscaleConfig | None = None
+    """The autoscaler of the rollout partitions with ``autoscale:`` bounds (docs/autoscaling.md).
+    None: none (a partition's bounds then need this section)."""
 
     def _check_agentic(self, workload: Any) -> None:
         """An agentic workload runs under the ``agent`` workflow, and its environments must
@@ -92,6 +95,11 @@ class RunConfig(Strict):
         if problems:
             raise ValueError(f"workload ({name}): its environment does not fit the contract "
                              f"(astraflow.agents.env.Environment): {'; '.join(problems)}")
+        noisy = [p.name for p in self.policies if p.init is not None and p.init.demo_noise > 0]
+        if noisy and not callable(getattr(env, "explore_action", None)):
+            raise ValueError(f"policies[{noisy[0]}].init.demo_noise needs the environment's explore_action(rng) "
+                             f"(a random plausible command), and {type(env).__name__} ({name}) has none: add it "
+                             "(docs/agents.md) or set demo_noise: 0")
 
     def _check_can_learn(self) -> None:
         """Settings under which no step can change the weights, whatever the data."""
@@ -175,6 +183,7 @@ class RunConfig(Strict):
         for part in self.partitions:
             check_partition(part, self.rollout, {p.name: p.trainer for p in self.policies})
         self._check_trainer_ranks()
+        check_autoscale(self.autoscale, self.partitions, self.run.mode)
         from astraflow.rollout.workflows import workflow_class
 
         try:

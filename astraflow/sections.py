@@ -1,6 +1,6 @@
-"""The run's own sections of the config, ``run`` and ``cluster``: how the run as a whole is named,
-bounded and placed (the orchestrator reads them; no component does). ``astraflow.config``
-composes them with the components' sections."""
+"""The run's own sections of the config, ``run``, ``cluster`` and ``autoscale``: how the run as a
+whole is named, bounded, placed and scaled (the orchestrator reads them; no component does).
+``astraflow.config`` composes them with the components' sections."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from astraflow.configbase import Strict
 from schedulers.command import is_loopback
+from schedulers.partition import Partition
 from schedulers.policy import (DEFAULT_SBATCH_OPTIONS_ALLOWLIST, DEFAULT_WORKER_ENV_ALLOWLIST, EnvAllowlist,
                                SbatchAllowlist)
 from schedulers.tls import TLSConfig
@@ -108,3 +109,49 @@ class RunSection(Strict):
             raise ValueError(f"{v!r} cannot name a run: use 1-{RUN_NAME_MAX} letters, digits, '_', '.', '-', "
                              "starting with a letter or digit (no spaces, '/', '%' or newlines), e.g. 'math-grpo'")
         return v
+
+
+class AutoscaleConfig(Strict):
+    """The run's autoscaler (``astraflow.runtime.autoscale``): it grows or drains the rollout
+    partitions that have ``autoscale:`` bounds, from how long the trainers wait for batches.
+    docs/autoscaling.md explains the rule."""
+
+    enabled: bool = True
+    """``false``: the partitions' bounds are ignored (their ``nodes`` stay as set)."""
+    high_wait: float = Field(default=0.3, gt=0, lt=1)
+    """Add rollout workers when the trainers' wait fraction over ``window_s`` is above this
+    (the busiest-waiting trainer counts: one starved trainer is enough)."""
+    low_wait: float = Field(default=0.05, ge=0, lt=1)
+    """Drain rollout workers when the wait fraction is below this (trainers always have data)."""
+    max_stale_fraction: float | None = Field(default=None, gt=0, le=1)
+    """Also drain when more than this fraction of the sequences that left the buffers over
+    ``window_s`` were dropped as too stale (rollout runs ahead of training), unless the trainers
+    wait above ``high_wait``. None: staleness is not a signal."""
+    window_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+    """Seconds of evidence behind every decision: signals are averaged over this window, and the
+    window starts afresh after each change once the workers it started or drained settled."""
+    step_nodes: int = Field(default=1, ge=1)
+    """Workers added or drained by one decision (less when a bound is closer)."""
+
+    @model_validator(mode="after")
+    def _band(self) -> "AutoscaleConfig":
+        if self.low_wait >= self.high_wait:
+            raise ValueError(f"autoscale: low_wait {self.low_wait} must be below high_wait {self.high_wait} (the band "
+                             "between them is where nothing changes): e.g. low_wait: 0.05, high_wait: 0.3")
+        return self
+
+
+def check_autoscale(autoscale: AutoscaleConfig | None, partitions: list[Partition], mode: str) -> None:
+    """The run's ``autoscale`` section against its partitions' bounds (ValueError naming the fix)."""
+    bounded = [p.name for p in partitions if p.autoscale is not None]
+    if autoscale is None:
+        if bounded:
+            raise ValueError(f"partitions {bounded} have autoscale bounds but the run has no autoscale section: "
+                             "add one (e.g. autoscale: {high_wait: 0.3, low_wait: 0.05}) or remove the bounds")
+        return
+    if autoscale.enabled and not bounded:
+        raise ValueError("autoscale: no partition has bounds to scale within: give a rollout partition "
+                         "autoscale: {min_nodes: 1, max_nodes: 4}, or set autoscale.enabled: false")
+    if autoscale.enabled and mode == "sync":
+        raise ValueError("autoscale acts on asynchronous runs (run.mode: async); the sync baseline's driver "
+                         "owns its phases: set autoscale.enabled: false or run.mode: async")

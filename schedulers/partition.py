@@ -143,6 +143,29 @@ def mem_to_dask(mem: str) -> str:
     return f"{number}{(unit or 'M')}iB"
 
 
+class AutoscaleBounds(BaseModel):
+    """How far the run's autoscaler may move a rollout partition's ``nodes`` (its workers),
+    and how often (``autoscale:`` in the run's config holds the signal and its band; the
+    orchestrator's ``astraflow.runtime.autoscale`` decides)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    min_nodes: Count = 1
+    """Fewest workers the autoscaler drains the partition down to."""
+    max_nodes: Annotated[int, Field(ge=1), _fix("max_nodes is {value}: use 1 or more")]
+    """Most workers the autoscaler grows the partition up to."""
+    cooldown_s: Annotated[float, Field(ge=0, allow_inf_nan=False), _fix(
+        "cooldown_s is {value}: use a finite number of seconds >= 0")] = 30.0
+    """Seconds after a change of this partition before the autoscaler changes it again."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "AutoscaleBounds":
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(f"autoscale: min_nodes {self.min_nodes} is above max_nodes {self.max_nodes}: "
+                             "make min_nodes <= max_nodes")
+        return self
+
+
 class Partition(BaseModel):
     """A named pool of identical workers, started by one scheduler backend.
 
@@ -230,6 +253,11 @@ class Partition(BaseModel):
     """Environment variables set for the worker process (both backends). Names must be in the
     run's ``cluster.worker_env_allowlist`` (see `schedulers.policy`)."""
 
+    autoscale: AutoscaleBounds | None = None
+    """Bounds within which the run's autoscaler may change `nodes` (``{min_nodes, max_nodes,
+    cooldown_s}``; role ``rollout`` only, and `nodes` must lie within them). None: only
+    ``astraflow partitions`` changes this partition. See docs/autoscaling.md."""
+
     # ------------------------------------------------------------------ field checks
     @field_validator("walltime")
     @classmethod
@@ -268,6 +296,14 @@ class Partition(BaseModel):
                 f"partition {self.name!r}: nodes_per_worker {self.nodes_per_worker} spans Slurm nodes for a "
                 f"multi-node Megatron trainer; this one is a {self.scheduler} {self.role} partition: set "
                 "nodes_per_worker: 1, or use it on a scheduler: slurm, role: trainer partition")
+        if self.autoscale is not None:
+            b = self.autoscale
+            if self.role != "rollout":
+                raise ValueError(f"partition {self.name!r}: autoscale moves RaaS nodes; this is a {self.role} "
+                                 "partition: remove its autoscale section")
+            if not b.min_nodes <= self.nodes <= b.max_nodes:
+                raise ValueError(f"partition {self.name!r}: nodes {self.nodes} is outside its autoscale bounds "
+                                 f"[{b.min_nodes}, {b.max_nodes}]: set nodes between min_nodes and max_nodes")
         if self.gres is not None and self.gpus_per_node:
             counts = [m.group(3) for m in map(_GRES_ITEM.match, self.gres.split(",")) if m and m.group(1) == "gpu"]
             if counts and int(counts[0] or 1) != self.gpus_per_node:

@@ -108,6 +108,11 @@ class RunPaths:
         return self.control / "dataflow.snapshot"
 
     @property
+    def autoscale_log(self) -> Path:
+        """One JSON line per change the autoscaler made (its reason and the signals behind it)."""
+        return self.control / "autoscale.jsonl"
+
+    @property
     def ledger_journal(self) -> Path:
         """One line per task created and per task ended, across the run's incarnations."""
         return self.control / "ledger.jsonl"

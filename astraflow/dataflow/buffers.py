@@ -59,6 +59,8 @@ class Item:
     group_id: str = ""
     source: str = ""
     ingest_seq: int = 0
+    #: the RaaS node that generated it (per-node staleness of what is consumed)
+    node: str = ""
 
 
 @dataclass
@@ -105,6 +107,8 @@ class Buffers:
         self.task_drop_reason: dict[str, str] = {}
         self.counts: dict[str, Counter] = {p: Counter() for p in self.policies}
         self.staleness_hist: dict[str, Counter] = {p: Counter() for p in self.policies}
+        #: per node: consumed sequences by staleness (versions behind), all policies together
+        self.staleness_by_node: dict[str, Counter] = {}
         self.wait_s: dict[str, float] = {p: 0.0 for p in self.policies}
         self.last_batch: dict[str, dict[str, Any]] = {p: {} for p in self.policies}
         self._ingest_seq = 0
@@ -138,7 +142,8 @@ class Buffers:
             for tid in live:
                 for s in grp.results[tid].sequences:
                     if policy in s.policy_tokens and s.policy_tokens[policy][0] > 0:
-                        items.append(Item(tid, s, s.policy_tokens[policy][1], 0.0, 0.0, 0))
+                        items.append(Item(tid, s, s.policy_tokens[policy][1], 0.0, 0.0, 0,
+                                          node=grp.results[tid].node))
                         rewards.append(s.reward)
             if not items:
                 continue
@@ -287,7 +292,10 @@ class Buffers:
 
     def commit(self, policy: str, version: int) -> None:
         """``policy``'s trainer committed ``version``: the batch served at ``version - 1`` is consumed."""
-        self.settle(policy, self.serving[policy].pop(version - 1, []), None)
+        items = self.serving[policy].pop(version - 1, [])
+        for it in items:
+            self.staleness_by_node.setdefault(it.node, Counter())[version - 1 - it.oldest_version] += 1
+        self.settle(policy, items, None)
 
     def put_back(self, policy: str, from_version: int) -> list[Item]:
         """``policy``'s trainer was lost and a new one resumes from the committed ``from_version``:
@@ -342,4 +350,6 @@ class Buffers:
             "counts": {p: dict(c) for p, c in self.counts.items()},
             "staleness_hist": {p: {str(k): v for k, v in sorted(h.items())} for p, h in self.staleness_hist.items()},
             "trainer_wait_s": dict(self.wait_s),
+            "consumed_staleness_by_node": {n: {str(k): v for k, v in sorted(h.items())}
+                                           for n, h in self.staleness_by_node.items()},
         }

@@ -1,6 +1,7 @@
 """Runtime room: changing a running run through its run directory.
 
-The CLI changes a run only by writing its desired partitions (``control/partitions.json``),
+The CLI (and the orchestrator's autoscaler, `set_partition_nodes`) changes a run only by writing
+its desired partitions (``control/partitions.json``),
 which the orchestrator reconciles on its next tick and reports back in ``control/status.json``
 (read through `astraflow.runtime.monitoring`). Nothing here needs a connection to the cluster,
 so ``astraflow partitions`` works from any login node that sees the shared run directory.
@@ -124,6 +125,20 @@ def run_rollout(paths: RunPaths) -> RolloutConfig:
                              f"({' '.join(str(err).split())[:300]}); restore the run's config") from None
 
 
+def run_autoscales(paths: RunPaths) -> bool:
+    """Whether the run's saved config has an enabled ``autoscale`` section (False without a config)."""
+    import yaml
+
+    f = paths.config
+    try:
+        data = (yaml.safe_load(f.read_bytes().decode("utf-8")) or {}) if f.exists() else {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise PartitionError(f"{f}: the run's autoscale section cannot be read from it "
+                             f"({' '.join(str(err).split())[:300]}); restore the run's config") from None
+    section = data.get("autoscale") if isinstance(data, dict) else None
+    return isinstance(section, dict) and section.get("enabled", True) is not False
+
+
 @contextlib.contextmanager
 def desired_lock(paths: RunPaths, timeout: float = 10.0) -> Iterator[None]:
     """Exclusive lock for a read-modify-write of the desired file (deadline: `timeout`)."""
@@ -153,7 +168,8 @@ def add_partition(run_dir: Path, part: Partition) -> None:
     Only rollout partitions can join a running run (data and trainer are placed at start).
     Raises `UnsafeRunDir` (other users can change the run directory), `RunNotRunning` or
     `PartitionError` (a duplicate name, a wrong role, an env variable or sbatch option outside
-    the run's allowlists, ``rollout:`` settings that do not fit the run's rollout section).
+    the run's allowlists, ``rollout:`` settings that do not fit the run's rollout section,
+    autoscale bounds in a run without an enabled autoscaler).
     """
     check_owner_only(run_dir)
     run_status(run_dir)
@@ -170,6 +186,9 @@ def add_partition(run_dir: Path, part: Partition) -> None:
         check_partition(part, run_rollout(paths), {})
     except ValueError as err:
         raise PartitionError(f"partition refused: {err}") from None
+    if part.autoscale is not None and not run_autoscales(paths):
+        raise PartitionError(f"partition {part.name!r} has autoscale bounds but the run has no enabled autoscale "
+                             "section, so nothing would scale it: remove the bounds (or start the run with one)")
     with desired_lock(paths):
         parts, removals = read_desired_file(paths)
         if part.name in parts:
@@ -207,6 +226,21 @@ def remove_partition(run_dir: Path, name: str, mode: RemovalMode = DEFAULT_REMOV
                 "running run (stop the run to remove the data layer or a trainer)"
             )
         removals[name] = mode
+        write_desired(paths, list(parts.values()), removals)
+    return part
+
+
+def set_partition_nodes(paths: RunPaths, name: str, nodes: int) -> Partition | None:
+    """Set ``nodes`` of the desired partition ``name`` (the autoscaler's change; the orchestrator
+    reconciles it like an added or removed partition: workers submitted, or the newest drained).
+    Returns the partition as written; None when it is no longer in the desired set. Raises
+    `PartitionError` when the file is damaged or locked, ValueError when ``nodes`` leaves its
+    autoscale bounds."""
+    with desired_lock(paths):
+        parts, removals = read_desired_file(paths)
+        if name not in parts:
+            return None
+        part = parts[name] = Partition.model_validate({**parts[name].model_dump(), "nodes": nodes})
         write_desired(paths, list(parts.values()), removals)
     return part
 

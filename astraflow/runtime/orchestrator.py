@@ -4,6 +4,7 @@ and delegates each concern to its own module:
 * bring-up and placement (`placement`): the Dask scheduler, actors on named workers, deadlines;
 * the worker state machine (`workers`): phases, losses, failed nodes, removals and drains;
 * partition reconciliation (`reconcile`): desired partitions against the worker jobs;
+* the autoscaler (`autoscaling`): the partitions' desired sizes from the trainers' wait;
 * restarts (`restarts`): a lost trainer worker replaced, its trainer resumed; a lost
   data-layer worker replaced, the data layer restored from its durable state;
 * status and summary (`monitoring.writer`): ``control/status.json`` each tick, ``summary.json``.
@@ -44,6 +45,7 @@ from astraflow.dataflow.layer import DataLayer
 from astraflow.partition_settings import check_partition
 from astraflow.rollout.node import RaaSNode
 from astraflow.rollout.node_group import RaaSNodeGroup
+from astraflow.runtime.autoscaling import autoscale_driver
 from astraflow.runtime.control import write_desired
 from astraflow.runtime.jobrecords import PreviousJobs
 from astraflow.runtime.monitoring import StatusWriter, Tick, archive_summary
@@ -100,6 +102,10 @@ class Orchestrator:
         self.dl_restarts = DataLayerRestarts(cfg, self.paths, self.fleet, self.placement, self.progress,
                                              self.trainers, self._reconcile)
         self.status.data_layer_restarts = self.dl_restarts.record
+        #: grows and drains the partitions with autoscale bounds (None: no autoscaling)
+        self.autoscaler = autoscale_driver(cfg, self.paths, self.parts, self.fleet, self.progress)
+        if self.autoscaler is not None:
+            self.status.autoscale = self.autoscaler.status
         #: the last state read from the components (the summary's fallback when they are gone)
         self.last_tick: Tick | None = None
         #: per-iteration phase times of the trainer-centred baseline (``run.mode: sync``)
@@ -269,6 +275,8 @@ class Orchestrator:
                 self.dl_restarts.replace(lost)  # or RunFailed: restarts spent, state not durable
                 continue
             self.status.track(tick)
+            if self.autoscaler is not None:
+                self.autoscaler.step(tick)
             self._show(tick)
             done = all(st["done"] for st in tick.trainers.values())
             if done and (not eval_on or self.dl.eval_done(final).result(timeout=30)):

@@ -1,7 +1,8 @@
 """Runtime room: partition reconciliation. The *desired* partitions (the config, plus
 ``astraflow partitions add/remove`` written to ``control/partitions.json``) against the worker
 jobs that exist: submit the missing workers, start removing the workers of a partition that
-left the set (drain or now), back off refilling a partition whose workers fail, and stop
+left the set (drain or now) or the workers beyond a partition's lowered ``nodes`` (drained),
+back off refilling a partition whose workers fail, and stop
 refilling it when they keep failing. A partition of the file whose ``env`` or
 ``sbatch_options`` the run's allowlists refuse (`schedulers.policy`), or whose ``rollout:``
 settings do not fit the run's config (`astraflow.partition_settings`), is never started.
@@ -210,6 +211,9 @@ class PartitionSet:
             if ps.state == "failed":
                 continue
             live = [w for w in mine if not w.draining]
+            if len(live) > part.nodes:
+                self._shrink(fleet, name, live, len(live) - part.nodes)
+                continue
             missing = part.nodes - len(live)
             if missing > 0 and (ps.refill_at is None or time.time() >= ps.refill_at):
                 used = {parse_worker_name(w.name)["index"] for w in fleet.in_partition(name)}
@@ -224,3 +228,13 @@ class PartitionSet:
                     fleet.add(job, name)
                     self.progress.note(f"submitted {job.kind} worker {job.worker_name} ({job.job_id})")
                 self.records.add(jobs)  # after the fleet has them: a failed write still leaves them cancelled at the end
+
+    def _shrink(self, fleet: Fleet, name: str, live: list[Worker], excess: int) -> None:
+        """Partition ``name`` wants fewer workers than it has (its ``nodes`` went down: the
+        autoscaler, or an edited desired file): remove ``excess`` of them, those not serving
+        yet first (nothing to drain), then the newest; each is drained like a removed partition's."""
+        order = sorted(live, key=lambda w: (w.phase == "serving", -parse_worker_name(w.name)["index"]))
+        for w in order[:excess]:
+            fleet.remove(w, drain=True)
+        self.progress.note(f"partition {name}: {self.partitions[name].nodes} worker(s) wanted, "
+                           f"removing {', '.join(w.name for w in order[:excess])}")

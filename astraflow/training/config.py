@@ -81,6 +81,20 @@ class TrainerConfig(Strict):
     """``backend: sim``: the time one optimiser step takes."""
     sim_seconds_per_token: float = Field(default=0.0, ge=0)
     """``backend: sim``: time added per loss token of the batch."""
+    sim_step_schedule: dict[int, float] = Field(default_factory=dict)
+    """``backend: sim``: step times that change mid-run, ``{from_step: seconds}``: from that
+    step on (counted from 0) a step takes that long instead of ``sim_step_seconds``, e.g.
+    ``{40: 2.0}`` slows the trainer down after 40 steps (a trainer whose speed changes, for
+    studying the autoscaler)."""
+
+    @field_validator("sim_step_schedule")
+    @classmethod
+    def _schedule(cls, v: dict[int, float]) -> dict[int, float]:
+        bad = {k: s for k, s in v.items() if k < 0 or not (s >= 0 and s != float("inf"))}
+        if bad:
+            raise ValueError(f"sim_step_schedule {bad}: use {{from_step: seconds}} with steps >= 0 and finite "
+                             "seconds >= 0, e.g. {40: 2.0}")
+        return dict(sorted(v.items()))
     tensor_parallel: int = Field(default=1, ge=1)
     """Megatron tensor-parallel size (ranks started by the trainer actor); 1 for ``torch``."""
     data_parallel: int = Field(default=1, ge=1)

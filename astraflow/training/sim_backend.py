@@ -1,6 +1,7 @@
 """``SimBackend`` (``trainer.backend: sim``): a trainer backend without a model.
 
-A step takes ``sim_step_seconds`` plus ``sim_seconds_per_token`` per loss token of the batch
+A step takes ``sim_step_seconds`` (or, from a step of ``sim_step_schedule`` on, that entry's
+seconds) plus ``sim_seconds_per_token`` per loss token of the batch
 (sleeping, no tensor work) and reports GRPO-shaped metrics computed from the batch itself
 (rewards, advantages, staleness), so the run's metrics and progress lines stay meaningful. A
 published version is a one-tensor checkpoint (the step count) with ``meta["sim"]``: a real
@@ -25,21 +26,31 @@ class SimBackend:
     supports_optimizer_state = False
 
     def __init__(self, step_seconds: float = 1.0, seconds_per_token: float = 0.0,
-                 sleep=time.sleep) -> None:
+                 sleep=time.sleep, schedule: dict[int, float] | None = None) -> None:
         self.step_seconds = step_seconds
+        #: ``{from_step: seconds}``: the step time from that step on (steps counted from 0)
+        self.schedule = dict(sorted((schedule or {}).items()))
         self.seconds_per_token = seconds_per_token
         self._sleep = sleep
         self.steps = 0
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         tokens = int(sum(int(item.loss_mask.sum()) for item in batch.items))
-        seconds = self.step_seconds + self.seconds_per_token * tokens
+        seconds = self.base_seconds(self.steps) + self.seconds_per_token * tokens
         self._sleep(seconds)
         self.steps += 1
         adv = np.array([item.advantage for item in batch.items], dtype=np.float64)
         return {"loss": float(-np.mean(adv)) if len(adv) else 0.0, "grad_norm": float(np.abs(adv).mean()) if len(adv) else 0.0,
                 "tokens": float(tokens), "trained_tokens": float(tokens), "step_s": seconds,
                 "clip_frac": 0.0, "ratio_mean": 1.0, "approx_kl": 0.0}
+
+    def base_seconds(self, step: int) -> float:
+        """The time step ``step`` (from 0) takes before its per-token time."""
+        out = self.step_seconds
+        for start, seconds in self.schedule.items():
+            if step >= start:
+                out = seconds
+        return out
 
     def publish(self, store, policy: str, version: int, state: dict | None = None):
         import torch

@@ -66,7 +66,8 @@ def make_backend(cfg: TrainerConfig, model_path: str, seed: int) -> TrainerBacke
     if cfg.backend == "sim":
         from astraflow.training.sim_backend import SimBackend
 
-        return SimBackend(step_seconds=cfg.sim_step_seconds, seconds_per_token=cfg.sim_seconds_per_token)
+        return SimBackend(step_seconds=cfg.sim_step_seconds, seconds_per_token=cfg.sim_seconds_per_token,
+                          schedule=cfg.sim_step_schedule)
     raise ValueError(f"unknown trainer backend {cfg.backend!r}; known: torch, megatron, sim")
 
 
@@ -132,6 +133,11 @@ class Trainer:
         self.done = False
         self.error: str | None = None
         self.wait_s = 0.0
+        #: seconds waited for batches up to the last fetch (``wait_s`` counts committed steps
+        #: only); with ``_waiting_since`` it gives the autoscaler a wait that a starved trainer
+        #: cannot hide (``state()["wait_total_s"]``)
+        self._waited_s = 0.0
+        self._waiting_since: float | None = None
         self.train_s = 0.0
         self.publish_s = 0.0
         self.last_metrics: dict[str, float] = {}
@@ -193,9 +199,13 @@ class Trainer:
     def _train_next(self) -> tuple[Any, dict[str, float], float, float]:
         """Fetch the next batch and take one optimiser step on it: ``(batch, metrics, wait_s,
         train_s)``; the backend's weights are then at ``self.version`` (not yet published)."""
-        t0 = time.time()
-        batch = self._fetch(self.version)
-        t1 = time.time()
+        t0 = self._waiting_since = time.time()
+        try:
+            batch = self._fetch(self.version)
+        finally:
+            self._waiting_since = None
+            t1 = time.time()
+            self._waited_s += t1 - t0
         metrics = self.backend.train_step(batch)
         self.nonfinite.observe(metrics, self.version + 1)
         self.version += 1
@@ -293,6 +303,7 @@ class Trainer:
             "train_s": self.train_s,
             "publish_s": self.publish_s,
             "wait_fraction": self.wait_s / elapsed,
+            "wait_total_s": self._waited_s + (time.time() - since if (since := self._waiting_since) else 0.0),
             "deltas": self.delta_history[-5:],
             "optimizer_resumed_from": self.optimizer_resumed_from,
             "last_metrics": dict(self.last_metrics),

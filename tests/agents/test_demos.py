@@ -99,3 +99,23 @@ def test_a_noisy_expert_detours_and_recovers_and_needs_explore_action():
     assert demonstrations(wl, renderer, tasks, limits, noise=0.5, seed=1)[0].tokens == noisy[0].tokens  # seeded
     with pytest.raises(ValueError, match="explore_action"):
         demonstrations(LookupWorkload(), renderer, LookupWorkload().tasks("train")[:1], limits, noise=0.5)
+
+
+def test_demo_noise_for_an_environment_without_explore_action_is_refused_by_check(tmp_path):
+    """`astraflow check` refuses ``demo_noise`` where the environment cannot explore, naming the
+    fix, instead of the run failing later while it builds the model."""
+    import yaml
+    from click.testing import CliRunner
+
+    from astraflow.cli import main
+
+    data = yaml.safe_load(open("examples/search/config.yaml"))
+    data["policies"][0]["init"]["demo_noise"] = 0.3
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    res = CliRunner().invoke(main, ["check", str(path)])
+    assert res.exit_code == 2, res.output
+    assert "demo_noise" in res.output and "explore_action" in res.output and "demo_noise: 0" in res.output
+    data["policies"][0]["init"]["demo_noise"] = 0.0
+    path.write_text(yaml.safe_dump(data))
+    assert CliRunner().invoke(main, ["check", str(path)]).exit_code == 0

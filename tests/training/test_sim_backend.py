@@ -4,6 +4,7 @@ publishes a real, tiny committed version into the weight store."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from astraflow.contracts import Batch
 from astraflow.training.config import TrainerConfig
@@ -42,3 +43,16 @@ def test_a_step_takes_its_time_and_versions_are_published(tmp_path):
 def test_the_trainer_builds_it_from_its_config():
     backend = make_backend(TrainerConfig(backend="sim", sim_step_seconds=0.2), "unused", 0)
     assert isinstance(backend, SimBackend) and backend.step_seconds == 0.2
+
+
+def test_a_step_schedule_changes_the_step_time_mid_run():
+    cfg = TrainerConfig(backend="sim", sim_step_seconds=1.0, sim_step_schedule={4: 3.0, 2: 0.1})
+    assert list(cfg.sim_step_schedule) == [2, 4]
+    backend = make_backend(cfg, None, 0)
+    slept = []
+    backend._sleep = slept.append
+    for _ in range(6):
+        backend.train_step(Batch(policy="p", version=0, items=()))
+    assert slept == [1.0, 1.0, 0.1, 0.1, 3.0, 3.0]
+    with pytest.raises(ValueError, match="from_step: seconds"):
+        TrainerConfig(backend="sim", sim_step_schedule={-1: 1.0})

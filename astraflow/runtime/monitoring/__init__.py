@@ -8,7 +8,8 @@ dashboard and ``astraflow status --json`` (`view`), the ``astraflow status`` tex
 curves (`metrics`) and their plots and TensorBoard mirror (`export`). Nothing here talks to the
 cluster: a run directory on shared storage is enough.
 
-Reading order: `snapshot` (the files and the one rule for "running"), `writer`, `view`,
+Reading order: `snapshot` (the files and the one rule for "running"), `writer` (with
+`partition_stats`), `view`,
 `metrics`, `text`, `export`.
 """
 
@@ -28,6 +29,8 @@ from astraflow.runtime.monitoring.snapshot import (
 from astraflow.runtime.monitoring.text import format_partitions, format_status
 from astraflow.runtime.monitoring.view import (
     SCHEMA_VERSION,
+    AutoscaleView,
+    DecisionView,
     LedgerView,
     NodeView,
     PartitionView,
@@ -38,7 +41,8 @@ from astraflow.runtime.monitoring.view import (
 from astraflow.runtime.monitoring.writer import StatusWriter, Tick
 
 __all__ = [
-    "PLOTS", "SCHEMA_VERSION", "STALE_AFTER_S", "LedgerView", "MetricsReader", "MetricsView", "NodeView",
+    "AutoscaleView", "DecisionView", "PLOTS", "SCHEMA_VERSION", "STALE_AFTER_S", "LedgerView", "MetricsReader",
+    "MetricsView", "NodeView",
     "PartitionView", "PolicyCurves", "PolicyView", "RunNotRunning", "Snapshot", "StatusView", "StatusWriter",
     "Tick", "archive_summary", "build_status_view", "export_tensorboard", "format_partitions", "format_status",
     "read_metrics", "read_snapshot", "run_status", "tail_records", "write_orchestrator_info", "write_plots",

@@ -3,6 +3,7 @@ list``, formatted from the status snapshot as `run_status` returns it."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 
@@ -17,6 +18,8 @@ def format_partitions(st: dict[str, Any]) -> str:
             f"{p.get('state', '?'):<9} {p['nodes']:>7} {p.get('live', 0):>4} {p.get('serving', 0):>7} "
             f"{p.get('completed', 0):>8} {p.get('episodes_per_s', 0.0):>6.1f}  {jobs}"
         )
+        if p.get("role") == "rollout":
+            lines.append(partition_stats_line(p))
         if p.get("failures"):
             wait = p.get("refill_in_s")
             lines.append(f"  failures: {p['failures']} worker(s) failed"
@@ -61,6 +64,7 @@ def format_status(st: dict[str, Any]) -> str:
     waits = [t.get("wait_fraction", 0.0) for t in st.get("trainers", {}).values()]
     if idle and waits:  # which side to grow: waiting trainers want rollout, idle nodes want training
         lines.append(f"balance: trainer wait {max(waits):.0%}, rollout idle {sum(idle) / len(idle):.0%}")
+    lines += autoscale_lines(st.get("autoscale"))
     lines.append(
         f"throughput: {dl.get('episodes_per_s', 0):.1f} episodes/s, {dl.get('sequences_per_s', 0):.1f} sequences/s, "
         f"{dl.get('generated_tokens_per_s', 0):.0f} generated tok/s; "
@@ -70,3 +74,33 @@ def format_status(st: dict[str, Any]) -> str:
     if evals:
         lines.append("held-out accuracy: " + ", ".join(f"v{e['step']}={e['eval_accuracy']:.3f}" for e in evals))
     return "\n".join(lines)
+
+
+def partition_stats_line(p: dict[str, Any]) -> str:
+    """A rollout partition's throughput, staleness of what it generated, versions served and
+    autoscale bounds, on one indented line."""
+    mean, worst = p.get("staleness_mean"), p.get("staleness_max")
+    stale = (f"staleness mean {mean:.2f} max {worst} ({p.get('consumed', 0)} consumed)" if mean is not None
+             else "staleness -")
+    served = " ".join(f"{pol}:" + (f"v{vs[0]}" if len(vs) == 1 else f"v{vs[0]}-v{vs[-1]}")
+                      for pol, vs in (p.get("versions") or {}).items() if vs) or "-"
+    b = p.get("autoscale")
+    bounds = f"; autoscale {b['min_nodes']}..{b['max_nodes']} nodes, cooldown {b['cooldown_s']:g}s" if b else ""
+    return (f"  {p.get('episodes_per_s', 0.0):.1f} traj/s, {p.get('tokens_per_s', 0.0):.0f} tok/s, {stale}, "
+            f"serving {served}{bounds}")
+
+
+def autoscale_lines(a: dict[str, Any] | None) -> list[str]:
+    """The autoscaler's band, its latest decision and its recent changes (none without one)."""
+    if not a:
+        return []
+    c = a.get("config", {})
+    out = [f"autoscale: trainer wait band [{c.get('low_wait', 0):.0%}, {c.get('high_wait', 0):.0%}] over "
+           f"{c.get('window_s', 0):g}s" + (f", stale drops above {c['max_stale_fraction']:.0%} drain"
+                                           if c.get("max_stale_fraction") is not None else "")]
+    last = a.get("last")
+    if last:
+        out.append(f"  now: {last['action']}: {last['reason']}")
+    for d in a.get("changes", [])[-5:]:
+        out.append(f"  {time.strftime('%H:%M:%S', time.localtime(d['t']))} {d['reason']}")
+    return out

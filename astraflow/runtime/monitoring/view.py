@@ -54,6 +54,14 @@ class NodeView(_View):
     last_seen_s: float | None = Field(description="seconds since its last heartbeat; None: never (not a RaaS node)")
 
 
+class BoundsView(_View):
+    """A partition's autoscale bounds (``partitions[].autoscale``)."""
+
+    min_nodes: int
+    max_nodes: int
+    cooldown_s: float
+
+
 class PartitionView(_View):
     """A partition as configured (or added with ``astraflow partitions add``)."""
 
@@ -69,6 +77,16 @@ class PartitionView(_View):
     failures: int = Field(default=0, description="its workers that failed (lost before serving or soon after)")
     refill_in_s: float | None = Field(default=None, description="seconds until it is refilled again (backoff after a failure); None when not waiting")
     error: str | None = Field(default=None, description="why it failed; None while healthy")
+    trajectories_per_s: float = Field(default=0.0, description="tasks its nodes completed per second over the "
+                                                               "last ~10 s")
+    tokens_per_s: float = Field(default=0.0, description="tokens its nodes sampled per second over the last ~10 s")
+    consumed: int = Field(default=0, description="sequences its nodes generated that trainers consumed")
+    staleness_mean: float | None = Field(default=None, description="mean versions behind the trainer of those "
+                                                                   "sequences when consumed; None before any")
+    staleness_max: int | None = Field(default=None, description="their largest staleness; None before any")
+    versions: dict[str, list[int]] = Field(default_factory=dict, description="per policy: the weight versions "
+                                                                            "its live nodes serve now")
+    autoscale: BoundsView | None = Field(default=None, description="its autoscale bounds; None: not autoscaled")
 
 
 class PolicyView(_View):
@@ -93,6 +111,31 @@ class PolicyView(_View):
     staleness_hist: dict[str, int] = Field(description="consumed trajectories by staleness (versions behind)")
     restarts: int = Field(default=0, description="times its trainer was restarted after its worker was lost "
                                                  "(at most cluster.trainer_restarts)")
+
+
+class DecisionView(_View):
+    """One decision of the autoscaler."""
+
+    t: float = Field(description="unix time of the decision")
+    action: str = Field(description="add | drain | hold")
+    partition: str | None = Field(description="the partition changed; None for a hold")
+    count: int = Field(description="workers added or drained")
+    desired: int | None = Field(description="the partition's nodes before")
+    target: int | None = Field(description="its nodes after")
+    reason: str = Field(description="why, with the signal values against the band")
+    signals: dict[str, float | None] = Field(description="trainer_wait, stale_fraction, evidence_s over the window")
+
+
+class AutoscaleView(_View):
+    """The run's autoscaler (``autoscale:`` in the config; docs/autoscaling.md)."""
+
+    high_wait: float
+    low_wait: float
+    max_stale_fraction: float | None
+    window_s: float
+    step_nodes: int
+    last: DecisionView | None = Field(description="the latest decision (often a hold, saying why)")
+    changes: list[DecisionView] = Field(description="the recent adds and drains, oldest first")
 
 
 class LedgerView(_View):
@@ -129,6 +172,7 @@ class StatusView(_View):
     policies: list[PolicyView]
     partitions: list[PartitionView]
     ledger: LedgerView
+    autoscale: AutoscaleView | None = Field(default=None, description="the autoscaler; None when the run has none")
 
 
 LEDGER_EVENTS = ("created", "leased", "completed", "requeued", "failed", "consumed", "dropped", "evaluated")
@@ -207,7 +251,7 @@ def build_status_view(run_dir: Path | str, now: float | None = None) -> StatusVi
             hardware=str(p.get("hardware", "?")), region=str(p.get("region", "?")),
             desired=int(p.get("nodes", 0)), live=int(p.get("live", 0)), nodes=by_part.get(n, []),
             state=str(p.get("state", "?")), failures=int(p.get("failures", 0)),
-            refill_in_s=p.get("refill_in_s"), error=p.get("error"),
+            refill_in_s=p.get("refill_in_s"), error=p.get("error"), **_partition_stats(p),
         )
         for n, p in parts_cfg.items()
     ] + [  # nodes the data layer knows in a partition no longer configured
@@ -257,6 +301,30 @@ def build_status_view(run_dir: Path | str, now: float | None = None) -> StatusVi
         generated_tokens_per_s=float(dl.get("generated_tokens_per_s", 0.0)),
         rollout_idle_fraction=_mean_idle(partitions),
         policies=policies, partitions=partitions, ledger=ledger,
+        autoscale=_autoscale_view((summary or {}).get("autoscale") or status.get("autoscale")),
+    )
+
+
+def _partition_stats(p: dict[str, Any]) -> dict[str, Any]:
+    """A partition's throughput, staleness, versions and bounds from its status entry."""
+    return {"trajectories_per_s": float(p.get("episodes_per_s", 0.0)),
+            "tokens_per_s": float(p.get("tokens_per_s", 0.0)),
+            "consumed": int(p.get("consumed", 0)), "staleness_mean": p.get("staleness_mean"),
+            "staleness_max": p.get("staleness_max"),
+            "versions": {k: [int(x) for x in v] for k, v in (p.get("versions") or {}).items()},
+            "autoscale": BoundsView(**p["autoscale"]) if p.get("autoscale") else None}
+
+
+def _autoscale_view(a: dict[str, Any] | None) -> AutoscaleView | None:
+    if not a:
+        return None
+    c = a.get("config", {})
+    return AutoscaleView(
+        high_wait=float(c.get("high_wait", 0.0)), low_wait=float(c.get("low_wait", 0.0)),
+        max_stale_fraction=c.get("max_stale_fraction"), window_s=float(c.get("window_s", 0.0)),
+        step_nodes=int(c.get("step_nodes", 1)),
+        last=DecisionView(**a["last"]) if a.get("last") else None,
+        changes=[DecisionView(**d) for d in a.get("changes", [])],
     )
 
 

@@ -4,7 +4,8 @@ Each tick the orchestrator reads one `Tick` (the data layer's state and every tr
 hands it to the terminal progress and to `StatusWriter.write` (``control/status.json``); at
 the end `StatusWriter.write_summary` writes ``summary.json``. The partition table of both adds
 what the orchestrator knows (states, live/serving workers, jobs) to the data layer's per-node
-counts, with a trajectory rate over the last ~10 s.
+counts (`partition_stats`): trajectory and token rates over the last ~10 s, the staleness of
+what its nodes generated and the trainers consumed, the versions its nodes serve.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from astraflow.runtime.monitoring.partition_stats import (ZERO_COUNTS, partition_counts, partition_versions,
+                                                          staleness_summary)
 from astraflow.runtime.monitoring.snapshot import write_status, write_summary
 from storage.paths import RunPaths
 
@@ -50,23 +53,25 @@ class StatusWriter:
         self.data_layer_restarts: Callable[[], dict[str, Any]] = dict
         #: the previous incarnation's worker jobs cancelled at start (``PreviousJobs.as_dict``)
         self.previous_jobs: dict[str, Any] = {"cancelled": [], "errors": {}}
+        #: the autoscaler's status entry (``AutoscaleDriver.status``; None: no autoscaler)
+        self.autoscale: Callable[[], dict[str, Any] | None] = lambda: None
+        #: per partition: the weight versions its live nodes serve, per policy
+        self._versions: dict[str, dict[str, list[int]]] = {}
 
     def track(self, tick: Tick) -> None:
-        """Per-partition trajectory counts from the data layer's node table, and the history
-        the rate is computed from (the throughput `astraflow status` and the benchmarks report)."""
-        done: dict[str, int] = {n: 0 for n in self.parts.partitions}
-        for node, info in tick.data_layer.get("nodes", {}).items():
-            w = self.fleet.workers.get(node)
-            if w is not None:
-                done[w.partition] = done.get(w.partition, 0) + int(info.get("completed", 0))
+        """Per-partition counts from the data layer's node table (`partition_counts`), and the
+        history the rates are computed from (the throughput `astraflow status` and the
+        benchmarks report)."""
+        counts = partition_counts(tick.data_layer, self.fleet, list(self.parts.partitions))
         now = time.time()
-        for name, n in done.items():
+        for name, c in counts.items():
             ps = self.parts.state.get(name)
-            if ps is not None and n > 0 and ps.first_trajectory_at is None:
+            if ps is not None and c["completed"] > 0 and ps.first_trajectory_at is None:
                 ps.first_trajectory_at = now
-        self._rates.append((now, done))
+        self._rates.append((now, counts))
         while len(self._rates) > 2 and now - self._rates[1][0] >= RATE_WINDOW_S:
             self._rates.popleft()
+        self._versions = partition_versions(tick.data_layer, self.fleet)
 
     def partitions(self) -> dict[str, Any]:
         """The partition table: each partition's spec, state, workers, jobs and rate."""
@@ -76,7 +81,9 @@ class StatusWriter:
         for n, p in self.parts.partitions.items():
             ps = self.parts.state[n]
             mine = self.fleet.in_partition(n)
-            rate = (last.get(n, 0) - first.get(n, 0)) / (t1 - t0) if t1 > t0 else 0.0
+            now_c, then_c = last.get(n) or ZERO_COUNTS, first.get(n) or ZERO_COUNTS
+            rate = (now_c["completed"] - then_c["completed"]) / (t1 - t0) if t1 > t0 else 0.0
+            tok_rate = max(now_c["tokens"] - then_c["tokens"], 0) / (t1 - t0) if t1 > t0 else 0.0
             out[n] = {
                 **p.model_dump(mode="json"),
                 "state": ps.state,
@@ -88,8 +95,11 @@ class StatusWriter:
                 "draining": sum(1 for w in mine if w.draining),
                 "workers": [w.name for w in mine if not w.gone],
                 "jobs": {w.job.job_id: self.fleet.job_state(w) for w in mine if not w.gone},
-                "completed": last.get(n, 0),
+                "completed": now_c["completed"],
                 "episodes_per_s": rate,
+                "tokens_per_s": tok_rate,
+                **staleness_summary(now_c["staleness"]),
+                "versions": self._versions.get(n, {}),
                 "seen_at": ps.seen_at,
                 "first_trajectory_at": ps.first_trajectory_at,
                 "removal_mode": ps.removal_mode,
@@ -112,6 +122,7 @@ class StatusWriter:
             "data_layer_restarts": self.data_layer_restarts(),
             "previous_jobs": self.previous_jobs,
             "partitions": self.partitions(),
+            "autoscale": self.autoscale(),
             "workers": {
                 n: {"job_id": w.job.job_id, "partition": w.partition, "kind": w.job.kind,
                     "state": fleet.job_state(w), "phase": w.phase, "note": w.note,
@@ -143,4 +154,5 @@ class StatusWriter:
                             "gone": w.gone, "served": w.actor is not None}
                         for n, w in self.fleet.workers.items()},
             "partitions": self.partitions(),
+            "autoscale": self.autoscale(),
         })

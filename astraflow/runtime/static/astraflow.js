@@ -163,7 +163,9 @@ function renderStatus(st) {
       + (part.state !== "active" && part.state !== "?" ? `, ${part.state}` : "")
       + (part.failures ? `, ${part.failures} failed` : "")
       + (part.refill_in_s ? `, refilling in ${Math.round(part.refill_in_s)}s` : "")
-      + (part.error ? ` — ${part.error}` : "")));
+      + (part.error ? ` — ${part.error}` : "")
+      + (part.role === "rollout" ? partitionStats(part) : "")));
+    tr.firstChild.id = `partition-${part.name}`;
     rows.push(tr);
     for (const n of part.nodes) {
       const versions = Object.entries(n.versions).map(([p, v]) => `${p}:v${v}`).join(" ") || "–";
@@ -180,6 +182,8 @@ function renderStatus(st) {
     }
   }
   nb.replaceChildren(...rows);
+
+  renderAutoscale(st.autoscale);
 
   const L = st.ledger;
   const kv = (title, obj, id) => {
@@ -199,6 +203,30 @@ function renderStatus(st) {
     kv("failed by reason", L.failed_by_reason, "ledger-failed"),
   );
   $("ledger").replaceChildren(box);
+}
+
+// a rollout partition's throughput, staleness of what it generated, versions served, bounds
+function partitionStats(part) {
+  const served = Object.entries(part.versions)
+    .map(([p, vs]) => `${p}:v${vs[0]}` + (vs.length > 1 ? `-v${vs[vs.length - 1]}` : "")).join(" ") || "–";
+  const stale = part.staleness_mean === null ? "–" : `mean ${fmt(part.staleness_mean, 2)}, max ${part.staleness_max}`;
+  const b = part.autoscale;
+  return ` · ${fmt(part.trajectories_per_s, 1)} traj/s, ${fmt(part.tokens_per_s, 0)} tok/s · staleness ${stale}`
+    + ` · serving ${served}` + (b ? ` · autoscale ${b.min_nodes}–${b.max_nodes} nodes, cooldown ${b.cooldown_s}s` : "");
+}
+
+function renderAutoscale(a) {
+  $("autoscale-section").hidden = !a;
+  if (!a) return;
+  const last = a.last;
+  $("autoscale-now").textContent = `band: trainer wait ${pct(a.low_wait)}–${pct(a.high_wait)} over ${a.window_s}s`
+    + (a.max_stale_fraction !== null ? `, stale drops above ${pct(a.max_stale_fraction)} drain` : "")
+    + (last ? ` · now: ${last.action} — ${last.reason}` : "");
+  const time = (t) => new Date(1000 * t).toLocaleTimeString();
+  $("autoscale").tBodies[0].replaceChildren(...a.changes.slice().reverse().map((d) => row([
+    time(d.t), [d.action, { class: "action-" + d.action }], d.partition, `${d.desired} → ${d.target}`,
+    pct(d.signals.trainer_wait), pct(d.signals.stale_fraction), d.reason,
+  ])));
 }
 
 function renderMetrics(mv, st) {

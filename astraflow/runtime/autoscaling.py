@@ -1,0 +1,138 @@
+"""Runtime room: the autoscaler in the orchestrator's loop.
+
+Each tick `AutoscaleDriver.step` reads the signals the run already has from that tick's `Tick`
+(each trainer's ``wait_total_s``; the data layer's ``stale_dropped`` and ``consumed`` counts),
+hands them with the autoscaled partitions to the pure `Autoscaler`, and applies an add or a
+drain the way ``astraflow partitions`` changes a run: it writes the partition's new ``nodes``
+into ``control/partitions.json`` (`control.set_partition_nodes`), which the next reconcile
+turns into submitted workers, or into drains of the newest ones (`reconcile`).
+
+Every change is noted in the run's output and logged (with its reason and signal values),
+appended to ``control/autoscale.jsonl``, and shown in ``status.json`` (``autoscale``: the
+latest decision, hold or not, and the recent changes), hence on the dashboard page and in
+``astraflow status``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from astraflow.runtime.autoscale import Autoscaler, Decision, Sample, Slot
+from astraflow.runtime.control import PartitionError, set_partition_nodes
+from astraflow.sections import AutoscaleConfig
+from storage.paths import RunPaths
+
+if TYPE_CHECKING:
+    from astraflow.config import RunConfig
+    from astraflow.runtime.monitoring import Tick
+    from astraflow.runtime.progress import Progress
+    from astraflow.runtime.reconcile import PartitionSet
+    from astraflow.runtime.workers import Fleet
+
+log = logging.getLogger("astraflow.runtime")
+
+#: changes kept for the status (all of them are in ``control/autoscale.jsonl``)
+RECENT = 20
+
+#: worker phases of a change that has not settled yet
+SETTLING = ("submitted", "placing", "starting", "draining")
+
+
+def sample_of(tick: Tick, now: float) -> Sample:
+    """The autoscaler's counters in one tick: trainers still training, all policies' counts."""
+    counts = tick.data_layer.get("counts", {})
+    training = [st for st in tick.trainers.values() if not st.get("done")]
+    return Sample(
+        t=now,
+        wait_s={p: float(st.get("wait_total_s", st.get("wait_s", 0.0))) for p, st in tick.trainers.items()
+                if not st.get("done")},
+        stale_dropped=sum(int(c.get("stale_dropped", 0)) for c in counts.values()),
+        consumed=sum(int(c.get("consumed", 0)) for c in counts.values()),
+        started=all(int(st.get("version", 0)) >= 1 for st in training),
+    )
+
+
+class AutoscaleDriver:
+    """Feeds the `Autoscaler` each tick and applies its decisions (module docstring)."""
+
+    def __init__(self, cfg: AutoscaleConfig, paths: RunPaths, parts: PartitionSet, fleet: Fleet,
+                 progress: Progress):
+        self.cfg = cfg
+        self.paths = paths
+        self.parts = parts
+        self.fleet = fleet
+        self.progress = progress
+        self.scaler = Autoscaler(cfg)
+        self.last: Decision | None = None
+        self.changes: deque[dict[str, Any]] = deque(maxlen=RECENT)
+
+    def slots(self) -> list[Slot]:
+        """The active rollout partitions with bounds, in the desired set's order; a worker still
+        starting or draining, or one not even submitted yet, counts as settling."""
+        out = []
+        for name, part in self.parts.partitions.items():
+            if part.autoscale is None or part.role != "rollout" or self.parts.state[name].state != "active":
+                continue
+            mine = [w for w in self.fleet.in_partition(name) if not w.gone]
+            settling = sum(1 for w in mine if w.phase in SETTLING)
+            unsubmitted = part.nodes - sum(1 for w in mine if not w.draining)  # e.g. refill backoff after a failure
+            out.append(Slot(name, part.nodes, part.autoscale, settling + max(unsubmitted, 0)))
+        return out
+
+    def step(self, tick: Tick, now: float | None = None) -> Decision:
+        """Observe this tick, decide, apply a change. Returns the decision."""
+        now = time.time() if now is None else now
+        self.scaler.observe(sample_of(tick, now))
+        decision = self.scaler.decide(now, self.slots())
+        if decision.action != "hold":
+            decision = self._apply(decision)
+        self.last = decision
+        return decision
+
+    def _apply(self, d: Decision) -> Decision:
+        """Write the partition's new ``nodes``; a failed write becomes a hold saying why."""
+        try:
+            written = set_partition_nodes(self.paths, d.partition, d.target)
+        except (PartitionError, ValueError, OSError) as err:
+            written, why = None, f"{type(err).__name__}: {err}"
+        else:
+            why = "it left the desired partitions"
+        if written is None:
+            self.progress.note(f"autoscale: could not {d.action} workers of {d.partition} ({why})")
+            return Decision("hold", f"{d.reason}; not applied: {why}", d.signals, d.t)
+        record = d.as_dict()
+        self.changes.append(record)
+        shown = ", ".join(f"{k} {v:.2f}" for k, v in d.signals.items() if v is not None)
+        self.progress.note(f"autoscale: {d.reason} (signals: {shown})")
+        log.info("autoscale: %s", json.dumps(record))
+        self.paths.control.mkdir(parents=True, exist_ok=True)
+        with open(self.paths.autoscale_log, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return d
+
+    def status(self) -> dict[str, Any]:
+        """The ``autoscale`` entry of ``status.json``: the settings, the latest decision and signals,
+        and the recent changes (oldest first)."""
+        return {
+            "config": self.cfg.model_dump(mode="json"),
+            "last": self.last.as_dict() if self.last else None,
+            "changes": list(self.changes),
+        }
+
+
+def autoscale_driver(cfg: RunConfig, paths: RunPaths, parts: PartitionSet, fleet: Fleet,
+                     progress: Progress) -> AutoscaleDriver | None:
+    """The run's driver; None when the config has no enabled ``autoscale`` section (bounds of
+    a disabled one are ignored, which is noted)."""
+    if cfg.autoscale is None:
+        return None
+    if not cfg.autoscale.enabled:
+        bounded = [p.name for p in cfg.partitions if p.autoscale is not None]
+        if bounded:
+            progress.note(f"autoscale.enabled is false: the autoscale bounds of {bounded} are ignored")
+        return None
+    return AutoscaleDriver(cfg.autoscale, paths, parts, fleet, progress)
