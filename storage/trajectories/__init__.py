@@ -36,8 +36,8 @@ the committed length lives in the markers, never in the array shape.
 A ``write`` call publishes its rows in batches of ``batch_size`` in two steps: (1) the chunk
 data of every batch is written; (2) the batches' commit markers are created in order
 (``storage.atomic.create_in_order``: temp files; then, when ``durable``, one concurrent
-flush of the touched chunk files, new directories, resized ``zarr.json`` files and the temp
-files; then a hard link per marker, create-if-absent; then one fsync of the commits
+flush of the touched chunk files, new directories, new or resized ``zarr.json`` files and
+the temp files; then a hard link per marker, create-if-absent; then one fsync of the commits
 directory). Readers trust only markers, gap-free from 0, so an entry whose writer died
 between (1) and (2) is never visible, and a restarted writer continues after the last marker,
 overwriting the orphaned chunk data (and removing markers after a gap, which only a machine

@@ -96,6 +96,9 @@ class DirBackend:
 
     def prepare_segment(self, segment: str) -> None:
         commits = paths.segment_commit_dir(self.root, segment)
+        if not commits.is_dir():  # a new segment: its directory entries become durable with its first marker
+            self._unsynced.setdefault(segment, ({}, set()))[1].update(
+                {paths.segments_root(self.root), paths.segment_dir(self.root, segment)})
         commits.mkdir(parents=True, exist_ok=True)
         for name in os.listdir(commits):  # temp files of a killed writer of this segment
             if paths.is_tmp(name):

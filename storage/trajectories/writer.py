@@ -23,6 +23,10 @@ from storage.trajectories.layout import (
 )
 
 
+#: chunks an array has room for when it is created (its shape; no chunk exists until written).
+_FIRST_CHUNKS = 16
+
+
 def _bytes_of(a: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
 
@@ -57,12 +61,17 @@ class SegmentWriter:
         arrays: dict[str, zarr.Array] = {}
         for name, dt in FLAT_DTYPES.items():
             arrays[name] = group[name] if name in existing else group.create_array(
-                name, shape=(0,), chunks=(flat_chunk(name),), dtype=dt, compressors=None, fill_value=0)
+                name, shape=(_FIRST_CHUNKS * flat_chunk(name),), chunks=(flat_chunk(name),), dtype=dt,
+                compressors=None, fill_value=0)
         arrays["index"] = group["index"] if "index" in existing else group.create_array(
-            "index", shape=(0, len(INDEX_COLUMNS)), chunks=(INDEX_CHUNK, len(INDEX_COLUMNS)),
+            "index", shape=(_FIRST_CHUNKS * INDEX_CHUNK, len(INDEX_COLUMNS)), chunks=(INDEX_CHUNK, len(INDEX_COLUMNS)),
             dtype=np.int64, compressors=None, fill_value=0)
         arrays["reward"] = group["reward"] if "reward" in existing else group.create_array(
-            "reward", shape=(0,), chunks=(REWARD_CHUNK,), dtype=np.float64, compressors=None, fill_value=0.0)
+            "reward", shape=(_FIRST_CHUNKS * REWARD_CHUNK,), chunks=(REWARD_CHUNK,), dtype=np.float64,
+            compressors=None, fill_value=0.0)
+        created = [name for name in arrays if name not in existing]
+        for key in ["zarr.json"] * bool(created) + [f"{name}/zarr.json" for name in created]:
+            self._backend.metadata_changed(self.segment, key)  # durable with the first marker
         return arrays
 
     @property
@@ -111,13 +120,13 @@ class SegmentWriter:
         self.close()
 
     def _grow(self, name: str, needed: int) -> None:
-        """Over-allocate (capacity grows fourfold, from 16 chunks): resizing rewrites the array's
-        metadata and costs a flush, so keep it rare. The shape costs no disk (only written chunks
+        """Over-allocate (capacity starts at ``_FIRST_CHUNKS`` chunks and grows fourfold): resizing
+        rewrites the array's metadata and costs a flush, so keep it rare. The shape costs no disk (only written chunks
         exist); readers of this store go by the markers, other Zarr readers by the shape."""
         arr = self._arrays[name]
         cap, chunk = arr.shape[0], self._raw[name].chunk_rows
         if needed > cap:
-            new = -(-max(needed, 4 * cap, 16 * chunk) // chunk) * chunk
+            new = -(-max(needed, 4 * cap, _FIRST_CHUNKS * chunk) // chunk) * chunk
             arr.resize((new,) + tuple(arr.shape[1:]))
             self._backend.metadata_changed(self.segment, f"{name}/zarr.json")
 

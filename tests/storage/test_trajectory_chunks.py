@@ -6,6 +6,7 @@ Each test runs against the directory and the in-process backend where both apply
 from __future__ import annotations
 
 import json
+import os
 import uuid
 
 import numpy as np
@@ -159,3 +160,38 @@ def test_scratch_store_without_fsync_reads_back_through_another_store_object(tmp
     got = open_trajectory_store(url, "r").read(refs)
     assert all(rows_equal(a, b) for a, b in zip(rows, got))
     assert open_trajectory_store(url, "r").batch_count("seg") == 3  # 3 + 2, then 3
+
+
+def test_what_a_commit_makes_durable_before_its_marker(tmp_path, monkeypatch):
+    """A new segment's first commit flushes every chunk file, every ``zarr.json`` and every
+    directory that gained an entry, with the marker's temp file; a later commit in the same
+    chunks flushes only those chunks and the temp file."""
+    import storage.atomic as atomic
+
+    calls: list[tuple[set[str], set[str]]] = []
+    real = atomic.sync_together
+
+    def spy(data_files=(), full=()):
+        data_files, full = list(data_files), list(full)
+        calls.append(({os.readlink(f"/proc/self/fd/{f}") if isinstance(f, int) else str(f) for f in data_files},
+                      {str(f) for f in full}))
+        real(data_files, full)
+
+    monkeypatch.setattr(atomic, "sync_together", spy)
+    root = tmp_path / "store"
+    store = open_trajectory_store(str(root))
+    calls.clear()  # the layout file's
+    w = store.writer("seg", batch_size=4)
+    w.write([make_row(1, i) for i in range(6)])  # two batches, one flush
+    assert len(calls) == 1
+    data_files, full = calls[0]
+    data = paths.segment_data_dir(root, "seg")
+    files = {str(p) for p in data.rglob("*") if p.is_file()}
+    assert files == data_files  # every chunk file and every zarr.json
+    dirs = {str(p) for p in data.rglob("*") if p.is_dir()} | {str(data)}
+    assert dirs | {str(paths.segment_dir(root, "seg")), str(paths.segments_root(root))} <= full
+    assert sum(paths.is_tmp(os.path.basename(f)) for f in full) == 2  # the two markers' temp files
+    calls.clear()
+    w.write([make_row(1, 6)])
+    (data_files, full), = calls
+    assert data_files == {f for f in files if "/c/" in f} and all(paths.is_tmp(os.path.basename(f)) for f in full)
