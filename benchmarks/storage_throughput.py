@@ -1,16 +1,24 @@
-"""Trajectory-store throughput against a raw copy of the same bytes on the same disk.
+"""Trajectory-store throughput against raw copies of the same bytes on the same disk.
 
 Why it exists: the Zarr store adds chunking, commit markers and fsyncs on top of plain file
 writes; this measures what that costs. ``--writers`` processes (one segment each, like RaaS
-nodes) write ``--n`` trajectories of ~512 tokens in batches of 64; then one reader counts the
-committed entries and reads every entry back (like the data layer). The baseline, in the same run, writes
-the same bytes (per-token arrays, per-entry numbers, string columns) as plain files with one
-process, fsyncs them and reads them back.
+nodes) write ``--n`` trajectories of ~512 tokens in batches of 64, each batch durable before
+``write`` returns; then one reader counts the committed entries and reads every entry back as
+rows (like the data layer). Two baselines write the same bytes (per-token arrays, per-entry
+numbers, string columns) as plain files and read them back as bytes:
 
-    python benchmarks/storage_throughput.py [--n 10000] [--writers 4] [--out DIR] [--no-durable]
+* ``raw`` (the goal's baseline, disk bandwidth): one process writes each writer's bytes as
+  one file per column and fsyncs each file once, at the end;
+* ``raw_commits`` (the store's durability for free): ``--writers`` processes each append every
+  batch's bytes to one file and fdatasync it before the next batch, as a minimal durable log.
 
-Ends with ``RESULT {json}``; ``ratio_vs_raw`` = store throughput / raw throughput over
-write + read (goal >= 0.5).
+``--reps`` runs raw, raw_commits and the store in turn that many times and reports medians
+(the machine's disk and CPUs are shared: single readings vary severalfold).
+
+    python benchmarks/storage_throughput.py [--n 10000] [--writers 4] [--reps 3] [--no-durable]
+
+Ends with ``RESULT {json}``; ``ratio_vs_raw`` = raw time / store time over write + read (goal
+>= 0.5); ``ratio_vs_raw_commits`` the same against the per-batch durable log.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -63,7 +72,8 @@ def payload(rows: list[StoredSequence]) -> list[bytes]:
     return out
 
 
-def writer_main(url: str, writer: int, n: int, tokens: int, batch: int, durable: bool, barrier, results) -> None:
+def store_writer_main(writer: int, n: int, url: str, tokens: int, batch: int, durable: bool, barrier,
+                      results) -> None:
     rows = make_rows(writer, n, tokens)
     warm_up()
     store = open_trajectory_store(url, durable=durable)
@@ -82,14 +92,12 @@ def warm_up() -> None:
     store.read(store.writer("w").write(make_rows(99, 2, 16)))
 
 
-def bench_store(root: Path, n: int, writers: int, tokens: int, batch: int, durable: bool) -> dict:
-    url = str(root / "store")
-    open_trajectory_store(url)  # create once, before the writers race to
+def run_writers(target, writers: int, per: list[int], extra: tuple) -> float:
+    """Start ``writers`` processes running ``target(w, per[w], *extra, barrier, results)``;
+    the seconds from the first one's start to the last one's end."""
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(writers + 1), ctx.Queue()
-    per = [n // writers + (1 if w < n % writers else 0) for w in range(writers)]
-    procs = [ctx.Process(target=writer_main, args=(url, w, per[w], tokens, batch, durable, barrier, results))
-             for w in range(writers)]
+    procs = [ctx.Process(target=target, args=(w, per[w], *extra, barrier, results)) for w in range(writers)]
     for p in procs:
         p.start()
     barrier.wait(timeout=300)
@@ -97,8 +105,17 @@ def bench_store(root: Path, n: int, writers: int, tokens: int, batch: int, durab
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0, f"writer exited with {p.exitcode}"
-    write_s = max(t[2] for t in times) - min(t[1] for t in times)
+    return max(t[2] for t in times) - min(t[1] for t in times)
 
+
+def split(n: int, writers: int) -> list[int]:
+    return [n // writers + (1 if w < n % writers else 0) for w in range(writers)]
+
+
+def bench_store(root: Path, n: int, writers: int, tokens: int, batch: int, durable: bool) -> dict:
+    url = str(root / "store")
+    open_trajectory_store(url)  # create once, before the writers race to
+    write_s = run_writers(store_writer_main, writers, split(n, writers), (url, tokens, batch, durable))
     warm_up()
     t0 = time.perf_counter()
     reader = open_trajectory_store(url, "r")
@@ -112,8 +129,32 @@ def bench_store(root: Path, n: int, writers: int, tokens: int, batch: int, durab
     return {"write_s": write_s, "read_s": read_s, "tokens": got_tokens}
 
 
+def raw_log_main(writer: int, n: int, d: str, tokens: int, batch: int, durable: bool, barrier, results) -> None:
+    rows = make_rows(writer, n, tokens)
+    batches = [b"".join(payload(rows[i:i + batch])) for i in range(0, n, batch)]
+    barrier.wait(timeout=120)
+    t0 = time.time()
+    with open(Path(d) / f"log-{writer}.bin", "wb") as f:
+        for b in batches:
+            f.write(b)
+            f.flush()
+            if durable:
+                os.fdatasync(f.fileno())
+    results.put((writer, t0, time.time()))
+
+
+def bench_raw_commits(root: Path, n: int, writers: int, tokens: int, batch: int, durable: bool) -> dict:
+    d = root / "raw_commits"
+    d.mkdir()
+    write_s = run_writers(raw_log_main, writers, split(n, writers), (str(d), tokens, batch, durable))
+    t0 = time.perf_counter()
+    back = sum(len((d / f"log-{w}.bin").read_bytes()) for w in range(writers))
+    read_s = time.perf_counter() - t0
+    return {"write_s": write_s, "read_s": read_s, "bytes": back}
+
+
 def bench_raw(root: Path, n: int, writers: int, tokens: int) -> dict:
-    per = [n // writers + (1 if w < n % writers else 0) for w in range(writers)]
+    per = split(n, writers)
     blobs = [payload(make_rows(w, per[w], tokens)) for w in range(writers)]
     nbytes = sum(len(b) for bl in blobs for b in bl)
     d = root / "raw"
@@ -142,37 +183,50 @@ def main() -> None:
     ap.add_argument("--writers", type=int, default=4, help="writer processes (one segment each)")
     ap.add_argument("--tokens", type=int, default=512, help="mean tokens per trajectory")
     ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=1, help="alternating repetitions (medians are reported)")
     ap.add_argument("--out", type=Path, default=None, help="scratch dir (default: benchmarks/out/<tmp>)")
     ap.add_argument("--no-durable", action="store_true", help="skip fsync of chunk data (scratch stores)")
     args = ap.parse_args()
     base = args.out or Path(__file__).resolve().parent / "out"
     base.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="storage_throughput-", dir=base))
-    try:
-        raw = bench_raw(root, args.n, args.writers, args.tokens)
-        store = bench_store(root, args.n, args.writers, args.tokens, args.batch_size, not args.no_durable)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    mb = raw["bytes"] / 1e6
-    store_total = store["write_s"] + store["read_s"]
-    raw_total = raw["write_s"] + raw["read_s"]
+    durable = not args.no_durable
+    runs: dict[str, list[dict]] = {"zarr store": [], "raw files + fsync": [], "raw log, fsync per batch": []}
+    for _ in range(args.reps):
+        root = Path(tempfile.mkdtemp(prefix="storage_throughput-", dir=base))
+        try:
+            runs["raw files + fsync"].append(bench_raw(root, args.n, args.writers, args.tokens))
+            runs["raw log, fsync per batch"].append(
+                bench_raw_commits(root, args.n, args.writers, args.tokens, args.batch_size, durable))
+            runs["zarr store"].append(bench_store(root, args.n, args.writers, args.tokens, args.batch_size, durable))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("write_s", "read_s")} for name, rs in runs.items()}
+    for name, rs in runs.items():  # the ratios are of medians of totals, like the times shown
+        med[name]["total_s"] = statistics.median(r["write_s"] + r["read_s"] for r in rs)
+    store, raw, log = med["zarr store"], med["raw files + fsync"], med["raw log, fsync per batch"]
+    mb = runs["raw files + fsync"][0]["bytes"] / 1e6
     result = {
-        "n": args.n, "writers": args.writers, "mean_tokens": args.tokens, "durable": not args.no_durable,
+        "n": args.n, "writers": args.writers, "mean_tokens": args.tokens, "durable": durable, "reps": args.reps,
         "payload_mb": round(mb, 1),
         "store_write_traj_s": round(args.n / store["write_s"]), "store_read_traj_s": round(args.n / store["read_s"]),
         "store_write_mb_s": round(mb / store["write_s"], 1), "store_read_mb_s": round(mb / store["read_s"], 1),
         "raw_write_mb_s": round(mb / raw["write_s"], 1), "raw_read_mb_s": round(mb / raw["read_s"], 1),
-        "store_s": round(store_total, 3), "raw_s": round(raw_total, 3),
-        "ratio_vs_raw": round(raw_total / store_total, 3),
+        "raw_commits_write_mb_s": round(mb / log["write_s"], 1),
+        "store_s": round(store["total_s"], 3), "raw_s": round(raw["total_s"], 3),
+        "raw_commits_s": round(log["total_s"], 3),
+        "ratio_vs_raw": round(raw["total_s"] / store["total_s"], 3),
+        "ratio_vs_raw_commits": round(log["total_s"] / store["total_s"], 3),
+        "ratio_vs_raw_each": [round((a["write_s"] + a["read_s"]) / (b["write_s"] + b["read_s"]), 3)
+                              for a, b in zip(runs["raw files + fsync"], runs["zarr store"])],
     }
     from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"trajectory store vs raw files: {args.n} trajectories x ~{args.tokens} tokens, "
-                    f"{args.writers} writers, {mb:.0f} MB")
+                    f"{args.writers} writers, {mb:.0f} MB, median of {args.reps}")
     for c in ("", "write s", "write traj/s", "write MB/s", "read s", "read traj/s", "read MB/s"):
         t.add_column(c, justify="right")
-    for name, r in (("zarr store", store), ("raw files + fsync", raw)):
+    for name, r in med.items():
         t.add_row(name, f"{r['write_s']:.3f}", f"{args.n / r['write_s']:,.0f}", f"{mb / r['write_s']:,.0f}",
                   f"{r['read_s']:.3f}", f"{args.n / r['read_s']:,.0f}", f"{mb / r['read_s']:,.0f}")
     Console().print(t)

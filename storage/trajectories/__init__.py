@@ -6,7 +6,8 @@ store on shared storage, written by many processes and read by a few, with no lo
 the narrow interface between them.
 
 Rooms: ``layout`` (the schema: arrays, dtypes, index columns, marker and entry records),
-``writer`` (``SegmentWriter``: appending and committing), ``reader`` (``open_trajectory_store``,
+``chunks`` (element ranges of an array as byte ranges of its chunks), ``writer``
+(``SegmentWriter``: appending and committing), ``reader`` (``open_trajectory_store``,
 ``TrajectoryStore``: what is committed, reading entries, and ``batch``: one published batch
 without its tokens, for monitors), ``backends`` (where the bytes live).
 
@@ -17,26 +18,36 @@ two processes ever write the same Zarr chunk and nothing relies on Zarr locking 
 A segment (``paths.segment_dir``) is a Zarr v3 group (``paths.segment_data_dir``) holding
 
 * flat per-token arrays ``tokens`` int32, ``loss_mask`` uint8, ``logprobs`` float32,
-  ``policy_ids`` int16, ``versions`` int32 (128 KiB chunks, uncompressed);
+  ``policy_ids`` int16, ``versions`` int32 (1 MiB chunks in new segments, 128 KiB in segments
+  written before; the reader takes the chunking from each array's ``zarr.json``);
 * per-entry index arrays ``index`` int64 of shape ``(N, 4)`` with the columns of
   ``INDEX_COLUMNS`` (offset into the flat arrays, length, seq_index, num_sequences) and
   ``reward`` float64 (float64, not float32: a reward reads back exactly as written);
 * ``commits/<seqno>.json``: one commit marker per published batch, holding the batch's entry
   range, token range and string columns (task_id, group_id, finish_reason, meta).
 
-Arrays are over-allocated (capacity doubles) and resized only by the segment's writer; the
-committed length lives in the markers, never in the array shape. A batch is published in two
-steps: (1) the chunk data of the flat and index arrays is written, one concurrent Zarr call per
-array (and, when ``durable``, every touched chunk file is fsynced); (2) the commit marker is
-created atomically (``storage.atomic.create_atomically``: write temp, fsync, ``os.link``
-create-if-absent, fsync the directory; no fsync when the store is not ``durable``). Readers
-trust only markers, so an entry whose writer died between (1) and (2) is never visible, and a
-restarted writer continues after the last marker, overwriting the orphaned chunk data.
+Every array is uncompressed (Zarr's ``bytes`` codec alone, little-endian, fill value 0), so
+any Zarr reader opens a segment, and this store moves byte ranges of chunk files itself
+(``chunks``): appending writes a batch's bytes in place at their offsets (a new chunk file is
+created at its full size first), reading fetches one range per chunk per array. Zarr writes
+only the arrays' metadata. Arrays are over-allocated and resized only by the segment's writer;
+the committed length lives in the markers, never in the array shape.
 
-Overlap invariant (writer vs. readers): a reader may read a chunk while the writer rewrites it
-(the last, partly filled chunk is rewritten by the next batch). Zarr's LocalStore replaces a
-chunk file atomically (temp + rename), and the rewrite preserves every committed byte, so the
-reader sees either version and both hold the committed range it asked for.
+A ``write`` call publishes its rows in batches of ``batch_size`` in two steps: (1) the chunk
+data of every batch is written; (2) the batches' commit markers are created in order
+(``storage.atomic.create_in_order``: temp files; then, when ``durable``, one concurrent
+flush of the touched chunk files, new directories, new or resized ``zarr.json`` files and
+the temp files; then a hard link per marker, create-if-absent; then one fsync of the commits
+directory). Readers trust only markers, gap-free from 0, so an entry whose writer died
+between (1) and (2) is never visible, and a restarted writer continues after the last marker,
+overwriting the orphaned chunk data (and removing markers after a gap, which only a machine
+crash in the middle of (2) can leave).
+
+Overlap invariant (writer vs. readers): a reader may read a chunk file while the writer writes
+into it. The writer writes only bytes past the committed token and entry ranges (the part of
+the last chunk no marker covers yet) and never truncates or replaces a chunk file that holds
+committed bytes, so every committed byte a reader asks for is stable; what it may see torn is
+uncommitted and never returned.
 
 Backends: a directory (``/path`` or ``file:///path``; shared filesystem; many processes) and
 ``memory://<name>`` (in-process registry by name; same semantics within one process; tests and

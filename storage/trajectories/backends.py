@@ -8,23 +8,28 @@ created atomically through ``storage.atomic``) and an in-process registry by nam
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
-from zarr.core.sync import sync as _zarr_sync
+import numpy as np
+from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import LocalStore, MemoryStore
 
 from storage import paths
-from storage.atomic import create_atomically
+from storage.atomic import create_atomically, create_in_order, fsync_path
+from storage.trajectories.chunks import Piece
+
+_BUFFERS = default_buffer_prototype()
 
 
 class StoreBackend(Protocol):
     """What the store needs from where its bytes live. Markers are created once, never replaced
-    (``FileExistsError`` when one exists); ``sync_chunks`` makes written chunk data durable."""
+    (``FileExistsError`` when one exists), in the order given. ``write_chunks``/``read_chunks`` move byte ranges of
+    chunks (``chunks.Piece``: key, chunk size, offset, length, offset in ``buf``) in place; a
+    chunk never written reads as zeros. A durable backend makes what ``write_chunks`` and
+    ``metadata_changed`` touched durable before ``publish_marker`` creates the marker."""
 
     #: writers and readers in other processes (and nodes) see the same store.
     supports_multiprocess: bool
@@ -38,9 +43,11 @@ class StoreBackend(Protocol):
     def zarr_store(self, segment: str, read_only: bool) -> Any: ...
     def list_markers(self, segment: str) -> list[int]: ...
     def read_marker(self, segment: str, seqno: int) -> bytes | None: ...
-    def publish_marker(self, segment: str, seqno: int, data: bytes) -> None: ...
+    def publish_markers(self, segment: str, markers: list[tuple[int, bytes]]) -> None: ...
     def prepare_segment(self, segment: str) -> None: ...
-    def sync_chunks(self, segment: str, keys: list[str]) -> None: ...
+    def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None: ...
+    def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None: ...
+    def metadata_changed(self, segment: str, key: str) -> None: ...
 
 
 class DirBackend:
@@ -51,9 +58,18 @@ class DirBackend:
     def __init__(self, root: Path, durable: bool):
         self.root = root
         self.durable = durable
+        # per segment: chunk files written and directories changed since its last marker
+        self._unsynced: dict[str, tuple[dict[str, int | None], set[Path]]] = {}
+        self._data_dirs: dict[str, str] = {}
 
     def describe(self) -> str:
         return str(self.root)
+
+    def _data_dir(self, segment: str) -> str:
+        d = self._data_dirs.get(segment)
+        if d is None:
+            d = self._data_dirs[segment] = str(paths.segment_data_dir(self.root, segment))
+        return d
 
     def read_layout(self) -> bytes | None:
         try:
@@ -80,10 +96,21 @@ class DirBackend:
 
     def prepare_segment(self, segment: str) -> None:
         commits = paths.segment_commit_dir(self.root, segment)
+        if not commits.is_dir():  # a new segment: its directory entries become durable with its first marker
+            self._unsynced.setdefault(segment, ({}, set()))[1].update(
+                {paths.segments_root(self.root), paths.segment_dir(self.root, segment)})
         commits.mkdir(parents=True, exist_ok=True)
         for name in os.listdir(commits):  # temp files of a killed writer of this segment
             if paths.is_tmp(name):
                 (commits / name).unlink(missing_ok=True)
+        # markers after a gap: a group commit's links that a machine crash kept while losing an
+        # earlier one (its write never returned); readers stop at the gap, the writer reuses them
+        seqnos = self.list_markers(segment)
+        stale = [n for k, n in enumerate(seqnos) if n != k]
+        for n in stale:
+            paths.commit_marker(self.root, segment, n).unlink(missing_ok=True)
+        if stale and self.durable:
+            fsync_path(commits)
 
     def list_markers(self, segment: str) -> list[int]:
         try:
@@ -98,34 +125,92 @@ class DirBackend:
         except FileNotFoundError:
             return None
 
-    def publish_marker(self, segment: str, seqno: int, data: bytes) -> None:
-        create_atomically(paths.commit_marker(self.root, segment, seqno), data, durable=self.durable)
+    def publish_markers(self, segment: str, markers: list[tuple[int, bytes]]) -> None:
+        # one flush round for the chunks, new directories and the markers' temp files; then the
+        # links make the batches visible in order and one directory fsync makes them durable
+        files, dirs = self._unsynced.pop(segment, ({}, set()))
+        try:
+            if not self.durable:  # nothing to sync: close first (on NFS, close flushes the data)
+                for path, fd in files.items():
+                    if fd is not None:
+                        os.close(fd)
+                        files[path] = None
+            create_in_order([(paths.commit_marker(self.root, segment, seqno), data) for seqno, data in markers],
+                            durable=self.durable, along=sorted(dirs),
+                            along_data=[fd if fd is not None else path for path, fd in files.items()])
+        finally:
+            for fd in files.values():
+                if fd is not None:
+                    os.close(fd)
 
-    def sync_chunks(self, segment: str, keys: list[str]) -> None:
-        if not self.durable:
-            return
-        base = paths.segment_data_dir(self.root, segment)
-        # fdatasync releases the GIL; issuing them together lets the disk overlap the flushes
-        list(_sync_pool().map(_fdatasync, [base / key for key in keys]))
+    def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
+        base = self._data_dir(segment)
+        # chunk files written since the last marker, kept open (up to a bound) until it is synced
+        files, dirs = self._unsynced.setdefault(segment, ({}, set()))
+        for key, chunk_bytes, offset, nbytes, at in pieces:
+            path = os.path.join(base, key)
+            fd = files.get(path)
+            if fd is None:
+                try:
+                    fd = os.open(path, os.O_WRONLY)
+                except FileNotFoundError:
+                    parent = Path(path).parent
+                    dirs.update(_make_dirs(parent, Path(base)))
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                    dirs.add(parent)
+                if os.fstat(fd).st_size != chunk_bytes:  # new, or cut short by a killed writer
+                    os.ftruncate(fd, chunk_bytes)
+            done = 0
+            while done < nbytes:
+                done += os.pwrite(fd, buf[at + done:at + nbytes], offset + done)
+            if path not in files and sum(f is not None for f in files.values()) >= _MAX_OPEN:
+                os.close(fd)  # synced by path instead
+                fd = None
+            files[path] = fd
+
+    def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
+        base = self._data_dir(segment)
+        fds: dict[str, int | None] = {}
+        try:
+            for key, chunk_bytes, offset, nbytes, at in pieces:
+                if key not in fds:
+                    try:
+                        fds[key] = os.open(os.path.join(base, key), os.O_RDONLY)
+                    except FileNotFoundError:
+                        fds[key] = None  # a chunk never written holds the fill value (0)
+                fd = fds[key]
+                if fd is None:
+                    buf[at:at + nbytes] = bytes(nbytes)
+                    continue
+                got = os.preadv(fd, [buf[at:at + nbytes]], offset)
+                if got != nbytes:
+                    raise OSError(f"{os.path.join(base, key)} holds {offset + got} bytes, fewer than the "
+                                  f"{offset + nbytes} its committed entries need (chunk size {chunk_bytes}): "
+                                  "the segment is damaged")
+        finally:
+            for fd in fds.values():
+                if fd is not None:
+                    os.close(fd)
+
+    def metadata_changed(self, segment: str, key: str) -> None:
+        path = paths.segment_data_dir(self.root, segment) / key
+        files, dirs = self._unsynced.setdefault(segment, ({}, set()))
+        files.setdefault(str(path), None)
+        dirs.add(path.parent)  # Zarr replaces the file by a rename
 
 
-def _fdatasync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
+#: chunk files a writer keeps open between writing and syncing them (more are synced by path).
+_MAX_OPEN = 64
 
 
-_SYNC_POOL: tuple[int, ThreadPoolExecutor] | None = None
-
-
-def _sync_pool() -> ThreadPoolExecutor:
-    """Process-wide fsync threads (recreated in a forked child, which inherits no threads)."""
-    global _SYNC_POOL
-    if _SYNC_POOL is None or _SYNC_POOL[0] != os.getpid():
-        _SYNC_POOL = (os.getpid(), ThreadPoolExecutor(max_workers=8, thread_name_prefix="trajectory-fsync"))
-    return _SYNC_POOL[1]
+def _make_dirs(d: Path, base: Path) -> list[Path]:
+    """Create ``d`` and its missing parents up to ``base``; the directories whose entries
+    changed (to fsync before a commit marker names their files)."""
+    if d.exists():
+        return []
+    changed = _make_dirs(d.parent, base) if d.parent != base else []
+    d.mkdir(exist_ok=True)
+    return changed + [d.parent]
 
 
 class _MemoryState:
@@ -183,24 +268,38 @@ class MemoryBackend:
         with self.state.lock:
             return self.state.markers.get(segment, {}).get(seqno)
 
-    def publish_marker(self, segment: str, seqno: int, data: bytes) -> None:
+    def publish_markers(self, segment: str, markers: list[tuple[int, bytes]]) -> None:
         with self.state.lock:
-            markers = self.state.markers.setdefault(segment, {})
-            if seqno in markers:
-                raise FileExistsError(f"memory://{self.name} segment {segment} marker {seqno}")
-            markers[seqno] = data
+            published = self.state.markers.setdefault(segment, {})
+            for seqno, data in markers:
+                if seqno in published:
+                    raise FileExistsError(f"memory://{self.name} segment {segment} marker {seqno}")
+                published[seqno] = data
 
-    def sync_chunks(self, segment: str, keys: list[str]) -> None:
+    def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
+        with self.state.lock:
+            d = self.state.zarr.setdefault(segment, {})
+            for key, chunk_bytes, offset, nbytes, at in pieces:
+                old = d.get(key)
+                chunk = old.as_numpy_array() if old is not None else None
+                if chunk is None or not chunk.flags.writeable or len(chunk) != chunk_bytes:
+                    # a chunk of its own, written in place from now on (as a file is)
+                    fresh = np.zeros(chunk_bytes, np.uint8)
+                    if chunk is not None:
+                        fresh[:min(len(chunk), chunk_bytes)] = chunk[:chunk_bytes]
+                    chunk = fresh
+                    d[key] = _BUFFERS.buffer.from_array_like(chunk)
+                chunk[offset:offset + nbytes] = np.frombuffer(buf[at:at + nbytes], np.uint8)
+
+    def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
+        with self.state.lock:
+            d = self.state.zarr.get(segment, {})
+            for key, chunk_bytes, offset, nbytes, at in pieces:
+                old = d.get(key)
+                buf[at:at + nbytes] = old.as_numpy_array()[offset:offset + nbytes] if old is not None else bytes(nbytes)
+
+    def metadata_changed(self, segment: str, key: str) -> None:
         return None
-
-
-def gather(coros: list) -> list:
-    """Run Zarr's async calls concurrently on Zarr's own event loop (one round trip)."""
-
-    async def _all() -> list:
-        return await asyncio.gather(*coros)
-
-    return _zarr_sync(_all())
 
 
 def open_backend(url: str, mode: str, durable: bool) -> StoreBackend:

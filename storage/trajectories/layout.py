@@ -27,7 +27,9 @@ FLAT_DTYPES: dict[str, np.dtype] = {
 }
 #: columns of the per-entry ``index`` array (int64).
 INDEX_COLUMNS = ("offset", "length", "seq_index", "num_sequences")
-CHUNK_BYTES = 128 * 1024
+#: every array of a segment and its on-disk dtype.
+ARRAY_DTYPES: dict[str, np.dtype] = {**FLAT_DTYPES, "index": np.dtype(np.int64), "reward": np.dtype(np.float64)}
+CHUNK_BYTES = 1024 * 1024
 INDEX_CHUNK = 2048  # entries per index chunk
 REWARD_CHUNK = CHUNK_BYTES // 8
 #: per-entry string columns, kept in the commit markers (not in Zarr arrays).

@@ -2,8 +2,8 @@
 
 Why it exists: the data layer and trainers read entries that RaaS nodes committed, by
 reference, without a lock and while writers keep appending. A reader trusts only commit
-markers (gap-free, immutable once published) and reads a batch of entries with one Zarr call
-per array per run of nearby entries.
+markers (gap-free, immutable once published) and reads a batch of entries with one read per
+chunk per array per run of nearby entries (``chunks``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import numpy as np
 import zarr
 
 from storage import paths
-from storage.trajectories.backends import StoreBackend, gather, open_backend
+from storage.trajectories.backends import StoreBackend, open_backend
+from storage.trajectories.chunks import RawArray
 from storage.trajectories.layout import (
-    FLAT_DTYPES, LAYOUT_VERSION, EntryNotCommitted, EntryRef, Marker, StoredSequence, layout_record,
+    ARRAY_DTYPES, FLAT_DTYPES, LAYOUT_VERSION, STRING_COLUMNS, EntryNotCommitted, EntryRef, Marker, StoredSequence,
+    layout_record,
 )
 from storage.trajectories.writer import SegmentWriter
 
@@ -60,8 +62,7 @@ class CommittedBatch:
 
 class SegmentView:
     """What one store object (or a writer resuming a segment) knows about one segment: its
-    markers (immutable once published) and its opened arrays (reopened when the writer grew
-    them past the known shape)."""
+    markers (immutable once published) and the chunk layout of its arrays (fixed at creation)."""
 
     def __init__(self, backend: StoreBackend, segment: str):
         self.backend = backend
@@ -69,7 +70,7 @@ class SegmentView:
         self.markers: list[Marker] = []
         self.starts: list[int] = []
         self.loaded = False
-        self._arrays: dict[str, zarr.Array] = {}
+        self._raw: dict[str, RawArray] = {}
 
     @property
     def committed(self) -> int:
@@ -98,16 +99,21 @@ class SegmentView:
     def marker_of(self, index: int) -> Marker:
         return self.markers[bisect.bisect_right(self.starts, index) - 1]
 
-    def array(self, name: str, needed: int) -> zarr.Array:
-        arr = self._arrays.get(name)
-        if arr is None or arr.shape[0] < needed:
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` of array ``name``: one read per covering chunk, straight into
+        the returned array. The caller checked that a marker covers them."""
+        raw = self._raw.get(name)
+        if raw is None:
             # Zarr v3 only (what the writer creates): v3 has no object dtype, so no pickle codec
-            # can decode a chunk; a forged v2 ``.zarray`` naming one is never opened.
+            # can decode a chunk; a forged v2 ``.zarray`` naming one is never opened. The
+            # array's shape is not consulted: the markers say what is committed.
             arr = zarr.open_array(store=self.backend.zarr_store(self.segment, read_only=True), path=name, mode="r",
                                  zarr_format=3)
-            assert arr.shape[0] >= needed, f"{self.segment}/{name} is shorter than its committed range"
-            self._arrays[name] = arr
-        return arr
+            raw = self._raw[name] = RawArray.of(arr, name, ARRAY_DTYPES[name])
+        out = raw.empty(stop - start)
+        if stop > start:
+            self.backend.read_chunks(self.segment, raw.pieces(start, stop), memoryview(out.reshape(-1).view(np.uint8)))
+        return out
 
 
 class TrajectoryStore:
@@ -167,8 +173,8 @@ class TrajectoryStore:
         return v
 
     def read(self, refs: list[EntryRef]) -> list[StoredSequence]:
-        """The entries ``refs`` name, in that order, exactly as written (batched: one Zarr call
-        per array per run of nearby entries). ``EntryNotCommitted`` for an uncommitted ref."""
+        """The entries ``refs`` name, in that order, exactly as written (batched: one read per
+        chunk per array per run of nearby entries). ``EntryNotCommitted`` for an uncommitted ref."""
         by_seg: dict[str, list[int]] = {}
         for pos, ref in enumerate(refs):
             by_seg.setdefault(ref.segment, []).append(pos)
@@ -187,60 +193,41 @@ class TrajectoryStore:
                     f"asked for {bad[:5]}: pass only refs returned by write()"
                 )
             plans.append((view, positions, idx, min(idx), max(idx) + 1))
-        got = gather([
-            c
-            for view, _, _, a, b in plans
-            for c in (view.array("index", b).async_array.getitem(slice(a, b)),
-                      view.array("reward", b).async_array.getitem(slice(a, b)))
-        ]) if plans else []
-        # 2) token runs: sorted by offset, merged when close, one slice per array per run
-        run_jobs = []  # (view, t0, t1, [(pos, entry_index, offset, length, index_row, reward)])
+        got = [c for view, _, _, a, b in plans for c in (view.rows("index", a, b), view.rows("reward", a, b))]
+        # 2) token runs: sorted by offset, merged when close, one read per array per run
+        run_jobs = []  # (view, t0, t1, [(offset, pos, entry_index, index_row, reward)])
         for k, (view, positions, idx, a, _) in enumerate(plans):
-            index, reward = got[2 * k], got[2 * k + 1]
-            items = sorted(
-                ((p, i, int(index[i - a][0]), int(index[i - a][1]), index[i - a], float(reward[i - a]))
-                 for p, i in zip(positions, idx)),
-                key=lambda t: t[2],
-            )
+            rel = np.asarray(idx, dtype=np.int64) - a
+            items = sorted(zip(got[2 * k][:, 0][rel].tolist(), positions, idx, got[2 * k][rel].tolist(),
+                               got[2 * k + 1][rel].tolist()))
             cur: list = []
             t0 = t1 = 0
             for it in items:
-                if cur and it[2] - t1 > _MERGE_GAP_TOKENS:
+                if cur and it[0] - t1 > _MERGE_GAP_TOKENS:
                     run_jobs.append((view, t0, t1, cur))
                     cur = []
                 if not cur:
-                    t0 = it[2]
-                    t1 = it[2]
+                    t0 = t1 = it[0]
                 cur.append(it)
-                t1 = max(t1, it[2] + it[3])
+                t1 = max(t1, it[0] + it[3][1])
             if cur:
                 run_jobs.append((view, t0, t1, cur))
-        coros = [
-            view.array(name, t1).async_array.getitem(slice(t0, t1))
-            for view, t0, t1, _ in run_jobs
-            for name in FLAT_DTYPES
-        ]
-        flat = gather(coros) if coros else []
-        names = list(FLAT_DTYPES)
-        for r, (view, t0, _, items) in enumerate(run_jobs):
-            arrays = dict(zip(names, flat[r * len(names):(r + 1) * len(names)]))
-            for pos, i, off, length, row, rew in items:
-                s = slice(off - t0, off - t0 + length)
-                m = view.marker_of(i)
+        # 3) one StoredSequence per entry, its arrays copied out of the run (a caller keeping
+        # a few entries must not keep the whole run alive)
+        for view, t0, t1, items in run_jobs:
+            tokens, loss_mask, logprobs, policy_ids, versions = (view.rows(name, t0, t1) for name in FLAT_DTYPES)
+            m = None
+            for off, pos, i, row, rew in items:
+                a, b = off - t0, off - t0 + row[1]
+                if m is None or not m.start <= i < m.end:
+                    m = view.marker_of(i)
+                    task_ids, group_ids, reasons, metas = (m.strings[c] for c in STRING_COLUMNS)
                 j = i - m.start
+                # positional: the fields in StoredSequence's order (cheaper than keywords, per row)
                 out[pos] = StoredSequence(
-                    task_id=m.strings["task_id"][j],
-                    group_id=m.strings["group_id"][j],
-                    seq_index=int(row[2]),
-                    num_sequences=int(row[3]),
-                    tokens=arrays["tokens"][s].copy(),
-                    loss_mask=arrays["loss_mask"][s].copy(),
-                    logprobs=arrays["logprobs"][s].copy(),
-                    policy_ids=arrays["policy_ids"][s].copy(),
-                    versions=arrays["versions"][s].copy(),
-                    reward=rew,
-                    finish_reason=m.strings["finish_reason"][j],
-                    meta=m.strings["meta"][j],
+                    task_ids[j], group_ids[j], row[2], row[3],
+                    tokens[a:b].copy(), loss_mask[a:b].copy(), logprobs[a:b].copy(), policy_ids[a:b].copy(),
+                    versions[a:b].copy(), rew, reasons[j], metas[j],
                 )
         return out  # type: ignore[return-value]
 
@@ -263,8 +250,7 @@ class TrajectoryStore:
             raise EntryNotCommitted(f"segment {segment!r} of {self.url} has no published batch {seqno}")
         m = Marker.parse(seqno, data)
         view = self._view(segment)
-        index, reward = gather([view.array("index", m.end).async_array.getitem(slice(m.start, m.end)),
-                                view.array("reward", m.end).async_array.getitem(slice(m.start, m.end))])
+        index, reward = view.rows("index", m.start, m.end), view.rows("reward", m.start, m.end)
         return CommittedBatch(segment, seqno, m.start, m.end, m.written_at, m.strings,
                               np.asarray(reward, np.float64), np.asarray(index, np.int64))
 

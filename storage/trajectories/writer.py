@@ -1,8 +1,9 @@
 """Trajectory store, writer room: appending entries to one segment and committing them.
 
 Why it exists: a RaaS node publishes finished trajectories to its own segment without
-talking to anyone. A batch is published in two steps, chunk data first (fsynced when the
-store is durable), then a commit marker created atomically; readers trust only markers, so a
+talking to anyone. A ``write`` publishes its batches in two steps, the chunk data of all of
+them first (written in place, ``chunks``), then one commit marker per batch, created in order
+after one flush of everything (when the store is durable); readers trust only markers, so a
 writer killed in between leaves nothing visible, and its successor overwrites the orphaned
 chunk data.
 """
@@ -14,23 +15,26 @@ from typing import Callable
 import numpy as np
 import zarr
 
-from storage.trajectories.backends import StoreBackend, gather
+from storage.trajectories.backends import StoreBackend
+from storage.trajectories.chunks import RawArray
 from storage.trajectories.layout import (
-    FLAT_DTYPES, INDEX_CHUNK, INDEX_COLUMNS, REWARD_CHUNK, STRING_COLUMNS, EntryRef, Marker, SegmentConflict,
-    StoredSequence, flat_chunk, marker_record,
+    ARRAY_DTYPES, FLAT_DTYPES, INDEX_CHUNK, INDEX_COLUMNS, REWARD_CHUNK, STRING_COLUMNS, EntryRef, Marker,
+    SegmentConflict, StoredSequence, flat_chunk, marker_record,
 )
 
 
-def _chunk_keys(name: str, chunk: int, a: int, b: int, suffix: str = "") -> list[str]:
-    if b <= a:
-        return []
-    return [f"{name}/c/{c}{suffix}" for c in range(a // chunk, (b - 1) // chunk + 1)]
+#: chunks an array has room for when it is created (its shape; no chunk exists until written).
+_FIRST_CHUNKS = 16
+
+
+def _bytes_of(a: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
 
 
 class SegmentWriter:
     """Appends entries to one segment. The only process that writes (or resizes) its arrays."""
 
-    #: test hook: called after a batch's chunk data is written and before its marker exists.
+    #: test hook: called after a write's chunk data is written and before its markers exist.
     _before_commit: Callable[[], None] | None = None
 
     def __init__(self, backend: StoreBackend, segment: str, batch_size: int, committed: list[Marker]):
@@ -42,6 +46,7 @@ class SegmentWriter:
         self._closed = False
         backend.prepare_segment(segment)
         self._arrays = self._open_arrays()
+        self._raw = {name: RawArray.of(arr, name, ARRAY_DTYPES[name]) for name, arr in self._arrays.items()}
         # continue after the last committed marker (uncommitted chunk data is overwritten)
         last = committed[-1] if committed else None
         self._seqno = len(committed)
@@ -49,23 +54,24 @@ class SegmentWriter:
         self._tokens = last.tok_end if last else 0
 
     def _open_arrays(self) -> dict[str, zarr.Array]:
-        # chunks equal to the fill value are still written: every touched chunk file exists
-        # (fsync needs it) and orphaned data of a killed writer is always overwritten.
-        with zarr.config.set({"array.write_empty_chunks": True}):
-            group = zarr.open_group(store=self._backend.zarr_store(self.segment, read_only=False), mode="a",
-                                    zarr_format=3)
-            existing = set(group.array_keys())
-            arrays: dict[str, zarr.Array] = {}
-            for name, dt in FLAT_DTYPES.items():
-                arrays[name] = group[name] if name in existing else group.create_array(
-                    name, shape=(0,), chunks=(flat_chunk(name),), dtype=dt, compressors=None, fill_value=0)
-            arrays["index"] = group["index"] if "index" in existing else group.create_array(
-                "index", shape=(0, len(INDEX_COLUMNS)), chunks=(INDEX_CHUNK, len(INDEX_COLUMNS)),
-                dtype=np.int64, compressors=None, fill_value=0)
-            arrays["reward"] = group["reward"] if "reward" in existing else group.create_array(
-                "reward", shape=(0,), chunks=(REWARD_CHUNK,), dtype=np.float64, compressors=None, fill_value=0.0)
-        for arr in arrays.values():
-            assert arr.config.write_empty_chunks
+        # Zarr writes only the arrays' metadata; the chunks are written in place (``chunks``)
+        group = zarr.open_group(store=self._backend.zarr_store(self.segment, read_only=False), mode="a",
+                                zarr_format=3)
+        existing = set(group.array_keys())
+        arrays: dict[str, zarr.Array] = {}
+        for name, dt in FLAT_DTYPES.items():
+            arrays[name] = group[name] if name in existing else group.create_array(
+                name, shape=(_FIRST_CHUNKS * flat_chunk(name),), chunks=(flat_chunk(name),), dtype=dt,
+                compressors=None, fill_value=0)
+        arrays["index"] = group["index"] if "index" in existing else group.create_array(
+            "index", shape=(_FIRST_CHUNKS * INDEX_CHUNK, len(INDEX_COLUMNS)), chunks=(INDEX_CHUNK, len(INDEX_COLUMNS)),
+            dtype=np.int64, compressors=None, fill_value=0)
+        arrays["reward"] = group["reward"] if "reward" in existing else group.create_array(
+            "reward", shape=(_FIRST_CHUNKS * REWARD_CHUNK,), chunks=(REWARD_CHUNK,), dtype=np.float64,
+            compressors=None, fill_value=0.0)
+        created = [name for name in arrays if name not in existing]
+        for key in ["zarr.json"] * bool(created) + [f"{name}/zarr.json" for name in created]:
+            self._backend.metadata_changed(self.segment, key)  # durable with the first marker
         return arrays
 
     @property
@@ -77,9 +83,27 @@ class SegmentWriter:
         """Publish ``rows`` in batches of ``batch_size``; every returned ref is committed."""
         if self._closed:
             raise ValueError(f"writer of segment {self.segment!r} is closed: open a new one with store.writer()")
-        refs: list[EntryRef] = []
+        # group commit: every batch's chunk data first, then their markers in order, made
+        # durable by one flush round before the first link and one directory fsync after the last
+        seqno, e, t = self._seqno, self._entries, self._tokens
+        markers: list[tuple[int, bytes]] = []
         for i in range(0, len(rows), self.batch_size):
-            refs.extend(self._publish(rows[i:i + self.batch_size]))
+            data, e, t = self._stage(rows[i:i + self.batch_size], seqno, e, t)
+            markers.append((seqno, data))
+            seqno += 1
+        if not markers:
+            return []
+        if self._before_commit is not None:
+            self._before_commit()
+        try:
+            self._backend.publish_markers(self.segment, markers)
+        except FileExistsError as err:
+            raise SegmentConflict(
+                f"a commit marker in {self._seqno}..{seqno - 1} of segment {self.segment!r} already exists: another "
+                "writer is writing this segment; give every writer its own segment name"
+            ) from err
+        refs = [EntryRef(self.segment, i) for i in range(self._entries, e)]
+        self._seqno, self._entries, self._tokens = seqno, e, t
         return refs
 
     def flush(self) -> None:
@@ -95,17 +119,20 @@ class SegmentWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _grow(self, name: str, needed: int, chunk: int) -> None:
-        """Over-allocate (capacity doubles): resizing rewrites array metadata, so keep it rare."""
+    def _grow(self, name: str, needed: int) -> None:
+        """Over-allocate (capacity starts at ``_FIRST_CHUNKS`` chunks and grows fourfold): resizing
+        rewrites the array's metadata and costs a flush, so keep it rare. The shape costs no disk (only written chunks
+        exist); readers of this store go by the markers, other Zarr readers by the shape."""
         arr = self._arrays[name]
-        cap = arr.shape[0]
+        cap, chunk = arr.shape[0], self._raw[name].chunk_rows
         if needed > cap:
-            new = -(-max(needed, 2 * cap, chunk) // chunk) * chunk
+            new = -(-max(needed, 4 * cap, _FIRST_CHUNKS * chunk) // chunk) * chunk
             arr.resize((new,) + tuple(arr.shape[1:]))
+            self._backend.metadata_changed(self.segment, f"{name}/zarr.json")
 
-    def _publish(self, batch: list[StoredSequence]) -> list[EntryRef]:
-        if not batch:
-            return []
+    def _stage(self, batch: list[StoredSequence], seqno: int, e0: int, t0: int) -> tuple[bytes, int, int]:
+        """Write the chunk data of ``batch`` (entries from ``e0``, tokens from ``t0``); its
+        marker's bytes and where the next batch starts. Nothing of it is visible yet."""
         n = len(batch)
         lengths = np.empty(n, dtype=np.int64)
         cols: dict[str, list[np.ndarray]] = {k: [] for k in FLAT_DTYPES}
@@ -127,7 +154,7 @@ class SegmentWriter:
             if cat.dtype != dt and not np.array_equal(cast, cat, equal_nan=cat.dtype.kind in "fc"):
                 raise ValueError(f"{k} values do not fit the stored dtype {dt}: cast them before writing")
             flat[k] = cast
-        offsets = self._tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        offsets = t0 + np.concatenate([[0], np.cumsum(lengths)[:-1]])
         index = np.empty((n, len(INDEX_COLUMNS)), dtype=np.int64)
         index[:, 0] = offsets
         index[:, 1] = lengths
@@ -139,29 +166,14 @@ class SegmentWriter:
             bad = [v for v in vals if not isinstance(v, str)]
             if bad:
                 raise ValueError(f"StoredSequence.{c} must be str, got {type(bad[0]).__name__}")
-        t0, t1 = self._tokens, self._tokens + int(lengths.sum())
-        e0, e1 = self._entries, self._entries + n
+        t1, e1 = t0 + int(lengths.sum()), e0 + n
         for k in FLAT_DTYPES:
-            self._grow(k, t1, flat_chunk(k))
-        self._grow("index", e1, INDEX_CHUNK)
-        self._grow("reward", e1, REWARD_CHUNK)
-        writes = [self._arrays[k].async_array.setitem(slice(t0, t1), flat[k]) for k in FLAT_DTYPES if t1 > t0]
-        writes.append(self._arrays["index"].async_array.setitem(slice(e0, e1), index))
-        writes.append(self._arrays["reward"].async_array.setitem(slice(e0, e1), rewards))
-        gather(writes)
-        keys = [key for k in FLAT_DTYPES for key in _chunk_keys(k, flat_chunk(k), t0, t1)]
-        keys += _chunk_keys("index", INDEX_CHUNK, e0, e1, "/0") + _chunk_keys("reward", REWARD_CHUNK, e0, e1)
-        self._backend.sync_chunks(self.segment, keys)
-        if self._before_commit is not None:
-            self._before_commit()
-        marker = marker_record(self._seqno, (e0, e1), (t0, t1), strings)
-        try:
-            self._backend.publish_marker(self.segment, self._seqno, marker)
-        except FileExistsError as e:
-            raise SegmentConflict(
-                f"commit marker {self._seqno} of segment {self.segment!r} already exists: another writer is "
-                "writing this segment; give every writer its own segment name"
-            ) from e
-        self._seqno += 1
-        self._entries, self._tokens = e1, t1
-        return [EntryRef(self.segment, i) for i in range(e0, e1)]
+            self._grow(k, t1)
+        self._grow("index", e1)
+        self._grow("reward", e1)
+        parts = [*((k, t0, flat[k]) for k in FLAT_DTYPES), ("index", e0, index), ("reward", e0, rewards)]
+        for name, start, data in parts:
+            if len(data):
+                self._backend.write_chunks(self.segment, self._raw[name].pieces(start, start + len(data)),
+                                           _bytes_of(data))
+        return marker_record(seqno, (e0, e1), (t0, t1), strings), e1, t1

@@ -63,11 +63,12 @@ def write_segment(url: str, writer: int, n: int, batch_sizes: list[int]) -> None
     w.close()
 
 
-def write_then_hang(url: str, segment: str, first: int, second: int, ready_path: str) -> None:
-    """Commit ``first`` entries, then write ``second`` entries' chunk data and hang before the
-    marker (the parent SIGKILLs this process once ``ready_path`` exists)."""
+def write_then_hang(url: str, segment: str, first: int, second: int, ready_path: str, batch_size: int) -> None:
+    """Commit ``first`` entries, then write ``second`` entries' chunk data (several batches when
+    ``batch_size`` < ``second``) and hang before their markers (the parent SIGKILLs this
+    process once ``ready_path`` exists)."""
     store = open_trajectory_store(url)
-    w = store.writer(segment, batch_size=first + second)
+    w = store.writer(segment, batch_size=batch_size)
     w.write([make_row(0, i) for i in range(first)])
 
     def hang() -> None:

@@ -1,0 +1,197 @@
+"""Trajectory store: in-place chunk I/O, group commits, and segments written by Zarr itself.
+
+Each test runs against the directory and the in-process backend where both apply.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import numpy as np
+import pytest
+import zarr
+
+import storage.trajectories.layout as layout
+import storage.trajectories.writer as writer_mod
+from storage import paths
+from storage.atomic import create_atomically
+from storage.trajectories import EntryNotCommitted, EntryRef, open_trajectory_store
+from storage.trajectories.layout import FLAT_DTYPES, INDEX_COLUMNS, marker_record
+from storage_workers import committed_refs, make_row, rows_equal
+
+
+class _Crash(Exception):
+    """Stands in for the writer's death between writing chunk data and creating markers."""
+
+
+@pytest.fixture(params=["dir", "memory"])
+def store_url(request, tmp_path):
+    return str(tmp_path / "store") if request.param == "dir" else f"memory://chunks-{uuid.uuid4().hex}"
+
+
+def test_ranges_across_many_small_chunks_read_back_through_the_store_and_zarr(store_url, monkeypatch):
+    """Chunks of a few elements: every batch and entry straddles chunk boundaries."""
+    monkeypatch.setattr(layout, "CHUNK_BYTES", 64)  # 16 tokens, 64 loss_mask values per chunk
+    monkeypatch.setattr(writer_mod, "INDEX_CHUNK", 3)
+    monkeypatch.setattr(writer_mod, "REWARD_CHUNK", 5)
+    store = open_trajectory_store(store_url)
+    w = store.writer("seg", batch_size=3)
+    rows = [make_row(1, i, length=[1, 15, 16, 17, 40, 2, 64, 5][i % 8]) for i in range(23)]
+    refs = w.write(rows[:4]) + w.write(rows[4:5]) + w.write(rows[5:])
+    order = np.random.default_rng(0).permutation(len(rows))
+    got = open_trajectory_store(store_url, "r").read([refs[i] for i in order])
+    assert all(rows_equal(rows[i], row) for i, row in zip(order, got))
+    # a Zarr reader sees the same arrays (the shape covers at least what is committed)
+    group = zarr.open_group(store=store._backend.zarr_store("seg", read_only=True), mode="r", zarr_format=3)
+    assert group["tokens"].chunks == (16,) and group["index"].chunks == (3, len(INDEX_COLUMNS))
+    for k in FLAT_DTYPES:
+        flat = np.concatenate([getattr(r, k) for r in rows]).astype(FLAT_DTYPES[k])
+        assert np.array_equal(group[k][:len(flat)], flat, equal_nan=True), k
+    assert np.array_equal(group["reward"][:len(rows)], [r.reward for r in rows])
+    assert group["index"][:len(rows), 1].tolist() == [len(r.tokens) for r in rows]
+
+
+def test_one_write_commits_its_batches_together_or_not_at_all(store_url):
+    store = open_trajectory_store(store_url)
+    w = store.writer("seg", batch_size=4)
+    w.write([make_row(2, i) for i in range(3)])
+
+    def crash() -> None:
+        raise _Crash()
+
+    w._before_commit = crash  # every batch's chunk data is written, no marker exists yet
+    with pytest.raises(_Crash):
+        w.write([make_row(2, i) for i in range(3, 13)])
+    reader = open_trajectory_store(store_url, "r")
+    assert reader.count("seg") == 3 and reader.batch_count("seg") == 1
+    with pytest.raises(EntryNotCommitted):
+        reader.read([EntryRef("seg", 3)])
+    w2 = store.writer("seg", batch_size=4)  # a successor continues after the last marker
+    refs = w2.write([make_row(3, i) for i in range(10)])
+    assert [r.index for r in refs] == list(range(3, 13))
+    assert [reader.batch("seg", k).start for k in range(reader.batch_count("seg"))] == [0, 3, 7, 11]
+    assert reader.batch("seg", 3).end == 13
+    got = reader.read(committed_refs(reader))
+    assert [r.task_id for r in got] == [f"w2/t{i}" for i in range(3)] + [f"w3/t{i}" for i in range(10)]
+    assert all(rows_equal(make_row(3, k), got[3 + k]) for k in range(10))
+
+
+def test_markers_after_a_gap_are_not_committed_and_a_new_writer_removes_them(tmp_path):
+    """A machine crash during a group commit may keep a later marker's link and lose an
+    earlier one: readers stop at the gap, the next writer of the segment reuses the numbers."""
+    root = tmp_path / "store"
+    store = open_trajectory_store(str(root))
+    store.writer("seg", batch_size=2).write([make_row(4, i) for i in range(6)])
+    paths.commit_marker(root, "seg", 1).unlink()  # the lost link
+    reader = open_trajectory_store(str(root), "r")
+    assert reader.count("seg") == 2 and reader.batch_count("seg") == 1
+    refs = open_trajectory_store(str(root)).writer("seg", batch_size=2).write([make_row(5, i) for i in range(3)])
+    assert [r.index for r in refs] == [2, 3, 4]
+    assert sorted(p.name for p in paths.segment_commit_dir(root, "seg").iterdir()) == [
+        paths.commit_marker(root, "seg", k).name for k in range(3)]
+    got = open_trajectory_store(str(root), "r").read([EntryRef("seg", i) for i in range(5)])
+    assert [r.task_id for r in got] == ["w4/t0", "w4/t1", "w5/t0", "w5/t1", "w5/t2"]
+
+
+def _write_segment_through_zarr(root, segment: str, rows, chunk_bytes: int, compressors=None) -> None:
+    """A segment as the store's writer made it before it wrote chunks in place: Zarr's own
+    setitem per array (128 KiB chunks), then one commit marker."""
+    group = zarr.open_group(store=zarr.storage.LocalStore(paths.segment_data_dir(root, segment)), mode="a",
+                            zarr_format=3)
+    lengths = [len(r.tokens) for r in rows]
+    for k, dt in FLAT_DTYPES.items():
+        flat = np.concatenate([getattr(r, k) for r in rows]).astype(dt)
+        arr = group.create_array(k, shape=(len(flat),), chunks=(chunk_bytes // dt.itemsize,), dtype=dt,
+                                 compressors=compressors, fill_value=0)
+        arr[:] = flat
+    index = np.array([[sum(lengths[:i]), n, r.seq_index, r.num_sequences]
+                      for i, (n, r) in enumerate(zip(lengths, rows))])
+    group.create_array("index", shape=index.shape, chunks=(2048, 4), dtype=np.int64, compressors=None,
+                       fill_value=0)[:] = index
+    group.create_array("reward", shape=(len(rows),), chunks=(16384,), dtype=np.float64, compressors=None,
+                       fill_value=0.0)[:] = [r.reward for r in rows]
+    paths.segment_commit_dir(root, segment).mkdir(parents=True)
+    strings = {c: [getattr(r, c) for r in rows] for c in layout.STRING_COLUMNS}
+    create_atomically(paths.commit_marker(root, segment, 0),
+                      marker_record(0, (0, len(rows)), (0, sum(lengths)), strings))
+
+
+def test_segment_written_by_zarr_is_read_and_continued(tmp_path):
+    root = tmp_path / "store"
+    open_trajectory_store(str(root))
+    old = [make_row(6, i, length=300 + i) for i in range(40)]
+    _write_segment_through_zarr(root, "old", old, 128 * 1024)
+    store = open_trajectory_store(str(root))
+    assert store.count("old") == 40
+    assert all(rows_equal(a, b) for a, b in zip(old, store.read(committed_refs(store))))
+    new = [make_row(7, i) for i in range(9)]
+    refs = store.writer("old", batch_size=4).write(new)  # appends into the 128 KiB chunks
+    assert [r.index for r in refs] == list(range(40, 49))
+    got = open_trajectory_store(str(root), "r").read([EntryRef("old", i) for i in range(49)])
+    assert all(rows_equal(a, b) for a, b in zip(old + new, got))
+    tokens = zarr.open_array(store=zarr.storage.LocalStore(paths.segment_data_dir(root, "old")), path="tokens",
+                             mode="r")
+    assert tokens.chunks == (32 * 1024,)
+    assert np.array_equal(tokens[:sum(len(r.tokens) for r in old + new)],
+                          np.concatenate([r.tokens for r in old + new]))
+
+
+def test_compressed_segment_is_refused_with_a_clear_message(tmp_path):
+    root = tmp_path / "store"
+    open_trajectory_store(str(root))
+    _write_segment_through_zarr(root, "zstd", [make_row(8, 0)], 128 * 1024,
+                                compressors=[zarr.codecs.ZstdCodec()])
+    store = open_trajectory_store(str(root))
+    with pytest.raises(ValueError, match="not stored as uncompressed.*open this segment with Zarr"):
+        store.read([EntryRef("zstd", 0)])
+    with pytest.raises(ValueError, match="not stored as uncompressed"):
+        store.writer("zstd")
+    json.loads(paths.commit_marker(root, "zstd", 0).read_bytes())  # the marker itself is fine
+
+
+def test_scratch_store_without_fsync_reads_back_through_another_store_object(tmp_path):
+    """``durable=False`` closes chunk files instead of syncing them before the markers appear."""
+    url = str(tmp_path / "store")
+    w = open_trajectory_store(url, durable=False).writer("seg", batch_size=3)
+    rows = [make_row(9, i) for i in range(8)]
+    refs = w.write(rows[:5]) + w.write(rows[5:])
+    got = open_trajectory_store(url, "r").read(refs)
+    assert all(rows_equal(a, b) for a, b in zip(rows, got))
+    assert open_trajectory_store(url, "r").batch_count("seg") == 3  # 3 + 2, then 3
+
+
+def test_what_a_commit_makes_durable_before_its_marker(tmp_path, monkeypatch):
+    """A new segment's first commit flushes every chunk file, every ``zarr.json`` and every
+    directory that gained an entry, with the marker's temp file; a later commit in the same
+    chunks flushes only those chunks and the temp file."""
+    import storage.atomic as atomic
+
+    calls: list[tuple[set[str], set[str]]] = []
+    real = atomic.sync_together
+
+    def spy(data_files=(), full=()):
+        data_files, full = list(data_files), list(full)
+        calls.append(({os.readlink(f"/proc/self/fd/{f}") if isinstance(f, int) else str(f) for f in data_files},
+                      {str(f) for f in full}))
+        real(data_files, full)
+
+    monkeypatch.setattr(atomic, "sync_together", spy)
+    root = tmp_path / "store"
+    store = open_trajectory_store(str(root))
+    calls.clear()  # the layout file's
+    w = store.writer("seg", batch_size=4)
+    w.write([make_row(1, i) for i in range(6)])  # two batches, one flush
+    assert len(calls) == 1
+    data_files, full = calls[0]
+    data = paths.segment_data_dir(root, "seg")
+    files = {str(p) for p in data.rglob("*") if p.is_file()}
+    assert files == data_files  # every chunk file and every zarr.json
+    dirs = {str(p) for p in data.rglob("*") if p.is_dir()} | {str(data)}
+    assert dirs | {str(paths.segment_dir(root, "seg")), str(paths.segments_root(root))} <= full
+    assert sum(paths.is_tmp(os.path.basename(f)) for f in full) == 2  # the two markers' temp files
+    calls.clear()
+    w.write([make_row(1, 6)])
+    (data_files, full), = calls
+    assert data_files == {f for f in files if "/c/" in f} and all(paths.is_tmp(os.path.basename(f)) for f in full)
