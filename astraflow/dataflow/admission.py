@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -160,7 +159,7 @@ def refill(layer: Any) -> None:
     # groups in rollout do, and they are passed separately): one rule for the whole call
     admits_now = rule_of(layer) if layer.cfg.admission == "version" else None
     while not layer.finished and proposals < max(len(layer._train), 1):
-        rolling = Counter(g.source for g in buffers.rolling.values())
+        rolling = buffers.rolling_by_source()
         source = mixer.pick_source(layer.limit, rolling, buffers.groups_ahead(mixer.weights), admits_now)
         if source is None or (layer.budget is not None and layer.budget <= 0):
             # refused groups: counted on the first policy, as the curator's skips are

@@ -94,6 +94,7 @@ class DataLayer(TrainerFacing):
         self.curator = R.make(R.CURATORS, dataflow.curator.type, dataflow.curator.params, seed)
         self.group_filter = R.make(R.FILTERS, dataflow.group_filter.type, dataflow.group_filter.params, seed)
         self.ordering = R.make(R.ORDERINGS, dataflow.ordering.type, dataflow.ordering.params, seed)
+        self._slots, self._slots_at = 0, 0.0
         self.leases = Leases(dataflow.lease_seconds, dataflow.max_attempts, self._task_failed)
         self.ledger = self.leases.ledger
         self.buffers = Buffers(self.policy_names, batch_size=dataflow.batch_size, group_size=workload.group_size,
@@ -129,8 +130,23 @@ class DataLayer(TrainerFacing):
 
     @property
     def limit(self) -> int:
-        """Groups allowed ahead of training (see ``mixing.py``, *rollout ahead of training*)."""
-        return self.groups_per_batch + self.cfg.prefetch_groups
+        """Groups allowed ahead of training (see ``mixing.py``, *rollout ahead of training*),
+        raised to the leasing nodes' task slots with ``prefetch_covers_nodes``."""
+        base = self.groups_per_batch + self.cfg.prefetch_groups
+        if not self.cfg.prefetch_covers_nodes:
+            return base
+        return max(base, -(-self._node_slots() // self.wcfg.group_size))
+
+    def _node_slots(self) -> int:
+        """Task slots of the nodes that leased within ``lease_seconds`` and do not drain;
+        recounted at most once a second (a pass over every node)."""
+        now = time.time()
+        if now - self._slots_at > 1.0:
+            self._slots_at = now
+            self._slots = sum(int(i.get("capacity", 0)) for i in self.leases.nodes.values()
+                              if not i.get("draining") and not i.get("gone")
+                              and now - float(i.get("last_seen", 0.0)) <= self.cfg.lease_seconds)
+        return self._slots
 
     @property
     def counts(self) -> dict[str, Counter]:
@@ -193,28 +209,49 @@ class DataLayer(TrainerFacing):
         ``versions``: the weight version the node holds per policy (admission by version);
         while admission refuses new groups because a node's weights are too old, the call
         returns at once, so that the node asks again with the weights it loads next."""
+        return (await self._lease([(node, capacity, versions)], wait))[node]
+
+    async def lease_many(self, requests: list[tuple[str, int, dict[str, int] | None]],
+                         wait: float = 0.0) -> dict[str, list[RolloutTask]]:
+        """``lease`` for several nodes in one call (the nodes of one rollout worker): each
+        ``(node, capacity, versions)`` gets what its own ``lease`` would, in the order given;
+        the long poll ends when any of them can be served."""
+        return await self._lease(requests, wait)
+
+    async def _lease(self, requests: list, wait: float) -> dict[str, list[RolloutTask]]:
         mark = self._mark()
         self.leases.expire()
-        info = self.leases.node(node)
-        info["last_seen"] = time.time()
-        if versions is not None:
-            info["versions"] = dict(versions)
-        if info["draining"] or capacity <= 0:
+        now = time.time()
+        out: dict[str, list[RolloutTask]] = {}
+        asking = []
+        for node, capacity, versions in requests:
+            out[node] = Packed()
+            info = self.leases.node(node)
+            info["last_seen"] = now
+            info["capacity"] = capacity
+            if versions is not None:
+                info["versions"] = dict(versions)
+            if not info["draining"] and capacity > 0:
+                asking.append((node, capacity, info))
+        if not asking:
             await self._durable(mark)
-            return []
+            return out
         self._refill()
-        deadline = time.time() + wait
-        while not self.leases.waiting() and not self.finished and not info["draining"]:
+        deadline = now + wait
+        while (not self.leases.waiting() and not self.finished
+               and not all(info["draining"] for _, _, info in asking)):
             remaining = deadline - time.time()
             if remaining <= 0:
                 break
-            if self.mixer.refused and admission.lags(info.get("versions"), self.versions):
+            if self.mixer.refused and any(admission.lags(info.get("versions"), self.versions)
+                                          for _, _, info in asking):
                 break
             # woken by _notify (a batch served, trajectories ingested, a version published)
             await self._wait(min(remaining, 0.1))
             self.leases.expire()
             self._refill()
-        out = Packed(self.leases.take(node, capacity))
+        for node, capacity, _ in asking:
+            out[node] = Packed(self.leases.take(node, capacity))
         await self._durable(mark)  # a node never runs a task the next data layer does not know
         return out
 
@@ -249,15 +286,22 @@ class DataLayer(TrainerFacing):
         """Renew the node's leases and record its stats; tells the node whether to drain.
         ``stats["holding"]``: the ids of the tasks the node still works on (only their leases
         are renewed; absent: all of the node's)."""
-        holding = stats.pop("holding", None)
+        return (await self.heartbeat_many({node: stats}))[node]
+
+    async def heartbeat_many(self, beats: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """``heartbeat`` for several nodes in one call: node -> its stats; node -> its answer."""
         mark = self._mark()
-        info = self.leases.node(node)
-        info.update(stats)
-        info["last_seen"] = time.time()
-        self.leases.renew(node, None if holding is None else set(holding))
+        now = time.time()
+        infos = {}
+        for node, stats in beats.items():
+            holding = stats.pop("holding", None)
+            info = infos[node] = self.leases.node(node)
+            info.update(stats)
+            info["last_seen"] = now
+            self.leases.renew(node, None if holding is None else set(holding))
         self.leases.expire()
         await self._durable(mark)
-        return {"draining": info["draining"], "finished": self.finished}
+        return {node: {"draining": info["draining"], "finished": self.finished} for node, info in infos.items()}
 
     async def drain(self, node: str) -> None:
         """Stop leasing to ``node`` and the nodes sharing its worker (they finish what they hold)."""
