@@ -69,7 +69,7 @@ from distributed import Client, LocalCluster  # noqa: E402
 
 from astraflow.dataflow.layer import DataLayer  # noqa: E402
 from astraflow.transport import call  # noqa: E402
-from control_plane_nodes import EmuNode, Latencies, layer_kwargs  # noqa: E402
+from control_plane_nodes import EmuNode, Latencies, WorkerWriter, layer_kwargs  # noqa: E402
 from storage.trajectories import open_trajectory_store  # noqa: E402
 
 QUIET = {"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False", "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s",
@@ -100,24 +100,33 @@ async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int) -> dict:
     lat, version, served = Latencies(), [0], [0]
     per_worker = max(1, min(args.nodes_per_worker, n_nodes))
     handles: dict[str, object] = {}
+    sinks: dict[str, WorkerWriter] = {}
     nodes = []
     for i in range(n_nodes):
         worker = f"w{i // per_worker}"
-        if grouped and worker not in handles:
-            from astraflow.rollout.coalesce import Coalescer
-            handles[worker] = Coalescer(dl)
-        name = f"{worker}.n{i % per_worker}"
-        nodes.append(EmuNode(name, worker, handles[worker] if grouped else dl, store.writer(name, batch_size=256),
-                             capacity=args.capacity, episode_s=args.episode_s, lease_wait=args.lease_wait,
-                             flush_s=args.flush_s, version=version, lat=lat, seed=i))
-    running = [loop.create_task(n.run()) for n in nodes] + [loop.create_task(consume(dl, version, lat, served))]
-    proc = psutil.Process(pid)
+        if worker not in sinks:
+            sinks[worker] = WorkerWriter(store.writer(worker, batch_size=4096), args.flush_s)
+            if grouped:
+                from astraflow.rollout.coalesce import Coalescer
+                handles[worker] = Coalescer(dl)
+        nodes.append(EmuNode(f"{worker}.n{i % per_worker}", worker, handles[worker] if grouped else dl,
+                             sinks[worker], capacity=args.capacity, episode_s=args.episode_s,
+                             lease_wait=args.lease_wait, version=version, lat=lat, seed=i))
+    running = ([loop.create_task(n.run()) for n in nodes] + [loop.create_task(w.run()) for w in sinks.values()]
+               + [loop.create_task(consume(dl, version, lat, served))])
+    proc, me = psutil.Process(pid), psutil.Process()
     await asyncio.sleep(args.warmup)
     cpu0, p0, s0, t0 = sum(proc.cpu_times()[:2]), await call(dl.progress), served[0], time.perf_counter()
+    me0 = sum(me.cpu_times()[:2])
+    if args.profile:
+        await asyncio.to_thread(args.client.run, _profile, True)
     lat.recording = True
     await asyncio.sleep(args.seconds)
     lat.recording = False
+    if args.profile:
+        print(next(iter((await asyncio.to_thread(args.client.run, _profile, False)).values())))
     cpu1, p1, s1, t1 = sum(proc.cpu_times()[:2]), await call(dl.progress), served[0], time.perf_counter()
+    me1 = sum(me.cpu_times()[:2])
     state = await call(dl.state, timeout=60)
     for n in nodes:
         n.stop = True
@@ -131,6 +140,7 @@ async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int) -> dict:
            "traj_per_s": ingested / window, "batched_seq_per_s": (s1 - s0) / window,
            "dl_cpu_us_per_traj": cpu_per * 1e6, "dl_cpu_cores": (cpu1 - cpu0) / window,
            "dl_capacity_traj_per_s": 1.0 / cpu_per if ingested else 0.0,
+           "emulator_cpu_cores": (me1 - me0) / window, "load": os.getloadavg()[0],
            "leased_now": state["leased"], "snapshots": state["snapshots"]}
     for kind in ("lease", "heartbeat", "complete", "next_batch"):
         s = lat.summary(kind)
@@ -139,6 +149,22 @@ async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int) -> dict:
         out["gathered"] = {k: sum(h.lanes[k].carried for h in handles.values()) /
                            max(sum(h.lanes[k].calls for h in handles.values()), 1) for k in ("lease", "heartbeat")}
     return out
+
+
+def _profile(start: bool, dask_worker=None) -> str:
+    """On the data layer's worker (its event loop thread, where the actor's methods run):
+    start a cProfile, or stop it and return its top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+    if start:
+        dask_worker._cp_profiler = cProfile.Profile()
+        dask_worker._cp_profiler.enable()
+        return ""
+    dask_worker._cp_profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(dask_worker._cp_profiler, stream=out).sort_stats("tottime").print_stats(22)
+    return out.getvalue()
 
 
 def scale_run(n_nodes: int, grouped: bool, args) -> dict:
@@ -150,6 +176,7 @@ def scale_run(n_nodes: int, grouped: bool, args) -> dict:
             kwargs = layer_kwargs(Path(tmp), args.batch_size, args.group_size, args.prefetch, not args.no_durable)
             dl = client.submit(DataLayer, actor=True, **kwargs).result()
             pid = next(iter(client.run(os.getpid).values()))
+            args.client = client
             store = open_trajectory_store(kwargs["store_url"], "a")
             try:
                 return asyncio.run(drive(dl, store, n_nodes, grouped, args, pid))
@@ -206,6 +233,7 @@ def main() -> None:
     ap.add_argument("--skip-index", action="store_true")
     ap.add_argument("--skip-scale", action="store_true")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--profile", action="store_true", help="cProfile the data layer's event loop in the window")
     args = ap.parse_args()
 
     scale: list[dict] = []

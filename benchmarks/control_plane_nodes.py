@@ -2,8 +2,12 @@
 
 An ``EmuNode`` does what a ``RaaSNode``'s loop does towards the data layer: a heartbeat a
 second (renewing the leases it holds, with its worker and weight versions), a lease of its
-free slots, an "episode" per task (a short sleep), a tiny trajectory written through the real
-segment writer of its own segment, and one ``complete`` per written batch. Many nodes share one
+free slots, an "episode" per task (a short sleep), a tiny trajectory, and its ``complete``
+once written. The trajectories of a worker's nodes are written together every ``flush_s``
+through the real segment writer, one segment per emulated worker (``WorkerWriter``: one
+segment per node would make this one process write thousands of times a second, a cost of the
+store and of the emulation, not of the control plane); each node then completes its own
+(``complete`` per node, or gathered by the ``Coalescer``). Many nodes share one
 asyncio loop; their blocking actor calls go through ``transport.call`` (a thread each), as a
 node group's do. ``grouped``: the nodes of one worker share a ``Coalescer`` (one gathered call
 per kind, what ``RaaSNodeGroup`` uses); otherwise each node calls the actor itself (the
@@ -79,17 +83,16 @@ class Latencies:
 class EmuNode:
     """One emulated RaaS node (module docstring)."""
 
-    def __init__(self, name: str, worker: str, dl: Any, writer: Any, *, capacity: int, episode_s: float,
-                 lease_wait: float, flush_s: float, version: list[int], lat: Latencies, seed: int):
-        self.name, self.worker, self.dl, self.writer = name, worker, dl, writer
-        self.capacity, self.episode_s, self.lease_wait, self.flush_s = capacity, episode_s, lease_wait, flush_s
+    def __init__(self, name: str, worker: str, dl: Any, sink: "WorkerWriter", *, capacity: int, episode_s: float,
+                 lease_wait: float, version: list[int], lat: Latencies, seed: int):
+        self.name, self.worker, self.dl, self.sink = name, worker, dl, sink
+        self.capacity, self.episode_s, self.lease_wait = capacity, episode_s, lease_wait
         #: the trainer's version, shared by every node (they "load" each version at once)
         self.version = version
         self.lat = lat
         self.rng = random.Random(seed)
         self.inflight: dict[str, RolloutTask] = {}
         self.writing: set[str] = set()
-        self.finished: list[Trajectory] = []
         self.completed = 0
         self.stop = False
 
@@ -103,7 +106,6 @@ class EmuNode:
         return out
 
     async def run(self) -> None:
-        writer = asyncio.create_task(self._writer())
         slot = asyncio.Event()
         last_beat = 0.0
         await asyncio.sleep(self.rng.random())  # nodes start spread over a second, as they do
@@ -129,25 +131,42 @@ class EmuNode:
                     await asyncio.wait_for(slot.wait(), timeout=1.0)
                 except asyncio.TimeoutError:
                     pass
-        writer.cancel()
 
     async def _episode(self, task: RolloutTask, slot: asyncio.Event) -> None:
         await asyncio.sleep(self.episode_s * 2 * self.rng.random())
         self.inflight.pop(task.task_id, None)
         self.writing.add(task.task_id)
-        self.finished.append(tiny_trajectory(task, self.name, self.version[0], self.rng))
+        self.sink.add(self, tiny_trajectory(task, self.name, self.version[0], self.rng))
         slot.set()
 
-    async def _writer(self) -> None:
+    async def complete(self, trajs: list[Trajectory], refs: list[TrajectoryRef]) -> None:
+        await self._timed("complete", self.dl.complete, refs)
+        self.completed += len(trajs)
+        for t in trajs:
+            self.writing.discard(t.task_id)
+
+
+class WorkerWriter:
+    """The segment of one emulated worker: what its nodes finished, written every ``flush_s``."""
+
+    def __init__(self, writer: Any, flush_s: float):
+        self.writer, self.flush_s = writer, flush_s
+        self.finished: list[tuple[EmuNode, Trajectory]] = []
+
+    def add(self, node: EmuNode, traj: Trajectory) -> None:
+        self.finished.append((node, traj))
+
+    async def run(self) -> None:
         while True:
+            await asyncio.sleep(self.flush_s)
             if not self.finished:
-                await asyncio.sleep(0.02)
                 continue
-            await asyncio.sleep(self.flush_s)  # a node writes what finished within its flush time
             batch, self.finished = self.finished, []
-            rows = [r for t in batch for r in t.to_stored()]
-            entry_refs = await asyncio.to_thread(self.writer.write, rows)
-            await self._timed("complete", self.dl.complete, refs_of(batch, entry_refs))
-            self.completed += len(batch)
-            for t in batch:
-                self.writing.discard(t.task_id)
+            trajs = [t for _, t in batch]
+            entry_refs = await asyncio.to_thread(self.writer.write, [r for t in trajs for r in t.to_stored()])
+            per_node: dict[EmuNode, tuple[list, list]] = {}
+            for (node, traj), ref in zip(batch, refs_of(trajs, entry_refs)):
+                mine = per_node.setdefault(node, ([], []))
+                mine[0].append(traj)
+                mine[1].append(ref)
+            await asyncio.gather(*(node.complete(ts, rs) for node, (ts, rs) in per_node.items()))

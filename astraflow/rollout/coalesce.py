@@ -3,13 +3,13 @@
 Every actor call has a fixed cost on the data layer's worker, whatever it carries; with many
 nodes per worker their heartbeats alone would keep it busy. ``Coalescer`` stands in for the
 data-layer handle of each node of a group: ``heartbeat``, ``lease`` and ``complete`` calls made
-while the previous call of the same kind is on its way are gathered and sent as one call
+while earlier calls of the same kind are on their way are gathered and sent as one call
 (``heartbeat_many``, ``lease_many``, one ``complete`` with every node's references); each
-node gets its own answer. A call made when none of its kind is on its way goes at once, so
-a lone node waits no longer than before. Every other method goes straight to the handle.
+node gets its own answer. A call made while a sender of its kind is free goes at once, so a
+lone node waits no longer than before. Every other method goes straight to the handle.
 
-A lease long poll holds its lane while the data layer has no task for any node of the group:
-the nodes asking meanwhile go in the next call, which is made as soon as tasks appear.
+A lease long poll holds a sender while the data layer has no task for any node of the group:
+the nodes asking meanwhile go with the other sender.
 ``complete`` answers each node with the count of new completions of the whole call.
 """
 
@@ -48,14 +48,18 @@ class _Pending:
 
 
 class _Lane:
-    """The calls of one kind: gathered while one is on its way, sent by a thread of their own."""
+    """The calls of one kind: gathered while calls are on their way, sent by sender threads
+    (up to ``senders`` at once: a call waiting on the data layer's snapshot write does not hold
+    back the next; calls made meanwhile share the write)."""
 
-    def __init__(self, name: str, send: Callable[[list[tuple[tuple, _Pending]]], None]):
+    def __init__(self, name: str, send: Callable[[list[tuple[tuple, _Pending]]], None], senders: int = 2):
         self.name = name
         self._send = send
         self._queue: list[tuple[tuple, _Pending]] = []
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._senders = senders
+        self._threads = 0
+        self._idle = 0
         #: gathered calls sent, and node calls they carried
         self.calls = 0
         self.carried = 0
@@ -64,21 +68,24 @@ class _Lane:
         pending = _Pending()
         with self._cond:
             self._queue.append((args, pending))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"coalesce-{self.name}", daemon=True)
-                self._thread.start()
+            if self._idle == 0 and self._threads < self._senders:
+                self._threads += 1
+                threading.Thread(target=self._run, name=f"coalesce-{self.name}", daemon=True).start()
             self._cond.notify()
         return pending
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                if not self._queue and not self._cond.wait_for(lambda: self._queue, timeout=IDLE_S):
-                    self._thread = None
+                self._idle += 1
+                got = self._cond.wait_for(lambda: self._queue, timeout=IDLE_S)
+                self._idle -= 1
+                if not got:
+                    self._threads -= 1
                     return
                 items, self._queue = self._queue, []
-            self.calls += 1
-            self.carried += len(items)
+                self.calls += 1
+                self.carried += len(items)
             try:
                 self._send(items)
             except BaseException as err:  # every node of the call gets the error (e.g. the actor is lost)
