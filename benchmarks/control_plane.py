@@ -256,7 +256,8 @@ def main() -> None:
         index = index_growth([int(float(x)) for x in args.index_sizes.split(",")], args.index_trajectories,
                              args.batch_size, args.group_size)
         print_table("per-trajectory cost as the index grows", index,
-                    ["index_entries", "dl_cpu_us_per_traj", "full_gc_ms", "rss_mb"])
+                    ["index_entries", "dl_cpu_us_per_traj", "ingest_us_per_traj", "batch_us_per_traj",
+                     "full_gc_ms", "rss_mb"])
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"scale": scale, "index": index}))
     result: dict = {}
