@@ -14,7 +14,8 @@ completion wins); later ones are counted as duplicates. Every task ends exactly 
 
 The cost of a call does not grow with what is outstanding: leases wait for expiry in a
 deadline heap (a renewal updates ``held`` only; a popped entry whose lease was renewed is
-pushed again with its new deadline, one whose lease ended is dropped), and each node's leases
+pushed again with its new deadline, one whose lease ended is dropped, and the heap is rebuilt
+from the live leases when ended ones' entries outnumber them), and each node's leases
 are a set of their own, so a heartbeat renews one node's leases without looking at the others.
 """
 
@@ -127,6 +128,10 @@ class Leases:
     def expire(self) -> None:
         """Hand back every lease past its deadline (the heap's entries due by now only)."""
         now = time.time()
+        if len(self._heap) > 2 * len(self.held) + 1024:  # mostly ended leases' entries: rebuilt
+            self._heap = []
+            for tid, (_, deadline) in self.held.items():
+                self._push(tid, deadline)
         heap = self._heap
         while heap and heap[0][0] < now:
             _, number, tid = heapq.heappop(heap)

@@ -128,3 +128,14 @@ def test_a_coalescer_gathers_the_nodes_calls_and_answers_each_node(tmp_path):
     held = handle.layer.leases.held
     assert {t: n for t, (n, _) in held.items()} == {t: n for n, ts in got.items() for t in ts}
     handle.loop.call_soon_threadsafe(handle.loop.stop)
+
+
+def test_the_deadline_heap_sheds_the_entries_of_ended_leases():
+    leases, _ = make()
+    for i in range(3000):
+        leases.add(task(f"g{i}/0"))
+    for t in leases.take("n", 3000)[:2900]:
+        assert leases.complete(ref(t)) is not None
+    leases.expire()  # nothing due; the heap holds mostly ended leases' entries: rebuilt
+    assert len(leases._heap) == len(leases.held) == 100
+    assert not leases.pending
