@@ -100,6 +100,9 @@ class DataLayer(TrainerFacing):
         self.buffers = Buffers(self.policy_names, batch_size=dataflow.batch_size, group_size=workload.group_size,
                                limit=self.limit, max_staleness=dataflow.max_staleness, ledger=self.ledger, rng=rng)
         self.metrics = rec.MetricsLog(metrics_path)
+        self.service = rec.ServiceTimes()
+        #: the oldest weights among the leasing nodes, per policy (admission by version)
+        self.oldest = admission.OldestVersions(self.policy_names)
         self.evals = EvalRounds(evals, [self.mixer.source_of(p) for p in evals], k=workload.eval.k,
                                 policies=self.policy_names, workflow=workload.workflow,
                                 by_source=len(self.mixer.weights) > 1, started=self._started,
@@ -219,6 +222,13 @@ class DataLayer(TrainerFacing):
         return await self._lease(requests, wait)
 
     async def _lease(self, requests: list, wait: float) -> dict[str, list[RolloutTask]]:
+        t0 = time.perf_counter()
+        try:
+            return await self._lease_now(requests, wait)
+        finally:
+            self.service.add("lease", time.perf_counter() - t0)
+
+    async def _lease_now(self, requests: list, wait: float) -> dict[str, list[RolloutTask]]:
         mark = self._mark()
         self.leases.expire()
         now = time.time()
@@ -231,6 +241,7 @@ class DataLayer(TrainerFacing):
             info["capacity"] = capacity
             if versions is not None:
                 info["versions"] = dict(versions)
+                self.oldest.saw(versions)
             if not info["draining"] and capacity > 0:
                 asking.append((node, capacity, info))
         if not asking:
@@ -257,6 +268,7 @@ class DataLayer(TrainerFacing):
 
     async def complete(self, refs: list[TrajectoryRef]) -> int:
         """Record committed trajectories; returns how many were new (others were duplicates)."""
+        t0 = time.perf_counter()
         mark = self._mark()
         new = 0
         for ref in refs:
@@ -274,6 +286,7 @@ class DataLayer(TrainerFacing):
                 if grp.done():
                     self._ingest(grp)
         await self._durable(mark)
+        self.service.add("complete", time.perf_counter() - t0)
         return new
 
     async def fail(self, task_id: str, reason: str) -> None:
@@ -290,6 +303,7 @@ class DataLayer(TrainerFacing):
 
     async def heartbeat_many(self, beats: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """``heartbeat`` for several nodes in one call: node -> its stats; node -> its answer."""
+        t0 = time.perf_counter()
         mark = self._mark()
         now = time.time()
         infos = {}
@@ -297,10 +311,12 @@ class DataLayer(TrainerFacing):
             holding = stats.pop("holding", None)
             info = infos[node] = self.leases.node(node)
             info.update(stats)
+            self.oldest.saw(stats.get("versions"))
             info["last_seen"] = now
             self.leases.renew(node, None if holding is None else set(holding))
         self.leases.expire()
         await self._durable(mark)
+        self.service.add("heartbeat", time.perf_counter() - t0)
         return {node: {"draining": info["draining"], "finished": self.finished} for node, info in infos.items()}
 
     async def drain(self, node: str) -> None:

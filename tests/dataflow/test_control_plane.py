@@ -80,6 +80,9 @@ def test_lease_many_and_heartbeat_many_answer_what_single_calls_do(tmp_path):
         replies = {n: await single.heartbeat(n, dict(s)) for n, s in beats.items()}
         assert replies == await many.heartbeat_many({n: dict(s) for n, s in beats.items()})
         assert single.leases.nodes.keys() == many.leases.nodes.keys()
+        served = (await many.state())["service_ms"]  # the calls' time inside the data layer
+        assert served["lease"]["n"] == 1 and served["heartbeat"]["n"] == 1
+        assert 0 < served["lease"]["p50"] <= served["lease"]["p99"]
         assert {t: n for t, (n, _) in single.leases.held.items()} == {t: n for t, (n, _) in many.leases.held.items()}
 
     asyncio.run(go())
@@ -139,3 +142,19 @@ def test_the_deadline_heap_sheds_the_entries_of_ended_leases():
     leases.expire()  # nothing due; the heap holds mostly ended leases' entries: rebuilt
     assert len(leases._heap) == len(leases.held) == 100
     assert not leases.pending
+
+
+def test_the_oldest_node_version_drops_at_once_and_rises_only_at_a_recount():
+    from astraflow.dataflow.admission import OldestVersions
+    nodes = {"a": {"versions": {"p": 3}, "last_seen": 100.0}, "b": {"versions": {"p": 5}, "last_seen": 100.0}}
+    oldest = OldestVersions(["p"], every_s=1.0)
+    assert oldest.get(nodes, 30.0, now=100.0) == {"p": 3}
+    nodes["a"]["versions"] = {"p": 6}  # a loaded newer weights: seen at the next recount only
+    oldest.saw({"p": 6})
+    assert oldest.get(nodes, 30.0, now=100.5) == {"p": 3}
+    assert oldest.get(nodes, 30.0, now=101.6) == {"p": 5}
+    nodes["c"] = {"versions": {"p": 1}, "last_seen": 101.7}  # a node with older weights: at once
+    oldest.saw({"p": 1})
+    assert oldest.get(nodes, 30.0, now=101.8) == {"p": 1}
+    nodes["c"]["draining"] = True
+    assert oldest.get(nodes, 30.0, now=103.0) == {"p": 5}
