@@ -52,7 +52,7 @@ class _Lane:
     (up to ``senders`` at once: a call waiting on the data layer's snapshot write does not hold
     back the next; calls made meanwhile share the write)."""
 
-    def __init__(self, name: str, send: Callable[[list[tuple[tuple, _Pending]]], None], senders: int = 2):
+    def __init__(self, name: str, send: Callable[[list[tuple[tuple, _Pending]]], None], senders: int = 4):
         self.name = name
         self._send = send
         self._queue: list[tuple[tuple, _Pending]] = []
