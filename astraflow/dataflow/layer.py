@@ -261,8 +261,8 @@ class DataLayer(TrainerFacing):
             await self._wait(min(remaining, 0.1))
             self.leases.expire()
             self._refill()
-        for node, capacity, _ in asking:
-            out[node] = Packed(self.leases.take(node, capacity))
+        for node, capacity, _ in asking:  # a node named twice gets both shares (none is orphaned)
+            out[node].extend(self.leases.take(node, capacity))
         await self._durable(mark)  # a node never runs a task the next data layer does not know
         return out
 
