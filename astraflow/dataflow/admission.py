@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -106,16 +105,17 @@ class TrainerPace:
 def clocks(*, policies: list[str], versions: Mapping[str, int], served: Mapping[str, list[int]],
            ready: Mapping[str, list], accepted: Mapping[str, int], groups_ingested: int, group_size: int,
            per_batch: float, nodes: Mapping[str, Mapping[str, Any]], node_window_s: float,
-           paces: Mapping[str, TrainerPace], finished: Mapping[str, bool], now: float) -> list[PolicyClock]:
+           paces: Mapping[str, TrainerPace], finished: Mapping[str, bool], now: float,
+           oldest: Mapping[str, int | None] | None = None) -> list[PolicyClock]:
     """One ``PolicyClock`` per policy from the data layer's state: ``served`` (versions whose
     batch a trainer holds or is being handed), ``ready`` (buffered groups, each with ``source`` and ``items``),
     ``accepted`` (sequences kept per policy), ``nodes`` (``versions``, ``last_seen``,
-    ``draining`` per node; nodes not seen within ``node_window_s`` are ignored)."""
-    live = [n for n in nodes.values() if n.get("versions") and not n.get("draining") and not n.get("gone")
-            and now - float(n.get("last_seen", 0.0)) <= node_window_s]
+    ``draining`` per node; nodes not seen within ``node_window_s`` are ignored), or ``oldest``
+    (``oldest_versions`` of them, kept by the caller)."""
+    if oldest is None:
+        oldest = oldest_versions(policies, nodes, node_window_s, now)
     out = []
     for p in policies:
-        held = [int(n["versions"][p]) for n in live if p in n["versions"]]
         buffered: dict[str, int] = {}
         for grp in ready[p]:
             buffered[grp.source] = buffered.get(grp.source, 0) + len(grp.items)
@@ -124,10 +124,47 @@ def clocks(*, policies: list[str], versions: Mapping[str, int], served: Mapping[
             buffered=buffered,
             per_batch=per_batch,
             per_group=accepted.get(p, 0) / groups_ingested if groups_ingested else float(group_size),
-            oldest_node_version=max(min(held), 0) if held else None,
+            oldest_node_version=oldest[p],
             active=not finished[p] and paces[p].active(now),
         ))
     return out
+
+
+def oldest_versions(policies: list[str], nodes: Mapping[str, Mapping[str, Any]], node_window_s: float,
+                    now: float) -> dict[str, int | None]:
+    """Per policy, the oldest weight version among the nodes that lease (not draining, not
+    gone, seen within ``node_window_s``); None when no such node reported one."""
+    live = [n for n in nodes.values() if n.get("versions") and not n.get("draining") and not n.get("gone")
+            and now - float(n.get("last_seen", 0.0)) <= node_window_s]
+    out: dict[str, int | None] = {}
+    for p in policies:
+        held = [int(n["versions"][p]) for n in live if p in n["versions"]]
+        out[p] = max(min(held), 0) if held else None
+    return out
+
+
+class OldestVersions:
+    """``oldest_versions`` of a data layer's nodes without a pass over every node per call: a
+    node reporting an older version lowers it at once, and it is recounted (and may rise) at
+    most every ``every_s`` seconds. Between recounts it can only be lower than the truth, so
+    admission errs on refusing."""
+
+    def __init__(self, policies: list[str], every_s: float = 0.2):
+        self.policies, self.every_s = list(policies), every_s
+        self._value: dict[str, int | None] = {p: None for p in policies}
+        self._at = float("-inf")
+
+    def saw(self, versions: Mapping[str, int] | None) -> None:
+        """A node reported the versions it holds."""
+        for p, v in (versions or {}).items():
+            if p in self._value:
+                cur, v = self._value[p], max(int(v), 0)
+                self._value[p] = v if cur is None else min(cur, v)
+
+    def get(self, nodes: Mapping[str, Mapping[str, Any]], node_window_s: float, now: float) -> dict[str, int | None]:
+        if now - self._at > self.every_s:
+            self._value, self._at = oldest_versions(self.policies, nodes, node_window_s, now), now
+        return self._value
 
 
 def rule_of(layer: Any) -> Callable[[str, float, int], bool]:
@@ -140,7 +177,8 @@ def rule_of(layer: Any) -> Callable[[str, float, int], bool]:
         accepted={p: c["accepted"] for p, c in buffers.counts.items()}, groups_ingested=buffers.groups_ingested,
         group_size=layer.wcfg.group_size, per_batch=cfg.batch_size - int(cfg.replay_ratio * cfg.batch_size),
         nodes=layer.leases.nodes, node_window_s=cfg.lease_seconds, paces=layer.paces,
-        finished={p: v >= layer.max_steps for p, v in layer.versions.items()}, now=time.time())
+        finished={p: v >= layer.max_steps for p, v in layer.versions.items()}, now=time.time(),
+        oldest=layer.oldest.get(layer.leases.nodes, cfg.lease_seconds, time.time()))
     return lambda source, share, rolling: admits(source, share, rolling, cl, cfg.max_staleness)
 
 
@@ -160,7 +198,7 @@ def refill(layer: Any) -> None:
     # groups in rollout do, and they are passed separately): one rule for the whole call
     admits_now = rule_of(layer) if layer.cfg.admission == "version" else None
     while not layer.finished and proposals < max(len(layer._train), 1):
-        rolling = Counter(g.source for g in buffers.rolling.values())
+        rolling = buffers.rolling_by_source()
         source = mixer.pick_source(layer.limit, rolling, buffers.groups_ahead(mixer.weights), admits_now)
         if source is None or (layer.budget is not None and layer.budget <= 0):
             # refused groups: counted on the first policy, as the curator's skips are

@@ -92,6 +92,8 @@ class Buffers:
         self.rng = rng
         #: train groups being rolled out (not yet ingested), by group id
         self.rolling: dict[str, RolloutGroup] = {}
+        #: groups in ``rolling`` per source, kept in step with it (``rolling_by_source``)
+        self._rolling_count: Counter = Counter()
         self.group_seq = 0
         #: train groups that finished rollout (kept or not): what admission divides yields by
         self.groups_ingested = 0
@@ -120,7 +122,15 @@ class Buffers:
         gid = f"g{self.group_seq:07d}"
         grp = RolloutGroup(gid, prompt_key, "train", [f"{gid}/{j}" for j in range(self.group_size)], source)
         self.rolling[gid] = grp
+        self._rolling_count[source] += 1
         return grp
+
+    def rolling_by_source(self) -> Counter:
+        """Groups in rollout per source, without a pass over them (recounted only when
+        ``rolling`` was replaced or cleared behind this room's back: a restore, the run's end)."""
+        if sum(self._rolling_count.values()) != len(self.rolling):
+            self._rolling_count = Counter(g.source for g in self.rolling.values())
+        return self._rolling_count
 
     def groups_ahead(self, sources: Sequence[str]) -> dict[str, int]:
         """Groups the hungriest policy has buffered, per source."""
@@ -130,7 +140,8 @@ class Buffers:
     def ingest(self, grp: RolloutGroup, group_filter: GroupFilter) -> list[float]:
         """A finished group enters the buffers (see the module docstring); returns the first
         policy's rewards (what the curator observes; empty if it generated nothing)."""
-        self.rolling.pop(grp.group_id, None)
+        if self.rolling.pop(grp.group_id, None) is not None:
+            self._rolling_count[grp.source] -= 1
         self.groups_ingested += 1
         live = [t for t in grp.task_ids if t in grp.results]
         for tid in live:

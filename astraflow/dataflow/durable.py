@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from astraflow.dataflow import record as rec
-from astraflow.dataflow.ledger import TERMINAL, TaskRecord
+from astraflow.dataflow.ledger import TERMINAL
 from storage.atomic import write_atomically
 from storage.safe_pickle import AllowlistUnpickler
 
@@ -283,9 +283,8 @@ def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, kee
     # ended tasks are known from the journal (duplicate completions of them are recognised)
     for line in read_journal(journal_path) if journal_path is not None else []:
         if line.get("e") in TERMINAL:
-            ledger.tasks[line["t"]] = TaskRecord(state=line["e"], reason=line.get("r"))
+            ledger.remember_end(line["t"], line["e"])
     ledger.live = lg["live"]
-    ledger.tasks.update(ledger.live)
     ledger.events, ledger.dropped_by_reason = lg["events"], lg["dropped_by_reason"]
     ledger.failed_by_reason, ledger.state_counts = lg["failed_by_reason"], lg["state_counts"]
     leases = dl.leases
@@ -297,7 +296,7 @@ def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, kee
     released = 0
     for tid, node in ls["held"].items():
         if keep_leases:
-            leases.held[tid] = (node, deadline)
+            leases.hold(tid, node, deadline)
             continue
         released += 1
         rec = ledger.live[tid]

@@ -94,11 +94,15 @@ class DataLayer(TrainerFacing):
         self.curator = R.make(R.CURATORS, dataflow.curator.type, dataflow.curator.params, seed)
         self.group_filter = R.make(R.FILTERS, dataflow.group_filter.type, dataflow.group_filter.params, seed)
         self.ordering = R.make(R.ORDERINGS, dataflow.ordering.type, dataflow.ordering.params, seed)
+        self._slots, self._slots_at = 0, 0.0
         self.leases = Leases(dataflow.lease_seconds, dataflow.max_attempts, self._task_failed)
         self.ledger = self.leases.ledger
         self.buffers = Buffers(self.policy_names, batch_size=dataflow.batch_size, group_size=workload.group_size,
                                limit=self.limit, max_staleness=dataflow.max_staleness, ledger=self.ledger, rng=rng)
         self.metrics = rec.MetricsLog(metrics_path)
+        self.service = rec.ServiceTimes()
+        #: the oldest weights among the leasing nodes, per policy (admission by version)
+        self.oldest = admission.OldestVersions(self.policy_names)
         self.evals = EvalRounds(evals, [self.mixer.source_of(p) for p in evals], k=workload.eval.k,
                                 policies=self.policy_names, workflow=workload.workflow,
                                 by_source=len(self.mixer.weights) > 1, started=self._started,
@@ -129,8 +133,23 @@ class DataLayer(TrainerFacing):
 
     @property
     def limit(self) -> int:
-        """Groups allowed ahead of training (see ``mixing.py``, *rollout ahead of training*)."""
-        return self.groups_per_batch + self.cfg.prefetch_groups
+        """Groups allowed ahead of training (see ``mixing.py``, *rollout ahead of training*),
+        raised to the leasing nodes' task slots with ``prefetch_covers_nodes``."""
+        base = self.groups_per_batch + self.cfg.prefetch_groups
+        if not self.cfg.prefetch_covers_nodes:
+            return base
+        return max(base, -(-self._node_slots() // self.wcfg.group_size))
+
+    def _node_slots(self) -> int:
+        """Task slots of the nodes that leased within ``lease_seconds`` and do not drain;
+        recounted at most once a second (a pass over every node)."""
+        now = time.time()
+        if now - self._slots_at > 1.0:
+            self._slots_at = now
+            self._slots = sum(int(i.get("capacity", 0)) for i in self.leases.nodes.values()
+                              if not i.get("draining") and not i.get("gone")
+                              and now - float(i.get("last_seen", 0.0)) <= self.cfg.lease_seconds)
+        return self._slots
 
     @property
     def counts(self) -> dict[str, Counter]:
@@ -193,33 +212,63 @@ class DataLayer(TrainerFacing):
         ``versions``: the weight version the node holds per policy (admission by version);
         while admission refuses new groups because a node's weights are too old, the call
         returns at once, so that the node asks again with the weights it loads next."""
+        return (await self._lease([(node, capacity, versions)], wait))[node]
+
+    async def lease_many(self, requests: list[tuple[str, int, dict[str, int] | None]],
+                         wait: float = 0.0) -> dict[str, list[RolloutTask]]:
+        """``lease`` for several nodes in one call (the nodes of one rollout worker): each
+        ``(node, capacity, versions)`` gets what its own ``lease`` would, in the order given;
+        the long poll ends when any of them can be served."""
+        return await self._lease(requests, wait)
+
+    async def _lease(self, requests: list, wait: float) -> dict[str, list[RolloutTask]]:
+        t0 = time.perf_counter()
+        try:
+            return await self._lease_now(requests, wait)
+        finally:
+            self.service.add("lease", time.perf_counter() - t0)
+
+    async def _lease_now(self, requests: list, wait: float) -> dict[str, list[RolloutTask]]:
         mark = self._mark()
         self.leases.expire()
-        info = self.leases.node(node)
-        info["last_seen"] = time.time()
-        if versions is not None:
-            info["versions"] = dict(versions)
-        if info["draining"] or capacity <= 0:
+        now = time.time()
+        out: dict[str, list[RolloutTask]] = {}
+        asking = []
+        for node, capacity, versions in requests:
+            out[node] = Packed()
+            info = self.leases.node(node)
+            info["last_seen"] = now
+            info["capacity"] = capacity
+            if versions is not None:
+                info["versions"] = dict(versions)
+                self.oldest.saw(versions)
+            if not info["draining"] and capacity > 0:
+                asking.append((node, capacity, info))
+        if not asking:
             await self._durable(mark)
-            return []
+            return out
         self._refill()
-        deadline = time.time() + wait
-        while not self.leases.waiting() and not self.finished and not info["draining"]:
+        deadline = now + wait
+        while (not self.leases.waiting() and not self.finished
+               and not all(info["draining"] for _, _, info in asking)):
             remaining = deadline - time.time()
             if remaining <= 0:
                 break
-            if self.mixer.refused and admission.lags(info.get("versions"), self.versions):
+            if self.mixer.refused and any(admission.lags(info.get("versions"), self.versions)
+                                          for _, _, info in asking):
                 break
             # woken by _notify (a batch served, trajectories ingested, a version published)
             await self._wait(min(remaining, 0.1))
             self.leases.expire()
             self._refill()
-        out = Packed(self.leases.take(node, capacity))
+        for node, capacity, _ in asking:  # a node named twice gets both shares (none is orphaned)
+            out[node].extend(self.leases.take(node, capacity))
         await self._durable(mark)  # a node never runs a task the next data layer does not know
         return out
 
     async def complete(self, refs: list[TrajectoryRef]) -> int:
         """Record committed trajectories; returns how many were new (others were duplicates)."""
+        t0 = time.perf_counter()
         mark = self._mark()
         new = 0
         for ref in refs:
@@ -237,6 +286,7 @@ class DataLayer(TrainerFacing):
                 if grp.done():
                     self._ingest(grp)
         await self._durable(mark)
+        self.service.add("complete", time.perf_counter() - t0)
         return new
 
     async def fail(self, task_id: str, reason: str) -> None:
@@ -249,15 +299,25 @@ class DataLayer(TrainerFacing):
         """Renew the node's leases and record its stats; tells the node whether to drain.
         ``stats["holding"]``: the ids of the tasks the node still works on (only their leases
         are renewed; absent: all of the node's)."""
-        holding = stats.pop("holding", None)
+        return (await self.heartbeat_many({node: stats}))[node]
+
+    async def heartbeat_many(self, beats: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """``heartbeat`` for several nodes in one call: node -> its stats; node -> its answer."""
+        t0 = time.perf_counter()
         mark = self._mark()
-        info = self.leases.node(node)
-        info.update(stats)
-        info["last_seen"] = time.time()
-        self.leases.renew(node, None if holding is None else set(holding))
+        now = time.time()
+        infos = {}
+        for node, stats in beats.items():
+            holding = stats.pop("holding", None)
+            info = infos[node] = self.leases.node(node)
+            info.update(stats)
+            self.oldest.saw(stats.get("versions"))
+            info["last_seen"] = now
+            self.leases.renew(node, None if holding is None else set(holding))
         self.leases.expire()
         await self._durable(mark)
-        return {"draining": info["draining"], "finished": self.finished}
+        self.service.add("heartbeat", time.perf_counter() - t0)
+        return {node: {"draining": info["draining"], "finished": self.finished} for node, info in infos.items()}
 
     async def drain(self, node: str) -> None:
         """Stop leasing to ``node`` and the nodes sharing its worker (they finish what they hold)."""

@@ -11,10 +11,18 @@ nor renews it (``renew``, on the node's heartbeat, for the tasks the node says i
 front of its queue with ``attempt + 1``, or ends as failed after ``max_attempts``. A late
 completion of an earlier attempt is still accepted if the task has not ended (the first
 completion wins); later ones are counted as duplicates. Every task ends exactly once.
+
+The cost of a call does not grow with what is outstanding: leases wait for expiry in a
+deadline heap (a renewal updates ``held`` only; a popped entry whose lease was renewed is
+pushed again with its new deadline, one whose lease ended is dropped, and the heap is rebuilt
+from the live leases when ended ones' entries outnumber them), and each node's leases
+are a set of their own, so a heartbeat renews one node's leases without looking at the others.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections import deque
 from dataclasses import replace
@@ -36,8 +44,15 @@ class Leases:
         self.tasks: dict[str, RolloutTask] = {}
         self.pending: deque[str] = deque()
         self.eval_pending: deque[str] = deque()
-        #: task -> (node, deadline)
+        #: task -> (node, deadline); change it with ``hold`` / ``_release`` only (they keep the
+        #: per-node sets and the deadline heap in step)
         self.held: dict[str, tuple[str, float]] = {}
+        #: node -> the tasks it holds
+        self.by_node: dict[str, set[str]] = {}
+        #: (deadline, entry number, task): a lease's entry is the one whose number ``_entry`` holds
+        self._heap: list[tuple[float, int, str]] = []
+        self._entry: dict[str, int] = {}
+        self._numbers = itertools.count()
         #: node -> what it reports on heartbeats plus ``leased`` / ``completed`` / ``draining``
         self.nodes: dict[str, dict[str, Any]] = {}
 
@@ -67,18 +82,42 @@ class Leases:
                 task = replace(self.tasks[tid], lease_deadline=deadline)
                 self.tasks[tid] = task
                 self.ledger.lease(tid, node)
-                self.held[tid] = (node, deadline)
+                self.hold(tid, node, deadline)
                 out.append(task)
         self.node(node)["leased"] += len(out)
         return out
 
+    def hold(self, tid: str, node: str, deadline: float) -> None:
+        """``node`` holds ``tid`` until ``deadline`` (a new lease, or one restored)."""
+        old = self.held.get(tid)
+        if old is not None and old[0] != node:
+            self._release(tid)
+        self.held[tid] = (node, deadline)
+        self.by_node.setdefault(node, set()).add(tid)
+        self._push(tid, deadline)
+
+    def _push(self, tid: str, deadline: float) -> None:
+        number = next(self._numbers)
+        self._entry[tid] = number
+        heapq.heappush(self._heap, (deadline, number, tid))
+
+    def _release(self, tid: str) -> None:
+        """The lease of ``tid`` ends (its heap entry is dropped when it comes up)."""
+        node, _ = self.held.pop(tid)
+        self._entry.pop(tid, None)
+        mine = self.by_node.get(node)
+        if mine is not None:
+            mine.discard(tid)
+            if not mine:
+                del self.by_node[node]
+
     def complete(self, ref: TrajectoryRef) -> RolloutTask | None:
         """Record a completion; the completed task, or None for a duplicate or an ended task."""
         lease = self.held.get(ref.task_id)
-        if not self.ledger.tasks.get(ref.task_id) or not self.ledger.complete(ref.task_id):
+        if ref.task_id not in self.ledger.live or not self.ledger.complete(ref.task_id):
             return None
         if lease is not None:
-            del self.held[ref.task_id]
+            self._release(ref.task_id)
         else:  # a late completion of an expired attempt that was requeued but not re-leased
             q = self._queue(ref.kind)
             if ref.task_id in q:
@@ -87,11 +126,22 @@ class Leases:
         return self.tasks.pop(ref.task_id)
 
     def expire(self) -> None:
-        """Hand back every lease past its deadline."""
+        """Hand back every lease past its deadline (the heap's entries due by now only)."""
         now = time.time()
-        for tid, (_, deadline) in list(self.held.items()):
+        if len(self._heap) > 2 * len(self.held) + 1024:  # mostly ended leases' entries: rebuilt
+            self._heap = []
+            for tid, (_, deadline) in self.held.items():
+                self._push(tid, deadline)
+        heap = self._heap
+        while heap and heap[0][0] < now:
+            _, number, tid = heapq.heappop(heap)
+            if self._entry.get(tid) != number:
+                continue  # the lease ended (or was re-leased) since this entry was pushed
+            deadline = self.held[tid][1]
             if deadline < now:
                 self.give_back(tid, "lease_expired")
+            else:  # renewed since: comes up again at its new deadline
+                self._push(tid, deadline)
 
     def renew(self, node: str, holding: Container[str] | None = None) -> None:
         """Extend the leases of ``node`` by ``lease_seconds`` from now: those in ``holding`` (the
@@ -99,13 +149,16 @@ class Leases:
         node no longer knows of (its episode ended without a completion or a failure reaching
         here) is not renewed, so it expires instead of being held for ever."""
         deadline = time.time() + self.lease_seconds
-        for tid, (n, _) in list(self.held.items()):
-            if n == node and (holding is None or tid in holding):
-                self.held[tid] = (n, deadline)
+        mine = self.by_node.get(node, ())
+        if holding is not None and len(holding) < len(mine):  # type: ignore[arg-type]
+            mine = [t for t in holding if t in mine]  # type: ignore[union-attr]
+        for tid in mine:
+            if holding is None or tid in holding:
+                self.held[tid] = (node, deadline)
 
     def give_back(self, tid: str, why: str) -> None:
         """A leased task comes back (expired, failed, node gone): requeue or fail it."""
-        del self.held[tid]
+        self._release(tid)
         task = self.tasks[tid]
         self.ledger.requeue(tid, why)
         if task.attempt + 1 >= self.max_attempts:
@@ -137,7 +190,8 @@ class Leases:
         for tid, rec in list(self.ledger.live.items()):
             if rec.state in TERMINAL or tid in keep:
                 continue
-            self.held.pop(tid, None)
+            if tid in self.held:
+                self._release(tid)
             self.tasks.pop(tid, None)
             if rec.state != "completed":
                 self.ledger.events["abandoned_" + rec.state] += 1

@@ -10,11 +10,16 @@ Ending a task twice is a bug and asserts.
 
 ``journal`` (when set) is told every creation and every end, in order: the data layer appends
 them to ``ledger.jsonl`` (``durable.py``), the run's record that every task ended once.
+
+Memory stays flat however long a run is: an ended task keeps only its outcome, and only the
+``remember`` most recent ones are kept (a late duplicate completion of an older one is still
+refused and counted: what is not live cannot complete). The counters are never forgotten.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,9 +34,38 @@ class TaskRecord:
     reason: str | None = None
 
 
+#: ended tasks whose outcome the ledger keeps (older ones are forgotten, their counts kept)
+REMEMBER_ENDED = 100_000
+
+
+class _AllTasks(Mapping):
+    """The live tasks' records, then the remembered ended tasks' (rebuilt from their outcome)."""
+
+    def __init__(self, ledger: "Ledger"):
+        self._ledger = ledger
+
+    def __getitem__(self, task_id: str) -> TaskRecord:
+        rec = self._ledger.live.get(task_id)
+        if rec is not None:
+            return rec
+        return TaskRecord(state=self._ledger.ended[task_id])
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._ledger.live
+        yield from self._ledger.ended
+
+    def __len__(self) -> int:
+        return len(self._ledger.live) + len(self._ledger.ended)
+
+    def __contains__(self, task_id: object) -> bool:
+        return task_id in self._ledger.live or task_id in self._ledger.ended
+
+
 @dataclass
 class Ledger:
-    tasks: dict[str, TaskRecord] = field(default_factory=dict)
+    #: ended tasks: id -> outcome, the ``remember`` most recent
+    ended: OrderedDict = field(default_factory=OrderedDict)
+    remember: int = REMEMBER_ENDED
     events: Counter = field(default_factory=Counter)
     dropped_by_reason: Counter = field(default_factory=Counter)
     failed_by_reason: Counter = field(default_factory=Counter)
@@ -42,28 +76,33 @@ class Ledger:
     #: told ``(task_id, "created" or an outcome, reason)`` on every creation and end
     journal: Callable[[str, str, str | None], None] | None = None
 
+    @property
+    def tasks(self) -> Mapping[str, TaskRecord]:
+        """Every task the ledger knows: live ones, then the remembered ended ones."""
+        return _AllTasks(self)
+
     def _move(self, rec: TaskRecord, new: str) -> None:
         self.state_counts[rec.state] -= 1
         self.state_counts[new] += 1
         rec.state = new
 
     def add(self, task_id: str) -> None:
-        assert task_id not in self.tasks, f"task {task_id} created twice"
-        self.tasks[task_id] = self.live[task_id] = TaskRecord()
+        assert task_id not in self.live and task_id not in self.ended, f"task {task_id} created twice"
+        self.live[task_id] = TaskRecord()
         self.state_counts["pending"] += 1
         self.events["created"] += 1
         if self.journal is not None:
             self.journal(task_id, "created", None)
 
     def lease(self, task_id: str, node: str) -> None:
-        rec = self.tasks[task_id]
+        rec = self.live[task_id]
         assert rec.state == "pending", f"lease of {task_id} in state {rec.state}"
         self._move(rec, "leased")
         rec.node = node
         self.events["leased"] += 1
 
     def requeue(self, task_id: str, why: str) -> None:
-        rec = self.tasks[task_id]
+        rec = self.live[task_id]
         assert rec.state == "leased", f"requeue of {task_id} in state {rec.state}"
         self._move(rec, "pending")
         rec.node = None
@@ -73,7 +112,7 @@ class Ledger:
 
     def complete(self, task_id: str) -> bool:
         """Record a completion; False for a duplicate or a completion of an ended task."""
-        rec = self.tasks.get(task_id)
+        rec = self.live.get(task_id)
         if rec is None or rec.state not in ("leased", "pending"):
             self.events["duplicate_completions"] += 1
             return False
@@ -83,11 +122,10 @@ class Ledger:
 
     def end(self, task_id: str, outcome: str, reason: str | None = None) -> None:
         assert outcome in TERMINAL, outcome
-        rec = self.tasks[task_id]
-        assert rec.state not in TERMINAL, f"task {task_id} ended twice ({rec.state}, then {outcome})"
+        rec = self.live.pop(task_id, None)
+        assert rec is not None, f"task {task_id} ended twice ({self.ended.get(task_id, 'forgotten')}, then {outcome})"
         self._move(rec, outcome)
-        rec.reason = reason
-        self.live.pop(task_id, None)
+        self.remember_end(task_id, outcome)
         if self.journal is not None:
             self.journal(task_id, outcome, reason)
         self.events[outcome] += 1
@@ -96,8 +134,15 @@ class Ledger:
         elif outcome == "failed":
             self.failed_by_reason[reason or "unknown"] += 1
 
+    def remember_end(self, task_id: str, outcome: str) -> None:
+        """Keep ``task_id``'s outcome, forgetting the oldest beyond ``remember``."""
+        self.ended[task_id] = outcome
+        while len(self.ended) > self.remember:
+            self.ended.popitem(last=False)
+
     def state_of(self, task_id: str) -> str:
-        return self.tasks[task_id].state
+        rec = self.live.get(task_id)
+        return rec.state if rec is not None else self.ended[task_id]
 
     def open_tasks(self) -> int:
         return sum(n for s, n in self.state_counts.items() if s not in TERMINAL)

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -76,6 +76,26 @@ class Generated:
         elapsed = max(elapsed, 1e-9)
         return {"episodes_per_s": self.episodes / elapsed, "sequences_per_s": self.sequences / elapsed,
                 "generated_tokens_per_s": self.tokens / elapsed}
+
+
+class ServiceTimes:
+    """How long the data layer's node-facing calls took inside it (entry to answer, snapshot
+    wait included), the most recent ``keep`` of each kind: what ``state()["service_ms"]`` reports."""
+
+    def __init__(self, keep: int = 4096):
+        self._keep = keep
+        self.by_kind: dict[str, deque] = {}
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.by_kind.setdefault(kind, deque(maxlen=self._keep)).append(seconds)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for kind, xs in self.by_kind.items():
+            ordered = sorted(xs)
+            pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3  # noqa: E731
+            out[kind] = {"n": len(ordered), "p50": pick(0.5), "p99": pick(0.99)}
+        return out
 
 
 def finite_json(value: Any) -> Any:
@@ -243,6 +263,7 @@ def layer_status(dl: DataLayer) -> dict[str, Any]:
         "trainer_restarts": dict(dl.trainer_restarts),
         "restored": dl.restored,  # what this data layer continued from (a re-placed or resumed one)
         "snapshots": dl.durability.snapshots.stats(),
+        "service_ms": dl.service.summary(),
         "sequences_generated": dl.generated.sequences,
         "tokens_generated": dl.generated.tokens,
         **dl.generated.rates(elapsed),

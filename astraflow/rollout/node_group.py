@@ -7,6 +7,8 @@ weight watcher) named ``<worker>.n<i>``; all of them run on the process's shared
 is served at, ``stop`` stops them together and sums their counters, ``reconnect``, ``refresh``
 and ``drain`` go to every node. The data layer knows each node by its own name and the worker
 they share (heartbeat ``worker``), so draining or losing the worker reaches all of them.
+Their heartbeats, leases and completions reach the data layer gathered, one call per kind at
+a time for the whole group (``coalesce.Coalescer``).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
+from astraflow.rollout.coalesce import Coalescer
 from astraflow.rollout.node import NodeIdentity, RaaSNode
-from astraflow.transport import bind
+from astraflow.transport import Link, bind
 
 
 def member_name(worker: str, index: int) -> str:
@@ -34,6 +37,10 @@ class RaaSNodeGroup:
         seed = node_kwargs.pop("seed", 0)
         self.nodes = [RaaSNode(identity=replace(identity, name=member_name(identity.name, i), worker=identity.name),
                                seed=seed * 100_003 + i, **node_kwargs) for i in range(count)]
+        if count > 1:  # one handle for all: their calls are gathered
+            self.coalescer = Coalescer(Link(self._data_layer, "the data layer"))
+            for node in self.nodes:
+                node.dl = self.coalescer
 
     def _each(self, fn) -> list[Any]:
         with ThreadPoolExecutor(max_workers=min(len(self.nodes), 16)) as pool:

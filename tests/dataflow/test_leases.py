@@ -24,7 +24,7 @@ def make(max_attempts: int = 3):
 def expire_now(leases: Leases, tid: str) -> None:
     """Move a lease's deadline into the past (instead of waiting for it)."""
     node, _ = leases.held[tid]
-    leases.held[tid] = (node, 0.0)
+    leases.hold(tid, node, 0.0)
 
 
 def test_take_leases_evaluation_first_with_a_deadline():

@@ -1,0 +1,154 @@
+"""One data-layer call per tick for all the RaaS nodes of a worker (``RaaSNodeGroup``).
+
+Every actor call has a fixed cost on the data layer's worker, whatever it carries; with many
+nodes per worker their heartbeats alone would keep it busy. ``Coalescer`` stands in for the
+data-layer handle of each node of a group: ``heartbeat``, ``lease`` and ``complete`` calls made
+while earlier calls of the same kind are on their way are gathered and sent as one call
+(``heartbeat_many``, ``lease_many``, one ``complete`` with every node's references); each
+node gets its own answer. A call made while a sender of its kind is free goes at once, so a
+lone node waits no longer than before. Every other method goes straight to the handle.
+
+A lease long poll holds a sender while the data layer has no task for any node of the group:
+the nodes asking meanwhile go with the other sender.
+``complete`` answers each node with the count of new completions of the whole call.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from astraflow.transport import Packed
+
+#: a lane's sender thread ends after this many idle seconds (started again on the next call)
+IDLE_S = 30.0
+
+
+class _Pending:
+    """One node's call in a gathered call: ``result(timeout)`` like an actor call's future."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def settle(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._value, self._error = value, error
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"no answer from the data layer within {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class _Lane:
+    """The calls of one kind: gathered while calls are on their way, sent by sender threads
+    (up to ``senders`` at once: a call waiting on the data layer's snapshot write does not hold
+    back the next; calls made meanwhile share the write)."""
+
+    def __init__(self, name: str, send: Callable[[list[tuple[tuple, _Pending]]], None], senders: int = 4):
+        self.name = name
+        self._send = send
+        self._queue: list[tuple[tuple, _Pending]] = []
+        self._cond = threading.Condition()
+        self._senders = senders
+        self._threads = 0
+        self._idle = 0
+        #: gathered calls sent, and node calls they carried
+        self.calls = 0
+        self.carried = 0
+
+    def submit(self, args: tuple) -> _Pending:
+        pending = _Pending()
+        with self._cond:
+            self._queue.append((args, pending))
+            if self._idle == 0 and self._threads < self._senders:
+                self._threads += 1
+                threading.Thread(target=self._run, name=f"coalesce-{self.name}", daemon=True).start()
+            self._cond.notify()
+        return pending
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._idle += 1
+                got = self._cond.wait_for(lambda: self._queue, timeout=IDLE_S)
+                self._idle -= 1
+                if not got:
+                    self._threads -= 1
+                    return
+                items, self._queue = self._queue, []
+                self.calls += 1
+                self.carried += len(items)
+            try:
+                self._send(items)
+            except BaseException as err:  # every node of the call gets the error (e.g. the actor is lost)
+                for _, pending in items:
+                    if not pending.done():
+                        pending.settle(error=err)
+
+
+class Coalescer:
+    """A data-layer handle shared by the nodes of one worker (module docstring)."""
+
+    def __init__(self, handle: Any):
+        #: the data layer's handle (a ``transport.Link``: it follows a re-placed data layer)
+        self.handle = handle
+        self.lanes = {"heartbeat": _Lane("heartbeat", self._heartbeats), "lease": _Lane("lease", self._leases),
+                      "complete": _Lane("complete", self._completes)}
+
+    # ``bind`` reads and sets ``_worker``: it is the handle's
+    @property
+    def _worker(self) -> Any:
+        return getattr(self.handle, "_worker", None)
+
+    @_worker.setter
+    def _worker(self, worker: Any) -> None:
+        self.handle._worker = worker
+
+    def set(self, handle: Any) -> None:
+        self.handle.set(handle)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.handle, name)
+
+    # -- the gathered calls ----------------------------------------------------------------
+    def heartbeat(self, node: str, stats: dict[str, Any]) -> _Pending:
+        return self.lanes["heartbeat"].submit((node, stats))
+
+    def lease(self, node: str, capacity: int, wait: float = 0.0, versions: dict[str, int] | None = None) -> _Pending:
+        return self.lanes["lease"].submit((node, capacity, wait, versions))
+
+    def complete(self, refs: list) -> _Pending:
+        return self.lanes["complete"].submit((refs,))
+
+    def _heartbeats(self, items: list[tuple[tuple, _Pending]]) -> None:
+        beats = {node: stats for (node, stats), _ in items}
+        replies = self.handle.heartbeat_many(beats).result(60.0)
+        for (node, _), pending in items:
+            pending.settle(replies[node])
+
+    def _leases(self, items: list[tuple[tuple, _Pending]]) -> None:
+        wait = min(args[2] for args, _ in items)
+        requests = Packed((node, capacity, versions) for (node, capacity, _, versions), _ in items)
+        got = self.handle.lease_many(requests, wait).result(wait + 60.0)
+        for (node, *_), pending in items:
+            pending.settle(got[node])
+
+    def _completes(self, items: list[tuple[tuple, _Pending]]) -> None:
+        refs = Packed(ref for (node_refs,), _ in items for ref in node_refs)
+        new = self.handle.complete(refs).result(120.0)
+        for _, pending in items:
+            pending.settle(new)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per kind: gathered calls sent and the node calls they carried."""
+        return {name: {"calls": lane.calls, "carried": lane.carried} for name, lane in self.lanes.items()}

@@ -1,0 +1,35 @@
+"""``benchmarks/control_plane.py`` at tiny sizes runs end to end as a script (emulated nodes
+against a data-layer actor on a real Dask worker, the index-growth part in-process) and ends
+with a ``RESULT`` line holding sane numbers. No timing is asserted: the run is too small (and
+the machine too shared) for its numbers to mean anything."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tiny_run_prints_sane_rows_and_a_result_line(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/control_plane.py", "--nodes", "10", "--seconds", "2", "--warmup", "2",
+         "--batch-size", "64", "--index-sizes", "1e3,1e4", "--index-trajectories", "300", "--json-out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=420, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT {"), proc.stdout[-2000:]
+    result = json.loads(last[len("RESULT "):])
+    assert result["cost_growth_1e4_to_1e7"] > 0 and result["index_range"] == [1000, 10000]
+    rows = json.loads(out.read_text())
+    assert [(r["nodes"], r["calls"]) for r in rows["scale"]] == [(10, "per-node"), (10, "grouped")]
+    for r in rows["scale"]:
+        assert r["traj_per_s"] > 0 and r["dl_cpu_us_per_traj"] > 0 and r["lease_calls"] > 0
+        assert math.isfinite(r["lease_p99_ms"]) and r["lease_p99_ms"] >= r["lease_p50_ms"] > 0
+    grouped = rows["scale"][1]
+    assert grouped["gathered"]["lease"] >= 1  # node calls per gathered call
+    assert [r["index_entries"] for r in rows["index"]] == [1000, 10000]
+    assert all(r["trajectories"] >= 300 and r["dl_cpu_us_per_traj"] > 0 for r in rows["index"])
