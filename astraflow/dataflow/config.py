@@ -161,11 +161,13 @@ class DataflowConfig(Strict):
     prefetch_groups: int = Field(default=4, ge=0)
     """Groups rolled out ahead of what the trainers need beyond one batch: an upper bound on
     the work in flight and buffered, whatever ``admission`` allows."""
-    prefetch_covers_nodes: bool = True
+    prefetch_covers_nodes: bool = False
     """The rollout-ahead bound grows to cover the task slots of the nodes that lease (the
     capacity they ask with, over the group size) when that is more than one batch plus
     ``prefetch_groups``: with many nodes a fixed bound leaves most of them polling empty
-    leases. ``admission: version`` still refuses groups that could not be trained on."""
+    leases. ``admission: version`` still refuses groups that could not be trained on. Off by
+    default: with a few nodes whose capacity exceeds a batch (the examples) it only adds
+    staleness; turn it on for runs with many nodes."""
     admission: Literal["version", "prefetch"] = "version"
     """When the data layer starts a new group. ``version``: only when the group can still be
     trained on when it arrives, from each trainer's version, ``max_staleness``, the batch size,

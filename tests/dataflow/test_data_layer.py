@@ -302,3 +302,22 @@ def test_a_waiting_lease_gets_the_tasks_a_served_batch_makes_room_for(tmp_path):
         assert len(tasks) == 8
 
     run(go())
+
+
+@pytest.mark.parametrize("covers", [False, True])
+def test_the_rollout_ahead_bound_covers_the_leasing_nodes_only_when_asked(tmp_path, covers):
+    """Groups ahead of training: one batch plus ``prefetch_groups``, or, with
+    ``prefetch_covers_nodes``, at least the task slots of the nodes that lease (over the group
+    size), so many nodes do not poll empty leases behind a bound sized for one batch."""
+    layer = make_layer(tmp_path, group_size=4, batch_size=8, prefetch_groups=1, prefetch_covers_nodes=covers)
+
+    async def go():
+        got = 0
+        for _ in range(2):  # the nodes' slots are recounted at most once a second
+            for i in range(6):  # six nodes asking for 8 tasks each: 48 slots, 12 groups
+                got += len(await layer.lease(f"n{i}", 8))
+            await asyncio.sleep(1.1)
+        return got
+
+    base = (8 // 4 + 1) * 4  # one batch (2 groups) plus one group, in tasks
+    assert run(go()) == (48 if covers else base)
