@@ -40,6 +40,49 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def _role(proc, me) -> str:
+    """What a process of this benchmark's tree is: the benchmark itself, the Dask scheduler, a
+    worker (by the role ``LocalScheduler`` gives it), or one of vLLM's processes (by title)."""
+    import psutil
+
+    if proc.pid == me.pid:
+        return "benchmark process"
+    try:
+        cmd = " ".join(proc.cmdline())
+        if "EngineCore" in cmd or "Worker" in cmd and "VLLM" in cmd:
+            return "vLLM engine core" if "EngineCore" in cmd else "vLLM worker"
+        if "dask_scheduler" in cmd:
+            return "Dask scheduler"
+        role = proc.environ().get("ASTRAFLOW_ROLE")
+    except psutil.Error:
+        return "other"
+    return {"rollout": "rollout worker (node)", "data": "data worker"}.get(role, "other")
+
+
+def process_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process and its descendants, summed by
+    ``_role``, and of the whole machine (``machine``, every process of every user)."""
+    import psutil
+
+    me = psutil.Process()
+    out: dict[str, float] = {}
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            continue
+        role = _role(proc, me)
+        out[role] = out.get(role, 0.0) + t.user + t.system
+    m = psutil.cpu_times()
+    out["machine"] = m.user + m.nice + m.system + m.irq + m.softirq
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
+    """Cores each role kept busy between two ``process_cpu`` readings (CPU seconds / wall)."""
+    return {k: round((after[k] - before.get(k, 0.0)) / wall, 3) for k in after}
+
+
 def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_batch: int, max_new: int, seed: int,
          engine_type: str = "hf") -> tuple[float, int, dict]:
     import torch
@@ -70,11 +113,12 @@ def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_batch: in
             await asyncio.gather(*(engine.generate(p, params) for p in prompts[:8]))
 
         asyncio.run(warm())
-    t0 = time.perf_counter()
+    cpu0, t0 = process_cpu(), time.perf_counter()
     tokens = asyncio.run(go())
     wall = time.perf_counter() - t0
+    stats = dict(engine.stats(), cores=cpu_delta(cpu0, process_cpu(), wall))
     engine.close()
-    return wall, tokens, engine.stats()
+    return wall, tokens, stats
 
 
 @contextlib.contextmanager
@@ -143,6 +187,7 @@ def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int
             weights_root=str(weights), data_layer=dl, seed=seed,
         ).result(timeout=120)
         node.start().result(timeout=300)
+        cpu0 = process_cpu()
         t_start = time.perf_counter()  # engine loaded: from here on it is lease, generate, write, complete
         deadline = time.time() + 900
         while time.time() < deadline:
@@ -151,11 +196,51 @@ def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int
                 break
             time.sleep(0.05)
         wall = time.perf_counter() - t_start
+        cores = cpu_delta(cpu0, process_cpu(), wall)
         nst = node.stop(timeout=60).result(timeout=90)
     c = nst["counters"]
     busy = nst["engine"]["p"]["busy_seconds"]
+    nst["engine"]["p"]["cores"] = cores
     return {"counters": c, "engine_busy_s": busy, "node": nst, "wall_s": wall,
             "tokens_at_end": st["tokens_generated"]}
+
+
+def _mean_batch(stats: dict, wall: float, engine: str) -> float:
+    """The HF engine's mean decode batch; for vLLM, which schedules its own steps, the mean
+    number of requests in flight (request-seconds / wall: vLLM runs up to ``max_batch`` of them)."""
+    if engine == "vllm":
+        return stats["busy_seconds"] / wall
+    return stats["requests"] / max(stats["batches"], 1)
+
+
+def print_tables(rows: list[dict], args, n: int) -> None:
+    """Throughput per path and repetition, then the cores each process kept busy."""
+    from rich.console import Console
+    from rich.table import Table
+
+    where = "" if args.engine == "vllm" else " in the worker" if args.in_process else " in its own process"
+    table = Table(title=f"rollout overhead ({n} episodes, {args.capacity} in flight, engine batch {args.max_batch}, "
+                        f"{args.preset} model, {args.engine} engine{where})")
+    batch = "mean in flight" if args.engine == "vllm" else "mean batch"
+    for col in ("rep", "path", "tokens", "seconds", "tokens/s", "engine busy s", batch, "ratio to bare"):
+        table.add_column(col, justify="right")
+    paths = [("bare engine", "bare"), ("RaaS node (TLS)", "raas"), ("RaaS node (plain TCP)", "plain")]
+    cores = Table(title="cores busy during the timed part (CPU seconds / wall; machine: every process, "
+                        "other users' too)")
+    roles = sorted({r for x in rows for key in ("bare", "raas", "plain") for r in x[f"{key}_stats"]["cores"]})
+    for col in ("rep", "path", *roles):
+        cores.add_column(col, justify="right")
+    for i, x in enumerate(rows):
+        for label, key in paths:
+            st, wall, toks = x[f"{key}_stats"], x[f"{key}_s"], x[f"{key}_tokens"]
+            ratio = "" if key == "bare" else f"{(toks / wall) / (x['bare_tokens'] / x['bare_s']):.3f}"
+            table.add_row(str(i + 1) if key == "bare" else "", label, str(int(toks)), f"{wall:.2f}",
+                          f"{toks / wall:.0f}", f"{st['busy_seconds']:.2f}",
+                          f"{_mean_batch(st, wall, args.engine):.1f}", ratio)
+            cores.add_row(str(i + 1) if key == "bare" else "", label,
+                          *(f"{st['cores'][r]:.2f}" if r in st["cores"] else "" for r in roles))
+    Console().print(table)
+    Console().print(cores)
 
 
 def main() -> None:
@@ -174,9 +259,6 @@ def main() -> None:
     ap.add_argument("--in-process", action="store_true",
                     help="run the node's engine inside its worker process (rollout.engine.process: false)")
     args = ap.parse_args()
-
-    from rich.console import Console
-    from rich.table import Table
 
     from astraflow.models import init_model
     from astraflow.workloads.base import make_workload
@@ -213,25 +295,7 @@ def main() -> None:
         print(f"rep {rep + 1}/{args.reps}: ratio {rows[-1]['ratio']:.3f}, TLS/plain {rows[-1]['tls_ratio']:.3f}",
               flush=True)
 
-    table = Table(title=f"rollout overhead ({n} episodes, {args.capacity} in flight, engine batch {args.max_batch}, "
-                        f"{args.preset} model, {args.engine} engine"
-                        f"{'' if args.engine == 'vllm' else ' in the worker' if args.in_process else ' in its own process'})")
-    for col in ("rep", "path", "tokens", "seconds", "tokens/s", "engine busy s", "mean batch", "ratio to bare"):
-        table.add_column(col, justify="right")
-    for i, x in enumerate(rows):
-        b, e = x["bare_stats"], x["raas_stats"]
-        table.add_row(str(i + 1), "bare engine", str(x["bare_tokens"]), f"{x['bare_s']:.2f}",
-                      f"{x['bare_tokens'] / x['bare_s']:.0f}", f"{b['busy_seconds']:.2f}",
-                      f"{b['requests'] / max(b['batches'], 1):.1f}", "")
-        table.add_row("", "RaaS node (TLS)", str(int(x["raas_tokens"])), f"{x['raas_s']:.2f}",
-                      f"{x['raas_tokens'] / x['raas_s']:.0f}", f"{e['busy_seconds']:.2f}",
-                      f"{e['requests'] / max(e['batches'], 1):.1f}", f"{x['ratio']:.3f}")
-        p = x["plain_stats"]
-        table.add_row("", "RaaS node (plain TCP)", str(int(x["plain_tokens"])), f"{x['plain_s']:.2f}",
-                      f"{x['plain_tokens'] / x['plain_s']:.0f}", f"{p['busy_seconds']:.2f}",
-                      f"{p['requests'] / max(p['batches'], 1):.1f}",
-                      f"{(x['plain_tokens'] / x['plain_s']) / (x['bare_tokens'] / x['bare_s']):.3f}")
-    Console().print(table)
+    print_tables(rows, args, n)
     med = sorted(rows, key=lambda x: x["ratio"])[len(rows) // 2]
     c = med["c"]
     bare_tps, raas_tps = med["bare_tokens"] / med["bare_s"], med["raas_tokens"] / med["raas_s"]
