@@ -20,6 +20,9 @@ in milliseconds. Repetitions alternate the three (load drifts hit all alike); th
 ratios are the result.
 
     python benchmarks/rollout_overhead.py [--groups 200] [--reps 3] [--capacity 128] [--max-batch 64]
+        [--cpu-bind none] # vLLM's CPU build, both paths: threads left unbound (rollout.engine.vllm.cpu_bind)
+        [--tls-only]     # leave out the plain-TCP run
+        [--profile-node] # where the rollout worker's CPU goes (per thread, sampled stacks)
         [--in-process]   # the engine inside the node's worker process (rollout.engine.process: false)
         [--engine vllm]  # both paths on the vLLM engine (vLLM's own engine core process)
 """
@@ -30,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -40,26 +44,30 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _role(proc, me) -> str:
-    """What a process of this benchmark's tree is: the benchmark itself, the Dask scheduler, a
-    worker (by the role ``LocalScheduler`` gives it), or one of vLLM's processes (by title)."""
+def _role(proc, me, known: dict[int, str]) -> str:
+    """What a process of this benchmark's tree is: the benchmark itself, a worker (``known``:
+    pid -> role; Dask retitles its processes), the Dask scheduler, one of vLLM's processes (by
+    title), or else the start of its command line."""
     import psutil
 
     if proc.pid == me.pid:
         return "benchmark process"
+    if proc.pid in known:
+        return known[proc.pid]
     try:
         cmd = " ".join(proc.cmdline())
-        if "EngineCore" in cmd or "Worker" in cmd and "VLLM" in cmd:
-            return "vLLM engine core" if "EngineCore" in cmd else "vLLM worker"
-        if "dask_scheduler" in cmd:
-            return "Dask scheduler"
-        role = proc.environ().get("ASTRAFLOW_ROLE")
     except psutil.Error:
         return "other"
-    return {"rollout": "rollout worker (node)", "data": "data worker"}.get(role, "other")
+    if "EngineCore" in cmd:
+        return "vLLM engine core"
+    if "VLLM" in cmd:
+        return "vLLM worker"
+    if "dask_scheduler" in cmd or cmd.startswith("dask scheduler"):
+        return "Dask scheduler"
+    return f"other ({cmd[:30]})"
 
 
-def process_cpu() -> dict[str, float]:
+def process_cpu(known: dict[int, str] | None = None) -> dict[str, float]:
     """CPU seconds (user + system) so far of this process and its descendants, summed by
     ``_role``, and of the whole machine (``machine``, every process of every user)."""
     import psutil
@@ -71,7 +79,7 @@ def process_cpu() -> dict[str, float]:
             t = proc.cpu_times()
         except psutil.Error:
             continue
-        role = _role(proc, me)
+        role = _role(proc, me, known or {})
         out[role] = out.get(role, 0.0) + t.user + t.system
     m = psutil.cpu_times()
     out["machine"] = m.user + m.nice + m.system + m.irq + m.softirq
@@ -83,8 +91,76 @@ def cpu_delta(before: dict[str, float], after: dict[str, float], wall: float) ->
     return {k: round((after[k] - before.get(k, 0.0)) / wall, 3) for k in after}
 
 
+def start_sampler(interval: float = 0.005) -> None:
+    """In a worker process (``client.run``): sample every thread's Python stack every
+    ``interval`` seconds while it is running (state R in ``/proc``), and read every thread's
+    CPU time, until ``stop_sampler``."""
+    import collections
+    import os
+    import sys
+    import threading
+
+    import psutil
+
+    state = {"stop": threading.Event(), "self": collections.Counter(), "cum": collections.Counter(),
+             "samples": collections.Counter(), "cpu0": {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}}
+
+    def running(tid: int) -> bool:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "R"
+        except OSError:
+            return False
+
+    def loop() -> None:
+        me = threading.get_native_id()
+        native = {}
+        while not state["stop"].wait(interval):
+            for t in threading.enumerate():
+                if t.native_id is not None:
+                    native[t.ident] = (t.native_id, t.name)
+            for ident, frame in sys._current_frames().items():
+                tid, name = native.get(ident, (None, "?"))
+                if tid is None or tid == me or not running(tid):
+                    continue
+                state["samples"][name] += 1
+                seen, first = set(), True
+                while frame is not None:
+                    code = frame.f_code
+                    key = f"{name}: {os.path.basename(code.co_filename)}:{code.co_name}"
+                    if first:
+                        state["self"][key] += 1
+                        first = False
+                    if key not in seen:
+                        state["cum"][key] += 1
+                        seen.add(key)
+                    frame = frame.f_back
+
+    threading.Thread(target=loop, name="bench-sampler", daemon=True).start()
+    sys._bench_sampler = state  # a function sent by value gets fresh globals: keep the state on a module
+
+
+def stop_sampler(top: int = 25) -> dict:
+    """The sampler's result: CPU seconds per thread (by name) since ``start_sampler`` and the
+    ``top`` functions by running samples, self and cumulative."""
+    import sys
+    import threading
+
+    import psutil
+
+    state = sys.__dict__.pop("_bench_sampler")
+    state["stop"].set()
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    cpu: dict[str, float] = {}
+    for t in psutil.Process().threads():
+        name = names.get(t.id, f"native {t.id}")
+        cpu[name] = cpu.get(name, 0.0) + t.user_time + t.system_time - state["cpu0"].get(t.id, 0.0)
+    return {"thread_cpu_s": dict(sorted(cpu.items(), key=lambda kv: -kv[1])), "samples": dict(state["samples"]),
+            "self": state["self"].most_common(top), "cum": state["cum"].most_common(top)}
+
+
 def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_batch: int, max_new: int, seed: int,
-         engine_type: str = "hf") -> tuple[float, int, dict]:
+         engine_type: str = "hf", cpu_bind: str = "cores") -> tuple[float, int, dict]:
     import torch
 
     from astraflow.rollout.config import EngineConfig
@@ -96,7 +172,8 @@ def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_batch: in
     if engine_type == "hf":
         engine = HFEngine(str(model_dir), version=0, max_batch_size=max_batch, seed=seed, device="cpu")
     else:  # built as the node builds it
-        engine = make_engine(EngineConfig(type=engine_type, max_batch=max_batch), str(model_dir), seed=seed)
+        engine = make_engine(EngineConfig(type=engine_type, max_batch=max_batch, vllm={"cpu_bind": cpu_bind}),
+                             str(model_dir), seed=seed)
     params = SamplingParams(max_new_tokens=max_new)
 
     async def go() -> int:
@@ -160,7 +237,7 @@ def system_workers(work: Path, tls: bool = True):
 
 def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int, capacity: int,
          max_batch: int, max_new: int, digits: int, seed: int, engine_process: bool = True, tls: bool = True,
-         engine_type: str = "hf") -> dict:
+         engine_type: str = "hf", profile: bool = False, cpu_bind: str = "cores") -> dict:
     from astraflow.dataflow.config import DataflowConfig
     from astraflow.rollout.config import EngineConfig, RolloutConfig
     from astraflow.workloads.config import EvalConfig, SamplingConfig, WorkloadConfig
@@ -181,13 +258,18 @@ def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int
         node = client.submit(
             RaaSNode, actor=True, workers=[rollout_addr], identity=NodeIdentity(name="bench"),
             rollout=RolloutConfig(capacity=capacity, engine=EngineConfig(type=engine_type, max_batch=max_batch,
+                                                                            vllm={"cpu_bind": cpu_bind},
                                                                             device="cpu", process=engine_process)),
             models={"p": str(model_dir)}, workload_name="math", workload_params={"digits": digits},
             workload_seed=0, workflow="single_turn", sampling=wl.sampling, store_url=str(work / "trajectories"),
             weights_root=str(weights), data_layer=dl, seed=seed,
         ).result(timeout=120)
         node.start().result(timeout=300)
-        cpu0 = process_cpu()
+        if profile:
+            client.run(start_sampler, workers=[rollout_addr])
+        pids = client.run(os.getpid)
+        known = {pids[rollout_addr]: "rollout worker (node)", pids[data_addr]: "data worker"}
+        cpu0 = process_cpu(known)
         t_start = time.perf_counter()  # engine loaded: from here on it is lease, generate, write, complete
         deadline = time.time() + 900
         while time.time() < deadline:
@@ -196,13 +278,26 @@ def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int
                 break
             time.sleep(0.05)
         wall = time.perf_counter() - t_start
-        cores = cpu_delta(cpu0, process_cpu(), wall)
+        cores = cpu_delta(cpu0, process_cpu(known), wall)
+        if profile:
+            print_profile(client.run(stop_sampler, workers=[rollout_addr])[rollout_addr], wall)
         nst = node.stop(timeout=60).result(timeout=90)
     c = nst["counters"]
     busy = nst["engine"]["p"]["busy_seconds"]
     nst["engine"]["p"]["cores"] = cores
     return {"counters": c, "engine_busy_s": busy, "node": nst, "wall_s": wall,
             "tokens_at_end": st["tokens_generated"]}
+
+
+def print_profile(prof: dict, wall: float) -> None:
+    """The rollout worker's threads: cores each kept busy, and where the running samples were."""
+    print(f"rollout worker process, {wall:.1f} s: cores per thread "
+          + ", ".join(f"{k} {v / wall:.3f}" for k, v in prof["thread_cpu_s"].items() if v > 0.01 * wall))
+    print("running samples per thread: " + json.dumps(prof["samples"]))
+    for kind in ("self", "cum"):
+        print(f"top functions ({kind}, running samples):")
+        for key, count in prof[kind]:
+            print(f"  {count:6d}  {key}")
 
 
 def _mean_batch(stats: dict, wall: float, engine: str) -> float:
@@ -213,7 +308,7 @@ def _mean_batch(stats: dict, wall: float, engine: str) -> float:
     return stats["requests"] / max(stats["batches"], 1)
 
 
-def print_tables(rows: list[dict], args, n: int) -> None:
+def print_tables(rows: list[dict], args, n: int, plain: bool = True) -> None:
     """Throughput per path and repetition, then the cores each process kept busy."""
     from rich.console import Console
     from rich.table import Table
@@ -224,10 +319,10 @@ def print_tables(rows: list[dict], args, n: int) -> None:
     batch = "mean in flight" if args.engine == "vllm" else "mean batch"
     for col in ("rep", "path", "tokens", "seconds", "tokens/s", "engine busy s", batch, "ratio to bare"):
         table.add_column(col, justify="right")
-    paths = [("bare engine", "bare"), ("RaaS node (TLS)", "raas"), ("RaaS node (plain TCP)", "plain")]
+    paths = [("bare engine", "bare"), ("RaaS node (TLS)", "raas"), ("RaaS node (plain TCP)", "plain")][:3 if plain else 2]
     cores = Table(title="cores busy during the timed part (CPU seconds / wall; machine: every process, "
                         "other users' too)")
-    roles = sorted({r for x in rows for key in ("bare", "raas", "plain") for r in x[f"{key}_stats"]["cores"]})
+    roles = sorted({r for x in rows for _, key in paths for r in x[f"{key}_stats"]["cores"]})
     for col in ("rep", "path", *roles):
         cores.add_column(col, justify="right")
     for i, x in enumerate(rows):
@@ -256,6 +351,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="alternating bare/RaaS repetitions (median reported)")
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"],
                     help="the engine of both paths (vllm: needs vLLM installed, e.g. the venv of tests/run_vllm.sh)")
+    ap.add_argument("--cpu-bind", default="cores", choices=["cores", "none"],
+                    help="vLLM CPU build: rollout.engine.vllm.cpu_bind of both paths (the same in both)")
+    ap.add_argument("--tls-only", action="store_true",
+                    help="leave out the plain-TCP run (a third shorter; no TLS/plain ratio)")
+    ap.add_argument("--profile-node", action="store_true",
+                    help="sample the rollout worker's threads during the TLS run (per-thread CPU, top functions)")
     ap.add_argument("--in-process", action="store_true",
                     help="run the node's engine inside its worker process (rollout.engine.process: false)")
     args = ap.parse_args()
@@ -278,12 +379,14 @@ def main() -> None:
     rows = []  # one (bare, RaaS, RaaS plain TCP) triple per repetition, alternating: load drifts hit all alike
     for rep in range(args.reps):
         bare_s, bare_tokens, bare_stats = bare(model_dir, prompts, args.capacity, args.max_batch, args.max_new_tokens, args.seed,
-                                                 args.engine)
+                                                 args.engine, args.cpu_bind)
+        order = (True,) if args.tls_only else (True, False) if rep % 2 == 0 else (False, True)
         runs = {tls: raas(model_dir, work / f"rep{rep}-{'tls' if tls else 'tcp'}", n, args.groups, args.group_size,
                           args.capacity, args.max_batch, args.max_new_tokens, args.digits, args.seed,
-                          engine_process=not args.in_process, tls=tls, engine_type=args.engine)
-                for tls in ((True, False) if rep % 2 == 0 else (False, True))}
-        r, plain = runs[True], runs[False]
+                          engine_process=not args.in_process, tls=tls, engine_type=args.engine,
+                          profile=args.profile_node and tls, cpu_bind=args.cpu_bind)
+                for tls in order}
+        r, plain = runs[True], runs.get(False, runs[True])  # --tls-only: TLS/plain reads 1
         c = r["counters"]
         # end to end: from the engine being loaded to the last trajectory completed in the data layer
         rows.append(dict(bare_s=bare_s, bare_tokens=bare_tokens, bare_stats=bare_stats, raas_s=r["wall_s"],
@@ -295,7 +398,7 @@ def main() -> None:
         print(f"rep {rep + 1}/{args.reps}: ratio {rows[-1]['ratio']:.3f}, TLS/plain {rows[-1]['tls_ratio']:.3f}",
               flush=True)
 
-    print_tables(rows, args, n)
+    print_tables(rows, args, n, plain=not args.tls_only)
     med = sorted(rows, key=lambda x: x["ratio"])[len(rows) // 2]
     c = med["c"]
     bare_tps, raas_tps = med["bare_tokens"] / med["bare_s"], med["raas_tokens"] / med["raas_s"]
@@ -315,6 +418,7 @@ def main() -> None:
         "episodes": int(c["episodes"]),
         "engine_process": not args.in_process,
         "engine": args.engine,
+        "cpu_bind": args.cpu_bind,
     }))
 
 
