@@ -4,7 +4,9 @@ Side by side in one run, on the same model, prompts, sampling, in-flight count a
 batch size:
 
 * **bare engine**: the engine's ``generate`` (``HFEngine``; ``VLLMEngine`` with ``--engine vllm``) for every prompt, ``capacity`` requests in flight,
-  in one process: the engine alone, fed as fast as it can take requests;
+  in one process (with a session of its own, as the RaaS path's worker has: Linux's autogroup
+  scheduling divides the CPUs between sessions first): the engine alone, fed as fast as it can
+  take requests;
 * **RaaS node**: a ``RaaSNode`` actor on a Dask worker, leasing the same number of tasks from
   a ``DataLayer`` actor on another worker, running the ``single_turn`` workflow, writing
   trajectories to a Zarr store on disk and completing them (no trainer: a RaaS node runs alone
@@ -15,8 +17,10 @@ batch size:
   the cost of encrypting and authenticating the run's Dask traffic is measured too.
 
 Reports generated tokens/s of all three, the RaaS/bare ratio (goal >= 0.95) and the TLS/plain
-ratio, each engine's busy time and mean batch, and the store write + index time per trajectory
-in milliseconds. Repetitions alternate the three (load drifts hit all alike); the median
+ratio, each engine's busy time and mean batch (vLLM: mean requests in flight), the cores each
+process kept busy (and the whole machine: on a shared machine the other users' load shows
+there), and the store write + index time per trajectory in milliseconds. Both paths build the
+engine from the same settings (``--cpu-bind`` included). Repetitions alternate the three (load drifts hit all alike); the median
 ratios are the result.
 
     python benchmarks/rollout_overhead.py [--groups 200] [--reps 3] [--capacity 128] [--max-batch 64]
@@ -51,7 +55,7 @@ def _role(proc, me, known: dict[int, str]) -> str:
     import psutil
 
     if proc.pid == me.pid:
-        return "benchmark process"
+        return "benchmark process"  # the bare path's: the engine's client
     if proc.pid in known:
         return known[proc.pid]
     try:
@@ -64,6 +68,8 @@ def _role(proc, me, known: dict[int, str]) -> str:
         return "vLLM worker"
     if "dask_scheduler" in cmd or cmd.startswith("dask scheduler"):
         return "Dask scheduler"
+    if "spawn_main" in cmd:
+        return "engine process"  # the HF engine's own process (rollout.engine.process)
     return f"other ({cmd[:30]})"
 
 
@@ -157,6 +163,30 @@ def stop_sampler(top: int = 25) -> dict:
         cpu[name] = cpu.get(name, 0.0) + t.user_time + t.system_time - state["cpu0"].get(t.id, 0.0)
     return {"thread_cpu_s": dict(sorted(cpu.items(), key=lambda kv: -kv[1])), "samples": dict(state["samples"]),
             "self": state["self"].most_common(top), "cum": state["cum"].most_common(top)}
+
+
+def _bare_child(conn, *args) -> None:
+    os.setsid()  # a session (scheduler autogroup) of its own, as each worker of the RaaS path has
+    conn.send(bare(*args))
+    conn.close()
+
+
+def bare_in_own_session(*args) -> tuple[float, int, dict]:
+    """``bare(*args)`` in a child process that starts a session of its own. Linux's autogroup
+    scheduling shares the CPUs between sessions before threads, and the RaaS path's engine runs
+    in the session of the rollout worker ``astraflow run`` starts: the bare engine gets the same
+    standing, instead of sharing the benchmark's session."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_bare_child, args=(child, *args))
+    proc.start()
+    child.close()
+    try:
+        return parent.recv()
+    finally:
+        proc.join(120)
 
 
 def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_batch: int, max_new: int, seed: int,
@@ -378,7 +408,7 @@ def main() -> None:
 
     rows = []  # one (bare, RaaS, RaaS plain TCP) triple per repetition, alternating: load drifts hit all alike
     for rep in range(args.reps):
-        bare_s, bare_tokens, bare_stats = bare(model_dir, prompts, args.capacity, args.max_batch, args.max_new_tokens, args.seed,
+        bare_s, bare_tokens, bare_stats = bare_in_own_session(model_dir, prompts, args.capacity, args.max_batch, args.max_new_tokens, args.seed,
                                                  args.engine, args.cpu_bind)
         order = (True,) if args.tls_only else (True, False) if rep % 2 == 0 else (False, True)
         runs = {tls: raas(model_dir, work / f"rep{rep}-{'tls' if tls else 'tcp'}", n, args.groups, args.group_size,
