@@ -240,8 +240,9 @@ class MegatronBackend:
         """``meta["probe"]``: the log-probs of the probe sequence under the weights ``save_shards``
         writes. Computed where the weights already are: one tensor-parallel forward of the probe
         sequence on data-parallel replica 0 (the replicas are equal), its parameters rounded to
-        ``publish_dtype`` for that forward and restored after, fp32 logits. This costs no
-        gathering of the model into one process and no second model, and the HF <-> Megatron
+        ``publish_dtype`` for that forward and restored after (bf16: from a copy each rank keeps
+        in host memory meanwhile), fp32 logits. This costs no gathering of the model into one
+        process and no second model, and the HF <-> Megatron
         mapping is exact, so the engines, scoring the HF layout, get the same log-probs up to
         float rounding."""
         tokens = probe_tokens(int(self.hf_config["vocab_size"]))
