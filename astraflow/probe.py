@@ -12,7 +12,10 @@ compares. A wrong update is off by nats, rounding noise by far less.
 * ``tokens``: the probe sequence (token ids, a fixed pseudo-random sequence over the vocabulary);
 * ``logprobs``: ``log p(tokens[i] | tokens[:i])`` for ``i >= 1``, fp32 from the published weights.
 
-A version without ``probe`` (e.g. a Megatron backend's) cannot be checked this way.
+Both trainer backends publish it (the torch backend from its HF model, the Megatron backend with
+a forward of its ranks). A version without ``probe`` (a backend that does not compute one, a
+version published before the probe existed) cannot be checked this way; engines load it
+unverified, with a warning.
 
 Neutral ground like ``weightconv``: the trainer writes it, rollout reads it, neither imports the other.
 """

@@ -4,7 +4,9 @@ Side by side in one run, on the same model, prompts, sampling, in-flight count a
 batch size:
 
 * **bare engine**: the engine's ``generate`` (``HFEngine``; ``VLLMEngine`` with ``--engine vllm``) for every prompt, ``capacity`` requests in flight,
-  in one process: the engine alone, fed as fast as it can take requests;
+  in one process (with a session of its own, as the RaaS path's worker has: Linux's autogroup
+  scheduling divides the CPUs between sessions first): the engine alone, fed as fast as it can
+  take requests;
 * **RaaS node**: a ``RaaSNode`` actor on a Dask worker, leasing the same number of tasks from
   a ``DataLayer`` actor on another worker, running the ``single_turn`` workflow, writing
   trajectories to a Zarr store on disk and completing them (no trainer: a RaaS node runs alone
@@ -15,11 +17,16 @@ batch size:
   the cost of encrypting and authenticating the run's Dask traffic is measured too.
 
 Reports generated tokens/s of all three, the RaaS/bare ratio (goal >= 0.95) and the TLS/plain
-ratio, each engine's busy time and mean batch, and the store write + index time per trajectory
-in milliseconds. Repetitions alternate the three (load drifts hit all alike); the median
+ratio, each engine's busy time and mean batch (vLLM: mean requests in flight), the cores each
+process kept busy (and the whole machine: on a shared machine the other users' load shows
+there), and the store write + index time per trajectory in milliseconds. Both paths build the
+engine from the same settings (``--cpu-bind`` included). Repetitions alternate the three (load drifts hit all alike); the median
 ratios are the result.
 
     python benchmarks/rollout_overhead.py [--groups 200] [--reps 3] [--capacity 128] [--max-batch 64]
+        [--cpu-bind none] # vLLM's CPU build, both paths: threads left unbound (rollout.engine.vllm.cpu_bind)
+        [--tls-only]     # leave out the plain-TCP run
+        [--profile-node] # where the rollout worker's CPU goes (per thread, sampled stacks)
         [--in-process]   # the engine inside the node's worker process (rollout.engine.process: false)
         [--engine vllm]  # both paths on the vLLM engine (vLLM's own engine core process)
 """
@@ -30,6 +37,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -39,9 +47,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import cloudpickle  # noqa: E402
+
+from benchmarks import proc_profile  # noqa: E402
+from benchmarks.proc_profile import cpu_delta, print_profile, process_cpu, start_sampler, stop_sampler  # noqa: E402
+
+cloudpickle.register_pickle_by_value(proc_profile)  # client.run sends its sampler to a worker
+
+
+def _bare_child(conn, *args) -> None:
+    os.setsid()  # a session (scheduler autogroup) of its own, as each worker of the RaaS path has
+    conn.send(bare(*args))
+    conn.close()
+
+
+def bare_in_own_session(*args) -> tuple[float, int, dict]:
+    """``bare(*args)`` in a child process that starts a session of its own. Linux's autogroup
+    scheduling shares the CPUs between sessions before threads, and the RaaS path's engine runs
+    in the session of the rollout worker ``astraflow run`` starts: the bare engine gets the same
+    standing, instead of sharing the benchmark's session."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_bare_child, args=(child, *args))
+    proc.start()
+    child.close()
+    try:
+        return parent.recv()
+    finally:
+        proc.join(120)
+
 
 def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_batch: int, max_new: int, seed: int,
-         engine_type: str = "hf") -> tuple[float, int, dict]:
+         engine_type: str = "hf", cpu_bind: str = "cores") -> tuple[float, int, dict]:
     import torch
 
     from astraflow.rollout.config import EngineConfig
@@ -53,7 +92,8 @@ def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_batch: in
     if engine_type == "hf":
         engine = HFEngine(str(model_dir), version=0, max_batch_size=max_batch, seed=seed, device="cpu")
     else:  # built as the node builds it
-        engine = make_engine(EngineConfig(type=engine_type, max_batch=max_batch), str(model_dir), seed=seed)
+        engine = make_engine(EngineConfig(type=engine_type, max_batch=max_batch, vllm={"cpu_bind": cpu_bind}),
+                             str(model_dir), seed=seed)
     params = SamplingParams(max_new_tokens=max_new)
 
     async def go() -> int:
@@ -70,11 +110,12 @@ def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_batch: in
             await asyncio.gather(*(engine.generate(p, params) for p in prompts[:8]))
 
         asyncio.run(warm())
-    t0 = time.perf_counter()
+    cpu0, t0 = process_cpu(), time.perf_counter()
     tokens = asyncio.run(go())
     wall = time.perf_counter() - t0
+    stats = dict(engine.stats(), cores=cpu_delta(cpu0, process_cpu(), wall))
     engine.close()
-    return wall, tokens, engine.stats()
+    return wall, tokens, stats
 
 
 @contextlib.contextmanager
@@ -116,7 +157,7 @@ def system_workers(work: Path, tls: bool = True):
 
 def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int, capacity: int,
          max_batch: int, max_new: int, digits: int, seed: int, engine_process: bool = True, tls: bool = True,
-         engine_type: str = "hf") -> dict:
+         engine_type: str = "hf", profile: bool = False, cpu_bind: str = "cores") -> dict:
     from astraflow.dataflow.config import DataflowConfig
     from astraflow.rollout.config import EngineConfig, RolloutConfig
     from astraflow.workloads.config import EvalConfig, SamplingConfig, WorkloadConfig
@@ -137,12 +178,18 @@ def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int
         node = client.submit(
             RaaSNode, actor=True, workers=[rollout_addr], identity=NodeIdentity(name="bench"),
             rollout=RolloutConfig(capacity=capacity, engine=EngineConfig(type=engine_type, max_batch=max_batch,
+                                                                            vllm={"cpu_bind": cpu_bind},
                                                                             device="cpu", process=engine_process)),
             models={"p": str(model_dir)}, workload_name="math", workload_params={"digits": digits},
             workload_seed=0, workflow="single_turn", sampling=wl.sampling, store_url=str(work / "trajectories"),
             weights_root=str(weights), data_layer=dl, seed=seed,
         ).result(timeout=120)
         node.start().result(timeout=300)
+        if profile:
+            client.run(start_sampler, workers=[rollout_addr])
+        pids = client.run(os.getpid)
+        known = {pids[rollout_addr]: "rollout worker (node)", pids[data_addr]: "data worker"}
+        cpu0 = process_cpu(known)
         t_start = time.perf_counter()  # engine loaded: from here on it is lease, generate, write, complete
         deadline = time.time() + 900
         while time.time() < deadline:
@@ -151,11 +198,53 @@ def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int
                 break
             time.sleep(0.05)
         wall = time.perf_counter() - t_start
+        cores = cpu_delta(cpu0, process_cpu(known), wall)
+        if profile:
+            print_profile(client.run(stop_sampler, workers=[rollout_addr])[rollout_addr], wall)
         nst = node.stop(timeout=60).result(timeout=90)
     c = nst["counters"]
     busy = nst["engine"]["p"]["busy_seconds"]
+    nst["engine"]["p"]["cores"] = cores
     return {"counters": c, "engine_busy_s": busy, "node": nst, "wall_s": wall,
             "tokens_at_end": st["tokens_generated"]}
+
+
+def _mean_batch(stats: dict, wall: float, engine: str) -> float:
+    """The HF engine's mean decode batch; for vLLM, which schedules its own steps, the mean
+    number of requests in flight (request-seconds / wall: vLLM runs up to ``max_batch`` of them)."""
+    if engine == "vllm":
+        return stats["busy_seconds"] / wall
+    return stats["requests"] / max(stats["batches"], 1)
+
+
+def print_tables(rows: list[dict], args, n: int, plain: bool = True) -> None:
+    """Throughput per path and repetition, then the cores each process kept busy."""
+    from rich.console import Console
+    from rich.table import Table
+
+    where = "" if args.engine == "vllm" else " in the worker" if args.in_process else " in its own process"
+    table = Table(title=f"rollout overhead ({n} episodes, {args.capacity} in flight, engine batch {args.max_batch}, "
+                        f"{args.preset} model, {args.engine} engine{where})")
+    batch = "mean in flight" if args.engine == "vllm" else "mean batch"
+    for col in ("rep", "path", "tokens", "seconds", "tokens/s", "engine busy s", batch, "ratio to bare"):
+        table.add_column(col, justify="right")
+    paths = [("bare engine", "bare"), ("RaaS node (TLS)", "raas"), ("RaaS node (plain TCP)", "plain")][:3 if plain else 2]
+    cores = Table(title="cores busy during the timed part (CPU seconds / wall; machine: every process, "
+                        "other users' too)")
+    roles = sorted({r for x in rows for _, key in paths for r in x[f"{key}_stats"]["cores"]})
+    for col in ("rep", "path", *roles):
+        cores.add_column(col, justify="right")
+    for i, x in enumerate(rows):
+        for label, key in paths:
+            st, wall, toks = x[f"{key}_stats"], x[f"{key}_s"], x[f"{key}_tokens"]
+            ratio = "" if key == "bare" else f"{(toks / wall) / (x['bare_tokens'] / x['bare_s']):.3f}"
+            table.add_row(str(i + 1) if key == "bare" else "", label, str(int(toks)), f"{wall:.2f}",
+                          f"{toks / wall:.0f}", f"{st['busy_seconds']:.2f}",
+                          f"{_mean_batch(st, wall, args.engine):.1f}", ratio)
+            cores.add_row(str(i + 1) if key == "bare" else "", label,
+                          *(f"{st['cores'][r]:.2f}" if r in st["cores"] else "" for r in roles))
+    Console().print(table)
+    Console().print(cores)
 
 
 def main() -> None:
@@ -171,12 +260,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="alternating bare/RaaS repetitions (median reported)")
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"],
                     help="the engine of both paths (vllm: needs vLLM installed, e.g. the venv of tests/run_vllm.sh)")
+    ap.add_argument("--cpu-bind", default="cores", choices=["cores", "none"],
+                    help="vLLM CPU build: rollout.engine.vllm.cpu_bind of both paths (the same in both)")
+    ap.add_argument("--tls-only", action="store_true",
+                    help="leave out the plain-TCP run (a third shorter; no TLS/plain ratio)")
+    ap.add_argument("--profile-node", action="store_true",
+                    help="sample the rollout worker's threads during the TLS run (per-thread CPU, top functions)")
     ap.add_argument("--in-process", action="store_true",
                     help="run the node's engine inside its worker process (rollout.engine.process: false)")
     args = ap.parse_args()
-
-    from rich.console import Console
-    from rich.table import Table
 
     from astraflow.models import init_model
     from astraflow.workloads.base import make_workload
@@ -195,13 +287,15 @@ def main() -> None:
 
     rows = []  # one (bare, RaaS, RaaS plain TCP) triple per repetition, alternating: load drifts hit all alike
     for rep in range(args.reps):
-        bare_s, bare_tokens, bare_stats = bare(model_dir, prompts, args.capacity, args.max_batch, args.max_new_tokens, args.seed,
-                                                 args.engine)
+        bare_s, bare_tokens, bare_stats = bare_in_own_session(model_dir, prompts, args.capacity, args.max_batch, args.max_new_tokens, args.seed,
+                                                 args.engine, args.cpu_bind)
+        order = (True,) if args.tls_only else (True, False) if rep % 2 == 0 else (False, True)
         runs = {tls: raas(model_dir, work / f"rep{rep}-{'tls' if tls else 'tcp'}", n, args.groups, args.group_size,
                           args.capacity, args.max_batch, args.max_new_tokens, args.digits, args.seed,
-                          engine_process=not args.in_process, tls=tls, engine_type=args.engine)
-                for tls in ((True, False) if rep % 2 == 0 else (False, True))}
-        r, plain = runs[True], runs[False]
+                          engine_process=not args.in_process, tls=tls, engine_type=args.engine,
+                          profile=args.profile_node and tls, cpu_bind=args.cpu_bind)
+                for tls in order}
+        r, plain = runs[True], runs.get(False, runs[True])  # --tls-only: TLS/plain reads 1
         c = r["counters"]
         # end to end: from the engine being loaded to the last trajectory completed in the data layer
         rows.append(dict(bare_s=bare_s, bare_tokens=bare_tokens, bare_stats=bare_stats, raas_s=r["wall_s"],
@@ -213,25 +307,7 @@ def main() -> None:
         print(f"rep {rep + 1}/{args.reps}: ratio {rows[-1]['ratio']:.3f}, TLS/plain {rows[-1]['tls_ratio']:.3f}",
               flush=True)
 
-    table = Table(title=f"rollout overhead ({n} episodes, {args.capacity} in flight, engine batch {args.max_batch}, "
-                        f"{args.preset} model, {args.engine} engine"
-                        f"{'' if args.engine == 'vllm' else ' in the worker' if args.in_process else ' in its own process'})")
-    for col in ("rep", "path", "tokens", "seconds", "tokens/s", "engine busy s", "mean batch", "ratio to bare"):
-        table.add_column(col, justify="right")
-    for i, x in enumerate(rows):
-        b, e = x["bare_stats"], x["raas_stats"]
-        table.add_row(str(i + 1), "bare engine", str(x["bare_tokens"]), f"{x['bare_s']:.2f}",
-                      f"{x['bare_tokens'] / x['bare_s']:.0f}", f"{b['busy_seconds']:.2f}",
-                      f"{b['requests'] / max(b['batches'], 1):.1f}", "")
-        table.add_row("", "RaaS node (TLS)", str(int(x["raas_tokens"])), f"{x['raas_s']:.2f}",
-                      f"{x['raas_tokens'] / x['raas_s']:.0f}", f"{e['busy_seconds']:.2f}",
-                      f"{e['requests'] / max(e['batches'], 1):.1f}", f"{x['ratio']:.3f}")
-        p = x["plain_stats"]
-        table.add_row("", "RaaS node (plain TCP)", str(int(x["plain_tokens"])), f"{x['plain_s']:.2f}",
-                      f"{x['plain_tokens'] / x['plain_s']:.0f}", f"{p['busy_seconds']:.2f}",
-                      f"{p['requests'] / max(p['batches'], 1):.1f}",
-                      f"{(x['plain_tokens'] / x['plain_s']) / (x['bare_tokens'] / x['bare_s']):.3f}")
-    Console().print(table)
+    print_tables(rows, args, n, plain=not args.tls_only)
     med = sorted(rows, key=lambda x: x["ratio"])[len(rows) // 2]
     c = med["c"]
     bare_tps, raas_tps = med["bare_tokens"] / med["bare_s"], med["raas_tokens"] / med["raas_s"]
@@ -251,6 +327,7 @@ def main() -> None:
         "episodes": int(c["episodes"]),
         "engine_process": not args.in_process,
         "engine": args.engine,
+        "cpu_bind": args.cpu_bind,
     }))
 
 

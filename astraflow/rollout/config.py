@@ -37,6 +37,13 @@ class VLLMConfig(Strict):
     far below this; a wrong update is off by whole nats."""
     cpu_kvcache_gib: float = Field(default=2.0, gt=0)
     """CPU build only: KV cache size (``VLLM_CPU_KVCACHE_SPACE``)."""
+    cpu_bind: Literal["cores", "none"] = "cores"
+    """CPU build only: where vLLM's OpenMP threads (``rollout.engine.threads`` of them) run.
+    ``cores``: each bound to one of the first CPUs the worker may use, as vLLM recommends for a
+    machine the engine has to itself; ``none``: not bound, the operating system places them and
+    moves them off a CPU that another process wants (a machine the node shares with the data
+    layer, the trainer or other programs, where a bound thread cannot escape a busy core).
+    ``VLLM_CPU_OMP_THREADS_BIND``, when set, overrides either."""
     enforce_eager: bool = True
     """No CUDA graphs / compilation: faster start and re-creation, slower decoding on GPUs."""
 
@@ -58,8 +65,8 @@ class EngineConfig(Strict):
     0: always at the next step."""
     threads: int = Field(default=1, ge=1)
     """torch intra-op threads of the node's engines, split evenly between its replicas (each
-    gets at least one); ``vllm`` on the CPU build: its OpenMP threads, bound to the first CPUs
-    of the worker unless ``VLLM_CPU_OMP_THREADS_BIND`` is set."""
+    gets at least one); ``vllm`` on the CPU build: its OpenMP threads (bound or not:
+    ``vllm.cpu_bind``)."""
     replicas: int | None = Field(default=None, ge=1)
     """Engines per policy on one node, each with its own share of the node (``EnginePool``
     spreads the node's requests over them, every replica takes every weight version). None:

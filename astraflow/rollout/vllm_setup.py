@@ -59,13 +59,19 @@ def has_weight_transfer() -> bool:
                                                "pause_generation", "resume_generation"))
 
 
-def cpu_environment(threads: int, kvcache_gib: float) -> dict[str, str]:
-    """The CPU build's thread and memory settings, each unless the user set it: OpenMP threads
-    bound to the first ``threads`` CPUs this process may use, no CPUs reserved for the
-    frontend (the node's own threads share them), a KV cache of ``kvcache_gib``."""
-    cpus = sorted(os.sched_getaffinity(0))[: max(threads, 1)]
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+def cpu_environment(threads: int, kvcache_gib: float, bind: str = "cores") -> dict[str, str]:
+    """The CPU build's thread and memory settings (each applied unless the user set it):
+    ``threads`` OpenMP threads, with ``bind="cores"`` bound to the first ``threads`` CPUs this
+    process may use, with ``"none"`` left to the operating system; no CPUs reserved for the
+    frontend (the node's own threads share them); a KV cache of ``kvcache_gib``."""
+    if bind == "cores":
+        cpus = sorted(os.sched_getaffinity(0))[: max(threads, 1)]
+        placement = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus))}
+    elif bind == "none":  # vLLM then leaves OMP_NUM_THREADS to the environment
+        placement = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(max(threads, 1))}
+    else:
+        raise ValueError(f"cpu_bind must be cores or none, got {bind!r}")
+    return {**placement, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "VLLM_CPU_KVCACHE_SPACE": str(max(int(round(kvcache_gib)), 1))}
 
 
@@ -102,7 +108,10 @@ def make_async_llm(model_dir: str, options: Any, *, max_batch_size: int, seed: i
     from vllm.v1.engine.async_llm import AsyncLLM
 
     if is_cpu_build():
-        for key, value in cpu_environment(threads, options.cpu_kvcache_gib).items():
+        env = cpu_environment(threads, options.cpu_kvcache_gib, options.cpu_bind)
+        if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # the user's placement, whole
+            env = {k: v for k, v in env.items() if k not in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")}
+        for key, value in env.items():
             os.environ.setdefault(key, value)  # read by the engine core process vLLM spawns
     kwargs: dict[str, Any] = dict(
         model=model_dir, tokenizer=model_dir, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], seed=seed,

@@ -147,3 +147,13 @@ def hf_logprobs(hf_sd: dict, hf_config, tokens: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         logits = model(t[:, :-1]).logits.float()
     return torch.log_softmax(logits, -1).gather(-1, t[:, 1:, None])[..., 0].numpy()
+
+
+def torch_probe(hf_sd: dict, hf_config) -> dict:
+    """The probe the torch backend publishes for weights ``hf_sd`` (``astraflow.probe.make_probe``
+    on the HF model of ``hf_config``, the weights upcast to fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from astraflow.probe import make_probe
+
+    return make_probe(AutoModelForCausalLM.from_config(hf_config).float(), hf_sd)

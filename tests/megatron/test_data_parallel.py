@@ -1,7 +1,7 @@
 """Data parallelism in the Megatron backend: DP=2 (and TP=2 x DP=2) take the step that one
 replica takes on the whole batch, the replicas' weights stay identical, a version is published
-by data-parallel rank 0 only and reads as the DP=1 one, and the optimiser state round-trips at
-DP=2 and loads across DP sizes.
+by data-parallel rank 0 only and reads as the DP=1 one (its probe computed by replica 0 alone),
+and the optimiser state round-trips at DP=2 and loads across DP sizes.
 
 Real rank processes over gloo. Three batches of rows of unequal length, trained in order: every
 row with an advantage; half the rows without one (left out, the loss still normalised by the
@@ -19,6 +19,7 @@ within ``START_S`` (a machine too loaded to start them; a rank that fails is a f
 from __future__ import annotations
 
 import io
+import json
 import os
 from pathlib import Path
 
@@ -100,6 +101,7 @@ def _two_steps(be: MegatronBackend, batches: list[Batch], toks: np.ndarray, stor
     wv = be.publish(MiniStore(store_root), "p", 2)
     out["version_dir"] = Path(wv.manifest_path).parent
     out["published"] = read_checkpoint(out["version_dir"])
+    out["probe"] = np.asarray(json.loads(Path(wv.manifest_path).read_text())["meta"]["probe"]["logprobs"])
     return out
 
 
@@ -181,6 +183,7 @@ def test_dp2_takes_the_dp1_step(reference, dp2):
 @pytest.mark.timeout(600)
 def test_a_dp2_version_is_the_dp1_version(reference, dp2):
     assert _max_diff(dp2["published"], reference["published"]) < STEP_TOL
+    assert np.abs(dp2["probe"] - reference["probe"]).max() < LP_TOL  # computed by replica 0 alone
     files = sorted(f for f in os.listdir(dp2["version_dir"]) if f.endswith(".distcp"))
     assert files and all(f.startswith("__0_") for f in files)  # only replica 0 (rank 0) wrote shards
 
@@ -210,6 +213,7 @@ def test_tp2_dp2_takes_the_dp1_step(reference, tp2dp2):
     assert np.abs(tp2dp2["lp2"] - reference["lp2"]).max() < LP_TOL
     assert tp2dp2["replicas_equal"]
     assert _max_diff(tp2dp2["published"], reference["published"]) < STEP_TOL
+    assert np.abs(tp2dp2["probe"] - reference["probe"]).max() < LP_TOL  # replica 0's TP group alone
     files = sorted(f for f in os.listdir(tp2dp2["version_dir"]) if f.endswith(".distcp"))
     assert {f.split("_")[2] for f in files} == {"0", "1"}  # ranks 0 and 1: replica 0's two TP ranks
     assert tp2dp2["opt2"]["layout"] == {"tensor_parallel": 2, "data_parallel": 2, "pipeline_parallel": 1}

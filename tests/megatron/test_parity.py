@@ -12,6 +12,7 @@ one mapping (gate/up, then k/v) and shows the same check fails by far more than 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from astraflow.weightconv import megatron_to_hf  # noqa: E402
 from storage import paths  # noqa: E402
 from storage.checkpoint import read_checkpoint  # noqa: E402
 from tests.megatron.helpers import (  # noqa: E402
-    MiniStore, grpo_batch, hf_logprobs, loss_fn_name, prompts, save_tiny_llama,
+    MiniStore, grpo_batch, hf_logprobs, loss_fn_name, prompts, save_tiny_llama, torch_probe,
 )
 
 pytestmark = pytest.mark.megatron
@@ -48,7 +49,8 @@ def _run(tmp: Path, tp: int, tied: bool) -> dict:
         after = be.logprobs(toks)
         wv = be.publish(MiniStore(tmp / "weights"), "p", 1)
     return dict(cfg=cfg, toks=toks, hf_init=hf_init, before=before, after=after, metrics=metrics,
-                version_dir=Path(wv.manifest_path).parent, root=tmp / "weights")
+                version_dir=Path(wv.manifest_path).parent, root=tmp / "weights",
+                meta=json.loads(Path(wv.manifest_path).read_text())["meta"])
 
 
 @pytest.fixture(scope="module", params=[(1, False), (2, True)], ids=["tp1-untied", "tp2-tied"])
@@ -72,6 +74,21 @@ def test_megatron_matches_hf_before_and_after_training(trained):
     hf_sd = megatron_to_hf(read_checkpoint(t["version_dir"]), t["cfg"])
     err = np.abs(t["after"] - hf_logprobs(hf_sd, t["cfg"], t["toks"])).max()
     assert err < TOL, f"max |logprob diff| {err}"
+
+
+@pytest.mark.timeout(150)
+def test_the_published_probe_is_the_torch_paths_on_the_version(trained):
+    """The probe in the manifest (a forward of the ranks) is what the torch backend's
+    ``make_probe`` computes on the published shards converted to HF: what an engine checks."""
+    t = trained
+    probe = t["meta"]["probe"]
+    want = torch_probe(megatron_to_hf(read_checkpoint(t["version_dir"]), t["cfg"]), t["cfg"])
+    assert probe["tokens"] == want["tokens"] and len(probe["logprobs"]) == len(probe["tokens"]) - 1
+    err = np.abs(np.subtract(probe["logprobs"], want["logprobs"])).max()
+    assert err < TOL, f"max |probe logprob diff| {err}"
+    # of the trained weights, not the checkpoint the run started from
+    start = torch_probe(t["hf_init"], t["cfg"])["logprobs"]
+    assert np.abs(np.subtract(probe["logprobs"], start)).max() > 100 * TOL
 
 
 @pytest.mark.timeout(150)

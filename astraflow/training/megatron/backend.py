@@ -29,8 +29,9 @@ Publish. ``publish(store, policy, version)``: every rank writes its shards of
 ``model.sharded_state_dict()`` with ``dist_checkpointing.save`` into the store's staging
 directory, all ranks pass a barrier, then (only then) the backend calls
 ``store.commit(policy, version, meta)`` with ``meta = {"layout": "megatron", "hf_config": ...,
-"dtype": ...}``, which writes the manifest and the COMMITTED marker last. A reader never sees a
-version whose shards are incomplete. The ranks write their floating-point shards in
+"dtype": ..., "probe": ...}`` (``probe``: what engines check their update against), which
+writes the manifest and the COMMITTED marker last. A reader never sees a version whose shards
+are incomplete. The ranks write their floating-point shards in
 ``publish_dtype`` (their own parameters stay as they are). Only data-parallel rank 0 of each
 tensor-parallel rank writes shards (Megatron marks the other replicas' copies as replicas), so
 a version is the same whatever ``dp_size``.
@@ -60,6 +61,7 @@ import torch
 
 import astraflow
 from astraflow.contracts import Batch, WeightVersion
+from astraflow.probe import probe_tokens
 from astraflow.training.megatron.batching import (
     collate, combine_metrics, drop_zero_advantage, split_for_data_parallel, takes_num_tokens,
 )
@@ -226,12 +228,27 @@ class MegatronBackend:
         return {"save_s": max(a["save_s"] for a in answers)}
 
     def publish(self, store, policy: str, version: int, state: dict | None = None) -> WeightVersion:
-        """Write shards into ``store.staging(policy, version)``, then ``store.commit`` (marker last).
-        Always the ranks' current weights: ``state`` is for backends that ``supports_snapshot``."""
+        """Write shards into ``store.staging(policy, version)``, then ``store.commit`` (marker last)
+        with the version's probe (``meta["probe"]``, ``astraflow.probe``). Always the ranks' current
+        weights: ``state`` is for backends that ``supports_snapshot``."""
         assert state is None, "MegatronBackend publishes its ranks' weights; it takes no snapshot"
         self.save_shards(store.staging(policy, version))
         return store.commit(policy, version, {"layout": "megatron", "hf_config": self.hf_config,
-                                              "dtype": self.config.publish_dtype})
+                                              "dtype": self.config.publish_dtype, "probe": self.probe()})
+
+    def probe(self) -> dict[str, list]:
+        """``meta["probe"]``: the log-probs of the probe sequence under the weights ``save_shards``
+        writes. Computed where the weights already are: one tensor-parallel forward of the probe
+        sequence on data-parallel replica 0 (the replicas are equal), its parameters rounded to
+        ``publish_dtype`` for that forward and restored after (bf16: from a copy each rank keeps
+        in host memory meanwhile), fp32 logits. This costs no gathering of the model into one
+        process and no second model, and the HF <-> Megatron
+        mapping is exact, so the engines, scoring the HF layout, get the same log-probs up to
+        float rounding."""
+        tokens = probe_tokens(int(self.hf_config["vocab_size"]))
+        payload = {"tokens": tokens, "dtype": self.config.publish_dtype}
+        return {"tokens": tokens,
+                "logprobs": self._call("probe", payload, self.config.step_timeout_s, ranks=self.first_replica)[0]}
 
     def snapshot(self) -> dict:
         raise NotImplementedError("MegatronBackend.supports_snapshot is False")

@@ -25,6 +25,9 @@ Commands (``(name, payload)`` tuples; each is answered with ``("ok", result)``):
   no rows), returns metrics;
 * ``logprobs``: per-token log-probs of ``tokens[:, 1:]`` given the prefix (no grad; each replica
   gets its own rows);
+* ``probe``: the log-probs of one token sequence under the weights as ``save`` writes them
+  (parameters rounded to the payload's ``dtype`` for the forward, then restored bit for bit);
+  sent to the tensor-parallel group of data-parallel replica 0 only;
 * ``save``: ``dist_checkpointing.save(model.sharded_state_dict(), dir)`` on every rank (floating
   shards cast to the payload's ``dtype``), then a barrier. Megatron marks the shards of
   data-parallel rank > 0 as replicas, so only data-parallel rank 0 writes them;
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -65,6 +69,25 @@ def _cast_shards(sharded: dict, dtype: torch.dtype) -> dict:
         return x
 
     return dict_list_map_inplace(cast, sharded)
+
+
+@contextmanager
+def rounded_parameters(model: torch.nn.Module, dtype: torch.dtype):
+    """The model's floating-point parameters rounded to ``dtype`` (and kept in their own dtype)
+    while the block runs, as ``_cast_shards`` publishes them; restored exactly afterwards from a
+    copy in host memory (so the device needs no second copy). A no-op for the parameters' own
+    dtype."""
+    params = [p for p in model.parameters() if p.is_floating_point() and p.dtype != dtype]
+    saved = [p.detach().to("cpu", copy=True) for p in params]
+    try:
+        with torch.no_grad():
+            for p in params:
+                p.copy_(p.to(dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
 
 
 def wrap_data_parallel(model):
@@ -135,6 +158,15 @@ class Rank:
         with torch.no_grad():
             lp = self._token_logprobs(torch.as_tensor(payload["tokens"], dtype=torch.long, device=self.device))
         return lp.cpu().numpy()
+
+    def probe(self, payload: dict) -> list[float]:
+        """``log p(tokens[i] | tokens[:i])`` for ``i >= 1`` of ``payload["tokens"]`` (one
+        sequence) under the parameters rounded to ``payload["dtype"]``, computed in fp32: the
+        ``astraflow.probe`` definition, on the weights a version published in that dtype holds."""
+        dtype = torch.bfloat16 if payload.get("dtype", "fp32") == "bf16" else torch.float32
+        with rounded_parameters(self.model, dtype):
+            lp = self.logprobs({"tokens": np.asarray([payload["tokens"]], np.int64)})
+        return [float(x) for x in lp[0]]
 
     def _grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradient: TP-sharded parameters summed over the tensor-parallel
@@ -242,8 +274,8 @@ def main() -> None:
         raise ValueError(f"rank {spec.rank}: first command must be 'init', got {cmd!r}")
     rank = Rank(spec, cfg)
     conn.send(("ok", rank.info()))
-    handlers = {"train": rank.train, "logprobs": rank.logprobs, "save": rank.save, "weights": rank.weights,
-                "load_weights": rank.load_weights, "optimizer_state": rank.optimizer_state,
+    handlers = {"train": rank.train, "logprobs": rank.logprobs, "probe": rank.probe, "save": rank.save,
+                "weights": rank.weights, "load_weights": rank.load_weights, "optimizer_state": rank.optimizer_state,
                 "load_optimizer_state": rank.load_optimizer_state}
     while True:
         cmd, payload = conn.recv()  # EOFError if the parent died: the process exits with it

@@ -1,0 +1,30 @@
+"""``rollout.engine.vllm.cpu_bind``: the CPU build's thread placement, as environment for the
+engine core vLLM spawns (no vLLM needed: the settings are computed before it is imported)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from pydantic import ValidationError
+
+from astraflow.rollout.config import EngineConfig
+from astraflow.rollout.vllm_setup import cpu_environment
+
+
+def test_cores_binds_the_threads_to_the_first_cpus_of_the_process():
+    first = sorted(os.sched_getaffinity(0))[0]
+    env = cpu_environment(1, 2.0)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(first) and "OMP_NUM_THREADS" not in env
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+def test_none_leaves_the_threads_to_the_operating_system_with_their_number():
+    env = cpu_environment(3, 1.0, "none")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "3"
+
+
+def test_an_unknown_binding_is_refused_with_the_choices():
+    with pytest.raises(ValidationError, match="cores.*none"):
+        EngineConfig.model_validate({"type": "vllm", "vllm": {"cpu_bind": "first"}})
+    assert EngineConfig.model_validate({"type": "vllm", "vllm": {"cpu_bind": "none"}}).vllm.cpu_bind == "none"
