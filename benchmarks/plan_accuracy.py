@@ -53,7 +53,8 @@ def real_run(work: Path, steps: int, overrides: list[str]) -> dict:
 
 def predicted(work: Path, steps: int, time_scale: float, overrides: list[str]) -> tuple[dict, dict]:
     from astraflow.config import load_config
-    from astraflow.plan import PlanOptions, parse_pool, run_plan
+    from astraflow.plan.planner import PlanOptions, run_plan
+    from astraflow.plan.pools import parse_pool
     from astraflow.plan.calibrate import calibrate
 
     t0 = time.time()

@@ -3,11 +3,6 @@
 ``pools`` turns a config and ``KIND=GPUS`` pools into a simulated run; ``simulate`` runs it and
 reads what it measured; ``search`` finds the pool sizes at which the trainer stops waiting;
 ``calibrate`` measures this machine's engine and trainer so that a ``local`` pool predicts a
-real run; ``planner`` puts them together; ``report`` prints the result. ``docs/sim.md``,
-section "Capacity planning".
+real run; ``planner`` puts them together; ``report`` prints the result; ``cli`` is the command.
+``docs/sim.md``, section "Capacity planning".
 """
-
-from astraflow.plan.planner import Calibration, PlanOptions, PlanReport, run_plan
-from astraflow.plan.pools import PlanError, Pool, parse_pool
-
-__all__ = ["Calibration", "PlanError", "PlanOptions", "PlanReport", "Pool", "parse_pool", "run_plan"]
