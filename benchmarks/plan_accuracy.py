@@ -6,8 +6,8 @@ Why: a capacity plan is only worth what its simulation predicts. Side by side in
 * **measured**: the main example (``examples/math/config.yaml``) run for real for ``--steps``
   trainer steps (no held-out evaluation), through ``astraflow run``;
 * **predicted**: the same config planned on a ``local`` pool of one node — this machine's engine
-  and trainer calibrated on the config's model (``astraflow plan --calibrate``) — simulated for
-  as many steps at ``--time-scale``.
+  and trainer calibrated on the config's model (``astraflow plan --calibrate``, just before the
+  real run) — simulated for as many steps at ``--time-scale``.
 
 Both are measured by the same code (``astraflow.plan.simulate.measure``: the steady part of the
 run, the first steps left out). Printed: both, and the relative errors; the last line is
@@ -51,23 +51,26 @@ def real_run(work: Path, steps: int, overrides: list[str]) -> dict:
             "trajectories_per_s": res.trajectories_per_s, "seconds": time.time() - t0}
 
 
-def predicted(work: Path, steps: int, time_scale: float, overrides: list[str]) -> tuple[dict, dict]:
+def calibration(overrides: list[str]):
     from astraflow.config import load_config
-    from astraflow.plan.planner import PlanOptions, run_plan
-    from astraflow.plan.pools import parse_pool
     from astraflow.plan.calibrate import calibrate
 
-    t0 = time.time()
     cfg = load_config(CONFIG, [o for o in overrides if o != "--set"])
-    cal = calibrate(cfg, progress=lambda s: print(f"  calibrate: {s}", flush=True))
+    return cfg, calibrate(cfg, progress=lambda s: print(f"  calibrate: {s}", flush=True))
+
+
+def predicted(work: Path, steps: int, time_scale: float, cfg, cal) -> dict:
+    from astraflow.plan.planner import PlanOptions, run_plan
+    from astraflow.plan.pools import parse_pool
+
+    t0 = time.time()
     report = run_plan(cfg, [parse_pool("local=1", 1, cal.engine)],
                       PlanOptions(minutes=steps * cal.step_seconds / 60, time_scale=time_scale, search=False,
                                   calibration=cal, workdir=work / "plan"),
-                      progress=lambda s: print(f"  {s}", flush=True))
+                      progress=lambda s: print(f"  {s}", flush=True) if "step " not in s else None)
     r = report.result
-    return ({"steps_per_s": r.steps_per_s, "trainer_wait": r.trainer_wait, "staleness": r.staleness,
-             "trajectories_per_s": r.trajectories_per_s, "seconds": time.time() - t0},
-            {"step_seconds": cal.step_seconds, **cal.engine.model_dump(), "response_mean": cal.response_mean})
+    return {"steps_per_s": r.steps_per_s, "trainer_wait": r.trainer_wait, "staleness": r.staleness,
+            "trajectories_per_s": r.trajectories_per_s, "seconds": time.time() - t0}
 
 
 def main() -> None:
@@ -80,10 +83,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
         work = Path(tmp)
         load = os.getloadavg()[0]
-        print(f"measured: the main example for {args.steps} steps (load {load:.2f})", flush=True)
+        print(f"calibrating the local pool (load {load:.2f})", flush=True)
+        cfg, cal = calibration(overrides)
+        print(f"measured: the main example for {args.steps} steps (load {os.getloadavg()[0]:.2f})", flush=True)
         real = real_run(work, args.steps, overrides)
-        print(f"predicted: calibrate, then plan --pool local=1 (load {os.getloadavg()[0]:.2f})", flush=True)
-        pred, cal = predicted(work, args.steps, args.time_scale, overrides)
+        print(f"predicted: plan --pool local=1 (load {os.getloadavg()[0]:.2f})", flush=True)
+        pred = predicted(work, args.steps, args.time_scale, cfg, cal)
+        cal = {"step_seconds": cal.step_seconds, **cal.engine.model_dump(), "response_mean": cal.response_mean}
     err = {k: abs(pred[k] - real[k]) / max(real[k], 1e-9) for k in ("steps_per_s", "trainer_wait")}
     print(f"\n{'':<12}{'steps/s':>10}{'trainer wait':>14}{'trajectories/s':>16}{'staleness p50/p90/max':>24}"
           f"{'seconds':>9}")

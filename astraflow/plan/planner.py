@@ -170,7 +170,8 @@ def model_params(path: Path) -> float:
 def run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions,
              progress: Callable[[str], None] = lambda s: None) -> PlanReport:
     """Simulate ``cfg`` on ``pools`` for ``opts.minutes`` simulated minutes, then (``opts.search``)
-    search the pool sizes at which the trainer stops waiting with shorter runs."""
+    search the pool sizes at which the trainer stops waiting with shorter runs. The simulated
+    runs go to ``opts.workdir`` (kept), else to a temporary directory removed at the end."""
     shape, sources = shape_for(cfg, opts)
     kinds = [p.kind for p in pools]
     if len(set(kinds)) != len(kinds):
@@ -179,7 +180,14 @@ def run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions,
         RunConfig.model_validate(sim_config(cfg, pools, shape))
     except ValueError as err:
         raise PlanError(f"the config cannot be simulated: {err}") from None
-    workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="astraflow-plan-"))
+    if opts.workdir is not None:
+        return _run_plan(cfg, pools, opts, shape, sources, opts.workdir, progress)
+    with tempfile.TemporaryDirectory(prefix="astraflow-plan-") as tmp:  # nothing is kept
+        return _run_plan(cfg, pools, opts, shape, sources, Path(tmp), progress)
+
+
+def _run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions, shape: SimShape, sources: dict[str, str],
+              workdir: Path, progress: Callable[[str], None]) -> PlanReport:
     trials: list[SimResult] = []
 
     def simulate(sized: list[Pool], sim_shape: SimShape, tag: str) -> SimResult:
@@ -196,7 +204,7 @@ def run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions,
     result = simulate(pools, shape, "plan")
     search = None
     if opts.search:
-        minutes = opts.search_minutes or max(opts.minutes / 2, 1.0)
+        minutes = opts.search_minutes or max(opts.minutes / 2, min(opts.minutes, 1.0))
         short = SimShape(shape.step_seconds, shape.prompt_tokens, shape.response_mean, shape.response_sigma,
                          shape.time_scale, max(math.ceil(minutes * 60 / shape.step_seconds), MIN_STEPS), shape.local)
 
