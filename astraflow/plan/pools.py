@@ -128,6 +128,11 @@ def sim_config(cfg: RunConfig, pools: list[Pool], shape: SimShape, name: str = "
     rollout = data["rollout"]
     rollout["engine"].update(type="sim", replicas=None, tensor_parallel=1, sim={
         "time_scale": scale, "length_mean": shape.response_mean, "length_sigma": shape.response_sigma})
+    # a node's own intervals are latencies of the real system: in simulated time they keep their
+    # length only if they shrink with the scale (a 0.5 s flush would otherwise hold every
+    # trajectory for 0.5 x time_scale simulated seconds)
+    for key in ("flush_seconds", "weight_poll_seconds"):
+        rollout[key] = max(rollout[key] / scale, 0.005)
     user_capacity = rollout["capacity"]
     rollout["capacity"] = None
     rollout["nodes_per_worker"] = 1
