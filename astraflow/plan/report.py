@@ -44,8 +44,9 @@ def print_report(report: PlanReport, console: Console) -> None:
     if s.sizes is None:
         console.print(f"the trainer still waits at the largest sizes tried (x{max(t.factor for t in s.trials):.3g}): "
                       "if more GPUs barely changed the wait, what limits the run is not their number but how "
-                      "long a sample takes to reach the trainer (dataflow.max_staleness and admission, "
-                      "weight-load time, response length); else raise --max-trials")
+                      "long a sample takes to reach the trainer against the work the data layer lets be in "
+                      "flight (dataflow.prefetch_groups, max_staleness and admission; weight-load time, "
+                      "response length); else raise --max-trials")
     else:
         console.print(f"the trainer stops waiting at: {' '.join(f'{k}={n}' for k, n in s.sizes)} "
                       f"(x{s.factor:.3g} of the planned pools)")
