@@ -28,6 +28,9 @@ SIM = str(ROOT / "examples/sim/config.yaml")
     (["--pool", "h100=8", "--pool", "h100=8"], "each hardware kind once"),
     (["--pool", "h100=8", "--trainer", "h100"], "--trainer 'h100': write KIND=GPUS"),
     (["--pool", "h100=8", "--calibration", "/nonexistent.json"], "not a calibration file"),
+    (["--pool", "h100=8", "--minutes", "0"], "--minutes"),
+    (["--pool", "h100=8", "--wait-target", "1.5"], "--wait-target"),
+    (["--pool", "h100:8", "--calibrate"], "write KIND=GPUS"),  # before any calibration
 ])
 def test_bad_input_exits_2_naming_the_fix(args, needle):
     res = CliRunner().invoke(main, ["plan", SIM, *args])
