@@ -30,7 +30,7 @@ class BadInput(click.ClickException):
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=None, help="Mean prompt length in tokens.")
 @click.option("--response-tokens", type=click.FloatRange(min=0, min_open=True), default=None, help="Mean response length in tokens.")
 @click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=None, help="Simulated seconds per real second (default: auto).")
-@click.option("--wait-target", type=click.FloatRange(min=0, max=1, max_open=True), default=0.05, show_default=True,
+@click.option("--wait-target", type=click.FloatRange(min=0, max=1, max_open=True), default=0.10, show_default=True,
               help="Trainer wait fraction at or below which the trainer counts as not waiting.")
 @click.option("--search/--no-search", default=True, show_default=True,
               help="Search the pool sizes at which the trainer stops waiting (shorter runs).")

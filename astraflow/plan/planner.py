@@ -13,7 +13,7 @@ Where the simulated run's numbers come from (first that applies):
 * prompt length: ``--prompt-tokens``; the calibration's; the sim workload's ``prompt_tokens``;
   else ``DEFAULT_PROMPT_TOKENS``;
 * time scale: ``--time-scale``, else a real trainer step of at least ``REAL_STEP_S`` (the
-  control plane's own latency stays small against it) and at most ``REAL_RATE`` trajectories a
+  control plane's own latency per step, a floor under the wait, stays small against it) and at most ``REAL_RATE`` trajectories a
   real second (what this machine's control plane keeps up with), whichever is slower.
 """
 
@@ -33,7 +33,7 @@ from astraflow.plan.simulate import SimResult, run_sim
 from astraflow.rollout.sim_config import HardwareProfile
 
 DEFAULT_PROMPT_TOKENS = 128
-REAL_STEP_S = 0.5
+REAL_STEP_S = 2.0
 REAL_RATE = 150.0
 MIN_STEPS = 8
 
@@ -72,7 +72,7 @@ class PlanOptions:
     time_scale: float | None = None
     model_params: float | None = None
     trainer: tuple[str, int] = ("h100", 8)
-    wait_target: float = 0.05
+    wait_target: float = 0.10
     search: bool = True
     search_minutes: float | None = None
     max_trials: int = 6
