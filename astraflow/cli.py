@@ -17,6 +17,7 @@ import click
 from pydantic import BaseModel
 
 from astraflow.runtime.control import DEFAULT_REMOVAL, REMOVAL_HELP, REMOVAL_MODES
+from astraflow.plan.cli import plan as plan_cli
 from astraflow.sandbox.cli import sandbox as sandbox_cli
 from astraflow.training.config import ModelInit
 from schedulers.partition import Partition
@@ -406,6 +407,7 @@ def partitions_remove(run_dir: str, name: str, mode: str, wait_s: float) -> None
 
 
 main.add_command(sandbox_cli)  # astraflow sandbox run PROGRAM [--tests FILE]: see docs/sandbox.md
+main.add_command(plan_cli)  # astraflow plan CONFIG --pool KIND=GPUS: see docs/sim.md
 
 if __name__ == "__main__":
     main()

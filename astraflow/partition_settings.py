@@ -107,6 +107,19 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
     return out
 
 
+def _capacity_line(cfg: RolloutConfig, gpus: int) -> str:
+    """A node's lease capacity and where it comes from, with the batch its engines decode."""
+    cap = cfg.node_capacity(gpus)
+    if cfg.engine.type == "sim":
+        p = cfg.engine.sim.profile()
+        batch = f"sim {cfg.engine.sim.hardware} max_batch {p.max_batch} x {cfg.engine.sim_engines(gpus)} engine(s)"
+    else:
+        batch = f"engine max_batch {cfg.engine.max_batch}"
+    how = "rollout.capacity" if cfg.capacity is not None else \
+        ("derived from the hardware" if cfg.engine.type == "sim" else "default")
+    return f"{cap} episodes per node ({how}; {batch})"
+
+
 def plan_lines(partitions: list[Partition], rollout: RolloutConfig, trainers: Mapping[str, TrainerConfig]) -> list[str]:
     """What each partition's workers run with, one line each (``astraflow check`` prints them):
     engines per policy on a RaaS node (as on a node that sees its GPUs) and the settings the
@@ -128,5 +141,7 @@ def plan_lines(partitions: list[Partition], rollout: RolloutConfig, trainers: Ma
             diff = {f"trainer.{k}": v for k, v in part.trainer.items()}
         if diff:
             what += "; " + ", ".join(f"{k}={v}" for k, v in diff.items())
+        if part.role == "rollout":
+            what += f"; capacity {_capacity_line(cfg, part.gpus_per_node)}"
         lines.append(what)
     return lines

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -12,6 +13,9 @@ from astraflow.rollout.sim_config import SimEngineConfig
 
 #: the engine types ``rollout.engine.type`` can name (``engines.make_engine`` builds them)
 EngineType = Literal["hf", "vllm", "sim"]
+
+#: ``rollout.capacity`` of a node with a real engine when the config leaves it unset
+DEFAULT_CAPACITY = 32
 
 
 class VLLMConfig(Strict):
@@ -96,6 +100,11 @@ class EngineConfig(Strict):
     vllm: VLLMConfig = VLLMConfig()
     """Settings only the ``vllm`` engine reads."""
 
+    def sim_engines(self, gpus: int) -> int:
+        """Sim engines on a node whose partition gives it ``gpus`` GPUs: ``replicas``, else one
+        per ``tensor_parallel`` GPUs, at least one."""
+        return self.replicas or max(gpus // self.tensor_parallel, 1)
+
     @model_validator(mode="after")
     def _parallelism(self) -> "EngineConfig":
         if self.type == "hf" and self.tensor_parallel > 1:
@@ -111,10 +120,11 @@ class RolloutConfig(Strict):
 
     engine: EngineConfig = EngineConfig()
     """The inference engine of each policy on the node."""
-    capacity: int = Field(default=32, ge=1)
+    capacity: int | None = Field(default=None, ge=1)
     """Episodes in flight on one node. Above ``engine.max_batch`` (2x is a good start) the next
     batch already waits in the engine while one decodes, so the engine never idles for a lease
-    round trip."""
+    round trip. None: derived from the hardware for sim engines (``node_capacity``), 32 for real
+    ones; set it per pool with ``partitions[].rollout.capacity``."""
     write_batch: int = Field(default=64, ge=1)
     """Trajectories buffered before a segment write (also flushed every ``flush_seconds``)."""
     flush_seconds: float = Field(default=0.5, gt=0)
@@ -146,6 +156,21 @@ class RolloutConfig(Strict):
     """How many times a node restarts an engine process that died (its in-flight episodes
     fail and are requeued; the new process loads the newest committed weights before the node
     leases again). After that the node stops leasing and reports the error."""
+
+    def node_capacity(self, gpus: int) -> int:
+        """Episodes a node on a worker with ``gpus`` GPUs leases at once: ``capacity`` when set.
+        Unset, a sim node takes twice its engines' useful batch, the batch at which decoding
+        reaches the hardware's peak rate (``peak / single`` tokens/s, at most ``max_batch``):
+        past it requests only share the same rate, and the second half waits queued so that
+        no engine idles for a lease round trip. Faster hardware, with a higher knee, so leases
+        more at once. A real engine's rates are not known before it runs: ``DEFAULT_CAPACITY``."""
+        if self.capacity is not None:
+            return self.capacity
+        if self.engine.type != "sim":
+            return DEFAULT_CAPACITY
+        p = self.engine.sim.profile()
+        knee = min(p.max_batch, math.ceil(p.peak_tokens_per_s / p.single_tokens_per_s))
+        return 2 * knee * self.engine.sim_engines(gpus)
 
     @model_validator(mode="after")
     def _shared_nodes(self) -> "RolloutConfig":

@@ -48,7 +48,7 @@ def _make_sim(cfg: EngineConfig, seed: int, gpus: int) -> InferenceEngine:
     each seeded differently; version 0 as with a model directory."""
     from astraflow.rollout.sim_engine import SimEngine
 
-    count = cfg.replicas or max(gpus // cfg.tensor_parallel, 1)
+    count = cfg.sim_engines(gpus)
     engines: list[InferenceEngine] = [SimEngine(cfg.sim, seed=seed * 1009 + i, version=0) for i in range(count)]
     return engines[0] if count == 1 else EnginePool(engines)
 

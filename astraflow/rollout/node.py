@@ -101,6 +101,8 @@ class RaaSNode(EngineRecovery):
         self.use_deltas = use_deltas
         #: GPUs the node's partition gives it (``gpus_per_node``): its engines spread over them
         self.gpus = gpus
+        #: episodes in flight at most (``rollout.capacity``, or derived from the engine's hardware)
+        self.capacity = rollout.node_capacity(gpus)
         self._sandbox = sandbox
         self._workload_args = (workload_name, workload_params, workload_seed)
         self._workflow_name = workflow
@@ -260,7 +262,7 @@ class RaaSNode(EngineRecovery):
                 last_beat = now
                 if reply["draining"]:
                     self.draining = True
-            free = self.cfg.capacity - len(self.inflight)
+            free = self.capacity - len(self.inflight)
             tasks: list[RolloutTask] = []
             recovering = self._recovery is not None and not self._recovery.done()
             if not recovering and self.error is None and dead_engines(self.engines):  # died while idle
@@ -282,7 +284,7 @@ class RaaSNode(EngineRecovery):
                 episodes.add(ep)
                 ep.add_done_callback(episodes.discard)
             t0, was_idle = time.time(), not self.inflight
-            if len(self.inflight) < self.cfg.capacity and not self.draining:
+            if len(self.inflight) < self.capacity and not self.draining:
                 await asyncio.sleep(0.05)  # the data layer had too few tasks: ask again shortly
             else:  # wait until an episode frees a slot (or the heartbeat is due)
                 try:

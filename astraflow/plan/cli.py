@@ -1,0 +1,88 @@
+"""``astraflow plan``: parses and checks the options, then calls ``planner.run_plan`` and prints
+its report (``report``) or its JSON. Registered on the main command line by ``astraflow.cli``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+class BadInput(click.ClickException):
+    """Bad input: exit code 2 and one message that names the fix (as the main CLI's UserError)."""
+
+    exit_code = 2
+
+@click.command("plan")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--pool", "pools", multiple=True, metavar="KIND=GPUS",
+              help="A rollout pool: GPUS engines of hardware KIND (h100, a100, cpu, or local: this machine's "
+                   "engine, with --calibrate or --calibration). Repeatable.")
+@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Simulated minutes of training (as many steps as a trainer that never waits takes).")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True, help="GPUs (sim engines) per RaaS node.")
+@click.option("--step-seconds", type=click.FloatRange(min=0, min_open=True), default=None, help="Trainer step time (default: see docs/sim.md).")
+@click.option("--trainer", "trainer_gpus", default="h100=8", show_default=True, metavar="KIND=GPUS",
+              help="Trainer GPUs, for a step time derived from the model's size.")
+@click.option("--model-params", type=click.FloatRange(min=0, min_open=True), default=None, help="Model parameters (default: the model's config.json).")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=None, help="Mean prompt length in tokens.")
+@click.option("--response-tokens", type=click.FloatRange(min=0, min_open=True), default=None, help="Mean response length in tokens.")
+@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=None, help="Simulated seconds per real second (default: auto).")
+@click.option("--wait-target", type=click.FloatRange(min=0, max=1, max_open=True), default=0.10, show_default=True,
+              help="Trainer wait fraction at or below which the trainer counts as not waiting.")
+@click.option("--search/--no-search", default=True, show_default=True,
+              help="Search the pool sizes at which the trainer stops waiting (shorter runs).")
+@click.option("--search-minutes", type=click.FloatRange(min=0, min_open=True), default=None, help="Simulated minutes of each search run.")
+@click.option("--max-trials", type=click.IntRange(min=1), default=6, show_default=True, help="Simulated runs of the search at most.")
+@click.option("--calibrate", is_flag=True, help="Measure this machine's engine and trainer on the config's model.")
+@click.option("--calibration", type=click.Path(dir_okay=False), default=None, help="A saved calibration (JSON).")
+@click.option("--save-calibration", type=click.Path(dir_okay=False), default=None, help="Write the calibration here.")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where the simulated runs go.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+def plan(config: str, pools: tuple[str, ...], trainer_gpus: str, calibrate: bool, calibration: str | None,
+         save_calibration: str | None, workdir: str | None, overrides: tuple[str, ...], as_json: bool,
+         gpus_per_node: int, **opts: Any) -> None:
+    """Simulate CONFIG on pools of hardware: throughput per pool and overall, trainer wait,
+    staleness, dropped samples, then the pool sizes at which the trainer stops waiting."""
+    from rich.console import Console
+
+    from astraflow.config import ConfigError, load_config
+    from astraflow.plan.planner import Calibration, PlanOptions, run_plan
+    from astraflow.plan.pools import PlanError, parse_pool
+    from astraflow.plan.report import print_report
+    from astraflow.plan.simulate import SimFailed
+    from astraflow.rollout.sim_config import PRESETS
+
+    err = Console(stderr=True)
+    try:
+        if not pools:
+            raise PlanError("give at least one --pool KIND=GPUS, e.g. --pool h100=64")
+        kind, _, n = trainer_gpus.partition("=")
+        if not n.isdigit() or int(n) < 1:
+            raise PlanError(f"--trainer {trainer_gpus!r}: write KIND=GPUS, e.g. --trainer h100=8")
+        for spec in pools:  # syntax and kinds before a calibration takes its seconds
+            parse_pool(spec, gpus_per_node, PRESETS["cpu"] if calibrate or calibration else None)
+        cfg = load_config(config, list(overrides))
+        cal = Calibration.load(Path(calibration)) if calibration else None
+        if calibrate:
+            from astraflow.plan.calibrate import calibrate as measure_local
+
+            cal = measure_local(cfg, progress=lambda s: err.print(f"[dim]calibrate: {s}[/dim]"))
+        if cal is not None and save_calibration:
+            cal.save(Path(save_calibration))
+        parsed = [parse_pool(p, gpus_per_node, cal.engine if cal else None) for p in pools]
+        report = run_plan(cfg, parsed, PlanOptions(trainer=(kind.lower(), int(n)), calibration=cal,
+                                                   workdir=Path(workdir) if workdir else None, **opts),
+                          progress=lambda s: err.print(f"[dim]{s}[/dim]"))
+    except (ConfigError, PlanError) as e:
+        raise BadInput(str(e)) from None
+    except SimFailed as e:
+        raise click.ClickException(f"the simulation failed: {e}") from None
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        print_report(report, Console())
+

@@ -1,0 +1,216 @@
+"""``astraflow plan``: a user's config simulated on pools of hardware, then the pool sizes at
+which the trainer stops waiting.
+
+Where the simulated run's numbers come from (first that applies):
+
+* trainer step time: ``--step-seconds``; the config's ``sim_step_seconds`` times its engines'
+  ``time_scale`` when its trainers are sim already; the calibration's measured step (``--calibrate``); else derived,
+  ``6 * parameters * tokens per step`` FLOPs on the ``--trainer`` GPUs at ``TRAINER_MFU`` of
+  their peak (parameters from ``--model-params`` or the model directory's ``config.json``;
+  tokens per step = batch size x (prompt + mean response tokens));
+* mean response length: ``--response-tokens``; the calibration's measured mean; the config's
+  ``rollout.engine.sim.length_mean`` for a sim engine; else half of ``max_new_tokens``;
+* prompt length: ``--prompt-tokens``; the calibration's; the sim workload's ``prompt_tokens``;
+  else ``DEFAULT_PROMPT_TOKENS``;
+* time scale: ``--time-scale``, else a real trainer step of at least ``REAL_STEP_S`` (the
+  control plane's own latency per step, a floor under the wait, stays small against it) and at most ``REAL_RATE`` trajectories a
+  real second (what this machine's control plane keeps up with), whichever is slower.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from astraflow.config import RunConfig
+from astraflow.plan.pools import Pool, PlanError, SimShape, derived_step_seconds, sim_config
+from astraflow.plan.search import SearchResult, find_scale
+from astraflow.plan.simulate import SimResult, run_sim
+from astraflow.rollout.sim_config import HardwareProfile
+
+DEFAULT_PROMPT_TOKENS = 128
+REAL_STEP_S = 2.0
+REAL_RATE = 150.0
+MIN_STEPS = 8
+
+
+@dataclass
+class Calibration:
+    """This machine's engine and trainer as measured on the config's model (``calibrate``)."""
+
+    engine: HardwareProfile
+    step_seconds: float
+    prompt_tokens: int
+    response_mean: float
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"engine": self.engine.model_dump(), "step_seconds": self.step_seconds,
+                                    "prompt_tokens": self.prompt_tokens, "response_mean": self.response_mean},
+                                   indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> "Calibration":
+        try:
+            data = json.loads(path.read_text())
+            return cls(HardwareProfile(**data["engine"]), float(data["step_seconds"]), int(data["prompt_tokens"]),
+                       float(data["response_mean"]))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise PlanError(f"--calibration {path}: not a calibration file ({err}); write one with "
+                            "--calibrate --save-calibration FILE") from None
+
+
+@dataclass
+class PlanOptions:
+    minutes: float = 10.0
+    step_seconds: float | None = None
+    prompt_tokens: int | None = None
+    response_tokens: float | None = None
+    time_scale: float | None = None
+    model_params: float | None = None
+    trainer: tuple[str, int] = ("h100", 8)
+    wait_target: float = 0.10
+    search: bool = True
+    search_minutes: float | None = None
+    max_trials: int = 6
+    calibration: Calibration | None = None
+    workdir: Path | None = None
+
+
+@dataclass
+class PlanReport:
+    shape: SimShape
+    shape_sources: dict[str, str]
+    result: SimResult
+    search: SearchResult | None
+    trials: list[SimResult] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.search
+        return {
+            "assumptions": {"step_seconds": self.shape.step_seconds, "prompt_tokens": self.shape.prompt_tokens,
+                            "response_tokens_mean": self.shape.response_mean, "time_scale": self.shape.time_scale,
+                            "steps": self.shape.steps, "sources": self.shape_sources},
+            "pools": self.result.pools,
+            "overall": {k: v for k, v in self.result.to_json().items() if k not in ("pools", "per_pool")},
+            "per_pool": self.result.per_pool,
+            "no_wait": None if s is None else {
+                "target_wait": s.target, "factor": s.factor,
+                "pools": dict(s.sizes) if s.sizes is not None else None,
+                "trials": [{"factor": t.factor, "pools": dict(t.sizes), "trainer_wait": t.wait} for t in s.trials]},
+        }
+
+
+def shape_for(cfg: RunConfig, opts: PlanOptions) -> tuple[SimShape, dict[str, str]]:
+    """The simulated run's step time, lengths, time scale and steps, with where each came from."""
+    cal, src = opts.calibration, {}
+    pol = cfg.policies[0]
+    max_new = cfg.workload.sampling.max_new_tokens
+    if opts.response_tokens is not None:
+        resp, src["response_tokens"] = opts.response_tokens, "--response-tokens"
+    elif cal is not None:
+        resp, src["response_tokens"] = cal.response_mean, "calibration"
+    elif cfg.rollout.engine.type == "sim":
+        resp, src["response_tokens"] = cfg.rollout.engine.sim.length_mean, "rollout.engine.sim.length_mean"
+    else:
+        resp, src["response_tokens"] = max(max_new / 2, 1.0), "half of max_new_tokens"
+    sigma = cfg.rollout.engine.sim.length_sigma if cfg.rollout.engine.type == "sim" else 0.8
+    if cal is not None:  # the measured mean already includes the cap: no spread around it
+        sigma = 0.0 if opts.response_tokens is None else sigma
+    if opts.prompt_tokens is not None:
+        prompt, src["prompt_tokens"] = opts.prompt_tokens, "--prompt-tokens"
+    elif cal is not None:
+        prompt, src["prompt_tokens"] = cal.prompt_tokens, "calibration"
+    elif cfg.workload.name == "sim":
+        prompt, src["prompt_tokens"] = int(cfg.workload.params.get("prompt_tokens", 64)), "workload.params"
+    else:
+        prompt, src["prompt_tokens"] = DEFAULT_PROMPT_TOKENS, "default"
+    if opts.step_seconds is not None:
+        step, src["step_seconds"] = opts.step_seconds, "--step-seconds"
+    elif all(p.trainer.backend == "sim" for p in cfg.policies):
+        # a sim trainer sleeps real seconds; its engines run time_scale faster than real time
+        scale_in = cfg.rollout.engine.sim.time_scale if cfg.rollout.engine.type == "sim" else 1.0
+        step, src["step_seconds"] = pol.trainer.sim_step_seconds * scale_in, "trainer.sim_step_seconds x time_scale"
+    elif cal is not None:
+        step, src["step_seconds"] = cal.step_seconds, "calibration"
+    else:
+        params = opts.model_params or model_params(Path(str(pol.model)))
+        tokens = cfg.dataflow.batch_size * (prompt + resp)
+        kind, n = opts.trainer
+        step = derived_step_seconds(params, tokens, n, kind)
+        src["step_seconds"] = f"derived: 6 x {params:.3g} params x {tokens:.0f} tokens on {kind}x{n}"
+    if opts.time_scale is not None:
+        scale, src["time_scale"] = opts.time_scale, "--time-scale"
+    else:
+        scale = max(min(step / REAL_STEP_S, REAL_RATE * step / cfg.dataflow.batch_size), 0.05)
+        src["time_scale"] = "auto"
+    steps = max(math.ceil(opts.minutes * 60 / step), MIN_STEPS)
+    return SimShape(step, int(prompt), float(resp), sigma, scale, steps,
+                    cal.engine if cal is not None else None), src
+
+
+def model_params(path: Path) -> float:
+    """Parameters of the HF model in ``path`` from its ``config.json`` (attention, MLP and
+    embeddings); PlanError naming ``--model-params`` / ``--step-seconds`` when there is none."""
+    try:
+        c = json.loads((path / "config.json").read_text())
+        h, layers, inter, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    except (OSError, ValueError, KeyError) as err:
+        raise PlanError(f"the trainer's step time cannot be derived: no model config at {path} ({err}); give "
+                        "--step-seconds S (or --model-params N), or --calibrate on this machine") from None
+    heads, kv = c.get("num_attention_heads", 1), c.get("num_key_value_heads", c.get("num_attention_heads", 1))
+    attn = 2 * h * h + 2 * h * (h * kv // heads)
+    embeds = vocab * h * (1 if c.get("tie_word_embeddings", False) else 2)
+    return float(layers * (attn + 3 * h * inter) + embeds)
+
+
+def run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions,
+             progress: Callable[[str], None] = lambda s: None) -> PlanReport:
+    """Simulate ``cfg`` on ``pools`` for ``opts.minutes`` simulated minutes, then (``opts.search``)
+    search the pool sizes at which the trainer stops waiting with shorter runs. The simulated
+    runs go to ``opts.workdir`` (kept), else to a temporary directory removed at the end."""
+    shape, sources = shape_for(cfg, opts)
+    kinds = [p.kind for p in pools]
+    if len(set(kinds)) != len(kinds):
+        raise PlanError(f"--pool: each hardware kind once (got {', '.join(kinds)}); add the GPUs up into one pool")
+    try:
+        RunConfig.model_validate(sim_config(cfg, pools, shape))
+    except ValueError as err:
+        raise PlanError(f"the config cannot be simulated: {err}") from None
+    if opts.workdir is not None:
+        return _run_plan(cfg, pools, opts, shape, sources, opts.workdir, progress)
+    with tempfile.TemporaryDirectory(prefix="astraflow-plan-") as tmp:  # nothing is kept
+        return _run_plan(cfg, pools, opts, shape, sources, Path(tmp), progress)
+
+
+def _run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions, shape: SimShape, sources: dict[str, str],
+              workdir: Path, progress: Callable[[str], None]) -> PlanReport:
+    trials: list[SimResult] = []
+
+    def simulate(sized: list[Pool], sim_shape: SimShape, tag: str) -> SimResult:
+        label = " ".join(p.label() for p in sized)
+        progress(f"{tag}: simulating {label} for {sim_shape.steps} steps "
+                 f"({sim_shape.steps * sim_shape.step_seconds / 60:.1f} simulated min, time scale {sim_shape.time_scale:.2g})")
+        res = run_sim(sim_config(cfg, sized, sim_shape), workdir / f"sim{len(trials)}", {p.kind: p.gpus for p in sized},
+                      sim_shape.time_scale, progress=lambda s: progress(f"{tag}: {s}"))
+        progress(f"{tag}: {res.steps_per_s:.3g} steps/s, trainer wait {res.trainer_wait:.0%}, "
+                 f"{res.trajectories_per_s:.4g} trajectories/s ({res.real_seconds:.0f}s real)")
+        trials.append(res)
+        return res
+
+    result = simulate(pools, shape, "plan")
+    search = None
+    if opts.search:
+        minutes = opts.search_minutes or max(opts.minutes / 2, min(opts.minutes, 1.0))
+        short = SimShape(shape.step_seconds, shape.prompt_tokens, shape.response_mean, shape.response_sigma,
+                         shape.time_scale, max(math.ceil(minutes * 60 / shape.step_seconds), MIN_STEPS), shape.local)
+
+        def sizes(factor: float) -> tuple[tuple[str, int], ...]:
+            return tuple((p.kind, p.scaled(factor).gpus) for p in pools)
+
+        search = find_scale(lambda f: simulate([p.scaled(f) for p in pools], short, f"search x{f:.3g}").trainer_wait,
+                            sizes, opts.wait_target, base_wait=result.trainer_wait, max_trials=opts.max_trials)
+    return PlanReport(shape, sources, result, search, trials)

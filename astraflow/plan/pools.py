@@ -1,0 +1,156 @@
+"""Pools of a capacity plan and the simulated run that stands for a user's config on them.
+
+A pool is ``KIND=GPUS``: ``GPUS`` engines of hardware ``KIND`` (a preset of ``sim_config``, or
+``local``: this machine's engine as a calibration measured it). It becomes one rollout partition
+of RaaS nodes with ``gpus_per_node`` sim engines each, all of a worker's nodes on one event loop
+(``rollout.nodes_per_worker``). The rest of the config — batch size, group size, staleness
+bound, admission, lease and weight-poll settings — is the user's, so the simulated control plane
+makes the decisions the real one would; only the model work is replaced by its time.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from astraflow.config import RunConfig
+from astraflow.rollout.sim_config import PRESETS, HardwareProfile
+
+#: the pool kind that stands for this machine's own engine (``--calibrate`` measures it)
+LOCAL = "local"
+#: sim nodes per rollout worker process at most (more workers above it)
+NODES_PER_PROCESS = 50
+#: bf16 dense peak FLOP/s of one GPU of a trainer (vendors' data sheets), for a derived step time
+TRAINER_PEAK_FLOPS = {"h100": 989e12, "a100": 312e12}
+#: fraction of the peak a training step reaches (model FLOPs utilisation): an assumption
+TRAINER_MFU = 0.4
+
+_POOL = re.compile(r"^([A-Za-z][A-Za-z0-9_]*)=(\d+)$")
+
+
+class PlanError(ValueError):
+    """Input ``astraflow plan`` cannot use; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class Pool:
+    """``gpus`` engines of hardware ``kind``, as RaaS nodes of ``gpus_per_node`` engines each."""
+
+    kind: str
+    gpus: int
+    gpus_per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.gpus / self.gpus_per_node)
+
+    @property
+    def engines_per_node(self) -> int:
+        return min(self.gpus, self.gpus_per_node)
+
+    def scaled(self, factor: float) -> "Pool":
+        """This pool with ``factor`` times the GPUs, in whole nodes (at least one)."""
+        nodes = max(1, round(self.nodes * factor))
+        return Pool(self.kind, nodes * self.engines_per_node, self.gpus_per_node)
+
+    def label(self) -> str:
+        return f"{self.kind}={self.gpus}"
+
+
+def parse_pool(spec: str, gpus_per_node: int, local: HardwareProfile | None) -> Pool:
+    """``KIND=GPUS`` as a `Pool`; PlanError naming the fix for bad syntax or an unknown kind."""
+    m = _POOL.match(spec.strip())
+    if not m:
+        raise PlanError(f"--pool {spec!r}: write KIND=GPUS, e.g. --pool h100=64 (kinds: {kinds()})")
+    kind, gpus = m.group(1).lower(), int(m.group(2))
+    if kind not in PRESETS and kind != LOCAL:
+        raise PlanError(f"--pool {spec!r}: unknown hardware kind {kind!r}; use one of {kinds()}")
+    if kind == LOCAL and local is None:
+        raise PlanError(f"--pool {spec!r}: the local pool is this machine's engine as measured; add --calibrate "
+                        "(measures it now) or --calibration FILE (a saved measurement)")
+    if gpus < 1:
+        raise PlanError(f"--pool {spec!r}: a pool needs at least 1 GPU")
+    return Pool(kind, gpus, 1 if kind == LOCAL else gpus_per_node)
+
+
+def kinds() -> str:
+    return ", ".join([*PRESETS, LOCAL])
+
+
+def derived_step_seconds(params: float, tokens: float, trainer_gpus: int, kind: str) -> float:
+    """A trainer step of ``tokens`` tokens on a model of ``params`` parameters: ``6 * params *
+    tokens`` FLOPs (forward and backward) at ``TRAINER_MFU`` of ``trainer_gpus`` GPUs' peak."""
+    if kind not in TRAINER_PEAK_FLOPS:
+        raise PlanError(f"--trainer {kind}={trainer_gpus}: unknown trainer GPU kind; use one of "
+                        f"{', '.join(TRAINER_PEAK_FLOPS)}, or give --step-seconds")
+    return 6.0 * params * tokens / (trainer_gpus * TRAINER_PEAK_FLOPS[kind] * TRAINER_MFU)
+
+
+@dataclass(frozen=True)
+class SimShape:
+    """What the simulated run takes from measurements or assumptions rather than the config."""
+
+    step_seconds: float
+    """Simulated seconds of one trainer step."""
+    prompt_tokens: int
+    response_mean: float
+    """Mean response length in tokens (lognormal, capped at ``max_new_tokens``)."""
+    response_sigma: float
+    time_scale: float
+    """Simulated seconds per real second (engines and trainer alike)."""
+    steps: int
+    local: HardwareProfile | None = None
+    """The local pool's measured engine, when there is one."""
+
+
+def sim_config(cfg: RunConfig, pools: list[Pool], shape: SimShape, name: str = "plan") -> dict[str, Any]:
+    """The simulated run (as config data) standing for ``cfg`` on ``pools``: sim engines of each
+    pool's hardware, sim trainers taking ``shape.step_seconds`` a step, the sim workload with
+    the config's group size and sampling, no held-out evaluation, one rollout partition per
+    pool. A named-hardware pool's nodes lease what their hardware takes (``rollout.capacity``
+    derived from it); the local pool keeps the config's capacity, the one the real run uses."""
+    data = cfg.model_dump(mode="json")
+    scale = shape.time_scale
+    step_real = shape.step_seconds / scale
+    data["run"].update(name=name, max_steps=shape.steps,
+                       timeout_s=max(600.0, 20 * shape.steps * step_real + 300))
+    for pol in data["policies"]:
+        pol.update(model="sim", init=None)
+        pol["trainer"].update(backend="sim", sim_step_seconds=step_real, sim_seconds_per_token=0.0)
+    wl = data["workload"]
+    data["workload"] = {
+        "name": "sim", "workflow": "sim", "group_size": wl["group_size"], "sampling": wl["sampling"],
+        "seed": wl.get("seed", 0), "eval": {**wl["eval"], "every": 0},
+        "params": {"num_train": 100_000, "num_test": 8, "prompt_tokens": shape.prompt_tokens},
+    }
+    rollout = data["rollout"]
+    rollout["engine"].update(type="sim", replicas=None, tensor_parallel=1, sim={
+        "time_scale": scale, "length_mean": shape.response_mean, "length_sigma": shape.response_sigma})
+    # a node's own intervals are latencies of the real system: in simulated time they keep their
+    # length only if they shrink with the scale (a 0.5 s flush would otherwise hold every
+    # trajectory for 0.5 x time_scale simulated seconds)
+    for key in ("flush_seconds", "weight_poll_seconds"):
+        rollout[key] = max(rollout[key] / scale, 0.005)
+    user_capacity = rollout["capacity"]
+    rollout["capacity"] = None
+    rollout["nodes_per_worker"] = 1
+    data["cluster"]["dashboard_port"] = 0
+    data["cluster"].pop("scheduler_address", None)
+    parts = [{"name": "data", "scheduler": "local", "role": "data", "nodes": 1},
+             {"name": "trainer", "scheduler": "local", "role": "trainer", "nodes": 1}]
+    for pool in pools:
+        workers = math.ceil(pool.nodes / NODES_PER_PROCESS)
+        sim = {"hardware": "h100"} if pool.kind == LOCAL else {"hardware": pool.kind}
+        if pool.kind == LOCAL:
+            assert shape.local is not None
+            sim.update(shape.local.model_dump())
+        settings: dict[str, Any] = {"nodes_per_worker": math.ceil(pool.nodes / workers),
+                                    "engine": {"replicas": pool.engines_per_node, "sim": sim}}
+        if pool.kind == LOCAL:
+            settings["capacity"] = user_capacity or None
+        parts.append({"name": f"pool_{pool.kind}", "scheduler": "local", "role": "rollout", "nodes": workers,
+                      "hardware": pool.kind, "rollout": settings})
+    data["partitions"] = parts
+    return data

@@ -1,0 +1,52 @@
+"""The plan as rich tables: per pool and overall, then the sizes at which the trainer stops waiting."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from astraflow.plan.planner import PlanReport
+
+
+def print_report(report: PlanReport, console: Console) -> None:
+    r, shape = report.result, report.shape
+    src = report.shape_sources
+    console.print(f"assumed: trainer step {shape.step_seconds:.3g}s ({src['step_seconds']}), prompt "
+                  f"{shape.prompt_tokens} tokens ({src['prompt_tokens']}), responses {shape.response_mean:.0f} tokens "
+                  f"on average ({src['response_tokens']}); {r.steps} simulated steps at time scale "
+                  f"{shape.time_scale:.2g} ({src['time_scale']})")
+    table = Table(title="simulated throughput (steady part of the run, simulated time)")
+    for col in ("pool", "GPUs", "trajectories/s", "tokens/s", "share"):
+        table.add_column(col, justify="left" if col == "pool" else "right")
+    for kind, row in r.per_pool.items():
+        table.add_row(kind, str(r.pools.get(kind, "")), f"{row['trajectories_per_s']:.4g}",
+                      f"{row['tokens_per_s']:.4g}", f"{row['share']:.0%}")
+    table.add_row("all", str(sum(r.pools.values())), f"{r.trajectories_per_s:.4g}", f"{r.tokens_per_s:.4g}", "100%",
+                  style="bold")
+    console.print(table)
+    overall = Table(title="trainer")
+    for col in ("steps/s", "trained/s", "trainer wait", "staleness p50/p90/max", "dropped stale/overflow/filtered"):
+        overall.add_column(col, justify="right")
+    overall.add_row(f"{r.steps_per_s:.3g}", f"{r.trained_per_s:.4g}", f"{r.trainer_wait:.0%}",
+                    "/".join(str(r.staleness[k]) for k in ("p50", "p90", "max")),
+                    "/".join(str(r.dropped[k]) for k in ("stale", "overflow", "filtered")))
+    console.print(overall)
+    s = report.search
+    if s is None:
+        return
+    trials = Table(title=f"pool sizes vs trainer wait (target: at most {s.target:.0%})")
+    for col in ("factor", "pools", "trainer wait", ""):
+        trials.add_column(col, justify="right")
+    for t in sorted(s.trials, key=lambda t: t.factor):
+        mark = "answer" if t.factor == s.factor else ("waits" if t.waits(s.target) else "")
+        trials.add_row(f"x{t.factor:.3g}", " ".join(f"{k}={n}" for k, n in t.sizes), f"{t.wait:.0%}", mark)
+    console.print(trials)
+    if s.sizes is None:
+        console.print(f"the trainer still waits at the largest sizes tried (x{max(t.factor for t in s.trials):.3g}): "
+                      "if more GPUs barely changed the wait, what limits the run is not their number but how "
+                      "long a sample takes to reach the trainer against the work the data layer lets be in "
+                      "flight (dataflow.prefetch_groups, max_staleness and admission; weight-load time, "
+                      "response length); else raise --max-trials")
+    else:
+        console.print(f"the trainer stops waiting at: {' '.join(f'{k}={n}' for k, n in s.sizes)} "
+                      f"(x{s.factor:.3g} of the planned pools)")

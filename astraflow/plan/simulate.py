@@ -1,0 +1,156 @@
+"""One simulated run of a plan and what it measured.
+
+The run is ``astraflow run`` of the sim config in a process of its own (a clean Dask cluster
+each time, nothing left in this process); its progress is read from ``metrics.jsonl`` while it
+runs. The numbers come from the run's own records: the trainers' per-step ``wait_s`` /
+``train_s`` / ``publish_s``, the data layer's cumulative counts and staleness histogram, and the
+nodes' counters in ``summary.json``. The first steps (start-up, the first weight loads) are left
+out: every rate and fraction is over the steady part of the run, converted to simulated time
+with the run's ``time_scale``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+#: steps left out at the start of a run (and at least this share of them)
+WARMUP_STEPS, WARMUP_SHARE = 2, 0.2
+
+
+class SimFailed(RuntimeError):
+    """The simulated run did not complete; the message has its last output."""
+
+
+@dataclass
+class SimResult:
+    """What one simulated run measured (rates in simulated time, over its steady part)."""
+
+    pools: dict[str, int]
+    """GPUs per pool kind."""
+    steps: int
+    steps_per_s: float
+    trajectories_per_s: float
+    """Sequences generated per second, all pools."""
+    tokens_per_s: float
+    trained_per_s: float
+    """Sequences consumed by trainers per second."""
+    trainer_wait: float
+    """Share of the trainers' time spent waiting for a batch."""
+    staleness: dict[str, int]
+    """Version lag of trained sequences: p50, p90, max."""
+    dropped: dict[str, int]
+    """Sequences the data layer dropped: stale, overflow, filtered (whole run)."""
+    per_pool: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per pool kind: trajectories/s, tokens/s, share of the generated sequences."""
+    real_seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_sim(data: dict[str, Any], workdir: Path, pools: dict[str, int], time_scale: float,
+            progress: Callable[[str], None] | None = None, deadline_s: float | None = None) -> SimResult:
+    """Run the sim config ``data`` in ``workdir`` and measure it (SimFailed when it fails)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg, run_dir = workdir / "config.yaml", workdir / "run"
+    cfg.write_text(yaml.safe_dump(data, sort_keys=False))
+    steps = data["run"]["max_steps"]
+    t0 = time.time()
+    log = (workdir / "run.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "astraflow", "run", str(cfg), "--run-dir", str(run_dir),
+                             "--quiet"], stdout=log, stderr=subprocess.STDOUT)
+    limit = deadline_s or data["run"]["timeout_s"] + 120
+    shown = -1
+    try:
+        while proc.poll() is None:
+            if time.time() - t0 > limit:
+                proc.terminate()
+                proc.wait(60)
+                raise SimFailed(f"the simulated run passed its deadline of {limit:.0f}s; see {workdir / 'run.log'}")
+            done = _steps_done(run_dir / "metrics.jsonl")
+            if progress and done != shown:
+                progress(f"step {done}/{steps}")
+                shown = done
+            time.sleep(1.0)
+    finally:
+        log.close()
+        if proc.poll() is None:  # an exception above: end the run we started
+            proc.terminate()
+            proc.wait(60)
+    if proc.returncode != 0:
+        tail = (workdir / "run.log").read_text(errors="replace")[-2000:]
+        raise SimFailed(f"the simulated run exited with {proc.returncode}:\n{tail}")
+    result = measure(run_dir, pools, time_scale)
+    result.real_seconds = time.time() - t0
+    return result
+
+
+def _steps_done(metrics: Path) -> int:
+    if not metrics.exists():
+        return 0
+    return sum(1 for line in metrics.read_text().splitlines() if '"loss"' in line)
+
+
+def measure(run_dir: Path, pools: dict[str, int], time_scale: float) -> SimResult:
+    """The `SimResult` of a finished run in ``run_dir`` (first policy's steps)."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    policy = next(x["policy"] for x in lines if "loss" in x)
+    steps = [x for x in lines if "loss" in x and x["policy"] == policy]
+    skip = min(max(WARMUP_STEPS, int(len(steps) * WARMUP_SHARE)), len(steps) - 2)
+    assert skip >= 0, f"{run_dir}: at least 2 steps are needed to measure a rate"
+    a, b = steps[skip], steps[-1]
+    span = max((b["time"] - a["time"]) * time_scale, 1e-9)  # simulated seconds
+    window = steps[skip + 1:]
+    busy = sum(s["wait_s"] + s["train_s"] + s["publish_s"] for s in window)
+    generated = b["sequences_generated"] - a["sequences_generated"]
+    tokens = b["generated_tokens_per_s"] * b["time"] - a["generated_tokens_per_s"] * a["time"]
+    hist = {int(k): v - a["staleness_hist"].get(k, 0) for k, v in b["staleness_hist"].items()}
+    result = SimResult(
+        pools=pools, steps=len(steps),
+        steps_per_s=(b["step"] - a["step"]) / span,
+        trajectories_per_s=generated / span,
+        tokens_per_s=tokens / span,
+        trained_per_s=(b["consumed"] - a["consumed"]) / span,
+        trainer_wait=sum(s["wait_s"] for s in window) / max(busy, 1e-9),
+        staleness=staleness_quantiles(hist),
+        dropped={"stale": b["stale_dropped"], "overflow": b["overflow_dropped"], "filtered": b["filtered"]},
+    )
+    result.per_pool = _per_pool(run_dir, result)
+    return result
+
+
+def staleness_quantiles(hist: dict[int, int]) -> dict[str, int]:
+    """p50, p90 and max of a ``{lag: count}`` histogram (zeros when it is empty)."""
+    total = sum(c for c in hist.values() if c > 0)
+    out = {"p50": 0, "p90": 0, "max": max((k for k, c in hist.items() if c > 0), default=0)}
+    for name, q in (("p50", 0.5), ("p90", 0.9)):
+        seen = 0
+        for lag in sorted(hist):
+            seen += max(hist[lag], 0)
+            if total and seen >= q * total:
+                out[name] = lag
+                break
+    return out
+
+
+def _per_pool(run_dir: Path, result: SimResult) -> dict[str, dict[str, float]]:
+    """Each pool's share of what the nodes generated (their counters in ``summary.json``),
+    applied to the run's steady rates."""
+    nodes = json.loads((run_dir / "summary.json").read_text()).get("nodes", {})
+    episodes: dict[str, float] = {}
+    for st in nodes.values():
+        part = str(st.get("partition") or "")
+        if part.startswith("pool_"):
+            kind = part.removeprefix("pool_")
+            episodes[kind] = episodes.get(kind, 0) + st.get("counters", {}).get("episodes", 0)
+    total = sum(episodes.values()) or 1.0
+    return {kind: {"share": n / total, "trajectories_per_s": result.trajectories_per_s * n / total,
+                   "tokens_per_s": result.tokens_per_s * n / total} for kind, n in sorted(episodes.items())}

@@ -1,0 +1,110 @@
+"""``astraflow plan`` against a real run: the main example's steps/s and trainer wait fraction,
+measured and predicted.
+
+Why: a capacity plan is only worth what its simulation predicts. Side by side in one run:
+
+* **measured**: the main example (``examples/math/config.yaml``) run for real for ``--steps``
+  trainer steps (no held-out evaluation), through ``astraflow run``;
+* **predicted**: the same config planned on a ``local`` pool of one node — this machine's engine
+  and trainer calibrated on the config's model (``astraflow plan --calibrate``, just before the
+  real run) — simulated for as many steps at ``--time-scale``.
+
+Both are measured by the same code (``astraflow.plan.simulate.measure``: the steady part of the
+run, the first steps left out). Printed: both, and the relative errors; the last line is
+``RESULT {json}`` with ``steps_per_s_error`` and ``trainer_wait_error`` (|predicted - measured| /
+measured) and the numbers themselves.
+
+Run from the repository root: ``python benchmarks/plan_accuracy.py [--steps 120] [--time-scale 1]``.
+The real run builds the main example's model (``runs/models/math-mini-llama``) if it is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CONFIG = ROOT / "examples" / "math" / "config.yaml"
+
+
+def real_run(work: Path, steps: int, overrides: list[str]) -> dict:
+    from astraflow.plan.simulate import measure
+
+    run_dir = work / "real"
+    t0 = time.time()
+    subprocess.run([sys.executable, "-m", "astraflow", "run", str(CONFIG), "--run-dir", str(run_dir), "--quiet",
+                    "--set", f"run.max_steps={steps}", "--set", "workload.eval.every=0",
+                    "--set", "cluster.dashboard_port=0", *overrides], cwd=ROOT, check=True, timeout=1800)
+    res = measure(run_dir, {"local": 1}, 1.0)
+    return {"steps_per_s": res.steps_per_s, "trainer_wait": res.trainer_wait, "staleness": res.staleness,
+            "trajectories_per_s": res.trajectories_per_s, "seconds": time.time() - t0}
+
+
+def calibration(overrides: list[str]):
+    from astraflow.config import load_config
+    from astraflow.plan.calibrate import calibrate
+
+    cfg = load_config(CONFIG, [o for o in overrides if o != "--set"])
+    return cfg, calibrate(cfg, progress=lambda s: print(f"  calibrate: {s}", flush=True))
+
+
+def predicted(work: Path, steps: int, time_scale: float, cfg, cal) -> dict:
+    from astraflow.plan.planner import PlanOptions, run_plan
+    from astraflow.plan.pools import parse_pool
+
+    t0 = time.time()
+    report = run_plan(cfg, [parse_pool("local=1", 1, cal.engine)],
+                      PlanOptions(minutes=steps * cal.step_seconds / 60, time_scale=time_scale, search=False,
+                                  calibration=cal, workdir=work / "plan"),
+                      progress=lambda s: print(f"  {s}", flush=True) if "step " not in s else None)
+    r = report.result
+    return {"steps_per_s": r.steps_per_s, "trainer_wait": r.trainer_wait, "staleness": r.staleness,
+            "trajectories_per_s": r.trajectories_per_s, "seconds": time.time() - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=120, help="trainer steps of each run")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="the plan's simulated seconds per real second")
+    ap.add_argument("--model", default=None, help="the model directory (default: the config's)")
+    args = ap.parse_args()
+    overrides = ["--set", f"policies.0.model={args.model}"] if args.model else []
+    with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
+        work = Path(tmp)
+        load = os.getloadavg()[0]
+        print(f"calibrating the local pool (load {load:.2f})", flush=True)
+        cfg, cal = calibration(overrides)
+        print(f"measured: the main example for {args.steps} steps (load {os.getloadavg()[0]:.2f})", flush=True)
+        real = real_run(work, args.steps, overrides)
+        print(f"predicted: plan --pool local=1 (load {os.getloadavg()[0]:.2f})", flush=True)
+        pred = predicted(work, args.steps, args.time_scale, cfg, cal)
+        cal = {"step_seconds": cal.step_seconds, **cal.engine.model_dump(), "response_mean": cal.response_mean}
+    err = {k: abs(pred[k] - real[k]) / max(real[k], 1e-9) for k in ("steps_per_s", "trainer_wait")}
+    print(f"\n{'':<12}{'steps/s':>10}{'trainer wait':>14}{'trajectories/s':>16}{'staleness p50/p90/max':>24}"
+          f"{'seconds':>9}")
+    for name, row in (("measured", real), ("predicted", pred)):
+        st = row["staleness"]
+        print(f"{name:<12}{row['steps_per_s']:>10.3f}{row['trainer_wait']:>14.1%}{row['trajectories_per_s']:>16.1f}"
+              f"{st['p50']:>14}/{st['p90']}/{st['max']}{row['seconds']:>12.0f}")
+    print(f"{'error':<12}{err['steps_per_s']:>10.1%}{err['trainer_wait']:>14.1%}")
+    print(f"calibration: {json.dumps({k: round(v, 4) for k, v in cal.items()})}")
+    print("RESULT " + json.dumps({"steps_per_s_error": round(err["steps_per_s"], 4),
+                                  "trainer_wait_error": round(err["trainer_wait"], 4),
+                                  "measured": {k: real[k] for k in ("steps_per_s", "trainer_wait")},
+                                  "predicted": {k: pred[k] for k in ("steps_per_s", "trainer_wait")},
+                                  "steps": args.steps, "time_scale": args.time_scale, "load": round(load, 2)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""``astraflow plan``: bad input exits 2 naming the fix; a small config simulated end to end
+through the real CLI gives the report's keys; the search's answer is monotone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from astraflow.cli import main
+from astraflow.plan.search import find_scale
+
+ROOT = Path(__file__).resolve().parents[2]
+SIM = str(ROOT / "examples/sim/config.yaml")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--pool", "h100:64"], "write KIND=GPUS, e.g. --pool h100=64"),
+    (["--pool", "v100=8"], "unknown hardware kind 'v100'; use one of h100, a100, cpu, local"),
+    (["--pool", "h100=0"], "a pool needs at least 1 GPU"),
+    (["--pool", "local=1"], "add --calibrate"),
+    ([], "give at least one --pool"),
+    (["--pool", "h100=8", "--pool", "h100=8"], "each hardware kind once"),
+    (["--pool", "h100=8", "--trainer", "h100"], "--trainer 'h100': write KIND=GPUS"),
+    (["--pool", "h100=8", "--calibration", "/nonexistent.json"], "not a calibration file"),
+    (["--pool", "h100=8", "--minutes", "0"], "--minutes"),
+    (["--pool", "h100=8", "--wait-target", "1.5"], "--wait-target"),
+    (["--pool", "h100:8", "--calibrate"], "write KIND=GPUS"),  # before any calibration
+])
+def test_bad_input_exits_2_naming_the_fix(args, needle):
+    res = CliRunner().invoke(main, ["plan", SIM, *args])
+    assert res.exit_code == 2, res.output
+    assert needle in res.output and "Traceback" not in res.output
+
+
+def test_a_config_without_a_step_time_names_the_options(tmp_path):
+    data = yaml.safe_load(open(ROOT / "examples/math/config.yaml"))
+    data["policies"][0]["model"] = str(tmp_path / "absent")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    res = CliRunner().invoke(main, ["plan", str(cfg), "--pool", "a100=8"])
+    assert res.exit_code == 2, res.output
+    assert "give --step-seconds S (or --model-params N), or --calibrate" in res.output
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_plan_runs_a_small_config_end_to_end(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "astraflow", "plan", SIM, "--pool", "h100=2", "--pool", "a100=2",
+                           "--gpus-per-node", "1", "--minutes", "0.4", "--no-search", "--json",
+                           "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert set(out) == {"assumptions", "pools", "overall", "per_pool", "no_wait"}
+    assert out["pools"] == {"h100": 2, "a100": 2} and set(out["per_pool"]) == {"h100", "a100"}
+    overall = out["overall"]
+    for key in ("steps_per_s", "trajectories_per_s", "tokens_per_s", "trainer_wait", "staleness", "dropped"):
+        assert key in overall
+    assert overall["steps_per_s"] > 0 and overall["tokens_per_s"] > 0 and 0 <= overall["trainer_wait"] <= 1
+    assert set(overall["staleness"]) == {"p50", "p90", "max"} and set(overall["dropped"]) == {"stale", "overflow", "filtered"}
+    assert sum(p["share"] for p in out["per_pool"].values()) == pytest.approx(1.0)
+    assert "plan: step" in proc.stderr  # progress while it ran
+    assert out["assumptions"]["step_seconds"] == pytest.approx(3.0)  # 0.3 s x the example's time scale 10
+
+
+def _wait_model(nodes_needed: float):
+    """A trainer that waits until the pools reach ``nodes_needed`` nodes (of 4 planned)."""
+    return lambda factor: max(0.0, 1.0 - 4 * factor / nodes_needed)
+
+
+def _sizes(factor: float):
+    return (("h100", max(1, round(4 * factor)) * 8),)
+
+
+@pytest.mark.parametrize("needed", [1, 3, 4, 7, 20, 60])
+def test_the_search_brackets_the_boundary_monotonically(needed):
+    res = find_scale(_wait_model(needed), _sizes, 0.05, max_trials=12)
+    assert res.factor is not None
+    for t in res.trials:  # every probe below the answer waited, every one at or above it did not
+        assert t.waits(0.05) == (t.factor < res.factor)
+    assert dict(res.sizes)["h100"] >= needed * 8 * 0.95 - 8
+
+
+def test_a_slower_trainer_needs_no_larger_pools():
+    answers = [dict(find_scale(_wait_model(n), _sizes, 0.05, max_trials=12).sizes)["h100"] for n in (2, 6, 12, 30)]
+    assert answers == sorted(answers)
+
+
+def test_the_search_says_when_no_size_is_enough():
+    res = find_scale(lambda f: 0.9, _sizes, 0.05, max_factor=8, max_trials=6)
+    assert res.factor is None and res.sizes is None and all(t.waits(0.05) for t in res.trials)
