@@ -51,7 +51,7 @@ class SimResult:
     trained_per_s: float
     """Sequences consumed by trainers per second."""
     trainer_wait: float
-    """Share of the trainers' time spent waiting for a batch."""
+    """Share of the trainer's wall time spent waiting for a batch (first policy)."""
     staleness: dict[str, int]
     """Version lag of trained sequences: p50, p90, max."""
     dropped: dict[str, int]
@@ -138,7 +138,9 @@ def measure(run_dir: Path, pools: dict[str, int], time_scale: float) -> SimResul
     a, b = steps[skip], steps[-1]
     span = max((b["time"] - a["time"]) * time_scale, 1e-9)  # simulated seconds
     window = steps[skip + 1:]
-    busy = sum(s["wait_s"] + s["train_s"] + s["publish_s"] for s in window)
+    # the wait over the trainer's wall time: a publish that overlaps the next step (the torch
+    # backend's) must not count twice, as a sum of wait, train and publish times would
+    wall = max(b["time"] - a["time"], 1e-9)
     generated = b["sequences_generated"] - a["sequences_generated"]
     tokens = b["generated_tokens_per_s"] * b["time"] - a["generated_tokens_per_s"] * a["time"]
     hist = {int(k): v - a["staleness_hist"].get(k, 0) for k, v in b["staleness_hist"].items()}
@@ -148,7 +150,7 @@ def measure(run_dir: Path, pools: dict[str, int], time_scale: float) -> SimResul
         trajectories_per_s=generated / span,
         tokens_per_s=tokens / span,
         trained_per_s=(b["consumed"] - a["consumed"]) / span,
-        trainer_wait=sum(s["wait_s"] for s in window) / max(busy, 1e-9),
+        trainer_wait=min(sum(s["wait_s"] for s in window) / wall, 1.0),
         staleness=staleness_quantiles(hist),
         dropped={"stale": b["stale_dropped"], "overflow": b["overflow_dropped"], "filtered": b["filtered"]},
     )
