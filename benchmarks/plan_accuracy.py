@@ -78,10 +78,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=120, help="trainer steps of each run")
     ap.add_argument("--time-scale", type=float, default=1.0, help="the plan's simulated seconds per real second")
     ap.add_argument("--model", default=None, help="the model directory (default: the config's)")
+    ap.add_argument("--keep", default=None, help="keep both runs in this directory (default: a temporary one)")
     args = ap.parse_args()
     overrides = ["--set", f"policies.0.model={args.model}"] if args.model else []
     with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
-        work = Path(tmp)
+        work = Path(args.keep or tmp)
         load = os.getloadavg()[0]
         print(f"calibrating the local pool (load {load:.2f})", flush=True)
         cfg, cal = calibration(overrides)

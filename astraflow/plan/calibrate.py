@@ -11,7 +11,10 @@ requests) time to its first tokens (``ttft_s``, prefill included) and the rest o
 (the peak decode rate). A local pool is this machine, where engine and trainer share the cores,
 so the trainer's steps are then timed as a run that keeps up has them: each step beside the
 engine generating one trainer batch. Those batches' times over the full batch's time alone is
-the contention both see; ``ttft_s`` and the peak rate are scaled by it. The single-request
+the contention both see; ``ttft_s`` and the peak rate are scaled by it. Each version is
+published as the trainer publishes it: by a backend that ``supports_snapshot``, in a thread
+overlapping the next step (the step timed is its training, snapshot and the wait for the
+previous publish: the trainer's critical path), by any other in line. The single-request
 rate is at least ``peak / max_batch``: responses of a few tokens time it too coarsely to trust
 a lower value, and the engine reaches its peak at a full batch either way.
 """
@@ -141,13 +144,24 @@ def _side_by_side(cfg, engine, backend, prompts, params, seqs, repeats):
     def _train() -> None:
         with tempfile.TemporaryDirectory(prefix="astraflow-calibrate-") as tmp:
             store = WeightStore(Path(tmp))
+            publishing: threading.Thread | None = None
             for v in range(repeats + 1):
                 started.set()
                 t0 = time.perf_counter()
                 backend.train_step(Batch(policy=pol.name, version=v, items=items))
-                backend.publish(store, pol.name, v + 1)
+                if backend.supports_snapshot:  # as the trainer: the publish overlaps the next step
+                    state = backend.snapshot()
+                    if publishing is not None:
+                        publishing.join()
+                    publishing = threading.Thread(target=backend.publish, args=(store, pol.name, v + 1),
+                                                  kwargs={"state": state}, name="calibrate-publish")
+                    publishing.start()
+                else:
+                    backend.publish(store, pol.name, v + 1)
                 if v:  # the first is a warm-up
                     steps.append(time.perf_counter() - t0)
+            if publishing is not None:
+                publishing.join()
 
     async def decode(trainer: threading.Thread) -> list[float]:
         fulls: list[float] = []

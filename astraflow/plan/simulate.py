@@ -7,13 +7,19 @@ runs. The numbers come from the run's own records: the trainers' per-step ``wait
 nodes' counters in ``summary.json``. The first steps (start-up, the first weight loads) are left
 out: every rate and fraction is over the steady part of the run, converted to simulated time
 with the run's ``time_scale``.
+
+The child's PID is written to ``run.pid`` in the work dir. SIGTERM to the planning process is
+forwarded to the child (which stops cleanly on it); a child still there after
+``STOP_DEADLINE_S`` is killed, so a stopped plan leaves no run behind.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +29,8 @@ import yaml
 
 #: steps left out at the start of a run (and at least this share of them)
 WARMUP_STEPS, WARMUP_SHARE = 2, 0.2
+#: seconds a simulated run has to stop after SIGTERM before it is killed
+STOP_DEADLINE_S = 60.0
 
 
 class SimFailed(RuntimeError):
@@ -43,7 +51,7 @@ class SimResult:
     trained_per_s: float
     """Sequences consumed by trainers per second."""
     trainer_wait: float
-    """Share of the trainers' time spent waiting for a batch."""
+    """Share of the trainer's wall time spent waiting for a batch (first policy)."""
     staleness: dict[str, int]
     """Version lag of trained sequences: p50, p90, max."""
     dropped: dict[str, int]
@@ -65,15 +73,18 @@ def run_sim(data: dict[str, Any], workdir: Path, pools: dict[str, int], time_sca
     steps = data["run"]["max_steps"]
     t0 = time.time()
     log = (workdir / "run.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "astraflow", "run", str(cfg), "--run-dir", str(run_dir),
-                             "--quiet"], stdout=log, stderr=subprocess.STDOUT)
     limit = deadline_s or data["run"]["timeout_s"] + 120
     shown = -1
+    installed = threading.current_thread() is threading.main_thread()  # handlers are set there only
+    previous = signal.signal(signal.SIGTERM, _exit) if installed else None  # before the child exists
+    proc = None
     try:
+        proc = subprocess.Popen([sys.executable, "-m", "astraflow", "run", str(cfg), "--run-dir", str(run_dir),
+                                 "--quiet"], stdout=log, stderr=subprocess.STDOUT)
+        (workdir / "run.pid").write_text(f"{proc.pid}\n")
         while proc.poll() is None:
             if time.time() - t0 > limit:
-                proc.terminate()
-                proc.wait(60)
+                _stop(proc)
                 raise SimFailed(f"the simulated run passed its deadline of {limit:.0f}s; see {workdir / 'run.log'}")
             done = _steps_done(run_dir / "metrics.jsonl")
             if progress and done != shown:
@@ -81,16 +92,34 @@ def run_sim(data: dict[str, Any], workdir: Path, pools: dict[str, int], time_sca
                 shown = done
             time.sleep(1.0)
     finally:
+        if installed:  # no second SIGTERM cuts the stop short; it is bounded anyway
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         log.close()
-        if proc.poll() is None:  # an exception above: end the run we started
-            proc.terminate()
-            proc.wait(60)
+        if proc is not None and proc.poll() is None:  # SIGTERM or an exception above: end the run we started
+            _stop(proc)
+        if installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     if proc.returncode != 0:
         tail = (workdir / "run.log").read_text(errors="replace")[-2000:]
         raise SimFailed(f"the simulated run exited with {proc.returncode}:\n{tail}")
     result = measure(run_dir, pools, time_scale)
     result.real_seconds = time.time() - t0
     return result
+
+
+def _exit(signum, frame) -> None:
+    """SIGTERM as SystemExit, so that the caller's cleanup runs."""
+    raise SystemExit(128 + signum)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to ``proc``, then SIGKILL if it is still there after ``STOP_DEADLINE_S``."""
+    proc.terminate()
+    try:
+        proc.wait(STOP_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 def _steps_done(metrics: Path) -> int:
@@ -109,7 +138,9 @@ def measure(run_dir: Path, pools: dict[str, int], time_scale: float) -> SimResul
     a, b = steps[skip], steps[-1]
     span = max((b["time"] - a["time"]) * time_scale, 1e-9)  # simulated seconds
     window = steps[skip + 1:]
-    busy = sum(s["wait_s"] + s["train_s"] + s["publish_s"] for s in window)
+    # the wait over the trainer's wall time: a publish that overlaps the next step (the torch
+    # backend's) must not count twice, as a sum of wait, train and publish times would
+    wall = max(b["time"] - a["time"], 1e-9)
     generated = b["sequences_generated"] - a["sequences_generated"]
     tokens = b["generated_tokens_per_s"] * b["time"] - a["generated_tokens_per_s"] * a["time"]
     hist = {int(k): v - a["staleness_hist"].get(k, 0) for k, v in b["staleness_hist"].items()}
@@ -119,7 +150,7 @@ def measure(run_dir: Path, pools: dict[str, int], time_scale: float) -> SimResul
         trajectories_per_s=generated / span,
         tokens_per_s=tokens / span,
         trained_per_s=(b["consumed"] - a["consumed"]) / span,
-        trainer_wait=sum(s["wait_s"] for s in window) / max(busy, 1e-9),
+        trainer_wait=min(sum(s["wait_s"] for s in window) / wall, 1.0),
         staleness=staleness_quantiles(hist),
         dropped={"stale": b["stale_dropped"], "overflow": b["overflow_dropped"], "filtered": b["filtered"]},
     )

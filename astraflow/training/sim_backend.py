@@ -6,6 +6,8 @@ seconds) plus ``sim_seconds_per_token`` per loss token of the batch
 (rewards, advantages, staleness), so the run's metrics and progress lines stay meaningful. A
 published version is a one-tensor checkpoint (the step count) with ``meta["sim"]``: a real
 committed version in the weight store, which the sim engines take by its number and manifest.
+It publishes as the ``torch`` backend does (``supports_snapshot``): the trainer commits a version
+in a helper thread while the next step sleeps, so a simulated step costs what a real one costs.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from astraflow.contracts import Batch
 class SimBackend:
     """A trainer backend that only takes time (see the module docstring)."""
 
-    supports_snapshot = False
+    supports_snapshot = True
     supports_resume = True
     supports_optimizer_state = False
 
@@ -53,13 +55,12 @@ class SimBackend:
         return out
 
     def publish(self, store, policy: str, version: int, state: dict | None = None):
-        import torch
-
-        return store.publish(policy, version, {"sim.steps": torch.tensor([self.steps], dtype=torch.int64)},
-                             meta={"sim": True, "train_steps": self.steps})
+        """Commit ``version``: the step count of ``state`` (a ``snapshot()``), else the current one."""
+        state = self.state_dict() if state is None else state
+        return store.publish(policy, version, state, meta={"sim": True, "train_steps": int(state["sim.steps"][0])})
 
     def snapshot(self) -> dict:
-        raise NotImplementedError("the sim backend publishes from its step count (supports_snapshot is False)")
+        return self.state_dict()
 
     def state_dict(self) -> dict:
         import torch

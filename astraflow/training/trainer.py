@@ -14,7 +14,7 @@ Asynchronous overlap "training vs rollout": while this loop trains on batch k, R
 keep generating with version <= k; the data layer bounds how stale consumed data may be.
 
 The publish of the version just trained overlaps the next step (backends that
-``supports_snapshot``, i.e. ``torch``): a helper thread writes and commits a copy of
+``supports_snapshot``: ``torch``, ``sim``): a helper thread writes and commits a copy of
 the weights while the loop fetches and trains the next batch; versions are committed and
 reported in order, at most one publish in flight. The next batch is requested only once its
 step can start (an earlier request would train on staler data).

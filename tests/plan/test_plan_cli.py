@@ -94,3 +94,33 @@ def test_a_slower_trainer_needs_no_larger_pools():
 def test_the_search_says_when_no_size_is_enough():
     res = find_scale(lambda f: 0.9, _sizes, 0.05, max_factor=8, max_trials=6)
     assert res.factor is None and res.sizes is None and all(t.waits(0.05) for t in res.trials)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_sigterm_to_plan_stops_its_simulated_run(tmp_path):
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    plan = subprocess.Popen([sys.executable, "-m", "astraflow", "plan", SIM, "--pool", "h100=1", "--gpus-per-node", "1",
+                             "--minutes", "5", "--no-search", "--workdir", str(tmp_path)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        pid_file, metrics = tmp_path / "sim0" / "run.pid", tmp_path / "sim0" / "run" / "metrics.jsonl"
+        deadline = time.time() + 120
+        while not (metrics.exists() and '"loss"' in metrics.read_text()):  # mid-simulation: steps are being taken
+            assert plan.poll() is None and time.time() < deadline, "the simulated run did not start"
+            time.sleep(0.5)
+        child = psutil.Process(int(pid_file.read_text()))
+        family = [child, *child.children(recursive=True)]  # the run and its cluster's workers
+        plan.send_signal(signal.SIGTERM)
+        assert plan.wait(timeout=100) != 0
+        _, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, f"left running: {[p.pid for p in alive]}"
+    finally:
+        if plan.poll() is None:
+            os.kill(plan.pid, signal.SIGKILL)
+            plan.wait()

@@ -56,3 +56,14 @@ def test_a_step_schedule_changes_the_step_time_mid_run():
     assert slept == [1.0, 1.0, 0.1, 0.1, 3.0, 3.0]
     with pytest.raises(ValueError, match="from_step: seconds"):
         TrainerConfig(backend="sim", sim_step_schedule={-1: 1.0})
+
+
+def test_a_snapshot_is_published_as_it_was_taken(tmp_path):
+    backend = SimBackend(step_seconds=0.0)
+    backend.train_step(_batch())
+    snap = backend.snapshot()
+    backend.train_step(_batch())  # the next step runs while the snapshot is published
+    store = WeightStore(tmp_path)
+    backend.publish(store, "p", 1, state=snap)
+    assert backend.supports_snapshot and store.manifest("p", 1)["meta"]["train_steps"] == 1
+    assert int(store.load("p", 1)["sim.steps"][0]) == 1
