@@ -37,7 +37,8 @@ class UserError(click.ClickException):
 
 def _load(config: str, overrides: tuple[str, ...]):
     """The validated config, its existing model directories checked to load."""
-    from astraflow.config import ConfigError, check_devices, check_engine, check_models, load_config
+    from astraflow.config import ConfigError, load_config
+    from astraflow.preflight import check_devices, check_engine, check_models
 
     try:
         cfg = load_config(config, list(overrides))

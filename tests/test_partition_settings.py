@@ -97,7 +97,8 @@ def test_check_exits_2_on_an_unknown_partition_setting(tiny_model, tmp_path):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
 def test_a_partitions_own_gpu_is_judged_by_where_that_partition_runs(tiny_model, tmp_path):
-    from astraflow.config import ConfigError, check_devices, load_config
+    from astraflow.config import ConfigError, load_config
+    from astraflow.preflight import check_devices
 
     cfg = load_config(_config(tmp_path, tiny_model, PARTS), ["partitions.cpu.rollout.engine.device=cuda:3"])
     with pytest.raises(ConfigError, match=r"partitions\[cpu\].rollout.engine.device: 'cuda:3' asked for"):
