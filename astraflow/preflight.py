@@ -1,0 +1,82 @@
+"""Checks of a validated config against this machine, apart from validation (which stays
+cheap and needs nothing on disk): the policies' model directories load, the GPUs asked for by
+components that run here exist, the chosen engine is installed. Each raises ``ConfigError``
+naming the field and the fix; ``astraflow check`` and ``astraflow run`` call them."""
+
+from __future__ import annotations
+
+from astraflow.config import ConfigError, RunConfig
+from astraflow.partition_settings import effective_rollout
+
+
+def check_models(cfg: RunConfig) -> None:
+    """Check that every policy model directory that exists loads (config, architecture, weight
+    files, tokenizer; the weights themselves are not read), and that the Megatron backend can
+    build its architecture where a policy trains with it: ``ConfigError`` naming the policy,
+    the directory and the fix. Directories still to be built by ``init`` are skipped (both of
+    its archs convert). Separate from validation, which stays cheap and needs no model on disk."""
+    import json
+
+    from astraflow.models import check_model_dir
+    from astraflow.weightconv import GPTShape
+
+    for pol in cfg.policies:
+        if not pol.model.exists():
+            continue
+        try:
+            check_model_dir(pol.model)
+        except ValueError as err:
+            raise ConfigError(f"policies[{pol.name}].model: {err}") from None
+        if pol.trainer.backend == "megatron":
+            try:
+                GPTShape.from_hf_config(json.loads((pol.model / "config.json").read_text()))
+            except ValueError as err:
+                raise ConfigError(f"policies[{pol.name}].model: {pol.model}: trainer.backend megatron "
+                                  f"cannot train it: {err}") from None
+
+
+def check_devices(cfg: RunConfig) -> None:
+    """``ConfigError`` when a GPU (``cuda``, ``cuda:N``) is asked for by a component that runs only
+    on this machine (all partitions of its role are ``scheduler: local``; for a partition's own
+    ``rollout:`` / ``trainer:`` device, that partition) and torch sees no such GPU here.
+    Components on Slurm partitions run elsewhere and are not judged from here."""
+    def local(role: str) -> bool:
+        return all(p.scheduler == "local" for p in cfg.partitions if p.role == role)
+
+    asked = [(f"policies[{p.name}].trainer.device", p.trainer.device, "trainer", local("trainer"))
+             for p in cfg.policies if p.trainer.backend == "torch"]
+    asked.append(("rollout.engine.device", cfg.rollout.engine.device, "rollout", local("rollout")))
+    torch_trainer = any(p.trainer.backend == "torch" for p in cfg.policies)
+    for part in cfg.partitions:
+        here = part.scheduler == "local"
+        if part.role == "rollout" and "device" in part.rollout.get("engine", {}):
+            asked.append((f"partitions[{part.name}].rollout.engine.device",
+                          effective_rollout(cfg.rollout, part).engine.device, "rollout", here))
+        if part.role == "trainer" and "device" in part.trainer and torch_trainer:
+            asked.append((f"partitions[{part.name}].trainer.device", str(part.trainer["device"]), "trainer", here))
+    asked = [(field, dev, role) for field, dev, role, on_this in asked if dev.startswith("cuda") and on_this]
+    if not asked:
+        return
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for field, dev, role in asked:
+        index = int(dev.partition(":")[2] or 0)
+        if index >= have:
+            seen = f"torch sees {have} GPU(s) here" if have else "torch sees no GPU here"
+            raise ConfigError(f"{field}: {dev!r} asked for, but {seen} and the {role} runs on this machine "
+                              f"(its partitions are scheduler: local); set {field}: auto or cpu, or place "
+                              f"the {role} on a GPU partition (scheduler: slurm)")
+
+
+def check_engine(cfg: RunConfig) -> None:
+    """``ConfigError`` with the install command when ``rollout.engine.type: vllm`` is chosen and
+    vLLM is not installed in this environment (the one the run's workers use)."""
+    if cfg.rollout.engine.type != "vllm":
+        return
+    from astraflow.rollout.vllm_setup import require_vllm
+
+    try:
+        require_vllm()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
