@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import zarr
+from zarr.core.metadata.v3 import ArrayV3Metadata
 
 from storage import paths
 from storage.trajectories.backends import StoreBackend, open_backend
@@ -104,12 +104,19 @@ class SegmentView:
     def _raw_array(self, name: str) -> RawArray:
         raw = self._raw.get(name)
         if raw is None:
-            # Zarr v3 only (what the writer creates): v3 has no object dtype, so no pickle codec
-            # can decode a chunk; a forged v2 ``.zarray`` naming one is never opened. The
+            # Zarr v3 only (what the writer creates), parsed from its ``zarr.json`` here (Zarr's
+            # own opening goes through its event loop): v3 has no object dtype, so no pickle
+            # codec can decode a chunk; a forged v2 ``.zarray`` naming one is never opened. The
             # array's shape is not consulted: the markers say what is committed.
-            arr = zarr.open_array(store=self.backend.zarr_store(self.segment, read_only=True), path=name, mode="r",
-                                 zarr_format=3)
-            raw = self._raw[name] = RawArray.of(arr, name, ARRAY_DTYPES[name])
+            key = f"{name}/zarr.json"
+            data = self.backend.read_metadata(self.segment, key)
+            if data is None:
+                raise FileNotFoundError(f"segment {self.segment!r} has committed entries but no {key}: it is damaged")
+            rec = json.loads(data)
+            if not isinstance(rec, dict) or rec.get("zarr_format") != 3 or rec.get("node_type") != "array":
+                raise ValueError(f"{key} of segment {self.segment!r} is not a Zarr v3 array's metadata")
+            meta = ArrayV3Metadata.from_dict(rec)
+            raw = self._raw[name] = RawArray.from_metadata(meta, name, ARRAY_DTYPES[name])
         return raw
 
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:

@@ -142,6 +142,8 @@ class SegmentWriter:
         return None
 
     def close(self) -> None:
+        if not self._closed:
+            self._backend.release_segment(self.segment)
         self._closed = True
 
     def __enter__(self) -> "SegmentWriter":
