@@ -9,7 +9,31 @@ Rooms: ``layout`` (the schema: arrays, dtypes, index columns, marker and entry r
 ``chunks`` (element ranges of an array as byte ranges of its chunks), ``writer``
 (``SegmentWriter``: appending and committing), ``reader`` (``open_trajectory_store``,
 ``TrajectoryStore``: what is committed, reading entries, and ``batch``: one published batch
-without its tokens, for monitors), ``backends`` (where the bytes live).
+without its tokens, for monitors), ``columns`` (``Columns``: many entries read as concatenated
+arrays), ``backends`` (where the bytes live).
+
+Reading
+-------
+``store.read_columns(refs) -> Columns`` is the fast path (trainers): the entries ``refs`` name,
+in that order, as one array per per-token column (``tokens`` int32, ``loss_mask`` uint8,
+``logprobs`` float32, ``policy_ids`` int16, ``versions`` int32, all concatenated) plus
+``offsets`` (int64, ``len(refs) + 1``, from 0: entry ``i`` owns ``[offsets[i], offsets[i+1])``
+of every per-token array), the per-entry ``seq_index``, ``num_sequences``, ``reward`` arrays
+and the string columns ``task_id``, ``group_id``, ``finish_reason``, ``meta`` as lists. Each
+run of nearby entries is read with one read per chunk per array and copied once (read straight
+into the columns when the refs name consecutive entries); no per-entry object is built. A
+trainer builds its tensors from it directly::
+
+    cols = store.read_columns(refs)
+    tokens = torch.from_numpy(cols.tokens)            # packed; cu_seqlens = cols.offsets
+    padded = torch.from_numpy(cols.padded("tokens", pad=pad_id))   # (len(refs), longest)
+    mask = torch.from_numpy(cols.padded("loss_mask")).bool()
+
+``cols.split(name)`` gives one view per entry, ``cols.row(i)`` / ``cols.rows()`` give
+``StoredSequence`` objects (views of the columns; ``copy=True`` for arrays of their own).
+``store.read(refs)`` is ``read_columns(refs).rows(copy=True)``: one ``StoredSequence`` per
+entry owning its arrays (the data layer, monitors). Both raise ``EntryNotCommitted`` naming the
+first refs no commit marker covers.
 
 Layout and commit protocol
 --------------------------
@@ -63,10 +87,12 @@ from storage.trajectories.layout import (
     SegmentConflict,
     StoredSequence,
 )
+from storage.trajectories.columns import Columns
 from storage.trajectories.reader import CommittedBatch, TrajectoryStore, open_trajectory_store
 from storage.trajectories.writer import SegmentWriter
 
 __all__ = [
+    "Columns",
     "CommittedBatch",
     "FLAT_DTYPES",
     "INDEX_COLUMNS",

@@ -29,7 +29,9 @@ class StoreBackend(Protocol):
     (``FileExistsError`` when one exists), in the order given. ``write_chunks``/``read_chunks`` move byte ranges of
     chunks (``chunks.Piece``: key, chunk size, offset, length, offset in ``buf``) in place; a
     chunk never written reads as zeros. A durable backend makes what ``write_chunks`` and
-    ``metadata_changed`` touched durable before ``publish_marker`` creates the marker."""
+    ``metadata_changed`` touched durable before ``publish_marker`` creates the marker.
+    ``release_segment``: the segment's writer is closed (files kept open for it may close).
+    ``read_metadata``: a segment's Zarr metadata file (``<array>/zarr.json``), ``None`` if absent."""
 
     #: writers and readers in other processes (and nodes) see the same store.
     supports_multiprocess: bool
@@ -48,6 +50,8 @@ class StoreBackend(Protocol):
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None: ...
     def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None: ...
     def metadata_changed(self, segment: str, key: str) -> None: ...
+    def release_segment(self, segment: str) -> None: ...
+    def read_metadata(self, segment: str, key: str) -> bytes | None: ...
 
 
 class DirBackend:
@@ -58,8 +62,11 @@ class DirBackend:
     def __init__(self, root: Path, durable: bool):
         self.root = root
         self.durable = durable
-        # per segment: chunk files written and directories changed since its last marker
-        self._unsynced: dict[str, tuple[dict[str, int | None], set[Path]]] = {}
+        # per segment: files written and directories changed since its last marker
+        self._unsynced: dict[str, tuple[dict[str, None], set[Path]]] = {}
+        # chunk files open for writing (checked to have their full size), kept open across
+        # commits when durable (a chunk takes many batches); the oldest closed beyond ``_MAX_OPEN``
+        self._open: dict[str, int] = {}
         self._data_dirs: dict[str, str] = {}
 
     def describe(self) -> str:
@@ -129,27 +136,19 @@ class DirBackend:
         # one flush round for the chunks, new directories and the markers' temp files; then the
         # links make the batches visible in order and one directory fsync makes them durable
         files, dirs = self._unsynced.pop(segment, ({}, set()))
-        try:
-            if not self.durable:  # nothing to sync: close first (on NFS, close flushes the data)
-                for path, fd in files.items():
-                    if fd is not None:
-                        os.close(fd)
-                        files[path] = None
-            create_in_order([(paths.commit_marker(self.root, segment, seqno), data) for seqno, data in markers],
-                            durable=self.durable, along=sorted(dirs),
-                            along_data=[fd if fd is not None else path for path, fd in files.items()])
-        finally:
-            for fd in files.values():
-                if fd is not None:
-                    os.close(fd)
+        if not self.durable:  # nothing to sync: close instead (on NFS, close flushes the data)
+            for path in files:
+                self._close(path)
+        create_in_order([(paths.commit_marker(self.root, segment, seqno), data) for seqno, data in markers],
+                        durable=self.durable, along=sorted(dirs),
+                        along_data=[self._open.get(path, path) for path in files])
 
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
         base = self._data_dir(segment)
-        # chunk files written since the last marker, kept open (up to a bound) until it is synced
         files, dirs = self._unsynced.setdefault(segment, ({}, set()))
         for key, chunk_bytes, offset, nbytes, at in pieces:
             path = os.path.join(base, key)
-            fd = files.get(path)
+            fd = self._open.get(path)
             if fd is None:
                 try:
                     fd = os.open(path, os.O_WRONLY)
@@ -160,13 +159,30 @@ class DirBackend:
                     dirs.add(parent)
                 if os.fstat(fd).st_size != chunk_bytes:  # new, or cut short by a killed writer
                     os.ftruncate(fd, chunk_bytes)
+                self._open[path] = fd
+                while len(self._open) > _MAX_OPEN:  # the oldest; if unsynced, it is synced by path
+                    self._close(next(iter(self._open)))
             done = 0
             while done < nbytes:
                 done += os.pwrite(fd, buf[at + done:at + nbytes], offset + done)
-            if path not in files and sum(f is not None for f in files.values()) >= _MAX_OPEN:
-                os.close(fd)  # synced by path instead
-                fd = None
-            files[path] = fd
+            files[path] = None
+
+    def _close(self, path: str) -> None:
+        fd = self._open.pop(path, None)
+        if fd is not None:
+            os.close(fd)
+
+    def read_metadata(self, segment: str, key: str) -> bytes | None:
+        try:
+            with open(os.path.join(self._data_dir(segment), key), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def release_segment(self, segment: str) -> None:
+        prefix = self._data_dir(segment) + os.sep
+        for path in [p for p in self._open if p.startswith(prefix)]:
+            self._close(path)
 
     def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
         base = self._data_dir(segment)
@@ -199,7 +215,7 @@ class DirBackend:
         dirs.add(path.parent)  # Zarr replaces the file by a rename
 
 
-#: chunk files a writer keeps open between writing and syncing them (more are synced by path).
+#: chunk files a backend keeps open for writing (older ones are closed, and synced by path).
 _MAX_OPEN = 64
 
 
@@ -300,6 +316,14 @@ class MemoryBackend:
 
     def metadata_changed(self, segment: str, key: str) -> None:
         return None
+
+    def release_segment(self, segment: str) -> None:
+        return None
+
+    def read_metadata(self, segment: str, key: str) -> bytes | None:
+        with self.state.lock:
+            buf = self.state.zarr.get(segment, {}).get(key)
+        return None if buf is None else buf.to_bytes()
 
 
 def open_backend(url: str, mode: str, durable: bool) -> StoreBackend:

@@ -19,6 +19,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BytesCodec
 from zarr.core.chunk_grids import RegularChunkGrid
+from zarr.core.metadata.v3 import ArrayV3Metadata
 
 #: one byte range of one chunk: (key in the segment's store, chunk size in bytes, byte offset
 #: within the chunk, number of bytes, byte offset within the caller's buffer).
@@ -40,24 +41,30 @@ class RawArray:
     def of(cls, arr: zarr.Array, name: str, dtype: np.dtype) -> "RawArray":
         """``arr``'s layout; ``ValueError`` when its chunks are not plain little-endian bytes of
         ``dtype`` (a segment this store did not write: read it with Zarr)."""
-        meta = arr.metadata
+        return cls.from_metadata(arr.metadata, name, dtype)
+
+    @classmethod
+    def from_metadata(cls, meta: ArrayV3Metadata, name: str, dtype: np.dtype) -> "RawArray":
+        """``of`` for an array's parsed ``zarr.json`` (no Zarr array object, no event loop)."""
+        shape = tuple(int(s) for s in meta.shape)
+        found = meta.dtype.to_native_dtype()
         codecs = getattr(meta, "codecs", ())
         plain = (
             meta.zarr_format == 3 and sys.byteorder == "little"
             and len(codecs) == 1 and isinstance(codecs[0], BytesCodec)
             and (codecs[0].endian is None or codecs[0].endian.value == "little")
             and isinstance(meta.chunk_grid, RegularChunkGrid)
-            and tuple(meta.chunk_grid.chunk_shape[1:]) == tuple(arr.shape[1:])
-            and np.dtype(arr.dtype) == dtype and meta.fill_value == 0
+            and tuple(meta.chunk_grid.chunk_shape[1:]) == shape[1:]
+            and np.dtype(found) == dtype and meta.fill_value == 0
         )
         if not plain:
             raise ValueError(
                 f"array {name!r} is not stored as uncompressed little-endian {dtype} chunks with fill value 0 "
-                f"(codecs {codecs}, dtype {arr.dtype}): this store reads and appends only the layout its "
+                f"(codecs {codecs}, dtype {found}): this store reads and appends only the layout its "
                 "writer creates; open this segment with Zarr directly or write it to a new store"
             )
-        row_shape = tuple(int(s) for s in arr.shape[1:])
-        ndim = len(arr.shape)
+        row_shape = shape[1:]
+        ndim = len(shape)
         return cls(name, dtype, row_shape, int(meta.chunk_grid.chunk_shape[0]),
                    dtype.itemsize * math.prod(row_shape),
                    lambda c: f"{name}/{meta.encode_chunk_key((c,) + (0,) * (ndim - 1))}")

@@ -15,13 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import zarr
+from zarr.core.metadata.v3 import ArrayV3Metadata
 
 from storage import paths
 from storage.trajectories.backends import StoreBackend, open_backend
 from storage.trajectories.chunks import RawArray
+from storage.trajectories.columns import Columns, empty_columns
 from storage.trajectories.layout import (
-    ARRAY_DTYPES, FLAT_DTYPES, LAYOUT_VERSION, STRING_COLUMNS, EntryNotCommitted, EntryRef, Marker, StoredSequence,
+    ARRAY_DTYPES, FLAT_DTYPES, INDEX_COLUMNS, LAYOUT_VERSION, STRING_COLUMNS, EntryNotCommitted, EntryRef, Marker,
+    StoredSequence,
     layout_record,
 )
 from storage.trajectories.writer import SegmentWriter
@@ -99,21 +101,39 @@ class SegmentView:
     def marker_of(self, index: int) -> Marker:
         return self.markers[bisect.bisect_right(self.starts, index) - 1]
 
+    def _raw_array(self, name: str) -> RawArray:
+        raw = self._raw.get(name)
+        if raw is None:
+            # Zarr v3 only (what the writer creates), parsed from its ``zarr.json`` here (Zarr's
+            # own opening goes through its event loop): v3 has no object dtype, so no pickle
+            # codec can decode a chunk; a forged v2 ``.zarray`` naming one is never opened. The
+            # array's shape is not consulted: the markers say what is committed.
+            key = f"{name}/zarr.json"
+            data = self.backend.read_metadata(self.segment, key)
+            if data is None:
+                raise FileNotFoundError(f"segment {self.segment!r} has committed entries but no {key}: it is damaged")
+            rec = json.loads(data)
+            if not isinstance(rec, dict) or rec.get("zarr_format") != 3 or rec.get("node_type") != "array":
+                raise ValueError(f"{key} of segment {self.segment!r} is not a Zarr v3 array's metadata")
+            meta = ArrayV3Metadata.from_dict(rec)
+            raw = self._raw[name] = RawArray.from_metadata(meta, name, ARRAY_DTYPES[name])
+        return raw
+
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` of array ``name``: one read per covering chunk, straight into
         the returned array. The caller checked that a marker covers them."""
-        raw = self._raw.get(name)
-        if raw is None:
-            # Zarr v3 only (what the writer creates): v3 has no object dtype, so no pickle codec
-            # can decode a chunk; a forged v2 ``.zarray`` naming one is never opened. The
-            # array's shape is not consulted: the markers say what is committed.
-            arr = zarr.open_array(store=self.backend.zarr_store(self.segment, read_only=True), path=name, mode="r",
-                                 zarr_format=3)
-            raw = self._raw[name] = RawArray.of(arr, name, ARRAY_DTYPES[name])
+        raw = self._raw_array(name)
         out = raw.empty(stop - start)
         if stop > start:
             self.backend.read_chunks(self.segment, raw.pieces(start, stop), memoryview(out.reshape(-1).view(np.uint8)))
         return out
+
+    def read_into(self, name: str, start: int, stop: int, out: np.ndarray, at: int) -> None:
+        """Rows ``[start, stop)`` of array ``name`` into ``out[at:]`` (C-contiguous, that dtype)."""
+        if stop > start:
+            raw = self._raw_array(name)
+            self.backend.read_chunks(self.segment, raw.pieces(start, stop, at * raw.row_bytes),
+                                     memoryview(out.reshape(-1).view(np.uint8)))
 
 
 class TrajectoryStore:
@@ -173,63 +193,89 @@ class TrajectoryStore:
         return v
 
     def read(self, refs: list[EntryRef]) -> list[StoredSequence]:
-        """The entries ``refs`` name, in that order, exactly as written (batched: one read per
-        chunk per array per run of nearby entries). ``EntryNotCommitted`` for an uncommitted ref."""
-        by_seg: dict[str, list[int]] = {}
-        for pos, ref in enumerate(refs):
-            by_seg.setdefault(ref.segment, []).append(pos)
-        out: list[StoredSequence | None] = [None] * len(refs)
-        # 1) index rows of the requested entries (one covering slice per segment)
-        plans = []
-        for seg, positions in by_seg.items():
-            view = self._view(seg)
-            idx = [refs[p].index for p in positions]
-            if max(idx) >= view.committed:
+        """The entries ``refs`` name, in that order, exactly as written, one ``StoredSequence``
+        each with arrays of its own (``read_columns``, then copied out per entry: a caller keeping
+        a few entries does not keep the whole read alive). ``EntryNotCommitted`` for an
+        uncommitted ref."""
+        return self.read_columns(refs).rows(copy=True)
+
+    def read_columns(self, refs: list[EntryRef]) -> Columns:
+        """The entries ``refs`` name, in that order, as concatenated columns (``Columns``): one
+        read per chunk per array per run of nearby entries, each run's bytes copied once into
+        the columns (read straight into them when the run is one stretch of consecutive
+        entries), no per-entry objects. ``EntryNotCommitted`` names the first uncommitted refs."""
+        n = len(refs)
+        if not n:
+            return empty_columns()
+        seg_ids: dict[str, int] = {}
+        seg = np.fromiter((seg_ids.setdefault(r.segment, len(seg_ids)) for r in refs), np.int64, n)
+        idx = np.fromiter((r.index for r in refs), np.int64, n)
+        views = [self._view(s) for s in seg_ids]
+        # 1) index rows and rewards of the requested entries (one covering slice per segment)
+        index, reward = np.empty((n, len(INDEX_COLUMNS)), np.int64), np.empty(n, np.float64)
+        for s, view in enumerate(views):
+            pos = np.flatnonzero(seg == s) if len(views) > 1 else np.arange(n)
+            ix = idx[pos]
+            lo, hi = int(ix.min()), int(ix.max()) + 1
+            if hi > view.committed:
                 view.refresh()
-            bad = [i for i in idx if i < 0 or i >= view.committed]
-            if bad:
+            bad = (ix < 0) | (ix >= view.committed)
+            if bad.any():
+                names = [f"{view.segment}:{i}" for i in ix[bad][:5].tolist()]
                 raise EntryNotCommitted(
-                    f"segment {seg!r} of {self.url} has {view.committed} committed entries; "
-                    f"asked for {bad[:5]}: pass only refs returned by write()"
+                    f"segment {view.segment!r} of {self.url} has {view.committed} committed entries; asked for "
+                    f"uncommitted entries {names}: pass only refs returned by write()"
                 )
-            plans.append((view, positions, idx, min(idx), max(idx) + 1))
-        got = [c for view, _, _, a, b in plans for c in (view.rows("index", a, b), view.rows("reward", a, b))]
-        # 2) token runs: sorted by offset, merged when close, one read per array per run
-        run_jobs = []  # (view, t0, t1, [(offset, pos, entry_index, index_row, reward)])
-        for k, (view, positions, idx, a, _) in enumerate(plans):
-            rel = np.asarray(idx, dtype=np.int64) - a
-            items = sorted(zip(got[2 * k][:, 0][rel].tolist(), positions, idx, got[2 * k][rel].tolist(),
-                               got[2 * k + 1][rel].tolist()))
-            cur: list = []
-            t0 = t1 = 0
-            for it in items:
-                if cur and it[0] - t1 > _MERGE_GAP_TOKENS:
-                    run_jobs.append((view, t0, t1, cur))
-                    cur = []
-                if not cur:
-                    t0 = t1 = it[0]
-                cur.append(it)
-                t1 = max(t1, it[0] + it[3][1])
-            if cur:
-                run_jobs.append((view, t0, t1, cur))
-        # 3) one StoredSequence per entry, its arrays copied out of the run (a caller keeping
-        # a few entries must not keep the whole run alive)
-        for view, t0, t1, items in run_jobs:
-            tokens, loss_mask, logprobs, policy_ids, versions = (view.rows(name, t0, t1) for name in FLAT_DTYPES)
-            m = None
-            for off, pos, i, row, rew in items:
-                a, b = off - t0, off - t0 + row[1]
-                if m is None or not m.start <= i < m.end:
-                    m = view.marker_of(i)
-                    task_ids, group_ids, reasons, metas = (m.strings[c] for c in STRING_COLUMNS)
-                j = i - m.start
-                # positional: the fields in StoredSequence's order (cheaper than keywords, per row)
-                out[pos] = StoredSequence(
-                    task_ids[j], group_ids[j], row[2], row[3],
-                    tokens[a:b].copy(), loss_mask[a:b].copy(), logprobs[a:b].copy(), policy_ids[a:b].copy(),
-                    versions[a:b].copy(), rew, reasons[j], metas[j],
-                )
-        return out  # type: ignore[return-value]
+            index[pos] = view.rows("index", lo, hi)[ix - lo]
+            reward[pos] = view.rows("reward", lo, hi)[ix - lo]
+        lengths = index[:, 1]
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        cols = {k: np.empty(int(offsets[-1]), dt) for k, dt in FLAT_DTYPES.items()}
+        # 2) spans: stretches of refs naming consecutive entries of one segment (contiguous on
+        # disk and in the columns); their strings come from the markers, a slice per marker
+        cut = np.flatnonzero((seg[1:] != seg[:-1]) | (idx[1:] != idx[:-1] + 1)) + 1
+        first, last = np.concatenate([[0], cut]), np.concatenate([cut, [n]]) - 1
+        spans = list(zip(seg[first].tolist(), idx[first].tolist(), (idx[last] + 1).tolist(),
+                         index[first, 0].tolist(), (index[last, 0] + lengths[last]).tolist(),
+                         offsets[first].tolist()))
+        strings: dict[str, list[str]] = {c: [] for c in STRING_COLUMNS}
+        for s, e0, e1, *_ in spans:
+            view = views[s]
+            k = bisect.bisect_right(view.starts, e0) - 1
+            while e0 < e1:
+                m = view.markers[k]
+                j0, j1 = e0 - m.start, min(e1, m.end) - m.start
+                for c in STRING_COLUMNS:
+                    strings[c].extend(m.strings[c][j0:j1])
+                e0, k = m.start + j1, k + 1
+        # 3) token runs: spans sorted by offset, merged when close; one read per array per run,
+        # straight into the columns when the run is a single span
+        for s, view in enumerate(views):
+            mine = sorted(sp for sp in spans if sp[0] == s) if len(views) > 1 else sorted(spans)
+            run: list = []
+            end = 0
+            for sp in mine:
+                if run and sp[3] - end > _MERGE_GAP_TOKENS:
+                    self._copy_run(view, run, end, cols)
+                    run = []
+                end = max(end, sp[4]) if run else sp[4]
+                run.append(sp)
+            self._copy_run(view, run, end, cols)
+        return Columns(list(refs), offsets, *cols.values(), index[:, 2].copy(), index[:, 3].copy(), reward,
+                       *(strings[c] for c in STRING_COLUMNS))
+
+    @staticmethod
+    def _copy_run(view: "SegmentView", run: list, t1: int, cols: dict[str, np.ndarray]) -> None:
+        """Tokens ``[first span's start, t1)`` of ``view`` into the spans' places in ``cols``."""
+        t0 = run[0][3]
+        for name, out in cols.items():
+            if len(run) == 1:
+                view.read_into(name, t0, t1, out, run[0][5])
+                continue
+            buf = view.rows(name, t0, t1)
+            for *_, a, b, at in run:
+                out[at:at + b - a] = buf[a - t0:b - t0]
 
     def batch_count(self, segment: str) -> int:
         """Published batches (commit markers) of ``segment``, from a directory listing: no

@@ -31,6 +31,37 @@ def _bytes_of(a: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
 
 
+def _flat_columns(batch: list[StoredSequence]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Each per-token array of ``batch`` concatenated into one array of its stored dtype (one
+    ``np.concatenate`` per column), and the entries' lengths; ``ValueError`` naming the first
+    entry whose arrays are not 1-D with one value per token, or whose values do not fit."""
+    flat: dict[str, np.ndarray] = {}
+    lengths = np.zeros(0, np.int64)
+    for k, dt in FLAT_DTYPES.items():
+        parts = [getattr(r, k) for r in batch]
+        try:
+            lens = np.fromiter(map(len, parts), np.int64, len(parts))
+            cat = np.concatenate(parts)
+        except (TypeError, ValueError):  # a scalar, or arrays of mixed dimensions
+            lens, cat = None, None
+        if k == "tokens" and lens is not None:
+            lengths = lens
+        if lens is None or cat.ndim != 1 or not np.array_equal(lens, lengths):
+            for r in batch:
+                a, length = np.asarray(getattr(r, k)), np.asarray(r.tokens).shape[:1]
+                if a.ndim != 1 or np.asarray(r.tokens).ndim != 1 or a.shape != length:
+                    raise ValueError(
+                        f"entry {r.task_id!r}: {k} has shape {a.shape} but tokens has shape "
+                        f"{np.asarray(r.tokens).shape}; every per-token array must be 1-D with one value per token"
+                    )
+            raise ValueError(f"the {k} arrays of this batch cannot be joined: pass 1-D numeric arrays")
+        cast = cat.astype(dt, copy=False)
+        if cat.dtype != dt and not np.array_equal(cast, cat, equal_nan=cat.dtype.kind in "fc"):
+            raise ValueError(f"{k} values do not fit the stored dtype {dt}: cast them before writing")
+        flat[k] = cast
+    return flat, lengths
+
+
 class SegmentWriter:
     """Appends entries to one segment. The only process that writes (or resizes) its arrays."""
 
@@ -111,6 +142,8 @@ class SegmentWriter:
         return None
 
     def close(self) -> None:
+        if not self._closed:
+            self._backend.release_segment(self.segment)
         self._closed = True
 
     def __enter__(self) -> "SegmentWriter":
@@ -134,38 +167,20 @@ class SegmentWriter:
         """Write the chunk data of ``batch`` (entries from ``e0``, tokens from ``t0``); its
         marker's bytes and where the next batch starts. Nothing of it is visible yet."""
         n = len(batch)
-        lengths = np.empty(n, dtype=np.int64)
-        cols: dict[str, list[np.ndarray]] = {k: [] for k in FLAT_DTYPES}
-        for r, row in enumerate(batch):
-            length = len(row.tokens)
-            for k in FLAT_DTYPES:
-                a = np.asarray(getattr(row, k))
-                if a.ndim != 1 or len(a) != length:
-                    raise ValueError(
-                        f"entry {row.task_id!r}: {k} has shape {a.shape} but tokens has {length} entries; "
-                        "every per-token array must be 1-D with one value per token"
-                    )
-                cols[k].append(a)
-            lengths[r] = length
-        flat = {}
-        for k, dt in FLAT_DTYPES.items():
-            cat = np.concatenate(cols[k]) if lengths.sum() else np.zeros(0, dt)
-            cast = cat.astype(dt, copy=False)
-            if cat.dtype != dt and not np.array_equal(cast, cat, equal_nan=cat.dtype.kind in "fc"):
-                raise ValueError(f"{k} values do not fit the stored dtype {dt}: cast them before writing")
-            flat[k] = cast
-        offsets = t0 + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        flat, lengths = _flat_columns(batch)
         index = np.empty((n, len(INDEX_COLUMNS)), dtype=np.int64)
-        index[:, 0] = offsets
         index[:, 1] = lengths
+        np.cumsum(lengths[:-1], out=index[1:, 0])
+        index[0, 0] = 0
+        index[:, 0] += t0
         index[:, 2] = [r.seq_index for r in batch]
         index[:, 3] = [r.num_sequences for r in batch]
         rewards = np.array([float(r.reward) for r in batch], dtype=np.float64)
         strings = {c: [getattr(r, c) for r in batch] for c in STRING_COLUMNS}
         for c, vals in strings.items():
-            bad = [v for v in vals if not isinstance(v, str)]
-            if bad:
-                raise ValueError(f"StoredSequence.{c} must be str, got {type(bad[0]).__name__}")
+            if not all(isinstance(v, str) for v in vals):
+                bad = next(v for v in vals if not isinstance(v, str))
+                raise ValueError(f"StoredSequence.{c} must be str, got {type(bad).__name__}")
         t1, e1 = t0 + int(lengths.sum()), e0 + n
         for k in FLAT_DTYPES:
             self._grow(k, t1)

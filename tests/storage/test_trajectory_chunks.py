@@ -195,3 +195,50 @@ def test_what_a_commit_makes_durable_before_its_marker(tmp_path, monkeypatch):
     w.write([make_row(1, 6)])
     (data_files, full), = calls
     assert data_files == {f for f in files if "/c/" in f} and all(paths.is_tmp(os.path.basename(f)) for f in full)
+
+
+def _open_chunk_files(root) -> set[str]:
+    data = str(root)
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(data) and "/c/" in target:
+            out.add(target)
+    return out
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_chunk_files_stay_open_only_while_their_writer_may_use_them(tmp_path, durable):
+    """Durable: a writer's chunk files stay open across commits and close with the writer.
+    Scratch (``durable=False``): closed at every commit (on NFS, close is what flushes them)."""
+    root = tmp_path / "store"
+    store = open_trajectory_store(str(root), durable=durable)
+    w = store.writer("seg", batch_size=4)
+    w.write([make_row(1, i) for i in range(6)])
+    w.write([make_row(1, i) for i in range(6, 9)])
+    assert bool(_open_chunk_files(root)) == durable
+    w.close()
+    assert not _open_chunk_files(root)
+    reader = open_trajectory_store(str(root), "r")
+    assert all(rows_equal(make_row(1, i), r) for i, r in enumerate(reader.read(committed_refs(reader))))
+
+
+def test_a_batch_with_mismatched_arrays_is_refused_naming_the_entry(store_url):
+    w = open_trajectory_store(store_url).writer("seg")
+    good = make_row(0, 0, length=5)
+    short = make_row(0, 1, length=5)
+    object.__setattr__(short, "logprobs", short.logprobs[:3])
+    with pytest.raises(ValueError, match="'w0/t1': logprobs has shape \\(3,\\)"):
+        w.write([good, short])
+    flat = make_row(0, 2, length=4)
+    object.__setattr__(flat, "versions", flat.versions.reshape(2, 2))
+    with pytest.raises(ValueError, match="'w0/t2': versions has shape \\(2, 2\\)"):
+        w.write([flat])
+    wide = make_row(0, 3, length=2)
+    object.__setattr__(wide, "policy_ids", np.array([1, 70000]))
+    with pytest.raises(ValueError, match="policy_ids values do not fit"):
+        w.write([wide])
+    assert w.write([good])[0].index == 0  # nothing of the refused batches was committed
