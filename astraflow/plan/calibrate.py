@@ -13,8 +13,7 @@ Alone, the engine gives one request's decode rate, a full batch's (``engine.max_
 requests) time to its first tokens (``ttft_s``, prefill included) and the rest of its time
 (the peak decode rate). A local pool is this machine, where engine and trainer share the cores,
 so the trainer's steps are then timed as a run that keeps up has them: the trainer in a process
-of its own (``trainer_probe``; a run's trainer is a worker of its own, and in this process it
-would contend with the engine's event loop for one interpreter), each step beside the engine
+of its own (``trainer_probe``), as a run places it, each step beside the engine
 here generating one trainer batch after loading the newest version the trainer published, as
 a node's weight watcher does. Those batches' times over the full batch's time alone is the
 contention both see; ``ttft_s`` and the peak rate are scaled by it. Each version is published
@@ -47,6 +46,7 @@ from astraflow.rollout.engines import make_engine
 from astraflow.rollout.sim_config import HardwareProfile
 from astraflow.rollout.weight_sync import WeightPuller
 from astraflow.rollout.workflows import turn_sequence
+from astraflow.sandbox import configure
 from astraflow.workloads.base import make_workload
 
 #: timed repetitions of each measurement (after one untimed warm-up)
@@ -71,6 +71,7 @@ def calibrate(cfg: RunConfig, progress: Callable[[str], None] = lambda s: None, 
         prompts = [prompt_ids(engine.tokenizer, workload, x) for x in payloads]
         progress("engine alone: one request, then full batches")
         alone = asyncio.run(_alone(engine, prompts, params, repeats))
+        configure(cfg.sandbox)  # a reward that runs code does so under the run's sandbox limits
         rewards = [float(workload.reward(engine.tokenizer.decode(g.tokens, skip_special_tokens=True), x))
                    for g, x in zip(alone.gens, payloads)]
         items = _batch_items(prompts, alone.gens, rewards, cfg.dataflow.batch_size, cfg.workload.group_size)
