@@ -10,7 +10,10 @@ Why: a capacity plan is only worth what its simulation predicts. Side by side in
   real run) — simulated for as many steps at ``--time-scale``.
 
 Both are measured by the same code (``astraflow.plan.simulate.measure``: the steady part of the
-run, the first steps left out). Printed: both, and the relative errors; the last line is
+run, the first steps left out). The local pool is calibrated again after the real run: on a
+shared machine the load moves between the two, and the calibrated step before and after, with
+the real run's own step (its period less its wait, from its records), shows how much of the
+error is the load's drift rather than the simulation. Printed: both, and the relative errors; the last line is
 ``RESULT {json}`` with ``steps_per_s_error`` and ``trainer_wait_error`` (|predicted - measured| /
 measured) and the numbers themselves.
 
@@ -48,7 +51,21 @@ def real_run(work: Path, steps: int, overrides: list[str]) -> dict:
                     "--set", "cluster.dashboard_port=0", *overrides], cwd=ROOT, check=True, timeout=1800)
     res = measure(run_dir, {"local": 1}, 1.0)
     return {"steps_per_s": res.steps_per_s, "trainer_wait": res.trainer_wait, "staleness": res.staleness,
-            "trajectories_per_s": res.trajectories_per_s, "seconds": time.time() - t0}
+            "trajectories_per_s": res.trajectories_per_s, "seconds": time.time() - t0, **trainer_step(run_dir)}
+
+
+def trainer_step(run_dir: Path) -> dict:
+    """The real trainer's step over the steady part of its run: its period less its wait (the
+    calibrated step's counterpart), its ``train_s`` and the sequences it trained (of a batch)."""
+    from astraflow.plan.simulate import WARMUP_SHARE, WARMUP_STEPS
+
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [x for x in lines if "loss" in x]
+    w = steps[min(max(WARMUP_STEPS, int(len(steps) * WARMUP_SHARE)), len(steps) - 2):]
+    period = (w[-1]["time"] - w[0]["time"]) / max(len(w) - 1, 1)
+    mean = lambda k: sum(x.get(k, 0.0) for x in w[1:]) / max(len(w) - 1, 1)  # noqa: E731
+    return {"step_s": period - mean("wait_s"), "train_s": mean("train_s"),
+            "trained_sequences": mean("trained_sequences"), "batch": mean("num_sequences")}
 
 
 def calibration(overrides: list[str]):
@@ -86,9 +103,14 @@ def main() -> None:
         load = os.getloadavg()[0]
         print(f"calibrating the local pool (load {load:.2f})", flush=True)
         cfg, cal = calibration(overrides)
-        print(f"measured: the main example for {args.steps} steps (load {os.getloadavg()[0]:.2f})", flush=True)
+        load_run = os.getloadavg()[0]
+        print(f"measured: the main example for {args.steps} steps (load {load_run:.2f})", flush=True)
         real = real_run(work, args.steps, overrides)
-        print(f"predicted: plan --pool local=1 (load {os.getloadavg()[0]:.2f})", flush=True)
+        load_real = os.getloadavg()[0]
+        print(f"calibrating again after the real run (load {load_real:.2f})", flush=True)
+        _, after = calibration(overrides)
+        load_plan = os.getloadavg()[0]
+        print(f"predicted: plan --pool local=1, the first calibration (load {load_plan:.2f})", flush=True)
         pred = predicted(work, args.steps, args.time_scale, cfg, cal)
         cal = {"step_seconds": cal.step_seconds, **cal.engine.model_dump(), "response_mean": cal.response_mean}
     err = {k: abs(pred[k] - real[k]) / max(real[k], 1e-9) for k in ("steps_per_s", "trainer_wait")}
@@ -100,11 +122,20 @@ def main() -> None:
               f"{st['p50']:>14}/{st['p90']}/{st['max']}{row['seconds']:>12.0f}")
     print(f"{'error':<12}{err['steps_per_s']:>10.1%}{err['trainer_wait']:>14.1%}")
     print(f"calibration: {json.dumps({k: round(v, 4) for k, v in cal.items()})}")
+    print(f"trainer step: calibrated {cal['step_seconds']:.3f} s before (load {load:.2f}), "
+          f"{after.step_seconds:.3f} s after (load {load_real:.2f}); the real run's {real['step_s']:.3f} s "
+          f"(period less wait; train_s {real['train_s']:.3f} s, {real['trained_sequences']:.0f} of "
+          f"{real['batch']:.0f} sequences trained)")
     print("RESULT " + json.dumps({"steps_per_s_error": round(err["steps_per_s"], 4),
                                   "trainer_wait_error": round(err["trainer_wait"], 4),
                                   "measured": {k: real[k] for k in ("steps_per_s", "trainer_wait")},
                                   "predicted": {k: pred[k] for k in ("steps_per_s", "trainer_wait")},
-                                  "steps": args.steps, "time_scale": args.time_scale, "load": round(load, 2)}))
+                                  "step_s": {"calibrated": round(cal["step_seconds"], 4),
+                                             "calibrated_after": round(after.step_seconds, 4),
+                                             "real": round(real["step_s"], 4)},
+                                  "steps": args.steps, "time_scale": args.time_scale,
+                                  "load": {"calibration": round(load, 2), "real": round(load_run, 2), "calibration_after": round(load_real, 2),
+                                           "plan": round(load_plan, 2)}}))
 
 
 if __name__ == "__main__":

@@ -2,19 +2,22 @@
 seconds, as the hardware profile and step time of a ``local`` pool.
 
 The engine is the run's own (``make_engine`` with ``rollout.engine``) on the workload's own
-prompts with the run's sampling, the trainer the run's backend stepping on a batch of
-``dataflow.batch_size`` of the sequences the engine generated (GRPO groups, rewards
-alternating) and publishing each version as the trainer does.
+prompts, asked for as a run asks (GRPO groups of ``group_size`` samples of a task) with the
+run's sampling; the trainer the run's backend stepping on a batch of ``dataflow.batch_size`` of
+the sequences the engine generated, scored by the workload's reward with their groups'
+statistics, and publishing each version as the trainer does. With real rewards the step does
+the run's work: a group whose samples all scored alike has advantage 0, and a backend that
+skips those sequences (``skip_zero_advantage``) skips them here too.
 
 Alone, the engine gives one request's decode rate, a full batch's (``engine.max_batch``
 requests) time to its first tokens (``ttft_s``, prefill included) and the rest of its time
 (the peak decode rate). A local pool is this machine, where engine and trainer share the cores,
-so the trainer's steps are then timed as a run that keeps up has them: each step beside the
-engine generating one trainer batch. Those batches' times over the full batch's time alone is
-the contention both see; ``ttft_s`` and the peak rate are scaled by it. Each version is
-published as the trainer publishes it: by a backend that ``supports_snapshot``, in a thread
-overlapping the next step (the step timed is its training, snapshot and the wait for the
-previous publish: the trainer's critical path), by any other in line. The single-request
+so the trainer's steps are then timed as a run that keeps up has them: the trainer in a process
+of its own (``trainer_probe``), as a run places it, each step beside the engine
+here generating one trainer batch after loading the newest version the trainer published, as
+a node's weight watcher does. Those batches' times over the full batch's time alone is the
+contention both see; ``ttft_s`` and the peak rate are scaled by it. Each version is published
+as the trainer publishes it (see ``trainer_probe``). The single-request
 rate is at least ``peak / max_batch``: responses of a few tokens time it too coarsely to trust
 a lower value, and the engine reaches its peak at a full batch either way.
 """
@@ -25,7 +28,6 @@ import asyncio
 import math
 import statistics
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,16 +37,17 @@ import numpy as np
 
 from astraflow.agents.chat import prompt_ids
 from astraflow.config import RunConfig
-from astraflow.contracts import Batch, BatchItem
+from astraflow.contracts import BatchItem
 from astraflow.plan.planner import Calibration
 from astraflow.plan.pools import PlanError
+from astraflow.plan.trainer_probe import TrainerProbe, trainer_steps
 from astraflow.rollout.engine import Generation, SamplingParams
 from astraflow.rollout.engines import make_engine
 from astraflow.rollout.sim_config import HardwareProfile
+from astraflow.rollout.weight_sync import WeightPuller
 from astraflow.rollout.workflows import turn_sequence
-from astraflow.training.trainer import make_backend
+from astraflow.sandbox import configure
 from astraflow.workloads.base import make_workload
-from storage.weights import WeightStore
 
 #: timed repetitions of each measurement (after one untimed warm-up)
 REPEATS = 5
@@ -63,20 +66,23 @@ def calibrate(cfg: RunConfig, progress: Callable[[str], None] = lambda s: None, 
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
     batch = min(cfg.rollout.engine.max_batch, cfg.rollout.node_capacity(0))
     engine = make_engine(cfg.rollout.engine, model, seed=cfg.run.seed)
-    backend = None
     try:
-        prompts = [prompt_ids(engine.tokenizer, workload, tasks[i % len(tasks)]) for i in range(batch)]
+        payloads = _group_payloads(tasks, batch, cfg.workload.group_size, cfg.run.seed)
+        prompts = [prompt_ids(engine.tokenizer, workload, x) for x in payloads]
         progress("engine alone: one request, then full batches")
         alone = asyncio.run(_alone(engine, prompts, params, repeats))
-        seqs = [turn_sequence(p, g, 0, float(i % 2)) for i, (p, g) in enumerate(zip(prompts, alone.gens))]
-        backend = make_backend(pol.trainer, model, cfg.run.seed)
-        progress(f"trainer steps of {cfg.dataflow.batch_size} sequences ({pol.trainer.backend}) beside engine "
-                 f"batches of {batch}")
-        steps, fulls = _side_by_side(cfg, engine, backend, prompts, params, seqs, repeats)
+        configure(cfg.sandbox)  # a reward that runs code does so under the run's sandbox limits
+        rewards = [float(workload.reward(engine.tokenizer.decode(g.tokens, skip_special_tokens=True), x))
+                   for g, x in zip(alone.gens, payloads)]
+        items = _batch_items(prompts, alone.gens, rewards, cfg.dataflow.batch_size, cfg.workload.group_size)
+        alike = sum(1 for it in items if it.advantage == 0)
+        progress(f"{alike} of {len(items)} sequences in groups that scored alike (not trained, as in a run)")
+        progress(f"trainer steps of {cfg.dataflow.batch_size} sequences ({pol.trainer.backend}) in a process of "
+                 f"their own, beside engine batches of {batch}")
+        with tempfile.TemporaryDirectory(prefix="astraflow-calibrate-") as tmp:
+            steps, fulls = _side_by_side(cfg, engine, prompts, params, items, repeats, Path(tmp))
     finally:
         engine.close()
-        if backend is not None:
-            backend.close()
     step = statistics.median(steps)
     contention = max(statistics.median(fulls) / alone.full_s, 1.0) if fulls else 1.0
     first = alone.first_full_s * contention
@@ -122,63 +128,45 @@ async def _alone(engine, prompts, params, repeats) -> _Alone:
     return _Alone(single_s, single[0], statistics.median(firsts), full_s, statistics.median(first_fulls), gens)
 
 
-def _side_by_side(cfg, engine, backend, prompts, params, seqs, repeats):
-    """Trainer steps (``repeats`` timed after a warm-up) in a thread, the engine generating one
-    trainer batch (``batch_size`` sequences, in full batches) beside each: the step times and
-    the full batches' times."""
+def _group_payloads(tasks: list, batch: int, group_size: int, seed: int) -> list:
+    """``batch`` payloads as a run asks for them: GRPO groups of ``group_size`` samples of one
+    task each, the tasks drawn from the train split (by ``seed``)."""
+    groups = math.ceil(batch / group_size)
+    picked = np.random.default_rng(seed).choice(len(tasks), size=groups, replace=len(tasks) < groups)
+    return [tasks[int(picked[i // group_size])] for i in range(batch)]
+
+
+def _batch_items(prompts, gens, rewards, n: int, group_size: int) -> tuple[BatchItem, ...]:
+    """A trainer batch of ``n`` sequences from the generated groups with their own rewards and
+    group statistics, so the step trains (or skips, advantage 0) what a run's step would."""
+    seqs = [turn_sequence(p, g, 0, r) for p, g, r in zip(prompts, gens, rewards)]
+    groups = [rewards[i:i + group_size] for i in range(0, len(rewards), group_size)]
+    stats = [(float(np.mean(x)), float(np.std(x)), len(x)) for x in groups]
+    out = []
+    for k in range(n):
+        i = k % len(seqs)
+        mean, std, size = stats[i // group_size]
+        out.append(BatchItem(sequence=seqs[i], loss_mask=seqs[i].loss_mask, group_mean=mean, group_std=std,
+                             group_size=size, staleness=0, task_id=f"c{k // group_size}/{k % group_size}"))
+    return tuple(out)
+
+
+def _side_by_side(cfg, engine, prompts, params, items, repeats, weights_root: Path):
+    """Trainer steps (``repeats`` timed after a warm-up) in a process of their own, the engine
+    here generating one trainer batch (``batch_size`` sequences, in full batches) beside each
+    after loading the newest version the trainer published, as a run's node does: the step
+    times and the full batches' times."""
     pol = cfg.policies[0]
-    n, g = cfg.dataflow.batch_size, cfg.workload.group_size
-    chosen = [seqs[i % len(seqs)] for i in range(n)]
-    items = tuple(BatchItem(sequence=sq, loss_mask=sq.loss_mask, group_mean=0.5, group_std=0.5, group_size=g,
-                            staleness=0, task_id=f"c{i // g}/{i % g}") for i, sq in enumerate(chosen))
-    steps: list[float] = []
-    failed: list[BaseException] = []
-    started = threading.Event()
+    n = len(items)
+    probe = TrainerProbe(trainer=pol.trainer, model=str(pol.model), seed=cfg.run.seed, policy=pol.name,
+                         items=items, repeats=repeats, weights_root=str(weights_root))
+    puller = WeightPuller(str(weights_root), {pol.name: engine})
+    fulls: list[float] = []
 
-    def train() -> None:
-        try:
-            _train()
-        except BaseException as err:  # re-raised in the calling thread
-            failed.append(err)
+    async def beside(step: int) -> None:
+        await asyncio.to_thread(puller.poll)  # as a node's weight watcher, in a thread
+        for _ in range(math.ceil(n / len(prompts))):
+            fulls.append((await _timed(engine, prompts, params))[0])
 
-    def _train() -> None:
-        with tempfile.TemporaryDirectory(prefix="astraflow-calibrate-") as tmp:
-            store = WeightStore(Path(tmp))
-            publishing: threading.Thread | None = None
-            for v in range(repeats + 1):
-                started.set()
-                t0 = time.perf_counter()
-                backend.train_step(Batch(policy=pol.name, version=v, items=items))
-                if backend.supports_snapshot:  # as the trainer: the publish overlaps the next step
-                    state = backend.snapshot()
-                    if publishing is not None:
-                        publishing.join()
-                    publishing = threading.Thread(target=backend.publish, args=(store, pol.name, v + 1),
-                                                  kwargs={"state": state}, name="calibrate-publish")
-                    publishing.start()
-                else:
-                    backend.publish(store, pol.name, v + 1)
-                if v:  # the first is a warm-up
-                    steps.append(time.perf_counter() - t0)
-            if publishing is not None:
-                publishing.join()
-
-    async def decode(trainer: threading.Thread) -> list[float]:
-        fulls: list[float] = []
-        while trainer.is_alive():
-            if not await asyncio.to_thread(started.wait, 0.2):
-                continue
-            started.clear()
-            for _ in range(math.ceil(n / len(prompts))):
-                fulls.append((await _timed(engine, prompts, params))[0])
-        return fulls
-
-    trainer = threading.Thread(target=train, name="calibrate-trainer")
-    trainer.start()
-    try:
-        fulls = asyncio.run(decode(trainer))
-    finally:
-        trainer.join()
-    if failed:
-        raise failed[0]
+    steps = asyncio.run(trainer_steps(probe, beside))
     return steps, fulls

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from astraflow.config import RunConfig, load_config
-from astraflow.plan.calibrate import calibrate
+from astraflow.plan.calibrate import _batch_items, _group_payloads, calibrate
+from astraflow.rollout.engine import Generation
 from astraflow.plan.planner import Calibration, PlanOptions, shape_for
 from astraflow.plan.pools import parse_pool, sim_config
 from tests.e2e.test_cli import _write_config
@@ -24,7 +26,7 @@ def test_calibration_measures_a_local_pool(tiny_model, tmp_path):
     assert cal.step_seconds > 0 and p.ttft_s > 0 and p.max_batch == 8
     assert p.peak_tokens_per_s >= p.single_tokens_per_s >= p.peak_tokens_per_s / 8
     assert 1 <= cal.response_mean <= 4 and cal.prompt_tokens > 0  # max_new_tokens 4
-    assert any("a step" in n for n in notes)
+    assert any("a step" in n for n in notes) and any("scored alike" in n for n in notes)
     path = tmp_path / "cal.json"
     cal.save(path)
     assert Calibration.load(path) == cal
@@ -37,3 +39,20 @@ def test_calibration_measures_a_local_pool(tiny_model, tmp_path):
     assert local.rollout["capacity"] == 16 and local.rollout["engine"]["replicas"] == 1
     assert local.rollout["engine"]["sim"]["single_tokens_per_s"] == p.single_tokens_per_s
     assert all(pol.trainer.backend == "sim" and Path(str(pol.model)).name == "sim" for pol in sim.policies)
+
+
+def test_the_trainer_batch_is_grpo_groups_with_their_rewards():
+    """Groups of one task each; a group that scored alike has advantage 0 (a run's step skips
+    it), the others their group-normalised advantages."""
+    tasks = [{"q": i} for i in range(50)]
+    payloads = _group_payloads(tasks, 8, 4, seed=0)
+    assert payloads[:4] == [payloads[0]] * 4 and payloads[4:] == [payloads[4]] * 4
+    gens = [Generation(tokens=np.array([5, 6], np.int32), logprobs=np.array([-1.0, -1.0], np.float32),
+                       versions=np.zeros(2, np.int32), finish_reason="length") for _ in payloads]
+    rewards = [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    items = _batch_items([[1, 2, 3]] * 8, gens, rewards, n=16, group_size=4)
+    assert len(items) == 16  # the batch repeats the generated groups
+    assert [it.advantage for it in items[:4]] == [0.0] * 4
+    adv = [it.advantage for it in items[4:8]]
+    assert adv[0] > 0 > adv[1] and sum(adv) == pytest.approx(0.0, abs=1e-5)
+    assert items[8].sequence is items[0].sequence and items[8].group_mean == 1.0
