@@ -8,8 +8,8 @@ awaitable with a deadline.
 
 Wire format: Dask serialises a plain ``list`` element by element (one pickle and one frame per
 record), so list arguments and list results travel as one ``Packed``; a ``Batch`` travels as
-one array per field instead of ~5 arrays per item (``copyreg`` registration below, so the
-record itself stays a plain dataclass). Components import this module; it imports none of them.
+one array per field instead of ~5 arrays per item, a ``BatchRefs`` as a few columns instead of
+one record per row (``copyreg`` registrations below, so the records stay plain dataclasses). Components import this module; it imports none of them.
 
 Re-placed actors: a component holds the data layer through a ``Link``, a handle that the
 orchestrator swaps (``Link.set``) when it re-places the data layer on another worker. A call
@@ -31,7 +31,8 @@ import numpy as np
 from distributed import get_worker
 from distributed.comm.core import CommClosedError
 
-from astraflow.contracts import Batch, BatchItem, Sequence
+from astraflow.contracts import Batch, BatchItem, BatchRefs, RowRef, Sequence
+from storage.trajectories import EntryRef
 
 
 class Packed(list):
@@ -232,3 +233,27 @@ def _unpack_batch(policy, version, metrics, columns, lengths, floats, ints, smal
 
 
 copyreg.pickle(Batch, _reduce_batch)
+
+
+def _reduce_batch_refs(refs: BatchRefs) -> tuple:
+    items = refs.items
+    segments = sorted({it.ref.segment for it in items})
+    seg_no = {s: i for i, s in enumerate(segments)}
+    ints = np.array([[seg_no[it.ref.segment], it.ref.index, it.group_size, it.staleness, it.replayed]
+                     for it in items], np.int64).reshape(-1, 5)
+    floats = np.array([[it.reward, it.group_mean, it.group_std] for it in items], np.float64).reshape(-1, 3)
+    return (_unpack_batch_refs, (refs.policy, refs.version, dict(refs.metrics), segments, ints, floats,
+                                 [it.task_id for it in items]))
+
+
+def _unpack_batch_refs(policy, version, metrics, segments, ints, floats, task_ids) -> BatchRefs:
+    items = tuple(
+        _restore(RowRef, {"ref": EntryRef(segments[seg], index), "task_id": task_id, "reward": reward,
+                          "group_mean": mean, "group_std": std, "group_size": size, "staleness": stale,
+                          "replayed": bool(replayed)})
+        for (seg, index, size, stale, replayed), (reward, mean, std), task_id
+        in zip(ints.tolist(), floats.tolist(), task_ids))
+    return BatchRefs(policy=policy, version=version, items=items, metrics=metrics)
+
+
+copyreg.pickle(BatchRefs, _reduce_batch_refs)

@@ -6,7 +6,11 @@ trajectory store on disk in a temp dir. 10, 100 and 1,000 emulated RaaS nodes
 (``control_plane_nodes.EmuNode``: heartbeats, leases, a short sleep per episode, tiny
 trajectories through the real segment writer, completions) run on one asyncio loop in this
 process, grouped ``--nodes-per-worker`` to a worker; a consumer takes ``--batch-size``
-sequence batches and publishes a version after each. Two call patterns:
+sequence batches and publishes a version after each. The data layer serves batches by
+reference, so the consumer does what a trainer does: it reads each batch's rows from the store
+and makes the ``Batch``, in a process of its own (the emulated trainer's; its CPU per sequence
+is ``trainer_read_cpu_us_per_seq``, not part of the data layer's ``dl_cpu_us_per_traj``, but
+it runs on the same 2 cores). Two call patterns:
 
 * ``per-node``: every node calls ``heartbeat`` / ``lease`` / ``complete`` itself (the call
   pattern before node groups gathered their calls);
@@ -45,6 +49,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -70,7 +75,7 @@ from distributed import Client, LocalCluster  # noqa: E402
 
 from astraflow.dataflow.layer import DataLayer  # noqa: E402
 from astraflow.transport import call  # noqa: E402
-from control_plane_nodes import EmuNode, Latencies, WorkerWriter, layer_kwargs  # noqa: E402
+from control_plane_nodes import EmuNode, Latencies, WorkerWriter, layer_kwargs, trainer_read, trainer_start  # noqa: E402
 from storage.trajectories import open_trajectory_store  # noqa: E402
 
 QUIET = {"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False", "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s",
@@ -79,8 +84,10 @@ QUIET = {"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False", "DASK_DISTRIBUTE
 GOALS = {"traj_per_s_1000_nodes": 10_000.0, "p99_lease_ms_1000_nodes": 20.0, "cost_growth_1e4_to_1e7": 2.0}
 
 
-async def consume(dl, version: list[int], lat: Latencies, served: list[int]) -> None:
-    """A trainer that trains in no time: a batch, then the next version published."""
+async def consume(dl, version: list[int], lat: Latencies, served: list[int], reader: dict) -> None:
+    """A trainer that trains in no time: a batch, its rows read as a trainer reads them (in the
+    trainer's own process, ``reader``), then the next version published. A checkout whose data
+    layer serves complete batches (the baseline) has nothing to read."""
     v = 0
     while True:
         t0 = time.perf_counter()
@@ -89,13 +96,20 @@ async def consume(dl, version: list[int], lat: Latencies, served: list[int]) -> 
         except TimeoutError:  # no batch yet (``BatchTimeout`` is a ``TimeoutError``): ask again
             continue
         lat.add("next_batch", time.perf_counter() - t0)
-        served[0] += len(batch.items)
+        n = len(batch.items)
+        if type(batch).__name__ == "BatchRefs":
+            t0 = time.perf_counter()
+            n, cpu = await asyncio.wrap_future(reader["pool"].submit(trainer_read, reader["url"], batch))
+            lat.add("read", time.perf_counter() - t0)
+            if lat.recording:
+                reader["cpu"] += cpu
+        served[0] += n
         v += 1
         await call(dl.published, "p", v, timeout=60)
         version[0] = v
 
 
-async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int) -> dict:
+async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int, reader: dict) -> dict:
     loop = asyncio.get_running_loop()
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=4 * n_nodes + 32))
     lat, version, served = Latencies(), [0], [0]
@@ -114,7 +128,7 @@ async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int) -> dict:
                              sinks[worker], capacity=args.capacity, episode_s=args.episode_s,
                              lease_wait=args.lease_wait, version=version, lat=lat, seed=i))
     running = ([loop.create_task(n.run()) for n in nodes] + [loop.create_task(w.run()) for w in sinks.values()]
-               + [loop.create_task(consume(dl, version, lat, served))])
+               + [loop.create_task(consume(dl, version, lat, served, reader))])
     proc, me = psutil.Process(pid), psutil.Process()
     await asyncio.sleep(args.warmup)
     cpu0, p0, s0, t0 = sum(proc.cpu_times()[:2]), await call(dl.progress), served[0], time.perf_counter()
@@ -137,13 +151,17 @@ async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int) -> dict:
     window = t1 - t0
     ingested = p1["sequences_generated"] - p0["sequences_generated"]
     cpu_per = (cpu1 - cpu0) / max(ingested, 1)
+    batched = s1 - s0
     out = {"nodes": n_nodes, "calls": "grouped" if grouped else "per-node", "window_s": round(window, 2),
-           "traj_per_s": ingested / window, "batched_seq_per_s": (s1 - s0) / window,
+           "traj_per_s": ingested / window, "batched_seq_per_s": batched / window,
+           # the emulated trainer's process: reading its batches' rows (none for the baseline)
+           "trainer_read_cpu_us_per_seq": reader["cpu"] / max(batched, 1) * 1e6,
+           "trainer_read_cpu_cores": reader["cpu"] / window,
            "dl_cpu_us_per_traj": cpu_per * 1e6, "dl_cpu_cores": (cpu1 - cpu0) / window,
            "dl_capacity_traj_per_s": 1.0 / cpu_per if ingested else 0.0,
            "emulator_cpu_cores": (me1 - me0) / window, "load": os.getloadavg()[0],
            "leased_now": state["leased"], "snapshots": state["snapshots"]}
-    for kind in ("lease", "heartbeat", "complete", "next_batch"):
+    for kind in ("lease", "heartbeat", "complete", "next_batch", "read"):
         s = lat.summary(kind)
         out[f"{kind}_p50_ms"], out[f"{kind}_p99_ms"], out[f"{kind}_calls"] = s["p50_ms"], s["p99_ms"], s["n"]
     for kind, q in state.get("service_ms", {}).items():  # inside the data layer (absent in older code)
@@ -181,9 +199,14 @@ def scale_run(n_nodes: int, grouped: bool, args) -> dict:
             pid = next(iter(client.run(os.getpid).values()))
             args.client = client
             store = open_trajectory_store(kwargs["store_url"], "a")
+            # the emulated trainer's own process (spawned: no copy of this one's threads)
+            pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            pool.submit(trainer_start).result(120)
+            reader = {"pool": pool, "url": kwargs["store_url"], "cpu": 0.0}
             try:
-                return asyncio.run(drive(dl, store, n_nodes, grouped, args, pid))
+                return asyncio.run(drive(dl, store, n_nodes, grouped, args, pid, reader))
             finally:
+                pool.shutdown(cancel_futures=True)
                 try:
                     dl.close().result(30)
                 except Exception:
@@ -252,7 +275,8 @@ def main() -> None:
         print_table("control plane (latencies in ms, CPU in µs per trajectory)", scale,
                     ["nodes", "calls", "traj_per_s", "batched_seq_per_s", "dl_cpu_us_per_traj",
                      "dl_capacity_traj_per_s", "lease_p50_ms", "lease_p99_ms", "dl_lease_p99_ms",
-                     "heartbeat_p99_ms", "complete_p99_ms", "next_batch_p50_ms"])
+                     "heartbeat_p99_ms", "complete_p99_ms", "next_batch_p50_ms", "read_p50_ms",
+                     "trainer_read_cpu_us_per_seq", "load"])
     index: list[dict] = []
     if not args.skip_index:
         from control_plane_index import index_growth

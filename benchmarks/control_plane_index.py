@@ -8,7 +8,8 @@ with them. Then ``trajectories`` real ones go through it in-process (no Dask): 6
 (not timed), completed, heartbeats renew, and batches are served and published as soon as
 the buffer holds one. The process CPU spent in the data layer's calls, per trajectory, is the
 marginal cost at size N (split into ingest: lease, complete, heartbeat; and batch assembly:
-next_batch with its store reads, published); a full garbage collection is timed after it.
+next_batch, served by reference: no store read, and published); a full garbage collection is
+timed after it.
 """
 
 from __future__ import annotations

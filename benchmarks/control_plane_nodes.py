@@ -62,6 +62,35 @@ def refs_of(trajs: list[Trajectory], entry_refs: list) -> list[TrajectoryRef]:
     return out
 
 
+#: per process: the emulated trainer's row reader of each store (``trainer_read``)
+_READERS: dict[str, Any] = {}
+
+
+def trainer_start() -> int:
+    """The emulated trainer's process is up, with what it imports loaded; its pid."""
+    import os
+
+    try:
+        import astraflow.training.rows  # noqa: F401
+    except ImportError:  # a checkout whose data layer serves complete batches: nothing to read
+        pass
+    return os.getpid()
+
+
+def trainer_read(store_url: str, served: Any) -> tuple[int, float]:
+    """In the emulated trainer's own process: what ``Trainer`` does with a batch served by
+    reference (read its rows from the store, make the ``Batch``). Returns (sequences, CPU
+    seconds this took)."""
+    from astraflow.training.rows import BatchRows
+
+    t0 = time.thread_time()
+    rows = _READERS.get(store_url)
+    if rows is None:
+        rows = _READERS[store_url] = BatchRows(store_url)
+    batch = rows.batch(served)
+    return len(batch), time.thread_time() - t0
+
+
 class Latencies:
     """Call latencies by kind (seconds), kept only inside the measurement window."""
 

@@ -172,8 +172,7 @@ def rule_of(layer: Any) -> Callable[[str, float, int], bool]:
     cfg, buffers = layer.cfg, layer.buffers
     cl = clocks(
         policies=layer.policy_names, versions=layer.versions, ready=buffers.ready,
-        served={p: [*buffers.serving[p], *([buffers.reading[p]] if p in buffers.reading else [])]
-                for p in layer.policy_names},
+        served={p: list(buffers.serving[p]) for p in layer.policy_names},
         accepted={p: c["accepted"] for p, c in buffers.counts.items()}, groups_ingested=buffers.groups_ingested,
         group_size=layer.wcfg.group_size, per_batch=cfg.batch_size - int(cfg.replay_ratio * cfg.batch_size),
         nodes=layer.leases.nodes, node_window_s=cfg.lease_seconds, paces=layer.paces,

@@ -16,15 +16,14 @@ sequence older than the bound, however far rollouts ran ahead.
 
 from __future__ import annotations
 
-import json
 import random
 from collections import Counter, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
-from astraflow.contracts import Batch, BatchItem, SequenceSummary, TrajectoryRef, sequence_from_stored
+from astraflow.contracts import BatchRefs, RowRef, SequenceSummary, TrajectoryRef
 from astraflow.dataflow.ledger import Ledger
 from astraflow.dataflow.rules import BufferedGroupView, GroupFilter, Ordering
 
@@ -63,6 +62,17 @@ class Item:
     node: str = ""
 
 
+def sequence_oldest(it: Item) -> int:
+    """``Sequence.oldest_version`` of the item's sequence (every policy's tokens), from its summary."""
+    return min((v for _, v in it.summary.policy_tokens.values()), default=-1)
+
+
+def row_ref(it: Item, staleness: int, replayed: bool = False) -> RowRef:
+    """What a trainer needs of ``it`` besides its stored row."""
+    return RowRef(ref=it.summary.ref, task_id=it.task_id, reward=it.summary.reward, group_mean=it.group_mean,
+                  group_std=it.group_std, group_size=it.group_size, staleness=staleness, replayed=replayed)
+
+
 @dataclass
 class ReadyGroup:
     """A group's sequences of one policy in its buffer."""
@@ -98,12 +108,11 @@ class Buffers:
         #: train groups that finished rollout (kept or not): what admission divides yields by
         self.groups_ingested = 0
         self.ready: dict[str, list[ReadyGroup]] = {p: [] for p in self.policies}
-        self.replay: dict[str, deque[BatchItem]] = {p: deque(maxlen=4 * batch_size) for p in self.policies}
+        #: per policy: items served before, which replay may serve again (``replay_ratio``)
+        self.replay: dict[str, deque[Item]] = {p: deque(maxlen=4 * batch_size) for p in self.policies}
         #: per policy: the items of the batch served to a trainer at version v, by v, until the
         #: trainer reports v + 1 committed (``commit``): only then are they consumed
         self.serving: dict[str, dict[int, list[Item]]] = {p: {} for p in self.policies}
-        #: per policy: the version of a batch taken from the buffer whose rows are being read
-        self.reading: dict[str, int] = {}
         self.routed_left: dict[str, int] = {}  # train task -> items not yet settled
         self.task_consumed: set[str] = set()
         self.task_drop_reason: dict[str, str] = {}
@@ -261,23 +270,16 @@ class Buffers:
         self.ready[policy] = [g for g in buf if g.items]
         return chosen, taken
 
-    def serve(self, policy: str, version: int, chosen: list[Item], rows: list, n_replay: int,
-              waited: float, by_source: dict[str, int] | None) -> Batch:
-        """The batch of ``chosen`` items (their stored ``rows``) plus ``n_replay`` replayed
-        ones, recorded as served to ``policy``'s trainer at ``version``. A batch served before
-        at the same version never reached its training: it is dropped (``served_not_trained``)."""
-        items: list[BatchItem] = []
-        for it, row in zip(chosen, rows):
-            seq = sequence_from_stored(row)
-            pidx = json.loads(row.meta)["policies"].index(policy)
-            items.append(BatchItem(
-                sequence=seq, loss_mask=seq.loss_mask & (seq.policy_ids == pidx), group_mean=it.group_mean,
-                group_std=it.group_std, group_size=it.group_size, staleness=version - it.oldest_version,
-                task_id=it.task_id,
-            ))
-        replays = [replace(x, replayed=True, staleness=version - x.sequence.oldest_version)
-                   for x in self.rng.sample(list(self.replay[policy]), n_replay)] if n_replay else []
-        self.replay[policy].extend(items)
+    def serve(self, policy: str, version: int, chosen: list[Item], n_replay: int,
+              waited: float, by_source: dict[str, int] | None) -> BatchRefs:
+        """The batch of ``chosen`` items plus ``n_replay`` replayed ones, by reference (the
+        trainer reads the rows: no token array is read here), recorded as served to
+        ``policy``'s trainer at ``version``. A batch served before at the same version never
+        reached its training: it is dropped (``served_not_trained``)."""
+        items = [row_ref(it, version - it.oldest_version) for it in chosen]
+        replays = [row_ref(it, version - sequence_oldest(it), replayed=True)
+                   for it in self.rng.sample(list(self.replay[policy]), n_replay)] if n_replay else []
+        self.replay[policy].extend(chosen)
         lost = self.serving[policy].pop(version, None)
         if lost:  # this version asks again: the batch served before never reached its training
             self.settle(policy, lost, "served_not_trained")
@@ -290,16 +292,17 @@ class Buffers:
         self.staleness_hist[policy].update(hist)
         metrics = {
             "wait_s": waited,
-            "reward_mean": float(np.mean([x.sequence.reward for x in items])),
+            "reward_mean": float(np.mean([x.reward for x in items])),
             "staleness_mean": float(np.mean([x.staleness for x in items])),
             "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
             "replayed": len(replays),
-            "response_tokens_mean": float(np.mean([x.loss_mask.sum() for x in items])),
+            # the policy's generated tokens: the loss mask the trainer will apply
+            "response_tokens_mean": float(np.mean([it.summary.policy_tokens[policy][0] for it in chosen])),
         }
         if by_source is not None:
             metrics["consumed_by_source"] = dict(by_source)
         self.last_batch[policy] = metrics
-        return Batch(policy=policy, version=version, items=tuple(items + replays), metrics=metrics)
+        return BatchRefs(policy=policy, version=version, items=tuple(items + replays), metrics=metrics)
 
     def commit(self, policy: str, version: int) -> None:
         """``policy``'s trainer committed ``version``: the batch served at ``version - 1`` is consumed."""

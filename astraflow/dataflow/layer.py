@@ -8,8 +8,8 @@ own the state, each with its named asynchronous overlap:
 * ``leases.py``: task queues, leases and the ledger hand-off (*lease expiry*);
 * ``mixing.py``: per-source prompt orders, rollout-ahead shares and batch quotas (*rollout
   ahead of training*);
-* ``buffers.py``: ingest of finished groups, per-policy buffers, replay and the batch itself
-  (*staleness*);
+* ``buffers.py``: ingest of finished groups, per-policy buffers, replay and the batch itself,
+  served by reference (*staleness*);
 * ``serving.py``: the trainer-facing calls (batches served, versions committed, a trainer
   replaced: *served, then committed*);
 * ``evals.py``: held-out evaluation rounds;
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -76,10 +75,9 @@ class DataLayer(TrainerFacing):
         self.max_steps = max_steps
         #: the snapshot and journal; opened first: a restore cuts files back before they are appended to
         self.durability = durable.Durability(snapshot_path, journal_path, metrics_path, self.policy_names, workload)
+        #: opened (created if new, its layout version checked) before any node writes; batches
+        #: are served by reference, so the data layer itself reads no rows from it
         self.store = open_trajectory_store(store_url, "a")
-        #: the store object is not thread-safe and batches of different policies are read in
-        #: worker threads concurrently (two trainers asking at once): reads take this lock.
-        self._store_lock = threading.Lock()
         wl = make_workload(workload.name, workload.params, workload.seed)
         self._train = wl.tasks("train")
         held_out = wl.tasks("eval")
@@ -174,10 +172,6 @@ class DataLayer(TrainerFacing):
             await asyncio.wait_for(self._event().wait(), timeout=seconds)
         except asyncio.TimeoutError:
             pass
-
-    def _read_rows(self, refs: list) -> list:
-        with self._store_lock:
-            return self.store.read(refs)
 
     def _refill(self) -> None:
         """Create train groups while the rollout-ahead bound and admission allow (``admission.refill``)."""

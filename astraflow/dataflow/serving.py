@@ -7,16 +7,20 @@ consumed only when the trainer reports ``v + 1`` committed. A trainer that asks 
 never got (or never trained on) the first batch; a trainer replaced after ``v`` gets back what
 was served to its predecessor at ``v`` or later (``trainer_restarted``). Either way no sequence
 is trained twice and none is dropped without a reason.
+
+*Served by reference*: a batch names its rows in the trajectory store (``BatchRefs``) with
+what only the data layer knows of them (group statistics, staleness, replay); the trainer's
+side reads the rows in its own process (``astraflow.training.rows``). The data layer reads no
+token array for a batch, so serving one costs it no store read while nodes wait on it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import Counter
 from typing import Any
 
-from astraflow.contracts import Batch
+from astraflow.contracts import BatchRefs
 from astraflow.dataflow import admission
 from astraflow.dataflow import record as rec
 
@@ -28,8 +32,9 @@ class BatchTimeout(TimeoutError):
 class TrainerFacing:
     """`DataLayer`'s trainer-facing methods (module docstring)."""
 
-    async def next_batch(self, policy: str, version: int, timeout: float = 60.0) -> Batch:
-        """A batch of ``batch_size`` sequences for ``policy`` whose trainer is at ``version``.
+    async def next_batch(self, policy: str, version: int, timeout: float = 60.0) -> BatchRefs:
+        """A batch of ``batch_size`` sequences for ``policy`` whose trainer is at ``version``,
+        by reference (module docstring, *served by reference*).
 
         Waits until the buffer holds enough fresh sequences of every source's quota, at most
         ``timeout`` seconds, then raises ``BatchTimeout``."""
@@ -68,18 +73,11 @@ class TrainerFacing:
         waited = time.time() - t0
         self.buffers.wait_s[policy] += waited
         self.mixer.credit[policy] = credit
+        if self.trainer_restarts[policy] != incarnation:  # asked by the trainer that was lost
+            raise RuntimeError(f"the trainer of {policy} was replaced while this call waited: it serves nothing")
         chosen, taken = self.buffers.take(policy, quota, self.ordering, version)
         self.mixer.consumed[policy].update(taken)
-        self.buffers.reading[policy] = version  # taken from the buffer, not yet served (admission counts it)
-        try:
-            rows = await asyncio.to_thread(self._read_rows, [it.summary.ref for it in chosen])
-        finally:
-            self.buffers.reading.pop(policy, None)
-        if self.trainer_restarts[policy] != incarnation:  # asked by the trainer that was lost
-            self.buffers.restore(policy, chosen)
-            self.mixer.consumed[policy].subtract(taken)
-            raise RuntimeError(f"the trainer of {policy} was replaced while this call waited: it serves nothing")
-        batch = self.buffers.serve(policy, version, chosen, rows, n_replay, waited,
+        batch = self.buffers.serve(policy, version, chosen, n_replay, waited,
                                    quota if self.mixer.mixing else None)
         self._notify()  # room for new groups: wakes the nodes' waiting lease calls
         await self._durable()  # a batch the next data layer does not know of is never trained

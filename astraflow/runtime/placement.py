@@ -162,6 +162,7 @@ def trainer_kwargs(cfg: RunConfig, paths: RunPaths, index: int, pol: PolicyConfi
         weights_root=str(paths.weights), keep_versions=cfg.storage.keep_versions,
         data_layer=data_layer, max_steps=cfg.run.max_steps, seed=cfg.run.seed + index,
         write_deltas=cfg.storage.deltas, optimizer_path=str(paths.optimizer_state(pol.name)),
+        store_url=store_url(cfg, paths),  # it reads the rows of its batches there, as the nodes write them
     )
 
 

@@ -5,7 +5,8 @@ thread started by ``start()``::
 
     publish v0 (the initial weights, so every node starts from the same committed version)
     repeat max_steps times:
-        batch = data_layer.next_batch(policy, version)      # waits, with a deadline
+        batch = data_layer.next_batch(policy, version)      # waits, with a deadline; by reference:
+        batch = rows.batch(batch)                           # its rows read from the trajectory store
         backend.train_step(batch)                           # GRPO
         backend.publish(weight_store, policy, version + 1)  # shards + manifest + marker
         data_layer.published(policy, version + 1, metrics)
@@ -29,9 +30,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from astraflow.contracts import BatchRefs
 from astraflow.training.backend import TrainerBackend
 from astraflow.training.config import TrainerConfig
 from astraflow.training.numerics import NonFiniteSteps, nonfinite_tensors
+from astraflow.training.rows import BatchRows
 from astraflow.transport import Link, bind, call_sync
 from storage.atomic import write_atomically
 from storage.weights import WeightStore
@@ -117,6 +120,7 @@ class Trainer:
         seed: int = 0,
         write_deltas: bool = False,
         optimizer_path: str | None = None,
+        store_url: str | None = None,
     ):
         self.policy = policy
         self.cfg = cfg
@@ -124,6 +128,9 @@ class Trainer:
         self.weights_root = weights_root
         self.keep_versions = keep_versions
         self.dl = Link(data_layer, "the data layer")  # swapped by ``reconnect``
+        #: reads the rows of the batches served by reference, from the trajectory store the
+        #: nodes write (``storage.trajectories``); None: no store (a driver hands full batches)
+        self.rows = BatchRows(store_url) if store_url else None
         self.max_steps = max_steps
         self.seed = seed
         #: the version the backend's weights are at (= optimiser steps taken, counted from the
@@ -140,6 +147,8 @@ class Trainer:
         self._waiting_since: float | None = None
         self.train_s = 0.0
         self.publish_s = 0.0
+        #: seconds spent reading the rows of served batches (part of the wait for batches)
+        self.read_s = 0.0
         self.last_metrics: dict[str, float] = {}
         #: counts the steps in a row with a nan/inf loss or gradient norm (``max_nonfinite_steps``)
         self.nonfinite = NonFiniteSteps(policy, cfg.max_nonfinite_steps)
@@ -302,6 +311,7 @@ class Trainer:
             "wait_s": self.wait_s,
             "train_s": self.train_s,
             "publish_s": self.publish_s,
+            "read_s": self.read_s,
             "wait_fraction": self.wait_s / elapsed,
             "wait_total_s": self._waited_s + (time.time() - since if (since := self._waiting_since) else 0.0),
             "deltas": self.delta_history[-5:],
@@ -318,7 +328,7 @@ class Trainer:
         while True:
             wait = max(min(2.0, deadline - time.time()), 0.01)
             try:
-                return call_sync(self.dl.next_batch, self.policy, version, wait, timeout=wait + 30)
+                served = call_sync(self.dl.next_batch, self.policy, version, wait, timeout=wait + 30)
             except TimeoutError as err:  # BatchTimeout: nothing within this call's wait
                 if time.time() >= deadline:
                     raise TimeoutError(
@@ -327,6 +337,21 @@ class Trainer:
                     ) from err
                 if self._stop.is_set():
                     raise _Stopped from None
+                continue
+            return self._rows(served)
+
+    def _rows(self, served: Any) -> Any:
+        """The complete batch of a batch served by reference (its rows read here, in the
+        trainer's process); a complete ``Batch`` as is. ``RowsUnreadable`` names a row that
+        cannot be read: the step fails loudly and the data layer keeps the batch as served."""
+        if isinstance(served, BatchRefs):
+            if self.rows is None:
+                raise ValueError(f"trainer {self.policy}: the data layer served a batch by reference but this "
+                                 "trainer was built without store_url (where the trajectory store is)")
+            t0 = time.time()
+            served = self.rows.batch(served)
+            self.read_s += time.time() - t0
+        return served
 
     def _commit(self, version: int, state: dict | None, batch, metrics: dict[str, float],
                 wait_s: float, train_s: float) -> None:

@@ -10,6 +10,7 @@ from astraflow.contracts import RolloutTask
 from astraflow.dataflow import rules as R
 from astraflow.dataflow.buffers import Buffers
 from astraflow.dataflow.ledger import Ledger
+from astraflow.training.rows import BatchRows
 from storage.trajectories import open_trajectory_store
 
 from tests.dataflow.helpers import make_trajectory, store_and_ref
@@ -26,7 +27,8 @@ class Rig:
         self.ledger = Ledger()
         self.buffers = Buffers(["p"], batch_size=batch_size, group_size=group_size, limit=limit,
                                max_staleness=max_staleness, ledger=self.ledger, rng=random.Random(0))
-        self.store = open_trajectory_store(f"memory://{uuid.uuid4().hex}", "a")
+        self.url = f"memory://{uuid.uuid4().hex}"
+        self.store = open_trajectory_store(self.url, "a")
         self.writer = self.store.writer("n")
 
     def group(self, rewards, version=0, filt=KEEP, source=""):
@@ -43,8 +45,7 @@ class Rig:
 
     def serve(self, version, n, n_replay=0):
         chosen, taken = self.buffers.take("p", {"": n}, FIFO, version)
-        rows = self.store.read([it.summary.ref for it in chosen])
-        return self.buffers.serve("p", version, chosen, rows, n_replay, 0.0, None), taken
+        return self.buffers.serve("p", version, chosen, n_replay, 0.0, None), taken
 
 
 def test_ingest_computes_group_stats_and_the_filter_drops():
@@ -79,6 +80,11 @@ def test_a_served_batch_is_consumed_when_its_version_commits_and_replay_reuses_i
     rig.group([0.0, 1.0])
     again, _ = rig.serve(1, 2, n_replay=2)
     assert sum(i.replayed for i in again.items) == 2 and rig.buffers.counts["p"]["replayed"] == 2
+    # served by reference; the trainer's side reads every row, replayed ones included
+    full = BatchRows(rig.url).batch(again)
+    assert [i.task_id for i in full.items] == [i.task_id for i in again.items]
+    assert [i.sequence.reward for i in full.items] == [i.reward for i in again.items]
+    assert [(i.replayed, i.staleness) for i in full.items] == [(False, 1), (False, 1), (True, 1), (True, 1)]
     rig.group([0.0, 1.0])
     rig.serve(1, 2)  # version 1 asks again: its first batch never reached training
     assert rig.ledger.dropped_by_reason["served_not_trained"] == 2

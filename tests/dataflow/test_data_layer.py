@@ -15,6 +15,7 @@ from astraflow.workloads.config import EvalConfig, WorkloadConfig
 from astraflow.dataflow import rules as R
 from astraflow.dataflow.layer import BatchTimeout, DataLayer
 from astraflow.dataflow.ledger import TERMINAL
+from astraflow.training.rows import BatchRows
 from storage.trajectories import open_trajectory_store
 
 from tests.dataflow.helpers import make_trajectory, store_and_ref
@@ -60,7 +61,7 @@ def test_lease_complete_batch_and_group_stats(tmp_path):
         node = Node(layer)
         # rewards 0,1,0,1 within each group: mean 0.5, std 0.5
         await node.roll(8, reward_of=lambda t: float(int(t.task_id.split("/")[1]) % 2))
-        batch = await layer.next_batch("p", 0, timeout=5)
+        batch = BatchRows(layer.store.url).batch(await layer.next_batch("p", 0, timeout=5))
         assert len(batch) == 8
         for item in batch.items:
             assert item.group_mean == pytest.approx(0.5) and item.group_std == pytest.approx(0.5)

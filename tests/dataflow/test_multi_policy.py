@@ -20,6 +20,7 @@ from astraflow.rollout.engine import SamplingParams
 from astraflow.rollout.workflows import WORKFLOWS
 from astraflow.workloads.base import make_workload
 from astraflow.rollout.workflows import WorkflowBase, turn_sequence
+from astraflow.training.rows import BatchRows
 
 from tests.dataflow.helpers import store_and_ref
 
@@ -68,8 +69,9 @@ def test_routing_masks_and_per_policy_group_stats(tmp_path):
     async def go():
         # 2 groups of 2 episodes; solver rewards (1,0), verifier rewards (1,1)/(0,1)
         await _fill(layer, [(1.0, 1.0), (0.0, 1.0), (1.0, 0.0), (0.0, 1.0)])
-        sb = await layer.next_batch("solver", 0, timeout=5)
-        vb = await layer.next_batch("verifier", 0, timeout=5)
+        rows = BatchRows(layer.store.url)  # the trainers' side: the rows of the batches served
+        sb = rows.batch(await layer.next_batch("solver", 0, timeout=5))
+        vb = rows.batch(await layer.next_batch("verifier", 0, timeout=5))
         # the solver generated tokens in both sequences of every episode -> 8 candidates, 4 taken
         assert len(sb) == 4 and len(vb) == 4
         for item in sb.items:
@@ -160,7 +162,7 @@ def test_workflow_defined_in_a_test_runs_through_real_engines_and_data_layer(tin
         w = layer.store.writer("n")
         await layer.complete(store_and_ref(w, list(trajs)))
         for pol, idx in (("a", 0), ("b", 1)):
-            batch = await layer.next_batch(pol, 0, timeout=5)
+            batch = BatchRows(layer.store.url).batch(await layer.next_batch(pol, 0, timeout=5))
             assert len(batch) == 4
             assert all((i.sequence.policy_ids[i.loss_mask] == idx).all() for i in batch.items)
 
