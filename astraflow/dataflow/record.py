@@ -262,7 +262,7 @@ def layer_status(dl: DataLayer) -> dict[str, Any]:
         **dl.buffers.status(),  # buffers, counts, staleness_hist, trainer_wait_s
         "trainer_restarts": dict(dl.trainer_restarts),
         "restored": dl.restored,  # what this data layer continued from (a re-placed or resumed one)
-        "snapshots": dl.durability.snapshots.stats(),
+        "snapshots": dl.durability.log.stats(),
         "service_ms": dl.service.summary(),
         "sequences_generated": dl.generated.sequences,
         "tokens_generated": dl.generated.tokens,
