@@ -68,7 +68,11 @@ class Leases:
         return self.eval_pending if kind == "eval" else self.pending
 
     def node(self, name: str) -> dict[str, Any]:
-        return self.nodes.setdefault(name, {"leased": 0, "completed": 0, "draining": False})
+        info = self.nodes.get(name)
+        if info is None:
+            info = self.nodes[name] = {"leased": 0, "completed": 0, "draining": False}
+            self.touch_node(name)
+        return info
 
     def add(self, task: RolloutTask) -> None:
         """A new task, queued at the back of its queue."""
