@@ -10,11 +10,13 @@ entry per key, so that a record holds only the entries changed since the previou
 * ``route``: task id -> ``(items not settled, consumed, drop reason)`` of a routed task;
 * ``ready``: ``(policy, ingest_seq)`` -> a buffered ``ReadyGroup``;
 * ``serving``: ``(policy, version)`` -> the items of a batch served and not committed;
-* ``round`` / ``result``: evaluation rounds by version, finished round records by position.
+* ``round`` / ``result``: evaluation rounds by version, finished round records by position;
+* ``order``: source -> ``(epoch, prompt order)`` as written when its epoch began (the order only
+  shrinks from its end within an epoch: each record holds its length), ``rng``: the random stream.
 
 The rooms mark what they change (``Ledger.changed``, ``Leases.changed_nodes``,
 ``Buffers.changed``); a group changes only with one of its tasks, and evaluations are compared
-by counters. Everything else (versions, rules, prompt orders, counters) is small and saved
+by counters, prompt orders by epoch and the random stream by value. Everything else (versions, rules, prompt orders, counters) is small and saved
 whole in every record (``small``). ``assemble`` turns entries and small fields back into the
 form ``durable.restore`` loads, which ``state_of`` also gives of a live layer.
 """
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
     from astraflow.dataflow.layer import DataLayer
 
 FORMAT = 2
-KINDS = ("task", "group", "node", "route", "ready", "serving", "round", "result")
+KINDS = ("task", "group", "node", "route", "ready", "serving", "round", "result", "order", "rng")
 NODE_FIELDS = ("leased", "completed", "draining", "gone")
 SMALL_BUFFER_FIELDS = ("group_seq", "groups_ingested", "counts", "staleness_hist", "wait_s", "last_batch",
                        "_ingest_seq")
@@ -68,6 +70,11 @@ def entry(dl: DataLayer, kind: str, key: Any) -> Any:
         return dl.evals.rounds.get(key)
     if kind == "result":
         return dl.evals.results[key] if key < len(dl.evals.results) else None
+    if kind == "order":
+        return dl.mixer.epoch[key], list(dl.mixer.order[key])
+    if kind == "rng":
+        version, internal, gauss = dl.mixer.rng.getstate()
+        return [version, list(internal), gauss]
     raise ValueError(kind)
 
 
@@ -82,6 +89,8 @@ def all_keys(dl: DataLayer) -> Iterator[tuple[str, Any]]:
     yield from (("serving", (p, v)) for p, served in bf.serving.items() for v in served)
     yield from (("round", v) for v in dl.evals.rounds)
     yield from (("result", i) for i in range(len(dl.evals.results)))
+    yield from (("order", s) for s in dl.mixer.order)
+    yield ("rng", "mixer")
 
 
 class Marks:
@@ -94,6 +103,8 @@ class Marks:
         self._open_rounds = {v for v, r in dl.evals.rounds.items() if not r.written}
         self._evals = self._eval_counters()
         self._results = len(dl.evals.results)
+        self._epochs = dict(dl.mixer.epoch)
+        self._rng = dl.mixer.rng.getstate()
         self._retry: set[tuple[str, Any]] = set()
 
     def _eval_counters(self) -> tuple:
@@ -116,6 +127,13 @@ class Marks:
             out.update(("round", v) for v in opened | self._open_rounds)
             out.update(("result", i) for i in range(self._results, len(dl.evals.results)))
             self._evals, self._open_rounds, self._results = counters, opened, len(dl.evals.results)
+        mixer = dl.mixer
+        out.update(("order", s) for s, e in mixer.epoch.items() if self._epochs.get(s) != e)
+        self._epochs = dict(mixer.epoch)
+        rng = mixer.rng.getstate()
+        if rng != self._rng:
+            out.add(("rng", "mixer"))
+            self._rng = rng
         return out
 
     def give_back(self, keys: set[tuple[str, Any]]) -> None:
@@ -126,10 +144,13 @@ class Marks:
 def small(dl: DataLayer, lengths: dict[str, int]) -> dict[str, Any]:
     """What is saved whole in every record."""
     ledger, buffers = dl.ledger, dl.buffers
+    core = dl.state_dict()
+    del core["order"], core["rng_state"]  # entries of their own
     return {
         "saved_at": time.time(),
         "lengths": lengths,
-        "core": dl.state_dict(),
+        "core": core,
+        "order_len": {s: len(o) for s, o in dl.mixer.order.items()},
         "policies": list(dl.policy_names),
         "layer": {"started": dl._started, "finished": dl.finished, "budget": dl.budget,
                   "trainer_restarts": dl.trainer_restarts, "generated": dl.generated},
@@ -159,9 +180,12 @@ def assemble(fingerprint: str, small_fields: dict[str, Any], entries: dict[str, 
     serving: dict[str, dict] = {p: {} for p in policies}
     for (p, v), items in sorted(entries.get("serving", {}).items(), key=lambda kv: kv[0][1]):
         serving[p][v] = items
+    orders = entries.get("order", {})
+    core = {**sm["core"], "order": {s: orders[s][1][:n] for s, n in sm["order_len"].items()},
+            "rng_state": entries["rng"]["mixer"]}
     return {
         "format": FORMAT, "fingerprint": fingerprint, "saved_at": sm["saved_at"], "lengths": sm["lengths"],
-        "core": sm["core"], "layer": sm["layer"],
+        "core": core, "layer": sm["layer"],
         "leases": {"tasks": {t: task for t, (task, _) in tasks.items() if task is not None},
                    "pending": [t for t in waiting if tasks[t][0].kind != "eval"],
                    "eval_pending": [t for t in waiting if tasks[t][0].kind == "eval"],

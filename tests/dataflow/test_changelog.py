@@ -17,7 +17,7 @@ import pytest
 from astraflow.dataflow import changelog, changes, durable
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.dataflow.layer import DataLayer
-from astraflow.workloads.config import WorkloadConfig
+from astraflow.workloads.config import EvalConfig, WorkloadConfig
 from tests.dataflow.helpers import make_trajectory, store_and_ref
 from tests.dataflow.test_data_layer import Node, run
 from tests.dataflow.test_durable import Paths, _alternating
@@ -219,3 +219,25 @@ def test_a_forged_record_is_refused_without_running_it(tmp_path, monkeypatch):
     with pytest.raises(durable.UnusableSnapshot, match="posix.system|os.system"):
         durable.load(paths.snapshot)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_prompt_orders_across_epochs_replay_exactly(tmp_path):
+    paths = Paths(tmp_path)
+    layer = DataLayer(
+        dataflow=DataflowConfig(batch_size=8),
+        workload=WorkloadConfig(name="math", params={"digits": 1, "num_test": 10, "num_train": 3}, group_size=4,
+                                eval=EvalConfig(every=0)),
+        policies=["p"], store_url=paths.url, metrics_path=str(paths.metrics), max_steps=50,
+        snapshot_path=str(paths.snapshot), journal_path=str(paths.journal))
+
+    async def go():
+        node = Node(layer)
+        for v in range(6):  # 12 groups of 3 prompts: four epochs
+            await node.roll(8, reward_of=_alternating, version=v)
+            await layer.next_batch("p", v, timeout=5)  # replay sampling draws from the random stream too
+            await layer.published("p", v + 1, {"loss": 0.0})
+            same(paths, layer)
+        assert layer.mixer.epoch[""] >= 4
+        await layer.close()
+
+    run(go())
