@@ -15,9 +15,10 @@ entry per key, so that a record holds only the entries changed since the previou
   shrinks from its end within an epoch: each record holds its length), ``rng``: the random stream.
 
 The rooms mark what they change (``Ledger.changed``, ``Leases.changed_nodes``,
-``Buffers.changed``); a group changes only with one of its tasks, and evaluations are compared
-by counters, prompt orders by epoch and the random stream by value. Everything else (versions, rules, prompt orders, counters) is small and saved
-whole in every record (``small``). ``assemble`` turns entries and small fields back into the
+``Buffers.changed``); a group changes only with one of its tasks, evaluations are compared by
+counters, prompt orders by epoch, and the random stream is written with every shuffle and
+every batch served (what draws from it). Everything else (versions, the rules' state, lengths
+of the prompt orders, counters) is small and saved whole in every record (``small``). ``assemble`` turns entries and small fields back into the
 form ``durable.restore`` loads, which ``state_of`` also gives of a live layer.
 """
 
@@ -27,6 +28,8 @@ import bisect
 import re
 import time
 from typing import TYPE_CHECKING, Any, Iterator
+
+from astraflow.dataflow import record as rec
 
 if TYPE_CHECKING:
     from astraflow.dataflow.layer import DataLayer
@@ -104,7 +107,6 @@ class Marks:
         self._evals = self._eval_counters()
         self._results = len(dl.evals.results)
         self._epochs = dict(dl.mixer.epoch)
-        self._rng = dl.mixer.rng.getstate()
         self._retry: set[tuple[str, Any]] = set()
 
     def _eval_counters(self) -> tuple:
@@ -127,13 +129,13 @@ class Marks:
             out.update(("round", v) for v in opened | self._open_rounds)
             out.update(("result", i) for i in range(self._results, len(dl.evals.results)))
             self._evals, self._open_rounds, self._results = counters, opened, len(dl.evals.results)
-        mixer = dl.mixer
-        out.update(("order", s) for s, e in mixer.epoch.items() if self._epochs.get(s) != e)
-        self._epochs = dict(mixer.epoch)
-        rng = mixer.rng.getstate()
-        if rng != self._rng:
+        epochs = dl.mixer.epoch
+        if epochs != self._epochs:
+            out.update(("order", s) for s, e in epochs.items() if self._epochs.get(s) != e)
+            self._epochs = dict(epochs)
+        # the random stream moves only when an order is shuffled or a batch samples replays
+        if any(k[0] == "order" or k[0] == "serving" for k in out):
             out.add(("rng", "mixer"))
-            self._rng = rng
         return out
 
     def give_back(self, keys: set[tuple[str, Any]]) -> None:
@@ -144,8 +146,8 @@ class Marks:
 def small(dl: DataLayer, lengths: dict[str, int]) -> dict[str, Any]:
     """What is saved whole in every record."""
     ledger, buffers = dl.ledger, dl.buffers
-    core = dl.state_dict()
-    del core["order"], core["rng_state"]  # entries of their own
+    core = rec.snapshot(versions=dl.versions, cfg=dl.cfg, rules=dl._rules(), mixer=dl.mixer,
+                        group_seq=dl.buffers.group_seq, orders=False)  # orders and stream: entries of their own
     return {
         "saved_at": time.time(),
         "lengths": lengths,
