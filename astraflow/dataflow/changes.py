@@ -18,8 +18,9 @@ The rooms mark what they change (``Ledger.changed``, ``Leases.changed_nodes``,
 ``Buffers.changed``); a group changes only with one of its tasks, evaluations are compared by
 counters, prompt orders by epoch, and the random stream is written with every shuffle and
 every batch served (what draws from it). Everything else (versions, the rules' state, lengths
-of the prompt orders, counters) is small and saved whole in every record (``small``). ``assemble`` turns entries and small fields back into the
-form ``durable.restore`` loads, which ``state_of`` also gives of a live layer.
+of the prompt orders, counters) is small and saved whole in every record (``small``).
+``assemble`` turns entries and small fields back into the form ``durable.restore`` loads,
+which ``state_of`` also gives of a live layer.
 """
 
 from __future__ import annotations
