@@ -11,7 +11,8 @@ from strings. A run directory on shared storage looks like::
       summary.<time>.json         the summary of an earlier run in the same directory (resumed)
       control/                    partitions.json (desired) + partitions.lock, status.json,
                                   orchestrator.json, dataflow_state.json, run.lock,
-                                  dataflow.snapshot + ledger.jsonl (the data layer's durable state)
+                                  dataflow.snapshot + dataflow.changes.<n> + ledger.jsonl
+                                  (the data layer's durable state: base, log of changes, journal)
       plots/, tensorboard/        written on request by ``astraflow plot`` / ``astraflow tensorboard``
       logs/                       one log file per process
       jobs/                       worker job scripts and logs; submitted.json: every job the

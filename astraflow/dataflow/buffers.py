@@ -123,6 +123,13 @@ class Buffers:
         self.wait_s: dict[str, float] = {p: 0.0 for p in self.policies}
         self.last_batch: dict[str, dict[str, Any]] = {p: {} for p in self.policies}
         self._ingest_seq = 0
+        #: what changed since the data layer's change log last took it (None: not kept;
+        #: ``changes.py``): ``("route", task)``, ``("ready", policy, ingest_seq)``, ``("serving", policy, version)``
+        self.changed: set[tuple] | None = None
+
+    def _touch(self, *key: Any) -> None:
+        if self.changed is not None:
+            self.changed.add(key)
 
     # -- before ingest -----------------------------------------------------------------------
     def open_group(self, prompt_key: str, source: str) -> RolloutGroup:
@@ -155,6 +162,7 @@ class Buffers:
         live = [t for t in grp.task_ids if t in grp.results]
         for tid in live:
             self.routed_left[tid] = 0
+            self._touch("route", tid)
         first_rewards: list[float] = []
         for policy in self.policies:
             items: list[Item] = []
@@ -187,6 +195,7 @@ class Buffers:
                 it.group_mean, it.group_std, it.group_size = mean, std, len(items)
                 it.group_id, it.source, it.ingest_seq = grp.group_id, grp.source, self._ingest_seq
             self.ready[policy].append(ReadyGroup(grp.group_id, self._ingest_seq, items, grp.source))
+            self._touch("ready", policy, self._ingest_seq)
             c["accepted"] += len(items)
             self.cap(policy)
         for tid in live:
@@ -200,12 +209,14 @@ class Buffers:
         buf = self.ready[policy]
         while len(buf) > self.cap_groups:
             grp = buf.pop(0)
+            self._touch("ready", policy, grp.ingest_seq)
             self.counts[policy]["overflow_dropped"] += len(grp.items)
             self.settle(policy, grp.items, "overflow")
 
     def settle(self, policy: str, items: list[Item], drop_reason: str | None) -> None:
         """Items leave a buffer: consumed (``drop_reason`` None) or dropped."""
         for it in items:
+            self._touch("route", it.task_id)
             if drop_reason is None:
                 self.task_consumed.add(it.task_id)
             else:
@@ -231,6 +242,7 @@ class Buffers:
         for grp in list(buf):
             stale = [it for it in grp.items if version - it.oldest_version > self.max_staleness]
             if stale:
+                self._touch("ready", policy, grp.ingest_seq)
                 self.counts[policy]["stale_dropped"] += len(stale)
                 grp.items = [it for it in grp.items if it not in stale]
                 self.settle(policy, stale, "stale")
@@ -264,6 +276,7 @@ class Buffers:
                 grp = mine[gi]
                 take = grp.items[: q - got]
                 grp.items = grp.items[len(take):]
+                self._touch("ready", policy, grp.ingest_seq)
                 chosen.extend(take)
                 got += len(take)
             taken[source] = got
@@ -280,6 +293,7 @@ class Buffers:
         replays = [row_ref(it, version - sequence_oldest(it), replayed=True)
                    for it in self.rng.sample(list(self.replay[policy]), n_replay)] if n_replay else []
         self.replay[policy].extend(chosen)
+        self._touch("serving", policy, version)
         lost = self.serving[policy].pop(version, None)
         if lost:  # this version asks again: the batch served before never reached its training
             self.settle(policy, lost, "served_not_trained")
@@ -307,6 +321,7 @@ class Buffers:
     def commit(self, policy: str, version: int) -> None:
         """``policy``'s trainer committed ``version``: the batch served at ``version - 1`` is consumed."""
         items = self.serving[policy].pop(version - 1, [])
+        self._touch("serving", policy, version - 1)
         for it in items:
             self.staleness_by_node.setdefault(it.node, Counter())[version - 1 - it.oldest_version] += 1
         self.settle(policy, items, None)
@@ -321,6 +336,7 @@ class Buffers:
         back: list[Item] = []
         for v in sorted(v for v in self.serving[policy] if v >= from_version):
             items = self.serving[policy].pop(v)
+            self._touch("serving", policy, v)
             back += items
             self.staleness_hist[policy].subtract(Counter(v - it.oldest_version for it in items))
         if not back:
@@ -340,6 +356,7 @@ class Buffers:
         group (re-created if the rest of it left), the groups in ingest order."""
         groups = {g.ingest_seq: g for g in self.ready[policy]}
         for it in items:
+            self._touch("ready", policy, it.ingest_seq)
             grp = groups.get(it.ingest_seq)
             if grp is None:
                 grp = groups[it.ingest_seq] = ReadyGroup(it.group_id, it.ingest_seq, [], it.source)
@@ -352,9 +369,11 @@ class Buffers:
         too (``served_not_trained``)."""
         for policy, buf in self.ready.items():
             for grp in buf:
+                self._touch("ready", policy, grp.ingest_seq)
                 self.settle(policy, grp.items, "run_ended")
             buf.clear()
-            for served in self.serving[policy].values():
+            for version, served in self.serving[policy].items():
+                self._touch("serving", policy, version)
                 self.settle(policy, served, "served_not_trained")
             self.serving[policy].clear()
 

@@ -2,71 +2,56 @@
 
 Nothing committed is lost and nothing is trained twice when the data layer's worker dies (it
 is re-placed from this state, see ``runtime/restarts.py``) or the whole run does (the next
-``astraflow run`` on the directory continues from it). Two files in ``<run>/control/``:
+``astraflow run`` on the directory continues from it). Files in ``<run>/control/``:
 
-* ``dataflow.snapshot``: everything the layer holds that is not rebuilt from the config: tasks
-  and their leases, the ledger's open tasks and counters, groups in rollout with the
-  trajectories completed so far, the buffers, batches served and not yet committed, evaluation
-  rounds, counters, and what ``dataflow_state.json`` holds (versions, rules, prompt orders,
-  the random stream). It is rewritten (temp file + rename) before any call that changed the
-  state returns; calls that run at the same time share one write (``Snapshots``: a group
-  commit). A call's answer therefore never tells a node or a trainer something the next data
-  layer will not know. Writes reach the kernel, which is enough when a process is killed; only
-  the writes at the end of a run and at a trainer's restart are fsynced. After a machine loses
-  power the snapshot may be older than the weight store: the resume's ``trainer_restarted``
-  records the versions committed since, and the tasks leased since are leased again. Not saved: the replay pool (it refills
-  from the next batches) and node statistics (the next heartbeat brings them).
+* ``dataflow.snapshot`` and ``dataflow.changes.<n>``: everything the layer holds that is not
+  rebuilt from the config: tasks and their leases, the ledger's open tasks and counters, groups
+  in rollout with the trajectories completed so far, the buffers, batches served and not yet
+  committed, evaluation rounds, counters, and what ``dataflow_state.json`` holds (versions,
+  rules, prompt orders, the random stream). A base and an append-only log of the entries that
+  changed since (``changelog.py``; what an entry is: ``changes.py``). Before any call that
+  changed the state returns, a record of its changes is written; calls that run at the same
+  time share one record (a group commit), whose cost follows what changed, not how much the
+  layer holds. A call's answer therefore never tells a node or a trainer something the next
+  data layer will not know. Writes reach the kernel, which is enough when a process is killed;
+  only the records at the end of a run and at a trainer's restart, and every base, are
+  fsynced. After a machine loses power the log may end earlier than the weight store: the
+  resume's ``trainer_restarted`` records the versions committed since, and the tasks leased
+  since are leased again. Not saved: the replay pool (it refills from the next batches), node
+  statistics (the next heartbeat brings them) and the order of waiting tasks (they are queued
+  again handed-back first, then in creation order).
 * ``ledger.jsonl``: one line per task created and per task ended (``{"t": id, "e": "created" |
   outcome, "r": reason}``): the run's record that every task ended once, across incarnations.
 
-The snapshot records how long ``ledger.jsonl`` and ``metrics.jsonl`` were when it was taken. A
-restore cuts both back to those lengths: lines written after the last snapshot describe changes
-the restored layer does not have, and are written again when the calls are retried.
+Every record holds how long ``ledger.jsonl`` and ``metrics.jsonl`` were when it was written. A
+restore cuts both back to the lengths of the last record: lines written after it describe
+changes the restored layer does not have, and are written again when the calls are retried.
+A restored layer writes a new base of what it holds before it answers any call.
 
-The snapshot is a pickle read back by ``storage.safe_pickle.AllowlistUnpickler`` with only the
-record classes below: a forged file cannot run code, it is refused.
+The files are pickles read back by ``storage.safe_pickle.AllowlistUnpickler`` with only the
+data layer's record classes: a forged file cannot run code, it is refused.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
-import pickle
 import time
 from collections import Counter, deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
+from astraflow.dataflow import changelog
 from astraflow.dataflow import record as rec
+from astraflow.dataflow.changelog import FORMAT, SNAPSHOT_GLOBALS, ChangeLog, UnusableSnapshot
 from astraflow.dataflow.ledger import TERMINAL
-from storage.atomic import write_atomically
-from storage.safe_pickle import AllowlistUnpickler
 
 if TYPE_CHECKING:
     from astraflow.dataflow.layer import DataLayer
     from astraflow.workloads.config import WorkloadConfig
 
-FORMAT = 1
-
-#: what a snapshot may refer to: the data layer's records, and numpy scalars/arrays in payloads
-SNAPSHOT_GLOBALS: dict[str, frozenset[str]] = {
-    "astraflow.contracts": frozenset({"RolloutTask", "TrajectoryRef", "SequenceSummary"}),
-    "storage.trajectories.layout": frozenset({"EntryRef"}),
-    "astraflow.dataflow.ledger": frozenset({"TaskRecord"}),
-    "astraflow.dataflow.buffers": frozenset({"RolloutGroup", "Item", "ReadyGroup"}),
-    "astraflow.dataflow.evals": frozenset({"EvalRound"}),
-    "astraflow.dataflow.record": frozenset({"Generated"}),
-    "collections": frozenset({"Counter", "deque", "OrderedDict"}),
-    "numpy": frozenset({"dtype", "ndarray"}),
-    "numpy.core.multiarray": frozenset({"scalar", "_reconstruct"}),
-    "numpy._core.multiarray": frozenset({"scalar", "_reconstruct"}),
-}
-
-
-class UnusableSnapshot(ValueError):
-    """The snapshot cannot be restored (unreadable, forged, or of another configuration)."""
+__all__ = ["FORMAT", "SNAPSHOT_GLOBALS", "Durability", "UnusableSnapshot", "load"]
 
 
 def fingerprint_of(policies: list[str], workload: WorkloadConfig) -> str:
@@ -122,60 +107,6 @@ def cut_back(state: dict[str, Any], journal_path: Path | None, metrics_path: Pat
             os.truncate(path, length)
 
 
-class Snapshots:
-    """Group commit of the data layer's snapshot: ``await commit()`` returns once a snapshot
-    taken after the call began is written. Calls that await at the same time share a write;
-    one arriving during a write waits for the next. ``sync``: fsync that write."""
-
-    def __init__(self, path: Path | None, capture: Callable[[], bytes]):
-        self.path = path
-        self._capture = capture
-        self._waiters: list[asyncio.Future] = []
-        self._sync = False
-        self._writer: asyncio.Task | None = None
-        self.writes = 0
-        self.write_s = 0.0
-        self.bytes = 0
-        #: calls that awaited a write (more than writes: calls share them)
-        self.commits = 0
-
-    def stats(self) -> dict[str, Any]:
-        return {"writes": self.writes, "commits": self.commits, "write_s": round(self.write_s, 3),
-                "last_bytes": self.bytes}
-
-    async def commit(self, sync: bool = False) -> None:
-        if self.path is None:
-            return
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        self.commits += 1
-        self._sync = self._sync or sync
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.ensure_future(self._write_all())
-        await fut
-
-    async def _write_all(self) -> None:
-        while self._waiters:
-            await asyncio.sleep(0)  # the calls running now join this write
-            waiters, self._waiters = self._waiters, []
-            sync, self._sync = self._sync, False
-            t0 = time.perf_counter()
-            try:
-                data = self._capture()  # on the event loop: one consistent state
-                await asyncio.to_thread(write_atomically, self.path, data, sync)
-            except BaseException as err:  # e.g. disk full: every waiting call fails with it
-                for w in waiters:
-                    if not w.done():
-                        w.set_exception(err)
-                continue
-            self.writes += 1
-            self.write_s += time.perf_counter() - t0
-            self.bytes = len(data)
-            for w in waiters:
-                if not w.done():
-                    w.set_result(None)
-
-
 class Durability:
     """The data layer's snapshot and journal (module docstring): built before the layer opens
     its files (a saved snapshot cuts them back first), attached and restored once it is built."""
@@ -190,12 +121,20 @@ class Durability:
         if self.saved is not None:
             cut_back(self.saved, self.journal_path, Path(metrics_path) if metrics_path else None)
         self.journal = Journal(self.journal_path)
-        self.snapshots = Snapshots(self.snapshot_path, self._capture)
+        self.log = ChangeLog(self.snapshot_path, self.fingerprint)
         self._dl: DataLayer | None = None
 
-    def _capture(self) -> bytes:
-        dl = self._dl
-        return capture(dl, metrics_len=dl.metrics.length(), journal_len=self.journal.flush())
+    def lengths(self) -> dict[str, int]:
+        """``metrics.jsonl`` and ``ledger.jsonl`` flushed to the kernel: their lengths."""
+        return {"metrics": self._dl.metrics.length(), "journal": self.journal.flush()}
+
+    async def commit(self, sync: bool = False) -> None:
+        """Return once every change made so far is in the log (``ChangeLog.commit``)."""
+        await self.log.commit(sync)
+
+    async def close(self) -> None:
+        await self.log.close()
+        self.journal.close()
 
     def restore(self, dl: DataLayer, keep_leases: bool) -> tuple[dict[str, Any] | None, dict[str, set[int]]]:
         """Attach to the built ``dl`` and load what was saved: the whole snapshot when it is of
@@ -211,15 +150,15 @@ class Durability:
             dl.buffers.group_seq = rec.restore(core, versions=dl.versions, cfg=dl.cfg, rules=dl._rules(),
                                                mixer=dl.mixer)
         in_doubt: dict[str, set[int]] = {p: set() for p in dl.policy_names}
-        if saved is None:
-            return None, in_doubt
-        if saved["fingerprint"] != self.fingerprint:  # the config changed what its tasks mean
+        restored = None
+        if saved is not None and saved["fingerprint"] != self.fingerprint:  # the config changed what its tasks mean
             for tid in saved["ledger"]["live"]:
                 self.journal(tid, "dropped", "config_changed")
-            return None, in_doubt
-        restored = restore(dl, saved, self.journal_path, keep_leases)
-        if keep_leases:
-            in_doubt = {p: set(dl.buffers.serving[p]) for p in dl.policy_names}
+        elif saved is not None:
+            restored = restore(dl, saved, self.journal_path, keep_leases)
+            if keep_leases:
+                in_doubt = {p: set(dl.buffers.serving[p]) for p in dl.policy_names}
+        self.log.start(dl, self.lengths)
         return restored, in_doubt
 
 
@@ -229,42 +168,10 @@ _BUFFER_FIELDS = ("rolling", "group_seq", "groups_ingested", "ready", "serving",
                   "task_drop_reason", "counts", "staleness_hist", "wait_s", "last_batch", "_ingest_seq")
 
 
-def capture(dl: DataLayer, metrics_len: int, journal_len: int) -> bytes:
-    """The pickled snapshot of ``dl`` (module docstring)."""
-    leases, ledger, buffers = dl.leases, dl.ledger, dl.buffers
-    state = {
-        "format": FORMAT,
-        "fingerprint": dl.durability.fingerprint,
-        "saved_at": time.time(),
-        "lengths": {"metrics": metrics_len, "journal": journal_len},
-        "core": dl.state_dict(),
-        "layer": {"started": dl._started, "finished": dl.finished, "budget": dl.budget,
-                  "trainer_restarts": dl.trainer_restarts, "generated": dl.generated},
-        "leases": {"tasks": leases.tasks, "pending": list(leases.pending), "eval_pending": list(leases.eval_pending),
-                   "held": {t: n for t, (n, _) in leases.held.items()},
-                   "nodes": {n: {k: i[k] for k in ("leased", "completed", "draining", "gone") if k in i}
-                             for n, i in leases.nodes.items()}},
-        "ledger": {"live": ledger.live, "events": ledger.events, "dropped_by_reason": ledger.dropped_by_reason,
-                   "failed_by_reason": ledger.failed_by_reason, "state_counts": ledger.state_counts},
-        "buffers": {f: getattr(buffers, f) for f in _BUFFER_FIELDS},
-        "mixer": {"consumed": dl.mixer.consumed, "groups_created": dl.mixer.groups_created},
-        "evals": {"rounds": dl.evals.rounds, "results": dl.evals.results},
-    }
-    return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
-
-
 def load(path: Path) -> dict[str, Any] | None:
-    """The snapshot at ``path`` (None when there is none); ``UnusableSnapshot`` when it cannot
-    be read or refers to anything but the data layer's records."""
-    if not path.exists():
-        return None
-    try:
-        state = AllowlistUnpickler(path.read_bytes(), path, SNAPSHOT_GLOBALS).load()
-    except Exception as err:
-        raise UnusableSnapshot(f"{path} cannot be read ({type(err).__name__}: {err})") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UnusableSnapshot(f"{path} is not a data-layer snapshot of this AstraFlow version")
-    return state
+    """The state saved at ``path`` (``changelog.load``; None when there is none);
+    ``UnusableSnapshot`` when it cannot be read or refers to anything but the data layer's records."""
+    return changelog.load(path)
 
 
 def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, keep_leases: bool) -> dict[str, Any]:

@@ -15,8 +15,8 @@ own the state, each with its named asynchronous overlap:
 * ``evals.py``: held-out evaluation rounds;
 * ``record.py``: the metrics lines and the saved state;
 * ``rules.py``: the dataflow rules (curator, group filter, ordering) run at their stages;
-* ``durable.py``: the snapshot every call that changed the state writes before it answers,
-  and the ledger's journal (a re-placed or resumed data layer continues from them).
+* ``durable.py``: the change log every call that changed the state writes to before it
+  answers, and the ledger's journal (a re-placed or resumed data layer continues from them).
 
 Every public method is ``async``: Dask runs async actor methods on the worker's event loop,
 one at a time between awaits, so the state needs no locks, and a trainer blocked in
@@ -317,6 +317,7 @@ class DataLayer(TrainerFacing):
         """Stop leasing to ``node`` and the nodes sharing its worker (they finish what they hold)."""
         for name in self.leases.on_worker(node):
             self.leases.node(name)["draining"] = True
+            self.leases.touch_node(name)
         await self._durable()
 
     async def node_gone(self, node: str) -> int:
@@ -335,10 +336,10 @@ class DataLayer(TrainerFacing):
         return self.ledger.events.total()
 
     async def _durable(self, mark: int | None = None, sync: bool = False) -> None:
-        """Return once the state is in a snapshot (``durable.Snapshots``); with ``mark``
-        (``_mark()`` at the call's start), only when the ledger moved since."""
+        """Return once the state's changes are in the change log (``durable.Durability.commit``);
+        with ``mark`` (``_mark()`` at the call's start), only when the ledger moved since."""
         if mark is None or self._mark() != mark:
-            await self.durability.snapshots.commit(sync)
+            await self.durability.commit(sync)
 
     # ------------------------------------------------------------------ evaluation
     async def start_eval(self, version: int) -> None:
@@ -373,5 +374,5 @@ class DataLayer(TrainerFacing):
         return rec.layer_status(self)
 
     async def close(self) -> None:
+        await self.durability.close()  # first: its last record reads the metrics file's length
         self.metrics.close()
-        self.durability.journal.close()

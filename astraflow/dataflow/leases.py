@@ -55,12 +55,24 @@ class Leases:
         self._numbers = itertools.count()
         #: node -> what it reports on heartbeats plus ``leased`` / ``completed`` / ``draining``
         self.nodes: dict[str, dict[str, Any]] = {}
+        #: nodes whose ``leased`` / ``completed`` / ``draining`` / ``gone`` changed since the data
+        #: layer's change log last took them (None: not kept; ``changes.py``)
+        self.changed_nodes: set[str] | None = None
+
+    def touch_node(self, name: str) -> None:
+        """What the change log keeps of ``name`` changed."""
+        if self.changed_nodes is not None:
+            self.changed_nodes.add(name)
 
     def _queue(self, kind: str) -> deque[str]:
         return self.eval_pending if kind == "eval" else self.pending
 
     def node(self, name: str) -> dict[str, Any]:
-        return self.nodes.setdefault(name, {"leased": 0, "completed": 0, "draining": False})
+        info = self.nodes.get(name)
+        if info is None:
+            info = self.nodes[name] = {"leased": 0, "completed": 0, "draining": False}
+            self.touch_node(name)
+        return info
 
     def add(self, task: RolloutTask) -> None:
         """A new task, queued at the back of its queue."""
@@ -85,6 +97,7 @@ class Leases:
                 self.hold(tid, node, deadline)
                 out.append(task)
         self.node(node)["leased"] += len(out)
+        self.touch_node(node)
         return out
 
     def hold(self, tid: str, node: str, deadline: float) -> None:
@@ -123,6 +136,7 @@ class Leases:
             if ref.task_id in q:
                 q.remove(ref.task_id)
         self.node(ref.node)["completed"] += 1
+        self.touch_node(ref.node)
         return self.tasks.pop(ref.task_id)
 
     def expire(self) -> None:
@@ -182,6 +196,7 @@ class Leases:
             self.give_back(tid, "node_gone")
         for name in names:
             self.nodes.setdefault(name, {})["gone"] = True
+            self.touch_node(name)
         return len(tids)
 
     def end_all(self, keep: Container[str]) -> None:

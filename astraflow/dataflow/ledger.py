@@ -10,6 +10,8 @@ Ending a task twice is a bug and asserts.
 
 ``journal`` (when set) is told every creation and every end, in order: the data layer appends
 them to ``ledger.jsonl`` (``durable.py``), the run's record that every task ended once.
+``changed`` (when set) collects the ids of the tasks whose record moved, which the data layer's
+change log writes (``changes.py``).
 
 Memory stays flat however long a run is: an ended task keeps only its outcome, and only the
 ``remember`` most recent ones are kept (a late duplicate completion of an older one is still
@@ -75,11 +77,17 @@ class Ledger:
     live: dict[str, TaskRecord] = field(default_factory=dict)
     #: told ``(task_id, "created" or an outcome, reason)`` on every creation and end
     journal: Callable[[str, str, str | None], None] | None = None
+    #: the ids of tasks created, moved or ended since the change log last took them (None: not kept)
+    changed: set[str] | None = None
 
     @property
     def tasks(self) -> Mapping[str, TaskRecord]:
         """Every task the ledger knows: live ones, then the remembered ended ones."""
         return _AllTasks(self)
+
+    def _touch(self, task_id: str) -> None:
+        if self.changed is not None:
+            self.changed.add(task_id)
 
     def _move(self, rec: TaskRecord, new: str) -> None:
         self.state_counts[rec.state] -= 1
@@ -89,6 +97,7 @@ class Ledger:
     def add(self, task_id: str) -> None:
         assert task_id not in self.live and task_id not in self.ended, f"task {task_id} created twice"
         self.live[task_id] = TaskRecord()
+        self._touch(task_id)
         self.state_counts["pending"] += 1
         self.events["created"] += 1
         if self.journal is not None:
@@ -97,6 +106,7 @@ class Ledger:
     def lease(self, task_id: str, node: str) -> None:
         rec = self.live[task_id]
         assert rec.state == "pending", f"lease of {task_id} in state {rec.state}"
+        self._touch(task_id)
         self._move(rec, "leased")
         rec.node = node
         self.events["leased"] += 1
@@ -104,6 +114,7 @@ class Ledger:
     def requeue(self, task_id: str, why: str) -> None:
         rec = self.live[task_id]
         assert rec.state == "leased", f"requeue of {task_id} in state {rec.state}"
+        self._touch(task_id)
         self._move(rec, "pending")
         rec.node = None
         rec.attempt += 1
@@ -116,6 +127,7 @@ class Ledger:
         if rec is None or rec.state not in ("leased", "pending"):
             self.events["duplicate_completions"] += 1
             return False
+        self._touch(task_id)
         self._move(rec, "completed")
         self.events["completed"] += 1
         return True
@@ -124,6 +136,7 @@ class Ledger:
         assert outcome in TERMINAL, outcome
         rec = self.live.pop(task_id, None)
         assert rec is not None, f"task {task_id} ended twice ({self.ended.get(task_id, 'forgotten')}, then {outcome})"
+        self._touch(task_id)
         self._move(rec, outcome)
         self.remember_end(task_id, outcome)
         if self.journal is not None:

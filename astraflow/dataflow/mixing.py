@@ -148,11 +148,11 @@ class Mixer:
     def groups_by_source(self) -> dict[str, int]:
         return {s: self.groups_created[s] for s in self.weights}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, orders: bool = True) -> dict[str, Any]:
         """Prompt orders, epochs and mixing credit (the shared random stream is saved by the
-        data layer's snapshot)."""
+        data layer's snapshot). ``orders`` False: without the prompt orders."""
         return {
-            "order": {s: list(o) for s, o in self.order.items()},
+            **({"order": {s: list(o) for s, o in self.order.items()}} if orders else {}),
             "epoch": dict(self.epoch),
             "mix_credit": {p: dict(c) for p, c in self.credit.items()},
         }

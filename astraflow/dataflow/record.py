@@ -195,20 +195,23 @@ def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str,
 
 
 def snapshot(*, versions: dict[str, int], cfg: DataflowConfig, rules: dict[str, Any], mixer: Mixer,
-             group_seq: int) -> dict[str, Any]:
+             group_seq: int, orders: bool = True) -> dict[str, Any]:
     """What a resumed run needs: the trainers' versions, the rules' own state (random streams
     included) with their ``type`` names, the prompt order of each source and the shuffling
     stream, and the batch-time mixing credit. Leases and buffers are not saved: the tasks of
-    an interrupted run end as ``run_ended`` and are rolled out again."""
-    version, internal, gauss = mixer.rng.getstate()
-    return {
+    an interrupted run end as ``run_ended`` and are rolled out again. ``orders`` False: without
+    the prompt orders and the shuffling stream (the change log keeps them apart)."""
+    out = {
         "versions": dict(versions),
         RULE_TYPES_KEY: {stage: getattr(cfg, stage).type for stage in RULE_STAGES},
         **{stage: rules[stage].state_dict() for stage in RULE_STAGES},
-        **mixer.state_dict(),
+        **mixer.state_dict(orders),
         "group_seq": group_seq,
-        "rng_state": [version, list(internal), gauss],
     }
+    if orders:
+        version, internal, gauss = mixer.rng.getstate()
+        out["rng_state"] = [version, list(internal), gauss]
+    return out
 
 
 def restore(state: dict[str, Any], *, versions: dict[str, int], cfg: DataflowConfig, rules: dict[str, Any],
@@ -262,7 +265,7 @@ def layer_status(dl: DataLayer) -> dict[str, Any]:
         **dl.buffers.status(),  # buffers, counts, staleness_hist, trainer_wait_s
         "trainer_restarts": dict(dl.trainer_restarts),
         "restored": dl.restored,  # what this data layer continued from (a re-placed or resumed one)
-        "snapshots": dl.durability.snapshots.stats(),
+        "snapshots": dl.durability.log.stats(),
         "service_ms": dl.service.summary(),
         "sequences_generated": dl.generated.sequences,
         "tokens_generated": dl.generated.tokens,

@@ -1,0 +1,216 @@
+"""What the data layer's durable record holds, entry by entry (``changelog.py`` writes it).
+
+The state that grows with the work in flight lives in keyed containers, each saved as one
+entry per key, so that a record holds only the entries changed since the previous one:
+
+* ``task``: task id -> ``(RolloutTask or None, TaskRecord)``: the ledger's open task and, until
+  it completes, its task (queues and leases are derived from the records on restore);
+* ``group``: group id -> the ``RolloutGroup`` in rollout, with its results so far;
+* ``node``: node -> what is kept of it (``leased``, ``completed``, ``draining``, ``gone``);
+* ``route``: task id -> ``(items not settled, consumed, drop reason)`` of a routed task;
+* ``ready``: ``(policy, ingest_seq)`` -> a buffered ``ReadyGroup``;
+* ``serving``: ``(policy, version)`` -> the items of a batch served and not committed;
+* ``round`` / ``result``: evaluation rounds by version, finished round records by position;
+* ``order``: source -> ``(epoch, prompt order)`` as written when its epoch began (the order only
+  shrinks from its end within an epoch: each record holds its length), ``rng``: the random stream.
+
+The rooms mark what they change (``Ledger.changed``, ``Leases.changed_nodes``,
+``Buffers.changed``); a group changes only with one of its tasks, evaluations are compared by
+counters, prompt orders by epoch, and the random stream is written with every shuffle and
+every batch served (what draws from it). Everything else (versions, the rules' state, lengths
+of the prompt orders, counters) is small and saved whole in every record (``small``).
+``assemble`` turns entries and small fields back into the form ``durable.restore`` loads,
+which ``state_of`` also gives of a live layer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import time
+from typing import TYPE_CHECKING, Any, Iterator
+
+from astraflow.dataflow import record as rec
+
+if TYPE_CHECKING:
+    from astraflow.dataflow.layer import DataLayer
+
+FORMAT = 2
+KINDS = ("task", "group", "node", "route", "ready", "serving", "round", "result", "order", "rng")
+NODE_FIELDS = ("leased", "completed", "draining", "gone")
+SMALL_BUFFER_FIELDS = ("group_seq", "groups_ingested", "counts", "staleness_hist", "wait_s", "last_batch",
+                       "_ingest_seq")
+
+
+def group_of(task_id: str) -> str:
+    """The group of a task (ids are ``<group>/<index>``, ``Buffers.open_group``)."""
+    return task_id.rpartition("/")[0]
+
+
+def entry(dl: DataLayer, kind: str, key: Any) -> Any:
+    """The current value of one entry of ``dl`` (None: there is none)."""
+    if kind == "task":
+        rec = dl.ledger.live.get(key)
+        return None if rec is None else (dl.leases.tasks.get(key), rec)
+    if kind == "group":
+        return dl.buffers.rolling.get(key)
+    if kind == "node":
+        info = dl.leases.nodes.get(key)
+        kept = {f: info[f] for f in NODE_FIELDS if f in info} if info is not None else None
+        return kept or None
+    bf = dl.buffers
+    if kind == "route":
+        left, consumed, reason = bf.routed_left.get(key), key in bf.task_consumed, bf.task_drop_reason.get(key)
+        return None if left is None and not consumed and reason is None else (left, consumed, reason)
+    if kind == "ready":
+        policy, seq = key
+        buf = bf.ready.get(policy, [])
+        i = bisect.bisect_left(buf, seq, key=lambda g: g.ingest_seq)  # a buffer is in ingest order
+        return buf[i] if i < len(buf) and buf[i].ingest_seq == seq else None
+    if kind == "serving":
+        policy, version = key
+        return bf.serving.get(policy, {}).get(version)
+    if kind == "round":
+        return dl.evals.rounds.get(key)
+    if kind == "result":
+        return dl.evals.results[key] if key < len(dl.evals.results) else None
+    if kind == "order":
+        return dl.mixer.epoch[key], list(dl.mixer.order[key])
+    if kind == "rng":
+        version, internal, gauss = dl.mixer.rng.getstate()
+        return [version, list(internal), gauss]
+    raise ValueError(kind)
+
+
+def all_keys(dl: DataLayer) -> Iterator[tuple[str, Any]]:
+    """Every entry's ``(kind, key)`` (a whole record: the base a change log starts from)."""
+    yield from (("task", t) for t in dl.ledger.live)
+    yield from (("group", g) for g in dl.buffers.rolling)
+    yield from (("node", n) for n in dl.leases.nodes)
+    bf = dl.buffers
+    yield from (("route", t) for t in {*bf.routed_left, *bf.task_consumed, *bf.task_drop_reason})
+    yield from (("ready", (p, g.ingest_seq)) for p, buf in bf.ready.items() for g in buf)
+    yield from (("serving", (p, v)) for p, served in bf.serving.items() for v in served)
+    yield from (("round", v) for v in dl.evals.rounds)
+    yield from (("result", i) for i in range(len(dl.evals.results)))
+    yield from (("order", s) for s in dl.mixer.order)
+    yield ("rng", "mixer")
+
+
+class Marks:
+    """The keys changed since the last record: taken from the rooms' marks, plus the groups of
+    the tasks that moved and the evaluation rounds whose counters moved."""
+
+    def __init__(self, dl: DataLayer):
+        self.dl = dl
+        dl.ledger.changed, dl.leases.changed_nodes, dl.buffers.changed = set(), set(), set()
+        self._open_rounds = {v for v, r in dl.evals.rounds.items() if not r.written}
+        self._evals = self._eval_counters()
+        self._results = len(dl.evals.results)
+        self._epochs = dict(dl.mixer.epoch)
+        self._retry: set[tuple[str, Any]] = set()
+
+    def _eval_counters(self) -> tuple:
+        ev = self.dl.ledger.events
+        return len(self.dl.evals.rounds), len(self.dl.evals.results), ev["evaluated"], ev["failed"]
+
+    def take(self) -> set[tuple[str, Any]]:
+        """The changed ``(kind, key)`` pairs; the marks start afresh."""
+        dl = self.dl
+        tasks, nodes, buffered = dl.ledger.changed, dl.leases.changed_nodes, dl.buffers.changed
+        dl.ledger.changed, dl.leases.changed_nodes, dl.buffers.changed = set(), set(), set()
+        out, self._retry = self._retry, set()
+        out.update(("task", t) for t in tasks)
+        out.update(("group", group_of(t)) for t in tasks)
+        out.update(("node", n) for n in nodes)
+        out.update(("route", k[1]) if k[0] == "route" else (k[0], (k[1], k[2])) for k in buffered)
+        counters = self._eval_counters()
+        if counters != self._evals:
+            opened = {v for v, r in dl.evals.rounds.items() if not r.written}
+            out.update(("round", v) for v in opened | self._open_rounds)
+            out.update(("result", i) for i in range(self._results, len(dl.evals.results)))
+            self._evals, self._open_rounds, self._results = counters, opened, len(dl.evals.results)
+        epochs = dl.mixer.epoch
+        if epochs != self._epochs:
+            out.update(("order", s) for s, e in epochs.items() if self._epochs.get(s) != e)
+            self._epochs = dict(epochs)
+        # the random stream moves only when an order is shuffled or a batch samples replays
+        if any(k[0] == "order" or k[0] == "serving" for k in out):
+            out.add(("rng", "mixer"))
+        return out
+
+    def give_back(self, keys: set[tuple[str, Any]]) -> None:
+        """A record that could not be written: its keys are taken again next time."""
+        self._retry |= keys
+
+
+def small(dl: DataLayer, lengths: dict[str, int]) -> dict[str, Any]:
+    """What is saved whole in every record."""
+    ledger, buffers = dl.ledger, dl.buffers
+    core = rec.snapshot(versions=dl.versions, cfg=dl.cfg, rules=dl._rules(), mixer=dl.mixer,
+                        group_seq=dl.buffers.group_seq, orders=False)  # orders and stream: entries of their own
+    return {
+        "saved_at": time.time(),
+        "lengths": lengths,
+        "core": core,
+        "order_len": {s: len(o) for s, o in dl.mixer.order.items()},
+        "policies": list(dl.policy_names),
+        "layer": {"started": dl._started, "finished": dl.finished, "budget": dl.budget,
+                  "trainer_restarts": dl.trainer_restarts, "generated": dl.generated},
+        "ledger": {"events": ledger.events, "dropped_by_reason": ledger.dropped_by_reason,
+                   "failed_by_reason": ledger.failed_by_reason, "state_counts": ledger.state_counts},
+        "buffers": {f: getattr(buffers, f) for f in SMALL_BUFFER_FIELDS},
+        "mixer": {"consumed": dl.mixer.consumed, "groups_created": dl.mixer.groups_created},
+    }
+
+
+def _natural(task_id: str) -> list:
+    return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", task_id)]
+
+
+def assemble(fingerprint: str, small_fields: dict[str, Any], entries: dict[str, dict]) -> dict[str, Any]:
+    """The saved state in the form ``durable.restore`` loads. Tasks waiting to be leased are
+    queued in their kind's queue, those handed back first, then in creation order."""
+    sm = small_fields
+    tasks = entries.get("task", {})
+    waiting = sorted((t for t, (_, rec) in tasks.items() if rec.state == "pending"),
+                     key=lambda t: (tasks[t][1].attempt == 0, _natural(t)))
+    routes = entries.get("route", {})
+    policies = sm["policies"]
+    ready: dict[str, list] = {p: [] for p in policies}
+    for (p, _), grp in sorted(entries.get("ready", {}).items(), key=lambda kv: kv[0][1]):
+        ready[p].append(grp)
+    serving: dict[str, dict] = {p: {} for p in policies}
+    for (p, v), items in sorted(entries.get("serving", {}).items(), key=lambda kv: kv[0][1]):
+        serving[p][v] = items
+    orders = entries.get("order", {})
+    core = {**sm["core"], "order": {s: orders[s][1][:n] for s, n in sm["order_len"].items()},
+            "rng_state": entries["rng"]["mixer"]}
+    return {
+        "format": FORMAT, "fingerprint": fingerprint, "saved_at": sm["saved_at"], "lengths": sm["lengths"],
+        "core": core, "layer": sm["layer"],
+        "leases": {"tasks": {t: task for t, (task, _) in tasks.items() if task is not None},
+                   "pending": [t for t in waiting if tasks[t][0].kind != "eval"],
+                   "eval_pending": [t for t in waiting if tasks[t][0].kind == "eval"],
+                   "held": {t: rec.node for t, (_, rec) in tasks.items() if rec.state == "leased"},
+                   "nodes": dict(entries.get("node", {}))},
+        "ledger": {"live": {t: rec for t, (_, rec) in tasks.items()}, **sm["ledger"]},
+        "buffers": {"rolling": dict(entries.get("group", {})), "ready": ready, "serving": serving,
+                    "routed_left": {t: r[0] for t, r in routes.items() if r[0] is not None},
+                    "task_consumed": {t for t, r in routes.items() if r[1]},
+                    "task_drop_reason": {t: r[2] for t, r in routes.items() if r[2] is not None},
+                    **sm["buffers"]},
+        "mixer": sm["mixer"],
+        "evals": {"rounds": dict(sorted(entries.get("round", {}).items())),
+                  "results": [r for _, r in sorted(entries.get("result", {}).items())]},
+    }
+
+
+def state_of(dl: DataLayer, fingerprint: str, lengths: dict[str, int]) -> dict[str, Any]:
+    """The state of a live ``dl`` in ``assemble``'s form: what a restore of its record gives."""
+    entries: dict[str, dict] = {k: {} for k in KINDS}
+    for kind, key in all_keys(dl):
+        value = entry(dl, kind, key)
+        if value is not None:
+            entries[kind][key] = value
+    return assemble(fingerprint, small(dl, lengths), entries)

@@ -1,0 +1,243 @@
+"""The data layer's change log (``astraflow/dataflow/changelog.py``, ``changes.py``): after
+every call, the base and log on disk replay to exactly what the live layer holds; a record
+holds only what changed; a torn last record, a compaction and a crash in the middle of one
+lose nothing that a call was answered on; a forged record is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import zlib
+from collections import deque
+
+import numpy as np
+import pytest
+
+from astraflow.dataflow import changelog, changes, durable
+from astraflow.dataflow.config import DataflowConfig
+from astraflow.dataflow.layer import DataLayer
+from astraflow.workloads.config import EvalConfig, WorkloadConfig
+from tests.dataflow.helpers import make_trajectory, store_and_ref
+from tests.dataflow.test_data_layer import Node, run
+from tests.dataflow.test_durable import Paths, _alternating
+
+
+def plain(x):
+    """``x`` with its containers in a canonical order (a replay builds dicts in another order)."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x).__name__, plain(vars(x)))
+    if isinstance(x, dict):
+        return sorted(((repr(k), plain(v)) for k, v in x.items()), key=lambda kv: kv[0])
+    if isinstance(x, (set, frozenset)):
+        return sorted(repr(v) for v in x)
+    if isinstance(x, (list, tuple, deque)):
+        return [plain(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return ("ndarray", str(x.dtype), x.tolist())
+    return x
+
+
+def saved(paths) -> dict:
+    state = durable.load(paths.snapshot)
+    state.pop("saved_at")
+    return state
+
+
+def live(layer) -> dict:
+    state = changes.state_of(layer, layer.durability.fingerprint, layer.durability.lengths())
+    state.pop("saved_at")
+    # what is derived from the task records is what the rooms hold
+    assert state["leases"]["held"] == {t: n for t, (n, _) in layer.leases.held.items()}
+    assert set(state["leases"]["pending"]) == set(layer.leases.pending)
+    assert set(state["leases"]["eval_pending"]) == set(layer.leases.eval_pending)
+    return state
+
+
+def same(paths, layer) -> None:
+    assert plain(saved(paths)) == plain(live(layer))
+
+
+def log_files(paths) -> list:
+    return [changelog.log_path(paths.snapshot, n) for n in changelog.log_numbers(paths.snapshot)]
+
+
+async def _every_kind_of_call(layer, paths, check) -> None:
+    """Calls that change every part of the state, ``check`` after each (after a commit: a call
+    that moved no task, such as a heartbeat, leaves its changes to the next one)."""
+    node = Node(layer)
+
+    async def committed():
+        await layer.durability.commit()
+        check_now()
+
+    check_now, check = check, committed
+    await node.roll(16, reward_of=_alternating)
+    await check()
+    held = await layer.lease("n1", 4)
+    await check()
+    await layer.fail(held[0].task_id, "engine")
+    await layer.heartbeat("n1", {"holding": [t.task_id for t in held[1:]]})
+    await layer.drain("n2")
+    await check()
+    await layer.next_batch("p", 0, timeout=5)
+    await check()
+    await layer.published("p", 1, {"loss": 0.0})
+    await check()
+    assert await layer.node_gone("n1") == 3
+    await check()
+    await node.roll(8, reward_of=lambda t: 1.0)  # equal rewards: settled by the group filter or buffered
+    await check()
+    await layer.next_batch("p", 1, timeout=5)
+    await layer.trainer_restarted("p", 1)  # the batch just served goes back
+    await check()
+    evals = await layer.lease("n3", len(layer.leases.eval_pending))
+    trajs = [make_trajectory(t, 1.0, node="n3") for t in evals if t.kind == "eval"]
+    await layer.complete(store_and_ref(node.writer, trajs))
+    await check()
+    await layer.finish()
+    await check()
+
+
+def test_after_every_call_the_saved_state_is_the_live_state(tmp_path):
+    paths = Paths(tmp_path)
+    layer = paths.layer(eval_every=2)
+    run(_every_kind_of_call(layer, paths, lambda: same(paths, layer)))
+    run(layer.close())
+
+
+def test_a_record_holds_what_changed_not_what_is_outstanding(tmp_path):
+    paths = Paths(tmp_path)
+    layer = DataLayer(
+        dataflow=DataflowConfig(batch_size=8, prefetch_groups=60),
+        workload=WorkloadConfig(name="math", params={"digits": 2, "num_test": 10}, group_size=4),
+        policies=["p"], store_url=paths.url, metrics_path=str(paths.metrics), max_steps=5,
+        snapshot_path=str(paths.snapshot), journal_path=str(paths.journal))
+
+    async def go():
+        for i in range(50):  # 200 tasks leased and outstanding
+            await layer.lease(f"n{i}", 4)
+        records_before, _ = changelog.read_records(log_files(paths)[-1])
+        await layer.lease("late", 1)
+        records, _ = changelog.read_records(log_files(paths)[-1])
+        assert len(layer.leases.held) == 201 and len(records) == len(records_before) + 1
+        # the task leased, the tasks of a group created for it and their group, the node
+        written = [kind for kind, _, _ in pickle.loads(records[-1])["set"]]
+        assert len(written) <= 2 + 2 * layer.wcfg.group_size, written
+        same(paths, layer)
+        await layer.close()
+
+    run(go())
+
+
+def test_a_torn_last_record_restores_the_state_before_it(tmp_path):
+    paths = Paths(tmp_path)
+    layer = paths.layer()
+
+    async def go():
+        await Node(layer).roll(8, reward_of=_alternating)
+        before = plain(saved(paths))
+        torn = await layer.lease("n1", 4)
+        await layer.close()
+        return before, torn
+
+    before, torn = run(go())
+    last = log_files(paths)[-1]
+    size = last.stat().st_size
+    os.truncate(last, size - 5)  # the process died in the middle of the last append
+    assert plain(saved(paths)) == before
+    with open(last, "ab") as f:  # or garbage after it
+        f.write(b"\x00" * 7)
+    assert plain(saved(paths)) == before
+    # the next layer continues from there: the tasks of the torn lease are waiting again
+    again = paths.layer(keep_leases=True)
+    assert not again.leases.held and {t.task_id for t in torn} <= set(again.leases.pending)
+    run(again.close())
+
+
+def test_compaction_writes_a_new_base_and_a_crash_in_the_middle_of_it_loses_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(changelog, "COMPACT_MIN_BYTES", 1)  # compact whenever the log outgrows the base
+    paths = Paths(tmp_path)
+    layer = paths.layer(eval_every=2)
+    real_write = changelog.write_atomically
+    interrupted = []
+
+    def dies_before_the_rename(path, data, sync):
+        # the files as a crash leaves them between starting a new log and renaming the new
+        # base over the old one: the old base, its log, and the new log
+        interrupted.append(len(changelog.log_numbers(path)))
+        raise OSError("the process died here")
+
+    def check():
+        same(paths, layer)
+        if len(interrupted) == 2:
+            monkeypatch.setattr(changelog, "write_atomically", real_write)
+
+    async def go():  # one event loop: a compaction under way is not cancelled at its end
+        await _every_kind_of_call(layer, paths, check)
+        await layer.close()  # waits for a compaction under way
+
+    monkeypatch.setattr(changelog, "write_atomically", dies_before_the_rename)
+    run(go())
+    assert interrupted[:2] == [2, 3]  # each interrupted compaction left the older logs in place
+    # a compaction that ran removed them
+    assert layer.durability.log.stats()["compactions"] >= 1 and len(log_files(paths)) == 1
+
+
+def test_a_restored_layer_writes_a_new_base_and_drops_the_old_logs(tmp_path):
+    paths = Paths(tmp_path)
+    layer = paths.layer()
+
+    async def go():
+        await Node(layer).roll(8, reward_of=_alternating)
+        await layer.lease("n1", 4)
+        await layer.close()
+
+    run(go())
+    old = changelog.log_numbers(paths.snapshot)
+    again = paths.layer(keep_leases=True)
+    assert changelog.log_numbers(paths.snapshot) == [old[-1] + 1]
+    assert changelog.read_records(log_files(paths)[-1]) == ([], False)  # everything is in the base
+    same(paths, again)
+    run(again.close())
+
+
+def test_a_forged_record_is_refused_without_running_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    paths = Paths(tmp_path)
+    layer = paths.layer()
+    run(layer.close())
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("touch pwned",))
+
+    blob = pickle.dumps(Boom())
+    payload = pickle.dumps({"seq": 1, "small": pickle.dumps({}), "set": [("task", "x", blob)]})
+    with open(log_files(paths)[-1], "ab") as f:
+        f.write(changelog.HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
+    with pytest.raises(durable.UnusableSnapshot, match="posix.system|os.system"):
+        durable.load(paths.snapshot)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_prompt_orders_across_epochs_replay_exactly(tmp_path):
+    paths = Paths(tmp_path)
+    layer = DataLayer(
+        dataflow=DataflowConfig(batch_size=8),
+        workload=WorkloadConfig(name="math", params={"digits": 1, "num_test": 10, "num_train": 3}, group_size=4,
+                                eval=EvalConfig(every=0)),
+        policies=["p"], store_url=paths.url, metrics_path=str(paths.metrics), max_steps=50,
+        snapshot_path=str(paths.snapshot), journal_path=str(paths.journal))
+
+    async def go():
+        node = Node(layer)
+        for v in range(6):  # 12 groups of 3 prompts: four epochs
+            await node.roll(8, reward_of=_alternating, version=v)
+            await layer.next_batch("p", v, timeout=5)  # replay sampling draws from the random stream too
+            await layer.published("p", v + 1, {"loss": 0.0})
+            same(paths, layer)
+        assert layer.mixer.epoch[""] >= 4
+        await layer.close()
+
+    run(go())
