@@ -48,9 +48,15 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# 3. the suite (pytest exits 5 when it collected nothing: that is a failure here too)
+# 3. the suite (pytest exits 5 when it collected nothing: that is a failure here too), on
+#    ASTRAFLOW_TEST_WORKERS pytest-xdist workers (0: in this one process). Most tests wait on the
+#    processes they start, so more workers than cores pay; tests that must not run side by side
+#    share a group (tests/conftest.py), whose tests run one after another on one worker.
+workers=${ASTRAFLOW_TEST_WORKERS:-3}
+parallel=()
+if [ "$workers" != 0 ]; then parallel=(-n "$workers" --dist loadgroup); fi
 set +e
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest "${parallel[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi
