@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 
-# Groups for parallel runs (tests/run.sh runs pytest-xdist with --dist loadgroup): the tests of a
+# Groups for parallel runs (`ASTRAFLOW_TEST_WORKERS=N bash tests/run.sh`: xdist, --dist loadgroup): the tests of a
 # group run one after another on one worker, never beside each other; every other test is a
 # group of its own. "slurm": the one local Slurm cluster and its few nodes. "sandbox":
 # tests/sandbox counts the live sandbox processes of the whole machine, so no other test may run
