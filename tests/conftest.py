@@ -18,6 +18,38 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 
+# Groups for parallel runs (`ASTRAFLOW_TEST_WORKERS=N bash tests/run.sh`: xdist, --dist loadgroup): the tests of a
+# group run one after another on one worker, never beside each other; every other test is a
+# group of its own. "slurm": the one local Slurm cluster and its few nodes. "sandbox":
+# tests/sandbox counts the live sandbox processes of the whole machine, so no other test may run
+# the sandbox meanwhile. Chosen by path on the controller, which sees node ids only (xdist's own
+# xdist_group marks need a node-id rewrite that the pytest this project uses no longer takes).
+XDIST_GROUPS = {
+    "slurm": ("tests/slurm/",),
+    "sandbox": ("tests/sandbox/", "tests/workloads/test_code_sandbox.py", "tests/rollout/test_testgen_workflow.py",
+                "tests/e2e/test_code_cli.py", "tests/e2e/test_testgen_cli.py"),
+}
+
+
+def xdist_group_of(nodeid: str) -> str | None:
+    """The group of the test ``nodeid`` (relative to the repository root), or None."""
+    return next((name for name, prefixes in XDIST_GROUPS.items() if nodeid.startswith(prefixes)), None)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup with the groups above (other --dist modes are xdist's own)."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class PathGroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid) or super()._split_scope(nodeid)
+
+    return PathGroupScheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A 0.8M-parameter Qwen2 model with the local byte tokenizer (built once per session)."""
