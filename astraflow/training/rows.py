@@ -55,7 +55,8 @@ class BatchRows:
         try:
             if self._store is None:
                 self._store = open_trajectory_store(self.url, "r")
-            return self._store.read(refs)
+            # column-wise: one copy per column for the batch, rows as views of it
+            return self._store.read_columns(refs).rows()
         except Exception as err:
             bad = self._unreadable(items) if self._store is not None else list(items)
             named = "; ".join(f"{it.ref.segment}[{it.ref.index}] (task {it.task_id})" for it in bad[:5])
