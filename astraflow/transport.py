@@ -55,6 +55,9 @@ async def call(method: Any, *args: Any, timeout: float = 60.0, **kwargs: Any) ->
     """``await call(handle.method, ...)`` from a component thread's event loop; raises
     ``TimeoutError`` after ``timeout`` seconds."""
     fut = method(*map(_pack, args), **{k: _pack(v) for k, v in kwargs.items()})
+    wait_async = getattr(fut, "wait_async", None)
+    if wait_async is not None:  # a gathered call (``Coalescer``): awaited on this loop, no thread
+        return await wait_async(timeout)
     return await asyncio.to_thread(fut.result, timeout)
 
 

@@ -15,6 +15,7 @@ the nodes asking meanwhile go with the other sender.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any, Callable
 
@@ -25,16 +26,48 @@ IDLE_S = 30.0
 
 
 class _Pending:
-    """One node's call in a gathered call: ``result(timeout)`` like an actor call's future."""
+    """One node's call in a gathered call: ``result(timeout)`` like an actor call's future, and
+    ``wait_async(timeout)`` for a node's event loop (``transport.call`` uses it: no thread is
+    parked per waiting node, which matters when one process runs many nodes)."""
 
     def __init__(self) -> None:
         self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._wakers: list[Callable[[], None]] = []
         self._value: Any = None
         self._error: BaseException | None = None
 
     def settle(self, value: Any = None, error: BaseException | None = None) -> None:
-        self._value, self._error = value, error
-        self._done.set()
+        with self._lock:
+            self._value, self._error = value, error
+            self._done.set()
+            wakers, self._wakers = self._wakers, []
+        for wake in wakers:
+            wake()
+
+    async def wait_async(self, timeout: float | None = None) -> Any:
+        """The answer, awaited on the running loop (woken from the sender thread)."""
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+            except RuntimeError:  # the node's loop has closed: nobody waits any more
+                pass
+
+        with self._lock:
+            if not self._done.is_set():
+                self._wakers.append(wake)
+                registered = True
+            else:
+                registered = False
+        if registered:
+            try:
+                await asyncio.wait_for(woken, timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"no answer from the data layer within {timeout}s") from None
+        return self.result(0)
 
     def done(self) -> bool:
         return self._done.is_set()

@@ -133,6 +133,39 @@ def test_a_coalescer_gathers_the_nodes_calls_and_answers_each_node(tmp_path):
     handle.loop.call_soon_threadsafe(handle.loop.stop)
 
 
+def test_nodes_on_one_loop_await_gathered_calls_without_a_thread_each(tmp_path):
+    """``transport.call`` on a coalescer's answer waits on the node's loop: many nodes' calls
+    in flight park no threads beyond the lanes' senders, and a deadline still raises."""
+    from astraflow.rollout.coalesce import _Pending
+    from astraflow.transport import call
+
+    handle = _LoopHandle(make_layer(tmp_path, prefetch_groups=20))
+    co = Coalescer(handle)
+    names = [f"w0.n{i}" for i in range(40)]
+
+    async def go():
+        before = threading.active_count()
+        beats = [asyncio.ensure_future(call(co.heartbeat, n, {"worker": "w0", "holding": []})) for n in names]
+        leases = [asyncio.ensure_future(call(co.lease, n, 1, 0.0, versions=None)) for n in names]
+        await asyncio.sleep(0)
+        assert threading.active_count() - before <= 8  # the lanes' senders, not one per node
+        replies = await asyncio.gather(*beats)
+        got = await asyncio.gather(*leases)
+        with pytest.raises(TimeoutError, match="within 0.05s"):
+            await _Pending().wait_async(0.05)
+        late = _Pending()
+        late.settle("done")
+        return replies, got, await late.wait_async(1.0)
+
+    replies, got, late = asyncio.run(go())
+    assert all(r == {"draining": False, "finished": False} for r in replies)
+    ids = [t.task_id for ts in got for t in ts]
+    assert len(ids) == len(set(ids)) == sum(len(ts) for ts in got) > 0
+    assert late == "done"
+    assert handle.calls.count("heartbeat_many") < len(names)
+    handle.loop.call_soon_threadsafe(handle.loop.stop)
+
+
 def test_the_deadline_heap_sheds_the_entries_of_ended_leases():
     leases, _ = make()
     for i in range(3000):
