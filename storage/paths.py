@@ -20,7 +20,9 @@ from strings. A run directory on shared storage looks like::
       trajectories/               the Zarr trajectory store (unless the config points elsewhere)
         segments/<segment>/       one append-only segment per writer
           data/                   its Zarr v3 group (per-token and per-entry arrays)
-          commits/<seqno>.json    one commit marker per published batch
+          commits/log             its commit log: one checksummed record per write
+          commits/<seqno>.json    one commit marker per published batch (segments written
+                                  before the commit log; still read, followed by the log)
       weights/<policy>/v<N>/      one committed weight version (shards + manifest + marker)
       weights/<policy>/staging/   versions being written (never read)
       weights/<policy>/readers/   hold files of readers that have a version open
@@ -207,8 +209,14 @@ def segment_data_dir(store_root: Path, segment: str) -> Path:
 
 
 def segment_commit_dir(store_root: Path, segment: str) -> Path:
-    """Commit markers of a segment: one file per published batch, created atomically."""
+    """What a segment has committed: its commit log (and, in segments written before the log,
+    one commit marker per published batch, created atomically)."""
     return segment_dir(store_root, segment) / "commits"
+
+
+def commit_log(store_root: Path, segment: str) -> Path:
+    """The segment's append-only commit log (``trajectories.layout``: record format)."""
+    return segment_commit_dir(store_root, segment) / "log"
 
 
 def commit_marker(store_root: Path, segment: str, seqno: int) -> Path:

@@ -1,8 +1,9 @@
 """Trajectory store, backends room: where a store keeps its bytes.
 
 Why it exists: the writer and the reader speak to one small protocol (``StoreBackend``), and
-two implementations answer it: a directory on a shared filesystem (many processes, markers
-created atomically through ``storage.atomic``) and an in-process registry by name
+two implementations answer it: a directory on a shared filesystem (many processes; a commit
+log per segment, appended and made durable with the chunk data in one flush round) and an
+in-process registry by name
 (``memory://<name>``; tests and the embedded default). ``open_backend`` picks one from a URL.
 """
 
@@ -18,20 +19,25 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import LocalStore, MemoryStore
 
 from storage import paths
-from storage.atomic import create_atomically, create_in_order, fsync_path
+from storage.atomic import create_atomically, fsync_path, sync_together, write_atomically
 from storage.trajectories.chunks import Piece
 
 _BUFFERS = default_buffer_prototype()
 
 
 class StoreBackend(Protocol):
-    """What the store needs from where its bytes live. Markers are created once, never replaced
-    (``FileExistsError`` when one exists), in the order given. ``write_chunks``/``read_chunks`` move byte ranges of
-    chunks (``chunks.Piece``: key, chunk size, offset, length, offset in ``buf``) in place; a
-    chunk never written reads as zeros. A durable backend makes what ``write_chunks`` and
-    ``metadata_changed`` touched durable before ``publish_marker`` creates the marker.
-    ``release_segment``: the segment's writer is closed (files kept open for it may close).
-    ``read_metadata``: a segment's Zarr metadata file (``<array>/zarr.json``), ``None`` if absent."""
+    """What the store needs from where its bytes live. ``write_chunks``/``read_chunks`` move byte
+    ranges of chunks (``chunks.Piece``: key, chunk size, offset, length, offset in ``buf``) in
+    place; a chunk never written reads as zeros. ``publish_log`` appends a record to the
+    segment's commit log at ``offset`` (``FileExistsError`` when the log is not that long:
+    another writer appended) after everything ``write_chunks`` and ``metadata_changed``
+    touched, and, when durable, makes all of it durable in one flush round before it returns.
+    ``read_log``: the log's bytes from ``offset`` (``b""`` if absent). ``prepare_segment``:
+    the writer of a segment starts, its log's valid records end at ``log_end`` (what follows
+    is cut off). Commit markers (``list_markers``/``read_marker``) are read only: segments
+    written before the commit log have them. ``release_segment``: the segment's writer is
+    closed (files kept open for it may close). ``read_metadata``: a segment's Zarr metadata
+    file (``<array>/zarr.json``), ``None`` if absent."""
 
     #: writers and readers in other processes (and nodes) see the same store.
     supports_multiprocess: bool
@@ -41,12 +47,14 @@ class StoreBackend(Protocol):
     def describe(self) -> str: ...
     def read_layout(self) -> bytes | None: ...
     def create_layout(self, data: bytes) -> None: ...
+    def replace_layout(self, data: bytes) -> None: ...
     def list_segments(self) -> list[str]: ...
     def zarr_store(self, segment: str, read_only: bool) -> Any: ...
     def list_markers(self, segment: str) -> list[int]: ...
     def read_marker(self, segment: str, seqno: int) -> bytes | None: ...
-    def publish_markers(self, segment: str, markers: list[tuple[int, bytes]]) -> None: ...
-    def prepare_segment(self, segment: str) -> None: ...
+    def read_log(self, segment: str, offset: int) -> bytes: ...
+    def publish_log(self, segment: str, offset: int, record: bytes) -> None: ...
+    def prepare_segment(self, segment: str, log_end: int) -> None: ...
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None: ...
     def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None: ...
     def metadata_changed(self, segment: str, key: str) -> None: ...
@@ -67,6 +75,7 @@ class DirBackend:
         # chunk files open for writing (checked to have their full size), kept open across
         # commits when durable (a chunk takes many batches); the oldest closed beyond ``_MAX_OPEN``
         self._open: dict[str, int] = {}
+        self._logs: dict[str, int] = {}  # commit logs open for appending (durable), by segment
         self._data_dirs: dict[str, str] = {}
 
     def describe(self) -> str:
@@ -91,6 +100,9 @@ class DirBackend:
         except FileExistsError:
             pass  # another process created the store first; the caller re-reads and checks it
 
+    def replace_layout(self, data: bytes) -> None:
+        write_atomically(paths.store_layout_file(self.root), data)
+
     def list_segments(self) -> list[str]:
         try:
             names = os.listdir(paths.segments_root(self.root))
@@ -101,21 +113,38 @@ class DirBackend:
     def zarr_store(self, segment: str, read_only: bool) -> Any:
         return LocalStore(paths.segment_data_dir(self.root, segment), read_only=read_only)
 
-    def prepare_segment(self, segment: str) -> None:
+    def prepare_segment(self, segment: str, log_end: int) -> None:
         commits = paths.segment_commit_dir(self.root, segment)
-        if not commits.is_dir():  # a new segment: its directory entries become durable with its first marker
-            self._unsynced.setdefault(segment, ({}, set()))[1].update(
-                {paths.segments_root(self.root), paths.segment_dir(self.root, segment)})
+        dirs = self._unsynced.setdefault(segment, ({}, set()))[1]
+        if not commits.is_dir():  # a new segment: its directory entries become durable with its first commit
+            dirs.update({paths.segments_root(self.root), paths.segment_dir(self.root, segment)})
         commits.mkdir(parents=True, exist_ok=True)
-        for name in os.listdir(commits):  # temp files of a killed writer of this segment
+        for name in os.listdir(commits):  # temp files of a killed writer (of commit markers)
             if paths.is_tmp(name):
                 (commits / name).unlink(missing_ok=True)
-        # markers after a gap: a group commit's links that a machine crash kept while losing an
-        # earlier one (its write never returned); readers stop at the gap, the writer reuses them
+        # markers after a gap (segments written before the commit log): a group commit's links
+        # that a machine crash kept while losing an earlier one; readers stop at the gap
         seqnos = self.list_markers(segment)
         stale = [n for k, n in enumerate(seqnos) if n != k]
         for n in stale:
             paths.commit_marker(self.root, segment, n).unlink(missing_ok=True)
+        log = paths.commit_log(self.root, segment)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                dirs.add(commits)  # the log may be new: its name becomes durable with the first record
+            elif size > log_end:  # a record cut short or not backed by its data (a crash): cut it off
+                os.ftruncate(fd, log_end)
+                if self.durable:  # before any new record lands where the old bytes were
+                    os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self.durable:
+            self._logs[segment] = fd
+        else:
+            os.close(fd)
         if stale and self.durable:
             fsync_path(commits)
 
@@ -132,16 +161,42 @@ class DirBackend:
         except FileNotFoundError:
             return None
 
-    def publish_markers(self, segment: str, markers: list[tuple[int, bytes]]) -> None:
-        # one flush round for the chunks, new directories and the markers' temp files; then the
-        # links make the batches visible in order and one directory fsync makes them durable
+    def read_log(self, segment: str, offset: int) -> bytes:
+        try:
+            with open(paths.commit_log(self.root, segment), "rb") as f:
+                f.seek(offset)
+                return f.read()
+        except FileNotFoundError:
+            return b""
+
+    def publish_log(self, segment: str, offset: int, record: bytes) -> None:
+        # the record is appended after the chunk data it commits was written, so a reader on
+        # this machine never sees it before the data; then one flush round makes the chunks,
+        # new directories, metadata and the record durable together. A crash during that round
+        # may keep the record and lose data: the record's data crc tells (``reader``).
         files, dirs = self._unsynced.pop(segment, ({}, set()))
         if not self.durable:  # nothing to sync: close instead (on NFS, close flushes the data)
             for path in files:
                 self._close(path)
-        create_in_order([(paths.commit_marker(self.root, segment, seqno), data) for seqno, data in markers],
-                        durable=self.durable, along=sorted(dirs),
-                        along_data=[self._open.get(path, path) for path in files])
+        fd = self._logs.get(segment)
+        own = fd is None
+        if own:
+            fd = os.open(paths.commit_log(self.root, segment), os.O_WRONLY)
+        try:
+            if os.fstat(fd).st_size != offset:
+                raise FileExistsError(f"commit log of segment {segment} in {self.root} is not {offset} bytes long")
+            try:
+                done = 0
+                while done < len(record):
+                    done += os.pwrite(fd, record[done:], offset + done)
+            except BaseException:
+                os.ftruncate(fd, offset)  # a record that failed half-way is not left for the next one
+                raise
+            if self.durable:
+                sync_together([fd, *(self._open.get(path, path) for path in files)], sorted(dirs))
+        finally:
+            if own:
+                os.close(fd)
 
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
         base = self._data_dir(segment)
@@ -183,6 +238,9 @@ class DirBackend:
         prefix = self._data_dir(segment) + os.sep
         for path in [p for p in self._open if p.startswith(prefix)]:
             self._close(path)
+        fd = self._logs.pop(segment, None)
+        if fd is not None:
+            os.close(fd)
 
     def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
         base = self._data_dir(segment)
@@ -235,6 +293,7 @@ class _MemoryState:
         self.layout: bytes | None = None
         self.zarr: dict[str, dict] = {}
         self.markers: dict[str, dict[int, bytes]] = {}
+        self.logs: dict[str, bytearray] = {}
 
 
 #: in-process stores by name (``memory://<name>``); lives as long as the process.
@@ -263,6 +322,10 @@ class MemoryBackend:
             if self.state.layout is None:
                 self.state.layout = data
 
+    def replace_layout(self, data: bytes) -> None:
+        with self.state.lock:
+            self.state.layout = data
+
     def list_segments(self) -> list[str]:
         with self.state.lock:
             return sorted(self.state.markers)
@@ -272,9 +335,10 @@ class MemoryBackend:
             d = self.state.zarr.setdefault(segment, {})
         return MemoryStore(store_dict=d, read_only=read_only)
 
-    def prepare_segment(self, segment: str) -> None:
+    def prepare_segment(self, segment: str, log_end: int) -> None:
         with self.state.lock:
             self.state.markers.setdefault(segment, {})
+            del self.state.logs.setdefault(segment, bytearray())[log_end:]
 
     def list_markers(self, segment: str) -> list[int]:
         with self.state.lock:
@@ -284,13 +348,16 @@ class MemoryBackend:
         with self.state.lock:
             return self.state.markers.get(segment, {}).get(seqno)
 
-    def publish_markers(self, segment: str, markers: list[tuple[int, bytes]]) -> None:
+    def read_log(self, segment: str, offset: int) -> bytes:
         with self.state.lock:
-            published = self.state.markers.setdefault(segment, {})
-            for seqno, data in markers:
-                if seqno in published:
-                    raise FileExistsError(f"memory://{self.name} segment {segment} marker {seqno}")
-                published[seqno] = data
+            return bytes(self.state.logs.get(segment, b"")[offset:])
+
+    def publish_log(self, segment: str, offset: int, record: bytes) -> None:
+        with self.state.lock:
+            log = self.state.logs.setdefault(segment, bytearray())
+            if len(log) != offset:
+                raise FileExistsError(f"memory://{self.name} segment {segment}: commit log is not {offset} bytes long")
+            log += record
 
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
         with self.state.lock:

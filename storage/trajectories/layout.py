@@ -1,21 +1,30 @@
 """Trajectory store, schema room: what a segment holds and the records that name its entries.
 
 Why it exists: the writer and the reader of a segment must agree on the arrays, their dtypes
-and chunking, the index columns and the commit marker record; this module is where that
+and chunking, the index columns, the commit log record (and the commit marker record of
+segments written before the log); this module is where that
 agreement is written down, once (the package docstring describes the format as a whole).
 """
 
 from __future__ import annotations
 
 import json
+import struct
 import time
+import zlib
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 
 #: version of the on-disk layout, recorded in the store's layout file; a store written with
-#: another version is refused (version 2: the index has no per-entry version range).
-LAYOUT_VERSION = 2
+#: a version outside ``READABLE_LAYOUTS`` is refused (version 2: the index has no per-entry
+#: version range; version 3: segments commit through a commit log).
+LAYOUT_VERSION = 3
+#: layouts this code reads: a version 2 store's segments have commit markers only (still read;
+#: its first writer here marks the store version 3, so older code refuses it instead of
+#: missing what the logs commit).
+READABLE_LAYOUTS = (2, 3)
 
 #: per-token arrays and their on-disk dtypes.
 FLAT_DTYPES: dict[str, np.dtype] = {
@@ -86,8 +95,8 @@ class SegmentConflict(RuntimeError):
 
 @dataclass
 class Marker:
-    """One commit marker, parsed: the entry and token ranges of a published batch and its
-    string columns."""
+    """One published batch, parsed (from its commit marker, or from a commit log record): its
+    entry and token ranges and its string columns."""
 
     seqno: int
     start: int  # entry range [start, end)
@@ -96,6 +105,7 @@ class Marker:
     tok_end: int
     strings: dict[str, list[str]]
     written_at: float = 0.0  # the writer's time.time() when it published the batch
+    data_crc: int | None = None  # ``data_crc`` of the batch's bytes (commit log records only)
 
     @classmethod
     def parse(cls, seqno: int, data: bytes) -> "Marker":
@@ -109,6 +119,69 @@ def marker_record(seqno: int, entries: tuple[int, int], tokens: tuple[int, int],
     """The bytes of commit marker ``seqno`` (what ``Marker.parse`` reads back)."""
     rec = {"seqno": seqno, "entries": list(entries), "tokens": list(tokens), "written_at": time.time(), **strings}
     return json.dumps(rec).encode()
+
+
+#: the arrays whose bytes a batch's ``data_crc`` covers, in this order (its token range of the
+#: per-token arrays, its entry range of the others).
+CRC_ORDER = (*FLAT_DTYPES, "index", "reward")
+
+#: commit log record header: magic, payload length, crc32 of the length field and the payload.
+_LOG_HEAD = struct.Struct("<4sII")
+_LOG_MAGIC = b"AFCL"
+
+
+def data_crc(parts: Iterable[memoryview | bytes]) -> int:
+    """crc32 of ``parts`` in turn (a batch's bytes, array by array in ``CRC_ORDER``)."""
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return crc
+
+
+def log_record(batches: list[Marker]) -> bytes:
+    """One commit log record: the batches one ``write`` publishes (consecutive seqnos and
+    ranges, each with its ``data_crc``), framed so that a reader detects a record cut short or
+    damaged (``parse_log``)."""
+    payload = json.dumps({"seqno": batches[0].seqno, "written_at": batches[0].written_at, "batches": [
+        {"entries": [m.start, m.end], "tokens": [m.tok_start, m.tok_end], "crc": m.data_crc, **m.strings}
+        for m in batches]}).encode()
+    length = struct.pack("<I", len(payload))
+    return _LOG_HEAD.pack(_LOG_MAGIC, len(payload), zlib.crc32(payload, zlib.crc32(length))) + payload
+
+
+def parse_log(data: bytes | memoryview, last: Marker | None) -> list[tuple[int, list[Marker]]]:
+    """The whole, intact records at the start of ``data`` (commit log bytes from a record
+    boundary) that continue the batches up to ``last``: ``(end offset in data, its batches)``
+    each. Stops at the first record that is incomplete (being appended, or cut short by a
+    crash), fails its crc, or does not continue the one before it."""
+    out: list[tuple[int, list[Marker]]] = []
+    pos, seqno = 0, last.seqno + 1 if last else 0
+    entries, tokens = (last.end, last.tok_end) if last else (0, 0)
+    while pos + _LOG_HEAD.size <= len(data):
+        magic, n, crc = _LOG_HEAD.unpack_from(data, pos)
+        end = pos + _LOG_HEAD.size + n
+        if magic != _LOG_MAGIC or end > len(data):
+            break
+        payload = bytes(data[pos + _LOG_HEAD.size:end])
+        if zlib.crc32(payload, zlib.crc32(struct.pack("<I", n))) != crc:
+            break
+        try:
+            rec = json.loads(payload)
+            batches = [Marker(seqno + k, b["entries"][0], b["entries"][1], b["tokens"][0], b["tokens"][1],
+                              {c: b[c] for c in STRING_COLUMNS}, float(rec["written_at"]), int(b["crc"]))
+                       for k, b in enumerate(rec["batches"])]
+        except (ValueError, KeyError, TypeError, IndexError):
+            break
+        if rec.get("seqno") != seqno or not batches:
+            break
+        for m in batches:
+            if (m.start, m.tok_start) != (entries, tokens) or m.end < m.start or m.tok_end < m.tok_start:
+                return out
+            entries, tokens = m.end, m.tok_end
+        seqno += len(batches)
+        out.append((end, batches))
+        pos = end
+    return out
 
 
 def layout_record() -> bytes:

@@ -1,9 +1,10 @@
 """Trajectory store, reader room: opening a store, finding what is committed, reading entries.
 
 Why it exists: the data layer and trainers read entries that RaaS nodes committed, by
-reference, without a lock and while writers keep appending. A reader trusts only commit
-markers (gap-free, immutable once published) and reads a batch of entries with one read per
-chunk per array per run of nearby entries (``chunks``).
+reference, without a lock and while writers keep appending. A reader trusts only what a
+segment's commit markers (segments written before the commit log) and then its commit log's
+intact records commit, and reads a batch of entries with one read per chunk per array per run
+of nearby entries (``chunks``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ from storage.trajectories.backends import StoreBackend, open_backend
 from storage.trajectories.chunks import RawArray
 from storage.trajectories.columns import Columns, empty_columns
 from storage.trajectories.layout import (
-    ARRAY_DTYPES, FLAT_DTYPES, INDEX_COLUMNS, LAYOUT_VERSION, STRING_COLUMNS, EntryNotCommitted, EntryRef, Marker,
-    StoredSequence,
-    layout_record,
+    ARRAY_DTYPES, CRC_ORDER, FLAT_DTYPES, INDEX_COLUMNS, LAYOUT_VERSION, READABLE_LAYOUTS, STRING_COLUMNS,
+    EntryNotCommitted, EntryRef, Marker, StoredSequence, data_crc, layout_record, parse_log,
 )
 from storage.trajectories.writer import SegmentWriter
 
@@ -64,7 +64,8 @@ class CommittedBatch:
 
 class SegmentView:
     """What one store object (or a writer resuming a segment) knows about one segment: its
-    markers (immutable once published) and the chunk layout of its arrays (fixed at creation)."""
+    published batches (immutable once published), how much of its commit log they take, and
+    the chunk layout of its arrays (fixed at creation)."""
 
     def __init__(self, backend: StoreBackend, segment: str):
         self.backend = backend
@@ -72,6 +73,8 @@ class SegmentView:
         self.markers: list[Marker] = []
         self.starts: list[int] = []
         self.loaded = False
+        #: bytes of the commit log whose records are committed (the next record starts there).
+        self.log_end = 0
         self._raw: dict[str, RawArray] = {}
 
     @property
@@ -79,22 +82,46 @@ class SegmentView:
         return self.markers[-1].end if self.markers else 0
 
     def refresh(self) -> None:
+        """Take in what was committed since the last call: commit markers first (gap-free from
+        0; segments written before the commit log), then the commit log's records after
+        ``log_end``. A record counts once a later record follows it (its writer appended that
+        only after the record's flush round returned) or, for the last one, once the bytes it
+        covers match its data crcs: a crash during the round may have kept the record and lost
+        data, and a reader elsewhere may see the record before the data. The first record that
+        is cut short, damaged or not backed by its data ends what is committed, for now."""
         if not self.loaded:
             for seqno in self.backend.list_markers(self.segment):
                 if seqno != len(self.markers):
-                    break  # markers are gap-free; anything after a gap is not committed yet
-                self._add(seqno, self.backend.read_marker(self.segment, seqno))
+                    break  # markers are gap-free; anything after a gap is not committed
+                self._add(Marker.parse(seqno, self._marker(seqno)))
             self.loaded = True
-        while True:
-            data = self.backend.read_marker(self.segment, len(self.markers))
-            if data is None:
+        while self.log_end == 0 and (data := self.backend.read_marker(self.segment, len(self.markers))):
+            self._add(Marker.parse(len(self.markers), data))  # a writer of markers (older code) went on
+        base = self.log_end
+        records = parse_log(self.backend.read_log(self.segment, base), self.markers[-1] if self.markers else None)
+        for k, (end, batches) in enumerate(records):
+            if k == len(records) - 1 and not all(self._backed(m) for m in batches):
                 return
-            self._add(len(self.markers), data)
+            for m in batches:
+                self._add(m)
+            self.log_end = base + end
 
-    def _add(self, seqno: int, data: bytes | None) -> None:
+    def _marker(self, seqno: int) -> bytes:
+        data = self.backend.read_marker(self.segment, seqno)
         assert data is not None, f"marker {seqno} of {self.segment} vanished"
-        m = Marker.parse(seqno, data)
-        assert m.start == self.committed, f"segment {self.segment}: marker {seqno} does not continue the last one"
+        return data
+
+    def _backed(self, m: Marker) -> bool:
+        """Whether the bytes batch ``m`` covers are the ones its writer wrote (``data_crc``)."""
+        try:
+            parts = [self.rows(name, *((m.tok_start, m.tok_end) if name in FLAT_DTYPES else (m.start, m.end)))
+                     for name in CRC_ORDER]
+        except (OSError, ValueError):  # a chunk file or an array's metadata missing or cut short
+            return False
+        return data_crc(memoryview(p.reshape(-1).view(np.uint8)) for p in parts) == m.data_crc
+
+    def _add(self, m: Marker) -> None:
+        assert m.start == self.committed, f"segment {self.segment}: batch {m.seqno} does not continue the last one"
         self.markers.append(m)
         self.starts.append(m.start)
 
@@ -154,12 +181,13 @@ class TrajectoryStore:
             assert layout is not None
         rec = json.loads(layout)
         found = rec.get("layout_version")
-        if found != LAYOUT_VERSION:
+        if found not in READABLE_LAYOUTS:
             raise ValueError(
                 f"trajectory store at {backend.describe()} has layout version {found}, this code reads "
-                f"version {LAYOUT_VERSION}: read it with the AstraFlow version that wrote it, or point "
-                "this run at a new store directory"
+                f"versions {', '.join(map(str, READABLE_LAYOUTS))}: read it with the AstraFlow version that "
+                "wrote it, or point this run at a new store directory"
             )
+        self._layout = rec
         self._views: dict[str, SegmentView] = {}
 
     @property
@@ -179,9 +207,14 @@ class TrajectoryStore:
         paths.check_name("segment", segment)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if self._layout.get("layout_version") != LAYOUT_VERSION:
+            # the segments this store gets from now on commit through logs: code that reads only
+            # markers must refuse the store rather than miss them
+            self._layout = {**self._layout, "layout_version": LAYOUT_VERSION}
+            self._backend.replace_layout(json.dumps(self._layout, sort_keys=True).encode())
         view = SegmentView(self._backend, segment)
-        view.refresh()  # the writer continues after the last committed marker
-        return SegmentWriter(self._backend, segment, batch_size, view.markers)
+        view.refresh()  # the writer continues after the last committed batch
+        return SegmentWriter(self._backend, segment, batch_size, view.markers, view.log_end)
 
     def segments(self) -> list[str]:
         return self._backend.list_segments()
@@ -278,24 +311,22 @@ class TrajectoryStore:
                 out[at:at + b - a] = buf[a - t0:b - t0]
 
     def batch_count(self, segment: str) -> int:
-        """Published batches (commit markers) of ``segment``, from a directory listing: no
-        marker is read, so a monitor can find the newest batches without scanning the others."""
-        n = 0
-        for seqno in self._backend.list_markers(paths.check_name("segment", segment)):
-            if seqno != n:
-                break  # gap-free: anything after a gap is not committed yet
-            n += 1
-        return n
+        """Published batches of ``segment`` (what this store object knows, brought up to date:
+        only the commit log's bytes appended since the last call are read)."""
+        view = self._view(segment)
+        view.refresh()
+        return len(view.markers)
 
     def batch(self, segment: str, seqno: int) -> CommittedBatch:
-        """Published batch ``seqno`` of ``segment`` (its marker plus one small read of the reward
+        """Published batch ``seqno`` of ``segment`` (its record plus one small read of the reward
         and index arrays, no tokens). Immutable once published: callers may cache it.
-        ``EntryNotCommitted`` when no such marker exists."""
-        data = self._backend.read_marker(paths.check_name("segment", segment), seqno)
-        if data is None:
-            raise EntryNotCommitted(f"segment {segment!r} of {self.url} has no published batch {seqno}")
-        m = Marker.parse(seqno, data)
+        ``EntryNotCommitted`` when no such batch is committed."""
         view = self._view(segment)
+        if 0 <= seqno and seqno >= len(view.markers):
+            view.refresh()
+        if not 0 <= seqno < len(view.markers):
+            raise EntryNotCommitted(f"segment {segment!r} of {self.url} has no published batch {seqno}")
+        m = view.markers[seqno]
         index, reward = view.rows("index", m.start, m.end), view.rows("reward", m.start, m.end)
         return CommittedBatch(segment, seqno, m.start, m.end, m.written_at, m.strings,
                               np.asarray(reward, np.float64), np.asarray(index, np.int64))

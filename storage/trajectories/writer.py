@@ -2,15 +2,17 @@
 
 Why it exists: a RaaS node publishes finished trajectories to its own segment without
 talking to anyone. A ``write`` publishes its batches in two steps, the chunk data of all of
-them first (written in place, ``chunks``), then one commit marker per batch, created in order
-after one flush of everything (when the store is durable); readers trust only markers, so a
-writer killed in between leaves nothing visible, and its successor overwrites the orphaned
-chunk data.
+them first (written in place, ``chunks``), then one record in the segment's commit log naming
+them, with a crc of each batch's bytes, made durable together with the chunk data in one flush
+round (when the store is durable); readers trust only intact, backed records, so a writer
+killed in between leaves nothing visible, and its successor overwrites the orphaned chunk data.
 """
 
 from __future__ import annotations
 
 from typing import Callable
+
+import time
 
 import numpy as np
 import zarr
@@ -19,7 +21,7 @@ from storage.trajectories.backends import StoreBackend
 from storage.trajectories.chunks import RawArray
 from storage.trajectories.layout import (
     ARRAY_DTYPES, FLAT_DTYPES, INDEX_CHUNK, INDEX_COLUMNS, REWARD_CHUNK, STRING_COLUMNS, EntryRef, Marker,
-    SegmentConflict, StoredSequence, flat_chunk, marker_record,
+    SegmentConflict, StoredSequence, data_crc, flat_chunk, log_record,
 )
 
 
@@ -65,17 +67,20 @@ def _flat_columns(batch: list[StoredSequence]) -> tuple[dict[str, np.ndarray], n
 class SegmentWriter:
     """Appends entries to one segment. The only process that writes (or resizes) its arrays."""
 
-    #: test hook: called after a write's chunk data is written and before its markers exist.
+    #: test hook: called after a write's chunk data is written and before its log record exists.
     _before_commit: Callable[[], None] | None = None
 
-    def __init__(self, backend: StoreBackend, segment: str, batch_size: int, committed: list[Marker]):
-        """``committed``: the segment's committed markers, in order (``TrajectoryStore.writer``
-        reads them); the writer continues after the last one."""
+    def __init__(self, backend: StoreBackend, segment: str, batch_size: int, committed: list[Marker],
+                 log_end: int):
+        """``committed``: the segment's committed batches, in order, and ``log_end`` the bytes
+        of its commit log they take (``TrajectoryStore.writer`` reads them); the writer
+        continues after the last one (a record after ``log_end`` is a crash's leftover: cut off)."""
         self._backend = backend
         self.segment = segment
         self.batch_size = batch_size
         self._closed = False
-        backend.prepare_segment(segment)
+        self._log_end = log_end
+        backend.prepare_segment(segment, log_end)
         self._arrays = self._open_arrays()
         self._raw = {name: RawArray.of(arr, name, ARRAY_DTYPES[name]) for name, arr in self._arrays.items()}
         # continue after the last committed marker (uncommitted chunk data is overwritten)
@@ -102,7 +107,7 @@ class SegmentWriter:
             compressors=None, fill_value=0.0)
         created = [name for name in arrays if name not in existing]
         for key in ["zarr.json"] * bool(created) + [f"{name}/zarr.json" for name in created]:
-            self._backend.metadata_changed(self.segment, key)  # durable with the first marker
+            self._backend.metadata_changed(self.segment, key)  # durable with the first commit
         return arrays
 
     @property
@@ -114,27 +119,29 @@ class SegmentWriter:
         """Publish ``rows`` in batches of ``batch_size``; every returned ref is committed."""
         if self._closed:
             raise ValueError(f"writer of segment {self.segment!r} is closed: open a new one with store.writer()")
-        # group commit: every batch's chunk data first, then their markers in order, made
-        # durable by one flush round before the first link and one directory fsync after the last
+        # group commit: every batch's chunk data first, then one log record naming them all,
+        # made durable with the data in one flush round
         seqno, e, t = self._seqno, self._entries, self._tokens
-        markers: list[tuple[int, bytes]] = []
+        batches: list[Marker] = []
+        now = time.time()
         for i in range(0, len(rows), self.batch_size):
-            data, e, t = self._stage(rows[i:i + self.batch_size], seqno, e, t)
-            markers.append((seqno, data))
-            seqno += 1
-        if not markers:
+            batches.append(self._stage(rows[i:i + self.batch_size], seqno, e, t, now))
+            seqno, e, t = seqno + 1, batches[-1].end, batches[-1].tok_end
+        if not batches:
             return []
         if self._before_commit is not None:
             self._before_commit()
+        record = log_record(batches)
         try:
-            self._backend.publish_markers(self.segment, markers)
+            self._backend.publish_log(self.segment, self._log_end, record)
         except FileExistsError as err:
             raise SegmentConflict(
-                f"a commit marker in {self._seqno}..{seqno - 1} of segment {self.segment!r} already exists: another "
+                f"the commit log of segment {self.segment!r} grew past what this writer committed: another "
                 "writer is writing this segment; give every writer its own segment name"
             ) from err
         refs = [EntryRef(self.segment, i) for i in range(self._entries, e)]
         self._seqno, self._entries, self._tokens = seqno, e, t
+        self._log_end += len(record)
         return refs
 
     def flush(self) -> None:
@@ -163,9 +170,9 @@ class SegmentWriter:
             arr.resize((new,) + tuple(arr.shape[1:]))
             self._backend.metadata_changed(self.segment, f"{name}/zarr.json")
 
-    def _stage(self, batch: list[StoredSequence], seqno: int, e0: int, t0: int) -> tuple[bytes, int, int]:
-        """Write the chunk data of ``batch`` (entries from ``e0``, tokens from ``t0``); its
-        marker's bytes and where the next batch starts. Nothing of it is visible yet."""
+    def _stage(self, batch: list[StoredSequence], seqno: int, e0: int, t0: int, now: float) -> Marker:
+        """Write the chunk data of ``batch`` (entries from ``e0``, tokens from ``t0``); what its
+        log record says of it (ranges, strings, the crc of its bytes). Nothing of it is visible yet."""
         n = len(batch)
         flat, lengths = _flat_columns(batch)
         index = np.empty((n, len(INDEX_COLUMNS)), dtype=np.int64)
@@ -187,8 +194,8 @@ class SegmentWriter:
         self._grow("index", e1)
         self._grow("reward", e1)
         parts = [*((k, t0, flat[k]) for k in FLAT_DTYPES), ("index", e0, index), ("reward", e0, rewards)]
-        for name, start, data in parts:
+        views = [_bytes_of(data) for _, _, data in parts]  # in ``CRC_ORDER``
+        for (name, start, data), buf in zip(parts, views):
             if len(data):
-                self._backend.write_chunks(self.segment, self._raw[name].pieces(start, start + len(data)),
-                                           _bytes_of(data))
-        return marker_record(seqno, (e0, e1), (t0, t1), strings), e1, t1
+                self._backend.write_chunks(self.segment, self._raw[name].pieces(start, start + len(data)), buf)
+        return Marker(seqno, e0, e1, t0, t1, strings, now, data_crc(views))

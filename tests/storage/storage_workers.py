@@ -63,9 +63,30 @@ def write_segment(url: str, writer: int, n: int, batch_sizes: list[int]) -> None
     w.close()
 
 
+def as_marker_layout(root, segment: str) -> None:
+    """Rewrite what ``segment`` committed as the store's writers wrote it before the commit log:
+    one commit marker per batch (``marker_record``, created atomically), no log, and the store's
+    layout file at version 2. The chunk data is what both writers write."""
+    from pathlib import Path
+
+    from storage import paths
+    from storage.atomic import create_atomically, write_json
+    from storage.trajectories.layout import marker_record, parse_log
+
+    root = Path(root)
+    log = paths.commit_log(root, segment)
+    for _, batches in parse_log(log.read_bytes(), None):
+        for m in batches:
+            create_atomically(paths.commit_marker(root, segment, m.seqno),
+                              marker_record(m.seqno, (m.start, m.end), (m.tok_start, m.tok_end), m.strings))
+    log.unlink()
+    rec = json.loads(paths.store_layout_file(root).read_bytes())
+    write_json(paths.store_layout_file(root), {**rec, "layout_version": 2}, sort_keys=True)
+
+
 def write_then_hang(url: str, segment: str, first: int, second: int, ready_path: str, batch_size: int) -> None:
     """Commit ``first`` entries, then write ``second`` entries' chunk data (several batches when
-    ``batch_size`` < ``second``) and hang before their markers (the parent SIGKILLs this
+    ``batch_size`` < ``second``) and hang before their log record (the parent SIGKILLs this
     process once ``ready_path`` exists)."""
     store = open_trajectory_store(url)
     w = store.writer(segment, batch_size=batch_size)

@@ -19,7 +19,7 @@ from storage import paths
 from storage.atomic import create_atomically
 from storage.trajectories import EntryNotCommitted, EntryRef, open_trajectory_store
 from storage.trajectories.layout import FLAT_DTYPES, INDEX_COLUMNS, marker_record
-from storage_workers import committed_refs, make_row, rows_equal
+from storage_workers import as_marker_layout, committed_refs, make_row, rows_equal
 
 
 class _Crash(Exception):
@@ -61,7 +61,7 @@ def test_one_write_commits_its_batches_together_or_not_at_all(store_url):
     def crash() -> None:
         raise _Crash()
 
-    w._before_commit = crash  # every batch's chunk data is written, no marker exists yet
+    w._before_commit = crash  # every batch's chunk data is written, no log record exists yet
     with pytest.raises(_Crash):
         w.write([make_row(2, i) for i in range(3, 13)])
     reader = open_trajectory_store(store_url, "r")
@@ -79,20 +79,24 @@ def test_one_write_commits_its_batches_together_or_not_at_all(store_url):
 
 
 def test_markers_after_a_gap_are_not_committed_and_a_new_writer_removes_them(tmp_path):
-    """A machine crash during a group commit may keep a later marker's link and lose an
-    earlier one: readers stop at the gap, the next writer of the segment reuses the numbers."""
+    """A segment written before the commit log: a machine crash during a group commit may keep
+    a later marker's link and lose an earlier one. Readers stop at the gap; the next writer
+    removes the later markers and continues in the commit log."""
     root = tmp_path / "store"
     store = open_trajectory_store(str(root))
     store.writer("seg", batch_size=2).write([make_row(4, i) for i in range(6)])
+    as_marker_layout(root, "seg")
     paths.commit_marker(root, "seg", 1).unlink()  # the lost link
     reader = open_trajectory_store(str(root), "r")
     assert reader.count("seg") == 2 and reader.batch_count("seg") == 1
     refs = open_trajectory_store(str(root)).writer("seg", batch_size=2).write([make_row(5, i) for i in range(3)])
     assert [r.index for r in refs] == [2, 3, 4]
     assert sorted(p.name for p in paths.segment_commit_dir(root, "seg").iterdir()) == [
-        paths.commit_marker(root, "seg", k).name for k in range(3)]
-    got = open_trajectory_store(str(root), "r").read([EntryRef("seg", i) for i in range(5)])
+        paths.commit_marker(root, "seg", 0).name, paths.commit_log(root, "seg").name]
+    again = open_trajectory_store(str(root), "r")
+    got = again.read([EntryRef("seg", i) for i in range(5)])
     assert [r.task_id for r in got] == ["w4/t0", "w4/t1", "w5/t0", "w5/t1", "w5/t2"]
+    assert [again.batch("seg", k).start for k in range(again.batch_count("seg"))] == [0, 2, 4]
 
 
 def _write_segment_through_zarr(root, segment: str, rows, chunk_bytes: int, compressors=None) -> None:
@@ -162,14 +166,15 @@ def test_scratch_store_without_fsync_reads_back_through_another_store_object(tmp
     assert open_trajectory_store(url, "r").batch_count("seg") == 3  # 3 + 2, then 3
 
 
-def test_what_a_commit_makes_durable_before_its_marker(tmp_path, monkeypatch):
-    """A new segment's first commit flushes every chunk file, every ``zarr.json`` and every
-    directory that gained an entry, with the marker's temp file; a later commit in the same
-    chunks flushes only those chunks and the temp file."""
-    import storage.atomic as atomic
+def test_a_commit_is_one_flush_round_of_data_and_log(tmp_path, monkeypatch):
+    """A write is made durable by one flush round and nothing after it: a new segment's first
+    commit flushes every chunk file, every ``zarr.json``, the commit log and every directory
+    that gained an entry together; a later commit in the same chunks flushes only those chunks
+    and the log."""
+    import storage.trajectories.backends as backends
 
     calls: list[tuple[set[str], set[str]]] = []
-    real = atomic.sync_together
+    real = backends.sync_together
 
     def spy(data_files=(), full=()):
         data_files, full = list(data_files), list(full)
@@ -177,24 +182,25 @@ def test_what_a_commit_makes_durable_before_its_marker(tmp_path, monkeypatch):
                       {str(f) for f in full}))
         real(data_files, full)
 
-    monkeypatch.setattr(atomic, "sync_together", spy)
+    monkeypatch.setattr(backends, "sync_together", spy)
+    monkeypatch.setattr(backends, "fsync_path", lambda p: calls.append(({str(p)}, {"fsync_path"})))
     root = tmp_path / "store"
     store = open_trajectory_store(str(root))
-    calls.clear()  # the layout file's
     w = store.writer("seg", batch_size=4)
-    w.write([make_row(1, i) for i in range(6)])  # two batches, one flush
+    w.write([make_row(1, i) for i in range(6)])  # two batches, one record, one flush
     assert len(calls) == 1
     data_files, full = calls[0]
     data = paths.segment_data_dir(root, "seg")
     files = {str(p) for p in data.rglob("*") if p.is_file()}
-    assert files == data_files  # every chunk file and every zarr.json
+    log = str(paths.commit_log(root, "seg"))
+    assert data_files == files | {log}  # every chunk file, every zarr.json, the log
     dirs = {str(p) for p in data.rglob("*") if p.is_dir()} | {str(data)}
-    assert dirs | {str(paths.segment_dir(root, "seg")), str(paths.segments_root(root))} <= full
-    assert sum(paths.is_tmp(os.path.basename(f)) for f in full) == 2  # the two markers' temp files
+    assert dirs | {str(paths.segment_dir(root, "seg")), str(paths.segments_root(root)),
+                   str(paths.segment_commit_dir(root, "seg"))} <= full
     calls.clear()
     w.write([make_row(1, 6)])
     (data_files, full), = calls
-    assert data_files == {f for f in files if "/c/" in f} and all(paths.is_tmp(os.path.basename(f)) for f in full)
+    assert data_files == {f for f in files if "/c/" in f} | {log} and not full
 
 
 def _open_chunk_files(root) -> set[str]:

@@ -80,15 +80,17 @@ def test_unknown_scheme_lists_known(tmp_path):
 
 
 def test_layout_on_disk(tmp_path):
-    """Markers and arrays live where paths.py says; a killed writer's temp marker is ignored."""
+    """The commit log and arrays live where paths.py says; a killed writer's temp file in the
+    commits directory (older code wrote markers through them) is ignored and cleaned up."""
     root = tmp_path / "store"
     store = open_trajectory_store(str(root))
     store.writer("seg", batch_size=2).write([make_row(0, i) for i in range(5)])
     assert sorted(p.name for p in paths.segment_commit_dir(root, "seg").iterdir()) == [
-        paths.commit_marker(root, "seg", k).name for k in range(3)]
+        paths.commit_log(root, "seg").name]
     assert (paths.segment_data_dir(root, "seg") / "tokens" / "zarr.json").exists()
     orphan = paths.tmp_sibling(paths.commit_marker(root, "seg", 3))
     orphan.write_text("{partial")
     assert open_trajectory_store(str(root), "r").count("seg") == 5
+    assert open_trajectory_store(str(root), "r").batch_count("seg") == 3
     store.writer("seg")  # reopening cleans it up
     assert not orphan.exists()
