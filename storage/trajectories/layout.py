@@ -106,6 +106,7 @@ class Marker:
     strings: dict[str, list[str]]
     written_at: float = 0.0  # the writer's time.time() when it published the batch
     data_crc: int | None = None  # ``data_crc`` of the batch's bytes (commit log records only)
+    boot: str = ""  # ``BOOT_ID`` of the machine that wrote the record ("" for markers)
 
     @classmethod
     def parse(cls, seqno: int, data: bytes) -> "Marker":
@@ -125,6 +126,19 @@ def marker_record(seqno: int, entries: tuple[int, int], tokens: tuple[int, int],
 #: per-token arrays, its entry range of the others).
 CRC_ORDER = (*FLAT_DTYPES, "index", "reward")
 
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+#: this machine's boot: a record written in the current boot of the machine reading it needs no
+#: data check (its data was written before it, into the page cache the reader reads; only a
+#: crash, which ends the boot, can lose data a record names). "" where unknown: always checked.
+BOOT_ID = _boot_id()
+
 #: commit log record header: magic, payload length, crc32 of the length field and the payload.
 _LOG_HEAD = struct.Struct("<4sII")
 _LOG_MAGIC = b"AFCL"
@@ -142,7 +156,8 @@ def log_record(batches: list[Marker]) -> bytes:
     """One commit log record: the batches one ``write`` publishes (consecutive seqnos and
     ranges, each with its ``data_crc``), framed so that a reader detects a record cut short or
     damaged (``parse_log``)."""
-    payload = json.dumps({"seqno": batches[0].seqno, "written_at": batches[0].written_at, "batches": [
+    payload = json.dumps({"seqno": batches[0].seqno, "written_at": batches[0].written_at, "boot": batches[0].boot,
+                          "batches": [
         {"entries": [m.start, m.end], "tokens": [m.tok_start, m.tok_end], "crc": m.data_crc, **m.strings}
         for m in batches]}).encode()
     length = struct.pack("<I", len(payload))
@@ -168,7 +183,8 @@ def parse_log(data: bytes | memoryview, last: Marker | None) -> list[tuple[int, 
         try:
             rec = json.loads(payload)
             batches = [Marker(seqno + k, b["entries"][0], b["entries"][1], b["tokens"][0], b["tokens"][1],
-                              {c: b[c] for c in STRING_COLUMNS}, float(rec["written_at"]), int(b["crc"]))
+                              {c: b[c] for c in STRING_COLUMNS}, float(rec["written_at"]), int(b["crc"]),
+                              str(rec["boot"]))
                        for k, b in enumerate(rec["batches"])]
         except (ValueError, KeyError, TypeError, IndexError):
             break

@@ -24,7 +24,7 @@ from storage.trajectories.chunks import RawArray
 from storage.trajectories.columns import Columns, empty_columns
 from storage.trajectories.layout import (
     ARRAY_DTYPES, CRC_ORDER, FLAT_DTYPES, INDEX_COLUMNS, LAYOUT_VERSION, READABLE_LAYOUTS, STRING_COLUMNS,
-    EntryNotCommitted, EntryRef, Marker, StoredSequence, data_crc, layout_record, parse_log,
+    BOOT_ID, EntryNotCommitted, EntryRef, Marker, StoredSequence, data_crc, layout_record, parse_log,
 )
 from storage.trajectories.writer import SegmentWriter
 
@@ -85,10 +85,12 @@ class SegmentView:
         """Take in what was committed since the last call: commit markers first (gap-free from
         0; segments written before the commit log), then the commit log's records after
         ``log_end``. A record counts once a later record follows it (its writer appended that
-        only after the record's flush round returned) or, for the last one, once the bytes it
-        covers match its data crcs: a crash during the round may have kept the record and lost
-        data, and a reader elsewhere may see the record before the data. The first record that
-        is cut short, damaged or not backed by its data ends what is committed, for now."""
+        only after the record's flush round returned), or, for the last one, when this machine
+        wrote it in its current boot (its data was written first, into the page cache read
+        here), or once the bytes it covers match its data crcs: a crash during the round may
+        have kept the record and lost data, and a reader on another machine may see the record
+        before the data. The first record that is cut short, damaged or not backed by its data
+        ends what is committed, for now."""
         if not self.loaded:
             for seqno in self.backend.list_markers(self.segment):
                 if seqno != len(self.markers):
@@ -100,7 +102,8 @@ class SegmentView:
         base = self.log_end
         records = parse_log(self.backend.read_log(self.segment, base), self.markers[-1] if self.markers else None)
         for k, (end, batches) in enumerate(records):
-            if k == len(records) - 1 and not all(self._backed(m) for m in batches):
+            if k == len(records) - 1 and not (BOOT_ID and batches[0].boot == BOOT_ID) \
+                    and not all(self._backed(m) for m in batches):
                 return
             for m in batches:
                 self._add(m)

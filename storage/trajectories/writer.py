@@ -21,7 +21,7 @@ from storage.trajectories.backends import StoreBackend
 from storage.trajectories.chunks import RawArray
 from storage.trajectories.layout import (
     ARRAY_DTYPES, FLAT_DTYPES, INDEX_CHUNK, INDEX_COLUMNS, REWARD_CHUNK, STRING_COLUMNS, EntryRef, Marker,
-    SegmentConflict, StoredSequence, data_crc, flat_chunk, log_record,
+    BOOT_ID, SegmentConflict, StoredSequence, data_crc, flat_chunk, log_record,
 )
 
 
@@ -198,4 +198,4 @@ class SegmentWriter:
         for (name, start, data), buf in zip(parts, views):
             if len(data):
                 self._backend.write_chunks(self.segment, self._raw[name].pieces(start, start + len(data)), buf)
-        return Marker(seqno, e0, e1, t0, t1, strings, now, data_crc(views))
+        return Marker(seqno, e0, e1, t0, t1, strings, now, data_crc(views), BOOT_ID)

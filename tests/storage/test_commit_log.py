@@ -3,7 +3,8 @@
 A durable write is one flush round of the chunk data and the log record together, so a
 machine crash during the round can leave a record cut short, a record whose data did not
 reach the disk, or both. These tests make those states on disk (truncating the log, changing
-bytes the record covers, removing a chunk file created by the write) and check that readers
+bytes the record covers, removing a chunk file created by the write; the records marked as
+written in an earlier boot of the machine, as they are after a crash) and check that readers
 in this and in other processes serve only what a write that returned committed, and that the
 segment's next writer cuts the leftover off and continues where the last intact record ends.
 """
@@ -19,19 +20,31 @@ import pytest
 
 from storage import paths
 from storage.trajectories import EntryNotCommitted, EntryRef, LAYOUT_VERSION, open_trajectory_store
-from storage.trajectories.layout import parse_log
+from dataclasses import replace
+
+from storage.trajectories.layout import log_record, parse_log
 from storage_workers import as_marker_layout, committed_refs, make_row, rows_equal
 
 
 def _three_writes(root) -> list[int]:
-    """Writes of 5, 3 and 4 rows (batches of 2: records of 3, 2 and 2 batches); the log's
-    record ends."""
+    """Writes of 5, 3 and 4 rows (batches of 2: records of 3, 2 and 2 batches), then a crash
+    of the machine (the records are from an earlier boot); the log's record ends."""
     w = open_trajectory_store(str(root)).writer("seg", batch_size=2)
     w.write([make_row(1, i) for i in range(5)])
     w.write([make_row(1, i) for i in range(5, 8)])
     w.write([make_row(1, i) for i in range(8, 12)])
     w.close()
-    return [end for end, _ in parse_log(paths.commit_log(root, "seg").read_bytes(), None)]
+    return _from_an_earlier_boot(root)
+
+
+def _from_an_earlier_boot(root) -> list[int]:
+    """The segment's records as a machine crash leaves them: written in an earlier boot (a
+    reader checks the last one's data); the log's record ends."""
+    log = paths.commit_log(root, "seg")
+    records = parse_log(log.read_bytes(), None)
+    log.write_bytes(b"".join(log_record([replace(m, boot="an-earlier-boot") for m in batches])
+                             for _, batches in records))
+    return [end for end, _ in parse_log(log.read_bytes(), None)]
 
 
 def _count_in_child(url: str, segment: str, out) -> None:
@@ -130,6 +143,7 @@ def test_a_record_whose_new_chunk_file_was_lost_is_not_served(tmp_path, monkeypa
     w.write([make_row(1, i, length=100) for i in range(4)])  # 400 tokens: the first chunk of tokens
     w.write([make_row(1, i, length=700) for i in range(4, 6)])  # into the second chunk and beyond
     w.close()
+    _from_an_earlier_boot(root)
     os.unlink(str(paths.segment_data_dir(root, "seg") / "tokens" / "c" / "1"))
     reader = open_trajectory_store(str(root), "r")
     assert reader.count("seg") == 4
@@ -156,6 +170,26 @@ def test_a_record_is_served_once_its_data_is_there(tmp_path):
         f.write(original)
     assert fresh.count("seg") == 12 and fresh.batch_count("seg") == 7
     assert all(rows_equal(make_row(1, i), r) for i, r in enumerate(fresh.read(committed_refs(fresh))))
+
+
+def test_the_last_record_of_this_boot_is_served_without_reading_its_data(tmp_path, monkeypatch):
+    """A record this machine wrote in its current boot has its data in the page cache (written
+    before the record), so readers here take it without reading the data."""
+    from storage.trajectories import reader as store_reader
+
+    root = tmp_path / "store"
+    w = open_trajectory_store(str(root)).writer("seg", batch_size=2)
+    w.write([make_row(1, i) for i in range(5)])
+    reads: list[str] = []
+    rows = store_reader.SegmentView.rows
+    def counted(self, name, start, stop):
+        reads.append(name)
+        return rows(self, name, start, stop)
+
+    monkeypatch.setattr(store_reader.SegmentView, "rows", counted)
+    assert open_trajectory_store(str(root), "r").count("seg") == 5 and not reads
+    _from_an_earlier_boot(root)
+    assert open_trajectory_store(str(root), "r").count("seg") == 5 and len(reads) == 3 * 7  # 3 batches, 7 arrays
 
 
 def test_records_followed_by_another_are_not_read_for_their_crc(tmp_path):
