@@ -5,7 +5,7 @@ them, and trainers/the data layer on other nodes need them without copies throug
 store on shared storage, written by many processes and read by a few, with no locking, is
 the narrow interface between them.
 
-Rooms: ``layout`` (the schema: arrays, dtypes, index columns, marker and entry records),
+Rooms: ``layout`` (the schema: arrays, dtypes, index columns, commit log records, markers),
 ``chunks`` (element ranges of an array as byte ranges of its chunks), ``writer``
 (``SegmentWriter``: appending and committing), ``reader`` (``open_trajectory_store``,
 ``TrajectoryStore``: what is committed, reading entries, and ``batch``: one published batch
@@ -33,7 +33,7 @@ trainer builds its tensors from it directly::
 ``StoredSequence`` objects (views of the columns; ``copy=True`` for arrays of their own).
 ``store.read(refs)`` is ``read_columns(refs).rows(copy=True)``: one ``StoredSequence`` per
 entry owning its arrays (the data layer, monitors). Both raise ``EntryNotCommitted`` naming the
-first refs no commit marker covers.
+first refs no commit covers.
 
 Layout and commit protocol
 --------------------------
@@ -47,29 +47,38 @@ A segment (``paths.segment_dir``) is a Zarr v3 group (``paths.segment_data_dir``
 * per-entry index arrays ``index`` int64 of shape ``(N, 4)`` with the columns of
   ``INDEX_COLUMNS`` (offset into the flat arrays, length, seq_index, num_sequences) and
   ``reward`` float64 (float64, not float32: a reward reads back exactly as written);
-* ``commits/<seqno>.json``: one commit marker per published batch, holding the batch's entry
-  range, token range and string columns (task_id, group_id, finish_reason, meta).
+* ``commits/log``: the segment's commit log, one record per ``write``: a header (magic, payload
+  length, crc32 of length and payload) and a JSON payload naming the write's batches (seqnos
+  from the record's first), each with its entry range, token range, string columns (task_id,
+  group_id, finish_reason, meta) and the crc32 of its bytes (its ranges of every array, in
+  ``layout.CRC_ORDER``), plus the writer machine's boot id;
+* ``commits/<seqno>.json`` (segments written before the commit log, layout version 2): one
+  commit marker per published batch with the same fields but the crc; still read, and a
+  writer continuing such a segment goes on in the log from the next seqno.
 
 Every array is uncompressed (Zarr's ``bytes`` codec alone, little-endian, fill value 0), so
 any Zarr reader opens a segment, and this store moves byte ranges of chunk files itself
 (``chunks``): appending writes a batch's bytes in place at their offsets (a new chunk file is
 created at its full size first), reading fetches one range per chunk per array. Zarr writes
 only the arrays' metadata. Arrays are over-allocated and resized only by the segment's writer;
-the committed length lives in the markers, never in the array shape.
+the committed length lives in the commit records, never in the array shape.
 
 A ``write`` call publishes its rows in batches of ``batch_size`` in two steps: (1) the chunk
-data of every batch is written; (2) the batches' commit markers are created in order
-(``storage.atomic.create_in_order``: temp files; then, when ``durable``, one concurrent
-flush of the touched chunk files, new directories, new or resized ``zarr.json`` files and
-the temp files; then a hard link per marker, create-if-absent; then one fsync of the commits
-directory). Readers trust only markers, gap-free from 0, so an entry whose writer died
-between (1) and (2) is never visible, and a restarted writer continues after the last marker,
-overwriting the orphaned chunk data (and removing markers after a gap, which only a machine
-crash in the middle of (2) can leave).
+data of every batch is written; (2) one record naming all of them is appended to the commit
+log and, when ``durable``, the touched chunk files, new directories, new or resized
+``zarr.json`` files and the log are flushed in one concurrent round (one journal commit, not
+one for the data and another for a marker's name). Readers trust only intact records that
+continue the ones before, so an entry whose writer died between (1) and (2) is never visible.
+A machine crash during the round can keep the record and lose data it names, so the last
+record counts only if a later record follows it (written after its round returned), if this
+machine wrote it in its current boot (the data went into the page cache first), or if the
+bytes it names match its crcs; a record cut short or damaged ends what is committed. A
+restarted writer cuts the log after the last record that counts and continues there,
+overwriting the orphaned chunk data.
 
 Overlap invariant (writer vs. readers): a reader may read a chunk file while the writer writes
 into it. The writer writes only bytes past the committed token and entry ranges (the part of
-the last chunk no marker covers yet) and never truncates or replaces a chunk file that holds
+the last chunk no commit covers yet) and never truncates or replaces a chunk file that holds
 committed bytes, so every committed byte a reader asks for is stable; what it may see torn is
 uncommitted and never returned.
 

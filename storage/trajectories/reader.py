@@ -36,7 +36,7 @@ def open_trajectory_store(url: str, mode: str = "a", *, durable: bool = True) ->
     """Open (``mode="r"``: must exist) or open-or-create (``mode="a"``) a trajectory store.
 
     ``url``: a directory path, ``file:///abs/path`` (shared filesystem), or ``memory://<name>``
-    (in-process). ``durable`` (directories only): fsync chunk data and markers before a batch
+    (in-process). ``durable`` (directories only): fsync chunk data and the commit log before a batch
     counts as committed, so a committed entry survives a machine crash, not only a process
     crash. Turning it off trades that for speed on scratch stores.
     """

@@ -83,7 +83,7 @@ class SegmentWriter:
         backend.prepare_segment(segment, log_end)
         self._arrays = self._open_arrays()
         self._raw = {name: RawArray.of(arr, name, ARRAY_DTYPES[name]) for name, arr in self._arrays.items()}
-        # continue after the last committed marker (uncommitted chunk data is overwritten)
+        # continue after the last committed batch (uncommitted chunk data is overwritten)
         last = committed[-1] if committed else None
         self._seqno = len(committed)
         self._entries = last.end if last else 0
@@ -162,7 +162,7 @@ class SegmentWriter:
     def _grow(self, name: str, needed: int) -> None:
         """Over-allocate (capacity starts at ``_FIRST_CHUNKS`` chunks and grows fourfold): resizing
         rewrites the array's metadata and costs a flush, so keep it rare. The shape costs no disk (only written chunks
-        exist); readers of this store go by the markers, other Zarr readers by the shape."""
+        exist); readers of this store go by the commits, other Zarr readers by the shape."""
         arr = self._arrays[name]
         cap, chunk = arr.shape[0], self._raw[name].chunk_rows
         if needed > cap:

@@ -7,9 +7,9 @@ and final rewards, truncation) when the workflow recorded an ``episode`` log, fi
 workload, policy, kind and reward range.
 
 Why it is cheap: everything but the reward and length of an entry lives in its batch's commit
-marker, so the reader lists markers (a directory listing), reads only the newest batches
-(``TrajectoryStore.batch``: one marker plus two small array reads, never tokens) and caches
-them, since a published batch never changes. Each request reads at most a bounded number of
+record, so the reader counts batches from the segments' commit logs (only what was appended
+since the last request is read), reads only the newest batches (``TrajectoryStore.batch``: two
+small array reads, never tokens) and caches them, since a published batch never changes. Each request reads at most a bounded number of
 batches it has not seen; the store is only read, so training is never slowed or blocked.
 """
 
