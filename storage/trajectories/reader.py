@@ -119,8 +119,12 @@ class SegmentView:
         try:
             parts = [self.rows(name, *((m.tok_start, m.tok_end) if name in FLAT_DTYPES else (m.start, m.end)))
                      for name in CRC_ORDER]
-        except (OSError, ValueError):  # a chunk file or an array's metadata missing or cut short
+        except (FileNotFoundError, ValueError):  # an array's metadata missing or not whole
             return False
+        except OSError as err:
+            if err.errno is not None:  # an I/O error says nothing of the record: not a verdict
+                raise
+            return False  # a chunk file shorter than the record needs (``read_chunks``)
         return data_crc(memoryview(p.reshape(-1).view(np.uint8)) for p in parts) == m.data_crc
 
     def _add(self, m: Marker) -> None:

@@ -132,9 +132,11 @@ def test_a_last_record_whose_data_did_not_reach_the_disk_is_not_served(tmp_path)
     _continue_and_check(root, 8)
 
 
-def test_a_record_whose_new_chunk_file_was_lost_is_not_served(tmp_path, monkeypatch):
-    """The last write created a chunk file (small chunks here) whose name the crash lost: the
-    chunk reads as missing, the data crc fails, and the record before it is what counts."""
+@pytest.mark.parametrize("lost", ["name", "size"])
+def test_a_record_whose_new_chunk_file_was_lost_is_not_served(tmp_path, monkeypatch, lost):
+    """The last write created a chunk file (small chunks here) whose name, or whose size, the
+    crash lost: the chunk reads as missing or too short, the record's data check fails, and the
+    record before it is what counts."""
     import storage.trajectories.layout as layout
 
     monkeypatch.setattr(layout, "CHUNK_BYTES", 4096)
@@ -144,7 +146,11 @@ def test_a_record_whose_new_chunk_file_was_lost_is_not_served(tmp_path, monkeypa
     w.write([make_row(1, i, length=700) for i in range(4, 6)])  # into the second chunk and beyond
     w.close()
     _from_an_earlier_boot(root)
-    os.unlink(str(paths.segment_data_dir(root, "seg") / "tokens" / "c" / "1"))
+    chunk = str(paths.segment_data_dir(root, "seg") / "tokens" / "c" / "1")
+    if lost == "name":
+        os.unlink(chunk)
+    else:
+        os.truncate(chunk, 0)
     reader = open_trajectory_store(str(root), "r")
     assert reader.count("seg") == 4
     got = reader.read(committed_refs(reader))
