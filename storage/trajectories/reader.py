@@ -23,8 +23,8 @@ from storage.trajectories.backends import StoreBackend, open_backend
 from storage.trajectories.chunks import RawArray
 from storage.trajectories.columns import Columns, empty_columns
 from storage.trajectories.layout import (
-    ARRAY_DTYPES, CRC_ORDER, FLAT_DTYPES, INDEX_COLUMNS, LAYOUT_VERSION, READABLE_LAYOUTS, STRING_COLUMNS,
-    BOOT_ID, EntryNotCommitted, EntryRef, Marker, StoredSequence, data_crc, layout_record, parse_log,
+    ARRAY_DTYPES, BOOT_ID, CRC_ORDER, FLAT_DTYPES, INDEX_COLUMNS, LAYOUT_VERSION, READABLE_LAYOUTS,
+    STRING_COLUMNS, EntryNotCommitted, EntryRef, Marker, StoredSequence, data_crc, layout_record, parse_log,
 )
 from storage.trajectories.writer import SegmentWriter
 
@@ -329,7 +329,7 @@ class TrajectoryStore:
         and index arrays, no tokens). Immutable once published: callers may cache it.
         ``EntryNotCommitted`` when no such batch is committed."""
         view = self._view(segment)
-        if 0 <= seqno and seqno >= len(view.markers):
+        if seqno >= len(view.markers):
             view.refresh()
         if not 0 <= seqno < len(view.markers):
             raise EntryNotCommitted(f"segment {segment!r} of {self.url} has no published batch {seqno}")

@@ -10,9 +10,8 @@ killed in between leaves nothing visible, and its successor overwrites the orpha
 
 from __future__ import annotations
 
-from typing import Callable
-
 import time
+from typing import Callable
 
 import numpy as np
 import zarr
