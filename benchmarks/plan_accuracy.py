@@ -17,7 +17,9 @@ error is the load's drift rather than the simulation. Printed: both, and the rel
 ``RESULT {json}`` with ``steps_per_s_error`` and ``trainer_wait_error`` (|predicted - measured| /
 measured) and the numbers themselves.
 
-Run from the repository root: ``python benchmarks/plan_accuracy.py [--steps 120] [--time-scale 1]``.
+Run from the repository root: ``python benchmarks/plan_accuracy.py [--steps 120] [--time-scale 1]
+[--set KEY=VALUE ...]``; ``--set`` moves the operating point for both sides (e.g. a smaller
+engine batch, so that the trainer waits on rollouts for a real share of its time).
 The real run builds the main example's model (``runs/models/math-mini-llama``) if it is missing.
 """
 
@@ -96,8 +98,13 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=1.0, help="the plan's simulated seconds per real second")
     ap.add_argument("--model", default=None, help="the model directory (default: the config's)")
     ap.add_argument("--keep", default=None, help="keep both runs in this directory (default: a temporary one)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for the real run and the plan alike (repeatable), e.g. "
+                         "rollout.engine.max_batch=16 for a run whose trainer waits on rollouts")
     args = ap.parse_args()
     overrides = ["--set", f"policies.0.model={args.model}"] if args.model else []
+    for item in args.sets:
+        overrides += ["--set", item]
     with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
         work = Path(args.keep or tmp)
         load = os.getloadavg()[0]
@@ -133,7 +140,7 @@ def main() -> None:
                                   "step_s": {"calibrated": round(cal["step_seconds"], 4),
                                              "calibrated_after": round(after.step_seconds, 4),
                                              "real": round(real["step_s"], 4)},
-                                  "steps": args.steps, "time_scale": args.time_scale,
+                                  "steps": args.steps, "time_scale": args.time_scale, "overrides": args.sets,
                                   "load": {"calibration": round(load, 2), "real": round(load_run, 2), "calibration_after": round(load_real, 2),
                                            "plan": round(load_plan, 2)}}))
 
