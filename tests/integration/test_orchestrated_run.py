@@ -23,6 +23,20 @@ def _status(run_dir):
     return json.loads(f.read_text()) if f.exists() else None
 
 
+def _holds_leases_after(run_dir, node: str, since: float, wait_s: float = 20.0) -> bool:
+    """Whether the first status written a moment after ``since`` has ``node`` holding leases."""
+    deadline = time.time() + wait_s
+    while time.time() < deadline:
+        try:
+            st = _status(run_dir)
+        except ValueError:  # being replaced right now
+            st = None
+        if st and st.get("written_at", 0) > since + 1.0:
+            return st["data_layer"]["nodes"].get(node, {}).get("leases_held", 0) > 0
+        time.sleep(0.1)
+    return False
+
+
 @pytest.mark.timeout(300)
 def test_components_exchange_tasks_trajectories_and_weights(tiny_model, tmp_path):
     cfg = tiny_config(tiny_model, **{"run.max_steps": 4})
@@ -66,7 +80,15 @@ def test_killed_rollout_worker_loses_no_task_and_is_replaced(tiny_model, tmp_pat
             nodes = st["data_layer"]["nodes"]
             for name, w in st["workers"].items():
                 if name.startswith("rollout") and nodes.get(name, {}).get("leases_held", 0) > 0:
-                    victim = (name, int(w["job_id"].split("-")[1]))
+                    pid = int(w["job_id"].split("-")[1])
+                    # stopped, it finishes nothing more: kill it only if a status written after
+                    # the stop still has it holding leases (on a busy machine it may have finished
+                    # them since the status it was picked from)
+                    os.kill(pid, signal.SIGSTOP)
+                    if _holds_leases_after(run_dir, name, time.time()):
+                        victim = (name, pid)
+                    else:
+                        os.kill(pid, signal.SIGCONT)
                     break
         time.sleep(0.2)
     assert victim, "no rollout node had tasks in flight"
