@@ -181,6 +181,18 @@ def rule_of(layer: Any) -> Callable[[str, float, int], bool]:
     return lambda source, share, rolling: admits(source, share, rolling, cl, cfg.max_staleness)
 
 
+def _lazy_rule(layer: Any) -> Callable[[str, float, int], bool]:
+    """``rule_of(layer)``, built on its first use."""
+    built: list[Callable[[str, float, int], bool]] = []
+
+    def admits_now(source: str, share: float, rolling: int) -> bool:
+        if not built:
+            built.append(rule_of(layer))
+        return built[0](source, share, rolling)
+
+    return admits_now
+
+
 def lags(held: Mapping[str, int] | None, committed: Mapping[str, int]) -> bool:
     """Whether a node holding versions ``held`` is behind a committed version of its policies."""
     held = held or {}
@@ -194,8 +206,9 @@ def refill(layer: Any) -> None:
     mixer, buffers, first = layer.mixer, layer.buffers, layer.policy_names[0]
     proposals = 0
     # versions, served batches, buffers and nodes do not change during a refill (only the
-    # groups in rollout do, and they are passed separately): one rule for the whole call
-    admits_now = rule_of(layer) if layer.cfg.admission == "version" else None
+    # groups in rollout do, and they are passed separately): one rule for the whole call,
+    # built when a source below its bound first asks (most calls find every source at it)
+    admits_now = _lazy_rule(layer) if layer.cfg.admission == "version" else None
     while not layer.finished and proposals < max(len(layer._train), 1):
         rolling = buffers.rolling_by_source()
         source = mixer.pick_source(layer.limit, rolling, buffers.groups_ahead(mixer.weights), admits_now)

@@ -22,6 +22,8 @@ pickle is read with ``AllowlistUnpickler``: a forged file is refused without run
 from __future__ import annotations
 
 import asyncio
+import copyreg
+import io
 import logging
 import os
 import pickle
@@ -31,8 +33,14 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from astraflow.contracts import RolloutTask, SequenceSummary, TrajectoryRef
 from astraflow.dataflow import changes
+from astraflow.dataflow.buffers import Item, ReadyGroup, RolloutGroup
+from astraflow.dataflow.evals import EvalRound
+from astraflow.dataflow.ledger import TaskRecord
+from astraflow.dataflow.record import Generated
 from storage.atomic import sync_together, write_atomically
+from storage.trajectories.layout import EntryRef
 from storage.safe_pickle import AllowlistUnpickler
 
 if TYPE_CHECKING:
@@ -65,8 +73,43 @@ class UnusableSnapshot(ValueError):
     """The snapshot cannot be restored (unreadable, forged, or of another configuration)."""
 
 
+#: the data layer's record classes: plain dataclasses, their state their ``__dict__``
+RECORD_CLASSES = (RolloutTask, TrajectoryRef, SequenceSummary, EntryRef, TaskRecord, RolloutGroup, Item,
+                  ReadyGroup, EvalRound, Generated)
+
+
+def _reduce_record(obj: Any) -> tuple:
+    return copyreg.__newobj__, (type(obj),), obj.__dict__
+
+
+class _Pickler(pickle.Pickler):
+    """Writes the record classes as the default protocol does (the same bytes: class, then
+    its ``__dict__``), without the default's generic look-ups per instance."""
+
+    dispatch_table = {cls: _reduce_record for cls in RECORD_CLASSES}
+
+
 def _dumps(value: Any) -> bytes:
     return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _dumps_each(values: list[Any]) -> list[bytes]:
+    """Each value pickled on its own (``pickle.dumps``'s bytes), by one pickler: the values
+    go into one buffer, the memo cleared after each (no value refers to another), and the
+    buffer is cut at their ends."""
+    out = io.BytesIO()
+    pickler = _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+    ends = []
+    for value in values:
+        pickler.dump(value)
+        pickler.clear_memo()
+        ends.append(out.tell())
+    data, start, blobs = out.getbuffer(), 0, []
+    for end in ends:
+        blobs.append(bytes(data[start:end]))
+        start = end
+    data.release()
+    return blobs
 
 
 def _loads(data: bytes, source: Path, allowed: dict[str, frozenset[str]] = SNAPSHOT_GLOBALS) -> Any:
@@ -183,10 +226,10 @@ class ChangeLog:
             return
         self._dl, self._lengths = dl, lengths
         self._marks = changes.Marks(dl)
-        for kind, key in changes.all_keys(dl):
-            value = changes.entry(dl, kind, key)
-            if value is not None:
-                self._shadow[kind][key] = _dumps(value)
+        found = [(kind, key, changes.entry(dl, kind, key)) for kind, key in changes.all_keys(dl)]
+        found = [(kind, key, value) for kind, key, value in found if value is not None]
+        for (kind, key, _), blob in zip(found, _dumps_each([value for _, _, value in found])):
+            self._shadow[kind][key] = blob
         self._small = _dumps(changes.small(dl, lengths()))
         older = log_numbers(self.path)
         self._log_no = max(older, default=0) + 1
@@ -249,14 +292,16 @@ class ChangeLog:
             self._compaction = self._spawn(self._compact())
 
     def _append(self, keys: set[tuple[str, Any]]) -> None:
-        dl, shadow = self._dl, self._shadow
-        changed = []
+        dl, shadow, entry = self._dl, self._shadow, changes.entry
+        present, values, removed = [], [], []
         for kind, key in keys:
-            value = changes.entry(dl, kind, key)
+            value = entry(dl, kind, key)
             if value is not None:
-                changed.append((kind, key, _dumps(value)))
+                present.append((kind, key))
+                values.append(value)
             elif key in shadow[kind]:
-                changed.append((kind, key, None))
+                removed.append((kind, key, None))
+        changed = [(kind, key, blob) for (kind, key), blob in zip(present, _dumps_each(values))] + removed
         small = _dumps(changes.small(dl, self._lengths()))
         payload = _dumps({"seq": self._seq + 1, "small": small, "set": changed})
         frame = HEADER.pack(len(payload), zlib.crc32(payload)) + payload

@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMAT", "SNAPSHOT_GLOBALS", "Durability", "UnusableSnapshot", "load"]
 
+#: a string as ``json.dumps`` quotes it (ASCII, escaped)
+_quoted = json.encoder.encode_basestring_ascii
+
 
 def fingerprint_of(policies: list[str], workload: WorkloadConfig) -> str:
     """What the saved tasks, groups and buffers depend on: a resumed run whose config changed
@@ -70,9 +73,14 @@ class Journal:
         self._file = open(path, "a", buffering=1 << 16) if path is not None else None
 
     def __call__(self, task_id: str, event: str, reason: str | None) -> None:
-        if self._file is not None:
-            line = {"t": task_id, "e": event} if reason is None else {"t": task_id, "e": event, "r": reason}
-            self._file.write(json.dumps(line) + "\n")
+        if self._file is None:
+            return
+        if not isinstance(reason, (str, type(None))):
+            self._file.write(json.dumps({"t": task_id, "e": event, "r": reason}) + "\n")
+            return
+        # the line ``json.dumps`` writes, without building a dict and an encoder per call
+        line = f'{{"t": {_quoted(task_id)}, "e": {_quoted(event)}'
+        self._file.write(line + "}\n" if reason is None else f'{line}, "r": {_quoted(reason)}}}\n')
 
     def flush(self) -> int:
         """Flush to the kernel; the file's length."""

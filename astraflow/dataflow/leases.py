@@ -32,6 +32,14 @@ from astraflow.contracts import RolloutTask, TrajectoryRef
 from astraflow.dataflow.ledger import TERMINAL, Ledger
 
 
+def _leased(task: RolloutTask, deadline: float) -> RolloutTask:
+    """``replace(task, lease_deadline=deadline)`` without running the constructor again (every
+    other field is the valid task's own)."""
+    out = object.__new__(RolloutTask)
+    out.__dict__.update(task.__dict__, lease_deadline=deadline)
+    return out
+
+
 class Leases:
     """Task queues, leases and nodes of the data layer."""
 
@@ -91,13 +99,14 @@ class Leases:
         for queue in (self.eval_pending, self.pending):
             while queue and len(out) < capacity:
                 tid = queue.popleft()
-                task = replace(self.tasks[tid], lease_deadline=deadline)
-                self.tasks[tid] = task
+                task = self.tasks[tid] = _leased(self.tasks[tid], deadline)
                 self.ledger.lease(tid, node)
                 self.hold(tid, node, deadline)
                 out.append(task)
-        self.node(node)["leased"] += len(out)
-        self.touch_node(node)
+        info = self.node(node)
+        if out:  # a call that leased nothing changes nothing the change log keeps
+            info["leased"] += len(out)
+            self.touch_node(node)
         return out
 
     def hold(self, tid: str, node: str, deadline: float) -> None:

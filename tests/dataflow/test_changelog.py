@@ -106,6 +106,24 @@ def test_after_every_call_the_saved_state_is_the_live_state(tmp_path):
     run(layer.close())
 
 
+def test_entries_are_pickled_to_the_bytes_pickle_dumps_writes(tmp_path):
+    """The change log pickles a record's entries with one pickler and a dispatch table for the
+    data layer's record classes: each entry's bytes are still exactly ``pickle.dumps``'s."""
+    paths = Paths(tmp_path)
+    layer = paths.layer(eval_every=2)
+    kinds = set()
+
+    def check():
+        found = [(kind, changes.entry(layer, kind, key)) for kind, key in changes.all_keys(layer)]
+        values = [value for _, value in found if value is not None]
+        kinds.update(kind for kind, value in found if value is not None)
+        assert changelog._dumps_each(values) == [pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL) for v in values]
+
+    run(_every_kind_of_call(layer, paths, check))
+    run(layer.close())
+    assert {"task", "group", "node", "ready", "serving", "round", "result"} <= kinds, kinds
+
+
 def test_a_record_holds_what_changed_not_what_is_outstanding(tmp_path):
     paths = Paths(tmp_path)
     layer = DataLayer(
