@@ -20,7 +20,8 @@ measured) and the numbers themselves.
 Run from the repository root: ``python benchmarks/plan_accuracy.py [--steps 120] [--time-scale 1]
 [--set KEY=VALUE ...]``; ``--set`` moves the operating point for both sides (e.g. a smaller
 engine batch, so that the trainer waits on rollouts for a real share of its time).
-The real run builds the main example's model (``runs/models/math-mini-llama``) if it is missing.
+The main example's model (``runs/models/math-mini-llama``) is built first if it is missing, as
+``astraflow run`` builds it.
 """
 
 from __future__ import annotations
@@ -75,7 +76,17 @@ def calibration(overrides: list[str]):
     from astraflow.plan.calibrate import calibrate
 
     cfg = load_config(CONFIG, [o for o in overrides if o != "--set"])
+    _build_missing_models(cfg)
     return cfg, calibrate(cfg, progress=lambda s: print(f"  calibrate: {s}", flush=True))
+
+
+def _build_missing_models(cfg) -> None:
+    """The config's model as ``astraflow run`` builds it on first use (the calibration needs it
+    before the real run would build it)."""
+    from astraflow.runtime.launch import prepare_models
+    from astraflow.runtime.progress import Progress
+
+    prepare_models(cfg, Progress())
 
 
 def predicted(work: Path, steps: int, time_scale: float, cfg, cal) -> dict:
