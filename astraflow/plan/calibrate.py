@@ -67,14 +67,18 @@ def calibrate(cfg: RunConfig, progress: Callable[[str], None] = lambda s: None, 
     batch = min(cfg.rollout.engine.max_batch, cfg.rollout.node_capacity(0))
     engine = make_engine(cfg.rollout.engine, model, seed=cfg.run.seed)
     try:
-        payloads = _group_payloads(tasks, batch, cfg.workload.group_size, cfg.run.seed)
-        prompts = [prompt_ids(engine.tokenizer, workload, x) for x in payloads]
+        # the groups of a whole trainer batch (an engine batch may hold fewer): the engine is
+        # timed on the first engine batch of them, the trainer steps on all
+        payloads = _group_payloads(tasks, max(batch, cfg.dataflow.batch_size), cfg.workload.group_size, cfg.run.seed)
+        all_prompts = [prompt_ids(engine.tokenizer, workload, x) for x in payloads]
+        prompts = all_prompts[:batch]
         progress("engine alone: one request, then full batches")
         alone = asyncio.run(_alone(engine, prompts, params, repeats))
+        gens = alone.gens + asyncio.run(_generate(engine, all_prompts[batch:], params, batch))
         configure(cfg.sandbox)  # a reward that runs code does so under the run's sandbox limits
         rewards = [float(workload.reward(engine.tokenizer.decode(g.tokens, skip_special_tokens=True), x))
-                   for g, x in zip(alone.gens, payloads)]
-        items = _batch_items(prompts, alone.gens, rewards, cfg.dataflow.batch_size, cfg.workload.group_size)
+                   for g, x in zip(gens, payloads)]
+        items = _batch_items(all_prompts, gens, rewards, cfg.dataflow.batch_size, cfg.workload.group_size)
         alike = sum(1 for it in items if it.advantage == 0)
         progress(f"{alike} of {len(items)} sequences in groups that scored alike (not trained, as in a run)")
         progress(f"trainer steps of {cfg.dataflow.batch_size} sequences ({pol.trainer.backend}) in a process of "
@@ -102,6 +106,14 @@ async def _timed(engine, prompts, params):
     t0 = time.perf_counter()
     out = await asyncio.gather(*(engine.generate(x, params) for x in prompts))
     return time.perf_counter() - t0, out
+
+
+async def _generate(engine, prompts, params, batch: int) -> list[Generation]:
+    """``prompts`` generated ``batch`` at a time (untimed: the trainer batch's other groups)."""
+    out: list[Generation] = []
+    for i in range(0, len(prompts), batch):
+        out += (await _timed(engine, prompts[i:i + batch], params))[1]
+    return out
 
 
 @dataclass
