@@ -48,11 +48,12 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# 3. the suite (pytest exits 5 when it collected nothing: that is a failure here too), in this one
-#    process; ASTRAFLOW_TEST_WORKERS=N runs it on N pytest-xdist workers instead (--dist loadgroup:
-#    tests that must not run side by side share a group, see tests/conftest.py). Not the default
-#    yet: many tests bound their runs by fixed deadlines that an oversubscribed machine can miss.
-workers=${ASTRAFLOW_TEST_WORKERS:-0}
+# 3. the suite (pytest exits 5 when it collected nothing: that is a failure here too) on two
+#    pytest-xdist workers (--dist loadgroup: tests that must not run side by side share a group,
+#    see tests/conftest.py): many end-to-end tests wait on paced runs, Slurm jobs and process
+#    start-ups, which the other worker's tests fill. ASTRAFLOW_TEST_WORKERS=N sets the count;
+#    0 runs everything in this one process.
+workers=${ASTRAFLOW_TEST_WORKERS:-2}
 parallel=()
 if [ "$workers" != 0 ]; then parallel=(-n "$workers" --dist loadgroup); fi
 set +e
