@@ -74,19 +74,12 @@ def trainer_step(run_dir: Path) -> dict:
 def calibration(overrides: list[str]):
     from astraflow.config import load_config
     from astraflow.plan.calibrate import calibrate
-
-    cfg = load_config(CONFIG, [o for o in overrides if o != "--set"])
-    _build_missing_models(cfg)
-    return cfg, calibrate(cfg, progress=lambda s: print(f"  calibrate: {s}", flush=True))
-
-
-def _build_missing_models(cfg) -> None:
-    """The config's model as ``astraflow run`` builds it on first use (the calibration needs it
-    before the real run would build it)."""
     from astraflow.runtime.launch import prepare_models
     from astraflow.runtime.progress import Progress
 
-    prepare_models(cfg, Progress())
+    cfg = load_config(CONFIG, [o for o in overrides if o != "--set"])
+    prepare_models(cfg, Progress())  # a missing model built as ``astraflow run`` builds it: calibrating needs it
+    return cfg, calibrate(cfg, progress=lambda s: print(f"  calibrate: {s}", flush=True))
 
 
 def predicted(work: Path, steps: int, time_scale: float, cfg, cal) -> dict:

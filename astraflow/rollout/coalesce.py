@@ -57,12 +57,10 @@ class _Pending:
                 pass
 
         with self._lock:
-            if not self._done.is_set():
+            waiting = not self._done.is_set()
+            if waiting:
                 self._wakers.append(wake)
-                registered = True
-            else:
-                registered = False
-        if registered:
+        if waiting:
             try:
                 await asyncio.wait_for(woken, timeout)
             except asyncio.TimeoutError:

@@ -126,6 +126,7 @@ def marker_record(seqno: int, entries: tuple[int, int], tokens: tuple[int, int],
 #: per-token arrays, its entry range of the others).
 CRC_ORDER = (*FLAT_DTYPES, "index", "reward")
 
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -156,10 +157,11 @@ def log_record(batches: list[Marker]) -> bytes:
     """One commit log record: the batches one ``write`` publishes (consecutive seqnos and
     ranges, each with its ``data_crc``), framed so that a reader detects a record cut short or
     damaged (``parse_log``)."""
-    payload = json.dumps({"seqno": batches[0].seqno, "written_at": batches[0].written_at, "boot": batches[0].boot,
-                          "batches": [
-        {"entries": [m.start, m.end], "tokens": [m.tok_start, m.tok_end], "crc": m.data_crc, **m.strings}
-        for m in batches]}).encode()
+    listed = [{"entries": [m.start, m.end], "tokens": [m.tok_start, m.tok_end], "crc": m.data_crc, **m.strings}
+              for m in batches]
+    first = batches[0]
+    payload = json.dumps({"seqno": first.seqno, "written_at": first.written_at, "boot": first.boot,
+                          "batches": listed}).encode()
     length = struct.pack("<I", len(payload))
     return _LOG_HEAD.pack(_LOG_MAGIC, len(payload), zlib.crc32(payload, zlib.crc32(length))) + payload
 

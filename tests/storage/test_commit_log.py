@@ -60,6 +60,9 @@ def _count_elsewhere(root) -> int:
         return q.get(timeout=60)
     finally:
         p.join(timeout=30)
+        if p.is_alive():  # stuck: the test started it, the test ends it
+            p.kill()
+            p.join(10)
 
 
 def _served_rows_are_the_written_ones(root, n: int) -> None:
