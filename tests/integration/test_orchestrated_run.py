@@ -139,11 +139,15 @@ def test_a_node_whose_engine_keeps_dying_is_replaced(tiny_model, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_node_whose_loop_hangs_is_replaced(tiny_model, tmp_path):
+def test_a_node_whose_loop_hangs_is_replaced(tiny_model, tmp_path, monkeypatch):
     """A node whose loop stops calling the data layer (here: an episode that blocks it) for
     ``dataflow.lease_seconds`` is replaced like a lost worker, though its Dask worker is alive:
     its job is cancelled, its leases requeued, its partition refilled; the run finishes."""
+    # the other node holds its episodes until the first one hangs; a capacity below the
+    # rollout-ahead bound leaves tasks for the first node to lease however late it starts
+    monkeypatch.setenv("ASTRAFLOW_TEST_STUCK_MARK", str(tmp_path / "hung"))
     cfg = tiny_config(tiny_model, **{"run.max_steps": 4, "workload.eval.every": 0, "dataflow.lease_seconds": 5,
+                                     "rollout.capacity": 4,
                                      "workload.workflow": "tests.integration.stuck_workflow:stuck_first_node_test"})
     run_dir = tmp_path / "run"
     result = Orchestrator(cfg, run_dir).run()
