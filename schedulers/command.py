@@ -24,7 +24,8 @@ from pathlib import Path
 from schedulers.partition import Partition, parse_worker_name
 from schedulers.tls import TLSFiles
 
-WORKER_MODULE = "distributed.cli.dask_worker"
+#: the module every Dask process AstraFlow starts runs (``dask worker|scheduler``, then a quick exit)
+DASK_MAIN = "schedulers.dask_main"
 
 #: Dask settings for the processes AstraFlow starts (as ``DASK_*`` variables, which Dask reads
 #: at import). Dask's defaults poll for dashboards we do not use at rates made for short tasks:
@@ -87,7 +88,7 @@ def worker_command(
         raise ValueError("give either host (an IP address) or interface (e.g. 'ib0') for the worker, not both")
     if nthreads < 1:
         raise ValueError(f"nthreads is {nthreads}: use 1 or more")
-    cmd = [python, "-m", WORKER_MODULE]
+    cmd = [python, "-m", DASK_MAIN, "worker"]
     if "://" in scheduler_address:
         cmd.append(scheduler_address)
     elif scheduler_address.endswith(".json"):

@@ -45,6 +45,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from typing import Any, Mapping
@@ -317,6 +318,12 @@ def _engine_main(conn, model_path: str, max_batch: int, seed: int, device: str, 
         return
     conn.send(("ready", engine.version))
     asyncio.run(_serve(conn, engine))
+    # closed cleanly, every result sent: end now rather than tear down torch's and transformers'
+    # modules, which takes a second or more that the node's close would wait for
+    conn.close()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 async def _serve(conn, engine) -> None:

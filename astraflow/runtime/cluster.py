@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from astraflow.runtime.dashboard import ACCESS_ENV, RUN_DIR_ENV, TOKEN_FILE_ENV
-from schedulers.command import TLSFiles, quiet_dask_env
+from schedulers.command import DASK_MAIN, TLSFiles, quiet_dask_env
 from schedulers.procs import die_with_parent
 from storage.paths import RunPaths
 
@@ -42,7 +42,7 @@ class SchedulerProcess:
         self.paths.scheduler_file.unlink(missing_ok=True)
         log = open(self.paths.log("scheduler"), "ab")
         cmd = [
-            sys.executable, "-m", "distributed.cli.dask_scheduler",
+            sys.executable, "-m", DASK_MAIN, "scheduler",
             *(["--host", self.host] if self.host else ["--interface", str(self.interface)]), "--port", "0",
             "--dashboard-address", self.dashboard,
             "--scheduler-file", str(self.paths.scheduler_file),

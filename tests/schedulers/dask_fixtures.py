@@ -14,10 +14,10 @@ from astraflow.runtime.cluster import connected_workers
 
 
 def start_dask_scheduler(tmp: Path, deadline_s: float = 30.0) -> tuple[subprocess.Popen, str, Path]:
-    """Start `dask scheduler` on loopback; return (process, tcp address, scheduler file)."""
+    """Start `dask scheduler` on loopback (as AstraFlow starts it); return (process, tcp address, scheduler file)."""
     sched_file = tmp / "scheduler.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
+        [sys.executable, "-m", "schedulers.dask_main", "scheduler", "--host", "127.0.0.1", "--port", "0",
          "--no-dashboard", "--scheduler-file", str(sched_file)],
         stdout=open(tmp / "scheduler.log", "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
     )

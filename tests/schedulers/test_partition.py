@@ -80,10 +80,10 @@ def test_walltime_forms(text, seconds):
 def test_worker_command():
     cmd = worker_command("tcp://127.0.0.1:8786", "rollout-a-b-c-0", {"rollout": 1, "GPU": 0.5}, nthreads=2,
                          python="/py", host="127.0.0.1")
-    assert cmd == ["/py", "-m", "distributed.cli.dask_worker", "tcp://127.0.0.1:8786", "--name", "rollout-a-b-c-0",
+    assert cmd == ["/py", "-m", "schedulers.dask_main", "worker", "tcp://127.0.0.1:8786", "--name", "rollout-a-b-c-0",
                    "--nthreads", "2", "--memory-limit", "auto", "--resources", "GPU=0.5 rollout=1", "--no-nanny",
                    "--no-dashboard", "--death-timeout", "60", "--host", "127.0.0.1"]
-    assert worker_command("/run/scheduler.json", "n", {}, python="/py")[3:5] == ["--scheduler-file", "/run/scheduler.json"]
+    assert worker_command("/run/scheduler.json", "n", {}, python="/py")[4:6] == ["--scheduler-file", "/run/scheduler.json"]
     with pytest.raises(ValueError, match="not both"):
         worker_command("tcp://h:1", "n", {}, host="127.0.0.1", interface="lo")
     with pytest.raises(ValueError, match="tcp://host:port"):

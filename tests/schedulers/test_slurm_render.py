@@ -100,7 +100,7 @@ def test_script_with_spaces_in_paths_runs_the_worker_command_exactly(tmp_path, m
     path.write_text(script)
     out = subprocess.run(["bash", str(path)], capture_output=True, text=True, check=True, cwd=tmp_path).stdout
     lines = out.splitlines()
-    assert lines[:4] == ["-m", "distributed.cli.dask_worker", "--scheduler-file", str(run / "scheduler.json")]
+    assert lines[:5] == ["-m", "schedulers.dask_main", "worker", "--scheduler-file", str(run / "scheduler.json")]
     assert lines[-1] == "env=a 'b' \"c\" $HOME `id`"
     assert not (tmp_path / "pwned").exists()
     log = str(run / "jobs").replace("%", "%%") + "/rollout-cpu-local-cpu-0.%j.log"

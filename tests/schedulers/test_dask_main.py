@@ -1,0 +1,62 @@
+"""``schedulers.dask_main``: the Dask worker and scheduler run as ``dask worker|scheduler``, end
+with the command's own exit code, and flush what they logged before they go."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from schedulers.dask_main import exit_code
+from tests.schedulers.dask_fixtures import dask_scheduler, wait_for_workers  # noqa: F401  (a fixture)
+
+
+def test_exit_codes_follow_system_exit():
+    assert exit_code(None) == 0
+    assert exit_code(3) == 3
+    assert exit_code(256 + 2) == 2
+    assert exit_code("bad option") == 1
+
+
+def _worker(address: str, name: str, log, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "schedulers.dask_main", "worker", address, "--name", name,
+                             "--nthreads", "1", "--no-nanny", "--no-dashboard", *extra],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_joins_and_a_sigterm_ends_it_with_code_0_and_its_log_flushed(dask_scheduler, tmp_path):
+    address, _, client = dask_scheduler
+    with open(tmp_path / "w.log", "wb") as log:
+        proc = _worker(address, "w-0", log, "--death-timeout", "30")
+    try:
+        assert "w-0" in wait_for_workers(client, {"w-0"}, present=True, deadline_s=60)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "End worker" in (tmp_path / "w.log").read_text()  # the last line logged reached the file
+    assert "w-0" not in wait_for_workers(client, {"w-0"}, present=False, deadline_s=30)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_cannot_reach_its_scheduler_keeps_its_failure_code(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(tmp_path / "w.log", "wb") as log:
+        proc = _worker(f"tcp://127.0.0.1:{port}", "w-1", log, "--death-timeout", "2")
+    assert proc.wait(timeout=60) == 1
+    assert "Timed out starting worker" in (tmp_path / "w.log").read_text()
+
+
+def test_an_unknown_command_is_refused_with_the_usage():
+    out = subprocess.run([sys.executable, "-m", "schedulers.dask_main", "nanny"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1 and "worker|scheduler" in out.stderr
