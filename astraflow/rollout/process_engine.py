@@ -40,6 +40,7 @@ close and exits at once: it holds nothing that needs saving.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import itertools
 import logging
@@ -318,9 +319,11 @@ def _engine_main(conn, model_path: str, max_batch: int, seed: int, device: str, 
         return
     conn.send(("ready", engine.version))
     asyncio.run(_serve(conn, engine))
-    # closed cleanly, every result sent: end now rather than tear down torch's and transformers'
-    # modules, which takes a second or more that the node's close would wait for
+    # closed cleanly, every result sent: run the exit handlers (multiprocessing's finalizers
+    # release what the process registered), then end without tearing down torch's and
+    # transformers' modules, which takes a second or more that the node's close would wait for
     conn.close()
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(0)
