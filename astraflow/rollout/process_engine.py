@@ -79,7 +79,6 @@ class ProcessEngine:
         from astraflow.models import check_model_dir, load_tokenizer
 
         check_model_dir(model_path, tokenizer=False)  # a bad directory fails here, before a process starts
-        self.tokenizer = load_tokenizer(model_path)
         self.version = version
         # what each engine process starts with
         self._args = (str(model_path), max_batch_size, seed, device, threads, swap_min_remaining, dtype,
@@ -99,11 +98,21 @@ class ProcessEngine:
         #: append and popleft are atomic)
         self._load_records: collections.deque[dict[str, Any]] = collections.deque(maxlen=1000)
         self._dead: str | None = None
-        self._spawn(version)
+        self._launch(version)
+        try:  # the tokenizer loads here while the engine process loads the model
+            self.tokenizer = load_tokenizer(model_path)
+        except BaseException:
+            self._kill()
+            raise
+        self._await_ready(version)
 
     def _spawn(self, version: int) -> None:
         """Start an engine process holding the model directory's weights as ``version``, wait
         until it is ready, start the reader thread."""
+        self._launch(version)
+        self._await_ready(version)
+
+    def _launch(self, version: int) -> None:
         ctx = multiprocessing.get_context("spawn")
         conn, child_conn = ctx.Pipe(duplex=True)
         proc = ctx.Process(target=_engine_main, name="astraflow-engine", daemon=True,
@@ -111,6 +120,9 @@ class ProcessEngine:
         self._conn, self._proc = conn, proc
         proc.start()
         child_conn.close()  # the child holds its end; ours closing lets us see its death as EOF
+
+    def _await_ready(self, version: int) -> None:
+        conn, proc = self._conn, self._proc
         path, timeout = self._args[0], self._start_timeout
         if not conn.poll(timeout):
             self._kill()

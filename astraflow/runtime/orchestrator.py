@@ -220,6 +220,7 @@ class Orchestrator:
             for i, pol in enumerate(cfg.policies)
         }
         with self.progress.waiting(f"starting {len(placed)} trainer(s) and the RaaS nodes (model loading)"):
+            self.fleet.advance()  # the RaaS nodes' placing begins now: their loading overlaps the trainers'
             self.trainers.update(placement.wait_all("placing trainers", placed))
             starts = {p: t.start(run_loop=cfg.run.mode == "async") for p, t in self.trainers.items()}
             for w in trainer_ws + [data_w]:
