@@ -7,16 +7,25 @@ that takes a second or more per process, which every run's teardown and every ca
 waits for. Here the exit handlers run as usual (logging flushed, child processes reaped,
 finalizers), then the process ends at once with the command's exit code.
 
+A worker is also closed as soon as the signal arrives. ``dask worker --no-nanny`` returns on
+SIGTERM without closing its worker (it closes nannies only), so the close would happen while
+``asyncio.run`` cancels every task, the worker's stream to the scheduler among them, and the
+close could then wait its whole timeout for that stream to stop; closing first, as the command
+does for nannies, avoids that.
+
 Run as ``python -m schedulers.dask_main worker|scheduler <the command's arguments>``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import os
 import sys
 
 COMMANDS = ("worker", "scheduler")
+#: seconds a worker's close may take once a signal arrived
+CLOSE_TIMEOUT_S = 5.0
 
 
 def exit_code(code: object) -> int:
@@ -29,12 +38,31 @@ def exit_code(code: object) -> int:
     return 1
 
 
+def close_workers_on_signal(cli) -> None:
+    """Make the ``dask worker`` command module ``cli`` close its workers when the signal it
+    waits for arrives, before it returns (see the module docstring)."""
+    wait = cli.wait_for_signals
+
+    async def wait_then_close() -> int:
+        from distributed import Worker
+
+        signum = await wait()
+        await asyncio.gather(*(w.close(timeout=CLOSE_TIMEOUT_S, reason=f"signal-{signum}")
+                               for w in list(Worker._instances)), return_exceptions=True)
+        return signum
+
+    cli.wait_for_signals = wait_then_close
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         sys.exit(f"usage: python -m schedulers.dask_main {{{'|'.join(COMMANDS)}}} [ARGS]...")
     if argv[0] == "worker":
+        from distributed.cli import dask_worker
         from distributed.cli.dask_worker import main as command
+
+        close_workers_on_signal(dask_worker)
     else:
         from distributed.cli.dask_scheduler import main as command
     try:

@@ -1,5 +1,6 @@
-"""``schedulers.dask_main``: the Dask worker and scheduler run as ``dask worker|scheduler``, end
-with the command's own exit code, and flush what they logged before they go."""
+"""``schedulers.dask_main``: the Dask worker and scheduler run as ``dask worker|scheduler``, a
+worker closes on SIGTERM, both end with the command's own exit code and flush what they logged
+before they go."""
 
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ def test_a_worker_joins_and_a_sigterm_ends_it_with_code_0_and_its_log_flushed(da
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert "End worker" in (tmp_path / "w.log").read_text()  # the last line logged reached the file
+    log = (tmp_path / "w.log").read_text()
+    assert "Reason: signal-15" in log  # closed on the signal, before the command's loop ends
+    assert "End worker" in log  # the last line logged reached the file
     assert "w-0" not in wait_for_workers(client, {"w-0"}, present=False, deadline_s=30)
 
 
