@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -139,6 +140,7 @@ def main() -> None:
     finally:
         client.close()
         stop(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in leave.items()}
     eng = {k: statistics.median(v) for k, v in engine.items()}
     table = Table(title=f"leaving: {args.workers} workers holding a model, SIGTERM → all exited; an engine process "
