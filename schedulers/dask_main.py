@@ -13,6 +13,9 @@ SIGTERM without closing its worker (it closes nannies only), so the close would 
 close could then wait its whole timeout for that stream to stop; closing first, as the command
 does for nannies, avoids that.
 
+``kill -USR2 <pid>`` makes either process write every thread's stack to its log (its stderr)
+and go on: the first thing to look at when a worker hangs.
+
 Run as ``python -m schedulers.dask_main worker|scheduler <the command's arguments>``.
 """
 
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import faulthandler
 import os
+import signal
 import sys
 
 COMMANDS = ("worker", "scheduler")
@@ -58,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         sys.exit(f"usage: python -m schedulers.dask_main {{{'|'.join(COMMANDS)}}} [ARGS]...")
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # stacks on demand, into the log
     if argv[0] == "worker":
         from distributed.cli import dask_worker
         from distributed.cli.dask_worker import main as command

@@ -1,12 +1,13 @@
 """``schedulers.dask_main``: the Dask worker and scheduler run as ``dask worker|scheduler``, a
-worker closes on SIGTERM, both end with the command's own exit code and flush what they logged
-before they go."""
+worker writes its stacks to its log on SIGUSR2 and closes on SIGTERM, both end with the
+command's own exit code and flush what they logged before they go."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -28,12 +29,18 @@ def _worker(address: str, name: str, log, *extra: str) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(120)
-def test_a_worker_joins_and_a_sigterm_ends_it_with_code_0_and_its_log_flushed(dask_scheduler, tmp_path):
+def test_a_worker_dumps_its_stacks_on_sigusr2_and_a_sigterm_ends_it_with_code_0(dask_scheduler, tmp_path):
     address, _, client = dask_scheduler
     with open(tmp_path / "w.log", "wb") as log:
         proc = _worker(address, "w-0", log, "--death-timeout", "30")
     try:
         assert "w-0" in wait_for_workers(client, {"w-0"}, present=True, deadline_s=60)
+        proc.send_signal(signal.SIGUSR2)  # every thread's stack into the log; the worker goes on
+        deadline = time.monotonic() + 30
+        while "most recent call first" not in (tmp_path / "w.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "most recent call first" in (tmp_path / "w.log").read_text()
+        assert proc.poll() is None and "w-0" in wait_for_workers(client, {"w-0"}, present=True, deadline_s=10)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
