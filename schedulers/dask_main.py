@@ -45,12 +45,15 @@ def exit_code(code: object) -> int:
 
 def close_workers_on_signal(cli) -> None:
     """Make the ``dask worker`` command module ``cli`` close its workers when the signal it
-    waits for arrives, before it returns (see the module docstring)."""
-    wait = cli.wait_for_signals
+    waits for arrives, before it returns (see the module docstring). A Dask whose command or
+    worker class no longer has what this relies on is left as it is."""
+    from distributed import Worker
+
+    wait = getattr(cli, "wait_for_signals", None)
+    if wait is None or not hasattr(Worker, "_instances"):
+        return
 
     async def wait_then_close() -> int:
-        from distributed import Worker
-
         signum = await wait()
         await asyncio.gather(*(w.close(timeout=CLOSE_TIMEOUT_S, reason=f"signal-{signum}")
                                for w in list(Worker._instances)), return_exceptions=True)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from schedulers.dask_main import exit_code
+from schedulers.dask_main import close_workers_on_signal, exit_code
 from tests.schedulers.dask_fixtures import dask_scheduler, wait_for_workers  # noqa: F401  (a fixture)
 
 
@@ -70,3 +70,15 @@ def test_an_unknown_command_is_refused_with_the_usage():
     out = subprocess.run([sys.executable, "-m", "schedulers.dask_main", "nanny"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 1 and "worker|scheduler" in out.stderr
+
+
+def test_a_dask_command_without_the_signal_hook_is_left_as_it_is():
+    from types import SimpleNamespace
+
+    cli = SimpleNamespace()
+    close_workers_on_signal(cli)
+    assert vars(cli) == {}
+    hook = SimpleNamespace(wait_for_signals=lambda: None)
+    original = hook.wait_for_signals
+    close_workers_on_signal(hook)
+    assert hook.wait_for_signals is not original  # wrapped: the workers close when it returns
