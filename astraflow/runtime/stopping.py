@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from astraflow.runtime.workers import RunFailed
 
 log = logging.getLogger("astraflow.runtime")
 
@@ -62,6 +65,18 @@ def interrupted(sig: KeyboardInterrupt) -> Ending:
 def disk_full(err: BaseException) -> bool:
     """Whether `err` is a write refused because the filesystem (or the user's quota) is full."""
     return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def trainer_failure(policy: str, state: dict[str, Any]) -> Exception:
+    """The error that ends a run whose trainer failed (``state`` is its `Trainer.state`): an
+    ``OSError`` rebuilt from its errno when the disk was full, so the run ends the way any full
+    disk ends it; otherwise `RunFailed` naming the trainer."""
+    if state.get("error_os"):
+        code, filename = state["error_os"]
+        err = OSError(code, os.strerror(code), filename)
+        if disk_full(err):
+            return err
+    return RunFailed(f"trainer {policy} failed: {state['error']}")
 
 
 def disk_full_reason(err: OSError, run_dir: Path) -> str:

@@ -139,6 +139,8 @@ class Trainer:
         self.committed = 0
         self.done = False
         self.error: str | None = None
+        self.error_os: tuple[int, str | None] | None = None
+        """(errno, filename) when the error was an ``OSError``: the orchestrator tells a full disk apart."""
         self.wait_s = 0.0
         #: seconds waited for batches up to the last fetch (``wait_s`` counts committed steps
         #: only); with ``_waiting_since`` it gives the autoscaler a wait that a starved trainer
@@ -308,6 +310,7 @@ class Trainer:
             "trained_version": self.version,
             "done": self.done,
             "error": self.error,
+            "error_os": self.error_os,
             "wait_s": self.wait_s,
             "train_s": self.train_s,
             "publish_s": self.publish_s,
@@ -429,6 +432,8 @@ class Trainer:
             log.info("trainer %s stopped while waiting for a batch (at v%d)", self.policy, self.version)
         except Exception as err:  # reported through state(); the orchestrator fails the run
             self.error = f"{type(err).__name__}: {err}"
+            if isinstance(err, OSError) and err.errno is not None:
+                self.error_os = (err.errno, None if err.filename is None else str(err.filename))
             log.exception("trainer %s failed", self.policy)
         finally:
             if publishing is not None:  # an error elsewhere: still commit what was trained

@@ -114,6 +114,32 @@ def test_a_failed_publish_stops_the_trainer_with_the_error(tmp_path, tiny_model,
     assert calls[0] == 1 and ("published", 1) not in dl.events
 
 
+def test_a_full_disk_in_the_trainer_ends_the_run_as_a_full_disk(tmp_path, tiny_model, monkeypatch):
+    """The trainer's error crosses the actor boundary as a string; its errno goes with it, so the
+    run ends with the one full-disk line (naming the file), not as a failed trainer."""
+    import errno
+
+    from astraflow.runtime.stopping import disk_full, disk_full_reason, trainer_failure
+    from astraflow.runtime.workers import RunFailed
+
+    ref = TorchBackend(tiny_model, lr=1e-3)
+    tr = _trainer(tmp_path, tiny_model, _DataLayer(_batch(ref.model, ref.tokenizer)), 5)
+    tr.start(run_loop=False)
+    target = tmp_path / "weights" / "v1.bin"
+
+    def publish(store, policy, version, state=None):
+        raise OSError(errno.ENOSPC, "No space left on device", str(target))
+
+    monkeypatch.setattr(tr.backend, "publish", publish)
+    tr._run()
+    err = trainer_failure("solver", tr.state())
+    assert disk_full(err) and err.filename == str(target)
+    assert disk_full_reason(err, tmp_path).startswith(f"no space left on the filesystem of {tmp_path} (writing {target}")
+
+    other = trainer_failure("solver", {"error": "OSError: [Errno 5] Input/output error", "error_os": (errno.EIO, None)})
+    assert isinstance(other, RunFailed) and str(other) == "trainer solver failed: OSError: [Errno 5] Input/output error"
+
+
 class _NoData(_DataLayer):
     """A data layer with nothing to serve: each call waits its timeout, then times out."""
 
