@@ -127,6 +127,8 @@ class RaaSNode(EngineRecovery):
         #: the engines ``_recover`` is restarting and catching up
         self._reviving: list[InferenceEngine] = []
         self.error: str | None = None
+        #: (errno, filename) when the error was an ``OSError``: the orchestrator tells a full disk apart
+        self.error_os: tuple[int, str | None] | None = None
         self.draining = False
         self.stopped = False
         #: when a stopping node gives up waiting for its in-flight episodes (set by ``stop``)
@@ -230,6 +232,8 @@ class RaaSNode(EngineRecovery):
             await self._main()
         except BaseException as err:  # whatever stopped the loop is reported, then re-raised
             self.error, self.draining = f"{type(err).__name__}: {err}", True
+            if isinstance(err, OSError) and err.errno is not None:
+                self.error_os = (err.errno, None if err.filename is None else str(err.filename))
             log.exception("RaaS node %s failed", self.identity.name)
             await asyncio.to_thread(self._last_word)
             raise
@@ -328,6 +332,7 @@ class RaaSNode(EngineRecovery):
             # a node that stopped leasing after an error it could not recover from: the
             # orchestrator replaces its worker (``Orchestrator._replace_failed_nodes``)
             "error": self.error,
+            "error_os": self.error_os,
         }
 
     async def _generate(self, task: RolloutTask) -> Trajectory:

@@ -53,8 +53,7 @@ from astraflow.runtime.placement import Placement, data_layer_kwargs, node_kwarg
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.reconcile import PartitionSet, run_tag
 from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts
-from astraflow.runtime.stopping import (BoundedWaits, Ending, disk_full, disk_full_reason, interrupted,
-                                       trainer_failure)
+from astraflow.runtime.stopping import BoundedWaits, Ending, disk_full, disk_full_reason, full_disk_of, interrupted
 from astraflow.runtime.workers import (FUTURE_ERRORS, NODE_PHASES, PHASES, DataLayerLost, Fleet, RunFailed,
                                       TrainerLost, Worker)
 from astraflow.training.numerics import NonFiniteError
@@ -266,7 +265,7 @@ class Orchestrator:
                 tick = self._tick()
                 for p, st in tick.trainers.items():
                     if st["error"]:
-                        raise trainer_failure(p, st)
+                        raise full_disk_of(st) or RunFailed(f"trainer {p} failed: {st['error']}")
                 self._reconcile()
                 self.fleet.advance()
                 self.fleet.replace_failed_nodes(tick.data_layer, silent_after=self.cfg.dataflow.lease_seconds)

@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from astraflow.runtime.workers import RunFailed
-
 log = logging.getLogger("astraflow.runtime")
 
 
@@ -67,16 +65,15 @@ def disk_full(err: BaseException) -> bool:
     return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-def trainer_failure(policy: str, state: dict[str, Any]) -> Exception:
-    """The error that ends a run whose trainer failed (``state`` is its `Trainer.state`): an
-    ``OSError`` rebuilt from its errno when the disk was full, so the run ends the way any full
-    disk ends it; otherwise `RunFailed` naming the trainer."""
-    if state.get("error_os"):
-        code, filename = state["error_os"]
-        err = OSError(code, os.strerror(code), filename)
-        if disk_full(err):
-            return err
-    return RunFailed(f"trainer {policy} failed: {state['error']}")
+def full_disk_of(report: dict[str, Any]) -> OSError | None:
+    """The full-disk ``OSError`` a component's report (a trainer's state, a node's heartbeat)
+    carries in ``error_os`` (errno, filename), rebuilt: its error crossed the actor boundary as a
+    string, and a run whose disk is full ends the one way any full disk ends it. None otherwise."""
+    if not report.get("error_os"):
+        return None
+    code, filename = report["error_os"]
+    err = OSError(code, os.strerror(code), filename)
+    return err if disk_full(err) else None
 
 
 def disk_full_reason(err: OSError, run_dir: Path) -> str:

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from astraflow.runtime.stopping import full_disk_of
 from schedulers import JobRef, JobStatus, Partition
 
 if TYPE_CHECKING:
@@ -291,7 +292,8 @@ class Fleet:
         loop has not called the data layer for ``silent_after`` seconds (its leases are expiring)
         is replaced like a lost worker: its job is cancelled, its leases requeued, its partition
         refilled. It counts as a failure, so a partition whose nodes keep failing stops being
-        refilled."""
+        refilled. A node that stopped on a full disk stops the run instead: its ``OSError`` is
+        raised (the run ends the way a full disk ends it, to be resumed)."""
         reports = state.get("nodes", {})
         now = time.time()
         for name, w in list(self.workers.items()):
@@ -302,6 +304,8 @@ class Fleet:
             silent = report.get("silent_s", now - w.since)  # not heard of yet: since it began serving
             if not error and silent > silent_after and now - w.since > silent_after:
                 error = f"its loop has not called the data layer for {silent:.0f}s (dataflow.lease_seconds)"
+            if (full := full_disk_of(report)) is not None:  # a new node would fail on it too: the run stops
+                raise full
             if error:
                 self.parts.cancel(w)
                 self.lost(w, f"RaaS node failed: {error}", failed=True)
@@ -343,5 +347,6 @@ def worker_report(reports: dict[str, Any], worker: str) -> dict[str, Any]:
     members = [r for r in reports.values() if r.get("worker") == worker]
     if not members:
         return reports.get(worker, {})
-    errors = [r["error"] for r in members if r.get("error")]
-    return {"error": errors[0] if errors else None, "silent_s": max(r.get("silent_s", 0.0) for r in members)}
+    failed = [r for r in members if r.get("error")]
+    return {"error": failed[0]["error"] if failed else None, "error_os": failed[0].get("error_os") if failed else None,
+            "silent_s": max(r.get("silent_s", 0.0) for r in members)}

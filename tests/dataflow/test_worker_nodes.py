@@ -30,8 +30,8 @@ def test_drain_and_loss_of_a_worker_reach_its_nodes_only(tmp_path):
 
 def test_the_worst_member_speaks_for_the_worker():
     reports = {"w0.n0": {"worker": "w0", "silent_s": 1.0, "error": None},
-               "w0.n1": {"worker": "w0", "silent_s": 40.0, "error": "RuntimeError: boom"},
+               "w0.n1": {"worker": "w0", "silent_s": 40.0, "error": "OSError: [Errno 28] full", "error_os": (28, "f")},
                "w1": {"silent_s": 2.0, "error": None}}
-    assert worker_report(reports, "w0") == {"error": "RuntimeError: boom", "silent_s": 40.0}
+    assert worker_report(reports, "w0") == {"error": "OSError: [Errno 28] full", "error_os": (28, "f"), "silent_s": 40.0}
     assert worker_report(reports, "w1") == reports["w1"]
     assert worker_report(reports, "w2") == {}

@@ -26,6 +26,7 @@ from astraflow.rollout.hf_engine import HFEngine
 from astraflow.rollout.node import NodeIdentity, RaaSNode
 from astraflow.rollout.weight_sync import WeightPuller
 from astraflow.rollout.workflows import SingleTurn, workflow_class
+from astraflow.runtime.stopping import disk_full, full_disk_of
 from astraflow.workloads.base import make_workload
 from astraflow.workloads.config import SamplingConfig, WorkloadConfig
 from storage.trajectories import open_trajectory_store
@@ -252,6 +253,7 @@ def test_a_node_whose_loop_dies_reports_it_and_stops_renewing_its_leases(tmp_pat
     assert "No space left on device" in node.error
     report = dl.state().result(10)["nodes"]["n0"]
     assert "No space left on device" in report["error"]  # its last heartbeat: the orchestrator replaces it
+    assert disk_full(full_disk_of(report))  # ... or, as here, stops the run: a new node would hit the full disk too
     held = _held(dl)
     assert held, "its finished episodes, never written, still hold their leases"
     assert dl.node_gone("n0").result(10) == len(held) and not _held(dl)  # what replacing the node does

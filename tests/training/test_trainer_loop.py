@@ -119,8 +119,7 @@ def test_a_full_disk_in_the_trainer_ends_the_run_as_a_full_disk(tmp_path, tiny_m
     run ends with the one full-disk line (naming the file), not as a failed trainer."""
     import errno
 
-    from astraflow.runtime.stopping import disk_full, disk_full_reason, trainer_failure
-    from astraflow.runtime.workers import RunFailed
+    from astraflow.runtime.stopping import disk_full, disk_full_reason, full_disk_of
 
     ref = TorchBackend(tiny_model, lr=1e-3)
     tr = _trainer(tmp_path, tiny_model, _DataLayer(_batch(ref.model, ref.tokenizer)), 5)
@@ -132,12 +131,12 @@ def test_a_full_disk_in_the_trainer_ends_the_run_as_a_full_disk(tmp_path, tiny_m
 
     monkeypatch.setattr(tr.backend, "publish", publish)
     tr._run()
-    err = trainer_failure("solver", tr.state())
+    err = full_disk_of(tr.state())
     assert disk_full(err) and err.filename == str(target)
     assert disk_full_reason(err, tmp_path).startswith(f"no space left on the filesystem of {tmp_path} (writing {target}")
 
-    other = trainer_failure("solver", {"error": "OSError: [Errno 5] Input/output error", "error_os": (errno.EIO, None)})
-    assert isinstance(other, RunFailed) and str(other) == "trainer solver failed: OSError: [Errno 5] Input/output error"
+    assert full_disk_of({"error": "OSError: [Errno 5] Input/output error", "error_os": (errno.EIO, None)}) is None
+    assert full_disk_of({"error": "ValueError: x", "error_os": None}) is None
 
 
 class _NoData(_DataLayer):
