@@ -102,7 +102,7 @@ class ProcessEngine:
         try:  # the tokenizer loads here while the engine process loads the model
             self.tokenizer = load_tokenizer(model_path)
         except BaseException:
-            self._kill()
+            self._abandon()
             raise
         self._await_ready(version)
 
@@ -125,18 +125,18 @@ class ProcessEngine:
         conn, proc = self._conn, self._proc
         path, timeout = self._args[0], self._start_timeout
         if not conn.poll(timeout):
-            self._kill()
+            self._abandon()
             raise EngineProcessError(f"the engine process did not load {path} within {timeout:.0f}s")
         try:
             msg = conn.recv()
         except EOFError:
-            self._reap(5)
+            self._abandon()
             raise EngineProcessError(
                 f"the engine process exited with code {proc.exitcode} while loading {path}; "
                 "see the worker log for its traceback"
             ) from None
         if msg[0] != "ready":
-            self._kill()
+            self._abandon()
             raise EngineProcessError(f"the engine process failed to start: {msg[1]}")
         self.version = version
         self._dead = None
@@ -303,6 +303,11 @@ class ProcessEngine:
         if self._proc.is_alive():
             self._proc.kill()  # our own child, by its PID
         self._reap(5)
+
+    def _abandon(self) -> None:
+        """A start that failed: the process killed and reaped, our end of its pipe closed."""
+        self._kill()
+        self._conn.close()
 
     def _reap(self, timeout: float) -> None:
         # one joiner at a time: two threads waiting on the same child race for its exit status

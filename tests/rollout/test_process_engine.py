@@ -158,6 +158,33 @@ def test_a_model_that_cannot_load_is_a_start_error(tiny_model, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_tokenizer_that_cannot_load_leaves_no_engine_process(tiny_model, tmp_path, monkeypatch):
+    """The engine process starts before the tokenizer loads; when the tokenizer fails, the
+    process is killed and reaped and the node's end of its pipe is closed."""
+    import multiprocessing
+
+    import astraflow.models
+
+    made = []
+    launch = ProcessEngine._launch
+
+    def recording_launch(self, version):
+        launch(self, version)
+        made.append((self._proc, self._conn))
+
+    def no_tokenizer(path):
+        raise ValueError(f"the tokenizer of {path} could not be loaded")
+
+    monkeypatch.setattr(ProcessEngine, "_launch", recording_launch)
+    monkeypatch.setattr(astraflow.models, "load_tokenizer", no_tokenizer)
+    with pytest.raises(ValueError, match="tokenizer"):
+        ProcessEngine(str(tiny_model), max_batch_size=4, device="cpu")
+    (proc, conn), = made
+    assert proc.exitcode is not None and conn.closed
+    assert proc not in multiprocessing.active_children()
+
+
+@pytest.mark.timeout(120)
 def test_the_engine_process_honours_dtype(tiny_model):
     """``rollout.engine.dtype: bf16`` reaches the engine process: its sampled tokens and
     log-probs are those of a bf16 ``HFEngine`` in this process, not of the fp32 one."""
