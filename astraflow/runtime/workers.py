@@ -131,6 +131,8 @@ class Fleet:
         self.workers: dict[str, Worker] = {}
         self.jobs: dict[str, JobStatus] = {}
         self.dl: Any = None
+        #: serving workers whose nodes looked silent past the lease time on the last check
+        self._silent: set[str] = set()
 
     # ------------------------------------------------------------------ queries
     def add(self, job: JobRef, partition: str) -> Worker:
@@ -293,7 +295,8 @@ class Fleet:
         is replaced like a lost worker: its job is cancelled, its leases requeued, its partition
         refilled. It counts as a failure, so a partition whose nodes keep failing stops being
         refilled. A node that stopped on a full disk stops the run instead: its ``OSError`` is
-        raised (the run ends the way a full disk ends it, to be resumed)."""
+        raised (the run ends the way a full disk ends it, to be resumed). Silence counts when
+        seen on two checks in a row."""
         reports = state.get("nodes", {})
         now = time.time()
         for name, w in list(self.workers.items()):
@@ -303,10 +306,17 @@ class Fleet:
             error = report.get("error")
             silent = report.get("silent_s", now - w.since)  # not heard of yet: since it began serving
             if not error and silent > silent_after and now - w.since > silent_after:
-                error = f"its loop has not called the data layer for {silent:.0f}s (dataflow.lease_seconds)"
+                # on two checks in a row: a data layer that was itself stalled (paused, swapped
+                # out) may answer before it has read the heartbeats that queued up meanwhile
+                if name in self._silent:
+                    error = f"its loop has not called the data layer for {silent:.0f}s (dataflow.lease_seconds)"
+                self._silent.add(name)
+            else:
+                self._silent.discard(name)
             if (full := full_disk_of(report)) is not None:  # a new node would fail on it too: the run stops
                 raise full
             if error:
+                self._silent.discard(name)
                 self.parts.cancel(w)
                 self.lost(w, f"RaaS node failed: {error}", failed=True)
 

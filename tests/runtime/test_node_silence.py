@@ -1,0 +1,88 @@
+"""Which RaaS nodes the orchestrator replaces (``Fleet.replace_failed_nodes``): one that reported
+an error at once; one whose loop went silent past the lease time only when it is silent on two
+checks in a row (a data layer that was itself stalled can answer before it has read the
+heartbeats queued meanwhile); one that stopped on a full disk not at all: the run stops.
+
+The process boundaries are stood in for: the data-layer actor handle (``node_gone``) and the
+job system (``cancel``, recorded); the fleet and its partitions are real."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import time
+
+import pytest
+
+from astraflow.config import ClusterConfig
+from astraflow.runtime.progress import Progress
+from astraflow.runtime.reconcile import PartitionSet
+from astraflow.runtime.stopping import disk_full
+from astraflow.runtime.workers import Fleet
+from schedulers import JobRef, Partition
+from storage.paths import RunPaths
+
+LEASE_S = 5.0
+
+
+class _DataLayer:
+    def __init__(self):
+        self.gone: list[str] = []
+
+    def node_gone(self, name):
+        self.gone.append(name)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(0)
+        return fut
+
+
+class _Jobs:
+    def __init__(self):
+        self.cancelled: list[str] = []
+
+    def cancel(self, ids):
+        self.cancelled += ids
+
+
+def _fleet(tmp_path) -> tuple[Fleet, _DataLayer]:
+    parts = [Partition(name="rollout", role="rollout", nodes=2)]
+    progress = Progress(enabled=False)
+    fleet = Fleet(PartitionSet(parts, RunPaths(tmp_path / "run"), ClusterConfig(), progress), placement=None,
+                  cluster=ClusterConfig(), progress=progress, place_node=lambda n, p: None)
+    for i in range(2):
+        w = fleet.add(JobRef(job_id=f"local-{900 + i}", partition="rollout", worker_name=f"rollout-{i}",
+                             kind="local", log=None), "rollout")
+        w.enter("serving")
+        w.since = time.time() - 10 * LEASE_S
+    fleet.dl, fleet.parts.schedulers["local"] = _DataLayer(), _Jobs()
+    return fleet, fleet.dl
+
+
+def _state(**nodes) -> dict:
+    return {"nodes": {name: {"worker": name, "error": None, "silent_s": 0.5, **r} for name, r in nodes.items()}}
+
+
+def test_silence_counts_on_two_checks_in_a_row_and_an_error_at_once(tmp_path):
+    fleet, dl = _fleet(tmp_path)
+    silent = {"rollout-0": {"silent_s": 3 * LEASE_S}, "rollout-1": {}}
+    fleet.replace_failed_nodes(_state(**silent), LEASE_S)
+    assert dl.gone == []  # the data layer may have been away itself: not yet
+    fleet.replace_failed_nodes(_state(**{"rollout-0": {}, "rollout-1": {}}), LEASE_S)  # its heartbeats arrived
+    fleet.replace_failed_nodes(_state(**silent), LEASE_S)
+    assert dl.gone == []  # silent once again after a heartbeat: the count starts over
+    fleet.replace_failed_nodes(_state(**silent), LEASE_S)
+    assert dl.gone == ["rollout-0"] and fleet.workers["rollout-0"].phase == "gone"
+    assert fleet.parts.schedulers["local"].cancelled == ["local-900"]
+    assert "has not called the data layer" in fleet.workers["rollout-0"].note
+
+    fleet.replace_failed_nodes(_state(**{"rollout-1": {"error": "RuntimeError: boom"}}), LEASE_S)
+    assert dl.gone == ["rollout-0", "rollout-1"] and "RuntimeError: boom" in fleet.workers["rollout-1"].note
+
+
+def test_a_node_on_a_full_disk_stops_the_run_instead_of_being_replaced(tmp_path):
+    fleet, dl = _fleet(tmp_path)
+    full = {"error": "OSError: [Errno 28] No space left on device", "error_os": (errno.ENOSPC, "/x/seg/c0")}
+    with pytest.raises(OSError) as err:
+        fleet.replace_failed_nodes(_state(**{"rollout-0": full, "rollout-1": {}}), LEASE_S)
+    assert disk_full(err.value) and err.value.filename == "/x/seg/c0"
+    assert dl.gone == [] and fleet.workers["rollout-0"].phase == "serving"
