@@ -149,4 +149,4 @@ def test_a_call_through_a_link_that_is_not_replaced_still_times_out(monkeypatch)
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
         call_sync(link.lease, "n0", 4, timeout=0.4)
-    assert 0.35 < time.monotonic() - t0 < 3
+    assert 0.35 < time.monotonic() - t0 < 10  # its own timeout, not the 30 s of a lease call

@@ -104,7 +104,7 @@ def test_killed_rollout_worker_loses_no_task_and_is_replaced(tiny_model, tmp_pat
     # the partition was refilled with a new worker (it may join after the last step on a busy machine)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert victim[0] not in summary["nodes"] and summary["workers"][victim[0]]["gone"]
-    assert any(n.startswith("rollout-rollout") and n.endswith("-2") for n in summary["workers"])
+    assert _refilled_or_about_to(summary)
 
 
 @pytest.mark.timeout(300)
@@ -135,7 +135,7 @@ def test_a_node_whose_engine_keeps_dying_is_replaced(tiny_model, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     gone = summary["workers"][victim[0]]
     assert gone["gone"] and "RaaS node failed" in gone["note"] and "exited with code -9" in gone["note"]
-    assert any(n.startswith("rollout-rollout") and n.endswith("-2") for n in summary["workers"])
+    assert _refilled_or_about_to(summary)
 
 
 @pytest.mark.timeout(300)
@@ -157,9 +157,14 @@ def test_a_node_whose_loop_hangs_is_replaced(tiny_model, tmp_path, monkeypatch):
     assert stuck["gone"] and "has not called the data layer" in stuck["note"], stuck
     # counted as a failure of its partition, which is refilled after a short backoff (the run
     # may have finished on the other node before that)
-    part = summary["partitions"]["rollout"]
+    assert summary["partitions"]["rollout"]["failures"] == 1 and _refilled_or_about_to(summary)
+
+
+def _refilled_or_about_to(summary: dict) -> bool:
+    """The rollout partition got a new worker, or was to get one after its failure backoff when
+    the run ended (on a busy machine the other node may finish the run first)."""
     refilled = any(n.startswith("rollout-rollout") and n.endswith("-2") for n in summary["workers"])
-    assert part["failures"] == 1 and (refilled or part["refill_in_s"] is not None), part
+    return refilled or summary["partitions"]["rollout"]["refill_in_s"] is not None
 
 
 @pytest.mark.timeout(300)

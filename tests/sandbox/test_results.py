@@ -127,7 +127,7 @@ def test_a_stuck_execution_cannot_hold_others_past_its_deadline():
     t0 = time.monotonic()
     r = sb.run("print('next')\n")
     stuck.join()
-    assert r.status == "ok" and time.monotonic() - t0 < 1.0 + 2.0
+    assert r.status == "ok" and time.monotonic() - t0 < 1.0 + 5.0  # its deadline, and a start under load
 
 
 def test_arun_does_not_block_the_event_loop(sb):

@@ -31,7 +31,7 @@ from schedulers.slurm import SlurmScheduler, run_slurm
 from storage.trajectories import EntryRef, open_trajectory_store
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_STEPS = 80
+MAX_STEPS = 100
 
 
 def _status(run_dir: Path) -> dict | None:
@@ -115,7 +115,7 @@ def test_partitions_added_removed_and_killed_mid_run_lose_no_task(tiny_model, tm
         st = _status(run_dir)
         assert st["partitions"]["h100"]["state"] == "removed" and st["partitions"]["h100"]["removal_mode"] == "drain"
         version = st["trainers"]["solver"]["version"]
-        assert version <= MAX_STEPS - 3, f"the run is too fast for this test (v{version}): raise MAX_STEPS"
+        assert version <= MAX_STEPS - 10, f"the run is too fast for this test (v{version}): raise MAX_STEPS"
 
         # 5. one a100 worker job is cancelled from outside: noticed, its tasks requeued, refilled
         victim_name = st["partitions"]["a100"]["workers"][0]

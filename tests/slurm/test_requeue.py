@@ -32,7 +32,7 @@ from schedulers.slurm import SlurmScheduler, run_slurm
 from storage.paths import RunPaths
 from tests.slurm.test_elastic import ROOT, _status, _wait
 
-MAX_STEPS = 14
+MAX_STEPS = 20
 
 
 def _config(tmp_path: Path, model: Path) -> Path:
