@@ -28,3 +28,58 @@ def test_parallel_sizes_are_checked(tmp_path):
     # every replica's share is normalised by the whole batch: the loss must take that count
     with pytest.raises(ValueError, match="dp_size=2 needs a loss_fn that takes num_tokens"):
         MegatronBackendConfig(hf_checkpoint=str(hf), dp_size=2, loss_fn="tests.megatron.helpers:grpo_loss_fallback")
+
+
+def test_a_full_disk_is_found_inside_a_checkpoint_exception():
+    """``dist_checkpointing.save`` raises torch's ``CheckpointException`` (a BaseException) on
+    every rank, with each failed rank's error inside: the full disk is found there."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from astraflow.training.megatron.rank import full_disk_in
+
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device", "/w/v3/__0_0.distcp")
+    except OSError as e:
+        wrapped = CheckpointException("save failed", {0: _wrap_exception(e)})
+    found = full_disk_in(wrapped)
+    assert found is not None and found.errno == errno.ENOSPC and found.filename == "/w/v3/__0_0.distcp"
+    try:
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        except OSError as e:
+            raise RuntimeError("writing the shards failed") from e
+    except RuntimeError as e:
+        assert full_disk_in(e).errno == errno.EDQUOT
+    assert full_disk_in(CheckpointException("x", {0: _wrap_exception(OSError(errno.EIO, "I/O error"))})) is None
+    assert full_disk_in(ValueError("no")) is None
+
+
+@pytest.mark.timeout(180)
+def test_shards_written_to_a_full_disk_raise_its_oserror_and_the_ranks_go_on(tmp_path):
+    """A publish onto a full filesystem (a real small tmpfs): the backend raises the ``OSError``
+    (the run then stops as any full disk stops it), and its ranks still serve: the next save,
+    with room, works."""
+    import errno
+    import subprocess
+
+    from astraflow.runtime.stopping import disk_full
+
+    small = tmp_path / "small"
+    small.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k,mode=0700", "tmpfs", str(small)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
+    try:
+        hf = save_tiny_llama(tmp_path / "hf", tied=False)
+        with MegatronBackend(MegatronBackendConfig(hf_checkpoint=str(hf), tp_size=1, start_timeout_s=120,
+                                                   log_dir=str(tmp_path / "logs"))) as backend:
+            with pytest.raises(OSError) as err:
+                backend.save_shards(small / "v1")
+            assert disk_full(err.value) and err.value.errno == errno.ENOSPC, err.value
+            assert backend.save_shards(tmp_path / "v1")["save_s"] >= 0
+            assert any((tmp_path / "v1").iterdir())
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)

@@ -328,6 +328,7 @@ class MegatronBackend:
             self._conns[r].send((cmd, payload if per_rank is None else per_rank[r]))
         deadline = time.monotonic() + timeout_s
         results = []
+        full: OSError | None = None  # a rank's full disk (``rank`` answers ``full_disk``)
         for r in ranks:
             c = self._conns[r]
             while not c.poll(0.2):
@@ -343,8 +344,13 @@ class MegatronBackend:
                 if dead:
                     raise RankError(self._report(f"rank(s) {dead} exited during {cmd!r}", dead)) from e
                 raise RankError(self._report(f"rank {r} closed its channel during {cmd!r}", [r])) from e
-            assert status == "ok", status
+            if status == "full_disk":  # every rank answers before it is raised: the channels stay in step
+                full = full or OSError(*result)
+            else:
+                assert status == "ok", status
             results.append(result)
+        if full is not None:
+            raise full
         return results
 
     def _exited_soon(self, wait_s: float = 10.0) -> list[int]:

@@ -38,12 +38,18 @@ Commands (``(name, payload)`` tuples; each is answered with ``("ok", result)``):
 * ``stop``: tear down the process group and exit.
 
 A failure raises out of the loop: the process exits non-zero with the traceback in its log, and
-the parent, which watches every rank's pid, reports it and stops the other ranks.
+the parent, which watches every rank's pid, reports it and stops the other ranks. A command
+that failed on a full disk (found anywhere in its error's chain, e.g. inside the
+``CheckpointException`` a ``save`` raises on every rank) is answered with
+``("full_disk", (errno, strerror, filename))`` instead and the rank goes on: the parent raises
+that ``OSError``, so the run ends as any full disk ends it, resumable.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib
+import os
 import time
 from contextlib import contextmanager
 
@@ -238,7 +244,15 @@ class Rank:
         sharded = self.model.sharded_state_dict()
         if payload.get("dtype", "fp32") == "bf16":
             sharded = _cast_shards(sharded, torch.bfloat16)
-        dist_checkpointing.save(sharded, payload["dir"])
+        try:
+            dist_checkpointing.save(sharded, payload["dir"])
+        except BaseException as err:
+            # the shard writers report a short write without its errno: a filesystem left with
+            # (almost) no room after the failed save is taken to be why
+            if full_disk_in(err) is None and _free_bytes(payload["dir"]) < NEARLY_FULL_BYTES:
+                raise OSError(errno.ENOSPC, f"No space left on device (the shards could not be written: "
+                              f"{str(err).strip().splitlines()[-1]})", payload["dir"]) from err
+            raise
         dist.barrier()
         return {"save_s": time.perf_counter() - t0}
 
@@ -285,7 +299,47 @@ def main() -> None:
             return
         if cmd not in handlers:
             raise ValueError(f"unknown command {cmd!r}; known: {sorted(handlers) + ['stop']}")
-        conn.send(("ok", handlers[cmd](payload)))
+        try:
+            answer = ("ok", handlers[cmd](payload))
+        except BaseException as err:  # a CheckpointException is a BaseException
+            full = full_disk_in(err)
+            if full is None:
+                raise
+            answer = ("full_disk", (full.errno, full.strerror, None if full.filename is None else str(full.filename)))
+        conn.send(answer)
+
+
+#: free space under which a failed save is put down to a full filesystem
+NEARLY_FULL_BYTES = 16 * 1024 * 1024
+
+
+def _free_bytes(directory: str) -> int:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return NEARLY_FULL_BYTES  # not there to ask: not known to be full
+    return st.f_bavail * st.f_frsize
+
+
+def full_disk_in(err: BaseException) -> OSError | None:
+    """The ``OSError`` of a full filesystem or quota anywhere in ``err``'s chain (its causes,
+    contexts, and the per-rank failures of a torch ``CheckpointException``), or None."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [err]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        failures = getattr(e, "failures", None)  # rank -> (exception, its stack summary)
+        for failure in failures.values() if isinstance(failures, dict) else ():
+            first = failure[0] if isinstance(failure, tuple) and failure else failure
+            if isinstance(first, BaseException):
+                todo.append(first)
+    return None
 
 
 if __name__ == "__main__":
