@@ -353,10 +353,12 @@ class Fleet:
 
 def worker_report(reports: dict[str, Any], worker: str) -> dict[str, Any]:
     """The data layer's report of the node on ``worker``; with several nodes per worker
-    (``rollout.nodes_per_worker``), the worst of them: the first error, the longest silence."""
+    (``rollout.nodes_per_worker``), the worst of them: the first error (a full disk first),
+    the longest silence."""
     members = [r for r in reports.values() if r.get("worker") == worker]
     if not members:
         return reports.get(worker, {})
     failed = [r for r in members if r.get("error")]
-    return {"error": failed[0]["error"] if failed else None, "error_os": failed[0].get("error_os") if failed else None,
+    first = next((r for r in failed if full_disk_of(r)), failed[0] if failed else {})  # a full disk stops the run
+    return {"error": first.get("error"), "error_os": first.get("error_os"),
             "silent_s": max(r.get("silent_s", 0.0) for r in members)}

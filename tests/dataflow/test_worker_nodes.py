@@ -35,3 +35,5 @@ def test_the_worst_member_speaks_for_the_worker():
     assert worker_report(reports, "w0") == {"error": "OSError: [Errno 28] full", "error_os": (28, "f"), "silent_s": 40.0}
     assert worker_report(reports, "w1") == reports["w1"]
     assert worker_report(reports, "w2") == {}
+    reports["w0.n0"].update(error="RuntimeError: boom")  # a full disk speaks first: it stops the run
+    assert worker_report(reports, "w0")["error_os"] == (28, "f")

@@ -251,7 +251,7 @@ class Rank:
             # (almost) no room after the failed save is taken to be why
             if full_disk_in(err) is None and _free_bytes(payload["dir"]) < NEARLY_FULL_BYTES:
                 raise OSError(errno.ENOSPC, f"No space left on device (the shards could not be written: "
-                              f"{str(err).strip().splitlines()[-1]})", payload["dir"]) from err
+                              f"{(str(err).strip().splitlines() or [type(err).__name__])[-1]})", payload["dir"]) from err
             raise
         dist.barrier()
         return {"save_s": time.perf_counter() - t0}
