@@ -96,6 +96,8 @@ class Link:
         self.reconnect_s = reconnect_s
         self._handle = handle
         self._generation = 0
+        #: the generation known to be lost (``expect_new``) while a new handle is on its way
+        self._lost_generation: int | None = None
         self._bound: Any = None
         self._changed = threading.Condition()
 
@@ -117,7 +119,19 @@ class Link:
         with self._changed:
             self._handle = handle
             self._generation += 1
+            self._lost_generation = None
             self._changed.notify_all()
+
+    def expect_new(self) -> None:
+        """The actor is known to be lost and is being re-placed: a call whose deadline passes
+        meanwhile waits for ``set`` (up to ``reconnect_s``) instead of timing out, however long
+        the new worker takes to start (a Slurm queue)."""
+        with self._changed:
+            self._lost_generation = self._generation
+
+    def known_lost(self, generation: int) -> bool:
+        with self._changed:
+            return self._lost_generation == generation
 
     def current(self) -> tuple[Any, int]:
         with self._changed:
@@ -150,7 +164,9 @@ class _LinkCall:
 
     A call to an actor whose worker was killed does not always fail at once (a new connection
     to the dead worker's address is retried until Dask's connect timeout), so the answer is
-    awaited in slices: when the link got a new handle meanwhile, the call is made again there."""
+    awaited in slices: when the link got a new handle meanwhile, the call is made again there.
+    A deadline that passes while the actor is known lost (``expect_new``) waits for its
+    replacement instead."""
 
     #: seconds between two looks at whether the actor was re-placed while a call waits
     SLICE_S = 1.0
@@ -177,7 +193,11 @@ class _LinkCall:
                         if self.link.current()[1] != generation:
                             break  # re-placed while this call waited: make it again there
                         if deadline is not None and time.monotonic() >= deadline:
-                            raise
+                            if not self.link.known_lost(generation):
+                                raise
+                            self.link.wait_for_new(generation, TimeoutError(
+                                f"{self.link.what} was lost and not re-placed within {self.link.reconnect_s:.0f}s"))
+                            break  # its replacement is there: make the call again
             except Exception as err:
                 if not actor_lost(err):
                     raise

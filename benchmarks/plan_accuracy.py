@@ -17,9 +17,11 @@ error is the load's drift rather than the simulation. Printed: both, and the rel
 ``RESULT {json}`` with ``steps_per_s_error`` and ``trainer_wait_error`` (|predicted - measured| /
 measured) and the numbers themselves.
 
-Run from the repository root: ``python benchmarks/plan_accuracy.py [--steps 120] [--time-scale 1]
-[--set KEY=VALUE ...]``; ``--set`` moves the operating point for both sides (e.g. a smaller
-engine batch, so that the trainer waits on rollouts for a real share of its time).
+Run from the repository root: ``python benchmarks/plan_accuracy.py [--steps 120] [--pairs 1]
+[--time-scale 1] [--set KEY=VALUE ...]``; ``--set`` moves the operating point for both sides (e.g. a
+smaller engine batch, so that the trainer waits on rollouts for a real share of its time);
+``--pairs N`` repeats the whole comparison and reports the median errors (a single reading moves
+with the machine's load between its calibration and its real run).
 The main example's model (``runs/models/math-mini-llama``) is built first if it is missing, as
 ``astraflow run`` builds it.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,35 +99,30 @@ def predicted(work: Path, steps: int, time_scale: float, cfg, cal) -> dict:
             "trajectories_per_s": r.trajectories_per_s, "seconds": time.time() - t0}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=120, help="trainer steps of each run")
-    ap.add_argument("--time-scale", type=float, default=1.0, help="the plan's simulated seconds per real second")
-    ap.add_argument("--model", default=None, help="the model directory (default: the config's)")
-    ap.add_argument("--keep", default=None, help="keep both runs in this directory (default: a temporary one)")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="a config override for the real run and the plan alike (repeatable), e.g. "
-                         "rollout.engine.max_batch=16 for a run whose trainer waits on rollouts")
-    args = ap.parse_args()
-    overrides = ["--set", f"policies.0.model={args.model}"] if args.model else []
-    for item in args.sets:
-        overrides += ["--set", item]
-    with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
-        work = Path(args.keep or tmp)
-        load = os.getloadavg()[0]
-        print(f"calibrating the local pool (load {load:.2f})", flush=True)
-        cfg, cal = calibration(overrides)
-        load_run = os.getloadavg()[0]
-        print(f"measured: the main example for {args.steps} steps (load {load_run:.2f})", flush=True)
-        real = real_run(work, args.steps, overrides)
-        load_real = os.getloadavg()[0]
-        print(f"calibrating again after the real run (load {load_real:.2f})", flush=True)
-        _, after = calibration(overrides)
-        load_plan = os.getloadavg()[0]
-        print(f"predicted: plan --pool local=1, the first calibration (load {load_plan:.2f})", flush=True)
-        pred = predicted(work, args.steps, args.time_scale, cfg, cal)
-        cal = {"step_seconds": cal.step_seconds, **cal.engine.model_dump(), "response_mean": cal.response_mean}
+def one_pair(work: Path, steps: int, time_scale: float, overrides: list[str]) -> dict:
+    """Calibrate, run for real, calibrate again, plan with the first calibration: both sides
+    and the errors."""
+    load = os.getloadavg()[0]
+    print(f"calibrating the local pool (load {load:.2f})", flush=True)
+    cfg, cal = calibration(overrides)
+    load_run = os.getloadavg()[0]
+    print(f"measured: the main example for {steps} steps (load {load_run:.2f})", flush=True)
+    real = real_run(work, steps, overrides)
+    load_real = os.getloadavg()[0]
+    print(f"calibrating again after the real run (load {load_real:.2f})", flush=True)
+    _, after = calibration(overrides)
+    load_plan = os.getloadavg()[0]
+    print(f"predicted: plan --pool local=1, the first calibration (load {load_plan:.2f})", flush=True)
+    pred = predicted(work, steps, time_scale, cfg, cal)
     err = {k: abs(pred[k] - real[k]) / max(real[k], 1e-9) for k in ("steps_per_s", "trainer_wait")}
+    return {"real": real, "pred": pred, "err": err, "after_step_s": after.step_seconds,
+            "cal": {"step_seconds": cal.step_seconds, **cal.engine.model_dump(), "response_mean": cal.response_mean},
+            "load": {"calibration": round(load, 2), "real": round(load_run, 2),
+                     "calibration_after": round(load_real, 2), "plan": round(load_plan, 2)}}
+
+
+def show(pair: dict) -> None:
+    real, pred, err, cal = pair["real"], pair["pred"], pair["err"], pair["cal"]
     print(f"\n{'':<12}{'steps/s':>10}{'trainer wait':>14}{'trajectories/s':>16}{'staleness p50/p90/max':>24}"
           f"{'seconds':>9}")
     for name, row in (("measured", real), ("predicted", pred)):
@@ -133,20 +131,52 @@ def main() -> None:
               f"{st['p50']:>14}/{st['p90']}/{st['max']}{row['seconds']:>12.0f}")
     print(f"{'error':<12}{err['steps_per_s']:>10.1%}{err['trainer_wait']:>14.1%}")
     print(f"calibration: {json.dumps({k: round(v, 4) for k, v in cal.items()})}")
-    print(f"trainer step: calibrated {cal['step_seconds']:.3f} s before (load {load:.2f}), "
-          f"{after.step_seconds:.3f} s after (load {load_real:.2f}); the real run's {real['step_s']:.3f} s "
-          f"(period less wait; train_s {real['train_s']:.3f} s, {real['trained_sequences']:.0f} of "
-          f"{real['batch']:.0f} sequences trained)")
-    print("RESULT " + json.dumps({"steps_per_s_error": round(err["steps_per_s"], 4),
-                                  "trainer_wait_error": round(err["trainer_wait"], 4),
-                                  "measured": {k: real[k] for k in ("steps_per_s", "trainer_wait")},
-                                  "predicted": {k: pred[k] for k in ("steps_per_s", "trainer_wait")},
-                                  "step_s": {"calibrated": round(cal["step_seconds"], 4),
-                                             "calibrated_after": round(after.step_seconds, 4),
-                                             "real": round(real["step_s"], 4)},
+    load = pair["load"]
+    print(f"trainer step: calibrated {cal['step_seconds']:.3f} s before (load {load['calibration']:.2f}), "
+          f"{pair['after_step_s']:.3f} s after (load {load['calibration_after']:.2f}); the real run's "
+          f"{real['step_s']:.3f} s (period less wait; train_s {real['train_s']:.3f} s, "
+          f"{real['trained_sequences']:.0f} of {real['batch']:.0f} sequences trained)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=120, help="trainer steps of each run")
+    ap.add_argument("--pairs", type=int, default=1,
+                    help="repetitions of calibrate, real run, plan; the errors reported are their medians")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="the plan's simulated seconds per real second")
+    ap.add_argument("--model", default=None, help="the model directory (default: the config's)")
+    ap.add_argument("--keep", default=None, help="keep the runs in this directory (default: a temporary one)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for the real run and the plan alike (repeatable), e.g. "
+                         "rollout.engine.max_batch=16 for a run whose trainer waits on rollouts")
+    args = ap.parse_args()
+    overrides = ["--set", f"policies.0.model={args.model}"] if args.model else []
+    for item in args.sets:
+        overrides += ["--set", item]
+    pairs = []
+    with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
+        for i in range(args.pairs):
+            if args.pairs > 1:
+                print(f"\n== pair {i + 1} of {args.pairs}", flush=True)
+            pairs.append(one_pair(Path(args.keep or tmp) / f"pair-{i}", args.steps, args.time_scale, overrides))
+            show(pairs[-1])
+    med = {k: statistics.median(p["err"][k] for p in pairs) for k in ("steps_per_s", "trainer_wait")}
+    if args.pairs > 1:
+        print(f"\nmedian errors over {args.pairs} pairs: steps/s {med['steps_per_s']:.1%}, "
+              f"trainer wait {med['trainer_wait']:.1%} (each: "
+              + ", ".join(f"{p['err']['steps_per_s']:.1%}/{p['err']['trainer_wait']:.1%}" for p in pairs) + ")")
+    last = pairs[-1]
+    print("RESULT " + json.dumps({"steps_per_s_error": round(med["steps_per_s"], 4),
+                                  "trainer_wait_error": round(med["trainer_wait"], 4),
+                                  "pairs": args.pairs,
+                                  "each": [{k: round(v, 4) for k, v in p["err"].items()} for p in pairs],
+                                  "measured": {k: last["real"][k] for k in ("steps_per_s", "trainer_wait")},
+                                  "predicted": {k: last["pred"][k] for k in ("steps_per_s", "trainer_wait")},
+                                  "step_s": {"calibrated": round(last["cal"]["step_seconds"], 4),
+                                             "calibrated_after": round(last["after_step_s"], 4),
+                                             "real": round(last["real"]["step_s"], 4)},
                                   "steps": args.steps, "time_scale": args.time_scale, "overrides": args.sets,
-                                  "load": {"calibration": round(load, 2), "real": round(load_run, 2), "calibration_after": round(load_real, 2),
-                                           "plan": round(load_plan, 2)}}))
+                                  "load": last["load"]}))
 
 
 if __name__ == "__main__":

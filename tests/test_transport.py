@@ -150,3 +150,31 @@ def test_a_call_through_a_link_that_is_not_replaced_still_times_out(monkeypatch)
     with pytest.raises(TimeoutError):
         call_sync(link.lease, "n0", 4, timeout=0.4)
     assert 0.35 < time.monotonic() - t0 < 10  # its own timeout, not the 30 s of a lease call
+
+
+def test_a_call_to_an_actor_known_lost_waits_past_its_deadline_for_the_replacement(monkeypatch):
+    """The orchestrator said the data layer is lost and is being re-placed (a new Slurm job may
+    take long to start): a call whose deadline passes meanwhile waits for the new handle and is
+    made again there, instead of failing the node's loop with a timeout."""
+    monkeypatch.setattr(transport._LinkCall, "SLICE_S", 0.05)
+    old, new = _Handle(_Pending()), _Handle(_Answered(["t1"]))
+    link = Link(old, "the data layer", reconnect_s=30)
+    link.expect_new()
+    threading.Timer(1.0, link.set, args=(new,)).start()
+    t0 = time.monotonic()
+    assert call_sync(link.lease, "n0", 4, timeout=0.3) == ["t1"]
+    assert time.monotonic() - t0 >= 0.9 and old.calls == 1 and new.calls == 1
+    # the new handle is not known lost: its calls time out as usual
+    newer = Link(_Handle(_Pending()), "the data layer", reconnect_s=30)
+    newer.expect_new()
+    newer.set(_Handle(_Pending()))
+    with pytest.raises(TimeoutError):
+        call_sync(newer.lease, "n0", 4, timeout=0.3)
+
+
+def test_a_lost_actor_that_is_not_replaced_in_time_fails_the_call(monkeypatch):
+    monkeypatch.setattr(transport._LinkCall, "SLICE_S", 0.05)
+    link = Link(_Handle(_Pending()), "the data layer", reconnect_s=0.3)
+    link.expect_new()
+    with pytest.raises(TimeoutError, match="not re-placed within"):
+        call_sync(link.lease, "n0", 4, timeout=0.2)

@@ -146,6 +146,9 @@ class Coalescer:
     def set(self, handle: Any) -> None:
         self.handle.set(handle)
 
+    def expect_new(self) -> None:
+        self.handle.expect_new()
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)

@@ -144,6 +144,11 @@ class RaaSNode(EngineRecovery):
         on (those waiting for it are made again there)."""
         self.dl.set(bind(data_layer))
 
+    def data_layer_lost(self) -> None:
+        """The data layer's worker is gone and it is being re-placed: calls to it wait for
+        ``reconnect`` instead of timing out meanwhile."""
+        self.dl.expect_new()
+
     def start(self) -> dict[str, int]:
         """Load engines, catch up to the latest committed weights, start the loop. Returns the
         weight version loaded per policy (the node leases only after this catch-up)."""

@@ -62,6 +62,10 @@ class RaaSNodeGroup:
         for n in self.nodes:
             n.reconnect(data_layer)
 
+    def data_layer_lost(self) -> None:
+        for n in self.nodes:
+            n.data_layer_lost()
+
     def drain(self) -> None:
         for n in self.nodes:
             n.drain()

@@ -23,8 +23,9 @@ out with a line naming why and the fix.
 A lost data-layer worker (`DataLayerRestarts`, ``cluster.data_layer_restarts`` times): its job
 is cancelled, a new worker is submitted to the data partition, and a `DataLayer` is built there
 from the lost one's durable state (``dataflow/durable.py``: everything it had answered, leases
-kept), then handed to every trainer and RaaS node (``reconnect``). Their calls meanwhile wait
-for it (``transport.Link``) and are made again on it; it recognises repeats.
+kept), then handed to every trainer and RaaS node (``reconnect``). They are told of the loss
+first (``data_layer_lost``), so their calls meanwhile wait for it (``transport.Link``), however
+long the new worker takes to start, and are made again on it; it recognises repeats.
 """
 
 from __future__ import annotations
@@ -182,6 +183,28 @@ class DataLayerRestarts:
         return {"count": len(self.history), "limit": self.cfg.cluster.data_layer_restarts,
                 "restarts": list(self.history)}
 
+    def _tell_holders(self, what: str, call: Callable[[Any], Any], timeout: float) -> tuple[list[str], list[str]]:
+        """``call`` on every trainer and RaaS node actor (each holds a link to the data layer),
+        then wait for them all: the components called, and those that could not be told (a node
+        that cannot be told is replaced when it goes silent)."""
+        holders = {f"trainer {p}": t for p, t in self.trainers.items()}
+        holders.update({f"node {x.name}": x.actor for x in self.fleet.workers.values()
+                        if self.fleet.role(x) == "rollout" and x.phase in NODE_PHASES and x.actor is not None})
+        calls, missed = {}, []
+        for k, h in holders.items():
+            try:
+                calls[k] = call(h)
+            except FUTURE_ERRORS as err:
+                missed.append(k)
+                log.warning("%s %s failed: %s", what, k, err)
+        for k, fut in calls.items():
+            try:
+                fut.result(timeout=timeout)
+            except FUTURE_ERRORS as err:
+                missed.append(k)
+                log.warning("%s %s failed: %s", what, k, err)
+        return list(holders), missed
+
     def replace(self, lost: DataLayerLost) -> None:
         """Re-place the data layer on a new worker and reconnect everyone to it, or raise
         ``RunFailed`` saying why it cannot be and the fix."""
@@ -200,6 +223,8 @@ class DataLayerRestarts:
             log.warning("cancelling the lost data-layer worker %s failed: %s", w.name, err)
         n = len(self.history) + 1
         note(self.progress, self.paths, f"data layer lost ({why}): re-placing it ({n} of {limit}) from its saved state")
+        # their calls to it wait for the new one, however long its worker takes to start
+        self._tell_holders("data_layer_lost", lambda h: h.data_layer_lost(), timeout=10)
         new = new_worker(self, "data-layer", w.partition, why)
         try:
             with self.progress.waiting(f"restoring the data layer on {new.name}"):
@@ -212,17 +237,7 @@ class DataLayerRestarts:
             raise RunFailed(f"{lost}; re-placing the data layer failed: {type(err).__name__}: {err}") from None
         self.fleet.dl = new.actor = dl
         new.enter("serving")
-        holders = {f"trainer {p}": t for p, t in self.trainers.items()}
-        holders.update({f"node {x.name}": x.actor for x in self.fleet.workers.values()
-                        if self.fleet.role(x) == "rollout" and x.phase in NODE_PHASES and x.actor is not None})
-        calls = {k: h.reconnect(dl) for k, h in holders.items()}
-        missed = []
-        for k, fut in calls.items():
-            try:
-                fut.result(timeout=30)
-            except FUTURE_ERRORS as err:  # a node that cannot be told is replaced when it goes silent
-                missed.append(k)
-                log.warning("reconnecting %s to the re-placed data layer failed: %s", k, err)
+        calls, missed = self._tell_holders("reconnecting", lambda h: h.reconnect(dl), timeout=30)
         self.history.append({"worker": w.name, "why": why, "at": t0, "new_worker": new.name,
                              "seconds": time.time() - t0, "restored": restored, "not_reconnected": missed})
         note(self.progress, self.paths,

@@ -175,6 +175,11 @@ class Trainer:
         on (those waiting for it are made again there)."""
         self.dl.set(bind(data_layer))
 
+    def data_layer_lost(self) -> None:
+        """The data layer's worker is gone and it is being re-placed: calls to it wait for
+        ``reconnect`` instead of timing out meanwhile."""
+        self.dl.expect_new()
+
     def start(self, run_loop: bool = True) -> int:
         """Build the backend, publish the initial version, start the loop (unless a driver
         calls ``step()`` itself: the trainer-centred baseline). Returns the version the loop
