@@ -19,7 +19,7 @@ import asyncio
 import threading
 from typing import Any, Callable
 
-from astraflow.transport import Packed
+from astraflow.transport import Link, Packed
 
 #: a lane's sender thread ends after this many idle seconds (started again on the next call)
 IDLE_S = 30.0
@@ -30,7 +30,11 @@ class _Pending:
     ``wait_async(timeout)`` for a node's event loop (``transport.call`` uses it: no thread is
     parked per waiting node, which matters when one process runs many nodes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, replaced: Callable[[], bool] = lambda: False, patience_s: float = 0.0) -> None:
+        #: whether the data layer was lost (or re-placed) since the call was made: a deadline
+        #: that passes then is waited out, up to ``patience_s`` more (the sender makes the call
+        #: again on the new data layer, as ``transport.Link`` does)
+        self._replaced, self._patience_s = replaced, patience_s
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._wakers: list[Callable[[], None]] = []
@@ -62,16 +66,23 @@ class _Pending:
                 self._wakers.append(wake)
         if waiting:
             try:
-                await asyncio.wait_for(woken, timeout)
+                await asyncio.wait_for(asyncio.shield(woken), timeout)
             except asyncio.TimeoutError:
-                raise TimeoutError(f"no answer from the data layer within {timeout}s") from None
+                if not self._replaced():
+                    raise TimeoutError(f"no answer from the data layer within {timeout}s") from None
+                try:
+                    await asyncio.wait_for(woken, self._patience_s + (timeout or 0.0))
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"the data layer was lost and did not answer within "
+                                       f"{self._patience_s:.0f}s of its re-placement") from None
         return self.result(0)
 
     def done(self) -> bool:
         return self._done.is_set()
 
     def result(self, timeout: float | None = None) -> Any:
-        if not self._done.wait(timeout):
+        if not self._done.wait(timeout) and not (
+                self._replaced() and self._done.wait(self._patience_s + (timeout or 0.0))):
             raise TimeoutError(f"no answer from the data layer within {timeout}s")
         if self._error is not None:
             raise self._error
@@ -83,9 +94,11 @@ class _Lane:
     (up to ``senders`` at once: a call waiting on the data layer's snapshot write does not hold
     back the next; calls made meanwhile share the write)."""
 
-    def __init__(self, name: str, send: Callable[[list[tuple[tuple, _Pending]]], None], senders: int = 4):
+    def __init__(self, name: str, send: Callable[[list[tuple[tuple, _Pending]]], None], senders: int = 4,
+                 pending: Callable[[], _Pending] = _Pending):
         self.name = name
         self._send = send
+        self._pending = pending
         self._queue: list[tuple[tuple, _Pending]] = []
         self._cond = threading.Condition()
         self._senders = senders
@@ -96,7 +109,7 @@ class _Lane:
         self.carried = 0
 
     def submit(self, args: tuple) -> _Pending:
-        pending = _Pending()
+        pending = self._pending()
         with self._cond:
             self._queue.append((args, pending))
             if self._idle == 0 and self._threads < self._senders:
@@ -131,8 +144,17 @@ class Coalescer:
     def __init__(self, handle: Any):
         #: the data layer's handle (a ``transport.Link``: it follows a re-placed data layer)
         self.handle = handle
-        self.lanes = {"heartbeat": _Lane("heartbeat", self._heartbeats), "lease": _Lane("lease", self._leases),
-                      "complete": _Lane("complete", self._completes)}
+        self.lanes = {name: _Lane(name, send, pending=self._pending) for name, send in
+                      (("heartbeat", self._heartbeats), ("lease", self._leases), ("complete", self._completes))}
+
+    def _pending(self) -> _Pending:
+        """A node's share of a gathered call, which waits for a lost data layer's replacement
+        as the link's own calls do (``Link.expect_new``)."""
+        link = self.handle
+        if not isinstance(link, Link):  # a plain actor handle: nothing re-places it
+            return _Pending()
+        generation = link.current()[1]
+        return _Pending(lambda: link.current()[1] != generation or link.known_lost(generation), link.reconnect_s)
 
     # ``bind`` reads and sets ``_worker``: it is the handle's
     @property

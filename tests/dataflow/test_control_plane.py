@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -191,3 +192,37 @@ def test_the_oldest_node_version_drops_at_once_and_rises_only_at_a_recount():
     assert oldest.get(nodes, 30.0, now=101.8) == {"p": 1}
     nodes["c"]["draining"] = True
     assert oldest.get(nodes, 30.0, now=103.0) == {"p": 5}
+
+
+def test_gathered_calls_wait_for_a_lost_data_layer_to_be_re_placed(tmp_path):
+    """Nodes of one worker share a coalescer over a ``Link``: when the orchestrator says the
+    data layer is lost, their calls' deadlines passing meanwhile are waited out and the calls
+    answered by the re-placed data layer, as a single node's calls are."""
+    from astraflow import transport
+    from astraflow.transport import Link, call
+
+    class _Dead:  # the lost data layer's handle: a call to it never answers
+        def __getattr__(self, name):
+            return lambda *a, **k: Future()
+
+    new = _LoopHandle(make_layer(tmp_path, prefetch_groups=6))
+    link = Link(_Dead(), "the data layer", reconnect_s=30)
+    co = Coalescer(link)
+    transport._LinkCall.SLICE_S, slice_s = 0.05, transport._LinkCall.SLICE_S
+    try:
+        link.expect_new()
+        threading.Timer(1.0, link.set, args=(new,)).start()
+
+        async def go():
+            return await asyncio.gather(*(call(co.heartbeat, f"w0.n{i}", {"worker": "w0", "holding": []},
+                                               timeout=0.3) for i in range(3)))
+
+        t0 = time.monotonic()
+        assert asyncio.run(go()) == [{"draining": False, "finished": False}] * 3
+        assert time.monotonic() - t0 >= 0.9 and "heartbeat_many" in new.calls
+        # not lost: a deadline is a deadline
+        with pytest.raises(TimeoutError, match="within 0.2s"):
+            asyncio.run(call(Coalescer(Link(_Dead(), "the data layer")).heartbeat, "w1.n0", {}, timeout=0.2))
+    finally:
+        transport._LinkCall.SLICE_S = slice_s
+        new.loop.call_soon_threadsafe(new.loop.stop)
