@@ -73,6 +73,10 @@ from astraflow.training.megatron.state import check_optimizer_state, layout, pac
 from astraflow.weightconv import megatron_to_hf
 
 
+#: seconds the other ranks have to answer after one answered that its disk is full
+FULL_DISK_GRACE_S = 30.0
+
+
 @dataclass(frozen=True)
 class MegatronBackendConfig:
     """Configuration of the Megatron backend (owned by ``training/``)."""
@@ -322,36 +326,50 @@ class MegatronBackend:
     def _call(self, cmd: str, payload: Any, timeout_s: float, per_rank: list[Any] | None = None,
               ranks: list[int] | None = None) -> list[Any]:
         """Send ``cmd`` with ``payload`` (or rank r ``per_rank[r]``) to every rank, or only to
-        ``ranks`` (a command no collective runs in); their answers, in the order sent."""
+        ``ranks`` (a command no collective runs in); their answers, in the order sent. A rank
+        that answered ``full_disk`` makes it raise that ``OSError`` once every rank answered (the
+        channels stay in step), or once the others had ``FULL_DISK_GRACE_S`` to (a rank left
+        waiting in a collective the failed one never joined)."""
         ranks = list(range(len(self._conns))) if ranks is None else ranks
         for r in ranks:
             self._conns[r].send((cmd, payload if per_rank is None else per_rank[r]))
         deadline = time.monotonic() + timeout_s
         results = []
-        full: OSError | None = None  # a rank's full disk (``rank`` answers ``full_disk``)
-        for r in ranks:
-            c = self._conns[r]
-            while not c.poll(0.2):
-                dead = self._ranks.exited()
-                if dead:
-                    raise RankError(self._report(f"rank(s) {dead} exited during {cmd!r}", dead))
-                if time.monotonic() > deadline:
-                    raise RankError(self._report(f"rank {r} did not answer {cmd!r} within {timeout_s:.0f}s", [r]))
-            try:
-                status, result = c.recv()
-            except (EOFError, OSError) as e:  # OSError: a TCP channel reset by its peer
-                dead = self._exited_soon()
-                if dead:
-                    raise RankError(self._report(f"rank(s) {dead} exited during {cmd!r}", dead)) from e
-                raise RankError(self._report(f"rank {r} closed its channel during {cmd!r}", [r])) from e
-            if status == "full_disk":  # every rank answers before it is raised: the channels stay in step
-                full = full or OSError(*result)
-            else:
-                assert status == "ok", status
-            results.append(result)
+        full: OSError | None = None
+        try:
+            for r in ranks:
+                results.append(self._answer(r, cmd, timeout_s, deadline))
+                if isinstance(results[-1], OSError):
+                    full = full or results[-1]
+                    deadline = min(deadline, time.monotonic() + FULL_DISK_GRACE_S)
+        except RankError as err:
+            if full is not None:
+                raise full from err
+            raise
         if full is not None:
             raise full
         return results
+
+    def _answer(self, r: int, cmd: str, timeout_s: float, deadline: float) -> Any:
+        """Rank ``r``'s answer to ``cmd`` (an ``OSError`` for its full disk), or ``RankError``."""
+        c = self._conns[r]
+        while not c.poll(0.2):
+            dead = self._ranks.exited()
+            if dead:
+                raise RankError(self._report(f"rank(s) {dead} exited during {cmd!r}", dead))
+            if time.monotonic() > deadline:
+                raise RankError(self._report(f"rank {r} did not answer {cmd!r} within {timeout_s:.0f}s", [r]))
+        try:
+            status, result = c.recv()
+        except (EOFError, OSError) as e:  # OSError: a TCP channel reset by its peer
+            dead = self._exited_soon()
+            if dead:
+                raise RankError(self._report(f"rank(s) {dead} exited during {cmd!r}", dead)) from e
+            raise RankError(self._report(f"rank {r} closed its channel during {cmd!r}", [r])) from e
+        if status == "full_disk":
+            return OSError(*result)
+        assert status == "ok", status
+        return result
 
     def _exited_soon(self, wait_s: float = 10.0) -> list[int]:
         """The ranks that have exited, given ``wait_s`` to show it: a channel closes just before

@@ -55,6 +55,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from astraflow.training.megatron.state import load_named_optimizer_state, named_optimizer_state, pack, unpack
 
@@ -246,7 +247,7 @@ class Rank:
             sharded = _cast_shards(sharded, torch.bfloat16)
         try:
             dist_checkpointing.save(sharded, payload["dir"])
-        except BaseException as err:
+        except _FAILURES as err:
             # the shard writers report a short write without its errno: a filesystem left with
             # (almost) no room after the failed save is taken to be why
             if full_disk_in(err) is None and _free_bytes(payload["dir"]) < NEARLY_FULL_BYTES:
@@ -301,13 +302,17 @@ def main() -> None:
             raise ValueError(f"unknown command {cmd!r}; known: {sorted(handlers) + ['stop']}")
         try:
             answer = ("ok", handlers[cmd](payload))
-        except BaseException as err:  # a CheckpointException is a BaseException
+        except _FAILURES as err:
             full = full_disk_in(err)
             if full is None:
                 raise
             answer = ("full_disk", (full.errno, full.strerror, None if full.filename is None else str(full.filename)))
         conn.send(answer)
 
+
+#: what a command's failure may be: any error, and torch's ``CheckpointException`` (a
+#: ``BaseException``); not an interrupt
+_FAILURES = (Exception, CheckpointException)
 
 #: free space under which a failed save is put down to a full filesystem
 NEARLY_FULL_BYTES = 16 * 1024 * 1024
