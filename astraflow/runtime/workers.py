@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from astraflow.runtime.stopping import full_disk_of
+from astraflow.runtime.stopping import disk_full, full_disk_of
 from schedulers import JobRef, JobStatus, Partition
 
 if TYPE_CHECKING:
@@ -172,7 +172,8 @@ class Fleet:
 
     # ------------------------------------------------------------------ the state machine
     def advance(self) -> None:
-        """One step of every worker's state machine; never waits for a worker."""
+        """One step of every worker's state machine; never waits for a worker. A node that
+        cannot be placed or started on a full disk stops the run (its ``OSError`` is raised)."""
         self.poll_jobs()
         joined = self.placement.joined()
         now = time.time()
@@ -194,6 +195,8 @@ class Fleet:
                 try:
                     w.actor = w.future.result(timeout=5)
                 except FUTURE_ERRORS as err:
+                    if disk_full(err):
+                        raise
                     self.fail_placement(w, f"placement failed: {type(err).__name__}: {err}")
                     continue
                 w.enter("starting", w.actor.start())
@@ -201,6 +204,8 @@ class Fleet:
                 try:
                     versions = w.future.result(timeout=5)
                 except FUTURE_ERRORS as err:
+                    if disk_full(err):  # a new node would fail on it too: the run stops
+                        raise
                     self.fail_placement(w, f"placement failed: start: {type(err).__name__}: {err}")
                     continue
                 w.enter("serving")

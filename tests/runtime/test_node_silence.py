@@ -1,7 +1,8 @@
 """Which RaaS nodes the orchestrator replaces (``Fleet.replace_failed_nodes``): one that reported
 an error at once; one whose loop went silent past the lease time only when it is silent on two
 checks in a row (a data layer that was itself stalled can answer before it has read the
-heartbeats queued meanwhile); one that stopped on a full disk not at all: the run stops.
+heartbeats queued meanwhile); one that stopped on a full disk, or could not start on one, not
+at all: the run stops.
 
 The process boundaries are stood in for: the data-layer actor handle (``node_gone``) and the
 job system (``cancel``, recorded); the fleet and its partitions are real."""
@@ -42,6 +43,17 @@ class _Jobs:
 
     def cancel(self, ids):
         self.cancelled += ids
+
+    def jobs(self):
+        return []
+
+
+class _Placement:
+    def __init__(self, fleet):
+        self.fleet = fleet
+
+    def joined(self):
+        return {name: "tcp://127.0.0.1:1" for name in self.fleet.workers}
 
 
 def _fleet(tmp_path) -> tuple[Fleet, _DataLayer]:
@@ -86,3 +98,20 @@ def test_a_node_on_a_full_disk_stops_the_run_instead_of_being_replaced(tmp_path)
         fleet.replace_failed_nodes(_state(**{"rollout-0": full, "rollout-1": {}}), LEASE_S)
     assert disk_full(err.value) and err.value.filename == "/x/seg/c0"
     assert dl.gone == [] and fleet.workers["rollout-0"].phase == "serving"
+
+
+def test_a_node_that_cannot_start_on_a_full_disk_stops_the_run(tmp_path):
+    fleet, dl = _fleet(tmp_path)
+    fleet.placement = _Placement(fleet)
+    for i, err in enumerate((OSError(errno.ENOSPC, "No space left on device", "/x/seg"), RuntimeError("boom"))):
+        w = fleet.workers[f"rollout-{i}"]
+        w.joined_at = time.time()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_exception(err)
+        w.enter("starting", fut)
+    with pytest.raises(OSError) as raised:
+        fleet.advance()
+    assert disk_full(raised.value) and fleet.workers["rollout-0"].phase == "starting"
+    fleet.workers["rollout-0"].enter("serving")
+    fleet.advance()  # any other start error: the node is replaced
+    assert fleet.workers["rollout-1"].phase == "gone" and "boom" in fleet.workers["rollout-1"].note
