@@ -3,13 +3,11 @@ seconds, as the hardware profile and step time of a ``local`` pool.
 
 The engine is the run's own (``make_engine`` with ``rollout.engine``) on the workload's own
 prompts, asked for as a run asks (GRPO groups of ``group_size`` samples of a task) with the
-run's sampling; the trainer the run's backend stepping on ``STEP_BATCHES`` batches of
-``dataflow.batch_size`` of the sequences the engine generated, in turn, scored by the workload's
-reward with their groups' statistics, and publishing each version as the trainer does (the step
-is the mean over them: how many sequences a batch trains varies, and its time with it). With
-real rewards the step does the run's work: a group whose samples all scored alike has
-advantage 0, and a backend that skips those sequences (``skip_zero_advantage``) skips them here
-too.
+run's sampling; the trainer the run's backend stepping on a batch of ``dataflow.batch_size`` of
+the sequences the engine generated, scored by the workload's reward with their groups'
+statistics, and publishing each version as the trainer does. With real rewards the step does
+the run's work: a group whose samples all scored alike has advantage 0, and a backend that
+skips those sequences (``skip_zero_advantage``) skips them here too.
 
 Alone, the engine gives one request's decode rate, a full batch's (``engine.max_batch``
 requests) time to its first tokens (``ttft_s``, prefill included) and the rest of its time
@@ -53,10 +51,6 @@ from astraflow.workloads.base import make_workload
 
 #: timed repetitions of each measurement (after one untimed warm-up)
 REPEATS = 5
-#: trainer batches generated and stepped on in turn: how many of a batch's sequences are
-#: trained (groups that scored alike are skipped) varies from batch to batch, and the step's
-#: time with it
-STEP_BATCHES = 4
 
 
 def calibrate(cfg: RunConfig, progress: Callable[[str], None] = lambda s: None, repeats: int = REPEATS) -> Calibration:
@@ -73,11 +67,9 @@ def calibrate(cfg: RunConfig, progress: Callable[[str], None] = lambda s: None, 
     batch = min(cfg.rollout.engine.max_batch, cfg.rollout.node_capacity(0))
     engine = make_engine(cfg.rollout.engine, model, seed=cfg.run.seed)
     try:
-        # the groups of ``STEP_BATCHES`` trainer batches (an engine batch may hold fewer): the
-        # engine is timed on the first engine batch of them, the trainer steps on them in turn
-        gs, n = cfg.workload.group_size, cfg.dataflow.batch_size
-        per_batch = math.ceil(n / gs) * gs  # whole groups
-        payloads = _group_payloads(tasks, max(batch, per_batch * STEP_BATCHES), gs, cfg.run.seed)
+        # the groups of a whole trainer batch (an engine batch may hold fewer): the engine is
+        # timed on the first engine batch of them, the trainer steps on all
+        payloads = _group_payloads(tasks, max(batch, cfg.dataflow.batch_size), cfg.workload.group_size, cfg.run.seed)
         all_prompts = [prompt_ids(engine.tokenizer, workload, x) for x in payloads]
         prompts = all_prompts[:batch]
         progress("engine alone: one request, then full batches")
@@ -86,19 +78,16 @@ def calibrate(cfg: RunConfig, progress: Callable[[str], None] = lambda s: None, 
         configure(cfg.sandbox)  # a reward that runs code does so under the run's sandbox limits
         rewards = [float(workload.reward(engine.tokenizer.decode(g.tokens, skip_special_tokens=True), x))
                    for g, x in zip(gens, payloads)]
-        batches = tuple(_batch_items(all_prompts[a:a + per_batch], gens[a:a + per_batch], rewards[a:a + per_batch], n, gs)
-                        for a in range(0, per_batch * STEP_BATCHES, per_batch))
-        alike = [sum(1 for it in b if it.advantage == 0) for b in batches]
-        progress(f"{'/'.join(map(str, alike))} of {n} sequences in groups that scored alike, in {len(batches)} "
-                 "trainer batches (not trained, as in a run)")
-        progress(f"trainer steps of {n} sequences ({pol.trainer.backend}) in a process of their own, on each "
-                 f"batch in turn, beside engine batches of {batch}")
+        items = _batch_items(all_prompts, gens, rewards, cfg.dataflow.batch_size, cfg.workload.group_size)
+        alike = sum(1 for it in items if it.advantage == 0)
+        progress(f"{alike} of {len(items)} sequences in groups that scored alike (not trained, as in a run)")
+        progress(f"trainer steps of {cfg.dataflow.batch_size} sequences ({pol.trainer.backend}) in a process of "
+                 f"their own, beside engine batches of {batch}")
         with tempfile.TemporaryDirectory(prefix="astraflow-calibrate-") as tmp:
-            steps, fulls = _side_by_side(cfg, engine, prompts, params, batches,
-                                         len(batches) * max(1, repeats // 2), Path(tmp))
+            steps, fulls = _side_by_side(cfg, engine, prompts, params, items, repeats, Path(tmp))
     finally:
         engine.close()
-    step = statistics.mean(steps)  # over every batch alike: the run's steps vary as they do
+    step = statistics.median(steps)
     contention = max(statistics.median(fulls) / alone.full_s, 1.0) if fulls else 1.0
     first = alone.first_full_s * contention
     tokens = sum(len(g.tokens) - 1 for g in alone.gens)
@@ -174,15 +163,15 @@ def _batch_items(prompts, gens, rewards, n: int, group_size: int) -> tuple[Batch
     return tuple(out)
 
 
-def _side_by_side(cfg, engine, prompts, params, batches, repeats, weights_root: Path):
-    """Trainer steps (``repeats`` timed after a warm-up, on ``batches`` in turn) in a process of
-    their own, the engine here generating one trainer batch (``batch_size`` sequences, in full
-    batches) beside each after loading the newest version the trainer published, as a run's
-    node does: the step times and the full batches' times."""
+def _side_by_side(cfg, engine, prompts, params, items, repeats, weights_root: Path):
+    """Trainer steps (``repeats`` timed after a warm-up) in a process of their own, the engine
+    here generating one trainer batch (``batch_size`` sequences, in full batches) beside each
+    after loading the newest version the trainer published, as a run's node does: the step
+    times and the full batches' times."""
     pol = cfg.policies[0]
-    n = len(batches[0])
+    n = len(items)
     probe = TrainerProbe(trainer=pol.trainer, model=str(pol.model), seed=cfg.run.seed, policy=pol.name,
-                         batches=batches, repeats=repeats, weights_root=str(weights_root))
+                         items=items, repeats=repeats, weights_root=str(weights_root))
     puller = WeightPuller(str(weights_root), {pol.name: engine})
     fulls: list[float] = []
 

@@ -2,7 +2,7 @@
 apart from the engine's).
 
 The child builds the run's trainer backend, then takes ``repeats`` timed steps (after one
-untimed warm-up) on the given batches in turn, publishing each version as the trainer does: a backend that
+untimed warm-up) on a fixed batch, publishing each version as the trainer does: a backend that
 ``supports_snapshot`` commits version n in a helper thread while step n+1 trains, so a step's
 time is its training, the snapshot and the wait for the previous publish (the trainer's
 critical path); any other backend publishes in line. Before each step it tells the parent,
@@ -35,14 +35,13 @@ EXIT_GRACE_S = 10.0
 
 @dataclass(frozen=True)
 class TrainerProbe:
-    """What the child needs: the run's trainer, its model and the batches to step on."""
+    """What the child needs: the run's trainer, its model and one batch to step on."""
 
     trainer: TrainerConfig
     model: str
     seed: int
     policy: str
-    batches: tuple[tuple[BatchItem, ...], ...]
-    """Trainer batches, stepped on in turn (step v on batch ``v % len(batches)``)."""
+    items: tuple[BatchItem, ...]
     repeats: int
     weights_root: str
     """Where the child publishes its versions (the parent may read them from there)."""
@@ -117,7 +116,7 @@ def _steps(conn, probe: TrainerProbe) -> list[float]:
         for v in range(probe.repeats + 1):
             conn.send(("step", v))
             t0 = time.perf_counter()
-            backend.train_step(Batch(policy=probe.policy, version=v, items=probe.batches[v % len(probe.batches)]))
+            backend.train_step(Batch(policy=probe.policy, version=v, items=probe.items))
             if backend.supports_snapshot:  # as the trainer: the publish overlaps the next step
                 state = backend.snapshot()
                 if publishing is not None:

@@ -36,7 +36,7 @@ def _probe(model, tmp_path, repeats=2) -> TrainerProbe:
 
     tok = AutoTokenizer.from_pretrained(str(model))
     return TrainerProbe(trainer=TrainerConfig(backend="torch", lr=1e-4, threads=1), model=str(model), seed=0,
-                        policy="p", batches=(_items(tok),), repeats=repeats, weights_root=str(tmp_path / "weights"))
+                        policy="p", items=_items(tok), repeats=repeats, weights_root=str(tmp_path / "weights"))
 
 
 @pytest.mark.timeout(180)
