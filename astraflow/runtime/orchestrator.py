@@ -299,7 +299,9 @@ class Orchestrator:
             nonlocal last_tick
             if time.time() - last_tick > 1.0:
                 last_tick = time.time()
-                self._show(self._tick())
+                t = self._tick()
+                self.fleet.raise_full_disk(t.data_layer)  # nodes are not replaced here, but a full disk stops the run
+                self._show(t)
 
         def recover() -> bool:
             """After a trainer call failed: replace a lost trainer worker (True), or False."""

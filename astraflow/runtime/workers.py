@@ -293,6 +293,15 @@ class Fleet:
         if failed or was not in ("serving", "draining") or (was == "serving" and served_s < SERVED_LONG_S):
             self._count_failure(w)
 
+    def raise_full_disk(self, state: dict[str, Any]) -> None:
+        """Raise the ``OSError`` of a serving node that stopped on a full disk (``state``: the
+        data layer's), if one did: a new node would fail on it too, so the run stops."""
+        reports = state.get("nodes", {})
+        for name, w in self.workers.items():
+            if w.phase == "serving" and self.role(w) == "rollout":
+                if (full := full_disk_of(worker_report(reports, name))) is not None:
+                    raise full
+
     def replace_failed_nodes(self, state: dict[str, Any], silent_after: float) -> None:
         """A RaaS node that stopped leasing after an error it could not recover from (its
         engine process died more often than ``rollout.engine_restarts``, its loop died) or whose
@@ -302,6 +311,7 @@ class Fleet:
         refilled. A node that stopped on a full disk stops the run instead: its ``OSError`` is
         raised (the run ends the way a full disk ends it, to be resumed). Silence counts when
         seen on two checks in a row."""
+        self.raise_full_disk(state)
         reports = state.get("nodes", {})
         now = time.time()
         for name, w in list(self.workers.items()):
@@ -318,8 +328,6 @@ class Fleet:
                 self._silent.add(name)
             else:
                 self._silent.discard(name)
-            if (full := full_disk_of(report)) is not None:  # a new node would fail on it too: the run stops
-                raise full
             if error:
                 self._silent.discard(name)
                 self.parts.cancel(w)
