@@ -124,8 +124,8 @@ class Link:
 
     def expect_new(self) -> None:
         """The actor is known to be lost and is being re-placed: a call whose deadline passes
-        meanwhile waits for ``set`` (up to ``reconnect_s``) instead of timing out, however long
-        the new worker takes to start (a Slurm queue)."""
+        meanwhile waits for ``set`` (up to ``reconnect_s``) instead of timing out, so a new
+        worker slow to start (a Slurm queue) does not fail its callers."""
         with self._changed:
             self._lost_generation = self._generation
 

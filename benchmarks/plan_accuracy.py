@@ -21,7 +21,8 @@ Run from the repository root: ``python benchmarks/plan_accuracy.py [--steps 120]
 [--time-scale 1] [--set KEY=VALUE ...]``; ``--set`` moves the operating point for both sides (e.g. a
 smaller engine batch, so that the trainer waits on rollouts for a real share of its time);
 ``--pairs N`` repeats the whole comparison and reports the median errors (a single reading moves
-with the machine's load between its calibration and its real run).
+with the machine's load between its calibration and its real run); the RESULT's ``measured``,
+``predicted`` and ``step_s`` are the last pair's, ``each`` every pair's errors.
 The main example's model (``runs/models/math-mini-llama``) is built first if it is missing, as
 ``astraflow run`` builds it.
 """
@@ -150,6 +151,8 @@ def main() -> None:
                     help="a config override for the real run and the plan alike (repeatable), e.g. "
                          "rollout.engine.max_batch=16 for a run whose trainer waits on rollouts")
     args = ap.parse_args()
+    if args.pairs < 1:
+        ap.error("--pairs must be 1 or more")
     overrides = ["--set", f"policies.0.model={args.model}"] if args.model else []
     for item in args.sets:
         overrides += ["--set", item]

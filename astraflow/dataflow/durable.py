@@ -208,7 +208,9 @@ def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, kee
     # a new incarnation's nodes may reuse the names of the old ones: they start with a clean slate
     leases.nodes = {n: dict(i) for n, i in ls["nodes"].items()} if keep_leases else {}
     deadline = time.time() + leases.lease_seconds
-    for info in leases.nodes.values():  # silent while no data layer answered: not the nodes' fault
+    # a node's last call is not kept: every node's silence counts from now (one that does not
+    # call again within a lease time is then taken as hung, as any other)
+    for info in leases.nodes.values():
         info["last_seen"] = deadline - leases.lease_seconds
     released = 0
     for tid, node in ls["held"].items():

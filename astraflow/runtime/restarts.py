@@ -24,8 +24,9 @@ A lost data-layer worker (`DataLayerRestarts`, ``cluster.data_layer_restarts`` t
 is cancelled, a new worker is submitted to the data partition, and a `DataLayer` is built there
 from the lost one's durable state (``dataflow/durable.py``: everything it had answered, leases
 kept), then handed to every trainer and RaaS node (``reconnect``). They are told of the loss
-first (``data_layer_lost``), so their calls meanwhile wait for it (``transport.Link``), however
-long the new worker takes to start, and are made again on it; it recognises repeats.
+first (``data_layer_lost``), so their calls meanwhile wait for it (``transport.Link``, up to
+its ``reconnect_s``) even past their own deadlines, and are made again on it; it recognises
+repeats.
 """
 
 from __future__ import annotations
@@ -197,9 +198,10 @@ class DataLayerRestarts:
             except FUTURE_ERRORS as err:
                 missed.append(k)
                 log.warning("%s %s failed: %s", what, k, err)
+        deadline = time.monotonic() + timeout  # one deadline for all: a stuck holder costs it once
         for k, fut in calls.items():
             try:
-                fut.result(timeout=timeout)
+                fut.result(timeout=max(deadline - time.monotonic(), 0.5))
             except FUTURE_ERRORS as err:
                 missed.append(k)
                 log.warning("%s %s failed: %s", what, k, err)
@@ -223,8 +225,9 @@ class DataLayerRestarts:
             log.warning("cancelling the lost data-layer worker %s failed: %s", w.name, err)
         n = len(self.history) + 1
         note(self.progress, self.paths, f"data layer lost ({why}): re-placing it ({n} of {limit}) from its saved state")
-        # their calls to it wait for the new one, however long its worker takes to start
+        # their calls to it wait for the new one past their own deadlines (a Slurm queue)
         self._tell_holders("data_layer_lost", lambda h: h.data_layer_lost(), timeout=10)
+        self.fleet.forget_silence()  # nobody could call the lost one: no node's silence counts
         new = new_worker(self, "data-layer", w.partition, why)
         try:
             with self.progress.waiting(f"restoring the data layer on {new.name}"):

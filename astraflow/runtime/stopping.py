@@ -80,6 +80,10 @@ def disk_full_reason(err: OSError, run_dir: Path) -> str:
     """One line for a run stopped by a full disk: what could not be written, and the way on
     (every write of a run is atomic or committed by a marker, so the directory resumes)."""
     what = f"writing {err.filename}" if err.filename else "a write"
+    outside = err.filename and not Path(os.path.abspath(err.filename)).is_relative_to(Path(run_dir).absolute())
+    if outside:  # a disk of its own (a node's scratch, a trajectory store elsewhere): that one is full
+        return (f"no space left on the filesystem of {err.filename} ({what} failed): free space there, then run "
+                f"`astraflow run` again on {run_dir} to resume")
     return (f"no space left on the filesystem of {run_dir} ({what} failed): free space there (or move the run "
             "directory to a larger filesystem), then run `astraflow run` again on this directory to resume")
 

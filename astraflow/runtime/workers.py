@@ -280,6 +280,7 @@ class Fleet:
         data-layer worker ``DataLayerLost``."""
         role = self.role(w)
         was, served_s = w.phase, time.time() - w.since
+        self._silent.discard(w.name)
         w.enter("gone")
         w.note = why
         if role == "trainer":
@@ -292,6 +293,10 @@ class Fleet:
         self.progress.note(f"worker {w.name} is gone ({why}); {n} leases requeued")
         if failed or was not in ("serving", "draining") or (was == "serving" and served_s < SERVED_LONG_S):
             self._count_failure(w)
+
+    def forget_silence(self) -> None:
+        """Silence seen so far no longer counts (the data layer was lost: nobody could call it)."""
+        self._silent.clear()
 
     def raise_full_disk(self, state: dict[str, Any]) -> None:
         """Raise the ``OSError`` of a serving node that stopped on a full disk (``state``: the
@@ -329,7 +334,6 @@ class Fleet:
             else:
                 self._silent.discard(name)
             if error:
-                self._silent.discard(name)
                 self.parts.cancel(w)
                 self.lost(w, f"RaaS node failed: {error}", failed=True)
 

@@ -78,7 +78,7 @@ def test_a_replaced_layer_continues_where_the_lost_one_answered(tmp_path):
     live = {t: r.state for t, r in lost.ledger.live.items()}
     restored_at = time.time()
     layer = paths.layer(keep_leases=True)
-    # the node was silent while no data layer answered: its lease time starts over, as its leases' do
+    # silent while no data layer answered, not by its fault: its silence counts from now, as its leases' time
     assert layer.leases.nodes["n0"]["last_seen"] >= restored_at
     assert layer.restored["leases_kept"] == 4 and layer.restored["served_uncommitted"] == {"p": [1]}
     assert layer.versions == {"p": 1} and {t: r.state for t, r in layer.ledger.live.items()} == live

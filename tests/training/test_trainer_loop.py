@@ -134,6 +134,9 @@ def test_a_full_disk_in_the_trainer_ends_the_run_as_a_full_disk(tmp_path, tiny_m
     err = full_disk_of(tr.state())
     assert disk_full(err) and err.filename == str(target)
     assert disk_full_reason(err, tmp_path).startswith(f"no space left on the filesystem of {tmp_path} (writing {target}")
+    elsewhere = OSError(errno.ENOSPC, "No space left on device", "/scratch/node-3/cache.bin")  # not the run's disk
+    assert disk_full_reason(elsewhere, tmp_path).startswith("no space left on the filesystem of /scratch/node-3/cache.bin")
+    assert f"`astraflow run` again on {tmp_path} to resume" in disk_full_reason(elsewhere, tmp_path)
 
     assert full_disk_of({"error": "OSError: [Errno 5] Input/output error", "error_os": (errno.EIO, None)}) is None
     assert full_disk_of({"error": "ValueError: x", "error_os": None}) is None
