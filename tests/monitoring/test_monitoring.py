@@ -36,12 +36,12 @@ class LiveRun:
         self.capturer.start()
 
     def _capture(self) -> None:
-        """Fetch every AstraFlow endpoint once the first status snapshot exists (the run is
-        short: tests check the answers afterwards, whatever order they run in)."""
+        """Fetch every AstraFlow endpoint once the run's nodes lease (the run is short: tests
+        check the answers afterwards, whatever order they run in)."""
         try:
             base = self.dashboard_base()
             self.captured["base"] = base
-            self.captured["status"] = _get(f"{base}/astraflow/api/status.json")
+            self.captured["status"] = self.leasing(base)
             self.captured["metrics"] = _get(f"{base}/astraflow/api/metrics.json")
             self.captured["episodes"] = _get(f"{base}/astraflow/api/episodes.json")
             for key, path in (("page", "/astraflow"), ("js", "/astraflow/static/astraflow.js"), ("dask", "/status")):
@@ -49,6 +49,16 @@ class LiveRun:
                     self.captured[key] = r.read().decode()
         except Exception as err:  # handed to the test that reads the capture
             self.captured["error"] = err
+
+    def leasing(self, base: str, timeout: float = 120.0) -> dict:
+        """The status the dashboard serves once tasks are leased (on a busy machine the first
+        snapshots come before the nodes lease), or the last one after ``timeout``."""
+        deadline = time.time() + timeout
+        while True:
+            status = _get(f"{base}/astraflow/api/status.json")
+            if (status.get("ledger") or {}).get("totals", {}).get("leased", 0) > 0 or time.time() > deadline:
+                return status
+            time.sleep(0.2)
 
     def dashboard_base(self, timeout: float = 120.0) -> str:
         """``http://host:port`` of the run's dashboard, once the orchestrator wrote it."""
