@@ -9,7 +9,8 @@ awaitable with a deadline.
 Wire format: Dask serialises a plain ``list`` element by element (one pickle and one frame per
 record), so list arguments and list results travel as one ``Packed``; a ``Batch`` travels as
 one array per field instead of ~5 arrays per item, a ``BatchRefs`` as a few columns instead of
-one record per row (``copyreg`` registrations below, so the records stay plain dataclasses). Components import this module; it imports none of them.
+one record per row (``copyreg`` registrations below, so the records stay plain dataclasses);
+a ``dict`` travels as one ``PackedDict``. Components import this module; it imports none of them.
 
 Re-placed actors: a component holds the data layer through a ``Link``, a handle that the
 orchestrator swaps (``Link.set``) when it re-places the data layer on another worker. A call
@@ -44,6 +45,17 @@ class Packed(list):
         return (Packed, (list(self),))
 
 
+class PackedDict(dict):
+    """A dict that crosses a Dask actor call as one object: Dask serialises a plain ``dict``
+    argument or result value by value (a header, a pickle and a frame each, which costs more
+    than the values when a gathered call answers a hundred nodes). It arrives as a plain
+    ``dict``. ``call`` packs plain dict arguments; actor methods that answer many nodes at
+    once return one."""
+
+    def __reduce__(self):
+        return (dict, (dict(self),))
+
+
 def bind(handle: Any) -> Any:
     """Bind an actor handle to the current worker (call from an actor method)."""
     if handle is not None and getattr(handle, "_worker", None) is None:
@@ -67,7 +79,8 @@ def call_sync(method: Any, *args: Any, timeout: float = 60.0, **kwargs: Any) -> 
 
 
 def _pack(value: Any) -> Any:
-    return Packed(value) if type(value) is list else value
+    kind = type(value)
+    return Packed(value) if kind is list else PackedDict(value) if kind is dict else value
 
 
 log = logging.getLogger("astraflow.transport")

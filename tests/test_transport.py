@@ -11,7 +11,7 @@ from distributed.protocol import dumps, loads, to_serialize
 
 from astraflow.contracts import Batch, BatchItem, RolloutTask, Sequence, SequenceSummary, TrajectoryRef
 from astraflow import transport
-from astraflow.transport import Link, Packed, call_sync
+from astraflow.transport import Link, Packed, PackedDict, call_sync
 from storage.trajectories import EntryRef
 
 
@@ -83,6 +83,20 @@ def test_packed_list_crosses_dask_in_one_frame_and_arrives_as_a_list():
     assert loads(dumps({"result": to_serialize(tasks)}))["result"] == list(tasks)
 
 
+def test_packed_dict_crosses_dask_in_one_frame_and_arrives_as_a_plain_dict():
+    # what a gathered lease answers: node -> its tasks (most of them none)
+    answer = {f"w0.n{i}": Packed(RolloutTask(task_id=f"g{i}/{j}", group_id=f"g{i}", policies=("a",), workflow="w",
+                                             prompt={"question": "1+2=", "answer": 3}) for j in range(i % 2))
+              for i in range(60)}
+    plain = dumps({"result": to_serialize(answer)})
+    packed = dumps({"result": to_serialize(PackedDict(answer))})
+    assert len(plain) > 60 and len(packed) <= 4  # a frame per value against one for the dict
+    back = loads(packed)["result"]
+    assert type(back) is dict and back == answer and type(back["w0.n1"]) is Packed
+    # what is kept of it pickles as a plain dict too (a snapshot's allowlist knows no PackedDict)
+    assert type(pickle.loads(pickle.dumps(PackedDict(a=1)))) is dict
+
+
 def test_call_sends_plain_lists_packed():
     seen = {}
 
@@ -94,9 +108,10 @@ def test_call_sends_plain_lists_packed():
         seen.update(args=args, kwargs=kwargs)
         return Future()
 
-    call_sync(method, [1, 2], "x", (3,), refs=[4], n=5)
+    call_sync(method, [1, 2], "x", (3,), refs=[4], n=5, stats={"a": 1})
     assert type(seen["args"][0]) is Packed and seen["args"][0] == [1, 2]
     assert seen["args"][1:] == ("x", (3,)) and type(seen["kwargs"]["refs"]) is Packed and seen["kwargs"]["n"] == 5
+    assert type(seen["kwargs"]["stats"]) is PackedDict and seen["kwargs"]["stats"] == {"a": 1}
 
 
 class _Pending:

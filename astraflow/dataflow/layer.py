@@ -42,7 +42,7 @@ from astraflow.dataflow.evals import EvalRounds
 from astraflow.dataflow.leases import Leases
 from astraflow.dataflow.mixing import Mixer
 from astraflow.dataflow.serving import BatchTimeout, TrainerFacing
-from astraflow.transport import Packed
+from astraflow.transport import Packed, PackedDict
 from astraflow.workloads.base import make_workload
 from astraflow.workloads.config import WorkloadConfig
 from storage.trajectories import open_trajectory_store
@@ -226,7 +226,7 @@ class DataLayer(TrainerFacing):
         mark = self._mark()
         self.leases.expire()
         now = time.time()
-        out: dict[str, list[RolloutTask]] = {}
+        out: dict[str, list[RolloutTask]] = PackedDict()
         asking = []
         for node, capacity, versions in requests:
             out[node] = Packed()
@@ -293,7 +293,7 @@ class DataLayer(TrainerFacing):
         """Renew the node's leases and record its stats; tells the node whether to drain.
         ``stats["holding"]``: the ids of the tasks the node still works on (only their leases
         are renewed; absent: all of the node's)."""
-        return (await self.heartbeat_many({node: stats}))[node]
+        return PackedDict((await self.heartbeat_many({node: stats}))[node])
 
     async def heartbeat_many(self, beats: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """``heartbeat`` for several nodes in one call: node -> its stats; node -> its answer."""
@@ -311,7 +311,8 @@ class DataLayer(TrainerFacing):
         self.leases.expire()
         await self._durable(mark)
         self.service.add("heartbeat", time.perf_counter() - t0)
-        return {node: {"draining": info["draining"], "finished": self.finished} for node, info in infos.items()}
+        return PackedDict((node, {"draining": info["draining"], "finished": self.finished})
+                          for node, info in infos.items())
 
     async def drain(self, node: str) -> None:
         """Stop leasing to ``node`` and the nodes sharing its worker (they finish what they hold)."""
@@ -366,8 +367,8 @@ class DataLayer(TrainerFacing):
 
     async def progress(self) -> dict[str, int]:
         """Cheap counters for pollers that only need to know how far the run is."""
-        return {"sequences_generated": self.generated.sequences, "tokens_generated": self.generated.tokens,
-                **{f"version_{p}": v for p, v in self.versions.items()}}
+        return PackedDict(sequences_generated=self.generated.sequences, tokens_generated=self.generated.tokens,
+                          **{f"version_{p}": v for p, v in self.versions.items()})
 
     async def state(self) -> dict[str, Any]:
         """A JSON-able snapshot for ``astraflow status``, the dashboard and tests."""

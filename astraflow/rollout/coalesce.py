@@ -19,7 +19,7 @@ import asyncio
 import threading
 from typing import Any, Callable
 
-from astraflow.transport import Link, Packed
+from astraflow.transport import Link, Packed, PackedDict
 
 #: a lane's sender thread ends after this many idle seconds (started again on the next call)
 IDLE_S = 30.0
@@ -187,7 +187,7 @@ class Coalescer:
         return self.lanes["complete"].submit((refs,))
 
     def _heartbeats(self, items: list[tuple[tuple, _Pending]]) -> None:
-        beats = {node: stats for (node, stats), _ in items}
+        beats = PackedDict((node, stats) for (node, stats), _ in items)
         replies = self.handle.heartbeat_many(beats).result(60.0)
         for (node, _), pending in items:
             pending.settle(replies[node])
