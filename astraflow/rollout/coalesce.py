@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from astraflow.transport import Link, Packed, PackedDict
 
@@ -25,68 +25,105 @@ from astraflow.transport import Link, Packed, PackedDict
 IDLE_S = 30.0
 
 
+def _never() -> bool:
+    return False
+
+
 class _Pending:
     """One node's call in a gathered call: ``result(timeout)`` like an actor call's future, and
     ``wait_async(timeout)`` for a node's event loop (``transport.call`` uses it: no thread is
-    parked per waiting node, which matters when one process runs many nodes)."""
+    parked per waiting node, which matters when one process runs many nodes). Cheap to make:
+    a lock, and a ``threading.Event`` only once a thread blocks in ``result``."""
 
-    def __init__(self, replaced: Callable[[], bool] = lambda: False, patience_s: float = 0.0) -> None:
+    __slots__ = ("_replaced", "_patience_s", "_lock", "_done", "_event", "_wakers", "_value", "_error")
+
+    def __init__(self, replaced: Callable[[], bool] = _never, patience_s: float = 0.0) -> None:
         #: whether the data layer was lost (or re-placed) since the call was made: a deadline
         #: that passes then is waited out, up to ``patience_s`` more (the sender makes the call
         #: again on the new data layer, as ``transport.Link`` does)
         self._replaced, self._patience_s = replaced, patience_s
-        self._done = threading.Event()
         self._lock = threading.Lock()
-        self._wakers: list[Callable[[], None]] = []
+        self._done = False
+        self._event: threading.Event | None = None
+        #: the futures of the event loops awaiting the answer
+        self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._value: Any = None
         self._error: BaseException | None = None
 
     def settle(self, value: Any = None, error: BaseException | None = None) -> None:
+        _wake(self._settled(value, error))
+
+    def _settled(self, value: Any, error: BaseException | None) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]:
         with self._lock:
-            self._value, self._error = value, error
-            self._done.set()
+            self._value, self._error, self._done = value, error, True
             wakers, self._wakers = self._wakers, []
-        for wake in wakers:
-            wake()
+            if self._event is not None:
+                self._event.set()
+        return wakers
 
     async def wait_async(self, timeout: float | None = None) -> Any:
         """The answer, awaited on the running loop (woken from the sender thread)."""
-        loop = asyncio.get_running_loop()
-        woken = loop.create_future()
-
-        def wake() -> None:
-            try:
-                loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
-            except RuntimeError:  # the node's loop has closed: nobody waits any more
-                pass
-
-        with self._lock:
-            waiting = not self._done.is_set()
-            if waiting:
-                self._wakers.append(wake)
-        if waiting:
-            try:
-                await asyncio.wait_for(asyncio.shield(woken), timeout)
-            except asyncio.TimeoutError:
-                if not self._replaced():
-                    raise TimeoutError(f"no answer from the data layer within {timeout}s") from None
-                try:
-                    await asyncio.wait_for(woken, self._patience_s + (timeout or 0.0))
-                except asyncio.TimeoutError:
-                    raise TimeoutError(f"the data layer was lost and did not answer within "
-                                       f"{self._patience_s:.0f}s of its re-placement") from None
+        if not await self._answered_within(timeout):
+            if not self._replaced():
+                raise TimeoutError(f"no answer from the data layer within {timeout}s")
+            if not await self._answered_within(self._patience_s + (timeout or 0.0)):
+                raise TimeoutError(f"the data layer was lost and did not answer within "
+                                   f"{self._patience_s:.0f}s of its re-placement")
         return self.result(0)
 
+    async def _answered_within(self, timeout: float | None) -> bool:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._done:
+                return True
+            answered = loop.create_future()
+            self._wakers.append((loop, answered))
+        timer = None if timeout is None else loop.call_later(timeout, _resolve, [answered], False)
+        try:
+            return await answered
+        finally:
+            if timer is not None:
+                timer.cancel()
+
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def result(self, timeout: float | None = None) -> Any:
-        if not self._done.wait(timeout) and not (
-                self._replaced() and self._done.wait(self._patience_s + (timeout or 0.0))):
+        with self._lock:
+            if not self._done and self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if event is not None and not event.wait(timeout) and not (
+                self._replaced() and event.wait(self._patience_s + (timeout or 0.0))):
             raise TimeoutError(f"no answer from the data layer within {timeout}s")
         if self._error is not None:
             raise self._error
         return self._value
+
+
+def settle_all(answers: Iterable[tuple[_Pending, Any]]) -> None:
+    """Answer the node calls of one gathered call, waking each waiting event loop once."""
+    woken: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+    for pending, value in answers:
+        woken += pending._settled(value, None)
+    _wake(woken)
+
+
+def _wake(woken: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]) -> None:
+    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
+    for loop, answered in woken:
+        by_loop.setdefault(loop, []).append(answered)
+    for loop, futures in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_resolve, futures, True)
+        except RuntimeError:  # the node's loop has closed: nobody waits any more
+            pass
+
+
+def _resolve(futures: list[asyncio.Future], answered: bool) -> None:
+    for f in futures:
+        if not f.done():
+            f.set_result(answered)
 
 
 class _Lane:
@@ -189,21 +226,18 @@ class Coalescer:
     def _heartbeats(self, items: list[tuple[tuple, _Pending]]) -> None:
         beats = PackedDict((node, stats) for (node, stats), _ in items)
         replies = self.handle.heartbeat_many(beats).result(60.0)
-        for (node, _), pending in items:
-            pending.settle(replies[node])
+        settle_all((pending, replies[node]) for (node, _), pending in items)
 
     def _leases(self, items: list[tuple[tuple, _Pending]]) -> None:
         wait = min(args[2] for args, _ in items)
         requests = Packed((node, capacity, versions) for (node, capacity, _, versions), _ in items)
         got = self.handle.lease_many(requests, wait).result(wait + 60.0)
-        for (node, *_), pending in items:
-            pending.settle(got[node])
+        settle_all((pending, got[node]) for (node, *_), pending in items)
 
     def _completes(self, items: list[tuple[tuple, _Pending]]) -> None:
         refs = Packed(ref for (node_refs,), _ in items for ref in node_refs)
         new = self.handle.complete(refs).result(120.0)
-        for _, pending in items:
-            pending.settle(new)
+        settle_all((pending, new) for _, pending in items)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per kind: gathered calls sent and the node calls they carried."""

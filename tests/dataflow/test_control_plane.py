@@ -167,6 +167,39 @@ def test_nodes_on_one_loop_await_gathered_calls_without_a_thread_each(tmp_path):
     handle.loop.call_soon_threadsafe(handle.loop.stop)
 
 
+def test_a_gathered_answer_reaches_every_kind_of_waiter():
+    """Nodes awaiting on two loops, a thread blocked in ``result`` and a node that gave up: one
+    ``settle_all`` answers each (and a cancelled wait does not break it)."""
+    from astraflow.rollout.coalesce import _Pending, settle_all
+
+    calls = [_Pending() for _ in range(6)]
+    blocked: list = []
+    waiter = threading.Thread(target=lambda: blocked.append(calls[5].result(10)))
+    waiter.start()
+
+    def node_loop(mine: list, out: list, cancel_first: bool) -> None:
+        async def go():
+            tasks = [asyncio.ensure_future(p.wait_async(10)) for p in mine]
+            await asyncio.sleep(0.05)
+            if cancel_first:
+                tasks[0].cancel()
+            out.extend(await asyncio.gather(*tasks, return_exceptions=True))
+        asyncio.run(go())
+
+    got_a, got_b = [], []
+    loops = [threading.Thread(target=node_loop, args=(calls[0:3], got_a, True)),
+             threading.Thread(target=node_loop, args=(calls[3:5], got_b, False))]
+    for t in loops:
+        t.start()
+    time.sleep(0.3)
+    settle_all((p, i) for i, p in enumerate(calls))
+    for t in loops + [waiter]:
+        t.join(10)
+    assert isinstance(got_a[0], asyncio.CancelledError) and got_a[1:] == [1, 2]
+    assert got_b == [3, 4] and blocked == [5]
+    assert all(p.done() for p in calls) and calls[0].result(0) == 0
+
+
 def test_the_deadline_heap_sheds_the_entries_of_ended_leases():
     leases, _ = make()
     for i in range(3000):
