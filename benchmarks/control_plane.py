@@ -135,12 +135,14 @@ async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int, reader: 
     me0 = sum(me.cpu_times()[:2])
     if args.profile:
         await asyncio.to_thread(args.client.run, _profile, True)
+    await asyncio.to_thread(args.client.run, _gc_watch, True)
     lat.recording = True
     await asyncio.sleep(args.seconds)
     lat.recording = False
     if args.profile:
         print(next(iter((await asyncio.to_thread(args.client.run, _profile, False)).values())))
     cpu1, p1, s1, t1 = sum(proc.cpu_times()[:2]), await call(dl.progress), served[0], time.perf_counter()
+    gc_seen = next(iter((await asyncio.to_thread(args.client.run, _gc_watch, False)).values()))
     me1 = sum(me.cpu_times()[:2])
     state = await call(dl.state, timeout=60)
     for n in nodes:
@@ -160,6 +162,8 @@ async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int, reader: 
            "dl_cpu_us_per_traj": cpu_per * 1e6, "dl_cpu_cores": (cpu1 - cpu0) / window,
            "dl_capacity_traj_per_s": 1.0 / cpu_per if ingested else 0.0,
            "emulator_cpu_cores": (me1 - me0) / window, "load": os.getloadavg()[0],
+           # the data layer's process: garbage collections in the window, and their pauses
+           "dl_gc_full": gc_seen["full"], "dl_gc_s": gc_seen["seconds"], "dl_gc_max_ms": gc_seen["max_s"] * 1e3,
            "leased_now": state["leased"], "snapshots": state["snapshots"]}
     for kind in ("lease", "heartbeat", "complete", "next_batch", "read"):
         s = lat.summary(kind)
@@ -170,6 +174,30 @@ async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int, reader: 
         out["gathered"] = {k: sum(h.lanes[k].carried for h in handles.values()) /
                            max(sum(h.lanes[k].calls for h in handles.values()), 1) for k in ("lease", "heartbeat")}
     return out
+
+
+def _gc_watch(start: bool, dask_worker=None) -> dict:
+    """On the data layer's worker: count garbage collections and their time from now, or stop
+    and return {"full": full collections, "seconds": all collections, "max_s": the longest}."""
+    import gc
+
+    if start:
+        seen = dask_worker._cp_gc = {"full": 0, "seconds": 0.0, "max_s": 0.0, "t0": 0.0}
+
+        def watch(phase: str, info: dict) -> None:
+            if phase == "start":
+                seen["t0"] = time.perf_counter()
+                return
+            took = time.perf_counter() - seen["t0"]
+            seen["seconds"] += took
+            seen["max_s"] = max(seen["max_s"], took)
+            seen["full"] += info["generation"] == 2
+
+        dask_worker._cp_gc_cb = watch
+        gc.callbacks.append(watch)
+        return {}
+    gc.callbacks.remove(dask_worker._cp_gc_cb)
+    return {k: v for k, v in dask_worker._cp_gc.items() if k != "t0"}
 
 
 def _profile(start: bool, dask_worker=None) -> str:
@@ -275,7 +303,8 @@ def main() -> None:
         print_table("control plane (latencies in ms, CPU in µs per trajectory)", scale,
                     ["nodes", "calls", "traj_per_s", "batched_seq_per_s", "dl_cpu_us_per_traj",
                      "dl_capacity_traj_per_s", "lease_p50_ms", "lease_p99_ms", "dl_lease_p99_ms",
-                     "heartbeat_p99_ms", "complete_p99_ms", "next_batch_p50_ms", "read_p50_ms",
+                     "heartbeat_p99_ms", "complete_p99_ms", "next_batch_p50_ms", "read_p50_ms", "dl_gc_full",
+                     "dl_gc_max_ms",
                      "trainer_read_cpu_us_per_seq", "load"])
     index: list[dict] = []
     if not args.skip_index:

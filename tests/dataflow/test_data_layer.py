@@ -322,3 +322,20 @@ def test_the_rollout_ahead_bound_covers_the_leasing_nodes_only_when_asked(tmp_pa
 
     base = (8 // 4 + 1) * 4  # one batch (2 groups) plus one group, in tasks
     assert run(go()) == (48 if covers else base)
+
+
+def test_the_data_layer_process_collects_garbage_less_often_but_never_more(tmp_path):
+    import gc
+
+    from astraflow.dataflow.layer import GC_THRESHOLDS
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        make_layer(tmp_path)
+        assert gc.get_threshold() == (*GC_THRESHOLDS, 10)
+        gc.set_threshold(GC_THRESHOLDS[0] * 4, 5, 7)  # a process tuned higher keeps its own
+        make_layer(tmp_path)
+        assert gc.get_threshold() == (GC_THRESHOLDS[0] * 4, GC_THRESHOLDS[1], 7)
+    finally:
+        gc.set_threshold(*before)
