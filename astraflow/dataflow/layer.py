@@ -55,6 +55,9 @@ __all__ = ["BatchTimeout", "DataLayer"]
 #: allocations between young-generation collections in the data layer's process (the default
 #: is 700), and how many young collections come before a middle one (default 10)
 GC_THRESHOLDS = (50_000, 20)
+#: completions recorded before ``complete`` lets other calls run (a gathered completion of a
+#: node group can carry thousands)
+COMPLETE_SLICE = 64
 
 
 def collect_less_often() -> None:
@@ -280,11 +283,14 @@ class DataLayer(TrainerFacing):
         return out
 
     async def complete(self, refs: list[TrajectoryRef]) -> int:
-        """Record committed trajectories; returns how many were new (others were duplicates)."""
+        """Record committed trajectories; returns how many were new (others were duplicates).
+        A long list is taken in slices, other calls (a lease, a heartbeat) answered between."""
         t0 = time.perf_counter()
         mark = self._mark()
         new = 0
-        for ref in refs:
+        for i, ref in enumerate(refs):
+            if i and not i % COMPLETE_SLICE:
+                await asyncio.sleep(0)
             task = self.leases.complete(ref)
             if task is None:
                 continue
