@@ -86,7 +86,10 @@ def main() -> None:
     from astraflow.rollout.vllm_setup import build_name, require_vllm
     from astraflow.workloads.base import make_workload
 
-    require_vllm()
+    try:
+        require_vllm()
+    except ValueError as err:
+        ap.error(str(err))  # exit 2, no traceback
     (ROOT / "benchmarks" / "out").mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="engine-compare-", dir=ROOT / "benchmarks" / "out"))
     model_dir = init_model(work / "model", preset=args.preset, seed=args.seed)
