@@ -1,0 +1,48 @@
+"""The vLLM engine's decisions that need no vLLM: the probe check after an update, the
+per-token version tags of a resumed request. They run everywhere (``tests/vllm`` covers the
+engine itself where vLLM is installed)."""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+
+import pytest
+
+from astraflow.probe import probe_error
+from astraflow.rollout.vllm_engine import _versions
+from astraflow.rollout.vllm_updates import judge
+
+#: the fields of vLLM's weight-version span that ``_versions`` reads
+Span = namedtuple("Span", "start end version")
+
+
+@pytest.mark.parametrize("bad", [math.nan, -math.inf, math.inf])
+def test_a_probe_with_nan_or_infinite_log_probs_fails_every_tolerance(bad):
+    expected = [-1.0, -2.0, -3.0]
+    assert probe_error(expected, [-1.0, bad, -3.0]) == math.inf
+    assert probe_error([-1.0, bad, -3.0], expected) == math.inf
+    assert probe_error(expected, [-1.0, -2.5, -3.0]) == pytest.approx(0.5 / 3)
+
+
+def test_judge_blames_the_update_only_when_a_fresh_engine_is_right():
+    assert judge(2.0, 0.001, 0.05) == (0.05, True)  # in place wrong, fresh right: re-create from now on
+    assert judge(0.12, 0.1, 0.05) == (0.2, False)  # both off alike: the engine's numerics, tolerance 2x
+    assert judge(0.5, 0.1, 0.05) == (0.2, True)  # off by more than the numerics explain
+    assert judge(0.01, 0.0, 0.05) == (0.05, False)
+
+
+@pytest.mark.parametrize("fresh", [math.inf, math.nan])
+def test_a_fresh_engine_with_non_finite_log_probs_keeps_the_check_on(fresh):
+    """A broken version scored inf by both engines must not raise the tolerance to infinity
+    (every later update, however wrong, would then pass)."""
+    tolerance, wrong = judge(math.inf, fresh, 0.05)
+    assert tolerance == 0.05 and not wrong
+    assert judge(2.0, 0.001, tolerance) == (0.05, True)  # a later wrong update is still caught
+
+
+def test_resumed_segments_are_tagged_with_the_versions_that_sampled_them():
+    assert _versions([Span(0, 3, "4"), Span(3, 5, "5")], 5, fallback=4) == [4, 4, 4, 5, 5]
+    assert _versions(None, 3, fallback=7) == [7, 7, 7]  # a vLLM without spans: the serving version
+    assert _versions([Span(0, 9, "2")], 4, fallback=1) == [2, 2, 2, 2]  # clipped to the segment
+    assert _versions([Span(0, 2, "none"), Span(2, 3, "3")], 3, fallback=1) == [1, 1, 3]
