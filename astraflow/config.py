@@ -21,7 +21,7 @@ from astraflow.agents.workload import is_agentic
 from astraflow.workloads.datafiles import resolve_path
 from astraflow.configbase import Strict
 from astraflow.dataflow.config import DataflowConfig
-from astraflow.partition_settings import check_partition
+from astraflow.partition_settings import check_partition, effective_rollout
 from astraflow.rollout.config import RolloutConfig
 from astraflow.sandbox.config import SandboxConfig
 from astraflow.training.config import PolicyConfig
@@ -109,6 +109,21 @@ class RunConfig(Strict):
                 "minus its group's mean, 0 for a group of one (and the data layer keeps only groups of 2 or "
                 "more, whatever dataflow.group_filter says); set workload.group_size: 2 or more")
 
+    def _check_context_length(self) -> None:
+        """A ``vllm`` engine's ``max_model_len`` must hold a prompt (a token at least) and
+        ``workload.sampling.max_new_tokens``: the engine refuses every longer request."""
+        new = self.workload.sampling.max_new_tokens
+        for part in self.partitions:
+            engine = effective_rollout(self.rollout, part).engine if part.role == "rollout" else None
+            limit = engine.vllm.max_model_len if engine is not None and engine.type == "vllm" else None
+            if limit is not None and limit <= new:
+                own = "max_model_len" in part.rollout.get("engine", {}).get("vllm", {})
+                field = f"partitions[{part.name}].rollout" if own else "rollout"
+                raise ValueError(
+                    f"{field}.engine.vllm.max_model_len {limit}: a request is its prompt plus "
+                    f"workload.sampling.max_new_tokens {new} tokens, which does not fit; raise max_model_len "
+                    f"to at least {new} plus the longest prompt, or lower workload.sampling.max_new_tokens")
+
     def _check_trainer_ranks(self) -> None:
         """A Megatron trainer's ``tensor_parallel * data_parallel`` ranks take one GPU each on a
         GPU partition (exactly all of them on a multi-node one, whose world size is
@@ -182,6 +197,7 @@ class RunConfig(Strict):
             raise ValueError("\n  ".join(problems))
         for part in self.partitions:
             check_partition(part, self.rollout, {p.name: p.trainer for p in self.policies})
+        self._check_context_length()
         self._check_trainer_ranks()
         check_autoscale(self.autoscale, self.partitions, self.run.mode)
         from astraflow.rollout.workflows import workflow_class

@@ -1,6 +1,6 @@
 """The vLLM engine's decisions that need no vLLM: the probe check after an update, the
-per-token version tags of a resumed request. They run everywhere (``tests/vllm`` covers the
-engine itself where vLLM is installed)."""
+per-token version tags of a resumed request, the config checks of ``max_model_len``. They run
+everywhere (``tests/vllm`` covers the engine itself where vLLM is installed)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from astraflow.probe import probe_error
 from astraflow.rollout.vllm_engine import _versions
 from astraflow.rollout.vllm_updates import judge
+from tests.conftest import tiny_config
 
 #: the fields of vLLM's weight-version span that ``_versions`` reads
 Span = namedtuple("Span", "start end version")
@@ -46,3 +47,29 @@ def test_resumed_segments_are_tagged_with_the_versions_that_sampled_them():
     assert _versions(None, 3, fallback=7) == [7, 7, 7]  # a vLLM without spans: the serving version
     assert _versions([Span(0, 9, "2")], 4, fallback=1) == [2, 2, 2, 2]  # clipped to the segment
     assert _versions([Span(0, 2, "none"), Span(2, 3, "3")], 3, fallback=1) == [1, 1, 3]
+
+
+def _vllm_config(tiny_model, **overrides):
+    return tiny_config(tiny_model, rollout__engine__type="vllm", **overrides)
+
+
+def test_a_max_model_len_without_room_for_the_generation_is_refused_at_load(tiny_model):
+    from astraflow.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout.engine.vllm.max_model_len 32: a request is its prompt plus "
+                                          r"workload.sampling.max_new_tokens 32 tokens"):
+        _vllm_config(tiny_model, rollout__engine__vllm__max_model_len=32, workload__sampling__max_new_tokens=32)
+    assert _vllm_config(tiny_model, rollout__engine__vllm__max_model_len=64,
+                        workload__sampling__max_new_tokens=32).rollout.engine.vllm.max_model_len == 64
+    # the hf engine has no such setting: it is not judged
+    tiny_config(tiny_model, rollout__engine__vllm__max_model_len=32, workload__sampling__max_new_tokens=32)
+
+
+def test_a_partitions_own_max_model_len_is_checked_and_named(tiny_model):
+    from astraflow.config import ConfigError
+
+    parts = [{"name": "pool", "role": "rollout", "scheduler": "local",
+              "rollout": {"engine": {"vllm": {"max_model_len": 16}}}},
+             {"name": "trainer", "role": "trainer"}, {"name": "data", "role": "data"}]
+    with pytest.raises(ConfigError, match=r"partitions\[pool\].rollout.engine.vllm.max_model_len 16"):
+        _vllm_config(tiny_model, partitions=parts, workload__sampling__max_new_tokens=16)
