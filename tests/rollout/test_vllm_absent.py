@@ -79,6 +79,27 @@ def test_other_commands_that_build_a_vllm_engine_exit_2_with_the_install_command
     assert "docs/vllm.md" in res.stderr and "Traceback" not in res.stderr
 
 
+def test_a_failed_engine_start_leaves_the_engine_dead_so_that_the_node_restarts_it(tmp_path):
+    """A start that fails (here for real: vLLM is missing), as a re-creation for an update can,
+    marks the engine dead with the reason: requests fail with ``EngineProcessError``, which
+    makes the node restart the engine, instead of calling into an engine that is gone."""
+    import asyncio
+
+    from astraflow.rollout.config import VLLMConfig
+    from astraflow.rollout.engine import SamplingParams
+    from astraflow.rollout.process_engine import EngineProcessError
+    from astraflow.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # only the state ``_start`` and ``generate`` read
+    engine.options, engine.llm, engine._dead = VLLMConfig(), None, None
+    engine._engine_kwargs = dict(max_batch_size=8, seed=0, tensor_parallel=1, dtype="fp32", threads=1)
+    with pytest.raises(ModuleNotFoundError):
+        asyncio.run(engine._start(str(tmp_path), 3))
+    assert engine.dead is not None and engine.dead.startswith(f"starting the vLLM engine on {tmp_path} failed")
+    with pytest.raises(EngineProcessError, match="starting the vLLM engine"):
+        asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4)))
+
+
 def test_the_engine_modules_import_vllm_only_when_an_engine_is_built():
     """The rollout package, its factory and config load without vLLM."""
     code = ("import sys; import astraflow.rollout.engines, astraflow.rollout.node, astraflow.rollout.vllm_setup; "
