@@ -73,3 +73,31 @@ def test_a_partitions_own_max_model_len_is_checked_and_named(tiny_model):
              {"name": "trainer", "role": "trainer"}, {"name": "data", "role": "data"}]
     with pytest.raises(ConfigError, match=r"partitions\[pool\].rollout.engine.vllm.max_model_len 16"):
         _vllm_config(tiny_model, partitions=parts, workload__sampling__max_new_tokens=16)
+
+
+def test_a_vllm_engine_on_an_explicit_gpu_sees_only_that_gpu():
+    """vLLM takes its GPUs from ``CUDA_VISIBLE_DEVICES``, so ``cuda:N`` must become that."""
+    from astraflow.rollout.config import EngineConfig
+    from astraflow.rollout.engine_pool import plan_replicas
+    from astraflow.rollout.engines import vllm_visible_devices
+
+    def visible(device, node_visible, gpus=4, **kw):
+        cfg = EngineConfig(type="vllm", device=device, **kw)
+        return [vllm_visible_devices(p, node_visible) for p in plan_replicas(cfg, gpus, 4, node_visible)]
+
+    assert visible("cuda:1", None) == ["1"]
+    assert visible("cuda:1", "4,5,6,7") == ["5"]  # the node's GPU 1, as the machine numbers it
+    assert visible("cuda:1", "4,5", replicas=2) == ["5", "5"]  # replicas share the named GPU
+    assert visible("auto", "4,5,6,7", tensor_parallel=2) == ["4,5", "6,7"]  # the plan's groups, as before
+    assert visible("cpu", None, gpus=0) == [None]
+    with pytest.raises(ValueError, match=r"rollout.engine.device cuda:3: this node sees 2 GPU\(s\)"):
+        visible("cuda:3", "4,5")
+
+
+def test_tensor_parallel_over_one_named_gpu_is_refused():
+    from pydantic import ValidationError
+
+    from astraflow.rollout.config import EngineConfig
+
+    with pytest.raises(ValidationError, match="device cuda:0 names one GPU and tensor_parallel 2 spans 2"):
+        EngineConfig(type="vllm", device="cuda:0", tensor_parallel=2)
