@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +102,20 @@ def test_tensor_parallel_over_one_named_gpu_is_refused():
 
     with pytest.raises(ValidationError, match="device cuda:0 names one GPU and tensor_parallel 2 spans 2"):
         EngineConfig(type="vllm", device="cuda:0", tensor_parallel=2)
+
+
+def test_an_agentic_episode_longer_than_max_model_len_is_refused_at_load(tmp_path):
+    """An agent's later turns send the whole episode so far: max_context_tokens must fit."""
+    import yaml
+
+    from astraflow.config import ConfigError, load_config
+
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples/calculator/config.yaml").read_text())
+    data["policies"][0]["model"] = str(tmp_path / "model")  # not built: validation needs none
+    data["rollout"]["engine"] = {"type": "vllm", "vllm": {"max_model_len": 128}}
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"rollout.engine.vllm.max_model_len 128: an episode's requests grow to "
+                                          r"workload.params.max_context_tokens 256"):
+        load_config(cfg, [])
+    assert load_config(cfg, ["rollout.engine.vllm.max_model_len=256"]).rollout.engine.vllm.max_model_len == 256
