@@ -21,7 +21,7 @@ from astraflow.agents.workload import is_agentic
 from astraflow.workloads.datafiles import resolve_path
 from astraflow.configbase import Strict
 from astraflow.dataflow.config import DataflowConfig
-from astraflow.partition_settings import check_partition
+from astraflow.partition_settings import check_partition, effective_rollout
 from astraflow.rollout.config import RolloutConfig
 from astraflow.sandbox.config import SandboxConfig
 from astraflow.training.config import PolicyConfig
@@ -108,6 +108,31 @@ class RunConfig(Strict):
                 f"workload.group_size: {self.workload.group_size} cannot train: GRPO's advantage is a reward "
                 "minus its group's mean, 0 for a group of one (and the data layer keeps only groups of 2 or "
                 "more, whatever dataflow.group_filter says); set workload.group_size: 2 or more")
+
+    def _check_context_length(self, episode_tokens: int | None) -> None:
+        """A ``vllm`` engine's ``max_model_len`` must hold a prompt (a token at least) and
+        ``workload.sampling.max_new_tokens``, and an agentic episode's ``episode_tokens``
+        (``workload.params.max_context_tokens``: its last turns' requests grow to it): the
+        engine refuses every longer request."""
+        new = self.workload.sampling.max_new_tokens
+        for part in self.partitions:
+            engine = effective_rollout(self.rollout, part).engine if part.role == "rollout" else None
+            limit = engine.vllm.max_model_len if engine is not None and engine.type == "vllm" else None
+            if limit is None:
+                continue
+            own = "max_model_len" in part.rollout.get("engine", {}).get("vllm", {})
+            section = f"partitions[{part.name}].rollout" if own else "rollout"
+            field = f"{section}.engine.vllm.max_model_len {limit}"
+            if limit <= new:
+                raise ValueError(
+                    f"{field}: a request is its prompt plus workload.sampling.max_new_tokens {new} tokens, which "
+                    f"does not fit; raise max_model_len to at least {new} plus the longest prompt, or lower "
+                    "workload.sampling.max_new_tokens")
+            if episode_tokens is not None and limit < episode_tokens:
+                raise ValueError(
+                    f"{field}: an episode's requests grow to workload.params.max_context_tokens "
+                    f"{episode_tokens} tokens, which do not fit; raise max_model_len to {episode_tokens} or lower "
+                    "max_context_tokens")
 
     def _check_trainer_ranks(self) -> None:
         """A Megatron trainer's ``tensor_parallel * data_parallel`` ranks take one GPU each on a
@@ -205,6 +230,7 @@ class RunConfig(Strict):
             raise ValueError(f"workload ({self.workload.name}): {err}") from None
         self._check_agentic(workload)
         agentic = is_agentic(type(workload))
+        self._check_context_length(workload.params.max_context_tokens if agentic else None)
         for i, pol in enumerate(self.policies):
             base = pol.init.start_from if pol.init is not None else None
             if base is not None and base not in [p.name for p in self.policies[:i]]:

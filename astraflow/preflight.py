@@ -70,13 +70,16 @@ def check_devices(cfg: RunConfig) -> None:
 
 
 def check_engine(cfg: RunConfig) -> None:
-    """``ConfigError`` with the install command when ``rollout.engine.type: vllm`` is chosen and
-    vLLM is not installed in this environment (the one the run's workers use)."""
-    if cfg.rollout.engine.type != "vllm":
-        return
-    from astraflow.rollout.vllm_setup import require_vllm
+    """``ConfigError`` with the install command when a rollout partition's engine is ``vllm``
+    (``rollout.engine.type``, or a partition's own ``rollout.engine.type``) and vLLM is not
+    installed in this environment (the one the run's workers use)."""
+    for part in cfg.partitions:
+        if part.role != "rollout" or effective_rollout(cfg.rollout, part).engine.type != "vllm":
+            continue
+        from astraflow.rollout.vllm_setup import require_vllm
 
-    try:
-        require_vllm()
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+        own = "type" in part.rollout.get("engine", {})
+        try:
+            require_vllm(f"partitions[{part.name}].rollout.engine.type" if own else "rollout.engine.type")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None

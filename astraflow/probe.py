@@ -22,6 +22,7 @@ Neutral ground like ``weightconv``: the trainer writes it, rollout reads it, nei
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -69,8 +70,12 @@ def make_probe(model: Any, state: Mapping[str, Any] | None = None) -> dict[str, 
 
 
 def probe_error(expected: Sequence[float], got: Sequence[float]) -> float:
-    """Mean absolute difference in nats between two probe log-prob lists of the same length."""
+    """Mean absolute difference in nats between two probe log-prob lists of the same length;
+    ``inf`` where either holds a NaN or an infinity (weights that produce them are wrong, and a
+    NaN would otherwise compare below every tolerance)."""
     a, b = np.asarray(expected, dtype=np.float64), np.asarray(got, dtype=np.float64)
     if a.shape != b.shape:
         raise ValueError(f"probe log-probs of different lengths: {a.shape} vs {b.shape}")
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return math.inf
     return float(np.abs(a - b).mean())

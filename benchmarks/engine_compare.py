@@ -6,6 +6,8 @@ as a RaaS node builds them (``engines.make_engine``): ``capacity`` requests in f
 generated). The HF engine decodes padded batches of up to ``max_batch`` with its own loop in
 its own process; vLLM batches continuously in its engine core. Repetitions alternate the two
 (load drifts hit both alike); the median ratio is the result. Engine start-up is not timed.
+Both run on the machine's first GPU where there is one (``device`` in the result), else on
+the CPU (vLLM's CPU build).
 
 Needs vLLM (e.g. the venv ``bash tests/run_vllm.sh --setup-only`` builds). Prints a table and
 ends with one line ``RESULT {json}``.
@@ -39,7 +41,8 @@ def run_engine(engine_type: str, model_dir: Path, prompts: list[list[int]], args
     from astraflow.rollout.engines import make_engine
 
     torch.set_num_threads(args.threads)
-    cfg = EngineConfig(type=engine_type, max_batch=args.max_batch, threads=args.threads, device="cpu")
+    # device auto: the first GPU where there is one (where vLLM's CUDA build runs), else the CPU
+    cfg = EngineConfig(type=engine_type, max_batch=args.max_batch, threads=args.threads, device="auto")
     engine = make_engine(cfg, str(model_dir), seed=args.seed)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
 
@@ -79,6 +82,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
 
+    import torch
     from rich.console import Console
     from rich.table import Table
 
@@ -86,7 +90,10 @@ def main() -> None:
     from astraflow.rollout.vllm_setup import build_name, require_vllm
     from astraflow.workloads.base import make_workload
 
-    require_vllm()
+    try:
+        require_vllm()
+    except ValueError as err:
+        ap.error(str(err))  # exit 2, no traceback
     (ROOT / "benchmarks" / "out").mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="engine-compare-", dir=ROOT / "benchmarks" / "out"))
     model_dir = init_model(work / "model", preset=args.preset, seed=args.seed)
@@ -124,7 +131,7 @@ def main() -> None:
         "vllm_tokens_per_s": round(statistics.median(r["vllm"]["tokens_per_s"] for r in rows), 1),
         "vllm_build": build_name(), "preset": args.preset, "prompts": args.prompts,
         "max_new_tokens": args.max_new_tokens, "capacity": args.capacity, "max_batch": args.max_batch,
-        "threads": args.threads,
+        "threads": args.threads, "device": "cuda" if torch.cuda.is_available() else "cpu",
     }))
 
 

@@ -269,6 +269,13 @@ def main() -> None:
     ap.add_argument("--in-process", action="store_true",
                     help="run the node's engine inside its worker process (rollout.engine.process: false)")
     args = ap.parse_args()
+    if args.engine == "vllm":
+        from astraflow.rollout.vllm_setup import require_vllm
+
+        try:
+            require_vllm("--engine")
+        except ValueError as err:
+            ap.error(str(err))  # exit 2 before anything starts, no traceback
 
     from astraflow.models import init_model
     from astraflow.workloads.base import make_workload

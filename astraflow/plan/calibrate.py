@@ -60,6 +60,13 @@ def calibrate(cfg: RunConfig, progress: Callable[[str], None] = lambda s: None, 
     if not (Path(model) / "config.json").exists():
         raise PlanError(f"--calibrate: no model at {model}; build it first (`astraflow run` builds a config's "
                          "model on first use, or `astraflow model init`)")
+    if cfg.rollout.engine.type == "vllm":
+        from astraflow.rollout.vllm_setup import require_vllm
+
+        try:
+            require_vllm()
+        except ValueError as err:
+            raise PlanError(f"--calibrate: {err}") from None
     workload = make_workload(cfg.workload.name, cfg.workload.params, cfg.workload.seed)
     tasks = workload.tasks("train")
     s = cfg.workload.sampling

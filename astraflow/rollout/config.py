@@ -90,8 +90,9 @@ class EngineConfig(Strict):
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """Where the engines run: ``auto`` or ``cuda`` (the worker's GPUs, one engine per GPU; ``auto``
     falls back to the CPU where there is none), ``cpu``, or ``cuda:N`` (that GPU, shared by the
-    node's engines). ``vllm`` runs on the GPUs its replica is given, or on the CPU with vLLM's
-    CPU build."""
+    node's engines). ``vllm`` runs on the GPUs its replica is given (``cuda:N``: that GPU), or
+    on the CPU with vLLM's CPU build (vLLM takes its platform from the build installed, not
+    from this setting)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """The engine's weights and forward passes. ``bf16`` decodes faster where the
     hardware has bf16 (GPUs; CPUs with AVX512-BF16 or AMX; elsewhere it is slower than fp32);
@@ -112,6 +113,11 @@ class EngineConfig(Strict):
                 f"rollout.engine.tensor_parallel {self.tensor_parallel}: the hf engine runs each engine on one "
                 "device and cannot shard a model over GPUs; set tensor_parallel: 1 (a node then runs one engine "
                 "per GPU, or rollout.engine.replicas of them), or use an engine type with tensor parallelism")
+        if self.tensor_parallel > 1 and self.device.startswith("cuda:"):
+            raise ValueError(
+                f"rollout.engine.device {self.device} names one GPU and tensor_parallel {self.tensor_parallel} "
+                f"spans {self.tensor_parallel}: set device: auto (or cuda) to shard each engine over the worker's "
+                "GPUs, or tensor_parallel: 1")
         return self
 
 

@@ -74,7 +74,24 @@ def _make_one(cfg: EngineConfig, model_path: str, plan: ReplicaPlan) -> Inferenc
     if cfg.type == "vllm":
         from astraflow.rollout.vllm_engine import VLLMEngine
 
+        visible = vllm_visible_devices(plan, os.environ.get("CUDA_VISIBLE_DEVICES"))
         return VLLMEngine(model_path, options=cfg.vllm, max_batch_size=cfg.max_batch, seed=plan.seed, version=0,
                           tensor_parallel=cfg.tensor_parallel, dtype=cfg.dtype, threads=plan.threads,
-                          swap_min_remaining=cfg.swap_min_remaining, visible_devices=plan.visible_devices)
+                          swap_min_remaining=cfg.swap_min_remaining, visible_devices=visible)
     raise ValueError(f"unknown engine type {cfg.type!r}; known: {', '.join(KNOWN)}")
+
+
+def vllm_visible_devices(plan: ReplicaPlan, node_visible: str | None) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` of a vLLM engine, which takes its GPUs from the environment, not
+    from a device name: its replica's GPUs; for an explicit ``cuda:N`` the node's GPU N (as the
+    node's ``CUDA_VISIBLE_DEVICES``, ``node_visible``, names it); None: all the node sees."""
+    if plan.visible_devices is not None or not plan.device.startswith("cuda:"):
+        return plan.visible_devices
+    index = int(plan.device.partition(":")[2])
+    ids = [d.strip() for d in node_visible.split(",") if d.strip()] if node_visible else []
+    if not ids:
+        return str(index)
+    if index >= len(ids):
+        raise ValueError(f"rollout.engine.device {plan.device}: this node sees {len(ids)} GPU(s) "
+                         f"(CUDA_VISIBLE_DEVICES={node_visible}); name one of cuda:0..cuda:{len(ids) - 1} or use auto")
+    return ids[index]

@@ -223,11 +223,17 @@ class VLLMEngine:
 
     async def _start(self, model_dir: str, version: int) -> None:
         """Create the ``AsyncLLM`` on ``model_dir`` holding ``version`` (blocks this loop while
-        it loads); vLLM labels the tokens it generates with the version from then on."""
+        it loads); vLLM labels the tokens it generates with the version from then on. A start
+        that fails (a re-creation for an update included) leaves the engine ``dead`` with the
+        reason, so that requests fail with ``EngineProcessError`` and the node restarts it."""
         from astraflow.rollout.vllm_setup import make_async_llm
 
-        self.llm = make_async_llm(model_dir, self.options, **self._engine_kwargs)
-        await self.llm.update_weight_version(str(version))
+        try:
+            self.llm = make_async_llm(model_dir, self.options, **self._engine_kwargs)
+            await self.llm.update_weight_version(str(version))
+        except BaseException as err:
+            self._dead = f"starting the vLLM engine on {model_dir} failed: {type(err).__name__}: {err}"
+            raise
 
     async def _shutdown(self) -> None:
         """Shut the ``AsyncLLM`` down and reap its engine core (vLLM kills the workers under it)."""

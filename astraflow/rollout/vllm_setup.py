@@ -16,9 +16,10 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-#: what to run where vLLM is missing (the GPU build; the CPU build is in the README)
+#: what to run where vLLM is missing: the GPU build, and the CPU build's venv (docs/vllm.md)
 INSTALL_HINT = ("pip install -e '.[vllm]' (the CUDA build, GPU clusters); on a CPU-only machine the CPU build "
-                "in a separate venv: bash tests/run_vllm.sh --setup-only (see README, 'vLLM engine')")
+                "in a separate venv: bash tests/run_vllm.sh --setup-only, then run astraflow from .venv-vllm "
+                "(see docs/vllm.md)")
 
 
 def vllm_available() -> bool:
@@ -26,10 +27,11 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def require_vllm() -> None:
-    """``ValueError`` naming the install command when vLLM is not installed."""
+def require_vllm(field: str = "rollout.engine.type") -> None:
+    """``ValueError`` naming ``field`` (the setting that chose vLLM) and the install command when
+    vLLM is not installed."""
     if not vllm_available():
-        raise ValueError(f"rollout.engine.type: vllm needs vLLM, which is not installed here; {INSTALL_HINT}")
+        raise ValueError(f"{field}: vllm needs vLLM, which is not installed here; {INSTALL_HINT}")
 
 
 def build_name() -> str:

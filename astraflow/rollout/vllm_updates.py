@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import shutil
 import tempfile
 import time
@@ -50,6 +51,21 @@ log = logging.getLogger("astraflow.rollout")
 
 #: files of a model directory that are weights (not copied into a re-created engine's directory)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".bin.index.json")
+
+
+def judge(err: float, fresh: float, tolerance: float) -> tuple[float, bool]:
+    """``(tolerance, wrong)`` after an update off by ``err`` nats whose version a re-created
+    engine scores ``fresh`` nats off. A fresh engine is right by construction: if it is off by
+    more than ``tolerance`` too, the gap is the engine's numerics and the tolerance becomes
+    twice it; ``wrong``: the update was off by more than the resulting tolerance, the update
+    path is to blame. A non-finite ``fresh`` (the version's own weights give NaN or infinite
+    log-probs) blames neither and keeps the tolerance, which would otherwise become infinite
+    and pass every later update unchecked."""
+    if not math.isfinite(fresh):
+        return tolerance, False
+    if fresh > tolerance:
+        tolerance = 2 * fresh
+    return tolerance, err > tolerance
 
 
 class Updater:
@@ -172,12 +188,16 @@ class Updater:
         off, the gap is this engine's numerics (its dtype), not the update: the tolerance rises
         to twice it and updates stay in place. Otherwise the in-place path served wrong weights
         on this build: every later update re-creates."""
-        if fresh > self.tolerance:
-            self.tolerance = 2 * fresh
+        tolerance, wrong = judge(err, fresh, self.tolerance)
+        if not math.isfinite(fresh):
+            log.warning("vLLM engine: a freshly created engine scores %s v%d's probe with non-finite log-probs: "
+                        "the version (its weights or its probe) is broken, not the update", policy, version)
+        if tolerance != self.tolerance:
+            self.tolerance = tolerance
             log.warning("vLLM engine: a freshly created engine scores %s v%d's probe %.3f nats off the trainer's "
                         "(the engine's dtype, rollout.engine.dtype, against the trainer's fp32 probe): the probe "
                         "tolerance of this engine is now %.3f nats", policy, version, fresh, self.tolerance)
-        if err > self.tolerance:
+        if wrong:
             log.warning("vLLM engine: after the %r update to %s v%d its log-probs of the version's probe were "
                         "%.3f nats off the trainer's (a re-created engine: %.3f): %s served wrong weights after "
                         "a %r update; the engine was re-created on the version, as it will be for every later update",

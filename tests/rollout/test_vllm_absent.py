@@ -40,6 +40,66 @@ def test_choosing_vllm_without_it_exits_2_with_the_install_command(tiny_model, t
     assert not (tmp_path / "run").exists()  # refused before the run directory was made
 
 
+def test_a_rollout_partitions_own_vllm_engine_is_refused_before_the_run(tiny_model, tmp_path):
+    """The engine type a partition sets for its own nodes is checked as the run's is."""
+    cfg = _config(tmp_path, tiny_model)
+    data = yaml.safe_load(cfg.read_text())
+    data["rollout"]["engine"] = {"type": "hf"}
+    data["partitions"] = [{"name": "pool", "role": "rollout", "scheduler": "local",
+                           "rollout": {"engine": {"type": "vllm"}}},
+                          {"name": "trainer", "role": "trainer"}, {"name": "data", "role": "data"}]
+    cfg.write_text(yaml.safe_dump(data))
+    res = subprocess.run([sys.executable, "-m", "astraflow", "check", str(cfg)], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "partitions[pool].rollout.engine.type: vllm needs vLLM" in res.stderr
+    assert "pip install -e '.[vllm]'" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_vllm_run_config_whose_rollout_partitions_all_use_hf_is_not_refused(tiny_model):
+    from astraflow.preflight import check_engine
+    from tests.conftest import tiny_config
+
+    parts = [{"name": "pool", "role": "rollout", "scheduler": "local", "rollout": {"engine": {"type": "hf"}}},
+             {"name": "trainer", "role": "trainer"}, {"name": "data", "role": "data"}]
+    check_engine(tiny_config(tiny_model, rollout__engine__type="vllm", partitions=parts))
+
+
+@pytest.mark.parametrize("command", [
+    ["-m", "astraflow", "plan", "CONFIG", "--pool", "local=1", "--calibrate"],
+    [str(ROOT / "benchmarks" / "rollout_overhead.py"), "--engine", "vllm"],
+    [str(ROOT / "benchmarks" / "engine_compare.py")],
+], ids=["plan-calibrate", "rollout_overhead", "engine_compare"])
+def test_other_commands_that_build_a_vllm_engine_exit_2_with_the_install_command(tiny_model, tmp_path, command):
+    cfg = _config(tmp_path, tiny_model)
+    res = subprocess.run([sys.executable, *[str(cfg) if a == "CONFIG" else a for a in command]],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "vllm needs vLLM" in res.stderr and "pip install -e '.[vllm]'" in res.stderr
+    assert "docs/vllm.md" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_failed_engine_start_leaves_the_engine_dead_so_that_the_node_restarts_it(tmp_path):
+    """A start that fails (here for real: vLLM is missing), as a re-creation for an update can,
+    marks the engine dead with the reason: requests fail with ``EngineProcessError``, which
+    makes the node restart the engine, instead of calling into an engine that is gone."""
+    import asyncio
+
+    from astraflow.rollout.config import VLLMConfig
+    from astraflow.rollout.engine import SamplingParams
+    from astraflow.rollout.process_engine import EngineProcessError
+    from astraflow.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # only the state ``_start`` and ``generate`` read
+    engine.options, engine.llm, engine._dead = VLLMConfig(), None, None
+    engine._engine_kwargs = dict(max_batch_size=8, seed=0, tensor_parallel=1, dtype="fp32", threads=1)
+    with pytest.raises(ModuleNotFoundError):
+        asyncio.run(engine._start(str(tmp_path), 3))
+    assert engine.dead is not None and engine.dead.startswith(f"starting the vLLM engine on {tmp_path} failed")
+    with pytest.raises(EngineProcessError, match="starting the vLLM engine"):
+        asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4)))
+
+
 def test_the_engine_modules_import_vllm_only_when_an_engine_is_built():
     """The rollout package, its factory and config load without vLLM."""
     code = ("import sys; import astraflow.rollout.engines, astraflow.rollout.node, astraflow.rollout.vllm_setup; "

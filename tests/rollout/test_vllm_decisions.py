@@ -1,0 +1,121 @@
+"""The vLLM engine's decisions that need no vLLM: the probe check after an update, the
+per-token version tags of a resumed request, the config checks of ``max_model_len``. They run
+everywhere (``tests/vllm`` covers the engine itself where vLLM is installed)."""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from astraflow.probe import probe_error
+from astraflow.rollout.vllm_engine import _versions
+from astraflow.rollout.vllm_updates import judge
+from tests.conftest import tiny_config
+
+#: the fields of vLLM's weight-version span that ``_versions`` reads
+Span = namedtuple("Span", "start end version")
+
+
+@pytest.mark.parametrize("bad", [math.nan, -math.inf, math.inf])
+def test_a_probe_with_nan_or_infinite_log_probs_fails_every_tolerance(bad):
+    expected = [-1.0, -2.0, -3.0]
+    assert probe_error(expected, [-1.0, bad, -3.0]) == math.inf
+    assert probe_error([-1.0, bad, -3.0], expected) == math.inf
+    assert probe_error(expected, [-1.0, -2.5, -3.0]) == pytest.approx(0.5 / 3)
+
+
+def test_judge_blames_the_update_only_when_a_fresh_engine_is_right():
+    assert judge(2.0, 0.001, 0.05) == (0.05, True)  # in place wrong, fresh right: re-create from now on
+    assert judge(0.12, 0.1, 0.05) == (0.2, False)  # both off alike: the engine's numerics, tolerance 2x
+    assert judge(0.5, 0.1, 0.05) == (0.2, True)  # off by more than the numerics explain
+    assert judge(0.01, 0.0, 0.05) == (0.05, False)
+
+
+@pytest.mark.parametrize("fresh", [math.inf, math.nan])
+def test_a_fresh_engine_with_non_finite_log_probs_keeps_the_check_on(fresh):
+    """A broken version scored inf by both engines must not raise the tolerance to infinity
+    (every later update, however wrong, would then pass)."""
+    tolerance, wrong = judge(math.inf, fresh, 0.05)
+    assert tolerance == 0.05 and not wrong
+    assert judge(2.0, 0.001, tolerance) == (0.05, True)  # a later wrong update is still caught
+
+
+def test_resumed_segments_are_tagged_with_the_versions_that_sampled_them():
+    assert _versions([Span(0, 3, "4"), Span(3, 5, "5")], 5, fallback=4) == [4, 4, 4, 5, 5]
+    assert _versions(None, 3, fallback=7) == [7, 7, 7]  # a vLLM without spans: the serving version
+    assert _versions([Span(0, 9, "2")], 4, fallback=1) == [2, 2, 2, 2]  # clipped to the segment
+    assert _versions([Span(0, 2, "none"), Span(2, 3, "3")], 3, fallback=1) == [1, 1, 3]
+
+
+def _vllm_config(tiny_model, **overrides):
+    return tiny_config(tiny_model, rollout__engine__type="vllm", **overrides)
+
+
+def test_a_max_model_len_without_room_for_the_generation_is_refused_at_load(tiny_model):
+    from astraflow.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout.engine.vllm.max_model_len 32: a request is its prompt plus "
+                                          r"workload.sampling.max_new_tokens 32 tokens"):
+        _vllm_config(tiny_model, rollout__engine__vllm__max_model_len=32, workload__sampling__max_new_tokens=32)
+    assert _vllm_config(tiny_model, rollout__engine__vllm__max_model_len=64,
+                        workload__sampling__max_new_tokens=32).rollout.engine.vllm.max_model_len == 64
+    # the hf engine has no such setting: it is not judged
+    tiny_config(tiny_model, rollout__engine__vllm__max_model_len=32, workload__sampling__max_new_tokens=32)
+
+
+def test_a_partitions_own_max_model_len_is_checked_and_named(tiny_model):
+    from astraflow.config import ConfigError
+
+    parts = [{"name": "pool", "role": "rollout", "scheduler": "local",
+              "rollout": {"engine": {"vllm": {"max_model_len": 16}}}},
+             {"name": "trainer", "role": "trainer"}, {"name": "data", "role": "data"}]
+    with pytest.raises(ConfigError, match=r"partitions\[pool\].rollout.engine.vllm.max_model_len 16"):
+        _vllm_config(tiny_model, partitions=parts, workload__sampling__max_new_tokens=16)
+
+
+def test_a_vllm_engine_on_an_explicit_gpu_sees_only_that_gpu():
+    """vLLM takes its GPUs from ``CUDA_VISIBLE_DEVICES``, so ``cuda:N`` must become that."""
+    from astraflow.rollout.config import EngineConfig
+    from astraflow.rollout.engine_pool import plan_replicas
+    from astraflow.rollout.engines import vllm_visible_devices
+
+    def visible(device, node_visible, gpus=4, **kw):
+        cfg = EngineConfig(type="vllm", device=device, **kw)
+        return [vllm_visible_devices(p, node_visible) for p in plan_replicas(cfg, gpus, 4, node_visible)]
+
+    assert visible("cuda:1", None) == ["1"]
+    assert visible("cuda:1", "4,5,6,7") == ["5"]  # the node's GPU 1, as the machine numbers it
+    assert visible("cuda:1", "4,5", replicas=2) == ["5", "5"]  # replicas share the named GPU
+    assert visible("auto", "4,5,6,7", tensor_parallel=2) == ["4,5", "6,7"]  # the plan's groups, as before
+    assert visible("cpu", None, gpus=0) == [None]
+    with pytest.raises(ValueError, match=r"rollout.engine.device cuda:3: this node sees 2 GPU\(s\)"):
+        visible("cuda:3", "4,5")
+
+
+def test_tensor_parallel_over_one_named_gpu_is_refused():
+    from pydantic import ValidationError
+
+    from astraflow.rollout.config import EngineConfig
+
+    with pytest.raises(ValidationError, match="device cuda:0 names one GPU and tensor_parallel 2 spans 2"):
+        EngineConfig(type="vllm", device="cuda:0", tensor_parallel=2)
+
+
+def test_an_agentic_episode_longer_than_max_model_len_is_refused_at_load(tmp_path):
+    """An agent's later turns send the whole episode so far: max_context_tokens must fit."""
+    import yaml
+
+    from astraflow.config import ConfigError, load_config
+
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples/calculator/config.yaml").read_text())
+    data["policies"][0]["model"] = str(tmp_path / "model")  # not built: validation needs none
+    data["rollout"]["engine"] = {"type": "vllm", "vllm": {"max_model_len": 128}}
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"rollout.engine.vllm.max_model_len 128: an episode's requests grow to "
+                                          r"workload.params.max_context_tokens 256"):
+        load_config(cfg, [])
+    assert load_config(cfg, ["rollout.engine.vllm.max_model_len=256"]).rollout.engine.vllm.max_model_len == 256
