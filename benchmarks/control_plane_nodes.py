@@ -1,6 +1,7 @@
 """Emulated RaaS nodes for ``control_plane.py``: the node's calls, without a model.
 
-An ``EmuNode`` does what a ``RaaSNode``'s loop does towards the data layer: a heartbeat a
+An ``EmuNode`` does what a ``RaaSNode``'s loop does towards the data layer (its leases paced by
+the node's own ``rollout.pacing.LeasePacing``): a heartbeat a
 second (renewing the leases it holds, with its worker and weight versions), a lease of its
 free slots, an "episode" per task (a short sleep), a tiny trajectory, and its ``complete``
 once written. The trajectories of a worker's nodes are written together every ``flush_s``
@@ -135,7 +136,12 @@ class EmuNode:
         return out
 
     async def run(self) -> None:
-        slot = asyncio.Event()
+        slot, never = asyncio.Event(), asyncio.Event()
+        try:  # the node's own pacing of its leases (absent from older checkouts)
+            from astraflow.rollout.pacing import LeasePacing
+            pacing = LeasePacing(self.lease_wait)
+        except ImportError:
+            pacing = None
         last_beat = 0.0
         await asyncio.sleep(self.rng.random())  # nodes start spread over a second, as they do
         while not self.stop:
@@ -147,14 +153,20 @@ class EmuNode:
                 last_beat = now
             free = self.capacity - len(self.inflight)
             if free > 0:
+                t0 = time.perf_counter()
                 tasks = await self._timed("lease", self.dl.lease, self.name, free, self.lease_wait,
                                           versions=self._versions())
+                if pacing is not None:
+                    pacing.leased(len(tasks), time.perf_counter() - t0)
                 for task in tasks:
                     self.inflight[task.task_id] = task
                     asyncio.get_running_loop().create_task(self._episode(task, slot))
             slot.clear()
             if len(self.inflight) < self.capacity:
-                await asyncio.sleep(0.05)  # too few tasks: ask again shortly (as a node does)
+                if pacing is not None:  # too few tasks: ask again shortly, as a node does
+                    await pacing.pause(never)  # (the emulated nodes' weights are never behind)
+                else:
+                    await asyncio.sleep(0.05)
             else:
                 try:
                     await asyncio.wait_for(slot.wait(), timeout=1.0)

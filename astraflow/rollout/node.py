@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from astraflow.rollout.config import RolloutConfig
+from astraflow.rollout.pacing import LeasePacing
 
 from astraflow.workloads.config import SamplingConfig
 from astraflow.contracts import RolloutTask, Trajectory, TrajectoryRef
@@ -252,6 +253,8 @@ class RaaSNode(EngineRecovery):
 
     async def _main(self) -> None:
         self._slot_free = asyncio.Event()
+        self._new_weights = asyncio.Event()  # a newer version loaded: a long pause ends
+        self.pacing = LeasePacing(self.cfg.lease_wait_seconds)
         self._finished: list[Trajectory] = []  # generated, waiting for the writer
         self._finished_event = asyncio.Event()
         self._closing = False
@@ -281,9 +284,11 @@ class RaaSNode(EngineRecovery):
             recovering = recovering and not serving(self.engines, self._reviving)
             if free > 0 and not self.draining and not recovering:
                 t0 = time.time()
+                self._new_weights.clear()
                 # a long poll when idle-capable: the data layer answers as soon as it has tasks
                 tasks = await call(self.dl.lease, self.identity.name, free, self.cfg.lease_wait_seconds,
                                    versions=self.versions(), timeout=30)
+                self.pacing.leased(len(tasks), time.time() - t0)
                 self.counters["lease_s"] += time.time() - t0
                 self.counters["lease_calls"] += 1
                 self.counters["leased"] += len(tasks)
@@ -294,7 +299,7 @@ class RaaSNode(EngineRecovery):
                 ep.add_done_callback(episodes.discard)
             t0, was_idle = time.time(), not self.inflight
             if len(self.inflight) < self.capacity and not self.draining:
-                await asyncio.sleep(0.05)  # the data layer had too few tasks: ask again shortly
+                await self.pacing.pause(self._new_weights)  # the data layer had too few tasks: ask again
             else:  # wait until an episode frees a slot (or the heartbeat is due)
                 try:
                     await asyncio.wait_for(self._slot_free.wait(), timeout=1.0)
@@ -446,7 +451,10 @@ class RaaSNode(EngineRecovery):
     async def _watch_weights(self) -> None:
         while True:
             try:
-                self.counters["weight_loads"] += await asyncio.to_thread(self.puller.poll)
+                loaded = await asyncio.to_thread(self.puller.poll)
+                self.counters["weight_loads"] += loaded
+                if loaded:
+                    self._new_weights.set()
             except EngineProcessError:
                 pass  # the engine died: ``_recover`` restarts it and loads the newest version
             except Exception:  # e.g. shared storage briefly unreadable: the next poll tries again
