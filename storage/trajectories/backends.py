@@ -72,9 +72,12 @@ class DirBackend:
         self.durable = durable
         # per segment: files written and directories changed since its last marker
         self._unsynced: dict[str, tuple[dict[str, None], set[Path]]] = {}
-        # chunk files open for writing (checked to have their full size), kept open across
-        # commits when durable (a chunk takes many batches); the oldest closed beyond ``_MAX_OPEN``
-        self._open: dict[str, int] = {}
+        # per segment: chunk files open for writing (checked to have their full size), kept open
+        # across commits when durable (a chunk takes many batches); the oldest closed beyond
+        # ``_MAX_OPEN``. Per segment because the writers of one store may write at the same time
+        # from several threads, each to its own segment: one's eviction must never close a
+        # descriptor another is writing or syncing (its number could be reused by a new file).
+        self._open: dict[str, dict[str, int]] = {}
         self._logs: dict[str, int] = {}  # commit logs open for appending (durable), by segment
         self._data_dirs: dict[str, str] = {}
 
@@ -175,9 +178,10 @@ class DirBackend:
         # new directories, metadata and the record durable together. A crash during that round
         # may keep the record and lose data: the record's data crc tells (``reader``).
         files, dirs = self._unsynced.pop(segment, ({}, set()))
+        opened = self._open.get(segment, {})
         if not self.durable:  # nothing to sync: close instead (on NFS, close flushes the data)
             for path in files:
-                self._close(path)
+                _close(opened, path)
         fd = self._logs.get(segment)
         own = fd is None
         if own:
@@ -193,7 +197,7 @@ class DirBackend:
                 os.ftruncate(fd, offset)  # a record that failed half-way is not left for the next one
                 raise
             if self.durable:
-                sync_together([fd, *(self._open.get(path, path) for path in files)], sorted(dirs))
+                sync_together([fd, *(opened.get(path, path) for path in files)], sorted(dirs))
         finally:
             if own:
                 os.close(fd)
@@ -201,9 +205,10 @@ class DirBackend:
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
         base = self._data_dir(segment)
         files, dirs = self._unsynced.setdefault(segment, ({}, set()))
+        opened = self._open.setdefault(segment, {})
         for key, chunk_bytes, offset, nbytes, at in pieces:
             path = os.path.join(base, key)
-            fd = self._open.get(path)
+            fd = opened.get(path)
             if fd is None:
                 try:
                     fd = os.open(path, os.O_WRONLY)
@@ -214,18 +219,13 @@ class DirBackend:
                     dirs.add(parent)
                 if os.fstat(fd).st_size != chunk_bytes:  # new, or cut short by a killed writer
                     os.ftruncate(fd, chunk_bytes)
-                self._open[path] = fd
-                while len(self._open) > _MAX_OPEN:  # the oldest; if unsynced, it is synced by path
-                    self._close(next(iter(self._open)))
+                opened[path] = fd
+                while len(opened) > _MAX_OPEN:  # the oldest; if unsynced, it is synced by path
+                    _close(opened, next(iter(opened)))
             done = 0
             while done < nbytes:
                 done += os.pwrite(fd, buf[at + done:at + nbytes], offset + done)
             files[path] = None
-
-    def _close(self, path: str) -> None:
-        fd = self._open.pop(path, None)
-        if fd is not None:
-            os.close(fd)
 
     def read_metadata(self, segment: str, key: str) -> bytes | None:
         try:
@@ -235,9 +235,8 @@ class DirBackend:
             return None
 
     def release_segment(self, segment: str) -> None:
-        prefix = self._data_dir(segment) + os.sep
-        for path in [p for p in self._open if p.startswith(prefix)]:
-            self._close(path)
+        for fd in self._open.pop(segment, {}).values():
+            os.close(fd)
         fd = self._logs.pop(segment, None)
         if fd is not None:
             os.close(fd)
@@ -273,8 +272,14 @@ class DirBackend:
         dirs.add(path.parent)  # Zarr replaces the file by a rename
 
 
-#: chunk files a backend keeps open for writing (older ones are closed, and synced by path).
+#: chunk files a backend keeps open for writing per segment (older ones are closed, and synced by path).
 _MAX_OPEN = 64
+
+
+def _close(opened: dict[str, int], path: str) -> None:
+    fd = opened.pop(path, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def _make_dirs(d: Path, base: Path) -> list[Path]:

@@ -248,3 +248,36 @@ def test_a_batch_with_mismatched_arrays_is_refused_naming_the_entry(store_url):
     with pytest.raises(ValueError, match="policy_ids values do not fit"):
         w.write([wide])
     assert w.write([good])[0].index == 0  # nothing of the refused batches was committed
+
+
+def test_writers_of_one_store_write_at_the_same_time_from_threads(tmp_path, monkeypatch):
+    """Each writer keeps its own chunk files open: one closing its oldest never closes (or
+    syncs, or writes through) a descriptor another writer is using."""
+    import threading
+
+    import storage.trajectories.backends as backends
+
+    monkeypatch.setattr(layout, "CHUNK_BYTES", 64)  # many chunk files per segment
+    monkeypatch.setattr(backends, "_MAX_OPEN", 2)  # and each writer closes its oldest often
+    store = open_trajectory_store(str(tmp_path / "store"))
+    rows = {n: [make_row(n, i, length=5 + (i * 7) % 40) for i in range(120)] for n in range(1, 5)}
+    refs: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def write(n: int) -> None:
+        try:
+            w = store.writer(f"seg{n}", batch_size=4)
+            refs[n] = [ref for i in range(0, 120, 3) for ref in w.write(rows[n][i:i + 3])]
+            w.close()
+        except BaseException as err:  # noqa: BLE001 (reported below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in rows]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    reader = open_trajectory_store(str(tmp_path / "store"), "r")
+    for n, mine in rows.items():
+        assert all(rows_equal(a, b) for a, b in zip(mine, reader.read(refs[n]), strict=True))

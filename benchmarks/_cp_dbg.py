@@ -1,0 +1,355 @@
+"""The control plane at scale: many RaaS nodes against one data layer, side by side.
+
+What runs: a real ``DataLayer`` actor on a real Dask ``LocalCluster`` worker (processes=True,
+Dask's quiet settings), with its durability snapshot and ledger journal, and the real
+trajectory store on disk in a temp dir. 10, 100 and 1,000 emulated RaaS nodes
+(``control_plane_nodes.EmuNode``: heartbeats, leases, a short sleep per episode, tiny
+trajectories through the real segment writer, completions) run on one asyncio loop in this
+process, grouped ``--nodes-per-worker`` to a worker; a consumer takes ``--batch-size``
+sequence batches and publishes a version after each. The data layer serves batches by
+reference, so the consumer does what a trainer does: it reads each batch's rows from the store
+and makes the ``Batch``, in a process of its own (the emulated trainer's; its CPU per sequence
+is ``trainer_read_cpu_us_per_seq``, not part of the data layer's ``dl_cpu_us_per_traj``, but
+it runs on the same 2 cores). Two call patterns:
+
+* ``per-node``: every node calls ``heartbeat`` / ``lease`` / ``complete`` itself (the call
+  pattern before node groups gathered their calls);
+* ``grouped``: the nodes of a worker share a ``Coalescer`` (``lease_many``,
+  ``heartbeat_many``, one ``complete``), as ``RaaSNodeGroup`` does.
+
+``--baseline-root DIR`` also runs the per-node pattern against another checkout's code (e.g.
+the main branch, before these changes) in a subprocess: its rows are marked ``baseline``.
+
+Measured in a window of ``--seconds`` after ``--warmup``: trajectories/s completed (ingested)
+and sequences/s batched; p50/p99 latency of lease, heartbeat, complete and next_batch as the
+nodes and the consumer see them, and inside the data layer (``dl_*``: entry to answer, from its
+``state()["service_ms"]``); the data-layer worker's CPU seconds per trajectory (from
+``/proc`` via psutil). On a shared 2-core machine the emulated nodes take CPU from the data
+layer, so ``dl_capacity_traj_per_s`` (one core / CPU per trajectory) is also shown: what the
+data layer alone would sustain.
+
+Index growth (``control_plane_index.py``): the per-trajectory cost as the data layer's
+trajectory index grows from 10^4 to 10^7 entries. 10^7 real trajectories is infeasible here,
+so the index state is synthesised: that many ended tasks are entered into the ledger (what a
+run that long leaves behind: their outcomes, counters, generated totals) and then a fixed
+number of real trajectories are leased, written, completed and batched in-process; their
+marginal data-layer CPU per trajectory and a full garbage-collection pause are measured at
+each size. The store's own committed entries are not synthesised (the data layer reads only
+the rows of the batches it serves).
+
+    python benchmarks/control_plane.py [--nodes 10,100,1000] [--seconds 8] [--calls both]
+        [--baseline-root /path/to/main] [--index-sizes 1e4,1e5,1e6,1e7] [--skip-index]
+
+Prints tables; ends with ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _root_from_argv() -> str:
+    """``--astraflow-root`` must take effect before ``astraflow`` is imported."""
+    if "--astraflow-root" in sys.argv:
+        return sys.argv[sys.argv.index("--astraflow-root") + 1]
+    return str(Path(__file__).resolve().parents[1])
+
+
+ROOT = _root_from_argv()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, ROOT)
+os.environ["PYTHONPATH"] = ROOT
+
+import psutil  # noqa: E402
+from distributed import Client, LocalCluster  # noqa: E402
+
+from astraflow.dataflow.layer import DataLayer  # noqa: E402
+from astraflow.transport import call  # noqa: E402
+from control_plane_nodes import EmuNode, Latencies, WorkerWriter, layer_kwargs, trainer_read, trainer_start  # noqa: E402
+from storage.trajectories import open_trajectory_store  # noqa: E402
+
+QUIET = {"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False", "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s",
+         "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "2s",
+         "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL": "1s"}
+GOALS = {"traj_per_s_1000_nodes": 10_000.0, "p99_lease_ms_1000_nodes": 20.0, "cost_growth_1e4_to_1e7": 2.0}
+
+
+async def consume(dl, version: list[int], lat: Latencies, served: list[int], reader: dict) -> None:
+    """A trainer that trains in no time: a batch, its rows read as a trainer reads them (in the
+    trainer's own process, ``reader``), then the next version published. A checkout whose data
+    layer serves complete batches (the baseline) has nothing to read."""
+    v = 0
+    while True:
+        t0 = time.perf_counter()
+        try:  # short deadlines: the benchmark's end does not wait for a long call
+            batch = await call(dl.next_batch, "p", v, 3.0, timeout=30)
+        except TimeoutError:  # no batch yet (``BatchTimeout`` is a ``TimeoutError``): ask again
+            continue
+        lat.add("next_batch", time.perf_counter() - t0)
+        n = len(batch.items)
+        if type(batch).__name__ == "BatchRefs":
+            t0 = time.perf_counter()
+            n, cpu = await asyncio.wrap_future(reader["pool"].submit(trainer_read, reader["url"], batch))
+            lat.add("read", time.perf_counter() - t0)
+            if lat.recording:
+                reader["cpu"] += cpu
+        served[0] += n
+        v += 1
+        await call(dl.published, "p", v, timeout=60)
+        version[0] = v
+
+
+async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int, reader: dict) -> dict:
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=4 * n_nodes + 32))
+    lat, version, served = Latencies(), [0], [0]
+    per_worker = max(1, min(args.nodes_per_worker, n_nodes))
+    handles: dict[str, object] = {}
+    sinks: dict[str, WorkerWriter] = {}
+    nodes = []
+    for i in range(n_nodes):
+        worker = f"w{i // per_worker}"
+        if worker not in sinks:
+            sinks[worker] = WorkerWriter(store.writer(worker, batch_size=4096), args.flush_s)
+            if grouped:
+                from astraflow.rollout.coalesce import Coalescer
+                handles[worker] = Coalescer(dl)
+        nodes.append(EmuNode(f"{worker}.n{i % per_worker}", worker, handles[worker] if grouped else dl,
+                             sinks[worker], capacity=args.capacity, episode_s=args.episode_s,
+                             lease_wait=args.lease_wait, version=version, lat=lat, seed=i))
+    running = ([loop.create_task(n.run()) for n in nodes] + [loop.create_task(w.run()) for w in sinks.values()]
+               + [loop.create_task(consume(dl, version, lat, served, reader))])
+    proc, me = psutil.Process(pid), psutil.Process()
+    await asyncio.sleep(args.warmup)
+    cpu0, p0, s0, t0 = sum(proc.cpu_times()[:2]), await call(dl.progress), served[0], time.perf_counter()
+    me0 = sum(me.cpu_times()[:2])
+    if args.profile:
+        await asyncio.to_thread(args.client.run, _profile, True)
+    await asyncio.to_thread(args.client.run, _gc_watch, True)
+    lat.recording = True
+    await asyncio.sleep(args.seconds)
+    lat.recording = False
+    if args.profile:
+        print(next(iter((await asyncio.to_thread(args.client.run, _profile, False)).values())))
+    cpu1, p1, s1, t1 = sum(proc.cpu_times()[:2]), await call(dl.progress), served[0], time.perf_counter()
+    gc_seen = next(iter((await asyncio.to_thread(args.client.run, _gc_watch, False)).values()))
+    me1 = sum(me.cpu_times()[:2])
+    state = await call(dl.state, timeout=60)
+    import collections as _c
+    seen = _c.Counter()
+    for t in asyncio.all_tasks():
+        st = t.get_stack(limit=8)
+        key = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in st)
+        seen[key] += 1
+    for k, v in seen.most_common(12):
+        print("TASKS", v, k)
+    print("WRITERS", [len(w.finished) for w in sinks.values()])
+    import traceback as _tb
+    for t in running:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            print("DEAD", "".join(_tb.format_exception(t.exception()))[-1500:])
+            break
+    for n in nodes:
+        n.stop = True
+    for t in running:
+        t.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
+    window = t1 - t0
+    ingested = p1["sequences_generated"] - p0["sequences_generated"]
+    cpu_per = (cpu1 - cpu0) / max(ingested, 1)
+    batched = s1 - s0
+    out = {"nodes": n_nodes, "calls": "grouped" if grouped else "per-node", "window_s": round(window, 2),
+           "traj_per_s": ingested / window, "batched_seq_per_s": batched / window,
+           # the emulated trainer's process: reading its batches' rows (none for the baseline)
+           "trainer_read_cpu_us_per_seq": reader["cpu"] / max(batched, 1) * 1e6,
+           "trainer_read_cpu_cores": reader["cpu"] / window,
+           "dl_cpu_us_per_traj": cpu_per * 1e6, "dl_cpu_cores": (cpu1 - cpu0) / window,
+           "dl_capacity_traj_per_s": 1.0 / cpu_per if ingested else 0.0,
+           "emulator_cpu_cores": (me1 - me0) / window, "load": os.getloadavg()[0],
+           # the data layer's process: garbage collections in the window, and their pauses
+           "dl_gc_full": gc_seen["full"], "dl_gc_s": gc_seen["seconds"], "dl_gc_max_ms": gc_seen["max_s"] * 1e3,
+           "leased_now": state["leased"], "snapshots": state["snapshots"]}
+    for kind in ("lease", "heartbeat", "complete", "next_batch", "read"):
+        s = lat.summary(kind)
+        out[f"{kind}_p50_ms"], out[f"{kind}_p99_ms"], out[f"{kind}_calls"] = s["p50_ms"], s["p99_ms"], s["n"]
+    for kind, q in state.get("service_ms", {}).items():  # inside the data layer (absent in older code)
+        out[f"dl_{kind}_p50_ms"], out[f"dl_{kind}_p99_ms"] = q["p50"], q["p99"]
+    if grouped:
+        out["gathered"] = {k: sum(h.lanes[k].carried for h in handles.values()) /
+                           max(sum(h.lanes[k].calls for h in handles.values()), 1) for k in ("lease", "heartbeat")}
+    return out
+
+
+def _gc_watch(start: bool, dask_worker=None) -> dict:
+    """On the data layer's worker: count garbage collections and their time from now, or stop
+    and return {"full": full collections, "seconds": all collections, "max_s": the longest}."""
+    import gc
+
+    if start:
+        seen = dask_worker._cp_gc = {"full": 0, "seconds": 0.0, "max_s": 0.0, "t0": 0.0}
+
+        def watch(phase: str, info: dict) -> None:
+            if phase == "start":
+                seen["t0"] = time.perf_counter()
+                return
+            took = time.perf_counter() - seen["t0"]
+            seen["seconds"] += took
+            seen["max_s"] = max(seen["max_s"], took)
+            seen["full"] += info["generation"] == 2
+
+        dask_worker._cp_gc_cb = watch
+        gc.callbacks.append(watch)
+        return {}
+    gc.callbacks.remove(dask_worker._cp_gc_cb)
+    return {k: v for k, v in dask_worker._cp_gc.items() if k != "t0"}
+
+
+def _profile(start: bool, dask_worker=None) -> str:
+    """On the data layer's worker (its event loop thread, where the actor's methods run):
+    start a cProfile, or stop it and return its top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+    if start:
+        dask_worker._cp_profiler = cProfile.Profile()
+        dask_worker._cp_profiler.enable()
+        return ""
+    dask_worker._cp_profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(dask_worker._cp_profiler, stream=out).sort_stats("tottime").print_stats(22)
+    return out.getvalue()
+
+
+def scale_run(n_nodes: int, grouped: bool, args) -> dict:
+    """One LocalCluster, one data layer, ``n_nodes`` emulated nodes, one window."""
+    os.environ.update({k: v for k, v in QUIET.items() if k not in os.environ})
+    with tempfile.TemporaryDirectory(prefix="cp-bench-") as tmp:
+        with LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=None,
+                          host="127.0.0.1") as cluster, Client(cluster) as client:
+            kwargs = layer_kwargs(Path(tmp), args.batch_size, args.group_size, args.prefetch, not args.no_durable)
+            dl = client.submit(DataLayer, actor=True, **kwargs).result()
+            pid = next(iter(client.run(os.getpid).values()))
+            args.client = client
+            store = open_trajectory_store(kwargs["store_url"], "a")
+            # the emulated trainer's own process (spawned: no copy of this one's threads)
+            pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            pool.submit(trainer_start).result(120)
+            reader = {"pool": pool, "url": kwargs["store_url"], "cpu": 0.0}
+            try:
+                return asyncio.run(drive(dl, store, n_nodes, grouped, args, pid, reader))
+            finally:
+                pool.shutdown(cancel_futures=True)
+                try:
+                    dl.close().result(30)
+                except Exception:
+                    pass
+
+
+def baseline_rows(args) -> list[dict]:
+    """The per-node pattern against ``--baseline-root``'s code, in a subprocess."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, __file__, "--astraflow-root", args.baseline_root, "--calls", "per-node",
+               "--skip-index", "--json-out", f.name, "--nodes", args.nodes, "--seconds", str(args.seconds),
+               "--warmup", str(args.warmup), "--capacity", str(args.capacity), "--episode-s", str(args.episode_s),
+               "--batch-size", str(args.batch_size), "--group-size", str(args.group_size),
+               "--prefetch", str(args.prefetch), "--flush-s", str(args.flush_s), "--lease-wait", str(args.lease_wait)]
+        cmd += ["--no-durable"] if args.no_durable else []
+        subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": args.baseline_root})
+        rows = json.loads(Path(f.name).read_text())["scale"]
+    for r in rows:
+        r["calls"] = "baseline"
+    return rows
+
+
+def print_table(title: str, rows: list[dict], cols: list[str]) -> None:
+    print(f"\n{title}")
+    print("  ".join(f"{c:>16}" for c in cols))
+    for r in rows:
+        print("  ".join(f"{r.get(c, ''):>16.1f}" if isinstance(r.get(c), float) else f"{str(r.get(c, '')):>16}"
+                        for c in cols))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--astraflow-root", default=ROOT, help="the checkout whose astraflow is measured")
+    ap.add_argument("--nodes", default="10,100,1000")
+    ap.add_argument("--calls", choices=["per-node", "grouped", "both"], default="both")
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--warmup", type=float, default=4.0)
+    ap.add_argument("--capacity", type=int, default=8)
+    ap.add_argument("--episode-s", type=float, default=0.05, help="mean emulated episode time")
+    ap.add_argument("--flush-s", type=float, default=0.5, help="a node writes what finished within this")
+    ap.add_argument("--lease-wait", type=float, default=0.0, help="long poll of a lease call")
+    ap.add_argument("--nodes-per-worker", type=int, default=50)
+    ap.add_argument("--batch-size", type=int, default=1024)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prefetch", type=int, default=4)
+    ap.add_argument("--no-durable", action="store_true", help="no snapshot/journal (durable: false)")
+    ap.add_argument("--baseline-root", default=None, help="also run the per-node pattern on this checkout")
+    ap.add_argument("--index-sizes", default="1e4,1e5,1e6,1e7")
+    ap.add_argument("--index-trajectories", type=int, default=8000)
+    ap.add_argument("--skip-index", action="store_true")
+    ap.add_argument("--skip-scale", action="store_true")
+    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--profile", action="store_true", help="cProfile the data layer's event loop in the window")
+    args = ap.parse_args()
+
+    scale: list[dict] = []
+    if not args.skip_scale:
+        modes = {"per-node": [False], "grouped": [True], "both": [False, True]}[args.calls]
+        for n in [int(x) for x in args.nodes.split(",")]:
+            for grouped in modes:
+                row = scale_run(n, grouped, args)
+                scale.append(row)
+                print(json.dumps(row), flush=True)
+        if args.baseline_root:
+            scale = baseline_rows(args) + scale
+        print_table("control plane (latencies in ms, CPU in µs per trajectory)", scale,
+                    ["nodes", "calls", "traj_per_s", "batched_seq_per_s", "dl_cpu_us_per_traj",
+                     "dl_capacity_traj_per_s", "lease_p50_ms", "lease_p99_ms", "dl_lease_p99_ms",
+                     "heartbeat_p99_ms", "complete_p99_ms", "next_batch_p50_ms", "read_p50_ms", "dl_gc_full",
+                     "dl_gc_max_ms",
+                     "trainer_read_cpu_us_per_seq", "load"])
+    index: list[dict] = []
+    if not args.skip_index:
+        from control_plane_index import index_growth
+        index = index_growth([int(float(x)) for x in args.index_sizes.split(",")], args.index_trajectories,
+                             args.batch_size, args.group_size)
+        print_table("per-trajectory cost as the index grows", index,
+                    ["index_entries", "dl_cpu_us_per_traj", "ingest_us_per_traj", "batch_us_per_traj",
+                     "full_gc_ms", "rss_mb"])
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"scale": scale, "index": index}))
+    result: dict = {}
+    best = [r for r in scale if r["nodes"] == 1000 and r["calls"] == "grouped"]
+    if best:
+        result["traj_per_s_1000_nodes"] = round(best[0]["traj_per_s"], 1)
+        result["p99_lease_ms_1000_nodes"] = round(best[0]["lease_p99_ms"], 2)
+        result["p99_lease_ms_in_data_layer_1000_nodes"] = round(best[0].get("dl_lease_p99_ms", float("nan")), 2)
+        result["dl_capacity_traj_per_s_1000_nodes"] = round(best[0]["dl_capacity_traj_per_s"], 1)
+    for r in scale:
+        if r["nodes"] == 1000 and r["calls"] != "grouped":
+            result[f"{r['calls']}_traj_per_s_1000_nodes"] = round(r["traj_per_s"], 1)
+            result[f"{r['calls']}_p99_lease_ms_1000_nodes"] = round(r["lease_p99_ms"], 2)
+    if len(index) > 1:
+        result["cost_growth_1e4_to_1e7"] = round(index[-1]["dl_cpu_us_per_traj"] / index[0]["dl_cpu_us_per_traj"], 2)
+        result["index_range"] = [index[0]["index_entries"], index[-1]["index_entries"]]
+    for key, goal in GOALS.items():
+        if key in result:
+            result[f"{key}_vs_goal"] = round(result[key] / goal, 3)
+    result["load"] = os.getloadavg()[0]
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
