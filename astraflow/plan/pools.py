@@ -110,7 +110,8 @@ def sim_config(cfg: RunConfig, pools: list[Pool], shape: SimShape, name: str = "
     pool's hardware, sim trainers taking ``shape.step_seconds`` a step, the sim workload with
     the config's group size and sampling, no held-out evaluation, one rollout partition per
     pool. A named-hardware pool's nodes lease what their hardware takes (``rollout.capacity``
-    derived from it); the local pool keeps the config's capacity, the one the real run uses."""
+    derived from it); the local pool keeps the config's capacity, the one the real run uses.
+    The config's autoscaler is left out: the pools keep the sizes being planned."""
     data = cfg.model_dump(mode="json")
     scale = shape.time_scale
     step_real = shape.step_seconds / scale
@@ -136,6 +137,7 @@ def sim_config(cfg: RunConfig, pools: list[Pool], shape: SimShape, name: str = "
     user_capacity = rollout["capacity"]
     rollout["capacity"] = None
     rollout["nodes_per_worker"] = 1
+    data["autoscale"] = None  # the pools are the sizes to plan: nothing resizes them mid-run
     data["cluster"]["dashboard_port"] = 0
     data["cluster"].pop("scheduler_address", None)
     parts = [{"name": "data", "scheduler": "local", "role": "data", "nodes": 1},
