@@ -13,6 +13,9 @@ import yaml
 from click.testing import CliRunner
 
 from astraflow.cli import main
+from astraflow.config import RunConfig, load_config
+from astraflow.plan.planner import PlanOptions, shape_for
+from astraflow.plan.pools import parse_pool, sim_config
 from astraflow.plan.search import find_scale
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +34,13 @@ SIM = str(ROOT / "examples/sim/config.yaml")
     (["--pool", "h100=8", "--minutes", "0"], "--minutes"),
     (["--pool", "h100=8", "--wait-target", "1.5"], "--wait-target"),
     (["--pool", "h100:8", "--calibrate"], "write KIND=GPUS"),  # before any calibration
+    (["--pool", "h100=8", "--minutes", "nan"], "nan is not a finite number"),
+    (["--pool", "h100=8", "--minutes", "inf"], "inf is not a finite number"),
+    (["--pool", "h100=8", "--time-scale", "inf"], "--time-scale"),
+    (["--pool", "h100=8", "--step-seconds", "nan"], "--step-seconds"),
+    (["--pool", "h100=8", "--trainer", "v100=8"], "unknown trainer GPU kind 'v100'; use one of h100, a100"),
+    (["--pool", "h100=8", "--calibrate", "--calibration", "c.json"], "give one of them"),
+    (["--pool", "h100=8", "--save-calibration", "c.json"], "add --calibrate"),
 ])
 def test_bad_input_exits_2_naming_the_fix(args, needle):
     res = CliRunner().invoke(main, ["plan", SIM, *args])
@@ -46,6 +56,17 @@ def test_a_config_without_a_step_time_names_the_options(tmp_path):
     res = CliRunner().invoke(main, ["plan", str(cfg), "--pool", "a100=8"])
     assert res.exit_code == 2, res.output
     assert "give --step-seconds S (or --model-params N), or --calibrate" in res.output
+
+
+def test_a_config_with_an_autoscaler_is_planned_at_fixed_pool_sizes():
+    """The autoscaler's bounds name the config's own partitions, which the plan replaces by its
+    pools: the simulated run leaves the autoscaler out rather than failing its config check."""
+    cfg = load_config(ROOT / "examples/sim/autoscale.yaml")
+    assert cfg.autoscale is not None
+    shape, _ = shape_for(cfg, PlanOptions())
+    data = sim_config(cfg, [parse_pool("h100=16", 8, None)], shape)
+    sim = RunConfig.model_validate(data)
+    assert sim.autoscale is None and [p.nodes for p in sim.partitions if p.role == "rollout"] == [1]
 
 
 @pytest.mark.e2e
