@@ -58,6 +58,14 @@ def test_a_config_without_a_step_time_names_the_options(tmp_path):
     assert "give --step-seconds S (or --model-params N), or --calibrate" in res.output
 
 
+def test_a_config_of_several_policies_is_refused_naming_the_fix():
+    res = CliRunner().invoke(main, ["plan", str(ROOT / "examples/multi_policy/config.yaml"), "--pool", "h100=8",
+                                    "--step-seconds", "1"])
+    assert res.exit_code == 2, res.output
+    assert "astraflow plan simulates one" in res.output and "keeps one policy" in res.output
+    assert "Traceback" not in res.output and "errors.pydantic.dev" not in res.output
+
+
 def test_a_config_with_an_autoscaler_is_planned_at_fixed_pool_sizes():
     """The autoscaler's bounds name the config's own partitions, which the plan replaces by its
     pools: the simulated run leaves the autoscaler out rather than failing its config check."""
