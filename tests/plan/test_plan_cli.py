@@ -15,8 +15,9 @@ from click.testing import CliRunner
 from astraflow.cli import main
 from astraflow.config import RunConfig, load_config
 from astraflow.plan.planner import PlanOptions, shape_for
-from astraflow.plan.pools import parse_pool, sim_config
+from astraflow.plan.pools import SimShape, parse_pool, sim_config
 from astraflow.plan.search import find_scale
+from astraflow.plan.simulate import SimFailed, run_sim
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM = str(ROOT / "examples/sim/config.yaml")
@@ -95,6 +96,21 @@ def test_plan_runs_a_small_config_end_to_end(tmp_path):
     assert sum(p["share"] for p in out["per_pool"].values()) == pytest.approx(1.0)
     assert "plan: step" in proc.stderr  # progress while it ran
     assert out["assumptions"]["step_seconds"] == pytest.approx(3.0)  # 0.3 s x the example's time scale 10
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+def test_pools_far_too_small_say_so_rather_than_quote_the_run(tmp_path):
+    """A pool that cannot fill a batch before the simulated run's deadline: the failure names
+    the steps taken and the fix, not the child run's own deadline setting."""
+    cfg = load_config(SIM)
+    shape = SimShape(step_seconds=0.3, prompt_tokens=64, response_mean=512, response_sigma=0.0, time_scale=1.0,
+                     steps=8)
+    data = sim_config(cfg, [parse_pool("cpu=1", 1, None)], shape)  # ~80 simulated s for one batch
+    data["run"]["timeout_s"] = 15.0
+    with pytest.raises(SimFailed, match=r"took \d+ of its 8 steps .* plan larger pools") as err:
+        run_sim(data, tmp_path, {"cpu": 1}, 1.0)
+    assert "run.timeout_s" not in str(err.value)
 
 
 def _wait_model(nodes_needed: float):
