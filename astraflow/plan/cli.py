@@ -86,6 +86,8 @@ def plan(config: str, pools: tuple[str, ...], trainer_gpus: str, calibrate: bool
                             f"{', '.join(TRAINER_PEAK_FLOPS)}")
         if calibrate and calibration:
             raise PlanError("--calibrate measures a calibration and --calibration loads a saved one: give one of them")
+        if opts["search_minutes"] is not None and not opts["search"]:
+            raise PlanError("--search-minutes sets the search's runs and --no-search skips the search: drop one")
         if save_calibration and not (calibrate or calibration):
             raise PlanError("--save-calibration writes the calibration: add --calibrate to measure one")
         for spec in pools:  # syntax and kinds before a calibration takes its seconds

@@ -42,6 +42,7 @@ SIM = str(ROOT / "examples/sim/config.yaml")
     (["--pool", "h100=8", "--trainer", "v100=8"], "unknown trainer GPU kind 'v100'; use one of h100, a100"),
     (["--pool", "h100=8", "--calibrate", "--calibration", "c.json"], "give one of them"),
     (["--pool", "h100=8", "--save-calibration", "c.json"], "add --calibrate"),
+    (["--pool", "h100=8", "--no-search", "--search-minutes", "2"], "--no-search skips the search: drop one"),
 ])
 def test_bad_input_exits_2_naming_the_fix(args, needle):
     res = CliRunner().invoke(main, ["plan", SIM, *args])
