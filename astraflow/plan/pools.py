@@ -72,6 +72,10 @@ def parse_pool(spec: str, gpus_per_node: int, local: HardwareProfile | None) -> 
                         "(measures it now) or --calibration FILE (a saved measurement)")
     if gpus < 1:
         raise PlanError(f"--pool {spec!r}: a pool needs at least 1 GPU")
+    if kind != LOCAL and gpus > gpus_per_node and gpus % gpus_per_node:  # a partition's nodes are alike
+        lower, upper = gpus // gpus_per_node * gpus_per_node, math.ceil(gpus / gpus_per_node) * gpus_per_node
+        raise PlanError(f"--pool {spec!r}: {gpus} GPUs are not whole nodes of --gpus-per-node {gpus_per_node}; "
+                        f"use {kind}={lower} or {kind}={upper}, or another --gpus-per-node")
     return Pool(kind, gpus, 1 if kind == LOCAL else gpus_per_node)
 
 

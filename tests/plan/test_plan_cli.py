@@ -43,6 +43,7 @@ SIM = str(ROOT / "examples/sim/config.yaml")
     (["--pool", "h100=8", "--calibrate", "--calibration", "c.json"], "give one of them"),
     (["--pool", "h100=8", "--save-calibration", "c.json"], "add --calibrate"),
     (["--pool", "h100=8", "--no-search", "--search-minutes", "2"], "--no-search skips the search: drop one"),
+    (["--pool", "h100=20"], "20 GPUs are not whole nodes of --gpus-per-node 8; use h100=16 or h100=24"),
 ])
 def test_bad_input_exits_2_naming_the_fix(args, needle):
     res = CliRunner().invoke(main, ["plan", SIM, *args])
