@@ -4,6 +4,7 @@ its report (``report``) or its JSON. Registered on the main command line by ``as
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,26 +16,43 @@ class BadInput(click.ClickException):
 
     exit_code = 2
 
+
+class Finite(click.FloatRange):
+    """A `click.FloatRange` that also refuses ``nan`` and ``inf``: every float option here is a
+    count of minutes, seconds, tokens or a fraction, and a non-finite one has no plan."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{rv} is not a finite number", param, ctx)
+        return rv
+
+
 @click.command("plan")
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--pool", "pools", multiple=True, metavar="KIND=GPUS",
               help="A rollout pool: GPUS engines of hardware KIND (h100, a100, cpu, or local: this machine's "
                    "engine, with --calibrate or --calibration). Repeatable.")
-@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+@click.option("--minutes", type=Finite(min=0, min_open=True), default=10.0, show_default=True,
               help="Simulated minutes of training (as many steps as a trainer that never waits takes).")
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True, help="GPUs (sim engines) per RaaS node.")
-@click.option("--step-seconds", type=click.FloatRange(min=0, min_open=True), default=None, help="Trainer step time (default: see docs/sim.md).")
+@click.option("--step-seconds", type=Finite(min=0, min_open=True), default=None, help="Trainer step time (default: see docs/sim.md).")
 @click.option("--trainer", "trainer_gpus", default="h100=8", show_default=True, metavar="KIND=GPUS",
-              help="Trainer GPUs, for a step time derived from the model's size.")
-@click.option("--model-params", type=click.FloatRange(min=0, min_open=True), default=None, help="Model parameters (default: the model's config.json).")
-@click.option("--prompt-tokens", type=click.IntRange(min=1), default=None, help="Mean prompt length in tokens.")
-@click.option("--response-tokens", type=click.FloatRange(min=0, min_open=True), default=None, help="Mean response length in tokens.")
-@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=None, help="Simulated seconds per real second (default: auto).")
-@click.option("--wait-target", type=click.FloatRange(min=0, max=1, max_open=True), default=0.10, show_default=True,
+              help="Trainer GPUs (KIND h100 or a100), for a step time derived from the model's size.")
+@click.option("--model-params", type=Finite(min=0, min_open=True), default=None, help="Model parameters (default: the model's config.json).")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=None,
+              help="Mean prompt length in tokens (default: the calibration's, the sim workload's, else 128).")
+@click.option("--response-tokens", type=Finite(min=0, min_open=True), default=None,
+              help="Mean response length in tokens (default: the calibration's, the sim engine's length_mean, "
+                   "else half of max_new_tokens).")
+@click.option("--time-scale", type=Finite(min=0, min_open=True), default=None, help="Simulated seconds per real second (default: auto).")
+@click.option("--wait-target", type=Finite(min=0, max=1, max_open=True), default=0.10, show_default=True,
               help="Trainer wait fraction at or below which the trainer counts as not waiting.")
 @click.option("--search/--no-search", default=True, show_default=True,
               help="Search the pool sizes at which the trainer stops waiting (shorter runs).")
-@click.option("--search-minutes", type=click.FloatRange(min=0, min_open=True), default=None, help="Simulated minutes of each search run.")
+@click.option("--search-minutes", type=Finite(min=0, min_open=True), default=None,
+              help="Simulated minutes of each search run (default: half of --minutes, at least one where "
+                   "--minutes allows).")
 @click.option("--max-trials", type=click.IntRange(min=1), default=6, show_default=True, help="Simulated runs of the search at most.")
 @click.option("--calibrate", is_flag=True, help="Measure this machine's engine and trainer on the config's model.")
 @click.option("--calibration", type=click.Path(dir_okay=False), default=None, help="A saved calibration (JSON).")
@@ -51,7 +69,7 @@ def plan(config: str, pools: tuple[str, ...], trainer_gpus: str, calibrate: bool
 
     from astraflow.config import ConfigError, load_config
     from astraflow.plan.planner import Calibration, PlanOptions, run_plan
-    from astraflow.plan.pools import PlanError, parse_pool
+    from astraflow.plan.pools import TRAINER_PEAK_FLOPS, PlanError, parse_pool
     from astraflow.plan.report import print_report
     from astraflow.plan.simulate import SimFailed
     from astraflow.rollout.sim_config import PRESETS
@@ -63,6 +81,15 @@ def plan(config: str, pools: tuple[str, ...], trainer_gpus: str, calibrate: bool
         kind, _, n = trainer_gpus.partition("=")
         if not n.isdigit() or int(n) < 1:
             raise PlanError(f"--trainer {trainer_gpus!r}: write KIND=GPUS, e.g. --trainer h100=8")
+        if kind.lower() not in TRAINER_PEAK_FLOPS:
+            raise PlanError(f"--trainer {trainer_gpus!r}: unknown trainer GPU kind {kind!r}; use one of "
+                            f"{', '.join(TRAINER_PEAK_FLOPS)}")
+        if calibrate and calibration:
+            raise PlanError("--calibrate measures a calibration and --calibration loads a saved one: give one of them")
+        if opts["search_minutes"] is not None and not opts["search"]:
+            raise PlanError("--search-minutes sets the search's runs and --no-search skips the search: drop one")
+        if save_calibration and not (calibrate or calibration):
+            raise PlanError("--save-calibration writes the calibration: add --calibrate to measure one")
         for spec in pools:  # syntax and kinds before a calibration takes its seconds
             parse_pool(spec, gpus_per_node, PRESETS["cpu"] if calibrate or calibration else None)
         cfg = load_config(config, list(overrides))

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from astraflow.config import RunConfig
+from astraflow.config import ConfigError, RunConfig, config_from_dict
 from astraflow.plan.pools import Pool, PlanError, SimShape, derived_step_seconds, sim_config
 from astraflow.plan.search import SearchResult, find_scale
 from astraflow.plan.simulate import SimResult, run_sim
@@ -172,13 +172,17 @@ def run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions,
     """Simulate ``cfg`` on ``pools`` for ``opts.minutes`` simulated minutes, then (``opts.search``)
     search the pool sizes at which the trainer stops waiting with shorter runs. The simulated
     runs go to ``opts.workdir`` (kept), else to a temporary directory removed at the end."""
+    if len(cfg.policies) > 1:  # the sim workload and workflow drive one policy
+        names = ", ".join(p.name for p in cfg.policies)
+        raise PlanError(f"the config has {len(cfg.policies)} policies ({names}); astraflow plan simulates one: "
+                        "plan a copy of the config that keeps one policy (and a single-policy workflow)")
     shape, sources = shape_for(cfg, opts)
     kinds = [p.kind for p in pools]
     if len(set(kinds)) != len(kinds):
         raise PlanError(f"--pool: each hardware kind once (got {', '.join(kinds)}); add the GPUs up into one pool")
     try:
-        RunConfig.model_validate(sim_config(cfg, pools, shape))
-    except ValueError as err:
+        config_from_dict(sim_config(cfg, pools, shape))
+    except ConfigError as err:
         raise PlanError(f"the config cannot be simulated: {err}") from None
     if opts.workdir is not None:
         return _run_plan(cfg, pools, opts, shape, sources, opts.workdir, progress)

@@ -72,6 +72,10 @@ def parse_pool(spec: str, gpus_per_node: int, local: HardwareProfile | None) -> 
                         "(measures it now) or --calibration FILE (a saved measurement)")
     if gpus < 1:
         raise PlanError(f"--pool {spec!r}: a pool needs at least 1 GPU")
+    if kind != LOCAL and gpus > gpus_per_node and gpus % gpus_per_node:  # a partition's nodes are alike
+        lower, upper = gpus // gpus_per_node * gpus_per_node, math.ceil(gpus / gpus_per_node) * gpus_per_node
+        raise PlanError(f"--pool {spec!r}: {gpus} GPUs are not whole nodes of --gpus-per-node {gpus_per_node}; "
+                        f"use {kind}={lower} or {kind}={upper}, or another --gpus-per-node")
     return Pool(kind, gpus, 1 if kind == LOCAL else gpus_per_node)
 
 
@@ -110,7 +114,8 @@ def sim_config(cfg: RunConfig, pools: list[Pool], shape: SimShape, name: str = "
     pool's hardware, sim trainers taking ``shape.step_seconds`` a step, the sim workload with
     the config's group size and sampling, no held-out evaluation, one rollout partition per
     pool. A named-hardware pool's nodes lease what their hardware takes (``rollout.capacity``
-    derived from it); the local pool keeps the config's capacity, the one the real run uses."""
+    derived from it); the local pool keeps the config's capacity, the one the real run uses.
+    The config's autoscaler is left out: the pools keep the sizes being planned."""
     data = cfg.model_dump(mode="json")
     scale = shape.time_scale
     step_real = shape.step_seconds / scale
@@ -136,6 +141,7 @@ def sim_config(cfg: RunConfig, pools: list[Pool], shape: SimShape, name: str = "
     user_capacity = rollout["capacity"]
     rollout["capacity"] = None
     rollout["nodes_per_worker"] = 1
+    data["autoscale"] = None  # the pools are the sizes to plan: nothing resizes them mid-run
     data["cluster"]["dashboard_port"] = 0
     data["cluster"].pop("scheduler_address", None)
     parts = [{"name": "data", "scheduler": "local", "role": "data", "nodes": 1},

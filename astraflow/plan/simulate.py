@@ -100,6 +100,12 @@ def run_sim(data: dict[str, Any], workdir: Path, pools: dict[str, int], time_sca
         if installed:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     if proc.returncode != 0:
+        done, timeout = _steps_done(run_dir / "metrics.jsonl"), data["run"]["timeout_s"]
+        if time.time() - t0 >= timeout and done < steps:  # the run's own deadline ended it
+            raise SimFailed(f"the simulated trainer took {done} of its {steps} steps by the simulated run's deadline "
+                            f"({timeout:.0f}s real, many times what a trainer that never waits needs): these pools "
+                            "deliver far too little for this config, the trainer would wait nearly all the time; "
+                            "plan larger pools")
         tail = (workdir / "run.log").read_text(errors="replace")[-2000:]
         raise SimFailed(f"the simulated run exited with {proc.returncode}:\n{tail}")
     result = measure(run_dir, pools, time_scale)

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from astraflow.configbase import Strict
 
 
 class HardwareProfile(Strict):
     """The serving numbers of one engine replica (one GPU, or the CPU)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)  # an infinite rate or time has no timeline
 
     single_tokens_per_s: float = Field(gt=0)
     """Decode rate of one request alone in the engine (memory-bandwidth bound)."""
@@ -43,6 +45,8 @@ PRESETS: dict[str, HardwareProfile] = {
 
 class SimEngineConfig(Strict):
     """The simulated engine: no model; it sleeps as a serving engine on ``hardware`` would take."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     hardware: Literal["h100", "a100", "cpu"] = "h100"
     """The preset whose numbers the engine follows (``docs/sim.md``)."""

@@ -13,7 +13,11 @@ import yaml
 from click.testing import CliRunner
 
 from astraflow.cli import main
+from astraflow.config import RunConfig, load_config
+from astraflow.plan.planner import PlanOptions, shape_for
+from astraflow.plan.pools import SimShape, parse_pool, sim_config
 from astraflow.plan.search import find_scale
+from astraflow.plan.simulate import SimFailed, run_sim
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM = str(ROOT / "examples/sim/config.yaml")
@@ -31,6 +35,15 @@ SIM = str(ROOT / "examples/sim/config.yaml")
     (["--pool", "h100=8", "--minutes", "0"], "--minutes"),
     (["--pool", "h100=8", "--wait-target", "1.5"], "--wait-target"),
     (["--pool", "h100:8", "--calibrate"], "write KIND=GPUS"),  # before any calibration
+    (["--pool", "h100=8", "--minutes", "nan"], "nan is not a finite number"),
+    (["--pool", "h100=8", "--minutes", "inf"], "inf is not a finite number"),
+    (["--pool", "h100=8", "--time-scale", "inf"], "--time-scale"),
+    (["--pool", "h100=8", "--step-seconds", "nan"], "--step-seconds"),
+    (["--pool", "h100=8", "--trainer", "v100=8"], "unknown trainer GPU kind 'v100'; use one of h100, a100"),
+    (["--pool", "h100=8", "--calibrate", "--calibration", "c.json"], "give one of them"),
+    (["--pool", "h100=8", "--save-calibration", "c.json"], "add --calibrate"),
+    (["--pool", "h100=8", "--no-search", "--search-minutes", "2"], "--no-search skips the search: drop one"),
+    (["--pool", "h100=20"], "20 GPUs are not whole nodes of --gpus-per-node 8; use h100=16 or h100=24"),
 ])
 def test_bad_input_exits_2_naming_the_fix(args, needle):
     res = CliRunner().invoke(main, ["plan", SIM, *args])
@@ -46,6 +59,25 @@ def test_a_config_without_a_step_time_names_the_options(tmp_path):
     res = CliRunner().invoke(main, ["plan", str(cfg), "--pool", "a100=8"])
     assert res.exit_code == 2, res.output
     assert "give --step-seconds S (or --model-params N), or --calibrate" in res.output
+
+
+def test_a_config_of_several_policies_is_refused_naming_the_fix():
+    res = CliRunner().invoke(main, ["plan", str(ROOT / "examples/multi_policy/config.yaml"), "--pool", "h100=8",
+                                    "--step-seconds", "1"])
+    assert res.exit_code == 2, res.output
+    assert "astraflow plan simulates one" in res.output and "keeps one policy" in res.output
+    assert "Traceback" not in res.output and "errors.pydantic.dev" not in res.output
+
+
+def test_a_config_with_an_autoscaler_is_planned_at_fixed_pool_sizes():
+    """The autoscaler's bounds name the config's own partitions, which the plan replaces by its
+    pools: the simulated run leaves the autoscaler out rather than failing its config check."""
+    cfg = load_config(ROOT / "examples/sim/autoscale.yaml")
+    assert cfg.autoscale is not None
+    shape, _ = shape_for(cfg, PlanOptions())
+    data = sim_config(cfg, [parse_pool("h100=16", 8, None)], shape)
+    sim = RunConfig.model_validate(data)
+    assert sim.autoscale is None and [p.nodes for p in sim.partitions if p.role == "rollout"] == [1]
 
 
 @pytest.mark.e2e
@@ -66,6 +98,21 @@ def test_plan_runs_a_small_config_end_to_end(tmp_path):
     assert sum(p["share"] for p in out["per_pool"].values()) == pytest.approx(1.0)
     assert "plan: step" in proc.stderr  # progress while it ran
     assert out["assumptions"]["step_seconds"] == pytest.approx(3.0)  # 0.3 s x the example's time scale 10
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+def test_pools_far_too_small_say_so_rather_than_quote_the_run(tmp_path):
+    """A pool that cannot fill a batch before the simulated run's deadline: the failure names
+    the steps taken and the fix, not the child run's own deadline setting."""
+    cfg = load_config(SIM)
+    shape = SimShape(step_seconds=0.3, prompt_tokens=64, response_mean=512, response_sigma=0.0, time_scale=1.0,
+                     steps=8)
+    data = sim_config(cfg, [parse_pool("cpu=1", 1, None)], shape)  # ~80 simulated s for one batch
+    data["run"]["timeout_s"] = 15.0
+    with pytest.raises(SimFailed, match=r"took \d+ of its 8 steps .* plan larger pools") as err:
+        run_sim(data, tmp_path, {"cpu": 1}, 1.0)
+    assert "run.timeout_s" not in str(err.value)
 
 
 def _wait_model(nodes_needed: float):

@@ -116,6 +116,13 @@ def test_the_factory_builds_sim_engines_and_presets_validate():
         SimEngineConfig(single_tokens_per_s=500, peak_tokens_per_s=100)
 
 
+@pytest.mark.parametrize("field", ["time_scale", "length_mean", "single_tokens_per_s", "load_seconds"])
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+def test_a_rate_length_or_time_that_is_not_finite_is_refused_naming_its_field(field, value):
+    with pytest.raises(ValueError, match=rf"{field}\n.*finite number"):
+        SimEngineConfig(**{field: value})
+
+
 def test_a_cancelled_request_frees_its_slot():
     clock = VirtualClock()
     eng = SimEngine(_cfg(max_batch=1), clock=clock)
