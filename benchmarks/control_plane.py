@@ -145,6 +145,9 @@ async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int, reader: 
     gc_seen = next(iter((await asyncio.to_thread(args.client.run, _gc_watch, False)).values()))
     me1 = sum(me.cpu_times()[:2])
     state = await call(dl.state, timeout=60)
+    dead = [t for t in running if t.done() and not t.cancelled() and t.exception() is not None]
+    if dead:  # an emulated node or writer that died would leave the figures quietly low
+        raise RuntimeError("an emulated node, writer or the consumer failed during the run") from dead[0].exception()
     for n in nodes:
         n.stop = True
     for t in running:
