@@ -104,9 +104,11 @@ class _Pending:
 def settle_all(answers: Iterable[tuple[_Pending, Any]]) -> None:
     """Answer the node calls of one gathered call, waking each waiting event loop once."""
     woken: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-    for pending, value in answers:
-        woken += pending._settled(value, None)
-    _wake(woken)
+    try:
+        for pending, value in answers:
+            woken += pending._settled(value, None)
+    finally:  # those answered before a failure (the rest get the error) are woken all the same
+        _wake(woken)
 
 
 def _wake(woken: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]) -> None:
