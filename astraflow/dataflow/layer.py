@@ -51,7 +51,6 @@ from storage.trajectories import open_trajectory_store
 __all__ = ["BatchTimeout", "DataLayer"]
 
 
-
 #: allocations between young-generation collections in the data layer's process (the default
 #: is 700), and how many young collections come before a middle one (default 10)
 GC_THRESHOLDS = (50_000, 20)
