@@ -116,7 +116,7 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     """
     click.get_current_context().with_resource(owner_only())  # inherited by the processes it starts
     cfg = _load(config, overrides)
-    from astraflow.runtime.launch import launch
+    from astraflow.runtime.launch import ignore_stop_signals, launch
     from astraflow.runtime.stopping import REQUEUE_EXIT_CODE, StopForRequeue, disk_full, disk_full_reason
     from astraflow.runtime.workers import RunFailed
     from astraflow.training.numerics import NonFiniteError
@@ -138,6 +138,7 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     if result.interrupted:
         click.echo(f"the run was {result.ending.reason}; summary in {RunPaths(result.run_dir).summary}; "
                    "run again on this directory to resume it", err=True)
+        ignore_stop_signals()
         sys.exit(REQUEUE_EXIT_CODE if result.ending.requeue else 130)
 
 
