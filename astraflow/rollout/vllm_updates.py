@@ -19,7 +19,9 @@ and compares with the trainer's log-probs. An in-place update off by more than
 in-place path served wrong weights on this build: a warning names the build and that engine
 re-creates for every later update. If the fresh engine is as far off, the gap is the engine's
 numerics (a bf16 engine against the trainer's fp32 probe), and the tolerance rises to twice it.
-A version without a probe is loaded unverified (logged once).
+A version without a probe is loaded unverified (logged once). An in-place load that fails
+part-way leaves the engine ``dead`` (its tensors may mix two versions): its node restarts it
+and loads the newest version. One that fails before touching the weights keeps the old ones.
 
 Asynchronous overlap "weight update vs in-flight generation": an update closes the engine's
 gate (new requests and resumptions wait), then either aborts the running requests, which
@@ -71,13 +73,15 @@ def judge(err: float, fresh: float, tolerance: float) -> tuple[float, bool]:
 class Updater:
     """Serialises a ``VLLMEngine``'s weight updates on its event loop and records each."""
 
-    def __init__(self, engine: "VLLMEngine"):
-        from astraflow.rollout.vllm_setup import build_name, has_weight_transfer
+    def __init__(self, engine: "VLLMEngine", build: str | None = None, native: bool | None = None):
+        """``build`` and ``native`` (whether the weight-transfer protocol exists) are read from
+        the installed vLLM unless given."""
+        from astraflow.rollout import vllm_setup
 
         self.engine = engine
-        self.build = build_name()
+        self.build = vllm_setup.build_name() if build is None else build
         wanted = engine.options.weight_update
-        native = has_weight_transfer()
+        native = vllm_setup.has_weight_transfer() if native is None else native
         if wanted == "in_place" and not native:
             raise ValueError(f"rollout.engine.vllm.weight_update: in_place needs vLLM's weight-transfer protocol, "
                              f"which {self.build} lacks; use auto or recreate")
@@ -90,6 +94,7 @@ class Updater:
         self._newest_asked = -1
         self._scratch = Path(tempfile.mkdtemp(prefix="astraflow-vllm-"))
         self._warned_unverified = False
+        self._touching = False  # an in-place load is changing the engine's weights
         self.last_read: dict[str, Any] = {}
 
     # -- called from any thread --------------------------------------------------------------
@@ -138,10 +143,16 @@ class Updater:
                     return  # superseded by a newer version asked for meanwhile
                 try:
                     await self._apply(version, *store)
-                except BaseException:
-                    if eng.llm is not None and not eng.llm.errored:
-                        await eng.llm.resume_generation()  # keep serving the weights it has
+                except BaseException as err:
+                    if self._touching:  # some tensors may hold the new version and some the old
+                        eng._dead = (f"loading v{version} into the vLLM engine in place failed part-way "
+                                     f"({type(err).__name__}: {err}); its weights may be half-updated, so it "
+                                     "serves nothing until it is restarted")
+                    elif eng.llm is not None and not eng.llm.errored:
+                        await eng.llm.resume_generation()  # nothing changed: keep serving the weights it has
                     raise
+                finally:
+                    self._touching = False
         finally:
             self._queued -= 1
             if not self._queued:
@@ -222,15 +233,19 @@ class Updater:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         llm = self.engine.llm
+        self._touching = True
         await llm.start_weight_update()
         await llm.update_weights(WeightTransferUpdateRequest(update_info={
             "weights_root": root, "policy": policy, "version": version, "use_deltas": use_deltas,
             "full_resync_every": every}))
         await llm.finish_weight_update(weight_version=str(version))
+        self._touching = False
         return (await llm.collective_rpc("astraflow_last_read"))[0]  # rank 0's read: full or delta
 
     async def _reload(self, model_dir: Path, version: int) -> None:
+        self._touching = True
         await self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
+        self._touching = False
         await self.engine.llm.update_weight_version(str(version))
 
     async def _recreate(self, model_dir: Path, version: int) -> None:

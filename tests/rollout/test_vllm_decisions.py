@@ -1,5 +1,6 @@
 """The vLLM engine's decisions that need no vLLM: the probe check after an update, the
-per-token version tags of a resumed request, the config checks of ``max_model_len``. They run
+per-token version tags of a resumed request, the config checks of ``max_model_len``, what
+a weight update leaves behind when it fails (against a stand-in for vLLM's ``AsyncLLM``). They run
 everywhere (``tests/vllm`` covers the engine itself where vLLM is installed)."""
 
 from __future__ import annotations
@@ -119,3 +120,89 @@ def test_an_agentic_episode_longer_than_max_model_len_is_refused_at_load(tmp_pat
                                           r"workload.params.max_context_tokens 256"):
         load_config(cfg, [])
     assert load_config(cfg, ["rollout.engine.vllm.max_model_len=256"]).rollout.engine.vllm.max_model_len == 256
+
+
+class _LLM:
+    """Stands in for vLLM's ``AsyncLLM`` (not installed here): records the calls an update
+    makes and fails the weight reload when told to."""
+
+    def __init__(self, fail_reload: bool):
+        self.fail_reload, self.errored, self.calls = fail_reload, False, []
+
+    async def pause_generation(self, mode, clear_cache):
+        self.calls.append("pause")
+
+    async def resume_generation(self):
+        self.calls.append("resume")
+
+    async def collective_rpc(self, method, kwargs=None):
+        self.calls.append(method)
+        if self.fail_reload:
+            raise RuntimeError("worker 1 ran out of memory while loading")
+
+    async def update_weight_version(self, version):
+        self.calls.append(f"version {version}")
+
+
+def _engine(tmp_path: Path, fail_reload: bool):
+    import asyncio
+    from types import SimpleNamespace
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    return SimpleNamespace(
+        options=SimpleNamespace(weight_update="reload", probe_tolerance=0.05), llm=_LLM(fail_reload),
+        _gate=asyncio.Event(), _running={}, steps_left=lambda: 0, swap_min_remaining=8, model_path=str(model),
+        version=0, serving_version=0, _dead=None, _stats={"weight_swaps": 0, "recreations": 0})
+
+
+def _update(tmp_path: Path, fail_reload: bool, publish: bool):
+    import asyncio
+
+    import torch
+
+    from astraflow.rollout.vllm_updates import Updater
+    from storage.weights import WeightStore
+
+    root = tmp_path / "weights"
+    if publish:
+        WeightStore(root, keep_last=2).publish("actor", 1, {"w": torch.ones(4)}, meta={"layout": "hf"})
+    else:
+        root.mkdir()
+    eng = _engine(tmp_path, fail_reload)
+    updater = Updater(eng, build="a test build", native=False)
+
+    async def go():
+        try:
+            await updater._update(1, store=(str(root), "actor", False, 1))
+        finally:
+            updater.close()
+
+    return eng, go, asyncio.run
+
+
+def test_a_reload_that_fails_part_way_leaves_the_engine_dead_not_serving_mixed_weights(tmp_path):
+    eng, go, run = _update(tmp_path, fail_reload=True, publish=True)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run(go())
+    assert eng.llm.calls == ["pause", "reload_weights"]  # generation is not resumed on those weights
+    assert "half-updated" in eng._dead and "v1" in eng._dead and "out of memory" in eng._dead
+    assert eng.serving_version == 0 and eng._gate.is_set()  # waiting requests wake up and see it dead
+
+
+def test_an_update_that_fails_before_touching_the_weights_keeps_serving_the_old_ones(tmp_path):
+    eng, go, run = _update(tmp_path, fail_reload=False, publish=False)  # the version is not in the store
+    from storage.weights import VersionNotCommitted
+
+    with pytest.raises(VersionNotCommitted):
+        run(go())
+    assert eng._dead is None
+    assert eng.llm.calls == ["pause", "resume"] and eng.serving_version == 0 and eng._gate.is_set()
+
+
+def test_a_reload_that_succeeds_serves_the_new_version(tmp_path):
+    eng, go, run = _update(tmp_path, fail_reload=False, publish=True)
+    run(go())
+    assert eng._dead is None and eng.serving_version == 1
+    assert eng.llm.calls == ["pause", "reload_weights", "version 1", "resume"]
