@@ -125,8 +125,11 @@ class Updater:
         if fut.cancelled() or fut.exception() is None:
             return
         eng = self.engine
-        log.warning("vLLM engine could not load weights (%s: %s); it keeps v%d",
-                    type(fut.exception()).__name__, fut.exception(), eng.serving_version)
+        if eng._dead:
+            log.warning("vLLM engine: %s", eng._dead)
+        else:
+            log.warning("vLLM engine could not load weights (%s: %s); it keeps v%d",
+                        type(fut.exception()).__name__, fut.exception(), eng.serving_version)
         if eng.version > eng.serving_version and self._newest_asked <= eng.version:
             eng.version = eng.serving_version
 
