@@ -9,7 +9,8 @@ event loop, where three coroutines overlap:
   several engines per policy, one per GPU by default, spreads them: ``engine_pool``);
 * the *writer* writes finished trajectories to this node's own segment of the trajectory store
   in batches, and only after the write returned (entries committed) reports them with
-  ``complete``. Invariant: a task is never completed before its trajectory is readable;
+  ``complete``. Invariant: a task is never completed before its trajectory is readable
+  (the episodes and the writer: ``node_episodes``);
 * the *weight watcher* polls the weight store and loads every newer committed version into the
   engine, also while episodes are in flight (partial rollout: tokens after the swap carry the
   new version).
@@ -19,9 +20,10 @@ node that vanishes loses nothing: its leases expire and the data layer requeues 
 
 Failure containment: an exception of any type in an episode fails that task only (requeued up
 to ``dataflow.max_attempts``); rewards run off the loop under ``rollout.reward_timeout_s``, and a
-whole episode is cancelled (its task failed) past ``rollout.episode_timeout_s``. A
-loop that dies (writer, weight watcher, a data-layer call) sends a last heartbeat with its
-error, and the orchestrator replaces the node (also one that went silent).
+whole episode is cancelled (its task failed) past ``rollout.episode_timeout_s``. Dead engine
+processes are restarted within a budget (``engine_recovery``). A loop that dies (writer, weight
+watcher, a data-layer call) sends a last heartbeat with its error, and the orchestrator
+replaces the node (also one that went silent).
 """
 
 from __future__ import annotations
@@ -30,18 +32,19 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from astraflow.rollout.config import RolloutConfig
 from astraflow.rollout.pacing import LeasePacing
 
 from astraflow.workloads.config import SamplingConfig
-from astraflow.contracts import RolloutTask, Trajectory, TrajectoryRef
+from astraflow.contracts import RolloutTask, Trajectory
 from astraflow.rollout.engine import InferenceEngine, SamplingParams
 from astraflow.rollout.engine_pool import dead_engines, engine_pids, replicas_of, serving
 from astraflow.rollout.engine_recovery import EngineRecovery
 from astraflow.rollout.engines import make_engine
+from astraflow.rollout.node_episodes import NodeEpisodes
 from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.rollout.shared_loop import shared_loop
 from astraflow.rollout.weight_sync import WeightPuller
@@ -52,10 +55,6 @@ from astraflow.workloads.base import make_workload
 from storage.trajectories import open_trajectory_store
 
 log = logging.getLogger("astraflow.rollout")
-
-
-class EpisodeTimeout(TimeoutError):
-    """An episode ran past ``rollout.episode_timeout_s``: it was cancelled and its task failed."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ class NodeIdentity:
     worker: str | None = None
 
 
-class RaaSNode(EngineRecovery):
+class RaaSNode(NodeEpisodes, EngineRecovery):
     """Dask actor: one rollout service."""
 
     def __init__(
@@ -344,109 +343,6 @@ class RaaSNode(EngineRecovery):
             "error": self.error,
             "error_os": self.error_os,
         }
-
-    async def _generate(self, task: RolloutTask) -> Trajectory:
-        """The episode of ``task``: wait for the weight version it needs, then run the workflow."""
-        if task.min_version >= 0:
-            await self._wait_for_version(task.policies[0], task.min_version, timeout=120)
-        return await self.workflow.run_episode(self.engines, task)
-
-    async def _episode(self, task: RolloutTask) -> None:
-        try:
-            deadline = asyncio.timeout(self.cfg.episode_timeout_s)
-            try:
-                async with deadline:
-                    traj = await self._generate(task)
-            except TimeoutError:
-                if not deadline.expired():
-                    raise  # a deadline inside the episode (a reward's, a tool's): its own message
-                raise EpisodeTimeout(f"episode ran past its {self.cfg.episode_timeout_s:g} s deadline "
-                                     "(rollout.episode_timeout_s); it was cancelled") from None
-            traj = replace(
-                traj,
-                provenance=replace(
-                    traj.provenance,
-                    node=self.identity.name,
-                    partition=self.identity.partition,
-                    region=self.identity.region,
-                    hardware=self.identity.hardware,
-                ),
-            )
-            self.writing.add(task.task_id)
-            self._finished.append(traj)
-            self._finished_event.set()
-        except GeneratorExit:  # the coroutine is closed with the node's loop: nothing left to report to
-            raise
-        except BaseException as err:  # of any type, or the asyncio task (or the loop) ends with the lease held
-            self.counters["failed"] += 1
-            log.warning("episode %s failed: %s: %s", task.task_id, type(err).__name__, err)
-            if isinstance(err, EngineProcessError) and (self._recovery is None or self._recovery.done()):
-                self._recovery = asyncio.get_running_loop().create_task(self._recover(err))
-            await self._fail(task, f"{type(err).__name__}: {err}")
-            if isinstance(err, asyncio.CancelledError) and asyncio.current_task().cancelling():
-                raise  # the episode itself was cancelled: the cancellation goes on
-        finally:
-            self.inflight.pop(task.task_id, None)
-            self._slot_free.set()
-
-    async def _fail(self, task: RolloutTask, reason: str) -> None:
-        """Tell the data layer ``task`` failed (it is requeued up to its attempt limit). When the
-        call does not get through, the task is no longer reported as held, so its lease expires."""
-        try:
-            await call(self.dl.fail, task.task_id, reason, timeout=30)
-        except Exception as err:  # an actor call fails with whatever the transport or the actor raised
-            log.warning("node %s: reporting the failure of %s failed (%s); its lease will expire",
-                        self.identity.name, task.task_id, err)
-
-    async def _wait_for_version(self, policy: str, version: int, timeout: float) -> None:
-        deadline = time.time() + timeout
-        while self.engines[policy].version < version:
-            if time.time() > deadline:
-                raise TimeoutError(f"weights {policy} v{version} not loaded within {timeout:.0f}s")
-            await asyncio.sleep(0.1)
-
-    async def _writer(self) -> None:
-        """Write finished trajectories in batches to this node's segment, then complete them.
-
-        A batch is written when it is full (``write_batch``), when its oldest trajectory has
-        waited ``flush_seconds``, or at once when nothing else is being generated. One wake-up
-        takes every trajectory finished since the last: the engine yields to the event loop
-        only between decoding steps, so waiting per trajectory would starve the writer."""
-        while True:
-            if not self._finished:
-                if self._closing:
-                    break
-                self._finished_event.clear()
-                await self._finished_event.wait()
-                continue
-            oldest = time.time()
-            while (len(self._finished) < self.cfg.write_batch and self.inflight and not self._closing
-                   and time.time() - oldest < self.cfg.flush_seconds):
-                self._finished_event.clear()
-                try:
-                    await asyncio.wait_for(self._finished_event.wait(),
-                                           timeout=self.cfg.flush_seconds - (time.time() - oldest))
-                except asyncio.TimeoutError:
-                    break
-            batch = self._finished[: self.cfg.write_batch]
-            del self._finished[: len(batch)]
-            t0 = time.time()
-            rows = [row for traj in batch for row in traj.to_stored()]
-            refs = await asyncio.to_thread(self.writer.write, rows)
-            self.counters["write_s"] += time.time() - t0
-            out, i = [], 0
-            for traj in batch:
-                n = len(traj.sequences)
-                out.append(TrajectoryRef.of(traj, refs[i : i + n]))
-                i += n
-                self.counters["episodes"] += 1
-                self.counters["sequences"] += n
-                self.counters["tokens"] += sum(s.num_generated() for s in traj.sequences)
-            await call(self.dl.complete, out, timeout=60)
-            self.counters["complete_calls"] += 1
-            for traj in batch:
-                self.writing.discard(traj.task_id)
-        await asyncio.to_thread(self.writer.flush)
 
     async def _watch_weights(self) -> None:
         while True:

@@ -1,0 +1,154 @@
+"""A leased task's way out of a RaaS node: its episode runs, then its trajectory is written
+and completed, or the task is failed.
+
+A mixin of ``RaaSNode`` (``node``), kept apart from the lease loop, which only decides when to
+lease and starts ``_episode`` per task. Here: the episode's deadline
+(``rollout.episode_timeout_s``), the node's identity stamped into the trajectory's provenance,
+failure containment (an exception of any type fails that task only, and a dead engine process
+starts ``_recover``), and the writer that writes finished trajectories to the node's segment
+in batches and reports them with ``complete`` only after the write returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+from astraflow.contracts import RolloutTask, Trajectory, TrajectoryRef
+from astraflow.rollout.engine import InferenceEngine
+from astraflow.rollout.process_engine import EngineProcessError
+from astraflow.transport import call
+
+log = logging.getLogger("astraflow.rollout")
+
+
+class EpisodeTimeout(TimeoutError):
+    """An episode ran past ``rollout.episode_timeout_s``: it was cancelled and its task failed."""
+
+
+class NodeEpisodes:
+    """Episodes and trajectory writes of a node; uses the node's ``engines``, ``cfg``,
+    ``counters``, ``identity``, ``dl``, ``workflow``, ``writer``, ``inflight``, ``writing``, the
+    lease loop's ``_slot_free`` and the writer's queue (``_finished``, ``_finished_event``,
+    ``_closing``), and ``_recovery``/``_recover`` (``engine_recovery``)."""
+
+    engines: dict[str, InferenceEngine]
+    cfg: Any
+    counters: dict[str, Any]
+    identity: Any
+    dl: Any
+    workflow: Any
+    writer: Any
+    inflight: dict[str, RolloutTask]
+    writing: set[str]
+    _slot_free: asyncio.Event
+    _finished: list[Trajectory]
+    _finished_event: asyncio.Event
+    _closing: bool
+    _recovery: asyncio.Task | None
+
+    async def _generate(self, task: RolloutTask) -> Trajectory:
+        """The episode of ``task``: wait for the weight version it needs, then run the workflow."""
+        if task.min_version >= 0:
+            await self._wait_for_version(task.policies[0], task.min_version, timeout=120)
+        return await self.workflow.run_episode(self.engines, task)
+
+    async def _episode(self, task: RolloutTask) -> None:
+        try:
+            deadline = asyncio.timeout(self.cfg.episode_timeout_s)
+            try:
+                async with deadline:
+                    traj = await self._generate(task)
+            except TimeoutError:
+                if not deadline.expired():
+                    raise  # a deadline inside the episode (a reward's, a tool's): its own message
+                raise EpisodeTimeout(f"episode ran past its {self.cfg.episode_timeout_s:g} s deadline "
+                                     "(rollout.episode_timeout_s); it was cancelled") from None
+            traj = replace(
+                traj,
+                provenance=replace(
+                    traj.provenance,
+                    node=self.identity.name,
+                    partition=self.identity.partition,
+                    region=self.identity.region,
+                    hardware=self.identity.hardware,
+                ),
+            )
+            self.writing.add(task.task_id)
+            self._finished.append(traj)
+            self._finished_event.set()
+        except GeneratorExit:  # the coroutine is closed with the node's loop: nothing left to report to
+            raise
+        except BaseException as err:  # of any type, or the asyncio task (or the loop) ends with the lease held
+            self.counters["failed"] += 1
+            log.warning("episode %s failed: %s: %s", task.task_id, type(err).__name__, err)
+            if isinstance(err, EngineProcessError) and (self._recovery is None or self._recovery.done()):
+                self._recovery = asyncio.get_running_loop().create_task(self._recover(err))
+            await self._fail(task, f"{type(err).__name__}: {err}")
+            if isinstance(err, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise  # the episode itself was cancelled: the cancellation goes on
+        finally:
+            self.inflight.pop(task.task_id, None)
+            self._slot_free.set()
+
+    async def _fail(self, task: RolloutTask, reason: str) -> None:
+        """Tell the data layer ``task`` failed (it is requeued up to its attempt limit). When the
+        call does not get through, the task is no longer reported as held, so its lease expires."""
+        try:
+            await call(self.dl.fail, task.task_id, reason, timeout=30)
+        except Exception as err:  # an actor call fails with whatever the transport or the actor raised
+            log.warning("node %s: reporting the failure of %s failed (%s); its lease will expire",
+                        self.identity.name, task.task_id, err)
+
+    async def _wait_for_version(self, policy: str, version: int, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while self.engines[policy].version < version:
+            if time.time() > deadline:
+                raise TimeoutError(f"weights {policy} v{version} not loaded within {timeout:.0f}s")
+            await asyncio.sleep(0.1)
+
+    async def _writer(self) -> None:
+        """Write finished trajectories in batches to this node's segment, then complete them.
+
+        A batch is written when it is full (``write_batch``), when its oldest trajectory has
+        waited ``flush_seconds``, or at once when nothing else is being generated. One wake-up
+        takes every trajectory finished since the last: the engine yields to the event loop
+        only between decoding steps, so waiting per trajectory would starve the writer."""
+        while True:
+            if not self._finished:
+                if self._closing:
+                    break
+                self._finished_event.clear()
+                await self._finished_event.wait()
+                continue
+            oldest = time.time()
+            while (len(self._finished) < self.cfg.write_batch and self.inflight and not self._closing
+                   and time.time() - oldest < self.cfg.flush_seconds):
+                self._finished_event.clear()
+                try:
+                    await asyncio.wait_for(self._finished_event.wait(),
+                                           timeout=self.cfg.flush_seconds - (time.time() - oldest))
+                except asyncio.TimeoutError:
+                    break
+            batch = self._finished[: self.cfg.write_batch]
+            del self._finished[: len(batch)]
+            t0 = time.time()
+            rows = [row for traj in batch for row in traj.to_stored()]
+            refs = await asyncio.to_thread(self.writer.write, rows)
+            self.counters["write_s"] += time.time() - t0
+            out, i = [], 0
+            for traj in batch:
+                n = len(traj.sequences)
+                out.append(TrajectoryRef.of(traj, refs[i : i + n]))
+                i += n
+                self.counters["episodes"] += 1
+                self.counters["sequences"] += n
+                self.counters["tokens"] += sum(s.num_generated() for s in traj.sequences)
+            await call(self.dl.complete, out, timeout=60)
+            self.counters["complete_calls"] += 1
+            for traj in batch:
+                self.writing.discard(traj.task_id)
+        await asyncio.to_thread(self.writer.flush)

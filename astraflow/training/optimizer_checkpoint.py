@@ -1,0 +1,104 @@
+"""A trainer's optimiser-state checkpoint: saved every ``trainer.optimizer_checkpoint_every``
+steps and when the trainer stops, loaded when a run resumes from its committed weights.
+
+A mixin of ``Trainer`` (``trainer``), kept apart from its loop: what is saved (the optimiser
+state, and the fp32 master weights when versions are published narrower), what is refused
+(weights holding nan/inf, a checkpoint newer than the committed weights) and the warning when a
+resume continues from rounded weights.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+from typing import Any
+
+from astraflow.training.backend import TrainerBackend
+from astraflow.training.numerics import nonfinite_tensors
+from storage.atomic import write_atomically
+from storage.weights import WeightStore
+
+log = logging.getLogger("astraflow.training")
+
+
+class OptimizerCheckpoint:
+    """Saving and loading a trainer's optimiser state; uses the trainer's ``policy``, ``cfg``,
+    ``backend``, ``store``, ``version``, ``optimizer_path`` and ``optimizer_resumed_from``."""
+
+    policy: str
+    cfg: Any
+    backend: TrainerBackend | None
+    store: WeightStore | None
+    version: int
+    optimizer_path: Path | None
+    optimizer_resumed_from: int | None
+
+    def save_optimizer(self) -> bool:
+        """Write the backend's optimiser state (with the version its weights are at) to
+        ``optimizer_path``, atomically; False when there is no path, the backend has none or its
+        weights hold nan/inf (a resume must not continue from them).
+        Versions published narrower than the fp32 master weights (``publish_dtype: bf16``) are
+        rounded, so the master weights are saved with it (``master_weights``). A failure is
+        logged, not raised: it must not stop training."""
+        if self.optimizer_path is None or not self.backend.supports_optimizer_state or self.version == 0:
+            return False
+        import torch
+
+        bad = nonfinite_tensors(self.backend.state_dict())
+        if bad:
+            log.warning("trainer %s: not saving the optimiser state of v%d, weights hold nan/inf (%s)",
+                        self.policy, self.version, ", ".join(bad[:3]))
+            return False
+        try:
+            record = {"policy": self.policy, "version": self.version, "optimizer": self.backend.optimizer_state()}
+            if self.cfg.resolved_publish_dtype != "fp32":
+                record["master_weights"] = self.backend.state_dict()
+            buf = io.BytesIO()
+            torch.save(record, buf)
+            self.optimizer_path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(self.optimizer_path, buf.getvalue())
+            return True
+        except Exception:
+            log.exception("trainer %s: saving the optimiser state of v%d failed", self.policy, self.version)
+            return False
+
+    def _load_optimizer(self) -> None:
+        """A resumed run: continue with the saved optimiser state when there is one. It may be
+        a few steps older than the weights (saved every ``optimizer_checkpoint_every`` steps,
+        and the run stopped without saving again): older moments still beat fresh ones. One
+        newer than the weights (a trainer killed between a step and its commit) is not used."""
+        path = self.optimizer_path
+        rounded = self.store.manifest(self.policy, self.version)["meta"].get("dtype", "fp32") != "fp32"
+        if path is None or not path.exists() or not self.backend.supports_optimizer_state:
+            log.info("trainer %s: resuming at v%d with a fresh optimiser state", self.policy, self.version)
+            self._warn_rounded(rounded, None)
+            return
+        import torch
+
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            if int(saved["version"]) > self.version:  # saved after its step, the trainer died before the commit
+                raise ValueError(f"it is of v{saved['version']}, newer than the committed weights (its moments "
+                                 "hold the gradient of a batch that will be trained again)")
+            self.backend.load_optimizer_state(saved["optimizer"])
+        except Exception as err:  # unreadable, or another model's: fresh moments, not a failed resume
+            log.warning("trainer %s: %s cannot be used (%s: %s); starting with a fresh optimiser state",
+                        self.policy, path, type(err).__name__, err)
+            self._warn_rounded(rounded, None)
+            return
+        self.optimizer_resumed_from = int(saved["version"])
+        master = saved.get("master_weights") if self.optimizer_resumed_from == self.version else None
+        if master is not None:  # the exact weights the published version was rounded from
+            self.backend.load_state_dict(master)
+        log.info("trainer %s: resuming at v%d with the optimiser state of v%d", self.policy, self.version,
+                 self.optimizer_resumed_from)
+        self._warn_rounded(rounded and master is None, self.optimizer_resumed_from)
+
+    def _warn_rounded(self, rounded: bool, checkpoint_version: int | None) -> None:
+        """A resume that continues from a published version rounded to a narrower dtype."""
+        if rounded:
+            log.warning("trainer %s: resuming from the published weights of v%d, rounded to their publish "
+                        "dtype (the fp32 master weights are only in an optimiser checkpoint of the same version; "
+                        "this one is of %s)", self.policy, self.version,
+                        "none" if checkpoint_version is None else f"v{checkpoint_version}")
