@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here (bash tests/run_vllm.sh runs this tier)")
 
 from astraflow.models import load_model
+from astraflow.probe import make_probe
 from astraflow.rollout.engine import SamplingParams
 from astraflow.rollout.hf_engine import HFEngine
 from astraflow.rollout.process_engine import EngineProcessError
@@ -25,7 +26,7 @@ from astraflow.rollout.vllm_engine import VLLMEngine
 from storage.deltas import write_version_delta
 from storage.weights import WeightStore
 
-from .conftest import engine_options, publish, reference_logprobs
+from .conftest import bf16_exact, engine_options, publish, reference_logprobs
 
 PROMPTS = ["1+2=", "12+34=", "7+88=", "a longer prompt: 55+44="]
 POLICY = "p"
@@ -179,6 +180,28 @@ def test_an_in_place_update_without_the_tied_head_serves_the_new_head(setup, vll
     assert rec["mode"] == "in_place" and rec["probe_error"] < 1e-3 and "fallback" not in rec
     out = _gather(engine, prompts[:1], SamplingParams(max_new_tokens=16, temperature=1.0))[0]
     np.testing.assert_allclose(out.logprobs, reference_logprobs(m1, prompts[0], out.tokens), atol=1e-4)
+
+
+def test_an_in_place_update_that_fails_part_way_leaves_the_engine_dead_until_restarted(setup, vllm_models):
+    """A version whose last tensor does not fit the model: vLLM has begun the layerwise reload
+    when the load raises, so the engine may hold two versions' tensors. It must not serve them."""
+    engine, store, prompts, m0 = setup
+    m2, _ = load_model(vllm_models["v2"])
+    sd = bf16_exact(m2)
+    sd["model.norm.weight"] = sd["model.norm.weight"][:-1].clone()  # one value short
+    store.publish(POLICY, 5, sd, meta={"layout": "hf", "arch": m2.config.model_type, "probe": make_probe(m2)})
+    engine.load_version(str(store.root), POLICY, 5)
+    end = time.monotonic() + 300
+    while not engine.dead:
+        assert time.monotonic() < end, f"the failed load left the engine serving; records {engine.take_load_records()}"
+        time.sleep(0.05)
+    assert engine.serving_version == 4 and engine.version == 4
+    with pytest.raises(EngineProcessError):
+        _gather(engine, prompts[:1], SamplingParams(max_new_tokens=4, greedy=True))
+    engine.restart()
+    out = _gather(engine, prompts[:1], SamplingParams(max_new_tokens=8, greedy=True))[0]
+    assert engine.dead is None and set(out.versions) == {0}
+    np.testing.assert_allclose(out.logprobs, reference_logprobs(m0, prompts[0], out.tokens), atol=1e-4)
 
 
 def test_a_dead_engine_core_fails_its_requests_and_restarts(setup):
