@@ -79,6 +79,40 @@ def test_load_weights_of_a_state_dict_recreates_and_serves_it(forced_reload, vll
     np.testing.assert_allclose(out.logprobs, reference_logprobs(m2, prompt, out.tokens), atol=1e-4)
 
 
+def test_a_re_creating_update_mid_generation_resumes_the_request_on_the_new_engine(forced_reload, vllm_models,
+                                                                                   tmp_path):
+    """Partial rollout across a re-creation: the running request is aborted (what it generated
+    comes back before the old engine shuts down), the engine re-created on the version, and
+    the request resumed from its prefix; each token tagged with, and scored by, its weights."""
+    engine = forced_reload
+    assert engine.updater.mode == "recreate" and engine.serving_version == 2
+    engine.swap_min_remaining = 0
+    store = WeightStore(tmp_path / "weights")
+    m0, tok = load_model(vllm_models["v0"])
+    m2, _ = load_model(vllm_models["v2"])
+    publish(store, POLICY, 3, m0)
+    prompt = tok.encode("a longer prompt: 55+44=")
+
+    async def main():
+        task = asyncio.ensure_future(engine.generate(prompt, SamplingParams(max_new_tokens=400, greedy=True)))
+        while not any(engine._generated(rid) >= 8 for rid in list(engine._running)):
+            assert not task.done()
+            await asyncio.sleep(0.01)
+        engine.load_version(str(store.root), POLICY, 3)
+        return await task
+
+    out = asyncio.run(main())
+    switch = int(np.argmax(out.versions == 3))
+    assert 8 <= switch < len(out.tokens), f"no switch to v3 inside the request: {out.versions}"
+    assert set(out.versions[:switch]) == {2} and set(out.versions[switch:]) == {3}
+    before = reference_logprobs(m2, prompt, out.tokens)
+    np.testing.assert_allclose(out.logprobs[:switch], before[:switch], atol=1e-4)
+    after = reference_logprobs(m0, prompt, out.tokens)
+    np.testing.assert_allclose(out.logprobs[switch:], after[switch:], atol=1e-4)
+    rec = [r for r in engine.take_load_records() if r["version"] == 3][0]
+    assert rec["mode"] == "recreate" and rec["resumed_requests"] == 1 and rec["probe_error"] < 1e-3
+
+
 def test_a_bf16_engine_updates_to_the_version_within_bf16_rounding(vllm_models, tmp_path):
     """A bf16 engine against the trainer's fp32 probe: the update is judged against what a
     fresh engine scores, so bf16 rounding never counts as a wrong update, and the engine
