@@ -2,15 +2,15 @@
 episodes are not handed back while they were generated with weights at or past a version the
 test names.
 
-The browser test must see the trainer step change on the page. The tiny run trains its steps
-in a second or two, faster than a loaded machine renders the page once, so the page could
-first show the run's last step. Holding the run keeps its step still while the page catches up,
-whatever the machine's pace: the test names the version in the file ``$HOLD_ENV`` points to
-(``0``: nothing is handed back, the trainer stays at step 0; ``3``: the trainer gets data up
-to version 2, so it stops between step 3 and ``3 + max_staleness``), and removes the file to
-let the run finish. A held episode's node keeps heartbeating, so its leases stay renewed.
-Loaded by workers through the ``module:name`` workflow plugin form
-(``tests.monitoring.held_workflow:held_single_turn_test``); workers inherit the environment.
+The browser test must see the trainer step change on the page. The tiny run can train all its
+steps before a loaded machine renders the page once, so the page could first show the run's
+last step. Holding the run keeps its step still while the page catches up, whatever the
+machine's pace: the test names the version in the file ``$HOLD_ENV`` points to (``0``: nothing
+is handed back, the trainer stays at step 0; ``3``: the trainer gets data up to version 2, so
+it stops between step 3 and ``3 + max_staleness``), and removes the file to let the run finish.
+A held episode's node keeps heartbeating, so its leases stay renewed. Loaded by workers through
+the ``module:name`` workflow plugin form (``tests.monitoring.held_workflow:held_single_turn_test``);
+workers inherit the environment.
 """
 
 from __future__ import annotations
