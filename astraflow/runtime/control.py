@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from astraflow.partition_settings import check_partition
+from astraflow.partition_settings import check_partition, effective_rollout
 from astraflow.rollout.config import RolloutConfig
 from astraflow.runtime.monitoring.snapshot import run_status
 from schedulers.partition import Partition
@@ -183,7 +183,12 @@ def add_partition(run_dir: Path, part: Partition) -> None:
     if problems:
         raise PartitionError("partition refused:\n  " + "\n  ".join(problems))
     try:  # its ``rollout:`` settings over the run's own rollout section
-        check_partition(part, run_rollout(paths), {})
+        rollout = run_rollout(paths)
+        check_partition(part, rollout, {})
+        if effective_rollout(rollout, part).engine.type == "vllm":  # its nodes would fail to start
+            from astraflow.rollout.vllm_setup import require_vllm
+
+            require_vllm(f"partition {part.name}: rollout.engine.type")
     except ValueError as err:
         raise PartitionError(f"partition refused: {err}") from None
     if part.autoscale is not None and not run_autoscales(paths):

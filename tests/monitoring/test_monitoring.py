@@ -1,10 +1,13 @@
 """Monitoring of a real run: the AstraFlow page on the Dask dashboard (in headless Debian
 chromium), its JSON endpoints against the documented schema, ``astraflow status --json`` and
-``astraflow plot``. One tiny orchestrated run (module fixture) serves every test here."""
+``astraflow plot``. One tiny orchestrated run (module fixture) serves every test here; it is
+held at step 0 until a test lets it go on (``held_workflow.py``), so that the browser test sees
+its step change however slowly the page renders."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import threading
@@ -22,15 +25,17 @@ from astraflow.runtime.monitoring.episodes import EpisodeQuery, EpisodeReader, E
 from astraflow.runtime.orchestrator import Orchestrator
 
 from tests.conftest import run_in_thread, tiny_config
+from tests.monitoring.held_workflow import HOLD_ENV, hold
 
 MAX_STEPS = 10
+WORKFLOW = "tests.monitoring.held_workflow:held_single_turn_test"  # single_turn, held by the test
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 
 
 class LiveRun:
-    def __init__(self, run_dir: Path, thread: threading.Thread, box: dict):
-        self.run_dir, self.thread, self.box = run_dir, thread, box
+    def __init__(self, run_dir: Path, thread: threading.Thread, box: dict, hold_file: Path):
+        self.run_dir, self.thread, self.box, self.hold_file = run_dir, thread, box, hold_file
         self.captured: dict = {}  # what the dashboard served while the run was live
         self.capturer = threading.Thread(target=self._capture, daemon=True)
         self.capturer.start()
@@ -74,7 +79,13 @@ class LiveRun:
             time.sleep(0.2)
         raise TimeoutError(f"no dashboard address in {f} within {timeout}s")
 
+    def hold(self, version: int | None) -> None:
+        """Episodes generated with weights of ``version`` or later are held back by the nodes
+        (None: none are, the run goes on to its last step)."""
+        hold(self.hold_file, version)
+
     def finish(self, timeout: float = 240.0):
+        self.hold(None)
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "the run did not finish"
         assert "error" not in self.box, self.box.get("error")
@@ -98,12 +109,23 @@ def browser(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def live_run(browser, tiny_model, tmp_path_factory):
-    cfg = tiny_config(tiny_model, **{"run.max_steps": MAX_STEPS, "workload.eval.every": 5})
-    run_dir = tmp_path_factory.mktemp("monitoring") / "run"
-    th, box = run_in_thread(Orchestrator(cfg, run_dir))
-    run = LiveRun(run_dir, th, box)
-    yield run
-    th.join(240)
+    """The run, held at step 0 (every episode held back) until a test moves the hold or
+    ``finish`` releases it; its workers read the hold file named in their environment."""
+    cfg = tiny_config(tiny_model, **{"run.max_steps": MAX_STEPS, "workload.eval.every": 5,
+                                     "workload.workflow": WORKFLOW})
+    tmp = tmp_path_factory.mktemp("monitoring")
+    run_dir, hold_file = tmp / "run", tmp / "hold"
+    hold(hold_file, 0)
+    os.environ[HOLD_ENV] = str(hold_file)
+    th = None
+    try:
+        th, box = run_in_thread(Orchestrator(cfg, run_dir))
+        yield LiveRun(run_dir, th, box, hold_file)
+    finally:
+        hold(hold_file, None)
+        if th is not None:
+            th.join(240)
+        os.environ.pop(HOLD_ENV, None)
 
 
 def _get(url: str, deadline_s: float = 90.0) -> dict:
@@ -136,7 +158,7 @@ def _driver(tmp: Path):
 
 
 @pytest.mark.browser
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_page_shows_live_values_in_a_browser(browser, live_run, tmp_path):
     from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 
@@ -152,17 +174,6 @@ def test_page_shows_live_values_in_a_browser(browser, live_run, tmp_path):
         except (NoSuchElementException, StaleElementReferenceException):
             return None  # not rendered yet, or re-rendered while read
 
-    seen: list[int] = []
-    deadline = time.time() + 150
-    while time.time() < deadline and not (len(set(seen)) >= 2 and seen[-1] > seen[0]):
-        value = read("policy-solver-step")
-        if value is not None and (not seen or int(value) != seen[-1]):
-            seen.append(int(value))
-        if not live_run.thread.is_alive():
-            break
-        time.sleep(0.1)
-    assert len(set(seen)) >= 2 and seen == sorted(seen), f"trainer step on the page did not advance: {seen}"
-    # the run's nodes, their weight versions, the ledger and the charts are on the page.
     # The page re-renders every 300 ms: read through JavaScript, which runs between
     # renders, instead of holding element references that a re-render makes stale.
     def js_text(selector: str) -> str:
@@ -172,20 +183,44 @@ def test_page_shows_live_values_in_a_browser(browser, live_run, tmp_path):
     def js_count(selector: str) -> int:
         return driver.execute_script("return document.querySelectorAll(arguments[0]).length;", selector)
 
+    seen: list[int] = []
+    deadline = time.time() + 180  # a bound for a broken page, not a pace: the run waits for the page
+
+    def wait_for(what: str, done) -> None:
+        """Poll the page until ``done()``, recording each new trainer step it shows."""
+        while True:
+            value = read("policy-solver-step")
+            if value is not None and (not seen or int(value) != seen[-1]):
+                seen.append(int(value))
+            if done():
+                return
+            assert live_run.thread.is_alive(), f"the run ended before the page showed {what}: {live_run.box}"
+            assert time.time() < deadline, f"the page did not show {what}; trainer steps it showed: {seen}"
+            time.sleep(0.1)
+
+    # the run is held at step 0 until the page shows it; then it may train up to version 3
+    # (it stops between steps 3 and 5), and the page must follow without being reloaded
+    wait_for("the trainer step", lambda: bool(seen))
+    assert seen == [0], f"the held run is at step 0, the page showed {seen}"
+    live_run.hold(3)
+    wait_for("a later trainer step", lambda: seen[-1] > 0)
+    # the charts are drawn from metrics.json, fetched with the status: wait for the same refresh
+    wait_for("the charts", lambda: js_count("#chart-solver-reward svg polyline") > 0
+             and js_count("#chart-solver-staleness svg rect") > 0)
+    assert seen == sorted(seen) and seen[-1] <= MAX_STEPS, f"trainer steps on the page: {seen}"
+    # the run's nodes, their weight versions and the ledger are on the page
     text = js_text("body")
     for name in ("rollout-rollout-local-cpu-0", "rollout-rollout-local-cpu-1", "data-data-local-cpu-0"):
         assert name in text
     assert "solver:v" in js_text("#node-rollout-rollout-local-cpu-0-versions")
     assert int(js_text('#ledger-totals td[data-key="created"]')) > 0
-    assert js_count("#chart-solver-reward svg polyline") > 0
-    assert js_count("#chart-solver-staleness svg rect") > 0
     # script errors fail the test (503s before the first status snapshot are expected)
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and e["source"] != "network"]
     assert not errors, errors
     shot = tmp_path / "astraflow-page.png"
     driver.save_screenshot(str(shot))
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    print(f"\nscreenshot of the AstraFlow page: {shot}")
+    print(f"\nscreenshot of the AstraFlow page: {shot}; trainer steps it showed: {seen}")
 
 
 @pytest.mark.timeout(240)
@@ -235,7 +270,8 @@ def test_status_json_and_plots_after_the_run(live_run, tmp_path):
     assert view.ledger.open == 0 and view.ledger.tasks == result.ledger["tasks"]  # the final ledger
     # the episode viewer reads the run's single-turn entries (no turn log) from its store
     ev = EpisodeReader(live_run.run_dir).view(EpisodeQuery(limit=5, kind="train"))
-    assert len(ev.recent) == 5 and {(e.workload, e.workflow, len(e.turns)) for e in ev.recent} == {("math", "single_turn", 0)}
+    assert len(ev.recent) == 5
+    assert {(e.workload, e.workflow, len(e.turns)) for e in ev.recent} == {("math", WORKFLOW, 0)}
     # `astraflow status --json` prints the same view as the endpoint
     res = CliRunner().invoke(main, ["status", str(live_run.run_dir), "--json"])
     assert res.exit_code == 0, res.output

@@ -279,3 +279,25 @@ def test_partition_views_sum_nodes_by_their_heartbeat_partition():
     assert staleness_summary(counts["h"]["staleness"]) == {"consumed": 4, "staleness_mean": 0.5, "staleness_max": 2}
     assert staleness_summary(Counter()) == {"consumed": 0, "staleness_mean": None, "staleness_max": None}
     assert partition_versions(dl, fleet) == {"r": {"solver": [3]}, "h": {"solver": [2, 4]}}  # gone nodes left out
+
+
+def test_partitions_add_refuses_a_vllm_partition_where_vllm_is_not_installed(tmp_path):
+    import time
+
+    from astraflow.rollout.vllm_setup import vllm_available
+    from astraflow.runtime.control import PartitionError, add_partition
+    from astraflow.runtime.monitoring import write_orchestrator_info, write_status
+
+    if vllm_available():
+        pytest.skip("vLLM is installed here: nothing to refuse")
+    paths = RunPaths(tmp_path / "run").make()
+    write_desired(paths, [Partition(name="r", nodes=1)])
+    write_orchestrator_info(paths, None, "tcp://127.0.0.1:1")  # "running": this process, status just written
+    write_status(paths, {"written_at": time.time(), "run_dir": str(paths.root), "data_layer": {}, "trainers": {},
+                         "partitions": {}, "workers": {}})
+    gpus = Partition(name="gpus", nodes=1, rollout={"engine": {"type": "vllm"}})
+    with pytest.raises(PartitionError, match=r"partition gpus: rollout.engine.type: vllm needs vLLM.*install"):
+        add_partition(paths.root, gpus)
+    assert "gpus" not in read_desired_file(paths)[0]
+    add_partition(paths.root, Partition(name="cpus", nodes=1))  # the run's own engine: accepted
+    assert "cpus" in read_desired_file(paths)[0]
