@@ -29,7 +29,7 @@ from typing import Any, Callable
 from astraflow.config import ConfigError, RunConfig, config_from_dict
 from astraflow.plan.pools import Pool, PlanError, SimShape, derived_step_seconds, sim_config
 from astraflow.plan.search import SearchResult, find_scale
-from astraflow.plan.simulate import SimResult, run_sim
+from astraflow.plan.simulate import SimFailed, SimResult, run_sim
 from astraflow.rollout.sim_config import HardwareProfile
 
 DEFAULT_PROMPT_TOKENS = 128
@@ -187,7 +187,10 @@ def run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions,
     if opts.workdir is not None:
         return _run_plan(cfg, pools, opts, shape, sources, opts.workdir, progress)
     with tempfile.TemporaryDirectory(prefix="astraflow-plan-") as tmp:  # nothing is kept
-        return _run_plan(cfg, pools, opts, shape, sources, Path(tmp), progress)
+        try:
+            return _run_plan(cfg, pools, opts, shape, sources, Path(tmp), progress)
+        except SimFailed as err:
+            raise SimFailed(f"{err}\n(the simulated runs' files are removed: pass --workdir DIR to keep them)") from None
 
 
 def _run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions, shape: SimShape, sources: dict[str, str],

@@ -85,7 +85,8 @@ def run_sim(data: dict[str, Any], workdir: Path, pools: dict[str, int], time_sca
         while proc.poll() is None:
             if time.time() - t0 > limit:
                 _stop(proc)
-                raise SimFailed(f"the simulated run passed its deadline of {limit:.0f}s; see {workdir / 'run.log'}")
+                tail = (workdir / "run.log").read_text(errors="replace")[-2000:]  # the directory may be temporary
+                raise SimFailed(f"the simulated run passed its deadline of {limit:.0f}s; the end of its log:\n{tail}")
             done = _steps_done(run_dir / "metrics.jsonl")
             if progress and done != shown:
                 progress(f"step {done}/{steps}")

@@ -4,6 +4,7 @@ through the real CLI gives the report's keys; the search's answer is monotone.""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,20 @@ def test_pools_far_too_small_say_so_rather_than_quote_the_run(tmp_path):
     with pytest.raises(SimFailed, match=r"took \d+ of its 8 steps .* plan larger pools") as err:
         run_sim(data, tmp_path, {"cpu": 1}, 1.0)
     assert "run.timeout_s" not in str(err.value)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+def test_a_simulated_run_past_its_deadline_is_stopped_and_its_log_quoted(tmp_path):
+    """The message carries the end of the run's log: without --workdir its directory is removed."""
+    data = sim_config(load_config(SIM), [parse_pool("cpu=1", 1, None)],
+                      SimShape(step_seconds=0.3, prompt_tokens=64, response_mean=512, response_sigma=0.0,
+                               time_scale=1.0, steps=8))
+    with pytest.raises(SimFailed, match=r"passed its deadline of 3s; the end of its log:\n"):
+        run_sim(data, tmp_path, {"cpu": 1}, 1.0, deadline_s=3.0)
+    pid = int((tmp_path / "run.pid").read_text())
+    with pytest.raises(ProcessLookupError):  # the run it started was stopped (and reaped)
+        os.kill(pid, 0)
 
 
 def _wait_model(nodes_needed: float):
