@@ -5,7 +5,7 @@ them, and trainers/the data layer on other nodes need them without copies throug
 store on shared storage, written by many processes and read by a few, with no locking, is
 the narrow interface between them.
 
-Rooms: ``layout`` (the schema: arrays, dtypes, index columns, commit log records, markers),
+Rooms: ``layout`` (the schema: arrays, dtypes, packed batches, commit log records, markers),
 ``chunks`` (element ranges of an array as byte ranges of its chunks), ``writer``
 (``SegmentWriter``: appending and committing), ``reader`` (``open_trajectory_store``,
 ``TrajectoryStore``: what is committed, reading entries, and ``batch``: one published batch
@@ -20,7 +20,7 @@ in that order, as one array per per-token column (``tokens`` int32, ``loss_mask`
 ``offsets`` (int64, ``len(refs) + 1``, from 0: entry ``i`` owns ``[offsets[i], offsets[i+1])``
 of every per-token array), the per-entry ``seq_index``, ``num_sequences``, ``reward`` arrays
 and the string columns ``task_id``, ``group_id``, ``finish_reason``, ``meta`` as lists. Each
-run of nearby entries is read with one read per chunk per array and copied once (read straight
+run of nearby entries is read with one read per array per batch and copied once (read straight
 into the columns when the refs name consecutive entries); no per-entry object is built. A
 trainer builds its tensors from it directly::
 
@@ -41,30 +41,34 @@ Each writer owns one *segment* (a RaaS node writes its own; nobody else writes t
 two processes ever write the same Zarr chunk and nothing relies on Zarr locking (it has none).
 A segment (``paths.segment_dir``) is a Zarr v3 group (``paths.segment_data_dir``) holding
 
-* flat per-token arrays ``tokens`` int32, ``loss_mask`` uint8, ``logprobs`` float32,
-  ``policy_ids`` int16, ``versions`` int32 (1 MiB chunks in new segments, 128 KiB in segments
-  written before; the reader takes the chunking from each array's ``zarr.json``);
-* per-entry index arrays ``index`` int64 of shape ``(N, 4)`` with the columns of
-  ``INDEX_COLUMNS`` (offset into the flat arrays, length, seq_index, num_sequences) and
-  ``reward`` float64 (float64, not float32: a reward reads back exactly as written);
+* ``data``, a flat uint8 array (4 MiB chunks) of *packed batches*, one after another: a
+  batch's per-token arrays ``tokens`` int32, ``loss_mask`` uint8, ``logprobs`` float32,
+  ``policy_ids`` int16, ``versions`` int32, then its per-entry ``index`` int64 rows (the
+  columns of ``INDEX_COLUMNS``: offset into the segment's tokens, length, seq_index,
+  num_sequences) and ``reward`` float64 (exact as written), each little-endian and directly
+  after the one before (``layout.packed_offsets``). One batch is one stretch of one file (two
+  where it crosses a chunk boundary), so making it durable flushes that file and the log, not
+  one file per array;
 * ``commits/log``: the segment's commit log, one record per ``write``: a header (magic, payload
   length, crc32 of length and payload) and a JSON payload naming the write's batches (seqnos
-  from the record's first), each with its entry range, token range, string columns (task_id,
-  group_id, finish_reason, meta) and the crc32 of its bytes (its ranges of every array, in
-  ``layout.CRC_ORDER``), plus the writer machine's boot id;
-* ``commits/<seqno>.json`` (segments written before the commit log, layout version 2): one
-  commit marker per published batch with the same fields but the crc; still read, and a
-  writer continuing such a segment goes on in the log from the next seqno.
+  from the record's first), each with its entry range, token range, byte offset in ``data``,
+  string columns (task_id, group_id, finish_reason, meta) and the crc32 of its bytes, plus the
+  writer machine's boot id;
+* in segments written before packing (layout versions 2 and 3), one Zarr array per array
+  above (``tokens`` ... ``reward``, 1 MiB or 128 KiB chunks, taken from each ``zarr.json``)
+  and, before the commit log (version 2), ``commits/<seqno>.json``: one commit marker per
+  batch with the same fields but the crc and offset. Both are still read; a writer continuing
+  such a segment goes on with packed batches in the log from the next seqno.
 
 Every array is uncompressed (Zarr's ``bytes`` codec alone, little-endian, fill value 0), so
 any Zarr reader opens a segment, and this store moves byte ranges of chunk files itself
-(``chunks``): appending writes a batch's bytes in place at their offsets (a new chunk file is
-created at its full size first), reading fetches one range per chunk per array. Zarr writes
-only the arrays' metadata. Arrays are over-allocated and resized only by the segment's writer;
-the committed length lives in the commit records, never in the array shape.
+(``chunks``): appending writes a batch's bytes in place at their offset (a new chunk file is
+created at its full size first), reading fetches one range per array per batch. Zarr writes
+only the array's metadata. ``data`` is over-allocated and resized only by the segment's
+writer; the committed length lives in the commit records, never in the array shape.
 
-A ``write`` call publishes its rows in batches of ``batch_size`` in two steps: (1) the chunk
-data of every batch is written; (2) one record naming all of them is appended to the commit
+A ``write`` call publishes its rows in batches of ``batch_size`` in two steps: (1) the bytes of
+every batch are written; (2) one record naming all of them is appended to the commit
 log and, when ``durable``, the touched chunk files, new directories, new or resized
 ``zarr.json`` files and the log are flushed in one concurrent round (one journal commit, not
 one for the data and another for a marker's name). Readers trust only intact records that
@@ -74,7 +78,7 @@ record counts only if a later record follows it (written after its round returne
 machine wrote it in its current boot (the data went into the page cache first), or if the
 bytes it names match its crcs; a record cut short or damaged ends what is committed. A
 restarted writer cuts the log after the last record that counts and continues there,
-overwriting the orphaned chunk data.
+overwriting the orphaned bytes.
 
 Overlap invariant (writer vs. readers): a reader may read a chunk file while the writer writes
 into it. The writer writes only bytes past the committed token and entry ranges (the part of

@@ -13,18 +13,20 @@ import struct
 import time
 import zlib
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable
 
 import numpy as np
 
 #: version of the on-disk layout, recorded in the store's layout file; a store written with
 #: a version outside ``READABLE_LAYOUTS`` is refused (version 2: the index has no per-entry
-#: version range; version 3: segments commit through a commit log).
-LAYOUT_VERSION = 3
-#: layouts this code reads: a version 2 store's segments have commit markers only (still read;
-#: its first writer here marks the store version 3, so older code refuses it instead of
-#: missing what the logs commit).
-READABLE_LAYOUTS = (2, 3)
+#: version range; version 3: segments commit through a commit log; version 4: a batch's
+#: arrays are packed one after another in the segment's ``data`` array).
+LAYOUT_VERSION = 4
+#: layouts this code reads: version 2 and 3 stores keep each array in an array of its own
+#: (version 2 with commit markers instead of a log). Their first writer here marks the store
+#: version 4, so older code refuses it instead of misreading the packed batches.
+READABLE_LAYOUTS = (2, 3, 4)
 
 #: per-token arrays and their on-disk dtypes.
 FLAT_DTYPES: dict[str, np.dtype] = {
@@ -36,18 +38,32 @@ FLAT_DTYPES: dict[str, np.dtype] = {
 }
 #: columns of the per-entry ``index`` array (int64).
 INDEX_COLUMNS = ("offset", "length", "seq_index", "num_sequences")
-#: every array of a segment and its on-disk dtype.
+#: every array of a batch and its on-disk dtype.
 ARRAY_DTYPES: dict[str, np.dtype] = {**FLAT_DTYPES, "index": np.dtype(np.int64), "reward": np.dtype(np.float64)}
+#: the array that holds the packed batches (bytes), and its chunk size.
+DATA_ARRAY = "data"
+DATA_CHUNK = 4 * 1024 * 1024
+#: chunk size of the per-array layout's arrays (segments written before packing; its
+#: readers take each array's chunking from its ``zarr.json``, tests write it with this).
 CHUNK_BYTES = 1024 * 1024
-INDEX_CHUNK = 2048  # entries per index chunk
-REWARD_CHUNK = CHUNK_BYTES // 8
 #: per-entry string columns, kept in the commit markers (not in Zarr arrays).
 STRING_COLUMNS = ("task_id", "group_id", "finish_reason", "meta")
 
 
-def flat_chunk(name: str) -> int:
-    """Elements per chunk of the per-token array ``name``."""
-    return CHUNK_BYTES // FLAT_DTYPES[name].itemsize
+def row_bytes(name: str) -> int:
+    """Bytes one row of array ``name`` takes (a token of a per-token array, an entry of the others)."""
+    return ARRAY_DTYPES[name].itemsize * (len(INDEX_COLUMNS) if name == "index" else 1)
+
+
+def packed_offsets(entries: int, tokens: int) -> dict[str, int]:
+    """Where each array starts within a packed batch of ``entries`` entries and ``tokens``
+    tokens, in ``CRC_ORDER``, plus ``""``: the batch's size. Nothing pads between arrays."""
+    out, at = {}, 0
+    for name in CRC_ORDER:
+        out[name] = at
+        at += (tokens if name in FLAT_DTYPES else entries) * row_bytes(name)
+    out[""] = at
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -107,6 +123,25 @@ class Marker:
     written_at: float = 0.0  # the writer's time.time() when it published the batch
     data_crc: int | None = None  # ``data_crc`` of the batch's bytes (commit log records only)
     boot: str = ""  # ``BOOT_ID`` of the machine that wrote the record ("" for markers)
+    #: byte offset of the packed batch in the segment's ``data`` array; -1: each array of the
+    #: batch lives in an array of its own (segments written before packing)
+    data_at: int = -1
+
+    @property
+    def packed(self) -> bool:
+        return self.data_at >= 0
+
+    @cached_property
+    def offsets(self) -> dict[str, int]:
+        """Where each array of the packed batch starts in ``data`` (``packed_offsets`` from
+        ``data_at``; ``""``: where the batch ends)."""
+        sizes = packed_offsets(self.end - self.start, self.tok_end - self.tok_start)
+        return {k: self.data_at + v for k, v in sizes.items()}
+
+    @property
+    def data_end(self) -> int:
+        """End of the packed batch's bytes in ``data``."""
+        return self.offsets[""]
 
     @classmethod
     def parse(cls, seqno: int, data: bytes) -> "Marker":
@@ -157,7 +192,8 @@ def log_record(batches: list[Marker]) -> bytes:
     """One commit log record: the batches one ``write`` publishes (consecutive seqnos and
     ranges, each with its ``data_crc``), framed so that a reader detects a record cut short or
     damaged (``parse_log``)."""
-    listed = [{"entries": [m.start, m.end], "tokens": [m.tok_start, m.tok_end], "crc": m.data_crc, **m.strings}
+    listed = [{"entries": [m.start, m.end], "tokens": [m.tok_start, m.tok_end], "crc": m.data_crc,
+               **({"data": m.data_at} if m.packed else {}), **m.strings}
               for m in batches]
     first = batches[0]
     payload = json.dumps({"seqno": first.seqno, "written_at": first.written_at, "boot": first.boot,
@@ -166,11 +202,12 @@ def log_record(batches: list[Marker]) -> bytes:
     return _LOG_HEAD.pack(_LOG_MAGIC, len(payload), zlib.crc32(payload, zlib.crc32(length))) + payload
 
 
-def parse_log(data: bytes | memoryview, last: Marker | None) -> list[tuple[int, list[Marker]]]:
+def parse_log(data: bytes | memoryview, last: Marker | None, data_end: int = 0) -> list[tuple[int, list[Marker]]]:
     """The whole, intact records at the start of ``data`` (commit log bytes from a record
-    boundary) that continue the batches up to ``last``: ``(end offset in data, its batches)``
-    each. Stops at the first record that is incomplete (being appended, or cut short by a
-    crash), fails its crc, or does not continue the one before it."""
+    boundary) that continue the batches up to ``last`` (and the packed bytes up to
+    ``data_end``): ``(end offset in data, its batches)`` each. Stops at the first record that
+    is incomplete (being appended, or cut short by a crash), fails its crc, or does not
+    continue the one before it."""
     out: list[tuple[int, list[Marker]]] = []
     pos, seqno = 0, last.seqno + 1 if last else 0
     entries, tokens = (last.end, last.tok_end) if last else (0, 0)
@@ -186,16 +223,18 @@ def parse_log(data: bytes | memoryview, last: Marker | None) -> list[tuple[int, 
             rec = json.loads(payload)
             batches = [Marker(seqno + k, b["entries"][0], b["entries"][1], b["tokens"][0], b["tokens"][1],
                               {c: b[c] for c in STRING_COLUMNS}, float(rec["written_at"]), int(b["crc"]),
-                              str(rec["boot"]))
+                              str(rec["boot"]), int(b.get("data", -1)))
                        for k, b in enumerate(rec["batches"])]
         except (ValueError, KeyError, TypeError, IndexError):
             break
         if rec.get("seqno") != seqno or not batches:
             break
         for m in batches:
-            if (m.start, m.tok_start) != (entries, tokens) or m.end < m.start or m.tok_end < m.tok_start:
+            if (m.start, m.tok_start) != (entries, tokens) or m.end < m.start or m.tok_end < m.tok_start \
+                    or (m.packed and m.data_at != data_end):
                 return out
             entries, tokens = m.end, m.tok_end
+            data_end = m.data_end if m.packed else data_end
         seqno += len(batches)
         out.append((end, batches))
         pos = end

@@ -3,8 +3,8 @@
 Why it exists: the data layer and trainers read entries that RaaS nodes committed, by
 reference, without a lock and while writers keep appending. A reader trusts only what a
 segment's commit markers (segments written before the commit log) and then its commit log's
-intact records commit, and reads a batch of entries with one read per chunk per array per run
-of nearby entries (``chunks``).
+intact records commit, and reads a batch of entries with one read per array per batch (packed
+batches) or per chunk per array (batches written before packing) per run of nearby entries.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from storage.trajectories.backends import StoreBackend, open_backend
 from storage.trajectories.chunks import RawArray
 from storage.trajectories.columns import Columns, empty_columns
 from storage.trajectories.layout import (
-    ARRAY_DTYPES, BOOT_ID, CRC_ORDER, FLAT_DTYPES, INDEX_COLUMNS, LAYOUT_VERSION, READABLE_LAYOUTS,
+    ARRAY_DTYPES, BOOT_ID, CRC_ORDER, DATA_ARRAY, FLAT_DTYPES, INDEX_COLUMNS, LAYOUT_VERSION, READABLE_LAYOUTS,
     STRING_COLUMNS, EntryNotCommitted, EntryRef, Marker, StoredSequence, data_crc, layout_record, parse_log,
+    row_bytes,
 )
 from storage.trajectories.writer import SegmentWriter
 
@@ -71,7 +72,12 @@ class SegmentView:
         self.backend = backend
         self.segment = segment
         self.markers: list[Marker] = []
-        self.starts: list[int] = []
+        self.starts: list[int] = []  # each batch's first entry
+        self.tok_starts: list[int] = []  # and first token
+        #: the first packed batch (``len(markers)`` while there is none): the batches before it
+        #: keep each array in an array of its own
+        self.first_packed = 0
+        self.data_end = 0  # end of the packed bytes in ``data``
         self.loaded = False
         #: bytes of the commit log whose records are committed (the next record starts there).
         self.log_end = 0
@@ -100,7 +106,8 @@ class SegmentView:
         while self.log_end == 0 and (data := self.backend.read_marker(self.segment, len(self.markers))):
             self._add(Marker.parse(len(self.markers), data))  # a writer of markers (older code) went on
         base = self.log_end
-        records = parse_log(self.backend.read_log(self.segment, base), self.markers[-1] if self.markers else None)
+        records = parse_log(self.backend.read_log(self.segment, base), self.markers[-1] if self.markers else None,
+                            self.data_end)
         for k, (end, batches) in enumerate(records):
             if k == len(records) - 1 and not (BOOT_ID and batches[0].boot == BOOT_ID) \
                     and not all(self._backed(m) for m in batches):
@@ -117,8 +124,11 @@ class SegmentView:
     def _backed(self, m: Marker) -> bool:
         """Whether the bytes batch ``m`` covers are the ones its writer wrote (``data_crc``)."""
         try:
-            parts = [self.rows(name, *((m.tok_start, m.tok_end) if name in FLAT_DTYPES else (m.start, m.end)))
-                     for name in CRC_ORDER]
+            if m.packed:
+                parts = [self._read_bytes(m.data_at, m.data_end)]
+            else:
+                parts = [self.rows(name, *((m.tok_start, m.tok_end) if name in FLAT_DTYPES else (m.start, m.end)))
+                         for name in CRC_ORDER]
         except (FileNotFoundError, ValueError):  # an array's metadata missing or not whole
             return False
         except OSError as err:
@@ -129,8 +139,13 @@ class SegmentView:
 
     def _add(self, m: Marker) -> None:
         assert m.start == self.committed, f"segment {self.segment}: batch {m.seqno} does not continue the last one"
+        if not m.packed:
+            self.first_packed = len(self.markers) + 1
+        else:
+            self.data_end = m.data_end
         self.markers.append(m)
         self.starts.append(m.start)
+        self.tok_starts.append(m.tok_start)
 
     def marker_of(self, index: int) -> Marker:
         return self.markers[bisect.bisect_right(self.starts, index) - 1]
@@ -150,23 +165,53 @@ class SegmentView:
             if not isinstance(rec, dict) or rec.get("zarr_format") != 3 or rec.get("node_type") != "array":
                 raise ValueError(f"{key} of segment {self.segment!r} is not a Zarr v3 array's metadata")
             meta = ArrayV3Metadata.from_dict(rec)
-            raw = self._raw[name] = RawArray.from_metadata(meta, name, ARRAY_DTYPES[name])
+            dtype = np.dtype(np.uint8) if name == DATA_ARRAY else ARRAY_DTYPES[name]
+            raw = self._raw[name] = RawArray.from_metadata(meta, name, dtype)
         return raw
 
+    def _pieces(self, name: str, start: int, stop: int, at: int) -> list:
+        """Byte ranges (``chunks.Piece``) holding rows ``[start, stop)`` of array ``name`` (tokens
+        of a per-token array, entries of the others), for a buffer that holds them from byte
+        ``at``: through the per-array layout up to the first packed batch, then a range of
+        ``data`` per packed batch."""
+        rb = row_bytes(name)
+        starts = self.tok_starts if name in FLAT_DTYPES else self.starts
+        k = max(bisect.bisect_right(starts, start) - 1, 0)
+        if k < self.first_packed:  # rows before the first packed batch: the per-array layout
+            split = starts[self.first_packed] if self.first_packed < len(starts) else stop
+            pieces = self._raw_array(name).pieces(start, min(stop, split), at)
+            at, start, k = at + (min(stop, split) - start) * rb, min(stop, split), self.first_packed
+        else:
+            pieces = []
+        data = self._raw_array(DATA_ARRAY) if start < stop else None
+        while start < stop:
+            m = self.markers[k]
+            first, last = (m.tok_start, m.tok_end) if name in FLAT_DTYPES else (m.start, m.end)
+            end = min(stop, last)
+            b = m.offsets[name] + (start - first) * rb
+            pieces += data.pieces(b, b + (end - start) * rb, at)
+            at, start, k = at + (end - start) * rb, end, k + 1
+        return pieces
+
+    def _read_bytes(self, start: int, stop: int) -> np.ndarray:
+        """Bytes ``[start, stop)`` of the packed ``data`` array."""
+        out = np.empty(stop - start, np.uint8)
+        self.backend.read_chunks(self.segment, self._raw_array(DATA_ARRAY).pieces(start, stop), memoryview(out))
+        return out
+
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows ``[start, stop)`` of array ``name``: one read per covering chunk, straight into
-        the returned array. The caller checked that a marker covers them."""
-        raw = self._raw_array(name)
-        out = raw.empty(stop - start)
+        """Rows ``[start, stop)`` of array ``name``: one read per covering chunk (and packed
+        batch), straight into the returned array. The caller checked that a marker covers them."""
+        out = np.empty((stop - start, len(INDEX_COLUMNS)) if name == "index" else stop - start, ARRAY_DTYPES[name])
         if stop > start:
-            self.backend.read_chunks(self.segment, raw.pieces(start, stop), memoryview(out.reshape(-1).view(np.uint8)))
+            self.backend.read_chunks(self.segment, self._pieces(name, start, stop, 0),
+                                     memoryview(out.reshape(-1).view(np.uint8)))
         return out
 
     def read_into(self, name: str, start: int, stop: int, out: np.ndarray, at: int) -> None:
         """Rows ``[start, stop)`` of array ``name`` into ``out[at:]`` (C-contiguous, that dtype)."""
         if stop > start:
-            raw = self._raw_array(name)
-            self.backend.read_chunks(self.segment, raw.pieces(start, stop, at * raw.row_bytes),
+            self.backend.read_chunks(self.segment, self._pieces(name, start, stop, at * row_bytes(name)),
                                      memoryview(out.reshape(-1).view(np.uint8)))
 
 

@@ -1,11 +1,14 @@
 """Trajectory store, writer room: appending entries to one segment and committing them.
 
 Why it exists: a RaaS node publishes finished trajectories to its own segment without
-talking to anyone. A ``write`` publishes its batches in two steps, the chunk data of all of
-them first (written in place, ``chunks``), then one record in the segment's commit log naming
-them, with a crc of each batch's bytes, made durable together with the chunk data in one flush
-round (when the store is durable); readers trust only intact, backed records, so a writer
-killed in between leaves nothing visible, and its successor overwrites the orphaned chunk data.
+talking to anyone. A ``write`` publishes its batches in two steps, the bytes of all of them
+first (each batch's arrays packed one after another and appended to the segment's ``data``
+array in place, ``chunks``), then one record in the segment's commit log naming them, with
+where each batch starts and a crc of its bytes, made durable together with the data in one
+flush round (when the store is durable); readers trust only intact, backed records, so a
+writer killed in between leaves nothing visible, and its successor overwrites the orphaned
+bytes. Packing keeps a batch in one file (two where it crosses a chunk boundary), so that
+round flushes two or three files, not one per array.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import zarr
 from storage.trajectories.backends import StoreBackend
 from storage.trajectories.chunks import RawArray
 from storage.trajectories.layout import (
-    ARRAY_DTYPES, FLAT_DTYPES, INDEX_CHUNK, INDEX_COLUMNS, REWARD_CHUNK, STRING_COLUMNS, EntryRef, Marker,
-    BOOT_ID, SegmentConflict, StoredSequence, data_crc, flat_chunk, log_record,
+    BOOT_ID, DATA_ARRAY, DATA_CHUNK, FLAT_DTYPES, INDEX_COLUMNS, STRING_COLUMNS, EntryRef, Marker,
+    SegmentConflict, StoredSequence, data_crc, log_record, packed_offsets,
 )
 
 
@@ -73,41 +76,34 @@ class SegmentWriter:
                  log_end: int):
         """``committed``: the segment's committed batches, in order, and ``log_end`` the bytes
         of its commit log they take (``TrajectoryStore.writer`` reads them); the writer
-        continues after the last one (a record after ``log_end`` is a crash's leftover: cut off)."""
+        continues after the last one (a record after ``log_end`` is a crash's leftover: cut off).
+        A segment whose batches were written before packing goes on with packed batches."""
         self._backend = backend
         self.segment = segment
         self.batch_size = batch_size
         self._closed = False
         self._log_end = log_end
         backend.prepare_segment(segment, log_end)
-        self._arrays = self._open_arrays()
-        self._raw = {name: RawArray.of(arr, name, ARRAY_DTYPES[name]) for name, arr in self._arrays.items()}
-        # continue after the last committed batch (uncommitted chunk data is overwritten)
+        self._data = self._open_data()
+        self._raw = RawArray.of(self._data, DATA_ARRAY, np.dtype(np.uint8))
+        # continue after the last committed batch (uncommitted bytes are overwritten)
         last = committed[-1] if committed else None
         self._seqno = len(committed)
         self._entries = last.end if last else 0
         self._tokens = last.tok_end if last else 0
+        self._bytes = max((m.data_end for m in committed if m.packed), default=0)
 
-    def _open_arrays(self) -> dict[str, zarr.Array]:
-        # Zarr writes only the arrays' metadata; the chunks are written in place (``chunks``)
+    def _open_data(self) -> zarr.Array:
+        # Zarr writes only the array's metadata; the chunks are written in place (``chunks``)
         group = zarr.open_group(store=self._backend.zarr_store(self.segment, read_only=False), mode="a",
                                 zarr_format=3)
-        existing = set(group.array_keys())
-        arrays: dict[str, zarr.Array] = {}
-        for name, dt in FLAT_DTYPES.items():
-            arrays[name] = group[name] if name in existing else group.create_array(
-                name, shape=(_FIRST_CHUNKS * flat_chunk(name),), chunks=(flat_chunk(name),), dtype=dt,
-                compressors=None, fill_value=0)
-        arrays["index"] = group["index"] if "index" in existing else group.create_array(
-            "index", shape=(_FIRST_CHUNKS * INDEX_CHUNK, len(INDEX_COLUMNS)), chunks=(INDEX_CHUNK, len(INDEX_COLUMNS)),
-            dtype=np.int64, compressors=None, fill_value=0)
-        arrays["reward"] = group["reward"] if "reward" in existing else group.create_array(
-            "reward", shape=(_FIRST_CHUNKS * REWARD_CHUNK,), chunks=(REWARD_CHUNK,), dtype=np.float64,
-            compressors=None, fill_value=0.0)
-        created = [name for name in arrays if name not in existing]
-        for key in ["zarr.json"] * bool(created) + [f"{name}/zarr.json" for name in created]:
+        if DATA_ARRAY in set(group.array_keys()):
+            return group[DATA_ARRAY]
+        arr = group.create_array(DATA_ARRAY, shape=(_FIRST_CHUNKS * DATA_CHUNK,), chunks=(DATA_CHUNK,),
+                                 dtype=np.uint8, compressors=None, fill_value=0)
+        for key in ("zarr.json", f"{DATA_ARRAY}/zarr.json"):
             self._backend.metadata_changed(self.segment, key)  # durable with the first commit
-        return arrays
+        return arr
 
     @property
     def committed(self) -> int:
@@ -118,14 +114,14 @@ class SegmentWriter:
         """Publish ``rows`` in batches of ``batch_size``; every returned ref is committed."""
         if self._closed:
             raise ValueError(f"writer of segment {self.segment!r} is closed: open a new one with store.writer()")
-        # group commit: every batch's chunk data first, then one log record naming them all,
-        # made durable with the data in one flush round
-        seqno, e, t = self._seqno, self._entries, self._tokens
+        # group commit: every batch's bytes first, then one log record naming them all, made
+        # durable with the data in one flush round
+        seqno, e, t, b = self._seqno, self._entries, self._tokens, self._bytes
         batches: list[Marker] = []
         now = time.time()
         for i in range(0, len(rows), self.batch_size):
-            batches.append(self._stage(rows[i:i + self.batch_size], seqno, e, t, now))
-            seqno, e, t = seqno + 1, batches[-1].end, batches[-1].tok_end
+            batches.append(self._stage(rows[i:i + self.batch_size], seqno, e, t, b, now))
+            seqno, e, t, b = seqno + 1, batches[-1].end, batches[-1].tok_end, batches[-1].data_end
         if not batches:
             return []
         if self._before_commit is not None:
@@ -139,7 +135,7 @@ class SegmentWriter:
                 "writer is writing this segment; give every writer its own segment name"
             ) from err
         refs = [EntryRef(self.segment, i) for i in range(self._entries, e)]
-        self._seqno, self._entries, self._tokens = seqno, e, t
+        self._seqno, self._entries, self._tokens, self._bytes = seqno, e, t, b
         self._log_end += len(record)
         return refs
 
@@ -158,20 +154,20 @@ class SegmentWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _grow(self, name: str, needed: int) -> None:
+    def _grow(self, needed: int) -> None:
         """Over-allocate (capacity starts at ``_FIRST_CHUNKS`` chunks and grows fourfold): resizing
         rewrites the array's metadata and costs a flush, so keep it rare. The shape costs no disk (only written chunks
         exist); readers of this store go by the commits, other Zarr readers by the shape."""
-        arr = self._arrays[name]
-        cap, chunk = arr.shape[0], self._raw[name].chunk_rows
+        cap, chunk = self._data.shape[0], self._raw.chunk_rows
         if needed > cap:
             new = -(-max(needed, 4 * cap, _FIRST_CHUNKS * chunk) // chunk) * chunk
-            arr.resize((new,) + tuple(arr.shape[1:]))
-            self._backend.metadata_changed(self.segment, f"{name}/zarr.json")
+            self._data.resize((new,))
+            self._backend.metadata_changed(self.segment, f"{DATA_ARRAY}/zarr.json")
 
-    def _stage(self, batch: list[StoredSequence], seqno: int, e0: int, t0: int, now: float) -> Marker:
-        """Write the chunk data of ``batch`` (entries from ``e0``, tokens from ``t0``); what its
-        log record says of it (ranges, strings, the crc of its bytes). Nothing of it is visible yet."""
+    def _stage(self, batch: list[StoredSequence], seqno: int, e0: int, t0: int, b0: int, now: float) -> Marker:
+        """Write the bytes of ``batch`` (entries from ``e0``, tokens from ``t0``) packed at byte
+        ``b0`` of ``data``; what its log record says of it (ranges, where it starts, strings,
+        the crc of its bytes). Nothing of it is visible yet."""
         n = len(batch)
         flat, lengths = _flat_columns(batch)
         index = np.empty((n, len(INDEX_COLUMNS)), dtype=np.int64)
@@ -187,14 +183,14 @@ class SegmentWriter:
             if not all(isinstance(v, str) for v in vals):
                 bad = next(v for v in vals if not isinstance(v, str))
                 raise ValueError(f"StoredSequence.{c} must be str, got {type(bad).__name__}")
-        t1, e1 = t0 + int(lengths.sum()), e0 + n
-        for k in FLAT_DTYPES:
-            self._grow(k, t1)
-        self._grow("index", e1)
-        self._grow("reward", e1)
-        parts = [*((k, t0, flat[k]) for k in FLAT_DTYPES), ("index", e0, index), ("reward", e0, rewards)]
-        views = [_bytes_of(data) for _, _, data in parts]  # in ``CRC_ORDER``
-        for (name, start, data), buf in zip(parts, views):
-            if len(data):
-                self._backend.write_chunks(self.segment, self._raw[name].pieces(start, start + len(data)), buf)
-        return Marker(seqno, e0, e1, t0, t1, strings, now, data_crc(views), BOOT_ID)
+        tokens = int(lengths.sum())
+        at = packed_offsets(n, tokens)
+        packed = np.empty(at[""], np.uint8)
+        for name, data in (*flat.items(), ("index", index), ("reward", rewards)):  # in ``CRC_ORDER``
+            view = _bytes_of(data)
+            packed[at[name]:at[name] + len(view)] = view
+        self._grow(b0 + len(packed))
+        if len(packed):
+            self._backend.write_chunks(self.segment, self._raw.pieces(b0, b0 + len(packed)), memoryview(packed))
+        return Marker(seqno, e0, e0 + n, t0, t0 + tokens, strings, now, data_crc([memoryview(packed)]), BOOT_ID,
+                      b0)

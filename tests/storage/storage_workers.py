@@ -64,24 +64,68 @@ def write_segment(url: str, writer: int, n: int, batch_sizes: list[int]) -> None
 
 
 def as_marker_layout(root, segment: str) -> None:
-    """Rewrite what ``segment`` committed as the store's writers wrote it before the commit log:
-    one commit marker per batch (``marker_record``, created atomically), no log, and the store's
-    layout file at version 2. The chunk data is what both writers write."""
+    """Rewrite ``segment`` as the store's writers wrote it before the commit log (layout 2)."""
+    as_per_array_layout(root, segment, markers=True)
+
+
+def as_per_array_layout(root, segment: str, markers: bool = False) -> None:
+    """Rewrite what ``segment`` committed as the store's writers wrote it before packing: each
+    array in a Zarr array of its own (``layout.CHUNK_BYTES`` chunks), the same batches, and
+    either one commit marker per batch (``markers``: layout 2, before the commit log) or a
+    commit log whose records name no packed bytes (layout 3); the store's layout file at that
+    version."""
     from pathlib import Path
+
+    import zarr
 
     from storage import paths
     from storage.atomic import create_atomically, write_json
-    from storage.trajectories.layout import marker_record, parse_log
+    from storage.trajectories import layout
 
     root = Path(root)
-    log = paths.commit_log(root, segment)
-    for _, batches in parse_log(log.read_bytes(), None):
-        for m in batches:
-            create_atomically(paths.commit_marker(root, segment, m.seqno),
-                              marker_record(m.seqno, (m.start, m.end), (m.tok_start, m.tok_end), m.strings))
-    log.unlink()
+    store = open_trajectory_store(str(root), "r")
+    batches = [store.batch(segment, k) for k in range(store.batch_count(segment))]
+    rows = store.read([EntryRef(segment, i) for i in range(store.count(segment))])
+    data_dir = paths.segment_data_dir(root, segment)
+    for path in sorted(data_dir.rglob("*"), reverse=True):
+        path.rmdir() if path.is_dir() else path.unlink()
+    paths.commit_log(root, segment).unlink()
+    group = zarr.open_group(store=zarr.storage.LocalStore(data_dir), mode="a", zarr_format=3)
+    arrays = {k: np.concatenate([getattr(r, k) for r in rows]).astype(dt) for k, dt in layout.FLAT_DTYPES.items()}
+    arrays["index"] = np.concatenate([b.index for b in batches])
+    arrays["reward"] = np.concatenate([b.rewards for b in batches])
+    for k, a in arrays.items():
+        group.create_array(k, shape=a.shape, chunks=(max(layout.CHUNK_BYTES // a[:1].nbytes, 1),) + a.shape[1:],
+                           dtype=a.dtype, compressors=None, fill_value=0)[:] = a
+    log = b""
+    for b in batches:
+        t0, t1 = int(b.index[0, 0]), int(b.index[-1, 0] + b.index[-1, 1])
+        if markers:
+            create_atomically(paths.commit_marker(root, segment, b.seqno),
+                              layout.marker_record(b.seqno, (b.start, b.end), (t0, t1), b.strings))
+            continue
+        parts = [arrays[k][t0:t1] if k in layout.FLAT_DTYPES else arrays[k][b.start:b.end] for k in layout.CRC_ORDER]
+        crc = layout.data_crc(memoryview(np.ascontiguousarray(p).reshape(-1).view(np.uint8)) for p in parts)
+        log += layout.log_record([layout.Marker(b.seqno, b.start, b.end, t0, t1, b.strings, b.written_at, crc)])
+    if not markers:
+        paths.commit_log(root, segment).write_bytes(log)
     rec = json.loads(paths.store_layout_file(root).read_bytes())
-    write_json(paths.store_layout_file(root), {**rec, "layout_version": 2}, sort_keys=True)
+    write_json(paths.store_layout_file(root), {**rec, "layout_version": 2 if markers else 3}, sort_keys=True)
+
+
+def token_position(root, segment: str, seqno: int, token: int = 0) -> tuple[str, int]:
+    """The chunk file of ``segment``'s packed ``data`` array, and the byte offset in it, that
+    hold token ``token`` (counted from the batch's first) of committed batch ``seqno``."""
+    from storage import paths
+    from storage.trajectories import layout
+
+    view = open_trajectory_store(str(root), "r")._view(segment)
+    view.refresh()
+    m = view.markers[seqno]
+    chunk = json.loads((paths.segment_data_dir(root, segment) / layout.DATA_ARRAY / "zarr.json").read_bytes())
+    size = chunk["chunk_grid"]["configuration"]["chunk_shape"][0]
+    at = m.data_at + layout.packed_offsets(m.end - m.start, m.tok_end - m.tok_start)["tokens"] + 4 * token
+    return str(paths.segment_data_dir(root, segment) / layout.DATA_ARRAY / "c" / str(at // size)), at % size
 
 
 def write_then_hang(url: str, segment: str, first: int, second: int, ready_path: str, batch_size: int) -> None:

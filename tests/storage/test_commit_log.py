@@ -23,7 +23,9 @@ from storage.trajectories import EntryNotCommitted, EntryRef, LAYOUT_VERSION, op
 from dataclasses import replace
 
 from storage.trajectories.layout import log_record, parse_log
-from storage_workers import as_marker_layout, committed_refs, make_row, rows_equal
+from storage_workers import (
+    as_marker_layout, as_per_array_layout, committed_refs, make_row, rows_equal, token_position,
+)
 
 
 def _three_writes(root) -> list[int]:
@@ -113,21 +115,14 @@ def test_a_damaged_record_ends_what_is_committed(tmp_path):
     _continue_and_check(root, 5)
 
 
-def _token_chunk(root) -> str:
-    """The chunk file holding the segment's first tokens."""
-    return str(paths.segment_data_dir(root, "seg") / "tokens" / "c" / "0")
-
-
 def test_a_last_record_whose_data_did_not_reach_the_disk_is_not_served(tmp_path):
     """The crash kept the last record but lost (part of) the data it commits: the record's
     data crc does not match, so readers here and elsewhere stop before it."""
     root = tmp_path / "store"
     _three_writes(root)
-    reader = open_trajectory_store(str(root), "r")
-    last = reader.batch("seg", 5)
     # zeros where the last write's tokens were (what an unflushed page of a chunk reads as)
-    start = last.index[0, 0] * 4
-    with open(_token_chunk(root), "r+b") as f:
+    chunk, start = token_position(root, "seg", 5)
+    with open(chunk, "r+b") as f:
         f.seek(start)
         f.write(bytes(16))
     _served_rows_are_the_written_ones(root, 8)
@@ -140,16 +135,16 @@ def test_a_record_whose_new_chunk_file_was_lost_is_not_served(tmp_path, monkeypa
     """The last write created a chunk file (small chunks here) whose name, or whose size, the
     crash lost: the chunk reads as missing or too short, the record's data check fails, and the
     record before it is what counts."""
-    import storage.trajectories.layout as layout
+    import storage.trajectories.writer as writer_mod
 
-    monkeypatch.setattr(layout, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(writer_mod, "DATA_CHUNK", 8192)
     root = tmp_path / "store"
     w = open_trajectory_store(str(root)).writer("seg", batch_size=2)
-    w.write([make_row(1, i, length=100) for i in range(4)])  # 400 tokens: the first chunk of tokens
+    w.write([make_row(1, i, length=100) for i in range(4)])  # 400 tokens: within the first chunk
     w.write([make_row(1, i, length=700) for i in range(4, 6)])  # into the second chunk and beyond
     w.close()
     _from_an_earlier_boot(root)
-    chunk = str(paths.segment_data_dir(root, "seg") / "tokens" / "c" / "1")
+    chunk = str(paths.segment_data_dir(root, "seg") / "data" / "c" / "1")
     if lost == "name":
         os.unlink(chunk)
     else:
@@ -165,14 +160,14 @@ def test_a_record_is_served_once_its_data_is_there(tmp_path):
     flushing) does not serve it, and does once the bytes match."""
     root = tmp_path / "store"
     _three_writes(root)
-    chunk = _token_chunk(root)
+    last = open_trajectory_store(str(root), "r").batch("seg", 5)
+    chunk, at = token_position(root, "seg", 5, token=int(last.index[-1, 0] - last.index[0, 0]))  # its last entry
     original = open(chunk, "rb").read()
     reader = open_trajectory_store(str(root), "r")
     assert reader.count("seg") == 12
     fresh = open_trajectory_store(str(root), "r")
-    last = reader.batch("seg", 5)
     with open(chunk, "r+b") as f:
-        f.seek(int(last.index[-1, 0]) * 4)
+        f.seek(at)
         f.write(bytes(8))
     assert fresh.count("seg") == 8 and fresh.batch_count("seg") == 5
     with open(chunk, "r+b") as f:
@@ -189,16 +184,16 @@ def test_the_last_record_of_this_boot_is_served_without_reading_its_data(tmp_pat
     root = tmp_path / "store"
     w = open_trajectory_store(str(root)).writer("seg", batch_size=2)
     w.write([make_row(1, i) for i in range(5)])
-    reads: list[str] = []
-    rows = store_reader.SegmentView.rows
-    def counted(self, name, start, stop):
-        reads.append(name)
-        return rows(self, name, start, stop)
+    reads: list[tuple[int, int]] = []
+    read_bytes = store_reader.SegmentView._read_bytes
+    def counted(self, start, stop):
+        reads.append((start, stop))
+        return read_bytes(self, start, stop)
 
-    monkeypatch.setattr(store_reader.SegmentView, "rows", counted)
+    monkeypatch.setattr(store_reader.SegmentView, "_read_bytes", counted)
     assert open_trajectory_store(str(root), "r").count("seg") == 5 and not reads
     _from_an_earlier_boot(root)
-    assert open_trajectory_store(str(root), "r").count("seg") == 5 and len(reads) == 3 * 7  # 3 batches, 7 arrays
+    assert open_trajectory_store(str(root), "r").count("seg") == 5 and len(reads) == 3  # each batch's bytes, once
 
 
 def test_records_followed_by_another_are_not_read_for_their_crc(tmp_path):
@@ -207,7 +202,9 @@ def test_records_followed_by_another_are_not_read_for_their_crc(tmp_path):
     (the check is for crashes, not for damage at rest)."""
     root = tmp_path / "store"
     _three_writes(root)
-    with open(_token_chunk(root), "r+b") as f:
+    chunk, at = token_position(root, "seg", 0)
+    with open(chunk, "r+b") as f:
+        f.seek(at)
         f.write(np.array([-7], np.int32).tobytes())  # the first token of entry 0
     reader = open_trajectory_store(str(root), "r")
     assert reader.count("seg") == 12
@@ -234,3 +231,26 @@ def test_a_segment_of_commit_markers_loads_and_continues_in_a_log(tmp_path):
     again = open_trajectory_store(str(root), "r")
     assert [again.batch("seg", k).start for k in range(again.batch_count("seg"))] == [0, 2, 4, 5, 7, 8, 10, 12, 14]
     assert old.count("seg") == 15  # a reader opened before the log existed follows it too
+
+
+def test_a_segment_written_before_packing_loads_checks_and_continues_packed(tmp_path):
+    """A store whose segments keep each array in an array of its own, committed through a log
+    (layout version 3), reads as it did, checks its last record's data against the crc of those
+    arrays' bytes, and its next writer goes on with packed batches in the same log."""
+    root = tmp_path / "store"
+    _three_writes(root)
+    as_per_array_layout(root, "seg")
+    _from_an_earlier_boot(root)
+    assert not (paths.segment_data_dir(root, "seg") / "data").exists()
+    _served_rows_are_the_written_ones(root, 12)
+    tokens = paths.segment_data_dir(root, "seg") / "tokens" / "c" / "0"
+    original = tokens.read_bytes()
+    with open(tokens, "r+b") as f:  # the last record's data lost (its last token zeroed)
+        f.seek(len(b"".join(make_row(1, i).tokens.tobytes() for i in range(12))) - 4)
+        f.write(bytes(4))
+    assert open_trajectory_store(str(root), "r").count("seg") == 10  # one record per batch of 2
+    tokens.write_bytes(original)
+    assert _count_elsewhere(root) == 12
+    _continue_and_check(root, 12)
+    assert json.loads(paths.store_layout_file(root).read_bytes())["layout_version"] == LAYOUT_VERSION
+    assert (paths.segment_data_dir(root, "seg") / "data" / "zarr.json").exists()

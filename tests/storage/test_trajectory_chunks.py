@@ -32,10 +32,8 @@ def store_url(request, tmp_path):
 
 
 def test_ranges_across_many_small_chunks_read_back_through_the_store_and_zarr(store_url, monkeypatch):
-    """Chunks of a few elements: every batch and entry straddles chunk boundaries."""
-    monkeypatch.setattr(layout, "CHUNK_BYTES", 64)  # 16 tokens, 64 loss_mask values per chunk
-    monkeypatch.setattr(writer_mod, "INDEX_CHUNK", 3)
-    monkeypatch.setattr(writer_mod, "REWARD_CHUNK", 5)
+    """Chunks of a few bytes: every batch, entry and array straddles chunk boundaries."""
+    monkeypatch.setattr(writer_mod, "DATA_CHUNK", 64)
     store = open_trajectory_store(store_url)
     w = store.writer("seg", batch_size=3)
     rows = [make_row(1, i, length=[1, 15, 16, 17, 40, 2, 64, 5][i % 8]) for i in range(23)]
@@ -43,14 +41,25 @@ def test_ranges_across_many_small_chunks_read_back_through_the_store_and_zarr(st
     order = np.random.default_rng(0).permutation(len(rows))
     got = open_trajectory_store(store_url, "r").read([refs[i] for i in order])
     assert all(rows_equal(rows[i], row) for i, row in zip(order, got))
-    # a Zarr reader sees the same arrays (the shape covers at least what is committed)
+    # a Zarr reader sees the packed batches in the ``data`` array, each array of a batch
+    # after the one before it (the shape covers at least what is committed)
     group = zarr.open_group(store=store._backend.zarr_store("seg", read_only=True), mode="r", zarr_format=3)
-    assert group["tokens"].chunks == (16,) and group["index"].chunks == (3, len(INDEX_COLUMNS))
-    for k in FLAT_DTYPES:
-        flat = np.concatenate([getattr(r, k) for r in rows]).astype(FLAT_DTYPES[k])
-        assert np.array_equal(group[k][:len(flat)], flat, equal_nan=True), k
-    assert np.array_equal(group["reward"][:len(rows)], [r.reward for r in rows])
-    assert group["index"][:len(rows), 1].tolist() == [len(r.tokens) for r in rows]
+    assert group["data"].chunks == (64,) and group["data"].dtype == np.uint8
+    reader = open_trajectory_store(store_url, "r")
+    at = 0
+    for k in range(reader.batch_count("seg")):
+        b = reader.batch("seg", k)
+        mine = rows[b.start:b.end]
+        offsets = layout.packed_offsets(len(mine), sum(len(r.tokens) for r in mine))
+        for name in FLAT_DTYPES:
+            flat = np.concatenate([getattr(r, name) for r in mine]).astype(FLAT_DTYPES[name])
+            got_bytes = group["data"][at + offsets[name]:at + offsets[name] + flat.nbytes]
+            assert got_bytes.tobytes() == flat.tobytes(), (k, name)
+        got_index = group["data"][at + offsets["index"]:at + offsets["reward"]].view(np.int64)
+        assert got_index.reshape(-1, len(INDEX_COLUMNS))[:, 1].tolist() == [len(r.tokens) for r in mine]
+        assert group["data"][at + offsets["reward"]:at + offsets[""]].view(np.float64).tolist() == \
+            [r.reward for r in mine]
+        at += offsets[""]
 
 
 def test_one_write_commits_its_batches_together_or_not_at_all(store_url):
@@ -123,6 +132,8 @@ def _write_segment_through_zarr(root, segment: str, rows, chunk_bytes: int, comp
 
 
 def test_segment_written_by_zarr_is_read_and_continued(tmp_path):
+    """A segment whose arrays Zarr wrote (each array of its own, 128 KiB chunks) reads back;
+    its next writer goes on with packed batches, and reads span both layouts."""
     root = tmp_path / "store"
     open_trajectory_store(str(root))
     old = [make_row(6, i, length=300 + i) for i in range(40)]
@@ -131,15 +142,16 @@ def test_segment_written_by_zarr_is_read_and_continued(tmp_path):
     assert store.count("old") == 40
     assert all(rows_equal(a, b) for a, b in zip(old, store.read(committed_refs(store))))
     new = [make_row(7, i) for i in range(9)]
-    refs = store.writer("old", batch_size=4).write(new)  # appends into the 128 KiB chunks
+    refs = store.writer("old", batch_size=4).write(new)
     assert [r.index for r in refs] == list(range(40, 49))
     got = open_trajectory_store(str(root), "r").read([EntryRef("old", i) for i in range(49)])
     assert all(rows_equal(a, b) for a, b in zip(old + new, got))
+    mixed = open_trajectory_store(str(root), "r").read_columns([EntryRef("old", i) for i in (48, 3, 39, 40, 41)])
+    assert all(rows_equal(a, b) for a, b in zip([new[8], old[3], old[39], new[0], new[1]], mixed.rows()))
     tokens = zarr.open_array(store=zarr.storage.LocalStore(paths.segment_data_dir(root, "old")), path="tokens",
                              mode="r")
-    assert tokens.chunks == (32 * 1024,)
-    assert np.array_equal(tokens[:sum(len(r.tokens) for r in old + new)],
-                          np.concatenate([r.tokens for r in old + new]))
+    assert tokens.chunks == (32 * 1024,)  # the old arrays are left as they were
+    assert np.array_equal(tokens[:], np.concatenate([r.tokens for r in old]))
 
 
 def test_compressed_segment_is_refused_with_a_clear_message(tmp_path):
@@ -150,9 +162,10 @@ def test_compressed_segment_is_refused_with_a_clear_message(tmp_path):
     store = open_trajectory_store(str(root))
     with pytest.raises(ValueError, match="not stored as uncompressed.*open this segment with Zarr"):
         store.read([EntryRef("zstd", 0)])
-    with pytest.raises(ValueError, match="not stored as uncompressed"):
-        store.writer("zstd")
     json.loads(paths.commit_marker(root, "zstd", 0).read_bytes())  # the marker itself is fine
+    # its writer packs new batches into an array of their own: they read back
+    new = store.writer("zstd").write([make_row(8, 1)])
+    assert rows_equal(make_row(8, 1), open_trajectory_store(str(root), "r").read(new)[0])
 
 
 def test_scratch_store_without_fsync_reads_back_through_another_store_object(tmp_path):
@@ -257,7 +270,7 @@ def test_writers_of_one_store_write_at_the_same_time_from_threads(tmp_path, monk
 
     import storage.trajectories.backends as backends
 
-    monkeypatch.setattr(layout, "CHUNK_BYTES", 64)  # many chunk files per segment
+    monkeypatch.setattr(writer_mod, "DATA_CHUNK", 64)  # many chunk files per segment
     monkeypatch.setattr(backends, "_MAX_OPEN", 2)  # and each writer closes its oldest often
     store = open_trajectory_store(str(tmp_path / "store"))
     rows = {n: [make_row(n, i, length=5 + (i * 7) % 40) for i in range(120)] for n in range(1, 5)}

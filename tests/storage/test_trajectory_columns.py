@@ -24,9 +24,8 @@ def store_url(request, tmp_path):
 def small_chunks(monkeypatch):
     """Chunks of a few elements and a small merge gap: entries straddle chunk boundaries, and
     reads take both paths (straight into the columns, and through a merged run)."""
-    monkeypatch.setattr(layout, "CHUNK_BYTES", 64)  # 16 tokens per chunk
-    monkeypatch.setattr(writer_mod, "INDEX_CHUNK", 3)
-    monkeypatch.setattr(writer_mod, "REWARD_CHUNK", 5)
+    monkeypatch.setattr(writer_mod, "DATA_CHUNK", 64)  # 16 tokens per chunk
+    monkeypatch.setattr(layout, "CHUNK_BYTES", 64)  # the same for segments rewritten as before packing
     monkeypatch.setattr(reader_mod, "_MERGE_GAP_TOKENS", 20)
 
 
@@ -107,3 +106,22 @@ def test_an_uncommitted_or_unknown_ref_fails_naming_it(store_url):
             store.read_columns(refs + [bad])
         with pytest.raises(EntryNotCommitted, match=f"{bad.segment}:{bad.index}"):
             store.read([bad])
+
+
+def test_columns_span_batches_written_before_packing_and_after(tmp_path, small_chunks):
+    """A segment rewritten as writers wrote it before packing (each array of its own), then
+    continued with packed batches: one read of entries on both sides of the change, in any
+    order, equals what was written."""
+    from storage_workers import as_per_array_layout
+
+    url = str(tmp_path / "store")
+    written = _write_two_segments(url)
+    as_per_array_layout(url, "a")
+    w = open_trajectory_store(url).writer("a", batch_size=3)
+    more = [make_row(5, i, length=[2, 30, 16][i % 3]) for i in range(8)]
+    written.update(zip(w.write(more[:5]) + w.write(more[5:]), more))
+    refs = [written_ref for written_ref in written]
+    refs = [refs[i] for i in np.random.default_rng(4).permutation(len(refs))] + refs[20:40]
+    store = open_trajectory_store(url, "r")
+    rows = [written[r] for r in refs]
+    _check_columns_equal_rows(store.read_columns(refs), rows, refs)

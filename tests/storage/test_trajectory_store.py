@@ -87,7 +87,7 @@ def test_layout_on_disk(tmp_path):
     store.writer("seg", batch_size=2).write([make_row(0, i) for i in range(5)])
     assert sorted(p.name for p in paths.segment_commit_dir(root, "seg").iterdir()) == [
         paths.commit_log(root, "seg").name]
-    assert (paths.segment_data_dir(root, "seg") / "tokens" / "zarr.json").exists()
+    assert (paths.segment_data_dir(root, "seg") / "data" / "zarr.json").exists()
     orphan = paths.tmp_sibling(paths.commit_marker(root, "seg", 3))
     orphan.write_text("{partial")
     assert open_trajectory_store(str(root), "r").count("seg") == 5
