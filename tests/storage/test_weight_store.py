@@ -145,17 +145,22 @@ def test_discard_uncommitted_removes_what_a_dead_publisher_left_after_the_newest
 
 
 def test_discard_uncommitted_removes_a_version_retention_had_begun_to_delete(tmp_path):
-    """A publisher killed inside retention, between retiring a version's marker and removing
-    its directory: the older version is invisible and would stay on disk for good."""
+    """A publisher killed inside retention, after retiring a version's marker (v2) or half-way
+    through removing its directory (v1, the retired marker already removed): the older
+    versions are invisible and would stay on disk for good."""
     store = WeightStore(tmp_path / "w", keep_last=2)
     for v in (1, 2, 3):
         store.publish("p", v, _state(v))
     assert store.versions("p") == [2, 3]  # v1 retired by retention
+    shutil.copytree(paths.version_dir(store.root, "p", 2), paths.version_dir(store.root, "p", 1))
+    paths.commit_file(store.root, "p", 1).unlink()
+    paths.manifest_file(store.root, "p", 1).unlink()
     marker = paths.commit_file(store.root, "p", 2)
     marker.rename(marker.with_name("COMMITTED.retiring"))  # what the kill left: the marker gone, the files not
     assert store.versions("p") == [3] and paths.version_dir(store.root, "p", 2).exists()
-    assert store.discard_uncommitted("p") == [2]
+    assert store.discard_uncommitted("p") == [1, 2]
     assert not paths.version_dir(store.root, "p", 2).exists() and store.versions("p") == [3]
+    assert [d.name for d in paths.policy_dir(store.root, "p").iterdir() if d.name.startswith("v")] == ["v00000003"]
     _assert_same(store.load("p", 3), _state(3))
 
 
