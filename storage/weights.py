@@ -352,6 +352,17 @@ class WeightStore:
             held.add(int(m.group(1)))
         return held
 
+    def discard_holds(self, policy: str) -> int:
+        """Remove every reader's hold on ``policy``'s versions, however alive its owner looks.
+        Only when no reader can be alive (a resumed run before its RaaS nodes and trainers
+        start): the hold of a reader on another host killed with the run would otherwise keep
+        its version from retention for good. Returns how many were removed."""
+        d = paths.readers_dir(self.root, policy)
+        holds = [d / n for n in (os.listdir(d) if d.is_dir() else []) if paths.HOLD_FILE_RE.match(n)]
+        for h in holds:
+            h.unlink(missing_ok=True)
+        return len(holds)
+
     # -- retention ---------------------------------------------------------------------------
     def apply_retention(self, policy: str) -> list[int]:
         """Delete committed versions older than the newest ``keep_last``, except held ones.

@@ -1,9 +1,11 @@
-"""A whole run killed while a trainer was publishing or retention was deleting, then resumed on
-the same run directory: the resume starts cleanly, serves and continues from the newest
-committed version, and leaves none of the dead publisher's leftovers on disk."""
+"""A whole run killed while a trainer was publishing or retention was deleting, or a RaaS node
+was pulling, then resumed on the same run directory: the resume starts cleanly, serves and
+continues from the newest committed version, and leaves none of the killed run's leftovers in
+the weight store (they would stay on disk for good)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -47,14 +49,25 @@ def _leave_what_a_killed_publisher_leaves(store: WeightStore, policy: str) -> No
     assert store.versions(policy) == [2, 3]
 
 
+def _leave_a_hold_of_a_killed_reader(store: WeightStore, policy: str, version: int) -> Path:
+    """A RaaS node on another host killed while it pulled ``version``: its hold stays, and a
+    hold from another host counts until its owner removes it."""
+    hold = paths.hold_file(store.root, policy, version, "4242-killed")
+    hold.parent.mkdir(parents=True, exist_ok=True)
+    hold.write_text(json.dumps({"pid": 4242, "host": "rollout-host-of-the-killed-run", "since": 0.0}))
+    assert version in store.held_versions(policy)
+    return hold
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.timeout(400)
-def test_a_resumed_run_removes_what_a_killed_publisher_left_and_goes_on_from_the_newest_version(tmp_path):
+def test_a_resumed_run_removes_what_the_killed_run_left_and_goes_on_from_the_newest_version(tmp_path):
     run_dir = tmp_path / "run"
     Orchestrator(_sim_config(3), run_dir).run()
     store = WeightStore(run_dir / "weights", keep_last=2)
     assert store.versions("solver") == [2, 3]
     _leave_what_a_killed_publisher_leaves(store, "solver")
+    hold = _leave_a_hold_of_a_killed_reader(store, "solver", 2)
 
     result = Orchestrator(_sim_config(4), run_dir).run()  # what `astraflow run` on the directory does
 
@@ -68,4 +81,5 @@ def test_a_resumed_run_removes_what_a_killed_publisher_left_and_goes_on_from_the
     assert all(paths.commit_file(store.root, "solver", v).exists() for v in (3, 4))
     staged = paths.staging_root(store.root, "solver")
     assert not staged.exists() or not any(staged.iterdir())
+    assert not hold.exists()  # and v2 was retired: nobody reads it any more
     assert "removed versions v[0, 1, 4]" in (run_dir / "logs" / "orchestrator.log").read_text()

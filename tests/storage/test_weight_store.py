@@ -209,6 +209,22 @@ def test_stale_hold_of_dead_process_is_ignored(tmp_path):
     assert store.versions("p") == [1] and not hold.exists()
 
 
+def test_discard_holds_frees_a_version_a_killed_reader_on_another_host_held(tmp_path):
+    """Such a hold counts until its owner removes it, which a killed reader never does: the
+    version would never be retired. A resumed run, with no reader alive, drops every hold."""
+    store = WeightStore(tmp_path / "w", keep_last=1)
+    store.publish("p", 0, _state(0))
+    hold = paths.hold_file(store.root, "p", 0, "4242-killed")
+    hold.parent.mkdir(parents=True, exist_ok=True)
+    hold.write_text(f'{{"pid": 4242, "host": "another-{store._host}", "since": {time.time()}}}')
+    store.publish("p", 1, _state(1))
+    assert store.versions("p") == [0, 1]  # kept for the hold
+    assert store.discard_holds("p") == 1 and store.discard_holds("q") == 0
+    assert store.held_versions("p") == set()
+    store.publish("p", 2, _state(2))
+    assert store.versions("p") == [2] and not paths.version_dir(store.root, "p", 0).exists()
+
+
 @pytest.mark.timeout(120)
 def test_two_rank_shards_load_in_one_process(tmp_path):
     root = tmp_path / "w"
