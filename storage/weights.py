@@ -148,17 +148,15 @@ class WeightStore:
             shutil.rmtree(stage)
 
     def discard_uncommitted(self, policy: str) -> list[int]:
-        """Remove what a dead publisher left: staging directories, version directories after
-        ``policy``'s newest committed version without ``COMMITTED`` (a commit that died between
-        its rename and its marker), and versions retention had begun to delete (``COMMITTED``
-        renamed away, the directory not yet removed). Only when no publisher of the policy is
-        alive (before a replacement trainer starts). Returns those versions."""
-        latest = max(self.versions(policy), default=-1)
+        """Remove what a dead publisher left: staging directories and every version directory
+        without ``COMMITTED``: a commit that died between its rename and its marker, or a version
+        retention had begun to delete (it renames the marker away first, so a directory it left
+        half-removed has none either). Only when no publisher of the policy is alive (before a
+        replacement trainer starts, or a resumed run's trainers). Returns those versions."""
         staged = paths.staging_root(self.root, policy)
         found = [(d, int(m.group(1))) for root in (staged, paths.policy_dir(self.root, policy)) if root.is_dir()
                  for d in root.iterdir() if (m := paths.VERSION_DIR_RE.match(d.name))]
-        gone = [(d, v) for d, v in found if d.parent == staged or (d / _RETIRING).exists()
-                or (v > latest and not (d / "COMMITTED").exists())]
+        gone = [(d, v) for d, v in found if d.parent == staged or not (d / "COMMITTED").exists()]
         for d, _ in gone:
             shutil.rmtree(d, ignore_errors=True)
         return sorted({v for _, v in gone})
@@ -353,6 +351,17 @@ class WeightStore:
                 continue
             held.add(int(m.group(1)))
         return held
+
+    def discard_holds(self, policy: str) -> int:
+        """Remove every reader's hold on ``policy``'s versions, however alive its owner looks.
+        Only when no reader can be alive (a resumed run before its RaaS nodes and trainers
+        start): the hold of a reader on another host killed with the run would otherwise keep
+        its version from retention for good. Returns how many were removed."""
+        d = paths.readers_dir(self.root, policy)
+        holds = [d / n for n in (os.listdir(d) if d.is_dir() else []) if paths.HOLD_FILE_RE.match(n)]
+        for h in holds:
+            h.unlink(missing_ok=True)
+        return len(holds)
 
     # -- retention ---------------------------------------------------------------------------
     def apply_retention(self, policy: str) -> list[int]:

@@ -52,7 +52,7 @@ from astraflow.runtime.monitoring import StatusWriter, Tick, archive_summary
 from astraflow.runtime.placement import Placement, data_layer_kwargs, node_kwargs, trainer_kwargs
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.reconcile import PartitionSet, run_tag
-from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts
+from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts, note
 from astraflow.runtime.stopping import BoundedWaits, Ending, disk_full, disk_full_reason, full_disk_of, interrupted
 from astraflow.runtime.workers import (FUTURE_ERRORS, NODE_PHASES, PHASES, DataLayerLost, Fleet, RunFailed,
                                       TrainerLost, Worker)
@@ -231,9 +231,18 @@ class Orchestrator:
     def _recover_served(self) -> None:
         """A resumed run: each trainer starts from its newest committed version; the data
         layer records the versions committed but never reported and puts back the batches
-        served after them (what a restarted trainer gets, ``DataLayer.trainer_restarted``)."""
+        served after them (what a restarted trainer gets, ``DataLayer.trainer_restarted``).
+        What the previous incarnation's publishers left half-written or half-deleted, and the
+        holds of its readers, are removed first: no publisher or reader is alive here (`launch`
+        holds the run lock and cancelled the previous incarnation's jobs; this one's trainers
+        and RaaS nodes are not placed yet)."""
         store = WeightStore(self.paths.weights, keep_last=self.cfg.storage.keep_versions)
         for pol in self.cfg.policies:
+            dropped = store.discard_uncommitted(pol.name)
+            if dropped:
+                note(self.progress, self.paths, f"policy {pol.name}: removed versions v{dropped} a previous "
+                                                "incarnation left uncommitted or half-deleted")
+            store.discard_holds(pol.name)
             latest = store.latest(pol.name)
             if latest is not None:
                 self.dl.trainer_restarted(pol.name, latest.version, restart=False).result(timeout=60)

@@ -6,7 +6,7 @@ whose trainer ran on that worker, while ``cluster.trainer_restarts`` allows:
 
 1. cancels the lost worker's job (a worker that only left the scheduler must not publish again);
 2. reads the newest committed version ``V`` of the policy and removes what the dead trainer
-   half-published after it (`WeightStore.discard_uncommitted`);
+   left half-published or half-deleted (`WeightStore.discard_uncommitted`);
 3. tells the data layer (`DataLayer.trainer_restarted`): versions up to ``V`` it committed but
    never reported are recorded, batches served at ``V`` or later return to the buffer, so
    nothing is dropped as ``served_not_trained`` and nothing is trained twice;

@@ -145,17 +145,22 @@ def test_discard_uncommitted_removes_what_a_dead_publisher_left_after_the_newest
 
 
 def test_discard_uncommitted_removes_a_version_retention_had_begun_to_delete(tmp_path):
-    """A publisher killed inside retention, between retiring a version's marker and removing
-    its directory: the older version is invisible and would stay on disk for good."""
+    """A publisher killed inside retention, after retiring a version's marker (v2) or half-way
+    through removing its directory (v1, the retired marker already removed): the older
+    versions are invisible and would stay on disk for good."""
     store = WeightStore(tmp_path / "w", keep_last=2)
     for v in (1, 2, 3):
         store.publish("p", v, _state(v))
     assert store.versions("p") == [2, 3]  # v1 retired by retention
+    shutil.copytree(paths.version_dir(store.root, "p", 2), paths.version_dir(store.root, "p", 1))
+    paths.commit_file(store.root, "p", 1).unlink()
+    paths.manifest_file(store.root, "p", 1).unlink()
     marker = paths.commit_file(store.root, "p", 2)
     marker.rename(marker.with_name("COMMITTED.retiring"))  # what the kill left: the marker gone, the files not
     assert store.versions("p") == [3] and paths.version_dir(store.root, "p", 2).exists()
-    assert store.discard_uncommitted("p") == [2]
+    assert store.discard_uncommitted("p") == [1, 2]
     assert not paths.version_dir(store.root, "p", 2).exists() and store.versions("p") == [3]
+    assert [d.name for d in paths.policy_dir(store.root, "p").iterdir() if d.name.startswith("v")] == ["v00000003"]
     _assert_same(store.load("p", 3), _state(3))
 
 
@@ -202,6 +207,22 @@ def test_stale_hold_of_dead_process_is_ignored(tmp_path):
     hold.write_text(f'{{"pid": {child.pid}, "host": "{store._host}", "since": {time.time()}}}')
     store.publish("p", 1, _state(1))
     assert store.versions("p") == [1] and not hold.exists()
+
+
+def test_discard_holds_frees_a_version_a_killed_reader_on_another_host_held(tmp_path):
+    """Such a hold counts until its owner removes it, which a killed reader never does: the
+    version would never be retired. A resumed run, with no reader alive, drops every hold."""
+    store = WeightStore(tmp_path / "w", keep_last=1)
+    store.publish("p", 0, _state(0))
+    hold = paths.hold_file(store.root, "p", 0, "4242-killed")
+    hold.parent.mkdir(parents=True, exist_ok=True)
+    hold.write_text(f'{{"pid": 4242, "host": "another-{store._host}", "since": {time.time()}}}')
+    store.publish("p", 1, _state(1))
+    assert store.versions("p") == [0, 1]  # kept for the hold
+    assert store.discard_holds("p") == 1 and store.discard_holds("q") == 0
+    assert store.held_versions("p") == set()
+    store.publish("p", 2, _state(2))
+    assert store.versions("p") == [2] and not paths.version_dir(store.root, "p", 0).exists()
 
 
 @pytest.mark.timeout(120)
