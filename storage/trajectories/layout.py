@@ -230,8 +230,10 @@ def parse_log(data: bytes | memoryview, last: Marker | None, data_end: int = 0) 
         if rec.get("seqno") != seqno or not batches:
             break
         for m in batches:
+            # a packed batch continues the packed bytes; a batch of the per-array layout (code
+            # before packing) never follows a packed one: its rows would hide theirs
             if (m.start, m.tok_start) != (entries, tokens) or m.end < m.start or m.tok_end < m.tok_start \
-                    or (m.packed and m.data_at != data_end):
+                    or (m.data_at != data_end if m.packed else data_end > 0):
                 return out
             entries, tokens = m.end, m.tok_end
             data_end = m.data_end if m.packed else data_end

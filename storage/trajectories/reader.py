@@ -176,13 +176,14 @@ class SegmentView:
         ``data`` per packed batch."""
         rb = row_bytes(name)
         starts = self.tok_starts if name in FLAT_DTYPES else self.starts
-        k = max(bisect.bisect_right(starts, start) - 1, 0)
-        if k < self.first_packed:  # rows before the first packed batch: the per-array layout
-            split = starts[self.first_packed] if self.first_packed < len(starts) else stop
+        # rows before the first packed batch are in the per-array layout; while there is none,
+        # every row is (also those of a batch ``_backed`` checks before it is added)
+        split = starts[self.first_packed] if self.first_packed < len(starts) else stop
+        pieces = []
+        if start < split:
             pieces = self._raw_array(name).pieces(start, min(stop, split), at)
-            at, start, k = at + (min(stop, split) - start) * rb, min(stop, split), self.first_packed
-        else:
-            pieces = []
+            at, start = at + (min(stop, split) - start) * rb, min(stop, split)
+        k = bisect.bisect_right(starts, start) - 1  # the last batch from ``start`` (past empty ones)
         data = self._raw_array(DATA_ARRAY) if start < stop else None
         while start < stop:
             m = self.markers[k]

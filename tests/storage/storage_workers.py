@@ -95,7 +95,8 @@ def as_per_array_layout(root, segment: str, markers: bool = False) -> None:
     arrays["index"] = np.concatenate([b.index for b in batches])
     arrays["reward"] = np.concatenate([b.rewards for b in batches])
     for k, a in arrays.items():
-        group.create_array(k, shape=a.shape, chunks=(max(layout.CHUNK_BYTES // a[:1].nbytes, 1),) + a.shape[1:],
+        row = a.dtype.itemsize * int(np.prod(a.shape[1:]))  # a[:1] is empty where no entry has tokens
+        group.create_array(k, shape=a.shape, chunks=(max(layout.CHUNK_BYTES // row, 1),) + a.shape[1:],
                            dtype=a.dtype, compressors=None, fill_value=0)[:] = a
     log = b""
     for b in batches:
