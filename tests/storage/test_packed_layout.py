@@ -153,6 +153,20 @@ def test_random_batches_read_back_across_the_change_of_layout(tmp_path, monkeypa
     _check_reads(open_trajectory_store(url, "r"), segs, rng, rounds=5)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_random_packed_batches_read_back_from_a_memory_store(small_chunks, seed):
+    """The memory backend (packed batches only: nothing there is written before packing) under
+    the same random writes and reads."""
+    rng = np.random.default_rng(100 + seed)
+    store = open_trajectory_store(f"memory://packed-layout-{seed}-{rng.integers(1 << 62)}")
+    segs = {"a": Written(1), "b": Written(2)}
+    writers = {s: store.writer(s, batch_size=int(rng.integers(1, 6))) for s in segs}
+    for _ in range(int(rng.integers(3, 8))):
+        for s, w in writers.items():
+            segs[s].write(w, _random_lengths(rng, int(rng.integers(1, 10))))
+    _check_reads(store, segs, rng, rounds=30)
+
+
 def _as_one_record_of_an_earlier_boot(root, segment: str) -> None:
     """Rewrite ``segment``'s commit log as a single record naming all its batches, written in an
     earlier boot (as one write of code before packing leaves it after a reboot)."""
