@@ -46,14 +46,15 @@ A segment (``paths.segment_dir``) is a Zarr v3 group (``paths.segment_data_dir``
   ``policy_ids`` int16, ``versions`` int32, then its per-entry ``index`` int64 rows (the
   columns of ``INDEX_COLUMNS``: offset into the segment's tokens, length, seq_index,
   num_sequences) and ``reward`` float64 (exact as written), each little-endian and directly
-  after the one before (``layout.packed_offsets``). One batch is one stretch of one file (two
-  where it crosses a chunk boundary), so making it durable flushes that file and the log, not
-  one file per array;
+  after the one before (``layout.packed_offsets``). One batch is one stretch of ``data`` (one
+  chunk file unless it crosses a chunk boundary), so making it durable flushes that file and
+  the log, not one file per array;
 * ``commits/log``: the segment's commit log, one record per ``write``: a header (magic, payload
   length, crc32 of length and payload) and a JSON payload naming the write's batches (seqnos
   from the record's first), each with its entry range, token range, byte offset in ``data``,
   string columns (task_id, group_id, finish_reason, meta) and the crc32 of its bytes, plus the
-  writer machine's boot id;
+  writer machine's boot id. A record naming packed batches has a magic of its own, so code
+  that reads only the per-array layout stops there instead of misreading them;
 * in segments written before packing (layout versions 2 and 3), one Zarr array per array
   above (``tokens`` ... ``reward``, 1 MiB or 128 KiB chunks, taken from each ``zarr.json``)
   and, before the commit log (version 2), ``commits/<seqno>.json``: one commit marker per

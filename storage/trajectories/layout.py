@@ -178,6 +178,9 @@ BOOT_ID = _boot_id()
 #: commit log record header: magic, payload length, crc32 of the length field and the payload.
 _LOG_HEAD = struct.Struct("<4sII")
 _LOG_MAGIC = b"AFCL"
+#: the magic of a record naming packed batches: code that reads only the per-array layout
+#: stops at it (what it committed is all it serves) instead of reading packed bytes as arrays.
+_LOG_MAGIC_PACKED = b"AFC4"
 
 
 def data_crc(parts: Iterable[memoryview | bytes]) -> int:
@@ -199,7 +202,8 @@ def log_record(batches: list[Marker]) -> bytes:
     payload = json.dumps({"seqno": first.seqno, "written_at": first.written_at, "boot": first.boot,
                           "batches": listed}).encode()
     length = struct.pack("<I", len(payload))
-    return _LOG_HEAD.pack(_LOG_MAGIC, len(payload), zlib.crc32(payload, zlib.crc32(length))) + payload
+    magic = _LOG_MAGIC_PACKED if any(m.packed for m in batches) else _LOG_MAGIC
+    return _LOG_HEAD.pack(magic, len(payload), zlib.crc32(payload, zlib.crc32(length))) + payload
 
 
 def parse_log(data: bytes | memoryview, last: Marker | None, data_end: int = 0) -> list[tuple[int, list[Marker]]]:
@@ -214,7 +218,7 @@ def parse_log(data: bytes | memoryview, last: Marker | None, data_end: int = 0) 
     while pos + _LOG_HEAD.size <= len(data):
         magic, n, crc = _LOG_HEAD.unpack_from(data, pos)
         end = pos + _LOG_HEAD.size + n
-        if magic != _LOG_MAGIC or end > len(data):
+        if magic not in (_LOG_MAGIC, _LOG_MAGIC_PACKED) or end > len(data):
             break
         payload = bytes(data[pos + _LOG_HEAD.size:end])
         if zlib.crc32(payload, zlib.crc32(struct.pack("<I", n))) != crc:

@@ -7,8 +7,8 @@ array in place, ``chunks``), then one record in the segment's commit log naming 
 where each batch starts and a crc of its bytes, made durable together with the data in one
 flush round (when the store is durable); readers trust only intact, backed records, so a
 writer killed in between leaves nothing visible, and its successor overwrites the orphaned
-bytes. Packing keeps a batch in one file (two where it crosses a chunk boundary), so that
-round flushes two or three files, not one per array.
+bytes. Packing keeps a batch in one stretch of ``data`` (one chunk file unless it crosses a
+chunk boundary), so that round flushes a file or two and the log, not one file per array.
 """
 
 from __future__ import annotations

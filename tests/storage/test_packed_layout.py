@@ -241,3 +241,18 @@ def test_a_write_killed_before_its_record_in_a_converted_segment_leaves_nothing(
     view.refresh()
     assert view.first_packed == written.batches.index((5, 7)) == 2 and view.markers[2].data_at == 0
     _check_reads(store, {"seg": written}, np.random.default_rng(2), rounds=10)
+
+
+def test_a_reader_of_the_per_array_layout_only_stops_at_the_first_packed_record(tmp_path):
+    """Code written before packing accepts only the per-array records' magic: a log that goes
+    on with packed batches ends, for it, where the per-array records end."""
+    root = tmp_path / "store"
+    open_trajectory_store(str(root)).writer("seg", batch_size=2).write([make_row(1, i) for i in range(4)])
+    as_per_array_layout(root, "seg")
+    open_trajectory_store(str(root)).writer("seg", batch_size=2).write([make_row(2, i) for i in range(3)])
+    data = paths.commit_log(root, "seg").read_bytes()
+    records = layout.parse_log(data, None)
+    assert [[m.packed for m in batches] for _, batches in records] == [[False], [False], [True, True]]
+    old_magic = [end for end, batches in records if not batches[0].packed]
+    assert data[old_magic[-1]:old_magic[-1] + 4] == b"AFC4"  # what such code sees next: not its magic
+    assert all(data[start:start + 4] == b"AFCL" for start in [0, *old_magic[:-1]])
