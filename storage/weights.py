@@ -24,8 +24,9 @@ another host counts until its owner removes it. A reader takes the hold and then
 the version is still committed, so retention and a new reader cannot both win.
 
 Sparse bf16 deltas between consecutive versions live under ``paths.delta_dir`` and are written
-by the delta writer; this module only reports them (``WeightVersion.delta_from``: the highest
-``from`` version with a committed delta, i.e. a delta directory holding a ``COMMITTED`` file).
+by the delta writer; this module reports them (``WeightVersion.delta_from``: the highest
+``from`` version with a committed delta, i.e. a delta directory holding a ``COMMITTED`` file)
+and deletes those no reader can use any more (``_prune_deltas``).
 """
 
 from __future__ import annotations
@@ -151,14 +152,16 @@ class WeightStore:
         """Remove what a dead publisher left: staging directories and every version directory
         without ``COMMITTED``: a commit that died between its rename and its marker, or a version
         retention had begun to delete (it renames the marker away first, so a directory it left
-        half-removed has none either). Only when no publisher of the policy is alive (before a
-        replacement trainer starts, or a resumed run's trainers). Returns those versions."""
+        half-removed has none either); and its unfinished deltas (``_prune_deltas``). Only when no
+        publisher of the policy is alive (before a replacement trainer starts, or a resumed run's
+        trainers). Returns the versions removed."""
         staged = paths.staging_root(self.root, policy)
         found = [(d, int(m.group(1))) for root in (staged, paths.policy_dir(self.root, policy)) if root.is_dir()
                  for d in root.iterdir() if (m := paths.VERSION_DIR_RE.match(d.name))]
         gone = [(d, v) for d, v in found if d.parent == staged or not (d / "COMMITTED").exists()]
         for d, _ in gone:
             shutil.rmtree(d, ignore_errors=True)
+        self._prune_deltas(policy, writer_alive=False)
         return sorted({v for _, v in gone})
 
     def commit(self, policy: str, version: int, meta: dict | None = None, *,
@@ -365,8 +368,8 @@ class WeightStore:
 
     # -- retention ---------------------------------------------------------------------------
     def apply_retention(self, policy: str) -> list[int]:
-        """Delete committed versions older than the newest ``keep_last``, except held ones.
-        Returns the versions deleted."""
+        """Delete committed versions older than the newest ``keep_last``, except held ones, and
+        the deltas to versions no longer there. Returns the versions deleted."""
         committed = self.versions(policy)
         candidates = committed[:-self.keep_last] if len(committed) > self.keep_last else []
         deleted = []
@@ -381,7 +384,26 @@ class WeightStore:
                 continue
             shutil.rmtree(paths.version_dir(self.root, policy, v))
             deleted.append(v)
+        self._prune_deltas(policy)
         return deleted
+
+    def _prune_deltas(self, policy: str, writer_alive: bool = True) -> None:
+        """Delete the deltas no reader can use. A reader applies the delta ``v-1 -> v`` to the
+        ``v-1`` it keeps in memory, while it holds ``v``: a delta is usable exactly while its
+        ``to`` version is committed or held, whether or not ``v-1`` is still on disk (with
+        ``keep_last`` 1 it never is). A delta without ``COMMITTED`` and a writer's temporary
+        directory go only when no writer is alive (``discard_uncommitted``)."""
+        root = paths.deltas_root(self.root, policy)
+        names = os.listdir(root) if root.is_dir() else []
+        usable = set(self.versions(policy)) | self.held_versions(policy)
+        for n in names:
+            m = paths.DELTA_DIR_RE.match(n)
+            if m and (root / n / "COMMITTED").exists():
+                stale = int(m.group(2)) not in usable
+            else:
+                stale = not writer_alive and bool(m or paths.is_tmp(n))
+            if stale:
+                shutil.rmtree(root / n, ignore_errors=True)
 
     # -- helpers -----------------------------------------------------------------------------
     @staticmethod

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 import torch
 
+from astraflow.rollout.weight_sync import VersionReader
 from storage import paths
 from storage.deltas import (
     DATA_FILE, META_FILE, DeltaMismatchError, apply_delta, choose_sync, is_committed,
     read_stats, write_delta, write_version_delta,
 )
+from storage.weights import WeightStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -131,3 +135,83 @@ def test_choose_sync_rejects_nonsense():
         choose_sync(5, 5, 0, True)
     with pytest.raises(ValueError):
         choose_sync(4, 5, -1, True)
+
+
+# -- deltas under the weight store's retention -----------------------------------------------
+
+def _publish_with_delta(store, v, prev_sd):
+    """Publish version ``v`` and then, as the trainer's delta writer does, the delta ``v-1 -> v``
+    from the committed shards. Returns ``v``'s state dict."""
+    g = torch.Generator().manual_seed(v)
+    sd = {"w": torch.randn(64, 32, generator=g), "b": torch.randn(8, generator=g)}
+    store.publish("p", v, sd, meta={"layout": "hf"})
+    if prev_sd is not None:
+        write_version_delta(store.root, "p", v - 1, v, prev_sd, store.load("p", v))
+    return sd
+
+
+def _deltas(store):
+    root = paths.deltas_root(store.root, "p")
+    return sorted((int(m.group(1)), int(m.group(2))) for n in os.listdir(root)
+                  if (m := paths.DELTA_DIR_RE.match(n)))
+
+
+def test_retention_deletes_the_deltas_no_reader_can_use(tmp_path):
+    """A reader applies the delta ``v-1 -> v`` to the ``v-1`` it keeps in memory while it holds
+    ``v``: a delta stays exactly while its ``to`` version is kept or held, even once the full
+    shards of its ``from`` version are gone, and a reader that read that version still pulls
+    the next one by delta."""
+    store = WeightStore(tmp_path, keep_last=2)
+    sds = [_publish_with_delta(store, 0, None)]
+    for v in (1, 2):
+        sds.append(_publish_with_delta(store, v, sds[-1]))
+    reader = VersionReader(str(tmp_path), use_deltas=True, full_resync_every=0)
+    with store.hold("p", 2):  # a reader still reading v2 keeps it and the delta to it
+        for v in (3, 4, 5):
+            sds.append(_publish_with_delta(store, v, sds[-1]))
+            if v == 3:
+                assert reader.read("p", 3)[1]["mode"] == "full"  # a new reader: full shards
+        assert store.versions("p") == [2, 4, 5]
+        assert _deltas(store) == [(1, 2), (3, 4), (4, 5)]
+    assert store.apply_retention("p") == [2]
+    assert _deltas(store) == [(3, 4), (4, 5)]
+    # v3's full shards are gone; the reader holds v3 in memory and pulls v4 by its delta
+    assert not paths.version_dir(store.root, "p", 3).exists()
+    state, rec = reader.read("p", 4)
+    assert rec["mode"] == "delta"
+    assert all(torch.equal(state[k], sds[4][k].to(torch.bfloat16)) for k in sds[4])
+
+
+def test_a_delta_written_after_its_version_was_retired_goes_at_the_next_retention(tmp_path):
+    """The trainer writes the delta to ``v`` while the next step trains; with ``keep_last`` 1 the
+    next commit may retire ``v`` first. Such a delta can never be read and is deleted then."""
+    store = WeightStore(tmp_path, keep_last=1)
+    sd0 = _publish_with_delta(store, 0, None)
+    sd1 = _publish_with_delta(store, 1, None)
+    _publish_with_delta(store, 2, None)  # retires v1 before its delta exists
+    write_version_delta(tmp_path, "p", 0, 1, sd0, sd1)
+    assert _deltas(store) == [(0, 1)]
+    _publish_with_delta(store, 3, None)
+    assert store.versions("p") == [3] and _deltas(store) == []
+
+
+def test_unfinished_deltas_stay_for_a_live_writer_and_go_with_a_dead_one(tmp_path):
+    """A delta directory without ``COMMITTED`` and a writer's temporary directory may belong to
+    a writer still at work: retention leaves them. ``discard_uncommitted`` (no writer alive)
+    removes them and keeps the committed deltas."""
+    store = WeightStore(tmp_path, keep_last=3)
+    sds = [_publish_with_delta(store, 0, None)]
+    for v in (1, 2):
+        sds.append(_publish_with_delta(store, v, sds[-1]))
+    unmarked = paths.delta_dir(tmp_path, "p", 2, 3)
+    shutil.copytree(paths.delta_dir(tmp_path, "p", 1, 2), unmarked)
+    (unmarked / "COMMITTED").unlink()  # renamed into place, killed before its marker
+    tmp = paths.tmp_sibling(paths.delta_dir(tmp_path, "p", 3, 4))
+    tmp.mkdir()
+    (tmp / DATA_FILE).write_bytes(b"partial")
+    sds.append(_publish_with_delta(store, 3, None))
+    assert store.versions("p") == [1, 2, 3]
+    assert unmarked.is_dir() and tmp.is_dir()
+    assert store.discard_uncommitted("p") == []
+    assert _deltas(store) == [(0, 1), (1, 2)] and not tmp.exists()
+    assert store.delta_from("p", 2) == 1
