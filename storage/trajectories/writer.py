@@ -185,12 +185,11 @@ class SegmentWriter:
                 raise ValueError(f"StoredSequence.{c} must be str, got {type(bad).__name__}")
         tokens = int(lengths.sum())
         at = packed_offsets(n, tokens)
-        packed = np.empty(at[""], np.uint8)
-        for name, data in (*flat.items(), ("index", index), ("reward", rewards)):  # in ``CRC_ORDER``
-            view = _bytes_of(data)
-            packed[at[name]:at[name] + len(view)] = view
-        self._grow(b0 + len(packed))
-        if len(packed):
-            self._backend.write_chunks(self.segment, self._raw.pieces(b0, b0 + len(packed)), memoryview(packed))
-        return Marker(seqno, e0, e0 + n, t0, t0 + tokens, strings, now, data_crc([memoryview(packed)]), BOOT_ID,
-                      b0)
+        # each array written from its own buffer to its place in the batch: no packed copy
+        views = [_bytes_of(data) for data in (*flat.values(), index, rewards)]  # in ``CRC_ORDER``
+        self._grow(b0 + at[""])
+        for name, view in zip(at, views):
+            if len(view):
+                start = b0 + at[name]
+                self._backend.write_chunks(self.segment, self._raw.pieces(start, start + len(view)), view)
+        return Marker(seqno, e0, e0 + n, t0, t0 + tokens, strings, now, data_crc(views), BOOT_ID, b0)
