@@ -62,8 +62,6 @@ class WeightVersion:
     version: int
     #: absolute path of the version's manifest.json.
     manifest_path: str
-    #: full shards are on disk (False only once retention removed them but a delta remains).
-    has_full: bool = True
     #: the version a sparse delta to this one starts from, ``None`` if no delta was written.
     delta_from: int | None = None
     #: sha256 of every shard file, by file name relative to the version directory.
@@ -441,7 +439,6 @@ class WeightStore:
             policy=policy,
             version=version,
             manifest_path=str(paths.manifest_file(self.root, policy, version)),
-            has_full=True,
             delta_from=self.delta_from(policy, version),
             checksums={k: v["sha256"] for k, v in manifest["files"].items()},
             committed_at=float(manifest["committed_at"]),
