@@ -288,9 +288,8 @@ class TrajectoryStore:
     def read_columns(self, refs: list[EntryRef]) -> Columns:
         """The entries ``refs`` name, in that order, as concatenated columns (``Columns``): one
         read per array per batch (per chunk, where it crosses one) per run of nearby entries,
-        each run's bytes copied once into
-        the columns (read straight into them when the run is one stretch of consecutive
-        entries), no per-entry objects. ``EntryNotCommitted`` names the first uncommitted refs."""
+        each run's bytes copied once into the columns (read straight into them when the run is
+        one stretch of consecutive entries), no per-entry objects. ``EntryNotCommitted`` names the first uncommitted refs."""
         n = len(refs)
         if not n:
             return empty_columns()
