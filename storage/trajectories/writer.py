@@ -22,7 +22,7 @@ import zarr
 from storage.trajectories.backends import StoreBackend
 from storage.trajectories.chunks import RawArray
 from storage.trajectories.layout import (
-    BOOT_ID, DATA_ARRAY, DATA_CHUNK, FLAT_DTYPES, INDEX_COLUMNS, STRING_COLUMNS, EntryRef, Marker,
+    BOOT_ID, CRC_ORDER, DATA_ARRAY, DATA_CHUNK, FLAT_DTYPES, INDEX_COLUMNS, STRING_COLUMNS, EntryRef, Marker,
     SegmentConflict, StoredSequence, data_crc, log_record, packed_offsets,
 )
 
@@ -91,7 +91,7 @@ class SegmentWriter:
         self._seqno = len(committed)
         self._entries = last.end if last else 0
         self._tokens = last.tok_end if last else 0
-        self._bytes = max((m.data_end for m in committed if m.packed), default=0)
+        self._bytes = last.data_end if last and last.packed else 0  # packed batches come last
 
     def _open_data(self) -> zarr.Array:
         # Zarr writes only the array's metadata; the chunks are written in place (``chunks``)
@@ -188,7 +188,7 @@ class SegmentWriter:
         # each array written from its own buffer to its place in the batch: no packed copy
         views = [_bytes_of(data) for data in (*flat.values(), index, rewards)]  # in ``CRC_ORDER``
         self._grow(b0 + at[""])
-        for name, view in zip(at, views):
+        for name, view in zip(CRC_ORDER, views):
             if len(view):
                 start = b0 + at[name]
                 self._backend.write_chunks(self.segment, self._raw.pieces(start, start + len(view)), view)
