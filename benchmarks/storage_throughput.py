@@ -2,8 +2,11 @@
 
 Why it exists: the Zarr store adds chunking, commit markers and fsyncs on top of plain file
 writes; this measures what that costs. ``--writers`` processes (one segment each, like RaaS
-nodes) write ``--n`` trajectories of ~512 tokens in batches of 64, each batch durable before
-``write`` returns; then one reader counts the committed entries and reads every entry back in
+nodes) write ``--n`` trajectories of ~512 tokens in batches of 64 as a RaaS node writes them:
+each batch staged with ``submit`` while up to ``--write-ahead`` earlier ones are being
+committed (grouped into one flush round), each durable before its future resolves; the same
+with every ``write`` waiting for its own commit is the extra row ``each write waits``
+(``ratio_vs_raw_sync``). Then one reader counts the committed entries and reads every entry back in
 batches of 1024 with ``read_columns`` (concatenated columns + offsets: the path a trainer
 builds its token tensors from; a checkout without it reads rows). The same entries read as
 rows (``read``: one object per entry, as the data layer and monitors read) are timed as an
@@ -19,9 +22,11 @@ numbers, string columns) as plain files and read them back as bytes:
 (the machine's disk and CPUs are shared: single readings vary severalfold).
 
     python benchmarks/storage_throughput.py [--n 10000] [--writers 4] [--reps 3] [--no-durable]
+        [--write-ahead 4]
 
 Ends with ``RESULT {json}``; ``ratio_vs_raw`` = raw time / store time over write + read (goal
->= 0.5); ``ratio_vs_raw_commits`` the same against the per-batch durable log.
+>= 0.5); ``ratio_vs_raw_commits`` the same against the per-batch durable log;
+``ratio_vs_raw_sync`` the store whose every write waits for its commit.
 """
 
 from __future__ import annotations
@@ -75,16 +80,27 @@ def payload(rows: list[StoredSequence]) -> list[bytes]:
     return out
 
 
-def store_writer_main(writer: int, n: int, url: str, tokens: int, batch: int, durable: bool, barrier,
-                      results) -> None:
+def store_writer_main(writer: int, n: int, url: str, tokens: int, batch: int, durable: bool, ahead: int,
+                      barrier, results) -> None:
+    """One writer: ``ahead`` 0 waits for each write's commit; otherwise each batch is staged
+    while up to ``ahead`` earlier ones commit (a checkout without ``submit`` always waits)."""
     rows = make_rows(writer, n, tokens)
     warm_up()
     store = open_trajectory_store(url, durable=durable)
     w = store.writer(f"raas-{writer}", batch_size=batch)
+    submit = getattr(w, "submit", None) if ahead else None
     barrier.wait(timeout=120)
     t0 = time.time()
+    pending = []
     for i in range(0, n, batch):
-        w.write(rows[i:i + batch])
+        if submit is None:
+            w.write(rows[i:i + batch])
+            continue
+        pending.append(submit(rows[i:i + batch]))
+        if len(pending) > ahead:
+            pending.pop(0).result()
+    for f in pending:
+        f.result()
     w.close()
     results.put((writer, t0, time.time()))
 
@@ -115,10 +131,10 @@ def split(n: int, writers: int) -> list[int]:
     return [n // writers + (1 if w < n % writers else 0) for w in range(writers)]
 
 
-def bench_store(root: Path, n: int, writers: int, tokens: int, batch: int, durable: bool) -> dict:
-    url = str(root / "store")
+def bench_store(root: Path, n: int, writers: int, tokens: int, batch: int, durable: bool, ahead: int) -> dict:
+    url = str(root / f"store-{ahead}")
     open_trajectory_store(url)  # create once, before the writers race to
-    write_s = run_writers(store_writer_main, writers, split(n, writers), (url, tokens, batch, durable))
+    write_s = run_writers(store_writer_main, writers, split(n, writers), (url, tokens, batch, durable, ahead))
     warm_up()
     t0 = time.perf_counter()
     reader = open_trajectory_store(url, "r")
@@ -197,6 +213,8 @@ def main() -> None:
     ap.add_argument("--writers", type=int, default=4, help="writer processes (one segment each)")
     ap.add_argument("--tokens", type=int, default=512, help="mean tokens per trajectory")
     ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--write-ahead", type=int, default=4,
+                    help="batches a writer stages while earlier ones commit (a RaaS node's default)")
     ap.add_argument("--reps", type=int, default=1, help="alternating repetitions (medians are reported)")
     ap.add_argument("--out", type=Path, default=None, help="scratch dir (default: benchmarks/out/<tmp>)")
     ap.add_argument("--no-durable", action="store_true", help="skip fsync of chunk data (scratch stores)")
@@ -204,23 +222,28 @@ def main() -> None:
     base = args.out or Path(__file__).resolve().parent / "out"
     base.mkdir(parents=True, exist_ok=True)
     durable = not args.no_durable
-    runs: dict[str, list[dict]] = {"zarr store": [], "raw files + fsync": [], "raw log, fsync per batch": []}
+    runs: dict[str, list[dict]] = {"zarr store": [], "zarr store, each write waits": [], "raw files + fsync": [],
+                                   "raw log, fsync per batch": []}
     for _ in range(args.reps):
         root = Path(tempfile.mkdtemp(prefix="storage_throughput-", dir=base))
         try:
             runs["raw files + fsync"].append(bench_raw(root, args.n, args.writers, args.tokens))
             runs["raw log, fsync per batch"].append(
                 bench_raw_commits(root, args.n, args.writers, args.tokens, args.batch_size, durable))
-            runs["zarr store"].append(bench_store(root, args.n, args.writers, args.tokens, args.batch_size, durable))
+            runs["zarr store"].append(
+                bench_store(root, args.n, args.writers, args.tokens, args.batch_size, durable, args.write_ahead))
+            runs["zarr store, each write waits"].append(
+                bench_store(root, args.n, args.writers, args.tokens, args.batch_size, durable, 0))
         finally:
             shutil.rmtree(root, ignore_errors=True)
     med = {name: {k: statistics.median(r[k] for r in rs) for k in ("write_s", "read_s")} for name, rs in runs.items()}
     for name, rs in runs.items():  # the ratios are of medians of totals, like the times shown
         med[name]["total_s"] = statistics.median(r["write_s"] + r["read_s"] for r in rs)
     store, raw, log = med["zarr store"], med["raw files + fsync"], med["raw log, fsync per batch"]
+    sync = med["zarr store, each write waits"]
     mb = runs["raw files + fsync"][0]["bytes"] / 1e6
     result = {
-        "n": args.n, "writers": args.writers, "mean_tokens": args.tokens, "durable": durable, "reps": args.reps,
+        "n": args.n, "writers": args.writers, "write_ahead": args.write_ahead, "mean_tokens": args.tokens, "durable": durable, "reps": args.reps,
         "payload_mb": round(mb, 1),
         "store_write_traj_s": round(args.n / store["write_s"]), "store_read_traj_s": round(args.n / store["read_s"]),
         "store_write_mb_s": round(mb / store["write_s"], 1), "store_read_mb_s": round(mb / store["read_s"], 1),
@@ -232,6 +255,8 @@ def main() -> None:
         "raw_commits_s": round(log["total_s"], 3),
         "ratio_vs_raw": round(raw["total_s"] / store["total_s"], 3),
         "ratio_vs_raw_commits": round(log["total_s"] / store["total_s"], 3),
+        "store_sync_s": round(sync["total_s"], 3),
+        "ratio_vs_raw_sync": round(raw["total_s"] / sync["total_s"], 3),
         "ratio_vs_raw_each": [round((a["write_s"] + a["read_s"]) / (b["write_s"] + b["read_s"]), 3)
                               for a, b in zip(runs["raw files + fsync"], runs["zarr store"])],
     }

@@ -118,7 +118,7 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
         self.writing: set[str] = set()
         self.counters: dict[str, float] = {
             "episodes": 0, "sequences": 0, "tokens": 0, "failed": 0, "idle_s": 0.0,
-            "write_s": 0.0, "lease_s": 0.0, "lease_calls": 0, "leased": 0, "complete_calls": 0,
+            "write_s": 0.0, "commit_s": 0.0, "lease_s": 0.0, "lease_calls": 0, "leased": 0, "complete_calls": 0,
             "weight_loads": 0, "engine_restarts": 0,
         }
         #: restarting dead engine processes (``_recover``): no leases meanwhile, unless every

@@ -6,12 +6,13 @@ lease and starts ``_episode`` per task. Here: the episode's deadline
 (``rollout.episode_timeout_s``), the node's identity stamped into the trajectory's provenance,
 failure containment (an exception of any type fails that task only, and a dead engine process
 starts ``_recover``), and the writer that writes finished trajectories to the node's segment
-in batches and reports them with ``complete`` only after the write returned.
+in batches and reports them with ``complete`` only once their commit is durable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import replace
@@ -23,6 +24,10 @@ from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.transport import call
 
 log = logging.getLogger("astraflow.rollout")
+
+
+#: batches a node's writer has written and waits to see committed before it holds the next one back
+WRITE_AHEAD = 4
 
 
 class EpisodeTimeout(TimeoutError):
@@ -116,8 +121,14 @@ class NodeEpisodes:
         A batch is written when it is full (``write_batch``), when its oldest trajectory has
         waited ``flush_seconds``, or at once when nothing else is being generated. One wake-up
         takes every trajectory finished since the last: the engine yields to the event loop
-        only between decoding steps, so waiting per trajectory would starve the writer."""
+        only between decoding steps, so waiting per trajectory would starve the writer. A
+        batch's bytes are written at once and it is completed when its commit is durable; up to
+        ``WRITE_AHEAD`` batches wait for their commits meanwhile (the writer groups them into
+        one flush round), so the next batch is not held up by the disk."""
+        committing: collections.deque[asyncio.Task] = collections.deque()
         while True:
+            while committing and committing[0].done():
+                committing.popleft().result()  # a failed commit or completion ends the writer
             if not self._finished:
                 if self._closing:
                     break
@@ -133,22 +144,36 @@ class NodeEpisodes:
                                            timeout=self.cfg.flush_seconds - (time.time() - oldest))
                 except asyncio.TimeoutError:
                     break
+            while len(committing) >= WRITE_AHEAD:
+                await asyncio.wait([committing[0]])
+                committing.popleft().result()
             batch = self._finished[: self.cfg.write_batch]
             del self._finished[: len(batch)]
             t0 = time.time()
             rows = [row for traj in batch for row in traj.to_stored()]
-            refs = await asyncio.to_thread(self.writer.write, rows)
+            written = await asyncio.to_thread(self.writer.submit, rows)
             self.counters["write_s"] += time.time() - t0
-            out, i = [], 0
-            for traj in batch:
-                n = len(traj.sequences)
-                out.append(TrajectoryRef.of(traj, refs[i : i + n]))
-                i += n
-                self.counters["episodes"] += 1
-                self.counters["sequences"] += n
-                self.counters["tokens"] += sum(s.num_generated() for s in traj.sequences)
-            await call(self.dl.complete, out, timeout=60)
-            self.counters["complete_calls"] += 1
-            for traj in batch:
-                self.writing.discard(traj.task_id)
+            done = asyncio.create_task(self._complete_written(batch, written, t0))
+            done.add_done_callback(lambda _: self._finished_event.set())  # a failure is seen at once
+            committing.append(done)
+        for done in committing:
+            await done
         await asyncio.to_thread(self.writer.flush)
+
+    async def _complete_written(self, batch: list[Trajectory], written: Any, t0: float) -> None:
+        """Once the commit of ``batch`` (``written``: the writer's future of its refs) is durable,
+        report it with one ``complete``."""
+        refs = await asyncio.wrap_future(written)
+        self.counters["commit_s"] += time.time() - t0
+        out, i = [], 0
+        for traj in batch:
+            n = len(traj.sequences)
+            out.append(TrajectoryRef.of(traj, refs[i : i + n]))
+            i += n
+            self.counters["episodes"] += 1
+            self.counters["sequences"] += n
+            self.counters["tokens"] += sum(s.num_generated() for s in traj.sequences)
+        await call(self.dl.complete, out, timeout=60)
+        self.counters["complete_calls"] += 1
+        for traj in batch:
+            self.writing.discard(traj.task_id)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 from zarr.core.buffer import default_buffer_prototype
@@ -28,12 +28,13 @@ _BUFFERS = default_buffer_prototype()
 class StoreBackend(Protocol):
     """What the store needs from where its bytes live. ``write_chunks``/``read_chunks`` move byte
     ranges of chunks (``chunks.Piece``: key, chunk size, offset, length, offset in ``buf``) in
-    place; a chunk never written reads as zeros. ``publish_log`` appends a record to the
+    place; a chunk never written reads as zeros. ``append_log`` appends a record to the
     segment's commit log at ``offset`` (``FileExistsError`` when the log is not that long:
     another writer appended) after everything ``write_chunks`` and ``metadata_changed``
-    touched, and, when durable, makes all of it durable in one flush round before it returns.
-    ``read_log``: the log's bytes from ``offset`` (``b""`` if absent). ``prepare_segment``:
-    the writer of a segment starts, its log's valid records end at ``log_end`` (what follows
+    touched, and returns the flush round that makes all of it durable (a no-op when not
+    durable); the round may run while the segment's next chunks are written, but calls for one
+    segment must not overlap each other. ``read_log``: the log's bytes from ``offset`` (``b""``
+    if absent). ``prepare_segment``: the writer of a segment starts, its log's valid records end at ``log_end`` (what follows
     is cut off). Commit markers (``list_markers``/``read_marker``) are read only: segments
     written before the commit log have them. ``release_segment``: the segment's writer is
     closed (files kept open for it may close). ``read_metadata``: a segment's Zarr metadata
@@ -53,7 +54,7 @@ class StoreBackend(Protocol):
     def list_markers(self, segment: str) -> list[int]: ...
     def read_marker(self, segment: str, seqno: int) -> bytes | None: ...
     def read_log(self, segment: str, offset: int) -> bytes: ...
-    def publish_log(self, segment: str, offset: int, record: bytes) -> None: ...
+    def append_log(self, segment: str, offset: int, record: bytes) -> Callable[[], None]: ...
     def prepare_segment(self, segment: str, log_end: int) -> None: ...
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None: ...
     def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None: ...
@@ -172,11 +173,11 @@ class DirBackend:
         except FileNotFoundError:
             return b""
 
-    def publish_log(self, segment: str, offset: int, record: bytes) -> None:
+    def append_log(self, segment: str, offset: int, record: bytes) -> Callable[[], None]:
         # the record is appended after the chunk data it commits was written, so a reader on
-        # this machine never sees it before the data; then one flush round makes the chunks,
-        # new directories, metadata and the record durable together. A crash during that round
-        # may keep the record and lose data: the record's data crc tells (``reader``).
+        # this machine never sees it before the data; the returned round makes the chunks, new
+        # directories, metadata and the record durable together. A crash during that round may
+        # keep the record and lose data: the record's data crc tells (``reader``).
         files, dirs = self._unsynced.pop(segment, ({}, set()))
         opened = self._open.get(segment, {})
         if not self.durable:  # nothing to sync: close instead (on NFS, close flushes the data)
@@ -196,11 +197,24 @@ class DirBackend:
             except BaseException:
                 os.ftruncate(fd, offset)  # a record that failed half-way is not left for the next one
                 raise
-            if self.durable:
-                sync_together([fd, *(opened.get(path, path) for path in files)], sorted(dirs))
+            if not self.durable:
+                return _no_flush
+            # the round syncs duplicates of the descriptors: the next batch's writes may close
+            # (evict) the originals meanwhile, and a closed number could be reused
+            targets = [os.dup(fd)] + [os.dup(opened[p]) if p in opened else p for p in files]
         finally:
             if own:
                 os.close(fd)
+
+        def flush_round() -> None:
+            try:
+                sync_together(targets, sorted(dirs))
+            finally:
+                for t in targets:
+                    if isinstance(t, int):
+                        os.close(t)
+
+        return flush_round
 
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
         base = self._data_dir(segment)
@@ -270,6 +284,10 @@ class DirBackend:
         files, dirs = self._unsynced.setdefault(segment, ({}, set()))
         files.setdefault(str(path), None)
         dirs.add(path.parent)  # Zarr replaces the file by a rename
+
+
+def _no_flush() -> None:
+    """The flush round of a store that is not durable."""
 
 
 #: chunk files a backend keeps open for writing per segment (older ones are closed, and synced by path).
@@ -357,12 +375,13 @@ class MemoryBackend:
         with self.state.lock:
             return bytes(self.state.logs.get(segment, b"")[offset:])
 
-    def publish_log(self, segment: str, offset: int, record: bytes) -> None:
+    def append_log(self, segment: str, offset: int, record: bytes) -> Callable[[], None]:
         with self.state.lock:
             log = self.state.logs.setdefault(segment, bytearray())
             if len(log) != offset:
                 raise FileExistsError(f"memory://{self.name} segment {segment}: commit log is not {offset} bytes long")
             log += record
+        return _no_flush
 
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
         with self.state.lock:

@@ -9,11 +9,18 @@ flush round (when the store is durable); readers trust only intact, backed recor
 writer killed in between leaves nothing visible, and its successor overwrites the orphaned
 bytes. Packing keeps a batch in one stretch of ``data`` (one chunk file unless it crosses a
 chunk boundary), so that round flushes a file or two and the log, not one file per array.
+
+Commits are grouped: ``submit`` writes a batch's bytes at once and hands it to the writer's
+committer thread, which names everything staged since its last round in one record and one
+flush round. A node that stages its next batch while the previous one is being made durable
+pays one flush round for several batches; ``write`` is ``submit`` and wait.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future, wait
 from typing import Callable
 
 import numpy as np
@@ -88,10 +95,17 @@ class SegmentWriter:
         self._raw = RawArray.of(self._data, DATA_ARRAY, np.dtype(np.uint8))
         # continue after the last committed batch (uncommitted bytes are overwritten)
         last = committed[-1] if committed else None
-        self._seqno = len(committed)
-        self._entries = last.end if last else 0
-        self._tokens = last.tok_end if last else 0
-        self._bytes = last.data_end if last and last.packed else 0  # packed batches come last
+        self._entries = last.end if last else 0  # committed
+        # where the next staged batch goes: seqno, entry, token, byte (packed batches come last)
+        self._next = (len(committed), self._entries, last.tok_end if last else 0,
+                      last.data_end if last and last.packed else 0)
+        self._lock = threading.Lock()  # staging and the committer's record; not its flush round
+        self._wake = threading.Condition(self._lock)
+        #: staged, not yet in a record: (batches, their refs, their future)
+        self._queue: list[tuple[list[Marker], list[EntryRef], Future]] = []
+        self._last: Future | None = None
+        self._failed: BaseException | None = None
+        self._committer: threading.Thread | None = None
 
     def _open_data(self) -> zarr.Array:
         # Zarr writes only the array's metadata; the chunks are written in place (``chunks``)
@@ -112,41 +126,112 @@ class SegmentWriter:
 
     def write(self, rows: list[StoredSequence]) -> list[EntryRef]:
         """Publish ``rows`` in batches of ``batch_size``; every returned ref is committed."""
-        if self._closed:
-            raise ValueError(f"writer of segment {self.segment!r} is closed: open a new one with store.writer()")
-        # group commit: every batch's bytes first, then one log record naming them all, made
-        # durable with the data in one flush round
-        seqno, e, t, b = self._seqno, self._entries, self._tokens, self._bytes
-        batches: list[Marker] = []
-        now = time.time()
-        for i in range(0, len(rows), self.batch_size):
-            batches.append(self._stage(rows[i:i + self.batch_size], seqno, e, t, b, now))
-            seqno, e, t, b = seqno + 1, batches[-1].end, batches[-1].tok_end, batches[-1].data_end
-        if not batches:
-            return []
-        if self._before_commit is not None:
-            self._before_commit()
-        record = log_record(batches)
-        try:
-            self._backend.publish_log(self.segment, self._log_end, record)
-        except FileExistsError as err:
-            raise SegmentConflict(
-                f"the commit log of segment {self.segment!r} grew past what this writer committed: another "
-                "writer is writing this segment; give every writer its own segment name"
-            ) from err
-        refs = [EntryRef(self.segment, i) for i in range(self._entries, e)]
-        self._seqno, self._entries, self._tokens, self._bytes = seqno, e, t, b
-        self._log_end += len(record)
-        return refs
+        return self.submit(rows).result()
+
+    def submit(self, rows: list[StoredSequence]) -> "Future[list[EntryRef]]":
+        """Write the bytes of ``rows`` (in batches of ``batch_size``) now and commit them with the
+        writer's next flush round; the future's refs are committed (durable when the store is)
+        when it resolves. Rows that cannot be stored raise ``ValueError`` here, before anything
+        is queued; a failed commit fails its future, every later one and this writer."""
+        done: Future[list[EntryRef]] = Future()
+        with self._lock:
+            self._check_open()
+            seqno, e, t, b = self._next
+            batches: list[Marker] = []
+            now = time.time()
+            for i in range(0, len(rows), self.batch_size):
+                batches.append(self._stage(rows[i:i + self.batch_size], seqno, e, t, b, now))
+                seqno, e, t, b = seqno + 1, batches[-1].end, batches[-1].tok_end, batches[-1].data_end
+            if not batches:
+                done.set_result([])
+                return done
+            refs = [EntryRef(self.segment, i) for i in range(self._next[1], e)]
+            self._next = (seqno, e, t, b)
+            self._queue.append((batches, refs, done))
+            self._last = done
+            if self._committer is None:
+                self._committer = threading.Thread(target=self._commit_rounds, daemon=True,
+                                                   name=f"commits of {self.segment}")
+                self._committer.start()
+            self._wake.notify()
+        return done
 
     def flush(self) -> None:
-        """Nothing is buffered between calls: ``write`` publishes what it was given."""
-        return None
+        """Wait until everything submitted is committed; raise what failed a commit."""
+        with self._lock:
+            last = self._last
+        if last is not None:
+            wait([last])
+        with self._lock:
+            failed = self._failed
+        if failed is not None:
+            raise failed  # the first failure (later futures fail for its sake)
 
     def close(self) -> None:
-        if not self._closed:
-            self._backend.release_segment(self.segment)
-        self._closed = True
+        """Commit what was submitted, stop the committer and release the segment."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._wake.notify()
+            committer = self._committer
+        if committer is not None:
+            committer.join()
+        self._backend.release_segment(self.segment)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"writer of segment {self.segment!r} is closed: open a new one with store.writer()")
+        if self._failed is not None:
+            raise RuntimeError(f"writer of segment {self.segment!r} failed to commit ({self._failed}): "
+                               "open a new one with store.writer()") from self._failed
+
+    def _commit_rounds(self) -> None:
+        """The committer thread: one log record and one flush round for everything staged since
+        the previous round, then the futures of what it committed resolve."""
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if not self._queue:
+                    return
+                work, self._queue = self._queue, []
+                try:
+                    if self._failed is not None:
+                        raise RuntimeError("an earlier commit of this writer failed") from self._failed
+                    if self._before_commit is not None:
+                        self._before_commit()
+                    record = log_record([m for batches, _, _ in work for m in batches])
+                    try:
+                        flush_round = self._backend.append_log(self.segment, self._log_end, record)
+                    except FileExistsError as err:
+                        raise SegmentConflict(
+                            f"the commit log of segment {self.segment!r} grew past what this writer committed: "
+                            "another writer is writing this segment; give every writer its own segment name"
+                        ) from err
+                    self._log_end += len(record)
+                except BaseException as err:
+                    self._fail(work, err)
+                    continue
+            try:
+                flush_round()  # outside the lock: the next batches are staged meanwhile
+            except BaseException as err:
+                with self._lock:
+                    self._fail(work, err)
+                continue
+            last = work[-1][0][-1]
+            with self._lock:
+                self._entries = last.end
+            for _, refs, done in work:
+                done.set_result(refs)
+
+    def _fail(self, work: list, err: BaseException) -> None:
+        """A round failed: its futures fail, and so does everything after (their records would
+        follow one that may not be durable)."""
+        if self._failed is None:
+            self._failed = err
+        for _, _, done in work:
+            done.set_exception(err)
 
     def __enter__(self) -> "SegmentWriter":
         return self

@@ -12,6 +12,7 @@ node's loop, a tiny HF engine, the Zarr trajectory store, the leases and the led
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from typing import Any
@@ -234,20 +235,30 @@ def test_an_episode_whose_engine_call_hangs_is_failed_at_its_deadline_and_requeu
 
 
 class _FullDisk:
-    """A trajectory writer on a full disk."""
+    """A trajectory writer on a full disk: writing a batch's bytes fails."""
 
-    def write(self, rows):
+    def submit(self, rows):
         raise OSError(28, "No space left on device")
 
     def flush(self):
         pass
 
 
+class _FullDiskAtCommit(_FullDisk):
+    """The disk fills up in the flush round: the batch's commit fails, after ``submit`` returned."""
+
+    def submit(self, rows):
+        failed: concurrent.futures.Future = concurrent.futures.Future()
+        failed.set_exception(OSError(28, "No space left on device"))
+        return failed
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop's error, re-raised
-def test_a_node_whose_loop_dies_reports_it_and_stops_renewing_its_leases(tmp_path, tiny_model, stop_after):
+@pytest.mark.parametrize("writer", [_FullDisk, _FullDiskAtCommit])
+def test_a_node_whose_loop_dies_reports_it_and_stops_renewing_its_leases(tmp_path, tiny_model, stop_after, writer):
     _, dl, node, _ = _rig(tmp_path, tiny_model, SingleTurn)
-    node.writer = _FullDisk()
+    node.writer = writer()
     stop_after((node, dl))
     _wait("the node's loop to end", lambda: not node._thread.is_alive())
     assert "No space left on device" in node.error

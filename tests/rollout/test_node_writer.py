@@ -312,3 +312,48 @@ def test_an_evaluation_task_waits_for_its_own_policy_version_only(tmp_path):
     asyncio.run(asyncio.wait_for(node._wait_for_version("solver", 60, timeout=5), 2))
     with pytest.raises(TimeoutError, match="solver v61"):
         asyncio.run(node._wait_for_version("solver", 61, timeout=0.3))
+
+
+@pytest.mark.timeout(60)
+def test_writes_the_next_batch_while_the_previous_commit_is_flushed(tmp_path, monkeypatch):
+    """While a batch's flush round is held, the writer writes the next batches (their bytes) and
+    completes none of them until each one's commit is durable; then all are completed."""
+    import threading
+
+    import storage.trajectories.backends as backends
+
+    held, started, real = threading.Event(), threading.Event(), backends.sync_together
+
+    def slow_disk(data_files=(), full=()):
+        started.set()
+        assert held.wait(30), "the test never released the flush round"
+        real(data_files, full)
+
+    monkeypatch.setattr(backends, "sync_together", slow_disk)
+    node, dl = _node(tmp_path, write_batch=2, flush_seconds=30.0)
+    node.inflight = {"still/0": None}  # episodes are still generating: write full batches only
+    submitted = []
+    submit = node.writer.submit
+    node.writer.submit = lambda rows: submitted.append(len(rows)) or submit(rows)
+
+    async def script():
+        _finish(node, [_traj(i) for i in range(2)])
+        t0 = time.monotonic()
+        while not started.is_set():
+            assert time.monotonic() - t0 < 15
+            await asyncio.sleep(0.01)
+        _finish(node, [_traj(i) for i in range(2, 6)])  # two more batches while the first flushes
+        while len(submitted) < 3:
+            assert time.monotonic() - t0 < 15, "the writer waited for the first commit before writing on"
+            await asyncio.sleep(0.01)
+        assert dl.batches == [] and len(node.writing) == 6  # nothing completed before it is durable
+        held.set()
+        while sum(len(ids) for _, ids in dl.batches) < 6:
+            assert time.monotonic() - t0 < 15
+            await asyncio.sleep(0.01)
+        node.inflight = {}
+
+    asyncio.run(_drive(node, script))
+    assert submitted == [2, 2, 2]
+    assert sorted(i for _, ids in dl.batches for i in ids) == [f"g{i}/0" for i in range(6)]
+    assert not node.writing and node.counters["episodes"] == 6
