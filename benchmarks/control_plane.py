@@ -225,7 +225,8 @@ def scale_run(n_nodes: int, grouped: bool, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="cp-bench-") as tmp:
         with LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=None,
                           host="127.0.0.1") as cluster, Client(cluster) as client:
-            kwargs = layer_kwargs(Path(tmp), args.batch_size, args.group_size, args.prefetch, not args.no_durable)
+            kwargs = layer_kwargs(Path(tmp), args.batch_size, args.group_size, args.prefetch, not args.no_durable,
+                                  args.max_staleness)
             dl = client.submit(DataLayer, actor=True, **kwargs).result()
             pid = next(iter(client.run(os.getpid).values()))
             args.client = client
@@ -283,6 +284,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prefetch", type=int, default=4)
+    ap.add_argument("--max-staleness", type=int, default=2,
+                    help="dataflow.max_staleness: admission lets about this many batches be in flight")
     ap.add_argument("--no-durable", action="store_true", help="no snapshot/journal (durable: false)")
     ap.add_argument("--baseline-root", default=None, help="also run the per-node pattern on this checkout")
     ap.add_argument("--index-sizes", default="1e4,1e5,1e6,1e7")

@@ -31,8 +31,9 @@ from astraflow.transport import call
 from astraflow.workloads.config import WorkloadConfig
 
 
-def layer_kwargs(tmp: Path, batch_size: int, group_size: int, prefetch: int, durable: bool) -> dict:
-    df = {"batch_size": batch_size, "prefetch_groups": prefetch, "lease_seconds": 30.0}
+def layer_kwargs(tmp: Path, batch_size: int, group_size: int, prefetch: int, durable: bool,
+                 max_staleness: int = 2) -> dict:
+    df = {"batch_size": batch_size, "prefetch_groups": prefetch, "lease_seconds": 30.0, "max_staleness": max_staleness}
     if "prefetch_covers_nodes" in DataflowConfig.model_fields:
         df["prefetch_covers_nodes"] = True
     ctl = tmp / "control"

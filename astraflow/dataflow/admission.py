@@ -209,9 +209,10 @@ def refill(layer: Any) -> None:
     # groups in rollout do, and they are passed separately): one rule for the whole call,
     # built when a source below its bound first asks (most calls find every source at it)
     admits_now = _lazy_rule(layer) if layer.cfg.admission == "version" else None
+    ahead = buffers.groups_ahead(mixer.weights)  # the buffers do not change here either
     while not layer.finished and proposals < max(len(layer._train), 1):
         rolling = buffers.rolling_by_source()
-        source = mixer.pick_source(layer.limit, rolling, buffers.groups_ahead(mixer.weights), admits_now)
+        source = mixer.pick_source(layer.limit, rolling, ahead, admits_now)
         if source is None or (layer.budget is not None and layer.budget <= 0):
             # refused groups: counted on the first policy, as the curator's skips are
             buffers.counts[first]["admission_refused"] += mixer.refused

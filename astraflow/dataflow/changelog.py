@@ -93,17 +93,26 @@ def _dumps(value: Any) -> bytes:
     return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+#: a value pickled to more bytes than this is followed by a new pickler rather than a cleared memo
+_BIG_PICKLE = 4 << 10
+
+
 def _dumps_each(values: list[Any]) -> list[bytes]:
     """Each value pickled on its own (``pickle.dumps``'s bytes), by one pickler: the values
     go into one buffer, the memo cleared after each (no value refers to another), and the
-    buffer is cut at their ends."""
+    buffer is cut at their ends. Clearing costs the memo table's size, which only grows: after
+    a big value (a served batch's items) a fresh pickler goes on."""
     out = io.BytesIO()
     pickler = _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
-    ends = []
+    ends = [0]
     for value in values:
         pickler.dump(value)
-        pickler.clear_memo()
         ends.append(out.tell())
+        if ends[-1] - ends[-2] > _BIG_PICKLE:  # its memo table grew, and clearing it costs its size
+            pickler = _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+        else:
+            pickler.clear_memo()
+    del ends[0]
     data, start, blobs = out.getbuffer(), 0, []
     for end in ends:
         blobs.append(bytes(data[start:end]))

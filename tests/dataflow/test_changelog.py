@@ -124,6 +124,14 @@ def test_entries_are_pickled_to_the_bytes_pickle_dumps_writes(tmp_path):
     assert {"task", "group", "node", "ready", "serving", "round", "result"} <= kinds, kinds
 
 
+def test_entries_after_a_big_one_are_still_pickle_dumps_bytes():
+    """After an entry that grew the pickler's memo (a served batch's items), the next ones are
+    pickled by a fresh pickler: the same bytes as ``pickle.dumps`` still."""
+    big = [changes.group_of(f"g{i}/0") + "/x" * (i % 7) for i in range(3000)] + [("t", i) for i in range(500)]
+    values = [{"a": 1}, big, ("task", {"k": [1, 2]}), big[:10], 3.5]
+    assert changelog._dumps_each(values) == [pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL) for v in values]
+
+
 def test_a_record_holds_what_changed_not_what_is_outstanding(tmp_path):
     paths = Paths(tmp_path)
     layer = DataLayer(
