@@ -189,7 +189,9 @@ class EmuNode:
 
 
 class WorkerWriter:
-    """The segment of one emulated worker: what its nodes finished, written every ``flush_s``."""
+    """The segment of one emulated worker: what its nodes finished, written every ``flush_s``.
+    As a node's writer does, each batch is staged at once and completed once its commit is
+    durable, while the next ones are written (a checkout without ``submit`` waits for each)."""
 
     def __init__(self, writer: Any, flush_s: float):
         self.writer, self.flush_s = writer, flush_s
@@ -199,16 +201,29 @@ class WorkerWriter:
         self.finished.append((node, traj))
 
     async def run(self) -> None:
+        committing: set[asyncio.Task] = set()
+        submit = getattr(self.writer, "submit", None)
         while True:
             await asyncio.sleep(self.flush_s)
+            for t in [t for t in committing if t.done()]:
+                committing.discard(t)
+                t.result()  # a failed commit or completion ends the writer (and the benchmark)
             if not self.finished:
                 continue
             batch, self.finished = self.finished, []
-            trajs = [t for _, t in batch]
-            entry_refs = await asyncio.to_thread(self.writer.write, [r for t in trajs for r in t.to_stored()])
-            per_node: dict[EmuNode, tuple[list, list]] = {}
-            for (node, traj), ref in zip(batch, refs_of(trajs, entry_refs)):
-                mine = per_node.setdefault(node, ([], []))
-                mine[0].append(traj)
-                mine[1].append(ref)
-            await asyncio.gather(*(node.complete(ts, rs) for node, (ts, rs) in per_node.items()))
+            rows = [r for _, t in batch for r in t.to_stored()]
+            if submit is None:
+                await self._complete(batch, asyncio.to_thread(self.writer.write, rows))
+                continue
+            written = await asyncio.to_thread(submit, rows)
+            committing.add(asyncio.get_running_loop().create_task(self._complete(batch, asyncio.wrap_future(written))))
+
+    async def _complete(self, batch: list[tuple[EmuNode, Trajectory]], written: Any) -> None:
+        trajs = [t for _, t in batch]
+        entry_refs = await written
+        per_node: dict[EmuNode, tuple[list, list]] = {}
+        for (node, traj), ref in zip(batch, refs_of(trajs, entry_refs)):
+            mine = per_node.setdefault(node, ([], []))
+            mine[0].append(traj)
+            mine[1].append(ref)
+        await asyncio.gather(*(node.complete(ts, rs) for node, (ts, rs) in per_node.items()))

@@ -68,11 +68,16 @@ created at its full size first), reading fetches one range per array per batch. 
 only the array's metadata. ``data`` is over-allocated and resized only by the segment's
 writer; the committed length lives in the commit records, never in the array shape.
 
-A ``write`` call publishes its rows in batches of ``batch_size`` in two steps: (1) the bytes of
-every batch are written; (2) one record naming all of them is appended to the commit
-log and, when ``durable``, the touched chunk files, new directories, new or resized
-``zarr.json`` files and the log are flushed in one concurrent round (one journal commit, not
-one for the data and another for a marker's name). Readers trust only intact records that
+A ``submit`` call publishes its rows in batches of ``batch_size`` in two steps: (1) the bytes
+of every batch are written, at once, in the caller's thread; (2) the writer's committer
+thread appends one record naming every batch staged since its last one to the commit log
+and, when ``durable``, flushes the touched chunk files, new directories, new or resized
+``zarr.json`` files and the log in one concurrent round (one journal commit, not one for the
+data and another for a marker's name); then the futures ``submit`` returned resolve with
+their refs. Batches staged while a round flushes go into the next record together, so a
+node that writes on while its last batch commits pays one round for several; ``write`` is
+``submit`` and wait, and records follow each other only after the round before returned.
+A failed round fails its futures, every later one and the writer. Readers trust only intact records that
 continue the ones before, so an entry whose writer died between (1) and (2) is never visible.
 A machine crash during the round can keep the record and lose data it names, so the last
 record counts only if a later record follows it (written after its round returned), if this

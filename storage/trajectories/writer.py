@@ -100,6 +100,7 @@ class SegmentWriter:
         self._next = (len(committed), self._entries, last.tok_end if last else 0,
                       last.data_end if last and last.packed else 0)
         self._lock = threading.Lock()  # staging and the committer's record; not its flush round
+        self._rounds = threading.Lock()  # one commit round at a time (taken before ``_lock``)
         self._wake = threading.Condition(self._lock)
         #: staged, not yet in a record: (batches, their refs, their future)
         self._queue: list[tuple[list[Marker], list[EntryRef], Future]] = []
@@ -126,13 +127,27 @@ class SegmentWriter:
 
     def write(self, rows: list[StoredSequence]) -> list[EntryRef]:
         """Publish ``rows`` in batches of ``batch_size``; every returned ref is committed."""
-        return self.submit(rows).result()
+        done = self._queue_rows(rows)
+        if self._rounds.acquire(blocking=False):  # no round is running: commit here, no thread switch
+            try:
+                self._commit_round()
+            finally:
+                self._rounds.release()
+        else:
+            self._wake_committer()
+        return done.result()
 
     def submit(self, rows: list[StoredSequence]) -> "Future[list[EntryRef]]":
         """Write the bytes of ``rows`` (in batches of ``batch_size``) now and commit them with the
         writer's next flush round; the future's refs are committed (durable when the store is)
         when it resolves. Rows that cannot be stored raise ``ValueError`` here, before anything
         is queued; a failed commit fails its future, every later one and this writer."""
+        done = self._queue_rows(rows)
+        self._wake_committer()
+        return done
+
+    def _queue_rows(self, rows: list[StoredSequence]) -> "Future[list[EntryRef]]":
+        """Stage ``rows`` and queue them for the next round (``submit`` without the wake-up)."""
         done: Future[list[EntryRef]] = Future()
         with self._lock:
             self._check_open()
@@ -149,12 +164,15 @@ class SegmentWriter:
             self._next = (seqno, e, t, b)
             self._queue.append((batches, refs, done))
             self._last = done
+        return done
+
+    def _wake_committer(self) -> None:
+        with self._lock:
             if self._committer is None:
                 self._committer = threading.Thread(target=self._commit_rounds, daemon=True,
                                                    name=f"commits of {self.segment}")
                 self._committer.start()
             self._wake.notify()
-        return done
 
     def flush(self) -> None:
         """Wait until everything submitted is committed; raise what failed a commit."""
@@ -187,43 +205,51 @@ class SegmentWriter:
                                "open a new one with store.writer()") from self._failed
 
     def _commit_rounds(self) -> None:
-        """The committer thread: one log record and one flush round for everything staged since
-        the previous round, then the futures of what it committed resolve."""
+        """The committer thread: a round whenever something is staged, until the writer closes."""
         while True:
             with self._lock:
                 while not self._queue and not self._closed:
                     self._wake.wait()
                 if not self._queue:
                     return
-                work, self._queue = self._queue, []
-                try:
-                    if self._failed is not None:
-                        raise RuntimeError("an earlier commit of this writer failed") from self._failed
-                    if self._before_commit is not None:
-                        self._before_commit()
-                    record = log_record([m for batches, _, _ in work for m in batches])
-                    try:
-                        flush_round = self._backend.append_log(self.segment, self._log_end, record)
-                    except FileExistsError as err:
-                        raise SegmentConflict(
-                            f"the commit log of segment {self.segment!r} grew past what this writer committed: "
-                            "another writer is writing this segment; give every writer its own segment name"
-                        ) from err
-                    self._log_end += len(record)
-                except BaseException as err:
-                    self._fail(work, err)
-                    continue
+            with self._rounds:
+                self._commit_round()
+
+    def _commit_round(self) -> None:
+        """One log record and one flush round for everything staged so far, then the futures of
+        what it committed resolve. Run holding ``_rounds``, so records keep the order of staging."""
+        with self._lock:
+            work, self._queue = self._queue, []
+            if not work:
+                return
             try:
-                flush_round()  # outside the lock: the next batches are staged meanwhile
+                if self._failed is not None:
+                    raise RuntimeError("an earlier commit of this writer failed") from self._failed
+                if self._before_commit is not None:
+                    self._before_commit()
+                record = log_record([m for batches, _, _ in work for m in batches])
+                try:
+                    flush_round = self._backend.append_log(self.segment, self._log_end, record)
+                except FileExistsError as err:
+                    raise SegmentConflict(
+                        f"the commit log of segment {self.segment!r} grew past what this writer committed: "
+                        "another writer is writing this segment; give every writer its own segment name"
+                    ) from err
+                self._log_end += len(record)
             except BaseException as err:
-                with self._lock:
-                    self._fail(work, err)
-                continue
-            last = work[-1][0][-1]
+                self._fail(work, err)
+                return
+        try:
+            flush_round()  # outside the lock: the next batches are staged meanwhile
+        except BaseException as err:
             with self._lock:
-                self._entries = last.end
-            for _, refs, done in work:
-                done.set_result(refs)
+                self._fail(work, err)
+            return
+        last = work[-1][0][-1]
+        with self._lock:
+            self._entries = last.end
+        for _, refs, done in work:
+            done.set_result(refs)
 
     def _fail(self, work: list, err: BaseException) -> None:
         """A round failed: its futures fail, and so does everything after (their records would
