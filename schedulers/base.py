@@ -121,7 +121,8 @@ class Scheduler(Protocol):
         """Cancel the jobs a previous incarnation of this run started that are still active,
         and return them as they were. `records` are the `JobRef`s that incarnation recorded;
         a job is cancelled only when the backend can verify it is still that job (a reused pid
-        or job id is left alone). Call it before this incarnation submits anything."""
+        or job id is left alone). Returns once they ended (their processes are gone). Call it
+        before this incarnation submits anything."""
         ...
 
     def close(self) -> None:

@@ -194,6 +194,7 @@ class SlurmScheduler:
     `setup_lines`: shell lines run before the worker (``module load ...``, ``source venv/bin/activate``),
     as written: they are the run owner's shell, not quoted values.
     `tag`: the ``--comment`` that marks this run's jobs. `command_timeout`: per Slurm command.
+    `cancel_wait_s`: how long `cancel_previous` waits for the jobs it cancelled to end.
     """
 
     kind = "slurm"
@@ -211,6 +212,7 @@ class SlurmScheduler:
         death_timeout: float = 60,
         command_timeout: float = 30.0,
         tls: TLSFiles | None = None,
+        cancel_wait_s: float = 120.0,
     ):
         if not _TAG.match(tag):
             raise ValueError(f"tag {tag!r}: use 1-64 letters, digits, '_', '.', ':' or '-'")
@@ -224,6 +226,7 @@ class SlurmScheduler:
         self.tag = tag
         self.death_timeout = death_timeout
         self.command_timeout = command_timeout
+        self.cancel_wait_s = cancel_wait_s
         self.tls = tls
         self._submitted: dict[str, JobRef] = {}
         self._template = environment().get_template(WORKER_TEMPLATE)
@@ -328,7 +331,30 @@ class SlurmScheduler:
         stale = [j for j in self.jobs() if j.active and j.job_id not in self._submitted]
         if stale:
             run_slurm(["scancel", *(j.job_id for j in stale)], timeout=self.command_timeout)
+            self._wait_ended([j.job_id for j in stale], self.cancel_wait_s)
         return stale
+
+    def _wait_ended(self, job_ids: Sequence[str], deadline_s: float) -> None:
+        """Until none of ``job_ids`` is active (gone from ``squeue`` counts as ended): a cancelled
+        job's processes run on until they exit or Slurm kills them (its ``KillWait``), and a worker
+        of a previous incarnation must not write into a run directory the next one is cleaning
+        up. `SlurmWaitTimeout` when some are still active after ``deadline_s``."""
+        deadline, left = time.monotonic() + deadline_s, set(job_ids)
+        seen: dict[str, JobStatus | None] = {j: None for j in left}
+        failed: SlurmCommandError | None = None
+        for _ in _first_then(backoff(deadline)):
+            try:
+                listed = self.jobs()
+            except SlurmCommandError as err:  # squeue did not answer this time: ask again
+                failed = err
+                continue
+            seen = {s.job_id: s for s in listed if s.job_id in left and s.active}
+            left = set(seen)
+            if not left:
+                return
+        states = ", ".join(f"{j} {s.raw_state or s.state if s else 'unknown'}" for j, s in sorted(seen.items()))
+        why = f" (the last squeue failed: {failed})" if failed is not None else ""
+        raise SlurmWaitTimeout(f"cancelled jobs still running after {deadline_s:g} s: {states}{why}", seen)
 
     def jobs(self) -> list[JobStatus]:
         me = getpass.getuser()

@@ -109,7 +109,8 @@ def cancel_previous_jobs(paths: RunPaths, cluster: ClusterConfig, partitions: It
     settled and dropped."""
     from astraflow.runtime.control import PartitionError, read_desired_file
     from astraflow.runtime.reconcile import run_scheduler
-    from schedulers.slurm import SlurmCommandError
+    from astraflow.runtime.workers import RunFailed
+    from schedulers.slurm import SlurmCommandError, SlurmWaitTimeout
 
     records = read_job_records(paths)
     try:
@@ -122,6 +123,9 @@ def cancel_previous_jobs(paths: RunPaths, cluster: ClusterConfig, partitions: It
         mine = [r for r in records if r.kind == kind]
         try:
             stale = run_scheduler(kind, paths, cluster, None).cancel_previous(mine)
+        except SlurmWaitTimeout as err:  # cancelled, and may still write into the run directory
+            raise RunFailed(f"{kind} jobs of a previous incarnation of this run were cancelled but have not "
+                            f"ended ({err}): run again once `squeue --me` no longer lists them") from None
         except (SlurmCommandError, OSError) as err:
             found.errors[kind] = f"{type(err).__name__}: {err}"
             progress.note(f"could not check for {kind} jobs left by a previous incarnation of this run: "

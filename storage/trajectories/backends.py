@@ -34,8 +34,9 @@ class StoreBackend(Protocol):
     touched, and returns the flush round that makes all of it durable (a no-op when not
     durable); the round may run while the segment's next chunks are written, but calls for one
     segment must not overlap each other. ``read_log``: the log's bytes from ``offset`` (``b""``
-    if absent). ``prepare_segment``: the writer of a segment starts, its log's valid records end at ``log_end`` (what follows
-    is cut off). Commit markers (``list_markers``/``read_marker``) are read only: segments
+    if absent). ``sync_metadata``: a metadata file just replaced is made durable now.
+    ``prepare_segment``: the writer of a segment starts, its log's valid records end at
+    ``log_end`` (what follows is cut off). Commit markers (``list_markers``/``read_marker``) are read only: segments
     written before the commit log have them. ``release_segment``: the segment's writer is
     closed (files kept open for it may close). ``read_metadata``: a segment's Zarr metadata
     file (``<array>/zarr.json``), ``None`` if absent."""
@@ -59,6 +60,7 @@ class StoreBackend(Protocol):
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None: ...
     def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None: ...
     def metadata_changed(self, segment: str, key: str) -> None: ...
+    def sync_metadata(self, segment: str, key: str) -> None: ...
     def release_segment(self, segment: str) -> None: ...
     def read_metadata(self, segment: str, key: str) -> bytes | None: ...
 
@@ -185,11 +187,17 @@ class DirBackend:
                 _close(opened, path)
         fd = self._logs.get(segment)
         own = fd is None
-        if own:
-            fd = os.open(paths.commit_log(self.root, segment), os.O_WRONLY)
+        targets: list[int | str] = []
         try:
+            if own:
+                fd = os.open(paths.commit_log(self.root, segment), os.O_WRONLY)
             if os.fstat(fd).st_size != offset:
                 raise FileExistsError(f"commit log of segment {segment} in {self.root} is not {offset} bytes long")
+            if self.durable:
+                # the round syncs duplicates of the descriptors: the next batch's writes may
+                # close (evict) the originals meanwhile, and a closed number could be reused
+                targets.append(os.dup(fd))
+                targets += [os.dup(opened[p]) if p in opened else p for p in files]
             try:
                 done = 0
                 while done < len(record):
@@ -197,24 +205,31 @@ class DirBackend:
             except BaseException:
                 os.ftruncate(fd, offset)  # a record that failed half-way is not left for the next one
                 raise
-            if not self.durable:
-                return _no_flush
-            # the round syncs duplicates of the descriptors: the next batch's writes may close
-            # (evict) the originals meanwhile, and a closed number could be reused
-            targets = [os.dup(fd)] + [os.dup(opened[p]) if p in opened else p for p in files]
+        except BaseException:
+            _close_all(targets)
+            if self.durable:  # still to be synced, with the next record
+                later = self._unsynced.setdefault(segment, ({}, set()))
+                later[0].update(files)
+                later[1].update(dirs)
+            raise
         finally:
-            if own:
+            if own and fd is not None:
                 os.close(fd)
+        if not self.durable:
+            return _no_flush
 
         def flush_round() -> None:
             try:
                 sync_together(targets, sorted(dirs))
             finally:
-                for t in targets:
-                    if isinstance(t, int):
-                        os.close(t)
+                _close_all(targets)
 
         return flush_round
+
+    def sync_metadata(self, segment: str, key: str) -> None:
+        if self.durable:
+            path = paths.segment_data_dir(self.root, segment) / key
+            sync_together([], [path, path.parent])  # Zarr replaced it by a rename
 
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
         base = self._data_dir(segment)
@@ -288,6 +303,12 @@ class DirBackend:
 
 def _no_flush() -> None:
     """The flush round of a store that is not durable."""
+
+
+def _close_all(targets: list) -> None:
+    for t in targets:
+        if isinstance(t, int):
+            os.close(t)
 
 
 #: chunk files a backend keeps open for writing per segment (older ones are closed, and synced by path).
@@ -406,6 +427,9 @@ class MemoryBackend:
                 buf[at:at + nbytes] = old.as_numpy_array()[offset:offset + nbytes] if old is not None else bytes(nbytes)
 
     def metadata_changed(self, segment: str, key: str) -> None:
+        return None
+
+    def sync_metadata(self, segment: str, key: str) -> None:
         return None
 
     def release_segment(self, segment: str) -> None:

@@ -149,6 +149,7 @@ class SegmentWriter:
     def _queue_rows(self, rows: list[StoredSequence]) -> "Future[list[EntryRef]]":
         """Stage ``rows`` and queue them for the next round (``submit`` without the wake-up)."""
         done: Future[list[EntryRef]] = Future()
+        done.set_running_or_notify_cancel()  # the commit happens whoever waits: not cancellable
         with self._lock:
             self._check_open()
             seqno, e, t, b = self._next
@@ -195,7 +196,8 @@ class SegmentWriter:
             committer = self._committer
         if committer is not None:
             committer.join()
-        self._backend.release_segment(self.segment)
+        with self._rounds:  # a ``write`` committing in another thread finishes first
+            self._backend.release_segment(self.segment)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -217,12 +219,14 @@ class SegmentWriter:
 
     def _commit_round(self) -> None:
         """One log record and one flush round for everything staged so far, then the futures of
-        what it committed resolve. Run holding ``_rounds``, so records keep the order of staging."""
+        what it committed resolve. Run holding ``_rounds``, so records keep the order of staging.
+        Whatever fails it fails its futures and the writer (never the committer thread)."""
         with self._lock:
             work, self._queue = self._queue, []
-            if not work:
-                return
-            try:
+        if not work:
+            return
+        try:
+            with self._lock:
                 if self._failed is not None:
                     raise RuntimeError("an earlier commit of this writer failed") from self._failed
                 if self._before_commit is not None:
@@ -236,28 +240,18 @@ class SegmentWriter:
                         "another writer is writing this segment; give every writer its own segment name"
                     ) from err
                 self._log_end += len(record)
-            except BaseException as err:
-                self._fail(work, err)
-                return
-        try:
             flush_round()  # outside the lock: the next batches are staged meanwhile
+            with self._lock:
+                self._entries = work[-1][0][-1].end
         except BaseException as err:
             with self._lock:
-                self._fail(work, err)
+                if self._failed is None:  # later rounds fail for its sake: their records would
+                    self._failed = err    # follow one that may not be durable
+            for _, _, done in work:
+                done.set_exception(err)
             return
-        last = work[-1][0][-1]
-        with self._lock:
-            self._entries = last.end
         for _, refs, done in work:
             done.set_result(refs)
-
-    def _fail(self, work: list, err: BaseException) -> None:
-        """A round failed: its futures fail, and so does everything after (their records would
-        follow one that may not be durable)."""
-        if self._failed is None:
-            self._failed = err
-        for _, _, done in work:
-            done.set_exception(err)
 
     def __enter__(self) -> "SegmentWriter":
         return self
@@ -273,7 +267,8 @@ class SegmentWriter:
         if needed > cap:
             new = -(-max(needed, 4 * cap, _FIRST_CHUNKS * chunk) // chunk) * chunk
             self._data.resize((new,))
-            self._backend.metadata_changed(self.segment, f"{DATA_ARRAY}/zarr.json")
+            # durable now: a flush round running meanwhile would sync it by path while Zarr replaces it
+            self._backend.sync_metadata(self.segment, f"{DATA_ARRAY}/zarr.json")
 
     def _stage(self, batch: list[StoredSequence], seqno: int, e0: int, t0: int, b0: int, now: float) -> Marker:
         """Write the bytes of ``batch`` (entries from ``e0``, tokens from ``t0``) packed at byte

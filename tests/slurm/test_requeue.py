@@ -140,3 +140,53 @@ def test_a_resume_cancels_the_jobs_its_previous_incarnation_left_and_no_other(tm
         assert _job(other).get("job_state") in ("PENDING", "RUNNING")  # untouched
     finally:
         run_slurm(["scancel", left.job_id, other])
+
+
+def _slow_to_end(tmp_path: Path, paths: RunPaths, part: Partition, index: int) -> str:
+    """A job of the run's tag, named as a worker of ``part``, whose shell takes 3 s to exit
+    after SIGTERM (as a worker finishing a write would; Slurm's KillWait here is 5 s)."""
+    from schedulers.partition import worker_name
+
+    return run_slurm(["sbatch", "--parsable", f"--partition={part.slurm_partition}", "--time=5",
+                      f"--comment={run_tag(paths)}", f"--job-name={worker_name(part, index)}",
+                      f"--output={tmp_path / f'slow-{index}.log'}",
+                      "--wrap", "trap 'sleep 3; exit 0' TERM; while true; do sleep 0.2; done"]).strip().split(";")[0]
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(120)
+def test_a_resume_waits_until_the_cancelled_jobs_have_ended(tmp_path, monkeypatch):
+    """A cancelled job's processes run on until they exit: the resume goes on only once they
+    have ended (a worker of the previous incarnation must not write into the run directory the
+    next one cleans up), and a job that does not end in time stops the resume, named."""
+    import time
+
+    import astraflow.runtime.reconcile as reconcile
+    from astraflow.runtime.workers import RunFailed
+
+    paths = RunPaths(tmp_path / "run").make()
+    part = Partition(name="h100", scheduler="slurm", slurm_partition="h100", role="rollout", walltime="5")
+    jobs = SlurmScheduler(paths.jobs, tag=run_tag(paths))
+    slow = _slow_to_end(tmp_path, paths, part, 0)
+    try:
+        jobs.wait_for([slow], ["RUNNING"], deadline_s=30)
+        t0 = time.monotonic()
+        found = cancel_previous_jobs(paths, ClusterConfig(), [part], Progress(enabled=False))
+        assert [j["job_id"] for j in found.cancelled] == [slow]
+        assert time.monotonic() - t0 >= 2.0, "returned while the cancelled job was still ending"
+        assert _job(slow).get("job_state") not in ("PENDING", "RUNNING", "COMPLETING")
+
+        slower = _slow_to_end(tmp_path, paths, part, 1)
+        jobs.wait_for([slower], ["RUNNING"], deadline_s=30)
+        run_scheduler = reconcile.run_scheduler
+
+        def impatient(*args, **kwargs):
+            backend = run_scheduler(*args, **kwargs)
+            backend.cancel_wait_s = 0.5
+            return backend
+
+        monkeypatch.setattr(reconcile, "run_scheduler", impatient)
+        with pytest.raises(RunFailed, match=f"have not ended.*{slower}.*squeue"):
+            cancel_previous_jobs(paths, ClusterConfig(), [part], Progress(enabled=False))
+    finally:
+        run_slurm(["scancel", slow, *([slower] if "slower" in locals() else [])])

@@ -127,3 +127,23 @@ def test_rows_that_cannot_be_stored_are_refused_before_anything_is_queued(tmp_pa
     got = open_trajectory_store(str(tmp_path / "store"), "r").read(refs)
     assert all(rows_equal(make_row(5, i), got[i]) for i in range(3))
     w.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_commit_goes_on_whoever_stops_waiting_for_it(tmp_path, monkeypatch):
+    """A caller that stops waiting (an asyncio task cancelled while awaiting the future)
+    cannot cancel the commit: the batch is committed and later ones are too."""
+    rounds = _HeldRounds(monkeypatch)
+    root = tmp_path / "store"
+    w = open_trajectory_store(str(root)).writer("seg", batch_size=4)
+    first = w.submit([make_row(6, i) for i in range(4)])
+    rounds.wait_started()
+    assert not first.cancel()
+    rounds.release.release()
+    assert [r.index for r in first.result(30)] == [0, 1, 2, 3]
+    later = w.submit([make_row(6, i) for i in range(4, 8)])
+    rounds.wait_started()
+    rounds.release.release()
+    assert [r.index for r in later.result(30)] == [4, 5, 6, 7]
+    w.close()
+    assert open_trajectory_store(str(root), "r").count("seg") == 8
