@@ -2,27 +2,23 @@
 
 Why it exists: the writer and the reader speak to one small protocol (``StoreBackend``), and
 two implementations answer it: a directory on a shared filesystem (many processes; a commit
-log per segment, appended and made durable with the chunk data in one flush round) and an
-in-process registry by name
-(``memory://<name>``; tests and the embedded default). ``open_backend`` picks one from a URL.
+log per segment, appended and made durable with the chunk data in one flush round; here) and
+an in-process registry by name (``memory://<name>``, tests and the embedded default;
+``memory``). ``open_backend`` picks one from a URL.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-import numpy as np
-from zarr.core.buffer import default_buffer_prototype
-from zarr.storage import LocalStore, MemoryStore
+from zarr.storage import LocalStore
 
 from storage import paths
 from storage.atomic import create_atomically, fsync_path, sync_together, write_atomically
 from storage.trajectories.chunks import Piece
-
-_BUFFERS = default_buffer_prototype()
+from storage.trajectories.memory import open_memory_backend
 
 
 class StoreBackend(Protocol):
@@ -331,133 +327,12 @@ def _make_dirs(d: Path, base: Path) -> list[Path]:
     return changed + [d.parent]
 
 
-class _MemoryState:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.layout: bytes | None = None
-        self.zarr: dict[str, dict] = {}
-        self.markers: dict[str, dict[int, bytes]] = {}
-        self.logs: dict[str, bytearray] = {}
-
-
-#: in-process stores by name (``memory://<name>``); lives as long as the process.
-_MEMORY_STORES: dict[str, _MemoryState] = {}
-_MEMORY_LOCK = threading.Lock()
-
-
-class MemoryBackend:
-    """An in-process store (``memory://<name>``): the same semantics within one process."""
-
-    supports_multiprocess = False
-    durable = False
-
-    def __init__(self, name: str, state: _MemoryState):
-        self.name = name
-        self.state = state
-
-    def describe(self) -> str:
-        return f"memory://{self.name}"
-
-    def read_layout(self) -> bytes | None:
-        return self.state.layout
-
-    def create_layout(self, data: bytes) -> None:
-        with self.state.lock:
-            if self.state.layout is None:
-                self.state.layout = data
-
-    def replace_layout(self, data: bytes) -> None:
-        with self.state.lock:
-            self.state.layout = data
-
-    def list_segments(self) -> list[str]:
-        with self.state.lock:
-            return sorted(self.state.markers)
-
-    def zarr_store(self, segment: str, read_only: bool) -> Any:
-        with self.state.lock:
-            d = self.state.zarr.setdefault(segment, {})
-        return MemoryStore(store_dict=d, read_only=read_only)
-
-    def prepare_segment(self, segment: str, log_end: int) -> None:
-        with self.state.lock:
-            self.state.markers.setdefault(segment, {})
-            del self.state.logs.setdefault(segment, bytearray())[log_end:]
-
-    def list_markers(self, segment: str) -> list[int]:
-        with self.state.lock:
-            return sorted(self.state.markers.get(segment, {}))
-
-    def read_marker(self, segment: str, seqno: int) -> bytes | None:
-        with self.state.lock:
-            return self.state.markers.get(segment, {}).get(seqno)
-
-    def read_log(self, segment: str, offset: int) -> bytes:
-        with self.state.lock:
-            return bytes(self.state.logs.get(segment, b"")[offset:])
-
-    def append_log(self, segment: str, offset: int, record: bytes) -> Callable[[], None]:
-        with self.state.lock:
-            log = self.state.logs.setdefault(segment, bytearray())
-            if len(log) != offset:
-                raise FileExistsError(f"memory://{self.name} segment {segment}: commit log is not {offset} bytes long")
-            log += record
-        return _no_flush
-
-    def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
-        with self.state.lock:
-            d = self.state.zarr.setdefault(segment, {})
-            for key, chunk_bytes, offset, nbytes, at in pieces:
-                old = d.get(key)
-                chunk = old.as_numpy_array() if old is not None else None
-                if chunk is None or not chunk.flags.writeable or len(chunk) != chunk_bytes:
-                    # a chunk of its own, written in place from now on (as a file is)
-                    fresh = np.zeros(chunk_bytes, np.uint8)
-                    if chunk is not None:
-                        fresh[:min(len(chunk), chunk_bytes)] = chunk[:chunk_bytes]
-                    chunk = fresh
-                    d[key] = _BUFFERS.buffer.from_array_like(chunk)
-                chunk[offset:offset + nbytes] = np.frombuffer(buf[at:at + nbytes], np.uint8)
-
-    def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
-        with self.state.lock:
-            d = self.state.zarr.get(segment, {})
-            for key, chunk_bytes, offset, nbytes, at in pieces:
-                old = d.get(key)
-                buf[at:at + nbytes] = old.as_numpy_array()[offset:offset + nbytes] if old is not None else bytes(nbytes)
-
-    def metadata_changed(self, segment: str, key: str) -> None:
-        return None
-
-    def sync_metadata(self, segment: str, key: str) -> None:
-        return None
-
-    def release_segment(self, segment: str) -> None:
-        return None
-
-    def read_metadata(self, segment: str, key: str) -> bytes | None:
-        with self.state.lock:
-            buf = self.state.zarr.get(segment, {}).get(key)
-        return None if buf is None else buf.to_bytes()
-
-
 def open_backend(url: str, mode: str, durable: bool) -> StoreBackend:
     """The backend a store URL names: ``memory://<name>``, ``file:///abs/path`` or a directory
     path. ``mode="a"`` creates a memory store that does not exist and checks that a directory
     is writable; ``mode="r"`` refuses a memory store that does not exist."""
     if url.startswith("memory://"):
-        name = url[len("memory://"):]
-        paths.check_name("memory store", name)
-        with _MEMORY_LOCK:
-            state = _MEMORY_STORES.get(name)
-            if state is None and mode == "a":
-                state = _MEMORY_STORES[name] = _MemoryState()
-        if state is None:
-            raise FileNotFoundError(
-                f"no in-process trajectory store {url!r}: open it with mode='a' first (memory stores "
-                "exist only inside the process that created them)"
-            )
-        return MemoryBackend(name, state)
+        return open_memory_backend(url[len("memory://"):], mode)
     if "://" in url and not url.startswith("file://"):
         scheme = url.split("://", 1)[0]
         raise ValueError(

@@ -167,7 +167,7 @@ def test_a_resume_waits_until_the_cancelled_jobs_have_ended(tmp_path, monkeypatc
     paths = RunPaths(tmp_path / "run").make()
     part = Partition(name="h100", scheduler="slurm", slurm_partition="h100", role="rollout", walltime="5")
     jobs = SlurmScheduler(paths.jobs, tag=run_tag(paths))
-    slow = _slow_to_end(tmp_path, paths, part, 0)
+    slow, slower = _slow_to_end(tmp_path, paths, part, 0), None
     try:
         jobs.wait_for([slow], ["RUNNING"], deadline_s=30)
         t0 = time.monotonic()
@@ -189,4 +189,4 @@ def test_a_resume_waits_until_the_cancelled_jobs_have_ended(tmp_path, monkeypatc
         with pytest.raises(RunFailed, match=f"have not ended.*{slower}.*squeue"):
             cancel_previous_jobs(paths, ClusterConfig(), [part], Progress(enabled=False))
     finally:
-        run_slurm(["scancel", slow, *([slower] if "slower" in locals() else [])])
+        run_slurm(["scancel", slow, *([slower] if slower else [])])
