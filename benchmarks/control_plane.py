@@ -3,9 +3,12 @@
 What runs: a real ``DataLayer`` actor on a real Dask ``LocalCluster`` worker (processes=True,
 Dask's quiet settings), with its durability snapshot and ledger journal, and the real
 trajectory store on disk in a temp dir. 10, 100 and 1,000 emulated RaaS nodes
-(``control_plane_nodes.EmuNode``: heartbeats, leases, a short sleep per episode, tiny
-trajectories through the real segment writer, completions) run on one asyncio loop in this
-process, grouped ``--nodes-per-worker`` to a worker; a consumer takes ``--batch-size``
+(``control_plane_nodes.EmuNode``: heartbeats, leases, a timer per episode, tiny
+trajectories through the real segment writer, completions) run on the asyncio loops of
+``--emulator-procs`` processes of their own (as node groups run in worker processes of their
+own; 0: on this process's loop), grouped ``--nodes-per-worker`` to a worker, a worker's nodes
+in one process; every caller calls the actor's worker directly, as callers on Dask workers
+do (not through the scheduler). A consumer in this process takes ``--batch-size``
 sequence batches and publishes a version after each. The data layer serves batches by
 reference, so the consumer does what a trainer does: it reads each batch's rows from the store
 and makes the ``Batch``, in a process of its own (the emulated trainer's; its CPU per sequence
@@ -24,7 +27,10 @@ Measured in a window of ``--seconds`` after ``--warmup``: trajectories/s complet
 and sequences/s batched (``traj_per_s_1000_nodes`` in the result is the lower of the two: what
 flows end to end); p50/p99 latency of lease, heartbeat, complete and next_batch as the
 nodes and the consumer see them, and inside the data layer (``dl_*``: entry to answer, from its
-``state()["service_ms"]``); the data-layer worker's CPU seconds per trajectory (from
+``state()["service_ms"]``); how late the emulators' own event loops run a timer
+(``loop_lag``: a node's answer waits at least that long); a trivial call every 20 ms from an
+idle process of its own (``probe``: what the data layer's worker adds under the load, without
+an emulator's delays); the data-layer worker's CPU seconds per trajectory (from
 ``/proc`` via psutil). On a shared 2-core machine the emulated nodes take CPU from the data
 layer, so ``dl_capacity_traj_per_s`` (one core / CPU per trajectory) is also shown: what the
 data layer alone would sustain.
@@ -57,6 +63,7 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -81,7 +88,8 @@ from distributed import Client, LocalCluster  # noqa: E402
 
 from astraflow.dataflow.layer import DataLayer  # noqa: E402
 from astraflow.transport import call  # noqa: E402
-from control_plane_nodes import EmuNode, Latencies, WorkerWriter, layer_kwargs, trainer_read, trainer_start  # noqa: E402
+from control_plane_nodes import (Latencies, build, emulate, gathered, layer_kwargs, loop_lag, probe,  # noqa: E402
+                                 trainer_read, trainer_start)
 from storage.trajectories import open_trajectory_store  # noqa: E402
 
 QUIET = {"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False", "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s",
@@ -119,22 +127,30 @@ async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int, reader: 
     loop = asyncio.get_running_loop()
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=4 * n_nodes + 32))
     lat, version, served = Latencies(), [0], [0]
-    per_worker = max(1, min(args.nodes_per_worker, n_nodes))
-    handles: dict[str, object] = {}
-    sinks: dict[str, WorkerWriter] = {}
-    nodes = []
-    for i in range(n_nodes):
-        worker = f"w{i // per_worker}"
-        if worker not in sinks:
-            sinks[worker] = WorkerWriter(store.writer(worker, batch_size=4096), args.flush_s)
-            if grouped:
-                from astraflow.rollout.coalesce import Coalescer
-                handles[worker] = Coalescer(dl)
-        nodes.append(EmuNode(f"{worker}.n{i % per_worker}", worker, handles[worker] if grouped else dl,
-                             sinks[worker], capacity=args.capacity, episode_s=args.episode_s,
-                             lease_wait=args.lease_wait, version=version, lat=lat, seed=i))
-    running = ([loop.create_task(n.run()) for n in nodes] + [loop.create_task(w.run()) for w in sinks.values()]
-               + [loop.create_task(consume(dl, version, lat, served, reader))])
+    procs = min(args.emulator_procs, n_nodes)
+    per_proc = -(-n_nodes // procs) if procs else n_nodes
+    per_worker = max(1, min(args.nodes_per_worker, per_proc))  # a worker's nodes share a process
+    opts = {k: getattr(args, k) for k in ("capacity", "episode_s", "lease_wait", "flush_s")}
+    nodes, sinks, coalescers = ([], [], []) if procs else build(dl, store, 0, n_nodes, per_worker, grouped, opts,
+                                                                version, lat)
+    running = ([loop.create_task(n.run()) for n in nodes] + [loop.create_task(w.run()) for w in sinks]
+               + [loop.create_task(loop_lag(lat)), loop.create_task(consume(dl, version, lat, served, reader))])
+    emulated = []
+    # the idle caller (``probe``): started with the nodes, measuring in the same window
+    prober = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    prober.submit(trainer_start).result(120)
+    probed = asyncio.wrap_future(prober.submit(probe, args.client.scheduler.address, pickle.dumps(dl),
+                                               time.time() + args.warmup, args.seconds))
+    if procs:  # the nodes in processes of their own, started and warmed up before they run
+        pools = [concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+                 for _ in range(procs)]
+        for pool in pools:
+            pool.submit(trainer_start).result(120)
+        start_at = time.time() + args.warmup
+        emulated = [asyncio.wrap_future(pool.submit(
+            emulate, args.client.scheduler.address, pickle.dumps(dl), reader["url"], k * per_proc,
+            min(per_proc, n_nodes - k * per_proc), per_worker, grouped, opts, start_at, args.seconds))
+            for k, pool in enumerate(pools) if k * per_proc < n_nodes]
     proc, me = psutil.Process(pid), psutil.Process()
     await asyncio.sleep(args.warmup)
     cpu0, p0, s0, t0 = sum(proc.cpu_times()[:2]), await call(dl.progress), served[0], time.perf_counter()
@@ -154,6 +170,17 @@ async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int, reader: 
     dead = [t for t in running if t.done() and not t.cancelled() and t.exception() is not None]
     if dead:  # an emulated node or writer that died would leave the figures quietly low
         raise RuntimeError("an emulated node, writer or the consumer failed during the run") from dead[0].exception()
+    gathered_counts = gathered(coalescers) if grouped else {}
+    for got in await asyncio.gather(*emulated):
+        for kind, xs in got["lat"].items():
+            lat.by_kind.setdefault(kind, []).extend(xs)
+        me1 += got["cpu_s"]
+        for kind, (calls, carried) in got["gathered"].items():
+            c0, c1 = gathered_counts.get(kind, (0, 0))
+            gathered_counts[kind] = (c0 + calls, c1 + carried)
+    lat.by_kind["probe"] = await probed
+    for pool in ([prober] + pools) if procs else [prober]:
+        pool.shutdown()
     for n in nodes:
         n.stop = True
     for t in running:
@@ -174,14 +201,13 @@ async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int, reader: 
            # the data layer's process: garbage collections in the window, and their pauses
            "dl_gc_full": gc_seen["full"], "dl_gc_s": gc_seen["seconds"], "dl_gc_max_ms": gc_seen["max_s"] * 1e3,
            "leased_now": state["leased"], "snapshots": state["snapshots"]}
-    for kind in ("lease", "heartbeat", "complete", "next_batch", "read"):
+    for kind in ("lease", "heartbeat", "complete", "next_batch", "read", "loop_lag", "probe"):
         s = lat.summary(kind)
         out[f"{kind}_p50_ms"], out[f"{kind}_p99_ms"], out[f"{kind}_calls"] = s["p50_ms"], s["p99_ms"], s["n"]
     for kind, q in state.get("service_ms", {}).items():  # inside the data layer (absent in older code)
         out[f"dl_{kind}_p50_ms"], out[f"dl_{kind}_p99_ms"] = q["p50"], q["p99"]
     if grouped:
-        out["gathered"] = {k: sum(h.lanes[k].carried for h in handles.values()) /
-                           max(sum(h.lanes[k].calls for h in handles.values()), 1) for k in ("lease", "heartbeat")}
+        out["gathered"] = {k: carried / max(calls, 1) for k, (calls, carried) in gathered_counts.items()}
     return out
 
 
@@ -230,7 +256,7 @@ def scale_run(n_nodes: int, grouped: bool, args) -> dict:
     os.environ.update({k: v for k, v in QUIET.items() if k not in os.environ})
     with tempfile.TemporaryDirectory(prefix="cp-bench-") as tmp:
         with LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=None,
-                          host="127.0.0.1") as cluster, Client(cluster) as client:
+                          host="127.0.0.1") as cluster, Client(cluster, direct_to_workers=True) as client:
             kwargs = layer_kwargs(Path(tmp), args.batch_size, args.group_size, args.prefetch, not args.no_durable,
                                   args.max_staleness)
             dl = client.submit(DataLayer, actor=True, **kwargs).result()
@@ -258,7 +284,8 @@ def baseline_rows(args) -> list[dict]:
                "--skip-index", "--json-out", f.name, "--nodes", args.nodes, "--seconds", str(args.seconds),
                "--warmup", str(args.warmup), "--capacity", str(args.capacity), "--episode-s", str(args.episode_s),
                "--batch-size", str(args.batch_size), "--group-size", str(args.group_size),
-               "--prefetch", str(args.prefetch), "--flush-s", str(args.flush_s), "--lease-wait", str(args.lease_wait)]
+               "--prefetch", str(args.prefetch), "--flush-s", str(args.flush_s), "--lease-wait", str(args.lease_wait),
+               "--emulator-procs", str(args.emulator_procs), "--max-staleness", str(args.max_staleness)]
         cmd += ["--no-durable"] if args.no_durable else []
         subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": args.baseline_root})
         rows = json.loads(Path(f.name).read_text())["scale"]
@@ -287,6 +314,9 @@ def main() -> None:
     ap.add_argument("--flush-s", type=float, default=0.5, help="a node writes what finished within this")
     ap.add_argument("--lease-wait", type=float, default=0.0, help="long poll of a lease call")
     ap.add_argument("--nodes-per-worker", type=int, default=50)
+    ap.add_argument("--emulator-procs", type=int, default=2,
+                    help="the emulated nodes run in this many processes of their own, a worker's nodes "
+                         "in one (0: in this process, with the consumer)")
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prefetch", type=int, default=4)

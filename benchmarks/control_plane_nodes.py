@@ -3,7 +3,7 @@
 An ``EmuNode`` does what a ``RaaSNode``'s loop does towards the data layer (its leases paced by
 the node's own ``rollout.pacing.LeasePacing``): a heartbeat a
 second (renewing the leases it holds, with its worker and weight versions), a lease of its
-free slots, an "episode" per task (a short sleep), a tiny trajectory, and its ``complete``
+free slots, an "episode" per task (a timer), a tiny trajectory, and its ``complete``
 once written. The trajectories of a worker's nodes are written together every ``flush_s``
 through the real segment writer, one segment per emulated worker (``WorkerWriter``: one
 segment per node would make this one process write thousands of times a second, a cost of the
@@ -18,6 +18,9 @@ per-node call pattern).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import os
+import pickle
 import random
 import time
 from pathlib import Path
@@ -45,13 +48,20 @@ def layer_kwargs(tmp: Path, batch_size: int, group_size: int, prefetch: int, dur
                 journal_path=str(ctl / "ledger.jsonl") if durable else None)
 
 
+#: the emulated sequences by (version, reward): sequences are frozen, so trajectories share them
+_SEQUENCES: dict[tuple[int, float], Sequence] = {}
+
+
 def tiny_trajectory(task: RolloutTask, node: str, version: int, rng: random.Random) -> Trajectory:
     """A one-sequence trajectory of a few tokens (the data layer's cost does not depend on length)."""
-    n_prompt, n_gen = 4, 8
-    seq = Sequence.build(
-        tokens=np.arange(n_prompt + n_gen), loss_mask=[0] * n_prompt + [1] * n_gen,
-        logprobs=[0.0] * n_prompt + [-0.5] * n_gen, policy_ids=[NOT_GENERATED] * n_prompt + [0] * n_gen,
-        versions=[NOT_GENERATED] * n_prompt + [version] * n_gen, reward=float(rng.random() < 0.5))
+    reward = float(rng.random() < 0.5)
+    seq = _SEQUENCES.get((version, reward))
+    if seq is None:
+        n_prompt, n_gen = 4, 8
+        seq = _SEQUENCES[version, reward] = Sequence.build(
+            tokens=np.arange(n_prompt + n_gen), loss_mask=[0] * n_prompt + [1] * n_gen,
+            logprobs=[0.0] * n_prompt + [-0.5] * n_gen, policy_ids=[NOT_GENERATED] * n_prompt + [0] * n_gen,
+            versions=[NOT_GENERATED] * n_prompt + [version] * n_gen, reward=reward)
     return Trajectory(task.task_id, task.group_id, task.policies, task.workflow, task.kind, task.attempt,
                       (seq,), Provenance(node=node))
 
@@ -126,6 +136,8 @@ class EmuNode:
         self.writing: set[str] = set()
         self.completed = 0
         self.stop = False
+        #: set while the node waits for a free slot (``_slot_free``)
+        self._slot: asyncio.Future | None = None
 
     def _versions(self) -> dict[str, int]:
         return {"p": self.version[0]}
@@ -137,7 +149,7 @@ class EmuNode:
         return out
 
     async def run(self) -> None:
-        slot, never = asyncio.Event(), asyncio.Event()
+        never = asyncio.Event()
         try:  # the node's own pacing of its leases (absent from older checkouts)
             from astraflow.rollout.pacing import LeasePacing
             pacing = LeasePacing(self.lease_wait)
@@ -159,27 +171,41 @@ class EmuNode:
                                           versions=self._versions())
                 if pacing is not None:
                     pacing.leased(len(tasks), time.perf_counter() - t0)
-                for task in tasks:
+                loop = asyncio.get_running_loop()
+                for task in tasks:  # an episode is a timer (a task each would cost the emulator more)
                     self.inflight[task.task_id] = task
-                    asyncio.get_running_loop().create_task(self._episode(task, slot))
-            slot.clear()
+                    loop.call_later(self.episode_s * 2 * self.rng.random(), self._episode, task)
             if len(self.inflight) < self.capacity:
                 if pacing is not None:  # too few tasks: ask again shortly, as a node does
                     await pacing.pause(never)  # (the emulated nodes' weights are never behind)
                 else:
                     await asyncio.sleep(0.05)
             else:
-                try:
-                    await asyncio.wait_for(slot.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    pass
+                await self._slot_free(1.0)
 
-    async def _episode(self, task: RolloutTask, slot: asyncio.Event) -> None:
-        await asyncio.sleep(self.episode_s * 2 * self.rng.random())
+    async def _slot_free(self, timeout: float) -> None:
+        """Until an episode ends or ``timeout`` passes (a future and a timer: ``wait_for`` costs
+        a task each time, and the emulator runs a thousand of these loops)."""
+        loop = asyncio.get_running_loop()
+        self._slot = loop.create_future()
+        timer = loop.call_later(timeout, self._wake)
+        try:
+            await self._slot
+        finally:
+            timer.cancel()
+            self._slot = None
+
+    def _wake(self) -> None:
+        if self._slot is not None and not self._slot.done():
+            self._slot.set_result(None)
+
+    def _episode(self, task: RolloutTask) -> None:
+        if self.stop:
+            return
         self.inflight.pop(task.task_id, None)
         self.writing.add(task.task_id)
         self.sink.add(self, tiny_trajectory(task, self.name, self.version[0], self.rng))
-        slot.set()
+        self._wake()
 
     async def complete(self, trajs: list[Trajectory], refs: list[TrajectoryRef]) -> None:
         await self._timed("complete", self.dl.complete, refs)
@@ -227,3 +253,107 @@ class WorkerWriter:
             mine[0].append(traj)
             mine[1].append(ref)
         await asyncio.gather(*(node.complete(ts, rs) for node, (ts, rs) in per_node.items()))
+
+
+def build(dl: Any, store: Any, first: int, count: int, per_worker: int, grouped: bool, opts: dict,
+          version: list[int], lat: Latencies) -> tuple[list[EmuNode], list[WorkerWriter], list[Any]]:
+    """Nodes ``first .. first+count-1`` of the run, ``per_worker`` to an emulated worker (its
+    segment writer, and with ``grouped`` its ``Coalescer``); returns the nodes, the writers and
+    the coalescers."""
+    handles: dict[str, Any] = {}
+    sinks: dict[str, WorkerWriter] = {}
+    nodes = []
+    for i in range(first, first + count):
+        worker = f"w{i // per_worker}"
+        if worker not in sinks:
+            sinks[worker] = WorkerWriter(store.writer(worker, batch_size=4096), opts["flush_s"])
+            if grouped:
+                from astraflow.rollout.coalesce import Coalescer
+                handles[worker] = Coalescer(dl)
+        nodes.append(EmuNode(f"{worker}.n{i % per_worker}", worker, handles[worker] if grouped else dl,
+                             sinks[worker], capacity=opts["capacity"], episode_s=opts["episode_s"],
+                             lease_wait=opts["lease_wait"], version=version, lat=lat, seed=i))
+    return nodes, list(sinks.values()), list(handles.values())
+
+
+async def loop_lag(lat: Latencies, every: float = 0.005) -> None:
+    """How late this process's event loop runs a timer: every call the nodes make waits at
+    least that long for its answer to be handled (kind ``loop_lag``)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + every
+        await asyncio.sleep(every)
+        lat.add("loop_lag", loop.time() - due)
+
+
+async def follow_versions(dl: Any, version: list[int], every: float = 0.1) -> None:
+    """In an emulator process of its own: the trainer's version, polled as a node polls for
+    new weights (the nodes "load" it at once)."""
+    while True:
+        progress = await call(dl.progress, timeout=30)
+        version[0] = progress.get("version_p", version[0])
+        await asyncio.sleep(every)
+
+
+def gathered(coalescers: list[Any]) -> dict[str, list[int]]:
+    """Per kind: gathered calls sent and node calls they carried, over ``coalescers``."""
+    return {k: [sum(h.lanes[k].calls for h in coalescers), sum(h.lanes[k].carried for h in coalescers)]
+            for k in ("lease", "heartbeat")}
+
+
+def emulate(address: str, dl_pickled: bytes, store_url: str, first: int, count: int, per_worker: int,
+            grouped: bool, opts: dict, start_at: float, seconds: float) -> dict:
+    """An emulator process of its own (``--emulator-procs``): its nodes run from now until
+    ``start_at + seconds`` (wall clock), latencies kept from ``start_at``. Returns the
+    latencies by kind, this process's CPU seconds in the window and its coalescers' counts."""
+    import psutil
+    from distributed import Client
+
+    from storage.trajectories import open_trajectory_store
+
+    with Client(address, direct_to_workers=True):  # as a node group's worker calls: direct
+        dl = pickle.loads(dl_pickled)
+        return asyncio.run(_emulate(dl, open_trajectory_store(store_url, "a"), first, count, per_worker, grouped,
+                                    opts, start_at, seconds, psutil.Process()))
+
+
+async def _emulate(dl: Any, store: Any, first: int, count: int, per_worker: int, grouped: bool, opts: dict,
+                   start_at: float, seconds: float, me: Any) -> dict:
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=4 * count + 32))
+    lat, version = Latencies(), [0]
+    nodes, sinks, coalescers = build(dl, store, first, count, per_worker, grouped, opts, version, lat)
+    running = ([loop.create_task(n.run()) for n in nodes] + [loop.create_task(w.run()) for w in sinks]
+               + [loop.create_task(loop_lag(lat)), loop.create_task(follow_versions(dl, version))])
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    cpu0, lat.recording = sum(me.cpu_times()[:2]), True
+    await asyncio.sleep(seconds)
+    cpu1, lat.recording = sum(me.cpu_times()[:2]), False
+    dead = [t for t in running if t.done() and not t.cancelled() and t.exception() is not None]
+    for n in nodes:
+        n.stop = True
+    for t in running:
+        t.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
+    if dead:  # a node or writer that died would leave the figures quietly low
+        raise RuntimeError(f"an emulated node or writer failed in emulator process {os.getpid()}") from dead[0].exception()
+    return {"lat": lat.by_kind, "cpu_s": cpu1 - cpu0, "gathered": gathered(coalescers) if grouped else {}}
+
+
+def probe(address: str, dl_pickled: bytes, start_at: float, seconds: float, every: float = 0.02) -> list[float]:
+    """An idle caller of its own process: a trivial call (``progress``) every ``every`` seconds
+    in the window; its latencies are what the data layer's worker adds under the nodes' load
+    (its queue, its stretches between awaits), without an emulator's own delays."""
+    from distributed import Client
+
+    with Client(address, direct_to_workers=True):
+        dl = pickle.loads(dl_pickled)
+        dl.progress().result(60)
+        time.sleep(max(0.0, start_at - time.time()))
+        out = []
+        while time.time() < start_at + seconds:
+            t0 = time.perf_counter()
+            dl.progress().result(60)
+            out.append(time.perf_counter() - t0)
+            time.sleep(every)
+        return out

@@ -15,9 +15,9 @@ entry per key, so that a record holds only the entries changed since the previou
   shrinks from its end within an epoch: each record holds its length), ``rng``: the random stream.
 
 The rooms mark what they change (``Ledger.changed``, ``Leases.changed_nodes``,
-``Buffers.changed``); a group changes only with one of its tasks, evaluations are compared by
-counters, prompt orders by epoch, and the random stream is written with every shuffle and
-every batch served (what draws from it). Everything else (versions, the rules' state, lengths
+``Buffers.changed``); a group changes only when one of its tasks is created, completes or
+ends (``Ledger.changed_group``), evaluations are compared by counters, prompt orders by epoch,
+and the random stream is written with every shuffle and every batch served (what draws from it). Everything else (versions, the rules' state, lengths
 of the prompt orders, counters) is small and saved whole in every record (``small``).
 ``assemble`` turns entries and small fields back into the form ``durable.restore`` loads,
 which ``state_of`` also gives of a live layer.
@@ -103,7 +103,7 @@ class Marks:
 
     def __init__(self, dl: DataLayer):
         self.dl = dl
-        dl.ledger.changed, dl.leases.changed_nodes, dl.buffers.changed = set(), set(), set()
+        dl.ledger.changed, dl.ledger.changed_group, dl.leases.changed_nodes, dl.buffers.changed = set(), set(), set(), set()
         self._open_rounds = {v for v, r in dl.evals.rounds.items() if not r.written}
         self._evals = self._eval_counters()
         self._results = len(dl.evals.results)
@@ -117,11 +117,12 @@ class Marks:
     def take(self) -> set[tuple[str, Any]]:
         """The changed ``(kind, key)`` pairs; the marks start afresh."""
         dl = self.dl
-        tasks, nodes, buffered = dl.ledger.changed, dl.leases.changed_nodes, dl.buffers.changed
-        dl.ledger.changed, dl.leases.changed_nodes, dl.buffers.changed = set(), set(), set()
+        lg = dl.ledger
+        tasks, grouped, nodes, buffered = lg.changed, lg.changed_group, dl.leases.changed_nodes, dl.buffers.changed
+        lg.changed, lg.changed_group, dl.leases.changed_nodes, dl.buffers.changed = set(), set(), set(), set()
         out, self._retry = self._retry, set()
         out.update(("task", t) for t in tasks)
-        out.update(("group", group_of(t)) for t in tasks)
+        out.update(("group", group_of(t)) for t in grouped)  # a lease leaves its group as it was
         out.update(("node", n) for n in nodes)
         out.update(("route", k[1]) if k[0] == "route" else (k[0], (k[1], k[2])) for k in buffered)
         counters = self._eval_counters()

@@ -11,7 +11,7 @@ Ending a task twice is a bug and asserts.
 ``journal`` (when set) is told every creation and every end, in order: the data layer appends
 them to ``ledger.jsonl`` (``durable.py``), the run's record that every task ended once.
 ``changed`` (when set) collects the ids of the tasks whose record moved, which the data layer's
-change log writes (``changes.py``).
+change log writes (``changes.py``); ``changed_group`` those whose move also changed their group.
 
 Memory stays flat however long a run is: an ended task keeps only its outcome, and only the
 ``remember`` most recent ones are kept (a late duplicate completion of an older one is still
@@ -79,15 +79,20 @@ class Ledger:
     journal: Callable[[str, str, str | None], None] | None = None
     #: the ids of tasks created, moved or ended since the change log last took them (None: not kept)
     changed: set[str] | None = None
+    #: those of them created, completed or ended: only these moves change what their group holds
+    #: (a lease or a requeue changes the task's own record); kept with ``changed``
+    changed_group: set[str] | None = None
 
     @property
     def tasks(self) -> Mapping[str, TaskRecord]:
         """Every task the ledger knows: live ones, then the remembered ended ones."""
         return _AllTasks(self)
 
-    def _touch(self, task_id: str) -> None:
+    def _touch(self, task_id: str, group: bool = True) -> None:
         if self.changed is not None:
             self.changed.add(task_id)
+            if group:
+                self.changed_group.add(task_id)  # type: ignore[union-attr]
 
     def _move(self, rec: TaskRecord, new: str) -> None:
         self.state_counts[rec.state] -= 1
@@ -106,7 +111,7 @@ class Ledger:
     def lease(self, task_id: str, node: str) -> None:
         rec = self.live[task_id]
         assert rec.state == "pending", f"lease of {task_id} in state {rec.state}"
-        self._touch(task_id)
+        self._touch(task_id, group=False)
         self._move(rec, "leased")
         rec.node = node
         self.events["leased"] += 1
@@ -114,7 +119,7 @@ class Ledger:
     def requeue(self, task_id: str, why: str) -> None:
         rec = self.live[task_id]
         assert rec.state == "leased", f"requeue of {task_id} in state {rec.state}"
-        self._touch(task_id)
+        self._touch(task_id, group=False)
         self._move(rec, "pending")
         rec.node = None
         rec.attempt += 1

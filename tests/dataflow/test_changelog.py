@@ -156,6 +156,29 @@ def test_a_record_holds_what_changed_not_what_is_outstanding(tmp_path):
     run(go())
 
 
+def test_a_lease_writes_its_tasks_not_their_group(tmp_path):
+    """A lease moves only the task's own record: the group it belongs to (its results so far,
+    which grow with every completion) is written when a task is created, completes or ends."""
+    paths = Paths(tmp_path)
+    layer = paths.layer()
+
+    async def go():
+        first = await layer.lease("n1", 1)
+        group = first[0].group_id
+        await layer.lease("n2", 1)  # the group's second task: no group created for it
+        records, _ = changelog.read_records(log_files(paths)[-1])
+        written = {(kind, key) for kind, key, _ in pickle.loads(records[-1])["set"]}
+        assert ("group", group) not in written and any(kind == "task" for kind, _ in written), written
+        node = Node(layer)
+        await layer.complete(store_and_ref(node.writer, [make_trajectory(first[0], 1.0, node="n1")]))
+        records, _ = changelog.read_records(log_files(paths)[-1])
+        assert ("group", group) in {(kind, key) for kind, key, _ in pickle.loads(records[-1])["set"]}
+        same(paths, layer)
+        await layer.close()
+
+    run(go())
+
+
 def test_a_torn_last_record_restores_the_state_before_it(tmp_path):
     paths = Paths(tmp_path)
     layer = paths.layer()

@@ -29,6 +29,9 @@ def test_tiny_run_prints_sane_rows_and_a_result_line(tmp_path):
     for r in rows["scale"]:
         assert r["traj_per_s"] > 0 and r["dl_cpu_us_per_traj"] > 0 and r["lease_calls"] > 0
         assert math.isfinite(r["lease_p99_ms"]) and r["lease_p99_ms"] >= r["lease_p50_ms"] > 0
+        # the emulator processes' loop lag and the idle caller's latency were measured in the window
+        assert r["loop_lag_calls"] > 0 and r["probe_calls"] > 0 and r["probe_p99_ms"] >= r["probe_p50_ms"] > 0
+        assert r["emulator_cpu_cores"] > 0
     grouped = rows["scale"][1]
     assert grouped["gathered"]["lease"] >= 1  # node calls per gathered call
     assert [r["index_entries"] for r in rows["index"]] == [1000, 10000]
