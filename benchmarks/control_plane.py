@@ -247,7 +247,9 @@ def _profile(start: bool, dask_worker=None) -> str:
         return ""
     dask_worker._cp_profiler.disable()
     out = io.StringIO()
-    pstats.Stats(dask_worker._cp_profiler, stream=out).sort_stats("tottime").print_stats(22)
+    stats = pstats.Stats(dask_worker._cp_profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(22)
+    stats.sort_stats("cumulative").print_stats(40)
     return out.getvalue()
 
 

@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from astraflow.contracts import NOT_GENERATED, Provenance, RolloutTask, Sequence, Trajectory, TrajectoryRef
+from astraflow.contracts import (NOT_GENERATED, Provenance, RolloutTask, Sequence, SequenceSummary, Trajectory,
+                                 TrajectoryRef)
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.transport import call
 from astraflow.workloads.config import WorkloadConfig
@@ -66,11 +67,23 @@ def tiny_trajectory(task: RolloutTask, node: str, version: int, rng: random.Rand
                       (seq,), Provenance(node=node))
 
 
+#: ``TrajectoryRef.of`` of a trajectory of each shared sequence (``refs_of`` reuses its summary)
+_REFS: dict[int, TrajectoryRef] = {}
+
+
 def refs_of(trajs: list[Trajectory], entry_refs: list) -> list[TrajectoryRef]:
-    out, i = [], 0
-    for t in trajs:
-        out.append(TrajectoryRef.of(t, entry_refs[i : i + len(t.sequences)]))
-        i += len(t.sequences)
+    """``TrajectoryRef.of`` of each trajectory (one sequence each) and its entry: what it computes
+    from the sequence is computed once per shared sequence."""
+    out = []
+    for t, entry in zip(trajs, entry_refs, strict=True):
+        seq = t.sequences[0]
+        first = _REFS.get(id(seq))
+        if first is None or first.sequences[0].reward != seq.reward:
+            first = _REFS[id(seq)] = TrajectoryRef.of(t, [entry])
+        s = first.sequences[0]
+        out.append(TrajectoryRef(t.task_id, t.group_id, t.kind, t.attempt, t.provenance.node,
+                                 (SequenceSummary(entry, s.reward, s.policy_tokens, s.num_tokens, s.finish_reason),),
+                                 first.score, {}))
     return out
 
 

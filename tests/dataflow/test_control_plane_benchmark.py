@@ -36,3 +36,22 @@ def test_tiny_run_prints_sane_rows_and_a_result_line(tmp_path):
     assert grouped["gathered"]["lease"] >= 1  # node calls per gathered call
     assert [r["index_entries"] for r in rows["index"]] == [1000, 10000]
     assert all(r["trajectories"] >= 300 and r["dl_cpu_us_per_traj"] > 0 for r in rows["index"])
+
+
+def test_the_emulated_nodes_refs_are_what_a_node_makes():
+    """The emulator computes a shared sequence's summary once: its references are still
+    ``TrajectoryRef.of``'s, field for field."""
+    import random
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from control_plane_nodes import refs_of, tiny_trajectory
+
+    from astraflow.contracts import RolloutTask, TrajectoryRef
+    from storage.trajectories import EntryRef
+
+    rng = random.Random(0)
+    tasks = [RolloutTask(task_id=f"g{i}/0", group_id=f"g{i}", policies=("p",), workflow="single_turn",
+                         prompt={}, kind="train", attempt=i % 2) for i in range(40)]
+    trajs = [tiny_trajectory(t, f"n{i % 3}", i % 4, rng) for i, t in enumerate(tasks)]
+    entries = [EntryRef(segment="w0", index=i) for i in range(40)]
+    assert refs_of(trajs, entries) == [TrajectoryRef.of(t, [e]) for t, e in zip(trajs, entries)]
