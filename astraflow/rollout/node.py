@@ -198,6 +198,9 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
         st = self.state()
         for engine in self.engines.values():
             engine.close()
+        writer = getattr(self, "writer", None)
+        if self.stopped and writer is not None:  # its last batch is committed: end its committer, free the segment
+            writer.close()
         return st
 
     def state(self) -> dict[str, Any]:

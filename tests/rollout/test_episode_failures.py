@@ -182,6 +182,9 @@ def test_any_exception_of_a_workflow_or_reward_fails_its_task_and_releases_the_l
           lambda: all(k in _reasons(_ledger(dl)) for k in Scripted.FAILURES) and _ledger(dl)["states"].get("failed"))
     assert node._thread.is_alive() and node.error is None, node.error  # the node goes on serving
     node.stop(timeout=10)
+    # a stopped node's writer is closed: its committer thread ended, its segment released
+    assert node.stopped and node.writer._closed
+    assert node.writer._committer is None or not node.writer._committer.is_alive()
     summary = _ledger(dl)
     # nothing expired (leases last 300 s): every failure was reported and released its lease
     assert not _held(dl), "a lease was left held"
@@ -241,6 +244,9 @@ class _FullDisk:
         raise OSError(28, "No space left on device")
 
     def flush(self):
+        pass
+
+    def close(self):  # a stopped node closes its writer
         pass
 
 
