@@ -135,80 +135,79 @@ async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int, reader: 
                                                                 version, lat)
     running = ([loop.create_task(n.run()) for n in nodes] + [loop.create_task(w.run()) for w in sinks]
                + [loop.create_task(loop_lag(lat)), loop.create_task(consume(dl, version, lat, served, reader))])
-    emulated = []
-    # the idle caller (``probe``): started with the nodes, measuring in the same window
-    prober = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-    prober.submit(trainer_start).result(120)
-    probed = asyncio.wrap_future(prober.submit(probe, args.client.scheduler.address, pickle.dumps(dl),
-                                               time.time() + args.warmup, args.seconds))
-    if procs:  # the nodes in processes of their own, started and warmed up before they run
-        pools = [concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-                 for _ in range(procs)]
-        for pool in pools:
-            pool.submit(trainer_start).result(120)
+    # the idle caller (``probe``) and the emulator processes, each warmed up (imports done),
+    # then all started together, measuring in the same window
+    pools = [concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+             for _ in range(1 + procs)]
+    try:
+        await asyncio.gather(*(asyncio.wrap_future(pool.submit(trainer_start)) for pool in pools))
         start_at = time.time() + args.warmup
+        probed = asyncio.wrap_future(pools[0].submit(probe, args.client.scheduler.address, pickle.dumps(dl),
+                                                     start_at, args.seconds))
         emulated = [asyncio.wrap_future(pool.submit(
             emulate, args.client.scheduler.address, pickle.dumps(dl), reader["url"], k * per_proc,
             min(per_proc, n_nodes - k * per_proc), per_worker, grouped, opts, start_at, args.seconds))
-            for k, pool in enumerate(pools) if k * per_proc < n_nodes]
-    proc, me = psutil.Process(pid), psutil.Process()
-    await asyncio.sleep(args.warmup)
-    cpu0, p0, s0, t0 = sum(proc.cpu_times()[:2]), await call(dl.progress), served[0], time.perf_counter()
-    me0 = sum(me.cpu_times()[:2])
-    if args.profile:
-        await asyncio.to_thread(args.client.run, _profile, True)
-    await asyncio.to_thread(args.client.run, _gc_watch, True)
-    lat.recording = True
-    await asyncio.sleep(args.seconds)
-    lat.recording = False
-    if args.profile:
-        print(next(iter((await asyncio.to_thread(args.client.run, _profile, False)).values())))
-    cpu1, p1, s1, t1 = sum(proc.cpu_times()[:2]), await call(dl.progress), served[0], time.perf_counter()
-    gc_seen = next(iter((await asyncio.to_thread(args.client.run, _gc_watch, False)).values()))
-    me1 = sum(me.cpu_times()[:2])
-    state = await call(dl.state, timeout=60)
-    dead = [t for t in running if t.done() and not t.cancelled() and t.exception() is not None]
-    if dead:  # an emulated node or writer that died would leave the figures quietly low
-        raise RuntimeError("an emulated node, writer or the consumer failed during the run") from dead[0].exception()
-    gathered_counts = gathered(coalescers) if grouped else {}
-    for got in await asyncio.gather(*emulated):
-        for kind, xs in got["lat"].items():
-            lat.by_kind.setdefault(kind, []).extend(xs)
-        me1 += got["cpu_s"]
-        for kind, (calls, carried) in got["gathered"].items():
-            c0, c1 = gathered_counts.get(kind, (0, 0))
-            gathered_counts[kind] = (c0 + calls, c1 + carried)
-    lat.by_kind["probe"] = await probed
-    for pool in ([prober] + pools) if procs else [prober]:
-        pool.shutdown()
-    for n in nodes:
-        n.stop = True
-    for t in running:
-        t.cancel()
-    await asyncio.gather(*running, return_exceptions=True)
-    window = t1 - t0
-    ingested = p1["sequences_generated"] - p0["sequences_generated"]
-    cpu_per = (cpu1 - cpu0) / max(ingested, 1)
-    batched = s1 - s0
-    out = {"nodes": n_nodes, "calls": "grouped" if grouped else "per-node", "window_s": round(window, 2),
-           "traj_per_s": ingested / window, "batched_seq_per_s": batched / window,
-           # the emulated trainer's process: reading its batches' rows (none for the baseline)
-           "trainer_read_cpu_us_per_seq": reader["cpu"] / max(batched, 1) * 1e6,
-           "trainer_read_cpu_cores": reader["cpu"] / window,
-           "dl_cpu_us_per_traj": cpu_per * 1e6, "dl_cpu_cores": (cpu1 - cpu0) / window,
-           "dl_capacity_traj_per_s": 1.0 / cpu_per if ingested else 0.0,
-           "emulator_cpu_cores": (me1 - me0) / window, "load": os.getloadavg()[0],
-           # the data layer's process: garbage collections in the window, and their pauses
-           "dl_gc_full": gc_seen["full"], "dl_gc_s": gc_seen["seconds"], "dl_gc_max_ms": gc_seen["max_s"] * 1e3,
-           "leased_now": state["leased"], "snapshots": state["snapshots"]}
-    for kind in ("lease", "heartbeat", "complete", "next_batch", "read", "loop_lag", "probe"):
-        s = lat.summary(kind)
-        out[f"{kind}_p50_ms"], out[f"{kind}_p99_ms"], out[f"{kind}_calls"] = s["p50_ms"], s["p99_ms"], s["n"]
-    for kind, q in state.get("service_ms", {}).items():  # inside the data layer (absent in older code)
-        out[f"dl_{kind}_p50_ms"], out[f"dl_{kind}_p99_ms"] = q["p50"], q["p99"]
-    if grouped:
-        out["gathered"] = {k: carried / max(calls, 1) for k, (calls, carried) in gathered_counts.items()}
-    return out
+            for k, pool in enumerate(pools[1:]) if k * per_proc < n_nodes]
+        proc, me = psutil.Process(pid), psutil.Process()
+        await asyncio.sleep(args.warmup)
+        cpu0, p0, s0, t0 = sum(proc.cpu_times()[:2]), await call(dl.progress), served[0], time.perf_counter()
+        me0 = sum(me.cpu_times()[:2])
+        if args.profile:
+            await asyncio.to_thread(args.client.run, _profile, True)
+        await asyncio.to_thread(args.client.run, _gc_watch, True)
+        lat.recording = True
+        await asyncio.sleep(args.seconds)
+        lat.recording = False
+        if args.profile:
+            print(next(iter((await asyncio.to_thread(args.client.run, _profile, False)).values())))
+        cpu1, p1, s1, t1 = sum(proc.cpu_times()[:2]), await call(dl.progress), served[0], time.perf_counter()
+        gc_seen = next(iter((await asyncio.to_thread(args.client.run, _gc_watch, False)).values()))
+        me1 = sum(me.cpu_times()[:2])
+        state = await call(dl.state, timeout=60)
+        dead = [t for t in running if t.done() and not t.cancelled() and t.exception() is not None]
+        if dead:  # an emulated node or writer that died would leave the figures quietly low
+            raise RuntimeError("an emulated node, writer or the consumer failed during the run") \
+                from dead[0].exception()
+        gathered_counts = gathered(coalescers) if grouped else {}
+        for got in await asyncio.gather(*emulated):
+            for kind, xs in got["lat"].items():
+                lat.by_kind.setdefault(kind, []).extend(xs)
+            me1 += got["cpu_s"]
+            for kind, (calls, carried) in got["gathered"].items():
+                c0, c1 = gathered_counts.get(kind, (0, 0))
+                gathered_counts[kind] = (c0 + calls, c1 + carried)
+        lat.by_kind["probe"] = await probed
+        for n in nodes:
+            n.stop = True
+        for t in running:
+            t.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        window = t1 - t0
+        ingested = p1["sequences_generated"] - p0["sequences_generated"]
+        cpu_per = (cpu1 - cpu0) / max(ingested, 1)
+        batched = s1 - s0
+        out = {"nodes": n_nodes, "calls": "grouped" if grouped else "per-node", "window_s": round(window, 2),
+               "traj_per_s": ingested / window, "batched_seq_per_s": batched / window,
+               # the emulated trainer's process: reading its batches' rows (none for the baseline)
+               "trainer_read_cpu_us_per_seq": reader["cpu"] / max(batched, 1) * 1e6,
+               "trainer_read_cpu_cores": reader["cpu"] / window,
+               "dl_cpu_us_per_traj": cpu_per * 1e6, "dl_cpu_cores": (cpu1 - cpu0) / window,
+               "dl_capacity_traj_per_s": 1.0 / cpu_per if ingested else 0.0,
+               "emulator_cpu_cores": (me1 - me0) / window, "load": os.getloadavg()[0],
+               # the data layer's process: garbage collections in the window, and their pauses
+               "dl_gc_full": gc_seen["full"], "dl_gc_s": gc_seen["seconds"], "dl_gc_max_ms": gc_seen["max_s"] * 1e3,
+               "leased_now": state["leased"], "snapshots": state["snapshots"]}
+        for kind in ("lease", "heartbeat", "complete", "next_batch", "read", "loop_lag", "probe"):
+            s = lat.summary(kind)
+            out[f"{kind}_p50_ms"], out[f"{kind}_p99_ms"], out[f"{kind}_calls"] = s["p50_ms"], s["p99_ms"], s["n"]
+        for kind, q in state.get("service_ms", {}).items():  # inside the data layer (absent in older code)
+            out[f"dl_{kind}_p50_ms"], out[f"dl_{kind}_p99_ms"] = q["p50"], q["p99"]
+        if grouped:
+            out["gathered"] = {k: carried / max(calls, 1) for k, (calls, carried) in gathered_counts.items()}
+        return out
+    finally:
+        for pool in pools:
+            pool.shutdown(cancel_futures=True)
 
 
 def _gc_watch(start: bool, dask_worker=None) -> dict:
@@ -370,6 +369,7 @@ def main() -> None:
         result["batched_seq_per_s_1000_nodes"] = round(best[0]["batched_seq_per_s"], 1)
         result["p99_lease_ms_1000_nodes"] = round(best[0]["lease_p99_ms"], 2)
         result["p99_lease_ms_in_data_layer_1000_nodes"] = round(best[0].get("dl_lease_p99_ms", float("nan")), 2)
+        result["p99_idle_caller_ms_1000_nodes"] = round(best[0]["probe_p99_ms"], 2)
         result["dl_capacity_traj_per_s_1000_nodes"] = round(best[0]["dl_capacity_traj_per_s"], 1)
     for r in scale:
         if r["nodes"] == 1000 and r["calls"] != "grouped":

@@ -349,7 +349,8 @@ async def _emulate(dl: Any, store: Any, first: int, count: int, per_worker: int,
         t.cancel()
     await asyncio.gather(*running, return_exceptions=True)
     if dead:  # a node or writer that died would leave the figures quietly low
-        raise RuntimeError(f"an emulated node or writer failed in emulator process {os.getpid()}") from dead[0].exception()
+        raise RuntimeError(f"an emulated node or writer failed in emulator process {os.getpid()}") \
+            from dead[0].exception()
     return {"lat": lat.by_kind, "cpu_s": cpu1 - cpu0, "gathered": gathered(coalescers) if grouped else {}}
 
 

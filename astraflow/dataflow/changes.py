@@ -17,8 +17,9 @@ entry per key, so that a record holds only the entries changed since the previou
 The rooms mark what they change (``Ledger.changed``, ``Leases.changed_nodes``,
 ``Buffers.changed``); a group changes only when one of its tasks is created, completes or
 ends (``Ledger.changed_group``), evaluations are compared by counters, prompt orders by epoch,
-and the random stream is written with every shuffle and every batch served (what draws from it). Everything else (versions, the rules' state, lengths
-of the prompt orders, counters) is small and saved whole in every record (``small``).
+and the random stream is written with every shuffle and every batch served (what draws from
+it). Everything else (versions, the rules' state, lengths of the prompt orders, counters) is
+small and saved whole in every record (``small``).
 ``assemble`` turns entries and small fields back into the form ``durable.restore`` loads,
 which ``state_of`` also gives of a live layer.
 """
@@ -103,7 +104,8 @@ class Marks:
 
     def __init__(self, dl: DataLayer):
         self.dl = dl
-        dl.ledger.changed, dl.ledger.changed_group, dl.leases.changed_nodes, dl.buffers.changed = set(), set(), set(), set()
+        dl.ledger.changed, dl.ledger.changed_group = set(), set()
+        dl.leases.changed_nodes, dl.buffers.changed = set(), set()
         self._open_rounds = {v for v, r in dl.evals.rounds.items() if not r.written}
         self._evals = self._eval_counters()
         self._results = len(dl.evals.results)
