@@ -227,6 +227,10 @@ class EmuNode:
             self.writing.discard(t.task_id)
 
 
+#: trajectories (or node calls) a writer handles before it lets its process's other work run
+SLICE = 64
+
+
 class WorkerWriter:
     """The segment of one emulated worker: what its nodes finished, written every ``flush_s``.
     As a node's writer does, each batch is staged at once and completed once its commit is
@@ -250,7 +254,10 @@ class WorkerWriter:
             if not self.finished:
                 continue
             batch, self.finished = self.finished, []
-            rows = [r for _, t in batch for r in t.to_stored()]
+            rows = []
+            for i in range(0, len(batch), SLICE):  # in slices: the nodes' calls are answered between
+                rows += [r for _, t in batch[i:i + SLICE] for r in t.to_stored()]
+                await asyncio.sleep(0)
             if submit is None:
                 await self._complete(batch, asyncio.to_thread(self.writer.write, rows))
                 continue
@@ -258,14 +265,21 @@ class WorkerWriter:
             committing.add(asyncio.get_running_loop().create_task(self._complete(batch, asyncio.wrap_future(written))))
 
     async def _complete(self, batch: list[tuple[EmuNode, Trajectory]], written: Any) -> None:
-        trajs = [t for _, t in batch]
         entry_refs = await written
         per_node: dict[EmuNode, tuple[list, list]] = {}
-        for (node, traj), ref in zip(batch, refs_of(trajs, entry_refs)):
-            mine = per_node.setdefault(node, ([], []))
-            mine[0].append(traj)
-            mine[1].append(ref)
-        await asyncio.gather(*(node.complete(ts, rs) for node, (ts, rs) in per_node.items()))
+        for i in range(0, len(batch), SLICE):
+            part = batch[i:i + SLICE]
+            for (node, traj), ref in zip(part, refs_of([t for _, t in part], entry_refs[i:i + SLICE])):
+                mine = per_node.setdefault(node, ([], []))
+                mine[0].append(traj)
+                mine[1].append(ref)
+            await asyncio.sleep(0)
+        calls = []
+        for j, (node, (ts, rs)) in enumerate(per_node.items()):
+            calls.append(asyncio.ensure_future(node.complete(ts, rs)))
+            if j % SLICE == SLICE - 1:
+                await asyncio.sleep(0)
+        await asyncio.gather(*calls)
 
 
 def build(dl: Any, store: Any, first: int, count: int, per_worker: int, grouped: bool, opts: dict,
