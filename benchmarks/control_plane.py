@@ -345,7 +345,8 @@ def main() -> None:
             scale = baseline_rows(args) + scale
         print_table("control plane (latencies in ms, CPU in µs per trajectory)", scale,
                     ["nodes", "calls", "traj_per_s", "batched_seq_per_s", "dl_cpu_us_per_traj",
-                     "dl_capacity_traj_per_s", "lease_p50_ms", "lease_p99_ms", "dl_lease_p99_ms",
+                     "dl_capacity_traj_per_s", "lease_p50_ms", "lease_p99_ms", "dl_lease_p99_ms", "probe_p99_ms",
+                     "loop_lag_p99_ms",
                      "heartbeat_p99_ms", "complete_p99_ms", "next_batch_p50_ms", "read_p50_ms", "dl_gc_full",
                      "dl_gc_max_ms",
                      "trainer_read_cpu_us_per_seq", "load"])
