@@ -125,11 +125,14 @@ def _pid_alive(pid: int) -> bool:
 class WeightStore:
     """Versioned weights of every policy under one root directory (shared storage)."""
 
-    def __init__(self, root: str | Path, keep_last: int = 3):
+    def __init__(self, root: str | Path, keep_last: int = 3, hold_timeout_s: float = 3600.0):
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (the latest version is always kept), got {keep_last}")
         self.root = Path(root).absolute()
         self.keep_last = keep_last
+        #: a hold older than this is a dead reader's (a pull or load is far shorter); on another
+        #: host its pid cannot be checked, and a killed reader never removes its hold
+        self.hold_timeout_s = hold_timeout_s
         self._host = socket.gethostname()
 
     # -- writing -----------------------------------------------------------------------------
@@ -329,7 +332,8 @@ class WeightStore:
             hold.unlink(missing_ok=True)
 
     def held_versions(self, policy: str) -> set[int]:
-        """Versions with a live hold (stale holds of dead pids on this host are removed)."""
+        """Versions with a live hold (stale holds, of dead pids on this host or older than
+        ``hold_timeout_s``, are removed)."""
         d = paths.readers_dir(self.root, policy)
         try:
             names = os.listdir(d)
@@ -347,7 +351,8 @@ class WeightStore:
             except json.JSONDecodeError:
                 held.add(int(m.group(1)))  # being written: count it
                 continue
-            if rec.get("host") == self._host and not _pid_alive(int(rec["pid"])):
+            if (rec.get("host") == self._host and not _pid_alive(int(rec["pid"]))
+                    or time.time() - float(rec.get("since", 0.0)) > self.hold_timeout_s):
                 (d / n).unlink(missing_ok=True)
                 continue
             held.add(int(m.group(1)))

@@ -209,6 +209,24 @@ def test_stale_hold_of_dead_process_is_ignored(tmp_path):
     assert store.versions("p") == [1] and not hold.exists()
 
 
+def test_a_hold_older_than_the_timeout_is_a_dead_readers_on_any_host(tmp_path):
+    """A reader on another host killed mid-pull leaves its hold; once older than any pull, it
+    no longer keeps its version from retention. A recent one from another host still does."""
+    store = WeightStore(tmp_path / "w", keep_last=1, hold_timeout_s=600)
+    other = f"another-{store._host}"
+    store.publish("p", 0, _state(0))
+    old = paths.hold_file(store.root, "p", 0, "4242-killed")
+    old.parent.mkdir(parents=True, exist_ok=True)
+    old.write_text(f'{{"pid": 4242, "host": "{other}", "since": {time.time() - 601}}}')
+    store.publish("p", 1, _state(1))
+    assert store.versions("p") == [1] and not old.exists()  # retired despite the dead hold
+    fresh = paths.hold_file(store.root, "p", 1, "4343-pulling")
+    fresh.write_text(f'{{"pid": 4343, "host": "{other}", "since": {time.time() - 60}}}')
+    assert store.held_versions("p") == {1}
+    store.publish("p", 2, _state(2))
+    assert store.versions("p") == [1, 2] and fresh.exists()  # kept for the recent hold
+
+
 def test_discard_holds_frees_a_version_a_killed_reader_on_another_host_held(tmp_path):
     """Such a hold counts until its owner removes it, which a killed reader never does: the
     version would never be retired. A resumed run, with no reader alive, drops every hold."""
