@@ -282,7 +282,8 @@ class Trajectory:
         return float((own or list(self.sequences))[-1].reward)
 
 
-def sequence_from_stored(row: StoredSequence) -> Sequence:
+def sequence_from_stored(row: StoredSequence, meta: Mapping[str, Any] | None = None) -> Sequence:
+    """The ``Sequence`` of a stored row; ``meta``: its ``meta`` already parsed."""
     return Sequence(
         tokens=row.tokens,
         loss_mask=row.loss_mask.astype(bool),
@@ -290,7 +291,7 @@ def sequence_from_stored(row: StoredSequence) -> Sequence:
         policy_ids=row.policy_ids,
         versions=row.versions,
         reward=float(row.reward),
-        rewards=json.loads(row.meta).get("rewards", {}),
+        rewards=(json.loads(row.meta) if meta is None else meta).get("rewards", {}),
         finish_reason=row.finish_reason,
     )
 

@@ -80,8 +80,9 @@ class BatchRows:
 def _item(policy: str, it: RowRef, row: StoredSequence) -> BatchItem:
     """The ``BatchItem`` of one served row: its sequence, the loss mask restricted to the
     batch's policy's tokens, and the data layer's statistics."""
-    seq = sequence_from_stored(row)
-    pidx = json.loads(row.meta)["policies"].index(policy)
+    meta = json.loads(row.meta)
+    seq = sequence_from_stored(row, meta)
+    pidx = meta["policies"].index(policy)
     return BatchItem(sequence=seq, loss_mask=seq.loss_mask & (seq.policy_ids == pidx), group_mean=it.group_mean,
                      group_std=it.group_std, group_size=it.group_size, staleness=it.staleness,
                      task_id=it.task_id, replayed=it.replayed)
