@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,7 @@ def _leave_a_hold_of_a_killed_reader(store: WeightStore, policy: str, version: i
     hold from another host counts until its owner removes it."""
     hold = paths.hold_file(store.root, policy, version, "4242-killed")
     hold.parent.mkdir(parents=True, exist_ok=True)
-    hold.write_text(json.dumps({"pid": 4242, "host": "rollout-host-of-the-killed-run", "since": 0.0}))
+    hold.write_text(json.dumps({"pid": 4242, "host": "rollout-host-of-the-killed-run", "since": time.time()}))
     assert version in store.held_versions(policy)
     return hold
 
