@@ -78,7 +78,7 @@ def refs_of(trajs: list[Trajectory], entry_refs: list) -> list[TrajectoryRef]:
     for t, entry in zip(trajs, entry_refs, strict=True):
         seq = t.sequences[0]
         first = _REFS.get(id(seq))
-        if first is None or first.sequences[0].reward != seq.reward:
+        if first is None:  # shared sequences live as long as the process: an id is never reused
             first = _REFS[id(seq)] = TrajectoryRef.of(t, [entry])
         s = first.sequences[0]
         out.append(TrajectoryRef(t.task_id, t.group_id, t.kind, t.attempt, t.provenance.node,
