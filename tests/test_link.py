@@ -53,7 +53,9 @@ def test_without_a_new_actor_the_loss_is_raised(client):
     link = Link(old, "the echo", reconnect_s=1)
     os.kill(old.pid().result(), signal.SIGKILL)
     with pytest.raises(Exception) as err:
-        link.pid().result(timeout=30)
+        # longer than Dask's connect timeout (30 s): a call routed to the dead worker's address
+        # may wait that long before Dask reports the loss, and the deadline must not come first
+        link.pid().result(timeout=90)
     assert actor_lost(err.value), err.value
 
 
