@@ -84,6 +84,13 @@ class RolloutTask:
             raise ValueError(f"RolloutTask {self.task_id}: attempt must be >= 0, got {self.attempt}")
 
 
+def lease_stock_name(worker: str) -> str:
+    """The data layer's name for the lease stock of rollout worker ``worker``: the tasks it
+    leases ahead for its nodes (``rollout.lease_ahead``) are held under this name until a node
+    takes them."""
+    return f"{worker}.stock"
+
+
 @dataclass(frozen=True)
 class Provenance:
     """Where and when a trajectory was produced. Written by the RaaS node; read by the data

@@ -18,7 +18,10 @@ it runs on the same 2 cores). Two call patterns:
 * ``per-node``: every node calls ``heartbeat`` / ``lease`` / ``complete`` itself (the call
   pattern before node groups gathered their calls);
 * ``grouped``: the nodes of a worker share a ``Coalescer`` (``lease_many``,
-  ``heartbeat_many``, one ``complete``), as ``RaaSNodeGroup`` does.
+  ``heartbeat_many``, one ``complete``);
+* ``stocked``: ``grouped``, and the nodes' leases are served from the worker's lease stock
+  (``--lease-ahead``, ``rollout.lease_ahead``), as ``RaaSNodeGroup`` does by default: the
+  headline figures of the result are this pattern's, ``grouped`` is its baseline.
 
 ``--baseline-root DIR`` also runs the per-node pattern against another checkout's code (e.g.
 the main branch, before these changes) in a subprocess: its rows are marked ``baseline``.
@@ -49,7 +52,7 @@ trainer: about that many batches; with 1,000 nodes and batches of 1,024 the defa
 most of the 8,000 slots idle, so ``--max-staleness 8 --flush-s 0.05`` shows what the control
 plane itself carries.
 
-    python benchmarks/control_plane.py [--nodes 10,100,1000] [--seconds 8] [--calls both]
+    python benchmarks/control_plane.py [--nodes 10,100,1000] [--seconds 8] [--calls all]
         [--baseline-root /path/to/main] [--index-sizes 1e4,1e5,1e6,1e7] [--skip-index]
 
 Prints tables; ends with ``RESULT {json}``.
@@ -95,6 +98,9 @@ from storage.trajectories import open_trajectory_store  # noqa: E402
 QUIET = {"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False", "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s",
          "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "2s",
          "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL": "1s"}
+#: ``--calls``: the call patterns each node count runs
+MODES = {"per-node": ["per-node"], "grouped": ["grouped"], "stocked": ["stocked"],
+         "both": ["per-node", "grouped"], "all": ["per-node", "grouped", "stocked"]}
 GOALS = {"traj_per_s_1000_nodes": 10_000.0, "p99_lease_ms_1000_nodes": 20.0, "cost_growth_1e4_to_1e7": 2.0}
 
 
@@ -123,7 +129,7 @@ async def consume(dl, version: list[int], lat: Latencies, served: list[int], rea
         version[0] = v
 
 
-async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int, reader: dict) -> dict:
+async def drive(dl, store, n_nodes: int, mode: str, args, pid: int, reader: dict) -> dict:
     loop = asyncio.get_running_loop()
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=4 * n_nodes + 32))
     lat, version, served = Latencies(), [0], [0]
@@ -131,6 +137,8 @@ async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int, reader: 
     per_proc = -(-n_nodes // procs) if procs else n_nodes
     per_worker = max(1, min(args.nodes_per_worker, per_proc))  # a worker's nodes share a process
     opts = {k: getattr(args, k) for k in ("capacity", "episode_s", "lease_wait", "flush_s")}
+    grouped = mode != "per-node"
+    opts["lease_ahead"] = args.lease_ahead if mode == "stocked" else 0
     nodes, sinks, coalescers = ([], [], []) if procs else build(dl, store, 0, n_nodes, per_worker, grouped, opts,
                                                                 version, lat)
     running = ([loop.create_task(n.run()) for n in nodes] + [loop.create_task(w.run()) for w in sinks]
@@ -186,7 +194,7 @@ async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int, reader: 
         ingested = p1["sequences_generated"] - p0["sequences_generated"]
         cpu_per = (cpu1 - cpu0) / max(ingested, 1)
         batched = s1 - s0
-        out = {"nodes": n_nodes, "calls": "grouped" if grouped else "per-node", "window_s": round(window, 2),
+        out = {"nodes": n_nodes, "calls": mode, "window_s": round(window, 2),
                "traj_per_s": ingested / window, "batched_seq_per_s": batched / window,
                # the emulated trainer's process: reading its batches' rows (none for the baseline)
                "trainer_read_cpu_us_per_seq": reader["cpu"] / max(batched, 1) * 1e6,
@@ -196,10 +204,13 @@ async def drive(dl, store, n_nodes: int, grouped: bool, args, pid: int, reader: 
                "emulator_cpu_cores": (me1 - me0) / window, "load": os.getloadavg()[0],
                # the data layer's process: garbage collections in the window, and their pauses
                "dl_gc_full": gc_seen["full"], "dl_gc_s": gc_seen["seconds"], "dl_gc_max_ms": gc_seen["max_s"] * 1e3,
-               "leased_now": state["leased"], "snapshots": state["snapshots"]}
+               # tasks out, waiting and groups in rollout at the window's end
+               "leased_now": state["leased"], "pending_now": state["pending"],
+               "rolling_now": state["outstanding_groups"], "snapshots": state["snapshots"]}
         for kind in ("lease", "heartbeat", "complete", "next_batch", "read", "loop_lag", "probe"):
             s = lat.summary(kind)
             out[f"{kind}_p50_ms"], out[f"{kind}_p99_ms"], out[f"{kind}_calls"] = s["p50_ms"], s["p99_ms"], s["n"]
+        out["lease_empty_frac"] = lat.summary("lease_empty")["n"] / max(out["lease_calls"], 1)
         for kind, q in state.get("service_ms", {}).items():  # inside the data layer (absent in older code)
             out[f"dl_{kind}_p50_ms"], out[f"dl_{kind}_p99_ms"] = q["p50"], q["p99"]
         if grouped:
@@ -252,7 +263,7 @@ def _profile(start: bool, dask_worker=None) -> str:
     return out.getvalue()
 
 
-def scale_run(n_nodes: int, grouped: bool, args) -> dict:
+def scale_run(n_nodes: int, mode: str, args) -> dict:
     """One LocalCluster, one data layer, ``n_nodes`` emulated nodes, one window."""
     os.environ.update({k: v for k, v in QUIET.items() if k not in os.environ})
     with tempfile.TemporaryDirectory(prefix="cp-bench-") as tmp:
@@ -269,7 +280,7 @@ def scale_run(n_nodes: int, grouped: bool, args) -> dict:
             pool.submit(trainer_start).result(120)
             reader = {"pool": pool, "url": kwargs["store_url"], "cpu": 0.0}
             try:
-                return asyncio.run(drive(dl, store, n_nodes, grouped, args, pid, reader))
+                return asyncio.run(drive(dl, store, n_nodes, mode, args, pid, reader))
             finally:
                 pool.shutdown(cancel_futures=True)
                 try:
@@ -307,7 +318,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--astraflow-root", default=ROOT, help="the checkout whose astraflow is measured")
     ap.add_argument("--nodes", default="10,100,1000")
-    ap.add_argument("--calls", choices=["per-node", "grouped", "both"], default="both")
+    ap.add_argument("--calls", choices=[*MODES], default="all")
+    ap.add_argument("--lease-ahead", type=int, default=512, help="rollout.lease_ahead of the stocked pattern")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--warmup", type=float, default=4.0)
     ap.add_argument("--capacity", type=int, default=8)
@@ -335,17 +347,16 @@ def main() -> None:
 
     scale: list[dict] = []
     if not args.skip_scale:
-        modes = {"per-node": [False], "grouped": [True], "both": [False, True]}[args.calls]
         for n in [int(x) for x in args.nodes.split(",")]:
-            for grouped in modes:
-                row = scale_run(n, grouped, args)
+            for mode in MODES[args.calls]:
+                row = scale_run(n, mode, args)
                 scale.append(row)
                 print(json.dumps(row), flush=True)
         if args.baseline_root:
             scale = baseline_rows(args) + scale
         print_table("control plane (latencies in ms, CPU in µs per trajectory)", scale,
                     ["nodes", "calls", "traj_per_s", "batched_seq_per_s", "dl_cpu_us_per_traj",
-                     "dl_capacity_traj_per_s", "lease_p50_ms", "lease_p99_ms", "dl_lease_p99_ms", "probe_p99_ms",
+                     "dl_capacity_traj_per_s", "lease_p50_ms", "lease_p99_ms", "lease_empty_frac", "probe_p99_ms",
                      "loop_lag_p99_ms",
                      "heartbeat_p99_ms", "complete_p99_ms", "next_batch_p50_ms", "read_p50_ms", "dl_gc_full",
                      "dl_gc_max_ms",
@@ -361,7 +372,9 @@ def main() -> None:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"scale": scale, "index": index}))
     result: dict = {}
-    best = [r for r in scale if r["nodes"] == 1000 and r["calls"] == "grouped"]
+    # the headline: how a node group calls by default (gathered, leases from the stock)
+    headline = "stocked" if any(r["calls"] == "stocked" for r in scale) else "grouped"
+    best = [r for r in scale if r["nodes"] == 1000 and r["calls"] == headline]
     if best:
         # end to end: what was both ingested and batched (a trajectory is one sequence here);
         # what is ingested beyond what the consumer batches ages out as stale
@@ -369,13 +382,18 @@ def main() -> None:
         result["ingested_traj_per_s_1000_nodes"] = round(best[0]["traj_per_s"], 1)
         result["batched_seq_per_s_1000_nodes"] = round(best[0]["batched_seq_per_s"], 1)
         result["p99_lease_ms_1000_nodes"] = round(best[0]["lease_p99_ms"], 2)
-        result["p99_lease_ms_in_data_layer_1000_nodes"] = round(best[0].get("dl_lease_p99_ms", float("nan")), 2)
+        if headline == "grouped":  # a stock's refill waits in the data layer's long poll: not comparable
+            result["p99_lease_ms_in_data_layer_1000_nodes"] = round(best[0].get("dl_lease_p99_ms", float("nan")), 2)
         result["p99_idle_caller_ms_1000_nodes"] = round(best[0]["probe_p99_ms"], 2)
         result["dl_capacity_traj_per_s_1000_nodes"] = round(best[0]["dl_capacity_traj_per_s"], 1)
+        result["lease_empty_frac_1000_nodes"] = round(best[0]["lease_empty_frac"], 3)
     for r in scale:
-        if r["nodes"] == 1000 and r["calls"] != "grouped":
+        if r["nodes"] == 1000 and r["calls"] != headline:
             result[f"{r['calls']}_traj_per_s_1000_nodes"] = round(r["traj_per_s"], 1)
             result[f"{r['calls']}_p99_lease_ms_1000_nodes"] = round(r["lease_p99_ms"], 2)
+    if "grouped_p99_lease_ms_1000_nodes" in result and "p99_lease_ms_1000_nodes" in result and headline == "stocked":
+        result["p99_lease_stocked_vs_grouped"] = round(
+            result["p99_lease_ms_1000_nodes"] / max(result["grouped_p99_lease_ms_1000_nodes"], 1e-9), 3)
     if len(index) > 1:
         result["cost_growth_1e4_to_1e7"] = round(index[-1]["dl_cpu_us_per_traj"] / index[0]["dl_cpu_us_per_traj"], 2)
         result["index_range"] = [index[0]["index_entries"], index[-1]["index_entries"]]

@@ -174,7 +174,7 @@ class EmuNode:
             now = time.time()
             if now - last_beat > 1.0:
                 stats = {"holding": list(self.inflight.keys() | self.writing), "worker": self.worker,
-                         "versions": self._versions(), "inflight": len(self.inflight)}
+                         "versions": self._versions(), "inflight": len(self.inflight), "slots": self.capacity}
                 await self._timed("heartbeat", self.dl.heartbeat, self.name, stats)
                 last_beat = now
             free = self.capacity - len(self.inflight)
@@ -182,6 +182,8 @@ class EmuNode:
                 t0 = time.perf_counter()
                 tasks = await self._timed("lease", self.dl.lease, self.name, free, self.lease_wait,
                                           versions=self._versions())
+                if not tasks:  # answered with nothing (how often, next to how fast)
+                    self.lat.add("lease_empty", time.perf_counter() - t0)
                 if pacing is not None:
                     pacing.leased(len(tasks), time.perf_counter() - t0)
                 loop = asyncio.get_running_loop()
@@ -296,7 +298,7 @@ def build(dl: Any, store: Any, first: int, count: int, per_worker: int, grouped:
             sinks[worker] = WorkerWriter(store.writer(worker, batch_size=4096), opts["flush_s"])
             if grouped:
                 from astraflow.rollout.coalesce import Coalescer
-                handles[worker] = Coalescer(dl)
+                handles[worker] = Coalescer(dl, worker=worker, lease_ahead=opts.get("lease_ahead", 0))
         nodes.append(EmuNode(f"{worker}.n{i % per_worker}", worker, handles[worker] if grouped else dl,
                              sinks[worker], capacity=opts["capacity"], episode_s=opts["episode_s"],
                              lease_wait=opts["lease_wait"], version=version, lat=lat, seed=i))
@@ -324,8 +326,14 @@ async def follow_versions(dl: Any, version: list[int], every: float = 0.1) -> No
 
 def gathered(coalescers: list[Any]) -> dict[str, list[int]]:
     """Per kind: gathered calls sent and node calls they carried, over ``coalescers``."""
-    return {k: [sum(h.lanes[k].calls for h in coalescers), sum(h.lanes[k].carried for h in coalescers)]
-            for k in ("lease", "heartbeat")}
+    out = {k: [sum(h.lanes[k].calls for h in coalescers), sum(h.lanes[k].carried for h in coalescers)]
+           for k in ("lease", "heartbeat")}
+    stocks = [h.stock for h in coalescers if getattr(h, "stock", None) is not None]
+    if stocks:  # node leases served by the stocks, and the stocks' own refill calls
+        out["stock"] = [sum(s.counts["refills"] for s in stocks), sum(s.counts["handed"] for s in stocks)]
+        out["stock_miss"] = [sum(s.counts["misses"] for s in stocks) + sum(s.counts["handed"] for s in stocks),
+                             sum(s.counts["misses"] for s in stocks)]
+    return out
 
 
 def emulate(address: str, dl_pickled: bytes, store_url: str, first: int, count: int, per_worker: int,

@@ -133,9 +133,11 @@ def clocks(*, policies: list[str], versions: Mapping[str, int], served: Mapping[
 def oldest_versions(policies: list[str], nodes: Mapping[str, Mapping[str, Any]], node_window_s: float,
                     now: float) -> dict[str, int | None]:
     """Per policy, the oldest weight version among the nodes that lease (not draining, not
-    gone, seen within ``node_window_s``); None when no such node reported one."""
+    gone, seen within ``node_window_s``); None when no such node reported one. A worker's
+    lease stock stands for its nodes (``stocked``): it reports the oldest version they asked
+    with, fresher than their heartbeats."""
     live = [n for n in nodes.values() if n.get("versions") and not n.get("draining") and not n.get("gone")
-            and now - float(n.get("last_seen", 0.0)) <= node_window_s]
+            and not n.get("stocked") and now - float(n.get("last_seen", 0.0)) <= node_window_s]
     out: dict[str, int | None] = {}
     for p in policies:
         held = [int(n["versions"][p]) for n in live if p in n["versions"]]

@@ -33,7 +33,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from astraflow.contracts import RolloutTask, TrajectoryRef
+from astraflow.contracts import RolloutTask, TrajectoryRef, lease_stock_name
 from astraflow.dataflow import admission, durable
 from astraflow.dataflow import record as rec
 from astraflow.dataflow import rules as R
@@ -160,13 +160,14 @@ class DataLayer(TrainerFacing):
         return max(base, -(-self._node_slots() // self.wcfg.group_size))
 
     def _node_slots(self) -> int:
-        """Task slots of the nodes that leased within ``lease_seconds`` and do not drain;
-        recounted at most once a second (a pass over every node)."""
+        """Task slots of the nodes seen within ``lease_seconds`` that do not drain (the slots
+        their heartbeats report, else the capacity they last leased with); recounted at most
+        once a second (a pass over every node)."""
         now = time.time()
         if now - self._slots_at > 1.0:
             self._slots_at = now
-            self._slots = sum(int(i.get("capacity", 0)) for i in self.leases.nodes.values()
-                              if not i.get("draining") and not i.get("gone")
+            self._slots = sum(int(i.get("slots", i.get("capacity", 0))) for i in self.leases.nodes.values()
+                              if not i.get("draining") and not i.get("gone") and not i.get("stock")
                               and now - float(i.get("last_seen", 0.0)) <= self.cfg.lease_seconds)
         return self._slots
 
@@ -281,6 +282,28 @@ class DataLayer(TrainerFacing):
         await self._durable(mark)  # a node never runs a task the next data layer does not know
         return out
 
+    async def lease_ahead(self, worker: str, capacity: int, wait: float = 0.0,
+                          versions: dict[str, int] | None = None) -> list[RolloutTask]:
+        """``lease`` for the lease stock of ``worker`` (``lease_stock_name``): tasks its nodes
+        take without a call here, each moving to its node when that node's heartbeat names it
+        among those it holds, or completes it. The stock drains and goes with its worker."""
+        name = lease_stock_name(worker)
+        self.leases.node(name).update(stock=True, worker=worker)
+        return (await self._lease([(name, capacity, versions)], wait))[name]
+
+    async def return_leases(self, worker: str, task_ids: list[str]) -> int:
+        """Tasks the lease stock of ``worker`` leased and never handed out go back to the front
+        of their queue, no attempt counted. Returns how many it still held."""
+        n, holder = 0, lease_stock_name(worker)
+        for tid in reversed(task_ids):  # each goes to the front: their order is kept
+            if self.leases.held.get(tid, (None,))[0] == holder:
+                self.leases.unlease(tid)
+                n += 1
+        if n:
+            self._notify()
+            await self._durable()
+        return n
+
     async def complete(self, refs: list[TrajectoryRef]) -> int:
         """Record committed trajectories; returns how many were new (others were duplicates).
         A long list is taken in slices, other calls (a lease, a heartbeat) answered between."""
@@ -329,7 +352,8 @@ class DataLayer(TrainerFacing):
             holding = stats.pop("holding", None)
             info = infos[node] = self.leases.node(node)
             info.update(stats)
-            self.oldest.saw(stats.get("versions"))
+            if not stats.get("stocked"):  # a stocked node's versions reach here through its stock
+                self.oldest.saw(stats.get("versions"))
             info["last_seen"] = now
             self.leases.renew(node, None if holding is None else set(holding))
         self.leases.expire()

@@ -12,6 +12,12 @@ front of its queue with ``attempt + 1``, or ends as failed after ``max_attempts`
 completion of an earlier attempt is still accepted if the task has not ended (the first
 completion wins); later ones are counted as duplicates. Every task ends exactly once.
 
+A *lease stock* (``rollout.lease_ahead``) is a worker's entry among the nodes, flagged
+``stock``: it leases tasks ahead for the nodes of its worker, which take them without a call
+here; when a node's heartbeat names a task the stock holds among those the node holds (or the
+node completes it), the lease ``move``s to the node. What the stock never handed out it
+returns (``unlease``: no attempt counted).
+
 The cost of a call does not grow with what is outstanding: leases wait for expiry in a
 deadline heap (a renewal updates ``held`` only; a popped entry whose lease was renewed is
 pushed again with its new deadline, one whose lease ended is dropped, and the heap is rebuilt
@@ -32,7 +38,7 @@ from astraflow.contracts import RolloutTask, TrajectoryRef
 from astraflow.dataflow.ledger import TERMINAL, Ledger
 
 
-def _leased(task: RolloutTask, deadline: float) -> RolloutTask:
+def _leased(task: RolloutTask, deadline: float | None) -> RolloutTask:
     """``replace(task, lease_deadline=deadline)`` without running the constructor again (every
     other field is the valid task's own)."""
     out = object.__new__(RolloutTask)
@@ -138,6 +144,8 @@ class Leases:
         lease = self.held.get(ref.task_id)
         if ref.task_id not in self.ledger.live or not self.ledger.complete(ref.task_id):
             return None
+        if lease is not None and lease[0] != ref.node:  # done before its node's heartbeat told of the move
+            self.move(ref.task_id, ref.node)
         if lease is not None:
             self._release(ref.task_id)
         else:  # a late completion of an expired attempt that was requeued but not re-leased
@@ -170,14 +178,48 @@ class Leases:
         """Extend the leases of ``node`` by ``lease_seconds`` from now: those in ``holding`` (the
         tasks the node says it still works on), or all of them when it does not say. A lease the
         node no longer knows of (its episode ended without a completion or a failure reaching
-        here) is not renewed, so it expires instead of being held for ever."""
+        here) is not renewed, so it expires instead of being held for ever. A task named in
+        ``holding`` that its worker's lease stock holds has been taken by the node: it moves."""
         deadline = time.time() + self.lease_seconds
         mine = self.by_node.get(node, ())
-        if holding is not None and len(holding) < len(mine):  # type: ignore[arg-type]
-            mine = [t for t in holding if t in mine]  # type: ignore[union-attr]
-        for tid in mine:
-            if holding is None or tid in holding:
+        if holding is None:
+            for tid in mine:
                 self.held[tid] = (node, deadline)
+            return
+        for tid in holding:
+            if tid in mine or (tid in self.held and self.move(tid, node)):
+                self.held[tid] = (node, deadline)
+
+    def is_stock(self, name: str) -> bool:
+        """Whether ``name`` is a worker's lease stock (``lease_ahead``), not a node."""
+        return bool(self.nodes.get(name, {}).get("stock"))
+
+    def move(self, tid: str, node: str) -> bool:
+        """A task leased to a worker's stock was handed to ``node`` of that worker: the lease
+        is the node's from now on (same deadline). A task the stock no longer holds (its lease
+        expired and went elsewhere, or it ended) is left alone. Returns whether it moved."""
+        lease = self.held.get(tid)
+        if lease is None or lease[0] == node or not self.is_stock(lease[0]):
+            return False
+        stock = lease[0]
+        if self.nodes[stock].get("worker") != self.nodes.get(node, {}).get("worker", self.nodes[stock].get("worker")):
+            return False  # another worker's stock: not this node's to take
+        self.hold(tid, node, lease[1])
+        self.ledger.moved(tid, node)
+        self.node(stock)["leased"] -= 1
+        self.node(node)["leased"] += 1
+        self.touch_node(stock)
+        self.touch_node(node)
+        return True
+
+    def unlease(self, tid: str) -> None:
+        """A leased task that never ran returns to the front of its queue, its attempt not
+        counted (a lease stock gives back what its nodes did not take)."""
+        self._release(tid)
+        self.ledger.returned(tid)
+        task = self.tasks[tid]
+        self.tasks[tid] = _leased(task, None)
+        self._queue(task.kind).appendleft(tid)
 
     def give_back(self, tid: str, why: str) -> None:
         """A leased task comes back (expired, failed, node gone): requeue or fail it."""

@@ -1,7 +1,8 @@
 """The task ledger: every leased task ends exactly once.
 
 Invariant 1 of the design lives here. A task moves ``pending -> leased -> completed`` (possibly
-``leased -> pending`` again when a lease expires or fails and attempts remain) and ends exactly
+``leased -> pending`` again when a lease expires or fails and attempts remain, or when a lease
+stock returns a task it never handed out) and ends exactly
 once as one of ``consumed`` (a trainer trained on its sequences and committed that version),
 ``dropped`` (with a reason: stale, zero_advantage, group_incomplete, run_ended,
 served_not_trained: fetched by a trainer that stopped or asked again before committing),
@@ -125,6 +126,20 @@ class Ledger:
         rec.attempt += 1
         self.events["requeued"] += 1
         self.events[f"requeued_{why}"] += 1
+
+    def moved(self, task_id: str, node: str) -> None:
+        """A leased task changed hands (a worker's lease stock gave it to one of its nodes)."""
+        self._touch(task_id, group=False)
+        self.live[task_id].node = node
+
+    def returned(self, task_id: str) -> None:
+        """A leased task that never ran comes back as it was: no attempt is counted."""
+        rec = self.live[task_id]
+        assert rec.state == "leased", f"return of {task_id} in state {rec.state}"
+        self._touch(task_id, group=False)
+        self._move(rec, "pending")
+        rec.node = None
+        self.events["returned"] += 1
 
     def complete(self, task_id: str) -> bool:
         """Record a completion; False for a duplicate or a completion of an ended task."""

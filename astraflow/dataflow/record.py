@@ -272,7 +272,10 @@ def layer_status(dl: DataLayer) -> dict[str, Any]:
         **dl.generated.rates(elapsed),
         # silent_s: since the node's last call (the orchestrator replaces a node whose loop went silent)
         "nodes": {n: {**i, "leases_held": held.get(n, 0), "silent_s": now - i.get("last_seen", now)}
-                  for n, i in dl.leases.nodes.items()},
+                  for n, i in dl.leases.nodes.items() if not i.get("stock")},
+        # the workers' lease stocks (``rollout.lease_ahead``): tasks leased ahead, not yet taken
+        "lease_stocks": {n: {"worker": i.get("worker"), "leases_held": held.get(n, 0), "leased": i.get("leased", 0)}
+                         for n, i in dl.leases.nodes.items() if i.get("stock")},
         "eval": list(dl.evals.results),
         "ledger": dl.ledger.summary(),
         "rules_state": {"curator": dl.curator.state_dict(), "group_filter": dl.group_filter.state_dict()},

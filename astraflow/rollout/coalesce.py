@@ -11,121 +11,23 @@ lone node waits no longer than before. Every other method goes straight to the h
 A lease long poll holds a sender while the data layer has no task for any node of the group:
 the nodes asking meanwhile go with the other sender.
 ``complete`` answers each node with the count of new completions of the whole call.
+
+With ``rollout.lease_ahead``, the nodes' leases are answered by the worker's ``LeaseStock``
+(its refills are the worker's only lease calls); the stock's own heartbeat goes with the
+nodes' gathered ones.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
+from astraflow.rollout.lease_stock import LeaseStock
+from astraflow.rollout.pending import Pending, settle_all
 from astraflow.transport import Link, Packed, PackedDict
 
 #: a lane's sender thread ends after this many idle seconds (started again on the next call)
 IDLE_S = 30.0
-
-
-def _never() -> bool:
-    return False
-
-
-class _Pending:
-    """One node's call in a gathered call: ``result(timeout)`` like an actor call's future, and
-    ``wait_async(timeout)`` for a node's event loop (``transport.call`` uses it: no thread is
-    parked per waiting node, which matters when one process runs many nodes). Cheap to make:
-    a lock, and a ``threading.Event`` only once a thread blocks in ``result``."""
-
-    __slots__ = ("_replaced", "_patience_s", "_lock", "_done", "_event", "_wakers", "_value", "_error")
-
-    def __init__(self, replaced: Callable[[], bool] = _never, patience_s: float = 0.0) -> None:
-        #: whether the data layer was lost (or re-placed) since the call was made: a deadline
-        #: that passes then is waited out, up to ``patience_s`` more (the sender makes the call
-        #: again on the new data layer, as ``transport.Link`` does)
-        self._replaced, self._patience_s = replaced, patience_s
-        self._lock = threading.Lock()
-        self._done = False
-        self._event: threading.Event | None = None
-        #: the futures of the event loops awaiting the answer
-        self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-    def settle(self, value: Any = None, error: BaseException | None = None) -> None:
-        _wake(self._settled(value, error))
-
-    def _settled(self, value: Any, error: BaseException | None) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]:
-        with self._lock:
-            self._value, self._error, self._done = value, error, True
-            wakers, self._wakers = self._wakers, []
-            if self._event is not None:
-                self._event.set()
-        return wakers
-
-    async def wait_async(self, timeout: float | None = None) -> Any:
-        """The answer, awaited on the running loop (woken from the sender thread)."""
-        if not await self._answered_within(timeout):
-            if not self._replaced():
-                raise TimeoutError(f"no answer from the data layer within {timeout}s")
-            if not await self._answered_within(self._patience_s + (timeout or 0.0)):
-                raise TimeoutError(f"the data layer was lost and did not answer within "
-                                   f"{self._patience_s:.0f}s of its re-placement")
-        return self.result(0)
-
-    async def _answered_within(self, timeout: float | None) -> bool:
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            if self._done:
-                return True
-            answered = loop.create_future()
-            self._wakers.append((loop, answered))
-        timer = None if timeout is None else loop.call_later(timeout, _resolve, [answered], False)
-        try:
-            return await answered
-        finally:
-            if timer is not None:
-                timer.cancel()
-
-    def done(self) -> bool:
-        return self._done
-
-    def result(self, timeout: float | None = None) -> Any:
-        with self._lock:
-            if not self._done and self._event is None:
-                self._event = threading.Event()
-            event = self._event
-        if event is not None and not event.wait(timeout) and not (
-                self._replaced() and event.wait(self._patience_s + (timeout or 0.0))):
-            raise TimeoutError(f"no answer from the data layer within {timeout}s")
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-def settle_all(answers: Iterable[tuple[_Pending, Any]]) -> None:
-    """Answer the node calls of one gathered call, waking each waiting event loop once."""
-    woken: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-    try:
-        for pending, value in answers:
-            woken += pending._settled(value, None)
-    finally:  # those answered before a failure (the rest get the error) are woken all the same
-        _wake(woken)
-
-
-def _wake(woken: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]) -> None:
-    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
-    for loop, answered in woken:
-        by_loop.setdefault(loop, []).append(answered)
-    for loop, futures in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_resolve, futures, True)
-        except RuntimeError:  # the node's loop has closed: nobody waits any more
-            pass
-
-
-def _resolve(futures: list[asyncio.Future], answered: bool) -> None:
-    for f in futures:
-        if not f.done():
-            f.set_result(answered)
 
 
 class _Lane:
@@ -133,12 +35,12 @@ class _Lane:
     (up to ``senders`` at once: a call waiting on the data layer's snapshot write does not hold
     back the next; calls made meanwhile share the write)."""
 
-    def __init__(self, name: str, send: Callable[[list[tuple[tuple, _Pending]]], None], senders: int = 4,
-                 pending: Callable[[], _Pending] = _Pending):
+    def __init__(self, name: str, send: Callable[[list[tuple[tuple, Pending]]], None], senders: int = 4,
+                 pending: Callable[[], Pending] = Pending):
         self.name = name
         self._send = send
         self._pending = pending
-        self._queue: list[tuple[tuple, _Pending]] = []
+        self._queue: list[tuple[tuple, Pending]] = []
         self._cond = threading.Condition()
         self._senders = senders
         self._threads = 0
@@ -147,7 +49,7 @@ class _Lane:
         self.calls = 0
         self.carried = 0
 
-    def submit(self, args: tuple) -> _Pending:
+    def submit(self, args: tuple) -> Pending:
         pending = self._pending()
         with self._cond:
             self._queue.append((args, pending))
@@ -178,22 +80,25 @@ class _Lane:
 
 
 class Coalescer:
-    """A data-layer handle shared by the nodes of one worker (module docstring)."""
+    """A data-layer handle shared by the nodes of one worker (module docstring). With
+    ``lease_ahead`` > 0 and the ``worker``'s name, leases are served from a ``LeaseStock``
+    first."""
 
-    def __init__(self, handle: Any):
+    def __init__(self, handle: Any, worker: str = "", lease_ahead: int = 0, lease_wait_s: float = 0.5):
         #: the data layer's handle (a ``transport.Link``: it follows a re-placed data layer)
         self.handle = handle
         self.lanes = {name: _Lane(name, send, pending=self._pending) for name, send in
                       (("heartbeat", self._heartbeats), ("lease", self._leases), ("complete", self._completes))}
+        self.stock = LeaseStock(handle, worker, lease_ahead, lease_wait_s) if lease_ahead > 0 and worker else None
 
-    def _pending(self) -> _Pending:
+    def _pending(self) -> Pending:
         """A node's share of a gathered call, which waits for a lost data layer's replacement
         as the link's own calls do (``Link.expect_new``)."""
         link = self.handle
         if not isinstance(link, Link):  # a plain actor handle: nothing re-places it
-            return _Pending()
+            return Pending()
         generation = link.current()[1]
-        return _Pending(lambda: link.current()[1] != generation or link.known_lost(generation), link.reconnect_s)
+        return Pending(lambda: link.current()[1] != generation or link.known_lost(generation), link.reconnect_s)
 
     # ``bind`` reads and sets ``_worker``: it is the handle's
     @property
@@ -216,31 +121,52 @@ class Coalescer:
         return getattr(self.handle, name)
 
     # -- the gathered calls ----------------------------------------------------------------
-    def heartbeat(self, node: str, stats: dict[str, Any]) -> _Pending:
+    def heartbeat(self, node: str, stats: dict[str, Any]) -> Pending:
         return self.lanes["heartbeat"].submit((node, stats))
 
-    def lease(self, node: str, capacity: int, wait: float = 0.0, versions: dict[str, int] | None = None) -> _Pending:
+    def lease(self, node: str, capacity: int, wait: float = 0.0, versions: dict[str, int] | None = None) -> Pending:
+        if self.stock is not None and capacity > 0:
+            answer = self.stock.lease(node, capacity, wait, versions)
+            if answer is not None:
+                return answer
         return self.lanes["lease"].submit((node, capacity, wait, versions))
 
-    def complete(self, refs: list) -> _Pending:
+    def complete(self, refs: list) -> Pending:
         return self.lanes["complete"].submit((refs,))
 
-    def _heartbeats(self, items: list[tuple[tuple, _Pending]]) -> None:
-        beats = PackedDict((node, stats) for (node, stats), _ in items)
+    def _heartbeats(self, items: list[tuple[tuple, Pending]]) -> None:
+        stock = self.stock
+        beats = PackedDict()
+        own = stock.beat() if stock is not None else None
+        if own is not None:  # first: it restores the stock's flag that the nodes' moves need
+            beats[stock.name] = own
+        for (node, stats), _ in items:  # with a stock, the stock reports the nodes' versions
+            beats[node] = stats if own is None else {**stats, "stocked": True}
         replies = self.handle.heartbeat_many(beats).result(60.0)
+        if own is not None:
+            stock.answered(replies[stock.name])  # type: ignore[union-attr]
         settle_all((pending, replies[node]) for (node, _), pending in items)
 
-    def _leases(self, items: list[tuple[tuple, _Pending]]) -> None:
+    def _leases(self, items: list[tuple[tuple, Pending]]) -> None:
         wait = min(args[2] for args, _ in items)
         requests = Packed((node, capacity, versions) for (node, capacity, _, versions), _ in items)
         got = self.handle.lease_many(requests, wait).result(wait + 60.0)
         settle_all((pending, got[node]) for (node, *_), pending in items)
 
-    def _completes(self, items: list[tuple[tuple, _Pending]]) -> None:
+    def _completes(self, items: list[tuple[tuple, Pending]]) -> None:
         refs = Packed(ref for (node_refs,), _ in items for ref in node_refs)
         new = self.handle.complete(refs).result(120.0)
         settle_all((pending, new) for _, pending in items)
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        """Per kind: gathered calls sent and the node calls they carried."""
-        return {name: {"calls": lane.calls, "carried": lane.carried} for name, lane in self.lanes.items()}
+    def drain(self) -> None:
+        """The worker drains: the lease stock stops and returns what no node took."""
+        if self.stock is not None:
+            self.stock.drain()
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per kind: gathered calls sent and the node calls they carried; the lease stock's counts."""
+        out: dict[str, dict[str, Any]] = {name: {"calls": lane.calls, "carried": lane.carried}
+                                          for name, lane in self.lanes.items()}
+        if self.stock is not None:
+            out["stock"] = self.stock.stats()
+        return out

@@ -138,6 +138,11 @@ class RolloutConfig(Strict):
     lease_wait_seconds: float = Field(default=0.5, ge=0, le=5)
     """How long one lease call may wait in the data layer for tasks when it has none (a long
     poll: tasks reach the node the moment they exist, without a call every few ms)."""
+    lease_ahead: int = Field(default=512, ge=0)
+    """With several nodes per worker (``nodes_per_worker``): the most tasks the worker keeps
+    leased ahead for its nodes, so that a node with a free slot takes its next task at once
+    instead of waiting for a data-layer round trip. The stock follows the nodes' rate (what
+    they take in about two round trips) up to this; 0: every lease goes to the data layer."""
     weight_poll_seconds: float = Field(default=0.1, gt=0)
     """How often the node checks the weight store for a newer version (a listing of the policy's
     version directory). A node whose weights fall more than ``dataflow.max_staleness`` versions

@@ -330,6 +330,7 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
             "holding": list(self.inflight.keys() | self.writing if holding is None else holding),
             "versions": self.versions(),
             "inflight": len(self.inflight),
+            "slots": self.capacity,  # for the rollout-ahead bound, also while its leases are served from a stock
             "episodes": self.counters["episodes"],
             "tokens": self.counters["tokens"],
             "partition": self.identity.partition,

@@ -8,7 +8,8 @@ is served at, ``stop`` stops them together and sums their counters, ``reconnect`
 and ``drain`` go to every node. The data layer knows each node by its own name and the worker
 they share (heartbeat ``worker``), so draining or losing the worker reaches all of them.
 Their heartbeats, leases and completions reach the data layer gathered, one call per kind at
-a time for the whole group (``coalesce.Coalescer``).
+a time for the whole group (``coalesce.Coalescer``), and their leases are served first from
+the worker's lease stock (``rollout.lease_ahead``, ``lease_stock.py``).
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ class RaaSNodeGroup:
         seed = node_kwargs.pop("seed", 0)
         self.nodes = [RaaSNode(identity=replace(identity, name=member_name(identity.name, i), worker=identity.name),
                                seed=seed * 100_003 + i, **node_kwargs) for i in range(count)]
-        if count > 1:  # one handle for all: their calls are gathered
-            self.coalescer = Coalescer(Link(self._data_layer, "the data layer"))
+        self.coalescer: Coalescer | None = None
+        if count > 1:  # one handle for all: their calls are gathered, their leases served from a stock
+            rollout = node_kwargs["rollout"]
+            self.coalescer = Coalescer(Link(self._data_layer, "the data layer"), worker=identity.name,
+                                       lease_ahead=rollout.lease_ahead, lease_wait_s=rollout.lease_wait_seconds)
             for node in self.nodes:
                 node.dl = self.coalescer
 
@@ -69,9 +73,14 @@ class RaaSNodeGroup:
     def drain(self) -> None:
         for n in self.nodes:
             n.drain()
+        if self.coalescer is not None:  # what the nodes will not take goes back now
+            self.coalescer.drain()
 
     def stop(self, timeout: float = 30.0) -> dict[str, Any]:
-        return _merged(self.identity.name, self._each(lambda n: n.stop(timeout=timeout)))
+        merged = _merged(self.identity.name, self._each(lambda n: n.stop(timeout=timeout)))
+        if self.coalescer is not None:
+            self.coalescer.drain()
+        return merged
 
     def state(self) -> dict[str, Any]:
         return _merged(self.identity.name, [n.state() for n in self.nodes])

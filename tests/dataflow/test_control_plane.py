@@ -137,7 +137,7 @@ def test_a_coalescer_gathers_the_nodes_calls_and_answers_each_node(tmp_path):
 def test_nodes_on_one_loop_await_gathered_calls_without_a_thread_each(tmp_path):
     """``transport.call`` on a coalescer's answer waits on the node's loop: many nodes' calls
     in flight park no threads beyond the lanes' senders, and a deadline still raises."""
-    from astraflow.rollout.coalesce import _Pending
+    from astraflow.rollout.pending import Pending
     from astraflow.transport import call
 
     handle = _LoopHandle(make_layer(tmp_path, prefetch_groups=20))
@@ -153,8 +153,8 @@ def test_nodes_on_one_loop_await_gathered_calls_without_a_thread_each(tmp_path):
         replies = await asyncio.gather(*beats)
         got = await asyncio.gather(*leases)
         with pytest.raises(TimeoutError, match="within 0.05s"):
-            await _Pending().wait_async(0.05)
-        late = _Pending()
+            await Pending().wait_async(0.05)
+        late = Pending()
         late.settle("done")
         return replies, got, await late.wait_async(1.0)
 
@@ -170,9 +170,9 @@ def test_nodes_on_one_loop_await_gathered_calls_without_a_thread_each(tmp_path):
 def test_a_gathered_answer_reaches_every_kind_of_waiter():
     """Nodes awaiting on two loops, a thread blocked in ``result`` and a node that gave up: one
     ``settle_all`` answers each (and a cancelled wait does not break it)."""
-    from astraflow.rollout.coalesce import _Pending, settle_all
+    from astraflow.rollout.pending import Pending, settle_all
 
-    calls = [_Pending() for _ in range(6)]
+    calls = [Pending() for _ in range(6)]
     blocked: list = []
     waiter = threading.Thread(target=lambda: blocked.append(calls[5].result(10)))
     waiter.start()

@@ -25,15 +25,17 @@ def test_tiny_run_prints_sane_rows_and_a_result_line(tmp_path):
     result = json.loads(last[len("RESULT "):])
     assert result["cost_growth_1e4_to_1e7"] > 0 and result["index_range"] == [1000, 10000]
     rows = json.loads(out.read_text())
-    assert [(r["nodes"], r["calls"]) for r in rows["scale"]] == [(10, "per-node"), (10, "grouped")]
+    assert [(r["nodes"], r["calls"]) for r in rows["scale"]] == [(10, "per-node"), (10, "grouped"), (10, "stocked")]
     for r in rows["scale"]:
         assert r["traj_per_s"] > 0 and r["dl_cpu_us_per_traj"] > 0 and r["lease_calls"] > 0
         assert math.isfinite(r["lease_p99_ms"]) and r["lease_p99_ms"] >= r["lease_p50_ms"] > 0
         # the emulator processes' loop lag and the idle caller's latency were measured in the window
         assert r["loop_lag_calls"] > 0 and r["probe_calls"] > 0 and r["probe_p99_ms"] >= r["probe_p50_ms"] > 0
         assert r["emulator_cpu_cores"] > 0
-    grouped = rows["scale"][1]
+    grouped, stocked = rows["scale"][1], rows["scale"][2]
     assert grouped["gathered"]["lease"] >= 1  # node calls per gathered call
+    # the stocked nodes' leases were answered by their workers' stocks, which refilled
+    assert stocked["gathered"]["stock"] > 0 and 0 <= stocked["lease_empty_frac"] <= 1
     assert [r["index_entries"] for r in rows["index"]] == [1000, 10000]
     assert all(r["trajectories"] >= 300 and r["dl_cpu_us_per_traj"] > 0 for r in rows["index"])
 
