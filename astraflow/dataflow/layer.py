@@ -270,8 +270,9 @@ class DataLayer(TrainerFacing):
             remaining = deadline - time.time()
             if remaining <= 0:
                 break
+            # (a lease stock has no weights of its own to load: it waits)
             if self.mixer.refused and any(admission.lags(info.get("versions"), self.versions)
-                                          for _, _, info in asking):
+                                          for _, _, info in asking if not info.get("stock")):
                 break
             # woken by _notify (a batch served, trajectories ingested, a version published)
             await self._wait(min(remaining, 0.1))
@@ -348,19 +349,30 @@ class DataLayer(TrainerFacing):
         mark = self._mark()
         now = time.time()
         infos = {}
+        newer = False
         for node, stats in beats.items():
             holding = stats.pop("holding", None)
             info = infos[node] = self.leases.node(node)
+            # a lease stock's parked refills re-check admission when its nodes' weights move on
+            # (nodes' own leases would have, each time they asked)
+            newer = newer or bool(stats.get("stock") and stats.get("versions") != info.get("versions"))
             info.update(stats)
             if not stats.get("stocked"):  # a stocked node's versions reach here through its stock
                 self.oldest.saw(stats.get("versions"))
             info["last_seen"] = now
             self.leases.renew(node, None if holding is None else set(holding))
         self.leases.expire()
+        if newer:
+            self._notify()
         await self._durable(mark)
         self.service.add("heartbeat", time.perf_counter() - t0)
-        return PackedDict((node, {"draining": info["draining"], "finished": self.finished})
-                          for node, info in infos.items())
+        return PackedDict((node, self._beat_reply(info)) for node, info in infos.items())
+
+    def _beat_reply(self, info: dict[str, Any]) -> dict[str, Any]:
+        reply = {"draining": info["draining"], "finished": self.finished}
+        if info.get("stock"):  # what a stock needs to answer its waiting nodes as ``lease`` would
+            reply.update(versions=dict(self.versions), refused=bool(self.mixer.refused))
+        return reply
 
     async def drain(self, node: str) -> None:
         """Stop leasing to ``node`` and the nodes sharing its worker (they finish what they hold)."""

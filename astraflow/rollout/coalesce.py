@@ -122,6 +122,8 @@ class Coalescer:
 
     # -- the gathered calls ----------------------------------------------------------------
     def heartbeat(self, node: str, stats: dict[str, Any]) -> Pending:
+        if self.stock is not None:
+            self.stock.saw(node, stats.get("versions"))
         return self.lanes["heartbeat"].submit((node, stats))
 
     def lease(self, node: str, capacity: int, wait: float = 0.0, versions: dict[str, int] | None = None) -> Pending:

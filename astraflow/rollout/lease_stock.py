@@ -6,10 +6,14 @@ tail. The stock keeps tasks leased under the worker's stock name
 (``contracts.lease_stock_name``) and answers its nodes' leases itself: at once from what it
 holds, or, when it is empty, at once with nothing (a node that does not wait) or with the next
 refill (a node that waits: the stock's long poll stands for the node's). ``REFILLERS`` sender
-threads refill it (``DataLayer.lease_ahead``, a long poll, asking with the oldest weight
-versions its nodes asked with), sized to what the nodes ask for during ``COVER_TRIPS`` refill
-round trips and never more than ``most``: a task waits in the stock for about that long, so
-staleness does not grow and other workers are not starved.
+threads refill it (``DataLayer.lease_ahead``, a long poll), sized to what the nodes ask for
+during ``COVER_TRIPS`` refill round trips and never more than ``most``: a task waits in the
+stock for about that long, so staleness does not grow and other workers are not starved.
+
+Admission by version is the data layer's: the stock's heartbeat reports the oldest weight
+versions among the nodes that asked for tasks lately (those new tasks would go to), and while
+admission refuses new groups a waiting node whose weights are behind is answered at once with
+nothing, as the data layer's own long poll would, so that it asks again with newer ones.
 
 The data layer moves a task's lease from the stock to the node that took it when that node's
 heartbeat names the task among those it holds, or when the node completes it; the stock's own
@@ -39,6 +43,8 @@ COVER_TRIPS = 2.0
 TRIPS_KEPT = 32
 #: refill calls on their way at once (a long poll in one does not hold back the other)
 REFILLERS = 2
+#: the nodes that asked for tasks within this many seconds are those new tasks would go to
+RECENT_S = 2.0
 #: the longest pause after refills that came back empty at once (weights behind, a finished run)
 MAX_PAUSE_S = 0.4
 
@@ -51,8 +57,11 @@ class LeaseStock:
         self.name = lease_stock_name(worker)
         self._cond = threading.Condition()
         self._tasks: deque[RolloutTask] = deque()
-        #: node -> the weight versions it last asked with (the stock asks with the oldest)
+        #: node -> the weight versions it last reported (a lease or a heartbeat); the stock
+        #: reports the oldest
         self._node_versions: dict[str, dict[str, int]] = {}
+        #: node -> when it last asked for tasks
+        self._asked_at: dict[str, float] = {}
         self._largest_ask = 1
         #: nodes waiting for the next refill: (node, capacity, deadline, answer)
         self._waiting: deque[tuple[str, int, float, Pending]] = deque()
@@ -77,12 +86,15 @@ class LeaseStock:
         with self._cond:
             if versions is not None:
                 self._node_versions[node] = versions
+            self._asked_at[node] = time.monotonic()
             self._largest_ask = max(self._largest_ask, capacity)
             if self._stopped:
                 return None
             if not self._threads:
                 self._threads = [threading.Thread(target=self._run, name=f"lease-stock-{self.worker}", daemon=True)
                                  for _ in range(REFILLERS)]
+                self._threads.append(threading.Thread(target=self._expire, name=f"lease-stock-{self.worker}-waits",
+                                                      daemon=True))
                 for thread in self._threads:
                     thread.start()
             out = self._hand(node, capacity)
@@ -97,6 +109,12 @@ class LeaseStock:
             self._cond.notify_all()  # below its size now: the sender refills
         answer.settle(Packed(out))
         return answer
+
+    def saw(self, node: str, versions: dict[str, int] | None) -> None:
+        """``node`` reported the weight versions it holds (its heartbeat)."""
+        if versions is not None:
+            with self._cond:
+                self._node_versions[node] = versions
 
     def _hand(self, node: str, capacity: int) -> list[RolloutTask]:
         out = [self._tasks.popleft() for _ in range(min(capacity, len(self._tasks)))]
@@ -130,9 +148,23 @@ class LeaseStock:
 
     def answered(self, reply: dict[str, Any]) -> None:
         """The data layer's answer to ``beat``: a draining worker or a finished run returns
-        the stock."""
+        the stock. While admission refuses new groups, a waiting node whose weights are behind
+        the committed versions is answered now with nothing (as the data layer's own long poll
+        would), so that it asks again with the weights it loads next."""
         if (reply.get("draining") or reply.get("finished")) and not self._stopped:
             threading.Thread(target=self.drain, name=f"lease-stock-{self.worker}-drain", daemon=True).start()
+            return
+        committed = reply.get("versions")
+        if not reply.get("refused") or not committed:
+            return
+        with self._cond:
+            behind, left = [], deque()
+            for waiter in self._waiting:
+                held = self._node_versions.get(waiter[0]) or {}
+                lags = any(int(held.get(p, v)) < v for p, v in committed.items())
+                (behind if lags else left).append(waiter)
+            self._waiting = left
+        settle_all((answer, Packed()) for *_, answer in behind)
 
     # -- the sender ------------------------------------------------------------------------
     def size(self) -> int:
@@ -142,11 +174,13 @@ class LeaseStock:
         return max(1, min(self.most, math.ceil(self._rate * COVER_TRIPS * trip) + self._largest_ask))
 
     def _oldest(self) -> dict[str, int] | None:
-        """Per policy, the oldest version the nodes asked with (admission by version is the
-        data layer's: the stock asks as its most behind node would)."""
+        """Per policy, the oldest version among the nodes that asked within ``RECENT_S`` (all
+        of them when none did): the stock stands for them in admission by version."""
+        recent = time.monotonic() - RECENT_S
+        asking = [n for n, at in self._asked_at.items() if at >= recent] or list(self._node_versions)
         out: dict[str, int] = {}
-        for versions in self._node_versions.values():
-            for p, v in versions.items():
+        for node in asking:
+            for p, v in self._node_versions.get(node, {}).items():
                 out[p] = min(out.get(p, v), v)
         return out or None
 
@@ -172,11 +206,13 @@ class LeaseStock:
                     self._update_rate()
                 if self._stopped:
                     break
-                want, versions = self._short(), self._oldest()
+                want = self._short()
                 self._asking += want
             t0 = time.monotonic()
             try:
-                got = list(self.handle.lease_ahead(self.worker, want, self.wait_s, versions).result(self.wait_s + 60))
+                # no versions: the stock's heartbeat reports them for admission, and a refill waits in
+                # the long poll for tasks rather than returning at once for weights to load
+                got = list(self.handle.lease_ahead(self.worker, want, self.wait_s).result(self.wait_s + 60))
             except Exception as err:  # the data layer is being re-placed, or gone
                 log.warning("lease stock of %s: refill failed (%s); retrying in 1s", self.worker, err)
                 with self._cond:  # the waiting nodes get nothing this time, and ask again
@@ -203,6 +239,22 @@ class LeaseStock:
                 pause = min(max(pause * 2, 0.05), MAX_PAUSE_S)
                 time.sleep(pause)
         self._give_back()
+
+    def _expire(self) -> None:
+        """Answer each waiting node with nothing once its own wait is over (a refill may take
+        longer: the stock's long poll is the data layer's)."""
+        while True:
+            with self._cond:
+                if self._stopped:
+                    return
+                now = time.monotonic()
+                # the first to wait is the first due (the nodes of one worker wait alike)
+                due = self._waiting[0][2] if self._waiting else now + 1.0
+                if due > now:
+                    self._cond.wait(min(due - now, 1.0))
+                    continue
+                answers = self._serve_waiting(refill_empty=False)
+            settle_all((answer, Packed(tasks)) for answer, tasks in answers)
 
     # -- the end ---------------------------------------------------------------------------
     def drain(self, timeout: float = 30.0) -> int:

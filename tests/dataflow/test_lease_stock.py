@@ -5,16 +5,19 @@ and the stock's own ``LeaseStock`` answers its nodes' leases without a data-laye
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future
 
 from astraflow.contracts import lease_stock_name
 from astraflow.rollout.coalesce import Coalescer
+from astraflow.rollout.lease_stock import LeaseStock
 from tests.dataflow.test_changelog import same
 from tests.dataflow.test_control_plane import _LoopHandle
 from tests.dataflow.test_data_layer import Node, make_layer, run
 from tests.dataflow.test_durable import Paths
-from tests.dataflow.test_leases import make, ref, task
 from tests.dataflow.helpers import make_trajectory, store_and_ref
+from tests.dataflow.test_leases import make, ref, task
 
 STOCK = lease_stock_name("w0")
 
@@ -95,7 +98,7 @@ def test_nodes_lease_from_the_stock_without_a_call_each_and_a_drain_returns_the_
         got = {n: [t.task_id for t in co.lease(n, 1, 0.0, versions={"p": 1}).result(1)] for n in names}
         assert all(len(ids) == 1 for ids in got.values())
         assert "lease_many" not in handle.calls and "lease" not in handle.calls  # the stock's refills only
-        assert co.stock._oldest() == {"p": 0}  # it asks as its most behind node would
+        assert co.stock.beat()["versions"] == {"p": 0}  # it reports its most behind node's versions
         beats = [co.heartbeat(n, {"worker": "w0", "holding": ids}) for n, ids in got.items()]
         assert all(p.result(30) == {"draining": False, "finished": False} for p in beats)
         holders = {t: n for t, (n, _) in layer.leases.held.items()}
@@ -128,3 +131,35 @@ def test_a_lease_on_an_empty_stock_is_answered_at_once_without_a_long_poll(tmp_p
     finally:
         co.drain()
         handle.loop.call_soon_threadsafe(handle.loop.stop)
+
+
+class _SlowHandle:
+    """A data layer whose long poll finds nothing for a while: refills stay on their way."""
+
+    def __init__(self, poll_s: float):
+        self.poll_s, self.returned = poll_s, []
+
+    def lease_ahead(self, worker, want, wait):
+        fut = Future()
+        threading.Timer(self.poll_s, fut.set_result, ([],)).start()
+        return fut
+
+    def return_leases(self, worker, task_ids):
+        self.returned += task_ids
+        fut = Future()
+        fut.set_result(len(task_ids))
+        return fut
+
+
+def test_while_admission_refuses_a_waiting_node_whose_weights_are_behind_is_answered_at_once():
+    stock = LeaseStock(_SlowHandle(1.0), "w0", most=8, wait_s=0.5)
+    behind = stock.lease("w0.n0", 2, 5.0, {"p": 1})
+    current = stock.lease("w0.n1", 2, 5.0, {"p": 3})
+    assert not behind.done() and not current.done()  # both wait for the stock's refill
+    assert stock.beat()["versions"] == {"p": 1}  # the stock stands for its most behind asking node
+    stock.answered({"draining": False, "finished": False, "versions": {"p": 3}, "refused": 0})
+    assert not behind.done()  # admission admits: waiting is right
+    stock.answered({"draining": False, "finished": False, "versions": {"p": 3}, "refused": 2})
+    assert behind.result(1) == [] and not current.done()  # it asks again with the weights it loads next
+    stock.drain()
+    assert current.result(1) == []
