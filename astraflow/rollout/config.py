@@ -138,11 +138,15 @@ class RolloutConfig(Strict):
     lease_wait_seconds: float = Field(default=0.5, ge=0, le=5)
     """How long one lease call may wait in the data layer for tasks when it has none (a long
     poll: tasks reach the node the moment they exist, without a call every few ms)."""
-    lease_ahead: int = Field(default=512, ge=0)
+    lease_ahead: int = Field(default=0, ge=0)
     """With several nodes per worker (``nodes_per_worker``): the most tasks the worker keeps
-    leased ahead for its nodes, so that a node with a free slot takes its next task at once
-    instead of waiting for a data-layer round trip. The stock follows the nodes' rate (what
-    they take in about two round trips) up to this; 0: every lease goes to the data layer."""
+    leased ahead for its nodes (its lease stock, ``rollout/lease_stock.py``), so that a node
+    with a free slot gets its answer at once instead of after a data-layer round trip, which a
+    data layer serving a thousand nodes gives in tens of milliseconds at the tail. The stock
+    follows the nodes' rate (what they ask for in about two round trips) up to this. 0 (the
+    default): every lease goes to the data layer, as a real node's does, which is what
+    ``astraflow plan`` should predict from; with the stock, tasks reach nodes one hop later
+    and runs bound by admission flow somewhat less (``docs/sim.md``)."""
     weight_poll_seconds: float = Field(default=0.1, gt=0)
     """How often the node checks the weight store for a newer version (a listing of the policy's
     version directory). A node whose weights fall more than ``dataflow.max_staleness`` versions

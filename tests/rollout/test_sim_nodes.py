@@ -75,3 +75,43 @@ def test_fifty_sim_nodes_share_one_loop_and_all_keep_their_heartbeats(tmp_path):
     # work goes to whichever node asks first: trajectories in several nodes' own segments
     assert sum(written.values()) >= NODES and set(written) <= set(names)
     assert len([s for s, c in written.items() if c]) >= 5
+
+
+@pytest.mark.timeout(120)
+def test_sim_nodes_with_a_lease_stock_take_their_tasks_from_it_and_leave_none_behind(tmp_path):
+    """``rollout.lease_ahead``: a node group's leases are answered by the worker's stock (the
+    data layer sees its refills, not a lease per node), every trajectory's task completes under
+    the node that ran it, and when the group stops the stock holds no lease any more."""
+    url, weights = str(tmp_path / "trajectories"), str(tmp_path / "weights")
+    SimBackend().publish(WeightStore(weights), "p", 0)
+    layer = DataLayer(dataflow=DataflowConfig(batch_size=16, lease_seconds=300, max_staleness=1000,
+                                                    prefetch_groups=20, durable=False),
+                      workload=WorkloadConfig(name="sim", workflow="sim", params=SIM, group_size=4),
+                      policies=["p"], store_url=url, metrics_path=str(tmp_path / "metrics.jsonl"), max_steps=10_000)
+    dl = LocalActor(layer)
+    dl._worker = True
+    engine = EngineConfig(type="sim", sim=SimEngineConfig(hardware="h100", length_mean=60, time_scale=4.0))
+    group = RaaSNodeGroup(identity=NodeIdentity(name="w0"), data_layer=dl,
+                          rollout=RolloutConfig(engine=engine, nodes_per_worker=8, capacity=4, write_batch=4,
+                                                flush_seconds=0.3, lease_ahead=32, lease_wait_seconds=0.5),
+                          models={"p": "sim"}, workload_name="sim", workload_params=SIM, workload_seed=0,
+                          workflow="sim", sampling=SamplingConfig(max_new_tokens=128), store_url=url,
+                          weights_root=weights)
+    try:
+        group.start()
+        time.sleep(5.0)
+    finally:
+        state = group.stop(timeout=20)
+    try:
+        stock = group.coalescer.stock.stats()
+        held, nodes, events = dl.read(lambda lay: ({t: n for t, (n, _) in lay.leases.held.items()},
+                                                  {n: dict(i) for n, i in lay.leases.nodes.items()},
+                                                  dict(lay.ledger.events)))
+    finally:
+        dl.close()
+    assert state["error"] is None and stock["handed"] > 0 and stock["refills"] > 0
+    assert "w0.stock" not in held.values()  # what no node took went back; what they took moved to them
+    assert events["completed"] > 0 and events.get("returned", 0) == stock["returned"]
+    completed = {n: i.get("completed", 0) for n, i in nodes.items() if not i.get("stock")}
+    assert sum(completed.values()) == events["completed"] and len([n for n, c in completed.items() if c]) >= 2
+    assert "requeued" not in events  # no stocked task was lost and leased again
