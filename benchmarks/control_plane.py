@@ -52,7 +52,7 @@ trainer: about that many batches; with 1,000 nodes and batches of 1,024 the defa
 most of the 8,000 slots idle, so ``--max-staleness 8 --flush-s 0.05`` shows what the control
 plane itself carries.
 
-    python benchmarks/control_plane.py [--nodes 10,100,1000] [--seconds 8] [--calls all]
+    python benchmarks/control_plane.py [--nodes 10,100,1000] [--seconds 8] [--calls grouped,stocked]
         [--baseline-root /path/to/main] [--index-sizes 1e4,1e5,1e6,1e7] [--skip-index]
 
 Prints tables; ends with ``RESULT {json}``.
@@ -314,11 +314,21 @@ def print_table(title: str, rows: list[dict], cols: list[str]) -> None:
                         for c in cols))
 
 
+def _modes(text: str) -> list[str]:
+    """``--calls``: a name of ``MODES`` or patterns separated by commas."""
+    out = [m for part in text.split(",") for m in MODES.get(part.strip(), [part.strip()])]
+    bad = [m for m in out if m not in MODES["all"]]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown call pattern {bad[0]!r}: use {', '.join(MODES)}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--astraflow-root", default=ROOT, help="the checkout whose astraflow is measured")
     ap.add_argument("--nodes", default="10,100,1000")
-    ap.add_argument("--calls", choices=[*MODES], default="all")
+    ap.add_argument("--calls", default="all", type=_modes,
+                    help="call patterns, comma-separated: per-node, grouped, stocked; or both (per-node,grouped), all")
     ap.add_argument("--lease-ahead", type=int, default=512, help="rollout.lease_ahead of the stocked pattern")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--warmup", type=float, default=4.0)
@@ -348,7 +358,7 @@ def main() -> None:
     scale: list[dict] = []
     if not args.skip_scale:
         for n in [int(x) for x in args.nodes.split(",")]:
-            for mode in MODES[args.calls]:
+            for mode in args.calls:
                 row = scale_run(n, mode, args)
                 scale.append(row)
                 print(json.dumps(row), flush=True)

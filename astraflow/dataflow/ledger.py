@@ -118,12 +118,7 @@ class Ledger:
         self.events["leased"] += 1
 
     def requeue(self, task_id: str, why: str) -> None:
-        rec = self.live[task_id]
-        assert rec.state == "leased", f"requeue of {task_id} in state {rec.state}"
-        self._touch(task_id, group=False)
-        self._move(rec, "pending")
-        rec.node = None
-        rec.attempt += 1
+        self._unlease(task_id, "requeue").attempt += 1
         self.events["requeued"] += 1
         self.events[f"requeued_{why}"] += 1
 
@@ -134,12 +129,16 @@ class Ledger:
 
     def returned(self, task_id: str) -> None:
         """A leased task that never ran comes back as it was: no attempt is counted."""
+        self._unlease(task_id, "return")
+        self.events["returned"] += 1
+
+    def _unlease(self, task_id: str, what: str) -> TaskRecord:
         rec = self.live[task_id]
-        assert rec.state == "leased", f"return of {task_id} in state {rec.state}"
+        assert rec.state == "leased", f"{what} of {task_id} in state {rec.state}"
         self._touch(task_id, group=False)
         self._move(rec, "pending")
         rec.node = None
-        self.events["returned"] += 1
+        return rec
 
     def complete(self, task_id: str) -> bool:
         """Record a completion; False for a duplicate or a completion of an ended task."""

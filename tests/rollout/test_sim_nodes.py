@@ -29,23 +29,30 @@ NODES = 50
 SIM = {"num_train": 5000, "num_test": 10}
 
 
-@pytest.mark.timeout(180)
-def test_fifty_sim_nodes_share_one_loop_and_all_keep_their_heartbeats(tmp_path):
+def _sim_group(tmp_path, prefetch_groups: int, **rollout) -> tuple[LocalActor, RaaSNodeGroup]:
+    """A real data layer (in this process, behind ``LocalActor``) and one worker's group of sim
+    nodes (``rollout``: the group's ``RolloutConfig`` fields), with version 0 published."""
     url, weights = str(tmp_path / "trajectories"), str(tmp_path / "weights")
     SimBackend().publish(WeightStore(weights), "p", 0)
     layer = DataLayer(dataflow=DataflowConfig(batch_size=16, lease_seconds=300, max_staleness=1000,
-                                                    prefetch_groups=100, durable=False),
+                                                    prefetch_groups=prefetch_groups, durable=False),
                       workload=WorkloadConfig(name="sim", workflow="sim", params=SIM, group_size=4),
                       policies=["p"], store_url=url, metrics_path=str(tmp_path / "metrics.jsonl"), max_steps=10_000)
     dl = LocalActor(layer)
     dl._worker = True  # what ``bind`` sets on a Dask worker
     engine = EngineConfig(type="sim", sim=SimEngineConfig(hardware="h100", length_mean=60, time_scale=4.0))
     group = RaaSNodeGroup(identity=NodeIdentity(name="w0"), data_layer=dl,
-                          rollout=RolloutConfig(engine=engine, nodes_per_worker=NODES, capacity=4,
-                                                write_batch=8, flush_seconds=0.5),
+                          rollout=RolloutConfig(engine=engine, capacity=4, **rollout),
                           models={"p": "sim"}, workload_name="sim", workload_params=SIM, workload_seed=0,
                           workflow="sim", sampling=SamplingConfig(max_new_tokens=128), store_url=url,
                           weights_root=weights)
+    return dl, group
+
+
+@pytest.mark.timeout(180)
+def test_fifty_sim_nodes_share_one_loop_and_all_keep_their_heartbeats(tmp_path):
+    url = str(tmp_path / "trajectories")
+    dl, group = _sim_group(tmp_path, prefetch_groups=100, nodes_per_worker=NODES, write_batch=8, flush_seconds=0.5)
     names = [member_name("w0", i) for i in range(NODES)]
     gaps: dict[str, float] = {}
     seen: dict[str, float] = {}
@@ -82,21 +89,8 @@ def test_sim_nodes_with_a_lease_stock_take_their_tasks_from_it_and_leave_none_be
     """``rollout.lease_ahead``: a node group's leases are answered by the worker's stock (the
     data layer sees its refills, not a lease per node), every trajectory's task completes under
     the node that ran it, and when the group stops the stock holds no lease any more."""
-    url, weights = str(tmp_path / "trajectories"), str(tmp_path / "weights")
-    SimBackend().publish(WeightStore(weights), "p", 0)
-    layer = DataLayer(dataflow=DataflowConfig(batch_size=16, lease_seconds=300, max_staleness=1000,
-                                                    prefetch_groups=20, durable=False),
-                      workload=WorkloadConfig(name="sim", workflow="sim", params=SIM, group_size=4),
-                      policies=["p"], store_url=url, metrics_path=str(tmp_path / "metrics.jsonl"), max_steps=10_000)
-    dl = LocalActor(layer)
-    dl._worker = True
-    engine = EngineConfig(type="sim", sim=SimEngineConfig(hardware="h100", length_mean=60, time_scale=4.0))
-    group = RaaSNodeGroup(identity=NodeIdentity(name="w0"), data_layer=dl,
-                          rollout=RolloutConfig(engine=engine, nodes_per_worker=8, capacity=4, write_batch=4,
-                                                flush_seconds=0.3, lease_ahead=32, lease_wait_seconds=0.5),
-                          models={"p": "sim"}, workload_name="sim", workload_params=SIM, workload_seed=0,
-                          workflow="sim", sampling=SamplingConfig(max_new_tokens=128), store_url=url,
-                          weights_root=weights)
+    dl, group = _sim_group(tmp_path, prefetch_groups=20, nodes_per_worker=8, write_batch=4, flush_seconds=0.3,
+                           lease_ahead=32, lease_wait_seconds=0.5)
     try:
         group.start()
         time.sleep(5.0)
