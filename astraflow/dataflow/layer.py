@@ -283,14 +283,14 @@ class DataLayer(TrainerFacing):
         await self._durable(mark)  # a node never runs a task the next data layer does not know
         return out
 
-    async def lease_ahead(self, worker: str, capacity: int, wait: float = 0.0,
-                          versions: dict[str, int] | None = None) -> list[RolloutTask]:
+    async def lease_ahead(self, worker: str, capacity: int, wait: float = 0.0) -> list[RolloutTask]:
         """``lease`` for the lease stock of ``worker`` (``lease_stock_name``): tasks its nodes
         take without a call here, each moving to its node when that node's heartbeat names it
-        among those it holds, or completes it. The stock drains and goes with its worker."""
+        among those it holds, or completes it. The stock drains and goes with its worker. Its
+        heartbeat, not this call, reports the weight versions its nodes hold."""
         name = lease_stock_name(worker)
         self.leases.node(name).update(stock=True, worker=worker)
-        return (await self._lease([(name, capacity, versions)], wait))[name]
+        return (await self._lease([(name, capacity, None)], wait))[name]
 
     async def return_leases(self, worker: str, task_ids: list[str]) -> int:
         """Tasks the lease stock of ``worker`` leased and never handed out go back to the front

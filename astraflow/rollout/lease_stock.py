@@ -97,7 +97,7 @@ class LeaseStock:
                                                       daemon=True))
                 for thread in self._threads:
                     thread.start()
-            out = self._hand(node, capacity)
+            out = self._hand(capacity)
             if len(out) < capacity:
                 self._wanted += capacity - len(out)
             if not out:
@@ -116,7 +116,7 @@ class LeaseStock:
             with self._cond:
                 self._node_versions[node] = versions
 
-    def _hand(self, node: str, capacity: int) -> list[RolloutTask]:
+    def _hand(self, capacity: int) -> list[RolloutTask]:
         out = [self._tasks.popleft() for _ in range(min(capacity, len(self._tasks)))]
         self.counts["handed"] += len(out)
         self._handed += len(out)
@@ -128,7 +128,7 @@ class LeaseStock:
         ran out) or past its own wait, a node gets none and asks again."""
         now, out, left = time.monotonic(), [], deque()
         for node, capacity, deadline, answer in self._waiting:
-            got = self._hand(node, capacity)
+            got = self._hand(capacity)
             if got or refill_empty or deadline <= now or self._stopped:
                 out.append((answer, got))
             else:
