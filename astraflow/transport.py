@@ -16,7 +16,8 @@ Re-placed actors: a component holds the data layer through a ``Link``, a handle 
 orchestrator swaps (``Link.set``) when it re-places the data layer on another worker. A call
 through it that finds the actor's worker lost waits for the new handle and is made again
 there; the data layer's calls are safe to repeat (a repeated completion or commit is
-recognised, see ``astraflow/dataflow/durable.py``).
+recognised, see ``astraflow/dataflow/durable.py``). A ``Link`` sends the methods an actor serves
+on its direct lane (``lane.py``) down that lane, and the rest through Dask.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 from distributed import get_worker
 from distributed.comm.core import CommClosedError
 
+from astraflow import lane
 from astraflow.contracts import Batch, BatchItem, BatchRefs, RowRef, Sequence
 from storage.trajectories import EntryRef
 
@@ -68,7 +70,7 @@ async def call(method: Any, *args: Any, timeout: float = 60.0, **kwargs: Any) ->
     ``TimeoutError`` after ``timeout`` seconds."""
     fut = method(*map(_pack, args), **{k: _pack(v) for k, v in kwargs.items()})
     wait_async = getattr(fut, "wait_async", None)
-    if wait_async is not None:  # a gathered call (``Coalescer``): awaited on this loop, no thread
+    if wait_async is not None:  # a gathered call (``Coalescer``), a ``Link``'s: awaited on this loop
         return await wait_async(timeout)
     return await asyncio.to_thread(fut.result, timeout)
 
@@ -104,11 +106,19 @@ class Link:
     for ``set`` to bring a new handle, then is made again on it (with its full ``timeout``);
     without one it raises the loss."""
 
+    #: seconds before a lane that could not be reached (or closed) is tried again
+    LANE_RETRY_S = 30.0
+    #: seconds to wait for the actor to say where its lane is
+    LANE_ASK_S = 30.0
+
     def __init__(self, handle: Any, what: str, reconnect_s: float = 300.0):
         self.what = what
         self.reconnect_s = reconnect_s
         self._handle = handle
         self._generation = 0
+        #: the current handle's direct lane: (generation, client or None, methods, when to try again)
+        self._lane: tuple[int, lane.LaneClient | None, frozenset[str], float] | None = None
+        self._lane_lock = threading.Lock()
         #: the generation known to be lost (``expect_new``) while a new handle is on its way
         self._lost_generation: int | None = None
         self._bound: Any = None
@@ -158,10 +168,78 @@ class Link:
             if not self._changed.wait_for(lambda: self._generation != generation, timeout=self.reconnect_s):
                 raise err
 
+    def send(self, handle: Any, generation: int, name: str, args: tuple, kwargs: dict) -> Any:
+        """Make one call on ``handle`` (of ``generation``): down its direct lane when that serves
+        ``name``, else through Dask; returns an object with ``result(timeout)`` and ``done()``."""
+        found = self._lane
+        if not _settled(found, generation):
+            found = self._open_lane(handle, generation)
+        if found[1] is not None and name in found[2]:
+            try:
+                return found[1].submit(name, args, kwargs)
+            except lane.LaneClosed:
+                self.lane_down(generation)
+        return getattr(handle, name)(*args, **kwargs)
+
+    def lane_open(self, timeout: float = 0.0) -> bool:
+        """Whether calls go down the actor's direct lane now, starting its setup if none was made
+        and waiting up to ``timeout`` seconds for it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            handle, generation = self.current()
+            state = self._lane if _settled(self._lane, generation) else self._open_lane(handle, generation)
+            if state[1] is not None or time.monotonic() >= deadline:
+                return state[1] is not None
+            time.sleep(0.02)
+
+    def lane_down(self, generation: int) -> None:
+        """The lane closed under a call: calls go through Dask until ``LANE_RETRY_S`` have passed."""
+        with self._lane_lock:
+            if self._lane is not None and self._lane[0] == generation:
+                self._lane = (generation, None, self._lane[2], time.monotonic() + self.LANE_RETRY_S)
+
+    def _open_lane(self, handle: Any, generation: int) -> tuple:
+        """The lane state for ``generation``; when there is none yet, calls go through Dask while a
+        thread asks the actor where its lane is and connects (a lost actor must not hold a call up)."""
+        with self._lane_lock:
+            if _settled(self._lane, generation):
+                return self._lane  # another thread is on it (or gave up for now)
+            self._lane = (generation, None, frozenset(), time.monotonic() + self.LANE_RETRY_S)
+        threading.Thread(target=self._connect_lane, args=(handle, generation), name="astraflow-lane-setup",
+                         daemon=True).start()
+        return self._lane
+
+    def _connect_lane(self, handle: Any, generation: int) -> None:
+        client, methods, retry = None, frozenset(), time.monotonic() + self.LANE_RETRY_S
+        try:
+            where = getattr(handle, "lane_address")().result(self.LANE_ASK_S)
+            if where is None:
+                retry = float("inf")  # the actor serves no lane: Dask for good
+            else:
+                address, names = where
+                client, methods = lane.client(address, lane.connect_args(self._worker)), frozenset(names)
+        except AttributeError:  # not an actor with a lane (or no handle yet)
+            retry = float("inf")
+        except Exception as err:
+            log.warning("%s: its direct lane cannot be reached (%s: %s); calls go through Dask", self.what,
+                        type(err).__name__, err)
+        with self._lane_lock:
+            if self._lane is not None and self._lane[0] == generation:
+                self._lane = (generation, client, methods, retry)
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
         return _LinkMethod(self, name)
+
+
+def _settled(lane_state: tuple | None, generation: int) -> bool:
+    """Whether a ``Link``'s lane state holds for ``generation``: an open lane, or none and not yet
+    time to try again."""
+    if lane_state is None or lane_state[0] != generation:
+        return False
+    client = lane_state[1]
+    return not client.closed if client is not None else time.monotonic() < lane_state[3]
 
 
 class _LinkMethod:
@@ -187,12 +265,28 @@ class _LinkCall:
     def __init__(self, link: Link, name: str, args: tuple, kwargs: dict):
         self.link, self.name, self.args, self.kwargs = link, name, args, kwargs
 
+    async def wait_async(self, timeout: float | None = None) -> Any:
+        """``result`` on an event loop (``call`` uses it): a call down the direct lane is awaited
+        on the loop, no thread parked; any other call, and one the lane dropped or that timed out
+        while the actor was being re-placed, is made (again) as ``result`` in a thread."""
+        handle, generation = self.link.current()
+        state = self.link._lane
+        if _settled(state, generation) and state[1] is not None and self.name in state[2]:
+            try:
+                return await state[1].submit(self.name, self.args, self.kwargs).wait_async(timeout)
+            except lane.LaneClosed:
+                self.link.lane_down(generation)
+            except TimeoutError:
+                if self.link.current()[1] == generation and not self.link.known_lost(generation):
+                    raise
+        return await asyncio.to_thread(self.result, timeout)
+
     def result(self, timeout: float | None = None) -> Any:
         while True:
             handle, generation = self.link.current()
             deadline = None if timeout is None else time.monotonic() + timeout
             try:
-                fut = getattr(handle, self.name)(*self.args, **self.kwargs)
+                fut = self.link.send(handle, generation, self.name, self.args, self.kwargs)
                 while True:
                     left = self.SLICE_S if deadline is None else min(self.SLICE_S, deadline - time.monotonic())
                     try:
@@ -211,6 +305,8 @@ class _LinkCall:
                             self.link.wait_for_new(generation, TimeoutError(
                                 f"{self.link.what} was lost and not re-placed within {self.link.reconnect_s:.0f}s"))
                             break  # its replacement is there: make the call again
+            except lane.LaneClosed:
+                self.link.lane_down(generation)  # made again through Dask, which tells whether the actor is gone
             except Exception as err:
                 if not actor_lost(err):
                     raise

@@ -90,7 +90,7 @@ import psutil  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
 
 from astraflow.dataflow.layer import DataLayer  # noqa: E402
-from astraflow.transport import call  # noqa: E402
+from astraflow.transport import Link, call  # noqa: E402
 from control_plane_nodes import (Latencies, build, emulate, gathered, layer_kwargs, loop_lag, probe,  # noqa: E402
                                  trainer_read, trainer_start)
 from storage.trajectories import open_trajectory_store  # noqa: E402
@@ -150,10 +150,11 @@ async def drive(dl, store, n_nodes: int, mode: str, args, pid: int, reader: dict
     try:
         await asyncio.gather(*(asyncio.wrap_future(pool.submit(trainer_start)) for pool in pools))
         start_at = time.time() + args.warmup
-        probed = asyncio.wrap_future(pools[0].submit(probe, args.client.scheduler.address, pickle.dumps(dl),
+        handle = pickle.dumps(dl.current()[0])  # the actor's handle: each process makes its own Link
+        probed = asyncio.wrap_future(pools[0].submit(probe, args.client.scheduler.address, handle,
                                                      start_at, args.seconds))
         emulated = [asyncio.wrap_future(pool.submit(
-            emulate, args.client.scheduler.address, pickle.dumps(dl), reader["url"], k * per_proc,
+            emulate, args.client.scheduler.address, handle, reader["url"], k * per_proc,
             min(per_proc, n_nodes - k * per_proc), per_worker, grouped, opts, start_at, args.seconds))
             for k, pool in enumerate(pools[1:]) if k * per_proc < n_nodes]
         proc, me = psutil.Process(pid), psutil.Process()
@@ -263,15 +264,17 @@ def _profile(start: bool, dask_worker=None) -> str:
     return out.getvalue()
 
 
-def scale_run(n_nodes: int, mode: str, args) -> dict:
-    """One LocalCluster, one data layer, ``n_nodes`` emulated nodes, one window."""
+def scale_run(n_nodes: int, mode: str, lane: bool, args) -> dict:
+    """One LocalCluster, one data layer (its direct lane on or off), ``n_nodes`` emulated
+    nodes, one window."""
     os.environ.update({k: v for k, v in QUIET.items() if k not in os.environ})
     with tempfile.TemporaryDirectory(prefix="cp-bench-") as tmp:
         with LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=None,
                           host="127.0.0.1") as cluster, Client(cluster, direct_to_workers=True) as client:
             kwargs = layer_kwargs(Path(tmp), args.batch_size, args.group_size, args.prefetch, not args.no_durable,
-                                  args.max_staleness)
-            dl = client.submit(DataLayer, actor=True, **kwargs).result()
+                                  args.max_staleness, lane)
+            actor = client.submit(DataLayer, actor=True, **kwargs).result()
+            dl = Link(actor, "the data layer")
             pid = next(iter(client.run(os.getpid).values()))
             args.client = client
             store = open_trajectory_store(kwargs["store_url"], "a")
@@ -280,11 +283,12 @@ def scale_run(n_nodes: int, mode: str, args) -> dict:
             pool.submit(trainer_start).result(120)
             reader = {"pool": pool, "url": kwargs["store_url"], "cpu": 0.0}
             try:
-                return asyncio.run(drive(dl, store, n_nodes, mode, args, pid, reader))
+                row = asyncio.run(drive(dl, store, n_nodes, mode, args, pid, reader))
+                return {**row, "lane": "on" if lane else "off"}
             finally:
                 pool.shutdown(cancel_futures=True)
                 try:
-                    dl.close().result(30)
+                    actor.close().result(30)
                 except Exception:
                     pass
 
@@ -323,6 +327,11 @@ def _modes(text: str) -> list[str]:
     return out
 
 
+def _end_to_end(row: dict) -> float:
+    """What was both ingested and batched, per second (a trajectory is one sequence here)."""
+    return min(row["traj_per_s"], row["batched_seq_per_s"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--astraflow-root", default=ROOT, help="the checkout whose astraflow is measured")
@@ -346,6 +355,9 @@ def main() -> None:
     ap.add_argument("--max-staleness", type=int, default=2,
                     help="dataflow.max_staleness: admission lets about this many batches be in flight")
     ap.add_argument("--no-durable", action="store_true", help="no snapshot/journal (durable: false)")
+    ap.add_argument("--lane", choices=("on", "off", "both"), default="on",
+                    help="the data layer's direct lane (dataflow.direct_lane); both: each pattern with it off, "
+                         "then on (its baseline side by side)")
     ap.add_argument("--baseline-root", default=None, help="also run the per-node pattern on this checkout")
     ap.add_argument("--index-sizes", default="1e4,1e5,1e6,1e7")
     ap.add_argument("--index-trajectories", type=int, default=8000)
@@ -357,15 +369,17 @@ def main() -> None:
 
     scale: list[dict] = []
     if not args.skip_scale:
+        lanes = {"on": [True], "off": [False], "both": [False, True]}[args.lane]
         for n in [int(x) for x in args.nodes.split(",")]:
             for mode in args.calls:
-                row = scale_run(n, mode, args)
-                scale.append(row)
-                print(json.dumps(row), flush=True)
+                for lane in lanes:
+                    row = scale_run(n, mode, lane, args)
+                    scale.append(row)
+                    print(json.dumps(row), flush=True)
         if args.baseline_root:
             scale = baseline_rows(args) + scale
         print_table("control plane (latencies in ms, CPU in µs per trajectory)", scale,
-                    ["nodes", "calls", "traj_per_s", "batched_seq_per_s", "dl_cpu_us_per_traj",
+                    ["nodes", "calls", "lane", "traj_per_s", "batched_seq_per_s", "dl_cpu_us_per_traj",
                      "dl_capacity_traj_per_s", "lease_p50_ms", "lease_p99_ms", "lease_empty_frac", "probe_p99_ms",
                      "loop_lag_p99_ms",
                      "heartbeat_p99_ms", "complete_p99_ms", "next_batch_p50_ms", "read_p50_ms", "dl_gc_full",
@@ -384,11 +398,12 @@ def main() -> None:
     result: dict = {}
     # the headline: how a node group calls by default (gathered, leases from the stock)
     headline = "stocked" if any(r["calls"] == "stocked" for r in scale) else "grouped"
-    best = [r for r in scale if r["nodes"] == 1000 and r["calls"] == headline]
+    lane_on = [r for r in scale if r.get("lane") != "off"] or scale  # the headline: the default (lane on)
+    best = [r for r in lane_on if r["nodes"] == 1000 and r["calls"] == headline]
     if best:
         # end to end: what was both ingested and batched (a trajectory is one sequence here);
         # what is ingested beyond what the consumer batches ages out as stale
-        result["traj_per_s_1000_nodes"] = round(min(best[0]["traj_per_s"], best[0]["batched_seq_per_s"]), 1)
+        result["traj_per_s_1000_nodes"] = round(_end_to_end(best[0]), 1)
         result["ingested_traj_per_s_1000_nodes"] = round(best[0]["traj_per_s"], 1)
         result["batched_seq_per_s_1000_nodes"] = round(best[0]["batched_seq_per_s"], 1)
         result["p99_lease_ms_1000_nodes"] = round(best[0]["lease_p99_ms"], 2)
@@ -398,9 +413,19 @@ def main() -> None:
         result["dl_capacity_traj_per_s_1000_nodes"] = round(best[0]["dl_capacity_traj_per_s"], 1)
         result["lease_empty_frac_1000_nodes"] = round(best[0]["lease_empty_frac"], 3)
     for r in scale:
-        if r["nodes"] == 1000 and r["calls"] != headline:
-            result[f"{r['calls']}_traj_per_s_1000_nodes"] = round(r["traj_per_s"], 1)
-            result[f"{r['calls']}_p99_lease_ms_1000_nodes"] = round(r["lease_p99_ms"], 2)
+        if r["nodes"] == 1000 and not (best and r is best[0]):
+            name = r["calls"] + ("_lane_off" if r.get("lane") == "off" else "")
+            result[f"{name}_traj_per_s_1000_nodes"] = round(_end_to_end(r), 1)
+            result[f"{name}_p99_lease_ms_1000_nodes"] = round(r["lease_p99_ms"], 2)
+            result[f"{name}_dl_cpu_us_per_traj_1000_nodes"] = round(r["dl_cpu_us_per_traj"], 1)
+    for mode in dict.fromkeys(r["calls"] for r in scale):  # the lane against its baseline, per pattern
+        pair = {r.get("lane"): r for r in scale if r["nodes"] == 1000 and r["calls"] == mode}
+        if "on" in pair and "off" in pair:
+            on, off = pair["on"], pair["off"]
+            result[f"{mode}_traj_per_s_lane_on_vs_off"] = round(_end_to_end(on) / max(_end_to_end(off), 1e-9), 3)
+            result[f"{mode}_p99_lease_lane_on_vs_off"] = round(on["lease_p99_ms"] / max(off["lease_p99_ms"], 1e-9), 3)
+            result[f"{mode}_dl_cpu_per_traj_lane_on_vs_off"] = round(
+                on["dl_cpu_us_per_traj"] / max(off["dl_cpu_us_per_traj"], 1e-9), 3)
     if "grouped_p99_lease_ms_1000_nodes" in result and "p99_lease_ms_1000_nodes" in result and headline == "stocked":
         result["p99_lease_stocked_vs_grouped"] = round(
             result["p99_lease_ms_1000_nodes"] / max(result["grouped_p99_lease_ms_1000_nodes"], 1e-9), 3)

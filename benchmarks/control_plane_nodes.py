@@ -12,7 +12,8 @@ store and of the emulation, not of the control plane); each node then completes 
 asyncio loop; their blocking actor calls go through ``transport.call`` (a thread each), as a
 node group's do. ``grouped``: the nodes of one worker share a ``Coalescer`` (one gathered call
 per kind, what ``RaaSNodeGroup`` uses); otherwise each node calls the actor itself (the
-per-node call pattern).
+per-node call pattern). Every caller holds the data layer through a ``transport.Link``, as
+nodes and trainers do: the calls it serves on its direct lane go there.
 """
 
 from __future__ import annotations
@@ -31,15 +32,17 @@ import numpy as np
 from astraflow.contracts import (NOT_GENERATED, Provenance, RolloutTask, Sequence, SequenceSummary, Trajectory,
                                  TrajectoryRef)
 from astraflow.dataflow.config import DataflowConfig
-from astraflow.transport import call
+from astraflow.transport import Link, call
 from astraflow.workloads.config import WorkloadConfig
 
 
 def layer_kwargs(tmp: Path, batch_size: int, group_size: int, prefetch: int, durable: bool,
-                 max_staleness: int = 2) -> dict:
+                 max_staleness: int = 2, lane: bool = True) -> dict:
     df = {"batch_size": batch_size, "prefetch_groups": prefetch, "lease_seconds": 30.0, "max_staleness": max_staleness}
     if "prefetch_covers_nodes" in DataflowConfig.model_fields:
         df["prefetch_covers_nodes"] = True
+    if "direct_lane" in DataflowConfig.model_fields:  # the nodes' calls on the direct lane, or all through Dask
+        df["direct_lane"] = lane
     ctl = tmp / "control"
     ctl.mkdir(parents=True, exist_ok=True)
     return dict(dataflow=DataflowConfig(**df),
@@ -347,7 +350,7 @@ def emulate(address: str, dl_pickled: bytes, store_url: str, first: int, count: 
     from storage.trajectories import open_trajectory_store
 
     with Client(address, direct_to_workers=True):  # as a node group's worker calls: direct
-        dl = pickle.loads(dl_pickled)
+        dl = Link(pickle.loads(dl_pickled), "the data layer")  # as nodes hold it (its lane, if it has one)
         return asyncio.run(_emulate(dl, open_trajectory_store(store_url, "a"), first, count, per_worker, grouped,
                                     opts, start_at, seconds, psutil.Process()))
 
@@ -383,7 +386,7 @@ def probe(address: str, dl_pickled: bytes, start_at: float, seconds: float, ever
     from distributed import Client
 
     with Client(address, direct_to_workers=True):
-        dl = pickle.loads(dl_pickled)
+        dl = Link(pickle.loads(dl_pickled), "the data layer")
         dl.progress().result(60)
         time.sleep(max(0.0, start_at - time.time()))
         out = []

@@ -9,7 +9,8 @@
   contract) is a leaf below it;
 * ``sandbox`` (running model-written code) is a leaf: no component, runtime, run config,
   workload, agent or CLI;
-* ``transport`` and ``contracts`` import no component and no runtime;
+* ``transport`` (with its ``lane`` and ``pending``) and ``contracts`` import no component and no
+  runtime;
 * no cycle between packages (``astraflow.<package>``, each top-level module of ``astraflow``,
   ``storage``, ``schedulers``).
 """
@@ -34,6 +35,8 @@ FORBIDDEN = {
                                                                     "astraflow.workloads", "astraflow.agents",
                                                                     "astraflow.cli"],
     "astraflow.transport": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime"],
+    "astraflow.lane": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime"],
+    "astraflow.pending": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime"],
     "astraflow.contracts": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime"],
     "storage": ["astraflow"],
     "schedulers": ["astraflow"],

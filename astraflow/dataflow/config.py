@@ -184,6 +184,11 @@ class DataflowConfig(Strict):
     """Fraction of each batch filled with recently consumed samples (recorded as replays)."""
     lockstep: bool = False
     """Multi-policy: policies advance in lockstep (a version barrier) instead of independently."""
+    direct_lane: bool = True
+    """The nodes' frequent calls (lease, heartbeat, complete, ...) reach the data layer over one
+    connection per process on its worker's host (TLS as the run's Dask connections), not as Dask
+    actor calls, which cost the data layer's worker far more CPU per call (``astraflow/lane.py``).
+    A caller that cannot connect goes through Dask. Off: every call goes through Dask."""
     durable: bool = True
     """Snapshot the data layer's state (tasks, leases, buffers, ledger) before every call that
     changed it answers, so that a lost data-layer worker is replaced and a crashed run resumes

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from astraflow.contracts import RolloutTask, TrajectoryRef, lease_stock_name
+from astraflow.lane import LaneServed
 from astraflow.dataflow import admission, durable
 from astraflow.dataflow import record as rec
 from astraflow.dataflow import rules as R
@@ -70,8 +71,12 @@ def collect_less_often() -> None:
     gc.set_threshold(max(g0, GC_THRESHOLDS[0]), max(g1, GC_THRESHOLDS[1]), g2)
 
 
-class DataLayer(TrainerFacing):
+class DataLayer(TrainerFacing, LaneServed):
     """Dask actor: owns tasks, leases, the trajectory index and the per-policy buffers."""
+
+    #: the nodes' frequent calls, also served on the direct lane (``astraflow/lane.py``)
+    LANE_METHODS = frozenset({"lease", "lease_many", "lease_ahead", "return_leases", "complete", "fail",
+                              "heartbeat", "heartbeat_many", "progress"})
 
     def __init__(
         self,
@@ -434,6 +439,10 @@ class DataLayer(TrainerFacing):
         """A JSON-able snapshot for ``astraflow status``, the dashboard and tests."""
         return rec.layer_status(self)
 
+    def lane_enabled(self) -> bool:
+        return self.cfg.direct_lane
+
     async def close(self) -> None:
+        await self.close_lane()
         await self.durability.close()  # first: its last record reads the metrics file's length
         self.metrics.close()

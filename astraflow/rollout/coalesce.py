@@ -23,7 +23,7 @@ import threading
 from typing import Any, Callable
 
 from astraflow.rollout.lease_stock import LeaseStock
-from astraflow.rollout.pending import Pending, settle_all
+from astraflow.pending import Pending, settle_all
 from astraflow.transport import Link, Packed, PackedDict
 
 #: a lane's sender thread ends after this many idle seconds (started again on the next call)

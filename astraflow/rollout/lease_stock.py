@@ -32,7 +32,7 @@ from collections import deque
 from typing import Any
 
 from astraflow.contracts import RolloutTask, lease_stock_name
-from astraflow.rollout.pending import Pending, settle_all
+from astraflow.pending import Pending, settle_all
 from astraflow.transport import Packed
 
 log = logging.getLogger("astraflow.rollout")

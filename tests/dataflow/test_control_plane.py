@@ -137,7 +137,7 @@ def test_a_coalescer_gathers_the_nodes_calls_and_answers_each_node(tmp_path):
 def test_nodes_on_one_loop_await_gathered_calls_without_a_thread_each(tmp_path):
     """``transport.call`` on a coalescer's answer waits on the node's loop: many nodes' calls
     in flight park no threads beyond the lanes' senders, and a deadline still raises."""
-    from astraflow.rollout.pending import Pending
+    from astraflow.pending import Pending
     from astraflow.transport import call
 
     handle = _LoopHandle(make_layer(tmp_path, prefetch_groups=20))
@@ -170,7 +170,7 @@ def test_nodes_on_one_loop_await_gathered_calls_without_a_thread_each(tmp_path):
 def test_a_gathered_answer_reaches_every_kind_of_waiter():
     """Nodes awaiting on two loops, a thread blocked in ``result`` and a node that gave up: one
     ``settle_all`` answers each (and a cancelled wait does not break it)."""
-    from astraflow.rollout.pending import Pending, settle_all
+    from astraflow.pending import Pending, settle_all
 
     calls = [Pending() for _ in range(6)]
     blocked: list = []

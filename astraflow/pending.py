@@ -1,6 +1,6 @@
-"""``Pending``: one node's share of a gathered data-layer call (``Coalescer``) or of a lease
-stock's refill (``LeaseStock``), awaited like an actor call's future from a thread or from the
-node's event loop."""
+"""``Pending``: an answer awaited like an actor call's future, from a thread or from an event
+loop: one node's share of a gathered data-layer call (``Coalescer``) or of a lease stock's
+refill (``LeaseStock``), or a call on the direct lane (``lane.py``)."""
 
 from __future__ import annotations
 
