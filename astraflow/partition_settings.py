@@ -107,6 +107,26 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
     return out
 
 
+def _engines_per_node(cfg: RolloutConfig, gpus: int) -> int:
+    """Engines per policy on a RaaS node whose partition gives it ``gpus`` GPUs."""
+    eng = cfg.engine
+    if eng.type == "sim":
+        return eng.sim_engines(gpus)
+    on_gpus = gpus > 0 and eng.device in ("auto", "cuda")
+    return eng.replicas or (max(gpus // eng.tensor_parallel, 1) if on_gpus else 1)
+
+
+def partition_capacity(rollout: RolloutConfig, part: Partition) -> dict[str, int] | None:
+    """A rollout partition's lease capacity per node, the batch each engine decodes at most, and
+    engines per node (``status --json`` and the dashboard show them); None for other roles."""
+    if part.role != "rollout":
+        return None
+    cfg = effective_rollout(rollout, part)
+    batch = cfg.engine.sim.profile().max_batch if cfg.engine.type == "sim" else cfg.engine.max_batch
+    return {"node_capacity": cfg.node_capacity(part.gpus_per_node), "engine_max_batch": batch,
+            "engines_per_node": _engines_per_node(cfg, part.gpus_per_node)}
+
+
 def _capacity_line(cfg: RolloutConfig, gpus: int) -> str:
     """A node's lease capacity and where it comes from, with the batch its engines decode."""
     cap = cfg.node_capacity(gpus)

@@ -42,7 +42,7 @@ from typing import Any
 
 from astraflow.config import RunConfig, dump_config
 from astraflow.dataflow.layer import DataLayer
-from astraflow.partition_settings import check_partition
+from astraflow.partition_settings import check_partition, partition_capacity
 from astraflow.rollout.node import RaaSNode
 from astraflow.rollout.node_group import RaaSNodeGroup
 from astraflow.runtime.autoscaling import autoscale_driver
@@ -94,6 +94,7 @@ class Orchestrator:
         self.fleet = Fleet(self.parts, self.placement, cfg.cluster, self.progress, self._place_node)
         self.status = StatusWriter(self.paths, self.run_tag(), self.parts, self.fleet)
         self.status.previous_jobs = (previous_jobs or PreviousJobs()).as_dict()
+        self.status.capacity = lambda name: partition_capacity(cfg.rollout, self.parts.partitions[name])
         #: the trainers' handles by policy; replaced in place when a trainer is restarted
         self.trainers: dict[str, Any] = {}
         self.restarts = TrainerRestarts(cfg, self.paths, self.fleet, self.placement, self.progress,

@@ -123,6 +123,7 @@ def test_the_dashboard_page_shows_the_decisions_and_the_partition_view(autoscale
         head = js("return document.getElementById('partition-rollout').textContent")
         assert "traj/s" in head and "staleness mean" in head and "serving solver:v" in head, head
         assert "autoscale 1–2 nodes" in head, head
+        assert "/node" in head and "engine(s) × batch" in head, head  # the partition's capacity
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and e["source"] != "network"]
         assert not errors, errors
     finally:

@@ -78,6 +78,13 @@ def test_what_the_writer_writes_every_reader_reads_back(tmp_path):
     view = build_status_view(paths.root)
     assert view.running and not view.finished and view.age_s is not None and view.age_s < STALE_AFTER_S
     assert [p.name for p in view.partitions] == ["data", "trainer", "rollout"]
+    assert all(p.capacity is None for p in view.partitions)  # the writer was told no capacities
+    writer.capacity = lambda name: {"node_capacity": 200, "engine_max_batch": 256, "engines_per_node": 1} \
+        if name == "rollout" else None
+    writer.write(_tick(4))
+    assert run_status(paths.root)["partitions"]["rollout"]["capacity"]["node_capacity"] == 200
+    caps = {p.name: p.capacity for p in build_status_view(paths.root).partitions}
+    assert caps["trainer"] is None and caps["rollout"].engine_max_batch == 256
     assert view.policies[0].reward_mean == 0.5
     # the final summary ends the run for every reader, and a second run keeps it aside
     writer.write_summary(ending=Ending("completed"), steps={"solver": 1}, ledger={}, ledger_closed=True, seconds=1.0,

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 import yaml
 
 from astraflow.cli import main
-from astraflow.partition_settings import effective_rollout
+from astraflow.partition_settings import effective_rollout, partition_capacity
 from astraflow.rollout.config import DEFAULT_CAPACITY, RolloutConfig
 from astraflow.rollout.node import NodeIdentity, RaaSNode
 from astraflow.rollout.sim_config import PRESETS
@@ -84,3 +84,20 @@ def test_check_prints_each_partitions_capacity(tmp_path):
         in lines["h100"]
     assert "capacity 134 episodes per node (derived from the hardware; sim a100" in lines["a100"]
     assert "capacity 40 episodes per node (rollout.capacity;" in lines["fixed"]
+
+
+def test_status_shows_each_rollout_partitions_capacity_and_engine_batch():
+    run = RolloutConfig(engine={"type": "sim"})
+
+    def on(hardware: str) -> dict:
+        return partition_capacity(run, Partition(name=hardware, gpus_per_node=4,
+                                                 rollout={"engine": {"sim": {"hardware": hardware}}}))
+
+    h100, a100 = on("h100"), on("a100")
+    assert h100["engines_per_node"] == a100["engines_per_node"] == 4
+    assert h100["node_capacity"] > a100["node_capacity"]  # faster hardware leases more at once
+    assert h100["engine_max_batch"] == PRESETS["h100"].max_batch
+    pinned = partition_capacity(RolloutConfig(),
+                                Partition(name="p", rollout={"capacity": 12, "engine": {"max_batch": 48}}))
+    assert pinned == {"node_capacity": 12, "engine_max_batch": 48, "engines_per_node": 1}
+    assert partition_capacity(run, Partition(name="t", role="trainer")) is None

@@ -62,6 +62,14 @@ class BoundsView(_View):
     cooldown_s: float
 
 
+class CapacityView(_View):
+    """What a rollout partition's nodes take on: faster hardware leases more at once."""
+
+    node_capacity: int = Field(description="episodes a node leases at once (rollout.capacity, or derived)")
+    engine_max_batch: int = Field(description="requests an engine decodes together at most")
+    engines_per_node: int = Field(description="engines per policy on a node")
+
+
 class PartitionView(_View):
     """A partition as configured (or added with ``astraflow partitions add``)."""
 
@@ -87,6 +95,8 @@ class PartitionView(_View):
     versions: dict[str, list[int]] = Field(default_factory=dict, description="per policy: the weight versions "
                                                                             "its live nodes serve now")
     autoscale: BoundsView | None = Field(default=None, description="its autoscale bounds; None: not autoscaled")
+    capacity: CapacityView | None = Field(default=None, description="a rollout partition's lease capacity and "
+                                                                    "engine batch; None for other roles")
 
 
 class PolicyView(_View):
@@ -312,7 +322,8 @@ def _partition_stats(p: dict[str, Any]) -> dict[str, Any]:
             "consumed": int(p.get("consumed", 0)), "staleness_mean": p.get("staleness_mean"),
             "staleness_max": p.get("staleness_max"),
             "versions": {k: [int(x) for x in v] for k, v in (p.get("versions") or {}).items()},
-            "autoscale": BoundsView(**p["autoscale"]) if p.get("autoscale") else None}
+            "autoscale": BoundsView(**p["autoscale"]) if p.get("autoscale") else None,
+            "capacity": CapacityView(**p["capacity"]) if p.get("capacity") else None}
 
 
 def _autoscale_view(a: dict[str, Any] | None) -> AutoscaleView | None:

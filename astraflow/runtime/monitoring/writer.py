@@ -53,6 +53,8 @@ class StatusWriter:
         self.data_layer_restarts: Callable[[], dict[str, Any]] = dict
         #: the previous incarnation's worker jobs cancelled at start (``PreviousJobs.as_dict``)
         self.previous_jobs: dict[str, Any] = {"cancelled": [], "errors": {}}
+        #: a rollout partition's capacity and engine batch by name (``partition_capacity``; None: unknown)
+        self.capacity: Callable[[str], dict[str, int] | None] = lambda name: None
         #: the autoscaler's status entry (``AutoscaleDriver.status``; None: no autoscaler)
         self.autoscale: Callable[[], dict[str, Any] | None] = lambda: None
         #: per partition: the weight versions its live nodes serve, per policy
@@ -100,6 +102,7 @@ class StatusWriter:
                 "tokens_per_s": tok_rate,
                 **staleness_summary(now_c["staleness"]),
                 "versions": self._versions.get(n, {}),
+                "capacity": self.capacity(n),
                 "seen_at": ps.seen_at,
                 "first_trajectory_at": ps.first_trajectory_at,
                 "removal_mode": ps.removal_mode,

@@ -205,14 +205,16 @@ function renderStatus(st) {
   $("ledger").replaceChildren(box);
 }
 
-// a rollout partition's throughput, staleness of what it generated, versions served, bounds
+// a rollout partition's throughput, staleness of what it generated, versions served, capacity, bounds
 function partitionStats(part) {
   const served = Object.entries(part.versions)
     .map(([p, vs]) => `${p}:v${vs[0]}` + (vs.length > 1 ? `-v${vs[vs.length - 1]}` : "")).join(" ") || "–";
   const stale = part.staleness_mean === null ? "–" : `mean ${fmt(part.staleness_mean, 2)}, max ${part.staleness_max}`;
-  const b = part.autoscale;
+  const b = part.autoscale, c = part.capacity;
   return ` · ${fmt(part.trajectories_per_s, 1)} traj/s, ${fmt(part.tokens_per_s, 0)} tok/s · staleness ${stale}`
-    + ` · serving ${served}` + (b ? ` · autoscale ${b.min_nodes}–${b.max_nodes} nodes, cooldown ${b.cooldown_s}s` : "");
+    + ` · serving ${served}`
+    + (c ? ` · capacity ${c.node_capacity}/node, ${c.engines_per_node} engine(s) × batch ${c.engine_max_batch}` : "")
+    + (b ? ` · autoscale ${b.min_nodes}–${b.max_nodes} nodes, cooldown ${b.cooldown_s}s` : "");
 }
 
 function renderAutoscale(a) {
