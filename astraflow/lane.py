@@ -11,8 +11,8 @@ A call runs as Dask runs an async actor method: on the worker's event loop, conc
 the others (a parked long poll holds nothing up). Every other call, and every call when the lane
 cannot be reached, goes through Dask as before.
 
-Frames: ``[u32 length][pickle]``: a request ``(id, method, args, kwargs)``, an answer
-``(id, ok, value or exception)``. Pickles are trusted as Dask's are: with TLS (the default) only
+Frames: ``[u32 length][u64 call id][pickle]``: a request's pickle is ``(method, args, kwargs)``,
+an answer's ``(ok, value or exception)``; a pickle that cannot be read fails its own call only. Pickles are trusted as Dask's are: with TLS (the default) only
 holders of the run's certificate get a connection.
 """
 
@@ -33,7 +33,7 @@ from astraflow.pending import Pending
 
 log = logging.getLogger("astraflow.lane")
 
-HEADER = struct.Struct("<I")
+HEADER = struct.Struct("<IQ")  # the length of what follows the length, the call id
 #: the most bytes one frame may hold (a corrupt length must not allocate gigabytes)
 MAX_FRAME = 1 << 30
 #: seconds a client waits for its connection (then the caller goes through Dask)
@@ -45,16 +45,17 @@ class LaneClosed(CommClosedError):
     through Dask, which tells whether the actor itself is gone."""
 
 
-def _frame(value: Any) -> bytes:
+def _frame(call_id: int, value: Any) -> bytes:
     data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    return HEADER.pack(len(data)) + data
+    return HEADER.pack(len(data) + 8, call_id) + data
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> Any:
-    size = HEADER.unpack(await reader.readexactly(HEADER.size))[0]
+async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """The next frame's call id and pickle (not yet read: a bad one fails only its call)."""
+    size, call_id = HEADER.unpack(await reader.readexactly(HEADER.size))
     if size > MAX_FRAME:
         raise ConnectionError(f"a lane frame of {size} bytes is more than {MAX_FRAME}")
-    return pickle.loads(await reader.readexactly(size))
+    return call_id, await reader.readexactly(size - 8)
 
 
 def _portable(err: Exception) -> Exception:
@@ -92,28 +93,30 @@ class LaneServer:
         try:
             while True:
                 try:
-                    call_id, name, args, kwargs = await _read_frame(reader)
+                    call_id, data = await _read_frame(reader)
                 except (asyncio.IncompleteReadError, ConnectionError, OSError):
                     return
                 # a call that is still running when its caller leaves finishes all the same, as
                 # under Dask (a lease it makes expires; a completion it records stays recorded)
-                loop.create_task(self._run(writer, call_id, name, args, kwargs), context=self._context.copy())
+                loop.create_task(self._run(writer, call_id, data), context=self._context.copy())
         finally:
             self._writers.discard(writer)
             writer.close()
 
-    async def _run(self, writer: asyncio.StreamWriter, call_id: int, name: str, args: tuple, kwargs: dict) -> None:
+    async def _run(self, writer: asyncio.StreamWriter, call_id: int, data: bytes) -> None:
         self.calls += 1
+        name = "?"
         try:
+            name, args, kwargs = pickle.loads(data)
             if name not in self.methods:
                 raise AttributeError(f"{name!r} is not served by the direct lane")
-            answer = (call_id, True, await getattr(self.target, name)(*args, **kwargs))
+            answer = (True, await getattr(self.target, name)(*args, **kwargs))
         except Exception as err:  # the caller raises it, as it would an actor's error
-            answer = (call_id, False, _portable(err))
+            answer = (False, _portable(err))
         try:
-            data = _frame(answer)
+            data = _frame(call_id, answer)
         except Exception as err:
-            data = _frame((call_id, False, RuntimeError(f"{name}: its answer cannot be sent ({err!r})")))
+            data = _frame(call_id, (False, RuntimeError(f"{name}: its answer cannot be sent ({err!r})")))
         if writer.is_closing():
             return
         writer.write(data)
@@ -159,7 +162,7 @@ class LaneClient:
 
     def submit(self, name: str, args: tuple, kwargs: dict) -> Pending:
         call_id = next(self._ids)
-        data = _frame((call_id, name, args, kwargs))
+        data = _frame(call_id, (name, args, kwargs))
         answer = Pending()
         with self._lock:
             if self.closed:
@@ -175,9 +178,13 @@ class LaneClient:
     async def _read(self) -> None:
         try:
             while True:
-                call_id, ok, value = await _read_frame(self._reader)
+                call_id, data = await _read_frame(self._reader)
                 with self._lock:
                     answer = self._waiting.pop(call_id, None)
+                try:
+                    ok, value = pickle.loads(data)
+                except Exception as err:
+                    ok, value = False, RuntimeError(f"the answer cannot be read here ({type(err).__name__}: {err})")
                 if answer is not None:
                     answer.settle(value if ok else None, None if ok else value)
         except (Exception, asyncio.CancelledError) as err:  # closed by either side, or an unreadable frame
@@ -189,7 +196,7 @@ class LaneClient:
             self.closed = True
             waiting, self._waiting = self._waiting, {}
         if waiting:
-            log.warning("the direct lane to %s closed with %d calls unanswered (%s): they go through Dask",
+            log.info("the direct lane to %s closed with %d calls unanswered (%s): they go through Dask",
                         self.address, len(waiting), type(why).__name__)
         for answer in waiting.values():
             answer.settle(None, LaneClosed(f"the direct lane to {self.address} closed ({type(why).__name__})"))

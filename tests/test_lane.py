@@ -23,8 +23,15 @@ class _Unpicklable(Exception):
         super().__init__(f"{a} and {b}")
 
 
+class _FailsOnLoad:
+    """Pickles fine; unpickling it raises (it is rebuilt as ``int("no")``)."""
+
+    def __reduce__(self):
+        return int, ("no",)
+
+
 class _Served(LaneServed):
-    LANE_METHODS = frozenset({"echo", "slow", "fail", "odd_fail", "pid"})
+    LANE_METHODS = frozenset({"echo", "slow", "fail", "odd_fail", "odd_answer", "pid"})
 
     def __init__(self, lane: bool = True):
         self.lane = lane
@@ -48,6 +55,9 @@ class _Served(LaneServed):
 
     async def odd_fail(self):
         raise _Unpicklable(1, 2)
+
+    async def odd_answer(self):
+        return _FailsOnLoad()
 
     async def pid(self) -> int:
         return os.getpid()
@@ -133,6 +143,11 @@ def test_a_lane_client_fails_its_calls_when_the_connection_closes(client):
     lane = LaneClient(address)
     parked = lane.submit("slow", (), {})
     assert lane.submit("echo", (5,), {}).result(30) == 5
+    with pytest.raises(ValueError, match="invalid literal"):  # a request the actor cannot read: its own error
+        lane.submit("echo", (_FailsOnLoad(),), {}).result(30)
+    with pytest.raises(RuntimeError, match="cannot be read here"):  # an answer this side cannot read
+        lane.submit("odd_answer", (), {}).result(30)
+    assert lane.submit("echo", (8,), {}).result(30) == 8 and not lane.closed  # the connection serves on
     lane.close()
     with pytest.raises(LaneClosed):
         parked.result(30)
