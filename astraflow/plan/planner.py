@@ -3,8 +3,10 @@ which the trainer stops waiting.
 
 Where the simulated run's numbers come from (first that applies):
 
-* trainer step time: ``--step-seconds``; the config's ``sim_step_seconds`` times its engines'
-  ``time_scale`` when its trainers are sim already; the calibration's measured step (``--calibrate``); else derived,
+* trainer step time: ``--step-seconds``; when its trainers are sim already, the config's
+  ``sim_step_seconds`` plus ``sim_seconds_per_token`` x batch size x mean response tokens, times
+  its engines' ``time_scale`` (a ``sim_step_schedule`` is left out: the simulated trainer takes
+  the one step time reported); the calibration's measured step (``--calibrate``); else derived,
   ``6 * parameters * tokens per step`` FLOPs on the ``--trainer`` GPUs at ``TRAINER_MFU`` of
   their peak (parameters from ``--model-params`` or the model directory's ``config.json``;
   tokens per step = batch size x (prompt + mean response tokens));
@@ -13,8 +15,12 @@ Where the simulated run's numbers come from (first that applies):
 * prompt length: ``--prompt-tokens``; the calibration's; the sim workload's ``prompt_tokens``;
   else ``DEFAULT_PROMPT_TOKENS``;
 * time scale: ``--time-scale``, else a real trainer step of at least ``REAL_STEP_S`` (the
-  control plane's own latency per step, a floor under the wait, stays small against it) and at most ``REAL_RATE`` trajectories a
-  real second (what this machine's control plane keeps up with), whichever is slower.
+  control plane's own latency per step, a floor under the wait, stays small against it) and at
+  most ``REAL_RATE`` trajectories a real second (what this machine's control plane keeps up
+  with), whichever is slower.
+
+A run is at most ``MAX_MINUTES`` simulated minutes and ``MAX_STEPS`` steps (steady rates come
+within minutes; more only costs real time).
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ DEFAULT_PROMPT_TOKENS = 128
 REAL_STEP_S = 2.0
 REAL_RATE = 150.0
 MIN_STEPS = 8
+#: the longest simulated run (``--minutes``, ``--search-minutes``): a simulated day
+MAX_MINUTES = 1440.0
+#: the most steps of one simulated run (a tiny step time with many minutes)
+MAX_STEPS = 50_000
 
 
 @dataclass
@@ -54,13 +64,23 @@ class Calibration:
 
     @classmethod
     def load(cls, path: Path) -> "Calibration":
+        """The calibration saved at ``path``; PlanError naming the file (and the field whose value
+        is out of range: every number of it is finite and above 0) for anything else."""
         try:
             data = json.loads(path.read_text())
-            return cls(HardwareProfile(**data["engine"]), float(data["step_seconds"]), int(data["prompt_tokens"]),
-                       float(data["response_mean"]))
+            engine = HardwareProfile(**data["engine"])
+            numbers = {k: data[k] for k in ("step_seconds", "prompt_tokens", "response_mean")}
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise PlanError(f"--calibration {path}: not a calibration file ({err}); write one with "
                             "--calibrate --save-calibration FILE") from None
+        for key, value in numbers.items():
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+            if not ok or (key == "prompt_tokens" and value != int(value)):
+                what = "a whole number >= 1" if key == "prompt_tokens" else "a finite number > 0"
+                raise PlanError(f"--calibration {path}: {key} is {value!r}, not {what}; measure again with "
+                                "--calibrate --save-calibration FILE")
+        return cls(engine, float(numbers["step_seconds"]), int(numbers["prompt_tokens"]),
+                   float(numbers["response_mean"]))
 
 
 @dataclass
@@ -131,9 +151,22 @@ def shape_for(cfg: RunConfig, opts: PlanOptions) -> tuple[SimShape, dict[str, st
     if opts.step_seconds is not None:
         step, src["step_seconds"] = opts.step_seconds, "--step-seconds"
     elif all(p.trainer.backend == "sim" for p in cfg.policies):
-        # a sim trainer sleeps real seconds; its engines run time_scale faster than real time
+        # a sim trainer sleeps real seconds; its engines run time_scale faster than real time. Its
+        # per-token time is folded in at the mean batch (loss tokens: the responses'); a schedule
+        # is left out, since the simulated trainer takes this one step time throughout
+        tr = pol.trainer
         scale_in = cfg.rollout.engine.sim.time_scale if cfg.rollout.engine.type == "sim" else 1.0
-        step, src["step_seconds"] = pol.trainer.sim_step_seconds * scale_in, "trainer.sim_step_seconds x time_scale"
+        loss_tokens = cfg.dataflow.batch_size * resp
+        step = (tr.sim_step_seconds + tr.sim_seconds_per_token * loss_tokens) * scale_in
+        src["step_seconds"] = "trainer.sim_step_seconds x time_scale"
+        if tr.sim_seconds_per_token:
+            src["step_seconds"] = (f"(trainer.sim_step_seconds + sim_seconds_per_token x {loss_tokens:.0f} loss "
+                                   "tokens) x time_scale")
+        if tr.sim_step_schedule:
+            src["step_seconds"] += " (sim_step_schedule left out)"
+        if not step > 0:
+            raise PlanError("the config's sim trainer takes no time a step (sim_step_seconds and "
+                            "sim_seconds_per_token are 0): give --step-seconds S")
     elif cal is not None:
         step, src["step_seconds"] = cal.step_seconds, "calibration"
     else:
@@ -147,9 +180,22 @@ def shape_for(cfg: RunConfig, opts: PlanOptions) -> tuple[SimShape, dict[str, st
     else:
         scale = max(min(step / REAL_STEP_S, REAL_RATE * step / cfg.dataflow.batch_size), 0.05)
         src["time_scale"] = "auto"
-    steps = max(math.ceil(opts.minutes * 60 / step), MIN_STEPS)
+    steps = steps_for(opts.minutes, step, "--minutes")
     return SimShape(step, int(prompt), float(resp), sigma, scale, steps,
                     cal.engine if cal is not None else None), src
+
+
+def steps_for(minutes: float, step_seconds: float, option: str) -> int:
+    """Steps of a run of ``minutes`` simulated minutes (``MIN_STEPS`` at least); PlanError naming
+    ``option`` and the bound for a run past ``MAX_MINUTES`` or ``MAX_STEPS``."""
+    if not (0 < minutes <= MAX_MINUTES):
+        raise PlanError(f"{option} {minutes:g}: give more than 0 and at most {MAX_MINUTES:g} simulated minutes "
+                        "(the steady rates come within minutes; a longer run only takes longer)")
+    steps = minutes * 60 / step_seconds
+    if steps > MAX_STEPS:
+        raise PlanError(f"{option} {minutes:g} at a trainer step of {step_seconds:.3g} s is {steps:.3g} simulated "
+                        f"steps; a run takes at most {MAX_STEPS}: give fewer {option}")
+    return max(math.ceil(steps), MIN_STEPS)
 
 
 def model_params(path: Path) -> float:
@@ -177,6 +223,8 @@ def run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions,
         raise PlanError(f"the config has {len(cfg.policies)} policies ({names}); astraflow plan simulates one: "
                         "plan a copy of the config that keeps one policy (and a single-policy workflow)")
     shape, sources = shape_for(cfg, opts)
+    if opts.search:  # the search's runs too, before the first run takes its time
+        steps_for(_search_minutes(opts), shape.step_seconds, "--search-minutes" if opts.search_minutes else "--minutes")
     kinds = [p.kind for p in pools]
     if len(set(kinds)) != len(kinds):
         raise PlanError(f"--pool: each hardware kind once (got {', '.join(kinds)}); add the GPUs up into one pool")
@@ -191,6 +239,10 @@ def run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions,
             return _run_plan(cfg, pools, opts, shape, sources, Path(tmp), progress)
         except SimFailed as err:
             raise SimFailed(f"{err}\n(the simulated runs' files are removed: pass --workdir DIR to keep them)") from None
+
+
+def _search_minutes(opts: PlanOptions) -> float:
+    return opts.search_minutes or max(opts.minutes / 2, min(opts.minutes, 1.0))
 
 
 def _run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions, shape: SimShape, sources: dict[str, str],
@@ -211,9 +263,9 @@ def _run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions, shape: SimSh
     result = simulate(pools, shape, "plan")
     search = None
     if opts.search:
-        minutes = opts.search_minutes or max(opts.minutes / 2, min(opts.minutes, 1.0))
         short = SimShape(shape.step_seconds, shape.prompt_tokens, shape.response_mean, shape.response_sigma,
-                         shape.time_scale, max(math.ceil(minutes * 60 / shape.step_seconds), MIN_STEPS), shape.local)
+                         shape.time_scale, steps_for(_search_minutes(opts), shape.step_seconds, "--search-minutes"),
+                         shape.local)
 
         def sizes(factor: float) -> tuple[tuple[str, int], ...]:
             return tuple((p.kind, p.scaled(factor).gpus) for p in pools)

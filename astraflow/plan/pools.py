@@ -2,10 +2,12 @@
 
 A pool is ``KIND=GPUS``: ``GPUS`` engines of hardware ``KIND`` (a preset of ``sim_config``, or
 ``local``: this machine's engine as a calibration measured it). It becomes one rollout partition
-of RaaS nodes with ``gpus_per_node`` sim engines each, all of a worker's nodes on one event loop
-(``rollout.nodes_per_worker``). The rest of the config — batch size, group size, staleness
-bound, admission, lease and weight-poll settings — is the user's, so the simulated control plane
-makes the decisions the real one would; only the model work is replaced by its time.
+of RaaS nodes with ``gpus_per_node`` sim engines each (or one node of fewer), all of a worker's
+nodes on one event loop (``rollout.nodes_per_worker``; two partitions where the nodes split
+unevenly over the workers), so the simulated GPUs are exactly the pool's. The rest of the
+config — batch size, group size, staleness bound, admission, lease and weight-poll settings — is
+the user's, so the simulated control plane makes the decisions the real one would; only the
+model work is replaced by its time.
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ class Pool:
     gpus: int
     gpus_per_node: int
 
+    def __post_init__(self) -> None:
+        # the label is what is simulated: one node of up to gpus_per_node engines, or whole nodes
+        if self.gpus < 1 or self.gpus_per_node < 1 or (self.gpus > self.gpus_per_node
+                                                       and self.gpus % self.gpus_per_node):
+            raise ValueError(f"pool {self.label()}: not one node nor whole nodes of {self.gpus_per_node} GPUs")
+
     @property
     def nodes(self) -> int:
         return math.ceil(self.gpus / self.gpus_per_node)
@@ -51,9 +59,14 @@ class Pool:
         return min(self.gpus, self.gpus_per_node)
 
     def scaled(self, factor: float) -> "Pool":
-        """This pool with ``factor`` times the GPUs, in whole nodes (at least one)."""
-        nodes = max(1, round(self.nodes * factor))
-        return Pool(self.kind, nodes * self.engines_per_node, self.gpus_per_node)
+        """This pool with about ``factor`` times the GPUs, in a size ``--pool`` accepts (and the
+        simulated run has): up to one node's GPUs, a single node of that many (at least one GPU);
+        above it, the nearest whole number of full nodes."""
+        target = self.gpus * factor
+        if target <= self.gpus_per_node:
+            return Pool(self.kind, max(1, math.floor(target + 0.5)), self.gpus_per_node)
+        nodes = max(1, math.floor(target / self.gpus_per_node + 0.5))
+        return Pool(self.kind, nodes * self.gpus_per_node, self.gpus_per_node)
 
     def label(self) -> str:
         return f"{self.kind}={self.gpus}"
@@ -123,7 +136,9 @@ def sim_config(cfg: RunConfig, pools: list[Pool], shape: SimShape, name: str = "
                        timeout_s=max(600.0, 20 * shape.steps * step_real + 300))
     for pol in data["policies"]:
         pol.update(model="sim", init=None)
-        pol["trainer"].update(backend="sim", sim_step_seconds=step_real, sim_seconds_per_token=0.0)
+        # one step time, the one reported: no per-token time or schedule on top of it
+        pol["trainer"].update(backend="sim", sim_step_seconds=step_real, sim_seconds_per_token=0.0,
+                              sim_step_schedule={})
     wl = data["workload"]
     data["workload"] = {
         "name": "sim", "workflow": "sim", "group_size": wl["group_size"], "sampling": wl["sampling"],
@@ -147,16 +162,28 @@ def sim_config(cfg: RunConfig, pools: list[Pool], shape: SimShape, name: str = "
     parts = [{"name": "data", "scheduler": "local", "role": "data", "nodes": 1},
              {"name": "trainer", "scheduler": "local", "role": "trainer", "nodes": 1}]
     for pool in pools:
-        workers = math.ceil(pool.nodes / NODES_PER_PROCESS)
         sim = {"hardware": "h100"} if pool.kind == LOCAL else {"hardware": pool.kind}
         if pool.kind == LOCAL:
             assert shape.local is not None
             sim.update(shape.local.model_dump())
-        settings: dict[str, Any] = {"nodes_per_worker": math.ceil(pool.nodes / workers),
-                                    "engine": {"replicas": pool.engines_per_node, "sim": sim}}
-        if pool.kind == LOCAL:
-            settings["capacity"] = user_capacity or None
-        parts.append({"name": f"pool_{pool.kind}", "scheduler": "local", "role": "rollout", "nodes": workers,
-                      "hardware": pool.kind, "rollout": settings})
+        # a partition's workers all hold as many nodes: an uneven split is two partitions of the
+        # pool (the second named ``pool_KIND.rest``, counted as the same pool)
+        for suffix, workers, per_worker in worker_split(pool.nodes):
+            settings: dict[str, Any] = {"nodes_per_worker": per_worker,
+                                        "engine": {"replicas": pool.engines_per_node, "sim": dict(sim)}}
+            if pool.kind == LOCAL:
+                settings["capacity"] = user_capacity or None
+            parts.append({"name": f"pool_{pool.kind}{suffix}", "scheduler": "local", "role": "rollout",
+                          "nodes": workers, "hardware": pool.kind, "rollout": settings})
     data["partitions"] = parts
     return data
+
+
+def worker_split(nodes: int) -> list[tuple[str, int, int]]:
+    """``nodes`` sim nodes as ``(partition suffix, workers, nodes per worker)``: the fewest
+    workers of at most ``NODES_PER_PROCESS`` nodes, as even as can be, adding up to ``nodes``."""
+    workers = math.ceil(nodes / NODES_PER_PROCESS)
+    base, extra = divmod(nodes, workers)
+    if not extra:
+        return [("", workers, base)]
+    return [("", extra, base + 1), (".rest", workers - extra, base)]

@@ -187,7 +187,7 @@ def _per_pool(run_dir: Path, result: SimResult) -> dict[str, dict[str, float]]:
     for st in nodes.values():
         part = str(st.get("partition") or "")
         if part.startswith("pool_"):
-            kind = part.removeprefix("pool_")
+            kind = part.removeprefix("pool_").split(".")[0]  # ``pool_KIND.rest``: the same pool
             episodes[kind] = episodes.get(kind, 0) + st.get("counters", {}).get("episodes", 0)
     total = sum(episodes.values()) or 1.0
     return {kind: {"share": n / total, "trajectories_per_s": result.trajectories_per_s * n / total,

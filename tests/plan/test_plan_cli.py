@@ -45,6 +45,7 @@ SIM = str(ROOT / "examples/sim/config.yaml")
     (["--pool", "h100=8", "--save-calibration", "c.json"], "add --calibrate"),
     (["--pool", "h100=8", "--no-search", "--search-minutes", "2"], "--no-search skips the search: drop one"),
     (["--pool", "h100=20"], "20 GPUs are not whole nodes of --gpus-per-node 8; use h100=16 or h100=24"),
+    (["--pool", "h100=12"], "12 GPUs are not whole nodes of --gpus-per-node 8; use h100=8 or h100=16"),
 ])
 def test_bad_input_exits_2_naming_the_fix(args, needle):
     res = CliRunner().invoke(main, ["plan", SIM, *args])
@@ -84,8 +85,13 @@ def test_a_config_with_an_autoscaler_is_planned_at_fixed_pool_sizes():
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_plan_runs_a_small_config_end_to_end(tmp_path):
+    """Also: a sim trainer's per-token time and schedule become the one step time reported
+    (0.1 s + 6400 loss tokens x 31.25 us = 0.3 s a step), and every simulated step takes it."""
+    sets = ["policies.0.trainer.sim_step_seconds=0.1", "policies.0.trainer.sim_seconds_per_token=0.00003125",
+            "policies.0.trainer.sim_step_schedule={2: 0.01}"]
     proc = subprocess.run([sys.executable, "-m", "astraflow", "plan", SIM, "--pool", "h100=2", "--pool", "a100=2",
                            "--gpus-per-node", "1", "--minutes", "0.4", "--no-search", "--json",
+                           *(a for s in sets for a in ("--set", s)),
                            "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout)
@@ -99,6 +105,10 @@ def test_plan_runs_a_small_config_end_to_end(tmp_path):
     assert sum(p["share"] for p in out["per_pool"].values()) == pytest.approx(1.0)
     assert "plan: step" in proc.stderr  # progress while it ran
     assert out["assumptions"]["step_seconds"] == pytest.approx(3.0)  # 0.3 s x the example's time scale 10
+    lines = [json.loads(line) for line in (tmp_path / "sim0/run/metrics.jsonl").read_text().splitlines()]
+    step_s = [m["step_s"] for m in lines if "step_s" in m]  # real seconds a step: simulated / time scale
+    assert len(step_s) == out["assumptions"]["steps"]
+    assert step_s == pytest.approx([3.0 / out["assumptions"]["time_scale"]] * len(step_s))
 
 
 @pytest.mark.e2e
