@@ -227,6 +227,9 @@ def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, kee
         setattr(dl.buffers, f, bf[f])
     dl.mixer.consumed, dl.mixer.groups_created = state["mixer"]["consumed"], state["mixer"]["groups_created"]
     dl.evals.rounds, dl.evals.results = state["evals"]["rounds"], state["evals"]["results"]
+    # a round left open by an earlier run's end has no tasks left: it would hold back every later record
+    open_evals = {int(t.min_version) for tid, t in leases.tasks.items() if t.kind == "eval" and tid in ledger.live}
+    dl.evals.drop_unfinishable(lambda version: version in open_evals)
     return {"open_tasks": len(ledger.live), "leases_kept": len(leases.held), "leases_released": released,
             "groups_rolling": len(dl.buffers.rolling),
             "buffered": sum(len(g.items) for b in dl.buffers.ready.values() for g in b),

@@ -9,6 +9,7 @@ are written in version order, a finished round waiting for every earlier one (``
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -16,6 +17,8 @@ from typing import Any, Callable
 import numpy as np
 
 from astraflow.contracts import RolloutTask, TrajectoryRef
+
+log = logging.getLogger("astraflow.dataflow")
 
 
 @dataclass
@@ -64,18 +67,24 @@ class EvalRounds:
         #: records written, in version order
         self.results: list[dict[str, Any]] = []
 
-    def start(self, version: int) -> list[RolloutTask]:
-        """The tasks of a new round at ``version`` (none if it exists)."""
+    def start(self, version: int, taken: Callable[[str], bool] = lambda task_id: False) -> list[RolloutTask]:
+        """The tasks of a new round at ``version`` (none if it exists). ``taken(task_id)``: whether
+        the ledger knows a task of that id (a round at this version that an earlier run's end cut
+        short): the new round's ids then carry ``.N``, the first N free."""
         if version in self.rounds:
             return []
         with_sets = not self.rounds or (self.final is not None and version >= self.final)
         chosen = [(i, p) for i, p in enumerate(self.payloads) if with_sets or "eval_set" not in p]
+        prefix, n = f"eval-v{version}", 0
+        while any(taken(f"{prefix}-{i}/0") for i, _ in chosen):
+            n += 1
+            prefix = f"eval-v{version}.{n}"
         rnd = EvalRound(version=version, policy=self.policies[0], k=self.k, remaining=len(chosen) * self.k)
         self.rounds[version] = rnd
         sampling = {"greedy": True} if self.k == 1 else None
         tasks = []
         for i, payload in chosen:
-            gid = f"eval-v{version}-{i}"
+            gid = f"{prefix}-{i}"
             if "eval_set" in payload:
                 rnd.sets[gid] = str(payload["eval_set"])
             rnd.sources[gid] = self.sources[i]
@@ -170,6 +179,19 @@ class EvalRounds:
                          f"pass@{rnd.k}": float(np.mean([max(r) > 0 for r in rs])) if rs else 0.0,
                          "prompts": len(rs), **episode_summary(rnd.set_stats.get(name, []), prefix="")}
         return out
+
+    def drop_unfinishable(self, alive: Callable[[int], bool] | None = None) -> list[int]:
+        """Forget the unfinished rounds that can no longer finish, and write the records held back
+        behind them. A round's tasks ended without it when the run ended with it open (``alive``
+        None: every unfinished round) or, on a resume, when none of its tasks is left to run
+        (``alive(version)`` false): the resumed run would wait for it forever. Returns the versions
+        forgotten."""
+        dead = [v for v, r in sorted(self.rounds.items()) if r.result is None and (alive is None or not alive(v))]
+        for v in dead:
+            log.warning("the held-out evaluation of v%d was cut short by the run's end: it is not recorded", v)
+            del self.rounds[v]
+        self.write()
+        return dead
 
     def write(self, past_unfinished: bool = False) -> None:
         """Write finished records in version order: a finished round waits for the earlier

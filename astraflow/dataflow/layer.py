@@ -221,7 +221,7 @@ class DataLayer(TrainerFacing, LaneServed):
         self._notify()
 
     def _start_eval(self, version: int) -> None:
-        for task in self.evals.start(version):
+        for task in self.evals.start(version, taken=self.ledger.tasks.__contains__):
             self.leases.add(task)
 
     # ------------------------------------------------------------------ RaaS-facing
@@ -426,6 +426,7 @@ class DataLayer(TrainerFacing, LaneServed):
         # a completed task still routed to a buffer is ended by it, not here
         self.leases.end_all(keep=self.buffers.routed_left)
         self.buffers.rolling.clear()  # every task of a group still in rollout has ended: a resume starts afresh
+        self.evals.drop_unfinishable()  # their tasks just ended: a resume must not wait for them
         self.metrics.flush()
         await self._durable(sync=True)
         return self.ledger.summary()

@@ -225,3 +225,55 @@ def test_a_resumed_run_forgets_the_old_nodes_a_new_one_may_reuse_a_name(tmp_path
     run(before())
     layer = paths.layer(keep_leases=False)
     assert len(run(layer.lease("n0", 4))) == 4  # the new incarnation's n0 is not draining
+
+
+def test_an_evaluation_cut_short_by_the_runs_end_does_not_hold_back_the_resumed_run(tmp_path, monkeypatch):
+    """The run ends (Ctrl-C) while a held-out round is open: its tasks are dropped, so the round is
+    forgotten, not restored; the resumed run evaluates that version again under fresh task ids and
+    finishes. A snapshot that still holds such a round (its tasks gone) is cleaned up on restore,
+    and the finished rounds it held back are written."""
+    paths = Paths(tmp_path)
+    old = paths.layer(eval_every=2)
+
+    async def one_eval_task(layer):
+        await Node(layer, "n-old").roll(1)  # evaluation tasks are leased first: one of round 0
+
+    run(one_eval_task(old))
+    assert old.evals.rounds[0].remaining == 2
+    run(old.finish())
+    assert 0 not in old.evals.rounds  # cut short: not recorded, not kept
+    run(old.close())
+
+    resumed = paths.layer(eval_every=2)
+    tasks = [resumed.leases.tasks[t] for t in resumed.leases.eval_pending]
+    assert list(resumed.evals.rounds) == [0] and len(tasks) == 3
+    assert {t.group_id.rpartition("-")[0] for t in tasks} == {"eval-v0.1"}  # the old ids ended: fresh ones
+
+    async def finish_round(layer):
+        await Node(layer, "n-new").roll(3)
+        return await layer.eval_done(0)
+
+    assert run(finish_round(resumed))
+    assert paths.steps().count(0) == 1  # one record of v0: the resumed round's
+    run(resumed.close())
+
+    # a snapshot of a data layer that kept the open round (its tasks ended) is cleaned up on restore
+    paths2 = Paths(tmp_path / "second")
+    (tmp_path / "second").mkdir()
+    older = paths2.layer(eval_every=2)
+    run(one_eval_task(older))
+    monkeypatch.setattr(type(older.evals), "drop_unfinishable", lambda self, alive=None: [])
+    run(older.finish())
+    monkeypatch.undo()
+    assert older.evals.rounds[0].result is None and not older.leases.eval_pending
+    run(older.close())
+    restored = paths2.layer(eval_every=2)
+
+    async def evaluate_v2(layer):
+        await layer.start_eval(2)
+        await Node(layer, "n-new").roll(6)  # the fresh round at v0 and the round at v2
+        return await layer.eval_done(2)
+
+    assert run(evaluate_v2(restored))  # not held back behind the old round
+    assert sorted(paths2.steps()) == [0, 2]
+    run(restored.close())
