@@ -111,6 +111,12 @@ class RunSection(Strict):
         return v
 
 
+#: the default ``autoscale.memory_s``, in windows: long enough that a pool size seen too small is
+#: not tried again soon (each try starves the trainers for a window), short enough that a load fall
+#: the consumption counts do not show still lets the pool drain in the same run
+MEMORY_WINDOWS = 60
+
+
 class AutoscaleConfig(Strict):
     """The run's autoscaler (``astraflow.runtime.autoscale``): it grows or drains the rollout
     partitions that have ``autoscale:`` bounds, from how long the trainers wait for batches.
@@ -132,6 +138,16 @@ class AutoscaleConfig(Strict):
     window starts afresh after each change once the workers it started or drained settled."""
     step_nodes: int = Field(default=1, ge=1)
     """Workers added or drained by one decision (less when a bound is closer)."""
+    memory_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """Seconds the autoscaler remembers a pool size at which the trainers waited above
+    ``high_wait``: within them it does not drain back to that size unless their load visibly fell,
+    so one worker that moves the wait across the whole band cannot make it flap.
+    None: ``MEMORY_WINDOWS`` (60) times ``window_s``."""
+
+    @property
+    def memory_period_s(self) -> float:
+        """``memory_s``, or its default from ``window_s``."""
+        return self.memory_s if self.memory_s is not None else MEMORY_WINDOWS * self.window_s
 
     @model_validator(mode="after")
     def _band(self) -> "AutoscaleConfig":

@@ -83,11 +83,17 @@ class AutoscaleDriver:
             out.append(Slot(name, part.nodes, part.autoscale, settling + max(unsubmitted, 0)))
         return out
 
+    def fixed(self) -> int:
+        """Workers wanted in the active rollout partitions without bounds: they count in the pool
+        size the autoscaler remembers, and a pool with them is not empty."""
+        return sum(p.nodes for name, p in self.parts.partitions.items()
+                   if p.role == "rollout" and p.autoscale is None and self.parts.state[name].state == "active")
+
     def step(self, tick: Tick, now: float | None = None) -> Decision:
         """Observe this tick, decide, apply a change. Returns the decision."""
         now = time.time() if now is None else now
         self.scaler.observe(sample_of(tick, now))
-        decision = self.scaler.decide(now, self.slots())
+        decision = self.scaler.decide(now, self.slots(), self.fixed())
         if decision.action != "hold":
             decision = self._apply(decision)
         self.last = decision
