@@ -147,6 +147,9 @@ class LaneClient:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._waiting: dict[int, Pending] = {}
+        #: frames submitted and not yet handed to the connection, and whether a flush is on its way
+        self._outbox: list[bytes] = []
+        self._flushing = False
         self.closed = False
         self._loop = asyncio.new_event_loop()
         self._writer: asyncio.StreamWriter | None = None
@@ -168,12 +171,20 @@ class LaneClient:
             if self.closed:
                 raise LaneClosed(f"the direct lane to {self.address} is closed")
             self._waiting[call_id] = answer
-        self._loop.call_soon_threadsafe(self._write, data)
+            self._outbox.append(data)
+            wake, self._flushing = not self._flushing, True
+        if wake:  # calls submitted meanwhile ride along: one wake-up of the loop, one write
+            try:
+                self._loop.call_soon_threadsafe(self._flush)
+            except RuntimeError:  # the connection closed as this call came: it fails as the others
+                answer.settle(None, LaneClosed(f"the direct lane to {self.address} is closed"))
         return answer
 
-    def _write(self, data: bytes) -> None:
+    def _flush(self) -> None:
+        with self._lock:
+            frames, self._outbox, self._flushing = self._outbox, [], False
         if not self._writer.is_closing():
-            self._writer.write(data)
+            self._writer.write(b"".join(frames))
 
     async def _read(self) -> None:
         try:
