@@ -8,6 +8,7 @@ never disagree.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -154,25 +155,70 @@ def model() -> None:
 @click.option("--seed", type=int, **_field(ModelInit, "seed"))
 @click.option("--tie-embeddings/--untie-embeddings", **_field(ModelInit, "tie_embeddings"))
 @click.option("--warm-start-seconds", type=float, **_field(ModelInit, "warm_start_seconds"))
-@click.option("--warm-start-steps", type=int, **_field(ModelInit, "warm_start_steps"))
+@click.option("--warm-start-steps", type=int, **_field(
+    ModelInit, "warm_start_steps",
+    help="Upper bound of the warm start in optimiser steps (1 or more). Unset: no bound in steps (the warm start "
+         "then runs for --warm-start-seconds, and not at all when that is 0). Given alone, the warm start runs this "
+         "many steps with no time bound; the warm start is seeded, so a bound in steps builds the same model on a "
+         "fast and a slow machine. With several bounds the first reached stops it."))
 @click.option("--warm-start-lr", type=float, **_field(ModelInit, "warm_start_lr"))
 def model_init(out: str, preset: str, arch: str, seed: int, tie_embeddings: bool, warm_start_seconds: float,
                warm_start_steps: int | None, warm_start_lr: float) -> None:
     """Build a tiny Qwen2/Llama model with a local byte-level tokenizer into OUT (HF format).
 
     The warm start trains on the math workload's train split."""
-    from astraflow.runtime.launch import build_model
+    from pydantic import ValidationError
 
-    if Path(out).exists() and any(Path(out).iterdir()):
+    from astraflow.preflight import unbuildable
+    from astraflow.runtime.launch import ModelDirError, build_model
+
+    try:
+        init = ModelInit(preset=preset, arch=arch, seed=seed, tie_embeddings=tie_embeddings,
+                         warm_start_seconds=warm_start_seconds, warm_start_steps=warm_start_steps,
+                         warm_start_lr=warm_start_lr)
+    except ValidationError as err:
+        raise UserError(_option_errors(err)) from None
+    if Path(out).is_dir() and any(Path(out).iterdir()):
         raise UserError(f"{out} exists and is not empty: choose a new directory")
-    build_model(Path(out), ModelInit(preset=preset, arch=arch, seed=seed, tie_embeddings=tie_embeddings,
-                                     warm_start_seconds=warm_start_seconds, warm_start_steps=warm_start_steps,
-                                     warm_start_lr=warm_start_lr))
+    why = None if Path(out).is_dir() else unbuildable(Path(out))
+    if why:
+        raise UserError(f"OUT {out} cannot be created: {why}; choose a directory that can be created")
+    try:
+        build_model(Path(out), init)
+    except ModelDirError as err:
+        raise UserError(f"OUT {err}") from None
+
+
+#: what a pydantic constraint error on an option asks for, by error type (its ``ctx`` fills it in)
+_OPTION_FIXES = {
+    "greater_than_equal": "use {ge} or more",
+    "greater_than": "use a value above {gt}",
+    "less_than_equal": "use {le} or less",
+    "less_than": "use a value below {lt}",
+    "finite_number": "use a finite number (not nan or inf)",
+}
+
+
+def _option_errors(err) -> str:
+    """A ``ValidationError`` of a config model built from options, one line per option, as
+    ``--option VALUE: the fix``: the fields are named as the options that set them."""
+    def plain(v: Any) -> Any:  # 0.0 -> 0, as a user would type it
+        return int(v) if isinstance(v, float) and v.is_integer() else v
+
+    lines = []
+    for e in err.errors():
+        option = "--" + "-".join(str(x) for x in e["loc"]).replace("_", "-")
+        ctx = {k: plain(v) for k, v in (e.get("ctx") or {}).items()}
+        fix = _OPTION_FIXES.get(e["type"], "").format(**ctx) or e["msg"].removeprefix("Value error, ")
+        lines.append(f"{option} {plain(e.get('input'))}: {fix}")
+    return "\n".join(lines)
 
 
 @main.command()
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config value as `astraflow run` would, e.g. --set run.max_steps=20 (repeatable; "
+                   "VALUE is YAML, list elements are named: --set policies.solver.trainer.lr=1e-4).")
 def check(config: str, overrides: tuple[str, ...]) -> None:
     """Validate CONFIG and print the resolved configuration, then (on stderr) what each
     partition's workers run with (engines per RaaS node, the settings a partition changes) and
@@ -202,7 +248,8 @@ def check(config: str, overrides: tuple[str, ...]) -> None:
 @click.option("--metrics", is_flag=True,
               help="With --json: the curves of metrics.jsonl instead (/astraflow/api/metrics.json).")
 def status(run_dir: str, as_json: bool, metrics: bool) -> None:
-    """Status of the run in RUN_DIR: components, partitions, versions, throughput."""
+    """Status of the run in RUN_DIR: components, partitions, versions, throughput; for a run that
+    has finished, its final state (how it ended, the steps taken, its ledger) from summary.json."""
     if metrics and not as_json:
         raise UserError("--metrics goes with --json (for pictures of the curves use `astraflow plot RUN_DIR`)")
     if as_json:
@@ -219,11 +266,21 @@ def status(run_dir: str, as_json: bool, metrics: bool) -> None:
             raise UserError(str(err)) from None
         click.echo(view.model_dump_json(indent=2))
         return
-    from astraflow.runtime.monitoring import format_status, run_status
+    from astraflow.runtime.monitoring import RunNotRunning, format_status, read_snapshot, run_status
+    from astraflow.runtime.monitoring.text import format_summary
 
     try:
         st = run_status(Path(run_dir))
-    except ValueError as err:  # RunNotRunning, or a damaged status file (named, with the fix)
+    except RunNotRunning as err:  # a finished run has its final state to show; any other is an error
+        try:
+            snap = read_snapshot(Path(run_dir)) if Path(run_dir).is_dir() else None
+        except ValueError as damaged:  # a damaged summary.json (named, with the fix)
+            raise UserError(str(damaged)) from None
+        if snap is None or snap.summary is None:
+            raise UserError(str(err)) from None
+        click.echo(format_summary(snap.summary, str(snap.paths.summary)))
+        return
+    except ValueError as err:  # a damaged status file (named, with the fix)
         raise UserError(str(err)) from None
     click.echo(format_status(st))
 
@@ -270,12 +327,11 @@ def partitions(ctx: click.Context) -> None:
     ctx.with_resource(owner_only())
 
 
-def _partition_errors(err) -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"{loc}: {msg}" if loc else msg)
+def _partition_errors(err, extra: list[str] = ()) -> str:
+    """The errors of a partition from options and --from-yaml, worded as a config file's are."""
+    from astraflow.configerrors import describe_error
+
+    lines = [*extra, *(describe_error(e).removeprefix("(top level): ") for e in (err.errors() if err else []))]
     return "invalid partition:\n  " + "\n  ".join(lines)
 
 
@@ -328,12 +384,13 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
     import yaml
     from pydantic import ValidationError
 
+    from astraflow.configerrors import bool_problems, load_yaml
     from astraflow.runtime.control import add_partition, remove_partition, wait_partition
 
     data: dict = {}
     if from_yaml:
         try:
-            data = yaml.safe_load(Path(from_yaml).read_bytes().decode("utf-8")) or {}
+            data = load_yaml(Path(from_yaml).read_bytes().decode("utf-8")) or {}
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
             raise UserError(f"--from-yaml {from_yaml}: {err}") from None
         if not isinstance(data, dict):
@@ -346,10 +403,13 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
     for key, value in fields.items():
         if value is not None and value != ():
             data[key] = list(value) if key == "sbatch_options" else value
+    bools = bool_problems(data, Partition)  # `nodes: true` would be taken as 1
     try:
         part = Partition(**data)
     except ValidationError as err:
-        raise UserError(_partition_errors(err)) from None
+        raise UserError(_partition_errors(err, bools)) from None
+    if bools:
+        raise UserError(_partition_errors(None, bools))
     try:
         add_partition(Path(run_dir), part)
     except ValueError as err:  # RunNotRunning, PartitionError, a damaged file of the run
@@ -374,12 +434,22 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
 
 
 def _removal_modes(command):
-    """One flag per removal mode (``--drain``, ``--now``), all setting ``mode``."""
+    """One flag per removal mode (``--drain``, ``--now``), passed to ``command`` as ``mode``; two
+    of them together are refused (click would silently keep the last one given)."""
+    @functools.wraps(command)
+    def with_mode(*args, **kwargs):
+        given = [m for m in REMOVAL_MODES if kwargs.pop(f"removal_{m}")]
+        if len(given) > 1:
+            raise UserError(" and ".join(f"--{m}" for m in given) + " conflict: give one of them ("
+                            + "; ".join(f"--{m}: {REMOVAL_HELP[m]}" for m in given) + ")")
+        return command(*args, mode=given[0] if given else DEFAULT_REMOVAL, **kwargs)
+
+    with_mode.__click_params__ = list(getattr(command, "__click_params__", []))
     for mode in reversed(REMOVAL_MODES):
-        default = {"default": True} if mode == DEFAULT_REMOVAL else {}
-        command = click.option(f"--{mode}", "mode", flag_value=mode, **default,
-                               help=REMOVAL_HELP[mode].capitalize() + (" [default]" if default else "") + ".")(command)
-    return command
+        default = " [default]" if mode == DEFAULT_REMOVAL else ""
+        with_mode = click.option(f"--{mode}", f"removal_{mode}", is_flag=True,
+                                 help=REMOVAL_HELP[mode].capitalize() + default + ".")(with_mode)
+    return with_mode
 
 
 @partitions.command("remove")
@@ -389,7 +459,8 @@ def _removal_modes(command):
 @click.option("--wait", "wait_s", type=float, default=0.0, show_default=True,
               help="Seconds to wait until the partition is removed (0: do not wait).")
 def partitions_remove(run_dir: str, name: str, mode: str, wait_s: float) -> None:
-    """Remove partition NAME from the running run in RUN_DIR. No task is lost either way."""
+    """Remove partition NAME from the running run in RUN_DIR (give one of --drain, --now). No
+    task is lost either way."""
     from astraflow.runtime.control import remove_partition, wait_partition
 
     try:

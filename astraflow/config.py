@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from astraflow.agents.workload import is_agentic
+from astraflow.configerrors import DuplicateKey, bool_problems, format_validation, load_yaml, model_of
 from astraflow.workloads.datafiles import resolve_path
 from astraflow.configbase import Strict
 from astraflow.dataflow.config import DataflowConfig
@@ -290,9 +291,25 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the field and the fix."""
 
 
-def _set_path(data: dict, dotted: str, value: Any) -> None:
+def _default_data(model: type[BaseModel] | None, key: str) -> Any:
+    """The default of field ``key`` of ``model`` as the plain data a config file would hold, for
+    a ``--set`` into a section the file does not write: a list of sections (``partitions``)
+    keeps its default elements, so they can be addressed by name. ``{}`` otherwise."""
+    field = model.model_fields.get(key) if model is not None else None
+    if field is None:
+        return {}
+    default = field.get_default(call_default_factory=True)
+    if isinstance(default, list) and all(isinstance(el, BaseModel) for el in default):
+        return [el.model_dump(mode="json", exclude_unset=True) for el in default]
+    if isinstance(default, BaseModel):
+        return default.model_dump(mode="json", exclude_unset=True)
+    return {}
+
+
+def _set_path(data: dict, dotted: str, value: Any, model: type[BaseModel] | None = RunConfig) -> None:
     """Apply one ``--set a.b.c=value`` override; list elements are addressed by index or by
-    ``name`` (``policies.solver.trainer.lr=1e-4``)."""
+    ``name`` (``policies.solver.trainer.lr=1e-4``), also in a list the file leaves at its
+    default (``partitions.rollout.nodes=4``). ``model`` is the config type of ``data``."""
     parts = dotted.split(".")
     node: Any = data
     for i, key in enumerate(parts):
@@ -302,7 +319,9 @@ def _set_path(data: dict, dotted: str, value: Any) -> None:
             if idx is None and key.isdigit() and int(key) < len(node):
                 idx = int(key)
             if idx is None:
-                raise ConfigError(f"--set {dotted}: no list element named or numbered {key!r}")
+                names = [str(el["name"]) for el in node if isinstance(el, dict) and "name" in el]
+                raise ConfigError(f"--set {dotted}: no list element named or numbered {key!r} in "
+                                  f"{'.'.join(parts[:i])}" + (f" (it has {', '.join(names)})" if names else ""))
             if last:
                 node[idx] = value
             else:
@@ -313,7 +332,11 @@ def _set_path(data: dict, dotted: str, value: Any) -> None:
         if last:
             node[key] = value
         else:
-            node = node.setdefault(key, {})
+            if key not in node:
+                node[key] = _default_data(model, key)
+            field = model.model_fields.get(key) if model is not None else None
+            model = model_of(field.annotation) if field is not None else None
+            node = node[key]
 
 
 def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
@@ -326,7 +349,7 @@ def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
         if not key or "" in key.split("."):
             raise ConfigError(f"--set {pair!r}: {key!r} is not a dotted key; use KEY=VALUE, e.g. --set run.max_steps=20")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = load_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError as err:
             why = str(getattr(err, "problem", None) or err).splitlines()[0]
             raise ConfigError(f"--set {pair!r}: the value is not valid YAML ({why}); quote it, "
@@ -335,29 +358,23 @@ def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
-def _format_validation(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; docs/configuration.md lists the sections and where each field is documented)"
-        lines.append(f"{loc}: {msg}")
-    return "invalid config:\n  " + "\n  ".join(lines)
-
-
 def config_from_dict(data: dict, base_dir: Path | None = None) -> RunConfig:
     """Validate a config dict; relative model paths are resolved against ``base_dir``."""
     data = dict(data)
     if base_dir is not None:
-        for pol in data.get("policies") or []:
+        policies = data.get("policies")
+        for pol in policies if isinstance(policies, list) else []:  # not a list: validation says so
             if isinstance(pol, dict) and "model" in pol and not Path(str(pol["model"])).is_absolute():
                 pol["model"] = str((base_dir / str(pol["model"])).resolve())
         _resolve_data_paths(data.get("workload"), base_dir)
+    bools = bool_problems(data, RunConfig)
     try:
-        return RunConfig.model_validate(data)
+        cfg = RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation(err)) from None
+        raise ConfigError(format_validation(err, bools)) from None
+    if bools:
+        raise ConfigError(format_validation(None, bools))
+    return cfg
 
 
 def _resolve_data_paths(workload: Any, base_dir: Path) -> None:
@@ -385,12 +402,14 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     if not path.is_file():
         raise ConfigError(f"config file {path} not found: pass the path of a YAML config, e.g. examples/math/config.yaml")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = load_yaml(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
                           "save the config as UTF-8") from None
     except OSError as err:
         raise ConfigError(f"config file {path} cannot be read: {err.strerror or err}; check its permissions") from None
+    except DuplicateKey as err:
+        raise ConfigError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):

@@ -1,20 +1,43 @@
 """Checks of a validated config against this machine, apart from validation (which stays
-cheap and needs nothing on disk): the policies' model directories load, the GPUs asked for by
-components that run here exist, the chosen engine is installed. Each raises ``ConfigError``
-naming the field and the fix; ``astraflow check`` and ``astraflow run`` call them."""
+cheap and needs nothing on disk): the policies' model directories load (or can be created where
+they are missing), the GPUs asked for by components that run here exist, the chosen engine is
+installed. Each raises ``ConfigError`` naming the field and the fix; ``astraflow check`` and
+``astraflow run`` call them."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
 from astraflow.config import ConfigError, RunConfig
 from astraflow.partition_settings import effective_rollout
+
+
+def unbuildable(out: Path) -> str | None:
+    """Why directory ``out`` (missing) cannot be created, or None: its nearest existing ancestor
+    is a file, or no directory can be made in it (tried, and removed again: permissions, a
+    read-only or special filesystem such as /proc). Nothing is left behind either way."""
+    ancestor = Path(os.path.abspath(out)).parent
+    while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{ancestor} is a file, not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".astraflow-probe-", dir=ancestor))
+    except OSError as err:
+        return f"no directory can be created in {ancestor} ({err.strerror or err})"
+    return None
 
 
 def check_models(cfg: RunConfig) -> None:
     """Check that every policy model directory that exists loads (config, architecture, weight
     files, tokenizer; the weights themselves are not read), and that the Megatron backend can
     build its architecture where a policy trains with it: ``ConfigError`` naming the policy,
-    the directory and the fix. Directories still to be built by ``init`` are skipped (both of
-    its archs convert). Separate from validation, which stays cheap and needs no model on disk."""
+    the directory and the fix. A directory still to be built by ``init`` is only checked to be
+    creatable (both archs of ``init`` convert), so that a run fails here, before its run
+    directory is made, not half-way through. Separate from validation, which stays cheap and
+    needs no model on disk."""
     import json
 
     from astraflow.models import check_model_dir
@@ -22,6 +45,11 @@ def check_models(cfg: RunConfig) -> None:
 
     for pol in cfg.policies:
         if not pol.model.exists():
+            why = None if cfg.simulated(pol) else unbuildable(pol.model)
+            if why:
+                raise ConfigError(f"policies[{pol.name}].model: {pol.model} cannot be created to build the model "
+                                  f"into: {why}; point model at a directory that can be created (or at an "
+                                  "existing HF model directory)")
             continue
         try:
             check_model_dir(pol.model)

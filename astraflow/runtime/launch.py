@@ -17,11 +17,15 @@ from astraflow.runtime.jobrecords import PreviousJobs, cancel_previous_jobs
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.runlock import RunDirLock
-from astraflow.runtime.stopping import REQUEUE_SIGNAL, StopForRequeue
+from astraflow.runtime.stopping import REQUEUE_SIGNAL, StopForRequeue, disk_full
 from astraflow.training.config import ModelInit
 from astraflow.workloads.base import make_workload, workload_class
 from astraflow.workloads.config import WorkloadConfig
 from storage.paths import RunPaths
+
+
+class ModelDirError(ValueError):
+    """The directory a model is to be built into cannot be created."""
 
 
 def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = None,
@@ -34,8 +38,15 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
 
     progress = progress or Progress()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as err:  # a user's path (under a file, read-only): a ValueError naming the fix
+        if disk_full(err):  # not the path's fault: a full disk ends a run the one way it always does
+            raise
+        where = f" ({err.filename})" if err.filename else ""
+        raise ModelDirError(f"{out} cannot be created: {err.strerror or err}{where}; choose a directory "
+                            "that can be created") from None
     try:
         if base is not None:
             shutil.copytree(base, tmp / "init")
@@ -147,7 +158,10 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
         base = cfg.policy(pol.init.start_from).model if pol.init.start_from else None
         progress.note(f"policy {pol.name}: building {pol.model} (no such directory yet)"
                       + (f" from {base}" if base else ""))
-        build_model(pol.model, pol.init, cfg.workload, progress, base=base)
+        try:
+            build_model(pol.model, pol.init, cfg.workload, progress, base=base)
+        except ModelDirError as err:
+            raise ModelDirError(f"policies[{pol.name}].model: {err}") from None
 
 
 def _signals_stop_cleanly() -> None:

@@ -67,7 +67,10 @@ def write_plots(run_dir: Path | str, out: Path | str | None = None) -> list[Path
     if not view.policies:
         raise ValueError(f"{RunPaths(Path(run_dir)).metrics} has no metrics yet: plot a run that took a step")
     out_dir = Path(out) if out is not None else RunPaths(Path(run_dir)).plots
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # under a file, in a read-only place: a ValueError naming the option
+        raise _unwritable(out_dir, err) from None
 
     def pts(xs: list, ys: list) -> tuple[list, list]:
         keep = [(x, y) for x, y in zip(xs, ys) if y is not None]
@@ -78,8 +81,12 @@ def write_plots(run_dir: Path | str, out: Path | str | None = None) -> list[Path
     def save(fig, name: str) -> None:
         fig.tight_layout()
         path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        try:
+            fig.savefig(path, dpi=100)
+        except OSError as err:
+            raise _unwritable(out_dir, err) from None
+        finally:
+            plt.close(fig)
         written.append(path)
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -124,3 +131,10 @@ def write_plots(run_dir: Path | str, out: Path | str | None = None) -> list[Path
     ax.legend(loc="best"), ax.grid(alpha=0.3, axis="y")
     save(fig, "staleness")
     return written
+
+
+def _unwritable(out_dir: Path, err: OSError) -> ValueError:
+    """The ``ValueError`` for a plots directory that cannot be created or written, naming ``--out``."""
+    where = f" ({err.filename})" if err.filename else ""
+    return ValueError(f"--out {out_dir}: the plots directory cannot be created or written: "
+                      f"{err.strerror or err}{where}; pass an --out in a place you can write to")

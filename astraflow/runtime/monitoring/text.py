@@ -1,5 +1,6 @@
 """Monitoring room: the plain-text status of ``astraflow status`` and ``astraflow partitions
-list``, formatted from the status snapshot as `run_status` returns it."""
+list``, formatted from the status snapshot as `run_status` returns it, and of a finished run
+from its ``summary.json``."""
 
 from __future__ import annotations
 
@@ -73,6 +74,31 @@ def format_status(st: dict[str, Any]) -> str:
     evals = dl.get("eval", [])
     if evals:
         lines.append("held-out accuracy: " + ", ".join(f"v{e['step']}={e['eval_accuracy']:.3f}" for e in evals))
+    return "\n".join(lines)
+
+
+def format_summary(summary: dict[str, Any], where: str) -> str:
+    """A finished run in a few lines, from its ``summary.json`` (at ``where``): how it ended and
+    why, the steps each policy took, its held-out accuracy and its ledger."""
+    seconds = summary.get("seconds")
+    lines = [f"run finished: {summary.get('status', '?')}"
+             + (f" ({summary['reason']})" if summary.get("reason") else "")
+             + (f" after {seconds:.0f}s" if isinstance(seconds, (int, float)) else "")
+             + ("; stopped for a requeue: run again on its directory to resume it" if summary.get("requeue") else "")]
+    steps = summary.get("steps") or {}
+    lines.append("steps: " + (", ".join(f"{p} {n}" for p, n in steps.items()) or "none"))
+    for p, t in (summary.get("trainers") or {}).items():
+        if isinstance(t, dict) and t.get("error"):
+            lines.append(f"  {p} error: {t['error']}")
+    evals = summary.get("eval") or []
+    if evals:
+        shown = ", ".join(f"v{e.get('step')}={e['eval_accuracy']:.3f}" for e in evals[-5:] if "eval_accuracy" in e)
+        lines.append(f"held-out accuracy: {'..., ' if len(evals) > 5 else ''}{shown}")
+    ledger = summary.get("ledger") or {}
+    states = ", ".join(f"{k} {v}" for k, v in (ledger.get("states") or {}).items()) or "-"
+    lines.append(f"ledger: {ledger.get('tasks', 0)} tasks: {states}"
+                 + ("" if summary.get("ledger_closed", True) else " (the data layer was gone: its last state read)"))
+    lines.append(f"summary: {where} (`astraflow status --json` for the whole final state)")
     return "\n".join(lines)
 
 

@@ -1,0 +1,122 @@
+"""Reading config text and explaining what is wrong with it: YAML that refuses a key given
+twice, and pydantic's errors as one line each that names the key, the value given and the fix
+(a text field given a YAML boolean or number is told to quote it; a boolean where a number is
+wanted is refused rather than taken as 1 or 0)."""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+
+class DuplicateKey(yaml.YAMLError):
+    """A mapping that names one key twice (YAML keeps the last silently)."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping: YAML itself keeps the
+    last one, so a second ``run:`` block would silently discard the first."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may repeat
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    seen = first.get(key)
+                except TypeError:  # an unhashable key: SafeLoader names it
+                    continue
+                line = key_node.start_mark.line + 1
+                if seen is not None:
+                    raise DuplicateKey(f"duplicate key {key} at line {line} (first at line {seen}): YAML would keep "
+                                       "only the last silently; write each key once (merge the two blocks)")
+                first[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that refuses duplicate keys (`DuplicateKey`, a ``yaml.YAMLError``)."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+
+
+def model_of(annotation: Any) -> type[BaseModel] | None:
+    """The config model a field holds: the annotation itself, an optional one, or the model
+    of the elements of a list."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) in (Union, types.UnionType, list):
+        for arg in get_args(annotation):
+            model = model_of(arg)
+            if model is not None:
+                return model
+    return None
+
+
+def describe_error(e: dict[str, Any]) -> str:
+    """One pydantic error as ``loc: message``: the value given where it is a plain value, an
+    unknown key as a likely misspelling, and a string field given a YAML boolean or number
+    (``no``, ``2024``) told to quote it."""
+    loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+    msg = e["msg"].removeprefix("Value error, ")
+    given = e.get("input")
+    if e["type"] == "extra_forbidden":
+        return (f"{loc}: unknown key (check the spelling; docs/configuration.md lists the sections and where each "
+                "field is documented)")
+    if e["type"] == "string_type" and isinstance(given, (bool, int, float)):
+        if isinstance(given, bool):
+            got, why, text = f"the boolean {str(given).lower()}", "yes, no, on, off, true, false as booleans", "..."
+        else:
+            got, why, text = f"the number {given}", "digits as a number", str(given)
+        return (f"{loc}: {msg}, got {got} (YAML reads unquoted {why}); quote the text: "
+                f"{e['loc'][-1]}: \"{text}\" in the file, or --set {loc}='\"{text}\"'")
+    if e["type"] not in ("value_error", "assertion_error") and isinstance(given, (str, int, float, bool)):
+        return f"{loc}: {msg}, got {given!r}"
+    return f"{loc}: {msg}"
+
+
+def _numeric(annotation: Any) -> str | None:
+    """``"an integer"`` / ``"a number"`` for an ``int`` / ``float`` field (optional or not)."""
+    args = [a for a in get_args(annotation) if a is not type(None)] if get_origin(annotation) in (
+        Union, types.UnionType) else [annotation]
+    if args and all(a is int for a in args):
+        return "an integer"
+    if args and all(a in (int, float) for a in args):
+        return "a number"
+    return None
+
+
+def bool_problems(data: Any, model: type[BaseModel], loc: str = "") -> list[str]:
+    """A boolean (YAML's ``true``, ``yes``, ``on``) where a field of ``model`` wants a number:
+    pydantic would take it as 1 or 0 silently. One line per field, its location dotted as
+    pydantic's are."""
+    if not isinstance(data, dict):
+        return []
+    out = []
+    for key, value in data.items():
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        if field is None:
+            continue
+        where = f"{loc}.{key}" if loc else key
+        want = _numeric(field.annotation)
+        sub = model_of(field.annotation)
+        if isinstance(value, bool) and want:
+            out.append(f"{where}: Input should be {want}, got the boolean {str(value).lower()} (YAML reads true, "
+                       "false, yes, no, on, off as booleans); write a number")
+        elif sub is not None and isinstance(value, list):
+            out += [line for i, el in enumerate(value) for line in bool_problems(el, sub, f"{where}.{i}")]
+        elif sub is not None:
+            out += bool_problems(value, sub, where)
+    return out
+
+
+def format_validation(err: ValidationError | None, extra: list[str] = ()) -> str:
+    """The errors of ``err`` (those of a field in ``extra``, the `bool_problems`, said once)."""
+    said = {line.split(": ", 1)[0] for line in extra}
+    lines = [line for e in (err.errors() if err is not None else []) if (line := describe_error(e)).split(": ", 1)[0]
+             not in said]
+    return "invalid config:\n  " + "\n  ".join([*extra, *lines])

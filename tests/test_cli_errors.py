@@ -1,0 +1,269 @@
+"""User mistakes at the CLI and in config files: exit code 2 and a message that names the option
+or key and the fix, never a traceback; and the help that explains each option. Fast: nothing
+here builds or trains a model (a model to be built by ``init`` is only checked to be creatable)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from astraflow.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _invoke(*args: str):
+    res = CliRunner().invoke(main, list(args))
+    assert "Traceback" not in res.output, res.output
+    assert not isinstance(res.exception, Exception) or isinstance(res.exception, SystemExit), res.exception
+    return res
+
+
+def _config(tmp_path: Path, **sections) -> Path:
+    """The tiny example with its model (to be built by ``init``) in ``tmp_path``; ``sections``
+    replace whole top-level sections."""
+    data = yaml.safe_load((ROOT / "examples" / "tiny" / "config.yaml").read_text())
+    data["policies"][0]["model"] = str(tmp_path / "models" / "tiny")
+    data.update(sections)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+# -- model init options out of range ---------------------------------------------------------------
+
+@pytest.mark.parametrize("option, value, needle", [
+    ("--warm-start-seconds", "-5", "--warm-start-seconds -5: use 0 or more"),
+    ("--warm-start-steps", "-1", "--warm-start-steps -1: use 1 or more"),
+    ("--warm-start-lr", "nan", "--warm-start-lr nan: use a finite number"),
+])
+def test_model_init_option_out_of_range_names_the_option(tmp_path, option, value, needle):
+    out = tmp_path / "m1"
+    res = _invoke("model", "init", str(out), "--preset", "tiny", option, value)
+    assert res.exit_code == 2 and needle in res.output, res.output
+    assert not out.exists()
+
+
+# -- a model directory that cannot be created --------------------------------------------------------
+
+def test_check_and_run_refuse_a_model_under_a_file(tmp_path):
+    cfg = _config(tmp_path)
+    (tmp_path / "afile").write_text("")
+    model = f"policies.solver.model={tmp_path / 'afile' / 'm'}"
+    res = _invoke("check", str(cfg), "--set", model)
+    assert res.exit_code == 2, res.output
+    assert "policies[solver].model" in res.output and "is a file, not a directory" in res.output
+    run_dir = tmp_path / "run"
+    res = _invoke("run", str(cfg), "--run-dir", str(run_dir), "--set", model)
+    assert res.exit_code == 2 and "policies[solver].model" in res.output, res.output
+    assert not run_dir.exists()  # refused before the run directory (its control/) is made
+
+
+def test_model_init_refuses_an_out_that_cannot_be_created(tmp_path):
+    cfg = _config(tmp_path)
+    res = _invoke("model", "init", str(cfg / "sub"), "--preset", "tiny")
+    assert res.exit_code == 2 and f"OUT {cfg / 'sub'} cannot be created" in res.output, res.output
+    assert "is a file, not a directory" in res.output
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc here")
+def test_model_init_refuses_an_out_in_proc():
+    res = _invoke("model", "init", "/proc/astraflow-nope", "--preset", "tiny")
+    assert res.exit_code == 2 and "OUT /proc/astraflow-nope cannot be created" in res.output, res.output
+
+
+def test_build_model_names_a_directory_it_cannot_create(tmp_path):
+    """The fallback after the checks (a path that became unusable since): a ValueError, not an OSError."""
+    from astraflow.runtime.launch import ModelDirError, build_model
+    from astraflow.training.config import ModelInit
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ModelDirError, match="afile/m cannot be created"):
+        build_model(tmp_path / "afile" / "m", ModelInit(preset="tiny"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_unbuildable_in_a_read_only_directory(tmp_path):
+    from astraflow.preflight import unbuildable
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        assert "no directory can be created in" in unbuildable(ro / "a" / "m")
+        assert unbuildable(tmp_path / "a" / "m") is None and list(tmp_path.iterdir()) == [ro]  # probe removed
+    finally:
+        ro.chmod(0o700)
+
+
+# -- sections of the wrong type, --set into default lists, duplicate keys ---------------------------
+
+def test_policies_not_a_list(tmp_path):
+    cfg = _config(tmp_path)
+    res = _invoke("check", str(cfg), "--set", "policies=3")
+    assert res.exit_code == 2 and "policies: Input should be a valid list" in res.output, res.output
+    res = _invoke("check", str(_config(tmp_path, policies=3)))
+    assert res.exit_code == 2 and "policies: Input should be a valid list" in res.output, res.output
+
+
+def test_set_addresses_a_default_partition_by_name(tmp_path):
+    cfg = _config(tmp_path)
+    assert "partitions" not in yaml.safe_load(cfg.read_text())
+    res = _invoke("check", str(cfg), "--set", "partitions.rollout.nodes=1")
+    assert res.exit_code == 0, res.output
+    parts = {p["name"]: p for p in yaml.safe_load(res.stdout)["partitions"]}
+    assert set(parts) == {"data", "trainer", "rollout"} and parts["rollout"]["nodes"] == 1
+    assert parts["trainer"]["nodes"] == 1 and parts["data"]["role"] == "data"
+    res = _invoke("check", str(cfg), "--set", "partitions.gpu.nodes=1")
+    assert res.exit_code == 2, res.output
+    assert "no list element named or numbered 'gpu' in partitions (it has data, trainer, rollout)" in res.output
+
+
+def test_duplicate_key_in_a_config_file(tmp_path):
+    cfg = _config(tmp_path)
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("run:\n  name: first\n" + cfg.read_text())
+    res = _invoke("check", str(dup))
+    assert res.exit_code == 2, res.output
+    assert "duplicate key run at line 3 (first at line 1)" in res.output
+
+
+def test_duplicate_key_in_from_yaml(tmp_path):
+    (tmp_path / "p.yaml").write_text("name: x\nnodes: 2\nnodes: 3\n")
+    res = _invoke("partitions", "add", str(tmp_path), "--from-yaml", str(tmp_path / "p.yaml"))
+    assert res.exit_code == 2 and "duplicate key nodes at line 3 (first at line 2)" in res.output, res.output
+
+
+def test_yaml_merge_keys_still_load():
+    from astraflow.configerrors import load_yaml
+
+    assert load_yaml("a: &x {b: 1}\nc:\n  <<: *x\n  d: 2\n") == {"a": {"b": 1}, "c": {"b": 1, "d": 2}}
+
+
+# -- values YAML reads as another type ---------------------------------------------------------------
+
+@pytest.mark.parametrize("value, needle", [
+    ("no", "run.name: Input should be a valid string, got the boolean false"),
+    ("2024", "run.name: Input should be a valid string, got the number 2024"),
+])
+def test_string_field_given_a_yaml_scalar_suggests_quotes(tmp_path, value, needle):
+    res = _invoke("check", str(_config(tmp_path)), "--set", f"run.name={value}")
+    assert res.exit_code == 2 and needle in res.output, res.output
+    assert "--set run.name='\"" in res.output and 'name: "' in res.output
+
+
+@pytest.mark.parametrize("key", ["run.max_steps", "policies.solver.init.warm_start_steps"])
+def test_boolean_for_an_integer_is_refused(tmp_path, key):
+    res = _invoke("check", str(_config(tmp_path)), "--set", f"{key}=true")
+    assert res.exit_code == 2, res.output
+    assert "Input should be an integer, got the boolean true" in res.output
+
+
+def test_other_coercions_stay(tmp_path):
+    res = _invoke("check", str(_config(tmp_path)), "--set", "run.max_steps='7'", "--set", "dataflow.lease_seconds=5")
+    assert res.exit_code == 0, res.output
+    resolved = yaml.safe_load(res.stdout)
+    assert resolved["run"]["max_steps"] == 7 and resolved["dataflow"]["lease_seconds"] == 5.0
+
+
+def test_wrong_value_is_shown(tmp_path):
+    res = _invoke("check", str(_config(tmp_path)), "--set", "run.max_steps=many")
+    assert res.exit_code == 2 and "run.max_steps: Input should be a valid integer" in res.output
+    assert "got 'many'" in res.output
+
+
+# -- partitions commands -------------------------------------------------------------------------
+
+def test_partition_unknown_key_reads_as_in_a_config_file(tmp_path):
+    (tmp_path / "p.yaml").write_text("name: x\nnodez: 3\n")
+    res = _invoke("partitions", "add", str(tmp_path), "--from-yaml", str(tmp_path / "p.yaml"))
+    assert res.exit_code == 2, res.output
+    assert "nodez: unknown key (check the spelling" in res.output and "Extra inputs" not in res.output
+
+
+def test_partition_boolean_nodes_is_refused(tmp_path):
+    (tmp_path / "p.yaml").write_text("name: x\nnodes: true\n")
+    res = _invoke("partitions", "add", str(tmp_path), "--from-yaml", str(tmp_path / "p.yaml"))
+    assert res.exit_code == 2 and "nodes: Input should be an integer, got the boolean true" in res.output
+
+
+def test_remove_drain_and_now_conflict(tmp_path, monkeypatch):
+    import astraflow.runtime.control as control
+
+    asked = []
+    monkeypatch.setattr(control, "remove_partition", lambda run_dir, name, mode: asked.append(mode))
+    res = _invoke("partitions", "remove", str(tmp_path), "extra", "--drain", "--now")
+    assert res.exit_code == 2 and "--drain and --now conflict: give one of them" in res.output, res.output
+    assert asked == []
+    for flags, mode in [((), "drain"), (("--now",), "now"), (("--drain",), "drain")]:
+        res = _invoke("partitions", "remove", str(tmp_path), "extra", *flags)
+        assert res.exit_code == 0 and f"removal requested ({mode})" in res.output, res.output
+    assert asked == ["drain", "now", "drain"]
+
+
+# -- plot --out ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def run_with_metrics(tmp_path) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": s, "policy": "solver", "time": float(s), "loss": 0.1, "reward_mean": 0.5} for s in (1, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return run
+
+
+@pytest.mark.parametrize("where", ["under a file", "in /proc"])
+def test_plot_out_that_cannot_be_created(run_with_metrics, tmp_path, where):
+    pytest.importorskip("matplotlib")
+    if where == "in /proc" and not Path("/proc/self").is_dir():
+        pytest.skip("no /proc here")
+    (tmp_path / "afile").write_text("")
+    out = str(tmp_path / "afile" / "x") if where == "under a file" else "/proc/astraflow-nope/plots"
+    res = _invoke("plot", str(run_with_metrics), "--out", out)
+    assert res.exit_code == 2 and f"--out {out}: the plots directory cannot be created" in res.output, res.output
+
+
+# -- help ---------------------------------------------------------------------------------------------
+
+def test_help_describes_every_option():
+    res = _invoke("check", "--help")
+    assert res.exit_code == 0 and "Override a config value" in res.output
+    res = _invoke("model", "init", "--help")
+    assert res.exit_code == 0 and "None" not in res.output and "Unset: no bound in steps" in res.output
+
+
+# -- status of a finished run ----------------------------------------------------------------------
+
+SUMMARY = {"status": "failed", "reason": "trainer solver failed", "requeue": False, "steps": {"solver": 3},
+           "eval": [{"step": 3, "policy": "solver", "eval_accuracy": 0.5}], "seconds": 12.0,
+           "ledger": {"tasks": 40, "states": {"consumed": 32, "dropped": 8}}, "ledger_closed": True}
+
+
+@pytest.mark.parametrize("files", ["summary only", "with the last status"])
+def test_status_of_a_finished_run_prints_its_final_state(tmp_path, files):
+    (tmp_path / "summary.json").write_text(json.dumps(SUMMARY))
+    if files == "with the last status":
+        (tmp_path / "control").mkdir()
+        (tmp_path / "control" / "orchestrator.json").write_text(json.dumps(
+            {"pid": 2 ** 22 + 1, "host": "another-host", "started": time.time() - 60}))
+        (tmp_path / "control" / "status.json").write_text(json.dumps({"written_at": time.time() - 5}))
+    res = _invoke("status", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    assert "run finished: failed (trainer solver failed) after 12s" in res.output
+    assert "steps: solver 3" in res.output and "ledger: 40 tasks: consumed 32, dropped 8" in res.output
+    assert "held-out accuracy: v3=0.500" in res.output
+
+
+def test_status_of_a_run_that_stopped_without_a_summary(tmp_path):
+    (tmp_path / "control").mkdir()
+    (tmp_path / "control" / "orchestrator.json").write_text(json.dumps(
+        {"pid": 1, "host": "another-host", "started": time.time() - 600}))
+    (tmp_path / "control" / "status.json").write_text(json.dumps({"written_at": time.time() - 300}))
+    res = _invoke("status", str(tmp_path))
+    assert res.exit_code == 2 and "stopped without a summary" in res.output, res.output
