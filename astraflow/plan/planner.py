@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +48,9 @@ MIN_STEPS = 8
 MAX_MINUTES = 1440.0
 #: the most steps of one simulated run (a tiny step time with many minutes)
 MAX_STEPS = 50_000
+#: the file that marks a directory of ``--workdir`` as a simulated run of a plan (``simN``): a
+#: later plan removes only such directories, never anything else the user put there
+SIM_MARKER = ".astraflow-plan-sim"
 
 
 @dataclass
@@ -217,7 +222,8 @@ def run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions,
              progress: Callable[[str], None] = lambda s: None) -> PlanReport:
     """Simulate ``cfg`` on ``pools`` for ``opts.minutes`` simulated minutes, then (``opts.search``)
     search the pool sizes at which the trainer stops waiting with shorter runs. The simulated
-    runs go to ``opts.workdir`` (kept), else to a temporary directory removed at the end."""
+    runs go to ``opts.workdir`` (kept until the next plan there, which starts afresh), else to a
+    temporary directory removed at the end."""
     if len(cfg.policies) > 1:  # the sim workload and workflow drive one policy
         names = ", ".join(p.name for p in cfg.policies)
         raise PlanError(f"the config has {len(cfg.policies)} policies ({names}); astraflow plan simulates one: "
@@ -233,12 +239,51 @@ def run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions,
     except ConfigError as err:
         raise PlanError(f"the config cannot be simulated: {err}") from None
     if opts.workdir is not None:
+        clear_workdir(opts.workdir, 1 + (opts.max_trials if opts.search else 0))
         return _run_plan(cfg, pools, opts, shape, sources, opts.workdir, progress)
     with tempfile.TemporaryDirectory(prefix="astraflow-plan-") as tmp:  # nothing is kept
         try:
             return _run_plan(cfg, pools, opts, shape, sources, Path(tmp), progress)
         except SimFailed as err:
             raise SimFailed(f"{err}\n(the simulated runs' files are removed: pass --workdir DIR to keep them)") from None
+
+
+def clear_workdir(workdir: Path, runs: int) -> None:
+    """Make ``workdir`` ready for a plan of ``runs`` simulated runs (``sim0``, ``sim1``, ...):
+    every plan simulates afresh, so the simulated runs an earlier plan left there (the
+    directories marked with ``SIM_MARKER``) are removed; a run started on one of them would resume
+    it and mix its steps into the numbers. PlanError naming the fix, before anything is removed,
+    when a directory the plan would use is not one of its own or an earlier plan's run still runs."""
+    if not workdir.is_dir():
+        return
+    own = [d for d in workdir.iterdir()
+           if re.fullmatch(r"sim\d+", d.name) and not d.is_symlink() and (d / SIM_MARKER).is_file()]
+    for d in (workdir / f"sim{i}" for i in range(runs)):
+        if (d.exists() or d.is_symlink()) and d not in own:
+            raise PlanError(f"--workdir {workdir}: {d} was not made by astraflow plan (no {SIM_MARKER} in it) and a "
+                            "simulated run would go there: move it away or give another --workdir")
+    for d in own:
+        pid = _running(d / "run.pid")
+        if pid is not None:
+            raise PlanError(f"--workdir {workdir}: the simulated run in {d} is still running (pid {pid}): stop it "
+                            "(or wait for it) or give another --workdir")
+    for d in own:
+        shutil.rmtree(d)
+
+
+def _running(pid_file: Path) -> int | None:
+    """The PID in ``pid_file`` when that process is running and is an ``astraflow run`` (a PID
+    reused by another process does not count), else None."""
+    import psutil
+
+    try:
+        pid = int(pid_file.read_text())
+        proc = psutil.Process(pid)
+        cmd, cwd = proc.cmdline(), proc.cwd()
+    except (OSError, ValueError, psutil.Error):
+        return None
+    config = (pid_file.parent / "config.yaml").resolve()
+    return pid if "astraflow" in cmd and any((Path(cwd) / a).resolve() == config for a in cmd) else None
 
 
 def _search_minutes(opts: PlanOptions) -> float:
@@ -253,7 +298,11 @@ def _run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions, shape: SimSh
         label = " ".join(p.label() for p in sized)
         progress(f"{tag}: simulating {label} for {sim_shape.steps} steps "
                  f"({sim_shape.steps * sim_shape.step_seconds / 60:.1f} simulated min, time scale {sim_shape.time_scale:.2g})")
-        res = run_sim(sim_config(cfg, sized, sim_shape), workdir / f"sim{len(trials)}", {p.kind: p.gpus for p in sized},
+        sim_dir = workdir / f"sim{len(trials)}"
+        sim_dir.mkdir(parents=True)  # fresh: ``clear_workdir`` removed an earlier plan's
+        (sim_dir / SIM_MARKER).write_text("a simulated run of astraflow plan: the next plan on this --workdir "
+                                          "removes this directory\n")
+        res = run_sim(sim_config(cfg, sized, sim_shape), sim_dir, {p.kind: p.gpus for p in sized},
                       sim_shape.time_scale, progress=lambda s: progress(f"{tag}: {s}"))
         progress(f"{tag}: {res.steps_per_s:.3g} steps/s, trainer wait {res.trainer_wait:.0%}, "
                  f"{res.trajectories_per_s:.4g} trajectories/s ({res.real_seconds:.0f}s real)")

@@ -8,9 +8,11 @@ nodes' counters in ``summary.json``. The first steps (start-up, the first weight
 out: every rate and fraction is over the steady part of the run, converted to simulated time
 with the run's ``time_scale``.
 
-The child's PID is written to ``run.pid`` in the work dir. SIGTERM to the planning process is
-forwarded to the child (which stops cleanly on it); a child still there after
-``STOP_DEADLINE_S`` is killed, so a stopped plan leaves no run behind.
+The child's PID is written to ``run.pid`` in the work dir. Ctrl-C (SIGINT) or SIGTERM to the
+planning process stops the child with SIGTERM (it stops cleanly on it); a child still there after
+``STOP_DEADLINE_S`` is killed. Further stop signals are only noted while that runs, so a second
+Ctrl-C cannot cut it short: a stopped plan leaves no run behind. Then ``KeyboardInterrupt``
+reaches the caller, with the stop signals still held off (the plan is on its way out).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import yaml
 WARMUP_STEPS, WARMUP_SHARE = 2, 0.2
 #: seconds a simulated run has to stop after SIGTERM before it is killed
 STOP_DEADLINE_S = 60.0
+#: the signals that stop a plan (and its simulated run)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class SimFailed(RuntimeError):
@@ -69,19 +73,23 @@ def run_sim(data: dict[str, Any], workdir: Path, pools: dict[str, int], time_sca
     """Run the sim config ``data`` in ``workdir`` and measure it (SimFailed when it fails)."""
     workdir.mkdir(parents=True, exist_ok=True)
     cfg, run_dir = workdir / "config.yaml", workdir / "run"
+    if run_dir.exists():  # `astraflow run` would resume it, mixing an earlier run's steps into these numbers
+        raise ValueError(f"{run_dir} exists: a simulated run starts in a fresh directory")
     cfg.write_text(yaml.safe_dump(data, sort_keys=False))
     steps = data["run"]["max_steps"]
     t0 = time.time()
     log = (workdir / "run.log").open("w")
     limit = deadline_s or data["run"]["timeout_s"] + 120
     shown = -1
+    stop = _StopSignals()
     installed = threading.current_thread() is threading.main_thread()  # handlers are set there only
-    previous = signal.signal(signal.SIGTERM, _exit) if installed else None  # before the child exists
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS} if installed else {}  # before the child exists
     proc = None
     try:
         proc = subprocess.Popen([sys.executable, "-m", "astraflow", "run", str(cfg), "--run-dir", str(run_dir),
                                  "--quiet"], stdout=log, stderr=subprocess.STDOUT)
         (workdir / "run.pid").write_text(f"{proc.pid}\n")
+        stop.arm()  # a signal while the child started is acted on now that it is known
         while proc.poll() is None:
             if time.time() - t0 > limit:
                 _stop(proc)
@@ -93,13 +101,15 @@ def run_sim(data: dict[str, Any], workdir: Path, pools: dict[str, int], time_sca
                 shown = done
             time.sleep(1.0)
     finally:
-        if installed:  # no second SIGTERM cuts the stop short; it is bounded anyway
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop.disarm()  # from here signals are only noted: none cuts the stop below short (it is bounded)
         log.close()
-        if proc is not None and proc.poll() is None:  # SIGTERM or an exception above: end the run we started
+        if proc is not None and proc.poll() is None:  # a signal or an exception above: end the run we started
             _stop(proc)
-        if installed:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        if stop.signum is None:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+    if stop.signum is not None:  # the handlers stay: further signals must not break the plan's own exit
+        raise KeyboardInterrupt(f"signal {stop.signum}")
     if proc.returncode != 0:
         done, timeout = _steps_done(run_dir / "metrics.jsonl"), data["run"]["timeout_s"]
         if time.time() - t0 >= timeout and done < steps:  # the run's own deadline ended it
@@ -114,9 +124,31 @@ def run_sim(data: dict[str, Any], workdir: Path, pools: dict[str, int], time_sca
     return result
 
 
-def _exit(signum, frame) -> None:
-    """SIGTERM as SystemExit, so that the caller's cleanup runs."""
-    raise SystemExit(128 + signum)
+class _StopSignals:
+    """The handler of the stop signals while a simulated run is up. Armed, the first signal
+    raises ``KeyboardInterrupt`` (the caller's cleanup stops the run); disarmed (while the child
+    starts, and while it is being stopped) signals are only noted; after the first, every one is."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.armed = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            sys.stderr.write(f"plan: already stopping the simulated run (signal {signum} ignored): it gets "
+                             f"{STOP_DEADLINE_S:.0f}s to stop, then it is killed\n")
+            return
+        self.signum = signum
+        if self.armed:
+            raise KeyboardInterrupt(f"signal {signum}")
+
+    def arm(self) -> None:
+        self.armed = True
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"signal {self.signum}")
+
+    def disarm(self) -> None:
+        self.armed = False
 
 
 def _stop(proc: subprocess.Popen) -> None:
