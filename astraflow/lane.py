@@ -12,8 +12,9 @@ the others (a parked long poll holds nothing up). Every other call, and every ca
 cannot be reached, goes through Dask as before.
 
 Frames: ``[u32 length][u64 call id][pickle]``: a request's pickle is ``(method, args, kwargs)``,
-an answer's ``(ok, value or exception)``; a pickle that cannot be read fails its own call only. Pickles are trusted as Dask's are: with TLS (the default) only
-holders of the run's certificate get a connection.
+an answer's ``(ok, value or exception)``; a pickle that cannot be read fails its own call only.
+Pickles are trusted as Dask's are: with TLS (the default) only holders of the run's certificate
+get a connection.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ class LaneClient:
             waiting, self._waiting = self._waiting, {}
         if waiting:
             log.info("the direct lane to %s closed with %d calls unanswered (%s): they go through Dask",
-                        self.address, len(waiting), type(why).__name__)
+                     self.address, len(waiting), type(why).__name__)
         for answer in waiting.values():
             answer.settle(None, LaneClosed(f"the direct lane to {self.address} closed ({type(why).__name__})"))
         if self._writer is not None:
