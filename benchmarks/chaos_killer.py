@@ -46,6 +46,11 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("node", "engine", "trainer", "data", "orchestrator")
 
 
+#: seconds a process of the killed incarnation may take to be gone once the resumed one recorded
+#: itself (a process the kernel is tearing down, its parent's death signal delivered, is still listed)
+EXIT_GRACE_S = 2.0
+
+
 def proc_identity(pid: int) -> tuple[int, int] | None:
     """``(pid, start time in clock ticks)`` of a live process (None when gone or a zombie): a
     PID recorded with its start time is never mistaken for a later process given that PID."""
@@ -320,6 +325,10 @@ class Killer:
         while self.run.orchestrator_pid() != new.pid and new.poll() is None and time.time() < deadline:
             time.sleep(0.2)
         left = {"workers": [i for i in workers if alive(i)], "engines": [i for i in engines if alive(i)]}
+        grace = time.time() + EXIT_GRACE_S  # an engine killed with its worker may still be tearing down
+        while any(left.values()) and time.time() < grace:
+            time.sleep(0.1)
+            left = {what: [i for i in idents if alive(i)] for what, idents in left.items()}
         for what, idents in left.items():
             self.orphans[what] += len(idents)
         for i in left["workers"] + left["engines"]:
