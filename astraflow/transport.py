@@ -295,8 +295,10 @@ class _LinkCall:
                         done = getattr(fut, "done", None)
                         if done is None:
                             raise
-                        if done():  # settled as the slice ended: its own answer (a value, or the
-                            return fut.result(self.SLICE_S)  # actor's error, e.g. no batch in time)
+                        if done():  # settled as the slice ended: its own answer (a value, or the actor's
+                            # error, e.g. no batch in time), however long the client's busy event loop
+                            # takes to hand it over (a deadline here would be mistaken for the actor's)
+                            return fut.result(None)
                         if self.link.current()[1] != generation:
                             break  # re-placed while this call waited: make it again there
                         if deadline is not None and time.monotonic() >= deadline:
