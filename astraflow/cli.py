@@ -312,6 +312,9 @@ def tensorboard(run_dir: str, logdir: str | None, follow: bool) -> None:
         n = export_tensorboard(Path(run_dir), Path(logdir) if logdir else None, follow=follow)
     except ValueError as err:
         raise UserError(str(err)) from None
+    except (FileNotFoundError, NotADirectoryError, PermissionError, FileExistsError) as err:
+        raise UserError(f"--logdir {logdir or RunPaths(run_dir).tensorboard}: the event files cannot be written "
+                        f"there ({err.strerror or err}); pass a --logdir you can write to") from None
     click.echo(f"{n} metrics lines written to {logdir or RunPaths(run_dir).tensorboard}")
 
 

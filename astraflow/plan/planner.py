@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from astraflow.config import ConfigError, RunConfig, config_from_dict
-from astraflow.plan.pools import Pool, PlanError, SimShape, derived_step_seconds, sim_config
+from astraflow.plan.pools import MAX_NODES, Pool, PlanError, SimShape, derived_step_seconds, sim_config
 from astraflow.plan.search import SearchResult, find_scale
 from astraflow.plan.simulate import SimFailed, SimResult, run_sim
 from astraflow.rollout.sim_config import HardwareProfile
@@ -320,5 +320,6 @@ def _run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions, shape: SimSh
             return tuple((p.kind, p.scaled(factor).gpus) for p in pools)
 
         search = find_scale(lambda f: simulate([p.scaled(f) for p in pools], short, f"search x{f:.3g}").trainer_wait,
-                            sizes, opts.wait_target, base_wait=result.trainer_wait, max_trials=opts.max_trials)
+                            sizes, opts.wait_target, base_wait=result.trainer_wait, max_trials=opts.max_trials,
+                            max_factor=min(64.0, *(MAX_NODES / p.nodes for p in pools)))  # no pool past MAX_NODES
     return PlanReport(shape, sources, result, search, trials)

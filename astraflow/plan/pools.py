@@ -24,6 +24,8 @@ from astraflow.rollout.sim_config import PRESETS, HardwareProfile
 LOCAL = "local"
 #: sim nodes per rollout worker process at most (more workers above it)
 NODES_PER_PROCESS = 50
+#: the most sim nodes a pool may have (the scale the control plane was measured at on one machine)
+MAX_NODES = 1000
 #: bf16 dense peak FLOP/s of one GPU of a trainer (vendors' data sheets), for a derived step time
 TRAINER_PEAK_FLOPS = {"h100": 989e12, "a100": 312e12}
 #: fraction of the peak a training step reaches (model FLOPs utilisation): an assumption
@@ -89,7 +91,12 @@ def parse_pool(spec: str, gpus_per_node: int, local: HardwareProfile | None) -> 
         lower, upper = gpus // gpus_per_node * gpus_per_node, math.ceil(gpus / gpus_per_node) * gpus_per_node
         raise PlanError(f"--pool {spec!r}: {gpus} GPUs are not whole nodes of --gpus-per-node {gpus_per_node}; "
                         f"use {kind}={lower} or {kind}={upper}, or another --gpus-per-node")
-    return Pool(kind, gpus, 1 if kind == LOCAL else gpus_per_node)
+    pool = Pool(kind, gpus, 1 if kind == LOCAL else gpus_per_node)
+    if pool.nodes > MAX_NODES:
+        raise PlanError(f"--pool {spec!r}: {pool.nodes} nodes of {pool.gpus_per_node} GPU(s); a plan simulates at most "
+                        f"{MAX_NODES} nodes a pool (this machine runs them all): plan a smaller pool, or more GPUs a "
+                        "node (--gpus-per-node)")
+    return pool
 
 
 def kinds() -> str:

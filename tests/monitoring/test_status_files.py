@@ -116,3 +116,13 @@ def test_a_stale_or_missing_snapshot_is_not_running(tmp_path):
     info = json.loads(paths.orchestrator_file.read_text())
     paths.orchestrator_file.write_text(json.dumps({**info, "host": "elsewhere", "pid": 1}))
     assert read_snapshot(paths.root).running  # another host: only the age tells
+
+
+def test_the_status_shows_the_latest_evaluations_per_policy():
+    from astraflow.runtime.monitoring.text import SHOWN_EVALS, eval_lines
+
+    one = [{"step": v, "policy": "solver", "eval_accuracy": v / 1000} for v in range(0, 400, 20)]
+    (line,) = eval_lines(one)
+    assert line.startswith("held-out accuracy: ..., ") and line.count("=") == SHOWN_EVALS and "v380=0.380" in line
+    two = eval_lines(one[:2] + [{"step": 0, "policy": "critic", "eval_accuracy": 0.5}, {"step": 5, "policy": "x"}])
+    assert two == ["held-out accuracy (solver): v0=0.000, v20=0.020", "held-out accuracy (critic): v0=0.500"]

@@ -150,3 +150,15 @@ def test_a_calibration_out_of_range_exits_2_naming_file_and_field(tmp_path, fiel
     assert res.exit_code == 2, res.output
     flat = "".join(res.output.split())  # the message may wrap anywhere in the path
     assert f"--calibration{path}:{field}is" in flat and "Traceback" not in res.output
+
+
+def test_a_pool_past_the_simulated_node_bound_exits_2_and_the_search_stays_within_it():
+    from astraflow.plan.pools import MAX_NODES, PlanError, parse_pool
+
+    assert parse_pool(f"h100={MAX_NODES * 8}", 8, None).nodes == MAX_NODES
+    with pytest.raises(PlanError, match=f"at most {MAX_NODES} nodes a pool"):
+        parse_pool(f"h100={(MAX_NODES + 1) * 8}", 8, None)
+    out = CliRunner().invoke(main, ["plan", "examples/sim/config.yaml", "--pool", "h100=800000"])
+    assert out.exit_code == 2 and "--gpus-per-node" in out.output, out.output
+    big = parse_pool(f"a100={MAX_NODES // 2 * 8}", 8, None)
+    assert big.scaled(min(64.0, MAX_NODES / big.nodes)).nodes <= MAX_NODES  # the search's largest factor

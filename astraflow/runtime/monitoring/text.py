@@ -71,10 +71,26 @@ def format_status(st: dict[str, Any]) -> str:
         f"{dl.get('generated_tokens_per_s', 0):.0f} generated tok/s; "
         f"ledger {dl.get('ledger', {}).get('states', {})}"
     )
-    evals = dl.get("eval", [])
-    if evals:
-        lines.append("held-out accuracy: " + ", ".join(f"v{e['step']}={e['eval_accuracy']:.3f}" for e in evals))
+    lines += eval_lines(dl.get("eval", []))
     return "\n".join(lines)
+
+
+#: the most recent evaluations a status shows per policy (the curve is in metrics.jsonl)
+SHOWN_EVALS = 5
+
+
+def eval_lines(evals: list[dict[str, Any]]) -> list[str]:
+    """The latest held-out accuracies, one line per policy (named when there are several)."""
+    by_policy: dict[str, list[dict[str, Any]]] = {}
+    for e in evals:
+        if "eval_accuracy" in e:
+            by_policy.setdefault(str(e.get("policy", "")), []).append(e)
+    out = []
+    for policy, mine in by_policy.items():
+        shown = ", ".join(f"v{e.get('step')}={e['eval_accuracy']:.3f}" for e in mine[-SHOWN_EVALS:])
+        name = f" ({policy})" if len(by_policy) > 1 and policy else ""
+        out.append(f"held-out accuracy{name}: {'..., ' if len(mine) > SHOWN_EVALS else ''}{shown}")
+    return out
 
 
 def format_summary(summary: dict[str, Any], where: str) -> str:
@@ -90,10 +106,7 @@ def format_summary(summary: dict[str, Any], where: str) -> str:
     for p, t in (summary.get("trainers") or {}).items():
         if isinstance(t, dict) and t.get("error"):
             lines.append(f"  {p} error: {t['error']}")
-    evals = summary.get("eval") or []
-    if evals:
-        shown = ", ".join(f"v{e.get('step')}={e['eval_accuracy']:.3f}" for e in evals[-5:] if "eval_accuracy" in e)
-        lines.append(f"held-out accuracy: {'..., ' if len(evals) > 5 else ''}{shown}")
+    lines += eval_lines(summary.get("eval") or [])
     ledger = summary.get("ledger") or {}
     states = ", ".join(f"{k} {v}" for k, v in (ledger.get("states") or {}).items()) or "-"
     lines.append(f"ledger: {ledger.get('tasks', 0)} tasks: {states}"
