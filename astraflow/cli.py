@@ -117,7 +117,8 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     """
     click.get_current_context().with_resource(owner_only())  # inherited by the processes it starts
     cfg = _load(config, overrides)
-    from astraflow.runtime.launch import ignore_stop_signals, launch
+    from astraflow.runtime.launch import launch
+    from astraflow.runtime.stopping import ignore_stop_signals
     from astraflow.runtime.stopping import REQUEUE_EXIT_CODE, StopForRequeue, disk_full, disk_full_reason
     from astraflow.runtime.workers import RunFailed
     from astraflow.training.numerics import NonFiniteError
@@ -169,6 +170,7 @@ def model_init(out: str, preset: str, arch: str, seed: int, tie_embeddings: bool
     The warm start trains on the math workload's train split."""
     from pydantic import ValidationError
 
+    from astraflow.configerrors import option_errors
     from astraflow.preflight import unbuildable
     from astraflow.runtime.launch import ModelDirError, build_model
 
@@ -177,7 +179,7 @@ def model_init(out: str, preset: str, arch: str, seed: int, tie_embeddings: bool
                          warm_start_seconds=warm_start_seconds, warm_start_steps=warm_start_steps,
                          warm_start_lr=warm_start_lr)
     except ValidationError as err:
-        raise UserError(_option_errors(err)) from None
+        raise UserError(option_errors(err)) from None
     if Path(out).is_dir() and any(Path(out).iterdir()):
         raise UserError(f"{out} exists and is not empty: choose a new directory")
     why = None if Path(out).is_dir() else unbuildable(Path(out))
@@ -187,31 +189,6 @@ def model_init(out: str, preset: str, arch: str, seed: int, tie_embeddings: bool
         build_model(Path(out), init)
     except ModelDirError as err:
         raise UserError(f"OUT {err}") from None
-
-
-#: what a pydantic constraint error on an option asks for, by error type (its ``ctx`` fills it in)
-_OPTION_FIXES = {
-    "greater_than_equal": "use {ge} or more",
-    "greater_than": "use a value above {gt}",
-    "less_than_equal": "use {le} or less",
-    "less_than": "use a value below {lt}",
-    "finite_number": "use a finite number (not nan or inf)",
-}
-
-
-def _option_errors(err) -> str:
-    """A ``ValidationError`` of a config model built from options, one line per option, as
-    ``--option VALUE: the fix``: the fields are named as the options that set them."""
-    def plain(v: Any) -> Any:  # 0.0 -> 0, as a user would type it
-        return int(v) if isinstance(v, float) and v.is_integer() else v
-
-    lines = []
-    for e in err.errors():
-        option = "--" + "-".join(str(x) for x in e["loc"]).replace("_", "-")
-        ctx = {k: plain(v) for k, v in (e.get("ctx") or {}).items()}
-        fix = _OPTION_FIXES.get(e["type"], "").format(**ctx) or e["msg"].removeprefix("Value error, ")
-        lines.append(f"{option} {plain(e.get('input'))}: {fix}")
-    return "\n".join(lines)
 
 
 @main.command()
@@ -330,14 +307,6 @@ def partitions(ctx: click.Context) -> None:
     ctx.with_resource(owner_only())
 
 
-def _partition_errors(err, extra: list[str] = ()) -> str:
-    """The errors of a partition from options and --from-yaml, worded as a config file's are."""
-    from astraflow.configerrors import describe_error
-
-    lines = [*extra, *(describe_error(e).removeprefix("(top level): ") for e in (err.errors() if err else []))]
-    return "invalid partition:\n  " + "\n  ".join(lines)
-
-
 @partitions.command("list")
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -387,7 +356,7 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
     import yaml
     from pydantic import ValidationError
 
-    from astraflow.configerrors import bool_problems, load_yaml
+    from astraflow.configerrors import bool_problems, load_yaml, partition_errors
     from astraflow.runtime.control import add_partition, remove_partition, wait_partition
 
     data: dict = {}
@@ -410,9 +379,9 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
     try:
         part = Partition(**data)
     except ValidationError as err:
-        raise UserError(_partition_errors(err, bools)) from None
+        raise UserError(partition_errors(err, bools)) from None
     if bools:
-        raise UserError(_partition_errors(None, bools))
+        raise UserError(partition_errors(None, bools))
     try:
         add_partition(Path(run_dir), part)
     except ValueError as err:  # RunNotRunning, PartitionError, a damaged file of the run

@@ -120,3 +120,34 @@ def format_validation(err: ValidationError | None, extra: list[str] = ()) -> str
     lines = [line for e in (err.errors() if err is not None else []) if (line := describe_error(e)).split(": ", 1)[0]
              not in said]
     return "invalid config:\n  " + "\n  ".join([*extra, *lines])
+
+
+#: what a pydantic constraint error on an option asks for, by error type (its ``ctx`` fills it in)
+OPTION_FIXES = {
+    "greater_than_equal": "use {ge} or more",
+    "greater_than": "use a value above {gt}",
+    "less_than_equal": "use {le} or less",
+    "less_than": "use a value below {lt}",
+    "finite_number": "use a finite number (not nan or inf)",
+}
+
+
+def option_errors(err: ValidationError) -> str:
+    """A ``ValidationError`` of a config model built from options, one line per option, as
+    ``--option VALUE: the fix``: the fields are named as the options that set them."""
+    def plain(v: Any) -> Any:  # 0.0 -> 0, as a user would type it
+        return int(v) if isinstance(v, float) and v.is_integer() else v
+
+    lines = []
+    for e in err.errors():
+        option = "--" + "-".join(str(x) for x in e["loc"]).replace("_", "-")
+        ctx = {k: plain(v) for k, v in (e.get("ctx") or {}).items()}
+        fix = OPTION_FIXES.get(e["type"], "").format(**ctx) or e["msg"].removeprefix("Value error, ")
+        lines.append(f"{option} {plain(e.get('input'))}: {fix}")
+    return "\n".join(lines)
+
+
+def partition_errors(err: ValidationError | None, extra: list[str] = ()) -> str:
+    """The errors of a partition from options and --from-yaml, worded as a config file's are."""
+    lines = [*extra, *(describe_error(e).removeprefix("(top level): ") for e in (err.errors() if err else []))]
+    return "invalid partition:\n  " + "\n  ".join(lines)

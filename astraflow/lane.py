@@ -76,9 +76,9 @@ class LaneServer:
         self.target, self.methods = target, methods
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
-        #: the context of the actor call that started the lane (Dask's worker context var):
-        #: each call runs in a copy, as it would under Dask
-        self._context = contextvars.copy_context()
+        #: the context of the actor call that started the lane (Dask's worker context var), set by
+        #: ``start``: each call runs in a copy, as it would under Dask
+        self._context: contextvars.Context | None = None
         self.calls = 0
 
     async def start(self, host: str, ssl_context: Any = None) -> str:

@@ -261,6 +261,8 @@ class _LinkCall:
 
     #: seconds between two looks at whether the actor was re-placed while a call waits
     SLICE_S = 1.0
+    #: seconds a settled answer may take to be handed over by the client's event loop
+    HANDOVER_S = 60.0
 
     def __init__(self, link: Link, name: str, args: tuple, kwargs: dict):
         self.link, self.name, self.args, self.kwargs = link, name, args, kwargs
@@ -296,9 +298,9 @@ class _LinkCall:
                         if done is None:
                             raise
                         if done():  # settled as the slice ended: its own answer (a value, or the actor's
-                            # error, e.g. no batch in time), however long the client's busy event loop
-                            # takes to hand it over (a deadline here would be mistaken for the actor's)
-                            return fut.result(None)
+                            # error, e.g. no batch in time), given the client's busy event loop time to
+                            # hand it over (a one-slice deadline here would be mistaken for the actor's)
+                            return fut.result(self.HANDOVER_S)
                         if self.link.current()[1] != generation:
                             break  # re-placed while this call waited: make it again there
                         if deadline is not None and time.monotonic() >= deadline:

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -114,19 +112,12 @@ def plan(config: str, pools: tuple[str, ...], trainer_gpus: str, calibrate: bool
     except SimFailed as e:
         raise click.ClickException(f"the simulation failed: {e}") from None
     except KeyboardInterrupt as e:  # the simulated run is stopped already (``simulate.run_sim``)
-        _ignore_stop_signals()
+        from astraflow.runtime.stopping import ignore_stop_signals
+
+        ignore_stop_signals()
         click.echo(f"plan: stopped{f' by {e}' if str(e) else ''}; no simulated run is left running", err=True)
         sys.exit(130)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
         print_report(report, Console())
-
-
-def _ignore_stop_signals() -> None:
-    """Further Ctrl-C or SIGTERM are ignored while a stopped plan exits, so that none replaces its
-    exit code 130 by click's "Aborted!" (exit 1) or a kill (as ``launch.ignore_stop_signals``
-    does for ``astraflow run``, not imported here: that module takes a second to import)."""
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, signal.SIG_IGN)

@@ -189,16 +189,6 @@ def _signals_stop_cleanly() -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def ignore_stop_signals() -> None:
-    """After a stopped run has written its summary: further Ctrl-C, SIGTERM or SIGUSR1 are
-    ignored while the process exits. Python restores the default action of a signal with a
-    handler of its own late in its exit, and a signal arriving then would kill the process and
-    lose the exit code (130 or 75) that tells the shell or the head job how the run ended."""
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM, REQUEUE_SIGNAL):
-            signal.signal(signum, signal.SIG_IGN)
-
-
 def check_sandbox(cfg: RunConfig) -> None:
     """A workload whose rewards run programs needs a working sandbox on this machine: a
     ValueError naming the fix before anything starts, not a failed reward per episode."""

@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,16 @@ REQUEUE_SIGNAL = signal.SIGUSR1
 #: what ``astraflow run`` exits with after it stopped on `REQUEUE_SIGNAL` (``EX_TEMPFAIL``: try
 #: again later); the head job requeues itself on it and on nothing else
 REQUEUE_EXIT_CODE = 75
+
+
+def ignore_stop_signals() -> None:
+    """After a stopped run has written its summary: further Ctrl-C, SIGTERM or SIGUSR1 are
+    ignored while the process exits. Python restores the default action of a signal with a
+    handler of its own late in its exit, and a signal arriving then would kill the process and
+    lose the exit code (130 or 75) that tells the shell or the head job how the run ended."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM, REQUEUE_SIGNAL):
+            signal.signal(signum, signal.SIG_IGN)
 
 
 class StopForRequeue(KeyboardInterrupt):

@@ -7,7 +7,8 @@ import time
 
 CHILD = """
 import signal, sys, time
-from astraflow.runtime.launch import _signals_stop_cleanly, ignore_stop_signals
+from astraflow.runtime.launch import _signals_stop_cleanly
+from astraflow.runtime.stopping import ignore_stop_signals
 
 class SlowTeardown:  # a module global: released late in the interpreter's exit
     def __del__(self, sleep=time.sleep):  # the module's globals may be gone by then
