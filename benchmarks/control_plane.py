@@ -125,7 +125,9 @@ async def consume(dl, version: list[int], lat: Latencies, served: list[int], rea
                 reader["cpu"] += cpu
         served[0] += n
         v += 1
+        t0 = time.perf_counter()
         await call(dl.published, "p", v, timeout=60)
+        lat.add("published", time.perf_counter() - t0)
         version[0] = v
 
 
@@ -208,7 +210,7 @@ async def drive(dl, store, n_nodes: int, mode: str, args, pid: int, reader: dict
                # tasks out, waiting and groups in rollout at the window's end
                "leased_now": state["leased"], "pending_now": state["pending"],
                "rolling_now": state["outstanding_groups"], "snapshots": state["snapshots"]}
-        for kind in ("lease", "heartbeat", "complete", "next_batch", "read", "loop_lag", "probe"):
+        for kind in ("lease", "heartbeat", "complete", "next_batch", "read", "published", "loop_lag", "probe"):
             s = lat.summary(kind)
             out[f"{kind}_p50_ms"], out[f"{kind}_p99_ms"], out[f"{kind}_calls"] = s["p50_ms"], s["p99_ms"], s["n"]
         out["lease_empty_frac"] = lat.summary("lease_empty")["n"] / max(out["lease_calls"], 1)

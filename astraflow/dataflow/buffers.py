@@ -124,7 +124,8 @@ class Buffers:
         self.last_batch: dict[str, dict[str, Any]] = {p: {} for p in self.policies}
         self._ingest_seq = 0
         #: what changed since the data layer's change log last took it (None: not kept;
-        #: ``changes.py``): ``("route", task)``, ``("ready", policy, ingest_seq)``, ``("serving", policy, version)``
+        #: ``changes.py``): ``("route", task)``, ``("group", group)`` (ingested), ``("ready", policy, ingest_seq)``,
+        #: ``("serving", policy, version)``
         self.changed: set[tuple] | None = None
 
     def _touch(self, *key: Any) -> None:
@@ -158,11 +159,11 @@ class Buffers:
         policy's rewards (what the curator observes; empty if it generated nothing)."""
         if self.rolling.pop(grp.group_id, None) is not None:
             self._rolling_count[grp.source] -= 1
+            self._touch("group", grp.group_id)
         self.groups_ingested += 1
         live = [t for t in grp.task_ids if t in grp.results]
         for tid in live:
             self.routed_left[tid] = 0
-            self._touch("route", tid)
         first_rewards: list[float] = []
         for policy in self.policies:
             items: list[Item] = []

@@ -3,11 +3,15 @@
 The state that grows with the work in flight lives in keyed containers, each saved as one
 entry per key, so that a record holds only the entries changed since the previous one:
 
-* ``task``: task id -> ``(RolloutTask or None, TaskRecord)``: the ledger's open task and, until
-  it completes, its task (queues and leases are derived from the records on restore);
-* ``group``: group id -> the ``RolloutGroup`` in rollout, with its results so far;
+* ``task``: task id -> ``(RolloutTask or None, TaskRecord, TrajectoryRef or None)``: the
+  ledger's open task, until it completes its task (queues and leases are derived from the
+  records on restore), and once it completed in a group still in rollout, its result;
+* ``group``: group id -> the ``RolloutGroup`` in rollout (its results are its tasks' entries:
+  a completion rewrites one task's entry, not the whole group);
 * ``node``: node -> what is kept of it (``leased``, ``completed``, ``draining``, ``gone``);
-* ``route``: task id -> ``(items not settled, consumed, drop reason)`` of a routed task;
+* ``route``: task id -> ``(None, consumed, drop reason)`` of a task some policy consumed or
+  dropped while another's buffer still holds it (the items not settled are counted from the
+  buffers on restore: a task with one policy never needs the entry);
 * ``ready``: ``(policy, ingest_seq)`` -> a buffered ``ReadyGroup``;
 * ``serving``: ``(policy, version)`` -> the items of a batch served and not committed;
 * ``round`` / ``result``: evaluation rounds by version, finished round records by position;
@@ -15,9 +19,9 @@ entry per key, so that a record holds only the entries changed since the previou
   shrinks from its end within an epoch: each record holds its length), ``rng``: the random stream.
 
 The rooms mark what they change (``Ledger.changed``, ``Leases.changed_nodes``,
-``Buffers.changed``); a group changes only when one of its tasks is created, completes or
-ends (``Ledger.changed_group``), evaluations are compared by counters, prompt orders by epoch,
-and the random stream is written with every shuffle and every batch served (what draws from
+``Buffers.changed``); a group changes only when one of its tasks is created or ends
+(``Ledger.changed_group``) or it is ingested; evaluations are compared by counters, prompt
+orders by epoch, and the random stream is written with every shuffle and every batch served (what draws from
 it). Everything else (versions, the rules' state, lengths of the prompt orders, counters) is
 small and saved whole in every record (``small``).
 ``assemble`` turns entries and small fields back into the form ``durable.restore`` loads,
@@ -29,6 +33,7 @@ from __future__ import annotations
 import bisect
 import re
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Iterator
 
 from astraflow.dataflow import record as rec
@@ -52,7 +57,10 @@ def entry(dl: DataLayer, kind: str, key: Any) -> Any:
     """The current value of one entry of ``dl`` (None: there is none)."""
     if kind == "task":
         rec = dl.ledger.live.get(key)
-        return None if rec is None else (dl.leases.tasks.get(key), rec)
+        if rec is None:
+            return None
+        grp = dl.buffers.rolling.get(group_of(key)) if rec.state == "completed" else None
+        return dl.leases.tasks.get(key), rec, None if grp is None else grp.results.get(key)
     if kind == "group":
         return dl.buffers.rolling.get(key)
     if kind == "node":
@@ -61,8 +69,8 @@ def entry(dl: DataLayer, kind: str, key: Any) -> Any:
         return kept or None
     bf = dl.buffers
     if kind == "route":
-        left, consumed, reason = bf.routed_left.get(key), key in bf.task_consumed, bf.task_drop_reason.get(key)
-        return None if left is None and not consumed and reason is None else (left, consumed, reason)
+        consumed, reason = key in bf.task_consumed, bf.task_drop_reason.get(key)
+        return (None, consumed, reason) if consumed or reason is not None else None
     if kind == "ready":
         policy, seq = key
         buf = bf.ready.get(policy, [])
@@ -89,7 +97,7 @@ def all_keys(dl: DataLayer) -> Iterator[tuple[str, Any]]:
     yield from (("group", g) for g in dl.buffers.rolling)
     yield from (("node", n) for n in dl.leases.nodes)
     bf = dl.buffers
-    yield from (("route", t) for t in {*bf.routed_left, *bf.task_consumed, *bf.task_drop_reason})
+    yield from (("route", t) for t in {*bf.task_consumed, *bf.task_drop_reason})
     yield from (("ready", (p, g.ingest_seq)) for p, buf in bf.ready.items() for g in buf)
     yield from (("serving", (p, v)) for p, served in bf.serving.items() for v in served)
     yield from (("round", v) for v in dl.evals.rounds)
@@ -124,9 +132,9 @@ class Marks:
         lg.changed, lg.changed_group, dl.leases.changed_nodes, dl.buffers.changed = set(), set(), set(), set()
         out, self._retry = self._retry, set()
         out.update(("task", t) for t in tasks)
-        out.update(("group", group_of(t)) for t in grouped)  # a lease leaves its group as it was
+        out.update(("group", group_of(t)) for t in grouped)  # a lease or a completion leaves its group as it was
         out.update(("node", n) for n in nodes)
-        out.update(("route", k[1]) if k[0] == "route" else (k[0], (k[1], k[2])) for k in buffered)
+        out.update(k if len(k) == 2 else (k[0], (k[1], k[2])) for k in buffered)
         counters = self._eval_counters()
         if counters != self._evals:
             opened = {v for v, r in dl.evals.rounds.items() if not r.written}
@@ -175,7 +183,12 @@ def assemble(fingerprint: str, small_fields: dict[str, Any], entries: dict[str, 
     """The saved state in the form ``durable.restore`` loads. Tasks waiting to be leased are
     queued in their kind's queue, those handed back first, then in creation order."""
     sm = small_fields
-    tasks = entries.get("task", {})
+    tasks = {t: value[:2] for t, value in entries.get("task", {}).items()}
+    rolling = dict(entries.get("group", {}))
+    for t, value in entries.get("task", {}).items():  # results live with their tasks (earlier: in the group)
+        grp = rolling.get(group_of(t)) if len(value) > 2 and value[2] is not None else None
+        if grp is not None:
+            grp.results[t] = value[2]
     waiting = sorted((t for t, (_, rec) in tasks.items() if rec.state == "pending"),
                      key=lambda t: (tasks[t][1].attempt == 0, _natural(t)))
     routes = entries.get("route", {})
@@ -186,6 +199,9 @@ def assemble(fingerprint: str, small_fields: dict[str, Any], entries: dict[str, 
     serving: dict[str, dict] = {p: {} for p in policies}
     for (p, v), items in sorted(entries.get("serving", {}).items(), key=lambda kv: kv[0][1]):
         serving[p][v] = items
+    # every item not yet settled sits in a buffer or a served batch: the count per task is derived
+    routed_left: Counter = Counter(it.task_id for groups in ready.values() for grp in groups for it in grp.items)
+    routed_left.update(it.task_id for by_version in serving.values() for items in by_version.values() for it in items)
     orders = entries.get("order", {})
     core = {**sm["core"], "order": {s: orders[s][1][:n] for s, n in sm["order_len"].items()},
             "rng_state": entries["rng"]["mixer"]}
@@ -198,8 +214,7 @@ def assemble(fingerprint: str, small_fields: dict[str, Any], entries: dict[str, 
                    "held": {t: rec.node for t, (_, rec) in tasks.items() if rec.state == "leased"},
                    "nodes": dict(entries.get("node", {}))},
         "ledger": {"live": {t: rec for t, (_, rec) in tasks.items()}, **sm["ledger"]},
-        "buffers": {"rolling": dict(entries.get("group", {})), "ready": ready, "serving": serving,
-                    "routed_left": {t: r[0] for t, r in routes.items() if r[0] is not None},
+        "buffers": {"rolling": rolling, "ready": ready, "serving": serving, "routed_left": dict(routed_left),
                     "task_consumed": {t for t, r in routes.items() if r[1]},
                     "task_drop_reason": {t: r[2] for t, r in routes.items() if r[2] is not None},
                     **sm["buffers"]},

@@ -146,7 +146,7 @@ class Ledger:
         if rec is None or rec.state not in ("leased", "pending"):
             self.events["duplicate_completions"] += 1
             return False
-        self._touch(task_id)
+        self._touch(task_id, group=False)  # its result is written with its own entry
         self._move(rec, "completed")
         self.events["completed"] += 1
         return True

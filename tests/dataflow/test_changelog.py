@@ -51,6 +51,8 @@ def live(layer) -> dict:
     assert state["leases"]["held"] == {t: n for t, (n, _) in layer.leases.held.items()}
     assert set(state["leases"]["pending"]) == set(layer.leases.pending)
     assert set(state["leases"]["eval_pending"]) == set(layer.leases.eval_pending)
+    # the items each task has not yet settled: counted from the buffers and served batches
+    assert state["buffers"]["routed_left"] == layer.buffers.routed_left
     return state
 
 
@@ -156,9 +158,9 @@ def test_a_record_holds_what_changed_not_what_is_outstanding(tmp_path):
     run(go())
 
 
-def test_a_lease_writes_its_tasks_not_their_group(tmp_path):
-    """A lease moves only the task's own record: the group it belongs to (its results so far,
-    which grow with every completion) is written when a task is created, completes or ends."""
+def test_a_lease_or_a_completion_writes_its_tasks_not_their_group(tmp_path):
+    """A lease or a completion moves only the task's own record (a completion's result is
+    written with it): the group is written when a task is created or ends, or it is ingested."""
     paths = Paths(tmp_path)
     layer = paths.layer()
 
@@ -172,8 +174,11 @@ def test_a_lease_writes_its_tasks_not_their_group(tmp_path):
         node = Node(layer)
         await layer.complete(store_and_ref(node.writer, [make_trajectory(first[0], 1.0, node="n1")]))
         records, _ = changelog.read_records(log_files(paths)[-1])
-        assert ("group", group) in {(kind, key) for kind, key, _ in pickle.loads(records[-1])["set"]}
-        same(paths, layer)
+        written = {(kind, key): blob for kind, key, blob in pickle.loads(records[-1])["set"]}
+        assert ("group", group) not in written, written
+        _, record, result = pickle.loads(written["task", first[0].task_id])
+        assert record.state == "completed" and result.task_id == first[0].task_id
+        same(paths, layer)  # restored, the group holds the result again
         await layer.close()
 
     run(go())
@@ -290,3 +295,51 @@ def test_prompt_orders_across_epochs_replay_exactly(tmp_path):
         await layer.close()
 
     run(go())
+
+
+def test_a_task_one_policy_consumed_while_another_holds_it_is_restored(tmp_path):
+    """Two policies: the solver's trainer consumes a batch while the verifier's buffer still
+    holds the same tasks. Only then is a task's route written (consumed, not yet ended), and a
+    restore gives each task its items not settled back, counted from the buffers."""
+    from astraflow.contracts import Provenance, Sequence, Trajectory
+
+    def two_policy_trajectory(task, solver_reward: float, verifier_reward: float) -> Trajectory:
+        """A solver turn, then a sequence with tokens of both policies."""
+        s0 = Sequence.build(tokens=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1], logprobs=[0, 0, -1, -1],
+                            policy_ids=[-1, -1, 0, 0], versions=[-1, -1, 0, 0], reward=solver_reward)
+        s1 = Sequence.build(tokens=[5, 6, 7, 8], loss_mask=[0, 1, 0, 1], logprobs=[0, -1, 0, -1],
+                            policy_ids=[-1, 0, -1, 1], versions=[-1, 0, -1, 0], reward=verifier_reward)
+        return Trajectory(task.task_id, task.group_id, task.policies, task.workflow, task.kind, task.attempt,
+                          (s0, s1), Provenance(node="n"))
+
+    paths = Paths(tmp_path)
+
+    def layer2() -> DataLayer:
+        return DataLayer(
+            dataflow=DataflowConfig(batch_size=4, prefetch_groups=0),
+            workload=WorkloadConfig(name="math", workflow="solver_verifier", params={"digits": 1},
+                                    group_size=2, eval=EvalConfig(every=0)),
+            policies=["solver", "verifier"], store_url=paths.url, metrics_path=str(paths.metrics),
+            max_steps=10, snapshot_path=str(paths.snapshot), journal_path=str(paths.journal))
+
+    layer = layer2()
+
+    async def go():
+        writer = layer.store.writer("n")
+        for _ in range(4):
+            tasks = await layer.lease("n", 8)
+            trajs = [two_policy_trajectory(t, float(i % 2), float((i + 1) % 2)) for i, t in enumerate(tasks)]
+            await layer.complete(store_and_ref(writer, trajs))
+        await layer.next_batch("solver", 0, timeout=5)
+        await layer.published("solver", 1, {"loss": 0.0})
+        partial = {t for t in layer.buffers.task_consumed if layer.buffers.routed_left.get(t)}
+        assert partial, "no task consumed by the solver and still held for the verifier"
+        assert {k for k, _ in changes.all_keys(layer) if k == "route"} == {"route"}
+        same(paths, layer)
+        await layer.close()
+
+    run(go())
+    restored = layer2()
+    assert restored.buffers.routed_left == layer.buffers.routed_left
+    assert restored.buffers.task_consumed == layer.buffers.task_consumed
+    run(restored.close())
