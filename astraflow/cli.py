@@ -8,32 +8,18 @@ never disagree.
 
 from __future__ import annotations
 
-import functools
-import json
 import sys
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
 
 import click
-from pydantic import BaseModel
 
-from astraflow.runtime.control import DEFAULT_REMOVAL, REMOVAL_HELP, REMOVAL_MODES
+from astraflow.clibase import UserError, field_option
+from astraflow.partitions_cli import partitions as partitions_cli
 from astraflow.plan.cli import plan as plan_cli
 from astraflow.sandbox.cli import sandbox as sandbox_cli
 from astraflow.training.config import ModelInit
-from schedulers.partition import Partition
 from storage.ownership import owner_only
 from storage.paths import RunPaths, default_run_dir
-
-#: scheduler of a partition added to a running run when neither the options nor --from-yaml
-#: name one (a pool that joins a running run is usually a Slurm partition)
-ADD_SCHEDULER = "slurm"
-
-
-class UserError(click.ClickException):
-    """Bad input: exit code 2 and one message that names the fix, no traceback."""
-
-    exit_code = 2
 
 
 def _load(config: str, overrides: tuple[str, ...]):
@@ -55,22 +41,6 @@ def _default_run_dir(name: str) -> Path:
     import time
 
     return default_run_dir(name, time.strftime("%Y%m%d-%H%M%S"))
-
-
-def _field(model: type[BaseModel], name: str, **overrides: Any) -> dict[str, Any]:
-    """``click.option`` keywords for config field ``model.name``: its choices (a ``Literal``),
-    its default and its docstring as help; ``overrides`` replace any of them."""
-    f = model.model_fields[name]
-    kw: dict[str, Any] = {"default": f.default, "show_default": f.default is not None,
-                          "help": " ".join((f.description or "").replace("``", "`").split())}
-    if get_origin(f.annotation) is Literal:
-        kw["type"] = click.Choice(get_args(f.annotation))
-    kw.update(overrides)
-    return kw
-
-
-def _choices(model: type[BaseModel], name: str) -> click.Choice:
-    return click.Choice(get_args(model.model_fields[name].annotation))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -151,18 +121,18 @@ def model() -> None:
 
 @model.command("init")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--preset", **_field(ModelInit, "preset"))
-@click.option("--arch", **_field(ModelInit, "arch"))
-@click.option("--seed", type=int, **_field(ModelInit, "seed"))
-@click.option("--tie-embeddings/--untie-embeddings", **_field(ModelInit, "tie_embeddings"))
-@click.option("--warm-start-seconds", type=float, **_field(ModelInit, "warm_start_seconds"))
-@click.option("--warm-start-steps", type=int, **_field(
+@click.option("--preset", **field_option(ModelInit, "preset"))
+@click.option("--arch", **field_option(ModelInit, "arch"))
+@click.option("--seed", type=int, **field_option(ModelInit, "seed"))
+@click.option("--tie-embeddings/--untie-embeddings", **field_option(ModelInit, "tie_embeddings"))
+@click.option("--warm-start-seconds", type=float, **field_option(ModelInit, "warm_start_seconds"))
+@click.option("--warm-start-steps", type=int, **field_option(
     ModelInit, "warm_start_steps",
     help="Upper bound of the warm start in optimiser steps (1 or more). Unset: no bound in steps (the warm start "
          "then runs for --warm-start-seconds, and not at all when that is 0). Given alone, the warm start runs this "
          "many steps with no time bound; the warm start is seeded, so a bound in steps builds the same model on a "
          "fast and a slow machine. With several bounds the first reached stops it."))
-@click.option("--warm-start-lr", type=float, **_field(ModelInit, "warm_start_lr"))
+@click.option("--warm-start-lr", type=float, **field_option(ModelInit, "warm_start_lr"))
 def model_init(out: str, preset: str, arch: str, seed: int, tie_embeddings: bool, warm_start_seconds: float,
                warm_start_steps: int | None, warm_start_lr: float) -> None:
     """Build a tiny Qwen2/Llama model with a local byte-level tokenizer into OUT (HF format).
@@ -295,162 +265,7 @@ def tensorboard(run_dir: str, logdir: str | None, follow: bool) -> None:
     click.echo(f"{n} metrics lines written to {logdir or RunPaths(run_dir).tensorboard}")
 
 
-# -- partitions of a running run -----------------------------------------------------------------
-# These commands change a run only by writing its desired partitions (control/partitions.json);
-# the orchestrator reconciles them on its next tick and reports the outcome in status.json.
-
-
-@main.group()
-@click.pass_context
-def partitions(ctx: click.Context) -> None:
-    """List, add and remove worker partitions of a running run (found through its RUN_DIR)."""
-    ctx.with_resource(owner_only())
-
-
-@partitions.command("list")
-@click.argument("run_dir", type=click.Path(file_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def partitions_list(run_dir: str, as_json: bool) -> None:
-    """The partitions of the run: desired size, live and serving workers, jobs, throughput."""
-    from astraflow.runtime.monitoring import format_partitions, run_status
-
-    try:
-        st = run_status(Path(run_dir))
-    except ValueError as err:  # RunNotRunning, or a damaged status file
-        raise UserError(str(err)) from None
-    if as_json:
-        click.echo(json.dumps(st.get("partitions", {}), indent=2, default=str))
-    else:
-        click.echo(format_partitions(st))
-
-
-@partitions.command("add")
-@click.argument("run_dir", type=click.Path(file_okay=False))
-@click.argument("name", required=False)
-@click.option("--from-yaml", "from_yaml", type=click.Path(dir_okay=False),
-              help="A YAML mapping of Partition fields (options given here override it).")
-@click.option("--scheduler", type=_choices(Partition, "scheduler"), default=None, help=f"[default: {ADD_SCHEDULER}]")
-@click.option("--slurm-partition", default=None, help="Slurm partition (sbatch --partition).")
-@click.option("--nodes", type=int, default=None,
-              help=f"Workers (one Slurm job, one node each). [default: {Partition.model_fields['nodes'].default}]")
-@click.option("--cpus-per-node", type=int, **_field(Partition, "cpus_per_node", default=None, show_default=False))
-@click.option("--gpus-per-node", type=int, **_field(Partition, "gpus_per_node", default=None, show_default=False))
-@click.option("--gres", default=None, help="Slurm GRES per node, e.g. gpu:h100:4.")
-@click.option("--mem", default=None, help="Memory per node, e.g. 16G.")
-@click.option("--walltime", default=None, help="Slurm time limit, e.g. 04:00:00.")
-@click.option("--region", **_field(Partition, "region", default=None, show_default=False))
-@click.option("--hardware", default=None, help="Hardware label in worker names, e.g. H100.")
-@click.option("--role", type=_choices(Partition, "role"), default=None,
-              help=f"Only rollout pools can join a running run.  [default: {Partition.model_fields['role'].default}]")
-@click.option("--sbatch-option", "sbatch_options", multiple=True, metavar="--OPT=VALUE",
-              help="Extra #SBATCH line, e.g. --sbatch-option=--account=proj (repeatable).")
-@click.option("--wait", "wait_s", type=float, default=20.0, show_default=True,
-              help="Seconds to wait for the orchestrator to submit the jobs (0: do not wait).")
-def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s: float, **fields) -> None:
-    """Add partition NAME to the running run in RUN_DIR.
-
-    The orchestrator submits its worker jobs on its next tick and starts a RaaS node on every
-    worker that joins (after a weight catch-up). If sbatch refuses the jobs, this command
-    says why, withdraws the partition (the run is unaffected) and exits with 2.
-    """
-    import yaml
-    from pydantic import ValidationError
-
-    from astraflow.configerrors import bool_problems, load_yaml, partition_errors
-    from astraflow.runtime.control import add_partition, remove_partition, wait_partition
-
-    data: dict = {}
-    if from_yaml:
-        try:
-            data = load_yaml(Path(from_yaml).read_bytes().decode("utf-8")) or {}
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-            raise UserError(f"--from-yaml {from_yaml}: {err}") from None
-        if not isinstance(data, dict):
-            raise UserError(f"--from-yaml {from_yaml}: write a mapping of partition fields (name, scheduler, nodes, ...)")
-    if name:
-        data["name"] = name
-    if "name" not in data:
-        raise UserError("give the partition NAME (or a `name:` in --from-yaml)")
-    data.setdefault("scheduler", ADD_SCHEDULER)
-    for key, value in fields.items():
-        if value is not None and value != ():
-            data[key] = list(value) if key == "sbatch_options" else value
-    bools = bool_problems(data, Partition)  # `nodes: true` would be taken as 1
-    try:
-        part = Partition(**data)
-    except ValidationError as err:
-        raise UserError(partition_errors(err, bools)) from None
-    if bools:
-        raise UserError(partition_errors(None, bools))
-    try:
-        add_partition(Path(run_dir), part)
-    except ValueError as err:  # RunNotRunning, PartitionError, a damaged file of the run
-        raise UserError(str(err)) from None
-    click.echo(f"partition {part.name} requested: {part.nodes} {part.scheduler} worker(s)"
-               + (f" in Slurm partition {part.slurm_partition}" if part.slurm_partition else ""))
-    if wait_s <= 0:
-        return
-    try:
-        entry = wait_partition(Path(run_dir), part.name, wait_s, until="submitted")
-    except TimeoutError as err:
-        click.echo(f"warning: {err}", err=True)
-        return
-    except ValueError as err:
-        raise UserError(str(err)) from None
-    if entry.get("error"):
-        remove_partition(Path(run_dir), part.name, "now")  # withdraw at once: it has no worker yet
-        raise UserError(f"partition {part.name} was refused: {entry['error']}\n"
-                        "it was withdrawn; the run is unaffected. Fix the options and add it again")
-    jobs = ", ".join(f"{j} ({s})" for j, s in entry.get("jobs", {}).items())
-    click.echo(f"submitted: {jobs}")
-
-
-def _removal_modes(command):
-    """One flag per removal mode (``--drain``, ``--now``), passed to ``command`` as ``mode``; two
-    of them together are refused (click would silently keep the last one given)."""
-    @functools.wraps(command)
-    def with_mode(*args, **kwargs):
-        given = [m for m in REMOVAL_MODES if kwargs.pop(f"removal_{m}")]
-        if len(given) > 1:
-            raise UserError(" and ".join(f"--{m}" for m in given) + " conflict: give one of them ("
-                            + "; ".join(f"--{m}: {REMOVAL_HELP[m]}" for m in given) + ")")
-        return command(*args, mode=given[0] if given else DEFAULT_REMOVAL, **kwargs)
-
-    with_mode.__click_params__ = list(getattr(command, "__click_params__", []))
-    for mode in reversed(REMOVAL_MODES):
-        default = " [default]" if mode == DEFAULT_REMOVAL else ""
-        with_mode = click.option(f"--{mode}", f"removal_{mode}", is_flag=True,
-                                 help=REMOVAL_HELP[mode].capitalize() + default + ".")(with_mode)
-    return with_mode
-
-
-@partitions.command("remove")
-@click.argument("run_dir", type=click.Path(file_okay=False))
-@click.argument("name")
-@_removal_modes
-@click.option("--wait", "wait_s", type=float, default=0.0, show_default=True,
-              help="Seconds to wait until the partition is removed (0: do not wait).")
-def partitions_remove(run_dir: str, name: str, mode: str, wait_s: float) -> None:
-    """Remove partition NAME from the running run in RUN_DIR (give one of --drain, --now). No
-    task is lost either way."""
-    from astraflow.runtime.control import remove_partition, wait_partition
-
-    try:
-        remove_partition(Path(run_dir), name, mode)
-    except ValueError as err:  # RunNotRunning, PartitionError, a damaged file of the run
-        raise UserError(str(err)) from None
-    click.echo(f"partition {name}: removal requested ({mode})")
-    if wait_s > 0:
-        try:
-            entry = wait_partition(Path(run_dir), name, wait_s, until="removed")
-        except TimeoutError as err:
-            click.echo(f"warning: {err}", err=True)
-            return
-        except ValueError as err:
-            raise UserError(str(err)) from None
-        click.echo(f"partition {name} removed in {entry.get('drain_seconds') or 0:.1f}s")
-
-
+main.add_command(partitions_cli)  # astraflow partitions list/add/remove RUN_DIR: see docs/autoscaling.md
 main.add_command(sandbox_cli)  # astraflow sandbox run PROGRAM [--tests FILE]: see docs/sandbox.md
 main.add_command(plan_cli)  # astraflow plan CONFIG --pool KIND=GPUS: see docs/sim.md
 

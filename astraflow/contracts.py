@@ -184,6 +184,17 @@ class Sequence:
             finish_reason=finish_reason,
         )
 
+    @classmethod
+    def checked_already(cls, tokens: np.ndarray, loss_mask: np.ndarray, logprobs: np.ndarray,
+                        policy_ids: np.ndarray, versions: np.ndarray, reward: float,
+                        rewards: Mapping[str, float], finish_reason: FinishReason) -> "Sequence":
+        """A sequence whose fields the caller has checked as ``__post_init__`` does, for many
+        sequences at once (a batch read column-wise): made without checking each again."""
+        seq = object.__new__(cls)
+        seq.__dict__.update(tokens=tokens, loss_mask=loss_mask, logprobs=logprobs, policy_ids=policy_ids,
+                            versions=versions, reward=reward, rewards=rewards, finish_reason=finish_reason)
+        return seq
+
     @property
     def oldest_version(self) -> int:
         """Lowest weight version among generated tokens (-1 if nothing was generated)."""

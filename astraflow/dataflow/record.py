@@ -112,6 +112,13 @@ def finite_json(value: Any) -> Any:
     return value
 
 
+def _plain_number(value: Any) -> Any:
+    """JSON for a numpy scalar (``finite_json``'s conversion); a non-finite float raises below."""
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        return value.item()
+    return float(value)
+
+
 def _as_finite_float(value: Any) -> float | None:
     """JSON for an object json does not know (a number type of another library)."""
     f = float(value)
@@ -126,8 +133,13 @@ class MetricsLog:
         self._file = open(path, "a", buffering=1) if path else None
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(finite_json(record), default=_as_finite_float, allow_nan=False) + "\n")
+        if self._file is None:
+            return
+        try:  # nearly every line is finite: encoded as it is, without a copy of the record
+            line = json.dumps(record, default=_plain_number, allow_nan=False)
+        except ValueError:  # a value that is not finite: written as null
+            line = json.dumps(finite_json(record), default=_as_finite_float, allow_nan=False)
+        self._file.write(line + "\n")
 
     def flush(self) -> None:
         if self._file is not None:

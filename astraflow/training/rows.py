@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import get_args
 
-from astraflow.contracts import Batch, BatchItem, BatchRefs, RowRef, sequence_from_stored
+import numpy as np
+
+from astraflow.contracts import Batch, BatchItem, BatchRefs, FinishReason, RowRef, Sequence, sequence_from_stored
 from storage.trajectories import StoredSequence, TrajectoryStore, open_trajectory_store
+from storage.trajectories.columns import Columns
+
+FINISH_REASONS = frozenset(get_args(FinishReason))
 
 
 class RowsUnreadable(RuntimeError):
@@ -39,24 +45,24 @@ class BatchRows:
             return served
         items = served.items
         with self._lock:
-            rows = self._read(served, items)
-        out = []
-        for it, row in zip(items, rows):
-            if row.task_id != it.task_id:
+            cols = self._read(served, items)
+        for it, task_id in zip(items, cols.task_id):
+            if task_id != it.task_id:
                 raise RowsUnreadable(
                     f"batch v{served.version} of {served.policy}: row {it.ref.segment}[{it.ref.index}] of "
-                    f"{self.url} is of task {row.task_id!r}, the data layer named {it.task_id!r}: the trainer "
+                    f"{self.url} is of task {task_id!r}, the data layer named {it.task_id!r}: the trainer "
                     "reads another trajectory store than the nodes write (check storage.trajectories)")
-            out.append(_item(served.policy, it, row))
+        out = _items(served.policy, items, cols) if _well_formed(cols) else [
+            _item(served.policy, it, row) for it, row in zip(items, cols.rows())]  # raises naming what is wrong
         return Batch(policy=served.policy, version=served.version, items=tuple(out), metrics=served.metrics)
 
-    def _read(self, served: BatchRefs, items: tuple[RowRef, ...]) -> list[StoredSequence]:
+    def _read(self, served: BatchRefs, items: tuple[RowRef, ...]) -> Columns:
         refs = [it.ref for it in items]
         try:
             if self._store is None:
                 self._store = open_trajectory_store(self.url, "r")
             # column-wise: one copy per column for the batch, rows as views of it
-            return self._store.read_columns(refs).rows()
+            return self._store.read_columns(refs)
         except Exception as err:
             bad = self._unreadable(items) if self._store is not None else list(items)
             named = "; ".join(f"{it.ref.segment}[{it.ref.index}] (task {it.task_id})" for it in bad[:5])
@@ -75,6 +81,33 @@ class BatchRows:
             except Exception:
                 bad.append(it)
         return bad
+
+
+def _well_formed(cols: Columns) -> bool:
+    """Whether every row passes ``Sequence``'s checks, tested on the columns at once."""
+    gen = cols.policy_ids >= 0
+    return bool(len(cols) and (cols.lengths > 0).all() and not (cols.loss_mask.astype(bool) & ~gen).any()
+                and (gen == (cols.versions >= 0)).all() and np.isfinite(cols.reward).all()
+                and set(cols.finish_reason) <= FINISH_REASONS)
+
+
+def _items(policy: str, items: tuple[RowRef, ...], cols: Columns) -> list[BatchItem]:
+    """``_item`` of every row, column-wise: the sequences are views of the batch's columns (checked
+    by ``_well_formed``), the loss masks restricted to ``policy``'s tokens in one pass."""
+    metas = [json.loads(m) for m in cols.meta]
+    lengths = cols.lengths
+    own_id = np.repeat(np.fromiter((m["policies"].index(policy) for m in metas), np.int16, len(metas)), lengths)
+    loss_mask = cols.loss_mask.astype(bool)
+    own = loss_mask & (cols.policy_ids == own_id)
+    o = cols.offsets.tolist()
+    out = []
+    for i, (it, meta, reward, finish) in enumerate(zip(items, metas, cols.reward.tolist(), cols.finish_reason)):
+        a, b = o[i], o[i + 1]
+        seq = Sequence.checked_already(cols.tokens[a:b], loss_mask[a:b], cols.logprobs[a:b], cols.policy_ids[a:b],
+                                       cols.versions[a:b], reward, meta.get("rewards", {}), finish)
+        out.append(BatchItem(seq, own[a:b], it.group_mean, it.group_std, it.group_size, it.staleness, it.task_id,
+                             it.replayed))
+    return out
 
 
 def _item(policy: str, it: RowRef, row: StoredSequence) -> BatchItem:

@@ -101,6 +101,28 @@ def test_the_data_layer_serves_without_reading_rows_and_the_trainer_side_reads_t
         np.mean([i.sequence.reward for i in batch.items if not i.replayed]))
 
 
+def test_a_stored_row_that_breaks_the_sequence_rules_fails_the_batch_as_a_sequence_would(tmp_path):
+    """Rows are checked for the whole batch at once; a row no ``Sequence`` could hold (a loss on
+    a token no policy generated, written to the store behind the nodes' back) fails the batch
+    with the sequence's own error, not quietly."""
+    layer = _layer(tmp_path)
+
+    async def go():
+        await _roll(layer, 8)
+        return await layer.next_batch("p", 0, timeout=5)
+
+    served = asyncio.run(go())
+    rows = BatchRows(str(tmp_path / "trajectories"))
+    good = rows.batch(served)
+    row = layer.store.read([served.items[3].ref])[0]
+    bad = replace(row, loss_mask=np.ones_like(row.loss_mask))  # the prompt's tokens too
+    [ref] = layer.store.writer("forger").write([bad])
+    forged = replace(served, items=served.items[:3] + (replace(served.items[3], ref=ref),) + served.items[4:])
+    with pytest.raises(ValueError, match="loss_mask marks a token that no policy generated"):
+        rows.batch(forged)
+    assert rows.batch(served).items[3].sequence == good.items[3].sequence
+
+
 def test_a_row_that_cannot_be_read_fails_named_and_the_batch_is_served_again(tmp_path):
     layer = _layer(tmp_path)
 

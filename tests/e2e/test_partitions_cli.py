@@ -119,3 +119,44 @@ def test_list_shows_partitions(live_run):
     assert code == 0 and "h100" in out and "slurm" in out
     code, out = _invoke("partitions", "list", str(live_run.root), "--json")
     assert code == 0 and set(json.loads(out)) == {"data", "trainer", "h100"}
+
+
+def _reported_later(paths, name: str, entry: dict, after_s: float = 0.5):
+    """The orchestrator's side: after ``after_s``, status.json reports partition ``name`` as ``entry``."""
+    import threading
+
+    def report():
+        time.sleep(after_s)
+        st = json.loads(paths.status_file.read_text())
+        st["partitions"][name] = {"name": name, "nodes": 1, **entry}
+        st["written_at"] = time.time()
+        write_status(paths, st)
+
+    thread = threading.Thread(target=report, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("entry, code, needle", [
+    ({"state": "active", "jobs": {"101": "RUNNING"}, "serving": 1}, 0, "serving: 1 of 1 worker(s) (jobs: 101 (RUNNING))"),
+    ({"state": "failed", "jobs": {"101": "FAILED"}, "error": "3 workers failed before serving"}, 2,
+     "partition a100 failed: 3 workers failed before serving"),
+])
+def test_add_until_serving_waits_for_a_serving_node_or_its_failure(live_run, entry, code, needle):
+    thread = _reported_later(live_run, "a100", entry)
+    got, out = _invoke("partitions", "add", str(live_run.root), "a100", "--slurm-partition", "a100",
+                       "--until", "serving", "--wait", "20")
+    thread.join()
+    assert got == code, out
+    assert needle in out
+    parts, removals = read_desired_file(live_run)
+    assert ("a100" in parts) == (code == 0)  # a failed partition is withdrawn: the run is unaffected
+
+
+def test_add_until_serving_that_times_out_exits_1_and_stays_requested(live_run):
+    thread = _reported_later(live_run, "a100", {"state": "active", "jobs": {"101": "PENDING"}, "serving": 0})
+    got, out = _invoke("partitions", "add", str(live_run.root), "a100", "--slurm-partition", "a100",
+                       "--until", "serving", "--wait", "1.5")
+    thread.join()
+    assert got == 1 and "partition 'a100' not serving within 2s (state active)" in out, out
+    assert "a100" in read_desired_file(live_run)[0]

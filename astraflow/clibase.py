@@ -1,0 +1,32 @@
+"""What the ``astraflow`` command modules share: the bad-input error, and click options made
+from config fields (so the CLI and the config never disagree on choices, defaults and help)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args, get_origin
+
+import click
+from pydantic import BaseModel
+
+
+class UserError(click.ClickException):
+    """Bad input: exit code 2 and one message that names the fix, no traceback."""
+
+    exit_code = 2
+
+
+def field_option(model: type[BaseModel], name: str, **overrides: Any) -> dict[str, Any]:
+    """``click.option`` keywords for config field ``model.name``: its choices (a ``Literal``),
+    its default and its docstring as help; ``overrides`` replace any of them."""
+    f = model.model_fields[name]
+    kw: dict[str, Any] = {"default": f.default, "show_default": f.default is not None,
+                          "help": " ".join((f.description or "").replace("``", "`").split())}
+    if get_origin(f.annotation) is Literal:
+        kw["type"] = click.Choice(get_args(f.annotation))
+    kw.update(overrides)
+    return kw
+
+
+def choices(model: type[BaseModel], name: str) -> click.Choice:
+    """The ``click.Choice`` of a ``Literal`` config field."""
+    return click.Choice(get_args(model.model_fields[name].annotation))

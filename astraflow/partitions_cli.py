@@ -1,0 +1,183 @@
+"""``astraflow partitions list/add/remove``: the worker partitions of a running run.
+
+These commands change a run only by writing its desired partitions (``control/partitions.json``);
+the orchestrator reconciles them on its next tick and reports the outcome in ``status.json``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import click
+
+from astraflow.clibase import UserError, choices, field_option
+from astraflow.runtime.control import DEFAULT_REMOVAL, REMOVAL_HELP, REMOVAL_MODES
+from schedulers.partition import Partition
+from storage.ownership import owner_only
+
+#: scheduler of a partition added to a running run when neither the options nor --from-yaml
+#: name one (a pool that joins a running run is usually a Slurm partition)
+ADD_SCHEDULER = "slurm"
+
+
+@click.group()
+@click.pass_context
+def partitions(ctx: click.Context) -> None:
+    """List, add and remove worker partitions of a running run (found through its RUN_DIR)."""
+    ctx.with_resource(owner_only())
+
+
+@partitions.command("list")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def partitions_list(run_dir: str, as_json: bool) -> None:
+    """The partitions of the run: desired size, live and serving workers, jobs, throughput."""
+    from astraflow.runtime.monitoring import format_partitions, run_status
+
+    try:
+        st = run_status(Path(run_dir))
+    except ValueError as err:  # RunNotRunning, or a damaged status file
+        raise UserError(str(err)) from None
+    if as_json:
+        click.echo(json.dumps(st.get("partitions", {}), indent=2, default=str))
+    else:
+        click.echo(format_partitions(st))
+
+
+@partitions.command("add")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.argument("name", required=False)
+@click.option("--from-yaml", "from_yaml", type=click.Path(dir_okay=False),
+              help="A YAML mapping of Partition fields (options given here override it).")
+@click.option("--scheduler", type=choices(Partition, "scheduler"), default=None, help=f"[default: {ADD_SCHEDULER}]")
+@click.option("--slurm-partition", default=None, help="Slurm partition (sbatch --partition).")
+@click.option("--nodes", type=int, default=None,
+              help=f"Workers (one Slurm job, one node each). [default: {Partition.model_fields['nodes'].default}]")
+@click.option("--cpus-per-node", type=int, **field_option(Partition, "cpus_per_node", default=None, show_default=False))
+@click.option("--gpus-per-node", type=int, **field_option(Partition, "gpus_per_node", default=None, show_default=False))
+@click.option("--gres", default=None, help="Slurm GRES per node, e.g. gpu:h100:4.")
+@click.option("--mem", default=None, help="Memory per node, e.g. 16G.")
+@click.option("--walltime", default=None, help="Slurm time limit, e.g. 04:00:00.")
+@click.option("--region", **field_option(Partition, "region", default=None, show_default=False))
+@click.option("--hardware", default=None, help="Hardware label in worker names, e.g. H100.")
+@click.option("--role", type=choices(Partition, "role"), default=None,
+              help=f"Only rollout pools can join a running run.  [default: {Partition.model_fields['role'].default}]")
+@click.option("--sbatch-option", "sbatch_options", multiple=True, metavar="--OPT=VALUE",
+              help="Extra #SBATCH line, e.g. --sbatch-option=--account=proj (repeatable).")
+@click.option("--wait", "wait_s", type=float, default=20.0, show_default=True,
+              help="Seconds to wait for what --until names (0: do not wait).")
+@click.option("--until", type=click.Choice(["submitted", "serving"]), default="submitted", show_default=True,
+              help="What --wait waits for: the worker jobs submitted, or a RaaS node serving on one of the "
+                   "partition's workers (a Slurm queue can take long: give --wait room).")
+def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s: float, until: str,
+                   **fields) -> None:
+    """Add partition NAME to the running run in RUN_DIR.
+
+    The orchestrator submits its worker jobs on its next tick and starts a RaaS node on every
+    worker that joins (after a weight catch-up). If sbatch refuses the jobs, or with
+    `--until serving` its workers fail before one serves, this command says why, withdraws the
+    partition (the run is unaffected) and exits with 2. With `--until serving`, a partition not
+    serving within --wait exits with 1 (it stays requested).
+    """
+    import yaml
+    from pydantic import ValidationError
+
+    from astraflow.configerrors import bool_problems, load_yaml, partition_errors
+    from astraflow.runtime.control import add_partition, remove_partition, wait_partition
+
+    data: dict = {}
+    if from_yaml:
+        try:
+            data = load_yaml(Path(from_yaml).read_bytes().decode("utf-8")) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+            raise UserError(f"--from-yaml {from_yaml}: {err}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"--from-yaml {from_yaml}: write a mapping of partition fields (name, scheduler, nodes, ...)")
+    if name:
+        data["name"] = name
+    if "name" not in data:
+        raise UserError("give the partition NAME (or a `name:` in --from-yaml)")
+    data.setdefault("scheduler", ADD_SCHEDULER)
+    for key, value in fields.items():
+        if value is not None and value != ():
+            data[key] = list(value) if key == "sbatch_options" else value
+    bools = bool_problems(data, Partition)  # `nodes: true` would be taken as 1
+    try:
+        part = Partition(**data)
+    except ValidationError as err:
+        raise UserError(partition_errors(err, bools)) from None
+    if bools:
+        raise UserError(partition_errors(None, bools))
+    try:
+        add_partition(Path(run_dir), part)
+    except ValueError as err:  # RunNotRunning, PartitionError, a damaged file of the run
+        raise UserError(str(err)) from None
+    click.echo(f"partition {part.name} requested: {part.nodes} {part.scheduler} worker(s)"
+               + (f" in Slurm partition {part.slurm_partition}" if part.slurm_partition else ""))
+    if wait_s <= 0:
+        return
+    try:
+        entry = wait_partition(Path(run_dir), part.name, wait_s, until=until)
+    except TimeoutError as err:
+        if until == "serving":  # asked to know it serves: not knowing is a failure
+            raise click.ClickException(str(err)) from None
+        click.echo(f"warning: {err}", err=True)
+        return
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if entry.get("error"):
+        remove_partition(Path(run_dir), part.name, "now")  # withdraw at once: none of its workers serves
+        what = "failed" if entry.get("jobs") else "was refused"
+        raise UserError(f"partition {part.name} {what}: {entry['error']}\n"
+                        "it was withdrawn; the run is unaffected. Fix the options and add it again")
+    jobs = ", ".join(f"{j} ({s})" for j, s in entry.get("jobs", {}).items())
+    click.echo(f"submitted: {jobs}" if until == "submitted" else
+               f"serving: {entry.get('serving', 0)} of {part.nodes} worker(s) (jobs: {jobs or 'none'})")
+
+
+def _removal_modes(command):
+    """One flag per removal mode (``--drain``, ``--now``), passed to ``command`` as ``mode``; two
+    of them together are refused (click would silently keep the last one given)."""
+    @functools.wraps(command)
+    def with_mode(*args, **kwargs):
+        given = [m for m in REMOVAL_MODES if kwargs.pop(f"removal_{m}")]
+        if len(given) > 1:
+            raise UserError(" and ".join(f"--{m}" for m in given) + " conflict: give one of them ("
+                            + "; ".join(f"--{m}: {REMOVAL_HELP[m]}" for m in given) + ")")
+        return command(*args, mode=given[0] if given else DEFAULT_REMOVAL, **kwargs)
+
+    with_mode.__click_params__ = list(getattr(command, "__click_params__", []))
+    for mode in reversed(REMOVAL_MODES):
+        default = " [default]" if mode == DEFAULT_REMOVAL else ""
+        with_mode = click.option(f"--{mode}", f"removal_{mode}", is_flag=True,
+                                 help=REMOVAL_HELP[mode].capitalize() + default + ".")(with_mode)
+    return with_mode
+
+
+@partitions.command("remove")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.argument("name")
+@_removal_modes
+@click.option("--wait", "wait_s", type=float, default=0.0, show_default=True,
+              help="Seconds to wait until the partition is removed (0: do not wait).")
+def partitions_remove(run_dir: str, name: str, mode: str, wait_s: float) -> None:
+    """Remove partition NAME from the running run in RUN_DIR (give one of --drain, --now). No
+    task is lost either way."""
+    from astraflow.runtime.control import remove_partition, wait_partition
+
+    try:
+        remove_partition(Path(run_dir), name, mode)
+    except ValueError as err:  # RunNotRunning, PartitionError, a damaged file of the run
+        raise UserError(str(err)) from None
+    click.echo(f"partition {name}: removal requested ({mode})")
+    if wait_s > 0:
+        try:
+            entry = wait_partition(Path(run_dir), name, wait_s, until="removed")
+        except TimeoutError as err:
+            click.echo(f"warning: {err}", err=True)
+            return
+        except ValueError as err:
+            raise UserError(str(err)) from None
+        click.echo(f"partition {name} removed in {entry.get('drain_seconds') or 0:.1f}s")
