@@ -24,6 +24,8 @@ from storage.weights import WeightVersion  # noqa: F401  (re-exported: the weigh
 
 TaskKind = Literal["train", "eval"]
 FinishReason = Literal["stop", "length", "abort"]
+#: the encoder of a stored sequence's ``meta`` (``json.dumps(..., sort_keys=True)`` makes one per call)
+_META_JSON = json.JSONEncoder(sort_keys=True)
 
 # Throughput names. Each means one thing wherever it appears (a node's stats, the data layer's
 # metrics, ``status``, the dashboard, metrics.jsonl):
@@ -285,9 +287,8 @@ class Trajectory:
                 versions=s.versions,
                 reward=s.reward,
                 finish_reason=s.finish_reason,
-                meta=json.dumps({**meta, "rewards": dict(s.rewards),
-                                 **({"episode": self.episode} if i == 0 and self.episode else {})},
-                                sort_keys=True),
+                meta=_META_JSON.encode({**meta, "rewards": dict(s.rewards),
+                                        **({"episode": self.episode} if i == 0 and self.episode else {})}),
             )
             for i, s in enumerate(self.sequences)
         ]
