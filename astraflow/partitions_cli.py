@@ -94,7 +94,8 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
             raise UserError(f"--from-yaml {from_yaml}: {err}") from None
         if not isinstance(data, dict):
-            raise UserError(f"--from-yaml {from_yaml}: write a mapping of partition fields (name, scheduler, nodes, ...)")
+            raise UserError(f"--from-yaml {from_yaml}: write a mapping of partition fields "
+                            "(name, scheduler, nodes, ...)")
     if name:
         data["name"] = name
     if "name" not in data:

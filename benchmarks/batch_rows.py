@@ -47,7 +47,8 @@ def _trajectory(task, tokens: int, rng: random.Random) -> Trajectory:
     n_prompt = tokens // 2
     n_gen = tokens - n_prompt
     seq = Sequence.build(tokens=rng.sample(range(32000), tokens), loss_mask=[0] * n_prompt + [1] * n_gen,
-                         logprobs=[0.0] * n_prompt + [-0.5] * n_gen, policy_ids=[NOT_GENERATED] * n_prompt + [0] * n_gen,
+                         logprobs=[0.0] * n_prompt + [-0.5] * n_gen,
+                         policy_ids=[NOT_GENERATED] * n_prompt + [0] * n_gen,
                          versions=[NOT_GENERATED] * n_prompt + [0] * n_gen, reward=float(rng.random() < 0.5),
                          rewards={"correct": 1.0})
     return Trajectory(task.task_id, task.group_id, task.policies, task.workflow, task.kind, task.attempt, (seq,),

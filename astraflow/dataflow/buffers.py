@@ -164,7 +164,7 @@ class Buffers:
         live = [t for t in grp.task_ids if t in grp.results]
         for tid in live:
             self.routed_left[tid] = 0
-        first_rewards: list[float] = []
+        routed: list[tuple[str, list[Item], list[float]]] = []
         for policy in self.policies:
             items: list[Item] = []
             rewards: list[float] = []
@@ -174,14 +174,16 @@ class Buffers:
                         items.append(Item(tid, s, s.policy_tokens[policy][1], 0.0, 0.0, 0,
                                           node=grp.results[tid].node))
                         rewards.append(s.reward)
-            if not items:
-                continue
+            if items:
+                routed.append((policy, items, rewards))
+                for it in items:  # every policy's items are counted before any is settled (which may end the task)
+                    self.routed_left[it.task_id] += 1
+        first_rewards: list[float] = []
+        for policy, items, rewards in routed:
             if policy == self.policies[0]:
                 first_rewards = rewards
             c = self.counts[policy]
             c["sequences_ingested"] += len(items)
-            for it in items:
-                self.routed_left[it.task_id] += 1
             if len(items) < 2:
                 self.settle(policy, items, "group_incomplete")
                 continue
@@ -291,6 +293,7 @@ class Buffers:
         ``policy``'s trainer at ``version``. A batch served before at the same version never
         reached its training: it is dropped (``served_not_trained``)."""
         items = [row_ref(it, version - it.oldest_version) for it in chosen]
+        n_replay = min(n_replay, len(self.replay[policy]))  # a resumed trainer's put-back may have shrunk the pool
         replays = [row_ref(it, version - sequence_oldest(it), replayed=True)
                    for it in self.rng.sample(list(self.replay[policy]), n_replay)] if n_replay else []
         self.replay[policy].extend(chosen)

@@ -165,7 +165,7 @@ def load(path: Path) -> dict[str, Any] | None:
         base = _loads(path.read_bytes(), path)
         if isinstance(base, dict) and base.get("format") == WHOLE_FORMAT:
             return base
-        if not isinstance(base, dict) or base.get("format") != FORMAT:
+        if not isinstance(base, dict) or base.get("format") not in changes.READABLE:
             raise UnusableSnapshot(f"{path} is not a data-layer snapshot of this AstraFlow version")
         entries = {kind: {key: _loads(blob, path) for key, blob in found.items()}
                    for kind, found in base["entries"].items()}

@@ -21,8 +21,8 @@ entry per key, so that a record holds only the entries changed since the previou
 The rooms mark what they change (``Ledger.changed``, ``Leases.changed_nodes``,
 ``Buffers.changed``); a group changes only when one of its tasks is created or ends
 (``Ledger.changed_group``) or it is ingested; evaluations are compared by counters, prompt
-orders by epoch, and the random stream is written with every shuffle and every batch served (what draws from
-it). Everything else (versions, the rules' state, lengths of the prompt orders, counters) is
+orders by epoch, and the random stream is written with every shuffle and every batch served
+(what draws from it). Everything else (versions, the rules' state, lengths of the prompt orders, counters) is
 small and saved whole in every record (``small``).
 ``assemble`` turns entries and small fields back into the form ``durable.restore`` loads,
 which ``state_of`` also gives of a live layer.
@@ -41,7 +41,10 @@ from astraflow.dataflow import record as rec
 if TYPE_CHECKING:
     from astraflow.dataflow.layer import DataLayer
 
-FORMAT = 2
+#: what a base written now is; a base of an earlier one of ``READABLE`` is read too (its task
+#: entries have no result, its groups hold theirs, its routes count the items not settled)
+FORMAT = 3
+READABLE = frozenset({2, 3})
 KINDS = ("task", "group", "node", "route", "ready", "serving", "round", "result", "order", "rng")
 NODE_FIELDS = ("leased", "completed", "draining", "gone")
 SMALL_BUFFER_FIELDS = ("group_seq", "groups_ingested", "counts", "staleness_hist", "wait_s", "last_batch",

@@ -115,3 +115,16 @@ def test_a_group_with_one_sequence_is_incomplete():
     rig = Rig(group_size=1)
     rig.group([1.0])
     assert rig.ledger.dropped_by_reason == {"group_incomplete": 1}
+
+
+def test_a_replay_share_larger_than_the_pool_serves_what_the_pool_holds():
+    """The replay share is fixed when a batch is asked for; a resumed trainer's put-back may
+    shrink the pool while the call waits: the batch then replays what is left, without failing
+    after its new items were taken from the buffer."""
+    rig = Rig(group_size=2, limit=4, batch_size=4)
+    rig.group([0.0, 1.0])
+    first, _ = rig.serve(0, 2)
+    rig.buffers.commit("p", 1)
+    rig.group([1.0, 0.0])
+    batch, _ = rig.serve(1, 2, n_replay=5)  # the pool holds the 2 served before
+    assert len(batch.items) == 4 and sum(i.replayed for i in batch.items) == 2

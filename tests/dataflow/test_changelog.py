@@ -343,3 +343,39 @@ def test_a_task_one_policy_consumed_while_another_holds_it_is_restored(tmp_path)
     assert restored.buffers.routed_left == layer.buffers.routed_left
     assert restored.buffers.task_consumed == layer.buffers.task_consumed
     run(restored.close())
+
+
+def test_a_base_of_the_previous_format_is_restored(tmp_path):
+    """A base written in the previous format (task entries without results, groups holding
+    theirs, routes counting the items not settled) restores to the same state."""
+    paths = Paths(tmp_path)
+    layer = paths.layer()
+
+    async def go():
+        node = Node(layer)
+        await node.roll(8, reward_of=_alternating)
+        held = await layer.lease("n1", 4)  # part of a group completes: its results so far are in the group
+        await layer.complete(store_and_ref(node.writer, [make_trajectory(held[0], 1.0, node="n1")]))
+        await layer.close()
+
+    run(go())
+    want = live(layer)
+    state = changes.state_of(layer, layer.durability.fingerprint, layer.durability.lengths())
+    old_entries = {kind: {} for kind in changes.KINDS}
+    for kind, key in changes.all_keys(layer):
+        value = changes.entry(layer, kind, key)
+        if value is not None:
+            old_entries[kind][key] = value[:2] if kind == "task" else value
+    for tid, left in layer.buffers.routed_left.items():
+        old_entries["route"][tid] = (left, tid in layer.buffers.task_consumed, layer.buffers.task_drop_reason.get(tid))
+    assert any(g.results for g in layer.buffers.rolling.values())
+    base = {"format": 2, "fingerprint": layer.durability.fingerprint, "seq": 0, "log": 1,
+            "small": changelog._dumps(changes.small(layer, layer.durability.lengths())),
+            "entries": {kind: {key: changelog._dumps(v) for key, v in found.items()}
+                        for kind, found in old_entries.items()}}
+    for n in changelog.log_numbers(paths.snapshot):
+        changelog.log_path(paths.snapshot, n).unlink()
+    paths.snapshot.write_bytes(changelog._dumps(base))
+    restored = saved(paths)
+    assert state["format"] == 3 and restored["format"] == 3
+    assert plain({**restored, "format": None}) == plain({**want, "format": None})

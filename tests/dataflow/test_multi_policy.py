@@ -167,3 +167,28 @@ def test_workflow_defined_in_a_test_runs_through_real_engines_and_data_layer(tin
             assert all((i.sequence.policy_ids[i.loss_mask] == idx).all() for i in batch.items)
 
     asyncio.run(go())
+
+
+def test_a_group_one_policy_settles_at_ingest_still_reaches_the_other(tmp_path):
+    """Group of 2, one task fails for good: the survivor's sequence has tokens of both policies,
+    one item each, too few for a group. The first policy settles its item at ingest (which
+    would end the task) while the second's item is still to be routed: both are counted
+    first, so both settle and the task ends once, as dropped."""
+    layer = layer2(tmp_path, max_attempts=1)
+    both = Sequence.build(tokens=[1, 2, 3, 4], loss_mask=[0, 1, 0, 1], logprobs=[0, -1, 0, -1],
+                          policy_ids=[-1, 0, -1, 1], versions=[-1, 0, -1, 0], reward=1.0)
+
+    async def go():
+        tasks = await layer.lease("n", 2)
+        kept, failed = [t for t in tasks if t.group_id == tasks[0].group_id][:2]
+        done = Trajectory(kept.task_id, kept.group_id, kept.policies, kept.workflow, kept.kind, kept.attempt,
+                          (both,), Provenance(node="n"))
+        await layer.complete(store_and_ref(layer.store.writer("n"), [done]))
+        await layer.fail(failed.task_id, "engine")  # its last attempt: the group is done
+        return kept
+
+    kept = asyncio.run(go())
+    assert layer.ledger.state_of(kept.task_id) == "dropped"
+    assert not layer.buffers.routed_left and not layer.buffers.task_drop_reason
+    for policy in ("solver", "verifier"):
+        assert layer.buffers.counts[policy]["sequences_ingested"] == 1

@@ -138,7 +138,8 @@ def _reported_later(paths, name: str, entry: dict, after_s: float = 0.5):
 
 
 @pytest.mark.parametrize("entry, code, needle", [
-    ({"state": "active", "jobs": {"101": "RUNNING"}, "serving": 1}, 0, "serving: 1 of 1 worker(s) (jobs: 101 (RUNNING))"),
+    ({"state": "active", "jobs": {"101": "RUNNING"}, "serving": 1}, 0,
+     "serving: 1 of 1 worker(s) (jobs: 101 (RUNNING))"),
     ({"state": "failed", "jobs": {"101": "FAILED"}, "error": "3 workers failed before serving"}, 2,
      "partition a100 failed: 3 workers failed before serving"),
 ])
