@@ -233,7 +233,7 @@ class LeaseStock:
             settle_all((answer, Packed(tasks)) for answer, tasks in answers)
             if stopped:  # drained meanwhile: what came back goes back
                 break
-            if got or elapsed >= self.wait_s / 2:
+            if got or (self.wait_s > 0 and elapsed >= self.wait_s / 2):  # tasks, or held for a long poll
                 pause = 0.0
             else:  # refused at once (weights behind, a finished run): do not ask in a tight loop
                 pause = min(max(pause * 2, 0.05), MAX_PAUSE_S)

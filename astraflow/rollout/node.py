@@ -284,9 +284,9 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
                     self._recover(EngineProcessError(dead_engines(self.engines)[0][1].dead)))
                 recovering = True
             recovering = recovering and not serving(self.engines, self._reviving)
+            self._new_weights.clear()  # a load from now on ends this turn's pause (one earlier was seen)
             if free > 0 and not self.draining and not recovering:
                 t0 = time.time()
-                self._new_weights.clear()
                 # a long poll when idle-capable: the data layer answers as soon as it has tasks
                 tasks = await call(self.dl.lease, self.identity.name, free, self.cfg.lease_wait_seconds,
                                    versions=self.versions(), timeout=30)

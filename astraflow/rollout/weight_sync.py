@@ -125,9 +125,10 @@ class WeightPuller:
                 continue
             if engine.loads_versions_itself:
                 # an engine in its own process reads the version itself: nothing to copy here
+                before = engine.version
                 engine.load_version(self.store.root, policy, latest.version, use_deltas=self.use_deltas,
                                     full_resync_every=self.full_resync_every)
-                loaded += 1
+                loaded += engine.version > before  # a pool whose replicas are all dead loads nothing
                 continue
             state, record = self.reader.read(policy, latest.version)
             engine.load_weights(state, latest.version)

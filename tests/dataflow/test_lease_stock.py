@@ -163,3 +163,19 @@ def test_while_admission_refuses_a_waiting_node_whose_weights_are_behind_is_answ
     assert behind.result(1) == [] and not current.done()  # it asks again with the weights it loads next
     stock.drain()
     assert current.result(1) == []
+
+
+def test_a_stock_without_a_long_poll_backs_off_when_the_data_layer_has_nothing():
+    """``lease_wait_seconds: 0``: every refill comes back empty at once while the data layer has
+    no task; the stock pauses between them (doubling) instead of asking in a tight loop."""
+    handle = _SlowHandle(0.0)
+    calls = []
+    lease_ahead = handle.lease_ahead
+    handle.lease_ahead = lambda worker, want, wait: calls.append(wait) or lease_ahead(worker, want, wait)
+    stock = LeaseStock(handle, "w0", most=8, wait_s=0.0)
+    try:
+        assert stock.lease("w0.n0", 4, 0.0, None).result(5) == []
+        time.sleep(1.0)
+    finally:
+        stock.drain()
+    assert 1 <= len(calls) < 40, len(calls)

@@ -222,3 +222,118 @@ def test_a_2_gpu_worker_uses_both_gpus(tiny_model):
 def _visible() -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     return [d for d in env.split(",") if d] if env else [str(i) for i in range(torch.cuda.device_count())]
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_whose_replicas_are_all_dead_loads_no_version(tiny_model, tmp_path):
+    """Both replicas SIGKILLed: a new version is skipped by the dead replicas, and the puller
+    does not count it as loaded (the node would take it for new weights on every poll)."""
+    engine = make_engine(EngineConfig(replicas=2, device="cpu", max_batch=8, threads=1), str(tiny_model), seed=3)
+    try:
+        store = WeightStore(tmp_path / "weights")
+        _publish(store, tiny_model, 1)
+        puller = WeightPuller(str(tmp_path / "weights"), {"p": engine})
+        assert puller.poll() == 1
+        _wait("both replicas at v1", lambda: engine.version == 1)
+        for replica in engine.replicas:
+            os.kill(replica.pid, signal.SIGKILL)  # our own children, by their PIDs
+        _wait("both replicas seen dead", lambda: all(r.dead for r in engine.replicas))
+        _publish(store, tiny_model, 2)
+        assert puller.poll() == 0 and puller.poll() == 0 and engine.version == 1
+    finally:
+        engine.close()
+
+
+class _NoTasks:
+    """The data layer's side of a node's calls, with no task to hand out (in-process)."""
+
+    @staticmethod
+    def _answer(value):
+        from concurrent.futures import Future
+
+        fut = Future()
+        fut.set_result(value)
+        return fut
+
+    def heartbeat(self, node, stats):
+        return self._answer({"draining": False, "finished": False})
+
+    def lease(self, node, capacity, wait, versions=None):
+        return self._answer([])
+
+    def fail(self, task_id, reason):
+        return self._answer(None)
+
+    def complete(self, refs):
+        return self._answer(0)
+
+
+class _DeadOnCue:
+    """An engine process's stand-in for the node's loop (nothing generates here): it dies when
+    told, and a restart takes seconds, as a real engine process's does."""
+
+    loads_versions_itself, pid, restartable, tokenizer = True, None, True, None
+
+    def __init__(self):
+        self.dead, self.version = None, 5
+
+    def restart(self):
+        time.sleep(3.0)
+        self.dead, self.version = None, 0
+
+    def load_version(self, root, policy, version, **kw):
+        self.version = version
+
+    def take_load_records(self):
+        return []
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_a_node_restarting_its_engines_paces_its_loop(tmp_path, monkeypatch):
+    """While every replica restarts (nothing serves: no lease), new versions keep being
+    published: the node's loop still pauses between turns instead of spinning."""
+    import threading
+    from types import SimpleNamespace
+
+    import astraflow.rollout.node as node_module
+    from astraflow.rollout.config import RolloutConfig
+    from astraflow.rollout.node import NodeIdentity, RaaSNode
+    from astraflow.workloads.config import SamplingConfig
+
+    node = RaaSNode(identity=NodeIdentity(name="n0"), models={"p": "x"}, workload_name="math",
+                    rollout=RolloutConfig(capacity=4, lease_wait_seconds=0.5, weight_poll_seconds=0.1),
+                    workload_params={}, workload_seed=0, workflow="single_turn", sampling=SamplingConfig(),
+                    store_url=str(tmp_path / "trajectories"), weights_root=str(tmp_path / "weights"),
+                    data_layer=_NoTasks())
+    node.writer = SimpleNamespace(flush=lambda: None)
+    replicas = [_DeadOnCue(), _DeadOnCue()]
+    node.engines = {"p": EnginePool(replicas)}
+    latest = SimpleNamespace(version=5)
+    node.puller = WeightPuller(str(tmp_path / "weights"), node.engines)
+    node.puller.store = SimpleNamespace(latest=lambda policy: latest, root=str(tmp_path / "weights"))
+    turns = []
+    real_serving = node_module.serving
+    monkeypatch.setattr(node_module, "serving", lambda *a: turns.append(1) or real_serving(*a))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(node._guarded()), daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.3)  # empty leases: the node's pacing backs off
+        for replica in replicas:
+            replica.dead = "killed"
+        latest.version = 6  # published while the replicas restart
+        time.sleep(0.5)
+        before = len(turns)
+        time.sleep(1.5)
+        assert thread.is_alive() and node.error is None and replicas[0].dead  # still restarting
+        assert len(turns) - before < 100, f"{len(turns) - before} turns of the node's loop in 1.5 s"
+        assert node.counters["weight_loads"] == 0
+    finally:
+        node._stop.set()
+        thread.join(15)
