@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 from astraflow.contracts import RolloutTask
 
@@ -53,11 +53,17 @@ class PolicyClock:
     oldest_node_version: int | None
     #: whether the policy's trainer still takes batches (not finished, not stalled)
     active: bool = True
+    #: the policy's name
+    policy: str = ""
 
 
-def admits(source: str, share: float, rolling: int, clocks: list[PolicyClock], max_staleness: int) -> bool:
+def admits(source: str, share: float, rolling: int, clocks: list[PolicyClock], max_staleness: int,
+           waiting: Collection[str] = ()) -> bool:
     """Whether a new group of ``source`` (``share`` of each batch; ``rolling`` groups of it in
-    rollout) can still be trained on by every active policy (see the module docstring)."""
+    rollout) can still be trained on by every active policy (see the module docstring).
+    ``waiting``: policies whose waiting batch lacks more of the source than its groups in
+    rollout bring: that batch takes the new group (a source whose share of a batch is less
+    than a group, or a batch mostly replayed, would otherwise never be admitted)."""
     for c in clocks:
         if not c.active:
             continue
@@ -65,7 +71,8 @@ def admits(source: str, share: float, rolling: int, clocks: list[PolicyClock], m
         ahead = c.buffered.get(source, 0) + rolling * c.per_group
         # the batch that takes the new group's last sequence (a group whose yield varies,
         # a multi-turn episode's, may otherwise spill into a batch past the bound)
-        taken_at = c.next_version + math.floor(max(ahead + c.per_group - 1, 0) / per_batch)
+        taken_at = c.next_version if c.policy in waiting else \
+            c.next_version + math.floor(max(ahead + c.per_group - 1, 0) / per_batch)
         oldest = c.next_version if c.oldest_node_version is None else min(c.oldest_node_version, c.next_version)
         if taken_at - oldest > max_staleness:
             return False
@@ -126,6 +133,7 @@ def clocks(*, policies: list[str], versions: Mapping[str, int], served: Mapping[
             per_group=accepted.get(p, 0) / groups_ingested if groups_ingested else float(group_size),
             oldest_node_version=oldest[p],
             active=not finished[p] and paces[p].active(now),
+            policy=p,
         ))
     return out
 
@@ -169,8 +177,8 @@ class OldestVersions:
         return self._value
 
 
-def rule_of(layer: Any) -> Callable[[str, float, int], bool]:
-    """``admits(source, share, rolling)`` over the clocks of a ``DataLayer`` at this moment."""
+def rule_of(layer: Any) -> Callable[..., bool]:
+    """``admits(source, share, rolling, waiting)`` over the clocks of a ``DataLayer`` at this moment."""
     cfg, buffers = layer.cfg, layer.buffers
     cl = clocks(
         policies=layer.policy_names, versions=layer.versions, ready=buffers.ready,
@@ -180,17 +188,17 @@ def rule_of(layer: Any) -> Callable[[str, float, int], bool]:
         nodes=layer.leases.nodes, node_window_s=cfg.lease_seconds, paces=layer.paces,
         finished={p: v >= layer.max_steps for p, v in layer.versions.items()}, now=time.time(),
         oldest=layer.oldest.get(layer.leases.nodes, cfg.lease_seconds, time.time()))
-    return lambda source, share, rolling: admits(source, share, rolling, cl, cfg.max_staleness)
+    return lambda source, share, rolling, waiting=(): admits(source, share, rolling, cl, cfg.max_staleness, waiting)
 
 
-def _lazy_rule(layer: Any) -> Callable[[str, float, int], bool]:
+def _lazy_rule(layer: Any) -> Callable[..., bool]:
     """``rule_of(layer)``, built on its first use."""
-    built: list[Callable[[str, float, int], bool]] = []
+    built: list[Callable[..., bool]] = []
 
-    def admits_now(source: str, share: float, rolling: int) -> bool:
+    def admits_now(source: str, share: float, rolling: int, waiting: Collection[str] = ()) -> bool:
         if not built:
             built.append(rule_of(layer))
-        return built[0](source, share, rolling)
+        return built[0](source, share, rolling, waiting)
 
     return admits_now
 

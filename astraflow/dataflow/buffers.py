@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -90,12 +90,12 @@ class ReadyGroup:
 class Buffers:
     """Groups in rollout, per-policy buffers, served batches, replay and batch statistics."""
 
-    def __init__(self, policies: list[str], *, batch_size: int, group_size: int, limit: int,
+    def __init__(self, policies: list[str], *, batch_size: int, group_size: int, limit: int | Callable[[], int],
                  max_staleness: int, ledger: Ledger, rng: random.Random):
         self.policies = list(policies)
         self.group_size = group_size
-        #: a policy whose trainer does not consume keeps at most this many groups
-        self.cap_groups = 4 * limit
+        #: the groups allowed ahead of training, now (it grows with the nodes' slots)
+        self._limit = limit if callable(limit) else (lambda: limit)
         self.max_staleness = max_staleness
         self.ledger = ledger
         #: draws replayed samples (shared with the prompt orders: one stream, saved with the run)
@@ -127,6 +127,11 @@ class Buffers:
         #: ``changes.py``): ``("route", task)``, ``("group", group)`` (ingested), ``("ready", policy, ingest_seq)``,
         #: ``("serving", policy, version)``
         self.changed: set[tuple] | None = None
+
+    @property
+    def cap_groups(self) -> int:
+        """A policy whose trainer does not consume keeps at most this many groups."""
+        return 4 * self._limit()
 
     def _touch(self, *key: Any) -> None:
         if self.changed is not None:

@@ -122,7 +122,8 @@ class DataLayer(TrainerFacing, LaneServed):
         self.leases = Leases(dataflow.lease_seconds, dataflow.max_attempts, self._task_failed)
         self.ledger = self.leases.ledger
         self.buffers = Buffers(self.policy_names, batch_size=dataflow.batch_size, group_size=workload.group_size,
-                               limit=self.limit, max_staleness=dataflow.max_staleness, ledger=self.ledger, rng=rng)
+                               limit=lambda: self.limit, max_staleness=dataflow.max_staleness, ledger=self.ledger,
+                               rng=rng)
         self.metrics = rec.MetricsLog(metrics_path)
         self.service = rec.ServiceTimes()
         #: the oldest weights among the leasing nodes, per policy (admission by version)
@@ -336,8 +337,13 @@ class DataLayer(TrainerFacing, LaneServed):
         self.service.add("complete", time.perf_counter() - t0)
         return new
 
-    async def fail(self, task_id: str, reason: str) -> None:
-        """A node could not run a task; it is requeued (or fails after ``max_attempts``)."""
+    async def fail(self, task_id: str, reason: str, attempt: int | None = None) -> None:
+        """A node could not run a task; it is requeued (or fails after ``max_attempts``).
+        ``attempt``: the attempt the node ran (``RolloutTask.attempt``); a report of an earlier
+        one (its lease expired and the task went to another node) changes nothing."""
+        task = self.leases.tasks.get(task_id)
+        if attempt is not None and task is not None and task.attempt != attempt:
+            return
         if task_id in self.leases.held:
             self.leases.give_back(task_id, f"failed:{reason}")
             await self._durable()

@@ -246,7 +246,7 @@ class Leases:
         for tid in tids:
             self.give_back(tid, "node_gone")
         for name in names:
-            self.nodes.setdefault(name, {})["gone"] = True
+            self.node(name)["gone"] = True  # a name not seen yet gets a whole entry: it may still call
             self.touch_node(name)
         return len(tids)
 

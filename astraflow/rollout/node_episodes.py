@@ -103,7 +103,7 @@ class NodeEpisodes:
         """Tell the data layer ``task`` failed (it is requeued up to its attempt limit). When the
         call does not get through, the task is no longer reported as held, so its lease expires."""
         try:
-            await call(self.dl.fail, task.task_id, reason, timeout=30)
+            await call(self.dl.fail, task.task_id, reason, attempt=task.attempt, timeout=30)
         except Exception as err:  # an actor call fails with whatever the transport or the actor raised
             log.warning("node %s: reporting the failure of %s failed (%s); its lease will expire",
                         self.identity.name, task.task_id, err)

@@ -339,3 +339,39 @@ def test_the_data_layer_process_collects_garbage_less_often_but_never_more(tmp_p
         assert gc.get_threshold() == (GC_THRESHOLDS[0] * 4, GC_THRESHOLDS[1], 7)
     finally:
         gc.set_threshold(*before)
+
+
+def test_a_late_failure_of_an_earlier_attempt_leaves_the_new_lease_alone(tmp_path):
+    """Node A's lease expires and the task goes to node B; A's episode then fails and says so:
+    B's lease and its completion stand (a report of the attempt B runs still counts)."""
+    import time
+
+    layer = make_layer(tmp_path, lease_seconds=0.05, max_attempts=2)
+
+    async def go():
+        (first,) = await layer.lease("A", 1)
+        time.sleep(0.1)  # A's lease runs out
+        (again,) = await layer.lease("B", 1)
+        assert again.task_id == first.task_id and again.attempt == first.attempt + 1
+        await layer.fail(first.task_id, "EpisodeTimeout", attempt=first.attempt)
+        assert layer.leases.held[again.task_id][0] == "B"
+        new = await layer.complete(store_and_ref(layer.store.writer("B"), [make_trajectory(again, 1.0, node="B")]))
+        assert new == 1 and layer.ledger.state_of(again.task_id) == "completed"
+        (third,) = await layer.lease("C", 1)
+        await layer.fail(third.task_id, "engine", attempt=third.attempt)  # the attempt it runs: requeued
+        assert third.task_id not in layer.leases.held and layer.ledger.state_of(third.task_id) == "pending"
+
+    run(go())
+
+
+def test_a_node_declared_gone_before_its_first_call_can_still_call(tmp_path):
+    """A worker lost while its node was starting: the name is marked gone before the data layer
+    has seen it; a call it makes after that is answered, not failed inside the data layer."""
+    layer = make_layer(tmp_path)
+
+    async def go():
+        assert await layer.node_gone("w7") == 0
+        assert (await layer.heartbeat("w7", {}))["draining"] is False
+        assert isinstance(await layer.lease("w7", 4), list)
+
+    run(go())

@@ -261,7 +261,7 @@ class _NoTasks:
     def lease(self, node, capacity, wait, versions=None):
         return self._answer([])
 
-    def fail(self, task_id, reason):
+    def fail(self, task_id, reason, attempt=None):
         return self._answer(None)
 
     def complete(self, refs):

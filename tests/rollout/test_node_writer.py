@@ -32,7 +32,7 @@ class _Completions:
         self.batches: list[tuple[float, list[str]]] = []
         self.failed: list[tuple[str, str]] = []
 
-    def fail(self, task_id, reason):
+    def fail(self, task_id, reason, attempt=None):
         self.failed.append((task_id, reason))
         fut: concurrent.futures.Future = concurrent.futures.Future()
         fut.set_result(True)
