@@ -99,6 +99,10 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     except StopForRequeue as sig:  # before the run started: nothing to stop, resumed all the same
         click.echo(f"stopped by {sig.args[0]} for a requeue before the run started; run again on {rd}", err=True)
         sys.exit(REQUEUE_EXIT_CODE)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before the run started (checking data, building models)
+        ignore_stop_signals()
+        click.echo(f"stopped before the run started; run again on {rd} to start it", err=True)
+        sys.exit(130)
     except ValueError as err:
         raise UserError(str(err)) from None
     except (RunFailed, NonFiniteError) as err:  # the run started and failed: exit 1, its reason

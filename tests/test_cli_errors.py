@@ -267,3 +267,23 @@ def test_status_of_a_run_that_stopped_without_a_summary(tmp_path):
     (tmp_path / "control" / "status.json").write_text(json.dumps({"written_at": time.time() - 300}))
     res = _invoke("status", str(tmp_path))
     assert res.exit_code == 2 and "stopped without a summary" in res.output, res.output
+
+
+def test_a_stop_before_the_run_starts_exits_130_without_a_traceback(monkeypatch, tmp_path):
+    """Ctrl-C or SIGTERM (scancel) while the data is checked or the models are built, before
+    the run started: the documented 130 and one line, not click's "Aborted!" and 1."""
+    from click.testing import CliRunner
+
+    import astraflow.runtime.launch as launch_module
+    import astraflow.runtime.stopping as stopping
+    from astraflow.cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    ignored = []
+    monkeypatch.setattr(launch_module, "launch", interrupted)
+    monkeypatch.setattr(stopping, "ignore_stop_signals", lambda: ignored.append(1))  # not in pytest's process
+    res = CliRunner().invoke(main, ["run", "examples/tiny/config.yaml", "--run-dir", str(tmp_path / "run")])
+    assert res.exit_code == 130 and ignored, res.output
+    assert "stopped before the run started" in res.output and "Traceback" not in res.output

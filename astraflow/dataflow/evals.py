@@ -79,7 +79,10 @@ class EvalRounds:
         while any(taken(f"{prefix}-{i}/0") for i, _ in chosen):
             n += 1
             prefix = f"eval-v{version}.{n}"
-        rnd = EvalRound(version=version, policy=self.policies[0], k=self.k, remaining=len(chosen) * self.k)
+        # no held-out prompt to evaluate (an empty test split): the round is over before it starts,
+        # with no record (an accuracy of nothing would read as 0)
+        rnd = EvalRound(version=version, policy=self.policies[0], k=self.k, remaining=len(chosen) * self.k,
+                        written=not chosen)
         self.rounds[version] = rnd
         sampling = {"greedy": True} if self.k == 1 else None
         tasks = []

@@ -52,3 +52,16 @@ def test_an_unfinished_round_is_passed_at_the_end_and_accuracy_by_source():
     ev.write(past_unfinished=True)
     (rec,) = written
     assert rec["step"] == 1 and rec["eval_accuracy_by_source"] == {"a": pytest.approx(0.5), "b": 1.0}
+
+
+def test_without_held_out_prompts_a_round_is_over_at_once_with_no_record():
+    """An empty test split (``num_test: 0``): nothing to evaluate, so a round neither holds back
+    training nor the run's end (which waits for the last round), and no accuracy is made up."""
+    written: list[dict] = []
+    ev = EvalRounds([], [], k=1, policies=["p"], workflow="w", by_source=False, started=0.0, write=written.append)
+    assert ev.start(0) == [] and ev.start(5) == []
+    assert ev.initial_done() and ev.done(0) and ev.done(5) and written == [] and ev.results == []
+    only_sets = [{"q": 0, "eval_set": "extra"}]  # prompts of a second set only: evaluated at the first round
+    ev, written = EvalRounds(only_sets, [""], k=1, policies=["p"], workflow="w", by_source=False, started=0.0,
+                             write=[].append), None
+    assert len(ev.start(0)) == 1 and ev.start(2) == [] and ev.done(2)
