@@ -63,9 +63,12 @@ def admits(source: str, share: float, rolling: int, clocks: list[PolicyClock], m
     rollout) can still be trained on by every active policy (see the module docstring).
     ``waiting``: policies whose waiting batch lacks more of the source than its groups in
     rollout bring: that batch takes the new group (a source whose share of a batch is less
-    than a group, or a batch mostly replayed, would otherwise never be admitted)."""
+    than a group, or a batch mostly replayed, would otherwise never be admitted), and only they
+    are asked: a trainer that waits comes first, and the others drop what they cannot use as
+    stale (a policy given more sequences per episode, held at the lockstep barrier, would
+    otherwise refuse every group the one behind it needs)."""
     for c in clocks:
-        if not c.active:
+        if not c.active or (waiting and c.policy not in waiting):
             continue
         per_batch = max(c.per_batch * share, 1e-9)
         ahead = c.buffered.get(source, 0) + rolling * c.per_group
