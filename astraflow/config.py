@@ -11,6 +11,7 @@ and the resolved config is written into the run directory.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -172,14 +173,30 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _engine_fits_rollout_gpus(self) -> "RunConfig":
-        """A ``vllm`` engine's ``tensor_parallel`` shards take one GPU each of a rollout worker."""
-        tp = self.rollout.engine.tensor_parallel
+        """A ``vllm`` engine's ``tensor_parallel`` shards take one GPU each of a rollout worker; a
+        partition's own ``rollout:`` settings replace the run's for its workers."""
         for part in self.partitions:
-            if part.role == "rollout" and 0 < part.gpus_per_node < tp:
+            if part.role != "rollout":
+                continue
+            tp = effective_rollout(self.rollout, part).engine.tensor_parallel
+            if 0 < part.gpus_per_node < tp:
+                own = "tensor_parallel" in part.rollout.get("engine", {})
+                field = f"partitions[{part.name}].rollout" if own else "rollout"
                 raise ValueError(
-                    f"rollout.engine.tensor_parallel {tp} shards each engine over {tp} GPUs, and partition "
+                    f"{field}.engine.tensor_parallel {tp} shards each engine over {tp} GPUs, and partition "
                     f"{part.name!r} gives a rollout worker {part.gpus_per_node}: lower tensor_parallel or set "
                     f"gpus_per_node: {tp} on that partition")
+        return self
+
+    @model_validator(mode="after")
+    def _finite_sim_times(self) -> "RunConfig":
+        """A sim trainer's step times are finite, as ``sim_step_schedule``'s must be."""
+        for pol in self.policies:
+            for key in ("sim_step_seconds", "sim_seconds_per_token"):
+                value = getattr(pol.trainer, key)
+                if not math.isfinite(value):
+                    raise ValueError(f"policies[{pol.name}].trainer.{key}: {value} is not a time; use finite "
+                                     "seconds >= 0, e.g. 1.0")
         return self
 
     @model_validator(mode="after")
@@ -210,12 +227,18 @@ class RunConfig(Strict):
             check_partition(part, self.rollout, {p.name: p.trainer for p in self.policies})
         self._check_trainer_ranks()
         check_autoscale(self.autoscale, self.partitions, self.run.mode)
-        from astraflow.rollout.workflows import workflow_class
+        from astraflow.rollout.workflows import not_a_workflow, workflow_class
 
         try:
             wf = workflow_class(self.workload.workflow)
         except (ValueError, ImportError) as err:
             raise ValueError(f"workload.workflow: {err}") from None
+        why = not_a_workflow(wf)
+        if why:
+            raise ValueError(
+                f"workload.workflow: {self.workload.workflow!r} {why}; name a workflow class (a subclass of "
+                "astraflow.rollout.workflows.WorkflowBase with num_policies and async run_episode(engines, task)) "
+                "or a registered workflow, e.g. single_turn")
         need = wf.num_policies
         if need != len(self.policies):
             raise ValueError(
@@ -361,8 +384,12 @@ def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
 def config_from_dict(data: dict, base_dir: Path | None = None) -> RunConfig:
     """Validate a config dict; relative model paths are resolved against ``base_dir``."""
     data = dict(data)
+    policies = data.get("policies")
+    for i, pol in enumerate(policies if isinstance(policies, list) else []):
+        if isinstance(pol, dict) and "model" in pol and pol["model"] is None:  # not the path "None"
+            raise ConfigError(f"policies[{pol.get('name', i)}].model: empty (null); give the path of an HF model "
+                              "directory (built by `init:` when missing), or a name for a sim run")
     if base_dir is not None:
-        policies = data.get("policies")
         for pol in policies if isinstance(policies, list) else []:  # not a list: validation says so
             if isinstance(pol, dict) and "model" in pol and not Path(str(pol["model"])).is_absolute():
                 pol["model"] = str((base_dir / str(pol["model"])).resolve())

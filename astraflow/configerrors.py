@@ -74,6 +74,8 @@ def describe_error(e: dict[str, Any]) -> str:
             got, why, text = f"the number {given}", "digits as a number", str(given)
         return (f"{loc}: {msg}, got {got} (YAML reads unquoted {why}); quote the text: "
                 f"{e['loc'][-1]}: \"{text}\" in the file, or --set {loc}='\"{text}\"'")
+    if e["type"] in OPTION_FIXES and isinstance(given, float) and given != given:  # nan fails any bound
+        return f"{loc}: nan is not a number; use a finite one"
     if e["type"] not in ("value_error", "assertion_error") and isinstance(given, (str, int, float, bool)):
         return f"{loc}: {msg}, got {given!r}"
     return f"{loc}: {msg}"

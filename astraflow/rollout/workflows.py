@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import inspect
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import ClassVar, Mapping, Protocol
+from typing import Any, ClassVar, Mapping, Protocol
 
 import numpy as np
 
@@ -56,6 +57,25 @@ _REWARD_POOL = ThreadPoolExecutor(max_workers=32, thread_name_prefix="astraflow-
 
 class RewardTimeout(TimeoutError):
     """A reward call ran past its deadline (the episode fails and its task is retried)."""
+
+
+def not_a_workflow(obj: Any) -> str | None:
+    """Why ``obj`` (what ``workload.workflow`` names) cannot be a node's workflow, or None: a
+    node builds it with ``workload``, ``sampling`` and ``node`` and awaits its ``run_episode``."""
+    if not isinstance(obj, type):
+        return f"is a {type(obj).__name__}, not a class"
+    n = getattr(obj, "num_policies", None)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return f"has num_policies {n!r}, not the number of policies it drives (1 or more)"
+    if not inspect.iscoroutinefunction(getattr(obj, "run_episode", None)):
+        return "has no async run_episode(engines, task)"
+    try:
+        inspect.signature(obj).bind(workload=None, sampling=None, node=None)
+    except TypeError:
+        return "cannot be built with workload=, sampling= and node= keywords"
+    except ValueError:  # no signature to read: building it will tell
+        pass
+    return None
 
 
 def workflow_class(name: str) -> type[Workflow]:

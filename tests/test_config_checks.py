@@ -1,0 +1,129 @@
+"""Config checks that must refuse a bad value with exit 2 and a message naming the field and the
+fix (never a traceback), and accept what is valid: a partition's own engine settings, a
+``workload.workflow`` that is not a workflow class, a null model, non-finite sim step times."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.test_cli_errors import _config, _invoke
+
+SIM = {
+    "run": {"name": "tp", "max_steps": 2},
+    "policies": [{"name": "solver", "model": "sim", "trainer": {"backend": "sim", "sim_step_seconds": 0.3}}],
+    "workload": {"name": "sim", "workflow": "sim", "params": {"num_train": 200, "num_test": 8, "prompt_tokens": 64},
+                 "group_size": 4},
+    "dataflow": {"batch_size": 16},
+    "rollout": {"engine": {"type": "sim", "tensor_parallel": 2}},
+}
+
+
+def _sim_config(tmp_path, small: dict) -> str:
+    """A sim run whose rollout partitions are ``big`` (8 GPUs) and ``small``."""
+    parts = [{"name": "data", "role": "data"}, {"name": "trainer", "role": "trainer"},
+             {"name": "big", "role": "rollout", "gpus_per_node": 8},
+             {"name": "small", "role": "rollout", "gpus_per_node": 1, **small}]
+    path = tmp_path / "tp.yaml"
+    path.write_text(yaml.safe_dump({**SIM, "partitions": parts}, sort_keys=False))
+    return str(path)
+
+
+def test_a_partitions_own_tensor_parallel_is_the_one_checked(tmp_path):
+    res = _invoke("check", _sim_config(tmp_path, {"rollout": {"engine": {"tensor_parallel": 1}}}))
+    assert res.exit_code == 0, res.output
+    assert "partition small (rollout, 1 node(s), 1 GPU(s) each)" in res.output
+
+
+@pytest.mark.parametrize("small, field", [
+    ({}, "rollout.engine.tensor_parallel 2"),
+    ({"rollout": {"engine": {"tensor_parallel": 2}}}, "partitions[small].rollout.engine.tensor_parallel 2"),
+])
+def test_an_engine_wider_than_a_partitions_gpus_names_the_partition(tmp_path, small, field):
+    res = _invoke("check", _sim_config(tmp_path, small))
+    assert res.exit_code == 2, res.output
+    assert f"{field} shards each engine over 2 GPUs, and partition 'small' gives a rollout worker 1" in res.output
+
+
+def test_a_wide_engine_only_on_the_partition_that_fits_it(tmp_path):
+    """The run's engine is 1 GPU wide; ``big`` shards its engines over 4 of its 8."""
+    path = _sim_config(tmp_path, {})
+    res = _invoke("check", path, "--set", "rollout.engine.tensor_parallel=1",
+                  "--set", "partitions.big.rollout={engine: {tensor_parallel: 4}}")
+    assert res.exit_code == 0, res.output
+
+
+NOT_WORKFLOWS = '''
+def a_function(workload, sampling, node):
+    pass
+
+
+class NoEpisode:
+    num_policies = 1
+
+
+class SyncEpisode:
+    num_policies = 1
+
+    def __init__(self, workload, sampling, node):
+        pass
+
+    def run_episode(self, engines, task):
+        pass
+
+
+class NoPolicies:
+    num_policies = 0
+
+    async def run_episode(self, engines, task):
+        pass
+
+
+class NoKeywords:
+    num_policies = 1
+
+    async def run_episode(self, engines, task):
+        pass
+'''
+
+
+@pytest.mark.parametrize("name, why", [
+    ("os:path", "is a module, not a class"),
+    ("not_workflows_test:a_function", "is a function, not a class"),
+    ("not_workflows_test:NoEpisode", "has no async run_episode(engines, task)"),
+    ("not_workflows_test:SyncEpisode", "has no async run_episode(engines, task)"),
+    ("not_workflows_test:NoPolicies", "has num_policies 0, not the number of policies it drives (1 or more)"),
+    ("not_workflows_test:NoKeywords", "cannot be built with workload=, sampling= and node= keywords"),
+])
+def test_a_workflow_that_is_not_a_workflow_class_is_refused(tmp_path, monkeypatch, name, why):
+    (tmp_path / "not_workflows_test.py").write_text(NOT_WORKFLOWS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    res = _invoke("check", str(_config(tmp_path)), "--set", f"workload.workflow={name}")
+    assert res.exit_code == 2, res.output
+    assert f"workload.workflow: {name!r} {why}; name a workflow class" in res.output
+
+
+def test_a_users_workflow_class_is_accepted(tmp_path):
+    flows = "examples.custom_workflow.flows:two_tries"
+    res = _invoke("check", str(_config(tmp_path)), "--set", f"workload.workflow={flows}")
+    assert res.exit_code == 0, res.output
+
+
+def test_a_null_model_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = _invoke("check", str(_config(tmp_path)), "--set", "policies.solver.model=null")
+    assert res.exit_code == 2, res.output
+    assert "policies[solver].model: empty (null); give the path of an HF model directory" in res.output
+    assert "None" not in res.output
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("sim_step_seconds", ".inf", "policies[solver].trainer.sim_step_seconds: inf is not a time"),
+    ("sim_seconds_per_token", ".inf", "policies[solver].trainer.sim_seconds_per_token: inf is not a time"),
+    ("sim_step_seconds", ".nan", "policies.0.trainer.sim_step_seconds: nan is not a number; use a finite one"),
+    ("sim_step_schedule", "{2: .inf}", "sim_step_schedule {2: inf}: use {from_step: seconds}"),
+])
+def test_a_non_finite_sim_step_time_is_refused(tmp_path, key, value, needle):
+    res = _invoke("check", str(_config(tmp_path)), "--set", f"policies.solver.trainer.{key}={value}")
+    assert res.exit_code == 2, res.output
+    assert needle in res.output
