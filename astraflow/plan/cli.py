@@ -71,7 +71,7 @@ def plan(config: str, pools: tuple[str, ...], trainer_gpus: str, calibrate: bool
     from rich.console import Console
 
     from astraflow.config import ConfigError, load_config
-    from astraflow.plan.planner import Calibration, PlanOptions, run_plan
+    from astraflow.plan.planner import Calibration, PlanOptions, check_save_path, check_workdir, run_plan
     from astraflow.plan.pools import TRAINER_PEAK_FLOPS, PlanError, parse_pool
     from astraflow.plan.report import print_report
     from astraflow.plan.simulate import SimFailed
@@ -96,6 +96,10 @@ def plan(config: str, pools: tuple[str, ...], trainer_gpus: str, calibrate: bool
         for spec in pools:  # syntax and kinds before a calibration takes its seconds
             parse_pool(spec, gpus_per_node, PRESETS["cpu"] if calibrate or calibration else None)
         cfg = load_config(config, list(overrides))
+        if save_calibration:  # where the results go, before a calibration or a run takes its time
+            check_save_path(Path(save_calibration))
+        if workdir:
+            check_workdir(Path(workdir))
         cal = Calibration.load(Path(calibration)) if calibration else None
         if calibrate:
             from astraflow.plan.calibrate import calibrate as measure_local

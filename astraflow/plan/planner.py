@@ -25,8 +25,10 @@ within minutes; more only costs real time).
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import re
 import shutil
 import tempfile
@@ -51,6 +53,38 @@ MAX_STEPS = 50_000
 #: the file that marks a directory of ``--workdir`` as a simulated run of a plan (``simN``): a
 #: later plan removes only such directories, never anything else the user put there
 SIM_MARKER = ".astraflow-plan-sim"
+#: what to do when ``--save-calibration`` or ``--workdir`` cannot be written
+SAVE_FIX = "create its directory or give a --save-calibration path you can write"
+WORKDIR_FIX = "give a --workdir directory you can write"
+
+
+def _cannot_write(option: str, path: Path, err: OSError, fix: str) -> PlanError:
+    return PlanError(f"{option} {path}: cannot write there ({err.strerror or err}); {fix}")
+
+
+def check_save_path(path: Path) -> None:
+    """PlanError naming the fix unless a file can be written at ``path`` (its directory exists and
+    takes a new file): checked before a calibration takes its time, so that none is lost."""
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+        if path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as err:
+        raise _cannot_write("--save-calibration", path, err, SAVE_FIX) from None
+
+
+def check_workdir(workdir: Path) -> None:
+    """Make ``workdir`` (and its parents) when missing; PlanError naming the fix unless it is then
+    a directory that takes new files (checked before any run or calibration takes its time)."""
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=workdir):
+            pass
+    except OSError as err:
+        raise _cannot_write("--workdir", workdir, err, WORKDIR_FIX) from None
 
 
 @dataclass
@@ -63,9 +97,13 @@ class Calibration:
     response_mean: float
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps({"engine": self.engine.model_dump(), "step_seconds": self.step_seconds,
-                                    "prompt_tokens": self.prompt_tokens, "response_mean": self.response_mean},
-                                   indent=2))
+        """Write the calibration to ``path``; PlanError naming the file and the fix when it cannot."""
+        try:
+            path.write_text(json.dumps({"engine": self.engine.model_dump(), "step_seconds": self.step_seconds,
+                                        "prompt_tokens": self.prompt_tokens, "response_mean": self.response_mean},
+                                       indent=2))
+        except OSError as err:
+            raise _cannot_write("--save-calibration", path, err, SAVE_FIX) from None
 
     @classmethod
     def load(cls, path: Path) -> "Calibration":
@@ -239,6 +277,7 @@ def run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions,
     except ConfigError as err:
         raise PlanError(f"the config cannot be simulated: {err}") from None
     if opts.workdir is not None:
+        check_workdir(opts.workdir)
         clear_workdir(opts.workdir, 1 + (opts.max_trials if opts.search else 0))
         return _run_plan(cfg, pools, opts, shape, sources, opts.workdir, progress)
     with tempfile.TemporaryDirectory(prefix="astraflow-plan-") as tmp:  # nothing is kept
@@ -299,9 +338,12 @@ def _run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions, shape: SimSh
         progress(f"{tag}: simulating {label} for {sim_shape.steps} steps "
                  f"({sim_shape.steps * sim_shape.step_seconds / 60:.1f} simulated min, time scale {sim_shape.time_scale:.2g})")
         sim_dir = workdir / f"sim{len(trials)}"
-        sim_dir.mkdir(parents=True)  # fresh: ``clear_workdir`` removed an earlier plan's
-        (sim_dir / SIM_MARKER).write_text("a simulated run of astraflow plan: the next plan on this --workdir "
-                                          "removes this directory\n")
+        try:
+            sim_dir.mkdir(parents=True)  # fresh: ``clear_workdir`` removed an earlier plan's
+            (sim_dir / SIM_MARKER).write_text("a simulated run of astraflow plan: the next plan on this --workdir "
+                                              "removes this directory\n")
+        except OSError as err:  # the directory changed (or filled up) since ``check_workdir``
+            raise _cannot_write("--workdir", sim_dir, err, WORKDIR_FIX) from None
         res = run_sim(sim_config(cfg, sized, sim_shape), sim_dir, {p.kind: p.gpus for p in sized},
                       sim_shape.time_scale, progress=lambda s: progress(f"{tag}: {s}"))
         progress(f"{tag}: {res.steps_per_s:.3g} steps/s, trainer wait {res.trainer_wait:.0%}, "

@@ -128,7 +128,8 @@ def _reported_later(paths, name: str, entry: dict, after_s: float = 0.5):
     def report():
         time.sleep(after_s)
         st = json.loads(paths.status_file.read_text())
-        st["partitions"][name] = {"name": name, "nodes": 1, **entry}
+        own = Partition(name=name, scheduler="slurm", slurm_partition=name, role="rollout")
+        st["partitions"][name] = {**own.model_dump(mode="json"), **entry}
         st["written_at"] = time.time()
         write_status(paths, st)
 

@@ -82,6 +82,60 @@ def test_a_config_with_an_autoscaler_is_planned_at_fixed_pool_sizes():
     assert sim.autoscale is None and [p.nodes for p in sim.partitions if p.role == "rollout"] == [1]
 
 
+def _calibration_file(tmp_path: Path) -> Path:
+    from astraflow.rollout.sim_config import PRESETS
+
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"engine": PRESETS["cpu"].model_dump(), "step_seconds": 1.0, "prompt_tokens": 64,
+                                "response_mean": 100.0}))
+    return path
+
+
+@pytest.mark.parametrize("where", ["missing directory", "under a file"])
+def test_an_unwritable_save_calibration_exits_2_before_calibrating(tmp_path, monkeypatch, where):
+    """Checked before the calibration takes its time: a measurement is never lost to the path."""
+    import astraflow.plan.calibrate
+
+    def measure(*args, **kwargs):
+        raise AssertionError("calibrated before the path was checked")
+
+    monkeypatch.setattr(astraflow.plan.calibrate, "calibrate", measure)
+    (tmp_path / "afile").write_text("")
+    path = tmp_path / ("nodir" if where == "missing directory" else "afile") / "cal.json"
+    for source in (["--calibrate"], ["--calibration", str(_calibration_file(tmp_path))]):
+        res = CliRunner().invoke(main, ["plan", SIM, "--pool", "h100=8", *source, "--save-calibration", str(path)])
+        assert res.exit_code == 2, res.output
+        assert f"--save-calibration {path}: cannot write there" in res.output, res.output
+        assert "create its directory" in res.output and "Traceback" not in res.output
+        assert not path.exists()
+
+
+def test_a_save_calibration_that_fails_while_written_names_the_path(tmp_path):
+    from astraflow.plan.planner import Calibration
+    from astraflow.plan.pools import PlanError
+
+    cal = Calibration.load(_calibration_file(tmp_path))
+    with pytest.raises(PlanError, match="--save-calibration .*nodir/c.json: cannot write there"):
+        cal.save(tmp_path / "nodir" / "c.json")
+
+
+def test_an_unwritable_workdir_exits_2_before_any_simulated_run(tmp_path):
+    (tmp_path / "afile").write_text("")
+    workdir = tmp_path / "afile" / "sub"
+    res = CliRunner().invoke(main, ["plan", SIM, "--pool", "h100=8", "--no-search", "--workdir", str(workdir)])
+    assert res.exit_code == 2, res.output
+    assert f"--workdir {workdir}: cannot write there (Not a directory)" in res.output, res.output
+    assert "give a --workdir directory you can write" in res.output
+    assert "Traceback" not in res.output and "simulating" not in res.output
+
+
+def test_a_missing_workdir_is_made(tmp_path):
+    from astraflow.plan.planner import check_workdir
+
+    check_workdir(tmp_path / "a" / "b")
+    assert (tmp_path / "a" / "b").is_dir() and not list((tmp_path / "a" / "b").iterdir())
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_plan_runs_a_small_config_end_to_end(tmp_path):

@@ -66,13 +66,107 @@ _FIXES = {
 }
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class _Obj:
+    """A JSON object whose ``fields`` fit these specs (types, `_Obj` or `_Each`) where present;
+    the ``required`` ones must be present. ``null``: null is allowed too."""
+
+    fields: dict[str, Any]
+    required: tuple[str, ...] = ()
+    null: bool = False
+
+
+@dataclass(frozen=True)
+class _Each:
+    """A JSON object (``of`` dict: one entry per partition, worker, ...) or list whose every
+    value fits ``item``. ``null``: null is allowed too."""
+
+    item: Any
+    of: type = dict
+    null: bool = False
+
+
+_NUM = (int, float)
+_NONE = type(None)
+
+#: what the readers (the text status, the status view, the partitions commands) take from each
+#: status file, and its type: a field of a wrong type, or a required one missing, makes the file
+#: damaged (its writer always writes them so, and a reader would fail on them)
+_INFO = _Obj({"pid": int, "host": str, "started": _NUM, "dashboard": (str, _NONE), "scheduler": (str, _NONE)},
+             required=("pid", "host"))
+_STATUS = _Obj({
+    "written_at": (*_NUM, _NONE),
+    "data_layer": _Obj({
+        "elapsed_s": _NUM, "episodes_per_s": _NUM, "sequences_per_s": _NUM, "generated_tokens_per_s": _NUM,
+        "buffers": dict, "ledger": _Obj({"states": dict}), "eval": _Each(_Obj({"eval_accuracy": _NUM}), list),
+        "nodes": _Each(_Obj({"idle_fraction": _NUM, "generated_tokens_per_s": _NUM}))}),
+    "trainers": _Each(_Obj({"version": int, "wait_fraction": _NUM, "last_metrics": _Obj({"reward_mean": _NUM})},
+                           required=("version",))),
+    "trainer_restarts": _Each(dict, null=True),
+    "data_layer_restarts": _Obj({"restarts": _Each(dict, list)}, null=True),
+    "partitions": _Each(_Obj({
+        "scheduler": str, "role": str, "nodes": int, "slurm_partition": (str, _NONE), "state": str,
+        "live": _NUM, "serving": _NUM, "completed": _NUM, "failures": _NUM, "jobs": dict,
+        "episodes_per_s": _NUM, "tokens_per_s": _NUM, "refill_in_s": (*_NUM, _NONE),
+        "staleness_mean": (*_NUM, _NONE), "versions": _Each(list),
+        "autoscale": _Obj({"min_nodes": int, "max_nodes": int, "cooldown_s": _NUM},
+                          required=("min_nodes", "max_nodes", "cooldown_s"), null=True)},
+        required=("scheduler", "role", "nodes"))),
+    "workers": _Each(_Obj({"job_id": str, "state": str, "phase": str}, required=("job_id", "state"))),
+    "autoscale": _Obj({
+        "config": _Obj({"low_wait": _NUM, "high_wait": _NUM, "window_s": _NUM,
+                        "max_stale_fraction": (*_NUM, _NONE)}),
+        "last": _Obj({"action": str, "reason": str}, required=("action", "reason"), null=True),
+        "changes": _Each(_Obj({"t": _NUM, "reason": str}, required=("t", "reason")), list)}, null=True),
+})
+#: the JSON name of each Python type a status file holds
+_JSON_TYPES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+               dict: "an object", _NONE: "null"}
+
+
+def _kind(value: Any) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _check(value: Any, spec: Any, where: str) -> None:
+    """`UnreadableFile` saying what is wrong at ``where`` (a dotted path) unless ``value`` fits ``spec``."""
+    if isinstance(spec, (_Obj, _Each)) and value is None and spec.null:
+        return
+    if isinstance(spec, _Each):
+        if not isinstance(value, spec.of):
+            raise UnreadableFile(f"{where} is {_kind(value)}, not {_JSON_TYPES[spec.of]}")
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            _check(item, spec.item, f"{where}[{key}]" if isinstance(value, list) else f"{where}.{key}")
+    elif isinstance(spec, _Obj):
+        if not isinstance(value, dict):
+            raise UnreadableFile(f"{where} is {_kind(value)}, not an object")
+        for name in spec.required:
+            if name not in value:
+                raise UnreadableFile(f"{where}.{name} is missing" if where else f"{name} is missing")
+        for name, sub in spec.fields.items():
+            if name in value:
+                _check(value[name], sub, f"{where}.{name}" if where else name)
+    else:
+        types = spec if isinstance(spec, tuple) else (spec,)
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            wanted = dict.fromkeys("a number" if t in _NUM and float in types else _JSON_TYPES[t] for t in types)
+            raise UnreadableFile(f"{where} is {_kind(value)}, not {' or '.join(wanted)}")
+
+
+def _read_json(path: Path, spec: _Obj | None = None) -> dict[str, Any] | None:
     """The JSON object in ``path``, None when it does not exist; `UnreadableFile` (a
-    ``ValueError``) naming the file and the fix when it is damaged."""
+    ``ValueError``) naming the file and the fix when it is damaged (not a JSON object, or not
+    fitting ``spec``)."""
     if not path.exists():
         return None
     try:
-        return read_json_object(path)
+        data = read_json_object(path)
+        if spec is not None:
+            try:
+                _check(data, spec, "")
+            except UnreadableFile as err:
+                raise UnreadableFile(f"{path} is damaged ({err})") from None
+        return data
     except UnreadableFile as err:
         raise UnreadableFile(f"{err}: {_FIXES.get(path.name, 'restore or delete it')}") from None
 
@@ -128,10 +222,10 @@ def read_snapshot(run_dir: Path | str, now: float | None = None) -> Snapshot:
     """The status files of the run in ``run_dir`` (any of them may be missing)."""
     paths = RunPaths(Path(run_dir))
     now = time.time() if now is None else now
-    status = _read_json(paths.status_file)
+    status = _read_json(paths.status_file, _STATUS)
     written = status.get("written_at") if status is not None else None
     return Snapshot(paths=paths, status=status, summary=_read_json(paths.summary),
-                    info=_read_json(paths.orchestrator_file) or {},
+                    info=_read_json(paths.orchestrator_file, _INFO) or {},
                     age_s=(now - written) if written is not None else None)
 
 

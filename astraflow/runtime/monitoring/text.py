@@ -33,7 +33,8 @@ def format_partitions(st: dict[str, Any]) -> str:
 def format_status(st: dict[str, Any]) -> str:
     dl = st.get("data_layer", {})
     lines = [
-        f"run {st.get('run_dir')}  elapsed {dl.get('elapsed_s', 0):.0f}s  dashboard {st['orchestrator'].get('dashboard')}",
+        f"run {st.get('run_dir')}  elapsed {dl.get('elapsed_s', 0):.0f}s  "
+        f"dashboard {(st.get('orchestrator') or {}).get('dashboard')}",
         "policies:",
     ]
     restarts = st.get("trainer_restarts") or {}
@@ -47,7 +48,7 @@ def format_status(st: dict[str, Any]) -> str:
         )
     dlr = st.get("data_layer_restarts") or {}
     if dlr.get("count"):
-        last = dlr["restarts"][-1]
+        last = (dlr.get("restarts") or [{}])[-1]  # records missing: the count alone
         lines.append(f"data layer: re-placed {dlr['count']}/{dlr.get('limit', '?')} time(s), last on "
                      f"{last.get('new_worker')} ({last.get('why')})")
     lines.append("partitions:")
