@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Mapping
+from typing import Any, Callable, Mapping
 
 from astraflow.contracts import RolloutTask
 
@@ -53,29 +53,19 @@ class PolicyClock:
     oldest_node_version: int | None
     #: whether the policy's trainer still takes batches (not finished, not stalled)
     active: bool = True
-    #: the policy's name
-    policy: str = ""
 
 
-def admits(source: str, share: float, rolling: int, clocks: list[PolicyClock], max_staleness: int,
-           waiting: Collection[str] = ()) -> bool:
+def admits(source: str, share: float, rolling: int, clocks: list[PolicyClock], max_staleness: int) -> bool:
     """Whether a new group of ``source`` (``share`` of each batch; ``rolling`` groups of it in
-    rollout) can still be trained on by every active policy (see the module docstring).
-    ``waiting``: policies whose waiting batch lacks more of the source than its groups in
-    rollout bring: that batch takes the new group (a source whose share of a batch is less
-    than a group, or a batch mostly replayed, would otherwise never be admitted), and only they
-    are asked: a trainer that waits comes first, and the others drop what they cannot use as
-    stale (a policy given more sequences per episode, held at the lockstep barrier, would
-    otherwise refuse every group the one behind it needs)."""
+    rollout) can still be trained on by every active policy (see the module docstring)."""
     for c in clocks:
-        if not c.active or (waiting and c.policy not in waiting):
+        if not c.active:
             continue
         per_batch = max(c.per_batch * share, 1e-9)
         ahead = c.buffered.get(source, 0) + rolling * c.per_group
         # the batch that takes the new group's last sequence (a group whose yield varies,
         # a multi-turn episode's, may otherwise spill into a batch past the bound)
-        taken_at = c.next_version if c.policy in waiting else \
-            c.next_version + math.floor(max(ahead + c.per_group - 1, 0) / per_batch)
+        taken_at = c.next_version + math.floor(max(ahead + c.per_group - 1, 0) / per_batch)
         oldest = c.next_version if c.oldest_node_version is None else min(c.oldest_node_version, c.next_version)
         if taken_at - oldest > max_staleness:
             return False
@@ -136,7 +126,6 @@ def clocks(*, policies: list[str], versions: Mapping[str, int], served: Mapping[
             per_group=accepted.get(p, 0) / groups_ingested if groups_ingested else float(group_size),
             oldest_node_version=oldest[p],
             active=not finished[p] and paces[p].active(now),
-            policy=p,
         ))
     return out
 
@@ -180,8 +169,8 @@ class OldestVersions:
         return self._value
 
 
-def rule_of(layer: Any) -> Callable[..., bool]:
-    """``admits(source, share, rolling, waiting)`` over the clocks of a ``DataLayer`` at this moment."""
+def rule_of(layer: Any) -> Callable[[str, float, int], bool]:
+    """``admits(source, share, rolling)`` over the clocks of a ``DataLayer`` at this moment."""
     cfg, buffers = layer.cfg, layer.buffers
     cl = clocks(
         policies=layer.policy_names, versions=layer.versions, ready=buffers.ready,
@@ -191,17 +180,17 @@ def rule_of(layer: Any) -> Callable[..., bool]:
         nodes=layer.leases.nodes, node_window_s=cfg.lease_seconds, paces=layer.paces,
         finished={p: v >= layer.max_steps for p, v in layer.versions.items()}, now=time.time(),
         oldest=layer.oldest.get(layer.leases.nodes, cfg.lease_seconds, time.time()))
-    return lambda source, share, rolling, waiting=(): admits(source, share, rolling, cl, cfg.max_staleness, waiting)
+    return lambda source, share, rolling: admits(source, share, rolling, cl, cfg.max_staleness)
 
 
-def _lazy_rule(layer: Any) -> Callable[..., bool]:
+def _lazy_rule(layer: Any) -> Callable[[str, float, int], bool]:
     """``rule_of(layer)``, built on its first use."""
-    built: list[Callable[..., bool]] = []
+    built: list[Callable[[str, float, int], bool]] = []
 
-    def admits_now(source: str, share: float, rolling: int, waiting: Collection[str] = ()) -> bool:
+    def admits_now(source: str, share: float, rolling: int) -> bool:
         if not built:
             built.append(rule_of(layer))
-        return built[0](source, share, rolling, waiting)
+        return built[0](source, share, rolling)
 
     return admits_now
 

@@ -84,7 +84,7 @@ class Mixer:
         return order.pop()
 
     def pick_source(self, limit: int, rolling: Counter, buffered: dict[str, int],
-                    admits: Callable[..., bool] | None = None) -> str | None:
+                    admits: Callable[[str, float, int], bool] | None = None) -> str | None:
         """The source of the next group, or ``None`` when every source is at its bound.
 
         ``rolling``: groups in rollout per source; ``buffered``: groups the hungriest policy
@@ -96,9 +96,8 @@ class Mixer:
         groups ahead follow the weights, so a source whose groups are filtered (and leave the
         count) is refilled more often. ``admits(source, share, rolling)`` (admission by
         version) may refuse any source, a starved one too: what it would roll out could not be
-        trained on (a waiting batch fills once the nodes hold fresher weights); it is told
-        which policies' waiting batches need the source (``admits(s, share, rolling, waiting)``);
-        ``refused`` says whether a refusal left the answer None."""
+        trained on (a waiting batch fills once the nodes hold fresher weights); ``refused``
+        says whether a refusal left the answer None."""
         total_w = sum(self.weights.values())
         best, best_key = None, math.inf
         self.refused = False
@@ -106,10 +105,10 @@ class Mixer:
             ahead = rolling[s] + buffered[s]
             bound = limit if len(self.weights) == 1 else max(1, math.ceil(limit * w / total_w - 1e-9))
             in_rollout = self.group_size * rolling[s]
-            waiting = {p for p, short in self.short.items() if short.get(s, 0) > in_rollout}
-            if ahead >= bound and not waiting:
+            starved = any(short.get(s, 0) > in_rollout for short in self.short.values())
+            if ahead >= bound and not starved:
                 continue
-            if admits is not None and not admits(s, w / total_w, rolling[s], waiting):
+            if admits is not None and not admits(s, w / total_w, rolling[s]):
                 self.refused = True
                 continue
             key = (ahead + 1) / w

@@ -118,40 +118,6 @@ async def _node_until(layer, stop: asyncio.Event, name: str = "n0", capacity: in
         await asyncio.sleep(0.001)
 
 
-async def _train(layer, steps: int, timeout: float = 10.0) -> int:
-    """A trainer taking ``steps`` batches; returns how many it got."""
-    stop = asyncio.Event()
-    node = asyncio.create_task(_node_until(layer, stop))
-    try:
-        for v in range(steps):
-            await layer.next_batch("p", v, timeout=timeout)
-            await layer.published("p", v + 1, {})
-        return steps
-    finally:
-        stop.set()
-        await node
-
-
-def test_a_batch_that_waits_for_a_source_smaller_than_a_group_gets_its_groups(tmp_path):
-    """A source weighted 1 in 10 gives a batch of 8 less than one group of 4 per batch, and the
-    new sequences of a batch that replays most of itself are fewer than a group: the group a
-    waiting batch needs is admitted (it is taken by that batch), so the batches keep coming."""
-    from astraflow.dataflow.config import DataflowConfig
-    from astraflow.dataflow.layer import DataLayer
-    from astraflow.workloads.config import EvalConfig, WorkloadConfig
-
-    sources = {"a": {"workload": "math", "weight": 9, "params": {"digits": 1, "ops": ["+"], "num_test": 10}},
-               "b": {"workload": "math", "weight": 1, "params": {"digits": 1, "ops": ["*"], "num_test": 10}}}
-    mixed = DataLayer(dataflow=DataflowConfig(batch_size=8),
-                      workload=WorkloadConfig(name="mix", params={"sources": sources}, group_size=4,
-                                              eval=EvalConfig(every=0)),
-                      policies=["p"], store_url=f"memory://mix-{id(tmp_path)}", metrics_path=None, max_steps=100)
-    assert asyncio.run(_train(mixed, 12)) == 12
-    assert mixed.mixer.groups_created["b"] >= 1
-    replaying = make_layer(tmp_path, replay_ratio=0.9)
-    assert asyncio.run(_train(replaying, 3)) == 3
-
-
 def test_the_buffer_cap_follows_the_limit_as_nodes_join(tmp_path):
     """With ``prefetch_covers_nodes`` the groups allowed ahead grow with the nodes' slots; the
     cap on what a policy buffers before its trainer asks grows with them: nothing generated

@@ -193,39 +193,3 @@ def test_a_group_one_policy_settles_at_ingest_still_reaches_the_other(tmp_path):
     for policy in ("solver", "verifier"):
         assert layer.buffers.counts[policy]["sequences_ingested"] == 1
 
-
-def test_lockstep_with_more_sequences_for_one_policy_keeps_both_trainers_going(tmp_path):
-    """solver_verifier gives the solver two sequences per episode and the verifier one: with
-    lockstep the solver waits at the barrier with a full buffer while the verifier's batch is
-    short. The groups the verifier waits for are admitted (the solver drops what is too old for
-    it), and both trainers keep taking batches."""
-    layer = layer2(tmp_path, lockstep=True)
-    stop = asyncio.Event()
-
-    async def node():
-        writer = layer.store.writer("n")
-        while not stop.is_set():
-            held = dict(layer.versions)  # the node holds the newest weights
-            tasks = await layer.lease("n", 8, wait=0.05, versions=held)
-            if tasks:
-                trajs = [two_policy_trajectory(t, float(i % 2), float((i + 1) % 2),
-                                               version=(held["solver"], held["verifier"]))
-                         for i, t in enumerate(tasks)]
-                await layer.complete(store_and_ref(writer, trajs))
-            await asyncio.sleep(0.001)
-
-    async def trainer(policy):
-        for v in range(6):
-            await layer.next_batch(policy, v, timeout=10)
-            await layer.published(policy, v + 1, {})
-
-    async def go():
-        running = asyncio.create_task(node())
-        try:
-            await asyncio.gather(trainer("solver"), trainer("verifier"))
-        finally:
-            stop.set()
-            await running
-
-    asyncio.run(go())
-    assert layer.versions == {"solver": 6, "verifier": 6}
