@@ -25,6 +25,15 @@ trainer waits for has nothing ahead of it, so its groups are admitted as soon as
 hold weights at most ``max_staleness`` versions old (nodes load every committed version, so
 this cannot deadlock); before that, whatever they generated would be dropped. The
 ``prefetch_groups`` bound on groups ahead still applies on top (a waiting batch may exceed it).
+
+*A waiting batch.* When a trainer waits for sequences of a source that the groups in rollout
+will not bring (``waiting``: the batch's quota of the source), only the waiting policies are
+asked, and for them the batch takes ``quota`` of the group's sequences at ``next``; the rest
+spill into the batches after it. The usual estimate would refuse groups a batch cannot form
+without: a source whose share is a fraction of a group, a replay-heavy batch (planned with
+its replayed share, served new groups when the replay buffer is short), or a policy that waits
+in lockstep on another whose bound is full. With nothing ahead, the group is admitted even if
+its spill would age past the bound: the batch needs it, and only the spill is lost.
 """
 
 from __future__ import annotations
@@ -53,19 +62,31 @@ class PolicyClock:
     oldest_node_version: int | None
     #: whether the policy's trainer still takes batches (not finished, not stalled)
     active: bool = True
+    #: the policy's name (matched against ``admits``'s ``waiting``)
+    policy: str = ""
 
 
-def admits(source: str, share: float, rolling: int, clocks: list[PolicyClock], max_staleness: int) -> bool:
+def admits(source: str, share: float, rolling: int, clocks: list[PolicyClock], max_staleness: int,
+           waiting: Mapping[str, int] | None = None) -> bool:
     """Whether a new group of ``source`` (``share`` of each batch; ``rolling`` groups of it in
-    rollout) can still be trained on by every active policy (see the module docstring)."""
+    rollout) can still be trained on by every active policy, or, given ``waiting`` (policy ->
+    the quota of ``source`` in the batch its trainer waits for), by every waiting policy (see
+    the module docstring)."""
     for c in clocks:
-        if not c.active:
+        if not c.active or (waiting and c.policy not in waiting):
             continue
         per_batch = max(c.per_batch * share, 1e-9)
         ahead = c.buffered.get(source, 0) + rolling * c.per_group
-        # the batch that takes the new group's last sequence (a group whose yield varies,
-        # a multi-turn episode's, may otherwise spill into a batch past the bound)
-        taken_at = c.next_version + math.floor(max(ahead + c.per_group - 1, 0) / per_batch)
+        if waiting:
+            # the waiting batch takes its quota; the rest spills into the batches after it
+            spill = ahead + c.per_group - waiting[c.policy]
+            taken_at = c.next_version + (0 if spill <= 0 else 1 + math.floor((spill - 1) / per_batch))
+            if not ahead and taken_at - c.next_version > max_staleness:
+                taken_at = c.next_version  # the batch cannot form without it
+        else:
+            # the batch that takes the new group's last sequence (a group whose yield varies,
+            # a multi-turn episode's, may otherwise spill into a batch past the bound)
+            taken_at = c.next_version + math.floor(max(ahead + c.per_group - 1, 0) / per_batch)
         oldest = c.next_version if c.oldest_node_version is None else min(c.oldest_node_version, c.next_version)
         if taken_at - oldest > max_staleness:
             return False
@@ -126,6 +147,7 @@ def clocks(*, policies: list[str], versions: Mapping[str, int], served: Mapping[
             per_group=accepted.get(p, 0) / groups_ingested if groups_ingested else float(group_size),
             oldest_node_version=oldest[p],
             active=not finished[p] and paces[p].active(now),
+            policy=p,
         ))
     return out
 
@@ -169,8 +191,11 @@ class OldestVersions:
         return self._value
 
 
-def rule_of(layer: Any) -> Callable[[str, float, int], bool]:
-    """``admits(source, share, rolling)`` over the clocks of a ``DataLayer`` at this moment."""
+Rule = Callable[[str, float, int, "Mapping[str, int] | None"], bool]
+
+
+def rule_of(layer: Any) -> Rule:
+    """``admits(source, share, rolling, waiting)`` over the clocks of a ``DataLayer`` at this moment."""
     cfg, buffers = layer.cfg, layer.buffers
     cl = clocks(
         policies=layer.policy_names, versions=layer.versions, ready=buffers.ready,
@@ -180,17 +205,18 @@ def rule_of(layer: Any) -> Callable[[str, float, int], bool]:
         nodes=layer.leases.nodes, node_window_s=cfg.lease_seconds, paces=layer.paces,
         finished={p: v >= layer.max_steps for p, v in layer.versions.items()}, now=time.time(),
         oldest=layer.oldest.get(layer.leases.nodes, cfg.lease_seconds, time.time()))
-    return lambda source, share, rolling: admits(source, share, rolling, cl, cfg.max_staleness)
+    return lambda source, share, rolling, waiting=None: admits(source, share, rolling, cl, cfg.max_staleness,
+                                                               waiting)
 
 
-def _lazy_rule(layer: Any) -> Callable[[str, float, int], bool]:
+def _lazy_rule(layer: Any) -> Rule:
     """``rule_of(layer)``, built on its first use."""
-    built: list[Callable[[str, float, int], bool]] = []
+    built: list[Rule] = []
 
-    def admits_now(source: str, share: float, rolling: int) -> bool:
+    def admits_now(source: str, share: float, rolling: int, waiting: Mapping[str, int] | None = None) -> bool:
         if not built:
             built.append(rule_of(layer))
-        return built[0](source, share, rolling)
+        return built[0](source, share, rolling, waiting)
 
     return admits_now
 

@@ -65,6 +65,8 @@ class Mixer:
         self.credit: dict[str, dict[str, float]] = {p: {s: 0.0 for s in self.weights} for p in policies}
         #: policy -> source -> sequences a waiting batch still lacks (lets a source exceed its bound)
         self.short: dict[str, dict[str, int]] = {}
+        #: policy -> source -> sequences of the source in the batch its trainer waits for
+        self.wanted: dict[str, dict[str, int]] = {}
         self.consumed: dict[str, Counter] = {p: Counter() for p in policies}
         self.groups_created: Counter = Counter()
         #: the last ``pick_source`` found nothing because admission refused a source
@@ -84,7 +86,7 @@ class Mixer:
         return order.pop()
 
     def pick_source(self, limit: int, rolling: Counter, buffered: dict[str, int],
-                    admits: Callable[[str, float, int], bool] | None = None) -> str | None:
+                    admits: Callable[..., bool] | None = None) -> str | None:
         """The source of the next group, or ``None`` when every source is at its bound.
 
         ``rolling``: groups in rollout per source; ``buffered``: groups the hungriest policy
@@ -94,10 +96,11 @@ class Mixer:
         partial groups could wait forever). Among the sources below their bound, the one whose
         groups ahead, plus the new one, are the smallest multiple of its weight goes next:
         groups ahead follow the weights, so a source whose groups are filtered (and leave the
-        count) is refilled more often. ``admits(source, share, rolling)`` (admission by
-        version) may refuse any source, a starved one too: what it would roll out could not be
-        trained on (a waiting batch fills once the nodes hold fresher weights); ``refused``
-        says whether a refusal left the answer None."""
+        count) is refilled more often. ``admits(source, share, rolling, waiting)`` (admission
+        by version; ``waiting``: policy -> the source's quota in its waiting batch, for the
+        batches the source starves) may refuse any source, a starved one too: what it would
+        roll out could not be trained on (a waiting batch fills once the nodes hold fresher
+        weights); ``refused`` says whether a refusal left the answer None."""
         total_w = sum(self.weights.values())
         best, best_key = None, math.inf
         self.refused = False
@@ -105,10 +108,11 @@ class Mixer:
             ahead = rolling[s] + buffered[s]
             bound = limit if len(self.weights) == 1 else max(1, math.ceil(limit * w / total_w - 1e-9))
             in_rollout = self.group_size * rolling[s]
-            starved = any(short.get(s, 0) > in_rollout for short in self.short.values())
-            if ahead >= bound and not starved:
+            waiting = {p: self.wanted.get(p, {}).get(s, 0) for p, short in self.short.items()
+                       if short.get(s, 0) > in_rollout}
+            if ahead >= bound and not waiting:
                 continue
-            if admits is not None and not admits(s, w / total_w, rolling[s]):
+            if admits is not None and not admits(s, w / total_w, rolling[s], waiting or None):
                 self.refused = True
                 continue
             key = (ahead + 1) / w

@@ -63,12 +63,14 @@ class TrainerFacing:
                 if not short and lockstep_ok and self.evals.initial_done():
                     break
                 self.mixer.short[policy] = short  # lets _refill exceed a source's bound for this batch
+                self.mixer.wanted[policy] = quota
                 remaining = t0 + timeout - time.time()
                 if remaining <= 0:
                     raise BatchTimeout(admission.no_batch_reason(self, policy, version, timeout, avail, quota, need))
                 await self._wait(min(remaining, 0.5))
         finally:
             self.mixer.short.pop(policy, None)
+            self.mixer.wanted.pop(policy, None)
             pace.waiting -= 1
         waited = time.time() - t0
         self.buffers.wait_s[policy] += waited

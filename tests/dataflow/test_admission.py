@@ -60,6 +60,25 @@ def test_every_active_policy_must_be_able_to_train_on_it_a_stopped_one_does_not_
     assert admits("", 1.0, 0, [solver, verifier], 0)
 
 
+def test_a_waiting_batch_takes_its_quota_and_the_rest_spills_later():
+    # replay-heavy: 2 new sequences a batch planned, groups of 4
+    c = clock(per_batch=2.0, per_group=4.0, policy="p")
+    assert not admits("", 1.0, 0, [c], 0)  # the usual estimate: its last sequence one batch late
+    # the replay buffer is short, so the waiting batch takes 8 new sequences: all of it at v10
+    assert admits("", 1.0, 0, [c], 0, waiting={"p": 8})
+    assert admits("", 1.0, 1, [c], 0, waiting={"p": 8})  # 4 ahead: still fits
+    # 8 ahead: its 4 spill past the batch, 2 a batch, into v12
+    assert not admits("", 1.0, 2, [c], 1, waiting={"p": 8}) and admits("", 1.0, 2, [c], 2, waiting={"p": 8})
+    # nothing ahead: admitted even if its spill ages past the bound (the batch needs it)
+    assert admits("", 1.0, 0, [c], 0, waiting={"p": 2})
+    # nodes two versions behind: nothing they generate can be trained on, waiting or not
+    lagging = clock(per_batch=2.0, per_group=4.0, policy="p", oldest_node_version=8)
+    assert not admits("", 1.0, 0, [lagging], 1, waiting={"p": 8})
+    # only the waiting policies are asked: another whose buffer is full does not block it
+    full = clock(policy="q", buffered={"": 640})
+    assert admits("", 1.0, 0, [c, full], 0, waiting={"p": 8}) and not admits("", 1.0, 0, [c, full], 0)
+
+
 def test_a_trainer_is_active_while_it_asks_at_its_pace():
     pace = TrainerPace(stall_floor_s=30.0)
     assert not pace.active(0.0)  # still loading: holds no one back
@@ -136,3 +155,40 @@ def test_the_buffer_cap_follows_the_limit_as_nodes_join(tmp_path):
     assert layer.buffers.cap_groups > cap_before and layer.buffers.cap_groups == 4 * layer.limit
     assert layer.buffers.counts["p"]["overflow_dropped"] == 0
     assert layer.buffers.group_seq <= layer.limit
+
+
+async def _train(layer, steps: int, policies=("p",), timeout: float = 10.0) -> dict[str, int]:
+    """Nodes lease with the trainers' versions and complete at once while each policy's trainer
+    takes ``steps`` batches and publishes after each; returns the sequences each took."""
+    stop = asyncio.Event()
+    node = asyncio.create_task(_node_until(layer, stop))
+    taken = {p: 0 for p in policies}
+
+    async def trainer(p: str) -> None:
+        for v in range(steps):
+            taken[p] += len(await layer.next_batch(p, v, timeout=timeout))
+            await layer.published(p, v + 1, {})
+
+    try:
+        await asyncio.gather(*(trainer(p) for p in policies))
+    finally:
+        stop.set()
+        await node
+    return taken
+
+
+def test_a_source_smaller_than_a_group_per_batch_is_still_admitted(tmp_path):
+    """A 9:1 mixture with batches of two groups: the small source's share of a batch is a
+    fraction of a group, so its next group is always taken batches later. A batch that waits
+    for it must still get it (the group spills into later batches, within the bound)."""
+    from tests.dataflow.test_mix import make_layer as mix_layer, sources
+    layer = mix_layer(tmp_path, params={"sources": sources(a=9, b=1)}, batch_size=8, max_staleness=1)
+    assert asyncio.run(_train(layer, 12)) == {"p": 96}
+    assert layer.mixer.consumed["p"]["b"] > 0
+
+
+def test_replay_heavy_batches_still_form(tmp_path):
+    """``replay_ratio: 0.9``: the first batch has nothing to replay and takes a whole batch of
+    new groups, far more than the replay-sized share admission plans with."""
+    layer = make_layer(tmp_path, max_staleness=0, replay_ratio=0.9)
+    assert asyncio.run(_train(layer, 4)) == {"p": 32}

@@ -122,6 +122,40 @@ def test_lockstep_is_a_version_barrier(tmp_path):
     asyncio.run(go())
 
 
+def test_lockstep_trainers_both_advance_while_nodes_roll_out(tmp_path):
+    """Lockstep with admission by version: the solver gets two sequences an episode, the
+    verifier one, so each trainer's batch waits on groups the other's bound would refuse."""
+    layer = layer2(tmp_path, lockstep=True, max_staleness=0)
+    rewards = [(1.0, 1.0), (0.0, 1.0), (1.0, 0.0), (0.0, 1.0)]
+
+    async def node(stop):
+        while not stop.is_set():
+            v = dict(layer.versions)
+            tasks = await layer.lease("n", 8, wait=0.05, versions=v)
+            trajs = [two_policy_trajectory(t, *rewards[i % 4], version=(v["solver"], v["verifier"]))
+                     for i, t in enumerate(tasks)]
+            if trajs:
+                await layer.complete(store_and_ref(_WRITERS.setdefault(layer, layer.store.writer("n")), trajs))
+            await asyncio.sleep(0.001)
+
+    async def trainer(policy):
+        for v in range(5):
+            assert len(await layer.next_batch(policy, v, timeout=10)) == 4
+            await layer.published(policy, v + 1, {})
+
+    async def go():
+        stop = asyncio.Event()
+        rolling = asyncio.create_task(node(stop))
+        try:
+            await asyncio.gather(trainer("solver"), trainer("verifier"))
+        finally:
+            stop.set()
+            await rolling
+        assert layer.versions == {"solver": 5, "verifier": 5}
+
+    asyncio.run(go())
+
+
 # -- a new multi-policy workflow, defined only here ------------------------------------------
 
 
