@@ -134,8 +134,11 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
         raise UserError(f"partition {part.name} {what}: {entry['error']}\n"
                         "it was withdrawn; the run is unaffected. Fix the options and add it again")
     jobs = ", ".join(f"{j} ({s})" for j, s in entry.get("jobs", {}).items())
-    click.echo(f"submitted: {jobs}" if until == "submitted" else
-               f"serving: {entry.get('serving', 0)} of {part.nodes} worker(s) (jobs: {jobs or 'none'})")
+    if until == "submitted":
+        click.echo(f"submitted: {jobs}\n(its workers may still fail to start: `astraflow status {run_dir}` "
+                   "shows the partition's state; `--until serving` waits until one serves)")
+    else:
+        click.echo(f"serving: {entry.get('serving', 0)} of {part.nodes} worker(s) (jobs: {jobs or 'none'})")
 
 
 def _removal_modes(command):

@@ -23,6 +23,7 @@ The node restarts dead replicas one by one (``replicas_of``), each start counted
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -135,14 +136,25 @@ class EnginePool:
 
     def load_version(self, weights_root: str, policy: str, version: int, *, use_deltas: bool = False,
                      full_resync_every: int = 10) -> None:
-        """Every live replica below ``version`` reads it. One that dies meanwhile is left to the
-        node's restart (which loads the newest version into it); the others still get it."""
-        for replica in self._behind(version):
+        """Every live replica below ``version`` reads it, all at once (a replica whose load
+        blocks, a simulated one's, does not hold up the next). One that dies meanwhile is left
+        to the node's restart (which loads the newest version into it); the others still get it."""
+        behind = self._behind(version)
+
+        def load(replica: InferenceEngine) -> None:
             try:
                 replica.load_version(weights_root, policy, version, use_deltas=use_deltas,
                                      full_resync_every=full_resync_every)
             except EngineProcessError as err:
                 log.warning("an engine replica of %s died before it could load v%d: %s", policy, version, err)
+
+        if len(behind) <= 1:
+            for replica in behind:
+                load(replica)
+            return
+        with ThreadPoolExecutor(len(behind), thread_name_prefix="replica-load") as pool:
+            for done in [pool.submit(load, r) for r in behind]:
+                done.result()
 
     @property
     def loads_versions_itself(self) -> bool:

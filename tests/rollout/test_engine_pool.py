@@ -337,3 +337,26 @@ def test_a_node_restarting_its_engines_paces_its_loop(tmp_path, monkeypatch):
     finally:
         node._stop.set()
         thread.join(15)
+
+
+class _BlockingReplica:
+    """A replica whose version load blocks its caller (as a simulated engine's does) until
+    every replica of the pool is loading: the pool must load them side by side."""
+
+    loads_versions_itself, dead, tokenizer = True, None, None
+
+    def __init__(self, barrier):
+        self.barrier, self.version = barrier, 0
+
+    def load_version(self, weights_root, policy, version, **_):
+        self.barrier.wait()  # raises BrokenBarrierError after its timeout if loads run one by one
+        self.version = version
+
+
+def test_the_replicas_of_a_pool_load_a_version_side_by_side():
+    import threading
+
+    barrier = threading.Barrier(4, timeout=10)
+    pool = EnginePool([_BlockingReplica(barrier) for _ in range(4)])
+    pool.load_version("unused", "p", 3)
+    assert pool.version == 3 and not barrier.broken
