@@ -16,7 +16,6 @@ from astraflow.dataflow import rules as R
 from astraflow.dataflow.layer import BatchTimeout, DataLayer
 from astraflow.dataflow.ledger import TERMINAL
 from astraflow.training.rows import BatchRows
-from storage.trajectories import open_trajectory_store
 
 from tests.dataflow.helpers import make_trajectory, store_and_ref
 

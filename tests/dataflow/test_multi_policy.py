@@ -14,7 +14,7 @@ import pytest
 from astraflow.dataflow.config import DataflowConfig
 
 from astraflow.workloads.config import EvalConfig, WorkloadConfig
-from astraflow.contracts import NOT_GENERATED, Provenance, RolloutTask, Sequence, Trajectory
+from astraflow.contracts import Provenance, RolloutTask, Sequence, Trajectory
 from astraflow.dataflow.layer import BatchTimeout, DataLayer
 from astraflow.rollout.engine import SamplingParams
 from astraflow.rollout.workflows import WORKFLOWS
@@ -178,7 +178,6 @@ class EchoCritic(WorkflowBase):
 
 def test_workflow_defined_in_a_test_runs_through_real_engines_and_data_layer(tiny_model, tmp_path):
     from astraflow.rollout.hf_engine import HFEngine
-    from astraflow.contracts import TrajectoryRef
 
     layer = DataLayer(
         dataflow=DataflowConfig(batch_size=4, prefetch_groups=0),
