@@ -8,14 +8,19 @@ was generated and what was observed.
 ``ChatRenderer`` gives the pieces, each as token ids:
 
 * ``start(messages)``: the first observation plus the opening of the model's first turn;
-* ``close_turn(ended_on_eos)``: what the template writes after a model turn's content that the
-  model did not generate (for ``<|im_end|>\\n`` templates: the ``\\n``, or the whole closing
-  when the turn was cut by its token budget);
+* ``close_turn(ended)``: what the template writes after a model turn's content that the model
+  did not generate (for ``<|im_end|>\\n`` templates: the ``\\n`` after the stop token the model
+  ended with, or the whole closing when the turn was cut by its token budget);
 * ``observation(messages)``: new messages plus the opening of the next model turn.
 
 With a chat template the pieces are differences of rendered conversations (a dummy first
-message cancels a default system prompt), so any template that renders each message on its
-own works. Without one (a plain language model) messages are their contents, one per line.
+exchange cancels a default system prompt and keeps roles alternating), so any template that
+renders each message on its own works, one that trims contents or insists on alternation too.
+Without one (a plain language model) messages are their contents, one per line.
+
+A turn ends when the engine stops on one of ``stop_ids``: the tokens the engines stop on (the
+eos token, the template's closing token, ``<|im_end|>``, ``<|endoftext|>``), which need not be
+the tokenizer's eos.
 """
 
 from __future__ import annotations
@@ -24,8 +29,12 @@ from typing import Any
 
 from astraflow.agents.env import Message
 
-_DUMMY = [{"role": "user", "content": "\x1e"}]
-_PROBE = "\x1f"
+# printable, not whitespace (templates ``| trim`` contents), unlikely in any real message
+_DUMMY = [{"role": "user", "content": "AstraFlowDummyQuestion"}]
+_DUMMY_TURN = _DUMMY + [{"role": "assistant", "content": "AstraFlowDummyAnswer"}]
+_PROBE = "AstraFlowProbe"
+_NAMED_TOKENS = ("<|im_end|>", "<|endoftext|>")
+_FIX = "set the tokenizer's chat_template (tokenizer_config.json) to one that does, or remove it"
 
 
 class ChatRenderer:
@@ -34,14 +43,28 @@ class ChatRenderer:
         self.templated = bool(getattr(tokenizer, "chat_template", None))
         self.eos_id = tokenizer.eos_token_id
         if self.templated:
-            base = self._render(_DUMMY)
-            turn = self._render(_DUMMY + [{"role": "assistant", "content": _PROBE}])
+            try:
+                base = self._render(_DUMMY)
+                turn = self._render(_DUMMY + [{"role": "assistant", "content": _PROBE}])
+            except Exception as err:
+                raise ValueError(f"the tokenizer's chat template cannot render a user and an assistant message "
+                                 f"({type(err).__name__}: {err}); {_FIX}") from None
             if not turn.startswith(base) or _PROBE not in turn:
-                raise ValueError("the tokenizer's chat template does not render messages one by one; "
-                                 "set the tokenizer's chat_template to one that does")
+                raise ValueError(f"the tokenizer's chat template does not render messages one by one "
+                                 f"(a conversation one message longer does not extend its rendering); {_FIX}")
             self._closing = turn[turn.rindex(_PROBE) + len(_PROBE):]
+            try:  # an observation after a model turn, as every multi-turn episode renders one
+                self.observation([{"role": "user", "content": _PROBE}])
+            except Exception as err:
+                raise ValueError(f"the tokenizer's chat template cannot render a user message after an "
+                                 f"assistant turn ({err}); {_FIX}") from None
         else:
             self._closing = "\n"
+        #: the tokens a model turn may end with (module docstring)
+        self.stop_ids = frozenset(turn_stop_ids(tokenizer, self._closing))
+        #: the token a scripted (demonstration) turn ends with: the template's closing token
+        first = self.encode(self._closing.lstrip())[:1]
+        self.end_id = first[0] if first and first[0] in self.stop_ids else self.eos_id
 
     def _render(self, messages: list[Message], gen: bool = False, tools: list[dict[str, Any]] | None = None) -> str:
         kw = {"tools": tools} if tools else {}
@@ -62,18 +85,26 @@ class ChatRenderer:
         """Tokens of ``messages`` following a closed model turn, ending where the next turn begins."""
         if not self.templated:
             return self.encode("".join(m["content"] + "\n" for m in messages))
-        base = self._render(_DUMMY)
-        full = self._render(_DUMMY + list(messages), gen=True)
+        base = self._render(_DUMMY_TURN)
+        full = self._render(_DUMMY_TURN + list(messages), gen=True)
         if not full.startswith(base):
-            raise ValueError("the tokenizer's chat template does not render messages one by one")
+            raise ValueError(f"the tokenizer's chat template does not render messages one by one; {_FIX}")
         return self.encode(full[len(base):])
 
-    def close_turn(self, ended_on_eos: bool) -> list[int]:
-        """Tokens the template puts after a model turn that the model did not generate."""
+    def close_turn(self, ended: bool) -> list[int]:
+        """Tokens the template puts after a model turn that the model did not generate;
+        ``ended``: the turn ended on a stop token, which stands for the closing's own."""
         ids = self.encode(self._closing)
-        if ended_on_eos and ids and ids[0] == self.eos_id:
+        if ended and ids and ids[0] in self.stop_ids:
             ids = ids[1:]
         return ids
+
+    def ended(self, tokens: list[int], finish_reason: str) -> bool:
+        """Whether a model turn of ``tokens`` ended on a stop token (not cut by its budget): one of
+        ``stop_ids``, or another special token an engine stopped on (a model's own list of ends)."""
+        if finish_reason != "stop" or not tokens:
+            return False
+        return tokens[-1] in self.stop_ids or tokens[-1] in set(getattr(self.tok, "all_special_ids", ()))
 
 
 
@@ -89,16 +120,29 @@ def prompt_ids(tokenizer: Any, workload: Any, payload: Any) -> list[int]:
     return list(tokenizer.encode(workload.render_prompt(payload)))
 
 
-def end_of_turn_ids(tokenizer: Any) -> list[int]:
+def turn_stop_ids(tokenizer: Any, closing: str | None = None) -> set[int]:
+    """The tokens an engine stops a turn on: ``end_of_turn_ids`` and ``<|im_end|>`` and
+    ``<|endoftext|>`` where the vocabulary has them (``closing``: the template's text after an
+    assistant message, when the caller knows it already)."""
+    stops = set(end_of_turn_ids(tokenizer, closing))
+    vocab = getattr(tokenizer, "get_vocab", None)
+    known = vocab() if callable(vocab) else {}
+    stops |= {known[name] for name in _NAMED_TOKENS if name in known}
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return {s for s in stops if s is not None and s != unk}
+
+
+def end_of_turn_ids(tokenizer: Any, closing: str | None = None) -> list[int]:
     """The tokens that end a model turn: the end-of-sequence token and, with a chat template,
     the special token the template closes an assistant message with (``<|im_end|>``,
     ``<|eot_id|>``, ``<end_of_turn>``), which need not be the tokenizer's eos."""
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if getattr(tokenizer, "chat_template", None):
-        try:
-            closing = ChatRenderer(tokenizer)._closing
-        except Exception:  # a template that cannot render the probe conversation: eos only
-            closing = ""
+        if closing is None:
+            try:
+                closing = ChatRenderer(tokenizer)._closing
+            except ValueError:  # a template that cannot render the probe conversation: eos only
+                closing = ""
         special = set(getattr(tokenizer, "all_special_ids", [])) | set(getattr(tokenizer, "added_tokens_decoder", {}))
         first = list(tokenizer.encode(closing.lstrip(), add_special_tokens=False))[:1]
         ids += [i for i in first if i in special and i not in ids]

@@ -268,7 +268,7 @@ class _Suite:
         inner = self.workload.environment()
         # named like the environment's class: the loop's messages name it
         env = type(type(inner).__name__, (_Counted,), {})(inner)
-        tok, eos = self.tok, self.renderer.eos_id
+        tok, eos = self.tok, self.renderer.end_id
 
         async def generate(tokens: list[int], max_new: int) -> Any:
             text = turn(env.env)

@@ -53,7 +53,7 @@ async def demonstration(workload: Any, renderer: ChatRenderer, task: Mapping[str
 
     async def generate(tokens: list[int], max_new: int) -> _Turn:
         turn = env.explore_action(rng) if noise > 0 and rng.random() < noise else env.expert_action()
-        ids = renderer.encode(turn) + [renderer.eos_id]
+        ids = renderer.encode(turn) + [renderer.end_id]
         return scripted_turn(ids[:max_new], "stop" if len(ids) <= max_new else "length")
 
     return await run_agent_episode(generate, renderer, env, task, limits)

@@ -122,7 +122,7 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
             gen = await generate(list(log.tokens), min(limits.max_new_tokens, room))
             log.engine_seconds += float(gen.engine_seconds)
             gen_ids = [int(t) for t in gen.tokens]
-            ended = bool(gen_ids) and gen_ids[-1] == renderer.eos_id and gen.finish_reason == "stop"
+            ended = renderer.ended(gen_ids, gen.finish_reason)
             start = len(log.tokens)
             log.tokens += gen_ids
             log.loss_mask += [True] * len(gen_ids)

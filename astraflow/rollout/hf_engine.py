@@ -47,7 +47,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from astraflow.agents.chat import end_of_turn_ids
+from astraflow.agents.chat import turn_stop_ids
 from astraflow.rollout.engine import SWAP_MIN_REMAINING, Generation, SamplingParams
 
 #: ``HFEngine(dtype=...)``: the engine's weights and compute
@@ -122,8 +122,7 @@ class HFEngine:
         self._pad_id = self.tokenizer.pad_token_id
         if self._pad_id is None:
             self._pad_id = self.tokenizer.eos_token_id
-        stops = {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                 self.tokenizer.convert_tokens_to_ids("<|endoftext|>"), *end_of_turn_ids(self.tokenizer)}
+        stops = turn_stop_ids(self.tokenizer)
         gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         stops |= set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])  # a model's list of ends
         unk = self.tokenizer.unk_token_id

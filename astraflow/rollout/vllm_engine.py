@@ -37,7 +37,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from astraflow.agents.chat import end_of_turn_ids
+from astraflow.agents.chat import turn_stop_ids
 from astraflow.rollout.engine import SWAP_MIN_REMAINING, Generation, SamplingParams
 from astraflow.rollout.process_engine import EngineProcessError
 
@@ -213,9 +213,7 @@ class VLLMEngine:
         """End-of-turn tokens: the tokenizer's eos and chat-template closer, the model's
         generation-config eos (a list for some models)."""
         tok = self.tokenizer
-        stops = {tok.eos_token_id, *end_of_turn_ids(tok)}
-        for name in ("<|im_end|>", "<|endoftext|>"):
-            stops.add(tok.convert_tokens_to_ids(name))
+        stops = turn_stop_ids(tok)
         gen = model_dir / "generation_config.json"
         if gen.is_file():
             eos = json.loads(gen.read_text()).get("eos_token_id")

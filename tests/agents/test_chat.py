@@ -52,3 +52,45 @@ def test_a_template_that_does_not_render_turn_by_turn_is_refused():
     t.chat_template = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(ValueError, match="one by one"):
         ChatRenderer(t)
+
+
+#: Llama 3 / Gemma style: contents trimmed, roles must alternate, turns close with <|im_end|>
+STRICT = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] | trim + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_trims_and_insists_on_alternation_renders_an_episode():
+    t = build_tokenizer()
+    t.chat_template = STRICT
+    r = ChatRenderer(t)
+    first, obs = [{"role": "user", "content": "go"}], [{"role": "user", "content": "you are in the lab"}]
+    ids = r.start(first) + r.encode("look") + [r.end_id] + r.close_turn(True) + r.observation(obs)
+    full = t.apply_chat_template(first + [{"role": "assistant", "content": "look"}] + obs,
+                                 tokenize=False, add_generation_prompt=True)
+    assert t.decode(ids) == full
+
+
+def test_a_template_that_cannot_follow_a_turn_with_a_user_message_is_refused_up_front():
+    t = build_tokenizer()
+    t.chat_template = ("{% for m in messages %}{% if loop.index0 > 1 %}{{ raise_exception('two messages at most') }}"
+                       "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    with pytest.raises(ValueError, match="after an assistant turn .*two messages at most.*chat_template"):
+        ChatRenderer(t)
+
+
+def test_a_turn_ends_on_the_template_closer_even_when_eos_is_another_token(tok):
+    """A base model's tokenizer: eos <|endoftext|>, turns closed with <|im_end|>. Either stop
+    token ends the turn, is not part of its text, and the closing is not written twice."""
+    tok.eos_token = "<|endoftext|>"
+    r = ChatRenderer(tok)
+    im_end, eot = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    assert {im_end, eot} <= r.stop_ids and r.end_id == im_end
+    for stop in (im_end, eot):
+        turn = r.encode("5") + [stop]
+        assert r.ended(turn, "stop") and not r.ended(turn, "length")
+        assert tok.decode(r.close_turn(True)) == "\n"
+    assert not r.ended(r.encode("5"), "stop")  # cut by a stop string: no stop token to drop

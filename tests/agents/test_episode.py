@@ -64,14 +64,15 @@ class Gen:
     engine_seconds: float = 0.01
 
 
-def scripted(tok, turns: list[str], version: int = 3):
-    """A ``generate`` that writes ``turns`` in order (each ending with the end-of-turn token)."""
+def scripted(tok, turns: list[str], version: int = 3, stop: int | None = None):
+    """A ``generate`` that writes ``turns`` in order (each ending with ``stop``, by default the
+    end-of-turn token)."""
     it = iter(turns)
     seen: list[list[int]] = []
 
     async def generate(tokens, max_new):
         seen.append(list(tokens))
-        ids = tok.encode(next(it), add_special_tokens=False) + [tok.eos_token_id]
+        ids = tok.encode(next(it), add_special_tokens=False) + [tok.eos_token_id if stop is None else stop]
         finish = "stop"
         if len(ids) > max_new:
             ids, finish = ids[:max_new], "length"
@@ -110,6 +111,17 @@ def test_tool_then_answer_layout_and_masks(tok):
     text = tok.decode(log.tokens)
     assert "<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n5<|im_end|>" in text
     assert text.startswith("<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n<tool_call>")
+
+
+def test_a_turn_ending_on_another_stop_token_is_read_without_it(tok):
+    """The engines also stop on ``<|endoftext|>``: the turn's text and the reward are the same,
+    and the context holds one closing, not two."""
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    log = run(scripted(tok, [format_call("add", {"a": 2, "b": 3}), "5"], stop=eot), tok, SumEnv())
+    assert [t["text"] for t in log.turns if t["kind"] == "model"] == [format_call("add", {"a": 2, "b": 3}), "5"]
+    assert log.success == 1.0 and log.invalid_calls == 0
+    text = tok.decode(log.tokens)
+    assert "<|im_end|><|im_end|>" not in text and "<|endoftext|>\n<|im_start|>tool" in text
 
 
 @pytest.mark.parametrize("turn,why", [
