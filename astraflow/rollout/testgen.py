@@ -94,6 +94,6 @@ class SolverTestgen(WorkflowBase):
         from astraflow.sandbox import default_sandbox
 
         try:
-            return await asyncio.wait_for(default_sandbox().arun(program, tests), self.reward_timeout_s)
+            return await default_sandbox().arun(program, tests, deadline_s=self.reward_timeout_s)
         except TimeoutError:
             return _Unjudged()

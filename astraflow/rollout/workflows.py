@@ -151,8 +151,14 @@ class WorkflowBase:
         return float(reward), {k: float(v) for k, v in stats.items()}
 
     async def _in_pool(self, fn, completion: str, payload: Mapping):
-        fut = asyncio.get_running_loop().run_in_executor(_REWARD_POOL, fn, completion, payload)
         try:
+            if getattr(self.workload, "uses_sandbox", False):
+                # waiting for a sandbox slot behind other programs is not this reward running long
+                from astraflow.sandbox import default_sandbox, run_within
+
+                return await run_within(_REWARD_POOL, lambda: fn(completion, payload), self.reward_timeout_s,
+                                        default_sandbox())
+            fut = asyncio.get_running_loop().run_in_executor(_REWARD_POOL, fn, completion, payload)
             return await asyncio.wait_for(fut, self.reward_timeout_s)
         except TimeoutError:
             raise RewardTimeout(f"{type(self.workload).__name__}.reward ran past its {self.reward_timeout_s:g} s "

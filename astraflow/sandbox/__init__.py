@@ -11,11 +11,11 @@ import threading
 
 from .bwrap import SandboxUnavailable
 from .config import SandboxConfig
-from .core import Sandbox
+from .core import Sandbox, run_within
 from .result import SandboxResult, TestOutcome
 
 __all__ = ["Sandbox", "SandboxConfig", "SandboxResult", "SandboxUnavailable", "TestOutcome",
-           "configure", "default_sandbox"]
+           "configure", "default_sandbox", "run_within"]
 
 _default: Sandbox | None = None
 _lock = threading.Lock()

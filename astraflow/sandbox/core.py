@@ -22,6 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, Callable
 
 from . import bwrap
 from .config import SandboxConfig
@@ -43,6 +44,8 @@ class Sandbox:
         self._lock = threading.Lock()
         self._checked = False
         self._root = Path()
+        #: per thread: [seconds it waited for a slot, when its current wait began or None]
+        self._queued: dict[int, list] = {}
 
     def check(self) -> None:
         """Raise SandboxUnavailable (naming the fix) unless bubblewrap works here; once."""
@@ -79,18 +82,43 @@ class Sandbox:
         if not timeout > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.check()
-        with self._slots:
+        self._acquire_slot()
+        try:
             return self._execute(program, tests, timeout)
+        finally:
+            self._slots.release()
+
+    def _acquire_slot(self) -> None:
+        ident = threading.get_ident()
+        with self._lock:
+            entry = self._queued.setdefault(ident, [0.0, None])
+            entry[1] = time.monotonic()
+        try:
+            self._slots.acquire()
+        finally:
+            with self._lock:
+                entry[0] += time.monotonic() - entry[1]
+                entry[1] = None
+
+    def queued_s(self, ident: int) -> float:
+        """Seconds thread ``ident`` has waited for a slot since ``forget_queued(ident)``."""
+        with self._lock:
+            waited, since = self._queued.get(ident, (0.0, None))
+            return waited + (time.monotonic() - since if since is not None else 0.0)
+
+    def forget_queued(self, ident: int) -> None:
+        with self._lock:
+            self._queued.pop(ident, None)
 
     async def arun(self, program: str | bytes, tests: str | None = None, *,
-                   timeout_s: float | None = None) -> SandboxResult:
-        """``run`` on the sandbox's own bounded thread pool: the event loop never blocks."""
+                   timeout_s: float | None = None, deadline_s: float | None = None) -> SandboxResult:
+        """``run`` on the sandbox's own bounded thread pool: the event loop never blocks.
+        ``deadline_s``: raise ``TimeoutError`` past it, not counting the wait for a slot."""
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="sandbox")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._pool, lambda: self.run(program, tests, timeout_s=timeout_s))
+        return await run_within(self._pool, lambda: self.run(program, tests, timeout_s=timeout_s),
+                                deadline_s, self)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -242,6 +270,35 @@ def _judge(code: int | None, out: bytes, err: bytes, events: list[tuple[str, obj
         status = "failure"
     return _result(status, results, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
                    code, start)
+
+
+async def run_within(executor: Any, fn: Callable[[], Any], deadline_s: float | None, sandbox: Sandbox) -> Any:
+    """``fn()`` on ``executor``; ``TimeoutError`` once it has run ``deadline_s`` seconds, not
+    counting the time it waited for a thread of the executor or a slot of ``sandbox`` (queueing
+    behind other programs is not the caller's program running long). ``None``: no deadline.
+    A call past its deadline is abandoned: its thread finishes on its own."""
+    loop = asyncio.get_running_loop()
+    started: list[tuple[int, float]] = []
+
+    def timed() -> Any:
+        ident = threading.get_ident()
+        sandbox.forget_queued(ident)
+        started.append((ident, time.monotonic()))
+        return fn()
+
+    fut = loop.run_in_executor(executor, timed)
+    if deadline_s is None:
+        return await fut
+    while True:
+        left = deadline_s
+        if started:
+            ident, t0 = started[0]
+            left = deadline_s - (time.monotonic() - t0 - sandbox.queued_s(ident))
+        if left <= 0:
+            raise TimeoutError(f"ran past its {deadline_s:g} s deadline")
+        done, _ = await asyncio.wait({fut}, timeout=max(left, 0.01))
+        if done:
+            return fut.result()
 
 
 def test_names(tests: str) -> list[str]:

@@ -17,6 +17,7 @@ read as a policy that got worse.
 
 from __future__ import annotations
 
+import ast
 import gzip
 import json
 import threading
@@ -28,14 +29,15 @@ from typing import Any, Literal, Mapping
 from pydantic import Field
 
 from astraflow.configbase import Strict
+from astraflow.sandbox.core import test_names
 from astraflow.workloads.base import WORKLOADS
 from astraflow.workloads import codegen
 
 #: the fields of a task row (``test`` + ``entry_point`` is HumanEval's ``check`` form)
 REQUIRED = ("prompt", "entry_point")
 
-#: sandboxed results kept per workload, by (task, program): a GRPO group often samples the
-#: same body several times, and the same program always scores the same
+#: sandboxed results kept per workload, by (tests, program): a GRPO group often samples the
+#: same body several times, and the same program always scores the same against the same tests
 CACHE_SIZE = 4096
 
 #: the ``eval_set`` tag of HumanEval payloads in the evaluation split
@@ -104,8 +106,13 @@ def task_from_row(row: Mapping[str, Any], where: str) -> dict[str, Any]:
     else:
         raise ValueError(f"{where}: missing field 'tests' (Python source with test_* functions, or "
                          "HumanEval's 'test' with a check(candidate) function)")
-    if "def test_" not in tests:
-        raise ValueError(f"{where}: field 'tests' defines no test_* function")
+    try:
+        ast.parse(tests)
+    except (SyntaxError, ValueError) as err:
+        raise ValueError(f"{where}: field 'tests' is not valid Python ({err})") from None
+    if test_names(tests) == ["tests"]:
+        raise ValueError(f"{where}: field 'tests' defines no top-level test_* function (tests in a class "
+                         "or nested in another function are not run: write them as module-level functions)")
     reference = row.get("reference", row.get("canonical_solution"))
     task = {"id": str(row.get("id", row.get("task_id", where))), "prompt": row["prompt"],
             "entry_point": row["entry_point"], "tests": tests, "row": where}
@@ -218,7 +225,7 @@ class CodeWorkload:
     def _run(self, program: str, payload: Mapping[str, Any]):
         from astraflow.sandbox import default_sandbox
 
-        key = (str(payload.get("id", payload["prompt"])), program)
+        key = (payload["tests"], program)  # not the task id: two test files may share ids
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -256,5 +263,6 @@ class CodeWorkload:
             if limits[name] is not None:
                 del items[limits[name]:]
             if not items:
-                raise ValueError(f"code workload: no {name} tasks; lower test_fraction or add tasks")
+                fix = {"train": "lower test_fraction", "test": "raise test_fraction (or give a test_file)"}[name]
+                raise ValueError(f"code workload: no {name} tasks; {fix} or add tasks")
         return splits

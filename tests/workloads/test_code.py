@@ -99,7 +99,10 @@ def test_jsonl_tasks_and_the_humaneval_check_form(tmp_path):
 @pytest.mark.parametrize("row, message", [
     ({k: v for k, v in GOOD.items() if k != "entry_point"}, "line 2: missing field 'entry_point'"),
     ({k: v for k, v in GOOD.items() if k != "tests"}, "line 2: missing field 'tests'"),
-    (dict(GOOD, tests="assert True"), "line 2: field 'tests' defines no test_"),
+    (dict(GOOD, tests="assert True"), "line 2: field 'tests' defines no top-level test_"),
+    (dict(GOOD, tests="class TestF:\n    def test_f(self):\n        assert False\n"),
+     "line 2: field 'tests' defines no top-level test_.*module-level"),
+    (dict(GOOD, tests="def test_f(:\n"), "line 2: field 'tests' is not valid Python"),
     ("{not json", "line 2: not JSON"),
     ("[1, 2]", "line 2: a task must be a JSON object"),
 ])

@@ -60,3 +60,32 @@ def test_generated_tasks_reward_all_fraction_and_timeouts(sandbox):
     assert r_all == 0.0 and s["code_wrong"] == 1.0 and 0.0 < r_frac < 1.0 and s["code_tests_frac"] == r_frac
     r, s = CodeWorkload(families=["add"], timeout_s=1.0).reward_and_stats("    while True:\n        pass\n", task)
     assert r == 0.0 and s["code_timeout"] == 1.0 and s["code_wrong"] == 0.0
+
+
+def test_waiting_for_a_sandbox_slot_does_not_count_against_the_reward_deadline(sandbox):
+    """Four programs that run to their 1 s limit on 2 slots, under a 1.5 s reward deadline:
+    the last two wait a second for a slot, and still score a timeout (0) instead of failing
+    their episodes."""
+    import asyncio
+
+    from astraflow.rollout.workflows import WorkflowBase
+
+    w = CodeWorkload(families=["add"], timeout_s=1.0)
+    task = w.tasks("train")[0]
+    flow = WorkflowBase(workload=w, sampling=None, node="n", reward_timeout_s=1.5)
+
+    async def all_four():  # distinct bodies: no cached result
+        return await asyncio.gather(*(flow.score_and_stats(f"    while True:\n        x = {i}\n", task)
+                                      for i in range(4)))
+
+    assert [(r, s["code_timeout"]) for r, s in asyncio.run(all_four())] == [(0.0, 1.0)] * 4
+
+
+def test_results_are_cached_per_test_suite_not_per_task_id(sandbox):
+    task = next(t for t in CodeWorkload(families=["add"]).tasks("train") if t["entry_point"] == "add_5")
+    arg = task["prompt"].split("(")[1].split(")")[0]
+    w = CodeWorkload(families=["add"])
+    right = f"    return {arg} + 5\n"
+    assert w.reward(right, task) == 1.0
+    stricter = dict(task, tests=task["tests"] + f"\n\ndef test_never():\n    assert {task['entry_point']}(0) == -1\n")
+    assert w.reward(right, stricter) == 0.0  # same id and program, other tests: run again
