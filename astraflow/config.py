@@ -11,7 +11,6 @@ and the resolved config is written into the run directory.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from astraflow.configbase import Strict
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.partition_settings import check_partition, effective_rollout
 from astraflow.rollout.config import RolloutConfig
-from astraflow.sandbox.config import SandboxConfig
+from astraflow.sandbox.config import SandboxConfig, deadline_problem
 from astraflow.training.config import PolicyConfig
 from astraflow.workloads.config import WorkloadConfig
 from astraflow.sections import AutoscaleConfig, ClusterConfig, RunSection, check_autoscale
@@ -189,17 +188,6 @@ class RunConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _finite_sim_times(self) -> "RunConfig":
-        """A sim trainer's step times are finite, as ``sim_step_schedule``'s must be."""
-        for pol in self.policies:
-            for key in ("sim_step_seconds", "sim_seconds_per_token"):
-                value = getattr(pol.trainer, key)
-                if not math.isfinite(value):
-                    raise ValueError(f"policies[{pol.name}].trainer.{key}: {value} is not a time; use finite "
-                                     "seconds >= 0, e.g. 1.0")
-        return self
-
-    @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
         if not self.policies:
             raise ValueError("policies: name at least one policy")
@@ -253,6 +241,11 @@ class RunConfig(Strict):
         except (ValueError, TypeError) as err:
             raise ValueError(f"workload ({self.workload.name}): {err}") from None
         self._check_agentic(workload)
+        if getattr(workload, "uses_sandbox", False):
+            why = deadline_problem(self.sandbox, getattr(getattr(workload, "cfg", None), "timeout_s", None),
+                                   self.rollout.reward_timeout_s)
+            if why:
+                raise ValueError(why)
         agentic = is_agentic(type(workload))
         self._check_context_length(workload.params.max_context_tokens if agentic else None)
         for i, pol in enumerate(self.policies):

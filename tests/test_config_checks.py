@@ -118,12 +118,22 @@ def test_a_null_model_is_refused(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("key, value, needle", [
-    ("sim_step_seconds", ".inf", "policies[solver].trainer.sim_step_seconds: inf is not a time"),
-    ("sim_seconds_per_token", ".inf", "policies[solver].trainer.sim_seconds_per_token: inf is not a time"),
+    ("sim_step_seconds", ".inf", "policies.0.trainer.sim_step_seconds: Input should be a finite number, got inf"),
+    ("sim_seconds_per_token", ".inf", "policies.0.trainer.sim_seconds_per_token: Input should be a finite number"),
     ("sim_step_seconds", ".nan", "policies.0.trainer.sim_step_seconds: nan is not a number; use a finite one"),
-    ("sim_step_schedule", "{2: .inf}", "sim_step_schedule {2: inf}: use {from_step: seconds}"),
+    ("sim_step_schedule", "{2: .inf}", "policies.0.trainer.sim_step_schedule.2: Input should be a finite number"),
+    # any number of any section: an infinite timeout would reach Dask or a sleep
+    ("batch_timeout_s", ".inf", "policies.0.trainer.batch_timeout_s: Input should be a finite number"),
 ])
 def test_a_non_finite_sim_step_time_is_refused(tmp_path, key, value, needle):
     res = _invoke("check", str(_config(tmp_path)), "--set", f"policies.solver.trainer.{key}={value}")
     assert res.exit_code == 2, res.output
     assert needle in res.output
+
+
+def test_a_reward_deadline_shorter_than_the_sandbox_limit_is_refused():
+    from astraflow.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match="reward_timeout_s 5 leaves no room.*at least 12"):
+        config_from_dict({"workload": {"name": "code"}, "rollout": {"reward_timeout_s": 5},
+                          "policies": [{"name": "solver", "model": "unused"}]})

@@ -8,6 +8,7 @@ fix; a program that ran exits 0 whatever it returned; a sandbox that failed exit
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import click
@@ -42,8 +43,8 @@ def run_cmd(program: Path, tests_file: Path | None, timeout_s: float | None, as_
             tests = _read_bytes(tests_file, "--tests").decode("utf-8")
         except UnicodeDecodeError as err:
             raise BadInput(f"--tests {tests_file} is not UTF-8 ({err}): save it as UTF-8") from None
-    if timeout_s is not None and not timeout_s > 0:
-        raise BadInput(f"--timeout {timeout_s}: give a positive number of seconds")
+    if timeout_s is not None and not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise BadInput(f"--timeout {timeout_s}: give a positive, finite number of seconds")
     try:
         result = Sandbox(SandboxConfig()).run(source, tests, timeout_s=timeout_s)
     except SandboxUnavailable as err:

@@ -11,10 +11,10 @@ from astraflow.configbase import Strict
 class SandboxConfig(Strict):
     concurrency: int = Field(2, ge=1)
     """Executions at once per process (per RaaS node); more callers wait for a slot."""
-    timeout_s: float = Field(10.0, gt=0)
+    timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)
     """Wall-clock limit of one execution; past it the whole process tree is killed (status
     ``timeout``)."""
-    cpu_s: float = Field(10.0, gt=0)
+    cpu_s: float = Field(10.0, gt=0, allow_inf_nan=False)
     """CPU-time limit of each process of an execution (RLIMIT_CPU; status ``timeout``)."""
     memory_mb: int = Field(512, ge=32)
     """Address-space limit of each process (RLIMIT_AS): an allocation past it fails (status
@@ -37,3 +37,19 @@ class SandboxConfig(Strict):
     the kernel enforces the process limit (it exempts root). Default: nobody."""
     bwrap: str = "bwrap"
     """The bubblewrap executable (a name on PATH or a path)."""
+
+
+#: what an execution may take past its wall-clock limit: starting bubblewrap, killing it, its pipes closing
+OVERHEAD_S = 2.0
+
+
+def deadline_problem(sandbox: SandboxConfig, program_timeout_s: float | None, reward_timeout_s: float) -> str | None:
+    """Why a reward deadline of ``reward_timeout_s`` would fail the episodes of programs that
+    merely run to their limit (``program_timeout_s``, else the sandbox's) instead of scoring
+    them as timeouts; None when it leaves room."""
+    limit = sandbox.timeout_s if program_timeout_s is None else program_timeout_s
+    if reward_timeout_s >= limit + OVERHEAD_S:
+        return None
+    return (f"rollout.reward_timeout_s {reward_timeout_s:g} leaves no room for a program that runs to its "
+            f"{limit:g} s sandbox limit (it would fail its episode instead of scoring a timeout): set "
+            f"rollout.reward_timeout_s to at least {limit + OVERHEAD_S:g}, or lower the program timeout")

@@ -69,7 +69,7 @@ class CodeParams(Strict):
     the evaluation records, at the first and the last evaluation only); 0: none."""
     reward: Literal["all", "fraction"] = "all"
     """``all``: 1.0 when every hidden test passes, else 0.0; ``fraction``: the fraction passed."""
-    timeout_s: float | None = Field(default=None, gt=0)
+    timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Wall-clock limit of one program and its tests (default: the ``sandbox`` section's)."""
     seed: int = 0
     """Seed of the held-out split and of the order of tasks."""

@@ -35,7 +35,14 @@ def test_bad_input_exits_2_naming_the_fix(tmp_path, monkeypatch):
     r = CliRunner().invoke(main, ["sandbox", "run", str(tmp_path / "missing.py")])
     assert r.exit_code == 2 and "give the path of a Python file" in r.output
     r = CliRunner().invoke(main, ["sandbox", "run", str(prog), "--timeout", "0"])
-    assert r.exit_code == 2 and "positive number of seconds" in r.output
+    assert r.exit_code == 2 and "positive, finite number of seconds" in r.output
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on PATH
     r = CliRunner().invoke(main, ["sandbox", "run", str(prog)])
     assert r.exit_code == 2 and "apt-get install -y bubblewrap" in r.output
+
+
+def test_an_infinite_timeout_is_refused(tmp_path):
+    prog = tmp_path / "p.py"
+    prog.write_text("print(1)\n")
+    res = CliRunner().invoke(main, ["sandbox", "run", str(prog), "--timeout", "inf"])
+    assert res.exit_code == 2 and "--timeout inf: give a positive, finite number" in res.output
