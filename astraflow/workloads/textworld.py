@@ -291,6 +291,8 @@ class TextWorldWorkload(AgentWorkload):
         if p.width * p.height > len(ROOM_NAMES):
             raise ValueError(f"textworld workload: width * height is at most {len(ROOM_NAMES)} rooms")
         self.grid = (p.width, p.height, p.extra_doors, p.seed)
+        #: (kind, difficulty) pairs no map of this grid has (e.g. a 4-step walk on 2x2)
+        self._impossible: set[tuple[str, int]] = set()
 
     def environment(self) -> TextWorldEnv:
         return TextWorldEnv(self.grid, shaped=self.params.shaped, max_turns=self.params.max_turns)
@@ -302,8 +304,21 @@ class TextWorldWorkload(AgentWorkload):
     def _draw(self, rng: random.Random, level: int) -> dict[str, Any]:
         """A random task of ``level`` expert steps: a kind that has such tasks, then maps, rooms and
         objects drawn until one fits."""
-        kind = rng.choice([k for k in KINDS if level >= (2 if k == "put" else 1)])
-        while True:
+        kinds = [k for k in KINDS if level >= (2 if k == "put" else 1)]
+        first = rng.choice(kinds)
+        for kind in [first] + [k for k in kinds if k != first]:  # the others only if no map of this grid fits
+            if (kind, level) in self._impossible:
+                continue
+            task = self._draw_kind(rng, level, kind)
+            if task is not None:
+                return task
+            self._impossible.add((kind, level))
+        p = self.params
+        raise ValueError(f"textworld workload: no task on a {p.width}x{p.height} grid takes {level} steps; "
+                         f"lower max_difficulty (now {p.max_difficulty}) or make the grid larger (width, height)")
+
+    def _draw_kind(self, rng: random.Random, level: int, kind: str, attempts: int = 2000) -> dict[str, Any] | None:
+        for _ in range(attempts):
             layout = rng.randrange(2**31)
             w = world_of(*self.grid, layout)
             if kind == "go":
@@ -323,6 +338,7 @@ class TextWorldWorkload(AgentWorkload):
             rng.shuffle(objects)
             return {"layout": layout, **core, "objects": [list(x) for x in objects],
                     "goal": goal_text(w, core), "difficulty": level}
+        return None
 
     def tasks(self, split: str) -> list[dict[str, Any]]:
         """``num_train`` or ``num_test`` tasks of ``split``: one stream of random tasks, each in the

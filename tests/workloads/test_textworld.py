@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -137,3 +138,12 @@ def test_commands_change_the_world():
     env.room = room
     res = asyncio.run(env.step(Action(f"put {obj} in {box}")))
     assert res.done and res.reward == 1.0 and res.info == {"success": 1.0}
+
+
+def test_a_small_grid_draws_what_it_can_and_refuses_what_it_cannot():
+    small = TextWorldWorkload(width=2, height=2, num_train=40, num_test=8)  # no walk of 4 steps on 2x2
+    tasks = small.tasks("train")
+    assert sorted(Counter(t["difficulty"] for t in tasks)) == [1, 2, 3, 4]
+    assert all(t["kind"] != "go" for t in tasks if t["difficulty"] == 4)
+    with pytest.raises(ValueError, match="no task on a 2x1 grid takes 5 steps; lower max_difficulty"):
+        TextWorldWorkload(width=2, height=1, max_difficulty=5, num_train=10, num_test=2).tasks("train")
