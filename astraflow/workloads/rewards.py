@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import re
 import threading
 from typing import Any, Callable, Mapping
@@ -105,14 +106,14 @@ def _exact_problem(answer: str) -> str | None:
 @_checker(_exact_problem)
 def exact_match(completion: str, answer: str, payload: Mapping[str, Any]) -> float:
     """1.0 when the completion's final answer (after its last ``####``, else the whole
-    completion), stripped, equals the reference exactly."""
-    found = _FINAL.findall(completion)
-    got = (found[-1] if found else completion).strip()
-    return 1.0 if got == answer.strip() else 0.0
+    completion) equals the reference, both normalised alike (``gsm8k_answer``: stripped, commas
+    and a trailing period dropped, as a reference read from a solution is)."""
+    return 1.0 if gsm8k_answer(completion) == gsm8k_answer(answer) else 0.0
 
 
 def _numeric_problem(answer: str) -> str | None:
-    return None if to_number(answer) is not None else f"answer {answer[:40]!r} is not a number"
+    value = to_number(answer)
+    return None if value is not None and math.isfinite(value) else f"answer {answer[:40]!r} is not a finite number"
 
 
 @REWARDS.register("numeric")

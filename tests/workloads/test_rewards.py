@@ -47,6 +47,9 @@ def test_exact_and_regex():
     assert score("exact", " Paris ", "Paris") == 1.0
     assert score("exact", "paris", "Paris") == 0.0
     assert score("exact", "thinking\n#### Paris", "Paris") == 1.0
+    # a completion written like the dataset's own solution: normalised as its reference was
+    assert score("exact", "She pays 1,200 in total.\n#### 1,200", gsm8k_answer("...\n#### 1,200")) == 1.0
+    assert score("exact", "So it is 42.\n#### 42.", "42") == 1.0
     assert score("regex", "It is PARIS.", "(?i)paris") == 1.0
     assert score("regex", "London", "(?i)paris") == 0.0
 
@@ -54,6 +57,7 @@ def test_exact_and_regex():
 def test_answer_checks_name_what_a_reward_cannot_score():
     assert answer_problem("numeric", "seven") is not None
     assert answer_problem("numeric", "1,200") is None
+    assert answer_problem("numeric", "nan") is not None and answer_problem("numeric", "inf") is not None
     assert answer_problem("math_verify", "\\frac{1}{2}") is None
     assert answer_problem("math_verify", "") is not None
     assert answer_problem("regex", "(unclosed") is not None
