@@ -23,9 +23,10 @@ import asyncio
 import inspect
 import json
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
@@ -35,8 +36,50 @@ from astraflow.agents.env import Action, EpisodeError, ToolCall
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|$)", re.DOTALL)
 
-#: shared by every plain (non-async) tool of the process
-_POOL = ThreadPoolExecutor(max_workers=32, thread_name_prefix="astraflow-tool")
+
+
+class _ToolThreads:
+    """The threads plain (non-async) tools run on, shared by the process. A call past its
+    timeout keeps its thread (Python cannot stop it); once half the threads are held so, the
+    pool is replaced by a fresh one, so stuck tools never starve the others. A call's deadline
+    counts from when a thread takes it, not while it queues."""
+
+    def __init__(self, size: int = 32):
+        self.size = size
+        self._pool = ThreadPoolExecutor(size, thread_name_prefix="astraflow-tool")
+        self._stuck = 0
+        self._lock = threading.Lock()
+
+    async def call(self, fn: Callable[[], Any], timeout_s: float) -> Any:
+        """``fn()`` on a thread; ``asyncio.TimeoutError`` once it ran ``timeout_s`` seconds."""
+        loop = asyncio.get_running_loop()
+        started: list[float] = []
+
+        def timed() -> Any:
+            started.append(time.monotonic())
+            return fn()
+
+        with self._lock:
+            fut = loop.run_in_executor(self._pool, timed)
+        while True:
+            left = timeout_s - (time.monotonic() - started[0]) if started else timeout_s
+            if left <= 0:
+                self._abandoned()
+                raise asyncio.TimeoutError
+            done, _ = await asyncio.wait({fut}, timeout=max(left, 0.005))
+            if done:
+                return fut.result()
+
+    def _abandoned(self) -> None:
+        with self._lock:
+            self._stuck += 1
+            if self._stuck * 2 >= self.size:
+                old, self._pool = self._pool, ThreadPoolExecutor(self.size, thread_name_prefix="astraflow-tool")
+                self._stuck = 0
+                old.shutdown(wait=False)
+
+
+_THREADS = _ToolThreads()
 
 
 def format_call(name: str, arguments: dict[str, Any]) -> str:
@@ -57,6 +100,9 @@ def parse_action(text: str) -> Action:
             obj = json.loads(body)
         except json.JSONDecodeError as err:
             errors.append(f"the tool call is not valid JSON ({err.msg} at character {err.pos})")
+            continue
+        except RecursionError:
+            errors.append("the tool call's JSON is nested too deeply")
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             errors.append('a tool call must be {"name": <tool>, "arguments": {...}}')
@@ -79,6 +125,13 @@ class Tool:
     #: the pydantic model of the arguments (built from ``fn``'s signature by ``tool``)
     arguments: type[BaseModel]
     timeout_s: float = 10.0
+    #: ``fn`` is a method (its first parameter ``self``): read from an instance, the tool binds to it
+    method: bool = False
+
+    def __get__(self, obj: Any, objtype: Any = None) -> "Tool":
+        if obj is None or not self.method:
+            return self
+        return replace(self, fn=self.fn.__get__(obj, objtype), method=False)
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -95,15 +148,15 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, timeo
     are the JSON arguments, its docstring's first line the description."""
 
     def make(f: Callable[..., Any]) -> Tool:
-        fields = {}
-        for p in inspect.signature(f).parameters.values():
-            if p.name == "self":
-                continue
+        fields, params = {}, list(inspect.signature(f).parameters.values())
+        method = bool(params) and params[0].name == "self"
+        for p in params[1:] if method else params:
             ann = Any if p.annotation is inspect.Parameter.empty else p.annotation
             fields[p.name] = (ann, ... if p.default is inspect.Parameter.empty else p.default)
         model = create_model(f"{f.__name__}_args", __config__=ConfigDict(extra="forbid"), **fields)
         desc = description or (inspect.getdoc(f) or "").split("\n")[0]
-        return Tool(name=name or f.__name__, description=desc, fn=f, arguments=model, timeout_s=timeout_s)
+        return Tool(name=name or f.__name__, description=desc, fn=f, arguments=model, timeout_s=timeout_s,
+                    method=method)
 
     return make(fn) if fn is not None else make
 
@@ -160,8 +213,7 @@ class ToolBox:
             if inspect.iscoroutinefunction(t.fn):
                 out = await asyncio.wait_for(t.fn(**kwargs), t.timeout_s)
             else:
-                loop = asyncio.get_running_loop()
-                out = await asyncio.wait_for(loop.run_in_executor(_POOL, lambda: t.fn(**kwargs)), t.timeout_s)
+                out = await _THREADS.call(lambda: t.fn(**kwargs), t.timeout_s)
         except asyncio.TimeoutError:
             raise EpisodeError(f"tool {t.name} ran past its {t.timeout_s:g} s timeout") from None
         except Exception as err:

@@ -46,6 +46,8 @@ RELATIONS: dict[str, tuple[str, str]] = {
 }
 KINDS = ("person", "company", "city", "country")
 _CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
+#: distinct names ``_names`` can draw; it draws at most a quarter of them (far fewer collisions)
+MAX_ENTITIES = (len(_CONSONANTS) * len(_VOWELS)) ** 2 // 4
 
 
 class SearchParams(AgentParams):
@@ -99,6 +101,10 @@ class KnowledgeBase:
         rng = random.Random(f"search-kb:{p.seed if seed is None else seed}")
         sizes = {"person": p.num_people, "company": p.num_companies, "city": p.num_cities,
                  "country": p.num_countries}
+        if sum(sizes.values()) > MAX_ENTITIES:
+            raise ValueError(f"search workload: {sum(sizes.values())} entities (num_people + num_companies + "
+                             f"num_cities + num_countries) is more than the {MAX_ENTITIES} distinct four-letter "
+                             "names there are: lower them")
         pool = _names(rng, sum(sizes.values()))
         rng.shuffle(pool)
         self.entities: dict[str, list[str]] = {}

@@ -203,3 +203,57 @@ def test_plain_text_model_without_template(tok):
     log = run(scripted(plain, ["hmm", "5"]), plain, SumEnv())
     assert plain.decode(log.tokens).startswith("2+3?\nhmm<|im_end|>\nanswer please\n5")
     assert log.done and log.success == 1.0
+
+
+def test_tools_stuck_past_their_timeout_do_not_starve_the_others():
+    """Every thread of a small tool pool held by a call that never returns in time: the pool
+    is renewed, and a quick tool still answers."""
+    import threading
+
+    from astraflow.agents.env import ToolCall
+    from astraflow.agents.tools import ToolBox, _ToolThreads
+
+    release = threading.Event()
+
+    @tool(timeout_s=0.05)
+    def stuck() -> str:
+        """Never returns in time."""
+        release.wait(5)
+        return "late"
+
+    box = ToolBox([stuck, add])
+
+    async def go():
+        for _ in range(4):
+            with pytest.raises(EpisodeError, match="ran past its 0.05 s timeout"):
+                await box.run(ToolCall("stuck", {}))
+        return await box.run(ToolCall("add", {"a": 1, "b": 2}))
+
+    import astraflow.agents.tools as tools_mod
+    saved, tools_mod._THREADS = tools_mod._THREADS, _ToolThreads(size=4)
+    try:
+        assert asyncio.run(go()).content == "3"
+    finally:
+        release.set()
+        tools_mod._THREADS = saved
+
+
+def test_a_method_tool_binds_to_its_environment_and_deep_json_is_an_error_observation(tok):
+    from astraflow.agents.env import ToolCall
+    from astraflow.agents.tools import ToolBox, parse_action
+
+    class Lookup:
+        def __init__(self):
+            self.kb = {"oslo": "Norway"}
+            self.tools = ToolBox([self.country])
+
+        @tool(timeout_s=1)
+        def country(self, city: str) -> str:
+            """Country of a city."""
+            return self.kb.get(city, "unknown")
+
+    box = Lookup().tools
+    assert list(box.schemas()[0]["function"]["parameters"]["properties"]) == ["city"]
+    assert asyncio.run(box.run(ToolCall("country", {"city": "oslo"}))).content == "Norway"
+    deep = "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>"
+    assert parse_action(deep).errors == ("the tool call's JSON is nested too deeply",)

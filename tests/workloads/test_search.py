@@ -121,3 +121,10 @@ def test_per_task_knowledge_bases_are_the_tasks_own():
     assert a.index.documents != b.index.documents
     with pytest.raises(ValueError, match="kb: shared"):
         wl.index_of({"question": "x?"})
+
+
+def test_more_entities_than_names_is_refused_not_drawn_forever():
+    from astraflow.workloads.search import MAX_ENTITIES, SearchWorkload
+
+    with pytest.raises(ValueError, match=f"more than the {MAX_ENTITIES} distinct four-letter names"):
+        SearchWorkload(num_people=MAX_ENTITIES).tasks("train")
