@@ -258,6 +258,12 @@ class ChangeLog:
         return _dumps({"format": FORMAT, "fingerprint": self.fingerprint, "seq": seq, "log": log_no,
                        "small": small, "entries": shadow})
 
+    def fail(self, err: BaseException) -> None:
+        """The state changed in a way no record may hold (a call stopped half way): every
+        commit from now on raises ``err``, so what the log holds stays the last whole state."""
+        if self._broken is None:
+            self._broken = err
+
     # -- commit ----------------------------------------------------------------------------
     async def commit(self, sync: bool = False) -> None:
         """Return once a record holding every change made before the call is written (and,

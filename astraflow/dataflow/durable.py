@@ -40,7 +40,7 @@ import os
 import time
 from collections import Counter, deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from astraflow.dataflow import changelog
 from astraflow.dataflow import record as rec
@@ -66,27 +66,42 @@ def fingerprint_of(policies: list[str], workload: WorkloadConfig) -> str:
 
 
 class Journal:
-    """``ledger.jsonl``: appended on every creation and end, flushed before every snapshot."""
+    """``ledger.jsonl``: appended on every creation and end, flushed before every snapshot. A
+    write that fails (a full disk) calls ``on_error`` first: the ledger moved in memory, and the
+    call that moved it stops half way."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, on_error: Callable[[BaseException], None] | None = None):
         self.path = path
+        self.on_error = on_error
         self._file = open(path, "a", buffering=1 << 16) if path is not None else None
 
     def __call__(self, task_id: str, event: str, reason: str | None) -> None:
         if self._file is None:
             return
         if not isinstance(reason, (str, type(None))):
-            self._file.write(json.dumps({"t": task_id, "e": event, "r": reason}) + "\n")
-            return
-        # the line ``json.dumps`` writes, without building a dict and an encoder per call
-        line = f'{{"t": {_quoted(task_id)}, "e": {_quoted(event)}'
-        self._file.write(line + "}\n" if reason is None else f'{line}, "r": {_quoted(reason)}}}\n')
+            line = json.dumps({"t": task_id, "e": event, "r": reason}) + "\n"
+        else:  # the line ``json.dumps`` writes, without building a dict and an encoder per call
+            line = f'{{"t": {_quoted(task_id)}, "e": {_quoted(event)}'
+            line = line + "}\n" if reason is None else f'{line}, "r": {_quoted(reason)}}}\n'
+        try:
+            self._file.write(line)
+        except OSError as err:
+            self._failed(err)
+            raise
+
+    def _failed(self, err: BaseException) -> None:
+        if self.on_error is not None:
+            self.on_error(err)
 
     def flush(self) -> int:
         """Flush to the kernel; the file's length."""
         if self._file is None:
             return 0
-        self._file.flush()
+        try:
+            self._file.flush()
+        except OSError as err:
+            self._failed(err)
+            raise
         return os.fstat(self._file.fileno()).st_size
 
     def close(self) -> None:
@@ -128,8 +143,10 @@ class Durability:
         self.saved = load(self.snapshot_path) if self.snapshot_path is not None else None
         if self.saved is not None:
             cut_back(self.saved, self.journal_path, Path(metrics_path) if metrics_path else None)
-        self.journal = Journal(self.journal_path)
         self.log = ChangeLog(self.snapshot_path, self.fingerprint)
+        # a line of the journal or of metrics.jsonl lost half way through a call: the state
+        # that call left must never be committed (a re-placed data layer starts before it)
+        self.journal = Journal(self.journal_path, on_error=self.log.fail)
         self._dl: DataLayer | None = None
 
     def lengths(self) -> dict[str, int]:
@@ -152,6 +169,7 @@ class Durability:
         not committed when ``keep_leases`` (the data layer was re-placed)."""
         self._dl = dl
         dl.ledger.journal = self.journal
+        dl.metrics.on_error = self.log.fail
         saved = self.saved
         core = saved["core"] if saved is not None else (rec.load(dl._state_path) if dl._state_path else None)
         if core is not None:

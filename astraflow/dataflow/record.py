@@ -17,7 +17,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from astraflow.contracts import TrajectoryRef
 from astraflow.dataflow.config import DataflowConfig
@@ -131,6 +131,8 @@ class MetricsLog:
 
     def __init__(self, path: str | None):
         self._file = open(path, "a", buffering=1) if path else None
+        #: called with the error of a write that failed (a full disk), before it propagates
+        self.on_error: Callable[[BaseException], None] | None = None
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is None:
@@ -139,7 +141,12 @@ class MetricsLog:
             line = json.dumps(record, default=_plain_number, allow_nan=False)
         except ValueError:  # a value that is not finite: written as null
             line = json.dumps(finite_json(record), default=_as_finite_float, allow_nan=False)
-        self._file.write(line + "\n")
+        try:
+            self._file.write(line + "\n")
+        except OSError as err:
+            if self.on_error is not None:
+                self.on_error(err)
+            raise
 
     def flush(self) -> None:
         if self._file is not None:

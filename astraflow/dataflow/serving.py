@@ -94,6 +94,7 @@ class TrainerFacing:
         batch served is reported). Reporting a version again (a call retried after the data layer
         was re-placed) changes nothing."""
         if version <= self.versions[policy]:
+            await self._durable()  # a retry after a failed commit returns only once it is in the log
             return
         self._committed(policy, version, metrics, batch_metrics)
         self._notify()

@@ -277,3 +277,56 @@ def test_an_evaluation_cut_short_by_the_runs_end_does_not_hold_back_the_resumed_
     assert run(evaluate_v2(restored))  # not held back behind the old round
     assert sorted(paths2.steps()) == [0, 2]
     run(restored.close())
+
+
+class _FullDisk:
+    """A file whose writes fail from the ``after``-th on, as on a disk that filled up."""
+
+    def __init__(self, file, after: int):
+        self.file, self.after, self.writes = file, after, 0
+
+    def write(self, text):
+        self.writes += 1
+        if self.writes >= self.after:
+            raise OSError(28, "No space left on device")
+        return self.file.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+def test_a_call_stopped_half_way_by_a_full_disk_is_never_committed(tmp_path):
+    """The ledger fills the disk in the middle of ``published``: the version is recorded in
+    memory, part of the batch settled. No later commit may make that state durable (its retry
+    is refused too); the re-placed layer starts from the last whole state, and the trainer's
+    retry then settles the whole batch once."""
+    paths = Paths(tmp_path)
+    lost = paths.layer()
+
+    async def before():
+        await Node(lost).roll(16, reward_of=_alternating)
+        batch = await lost.next_batch("p", 0, timeout=5)
+        journal = lost.durability.journal
+        journal._file = _FullDisk(journal._file, after=3)
+        with pytest.raises(OSError, match="No space left"):
+            await lost.published("p", 1, {"loss": 0.0})
+        journal._file = journal._file.file  # space freed: still, nothing of that call is committed
+        with pytest.raises(OSError, match="No space left"):
+            await lost.published("p", 1, {"loss": 0.0})
+        return batch
+
+    batch = run(before())
+    assert lost.versions == {"p": 1}  # in memory only
+    layer = paths.layer(keep_leases=True)
+    assert layer.versions == {"p": 0} and layer.restored["served_uncommitted"] == {"p": [0]}
+
+    async def after():
+        await layer.published("p", 1, {"loss": 0.0})  # the trainer's retry, to the new layer
+        await layer.finish()
+        await layer.close()
+
+    run(after())
+    outcomes = _ended_once(paths.journal_lines())
+    consumed = {x["t"] for x in paths.journal_lines() if x["e"] == "consumed"}
+    assert consumed == {i.task_id for i in batch.items} and outcomes["consumed"] == 8
+    assert paths.steps() == [1]
