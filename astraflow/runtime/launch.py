@@ -223,6 +223,21 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
                 "in flight are then rolled out again), or start a new run directory") from None
 
 
+def forget_durable_state(cfg: RunConfig, run_dir: Path, progress: Progress) -> None:
+    """With ``dataflow.durable: false`` the data layer's snapshot and change log are no longer
+    kept up to date: ones an earlier incarnation left are removed (with the run directory
+    locked), or a later durable resume would go back to them, behind the versions trained since."""
+    from astraflow.dataflow.changelog import log_numbers, log_path
+
+    snapshot = RunPaths(run_dir).dataflow_snapshot
+    if cfg.dataflow.durable or not snapshot.exists():
+        return
+    for n in log_numbers(snapshot):
+        log_path(snapshot, n).unlink(missing_ok=True)
+    snapshot.unlink(missing_ok=True)
+    progress.note(f"dataflow.durable is false: removed the data layer's earlier snapshot {snapshot}")
+
+
 def cancel_leftovers(cfg: RunConfig, lock: RunDirLock, progress: Progress) -> PreviousJobs:
     """Cancel the worker jobs a previous incarnation of the run left active (`jobrecords`), only
     while ``lock`` is held: without it a live run might own them (a filesystem without locks)."""
@@ -245,6 +260,7 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
     with RunDirLock(run_dir) as lock:
         check_resumable(cfg, run_dir)
         previous = cancel_leftovers(cfg, lock, progress)
+        forget_durable_state(cfg, run_dir, progress)
         prepare_models(cfg, progress)
         progress.note(f"run directory {run_dir}")
         result = Orchestrator(cfg, run_dir, progress, previous).run()
