@@ -16,6 +16,7 @@ token array for a batch, so serving one costs it no store read while nodes wait 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from typing import Any
@@ -23,6 +24,8 @@ from typing import Any
 from astraflow.contracts import BatchRefs
 from astraflow.dataflow import admission
 from astraflow.dataflow import record as rec
+
+log = logging.getLogger("astraflow.dataflow")
 
 
 class BatchTimeout(TimeoutError):
@@ -129,9 +132,18 @@ class TrainerFacing:
         the buffer to be served again (``Buffers.put_back``): nothing is dropped as
         ``served_not_trained``, nothing is trained twice. A batch call the lost trainer still
         has pending serves nothing. ``restart`` False: a resumed run's trainer starts (the same
-        recovery, not counted as a restart). Returns ``{"put_back": n, "recovered": [versions]}``."""
+        recovery, not counted as a restart). A ``from_version`` below the layer's (a newer
+        version was damaged and moved aside) takes the policy back to it: the versions after it
+        are trained again, and their metrics lines written again. Returns
+        ``{"put_back": n, "recovered": [versions]}``."""
         if restart:
             self.trainer_restarts[policy] += 1
+        if from_version < self.versions[policy]:
+            log.warning("the trainer of %s resumes from v%d, behind v%d the data layer recorded (a newer version "
+                        "was moved aside): the versions after it are trained again", policy, from_version,
+                        self.versions[policy])
+            self.versions[policy] = from_version
+            self.finished = False
         recovered = list(range(self.versions[policy] + 1, from_version + 1))
         for v in recovered:
             self._committed(policy, v, {"recovered": True}, {})

@@ -330,3 +330,39 @@ def test_a_call_stopped_half_way_by_a_full_disk_is_never_committed(tmp_path):
     consumed = {x["t"] for x in paths.journal_lines() if x["e"] == "consumed"}
     assert consumed == {i.task_id for i in batch.items} and outcomes["consumed"] == 8
     assert paths.steps() == [1]
+
+
+def test_a_trainer_resumed_behind_the_layer_trains_the_later_versions_again(tmp_path):
+    """A damaged newest version moved aside: the trainer resumes from the one before, and the
+    batch it trains for the version after is settled as consumed, not left served."""
+    paths = Paths(tmp_path)
+    first = paths.layer()
+
+    async def step(layer, node, v):
+        await node.roll(8, reward_of=_alternating)
+        batch = await layer.next_batch("p", v, timeout=5)
+        await layer.published("p", v + 1, {"loss": 0.0})
+        return batch
+
+    async def before():
+        node = Node(first)
+        await step(first, node, 0)
+        await step(first, node, 1)
+        await first.close()
+
+    run(before())
+    resumed = paths.layer()
+    assert resumed.versions == {"p": 2}
+
+    async def after():
+        await resumed.trainer_restarted("p", 1, restart=False)  # weights/p/v2 moved aside
+        assert resumed.versions == {"p": 1}
+        again = await step(resumed, Node(resumed, "n1"), 1)
+        await resumed.finish()
+        await resumed.close()
+        return again
+
+    again = run(after())
+    ends = {x["t"]: x["e"] for x in paths.journal_lines() if x["e"] != "created"}
+    assert {ends[i.task_id] for i in again.items} == {"consumed"}
+    assert paths.steps() == [1, 2, 2]
