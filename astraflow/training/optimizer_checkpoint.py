@@ -5,12 +5,18 @@ A mixin of ``Trainer`` (``trainer``), kept apart from its loop: what is saved (t
 state, and the fp32 master weights when versions are published narrower), what is refused
 (weights holding nan/inf, a checkpoint newer than the committed weights) and the warning when a
 resume continues from rounded weights.
+
+A checkpoint taken before its version is committed (right after its step, while the version
+publishes) goes to ``<path>.pending`` and replaces the checkpoint only once the version is
+committed (``promote_optimizer``): a publish that fails never costs the last usable one.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +37,27 @@ class OptimizerCheckpoint:
     backend: TrainerBackend | None
     store: WeightStore | None
     version: int
+    committed: int
     optimizer_path: Path | None
     optimizer_resumed_from: int | None
+    #: the version of the checkpoint waiting in ``<path>.pending`` for its commit (None: none)
+    _pending_version: int | None = None
+    _checkpoint_lock = threading.Lock()
+
+    def _pending_path(self) -> Path:
+        return self.optimizer_path.with_name(self.optimizer_path.name + ".pending")
+
+    def promote_optimizer(self) -> None:
+        """The checkpoint waiting for its version's commit replaces the last one, once committed."""
+        with self._checkpoint_lock:
+            if self._pending_version is None or self._pending_version > self.committed:
+                return
+            try:
+                os.replace(self._pending_path(), self.optimizer_path)
+            except OSError:
+                log.exception("trainer %s: promoting the optimiser state of v%d failed", self.policy,
+                              self._pending_version)
+            self._pending_version = None
 
     def save_optimizer(self) -> bool:
         """Write the backend's optimiser state (with the version its weights are at) to
@@ -57,7 +82,11 @@ class OptimizerCheckpoint:
             buf = io.BytesIO()
             torch.save(record, buf)
             self.optimizer_path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(self.optimizer_path, buf.getvalue())
+            with self._checkpoint_lock:
+                ahead = self.version > self.committed  # its version still publishing (or failed to)
+                write_atomically(self._pending_path() if ahead else self.optimizer_path, buf.getvalue())
+                self._pending_version = self.version if ahead else None
+            self.promote_optimizer()  # committed meanwhile
             return True
         except Exception:
             log.exception("trainer %s: saving the optimiser state of v%d failed", self.policy, self.version)

@@ -305,6 +305,7 @@ class Trainer(OptimizerCheckpoint):
             self.backend.publish(self.store, self.policy, version, state=state)
         publish_s = time.time() - t0
         self.committed = version
+        self.promote_optimizer()
         if self.write_deltas:
             self._write_delta_async(version)
         self.wait_s += wait_s

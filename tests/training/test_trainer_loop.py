@@ -219,3 +219,35 @@ def test_optimiser_state_is_saved_periodically_and_at_stop_and_resumed(tmp_path,
     path.write_bytes(b"not a checkpoint")  # unreadable: the same
     fourth = trainer(_NoData(batch))
     assert fourth.start(run_loop=False) == 3 and fourth.state()["optimizer_resumed_from"] is None
+
+
+def test_a_failed_publish_keeps_the_last_usable_optimiser_checkpoint(tmp_path, tiny_model, monkeypatch):
+    """Publishing fails from v4 on (a full disk): the trainer stops at v5 trained, v3 committed.
+    The checkpoint of v3 stays the one a resume uses; the states of versions never committed
+    wait aside and are not used."""
+    ref = TorchBackend(tiny_model, lr=1e-3)
+    batch = _batch(ref.model, ref.tokenizer)
+    path = tmp_path / "trainer_state" / "p" / "optimizer.pt"
+
+    def trainer(dl):
+        return Trainer(policy="p", cfg=TrainerConfig(lr=1e-3, optimizer_checkpoint_every=3), model_path=tiny_model,
+                       weights_root=str(tmp_path / "weights"), keep_versions=10, data_layer=dl, max_steps=10,
+                       optimizer_path=str(path))
+
+    tr = trainer(_DataLayer(batch))
+    tr.start(run_loop=False)
+    real = tr.backend.publish
+
+    def publish(store, policy, version, state=None):
+        if version >= 4:
+            raise OSError(28, "No space left on device")
+        return real(store, policy, version, state=state)
+
+    monkeypatch.setattr(tr.backend, "publish", publish)
+    tr._run()
+    st = tr.state()
+    assert st["version"] == 3 and st["trained_version"] > 3 and "No space left" in st["error"]
+    assert torch.load(path, weights_only=True)["version"] == 3
+    again = trainer(_NoData(batch))
+    assert again.start(run_loop=False) == 3 and again.state()["optimizer_resumed_from"] == 3
+    again.stop()
