@@ -108,9 +108,11 @@ class Scheduler(Protocol):
         """
         ...
 
-    def cancel(self, job_ids: Iterable[str]) -> None:
+    def cancel(self, job_ids: Iterable[str], wait: bool = False) -> None:
         """Stop these jobs (killing the worker kills its actors). Finished jobs are a no-op;
-        ids the backend never saw raise `UnknownJobError` after the others are cancelled."""
+        ids the backend never saw raise `UnknownJobError` after the others are cancelled. With
+        ``wait``, return only once their processes are gone (a cancelled job can run on for a
+        while, and one replaced must not write into the run meanwhile)."""
         ...
 
     def jobs(self) -> list[JobStatus]:

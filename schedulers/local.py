@@ -108,7 +108,8 @@ class LocalScheduler:
         self._procs[job_id] = _Proc(popen, partition.name, name, log)
         return JobRef(job_id, partition.name, name, self.kind, log, identity=process_identity(popen.pid))
 
-    def cancel(self, job_ids: Iterable[str]) -> None:
+    def cancel(self, job_ids: Iterable[str], wait: bool = False) -> None:
+        """Always waits: SIGTERM, then SIGKILL after ``term_timeout``, each process reaped."""
         ids = list(job_ids)
         unknown = [j for j in ids if j not in self._procs]
         procs = [self._procs[j] for j in ids if j in self._procs]

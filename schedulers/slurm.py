@@ -307,7 +307,9 @@ class SlurmScheduler:
     def close(self) -> None:
         """Nothing to release: Slurm jobs live in Slurm and are cancelled by id (``cancel``)."""
 
-    def cancel(self, job_ids: Iterable[str]) -> None:
+    def cancel(self, job_ids: Iterable[str], wait: bool = False) -> None:
+        """``wait``: until Slurm no longer lists them active, at most ``cancel_wait_s``
+        (``SlurmWaitTimeout`` past it)."""
         ids = [str(j) for j in job_ids]
         bad = [j for j in ids if not _JOB_ID.match(j)]
         if bad:
@@ -321,6 +323,8 @@ class SlurmScheduler:
             unknown = [j for j in ids if j not in self._submitted and j not in seen]
             if unknown:
                 raise UnknownJobError(unknown, self.kind)
+        if wait:
+            self._wait_ended(ids, self.cancel_wait_s)
 
     def cancel_previous(self, records: Sequence[JobRef]) -> list[JobStatus]:
         """Cancel every active worker job with this run's tag that this object did not submit

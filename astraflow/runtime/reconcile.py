@@ -115,9 +115,9 @@ class PartitionSet:
             self.schedulers[part.scheduler] = run_scheduler(part.scheduler, self.paths, self.cluster, self.tls)
         return self.schedulers[part.scheduler]
 
-    def cancel(self, w: Worker) -> None:
-        """Cancel the job of worker `w` (its actor dies with it)."""
-        self.scheduler_for(self.partitions[w.partition]).cancel([w.job.job_id])
+    def cancel(self, w: Worker, wait: bool = False) -> None:
+        """Cancel the job of worker `w` (its actor dies with it); ``wait``: until its processes are gone."""
+        self.scheduler_for(self.partitions[w.partition]).cancel([w.job.job_id], wait=wait)
 
     def refused(self) -> dict[str, str | None]:
         """Partitions marked failed, with why (at start, a refused partition ends the run)."""

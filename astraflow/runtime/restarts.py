@@ -86,7 +86,8 @@ class TrainerRestarts:
                 raise RunFailed(f"{lost}; trainer {p} was already restarted {limit} time(s), the limit "
                                 f"(cluster.trainer_restarts: {limit}): raise it, or find why its workers die")
         try:
-            self.fleet.parts.cancel(w)  # it may only have left the scheduler: it must not publish again
+            # it may only have left the scheduler: it must not publish again once the store is read
+            self.fleet.parts.cancel(w, wait=True)
         except Exception as err:  # the job is most often gone already
             log.warning("cancelling the lost trainer worker %s failed: %s", w.name, err)
         if not policies:  # a trainer worker that held no trainer: the reconciler refills it
@@ -220,7 +221,8 @@ class DataLayerRestarts:
                             f"(cluster.data_layer_restarts: {limit}): raise it, or find why its workers die")
         t0 = time.time()
         try:
-            self.fleet.parts.cancel(w)  # it may only have left the scheduler: it must not answer again
+            # it may only have left the scheduler: it must not answer or write again once re-placed
+            self.fleet.parts.cancel(w, wait=True)
         except Exception as err:  # the job is most often gone already
             log.warning("cancelling the lost data-layer worker %s failed: %s", w.name, err)
         n = len(self.history) + 1

@@ -41,7 +41,7 @@ class _Jobs:
     def __init__(self):
         self.cancelled: list[str] = []
 
-    def cancel(self, ids):
+    def cancel(self, ids, wait=False):
         self.cancelled += ids
 
     def jobs(self):

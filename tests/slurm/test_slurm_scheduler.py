@@ -65,7 +65,8 @@ def test_workers_in_two_partitions_join_by_name_and_cancel(sched, dask_scheduler
     states = {s.job_id: s.state for s in sched.jobs()}
     assert states[gone.job_id] == "CANCELLED" and states[refs[1].job_id] == "RUNNING"
 
-    sched.cancel([r.job_id for r in refs[1:]])
+    sched.cancel([r.job_id for r in refs[1:]], wait=True)  # returns once Slurm lists none active
+    assert not [s for s in sched.jobs() if s.job_id in {r.job_id for r in refs} and s.active]
     sched.wait_for([r.job_id for r in refs], {"CANCELLED"}, deadline_s=20)
     assert wait_for_workers(client, names, present=False, deadline_s=20).isdisjoint(names)
 
