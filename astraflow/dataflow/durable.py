@@ -177,9 +177,14 @@ class Durability:
                                                mixer=dl.mixer)
         in_doubt: dict[str, set[int]] = {p: set() for p in dl.policy_names}
         restored = None
+        if saved is None or saved["fingerprint"] != self.fingerprint:
+            # not restored: the ids the journal ended stay taken (a new evaluation round or
+            # group must not reuse one: a task is created and ended once)
+            remember_ended(dl, self.journal_path)
         if saved is not None and saved["fingerprint"] != self.fingerprint:  # the config changed what its tasks mean
             for tid in saved["ledger"]["live"]:
                 self.journal(tid, "dropped", "config_changed")
+                dl.ledger.remember_end(tid, "dropped")
         elif saved is not None:
             restored = restore(dl, saved, self.journal_path, keep_leases)
             if keep_leases:
@@ -200,6 +205,13 @@ def load(path: Path) -> dict[str, Any] | None:
     return changelog.load(path)
 
 
+def remember_ended(dl: DataLayer, journal_path: Path | None) -> None:
+    """The ledger of ``dl`` learns the tasks the journal at ``journal_path`` ended."""
+    for line in read_journal(journal_path) if journal_path is not None else []:
+        if line.get("e") in TERMINAL:
+            dl.ledger.remember_end(line["t"], line["e"])
+
+
 def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, keep_leases: bool) -> dict[str, Any]:
     """Load ``state`` (``load``) into a freshly built ``dl`` (files already ``cut_back``;
     ``rec.restore`` of ``state["core"]`` done by the caller). ``keep_leases``: the nodes holding leases
@@ -213,10 +225,7 @@ def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, kee
     dl.trainer_restarts = Counter(layer["trainer_restarts"])
     dl.generated = layer["generated"]
     ledger = dl.ledger
-    # ended tasks are known from the journal (duplicate completions of them are recognised)
-    for line in read_journal(journal_path) if journal_path is not None else []:
-        if line.get("e") in TERMINAL:
-            ledger.remember_end(line["t"], line["e"])
+    remember_ended(dl, journal_path)  # duplicate completions of ended tasks are recognised
     ledger.live = lg["live"]
     ledger.events, ledger.dropped_by_reason = lg["events"], lg["dropped_by_reason"]
     ledger.failed_by_reason, ledger.state_counts = lg["failed_by_reason"], lg["state_counts"]

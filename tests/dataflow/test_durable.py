@@ -366,3 +366,17 @@ def test_a_trainer_resumed_behind_the_layer_trains_the_later_versions_again(tmp_
     ends = {x["t"]: x["e"] for x in paths.journal_lines() if x["e"] != "created"}
     assert {ends[i.task_id] for i in again.items} == {"consumed"}
     assert paths.steps() == [1, 2, 2]
+
+
+def test_a_changed_config_starts_an_evaluation_round_under_new_ids(tmp_path):
+    """The saved round's tasks end as config_changed; the new round of the same version takes
+    ids of its own: every task in the journal is created and ended once."""
+    paths = Paths(tmp_path)
+    old = paths.layer(eval_every=2)
+    run(old.lease("n0", 2))
+    run(old.close())
+    new = paths.layer(eval_every=2, group_size=2)
+    assert new.leases.eval_pending and all(".1-" in t for t in new.leases.eval_pending)
+    run(new.finish())
+    run(new.close())
+    _ended_once(paths.journal_lines())
