@@ -204,8 +204,8 @@ def check_sandbox(cfg: RunConfig) -> None:
 
 def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
     """Before anything starts on a run directory that has weights: each policy's newest committed
-    version must be readable (``DamagedVersion``, a ValueError naming the file and the fix), and
-    so must the data layer's snapshot (``UnusableSnapshot``, a ValueError too)."""
+    version must be readable (``DamagedVersion``, a ValueError naming the file and the fix) and
+    within ``run.max_steps``, and the data layer's snapshot readable (``UnusableSnapshot``)."""
     from astraflow.dataflow import durable
     from storage.weights import WeightStore
 
@@ -213,7 +213,11 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
     if paths.weights.is_dir():
         store = WeightStore(paths.weights)
         for pol in cfg.policies:
-            store.latest(pol.name)
+            latest = store.latest(pol.name)
+            if latest is not None and latest.version > cfg.run.max_steps:
+                raise ValueError(f"run.max_steps {cfg.run.max_steps} is below v{latest.version}, which policy "
+                                 f"{pol.name} of this run directory already committed: set run.max_steps to "
+                                 f"{latest.version} or more (more trains further), or start a new run directory")
     if cfg.dataflow.durable:
         try:
             durable.load(paths.dataflow_snapshot)

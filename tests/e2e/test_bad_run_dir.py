@@ -154,3 +154,18 @@ def test_resuming_on_a_damaged_dataflow_snapshot_exits_2_before_anything_starts(
     assert f"{run.dataflow_snapshot} cannot be read" in res.output and "move it aside" in res.output
     assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
     assert not run.scheduler_file.exists() and not run.summary.exists()  # nothing started
+
+
+def test_resuming_with_max_steps_below_the_committed_version_exits_2_before_anything_starts(tmp_path):
+    import torch
+
+    from storage.weights import WeightStore
+
+    run = RunPaths(tmp_path / "run").make()
+    WeightStore(run.weights).publish("solver", 7, {"w": torch.ones(2)})
+    config = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "config.yaml"
+    res = CliRunner().invoke(main, ["run", str(config), "--run-dir", str(run.root), "--quiet",
+                                    "--set", "run.max_steps=5"])
+    assert res.exit_code == 2, res.output
+    assert "run.max_steps 5 is below v7" in res.output and "set run.max_steps to 7 or more" in res.output
+    assert not run.scheduler_file.exists() and not run.summary.exists()  # nothing started
