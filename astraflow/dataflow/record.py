@@ -23,7 +23,7 @@ from astraflow.contracts import TrajectoryRef
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.dataflow.evals import episode_summary
 from astraflow.dataflow.mixing import Mixer
-from storage.atomic import write_json
+from storage.atomic import UnreadableFile, read_json_object, write_json
 
 if TYPE_CHECKING:
     from astraflow.dataflow.layer import DataLayer
@@ -125,11 +125,31 @@ def _as_finite_float(value: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
+def cut_torn_line(path: Path) -> None:
+    """Cut a last line a crash left without its newline (the next line appended would join it)."""
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            back = min(size, 1 << 20)
+            f.seek(size - back)
+            tail = f.read(back)
+            f.truncate(size - back + tail.rfind(b"\n") + 1)
+    except FileNotFoundError:
+        return
+
+
 class MetricsLog:
     """``metrics.jsonl``, opened for appending (``path`` None: nothing is written). Every line is
     strict JSON: a value that is not finite is written as null."""
 
     def __init__(self, path: str | None):
+        if path:
+            cut_torn_line(Path(path))
         self._file = open(path, "a", buffering=1) if path else None
         #: called with the error of a write that failed (a full disk), before it propagates
         self.on_error: Callable[[BaseException], None] | None = None
@@ -255,8 +275,21 @@ def restore(state: dict[str, Any], *, versions: dict[str, int], cfg: DataflowCon
 
 
 def load(path: Path) -> dict[str, Any] | None:
-    """The saved state at ``path``, or None when there is none."""
-    return json.loads(path.read_text()) if path.exists() else None
+    """The saved state at ``path`` (``snapshot``), or None when there is none; a ValueError
+    naming the file and the fix when it is not one."""
+    if not path.exists():
+        return None
+    fix = ("move it aside to resume without it (the trainers continue from their weights; the prompt "
+           "order and the rules' state start afresh), or start a new run directory")
+    try:
+        state = read_json_object(path)
+    except UnreadableFile as err:
+        raise ValueError(f"{err}: {fix}") from None
+    missing = [k for k in ("versions", "group_seq", "order", "epoch", *RULE_STAGES) if k not in state]
+    if missing or not isinstance(state["versions"], dict) or not isinstance(state["group_seq"], int):
+        what = f"lacks {', '.join(missing)}" if missing else "has versions or group_seq of the wrong type"
+        raise ValueError(f"{path} is damaged (it {what}): {fix}")
+    return state
 
 
 def save(path: Path, state: dict[str, Any]) -> None:

@@ -218,13 +218,18 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
                 raise ValueError(f"run.max_steps {cfg.run.max_steps} is below v{latest.version}, which policy "
                                  f"{pol.name} of this run directory already committed: set run.max_steps to "
                                  f"{latest.version} or more (more trains further), or start a new run directory")
+    saved = None
     if cfg.dataflow.durable:
         try:
-            durable.load(paths.dataflow_snapshot)
+            saved = durable.load(paths.dataflow_snapshot)
         except durable.UnusableSnapshot as err:
             raise durable.UnusableSnapshot(
                 f"{err}: move it aside to resume from control/dataflow_state.json alone (the tasks the run had "
                 "in flight are then rolled out again), or start a new run directory") from None
+    if saved is None:  # the data layer resumes from this one
+        from astraflow.dataflow import record
+
+        record.load(paths.dataflow_state)
 
 
 def forget_durable_state(cfg: RunConfig, run_dir: Path, progress: Progress) -> None:

@@ -87,3 +87,14 @@ def test_a_skipped_non_finite_step_writes_strict_json(tmp_path):
     line = json.loads(path.read_text(), parse_constant=refuse)
     assert line == {"step": 3, "loss": None, "grad_norm": None, "nonfinite_skipped": True, "reward_mean": None,
                     "tokens": 7, "kl": None, "hist": {"0": 2}, "series": [1.0, None]}
+
+
+def test_a_torn_last_metrics_line_is_cut_before_appending(tmp_path):
+    from astraflow.dataflow.record import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "lo')  # a crash mid-line
+    log = MetricsLog(str(path))
+    log.write({"step": 2})
+    log.close()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]

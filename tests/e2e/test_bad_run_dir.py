@@ -169,3 +169,17 @@ def test_resuming_with_max_steps_below_the_committed_version_exits_2_before_anyt
     assert res.exit_code == 2, res.output
     assert "run.max_steps 5 is below v7" in res.output and "set run.max_steps to 7 or more" in res.output
     assert not run.scheduler_file.exists() and not run.summary.exists()  # nothing started
+
+
+@pytest.mark.parametrize("content, needle", [
+    (GARBAGE, "cannot be read as JSON"),
+    (b'{"versions": {"solver": 2}}', "is damaged (it lacks group_seq"),
+])
+def test_resuming_on_a_damaged_dataflow_state_exits_2_before_anything_starts(tmp_path, content, needle):
+    run = RunPaths(tmp_path / "run").make()
+    run.dataflow_state.write_bytes(content)
+    config = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "config.yaml"
+    res = CliRunner().invoke(main, ["run", str(config), "--run-dir", str(run.root), "--quiet"])
+    assert res.exit_code == 2, res.output
+    assert str(run.dataflow_state) in res.output and needle in res.output and "move it aside" in res.output
+    assert "Traceback" not in res.output and not run.scheduler_file.exists()  # nothing started
