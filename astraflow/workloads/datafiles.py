@@ -1,28 +1,42 @@
 """Reading a dataset from disk: JSONL, JSON, Parquet, CSV, or a directory saved with HF
 ``datasets`` (``save_to_disk``), each row with its location for error reports.
 
-Files are read through the ``datasets`` library (Arrow underneath) into memory, with its cache in
-a temporary directory that is removed afterwards, so nothing is written next to the data or in
-the user's home. A JSONL file Arrow cannot parse (one malformed line) is read again line by
-line, so that the bad lines become bad rows with their line numbers instead of a failed read.
+JSONL, JSON and CSV are parsed here, with Python's ``json`` and ``csv``, so every value keeps the
+type and text the file gave it: CSV values are text (``007`` stays ``007``) and a JSON ``7`` stays
+``7`` even when another row's answer is ``2.5`` (Arrow would read the whole column as floats).
+JSON lines are read line by line, so that a malformed line becomes a bad row with its line
+number instead of a failed read. Parquet and ``save_to_disk`` directories are read through the
+``datasets`` library into memory, with its cache in a temporary directory that is removed
+afterwards, so nothing is written next to the data or in the user's home.
+
+A file that cannot be read at all (a truncated JSON list, a CSV that is not UTF-8) is a
+``ValueError`` naming the file, where in it, and the fix.
 """
 
 from __future__ import annotations
 
 import csv
 import glob
+import io
 import json
-import logging
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 #: file formats by suffix; ``disk`` is a ``save_to_disk`` directory
 FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+BOM = b"\xef\xbb\xbf"
+
+#: how to fix a file in another encoding (``{enc}``: the one it probably is)
+TO_UTF8 = "save it as UTF-8 (Excel: Save As 'CSV UTF-8') or convert it: iconv -f {enc} -t utf-8 FILE > NEW_FILE"
+
+
+class DataFileError(ValueError):
+    """A data file that cannot be read; the message names the file and the fix."""
 
 
 @dataclass(frozen=True)
@@ -37,9 +51,23 @@ class Row:
     error: str | None = None
 
 
+class JsonNumber(float):
+    """A JSON number with a fraction or an exponent: a float whose ``str`` is the text the file
+    had, so an answer ``2.50`` stays ``"2.50"`` and ``1e3`` stays ``"1e3"``."""
+
+    def __new__(cls, text: str) -> "JsonNumber":
+        number = super().__new__(cls, text)
+        number.text = str(text)
+        return number
+
+    def __str__(self) -> str:
+        return self.text
+
+
 def files_of(path: str) -> list[Path]:
     """The files (or the one ``save_to_disk`` directory) that ``path`` names: a file, a directory,
     or a glob pattern; ``ValueError`` when it names nothing."""
+    path = os.path.expanduser(path)
     if any(ch in path for ch in "*?["):
         found = sorted(Path(p) for p in glob.glob(path))
         if not found:
@@ -66,91 +94,49 @@ def format_of(path: Path, fmt: str) -> str:
 
 
 def read_rows(path: str, fmt: str = "auto") -> list[Row]:
-    """Every row of the files ``path`` names, in file order."""
+    """Every row of the files ``path`` names, in file order; ``ValueError`` when they hold none."""
     rows: list[Row] = []
     for file in files_of(path):
         rows.extend(_read_one(file, format_of(file, fmt)))
+    if not rows:
+        raise DataFileError(f"dataset: {path} holds no rows (an empty file, an empty JSON list, or a CSV with only "
+                            "its header); write the rows into it or fix the path (workload.params.path / test_path)")
     return rows
 
 
-def _read_one(file: Path, fmt: str) -> Iterator[Row]:
-    import datasets
-
-    datasets.disable_progress_bars()
+def _read_one(file: Path, fmt: str) -> list[Row]:
+    """The rows of one file (or ``save_to_disk`` directory); any failure is a ``ValueError``
+    naming the file."""
     if fmt == "disk":
-        loaded = datasets.load_from_disk(str(file), keep_in_memory=True)
-        parts = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [(None, loaded)]
-        for split, ds in parts:
-            where = f"{file.name}[{split}]" if split else file.name
-            for i, fields in enumerate(ds.to_list()):
-                yield Row(fields, f"{where} row {i + 1}", split)
-        return
-    if not file.is_file():
+        reader = _disk_rows
+    elif not file.is_file():
         raise ValueError(f"dataset: {file} is a directory, not a {fmt} file; set workload.params.format: disk "
                          "for a directory written by datasets' save_to_disk")
-    cache = tempfile.mkdtemp(prefix="astraflow-datasets-")
+    else:
+        reader = {"jsonl": _jsonl_rows, "json": _json_rows, "csv": _csv_rows, "parquet": _parquet_rows}.get(fmt)
+    if reader is None:
+        raise ValueError(f"dataset: unknown format {fmt!r}; known: {sorted(set(FORMATS.values()) | {'disk'})}")
     try:
-        if fmt == "csv":  # every column as text: "007" stays "007", answers are not turned into floats
-            with open(file, newline="", encoding="utf-8") as f:
-                header = next(csv.reader(f), [])
-            text = datasets.Features({name: datasets.Value("string") for name in header})
-            ds = datasets.Dataset.from_csv(str(file), cache_dir=cache, keep_in_memory=True, features=text)
-        elif fmt == "parquet":
-            ds = datasets.Dataset.from_parquet(str(file), cache_dir=cache, keep_in_memory=True)
-        elif fmt == "json":
-            ds = _from_json(file, cache)
-        elif fmt == "jsonl":
-            try:
-                with _quiet("datasets"):  # a failed Arrow parse is handled here, not logged
-                    ds = datasets.Dataset.from_json(str(file), cache_dir=cache, keep_in_memory=True)
-            except Exception:  # a malformed line: read it line by line and report the bad ones
-                yield from _jsonl_by_line(file)
-                return
-            lines = _data_lines(file)
-            for i, fields in enumerate(ds.to_list()):
-                line = lines[i] if i < len(lines) else i + 1
-                yield Row(fields, f"{file.name} line {line}")
-            return
-        else:
-            raise ValueError(f"dataset: unknown format {fmt!r}; known: {sorted(set(FORMATS.values()) | {'disk'})}")
-    except ValueError:
+        return list(reader(file))
+    except DataFileError:
         raise
-    except Exception as err:
-        raise ValueError(f"dataset: cannot read {file} as {fmt} ({type(err).__name__}: {err}); "
-                         "check the file or set workload.params.format") from None
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
-    unit = "line" if fmt == "csv" else "row"
-    for i, fields in enumerate(ds.to_list()):
-        yield Row(fields, f"{file.name} {unit} {i + 2 if fmt == 'csv' else i + 1}")
+    except Exception as err:  # the library's own message says what; this one says which file and what to do
+        raise DataFileError(f"dataset: cannot read {file} as {fmt} ({type(err).__name__}: {err}); "
+                            "check the file or set workload.params.format") from None
 
 
-def _from_json(file: Path, cache: str):
-    """A ``.json`` file: a list of objects, or JSON lines under a ``.json`` name."""
-    import datasets
-
-    with open(file, "rb") as f:
-        head = f.read(64).lstrip()
-    if head.startswith(b"["):
-        return datasets.Dataset.from_list(json.loads(file.read_text(encoding="utf-8")))
-    return datasets.Dataset.from_json(str(file), cache_dir=cache, keep_in_memory=True)
-
-
-def _data_lines(file: Path) -> list[int]:
-    """Line numbers (1-based) of the non-blank lines of a JSONL file: row ``i`` is on line
-    ``_data_lines(f)[i]`` (Arrow skips blank lines)."""
-    with open(file, "rb") as f:
-        return [n for n, line in enumerate(f, 1) if line.strip()]
-
-
-def _jsonl_by_line(file: Path) -> Iterator[Row]:
+def _jsonl_rows(file: Path) -> Iterator[Row]:
+    """JSON lines: one object per non-blank line; a line that is not UTF-8, not JSON or not an
+    object is a bad row with its line number."""
     with open(file, "rb") as f:
         for n, raw in enumerate(f, 1):
+            if n == 1 and raw.startswith(BOM):  # written by Windows tools
+                raw = raw[len(BOM):]
             if not raw.strip():
                 continue
             where = f"{file.name} line {n}"
             try:
-                fields = json.loads(raw.decode("utf-8"))
+                fields = json.loads(raw.decode("utf-8"), parse_float=JsonNumber)
             except UnicodeDecodeError:
                 yield Row(None, where, error="not UTF-8")
                 continue
@@ -163,16 +149,113 @@ def _jsonl_by_line(file: Path) -> Iterator[Row]:
                 yield Row(fields, where)
 
 
-@contextmanager
-def _quiet(logger: str) -> Iterator[None]:
-    log = logging.getLogger(logger)
-    level, log.level = log.level, logging.CRITICAL + 1
+def _json_rows(file: Path) -> Iterator[Row]:
+    """A ``.json`` file: a list of objects, or JSON lines under a ``.json`` name (read as JSONL,
+    bad lines skipped)."""
+    with open(file, "rb") as f:
+        head = f.read(64).removeprefix(BOM).lstrip()
+    if not head.startswith(b"["):
+        rows = list(_jsonl_rows(file))
+        if len(rows) > 1 and all(r.fields is None for r in rows):
+            _fail_if_one_object(file)
+        yield from rows
+        return
     try:
-        yield
+        items = json.loads(_text(file), parse_float=JsonNumber)
+    except json.JSONDecodeError as err:
+        raise DataFileError(f"dataset: {file} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}; "
+                            "fix the file there (is it complete?), or write it as JSON lines (one object per line, "
+                            "where a bad line only skips its row)") from None
+    for i, item in enumerate(items, 1):
+        where = f"{file.name} row {i}"
+        if isinstance(item, dict):
+            yield Row(item, where)
+        else:
+            yield Row(None, where, error=f"a JSON {type(item).__name__}, not an object")
+
+
+def _fail_if_one_object(file: Path) -> None:
+    """Raise when ``file`` is a single JSON object over many lines (``{"data": [...]}``) rather
+    than JSON lines: its rows are somewhere inside it."""
+    try:
+        whole = json.loads(_text(file))
+    except ValueError:
+        return
+    if isinstance(whole, dict):
+        raise DataFileError(f"dataset: {file} holds one JSON object (keys {sorted(whole)[:5]}), not rows; write "
+                            "the rows as a JSON list of objects or as JSON lines (one object per line)")
+
+
+def _csv_rows(file: Path) -> Iterator[Row]:
+    """A CSV file with a header: every value as text; a row's location is the line it starts on
+    (a quoted field may span lines). Strict about quotes: an unclosed one would swallow the rest of
+    the file into one field."""
+    reader = csv.reader(io.StringIO(_text(file), newline=""), strict=True)
+    start = 1
+    try:
+        header = next(reader, None)
+        if header is None:
+            return
+        start = reader.line_num + 1
+        for values in reader:
+            line, start = start, reader.line_num + 1
+            if not values:  # a blank line
+                continue
+            where = f"{file.name} line {line}"
+            if len(values) > len(header):
+                yield Row(None, where, error=f"{len(values)} fields under a header of {len(header)}")
+            else:
+                yield Row(dict(zip(header, values)), where)
+    except csv.Error as err:
+        raise DataFileError(f"dataset: {file} line {start} is not valid CSV ({err}); "
+                            "fix the file there (a stray or unclosed quote?)") from None
+
+
+def _text(file: Path) -> str:
+    """The whole of ``file`` as text: UTF-8, with or without a byte-order mark."""
+    data = file.read_bytes()
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise DataFileError(f"dataset: {file} is UTF-16 (Excel's 'Unicode Text'), not UTF-8; "
+                            + TO_UTF8.format(enc="utf-16"))
+    data = data.removeprefix(BOM)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise DataFileError(f"dataset: {file} is not UTF-8 (byte 0x{data[err.start]:02x} on line {line}); "
+                            + TO_UTF8.format(enc="latin1")) from None
+
+
+def _parquet_rows(file: Path) -> Iterator[Row]:
+    for i, fields in enumerate(_with_datasets(lambda ds, cache: ds.Dataset.from_parquet(
+            str(file), cache_dir=cache, keep_in_memory=True)).to_list()):
+        yield Row(fields, f"{file.name} row {i + 1}")
+
+
+def _disk_rows(file: Path) -> Iterator[Row]:
+    import datasets
+
+    loaded = _with_datasets(lambda ds, cache: ds.load_from_disk(str(file), keep_in_memory=True))
+    parts = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [(None, loaded)]
+    for split, ds in parts:
+        where = f"{file.name}[{split}]" if split else file.name
+        for i, fields in enumerate(ds.to_list()):
+            yield Row(fields, f"{where} row {i + 1}", split)
+
+
+def _with_datasets(load):
+    """``load(datasets, cache_dir)``, with the cache in a temporary directory removed afterwards."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    cache = tempfile.mkdtemp(prefix="astraflow-datasets-")
+    try:
+        return load(datasets, cache)
     finally:
-        log.setLevel(level)
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def resolve_path(path: str, base: str | os.PathLike) -> str:
-    """``path`` made absolute against ``base`` (a glob stays a glob)."""
+    """``path`` made absolute against ``base`` (``~`` expanded; a glob stays a glob)."""
+    path = os.path.expanduser(path)
     return path if os.path.isabs(path) else os.path.join(os.path.abspath(base), path)

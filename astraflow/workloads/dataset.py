@@ -203,9 +203,11 @@ class DatasetWorkload:
         tests = read_rows(cfg.test_path, cfg.format) if cfg.test_path else []
         self.report.rows = len(rows) + len(tests)
         splits: dict[str, list[dict[str, Any]]] = {"train": [], "test": []}
+        usable = 0  # rows of ``path`` with a payload, whichever split they went to
         for row in rows:
             payload = self._payload(row)
             if payload is not None:
+                usable += 1
                 which = self._split_of(row, payload, bool(cfg.test_path))
                 if which is not None:
                     splits[which].append(payload)
@@ -221,7 +223,7 @@ class DatasetWorkload:
             self.report.used[name] = len(items)
             if not items:
                 raise ValueError(f"dataset workload: no usable {name} rows. {self.report.summary()}. "
-                                 f"{_fix_for(name, cfg)}")
+                                 f"{_fix_for(name, cfg, usable, {r.split for r in rows} - {None})}")
         return splits
 
     def _split_of(self, row: Row, payload: Mapping[str, Any], all_train: bool) -> str | None:
@@ -306,8 +308,20 @@ class DatasetWorkload:
         return system + [{"role": "user", "content": text}]
 
 
-def _fix_for(split: str, cfg: DatasetParams) -> str:
+def _fix_for(split: str, cfg: DatasetParams, usable: int, disk_splits: set[str]) -> str:
+    """What to change when ``split`` has no usable row, given ``usable`` good rows in ``path`` and
+    the splits of a ``DatasetDict`` on disk: the field names when the rows were bad, else the
+    way the rows are split."""
+    value = cfg.train_split if split == "train" else cfg.test_split
+    if usable == 0 or cfg.test_path or value in disk_splits:
+        return "Check the field names (prompt_field, answer_field, preset) against the file"
+    if disk_splits:
+        return (f"The saved DatasetDict has no split {value!r} (it has {sorted(disk_splits)}): "
+                "set train_split / test_split, or test_path")
     if cfg.split_field:
-        value = cfg.train_split if split == "train" else cfg.test_split
         return f"Check that field {cfg.split_field!r} has rows with the value {value!r} (train_split / test_split)"
-    return "Check the field names (prompt_field, answer_field, preset) against the file"
+    if split == "test":
+        return (f"The seeded test_fraction ({cfg.test_fraction}) held out none of the {usable} usable rows: "
+                "set test_path to a held-out file, or a larger test_fraction")
+    return (f"The seeded test_fraction ({cfg.test_fraction}) held out all {usable} usable rows: "
+            "add rows, or set a smaller test_fraction")

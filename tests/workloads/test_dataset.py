@@ -143,6 +143,27 @@ def test_a_split_with_no_usable_row_is_an_error_naming_the_fix(tmp_path):
         dataset(path=str(tmp_path / "d.txt")).tasks("train")
 
 
+def test_an_empty_held_out_split_of_a_small_file_suggests_test_path(tmp_path):
+    """A few good rows, none drawn by the seeded test_fraction: the rows are fine, the split is not."""
+    path = write_jsonl(tmp_path / "few.jsonl", ROWS[:3])
+    wl = dataset(path=str(path), preset="gsm8k", test_fraction=0.01)
+    fix = r"The seeded test_fraction \(0.01\) held out none of the 3 usable rows: set test_path .* larger test_fraction"
+    with pytest.raises(ValueError, match=r"no usable test rows.*used 3 train, 0 test. " + fix):
+        wl.tasks("train")
+    with pytest.raises(ValueError, match="held out all 3 usable rows: add rows, or set a smaller test_fraction"):
+        dataset(path=str(path), preset="gsm8k", test_fraction=0.99).tasks("train")
+    with pytest.raises(ValueError, match="missing field 'prompt'.*Check the field names"):  # bad rows: the fields
+        dataset(path=str(path), test_fraction=0.01).tasks("train")
+
+
+def test_a_datasetdict_without_the_held_out_split_names_its_splits(tmp_path):
+    import datasets
+
+    datasets.DatasetDict(train=datasets.Dataset.from_list(ROWS)).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ValueError, match=r"no split 'test' \(it has \['train'\]\): set train_split / test_split"):
+        dataset(path=str(tmp_path / "dd"), preset="gsm8k").tasks("train")
+
+
 def test_bad_params_fail_at_construction():
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         dataset(path="x.jsonl", reward="nope")

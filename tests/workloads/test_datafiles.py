@@ -1,0 +1,96 @@
+"""Reading dataset files: values keep the type and text the file gave them, rows keep their
+physical line, and a file that cannot be read is an error naming the file, where, and the fix."""
+
+import csv
+import json
+
+import pytest
+
+from astraflow.workloads.base import make_workload
+from astraflow.workloads.datafiles import read_rows, resolve_path
+
+PROMPTS = [f"what is {i} + 1?" for i in range(20)]
+
+
+def dataset(path, **params):
+    return make_workload("dataset", {"path": str(path), "test_path": str(path), **params}, seed=0)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json"])
+def test_integer_answers_stay_integers_beside_float_ones(tmp_path, fmt):
+    """Arrow reads a column with one float as floats, "7" became "7.0": JSON is parsed here."""
+    rows = [{"prompt": p, "answer": 7, "id": i} for i, p in enumerate(PROMPTS)]
+    rows += [{"prompt": "half", "answer": 2.50, "id": 99}, {"prompt": "big", "answer": 1e3, "id": 100}]
+    text = "\n".join(json.dumps(r) for r in rows) if fmt == "jsonl" else json.dumps(rows)
+    (tmp_path / f"d.{fmt}").write_text(text.replace("2.5", "2.50").replace("1000.0", "1e3"))
+    wl = dataset(tmp_path / f"d.{fmt}", id_field="id")
+    answers = {p["text"]: p["answer"] for p in wl.tasks("train")}
+    assert answers["what is 3 + 1?"] == "7" and answers["half"] == "2.50" and answers["big"] == "1e3"
+    assert {p["id"] for p in wl.tasks("train")} >= {"0", "99"}
+    payload = next(p for p in wl.tasks("train") if p["answer"] == "7")
+    assert wl.reward("#### 7", payload) == 1.0
+
+
+def write_csv(path, rows, encoding="utf-8"):
+    with open(path, "w", newline="", encoding=encoding) as f:
+        csv.writer(f).writerows([["prompt", "answer"], *rows])
+    return path
+
+
+def test_csv_locations_are_the_line_a_row_starts_on(tmp_path):
+    rows = [["line one\nline two", "1"], ["q2", "007"], [], ["q3", "3", "x"], ["q4", "NA"]]
+    path = write_csv(tmp_path / "m.csv", rows)
+    rows = read_rows(str(path))
+    assert [r.location for r in rows] == ["m.csv line 2", "m.csv line 4", "m.csv line 6", "m.csv line 7"]
+    assert rows[0].fields == {"prompt": "line one\nline two", "answer": "1"} and rows[1].fields["answer"] == "007"
+    assert rows[2].fields is None and rows[2].error == "3 fields under a header of 2"
+    assert rows[3].fields == {"prompt": "q4", "answer": "NA"}  # text as written, not a missing value
+
+
+def test_csv_with_a_byte_order_mark_reads_its_header(tmp_path):
+    """Excel's "CSV UTF-8" starts with a BOM, which must not become part of the first column's name."""
+    path = write_csv(tmp_path / "excel.csv", [[p, str(i)] for i, p in enumerate(PROMPTS)], encoding="utf-8-sig")
+    assert path.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert read_rows(str(path))[0].fields == {"prompt": PROMPTS[0], "answer": "0"}
+    assert len(dataset(path).tasks("train")) == len(PROMPTS)
+
+
+def test_json_lines_in_a_json_file_skip_only_the_bad_line(tmp_path):
+    lines = [json.dumps({"prompt": p, "answer": "1"}) for p in PROMPTS[:4]]
+    lines.insert(2, '{"prompt": "broken')
+    for name in ("x.json", "x.jsonl"):
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+        rows = read_rows(str(tmp_path / name))
+        assert [r.fields is None for r in rows] == [False, False, True, False, False]
+        assert rows[2].location == f"{name} line 3" and rows[2].error.startswith("not JSON")
+        wl = dataset(tmp_path / name)
+        assert len(wl.tasks("train")) == 4 and f"{name} line 3: not JSON" in wl.report.summary()
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("cut.json", b'[{"prompt": "a", "answer": "1"},\n', r"cut.json is not valid JSON: .* at line 2 column 1; "
+                                                        r"fix the file there .*JSON lines"),
+    ("latin.csv", "prompt,answer\nq,1\ncafé,2\n".encode("latin1"),
+     r"latin.csv is not UTF-8 \(byte 0xe9 on line 3\); save it as UTF-8 .*iconv -f latin1"),
+    ("wide.csv", "prompt,answer\nq,1\n".encode("utf-16"), r"wide.csv is UTF-16 .*iconv -f utf-16"),
+    ("header.csv", b"prompt,answer\n", r"header.csv holds no rows .*only its header.*fix the path"),
+    ("empty.jsonl", b"\n", r"empty.jsonl holds no rows"),
+    ("none.json", b"[]", r"none.json holds no rows"),
+    ("quote.csv", b'prompt,answer\nq,1\n"never closed,2\n', r"quote.csv line 3 is not valid CSV .*unclosed quote"),
+    ("wrapped.json", json.dumps({"data": [{"prompt": "a", "answer": "1"}]}, indent=1).encode(),
+     r"wrapped.json holds one JSON object \(keys \['data'\]\), not rows; write the rows as a JSON list"),
+])
+def test_unreadable_files_name_the_file_where_and_the_fix(tmp_path, name, data, message):
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(ValueError, match=message):  # ValueError: the CLI's exit 2 with the message
+        dataset(tmp_path / name).tasks("train")
+
+
+def test_a_tilde_in_a_data_path_is_the_home_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "data").mkdir()
+    write_csv(tmp_path / "data" / "t.csv", [[p, "1"] for p in PROMPTS])
+    assert resolve_path("~/data/t.csv", "/elsewhere") == str(tmp_path / "data" / "t.csv")
+    assert resolve_path("~/data/*.csv", "/elsewhere") == str(tmp_path / "data" / "*.csv")
+    assert resolve_path("data/t.csv", tmp_path) == str(tmp_path / "data" / "t.csv")
+    assert len(read_rows("~/data/t.csv")) == len(read_rows("~/data/*.csv")) == len(PROMPTS)
