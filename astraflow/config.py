@@ -384,8 +384,9 @@ def config_from_dict(data: dict, base_dir: Path | None = None) -> RunConfig:
                               "directory (built by `init:` when missing), or a name for a sim run")
     if base_dir is not None:
         for pol in policies if isinstance(policies, list) else []:  # not a list: validation says so
-            if isinstance(pol, dict) and "model" in pol and not Path(str(pol["model"])).is_absolute():
-                pol["model"] = str((base_dir / str(pol["model"])).resolve())
+            if isinstance(pol, dict) and "model" in pol:
+                model = Path(str(pol["model"])).expanduser()
+                pol["model"] = str(model if model.is_absolute() else (base_dir / model).resolve())
         _resolve_data_paths(data.get("workload"), base_dir)
     bools = bool_problems(data, RunConfig)
     try:

@@ -137,3 +137,12 @@ def test_a_reward_deadline_shorter_than_the_sandbox_limit_is_refused():
     with pytest.raises(ConfigError, match="reward_timeout_s 5 leaves no room.*at least 12"):
         config_from_dict({"workload": {"name": "code"}, "rollout": {"reward_timeout_s": 5},
                           "policies": [{"name": "solver", "model": "unused"}]})
+
+
+def test_a_model_path_under_home_is_expanded(tmp_path):
+    from pathlib import Path
+
+    from astraflow.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match=f"policies\\[solver\\].model: {Path.home()}/no-such-model does not exist"):
+        config_from_dict({"policies": [{"name": "solver", "model": "~/no-such-model"}]}, base_dir=tmp_path)
