@@ -6,7 +6,7 @@ wanted is refused rather than taken as 1 or 0)."""
 from __future__ import annotations
 
 import types
-from typing import Any, Union, get_args, get_origin
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -44,16 +44,22 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
 
 
-def model_of(annotation: Any) -> type[BaseModel] | None:
-    """The config model a field holds: the annotation itself, an optional one, or the model
-    of the elements of a list."""
+def model_of(annotation: Any, value: Any = None) -> type[BaseModel] | None:
+    """The config model a field holds: the annotation itself, an optional one, the model of the
+    elements of a list, or, of a union told apart by ``type`` (a dataflow rule), the member
+    whose ``type`` is the one ``value`` gives."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
+    if get_origin(annotation) is Annotated:
+        return model_of(get_args(annotation)[0], value)
     if get_origin(annotation) in (Union, types.UnionType, list):
-        for arg in get_args(annotation):
-            model = model_of(arg)
-            if model is not None:
-                return model
+        models = [m for m in (model_of(arg, value) for arg in get_args(annotation)) if m is not None]
+        tagged = value.get("type") if isinstance(value, dict) else None
+        for m in models:
+            field = m.model_fields.get("type")
+            if tagged is not None and field is not None and field.default == tagged:
+                return m
+        return models[0] if models else None
     return None
 
 
@@ -105,7 +111,7 @@ def bool_problems(data: Any, model: type[BaseModel], loc: str = "") -> list[str]
             continue
         where = f"{loc}.{key}" if loc else key
         want = _numeric(field.annotation)
-        sub = model_of(field.annotation)
+        sub = model_of(field.annotation, value)
         if isinstance(value, bool) and want:
             out.append(f"{where}: Input should be {want}, got the boolean {str(value).lower()} (YAML reads true, "
                        "false, yes, no, on, off as booleans); write a number")

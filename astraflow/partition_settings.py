@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 from pydantic import BaseModel, ValidationError
 
+from astraflow.configerrors import bool_problems
 from astraflow.rollout.config import RolloutConfig
 from astraflow.training.config import TrainerConfig
 from schedulers.partition import Partition
@@ -75,6 +76,9 @@ def changed(base: BaseModel, merged: BaseModel, prefix: str = "") -> dict[str, A
 
 def _merged(base: BaseModel, settings: Mapping[str, Any], where: str, allowed: tuple[str, ...] | None) -> Any:
     _check_keys(type(base), settings, where, allowed)
+    bools = bool_problems(dict(settings), type(base), where)  # pydantic would read `true` as 1
+    if bools:
+        raise ValueError("; ".join(bools))
     data = _deep_merge(base.model_dump(), settings)
     try:
         return type(base).model_validate(data)

@@ -165,6 +165,18 @@ def test_boolean_for_an_integer_is_refused(tmp_path, key):
     assert "Input should be an integer, got the boolean true" in res.output
 
 
+@pytest.mark.parametrize("setting, needle", [
+    ("workload.params.num_test=yes", "params.num_test: Input should be an integer, got the boolean true"),
+    ("dataflow.curator={type: filter_solved, params: {threshold: true}}",
+     "dataflow.curator.params.threshold: Input should be a number, got the boolean true"),
+    ("partitions.rollout.rollout={capacity: true}",
+     "partitions[rollout].rollout.capacity: Input should be an integer, got the boolean true"),
+])
+def test_boolean_for_a_number_is_refused_in_params_rules_and_partition_settings(tmp_path, setting, needle):
+    res = _invoke("check", str(_config(tmp_path)), "--set", setting)
+    assert res.exit_code == 2 and needle in res.output, res.output
+
+
 def test_other_coercions_stay(tmp_path):
     res = _invoke("check", str(_config(tmp_path)), "--set", "run.max_steps='7'", "--set", "dataflow.lease_seconds=5")
     assert res.exit_code == 0, res.output

@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import BeforeValidator, Discriminator, Field, Tag, ValidationError, model_validator
 
 from astraflow.configbase import Strict
+from astraflow.configerrors import bool_problems
 from astraflow.dataflow import rules as R
 from astraflow.registry import Registry
 
@@ -98,6 +99,9 @@ class _UserRule(Strict):
     @model_validator(mode="after")
     def _check(self) -> "_UserRule":
         cls = R.rule_class(self.registry, self.type)
+        bools = bool_problems(self.params, cls.Params, "params")
+        if bools:  # pydantic would read `true` as 1
+            raise ValueError(f"{self.registry.kind} {self.type!r}: " + "; ".join(bools))
         try:
             cls.Params.model_validate(self.params)
         except ValidationError as err:

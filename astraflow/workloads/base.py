@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Mapping, Protocol
 
 from pydantic import BaseModel, ValidationError
 
+from astraflow.configerrors import bool_problems
 from astraflow.registry import Registry
 
 
@@ -78,6 +79,10 @@ def make_workload(name: str, params: Mapping[str, Any], seed: int) -> Workload:
     """Build workload ``name`` seeded by ``seed`` unless ``params`` sets ``seed``; bad params
     raise ``ValueError`` naming the field and the fix."""
     cls = workload_class(name)
+    model = params_model(name)
+    bools = bool_problems(dict(params), model, "params") if model is not None else []
+    if bools:  # pydantic would read `true` as 1
+        raise ValueError(f"{name} workload: " + "; ".join(bools))
     try:
         return cls(**{"seed": seed, **params})
     except ValidationError as err:
