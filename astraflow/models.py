@@ -7,21 +7,19 @@ string round-trips), four special tokens, the two tool-call tags and a chat temp
 a chosen size with randomly initialised weights, saved in the ordinary HF layout
 (``config.json`` + ``model.safetensors`` + tokenizer files). ``load_model`` reads such a
 directory the same way it reads a real checkpoint, so nothing downstream knows the difference.
-A directory it cannot use (no config, an architecture this transformers does not know, no
-weights, a tokenizer that needs a package that is not installed) is a ``ValueError`` that names
-the directory and the fix; ``check_model_dir`` checks all of that without loading the weights.
+Loading and checking a model directory live in ``astraflow.model_loading`` (re-exported here).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import json
-import re
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+
+from astraflow.model_loading import (  # noqa: F401  (the package's model API)
+    WEIGHT_FILES, check_model_dir, load_model, load_tokenizer)
 
 #: special tokens, in id order after the 256 byte symbols.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
@@ -123,21 +121,10 @@ def _wrap(tok):
 
 
 def _byte_of_symbol(sym: str) -> int:
-    """The byte a ByteLevel symbol stands for (GPT-2's printable remapping of 0..255)."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    table = {}
-    extra = 0
-    for b in range(256):
-        if b in printable:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table[sym]
+    """The byte a ByteLevel symbol stands for (GPT-2's remapping of 0..255: printable bytes stand for
+    themselves, the others, in order, for chr(256), chr(257), ...)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    return ord(sym) if ord(sym) in printable else [b for b in range(256) if b not in printable][ord(sym) - 256]
 
 
 def make_config(preset: str = "tiny", arch: str = "qwen2", tokenizer=None, tie_word_embeddings: bool = True):
@@ -187,167 +174,6 @@ def init_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen2", s
     return out
 
 
-#: the weight files ``from_pretrained`` reads: a model directory has one of them
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
-
-#: import name -> pip package, where they differ
-_PIP_NAMES = {"google": "protobuf", "sklearn": "scikit-learn", "yaml": "pyyaml"}
-
-
-def check_model_dir(path: str | Path, tokenizer: bool = True) -> None:
-    """Check, without loading the weights, that ``path`` is an HF causal-LM directory this
-    transformers loads: a ``config.json`` of a causal-LM ``model_type`` it knows, weight files
-    and (``tokenizer``) a tokenizer that loads. ``ValueError`` naming the directory and the fix."""
-    p = Path(path)
-    _check_architecture(p)
-    if not any((p / f).is_file() for f in WEIGHT_FILES):
-        raise ValueError(
-            f"{p} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)}); copy the "
-            "checkpoint's weight files into it, or save the model there with save_pretrained"
-        )
-    if tokenizer:
-        load_tokenizer(p)
-
-
-def _read_config(p: Path) -> dict[str, Any]:
-    if not (p / "config.json").is_file():
-        raise ValueError(
-            f"{p} is not an HF model directory (no config.json); build one with "
-            "astraflow.models.init_model(out_dir) or point at a saved checkpoint"
-        )
-    try:
-        return json.loads((p / "config.json").read_text())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ValueError(f"{p / 'config.json'} is not valid JSON ({err}); save the model again with "
-                         "save_pretrained") from None
-
-
-def _check_architecture(p: Path) -> None:
-    """``config.json``'s ``model_type`` is a causal LM that this transformers can build."""
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    config = _read_config(p)
-    model_type = config.get("model_type")
-    version = transformers.__version__
-    if not model_type:
-        raise ValueError(f"{p / 'config.json'} has no model_type, so transformers cannot tell the architecture; "
-                         "save the model with save_pretrained, which writes it")
-    if model_type not in CONFIG_MAPPING:
-        custom = " (its config.json points at its own modelling code, auto_map)" if "auto_map" in config else ""
-        raise ValueError(
-            f"{p}: model_type {model_type!r} is an architecture transformers {version} does not know{custom}; "
-            "upgrade transformers (pip install -U transformers) if the model is newer than it, or convert "
-            "the checkpoint to an architecture it has (a checkpoint's own modelling code, trust_remote_code, "
-            "is not supported)"
-        )
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(
-            f"{p}: model_type {model_type!r} is not a causal language model in transformers {version} "
-            "(AutoModelForCausalLM cannot build it); AstraFlow trains decoder-only causal LMs: point at one"
-        )
-
-
-def _missing_package(err: BaseException, p: Path) -> str | None:
-    """The pip package whose absence ``err`` (or an error it was raised from) reports, if it is
-    indeed not installed."""
-    chain: list[BaseException] = []
-    e: BaseException | None = err
-    while e is not None and e not in chain:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    names = [e.name.split(".")[0] for e in chain if isinstance(e, ImportError) and e.name]
-    text = " ".join(str(e) for e in chain)
-    names += [m.lower() for m in re.findall(r"requires the (\w+) library", text)]
-    names += re.findall(r"`(\w+)` is required", text)
-    inverse = {pip: module for module, pip in _PIP_NAMES.items()}
-    missing = [n for n in names if not _installed(inverse.get(n, n))]
-    package = _PIP_NAMES.get(missing[0], missing[0]) if missing else None
-    # without a tokenizer.json, transformers reads tokenizer.model with sentencepiece and, when
-    # that is missing, as a tiktoken file: the tiktoken error then hides the real need
-    if package in (None, "tiktoken") and not (p / "tokenizer.json").is_file() \
-            and _is_sentencepiece_model(p / "tokenizer.model") and not _installed("sentencepiece"):
-        return "sentencepiece"
-    return package
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _is_sentencepiece_model(path: Path) -> bool:
-    """A ``tokenizer.model`` that is not a tiktoken file (text lines ``<base64 token> <rank>``)."""
-    if not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        head = f.read(256).split(b"\n", 1)[0]
-    return re.fullmatch(rb"[A-Za-z0-9+/=]+ \d+", head) is None
-
-
-def _tokenizer_class(p: Path) -> str | None:
-    """``tokenizer_class`` of ``tokenizer_config.json``, if it can be read."""
-    try:
-        return json.loads((p / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def load_tokenizer(path: str | Path):
-    """The tokenizer of an HF model directory (checked to be one)."""
-    from transformers import AutoTokenizer
-
-    p = Path(path)
-    _read_config(p)
-    try:
-        return AutoTokenizer.from_pretrained(p)
-    except Exception as err:  # whatever transformers raises, the message names the directory and the fix
-        import transformers
-
-        cls = _tokenizer_class(p)
-        what = f"the tokenizer of {p}" + (f" ({cls})" if cls else "")
-        package = _missing_package(err, p)
-        if package is not None:
-            raise ValueError(
-                f"{what} needs the Python package {package!r}, which is not installed: pip install {package} "
-                "(or save the tokenizer there as tokenizer.json, which needs no extra package)"
-            ) from err
-        raise ValueError(
-            f"{what} cannot be loaded by transformers {transformers.__version__} ({type(err).__name__}: {err}); "
-            "the directory needs the tokenizer files save_pretrained writes (tokenizer.json and tokenizer_config.json)"
-        ) from err
-
-
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
-    """Load any HF causal-LM directory as ``(model, tokenizer)``, model in eval mode on CPU.
-    A directory it cannot use is a ``ValueError`` naming the directory and the fix."""
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
-
-    p = Path(path)
-    check_model_dir(p, tokenizer=False)
-    tok = load_tokenizer(p)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype)
-    except (ValueError, OSError, ImportError, KeyError, TypeError, SafetensorError) as err:
-        import transformers
-
-        package = _missing_package(err, p)
-        if package is not None:
-            raise ValueError(f"the model in {p} needs the Python package {package!r}, which is not installed: "
-                             f"pip install {package}") from err
-        raise ValueError(
-            f"{p}: transformers {transformers.__version__} could not load the model ({type(err).__name__}: {err}); "
-            "check that its config.json and weight files belong together (save_pretrained writes both)"
-        ) from err
-    model.eval()
-    return model, tok
-
-
 def resolve_device(device: str) -> torch.device:
     """``"auto"`` -> the process's first visible GPU if there is one, else the CPU; ``"cpu"``,
     ``"cuda"``, ``"cuda:N"`` as given. A GPU asked for on a host without one is a clear error."""
@@ -380,22 +206,33 @@ def num_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def pad_id(tokenizer) -> int:
+    """The id to pad with: the pad token, else eos (as most causal LMs without one pad), else 0 (padding
+    is masked out, so any id does)."""
+    for i in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if i is not None:
+            return i
+    return 0
+
+
 @torch.no_grad()
 def greedy_complete(model, tokenizer, prompts: list[str], max_new_tokens: int = 8,
                     batch_size: int = 256) -> list[str]:
     """Greedy completions of ``prompts`` (text, special tokens dropped), batched with left
-    padding. Used for held-out evaluation by warm starts and benchmarks."""
+    padding (``pad_id``: a tokenizer need not have a pad token). Used for held-out evaluation by
+    warm starts and benchmarks."""
     was_training = model.training
     model.eval()
-    stop = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    stop = [i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")) if i is not None]
+    pad = pad_id(tokenizer)
     out: list[str] = []
     for s in range(0, len(prompts), batch_size):
-        enc = tokenizer(prompts[s : s + batch_size], return_tensors="pt", padding=True,
-                        padding_side="left")
-        gen = model.generate(
-            **enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        out.extend(tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+        enc = tokenizer(prompts[s : s + batch_size])["input_ids"]
+        T = max(len(e) for e in enc)
+        ids = torch.tensor([[pad] * (T - len(e)) + list(e) for e in enc], dtype=torch.long)
+        att = torch.tensor([[0] * (T - len(e)) + [1] * len(e) for e in enc], dtype=torch.long)
+        gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=stop or None, pad_token_id=pad)
+        out.extend(tokenizer.batch_decode(gen[:, T:], skip_special_tokens=True))
     model.train(was_training)
     return out

@@ -31,13 +31,14 @@ def unbuildable(out: Path) -> str | None:
 
 
 def check_models(cfg: RunConfig) -> None:
-    """Check that every policy model directory that exists loads (config, architecture, weight
-    files, tokenizer; the weights themselves are not read), and that the Megatron backend can
-    build its architecture where a policy trains with it: ``ConfigError`` naming the policy,
-    the directory and the fix. A directory still to be built by ``init`` is only checked to be
-    creatable (both archs of ``init`` convert), so that a run fails here, before its run
-    directory is made, not half-way through. Separate from validation, which stays cheap and
-    needs no model on disk."""
+    """Check that every policy model directory that exists loads (config, architecture, readable and
+    complete weight files, a tokenizer that encodes; only the weight files' headers are read), and
+    that the Megatron backend can build its architecture where a policy trains with it:
+    ``ConfigError`` naming the policy, the directory and the fix. A directory still to be built by
+    ``init`` is only checked to be creatable (both archs of ``init`` convert) and, warm-started from
+    another policy's model, that model's tokenizer to have an eos token, so that a run fails here,
+    before its run directory is made, not half-way through. Separate from validation, which stays
+    cheap and needs no model on disk."""
     import json
 
     from astraflow.models import check_model_dir
@@ -50,6 +51,7 @@ def check_models(cfg: RunConfig) -> None:
                 raise ConfigError(f"policies[{pol.name}].model: {pol.model} cannot be created to build the model "
                                   f"into: {why}; point model at a directory that can be created (or at an "
                                   "existing HF model directory)")
+            _check_warm_start_base(cfg, pol)
             continue
         try:
             check_model_dir(pol.model)
@@ -61,6 +63,25 @@ def check_models(cfg: RunConfig) -> None:
             except ValueError as err:
                 raise ConfigError(f"policies[{pol.name}].model: {pol.model}: trainer.backend megatron "
                                   f"cannot train it: {err}") from None
+
+
+def _check_warm_start_base(cfg: RunConfig, pol) -> None:
+    """A policy to be warm-started from an existing model (``init.start_from``) needs that model's
+    tokenizer to have an eos token (``require_eos``): refused here, before the run builds anything,
+    rather than once its warm start has begun."""
+    init = pol.init
+    if init is None or not init.start_from or not init.warm_starts or cfg.simulated(pol):
+        return
+    base = cfg.policy(init.start_from).model
+    if not base.is_dir():  # built by its own init: a tokenizer of ours, which has one
+        return
+    from astraflow.models import load_tokenizer
+    from astraflow.training.warmstart import require_eos
+
+    try:
+        require_eos(load_tokenizer(base), base)
+    except ValueError as err:
+        raise ConfigError(f"policies[{pol.name}].init.start_from: {init.start_from}: {err}") from None
 
 
 def check_devices(cfg: RunConfig) -> None:

@@ -18,7 +18,7 @@ import torch
 from astraflow.agents.chat import ChatRenderer
 from astraflow.agents.demos import demonstrations, greedy_success
 from astraflow.agents.episode import EpisodeLog
-from astraflow.models import load_model
+from astraflow.models import load_model, pad_id
 from astraflow.training.warmstart import supervised_loop
 
 
@@ -75,7 +75,7 @@ def agent_warm_start(
     held_out = workload.tasks("eval")[:eval_size]
     result = supervised_loop(
         model, tok, out_dir,
-        lambda: _collate([demos[rng.randrange(len(demos))] for _ in range(batch_size)], tok.pad_token_id),
+        lambda: _collate([demos[rng.randrange(len(demos))] for _ in range(batch_size)], pad_id(tok)),
         lambda: greedy_success(model, tok, workload, held_out, limits),
         label="expert demonstrations", steps=steps, seconds=seconds, lr=lr, target_acc=target_acc,
         eval_every=eval_every, warmup_steps=warmup_steps, progress=progress, on_eval=on_eval)

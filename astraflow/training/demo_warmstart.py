@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from astraflow.agents.chat import end_of_turn_ids, prompt_ids
-from astraflow.models import load_model
+from astraflow.models import load_model, pad_id
 from astraflow.training.warmstart import supervised_loop
 
 
@@ -50,7 +50,7 @@ def greedy_texts(model: Any, tok: Any, prompts: list[list[int]], max_new_tokens:
     """Greedy completions of token-id prompts (left-padded batches), decoded without special tokens."""
     was_training = model.training
     model.eval()
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = pad_id(tok)
     stops = end_of_turn_ids(tok)
     out: list[str] = []
     for s in range(0, len(prompts), batch_size):
@@ -107,7 +107,7 @@ def demo_warm_start(
     model, tok = load_model(model_dir)
     examples = encode_examples(tok, workload, workload.tasks("train"))
     held_out = workload.tasks("eval")[:eval_size]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = pad_id(tok)
     return supervised_loop(
         model, tok, out_dir,
         lambda: collate([examples[rng.randrange(len(examples))] for _ in range(batch_size)], pad),

@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from astraflow.models import greedy_complete, load_model
+from astraflow.models import greedy_complete, load_model, pad_id
 from astraflow.workloads.math import MathConfig, accuracy, format_prompt, format_target, make_dataset
 from astraflow.workloads.prompts import (
     SELECT_NEW_TOKENS, VERIFY_NEW_TOKENS, parse_pick, parse_verdict, retry_prompt, select_prompt, verify_prompt,
@@ -83,6 +83,8 @@ def _encode(tok, items: list[Mapping[str, Any]]) -> tuple[torch.Tensor, torch.Te
 
 
 def _encode_pairs(tok, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``ids, attention, loss mask`` of ``prompt + target + eos`` (the loss on the target and
+    eos); padded with ``pad_id`` (the pad token, else eos), so a tokenizer needs no pad token."""
     seqs, masks = [], []
     for prompt, target in pairs:
         p = tok(prompt)["input_ids"]
@@ -90,7 +92,7 @@ def _encode_pairs(tok, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torc
         seqs.append(p + a)
         masks.append([0] * len(p) + [1] * len(a))
     T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), tok.pad_token_id, dtype=torch.long)
+    ids = torch.full((len(seqs), T), pad_id(tok), dtype=torch.long)
     att = torch.zeros((len(seqs), T), dtype=torch.long)
     lm = torch.zeros((len(seqs), T), dtype=torch.bool)
     for i, (s, m) in enumerate(zip(seqs, masks)):
@@ -98,6 +100,15 @@ def _encode_pairs(tok, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torc
         att[i, : len(s)] = 1
         lm[i, : len(s)] = torch.tensor(m, dtype=torch.bool)
     return ids, att, lm
+
+
+def require_eos(tok, model_dir: str | Path) -> None:
+    """``ValueError`` naming the fix when ``tok`` (of ``model_dir``) has no eos token: a warm start ends
+    every target with it, teaching the policy where its answer stops, and generation stops on it."""
+    if tok.eos_token_id is None:
+        raise ValueError(f"the tokenizer of {model_dir} has no eos token, which a warm start ends every answer "
+                         "with; set eos_token in its tokenizer_config.json to the token the model ends a turn "
+                         "with (<|im_end|>, <|eot_id|>, </s>, ...), or start from a checkpoint whose tokenizer has one")
 
 
 def evaluate(model, tok, items: list[Mapping[str, Any]], max_new_tokens: int = 8) -> float:
@@ -147,8 +158,9 @@ def warm_start(
 
     Stops at the first of: ``steps`` optimiser steps, ``seconds`` of wall time, held-out greedy
     accuracy >= ``target_acc``. Held-out greedy accuracy is measured every ``eval_every`` steps
-    (0: only at the end) on ``eval_size`` test problems. Returns ``{"steps", "seconds", "loss", "acc", "history"}`` where ``acc`` is the
-    last measured held-out accuracy (measured once more at the end) and ``history`` the evals.
+    (0: only at the end) on ``eval_size`` test problems. Returns ``{"steps", "seconds", "loss", "acc",
+    "history"}`` where ``acc`` is the last measured held-out accuracy (measured once more at the end)
+    and ``history`` the evals. A tokenizer without an eos token is refused (``require_eos``).
     """
     if batch_size < 1 or lr <= 0:
         raise ValueError(f"warm_start: batch_size must be >= 1 and lr > 0 (got {batch_size}, {lr})")
@@ -160,6 +172,7 @@ def warm_start(
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model, tok = load_model(model_dir)
+    require_eos(tok, model_dir)
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         items = [train[rng.randrange(len(train))] for _ in range(batch_size)]

@@ -1,0 +1,256 @@
+"""Loading a user's HF model directory, and checking it first: ``check_model_dir`` reads no
+more than config.json, the weight files' headers and the tokenizer, and a directory it cannot
+use (no config, an architecture this transformers does not know, missing, truncated or
+incomplete weights, no tokenizer, or one that needs a package that is not installed) is a
+``ValueError`` that names the directory and the fix. ``load_model`` reads a built model
+(``astraflow.models.init_model``) the same way as a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: the weight files ``from_pretrained`` reads: a model directory has one of them
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+#: import name -> pip package, where they differ
+_PIP_NAMES = {"google": "protobuf", "sklearn": "scikit-learn", "yaml": "pyyaml"}
+
+
+def check_model_dir(path: str | Path, tokenizer: bool = True) -> None:
+    """Check, reading no more than the weight files' headers, that ``path`` is an HF causal-LM
+    directory this transformers loads: a ``config.json`` of a causal-LM ``model_type`` it knows,
+    readable weight files that hold every weight the model needs, and (``tokenizer``) a tokenizer
+    that loads and encodes. ``ValueError`` naming the directory and the fix."""
+    p = Path(path)
+    _check_architecture(p)
+    if not any((p / f).is_file() for f in WEIGHT_FILES):
+        raise ValueError(f"{p} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)}); copy the "
+                         "checkpoint's weight files into it, or save the model there with save_pretrained")
+    _check_weight_files(p)
+    if tokenizer:
+        load_tokenizer(p)
+
+
+_WEIGHTS_FIX = ("copy the checkpoint's weight files into it again (every shard), "
+                "or save the model there with save_pretrained")
+
+
+def _check_weight_files(p: Path) -> None:
+    """The weight files ``from_pretrained`` reads (the first of ``WEIGHT_FILES``; an index's shards)
+    exist and are not empty, each safetensors header parses and covers its whole file (a truncated one
+    does not) and their tensors name every weight the model needs (``_missing_weights``): caught here,
+    not once a run's workers load them."""
+    from safetensors import SafetensorError, safe_open
+
+    first = next(p / f for f in WEIGHT_FILES if (p / f).is_file())
+    files = [first]
+    if first.name.endswith(".index.json"):  # every shard it names must be there
+        try:
+            files = [p / s for s in sorted({str(s) for s in json.loads(first.read_text())["weight_map"].values()})]
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{first} is not a weight index (no readable weight_map: {type(err).__name__}: "
+                             f"{err}); {_WEIGHTS_FIX}") from None
+        missing = [f.name for f in files if not f.is_file()]
+        if missing or not files:
+            raise ValueError(f"{first} names weight shards that are missing from {p} "
+                             f"({', '.join(missing) or 'it names none'}); {_WEIGHTS_FIX}")
+    names: set[str] = set()
+    for f in files:
+        if f.stat().st_size == 0:
+            raise ValueError(f"{f} is empty; {_WEIGHTS_FIX}")
+        if f.suffix == ".safetensors":
+            try:
+                with safe_open(str(f), "pt") as st:
+                    names.update(st.keys())
+            except (SafetensorError, OSError) as err:
+                raise ValueError(f"{f} cannot be read as safetensors ({err}): the file is truncated or damaged; "
+                                 f"{_WEIGHTS_FIX}") from None
+    if names and all(f.suffix == ".safetensors" for f in files):
+        missing = _missing_weights(p, names)
+        if missing:
+            raise _missing_weights_error(p, missing)
+
+
+def _missing_weights(p: Path, present: set[str]) -> list[str]:
+    """The weights the model of ``p``'s config needs that the tensor names ``present`` lack, judged on
+    the model built on the meta device (no memory); tied weights and those transformers initialises
+    itself do not count. A checkpoint with names the model does not have (renamed by a conversion
+    transformers applies while loading) is not judged here: ``load_model``'s loading report is."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(p))
+    except Exception:  # a config this check cannot build: from_pretrained reports it when loading
+        return []
+    expected = set(model.state_dict())
+    if not present <= expected:
+        return []
+    ignored = list(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    return sorted(k for k in expected - present - tied if not any(re.search(pat, k) for pat in ignored))
+
+
+def _missing_weights_error(p: Path, missing: list[str]) -> ValueError:
+    shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    tie = (" (a checkpoint whose output head is its input embedding has tie_word_embeddings: true in config.json)"
+           if missing == ["lm_head.weight"] else "")
+    return ValueError(f"{p}: the weight files lack {len(missing)} tensor(s) the model needs ({shown}), which would "
+                      f"start from random values; {_WEIGHTS_FIX}{tie}")
+
+
+def _read_config(p: Path) -> dict[str, Any]:
+    if not (p / "config.json").is_file():
+        raise ValueError(f"{p} is not an HF model directory (no config.json); build one with "
+                         "astraflow.models.init_model(out_dir) or point at a saved checkpoint")
+    try:
+        return json.loads((p / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{p / 'config.json'} is not valid JSON ({err}); save the model again with "
+                         "save_pretrained") from None
+
+
+def _check_architecture(p: Path) -> None:
+    """``config.json``'s ``model_type`` is a causal LM that this transformers can build."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = _read_config(p)
+    model_type = config.get("model_type")
+    version = transformers.__version__
+    if not model_type:
+        raise ValueError(f"{p / 'config.json'} has no model_type, so transformers cannot tell the architecture; "
+                         "save the model with save_pretrained, which writes it")
+    if model_type not in CONFIG_MAPPING:
+        custom = " (its config.json points at its own modelling code, auto_map)" if "auto_map" in config else ""
+        raise ValueError(f"{p}: model_type {model_type!r} is an architecture transformers {version} does not know"
+                         f"{custom}; upgrade transformers (pip install -U transformers) if the model is newer than "
+                         "it, or convert the checkpoint to an architecture it has (a checkpoint's own modelling "
+                         "code, trust_remote_code, is not supported)")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{p}: model_type {model_type!r} is not a causal language model in transformers "
+                         f"{version} (AutoModelForCausalLM cannot build it); AstraFlow trains decoder-only causal "
+                         "LMs: point at one")
+
+
+def _missing_package(err: BaseException, p: Path) -> str | None:
+    """The pip package whose absence ``err`` (or an error it was raised from) reports, if it is
+    indeed not installed."""
+    chain: list[BaseException] = []
+    e: BaseException | None = err
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    names = [e.name.split(".")[0] for e in chain if isinstance(e, ImportError) and e.name]
+    text = " ".join(str(e) for e in chain)
+    names += [m.lower() for m in re.findall(r"requires the (\w+) library", text)]
+    names += re.findall(r"`(\w+)` is required", text)
+    inverse = {pip: module for module, pip in _PIP_NAMES.items()}
+    missing = [n for n in names if not _installed(inverse.get(n, n))]
+    package = _PIP_NAMES.get(missing[0], missing[0]) if missing else None
+    # without a tokenizer.json, transformers reads tokenizer.model with sentencepiece and, when
+    # that is missing, as a tiktoken file: the tiktoken error then hides the real need
+    if package in (None, "tiktoken") and not (p / "tokenizer.json").is_file() \
+            and _is_sentencepiece_model(p / "tokenizer.model") and not _installed("sentencepiece"):
+        return "sentencepiece"
+    return package
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _is_sentencepiece_model(path: Path) -> bool:
+    """A ``tokenizer.model`` that is not a tiktoken file (text lines ``<base64 token> <rank>``)."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        head = f.read(256).split(b"\n", 1)[0]
+    return re.fullmatch(rb"[A-Za-z0-9+/=]+ \d+", head) is None
+
+
+def _tokenizer_class(p: Path) -> str | None:
+    """``tokenizer_class`` of ``tokenizer_config.json``, if it can be read."""
+    try:
+        return json.loads((p / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+#: files a tokenizer is read from (``vocab.json`` with ``merges.txt``); ``init_model`` writes tokenizer.json
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "*.model", "*.tiktoken")
+
+_TOKENIZER_FIX = ("copy the tokenizer files of the checkpoint into it (tokenizer.json and tokenizer_config.json, "
+                  "as save_pretrained writes them)")
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of an HF model directory (checked to be one). It must have tokenizer files and
+    encode text to tokens: from config.json alone transformers builds an empty tokenizer, with which
+    every rollout would fail."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    _read_config(p)
+    if not any(any(p.glob(name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"{p} has no tokenizer files (none of tokenizer.json, tokenizer.model, vocab.json + "
+                         f"merges.txt, vocab.txt); {_TOKENIZER_FIX}")
+    try:
+        tok = AutoTokenizer.from_pretrained(p)
+    except Exception as err:  # whatever transformers raises, the message names the directory and the fix
+        import transformers
+
+        cls = _tokenizer_class(p)
+        what = f"the tokenizer of {p}" + (f" ({cls})" if cls else "")
+        package = _missing_package(err, p)
+        if package is not None:
+            raise ValueError(f"{what} needs the Python package {package!r}, which is not installed: pip install "
+                             f"{package} (or save the tokenizer there as tokenizer.json, which needs no extra package)"
+                             ) from err
+        raise ValueError(f"{what} cannot be loaded by transformers {transformers.__version__} ({type(err).__name__}: "
+                         f"{err}); the directory needs the tokenizer files save_pretrained writes (tokenizer.json "
+                         "and tokenizer_config.json)") from err
+    if not tok("Hello, world! 12+34=", add_special_tokens=False)["input_ids"]:
+        raise ValueError(f"the tokenizer of {p} encodes text to no tokens (its vocabulary has {len(tok)}): its "
+                         f"tokenizer files are empty or incomplete; {_TOKENIZER_FIX}")
+    return tok
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """Load any HF causal-LM directory as ``(model, tokenizer)``, model in eval mode on CPU.
+    A directory it cannot use is a ``ValueError`` naming the directory and the fix."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    check_model_dir(p, tokenizer=False)
+    tok = load_tokenizer(p)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, output_loading_info=True)
+    except (ValueError, OSError, ImportError, KeyError, TypeError, SafetensorError) as err:
+        import transformers
+
+        package = _missing_package(err, p)
+        if package is not None:
+            raise ValueError(f"the model in {p} needs the Python package {package!r}, which is not installed: "
+                             f"pip install {package}") from err
+        raise ValueError(
+            f"{p}: transformers {transformers.__version__} could not load the model ({type(err).__name__}: {err}); "
+            "check that its config.json and weight files belong together (save_pretrained writes both)"
+        ) from err
+    if info["missing_keys"]:  # transformers would train and serve them from their random initialisation
+        raise _missing_weights_error(p, sorted(info["missing_keys"]))
+    model.eval()
+    return model, tok

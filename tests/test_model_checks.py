@@ -1,0 +1,158 @@
+"""Model directories that look complete but cannot run are refused before a run starts: no
+tokenizer files (transformers would build an empty tokenizer), unreadable or missing weight files,
+weights that lack tensors (they would train from random values), and a warm start from a tokenizer
+with no eos. Each message names the directory or file and the fix; ``astraflow check`` exits 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from astraflow.models import check_model_dir, init_model, load_model, load_tokenizer
+from tests.test_hf_models import _broken, _check, _edit_json
+
+TOKENIZER_FIX = "copy the tokenizer files of the checkpoint into it"
+WEIGHTS_FIX = "copy the checkpoint's weight files into it again (every shard)"
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory) -> Path:
+    return init_model(tmp_path_factory.mktemp("models") / "untied", preset="tiny", arch="qwen2", seed=1,
+                      tie_word_embeddings=False)
+
+
+def _refused_everywhere(tmp_path: Path, bad: Path, needle: str, fix: str, loads=(check_model_dir, load_model)):
+    """``needle`` and ``fix`` in the error of every loader and of ``astraflow check`` (exit 2)."""
+    for load in loads:
+        with pytest.raises(ValueError) as err:
+            load(bad)
+        assert needle in str(err.value) and fix in str(err.value), str(err.value)
+    res = _check(tmp_path, bad)
+    assert res.exit_code == 2, res.output
+    assert "policies[solver].model: " in res.output and needle in res.output, res.output
+    assert "Traceback" not in res.output
+
+
+def test_a_directory_without_tokenizer_files(tiny_model, tmp_path):
+    bad = _broken(tiny_model, tmp_path, "m")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (bad / name).unlink()
+    _refused_everywhere(tmp_path, bad, f"{bad} has no tokenizer files (none of tokenizer.json", TOKENIZER_FIX,
+                        loads=(check_model_dir, load_model, load_tokenizer))
+
+
+def test_a_tokenizer_that_encodes_nothing(tiny_model, tmp_path):
+    """Tokenizer files with an empty vocabulary load, but encode every text to no tokens."""
+    bad = _broken(tiny_model, tmp_path, "m")
+    (bad / "tokenizer.json").unlink()
+    (bad / "vocab.json").write_text("{}")
+    (bad / "merges.txt").write_text("#version: 0.2\n")
+    _edit_json(bad / "tokenizer_config.json", tokenizer_class="Qwen2Tokenizer")
+    _refused_everywhere(tmp_path, bad, f"the tokenizer of {bad} encodes text to no tokens", TOKENIZER_FIX,
+                        loads=(check_model_dir, load_model, load_tokenizer))
+
+
+@pytest.mark.parametrize("cut", ["empty", "truncated"])
+def test_an_empty_or_truncated_safetensors_file(tiny_model, tmp_path, cut):
+    bad = _broken(tiny_model, tmp_path, "m")
+    weights = bad / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(b"" if cut == "empty" else data[: len(data) // 2])
+    needle = f"{weights} is empty" if cut == "empty" else f"{weights} cannot be read as safetensors"
+    _refused_everywhere(tmp_path, bad, needle, WEIGHTS_FIX)
+
+
+def _sharded(tiny_model: Path, tmp_path: Path) -> Path:
+    model, _ = load_model(tiny_model)
+    out = _broken(tiny_model, tmp_path, "sharded")
+    (out / "model.safetensors").unlink()
+    model.save_pretrained(out, max_shard_size="1MB")
+    return out
+
+
+def test_a_sharded_checkpoint_loads_and_one_with_a_missing_shard_is_refused(tiny_model, tmp_path):
+    sharded = _sharded(tiny_model, tmp_path)
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    check_model_dir(sharded)
+    load_model(sharded)
+    shards[-1].unlink()
+    _refused_everywhere(tmp_path, sharded, f"names weight shards that are missing from {sharded} ({shards[-1].name})",
+                        WEIGHTS_FIX)
+
+
+def _drop_tensors(d: Path, prefix: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(d / "model.safetensors")
+    save_file({k: v for k, v in state.items() if not k.startswith(prefix)}, d / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+def test_weights_that_lack_tensors_are_refused(untied, tiny_model, tmp_path):
+    bad = _broken(untied, tmp_path, "m")
+    _drop_tensors(bad, "model.layers.3.")
+    _refused_everywhere(tmp_path, bad, f"{bad}: the weight files lack 12 tensor(s) the model needs", WEIGHTS_FIX)
+    head = _broken(untied, tmp_path, "head")
+    _drop_tensors(head, "lm_head.")
+    with pytest.raises(ValueError, match=r"lack 1 tensor\(s\) the model needs \(lm_head.weight\).*tie_word_embeddings"):
+        check_model_dir(head)
+    check_model_dir(tiny_model)  # a tied head is not in the file, and not missing
+
+
+def test_load_model_refuses_missing_tensors_the_check_cannot_see(untied, tmp_path):
+    """A pytorch_model.bin is not opened by the check: the loading report of from_pretrained refuses it."""
+    bad = _broken(untied, tmp_path, "m")
+    model, _ = load_model(untied)
+    (bad / "model.safetensors").unlink()
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("model.layers.3.")}
+    torch.save(state, bad / "pytorch_model.bin")
+    check_model_dir(bad)
+    with pytest.raises(ValueError, match=r"the weight files lack 12 tensor\(s\) the model needs .*every shard"):
+        load_model(bad)
+
+
+def test_a_warm_start_pads_with_eos_when_the_tokenizer_has_no_pad_token(tiny_model, tmp_path):
+    from astraflow.training.warmstart import _encode_pairs, warm_start
+
+    nopad = _broken(tiny_model, tmp_path, "nopad")
+    _edit_json(nopad / "tokenizer_config.json", pad_token=None)
+    tok = load_tokenizer(nopad)
+    assert tok.pad_token_id is None
+    ids, att, _ = _encode_pairs(tok, [("1+2=", "3"), ("10+20=", "30")])
+    assert ids[0, -1].item() == tok.eos_token_id and att[0, -1].item() == 0
+    out = warm_start(nopad, tmp_path / "out", steps=1, batch_size=4, eval_every=0, eval_size=4, progress=False,
+                     workload={"digits": 1, "num_test": 8}, task="verify")
+    assert out["steps"] == 1 and (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_a_warm_start_from_a_tokenizer_without_eos_is_refused_up_front(tiny_model, tmp_path):
+    from astraflow.cli import main
+    from astraflow.training.warmstart import warm_start
+
+    noeos = _broken(tiny_model, tmp_path, "noeos")
+    _edit_json(noeos / "tokenizer_config.json", eos_token=None)
+    with pytest.raises(ValueError, match=f"the tokenizer of {noeos} has no eos token.*set eos_token in its "
+                                         "tokenizer_config.json"):
+        warm_start(noeos, tmp_path / "out", steps=1, progress=False)
+    assert not (tmp_path / "out").exists()
+    cfg = {"run": {"name": "noeos", "max_steps": 1},
+           "policies": [{"name": "solver", "model": str(noeos)},
+                        {"name": "verifier", "model": str(tmp_path / "verifier"),
+                         "init": {"start_from": "solver", "task": "verify", "warm_start_steps": 2}}],
+           "workload": {"name": "math", "workflow": "solver_verifier", "params": {"digits": 1, "num_test": 20},
+                        "group_size": 4, "sampling": {"max_new_tokens": 4}},
+           "dataflow": {"batch_size": 16}, "cluster": {"dashboard_port": 0}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    res = CliRunner().invoke(main, ["check", str(tmp_path / "config.yaml")])
+    assert res.exit_code == 2, res.output
+    assert f"policies[verifier].init.start_from: solver: the tokenizer of {noeos} has no eos token" in res.output
+    assert "set eos_token" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "verifier").exists()
+    cfg["policies"][1]["init"] = {"start_from": "solver"}  # no warm start: no eos needed
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert CliRunner().invoke(main, ["check", str(tmp_path / "config.yaml")]).exit_code == 0
