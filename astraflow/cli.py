@@ -139,7 +139,7 @@ def model() -> None:
 @click.option("--warm-start-lr", type=float, **field_option(ModelInit, "warm_start_lr"))
 def model_init(out: str, preset: str, arch: str, seed: int, tie_embeddings: bool, warm_start_seconds: float,
                warm_start_steps: int | None, warm_start_lr: float) -> None:
-    """Build a tiny Qwen2/Llama model with a local byte-level tokenizer into OUT (HF format).
+    """Build a small Qwen2/Llama model (--preset) with a local byte-level tokenizer into OUT (HF format).
 
     The warm start trains on the math workload's train split."""
     from pydantic import ValidationError

@@ -46,13 +46,13 @@ PRESETS: dict[str, dict[str, int]] = {
     # ~0.8M parameters
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2),
-    # ~2.4M parameters as qwen2 with tied embeddings, 3.2M as llama (tiny's width x2; the main example)
+    # ~3.2M parameters (tiny's width x2; the main example)
     "mini": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2),
     # ~10M parameters
     "small": dict(hidden_size=320, intermediate_size=1024, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=4),
-    # ~50M parameters
+    # ~47M parameters
     "50m": dict(hidden_size=640, intermediate_size=1792, num_hidden_layers=10,
                 num_attention_heads=10, num_key_value_heads=5),
 }

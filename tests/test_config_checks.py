@@ -146,3 +146,14 @@ def test_a_model_path_under_home_is_expanded(tmp_path):
 
     with pytest.raises(ConfigError, match=f"policies\\[solver\\].model: {Path.home()}/no-such-model does not exist"):
         config_from_dict({"policies": [{"name": "solver", "model": "~/no-such-model"}]}, base_dir=tmp_path)
+
+
+@pytest.mark.parametrize("init, needle", [
+    ({"warm_start_target": 0.5}, "warm_start_target stops a warm start early, and there is none"),
+    ({"vocab_size": 512}, "vocab_size sizes a BPE tokenizer; with tokenizer: byte it is fixed"),
+])
+def test_model_init_settings_that_would_change_nothing_are_refused(init, needle):
+    from astraflow.training.config import ModelInit
+
+    with pytest.raises(ValueError, match=needle):
+        ModelInit(**init)

@@ -15,7 +15,7 @@ class ModelInit(Strict):
     """How to build a model directory that does not exist yet (no downloads: built locally)."""
 
     preset: Literal["tiny", "mini", "small", "50m"] = "small"
-    """Size preset of the locally initialised model (tiny ~0.8M, mini ~2.4M, small ~10M, 50m ~50M params)."""
+    """Size preset of the locally initialised model (tiny ~0.8M, mini ~3.2M, small ~10M, 50m ~47M params)."""
     arch: Literal["qwen2", "llama"] = "qwen2"
     """HF architecture of the initialised model."""
     tie_embeddings: bool = True
@@ -68,6 +68,17 @@ class ModelInit(Strict):
     def warm_starts(self) -> bool:
         """Whether the build includes a supervised warm start."""
         return self.warm_start_seconds > 0 or self.warm_start_steps is not None
+
+    @model_validator(mode="after")
+    def _settings_that_act(self) -> "ModelInit":
+        """A setting that would change nothing is refused, naming what makes it act."""
+        if self.warm_start_target is not None and not self.warm_starts:
+            raise ValueError("warm_start_target stops a warm start early, and there is none: give it an upper "
+                             "bound, warm_start_steps (e.g. 2000) or warm_start_seconds")
+        if "vocab_size" in self.model_fields_set and self.tokenizer != "bpe":
+            raise ValueError("vocab_size sizes a BPE tokenizer; with tokenizer: byte it is fixed: set tokenizer: bpe "
+                             "or drop vocab_size")
+        return self
 
 
 class TrainerConfig(Strict):
