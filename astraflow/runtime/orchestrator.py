@@ -53,7 +53,8 @@ from astraflow.runtime.placement import Placement, data_layer_kwargs, node_kwarg
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.reconcile import PartitionSet, run_tag
 from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts, note
-from astraflow.runtime.stopping import BoundedWaits, Ending, disk_full, disk_full_reason, full_disk_of, interrupted
+from astraflow.runtime.stopping import (BoundedWaits, Ending, NothingCompletes, disk_full, disk_full_reason,
+                                        full_disk_of, interrupted)
 from astraflow.runtime.workers import (FUTURE_ERRORS, NODE_PHASES, PHASES, DataLayerLost, Fleet, RunFailed,
                                       TrainerLost, Worker)
 from astraflow.training.numerics import NonFiniteError
@@ -65,6 +66,9 @@ from storage.weights import WeightStore
 __all__ = ["PHASES", "Orchestrator", "RunFailed", "RunResult", "Worker"]
 
 log = logging.getLogger("astraflow.runtime")
+
+#: rollout tasks that may fail, none completing, before the run stops (at least 4 batches' worth)
+FAILED_WITHOUT_COMPLETION = 256
 
 
 @dataclass
@@ -94,6 +98,7 @@ class Orchestrator:
         self.fleet = Fleet(self.parts, self.placement, cfg.cluster, self.progress, self._place_node)
         self.status = StatusWriter(self.paths, self.run_tag(), self.parts, self.fleet)
         self.status.previous_jobs = (previous_jobs or PreviousJobs()).as_dict()
+        self.nothing_completes = NothingCompletes(max(FAILED_WITHOUT_COMPLETION, 4 * cfg.dataflow.batch_size))
         self.status.capacity = lambda name: partition_capacity(cfg.rollout, self.parts.partitions[name])
         #: the trainers' handles by policy; replaced in place when a trainer is restarted
         self.trainers: dict[str, Any] = {}
@@ -279,6 +284,9 @@ class Orchestrator:
                 self._reconcile()
                 self.fleet.advance()
                 self.fleet.replace_failed_nodes(tick.data_layer, silent_after=self.cfg.dataflow.lease_seconds)
+                why = self.nothing_completes.check(tick.data_layer.get("ledger", {}))
+                if why:
+                    raise RunFailed(why)
             except TrainerLost as lost:
                 self.restarts.replace(lost)  # or RunFailed: restarts spent, backend cannot resume
                 continue
@@ -311,6 +319,9 @@ class Orchestrator:
                 last_tick = time.time()
                 t = self._tick()
                 self.fleet.raise_full_disk(t.data_layer)  # nodes are not replaced here, but a full disk stops the run
+                why = self.nothing_completes.check(t.data_layer.get("ledger", {}))
+                if why:
+                    raise RunFailed(why)
                 self._show(t)
 
         def recover() -> bool:

@@ -140,3 +140,34 @@ class BoundedWaits:
     def _note(self, what: str, err: Exception) -> None:
         self.errors[what] = f"{type(err).__name__}: {err}".strip()
         log.info("stopping the run: %s: %s", what, self.errors[what])  # reported in summary.json
+
+
+class NothingCompletes:
+    """A run in which tasks keep failing and none completes (an engine that cannot take the
+    prompts, a reward that always raises) is stopped with the failures' reasons instead of
+    creating new tasks until ``run.timeout_s``. Counted from the first tick this object sees (a
+    resumed run's earlier tasks do not count); a single completion disarms it."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._base: tuple[int, int] | None = None
+        self.armed = True
+
+    def check(self, ledger: dict[str, Any]) -> str | None:
+        """Why the run must stop (``ledger``: the data layer's ``Ledger.summary()``), or None."""
+        if not self.armed:
+            return None
+        events = ledger.get("events", {})
+        failed, completed = int(events.get("failed", 0)), int(events.get("completed", 0))
+        if self._base is None:
+            self._base = (failed, completed)
+        if completed > self._base[1]:
+            self.armed = False
+            return None
+        n = failed - self._base[0]
+        if n < self.limit:
+            return None
+        reasons = sorted(ledger.get("failed_by_reason", {}).items(), key=lambda kv: -kv[1])[:3]
+        said = "; ".join(f"{count}x {why}" for why, count in reasons) or "no reason recorded"
+        return (f"{n} rollout tasks failed and none completed ({said}): fix what the reasons say (a RaaS node's "
+                "log under the run's jobs/ has the traceback), then run again on this run directory")
