@@ -57,12 +57,37 @@ def check_models(cfg: RunConfig) -> None:
             check_model_dir(pol.model)
         except ValueError as err:
             raise ConfigError(f"policies[{pol.name}].model: {err}") from None
+        _check_positions(cfg, pol, json.loads((pol.model / "config.json").read_text()))
         if pol.trainer.backend == "megatron":
             try:
                 GPTShape.from_hf_config(json.loads((pol.model / "config.json").read_text()))
             except ValueError as err:
                 raise ConfigError(f"policies[{pol.name}].model: {pol.model}: trainer.backend megatron "
                                   f"cannot train it: {err}") from None
+
+
+def _check_positions(cfg: RunConfig, pol, config: dict) -> None:
+    """A generation of ``workload.sampling.max_new_tokens`` (an agentic episode: its whole
+    ``max_context_tokens``) must fit the model's ``max_position_embeddings``: past it every
+    request fails, or decodes garbage."""
+    positions = config.get("max_position_embeddings")
+    if not isinstance(positions, int) or cfg.simulated(pol):
+        return
+    from astraflow.workloads.base import params_model
+
+    new = cfg.workload.sampling.max_new_tokens
+    model = params_model(cfg.workload.name)
+    try:  # an agentic workload's episode budget (validated already)
+        episode = getattr(model(**cfg.workload.params), "max_context_tokens", None) if model else None
+    except (ValueError, TypeError):
+        episode = None
+    if new >= positions:
+        raise ConfigError(f"workload.sampling.max_new_tokens {new}: the model of policy {pol.name} ({pol.model}) "
+                          f"has {positions} positions for the prompt and the generation together; lower "
+                          f"max_new_tokens below {positions} (less the longest prompt)")
+    if isinstance(episode, int) and episode > positions:
+        raise ConfigError(f"workload.params.max_context_tokens {episode}: the model of policy {pol.name} "
+                          f"({pol.model}) has {positions} positions; lower max_context_tokens to {positions}")
 
 
 def _check_warm_start_base(cfg: RunConfig, pol) -> None:

@@ -156,3 +156,16 @@ def test_a_warm_start_from_a_tokenizer_without_eos_is_refused_up_front(tiny_mode
     cfg["policies"][1]["init"] = {"start_from": "solver"}  # no warm start: no eos needed
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     assert CliRunner().invoke(main, ["check", str(tmp_path / "config.yaml")]).exit_code == 0
+
+
+def test_a_generation_longer_than_the_models_positions_is_refused(tiny_model, tmp_path):
+    from astraflow.cli import main
+
+    data = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml").read_text())
+    data["policies"][0]["model"] = str(tiny_model)
+    data["policies"][0].pop("init", None)
+    data["workload"]["sampling"] = {"max_new_tokens": 4096}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    res = CliRunner().invoke(main, ["check", str(tmp_path / "config.yaml")])
+    assert res.exit_code == 2 and "workload.sampling.max_new_tokens 4096: the model of policy" in res.output
+    assert "has 2048 positions" in res.output, res.output

@@ -11,8 +11,9 @@ from astraflow.workloads.base import check_params, workload_class
 
 
 class SamplingConfig(Strict):
-    temperature: float = Field(default=1.0, gt=0)
-    """Sampling temperature of training rollouts."""
+    temperature: float = Field(default=1.0, ge=1e-3)
+    """Sampling temperature of training rollouts (below 0.001 the scaled logits overflow; greedy
+    decoding is the evaluation's)."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
     max_new_tokens: int = Field(default=8, ge=1)
