@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
@@ -157,8 +158,12 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
                 if not isinstance(result, StepResult):
                     raise EpisodeError(f"{type(env).__name__}.step returned {type(result).__name__}, not a StepResult")
                 check_messages(result.observation, "step")
-                if not math.isfinite(float(result.reward)):
-                    raise EpisodeError(f"{type(env).__name__}.step returned reward {result.reward}")
+                reward, info = result.reward, result.info
+                if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
+                    raise EpisodeError(f"{type(env).__name__}.step returned reward {reward!r}, not a finite number")
+                if not isinstance(info, Mapping):
+                    raise EpisodeError(f"{type(env).__name__}.step returned info of type {type(info).__name__}, "
+                                       "not a mapping (a dict)")
                 kind, calls = "env", []
             if result.done:
                 log.final_reward, log.done = float(result.reward), True

@@ -168,7 +168,17 @@ def test_env_failures_fail_the_episode_and_close_it(tok):
         async def step(self, action):
             return {"reward": 1}
 
-    for cls, why in ((Raising, "raised KeyError"), (Hanging, "deadline"), (Garbage, "not a StepResult")):
+    class NoReward(SumEnv):
+        async def step(self, action):
+            return StepResult([{"role": "user", "content": "ok"}], reward=None, done=True)
+
+    class BadInfo(SumEnv):
+        async def step(self, action):
+            return StepResult([{"role": "user", "content": "ok"}], reward=np.float32(1.0), done=True, info=["x"])
+
+    for cls, why in ((Raising, "raised KeyError"), (Hanging, "deadline"), (Garbage, "not a StepResult"),
+                     (NoReward, "NoReward.step returned reward None, not a finite number"),
+                     (BadInfo, "BadInfo.step returned info of type list")):
         env = cls()
         with pytest.raises(EpisodeError, match=why):
             run(scripted(tok, ["5"]), tok, env)
