@@ -24,8 +24,19 @@ from storage.weights import WeightVersion  # noqa: F401  (re-exported: the weigh
 
 TaskKind = Literal["train", "eval"]
 FinishReason = Literal["stop", "length", "abort"]
+def _plain(value: Any) -> Any:
+    """JSON for what a workflow may put in ``meta`` that json does not know: numpy scalars
+    (``np.float32(1.0)``) and arrays, anything else as its text."""
+    item, tolist = getattr(value, "item", None), getattr(value, "tolist", None)
+    if callable(tolist) and getattr(value, "ndim", 0):
+        return tolist()
+    if callable(item):
+        return item()
+    return str(value)
+
+
 #: the encoder of a stored sequence's ``meta`` (``json.dumps(..., sort_keys=True)`` makes one per call)
-_META_JSON = json.JSONEncoder(sort_keys=True)
+_META_JSON = json.JSONEncoder(sort_keys=True, default=_plain)
 
 # Throughput names. Each means one thing wherever it appears (a node's stats, the data layer's
 # metrics, ``status``, the dashboard, metrics.jsonl):

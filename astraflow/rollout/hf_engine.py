@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ import torch
 
 from astraflow.agents.chat import turn_stop_ids
 from astraflow.rollout.engine import SWAP_MIN_REMAINING, Generation, SamplingParams
+
+log = logging.getLogger("astraflow.rollout")
 
 #: ``HFEngine(dtype=...)``: the engine's weights and compute
 DTYPES = ("fp32", "bf16")
@@ -128,6 +131,7 @@ class HFEngine:
         unk = self.tokenizer.unk_token_id
         self._stop_ids = frozenset(s for s in stops if s is not None and s != unk)
         self._max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        self._vocab = self.model.get_input_embeddings().num_embeddings
         # transformers >= 5.2x calls the KV cache ``cache``; earlier 5.x (the vLLM extra pins
         # < 5.20) ``past_key_values``: pass it under whichever name this model's forward takes
         fwd = inspect.signature(self.model.forward).parameters
@@ -146,6 +150,10 @@ class HFEngine:
         prompt = [int(t) for t in prompt_tokens]
         if not prompt:
             raise ValueError("HFEngine.generate: prompt_tokens is empty")
+        if min(prompt) < 0 or max(prompt) >= self._vocab:  # would fail the whole batch it joins
+            bad = next(t for t in prompt if not 0 <= t < self._vocab)
+            raise ValueError(f"HFEngine.generate: token id {bad} is outside the model's vocabulary of {self._vocab}: "
+                             "the tokenizer does not belong to the model (check the model directory's files)")
         if params.max_new_tokens < 1:
             raise ValueError(f"HFEngine.generate: max_new_tokens must be >= 1, got {params.max_new_tokens}")
         if not params.greedy and params.temperature <= 0:
@@ -165,6 +173,7 @@ class HFEngine:
     def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         """Replace the weights (HF names; cast to the engine's dtype). Applied now if idle,
         else between two steps."""
+        self._check_fits(state_dict)  # now, decoding or not: a swap held for later cannot fail then
         with self._lock:
             if not self._decoding:
                 self._apply(state_dict, version)
@@ -208,6 +217,20 @@ class HFEngine:
         return []  # the node's own reader records what it loads
 
     # -- internals -----------------------------------------------------------------------
+    def _check_fits(self, state_dict: Mapping[str, Any]) -> None:
+        """``ValueError`` unless ``state_dict`` has every weight of the model (a tied head may be
+        absent), nothing else, and each with the model's shape."""
+        own = self.model.state_dict()
+        tied = "lm_head.weight" if self.model.config.tie_word_embeddings else None
+        missing = [k for k in own if k not in state_dict and k != tied]
+        unexpected = [k for k in state_dict if k not in own]
+        shapes = [f"{k} {tuple(torch.as_tensor(v).shape)} != {tuple(own[k].shape)}" for k, v in state_dict.items()
+                  if k in own and tuple(torch.as_tensor(v).shape) != tuple(own[k].shape)]
+        if missing or unexpected or shapes:
+            raise ValueError(f"HFEngine.load_weights: state dict does not match the model (missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}, shapes {shapes[:3]}); publish weights with HF parameter "
+                             "names of this model")
+
     def _apply(self, state_dict: Mapping[str, Any], version: int) -> None:
         sd = {k: torch.as_tensor(v) for k, v in state_dict.items()}
         missing, unexpected = self.model.load_state_dict(sd, strict=False)  # copy_ casts each tensor
@@ -250,7 +273,10 @@ class HFEngine:
             finally:
                 with self._lock:
                     self._decoding = False
-                self._take_pending_weights()
+                try:
+                    self._take_pending_weights()
+                except Exception:  # checked when handed over: the batch's answers must still go out
+                    log.exception("HFEngine: applying held weights failed; keeping v%d", self.version)
             dt = time.perf_counter() - t0
             self._stats["busy_seconds"] += dt
             self._stats["batches"] += 1

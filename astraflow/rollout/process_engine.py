@@ -364,7 +364,7 @@ async def _serve(conn, engine) -> None:
     async def run(rid: int, prompt: list[int], params: SamplingParams) -> None:
         try:
             out: Any = await engine.generate(prompt, params)
-        except (ValueError, RuntimeError) as err:  # a bad request fails that request only
+        except Exception as err:  # a bad request fails that request (its batch) only: answered, never dropped
             out = f"{type(err).__name__}: {err}"
         if not done:
             loop.call_soon(flush)  # one message for every request finished in this tick

@@ -131,6 +131,21 @@ def test_bad_requests(tiny_model):
         _gather(eng, [[1, 2]], SamplingParams(temperature=0.0))
     with pytest.raises(ValueError, match="positions"):
         _gather(eng, [[1, 2]], SamplingParams(max_new_tokens=10_000))
+    with pytest.raises(ValueError, match="token id 400 is outside the model's vocabulary of 320"):
+        _gather(eng, [[1, 400]], SamplingParams())
+
+
+def test_weights_that_do_not_fit_are_refused_when_handed_over_even_while_decoding(tiny_model):
+    """A swap held until the running batch ends must not fail there (the batch's answers
+    would never go out): it is checked when handed over."""
+    eng = HFEngine(tiny_model)
+    bad = {**{k: v.clone() for k, v in eng.model.state_dict().items()}, "model.extra.weight": torch.zeros(1)}
+    before = eng.version
+    eng._decoding = True  # as load_weights sees it from the weight watcher during a batch
+    with pytest.raises(ValueError, match=r"unexpected \['model.extra.weight'\]"):
+        eng.load_weights(bad, 4)
+    eng._decoding = False
+    assert eng._pending_weights is None and eng.version == before
 
 
 def test_bf16_engine_samples_from_bf16_weights_and_casts_published_fp32_ones(tiny_model, tmp_path):

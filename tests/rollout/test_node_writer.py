@@ -357,3 +357,19 @@ def test_writes_the_next_batch_while_the_previous_commit_is_flushed(tmp_path, mo
     assert submitted == [2, 2, 2]
     assert sorted(i for _, ids in dl.batches for i in ids) == [f"g{i}/0" for i in range(6)]
     assert not node.writing and node.counters["episodes"] == 6
+
+
+def test_numpy_values_in_a_trajectorys_metadata_are_stored_not_fatal():
+    """A custom workflow's rewards and statistics as numpy values: stored as plain JSON numbers
+    (the node's writer encodes them; an error there would lose its whole batch)."""
+    import json
+
+    import numpy as np
+
+    traj = make_trajectory(RolloutTask(task_id="g0/0", group_id="g0", policies=("p",), workflow="single_turn",
+                                       prompt={}, kind="train"), 1.0)
+    seq = traj.sequences[0]
+    traj = type(traj)(**{**traj.__dict__, "sequences": (type(seq)(**{**seq.__dict__,
+                      "rewards": {"correct": np.float32(1.0), "parts": np.array([0.5, 0.5])}}),)})
+    meta = json.loads(traj.to_stored()[0].meta)
+    assert meta["rewards"] == {"correct": 1.0, "parts": [0.5, 0.5]}

@@ -6,6 +6,7 @@ requests with an error that says so instead of hanging the node."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -56,6 +57,14 @@ def test_same_generations_as_in_process(pair):
         _same(_gather(proc, prompts, params), _gather(local, prompts, params))
     st = proc.stats()
     assert st["requests"] == 2 * len(PROMPTS) and st["batches"] == 2  # one batch per gather, as in process
+
+
+@pytest.mark.timeout(120)
+def test_a_request_the_engine_refuses_is_answered_with_the_error(pair):
+    proc, _ = pair
+    with pytest.raises(RuntimeError, match="token id 400 is outside the model's vocabulary"):
+        _gather(proc, [[1, 400]], SamplingParams(max_new_tokens=2, greedy=True))
+    assert len(_gather(proc, [[1, 2]], SamplingParams(max_new_tokens=2, greedy=True))[0].tokens) == 2
 
 
 @pytest.mark.timeout(120)
@@ -144,10 +153,16 @@ def test_a_dead_engine_process_fails_its_requests(tiny_model):
 def test_a_model_that_cannot_load_is_a_start_error(tiny_model, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
-    for f in tiny_model.iterdir():  # config, tokenizer and a weight file check out here; the
-        # weights, corrupt, fail there
-        (broken / f.name).write_bytes(b"not safetensors" if f.name.endswith(".safetensors") else f.read_bytes())
+    for f in tiny_model.iterdir():  # config, tokenizer and the weights' names check out here; their
+        # shapes, not those of the config, fail there
+        (broken / f.name).write_bytes(f.read_bytes())
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 8}))
     with pytest.raises(EngineProcessError, match="failed to start"):
+        ProcessEngine(str(broken), max_batch_size=4, device="cpu")
+    (broken / "config.json").write_text(json.dumps(config))
+    (broken / "model.safetensors").write_bytes(b"not safetensors")  # unreadable: refused before a process starts
+    with pytest.raises(ValueError, match="cannot be read as safetensors"):
         ProcessEngine(str(broken), max_batch_size=4, device="cpu")
     # not a model directory at all, or one without weights: refused before any process starts
     with pytest.raises(ValueError, match="not an HF model directory"):
