@@ -47,6 +47,7 @@ before it is sent, so a refused state raises ``ValueError`` and leaves the ranks
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -67,6 +68,7 @@ from astraflow.training.megatron.batching import (
 )
 from astraflow.training.megatron.convert import check_shard, gather_shards, shard_for_rank, to_module_state
 from astraflow.training.megatron.launch import RankError, RankLaunch, start_ranks
+from astraflow.training.numerics import NonFiniteError, likely_cause
 from astraflow.training.megatron.slurm import Allocation
 from astraflow.training.megatron.state import BACKEND as STATE_BACKEND
 from astraflow.training.megatron.state import check_optimizer_state, layout, pack, unpack
@@ -236,9 +238,13 @@ class MegatronBackend:
         with the version's probe (``meta["probe"]``, ``astraflow.probe``). Always the ranks' current
         weights: ``state`` is for backends that ``supports_snapshot``."""
         assert state is None, "MegatronBackend publishes its ranks' weights; it takes no snapshot"
+        probe = self.probe()
+        if not all(math.isfinite(x) for x in probe["logprobs"]):  # weights holding nan/inf score so
+            raise NonFiniteError(f"policy {policy}: not publishing v{version}, its weights give non-finite "
+                                 f"log-probs of the probe sequence; {likely_cause(policy)}")
         self.save_shards(store.staging(policy, version))
         return store.commit(policy, version, {"layout": "megatron", "hf_config": self.hf_config,
-                                              "dtype": self.config.publish_dtype, "probe": self.probe()})
+                                              "dtype": self.config.publish_dtype, "probe": probe})
 
     def probe(self) -> dict[str, list]:
         """``meta["probe"]``: the log-probs of the probe sequence under the weights ``save_shards``

@@ -221,14 +221,20 @@ class Rank:
             for p in self.model.parameters():
                 p.grad = p.main_grad
         gnorm = self._grad_norm()
+        # the norm is global (after the reductions): every rank skips a non-finite step alike,
+        # which changes no weight (nor the optimiser's moments)
+        finite = bool(torch.isfinite(gnorm))
         max_norm = float(self.cfg.get("max_grad_norm", 0.0))
-        if max_norm > 0 and torch.isfinite(gnorm) and gnorm > max_norm:
+        if max_norm > 0 and finite and gnorm > max_norm:
             scale = max_norm / (gnorm + 1e-6)
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(scale)
-        self.opt.step()
+        if finite:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         m = {k: float(v) for k, v in stats.items()}
+        m["nonfinite_skipped"] = float(not finite)
         with torch.no_grad():
             ntok = mask.sum().clamp_min(1)
             m["entropy_proxy"] = float(-(new.detach() * mask).sum() / ntok)
