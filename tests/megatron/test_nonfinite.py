@@ -31,3 +31,11 @@ def test_a_nonfinite_step_changes_no_weight_and_is_reported(tmp_path):
         good = be.train_step(grpo_batch(toks, be.logprobs(toks)))
         assert good["nonfinite_skipped"] == 0.0
         be.publish(MiniStore(tmp_path / "weights"), "p", 1)  # finite: published
+
+
+def test_both_backends_default_to_the_same_optimiser():
+    import inspect
+
+    from astraflow.training.torch_backend import TorchBackend
+
+    assert inspect.signature(TorchBackend.__init__).parameters["betas"].default == MegatronBackendConfig(hf_checkpoint="unused").betas

@@ -91,7 +91,8 @@ class MegatronBackendConfig:
     #: starts ``tp_size * dp_size`` rank processes.
     dp_size: int = 1
     lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
+    #: AdamW's, the torch backend's too: a config trains alike on either backend
+    betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = 0.0
     #: PPO-style clip range of the GRPO ratio: [1 - clip_low, 1 + clip_high].
     clip_low: float = 0.2

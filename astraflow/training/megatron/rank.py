@@ -143,7 +143,7 @@ class Rank:
         self.model.to(self.device)
         self.ddp = wrap_data_parallel(self.model) if spec.dp_size > 1 else None
         self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=float(cfg["lr"]), betas=tuple(cfg.get("betas", (0.9, 0.999))),
+            self.model.parameters(), lr=float(cfg["lr"]), betas=tuple(cfg.get("betas", (0.9, 0.99))),
             weight_decay=float(cfg.get("weight_decay", 0.0)),
         )
 
