@@ -198,6 +198,8 @@ class Buffers:
                 self.settle(policy, items, reason or "filtered")
                 continue
             mean, std = float(np.mean(rewards)), float(np.std(rewards))
+            if np.ptp(rewards) == 0:  # scored alike: advantage exactly 0 (np.mean of 0.1s is not 0.1)
+                mean, std = float(rewards[0]), 0.0
             self._ingest_seq += 1
             for it in items:
                 it.group_mean, it.group_std, it.group_size = mean, std, len(items)

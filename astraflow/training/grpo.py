@@ -106,7 +106,7 @@ def grpo_loss(
             "clip_frac": float(((unclipped != clipped).to(mask.dtype) * mask).sum() / n),
             "ratio_mean": float((ratio * mask).sum() / n),
             # k3 estimator of KL(behaviour || current), a drift diagnostic only
-            "approx_kl": float(((torch.exp(-log_ratio) - 1 + log_ratio) * mask).sum() / n),
+            "approx_kl": float(((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum() / n),
         }
         if off_policy == "tis":
             stats["is_truncated_frac"] = float(((ratio > is_cap).to(mask.dtype) * mask).sum() / n)

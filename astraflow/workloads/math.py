@@ -104,6 +104,12 @@ def make_dataset(cfg: MathConfig | Mapping[str, Any] | None, split: str) -> list
             raise ValueError(
                 f"math workload: {space} possible problems are too many to list; set num_{split}"
             )
+        share = cfg.test_fraction if split == "test" else 1 - cfg.test_fraction
+        holds = int(space * share)  # about: the split is drawn by a hash
+        if want > holds // 2:  # drawn at random without repeats: past half the split it slows, past all never ends
+            raise ValueError(f"math workload: num_{split} {want} is more than half the ~{holds} problems the {split} "
+                             f"split holds ({space} in all, test_fraction {cfg.test_fraction}); lower num_{split}, "
+                             "or widen the problems (digits, ops) or the split (test_fraction)")
         seen: set[tuple[int, str, int]] = set()
         probs = []
         while len(probs) < want:

@@ -58,6 +58,14 @@ def test_ingest_computes_group_stats_and_the_filter_drops():
     assert rig.buffers.counts["p"]["filtered"] == 2 and rig.ledger.dropped_by_reason == {"zero_advantage": 2}
 
 
+def test_a_group_scored_alike_has_an_advantage_of_exactly_zero():
+    rig = Rig(group_size=3)
+    rig.group([0.1, 0.1, 0.1])  # np.mean of these is not 0.1: the advantage would be about 1e-11
+    (ready,) = rig.buffers.ready["p"]
+    assert [i.group_std for i in ready.items] == [0.0] * 3
+    assert [(0.1 - i.group_mean) / (i.group_std + 1e-6) for i in ready.items] == [0.0] * 3
+
+
 def test_the_buffer_is_capped_and_stale_sequences_are_dropped():
     rig = Rig(limit=1)  # cap: 4 groups
     for _ in range(5):

@@ -19,6 +19,9 @@ def test_grpo_loss_hand_computed():
     assert abs(loss.item() - sum(per_token) / 4) < 1e-6
     assert abs(st["clip_frac"] - 0.5) < 1e-6
     assert abs(st["ratio_mean"] - (2.0 + 1.0 + 0.5 + 1.0) / 4) < 1e-6
+    # k3 of KL(behaviour || current) over behaviour samples: r - 1 - log r per token
+    k3 = [r - 1 - math.log(r) for r in (2.0, 1.0, 0.5, 1.0)]
+    assert abs(st["approx_kl"] - sum(k3) / 4) < 1e-6
     # explicit denominator (micro-batching normalises by the whole batch's tokens)
     loss8, _ = grpo_loss(new, old, adv, mask, num_tokens=8)
     assert abs(loss8.item() - sum(per_token) / 8) < 1e-6

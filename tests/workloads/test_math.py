@@ -60,3 +60,10 @@ def test_reward_tolerates_prefix_and_suffix(n, pre, post):
 @given(st.integers(0, 10**6), st.integers(0, 10**6))
 def test_reward_rejects_wrong(n, m):
     assert math_reward(str(n), str(m)) == (1.0 if n == m else 0.0)
+
+
+def test_more_problems_than_a_sampled_split_holds_is_refused_not_drawn_forever():
+    from astraflow.workloads.math import make_dataset
+
+    with pytest.raises(ValueError, match="num_test 5000 is more than half the ~2000 problems the test split"):
+        make_dataset({"digits": 3, "ops": ["+", "-"], "test_fraction": 0.001, "num_test": 5000}, "test")
