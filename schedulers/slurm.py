@@ -58,6 +58,8 @@ _STATE_MAP = {
     "REQUEUE_FED": "PENDING",
     "RESV_DEL_HOLD": "PENDING",
     "RUNNING": "RUNNING",
+    "SUSPENDED": "RUNNING",  # holds its node, resumes where it was
+    "STOPPED": "RUNNING",
     "RESIZING": "RUNNING",
     "SIGNALING": "RUNNING",
     "STAGE_OUT": "RUNNING",
@@ -139,6 +141,24 @@ def normalise_state(raw: str) -> str:
     """Slurm job state (``RUNNING``, ``CANCELLED by 0``, ``TIMEOUT``...) -> a `JobState`."""
     base = raw.split()[0].upper() if raw else ""
     return _STATE_MAP.get(base, "UNKNOWN")
+
+
+def state_text(value: Any) -> str:
+    """``job_state`` of ``squeue --json`` as text: a string up to Slurm 23.02, a list of flags
+    from 23.11 on (``["RUNNING"]``, ``["PENDING", "REQUEUED"]``: the base state first)."""
+    if isinstance(value, (list, tuple)):
+        return " ".join(str(v) for v in value)
+    return str(value or "")
+
+
+def exit_code(value: Any) -> int | None:
+    """``exit_code`` of ``squeue --json``: a number up to 23.02, from 23.11 on an object whose
+    ``return_code`` is ``{"set": ..., "number": n}`` (or a number)."""
+    if isinstance(value, dict):
+        value = value.get("return_code")
+        if isinstance(value, dict):
+            value = value.get("number") if value.get("set", True) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def slurm_version(timeout: float = 10.0) -> tuple[int, int]:
@@ -372,13 +392,14 @@ class SlurmScheduler:
                 part = str(parse_worker_name(name)["partition"])
             except ValueError:
                 continue  # a job with our tag that is not a worker (e.g. the head job)
-            raw = str(j.get("job_state", ""))
+            raw = state_text(j.get("job_state"))
             state = normalise_state(raw)
             reason = j.get("state_reason") or None
             if reason == "None":
                 reason = None
-            if state == "FAILED" and j.get("exit_code") not in (None, 0):
-                reason = f"{reason or raw}; exit code {j['exit_code']}"
+            code = exit_code(j.get("exit_code"))
+            if state == "FAILED" and code not in (None, 0):
+                reason = f"{reason or raw}; exit code {code}"
             node = j.get("nodes") or j.get("batch_host") or None
             out.append(JobStatus(job_id, part, name, state, reason, raw, node if state == "RUNNING" else None))
         return out

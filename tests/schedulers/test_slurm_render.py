@@ -123,10 +123,29 @@ def test_render_refuses_local_partition():
     "raw, state",
     [("PENDING", "PENDING"), ("CONFIGURING", "PENDING"), ("RUNNING", "RUNNING"), ("COMPLETING", "RUNNING"),
      ("COMPLETED", "COMPLETED"), ("TIMEOUT", "FAILED"), ("NODE_FAIL", "FAILED"), ("OUT_OF_MEMORY", "FAILED"),
-     ("CANCELLED by 0", "CANCELLED"), ("PREEMPTED", "CANCELLED"), ("SUSPENDED", "UNKNOWN"), ("", "UNKNOWN")],
+     ("CANCELLED by 0", "CANCELLED"), ("PREEMPTED", "CANCELLED"), ("SUSPENDED", "RUNNING"), ("", "UNKNOWN")],
 )
 def test_normalise_state(raw, state):
     assert normalise_state(raw) == state
+
+
+def test_squeue_json_of_slurm_23_11_and_later_is_read(monkeypatch):
+    """From Slurm 23.11 ``job_state`` is a list of flags and ``exit_code`` an object."""
+    sched = SlurmScheduler("/tmp/j")
+    name = "rollout-h100-eu-H100-0"
+    base = {"comment": sched.tag, "name": name, "user_name": __import__("getpass").getuser()}
+    records = [
+        {**base, "job_id": 1, "job_state": ["RUNNING"], "nodes": "n1", "exit_code": {"status": ["SUCCESS"]}},
+        {**base, "job_id": 2, "job_state": ["PENDING", "REQUEUED"]},
+        {**base, "job_id": 3, "job_state": ["FAILED"], "state_reason": "NonZeroExitCode",
+         "exit_code": {"status": ["EXIT"], "return_code": {"set": True, "infinite": False, "number": 3}}},
+        {**base, "job_id": 4, "job_state": "RUNNING", "nodes": "n2", "exit_code": 0},  # 23.02 and earlier
+    ]
+    monkeypatch.setattr(sched, "_squeue", lambda: records)
+    got = {s.job_id: s for s in sched.jobs()}
+    assert [got[j].state for j in "1234"] == ["RUNNING", "PENDING", "FAILED", "RUNNING"]
+    assert got["1"].active and got["2"].active and got["1"].node == "n1"
+    assert got["3"].reason == "NonZeroExitCode; exit code 3"
 
 
 def test_worker_env_quiets_dask_monitors_unless_set(monkeypatch):
