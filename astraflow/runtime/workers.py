@@ -71,6 +71,10 @@ FUTURE_ERRORS = (OSError, RuntimeError, ValueError, TimeoutError, KeyError, asyn
 #: of a healthy worker: preemption, walltime); one lost sooner is part of a crash loop
 SERVED_LONG_S = 300.0
 
+#: how long the worker jobs may fail to be listed (slurmctld busy, squeue timing out) before the
+#: run stops; meanwhile the last listing stands
+LISTING_GRACE_S = 300.0
+
 PHASES = ("submitted", "placing", "starting", "serving", "draining", "gone")
 
 #: phases in which a RaaS node exists on the worker (its leases must be requeued when it goes)
@@ -130,6 +134,8 @@ class Fleet:
         self.place_node = place_node
         self.workers: dict[str, Worker] = {}
         self.jobs: dict[str, JobStatus] = {}
+        #: since when listing the jobs fails (None: the last listing worked)
+        self._listing_failed_since: float | None = None
         self.dl: Any = None
         #: serving workers whose nodes looked silent past the lease time on the last check
         self._silent: set[str] = set()
@@ -164,11 +170,30 @@ class Fleet:
         return {n: by_job[w.job.job_id] for n, w in self.workers.items() if w.job.job_id in by_job}
 
     def poll_jobs(self) -> None:
-        """One batched job listing per scheduler per tick (`advance` and the status share it)."""
+        """One batched job listing per scheduler per tick (`advance` and the status share it). A
+        scheduler that cannot list them this time (a busy slurmctld) leaves its jobs as last
+        listed; past `LISTING_GRACE_S` of failures the run stops naming the error."""
+        from schedulers.slurm import SlurmCommandError
+
         jobs: dict[str, JobStatus] = {}
+        failed: BaseException | None = None
         for sched in self.parts.schedulers.values():
-            jobs.update({j.job_id: j for j in sched.jobs()})
-        self.jobs = jobs
+            try:
+                jobs.update({j.job_id: j for j in sched.jobs()})
+            except SlurmCommandError as err:
+                failed = err
+        if failed is None:
+            self._listing_failed_since = None
+            self.jobs = jobs
+            return
+        now = time.time()
+        if self._listing_failed_since is None:
+            self._listing_failed_since = now
+            self.progress.note(f"listing the worker jobs failed ({failed}); the last listing stands, asking again")
+        if now - self._listing_failed_since > LISTING_GRACE_S:
+            raise RunFailed(f"the worker jobs could not be listed for {LISTING_GRACE_S:.0f} s: {failed}; check that "
+                            "the Slurm controller answers (squeue), then run again on this run directory")
+        self.jobs = {**self.jobs, **jobs}
 
     # ------------------------------------------------------------------ the state machine
     def advance(self) -> None:

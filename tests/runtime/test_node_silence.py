@@ -115,3 +115,31 @@ def test_a_node_that_cannot_start_on_a_full_disk_stops_the_run(tmp_path):
     fleet.workers["rollout-0"].enter("serving")
     fleet.advance()  # any other start error: the node is replaced
     assert fleet.workers["rollout-1"].phase == "gone" and "boom" in fleet.workers["rollout-1"].note
+
+
+def test_a_job_listing_that_fails_keeps_the_last_one_until_the_grace_runs_out(tmp_path, monkeypatch):
+    from astraflow.runtime import workers
+    from astraflow.runtime.workers import RunFailed
+    from schedulers import JobStatus
+    from schedulers.slurm import SlurmCommandError
+
+    fleet, _ = _fleet(tmp_path)
+    jobs = fleet.parts.schedulers["local"]
+    listed = [JobStatus(f"local-{900 + i}", "rollout", f"rollout-{i}", "RUNNING", None, None, "localhost")
+              for i in range(2)]
+    jobs.jobs = lambda: listed
+    fleet.poll_jobs()
+
+    def busy():
+        raise SlurmCommandError(["squeue"], 1, "", "slurm_load_jobs error: Socket timed out on send/recv operation")
+
+    jobs.jobs = busy
+    fleet.poll_jobs()  # a busy controller: the last listing stands
+    assert {j: s.state for j, s in fleet.jobs.items()} == {"local-900": "RUNNING", "local-901": "RUNNING"}
+    monkeypatch.setattr(workers, "LISTING_GRACE_S", 0.0)
+    time.sleep(0.01)
+    with pytest.raises(RunFailed, match="could not be listed for 0 s: .*Socket timed out"):
+        fleet.poll_jobs()
+    jobs.jobs = lambda: listed
+    fleet.poll_jobs()  # answers again: the count starts over
+    assert fleet._listing_failed_since is None
