@@ -3,6 +3,7 @@ from config fields (so the CLI and the config never disagree on choices, default
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, get_args, get_origin
 
 import click
@@ -30,3 +31,18 @@ def field_option(model: type[BaseModel], name: str, **overrides: Any) -> dict[st
 def choices(model: type[BaseModel], name: str) -> click.Choice:
     """The ``click.Choice`` of a ``Literal`` config field."""
     return click.Choice(get_args(model.model_fields[name].annotation))
+
+
+class Seconds(click.ParamType):
+    """A duration in seconds: a finite number, 0 or more (``nan`` and ``inf`` would wait for ever)."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            self.fail(f"{value!r}: give a finite number of seconds, 0 or more", param, ctx)
+        return seconds

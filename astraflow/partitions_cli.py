@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from astraflow.clibase import UserError, choices, field_option
+from astraflow.clibase import Seconds, UserError, choices, field_option
 from astraflow.runtime.control import DEFAULT_REMOVAL, REMOVAL_HELP, REMOVAL_MODES
 from schedulers.partition import Partition
 from storage.ownership import owner_only
@@ -66,7 +66,7 @@ def partitions_list(run_dir: str, as_json: bool) -> None:
               help=f"Only rollout pools can join a running run.  [default: {Partition.model_fields['role'].default}]")
 @click.option("--sbatch-option", "sbatch_options", multiple=True, metavar="--OPT=VALUE",
               help="Extra #SBATCH line, e.g. --sbatch-option=--account=proj (repeatable).")
-@click.option("--wait", "wait_s", type=float, default=20.0, show_default=True,
+@click.option("--wait", "wait_s", type=Seconds(), default=20.0, show_default=True,
               help="Seconds to wait for what --until names (0: do not wait).")
 @click.option("--until", type=click.Choice(["submitted", "serving"]), default="submitted", show_default=True,
               help="What --wait waits for: the worker jobs submitted, or a RaaS node serving on one of the "
@@ -164,7 +164,7 @@ def _removal_modes(command):
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.argument("name")
 @_removal_modes
-@click.option("--wait", "wait_s", type=float, default=0.0, show_default=True,
+@click.option("--wait", "wait_s", type=Seconds(), default=0.0, show_default=True,
               help="Seconds to wait until the partition is removed (0: do not wait).")
 def partitions_remove(run_dir: str, name: str, mode: str, wait_s: float) -> None:
     """Remove partition NAME from the running run in RUN_DIR (give one of --drain, --now). No

@@ -202,10 +202,11 @@ def add_partition(run_dir: Path, part: Partition) -> None:
             )
         status = read_json_object(paths.status_file)
         old = status.get("partitions", {}).get(part.name)
-        if old is not None and old.get("state") not in ("removed", "failed"):
+        if old is not None and old.get("state") != "removed":
             raise PartitionError(
-                f"partition {part.name!r} is still being removed ({old.get('state')}): wait until "
-                "`astraflow partitions list` shows it removed, or choose another name"
+                f"partition {part.name!r} is still known to the run ({old.get('state')}): remove it and wait until "
+                f"`astraflow partitions list` shows it removed (`partitions remove RUN_DIR {part.name} --wait 60`), "
+                "or choose another name"
             )
         removals.pop(part.name, None)
         write_desired(paths, [*parts.values(), part], removals)
@@ -230,6 +231,10 @@ def remove_partition(run_dir: Path, name: str, mode: RemovalMode = DEFAULT_REMOV
                 f"partition {name!r} has role {part.role!r}: only rollout partitions can be removed from a "
                 "running run (stop the run to remove the data layer or a trainer)"
             )
+        if not any(p.role == "rollout" for p in parts.values()):
+            raise PartitionError(f"partition {name!r} is the run's last rollout partition: without one the trainers "
+                                 "wait for rollouts until run.timeout_s; add another first (partitions add), or stop "
+                                 "the run")
         removals[name] = mode
         write_desired(paths, list(parts.values()), removals)
     return part
@@ -260,7 +265,9 @@ def wait_partition(run_dir: Path, name: str, timeout: float, until: str = "submi
     while True:
         st = run_status(run_dir)
         entry = st.get("partitions", {}).get(name) or {}
-        if entry.get("error"):
+        if entry.get("state") == "removed" and until != "removed":
+            entry = {}  # an earlier partition of that name: this one is not seen yet
+        if entry.get("error") and until != "removed":
             return entry
         if until == "submitted" and entry.get("jobs"):
             return entry

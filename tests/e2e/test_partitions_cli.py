@@ -94,6 +94,8 @@ def test_remove_unknown_lists_known_and_refuses_core_roles(live_run):
     assert code == 2 and "known partitions are data, h100, trainer" in out
     code, out = _invoke("partitions", "remove", str(live_run.root), "trainer")
     assert code == 2 and "only rollout partitions can be removed" in out
+    parts, _ = read_desired_file(live_run)
+    write_desired(live_run, [*parts.values(), Partition(name="a100", scheduler="slurm", slurm_partition="a100")])
     code, out = _invoke("partitions", "remove", str(live_run.root), "h100", "--now")
     assert code == 0, out
     parts, removals = read_desired_file(live_run)
@@ -162,3 +164,36 @@ def test_add_until_serving_that_times_out_exits_1_and_stays_requested(live_run):
     thread.join()
     assert got == 1 and "partition 'a100' not serving within 2s (state active)" in out, out
     assert "a100" in read_desired_file(live_run)[0]
+
+
+def _status_entry(paths, name, **entry):
+    status = json.loads(paths.status_file.read_text())
+    part = Partition(name=name, scheduler="slurm", slurm_partition="h100", role="rollout")
+    status["partitions"][name] = {**part.model_dump(mode="json"), "state": "active", "live": 0, "serving": 0,
+                                  "jobs": {}, **entry}
+    write_status(paths, status)
+
+
+def test_a_failed_partition_is_added_again_only_once_removed(live_run):
+    _status_entry(live_run, "old", state="failed", error="submitting workers failed: invalid partition")
+    code, out = _invoke("partitions", "add", str(live_run.root), "old", "--wait", "0")
+    assert code == 2 and "is still known to the run (failed): remove it and wait" in out
+
+
+def test_waits_ignore_what_an_earlier_partition_of_the_name_left(live_run):
+    """The status of a removed partition that failed: adding one of that name again waits for
+    the new one (its old error is not this one's), and removing one waits until it is removed."""
+    _status_entry(live_run, "old", state="removed", error="submitting workers failed: invalid partition")
+    code, out = _invoke("partitions", "add", str(live_run.root), "old", "--wait", "0.5")
+    assert code == 0 and "not submitted within" in out and "withdrawn" not in out
+    assert "old" in read_desired_file(live_run)[0]  # not withdrawn
+    _status_entry(live_run, "h100", state="failed", error="3 workers failed")
+    code, out = _invoke("partitions", "remove", str(live_run.root), "h100", "--wait", "0.5")
+    assert "not removed within" in out and " removed in " not in out
+
+
+def test_the_last_rollout_partition_is_not_removed_and_a_wait_must_be_finite(live_run):
+    code, out = _invoke("partitions", "remove", str(live_run.root), "h100")
+    assert code == 2 and "is the run's last rollout partition" in out
+    code, out = _invoke("partitions", "add", str(live_run.root), "a100", "--wait", "nan")
+    assert code == 2 and "give a finite number of seconds" in out
