@@ -302,12 +302,20 @@ class Fleet:
         leases now; the partition is refilled by the reconciler unless it was removed. A worker
         lost before serving or within ``SERVED_LONG_S`` of it counts as a failure of its
         partition (backoff, then no refill). A lost trainer worker raises ``TrainerLost``, a lost
-        data-layer worker ``DataLayerLost``."""
+        data-layer worker ``DataLayerLost``. A job still listed active (requeued by Slurm after a
+        node failure, suspended, or only its worker left the scheduler) is cancelled: it would
+        hold its node unseen, and its replacement is submitted anyway."""
         role = self.role(w)
         was, served_s = w.phase, time.time() - w.since
         self._silent.discard(w.name)
         w.enter("gone")
         w.note = why
+        listed = self.jobs.get(w.job.job_id)
+        if role == "rollout" and listed is not None and listed.active:  # core roles: their restarts cancel
+            try:
+                self.parts.cancel(w)
+            except Exception as err:  # gone meanwhile, or the scheduler did not answer: noted, not fatal
+                log.warning("cancelling the job %s of lost worker %s failed: %s", w.job.job_id, w.name, err)
         if role == "trainer":
             raise TrainerLost(f"trainer worker {w.name} is gone ({why}); see {w.job.log}", w, why)
         if role == "data":

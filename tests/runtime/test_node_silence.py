@@ -143,3 +143,16 @@ def test_a_job_listing_that_fails_keeps_the_last_one_until_the_grace_runs_out(tm
     jobs.jobs = lambda: listed
     fleet.poll_jobs()  # answers again: the count starts over
     assert fleet._listing_failed_since is None
+
+
+def test_a_lost_worker_whose_job_is_still_active_is_cancelled(tmp_path):
+    """Slurm requeued it after a node failure, or only its Dask worker left: its job would hold
+    a node unseen while the replacement runs."""
+    from schedulers import JobStatus
+
+    fleet, _ = _fleet(tmp_path)
+    fleet.jobs = {"local-900": JobStatus("local-900", "rollout", "rollout-0", "PENDING", None, None, None),
+                  "local-901": JobStatus("local-901", "rollout", "rollout-1", "FAILED", "exit code 1", None, None)}
+    fleet.lost(fleet.workers["rollout-0"], "worker left the Dask scheduler")
+    fleet.lost(fleet.workers["rollout-1"], "job FAILED")
+    assert fleet.parts.schedulers["local"].cancelled == ["local-900"]  # the failed one is over already
