@@ -157,3 +157,11 @@ def test_model_init_settings_that_would_change_nothing_are_refused(init, needle)
 
     with pytest.raises(ValueError, match=needle):
         ModelInit(**init)
+
+
+def test_micro_batch_is_refused_for_the_megatron_backend():
+    from astraflow.training.config import TrainerConfig
+
+    with pytest.raises(ValueError, match="trainer.micro_batch 16: the megatron backend trains each data-parallel"):
+        TrainerConfig(backend="megatron", micro_batch=16)
+    TrainerConfig(backend="megatron")  # the default is not a choice

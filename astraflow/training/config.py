@@ -75,7 +75,7 @@ class ModelInit(Strict):
         if self.warm_start_target is not None and not self.warm_starts:
             raise ValueError("warm_start_target stops a warm start early, and there is none: give it an upper "
                              "bound, warm_start_steps (e.g. 2000) or warm_start_seconds")
-        if "vocab_size" in self.model_fields_set and self.tokenizer != "bpe":
+        if self.vocab_size != type(self).model_fields["vocab_size"].default and self.tokenizer != "bpe":
             raise ValueError("vocab_size sizes a BPE tokenizer; with tokenizer: byte it is fixed: set tokenizer: bpe "
                              "or drop vocab_size")
         return self
@@ -125,7 +125,8 @@ class TrainerConfig(Strict):
     max_grad_norm: float = Field(default=1.0, gt=0)
     """Gradient clipping norm."""
     micro_batch: int = Field(default=64, ge=1)
-    """Sequences per forward/backward (gradient accumulation over the batch)."""
+    """Sequences per forward/backward (gradient accumulation over the batch); the torch backend's
+    (the megatron backend trains each data-parallel share at once)."""
     threads: int = Field(default=1, ge=1)
     """torch intra-op threads of the trainer process."""
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
@@ -190,6 +191,11 @@ class TrainerConfig(Strict):
             raise ValueError(
                 f"trainer.data_parallel {self.data_parallel} needs trainer.backend: megatron "
                 "(the torch backend trains on one device); set data_parallel: 1 or backend: megatron"
+            )
+        if self.backend == "megatron" and self.micro_batch != type(self).model_fields["micro_batch"].default:
+            raise ValueError(
+                f"trainer.micro_batch {self.micro_batch}: the megatron backend trains each data-parallel share in "
+                "one forward and backward; raise trainer.data_parallel to shrink the share, or drop micro_batch"
             )
         if self.backend == "megatron" and self.off_policy != "ppo_clip":
             raise ValueError(
