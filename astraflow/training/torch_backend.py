@@ -163,7 +163,12 @@ class TorchBackend:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Continue from committed weights (a resumed run; ``load_optimizer_state`` restores
         the optimiser's moments, else they start fresh). A bf16 version is upcast into the
-        fp32 parameters."""
+        fp32 parameters; a version the megatron backend published (its checkpoint names) is
+        converted to HF names first, so a run may change backends when it resumes."""
+        from astraflow.weightconv import is_checkpoint_layout, megatron_to_hf
+
+        if is_checkpoint_layout(state):
+            state = megatron_to_hf(state, self.model.config)
         self.model.load_state_dict(state)  # copies into the parameters, casting to their dtype
 
     def optimizer_state(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ trainer-loop tests use. Tolerance as the parity tests: 1e-4 nats per token.
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -66,6 +67,7 @@ def runs(tmp_path_factory):
         a.train_step(out["batch3"])
         out["uninterrupted"] = a.state_dict()
     committed = store.load("p", 2)
+    out["committed"] = committed
     with _backend(hf_dir, 2) as b:
         b.load_state_dict(committed)
         out["resumed_logprobs"], out["resumed_state"] = b.logprobs(toks), b.state_dict()
@@ -173,3 +175,19 @@ def test_a_resumed_trainer_continues_from_its_latest_committed_version(tmp_path)
         assert _max_diff(second.backend.state_dict(), uninterrupted) < 1e-6
     finally:
         second.backend.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_version_megatron_published_resumes_on_the_torch_backend(runs):
+    """A run may change ``trainer.backend`` when it resumes: the torch backend reads the
+    Megatron checkpoint names of the committed version."""
+    import shutil
+
+    from astraflow.models import build_tokenizer
+    from astraflow.training.torch_backend import TorchBackend
+
+    model = Path(shutil.copytree(runs["hf_dir"], runs["hf_dir"].with_name("hf_with_tokenizer")))
+    build_tokenizer().save_pretrained(model)  # the test model has none; the backend loads one
+    tb = TorchBackend(str(model), device="cpu")
+    tb.load_state_dict(runs["committed"])
+    assert _max_diff(tb.state_dict(), runs["v2_state"]) == 0.0
