@@ -193,9 +193,12 @@ def _max_steps(paths: RunPaths) -> int | None:
         return None
     import yaml
 
-    data = yaml.safe_load(paths.config.read_text()) or {}
-    value = (data.get("run") or {}).get("max_steps")
-    return int(value) if value is not None else None
+    try:  # the run's saved config: a damaged one leaves the page without the step target
+        data = yaml.safe_load(paths.config.read_text()) or {}
+        value = (data.get("run") or {}).get("max_steps")
+        return int(value) if value is not None else None
+    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
+        return None
 
 
 def _node_view(name: str, worker: dict[str, Any], part: dict[str, Any], info: dict[str, Any], now: float,
