@@ -183,15 +183,21 @@ class _DataThenNone(_NoData):
         return super().next_batch(policy, version, timeout)
 
 
-def test_optimiser_state_is_saved_periodically_and_at_stop_and_resumed(tmp_path, tiny_model):
+def _checkpointing(tmp_path, tiny_model, every: int):
+    """A batch, the optimiser checkpoint's path, and ``trainer(data_layer)`` saving it every ``every`` steps."""
     ref = TorchBackend(tiny_model, lr=1e-3)
-    batch = _batch(ref.model, ref.tokenizer)
     path = tmp_path / "trainer_state" / "p" / "optimizer.pt"
 
     def trainer(dl):
-        return Trainer(policy="p", cfg=TrainerConfig(lr=1e-3, optimizer_checkpoint_every=2), model_path=tiny_model,
+        return Trainer(policy="p", cfg=TrainerConfig(lr=1e-3, optimizer_checkpoint_every=every), model_path=tiny_model,
                        weights_root=str(tmp_path / "weights"), keep_versions=10, data_layer=dl, max_steps=10,
                        optimizer_path=str(path))
+
+    return _batch(ref.model, ref.tokenizer), path, trainer
+
+
+def test_optimiser_state_is_saved_periodically_and_at_stop_and_resumed(tmp_path, tiny_model):
+    batch, path, trainer = _checkpointing(tmp_path, tiny_model, every=2)
 
     tr = trainer(_DataThenNone(batch, 3))
     tr.start()
@@ -225,14 +231,7 @@ def test_a_failed_publish_keeps_the_last_usable_optimiser_checkpoint(tmp_path, t
     """Publishing fails from v4 on (a full disk): the trainer stops at v5 trained, v3 committed.
     The checkpoint of v3 stays the one a resume uses; the states of versions never committed
     wait aside and are not used."""
-    ref = TorchBackend(tiny_model, lr=1e-3)
-    batch = _batch(ref.model, ref.tokenizer)
-    path = tmp_path / "trainer_state" / "p" / "optimizer.pt"
-
-    def trainer(dl):
-        return Trainer(policy="p", cfg=TrainerConfig(lr=1e-3, optimizer_checkpoint_every=3), model_path=tiny_model,
-                       weights_root=str(tmp_path / "weights"), keep_versions=10, data_layer=dl, max_steps=10,
-                       optimizer_path=str(path))
+    batch, path, trainer = _checkpointing(tmp_path, tiny_model, every=3)
 
     tr = trainer(_DataLayer(batch))
     tr.start(run_loop=False)
