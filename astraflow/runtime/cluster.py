@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from astraflow.runtime.dashboard import ACCESS_ENV, RUN_DIR_ENV, TOKEN_FILE_ENV
+from astraflow.runtime.dashboard import ACCESS_ENV, HTTPS_ENV, RUN_DIR_ENV, TOKEN_FILE_ENV
 from schedulers.command import DASK_MAIN, TLSFiles, quiet_dask_env
 from schedulers.procs import die_with_parent
 from storage.paths import RunPaths
@@ -21,12 +21,14 @@ from storage.paths import RunPaths
 class SchedulerProcess:
     def __init__(self, paths: RunPaths, dashboard_host: str = "127.0.0.1", dashboard_port: int = 8787,
                  host: str | None = "127.0.0.1", interface: str | None = None, tls: TLSFiles | None = None,
-                 dashboard_token_file: Path | None = None):
+                 dashboard_token_file: Path | None = None, dashboard_https: bool | None = None):
         """`tls`: the run's certificates (mutual TLS on every connection; None: plain TCP).
-        `dashboard_token_file`: serve the dashboard over HTTPS (with `tls`'s certificate) to
-        requests that carry this file's token only: required when it binds beyond loopback."""
-        if dashboard_token_file is not None and tls is None:
-            raise ValueError("a dashboard with a token is served over HTTPS: give the run's TLS files too")
+        `dashboard_token_file`: serve the dashboard to requests that carry this file's token
+        only; `dashboard_https` (default: whenever there is a token) over HTTPS with `tls`'s
+        certificate, required when it binds beyond loopback."""
+        https = dashboard_token_file is not None if dashboard_https is None else dashboard_https
+        if https and tls is None:
+            raise ValueError("a dashboard served over HTTPS needs the run's TLS files too")
         if interface is not None:
             host = None  # listen on the interface's address (e.g. ib0 on the head node)
         self.paths = paths
@@ -35,6 +37,7 @@ class SchedulerProcess:
         self.interface = interface
         self.tls = tls
         self.dashboard_token_file = dashboard_token_file
+        self.dashboard_https = https
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60.0) -> str:
@@ -69,12 +72,16 @@ class SchedulerProcess:
         raise TimeoutError(f"the Dask scheduler did not start within {timeout:.0f}s; see {self.paths.log('scheduler')}")
 
     def _dashboard_env(self) -> dict[str, str]:
-        """What the dashboard preload needs beyond the run directory: HTTPS and the token, when
+        """What the dashboard preload needs beyond the run directory: the token, and HTTPS when
         the dashboard is reachable from other machines."""
-        if self.dashboard_token_file is None or self.tls is None:
+        if self.dashboard_token_file is None:
             return {}
-        env = {TOKEN_FILE_ENV: str(self.dashboard_token_file),
-               ACCESS_ENV: f"HTTPS, with the run's token (bound to {self.dashboard.rsplit(':', 1)[0]})",
+        bound = self.dashboard.rsplit(":", 1)[0]
+        if not self.dashboard_https:
+            return {TOKEN_FILE_ENV: str(self.dashboard_token_file),
+                    ACCESS_ENV: f"this machine only ({bound}), with the run's token"}
+        env = {TOKEN_FILE_ENV: str(self.dashboard_token_file), HTTPS_ENV: "1",
+               ACCESS_ENV: f"HTTPS, with the run's token (bound to {bound})",
                "DASK_DISTRIBUTED__SCHEDULER__DASHBOARD__TLS__CERT": str(self.tls.cert_file)}
         if self.tls.key_file is not None:
             env["DASK_DISTRIBUTED__SCHEDULER__DASHBOARD__TLS__KEY"] = str(self.tls.key_file)

@@ -46,6 +46,8 @@ log = logging.getLogger("astraflow.dashboard")
 
 RUN_DIR_ENV = "ASTRAFLOW_RUN_DIR"
 TOKEN_FILE_ENV = "ASTRAFLOW_DASHBOARD_TOKEN_FILE"
+#: set when the dashboard is served over HTTPS (its token cookie is then ``Secure``)
+HTTPS_ENV = "ASTRAFLOW_DASHBOARD_HTTPS"
 ACCESS_ENV = "ASTRAFLOW_DASHBOARD_ACCESS"
 TOKEN_COOKIE = "astraflow_dashboard"
 STATIC = Path(__file__).with_name("static")
@@ -123,8 +125,8 @@ class TokenAccepted(web.RequestHandler):
     """A request with a valid ``?token=``: keep the token in a cookie, then go to the page asked for."""
 
     def prepare(self) -> None:
-        self.set_cookie(TOKEN_COOKIE, self.get_query_argument("token"), httponly=True, secure=True,
-                        samesite="Strict", path="/")
+        self.set_cookie(TOKEN_COOKIE, self.get_query_argument("token"), httponly=True,
+                        secure=bool(os.environ.get(HTTPS_ENV)), samesite="Strict", path="/")
         rest = "&".join(f"{k}={v.decode()}" for k, vs in self.request.query_arguments.items() if k != "token"
                         for v in vs)
         self.redirect(self.request.path + (f"?{rest}" if rest else ""))

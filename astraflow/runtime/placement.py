@@ -54,11 +54,11 @@ class Placement:
         )
         cc = self.cluster
         self.tls = run_tls(self.paths, cc.tls)
-        exposed = not is_loopback(cc.dashboard_host)  # then HTTPS and a token (the config checked TLS is on)
-        token_file = dashboard_token(self.paths) if exposed else None
+        exposed = not is_loopback(cc.dashboard_host)  # then HTTPS too (the config checked TLS is on)
+        token_file = dashboard_token(self.paths)  # other users of a shared node reach its loopback as well
         self.scheduler_proc = SchedulerProcess(self.paths, cc.dashboard_host, cc.dashboard_port,
                                                host=cc.scheduler_host, interface=cc.scheduler_interface, tls=self.tls,
-                                               dashboard_token_file=token_file)
+                                               dashboard_token_file=token_file, dashboard_https=exposed)
         with self.progress.waiting("starting the Dask scheduler"):
             address = self.scheduler_proc.start()
         self.client = Client(address, timeout=30, security=client_security(self.tls))
@@ -67,13 +67,12 @@ class Placement:
         base = f"{'https' if exposed else 'http'}://{host}:{dash}" if dash else None
         self.dashboard = f"{base}/status" if base else None
         self.progress.note(f"Dask scheduler {address}; dashboard {self.dashboard}")
-        if base and token_file is not None:
+        if base:
             url = f"{base}/astraflow?token={token_file.read_text().strip()}"
             write_atomically(token_file.with_name("dashboard.url"), url + "\n")
-            self.progress.note(f"AstraFlow page {url} (bound to {cc.dashboard_host}: HTTPS with the run's "
-                               "certificate, and this token; keep it to yourself)")
-        elif base:
-            self.progress.note(f"AstraFlow page {base}/astraflow")
+            how = "HTTPS with the run's certificate, and this token" if exposed else "this token"
+            self.progress.note(f"AstraFlow page {url} (bound to {cc.dashboard_host}: {how}; keep it to yourself, "
+                               f"it is in {token_file.with_name('dashboard.url')})")
         write_orchestrator_info(self.paths, self.dashboard, address)
 
     def scheduler_address(self, part: Partition) -> str:

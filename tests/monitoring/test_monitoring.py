@@ -50,7 +50,7 @@ class LiveRun:
             self.captured["metrics"] = _get(f"{base}/astraflow/api/metrics.json")
             self.captured["episodes"] = _get(f"{base}/astraflow/api/episodes.json")
             for key, path in (("page", "/astraflow"), ("js", "/astraflow/static/astraflow.js"), ("dask", "/status")):
-                with urllib.request.urlopen(base + path, timeout=10) as r:
+                with _open(base + path) as r:
                     self.captured[key] = r.read().decode()
         except Exception as err:  # handed to the test that reads the capture
             self.captured["error"] = err
@@ -75,6 +75,7 @@ class LiveRun:
             if f.exists():
                 dash = json.loads(f.read_text()).get("dashboard")
                 assert dash, "the orchestrator wrote no dashboard address"
+                _TOKEN["token"] = (self.run_dir / "security" / "dashboard.token").read_text().strip()
                 return dash.rsplit("/", 1)[0]
             time.sleep(0.2)
         raise TimeoutError(f"no dashboard address in {f} within {timeout}s")
@@ -128,12 +129,21 @@ def live_run(browser, tiny_model, tmp_path_factory):
         os.environ.pop(HOLD_ENV, None)
 
 
+#: the run's dashboard token, read with its address (every request carries it)
+_TOKEN: dict[str, str] = {}
+
+
+def _open(url: str):
+    return urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": f"token {_TOKEN['token']}"}),
+                                  timeout=10)
+
+
 def _get(url: str, deadline_s: float = 90.0) -> dict:
     """GET a JSON endpoint, retrying while it answers 503 (no status snapshot yet)."""
     deadline = time.time() + deadline_s
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=10) as r:
+            with _open(url) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as err:
             if err.code != 503 or time.time() > deadline:
@@ -166,7 +176,7 @@ def test_page_shows_live_values_in_a_browser(browser, live_run, tmp_path):
         pytest.skip(browser)
     driver = browser
     base = live_run.dashboard_base()
-    driver.get(f"{base}/astraflow?refresh=300")
+    driver.get(f"{base}/astraflow?token={_TOKEN['token']}&refresh=300")  # kept in a cookie from here
 
     def read(elem_id: str) -> str | None:
         try:

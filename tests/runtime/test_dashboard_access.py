@@ -103,6 +103,29 @@ def test_a_loopback_dashboard_says_so(tmp_path):
         proc.stop()
 
 
+def test_a_loopback_dashboard_needs_the_token_too_over_plain_http(tmp_path):
+    """Other users of a shared node reach its loopback as well: the run's token, over HTTP
+    (an SSH tunnel or the site's proxy in front), its cookie not marked Secure."""
+    paths = RunPaths(tmp_path / "run").make()
+    files = run_tls(paths, TLSConfig())
+    token_file = dashboard_token(paths)
+    proc = SchedulerProcess(paths, "127.0.0.1", 0, tls=files, dashboard_token_file=token_file, dashboard_https=False)
+    address = proc.start()
+    try:
+        with Client(address, timeout=20, security=client_security(files)) as client:
+            port = client.scheduler_info()["services"]["dashboard"]
+        token = token_file.read_text().strip()
+        for path in ("/astraflow", "/astraflow/api/status.json", "/status"):
+            status, _, _ = _request(port, "GET", path)
+            assert status in (401, 403), (path, status)
+        status, headers, _ = _request(port, "GET", f"/astraflow?token={token}")
+        assert status == 302 and "Secure" not in headers["Set-Cookie"] and "HttpOnly" in headers["Set-Cookie"]
+        status, _, page = _request(port, "GET", "/astraflow", headers={"Authorization": f"token {token}"})
+        assert status == 200 and "this machine only (127.0.0.1), with the run" in page
+    finally:
+        proc.stop()
+
+
 def test_exposing_the_dashboard_without_tls_is_refused():
     with pytest.raises(ValueError, match="dashboard_host '10.1.2.3' is reachable from other machines"):
         ClusterConfig(dashboard_host="10.1.2.3", tls=TLSConfig(enabled=False))
