@@ -62,8 +62,8 @@ class SimWorkload:
                  "difficulty": _bucket(float(difficulty[i]))} for i in range(n)]
 
     def render_prompt(self, payload: Mapping[str, Any]) -> str:
-        head = f"task {payload['id']}:"
-        return (head + " x" * int(payload["length"]))[: max(int(payload["length"]), len(head))]
+        head = f"task {payload['id']}:"  # cut with the rest: a prompt is exactly its length, a short one too
+        return (head + " x" * int(payload["length"]))[: max(int(payload["length"]), 1)]
 
     def skill(self, version: int) -> float:
         return min(self.p.base_skill + self.p.skill_per_version * max(version, 0), self.p.max_skill)

@@ -32,3 +32,8 @@ def test_reward_is_a_function_of_prompt_completion_and_version():
     expect_early = np.mean([wl.success_probability(t, 0) for t in tasks])
     assert abs(early - expect_early) < 0.03
     assert late > early + 0.3
+
+
+def test_a_prompt_is_as_long_as_asked_even_shorter_than_its_header():
+    wl = make_workload("sim", {"prompt_tokens": 4}, 0)
+    assert {len(wl.render_prompt(t)) for t in wl.tasks("train")[:50]} <= set(range(1, 9))
