@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -70,9 +71,11 @@ class Placement:
         if base:
             url = f"{base}/astraflow?token={token_file.read_text().strip()}"
             write_atomically(token_file.with_name("dashboard.url"), url + "\n")
-            how = "HTTPS with the run's certificate, and this token" if exposed else "this token"
-            self.progress.note(f"AstraFlow page {url} (bound to {cc.dashboard_host}: {how}; keep it to yourself, "
-                               f"it is in {token_file.with_name('dashboard.url')})")
+            how = "HTTPS with the run's certificate, and the run's token" if exposed else "the run's token"
+            # a terminal shows the token; a log (a Slurm job's, often readable by others) does not
+            shown = url if sys.stdout.isatty() else f"{base}/astraflow"
+            self.progress.note(f"AstraFlow page {shown} (bound to {cc.dashboard_host}: {how}; the address with the "
+                               f"token is in {token_file.with_name('dashboard.url')}, readable by you only)")
         write_orchestrator_info(self.paths, self.dashboard, address)
 
     def scheduler_address(self, part: Partition) -> str:
