@@ -25,14 +25,9 @@ from storage.weights import WeightVersion  # noqa: F401  (re-exported: the weigh
 TaskKind = Literal["train", "eval"]
 FinishReason = Literal["stop", "length", "abort"]
 def _plain(value: Any) -> Any:
-    """JSON for what a workflow may put in ``meta`` that json does not know: numpy scalars
-    (``np.float32(1.0)``) and arrays, anything else as its text."""
-    item, tolist = getattr(value, "item", None), getattr(value, "tolist", None)
-    if callable(tolist) and getattr(value, "ndim", 0):
-        return tolist()
-    if callable(item):
-        return item()
-    return str(value)
+    """JSON for numpy scalars and arrays a workflow puts in ``meta``; anything else as its text."""
+    tolist = getattr(value, "tolist", None)
+    return tolist() if callable(tolist) else str(value)
 
 
 #: the encoder of a stored sequence's ``meta`` (``json.dumps(..., sort_keys=True)`` makes one per call)

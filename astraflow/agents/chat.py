@@ -62,6 +62,7 @@ class ChatRenderer:
             self._closing = "\n"
         #: the tokens a model turn may end with (module docstring)
         self.stop_ids = frozenset(turn_stop_ids(tokenizer, self._closing))
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", ()))
         #: the token a scripted (demonstration) turn ends with: the template's closing token
         first = self.encode(self._closing.lstrip())[:1]
         self.end_id = first[0] if first and first[0] in self.stop_ids else self.eos_id
@@ -104,7 +105,7 @@ class ChatRenderer:
         ``stop_ids``, or another special token an engine stopped on (a model's own list of ends)."""
         if finish_reason != "stop" or not tokens:
             return False
-        return tokens[-1] in self.stop_ids or tokens[-1] in set(getattr(self.tok, "all_special_ids", ()))
+        return tokens[-1] in self.stop_ids or tokens[-1] in self._special
 
 
 
