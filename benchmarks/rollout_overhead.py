@@ -80,7 +80,7 @@ def bare_in_own_session(*args) -> tuple[float, int, dict]:
 
 
 def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_batch: int, max_new: int, seed: int,
-         engine_type: str = "hf", cpu_bind: str = "cores") -> tuple[float, int, dict]:
+         engine_type: str = "hf", cpu_bind: str = "cores", device: str = "cpu") -> tuple[float, int, dict]:
     import torch
 
     from astraflow.rollout.config import EngineConfig
@@ -90,9 +90,10 @@ def bare(model_dir: Path, prompts: list[list[int]], capacity: int, max_batch: in
 
     torch.set_num_threads(1)
     if engine_type == "hf":
-        engine = HFEngine(str(model_dir), version=0, max_batch_size=max_batch, seed=seed, device="cpu")
+        engine = HFEngine(str(model_dir), version=0, max_batch_size=max_batch, seed=seed, device=device)
     else:  # built as the node builds it
-        engine = make_engine(EngineConfig(type=engine_type, max_batch=max_batch, vllm={"cpu_bind": cpu_bind}),
+        engine = make_engine(EngineConfig(type=engine_type, max_batch=max_batch, vllm={"cpu_bind": cpu_bind},
+                                          device=device),
                              str(model_dir), seed=seed)
     params = SamplingParams(max_new_tokens=max_new)
 
@@ -157,7 +158,7 @@ def system_workers(work: Path, tls: bool = True):
 
 def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int, capacity: int,
          max_batch: int, max_new: int, digits: int, seed: int, engine_process: bool = True, tls: bool = True,
-         engine_type: str = "hf", profile: bool = False, cpu_bind: str = "cores") -> dict:
+         engine_type: str = "hf", profile: bool = False, cpu_bind: str = "cores", device: str = "cpu") -> dict:
     from astraflow.dataflow.config import DataflowConfig
     from astraflow.rollout.config import EngineConfig, RolloutConfig
     from astraflow.workloads.config import EvalConfig, SamplingConfig, WorkloadConfig
@@ -179,7 +180,7 @@ def raas(model_dir: Path, work: Path, n_tasks: int, groups: int, group_size: int
             RaaSNode, actor=True, workers=[rollout_addr], identity=NodeIdentity(name="bench"),
             rollout=RolloutConfig(capacity=capacity, engine=EngineConfig(type=engine_type, max_batch=max_batch,
                                                                             vllm={"cpu_bind": cpu_bind},
-                                                                            device="cpu", process=engine_process)),
+                                                                            device=device, process=engine_process)),
             models={"p": str(model_dir)}, workload_name="math", workload_params={"digits": digits},
             workload_seed=0, workflow="single_turn", sampling=wl.sampling, store_url=str(work / "trajectories"),
             weights_root=str(weights), data_layer=dl, seed=seed,
@@ -260,6 +261,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="alternating bare/RaaS repetitions (median reported)")
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"],
                     help="the engine of both paths (vllm: needs vLLM installed, e.g. the venv of tests/run_vllm.sh)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda:0"],
+                    help="where both paths run their engine (cuda:0: the first GPU)")
     ap.add_argument("--cpu-bind", default="cores", choices=["cores", "none"],
                     help="vLLM CPU build: rollout.engine.vllm.cpu_bind of both paths (the same in both)")
     ap.add_argument("--tls-only", action="store_true",
@@ -295,12 +298,12 @@ def main() -> None:
     rows = []  # one (bare, RaaS, RaaS plain TCP) triple per repetition, alternating: load drifts hit all alike
     for rep in range(args.reps):
         bare_s, bare_tokens, bare_stats = bare_in_own_session(model_dir, prompts, args.capacity, args.max_batch, args.max_new_tokens, args.seed,
-                                                 args.engine, args.cpu_bind)
+                                                 args.engine, args.cpu_bind, args.device)
         order = (True,) if args.tls_only else (True, False) if rep % 2 == 0 else (False, True)
         runs = {tls: raas(model_dir, work / f"rep{rep}-{'tls' if tls else 'tcp'}", n, args.groups, args.group_size,
                           args.capacity, args.max_batch, args.max_new_tokens, args.digits, args.seed,
                           engine_process=not args.in_process, tls=tls, engine_type=args.engine,
-                          profile=args.profile_node and tls, cpu_bind=args.cpu_bind)
+                          profile=args.profile_node and tls, cpu_bind=args.cpu_bind, device=args.device)
                 for tls in order}
         r, plain = runs[True], runs.get(False, runs[True])  # --tls-only: TLS/plain reads 1
         c = r["counters"]
@@ -335,6 +338,7 @@ def main() -> None:
         "engine_process": not args.in_process,
         "engine": args.engine,
         "cpu_bind": args.cpu_bind,
+        "device": args.device,
     }))
 
 
