@@ -55,7 +55,7 @@ for s in $STEPS; do
       smi_pid=$!
       step run "${GPU_CHECK_RUN_S:-200}" "$PY" -m astraflow run examples/math/config.yaml --run-dir "$run_dir" \
         --set run.max_steps="${GPU_CHECK_RUN_STEPS:-100}" --set run.timeout_s=180 \
-        --set policies.solver.model="$OUTDIR/math-model" --set policies.solver.init.warm_start_seconds=45 \
+        --set policies.solver.model="$OUTDIR/math-model" --set policies.solver.init.warm_start_seconds="${GPU_CHECK_WARM_S:-90}" \
         --set policies.solver.trainer.precision=bf16 --set rollout.engine.dtype=bf16 \
         --set partitions.rollout.gpus_per_node=1
       kill "$smi_pid" 2>/dev/null

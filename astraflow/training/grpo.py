@@ -47,10 +47,11 @@ def m2_keep_mask(log_ratio: torch.Tensor, mask: torch.Tensor, tau: float) -> tor
     if vals.numel() == 0:
         return keep
     order = torch.argsort(vals)  # ascending: the smallest are kept first
-    prefix_mean = torch.cumsum(vals[order], 0) / torch.arange(1, vals.numel() + 1, dtype=vals.dtype)
+    prefix_mean = torch.cumsum(vals[order], 0) / torch.arange(1, vals.numel() + 1, dtype=vals.dtype,
+                                                                device=vals.device)
     # prefix means of an ascending sequence never decrease: keep the longest prefix <= tau
     n_keep = int((prefix_mean <= tau).sum())
-    kept = torch.zeros(vals.numel(), dtype=torch.bool)
+    kept = torch.zeros(vals.numel(), dtype=torch.bool, device=vals.device)
     kept[order[:n_keep]] = True
     keep[sel] = kept
     return keep

@@ -175,7 +175,7 @@ def test_bf16_engine_samples_from_bf16_weights_and_casts_published_fp32_ones(tin
     eng.load_weights(new_sd, 4)
     assert eng.version == 4 and all(p.dtype == torch.bfloat16 for p in eng.model.parameters())
     name = "model.layers.0.mlp.up_proj.weight"
-    assert torch.equal(eng.model.state_dict()[name], new_sd[name].to(torch.bfloat16))
+    assert torch.equal(eng.model.state_dict()[name].cpu(), new_sd[name].to(torch.bfloat16))
     with pytest.raises(ValueError, match="dtype must be one of fp32, bf16"):
         HFEngine(tiny_model, dtype="fp16")
 
