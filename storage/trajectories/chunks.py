@@ -18,12 +18,20 @@ from typing import Callable
 import numpy as np
 import zarr
 from zarr.codecs import BytesCodec
-from zarr.core.chunk_grids import RegularChunkGrid
 from zarr.core.metadata.v3 import ArrayV3Metadata
 
 #: one byte range of one chunk: (key in the segment's store, chunk size in bytes, byte offset
 #: within the chunk, number of bytes, byte offset within the caller's buffer).
 Piece = tuple[str, int, int, int, int]
+
+
+def regular_chunk_shape(meta: ArrayV3Metadata) -> tuple[int, ...] | None:
+    """The chunk shape of an array whose chunk grid is ``regular``, else None. Read from the grid's
+    JSON form, which every Zarr 3 release writes alike (the class that holds it does not)."""
+    grid = meta.chunk_grid.to_dict()
+    if grid.get("name") != "regular":
+        return None
+    return tuple(int(c) for c in grid["configuration"]["chunk_shape"])
 
 
 @dataclass(frozen=True)
@@ -48,13 +56,13 @@ class RawArray:
         """``of`` for an array's parsed ``zarr.json`` (no Zarr array object, no event loop)."""
         shape = tuple(int(s) for s in meta.shape)
         found = meta.dtype.to_native_dtype()
+        chunks = regular_chunk_shape(meta)
         codecs = getattr(meta, "codecs", ())
         plain = (
             meta.zarr_format == 3 and sys.byteorder == "little"
             and len(codecs) == 1 and isinstance(codecs[0], BytesCodec)
-            and (codecs[0].endian is None or codecs[0].endian.value == "little")
-            and isinstance(meta.chunk_grid, RegularChunkGrid)
-            and tuple(meta.chunk_grid.chunk_shape[1:]) == shape[1:]
+            and getattr(codecs[0].endian, "value", codecs[0].endian) in (None, "little")
+            and chunks is not None and chunks[1:] == shape[1:]
             and np.dtype(found) == dtype and meta.fill_value == 0
         )
         if not plain:
@@ -65,7 +73,7 @@ class RawArray:
             )
         row_shape = shape[1:]
         ndim = len(shape)
-        return cls(name, dtype, row_shape, int(meta.chunk_grid.chunk_shape[0]),
+        return cls(name, dtype, row_shape, chunks[0],
                    dtype.itemsize * math.prod(row_shape),
                    lambda c: f"{name}/{meta.encode_chunk_key((c,) + (0,) * (ndim - 1))}")
 
