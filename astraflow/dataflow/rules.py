@@ -54,7 +54,9 @@ class SeededParams(Strict):
 
 
 class RuleBase:
-    """Construction from ``Params`` and default state handling: every public attribute is state."""
+    """Construction from ``Params`` and default state handling: every public attribute is state,
+    except those named like a field of ``Params`` (the configuration: a resumed run takes the
+    config's values, not the saved ones)."""
 
     Params: ClassVar[type[BaseModel]] = NoParams
 
@@ -62,7 +64,8 @@ class RuleBase:
         del params, seed  # a rule without parameters or randomness
 
     def state_dict(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        params = type(self).Params.model_fields
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k not in params}
         rng = self.__dict__.get("_rng")
         if isinstance(rng, random.Random):
             version, internal, gauss = rng.getstate()
@@ -72,6 +75,8 @@ class RuleBase:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
         rng_state = state.pop("rng_state", None)
+        for name in type(self).Params.model_fields:
+            state.pop(name, None)  # saved by an earlier release: the config's value stands
         unknown = set(state) - set(self.state_dict())
         if unknown:
             raise ValueError(

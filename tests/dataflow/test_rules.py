@@ -196,6 +196,25 @@ def test_restore_without_rng_state_is_accepted_and_foreign_state_rejected():
         b.load_state_dict(R.make(R.CURATORS, "greso", {}).state_dict())
 
 
+@pytest.mark.parametrize("name,saved,config", [
+    ("filter_solved", {"threshold": 0.9, "explore": 0.1}, {"threshold": 0.3, "explore": 0.0}),
+    ("greso", {"floor": 0.1, "target_skip": 0.5}, {"floor": 0.5, "target_skip": 0.2}),
+    ("curriculum", {"target": 0.5, "width": 0.35}, {"target": 0.8, "width": 0.1}),
+])
+def test_a_resumed_rule_takes_its_parameters_from_the_config(name, saved, config):
+    """A rule's parameters are configuration, not state: a run resumed with other values uses
+    them, also from a state saved with the parameters in it (an earlier release)."""
+    a = R.make(R.CURATORS, name, saved)
+    a.observe("p", [1, 0])
+    state = a.state_dict()
+    assert not set(saved) & set(state)
+    for st in (state, {**state, **saved}):
+        b = R.make(R.CURATORS, name, config)
+        b.load_state_dict(json.loads(json.dumps(st)))
+        assert {k: getattr(b, k) for k in config} == config
+        assert b.state_dict() == state
+
+
 # -- typed config ------------------------------------------------------------------------------
 
 STAGES = {"curator": R.CURATORS, "group_filter": R.FILTERS, "ordering": R.ORDERINGS}
