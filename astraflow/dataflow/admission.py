@@ -201,7 +201,7 @@ def rule_of(layer: Any) -> Rule:
         policies=layer.policy_names, versions=layer.versions, ready=buffers.ready,
         served={p: list(buffers.serving[p]) for p in layer.policy_names},
         accepted={p: c["accepted"] for p, c in buffers.counts.items()}, groups_ingested=buffers.groups_ingested,
-        group_size=layer.wcfg.group_size, per_batch=cfg.batch_size - int(cfg.replay_ratio * cfg.batch_size),
+        group_size=layer.wcfg.group_size, per_batch=cfg.batch_size - cfg.replay_rows,
         nodes=layer.leases.nodes, node_window_s=cfg.lease_seconds, paces=layer.paces,
         finished={p: v >= layer.max_steps for p, v in layer.versions.items()}, now=time.time(),
         oldest=layer.oldest.get(layer.leases.nodes, cfg.lease_seconds, time.time()))

@@ -11,7 +11,8 @@ are settled.
 Named asynchronous overlap, *staleness*: a sequence whose oldest token version for the consuming
 policy is more than ``max_staleness`` versions behind the trainer's version is dropped and
 counted as ``stale`` (``available``, just before a batch is assembled), so no batch holds a
-sequence older than the bound, however far rollouts ran ahead.
+sequence older than the bound, however far rollouts ran ahead. Replayed sequences are held to
+the same bound.
 """
 
 from __future__ import annotations
@@ -62,11 +63,6 @@ class Item:
     node: str = ""
 
 
-def sequence_oldest(it: Item) -> int:
-    """``Sequence.oldest_version`` of the item's sequence (every policy's tokens), from its summary."""
-    return min((v for _, v in it.summary.policy_tokens.values()), default=-1)
-
-
 def row_ref(it: Item, staleness: int, replayed: bool = False) -> RowRef:
     """What a trainer needs of ``it`` besides its stored row."""
     return RowRef(ref=it.summary.ref, task_id=it.task_id, reward=it.summary.reward, group_mean=it.group_mean,
@@ -108,7 +104,8 @@ class Buffers:
         #: train groups that finished rollout (kept or not): what admission divides yields by
         self.groups_ingested = 0
         self.ready: dict[str, list[ReadyGroup]] = {p: [] for p in self.policies}
-        #: per policy: items served before, which replay may serve again (``replay_ratio``)
+        #: per policy: items consumed (their version committed), which replay may serve again
+        #: (``replay_ratio``) while they are within ``max_staleness``
         self.replay: dict[str, deque[Item]] = {p: deque(maxlen=4 * batch_size) for p in self.policies}
         #: per policy: the items of the batch served to a trainer at version v, by v, until the
         #: trainer reports v + 1 committed (``commit``): only then are they consumed
@@ -300,14 +297,11 @@ class Buffers:
         ``policy``'s trainer at ``version``. A batch served before at the same version never
         reached its training: it is dropped (``served_not_trained``)."""
         items = [row_ref(it, version - it.oldest_version) for it in chosen]
-        n_replay = min(n_replay, len(self.replay[policy]))  # a resumed trainer's put-back may have shrunk the pool
-        replays = [row_ref(it, version - sequence_oldest(it), replayed=True)
+        n_replay = min(n_replay, self.replayable(policy, version))
+        replays = [row_ref(it, version - it.oldest_version, replayed=True)
                    for it in self.rng.sample(list(self.replay[policy]), n_replay)] if n_replay else []
-        self.replay[policy].extend(chosen)
+        self.drop_served(policy, version)
         self._touch("serving", policy, version)
-        lost = self.serving[policy].pop(version, None)
-        if lost:  # this version asks again: the batch served before never reached its training
-            self.settle(policy, lost, "served_not_trained")
         self.serving[policy][version] = chosen  # consumed once the version trained on it is committed
 
         c = self.counts[policy]
@@ -329,12 +323,42 @@ class Buffers:
         self.last_batch[policy] = metrics
         return BatchRefs(policy=policy, version=version, items=tuple(items + replays), metrics=metrics)
 
+    def replayable(self, policy: str, version: int) -> int:
+        """How many items of ``policy``'s replay pool a batch at ``version`` may replay: those
+        within ``max_staleness`` of it (older ones leave the pool: they only get older)."""
+        pool = self.replay[policy]
+        if any(version - it.oldest_version > self.max_staleness for it in pool):
+            self.replay[policy] = pool = deque((it for it in pool if version - it.oldest_version <= self.max_staleness),
+                                               maxlen=pool.maxlen)
+        return len(pool)
+
+    def drop_served(self, policy: str, version: int) -> list[Item]:
+        """``policy``'s trainer asks again at ``version``: the batch served to it at ``version``
+        never reached its training. Its items are dropped (``served_not_trained``) and what
+        serving counted for them is taken back. Returns the items."""
+        lost = self.serving[policy].pop(version, None)
+        if not lost:
+            return []
+        self._touch("serving", policy, version)
+        self._uncount(policy, version, lost)
+        self.settle(policy, lost, "served_not_trained")
+        return lost
+
+    def _uncount(self, policy: str, version: int, items: list[Item]) -> None:
+        """Take back what serving ``items`` at ``version`` counted as consumed."""
+        self.counts[policy]["consumed"] -= len(items)
+        hist = self.staleness_hist[policy]
+        hist.subtract(Counter(version - it.oldest_version for it in items))
+        self.staleness_hist[policy] = +hist  # no zero or negative bins
+
     def commit(self, policy: str, version: int) -> None:
-        """``policy``'s trainer committed ``version``: the batch served at ``version - 1`` is consumed."""
+        """``policy``'s trainer committed ``version``: the batch served at ``version - 1`` is
+        consumed, and replay may serve its items again."""
         items = self.serving[policy].pop(version - 1, [])
         self._touch("serving", policy, version - 1)
         for it in items:
             self.staleness_by_node.setdefault(it.node, Counter())[version - 1 - it.oldest_version] += 1
+        self.replay[policy].extend(items)
         self.settle(policy, items, None)
 
     def put_back(self, policy: str, from_version: int) -> list[Item]:
@@ -342,24 +366,17 @@ class Buffers:
         every batch served at ``from_version`` or later never reached a committed version, so
         its items return to the buffer, in their groups and ingest order, to be served again
         (not dropped as ``served_not_trained``; they may still age past ``max_staleness`` and
-        be dropped as ``stale``, counted). What serving counted for them is taken back, and
-        they leave the replay pool (they re-enter it when served again). Returns the items."""
+        be dropped as ``stale``, counted). What serving counted for them is taken back. Returns
+        the items."""
         back: list[Item] = []
         for v in sorted(v for v in self.serving[policy] if v >= from_version):
             items = self.serving[policy].pop(v)
             self._touch("serving", policy, v)
+            self._uncount(policy, v, items)
             back += items
-            self.staleness_hist[policy].subtract(Counter(v - it.oldest_version for it in items))
-        if not back:
-            return back
-        c = self.counts[policy]
-        c["consumed"] -= len(back)
-        c["put_back"] += len(back)
-        self.staleness_hist[policy] = +self.staleness_hist[policy]  # no zero or negative bins
-        ids = {it.task_id for it in back}
-        pool = self.replay[policy]
-        self.replay[policy] = deque((x for x in pool if x.task_id not in ids), maxlen=pool.maxlen)
-        self.restore(policy, back)
+        self.counts[policy]["put_back"] += len(back)
+        if back:
+            self.restore(policy, back)
         return back
 
     def restore(self, policy: str, items: list[Item]) -> None:

@@ -185,7 +185,9 @@ class DataflowConfig(Strict):
     ordering: OrderingSpec = FifoRule()
     """Buffer ordering (``fifo``, ``edf`` or ``freshest``)."""
     replay_ratio: float = Field(default=0.0, ge=0, lt=1)
-    """Fraction of each batch filled with recently consumed samples (recorded as replays)."""
+    """Fraction of each batch filled with samples trained on before (their version committed)
+    and still within ``max_staleness`` (recorded as replays); a batch with too few of those
+    takes new samples only. At least one row a batch: ``replay_ratio x batch_size >= 1``."""
     lockstep: bool = False
     """Multi-policy: policies advance in lockstep (a version barrier) instead of independently."""
     direct_lane: bool = True
@@ -198,3 +200,17 @@ class DataflowConfig(Strict):
     changed it answers, so that a lost data-layer worker is replaced and a crashed run resumes
     with nothing lost or trained twice (``astraflow/dataflow/durable.py``). Off: a lost
     data-layer worker ends the run, and a resumed run rolls out its unfinished tasks again."""
+
+    @property
+    def replay_rows(self) -> int:
+        """Replayed rows a batch asks for (``replay_ratio`` of ``batch_size``, rounded down)."""
+        return int(self.replay_ratio * self.batch_size + 1e-9)
+
+    @model_validator(mode="after")
+    def _replay_rows(self) -> "DataflowConfig":
+        if 0 < self.replay_ratio and self.replay_rows == 0:
+            raise ValueError(
+                f"replay_ratio {self.replay_ratio} x batch_size {self.batch_size} replays no row of a batch: "
+                f"set replay_ratio to at least {1 / self.batch_size:.4g} (one row), or 0 for no replay")
+        return self
+

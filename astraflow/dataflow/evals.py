@@ -216,21 +216,33 @@ class EvalRounds:
 MULTI_TURN = ("turns", "tool_calls", "invalid_calls", "truncated", "success", "engine_s", "tool_s", "env_s")
 
 
+def episode_sums(stats: list[dict[str, float]]) -> tuple[int, dict[str, float]]:
+    """``(episodes, per-statistic sums)`` of episode statistics: what ``summary_of_sums`` needs."""
+    sums: dict[str, float] = {}
+    for st in stats:
+        for k, v in st.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    return len(stats), sums
+
+
 def episode_summary(stats: list[dict[str, float]], prefix: str) -> dict[str, float]:
     """Means of episode statistics (none when episodes report none). Multi-turn episodes:
     turns per episode, tool calls per episode, the invalid-call rate (invalid calls per call
     attempted, malformed ones included), the truncated fraction and the share of episode time
     spent in tools and environments. Any other statistic (a workload's own, ``code_timeout``
     say) is its mean over the episodes, as ``<prefix><name>``."""
-    if not stats:
+    return summary_of_sums(*episode_sums(stats), prefix=prefix)
+
+
+def summary_of_sums(n: int, sums: dict[str, float], prefix: str) -> dict[str, float]:
+    """``episode_summary`` of ``n`` episodes from their statistics' sums (``episode_sums``)."""
+    if not n:
         return {}
-    own = sorted({k for s in stats for k in s} - set(MULTI_TURN))
-    means = {f"{prefix}{k}": float(sum(s.get(k, 0.0) for s in stats)) / len(stats) for k in own}
-    if not any("turns" in s for s in stats):
+    means = {f"{prefix}{k}": sums[k] / n for k in sorted(set(sums) - set(MULTI_TURN))}
+    if "turns" not in sums:
         return means
-    total = {k: float(sum(s.get(k, 0.0) for s in stats)) for k in
-             ("turns", "tool_calls", "invalid_calls", "truncated", "engine_s", "tool_s", "env_s")}
-    n = len(stats)
+    total = {k: sums.get(k, 0.0) for k in ("turns", "tool_calls", "invalid_calls", "truncated", "engine_s",
+                                           "tool_s", "env_s")}
     busy = total["engine_s"] + total["tool_s"] + total["env_s"]
     return {f"{prefix}turns": total["turns"] / n, f"{prefix}tool_calls": total["tool_calls"] / n,
             f"{prefix}invalid_call_rate": total["invalid_calls"] / max(total["tool_calls"], 1.0),

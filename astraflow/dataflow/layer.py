@@ -42,7 +42,7 @@ from astraflow.dataflow.buffers import Buffers, RolloutGroup
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.dataflow.evals import EvalRounds
 from astraflow.dataflow.leases import Leases
-from astraflow.dataflow.mixing import Mixer
+from astraflow.dataflow.mixing import Mixer, empty_train_split
 from astraflow.dataflow.serving import BatchTimeout, TrainerFacing
 from astraflow.transport import Packed, PackedDict
 from astraflow.workloads.base import make_workload
@@ -106,6 +106,8 @@ class DataLayer(TrainerFacing, LaneServed):
         self.store = open_trajectory_store(store_url, "a")
         wl = make_workload(workload.name, workload.params, workload.seed)
         self._train = wl.tasks("train")
+        if not self._train and max_steps > 0:
+            raise ValueError(empty_train_split(workload.name, workload.params))
         held_out = wl.tasks("eval")
         # eval.num_prompts bounds the held-out split; a second set (``eval_set``) comes whole
         evals = ([p for p in held_out if "eval_set" not in p][: workload.eval.num_prompts]
@@ -137,7 +139,7 @@ class DataLayer(TrainerFacing, LaneServed):
         self.paces = {p: admission.TrainerPace() for p in self.policy_names}
         #: per policy: times its trainer was lost and replaced (``trainer_restarted``)
         self.trainer_restarts: Counter = Counter()
-        self.generated = rec.Generated()
+        self.generated = rec.Generated.for_policies(self.policy_names)
         self.finished = False
         self._ready_event: asyncio.Event | None = None
         #: groups the data layer may still create; None = free running (the AstraFlow mode).

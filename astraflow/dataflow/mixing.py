@@ -35,6 +35,12 @@ from astraflow.workloads.mix import SOURCE_KEY
 log = logging.getLogger("astraflow.dataflow")
 
 
+def empty_train_split(workload: str, params: dict[str, Any] | None) -> str:
+    """The error for a workload whose train split holds no prompt."""
+    return (f"workload {workload!r} has no training prompts (params {dict(params or {})}): give its train "
+            "split data (e.g. workload.params.num_train > 0, or a dataset file with rows)")
+
+
 class Mixer:
     """Per-source prompt orders, rollout-ahead shares and batch quotas."""
 

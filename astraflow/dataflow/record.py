@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from astraflow.contracts import TrajectoryRef
 from astraflow.dataflow.config import DataflowConfig
-from astraflow.dataflow.evals import episode_summary
+from astraflow.dataflow.evals import episode_sums, summary_of_sums
 from astraflow.dataflow.mixing import Mixer
 from storage.atomic import UnreadableFile, read_json_object, write_json
 
@@ -49,27 +49,32 @@ class Generated:
     #: tokens a policy sampled (prompt and tool/environment tokens are not counted)
     tokens: int = 0
 
-    #: multi-turn statistics of the training episodes since a policy's last step record
-    episode_stats: dict[str, list[dict[str, float]]] = field(default_factory=dict)
-    _before_first: list[dict[str, float]] = field(default_factory=list)
+    #: per policy: the training episodes since its last step record, as (count, sums of their
+    #: statistics); a policy's window starts with the run (``for_policies``)
+    episode_stats: dict[str, tuple[int, dict[str, float]]] = field(default_factory=dict)
+
+    @classmethod
+    def for_policies(cls, policies: list[str]) -> "Generated":
+        return cls(episode_stats={p: (0, {}) for p in policies})
 
     def add(self, ref: TrajectoryRef) -> None:
         if ref.stats and ref.kind != "eval":
-            for window in self.episode_stats.values():
-                window.append(dict(ref.stats))
-            if not self.episode_stats:  # before any step record: kept for every policy's first
-                self._before_first.append(dict(ref.stats))
+            for policy, window in self.episode_stats.items():
+                n, sums = window if isinstance(window, tuple) else episode_sums(window)
+                for k, v in ref.stats.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                self.episode_stats[policy] = (n + 1, sums)
         self.episodes += 1
         self.sequences += len(ref.sequences)
         if ref.kind != "eval":
             self.train_sequences += len(ref.sequences)
         self.tokens += sum(n for s in ref.sequences for n, _ in s.policy_tokens.values())
 
-    def take_episode_stats(self, policy: str) -> list[dict[str, float]]:
-        """The training episodes' statistics since ``policy``'s previous call."""
-        out = self.episode_stats.get(policy, self._before_first)
-        self.episode_stats[policy] = []
-        return out
+    def take_episode_stats(self, policy: str) -> tuple[int, dict[str, float]]:
+        """The training episodes since ``policy``'s previous call: (count, statistics' sums)."""
+        window = self.episode_stats.get(policy, (0, {}))
+        self.episode_stats[policy] = (0, {})
+        return window if isinstance(window, tuple) else episode_sums(window)  # a list: saved by an earlier release
 
     def rates(self, elapsed: float) -> dict[str, float]:
         """The throughput names of ``astraflow.contracts``, averaged over ``elapsed`` seconds."""
@@ -226,7 +231,7 @@ def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str,
         "rollouts_per_consumed": generated.train_sequences / max(counts["consumed"], 1),
         **generated.rates(elapsed),
         # multi-turn episodes: means over the training episodes since the previous step
-        **episode_summary(generated.take_episode_stats(policy), prefix="episode_"),
+        **summary_of_sums(*generated.take_episode_stats(policy), prefix="episode_"),
         "trainer_wait_s": trainer_wait_s,
         "node_versions": node_versions,
         **(by_source or {}),

@@ -47,15 +47,17 @@ class TrainerFacing:
         pace = self.paces[policy]
         pace.asked(t0)
         pace.waiting += 1
-        n_replay = int(self.cfg.replay_ratio * self.cfg.batch_size)
-        if len(self.buffers.replay[policy]) < n_replay:
+        if version in self._in_doubt[policy]:  # served by the data layer this one replaced, asked again
+            self._in_doubt[policy].discard(version)
+            self._put_back(policy, version)
+        lost = self.buffers.drop_served(policy, version)  # asked again: the batch served before never trained
+        self.mixer.consumed[policy].subtract(Counter(it.source for it in lost))
+        n_replay = self.cfg.replay_rows
+        if self.buffers.replayable(policy, version) < n_replay:
             n_replay = 0
         need = self.cfg.batch_size - n_replay
         quota, credit = self.mixer.quotas(policy, need)
         incarnation = self.trainer_restarts[policy]
-        if version in self._in_doubt[policy]:  # served by the data layer this one replaced, asked again
-            self._in_doubt[policy].discard(version)
-            self._put_back(policy, version)
         try:
             while True:
                 self.leases.expire()

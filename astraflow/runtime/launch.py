@@ -142,6 +142,10 @@ def check_data(workload: WorkloadConfig) -> str:
     empty or the data cannot be read."""
     wl = make_workload(workload.name, dict(workload.params or {}), workload.seed)
     n_train, n_eval = len(wl.tasks("train")), len(wl.tasks("eval"))
+    if n_train == 0:
+        from astraflow.dataflow.mixing import empty_train_split
+
+        raise ValueError(empty_train_split(workload.name, workload.params))
     report = getattr(wl, "report", None)
     found = f"workload {workload.name}: {n_train} train and {n_eval} held-out prompts"
     return f"{found}; {report.summary()}" if report is not None and report.bad else found

@@ -255,10 +255,53 @@ def test_replay_mixes_consumed_samples_and_records_them(tmp_path):
         await node.roll(8, reward_of=lambda t: float(int(t.task_id[-1]) % 2))
         first = await layer.next_batch("p", 0, timeout=5)
         assert not any(i.replayed for i in first.items)  # nothing to replay yet
-        await node.roll(8, reward_of=lambda t: float(int(t.task_id[-1]) % 2))
-        second = await layer.next_batch("p", 0, timeout=5)
-        assert len(second) == 8 and sum(i.replayed for i in second.items) == 4
+        await layer.published("p", 1)
+        await node.roll(8, reward_of=lambda t: float(int(t.task_id[-1]) % 2), version=1)
+        second = await layer.next_batch("p", 1, timeout=5)
+        replayed = [i for i in second.items if i.replayed]
+        assert len(second) == 8 and len(replayed) == 4
+        assert {i.task_id for i in replayed} <= {i.task_id for i in first.items}
+        assert all(i.staleness == 1 for i in replayed)
         assert (await layer.state())["counts"]["p"]["replayed"] == 4
+
+    run(go())
+
+
+def test_a_batch_asked_for_again_is_neither_replayed_nor_counted_as_consumed(tmp_path):
+    """The trainer asks again at the same version: the first batch never trained. Its rows are
+    dropped (``served_not_trained``), not replayed, and not counted as consumed."""
+    layer = make_layer(tmp_path, replay_ratio=0.5)
+
+    async def go():
+        node = Node(layer)
+        await node.roll(8)
+        lost = await layer.next_batch("p", 0, timeout=5)
+        await node.roll(8)
+        again = await layer.next_batch("p", 0, timeout=5)
+        assert not any(i.replayed for i in again.items)  # nothing was consumed: nothing to replay
+        assert not {i.task_id for i in lost.items} & {i.task_id for i in again.items}
+        state = await layer.state()
+        assert state["counts"]["p"]["consumed"] == 8
+        assert sum(state["staleness_hist"]["p"].values()) == 8
+
+    run(go())
+
+
+def test_replayed_samples_are_held_to_the_staleness_bound(tmp_path):
+    layer = make_layer(tmp_path, replay_ratio=0.5, max_staleness=1)
+
+    async def go():
+        node = Node(layer)
+        worst, replayed = 0, []
+        for v in range(5):
+            await node.roll(8, version=v)
+            batch = await layer.next_batch("p", v, timeout=5)
+            assert len(batch) == 8
+            worst = max([worst] + [i.staleness for i in batch.items])
+            replayed.append(sum(i.replayed for i in batch.items))
+            await layer.published("p", v + 1)
+        # the pool runs dry when all it holds is past the bound: that batch replays nothing
+        assert worst == 1 and replayed[:3] == [0, 4, 4] and 0 in replayed[3:]
 
     run(go())
 
@@ -374,3 +417,11 @@ def test_a_node_declared_gone_before_its_first_call_can_still_call(tmp_path):
         assert isinstance(await layer.lease("w7", 4), list)
 
     run(go())
+
+
+def test_a_replay_ratio_that_replays_no_row_is_refused_naming_the_least_one():
+    from astraflow.dataflow.config import DataflowConfig
+
+    with pytest.raises(ValueError, match="at least 0.125"):
+        DataflowConfig(batch_size=8, replay_ratio=0.1)
+    assert DataflowConfig(batch_size=3, replay_ratio=1 / 3).replay_rows == 1

@@ -26,14 +26,38 @@ def test_episode_summary_means_and_rates():
 
 
 def test_step_windows_are_per_policy():
-    g = Generated()
+    g = Generated.for_policies(["p", "q"])
     g.add(ref("a/0", 1))
     g.add(ref("e/0", 1, kind="eval", turns=9.0))  # evaluation episodes are not training statistics
-    assert [s["turns"] for s in g.take_episode_stats("p")] == [2.0]
-    assert [s["turns"] for s in g.take_episode_stats("q")] == [2.0]  # its first record sees them too
+    assert g.take_episode_stats("p")[0] == 1 and g.take_episode_stats("p") == (0, {})
     g.add(ref("b/0", 0, turns=4.0))
-    assert [s["turns"] for s in g.take_episode_stats("p")] == [4.0]
-    assert g.take_episode_stats("p") == [] and len(g.take_episode_stats("q")) == 1
+    n, sums = g.take_episode_stats("p")
+    assert n == 1 and sums["turns"] == 4.0
+    n, sums = g.take_episode_stats("q")  # its first record sees every episode since the start
+    assert n == 2 and sums["turns"] == 6.0
+
+
+def test_a_stalled_policys_window_stays_the_same_size():
+    """A policy whose trainer takes no step keeps sums, not one record per episode."""
+    import pickle
+
+    g = Generated.for_policies(["p", "q"])
+    sizes = []
+    for i in range(300):
+        g.add(ref(f"a/{i}", i % 2, turns=float(i % 3)))
+        g.take_episode_stats("p")
+        sizes.append(len(pickle.dumps(g)))
+    assert sizes[-1] < sizes[10] + 16  # counters grow by a byte or two, not by episodes
+    n, sums = g.take_episode_stats("q")
+    assert n == 300 and sums["turns"] == sum(float(i % 3) for i in range(300))
+
+
+def test_a_window_saved_as_a_list_is_still_read():
+    g = Generated.for_policies(["p"])
+    g.episode_stats["p"] = [{"turns": 2.0}, {"turns": 4.0}]  # an earlier release's form
+    g.add(ref("a/0", 1, turns=6.0))
+    n, sums = g.take_episode_stats("p")
+    assert n == 3 and sums["turns"] == 12.0 and sums["tool_calls"] == 1.0
 
 
 def test_eval_round_reports_difficulty_and_episode_stats():

@@ -67,13 +67,17 @@ async def serve(layer: DataLayer, n_batches: int, reward_of=mixed_reward, timeou
             tasks = await layer.lease("n0", 8)
             leased.update((t.task_id, t.prompt) for t in tasks if t.kind == "train")
             if tasks:
-                trajs = [make_trajectory(t, reward_of(t), node="n0") for t in tasks]
+                trajs = [make_trajectory(t, reward_of(t), version=layer.versions["p"], node="n0") for t in tasks]
                 await layer.complete(store_and_ref(writer, trajs))
             await asyncio.sleep(0.001 if tasks else 0.01)
 
     task = asyncio.create_task(node())
     try:
-        return [await layer.next_batch("p", 0, timeout=timeout) for _ in range(n_batches)]
+        batches = []
+        for v in range(n_batches):  # each batch trained on: its version committed
+            batches.append(await layer.next_batch("p", v, timeout=timeout))
+            await layer.published("p", v + 1)
+        return batches
     finally:
         stop.set()
         await task

@@ -62,8 +62,10 @@ def test_every_step_line_reports_counts_staleness_wait_and_rollout_cost(tmp_path
         await roll(4, alternating, version=0)
         await layer.published("p", 2, {})
         await roll(4, alternating, version=2)
+        assert await layer.ready("p", 2) == 4  # the v0 group leaves the buffer as stale: room for one more
+        await roll(4, alternating, version=2)
         b3 = await layer.next_batch("p", 2, timeout=5)
-        assert sum(i.replayed for i in b3.items) == 4
+        assert sum(i.replayed for i in b3.items) == 0  # all consumed rows are v0: past the bound for replay too
         await layer.published("p", 3, {})
 
     asyncio.run(go())
@@ -77,9 +79,9 @@ def test_every_step_line_reports_counts_staleness_wait_and_rollout_cost(tmp_path
     assert one["rollouts_generated"] == 12 and one["rollouts_per_consumed"] == pytest.approx(1.5)
     assert one["curator_skipped"] > 0  # odd prompts never reached a RaaS node
     assert one["trainer_wait_s"] >= 0 and "data_wait_s" in one
-    assert (three["accepted"], three["filtered"], three["stale_dropped"], three["replayed"], three["consumed"]) == (16, 4, 4, 4, 12)
-    assert three["staleness_hist"] == {"0": 12}
-    assert three["rollouts_generated"] == 20 and three["rollouts_per_consumed"] == pytest.approx(20 / 12)
+    assert (three["accepted"], three["filtered"], three["stale_dropped"], three["replayed"], three["consumed"]) == (20, 4, 4, 0, 16)
+    assert three["staleness_hist"] == {"0": 16}
+    assert three["rollouts_generated"] == 24 and three["rollouts_per_consumed"] == pytest.approx(24 / 16)
     assert three["trainer_wait_s"] >= one["trainer_wait_s"]
 
 

@@ -73,6 +73,9 @@ CASES = {
                                            None if NO_GPU else "this machine has a GPU"),
     "--set value not YAML": (_sets("run.max_steps=[1,"), "the value is not valid YAML", None),
     "--set without a key": (_sets("=3"), "is not a dotted key", None),
+    "a train split without prompts": (lambda tmp_path, cfg: ["run", str(cfg), "--set", "workload.params.num_train=0",
+                                                             "--run-dir", str(tmp_path / "run")],
+                                      "has no training prompts", None),
 }
 
 
