@@ -87,11 +87,14 @@ class Buffers:
     """Groups in rollout, per-policy buffers, served batches, replay and batch statistics."""
 
     def __init__(self, policies: list[str], *, batch_size: int, group_size: int, limit: int | Callable[[], int],
-                 max_staleness: int, ledger: Ledger, rng: random.Random):
+                 max_staleness: int, ledger: Ledger, rng: random.Random,
+                 consuming: Callable[[str], bool] = lambda policy: False):
         self.policies = list(policies)
         self.group_size = group_size
         #: the groups allowed ahead of training, now (it grows with the nodes' slots)
         self._limit = limit if callable(limit) else (lambda: limit)
+        #: whether a policy's trainer consumes (waits for or recently asked for batches)
+        self._consuming = consuming
         self.max_staleness = max_staleness
         self.ledger = ledger
         #: draws replayed samples (shared with the prompt orders: one stream, saved with the run)
@@ -212,7 +215,11 @@ class Buffers:
 
     def cap(self, policy: str) -> None:
         """A policy whose trainer does not consume keeps at most ``cap_groups`` groups; the
-        oldest beyond that are dropped as ``overflow``."""
+        oldest beyond that are dropped as ``overflow``. A consuming trainer's buffer is bounded
+        by admission and drained by its batches (a cap there, falling with the nodes' slots or
+        counting groups of few sequences, would drop what its next batch needs)."""
+        if self._consuming(policy):
+            return
         buf = self.ready[policy]
         while len(buf) > self.cap_groups:
             grp = buf.pop(0)
@@ -390,7 +397,6 @@ class Buffers:
                 grp = groups[it.ingest_seq] = ReadyGroup(it.group_id, it.ingest_seq, [], it.source)
             grp.items.append(it)
         self.ready[policy] = sorted(groups.values(), key=lambda g: g.ingest_seq)
-        self.cap(policy)
 
     def end_run(self) -> None:
         """Every buffered item is dropped (``run_ended``), every served batch never committed

@@ -192,3 +192,30 @@ def test_replay_heavy_batches_still_form(tmp_path):
     new groups, far more than the replay-sized share admission plans with."""
     layer = make_layer(tmp_path, max_staleness=0, replay_ratio=0.9)
     assert asyncio.run(_train(layer, 4)) == {"p": 32}
+
+
+def test_a_waiting_batch_of_groups_with_few_sequences_is_not_capped_away(tmp_path):
+    """Groups that yield few sequences (most of their tasks fail): a batch needs more groups than
+    the buffer cap counts. The trainer waits, so nothing it needs is dropped as overflow."""
+    from tests.dataflow.test_data_layer import Node
+
+    layer = make_layer(tmp_path, batch_size=16, group_size=16, prefetch_groups=0, max_attempts=1,
+                       admission="prefetch")
+
+    async def go():
+        node = Node(layer)
+        waiter = asyncio.ensure_future(layer.next_batch("p", 0, timeout=20))
+        while not waiter.done():
+            tasks = await layer.lease("n0", 16, wait=0.2)
+            ok = [t for t in tasks if int(t.task_id.split("/")[1]) < 2]  # 2 of each 16 succeed
+            for t in tasks:
+                if t not in ok:
+                    await layer.fail(t.task_id, "boom")
+            if ok:
+                trajs = [make_trajectory(t, float(int(t.task_id.split("/")[1])), node="n0") for t in ok]
+                await layer.complete(store_and_ref(node.writer, trajs))
+            await asyncio.sleep(0)
+        assert len(await waiter) == 16
+
+    asyncio.run(go())
+    assert layer.buffers.counts["p"]["overflow_dropped"] == 0
