@@ -79,9 +79,9 @@ class TrainerFacing:
             pace.waiting -= 1
         waited = time.time() - t0
         self.buffers.wait_s[policy] += waited
-        self.mixer.credit[policy] = credit
         if self.trainer_restarts[policy] != incarnation:  # asked by the trainer that was lost
             raise RuntimeError(f"the trainer of {policy} was replaced while this call waited: it serves nothing")
+        self.mixer.credit[policy] = credit
         chosen, taken = self.buffers.take(policy, quota, self.ordering, version)
         self.mixer.consumed[policy].update(taken)
         batch = self.buffers.serve(policy, version, chosen, n_replay, waited,
