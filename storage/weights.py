@@ -122,6 +122,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _first_failure(err: BaseException) -> BaseException:
+    """The exception a rank raised inside DCP's ``CheckpointException`` (which carries each
+    rank's as text and object), else ``err`` itself."""
+    for failure in (getattr(err, "failures", None) or {}).values():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, BaseException):
+            return exc
+    return err
+
+
 class WeightStore:
     """Versioned weights of every policy under one root directory (shared storage)."""
 
@@ -228,15 +238,24 @@ class WeightStore:
         bad = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
         if bad:
             raise ValueError(f"publish takes a flat dict of tensors; {bad[:3]} are not tensors")
-        # whole contiguous tensors: a reader can take them straight from the file (``load``)
-        state_dict = {k: v.contiguous() for k, v in state_dict.items()}
+        # whole contiguous tensors with their values in memory (no lazy conjugate or negation
+        # bit, which the file's raw bytes would lose): a reader takes them straight from the file
+        state_dict = {k: v.resolve_conj().resolve_neg().contiguous() for k, v in state_dict.items()}
         self.discard_staging(policy, version)
         stage = self.staging(policy, version)
         writer = dcp.FileSystemWriter(stage, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
         quiet_dcp_logger()
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.save(state_dict, storage_writer=writer, no_dist=True)
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+                dcp.save(state_dict, storage_writer=writer, no_dist=True)
+        except BaseException as err:  # (DCP's CheckpointException is one) nothing of a failed write stays behind
+            self.discard_staging(policy, version)
+            cause = _first_failure(err)
+            if isinstance(cause, OSError):
+                raise OSError(cause.errno, f"publishing {policy} v{version} into {stage} failed: "
+                                           f"{cause.strerror or cause}") from err
+            raise
         return self.commit(policy, version, meta, whole_tensors=True)
 
     # -- reading -----------------------------------------------------------------------------
@@ -324,8 +343,13 @@ class WeightStore:
     def hold(self, policy: str, version: int) -> Iterator[WeightVersion]:
         """Keep ``version`` from retention while the block runs (pull or load it inside)."""
         hold = paths.hold_file(self.root, policy, version, f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        hold.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(hold, json.dumps({"pid": os.getpid(), "host": self._host, "since": time.time()}).encode())
+        try:
+            hold.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(hold, json.dumps({"pid": os.getpid(), "host": self._host, "since": time.time()}).encode())
+        except OSError as err:
+            raise OSError(err.errno, f"cannot write a reader's hold file in {hold.parent} ({err.strerror}): "
+                                     "readers of a weight store write there to keep the version they read from "
+                                     "retention; give this process write access to the store") from err
         try:
             yield self.get(policy, version)  # after the hold: retention cannot race past it
         finally:

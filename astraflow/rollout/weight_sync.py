@@ -39,9 +39,9 @@ class VersionReader:
 
     def read(self, policy: str, version: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """``(state_dict, record)``: the version's tensors and how they were read (``mode``
-        ``full``/``delta``, the ``dtype`` the trainer published it in, delta statistics or the
-        reason a delta was not used, ``load_s``, ``commit_to_serving_s`` as of the end of the
-        read). A bf16 version comes back as bf16 tensors: the engine casts them on load."""
+        ``full``/``delta``, or ``again`` for the version held, read again; the ``dtype`` the
+        trainer published it in, delta statistics or the reason a delta was not used,
+        ``load_s``, ``commit_to_serving_s`` as of the end of the read). A bf16 version comes back as bf16 tensors: the engine casts them on load."""
         t0 = time.time()
         with self.store.hold(policy, version):
             manifest = self.store.manifest(policy, version)
@@ -55,10 +55,15 @@ class VersionReader:
             "commit_to_serving_s": now - float(manifest["committed_at"]), **extra}
 
     def _fetch(self, policy: str, version: int, delta_from: int | None) -> tuple[dict, str, dict]:
-        """The tensors of ``version``: full shards, or the held version plus a delta."""
+        """The tensors of ``version``: full shards, or the held version plus a delta (the held
+        tensors themselves when ``version`` is the one held)."""
         if not self.use_deltas:
             return self.store.load(policy, version), "full", {}
         held = self._held.get(policy)
+        if held is not None and held[0] == version:  # read again (a load that failed, retried)
+            return held[1], "again", {}
+        if held is not None and held[0] > version:  # the policy went back to an older version
+            held = None
         kind = choose_sync(held[0] if held else None, version, self.full_resync_every,
                            delta_from is not None and held is not None and delta_from == held[0])
         if kind == "delta":

@@ -339,10 +339,22 @@ def open_backend(url: str, mode: str, durable: bool) -> StoreBackend:
             f"unknown trajectory store scheme {scheme!r} in {url!r}: known are a plain directory "
             "path, 'file://', 'memory://'"
         )
-    root = Path(url[len("file://"):] if url.startswith("file://") else url).absolute()
+    root = (_file_url_path(url) if url.startswith("file://") else Path(url)).absolute()
     if mode == "a":
         _check_writable_dir(root)
     return DirBackend(root, durable)
+
+
+def _file_url_path(url: str) -> Path:
+    """The local path of a ``file://`` URL (percent-escapes decoded; host empty or ``localhost``)."""
+    from urllib.parse import urlparse
+    from urllib.request import url2pathname
+
+    parsed = urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise ValueError(f"trajectory store URL {url!r} names host {parsed.netloc!r}: a file:// store is on this "
+                         "machine's file system (file:///abs/path); shared storage is a mounted directory")
+    return Path(url2pathname(parsed.path))
 
 
 def _check_writable_dir(root: Path) -> None:

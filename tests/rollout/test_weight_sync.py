@@ -150,3 +150,44 @@ def test_a_swap_pending_in_a_decoding_engine_is_not_read_again(tiny_model, tmp_p
     assert engine.version == 3
     for k, t in sd3.items():
         assert torch.equal(served[k], t.to(torch.bfloat16).to(served[k].dtype)), k
+
+
+def test_a_version_read_again_with_deltas_is_served_and_a_failed_load_is_retried(tmp_path):
+    """With deltas, a reader asked for the version it holds (a load that failed, retried; an
+    engine re-created on the same version) serves it again instead of refusing; a policy that
+    went back to an older version is read whole."""
+    from astraflow.rollout.weight_sync import VersionReader
+
+    store = WeightStore(tmp_path / "w", keep_last=10)
+    torch.manual_seed(0)
+    weights = {v: {"w": torch.randn(4, 4)} for v in range(3)}
+    for v in (0, 1):
+        store.publish("p", v, weights[v], meta={"layout": "hf"})
+    reader = VersionReader(str(tmp_path / "w"), use_deltas=True)
+    first, rec = reader.read("p", 1)
+    again, rec2 = reader.read("p", 1)
+    assert rec["mode"] == "full" and rec2["mode"] == "again" and torch.equal(first["w"], again["w"])
+    back, rec3 = reader.read("p", 0)
+    assert rec3["mode"] == "full" and torch.equal(back["w"], weights[0]["w"].to(torch.bfloat16))
+
+    class FailsOnce:
+        version, loads_versions_itself, fails = 0, False, 1
+
+        def take_load_records(self):
+            return []
+
+        def load_weights(self, state, version):
+            if self.fails:
+                self.fails -= 1
+                raise RuntimeError("a transient engine error")
+            self.version = version
+
+    engine = FailsOnce()
+    puller = WeightPuller(str(tmp_path / "w"), {"p": engine}, use_deltas=True)
+    store.publish("p", 2, weights[2], meta={"layout": "hf"})
+    try:
+        puller.poll()
+    except RuntimeError:
+        pass
+    puller.poll()
+    assert engine.version == 2

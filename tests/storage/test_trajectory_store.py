@@ -79,6 +79,16 @@ def test_unknown_scheme_lists_known(tmp_path):
         open_trajectory_store("s3://bucket/store")
 
 
+def test_file_urls_are_parsed_as_urls(tmp_path):
+    from storage.trajectories.backends import open_backend
+
+    spaced = tmp_path / "a store"
+    for url in (f"file://localhost{tmp_path}/a%20store", f"file://{tmp_path}/a%20store"):
+        assert open_backend(url, "a", durable=False).root == spaced
+    with pytest.raises(ValueError, match="names host 'elsewhere'"):
+        open_backend("file://elsewhere/tmp/store", "a", durable=False)
+
+
 def test_layout_on_disk(tmp_path):
     """The commit log and arrays live where paths.py says; a killed writer's temp file in the
     commits directory (older code wrote markers through them) is ignored and cleaned up."""

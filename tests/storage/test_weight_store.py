@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -301,3 +302,47 @@ def test_a_version_retired_while_read_is_not_damaged(tmp_path):
     shutil.rmtree(paths.version_dir(tmp_path, "p", 1))  # retention removed it, commit marker and all
     with pytest.raises(VersionNotCommitted):
         store.manifest("p", 1)
+
+
+def test_a_publish_that_fails_part_way_leaves_nothing_and_names_the_os_error(tmp_path, monkeypatch):
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    store = WeightStore(tmp_path / "w")
+
+    def full_disk(state_dict, storage_writer, no_dist):
+        stage = Path(storage_writer.path)
+        stage.mkdir(parents=True, exist_ok=True)
+        (stage / "__0_0.distcp").write_bytes(b"x" * 1000)  # a part written before the disk filled
+        raise CheckpointException("save failed", {0: (OSError(errno.ENOSPC, "No space left on device"), None)})
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    with pytest.raises(OSError, match="publishing p v1 into .* failed: No space left on device") as info:
+        store.publish("p", 1, _state(1))
+    assert info.value.errno == errno.ENOSPC
+    from storage import paths
+
+    assert not paths.staging_dir(store.root, "p", 1).exists() and store.latest("p") is None
+
+
+def test_a_read_only_store_names_the_hold_files_directory(tmp_path, monkeypatch):
+    store = WeightStore(tmp_path / "w")
+    store.publish("p", 1, _state(1))
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("storage.weights.write_atomically", refused)
+    with pytest.raises(OSError, match="cannot write a reader's hold file in .*readers.*give this process write"):
+        store.load("p", 1)
+
+
+def test_lazily_conjugated_or_negated_tensors_are_published_with_their_values(tmp_path):
+    store = WeightStore(tmp_path / "w")
+    c = torch.tensor([1 + 2j, 3 - 4j])
+    neg = torch.tensor([1.0, 2.0])._neg_view()
+    store.publish("p", 1, {"conj": c.conj(), "neg": neg})
+    got = store.load("p", 1)
+    assert torch.equal(got["conj"], c.conj().resolve_conj()) and torch.equal(got["neg"], torch.tensor([-1.0, -2.0]))
