@@ -7,7 +7,7 @@ event loop, where three coroutines overlap:
 * the *lease loop* keeps up to ``capacity`` episodes in flight (``lease`` from the data layer,
   one asyncio task per episode; the engine batches their generation requests; a node with
   several engines per policy, one per GPU by default, spreads them: ``engine_pool``);
-* the *writer* writes finished trajectories to this node's own segment of the trajectory store
+* the *writer* writes finished trajectories to this node's own segment of the trajectory store (one per start of the node)
   in batches, and only after the write returned (entries committed) reports them with
   ``complete``. Invariant: a task is never completed before its trajectory is readable
   (the episodes and the writer: ``node_episodes``);
@@ -32,6 +32,7 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,7 +155,10 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
         weight version loaded per policy (the node leases only after this catch-up)."""
         bind(self.dl)
         self.store = open_trajectory_store(self.store_url, "a")
-        self.writer = self.store.writer(self.identity.name, batch_size=self.cfg.write_batch)
+        # a segment of this incarnation's own: a node of the same name started while an earlier
+        # one still writes (a partitioned worker replaced) never shares its writer's segment
+        segment = f"{self.identity.name}.{uuid.uuid4().hex[:8]}"
+        self.writer = self.store.writer(segment, batch_size=self.cfg.write_batch)
         workload = make_workload(*self._workload_args)
         if self._sandbox is not None:  # the run's ``sandbox:`` for the rewards that run code here
             sandbox = configure_sandbox(self._sandbox)
