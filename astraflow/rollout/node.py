@@ -10,8 +10,7 @@ event loop, where three coroutines overlap:
 * the *writer* writes finished trajectories to this node's own segment of the trajectory store
   (one per start of the node) in batches, and only after the write returned (entries
   committed) reports them with ``complete``. Invariant: a task is never completed before its
-  trajectory is readable
-  (the episodes and the writer: ``node_episodes``);
+  trajectory is readable (the episodes and the writer: ``node_episodes``);
 * the *weight watcher* polls the weight store and loads every newer committed version into the
   engine, also while episodes are in flight (partial rollout: tokens after the swap carry the
   new version).
