@@ -31,6 +31,8 @@ from storage.trajectories.writer import SegmentWriter
 
 #: token gap below which read() fetches one covering slice instead of two.
 _MERGE_GAP_TOKENS = 32 * 1024
+#: refs of one segment further apart than this many entries read their index rows separately
+_MERGE_GAP_ENTRIES = 4096
 
 
 def open_trajectory_store(url: str, mode: str = "a", *, durable: bool = True) -> "TrajectoryStore":
@@ -289,7 +291,8 @@ class TrajectoryStore:
         """The entries ``refs`` name, in that order, as concatenated columns (``Columns``): one
         read per array per batch (per chunk, where it crosses one) per run of nearby entries,
         each run's bytes copied once into the columns (read straight into them when the run is
-        one stretch of consecutive entries), no per-entry objects. ``EntryNotCommitted`` names the first uncommitted refs."""
+        one stretch of consecutive entries), no per-entry objects. ``EntryNotCommitted`` names the
+        first uncommitted refs."""
         n = len(refs)
         if not n:
             return empty_columns()
@@ -312,8 +315,18 @@ class TrajectoryStore:
                     f"segment {view.segment!r} of {self.url} has {view.committed} committed entries; asked for "
                     f"uncommitted entries {names}: pass only refs returned by write()"
                 )
-            index[pos] = view.rows("index", lo, hi)[ix - lo]
-            reward[pos] = view.rows("reward", lo, hi)[ix - lo]
+            if hi - lo <= _MERGE_GAP_ENTRIES:
+                index[pos] = view.rows("index", lo, hi)[ix - lo]
+                reward[pos] = view.rows("reward", lo, hi)[ix - lo]
+                continue
+            # far-apart refs: one slice per run of nearby ones, not everything between them
+            order = np.argsort(ix, kind="stable")
+            sx = ix[order]
+            cuts = np.flatnonzero(np.diff(sx) > _MERGE_GAP_ENTRIES) + 1
+            for a, b in zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [len(sx)]]).tolist()):
+                lo, hi, sel = int(sx[a]), int(sx[b - 1]) + 1, pos[order[a:b]]
+                index[sel] = view.rows("index", lo, hi)[sx[a:b] - lo]
+                reward[sel] = view.rows("reward", lo, hi)[sx[a:b] - lo]
         lengths = index[:, 1]
         offsets = np.zeros(n + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])

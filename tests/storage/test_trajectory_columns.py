@@ -125,3 +125,24 @@ def test_columns_span_batches_written_before_packing_and_after(tmp_path, small_c
     store = open_trajectory_store(url, "r")
     rows = [written[r] for r in refs]
     _check_columns_equal_rows(store.read_columns(refs), rows, refs)
+
+
+def test_far_apart_refs_read_the_same_rows_as_near_ones(tmp_path, monkeypatch):
+    """Refs far apart in one segment are read a run at a time: the same rows, in the order asked."""
+    monkeypatch.setattr(reader_mod, "_MERGE_GAP_ENTRIES", 3)
+    store = open_trajectory_store(str(tmp_path / "s"))
+    w = store.writer("a", batch_size=8)
+    refs = w.write([_far_row(i) for i in range(40)])
+    w.close()
+    asked = [refs[i] for i in (39, 0, 1, 20, 38, 2, 21, 0)]
+    got = store.read(asked)
+    assert [r.task_id for r in got] == [f"t{i}" for i in (39, 0, 1, 20, 38, 2, 21, 0)]
+    assert [float(r.reward) for r in got] == [float(i) for i in (39, 0, 1, 20, 38, 2, 21, 0)]
+
+
+def _far_row(i: int):
+    from storage.trajectories import StoredSequence
+
+    z = np.full(i % 3 + 1, i, np.int32)
+    return StoredSequence(f"t{i}", "g", 0, 1, z, np.ones(len(z), np.uint8), z.astype(np.float32),
+                          z.astype(np.int16), z, float(i), "stop", "")
