@@ -144,30 +144,30 @@ class BoundedWaits:
 
 class NothingCompletes:
     """A run in which tasks keep failing and none completes (an engine that cannot take the
-    prompts, a reward that always raises) is stopped with the failures' reasons instead of
-    creating new tasks until ``run.timeout_s``. Counted from the first tick this object sees (a
-    resumed run's earlier tasks do not count); a single completion disarms it."""
+    prompts, or whose weights went bad after some steps; a reward that always raises) is stopped
+    with the failures' reasons instead of creating new tasks until ``run.timeout_s``. Counts the
+    failures since the last completion seen (from the first tick this object sees: a resumed
+    run's earlier tasks do not count)."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self._base: tuple[int, int] | None = None
-        self.armed = True
+        self._reasons_base: dict[str, int] = {}
 
     def check(self, ledger: dict[str, Any]) -> str | None:
         """Why the run must stop (``ledger``: the data layer's ``Ledger.summary()``), or None."""
-        if not self.armed:
-            return None
         events = ledger.get("events", {})
         failed, completed = int(events.get("failed", 0)), int(events.get("completed", 0))
-        if self._base is None:
-            self._base = (failed, completed)
-        if completed > self._base[1]:
-            self.armed = False
+        by_reason = dict(ledger.get("failed_by_reason", {}))
+        if self._base is None or completed > self._base[1]:
+            self._base, self._reasons_base = (failed, completed), by_reason
             return None
         n = failed - self._base[0]
         if n < self.limit:
             return None
-        reasons = sorted(ledger.get("failed_by_reason", {}).items(), key=lambda kv: -kv[1])[:3]
+        recent = {why: c - self._reasons_base.get(why, 0) for why, c in by_reason.items()}
+        reasons = sorted(((why, c) for why, c in recent.items() if c > 0), key=lambda kv: -kv[1])[:3]
         said = "; ".join(f"{count}x {why}" for why, count in reasons) or "no reason recorded"
-        return (f"{n} rollout tasks failed and none completed ({said}): fix what the reasons say (a RaaS node's "
+        since = "since the last one completed" if completed else "and none completed"
+        return (f"{n} rollout tasks failed {since} ({said}): fix what the reasons say (a RaaS node's "
                 "log under the run's jobs/ has the traceback), then run again on this run directory")

@@ -19,8 +19,18 @@ def test_failures_with_no_completion_stop_the_run_naming_the_reasons():
     assert "20x timeout" in why and "jobs/" in why
 
 
-def test_one_completion_disarms_it_for_good():
+def test_failures_after_completions_stop_the_run_too():
+    """Tasks completed, then every one fails (weights gone bad after some steps): the failures
+    since the last completion count, and the reasons named are theirs."""
     watch = NothingCompletes(limit=100)
     watch.check(summary(0, 5))  # a resumed run's earlier completions are the baseline
-    assert watch.check(summary(50, 6)) is None
-    assert watch.check(summary(5000, 6)) is None and not watch.armed
+    assert watch.check(summary(50, 6, {"timeout": 50})) is None  # a completion: counting starts again
+    assert watch.check(summary(149, 6, {"timeout": 50, "nan logits": 99})) is None
+    why = watch.check(summary(150, 6, {"timeout": 50, "nan logits": 100}))
+    assert why.startswith("100 rollout tasks failed since the last one completed (100x nan logits)")
+
+
+def test_failures_among_completions_do_not_stop_the_run():
+    watch = NothingCompletes(limit=100)
+    for tick in range(1, 50):
+        assert watch.check(summary(90 * tick, tick)) is None
