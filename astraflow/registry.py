@@ -30,8 +30,8 @@ class Registry(Generic[T]):
     def resolve(self, name: str) -> T:
         """``get``, where ``"package.module:name"`` first imports the user's module (which
         registers its classes), so a new one needs no change in AstraFlow. A module that cannot
-        be imported is a ``ValueError`` naming the fix. ``name`` is the registered name, or the
-        name of an unregistered class in the module."""
+        be imported is a ``ValueError`` naming the fix. ``name`` is an attribute of the module
+        (registered or not; it wins over a built-in of the same name), or a name it registered."""
         if ":" in name:
             module, name = name.split(":", 1)
             try:
@@ -42,8 +42,11 @@ class Registry(Generic[T]):
             except Exception as err:  # a user's module that fails as it runs: name it, no traceback
                 raise ValueError(f"{self.kind} {module}:{name}: importing {module!r} raised "
                                  f"{type(err).__name__}: {err}") from None
-            if name not in self._items and hasattr(mod, name):  # a class the module did not register
+            if hasattr(mod, name):  # the module's own, registered or not, before a built-in of that name
                 return getattr(mod, name)
+            if name not in self._items:
+                raise ValueError(f"{self.kind} {module}:{name}: {module!r} has no {name!r} and registered no "
+                                 f"{self.kind} of that name; known: {', '.join(sorted(self._items)) or '(none)'}")
         return self.get(name)
 
     def get(self, name: str) -> T:

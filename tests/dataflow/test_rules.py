@@ -245,7 +245,8 @@ def run_config(tmp_path, **dataflow):
     ("curator", {"type": "no_such.module:rule"}, r"dataflow.curator.user: .*cannot import 'no_such.module'"),
     ("curator", {"type": "tests.dataflow.user_rules:every_nth_test", "params": {"n": 0}},
      r"dataflow.curator.user: .*every_nth_test': params.n: Input should be greater than or equal to 1"),
-    ("curator", {"type": "tests.dataflow.user_rules:nope"}, r"unknown prompt curator 'nope'; known: .*greso"),
+    ("curator", {"type": "tests.dataflow.user_rules:nope"},
+     r"'tests.dataflow.user_rules' has no 'nope' and registered no prompt curator .*; known: .*greso"),
 ])
 def test_an_unknown_type_or_a_bad_param_is_a_config_error_naming_the_field(tmp_path, stage, bad, needle):
     with pytest.raises(ConfigError, match=needle):

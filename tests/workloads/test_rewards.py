@@ -77,7 +77,15 @@ def user_reward(completion, answer, payload):
     return 1.0 if answer in completion else 0.5
 
 
+def numeric(completion, answer, payload):
+    """A user's reward that shares a built-in's name."""
+    return 0.25
+
+
 def test_user_reward_by_module_name():
     assert resolve_reward("tests.workloads.test_rewards:user_reward")("abc", "b", {}) == 1.0
+    assert resolve_reward("tests.workloads.test_rewards:numeric")("5", "5", {}) == 0.25  # the module's, not the built-in
     with pytest.raises(ValueError, match="known: exact, math_verify, numeric, regex"):
         resolve_reward("no_such_reward")
+    with pytest.raises(ValueError, match="'tests.workloads.test_rewards' has no 'nosuch'"):
+        resolve_reward("tests.workloads.test_rewards:nosuch")
