@@ -240,7 +240,9 @@ class Trainer(OptimizerCheckpoint):
         return self.state()
 
     def state(self) -> dict[str, Any]:
-        elapsed = max(time.time() - self._started_at, 1e-9)
+        now = time.time()
+        elapsed = max(now - self._started_at, 1e-9)
+        waited = self._waited_s + (now - since if (since := self._waiting_since) else 0.0)
         return {
             "policy": self.policy,
             "version": self.committed,
@@ -252,8 +254,9 @@ class Trainer(OptimizerCheckpoint):
             "train_s": self.train_s,
             "publish_s": self.publish_s,
             "read_s": self.read_s,
-            "wait_fraction": self.wait_s / elapsed,
-            "wait_total_s": self._waited_s + (time.time() - since if (since := self._waiting_since) else 0.0),
+            # the wait in progress included: a trainer that gets no batch shows as waiting
+            "wait_fraction": min(1.0, waited / elapsed),
+            "wait_total_s": waited,
             "deltas": self.delta_history[-5:],
             "optimizer_resumed_from": self.optimizer_resumed_from,
             "last_metrics": dict(self.last_metrics),

@@ -164,6 +164,9 @@ def test_stop_ends_a_wait_for_a_batch_that_will_not_come(tmp_path, tiny_model):
     while not dl.events:  # the trainer is waiting for its first batch
         assert time.monotonic() < deadline, "the trainer never asked for a batch"
         time.sleep(0.02)
+    time.sleep(0.5)
+    waiting = tr.state()  # the wait in progress counts: a starved trainer shows as waiting
+    assert waiting["wait_fraction"] > 0 and waiting["wait_total_s"] >= 0.5
     st = tr.stop(timeout=30)
     assert st["error"] is None and not st["done"] and st["version"] == 0
     assert not tr._thread.is_alive()
