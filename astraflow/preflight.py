@@ -60,10 +60,13 @@ def check_models(cfg: RunConfig) -> None:
         _check_positions(cfg, pol, json.loads((pol.model / "config.json").read_text()))
         if pol.trainer.backend == "megatron":
             try:
-                GPTShape.from_hf_config(json.loads((pol.model / "config.json").read_text()))
+                shape = GPTShape.from_hf_config(json.loads((pol.model / "config.json").read_text()))
             except ValueError as err:
                 raise ConfigError(f"policies[{pol.name}].model: {pol.model}: trainer.backend megatron "
                                   f"cannot train it: {err}") from None
+            problem = shape.tensor_parallel_problem(pol.trainer.tensor_parallel)
+            if problem:
+                raise ConfigError(f"policies[{pol.name}].trainer.tensor_parallel: {pol.model}: {problem}")
 
 
 def _check_positions(cfg: RunConfig, pol, config: dict) -> None:

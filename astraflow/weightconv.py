@@ -58,6 +58,18 @@ class GPTShape:
     #: the q/k/v projections have biases (Qwen2); the output projection and the MLP never do.
     qkv_bias: bool = False
 
+    def tensor_parallel_problem(self, tp: int) -> str | None:
+        """Why Megatron cannot shard this shape over ``tp`` tensor-parallel ranks (None: it can)."""
+        if self.num_kv_heads % tp or self.num_heads % tp:
+            return (f"tensor-parallel size {tp} must divide num_attention_heads={self.num_heads} and "
+                    f"num_key_value_heads={self.num_kv_heads}: choose a TP size that divides both")
+        if self.vocab_size % tp:
+            return (f"vocab_size={self.vocab_size} is not divisible by tensor-parallel size {tp}: "
+                    "pad the tokenizer's vocabulary (e.g. to a multiple of 64) or change TP")
+        if self.intermediate_size % tp:
+            return f"intermediate_size={self.intermediate_size} is not divisible by tensor-parallel size {tp}"
+        return None
+
     @classmethod
     def from_hf_config(cls, config: Any | Mapping[str, Any]) -> "GPTShape":
         """From a ``transformers`` config object or its ``to_dict()``. ``ValueError`` naming the

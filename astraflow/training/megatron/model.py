@@ -93,20 +93,9 @@ def transformer_config(shape: GPTShape, tp_size: int, params_dtype: torch.dtype 
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if shape.num_kv_heads % tp_size or shape.num_heads % tp_size:
-        raise ValueError(
-            f"tensor-parallel size {tp_size} must divide num_attention_heads={shape.num_heads} and "
-            f"num_key_value_heads={shape.num_kv_heads}: choose a TP size that divides both"
-        )
-    if shape.vocab_size % tp_size:
-        raise ValueError(
-            f"vocab_size={shape.vocab_size} is not divisible by tensor-parallel size {tp_size}: "
-            "pad the tokenizer's vocabulary (e.g. to a multiple of 64) or change TP"
-        )
-    if shape.intermediate_size % tp_size:
-        raise ValueError(
-            f"intermediate_size={shape.intermediate_size} is not divisible by TP size {tp_size}"
-        )
+    problem = shape.tensor_parallel_problem(tp_size)
+    if problem:
+        raise ValueError(problem)
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
