@@ -180,13 +180,14 @@ def check(config: str, overrides: tuple[str, ...]) -> None:
     cfg = _load(config, overrides)
     click.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     from astraflow.partition_settings import plan_lines
-    from astraflow.runtime.launch import check_data
+    from astraflow.runtime.launch import check_data, check_sandbox
 
     for line in plan_lines(cfg.partitions, cfg.rollout, {p.name: p.trainer for p in cfg.policies}):
         click.echo(line, err=True)
 
     try:
         click.echo(check_data(cfg.workload), err=True)
+        check_sandbox(cfg)  # as `run` checks it: a reward that runs code needs a working sandbox
     except ValueError as err:
         raise UserError(str(err)) from None
 
