@@ -254,7 +254,9 @@ def test_help_describes_every_option():
 
 SUMMARY = {"status": "failed", "reason": "trainer solver failed", "requeue": False, "steps": {"solver": 3},
            "eval": [{"step": 3, "policy": "solver", "eval_accuracy": 0.5}], "seconds": 12.0,
-           "ledger": {"tasks": 40, "states": {"consumed": 32, "dropped": 8}}, "ledger_closed": True}
+           "ledger": {"tasks": 40, "states": {"consumed": 32, "dropped": 8}}, "ledger_closed": True,
+           "trainer_restarts": {"solver": {"count": 1, "limit": 2, "restarts": []}},
+           "data_layer_restarts": {"count": 0, "limit": 2, "restarts": []}}
 
 
 @pytest.mark.parametrize("files", ["summary only", "with the last status"])
@@ -270,6 +272,7 @@ def test_status_of_a_finished_run_prints_its_final_state(tmp_path, files):
     assert "run finished: failed (trainer solver failed) after 12s" in res.output
     assert "steps: solver 3" in res.output and "ledger: 40 tasks: consumed 32, dropped 8" in res.output
     assert "held-out accuracy: v3=0.500" in res.output
+    assert "restarts: trainer solver 1" in res.output and "data layer" not in res.output
 
 
 def test_status_of_a_run_that_stopped_without_a_summary(tmp_path):

@@ -104,6 +104,12 @@ def format_summary(summary: dict[str, Any], where: str) -> str:
              + ("; stopped for a requeue: run again on its directory to resume it" if summary.get("requeue") else "")]
     steps = summary.get("steps") or {}
     lines.append("steps: " + (", ".join(f"{p} {n}" for p, n in steps.items()) or "none"))
+    restarts = {p: r.get("count") for p, r in (summary.get("trainer_restarts") or {}).items()
+                if isinstance(r, dict) and r.get("count")}
+    dl_restarts = (summary.get("data_layer_restarts") or {}).get("count")
+    if restarts or dl_restarts:
+        lines.append("restarts: " + ", ".join([f"trainer {p} {n}" for p, n in restarts.items()]
+                                              + ([f"data layer {dl_restarts}"] if dl_restarts else [])))
     for p, t in (summary.get("trainers") or {}).items():
         if isinstance(t, dict) and t.get("error"):
             lines.append(f"  {p} error: {t['error']}")
