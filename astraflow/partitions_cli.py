@@ -167,7 +167,7 @@ def _removal_modes(command):
 @click.option("--wait", "wait_s", type=Seconds(), default=0.0, show_default=True,
               help="Seconds to wait until the partition is removed (0: do not wait).")
 def partitions_remove(run_dir: str, name: str, mode: str, wait_s: float) -> None:
-    """Remove partition NAME from the running run in RUN_DIR (give one of --drain, --now). No
+    """Remove partition NAME from the running run in RUN_DIR: --drain (the default) or --now. No
     task is lost either way."""
     from astraflow.runtime.control import remove_partition, wait_partition
 

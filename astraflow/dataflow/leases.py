@@ -227,7 +227,7 @@ class Leases:
         task = self.tasks[tid]
         self.ledger.requeue(tid, why)
         if task.attempt + 1 >= self.max_attempts:
-            self.ledger.end(tid, "failed", f"{why}_after_{self.max_attempts}_attempts")
+            self.ledger.end(tid, "failed", f"{why} (after {self.max_attempts} attempts)")
             self._on_failed(self.tasks.pop(tid))
             return
         self.tasks[tid] = replace(task, attempt=task.attempt + 1, lease_deadline=None)

@@ -95,10 +95,11 @@ class Progress:
                 self._last_eval_reported = ev["step"]
                 agentic = (f", {ev['eval_turns']:.1f} turns and {ev['eval_tool_calls']:.1f} tool calls per episode, "
                            f"{ev['eval_invalid_call_rate']:.0%} of the calls invalid" if "eval_turns" in ev else "")
+                acc = (f"[bold]{ev['eval_accuracy']:.3f}[/bold]" if ev.get("eval_prompts")
+                       else "n/a (no episode of the round completed)")
                 self.note(
                     f"[bold]eval[/bold] {ev['policy']} v{ev['step']}: held-out accuracy "
-                    f"[bold]{ev['eval_accuracy']:.3f}[/bold] ({ev['eval_prompts']} prompts, {ev['eval_seconds']:.1f}s"
-                    f"{agentic})"
+                    f"{acc} ({ev.get('eval_prompts', 0)} prompts, {ev['eval_seconds']:.1f}s{agentic})"
                 )
         now = time.time()
         if now - self._last < self.interval_s:

@@ -140,7 +140,7 @@ def test_failed_task_fails_after_max_attempts(tmp_path):
         assert t2.task_id == t.task_id and t2.attempt == 1
         await layer.fail(t.task_id, "boom")
         assert layer.ledger.state_of(t.task_id) == "failed"
-        assert "failed:boom_after_2_attempts" in layer.ledger.failed_by_reason
+        assert "failed:boom (after 2 attempts)" in layer.ledger.failed_by_reason
 
     run(go())
 

@@ -50,7 +50,7 @@ def test_expired_lease_goes_back_to_the_front_then_fails_after_max_attempts():
     expire_now(leases, "g/0")
     leases.expire()
     assert [f.task_id for f in failed] == ["g/0"] and "g/0" not in leases.tasks
-    assert leases.ledger.failed_by_reason == {"lease_expired_after_2_attempts": 1}
+    assert leases.ledger.failed_by_reason == {"lease_expired (after 2 attempts)": 1}
 
 
 def test_renew_keeps_a_lease_and_the_first_completion_wins():

@@ -189,7 +189,7 @@ def test_any_exception_of_a_workflow_or_reward_fails_its_task_and_releases_the_l
     # nothing expired (leases last 300 s): every failure was reported and released its lease
     assert not _held(dl), "a lease was left held"
     assert summary["events"].get("requeued_lease_expired", 0) == 0
-    assert all(r.endswith("_after_2_attempts") for r in summary["failed_by_reason"]), summary
+    assert all(r.endswith(" (after 2 attempts)") for r in summary["failed_by_reason"]), summary
     assert node.counters["failed"] >= len(Scripted.FAILURES)
 
 
