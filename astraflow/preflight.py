@@ -56,6 +56,9 @@ def check_models(cfg: RunConfig) -> None:
         try:
             check_model_dir(pol.model)
         except ValueError as err:
+            if pol.init is not None and pol.model.is_dir() and not any(pol.model.iterdir()):
+                raise ConfigError(f"policies[{pol.name}].model: {pol.model} exists and is empty, so init does not "
+                                  "build the model into it: remove the empty directory") from None
             raise ConfigError(f"policies[{pol.name}].model: {err}") from None
         _check_positions(cfg, pol, json.loads((pol.model / "config.json").read_text()))
         if pol.trainer.backend == "megatron":

@@ -76,6 +76,9 @@ CASES = {
     "megatron TP not dividing the heads": (_sets("policies.solver.trainer.backend=megatron",
                                                  "policies.solver.trainer.tensor_parallel=3"),
                                            "tensor-parallel size 3 must divide num_attention_heads", None),
+    "an empty model directory with init": (lambda tmp_path, cfg: (tmp_path / "empty").mkdir() or [
+        "check", str(cfg), "--set", f"policies.solver.model={tmp_path / 'empty'}",
+        "--set", "policies.solver.init={preset: tiny}"], "exists and is empty", None),
     "a train split without prompts": (lambda tmp_path, cfg: ["run", str(cfg), "--set", "workload.params.num_train=0",
                                                              "--run-dir", str(tmp_path / "run")],
                                       "has no training prompts", None),
