@@ -31,6 +31,7 @@ and deletes those no reader can use any more (``_prune_deltas``).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -250,12 +251,19 @@ class WeightStore:
                 warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
                 dcp.save(state_dict, storage_writer=writer, no_dist=True)
         except BaseException as err:  # (DCP's CheckpointException is one) nothing of a failed write stays behind
+            free = shutil.disk_usage(stage).free
             self.discard_staging(policy, version)
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
             cause = _first_failure(err)
+            need = sum(v.numel() * v.element_size() for v in state_dict.values())
+            if not isinstance(cause, OSError) and free < need:  # torch's zip writer reports ENOSPC as its own error
+                cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             if isinstance(cause, OSError):
-                raise OSError(cause.errno, f"publishing {policy} v{version} into {stage} failed: "
-                                           f"{cause.strerror or cause}") from err
-            raise
+                raise OSError(cause.errno, f"publishing {policy} v{version} failed: {cause.strerror or cause}",
+                              cause.filename or str(stage)) from err
+            raise RuntimeError(f"publishing {policy} v{version} into {stage} failed: "
+                               f"{type(cause).__name__}: {cause}") from err  # an Exception, whatever DCP raised
         return self.commit(policy, version, meta, whole_tensors=True)
 
     # -- reading -----------------------------------------------------------------------------

@@ -319,9 +319,9 @@ def test_a_publish_that_fails_part_way_leaves_nothing_and_names_the_os_error(tmp
         raise CheckpointException("save failed", {0: (OSError(errno.ENOSPC, "No space left on device"), None)})
 
     monkeypatch.setattr(dcp, "save", full_disk)
-    with pytest.raises(OSError, match="publishing p v1 into .* failed: No space left on device") as info:
+    with pytest.raises(OSError, match="publishing p v1 failed: No space left on device") as info:
         store.publish("p", 1, _state(1))
-    assert info.value.errno == errno.ENOSPC
+    assert info.value.errno == errno.ENOSPC and "staging" in info.value.filename
     from storage import paths
 
     assert not paths.staging_dir(store.root, "p", 1).exists() and store.latest("p") is None
@@ -346,3 +346,27 @@ def test_lazily_conjugated_or_negated_tensors_are_published_with_their_values(tm
     store.publish("p", 1, {"conj": c.conj(), "neg": neg})
     got = store.load("p", 1)
     assert torch.equal(got["conj"], c.conj().resolve_conj()) and torch.equal(got["neg"], torch.tensor([-1.0, -2.0]))
+
+
+def test_a_publish_whose_rank_fails_otherwise_raises_an_exception_the_trainer_catches(tmp_path, monkeypatch):
+    """DCP's ``CheckpointException`` is a ``BaseException``: it would end a trainer's thread
+    unreported. A full disk that torch's zip writer reports as its own error is still ENOSPC."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    store = WeightStore(tmp_path / "w")
+
+    def zip_writer_fails(state_dict, storage_writer, no_dist):
+        raise CheckpointException("save failed", {0: (RuntimeError("unexpected pos 704 vs 598"), None)})
+
+    monkeypatch.setattr(dcp, "save", zip_writer_fails)
+    with pytest.raises(RuntimeError, match="publishing p v1 into .* failed: RuntimeError: unexpected pos"):
+        store.publish("p", 1, _state(1))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100, 100, 0))
+    with pytest.raises(OSError) as info:
+        store.publish("p", 1, _state(1))
+    assert info.value.errno == errno.ENOSPC
