@@ -261,6 +261,9 @@ class DatasetWorkload:
             return None
         solution = str(solution)
         if cfg.answer_format == "gsm8k":
+            if "####" not in solution and len(solution.split()) > 1:  # a worked solution with no final answer
+                self.report.skip(row, "answer without ####", repr(solution[-40:]))
+                return None
             answer = gsm8k_answer(solution)
         elif cfg.answer_format == "boxed":
             answer = boxed_answer(solution)

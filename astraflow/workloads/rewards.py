@@ -47,40 +47,58 @@ def _checker(fn: Callable[[str], str | None]) -> Callable[[RewardFn], RewardFn]:
 
 # -- answers in text ---------------------------------------------------------------------------
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+#: a number as written in an answer: thousands separators only between groups of three digits,
+#: an optional fraction and exponent
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?![\d,]*\d)|-?\.\d+(?:[eE][-+]?\d+)?")
 _FINAL = re.compile(r"####\s*(.+)")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_MINUS = str.maketrans({"\u2212": "-", "\u2013": "-"})  # the minus sign and the en dash written for it
 
 
 def gsm8k_answer(solution: str) -> str:
-    """The final answer of a GSM8K-style solution: the text after the last ``####``, commas
-    and a trailing period dropped (``"... #### 1,200"`` -> ``"1200"``); the solution stripped
-    when it has no ``####``."""
+    """The final answer of a GSM8K-style solution: the text after the last ``####``, thousands
+    separators and a trailing period dropped (``"... #### 1,200"`` -> ``"1200"``); the solution
+    stripped when it has no ``####``."""
     found = _FINAL.findall(solution)
-    text = found[-1] if found else solution
-    return text.strip().replace(",", "").rstrip(".").strip()
+    text = (found[-1] if found else solution).translate(_MINUS)
+    return _THOUSANDS.sub("", text.strip()).rstrip(".").strip()
 
 
 def boxed_answer(solution: str) -> str | None:
     """The contents of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``solution``, braces
-    balanced; ``None`` if there is none."""
+    balanced (escaped ``\\{``, ``\\}`` are text); the brace-less ``\\boxed 5`` form gives its
+    token. ``None`` if there is none."""
     start = max(solution.rfind("\\boxed"), solution.rfind("\\fbox"))
     if start < 0:
         return None
-    i = solution.find("{", start)
-    if i < 0:
-        return None
-    depth = 0
-    for j in range(i, len(solution)):
-        depth += {"{": 1, "}": -1}.get(solution[j], 0)
+    rest = solution[start + (6 if solution.startswith("\\boxed", start) else 5):]
+    body = rest.lstrip()
+    if not body.startswith("{"):
+        token = re.match(r"[^\s$]+", body) if rest[:1].isspace() else None
+        return token.group(0).rstrip(".") if token else None
+    depth, j = 0, 0
+    while j < len(body):
+        c = body[j]
+        if c == "\\":
+            j += 2  # an escaped character (\{, \}) is not a brace
+            continue
+        depth += {"{": 1, "}": -1}.get(c, 0)
         if depth == 0:
-            return solution[i + 1 : j].strip()
+            return body[1:j].strip()
+        j += 1
     return None
 
 
 def to_number(text: str) -> float | None:
-    """``text`` as a number (commas as thousands separators allowed), or ``None``."""
+    """``text`` as a number (thousands separators, an exponent, a Unicode minus allowed), or
+    ``None``."""
+    text = text.strip().translate(_MINUS)
+    if "," in text:
+        if not re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?:[eE][-+]?\d+)?", text):
+            return None
+        text = text.replace(",", "")
     try:
-        return float(text.strip().replace(",", ""))
+        return float(text)
     except ValueError:
         return None
 
@@ -88,6 +106,7 @@ def to_number(text: str) -> float | None:
 def final_number(completion: str) -> float | None:
     """The number a completion answers with: the one after its last ``####`` if it writes one
     (the GSM8K convention), else the last number in it; ``None`` if it has none."""
+    completion = completion.translate(_MINUS)
     found = _FINAL.findall(completion)
     if found and (numbers := _NUMBER.findall(found[-1])):
         return to_number(numbers[0])
@@ -95,19 +114,26 @@ def final_number(completion: str) -> float | None:
     return to_number(numbers[-1]) if numbers else None
 
 
+def same_number(got: float, want: float) -> bool:
+    """Integers equal exactly; other numbers to 1e-6 relative."""
+    if got.is_integer() and want.is_integer():
+        return got == want
+    return math.isclose(got, want, rel_tol=1e-6, abs_tol=0.0)
+
+
 # -- the rewards ------------------------------------------------------------------------------------
 
 
 def _exact_problem(answer: str) -> str | None:
-    return None if answer.strip() else "empty answer"
+    return None if gsm8k_answer(answer) else "empty answer"
 
 
 @REWARDS.register("exact")
 @_checker(_exact_problem)
 def exact_match(completion: str, answer: str, payload: Mapping[str, Any]) -> float:
     """1.0 when the completion's final answer (after its last ``####``, else the whole
-    completion) equals the reference, both normalised alike (``gsm8k_answer``: stripped, commas
-    and a trailing period dropped, as a reference read from a solution is)."""
+    completion) equals the reference, both normalised alike (``gsm8k_answer``: stripped,
+    thousands separators and a trailing period dropped, as a reference read from a solution is)."""
     return 1.0 if gsm8k_answer(completion) == gsm8k_answer(answer) else 0.0
 
 
@@ -119,12 +145,12 @@ def _numeric_problem(answer: str) -> str | None:
 @REWARDS.register("numeric")
 @_checker(_numeric_problem)
 def numeric_match(completion: str, answer: str, payload: Mapping[str, Any]) -> float:
-    """1.0 when the completion's number (``final_number``) equals the reference number (to
-    1e-6 relative), else 0.0."""
+    """1.0 when the completion's number (``final_number``) equals the reference number
+    (``same_number``: integers exactly, others to 1e-6 relative), else 0.0."""
     want, got = to_number(answer), final_number(completion)
     if want is None or got is None:
         return 0.0
-    return 1.0 if abs(got - want) <= 1e-6 * max(1.0, abs(want)) else 0.0
+    return 1.0 if same_number(got, want) else 0.0
 
 
 def _math_verify_problem(answer: str) -> str | None:
@@ -139,9 +165,7 @@ def _mv_parse(text: str) -> list:
     # math-verify bounds its parsing with SIGALRM, which only the main thread may set; elsewhere
     # (a RaaS node's reward thread) it runs unbounded over a completion of bounded length
     main = threading.current_thread() is threading.main_thread()
-    if "$" not in text and "\\" in text:
-        text = f"${text}$"  # a bare LaTeX answer (a MATH \boxed{} content) as math
-    return parse(text, parsing_timeout=5 if main else None)
+    return parse(text.translate(_MINUS), parsing_timeout=5 if main else None)
 
 
 @REWARDS.register("math_verify")
@@ -153,7 +177,10 @@ def math_verify_match(completion: str, answer: str, payload: Mapping[str, Any]) 
     from math_verify import verify
 
     found = _FINAL.findall(completion)
-    pred = _mv_parse(found[-1] if found else completion[-2000:])
+    text = found[-1] if found else completion[-2000:]
+    pred = _mv_parse(text)
+    if not pred and "$" not in text and "\\" in text:
+        pred = _mv_parse(f"${text}$")  # a bare LaTeX answer (``\\frac{1}{2}``) as math
     if not pred:
         return 0.0
     main = threading.current_thread() is threading.main_thread()
@@ -162,16 +189,17 @@ def math_verify_match(completion: str, answer: str, payload: Mapping[str, Any]) 
 
 @functools.lru_cache(maxsize=4096)
 def _gold(answer: str) -> list:
-    """A reference answer parsed once: every completion of its group is compared with it."""
-    return _mv_parse(answer)
+    """A reference answer parsed once: every completion of its group is compared with it. Read
+    as LaTeX (a MATH ``\\boxed{}`` content: ``4a`` is not the number 4), as text where that fails."""
+    return _mv_parse(f"\\boxed{{{answer}}}") or _mv_parse(answer)
 
 
 def _regex_problem(answer: str) -> str | None:
     try:
-        re.compile(answer)
+        pattern = re.compile(answer)
     except re.error as err:
         return f"answer {answer[:40]!r} is not a regular expression ({err})"
-    return None
+    return f"answer {answer[:40]!r} matches every completion" if pattern.search("") else None
 
 
 @REWARDS.register("regex")

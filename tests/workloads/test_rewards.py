@@ -89,3 +89,31 @@ def test_user_reward_by_module_name():
         resolve_reward("no_such_reward")
     with pytest.raises(ValueError, match="'tests.workloads.test_rewards' has no 'nosuch'"):
         resolve_reward("tests.workloads.test_rewards:nosuch")
+
+
+@pytest.mark.parametrize("reward,completion,answer,expected", [
+    ("numeric", "The answer is 1e3", "1000", 1.0),
+    ("numeric", "x = 2.5e-3", "-3", 0.0),
+    ("numeric", "\u22125", "-5", 1.0),
+    ("numeric", "\u22125", "5", 0.0),
+    ("numeric", "#### 2000001", "2000000", 0.0),
+    ("numeric", "#### 0", "0.0000005", 0.0),
+    ("numeric", "#### 7,2", "72", 0.0),
+    ("numeric", "#### 1,234,567", "1234567", 1.0),
+    ("numeric", "3.0", "3", 1.0),
+    ("exact", "#### (12)", "(1,2)", 0.0),
+    ("exact", "#### 1,200.", "1200", 1.0),
+    ("math_verify", "\\boxed{4}", "4a", 0.0),
+    ("math_verify", "\\boxed{4a}", "4a", 1.0),
+    ("math_verify", "He pays 3 \\times 5 = 15 dollars and keeps 2: 17", "17", 1.0),
+    ("math_verify", "\\frac{1}{2}", "0.5", 1.0),
+    ("math_verify", "#### \u22123", "-3", 1.0),
+])
+def test_answers_written_every_which_way_score_as_they_should(reward, completion, answer, expected):
+    assert score(reward, completion, answer) == expected
+
+
+def test_answers_that_cannot_be_scored_are_refused():
+    assert answer_problem("exact", "...") and answer_problem("regex", "") and answer_problem("regex", "a*")
+    assert answer_problem("math_verify", "(2,3)") is None and answer_problem("math_verify", "\\$18.90") is None
+    assert boxed_answer("$\\boxed 5$. (Here $\\frac{1}{2}$ ...)") == "5" and boxed_answer("\\boxed{5\\}}") == "5\\}"
