@@ -193,6 +193,17 @@ class TextWorldEnv(EnvironmentBase):
             return t["object"] in self.held
         return t["object"] in self.inside[t["container"]]
 
+    def steps_left(self) -> int:
+        """Expert steps from here to success (moves on shortest paths, one per take and put)."""
+        t, d = self.task, self.world.dist
+        if t["kind"] == "go":
+            return d[t["target"]][self.room]
+        if t["object"] in self.held:
+            return 0 if t["kind"] == "take" else d[self.target_room()][self.room] + 1
+        at = self.target_room()  # where the object lies
+        rest = 0 if t["kind"] == "take" else d[self.world.container_room[t["container"]]][at] + 1
+        return d[at][self.room] + 1 + rest
+
     def target_room(self) -> str:
         """The room the expert heads for now."""
         t = self.task
@@ -222,19 +233,15 @@ class TextWorldEnv(EnvironmentBase):
 
     async def step(self, action: Action) -> StepResult:
         self.turns += 1
-        before = self.world.dist[self.target_room()][self.room]  # not done yet: a target remains
-        had = self.task.get("object") in self.held
+        before = self.steps_left()  # not done yet: a target remains
         text, valid = self.command(action.text)
         if self.success():
             return StepResult([{"role": "user", "content": text}], reward=1.0, done=True, info={"success": 1.0})
         if self.turns >= self.max_turns:
             return StepResult([{"role": "user", "content": text}], reward=0.0, done=True, info={"success": 0.0})
         reward = 0.0
-        if self.shaped:
-            if not valid:
-                reward = -0.1
-            elif self.world.dist[self.target_room()][self.room] < before or (not had and self.task.get("object") in self.held):
-                reward = 0.1
+        if self.shaped:  # a step closer +0.1, a step away -0.1: a loop earns nothing
+            reward = 0.1 * (before - self.steps_left()) if valid else -0.1
         return StepResult([{"role": "user", "content": text}], reward=reward)
 
     def command(self, raw: str) -> tuple[str, bool]:

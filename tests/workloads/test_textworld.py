@@ -147,3 +147,25 @@ def test_a_small_grid_draws_what_it_can_and_refuses_what_it_cannot():
     assert all(t["kind"] != "go" for t in tasks if t["difficulty"] == 4)
     with pytest.raises(ValueError, match="no task on a 2x1 grid takes 5 steps; lower max_difficulty"):
         TextWorldWorkload(width=2, height=1, max_difficulty=5, num_train=10, num_test=2).tasks("train")
+
+
+def test_shaped_rewards_pay_nothing_for_walking_away_and_back():
+    """A step away costs what a step closer pays: a loop that never finishes earns no return."""
+    from astraflow.agents.env import Action
+    from astraflow.workloads.textworld import _opposite
+
+    wl = make_workload("textworld", {"shaped": True}, 0)
+
+    async def away_and_back(task):
+        env = wl.environment()
+        await env.reset(task)
+        goal, here = env.target_room(), env.room
+        farther = [d for d, n in env.world.doors[here].items() if env.world.dist[goal][n] > env.world.dist[goal][here]]
+        if not farther:
+            return None
+        rewards = [(await env.step(Action(text=f"go {d[0]}"))).reward for d in (farther[0], _opposite(farther[0]))]
+        return rewards, env.room == here
+
+    found = [r for t in wl.tasks("train")[:40] if (r := asyncio.run(away_and_back(t)))]
+    assert found and all(back for _, back in found)
+    assert all(rewards == [pytest.approx(-0.1), pytest.approx(0.1)] for rewards, _ in found)
