@@ -133,15 +133,17 @@ class EvalRounds:
         if rnd.remaining > 0:
             return
         per_prompt = [r for gid, r in rnd.rewards.items() if gid not in rnd.sets]
-        avg = float(np.mean([np.mean(r) for r in per_prompt])) if per_prompt else 0.0
-        pass_k = float(np.mean([max(r) > 0 for r in per_prompt])) if per_prompt else 0.0
+        # a round none of whose prompts was scored (every task failed) has no accuracy, not 0
+        scores = {}
+        if per_prompt:
+            avg = float(np.mean([np.mean(r) for r in per_prompt]))
+            scores = {"eval_accuracy": avg, f"eval_avg@{rnd.k}": avg,
+                      f"eval_pass@{rnd.k}": float(np.mean([max(r) > 0 for r in per_prompt]))}
         result = {
             "step": version,
             "policy": rnd.policy,
             "time": time.time() - self.started,
-            "eval_accuracy": avg,
-            f"eval_avg@{rnd.k}": avg,
-            f"eval_pass@{rnd.k}": pass_k,
+            **scores,
             "eval_prompts": len(per_prompt),
             # an evaluation requested at v runs on v or newer weights (nodes never go back);
             # the first one gates training, so it always runs on exactly the starting weights

@@ -277,8 +277,9 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
         prepare_models(cfg, progress)
         progress.note(f"run directory {run_dir}")
         result = Orchestrator(cfg, run_dir, progress, previous).run()
-    if result.eval:
-        first, last = result.eval[0], result.eval[-1]
+    scored = [e for e in result.eval if "eval_accuracy" in e]
+    if scored:
+        first, last = scored[0], scored[-1]
         progress.note(
             f"held-out accuracy {first['eval_accuracy']:.3f} (v{first['step']}) -> "
             f"{last['eval_accuracy']:.3f} (v{last['step']}) in {result.seconds:.0f}s"

@@ -43,6 +43,17 @@ def test_records_accuracy_and_writes_in_version_order():
     assert written[0]["eval_prompts"] == 2 and ev.done(2) and ev.results == written
 
 
+def test_a_round_whose_every_task_failed_has_no_accuracy_and_readers_skip_it():
+    from astraflow.runtime.monitoring.text import eval_lines
+
+    ev, written = rounds()
+    for t in ev.start(0):
+        ev.failed(t)
+    finish(ev, ev.start(2), 1.0)
+    assert "eval_accuracy" not in written[0] and written[0]["eval_prompts"] == 0
+    assert eval_lines(written) == ["held-out accuracy: v2=1.000"]
+
+
 def test_an_unfinished_round_is_passed_at_the_end_and_accuracy_by_source():
     ev, written = rounds(sources=("a", "b", "a"), by_source=True)
     ev.start(0)

@@ -282,7 +282,7 @@ def build_status_view(run_dir: Path | str, now: float | None = None) -> StatusVi
         t = trainers.get(p, {})
         m = t.get("last_metrics") or {}
         c = dl.get("counts", {}).get(p, {})
-        ev = [e for e in evals if e.get("policy", p) == p]
+        ev = [e for e in evals if e.get("policy", p) == p and "eval_accuracy" in e]
         last_ev = max(ev, key=lambda e: e["step"]) if ev else None
         policies.append(PolicyView(
             name=p, step=int(t.get("version", dl.get("versions", {}).get(p, 0))), max_steps=max_steps,
