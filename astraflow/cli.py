@@ -219,6 +219,7 @@ def status(run_dir: str, as_json: bool, metrics: bool) -> None:
         click.echo(view.model_dump_json(indent=2))
         return
     from astraflow.runtime.monitoring import RunNotRunning, format_status, read_snapshot, run_status
+    from astraflow.runtime.monitoring.snapshot import damaged_run_files
     from astraflow.runtime.monitoring.text import format_summary
 
     try:
@@ -230,11 +231,17 @@ def status(run_dir: str, as_json: bool, metrics: bool) -> None:
             raise UserError(str(damaged)) from None
         if snap is None or snap.summary is None:
             raise UserError(str(err)) from None
-        click.echo(format_summary(snap.summary, str(snap.paths.summary)))
+        try:
+            click.echo(format_summary(snap.summary, str(snap.paths.summary)))
+        except (TypeError, AttributeError, KeyError, ValueError) as bad:  # a field of a type no writer writes
+            raise UserError(str(damaged_run_files(run_dir, bad))) from None
         return
     except ValueError as err:  # a damaged status file (named, with the fix)
         raise UserError(str(err)) from None
-    click.echo(format_status(st))
+    try:
+        click.echo(format_status(st))
+    except (TypeError, AttributeError, KeyError, ValueError) as bad:
+        raise UserError(str(damaged_run_files(run_dir, bad))) from None
 
 
 @main.command()

@@ -146,3 +146,22 @@ def test_fields_that_may_be_null_or_absent_are_shown(tmp_path, change):
     for command in (["status"], ["status", "--json"], ["partitions", "list"]):
         code, out = _invoke(*command, str(paths.root))
         assert code == 0, out
+
+
+@pytest.mark.parametrize("damage", [
+    lambda st: st["data_layer"].update(counts=[]),
+    lambda st: st["data_layer"]["ledger"].update(events=[]),
+    lambda st: st["partitions"]["rollout"].update(capacity="64"),
+    lambda st: st["data_layer"].update(versions=["solver"]),
+])
+def test_a_field_no_check_covers_is_named_as_damage_by_status_json(tmp_path, damage):
+    paths, _ = _run_dir(tmp_path, status=damage)
+    code, out = _invoke("status", str(paths.root), "--json")
+    assert code == 2 and "is damaged (a field of an unexpected type" in out and "delete control/status.json" in out
+
+
+def test_a_summary_with_a_field_of_another_type_is_named_as_damage(tmp_path):
+    paths = RunPaths(tmp_path / "run").make()
+    paths.summary.write_text(json.dumps({"status": "completed", "steps": ["solver"]}))
+    code, out = _invoke("status", str(paths.root))
+    assert code == 2 and "is damaged (a field of an unexpected type" in out

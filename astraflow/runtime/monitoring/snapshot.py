@@ -218,6 +218,14 @@ class Snapshot:
         return self.status is not None and (self.age_s is None or self.age_s > STALE_AFTER_S)
 
 
+def damaged_run_files(run_dir: Path | str, err: Exception) -> UnreadableFile:
+    """The error for status files that parse but hold a field of a type no writer writes."""
+    paths = RunPaths(Path(run_dir))
+    return UnreadableFile(f"{paths.status_file} or {paths.summary} is damaged (a field of an unexpected type: "
+                          f"{type(err).__name__}: {err}): restore it from a backup, or delete control/status.json "
+                          "(it is rewritten while the run runs)")
+
+
 def read_snapshot(run_dir: Path | str, now: float | None = None) -> Snapshot:
     """The status files of the run in ``run_dir`` (any of them may be missing)."""
     paths = RunPaths(Path(run_dir))

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from astraflow.runtime.monitoring.snapshot import STALE_AFTER_S, read_snapshot
+from astraflow.runtime.monitoring.snapshot import STALE_AFTER_S, damaged_run_files, read_snapshot
 from storage.paths import RunPaths
 
 SCHEMA_VERSION = 2
@@ -234,8 +234,16 @@ def _node_view(name: str, worker: dict[str, Any], part: dict[str, Any], info: di
 def build_status_view(run_dir: Path | str, now: float | None = None) -> StatusView:
     """The live view of the run in ``run_dir`` (running or finished).
 
-    Raises ``ValueError`` when ``run_dir`` holds no run yet (no status snapshot and no summary).
+    Raises ``ValueError`` when ``run_dir`` holds no run yet (no status snapshot and no summary),
+    or when a status file holds a field of a type its writer never writes (``UnreadableFile``).
     """
+    try:
+        return _build_status_view(run_dir, now)
+    except (TypeError, AttributeError, KeyError) as err:
+        raise damaged_run_files(run_dir, err) from None
+
+
+def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
     now = time.time() if now is None else now
     snap = read_snapshot(run_dir, now)
     paths, status, summary = snap.paths, snap.status, snap.summary
