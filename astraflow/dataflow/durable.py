@@ -219,7 +219,10 @@ def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, kee
     otherwise (a new run incarnation) they go back to the queue, without counting an attempt.
     Returns what was restored, for the log."""
     layer, ls, lg, bf = state["layer"], state["leases"], state["ledger"], state["buffers"]
-    dl._started = dl.evals.started = layer["started"]
+    started = layer["started"]
+    if not keep_leases and state.get("saved_at"):  # a new incarnation: the time between runs is not run time
+        started = time.time() - max(0.0, float(state["saved_at"]) - float(started))
+    dl._started = dl.evals.started = started
     dl.budget = layer["budget"]
     dl.finished = all(v >= dl.max_steps for v in dl.versions.values())  # a resumed run may go further
     dl.trainer_restarts = Counter(layer["trainer_restarts"])

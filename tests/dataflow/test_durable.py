@@ -380,3 +380,27 @@ def test_a_changed_config_starts_an_evaluation_round_under_new_ids(tmp_path):
     run(new.finish())
     run(new.close())
     _ended_once(paths.journal_lines())
+
+
+def test_a_resumed_run_counts_run_time_not_the_time_between_runs(tmp_path):
+    """A new incarnation's elapsed time (its rates' denominator, its lines' ``time``) goes on
+    from where the last one saved; a data layer re-placed within a run keeps its start."""
+    paths = Paths(tmp_path)
+    first = paths.layer()
+    node = Node(first)
+
+    async def before():
+        await node.roll(8, reward_of=_alternating)
+        await first.next_batch("p", 0, timeout=5)
+        await first.published("p", 1, {"loss": 0.0})
+        await first.close()
+
+    run(before())
+    ran = time.time() - first._started
+    time.sleep(1.5)
+    resumed = paths.layer()
+    assert time.time() - resumed._started < ran + 1.0
+    replaced = paths.layer(keep_leases=True)
+    assert replaced._started == resumed._started  # the start the resumed layer saved
+    run(resumed.close())
+    run(replaced.close())
