@@ -34,6 +34,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlencode
 
 from pydantic import ValidationError
 from tornado import web
@@ -127,9 +128,10 @@ class TokenAccepted(web.RequestHandler):
     def prepare(self) -> None:
         self.set_cookie(TOKEN_COOKIE, self.get_query_argument("token"), httponly=True,
                         secure=bool(os.environ.get(HTTPS_ENV)), samesite="Strict", path="/")
-        rest = "&".join(f"{k}={v.decode()}" for k, vs in self.request.query_arguments.items() if k != "token"
-                        for v in vs)
-        self.redirect(self.request.path + (f"?{rest}" if rest else ""))
+        rest = urlencode([(k, v.decode()) for k, vs in self.request.query_arguments.items() if k != "token"
+                          for v in vs])
+        # a path of this server only (``//host/x`` would leave it), the other arguments as sent
+        self.redirect("/" + self.request.path.lstrip("/") + (f"?{rest}" if rest else ""))
 
 
 def require_token(app: web.Application, token: str) -> None:
