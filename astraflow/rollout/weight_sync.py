@@ -41,7 +41,8 @@ class VersionReader:
         """``(state_dict, record)``: the version's tensors and how they were read (``mode``
         ``full``/``delta``, or ``again`` for the version held, read again; the ``dtype`` the
         trainer published it in, delta statistics or the reason a delta was not used,
-        ``load_s``, ``commit_to_serving_s`` as of the end of the read). A bf16 version comes back as bf16 tensors: the engine casts them on load."""
+        ``load_s``, ``commit_to_serving_s`` as of the end of the read). A bf16 version comes
+        back as bf16 tensors: the engine casts them on load."""
         t0 = time.time()
         with self.store.hold(policy, version):
             manifest = self.store.manifest(policy, version)

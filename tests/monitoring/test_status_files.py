@@ -126,3 +126,12 @@ def test_the_status_shows_the_latest_evaluations_per_policy():
     assert line.startswith("held-out accuracy: ..., ") and line.count("=") == SHOWN_EVALS and "v380=0.380" in line
     two = eval_lines(one[:2] + [{"step": 0, "policy": "critic", "eval_accuracy": 0.5}, {"step": 5, "policy": "x"}])
     assert two == ["held-out accuracy (solver): v0=0.000, v20=0.020", "held-out accuracy (critic): v0=0.500"]
+
+
+def test_the_status_file_carries_the_latest_evaluations_of_each_policy():
+    from astraflow.runtime.monitoring.writer import STATUS_EVALS, recent_evals
+
+    evals = [{"step": s, "policy": p, "eval_accuracy": 0.1} for s in range(3 * STATUS_EVALS) for p in ("a", "b")]
+    kept = recent_evals(evals)
+    assert len(kept) == 2 * STATUS_EVALS and kept == evals[-2 * STATUS_EVALS:]
+    assert recent_evals(evals[:4]) == evals[:4]

@@ -38,6 +38,23 @@ class Tick:
     """``Trainer.state()`` per policy: version, done, error, last metrics, wait fraction."""
 
 
+#: evaluation records per policy that the status file carries (summary.json and metrics.jsonl
+#: keep every one): what status and the dashboard show is the latest
+STATUS_EVALS = 20
+
+
+def recent_evals(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The last ``STATUS_EVALS`` evaluation records of each policy, in their order."""
+    seen: dict[Any, int] = {}
+    keep = []
+    for e in reversed(evals):
+        p = e.get("policy") if isinstance(e, dict) else None
+        seen[p] = seen.get(p, 0) + 1
+        if seen[p] <= STATUS_EVALS:
+            keep.append(e)
+    return keep[::-1]
+
+
 class StatusWriter:
     """Builds and writes ``control/status.json`` and ``summary.json`` of one run."""
 
@@ -119,7 +136,7 @@ class StatusWriter:
             "written_at": time.time(),
             "run_dir": str(self.paths.root),
             "tag": self.tag,
-            "data_layer": tick.data_layer,
+            "data_layer": {**tick.data_layer, "eval": recent_evals(tick.data_layer.get("eval", []))},
             "trainers": tick.trainers,
             "trainer_restarts": self.trainer_restarts(),
             "data_layer_restarts": self.data_layer_restarts(),
