@@ -31,6 +31,7 @@ and deletes those no reader can use any more (``_prune_deltas``).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -46,7 +47,7 @@ from typing import Iterator, Mapping
 
 from storage import paths
 from storage.atomic import fsync_path, write_atomically
-from storage.checkpoint import DCP_METADATA, quiet_dcp_logger, read_checkpoint, read_metadata, save_failure
+from storage.checkpoint import DCP_METADATA, quiet_dcp_logger, read_checkpoint, read_metadata
 
 MANIFEST_FORMAT = "astraflow-weights-v1"
 _RETIRING = "COMMITTED.retiring"
@@ -120,6 +121,16 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _first_failure(err: BaseException) -> BaseException:
+    """The exception a rank raised inside DCP's ``CheckpointException`` (which carries each
+    rank's as text and object), else ``err`` itself."""
+    for failure in (getattr(err, "failures", None) or {}).values():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, BaseException):
+            return exc
+    return err
 
 
 class WeightStore:
@@ -244,8 +255,15 @@ class WeightStore:
             self.discard_staging(policy, version)
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
+            cause = _first_failure(err)
             need = sum(v.numel() * v.element_size() for v in state_dict.values())
-            raise save_failure(err, f"publishing {policy} v{version}", stage, full=free < need) from err
+            if not isinstance(cause, OSError) and free < need:  # torch's zip writer reports ENOSPC as its own error
+                cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if isinstance(cause, OSError):
+                raise OSError(cause.errno, f"publishing {policy} v{version} failed: {cause.strerror or cause}",
+                              cause.filename or str(stage)) from err
+            raise RuntimeError(f"publishing {policy} v{version} into {stage} failed: "
+                               f"{type(cause).__name__}: {cause}") from err  # an Exception, whatever DCP raised
         return self.commit(policy, version, meta, whole_tensors=True)
 
     # -- reading -----------------------------------------------------------------------------
