@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # The GPU checks, as one script for a GPU node: what the machine has, the tests that take their
 # GPU path where torch sees a GPU (the HF engine, the torch and Megatron trainers, engine
-# placement, the vLLM tier where vLLM is installed), a short `astraflow run` of the main example
-# with its trainer and rollout engine on the GPU, and the RaaS-node-vs-bare-engine benchmark on
-# the GPU. Each step's log and a summary (summary.txt) go to OUTDIR. Multi-GPU tests (TP/DP over
+# placement), a short `astraflow run` of the main example with its trainer and rollout engine on
+# the GPU, the RaaS-node-vs-bare-engine benchmark on the GPU, and, where vLLM's CUDA build is
+# installed, the same for the vLLM engine (its test tier, vLLM vs HF tokens/s, a run, the node's
+# overhead). Each step's log and a summary (summary.txt) go to OUTDIR. Multi-GPU tests (TP/DP over
 # NCCL, two engines on two GPUs) skip themselves on a host with fewer GPUs than they need.
 #
 #   bash tests/run_gpu.sh [OUTDIR]     # default runs/gpu-check; PYTHON=... picks the interpreter
-#   GPU_CHECK_STEPS="tests run" bash tests/run_gpu.sh   # only some steps (env tests run bench)
+#   GPU_CHECK_STEPS="tests run" bash tests/run_gpu.sh   # only some steps
+#   steps: env tests run bench, and with vLLM installed vtests vcompare vrun vbench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:-runs/gpu-check}
 PY=${PYTHON:-python3}
 STEPS=${GPU_CHECK_STEPS:-env tests run bench}
+if [ -z "${GPU_CHECK_STEPS:-}" ] && "$PY" -c "import vllm" 2>/dev/null; then
+  STEPS="$STEPS vtests vcompare vrun vbench"
+fi
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 SUMMARY="$OUTDIR/summary.txt"
@@ -33,6 +38,25 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit 2
 fi
 
+run_example() {  # run_example NAME [--set ...]: the main example, short, trainer and engine on the GPU (bf16)
+  local name=$1
+  shift
+  local run_dir="$OUTDIR/$name-run"
+  rm -rf "$run_dir"
+  nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader -l 5 \
+    >> "$OUTDIR/$name-gpu_apps.log" 2>&1 &
+  local smi_pid=$!
+  step "$name" "${GPU_CHECK_RUN_S:-200}" "$PY" -m astraflow run examples/math/config.yaml --run-dir "$run_dir" \
+    --set run.max_steps="${GPU_CHECK_RUN_STEPS:-100}" --set run.timeout_s=180 \
+    --set policies.solver.model="$OUTDIR/math-model" --set policies.solver.init.warm_start_seconds="${GPU_CHECK_WARM_S:-90}" \
+    --set policies.solver.trainer.precision=bf16 --set rollout.engine.dtype=bf16 \
+    --set partitions.rollout.gpus_per_node=1 "$@"
+  kill "$smi_pid" 2>/dev/null
+  cp "$run_dir/summary.json" "$OUTDIR/$name-summary.json" 2>/dev/null
+  { grep -h "held-out accuracy .* -> " "$OUTDIR/$name.log" | tail -n 1
+    echo "GPU processes seen during the run (nvidia-smi every 5 s): $(cut -d, -f1,2 "$OUTDIR/$name-gpu_apps.log" | sort -u | tr '\n' ';')"; } | sed "s/^/$name    /" >> "$SUMMARY"
+}
+
 for s in $STEPS; do
   case $s in
     env)
@@ -45,24 +69,20 @@ for s in $STEPS; do
       # a worker per GPU test module group; each test's own timeout stays as in the suite
       step tests "${GPU_CHECK_TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -n "${GPU_CHECK_WORKERS:-8}" -rs \
         tests/test_models.py tests/rollout/test_hf_engine.py tests/rollout/test_engine_pool.py \
-        tests/rollout/test_weight_sync.py tests/training tests/megatron tests/vllm ;;
+        tests/rollout/test_weight_sync.py tests/training tests/megatron ;;
     run)
-      # the main example, short: trainer and engine on the GPU (bf16), a rollout worker given the GPU
-      run_dir="$OUTDIR/math-run"
-      rm -rf "$run_dir"
-      nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader -l 5 \
-        >> "$OUTDIR/gpu_apps.log" 2>&1 &
-      smi_pid=$!
-      step run "${GPU_CHECK_RUN_S:-200}" "$PY" -m astraflow run examples/math/config.yaml --run-dir "$run_dir" \
-        --set run.max_steps="${GPU_CHECK_RUN_STEPS:-100}" --set run.timeout_s=180 \
-        --set policies.solver.model="$OUTDIR/math-model" --set policies.solver.init.warm_start_seconds="${GPU_CHECK_WARM_S:-90}" \
-        --set policies.solver.trainer.precision=bf16 --set rollout.engine.dtype=bf16 \
-        --set partitions.rollout.gpus_per_node=1
-      kill "$smi_pid" 2>/dev/null
-      cp "$run_dir/summary.json" "$OUTDIR/run_summary.json" 2>/dev/null
-      { grep -h "held-out accuracy .* -> " "$OUTDIR/run.log" | tail -n 1
-        echo "GPU processes seen during the run (nvidia-smi every 5 s): $(cut -d, -f1,2 "$OUTDIR/gpu_apps.log" | sort -u | tr '\n' ';')"; } | sed 's/^/run    /' >> "$SUMMARY"
-      ;;
+      run_example run ;;
+    vtests)
+      # the vLLM tier, serially: each test's engine takes a fifth of the GPU (tests/vllm/conftest.py)
+      step vtests "${GPU_CHECK_VTESTS_S:-300}" "$PY" -m pytest -q -p no:cacheprovider -rs tests/vllm ;;
+    vcompare)
+      step vcompare "${GPU_CHECK_VCOMPARE_S:-120}" "$PY" benchmarks/engine_compare.py --reps 1 --prompts 256 \
+        --max-new-tokens 64 ;;
+    vrun)
+      run_example vrun --set rollout.engine.type=vllm ;;
+    vbench)
+      step vbench "${GPU_CHECK_VBENCH_S:-120}" "$PY" benchmarks/rollout_overhead.py --engine vllm --device cuda:0 \
+        --reps 1 --groups 100 --capacity 256 --max-batch 128 --tls-only ;;
     bench)
       step bench "${GPU_CHECK_BENCH_S:-120}" "$PY" benchmarks/rollout_overhead.py --device cuda:0 --reps 1 \
         --groups 100 --capacity 256 --max-batch 128 --tls-only ;;

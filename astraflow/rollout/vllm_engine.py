@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -82,6 +83,8 @@ class VLLMEngine:
         self._engine_kwargs = dict(max_batch_size=max_batch_size, seed=seed, tensor_parallel=tensor_parallel,
                                    dtype=dtype, threads=threads, visible_devices=visible_devices)
         self._stop_ids = sorted(self._stops(Path(model_path)))
+        #: whether vLLM labels tokens with versions itself (``vllm_setup.labels_versions``)
+        self.labels_versions = vllm_setup.labels_versions()
         self._ids = itertools.count()
         self._running: dict[str, _Request] = {}
         self._stats = dict(tokens=0, requests=0, batches=0, busy_seconds=0.0, weight_swaps=0, decode_steps=0,
@@ -229,7 +232,8 @@ class VLLMEngine:
 
         try:
             self.llm = make_async_llm(model_dir, self.options, **self._engine_kwargs)
-            await self.llm.update_weight_version(str(version))
+            if self.labels_versions:
+                await self.llm.update_weight_version(str(version))
         except BaseException as err:
             self._dead = f"starting the vLLM engine on {model_dir} failed: {type(err).__name__}: {err}"
             raise
@@ -268,6 +272,8 @@ class VLLMEngine:
         finish = "length"
         while True:
             await self._gate.wait()
+            if not self._gate.is_set():  # an update closed the gate between the wake-up and now
+                continue
             if self.dead:
                 raise EngineProcessError(self.dead)
             req.rid, req.resume = f"r{next(self._ids)}", False
@@ -282,7 +288,9 @@ class VLLMEngine:
                     c = out.outputs[0]
                     req.tokens += c.token_ids
                     req.logprobs += [d[t].logprob for d, t in zip(c.logprobs or [], c.token_ids)]
-                    finish, spans = c.finish_reason or finish, c.weight_versions or spans
+                    finish = c.finish_reason or finish
+                    if self.labels_versions:
+                        spans = c.weight_versions or spans
             except EngineDeadError as err:
                 raise EngineProcessError(self.dead or f"the vLLM engine core died: {err}") from None
             finally:
@@ -314,6 +322,19 @@ class VLLMEngine:
         ids = getattr(proc, "external_req_ids", {}).get(rid, [])
         states = [getattr(proc, "request_states", {}).get(i) for i in ids]
         return max((s.detokenizer.num_output_tokens() for s in states if s is not None and s.detokenizer), default=0)
+
+
+    async def reach_core(self, deadline_s: float = 5.0) -> None:
+        """Until every running request has reached the engine core (is known to vLLM's output
+        processor, which sends a request to the core as it registers it), so that a pause sent
+        next aborts or drains all of them and none joins after it under the next weights. The
+        gate is closed meanwhile, so no request joins; a request vLLM already finished leaves
+        ``_running`` when its output is taken. Nothing to wait for where this vLLM does not
+        expose its output processor's requests."""
+        ids = getattr(getattr(self.llm, "output_processor", None), "external_req_ids", None)
+        end = time.monotonic() + deadline_s
+        while ids is not None and any(rid not in ids for rid in self._running) and time.monotonic() < end:
+            await asyncio.sleep(0.001)
 
 
 def _versions(spans: list | None, n: int, fallback: int) -> list[int]:

@@ -61,6 +61,21 @@ def has_weight_transfer() -> bool:
                                                "pause_generation", "resume_generation"))
 
 
+def labels_versions() -> bool:
+    """Whether this vLLM labels the tokens it generates with weight versions
+    (``update_weight_version``, ``finish_weight_update(weight_version=...)``, a completion's
+    ``weight_versions``). Where it does not, the engine labels a request segment's tokens with
+    the version served when the segment started, which is exact here: an update first pauses
+    generation (aborting or draining every running request) and requests resume after it."""
+    import inspect
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    finish = getattr(AsyncLLM, "finish_weight_update", None)
+    return (hasattr(AsyncLLM, "update_weight_version") and finish is not None
+            and "weight_version" in inspect.signature(finish).parameters)
+
+
 def cpu_environment(threads: int, kvcache_gib: float, bind: str = "cores") -> dict[str, str]:
     """The CPU build's thread and memory settings (each applied unless the user set it):
     ``threads`` OpenMP threads, with ``bind="cores"`` bound to the first ``threads`` CPUs this

@@ -223,6 +223,7 @@ class Updater:
         prefix afterwards) when enough tokens are left, else let them finish. Returns how
         many were aborted."""
         eng = self.engine
+        await eng.reach_core()
         running = list(eng._running.values())
         if running and eng.steps_left() >= eng.swap_min_remaining:
             for r in running:
@@ -241,7 +242,10 @@ class Updater:
         await llm.update_weights(WeightTransferUpdateRequest(update_info={
             "weights_root": root, "policy": policy, "version": version, "use_deltas": use_deltas,
             "full_resync_every": every}))
-        await llm.finish_weight_update(weight_version=str(version))
+        if self.engine.labels_versions:
+            await llm.finish_weight_update(weight_version=str(version))
+        else:
+            await llm.finish_weight_update()
         self._touching = False
         return (await llm.collective_rpc("astraflow_last_read"))[0]  # rank 0's read: full or delta
 
@@ -249,7 +253,8 @@ class Updater:
         self._touching = True
         await self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
         self._touching = False
-        await self.engine.llm.update_weight_version(str(version))
+        if self.engine.labels_versions:
+            await self.engine.llm.update_weight_version(str(version))
 
     async def _recreate(self, model_dir: Path, version: int) -> None:
         eng = self.engine

@@ -58,4 +58,6 @@ def vllm_models(tmp_path_factory) -> dict[str, Path]:
 def engine_options(**overrides):
     from astraflow.rollout.config import VLLMConfig
 
+    # a tiny model: a fifth of a GPU leaves room for a second engine (a re-creation, a restart)
+    overrides.setdefault("gpu_memory_utilization", 0.2)
     return VLLMConfig(max_model_len=1024, cpu_kvcache_gib=1, **overrides)

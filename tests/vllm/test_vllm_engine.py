@@ -225,3 +225,34 @@ def test_a_dead_engine_core_fails_its_requests_and_restarts(setup):
     out = _gather(engine, prompts[:1], SamplingParams(max_new_tokens=8, greedy=True))[0]
     assert set(out.versions) == {0}
     np.testing.assert_allclose(out.logprobs, reference_logprobs(m0, prompts[0], out.tokens), atol=1e-4)
+
+
+def test_without_vllms_version_labels_the_engine_labels_a_partial_rollout_itself(setup, vllm_models):
+    """A vLLM that does not label tokens with versions (``labels_versions`` false: builds before
+    the labels, or forced here): every request reaches the engine core before the update's
+    pause, so each segment's tokens carry the version served when it started, exactly."""
+    engine, store, prompts, _ = setup
+    m1, _ = load_model(vllm_models["v1"])
+    publish(store, POLICY, 6, m1)
+    labels, engine.labels_versions = engine.labels_versions, False
+    params = SamplingParams(max_new_tokens=400, greedy=True)
+
+    async def main():
+        first = asyncio.ensure_future(engine.generate(prompts[0], params))
+        while not any(engine._generated(rid) >= 8 for rid in list(engine._running)):
+            await asyncio.sleep(0.01)
+        engine.load_version(str(store.root), POLICY, 6)
+        # submitted as the update begins: it joins after the update, under v6 only
+        second = asyncio.ensure_future(engine.generate(prompts[1], SamplingParams(max_new_tokens=8, greedy=True)))
+        return await first, await second
+
+    try:
+        out, late = asyncio.run(main())
+    finally:
+        engine.labels_versions = labels
+    switch = int(np.argmax(out.versions == 6))
+    assert 8 <= switch < len(out.tokens) and set(out.versions[:switch]) == {0} and set(out.versions[switch:]) == {6}
+    np.testing.assert_allclose(out.logprobs[switch:], reference_logprobs(m1, prompts[0], out.tokens)[switch:],
+                               atol=1e-4)
+    assert set(late.versions) == {6}
+    np.testing.assert_allclose(late.logprobs, reference_logprobs(m1, prompts[1], late.tokens), atol=1e-4)
