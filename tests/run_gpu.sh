@@ -74,7 +74,8 @@ for s in $STEPS; do
       run_example run ;;
     vtests)
       # the vLLM tier, serially: each test's engine takes a fifth of the GPU (tests/vllm/conftest.py)
-      step vtests "${GPU_CHECK_VTESTS_S:-300}" "$PY" -m pytest -q -p no:cacheprovider -rs tests/vllm ;;
+      step vtests "${GPU_CHECK_VTESTS_S:-300}" "$PY" -m pytest -v --tb=short -p no:cacheprovider -rs \
+        tests/vllm ;;
     vcompare)
       step vcompare "${GPU_CHECK_VCOMPARE_S:-120}" "$PY" benchmarks/engine_compare.py --reps 1 --prompts 256 \
         --max-new-tokens 64 ;;

@@ -130,6 +130,9 @@ def make_async_llm(model_dir: str, options: Any, *, max_batch_size: int, seed: i
             env = {k: v for k, v in env.items() if k not in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")}
         for key, value in env.items():
             os.environ.setdefault(key, value)  # read by the engine core process vLLM spawns
+    elif importlib.util.find_spec("flashinfer") is None:
+        # a CUDA build without FlashInfer installed: its sampler would import FlashInfer at start
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     kwargs: dict[str, Any] = dict(
         model=model_dir, tokenizer=model_dir, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], seed=seed,
         tensor_parallel_size=tensor_parallel, max_num_seqs=max_batch_size, max_model_len=options.max_model_len,

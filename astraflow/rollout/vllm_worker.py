@@ -92,6 +92,12 @@ class StoreWeightTransferEngine(WeightTransferEngine[StoreInitInfo, StoreUpdateI
     def shutdown(self) -> None:
         self._readers.clear()
 
+    @staticmethod
+    def trainer_send_weights(*args: Any, **kwargs: Any) -> None:
+        """The trainer side of the transfer (abstract in some vLLM builds): trainers publish to
+        the weight store, so nothing is sent through this backend."""
+        raise NotImplementedError("astraflow_store: trainers publish versions to the weight store")
+
 
 class WorkerExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``): vLLM imports this module in
