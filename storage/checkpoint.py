@@ -9,6 +9,8 @@ DCP's ``FileSystemReader.read_metadata``, which would run whatever a forged file
 
 from __future__ import annotations
 
+import errno
+import os
 import warnings
 from pathlib import Path
 
@@ -131,3 +133,21 @@ def _read_whole_tensors(vdir: Path, metadata) -> dict | None:
         state[index.fqn] = (torch.frombuffer(buf, dtype=dtype, count=numel, offset=start).view(tuple(meta.size))
                             if numel else torch.empty(tuple(meta.size), dtype=dtype))
     return state if len(state) == len(tensors) else None
+
+
+def save_failure(err: BaseException, what: str, where: Path, full: bool) -> Exception:
+    """The ``Exception`` to raise for a ``dcp.save`` into ``where`` that failed with ``err``
+    (DCP's ``CheckpointException``, a ``BaseException``, carries each rank's error): an
+    ``OSError`` for a write the system refused, ENOSPC also when ``full`` (torch's zip writer
+    words a full disk as its own error), else a ``RuntimeError`` naming the rank's error."""
+    cause = err
+    for failure in (getattr(err, "failures", None) or {}).values():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, BaseException):
+            cause = exc
+            break
+    if not isinstance(cause, OSError) and full:
+        cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if isinstance(cause, OSError):
+        return OSError(cause.errno, f"{what} failed: {cause.strerror or cause}", cause.filename or str(where))
+    return RuntimeError(f"{what} into {where} failed: {type(cause).__name__}: {cause}")

@@ -19,8 +19,8 @@ Publish protocol (invariant: a reader never sees a partial version)
 
 Overlap invariant (publish vs. pull): a reader holds a version for as long as it reads it
 (``load`` does so itself). A hold is a file with the reader's pid and host under
-``paths.readers_dir``; a hold of a dead pid on this host is stale and ignored, a hold from
-another host counts until its owner removes it. A reader takes the hold and then checks that
+``paths.readers_dir`` (``storage/holds.py``); a hold of a dead pid on this host is stale and
+ignored, a hold from another host counts until its owner removes it or it times out. A reader takes the hold and then checks that
 the version is still committed, so retention and a new reader cannot both win.
 
 Sparse bf16 deltas between consecutive versions live under ``paths.delta_dir`` and are written
@@ -31,23 +31,21 @@ and deletes those no reader can use any more (``_prune_deltas``).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import shutil
 import socket
 import time
-import uuid
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from storage import paths
+from storage import holds, paths
 from storage.atomic import fsync_path, write_atomically
-from storage.checkpoint import DCP_METADATA, quiet_dcp_logger, read_checkpoint, read_metadata
+from storage.checkpoint import DCP_METADATA, quiet_dcp_logger, read_checkpoint, read_metadata, save_failure
 
 MANIFEST_FORMAT = "astraflow-weights-v1"
 _RETIRING = "COMMITTED.retiring"
@@ -111,26 +109,6 @@ def _metadata_sha256(manifest: dict, policy: str, version: int) -> str:
 
 def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and not paths.is_tmp(p.name))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _first_failure(err: BaseException) -> BaseException:
-    """The exception a rank raised inside DCP's ``CheckpointException`` (which carries each
-    rank's as text and object), else ``err`` itself."""
-    for failure in (getattr(err, "failures", None) or {}).values():
-        exc = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(exc, BaseException):
-            return exc
-    return err
 
 
 class WeightStore:
@@ -255,15 +233,8 @@ class WeightStore:
             self.discard_staging(policy, version)
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
-            cause = _first_failure(err)
             need = sum(v.numel() * v.element_size() for v in state_dict.values())
-            if not isinstance(cause, OSError) and free < need:  # torch's zip writer reports ENOSPC as its own error
-                cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            if isinstance(cause, OSError):
-                raise OSError(cause.errno, f"publishing {policy} v{version} failed: {cause.strerror or cause}",
-                              cause.filename or str(stage)) from err
-            raise RuntimeError(f"publishing {policy} v{version} into {stage} failed: "
-                               f"{type(cause).__name__}: {cause}") from err  # an Exception, whatever DCP raised
+            raise save_failure(err, f"publishing {policy} v{version}", stage, full=free < need) from err
         return self.commit(policy, version, meta, whole_tensors=True)
 
     # -- reading -----------------------------------------------------------------------------
@@ -350,14 +321,7 @@ class WeightStore:
     @contextmanager
     def hold(self, policy: str, version: int) -> Iterator[WeightVersion]:
         """Keep ``version`` from retention while the block runs (pull or load it inside)."""
-        hold = paths.hold_file(self.root, policy, version, f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        try:
-            hold.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(hold, json.dumps({"pid": os.getpid(), "host": self._host, "since": time.time()}).encode())
-        except OSError as err:
-            raise OSError(err.errno, f"cannot write a reader's hold file in {hold.parent} ({err.strerror}): "
-                                     "readers of a weight store write there to keep the version they read from "
-                                     "retention; give this process write access to the store") from err
+        hold = holds.take(self.root, policy, version, self._host)
         try:
             yield self.get(policy, version)  # after the hold: retention cannot race past it
         finally:
@@ -366,40 +330,14 @@ class WeightStore:
     def held_versions(self, policy: str) -> set[int]:
         """Versions with a live hold (stale holds, of dead pids on this host or older than
         ``hold_timeout_s``, are removed)."""
-        d = paths.readers_dir(self.root, policy)
-        try:
-            names = os.listdir(d)
-        except FileNotFoundError:
-            return set()
-        held = set()
-        for n in names:
-            m = paths.HOLD_FILE_RE.match(n)
-            if not m:
-                continue
-            try:
-                rec = json.loads((d / n).read_text())
-            except FileNotFoundError:
-                continue  # released while we listed
-            except json.JSONDecodeError:
-                held.add(int(m.group(1)))  # being written: count it
-                continue
-            if (rec.get("host") == self._host and not _pid_alive(int(rec["pid"]))
-                    or time.time() - float(rec.get("since", 0.0)) > self.hold_timeout_s):
-                (d / n).unlink(missing_ok=True)
-                continue
-            held.add(int(m.group(1)))
-        return held
+        return holds.held(self.root, policy, self._host, self.hold_timeout_s)
 
     def discard_holds(self, policy: str) -> int:
         """Remove every reader's hold on ``policy``'s versions, however alive its owner looks.
         Only when no reader can be alive (a resumed run before its RaaS nodes and trainers
         start): the hold of a reader on another host killed with the run would otherwise keep
         its version from retention for good. Returns how many were removed."""
-        d = paths.readers_dir(self.root, policy)
-        holds = [d / n for n in (os.listdir(d) if d.is_dir() else []) if paths.HOLD_FILE_RE.match(n)]
-        for h in holds:
-            h.unlink(missing_ok=True)
-        return len(holds)
+        return holds.discard_all(self.root, policy)
 
     # -- retention ---------------------------------------------------------------------------
     def apply_retention(self, policy: str) -> list[int]:

@@ -334,7 +334,7 @@ def test_a_read_only_store_names_the_hold_files_directory(tmp_path, monkeypatch)
     def refused(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr("storage.weights.write_atomically", refused)
+    monkeypatch.setattr("storage.holds.write_atomically", refused)
     with pytest.raises(OSError, match="cannot write a reader's hold file in .*readers.*give this process write"):
         store.load("p", 1)
 
