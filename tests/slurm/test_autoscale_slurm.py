@@ -29,7 +29,7 @@ ADDED = "rollout-h100-local-H100-1"
 
 def _config(tmp_path: Path) -> Path:
     data = yaml.safe_load((ROOT / "examples" / "sim" / "autoscale.yaml").read_text())
-    data["run"].update(max_steps=16, timeout_s=240)
+    data["run"].update(max_steps=24, timeout_s=240)  # 18 slow steps: time for a window to see one end
     data["policies"][0]["trainer"].update(sim_step_seconds=0.05, sim_step_schedule={6: 3.0})
     data["cluster"].update(placement_timeout_s=120, worker_start_timeout_s=120)
     data["partitions"][2] = {
