@@ -252,6 +252,7 @@ class Orchestrator:
             latest = store.latest(pol.name)
             if latest is not None:
                 self.dl.trainer_restarted(pol.name, latest.version, restart=False).result(timeout=60)
+        self.progress.evals_shown(self.dl.state().result(timeout=60).get("eval", []))  # printed by the last run
 
     # ------------------------------------------------------------------ the watch loop
     def _tick(self) -> Tick:

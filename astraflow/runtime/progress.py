@@ -29,7 +29,7 @@ class Progress:
         self.console = console or Console(stderr=False, highlight=False, soft_wrap=True)
         self.interval_s = interval_s
         self._last = 0.0
-        self._last_eval_reported = -1
+        self._eval_shown: dict[str, int] = {}  # per policy, the last evaluated version shown
 
     def note(self, msg: str) -> None:
         if self.enabled:
@@ -85,14 +85,19 @@ class Progress:
         if self._waits:
             self._waits[-1][1] = msg
 
+    def evals_shown(self, evals: list[dict]) -> None:
+        """Count ``evals`` as shown (a resumed run's earlier evaluations: not printed again)."""
+        for ev in evals:
+            self._eval_shown[ev["policy"]] = max(self._eval_shown.get(ev["policy"], -1), ev["step"])
+
     def update(self, tick: Tick) -> None:
         """Report new evaluations at once, and one status line every ``interval_s``."""
         if not self.enabled:
             return
         state, trainers = tick.data_layer, tick.trainers
         for ev in state.get("eval", []):
-            if ev["step"] > self._last_eval_reported:
-                self._last_eval_reported = ev["step"]
+            if ev["step"] > self._eval_shown.get(ev["policy"], -1):
+                self._eval_shown[ev["policy"]] = ev["step"]
                 agentic = (f", {ev['eval_turns']:.1f} turns and {ev['eval_tool_calls']:.1f} tool calls per episode, "
                            f"{ev['eval_invalid_call_rate']:.0%} of the calls invalid" if "eval_turns" in ev else "")
                 acc = (f"[bold]{ev['eval_accuracy']:.3f}[/bold]" if ev.get("eval_prompts")
@@ -112,7 +117,10 @@ class Progress:
                 f"{p} step {t['version']} reward {m.get('reward_mean', float('nan')):.3f} "
                 f"loss {m.get('loss', float('nan')):.4f} wait {t.get('wait_fraction', 0):.0%}"
             )
-        hist = next(iter(state.get("staleness_hist", {}).values()), {})
+        hists = state.get("staleness_hist", {})
+        # one policy: its histogram; several: each policy's, named
+        hist = (next(iter(hists.values()), {}) if len(hists) <= 1
+                else " ".join(f"{p} {h}" for p, h in hists.items()))
         shown = [f"{n.split('-')[1]}{n.split('-')[-1]}:v{(i.get('versions') or {}).get(next(iter(trainers), ''), '?')}"
                  for n, i in state.get("nodes", {}).items() if not i.get("gone") and n.startswith("rollout")]
         # many nodes (``rollout.nodes_per_worker``): the first few, then how many more

@@ -52,3 +52,29 @@ def test_nested_waits_keep_their_own_detail_and_disabled_progress_is_silent():
         quiet.detail("ignored")
         time.sleep(0.3)
     assert qbuf.getvalue() == ""
+
+
+def _tick(evals: list[dict], hists: dict) -> "Tick":
+    from astraflow.runtime.monitoring.writer import Tick
+
+    state = {"eval": evals, "staleness_hist": hists, "nodes": {}, "episodes_per_s": 1.0,
+             "generated_tokens_per_s": 10.0}
+    trainers = {p: {"version": 3, "last_metrics": {}, "wait_fraction": 0.0} for p in hists}
+    return Tick(data_layer=state, trainers=trainers)
+
+
+def _eval(policy: str, step: int) -> dict:
+    return {"policy": policy, "step": step, "eval_accuracy": 0.5, "eval_prompts": 4, "eval_seconds": 1.0}
+
+
+def test_each_policys_evaluations_and_staleness_are_shown_and_a_resume_does_not_repeat_them():
+    progress, buf = _progress(heartbeat_s=60)
+    progress.interval_s = 0
+    hists = {"solver": {"0": 5}, "verifier": {"1": 2}}
+    # a resumed run: the last incarnation printed solver v4's evaluation
+    progress.evals_shown([_eval("solver", 4)])
+    progress.update(_tick([_eval("solver", 4), _eval("solver", 6), _eval("verifier", 2)], hists))
+    out = buf.getvalue()
+    assert "solver v4" not in out and "solver v6" in out
+    assert "verifier v2" in out  # a policy whose versions trail the other's still has its evaluations shown
+    assert "staleness solver {'0': 5} verifier {'1': 2}" in out
