@@ -9,6 +9,7 @@ import time
 import pytest
 from rich.console import Console
 
+from astraflow.runtime.monitoring.writer import Tick
 from astraflow.runtime.progress import Progress
 
 
@@ -54,9 +55,7 @@ def test_nested_waits_keep_their_own_detail_and_disabled_progress_is_silent():
     assert qbuf.getvalue() == ""
 
 
-def _tick(evals: list[dict], hists: dict) -> "Tick":
-    from astraflow.runtime.monitoring.writer import Tick
-
+def _tick(evals: list[dict], hists: dict) -> Tick:
     state = {"eval": evals, "staleness_hist": hists, "nodes": {}, "episodes_per_s": 1.0,
              "generated_tokens_per_s": 10.0}
     trainers = {p: {"version": 3, "last_metrics": {}, "wait_fraction": 0.0} for p in hists}
