@@ -238,7 +238,8 @@ class DatasetWorkload:
             if label == cfg.test_split:
                 return "test"
             return None
-        key = f"{cfg.seed}:{payload['id'] if cfg.id_field else payload['text']}"
+        # by the prompt, never the id: rows repeating a prompt under other ids stay in one split
+        key = f"{cfg.seed}:{payload['text']}"
         u = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") / 2**64
         return "test" if u < cfg.test_fraction else "train"
 

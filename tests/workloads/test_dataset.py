@@ -197,3 +197,14 @@ def test_relative_data_paths_resolve_against_the_start_directory(tmp_path):
         config_from_dict(data, base_dir=tmp_path)
     resolved = data["workload"]["params"]["sources"]["words"]["params"]["path"]
     assert resolved == str(tmp_path / "data" / "*.jsonl")
+
+
+def test_a_prompt_repeated_under_other_ids_stays_in_one_split(tmp_path):
+    """With ``id_field``, the seeded split still goes by the prompt: the same question under
+    several ids (a dataset's duplicates, augmented copies) never lands in both splits."""
+    rows = [dict(r, id=f"{i}-{copy}") for copy in range(4) for i, r in enumerate(ROWS)]
+    wl = dataset(path=str(write_jsonl(tmp_path / "dup.jsonl", rows)), preset="gsm8k", id_field="id",
+                 test_fraction=0.3)
+    train, test = wl.tasks("train"), wl.tasks("eval")
+    assert train and test
+    assert not {p["text"] for p in train} & {p["text"] for p in test}
