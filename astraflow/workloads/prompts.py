@@ -7,6 +7,7 @@ They live apart from the workflows so that a module that must not import the rol
 
 from __future__ import annotations
 
+import re
 
 #: completion budget of the verifier: its own working (the sum, a few digits), then Y/N.
 VERIFY_NEW_TOKENS = 8
@@ -48,5 +49,7 @@ def parse_pick(text: str) -> int | None:
     otherwise (a sum with no ``>`` after it, ``"12"``, is working, not a pick)."""
     pick = text.strip()
     if ">" in pick:
-        pick = pick.rsplit(">", 1)[1].strip()[:1]
+        # the whole number after it: "46>12" picks nothing, not 1
+        m = re.match(r"\s*(\d+)", pick.rsplit(">", 1)[1])
+        pick = m.group(1) if m else ""
     return int(pick) if pick in ("1", "2") else None

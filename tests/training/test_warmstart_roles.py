@@ -80,6 +80,8 @@ def test_the_pick_is_the_digit_after_the_last_arrow():
     assert parse_pick("46") is None and parse_pick("46>") is None and parse_pick("") is None
     assert parse_pick("46>3") is None
     assert parse_pick("12") is None and parse_pick("125") is None  # working with no pick after it
+    assert parse_pick("46>12") is None and parse_pick("46>21") is None  # a number after the arrow, not a pick
+    assert parse_pick("46>1.") == 1 and parse_pick("46> 2 because") == 2
 
 
 def test_solve_examples_and_unknown_task():
