@@ -8,8 +8,10 @@ then /in/tests.py and each named test in the program's namespace, and reports on
 pipe: one ``repr((nonce, event, payload))`` line per event. Imports are kept to the few the
 success path needs: they are most of an execution's start-up time.
 
-The program runs in this interpreter: one that digs into this module's frames could forge the
-report. The nonce stops printing or blind writes to a file descriptor, not introspection.
+The program runs in this interpreter, as a ``__main__`` module of its own (``import __main__``
+gives it its own namespace, not this module). The channel and the nonce live only in
+``main``'s locals: one that digs through frames or the garbage collector's objects could still
+forge the report. The nonce stops printing or blind writes to a file descriptor, not introspection.
 """
 
 import os
@@ -17,11 +19,10 @@ import resource
 import sys
 
 ERROR_CHARS = 500
-CHANNEL: list = []  # (the open result pipe, nonce), for the report of the runner's own failure
 
 
 def main() -> int:
-    fd, cpu_s, memory, nproc = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    fd = int(sys.argv[1])
     names = sys.argv[5:]
     nonce = sys.stdin.readline().strip()
     devnull = os.open("/dev/null", os.O_RDONLY)
@@ -29,12 +30,23 @@ def main() -> int:
     os.close(devnull)
     os.set_inheritable(fd, False)  # exec'd children do not get the channel
     out = os.fdopen(fd, "w", buffering=1)
-    CHANNEL.append((out, nonce))
     memory_line = repr((nonce, "memory", None)) + "\n"
 
     def send(event: str, payload=None) -> None:
         out.write(repr((nonce, event, payload)) + "\n")
 
+    try:
+        return execute(names, send, out, memory_line)
+    except BaseException as exc:  # the runner itself failed: the host reports sandbox_error
+        sys.stderr.write(f"sandbox runner failed: {exc!r}\n")
+        send("runner_error", repr(exc))
+        out.flush()
+        return 70
+
+
+def execute(names: list, send, out, memory_line: str) -> int:
+    """Set the limits, run the program and the tests, report each event through ``send``."""
+    cpu_s, memory, nproc = float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     cpu = int(cpu_s + 0.999)
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
@@ -42,7 +54,10 @@ def main() -> int:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     send("start")
 
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    program = type(sys)("__main__")  # the program's own __main__ (a module, without importing types)
+    program.__builtins__ = __builtins__
+    sys.modules["__main__"] = program
+    namespace = program.__dict__
 
     def run_source(path: str, label: str) -> tuple[bool, str | None, int]:
         """(ran cleanly, the exception line, exit code) of exec-ing ``path`` in the namespace."""
@@ -149,11 +164,8 @@ def _source_line(path: str, lineno: int) -> str:
 if __name__ == "__main__":
     try:
         status = main()
-    except BaseException as exc:  # the runner itself failed: the host reports sandbox_error
+    except BaseException as exc:  # before the channel was open: the host reports sandbox_error
         sys.stderr.write(f"sandbox runner failed: {exc!r}\n")
-        for out, nonce in CHANNEL:
-            out.write(repr((nonce, "runner_error", repr(exc))) + "\n")
-            out.flush()
         status = 70
     sys.stdout.flush()
     sys.stderr.flush()

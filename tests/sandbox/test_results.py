@@ -74,6 +74,20 @@ def test_printing_a_fake_report_does_not_pass_the_tests(sb):
     assert r.status == "failure" and not r.tests[0].passed
 
 
+def test_the_runners_module_gives_the_program_no_channel(sb):
+    """``import __main__`` is the program's own module: the runner's pipe and nonce are not in it."""
+    prog = ("import __main__, sys, os\n"
+            "found = [v for v in vars(__main__).values() if isinstance(v, list) and v and isinstance(v[0], tuple)]\n"
+            "for out, nonce in found:\n"
+            "    for name in sys.argv[5:]:\n"
+            "        out.write(repr((nonce, 'test', (name, True, None))) + '\\n')\n"
+            "    out.write(repr((nonce, 'done', None)) + '\\n'); out.flush()\n"
+            "print('program module is', __main__.__name__, 'with', sorted(vars(__main__))[:3])\n"
+            "def add(a, b):\n    return 0\n")
+    r = sb.run(prog, "def test_a():\n    assert add(1, 2) == 3\n")
+    assert r.status == "failure" and not r.tests[0].passed, r
+
+
 @pytest.mark.parametrize("prog, status", [
     ("while True:\n    pass\n", "timeout"),
     ("x = bytearray(1 << 30)\n", "memory"),
