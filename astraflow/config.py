@@ -241,11 +241,15 @@ class RunConfig(Strict):
         except (ValueError, TypeError) as err:
             raise ValueError(f"workload ({self.workload.name}): {err}") from None
         self._check_agentic(workload)
-        if getattr(workload, "uses_sandbox", False):
-            why = deadline_problem(self.sandbox, getattr(getattr(workload, "cfg", None), "timeout_s", None),
-                                   self.rollout.reward_timeout_s)
-            if why:
-                raise ValueError(why)
+        from astraflow.workloads.mix import MixtureWorkload
+
+        # a mixture's sources each, else the workload itself
+        for part in workload.sources.values() if isinstance(workload, MixtureWorkload) else [workload]:
+            if getattr(part, "uses_sandbox", False):
+                why = deadline_problem(self.sandbox, getattr(getattr(part, "cfg", None), "timeout_s", None),
+                                       self.rollout.reward_timeout_s)
+                if why:
+                    raise ValueError(why)
         agentic = is_agentic(type(workload))
         self._check_context_length(workload.params.max_context_tokens if agentic else None)
         for i, pol in enumerate(self.policies):

@@ -139,6 +139,15 @@ def test_a_reward_deadline_shorter_than_the_sandbox_limit_is_refused():
                           "policies": [{"name": "solver", "model": "unused"}]})
 
 
+def test_a_reward_deadline_shorter_than_a_mixed_code_sources_limit_is_refused():
+    from astraflow.config import ConfigError, config_from_dict
+
+    sources = {"code": {"workload": "code", "params": {"timeout_s": 20}}, "math": {"workload": "math"}}
+    with pytest.raises(ConfigError, match="reward_timeout_s 15 leaves no room.*20 s sandbox limit"):
+        config_from_dict({"workload": {"name": "mix", "params": {"sources": sources}},
+                          "rollout": {"reward_timeout_s": 15}, "policies": [{"name": "solver", "model": "unused"}]})
+
+
 def test_a_model_path_under_home_is_expanded(tmp_path):
     from pathlib import Path
 

@@ -196,7 +196,8 @@ def _signals_stop_cleanly() -> None:
 def check_sandbox(cfg: RunConfig) -> None:
     """A workload whose rewards run programs needs a working sandbox on this machine: a
     ValueError naming the fix before anything starts, not a failed reward per episode."""
-    if not getattr(workload_class(cfg.workload.name), "uses_sandbox", False):
+    # built (cheap: workloads make their tasks lazily): a mixture uses it when one of its sources does
+    if not getattr(make_workload(cfg.workload.name, cfg.workload.params, cfg.workload.seed), "uses_sandbox", False):
         return
     from astraflow.sandbox import Sandbox, SandboxUnavailable
 

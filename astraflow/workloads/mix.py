@@ -179,3 +179,15 @@ class MixtureWorkload:
 
     def reward(self, completion: str, payload: Mapping[str, Any]) -> float:
         return self._source(payload).reward(completion, self._untagged(payload))
+
+    @property
+    def uses_sandbox(self) -> bool:
+        """Whether a source's rewards run programs in the sandbox (its deadline handling and the
+        nodes' start-up check then apply to the mixture)."""
+        return any(getattr(s, "uses_sandbox", False) for s in self.sources.values())
+
+    def reward_and_stats(self, completion: str, payload: Mapping[str, Any]) -> tuple[float, dict[str, float]]:
+        """The source's reward and episode statistics (none for a source that reports none)."""
+        source, untagged = self._source(payload), self._untagged(payload)
+        fn = getattr(source, "reward_and_stats", None)
+        return fn(completion, untagged) if fn is not None else (source.reward(completion, untagged), {})

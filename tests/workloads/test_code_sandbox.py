@@ -89,3 +89,26 @@ def test_results_are_cached_per_test_suite_not_per_task_id(sandbox):
     assert w.reward(right, task) == 1.0
     stricter = dict(task, tests=task["tests"] + f"\n\ndef test_never():\n    assert {task['entry_point']}(0) == -1\n")
     assert w.reward(right, stricter) == 0.0  # same id and program, other tests: run again
+
+
+def test_a_code_source_of_a_mix_keeps_the_sandbox_deadline_handling_and_its_statistics(sandbox):
+    """The same four looping programs as above, through a ``mix`` with a code source: slot waits
+    do not count against the reward deadline, and the code statistics come back."""
+    import asyncio
+
+    from astraflow.rollout.workflows import WorkflowBase
+    from astraflow.workloads.mix import MixtureWorkload
+
+    mix = MixtureWorkload(sources={"code": {"workload": "code", "params": {"families": ["add"], "timeout_s": 1.0}},
+                                   "math": {"workload": "math", "params": {"digits": 1}}})
+    assert mix.uses_sandbox
+    task = next(t for t in mix.tasks("train") if t["source"] == "code")
+    flow = WorkflowBase(workload=mix, sampling=None, node="n", reward_timeout_s=1.5)
+
+    async def all_four():
+        return await asyncio.gather(*(flow.score_and_stats(f"    while True:\n        y = {i}\n", task)
+                                      for i in range(4)))
+
+    assert [(r, s["code_timeout"]) for r, s in asyncio.run(all_four())] == [(0.0, 1.0)] * 4
+    math_task = next(t for t in mix.tasks("train") if t["source"] == "math")
+    assert mix.reward_and_stats(math_task["answer"], math_task) == (mix.reward(math_task["answer"], math_task), {})
