@@ -66,7 +66,8 @@ class OptimizerCheckpoint:
         Versions published narrower than the fp32 master weights (``publish_dtype: bf16``) are
         rounded, so the master weights are saved with it (``master_weights``). A failure is
         logged, not raised: it must not stop training."""
-        if self.optimizer_path is None or not self.backend.supports_optimizer_state or self.version == 0:
+        if (self.optimizer_path is None or not self.backend.supports_optimizer_state or self.version == 0
+                or self.version == self._start_version):  # no step here: the state is not of this version
             return False
         import torch
 

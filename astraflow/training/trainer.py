@@ -137,6 +137,7 @@ class Trainer(OptimizerCheckpoint):
         #: the version the backend's weights are at (= optimiser steps taken, counted from the
         #: initial weights, version 0); ``committed``: the newest version in the store
         self.version = 0
+        self._start_version = 0  # the version it started from (a resumed run: its latest)
         self.committed = 0
         self.done = False
         self.error: str | None = None
@@ -192,7 +193,7 @@ class Trainer(OptimizerCheckpoint):
         if latest is None:
             self.backend.publish(self.store, self.policy, 0)
         else:  # resuming a run: continue from its newest committed weights
-            self.version = self.committed = latest.version
+            self.version = self.committed = self._start_version = latest.version
             if latest.version > 0:
                 if not self.backend.supports_resume:
                     raise ValueError(
@@ -236,7 +237,10 @@ class Trainer(OptimizerCheckpoint):
         if self._thread is not None:
             self._thread.join(timeout)  # the loop saves the optimiser state on its way out
         elif self.backend is not None:  # run.mode sync: a driver stepped this trainer
-            self.save_optimizer()
+            try:
+                self.save_optimizer()
+            finally:
+                self.backend.close()  # the Megatron backend's rank processes and work directory
         return self.state()
 
     def state(self) -> dict[str, Any]:

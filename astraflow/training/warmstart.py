@@ -88,7 +88,7 @@ def _encode_pairs(tok, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torc
     seqs, masks = [], []
     for prompt, target in pairs:
         p = tok(prompt)["input_ids"]
-        a = tok(target)["input_ids"] + [tok.eos_token_id]
+        a = tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # no BOS mid-sequence
         seqs.append(p + a)
         masks.append([0] * len(p) + [1] * len(a))
     T = max(len(s) for s in seqs)

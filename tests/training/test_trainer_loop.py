@@ -230,6 +230,22 @@ def test_optimiser_state_is_saved_periodically_and_at_stop_and_resumed(tmp_path,
     assert fourth.start(run_loop=False) == 3 and fourth.state()["optimizer_resumed_from"] is None
 
 
+def test_a_resume_stopped_before_its_first_step_keeps_the_older_checkpoint_as_it_was(tmp_path, tiny_model):
+    """Weights at v3, the optimiser checkpoint of v2 (saved every 2 steps): a resumed trainer
+    stopped before any step must not save v2's moments labelled as v3's."""
+    batch, path, trainer = _checkpointing(tmp_path, tiny_model, every=2)
+    first = trainer(_DataLayer(batch))
+    first.start(run_loop=False)
+    for _ in range(3):
+        first.step()  # v3 committed; the checkpoint of v2 on disk; the trainer ends without stop()
+    assert torch.load(path, weights_only=True)["version"] == 2
+    again = trainer(_NoData(batch))
+    assert again.start(run_loop=False) == 3 and again.state()["optimizer_resumed_from"] == 2
+    again.stop()
+    assert torch.load(path, weights_only=True)["version"] == 2
+    assert trainer(_NoData(batch)).start(run_loop=False) == 3
+
+
 def test_a_failed_publish_keeps_the_last_usable_optimiser_checkpoint(tmp_path, tiny_model, monkeypatch):
     """Publishing fails from v4 on (a full disk): the trainer stops at v5 trained, v3 committed.
     The checkpoint of v3 stays the one a resume uses; the states of versions never committed
@@ -253,3 +269,16 @@ def test_a_failed_publish_keeps_the_last_usable_optimiser_checkpoint(tmp_path, t
     again = trainer(_NoData(batch))
     assert again.start(run_loop=False) == 3 and again.state()["optimizer_resumed_from"] == 3
     again.stop()
+
+
+def test_stop_closes_the_backend_of_a_trainer_a_driver_stepped(tmp_path, tiny_model):
+    """``run.mode: sync``: no loop of its own closes the backend (a Megatron backend's rank
+    processes and work directory), so ``stop`` does."""
+    batch, path, trainer = _checkpointing(tmp_path, tiny_model, every=0)
+    tr = trainer(_DataLayer(batch))
+    tr.start(run_loop=False)
+    tr.step()
+    closed = []
+    tr.backend.close = lambda: closed.append(True)
+    tr.stop()
+    assert closed == [True] and torch.load(path, weights_only=True)["version"] == 1

@@ -29,3 +29,23 @@ def test_warm_start_stops_at_target(tiny_model, tmp_path):
 def test_warm_start_needs_a_stop(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="stopping rule"):
         warm_start(tiny_model, tmp_path / "x")
+
+
+def test_a_tokenizer_that_adds_a_bos_gets_none_inside_the_trained_answer():
+    """A Llama-style tokenizer prepends BOS to whatever it encodes: the prompt keeps its BOS,
+    the answer (under the loss) gets none."""
+    from tokenizers import processors
+
+    from astraflow.models import build_tokenizer
+    from astraflow.training.warmstart import _encode_pairs
+
+    tok = build_tokenizer()
+    bos = "<|endoftext|>"
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tok.convert_tokens_to_ids(bos))])
+    tok.bos_token = bos
+    ids, _, loss = _encode_pairs(tok, [("12+34=", "46")])
+    row, mask = ids[0].tolist(), loss[0].tolist()
+    bos_id = tok.convert_tokens_to_ids(bos)
+    assert row[0] == bos_id
+    assert not [i for i, (t, m) in enumerate(zip(row, mask)) if t == bos_id and m]
