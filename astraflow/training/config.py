@@ -144,7 +144,8 @@ class TrainerConfig(Strict):
     ``r = pi_new / pi_behaviour``: ``ppo_clip`` clips ``r`` to ``[1 - clip_low, 1 + clip_high]``
     (PPO surrogate); ``tis`` weights the policy gradient by ``min(r, is_cap)`` (truncated
     importance sampling); ``m2po`` masks the tokens with the largest ``(log r)^2`` until their
-    batch mean is at most ``m2_tau`` and uses the unclipped ratio on the rest. The Megatron
+    batch mean is at most ``m2_tau`` (over the whole batch, whatever ``micro_batch``) and uses
+    the unclipped ratio on the rest. The Megatron
     backend supports ``ppo_clip`` only."""
     is_cap: float = Field(default=2.0, gt=0)
     """``off_policy: tis``: the truncation ``C`` of the importance weight ``min(r, C)``."""

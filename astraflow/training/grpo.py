@@ -18,8 +18,9 @@ Off-policy correction (``trainer.off_policy``) decides how a token's importance 
 * ``m2po``: second-moment masking. The tokens with the largest ``(log r)^2`` are masked out
   until the mean ``(log r)^2`` of the kept tokens is at most ``m2_tau``; kept tokens use the
   *unclipped* ratio ``-r * A``. It bounds the drift of the batch as a whole while keeping
-  most tokens (even quite stale ones) in the gradient. The mask is computed over the tokens
-  of one call (a micro-batch when the trainer splits the batch).
+  most tokens (even quite stale ones) in the gradient. The mask is computed over the whole
+  batch: a trainer that splits it into micro-batches computes every token's ratio first
+  (``keep_mask``), so the micro-batch size does not change the step.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def grpo_loss(
     off_policy: str = "ppo_clip",
     is_cap: float = 2.0,
     m2_tau: float = 0.04,
+    keep_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO loss with the chosen off-policy correction.
 
@@ -78,7 +80,9 @@ def grpo_loss(
     ``-min(r, is_cap).detach() * A * new``; ``m2po``: ``-r * A`` on the tokens kept by
     ``m2_keep_mask(log r, mask, m2_tau)``, 0 elsewhere. Returns ``(loss, stats)``; the loss
     is the masked sum divided by ``num_tokens`` (default: the number of loss tokens in
-    ``mask``; masked-out M2PO tokens still count, so masking shrinks the step).
+    ``mask``; masked-out M2PO tokens still count, so masking shrinks the step). ``keep_mask``:
+    M2PO's mask computed over the whole batch (``m2_keep_mask`` of every micro-batch's log
+    ratios), this call's slice of it; None: computed over this call's tokens.
     """
     if off_policy not in OFF_POLICY:
         raise ValueError(f"unknown off_policy {off_policy!r}; known: {', '.join(OFF_POLICY)}")
@@ -96,7 +100,8 @@ def grpo_loss(
         weight = torch.clamp(ratio, max=is_cap).detach()
         per_token = -weight * adv * new_logprobs
     else:  # m2po
-        loss_mask = m2_keep_mask(log_ratio, mask, m2_tau).to(mask.dtype)
+        keep = m2_keep_mask(log_ratio, mask, m2_tau) if keep_mask is None else keep_mask.bool() & mask.bool()
+        loss_mask = keep.to(mask.dtype)
         per_token = -unclipped
     denom = float(num_tokens) if num_tokens is not None else float(mask.sum().item())
     denom = max(denom, 1.0)

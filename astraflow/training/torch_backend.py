@@ -25,7 +25,7 @@ import torch
 
 from astraflow.contracts import Batch
 from astraflow.probe import make_probe
-from astraflow.training.grpo import collate, grpo_loss, token_logprobs
+from astraflow.training.grpo import collate, grpo_loss, m2_keep_mask, token_logprobs
 from astraflow.training.numerics import refuse_nonfinite
 
 
@@ -107,6 +107,7 @@ class TorchBackend:
             rows = torch.nonzero(c.advantages != 0).flatten()
         trained_tokens = int(c.loss_mask[rows].sum())
         mb = self.micro_batch_size or B
+        keep = self._m2_batch_mask(c, rows, mb) if self.off_policy == "m2po" and len(rows) > mb else None
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         agg = {"clip_frac": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0}
@@ -123,6 +124,7 @@ class TorchBackend:
                 new, c.old_logprobs[sl, :width].to(self.device), c.advantages[sl].to(self.device), lm,
                 self.clip_low, self.clip_high, num_tokens=total_tokens,
                 off_policy=self.off_policy, is_cap=self.is_cap, m2_tau=self.m2_tau,
+                keep_mask=None if keep is None else keep[sl, :width].to(self.device),
             )
             loss.backward()
             loss_sum += loss.item()
@@ -155,6 +157,20 @@ class TorchBackend:
             "nonfinite_skipped_total": float(self.nonfinite_skipped),
             "seconds": time.perf_counter() - t0,
         }
+
+    def _m2_batch_mask(self, c, rows: torch.Tensor, mb: int) -> torch.Tensor:
+        """M2PO's keep mask over the whole batch (``[B, T]``, CPU): every micro-batch's log
+        ratios from a forward pass without gradients, then ``m2_keep_mask`` over all of them."""
+        log_ratio = torch.zeros(c.old_logprobs.shape, dtype=torch.float32)
+        with torch.no_grad():
+            for s in range(0, len(rows), mb):
+                sl = rows[s : s + mb]
+                width = int(c.attention_mask[sl].sum(-1).max())
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+                    new = token_logprobs(self.model, c.tokens[sl, :width].to(self.device),
+                                         c.attention_mask[sl, :width].to(self.device))
+                log_ratio[sl, :width] = (new.float().cpu() - c.old_logprobs[sl, :width])
+        return m2_keep_mask(log_ratio, c.loss_mask, self.m2_tau)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Current (master, fp32) weights under their HF names (detached CPU tensors)."""

@@ -103,3 +103,35 @@ def test_config_selects_the_correction_and_the_backend_uses_it(tiny_model):
         assert (backend.off_policy, backend.is_cap, backend.m2_tau) == (mode, 1.5, 0.5)
         out = backend.train_step(batch)
         assert key in out and math.isfinite(out["loss"]) and out["grad_norm"] > 0
+
+
+def test_m2po_takes_the_same_step_whatever_the_micro_batch(tiny_model):
+    """M2PO's mask is over the whole batch: splitting it into micro-batches (a hardware setting
+    a partition may change) does not change which tokens are masked, nor the gradient."""
+    from astraflow.contracts import NOT_GENERATED, Batch, BatchItem, Sequence
+    from astraflow.training.torch_backend import TorchBackend
+
+    rng = np.random.default_rng(1)
+    items = []
+    for i in range(8):
+        n_prompt, n_gen = 3, 4 + i % 3
+        seq = Sequence.build(
+            tokens=rng.integers(3, 200, n_prompt + n_gen), loss_mask=[0] * n_prompt + [1] * n_gen,
+            # stale behaviour log-probs, some rows far staler than others: the mask binds unevenly
+            logprobs=[0.0] * n_prompt + list(rng.uniform(-9, -1 if i < 4 else -4, n_gen)),
+            policy_ids=[NOT_GENERATED] * n_prompt + [0] * n_gen,
+            versions=[NOT_GENERATED] * n_prompt + [0] * n_gen, reward=float(i % 2))
+        items.append(BatchItem(sequence=seq, loss_mask=seq.loss_mask, group_mean=0.5, group_std=0.5,
+                               group_size=8, staleness=0, task_id=f"t{i}"))
+    batch = Batch(policy="p", version=0, items=tuple(items), metrics={})
+    grads, masked = {}, {}
+    for mb in (None, 1, 3):
+        be = TorchBackend(str(tiny_model), lr=1e-3, micro_batch_size=mb, off_policy="m2po", m2_tau=4.0,
+                          grad_clip=1e9)
+        be.optimizer.step = lambda: None  # keep the gradient, not the step
+        out = be.train_step(batch)
+        masked[mb] = out["m2_masked_frac"]
+        grads[mb] = torch.cat([p.grad.flatten() for p in be.model.parameters() if p.grad is not None])
+    assert 0 < masked[None] < 1 and masked[1] == pytest.approx(masked[None]) == masked[3]
+    for mb in (1, 3):
+        assert float((grads[mb] - grads[None]).norm() / grads[None].norm()) < 1e-4
