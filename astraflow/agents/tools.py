@@ -41,8 +41,9 @@ _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + 
 class _ToolThreads:
     """The threads plain (non-async) tools run on, shared by the process. A call past its
     timeout keeps its thread (Python cannot stop it); once half the threads are held so, the
-    pool is replaced by a fresh one, so stuck tools never starve the others. A call's deadline
-    counts from when a thread takes it, not while it queues."""
+    pool is replaced by a fresh one, so stuck tools never starve the others; the calls queued
+    in the old pool move to the new one. A call's deadline counts from when a thread takes it,
+    not while it queues."""
 
     def __init__(self, size: int = 32):
         self.size = size
@@ -59,8 +60,11 @@ class _ToolThreads:
             started.append(time.monotonic())
             return fn()
 
-        with self._lock:
-            fut = loop.run_in_executor(self._pool, timed)
+        def submit() -> asyncio.Future:
+            with self._lock:
+                return loop.run_in_executor(self._pool, timed)
+
+        fut = submit()
         while True:
             left = timeout_s - (time.monotonic() - started[0]) if started else timeout_s
             if left <= 0:
@@ -68,6 +72,9 @@ class _ToolThreads:
                 raise asyncio.TimeoutError
             done, _ = await asyncio.wait({fut}, timeout=max(left, 0.005))
             if done:
+                if fut.cancelled() and not started:  # queued in a pool since replaced: the fresh one runs it
+                    fut = submit()
+                    continue
                 return fut.result()
 
     def _abandoned(self) -> None:
@@ -76,7 +83,7 @@ class _ToolThreads:
             if self._stuck * 2 >= self.size:
                 old, self._pool = self._pool, ThreadPoolExecutor(self.size, thread_name_prefix="astraflow-tool")
                 self._stuck = 0
-                old.shutdown(wait=False)
+                old.shutdown(wait=False, cancel_futures=True)  # its queued calls go to the new pool
 
 
 _THREADS = _ToolThreads()

@@ -267,3 +267,39 @@ def test_a_method_tool_binds_to_its_environment_and_deep_json_is_an_error_observ
     assert asyncio.run(box.run(ToolCall("country", {"city": "oslo"}))).content == "Norway"
     deep = "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>"
     assert parse_action(deep).errors == ("the tool call's JSON is nested too deeply",)
+
+
+def test_calls_queued_behind_stuck_tools_run_on_the_renewed_pool():
+    """Twice as many stuck calls as a small pool has threads, all at once: the ones queued when
+    the pool is renewed run on the new pool and time out in turn, instead of waiting forever."""
+    import threading
+
+    import astraflow.agents.tools as tools_mod
+    from astraflow.agents.env import ToolCall
+    from astraflow.agents.tools import ToolBox, _ToolThreads
+
+    release = threading.Event()
+
+    @tool(timeout_s=0.1)
+    def stuck() -> str:
+        """Never returns in time."""
+        release.wait(10)
+        return "late"
+
+    box = ToolBox([stuck])
+
+    async def one():
+        with pytest.raises(EpisodeError, match="ran past its 0.1 s timeout"):
+            await asyncio.wait_for(box.run(ToolCall("stuck", {})), 5)
+
+    async def go():
+        await asyncio.gather(*(one() for _ in range(8)))
+
+    saved, tools_mod._THREADS = tools_mod._THREADS, _ToolThreads(size=4)
+    try:
+        t0 = time.monotonic()
+        asyncio.run(go())
+        assert time.monotonic() - t0 < 4
+    finally:
+        release.set()
+        tools_mod._THREADS = saved
