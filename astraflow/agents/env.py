@@ -57,6 +57,15 @@ class Action:
     tool_calls: tuple[ToolCall, ...] = ()
     #: why a tool call in the turn could not be read (malformed syntax or JSON)
     errors: tuple[str, ...] = ()
+    #: every call as written, in the text's order: ``(True, i)`` is ``tool_calls[i]``,
+    #: ``(False, j)`` is ``errors[j]`` (empty: the errors, then the calls)
+    order: tuple[tuple[bool, int], ...] = ()
+
+    def in_order(self) -> list[ToolCall | str]:
+        """The turn's calls as written: each a ``ToolCall``, or why it could not be read."""
+        order = self.order or ([(False, j) for j in range(len(self.errors))]
+                               + [(True, i) for i in range(len(self.tool_calls))])
+        return [self.tool_calls[k] if ok else self.errors[k] for ok, k in order]
 
 
 @dataclass(frozen=True)

@@ -138,13 +138,13 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
             closing = renderer.close_turn(ended)
             if action.tool_calls or action.errors:
                 messages, calls = [], []
-                for err in action.errors:  # a call that could not be read still counts as one
+                for call in action.in_order():  # the results in the order the calls were written
                     log.tool_calls += 1
-                    log.invalid_calls += 1
-                    messages.append({"role": "tool", "content": f"error: {err}"})
-                    calls.append({"error": err})
-                for call in action.tool_calls:
-                    log.tool_calls += 1
+                    if isinstance(call, str):  # a call that could not be read still counts as one
+                        log.invalid_calls += 1
+                        messages.append({"role": "tool", "content": f"error: {call}"})
+                        calls.append({"error": call})
+                        continue
                     res = await env.tools.run(call)
                     log.tool_seconds += res.seconds
                     log.invalid_calls += 0 if res.valid else 1

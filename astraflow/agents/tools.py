@@ -97,29 +97,35 @@ def format_call(name: str, arguments: dict[str, Any]) -> str:
 def parse_action(text: str) -> Action:
     """The model turn ``text`` as an ``Action``: its well-formed calls and, for every call that
     could not be read, why."""
-    calls, errors = [], []
+    calls, errors, order = [], [], []
+
+    def error(why: str) -> None:
+        order.append((False, len(errors)))
+        errors.append(why)
+
     for m in _CALL.finditer(text):
         body, closed = m.group(1), m.group(0).endswith(CALL_CLOSE)
         if not closed:
-            errors.append(f"a tool call must end with {CALL_CLOSE}")
+            error(f"a tool call must end with {CALL_CLOSE}")
             continue
         try:
             obj = json.loads(body)
         except json.JSONDecodeError as err:
-            errors.append(f"the tool call is not valid JSON ({err.msg} at character {err.pos})")
+            error(f"the tool call is not valid JSON ({err.msg} at character {err.pos})")
             continue
         except RecursionError:
-            errors.append("the tool call's JSON is nested too deeply")
+            error("the tool call's JSON is nested too deeply")
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            errors.append('a tool call must be {"name": <tool>, "arguments": {...}}')
+            error('a tool call must be {"name": <tool>, "arguments": {...}}')
             continue
         args = obj.get("arguments", {})
         if not isinstance(args, dict):
-            errors.append(f"the arguments of {obj['name']} must be a JSON object")
+            error(f"the arguments of {obj['name']} must be a JSON object")
             continue
+        order.append((True, len(calls)))
         calls.append(ToolCall(name=obj["name"], arguments=args))
-    return Action(text=text, tool_calls=tuple(calls), errors=tuple(errors))
+    return Action(text=text, tool_calls=tuple(calls), errors=tuple(errors), order=tuple(order))
 
 
 @dataclass(frozen=True)

@@ -303,3 +303,13 @@ def test_calls_queued_behind_stuck_tools_run_on_the_renewed_pool():
     finally:
         release.set()
         tools_mod._THREADS = saved
+
+
+def test_tool_results_come_back_in_the_order_the_calls_were_written(tok):
+    """Calls ``A, <unreadable>, C``: the observation is A's result, the error, C's result (tool
+    messages carry no call id, so their order is how the model matches them)."""
+    env = SumEnv()
+    turn = format_call("add", {"a": 1, "b": 1}) + "<tool_call>x</tool_call>" + format_call("add", {"a": 2, "b": 2})
+    log = run(scripted(tok, [turn, "5"]), tok, env, max_new_tokens=256)
+    tool_turn = next(t for t in log.turns if t.get("kind") == "tool")
+    assert [c.get("result", "error" if "error" in c else None) for c in tool_turn["calls"]] == ["2", "error", "4"], tool_turn
