@@ -312,4 +312,5 @@ def test_tool_results_come_back_in_the_order_the_calls_were_written(tok):
     turn = format_call("add", {"a": 1, "b": 1}) + "<tool_call>x</tool_call>" + format_call("add", {"a": 2, "b": 2})
     log = run(scripted(tok, [turn, "5"]), tok, env, max_new_tokens=256)
     tool_turn = next(t for t in log.turns if t.get("kind") == "tool")
-    assert [c.get("result", "error" if "error" in c else None) for c in tool_turn["calls"]] == ["2", "error", "4"], tool_turn
+    got = [c.get("result", "error" if "error" in c else None) for c in tool_turn["calls"]]
+    assert got == ["2", "error", "4"], tool_turn
