@@ -21,8 +21,8 @@ Overlap invariant (publish vs. pull): a reader holds a version for as long as it
 (``load`` does so itself). A hold is a file with the reader's pid and host under
 ``paths.readers_dir`` (``storage/holds.py``); a hold of a dead pid on this host is stale and
 ignored, a hold from another host counts until its owner removes it or it times out. A reader
-takes the hold and then checks that
-the version is still committed, so retention and a new reader cannot both win.
+takes the hold and then checks that the version is still committed, so retention and a new
+reader cannot both win.
 
 Sparse bf16 deltas between consecutive versions live under ``paths.delta_dir`` and are written
 by the delta writer; this module reports them (``WeightVersion.delta_from``: the highest
