@@ -79,9 +79,9 @@ def _binds(python: str) -> list[str]:
     return args
 
 
-def command(cfg: SandboxConfig, python: str, in_dir: str, result_fd: int,
-            test_names: list[str]) -> list[str]:
-    """bwrap argv running the runner on ``in_dir``; the runner reports on ``result_fd``."""
+def _sandbox(cfg: SandboxConfig, python: str) -> list[str]:
+    """bwrap and every option of an execution's sandbox but its input directory: what
+    ``command`` runs and what ``probe`` checks, so an option this bubblewrap lacks fails the check."""
     args = [bwrap_path(cfg), "--unshare-all", "--unshare-user", "--disable-userns",
             "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]
     for k, v in ENV.items():
@@ -89,11 +89,16 @@ def command(cfg: SandboxConfig, python: str, in_dir: str, result_fd: int,
     args += _binds(python)
     args += [*DEVICES,
              "--size", str(cfg.scratch_mb << 20), "--perms", "1777", "--tmpfs", SCRATCH,
-             "--size", str(cfg.scratch_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
-             "--ro-bind", in_dir, IN_DIR, "--chdir", SCRATCH,
-             python, "-I", "-S", "-B", f"{IN_DIR}/runner.py", str(result_fd), str(cfg.cpu_s),
-             str(cfg.memory_mb << 20), str(cfg.max_processes), *test_names]
+             "--size", str(cfg.scratch_mb << 20), "--perms", "1777", "--tmpfs", "/tmp"]
     return args
+
+
+def command(cfg: SandboxConfig, python: str, in_dir: str, result_fd: int,
+            test_names: list[str]) -> list[str]:
+    """bwrap argv running the runner on ``in_dir``; the runner reports on ``result_fd``."""
+    return [*_sandbox(cfg, python), "--ro-bind", in_dir, IN_DIR, "--chdir", SCRATCH,
+            python, "-I", "-S", "-B", f"{IN_DIR}/runner.py", str(result_fd), str(cfg.cpu_s),
+            str(cfg.memory_mb << 20), str(cfg.max_processes), *test_names]
 
 
 def drop_privileges(cfg: SandboxConfig) -> dict:
@@ -107,8 +112,7 @@ def drop_privileges(cfg: SandboxConfig) -> dict:
 def probe(cfg: SandboxConfig) -> None:
     """Raise SandboxUnavailable unless bubblewrap can start the interpreter in its namespaces."""
     python = interpreter(cfg)
-    args = [bwrap_path(cfg), "--unshare-all", "--unshare-user", "--die-with-parent",
-            "--clearenv", *_binds(python), *DEVICES, python, "-I", "-S", "-c", "pass"]
+    args = [*_sandbox(cfg, python), "--chdir", SCRATCH, python, "-I", "-S", "-c", "pass"]
     try:
         proc = subprocess.run(args, capture_output=True, timeout=30, stdin=subprocess.DEVNULL,
                               env=HOST_ENV, **drop_privileges(cfg))
@@ -116,6 +120,9 @@ def probe(cfg: SandboxConfig) -> None:
         raise SandboxUnavailable(f"bubblewrap could not run: {err}: {FIX}") from None
     if proc.returncode != 0:
         why = proc.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no message"]
+        if "unknown option" in why[0].lower():
+            raise SandboxUnavailable(f"this bubblewrap is too old for the sandbox's options ({why[0]}): it needs "
+                                     f"bubblewrap 0.8 or newer; {FIX}")
         raise SandboxUnavailable(
             f"bubblewrap cannot create a sandbox here ({why[0]}): it needs unprivileged user "
             "namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0, "

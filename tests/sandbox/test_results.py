@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -110,6 +112,28 @@ def test_a_broken_sandbox_is_a_sandbox_error_not_the_programs_fault():
 def test_missing_bubblewrap_names_the_fix():
     with pytest.raises(SandboxUnavailable, match="apt-get install -y bubblewrap"):
         Sandbox(SandboxConfig(bwrap="/nonexistent/bwrap")).run("pass\n")
+
+
+def test_a_bubblewrap_without_an_option_the_sandbox_uses_fails_the_start_up_check():
+    """The check runs bubblewrap with every option an execution uses: one too old for
+    ``--disable-userns`` (before 0.8) is refused at start, not by every program after."""
+    import shutil
+
+    real = shutil.which("bwrap")
+    if real is None:
+        pytest.skip("no bubblewrap here")
+    where = Path(tempfile.mkdtemp(prefix="old-bwrap-", dir="/tmp"))  # reachable by the sandbox's uid
+    old = where / "bwrap"
+    old.write_text('#!/bin/sh\nfor a in "$@"; do\n  if [ "$a" = "--disable-userns" ]; then\n'
+                   '    echo "bwrap: Unknown option --disable-userns" >&2; exit 1\n  fi\ndone\n'
+                   f'exec {real} "$@"\n')
+    old.chmod(0o755)
+    where.chmod(0o755)
+    try:
+        with pytest.raises(SandboxUnavailable, match="too old.*Unknown option --disable-userns.*0.8 or newer"):
+            Sandbox(SandboxConfig(bwrap=str(old))).check()
+    finally:
+        shutil.rmtree(where)
 
 
 def test_bad_arguments_are_errors(sb):
