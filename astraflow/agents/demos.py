@@ -89,8 +89,10 @@ class _Lockstep:
     """A ``generate`` shared by concurrent episodes: requests wait until every live episode has
     one, then are decoded greedily in one left-padded batch."""
 
-    def __init__(self, model: Any, tok: Any):
+    def __init__(self, model: Any, tok: Any, stop_ids: frozenset[int] | set[int]):
         self.model, self.tok = model, tok
+        #: the end-of-turn tokens the engines stop on (the renderer's), not only the eos
+        self.stop_ids = set(stop_ids) or {tok.eos_token_id}
         self.pending: list[tuple[list[int], int, asyncio.Future]] = []
 
     async def __call__(self, tokens: list[int], max_new: int) -> _Turn:
@@ -101,9 +103,11 @@ class _Lockstep:
     def flush(self) -> None:
         import torch
 
+        from astraflow.models import pad_id
+
         batch, self.pending = self.pending, []
         T = max(len(t) for t, _, _ in batch)
-        pad = self.tok.pad_token_id
+        pad = pad_id(self.tok)  # the pad token, else eos: many tokenizers have none
         ids = torch.full((len(batch), T), pad, dtype=torch.long)
         att = torch.zeros((len(batch), T), dtype=torch.long)
         for i, (t, _, _) in enumerate(batch):
@@ -112,13 +116,12 @@ class _Lockstep:
         max_new = max(m for _, m, _ in batch)
         with torch.no_grad():
             out = self.model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new, do_sample=False,
-                                      eos_token_id=self.tok.eos_token_id, pad_token_id=pad)
+                                      eos_token_id=sorted(self.stop_ids), pad_token_id=pad)
         for i, (_, m, fut) in enumerate(batch):
             row = out[i, T:].tolist()[:m]
-            eos = self.tok.eos_token_id
-            if eos in row:
-                row = row[: row.index(eos) + 1]
-                fut.set_result(scripted_turn(row, "stop"))
+            end = next((k for k, t in enumerate(row) if t in self.stop_ids), None)
+            if end is not None:
+                fut.set_result(scripted_turn(row[: end + 1], "stop"))
             else:
                 fut.set_result(scripted_turn(row, "length"))
 
@@ -131,7 +134,7 @@ def greedy_success(model: Any, tok: Any, workload: Any, tasks: list[Mapping[str,
     was_training = model.training
     model.eval()
     renderer = ChatRenderer(tok)
-    gen = _Lockstep(model, tok)
+    gen = _Lockstep(model, tok, renderer.stop_ids)
 
     async def one(task: Mapping[str, Any]) -> float:
         try:

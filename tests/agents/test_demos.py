@@ -119,3 +119,51 @@ def test_demo_noise_for_an_environment_without_explore_action_is_refused_by_chec
     data["policies"][0]["init"]["demo_noise"] = 0.0
     path.write_text(yaml.safe_dump(data))
     assert CliRunner().invoke(main, ["check", str(path)]).exit_code == 0
+
+
+class _Expert:
+    """A model that answers as the expert does, ends its turn with the template's closing token
+    and then keeps talking, as a language model does; ``generate`` as HF's (left-padded batch)."""
+
+    training = False
+
+    def __init__(self, tok, end_id: int):
+        self.tok, self.end_id, self.pads = tok, end_id, []
+
+    def eval(self):
+        pass
+
+    def train(self, mode=True):
+        pass
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, **kw):
+        import torch
+
+        self.pads.append(pad_token_id)
+        rows = []
+        for row in input_ids.tolist():
+            text = self.tok.decode(row, skip_special_tokens=False)
+            key = text.split("value of ")[-1].split("?")[0]
+            ans = (f'<tool_call>{{"name":"lookup","arguments":{{"key":"{key}"}}}}</tool_call>'
+                   if text.count("<|im_start|>assistant") == 1 else TABLE[key])
+            ids = self.tok.encode(ans, add_special_tokens=False) + [self.end_id]
+            ids += self.tok.encode("\n<|im_start|>user\nmore", add_special_tokens=False)
+            rows.append(row + (ids + [pad_token_id] * max_new_tokens)[:max_new_tokens])
+        return torch.tensor(rows)
+
+
+def test_greedy_evaluation_stops_on_the_templates_end_of_turn_and_pads_without_a_pad_token():
+    """A tokenizer whose eos is not the template's closing token (a base model's), and one with
+    no pad token at all: the expert's greedy episodes still succeed."""
+    from astraflow.models import build_tokenizer
+
+    w = LookupWorkload()
+    tasks = w.tasks("eval")[:4]
+    tok = build_tokenizer()
+    tok.eos_token = "<|endoftext|>"
+    end = ChatRenderer(tok).end_id
+    assert end != tok.eos_token_id
+    assert greedy_success(_Expert(tok, end), tok, w, tasks, w.limits(48)) == 1.0
+    tok.pad_token = None
+    model = _Expert(tok, end)
+    assert greedy_success(model, tok, w, tasks, w.limits(48)) == 1.0 and None not in model.pads
