@@ -115,11 +115,13 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
         schemas = getattr(env.tools, "schemas", None)
         log.append(renderer.start(check_messages(first, "reset"), tools=schemas() if schemas else None),
                    kind="observation", messages=first)
-        if len(log.tokens) >= limits.max_context_tokens:
+        # kept free for the closing a turn cut by its budget gets: the stored episode stays in the budget
+        reserve = len(renderer.close_turn(False))
+        if len(log.tokens) + reserve >= limits.max_context_tokens:
             raise EpisodeError(f"the first observation has {len(log.tokens)} tokens, more than the "
-                               f"context budget of {limits.max_context_tokens}")
+                               f"context budget of {limits.max_context_tokens} leaves for a turn")
         for _ in range(limits.max_turns):
-            room = limits.max_context_tokens - len(log.tokens)
+            room = limits.max_context_tokens - len(log.tokens) - reserve
             gen = await generate(list(log.tokens), min(limits.max_new_tokens, room))
             log.engine_seconds += float(gen.engine_seconds)
             gen_ids = [int(t) for t in gen.tokens]
@@ -176,7 +178,7 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
             if result.reward:
                 log.turn_rewards.append(float(result.reward))
             obs = closing + renderer.observation(result.observation)
-            if len(log.tokens) + len(obs) >= limits.max_context_tokens:
+            if len(log.tokens) + len(obs) + reserve >= limits.max_context_tokens:
                 log.truncated = "context"
                 log.append(closing, kind="")
                 break

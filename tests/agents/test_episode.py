@@ -153,6 +153,20 @@ def test_max_turns_and_context_truncate(tok):
     assert log.turns[1]["finish"] == "length" and log.done  # a cut turn is still an action
 
 
+
+def test_a_turn_cut_by_the_context_budget_stays_within_it_with_its_closing(tok):
+    """The budget leaves room for the closing a cut turn is given: what is stored, the closing
+    included, never exceeds ``max_context_tokens`` (which may be the model's positions)."""
+    class Chatty(SumEnv):  # never done: every turn is answered
+        async def step(self, action: Action) -> StepResult:
+            return StepResult([{"role": "user", "content": "go on"}], reward=0.0)
+
+    first = len(ChatRenderer(tok).start([{"role": "user", "content": "2+3?"}]))
+    for budget in range(first + 4, first + 40, 3):
+        log = run(scripted(tok, ["hmm" * 20] * 4), tok, Chatty(), max_context_tokens=budget, max_new_tokens=64)
+        assert len(log.tokens) <= budget, (budget, len(log.tokens))
+
+
 def test_env_failures_fail_the_episode_and_close_it(tok):
     class Raising(SumEnv):
         async def step(self, action):
