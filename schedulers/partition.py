@@ -29,6 +29,18 @@ _IDENT = r"^[A-Za-z_][A-Za-z0-9_]*$"
 _MEM = re.compile(r"^(\d+)([KMGT]?)$")
 _GRES_ITEM_RE = r"([A-Za-z_][A-Za-z0-9_]*)(?::([A-Za-z0-9_.-]+?))?(?::(\d+))?"
 _GRES_ITEM = re.compile(rf"^{_GRES_ITEM_RE}$")
+
+
+def gres_gpus(gres: str) -> int | None:
+    """GPUs a Slurm ``--gres`` list asks for per node: its ``gpu`` item's count (``gpu:4``,
+    ``gpu:h100:4``; ``gpu`` or ``gpu:h100`` alone: 1), None without a ``gpu`` item."""
+    for item in gres.split(","):
+        name, *rest = item.split(":")
+        if name == "gpu":
+            return int(rest[-1]) if rest and rest[-1].isdigit() else 1
+    return None
+
+
 _WALLTIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 #: the errors of a field's own constraint (``ge``, ``pattern``, ...), which `_fix` rewords
@@ -304,13 +316,17 @@ class Partition(BaseModel):
             if not b.min_nodes <= self.nodes <= b.max_nodes:
                 raise ValueError(f"partition {self.name!r}: nodes {self.nodes} is outside its autoscale bounds "
                                  f"[{b.min_nodes}, {b.max_nodes}]: set nodes between min_nodes and max_nodes")
-        if self.gres is not None and self.gpus_per_node:
-            counts = [m.group(3) for m in map(_GRES_ITEM.match, self.gres.split(",")) if m and m.group(1) == "gpu"]
-            if counts and int(counts[0] or 1) != self.gpus_per_node:
+        if self.gres is not None:
+            asked = gres_gpus(self.gres)
+            if asked is not None and asked != self.gpus_per_node:
                 raise ValueError(
-                    f"partition {self.name!r}: gres {self.gres!r} asks for {counts[0] or 1} GPU(s) but "
-                    f"gpus_per_node is {self.gpus_per_node}: make them equal or drop one"
-                )
+                    f"partition {self.name!r}: gres {self.gres!r} asks for {asked} GPU(s) but "
+                    f"gpus_per_node is {self.gpus_per_node}: make them equal (the worker advertises "
+                    "gpus_per_node GPUs)")
+            if asked is None and self.gpus_per_node:
+                raise ValueError(
+                    f"partition {self.name!r}: gres {self.gres!r} asks for no GPU but gpus_per_node is "
+                    f"{self.gpus_per_node} (gres replaces the GPU request): add gpu:{self.gpus_per_node} to gres")
         return self
 
     # ------------------------------------------------------------------ derived values

@@ -45,6 +45,9 @@ def test_worker_name_example():
         (dict(slurm_partition="gpu"), "remove slurm_partition or set scheduler: slurm"),
         (dict(scheduler="slurm", gres="gpu h100"), "name\\[:type\\]\\[:count\\]"),
         (dict(scheduler="slurm", gres="gpu:h100:4", gpus_per_node=2), "make them equal"),
+        (dict(scheduler="slurm", gres="gpu:4", gpus_per_node=1), "asks for 4 GPU.*make them equal"),
+        (dict(scheduler="slurm", gres="gpu:2"), "asks for 2 GPU.*gpus_per_node is 0"),
+        (dict(scheduler="slurm", gres="nvme:1", gpus_per_node=4), "asks for no GPU.*add gpu:4 to gres"),
         (dict(scheduler="slurm", sbatch_options=("--time=10",)), "set walltime instead"),
         (dict(scheduler="slurm", sbatch_options=("account=x",)), "--option=value"),
         (dict(resources={"GPU-mem": 1}), "resource name"),
@@ -106,3 +109,10 @@ def test_sbatch_option_values_sbatch_would_not_read_literally_are_refused(opt):
 def test_env_values_with_nul_are_refused():
     with pytest.raises(ValidationError, match="remove the NUL character"):
         Partition(name="x", env={"A": "a\x00b"})
+
+
+@pytest.mark.parametrize("gres, gpus", [("gpu:4", 4), ("gpu:h100:4", 4), ("gpu", 1), ("gpu:h100", 1),
+                                        ("nvme:1,gpu:2", 2), ("gpu:a100:8,nvme:1", 8)])
+def test_gres_in_slurms_forms_agrees_with_gpus_per_node(gres, gpus):
+    p = Partition(name="g", scheduler="slurm", gres=gres, gpus_per_node=gpus)
+    assert p.worker_resources["GPU"] == gpus
