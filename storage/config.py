@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class StorageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     trajectories: str | None = None
-    """Trajectory store URL (directory or ``memory://``); default ``<run>/trajectories``."""
+    """Trajectory store: a directory (or ``file://`` URL) every node, the data layer and the
+    trainers reach; default ``<run>/trajectories``."""
     keep_versions: int = Field(default=3, ge=1)
     """Weight versions kept per policy (held versions are never deleted)."""
     deltas: bool = False
     """Write a sparse bf16 delta ``v-1 -> v`` after every commit (off the training critical
     path) and let RaaS nodes that are one version behind apply it instead of loading full
     shards. Nodes then serve the bf16 view of the weights (as GPU engines do)."""
+
+    @field_validator("trajectories")
+    @classmethod
+    def _shared(cls, url: str | None) -> str | None:
+        if url is not None and url.startswith("memory://"):
+            raise ValueError(f"{url} is a store inside one process, and a run's nodes, data layer and trainers "
+                             "are processes of their own: point storage.trajectories at a directory they all "
+                             "reach, or leave it out (<run>/trajectories)")
+        return url

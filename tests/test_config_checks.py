@@ -174,3 +174,9 @@ def test_micro_batch_is_refused_for_the_megatron_backend():
     with pytest.raises(ValueError, match="trainer.micro_batch 16: the megatron backend trains each data-parallel"):
         TrainerConfig(backend="megatron", micro_batch=16)
     TrainerConfig(backend="megatron")  # the default is not a choice
+
+
+def test_an_in_process_trajectory_store_is_refused_for_a_run(tmp_path):
+    res = _invoke("check", str(_config(tmp_path)), "--set", "storage.trajectories=memory://x")
+    assert res.exit_code == 2, res.output
+    assert "memory://x is a store inside one process" in res.output and "point storage.trajectories at a directory" in res.output
