@@ -14,8 +14,10 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, check: Callable[[object], str | None] | None = None):
+        """``check(obj)``: why a user's ``module:name`` cannot be one of these (None: it can)."""
         self.kind = kind
+        self.check = check
         self._items: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
@@ -43,7 +45,11 @@ class Registry(Generic[T]):
                 raise ValueError(f"{self.kind} {module}:{name}: importing {module!r} raised "
                                  f"{type(err).__name__}: {err}") from None
             if hasattr(mod, name):  # the module's own, registered or not, before a built-in of that name
-                return getattr(mod, name)
+                obj = getattr(mod, name)
+                why = self.check(obj) if self.check is not None else None
+                if why:
+                    raise ValueError(f"{self.kind} {module}:{name} {why}")
+                return obj
             if name not in self._items:
                 raise ValueError(f"{self.kind} {module}:{name}: {module!r} has no {name!r} and registered no "
                                  f"{self.kind} of that name; known: {', '.join(sorted(self._items)) or '(none)'}")

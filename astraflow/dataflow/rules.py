@@ -37,9 +37,18 @@ from pydantic import BaseModel, Field
 from astraflow.configbase import Strict
 from astraflow.registry import Registry
 
-CURATORS: Registry = Registry("prompt curator")
-FILTERS: Registry = Registry("group filter")
-ORDERINGS: Registry = Registry("buffer ordering")
+def not_a_rule(obj: Any) -> str | None:
+    """Why ``obj`` cannot be a dataflow rule (None: it can): a class with a pydantic ``Params``."""
+    params = getattr(obj, "Params", None)
+    if not isinstance(obj, type) or not (isinstance(params, type) and issubclass(params, BaseModel)):
+        return ("is not a rule class: a rule is a class with a pydantic Params model, built as "
+                "cls(params, seed) (subclass RuleBase, see docs/extending.md)")
+    return None
+
+
+CURATORS: Registry = Registry("prompt curator", not_a_rule)
+FILTERS: Registry = Registry("group filter", not_a_rule)
+ORDERINGS: Registry = Registry("buffer ordering", not_a_rule)
 
 
 class NoParams(Strict):

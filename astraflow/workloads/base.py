@@ -45,7 +45,15 @@ class Workload(Protocol):
         sources by these weights; a single-source workload returns ``{"": 1.0}``."""
 
 
-WORKLOADS: Registry = Registry("workload")
+def not_a_workload(obj: Any) -> str | None:
+    """Why ``obj`` cannot be a workload (None: it can): a class with ``tasks(split)``."""
+    if not isinstance(obj, type) or not callable(getattr(obj, "tasks", None)):
+        return ("is not a workload class: a workload is a class built with its params as keywords, with "
+                "tasks(split), render_prompt and reward (see docs/extending.md)")
+    return None
+
+
+WORKLOADS: Registry = Registry("workload", not_a_workload)
 
 
 #: the modules of the shipped workloads (imported to register them)

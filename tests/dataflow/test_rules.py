@@ -247,6 +247,10 @@ def run_config(tmp_path, **dataflow):
      r"dataflow.curator.user: .*every_nth_test': params.n: Input should be greater than or equal to 1"),
     ("curator", {"type": "tests.dataflow.user_rules:nope"},
      r"'tests.dataflow.user_rules' has no 'nope' and registered no prompt curator .*; known: .*greso"),
+    # a module attribute that is not a rule class (its params model): a config error, no traceback
+    ("curator", {"type": "tests.dataflow.user_rules:EveryNthParams"},
+     r"prompt curator tests.dataflow.user_rules:EveryNthParams is not a rule class"),
+    ("ordering", {"type": "tests.dataflow.user_rules:Field"}, r"is not a rule class"),
 ])
 def test_an_unknown_type_or_a_bad_param_is_a_config_error_naming_the_field(tmp_path, stage, bad, needle):
     with pytest.raises(ConfigError, match=needle):
