@@ -383,8 +383,8 @@ def config_from_dict(data: dict, base_dir: Path | None = None) -> RunConfig:
     data = dict(data)
     policies = data.get("policies")
     for i, pol in enumerate(policies if isinstance(policies, list) else []):
-        if isinstance(pol, dict) and "model" in pol and pol["model"] is None:  # not the path "None"
-            raise ConfigError(f"policies[{pol.get('name', i)}].model: empty (null); give the path of an HF model "
+        if isinstance(pol, dict) and "model" in pol and pol["model"] in (None, ""):  # not "None", not the cwd
+            raise ConfigError(f"policies[{pol.get('name', i)}].model: empty; give the path of an HF model "
                               "directory (built by `init:` when missing), or a name for a sim run")
     if base_dir is not None:
         for pol in policies if isinstance(policies, list) else []:  # not a list: validation says so

@@ -45,8 +45,10 @@ def check_models(cfg: RunConfig) -> None:
     from astraflow.weightconv import GPTShape
 
     for pol in cfg.policies:
+        if cfg.simulated(pol):  # its model is only a name, whatever lies at that path
+            continue
         if not pol.model.exists():
-            why = None if cfg.simulated(pol) else unbuildable(pol.model)
+            why = unbuildable(pol.model)
             if why:
                 raise ConfigError(f"policies[{pol.name}].model: {pol.model} cannot be created to build the model "
                                   f"into: {why}; point model at a directory that can be created (or at an "

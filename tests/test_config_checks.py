@@ -4,10 +4,14 @@ fix (never a traceback), and accept what is valid: a partition's own engine sett
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
 from tests.test_cli_errors import _config, _invoke
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SIM = {
     "run": {"name": "tp", "max_steps": 2},
@@ -109,12 +113,19 @@ def test_a_users_workflow_class_is_accepted(tmp_path):
     assert res.exit_code == 0, res.output
 
 
-def test_a_null_model_is_refused(tmp_path, monkeypatch):
+@pytest.mark.parametrize("value", ["null", ""])
+def test_a_null_or_empty_model_is_refused(tmp_path, monkeypatch, value):
     monkeypatch.chdir(tmp_path)
-    res = _invoke("check", str(_config(tmp_path)), "--set", "policies.solver.model=null")
+    res = _invoke("check", str(_config(tmp_path)), "--set", f"policies.solver.model={value}")
     assert res.exit_code == 2, res.output
-    assert "policies[solver].model: empty (null); give the path of an HF model directory" in res.output
+    assert "policies[solver].model: empty; give the path of an HF model directory" in res.output
     assert "None" not in res.output
+
+
+def test_a_sim_policys_model_is_a_name_even_where_a_directory_of_that_name_exists(monkeypatch):
+    monkeypatch.chdir(ROOT / "examples")  # examples/sim is a directory, not a model
+    res = _invoke("check", "sim/config.yaml")
+    assert res.exit_code == 0, res.output
 
 
 @pytest.mark.parametrize("key, value, needle", [
