@@ -295,6 +295,10 @@ class SlurmScheduler:
                 if not refs:
                     raise
                 self._undo(refs, err)
+            except BaseException as err:  # writing the script, running sbatch at all: the same all or none
+                if refs:
+                    err.add_note(self._cancel_submitted(refs))
+                raise
         return refs
 
     def _submit_one(self, partition: Partition, scheduler_address: str, index: int) -> JobRef:
@@ -313,16 +317,21 @@ class SlurmScheduler:
 
     def _undo(self, refs: list[JobRef], err: SlurmCommandError) -> None:
         """Cancel the jobs a failed submit call already submitted, then raise `PartialSubmitError`."""
+        undone = self._cancel_submitted(refs)
+        raise PartialSubmitError(err, [r.job_id for r in refs], undone) from err
+
+    def _cancel_submitted(self, refs: list[JobRef]) -> str:
+        """Cancel the jobs of a submit call that failed part way and forget them; says how it went."""
         ids = [r.job_id for r in refs]
         try:
             run_slurm(["scancel", *ids], timeout=self.command_timeout)
             undone = f"cancelled the {len(ids)} job(s) it had already submitted ({', '.join(ids)})"
-        except SlurmCommandError as again:
+        except (SlurmCommandError, OSError) as again:
             undone = (f"cancelling the {len(ids)} job(s) it had already submitted ({', '.join(ids)}) failed too: "
                       f"{again}; cancel them with `scancel {' '.join(ids)}`")
         for job_id in ids:
             self._submitted.pop(job_id, None)
-        raise PartialSubmitError(err, ids, undone) from err
+        return undone
 
     def close(self) -> None:
         """Nothing to release: Slurm jobs live in Slurm and are cancelled by id (``cancel``)."""

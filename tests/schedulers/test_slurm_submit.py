@@ -58,3 +58,17 @@ def test_all_submitted_when_none_fails(tmp_path, monkeypatch):
     refs = _sched(tmp_path).submit(PART, "tcp://127.0.0.1:8786", 4)
     assert [r.job_id for r in refs] == ["4101", "4102", "4103", "4104"]
     assert [r.worker_name for r in refs] == [worker_name(PART, i) for i in range(4)]
+
+
+def test_an_os_error_part_way_cancels_the_jobs_already_submitted_too(tmp_path, monkeypatch):
+    """Not sbatch failing but writing the next worker's script (a full disk, here a directory
+    in its way): the jobs already submitted are cancelled and forgotten all the same."""
+    rec = fake_slurm(tmp_path, monkeypatch, fail_at=99)
+    sched = _sched(tmp_path)
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / f"{worker_name(PART, 2)}.sbatch").mkdir()
+    with pytest.raises(OSError) as info:
+        sched.submit(PART, "tcp://127.0.0.1:8786", 4)
+    assert (rec / "scancel.log").read_text().split() == ["4101", "4102"]
+    assert "cancelled the 2 job(s) it had already submitted (4101, 4102)" in " ".join(info.value.__notes__)
+    assert not sched._submitted
