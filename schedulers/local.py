@@ -126,6 +126,9 @@ class LocalScheduler:
             except subprocess.TimeoutExpired:
                 self._signal(p, signal.SIGKILL)
                 p.popen.wait(timeout=self.term_timeout)
+        for p in procs:  # what the worker spawned (engines, ranks) may outlive it: its group, until the deadline
+            if p.cancelled:
+                _end_group(p.popen.pid, deadline)
         if unknown:
             raise UnknownJobError(unknown, self.kind)
 
@@ -186,6 +189,28 @@ class LocalScheduler:
                 os.killpg(p.popen.pid, sig)
             except ProcessLookupError:  # the leader exited between poll() and killpg(): nothing left to stop
                 pass
+
+
+def _end_group(pgid: int, deadline: float) -> None:
+    """Wait until the process group ``pgid`` of a reaped worker is empty, at most until
+    ``deadline``, then SIGKILL what is left. Safe after the leader is reaped: the kernel does
+    not give a pid to a new process while a process group of that id still has members."""
+    def alive() -> bool:
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # not ours: nothing to stop here
+            return False
+
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if alive():
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _is_worker(pid: int, ref: JobRef) -> bool:

@@ -141,3 +141,35 @@ def test_submit_is_all_or_none(tmp_path):
     jobs = sched.jobs()
     assert len(jobs) == 1 and jobs[0].state == "CANCELLED" and not jobs[0].active
     sched.close()
+
+
+def test_cancel_also_stops_a_child_that_outlives_the_worker(tmp_path):
+    """The worker exits on SIGTERM; a process it spawned (an engine, a rank) ignores SIGTERM:
+    cancel kills it once the grace time is over, instead of leaving it orphaned."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/bash\nbash -c 'trap \"\" TERM; exec sleep 120' &\n"
+                    "trap 'exit 0' TERM\nwhile true; do sleep 0.1; done\n")
+    fake.chmod(0o755)
+    sched = LocalScheduler(tmp_path / "logs", python=str(fake), term_timeout=1.0)
+    [ref] = sched.submit(Partition(name="r", role="rollout"), "tcp://127.0.0.1:1", 1)
+    pgid = int(ref.job_id.removeprefix("local-"))
+    deadline = time.monotonic() + 10
+    while len(_group(pgid)) < 2:  # the worker and its child
+        assert time.monotonic() < deadline, _group(pgid)
+        time.sleep(0.05)
+    sched.cancel([ref.job_id])
+    assert _group(pgid) == []
+
+
+def _group(pgid: int) -> list[int]:
+    """The pids of process group ``pgid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:
+                out.append(int(entry))
+    return out
