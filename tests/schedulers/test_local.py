@@ -158,11 +158,14 @@ def test_cancel_also_stops_a_child_that_outlives_the_worker(tmp_path):
         assert time.monotonic() < deadline, _group(pgid)
         time.sleep(0.05)
     sched.cancel([ref.job_id])
+    deadline = time.monotonic() + 2  # a SIGKILLed process takes a moment to be gone
+    while _group(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert _group(pgid) == []
 
 
 def _group(pgid: int) -> list[int]:
-    """The pids of process group ``pgid`` (from /proc)."""
+    """The live pids of process group ``pgid`` (from /proc; zombies left out)."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -170,6 +173,6 @@ def _group(pgid: int) -> list[int]:
                 fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[2]) == pgid:
+            if int(fields[2]) == pgid and fields[0] != "Z":
                 out.append(int(entry))
     return out
