@@ -55,8 +55,9 @@ class ClusterConfig(Strict):
     scheduler_interface: str | None = None
     """Network interface the Dask scheduler listens on (e.g. ``ib0``); overrides `scheduler_host`."""
     worker_interface: str | None = None
-    """Interface Slurm workers listen on (e.g. ``ib0``). None: the default route's, or
-    ``127.0.0.1`` when the scheduler is on loopback (a one-host cluster)."""
+    """Interface workers listen on (e.g. ``ib0``), Slurm ones and those of ``scheduler: local``
+    partitions on the head's host alike. None: Slurm workers the default route's, local ones the
+    scheduler's address; ``127.0.0.1`` when the scheduler is on loopback (a one-host cluster)."""
     worker_python: str | None = None
     """Interpreter Slurm worker jobs run (a venv on the shared filesystem). None: the one
     running the orchestrator."""

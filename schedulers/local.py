@@ -38,7 +38,8 @@ class LocalScheduler:
     """`Scheduler` backend that runs each worker as a subprocess of this process.
 
     `log_dir`: where ``<worker>.log`` files go. `host`: address workers listen on (loopback by
-    default: local traffic stays on this machine). `term_timeout`: seconds `cancel` waits after
+    default: local traffic stays on this machine); `interface`: the network interface they
+    listen on instead (a run whose other workers are on other hosts must reach them). `term_timeout`: seconds `cancel` waits after
     SIGTERM before it sends SIGKILL. `tls`: the run's certificates, for a ``tls://`` scheduler.
     """
 
@@ -50,14 +51,16 @@ class LocalScheduler:
         log_dir: str | Path,
         *,
         python: str = sys.executable,
-        host: str = "127.0.0.1",
+        host: str | None = "127.0.0.1",
+        interface: str | None = None,
         death_timeout: float = 60,
         term_timeout: float = 10.0,
         tls: TLSFiles | None = None,
     ):
         self.log_dir = Path(log_dir)
         self.python = python
-        self.host = host
+        self.host = None if interface else host
+        self.interface = interface
         self.death_timeout = death_timeout
         self.term_timeout = term_timeout
         self.tls = tls
@@ -90,6 +93,7 @@ class LocalScheduler:
             name,
             python=self.python,
             host=self.host,
+            interface=self.interface,
             death_timeout=self.death_timeout,
             tls=self.tls,
         )

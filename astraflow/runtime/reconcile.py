@@ -73,12 +73,16 @@ def run_scheduler(kind: str, paths: RunPaths, cluster: ClusterConfig, tls: TLSFi
     """The scheduler backend of `kind` for the run in `paths`, set up from the run's cluster
     settings (its jobs tagged with `run_tag`, so every incarnation of the run finds them)."""
     cc = cluster
+    loopback = cc.scheduler_host in ("127.0.0.1", "localhost")
     if kind == "local":
-        kwargs: dict[str, Any] = {"log_dir": paths.jobs}
+        # on this host; reachable from the others where the scheduler is (workers on other hosts
+        # call the data layer and the trainers directly at their workers' addresses)
+        kwargs: dict[str, Any] = {"log_dir": paths.jobs, "interface": cc.worker_interface or cc.scheduler_interface,
+                                  "host": "127.0.0.1" if loopback else cc.scheduler_host}
     else:
         iface = cc.worker_interface
         host = None
-        if iface is None and cc.scheduler_interface is None and cc.scheduler_host in ("127.0.0.1", "localhost"):
+        if iface is None and cc.scheduler_interface is None and loopback:
             host = "127.0.0.1"  # a loopback scheduler: the workers are on this host too
         kwargs = {"job_dir": paths.jobs, "tag": run_tag(paths),
                   "setup_lines": tuple(cc.slurm_setup_lines), "interface": iface, "host": host}
