@@ -14,13 +14,15 @@ from storage.paths import RunPaths
 
 
 def export_tensorboard(run_dir: Path | str, logdir: Path | str | None = None, follow: bool = False,
-                       poll_s: float = 2.0) -> int:
+                       poll_s: float = 2.0, start_grace_s: float = 60.0) -> int:
     """Mirror ``metrics.jsonl`` into TensorBoard event files (optional: needs the ``tensorboard``
     package; nothing in a run depends on it). Every numeric field of a trainer line becomes the
     scalar ``<policy>/<field>`` at its step, every evaluation field ``<policy>/eval/<field>``.
 
     ``follow=True`` keeps mirroring new lines until the run ends (``summary.json`` appears) or its
-    orchestrator stops writing status (its snapshot is stale: ``Snapshot.stale``). Returns lines written."""
+    orchestrator stops writing status (its snapshot is stale: ``Snapshot.stale``); a directory
+    where no run appears within ``start_grace_s`` (no orchestrator, status, metrics or summary:
+    a mistyped one, a run that died before starting) is a ``ValueError``. Returns lines written."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -30,8 +32,13 @@ def export_tensorboard(run_dir: Path | str, logdir: Path | str | None = None, fo
         raise ValueError(f"{paths.metrics} does not exist: pass the --run-dir of a run that started")
     writer = SummaryWriter(log_dir=str(logdir if logdir is not None else paths.tensorboard))
     offset = written = 0
+    t0 = time.monotonic()
     try:
         while True:
+            if follow and time.monotonic() - t0 > start_grace_s and not any(
+                    p.exists() for p in (paths.orchestrator_file, paths.status_file, paths.metrics, paths.summary)):
+                raise ValueError(f"no run in {paths.root} after {start_grace_s:.0f} s (no status, metrics or summary): "
+                                 "pass the --run-dir of a run that started")
             # decided before reading, so the lines written before the run ended are all read
             ended = not follow or paths.summary.exists() or read_snapshot(paths.root).stale
             records, offset = tail_records(paths.metrics, offset)

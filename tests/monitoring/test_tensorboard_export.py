@@ -1,0 +1,52 @@
+"""``astraflow tensorboard --follow`` on a directory where no run appears: an error after the
+grace time, not a poll that never ends. TensorBoard is optional: a recording stand-in replaces
+its writer (the process boundary is the event files, not what is tested here)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+
+from astraflow.runtime.monitoring.export import export_tensorboard
+from storage.paths import RunPaths
+
+
+@pytest.fixture
+def scalars(monkeypatch):
+    got: list[tuple] = []
+
+    class SummaryWriter:
+        def __init__(self, log_dir):
+            pass
+
+        def add_scalar(self, tag, value, global_step):
+            got.append((tag, value, global_step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = SummaryWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    return got
+
+
+@pytest.mark.timeout(30)
+def test_following_a_directory_where_no_run_appears_ends_with_an_error(tmp_path, scalars):
+    with pytest.raises(ValueError, match="no run in .* after 1 s.*--run-dir of a run that started"):
+        export_tensorboard(tmp_path, follow=True, poll_s=0.05, start_grace_s=1.0)
+
+
+def test_a_finished_runs_metrics_are_mirrored(tmp_path, scalars):
+    paths = RunPaths(tmp_path)
+    paths.metrics.parent.mkdir(parents=True, exist_ok=True)
+    paths.metrics.write_text(json.dumps({"policy": "p", "step": 3, "loss": 0.5}) + "\n")
+    paths.summary.write_text("{}")
+    assert export_tensorboard(tmp_path, follow=True, poll_s=0.05, start_grace_s=1.0) == 1
+    assert scalars == [("p/loss", 0.5, 3)]
