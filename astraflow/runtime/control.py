@@ -218,7 +218,7 @@ def remove_partition(run_dir: Path, name: str, mode: RemovalMode = DEFAULT_REMOV
     if mode not in REMOVAL_MODES:
         raise PartitionError(f"removal mode {mode!r}: use one of {REMOVAL_MODES}")
     check_owner_only(run_dir)
-    run_status(run_dir)
+    states = {n: (p or {}).get("state") for n, p in ((run_status(run_dir).get("partitions") or {}).items())}
     paths = RunPaths(run_dir)
     with desired_lock(paths):
         parts, removals = read_desired_file(paths)
@@ -231,10 +231,11 @@ def remove_partition(run_dir: Path, name: str, mode: RemovalMode = DEFAULT_REMOV
                 f"partition {name!r} has role {part.role!r}: only rollout partitions can be removed from a "
                 "running run (stop the run to remove the data layer or a trainer)"
             )
-        if not any(p.role == "rollout" for p in parts.values()):
-            raise PartitionError(f"partition {name!r} is the run's last rollout partition: without one the trainers "
-                                 "wait for rollouts until run.timeout_s; add another first (partitions add), or stop "
-                                 "the run")
+        # another that serves: with nodes, and not failed (a 0-node or failed one generates nothing)
+        if not any(p.role == "rollout" and p.nodes > 0 and states.get(n) != "failed" for n, p in parts.items()):
+            raise PartitionError(f"partition {name!r} is the run's last rollout partition with nodes: without one "
+                                 "the trainers wait for rollouts until run.timeout_s; add another first (partitions "
+                                 "add), or stop the run")
         removals[name] = mode
         write_desired(paths, list(parts.values()), removals)
     return part

@@ -197,3 +197,10 @@ def test_the_last_rollout_partition_is_not_removed_and_a_wait_must_be_finite(liv
     assert code == 2 and "is the run's last rollout partition" in out
     code, out = _invoke("partitions", "add", str(live_run.root), "a100", "--wait", "nan")
     assert code == 2 and "give a finite number of seconds" in out
+    # another rollout partition with no nodes, or a failed one, serves nothing: h100 is still the last
+    parts, removals = read_desired_file(live_run)
+    write_desired(live_run, [*parts.values(), Partition(name="empty", role="rollout", nodes=0),
+                             Partition(name="broken", scheduler="slurm", slurm_partition="x", role="rollout")], removals)
+    _status_entry(live_run, "broken", state="failed", error="3 workers failed")
+    code, out = _invoke("partitions", "remove", str(live_run.root), "h100")
+    assert code == 2 and "is the run's last rollout partition with nodes" in out
