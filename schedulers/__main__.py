@@ -23,8 +23,8 @@ def main() -> None:
 @click.argument("partition_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--scheduler-address", required=True, help="tcp://host:port or the path of <run>/scheduler.json")
 @click.option("--job-dir", required=True, type=click.Path(path_type=Path), help="where scripts and logs would go")
-@click.option("--count", default=1, show_default=True, help="how many workers")
-@click.option("--start-index", default=0, show_default=True)
+@click.option("--count", default=1, show_default=True, type=click.IntRange(min=1), help="how many workers")
+@click.option("--start-index", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--python", "python", default=sys.executable, show_default=True, help="interpreter on the compute nodes")
 @click.option("--interface", default=None, help="network interface the workers listen on (e.g. ib0)")
 @click.option("--setup-line", "setup_lines", multiple=True, help="shell line before the worker (module load ...)")
@@ -48,7 +48,14 @@ def render(partition_file, scheduler_address, job_dir, count, start_index, pytho
         tls_file = Path(scheduler_address).parent / "security" / "tls.json"
         tls_file = tls_file if tls_file.exists() else None
     try:
-        partition = Partition(**yaml.safe_load(partition_file.read_text()))
+        spec = yaml.safe_load(partition_file.read_text())
+    except yaml.YAMLError as e:
+        raise click.BadParameter(f"{partition_file} is not valid YAML: {e}") from None
+    if not isinstance(spec, dict):
+        raise click.BadParameter(f"{partition_file} must hold one partition as a mapping (name: ..., scheduler: "
+                                 f"slurm, ...), not {type(spec).__name__}")
+    try:
+        partition = Partition(**spec)
         tls = TLSFiles.from_json(json.loads(tls_file.read_text())) if tls_file else None
         sched = SlurmScheduler(job_dir, python=python, interface=interface, setup_lines=setup_lines, tag=tag, tls=tls)
         for index in range(start_index, start_index + count):

@@ -181,3 +181,18 @@ def test_the_dry_run_gives_workers_the_runs_certificates(tmp_path):
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     assert f"--tls-ca-file {run}/security/ca.pem --tls-cert {run}/security/run.pem" in res.output
+
+
+@pytest.mark.parametrize("text, needle", [("", "must hold one partition as a mapping"),
+                                          ("- cpu\n", "not list"),
+                                          ("name: [cpu\n", "is not valid YAML")])
+def test_the_dry_run_names_a_partition_file_it_cannot_use(tmp_path, text, needle):
+    from click.testing import CliRunner
+
+    from schedulers.__main__ import main
+
+    part = tmp_path / "part.yaml"
+    part.write_text(text)
+    res = CliRunner().invoke(main, ["render", str(part), "--scheduler-address", "tcp://127.0.0.1:1",
+                                    "--job-dir", str(tmp_path / "jobs")])
+    assert res.exit_code == 2 and needle in res.output and "Traceback" not in res.output, res.output
