@@ -67,7 +67,9 @@ def describe_error(e: dict[str, Any]) -> str:
     """One pydantic error as ``loc: message``: the value given where it is a plain value, an
     unknown key as a likely misspelling, and a string field given a YAML boolean or number
     (``no``, ``2024``) told to quote it."""
-    loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+    loc = ".".join(str(x) for x in e["loc"])
+    if not loc:  # a check across fields, whose message names them itself
+        return e["msg"].removeprefix("Value error, ")
     msg = e["msg"].removeprefix("Value error, ")
     given = e.get("input")
     if e["type"] == "extra_forbidden":
@@ -91,6 +93,7 @@ def _numeric(annotation: Any) -> str | None:
     """``"an integer"`` / ``"a number"`` for an ``int`` / ``float`` field (optional or not)."""
     args = [a for a in get_args(annotation) if a is not type(None)] if get_origin(annotation) in (
         Union, types.UnionType) else [annotation]
+    args = [get_args(a)[0] if get_origin(a) is Annotated else a for a in args]  # Optional[Annotated[int, ...]]
     if args and all(a is int for a in args):
         return "an integer"
     if args and all(a in (int, float) for a in args):
@@ -157,5 +160,5 @@ def option_errors(err: ValidationError) -> str:
 
 def partition_errors(err: ValidationError | None, extra: list[str] = ()) -> str:
     """The errors of a partition from options and --from-yaml, worded as a config file's are."""
-    lines = [*extra, *(describe_error(e).removeprefix("(top level): ") for e in (err.errors() if err else []))]
+    lines = [*extra, *(describe_error(e) for e in (err.errors() if err else []))]
     return "invalid partition:\n  " + "\n  ".join(lines)

@@ -158,7 +158,8 @@ def test_string_field_given_a_yaml_scalar_suggests_quotes(tmp_path, value, needl
     assert "--set run.name='\"" in res.output and 'name: "' in res.output
 
 
-@pytest.mark.parametrize("key", ["run.max_steps", "policies.solver.init.warm_start_steps"])
+@pytest.mark.parametrize("key", ["run.max_steps", "policies.solver.init.warm_start_steps",
+                                 "partitions.rollout.nthreads"])  # the last: Optional[Annotated[int, ...]]
 def test_boolean_for_an_integer_is_refused(tmp_path, key):
     res = _invoke("check", str(_config(tmp_path)), "--set", f"{key}=true")
     assert res.exit_code == 2, res.output

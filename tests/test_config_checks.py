@@ -197,3 +197,9 @@ def test_a_module_attribute_that_is_not_a_workload_is_a_config_error(tmp_path):
     res = _invoke("check", str(_config(tmp_path)), "--set", "workload.name=tests.dataflow.user_rules:EveryNth")
     assert res.exit_code == 2, res.output
     assert "workload tests.dataflow.user_rules:EveryNth is not a workload class" in res.output
+
+
+def test_a_check_across_fields_is_said_without_a_location_prefix(tmp_path):
+    res = _invoke("check", str(_config(tmp_path)), "--set", "policies=[]")
+    assert res.exit_code == 2 and "policies: name at least one policy" in res.output
+    assert "(top level)" not in res.output
