@@ -63,7 +63,7 @@ def model_of(annotation: Any, value: Any = None) -> type[BaseModel] | None:
     return None
 
 
-def describe_error(e: dict[str, Any]) -> str:
+def describe_error(e: dict[str, Any], set_hint: bool = True) -> str:
     """One pydantic error as ``loc: message``: the value given where it is a plain value, an
     unknown key as a likely misspelling, and a string field given a YAML boolean or number
     (``no``, ``2024``) told to quote it."""
@@ -81,7 +81,8 @@ def describe_error(e: dict[str, Any]) -> str:
         else:
             got, why, text = f"the number {given}", "digits as a number", str(given)
         return (f"{loc}: {msg}, got {got} (YAML reads unquoted {why}); quote the text: "
-                f"{e['loc'][-1]}: \"{text}\" in the file, or --set {loc}='\"{text}\"'")
+                f"{e['loc'][-1]}: \"{text}\" in the file"
+                + (f", or --set {loc}='\"{text}\"'" if set_hint else ""))
     if e["type"] in OPTION_FIXES and isinstance(given, float) and given != given:  # nan fails any bound
         return f"{loc}: nan is not a number; use a finite one"
     if e["type"] not in ("value_error", "assertion_error") and isinstance(given, (str, int, float, bool)):
@@ -160,5 +161,5 @@ def option_errors(err: ValidationError) -> str:
 
 def partition_errors(err: ValidationError | None, extra: list[str] = ()) -> str:
     """The errors of a partition from options and --from-yaml, worded as a config file's are."""
-    lines = [*extra, *(describe_error(e) for e in (err.errors() if err else []))]
+    lines = [*extra, *(describe_error(e, set_hint=False) for e in (err.errors() if err else []))]
     return "invalid partition:\n  " + "\n  ".join(lines)

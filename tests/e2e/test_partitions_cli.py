@@ -81,6 +81,9 @@ def test_partitions_add_takes_settings_and_refuses_bad_ones(live_run, tmp_path):
     (tmp_path / "bad.yaml").write_text("name: a100\nrollout: {engine: {max_batch: 0}}\n")
     code, out = _invoke("partitions", "add", str(live_run.root), "--from-yaml", str(tmp_path / "bad.yaml"), "--wait", "0")
     assert code == 2 and "partitions[a100].rollout.engine.max_batch" in out, out
+    (tmp_path / "bad.yaml").write_text("name: a100\nregion: no\n")  # the command has no --set to suggest
+    code, out = _invoke("partitions", "add", str(live_run.root), "--from-yaml", str(tmp_path / "bad.yaml"), "--wait", "0")
+    assert code == 2 and 'quote the text: region: "..." in the file' in out and "--set" not in out, out
     (tmp_path / "good.yaml").write_text("name: a100\nrollout: {capacity: 64, engine: {max_batch: 32}}\n")
     code, out = _invoke("partitions", "add", str(live_run.root), "--from-yaml", str(tmp_path / "good.yaml"),
                         "--wait", "0")
