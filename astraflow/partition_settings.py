@@ -155,7 +155,7 @@ def plan_lines(partitions: list[Partition], rollout: RolloutConfig, trainers: Ma
             cfg = effective_rollout(rollout, part)
             eng = cfg.engine
             on_gpus = part.gpus_per_node > 0 and eng.device in ("auto", "cuda")
-            n = eng.replicas or (max(part.gpus_per_node // eng.tensor_parallel, 1) if on_gpus else 1)
+            n = _engines_per_node(cfg, part.gpus_per_node)
             where = f"{eng.tensor_parallel} GPU(s) each" if on_gpus else f"on {eng.device}"
             what += f": {n} engine(s) per policy, {where}, {max(1, eng.threads // n)} thread(s) each"
             diff = changed(rollout, cfg, "rollout.")

@@ -124,3 +124,15 @@ def test_placement_gives_a_partitions_workers_its_settings(tmp_path):
     a100 = Partition(name="a100", role="trainer", trainer={"micro_batch": 4})
     kw = trainer_kwargs(cfg, RunPaths(tmp_path / "run"), 0, cfg.policies[0], SimpleNamespace(), a100)
     assert kw["cfg"].micro_batch == 4 and kw["cfg"].lr == cfg.policies[0].trainer.lr
+
+
+def test_check_counts_sim_engines_as_the_nodes_build_them():
+    """``check``'s partition line and the capacity line agree on a sim partition's engines."""
+    from astraflow.cli import main
+    from click.testing import CliRunner
+
+    res = CliRunner().invoke(main, ["check", str(ROOT / "examples" / "sim" / "config.yaml"), "--set",
+                                    "partitions.rollout.gpus_per_node=8", "--set", "rollout.engine.device=cpu"])
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.output.splitlines() if x.startswith("partition rollout"))
+    assert "8 engine(s) per policy" in line and "x 8 engine(s)" in line, line
