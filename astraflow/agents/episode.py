@@ -94,9 +94,12 @@ async def timed(coro: Awaitable[Any], timeout: float, what: str) -> tuple[Any, f
     """``(result, seconds)`` of an environment call, any failure or a missed deadline an ``EpisodeError``."""
     t0 = time.perf_counter()
     try:
-        out = await asyncio.wait_for(coro, timeout)
-    except asyncio.TimeoutError:
-        raise EpisodeError(f"{what} ran past its {timeout:g} s deadline") from None
+        async with asyncio.timeout(timeout) as deadline:
+            out = await coro
+    except TimeoutError as err:
+        if deadline.expired():  # not a TimeoutError the call raised itself
+            raise EpisodeError(f"{what} ran past its {timeout:g} s deadline") from None
+        raise EpisodeError(f"{what} raised TimeoutError: {err}") from err
     except EpisodeError:
         raise
     except Exception as err:

@@ -38,6 +38,10 @@ _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + 
 
 
 
+class ToolDeadline(Exception):
+    """A tool call ran past its timeout (apart from a ``TimeoutError`` the tool raised itself)."""
+
+
 class _ToolThreads:
     """The threads plain (non-async) tools run on, shared by the process. A call past its
     timeout keeps its thread (Python cannot stop it); once half the threads are held so, the
@@ -52,7 +56,7 @@ class _ToolThreads:
         self._lock = threading.Lock()
 
     async def call(self, fn: Callable[[], Any], timeout_s: float) -> Any:
-        """``fn()`` on a thread; ``asyncio.TimeoutError`` once it ran ``timeout_s`` seconds."""
+        """``fn()`` on a thread; ``ToolDeadline`` once it ran ``timeout_s`` seconds."""
         loop = asyncio.get_running_loop()
         started: list[float] = []
 
@@ -69,7 +73,7 @@ class _ToolThreads:
             left = timeout_s - (time.monotonic() - started[0]) if started else timeout_s
             if left <= 0:
                 self._abandoned()
-                raise asyncio.TimeoutError
+                raise ToolDeadline
             done, _ = await asyncio.wait({fut}, timeout=max(left, 0.005))
             if done:
                 if fut.cancelled() and not started:  # queued in a pool since replaced: the fresh one runs it
@@ -222,13 +226,17 @@ class ToolBox:
             return ToolResult(f"error: wrong arguments for {t.name}: {why}", valid=False)
         kwargs = {k: getattr(args, k) for k in type(args).model_fields}
         t0 = time.perf_counter()
+        deadline = None
         try:
             if inspect.iscoroutinefunction(t.fn):
-                out = await asyncio.wait_for(t.fn(**kwargs), t.timeout_s)
+                async with asyncio.timeout(t.timeout_s) as deadline:
+                    out = await t.fn(**kwargs)
             else:
                 out = await _THREADS.call(lambda: t.fn(**kwargs), t.timeout_s)
-        except asyncio.TimeoutError:
-            raise EpisodeError(f"tool {t.name} ran past its {t.timeout_s:g} s timeout") from None
+        except (ToolDeadline, TimeoutError) as err:
+            if isinstance(err, ToolDeadline) or (deadline is not None and deadline.expired()):  # not the tool's own
+                raise EpisodeError(f"tool {t.name} ran past its {t.timeout_s:g} s timeout") from None
+            raise EpisodeError(f"tool {t.name} raised {type(err).__name__}: {err}") from err
         except Exception as err:
             raise EpisodeError(f"tool {t.name} raised {type(err).__name__}: {err}") from err
         return ToolResult(_as_text(t.name, out), valid=True, seconds=time.perf_counter() - t0)

@@ -328,3 +328,32 @@ def test_tool_results_come_back_in_the_order_the_calls_were_written(tok):
     tool_turn = next(t for t in log.turns if t.get("kind") == "tool")
     got = [c.get("result", "error" if "error" in c else None) for c in tool_turn["calls"]]
     assert got == ["2", "error", "4"], tool_turn
+
+
+def test_a_tools_own_timeout_error_is_not_reported_as_its_deadline():
+    """A tool (or an environment call) that raises ``TimeoutError`` itself (a socket timeout)
+    long before its deadline: the error names what it raised, not a deadline it never reached."""
+    from astraflow.agents.env import ToolCall
+    from astraflow.agents.episode import timed
+    from astraflow.agents.tools import ToolBox
+
+    @tool(timeout_s=30)
+    def fetch() -> str:
+        """Times out on its own connection."""
+        raise TimeoutError("connect timed out")
+
+    @tool(timeout_s=30)
+    async def afetch() -> str:
+        """The same, async."""
+        raise TimeoutError("read timed out")
+
+    box = ToolBox([fetch, afetch])
+    for name, said in (("fetch", "connect timed out"), ("afetch", "read timed out")):
+        with pytest.raises(EpisodeError, match=f"tool {name} raised TimeoutError: {said}"):
+            asyncio.run(box.run(ToolCall(name, {})))
+
+    async def reset():
+        raise TimeoutError("env server")
+
+    with pytest.raises(EpisodeError, match="Env.reset raised TimeoutError: env server"):
+        asyncio.run(timed(reset(), 30, "Env.reset"))
