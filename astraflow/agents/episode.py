@@ -172,7 +172,11 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
                 kind, calls = "env", []
             if result.done:
                 log.final_reward, log.done = float(result.reward), True
-                log.success = float(result.info.get("success", result.reward))
+                success = result.info.get("success", result.reward)
+                if not isinstance(success, numbers.Real) or not math.isfinite(float(success)):
+                    raise EpisodeError(f"{type(env).__name__}.step returned info['success'] {success!r}, not a "
+                                       "finite number or a boolean")
+                log.success = float(success)
                 # nothing follows the last turn: its observation is recorded, not tokenised
                 log.turns.append({"kind": kind, "start": len(log.tokens), "end": len(log.tokens),
                                   "messages": result.observation, "reward": float(result.reward), "done": True,

@@ -190,9 +190,21 @@ def test_env_failures_fail_the_episode_and_close_it(tok):
         async def step(self, action):
             return StepResult([{"role": "user", "content": "ok"}], reward=np.float32(1.0), done=True, info=["x"])
 
+    class BadSuccess(SumEnv):
+        def __init__(self, success):
+            super().__init__()
+            self.success = success
+
+        async def step(self, action):
+            return StepResult([{"role": "user", "content": "ok"}], reward=1.0, done=True,
+                              info={"success": self.success})
+
     for cls, why in ((Raising, "raised KeyError"), (Hanging, "deadline"), (Garbage, "not a StepResult"),
                      (NoReward, "NoReward.step returned reward None, not a finite number"),
-                     (BadInfo, "BadInfo.step returned info of type list")):
+                     (BadInfo, "BadInfo.step returned info of type list"),
+                     (lambda: BadSuccess(None), r"info\['success'\] None, not a finite number"),
+                     (lambda: BadSuccess("yes"), r"info\['success'\] 'yes'"),
+                     (lambda: BadSuccess(float("nan")), r"info\['success'\] nan")):
         env = cls()
         with pytest.raises(EpisodeError, match=why):
             run(scripted(tok, ["5"]), tok, env)
