@@ -403,15 +403,15 @@ def config_from_dict(data: dict, base_dir: Path | None = None) -> RunConfig:
 
 
 def _resolve_data_paths(workload: Any, base_dir: Path) -> None:
-    """Make the data paths of ``dataset`` workloads (also as sources of a ``mix``) absolute
-    against ``base_dir``: workers on other nodes start in other directories."""
+    """Make the data paths of ``dataset`` and ``code`` workloads (also as sources of a ``mix``)
+    absolute against ``base_dir``: workers on other nodes start in other directories."""
     if not isinstance(workload, dict) or not isinstance(workload.get("params"), dict):
         return
     params = workload["params"]
-    if workload.get("name") == "dataset":
-        for key in ("path", "test_path"):
-            if isinstance(params.get(key), str):
-                params[key] = resolve_path(params[key], base_dir)
+    keys = {"dataset": ("path", "test_path"), "code": ("train_file", "test_file")}.get(workload.get("name"), ())
+    for key in keys:
+        if isinstance(params.get(key), str):
+            params[key] = resolve_path(params[key], base_dir)
     for source in (params.get("sources") or {}).values() if workload.get("name") == "mix" else []:
         if isinstance(source, dict):  # a source names its workload under ``workload``
             _resolve_data_paths({"name": source.get("workload"), "params": source.get("params")}, base_dir)

@@ -91,7 +91,7 @@ def check_to_tests(test: str, entry_point: str) -> str:
     return f"{test}\n\ndef test_check():\n    check({entry_point})\n"
 
 
-def task_from_row(row: Mapping[str, Any], where: str) -> dict[str, Any]:
+def task_from_row(row: Mapping[str, Any], where: str, default_id: str | None = None) -> dict[str, Any]:
     """The payload of one JSONL row; ``ValueError`` naming ``where`` (file and line) and the
     missing or malformed field."""
     if not isinstance(row, Mapping):
@@ -114,7 +114,7 @@ def task_from_row(row: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: field 'tests' defines no top-level test_* function (tests in a class "
                          "or nested in another function are not run: write them as module-level functions)")
     reference = row.get("reference", row.get("canonical_solution"))
-    task = {"id": str(row.get("id", row.get("task_id", where))), "prompt": row["prompt"],
+    task = {"id": str(row.get("id", row.get("task_id", default_id or where))), "prompt": row["prompt"],
             "entry_point": row["entry_point"], "tests": tests, "row": where}
     if isinstance(reference, str) and reference.strip():
         task["reference"] = reference
@@ -139,7 +139,9 @@ def read_tasks(path: str | Path) -> list[dict[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{p} line {n}: not JSON ({err.msg})") from None
-            tasks.append(task_from_row(row, f"{p} line {n}"))
+            # a row without an id: its file's name and line, not the path as spelt (the held-out split
+            # goes by the id, and must not change with the directory the run starts in)
+            tasks.append(task_from_row(row, f"{p} line {n}", default_id=f"{p.name} line {n}"))
     if not tasks:
         raise ValueError(f"code workload: {p} has no tasks")
     return tasks

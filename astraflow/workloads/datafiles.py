@@ -256,6 +256,7 @@ def _with_datasets(load):
 
 
 def resolve_path(path: str, base: str | os.PathLike) -> str:
-    """``path`` made absolute against ``base`` (``~`` expanded; a glob stays a glob)."""
+    """``path`` made absolute against ``base`` (``~`` expanded, ``.`` and ``..`` folded; a glob
+    stays a glob)."""
     path = os.path.expanduser(path)
-    return path if os.path.isabs(path) else os.path.join(os.path.abspath(base), path)
+    return os.path.normpath(path if os.path.isabs(path) else os.path.join(os.path.abspath(base), path))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,8 @@ from astraflow.workloads import code as code_mod
 from astraflow.workloads.base import make_workload
 from astraflow.workloads.code import CodeWorkload, body_of, read_tasks
 from astraflow.workloads.codegen import FAMILY_NAMES, member_key
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_locally(program: str, tests: str) -> tuple[int, int]:
@@ -89,7 +92,8 @@ def test_jsonl_tasks_and_the_humaneval_check_form(tmp_path):
           "test": "def check(candidate):\n    assert candidate(2) == 4\n"}
     path = write_jsonl(tmp_path / "t.jsonl", [GOOD, "", he])
     tasks = read_tasks(path)
-    assert [t["id"] for t in tasks] == [f"{path} line 1", "t/1"]
+    assert [t["id"] for t in tasks] == ["t.jsonl line 1", "t/1"]  # the file's name: not the path as spelt
+    assert tasks[0]["row"] == f"{path} line 1"
     assert tasks[1]["reference"] == he["canonical_solution"] and "def test_check" in tasks[1]["tests"]
     assert run_locally(tasks[1]["prompt"] + tasks[1]["reference"], tasks[1]["tests"]) == (1, 1)
     w = CodeWorkload(train_file=path, test_file=path)
@@ -188,3 +192,18 @@ def test_same_program_is_run_once_but_sandbox_errors_are_retried(fake_sandbox):
     w.reward("    return 1\n", task)
     w.reward("    return 1\n", task)
     assert fake_sandbox.calls == 3
+
+
+def test_relative_task_files_resolve_against_the_start_directory(tmp_path):
+    """Workers start elsewhere: the code workload's files are made absolute, as a dataset's are."""
+    import yaml
+
+    from astraflow.config import config_from_dict
+
+    (tmp_path / "data").mkdir()
+    write_jsonl(tmp_path / "data" / "train.jsonl", [GOOD])
+    data = yaml.safe_load((ROOT / "examples" / "code" / "config.yaml").read_text())
+    data["policies"][0]["model"] = "models/none"
+    data["workload"]["params"] = {"train_file": "data/train.jsonl", "test_file": "./data/train.jsonl"}
+    cfg = config_from_dict(data, base_dir=tmp_path)
+    assert cfg.workload.params["train_file"] == cfg.workload.params["test_file"] == str(tmp_path / "data" / "train.jsonl")
