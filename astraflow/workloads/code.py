@@ -76,14 +76,36 @@ class CodeParams(Strict):
 
 
 def body_of(completion: str) -> str:
-    """The function body a completion writes: its lines up to the first non-empty line that is
-    not indented (code after the function), with a trailing newline."""
-    lines = []
-    for line in completion.splitlines():
-        if line.strip() and not line[:1].isspace():
-            break
-        lines.append(line)
-    return "\n".join(lines).rstrip() + "\n"
+    """The function body a completion writes: its lines up to the first one that starts at
+    column 0 outside a string (code or prose after the function), with a trailing newline.
+    Lines are split at ``\n`` only, as Python does, so a string may hold U+2028 and the like."""
+    lines = completion.replace("\r\n", "\n").split("\n")
+    cut = _first_top_level_line(lines)
+    return "\n".join(lines[:cut]).rstrip() + "\n"
+
+
+def _first_top_level_line(lines: list[str]) -> int:
+    """Index of the first line that starts at column 0 outside a string literal (``len(lines)``:
+    none). Read with Python's tokenizer; source it cannot read (an unterminated string) is cut
+    at the first non-empty line that is not indented."""
+    import io
+    import tokenize
+
+    skip = {tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING}
+    try:
+        starts = True  # the next token begins a logical line
+        for tok in tokenize.generate_tokens(io.StringIO("\n".join(lines)).readline):
+            if tok.type == tokenize.ENDMARKER:
+                break
+            if tok.type == tokenize.NEWLINE:
+                starts = True
+            elif tok.type not in skip:
+                if starts and tok.start[1] == 0:
+                    return tok.start[0] - 1
+                starts = False
+        return len(lines)
+    except (tokenize.TokenError, SyntaxError):
+        return next((i for i, line in enumerate(lines) if line.strip() and not line[:1].isspace()), len(lines))
 
 
 def check_to_tests(test: str, entry_point: str) -> str:

@@ -78,6 +78,17 @@ def test_body_of_drops_code_after_the_function():
     assert body_of("oops") == "\n"
 
 
+def test_body_of_keeps_multi_line_strings_and_unusual_line_breaks_inside_strings():
+    multi = '    msg = """Hello\n{}"""\n    return msg.format(name)\n'
+    assert body_of(multi) == multi  # the string's second line starts at column 0
+    assert body_of(multi + "print(greet('x'))\n") == multi
+    sep = '    return "a\u2028b\x0cc"\n'
+    assert body_of(sep) == sep  # U+2028 and form feed are not line breaks to Python
+    assert body_of("    x = 1\n# a comment at column 0\n    return x\n```\nThat is all.") == \
+        "    x = 1\n# a comment at column 0\n    return x\n"
+    assert body_of('    return """never closed\nprint(1)\n') == '    return """never closed\n'  # unreadable: as before
+
+
 def write_jsonl(path, rows) -> str:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return str(path)
