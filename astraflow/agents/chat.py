@@ -15,7 +15,9 @@ was generated and what was observed.
 
 With a chat template the pieces are differences of rendered conversations (a dummy first
 exchange cancels a default system prompt and keeps roles alternating), so any template that
-renders each message on its own works, one that trims contents or insists on alternation too.
+renders each message on its own works, one that trims contents too. For a template that
+insists on alternating user and assistant roles (it cannot render tool messages, or two in a
+row), each observation goes as one user message, its messages' contents joined.
 Without one (a plain language model) messages are their contents, one per line.
 
 A turn ends when the engine stops on one of ``stop_ids``: the tokens the engines stop on (the
@@ -53,11 +55,18 @@ class ChatRenderer:
                 raise ValueError(f"the tokenizer's chat template does not render messages one by one "
                                  f"(a conversation one message longer does not extend its rendering); {_FIX}")
             self._closing = turn[turn.rindex(_PROBE) + len(_PROBE):]
+            #: observations go as one user message (tool results and several messages merged):
+            #: for a template that insists on alternating user and assistant roles
+            self._merge = False
             try:  # an observation after a model turn, as every multi-turn episode renders one
                 self.observation([{"role": "user", "content": _PROBE}])
             except Exception as err:
                 raise ValueError(f"the tokenizer's chat template cannot render a user message after an "
                                  f"assistant turn ({err}); {_FIX}") from None
+            try:  # tool results, several at once
+                self.observation([{"role": "tool", "content": _PROBE}, {"role": "tool", "content": _PROBE}])
+            except Exception:
+                self._merge = True
         else:
             self._closing = "\n"
         #: the tokens a model turn may end with (module docstring)
@@ -86,6 +95,8 @@ class ChatRenderer:
         """Tokens of ``messages`` following a closed model turn, ending where the next turn begins."""
         if not self.templated:
             return self.encode("".join(m["content"] + "\n" for m in messages))
+        if self._merge and messages:
+            messages = [{"role": "user", "content": "\n\n".join(m["content"] for m in messages)}]
         base = self._render(_DUMMY_TURN)
         full = self._render(_DUMMY_TURN + list(messages), gen=True)
         if not full.startswith(base):

@@ -34,6 +34,12 @@ class AgentWorkflow(WorkflowBase):
                              f"{type(self.workload).__name__} has none")
         self._renderers: dict[int, ChatRenderer] = {}
 
+    def prepare(self, engines: Mapping[str, InferenceEngine]) -> None:
+        """At the node's start: a chat template the episodes cannot use fails the start (a
+        ``ValueError`` naming the fix), not every episode."""
+        for engine in engines.values():
+            self.renderer(engine)
+
     def renderer(self, engine: InferenceEngine) -> ChatRenderer:
         key = id(engine.tokenizer)
         if key not in self._renderers:

@@ -168,6 +168,9 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
                                       reward_timeout_s=self.cfg.reward_timeout_s)
         for policy, path in self.models.items():
             self.engines[policy] = make_engine(self.cfg.engine, path, seed=self.seed, gpus=self.gpus)
+        prepare = getattr(self.workflow, "prepare", None)
+        if prepare is not None:  # what the workflow checks once the engines are there (chat templates)
+            prepare(self.engines)
         self.puller = WeightPuller(self.weights_root, self.engines, full_resync_every=self.cfg.full_resync_every,
                                    use_deltas=self.use_deltas)
         self.puller.poll()

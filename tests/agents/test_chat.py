@@ -74,6 +74,33 @@ def test_a_template_that_trims_and_insists_on_alternation_renders_an_episode():
     assert t.decode(ids) == full
 
 
+def test_tool_results_reach_a_template_that_insists_on_alternation_as_one_user_message():
+    """A strict user/assistant template cannot render tool messages, nor two in a row: an
+    observation of two tool results goes as one user message holding both."""
+    t = build_tokenizer()
+    t.chat_template = STRICT
+    r = ChatRenderer(t)
+    obs = r.observation([{"role": "tool", "content": "first"}, {"role": "tool", "content": "second"}])
+    assert t.decode(obs) == "<|im_start|>user\nfirst\n\nsecond<|im_end|>\n<|im_start|>assistant\n"
+    plain = ChatRenderer(build_tokenizer())  # a template with a tool role keeps each message
+    assert "<|im_start|>tool\nfirst<|im_end|>" in t.decode(plain.observation([{"role": "tool", "content": "first"}]))
+
+
+def test_an_agent_workflow_checks_its_engines_templates_when_the_node_starts():
+    from types import SimpleNamespace
+
+    from astraflow.rollout.engine import SamplingParams
+    from astraflow.rollout.workflows import make_workflow
+    from tests.agents.toy import LookupWorkload
+
+    t = build_tokenizer()
+    t.chat_template = ("{% for m in messages %}{% if loop.index0 > 1 %}{{ raise_exception('single exchange') }}"
+                       "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    flow = make_workflow("agent", LookupWorkload(), SamplingParams(), "node0")
+    with pytest.raises(ValueError, match="cannot render a user message after an assistant turn"):
+        flow.prepare({"p": SimpleNamespace(tokenizer=t)})
+
+
 def test_a_template_that_cannot_follow_a_turn_with_a_user_message_is_refused_up_front():
     t = build_tokenizer()
     t.chat_template = ("{% for m in messages %}{% if loop.index0 > 1 %}{{ raise_exception('two messages at most') }}"
