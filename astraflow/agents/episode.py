@@ -184,7 +184,11 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
                 break
             if result.reward:
                 log.turn_rewards.append(float(result.reward))
-            obs = closing + renderer.observation(result.observation)
+            try:
+                obs = closing + renderer.observation(result.observation)
+            except Exception as err:  # the template's own error (jinja2's): this episode's failure
+                raise EpisodeError(f"the chat template cannot render {type(env).__name__}'s observation "
+                                   f"({type(err).__name__}: {err})") from err
             if len(log.tokens) + len(obs) + reserve >= limits.max_context_tokens:
                 log.truncated = "context"
                 log.append(closing, kind="")
