@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from astraflow.config import ConfigError, RunConfig
-from astraflow.partition_settings import effective_rollout
+from astraflow.partition_settings import effective_rollout, effective_trainer
 
 
 def unbuildable(out: Path) -> str | None:
@@ -118,25 +118,26 @@ def _check_warm_start_base(cfg: RunConfig, pol) -> None:
 
 
 def check_devices(cfg: RunConfig) -> None:
-    """``ConfigError`` when a GPU (``cuda``, ``cuda:N``) is asked for by a component that runs only
-    on this machine (all partitions of its role are ``scheduler: local``; for a partition's own
-    ``rollout:`` / ``trainer:`` device, that partition) and torch sees no such GPU here.
-    Components on Slurm partitions run elsewhere and are not judged from here."""
-    def local(role: str) -> bool:
-        return all(p.scheduler == "local" for p in cfg.partitions if p.role == role)
-
-    asked = [(f"policies[{p.name}].trainer.device", p.trainer.device, "trainer", local("trainer"))
-             for p in cfg.policies if p.trainer.backend == "torch"]
-    asked.append(("rollout.engine.device", cfg.rollout.engine.device, "rollout", local("rollout")))
-    torch_trainer = any(p.trainer.backend == "torch" for p in cfg.policies)
+    """``ConfigError`` when a GPU (``cuda``, ``cuda:N``) is asked for by a component of a
+    ``scheduler: local`` partition (it runs on this machine; its device is the run's setting
+    with the partition's own ``rollout:`` / ``trainer:`` over it) and torch sees no such GPU
+    here. Components on Slurm partitions run elsewhere and are not judged from here."""
+    asked = []
     for part in cfg.partitions:
-        here = part.scheduler == "local"
-        if part.role == "rollout" and "device" in part.rollout.get("engine", {}):
-            asked.append((f"partitions[{part.name}].rollout.engine.device",
-                          effective_rollout(cfg.rollout, part).engine.device, "rollout", here))
-        if part.role == "trainer" and "device" in part.trainer and torch_trainer:
-            asked.append((f"partitions[{part.name}].trainer.device", str(part.trainer["device"]), "trainer", here))
-    asked = [(field, dev, role) for field, dev, role, on_this in asked if dev.startswith("cuda") and on_this]
+        if part.scheduler != "local":
+            continue
+        if part.role == "rollout":
+            own = "device" in part.rollout.get("engine", {})
+            field = f"partitions[{part.name}].rollout.engine.device" if own else "rollout.engine.device"
+            asked.append((field, effective_rollout(cfg.rollout, part).engine.device, "rollout"))
+        elif part.role == "trainer":
+            for pol in cfg.policies:
+                if pol.trainer.backend != "torch":
+                    continue
+                own = "device" in part.trainer
+                field = f"partitions[{part.name}].trainer.device" if own else f"policies[{pol.name}].trainer.device"
+                asked.append((field, effective_trainer(pol.trainer, part).device, "trainer"))
+    asked = [(field, dev, role) for field, dev, role in dict.fromkeys(asked) if dev.startswith("cuda")]
     if not asked:
         return
     import torch
@@ -147,7 +148,7 @@ def check_devices(cfg: RunConfig) -> None:
         if index >= have:
             seen = f"torch sees {have} GPU(s) here" if have else "torch sees no GPU here"
             raise ConfigError(f"{field}: {dev!r} asked for, but {seen} and the {role} runs on this machine "
-                              f"(its partitions are scheduler: local); set {field}: auto or cpu, or place "
+                              f"(a scheduler: local partition); set {field}: auto or cpu, or place "
                               f"the {role} on a GPU partition (scheduler: slurm)")
 
 

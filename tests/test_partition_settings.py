@@ -104,6 +104,14 @@ def test_a_partitions_own_gpu_is_judged_by_where_that_partition_runs(tiny_model,
     with pytest.raises(ConfigError, match=r"partitions\[cpu\].rollout.engine.device: 'cuda:3' asked for"):
         check_devices(cfg)
     check_devices(load_config(_config(tmp_path, tiny_model, PARTS), ["partitions.h100.rollout.engine.device=cuda:3"]))
+    # the run's device reaches the local partition even with a Slurm rollout partition beside it
+    with pytest.raises(ConfigError, match=r"rollout.engine.device: 'cuda' asked for"):
+        check_devices(load_config(_config(tmp_path, tiny_model, PARTS), ["rollout.engine.device=cuda"]))
+    # a local partition that sets its own device back to the CPU is fine
+    check_devices(load_config(_config(tmp_path, tiny_model, PARTS), [
+        "rollout.engine.device=cuda", "partitions.cpu.rollout.engine.device=cpu"]))
+    check_devices(load_config(_config(tmp_path, tiny_model, PARTS), [
+        "policies.solver.trainer.device=cuda", "partitions.trainer.trainer={micro_batch: 8, device: cpu}"]))
 
 
 def test_placement_gives_a_partitions_workers_its_settings(tmp_path):
