@@ -123,22 +123,32 @@ class WeightPuller:
             return self._poll()
 
     def _poll(self) -> int:
+        """Every policy in turn: one whose engine is dead or whose version cannot be read does
+        not hold the others back; the first such error is raised once all were tried."""
         loaded = 0
+        failed: BaseException | None = None
         self._take_engine_records()
         for policy, engine in self.engines.items():
-            latest = self.store.latest(policy)
-            if latest is None or latest.version <= max(engine.version, self._handed.get(policy, -1)):
-                continue
-            if engine.loads_versions_itself:
-                # an engine in its own process reads the version itself: nothing to copy here
-                before = engine.version
-                engine.load_version(self.store.root, policy, latest.version, use_deltas=self.use_deltas,
-                                    full_resync_every=self.full_resync_every)
-                loaded += engine.version > before  # a pool whose replicas are all dead loads nothing
-                continue
-            state, record = self.reader.read(policy, latest.version)
-            engine.load_weights(state, latest.version)
-            self._handed[policy] = latest.version
-            self.history.append(record)
-            loaded += 1
+            try:
+                loaded += self._poll_one(policy, engine)
+            except Exception as err:
+                failed = failed or err
+        if failed is not None:
+            raise failed
         return loaded
+
+    def _poll_one(self, policy: str, engine: Any) -> int:
+        latest = self.store.latest(policy)
+        if latest is None or latest.version <= max(engine.version, self._handed.get(policy, -1)):
+            return 0
+        if engine.loads_versions_itself:
+            # an engine in its own process reads the version itself: nothing to copy here
+            before = engine.version
+            engine.load_version(self.store.root, policy, latest.version, use_deltas=self.use_deltas,
+                                full_resync_every=self.full_resync_every)
+            return int(engine.version > before)  # a pool whose replicas are all dead loads nothing
+        state, record = self.reader.read(policy, latest.version)
+        engine.load_weights(state, latest.version)
+        self._handed[policy] = latest.version
+        self.history.append(record)
+        return 1

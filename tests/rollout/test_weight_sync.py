@@ -3,6 +3,7 @@ when a delta does not fit. The check compares the weights the engine actually se
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from astraflow.rollout.hf_engine import HFEngine
@@ -191,3 +192,31 @@ def test_a_version_read_again_with_deltas_is_served_and_a_failed_load_is_retried
         pass
     puller.poll()
     assert engine.version == 2
+
+
+def test_a_policy_whose_engine_died_does_not_hold_back_the_others(tiny_model, tmp_path):
+    """Two policies on a node, the first one's engine process dead: the second still gets its new
+    version in the same poll, and the poll then raises the first one's error."""
+    from astraflow.models import load_model
+    from astraflow.rollout.process_engine import EngineProcessError
+
+    class Dead:
+        version = 3
+        loads_versions_itself = True
+
+        def load_version(self, *args, **kwargs):
+            raise EngineProcessError("the engine process exited with code -9")
+
+        def take_load_records(self):
+            return []
+
+    model, tok = load_model(tiny_model)
+    store = WeightStore(tmp_path / "w")
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    for policy in ("solver", "verifier"):
+        store.publish(policy, 4, sd, meta={"layout": "hf"})
+    verifier = HFEngine(model, tokenizer=tok, device="cpu", version=3)
+    puller = WeightPuller(str(tmp_path / "w"), {"solver": Dead(), "verifier": verifier})
+    with pytest.raises(EngineProcessError):
+        puller.poll()
+    assert verifier.version == 4
