@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -122,9 +123,10 @@ class HFEngine:
             raise ValueError(f"HFEngine: swap_min_remaining must be >= 0, got {swap_min_remaining}")
         self.swap_min_remaining = swap_min_remaining
         self.version = version
-        self._pad_id = self.tokenizer.pad_token_id
-        if self._pad_id is None:
-            self._pad_id = self.tokenizer.eos_token_id
+        from astraflow.models import pad_id
+
+        # the pad token, else eos, else 0: padded positions are masked out whatever they hold
+        self._pad_id = pad_id(self.tokenizer)
         stops = turn_stop_ids(self.tokenizer)
         gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         stops |= set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])  # a model's list of ends
@@ -156,8 +158,12 @@ class HFEngine:
                              "the tokenizer does not belong to the model (check the model directory's files)")
         if params.max_new_tokens < 1:
             raise ValueError(f"HFEngine.generate: max_new_tokens must be >= 1, got {params.max_new_tokens}")
-        if not params.greedy and params.temperature <= 0:
-            raise ValueError("HFEngine.generate: temperature must be > 0; use greedy=True for argmax")
+        if not params.greedy:  # a bad value would fail every request of the batch this one joins
+            if not (math.isfinite(params.temperature) and params.temperature > 0):
+                raise ValueError(f"HFEngine.generate: temperature must be a finite number > 0, got "
+                                 f"{params.temperature}; use greedy=True for argmax")
+            if not 0 < params.top_p <= 1:
+                raise ValueError(f"HFEngine.generate: top_p must be in (0, 1], got {params.top_p}")
         if self._max_positions and len(prompt) + params.max_new_tokens > self._max_positions:
             raise ValueError(
                 f"HFEngine.generate: prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) "

@@ -133,6 +133,18 @@ def test_bad_requests(tiny_model):
         _gather(eng, [[1, 2]], SamplingParams(max_new_tokens=10_000))
     with pytest.raises(ValueError, match="token id 400 is outside the model's vocabulary of 320"):
         _gather(eng, [[1, 400]], SamplingParams())
+    for bad in (SamplingParams(top_p=0.0), SamplingParams(top_p=1.5), SamplingParams(temperature=float("nan"))):
+        with pytest.raises(ValueError, match="top_p must be in|finite number > 0"):
+            _gather(eng, [[1, 2]], bad)
+    assert len(_gather(eng, [[1, 2]], SamplingParams(greedy=True, temperature=0.0, max_new_tokens=2))[0].tokens)
+
+
+def test_a_tokenizer_without_pad_or_eos_tokens_still_decodes_a_batch(tiny_model):
+    eng = HFEngine(tiny_model)
+    eng.tokenizer.pad_token, eng.tokenizer.eos_token = None, None
+    eng = HFEngine(eng.model, tokenizer=eng.tokenizer, device="cpu")
+    out = _gather(eng, [[1, 2], [3, 4, 5, 6]], SamplingParams(max_new_tokens=3))
+    assert [len(g.tokens) for g in out] == [3, 3]
 
 
 def test_weights_that_do_not_fit_are_refused_when_handed_over_even_while_decoding(tiny_model):
