@@ -113,3 +113,10 @@ class InferenceEngine(Protocol):
     def take_load_records(self) -> list[dict[str, Any]]:
         """The records of the versions the engine read itself since the last call (how each
         was read: mode, seconds, delta statistics); empty for an engine without its own reader."""
+
+
+def confirmed_version(engine: Any) -> int:
+    """The newest version ``engine`` confirmed it serves to requests submitted now: an engine
+    in another process confirms the versions it was sent (``confirmed_version``); one in this
+    process serves its ``version`` as soon as it is loaded."""
+    return int(getattr(engine, "confirmed_version", engine.version))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from astraflow.rollout.config import EngineConfig
-from astraflow.rollout.engine import Generation, InferenceEngine, SamplingParams
+from astraflow.rollout.engine import Generation, InferenceEngine, SamplingParams, confirmed_version
 from astraflow.rollout.process_engine import STAT_KEYS, EngineProcessError
 
 log = logging.getLogger("astraflow.rollout")
@@ -126,6 +126,12 @@ class EnginePool:
         """The lowest version a live replica holds (every replica's, when none is live)."""
         live = self._live() or range(len(self.replicas))
         return min(self.replicas[i].version for i in live)
+
+    @property
+    def confirmed_version(self) -> int:
+        """The lowest version a live replica confirmed (``confirmed_version``, else ``version``)."""
+        live = self._live() or range(len(self.replicas))
+        return min(confirmed_version(self.replicas[i]) for i in live)
 
     def _behind(self, version: int) -> list[InferenceEngine]:
         return [r for r in self.replicas if not r.dead and r.version < version]

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from astraflow.contracts import RolloutTask, Trajectory, TrajectoryRef
-from astraflow.rollout.engine import InferenceEngine
+from astraflow.rollout.engine import InferenceEngine, confirmed_version
 from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.transport import call
 
@@ -110,7 +110,7 @@ class NodeEpisodes:
 
     async def _wait_for_version(self, policy: str, version: int, timeout: float) -> None:
         deadline = time.time() + timeout
-        while self.engines[policy].version < version:
+        while confirmed_version(self.engines[policy]) < version:  # accepted, not only sent
             if time.time() > deadline:
                 raise TimeoutError(f"weights {policy} v{version} not loaded within {timeout:.0f}s")
             await asyncio.sleep(0.1)

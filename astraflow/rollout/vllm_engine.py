@@ -199,6 +199,11 @@ class VLLMEngine:
         return True
 
     @property
+    def confirmed_version(self) -> int:
+        """The version loaded and serving (``serving_version``): what a pinned request waits for."""
+        return self.serving_version
+
+    @property
     def max_model_len(self) -> int | None:
         return self.llm.model_config.max_model_len if self.llm is not None else None
 

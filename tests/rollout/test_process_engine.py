@@ -102,13 +102,22 @@ def test_engine_process_reads_a_committed_version_itself(pair, tmp_path):
     _same(gens, _gather(local, prompts, params))
     assert all(set(g.versions.tolist()) == {9} for g in gens)
 
+    assert proc.confirmed_version == 9  # accepted before the answers to later requests came
     proc.load_version(store.root, "p", 10)  # never committed
     deadline = time.time() + 30
     while proc.version != 9 and time.time() < deadline:
         time.sleep(0.05)
-    assert proc.version == 9
+    assert proc.version == 9 and proc.confirmed_version == 9  # a pinned request waits for what was accepted
     gens = _gather(proc, prompts, params)  # still serving, with v9's weights
     _same(gens, _gather(local, prompts, params))
+    # weights the engine refuses (a shape that does not fit): reported, and the version falls back
+    bad = {k: (v[:-1] if k == "model.norm.weight" else v) for k, v in new.items()}
+    store.publish("p", 11, bad, meta={"layout": "hf"})
+    proc.load_version(store.root, "p", 11)
+    deadline = time.time() + 30
+    while proc.version != 9 and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.version == 9 and proc.confirmed_version == 9
 
 
 @pytest.mark.timeout(120)
@@ -146,6 +155,36 @@ def test_a_dead_engine_process_fails_its_requests(tiny_model):
     with pytest.raises(RuntimeError, match="still serving"):
         eng.restart()
     eng.close()
+    assert not eng._proc.is_alive()
+    with pytest.raises(EngineProcessError, match="closed"):  # a restart after close starts nothing
+        eng._dead = "gone"
+        eng.restart()
+
+
+@pytest.mark.timeout(120)
+def test_a_close_during_a_restart_leaves_no_engine_process(tiny_model):
+    """The node stops while a recovery restarts its dead engine on another thread: the process
+    the restart starts is stopped by the close, not left running."""
+    import threading
+
+    eng = ProcessEngine(str(tiny_model), max_batch_size=4, seed=0, device="cpu")
+    os.kill(eng.pid, signal.SIGKILL)  # our own child, by PID
+    deadline = time.time() + 30
+    while eng.dead is None and time.time() < deadline:
+        time.sleep(0.05)
+    errors: list[BaseException] = []
+
+    def restart():
+        try:
+            eng.restart()
+        except BaseException as err:  # noqa: BLE001  (either outcome is fine; a leak is not)
+            errors.append(err)
+
+    t = threading.Thread(target=restart)
+    t.start()
+    time.sleep(0.01)
+    eng.close()
+    t.join(60)
     assert not eng._proc.is_alive()
 
 

@@ -154,7 +154,12 @@ def _engine(tmp_path: Path, fail_reload: bool):
     return SimpleNamespace(
         options=SimpleNamespace(weight_update="reload", probe_tolerance=0.05), llm=_LLM(fail_reload),
         _gate=asyncio.Event(), _running={}, steps_left=lambda: 0, swap_min_remaining=8, model_path=str(model),
-        version=0, serving_version=0, _dead=None, _stats={"weight_swaps": 0, "recreations": 0})
+        version=0, serving_version=0, _dead=None, _stats={"weight_swaps": 0, "recreations": 0},
+        reach_core=_reached, labels_versions=True)
+
+
+async def _reached() -> None:
+    """Nothing is running in the fake engine: every request has reached its core."""
 
 
 def _update(tmp_path: Path, fail_reload: bool, publish: bool):
