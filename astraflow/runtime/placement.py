@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import time
+import zlib
 from typing import TYPE_CHECKING, Any, Callable
 
 from distributed import Client
@@ -168,6 +169,12 @@ def trainer_kwargs(cfg: RunConfig, paths: RunPaths, index: int, pol: PolicyConfi
     )
 
 
+def node_seed(run_seed: int, name: str) -> int:
+    """A RaaS node's sampling seed: the run's, mixed with the node's name, so that nodes never
+    draw the same random stream (two nodes decoding one prompt would sample the same answers)."""
+    return (run_seed * 1_000_003 + zlib.crc32(name.encode())) % 2**31
+
+
 def node_kwargs(cfg: RunConfig, paths: RunPaths, name: str, part: Partition, data_layer: Any) -> dict[str, Any]:
     """The RaaS node on worker `name` of partition `part`."""
     return dict(
@@ -183,7 +190,7 @@ def node_kwargs(cfg: RunConfig, paths: RunPaths, name: str, part: Partition, dat
         store_url=store_url(cfg, paths),
         weights_root=str(paths.weights),
         data_layer=data_layer,
-        seed=cfg.run.seed,
+        seed=node_seed(cfg.run.seed, name),
         use_deltas=cfg.storage.deltas,
         sandbox=cfg.sandbox,
     )

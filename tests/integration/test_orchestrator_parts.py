@@ -77,6 +77,10 @@ def test_each_actor_gets_its_own_section(tmp_path):
     assert node["identity"].partition == "h100" and node["identity"].region == "eu"
     assert node["rollout"] is cfg.rollout and node["data_layer"] is dl
     assert node["store_url"] == str(paths.trajectories) and node["weights_root"] == str(paths.weights)
+    # every node samples from a stream of its own (seeded by the run's seed and its name), fixed per name
+    other = node_kwargs(cfg, paths, "rollout-h100-eu-H100-1", part, dl)
+    assert node["seed"] != other["seed"] and node["seed"] == node_kwargs(cfg, paths, node["identity"].name, part,
+                                                                          dl)["seed"]
     trainer = trainer_kwargs(cfg, paths, 1, cfg.policies[0], dl)
     assert trainer["seed"] == 8 and trainer["cfg"] is cfg.policies[0].trainer
     assert trainer["optimizer_path"] == str(paths.optimizer_state(cfg.policies[0].name))
