@@ -94,7 +94,7 @@ class RunSection(Strict):
     max_steps: int = Field(default=50, ge=1)
     """Trainer steps per policy; the run ends when every trainer has taken them."""
     seed: int = 0
-    """Seed of trainers and engines."""
+    """Seed of trainers and engines (each RaaS node mixes in its name: no two nodes sample alike)."""
     mode: Literal["async", "sync"] = "async"
     """``async``: the three components run their own loops (AstraFlow). ``sync``: a
     trainer-centred driver loop, the baseline for comparisons."""
