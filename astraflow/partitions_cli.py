@@ -129,8 +129,12 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
     except ValueError as err:
         raise UserError(str(err)) from None
     if entry.get("error"):
-        remove_partition(Path(run_dir), part.name, "now")  # withdraw at once: none of its workers serves
         what = "failed" if entry.get("jobs") else "was refused"
+        try:  # withdraw at once: none of its workers serves
+            remove_partition(Path(run_dir), part.name, "now", keep_one=False)
+        except ValueError as err:  # the run ended meanwhile, its files locked or damaged
+            raise UserError(f"partition {part.name} {what}: {entry['error']}\n"
+                            f"withdrawing it failed too: {err}") from None
         raise UserError(f"partition {part.name} {what}: {entry['error']}\n"
                         "it was withdrawn; the run is unaffected. Fix the options and add it again")
     jobs = ", ".join(f"{j} ({s})" for j, s in entry.get("jobs", {}).items())

@@ -212,9 +212,11 @@ def add_partition(run_dir: Path, part: Partition) -> None:
         write_desired(paths, [*parts.values(), part], removals)
 
 
-def remove_partition(run_dir: Path, name: str, mode: RemovalMode = DEFAULT_REMOVAL) -> Partition:
+def remove_partition(run_dir: Path, name: str, mode: RemovalMode = DEFAULT_REMOVAL, *,
+                     keep_one: bool = True) -> Partition:
     """Remove partition `name` from the desired set (`mode`: one of `REMOVAL_MODES`); returns it.
-    Raises like `add_partition`."""
+    ``keep_one``: refuse to remove the run's last rollout partition that serves (off for
+    withdrawing one that never served). Raises like `add_partition`."""
     if mode not in REMOVAL_MODES:
         raise PartitionError(f"removal mode {mode!r}: use one of {REMOVAL_MODES}")
     check_owner_only(run_dir)
@@ -232,7 +234,8 @@ def remove_partition(run_dir: Path, name: str, mode: RemovalMode = DEFAULT_REMOV
                 "running run (stop the run to remove the data layer or a trainer)"
             )
         # another that serves: with nodes, and not failed (a 0-node or failed one generates nothing)
-        if not any(p.role == "rollout" and p.nodes > 0 and states.get(n) != "failed" for n, p in parts.items()):
+        if keep_one and not any(p.role == "rollout" and p.nodes > 0 and states.get(n) != "failed"
+                                for n, p in parts.items()):
             raise PartitionError(f"partition {name!r} is the run's last rollout partition with nodes: without one "
                                  "the trainers wait for rollouts until run.timeout_s; add another first (partitions "
                                  "add), or stop the run")
