@@ -4,6 +4,7 @@ orchestrator."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -268,6 +269,11 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
     a previous incarnation left are cancelled before anything starts."""
     logging.basicConfig(level=logging.WARNING)
     _signals_stop_cleanly()
+    if quiet:  # transformers' and the hub's own bars too (writing a model built here)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     progress = Progress(enabled=not quiet)
     progress.note(check_data(cfg.workload))
     check_sandbox(cfg)
