@@ -39,8 +39,9 @@ class LocalScheduler:
 
     `log_dir`: where ``<worker>.log`` files go. `host`: address workers listen on (loopback by
     default: local traffic stays on this machine); `interface`: the network interface they
-    listen on instead (a run whose other workers are on other hosts must reach them). `term_timeout`: seconds `cancel` waits after
-    SIGTERM before it sends SIGKILL. `tls`: the run's certificates, for a ``tls://`` scheduler.
+    listen on instead (a run whose other workers are on other hosts must reach them).
+    `term_timeout`: seconds `cancel` waits after SIGTERM before it sends SIGKILL. `tls`: the
+    run's certificates, for a ``tls://`` scheduler.
     """
 
     kind = "local"

@@ -190,7 +190,8 @@ def test_micro_batch_is_refused_for_the_megatron_backend():
 def test_an_in_process_trajectory_store_is_refused_for_a_run(tmp_path):
     res = _invoke("check", str(_config(tmp_path)), "--set", "storage.trajectories=memory://x")
     assert res.exit_code == 2, res.output
-    assert "memory://x is a store inside one process" in res.output and "point storage.trajectories at a directory" in res.output
+    assert "memory://x is a store inside one process" in res.output
+    assert "point storage.trajectories at a directory" in res.output
 
 
 def test_a_module_attribute_that_is_not_a_workload_is_a_config_error(tmp_path):

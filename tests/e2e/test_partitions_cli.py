@@ -82,7 +82,8 @@ def test_partitions_add_takes_settings_and_refuses_bad_ones(live_run, tmp_path):
     code, out = _invoke("partitions", "add", str(live_run.root), "--from-yaml", str(tmp_path / "bad.yaml"), "--wait", "0")
     assert code == 2 and "partitions[a100].rollout.engine.max_batch" in out, out
     (tmp_path / "bad.yaml").write_text("name: a100\nregion: no\n")  # the command has no --set to suggest
-    code, out = _invoke("partitions", "add", str(live_run.root), "--from-yaml", str(tmp_path / "bad.yaml"), "--wait", "0")
+    code, out = _invoke("partitions", "add", str(live_run.root), "--from-yaml", str(tmp_path / "bad.yaml"),
+                        "--wait", "0")
     assert code == 2 and 'quote the text: region: "..." in the file' in out and "--set" not in out, out
     (tmp_path / "good.yaml").write_text("name: a100\nrollout: {capacity: 64, engine: {max_batch: 32}}\n")
     code, out = _invoke("partitions", "add", str(live_run.root), "--from-yaml", str(tmp_path / "good.yaml"),
@@ -202,8 +203,8 @@ def test_the_last_rollout_partition_is_not_removed_and_a_wait_must_be_finite(liv
     assert code == 2 and "give a finite number of seconds" in out
     # another rollout partition with no nodes, or a failed one, serves nothing: h100 is still the last
     parts, removals = read_desired_file(live_run)
-    write_desired(live_run, [*parts.values(), Partition(name="empty", role="rollout", nodes=0),
-                             Partition(name="broken", scheduler="slurm", slurm_partition="x", role="rollout")], removals)
+    broken = Partition(name="broken", scheduler="slurm", slurm_partition="x", role="rollout")
+    write_desired(live_run, [*parts.values(), Partition(name="empty", role="rollout", nodes=0), broken], removals)
     _status_entry(live_run, "broken", state="failed", error="3 workers failed")
     code, out = _invoke("partitions", "remove", str(live_run.root), "h100")
     assert code == 2 and "is the run's last rollout partition with nodes" in out

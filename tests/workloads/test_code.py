@@ -217,4 +217,5 @@ def test_relative_task_files_resolve_against_the_start_directory(tmp_path):
     data["policies"][0]["model"] = "models/none"
     data["workload"]["params"] = {"train_file": "data/train.jsonl", "test_file": "./data/train.jsonl"}
     cfg = config_from_dict(data, base_dir=tmp_path)
-    assert cfg.workload.params["train_file"] == cfg.workload.params["test_file"] == str(tmp_path / "data" / "train.jsonl")
+    want = str(tmp_path / "data" / "train.jsonl")
+    assert cfg.workload.params["train_file"] == cfg.workload.params["test_file"] == want
