@@ -18,7 +18,7 @@ from astraflow.runtime.jobrecords import PreviousJobs, cancel_previous_jobs
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.runlock import RunDirLock
-from astraflow.runtime.stopping import REQUEUE_SIGNAL, StopForRequeue, disk_full
+from astraflow.runtime.stopping import REQUEUE_SIGNAL, STOPPING, StopForRequeue, disk_full
 from astraflow.training.config import ModelInit
 from astraflow.workloads.base import make_workload, workload_class
 from astraflow.workloads.config import WorkloadConfig
@@ -177,14 +177,14 @@ def _signals_stop_cleanly() -> None:
     `StopForRequeue`: the summary says ``requeue`` and the CLI exits with `REQUEUE_EXIT_CODE`."""
     if threading.current_thread() is not threading.main_thread():
         return
-    stopping = threading.Event()
+    STOPPING.clear()
 
     def handler(signum, frame):
-        if stopping.is_set():  # a second Ctrl-C must not break the stop that is bounded anyway
+        if STOPPING.is_set():  # a second Ctrl-C, or one during any run's stop: it must not break it
             sys.stderr.write(f"already stopping (signal {signum} ignored): the components get "
                              "cluster.stop_grace_s, then the summary is written and the jobs cancelled\n")
             return
-        stopping.set()
+        STOPPING.set()
         raise (StopForRequeue if signum == REQUEUE_SIGNAL else KeyboardInterrupt)(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)

@@ -53,8 +53,8 @@ from astraflow.runtime.placement import Placement, data_layer_kwargs, node_kwarg
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.reconcile import PartitionSet, run_tag
 from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts, note
-from astraflow.runtime.stopping import (BoundedWaits, Ending, NothingCompletes, disk_full, disk_full_reason,
-                                        full_disk_of, interrupted)
+from astraflow.runtime.stopping import (STOPPING, BoundedWaits, Ending, NothingCompletes, disk_full,
+                                        disk_full_reason, full_disk_of, interrupted)
 from astraflow.runtime.workers import (FUTURE_ERRORS, NODE_PHASES, PHASES, DataLayerLost, Fleet, RunFailed,
                                       TrainerLost, Worker)
 from astraflow.training.numerics import NonFiniteError
@@ -169,6 +169,7 @@ class Orchestrator:
         except BaseException:  # SystemExit and the like: no summary, but no orphaned jobs either
             self._teardown()
             raise
+        STOPPING.set()  # on the way out, however the run ended: a stop signal now only says so
         try:
             result = self._shutdown(t0, ending)
         except OSError as err:  # the summary could not be written: the run still leaves in one line

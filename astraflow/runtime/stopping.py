@@ -31,6 +31,11 @@ REQUEUE_SIGNAL = signal.SIGUSR1
 REQUEUE_EXIT_CODE = 75
 
 
+#: set once a run is on its way out (its stop under way, however it ended): a stop signal then
+#: only says so, it must not break the shutdown that writes the summary and cancels the jobs
+STOPPING = threading.Event()
+
+
 def ignore_stop_signals() -> None:
     """After a stopped run has written its summary: further Ctrl-C, SIGTERM or SIGUSR1 are
     ignored while the process exits. Python restores the default action of a signal with a
