@@ -46,7 +46,7 @@ from astraflow.partition_settings import check_partition, partition_capacity
 from astraflow.rollout.node import RaaSNode
 from astraflow.rollout.node_group import RaaSNodeGroup
 from astraflow.runtime.autoscaling import autoscale_driver
-from astraflow.runtime.control import write_desired
+from astraflow.runtime.control import PartitionError, desired_lock, read_desired_file, write_desired
 from astraflow.runtime.jobrecords import PreviousJobs
 from astraflow.runtime.monitoring import StatusWriter, Tick, archive_summary
 from astraflow.runtime.placement import Placement, data_layer_kwargs, node_kwargs, trainer_kwargs
@@ -146,7 +146,7 @@ class Orchestrator:
         t0 = time.time()
         archive_summary(self.paths)  # resuming a finished run: keep its old summary aside
         dump_config(self.cfg, self.paths.config)
-        write_desired(self.paths, list(self.partitions.values()))
+        self._publish_desired()
         ending = Ending("completed")
         try:
             self._bring_up()
@@ -183,6 +183,23 @@ class Orchestrator:
         if ending.status == "failed":
             raise RunFailed(f"{ending.reason} (summary in {self.paths.summary})")
         return result
+
+    def _publish_desired(self) -> None:
+        """The desired partitions: the config's, and on a resume also those the previous run
+        had added mid-run (``partitions add``), which the reconcile loop then adds again. A
+        partition the config names takes the config's settings; one removed is not brought back."""
+        extra: list[Partition] = []
+        with desired_lock(self.paths):
+            try:
+                before, removals = read_desired_file(self.paths)
+            except PartitionError as err:
+                before, removals = {}, {}
+                self.progress.note(f"the previous run's desired partitions are unreadable ({err}): "
+                                   "only the config's are brought up")
+            extra = [p for n, p in before.items() if n not in self.partitions and n not in removals]
+            write_desired(self.paths, [*self.partitions.values(), *extra])
+        for p in extra:
+            self.progress.note(f"partition {p.name}: added to the previous run (partitions add), added again")
 
     # ------------------------------------------------------------------ bring-up
     def _reconcile(self) -> None:

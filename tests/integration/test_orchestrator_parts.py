@@ -103,3 +103,24 @@ def test_a_damaged_desired_file_keeps_the_partitions_the_run_has(tmp_path):
         pset.reconcile(fleet, address_for=lambda part: "tcp://unused")
     assert fleet.removed == [] and pset.state["rollout"].state == "active"
     assert len(notes) == 1 and "not a valid desired-partitions file" in notes[0]  # said once
+
+
+def test_a_resume_keeps_the_partitions_the_previous_run_added(tmp_path):
+    """`partitions add` during a run, then a requeue: the resumed run's desired partitions are the
+    config's (with the config's settings) and the added one, so the reconcile loop adds it again."""
+    from types import SimpleNamespace
+
+    from astraflow.runtime.control import read_desired_file, write_desired
+    from astraflow.runtime.orchestrator import Orchestrator
+
+    paths = RunPaths(tmp_path / "run").make()
+    config = {p.name: p for p in (Partition(name="data", role="data"), Partition(name="rollout", nodes=2))}
+    added = Partition(name="extra", scheduler="slurm", slurm_partition="h100", nodes=3)
+    write_desired(paths, [Partition(name="data", role="data"), Partition(name="rollout", nodes=5), added])
+    notes: list[str] = []
+    progress = Progress(enabled=False)
+    progress.note = notes.append
+    Orchestrator._publish_desired(SimpleNamespace(paths=paths, partitions=config, progress=progress))
+    parts, _ = read_desired_file(paths)
+    assert sorted(parts) == ["data", "extra", "rollout"] and parts["rollout"].nodes == 2 and parts["extra"] == added
+    assert any("partition extra" in n for n in notes)
