@@ -141,7 +141,10 @@ def log_numbers(path: Path) -> list[int]:
 
 
 def read_records(path: Path) -> tuple[list[bytes], bool]:
-    """The whole records of a log file, and whether it ends with a torn one."""
+    """The whole records of a log file, and whether it ends with a torn one (a crash during
+    its last write: the bad record reaches the end of the file). A bad record with data after
+    it is damage, not a torn write: ``UnusableSnapshot`` naming the file and the offset (the
+    records after it must not be dropped silently)."""
     data = path.read_bytes()
     out, pos = [], 0
     while pos + HEADER.size <= len(data):
@@ -149,10 +152,22 @@ def read_records(path: Path) -> tuple[list[bytes], bool]:
         end = pos + HEADER.size + size
         payload = data[pos + HEADER.size:end]
         if end > len(data) or zlib.crc32(payload) != crc:
+            if _whole_record_at(data, end):
+                raise UnusableSnapshot(f"{path}: the record at byte {pos} is damaged and whole records follow "
+                                       "it (not a write cut short by a crash)")
             return out, True
         out.append(payload)
         pos = end
     return out, pos != len(data)
+
+
+def _whole_record_at(data: bytes, pos: int) -> bool:
+    """Whether a whole record (its CRC right) starts at ``pos`` of ``data``."""
+    if pos + HEADER.size > len(data):
+        return False
+    size, crc = HEADER.unpack_from(data, pos)
+    end = pos + HEADER.size + size
+    return size > 0 and end <= len(data) and zlib.crc32(data[pos + HEADER.size:end]) == crc
 
 
 def load(path: Path) -> dict[str, Any] | None:
@@ -170,9 +185,13 @@ def load(path: Path) -> dict[str, Any] | None:
         entries = {kind: {key: _loads(blob, path) for key, blob in found.items()}
                    for kind, found in base["entries"].items()}
         small, seq = _loads(base["small"], path), base["seq"]
-        for number in (n for n in log_numbers(path) if n >= base["log"]):
+        numbers = [n for n in log_numbers(path) if n >= base["log"]]
+        for number in numbers:
             source = log_path(path, number)
             records, torn = read_records(source)
+            later = [log_path(path, n) for n in numbers if n > number]
+            if torn and any(f.stat().st_size for f in later):  # records follow: not a write cut by a crash
+                raise UnusableSnapshot(f"{source} ends with a damaged record, and a later log file holds records")
             for payload in records:
                 rec = _loads(payload, source, {})
                 if rec["seq"] <= seq:

@@ -181,11 +181,15 @@ class Durability:
             # not restored: the ids the journal ended stay taken (a new evaluation round or
             # group must not reuse one: a task is created and ended once)
             remember_ended(dl, self.journal_path)
-        if saved is not None and saved["fingerprint"] != self.fingerprint:  # the config changed what its tasks mean
+        if saved is None:  # no snapshot (moved aside): the tasks the journal left open end here, once
+            for tid in open_in_journal(self.journal_path):
+                self.journal(tid, "dropped", "snapshot_lost")
+                dl.ledger.remember_end(tid, "dropped")
+        elif saved["fingerprint"] != self.fingerprint:  # the config changed what its tasks mean
             for tid in saved["ledger"]["live"]:
                 self.journal(tid, "dropped", "config_changed")
                 dl.ledger.remember_end(tid, "dropped")
-        elif saved is not None:
+        else:
             restored = restore(dl, saved, self.journal_path, keep_leases)
             if keep_leases:
                 in_doubt = {p: set(dl.buffers.serving[p]) for p in dl.policy_names}
@@ -203,6 +207,17 @@ def load(path: Path) -> dict[str, Any] | None:
     """The state saved at ``path`` (``changelog.load``; None when there is none);
     ``UnusableSnapshot`` when it cannot be read or refers to anything but the data layer's records."""
     return changelog.load(path)
+
+
+def open_in_journal(journal_path: Path | None) -> list[str]:
+    """The tasks the journal at ``journal_path`` created and never ended, in creation order."""
+    created: dict[str, None] = {}
+    for line in read_journal(journal_path) if journal_path is not None else []:
+        if line.get("e") == "created":
+            created[line["t"]] = None
+        elif line.get("e") in TERMINAL:
+            created.pop(line["t"], None)
+    return list(created)
 
 
 def remember_ended(dl: DataLayer, journal_path: Path | None) -> None:

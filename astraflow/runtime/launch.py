@@ -230,8 +230,9 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
             saved = durable.load(paths.dataflow_snapshot)
         except durable.UnusableSnapshot as err:
             raise durable.UnusableSnapshot(
-                f"{err}: move it aside to resume from control/dataflow_state.json alone (the tasks the run had "
-                "in flight are then rolled out again), or start a new run directory") from None
+                f"{err}: move control/dataflow.snapshot and its control/dataflow.changes.* aside to resume from "
+                "control/dataflow_state.json alone (the tasks the run had in flight end as dropped and new ones "
+                "are rolled out), or start a new run directory") from None
     if saved is None:  # the data layer resumes from this one
         from astraflow.dataflow import record
 

@@ -209,6 +209,24 @@ def test_a_torn_last_record_restores_the_state_before_it(tmp_path):
     run(again.close())
 
 
+def test_a_damaged_record_with_whole_records_after_it_is_refused_not_cut_short(tmp_path):
+    """One flipped byte in an early record: the whole records after it would be dropped with it
+    (and the metrics and ledger cut back to match), so the state is refused, naming the file."""
+    paths = Paths(tmp_path)
+    layer = paths.layer()
+    run(Node(layer).roll(8, reward_of=_alternating))
+    run(layer.close())
+    last = log_files(paths)[-1]
+    records, torn = changelog.read_records(last)
+    assert len(records) >= 2 and not torn
+    data = bytearray(last.read_bytes())
+    first = changelog.HEADER.size + 10  # inside the first record's payload
+    data[first] ^= 0xFF
+    last.write_bytes(bytes(data))
+    with pytest.raises(changelog.UnusableSnapshot, match=r"record at byte 0 is damaged and whole records follow"):
+        saved(paths)
+
+
 def test_compaction_writes_a_new_base_and_a_crash_in_the_middle_of_it_loses_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(changelog, "COMPACT_MIN_BYTES", 1)  # compact whenever the log outgrows the base
     paths = Paths(tmp_path)

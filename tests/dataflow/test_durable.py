@@ -404,3 +404,30 @@ def test_a_resumed_run_counts_run_time_not_the_time_between_runs(tmp_path):
     assert replaced._started == resumed._started  # the start the resumed layer saved
     run(resumed.close())
     run(replaced.close())
+
+
+def test_a_resume_without_the_snapshot_ends_the_tasks_the_journal_left_open(tmp_path):
+    """The snapshot and its log moved aside (what the damaged-snapshot message advises): the
+    resume starts from dataflow_state.json, and every task the journal created and never ended
+    ends there, as dropped (snapshot_lost), so each task still ends exactly once."""
+    from astraflow.dataflow import changelog
+
+    paths = Paths(tmp_path)
+    layer = paths.layer()
+
+    async def go():
+        await Node(layer).roll(8, reward_of=_alternating)
+        await layer.lease("n1", 4)  # in flight when the run dies
+        await layer.close()
+
+    run(go())
+    paths.snapshot.unlink()
+    for n in changelog.log_numbers(paths.snapshot):
+        changelog.log_path(paths.snapshot, n).unlink()
+    again = paths.layer()
+    run(again.close())
+    lines = paths.journal_lines()
+    created = {x["t"] for x in lines if x["e"] == "created"}
+    ended = Counter(x["t"] for x in lines if x["e"] != "created")
+    assert created == set(ended) and set(ended.values()) == {1}
+    assert any(x.get("r") == "snapshot_lost" for x in lines)
