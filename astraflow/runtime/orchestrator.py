@@ -276,11 +276,19 @@ class Orchestrator:
     def _tick(self) -> Tick:
         """The data layer's and every trainer's state, read once for this tick. A component that
         does not answer is most often a lost worker: ``RunFailed`` then names it."""
+        asking = "the data layer"
         try:
-            return Tick(data_layer=self.dl.state().result(timeout=30),
-                        trainers={p: t.state().result(timeout=30) for p, t in self.trainers.items()})
-        except FUTURE_ERRORS:
-            self.fleet.check_core(wait_s=10.0)
+            dl_state = self.dl.state().result(timeout=30)
+            trainers = {}
+            for p, t in self.trainers.items():
+                asking = f"the trainer of {p}"
+                trainers[p] = t.state().result(timeout=30)
+            return Tick(data_layer=dl_state, trainers=trainers)
+        except FUTURE_ERRORS as err:
+            self.fleet.check_core(wait_s=10.0)  # a lost worker: its own error (restarts follow)
+            if isinstance(err, TimeoutError):  # its worker is there, it does not answer: hung
+                raise RunFailed(f"{asking} did not answer within 30 s, its worker still connected (hung: "
+                                "see its worker log under jobs/)") from err
             raise
 
     def _show(self, tick: Tick) -> None:
