@@ -150,8 +150,12 @@ class DataLayer(TrainerFacing, LaneServed):
         #: one replaced had served (their trainer may never have received them: asked again, they
         #: are put back, not dropped)
         self.restored, self._in_doubt = self.durability.restore(self, keep_leases)
-        if workload.eval.every and not keep_leases:  # the curve starts where training starts (0, or a resumed version)
-            self._start_eval(min(self.versions.values()))
+        # the curve starts where training starts: at 0 now; a resumed run's versions move forward
+        # first (``trainer_restarted``), then ``resume_evaluation`` starts its round
+        self._eval_at_start = bool(workload.eval.every) and not keep_leases
+        if self._eval_at_start and not any(self.versions.values()):
+            self._eval_at_start = False
+            self._start_eval(0)
 
     # ------------------------------------------------------------------ wiring
     @property

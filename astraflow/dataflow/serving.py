@@ -154,6 +154,16 @@ class TrainerFacing:
         await self._durable(sync=True)
         return {"put_back": len(back), "recovered": recovered}
 
+    async def resume_evaluation(self) -> None:
+        """A resumed run's first evaluation round, at the versions its trainers resume from (call
+        after ``trainer_restarted``: a round started before would be labelled with the versions
+        the change log had, but run on the newer weights the nodes load). Nothing when started."""
+        if self._eval_at_start:
+            self._eval_at_start = False
+            self._start_eval(min(self.versions.values()))
+            self._notify()
+            await self._durable(sync=True)
+
     def _put_back(self, policy: str, from_version: int) -> list:
         back = self.buffers.put_back(policy, from_version)
         self.mixer.consumed[policy].subtract(Counter(it.source for it in back))

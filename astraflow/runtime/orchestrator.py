@@ -270,6 +270,7 @@ class Orchestrator:
             latest = store.latest(pol.name)
             if latest is not None:
                 self.dl.trainer_restarted(pol.name, latest.version, restart=False).result(timeout=60)
+        self.dl.resume_evaluation().result(timeout=60)  # at the versions the trainers resume from
         self.progress.evals_shown(self.dl.state().result(timeout=60).get("eval", []))  # printed by the last run
 
     # ------------------------------------------------------------------ the watch loop

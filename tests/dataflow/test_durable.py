@@ -431,3 +431,26 @@ def test_a_resume_without_the_snapshot_ends_the_tasks_the_journal_left_open(tmp_
     ended = Counter(x["t"] for x in lines if x["e"] != "created")
     assert created == set(ended) and set(ended.values()) == {1}
     assert any(x.get("r") == "snapshot_lost" for x in lines)
+
+
+def test_a_resumed_runs_first_evaluation_is_at_the_version_its_trainers_resume_from(tmp_path):
+    """The change log ends behind the weight store (a power loss): the resume's evaluation round
+    starts only once the trainers' versions have moved forward, at those versions."""
+    paths = Paths(tmp_path)
+    layer = paths.layer(eval_every=2, max_steps=50)
+    run(Node(layer).roll(8, reward_of=_alternating))
+    run(layer.close())
+    state = durable.load(paths.snapshot)
+    assert state is not None
+    again = paths.layer(eval_every=2, max_steps=50)
+    again.versions["p"] = 3  # what the change log recorded (set as if restored behind the store)
+    again._eval_at_start = True
+
+    async def resume():
+        await again.trainer_restarted("p", 9, restart=False)  # the store's newest committed version
+        await again.resume_evaluation()
+        await again.resume_evaluation()  # once only
+        await again.close()
+
+    run(resume())
+    assert max(again.evals.rounds) == 9
