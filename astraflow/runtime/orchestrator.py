@@ -407,6 +407,18 @@ class Orchestrator:
                                   iterations=self.iterations, stop_errors=waits.errors)
         return result
 
+    def _gone_but_listed(self, sched: Any) -> list[str]:
+        """Jobs of workers that left the Dask scheduler (a hung trainer, say) whose scheduler
+        still lists them active: they would hold their nodes after the run."""
+        gone = {w.job.job_id for w in self.workers.values() if w.job.kind == sched.kind and w.gone}
+        if not gone:
+            return []
+        try:
+            return [j.job_id for j in sched.jobs() if j.job_id in gone and j.active]
+        except Exception as err:  # the listing failed: those jobs are left as they are, said in the log
+            log.warning("listing the %s jobs of lost workers failed: %s: %s", sched.kind, type(err).__name__, err)
+            return []
+
     def _teardown(self) -> None:
         """Cancel every worker job still alive (by id) and stop the scheduler (by pid). Each step
         is tried even when one before failed; a failure is logged (a job may be left running)."""
@@ -415,6 +427,7 @@ class Orchestrator:
             steps.append(("closing the Dask client", self.placement.client.close))
         for sched in self.parts.schedulers.values():
             alive = [w.job.job_id for w in self.workers.values() if w.job.kind == sched.kind and not w.gone]
+            alive += self._gone_but_listed(sched)
             steps += [(f"cancelling the {sched.kind} jobs {alive}", lambda s=sched, a=alive: s.cancel(a)),
                       (f"closing the {sched.kind} scheduler", sched.close)]
         if self.placement.scheduler_proc is not None:

@@ -124,3 +124,39 @@ def test_a_resume_keeps_the_partitions_the_previous_run_added(tmp_path):
     parts, _ = read_desired_file(paths)
     assert sorted(parts) == ["data", "extra", "rollout"] and parts["rollout"].nodes == 2 and parts["extra"] == added
     assert any("partition extra" in n for n in notes)
+
+
+def test_teardown_cancels_the_job_of_a_lost_worker_its_scheduler_still_runs(tmp_path):
+    """A trainer worker that left the Dask scheduler (hung) while its Slurm job runs on: the run
+    ends, and that job is cancelled with the others instead of holding its node."""
+    from types import SimpleNamespace
+
+    from astraflow.runtime.orchestrator import Orchestrator
+    from schedulers import JobRef, JobStatus
+
+    class Listed:
+        kind = "slurm"
+
+        def __init__(self):
+            self.cancelled: list[str] = []
+
+        def cancel(self, ids, wait=False):
+            self.cancelled += list(ids)
+
+        def close(self):
+            pass
+
+        def jobs(self):
+            return [JobStatus("101", "trainer", "trainer-trainer-x-0", "RUNNING", None, None, "n1"),
+                    JobStatus("102", "trainer", "trainer-trainer-x-1", "COMPLETED", None, None, None)]
+
+    sched = Listed()
+    workers = {}
+    for job_id, name in (("101", "trainer-trainer-x-0"), ("102", "trainer-trainer-x-1")):
+        workers[name] = SimpleNamespace(job=JobRef(job_id, "trainer", name, "slurm", None), gone=True)
+    orc = Orchestrator.__new__(Orchestrator)
+    orc.placement = SimpleNamespace(client=None, scheduler_proc=None)
+    orc.parts = SimpleNamespace(schedulers={"slurm": sched})
+    orc.fleet = SimpleNamespace(workers=workers)
+    orc._teardown()
+    assert sched.cancelled == ["101"]
