@@ -362,11 +362,24 @@ class Orchestrator:
             return False
 
         cfg = self.cfg
-        self.iterations = drive_sync(
-            self.dl, self.trainers, self.fleet.serving_nodes,
-            cfg.dataflow.batch_size, cfg.dataflow.batch_size // cfg.workload.group_size,
-            cfg.run.max_steps, cfg.run.timeout_s, tick, recover,
-        )
+        try:
+            self.iterations = drive_sync(
+                self.dl, self.trainers, self.fleet.serving_nodes,
+                cfg.dataflow.batch_size, cfg.dataflow.batch_size // cfg.workload.group_size,
+                cfg.run.max_steps, cfg.run.timeout_s, tick, recover,
+            )
+        except (DataLayerLost, *FUTURE_ERRORS) as err:
+            lost = err
+            if not isinstance(err, DataLayerLost):
+                try:
+                    self.fleet.check_core(wait_s=10.0)  # a lost data layer names itself
+                except DataLayerLost as found:
+                    lost = found
+                else:
+                    raise
+            # the driver holds the data layer's handle through its phases: no re-placing under it
+            raise RunFailed(f"{lost}; run.mode: sync does not re-place a lost data layer: run again on this "
+                            "run directory to resume it") from err
 
     # ------------------------------------------------------------------ shutdown
     def _shutdown(self, t0: float, ending: Ending) -> RunResult:
