@@ -44,3 +44,17 @@ def test_a_killed_data_layer_worker_is_replaced_and_the_run_completes_nothing_lo
     assert sum(1 for x in journal if x["e"] == "consumed") == 16 * steps
     pids = [_pid(w) for w in summary["workers"].values()]
     assert len(pids) == len(workers) + 1 and not [p for p in pids if _alive(p)], "worker processes were left running"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(420)
+def test_in_sync_mode_a_killed_data_layer_ends_the_run_naming_it(tiny_model, tmp_path):
+    """``run.mode: sync`` does not re-place the data layer: the run fails with one line that
+    names it and says how to go on, not with a bare connection error."""
+    with _running(tmp_path, tiny_model, "run.mode=sync", max_steps=40, quiet=False) as (proc, run_dir):
+        workers = _status_once(proc, run_dir, lambda st: st["trainers"]["solver"]["version"] >= 2, "v2")["workers"]
+        victim = next(w for w in workers.values() if w["partition"] == "data" and w.get("phase") == "serving")
+        os.kill(_pid(victim), signal.SIGKILL)  # a worker this test's run started, by its PID
+        out, err = _completed(proc)
+    assert proc.returncode == 1, out[-3000:] + err[-3000:]
+    assert "data layer" in err and "run.mode: sync does not re-place a lost data layer" in err, err[-3000:]
