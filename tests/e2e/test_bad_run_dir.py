@@ -151,7 +151,8 @@ def test_resuming_on_a_damaged_dataflow_snapshot_exits_2_before_anything_starts(
     config = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "config.yaml"
     res = CliRunner().invoke(main, ["run", str(config), "--run-dir", str(run.root), "--quiet"])
     assert res.exit_code == 2, res.output
-    assert f"{run.dataflow_snapshot} cannot be read" in res.output and "move it aside" in res.output
+    assert f"{run.dataflow_snapshot} cannot be read" in res.output
+    assert "and its control/dataflow.changes.* aside to resume from control/dataflow_state.json alone" in res.output
     assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
     assert not run.scheduler_file.exists() and not run.summary.exists()  # nothing started
 

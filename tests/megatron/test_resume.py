@@ -157,7 +157,7 @@ def test_a_resumed_trainer_continues_from_its_latest_committed_version(tmp_path)
         assert first.start(run_loop=False) == 0
         first.step()
         first.step()
-        first.stop()  # run.mode sync: saves the optimiser state of v2 (with the master weights)
+        first.save_optimizer()  # what stop() saves: v2's optimiser state (with the master weights)
         master = first.backend.state_dict()
         first.backend.train_step(batch)  # the step an uninterrupted run takes next
         uninterrupted = first.backend.state_dict()

@@ -46,8 +46,8 @@ def test_head_script_refuses_an_interpreter_without_astraflow(tmp_path):
 #: started, exits 75 on SIGUSR1 as astraflow does, and otherwise exits with $STUB_RC
 STUB_PY = """#!/bin/bash
 if [ "$1" = -c ]; then exec {python} "$@"; fi
-echo "$@" > "$STUB_DIR/args"
 trap 'kill $s 2>/dev/null; echo usr1 >> "$STUB_DIR/signals"; exit 75' USR1
+echo "$@" > "$STUB_DIR/args.tmp" && mv "$STUB_DIR/args.tmp" "$STUB_DIR/args"  # after the trap: then it is ready
 sleep "${{STUB_SLEEP:-0}}" & s=$!
 wait $s
 exit "${{STUB_RC:-0}}"
@@ -75,7 +75,7 @@ def _warned(tmp_path, proc: subprocess.Popen) -> tuple[int, str]:
     deadline = time.monotonic() + 20
     while not (tmp_path / "args").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.2)  # the stand-in's trap is set just after it writes args
+    time.sleep(0.2)  # the stand-in sets its trap before it writes args; the head script waits on it
     proc.send_signal(signal.SIGUSR1)
     out, _ = proc.communicate(timeout=30)
     return proc.returncode, out
