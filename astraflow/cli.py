@@ -106,16 +106,15 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     except ValueError as err:
         raise UserError(str(err)) from None
     except (RunFailed, NonFiniteError) as err:  # the run started and failed: exit 1, its reason
-        ignore_stop_signals()  # a late stop signal must not turn that exit code into another
         raise click.ClickException(f"the run failed: {err}") from None
     except OSError as err:  # a full disk before the run got going (lock, config, models)
         if not disk_full(err):
             raise
         raise click.ClickException(f"the run failed: {disk_full_reason(err, rd)}") from None
-    ignore_stop_signals()  # the run has ended and written its summary: the exit code says how
     if result.interrupted:
         click.echo(f"the run was {result.ending.reason}; summary in {RunPaths(result.run_dir).summary}; "
                    "run again on this directory to resume it", err=True)
+        ignore_stop_signals()
         sys.exit(REQUEUE_EXIT_CODE if result.ending.requeue else 130)
 
 
