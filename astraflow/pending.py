@@ -5,8 +5,15 @@ refill (``LeaseStock``), or a call on the direct lane (``lane.py``)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
+import weakref
 from typing import Any, Callable, Iterable
+
+#: a deadline at least this far off shares a timer with the others due in the same tick
+COARSE_AFTER_S = 2.0
+#: the tick of shared deadlines: such a deadline passes up to this much late
+TICK_S = 0.25
 
 
 def _never() -> bool:
@@ -63,6 +70,13 @@ class Pending:
                 return True
             answered = loop.create_future()
             self._wakers.append((loop, answered))
+        if timeout is not None and timeout >= COARSE_AFTER_S:
+            ticks = _deadlines(loop)
+            tick = ticks.add(answered, timeout)
+            try:
+                return await answered
+            finally:
+                ticks.discard(tick, answered)
         timer = None if timeout is None else loop.call_later(timeout, _resolve, [answered], False)
         try:
             return await answered
@@ -111,3 +125,41 @@ def _resolve(futures: list[asyncio.Future], answered: bool) -> None:
     for f in futures:
         if not f.done():
             f.set_result(answered)
+
+
+class _Deadlines:
+    """The long deadlines of the answers awaited on one event loop, by tick: one timer per tick
+    that has any, not one per call. A process of many nodes makes thousands of calls a second,
+    nearly all answered long before their deadline; a timer each kept the loop's timer heap
+    large and busy with cancelled entries."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.due: dict[int, set[asyncio.Future]] = {}
+
+    def add(self, answered: asyncio.Future, timeout: float) -> int:
+        tick = math.ceil((self.loop.time() + timeout) / TICK_S)
+        waiting = self.due.get(tick)
+        if waiting is None:
+            waiting = self.due[tick] = set()
+            self.loop.call_at(tick * TICK_S, self._passed, tick)
+        waiting.add(answered)
+        return tick
+
+    def discard(self, tick: int, answered: asyncio.Future) -> None:
+        waiting = self.due.get(tick)
+        if waiting is not None:
+            waiting.discard(answered)
+
+    def _passed(self, tick: int) -> None:
+        _resolve(list(self.due.pop(tick, ())), False)
+
+
+_LOOP_DEADLINES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Deadlines]" = weakref.WeakKeyDictionary()
+
+
+def _deadlines(loop: asyncio.AbstractEventLoop) -> _Deadlines:
+    found = _LOOP_DEADLINES.get(loop)
+    if found is None:
+        found = _LOOP_DEADLINES[loop] = _Deadlines(loop)
+    return found

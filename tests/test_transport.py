@@ -193,3 +193,30 @@ def test_a_lost_actor_that_is_not_replaced_in_time_fails_the_call(monkeypatch):
     link.expect_new()
     with pytest.raises(TimeoutError, match="not re-placed within"):
         call_sync(link.lease, "n0", 4, timeout=0.2)
+
+
+def test_long_deadlines_awaited_on_a_loop_share_a_timer_per_tick_and_still_pass():
+    """Calls with long deadlines do not each put a timer in the loop's heap; an answered call
+    leaves nothing behind, and a deadline passes at most one tick late."""
+    import asyncio
+
+    from astraflow import pending as pd
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        answered = [pd.Pending() for _ in range(200)]
+        waits = [asyncio.ensure_future(p.wait_async(pd.COARSE_AFTER_S + 30)) for p in answered]
+        await asyncio.sleep(0)
+        timers = len(loop._scheduled)
+        pd.settle_all((p, i) for i, p in enumerate(answered))
+        assert await asyncio.gather(*waits) == list(range(200))
+        assert timers <= 2  # one tick for all (two if they straddled a tick's edge)
+        assert not any(pd._deadlines(loop).due.values())  # answered calls are not kept
+        unanswered = pd.Pending()
+        t0 = loop.time()
+        with pytest.raises(TimeoutError, match="no answer"):
+            await unanswered.wait_async(pd.COARSE_AFTER_S)
+        late = loop.time() - t0 - pd.COARSE_AFTER_S
+        assert -0.01 <= late <= pd.TICK_S + 0.2
+
+    asyncio.run(scenario())

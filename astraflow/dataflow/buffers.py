@@ -88,7 +88,7 @@ class Buffers:
 
     def __init__(self, policies: list[str], *, batch_size: int, group_size: int, limit: int | Callable[[], int],
                  max_staleness: int, ledger: Ledger, rng: random.Random,
-                 consuming: Callable[[str], bool] = lambda policy: False):
+                 consuming: Callable[[str], bool] = lambda policy: False, replay: bool = True):
         self.policies = list(policies)
         self.group_size = group_size
         #: the groups allowed ahead of training, now (it grows with the nodes' slots)
@@ -108,8 +108,9 @@ class Buffers:
         self.groups_ingested = 0
         self.ready: dict[str, list[ReadyGroup]] = {p: [] for p in self.policies}
         #: per policy: items consumed (their version committed), which replay may serve again
-        #: (``replay_ratio``) while they are within ``max_staleness``
-        self.replay: dict[str, deque[Item]] = {p: deque(maxlen=4 * batch_size) for p in self.policies}
+        #: (``replay_ratio``) while they are within ``max_staleness``; kept only with ``replay``
+        self.replay: dict[str, deque[Item]] = {p: deque(maxlen=4 * batch_size if replay else 0)
+                                               for p in self.policies}
         #: per policy: the items of the batch served to a trainer at version v, by v, until the
         #: trainer reports v + 1 committed (``commit``): only then are they consumed
         self.serving: dict[str, dict[int, list[Item]]] = {p: {} for p in self.policies}
@@ -304,7 +305,7 @@ class Buffers:
         ``policy``'s trainer at ``version``. A batch served before at the same version never
         reached its training: it is dropped (``served_not_trained``)."""
         items = [row_ref(it, version - it.oldest_version) for it in chosen]
-        n_replay = min(n_replay, self.replayable(policy, version))
+        n_replay = min(n_replay, self.replayable(policy, version)) if n_replay else 0
         replays = [row_ref(it, version - it.oldest_version, replayed=True)
                    for it in self.rng.sample(list(self.replay[policy]), n_replay)] if n_replay else []
         self.drop_served(policy, version)

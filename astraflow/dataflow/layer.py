@@ -125,7 +125,8 @@ class DataLayer(TrainerFacing, LaneServed):
         self.ledger = self.leases.ledger
         self.buffers = Buffers(self.policy_names, batch_size=dataflow.batch_size, group_size=workload.group_size,
                                limit=lambda: self.limit, max_staleness=dataflow.max_staleness, ledger=self.ledger,
-                               rng=rng, consuming=lambda policy: self.paces[policy].active())
+                               rng=rng, consuming=lambda policy: self.paces[policy].active(),
+                               replay=dataflow.replay_rows > 0)
         self.metrics = rec.MetricsLog(metrics_path)
         self.service = rec.ServiceTimes()
         #: the oldest weights among the leasing nodes, per policy (admission by version)

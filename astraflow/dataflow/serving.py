@@ -53,7 +53,7 @@ class TrainerFacing:
         lost = self.buffers.drop_served(policy, version)  # asked again: the batch served before never trained
         self.mixer.consumed[policy].subtract(Counter(it.source for it in lost))
         n_replay = self.cfg.replay_rows
-        if self.buffers.replayable(policy, version) < n_replay:
+        if n_replay and self.buffers.replayable(policy, version) < n_replay:
             n_replay = 0
         need = self.cfg.batch_size - n_replay
         quota, credit = self.mixer.quotas(policy, need)

@@ -12,6 +12,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+import yaml
+
 from astraflow.agents.workload import is_agentic
 from astraflow.config import RunConfig
 from astraflow.runtime.jobrecords import PreviousJobs, cancel_previous_jobs
@@ -211,11 +213,14 @@ def check_sandbox(cfg: RunConfig) -> None:
 def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
     """Before anything starts on a run directory that has weights: each policy's newest committed
     version must be readable (``DamagedVersion``, a ValueError naming the file and the fix) and
-    within ``run.max_steps``, and the data layer's snapshot readable (``UnusableSnapshot``)."""
+    within ``run.max_steps``, the data layer's snapshot readable (``UnusableSnapshot``), and
+    the policies those of the run directory (a renamed policy would start afresh beside the old
+    one's weights)."""
     from astraflow.dataflow import durable
     from storage.weights import WeightStore
 
     paths = RunPaths(run_dir)
+    _check_same_policies(cfg, paths)
     if paths.weights.is_dir():
         store = WeightStore(paths.weights)
         for pol in cfg.policies:
@@ -237,6 +242,27 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
         from astraflow.dataflow import record
 
         record.load(paths.dataflow_state)
+
+
+def _check_same_policies(cfg: RunConfig, paths: RunPaths) -> None:
+    """A resume trains the policies the run directory holds: the names in its ``config.yaml``,
+    and every policy with weights there. Other settings may change (hardware, partitions,
+    ``run.max_steps``; a changed workload is handled by the data layer)."""
+    from storage.weights import WeightStore
+
+    names = [p.name for p in cfg.policies]
+    before: list[str] = []
+    if paths.config.exists():
+        try:
+            before = [p["name"] for p in (yaml.safe_load(paths.config.read_text()) or {}).get("policies") or []]
+        except (OSError, yaml.YAMLError, TypeError, KeyError):
+            before = []  # unreadable: the weights alone decide
+    store = WeightStore(paths.weights)
+    before += [p for p in store.policies() if p not in before and store.versions(p)]
+    if before and sorted(set(before)) != sorted(names):
+        raise ValueError(f"this run directory trains the policies {sorted(set(before))}, the config names "
+                         f"{sorted(names)}: a resume cannot rename, add or remove policies. Use the same "
+                         f"policy names to resume it, or start a new run directory (--run-dir)")
 
 
 def forget_durable_state(cfg: RunConfig, run_dir: Path, progress: Progress) -> None:
@@ -279,8 +305,8 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
     progress.note(check_data(cfg.workload))
     check_sandbox(cfg)
     with RunDirLock(run_dir) as lock:
+        previous = cancel_leftovers(cfg, lock, progress)  # also when the resume is refused: they are left over
         check_resumable(cfg, run_dir)
-        previous = cancel_leftovers(cfg, lock, progress)
         forget_durable_state(cfg, run_dir, progress)
         prepare_models(cfg, progress)
         progress.note(f"run directory {run_dir}")

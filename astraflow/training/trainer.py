@@ -76,7 +76,8 @@ def make_backend(cfg: TrainerConfig, model_path: str, seed: int) -> TrainerBacke
 
 
 class _Stopped(Exception):
-    """``stop()`` was called while the loop waited for a batch."""
+    """``stop()`` was called while the loop waited for a batch, or returned before a version
+    could be committed."""
 
 
 class _Background:
@@ -157,6 +158,10 @@ class Trainer(OptimizerCheckpoint):
         #: counts the steps in a row with a nan/inf loss or gradient norm (``max_nonfinite_steps``)
         self.nonfinite = NonFiniteSteps(policy, cfg.max_nonfinite_steps)
         self._stop = threading.Event()
+        #: held while a version is published and reported; ``stop()`` takes it to close commits
+        self._commit_lock = threading.Lock()
+        #: set once ``stop()`` returned with the loop still running: no version commits after it
+        self._closed = False
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
         self.write_deltas = write_deltas
@@ -233,9 +238,18 @@ class Trainer(OptimizerCheckpoint):
         return batch, metrics, t1 - t0, time.time() - t1
 
     def stop(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Stop the loop, waiting up to ``timeout`` for it. A loop still running then (a long
+        step) commits nothing more: whoever stopped it goes on to end the run, and a version
+        reported after that would count a batch the data layer already wrote off (a commit
+        already under way is waited for, up to ``timeout`` more)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)  # the loop saves the optimiser state on its way out
+            if self._thread.is_alive():
+                held = self._commit_lock.acquire(timeout=timeout)
+                self._closed = True
+                if held:
+                    self._commit_lock.release()
         elif self.backend is not None:  # run.mode sync: a driver stepped this trainer
             try:
                 self.save_optimizer()
@@ -304,7 +318,14 @@ class Trainer(OptimizerCheckpoint):
                 wait_s: float, train_s: float) -> None:
         """Publish ``version`` (``state``: a snapshot taken right after its step; None: the
         backend's current weights), then report the version, with its step's metrics, to the
-        data layer."""
+        data layer. Nothing is committed once ``stop()`` returned (``_Stopped``)."""
+        with self._commit_lock:
+            if self._closed:
+                raise _Stopped(f"stopped before v{version} was committed")
+            self._commit_unlocked(version, state, batch, metrics, wait_s, train_s)
+
+    def _commit_unlocked(self, version: int, state: dict | None, batch, metrics: dict[str, float],
+                         wait_s: float, train_s: float) -> None:
         t0 = time.time()
         if state is None:
             self.backend.publish(self.store, self.policy, version)
@@ -373,8 +394,9 @@ class Trainer(OptimizerCheckpoint):
                 publishing, pending = None, publishing
                 pending.result()
             self.done = self.committed >= self.max_steps
-        except _Stopped:
-            log.info("trainer %s stopped while waiting for a batch (at v%d)", self.policy, self.version)
+        except _Stopped as err:
+            log.info("trainer %s stopped at v%d (%s)", self.policy, self.version,
+                     err or "while waiting for a batch")
         except Exception as err:  # reported through state(); the orchestrator fails the run
             self.error = f"{type(err).__name__}: {err}"
             if isinstance(err, OSError) and err.errno is not None:

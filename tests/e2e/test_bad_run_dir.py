@@ -184,3 +184,48 @@ def test_resuming_on_a_damaged_dataflow_state_exits_2_before_anything_starts(tmp
     assert res.exit_code == 2, res.output
     assert str(run.dataflow_state) in res.output and needle in res.output and "move it aside" in res.output
     assert "Traceback" not in res.output and not run.scheduler_file.exists()  # nothing started
+
+
+def test_resuming_with_a_renamed_policy_exits_2_naming_both(tmp_path):
+    """A renamed policy would start afresh beside the old one's weights (its metrics mixed into
+    the same log): the resume is refused before anything starts."""
+    import torch
+
+    from astraflow.config import dump_config, load_config
+    from storage.weights import WeightStore
+
+    run = RunPaths(tmp_path / "run").make()
+    config = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "config.yaml"
+    dump_config(load_config(config), run.config)  # what the first incarnation wrote
+    WeightStore(run.weights).publish("solver", 2, {"w": torch.ones(2)})
+    res = CliRunner().invoke(main, ["run", str(config), "--run-dir", str(run.root), "--quiet",
+                                    "--set", "policies.0.name=solver_v2"])
+    assert res.exit_code == 2, res.output
+    assert "trains the policies ['solver'], the config names ['solver_v2']" in res.output
+    assert "start a new run directory" in res.output and "Traceback" not in res.output
+    assert not run.scheduler_file.exists() and not run.summary.exists()  # nothing started
+    same = CliRunner().invoke(main, ["check", str(config)])  # the config itself is fine
+    assert same.exit_code == 0, same.output
+
+
+def test_a_refused_resume_still_cancels_the_jobs_the_previous_incarnation_left(tmp_path):
+    from astraflow.runtime.jobrecords import JobRecords
+    from schedulers import LocalScheduler, Partition
+    from schedulers.procs import process_identity
+
+    run = RunPaths(tmp_path / "run").make()
+    previous = LocalScheduler(run.jobs, death_timeout=120)  # a worker the last incarnation left running
+    [worker] = previous.submit(Partition(name="pool", role="rollout"), "tcp://127.0.0.1:9", 1)
+    pid = int(worker.job_id.removeprefix("local-"))
+    try:
+        JobRecords(run).add([worker])
+        run.dataflow_snapshot.write_bytes(GARBAGE)
+        config = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "config.yaml"
+        res = CliRunner().invoke(main, ["run", str(config), "--run-dir", str(run.root), "--quiet"])
+        assert res.exit_code == 2, res.output
+        deadline = time.time() + 10
+        while process_identity(pid) == worker.identity and time.time() < deadline:
+            time.sleep(0.1)
+        assert process_identity(pid) != worker.identity, "the previous incarnation's worker still runs"
+    finally:
+        previous.close()

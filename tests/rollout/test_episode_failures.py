@@ -274,3 +274,25 @@ def test_a_node_whose_loop_dies_reports_it_and_stops_renewing_its_leases(tmp_pat
     held = _held(dl)
     assert held, "its finished episodes, never written, still hold their leases"
     assert dl.node_gone("n0").result(10) == len(held) and not _held(dl)  # what replacing the node does
+
+
+class NeverEnds(SingleTurn):
+    """An episode that would run forever (a tool that hangs, a long multi-turn episode)."""
+
+    async def run_episode(self, engines, task):
+        await asyncio.get_running_loop().create_future()
+
+
+def test_episodes_a_stopping_node_gives_up_on_are_failed_back_not_renewed(tmp_path, tiny_model):
+    """A node that stops before its episodes end reports their tasks failed, so they are
+    requeued at once; its last heartbeat does not renew their leases for another full term."""
+    layer, dl, node, _ = _rig(tmp_path, tiny_model, NeverEnds)
+    try:
+        _wait("four episodes in flight", lambda: len(node.inflight) == 4 and len(_held(dl)) == 4)
+        node.stop(timeout=2.0)
+        assert _held(dl) == {}, "the abandoned episodes' leases are still held"
+        summary = _ledger(dl)
+        assert summary["events"].get("requeued", 0) >= 4, summary
+    finally:
+        node.stop(timeout=10)
+        dl.close()

@@ -282,3 +282,39 @@ def test_stop_closes_the_backend_of_a_trainer_a_driver_stepped(tmp_path, tiny_mo
     tr.backend.close = lambda: closed.append(True)
     tr.stop()
     assert closed == [True] and torch.load(path, weights_only=True)["version"] == 1
+
+
+class _Finishing:
+    """A data layer whose run ends (``finish``) right after the trainer's ``stop`` returns, as
+    the orchestrator does; it records whether a version was reported after that."""
+
+    _worker = "test"
+
+    def __init__(self):
+        self.events: list[tuple] = []
+        self.finished = False
+
+    def next_batch(self, policy, version, timeout):
+        self.events.append(("next_batch", version))
+        return _done(Batch(policy=policy, version=version, items=()))
+
+    def published(self, policy, version, metrics, batch_metrics=None):
+        self.events.append(("published", version, self.finished))
+        return _done()
+
+
+def test_a_step_still_training_when_stop_returns_is_never_committed(tmp_path):
+    """``stop`` gave up waiting for a long step and the run went on to end: the step's version
+    must neither reach the weight store nor be reported to the finished data layer."""
+    dl = _Finishing()
+    trainer = Trainer(policy="p", cfg=TrainerConfig(backend="sim", sim_step_seconds=1.5), model_path="",
+                      weights_root=str(tmp_path / "w"), keep_versions=5, data_layer=dl, max_steps=3)
+    trainer.start()
+    time.sleep(0.3)  # the first step trains
+    state = trainer.stop(timeout=0.2)
+    dl.finished = True
+    at_finish = WeightStore(tmp_path / "w").versions("p")
+    time.sleep(2.0)  # the step ends meanwhile
+    assert state["version"] == 0
+    assert WeightStore(tmp_path / "w").versions("p") == at_finish
+    assert not [e for e in dl.events if e[0] == "published"], dl.events
