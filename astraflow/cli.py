@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from astraflow.clibase import UserError, field_option
+from astraflow.clibase import UserError, UserPath, field_option
 from astraflow.partitions_cli import partitions as partitions_cli
 from astraflow.plan.cli import plan as plan_cli
 from astraflow.sandbox.cli import sandbox as sandbox_cli
@@ -38,9 +38,20 @@ def _load(config: str, overrides: tuple[str, ...]):
 
 
 def _default_run_dir(name: str) -> Path:
+    """``runs/<name>-<time>``, claimed at once (made, empty): a run started in the same second
+    gets ``-2``, ``-3``, ... instead of sharing, or resuming, the other's directory."""
     import time
 
-    return default_run_dir(name, time.strftime("%Y%m%d-%H%M%S"))
+    base = default_run_dir(name, time.strftime("%Y%m%d-%H%M%S"))
+    base.parent.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        rd = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            rd.mkdir()
+            return rd
+        except FileExistsError:
+            n += 1
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -69,8 +80,8 @@ def _user_modules_from_cwd() -> None:
 
 
 @main.command()
-@click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--run-dir", type=click.Path(file_okay=False), help="Run directory (default: runs/<name>-<time>).")
+@click.argument("config", type=UserPath(dir_okay=False))
+@click.option("--run-dir", type=UserPath(file_okay=False), help="Run directory (default: runs/<name>-<time>).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config value, e.g. --set run.max_steps=20 (repeatable).")
 @click.option("--quiet", is_flag=True, help="No progress output.")
@@ -87,13 +98,25 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     """
     click.get_current_context().with_resource(owner_only())  # inherited by the processes it starts
     cfg = _load(config, overrides)
+    rd = Path(run_dir) if run_dir else _default_run_dir(cfg.run.name)
+    try:
+        _run(cfg, rd, quiet)
+    finally:
+        if not run_dir:  # the directory claimed for it, left empty (bad data): nothing behind
+            try:
+                rd.rmdir()
+            except OSError:
+                pass
+
+
+def _run(cfg, rd: Path, quiet: bool) -> None:
+    """``run`` in ``rd``: its exits and messages (``run``'s docstring)."""
     from astraflow.runtime.launch import launch
     from astraflow.runtime.stopping import ignore_stop_signals
     from astraflow.runtime.stopping import REQUEUE_EXIT_CODE, StopForRequeue, disk_full, disk_full_reason
     from astraflow.runtime.workers import RunFailed
     from astraflow.training.numerics import NonFiniteError
 
-    rd = Path(run_dir) if run_dir else _default_run_dir(cfg.run.name)
     try:
         result = launch(cfg, rd, quiet=quiet)
     except StopForRequeue as sig:  # before the run started: nothing to stop, resumed all the same
@@ -124,7 +147,7 @@ def model() -> None:
 
 
 @model.command("init")
-@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("out", type=UserPath(file_okay=False))
 @click.option("--preset", **field_option(ModelInit, "preset"))
 @click.option("--arch", **field_option(ModelInit, "arch"))
 @click.option("--seed", type=int, **field_option(ModelInit, "seed"))
@@ -166,7 +189,7 @@ def model_init(out: str, preset: str, arch: str, seed: int, tie_embeddings: bool
 
 
 @main.command()
-@click.argument("config", type=click.Path(dir_okay=False))
+@click.argument("config", type=UserPath(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config value as `astraflow run` would, e.g. --set run.max_steps=20 (repeatable; "
                    "VALUE is YAML, list elements are named: --set policies.solver.trainer.lr=1e-4).")
@@ -193,7 +216,7 @@ def check(config: str, overrides: tuple[str, ...]) -> None:
 
 
 @main.command()
-@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.argument("run_dir", type=UserPath(file_okay=False))
 @click.option("--json", "as_json", is_flag=True,
               help="Machine-readable output: the same view as the dashboard's /astraflow/api/status.json "
                    "(also for a finished run).")
@@ -245,8 +268,8 @@ def status(run_dir: str, as_json: bool, metrics: bool) -> None:
 
 
 @main.command()
-@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
-@click.option("--out", type=click.Path(file_okay=False), help="Output directory (default: RUN_DIR/plots).")
+@click.argument("run_dir", type=UserPath(file_okay=False, exists=True))
+@click.option("--out", type=UserPath(file_okay=False), help="Output directory (default: RUN_DIR/plots).")
 def plot(run_dir: str, out: str | None) -> None:
     """Write PNG plots of RUN_DIR's metrics.jsonl: reward, held-out accuracy, throughput, staleness."""
     from astraflow.runtime.monitoring import write_plots
@@ -260,8 +283,8 @@ def plot(run_dir: str, out: str | None) -> None:
 
 
 @main.command()
-@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
-@click.option("--logdir", type=click.Path(file_okay=False), help="Event file directory (default: RUN_DIR/tensorboard).")
+@click.argument("run_dir", type=UserPath(file_okay=False, exists=True))
+@click.option("--logdir", type=UserPath(file_okay=False), help="Event file directory (default: RUN_DIR/tensorboard).")
 @click.option("--follow", is_flag=True, help="Keep mirroring new lines until the run ends.")
 def tensorboard(run_dir: str, logdir: str | None, follow: bool) -> None:
     """Mirror RUN_DIR's metrics.jsonl into TensorBoard event files (needs `pip install tensorboard`)."""

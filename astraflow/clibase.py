@@ -4,6 +4,7 @@ from config fields (so the CLI and the config never disagree on choices, default
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Literal, get_args, get_origin
 
 import click
@@ -31,6 +32,16 @@ def field_option(model: type[BaseModel], name: str, **overrides: Any) -> dict[st
 def choices(model: type[BaseModel], name: str) -> click.Choice:
     """The ``click.Choice`` of a ``Literal`` config field."""
     return click.Choice(get_args(model.model_fields[name].annotation))
+
+
+class UserPath(click.Path):
+    """``click.Path`` with ``~`` expanded: the shell leaves it alone in ``--run-dir=~/runs/a`` or
+    when quoted, and a literal ``./~`` directory would be made instead."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            value = os.path.expanduser(value)
+        return super().convert(value, param, ctx)
 
 
 class Seconds(click.ParamType):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from astraflow.clibase import Seconds, UserError, choices, field_option
+from astraflow.clibase import Seconds, UserError, UserPath, choices, field_option
 from astraflow.runtime.control import DEFAULT_REMOVAL, REMOVAL_HELP, REMOVAL_MODES
 from schedulers.partition import Partition
 from storage.ownership import owner_only
@@ -30,7 +30,7 @@ def partitions(ctx: click.Context) -> None:
 
 
 @partitions.command("list")
-@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.argument("run_dir", type=UserPath(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def partitions_list(run_dir: str, as_json: bool) -> None:
     """The partitions of the run: desired size, live and serving workers, jobs, throughput."""
@@ -47,9 +47,9 @@ def partitions_list(run_dir: str, as_json: bool) -> None:
 
 
 @partitions.command("add")
-@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.argument("run_dir", type=UserPath(file_okay=False))
 @click.argument("name", required=False)
-@click.option("--from-yaml", "from_yaml", type=click.Path(dir_okay=False),
+@click.option("--from-yaml", "from_yaml", type=UserPath(dir_okay=False),
               help="A YAML mapping of Partition fields (options given here override it).")
 @click.option("--scheduler", type=choices(Partition, "scheduler"), default=None, help=f"[default: {ADD_SCHEDULER}]")
 @click.option("--slurm-partition", default=None, help="Slurm partition (sbatch --partition).")
@@ -165,7 +165,7 @@ def _removal_modes(command):
 
 
 @partitions.command("remove")
-@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.argument("run_dir", type=UserPath(file_okay=False))
 @click.argument("name")
 @_removal_modes
 @click.option("--wait", "wait_s", type=Seconds(), default=0.0, show_default=True,

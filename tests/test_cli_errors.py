@@ -303,3 +303,33 @@ def test_a_stop_before_the_run_starts_exits_130_without_a_traceback(monkeypatch,
     res = CliRunner().invoke(main, ["run", "examples/tiny/config.yaml", "--run-dir", str(tmp_path / "run")])
     assert res.exit_code == 130 and ignored, res.output
     assert "stopped before the run started" in res.output and "Traceback" not in res.output
+
+
+def test_tilde_in_paths_is_the_home_directory(tmp_path, monkeypatch):
+    """``--run-dir=~/x`` and quoted paths reach the program with ``~`` unexpanded: it is the
+    home directory, not a directory named ``~``."""
+    from astraflow.clibase import UserPath
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert UserPath(file_okay=False).convert("~/runs/a", None, None) == str(tmp_path / "runs" / "a")
+    res = _invoke("status", "~/nowhere")
+    assert str(tmp_path / "nowhere") in res.output and not (tmp_path / "~").exists()
+
+
+def test_default_run_directories_started_in_the_same_second_are_distinct(tmp_path, monkeypatch):
+    from astraflow import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20260101-120000")
+    first, second = cli._default_run_dir("sim"), cli._default_run_dir("sim")
+    assert first == Path("runs/sim-20260101-120000") and second == Path("runs/sim-20260101-120000-2")
+    assert first.is_dir() and second.is_dir()  # claimed at once: a third run cannot take either
+
+
+def test_a_run_refused_before_it_starts_leaves_no_default_run_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = _config(tmp_path, workload={"name": "dataset", "params": {"path": str(tmp_path / "nope.jsonl")}})
+    res = _invoke("run", str(cfg))
+    assert res.exit_code == 2 and "nope.jsonl" in res.output, res.output  # found only when the run starts
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

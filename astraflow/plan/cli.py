@@ -13,6 +13,8 @@ from typing import Any
 
 import click
 
+from astraflow.clibase import UserPath
+
 
 class BadInput(click.ClickException):
     """Bad input: exit code 2 and one message that names the fix (as the main CLI's UserError)."""
@@ -32,7 +34,7 @@ class Finite(click.FloatRange):
 
 
 @click.command("plan")
-@click.argument("config", type=click.Path(dir_okay=False))
+@click.argument("config", type=UserPath(dir_okay=False))
 @click.option("--pool", "pools", multiple=True, metavar="KIND=GPUS",
               help="A rollout pool: GPUS engines of hardware KIND (h100, a100, cpu, or local: this machine's "
                    "engine, with --calibrate or --calibration). Repeatable.")
@@ -58,9 +60,9 @@ class Finite(click.FloatRange):
                    "--minutes allows).")
 @click.option("--max-trials", type=click.IntRange(min=1), default=6, show_default=True, help="Simulated runs of the search at most.")
 @click.option("--calibrate", is_flag=True, help="Measure this machine's engine and trainer on the config's model.")
-@click.option("--calibration", type=click.Path(dir_okay=False), default=None, help="A saved calibration (JSON).")
-@click.option("--save-calibration", type=click.Path(dir_okay=False), default=None, help="Write the calibration here.")
-@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where the simulated runs go.")
+@click.option("--calibration", type=UserPath(dir_okay=False), default=None, help="A saved calibration (JSON).")
+@click.option("--save-calibration", type=UserPath(dir_okay=False), default=None, help="Write the calibration here.")
+@click.option("--workdir", type=UserPath(file_okay=False), default=None, help="Where the simulated runs go.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
 def plan(config: str, pools: tuple[str, ...], trainer_gpus: str, calibrate: bool, calibration: str | None,

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import click
 
+from astraflow.clibase import UserPath
+
 
 class BadInput(click.ClickException):
     """Bad input: exit code 2 and one message that names the fix (as the main CLI's UserError)."""
@@ -26,8 +28,8 @@ def sandbox() -> None:
 
 
 @sandbox.command("run")
-@click.argument("program", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--tests", "tests_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.argument("program", type=UserPath(dir_okay=False, path_type=Path))
+@click.option("--tests", "tests_file", type=UserPath(dir_okay=False, path_type=Path), default=None,
               help="Python file run after PROGRAM in its namespace; each top-level test_* function is one test.")
 @click.option("--timeout", "timeout_s", type=float, default=None,
               help="Wall-clock limit in seconds (default: sandbox.timeout_s).")

@@ -135,3 +135,15 @@ def test_the_status_file_carries_the_latest_evaluations_of_each_policy():
     kept = recent_evals(evals)
     assert len(kept) == 2 * STATUS_EVALS and kept == evals[-2 * STATUS_EVALS:]
     assert recent_evals(evals[:4]) == evals[:4]
+
+
+def test_summaries_archived_in_the_same_second_are_all_kept(tmp_path, monkeypatch):
+    from astraflow.runtime.monitoring import snapshot
+
+    paths = RunPaths(tmp_path / "run").make()
+    monkeypatch.setattr(snapshot.time, "time", lambda: 1_700_000_000.5)
+    for n in range(3):  # three incarnations ended within one second
+        paths.summary.write_text(json.dumps({"incarnation": n}))
+        archive_summary(paths)
+    kept = sorted(json.loads(p.read_text())["incarnation"] for p in paths.root.glob("summary.*.json"))
+    assert kept == [0, 1, 2] and not paths.summary.exists()

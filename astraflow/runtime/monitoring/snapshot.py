@@ -51,9 +51,26 @@ def write_summary(paths: RunPaths, summary: dict[str, Any]) -> None:
 
 
 def archive_summary(paths: RunPaths) -> None:
-    """A run directory run again (resumed): keep the previous run's summary aside."""
-    if paths.summary.exists():
-        paths.summary.rename(paths.archived_summary(int(time.time())))
+    """A run directory run again (resumed): keep the previous run's summary aside, under a
+    name no other incarnation's summary has (two ended in the same second get ``-2``, ...)."""
+    if not paths.summary.exists():
+        return
+    stamp, n = int(time.time()), 1
+    while True:
+        kept = paths.archived_summary(stamp) if n == 1 else paths.root / f"summary.{stamp}-{n}.json"
+        try:
+            os.link(paths.summary, kept)  # never replaces a kept summary, as a rename would
+        except FileExistsError:
+            n += 1
+            continue
+        except OSError:  # a filesystem without hard links
+            if kept.exists():
+                n += 1
+                continue
+            paths.summary.rename(kept)
+            return
+        paths.summary.unlink()
+        return
 
 
 # -- reading (the CLI, the dashboard page) -------------------------------------------------------
