@@ -58,8 +58,18 @@ def check_partition(part: Partition, rollout: RolloutConfig, trainers: Mapping[s
             raise ValueError(
                 f"partitions[{part.name}]: rollout.engine.tensor_parallel {tp} spans {tp} GPUs per engine and the "
                 f"partition gives a node {gpus}: set gpus_per_node to a multiple of {tp}, or lower tensor_parallel")
-    for trainer in trainers.values():
-        effective_trainer(trainer, part)
+        if part.scheduler == "slurm" and engine.type != "sim" and engine.device.startswith("cuda") and not gpus:
+            raise ValueError(
+                f"partitions[{part.name}]: rollout.engine.device {engine.device} needs a GPU and the partition's "
+                "jobs request none: set gpus_per_node, or use device: auto or cpu")
+    for name, trainer in trainers.items():
+        mine = effective_trainer(trainer, part)
+        if (part.role == "trainer" and part.scheduler == "slurm" and mine.backend != "sim"
+                and mine.device.startswith("cuda") and not part.gpus_per_node):
+            raise ValueError(
+                f"partitions[{part.name}]: the trainer of {name} runs on device {mine.device}, which needs a GPU, "
+                "and the partition's jobs request none: set gpus_per_node, or use device: "
+                "auto or cpu")
 
 
 def changed(base: BaseModel, merged: BaseModel, prefix: str = "") -> dict[str, Any]:

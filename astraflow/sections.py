@@ -77,6 +77,16 @@ class ClusterConfig(Strict):
     (``--account``, ``--qos``...). A list given here replaces the default; options AstraFlow
     renders itself or that break job tracking (``--array``, ``--wrap``...) cannot be listed."""
 
+    @field_validator("scheduler_host", "scheduler_interface", "worker_interface", "dashboard_host")
+    @classmethod
+    def _one_word(cls, v: str | None, info) -> str | None:
+        """An empty or spaced value would be dropped or misread on the command lines that take it
+        (an empty interface even left the scheduler on every interface instead of loopback)."""
+        if v is not None and (not v or any(c.isspace() for c in v) or v.startswith("-")):
+            raise ValueError(f"{v!r} is not an address or interface name: give one word (e.g. 127.0.0.1, "
+                             f"ib0), or leave {info.field_name} out for its default")
+        return v
+
     @model_validator(mode="after")
     def _exposed_dashboard(self) -> "ClusterConfig":
         if not is_loopback(self.dashboard_host) and not self.tls.enabled:

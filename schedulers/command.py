@@ -103,7 +103,7 @@ def worker_command(
     cmd += ["--no-nanny", "--no-dashboard", "--death-timeout", _format_amount(death_timeout)]
     if host is not None:
         cmd += ["--host", host]
-    if interface is not None:
+    if interface:
         cmd += ["--interface", interface]
     if local_directory is not None:
         cmd += ["--local-directory", str(local_directory)]

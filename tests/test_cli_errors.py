@@ -333,3 +333,11 @@ def test_a_run_refused_before_it_starts_leaves_no_default_run_directory(tmp_path
     res = _invoke("run", str(cfg))
     assert res.exit_code == 2 and "nope.jsonl" in res.output, res.output  # found only when the run starts
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize("key", ["scheduler_interface", "worker_interface", "scheduler_host"])
+@pytest.mark.parametrize("value", ["", "  ", "ib 0"])
+def test_empty_or_spaced_addresses_and_interfaces_are_refused(tmp_path, key, value):
+    cfg = _config(tmp_path, cluster={key: value})
+    res = _invoke("check", str(cfg))
+    assert res.exit_code == 2 and f"cluster.{key}" in res.output and "not an address or interface" in res.output

@@ -144,3 +144,20 @@ def test_check_counts_sim_engines_as_the_nodes_build_them():
     assert res.exit_code == 0, res.output
     line = next(x for x in res.output.splitlines() if x.startswith("partition rollout"))
     assert "8 engine(s) per policy" in line and "x 8 engine(s)" in line, line
+
+
+@pytest.mark.parametrize("part, run, trainers", [
+    (Partition(name="gpu", scheduler="slurm", rollout={"engine": {"device": "cuda"}}), RUN, {}),
+    (Partition(name="gpu", scheduler="slurm"), RolloutConfig(engine={"device": "cuda:0"}), {}),
+    (Partition(name="gpu", scheduler="slurm", role="trainer"), RUN, {"solver": TrainerConfig(device="cuda")}),
+])
+def test_a_slurm_partition_asked_for_cuda_without_gpus_is_refused(part, run, trainers):
+    with pytest.raises(ValueError, match=r"partitions\[gpu\]: .*needs a GPU.*set gpus_per_node"):
+        check_partition(part, run, trainers)
+
+
+def test_cuda_with_gpus_and_auto_without_are_accepted():
+    check_partition(Partition(name="gpu", scheduler="slurm", gpus_per_node=1),
+                    RolloutConfig(engine={"device": "cuda"}), {})
+    check_partition(Partition(name="cpu", scheduler="slurm"), RUN, {"solver": TrainerConfig()})
+    check_partition(Partition(name="here", rollout={"engine": {"device": "cuda"}}), RUN, {})  # local: the host's GPUs

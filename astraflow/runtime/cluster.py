@@ -29,7 +29,7 @@ class SchedulerProcess:
         https = dashboard_token_file is not None if dashboard_https is None else dashboard_https
         if https and tls is None:
             raise ValueError("a dashboard served over HTTPS needs the run's TLS files too")
-        if interface is not None:
+        if interface:
             host = None  # listen on the interface's address (e.g. ib0 on the head node)
         self.paths = paths
         self.dashboard = f"{dashboard_host}:{dashboard_port}"
