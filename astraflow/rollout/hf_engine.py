@@ -326,6 +326,9 @@ class HFEngine:
             for i, r in enumerate(batch):
                 if not active[i]:
                     continue
+                if r.future.done():  # its episode was cancelled: the row stops, the batch may end sooner
+                    r.finish_reason, active[i] = "cancelled", False
+                    continue
                 t = tok_host[i]
                 r.tokens.append(t)
                 r.logprobs.append(lp_host[i])

@@ -14,6 +14,7 @@ semantics rely on):
 
 * node -> engine: ``("generate", [(id, prompt, params), ...])`` — every request submitted in
   one event-loop tick travels in one message; ``("weights", version, state_dict)``;
+  ``("cancel", [id, ...])`` (their episodes were cancelled: no longer decoded, never answered);
   ``("load", weights_root, policy, version, use_deltas, full_resync_every)`` — the engine
   process reads a committed version from the weight store itself, full shards or its last
   version plus a delta (``weight_sync.VersionReader``; what the node's weight watcher sends:
@@ -44,19 +45,15 @@ close and exits at once: it holds nothing that needs saving.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import collections
 import itertools
 import logging
 import multiprocessing
-import os
-import queue
-import sys
 import threading
-import time
 from typing import Any, Mapping
 
 from astraflow.rollout.engine import SWAP_MIN_REMAINING, Generation, SamplingParams
+from astraflow.rollout.engine_process import engine_main
 
 log = logging.getLogger("astraflow.rollout")
 
@@ -124,7 +121,7 @@ class ProcessEngine:
     def _launch(self, version: int) -> None:
         ctx = multiprocessing.get_context("spawn")
         conn, child_conn = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=_engine_main, name="astraflow-engine", daemon=True,
+        proc = ctx.Process(target=engine_main, name="astraflow-engine", daemon=True,
                            args=(child_conn, *self._args, version))
         self._conn, self._proc = conn, proc
         proc.start()
@@ -193,6 +190,8 @@ class ProcessEngine:
             raise EngineProcessError(self._dead)
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
+            if self._loop is not None and self._loop.is_closed():
+                self._futures.clear()  # awaited on a loop that is gone: nobody can take them
             if self._futures:
                 raise RuntimeError("ProcessEngine.generate: requests of another event loop are in flight; "
                                    "use one loop per engine")
@@ -203,7 +202,24 @@ class ProcessEngine:
         if not self._outbox:
             loop.call_soon(self._flush)  # one message for every request of this tick
         self._outbox.append((rid, [int(t) for t in prompt_tokens], params))
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._cancel(rid)
+            raise
+
+    def _cancel(self, rid: int) -> None:
+        """A request whose episode was cancelled: dropped before it is sent, or the engine
+        process is told to stop decoding it (its row leaves the batch, which may end sooner)."""
+        self._futures.pop(rid, None)
+        for i, queued in enumerate(self._outbox):
+            if queued[0] == rid:
+                del self._outbox[i]
+                return
+        try:
+            self._send(("cancel", [rid]))
+        except (OSError, EngineProcessError):
+            pass  # the engine process is gone: nothing decodes it
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         """Send the weights (numpy copies: plain pickles, no shared-memory handles to leak). They
@@ -266,6 +282,8 @@ class ProcessEngine:
 
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
+        if not batch:  # its requests were cancelled before they left
+            return
         try:
             self._send(("generate", batch))
         except (OSError, EngineProcessError) as err:
@@ -275,16 +293,37 @@ class ProcessEngine:
                     fut.set_exception(EngineProcessError(f"engine process unreachable: {err}"))
 
     def _read(self, conn, proc) -> None:
-        """Reader thread of one engine process: hand each results message to the event loop."""
+        """Reader thread of one engine process: hand each results message to the event loop.
+        It ends only with the engine process (then the engine is marked dead), also when the
+        loop the results were for has closed meanwhile (a node's stop)."""
+        try:
+            self._read_messages(conn)
+        finally:
+            with self._reap_lock:
+                proc.join(5)
+            self._dead = f"the engine process exited with code {proc.exitcode}; see the worker log"
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(self._fail_all)
+                except RuntimeError:  # closed in between
+                    pass
+
+    def _read_messages(self, conn) -> None:
         while True:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                break
+                return
             if msg[0] == "results":
                 _, results, self._stats, _version = msg
-                if self._loop is not None:
-                    self._loop.call_soon_threadsafe(self._resolve, results)
+                loop = self._loop
+                if loop is not None:
+                    try:
+                        loop.call_soon_threadsafe(self._resolve, results)
+                    except RuntimeError:  # the loop awaiting them has closed: nobody takes them
+                        for rid, _ in results:
+                            self._futures.pop(rid, None)
             elif msg[0] == "loaded":
                 self._load_records.append(msg[1])
             elif msg[0] == "accepted":
@@ -294,11 +333,6 @@ class ProcessEngine:
                 log.warning("engine process could not load weights v%d (%s); it keeps v%d", wanted, reason, current)
                 if self.version == wanted:
                     self.version = current
-        with self._reap_lock:
-            proc.join(5)
-        self._dead = f"the engine process exited with code {proc.exitcode}; see the worker log"
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._fail_all)
 
     def _resolve(self, results: list[tuple[int, Any]]) -> None:
         for rid, out in results:
@@ -330,135 +364,3 @@ class ProcessEngine:
         # one joiner at a time: two threads waiting on the same child race for its exit status
         with self._reap_lock:
             self._proc.join(timeout)
-
-
-# -- the engine process ----------------------------------------------------------------------
-
-
-def _engine_main(conn, model_path: str, max_batch: int, seed: int, device: str, threads: int,
-                 swap_min_remaining: int, dtype: str, visible_devices: str | None, version: int) -> None:
-    """Entry point of the engine process."""
-    if visible_devices is not None:  # before CUDA initialises: the process sees only its GPUs
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
-    import torch
-
-    torch.set_num_threads(threads)
-    try:
-        from astraflow.rollout.hf_engine import HFEngine
-
-        engine = HFEngine(model_path, max_batch_size=max_batch, version=version, seed=seed, device=device,
-                          swap_min_remaining=swap_min_remaining, dtype=dtype)
-    except Exception as err:  # reported to the node, which raises it as a start failure
-        conn.send(("error", f"{type(err).__name__}: {err}"))
-        return
-    conn.send(("ready", engine.version))
-    asyncio.run(_serve(conn, engine))
-    # closed cleanly, every result sent: run the exit handlers (multiprocessing's finalizers
-    # release what the process registered), then end without tearing down torch's and
-    # transformers' modules, which takes a second or more that the node's close would wait for
-    conn.close()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(0)
-
-
-async def _serve(conn, engine) -> None:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    done: list[tuple[int, Any]] = []
-    send_lock = threading.Lock()  # the loop and the reader thread both send
-
-    def send(msg: tuple) -> None:
-        with send_lock:
-            conn.send(msg)
-
-    def flush() -> None:
-        out = done[:]
-        done.clear()
-        send(("results", out, engine.stats(), engine.version))
-
-    async def run(rid: int, prompt: list[int], params: SamplingParams) -> None:
-        try:
-            out: Any = await engine.generate(prompt, params)
-        except Exception as err:  # a bad request fails that request (its batch) only: answered, never dropped
-            out = f"{type(err).__name__}: {err}"
-        if not done:
-            loop.call_soon(flush)  # one message for every request finished in this tick
-        done.append((rid, out))
-
-    tasks: set[asyncio.Task] = set()
-
-    def held() -> int:
-        """The version requests submitted now are generated by: one held for a swap, else the loaded one."""
-        pending = engine._pending_weights
-        return int(pending[1]) if pending is not None else int(engine.version)
-
-    def failed(version: int, reason: str) -> None:
-        send(("load_failed", version, reason, held()))
-
-    def handle(msg: tuple) -> None:
-        if msg[0] == "generate":
-            for rid, prompt, params in msg[1]:
-                t = loop.create_task(run(rid, prompt, params))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
-        elif msg[0] == "weights":
-            try:
-                engine.load_weights(msg[2], msg[1])  # applied now, or between two decoding steps
-            except Exception as err:  # refused (names or shapes that do not fit): it keeps its weights
-                failed(msg[1], f"{type(err).__name__}: {err}")
-            else:
-                send(("accepted", msg[1]))
-        elif msg[0] == "failed":
-            failed(msg[1], msg[2])
-        elif msg[0] == "close":
-            stop.set()
-
-    readers: dict[tuple, Any] = {}  # one VersionReader per (root, deltas, resync): it holds the last version
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
-
-    def receive() -> None:
-        """Drain the pipe at once, whatever the engine does meanwhile: a node that sends must
-        never wait for a version being read here (its event loop would stall)."""
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                os._exit(0)  # the node process is gone: nothing here needs saving
-            inbox.put(msg)
-            if msg[0] == "close":
-                return
-
-    def dispatch() -> None:
-        """Hand the messages to the loop in their order; a ``load`` is read here first, off the
-        decode loop (the messages after it wait for it, as the protocol's order requires)."""
-        from astraflow.rollout.weight_sync import VersionReader
-
-        while True:
-            msg = inbox.get()
-            if msg[0] == "load":
-                _, root, policy, version, use_deltas, every = msg
-                key = (root, use_deltas, every)
-                if key not in readers:
-                    readers[key] = VersionReader(root, use_deltas, every)
-                try:
-                    state, record = readers[key].read(policy, version)
-                except Exception as err:  # keep serving the current weights; the node retries
-                    msg = ("failed", version, f"{type(err).__name__}: {err}")
-                else:
-                    send(("loaded", {**record, "in_engine_process": True}))
-                    msg = ("weights", version, state)
-            loop.call_soon_threadsafe(handle, msg)
-            if msg[0] == "close":
-                return
-
-    threading.Thread(target=receive, name="engine-pipe", daemon=True).start()
-    threading.Thread(target=dispatch, name="engine-dispatch", daemon=True).start()
-    await stop.wait()
-    if tasks:  # finish what was asked before close
-        await asyncio.wait(tasks, timeout=60)
-    await asyncio.sleep(0)  # let the last flush run
-    t0 = time.time()
-    while done and time.time() - t0 < 5:
-        await asyncio.sleep(0.01)

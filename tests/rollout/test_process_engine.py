@@ -260,3 +260,54 @@ def test_the_engine_process_honours_dtype(tiny_model):
         assert 1e-4 < off < 0.05
     finally:
         proc.close()
+
+
+def _cancel_one_long_request(engine, long_tokens: int) -> float:
+    """A long request cancelled after a few decoding steps (its episode's deadline), then a
+    one-token request: how long the second waited."""
+    async def main():
+        long = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=long_tokens,
+                                                                             greedy=True, stop_token_ids=())))
+        await asyncio.sleep(0.3)
+        long.cancel()
+        t0 = time.perf_counter()
+        await engine.generate([4, 5], SamplingParams(max_new_tokens=1, greedy=True))
+        return time.perf_counter() - t0
+    return asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["in-process", "engine process"])
+def test_a_cancelled_request_stops_decoding(tiny_model, where):
+    """A cancelled request's row leaves its batch: it neither decodes to max_new_tokens nor
+    holds up the requests after it."""
+    long_tokens = 1500
+    engine = (HFEngine(str(tiny_model), device="cpu", version=0) if where == "in-process"
+              else ProcessEngine(str(tiny_model), max_batch_size=16, device="cpu"))
+    try:
+        waited = _cancel_one_long_request(engine, long_tokens)
+        assert engine.stats()["decode_steps"] < long_tokens // 2, engine.stats()
+        assert waited < 2.0
+    finally:
+        if where == "engine process":
+            engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_process_serves_a_new_loop_after_the_old_one_closed_with_requests_out(tiny_model):
+    """A node's loop that closed while its requests were out (a stop) leaves the engine usable:
+    its reader thread lives on and a request from a new loop is answered."""
+    engine = ProcessEngine(str(tiny_model), max_batch_size=16, device="cpu")
+    try:
+        loop = asyncio.new_event_loop()
+        loop.create_task(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=60, greedy=True)))
+        loop.run_until_complete(asyncio.sleep(0.05))  # sent; then the loop goes, the request still out
+        loop.close()
+        time.sleep(2.0)  # its answer arrives for a closed loop
+        assert engine._reader.is_alive() and engine.dead is None
+
+        async def again():
+            return await asyncio.wait_for(engine.generate([4, 5], SamplingParams(max_new_tokens=2, greedy=True)), 20)
+        assert len(asyncio.run(again()).tokens) == 2
+    finally:
+        engine.close()
