@@ -18,7 +18,7 @@ import asyncio
 import math
 import numbers
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, Mapping
 
 import numpy as np
@@ -38,6 +38,21 @@ class AgentLimits:
     """Tokens of the whole episode at most; one that would pass it is truncated."""
     max_new_tokens: int = 64
     """Token budget of one model turn."""
+    max_observation_chars: int = 16_000
+    """Characters of one tool result or observation message at most; a longer one is cut
+    (with a note of how much) before it is tokenised, so the model still sees a result."""
+
+
+def capped(text: str, cap: int) -> str:
+    """``text`` cut to ``cap`` characters, with a note the model can read."""
+    if len(text) <= cap:
+        return text
+    return f"{text[:cap]}\n[... {len(text) - cap} more characters cut: the result had {len(text)}]"
+
+
+def _capped_messages(messages: list[dict], cap: int) -> list[dict]:
+    return [{**m, "content": capped(m["content"], cap)}
+            if isinstance(m.get("content"), str) and len(m["content"]) > cap else m for m in messages]
 
 
 @dataclass
@@ -153,8 +168,9 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
                     res = await env.tools.run(call)
                     log.tool_seconds += res.seconds
                     log.invalid_calls += 0 if res.valid else 1
-                    messages.append({"role": "tool", "content": res.content})
-                    calls.append({"name": call.name, "arguments": dict(call.arguments), "result": res.content,
+                    content = capped(res.content, limits.max_observation_chars)
+                    messages.append({"role": "tool", "content": content})
+                    calls.append({"name": call.name, "arguments": dict(call.arguments), "result": content,
                                   "valid": res.valid})
                 result, kind = StepResult(observation=messages), "tool"
             else:
@@ -163,6 +179,8 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
                 if not isinstance(result, StepResult):
                     raise EpisodeError(f"{type(env).__name__}.step returned {type(result).__name__}, not a StepResult")
                 check_messages(result.observation, "step")
+                result = replace(result, observation=_capped_messages(result.observation,
+                                                                      limits.max_observation_chars))
                 reward, info = result.reward, result.info
                 if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
                     raise EpisodeError(f"{type(env).__name__}.step returned reward {reward!r}, not a finite number")

@@ -27,6 +27,10 @@ class AgentParams(Strict):
     """Model turns per episode at most (then the episode is truncated)."""
     max_context_tokens: int = Field(default=1024, ge=16)
     """Tokens per episode at most, observations included (then it is truncated)."""
+    max_observation_chars: int = Field(default=16_000, ge=64)
+    """Characters of one tool result or observation message at most: a longer one is cut, with a
+    note of how much, before it is tokenised (a huge result would stall the node and end the
+    episode at the context limit without the model seeing any of it)."""
     num_train: int = Field(default=2000, ge=1)
     """Tasks in the train split."""
     num_test: int = Field(default=200, ge=1)
@@ -47,7 +51,7 @@ class AgentWorkload:
 
     def limits(self, max_new_tokens: int) -> AgentLimits:
         return AgentLimits(max_turns=self.params.max_turns, max_context_tokens=self.params.max_context_tokens,
-                           max_new_tokens=max_new_tokens)
+                           max_new_tokens=max_new_tokens, max_observation_chars=self.params.max_observation_chars)
 
     def tasks(self, split: str) -> list[dict[str, Any]]:
         """Payloads of ``"train"`` or ``"eval"``; a ``difficulty`` key is reported per level."""

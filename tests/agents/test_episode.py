@@ -369,3 +369,36 @@ def test_a_tools_own_timeout_error_is_not_reported_as_its_deadline():
 
     with pytest.raises(EpisodeError, match="Env.reset raised TimeoutError: env server"):
         asyncio.run(timed(reset(), 30, "Env.reset"))
+
+
+@tool
+def dump(n: int) -> str:
+    """Write ``n`` characters (a tool that prints a huge file)."""
+    return "x" * n
+
+
+class DumpEnv(SumEnv):
+    def __init__(self):
+        super().__init__()
+        self.tools = ToolBox([dump])
+
+    async def step(self, action: Action) -> StepResult:
+        if action.text.strip() == "more":
+            return StepResult([{"role": "user", "content": "y" * 5000}])
+        return await super().step(action)
+
+
+def test_a_huge_tool_result_or_observation_is_cut_before_it_is_tokenised(tok):
+    """A tool that returns megabytes neither stalls the episode's loop tokenising them nor ends
+    the episode at the context limit: the model sees the start of it and how much was cut."""
+    env = DumpEnv()
+    gen = scripted(tok, [format_call("dump", {"n": 4_000_000}), "more", "5"])
+    t0 = time.perf_counter()
+    log = run(gen, tok, env, max_context_tokens=4096, max_observation_chars=300)
+    assert time.perf_counter() - t0 < 2.0
+    assert log.done and log.truncated is None and log.success == 1.0
+    tool_turn = next(t for t in log.turns if t["kind"] == "tool")
+    result = tool_turn["calls"][0]["result"]
+    assert result.startswith("x" * 300) and "3999700 more characters cut" in result and len(result) < 400
+    env_turn = next(t for t in log.turns if t["kind"] == "env" and not t.get("done"))
+    assert env_turn["messages"][0]["content"].endswith("[... 4700 more characters cut: the result had 5000]")
