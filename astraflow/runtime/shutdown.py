@@ -1,0 +1,103 @@
+"""How a run ends (the orchestrator's ``Shutdown`` side): the components stopped in order,
+each wait bounded, ``summary.json`` written with the ending; then every worker job still
+alive cancelled by id and the Dask scheduler stopped by pid."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from astraflow.runtime.stopping import BoundedWaits, Ending
+from astraflow.runtime.workers import NODE_PHASES
+
+log = logging.getLogger("astraflow.runtime")
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    steps: dict[str, int]
+    eval: list[dict[str, Any]]
+    ledger: dict[str, Any]
+    seconds: float
+    interrupted: bool = False
+    nodes: dict[str, Any] = field(default_factory=dict)
+    ending: Ending = Ending("completed")
+
+
+class Shutdown:
+    """The orchestrator's way out: ``_shutdown`` then ``_teardown`` (``Orchestrator.run``)."""
+
+    def _shutdown(self, t0: float, ending: Ending) -> RunResult:
+        """Stop the components in order and write ``summary.json`` with ``ending``. Every wait
+        is bounded (`BoundedWaits`): after a failure or a signal all together by
+        ``cluster.stop_grace_s``, nodes and trainers each getting a share so that the data layer
+        can still close the ledger. What a component that is gone would have said comes from the
+        last tick; what did not answer is listed as ``stop_errors``."""
+        grace = self.cfg.cluster.stop_grace_s
+        node_s, trainer_s = (60.0, 120.0) if ending.clean else (0.4 * grace, 0.3 * grace)
+        waits = BoundedWaits(600.0 if ending.clean else grace)
+        nodes: dict[str, Any] = {}
+        trainers: dict[str, Any] = {}
+        ledger: dict[str, Any] = {}
+        state: dict[str, Any] = {}
+        if self.dl is not None:
+            # with the data layer lost, nothing a node flushes could be completed: nodes are not waited for
+            dl_lost = any(w.gone for w in self.fleet.of_role("data"))
+            stops = {w.name: (w.future if w.draining else waits.start(f"node {w.name}",
+                                                                      lambda w=w: w.actor.stop(timeout=node_s)))
+                     for w in self.fleet.of_role("rollout")
+                     if w.phase in NODE_PHASES and w.actor is not None and not dl_lost}
+            for n, f in stops.items():  # a node that did not answer: its leases end as run_ended
+                nodes[n] = (waits.result(f"node {n}", f, node_s + 10)
+                            or {"node": n, "error": waits.errors.get(f"node {n}")})
+            stops = {p: waits.start(f"trainer {p}", lambda t=t: t.stop(timeout=trainer_s))
+                     for p, t in self.trainers.items()}
+            trainers = {p: waits.result(f"trainer {p}", f, trainer_s + 30) for p, f in stops.items()}
+            ledger = waits.call("data layer finish", lambda: self.dl.finish(), 60) or {}
+            state = waits.call("data layer state", lambda: self.dl.state(), 30) or {}
+            waits.call("data layer close", lambda: self.dl.close(), 30)
+        last = self.last_tick
+        state = state or (last.data_layer if last else {})
+        trainers = {p: t or (last.trainers.get(p) if last else None) for p, t in trainers.items()}
+        steps = {p: t["version"] for p, t in trainers.items() if t}
+        result = RunResult(self.paths.root, steps, state.get("eval", []), ledger or state.get("ledger", {}),
+                           time.time() - t0, ending.status == "interrupted", nodes, ending)
+        self.status.write_summary(ending=ending, steps=steps, ledger=result.ledger, ledger_closed=bool(ledger),
+                                  seconds=result.seconds, nodes=nodes, trainers=trainers, data_layer=state,
+                                  iterations=self.iterations, stop_errors=waits.errors)
+        return result
+
+    def _gone_but_listed(self, sched: Any) -> list[str]:
+        """Jobs of workers that left the Dask scheduler (a hung trainer, say) whose scheduler
+        still lists them active: they would hold their nodes after the run."""
+        gone = {w.job.job_id for w in self.workers.values() if w.job.kind == sched.kind and w.gone}
+        if not gone:
+            return []
+        try:
+            return [j.job_id for j in sched.jobs() if j.job_id in gone and j.active]
+        except Exception as err:  # the listing failed: those jobs are left as they are, said in the log
+            log.warning("listing the %s jobs of lost workers failed: %s: %s", sched.kind, type(err).__name__, err)
+            return []
+
+    def _teardown(self) -> None:
+        """Cancel every worker job still alive (by id) and stop the scheduler (by pid). Each step
+        is tried even when one before failed; a failure is logged (a job may be left running)."""
+        steps: list[tuple[str, Any]] = []
+        if self.placement.client is not None:
+            steps.append(("closing the Dask client", self.placement.client.close))
+        for sched in self.parts.schedulers.values():
+            alive = [w.job.job_id for w in self.workers.values() if w.job.kind == sched.kind and not w.gone]
+            alive += self._gone_but_listed(sched)
+            steps += [(f"cancelling the {sched.kind} jobs {alive}", lambda s=sched, a=alive: s.cancel(a)),
+                      (f"closing the {sched.kind} scheduler", sched.close)]
+        if self.placement.scheduler_proc is not None:
+            steps.append(("stopping the Dask scheduler", self.placement.scheduler_proc.stop))
+        for what, step in steps:
+            try:
+                step()
+            except Exception as err:  # the next step still runs: no job or process left behind for this one
+                log.warning("%s failed: %s: %s", what, type(err).__name__, err)
