@@ -26,10 +26,12 @@ pyslurm matches the site's Slurm, for a future backend; the CLI path is always a
 
 from __future__ import annotations
 
-import getpass
+import pwd
 import importlib.metadata
 import importlib.util
 import json
+import logging
+import os
 import re
 import shlex
 import subprocess
@@ -45,6 +47,8 @@ from schedulers.command import TLSFiles, partition_worker_command, worker_env
 from schedulers.partition import Partition, parse_worker_name, worker_name
 from schedulers.sbatch_script import WORKER_TEMPLATE, check_job_dir, environment, render_worker_job
 from storage.atomic import write_atomically
+
+log = logging.getLogger("schedulers")
 
 _TAG = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
@@ -108,13 +112,56 @@ class SlurmWaitTimeout(TimeoutError):
         super().__init__(message)
 
 
-def run_slurm(cmd: Sequence[str], *, timeout: float = 30.0, input: str | None = None) -> str:
+#: sbatch's input variables for what the worker script renders, or for options that would break
+#: job tracking: sbatch ranks them above the script's ``#SBATCH`` lines, so a user's personal
+#: default (``SBATCH_PARTITION``, ``SBATCH_TIMELIMIT``...) would silently replace the partition's
+#: settings (a renamed job is not even found again). Others (account, QOS...) still apply.
+SBATCH_ENV_IGNORED = frozenset({
+    "SBATCH_JOB_NAME", "SBATCH_PARTITION", "SBATCH_TIMELIMIT", "SBATCH_GRES", "SBATCH_GPUS",
+    "SBATCH_GPUS_PER_NODE", "SBATCH_GPUS_PER_TASK", "SBATCH_MEM_PER_NODE", "SBATCH_ARRAY_INX", "SBATCH_WAIT",
+    "SBATCH_CLUSTERS", "SLURM_CLUSTERS", "SBATCH_EXPORT", "SBATCH_OUTPUT", "SBATCH_ERROR",
+})
+#: ignored as well when the partition sets ``mem`` (sbatch refuses them together)
+SBATCH_MEM_ENV = frozenset({"SBATCH_MEM_PER_CPU", "SBATCH_MEM_PER_GPU"})
+
+
+def sbatch_env(partition: Partition, environ: dict[str, str] | None = None) -> tuple[dict[str, str], list[str]]:
+    """The environment ``sbatch`` runs with for ``partition``'s workers, and the names of the
+    variables left out of it (``SBATCH_ENV_IGNORED``)."""
+    environ = dict(os.environ if environ is None else environ)
+    drop = SBATCH_ENV_IGNORED | (SBATCH_MEM_ENV if partition.mem is not None else frozenset())
+    left_out = sorted(k for k in environ if k in drop)
+    return {k: v for k, v in environ.items() if k not in drop}, left_out
+
+
+def _user_name() -> str:
+    """The name of this process's user, from its uid (``$USER`` may name someone else after
+    ``su`` or in a container)."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:  # a uid without a passwd entry (some containers)
+        return str(os.getuid())
+
+
+def _mine(job: dict[str, Any], uid: int, name: str) -> bool:
+    """Whether an ``squeue --json`` job belongs to this process's user: by uid when listed."""
+    if job.get("user_id") is not None:
+        try:
+            return int(job["user_id"]) == uid
+        except (TypeError, ValueError):
+            pass
+    return job.get("user_name", name) == name
+
+
+def run_slurm(cmd: Sequence[str], *, timeout: float = 30.0, input: str | None = None,
+              env: dict[str, str] | None = None) -> str:
     """Run one Slurm command and return its stdout; raise `SlurmCommandError` on failure.
 
-    The single place where this package shells out to Slurm.
+    The single place where this package shells out to Slurm. ``env``: the command's environment
+    (None: this process's).
     """
     try:
-        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, input=input)
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, input=input, env=env)
     except FileNotFoundError as e:
         raise SlurmCommandError(cmd, 127, "", f"{cmd[0]}: command not found ({e}); is Slurm installed on this host?") from e
     except subprocess.TimeoutExpired as e:
@@ -249,6 +296,7 @@ class SlurmScheduler:
         self.cancel_wait_s = cancel_wait_s
         self.tls = tls
         self._submitted: dict[str, JobRef] = {}
+        self._env_noted = False  # the sbatch variables left out are said once
         self._template = environment().get_template(WORKER_TEMPLATE)
 
     # ------------------------------------------------------------------ rendering (dry run)
@@ -306,7 +354,12 @@ class SlurmScheduler:
         path = Path(argv[-1])
         # sbatch copies the script when it submits: atomic for readers, no fsync needed
         write_atomically(path, script, durable=False)
-        out = run_slurm(argv, timeout=self.command_timeout).strip()
+        env, left_out = sbatch_env(partition)
+        if left_out and not self._env_noted:
+            self._env_noted = True
+            log.warning("sbatch runs without %s from the environment: the partition's settings decide these",
+                        ", ".join(left_out))
+        out = run_slurm(argv, timeout=self.command_timeout, env=env).strip()
         job_id = out.split(";")[0]  # --parsable prints "id" or "id;cluster"
         if not _JOB_ID.match(job_id):
             raise SlurmCommandError(argv, 0, out, "sbatch --parsable printed no job id")
@@ -390,11 +443,11 @@ class SlurmScheduler:
         raise SlurmWaitTimeout(f"cancelled jobs still running after {deadline_s:g} s: {states}{why}", seen)
 
     def jobs(self) -> list[JobStatus]:
-        me = getpass.getuser()
+        uid, me = os.getuid(), _user_name()
         out = []
         for j in self._squeue():
             job_id = str(j["job_id"])
-            if j.get("comment") != self.tag or j.get("user_name", me) != me:
+            if j.get("comment") != self.tag or not _mine(j, uid, me):
                 continue
             name = j.get("name", "")
             try:

@@ -108,3 +108,31 @@ def test_pyslurm_only_when_it_matches():
     if not ok:
         pytest.skip(why)
     import pyslurm  # noqa: F401  (matches the site's Slurm: importable)
+
+
+def _listed(job_id: str) -> dict:
+    import json
+
+    return next(j for j in json.loads(run_slurm(["squeue", "--json", "--states=all"]))["jobs"]
+                if str(j["job_id"]) == job_id)
+
+
+@pytest.mark.timeout(90)
+def test_sbatch_variables_of_the_users_environment_do_not_replace_the_partitions_settings(sched, monkeypatch):
+    """sbatch ranks SBATCH_* variables above the script's lines: a personal default partition,
+    time limit or job name would silently move, shorten or hide every worker job."""
+    monkeypatch.setenv("SBATCH_PARTITION", "h100")
+    monkeypatch.setenv("SBATCH_TIMELIMIT", "5")
+    monkeypatch.setenv("SBATCH_JOB_NAME", "my-default-name")
+    (ref,) = sched.submit(_cpu(), "tcp://127.0.0.1:9", 1)
+    job = _listed(ref.job_id)
+    assert (job["partition"], job["time_limit"]) == ("cpu", 10)
+    assert ref.job_id in {j.job_id for j in sched.jobs()}
+
+
+@pytest.mark.timeout(90)
+def test_the_users_jobs_are_found_by_uid_whatever_user_says(sched, monkeypatch):
+    (ref,) = sched.submit(_cpu(), "tcp://127.0.0.1:9", 1)
+    monkeypatch.setenv("LOGNAME", "alice")  # `su` from alice's shell, a container, a CI runner
+    monkeypatch.setenv("USER", "alice")
+    assert ref.job_id in {j.job_id for j in sched.jobs()}
