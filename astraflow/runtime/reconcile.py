@@ -15,6 +15,7 @@ on a worker: a removal only starts a drain, which the worker state machine finis
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -22,10 +23,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from astraflow.runtime.control import DEFAULT_REMOVAL, PartitionError, read_desired_file
 from astraflow.runtime.jobrecords import JobRecords
-from schedulers import Partition, TLSFiles, make_scheduler, parse_worker_name
+from schedulers import Partition, TLSFiles, UnknownJobError, make_scheduler, parse_worker_name
 from schedulers.policy import WorkerPolicy
 from schedulers.slurm import SlurmCommandError
 from storage.paths import RunPaths
+
+log = logging.getLogger("astraflow.runtime")
 
 if TYPE_CHECKING:
     from astraflow.config import ClusterConfig
@@ -113,6 +116,8 @@ class PartitionSet:
         self._refusals_noted: set[str] = set()
         #: every job this incarnation submits, recorded for the next one (`jobrecords`)
         self.records = JobRecords(paths)
+        #: per scheduler kind: jobs whose cancel failed, tried again each tick
+        self._cancel_later: dict[str, set[str]] = {}
 
     def scheduler_for(self, part: Partition):
         if part.scheduler not in self.schedulers:
@@ -120,8 +125,37 @@ class PartitionSet:
         return self.schedulers[part.scheduler]
 
     def cancel(self, w: Worker, wait: bool = False) -> None:
-        """Cancel the job of worker `w` (its actor dies with it); ``wait``: until its processes are gone."""
-        self.scheduler_for(self.partitions[w.partition]).cancel([w.job.job_id], wait=wait)
+        """Cancel the job of worker `w` (its actor dies with it); ``wait``: until its processes are
+        gone. A cancel that fails (a Slurm controller that did not answer in time) does not stop
+        the run: it is tried again each tick (`retry_cancels`), and at the end."""
+        sched = self.scheduler_for(self.partitions[w.partition])
+        try:
+            sched.cancel([w.job.job_id], wait=wait)
+        except UnknownJobError:  # ended meanwhile: nothing to cancel
+            pass
+        except (SlurmCommandError, OSError) as err:
+            self._cancel_later.setdefault(sched.kind, set()).add(w.job.job_id)
+            self.progress.note(f"cancelling job {w.job.job_id} of worker {w.name} failed ({err}); trying again")
+
+    def retry_cancels(self) -> None:
+        """Cancel again the jobs whose cancel failed; those that fail again stay for the next tick."""
+        for kind, ids in list(self._cancel_later.items()):
+            sched = self.schedulers.get(kind)
+            if sched is None or not ids:
+                continue
+            for job_id in sorted(ids):
+                try:
+                    sched.cancel([job_id])
+                except UnknownJobError:
+                    pass
+                except (SlurmCommandError, OSError) as err:
+                    log.info("cancelling job %s failed again (%s)", job_id, err)
+                    continue
+                ids.discard(job_id)
+
+    def uncancelled(self, kind: str) -> list[str]:
+        """Jobs of ``kind`` whose cancel has not got through yet (teardown cancels them too)."""
+        return sorted(self._cancel_later.get(kind, ()))
 
     def refused(self) -> dict[str, str | None]:
         """Partitions marked failed, with why (at start, a refused partition ends the run)."""
@@ -182,6 +216,7 @@ class PartitionSet:
         """Submit or remove worker jobs so each desired partition has ``nodes`` live workers.
 
         Never blocks on a worker: removals only start a drain (finished by `Fleet.advance`)."""
+        self.retry_cancels()
         try:
             desired, removals = read_desired_file(self.paths)
         except PartitionError as err:  # a damaged file: keep the partitions the run has
@@ -225,9 +260,13 @@ class PartitionSet:
                 try:
                     jobs = self.scheduler_for(part).submit(part, address_for(part), missing, start)
                 except (SlurmCommandError, ValueError, OSError) as err:  # OSError: a local worker that cannot start
-                    ps.state, ps.error = "failed", f"submitting workers failed: {err}"
-                    self.progress.note(f"partition {name}: {ps.error}")
                     jobs = []
+                    if live:  # growing one that serves (a queue limit, a slow controller): back off, retry
+                        self.progress.note(f"partition {name}: submitting {missing} more worker(s) failed: {err}")
+                        self.record_failure(name, f"submitting workers failed: {err}")
+                    else:
+                        ps.state, ps.error = "failed", f"submitting workers failed: {err}"
+                        self.progress.note(f"partition {name}: {ps.error}")
                 for job in jobs:
                     fleet.add(job, name)
                     self.progress.note(f"submitted {job.kind} worker {job.worker_name} ({job.job_id})")

@@ -92,6 +92,7 @@ class Shutdown:
         for sched in self.parts.schedulers.values():
             alive = [w.job.job_id for w in self.workers.values() if w.job.kind == sched.kind and not w.gone]
             alive += self._gone_but_listed(sched)
+            alive += [j for j in self.parts.uncancelled(sched.kind) if j not in alive]
             steps += [(f"cancelling the {sched.kind} jobs {alive}", lambda s=sched, a=alive: s.cancel(a)),
                       (f"closing the {sched.kind} scheduler", sched.close)]
         if self.placement.scheduler_proc is not None:

@@ -109,3 +109,39 @@ def test_a_partial_submission_marks_the_partition_failed_naming_the_cancelled_jo
     assert ps.state == "failed"
     assert "cancelled the 2 job(s) it had already submitted (4101, 4102)" in ps.error
     assert "Requested node configuration is not available" in _status_text(paths, pset, fleet)
+
+
+def test_a_failed_cancel_does_not_end_the_run_and_is_tried_again(tmp_path, monkeypatch):
+    """A Slurm controller that does not answer one ``scancel`` (shrinking a partition) must not
+    end the run: the job is cancelled on a later tick, or at the run's end."""
+    rec = fake_slurm(tmp_path, monkeypatch, fail_at=99, scancel_rc=1)
+    paths, pset, fleet = _setup(tmp_path, nodes=2)
+    _reconcile(pset, fleet)
+    assert len(fleet.workers) == 2
+    write_desired(paths, [pset.partitions["gpu"].model_copy(update={"nodes": 1})])
+    _reconcile(pset, fleet)  # the removed worker's cancel fails: noted, kept for later
+    [left] = pset.uncancelled("slurm")
+    assert sum(1 for w in fleet.workers.values() if not w.gone) == 1
+    (tmp_path / "again").mkdir()
+    fake_slurm(tmp_path / "again", monkeypatch, fail_at=99)  # the controller answers again
+    _reconcile(pset, fleet)
+    assert pset.uncancelled("slurm") == [] and left in (tmp_path / "again" / "scancel.log").read_text().split()
+
+
+def test_a_failed_grow_of_a_serving_partition_backs_off_instead_of_failing_it(tmp_path, monkeypatch):
+    """One refused sbatch while growing a partition that serves (a queue limit) is a failure to
+    back off from, not the end of the partition: its workers are still refilled."""
+    rec = fake_slurm(tmp_path, monkeypatch, fail_at=2)  # the second sbatch is refused
+    paths, pset, fleet = _setup(tmp_path, nodes=1)
+    _reconcile(pset, fleet)
+    [w] = fleet.workers.values()
+    w.enter("serving")
+    w.since -= SERVED_LONG_S + 1
+    write_desired(paths, [pset.partitions["gpu"].model_copy(update={"nodes": 2})])
+    _reconcile(pset, fleet)
+    assert _calls(rec) == 2 and pset.state["gpu"].state == "active"
+    fleet.lost(w, "job 4101 FAILED (TimeLimit)")
+    pset.state["gpu"].refill_at = time.time() - 1  # the backoff has passed
+    _reconcile(pset, fleet)
+    assert pset.state["gpu"].state == "active"
+    assert sum(1 for x in fleet.workers.values() if not x.gone) == 2
