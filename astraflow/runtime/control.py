@@ -203,10 +203,9 @@ def add_partition(run_dir: Path, part: Partition) -> None:
         status = read_json_object(paths.status_file)
         old = status.get("partitions", {}).get(part.name)
         if old is not None and old.get("state") != "removed":
-            raise PartitionError(
-                f"partition {part.name!r} is still known to the run ({old.get('state')}): remove it and wait until "
-                f"`astraflow partitions list` shows it removed (`partitions remove RUN_DIR {part.name} --wait 60`), "
-                "or choose another name"
+            raise PartitionError(  # its removal was asked for; its workers still drain
+                f"partition {part.name!r} is being removed ({old.get('state')}): add it again once "
+                f"`astraflow partitions list RUN_DIR` shows it removed, or choose another name"
             )
         removals.pop(part.name, None)
         write_desired(paths, [*parts.values(), part], removals)

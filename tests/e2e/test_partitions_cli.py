@@ -181,7 +181,7 @@ def _status_entry(paths, name, **entry):
 def test_a_failed_partition_is_added_again_only_once_removed(live_run):
     _status_entry(live_run, "old", state="failed", error="submitting workers failed: invalid partition")
     code, out = _invoke("partitions", "add", str(live_run.root), "old", "--wait", "0")
-    assert code == 2 and "is still known to the run (failed): remove it and wait" in out
+    assert code == 2 and "is being removed (failed): add it again once" in out
 
 
 def test_waits_ignore_what_an_earlier_partition_of_the_name_left(live_run):
@@ -208,3 +208,13 @@ def test_the_last_rollout_partition_is_not_removed_and_a_wait_must_be_finite(liv
     _status_entry(live_run, "broken", state="failed", error="3 workers failed")
     code, out = _invoke("partitions", "remove", str(live_run.root), "h100")
     assert code == 2 and "is the run's last rollout partition with nodes" in out
+
+
+def test_adding_a_partition_again_while_its_removal_drains_says_to_wait(live_run):
+    """Right after ``partitions remove X`` (X has left the desired set, its workers drain) the
+    refusal says to wait for the removal, not to remove X again (which would fail)."""
+    _status_entry(live_run, "x", state="removing")
+    code, out = _invoke("partitions", "add", str(live_run.root), "x", "--wait", "0")
+    assert code == 2 and "'x' is being removed (removing)" in out and "partitions list" in out, out
+    code, out = _invoke("partitions", "remove", str(live_run.root), "x")
+    assert code == 2 and "no partition 'x' in this run" in out  # what the old advice led to
