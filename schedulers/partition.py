@@ -316,6 +316,16 @@ class Partition(BaseModel):
             if not b.min_nodes <= self.nodes <= b.max_nodes:
                 raise ValueError(f"partition {self.name!r}: nodes {self.nodes} is outside its autoscale bounds "
                                  f"[{b.min_nodes}, {b.max_nodes}]: set nodes between min_nodes and max_nodes")
+        given = {opt.split("=", 1)[0] for opt in self.sbatch_options}
+        if self.mem is not None and given & {"--mem-per-cpu", "--mem-per-gpu"}:
+            raise ValueError(
+                f"partition {self.name!r}: mem {self.mem} and sbatch option "
+                f"{sorted(given & {'--mem-per-cpu', '--mem-per-gpu'})[0]} both set the job's memory (sbatch refuses "
+                "them together): keep one")
+        if (self.gpus_per_node or self.gres is not None) and "--gpus-per-task" in given:
+            raise ValueError(
+                f"partition {self.name!r}: sbatch option --gpus-per-task and the partition's GPU request (gres / "
+                "gpus_per_node) ask for GPUs twice (sbatch finds no node for both): set gpus_per_node only")
         if self.gres is not None:
             asked = gres_gpus(self.gres)
             if asked is not None and asked != self.gpus_per_node:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from schedulers.base import JobRef, JobStatus, UnknownJobError
+from schedulers.base import ACTIVE_STATES, JobRef, JobStatus, UnknownJobError
 from schedulers.command import TLSFiles, partition_worker_command, worker_env
 from schedulers.partition import Partition, parse_worker_name, worker_name
 from schedulers.sbatch_script import WORKER_TEMPLATE, check_job_dir, environment, render_worker_job
@@ -359,7 +359,12 @@ class SlurmScheduler:
             self._env_noted = True
             log.warning("sbatch runs without %s from the environment: the partition's settings decide these",
                         ", ".join(left_out))
-        out = run_slurm(argv, timeout=self.command_timeout, env=env).strip()
+        try:
+            out = run_slurm(argv, timeout=self.command_timeout, env=env).strip()
+        except SlurmCommandError as err:
+            if err.returncode == 124:  # timed out: the controller may have taken the job all the same
+                err.add_note(self._cancel_unanswered(worker_name(partition, index)))
+            raise
         job_id = out.split(";")[0]  # --parsable prints "id" or "id;cluster"
         if not _JOB_ID.match(job_id):
             raise SlurmCommandError(argv, 0, out, "sbatch --parsable printed no job id")
@@ -367,6 +372,22 @@ class SlurmScheduler:
         ref = JobRef(job_id, partition.name, name, self.kind, self.job_dir / f"{name}.{job_id}.log", path)
         self._submitted[job_id] = ref
         return ref
+
+    def _cancel_unanswered(self, name: str) -> str:
+        """After an ``sbatch`` that timed out: cancel the job of worker ``name`` with this run's tag
+        if Slurm has it (nobody tracks it, and a later submit would reuse the name); says what
+        was done."""
+        try:
+            uid, me = os.getuid(), _user_name()
+            found = [str(j["job_id"]) for j in self._squeue()
+                     if j.get("comment") == self.tag and j.get("name") == name and _mine(j, uid, me)
+                     and normalise_state(state_text(j.get("job_state"))) in ACTIVE_STATES]
+            if found:
+                run_slurm(["scancel", *found], timeout=self.command_timeout)
+        except (SlurmCommandError, OSError, ValueError) as err:
+            return f"whether it submitted {name} anyway is unknown ({err}); look for it with squeue --name {name}"
+        return f"it had submitted {name} anyway: cancelled job(s) {', '.join(found)}" if found else \
+            f"Slurm lists no job {name}: nothing was submitted"
 
     def _undo(self, refs: list[JobRef], err: SlurmCommandError) -> None:
         """Cancel the jobs a failed submit call already submitted, then raise `PartialSubmitError`."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -136,3 +137,29 @@ def test_the_users_jobs_are_found_by_uid_whatever_user_says(sched, monkeypatch):
     monkeypatch.setenv("LOGNAME", "alice")  # `su` from alice's shell, a container, a CI runner
     monkeypatch.setenv("USER", "alice")
     assert ref.job_id in {j.job_id for j in sched.jobs()}
+
+
+@pytest.mark.timeout(90)
+def test_an_sbatch_that_timed_out_after_submitting_leaves_no_job_behind(sched, tmp_path, monkeypatch):
+    """A slow controller: sbatch submits the job but answers after the scheduler gave up. The job
+    would run on with the run's tag, tracked by nobody: it is found by name and cancelled."""
+    import os
+    import shutil
+    import stat
+
+    real = shutil.which("sbatch")
+    slow = tmp_path / "bin" / "sbatch"
+    slow.parent.mkdir()
+    slow.write_text(f'#!/bin/sh\n{real} "$@"\nrc=$?\nsleep 4\nexit $rc\n')
+    slow.chmod(slow.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{slow.parent}{os.pathsep}{os.environ['PATH']}")
+    sched.command_timeout = 1.5
+    with pytest.raises(SlurmCommandError) as err:
+        sched.submit(_cpu(), "tcp://127.0.0.1:9", 1)
+    assert err.value.returncode == 124
+    assert any("anyway: cancelled job(s)" in note for note in getattr(err.value, "__notes__", []))
+    sched.command_timeout = 30.0
+    deadline = time.monotonic() + 30
+    while [j for j in sched.jobs() if j.active and j.raw_state != "COMPLETING"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [j for j in sched.jobs() if j.active and j.raw_state != "COMPLETING"]
