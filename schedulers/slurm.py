@@ -1,7 +1,7 @@
 """Workers as Slurm jobs, driven through the Slurm command-line tools.
 
 Every call to ``sbatch``, ``squeue``, ``scancel``, ``sinfo`` and ``scontrol`` goes through
-`run_slurm`, whose `SlurmCommandError` carries the exit code, command, stdout and stderr. One
+`run_slurm` (``slurm_cli.py``, with what reads the tools' output), whose `SlurmCommandError` carries the exit code, command, stdout and stderr. One
 worker = one batch job on one node, its script rendered from ``templates/worker.sbatch.j2``
 by `schedulers.sbatch_script` (`SlurmScheduler.render` returns the script and the ``sbatch`` argv without submitting: the
 dry run). `jobs()` is one ``squeue --json`` call; `wait_for` polls it with backoff.
@@ -26,18 +26,13 @@ pyslurm matches the site's Slurm, for a future backend; the CLI path is always a
 
 from __future__ import annotations
 
-import pwd
-import importlib.metadata
-import importlib.util
 import json
 import logging
 import os
 import re
-import shlex
-import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +40,9 @@ from typing import Any
 from schedulers.base import ACTIVE_STATES, JobRef, JobStatus, UnknownJobError
 from schedulers.command import TLSFiles, partition_worker_command, worker_env
 from schedulers.partition import Partition, parse_worker_name, worker_name
+from schedulers.slurm_cli import (PartialSubmitError, SlurmCommandError, SlurmWaitTimeout, backoff, exit_code,
+                                  first_then, is_mine, normalise_state, run_slurm, sbatch_env, state_text, user_name)
+from schedulers.slurm_cli import pyslurm_status, slurm_version  # noqa: F401  (this module's public names)
 from schedulers.sbatch_script import WORKER_TEMPLATE, check_job_dir, environment, render_worker_job
 from storage.atomic import write_atomically
 
@@ -52,188 +50,6 @@ log = logging.getLogger("schedulers")
 
 _TAG = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
-
-# Slurm job states -> normalised JobState
-_STATE_MAP = {
-    "PENDING": "PENDING",
-    "CONFIGURING": "PENDING",
-    "REQUEUED": "PENDING",
-    "REQUEUE_HOLD": "PENDING",
-    "REQUEUE_FED": "PENDING",
-    "RESV_DEL_HOLD": "PENDING",
-    "RUNNING": "RUNNING",
-    "SUSPENDED": "RUNNING",  # holds its node, resumes where it was
-    "STOPPED": "RUNNING",
-    "RESIZING": "RUNNING",
-    "SIGNALING": "RUNNING",
-    "STAGE_OUT": "RUNNING",
-    "COMPLETING": "RUNNING",  # processes still being cleaned up; the worker may still be connected
-    "COMPLETED": "COMPLETED",
-    "FAILED": "FAILED",
-    "BOOT_FAIL": "FAILED",
-    "NODE_FAIL": "FAILED",
-    "OUT_OF_MEMORY": "FAILED",
-    "TIMEOUT": "FAILED",
-    "DEADLINE": "FAILED",
-    "SPECIAL_EXIT": "FAILED",
-    "CANCELLED": "CANCELLED",
-    "PREEMPTED": "CANCELLED",
-    "REVOKED": "CANCELLED",
-}
-
-
-class SlurmCommandError(RuntimeError):
-    """A Slurm command failed. `returncode` is the command's exit status (127: the command is
-    not installed, 124: it timed out); `cmd`, `stdout`, `stderr` are what ran and what it said."""
-
-    def __init__(self, cmd: Sequence[str], returncode: int, stdout: str, stderr: str):
-        self.cmd = list(cmd)
-        self.returncode = returncode
-        self.stdout = stdout
-        self.stderr = stderr
-        super().__init__(f"`{shlex.join(self.cmd)}` exited with {returncode}: {(stderr or stdout).strip()[-2000:]}")
-
-
-class PartialSubmitError(SlurmCommandError):
-    """``submit`` failed part way: the failed ``sbatch`` (its command, exit code and output)
-    and ``cancelled``, the ids of the jobs the call had submitted before it, then cancelled."""
-
-    def __init__(self, failed: SlurmCommandError, cancelled: list[str], undone: str):
-        super().__init__(failed.cmd, failed.returncode, failed.stdout, failed.stderr)
-        self.cancelled = list(cancelled)
-        self.args = (f"sbatch failed after {len(cancelled)} job(s) of the request were submitted: {failed}; {undone}",)
-
-
-class SlurmWaitTimeout(TimeoutError):
-    """`wait_for` reached its deadline; `last` maps each job id to its last seen status (or None)."""
-
-    def __init__(self, message: str, last: dict[str, JobStatus | None]):
-        self.last = last
-        super().__init__(message)
-
-
-#: sbatch's input variables for what the worker script renders, or for options that would break
-#: job tracking: sbatch ranks them above the script's ``#SBATCH`` lines, so a user's personal
-#: default (``SBATCH_PARTITION``, ``SBATCH_TIMELIMIT``...) would silently replace the partition's
-#: settings (a renamed job is not even found again). Others (account, QOS...) still apply.
-SBATCH_ENV_IGNORED = frozenset({
-    "SBATCH_JOB_NAME", "SBATCH_PARTITION", "SBATCH_TIMELIMIT", "SBATCH_GRES", "SBATCH_GPUS",
-    "SBATCH_GPUS_PER_NODE", "SBATCH_GPUS_PER_TASK", "SBATCH_MEM_PER_NODE", "SBATCH_ARRAY_INX", "SBATCH_WAIT",
-    "SBATCH_CLUSTERS", "SLURM_CLUSTERS", "SBATCH_EXPORT", "SBATCH_OUTPUT", "SBATCH_ERROR",
-})
-#: ignored as well when the partition sets ``mem`` (sbatch refuses them together)
-SBATCH_MEM_ENV = frozenset({"SBATCH_MEM_PER_CPU", "SBATCH_MEM_PER_GPU"})
-
-
-def sbatch_env(partition: Partition, environ: dict[str, str] | None = None) -> tuple[dict[str, str], list[str]]:
-    """The environment ``sbatch`` runs with for ``partition``'s workers, and the names of the
-    variables left out of it (``SBATCH_ENV_IGNORED``)."""
-    environ = dict(os.environ if environ is None else environ)
-    drop = SBATCH_ENV_IGNORED | (SBATCH_MEM_ENV if partition.mem is not None else frozenset())
-    left_out = sorted(k for k in environ if k in drop)
-    return {k: v for k, v in environ.items() if k not in drop}, left_out
-
-
-def _user_name() -> str:
-    """The name of this process's user, from its uid (``$USER`` may name someone else after
-    ``su`` or in a container)."""
-    try:
-        return pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:  # a uid without a passwd entry (some containers)
-        return str(os.getuid())
-
-
-def _mine(job: dict[str, Any], uid: int, name: str) -> bool:
-    """Whether an ``squeue --json`` job belongs to this process's user: by uid when listed."""
-    if job.get("user_id") is not None:
-        try:
-            return int(job["user_id"]) == uid
-        except (TypeError, ValueError):
-            pass
-    return job.get("user_name", name) == name
-
-
-def run_slurm(cmd: Sequence[str], *, timeout: float = 30.0, input: str | None = None,
-              env: dict[str, str] | None = None) -> str:
-    """Run one Slurm command and return its stdout; raise `SlurmCommandError` on failure.
-
-    The single place where this package shells out to Slurm. ``env``: the command's environment
-    (None: this process's).
-    """
-    try:
-        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, input=input, env=env)
-    except FileNotFoundError as e:
-        raise SlurmCommandError(cmd, 127, "", f"{cmd[0]}: command not found ({e}); is Slurm installed on this host?") from e
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        raise SlurmCommandError(cmd, 124, out, err + f"\ntimed out after {timeout} s") from e
-    if proc.returncode != 0:
-        raise SlurmCommandError(cmd, proc.returncode, proc.stdout, proc.stderr)
-    return proc.stdout
-
-
-def backoff(deadline: float, initial: float = 0.1, factor: float = 1.6, maximum: float = 2.0) -> Iterator[float]:
-    """Sleep intervals (seconds) growing from `initial` to `maximum`, until `deadline`
-    (a `time.monotonic()` value): yields the interval after sleeping it."""
-    delay = initial
-    while (left := deadline - time.monotonic()) > 0:
-        step = min(delay, left)
-        time.sleep(step)
-        yield step
-        delay = min(delay * factor, maximum)
-
-
-def normalise_state(raw: str) -> str:
-    """Slurm job state (``RUNNING``, ``CANCELLED by 0``, ``TIMEOUT``...) -> a `JobState`."""
-    base = raw.split()[0].upper() if raw else ""
-    return _STATE_MAP.get(base, "UNKNOWN")
-
-
-def state_text(value: Any) -> str:
-    """``job_state`` of ``squeue --json`` as text: a string up to Slurm 23.02, a list of flags
-    from 23.11 on (``["RUNNING"]``, ``["PENDING", "REQUEUED"]``: the base state first)."""
-    if isinstance(value, (list, tuple)):
-        return " ".join(str(v) for v in value)
-    return str(value or "")
-
-
-def exit_code(value: Any) -> int | None:
-    """``exit_code`` of ``squeue --json``: a number up to 23.02, from 23.11 on an object whose
-    ``return_code`` is ``{"set": ..., "number": n}`` (or a number)."""
-    if isinstance(value, dict):
-        value = value.get("return_code")
-        if isinstance(value, dict):
-            value = value.get("number") if value.get("set", True) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def slurm_version(timeout: float = 10.0) -> tuple[int, int]:
-    """(major, minor) of the installed Slurm, from ``sinfo --version`` (e.g. ``slurm-wlm 22.05.8``)."""
-    out = run_slurm(["sinfo", "--version"], timeout=timeout)
-    m = re.search(r"(\d+)\.(\d+)", out)
-    if not m:
-        raise SlurmCommandError(["sinfo", "--version"], 0, out, "no version number in the output")
-    return int(m.group(1)), int(m.group(2))
-
-
-def pyslurm_status() -> tuple[bool, str]:
-    """Whether an installed pyslurm matches this site's Slurm (same major.minor release), and why.
-
-    Never imports pyslurm when it is absent; never raises for a missing pyslurm or Slurm.
-    """
-    if importlib.util.find_spec("pyslurm") is None:
-        return False, "pyslurm is not installed"
-    have = importlib.metadata.version("pyslurm")
-    try:
-        major, minor = slurm_version()
-    except SlurmCommandError as e:
-        return False, f"pyslurm {have} is installed but Slurm is not reachable: {e}"
-    m = re.match(r"(\d+)\.(\d+)", have)
-    if not m or (int(m.group(1)), int(m.group(2))) != (major, minor):
-        return False, f"pyslurm {have} does not match Slurm {major}.{minor:02d}: the CLI backend is used"
-    return True, f"pyslurm {have} matches Slurm {major}.{minor:02d}"
-
 
 @dataclass(frozen=True)
 class SlurmNode:
@@ -378,9 +194,9 @@ class SlurmScheduler:
         if Slurm has it (nobody tracks it, and a later submit would reuse the name); says what
         was done."""
         try:
-            uid, me = os.getuid(), _user_name()
+            uid, me = os.getuid(), user_name()
             found = [str(j["job_id"]) for j in self._squeue()
-                     if j.get("comment") == self.tag and j.get("name") == name and _mine(j, uid, me)
+                     if j.get("comment") == self.tag and j.get("name") == name and is_mine(j, uid, me)
                      and normalise_state(state_text(j.get("job_state"))) in ACTIVE_STATES]
             if found:
                 run_slurm(["scancel", *found], timeout=self.command_timeout)
@@ -449,7 +265,7 @@ class SlurmScheduler:
         deadline, left = time.monotonic() + deadline_s, set(job_ids)
         seen: dict[str, JobStatus | None] = {j: None for j in left}
         failed: SlurmCommandError | None = None
-        for _ in _first_then(backoff(deadline)):
+        for _ in first_then(backoff(deadline)):
             try:
                 listed = self.jobs()
             except SlurmCommandError as err:  # squeue did not answer this time: ask again
@@ -464,11 +280,11 @@ class SlurmScheduler:
         raise SlurmWaitTimeout(f"cancelled jobs still running after {deadline_s:g} s: {states}{why}", seen)
 
     def jobs(self) -> list[JobStatus]:
-        uid, me = os.getuid(), _user_name()
+        uid, me = os.getuid(), user_name()
         out = []
         for j in self._squeue():
             job_id = str(j["job_id"])
-            if j.get("comment") != self.tag or not _mine(j, uid, me):
+            if j.get("comment") != self.tag or not is_mine(j, uid, me):
                 continue
             name = j.get("name", "")
             try:
@@ -496,7 +312,7 @@ class SlurmScheduler:
         ids, wanted = [str(j) for j in job_ids], set(states)
         deadline = time.monotonic() + deadline_s
         last: dict[str, JobStatus | None] = {}
-        for _ in _first_then(backoff(deadline)):
+        for _ in first_then(backoff(deadline)):
             by_id = {s.job_id: s for s in self.jobs()}
             last = {j: by_id.get(j) for j in ids}
             if all(s is not None and s.state in wanted for s in last.values()):
@@ -524,9 +340,3 @@ class SlurmScheduler:
     def _squeue(self) -> list[dict[str, Any]]:
         data = json.loads(run_slurm(["squeue", "--json", "--states=all"], timeout=self.command_timeout))
         return list(data.get("jobs", []))
-
-
-def _first_then(it: Iterator[float]) -> Iterator[float]:
-    """Yield once immediately, then follow `it` (poll first, sleep after)."""
-    yield 0.0
-    yield from it

@@ -15,7 +15,8 @@ import pytest
 
 from schedulers import Partition, TLSFiles
 from schedulers.command import QUIET_DASK_ENV, worker_env
-from schedulers.slurm import SlurmScheduler, normalise_state
+from schedulers.slurm import SlurmScheduler
+from schedulers.slurm_cli import normalise_state
 
 GOLDEN = Path(__file__).with_name("golden")
 UPDATE = os.environ.get("ASTRAFLOW_UPDATE_GOLDEN") == "1"
