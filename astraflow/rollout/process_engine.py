@@ -102,6 +102,9 @@ class ProcessEngine:
         self._dead: str | None = None
         #: the newest version the engine process accepted (``accepted`` replies; module docstring)
         self.confirmed_version = version
+        #: (version, reason) of each load failure already warned about: the weight watcher tries
+        #: again every poll, and a version that cannot fit is said once, not every poll
+        self._failures_said: set[tuple[int, str]] = set()
         self._life_lock = threading.Lock()  # restart and close, one at a time
         self._closed = False
         self._launch(version)
@@ -330,7 +333,10 @@ class ProcessEngine:
                 self.confirmed_version = max(self.confirmed_version, int(msg[1]))
             elif msg[0] == "load_failed":
                 _, wanted, reason, current = msg
-                log.warning("engine process could not load weights v%d (%s); it keeps v%d", wanted, reason, current)
+                said = (int(wanted), str(reason))
+                (log.info if said in self._failures_said else log.warning)(
+                    "engine process could not load weights v%d (%s); it keeps v%d", wanted, reason, current)
+                self._failures_said.add(said)
                 if self.version == wanted:
                     self.version = current
 
