@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from collections import Counter, deque
 from pathlib import Path
@@ -178,9 +179,10 @@ class Durability:
         in_doubt: dict[str, set[int]] = {p: set() for p in dl.policy_names}
         restored = None
         if saved is None or saved["fingerprint"] != self.fingerprint:
-            # not restored: the ids the journal ended stay taken (a new evaluation round or
-            # group must not reuse one: a task is created and ended once)
-            remember_ended(dl, self.journal_path)
+            # not restored: the ids the journal names stay taken (a new evaluation round or
+            # group must not reuse one: a task is created and ended once); the saved group count
+            # (``dataflow_state.json``, written at each step) may be behind the groups made since
+            dl.buffers.group_seq = max(dl.buffers.group_seq, remember_ended(dl, self.journal_path))
         if saved is None:  # no snapshot (moved aside): the tasks the journal left open end here, once
             for tid in open_in_journal(self.journal_path):
                 self.journal(tid, "dropped", "snapshot_lost")
@@ -220,11 +222,20 @@ def open_in_journal(journal_path: Path | None) -> list[str]:
     return list(created)
 
 
-def remember_ended(dl: DataLayer, journal_path: Path | None) -> None:
-    """The ledger of ``dl`` learns the tasks the journal at ``journal_path`` ended."""
+_TRAIN_GROUP = re.compile(r"^g(\d+)/")
+
+
+def remember_ended(dl: DataLayer, journal_path: Path | None) -> int:
+    """The ledger of ``dl`` learns the tasks the journal at ``journal_path`` ended. Returns the
+    highest train group number the journal names (0: none)."""
+    highest = 0
     for line in read_journal(journal_path) if journal_path is not None else []:
         if line.get("e") in TERMINAL:
             dl.ledger.remember_end(line["t"], line["e"])
+        found = _TRAIN_GROUP.match(str(line.get("t", "")))
+        if found:
+            highest = max(highest, int(found.group(1)))
+    return highest
 
 
 def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, keep_leases: bool) -> dict[str, Any]:

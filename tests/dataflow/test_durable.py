@@ -433,6 +433,35 @@ def test_a_resume_without_the_snapshot_ends_the_tasks_the_journal_left_open(tmp_
     assert any(x.get("r") == "snapshot_lost" for x in lines)
 
 
+@pytest.mark.parametrize("steps", [0, 1])
+def test_a_resume_without_the_snapshot_makes_new_groups_under_new_ids(tmp_path, steps):
+    """``dataflow_state.json`` counts the groups as of the last step (none before the first):
+    groups made since are in the journal, and the resumed layer's groups must not reuse their ids."""
+    from astraflow.dataflow import changelog
+
+    paths = Paths(tmp_path)
+    layer = paths.layer()
+
+    async def go():
+        await Node(layer).roll(8, reward_of=_alternating)
+        for v in range(steps):
+            await layer.next_batch("p", v, timeout=5)
+            await layer.published("p", v + 1, {})
+        await layer.lease("n1", 8)  # groups made after the last step
+        await layer.close()
+
+    run(go())
+    paths.snapshot.unlink()
+    for n in changelog.log_numbers(paths.snapshot):
+        changelog.log_path(paths.snapshot, n).unlink()
+    again = paths.layer()
+    assert again.versions == {"p": steps}
+    assert len(run(again.lease("n2", 4))) == 4
+    run(again.close())
+    created = Counter(x["t"] for x in paths.journal_lines() if x["e"] == "created")
+    assert set(created.values()) == {1}
+
+
 def test_a_resumed_runs_first_evaluation_is_at_the_version_its_trainers_resume_from(tmp_path):
     """The change log ends behind the weight store (a power loss): the resume's evaluation round
     starts only once the trainers' versions have moved forward, at those versions."""

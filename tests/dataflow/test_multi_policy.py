@@ -226,3 +226,93 @@ def test_a_group_one_policy_settles_at_ingest_still_reaches_the_other(tmp_path):
     for policy in ("solver", "verifier"):
         assert layer.buffers.counts[policy]["sequences_ingested"] == 1
 
+
+def _two_policy_layer(tmp_path, url, keep=False):
+    return DataLayer(
+        dataflow=DataflowConfig(batch_size=4, prefetch_groups=2),
+        workload=WorkloadConfig(name="math", workflow="solver_verifier", params={"digits": 1, "num_test": 4},
+                                group_size=2, eval=EvalConfig(every=2, num_prompts=2)),
+        policies=["solver", "verifier"], store_url=url, metrics_path=str(tmp_path / "metrics.jsonl"),
+        max_steps=10, snapshot_path=str(tmp_path / "dataflow.snapshot"),
+        journal_path=str(tmp_path / "ledger.jsonl"), keep_leases=keep)
+
+
+@pytest.mark.parametrize("verifier_steps", [0, 1])
+def test_a_resumed_evaluation_is_at_the_first_policys_version(tmp_path, verifier_steps):
+    """Rounds measure the first policy (its nodes wait for its version): a resumed run's round
+    is at that version, whatever the other policies' versions are."""
+    url = str(tmp_path / "store")
+    layer = _two_policy_layer(tmp_path, url)
+
+    async def before():
+        w = layer.store.writer("n")
+        for v in range(3):  # solver reaches v3; the verifier stays at v0
+            tasks = await layer.lease("n", 100)
+            trajs = [two_policy_trajectory(t, float(i % 2), float(i % 2), version=(v, 0))
+                     for i, t in enumerate(tasks)]
+            await layer.complete(store_and_ref(w, trajs))
+            await layer.next_batch("solver", v, timeout=5)
+            await layer.published("solver", v + 1, {})
+        for v in range(verifier_steps):
+            await layer.next_batch("verifier", v, timeout=5)
+            await layer.published("verifier", v + 1, {})
+        await layer.close()
+
+    asyncio.run(before())
+    assert layer.versions == {"solver": 3, "verifier": verifier_steps}
+    resumed = _two_policy_layer(tmp_path, url)  # a new incarnation of the run (keep_leases=False)
+
+    async def after():
+        await resumed.trainer_restarted("solver", 3, restart=False)
+        await resumed.trainer_restarted("verifier", verifier_steps, restart=False)
+        await resumed.resume_evaluation()
+
+    asyncio.run(after())
+    evals = [t for t in resumed.leases.tasks.values()
+             if t.kind == "eval" and resumed.ledger.state_of(t.task_id) == "pending"]
+    # the round measures the solver (policies[0]); its nodes load solver v3 before running it
+    assert evals, "no resumed evaluation round was started"
+    assert {t.min_version for t in evals} == {3}, sorted({t.min_version for t in evals})
+
+
+def test_interrupted_multi_policy_run_can_finish_its_final_evaluation(tmp_path):
+    """The solver (policies[0]) reached max_steps and its final round was cut short by an
+    interrupt: the resume's round is at the solver's version, the one the orchestrator waits
+    for (``eval_done(run.max_steps)``), not at the verifier's."""
+    url = str(tmp_path / "store")
+
+    def mk4(keep=False):
+        return DataLayer(
+            dataflow=DataflowConfig(batch_size=4, prefetch_groups=2),
+            workload=WorkloadConfig(name="math", workflow="solver_verifier", params={"digits": 1, "num_test": 4},
+                                    group_size=2, eval=EvalConfig(every=2, num_prompts=2)),
+            policies=["solver", "verifier"], store_url=url, metrics_path=str(tmp_path / "metrics.jsonl"),
+            max_steps=4, snapshot_path=str(tmp_path / "dataflow.snapshot"),
+            journal_path=str(tmp_path / "ledger.jsonl"), keep_leases=keep)
+
+    layer = mk4()
+
+    async def before():
+        w = layer.store.writer("n")
+        for v in range(4):
+            tasks = [t for t in await layer.lease("n", 100) if t.kind == "train" or v < 3]
+            trajs = [two_policy_trajectory(t, float(i % 2), float(i % 2), version=(v, 0))
+                     for i, t in enumerate(tasks)]
+            await layer.complete(store_and_ref(w, trajs))
+            await layer.next_batch("solver", v, timeout=5)
+            await layer.published("solver", v + 1, {})
+        await layer.finish()  # interrupted (Ctrl-C): the final round of the solver is cut short
+        await layer.close()
+
+    asyncio.run(before())
+    assert layer.versions == {"solver": 4, "verifier": 0} and not layer.evals.done(4)
+    resumed = mk4()
+
+    async def after():
+        await resumed.trainer_restarted("solver", 4, restart=False)
+        await resumed.trainer_restarted("verifier", 0, restart=False)
+        await resumed.resume_evaluation()
+
+    asyncio.run(after())
+    # the orchestrator ends the run only once eval_done(run.max_steps): that round must exist
+    assert 4 in resumed.evals.rounds, sorted(resumed.evals.rounds)
