@@ -197,11 +197,17 @@ Rule = Callable[[str, float, int, "Mapping[str, int] | None"], bool]
 def rule_of(layer: Any) -> Rule:
     """``admits(source, share, rolling, waiting)`` over the clocks of a ``DataLayer`` at this moment."""
     cfg, buffers = layer.cfg, layer.buffers
+    # new rows a batch takes: fewer by the replayed ones only when the pool can give them all
+    # (``next_batch`` replays all or none); planning with replays the pool lacks would refuse
+    # the groups the next batch needs
+    replays = cfg.replay_rows
+    if replays and any(buffers.replayable(p, layer.versions[p]) < replays for p in layer.policy_names):
+        replays = 0
     cl = clocks(
         policies=layer.policy_names, versions=layer.versions, ready=buffers.ready,
         served={p: list(buffers.serving[p]) for p in layer.policy_names},
         accepted={p: c["accepted"] for p, c in buffers.counts.items()}, groups_ingested=buffers.groups_ingested,
-        group_size=layer.wcfg.group_size, per_batch=cfg.batch_size - cfg.replay_rows,
+        group_size=layer.wcfg.group_size, per_batch=cfg.batch_size - replays,
         nodes=layer.leases.nodes, node_window_s=cfg.lease_seconds, paces=layer.paces,
         finished={p: v >= layer.max_steps for p, v in layer.versions.items()}, now=time.time(),
         oldest=layer.oldest.get(layer.leases.nodes, cfg.lease_seconds, time.time()))
@@ -267,9 +273,17 @@ def no_batch_reason(layer: Any, policy: str, version: int, timeout: float, avail
     short = [s for s, q in quota.items() if avail[s] < q]
     sources = (f" (short: {', '.join(f'source {s!r} {avail[s]}/{quota[s]}' for s in short)})"
                if layer.mixer.mixing and short else "")
-    return (f"no batch for {policy} v{version} within {timeout:.0f}s: "
+    held_back = ""  # what holds back a batch whose sequences are there
+    behind = {p: v for p, v in layer.versions.items() if v < version}
+    if layer.cfg.lockstep and behind:
+        held_back = ("; waiting for dataflow.lockstep: " + ", ".join(f"{p} at v{v}" for p, v in behind.items())
+                     + f" (below v{version}): is its trainer running?")
+    elif not layer.evals.initial_done():
+        held_back = ("; waiting for the first held-out evaluation round to finish (the RaaS nodes run its "
+                     "tasks first; workload.eval.every: 0 turns evaluation off)")
+    return (f"no batch for {policy} v{version} within {timeout:g}s: "
             f"{sum(avail.values())}/{need} sequences buffered{sources}, "
-            f"{len(layer.leases.pending)} tasks pending, {len(layer.leases.held)} leased"
+            f"{len(layer.leases.pending)} tasks pending, {len(layer.leases.held)} leased" + held_back
             + ("; admission refuses new groups that could not be trained on: do the RaaS "
                "nodes load new weight versions (their logs, rollout.weight_poll_seconds)?"
                if layer.mixer.refused else ""))

@@ -212,5 +212,10 @@ class DataflowConfig(Strict):
             raise ValueError(
                 f"replay_ratio {self.replay_ratio} x batch_size {self.batch_size} replays no row of a batch: "
                 f"set replay_ratio to at least {1 / self.batch_size:.4g} (one row), or 0 for no replay")
+        if self.replay_ratio > 0 and self.max_staleness == 0:
+            raise ValueError(
+                f"replay_ratio {self.replay_ratio} with max_staleness 0 never replays: a replayed row was trained "
+                "on at an earlier version, so it is at least one version old; set max_staleness to 1 or more, "
+                "or replay_ratio: 0")
         return self
 

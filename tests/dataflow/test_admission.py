@@ -189,8 +189,9 @@ def test_a_source_smaller_than_a_group_per_batch_is_still_admitted(tmp_path):
 
 def test_replay_heavy_batches_still_form(tmp_path):
     """``replay_ratio: 0.9``: the first batch has nothing to replay and takes a whole batch of
-    new groups, far more than the replay-sized share admission plans with."""
-    layer = make_layer(tmp_path, max_staleness=0, replay_ratio=0.9)
+    new groups, far more than a replay-sized share; so does a later one whose pool has aged
+    past ``max_staleness`` (replays are all or none): admission plans with what the pool holds."""
+    layer = make_layer(tmp_path, max_staleness=1, replay_ratio=0.9)
     assert asyncio.run(_train(layer, 4)) == {"p": 32}
 
 

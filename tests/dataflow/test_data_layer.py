@@ -425,3 +425,21 @@ def test_a_replay_ratio_that_replays_no_row_is_refused_naming_the_least_one():
     with pytest.raises(ValueError, match="at least 0.125"):
         DataflowConfig(batch_size=8, replay_ratio=0.1)
     assert DataflowConfig(batch_size=3, replay_ratio=1 / 3).replay_rows == 1
+    with pytest.raises(ValueError, match="max_staleness 0 never replays.*set max_staleness to 1 or more"):
+        DataflowConfig(batch_size=8, replay_ratio=0.5, max_staleness=0)
+
+
+def test_a_batch_held_back_by_the_first_evaluation_round_says_so(tmp_path):
+    """Training rows are there but the first held-out round has not finished (its tasks went to
+    a node that never answers): the timeout names the round and how to turn evaluation off."""
+    layer = make_layer(tmp_path, eval_every=5)
+
+    async def go():
+        await layer.lease("eval-node", len(layer.leases.eval_pending))
+        await Node(layer).roll(8, reward_of=lambda t: float(int(t.task_id.split("/")[1]) % 2))
+        with pytest.raises(BatchTimeout) as err:
+            await layer.next_batch("p", 0, timeout=0.3)
+        return str(err.value)
+
+    msg = run(go())
+    assert "waiting for the first held-out evaluation round" in msg and "workload.eval.every: 0" in msg, msg

@@ -316,3 +316,20 @@ def test_interrupted_multi_policy_run_can_finish_its_final_evaluation(tmp_path):
     asyncio.run(after())
     # the orchestrator ends the run only once eval_done(run.max_steps): that round must exist
     assert 4 in resumed.evals.rounds, sorted(resumed.evals.rounds)
+
+
+def test_a_batch_held_back_by_lockstep_says_so(tmp_path):
+    """The buffer is full but lockstep waits for the other policy: the timeout says which."""
+    layer = layer2(tmp_path, lockstep=True)
+
+    async def go():
+        for _ in range(2):
+            await _fill(layer, [(1.0, 1.0), (0.0, 1.0), (1.0, 0.0), (0.0, 1.0)])
+        await layer.next_batch("solver", 0, timeout=5)
+        await layer.published("solver", 1, {})
+        with pytest.raises(BatchTimeout) as err:
+            await layer.next_batch("solver", 1, timeout=0.3)
+        return str(err.value)
+
+    msg = asyncio.run(go())
+    assert "within 0.3s" in msg and "waiting for dataflow.lockstep: verifier at v0 (below v1)" in msg, msg
