@@ -53,6 +53,9 @@ class Registry(Generic[T]):
             if name not in self._items:
                 raise ValueError(f"{self.kind} {module}:{name}: {module!r} has no {name!r} and registered no "
                                  f"{self.kind} of that name; known: {', '.join(sorted(self._items)) or '(none)'}")
+            why = self.check(self._items[name]) if self.check is not None else None
+            if why:  # what the user's module registered, checked as its attribute would be
+                raise ValueError(f"{self.kind} {module}:{name} {why}")
         return self.get(name)
 
     def get(self, name: str) -> T:

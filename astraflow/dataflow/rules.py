@@ -37,18 +37,23 @@ from pydantic import BaseModel, Field
 from astraflow.configbase import Strict
 from astraflow.registry import Registry
 
-def not_a_rule(obj: Any) -> str | None:
-    """Why ``obj`` cannot be a dataflow rule (None: it can): a class with a pydantic ``Params``."""
+def not_a_rule(obj: Any, methods: tuple[str, ...] = ()) -> str | None:
+    """Why ``obj`` cannot be a dataflow rule with ``methods`` (None: it can): a class with a
+    pydantic ``Params``, its state methods and its stage's."""
     params = getattr(obj, "Params", None)
     if not isinstance(obj, type) or not (isinstance(params, type) and issubclass(params, BaseModel)):
         return ("is not a rule class: a rule is a class with a pydantic Params model, built as "
                 "cls(params, seed) (subclass RuleBase, see docs/extending.md)")
+    missing = [m for m in ("state_dict", "load_state_dict", *methods) if not callable(getattr(obj, m, None))]
+    if missing:
+        return (f"lacks {', '.join(missing)}: subclass astraflow.dataflow.rules.RuleBase (it has the state "
+                f"methods) and define the stage's {', '.join(methods)} (docs/extending.md)")
     return None
 
 
-CURATORS: Registry = Registry("prompt curator", not_a_rule)
-FILTERS: Registry = Registry("group filter", not_a_rule)
-ORDERINGS: Registry = Registry("buffer ordering", not_a_rule)
+CURATORS: Registry = Registry("prompt curator", lambda obj: not_a_rule(obj, ("accept", "observe")))
+FILTERS: Registry = Registry("group filter", lambda obj: not_a_rule(obj, ("keep",)))
+ORDERINGS: Registry = Registry("buffer ordering", lambda obj: not_a_rule(obj, ("order",)))
 
 
 class NoParams(Strict):

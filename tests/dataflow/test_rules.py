@@ -251,6 +251,11 @@ def run_config(tmp_path, **dataflow):
     ("curator", {"type": "tests.dataflow.user_rules:EveryNthParams"},
      r"prompt curator tests.dataflow.user_rules:EveryNthParams is not a rule class"),
     ("ordering", {"type": "tests.dataflow.user_rules:Field"}, r"is not a rule class"),
+    # a rule class without the state methods (not a RuleBase), by its name or its registered name
+    ("curator", {"type": "tests.dataflow.user_rules:Stateless"},
+     r"Stateless lacks state_dict, load_state_dict: subclass astraflow.dataflow.rules.RuleBase"),
+    ("curator", {"type": "tests.dataflow.user_rules:stateless_test"}, r"stateless_test lacks state_dict"),
+    ("ordering", {"type": "tests.dataflow.user_rules:EveryNth"}, r"EveryNth lacks order: .*define the stage's order"),
 ])
 def test_an_unknown_type_or_a_bad_param_is_a_config_error_naming_the_field(tmp_path, stage, bad, needle):
     with pytest.raises(ConfigError, match=needle):

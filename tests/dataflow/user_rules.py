@@ -25,3 +25,19 @@ class EveryNth(AcceptAll):
 
     def accept(self, prompt_key: str, payload: dict) -> bool:
         return int(prompt_key[1:]) % self.n == 0
+
+
+@CURATORS.register("stateless_test")
+class Stateless:
+    """A curator that is not a ``RuleBase``: no state methods, so no run could save it."""
+
+    Params = EveryNthParams
+
+    def __init__(self, params: EveryNthParams, seed: int = 0):
+        self.n = params.n
+
+    def accept(self, prompt_key: str, payload: dict) -> bool:
+        return True
+
+    def observe(self, prompt_key: str, rewards) -> None:
+        pass
