@@ -114,6 +114,8 @@ class Buffers:
         #: per policy: the items of the batch served to a trainer at version v, by v, until the
         #: trainer reports v + 1 committed (``commit``): only then are they consumed
         self.serving: dict[str, dict[int, list[Item]]] = {p: {} for p in self.policies}
+        #: per policy: the rows replayed in the batch served at version v, by v (taken back with it)
+        self.served_replays: dict[str, dict[int, int]] = {p: {} for p in self.policies}
         self.routed_left: dict[str, int] = {}  # train task -> items not yet settled
         self.task_consumed: set[str] = set()
         self.task_drop_reason: dict[str, str] = {}
@@ -311,6 +313,8 @@ class Buffers:
         self.drop_served(policy, version)
         self._touch("serving", policy, version)
         self.serving[policy][version] = chosen  # consumed once the version trained on it is committed
+        if replays:
+            self.served_replays[policy][version] = len(replays)
 
         c = self.counts[policy]
         c["consumed"] += len(items)
@@ -353,8 +357,9 @@ class Buffers:
         return lost
 
     def _uncount(self, policy: str, version: int, items: list[Item]) -> None:
-        """Take back what serving ``items`` at ``version`` counted as consumed."""
+        """Take back what serving ``items`` at ``version`` counted as consumed (and replayed)."""
         self.counts[policy]["consumed"] -= len(items)
+        self.counts[policy]["replayed"] -= self.served_replays[policy].pop(version, 0)
         hist = self.staleness_hist[policy]
         hist.subtract(Counter(version - it.oldest_version for it in items))
         self.staleness_hist[policy] = +hist  # no zero or negative bins
@@ -363,6 +368,7 @@ class Buffers:
         """``policy``'s trainer committed ``version``: the batch served at ``version - 1`` is
         consumed, and replay may serve its items again."""
         items = self.serving[policy].pop(version - 1, [])
+        self.served_replays[policy].pop(version - 1, None)
         self._touch("serving", policy, version - 1)
         for it in items:
             self.staleness_by_node.setdefault(it.node, Counter())[version - 1 - it.oldest_version] += 1

@@ -48,7 +48,7 @@ READABLE = frozenset({2, 3})
 KINDS = ("task", "group", "node", "route", "ready", "serving", "round", "result", "order", "rng")
 NODE_FIELDS = ("leased", "completed", "draining", "gone")
 SMALL_BUFFER_FIELDS = ("group_seq", "groups_ingested", "counts", "staleness_hist", "wait_s", "last_batch",
-                       "_ingest_seq")
+                       "_ingest_seq", "served_replays")
 
 
 def group_of(task_id: str) -> str:

@@ -281,6 +281,8 @@ def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, kee
         leases._queue(leases.tasks[tid].kind).appendleft(tid)
     for f in _BUFFER_FIELDS:
         setattr(dl.buffers, f, bf[f])
+    for p, by_version in bf.get("served_replays", {}).items():  # absent from an earlier AstraFlow's records
+        dl.buffers.served_replays.setdefault(p, {}).update(by_version)
     dl.mixer.consumed, dl.mixer.groups_created = state["mixer"]["consumed"], state["mixer"]["groups_created"]
     dl.evals.rounds, dl.evals.results = state["evals"]["rounds"], state["evals"]["results"]
     # a round left open by an earlier run's end has no tasks left: it would hold back every later record

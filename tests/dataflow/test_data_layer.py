@@ -443,3 +443,28 @@ def test_a_batch_held_back_by_the_first_evaluation_round_says_so(tmp_path):
 
     msg = run(go())
     assert "waiting for the first held-out evaluation round" in msg and "workload.eval.every: 0" in msg, msg
+
+
+def test_the_replays_of_a_batch_never_trained_are_taken_back_with_it(tmp_path):
+    """A batch asked for again at its version, or put back for a replaced trainer, was never
+    trained: neither its new rows nor its replayed ones count."""
+    def _alternating(task):
+        return float(int(task.task_id.split("/")[1]) % 2)
+
+    layer = make_layer(tmp_path, replay_ratio=0.25)  # 2 replayed rows a batch once the pool has them
+
+    async def go():
+        node = Node(layer)
+        await node.roll(8, reward_of=_alternating)
+        await layer.next_batch("p", 0, timeout=5)
+        await layer.published("p", 1, {})
+        await node.roll(16, reward_of=_alternating, version=1)
+        first = await layer.next_batch("p", 1, timeout=5)
+        assert sum(i.replayed for i in first.items) == 2 and layer.counts["p"]["replayed"] == 2
+        again = await layer.next_batch("p", 1, timeout=5)  # the first never reached training
+        assert sum(i.replayed for i in again.items) == 2
+        assert (layer.counts["p"]["consumed"], layer.counts["p"]["replayed"]) == (8 + 6, 2)
+        await layer.trainer_restarted("p", 1)  # a replaced trainer: the batch goes back
+        assert (layer.counts["p"]["consumed"], layer.counts["p"]["replayed"]) == (8, 0)
+
+    run(go())
