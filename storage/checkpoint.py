@@ -87,6 +87,19 @@ def read_checkpoint(path: str | Path, *, whole_tensors: bool = False, metadata_s
     return state
 
 
+def _read_fully(path: Path, buf: bytearray) -> bool:
+    """Fill ``buf`` from the start of ``path``: one read returns at most ~2 GiB on Linux, so it
+    takes as many as it needs. False: the file ended first (it shrank meanwhile)."""
+    view, got = memoryview(buf), 0
+    with open(path, "rb", buffering=0) as f:
+        while got < len(buf):
+            n = f.readinto(view[got:])
+            if not n:
+                return False
+            got += n
+    return True
+
+
 def _read_whole_tensors(vdir: Path, metadata) -> dict | None:
     """The tensors of a DCP checkpoint whose items are whole tensors saved with ``torch.save``
     (an uncompressed zip per item, its one storage record holding exactly the tensor's bytes),
@@ -112,8 +125,8 @@ def _read_whole_tensors(vdir: Path, metadata) -> dict | None:
         if buf is None:
             path = vdir / info.relative_path
             buf = files[info.relative_path] = bytearray(path.stat().st_size)
-            with open(path, "rb", buffering=0) as f:
-                f.readinto(buf)
+            if not _read_fully(path, buf):
+                return None
         item = memoryview(buf)[info.offset : info.offset + info.length]
         try:
             with zipfile.ZipFile(io.BytesIO(item)) as z:

@@ -281,8 +281,16 @@ class WeightStore:
             )
         mfile, marker = paths.manifest_file(self.root, policy, version), paths.commit_file(self.root, policy, version)
         try:
-            data = mfile.read_bytes()
             expected = json.loads(marker.read_bytes()).get("manifest_sha256")
+        except (OSError, ValueError, AttributeError) as err:
+            if not marker.exists():
+                raise VersionNotCommitted(f"{policy} v{version} was retired while it was read") from None
+            raise DamagedVersion(
+                f"{marker} is damaged ({type(err).__name__}: {err}): write it again as "
+                f'{{"manifest_sha256": "<sha256 of {mfile.name}>"}} if {mfile.name} is whole, or move '
+                f"{mfile.parent} out of the run directory to go on from the version before it") from None
+        try:
+            data = mfile.read_bytes()
             if expected and hashlib.sha256(data).hexdigest() != expected:
                 raise ValueError(f"its sha256 is not the one {marker.name} records")
             manifest = json.loads(data)

@@ -19,7 +19,10 @@ from astraflow.rollout.engine import InferenceEngine
 from astraflow.weightconv import to_hf_state_dict
 from storage import paths
 from storage.deltas import DeltaMismatchError, apply_delta, choose_sync, read_stats
-from storage.weights import WeightStore
+from storage.weights import VersionNotCommitted, WeightStore
+
+#: times a poll looks again for the latest version when the one it found was retired meanwhile
+RETIRED_RETRIES = 3
 
 
 class VersionReader:
@@ -77,6 +80,8 @@ class VersionReader:
                                         "full_bytes": stats.full_bytes}
             except DeltaMismatchError as err:  # fall back to full shards; recorded in the history
                 reason = str(err)
+            except (OSError, ValueError, KeyError, TypeError) as err:  # a delta damaged or cut short
+                reason = f"the delta {ddir} cannot be read ({type(err).__name__}: {err})"
         else:
             reason = None
         state = {k: v.to(torch.bfloat16) for k, v in self.store.load(policy, version).items()}
@@ -138,6 +143,15 @@ class WeightPuller:
         return loaded
 
     def _poll_one(self, policy: str, engine: Any) -> int:
+        for attempt in range(RETIRED_RETRIES):
+            try:
+                return self._load_latest(policy, engine)
+            except VersionNotCommitted:  # retired between finding it the latest and reading it
+                if attempt == RETIRED_RETRIES - 1:
+                    raise
+        return 0
+
+    def _load_latest(self, policy: str, engine: Any) -> int:
         latest = self.store.latest(policy)
         if latest is None or latest.version <= max(engine.version, self._handed.get(policy, -1)):
             return 0

@@ -268,18 +268,16 @@ class DirBackend:
 
     def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
         base = self._data_dir(segment)
-        fds: dict[str, int | None] = {}
+        fds: dict[str, int] = {}
         try:
             for key, chunk_bytes, offset, nbytes, at in pieces:
                 if key not in fds:
                     try:
                         fds[key] = os.open(os.path.join(base, key), os.O_RDONLY)
-                    except FileNotFoundError:
-                        fds[key] = None  # a chunk never written holds the fill value (0)
+                    except FileNotFoundError:  # a writer makes each chunk file before a record names it
+                        raise OSError(f"{os.path.join(base, key)} is missing under committed entries: the "
+                                      "segment is damaged") from None
                 fd = fds[key]
-                if fd is None:
-                    buf[at:at + nbytes] = bytes(nbytes)
-                    continue
                 got = os.preadv(fd, [buf[at:at + nbytes]], offset)
                 if got != nbytes:
                     raise OSError(f"{os.path.join(base, key)} holds {offset + got} bytes, fewer than the "
@@ -287,8 +285,7 @@ class DirBackend:
                                   "the segment is damaged")
         finally:
             for fd in fds.values():
-                if fd is not None:
-                    os.close(fd)
+                os.close(fd)
 
     def metadata_changed(self, segment: str, key: str) -> None:
         path = paths.segment_data_dir(self.root, segment) / key

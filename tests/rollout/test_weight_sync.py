@@ -220,3 +220,73 @@ def test_a_policy_whose_engine_died_does_not_hold_back_the_others(tiny_model, tm
     with pytest.raises(EngineProcessError):
         puller.poll()
     assert verifier.version == 4
+
+
+def test_a_poll_loads_the_newer_version_when_the_one_it_found_was_retired_meanwhile(tmp_path):
+    """The trainer commits (and retention retires the version the poll just found) between the
+    poll's look at the latest version and its read: the poll loads the new latest, it does not
+    fail (a node's start, or its engine recovery, would take that as a failed node)."""
+    import torch
+
+    from astraflow.rollout.weight_sync import WeightPuller
+    from storage.weights import WeightStore
+
+    class Engine:
+        version, loads_versions_itself = -1, False
+
+        def take_load_records(self):
+            return []
+
+        def load_weights(self, state, version):
+            self.version = version
+
+    trainer = WeightStore(tmp_path / "w", keep_last=1)
+    trainer.publish("p", 0, {"w": torch.zeros(4)}, meta={"layout": "hf"})
+    engine = Engine()
+    puller = WeightPuller(str(tmp_path / "w"), {"p": engine})
+    found = puller.store.latest
+
+    def latest_then_a_commit(policy):
+        got = found(policy)
+        if got is not None and got.version == 0:
+            trainer.publish("p", 1, {"w": torch.ones(4)}, meta={"layout": "hf"})  # retires v0
+        return got
+
+    puller.store.latest = latest_then_a_commit
+    assert puller.poll() == 1 and engine.version == 1
+
+
+@pytest.mark.parametrize("damage", ["truncated_json", "payload_missing", "json_without_key"])
+def test_a_damaged_committed_delta_falls_back_to_full_shards(tmp_path, damage):
+    """A delta that cannot be read (cut short, its payload lost) is no reason to stay behind:
+    the version is read from its full shards, and the reason recorded."""
+    import json
+
+    import torch
+
+    from astraflow.rollout.weight_sync import VersionReader
+    from storage import paths
+    from storage.deltas import DATA_FILE, META_FILE, write_version_delta
+    from storage.weights import WeightStore
+
+    root = tmp_path / "w"
+    store = WeightStore(root, keep_last=10)
+    sd0 = {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(0))}
+    sd1 = {"w": sd0["w"] + 0.5 * (torch.rand(64, 64, generator=torch.Generator().manual_seed(1)) < 0.1)}
+    store.publish("p", 0, sd0, meta={"layout": "hf"})
+    store.publish("p", 1, sd1, meta={"layout": "hf"})
+    write_version_delta(root, "p", 0, 1, sd0, sd1)
+    reader = VersionReader(str(root), use_deltas=True)
+    assert reader.read("p", 0)[1]["mode"] == "full"
+    ddir = paths.delta_dir(root, "p", 0, 1)
+    if damage == "truncated_json":
+        (ddir / META_FILE).write_text((ddir / META_FILE).read_text()[:40])
+    elif damage == "payload_missing":
+        (ddir / DATA_FILE).unlink()
+    else:
+        meta = json.loads((ddir / META_FILE).read_text())
+        del meta["stats"]
+        (ddir / META_FILE).write_text(json.dumps(meta))
+    state, record = reader.read("p", 1)
+    assert record["mode"] == "full" and record.get("delta_fallback")
+    assert torch.equal(state["w"], sd1["w"].to(torch.bfloat16))

@@ -254,3 +254,19 @@ def test_a_segment_written_before_packing_loads_checks_and_continues_packed(tmp_
     _continue_and_check(root, 12)
     assert json.loads(paths.store_layout_file(root).read_bytes())["layout_version"] == LAYOUT_VERSION
     assert (paths.segment_data_dir(root, "seg") / "data" / "zarr.json").exists()
+
+
+def test_a_chunk_file_missing_under_committed_entries_is_damage_not_zeros(tmp_path):
+    """A writer makes every chunk file before a record names it: one missing under committed
+    entries was lost (deleted, a bad copy), and reading its rows as zeros would hand a trainer
+    wrong tokens with their real loss masks. The read names the file."""
+    root = tmp_path / "store"
+    w = open_trajectory_store(str(root)).writer("seg", batch_size=4)
+    w.write([make_row(1, i, length=64) for i in range(8)])
+    w.write([make_row(1, i, length=64) for i in range(8, 16)])
+    w.close()
+    chunk, _ = token_position(root, "seg", 0)
+    os.unlink(chunk)
+    with pytest.raises(OSError, match="is missing under committed entries: the segment is damaged") as err:
+        open_trajectory_store(str(root), "r").read_columns([EntryRef("seg", i) for i in range(16)])
+    assert str(chunk) in str(err.value)

@@ -370,3 +370,36 @@ def test_a_publish_whose_rank_fails_otherwise_raises_an_exception_the_trainer_ca
     with pytest.raises(OSError) as info:
         store.publish("p", 1, _state(1))
     assert info.value.errno == errno.ENOSPC
+
+
+def test_the_whole_tensor_read_takes_as_many_reads_as_a_shard_needs(tmp_path, monkeypatch):
+    """One read() returns at most ~2 GiB on Linux (less on some network filesystems): a shard
+    read in one call would come back part zeros, and the fast path would give up on every model
+    past that size. Simulated with reads of 4 KiB at most."""
+    import io
+
+    import storage.checkpoint as ck
+
+    class Capped(io.FileIO):
+        def readinto(self, b):
+            return super().readinto(memoryview(b).cast("B")[:4096])
+
+    store = WeightStore(tmp_path / "w")
+    sd = {f"layer{i}.weight": torch.randn(64, 64) for i in range(8)}
+    store.publish("p", 0, sd)
+    vdir = paths.version_dir(store.root, "p", 0)
+    monkeypatch.setattr(ck, "open", lambda p, mode="r", buffering=-1: Capped(p, "rb"), raising=False)
+    got = ck._read_whole_tensors(vdir, ck.read_metadata(vdir))
+    assert got is not None and all(torch.equal(got[k], sd[k]) for k in sd)
+
+
+def test_a_damaged_commit_marker_is_named_not_the_manifest(tmp_path):
+    from storage.weights import DamagedVersion
+
+    store = WeightStore(tmp_path)
+    store.publish("p", 1, {"w": torch.ones(2)})
+    marker = paths.commit_file(tmp_path, "p", 1)
+    marker.write_bytes(b"\xff{not json")
+    with pytest.raises(DamagedVersion, match=rf"{marker} is damaged .*write it again as") as err:
+        store.latest("p")
+    assert "manifest.json is damaged" not in str(err.value)
