@@ -147,3 +147,27 @@ def test_summaries_archived_in_the_same_second_are_all_kept(tmp_path, monkeypatc
         archive_summary(paths)
     kept = sorted(json.loads(p.read_text())["incarnation"] for p in paths.root.glob("summary.*.json"))
     assert kept == [0, 1, 2] and not paths.summary.exists()
+
+
+def test_the_json_status_of_an_ended_run_says_how_it_ended_with_its_final_steps(tmp_path):
+    """The last periodic status predates the end: the summary's outcome, reason and each
+    trainer's final step are what ``status --json`` reports (a script tells failed from done)."""
+    import socket
+
+    paths = RunPaths(tmp_path / "run").make()
+    now = time.time()
+    paths.orchestrator_file.write_text(json.dumps({"pid": 2 ** 22 + 7, "host": socket.gethostname(),
+                                                   "started": now - 100, "dashboard": None}))
+    paths.status_file.write_text(json.dumps({
+        "written_at": now - 50, "data_layer": {"elapsed_s": 10.0, "versions": {"solver": 13}},
+        "trainers": {"solver": {"version": 13, "done": False, "wait_fraction": 0.3}}, "partitions": {},
+        "workers": {}}))
+    paths.summary.write_text(json.dumps({
+        "status": "failed", "reason": "run deadline of 12s passed (run.timeout_s)", "requeue": False,
+        "steps": {"solver": 16}, "seconds": 14.0,
+        "trainers": {"solver": {"policy": "solver", "version": 16, "done": False, "error": None}},
+        "data_layer": {"elapsed_s": 12.0, "versions": {"solver": 16}}}))
+    view = build_status_view(paths.root)
+    assert view.finished and not view.running
+    assert (view.outcome, view.requeue, view.seconds) == ("failed", False, 14.0) and "timeout_s" in view.reason
+    assert view.policies[0].step == 16 and view.policies[0].wait_fraction == 0.3

@@ -168,6 +168,11 @@ class StatusView(_View):
     running: bool = Field(description=f"the orchestrator is alive and wrote status within the last "
                                       f"{STALE_AFTER_S:.0f} s")
     finished: bool = Field(description="the run ended (summary.json exists)")
+    outcome: str | None = Field(default=None, description="how the run ended: completed, failed or interrupted "
+                                                          "(summary.json's status); None while it runs")
+    reason: str | None = Field(default=None, description="why it failed or was interrupted; None otherwise")
+    requeue: bool | None = Field(default=None, description="interrupted to be requeued (SIGUSR1); None while it runs")
+    seconds: float | None = Field(default=None, description="the run's duration; None while it runs")
     written_at: float | None = Field(description="unix time of the status snapshot; None before the first")
     age_s: float | None = Field(description="seconds since the snapshot was written")
     elapsed_s: float = Field(description="seconds since the data layer started")
@@ -252,7 +257,9 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
     if status is None and summary is None:
         raise ValueError(f"no run has started in {run_dir} yet (no {paths.status_file}): "
                          f"pass the --run-dir of `astraflow run`")
-    status = status or {"data_layer": summary.get("data_layer", {}), "trainers": {}, "partitions": {}, "workers": {}}  # type: ignore[union-attr]
+    if status is None:  # ended before its first tick: what the summary says of its partitions and workers
+        status = {"data_layer": summary.get("data_layer", {}), "trainers": {},  # type: ignore[union-attr]
+                  "partitions": summary.get("partitions") or {}, "workers": summary.get("workers") or {}}  # type: ignore[union-attr]
     # a finished run: the data layer's final state (every task ended) is in the summary
     dl = (summary or {}).get("data_layer") or status.get("data_layer") or {}
     written, age, running, info = snap.written_at, snap.age_s, snap.running, snap.info
@@ -281,7 +288,13 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
         for n, nodes in by_part.items() if n not in parts_cfg
     ]
     max_steps = _max_steps(paths)
-    trainers = status.get("trainers", {})
+    trainers = dict(status.get("trainers", {}))
+    if summary is not None:  # what the trainers said when they stopped, and the steps taken, are final
+        for p, final in (summary.get("trainers") or {}).items():
+            if final:
+                trainers[p] = {**trainers.get(p, {}), **final}
+        for p, step in (summary.get("steps") or {}).items():
+            trainers.setdefault(p, {})["version"] = step
     policy_names = list(dict.fromkeys([*dl.get("versions", {}), *trainers]))
     evals = dl.get("eval", [])
     restarts = (summary or {}).get("trainer_restarts") or status.get("trainer_restarts") or {}
@@ -317,6 +330,8 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
     )
     return StatusView(
         schema_version=SCHEMA_VERSION, run_dir=str(paths.root), running=running, finished=summary is not None,
+        outcome=(summary or {}).get("status"), reason=(summary or {}).get("reason"),
+        requeue=(summary or {}).get("requeue"), seconds=(summary or {}).get("seconds"),
         written_at=written, age_s=age, elapsed_s=float(dl.get("elapsed_s", 0.0)), dashboard=info.get("dashboard"),
         episodes_per_s=float(dl.get("episodes_per_s", 0.0)), sequences_per_s=float(dl.get("sequences_per_s", 0.0)),
         generated_tokens_per_s=float(dl.get("generated_tokens_per_s", 0.0)),
