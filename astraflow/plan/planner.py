@@ -266,6 +266,10 @@ def run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions,
         names = ", ".join(p.name for p in cfg.policies)
         raise PlanError(f"the config has {len(cfg.policies)} policies ({names}); astraflow plan simulates one: "
                         "plan a copy of the config that keeps one policy (and a single-policy workflow)")
+    if cfg.run.mode == "sync":  # its trainer waits between steps, not inside them: the wait is not measured
+        raise PlanError("run.mode is sync: the trainer idles while each rollout phase runs, which its wait "
+                        "fraction (what the plan sizes pools by) does not count; plan the config with "
+                        "--set run.mode=async")
     shape, sources = shape_for(cfg, opts)
     if opts.search:  # the search's runs too, before the first run takes its time
         steps_for(_search_minutes(opts), shape.step_seconds, "--search-minutes" if opts.search_minutes else "--minutes")

@@ -158,6 +158,8 @@ class Trainer(OptimizerCheckpoint):
         #: counts the steps in a row with a nan/inf loss or gradient norm (``max_nonfinite_steps``)
         self.nonfinite = NonFiniteSteps(policy, cfg.max_nonfinite_steps)
         self._stop = threading.Event()
+        #: stepped by a driver (``run.mode: sync``), not by a loop of its own
+        self._driven = False
         #: held while a version is published and reported; ``stop()`` takes it to close commits
         self._commit_lock = threading.Lock()
         #: set once ``stop()`` returned with the loop still running: no version commits after it
@@ -214,6 +216,7 @@ class Trainer(OptimizerCheckpoint):
 
     def step(self) -> dict[str, float]:
         """One step driven from outside (``run.mode: sync``): batch, train, publish, in turn."""
+        self._driven = True
         trained = self._train_next()  # advances self.version: call it before reading the version
         self._commit(self.version, None, *trained)
         self.done = self.committed >= self.max_steps
@@ -261,6 +264,8 @@ class Trainer(OptimizerCheckpoint):
         now = time.time()
         elapsed = max(now - self._started_at, 1e-9)
         waited = self._waited_s + (now - since if (since := self._waiting_since) else 0.0)
+        if self._driven:  # a driver steps it once each rollout phase ended: idle between steps is waiting too
+            waited = max(waited, elapsed - self.train_s - self.publish_s)
         return {
             "policy": self.policy,
             "version": self.committed,

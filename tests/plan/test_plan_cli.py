@@ -71,6 +71,15 @@ def test_a_config_of_several_policies_is_refused_naming_the_fix():
     assert "Traceback" not in res.output and "errors.pydantic.dev" not in res.output
 
 
+def test_a_sync_config_is_refused_naming_the_fix():
+    """A sync run's trainer idles between its steps, which its wait fraction does not count: a
+    plan sized by it would pick the smallest pools."""
+    res = CliRunner().invoke(main, ["plan", str(ROOT / "examples/sim/config.yaml"), "--pool", "h100=8",
+                                    "--set", "run.mode=sync"])
+    assert res.exit_code == 2, res.output
+    assert "run.mode is sync" in res.output and "--set run.mode=async" in res.output
+
+
 def test_a_config_with_an_autoscaler_is_planned_at_fixed_pool_sizes():
     """The autoscaler's bounds name the config's own partitions, which the plan replaces by its
     pools: the simulated run leaves the autoscaler out rather than failing its config check."""

@@ -318,3 +318,17 @@ def test_a_step_still_training_when_stop_returns_is_never_committed(tmp_path):
     assert state["version"] == 0
     assert WeightStore(tmp_path / "w").versions("p") == at_finish
     assert not [e for e in dl.events if e[0] == "published"], dl.events
+
+
+def test_a_trainer_a_driver_steps_counts_its_idle_time_between_steps_as_waiting(tmp_path):
+    """``run.mode: sync``: the driver steps the trainer once each rollout phase ended, so it never
+    waits inside a step; the time between steps is its wait (what plans and status report)."""
+    dl = _Finishing()
+    trainer = Trainer(policy="p", cfg=TrainerConfig(backend="sim", sim_step_seconds=0.05), model_path="",
+                      weights_root=str(tmp_path / "w"), keep_versions=5, data_layer=dl, max_steps=3)
+    trainer.start(run_loop=False)
+    for _ in range(2):
+        time.sleep(0.3)  # a rollout phase
+        trainer.step()
+    state = trainer.stop()
+    assert state["version"] == 2 and state["wait_fraction"] > 0.5, state
