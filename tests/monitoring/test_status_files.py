@@ -171,3 +171,29 @@ def test_the_json_status_of_an_ended_run_says_how_it_ended_with_its_final_steps(
     assert view.finished and not view.running
     assert (view.outcome, view.requeue, view.seconds) == ("failed", False, 14.0) and "timeout_s" in view.reason
     assert view.policies[0].step == 16 and view.policies[0].wait_fraction == 0.3
+
+
+def test_the_throughput_plot_of_two_policies_draws_the_run_wide_figures_once(tmp_path, monkeypatch):
+    """Episodes/s and tokens/s are the run's, written on every policy's metrics line: one series
+    each, in time order, not one per policy in the same colour (a zig-zag read as two curves)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    from astraflow.runtime.monitoring.export import write_plots
+
+    paths = RunPaths(tmp_path / "run").make()
+    lines = [{"policy": p, "step": s, "elapsed_s": 2.0 * s + (p == "verifier"), "episodes_per_s": 10.0 + s,
+              "generated_tokens_per_s": 100.0 + s, "reward_mean": 0.5}
+             for s in (1, 2, 3) for p in ("solver", "verifier")]
+    paths.metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    drawn = []
+    real = Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda ax, *a, **kw: drawn.append((kw.get("label"), list(a[0]))) or
+                        real(ax, *a, **kw))
+    write_plots(paths.root, tmp_path / "plots")
+    throughput = {label: xs for label, xs in drawn if label and "/s" in label}
+    assert set(throughput) == {"episodes/s (run)", "tokens/s (run)"}
+    assert throughput["episodes/s (run)"] == sorted(throughput["episodes/s (run)"]) and \
+        len(throughput["episodes/s (run)"]) == 6

@@ -117,10 +117,14 @@ def write_plots(run_dir: Path | str, out: Path | str | None = None) -> list[Path
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax2 = ax.twinx()
-    for p, c in view.policies.items():
-        ax.plot(*pts(c.time, c.episodes_per_s), marker=".", color="tab:blue", label=f"{p} episodes/s")
-        ax2.plot(*pts(c.time, c.generated_tokens_per_s), marker=".", color="tab:orange", linestyle="--",
-                 label=f"{p} tokens/s")
+    # run-wide figures, written with every policy's step: one series, the points of all in time order
+    run_wide = [(t, e, k) for c in view.policies.values()
+                for t, e, k in zip(c.time, c.episodes_per_s, c.generated_tokens_per_s)]
+    run_wide.sort(key=lambda point: point[0])
+    times = [t for t, _, _ in run_wide]
+    ax.plot(*pts(times, [e for _, e, _ in run_wide]), marker=".", color="tab:blue", label="episodes/s (run)")
+    ax2.plot(*pts(times, [k for _, _, k in run_wide]), marker=".", color="tab:orange", linestyle="--",
+             label="tokens/s (run)")
     ax.set(title="throughput (cumulative average)", xlabel="seconds", ylabel="episodes/s")
     ax2.set_ylabel("tokens/s")
     h1, l1 = ax.get_legend_handles_labels()

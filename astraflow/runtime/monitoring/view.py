@@ -258,8 +258,9 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
         raise ValueError(f"no run has started in {run_dir} yet (no {paths.status_file}): "
                          f"pass the --run-dir of `astraflow run`")
     if status is None:  # ended before its first tick: what the summary says of its partitions and workers
-        status = {"data_layer": summary.get("data_layer", {}), "trainers": {},  # type: ignore[union-attr]
-                  "partitions": summary.get("partitions") or {}, "workers": summary.get("workers") or {}}  # type: ignore[union-attr]
+        ended: dict[str, Any] = summary or {}
+        status = {"data_layer": ended.get("data_layer", {}), "trainers": {},
+                  "partitions": ended.get("partitions") or {}, "workers": ended.get("workers") or {}}
     # a finished run: the data layer's final state (every task ended) is in the summary
     dl = (summary or {}).get("data_layer") or status.get("data_layer") or {}
     written, age, running, info = snap.written_at, snap.age_s, snap.running, snap.info
