@@ -110,6 +110,8 @@ def test_not_running_run_exits_2(live_run, tmp_path):
     st = json.loads(live_run.status_file.read_text())
     st["written_at"] = time.time() - 3600  # the orchestrator stopped writing an hour ago
     write_status(live_run, st)
+    info = json.loads(live_run.orchestrator_file.read_text())
+    live_run.orchestrator_file.write_text(json.dumps({**info, "started": time.time() - 7200}))  # before that
     for args in (["partitions", "list", str(live_run.root)],
                  ["partitions", "add", str(live_run.root), "x", "--wait", "0"],
                  ["partitions", "remove", str(live_run.root), "h100"],

@@ -197,3 +197,24 @@ def test_the_throughput_plot_of_two_policies_draws_the_run_wide_figures_once(tmp
     assert set(throughput) == {"episodes/s (run)", "tokens/s (run)"}
     assert throughput["episodes/s (run)"] == sorted(throughput["episodes/s (run)"]) and \
         len(throughput["episodes/s (run)"]) == 6
+
+
+def test_a_run_before_its_first_status_is_starting_not_absent_nor_its_previous_incarnation(tmp_path):
+    """A resumed run's orchestrator runs (workers joining, models loading) and has written no
+    status yet: the previous incarnation's status.json is not shown as this run's, and status
+    says the run is starting instead of 'no run' or 'not running'."""
+    import os
+    import socket
+
+    paths = RunPaths(tmp_path / "run").make()
+    now = time.time()
+    paths.status_file.write_text(json.dumps({"written_at": now - 5, "data_layer": {"versions": {"p": 146}},
+                                             "trainers": {}, "partitions": {}, "workers": {}}))
+    paths.orchestrator_file.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                   "started": now - 2, "dashboard": None, "scheduler": None}))
+    snap = read_snapshot(paths.root)
+    assert snap.status is None and snap.starting and not snap.running
+    with pytest.raises(ValueError, match="is starting .*ask again shortly"):
+        build_status_view(paths.root)
+    with pytest.raises(RunNotRunning, match="is starting"):
+        run_status(paths.root)

@@ -230,6 +230,18 @@ class Snapshot:
                 and self.age_s < STALE_AFTER_S and self.summary is None)
 
     @property
+    def starting(self) -> bool:
+        """The orchestrator runs and has not written its first status yet (it starts the Dask
+        scheduler, waits for its workers, builds the components)."""
+        return bool(self.info) and self.status is None and self.summary is None and orchestrator_alive(self.info)
+
+    def starting_message(self, run_dir: Path | str) -> str:
+        since = time.time() - float(self.info.get("started", time.time()))
+        return (f"the run in {run_dir} is starting (orchestrator pid {self.info.get('pid')} on "
+                f"{self.info.get('host')}, for {since:.0f}s): its first status comes once its workers have "
+                "joined and its components are built; ask again shortly")
+
+    @property
     def stale(self) -> bool:
         """A snapshot exists and its writer stopped writing it."""
         return self.status is not None and (self.age_s is None or self.age_s > STALE_AFTER_S)
@@ -248,9 +260,12 @@ def read_snapshot(run_dir: Path | str, now: float | None = None) -> Snapshot:
     paths = RunPaths(Path(run_dir))
     now = time.time() if now is None else now
     status = _read_json(paths.status_file, _STATUS)
+    info = _read_json(paths.orchestrator_file, _INFO) or {}
     written = status.get("written_at") if status is not None else None
-    return Snapshot(paths=paths, status=status, summary=_read_json(paths.summary),
-                    info=_read_json(paths.orchestrator_file, _INFO) or {},
+    started = info.get("started")
+    if written is not None and started is not None and float(written) < float(started):
+        status, written = None, None  # the previous incarnation's: this one has not written one yet
+    return Snapshot(paths=paths, status=status, summary=_read_json(paths.summary), info=info,
                     age_s=(now - written) if written is not None else None)
 
 
@@ -261,11 +276,13 @@ def run_status(run_dir: Path, require_running: bool = True) -> dict[str, Any]:
     paths = RunPaths(run_dir)
     if not paths.root.is_dir():
         raise RunNotRunning(f"{run_dir} is not a run directory: pass the --run-dir of `astraflow run`")
-    if not paths.orchestrator_file.exists() or not paths.status_file.exists():
+    snap = read_snapshot(run_dir)
+    if snap.starting:
+        raise RunNotRunning(snap.starting_message(run_dir))
+    if not paths.orchestrator_file.exists() or snap.status is None:
         if paths.summary.exists():
             raise RunNotRunning(f"the run in {run_dir} has finished; its final state is in {paths.summary}")
         raise RunNotRunning(f"no run has started in {run_dir} yet (no {paths.status_file.name})")
-    snap = read_snapshot(run_dir)
     status = dict(snap.status or {})
     status["running"] = snap.running
     status["orchestrator"] = snap.info

@@ -254,6 +254,8 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
     paths, status, summary = snap.paths, snap.status, snap.summary
     if not paths.root.is_dir():
         raise ValueError(f"{run_dir} is not a run directory: pass the --run-dir of `astraflow run`")
+    if status is None and summary is None and snap.starting:
+        raise ValueError(snap.starting_message(run_dir))
     if status is None and summary is None:
         raise ValueError(f"no run has started in {run_dir} yet (no {paths.status_file}): "
                          f"pass the --run-dir of `astraflow run`")
