@@ -77,3 +77,14 @@ def test_each_policys_evaluations_and_staleness_are_shown_and_a_resume_does_not_
     assert "solver v4" not in out and "solver v6" in out
     assert "verifier v2" in out  # a policy whose versions trail the other's still has its evaluations shown
     assert "staleness solver {'0': 5} verifier {'1': 2}" in out
+
+
+def test_the_progress_line_shows_each_nodes_version_of_every_policy():
+    progress, buf = _progress(heartbeat_s=60.0)
+    trainers = {p: {"version": v, "last_metrics": {}} for p, v in (("solver", 3), ("verifier", 1))}
+    nodes = {"rollout-h100-0": {"versions": {"solver": 3, "verifier": 1}},
+             "rollout-h100-1": {"versions": {"solver": 2}}}
+    progress.update(Tick(data_layer={"nodes": nodes, "episodes_per_s": 1.0, "generated_tokens_per_s": 9.0},
+                         trainers=trainers))
+    out = buf.getvalue()
+    assert "h1000:v3/1" in out and "h1001:v2/?" in out, out

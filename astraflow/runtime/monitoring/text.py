@@ -34,7 +34,8 @@ def format_status(st: dict[str, Any]) -> str:
     dl = st.get("data_layer", {})
     lines = [
         f"run {st.get('run_dir')}  elapsed {dl.get('elapsed_s', 0):.0f}s  "
-        f"dashboard {(st.get('orchestrator') or {}).get('dashboard')}",
+        f"dashboard {(st.get('orchestrator') or {}).get('dashboard')} (with the token in "
+        f"{st.get('run_dir')}/security/dashboard.url)",
         "policies:",
     ]
     restarts = st.get("trainer_restarts") or {}
