@@ -1,9 +1,10 @@
 """Workers as Slurm jobs, driven through the Slurm command-line tools.
 
 Every call to ``sbatch``, ``squeue``, ``scancel``, ``sinfo`` and ``scontrol`` goes through
-`run_slurm` (``slurm_cli.py``, with what reads the tools' output), whose `SlurmCommandError` carries the exit code, command, stdout and stderr. One
-worker = one batch job on one node, its script rendered from ``templates/worker.sbatch.j2``
-by `schedulers.sbatch_script` (`SlurmScheduler.render` returns the script and the ``sbatch`` argv without submitting: the
+`run_slurm` (``slurm_cli.py``, with what reads the tools' output), whose `SlurmCommandError`
+carries the exit code, command, stdout and stderr. One worker = one batch job on one node, its
+script rendered from ``templates/worker.sbatch.j2`` by `schedulers.sbatch_script`
+(`SlurmScheduler.render` returns the script and the ``sbatch`` argv without submitting: the
 dry run). `jobs()` is one ``squeue --json`` call; `wait_for` polls it with backoff.
 
 Jobs carry ``--comment=<tag>``: `jobs()` lists the jobs with this scheduler's tag, so a restarted

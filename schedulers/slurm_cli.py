@@ -128,7 +128,8 @@ def run_slurm(cmd: Sequence[str], *, timeout: float = 30.0, input: str | None = 
     try:
         proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, input=input, env=env)
     except FileNotFoundError as e:
-        raise SlurmCommandError(cmd, 127, "", f"{cmd[0]}: command not found ({e}); is Slurm installed on this host?") from e
+        raise SlurmCommandError(cmd, 127, "", f"{cmd[0]}: command not found ({e}); is Slurm installed on "
+                                "this host?") from e
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")

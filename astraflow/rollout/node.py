@@ -320,7 +320,8 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
                 break
         # drain: finish in-flight episodes, then flush
         if episodes:
-            await asyncio.wait(episodes, timeout=60 if self._give_up_at is None else max(self._give_up_at - time.time(), 0))
+            await asyncio.wait(episodes,
+                               timeout=60 if self._give_up_at is None else max(self._give_up_at - time.time(), 0))
         abandoned = [ep for ep in episodes if not ep.done()]
         for ep in abandoned:  # each reports its task failed (requeued now), not renewed by the last heartbeat
             ep.cancel("the node stopped before the episode finished")

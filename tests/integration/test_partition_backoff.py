@@ -114,7 +114,7 @@ def test_a_partial_submission_marks_the_partition_failed_naming_the_cancelled_jo
 def test_a_failed_cancel_does_not_end_the_run_and_is_tried_again(tmp_path, monkeypatch):
     """A Slurm controller that does not answer one ``scancel`` (shrinking a partition) must not
     end the run: the job is cancelled on a later tick, or at the run's end."""
-    rec = fake_slurm(tmp_path, monkeypatch, fail_at=99, scancel_rc=1)
+    fake_slurm(tmp_path, monkeypatch, fail_at=99, scancel_rc=1)
     paths, pset, fleet = _setup(tmp_path, nodes=2)
     _reconcile(pset, fleet)
     assert len(fleet.workers) == 2
