@@ -406,12 +406,19 @@ def test_a_resumed_run_counts_run_time_not_the_time_between_runs(tmp_path):
     run(replaced.close())
 
 
+def _move_snapshot_aside(paths) -> None:
+    """What the damaged-snapshot message advises: the snapshot and its change log out of the way."""
+    from astraflow.dataflow import changelog
+
+    paths.snapshot.unlink()
+    for n in changelog.log_numbers(paths.snapshot):
+        changelog.log_path(paths.snapshot, n).unlink()
+
+
 def test_a_resume_without_the_snapshot_ends_the_tasks_the_journal_left_open(tmp_path):
     """The snapshot and its log moved aside (what the damaged-snapshot message advises): the
     resume starts from dataflow_state.json, and every task the journal created and never ended
     ends there, as dropped (snapshot_lost), so each task still ends exactly once."""
-    from astraflow.dataflow import changelog
-
     paths = Paths(tmp_path)
     layer = paths.layer()
 
@@ -421,9 +428,7 @@ def test_a_resume_without_the_snapshot_ends_the_tasks_the_journal_left_open(tmp_
         await layer.close()
 
     run(go())
-    paths.snapshot.unlink()
-    for n in changelog.log_numbers(paths.snapshot):
-        changelog.log_path(paths.snapshot, n).unlink()
+    _move_snapshot_aside(paths)
     again = paths.layer()
     run(again.close())
     lines = paths.journal_lines()
@@ -437,8 +442,6 @@ def test_a_resume_without_the_snapshot_ends_the_tasks_the_journal_left_open(tmp_
 def test_a_resume_without_the_snapshot_makes_new_groups_under_new_ids(tmp_path, steps):
     """``dataflow_state.json`` counts the groups as of the last step (none before the first):
     groups made since are in the journal, and the resumed layer's groups must not reuse their ids."""
-    from astraflow.dataflow import changelog
-
     paths = Paths(tmp_path)
     layer = paths.layer()
 
@@ -451,9 +454,7 @@ def test_a_resume_without_the_snapshot_makes_new_groups_under_new_ids(tmp_path, 
         await layer.close()
 
     run(go())
-    paths.snapshot.unlink()
-    for n in changelog.log_numbers(paths.snapshot):
-        changelog.log_path(paths.snapshot, n).unlink()
+    _move_snapshot_aside(paths)
     again = paths.layer()
     assert again.versions == {"p": steps}
     assert len(run(again.lease("n2", 4))) == 4

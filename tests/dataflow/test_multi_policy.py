@@ -227,13 +227,13 @@ def test_a_group_one_policy_settles_at_ingest_still_reaches_the_other(tmp_path):
         assert layer.buffers.counts[policy]["sequences_ingested"] == 1
 
 
-def _two_policy_layer(tmp_path, url, keep=False):
+def _two_policy_layer(tmp_path, url, keep=False, max_steps=10):
     return DataLayer(
         dataflow=DataflowConfig(batch_size=4, prefetch_groups=2),
         workload=WorkloadConfig(name="math", workflow="solver_verifier", params={"digits": 1, "num_test": 4},
                                 group_size=2, eval=EvalConfig(every=2, num_prompts=2)),
         policies=["solver", "verifier"], store_url=url, metrics_path=str(tmp_path / "metrics.jsonl"),
-        max_steps=10, snapshot_path=str(tmp_path / "dataflow.snapshot"),
+        max_steps=max_steps, snapshot_path=str(tmp_path / "dataflow.snapshot"),
         journal_path=str(tmp_path / "ledger.jsonl"), keep_leases=keep)
 
 
@@ -281,16 +281,7 @@ def test_interrupted_multi_policy_run_can_finish_its_final_evaluation(tmp_path):
     for (``eval_done(run.max_steps)``), not at the verifier's."""
     url = str(tmp_path / "store")
 
-    def mk4(keep=False):
-        return DataLayer(
-            dataflow=DataflowConfig(batch_size=4, prefetch_groups=2),
-            workload=WorkloadConfig(name="math", workflow="solver_verifier", params={"digits": 1, "num_test": 4},
-                                    group_size=2, eval=EvalConfig(every=2, num_prompts=2)),
-            policies=["solver", "verifier"], store_url=url, metrics_path=str(tmp_path / "metrics.jsonl"),
-            max_steps=4, snapshot_path=str(tmp_path / "dataflow.snapshot"),
-            journal_path=str(tmp_path / "ledger.jsonl"), keep_leases=keep)
-
-    layer = mk4()
+    layer = _two_policy_layer(tmp_path, url, max_steps=4)
 
     async def before():
         w = layer.store.writer("n")
@@ -306,7 +297,7 @@ def test_interrupted_multi_policy_run_can_finish_its_final_evaluation(tmp_path):
 
     asyncio.run(before())
     assert layer.versions == {"solver": 4, "verifier": 0} and not layer.evals.done(4)
-    resumed = mk4()
+    resumed = _two_policy_layer(tmp_path, url, max_steps=4)
 
     async def after():
         await resumed.trainer_restarted("solver", 4, restart=False)
