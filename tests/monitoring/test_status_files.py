@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -218,3 +219,21 @@ def test_a_run_before_its_first_status_is_starting_not_absent_nor_its_previous_i
         build_status_view(paths.root)
     with pytest.raises(RunNotRunning, match="is starting"):
         run_status(paths.root)
+
+
+def test_a_partition_being_removed_wants_no_nodes():
+    """A removed partition's spec still says how many nodes it had: the view wants none."""
+    part = {"scheduler": "local", "role": "rollout", "hardware": "cpu", "region": "local", "nodes": 2, "live": 1}
+    for state, desired in (("active", 2), ("removing", 0), ("removed", 0)):
+        view = _view_of_partition({**part, "state": state})
+        assert view.desired == desired, state
+
+
+def _view_of_partition(entry: dict):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = RunPaths(Path(tmp) / "run").make()
+        paths.status_file.write_text(json.dumps({"written_at": time.time(), "data_layer": {}, "trainers": {},
+                                                 "partitions": {"pool": entry}, "workers": {}}))
+        return next(p for p in build_status_view(paths.root).partitions if p.name == "pool")

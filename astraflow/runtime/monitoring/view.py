@@ -78,7 +78,7 @@ class PartitionView(_View):
     role: str = Field(description="rollout | data | trainer")
     hardware: str
     region: str
-    desired: int = Field(description="nodes the partition should have")
+    desired: int = Field(description="nodes the partition should have (0 once its removal was asked for)")
     live: int = Field(description="its workers that are not gone")
     nodes: list[NodeView] = Field(description="its workers, by name")
     state: str = Field(default="?", description="active | removing | removed | failed (not refilled); ? when unknown")
@@ -280,7 +280,8 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
         PartitionView(
             name=n, scheduler=str(p.get("scheduler", "?")), role=str(p.get("role", "?")),
             hardware=str(p.get("hardware", "?")), region=str(p.get("region", "?")),
-            desired=int(p.get("nodes", 0)), live=int(p.get("live", 0)), nodes=by_part.get(n, []),
+            desired=0 if p.get("state") in ("removing", "removed") else int(p.get("nodes", 0)),
+            live=int(p.get("live", 0)), nodes=by_part.get(n, []),
             state=str(p.get("state", "?")), failures=int(p.get("failures", 0)),
             refill_in_s=p.get("refill_in_s"), error=p.get("error"), **_partition_stats(p),
         )

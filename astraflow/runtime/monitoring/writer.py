@@ -101,8 +101,9 @@ class StatusWriter:
             ps = self.parts.state[n]
             mine = self.fleet.in_partition(n)
             now_c, then_c = last.get(n) or ZERO_COUNTS, first.get(n) or ZERO_COUNTS
-            rate = (now_c["completed"] - then_c["completed"]) / (t1 - t0) if t1 > t0 else 0.0
-            tok_rate = max(now_c["tokens"] - then_c["tokens"], 0) / (t1 - t0) if t1 > t0 else 0.0
+            window = t1 - t0 if t1 > t0 and ps.state != "removed" else 0.0  # a removed one generates nothing
+            rate = (now_c["completed"] - then_c["completed"]) / window if window else 0.0
+            tok_rate = max(now_c["tokens"] - then_c["tokens"], 0) / window if window else 0.0
             out[n] = {
                 **p.model_dump(mode="json"),
                 "state": ps.state,
