@@ -12,8 +12,6 @@ import tempfile
 import threading
 from pathlib import Path
 
-import yaml
-
 from astraflow.agents.workload import is_agentic
 from astraflow.config import RunConfig
 from astraflow.runtime.jobrecords import PreviousJobs, cancel_previous_jobs
@@ -245,24 +243,18 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
 
 
 def _check_same_policies(cfg: RunConfig, paths: RunPaths) -> None:
-    """A resume trains the policies the run directory holds: the names in its ``config.yaml``,
-    and every policy with weights there. Other settings may change (hardware, partitions,
+    """A resume trains the policies the run directory has weights of (a renamed policy would
+    start afresh beside the old one's weights). Other settings may change (hardware, partitions,
     ``run.max_steps``; a changed workload is handled by the data layer)."""
     from storage.weights import WeightStore
 
-    names = [p.name for p in cfg.policies]
-    before: list[str] = []
-    if paths.config.exists():
-        try:
-            before = [p["name"] for p in (yaml.safe_load(paths.config.read_text()) or {}).get("policies") or []]
-        except (OSError, yaml.YAMLError, TypeError, KeyError):
-            before = []  # unreadable: the weights alone decide
     store = WeightStore(paths.weights)
-    before += [p for p in store.policies() if p not in before and store.versions(p)]
-    if before and sorted(set(before)) != sorted(names):
-        raise ValueError(f"this run directory trains the policies {sorted(set(before))}, the config names "
-                         f"{sorted(names)}: a resume cannot rename, add or remove policies. Use the same "
-                         f"policy names to resume it, or start a new run directory (--run-dir)")
+    before = sorted(p for p in store.policies() if store.versions(p))
+    names = sorted(p.name for p in cfg.policies)
+    if before and before != names:
+        raise ValueError(f"this run directory trains the policies {before}, the config names {names}: a resume "
+                         "cannot rename, add or remove policies. Use the same policy names to resume it, or start "
+                         "a new run directory (--run-dir)")
 
 
 def forget_durable_state(cfg: RunConfig, run_dir: Path, progress: Progress) -> None:

@@ -411,6 +411,8 @@ class Trainer(OptimizerCheckpoint):
             if publishing is not None:  # an error elsewhere: still commit what was trained
                 try:
                     publishing.result()
+                except _Stopped:  # stop() returned first: that version is not committed, by design
+                    pass
                 except Exception:
                     log.exception("trainer %s: publishing v%d failed", self.policy, self.version)
             if self.backend is not None:

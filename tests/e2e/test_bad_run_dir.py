@@ -191,12 +191,10 @@ def test_resuming_with_a_renamed_policy_exits_2_naming_both(tmp_path):
     the same log): the resume is refused before anything starts."""
     import torch
 
-    from astraflow.config import dump_config, load_config
     from storage.weights import WeightStore
 
     run = RunPaths(tmp_path / "run").make()
     config = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "config.yaml"
-    dump_config(load_config(config), run.config)  # what the first incarnation wrote
     WeightStore(run.weights).publish("solver", 2, {"w": torch.ones(2)})
     res = CliRunner().invoke(main, ["run", str(config), "--run-dir", str(run.root), "--quiet",
                                     "--set", "policies.0.name=solver_v2"])
