@@ -105,8 +105,8 @@ def test_nodes_lease_from_the_stock_without_a_call_each_and_a_drain_returns_the_
         assert all(holders[t] == n for n, ids in got.items() for t in ids)
         assert layer.leases.nodes["w0.n1"]["stocked"] and layer.leases.nodes[STOCK]["stock"]
         stocked = co.stock.stats()["stocked"]
-        co.drain()
-        assert co.stock.counts["returned"] == stocked
+        co.drain()  # a refill on its way as the drain began is returned with the rest
+        assert co.stock.counts["returned"] >= stocked and co.stock.stats()["stocked"] == 0
         # what w0.n0 took stays the stock's until that node's heartbeat names it
         assert {t for t, (n, _) in layer.leases.held.items() if n == STOCK} == {t.task_id for t in waited}
         assert co.lease("w0.n1", 1, 0.0).result(30) and "lease_many" in handle.calls  # stopped: the lanes
