@@ -29,9 +29,9 @@ class StoreBackend(Protocol):
     another writer appended) after everything ``write_chunks`` and ``metadata_changed``
     touched, and returns the flush round that makes all of it durable (a no-op when not
     durable); the round may run while the segment's next chunks are written, but calls for one
-    segment must not overlap each other. ``read_log``: the log's bytes from ``offset`` (``b""``
-    if absent). ``sync_metadata``: a metadata file just replaced is made durable now.
-    ``prepare_segment``: the writer of a segment starts, its log's valid records end at
+    segment must not overlap each other. ``read_log``: the log's bytes from ``offset``, ``size``
+    of them when it is not negative (``b""`` if absent). ``sync_metadata``: a metadata file just
+    replaced is made durable now. ``prepare_segment``: the writer of a segment starts, its log's valid records end at
     ``log_end`` (what follows is cut off). Commit markers (``list_markers``/``read_marker``) are read only: segments
     written before the commit log have them. ``release_segment``: the segment's writer is
     closed (files kept open for it may close). ``read_metadata``: a segment's Zarr metadata
@@ -50,7 +50,7 @@ class StoreBackend(Protocol):
     def zarr_store(self, segment: str, read_only: bool) -> Any: ...
     def list_markers(self, segment: str) -> list[int]: ...
     def read_marker(self, segment: str, seqno: int) -> bytes | None: ...
-    def read_log(self, segment: str, offset: int) -> bytes: ...
+    def read_log(self, segment: str, offset: int, size: int = -1) -> bytes: ...
     def append_log(self, segment: str, offset: int, record: bytes) -> Callable[[], None]: ...
     def prepare_segment(self, segment: str, log_end: int) -> None: ...
     def write_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None: ...
@@ -163,11 +163,11 @@ class DirBackend:
         except FileNotFoundError:
             return None
 
-    def read_log(self, segment: str, offset: int) -> bytes:
+    def read_log(self, segment: str, offset: int, size: int = -1) -> bytes:
         try:
             with open(paths.commit_log(self.root, segment), "rb") as f:
                 f.seek(offset)
-                return f.read()
+                return f.read(size)
         except FileNotFoundError:
             return b""
 

@@ -119,13 +119,17 @@ class Marker:
     end: int
     tok_start: int  # token range [tok_start, tok_end)
     tok_end: int
-    strings: dict[str, list[str]]
+    strings: dict[str, list[str]] | None
     written_at: float = 0.0  # the writer's time.time() when it published the batch
     data_crc: int | None = None  # ``data_crc`` of the batch's bytes (commit log records only)
     boot: str = ""  # ``BOOT_ID`` of the machine that wrote the record ("" for markers)
     #: byte offset of the packed batch in the segment's ``data`` array; -1: each array of the
     #: batch lives in an array of its own (segments written before packing)
     data_at: int = -1
+    #: where a reader found it in the commit log: its record's payload ``[start, end)`` and its
+    #: place among the record's batches; ``None`` for a commit marker file. A reader may drop
+    #: ``strings`` (``None``) and read them back from there.
+    record: tuple[int, int, int] | None = None
 
     @property
     def packed(self) -> bool:
@@ -206,10 +210,11 @@ def log_record(batches: list[Marker]) -> bytes:
     return _LOG_HEAD.pack(magic, len(payload), zlib.crc32(payload, zlib.crc32(length))) + payload
 
 
-def parse_log(data: bytes | memoryview, last: Marker | None, data_end: int = 0) -> list[tuple[int, list[Marker]]]:
+def parse_log(data: bytes | memoryview, last: Marker | None, data_end: int = 0,
+              base: int = 0) -> list[tuple[int, list[Marker]]]:
     """The whole, intact records at the start of ``data`` (commit log bytes from a record
-    boundary) that continue the batches up to ``last`` (and the packed bytes up to
-    ``data_end``): ``(end offset in data, its batches)`` each. Stops at the first record that
+    boundary, offset ``base`` of the log) that continue the batches up to ``last`` (and the
+    packed bytes up to ``data_end``): ``(end offset in data, its batches)`` each. Stops at the first record that
     is incomplete (being appended, or cut short by a crash), fails its crc, or does not
     continue the one before it."""
     out: list[tuple[int, list[Marker]]] = []
@@ -227,7 +232,7 @@ def parse_log(data: bytes | memoryview, last: Marker | None, data_end: int = 0) 
             rec = json.loads(payload)
             batches = [Marker(seqno + k, b["entries"][0], b["entries"][1], b["tokens"][0], b["tokens"][1],
                               {c: b[c] for c in STRING_COLUMNS}, float(rec["written_at"]), int(b["crc"]),
-                              str(rec["boot"]), int(b.get("data", -1)))
+                              str(rec["boot"]), int(b.get("data", -1)), (base + pos + _LOG_HEAD.size, base + end, k))
                        for k, b in enumerate(rec["batches"])]
         except (ValueError, KeyError, TypeError, IndexError):
             break
@@ -245,6 +250,12 @@ def parse_log(data: bytes | memoryview, last: Marker | None, data_end: int = 0) 
         out.append((end, batches))
         pos = end
     return out
+
+
+def record_strings(payload: bytes, k: int) -> dict[str, list[str]]:
+    """The string columns of batch ``k`` of a commit log record's ``payload`` (``Marker.record``)."""
+    b = json.loads(payload)["batches"][k]
+    return {c: b[c] for c in STRING_COLUMNS}
 
 
 def layout_record() -> bytes:

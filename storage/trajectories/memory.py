@@ -81,9 +81,9 @@ class MemoryBackend:
         with self.state.lock:
             return self.state.markers.get(segment, {}).get(seqno)
 
-    def read_log(self, segment: str, offset: int) -> bytes:
+    def read_log(self, segment: str, offset: int, size: int = -1) -> bytes:
         with self.state.lock:
-            return bytes(self.state.logs.get(segment, b"")[offset:])
+            return bytes(self.state.logs.get(segment, b"")[offset:offset + size if size >= 0 else None])
 
     def append_log(self, segment: str, offset: int, record: bytes) -> Callable[[], None]:
         with self.state.lock:

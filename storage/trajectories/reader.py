@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from storage.trajectories.columns import Columns, empty_columns
 from storage.trajectories.layout import (
     ARRAY_DTYPES, BOOT_ID, CRC_ORDER, DATA_ARRAY, FLAT_DTYPES, INDEX_COLUMNS, LAYOUT_VERSION, READABLE_LAYOUTS,
     STRING_COLUMNS, EntryNotCommitted, EntryRef, Marker, StoredSequence, data_crc, layout_record, parse_log,
-    row_bytes,
+    record_strings, row_bytes,
 )
 from storage.trajectories.writer import SegmentWriter
 
@@ -33,6 +34,9 @@ from storage.trajectories.writer import SegmentWriter
 _MERGE_GAP_TOKENS = 32 * 1024
 #: refs of one segment further apart than this many entries read their index rows separately
 _MERGE_GAP_ENTRIES = 4096
+#: entries whose string columns a store object keeps parsed (the ones used last); the others'
+#: are read back from their commit log record or marker when a read needs them again
+KEPT_STRINGS = 1 << 14
 
 
 def open_trajectory_store(url: str, mode: str = "a", *, durable: bool = True) -> "TrajectoryStore":
@@ -65,14 +69,39 @@ class CommittedBatch:
     index: np.ndarray  # int64 (entries, len(INDEX_COLUMNS)): offset, length, seq_index, num_sequences
 
 
+class KeptStrings:
+    """The batches whose string columns a store object keeps in memory, least recently used
+    first, at most ``budget`` entries' worth: a long-lived reader (a trainer) would otherwise
+    hold every string it ever read. A batch pushed out gets ``strings = None`` and forgets its
+    cached ``offsets``."""
+
+    def __init__(self, budget: int = KEPT_STRINGS):
+        self.budget = budget
+        self.held = 0  # entries whose strings are kept
+        self._order: OrderedDict[int, Marker] = OrderedDict()
+
+    def touch(self, m: Marker) -> None:
+        if self._order.get(id(m)) is m:
+            self._order.move_to_end(id(m))
+            return
+        self._order[id(m)] = m
+        self.held += m.end - m.start
+        while self.held > self.budget and self._order:
+            _, old = self._order.popitem(last=False)
+            self.held -= old.end - old.start
+            old.strings = None
+            vars(old).pop("offsets", None)
+
+
 class SegmentView:
     """What one store object (or a writer resuming a segment) knows about one segment: its
     published batches (immutable once published), how much of its commit log they take, and
     the chunk layout of its arrays (fixed at creation)."""
 
-    def __init__(self, backend: StoreBackend, segment: str):
+    def __init__(self, backend: StoreBackend, segment: str, kept: KeptStrings | None = None):
         self.backend = backend
         self.segment = segment
+        self.kept = kept if kept is not None else KeptStrings()
         self.markers: list[Marker] = []
         self.starts: list[int] = []  # each batch's first entry
         self.tok_starts: list[int] = []  # and first token
@@ -109,7 +138,7 @@ class SegmentView:
             self._add(Marker.parse(len(self.markers), data))  # a writer of markers (older code) went on
         base = self.log_end
         records = parse_log(self.backend.read_log(self.segment, base), self.markers[-1] if self.markers else None,
-                            self.data_end)
+                            self.data_end, base)
         for k, (end, batches) in enumerate(records):
             if k == len(records) - 1 and not (BOOT_ID and batches[0].boot == BOOT_ID) \
                     and not all(self._backed(m) for m in batches):
@@ -148,6 +177,19 @@ class SegmentView:
         self.markers.append(m)
         self.starts.append(m.start)
         self.tok_starts.append(m.tok_start)
+        self.kept.touch(m)
+
+    def strings_of(self, m: Marker) -> dict[str, list[str]]:
+        """Batch ``m``'s string columns, read back from its record or marker if they were dropped."""
+        got = m.strings
+        if got is None:
+            if m.record is not None:
+                at, end, k = m.record
+                got = m.strings = record_strings(self.backend.read_log(self.segment, at, end - at), k)
+            else:
+                got = m.strings = Marker.parse(m.seqno, self._marker(m.seqno)).strings
+        self.kept.touch(m)  # may drop them again at once (a batch bigger than the budget)
+        return got
 
     def marker_of(self, index: int) -> Marker:
         return self.markers[bisect.bisect_right(self.starts, index) - 1]
@@ -244,6 +286,7 @@ class TrajectoryStore:
             )
         self._layout = rec
         self._views: dict[str, SegmentView] = {}
+        self.kept = KeptStrings()  # shared by the views: a budget per store object
 
     @property
     def url(self) -> str:
@@ -267,8 +310,8 @@ class TrajectoryStore:
             # markers must refuse the store rather than miss them
             self._layout = {**self._layout, "layout_version": LAYOUT_VERSION}
             self._backend.replace_layout(json.dumps(self._layout, sort_keys=True).encode())
-        view = SegmentView(self._backend, segment)
-        view.refresh()  # the writer continues after the last committed batch
+        view = SegmentView(self._backend, segment, KeptStrings(0))
+        view.refresh()  # the writer continues after the last committed batch (its strings not needed)
         return SegmentWriter(self._backend, segment, batch_size, view.markers, view.log_end)
 
     def segments(self) -> list[str]:
@@ -277,7 +320,7 @@ class TrajectoryStore:
     def _view(self, segment: str) -> SegmentView:
         v = self._views.get(segment)
         if v is None:
-            v = self._views[segment] = SegmentView(self._backend, paths.check_name("segment", segment))
+            v = self._views[segment] = SegmentView(self._backend, paths.check_name("segment", segment), self.kept)
         return v
 
     def read(self, refs: list[EntryRef]) -> list[StoredSequence]:
@@ -345,8 +388,9 @@ class TrajectoryStore:
             while e0 < e1:
                 m = view.markers[k]
                 j0, j1 = e0 - m.start, min(e1, m.end) - m.start
+                got = view.strings_of(m)
                 for c in STRING_COLUMNS:
-                    strings[c].extend(m.strings[c][j0:j1])
+                    strings[c].extend(got[c][j0:j1])
                 e0, k = m.start + j1, k + 1
         # 3) token runs: spans sorted by offset, merged when close; one read per array per run,
         # straight into the columns when the run is a single span
@@ -394,7 +438,7 @@ class TrajectoryStore:
             raise EntryNotCommitted(f"segment {segment!r} of {self.url} has no published batch {seqno}")
         m = view.markers[seqno]
         index, reward = view.rows("index", m.start, m.end), view.rows("reward", m.start, m.end)
-        return CommittedBatch(segment, seqno, m.start, m.end, m.written_at, m.strings,
+        return CommittedBatch(segment, seqno, m.start, m.end, m.written_at, view.strings_of(m),
                               np.asarray(reward, np.float64), np.asarray(index, np.int64))
 
     def count(self, segment: str) -> int:
