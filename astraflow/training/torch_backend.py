@@ -95,7 +95,9 @@ class TorchBackend:
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         t0 = time.perf_counter()
-        self.model.train()
+        # eval mode for the policy-gradient pass too: with dropout on, the new log-probs of an
+        # on-policy batch would differ from the engine's (a ratio away from 1, clipped at random)
+        self.model.eval()
         c = collate(batch, self.pad_id)
         total_tokens = int(c.loss_mask.sum())  # the loss is normalised by all of them, trained or not
         B = c.tokens.shape[0]

@@ -211,3 +211,18 @@ def test_bf16_is_a_torch_backend_option():
         TrainerConfig(precision="fp16")
     with pytest.raises(ValueError, match="trainer.precision"):
         TrainerConfig(backend="megatron", precision="bf16")
+
+
+def test_a_model_with_dropout_trains_on_policy_at_ratio_one(tiny_model, tmp_path):
+    """Dropout stays off in the policy-gradient pass: an on-policy batch's new log-probs are the
+    engine's (ratio 1, nothing clipped), whatever the checkpoint's dropout settings."""
+    import shutil
+
+    model = tmp_path / "dropout"
+    shutil.copytree(tiny_model, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "attention_dropout": 0.5}))
+    be = TorchBackend(model, lr=1e-3, skip_zero_advantage=False)
+    assert be.model.config.attention_dropout == 0.5
+    out = be.train_step(_batch(be.model, be.tokenizer))
+    assert abs(out["ratio_mean"] - 1.0) < 1e-4 and out["clip_frac"] == 0.0 and abs(out["approx_kl"]) < 1e-6
