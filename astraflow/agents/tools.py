@@ -12,9 +12,9 @@ past its timeout or returns something that is neither text nor JSON fails the ep
 (``EpisodeError``).
 
 Tools run off the node's event loop: an ``async def`` tool is awaited with its deadline, a
-plain function runs in a shared thread pool, so a slow tool stalls neither heartbeats nor other
-episodes. A thread cannot be killed: a plain tool that never returns keeps its worker thread
-until it does (code that may never return belongs in the code sandbox, a process of its own).
+plain function runs on a thread, so a slow tool stalls neither heartbeats nor other episodes. A
+thread cannot be killed: a plain tool that never returns keeps its (daemon) thread until it
+does (code that may never return belongs in the code sandbox, a process of its own).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import json
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
@@ -42,52 +41,82 @@ class ToolDeadline(Exception):
     """A tool call ran past its timeout (apart from a ``TimeoutError`` the tool raised itself)."""
 
 
+class _ToolCall:
+    """One plain tool call on a daemon thread of its own (``_ToolThreads``)."""
+
+    def __init__(self, slots: threading.Semaphore):
+        self.slots = slots
+        self.lock = threading.Lock()
+        self.started: float | None = None
+        self.dropped = False  # abandoned (past its deadline, or its episode gave up)
+        self.released = False
+
+    def release(self) -> None:
+        with self.lock:
+            if self.released:
+                return
+            self.released = True
+        self.slots.release()
+
+
 class _ToolThreads:
-    """The threads plain (non-async) tools run on, shared by the process. A call past its
-    timeout keeps its thread (Python cannot stop it); once half the threads are held so, the
-    pool is replaced by a fresh one, so stuck tools never starve the others; the calls queued
-    in the old pool move to the new one. A call's deadline counts from when a thread takes it,
-    not while it queues."""
+    """Plain (non-async) tools run each call on a daemon thread of its own, at most ``size`` at
+    once (the others queue; a call's deadline counts from when it starts). A call past its
+    deadline is abandoned: Python cannot stop its thread, which then no longer counts towards
+    ``size`` (stuck tools never starve the others) and, a daemon, does not hold up the
+    process's exit."""
 
     def __init__(self, size: int = 32):
         self.size = size
-        self._pool = ThreadPoolExecutor(size, thread_name_prefix="astraflow-tool")
-        self._stuck = 0
-        self._lock = threading.Lock()
+        self._slots = threading.Semaphore(size)
 
     async def call(self, fn: Callable[[], Any], timeout_s: float) -> Any:
         """``fn()`` on a thread; ``ToolDeadline`` once it ran ``timeout_s`` seconds."""
         loop = asyncio.get_running_loop()
-        started: list[float] = []
+        answer = loop.create_future()
+        call = _ToolCall(self._slots)
 
-        def timed() -> Any:
-            started.append(time.monotonic())
-            return fn()
+        def run() -> None:
+            self._slots.acquire()
+            with call.lock:
+                if call.dropped:  # given up on while it queued
+                    call.released = True
+                    self._slots.release()
+                    return
+                call.started = time.monotonic()
+            try:
+                value, error = fn(), None
+            except BaseException as err:
+                value, error = None, err
+            call.release()
+            try:
+                loop.call_soon_threadsafe(_answer, answer, value, error)
+            except RuntimeError:  # the episode's loop has closed
+                pass
 
-        def submit() -> asyncio.Future:
-            with self._lock:
-                return loop.run_in_executor(self._pool, timed)
+        threading.Thread(target=run, name="astraflow-tool", daemon=True).start()
+        try:
+            while True:
+                left = timeout_s - (time.monotonic() - call.started) if call.started is not None else timeout_s
+                if left <= 0:
+                    raise ToolDeadline
+                done, _ = await asyncio.wait({answer}, timeout=max(left, 0.005))
+                if done:
+                    return answer.result()
+        except BaseException:
+            with call.lock:
+                call.dropped = True
+            if call.started is not None:
+                call.release()  # its slot goes to the next call; the thread runs on, unheeded
+            raise
 
-        fut = submit()
-        while True:
-            left = timeout_s - (time.monotonic() - started[0]) if started else timeout_s
-            if left <= 0:
-                self._abandoned()
-                raise ToolDeadline
-            done, _ = await asyncio.wait({fut}, timeout=max(left, 0.005))
-            if done:
-                if fut.cancelled() and not started:  # queued in a pool since replaced: the fresh one runs it
-                    fut = submit()
-                    continue
-                return fut.result()
 
-    def _abandoned(self) -> None:
-        with self._lock:
-            self._stuck += 1
-            if self._stuck * 2 >= self.size:
-                old, self._pool = self._pool, ThreadPoolExecutor(self.size, thread_name_prefix="astraflow-tool")
-                self._stuck = 0
-                old.shutdown(wait=False, cancel_futures=True)  # its queued calls go to the new pool
+def _answer(answer: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if not answer.done():
+        if error is not None:
+            answer.set_exception(error)
+        else:
+            answer.set_result(value)
 
 
 _THREADS = _ToolThreads()
@@ -165,7 +194,13 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, timeo
     are the JSON arguments, its docstring's first line the description."""
 
     def make(f: Callable[..., Any]) -> Tool:
-        fields, params = {}, list(inspect.signature(f).parameters.values())
+        try:  # annotations as strings (``from __future__ import annotations``), read in f's module
+            sig = inspect.signature(f, eval_str=True)
+        except Exception as err:
+            raise TypeError(f"tool {f.__qualname__}: its parameter annotations cannot be evaluated in "
+                            f"{f.__module__} ({type(err).__name__}: {err}); import the types they name "
+                            "at the module's top level") from err
+        fields, params = {}, list(sig.parameters.values())
         method = bool(params) and params[0].name == "self"
         for p in params[1:] if method else params:
             ann = Any if p.annotation is inspect.Parameter.empty else p.annotation

@@ -242,8 +242,8 @@ def test_plain_text_model_without_template(tok):
 
 
 def test_tools_stuck_past_their_timeout_do_not_starve_the_others():
-    """Every thread of a small tool pool held by a call that never returns in time: the pool
-    is renewed, and a quick tool still answers."""
+    """Every slot of a small tool pool taken by a call that never returns in time: abandoned
+    calls give their slots back, and a quick tool still answers."""
     import threading
 
     from astraflow.agents.env import ToolCall
@@ -295,9 +295,9 @@ def test_a_method_tool_binds_to_its_environment_and_deep_json_is_an_error_observ
     assert parse_action(deep).errors == ("the tool call's JSON is nested too deeply",)
 
 
-def test_calls_queued_behind_stuck_tools_run_on_the_renewed_pool():
-    """Twice as many stuck calls as a small pool has threads, all at once: the ones queued when
-    the pool is renewed run on the new pool and time out in turn, instead of waiting forever."""
+def test_calls_queued_behind_stuck_tools_run_once_those_are_abandoned():
+    """Twice as many stuck calls as a small pool has slots, all at once: the queued ones start
+    as the first ones are abandoned and time out in turn, instead of waiting forever."""
     import threading
 
     import astraflow.agents.tools as tools_mod
@@ -402,3 +402,60 @@ def test_a_huge_tool_result_or_observation_is_cut_before_it_is_tokenised(tok):
     assert result.startswith("x" * 300) and "3999700 more characters cut" in result and len(result) < 400
     env_turn = next(t for t in log.turns if t["kind"] == "env" and not t.get("done"))
     assert env_turn["messages"][0]["content"].endswith("[... 4700 more characters cut: the result had 5000]")
+
+
+_STUCK_TOOL = '''
+import asyncio, threading
+from astraflow.agents.env import EpisodeError, ToolCall
+from astraflow.agents.tools import ToolBox, tool
+
+@tool(timeout_s=0.2)
+def hang(x: int) -> str:
+    """Never returns."""
+    threading.Event().wait()
+
+try:
+    asyncio.run(ToolBox([hang]).run(ToolCall("hang", {"x": 1})))
+except EpisodeError as err:
+    print("failed:", err)
+'''
+
+
+def test_a_process_with_a_tool_stuck_for_good_still_exits(tmp_path):
+    """A plain tool that never returns fails its episode at its deadline, and its thread does
+    not hold the process up when it exits."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "stuck.py").write_text(_STUCK_TOOL)
+    done = subprocess.run([sys.executable, str(tmp_path / "stuck.py")], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0 and "ran past its 0.2 s timeout" in done.stdout, done.stderr
+
+
+_FUTURE_TOOLS = '''
+from __future__ import annotations
+from typing import Literal, Optional
+from astraflow.agents.tools import tool
+
+@tool
+def convert(value: float, unit: Literal["km", "mi"] = "km", note: Optional[str] = None) -> str:
+    """Convert a distance."""
+    return f"{value * (1.609 if unit == 'mi' else 1.0):.1f}"
+'''
+
+
+def test_a_tool_of_a_module_with_postponed_annotations_gets_its_schema(tmp_path, monkeypatch):
+    """Annotations kept as strings (``from __future__ import annotations``) are read in the
+    tool's own module: ``Literal`` and the module's own imports work as they do without it."""
+    import importlib
+
+    from astraflow.agents.env import ToolCall
+
+    (tmp_path / "future_tools.py").write_text(_FUTURE_TOOLS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    box = ToolBox([importlib.import_module("future_tools").convert])
+    props = box.schemas()[0]["function"]["parameters"]["properties"]
+    assert props["unit"]["enum"] == ["km", "mi"]
+    assert asyncio.run(box.run(ToolCall("convert", {"value": 2, "unit": "mi"}))).content == "3.2"
