@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from astraflow.agents.env import Message
+from astraflow.agents.env import EpisodeError, Message
 
 # printable, not whitespace (templates ``| trim`` contents), unlikely in any real message
 _DUMMY = [{"role": "user", "content": "AstraFlowDummyQuestion"}]
@@ -60,9 +60,11 @@ class ChatRenderer:
             self._merge = False
             try:  # an observation after a model turn, as every multi-turn episode renders one
                 self.observation([{"role": "user", "content": _PROBE}])
+            except _NotOneByOne as err:
+                raise ValueError(str(err)) from None
             except Exception as err:
                 raise ValueError(f"the tokenizer's chat template cannot render a user message after an "
-                                 f"assistant turn ({err}); {_FIX}") from None
+                                 f"assistant turn ({type(err).__name__}: {err}); {_FIX}") from None
             try:  # tool results, several at once
                 self.observation([{"role": "tool", "content": _PROBE}, {"role": "tool", "content": _PROBE}])
             except Exception:
@@ -86,22 +88,41 @@ class ChatRenderer:
     def start(self, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Tokens of the first observation, ending where the model's first turn begins. The
         tools' JSON schemas go to the template (a tool-using model's template lists them in its
-        system prompt; a template that does not use them ignores them)."""
+        system prompt; a template that does not use them ignores them). Without a template the
+        tokenizer adds its special tokens (a BOS), as a single-turn prompt gets them; a template
+        that has no system role gets the system messages' text at the head of the first user
+        message."""
         if not self.templated:
-            return self.encode("".join(m["content"] + "\n" for m in messages))
-        return self.encode(self._render(messages, gen=True, tools=tools))
+            return list(self.tok.encode("".join(m["content"] + "\n" for m in messages)))
+        try:
+            return self.encode(self._render(messages, gen=True, tools=tools))
+        except Exception as err:
+            folded = _fold_system(messages)
+            if folded is not None:
+                try:
+                    return self.encode(self._render(folded, gen=True, tools=tools))
+                except Exception:
+                    pass
+            raise EpisodeError(f"the chat template cannot render the first observation ({type(err).__name__}: "
+                               f"{err}); {_FIX}") from err
 
     def observation(self, messages: list[Message]) -> list[int]:
-        """Tokens of ``messages`` following a closed model turn, ending where the next turn begins."""
+        """Tokens of ``messages`` following a closed model turn, ending where the next turn begins:
+        what the template renders after the (dummy) turn's closing. Not a difference of whole
+        renderings: a template may render the last assistant turn otherwise than one a user
+        message follows (Qwen3's empty think block)."""
         if not self.templated:
             return self.encode("".join(m["content"] + "\n" for m in messages))
         if self._merge and messages:
             messages = [{"role": "user", "content": "\n\n".join(m["content"] for m in messages)}]
-        base = self._render(_DUMMY_TURN)
         full = self._render(_DUMMY_TURN + list(messages), gen=True)
-        if not full.startswith(base):
-            raise ValueError(f"the tokenizer's chat template does not render messages one by one; {_FIX}")
-        return self.encode(full[len(base):])
+        answer = _DUMMY_TURN[-1]["content"]
+        at = full.find(answer) + len(answer)
+        if at < len(answer) or not full.startswith(self._closing, at):
+            raise _NotOneByOne(f"the tokenizer's chat template does not render messages one by one (the "
+                               f"assistant turn is not closed by {self._closing!r} when a message follows "
+                               f"it); {_FIX}")
+        return self.encode(full[at + len(self._closing):])
 
     def close_turn(self, ended: bool) -> list[int]:
         """Tokens the template puts after a model turn that the model did not generate;
@@ -118,6 +139,22 @@ class ChatRenderer:
             return False
         return tokens[-1] in self.stop_ids or tokens[-1] in self._special
 
+
+
+class _NotOneByOne(ValueError):
+    """The template does not render an observation after a closed turn as the same closing."""
+
+
+def _fold_system(messages: list[Message]) -> list[Message] | None:
+    """``messages`` with the system messages' contents put at the head of the first user
+    message (for templates without a system role); ``None`` when there is none or no user."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    rest = [dict(m) for m in messages if m["role"] != "system"]
+    first = next((m for m in rest if m["role"] == "user"), None)
+    if not system or first is None:
+        return None
+    first["content"] = "\n\n".join(system + [first["content"]])
+    return rest
 
 
 def prompt_ids(tokenizer: Any, workload: Any, payload: Any) -> list[int]:

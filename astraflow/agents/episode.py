@@ -130,14 +130,16 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
     try:
         first, secs = await timed(env.reset(task), timeout, f"{type(env).__name__}.reset")
         log.env_seconds += secs
+        first = _capped_messages(check_messages(first, "reset"), limits.max_observation_chars)
         schemas = getattr(env.tools, "schemas", None)
-        log.append(renderer.start(check_messages(first, "reset"), tools=schemas() if schemas else None),
-                   kind="observation", messages=first)
+        log.append(renderer.start(first, tools=schemas() if schemas else None), kind="observation", messages=first)
         # kept free for the closing a turn cut by its budget gets: the stored episode stays in the budget
         reserve = len(renderer.close_turn(False))
         if len(log.tokens) + reserve >= limits.max_context_tokens:
             raise EpisodeError(f"the first observation has {len(log.tokens)} tokens, more than the "
-                               f"context budget of {limits.max_context_tokens} leaves for a turn")
+                               f"context budget of {limits.max_context_tokens} leaves for a turn: raise "
+                               "workload.params.max_context_tokens, or lower max_observation_chars or "
+                               f"shorten what {type(env).__name__}.reset returns")
         for _ in range(limits.max_turns):
             room = limits.max_context_tokens - len(log.tokens) - reserve
             gen = await generate(list(log.tokens), min(limits.max_new_tokens, room))
@@ -181,7 +183,7 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
                 check_messages(result.observation, "step")
                 result = replace(result, observation=_capped_messages(result.observation,
                                                                       limits.max_observation_chars))
-                reward, info = result.reward, result.info
+                reward, info = _plain(result.reward), result.info
                 if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
                     raise EpisodeError(f"{type(env).__name__}.step returned reward {reward!r}, not a finite number")
                 if not isinstance(info, Mapping):
@@ -190,7 +192,7 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
                 kind, calls = "env", []
             if result.done:
                 log.final_reward, log.done = float(result.reward), True
-                success = result.info.get("success", result.reward)
+                success = _plain(result.info.get("success", result.reward))
                 if not isinstance(success, numbers.Real) or not math.isfinite(float(success)):
                     raise EpisodeError(f"{type(env).__name__}.step returned info['success'] {success!r}, not a "
                                        "finite number or a boolean")
@@ -222,8 +224,15 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
             pass
 
 
+def _plain(value: Any) -> Any:
+    """A NumPy scalar (``np.float32``, ``np.bool_``: what comparing arrays gives) as the Python
+    number it holds; anything else as it is."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def _jsonable(info: Mapping[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in info.items():
+        v = _plain(v)
         out[str(k)] = v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
     return out

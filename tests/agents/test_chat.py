@@ -121,3 +121,57 @@ def test_a_turn_ends_on_the_template_closer_even_when_eos_is_another_token(tok):
         assert r.ended(turn, "stop") and not r.ended(turn, "length")
         assert tok.decode(r.close_turn(True)) == "\n"
     assert not r.ended(r.encode("5"), "stop")  # cut by a stop string: no stop token to drop
+
+
+#: Qwen3's way: the last assistant turn (no user message after it) gets an empty think block,
+#: one a user message follows does not
+THINKS_LAST = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_renders_the_last_turn_otherwise_renders_an_episode():
+    t = build_tokenizer()
+    t.chat_template = THINKS_LAST
+    r = ChatRenderer(t)
+    first, obs = [{"role": "user", "content": "go"}], [{"role": "tool", "content": "a room"}]
+    ids = r.start(first) + r.encode("look") + [r.end_id] + r.close_turn(True) + r.observation(obs)
+    full = t.apply_chat_template(first + [{"role": "assistant", "content": "look"}] + obs,
+                                 tokenize=False, add_generation_prompt=True)
+    assert t.decode(ids) == full and "<think>" not in full
+
+
+#: Gemma's way: no system role (an error), roles alternate
+NO_SYSTEM = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_without_a_system_role_gets_the_instructions_in_the_first_user_message():
+    from astraflow.agents.env import EpisodeError
+
+    t = build_tokenizer()
+    t.chat_template = NO_SYSTEM
+    r = ChatRenderer(t)
+    ids = r.start([{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "go"}])
+    assert t.decode(ids) == "<|im_start|>user\nUse the tools.\n\ngo<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(EpisodeError, match="cannot render the first observation .*System role.*chat_template"):
+        r.start([{"role": "system", "content": "only instructions"}])
+
+
+def test_a_plain_model_starts_an_episode_with_its_tokenizers_special_tokens():
+    """No template: the first observation is encoded as a single-turn prompt is (with a BOS
+    for a tokenizer that adds one); later pieces are not."""
+    t = build_tokenizer()
+    t.chat_template = None
+    t.add_special_tokens({"bos_token": "<|bos|>"})
+    t._tokenizer.post_processor = __import__("tokenizers").processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", t.bos_token_id)])
+    assert t.encode("q")[0] == t.bos_token_id
+    r = ChatRenderer(t)
+    assert r.start([{"role": "user", "content": "q"}]) == t.encode("q\n")
+    assert t.bos_token_id not in r.observation([{"role": "user", "content": "obs"}])

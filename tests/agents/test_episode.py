@@ -459,3 +459,36 @@ def test_a_tool_of_a_module_with_postponed_annotations_gets_its_schema(tmp_path,
     props = box.schemas()[0]["function"]["parameters"]["properties"]
     assert props["unit"]["enum"] == ["km", "mi"]
     assert asyncio.run(box.run(ToolCall("convert", {"value": 2, "unit": "mi"}))).content == "3.2"
+
+
+class _NumpyEnv(SumEnv):
+    """Its reward and success are NumPy scalars (what comparing arrays gives); its first
+    observation is as long as ``first_chars``."""
+
+    def __init__(self, first_chars: int = 0):
+        super().__init__()
+        self.first_chars = first_chars
+
+    async def reset(self, task):
+        first = await super().reset(task)
+        return [{"role": "user", "content": "x" * self.first_chars + first[0]["content"]}]
+
+    async def step(self, action: Action) -> StepResult:
+        got = np.array([action.text.strip()]) == np.array(["5"])
+        return StepResult([{"role": "user", "content": "ok"}], reward=np.float32(got[0]), done=True,
+                          info={"success": got[0], "score": np.float64(0.5)})
+
+
+def test_numpy_scalars_for_reward_and_success_are_numbers(tok):
+    log = run(scripted(tok, ["5"]), tok, _NumpyEnv())
+    assert log.done and log.success == 1.0 and log.final_reward == 1.0
+    assert log.turns[-1]["info"] == {"success": True, "score": 0.5}
+
+
+def test_the_first_observation_is_cut_as_the_others_are(tok):
+    log = run(scripted(tok, ["5"]), tok, _NumpyEnv(first_chars=20_000), max_context_tokens=2048,
+              max_observation_chars=500)
+    assert log.done and len(log.tokens) < 1000 and len(log.turns[0]["messages"][0]["content"]) <= 600
+    with pytest.raises(EpisodeError, match="raise workload.params.max_context_tokens"):
+        run(scripted(tok, ["5"]), tok, _NumpyEnv(first_chars=5_000), max_context_tokens=256,
+            max_observation_chars=16_000)
