@@ -33,7 +33,7 @@ from collections import deque
 from functools import lru_cache
 from typing import Any, Mapping
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from astraflow.agents.env import Action, EnvironmentBase, Message, StepResult
 from astraflow.agents.workload import AgentParams, AgentWorkload
@@ -66,6 +66,14 @@ class TextWorldParams(AgentParams):
     the goal object), -0.1 for a command the world cannot carry out."""
     max_turns: int = Field(default=6, ge=1)
     """Model turns per episode at most; the world ends the episode (a failure) after them."""
+
+    @model_validator(mode="after")
+    def _solvable(self) -> "TextWorldParams":
+        if self.max_difficulty > self.max_turns:
+            raise ValueError(f"max_difficulty {self.max_difficulty} is more than max_turns {self.max_turns}: a task "
+                             "takes one turn per expert step, so the longest ones could never be solved; raise "
+                             "max_turns or lower max_difficulty")
+        return self
 
 
 class World:
@@ -313,10 +321,13 @@ class TextWorldWorkload(AgentWorkload):
         objects drawn until one fits."""
         kinds = [k for k in KINDS if level >= (2 if k == "put" else 1)]
         first = rng.choice(kinds)
+        # a stream per kind, drawn whether it is tried or not: what ``_impossible`` holds (this
+        # object's history) must not change which tasks are drawn
+        streams = {k: random.Random(rng.randrange(2**63)) for k in kinds}
         for kind in [first] + [k for k in kinds if k != first]:  # the others only if no map of this grid fits
             if (kind, level) in self._impossible:
                 continue
-            task = self._draw_kind(rng, level, kind)
+            task = self._draw_kind(streams[kind], level, kind)
             if task is not None:
                 return task
             self._impossible.add((kind, level))

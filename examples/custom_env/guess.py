@@ -3,7 +3,9 @@
 Named in the config as ``examples.custom_env.guess:GuessWorkload`` (run from the repository
 root); nothing in AstraFlow is edited. The model may call ``probe(n)`` (answers ``higher``,
 ``lower`` or ``yes``) and ends by answering the digit as a plain turn. Success is 1 when the
-answer is right; each probe costs a small per-turn reward, so fewer probes mean a higher return.
+answer is right; a right answer's return is 1 less ``probe_cost`` per probe, so fewer probes
+mean a higher return. A wrong answer and an episode that never answers (it runs out of turns)
+both return 0: charging the probes of a wrong answer only would make not answering pay.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from astraflow.agents.workload import AgentParams, AgentWorkload
 class GuessParams(AgentParams):
     max_turns: int = 5
     max_context_tokens: int = 512
-    probe_cost: float = Field(default=0.05, ge=0)
-    """Per-turn reward of -probe_cost for each probe."""
+    probe_cost: float = Field(default=0.05, ge=0, lt=0.2)
+    """What each probe takes off a right answer's return (below 0.2: five probes leave it positive)."""
 
 
 class GuessEnv(EnvironmentBase):
@@ -47,9 +49,9 @@ class GuessEnv(EnvironmentBase):
     async def step(self, action: Action) -> StepResult:
         text = action.text.strip()
         ok = float(text.isdigit() and int(text) == self.secret)
-        # the probes' cost enters as this final step's shaping, one reward per episode
+        # the probes' cost is taken off a right answer only (module docstring)
         return StepResult([{"role": "user", "content": "right" if ok else "wrong"}],
-                          reward=ok - self.probe_cost * self.probes, done=True, info={"success": ok})
+                          reward=ok * (1.0 - self.probe_cost * self.probes), done=True, info={"success": ok})
 
     def expert_action(self) -> str:
         """Binary search: probe the middle of what is left until a probe says yes."""

@@ -239,3 +239,27 @@ def test_user_environment_through_astraflow_check(tmp_path, methods, code, needl
     out = proc.stdout + proc.stderr
     assert proc.returncode == code, out
     assert needle in out and "Traceback" not in out, out
+
+
+def test_the_guess_example_never_pays_for_not_answering(tok):
+    """A right answer after probes returns less than one without; a wrong answer and no answer
+    at all (out of turns) both return 0, so running out the turns never beats answering."""
+    import asyncio
+
+    from astraflow.agents.chat import ChatRenderer
+    from astraflow.agents.episode import run_agent_episode
+    from tests.agents.test_episode import scripted
+
+    work = make_workload("examples.custom_env.guess:GuessWorkload", {}, seed=0)
+    task = {"secret": 7, "difficulty": 1}
+    probes = [format_call("probe", {"n": n}) for n in (4, 6, 8, 7)]
+
+    def returns(turns):
+        log = asyncio.run(run_agent_episode(scripted(tok, turns), ChatRenderer(tok), work.environment(), task,
+                                            work.limits(40)))
+        return log.final_reward, log.truncated
+
+    assert returns(["7"]) == (1.0, None)
+    assert returns(probes + ["7"])[0] == pytest.approx(0.8)
+    assert returns(probes + ["3"]) == (0.0, None)
+    assert returns(probes + [format_call("probe", {"n": 1})]) == (0.0, "max_turns")

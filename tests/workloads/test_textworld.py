@@ -169,3 +169,22 @@ def test_shaped_rewards_pay_nothing_for_walking_away_and_back():
     found = [r for t in wl.tasks("train")[:40] if (r := asyncio.run(away_and_back(t)))]
     assert found and all(back for _, back in found)
     assert all(rewards == [pytest.approx(-0.1), pytest.approx(0.1)] for rewards, _ in found)
+
+
+def test_tasks_do_not_depend_on_what_the_workload_drew_before():
+    """On a grid where some (kind, length) pairs have no task, the pairs found impossible are
+    remembered: the tasks drawn must not depend on that history (two calls, or another split
+    first, give the same tasks)."""
+    kw = dict(width=2, height=1, max_difficulty=3, num_train=30, num_test=10)
+    w = TextWorldWorkload(**kw)
+    first = w.tasks("train")
+    assert w._impossible and w.tasks("train") == first
+    other = TextWorldWorkload(**kw)
+    other.tasks("eval")
+    assert other.tasks("train") == first
+
+
+def test_a_task_longer_than_an_episode_is_refused():
+    with pytest.raises(ValueError, match="max_difficulty 7 is more than max_turns 6"):
+        TextWorldWorkload(max_difficulty=7)
+    assert TextWorldWorkload(max_difficulty=7, max_turns=7).params.max_difficulty == 7
