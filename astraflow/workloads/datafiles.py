@@ -9,8 +9,9 @@ number instead of a failed read. Parquet and ``save_to_disk`` directories are re
 ``datasets`` library into memory, with its cache in a temporary directory that is removed
 afterwards, so nothing is written next to the data or in the user's home.
 
-A file that cannot be read at all (a truncated JSON list, a CSV that is not UTF-8) is a
-``ValueError`` naming the file, where in it, and the fix.
+A file that cannot be read at all (a truncated JSON list, a CSV that is not UTF-8, a compressed
+or UTF-16 file, a JSON list under a ``.jsonl`` name, a directory of data files that is not a
+``save_to_disk`` one) is a ``ValueError`` naming the file, where in it, and the fix.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import glob
 import io
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -31,8 +33,13 @@ FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "c
 
 BOM = b"\xef\xbb\xbf"
 
-#: how to fix a file in another encoding (``{enc}``: the one it probably is)
-TO_UTF8 = "save it as UTF-8 (Excel: Save As 'CSV UTF-8') or convert it: iconv -f {enc} -t utf-8 FILE > NEW_FILE"
+#: byte-order marks of text that is not UTF-8, UTF-32's first (UTF-32 LE's starts with UTF-16 LE's)
+WIDE_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"),
+             (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
+
+#: compressed files: suffix, how they start, the command that decompresses one
+COMPRESSED = ((".gz", b"\x1f\x8b", "gunzip -k"), (".xz", b"\xfd7zXZ\x00", "unxz -k"),
+              (".zst", b"\x28\xb5\x2f\xfd", "unzstd"))
 
 
 class DataFileError(ValueError):
@@ -87,6 +94,9 @@ def format_of(path: Path, fmt: str) -> str:
         return fmt
     if path.is_dir():
         return "disk"
+    for suffix, _, command in COMPRESSED:
+        if path.suffix.lower() == suffix:
+            raise DataFileError(_compressed(path, command))
     if path.suffix.lower() in FORMATS:
         return FORMATS[path.suffix.lower()]
     raise ValueError(f"dataset: cannot tell the format of {path} from its name; set workload.params.format "
@@ -107,6 +117,8 @@ def read_rows(path: str, fmt: str = "auto") -> list[Row]:
 def _read_one(file: Path, fmt: str) -> list[Row]:
     """The rows of one file (or ``save_to_disk`` directory); any failure is a ``ValueError``
     naming the file."""
+    if file.is_dir():
+        _fail_if_data_files(file)
     if fmt == "disk":
         reader = _disk_rows
     elif not file.is_file():
@@ -125,9 +137,19 @@ def _read_one(file: Path, fmt: str) -> list[Row]:
                             "check the file or set workload.params.format") from None
 
 
-def _jsonl_rows(file: Path) -> Iterator[Row]:
+def _jsonl_rows(file: Path) -> list[Row]:
     """JSON lines: one object per non-blank line; a line that is not UTF-8, not JSON or not an
-    object is a bad row with its line number."""
+    object is a bad row with its line number. A file none of whose lines is a row but which is one
+    JSON value (a list, an object over many lines) is an error saying so."""
+    _json_start(file)
+    rows = list(_json_lines(file))
+    if rows and all(r.fields is None for r in rows):
+        _fail_if_one_value(file)
+    return rows
+
+
+def _json_lines(file: Path) -> Iterator[Row]:
+    """The rows of JSON lines ``file``, each line on its own."""
     with open(file, "rb") as f:
         for n, raw in enumerate(f, 1):
             if n == 1 and raw.startswith(BOM):  # written by Windows tools
@@ -149,41 +171,64 @@ def _jsonl_rows(file: Path) -> Iterator[Row]:
                 yield Row(fields, where)
 
 
-def _json_rows(file: Path) -> Iterator[Row]:
+def _json_rows(file: Path) -> list[Row]:
     """A ``.json`` file: a list of objects, or JSON lines under a ``.json`` name (read as JSONL,
     bad lines skipped)."""
-    with open(file, "rb") as f:
-        head = f.read(64).removeprefix(BOM).lstrip()
-    if not head.startswith(b"["):
-        rows = list(_jsonl_rows(file))
-        if len(rows) > 1 and all(r.fields is None for r in rows):
-            _fail_if_one_object(file)
-        yield from rows
-        return
+    if _json_start(file) != b"[":
+        return _jsonl_rows(file)
     try:
         items = json.loads(_text(file), parse_float=JsonNumber)
     except json.JSONDecodeError as err:
         raise DataFileError(f"dataset: {file} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}; "
                             "fix the file there (is it complete?), or write it as JSON lines (one object per line, "
                             "where a bad line only skips its row)") from None
-    for i, item in enumerate(items, 1):
-        where = f"{file.name} row {i}"
-        if isinstance(item, dict):
-            yield Row(item, where)
-        else:
-            yield Row(None, where, error=f"a JSON {type(item).__name__}, not an object")
+    return [Row(item, f"{file.name} row {i}") if isinstance(item, dict)
+            else Row(None, f"{file.name} row {i}", error=f"a JSON {type(item).__name__}, not an object")
+            for i, item in enumerate(items, 1)]
 
 
-def _fail_if_one_object(file: Path) -> None:
-    """Raise when ``file`` is a single JSON object over many lines (``{"data": [...]}``) rather
-    than JSON lines: its rows are somewhere inside it."""
+def _json_start(file: Path) -> bytes:
+    """The first character of JSON ``file`` that is not whitespace (``b""`` when none), however
+    much whitespace comes first; a compressed or UTF-16/UTF-32 file is an error."""
+    with open(file, "rb") as f:
+        chunk = f.read(1 << 16)
+        _fail_if_not_text(file, chunk[:8], json_text=True)
+        chunk = chunk.removeprefix(BOM)
+        while chunk:
+            rest = chunk.lstrip()
+            if rest:
+                return rest[:1]
+            chunk = f.read(1 << 16)
+    return b""
+
+
+def _fail_if_one_value(file: Path) -> None:
+    """Raise when ``file``, none of whose lines is a row, is one JSON value: a list (JSON read as
+    JSON lines) or an object over many lines (``{"data": [...]}``), its rows somewhere inside."""
     try:
         whole = json.loads(_text(file))
-    except ValueError:
+    except json.JSONDecodeError:
         return
+    if isinstance(whole, list):
+        raise DataFileError(f"dataset: {file} is one JSON list, not JSON lines (one object per line); set "
+                            "workload.params.format: json, or name the file .json")
     if isinstance(whole, dict):
         raise DataFileError(f"dataset: {file} holds one JSON object (keys {sorted(whole)[:5]}), not rows; write "
-                            "the rows as a JSON list of objects or as JSON lines (one object per line)")
+                            "the rows as a JSON list of objects or as JSON lines (one object per line)"
+                            + "".join(f" ({hint})" for hint in [wrapped_rows_hint(whole)] if hint))
+
+
+def wrapped_rows_hint(obj: dict[str, Any], field: str | None = None) -> str:
+    """Where the rows of a file that wraps them in one object (``{"version": 1, "data": [...]}``)
+    are, and how to take them out; ``""`` when no key of ``obj`` holds a list of objects (with
+    ``field``: of objects that have it, so that a row's own list of chat messages is no match)."""
+    keys = [k for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)
+            and (field is None or field in v[0])]
+    if not keys:
+        return ""
+    key = f".{keys[0]}" if keys[0].isidentifier() else f'.["{keys[0]}"]'
+    return (f"the rows are under key {keys[0]!r}" + (f" (lists of objects also under {keys[1:]})" if keys[1:] else "")
+            + f"; take them out as JSON lines: jq -c '{key}[]' FILE > NEW_FILE.jsonl")
 
 
 def _csv_rows(file: Path) -> Iterator[Row]:
@@ -214,16 +259,69 @@ def _csv_rows(file: Path) -> Iterator[Row]:
 def _text(file: Path) -> str:
     """The whole of ``file`` as text: UTF-8, with or without a byte-order mark."""
     data = file.read_bytes()
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-        raise DataFileError(f"dataset: {file} is UTF-16 (Excel's 'Unicode Text'), not UTF-8; "
-                            + TO_UTF8.format(enc="utf-16"))
+    _fail_if_not_text(file, data[:8])
     data = data.removeprefix(BOM)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data[:err.start].count(b"\n") + 1
         raise DataFileError(f"dataset: {file} is not UTF-8 (byte 0x{data[err.start]:02x} on line {line}); "
-                            + TO_UTF8.format(enc="latin1")) from None
+                            + _to_utf8(file, "latin1")) from None
+
+
+def _fail_if_not_text(file: Path, head: bytes, json_text: bool = False) -> None:
+    """Raise when ``head``, the first bytes of ``file``, show it compressed or in UTF-16/UTF-32 (by
+    a byte-order mark or, for JSON, which starts with ASCII, by the NUL bytes beside it): read as
+    UTF-8, each of its rows would be a bad one and the reason lost among them."""
+    for _, magic, command in COMPRESSED:
+        if head.startswith(magic):
+            raise DataFileError(_compressed(file, command))
+    enc = json.detect_encoding(head) if json_text else next((e for bom, e in WIDE_BOMS if head.startswith(bom)),
+                                                             "utf-8")
+    if enc.startswith(("utf-16", "utf-32")):
+        enc = enc.replace("-le", "le").replace("-be", "be")
+        excel = " (Excel's 'Unicode Text')" if enc == "utf-16" and file.suffix.lower() == ".csv" else ""
+        raise DataFileError(f"dataset: {file} is {enc.upper()}{excel}, not UTF-8; " + _to_utf8(file, enc))
+
+
+def _to_utf8(file: Path, enc: str) -> str:
+    """How to fix ``file``, text in encoding ``enc`` (the one it probably is)."""
+    excel = " (Excel: Save As 'CSV UTF-8')" if file.suffix.lower() == ".csv" else ""
+    return f"save it as UTF-8{excel} or convert it: iconv -f {enc} -t utf-8 FILE > NEW_FILE"
+
+
+def _compressed(file: Path, command: str) -> str:
+    return f"dataset: {file} is compressed; decompress it ({command} {file}) and point workload.params.path at that"
+
+
+def _fail_if_data_files(folder: Path) -> None:
+    """Raise, naming the glob to use, when ``folder`` is not a ``save_to_disk`` directory but holds
+    data files (an HF hub download: ``main/train-00000-of-00001.parquet``): which files are the
+    training rows and which the held-out ones is for the config to say."""
+    if (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file():
+        return
+    patterns: list[str] = []
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # a download's .cache
+        for name in sorted(names):
+            suffix = Path(name).suffix.lower()
+            if suffix in FORMATS:
+                shard = re.match(r"(.+?[-_])\d", name)  # train-00000-of-00002.parquet: every shard
+                pattern = os.path.join(root, shard.group(1) + "*" + suffix if shard else name)
+                if pattern not in patterns:
+                    patterns.append(pattern)
+    if not patterns:
+        return
+
+    def named(split: str) -> str | None:
+        return next((p for p in patterns if split in re.split(r"[-_.*]+", os.path.basename(p))), None)
+
+    train, test = named("train") or patterns[0], named("test")
+    raise DataFileError(f"dataset: {folder} is a directory of data files, not one written by datasets' save_to_disk; "
+                        f"point workload.params.path at the training files with a glob: path: {train}"
+                        + (f" (and test_path: {test})" if test else "")
+                        + (f"; the files there: {', '.join(patterns[:6])}{', ...' if len(patterns) > 6 else ''}"
+                           if set(patterns) - {train, test} else ""))
 
 
 def _parquet_rows(file: Path) -> Iterator[Row]:

@@ -31,7 +31,7 @@ from pydantic import Field, model_validator
 
 from astraflow.configbase import Strict
 from astraflow.workloads.base import WORKLOADS
-from astraflow.workloads.datafiles import Row, read_rows
+from astraflow.workloads.datafiles import Row, read_rows, wrapped_rows_hint
 from astraflow.workloads.rewards import answer_problem, boxed_answer, gsm8k_answer, resolve_reward
 
 #: field layouts of public datasets, by preset name (fields a config sets win)
@@ -222,8 +222,9 @@ class DatasetWorkload:
                 del items[limits[name]:]
             self.report.used[name] = len(items)
             if not items:
+                source = tests if name == "test" and cfg.test_path else rows
                 raise ValueError(f"dataset workload: no usable {name} rows. {self.report.summary()}. "
-                                 f"{_fix_for(name, cfg, usable, {r.split for r in rows} - {None})}")
+                                 f"{_fix_for(name, cfg, usable, {r.split for r in rows} - {None}, source)}")
         return splits
 
     def _split_of(self, row: Row, payload: Mapping[str, Any], all_train: bool) -> str | None:
@@ -312,13 +313,14 @@ class DatasetWorkload:
         return system + [{"role": "user", "content": text}]
 
 
-def _fix_for(split: str, cfg: DatasetParams, usable: int, disk_splits: set[str]) -> str:
-    """What to change when ``split`` has no usable row, given ``usable`` good rows in ``path`` and
-    the splits of a ``DatasetDict`` on disk: the field names when the rows were bad, else the
-    way the rows are split."""
+def _fix_for(split: str, cfg: DatasetParams, usable: int, disk_splits: set[str], source: list[Row]) -> str:
+    """What to change when ``split`` has no usable row, given ``usable`` good rows in ``path``, the
+    splits of a ``DatasetDict`` on disk and the rows ``source`` the split was drawn from: how the
+    file is read when no row of it parsed, the field names when the rows were bad, else the way
+    the rows are split."""
     value = cfg.train_split if split == "train" else cfg.test_split
     if usable == 0 or cfg.test_path or value in disk_splits:
-        return "Check the field names (prompt_field, answer_field, preset) against the file"
+        return _unread_fix(cfg, source) or "Check the field names (prompt_field, answer_field, preset) against the file"
     if disk_splits:
         return (f"The saved DatasetDict has no split {value!r} (it has {sorted(disk_splits)}): "
                 "set train_split / test_split, or test_path")
@@ -329,3 +331,19 @@ def _fix_for(split: str, cfg: DatasetParams, usable: int, disk_splits: set[str])
                 "set test_path to a held-out file, or a larger test_fraction")
     return (f"The seeded test_fraction ({cfg.test_fraction}) held out all {usable} usable rows: "
             "add rows, or set a smaller test_fraction")
+
+
+def _unread_fix(cfg: DatasetParams, source: list[Row]) -> str | None:
+    """The fix when the rows of ``source`` are not rows of the data at all, so that the field
+    names are not what is wrong: none parsed (another format, a binary file), or each is one object
+    wrapping the rows (``{"version": 1, "data": [...]}`` on one line)."""
+    if source and all(r.fields is None for r in source):
+        read_as = cfg.format if cfg.format != "auto" else "in the format its suffix names"
+        return (f"No row parsed at all, so the file is not {read_as}: check that it is UTF-8 text in that format, "
+                "or set workload.params.format (jsonl: one JSON object per line, json: a list of objects, csv, "
+                "parquet, disk)")
+    field = cfg.messages_field or cfg.prompt_field
+    hints = [wrapped_rows_hint(r.fields, field) for r in source if r.fields is not None and field not in r.fields]
+    if hints and len(hints) == len(source) and all(hints):
+        return f"{source[0].location} is one JSON object, not a row: {hints[0]}"
+    return None

@@ -178,6 +178,19 @@ def test_backend_config_names_the_fix(tmp_path):
         TrainerConfig(backend="megatron", tensor_parallel=0)
 
 
+def test_backend_config_makes_relative_paths_absolute(tmp_path, monkeypatch):
+    """The ranks start in the backend's private work directory: a checkpoint or log directory
+    relative to the caller's would name nothing there (the ranks then tried the HF hub)."""
+    from astraflow.training.megatron.backend import MegatronBackendConfig
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    cfg = MegatronBackendConfig(hf_checkpoint="hf", log_dir="logs")
+    assert cfg.hf_checkpoint == str(tmp_path / "hf") and cfg.log_dir == str(tmp_path / "logs")
+    assert MegatronBackendConfig(hf_checkpoint=str(tmp_path / "hf")).log_dir is None
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_gathered_shards_are_the_full_state(tp, arch):

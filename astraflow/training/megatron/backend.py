@@ -83,7 +83,8 @@ FULL_DISK_GRACE_S = 30.0
 class MegatronBackendConfig:
     """Configuration of the Megatron backend (owned by ``training/``)."""
 
-    #: HF Llama checkpoint directory the run starts from (converted to Megatron at start).
+    #: HF Llama checkpoint directory the run starts from (converted to Megatron at start); a
+    #: relative path is made absolute against the current directory.
     hf_checkpoint: str
     #: tensor-parallel size: rank processes per model replica.
     tp_size: int = 1
@@ -108,7 +109,8 @@ class MegatronBackendConfig:
     start_timeout_s: float = 300.0
     #: deadline for one command (train step, save) on every rank.
     step_timeout_s: float = 600.0
-    #: where rank logs go; None means the backend's private work directory.
+    #: where rank logs go (made absolute like ``hf_checkpoint``); None means the backend's private
+    #: work directory.
     log_dir: str | None = None
     #: extra environment for the rank processes.
     env: dict[str, str] = field(default_factory=dict)
@@ -140,6 +142,10 @@ class MegatronBackendConfig:
             raise ValueError(f"publish_dtype must be fp32 or bf16, got {self.publish_dtype!r}")
         if ":" not in self.loss_fn:
             raise ValueError(f"loss_fn {self.loss_fn!r} must look like 'package.module:function'")
+        # the ranks start in the backend's own work directory, where a relative path names nothing
+        object.__setattr__(self, "hf_checkpoint", os.path.abspath(os.path.expanduser(self.hf_checkpoint)))
+        if self.log_dir is not None:
+            object.__setattr__(self, "log_dir", os.path.abspath(os.path.expanduser(self.log_dir)))
         if not Path(self.hf_checkpoint, "config.json").is_file():
             raise ValueError(
                 f"hf_checkpoint {self.hf_checkpoint!r} has no config.json: point it at an HF model "
