@@ -305,10 +305,12 @@ class Orchestrator(Shutdown):
                 if why:
                     raise RunFailed(why)
             except TrainerLost as lost:
-                self.restarts.replace(lost)  # or RunFailed: restarts spent, backend cannot resume
+                with self.status.alive_while(f"replacing the trainer worker {lost.worker.name} ({lost.why})"):
+                    self.restarts.replace(lost)  # or RunFailed: restarts spent, backend cannot resume
                 continue
             except DataLayerLost as lost:
-                self.dl_restarts.replace(lost)  # or RunFailed: restarts spent, state not durable
+                with self.status.alive_while(f"re-placing the data layer ({lost.why})"):
+                    self.dl_restarts.replace(lost)  # or RunFailed: restarts spent, state not durable
                 continue
             self.status.track(tick)
             if self.autoscaler is not None:
@@ -346,7 +348,8 @@ class Orchestrator(Shutdown):
             try:
                 self.fleet.check_core(wait_s=10.0)
             except TrainerLost as lost:
-                self.restarts.replace(lost)
+                with self.status.alive_while(f"replacing the trainer worker {lost.worker.name} ({lost.why})"):
+                    self.restarts.replace(lost)
                 return True
             return False
 

@@ -237,3 +237,28 @@ def _view_of_partition(entry: dict):
         paths.status_file.write_text(json.dumps({"written_at": time.time(), "data_layer": {}, "trainers": {},
                                                  "partitions": {"pool": entry}, "workers": {}}))
         return next(p for p in build_status_view(paths.root).partitions if p.name == "pool")
+
+
+def test_a_restart_longer_than_the_staleness_limit_keeps_the_run_running(tmp_path):
+    """While the orchestrator restarts a component (no ticks), the last status is written again
+    with what it waits for: readers see a running run that says why its figures are old."""
+    paths = RunPaths(tmp_path / "run").make()
+    writer, _ = _writer(paths)
+    write_orchestrator_info(paths, None, None)
+    with writer.alive_while("before the first status"):  # nothing to write yet: the run is starting
+        pass
+    assert not paths.status_file.exists()
+    writer.write(_tick(1))
+    first = read_snapshot(paths.root).written_at
+    with writer.alive_while("replacing the trainer worker t0 (job local-9 FAILED)", every_s=0.05):
+        time.sleep(0.3)
+        st = run_status(paths.root)
+        assert st["written_at"] > first and st["waiting"]["what"].startswith("replacing the trainer worker t0")
+        assert "now: replacing the trainer worker t0 (job local-9 FAILED) (for 0s)" in format_status(st)
+        assert build_status_view(paths.root).waiting == "replacing the trainer worker t0 (job local-9 FAILED)"
+    time.sleep(0.1)
+    after = run_status(paths.root)["written_at"]
+    time.sleep(0.2)
+    assert run_status(paths.root)["written_at"] == after  # the keeper stopped with the restart
+    writer.write(_tick(2))
+    assert "waiting" not in run_status(paths.root) and build_status_view(paths.root).waiting is None

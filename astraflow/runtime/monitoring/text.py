@@ -38,6 +38,9 @@ def format_status(st: dict[str, Any]) -> str:
         f"{st.get('run_dir')}/security/dashboard.url)",
         "policies:",
     ]
+    waiting = st.get("waiting")
+    if waiting:  # the orchestrator is restarting a component: the figures below are from before
+        lines.insert(1, f"now: {waiting.get('what')} (for {time.time() - float(waiting.get('since', 0)):.0f}s)")
     restarts = st.get("trainer_restarts") or {}
     for p, t in st.get("trainers", {}).items():
         m = t.get("last_metrics", {})

@@ -188,6 +188,8 @@ class StatusView(_View):
     partitions: list[PartitionView]
     ledger: LedgerView
     autoscale: AutoscaleView | None = Field(default=None, description="the autoscaler; None when the run has none")
+    waiting: str | None = Field(default=None, description="what the orchestrator is doing while the figures wait "
+                                                          "(a trainer's or the data layer's restart); None otherwise")
 
 
 LEDGER_EVENTS = ("created", "leased", "completed", "requeued", "failed", "consumed", "dropped", "evaluated")
@@ -342,6 +344,7 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
         rollout_idle_fraction=_mean_idle(partitions),
         policies=policies, partitions=partitions, ledger=ledger,
         autoscale=_autoscale_view((summary or {}).get("autoscale") or status.get("autoscale")),
+        waiting=None if summary is not None else (status.get("waiting") or {}).get("what"),
     )
 
 

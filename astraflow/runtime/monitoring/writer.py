@@ -10,10 +10,12 @@ what its nodes generated and the trainers consumed, the versions its nodes serve
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from astraflow.runtime.monitoring.partition_stats import (ZERO_COUNTS, partition_counts, partition_versions,
                                                           staleness_summary)
@@ -76,6 +78,8 @@ class StatusWriter:
         self.autoscale: Callable[[], dict[str, Any] | None] = lambda: None
         #: per partition: the weight versions its live nodes serve, per policy
         self._versions: dict[str, dict[str, list[int]]] = {}
+        #: the last status written (``alive_while`` writes it again)
+        self._last: dict[str, Any] | None = None
 
     def track(self, tick: Tick) -> None:
         """Per-partition counts from the data layer's node table (`partition_counts`), and the
@@ -130,10 +134,34 @@ class StatusWriter:
             }
         return out
 
+    @contextlib.contextmanager
+    def alive_while(self, what: str, every_s: float = 5.0) -> Iterator[None]:
+        """While a long step of the orchestrator's own runs (a trainer's or the data layer's
+        restart: placing a worker, loading a model), the last status is written again every
+        ``every_s`` seconds with ``waiting`` naming the step: the run is not taken for stopped."""
+        if self._last is None:  # no status yet: `status` says the run is starting
+            yield
+            return
+        stop, t0 = threading.Event(), time.time()
+
+        def beat() -> None:
+            while not stop.wait(every_s):
+                with contextlib.suppress(OSError):  # a full disk must not end the restart
+                    write_status(self.paths, {**self._last, "written_at": time.time(),
+                                              "waiting": {"what": what, "since": t0}})
+
+        keeper = threading.Thread(target=beat, name="astraflow-status-keepalive", daemon=True)
+        keeper.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            keeper.join(every_s + 5.0)
+
     def write(self, tick: Tick) -> None:
         """Publish ``control/status.json`` (what `read_snapshot` reads back)."""
         fleet = self.fleet
-        write_status(self.paths, {
+        self._last = {
             "written_at": time.time(),
             "run_dir": str(self.paths.root),
             "tag": self.tag,
@@ -150,7 +178,8 @@ class StatusWriter:
                     "draining": w.draining, "actor": w.started, "log": str(w.job.log) if w.job.log else None}
                 for n, w in fleet.workers.items()
             },
-        })
+        }
+        write_status(self.paths, self._last)
 
     def write_summary(self, *, ending: Any, steps: dict[str, int], ledger: dict[str, Any], ledger_closed: bool,
                       seconds: float, nodes: dict[str, Any], trainers: dict[str, Any], data_layer: dict[str, Any],

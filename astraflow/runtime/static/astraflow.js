@@ -134,7 +134,7 @@ function renderStatus(st) {
   $("run-dir").textContent = st.run_dir;
   const badge = $("run-state");
   const state = st.running ? "running" : st.finished ? "finished" : "stopped";
-  badge.textContent = state;
+  badge.textContent = st.running && st.waiting ? "running: " + st.waiting : state;
   badge.className = "badge " + state;
   $("elapsed").textContent = duration(st.elapsed_s);
   $("traj-s").textContent = fmt(st.episodes_per_s, 1);
