@@ -98,7 +98,13 @@ def command(cfg: SandboxConfig, python: str, in_dir: str, result_fd: int,
     """bwrap argv running the runner on ``in_dir``; the runner reports on ``result_fd``."""
     return [*_sandbox(cfg, python), "--ro-bind", in_dir, IN_DIR, "--chdir", SCRATCH,
             python, "-I", "-S", "-B", f"{IN_DIR}/runner.py", str(result_fd), str(cfg.cpu_s),
-            str(cfg.memory_mb << 20), str(cfg.max_processes), *test_names]
+            str(cfg.memory_mb << 20), str(cfg.max_processes), str(file_size_limit(cfg)), *test_names]
+
+
+def file_size_limit(cfg: SandboxConfig) -> int:
+    """Bytes one file may hold (RLIMIT_FSIZE): a memfd lives in memory outside the address-space
+    limit and the tmpfs sizes, so no file may exceed the scratch size or the memory limit."""
+    return min(cfg.scratch_mb, cfg.memory_mb) << 20
 
 
 def drop_privileges(cfg: SandboxConfig) -> dict:

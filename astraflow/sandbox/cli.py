@@ -2,7 +2,8 @@
 
 Registered on the main CLI by ``astraflow.cli``; kept here so the sandbox stays one package.
 Bad input (a missing file, a bad timeout, bubblewrap missing) exits 2 with one line naming the
-fix; a program that ran exits 0 whatever it returned; a sandbox that failed exits 1.
+fix (an option of this command where the run config's field has one: ``--bwrap``,
+``--interpreter``); a program that ran exits 0 whatever it returned; a sandbox that failed exits 1.
 """
 
 from __future__ import annotations
@@ -33,8 +34,13 @@ def sandbox() -> None:
               help="Python file run after PROGRAM in its namespace; each top-level test_* function is one test.")
 @click.option("--timeout", "timeout_s", type=float, default=None,
               help="Wall-clock limit in seconds (default: sandbox.timeout_s).")
+@click.option("--bwrap", "bwrap", default=None, metavar="PATH",
+              help="The bubblewrap executable (default: bwrap on PATH).")
+@click.option("--interpreter", default=None, metavar="PATH",
+              help="The Python run inside the sandbox (default: this machine's base python3).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
-def run_cmd(program: Path, tests_file: Path | None, timeout_s: float | None, as_json: bool) -> None:
+def run_cmd(program: Path, tests_file: Path | None, timeout_s: float | None, bwrap: str | None,
+            interpreter: str | None, as_json: bool) -> None:
     """Run PROGRAM (and --tests) in the sandbox and print the structured result."""
     from . import Sandbox, SandboxConfig, SandboxUnavailable
 
@@ -47,16 +53,23 @@ def run_cmd(program: Path, tests_file: Path | None, timeout_s: float | None, as_
             raise BadInput(f"--tests {tests_file} is not UTF-8 ({err}): save it as UTF-8") from None
     if timeout_s is not None and not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise BadInput(f"--timeout {timeout_s}: give a positive, finite number of seconds")
+    cfg = SandboxConfig(**{k: v for k, v in (("bwrap", bwrap), ("interpreter", interpreter)) if v})
     try:
-        result = Sandbox(SandboxConfig()).run(source, tests, timeout_s=timeout_s)
+        result = Sandbox(cfg).run(source, tests, timeout_s=timeout_s)
     except SandboxUnavailable as err:
-        raise BadInput(str(err)) from None
+        raise BadInput(cli_words(str(err))) from None
     if as_json:
         click.echo(json.dumps(result.to_json()))
     else:
         click.echo(summary(result))
     if result.status == "sandbox_error":
         raise SystemExit(1)
+
+
+def cli_words(message: str) -> str:
+    """A SandboxUnavailable message with the run config's fields this command takes as options
+    named as those options (``sandbox.bwrap`` is ``--bwrap`` here)."""
+    return message.replace("sandbox.bwrap", "--bwrap").replace("sandbox.interpreter", "--interpreter")
 
 
 def _read_bytes(path: Path, what: str) -> bytes:

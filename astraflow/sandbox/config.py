@@ -25,13 +25,15 @@ class SandboxConfig(Strict):
     max_output_bytes: int = Field(65536, ge=1024)
     """Cap on stdout + stderr together; more kills the execution (status ``output_limit``)."""
     scratch_mb: int = Field(64, ge=1)
-    """Size of the execution's writable scratch directory (a tmpfs, gone with the execution)."""
+    """Size of the execution's writable scratch directory (a tmpfs, gone with the execution); also
+    the most one file may hold (RLIMIT_FSIZE, at most ``memory_mb``)."""
     interpreter: str | None = None
     """Python run inside the sandbox; None = the base python3 of this machine (``/usr/bin/python3``,
     else the interpreter under this process's venv). Its prefix is bound read-only."""
     scratch_root: str | None = None
     """Host directory that holds each execution's inputs while it runs (removed afterwards);
-    None = ``<system temp dir>/astraflow-sandbox``. Keep it outside run directories."""
+    None = ``<system temp dir>/astraflow-sandbox-<uid>``. It must be yours, not a symbolic link,
+    and not writable by group or others (else SandboxUnavailable). Keep it outside run directories."""
     sandbox_uid: int = Field(65534, ge=1)
     """When the node runs as root: the unprivileged uid (and gid) an execution runs as, so
     the kernel enforces the process limit (it exempts root). Default: nobody."""

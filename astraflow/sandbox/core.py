@@ -16,6 +16,7 @@ import secrets
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -30,8 +31,9 @@ from .result import SandboxResult, TestOutcome
 
 RUNNER = (Path(__file__).with_name("runner.py")).read_text(encoding="utf-8")
 MAX_CHANNEL_BYTES = 1 << 20  # the result pipe: a few lines per test
+MAX_EVENT_CHARS = 1 << 14  # one report line: a test's name and its truncated exception line
 EXIT_GRACE_S = 1.0  # after bubblewrap exits, how long its pipes may take to close
-SIGNALLED = {128 + signal.SIGXCPU: "timeout", 128 + signal.SIGKILL: "timeout"}  # CPU limit
+CPU_SIGNALS = (128 + signal.SIGXCPU, 128 + signal.SIGKILL)  # the CPU limit's soft and hard ends
 
 
 class Sandbox:
@@ -48,21 +50,48 @@ class Sandbox:
         self._queued: dict[int, list] = {}
 
     def check(self) -> None:
-        """Raise SandboxUnavailable (naming the fix) unless bubblewrap works here; once."""
+        """Raise SandboxUnavailable (naming the fix) unless bubblewrap works here and an
+        execution directory can be made under the scratch root; once."""
         with self._lock:
             if not self._checked:
                 bwrap.probe(self.cfg)
                 self._root = self._scratch_root()
+                try:
+                    shutil.rmtree(self._input_dir("", None))
+                except OSError as err:
+                    raise bwrap.SandboxUnavailable(
+                        f"cannot make an execution directory under the sandbox's scratch root {self._root} "
+                        f"({err.strerror or err}): set sandbox.scratch_root to a directory you can write") from None
                 self._checked = True
 
     def _scratch_root(self) -> Path:
-        """The directory execution inputs go under, made (0711 whatever the umask) and checked:
-        run as another uid, the sandbox must be able to pass through every directory above it."""
-        root = Path(self.cfg.scratch_root or Path(tempfile.gettempdir()) / "astraflow-sandbox").absolute()
-        if not root.is_dir():
-            root.mkdir(parents=True, exist_ok=True)
-            os.chmod(root, 0o711)
-        if bwrap.drop_privileges(self.cfg):
+        """The directory execution inputs go under: ``sandbox.scratch_root``, else this user's
+        own in the temp dir; made if missing (0700, 0711 when the sandbox runs as another uid,
+        whatever the umask). Refused unless it is our directory and no one else can write it:
+        another user could read the tests there, or swap an execution's inputs for a runner
+        that reports a pass. Run as another uid, the sandbox must pass through every directory above it."""
+        drop = bool(bwrap.drop_privileges(self.cfg))
+        default = Path(tempfile.gettempdir()) / f"astraflow-sandbox-{os.geteuid()}"
+        root = Path(self.cfg.scratch_root or default).absolute()
+        try:
+            root.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.mkdir(root, 0o700)
+                os.chmod(root, 0o711 if drop else 0o700)
+            except FileExistsError:
+                pass
+            st = os.lstat(root)
+        except OSError as err:
+            why = f"{err.filename}: {err.strerror}" if err.filename and err.strerror else str(err)
+            raise bwrap.SandboxUnavailable(
+                f"cannot create the sandbox's scratch root {root} ({why}): set "
+                "sandbox.scratch_root to a directory you can write") from None
+        problem = _not_ours(st)
+        if problem:
+            raise bwrap.SandboxUnavailable(
+                f"the sandbox's scratch root {root} {problem}: another user could read the tests under it or "
+                f"forge results; remove it, or set sandbox.scratch_root to a directory only you can write")
+        if drop:
             for d in (root, *root.parents):
                 if not os.stat(d).st_mode & 0o001:
                     raise bwrap.SandboxUnavailable(
@@ -128,24 +157,39 @@ class Sandbox:
 
     def _execute(self, program: str | bytes, tests: str | None, timeout: float) -> SandboxResult:
         start = time.monotonic()
-        in_dir = self._input_dir(program, tests)
+        try:
+            in_dir = self._input_dir(program, tests)
+        except OSError as err:
+            return _result("sandbox_error", (), "", f"sandbox could not write its inputs: {err}", None, start)
         try:
             return self._spawn_and_collect(in_dir, tests, timeout, start)
         finally:
             shutil.rmtree(in_dir, ignore_errors=True)
 
     def _input_dir(self, program: str | bytes, tests: str | None) -> str:
-        path = tempfile.mkdtemp(prefix="exec-", dir=self._root)
-        os.chmod(path, 0o755)  # readable by the unprivileged uid the sandbox runs as
-        files = {"runner.py": RUNNER.encode(),
-                 "program.py": program.encode("utf-8", "surrogateescape") if isinstance(program, str)
-                 else program}
-        if tests is not None:
-            files["tests.py"] = tests.encode("utf-8", "surrogateescape")
-        for name, data in files.items():
-            with open(os.path.join(path, name), "wb") as f:
-                f.write(data)
-            os.chmod(os.path.join(path, name), 0o644)
+        """A fresh directory of the inputs, readable by us only (the tests must not leak to other
+        users); when the sandbox runs as another uid, also by its group, read-only."""
+        path = tempfile.mkdtemp(prefix="exec-", dir=self._root)  # 0700
+        try:
+            files = {"runner.py": RUNNER.encode(),
+                     "program.py": program.encode("utf-8", "surrogateescape") if isinstance(program, str)
+                     else program}
+            if tests is not None:
+                files["tests.py"] = tests.encode("utf-8", "surrogateescape")
+            gid = bwrap.drop_privileges(self.cfg).get("group")
+            for name, data in files.items():
+                fd = os.open(os.path.join(path, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                with open(fd, "wb") as f:
+                    f.write(data)
+                    if gid is not None:
+                        os.fchown(fd, -1, gid)
+                        os.fchmod(fd, 0o640)
+            if gid is not None:
+                os.chown(path, -1, gid)
+                os.chmod(path, 0o750)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
         return path
 
     def _spawn_and_collect(self, in_dir: str, tests: str | None, timeout: float,
@@ -170,7 +214,7 @@ class Sandbox:
         except OSError:
             pass  # bubblewrap already failed: its stderr says why
         out, err, channel, killed = _collect(proc, r_fd, start + timeout, cfg.max_output_bytes)
-        return _judge(proc.returncode, out, err, _events(channel, nonce), killed, names, start)
+        return _judge(proc.returncode, out, err, _events(channel, nonce), killed, names, start, cfg.cpu_s)
 
 
 def _collect(proc: subprocess.Popen, r_fd: int, deadline: float,
@@ -229,9 +273,13 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def _events(channel: bytes, nonce: str) -> list[tuple[str, object]]:
     """(event, payload) of the runner's lines that carry the nonce; anything else is ignored
-    (the program can write to the pipe too)."""
+    (the program can write to the pipe too), and before it is parsed: a long or nested literal
+    costs the host CPU time."""
     events = []
+    prefix = f"('{nonce}', "  # how the runner's repr((nonce, event, payload)) begins (a hex nonce)
     for line in channel.decode("utf-8", "replace").splitlines():
+        if len(line) > MAX_EVENT_CHARS or not line.startswith(prefix):
+            continue
         try:
             event = ast.literal_eval(line)
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
@@ -242,7 +290,10 @@ def _events(channel: bytes, nonce: str) -> list[tuple[str, object]]:
 
 
 def _judge(code: int | None, out: bytes, err: bytes, events: list[tuple[str, object]],
-           killed: str | None, expected: list[str], start: float) -> SandboxResult:
+           killed: str | None, expected: list[str], start: float, cpu_s: float) -> SandboxResult:
+    """The result of an execution. Killed by SIGXCPU or SIGKILL is a timeout only once the
+    execution has lasted ``cpu_s``: the program can send either signal to itself, and one
+    process needs at least that long to spend its CPU time."""
     kinds = {kind for kind, _ in events}
     outcomes = {}
     for kind, payload in events:
@@ -260,8 +311,8 @@ def _judge(code: int | None, out: bytes, err: bytes, events: list[tuple[str, obj
         status = killed
     elif "start" not in kinds or "runner_error" in kinds:
         status = "sandbox_error"
-    elif code in SIGNALLED:
-        status = SIGNALLED[code]
+    elif code in CPU_SIGNALS and time.monotonic() - start >= cpu_s:
+        status = "timeout"
     elif "memory" in kinds:
         status = "memory"
     elif code == 0 and "done" in kinds and all(t.passed for t in results):
@@ -305,12 +356,23 @@ def test_names(tests: str) -> list[str]:
     """The tests' top-level ``test_*`` functions in order, or ["tests"] when there are none
     (the whole source is one test). The tests come from the workload, not the model."""
     try:
-        tree = ast.parse(tests)
+        tree = ast.parse(tests.removeprefix("\ufeff"))
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return ["tests"]
     names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
              and n.name.startswith("test_")]
     return list(dict.fromkeys(names)) or ["tests"]
+
+
+def _not_ours(st: os.stat_result) -> str | None:
+    """Why a scratch root with this lstat is unsafe to hold execution inputs, or None."""
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return "is not a directory (a symbolic link or a file)"
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {st.st_mode & 0o777:04o})"
+    return None
 
 
 def _result(status, tests, stdout, stderr, code, start) -> SandboxResult:

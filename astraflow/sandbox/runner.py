@@ -1,17 +1,22 @@
 """The first code that runs inside the sandbox (standard library only; copied into each
 execution's input directory, never imported by the host).
 
-argv: result fd, CPU seconds, address-space bytes, process count, then the test names (the
-host parses them from the tests; ``tests`` alone: the whole source is one test). It reads the
-nonce from stdin, sets the resource limits every later process inherits, runs /in/program.py,
-then /in/tests.py and each named test in the program's namespace, and reports on the result
-pipe: one ``repr((nonce, event, payload))`` line per event. Imports are kept to the few the
-success path needs: they are most of an execution's start-up time.
+argv: result fd, CPU seconds, address-space bytes, process count, file-size bytes, then the
+test names (the host parses them from the tests; ``tests`` alone: the whole source is one
+test). It reads the nonce from stdin, sets the resource limits every later process inherits,
+runs /in/program.py, then /in/tests.py and each named test in the program's namespace, and
+reports on the result pipe: one ``repr((nonce, event, payload))`` line per event. Imports are
+kept to the few the success path needs: they are most of an execution's start-up time.
 
 The program runs in this interpreter, as a ``__main__`` module of its own (``import __main__``
 gives it its own namespace, not this module). The channel and the nonce live only in
 ``main``'s locals: one that digs through frames or the garbage collector's objects could still
 forge the report. The nonce stops printing or blind writes to a file descriptor, not introspection.
+
+The program shares this interpreter's modules and builtins, so it can break what the runner
+would report with (the recursion limit, ``sys.modules``, a hostile exception class): reporting
+resets the recursion limit, uses what was taken before the program ran, falls back to a plain
+line, and once the program has run, a failure of the runner is the program's failure.
 """
 
 import os
@@ -19,11 +24,15 @@ import resource
 import sys
 
 ERROR_CHARS = 500
+MAX_FILES = 64  # open descriptors per process: with the file-size limit, bounds the memfds one can hold
+RECURSION_LIMIT = sys.getrecursionlimit()
+set_recursion_limit = sys.setrecursionlimit  # taken before the program can replace it
+safe_repr = repr
 
 
 def main() -> int:
     fd = int(sys.argv[1])
-    names = sys.argv[5:]
+    names = sys.argv[6:]
     nonce = sys.stdin.readline().strip()
     devnull = os.open("/dev/null", os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -31,26 +40,35 @@ def main() -> int:
     os.set_inheritable(fd, False)  # exec'd children do not get the channel
     out = os.fdopen(fd, "w", buffering=1)
     memory_line = repr((nonce, "memory", None)) + "\n"
+    ran = []  # not empty once the program's code has started
 
     def send(event: str, payload=None) -> None:
-        out.write(repr((nonce, event, payload)) + "\n")
+        set_recursion_limit(RECURSION_LIMIT)
+        out.write(safe_repr((nonce, event, payload)) + "\n")
 
     try:
-        return execute(names, send, out, memory_line)
-    except BaseException as exc:  # the runner itself failed: the host reports sandbox_error
-        sys.stderr.write(f"sandbox runner failed: {exc!r}\n")
-        send("runner_error", repr(exc))
+        return execute(names, send, out, memory_line, ran)
+    except BaseException as exc:
+        if ran:  # the program broke what the runner reports with: its failure, not the sandbox's
+            _plain_error("the program broke the sandbox runner's reporting")
+            return 1
+        sys.stderr.write(f"sandbox runner failed: {exc!r}\n")  # the host reports sandbox_error
+        send("runner_error", repr(exc)[:ERROR_CHARS])
         out.flush()
         return 70
 
 
-def execute(names: list, send, out, memory_line: str) -> int:
+def execute(names: list, send, out, memory_line: str, ran: list) -> int:
     """Set the limits, run the program and the tests, report each event through ``send``."""
-    cpu_s, memory, nproc = float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    cpu_s, memory, nproc, fsize = float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     cpu = int(cpu_s + 0.999)
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    for kind, value in ((resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NOFILE, MAX_FILES)):
+        hard = resource.getrlimit(kind)[1]  # each file (memfds included), open descriptors; never raised
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(kind, (value, value))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     send("start")
 
@@ -63,24 +81,17 @@ def execute(names: list, send, out, memory_line: str) -> int:
         """(ran cleanly, the exception line, exit code) of exec-ing ``path`` in the namespace."""
         try:
             with open(path, "rb") as f:
-                source = f.read().decode("utf-8")
+                source = f.read().decode("utf-8-sig")  # a leading byte-order mark is not code
+        except UnicodeDecodeError as err:
+            _plain_error(f"{label} is not valid UTF-8: {err}")
+            return False, f"UnicodeDecodeError: {err}"[:ERROR_CHARS], 1
+        try:
+            ran.append(True)
             exec(compile(source, path, "exec"), namespace)
             return True, None, 0
-        except SystemExit as err:
-            code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
-            if code == 0:
-                return True, None, 0
-            return False, f"SystemExit: {err.code}", code
-        except MemoryError:
-            out.write(memory_line)
-            print_error(sys.exc_info()[1])
-            return False, "MemoryError", 1
-        except UnicodeDecodeError as err:
-            print(f"{label} is not valid UTF-8: {err}", file=sys.stderr)
-            return False, f"UnicodeDecodeError: {err}", 1
         except BaseException as err:  # the program's error, whatever it is
-            print_error(err)
-            return False, describe(err), 1
+            set_recursion_limit(RECURSION_LIMIT)
+            return program_failed(err, out, memory_line)
 
     ok, error, code = run_source("/in/program.py", "the program")
     send("program", ok)
@@ -104,6 +115,21 @@ def execute(names: list, send, out, memory_line: str) -> int:
     return 1 if failed else 0
 
 
+def program_failed(err: BaseException, out, memory_line: str) -> tuple[bool, str | None, int]:
+    """(ran cleanly, the exception line, exit code) of the program raising ``err``: its
+    traceback on stderr, a MemoryError reported; whatever the program broke, never raises."""
+    try:
+        if isinstance(err, SystemExit):
+            code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+            return (True, None, 0) if code == 0 else (False, f"SystemExit: {err.code}"[:ERROR_CHARS], code)
+        if isinstance(err, MemoryError):
+            out.write(memory_line)
+        print_error(err)
+        return False, describe(err), 1
+    except BaseException:
+        return False, "the program's exception could not be reported", 1
+
+
 def run_test(fn, memory_line: str, out) -> tuple[bool, str | None]:
     if not callable(fn):
         return False, "TypeError: not a function after the tests ran"
@@ -114,29 +140,50 @@ def run_test(fn, memory_line: str, out) -> tuple[bool, str | None]:
 
             asyncio.run(result)
         return True, None
-    except MemoryError:
-        out.write(memory_line)
-        return False, "MemoryError"
     except BaseException as err:
-        return False, describe(err)
+        set_recursion_limit(RECURSION_LIMIT)
+        try:
+            if isinstance(err, MemoryError):
+                out.write(memory_line)
+                return False, "MemoryError"
+            return False, describe(err)
+        except BaseException:
+            return False, "the test's exception could not be reported"
 
 
 def print_error(err: BaseException) -> None:
-    """The traceback to stderr, the runner's own frames left out."""
-    import traceback
+    """The traceback to stderr, the runner's own frames left out; the exception line alone
+    when the program left ``traceback`` unusable."""
+    try:
+        import traceback
 
-    tb = err.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    traceback.print_exception(type(err), err, tb)
+        tb = err.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        traceback.print_exception(type(err), err, tb)
+    except BaseException:
+        _plain_error(describe(err))
+
+
+def _plain_error(line: str) -> None:
+    """``line`` to stderr (the file descriptor, whatever the program made of ``sys.stderr``)."""
+    try:
+        os.write(2, (line + "\n").encode("utf-8", "replace"))
+    except BaseException:
+        pass
 
 
 def describe(err: BaseException) -> str:
     """The exception line (as Python prints it last); a bare AssertionError names the failing
     source line. Built by hand: importing ``traceback`` would cost every failing execution
-    more than the rest of the runner."""
-    cls = type(err)
-    name = cls.__qualname__ if cls.__module__ in ("builtins", "__main__") else f"{cls.__module__}.{cls.__qualname__}"
+    more than the rest of the runner. A class or message that raises gives a plain line."""
+    try:
+        cls = type(err)
+        module, qualname = cls.__module__, cls.__qualname__
+        plain = type(module) is str and module in ("builtins", "__main__")
+        name = qualname if plain else f"{module}.{qualname}"
+    except BaseException:
+        name = "<exception>"
     try:
         message = str(err)
     except BaseException:
@@ -167,6 +214,9 @@ if __name__ == "__main__":
     except BaseException as exc:  # before the channel was open: the host reports sandbox_error
         sys.stderr.write(f"sandbox runner failed: {exc!r}\n")
         status = 70
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except BaseException:  # the program replaced or closed it
+            pass
     os._exit(status)

@@ -46,3 +46,18 @@ def test_an_infinite_timeout_is_refused(tmp_path):
     prog.write_text("print(1)\n")
     res = CliRunner().invoke(main, ["sandbox", "run", str(prog), "--timeout", "inf"])
     assert res.exit_code == 2 and "--timeout inf: give a positive, finite number" in res.output
+
+
+def test_bubblewrap_and_the_interpreter_can_be_given_as_options(tmp_path, monkeypatch):
+    """The fix the message names is one this command can apply: --bwrap (and --interpreter)."""
+    import shutil
+
+    from astraflow.sandbox import SandboxConfig, bwrap
+
+    real, python = shutil.which("bwrap"), bwrap.interpreter(SandboxConfig())  # the base python3, not a venv
+    prog, _ = _files(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on PATH
+    r = CliRunner().invoke(main, ["sandbox", "run", str(prog)])
+    assert r.exit_code == 2 and "set --bwrap to its path" in r.output and "sandbox.bwrap" not in r.output
+    r = CliRunner().invoke(main, ["sandbox", "run", str(prog), "--bwrap", real, "--interpreter", python, "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["status"] == "ok", r.output

@@ -182,3 +182,24 @@ def test_a_program_that_is_not_python_fails(sb):
     r = sb.run("def f(:\n    return\n", "def test_f():\n    assert f()\n")
     assert r.status == "failure" and "SyntaxError" in r.stderr
     assert [(t.name, t.passed) for t in r.tests] == [("test_f", False)]
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGXCPU"])
+def test_a_program_that_kills_itself_early_fails_rather_than_timing_out(sb, sig):
+    """Killed by a signal of the CPU limit long before it could have used its CPU time: not a timeout."""
+    r = sb.run(f"import os, signal\nos.kill(os.getpid(), signal.{sig})\n", "def test_a():\n    pass\n")
+    assert r.status == "failure" and r.exit_code == 128 + getattr(signal, sig), (r.status, r.exit_code)
+
+
+def test_memory_held_in_files_is_bounded(sb):
+    """A memfd lives outside the address-space limit and the tmpfs sizes: the file-size limit
+    bounds each file, the descriptor limit how many a process holds."""
+    prog = ("import os\nfd = os.memfd_create('x')\nchunk = b'x' * (1 << 20)\nn = 0\ntry:\n"
+            "    for _ in range(96):\n        os.write(fd, chunk)\n        n += 1\nexcept OSError as err:\n"
+            "    print('stopped at', n, err.errno)\nfds = []\ntry:\n    for _ in range(10000):\n"
+            "        fds.append(os.memfd_create('y'))\nexcept OSError as err:\n"
+            "    print('files', len(fds), err.errno)\n")
+    r = Sandbox(SandboxConfig(**{**LIMITS, "memory_mb": 64, "scratch_mb": 32})).run(prog)
+    assert r.status == "ok", r.stderr
+    assert "stopped at 32 27" in r.stdout and "files" in r.stdout, r.stdout  # EFBIG past scratch_mb
+    assert int(r.stdout.split("files")[1].split()[0]) < 64, r.stdout

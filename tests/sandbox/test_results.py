@@ -83,7 +83,7 @@ def test_the_runners_module_gives_the_program_no_channel(sb):
             "         if isinstance(t, tuple) and len(t) == 2]\n"
             "for out, nonce in found:\n"
             "    out.write(repr((nonce, 'program', True)) + '\\n')\n"
-            "    for name in sys.argv[5:]:\n"
+            "    for name in sys.argv[6:]:\n"
             "        out.write(repr((nonce, 'test', (name, True, None))) + '\\n')\n"
             "    out.write(repr((nonce, 'done', None)) + '\\n'); out.flush()\n"
             "    os._exit(0)\n"
@@ -217,3 +217,42 @@ def test_a_scratch_root_the_sandbox_cannot_reach_names_the_fix(tmp_path):
     tmp_path.chmod(0o700)
     with pytest.raises(SandboxUnavailable, match=r"cannot pass through .* set sandbox.scratch_root"):
         Sandbox(SandboxConfig(scratch_root=str(tmp_path / "sb"))).run("print(1)", None)
+
+
+@pytest.mark.parametrize("prog, tests", [
+    ("import sys\nsys.modules['traceback'] = None\nraise ValueError('x')\n", None),
+    ("import sys\nsys.setrecursionlimit(12)\nraise ValueError('x')\n", None),
+    ("import builtins\nbuiltins.isinstance = None\nraise ValueError('x')\n", None),
+    (ADD, "def test_a():\n    import sys\n    sys.setrecursionlimit(12)\n    raise ValueError('x')\n"),
+    (ADD, "class M:\n    def __eq__(self, o):\n        raise RuntimeError('boom')\n    __hash__ = object.__hash__\n\n"
+          "class E(Exception):\n    __module__ = M()\n\ndef test_a():\n    raise E()\n"),
+    ("class M:\n    def __eq__(self, o):\n        raise RuntimeError('boom')\n    __hash__ = object.__hash__\n\n"
+     "class E(Exception):\n    __module__ = M()\n\nraise E()\n", "def test_a():\n    pass\n"),
+])
+def test_a_program_that_breaks_the_runners_reporting_fails_itself_not_the_sandbox(sb, prog, tests):
+    """The program shares the runner's interpreter: a low recursion limit, a poisoned module or a
+    hostile exception class when it fails is still the program's failure, never sandbox_error."""
+    r = sb.run(prog, tests)
+    assert r.status == "failure", (r.status, r.stderr[-500:])
+    assert "sandbox runner failed" not in r.stderr and not any(t.passed for t in r.tests)
+
+
+def test_a_byte_order_mark_is_not_code(sb):
+    r = sb.run(b"\xef\xbb\xbf" + ADD.encode() + b"print('bom')\n", "\ufeffdef test_a():\n    assert add(1, 2) == 3\n")
+    assert (r.status, r.stdout, [t.name for t in r.tests]) == ("ok", "bom\n", ["test_a"]), r.stderr
+
+
+def test_the_host_parses_only_lines_that_carry_the_nonce(monkeypatch):
+    """The program can write to the result pipe: its lines are dropped before any parsing (a
+    literal can cost the host seconds of CPU), and so is an overlong line."""
+    from astraflow.sandbox import core
+
+    parsed = []
+    real = core.ast.literal_eval
+    monkeypatch.setattr(core.ast, "literal_eval", lambda s: parsed.append(s) or real(s))
+    nonce = "ab" * 16
+    good = repr((nonce, "test", ("test_a", True, None)))
+    long = repr((nonce, "test", ("test_b", True, "x" * (core.MAX_EVENT_CHARS + 1))))
+    channel = "\n".join(["{" + ",".join(["1"] * 1000) + "}", repr(("0" * 32, "done", None)), long, good])
+    assert core._events(channel.encode(), nonce) == [("test", ("test_a", True, None))]
+    assert parsed == [good]
