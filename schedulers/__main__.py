@@ -28,7 +28,9 @@ def main() -> None:
 @click.option("--python", "python", default=sys.executable, show_default=True, help="interpreter on the compute nodes")
 @click.option("--interface", default=None, help="network interface the workers listen on (e.g. ib0)")
 @click.option("--setup-line", "setup_lines", multiple=True, help="shell line before the worker (module load ...)")
-@click.option("--tag", default="astraflow", show_default=True)
+@click.option("--tag", default=None,
+              help="the jobs' --comment, by which a run finds its jobs (default: the run's own when "
+                   "--scheduler-address is a run's scheduler.json, else 'astraflow')")
 @click.option("--tls", "tls_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="the run's security/tls.json (default: next to a scheduler file given as --scheduler-address)")
 def render(partition_file, scheduler_address, job_dir, count, start_index, python, interface, setup_lines, tag,
@@ -41,8 +43,11 @@ def render(partition_file, scheduler_address, job_dir, count, start_index, pytho
     from pydantic import ValidationError
 
     from schedulers.partition import Partition
-    from schedulers.slurm import SlurmScheduler
+    from schedulers.slurm import SlurmScheduler, run_tag
     from schedulers.tls import TLSFiles
+
+    if tag is None:
+        tag = run_tag(Path(scheduler_address).parent) if scheduler_address.endswith(".json") else "astraflow"
 
     if tls_file is None and scheduler_address.endswith(".json"):
         tls_file = Path(scheduler_address).parent / "security" / "tls.json"

@@ -27,6 +27,7 @@ pyslurm matches the site's Slurm, for a future backend; the CLI path is always a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -51,6 +52,14 @@ log = logging.getLogger("schedulers")
 
 _TAG = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
+
+
+def run_tag(run_dir: Path) -> str:
+    """The ``--comment`` of the Slurm jobs of the run in ``run_dir``: readable and unique per run
+    directory, the same for every incarnation of the run (how a restarted run finds its jobs)."""
+    base = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:40] or "run"
+    digest = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
+    return f"astraflow.{base}.{digest}"
 
 @dataclass(frozen=True)
 class SlurmNode:

@@ -14,9 +14,7 @@ on a worker: a removal only starts a drain, which the worker state machine finis
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -26,6 +24,7 @@ from astraflow.runtime.jobrecords import JobRecords
 from schedulers import Partition, TLSFiles, UnknownJobError, make_scheduler, parse_worker_name
 from schedulers.policy import WorkerPolicy
 from schedulers.slurm import SlurmCommandError
+from schedulers.slurm import run_tag as slurm_run_tag
 from storage.paths import RunPaths
 
 log = logging.getLogger("astraflow.runtime")
@@ -66,10 +65,8 @@ class PartitionState:
 
 
 def run_tag(paths: RunPaths) -> str:
-    """The ``--comment`` of a run's Slurm jobs: readable and unique per run directory."""
-    base = re.sub(r"[^A-Za-z0-9_.-]", "_", paths.root.name)[:40] or "run"
-    digest = hashlib.sha1(str(paths.root.resolve()).encode()).hexdigest()[:8]
-    return f"astraflow.{base}.{digest}"
+    """The ``--comment`` of a run's Slurm jobs (``schedulers.slurm.run_tag``)."""
+    return slurm_run_tag(paths.root)
 
 
 def run_scheduler(kind: str, paths: RunPaths, cluster: ClusterConfig, tls: TLSFiles | None):

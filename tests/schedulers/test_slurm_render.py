@@ -182,6 +182,14 @@ def test_the_dry_run_gives_workers_the_runs_certificates(tmp_path):
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     assert f"--tls-ca-file {run}/security/ca.pem --tls-cert {run}/security/run.pem" in res.output
+    # the jobs carry the run's own tag, as the run's would (the run finds its jobs by it)
+    from astraflow.runtime.reconcile import run_tag
+    from storage.paths import RunPaths
+
+    assert f"--comment={run_tag(RunPaths(run))}\n" in res.output
+    other = CliRunner().invoke(main, ["render", str(part), "--scheduler-address", "tcp://127.0.0.1:1",
+                                      "--job-dir", str(run / "jobs")])
+    assert "--comment=astraflow\n" in other.output
 
 
 @pytest.mark.parametrize("text, needle", [("", "must hold one partition as a mapping"),
