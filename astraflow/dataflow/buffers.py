@@ -287,7 +287,13 @@ class Buffers:
             mine = [g for g in buf if g.source == source]
             views = [BufferedGroupView(g.ingest_seq, g.oldest_version) for g in mine]
             got = 0
-            for gi in ordering.order(views, version, self.max_staleness):
+            order = list(ordering.order(views, version, self.max_staleness))
+            if sorted(order) != list(range(len(views))):
+                raise ValueError(
+                    f"dataflow.ordering {type(ordering).__name__}.order returned {len(order)} indices for {len(views)} "
+                    "buffered groups, not each index once: an ordering only orders the buffer (every index "
+                    "0..n-1 once); leave groups out with dataflow.group_filter or max_staleness instead")
+            for gi in order:
                 if got >= q:
                     break
                 grp = mine[gi]

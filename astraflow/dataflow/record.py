@@ -202,8 +202,9 @@ def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str,
     ``replayed`` / ``consumed`` sequences, ``curator_skipped`` prompts (the curator runs before
     rollout, for all policies: counted on the first), ``admission_refused`` (times a new group
     was refused because it could not have been trained on; on the first policy too), ``staleness_hist`` over every consumed
-    sequence, ``trainer_wait_s`` and ``rollouts_per_consumed`` (training sequences generated
-    per sequence consumed: the price of filtering and staleness). With several sources
+    sequence, ``trainer_wait_s`` and ``rollouts_per_consumed`` (this policy's training sequences
+    ingested per sequence it consumed: the price of filtering and staleness; ``rollouts_generated``
+    is run-wide, every policy's). With several sources
     (``mix``, ``by_source``): ``consumed_by_source`` (cumulative sequences of each source
     consumed by this policy) and ``groups_by_source`` (train groups created). Multi-turn runs
     add ``episode_turns``, ``episode_tool_calls``, ``episode_invalid_call_rate``,
@@ -228,7 +229,7 @@ def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str,
         "staleness_hist": {str(k): v for k, v in sorted(staleness_hist.items())},
         "sequences_generated": generated.sequences,
         "rollouts_generated": generated.train_sequences,
-        "rollouts_per_consumed": generated.train_sequences / max(counts["consumed"], 1),
+        "rollouts_per_consumed": counts["sequences_ingested"] / max(counts["consumed"], 1),
         **generated.rates(elapsed),
         # multi-turn episodes: means over the training episodes since the previous step
         **summary_of_sums(*generated.take_episode_stats(policy), prefix="episode_"),

@@ -119,6 +119,25 @@ def test_take_follows_the_ordering_within_each_source_quota():
     assert rig.buffers.available_by_source("p", 2, ["a", "b"]) == {"a": 2, "b": 2}
 
 
+class _FreshOnly(R.RuleBase):
+    """A user ordering that leaves the older groups out (an ordering must not)."""
+
+    def order(self, groups, version, max_staleness):
+        return [i for i, g in enumerate(groups) if g.oldest_version == version]
+
+
+def test_an_ordering_that_leaves_groups_out_is_refused_not_a_short_batch():
+    import pytest
+
+    rig = Rig(max_staleness=5)
+    for v in (0, 1):
+        rig.group([0.0, 1.0], version=v)
+    with pytest.raises(ValueError, match=r"_FreshOnly.order returned 1 indices for 2 buffered groups.*"
+                                         r"dataflow.group_filter or max_staleness"):
+        rig.buffers.take("p", {"": 4}, _FreshOnly(R.SeededParams()), 1)
+    assert rig.buffers.status()["buffers"] == {"p": 4}  # nothing was taken
+
+
 def test_a_group_with_one_sequence_is_incomplete():
     rig = Rig(group_size=1)
     rig.group([1.0])

@@ -324,3 +324,33 @@ def test_a_batch_held_back_by_lockstep_says_so(tmp_path):
 
     msg = asyncio.run(go())
     assert "within 0.3s" in msg and "waiting for dataflow.lockstep: verifier at v0 (below v1)" in msg, msg
+
+
+def test_each_policys_rollouts_per_consumed_counts_its_own_sequences(tmp_path):
+    """Nothing filtered, nothing stale: the verifier trains on every sequence it gets (1); the
+    solver gets two per episode and trains on half (2): each its own sequences over its own
+    consumed, not every policy's."""
+    import json
+
+    layer = DataLayer(
+        dataflow=DataflowConfig(batch_size=4, prefetch_groups=0, group_filter={"type": "keep_all"}),
+        workload=WorkloadConfig(name="math", workflow="solver_verifier", params={"digits": 1},
+                                group_size=2, eval=EvalConfig(every=0)),
+        policies=["solver", "verifier"], store_url=f"memory://{uuid.uuid4().hex}",
+        metrics_path=str(tmp_path / "metrics.jsonl"), max_steps=10)
+
+    async def go():
+        for v in range(2):
+            await _fill(layer, [(1.0, 0.0), (0.0, 1.0)], version=(v, v))
+            for p in ("solver", "verifier"):
+                await layer.next_batch(p, v, timeout=5)
+                await layer.published(p, v + 1, {})
+
+    asyncio.run(go())
+    layer.metrics.flush()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last = {x["policy"]: x for x in lines if "rollouts_per_consumed" in x}
+    assert set(last) == {"solver", "verifier"}
+    assert last["verifier"]["rollouts_per_consumed"] == pytest.approx(1.0)
+    assert last["solver"]["rollouts_per_consumed"] == pytest.approx(2.0)
+    assert last["solver"]["rollouts_generated"] == last["verifier"]["rollouts_generated"] == 16  # run-wide
