@@ -266,6 +266,25 @@ def refill(layer: Any) -> None:
                                          workflow=layer.wcfg.workflow, prompt=payload, kind="train"))
 
 
+def _rules_took(layer: Any, policy: str) -> str:
+    """A clause naming the curator and the group filter when they took most of what could have
+    made a batch: as many prompts skipped as groups made, or half the sequences dropped."""
+    first, counts = layer.policy_names[0], layer.buffers.counts
+    skipped, made = counts[first]["curator_skipped"], sum(layer.mixer.groups_created.values())
+    filtered, ingested = counts[policy]["filtered"], counts[policy]["sequences_ingested"]
+    parts = []
+    if skipped and skipped >= made:
+        parts.append(f"the curator (dataflow.curator: {layer.cfg.curator.type}) skipped {skipped} prompts against "
+                     f"{made} groups made")
+    if filtered and 2 * filtered >= ingested:
+        parts.append(f"the group filter (dataflow.group_filter: {layer.cfg.group_filter.type}) dropped {filtered} of "
+                     f"{ingested} sequences")
+    if not parts:
+        return ""
+    return "; " + " and ".join(parts) + ": if they leave too little to train on, loosen them (e.g. a curator's " \
+        "explore, or group_filter keep_all)"
+
+
 def no_batch_reason(layer: Any, policy: str, version: int, timeout: float, avail: Mapping[str, int],
                     quota: Mapping[str, int], need: int) -> str:
     """Why ``next_batch`` found no batch in time: what is buffered, short, pending, leased, and
@@ -281,6 +300,7 @@ def no_batch_reason(layer: Any, policy: str, version: int, timeout: float, avail
     elif not layer.evals.initial_done():
         held_back = ("; waiting for the first held-out evaluation round to finish (the RaaS nodes run its "
                      "tasks first; workload.eval.every: 0 turns evaluation off)")
+    held_back += _rules_took(layer, policy)
     return (f"no batch for {policy} v{version} within {timeout:g}s: "
             f"{sum(avail.values())}/{need} sequences buffered{sources}, "
             f"{len(layer.leases.pending)} tasks pending, {len(layer.leases.held)} leased" + held_back

@@ -220,3 +220,23 @@ def test_a_waiting_batch_of_groups_with_few_sequences_is_not_capped_away(tmp_pat
 
     asyncio.run(go())
     assert layer.buffers.counts["p"]["overflow_dropped"] == 0
+
+
+def test_a_batch_the_rules_starve_names_them_in_its_timeout(tmp_path):
+    """Every group solved and ``drop_zero_advantage``: no batch ever comes, and the trainer's
+    timeout names the group filter (not only what is buffered and pending)."""
+    from astraflow.dataflow.config import DropZeroAdvantageRule
+    from astraflow.dataflow.layer import BatchTimeout
+
+    layer = make_layer(tmp_path, group_filter=DropZeroAdvantageRule())
+    writer = layer.store.writer("n0")
+
+    async def go():
+        for _ in range(3):
+            tasks = await layer.lease("n0", 64)
+            await layer.complete(store_and_ref(writer, [make_trajectory(t, 1.0) for t in tasks]))
+        with pytest.raises(BatchTimeout, match=r"the group filter \(dataflow.group_filter: drop_zero_advantage\) "
+                                               r"dropped (\d+) of \1 sequences: .*loosen them"):
+            await layer.next_batch("p", 0, timeout=0.5)
+
+    asyncio.run(go())
