@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -242,11 +243,16 @@ def refill(layer: Any) -> None:
     # versions, served batches, buffers and nodes do not change during a refill (only the
     # groups in rollout do, and they are passed separately): one rule for the whole call,
     # built when a source below its bound first asks (most calls find every source at it)
-    admits_now = _lazy_rule(layer) if layer.cfg.admission == "version" else None
+    # the baseline (gated) opens one batch at a time, trained on at once: nothing to refuse
+    admits_now = _lazy_rule(layer) if layer.cfg.admission == "version" and layer.budget is None else None
     ahead = buffers.groups_ahead(mixer.weights)  # the buffers do not change here either
     while not layer.finished and proposals < max(len(layer._train), 1):
         rolling = buffers.rolling_by_source()
-        source = mixer.pick_source(layer.limit, rolling, ahead, admits_now)
+        if layer.budget_sources is not None:
+            mixer.refused = False
+            source = next((s for s, n in layer.budget_sources.most_common() if n > 0), None)
+        else:
+            source = mixer.pick_source(layer.limit, rolling, ahead, admits_now)
         if source is None or (layer.budget is not None and layer.budget <= 0):
             # refused groups: counted on the first policy, as the curator's skips are
             buffers.counts[first]["admission_refused"] += mixer.refused
@@ -259,11 +265,31 @@ def refill(layer: Any) -> None:
             continue
         if layer.budget is not None:
             layer.budget -= 1
+            if layer.budget_sources is not None:
+                layer.budget_sources[source] -= 1
         grp = buffers.open_group(f"p{idx}", source)
         mixer.groups_created[source] += 1
         for tid in grp.task_ids:
             layer.leases.add(RolloutTask(task_id=tid, group_id=grp.group_id, policies=tuple(layer.policy_names),
                                          workflow=layer.wcfg.workflow, prompt=payload, kind="train"))
+
+
+def iteration_sources(layer: Any, groups: int) -> Counter:
+    """The sources of ``groups`` more groups of a gated data layer with several sources: each
+    goes to the source the first policy's next batch lacks most (its quota less what is
+    buffered, in rollout or already allowed), so an iteration rolls out what its batch takes."""
+    first, mixer, buffers = layer.policy_names[0], layer.mixer, layer.buffers
+    gs = mixer.group_size
+    quota, _ = mixer.quotas(first, layer.cfg.batch_size)
+    avail = buffers.available_by_source(first, layer.versions[first], mixer.weights)
+    rolling = buffers.rolling_by_source()
+    lack = {s: quota[s] - avail[s] - gs * (rolling[s] + layer.budget_sources[s]) for s in quota}
+    out: Counter = Counter()
+    for _ in range(groups):
+        s = max(lack, key=lack.__getitem__)  # config order breaks ties
+        out[s] += 1
+        lack[s] -= gs
+    return out
 
 
 def _rules_took(layer: Any, policy: str) -> str:

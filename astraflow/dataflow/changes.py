@@ -170,6 +170,7 @@ def small(dl: DataLayer, lengths: dict[str, int]) -> dict[str, Any]:
         "order_len": {s: len(o) for s, o in dl.mixer.order.items()},
         "policies": list(dl.policy_names),
         "layer": {"started": dl._started, "finished": dl.finished, "budget": dl.budget,
+                  "budget_sources": dict(dl.budget_sources) if dl.budget_sources is not None else None,
                   "trainer_restarts": dl.trainer_restarts, "generated": dl.generated},
         "ledger": {"events": ledger.events, "dropped_by_reason": ledger.dropped_by_reason,
                    "failed_by_reason": ledger.failed_by_reason, "state_counts": ledger.state_counts},

@@ -250,6 +250,8 @@ def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, kee
         started = time.time() - max(0.0, float(state["saved_at"]) - float(started))
     dl._started = dl.evals.started = started
     dl.budget = layer["budget"]
+    if dl.budget_sources is not None:
+        dl.budget_sources = Counter(layer.get("budget_sources") or {})
     dl.finished = all(v >= dl.max_steps for v in dl.versions.values())  # a resumed run may go further
     dl.trainer_restarts = Counter(layer["trainer_restarts"])
     dl.generated = layer["generated"]

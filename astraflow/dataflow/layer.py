@@ -146,6 +146,9 @@ class DataLayer(NodeFacing, TrainerFacing, LaneServed):
         #: groups the data layer may still create; None = free running (the AstraFlow mode).
         #: The trainer-centred baseline (``run.mode: sync``) opens one iteration at a time.
         self.budget: int | None = 0 if gated else None
+        #: gated with several sources: groups the data layer may still create, per source (the
+        #: sources the iteration's batch lacks, ``admission.iteration_sources``)
+        self.budget_sources: Counter | None = Counter() if gated and self.mixer.mixing else None
         self._state_path = Path(state_path) if state_path else None
         #: what was restored (None: nothing), and per policy the versions of batches the layer this
         #: one replaced had served (their trainer may never have received them: asked again, they

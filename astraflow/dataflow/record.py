@@ -316,6 +316,7 @@ def layer_status(dl: DataLayer) -> dict[str, Any]:
         "eval_pending": len(dl.leases.eval_pending),
         "leased": len(dl.leases.held),
         "outstanding_groups": len(dl.buffers.rolling),
+        "budget": dl.budget,  # groups a gated data layer (run.mode: sync) may still create
         "sources": {s: {"weight": w, "groups_created": dl.mixer.groups_created[s],
                         "consumed": {p: dl.mixer.consumed[p][s] for p in dl.policy_names},
                         "mix_credit": {p: dl.mixer.credit[p][s] for p in dl.policy_names}}

@@ -171,12 +171,20 @@ class TrainerFacing:
 
     async def open_iteration(self, groups: int) -> None:
         """Baseline (``run.mode: sync``, a gated data layer) control: allow exactly ``groups``
-        more groups to be created."""
+        more groups to be created (with several sources: of the sources the next batch lacks)."""
         self.budget = (self.budget or 0) + groups
+        if self.budget_sources is not None:
+            self.budget_sources.update(admission.iteration_sources(self, groups))
         self._refill()
         self._notify()
         await self._durable()
 
     async def ready(self, policy: str, version: int) -> int:
-        """Sequences buffered for ``policy`` that a trainer at ``version`` could consume."""
-        return self.buffers.available(policy, version)
+        """Sequences buffered for ``policy`` that a trainer at ``version`` could consume; with
+        several sources, those its next batch can take (each source up to its quota of it), so
+        that the batch is ready when this reaches ``batch_size``."""
+        if not self.mixer.mixing:
+            return self.buffers.available(policy, version)
+        quota, _ = self.mixer.quotas(policy, self.cfg.batch_size)
+        avail = self.buffers.available_by_source(policy, version, self.mixer.weights)
+        return sum(min(avail[s], q) for s, q in quota.items())

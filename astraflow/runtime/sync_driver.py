@@ -46,7 +46,7 @@ def drive_sync(
             ready = {p: dl.ready(p, version).result(timeout=30) for p in trainers}
             if all(n >= batch_size for n in ready.values()):
                 break
-            if st["outstanding_groups"] == 0 and st["pending"] == 0 and st["leased"] == 0:
+            if st["outstanding_groups"] == 0 and st["pending"] == 0 and st["leased"] == 0 and not st.get("budget"):
                 dl.open_iteration(1).result(timeout=30)  # filters dropped groups: top up
             if time.time() > deadline:
                 raise TimeoutError(f"sync iteration {version}: batches not ready within {timeout_s:.0f}s ({ready})")
