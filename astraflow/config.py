@@ -19,13 +19,13 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from astraflow.agents.workload import is_agentic
 from astraflow.configerrors import DuplicateKey, bool_problems, format_validation, load_yaml, model_of
-from astraflow.workloads.datafiles import resolve_path
 from astraflow.configbase import Strict
+from astraflow.configpaths import resolve_paths
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.partition_settings import check_partition, effective_rollout
 from astraflow.rollout.config import RolloutConfig
 from astraflow.sandbox.config import SandboxConfig, deadline_problem
-from astraflow.training.config import PolicyConfig
+from astraflow.training.config import PolicyConfig, sim_mismatch
 from astraflow.workloads.config import WorkloadConfig
 from astraflow.sections import AutoscaleConfig, ClusterConfig, RunSection, check_autoscale
 from schedulers.partition import ROLES, Partition
@@ -33,7 +33,6 @@ from schedulers.policy import WorkerPolicy
 from storage.atomic import write_atomically
 from storage.config import StorageConfig
 
-#: longest ``run.name`` (it is part of run directory and Slurm job names)
 
 def _default_partitions() -> list[Partition]:
     return [
@@ -135,6 +134,21 @@ class RunConfig(Strict):
                     f"{episode_tokens} tokens, which do not fit; raise max_model_len to {episode_tokens} or lower "
                     "max_context_tokens")
 
+    def _check_workers(self) -> None:
+        """Worker counts a run cannot start with (one data-layer worker, a trainer one at least;
+        rollout may start empty), and leases that do not outlive a few heartbeats of a RaaS node."""
+        for role, why in (("data", "the data layer runs on exactly one worker"),
+                          ("trainer", "the trainers need one worker at least")):
+            parts = [p for p in self.partitions if p.role == role]
+            total, names = sum(p.nodes for p in parts), ", ".join(f"{p.name!r} ({p.nodes})" for p in parts)
+            if total < 1 or (role == "data" and total > 1):
+                fix = "1 or more" if role == "trainer" else "1" + (" and 0 on the others" if len(parts) > 1 else "")
+                raise ValueError(f"partitions: {why}, and the {role} partitions have {total} node(s) in all "
+                                 f"({names}): set nodes: {fix} on partition {parts[0].name!r}")
+        problem = self.dataflow.node_lease_problem()
+        if problem:
+            raise ValueError(problem)
+
     def _check_trainer_ranks(self) -> None:
         """A Megatron trainer's ``tensor_parallel * data_parallel`` ranks take one GPU each on a
         GPU partition (exactly all of them on a multi-node one, whose world size is
@@ -207,10 +221,16 @@ class RunConfig(Strict):
         pnames = [p.name for p in self.partitions]
         if len(set(pnames)) != len(pnames):
             raise ValueError(f"partitions: names must be unique, got {pnames}")
+        self._check_workers()
         policy = WorkerPolicy.of(self.cluster.worker_env_allowlist, self.cluster.sbatch_options_allowlist)
         problems = [line for p in self.partitions for line in policy.problems(p)]
         if problems:
             raise ValueError("\n  ".join(problems))
+        for pol in self.policies:  # the run's engine first; then each partition's own (check_partition)
+            problem = sim_mismatch("rollout.engine.type", self.rollout.engine.type,
+                                   f"policies[{pol.name}].trainer.backend", pol.trainer.backend)
+            if problem:
+                raise ValueError(problem)
         for part in self.partitions:
             check_partition(part, self.rollout, {p.name: p.trainer for p in self.policies})
         self._check_trainer_ranks()
@@ -281,10 +301,6 @@ class RunConfig(Strict):
                     f"policies[{pol.name}].init.task: {pol.init.task!r} is a role of the math workload's "
                     f"warm start; with workload {self.workload.name!r} leave it at 'solve' ('test' for "
                     "the tester of a code workload)")
-            if pol.trainer.backend == "sim" and self.rollout.engine.type != "sim":
-                raise ValueError(
-                    f"policies[{pol.name}].trainer.backend: sim publishes versions without weights, which only "
-                    "the sim engine can take; set rollout.engine.type: sim, or a real trainer backend")
             if pol.init is None and not pol.model.exists() and not self.simulated(pol):
                 raise ValueError(
                     f"policies[{pol.name}].model: {pol.model} does not exist; point it at an HF "
@@ -379,7 +395,7 @@ def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
 
 
 def config_from_dict(data: dict, base_dir: Path | None = None) -> RunConfig:
-    """Validate a config dict; relative model paths are resolved against ``base_dir``."""
+    """Validate a config dict; relative paths are resolved against ``base_dir`` (`resolve_paths`)."""
     data = dict(data)
     policies = data.get("policies")
     for i, pol in enumerate(policies if isinstance(policies, list) else []):
@@ -387,11 +403,7 @@ def config_from_dict(data: dict, base_dir: Path | None = None) -> RunConfig:
             raise ConfigError(f"policies[{pol.get('name', i)}].model: empty; give the path of an HF model "
                               "directory (built by `init:` when missing), or a name for a sim run")
     if base_dir is not None:
-        for pol in policies if isinstance(policies, list) else []:  # not a list: validation says so
-            if isinstance(pol, dict) and "model" in pol:
-                model = Path(str(pol["model"])).expanduser()
-                pol["model"] = str(model if model.is_absolute() else (base_dir / model).resolve())
-        _resolve_data_paths(data.get("workload"), base_dir)
+        resolve_paths(data, base_dir)
     bools = bool_problems(data, RunConfig)
     try:
         cfg = RunConfig.model_validate(data)
@@ -402,26 +414,12 @@ def config_from_dict(data: dict, base_dir: Path | None = None) -> RunConfig:
     return cfg
 
 
-def _resolve_data_paths(workload: Any, base_dir: Path) -> None:
-    """Make the data paths of ``dataset`` and ``code`` workloads (also as sources of a ``mix``)
-    absolute against ``base_dir``: workers on other nodes start in other directories."""
-    if not isinstance(workload, dict) or not isinstance(workload.get("params"), dict):
-        return
-    params = workload["params"]
-    keys = {"dataset": ("path", "test_path"), "code": ("train_file", "test_file")}.get(workload.get("name"), ())
-    for key in keys:
-        if isinstance(params.get(key), str):
-            params[key] = resolve_path(params[key], base_dir)
-    for source in (params.get("sources") or {}).values() if workload.get("name") == "mix" else []:
-        if isinstance(source, dict):  # a source names its workload under ``workload``
-            _resolve_data_paths({"name": source.get("workload"), "params": source.get("params")}, base_dir)
-
-
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config, apply ``--set`` overrides, validate.
 
-    Relative model paths are resolved against the current directory (so examples run from
-    the repository root, as the README shows).
+    Relative paths (models, data, the trajectory store, TLS files, the sandbox's scratch root)
+    are resolved against the current directory (so examples run from the repository root, as
+    the README shows).
     """
     path = Path(path)
     if not path.is_file():

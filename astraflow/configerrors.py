@@ -5,6 +5,7 @@ wanted is refused rather than taken as 1 or 0)."""
 
 from __future__ import annotations
 
+import re
 import types
 from typing import Annotated, Any, Union, get_args, get_origin
 
@@ -16,9 +17,21 @@ class DuplicateKey(yaml.YAMLError):
     """A mapping that names one key twice (YAML keeps the last silently)."""
 
 
+def _without_sexagesimal(resolvers: dict[str, list]) -> dict[str, list]:
+    """YAML 1.1's implicit resolvers with integers and floats that contain no ``:``: its base-60
+    numbers (``12:00:00`` read as 43200) become text, as YAML 1.2 reads them; a walltime or a
+    clock time is meant, never a number."""
+    numbers = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+    return {first: [(tag, re.compile(r"(?=[^:]*\Z)" + rx.pattern, rx.flags) if tag in numbers else rx)
+                    for tag, rx in pairs] for first, pairs in resolvers.items()}
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a key given twice in one mapping: YAML itself keeps the
-    last one, so a second ``run:`` block would silently discard the first."""
+    last one, so a second ``run:`` block would silently discard the first. Unquoted base-60
+    numbers (``walltime: 12:00:00``) stay text (this class only: ``yaml.safe_load`` is unchanged)."""
+
+    yaml_implicit_resolvers = _without_sexagesimal(yaml.SafeLoader.yaml_implicit_resolvers)
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -71,6 +84,8 @@ def describe_error(e: dict[str, Any], set_hint: bool = True) -> str:
     if not loc:  # a check across fields, whose message names them itself
         return e["msg"].removeprefix("Value error, ")
     msg = e["msg"].removeprefix("Value error, ")
+    if msg.startswith((f"{loc}:", f"{loc}.")):  # a section's check that names the field itself
+        return msg
     given = e.get("input")
     if e["type"] == "extra_forbidden":
         return (f"{loc}: unknown key (check the spelling; docs/configuration.md lists the sections and where each "
@@ -102,9 +117,26 @@ def _numeric(annotation: Any) -> str | None:
     return None
 
 
+def _element(annotation: Any, container: type) -> Any:
+    """The value type of a ``dict[K, V]`` field or the element type of a ``list[E]`` one
+    (``container``: dict or list; optional or not), None for any other field."""
+    members = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    for a in members:
+        a = get_args(a)[0] if get_origin(a) is Annotated else a
+        if get_origin(a) is container and get_args(a):
+            return get_args(a)[-1]
+    return None
+
+
+def _bool_line(where: str, want: str, value: bool) -> str:
+    return (f"{where}: Input should be {want}, got the boolean {str(value).lower()} (YAML reads true, false, yes, "
+            "no, on, off as booleans); write a number")
+
+
 def bool_problems(data: Any, model: type[BaseModel], loc: str = "") -> list[str]:
-    """A boolean (YAML's ``true``, ``yes``, ``on``) where a field of ``model`` wants a number:
-    pydantic would take it as 1 or 0 silently. One line per field, its location dotted as
+    """A boolean (YAML's ``true``, ``yes``, ``on``) where a field of ``model`` wants a number,
+    also as a value of a ``dict[K, number]`` field or an element of a ``list[number]`` one:
+    pydantic would take it as 1 or 0 silently. One line per value, its location dotted as
     pydantic's are."""
     if not isinstance(data, dict):
         return []
@@ -117,8 +149,11 @@ def bool_problems(data: Any, model: type[BaseModel], loc: str = "") -> list[str]
         want = _numeric(field.annotation)
         sub = model_of(field.annotation, value)
         if isinstance(value, bool) and want:
-            out.append(f"{where}: Input should be {want}, got the boolean {str(value).lower()} (YAML reads true, "
-                       "false, yes, no, on, off as booleans); write a number")
+            out.append(_bool_line(where, want, value))
+        elif sub is None and isinstance(value, (dict, list)):
+            inner = _numeric(_element(field.annotation, dict if isinstance(value, dict) else list))
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            out += [_bool_line(f"{where}.{k}", inner, v) for k, v in items if inner and isinstance(v, bool)]
         elif sub is not None and isinstance(value, list):
             out += [line for i, el in enumerate(value) for line in bool_problems(el, sub, f"{where}.{i}")]
         elif sub is not None:

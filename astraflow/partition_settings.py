@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from astraflow.configerrors import bool_problems
 from astraflow.rollout.config import RolloutConfig
-from astraflow.training.config import TrainerConfig
+from astraflow.training.config import TrainerConfig, sim_mismatch
 from schedulers.partition import Partition
 
 #: the trainer fields a partition may set: they follow the hardware, not what is learnt
@@ -46,7 +46,9 @@ def effective_trainer(base: TrainerConfig, part: Partition | None) -> TrainerCon
 def check_partition(part: Partition, rollout: RolloutConfig, trainers: Mapping[str, TrainerConfig]) -> None:
     """ValueError naming the field and the fix when ``part``'s settings cannot be used: set on
     a partition of another role, an unknown key, a bad value, an engine that spans more GPUs
-    than the partition's workers have."""
+    than the partition's workers have, a sim engine for real trainers or a real one for sim
+    trainers (``trainers``; with none, as for ``astraflow partitions add``, the run's own engine
+    type stands for them: the run's config matched it to its trainers)."""
     for section, role in (("rollout", "rollout"), ("trainer", "trainer")):
         if getattr(part, section) and part.role != role:
             raise ValueError(f"partitions[{part.name}].{section}: settings for {role} workers on a partition of "
@@ -58,6 +60,17 @@ def check_partition(part: Partition, rollout: RolloutConfig, trainers: Mapping[s
             raise ValueError(
                 f"partitions[{part.name}]: rollout.engine.tensor_parallel {tp} spans {tp} GPUs per engine and the "
                 f"partition gives a node {gpus}: set gpus_per_node to a multiple of {tp}, or lower tensor_parallel")
+        field = (f"partitions[{part.name}].rollout.engine.type" if "type" in part.rollout.get("engine", {})
+                 else "rollout.engine.type")
+        for name, trainer in trainers.items():
+            problem = sim_mismatch(field, engine.type, f"policies[{name}].trainer.backend", trainer.backend)
+            if problem:
+                raise ValueError(problem)
+        if (engine.type == "sim") != (rollout.engine.type == "sim"):
+            raise ValueError(
+                f"{field} {engine.type!r}: the run's rollout.engine.type is {rollout.engine.type!r} and its trainers "
+                "match it (sim engines serve only sim trainers, real engines only real ones): set "
+                f"{field}: {rollout.engine.type}, or drop it")
         if part.scheduler == "slurm" and engine.type != "sim" and engine.device.startswith("cuda") and not gpus:
             raise ValueError(
                 f"partitions[{part.name}]: rollout.engine.device {engine.device} needs a GPU and the partition's "

@@ -35,8 +35,9 @@ def check_models(cfg: RunConfig) -> None:
     complete weight files, a tokenizer that encodes; only the weight files' headers are read), and
     that the Megatron backend can build its architecture where a policy trains with it:
     ``ConfigError`` naming the policy, the directory and the fix. A directory still to be built by
-    ``init`` is only checked to be creatable (both archs of ``init`` convert) and, warm-started from
-    another policy's model, that model's tokenizer to have an eos token, so that a run fails here,
+    ``init`` is only checked to be creatable (both archs of ``init`` convert), its preset's positions
+    to hold a generation and, warm-started from another policy's model, that model's tokenizer to
+    have an eos token, so that a run fails here,
     before its run directory is made, not half-way through. Separate from validation, which stays
     cheap and needs no model on disk."""
     import json
@@ -54,6 +55,9 @@ def check_models(cfg: RunConfig) -> None:
                                   f"into: {why}; point model at a directory that can be created (or at an "
                                   "existing HF model directory)")
             _check_warm_start_base(cfg, pol)
+            planned = _planned_config(pol)
+            if planned is not None:
+                _check_positions(cfg, pol, planned, "to be built by init")
             continue
         try:
             check_model_dir(pol.model)
@@ -74,10 +78,21 @@ def check_models(cfg: RunConfig) -> None:
                 raise ConfigError(f"policies[{pol.name}].trainer.tensor_parallel: {pol.model}: {problem}")
 
 
-def _check_positions(cfg: RunConfig, pol, config: dict) -> None:
+def _planned_config(pol) -> dict | None:
+    """The HF config (as a dict) of the model ``init`` will build for ``pol`` from its preset;
+    None for one started from an earlier policy's model, whose own check covers it."""
+    if pol.init is None or pol.init.start_from:
+        return None
+    from astraflow.models import make_config
+
+    return make_config(pol.init.preset, pol.init.arch, tie_word_embeddings=pol.init.tie_embeddings).to_dict()
+
+
+def _check_positions(cfg: RunConfig, pol, config: dict, built: str = "") -> None:
     """A generation of ``workload.sampling.max_new_tokens`` (an agentic episode: its whole
     ``max_context_tokens``) must fit the model's ``max_position_embeddings``: past it every
-    request fails, or decodes garbage."""
+    request fails, or decodes garbage. ``built``: how the model comes to be, where it does not
+    exist yet (said in the message)."""
     positions = config.get("max_position_embeddings")
     if not isinstance(positions, int) or cfg.simulated(pol):
         return
@@ -89,13 +104,14 @@ def _check_positions(cfg: RunConfig, pol, config: dict) -> None:
         episode = getattr(model(**cfg.workload.params), "max_context_tokens", None) if model else None
     except (ValueError, TypeError):
         episode = None
+    where = f"{pol.model}, {built}" if built else str(pol.model)
     if new >= positions:
-        raise ConfigError(f"workload.sampling.max_new_tokens {new}: the model of policy {pol.name} ({pol.model}) "
+        raise ConfigError(f"workload.sampling.max_new_tokens {new}: the model of policy {pol.name} ({where}) "
                           f"has {positions} positions for the prompt and the generation together; lower "
                           f"max_new_tokens below {positions} (less the longest prompt)")
     if isinstance(episode, int) and episode > positions:
         raise ConfigError(f"workload.params.max_context_tokens {episode}: the model of policy {pol.name} "
-                          f"({pol.model}) has {positions} positions; lower max_context_tokens to {positions}")
+                          f"({where}) has {positions} positions; lower max_context_tokens to {positions}")
 
 
 def _check_warm_start_base(cfg: RunConfig, pol) -> None:

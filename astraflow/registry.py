@@ -32,8 +32,9 @@ class Registry(Generic[T]):
     def resolve(self, name: str) -> T:
         """``get``, where ``"package.module:name"`` first imports the user's module (which
         registers its classes), so a new one needs no change in AstraFlow. A module that cannot
-        be imported is a ``ValueError`` naming the fix. ``name`` is an attribute of the module
-        (registered or not; it wins over a built-in of the same name), or a name it registered."""
+        be imported, or that calls ``sys.exit`` as it is imported, is a ``ValueError`` naming the
+        fix. ``name`` is an attribute of the module (registered or not; it wins over a built-in of
+        the same name), or a name it registered."""
         if ":" in name:
             module, name = name.split(":", 1)
             try:
@@ -44,6 +45,9 @@ class Registry(Generic[T]):
             except Exception as err:  # a user's module that fails as it runs: name it, no traceback
                 raise ValueError(f"{self.kind} {module}:{name}: importing {module!r} raised "
                                  f"{type(err).__name__}: {err}") from None
+            except SystemExit as err:  # a script's sys.exit() would end `astraflow check` silently, with its code
+                raise ValueError(f"{self.kind} {module}:{name}: importing {module!r} called sys.exit({err.code!r}): "
+                                 "guard it with if __name__ == '__main__'") from None
             if hasattr(mod, name):  # the module's own, registered or not, before a built-in of that name
                 obj = getattr(mod, name)
                 why = self.check(obj) if self.check is not None else None

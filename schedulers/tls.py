@@ -4,6 +4,8 @@ The certificates themselves are made by ``astraflow.runtime.security``."""
 
 from __future__ import annotations
 
+import re
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,47 @@ class TLSFiles:
         return cls(Path(data["ca_file"]), Path(data["cert_file"]), Path(key) if key else None)
 
 
+class _Encrypted(Exception):
+    """A key file asked for a passphrase (no process of a run can type one)."""
+
+
+def _no_passphrase() -> bytes:
+    raise _Encrypted
+
+
+def _why(err: OSError) -> str:
+    """The reason of an ``ssl.SSLError`` (``key values mismatch``) or an ``OSError``, without its source line."""
+    return re.sub(r"^\[[^]]*\]\s*|\s*\(_ssl\.c:\d+\)$", "", str(err)) if isinstance(err, ssl.SSLError) \
+        else (err.strerror or str(err))
+
+
+def pem_problem(ca_file: Path, cert_file: Path, key_file: Path | None) -> str | None:
+    """Why the site's files cannot make the TLS contexts every component of a run builds from them
+    (as Dask does: the authority to verify with, the certificate and its key to present), naming
+    the field; None when they can. Found here, a bad file is a config error, not a scheduler
+    that fails to start."""
+    for name, path in (("ca_file", ca_file), ("cert_file", cert_file)):
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=str(path))
+        except (ssl.SSLError, OSError) as err:
+            what = "the site's CA certificate" if name == "ca_file" else "the certificate the run's components present"
+            return f"cluster.tls.{name}: {path} holds no PEM certificate ({_why(err)}): point it at {what}"
+    field, path = ("key_file", key_file) if key_file is not None else ("cert_file", cert_file)
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(str(cert_file), str(key_file) if key_file else None,
+                                                                password=_no_passphrase)
+    except _Encrypted:
+        return (f"cluster.tls.{field}: the private key in {path} is encrypted with a passphrase, which the run's "
+                "processes cannot type: give it unencrypted, readable by you only (chmod 600)")
+    except (ssl.SSLError, OSError) as err:
+        why = "no PEM key read" if _why(err) == "PEM lib" else _why(err)
+        if key_file is None:
+            return (f"cluster.tls.cert_file: {path} holds no private key of its certificate ({why}): set key_file to "
+                    "the certificate's private key, or append the key to cert_file")
+        return (f"cluster.tls.key_file: {path} holds no private key of the certificate in {cert_file} ({why}): "
+                "point key_file at that certificate's private key")
+    return None
+
 
 class TLSConfig(BaseModel):
     """``cluster.tls``: how the run's Dask traffic is secured."""
@@ -68,6 +111,10 @@ class TLSConfig(BaseModel):
             p = getattr(self, name)
             if p is not None and not p.is_file():
                 raise ValueError(f"cluster.tls.{name}: {p} is not a readable file: point it at a PEM file")
+        if self.ca_file is not None and self.cert_file is not None:
+            problem = pem_problem(self.ca_file, self.cert_file, self.key_file)
+            if problem:
+                raise ValueError(problem)
         return self
 
     @property

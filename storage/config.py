@@ -10,7 +10,8 @@ class StorageConfig(BaseModel):
 
     trajectories: str | None = None
     """Trajectory store: a directory (or ``file://`` URL) every node, the data layer and the
-    trainers reach; default ``<run>/trajectories``."""
+    trainers reach; default ``<run>/trajectories``. A relative directory is made absolute when
+    the config loads (against the directory ``astraflow`` runs in), as model paths are."""
     keep_versions: int = Field(default=3, ge=1)
     """Weight versions kept per policy (held versions are never deleted)."""
     deltas: bool = False

@@ -146,6 +146,26 @@ def test_yaml_merge_keys_still_load():
     assert load_yaml("a: &x {b: 1}\nc:\n  <<: *x\n  d: 2\n") == {"a": {"b": 1}, "c": {"b": 1, "d": 2}}
 
 
+def test_an_unquoted_walltime_stays_text(tmp_path):
+    """YAML 1.1 reads ``12:00:00`` as the base-60 number 43200 (whose quoted form is 30 days)."""
+    from astraflow.config import load_config
+    from astraflow.configerrors import load_yaml
+    from schedulers.partition import walltime_seconds
+
+    assert load_yaml("a: 12:00:00\nb: -1:30\nc: 190:20:30.15\nd: 1_000\ne: 0x1f\nf: 1.5e+3\n") == {
+        "a": "12:00:00", "b": "-1:30", "c": "190:20:30.15", "d": 1000, "e": 31, "f": 1500.0}
+    assert yaml.safe_load("a: 12:00:00") == {"a": 43200}  # only the config loader reads it as text
+    cfg = _config(tmp_path)
+    text = cfg.read_text() + ("partitions:\n  - {name: data, role: data}\n  - {name: trainer, role: trainer}\n"
+                              "  - name: h100\n    scheduler: slurm\n    walltime: 12:00:00\n")
+    cfg.write_text(text)
+    part = load_config(cfg).partitions[2]
+    assert part.walltime == "12:00:00" and walltime_seconds(part.walltime) == 12 * 3600
+    res = _invoke("check", str(cfg), "--set", "partitions.h100.walltime=1:30:00")
+    assert res.exit_code == 0, res.output
+    assert yaml.safe_load(res.stdout)["partitions"][2]["walltime"] == "1:30:00"
+
+
 # -- values YAML reads as another type ---------------------------------------------------------------
 
 @pytest.mark.parametrize("value, needle", [
@@ -172,10 +192,31 @@ def test_boolean_for_an_integer_is_refused(tmp_path, key):
      "dataflow.curator.params.threshold: Input should be a number, got the boolean true"),
     ("partitions.rollout.rollout={capacity: true}",
      "partitions[rollout].rollout.capacity: Input should be an integer, got the boolean true"),
+    ("policies.solver.trainer.sim_step_schedule={3: true}",
+     "policies.0.trainer.sim_step_schedule.3: Input should be a number, got the boolean true"),
+    ("partitions.rollout.resources={GPU: true}",
+     "partitions.2.resources.GPU: Input should be a number, got the boolean true"),
 ])
 def test_boolean_for_a_number_is_refused_in_params_rules_and_partition_settings(tmp_path, setting, needle):
     res = _invoke("check", str(_config(tmp_path)), "--set", setting)
     assert res.exit_code == 2 and needle in res.output, res.output
+
+
+def test_boolean_in_a_list_or_mapping_of_numbers_is_refused():
+    from pydantic import BaseModel
+
+    from astraflow.configerrors import bool_problems
+
+    class Params(BaseModel):
+        weights: list[int | float] = []
+        by_step: dict[int, float] | None = None
+        names: list[str] = []
+
+    data = {"weights": [1, True, 0.5], "by_step": {2: 1.0, 5: False}, "names": ["a"]}
+    assert [line.split(" (")[0] for line in bool_problems(data, Params, "params")] == [
+        "params.weights.1: Input should be a number, got the boolean true",
+        "params.by_step.5: Input should be a number, got the boolean false"]
+    assert bool_problems({"weights": [1, 2.5], "by_step": {1: 0.0}}, Params) == []
 
 
 def test_other_coercions_stay(tmp_path):

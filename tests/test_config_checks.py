@@ -4,6 +4,8 @@ fix (never a traceback), and accept what is valid: a partition's own engine sett
 
 from __future__ import annotations
 
+import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -204,3 +206,92 @@ def test_a_check_across_fields_is_said_without_a_location_prefix(tmp_path):
     res = _invoke("check", str(_config(tmp_path)), "--set", "policies=[]")
     assert res.exit_code == 2 and "policies: name at least one policy" in res.output
     assert "(top level)" not in res.output
+
+
+def _sim(**sections) -> dict:
+    """The SIM run (no model anywhere) with one-GPU-wide sim engines; ``sections`` replace whole sections."""
+    return {**copy.deepcopy(SIM), "rollout": {"engine": {"type": "sim"}}, **sections}
+
+
+def test_policy_names_are_bounded_as_run_names_are():
+    from astraflow.config import ConfigError, config_from_dict
+    from astraflow.sections import RUN_NAME_MAX
+
+    pol = SIM["policies"][0]
+    config_from_dict(_sim(policies=[{**pol, "name": "p" * RUN_NAME_MAX}]))
+    with pytest.raises(ConfigError, match=rf"policies.0.name: policy name 'pppp.*\.\.\. \(300 characters\): use "
+                                          rf"1-{RUN_NAME_MAX} letters"):
+        config_from_dict(_sim(policies=[{**pol, "name": "p" * 300}]))
+
+
+@pytest.mark.parametrize("rollout, trainer, part, needle", [
+    ({"type": "sim"}, "torch", {}, "rollout.engine.type: sim engines generate no tokens of a model, and "
+                                   "policies[solver].trainer.backend is 'torch'"),
+    ({"type": "sim"}, "sim", {"engine": {"type": "hf"}}, "policies[solver].trainer.backend: sim publishes versions "
+                                                         "without weights, which only the sim engine can take, and "
+                                                         "partitions[rollout].rollout.engine.type is 'hf'"),
+    ({"type": "hf"}, "torch", {"engine": {"type": "sim"}}, "partitions[rollout].rollout.engine.type: sim engines "
+                                                           "generate no tokens"),
+])
+def test_engines_and_trainers_are_sim_on_both_sides_or_on_neither(tmp_path, rollout, trainer, part, needle):
+    from astraflow.config import ConfigError, config_from_dict
+
+    pol = {"name": "solver", "model": str(tmp_path), "trainer": {"backend": trainer}}  # a directory that exists
+    parts = [{"name": "data", "role": "data"}, {"name": "trainer", "role": "trainer"},
+             {"name": "rollout", "role": "rollout", "rollout": part}]
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(_sim(policies=[pol], rollout={"engine": rollout}, partitions=parts))
+    assert needle in str(err.value) and "Traceback" not in str(err.value)
+
+
+@pytest.mark.parametrize("role, nodes, needle", [
+    ("data", 0, "partitions: the data layer runs on exactly one worker, and the data partitions have 0 node(s)"),
+    ("data", 2, "the data partitions have 2 node(s) in all ('data' (2)): set nodes: 1 on partition 'data'"),
+    ("trainer", 0, "partitions: the trainers need one worker at least, and the trainer partitions have 0 node(s)"),
+])
+def test_the_data_layer_has_one_worker_and_the_trainers_one_at_least(role, nodes, needle):
+    from astraflow.config import ConfigError, config_from_dict
+
+    parts = [{"name": "data", "role": "data"}, {"name": "trainer", "role": "trainer"},
+             {"name": "rollout", "role": "rollout", "nodes": 0}]  # rollout may start empty
+    config_from_dict(_sim(partitions=parts))
+    parts[0 if role == "data" else 1]["nodes"] = nodes
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        config_from_dict(_sim(partitions=parts))
+
+
+def test_a_lease_spans_a_few_node_heartbeats():
+    from astraflow.config import ConfigError, config_from_dict
+    from astraflow.dataflow.config import MIN_LEASE_SECONDS, DataflowConfig
+    from astraflow.rollout.node import HEARTBEAT_SECONDS
+
+    assert MIN_LEASE_SECONDS >= 3 * HEARTBEAT_SECONDS
+    with pytest.raises(ConfigError, match=r"dataflow.lease_seconds 0.05: RaaS nodes renew their leases by a "
+                                          r"heartbeat .* set dataflow.lease_seconds: 5 or more"):
+        config_from_dict(_sim(dataflow={"batch_size": 16, "lease_seconds": 0.05}))
+    config_from_dict(_sim(dataflow={"batch_size": 16, "lease_seconds": MIN_LEASE_SECONDS}))
+    DataflowConfig(lease_seconds=0.05)  # a data layer tested without nodes may lease for less
+
+
+def test_relative_paths_are_made_absolute_as_model_paths_are(tmp_path):
+    from astraflow.config import config_from_dict
+    from astraflow.runtime.security import create_run_certificates
+
+    create_run_certificates(tmp_path / "site")
+    tls = {"ca_file": "site/ca.pem", "cert_file": "site/run.pem", "key_file": "site/run-key.pem"}
+    cfg = config_from_dict(_sim(storage={"trajectories": "traj"}, sandbox={"scratch_root": "~/scratch"},
+                                cluster={"tls": tls}), base_dir=tmp_path)
+    assert cfg.storage.trajectories == str(tmp_path / "traj")
+    assert cfg.sandbox.scratch_root == str(Path.home() / "scratch")
+    assert cfg.cluster.tls.key_file == tmp_path / "site" / "run-key.pem"
+    url = "file:///shared/traj"  # a URL is kept as written
+    assert config_from_dict(_sim(storage={"trajectories": url}), base_dir=tmp_path).storage.trajectories == url
+
+
+def test_a_module_that_calls_sys_exit_on_import_is_a_config_error(tmp_path, monkeypatch):
+    (tmp_path / "exits_on_import_test.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    res = _invoke("check", str(_config(tmp_path)), "--set", "workload.workflow=exits_on_import_test:Flow")
+    assert res.exit_code == 2, res.output
+    assert ("workflow exits_on_import_test:Flow: importing 'exits_on_import_test' called sys.exit(3): guard it "
+            "with if __name__ == '__main__'") in res.output

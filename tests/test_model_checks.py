@@ -169,3 +169,20 @@ def test_a_generation_longer_than_the_models_positions_is_refused(tiny_model, tm
     res = CliRunner().invoke(main, ["check", str(tmp_path / "config.yaml")])
     assert res.exit_code == 2 and "workload.sampling.max_new_tokens 4096: the model of policy" in res.output
     assert "has 2048 positions" in res.output, res.output
+
+
+
+def test_a_generation_longer_than_the_positions_of_a_model_init_builds_is_refused(tmp_path):
+    from astraflow.cli import main
+
+    data = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "tiny" / "config.yaml").read_text())
+    data["policies"][0]["model"] = str(tmp_path / "m")  # to be built by init (preset tiny)
+    data["workload"]["sampling"] = {"max_new_tokens": 3000}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    res = CliRunner().invoke(main, ["check", str(tmp_path / "config.yaml")])
+    assert res.exit_code == 2 and "workload.sampling.max_new_tokens 3000: the model of policy solver" in res.output
+    assert f"({tmp_path / 'm'}, to be built by init) has 2048 positions" in res.output, res.output
+    assert not (tmp_path / "m").exists()
+    data["workload"]["sampling"] = {"max_new_tokens": 2000}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    assert CliRunner().invoke(main, ["check", str(tmp_path / "config.yaml")]).exit_code == 0

@@ -161,3 +161,15 @@ def test_cuda_with_gpus_and_auto_without_are_accepted():
                     RolloutConfig(engine={"device": "cuda"}), {})
     check_partition(Partition(name="cpu", scheduler="slurm"), RUN, {"solver": TrainerConfig()})
     check_partition(Partition(name="here", rollout={"engine": {"device": "cuda"}}), RUN, {})  # local: the host's GPUs
+
+
+def test_a_partition_whose_engine_is_sim_only_in_a_sim_run():
+    """``astraflow partitions add`` checks without the trainers: the run's engine type stands for them."""
+    sim = RolloutConfig(engine={"type": "sim"})
+    with pytest.raises(ValueError, match=r"partitions\[h100\].rollout.engine.type 'hf': the run's "
+                                         r"rollout.engine.type is 'sim' .* set partitions\[h100\].rollout.engine.type"):
+        check_partition(Partition(name="h100", rollout={"engine": {"type": "hf"}}), sim, {})
+    with pytest.raises(ValueError, match=r"partitions\[h100\].rollout.engine.type: sim engines generate no tokens"):
+        check_partition(Partition(name="h100", rollout={"engine": {"type": "sim"}}), RUN, {"solver": TrainerConfig()})
+    check_partition(Partition(name="h100", rollout={"engine": {"type": "vllm"}}), RUN, {"solver": TrainerConfig()})
+    check_partition(Partition(name="h100"), sim, {"solver": TrainerConfig(backend="sim")})

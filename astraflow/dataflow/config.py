@@ -149,6 +149,11 @@ GroupFilterSpec = _stage(R.FILTERS, [KeepAllRule, DropZeroAdvantageRule], UserGr
 OrderingSpec = _stage(R.ORDERINGS, [FifoRule, EdfRule, FreshestRule], UserOrdering)
 
 
+#: the shortest ``lease_seconds`` of a run: a few heartbeat periods of a RaaS node
+#: (``astraflow.rollout.node.HEARTBEAT_SECONDS``), whose heartbeats renew its leases
+MIN_LEASE_SECONDS = 5.0
+
+
 class DataflowConfig(Strict):
     """The data layer (owned by ``astraflow.dataflow``)."""
 
@@ -159,7 +164,8 @@ class DataflowConfig(Strict):
     version are dropped (counted in the ledger as ``stale``)."""
     lease_seconds: float = Field(default=30.0, gt=0)
     """A leased task that is not completed or renewed by a heartbeat within this time is
-    requeued."""
+    requeued. A run needs at least ``MIN_LEASE_SECONDS`` (5): its RaaS nodes beat about once a
+    second, and a node silent for this long is taken as hung."""
     max_attempts: int = Field(default=3, ge=1)
     """A task failed or expired this many times ends as failed."""
     prefetch_groups: int = Field(default=4, ge=0)
@@ -205,6 +211,17 @@ class DataflowConfig(Strict):
     def replay_rows(self) -> int:
         """Replayed rows a batch asks for (``replay_ratio`` of ``batch_size``, rounded down)."""
         return int(self.replay_ratio * self.batch_size + 1e-9)
+
+    def node_lease_problem(self) -> str | None:
+        """Why ``lease_seconds`` is too short for a run's RaaS nodes, or None: a lease that
+        expires between two heartbeats, or at one late beat, requeues a task its node is still
+        generating. A run's check, not this section's: a data layer tested alone may lease for less."""
+        if self.lease_seconds >= MIN_LEASE_SECONDS:
+            return None
+        return (f"dataflow.lease_seconds {self.lease_seconds:g}: RaaS nodes renew their leases by a heartbeat "
+                f"about every second, and a lease shorter than {MIN_LEASE_SECONDS:g} s expires under a task still "
+                "being generated (requeued, then failed after max_attempts; a node silent that long is taken as "
+                f"hung): set dataflow.lease_seconds: {MIN_LEASE_SECONDS:g} or more (default 30)")
 
     @model_validator(mode="after")
     def _replay_rows(self) -> "DataflowConfig":

@@ -57,6 +57,10 @@ from storage.trajectories import open_trajectory_store
 
 log = logging.getLogger("astraflow.rollout")
 
+#: seconds between a node's heartbeats, which renew its leases; a run's ``dataflow.lease_seconds``
+#: must span a few of them (``astraflow.dataflow.config.MIN_LEASE_SECONDS``)
+HEARTBEAT_SECONDS = 1.0
+
 
 @dataclass(frozen=True)
 class NodeIdentity:
@@ -278,7 +282,7 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
                     raise RuntimeError(f"{helper.get_name()} of node {self.identity.name} ended")
             self._slot_free.clear()  # a slot freed from here on (even during the lease call) ends the wait below
             now = time.time()
-            if now - last_beat > 1.0:
+            if now - last_beat > HEARTBEAT_SECONDS:
                 reply = await call(self.dl.heartbeat, self.identity.name, self._beat_stats(), timeout=30)
                 last_beat = now
                 if reply["draining"]:

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from astraflow.configbase import Strict
+from astraflow.sections import RUN_NAME_MAX
 
 
 class ModelInit(Strict):
@@ -219,6 +220,20 @@ class TrainerConfig(Strict):
         return "bf16" if self.backend == "torch" and self.precision == "bf16" else "fp32"
 
 
+def sim_mismatch(engine_field: str, engine: str, trainer_field: str, backend: str) -> str | None:
+    """Why engines of type ``engine`` (set at ``engine_field``) cannot serve a trainer of
+    ``backend`` (at ``trainer_field``), or None: a sim trainer publishes versions without weights,
+    which only sim engines take, and sim engines generate no tokens a real trainer could learn
+    from. Sim on both sides or on neither."""
+    if (engine == "sim") == (backend == "sim"):
+        return None
+    if backend == "sim":
+        return (f"{trainer_field}: sim publishes versions without weights, which only the sim engine can take, and "
+                f"{engine_field} is {engine!r}: set {engine_field}: sim, or a real trainer backend (torch, megatron)")
+    return (f"{engine_field}: sim engines generate no tokens of a model, and {trainer_field} is {backend!r}, which "
+            f"trains one on them: set {trainer_field}: sim (a simulated run), or a real engine type (hf, vllm)")
+
+
 class PolicyConfig(Strict):
     """One policy: a model, its trainer and its weight stream."""
 
@@ -234,6 +249,10 @@ class PolicyConfig(Strict):
     @field_validator("name")
     @classmethod
     def _plain_name(cls, v: str) -> str:
-        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", v):
-            raise ValueError("policy name must use letters, digits, '_', '.', '-' (it names directories)")
+        """The name is a path component (weights, trainer state) and part of file names: bounded
+        as ``run.name`` is, far below the filesystem's limit on one name."""
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", v) or len(v) > RUN_NAME_MAX:
+            shown = repr(v) if len(v) <= RUN_NAME_MAX else f"{v[:20]!r}... ({len(v)} characters)"
+            raise ValueError(f"policy name {shown}: use 1-{RUN_NAME_MAX} letters, digits, '_', '.', '-', starting "
+                             "with a letter or digit (it names directories), e.g. 'solver'")
         return v

@@ -157,3 +157,37 @@ def test_bad_tls_settings_name_the_fix(tmp_path, fields, message):
     names = {"CA": site.ca_file, "CERT": site.cert_file, "KEY": site.key_file}
     with pytest.raises(ValueError, match=message):
         TLSConfig(**{k: names.get(v, v) for k, v in fields.items()})
+
+
+def _encrypted_key(key_file, out):
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(key_file.read_bytes(), None)
+    out.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                      serialization.BestAvailableEncryption(b"secret")))
+    return out
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"ca_file": "JUNK", "cert_file": "CERT", "key_file": "KEY"},
+     r"cluster.tls.ca_file: .*/junk.pem holds no PEM certificate \(no certificate or crl found\): point it at"),
+    ({"ca_file": "CA", "cert_file": "KEY", "key_file": "KEY"}, r"cluster.tls.cert_file: .* holds no PEM certificate"),
+    ({"ca_file": "CA", "cert_file": "CERT", "key_file": "JUNK"},
+     r"cluster.tls.key_file: .*/junk.pem holds no private key of the certificate in .*: point key_file at"),
+    ({"ca_file": "CA", "cert_file": "CERT", "key_file": "OTHER"}, r"cluster.tls.key_file: .*\(key values mismatch\)"),
+    ({"ca_file": "CA", "cert_file": "CERT", "key_file": "ENCRYPTED"},
+     r"cluster.tls.key_file: the private key in .* is encrypted with a passphrase"),
+    ({"ca_file": "CA", "cert_file": "CERT"}, r"cluster.tls.cert_file: .* holds no private key of its certificate"),
+])
+def test_site_files_that_do_not_load_are_refused_naming_the_field(tmp_path, fields, message):
+    """Files that exist but would not make a TLS context: refused when the config loads, not when
+    the scheduler starts with them."""
+    site, other = create_run_certificates(tmp_path / "site"), create_run_certificates(tmp_path / "other")
+    (tmp_path / "junk.pem").write_text("garbage\n")
+    names = {"CA": site.ca_file, "CERT": site.cert_file, "KEY": site.key_file, "JUNK": tmp_path / "junk.pem",
+             "OTHER": other.key_file, "ENCRYPTED": _encrypted_key(site.key_file, tmp_path / "enc.pem")}
+    with pytest.raises(ValueError, match=message):
+        TLSConfig(**{k: names[v] for k, v in fields.items()})
+    bundle = tmp_path / "bundle.pem"  # a certificate file that holds its key too
+    bundle.write_bytes(site.cert_file.read_bytes() + site.key_file.read_bytes())
+    TLSConfig(ca_file=site.ca_file, cert_file=bundle)
