@@ -46,6 +46,8 @@ CONTAINERS = ("box", "bag")
 DIRS = {"north": (0, -1), "south": (0, 1), "east": (1, 0), "west": (-1, 0)}
 _ABBREV = {d[0]: d for d in DIRS}
 KINDS = ("go", "take", "put")
+#: maps a task draw tries before it takes its kind and length for impossible on this grid
+_ATTEMPTS = 2000
 
 
 class TextWorldParams(AgentParams):
@@ -321,13 +323,14 @@ class TextWorldWorkload(AgentWorkload):
         objects drawn until one fits."""
         kinds = [k for k in KINDS if level >= (2 if k == "put" else 1)]
         first = rng.choice(kinds)
-        # a stream per kind, drawn whether it is tried or not: what ``_impossible`` holds (this
-        # object's history) must not change which tasks are drawn
-        streams = {k: random.Random(rng.randrange(2**63)) for k in kinds}
         for kind in [first] + [k for k in kinds if k != first]:  # the others only if no map of this grid fits
             if (kind, level) in self._impossible:
+                # the stream moves on as the failed search did (one layout per attempt): which
+                # tasks are drawn must not depend on what this object found impossible before
+                for _ in range(_ATTEMPTS):
+                    rng.randrange(2**31)
                 continue
-            task = self._draw_kind(streams[kind], level, kind)
+            task = self._draw_kind(rng, level, kind)
             if task is not None:
                 return task
             self._impossible.add((kind, level))
@@ -335,8 +338,8 @@ class TextWorldWorkload(AgentWorkload):
         raise ValueError(f"textworld workload: no task on a {p.width}x{p.height} grid takes {level} steps; "
                          f"lower max_difficulty (now {p.max_difficulty}) or make the grid larger (width, height)")
 
-    def _draw_kind(self, rng: random.Random, level: int, kind: str, attempts: int = 2000) -> dict[str, Any] | None:
-        for _ in range(attempts):
+    def _draw_kind(self, rng: random.Random, level: int, kind: str) -> dict[str, Any] | None:
+        for _ in range(_ATTEMPTS):
             layout = rng.randrange(2**31)
             w = world_of(*self.grid, layout)
             if kind == "go":
