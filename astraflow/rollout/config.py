@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from astraflow.configbase import Strict
+from astraflow.probe import PROBE_LEN
 from astraflow.rollout.sim_config import SimEngineConfig
 
 
@@ -23,8 +24,9 @@ class VLLMConfig(Strict):
 
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     """Fraction of each GPU's memory vLLM may take (weights, activations, KV cache)."""
-    max_model_len: int | None = Field(default=None, ge=16)
-    """Longest prompt + completion in tokens; ``None``: the model's ``max_position_embeddings``."""
+    max_model_len: int | None = Field(default=None, gt=PROBE_LEN)
+    """Longest prompt + completion in tokens; ``None``: the model's ``max_position_embeddings``.
+    More than the probe sequence every weight update is checked with (``astraflow.probe``)."""
     weight_update: Literal["auto", "in_place", "reload", "recreate"] = "auto"
     """How a new weight version reaches the engine. ``in_place``: vLLM's weight-transfer
     protocol (pause, start, update, finish, resume) with the weights read from the weight store

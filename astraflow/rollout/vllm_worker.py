@@ -29,6 +29,24 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 BACKEND = "astraflow_store"
 
 
+def _ask_for_amx() -> None:
+    """On a CPU with AMX, Linux lets a process use the tile registers only once it asked
+    (``arch_prctl``). torch asks when its own kernels first need them; the CPU build's attention
+    kernel does not, so a bf16 engine's worker died of SIGILL on its first request. Asked here,
+    in every worker, before anything runs; a no-op where there is no AMX or no CPU build."""
+    import torch
+
+    ask = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+    if ask is not None and not torch.cuda.is_available():
+        try:
+            ask()
+        except Exception:  # an older torch, or a kernel that refuses: the fp32 path needs none of it
+            pass
+
+
+_ask_for_amx()
+
+
 @dataclass
 class StoreInitInfo(WeightTransferInitInfo):
     """Nothing to set up: the weight store is a directory every worker can read."""

@@ -58,23 +58,26 @@ def _vllm_config(tiny_model, **overrides):
 def test_a_max_model_len_without_room_for_the_generation_is_refused_at_load(tiny_model):
     from astraflow.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"rollout.engine.vllm.max_model_len 32: a request is its prompt plus "
-                                          r"workload.sampling.max_new_tokens 32 tokens"):
-        _vllm_config(tiny_model, rollout__engine__vllm__max_model_len=32, workload__sampling__max_new_tokens=32)
+    with pytest.raises(ConfigError, match=r"rollout.engine.vllm.max_model_len 40: a request is its prompt plus "
+                                          r"workload.sampling.max_new_tokens 40 tokens"):
+        _vllm_config(tiny_model, rollout__engine__vllm__max_model_len=40, workload__sampling__max_new_tokens=40)
+    # shorter than the probe every weight update is scored on: the updates could never be checked
+    with pytest.raises(ConfigError, match=r"rollout.engine.vllm.max_model_len: Input should be greater than 32"):
+        _vllm_config(tiny_model, rollout__engine__vllm__max_model_len=24, workload__sampling__max_new_tokens=8)
     assert _vllm_config(tiny_model, rollout__engine__vllm__max_model_len=64,
                         workload__sampling__max_new_tokens=32).rollout.engine.vllm.max_model_len == 64
     # the hf engine has no such setting: it is not judged
-    tiny_config(tiny_model, rollout__engine__vllm__max_model_len=32, workload__sampling__max_new_tokens=32)
+    tiny_config(tiny_model, rollout__engine__vllm__max_model_len=40, workload__sampling__max_new_tokens=40)
 
 
 def test_a_partitions_own_max_model_len_is_checked_and_named(tiny_model):
     from astraflow.config import ConfigError
 
     parts = [{"name": "pool", "role": "rollout", "scheduler": "local",
-              "rollout": {"engine": {"vllm": {"max_model_len": 16}}}},
+              "rollout": {"engine": {"vllm": {"max_model_len": 40}}}},
              {"name": "trainer", "role": "trainer"}, {"name": "data", "role": "data"}]
-    with pytest.raises(ConfigError, match=r"partitions\[pool\].rollout.engine.vllm.max_model_len 16"):
-        _vllm_config(tiny_model, partitions=parts, workload__sampling__max_new_tokens=16)
+    with pytest.raises(ConfigError, match=r"partitions\[pool\].rollout.engine.vllm.max_model_len 40"):
+        _vllm_config(tiny_model, partitions=parts, workload__sampling__max_new_tokens=40)
 
 
 def test_a_vllm_engine_on_an_explicit_gpu_sees_only_that_gpu():
