@@ -41,8 +41,9 @@ class VLLMConfig(Strict):
     probe sequence and the trainer's that counts as the right weights. Versions published in
     bf16 are probed by the trainer with the bf16 weights, so the difference is rounding noise
     far below this; a wrong update is off by whole nats."""
-    cpu_kvcache_gib: float = Field(default=2.0, gt=0)
-    """CPU build only: KV cache size (``VLLM_CPU_KVCACHE_SPACE``)."""
+    cpu_kvcache_gib: int = Field(default=2, ge=1)
+    """CPU build only: KV cache size in whole GiB (``VLLM_CPU_KVCACHE_SPACE``, which vLLM reads
+    as an integer)."""
     cpu_bind: Literal["cores", "none"] = "cores"
     """CPU build only: where vLLM's OpenMP threads (``rollout.engine.threads`` of them) run.
     ``cores``: each bound to one of the first CPUs the worker may use, as vLLM recommends for a

@@ -77,7 +77,8 @@ def _make_one(cfg: EngineConfig, model_path: str, plan: ReplicaPlan) -> Inferenc
         visible = vllm_visible_devices(plan, os.environ.get("CUDA_VISIBLE_DEVICES"))
         return VLLMEngine(model_path, options=cfg.vllm, max_batch_size=cfg.max_batch, seed=plan.seed, version=0,
                           tensor_parallel=cfg.tensor_parallel, dtype=cfg.dtype, threads=plan.threads,
-                          swap_min_remaining=cfg.swap_min_remaining, visible_devices=visible)
+                          swap_min_remaining=cfg.swap_min_remaining, visible_devices=visible,
+                          first_cpu=plan.index * plan.threads)
     raise ValueError(f"unknown engine type {cfg.type!r}; known: {', '.join(KNOWN)}")
 
 

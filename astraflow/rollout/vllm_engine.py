@@ -30,6 +30,7 @@ import concurrent.futures
 import itertools
 import json
 import logging
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -64,12 +65,14 @@ class VLLMEngine:
     """``InferenceEngine`` on vLLM's ``AsyncLLM``. ``options`` is ``rollout.engine.vllm``
     (``VLLMConfig``); ``tensor_parallel`` shards the model over the worker's GPUs (a replica's
     ``visible_devices``, as ``engine_pool.plan_replicas`` gives them, when set); ``threads``
-    are the CPU build's OpenMP threads. Raises ``ValueError`` with the install command when
-    vLLM is not installed (``vllm_setup.require_vllm``)."""
+    are the CPU build's OpenMP threads, bound (``cpu_bind: cores``) from the worker's CPU
+    ``first_cpu`` on, so that replicas take CPUs of their own. Raises ``ValueError`` with the
+    install command when vLLM is not installed (``vllm_setup.require_vllm``)."""
 
     def __init__(self, model_path: str, *, options: Any, max_batch_size: int = 256, seed: int = 0,
                  version: int = 0, tensor_parallel: int = 1, dtype: str = "fp32", threads: int = 1,
-                 swap_min_remaining: int = SWAP_MIN_REMAINING, visible_devices: str | None = None):
+                 swap_min_remaining: int = SWAP_MIN_REMAINING, visible_devices: str | None = None,
+                 first_cpu: int = 0):
         from astraflow.models import check_model_dir, load_tokenizer
         from astraflow.rollout import vllm_setup
         from astraflow.rollout.vllm_updates import Updater
@@ -81,7 +84,7 @@ class VLLMEngine:
         self.options = options
         self.swap_min_remaining = swap_min_remaining
         self._engine_kwargs = dict(max_batch_size=max_batch_size, seed=seed, tensor_parallel=tensor_parallel,
-                                   dtype=dtype, threads=threads, visible_devices=visible_devices)
+                                   dtype=dtype, threads=threads, visible_devices=visible_devices, first_cpu=first_cpu)
         self._stop_ids = sorted(self._stops(Path(model_path)))
         #: whether vLLM labels tokens with versions itself (``vllm_setup.labels_versions``)
         self.labels_versions = vllm_setup.labels_versions()
@@ -171,8 +174,12 @@ class VLLMEngine:
     @property
     def dead(self) -> str | None:
         if self._dead is None and self.llm is not None and self.llm.errored:
-            codes = [p.exitcode for p in self._core_processes()]
-            self._dead = f"the vLLM engine core died (exit codes {codes}); see the worker log"
+            procs = self._core_processes()
+            end = time.monotonic() + 5.0  # a core whose worker died is still shutting down
+            for proc in procs:
+                proc.join(max(end - time.monotonic(), 0.0))
+            how = ", ".join(map(_exit, procs)) or "no process"
+            self._dead = f"the vLLM engine core died ({how}); see the worker log"
         return self._dead
 
     @property
@@ -340,6 +347,19 @@ class VLLMEngine:
         end = time.monotonic() + deadline_s
         while ids is not None and any(rid not in ids for rid in self._running) and time.monotonic() < end:
             await asyncio.sleep(0.001)
+
+
+def _exit(proc) -> str:
+    """How an engine core process ended, for the dead engine's reason."""
+    code = proc.exitcode
+    if code is None:
+        return f"pid {proc.pid} still running: its engine or one of its workers failed"
+    if code < 0:
+        try:
+            return f"pid {proc.pid} killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"pid {proc.pid} killed by signal {-code}"
+    return f"pid {proc.pid} exited with code {code}"
 
 
 def _versions(spans: list | None, n: int, fallback: int) -> list[int]:

@@ -76,63 +76,74 @@ def labels_versions() -> bool:
             and "weight_version" in inspect.signature(finish).parameters)
 
 
-def cpu_environment(threads: int, kvcache_gib: float, bind: str = "cores") -> dict[str, str]:
-    """The CPU build's thread and memory settings (each applied unless the user set it):
-    ``threads`` OpenMP threads, with ``bind="cores"`` bound to the first ``threads`` CPUs this
-    process may use, with ``"none"`` left to the operating system; no CPUs reserved for the
-    frontend (the node's own threads share them); a KV cache of ``kvcache_gib``."""
+def cpu_environment(threads: int, kvcache_gib: int, bind: str = "cores", first: int = 0) -> dict[str, str]:
+    """The CPU build's thread and memory settings: ``threads`` OpenMP threads, with
+    ``bind="cores"`` bound to CPUs ``first`` .. ``first + threads - 1`` of those this process
+    may use (counting round), with ``"none"`` left to the operating system; no CPUs reserved
+    for the frontend (the node's own threads share them); a KV cache of ``kvcache_gib`` GiB."""
+    threads = max(threads, 1)
     if bind == "cores":
-        cpus = sorted(os.sched_getaffinity(0))[: max(threads, 1)]
-        placement = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus))}
+        cpus = sorted(os.sched_getaffinity(0))
+        mine = sorted({cpus[(first + k) % len(cpus)] for k in range(threads)})
+        placement = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine))}
     elif bind == "none":  # vLLM then leaves OMP_NUM_THREADS to the environment
-        placement = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(max(threads, 1))}
+        placement = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
     else:
         raise ValueError(f"cpu_bind must be cores or none, got {bind!r}")
-    return {**placement, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "VLLM_CPU_KVCACHE_SPACE": str(max(int(round(kvcache_gib)), 1))}
+    return {**placement, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": str(int(kvcache_gib))}
 
 
 _ENV_LOCK = threading.Lock()
 
 
 @contextmanager
-def _cuda_visible(devices: str | None) -> Iterator[None]:
-    """``CUDA_VISIBLE_DEVICES=devices`` while vLLM spawns its engine core, which takes the
-    environment with it (one replica's GPUs); nothing when ``devices`` is None."""
-    if devices is None:
-        yield
-        return
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment while vLLM builds its config and spawns its
+    engine core, which takes the environment with it; restored afterwards, so that the next
+    engine (a replica, a re-creation) is placed by its own settings, not by these."""
     with _ENV_LOCK:
-        before = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+        before = {key: os.environ.get(key) for key in values}
+        os.environ.update(values)
         try:
             yield
         finally:
-            if before is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = before
+            for key, value in before.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def engine_environment(options: Any, threads: int, first_cpu: int, visible_devices: str | None) -> dict[str, str]:
+    """The environment one engine is spawned with: its GPUs (``visible_devices``), or on the
+    CPU build its threads' placement (``first_cpu`` onwards) and KV cache. A placement the user
+    set (``VLLM_CPU_OMP_THREADS_BIND``) is kept whole, and so are other CPU settings they set."""
+    env: dict[str, str] = {}
+    if visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices
+    if is_cpu_build():
+        cpu = cpu_environment(threads, options.cpu_kvcache_gib, options.cpu_bind, first_cpu)
+        if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # the user's placement, whole
+            cpu = {k: v for k, v in cpu.items() if k not in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")}
+        env.update({k: v for k, v in cpu.items() if k == "OMP_NUM_THREADS" or k not in os.environ})
+    elif importlib.util.find_spec("flashinfer") is None:
+        # a CUDA build without FlashInfer installed: its sampler would import FlashInfer at start
+        if "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
+            env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    return env
 
 
 def make_async_llm(model_dir: str, options: Any, *, max_batch_size: int, seed: int, tensor_parallel: int,
-                   dtype: str, threads: int, visible_devices: str | None = None):
+                   dtype: str, threads: int, visible_devices: str | None = None, first_cpu: int = 0):
     """An ``AsyncLLM`` (vLLM V1) on ``model_dir`` configured from ``rollout.engine``: raw
-    log-probs, our weight-transfer backend and worker extension, the CPU build's environment."""
+    log-probs, our weight-transfer backend and worker extension, the environment of
+    ``engine_environment``."""
     from astraflow.rollout import vllm_worker  # registers the weight-transfer backend here too
 
     from vllm.config import WeightTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    if is_cpu_build():
-        env = cpu_environment(threads, options.cpu_kvcache_gib, options.cpu_bind)
-        if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # the user's placement, whole
-            env = {k: v for k, v in env.items() if k not in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")}
-        for key, value in env.items():
-            os.environ.setdefault(key, value)  # read by the engine core process vLLM spawns
-    elif importlib.util.find_spec("flashinfer") is None:
-        # a CUDA build without FlashInfer installed: its sampler would import FlashInfer at start
-        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     kwargs: dict[str, Any] = dict(
         model=model_dir, tokenizer=model_dir, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], seed=seed,
         tensor_parallel_size=tensor_parallel, max_num_seqs=max_batch_size, max_model_len=options.max_model_len,
@@ -142,5 +153,5 @@ def make_async_llm(model_dir: str, options: Any, *, max_batch_size: int, seed: i
     )
     if has_weight_transfer():
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_worker.BACKEND)
-    with _cuda_visible(visible_devices):
+    with _environment(engine_environment(options, threads, first_cpu, visible_devices)):
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))

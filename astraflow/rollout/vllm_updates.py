@@ -19,14 +19,16 @@ and compares with the trainer's log-probs. An in-place update off by more than
 in-place path served wrong weights on this build: a warning names the build and that engine
 re-creates for every later update. If the fresh engine is as far off, the gap is the engine's
 numerics (a bf16 engine against the trainer's fp32 probe), and the tolerance rises to twice it.
-A version without a probe is loaded unverified (logged once). An in-place load that fails
+A version without a probe is loaded unverified (logged once), as is one whose check itself fails
+after its weights are in (logged, recorded as ``unverified``). An in-place load that fails
 part-way leaves the engine ``dead`` (its tensors may mix two versions): its node restarts it
 and loads the newest version. One that fails before touching the weights keeps the old ones.
 
 Asynchronous overlap "weight update vs in-flight generation": an update closes the engine's
 gate (new requests and resumptions wait), then either aborts the running requests, which
 resume from their generated prefix once the update is done, or (fewer than
-``swap_min_remaining`` tokens left) lets them finish first. The probe runs before the gate
+``swap_min_remaining`` tokens left) lets them finish first; requests vLLM still holds in its
+queue behind a full batch are then taken back the same way. The probe runs before the gate
 reopens, so no request sees weights that failed their check.
 """
 
@@ -95,6 +97,7 @@ class Updater:
         self._scratch = Path(tempfile.mkdtemp(prefix="astraflow-vllm-"))
         self._warned_unverified = False
         self._touching = False  # an in-place load is changing the engine's weights
+        self._changed = False  # this update has changed the engine's weights (its check may still fail)
         self.last_read: dict[str, Any] = {}
 
     # -- called from any thread --------------------------------------------------------------
@@ -164,10 +167,32 @@ class Updater:
     async def _apply(self, version: int, root: str, policy: str, use_deltas: bool, every: int) -> None:
         eng = self.engine
         t0 = time.time()
+        self._changed = False
         aborted = await self._quiesce()
         probe = WeightStore(root).manifest(policy, version).get("meta", {}).get("probe")
         record: dict[str, Any] = {"policy": policy, "version": version, "mode": self.mode, "engine": "vllm",
                                   "resumed_requests": aborted}
+        try:
+            await self._load_and_check(version, root, policy, use_deltas, every, probe, record)
+        except Exception as err:
+            if self._touching or not self._changed or eng.dead:
+                raise
+            # the version's weights are in; only their check failed: serve them under their own
+            # version (the label must name the weights that sample), unverified and said so
+            record["unverified"] = f"{type(err).__name__}: {err}"
+            log.warning("vLLM engine: %s v%d is loaded but checking it failed (%s); it is served unverified",
+                        policy, version, record["unverified"])
+            await eng.llm.resume_generation()
+        eng.serving_version = version
+        eng._stats["weight_swaps"] += 1
+        record["load_s"] = time.time() - t0
+        self._records.append(record)
+
+    async def _load_and_check(self, version: int, root: str, policy: str, use_deltas: bool, every: int,
+                              probe: Mapping[str, Any] | None, record: dict[str, Any]) -> None:
+        """Load ``version`` the current way, resume the engine's scheduler, check the probe
+        (re-creating on a wrong in-place update); fills ``record``."""
+        eng = self.engine
         if self.mode == "in_place":
             record["read"] = await self._in_place(root, policy, version, use_deltas, every)
         elif self.mode == "reload":
@@ -191,10 +216,6 @@ class Updater:
         elif not self._warned_unverified:
             self._warned_unverified = True
             log.warning("vLLM engine: %s v%d carries no probe (meta.probe) and is loaded unverified", policy, version)
-        eng.serving_version = version
-        eng._stats["weight_swaps"] += 1
-        record["load_s"] = time.time() - t0
-        self._records.append(record)
 
     def _judge(self, err: float, fresh: float, policy: str, version: int) -> None:
         """After an in-place update off by ``err`` and a re-created engine off by ``fresh`` on
@@ -231,7 +252,20 @@ class Updater:
             await eng.llm.pause_generation(mode="abort", clear_cache=True)
             return len(running)
         await eng.llm.pause_generation(mode="wait", clear_cache=True)
-        return 0
+        return await self._take_back()
+
+    async def _take_back(self) -> int:
+        """Abort the requests still in flight, to resume from their prefix after the update.
+        After a drain these are the requests vLLM had queued behind its full batch: a paused
+        scheduler keeps them and would start them on the next weights before their check, or
+        shut them down inside an engine being re-created. Returns how many."""
+        eng = self.engine
+        left = list(eng._running.values())
+        for r in left:
+            r.resume = True
+        if left and eng.llm is not None:
+            await eng.llm.abort([r.rid for r in left])
+        return len(left)
 
     async def _in_place(self, root: str, policy: str, version: int, use_deltas: bool, every: int) -> dict:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
@@ -246,20 +280,22 @@ class Updater:
             await llm.finish_weight_update(weight_version=str(version))
         else:
             await llm.finish_weight_update()
-        self._touching = False
+        self._touching, self._changed = False, True
         return (await llm.collective_rpc("astraflow_last_read"))[0]  # rank 0's read: full or delta
 
     async def _reload(self, model_dir: Path, version: int) -> None:
         self._touching = True
         await self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
-        self._touching = False
+        self._touching, self._changed = False, True
         if self.engine.labels_versions:
             await self.engine.llm.update_weight_version(str(version))
 
     async def _recreate(self, model_dir: Path, version: int) -> None:
         eng = self.engine
+        await self._take_back()  # none after a pause: a request left inside would never end
         await eng._shutdown()
         await eng._start(str(model_dir), version)
+        self._changed = True
         eng._stats["recreations"] += 1
         for old in self._scratch.glob("v*"):
             if old != model_dir:

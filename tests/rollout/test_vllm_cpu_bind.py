@@ -14,13 +14,26 @@ from astraflow.rollout.vllm_setup import cpu_environment
 
 def test_cores_binds_the_threads_to_the_first_cpus_of_the_process():
     first = sorted(os.sched_getaffinity(0))[0]
-    env = cpu_environment(1, 2.0)
+    env = cpu_environment(1, 2)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(first) and "OMP_NUM_THREADS" not in env
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
 
+def test_a_replica_binds_from_its_first_cpu_on_counting_round():
+    cpus = sorted(os.sched_getaffinity(0))
+    assert cpu_environment(1, 2, first=1)["VLLM_CPU_OMP_THREADS_BIND"] == str(cpus[1 % len(cpus)])
+    many = cpu_environment(len(cpus) + 3, 2, first=len(cpus) - 1)["VLLM_CPU_OMP_THREADS_BIND"]
+    assert many == ",".join(map(str, cpus))  # more threads than CPUs: each CPU once
+
+
+def test_the_kv_cache_is_whole_gib_and_a_fraction_is_refused_naming_the_field():
+    assert EngineConfig.model_validate({"type": "vllm", "vllm": {"cpu_kvcache_gib": 3}}).vllm.cpu_kvcache_gib == 3
+    with pytest.raises(ValidationError, match="cpu_kvcache_gib"):
+        EngineConfig.model_validate({"type": "vllm", "vllm": {"cpu_kvcache_gib": 0.5}})
+
+
 def test_none_leaves_the_threads_to_the_operating_system_with_their_number():
-    env = cpu_environment(3, 1.0, "none")
+    env = cpu_environment(3, 1, "none")
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "3"
 
 

@@ -15,26 +15,56 @@ psutil = pytest.importorskip("psutil")
 from astraflow.models import load_model  # noqa: E402
 from astraflow.rollout.engine import SamplingParams  # noqa: E402
 from astraflow.rollout.vllm_engine import VLLMEngine  # noqa: E402
-from astraflow.rollout.vllm_setup import is_cpu_build  # noqa: E402
+from astraflow.rollout.vllm_setup import engine_environment, is_cpu_build  # noqa: E402
 
 from .conftest import engine_options, reference_logprobs  # noqa: E402
 
 
+def _workers(engine) -> list:
+    workers = [p for p in psutil.Process(engine.pid).children(recursive=True) if "VLLM" in " ".join(p.cmdline())]
+    assert workers, "no vLLM worker process under the engine core"
+    return workers
+
+
 def test_an_unbound_engine_runs_on_every_cpu_and_serves_the_trainers_logprobs(vllm_models, monkeypatch):
+    """Its thread count is the engine's, not an ``OMP_NUM_THREADS`` the worker inherited."""
     if not is_cpu_build():
         pytest.skip("cpu_bind applies to vLLM's CPU build")
-    for key in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):  # tests/run_vllm.sh binds; restored after
-        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # tests/run_vllm.sh binds; restored after
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
     model, tok = load_model(vllm_models["v0"])
     engine = VLLMEngine(str(vllm_models["v0"]), options=engine_options(cpu_bind="none"), max_batch_size=4,
                         seed=0, threads=1)
     try:
-        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and os.environ["OMP_NUM_THREADS"] == "1"
-        workers = [p for p in psutil.Process(engine.pid).children(recursive=True) if "VLLM" in " ".join(p.cmdline())]
-        assert workers, "no vLLM worker process under the engine core"
-        assert all(set(w.cpu_affinity()) == os.sched_getaffinity(0) for w in workers)
+        # what the engine core was spawned with (its workers' /proc environ is their title now)
+        env = engine_environment(engine.options, 1, 0, None)
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "1"
+        assert all(set(w.cpu_affinity()) == os.sched_getaffinity(0) for w in _workers(engine))
+        assert os.environ["OMP_NUM_THREADS"] == "7" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
         prompt = tok.encode("12+34=")
         out = asyncio.run(engine.generate(prompt, SamplingParams(max_new_tokens=8, greedy=True)))
         np.testing.assert_allclose(out.logprobs, reference_logprobs(model, prompt, out.tokens), atol=1e-4)
     finally:
         engine.close()
+
+
+def test_replicas_bind_their_threads_to_cpus_of_their_own(vllm_models, monkeypatch):
+    """Two engines of one node (``EnginePool`` replicas), one thread each: the second binds
+    to the node's second CPU, not to the first engine's."""
+    if not is_cpu_build():
+        pytest.skip("cpu_bind applies to vLLM's CPU build")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    engines = []
+    try:
+        for first in (0, 1):
+            engines.append(VLLMEngine(str(vllm_models["v0"]), options=engine_options(), max_batch_size=4, seed=first,
+                                      threads=1, first_cpu=first))
+        for first, engine in enumerate(engines):
+            assert all(set(w.cpu_affinity()) == {cpus[first]} for w in _workers(engine))
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    finally:
+        for engine in engines:
+            engine.close()

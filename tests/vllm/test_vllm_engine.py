@@ -207,19 +207,20 @@ def test_an_in_place_update_that_fails_part_way_leaves_the_engine_dead_until_res
 def test_a_dead_engine_core_fails_its_requests_and_restarts(setup):
     engine, _, prompts, m0 = setup
     params = SamplingParams(max_new_tokens=400, greedy=True)
+    pid = engine.pid
 
     async def main():
         task = asyncio.ensure_future(engine.generate(prompts[0], params))
         while not engine._running:
             await asyncio.sleep(0.01)
-        os.kill(engine.pid, signal.SIGKILL)  # the engine core we started, by its pid
+        os.kill(pid, signal.SIGKILL)  # the engine core we started, by its pid
         with pytest.raises(EngineProcessError):
             await task
         with pytest.raises(EngineProcessError):
             await engine.generate(prompts[0], params)
 
     asyncio.run(main())
-    assert engine.dead and engine.restartable
+    assert f"pid {pid} killed by SIGKILL" in engine.dead and engine.restartable  # how it ended, named
     engine.restart()
     assert engine.dead is None and engine.version == 0
     out = _gather(engine, prompts[:1], SamplingParams(max_new_tokens=8, greedy=True))[0]

@@ -117,6 +117,69 @@ def test_a_re_creating_update_mid_generation_resumes_the_request_on_the_new_engi
     assert rec["mode"] == "recreate" and rec["resumed_requests"] == 1 and rec["probe_error"] < 1e-3
 
 
+def test_a_draining_re_creation_takes_back_the_requests_vllm_had_queued(forced_reload, vllm_models, tmp_path):
+    """More requests than the engine's seats, an update that lets the running ones finish
+    (fewer tokens left than ``swap_min_remaining``) and re-creates the engine: the requests
+    vLLM still holds in its queue are taken back and run on the new engine, none is left inside
+    the old one when it shuts down (it would never end)."""
+    engine = forced_reload
+    engine.updater.mode = "recreate"
+    engine.swap_min_remaining = 10_000  # every running request is nearer its end than this
+    old, new = engine.serving_version, engine.serving_version + 1
+    seats = engine._engine_kwargs["max_batch_size"]
+    store = WeightStore(tmp_path / "weights")
+    m1, tok = load_model(vllm_models["v1"])
+    publish(store, POLICY, new, m1)
+    prompt = tok.encode("12+34=")
+    params = SamplingParams(max_new_tokens=48, greedy=True)
+
+    async def main():
+        tasks = [asyncio.ensure_future(engine.generate(prompt, params)) for _ in range(seats + 2)]
+        while not any(engine._generated(rid) >= 2 for rid in list(engine._running)):
+            await asyncio.sleep(0.005)
+        engine.load_version(str(store.root), POLICY, new)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 240)
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        engine.swap_min_remaining = 0
+    labels = [set(o.versions.tolist()) for o in outs]
+    assert labels.count({old}) == seats and labels.count({new}) == 2, labels  # none straddles the update
+    for out in outs:
+        if set(out.versions.tolist()) == {new}:
+            np.testing.assert_allclose(out.logprobs, reference_logprobs(m1, prompt, out.tokens), atol=1e-4)
+    rec = [r for r in engine.take_load_records() if r["version"] == new][0]
+    assert rec["resumed_requests"] == 2 and engine.serving_version == new
+
+
+def test_a_version_whose_check_fails_after_loading_is_served_under_its_own_label(vllm_models, tmp_path, caplog):
+    """The probe cannot run (a token id beyond the vocabulary) after the in-place update has
+    put the weights in: the engine serves them as the new version, unverified and said so,
+    not under the old version's label."""
+    store = WeightStore(tmp_path / "weights")
+    m1, tok = load_model(vllm_models["v1"])
+    sd = publish(store, POLICY, 1, m1)
+    probe = store.manifest(POLICY, 1)["meta"]["probe"]
+    probe["tokens"] = [int(t) for t in probe["tokens"]][:-1] + [10 ** 7]
+    store.publish(POLICY, 2, sd, meta={"layout": "hf", "arch": m1.config.model_type, "probe": probe})
+    engine = VLLMEngine(str(vllm_models["v0"]), options=engine_options(), max_batch_size=4, seed=0, threads=2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="astraflow.rollout"):
+            engine.updater.submit_store(str(store.root), POLICY, 2, False, 10).result(timeout=600)
+        rec = engine.take_load_records()[-1]
+        assert engine.serving_version == 2 and "unverified" in rec and engine.dead is None
+        assert any("served unverified" in r.getMessage() for r in caplog.records)
+        prompt = tok.encode("7+88=")
+        out = _one(engine, prompt, SamplingParams(max_new_tokens=12, greedy=True))
+        assert set(out.versions) == {2}
+        np.testing.assert_allclose(out.logprobs, reference_logprobs(m1, prompt, out.tokens), atol=1e-4)
+    finally:
+        procs = engine._core_processes()
+        engine.close()
+        assert not any(p.is_alive() for p in procs)
+
+
 def test_a_bf16_engine_updates_to_the_version_within_bf16_rounding(vllm_models, tmp_path):
     """A bf16 engine against the trainer's fp32 probe: the update is judged against what a
     fresh engine scores, so bf16 rounding never counts as a wrong update, and the engine
