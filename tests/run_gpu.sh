@@ -13,7 +13,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:-runs/gpu-check}
-PY=${PYTHON:-python3}
+# the project's venv where it exists (tests/run.sh makes it), else the python3 on PATH
+if [ -x .venv/bin/python ]; then PY=${PYTHON:-.venv/bin/python}; else PY=${PYTHON:-python3}; fi
 STEPS=${GPU_CHECK_STEPS:-env tests run bench}
 if [ -z "${GPU_CHECK_STEPS:-}" ] && "$PY" -c "import vllm" 2>/dev/null; then
   STEPS="$STEPS vtests vcompare vrun vbench"
