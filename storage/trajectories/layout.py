@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 import time
 import zlib
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Iterable
 
 import numpy as np
@@ -109,7 +109,7 @@ class SegmentConflict(RuntimeError):
     """Two live writers wrote one segment: the commit marker this writer wanted already exists."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Marker:
     """One published batch, parsed (from its commit marker, or from a commit log record): its
     entry and token ranges and its string columns."""
@@ -135,17 +135,16 @@ class Marker:
     def packed(self) -> bool:
         return self.data_at >= 0
 
-    @cached_property
-    def offsets(self) -> dict[str, int]:
-        """Where each array of the packed batch starts in ``data`` (``packed_offsets`` from
+    def offset(self, name: str) -> int:
+        """Where array ``name`` of the packed batch starts in ``data`` (``packed_offsets`` from
         ``data_at``; ``""``: where the batch ends)."""
-        sizes = packed_offsets(self.end - self.start, self.tok_end - self.tok_start)
-        return {k: self.data_at + v for k, v in sizes.items()}
+        entries, tokens = self.end - self.start, self.tok_end - self.tok_start
+        return self.data_at + _PER_ENTRY[name] * entries + _PER_TOKEN[name] * tokens
 
     @property
     def data_end(self) -> int:
         """End of the packed batch's bytes in ``data``."""
-        return self.offsets[""]
+        return self.offset("")
 
     @classmethod
     def parse(cls, seqno: int, data: bytes) -> "Marker":
@@ -164,6 +163,10 @@ def marker_record(seqno: int, entries: tuple[int, int], tokens: tuple[int, int],
 #: the arrays whose bytes a batch's ``data_crc`` covers, in this order (its token range of the
 #: per-token arrays, its entry range of the others).
 CRC_ORDER = (*FLAT_DTYPES, "index", "reward")
+#: ``packed_offsets`` is linear in a batch's entries and tokens: per array (and ``""``, the
+#: batch's size) the bytes before it per entry and per token, so a batch needs no table of its own
+_PER_ENTRY = packed_offsets(1, 0)
+_PER_TOKEN = packed_offsets(0, 1)
 
 
 def _boot_id() -> str:
@@ -230,9 +233,10 @@ def parse_log(data: bytes | memoryview, last: Marker | None, data_end: int = 0,
             break
         try:
             rec = json.loads(payload)
+            boot, at = sys.intern(str(rec["boot"])), base + pos + _LOG_HEAD.size
             batches = [Marker(seqno + k, b["entries"][0], b["entries"][1], b["tokens"][0], b["tokens"][1],
                               {c: b[c] for c in STRING_COLUMNS}, float(rec["written_at"]), int(b["crc"]),
-                              str(rec["boot"]), int(b.get("data", -1)), (base + pos + _LOG_HEAD.size, base + end, k))
+                              boot, int(b.get("data", -1)), (at, base + end, k))
                        for k, b in enumerate(rec["batches"])]
         except (ValueError, KeyError, TypeError, IndexError):
             break

@@ -72,8 +72,7 @@ class CommittedBatch:
 class KeptStrings:
     """The batches whose string columns a store object keeps in memory, least recently used
     first, at most ``budget`` entries' worth: a long-lived reader (a trainer) would otherwise
-    hold every string it ever read. A batch pushed out gets ``strings = None`` and forgets its
-    cached ``offsets``."""
+    hold every string it ever read. A batch pushed out gets ``strings = None``."""
 
     def __init__(self, budget: int = KEPT_STRINGS):
         self.budget = budget
@@ -90,7 +89,6 @@ class KeptStrings:
             _, old = self._order.popitem(last=False)
             self.held -= old.end - old.start
             old.strings = None
-            vars(old).pop("offsets", None)
 
 
 class SegmentView:
@@ -233,7 +231,7 @@ class SegmentView:
             m = self.markers[k]
             first, last = (m.tok_start, m.tok_end) if name in FLAT_DTYPES else (m.start, m.end)
             end = min(stop, last)
-            b = m.offsets[name] + (start - first) * rb
+            b = m.offset(name) + (start - first) * rb
             pieces += data.pieces(b, b + (end - start) * rb, at)
             at, start, k = at + (end - start) * rb, end, k + 1
         return pieces
