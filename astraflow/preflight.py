@@ -1,8 +1,8 @@
 """Checks of a validated config against this machine, apart from validation (which stays
 cheap and needs nothing on disk): the policies' model directories load (or can be created where
-they are missing), the GPUs asked for by components that run here exist, the chosen engine is
-installed. Each raises ``ConfigError`` naming the field and the fix; ``astraflow check`` and
-``astraflow run`` call them."""
+they are missing), the GPUs asked for by components that run here exist, the chosen engine and
+trainer backend are installed. Each raises ``ConfigError`` naming the field and the fix;
+``astraflow check`` and ``astraflow run`` call them."""
 
 from __future__ import annotations
 
@@ -36,14 +36,13 @@ def check_models(cfg: RunConfig) -> None:
     that the Megatron backend can build its architecture where a policy trains with it:
     ``ConfigError`` naming the policy, the directory and the fix. A directory still to be built by
     ``init`` is only checked to be creatable (both archs of ``init`` convert), its preset's positions
-    to hold a generation and, warm-started from another policy's model, that model's tokenizer to
-    have an eos token, so that a run fails here,
-    before its run directory is made, not half-way through. Separate from validation, which stays
-    cheap and needs no model on disk."""
+    to hold a generation, its preset's shape to be sharded by a Megatron ``tensor_parallel`` and,
+    warm-started from another policy's model, that model's tokenizer to have an eos token, so
+    that a run fails here, before its run directory is made, not half-way through. Separate from
+    validation, which stays cheap and needs no model on disk."""
     import json
 
     from astraflow.models import check_model_dir
-    from astraflow.weightconv import GPTShape
 
     for pol in cfg.policies:
         if cfg.simulated(pol):  # its model is only a name, whatever lies at that path
@@ -58,6 +57,7 @@ def check_models(cfg: RunConfig) -> None:
             planned = _planned_config(pol)
             if planned is not None:
                 _check_positions(cfg, pol, planned, "to be built by init")
+                _check_megatron_shape(pol, planned, "to be built by init")
             continue
         try:
             check_model_dir(pol.model)
@@ -66,16 +66,29 @@ def check_models(cfg: RunConfig) -> None:
                 raise ConfigError(f"policies[{pol.name}].model: {pol.model} exists and is empty, so init does not "
                                   "build the model into it: remove the empty directory") from None
             raise ConfigError(f"policies[{pol.name}].model: {err}") from None
-        _check_positions(cfg, pol, json.loads((pol.model / "config.json").read_text()))
-        if pol.trainer.backend == "megatron":
-            try:
-                shape = GPTShape.from_hf_config(json.loads((pol.model / "config.json").read_text()))
-            except ValueError as err:
-                raise ConfigError(f"policies[{pol.name}].model: {pol.model}: trainer.backend megatron "
-                                  f"cannot train it: {err}") from None
-            problem = shape.tensor_parallel_problem(pol.trainer.tensor_parallel)
-            if problem:
-                raise ConfigError(f"policies[{pol.name}].trainer.tensor_parallel: {pol.model}: {problem}")
+        config = json.loads((pol.model / "config.json").read_text())
+        _check_positions(cfg, pol, config)
+        _check_megatron_shape(pol, config)
+
+
+def _check_megatron_shape(pol, config: dict, built: str = "") -> None:
+    """A policy trained by the Megatron backend: its model (HF ``config``) must be one Megatron
+    builds, and ``tensor_parallel`` must shard it (heads, KV heads, vocabulary, MLP width), else
+    the ranks fail when they start. ``built``: how the model comes to be, where it does not exist
+    yet (said in the message)."""
+    if pol.trainer.backend != "megatron":
+        return
+    from astraflow.weightconv import GPTShape
+
+    where = f"{pol.model} ({built})" if built else str(pol.model)
+    try:
+        shape = GPTShape.from_hf_config(config)
+    except ValueError as err:
+        raise ConfigError(f"policies[{pol.name}].model: {where}: trainer.backend megatron "
+                          f"cannot train it: {err}") from None
+    problem = shape.tensor_parallel_problem(pol.trainer.tensor_parallel)
+    if problem:
+        raise ConfigError(f"policies[{pol.name}].trainer.tensor_parallel: {where}: {problem}")
 
 
 def _planned_config(pol) -> dict | None:
@@ -171,7 +184,13 @@ def check_devices(cfg: RunConfig) -> None:
 def check_engine(cfg: RunConfig) -> None:
     """``ConfigError`` with the install command when a rollout partition's engine is ``vllm``
     (``rollout.engine.type``, or a partition's own ``rollout.engine.type``) and vLLM is not
-    installed in this environment (the one the run's workers use)."""
+    installed in this environment (the one the run's workers use), or a policy trains with the
+    Megatron backend and megatron-core is not installed."""
+    for pol in cfg.policies:
+        if pol.trainer.backend == "megatron" and not _installed("megatron.core"):
+            raise ConfigError(f"policies[{pol.name}].trainer.backend: megatron needs megatron-core, which is not "
+                              "installed here; install it with pip install -e '.[megatron]' (from the AstraFlow "
+                              "checkout), or set trainer.backend: torch")
     for part in cfg.partitions:
         if part.role != "rollout" or effective_rollout(cfg.rollout, part).engine.type != "vllm":
             continue
@@ -182,3 +201,13 @@ def check_engine(cfg: RunConfig) -> None:
             require_vllm(f"partitions[{part.name}].rollout.engine.type" if own else "rollout.engine.type")
         except ValueError as err:
             raise ConfigError(str(err)) from None
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` (dotted) can be imported here, found without importing it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # its parent package is missing
+        return False

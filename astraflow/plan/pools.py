@@ -145,7 +145,7 @@ def sim_config(cfg: RunConfig, pools: list[Pool], shape: SimShape, name: str = "
         pol.update(model="sim", init=None)
         # one step time, the one reported: no per-token time or schedule on top of it
         pol["trainer"].update(backend="sim", sim_step_seconds=step_real, sim_seconds_per_token=0.0,
-                              sim_step_schedule={})
+                              sim_step_schedule={}, tensor_parallel=1, data_parallel=1)
     wl = data["workload"]
     data["workload"] = {
         "name": "sim", "workflow": "sim", "group_size": wl["group_size"], "sampling": wl["sampling"],

@@ -108,13 +108,14 @@ class TrainerConfig(Strict):
                              "seconds >= 0, e.g. {40: 2.0}")
         return dict(sorted(v.items()))
     tensor_parallel: int = Field(default=1, ge=1)
-    """Megatron tensor-parallel size (ranks started by the trainer actor); 1 for ``torch``."""
+    """Megatron tensor-parallel size (ranks started by the trainer actor); 1 for ``torch`` and ``sim``."""
     data_parallel: int = Field(default=1, ge=1)
     """Megatron data-parallel size: replicas of the tensor-parallel group, each training on its
     share of every batch (shares balanced by token count), gradients summed across replicas
     before the step, which is the one a single replica takes on the whole batch. The trainer
     starts ``tensor_parallel * data_parallel`` ranks (one GPU each on a GPU node, gloo
-    processes on a CPU one); a batch needs at least ``data_parallel`` sequences. 1 for ``torch``."""
+    processes on a CPU one); a batch needs at least ``data_parallel`` sequences. 1 for ``torch`` and
+    ``sim``."""
     lr: float = Field(default=5e-4, gt=0, allow_inf_nan=False)
     """AdamW learning rate."""
     weight_decay: float = Field(default=0.0, ge=0)
@@ -184,15 +185,16 @@ class TrainerConfig(Strict):
     @model_validator(mode="after")
     def _backend_settings(self) -> "TrainerConfig":
         """Settings that only one backend implements (the backends themselves do not re-check)."""
-        if self.backend == "torch" and self.tensor_parallel != 1:
+        one = "trains on one device" if self.backend == "torch" else "trains no model"  # sim would ignore it
+        if self.backend != "megatron" and self.tensor_parallel != 1:
             raise ValueError(
                 f"trainer.tensor_parallel {self.tensor_parallel} needs trainer.backend: megatron "
-                "(the torch backend trains on one device); set tensor_parallel: 1 or backend: megatron"
+                f"(the {self.backend} backend {one}); set tensor_parallel: 1 or backend: megatron"
             )
-        if self.backend == "torch" and self.data_parallel != 1:
+        if self.backend != "megatron" and self.data_parallel != 1:
             raise ValueError(
                 f"trainer.data_parallel {self.data_parallel} needs trainer.backend: megatron "
-                "(the torch backend trains on one device); set data_parallel: 1 or backend: megatron"
+                f"(the {self.backend} backend {one}); set data_parallel: 1 or backend: megatron"
             )
         if self.backend == "megatron" and self.micro_batch != type(self).model_fields["micro_batch"].default:
             raise ValueError(

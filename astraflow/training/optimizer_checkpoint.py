@@ -71,12 +71,12 @@ class OptimizerCheckpoint:
             return False
         import torch
 
-        bad = nonfinite_tensors(self.backend.state_dict())
-        if bad:
-            log.warning("trainer %s: not saving the optimiser state of v%d, weights hold nan/inf (%s)",
-                        self.policy, self.version, ", ".join(bad[:3]))
-            return False
-        try:
+        try:  # the weights are read from the backend too, which may have failed (its ranks stopped)
+            bad = nonfinite_tensors(self.backend.state_dict())
+            if bad:
+                log.warning("trainer %s: not saving the optimiser state of v%d, weights hold nan/inf (%s)",
+                            self.policy, self.version, ", ".join(bad[:3]))
+                return False
             record = {"policy": self.policy, "version": self.version, "optimizer": self.backend.optimizer_state()}
             if self.cfg.resolved_publish_dtype != "fp32":
                 record["master_weights"] = self.backend.state_dict()

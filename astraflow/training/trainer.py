@@ -416,5 +416,15 @@ class Trainer(OptimizerCheckpoint):
                 except Exception:
                     log.exception("trainer %s: publishing v%d failed", self.policy, self.version)
             if self.backend is not None:
-                self.save_optimizer()
-                self.backend.close()
+                try:
+                    self.save_optimizer()
+                finally:  # the Megatron backend's rank processes, whatever else failed
+                    self._close_backend()
+
+    def _close_backend(self) -> None:
+        """Close the backend on the loop's way out; a failure is logged, the loop's own error
+        (``state()``) stays the one reported."""
+        try:
+            self.backend.close()
+        except Exception:
+            log.exception("trainer %s: closing the backend failed", self.policy)

@@ -10,15 +10,27 @@ from tests.megatron.helpers import save_tiny_llama
 
 
 @pytest.mark.timeout(90)
-def test_rank_failure_raises_rank_error_with_log_tail(tmp_path):
+@pytest.mark.parametrize("own_log_dir", [True, False])
+def test_rank_failure_raises_rank_error_with_log_tail(tmp_path, monkeypatch, own_log_dir):
+    """The error quotes the failed rank's log. The backend's work directory stays only when that
+    log is in it (no ``log_dir``)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the backend makes its work directory
     hf = save_tiny_llama(tmp_path / "hf", tied=False)
+    logs = tmp_path / "logs"
     with pytest.raises(RankError) as err:
         MegatronBackend(MegatronBackendConfig(
             hf_checkpoint=str(hf), tp_size=1 if torch.cuda.device_count() == 1 else 2,  # a rank per GPU
             loss_fn="no_such_module_xyz:grpo_loss",
-            start_timeout_s=60, log_dir=str(tmp_path / "logs"),
+            start_timeout_s=60, log_dir=str(logs) if own_log_dir else None,
         ))
     assert "no_such_module_xyz" in str(err.value) and "during 'init'" in str(err.value)
+    workdirs = list(tmp_path.glob("astraflow-megatron-*"))
+    if own_log_dir:
+        assert workdirs == [] and f"log ({logs / 'megatron-rank0.log'})" in str(err.value)
+    else:
+        assert len(workdirs) == 1 and f"log ({workdirs[0] / 'megatron-rank0.log'})" in str(err.value)
 
 
 def test_parallel_sizes_are_checked(tmp_path):

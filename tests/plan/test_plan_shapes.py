@@ -162,3 +162,13 @@ def test_a_pool_past_the_simulated_node_bound_exits_2_and_the_search_stays_withi
     assert out.exit_code == 2 and "--gpus-per-node" in out.output, out.output
     big = parse_pool(f"a100={MAX_NODES // 2 * 8}", 8, None)
     assert big.scaled(min(64.0, MAX_NODES / big.nodes)).nodes <= MAX_NODES  # the search's largest factor
+
+
+def test_a_megatron_trainer_with_parallel_sizes_is_simulated_by_one_sim_trainer():
+    """The sim trainer trains no model: the plan's config drops the Megatron sizes it would refuse."""
+    cfg = load_config(str(ROOT / "examples/math/config.yaml"),
+                      ["policies.0.trainer.backend=megatron", "policies.0.trainer.tensor_parallel=2"])
+    shape, _ = shape_for(cfg, PlanOptions(step_seconds=1.0))
+    sim = RunConfig.model_validate(sim_config(cfg, [parse_pool("h100=8", 8, None)], shape))
+    tr = sim.policies[0].trainer
+    assert (tr.backend, tr.tensor_parallel, tr.data_parallel) == ("sim", 1, 1)

@@ -1,7 +1,9 @@
-"""``trainer.data_parallel``: checked by the trainer's config (torch backend: 1 only) and against
-the run (every batch splits over the replicas; a GPU trainer partition gives every rank a GPU;
-a multi-node one, ``nodes_per_worker x gpus_per_node`` ranks exactly, reported by ``astraflow check``).
-No model is built: the policy's model is left to its ``init`` section."""
+"""``trainer.data_parallel``: checked by the trainer's config (torch and sim backends: 1 only) and
+against the run (every batch splits over the replicas; a GPU trainer partition gives every rank a
+GPU; a multi-node one, ``nodes_per_worker x gpus_per_node`` ranks exactly, reported by ``astraflow
+check``), as ``astraflow check`` checks the Megatron backend against the machine (installed) and the
+model ``init`` will build (``tensor_parallel`` shards it). No model is built: the policy's model is
+left to its ``init`` section."""
 
 from __future__ import annotations
 
@@ -102,3 +104,53 @@ def test_check_reports_the_mismatch_and_exits_2(tmp_path):
     assert res.exit_code == 2, res.output
     assert "= 4 ranks, but trainer partition 'big' spans nodes_per_worker 2 x gpus_per_node 4 = 8" in res.output
     assert "Traceback" not in res.output
+
+
+def test_the_sim_backend_refuses_parallel_sizes_too():
+    """Only the Megatron backend has ranks: the sim one would accept the sizes and ignore them."""
+    with pytest.raises(ValidationError, match=r"trainer.tensor_parallel 2 needs trainer.backend: megatron \(the "
+                                              r"sim backend trains no model\); set tensor_parallel: 1 or backend: "
+                                              r"megatron"):
+        TrainerConfig(backend="sim", tensor_parallel=2)
+    with pytest.raises(ValidationError, match=r"trainer.data_parallel 4 needs trainer.backend: megatron \(the sim "
+                                              r"backend trains no model\); set data_parallel: 1 or backend: megatron"):
+        TrainerConfig(backend="sim", data_parallel=4)
+    with pytest.raises(ValidationError, match=r"\(the torch backend trains on one device\); set tensor_parallel: 1"):
+        TrainerConfig(tensor_parallel=2)
+    assert TrainerConfig(backend="sim").tensor_parallel == 1
+
+
+def test_check_refuses_a_tensor_parallel_that_cannot_shard_the_model_init_builds(tmp_path):
+    """The preset's model (tiny: 4 heads, 2 KV heads) does not exist yet: its planned shape is
+    checked as an existing model's would be, before the run builds anything."""
+    from astraflow.preflight import check_models
+
+    model = {"policies.0.model": str(tmp_path / "model")}
+    check_models(_config(**model, **{"policies.0.trainer.tensor_parallel": 2}))
+    with pytest.raises(ConfigError, match=r"^policies\[solver\].trainer.tensor_parallel: .*model \(to be built by "
+                                          r"init\): tensor-parallel size 4 must divide num_attention_heads=4 and "
+                                          r"num_key_value_heads=2: choose a TP size that divides both"):
+        check_models(_config(**model, **{"policies.0.trainer.tensor_parallel": 4}))
+    assert not (tmp_path / "model").exists()
+
+
+def test_check_refuses_the_megatron_backend_without_megatron_core(monkeypatch):
+    """``astraflow check`` / ``run`` exit 2 with the install command (as for a missing vLLM),
+    not a failure once the run has started. The import is made unavailable for megatron only."""
+    import importlib.util
+
+    from astraflow.preflight import check_engine
+
+    check_engine(_config())  # installed here
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        if name == "megatron" or name.startswith("megatron."):
+            return None
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(ConfigError, match=r"^policies\[solver\].trainer.backend: megatron needs megatron-core, which "
+                                          r"is not installed here; install it with pip install -e '.\[megatron\]'"):
+        check_engine(_config())
+    check_engine(_config(**{"policies.0.trainer.backend": "torch"}))  # a torch trainer does not need it

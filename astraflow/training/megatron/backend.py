@@ -178,6 +178,8 @@ class MegatronBackend:
                 "give the trainer partition more GPUs per node"
             )
         self._workdir = Path(tempfile.mkdtemp(prefix="astraflow-megatron-"))
+        #: why the ranks were stopped (what a later call reports); None while they run
+        self._stopped: str | None = None
         log_dir = Path(config.log_dir) if config.log_dir else self._workdir
         log_dir.mkdir(parents=True, exist_ok=True)
         repo_root = str(Path(astraflow.__file__).resolve().parents[1])
@@ -186,7 +188,11 @@ class MegatronBackend:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
         env.setdefault("OMP_NUM_THREADS", str(config.threads_per_rank))
         launch = RankLaunch(world, config.tp_size, config.dp_size, env, log_dir, self._workdir)
-        self._ranks = start_ranks(config.launcher, launch, config.start_timeout_s)
+        try:
+            self._ranks = start_ranks(config.launcher, launch, config.start_timeout_s)
+        except BaseException:
+            self._drop_workdir(failed=True)
+            raise
         self._conns: list[Connection] = self._ranks.conns
         self._logs: list[Path] = self._ranks.logs
         try:
@@ -194,7 +200,7 @@ class MegatronBackend:
             cfg.pop("env")
             infos = self._call("init", cfg, config.start_timeout_s)
         except BaseException:
-            self._kill()
+            self._kill("their 'init' failed")
             raise
         self.hf_config: dict[str, Any] = infos[0]["hf_config"]
         #: per rank: its tensor-parallel rank and its data-parallel replica
@@ -318,16 +324,16 @@ class MegatronBackend:
         return np.concatenate([answers[r] for r in self.replica_heads])
 
     def close(self) -> None:
+        """Stop the ranks and remove the work directory (after a failure it stays where the logs
+        the error points at are in it, ``_drop_workdir``). Nothing to do once they were stopped."""
         if not self._conns:
             return
         try:
             self._call("stop", None, 60.0)
             self._ranks.wait(30)
         finally:
-            self._kill()
-        # after a clean stop the work dir (rendezvous file, default logs) has no further use; after
-        # a failure it is kept, because the RankError message points at the logs inside it
-        shutil.rmtree(self._workdir)
+            self._kill("the backend was closed")
+        self._drop_workdir(failed=False)
 
     def __enter__(self) -> "MegatronBackend":
         return self
@@ -343,15 +349,22 @@ class MegatronBackend:
         that answered ``full_disk`` makes it raise that ``OSError`` once every rank answered (the
         channels stay in step), or once the others had ``FULL_DISK_GRACE_S`` to (a rank left
         waiting in a collective the failed one never joined)."""
+        if not self._conns:
+            raise RankError(f"the backend's ranks were stopped: {self._stopped}; {cmd!r} needs a new backend")
         ranks = list(range(len(self._conns))) if ranks is None else ranks
         for r in ranks:
-            self._conns[r].send((cmd, payload if per_rank is None else per_rank[r]))
+            try:
+                self._conns[r].send((cmd, payload if per_rank is None else per_rank[r]))
+            except OSError as e:  # its end is closed: the rank died since the last command
+                raise self._lost(r, cmd, "before") from e
         deadline = time.monotonic() + timeout_s
         results = []
         full: OSError | None = None
         try:
             for r in ranks:
-                results.append(self._answer(r, cmd, timeout_s, deadline))
+                # a rank that answered 'stop' exits next: not a crash while a slower one answers
+                done = tuple(ranks[:len(results)]) if cmd == "stop" else ()
+                results.append(self._answer(r, cmd, timeout_s, deadline, done))
                 if isinstance(results[-1], OSError):
                     full = full or results[-1]
                     deadline = min(deadline, time.monotonic() + FULL_DISK_GRACE_S)
@@ -363,11 +376,12 @@ class MegatronBackend:
             raise full
         return results
 
-    def _answer(self, r: int, cmd: str, timeout_s: float, deadline: float) -> Any:
-        """Rank ``r``'s answer to ``cmd`` (an ``OSError`` for its full disk), or ``RankError``."""
+    def _answer(self, r: int, cmd: str, timeout_s: float, deadline: float, done: tuple[int, ...]) -> Any:
+        """Rank ``r``'s answer to ``cmd`` (an ``OSError`` for its full disk), or ``RankError``;
+        the ranks in ``done`` may have exited."""
         c = self._conns[r]
         while not c.poll(0.2):
-            dead = self._ranks.exited()
+            dead = [d for d in self._ranks.exited() if d not in done]
             if dead:
                 raise RankError(self._report(f"rank(s) {dead} exited during {cmd!r}", dead))
             if time.monotonic() > deadline:
@@ -375,25 +389,33 @@ class MegatronBackend:
         try:
             status, result = c.recv()
         except (EOFError, OSError) as e:  # OSError: a TCP channel reset by its peer
-            dead = self._exited_soon()
-            if dead:
-                raise RankError(self._report(f"rank(s) {dead} exited during {cmd!r}", dead)) from e
-            raise RankError(self._report(f"rank {r} closed its channel during {cmd!r}", [r])) from e
+            raise self._lost(r, cmd, "during", done) from e
         if status == "full_disk":
             return OSError(*result)
         assert status == "ok", status
         return result
 
-    def _exited_soon(self, wait_s: float = 10.0) -> list[int]:
-        """The ranks that have exited, given ``wait_s`` to show it: a channel closes just before
-        its process ends (and under srun, the step ends a moment after its failed rank)."""
+    def _lost(self, r: int, cmd: str, when: str, done: tuple[int, ...] = ()) -> RankError:
+        """The ``RankError`` (the other ranks stopped) for rank ``r``'s channel found closed
+        ``when`` (before, during) ``cmd``: the ranks that exited (but ``done``), else ``r``."""
+        dead = self._exited_soon(done)
+        if dead:
+            return RankError(self._report(f"rank(s) {dead} exited {when} {cmd!r}", dead))
+        return RankError(self._report(f"rank {r} closed its channel {when} {cmd!r}", [r]))
+
+    def _exited_soon(self, done: tuple[int, ...] = (), wait_s: float = 10.0) -> list[int]:
+        """The ranks (but ``done``) that have exited, given ``wait_s`` to show it: a channel
+        closes just before its process ends (and under srun, the step ends a moment after its
+        failed rank)."""
         deadline = time.monotonic() + wait_s
-        while not (dead := self._ranks.exited()) and time.monotonic() < deadline:
+        while (not (dead := [d for d in self._ranks.exited() if d not in done])
+               and time.monotonic() < deadline):
             time.sleep(0.1)
         return dead
 
     def _report(self, what: str, ranks: list[int]) -> str:
-        self._kill()
+        """``what``, with the tails of ``ranks``' logs (and srun's), once every rank is stopped."""
+        self._kill(what)
         tails = []
         for r in ranks:
             text = self._logs[r].read_text(errors="replace") if self._logs[r].exists() else ""
@@ -403,7 +425,17 @@ class MegatronBackend:
             tails.append(f"--- {log}, last lines:\n" + "\n".join(text.splitlines()[-10:]))
         return what + "\n" + "\n".join(tails)
 
-    def _kill(self) -> None:
-        """Stop the rank processes this backend started and close the channels."""
+    def _kill(self, why: str) -> None:
+        """Stop the rank processes this backend started and close the channels (``why``: what a
+        later call reports), as after a failure (``_drop_workdir``)."""
+        self._stopped = self._stopped or why
         self._ranks.kill()
         self._conns = []
+        self._drop_workdir(failed=True)
+
+    def _drop_workdir(self, failed: bool) -> None:
+        """Remove the work directory (rendezvous file, the ranks' working directory): after a
+        clean stop, and after a failure when the logs live elsewhere (``log_dir``); a failure's
+        ``RankError`` points at the logs, so the directory stays when they are in it."""
+        if not failed or self.config.log_dir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)

@@ -110,6 +110,14 @@ def wrap_data_parallel(model):
     return DistributedDataParallel(replace(model.config, calculate_per_token_loss=True), ddp_config, model)
 
 
+def collective_timeout_s(cfg: dict) -> float:
+    """The process group's timeout: the backend's deadline for a command (``step_timeout_s``),
+    or for the start (``start_timeout_s``) when longer. A collective that waits for a slow rank
+    (the save barrier, a checkpoint's gather) then fails no sooner than the backend gives up on
+    the command, which reports the late rank."""
+    return max(float(cfg["step_timeout_s"]), float(cfg["start_timeout_s"]))
+
+
 def resolve(dotted: str):
     """``"package.module:attr"`` -> the attribute (loss functions are chosen by name in the config)."""
     module, _, attr = dotted.partition(":")
@@ -129,7 +137,7 @@ class Rank:
         self.loss_fn = resolve(cfg["loss_fn"])  # fail before the expensive part
         self.spec = spec
         self.cfg = cfg
-        self.device = init_distributed(spec, timeout_s=float(cfg.get("collective_timeout_s", 300)))
+        self.device = init_distributed(spec, timeout_s=collective_timeout_s(cfg))
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         assert spec.rank == self.dp_rank * spec.tp_size + self.tp_rank, "Megatron's rank order changed"
