@@ -9,8 +9,9 @@ restarts it under the same name. A nanny would restart a dead worker with the sa
 without its actors, so the orchestrator would see a live worker that hosts nothing; actor
 recovery is the orchestrator's job (re-place, reload state), which needs the loss to be visible.
 
-No worker dashboard pages (``--no-dashboard``): the scheduler's dashboard is the one users open;
-the worker still serves its small HTTP endpoint (health, metrics) on a random port.
+No worker dashboard pages (``--no-dashboard``): the scheduler's dashboard is the one users open.
+The process entry (``schedulers.dask_main``, on the worker's own node) gives the worker a private
+local directory and keeps its HTTP server on the worker's address, without Dask's routes.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def worker_command(
     `host` (e.g. ``127.0.0.1``) or `interface` (e.g. ``lo``, ``ib0``) chooses the address the
     worker listens on; give at most one. `death_timeout`: seconds a worker waits for an
     unreachable scheduler before it exits. `tls`: the run's certificates, for a ``tls://`` scheduler.
+    `local_directory`: where the worker makes its private directory (default: its node's ``$TMPDIR``;
+    ``schedulers.dask_main`` makes a new 0700 directory under it and removes it at exit).
     """
     if host is not None and interface is not None:
         raise ValueError("give either host (an IP address) or interface (e.g. 'ib0') for the worker, not both")

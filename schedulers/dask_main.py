@@ -16,6 +16,17 @@ does for nannies, avoids that.
 ``kill -USR2 <pid>`` makes either process write every thread's stack to its log (its stderr)
 and go on: the first thing to look at when a worker hangs.
 
+Each process works in a directory of its own (`private_directory`): made here, on the process's
+own node, with a random name and mode 0700 under the node's temporary directory, given to Dask
+as its local directory (and its ``temporary-directory``), removed when the process exits. Dask's
+default, ``$TMPDIR/dask-scratch-space``, is shared by every user of the node: Dask reuses one it
+finds writable, whoever made it, and puts its folder first on ``sys.path``, so another user could
+plant modules that this process imports.
+
+Its HTTP server (a worker's health and metrics routes, which carry no token) listens on the
+address the process itself listens on, never on every interface, and a worker serves none of
+those routes (``DASK_DISTRIBUTED__WORKER__HTTP__ROUTES`` set by the owner brings them back).
+
 Run as ``python -m schedulers.dask_main worker|scheduler <the command's arguments>``.
 """
 
@@ -25,12 +36,19 @@ import asyncio
 import atexit
 import faulthandler
 import os
+import shutil
 import signal
+import stat
 import sys
+import tempfile
 
 COMMANDS = ("worker", "scheduler")
 #: seconds a worker's close may take once a signal arrived
 CLOSE_TIMEOUT_S = 5.0
+#: how the name of a process's private directory begins (the rest is random)
+PRIVATE_PREFIX = "astraflow-dask-"
+#: set by the run's owner, this keeps Dask's own routes on the worker's HTTP server
+WORKER_ROUTES_ENV = "DASK_DISTRIBUTED__WORKER__HTTP__ROUTES"
 
 
 def exit_code(code: object) -> int:
@@ -62,11 +80,107 @@ def close_workers_on_signal(cli) -> None:
     cli.wait_for_signals = wait_then_close
 
 
+def option(args: list[str], name: str) -> tuple[str | None, list[str]]:
+    """The value of option `name` in `args` (``--name VALUE`` or ``--name=VALUE``; the last one
+    given wins, as in click) and `args` without it."""
+    value, rest, i = None, [], 0
+    while i < len(args):
+        if args[i] == name and i + 1 < len(args):
+            value, i = args[i + 1], i + 2
+            continue
+        if args[i].startswith(name + "="):
+            value = args[i].split("=", 1)[1]
+        else:
+            rest.append(args[i])
+        i += 1
+    return value, rest
+
+
+def check_base(base: str) -> None:
+    """Refuse (`PermissionError`) a `base` another user could change: owned by someone other than
+    us or root, or writable by group or others without the sticky bit (there they could rename
+    our directory away and put theirs in its place)."""
+    st = os.stat(base)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"{base} is not a directory")
+    if st.st_uid not in (os.getuid(), 0):
+        raise PermissionError(f"{base} belongs to uid {st.st_uid}: another user could change what is in it")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise PermissionError(f"{base} is writable by others without the sticky bit ({stat.filemode(st.st_mode)})")
+
+
+def private_directory(base: str) -> str:
+    """A new directory under `base` that only this user can use: a random name no one could have
+    made first (``mkdtemp``: created, never reused) and mode 0700."""
+    check_base(base)
+    path = tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=base)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} is not the private directory just made")  # something else is there
+    return path
+
+
+def remove_private_directory(path: str) -> None:
+    """Remove `path`, made by `private_directory` in this process, with what Dask left in it (best
+    effort). Only a directory of ours is removed; ``rmtree`` does not follow links out of it."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def http_host(args: list[str]) -> str:
+    """Where the process's HTTP server listens: the host it listens on (``--host``, or the address
+    of ``--interface``); loopback when that is every interface or cannot be told."""
+    host, _ = option(args, "--host")
+    interface, _ = option(args, "--interface")
+    if host and host not in ("0.0.0.0", "::", "*"):
+        return "localhost" if ":" in host else host  # Dask's HTTP address cannot take an IPv6 literal
+    if interface and not host:
+        from distributed.utils import get_ip_interface
+
+        try:
+            return get_ip_interface(interface)
+        except (KeyError, ValueError):  # a wrong interface: the worker's own listen says so
+            pass
+    return "127.0.0.1"
+
+
+def prepare(command: str, args: list[str]) -> tuple[str, list[str]]:
+    """The private directory of this process, and `args` of the Dask command to run with it.
+
+    A worker's ``--local-directory``, if given, is where its private directory is made; else
+    Dask's ``temporary-directory`` setting, else the node's temporary directory (``$TMPDIR``).
+    Dask's ``temporary-directory`` then names the private directory, so nothing of Dask in this
+    process reaches a shared one. Without ``--dashboard-address`` the HTTP server listens on
+    `http_host` (Dask's default is every interface); a worker serves no HTTP routes unless the
+    owner set ``WORKER_ROUTES_ENV``."""
+    import dask
+
+    base, args = option(args, "--local-directory") if command == "worker" else (None, args)
+    private = private_directory(base or dask.config.get("temporary-directory", None) or tempfile.gettempdir())
+    atexit.register(remove_private_directory, private)
+    dask.config.set({"temporary-directory": private})
+    if command == "worker":
+        args = [*args, "--local-directory", private]
+        if WORKER_ROUTES_ENV not in os.environ:
+            dask.config.set({"distributed.worker.http.routes": []})
+    if option(args, "--dashboard-address")[0] is None:
+        args = [*args, "--dashboard-address", f"{http_host(args)}:0"]
+    return private, args
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         sys.exit(f"usage: python -m schedulers.dask_main {{{'|'.join(COMMANDS)}}} [ARGS]...")
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # stacks on demand, into the log
+    try:
+        _, args = prepare(argv[0], argv[1:])
+    except OSError as err:
+        sys.exit(f"dask {argv[0]}: no private local directory: {err}")
     if argv[0] == "worker":
         from distributed.cli import dask_worker
         from distributed.cli.dask_worker import main as command
@@ -75,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from distributed.cli.dask_scheduler import main as command
     try:
-        command(args=argv[1:], prog_name=f"dask {argv[0]}")
+        command(args=args, prog_name=f"dask {argv[0]}")
         code = 0
     except SystemExit as done:  # click ends its commands this way
         code = exit_code(done.code)
