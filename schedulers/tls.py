@@ -80,7 +80,49 @@ def pem_problem(ca_file: Path, cert_file: Path, key_file: Path | None) -> str | 
                     "the certificate's private key, or append the key to cert_file")
         return (f"cluster.tls.key_file: {path} holds no private key of the certificate in {cert_file} ({why}): "
                 "point key_file at that certificate's private key")
+    refused = _handshake_problem(ca_file, cert_file, key_file)
+    if refused:
+        return (f"cluster.tls.cert_file: the certificate in {cert_file} is not accepted by the authority in "
+                f"{ca_file} ({refused}): every component presents it and verifies its peers with ca_file, so "
+                "point cert_file at a certificate that ca_file signed, or ca_file at its issuer")
     return None
+
+
+def _handshake_problem(ca_file: Path, cert_file: Path, key_file: Path | None) -> str | None:
+    """Why two of a run's components presenting ``cert_file`` and verifying with ``ca_file`` (as
+    Dask does, mutual TLS without host names) would fail their handshake, e.g. a certificate
+    another authority signed, or one expired; None when it succeeds. Done in memory."""
+    sides = []
+    for purpose in (ssl.PROTOCOL_TLS_CLIENT, ssl.PROTOCOL_TLS_SERVER):
+        ctx = ssl.SSLContext(purpose)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(cafile=str(ca_file))
+        ctx.load_cert_chain(str(cert_file), str(key_file) if key_file else None, password=_no_passphrase)
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        sides.append((ctx.wrap_bio(incoming, outgoing, server_side=purpose == ssl.PROTOCOL_TLS_SERVER),
+                      incoming, outgoing))
+    done = [False, False]
+    for _ in range(16):  # a handshake takes a few round trips
+        for i, (conn, _incoming, outgoing) in enumerate(sides):
+            if not done[i]:
+                try:
+                    conn.do_handshake()
+                    done[i] = True
+                except ssl.SSLWantReadError:
+                    pass
+                except ssl.SSLError as err:
+                    return _why(err)
+            sides[1 - i][1].write(outgoing.read())
+        if all(done):
+            try:  # the server judges the client's certificate after the client finished (TLS 1.3)
+                sides[0][0].write(b"x")
+                sides[1][1].write(sides[0][2].read())
+                sides[1][0].read(1)
+            except ssl.SSLError as err:
+                return _why(err)
+            return None
+    return "the handshake did not complete"
 
 
 class TLSConfig(BaseModel):

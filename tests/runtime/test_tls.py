@@ -178,6 +178,9 @@ def _encrypted_key(key_file, out):
     ({"ca_file": "CA", "cert_file": "CERT", "key_file": "ENCRYPTED"},
      r"cluster.tls.key_file: the private key in .* is encrypted with a passphrase"),
     ({"ca_file": "CA", "cert_file": "CERT"}, r"cluster.tls.cert_file: .* holds no private key of its certificate"),
+    ({"ca_file": "OTHER_CA", "cert_file": "CERT", "key_file": "KEY"},
+     r"cluster.tls.cert_file: the certificate in .*/site/run.pem is not accepted by the authority in .*/other/ca.pem "
+     r"\(certificate verify failed: .*\).*point cert_file at a certificate that ca_file signed"),
 ])
 def test_site_files_that_do_not_load_are_refused_naming_the_field(tmp_path, fields, message):
     """Files that exist but would not make a TLS context: refused when the config loads, not when
@@ -185,7 +188,7 @@ def test_site_files_that_do_not_load_are_refused_naming_the_field(tmp_path, fiel
     site, other = create_run_certificates(tmp_path / "site"), create_run_certificates(tmp_path / "other")
     (tmp_path / "junk.pem").write_text("garbage\n")
     names = {"CA": site.ca_file, "CERT": site.cert_file, "KEY": site.key_file, "JUNK": tmp_path / "junk.pem",
-             "OTHER": other.key_file, "ENCRYPTED": _encrypted_key(site.key_file, tmp_path / "enc.pem")}
+             "OTHER": other.key_file, "OTHER_CA": other.ca_file, "ENCRYPTED": _encrypted_key(site.key_file, tmp_path / "enc.pem")}
     with pytest.raises(ValueError, match=message):
         TLSConfig(**{k: names[v] for k, v in fields.items()})
     bundle = tmp_path / "bundle.pem"  # a certificate file that holds its key too
