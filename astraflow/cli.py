@@ -8,7 +8,9 @@ never disagree.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -18,12 +20,13 @@ from astraflow.partitions_cli import partitions as partitions_cli
 from astraflow.plan.cli import plan as plan_cli
 from astraflow.sandbox.cli import sandbox as sandbox_cli
 from astraflow.training.config import ModelInit
-from storage.ownership import owner_only
+from storage.ownership import USER_DIR_ENV, UnsafeDir, add_user_dir, check_owner_only, owner_only
 from storage.paths import RunPaths, default_run_dir
 
 
 def _load(config: str, overrides: tuple[str, ...]):
-    """The validated config, its existing model directories checked to load."""
+    """The validated config, its existing model directories checked to load, and an external
+    trajectory store checked to be the user's alone."""
     from astraflow.config import ConfigError, load_config
     from astraflow.preflight import check_devices, check_engine, check_models
 
@@ -32,8 +35,12 @@ def _load(config: str, overrides: tuple[str, ...]):
         check_models(cfg)
         check_devices(cfg)
         check_engine(cfg)
+        if cfg.storage.trajectories:  # a store outside the run directory (the run trains from it) is ours alone
+            from storage.trajectories.backends import check_store_url
+
+            check_store_url(cfg.storage.trajectories)
         return cfg
-    except ConfigError as err:
+    except (ConfigError, UnsafeDir) as err:
         raise UserError(str(err)) from None
 
 
@@ -44,6 +51,7 @@ def _default_run_dir(name: str) -> Path:
 
     base = default_run_dir(name, time.strftime("%Y%m%d-%H%M%S"))
     base.parent.mkdir(parents=True, exist_ok=True)
+    check_owner_only(base)  # ``runs/``, which another user may have made, and the directories above it
     n = 1
     while True:
         rd = base if n == 1 else base.with_name(f"{base.name}-{n}")
@@ -55,28 +63,48 @@ def _default_run_dir(name: str) -> Path:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """AstraFlow: dataflow-oriented RL for agentic LLMs.
 
     RaaS nodes, the data layer and one trainer per policy run as Dask actors, locally
     (the embedded default) or as Slurm jobs across partitions. Start with
     `astraflow run examples/math/config.yaml`.
     """
-    _user_modules_from_cwd()
+    ctx.with_resource(_user_modules_from_cwd())
 
 
-def _user_modules_from_cwd() -> None:
-    """Put the working directory on the import path of this process and of every process it
-    starts, as ``python -m`` does: a config's ``package.module:name`` (a user's workflow,
-    workload or rule) then imports from where the command runs."""
+@contextlib.contextmanager
+def _user_modules_from_cwd() -> Iterator[None]:
+    """Let a config's ``package.module:name`` (a user's workflow, workload or rule) import from
+    the working directory, in this process and in every process it starts, without anything
+    there shadowing an installed module: the directory goes at the end of ``sys.path``, and only
+    if no other user can change it (``storage.ownership.add_user_dir``). The processes started
+    get it in ``ASTRAFLOW_USER_DIR`` (their entry points append it the same way), not in
+    ``PYTHONPATH`` (whose entries come first), and ``PYTHONSAFEPATH`` so that ``python -m`` does
+    not put their working directory first either. Undone when the command ends."""
     import os
 
-    cwd = str(Path.cwd())
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if cwd not in parts:
-        os.environ["PYTHONPATH"] = os.pathsep.join([cwd, *parts])
+    saved = {k: os.environ.get(k) for k in (USER_DIR_ENV, "PYTHONSAFEPATH")}
+    try:
+        cwd = str(Path.cwd())
+    except OSError:  # the working directory was removed: nothing to import from
+        cwd = ""
+    added = bool(cwd) and cwd not in sys.path
+    if cwd:
+        os.environ[USER_DIR_ENV] = cwd
+    os.environ["PYTHONSAFEPATH"] = "1"
+    added = added and add_user_dir() is None
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
 
 
 @main.command()
@@ -98,7 +126,10 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     """
     click.get_current_context().with_resource(owner_only())  # inherited by the processes it starts
     cfg = _load(config, overrides)
-    rd = Path(run_dir) if run_dir else _default_run_dir(cfg.run.name)
+    try:
+        rd = Path(run_dir) if run_dir else _default_run_dir(cfg.run.name)
+    except ValueError as err:  # another user could change where it would go
+        raise UserError(str(err)) from None
     try:
         _run(cfg, rd, quiet)
     finally:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Callable, Generic, TypeVar
 
+from storage.ownership import add_user_dir, user_dir_fix
+
 T = TypeVar("T")
 
 
@@ -37,11 +39,12 @@ class Registry(Generic[T]):
         the same name), or a name it registered."""
         if ":" in name:
             module, name = name.split(":", 1)
+            add_user_dir()  # the working directory of `astraflow`, last on the path (if only its user can change it)
             try:
                 mod = importlib.import_module(module)
             except ImportError as err:
-                raise ValueError(f"{self.kind} {module}:{name}: cannot import {module!r} ({err}); run from "
-                                 "the directory that holds it, or install its package") from None
+                raise ValueError(f"{self.kind} {module}:{name}: cannot import {module!r} ({err}); "
+                                 f"{user_dir_fix()}") from None
             except Exception as err:  # a user's module that fails as it runs: name it, no traceback
                 raise ValueError(f"{self.kind} {module}:{name}: importing {module!r} raised "
                                  f"{type(err).__name__}: {err}") from None

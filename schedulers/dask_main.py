@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] not in COMMANDS:
         sys.exit(f"usage: python -m schedulers.dask_main {{{'|'.join(COMMANDS)}}} [ARGS]...")
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # stacks on demand, into the log
+    from storage.ownership import add_user_dir
+
+    add_user_dir()  # the user's modules (the working directory of `astraflow`), after the installed ones
     try:
         _, args = prepare(argv[0], argv[1:])
     except OSError as err:

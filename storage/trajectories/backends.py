@@ -17,6 +17,7 @@ from zarr.storage import LocalStore
 
 from storage import paths
 from storage.atomic import create_atomically, fsync_path, sync_together, write_atomically
+from storage.ownership import check_store_dir, make_parents
 from storage.trajectories.chunks import Piece
 from storage.trajectories.memory import open_memory_backend
 
@@ -327,7 +328,8 @@ def _make_dirs(d: Path, base: Path) -> list[Path]:
 def open_backend(url: str, mode: str, durable: bool) -> StoreBackend:
     """The backend a store URL names: ``memory://<name>``, ``file:///abs/path`` or a directory
     path. ``mode="a"`` creates a memory store that does not exist and checks that a directory
-    is writable; ``mode="r"`` refuses a memory store that does not exist."""
+    is writable and the user's alone (``UnsafeDir``: another user could change it); ``mode="r"``
+    refuses a memory store that does not exist."""
     if url.startswith("memory://"):
         return open_memory_backend(url[len("memory://"):], mode)
     if "://" in url and not url.startswith("file://"):
@@ -338,8 +340,24 @@ def open_backend(url: str, mode: str, durable: bool) -> StoreBackend:
         )
     root = (_file_url_path(url) if url.startswith("file://") else Path(url)).absolute()
     if mode == "a":
+        check_store_dir(root)  # nothing made in a place another user could change
         _check_writable_dir(root)
+        check_store_dir(root)  # and what is there now is ours alone: the run trains from it
     return DirBackend(root, durable)
+
+
+def check_store_url(url: str) -> None:
+    """``UnsafeDir`` (a ``ValueError``) when the directory a store URL names (a path, or the
+    same as ``file://``) is not the user's alone, as a run directory must be (one that does not
+    exist yet: when another user could change the directories above it). A ``memory://`` store,
+    or a URL ``open_backend`` refuses, has nothing to check here."""
+    if url.startswith("memory://") or ("://" in url and not url.startswith("file://")):
+        return
+    try:
+        root = _file_url_path(url) if url.startswith("file://") else Path(url)
+    except ValueError:  # another host: open_backend says so
+        return
+    check_store_dir(root.absolute())
 
 
 def _file_url_path(url: str) -> Path:
@@ -356,7 +374,8 @@ def _file_url_path(url: str) -> Path:
 
 def _check_writable_dir(root: Path) -> None:
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        make_parents(root)
+        root.mkdir(mode=0o755, exist_ok=True)  # as the umask says, but not writable by group/others
         probe = paths.tmp_sibling(root / "write-probe")
         probe.write_bytes(b"")
         probe.unlink()

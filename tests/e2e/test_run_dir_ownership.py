@@ -1,12 +1,16 @@
 """A run directory belongs to its owner: the pieces that create it make it 0700 and write files
 0600 under the owner-only umask; `astraflow run` and `astraflow partitions add/remove` refuse a
-run directory (or a top-level subdirectory) that other users can write, in a subprocess as a
-user meets it: exit 2, one line naming the path and the fix. `run.name` becomes a path
-component, so a name that is not one plain word is refused by `astraflow check` and `run`."""
+run directory (or a top-level subdirectory) that other users can write, or could swap for one of
+theirs (a symlink of theirs, a directory above it they can rename entries in), in a subprocess as
+a user meets it: exit 2, one line naming the path and the fix. `run.name` becomes a path
+component, so a name that is not one plain word is refused by `astraflow check` and `run`.
+
+Giving a file to another user needs root: those cases run as root only (CI may be either)."""
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -20,11 +24,15 @@ from astraflow.runtime.monitoring import write_orchestrator_info, write_status
 from astraflow.runtime.runlock import RunDirLock
 from schedulers import Partition
 from storage.atomic import write_json
+from astraflow.cli import _default_run_dir
 from storage.ownership import UnsafeRunDir, check_owner_only, make_owner_only, owner_only
 from storage.paths import RunPaths, check_name
 from tests.e2e.test_cli import _write_config
 
 ROOT = Path(__file__).resolve().parents[2]
+#: a user other than the one running the tests ("nobody" on most systems)
+OTHER_UID = 65534
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
 
 
 def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -106,6 +114,76 @@ def test_a_directory_of_another_user_or_a_file_is_refused(tmp_path, monkeypatch)
         check_owner_only(tmp_path / "run")
 
 
+# -- how it is reached ---------------------------------------------------------------------------
+
+def test_a_run_directory_inside_a_directory_others_can_rename_entries_in_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    (shared / "mine").mkdir(parents=True)
+    (shared / "mine").chmod(0o700)
+    shared.chmod(0o777)  # no sticky bit: anyone can rename what is in it, a directory of one's own too
+    needle = (f"is inside {shared}, which group/others can write without the sticky bit (mode 0777), so they can "
+              "rename or replace what is in it")
+    for run in (shared / "run", shared / "mine" / "run"):
+        with pytest.raises(UnsafeRunDir, match="^run directory .*" + re.escape(needle)):
+            RunDirLock(run).acquire()
+        assert not run.exists()  # refused before it was made
+    shared.chmod(0o1777)  # the sticky bit, as /tmp has: only an entry's owner can rename it
+    with RunDirLock(shared / "mine" / "run"):
+        assert RunPaths(shared / "mine" / "run").run_lock.exists()
+
+
+def test_a_symlink_of_ones_own_is_followed_and_its_target_checked(tmp_path):
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with RunDirLock(tmp_path / "link"):
+        assert (tmp_path / "real" / "control" / "run.lock").exists()
+    (tmp_path / "real").chmod(0o777)
+    with pytest.raises(UnsafeRunDir, match="is writable by group/others"):
+        check_owner_only(tmp_path / "link")
+
+
+@as_root
+def test_a_symlink_of_another_user_is_refused_and_nothing_is_written_through_it(tmp_path):
+    (tmp_path / "target").mkdir(mode=0o700)
+    (tmp_path / "run").symlink_to(tmp_path / "target")
+    os.lchown(tmp_path / "run", OTHER_UID, OTHER_UID)
+    with pytest.raises(UnsafeRunDir, match=f"^run directory {tmp_path / 'run'} is a symlink owned by uid {OTHER_UID}"):
+        RunDirLock(tmp_path / "run").acquire()
+    (tmp_path / "via").symlink_to(tmp_path)
+    os.lchown(tmp_path / "via", OTHER_UID, OTHER_UID)
+    with pytest.raises(UnsafeRunDir, match=f"goes through {tmp_path / 'via'}, which is a symlink owned by uid"):
+        RunDirLock(tmp_path / "via" / "target").acquire()
+    assert not any((tmp_path / "target").iterdir())
+
+
+@as_root
+def test_a_run_directory_inside_a_directory_of_another_user_is_refused(tmp_path):
+    theirs = tmp_path / "theirs"
+    (theirs / "run").mkdir(parents=True, mode=0o700)  # ours, but they may rename it and put theirs there
+    theirs.chmod(0o755)
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    for run in (theirs / "run", theirs / "new"):
+        with pytest.raises(UnsafeRunDir, match=f"is inside {theirs}, owned by uid {OTHER_UID}.*who can rename"):
+            RunDirLock(run).acquire()
+    assert not (theirs / "new").exists() and not any((theirs / "run").iterdir())
+
+
+def test_the_default_runs_directory_is_refused_when_others_can_change_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir(mode=0o777)
+    (tmp_path / "runs").chmod(0o777)  # made by someone else, or left open
+    with pytest.raises(UnsafeRunDir, match=f"is inside {tmp_path / 'runs'}, which group/others can write"):
+        _default_run_dir("tiny")
+    assert not any((tmp_path / "runs").iterdir())
+    if os.geteuid() == 0:
+        (tmp_path / "runs").chmod(0o755)
+        os.chown(tmp_path / "runs", OTHER_UID, OTHER_UID)
+        with pytest.raises(UnsafeRunDir, match=f"is inside {tmp_path / 'runs'}, owned by uid {OTHER_UID}"):
+            _default_run_dir("tiny")
+    (tmp_path / "runs").rmdir()
+    assert _default_run_dir("tiny").parent == Path("runs")  # made afresh, ours
+
+
 def test_a_name_with_a_trailing_newline_is_not_a_plain_name():
     with pytest.raises(ValueError, match="not usable as a path component"):
         check_name("policy", "p\n")
@@ -139,6 +217,18 @@ def test_run_and_partitions_refuse_a_run_directory_others_can_write(tiny_model, 
         assert needle in _one_error(_cli(*args)), args
     assert RunPaths(run).desired_partitions.read_bytes() == desired  # nothing was changed
     assert not RunPaths(run).summary.exists()
+
+
+@pytest.mark.e2e
+def test_run_refuses_a_runs_directory_others_can_write_in_one_line(tiny_model, tmp_path):
+    cfg = _write_config(tmp_path, tiny_model, run={"max_steps": 1})
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs").chmod(0o777)
+    proc = subprocess.run([sys.executable, "-m", "astraflow", "run", str(cfg), "--quiet"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    error = _one_error(proc)
+    assert f"is inside {tmp_path / 'runs'}, which group/others can write without the sticky bit" in error
+    assert not any((tmp_path / "runs").iterdir())
 
 
 BAD_NAMES = {"a space": "my run", "a newline": "my\nrun", "a percent sign": "run%j", "a slash": "../run",

@@ -295,7 +295,9 @@ class Rank:
 def main() -> None:
     from astraflow.training.megatron.launch import rank_channel, rank_spec
     from astraflow.training.megatron.model import DistSpec, shutdown_distributed
+    from storage.ownership import add_user_dir
 
+    add_user_dir()  # a user's loss function from the working directory of `astraflow`, after installed modules
     spec = DistSpec(**rank_spec())
     conn = rank_channel(spec.rank)
     cmd, cfg = conn.recv()
