@@ -307,15 +307,16 @@ class ChangeLog:
         self._scheduled = False
         waiters, self._waiters = self._waiters, []
         sync, self._sync = self._sync, False
+        if self._marks is None or self._fd is None:
+            _fail(waiters, RuntimeError("the data layer's change log is closed"))
+            return
         t0 = time.perf_counter()
         keys = self._marks.take()
         try:
             self._append(keys)
         except Exception as err:  # e.g. disk full: every waiting call fails with it
             self._marks.give_back(keys)
-            for w in waiters:
-                if not w.done():
-                    w.set_exception(err)
+            _fail(waiters, err)
             return
         self.write_s += time.perf_counter() - t0
         if sync:
@@ -363,14 +364,18 @@ class ChangeLog:
         self.log_bytes += len(frame)
 
     async def _synced(self, waiters: list[asyncio.Future]) -> None:
-        fd = os.dup(self._fd)  # a compaction may close the log meanwhile
+        if self._fd is None:
+            _fail(waiters, RuntimeError("the data layer's change log is closed"))
+            return
+        # a compaction may close the log meanwhile, and open a new one: the directory fsync
+        # covers the log file of this generation, not one created while it runs
+        fd, log_no = os.dup(self._fd), self._log_no
         try:
             await asyncio.to_thread(sync_together, [fd], [] if self._dir_synced else [self.path.parent])
-            self._dir_synced = True
+            if self._log_no == log_no:
+                self._dir_synced = True
         except Exception as err:
-            for w in waiters:
-                if not w.done():
-                    w.set_exception(err)
+            _fail(waiters, err)
             return
         finally:
             os.close(fd)
@@ -405,11 +410,13 @@ class ChangeLog:
 
     async def close(self) -> None:
         """Write what is pending, wait for syncs and a compaction, close the log; later commits
-        write nothing."""
-        if self._scheduled:
-            self._flush()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        write nothing. Commits made while it waits are written and waited for too, until none
+        is scheduled or in flight."""
+        while self._scheduled or self._tasks:
+            if self._scheduled:
+                self._flush()
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
         self._marks = None
         if self._fd is not None:
             os.close(self._fd)
@@ -420,3 +427,9 @@ def _resolve(waiters: list[asyncio.Future]) -> None:
     for w in waiters:
         if not w.done():
             w.set_result(None)
+
+
+def _fail(waiters: list[asyncio.Future], err: BaseException) -> None:
+    for w in waiters:
+        if not w.done():
+            w.set_exception(err)

@@ -21,6 +21,12 @@ from astraflow.transport import Packed, PackedDict
 COMPLETE_SLICE = 64
 
 
+def _dropped(info: dict[str, Any], was_gone: bool) -> bool:
+    """Whether a node that asked for leases may no longer get any: it is draining, or was
+    declared gone after its call began (a long poll wakes after either)."""
+    return info["draining"] or (info.get("gone", False) and not was_gone)
+
+
 class NodeFacing:
     """The RaaS-node-facing calls of ``DataLayer`` (module docstring)."""
 
@@ -63,27 +69,28 @@ class NodeFacing:
                 info["versions"] = dict(versions)
                 self.oldest.saw(versions)
             if not info["draining"] and capacity > 0:
-                asking.append((node, capacity, info))
+                asking.append((node, capacity, info, info.get("gone", False)))
         if not asking:
             await self._durable(mark)
             return out
         self._refill()
         deadline = now + wait
         while (not self.leases.waiting() and not self.finished
-               and not all(info["draining"] for _, _, info in asking)):
+               and not all(_dropped(info, gone) for _, _, info, gone in asking)):
             remaining = deadline - time.time()
             if remaining <= 0:
                 break
             # (a lease stock has no weights of its own to load: it waits)
             if self.mixer.refused and any(admission.lags(info.get("versions"), self.versions)
-                                          for _, _, info in asking if not info.get("stock")):
+                                          for _, _, info, _ in asking if not info.get("stock")):
                 break
             # woken by _notify (a batch served, trajectories ingested, a version published)
             await self._wait(min(remaining, 0.1))
             self.leases.expire()
             self._refill()
-        for node, capacity, _ in asking:  # a node named twice gets both shares (none is orphaned)
-            out[node].extend(self.leases.take(node, capacity))
+        for node, capacity, info, gone in asking:  # a node named twice gets both shares (none is orphaned)
+            if not _dropped(info, gone):  # drained or declared gone while the call waited: nothing
+                out[node].extend(self.leases.take(node, capacity))
         await self._durable(mark)  # a node never runs a task the next data layer does not know
         return out
 

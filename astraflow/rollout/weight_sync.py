@@ -109,14 +109,18 @@ class WeightPuller:
         #: there as a pending swap while ``engine.version`` still names the old one
         self._handed: dict[str, int] = {}
         self._lock = threading.Lock()  # the watcher and an explicit refresh may poll at once
+        #: guards ``history`` alone: ``recent`` (the node's state, its stop) never waits for a
+        #: poll, which holds ``_lock`` through a whole read and load
+        self._history_lock = threading.Lock()
 
     def recent(self, n: int = 5) -> list[dict[str, Any]]:
         """The last ``n`` load records (engine processes' records included as they arrive)."""
-        with self._lock:
+        with self._history_lock:
             self._take_engine_records()
             return self.history[-n:]
 
     def _take_engine_records(self) -> None:
+        """Move the engines' records into ``history``; called holding ``_history_lock``."""
         for engine in self.engines.values():
             self.history.extend(engine.take_load_records())
         del self.history[:-100]  # the node reports the last few; keep memory flat on long runs
@@ -132,7 +136,8 @@ class WeightPuller:
         not hold the others back; the first such error is raised once all were tried."""
         loaded = 0
         failed: BaseException | None = None
-        self._take_engine_records()
+        with self._history_lock:
+            self._take_engine_records()
         for policy, engine in self.engines.items():
             try:
                 loaded += self._poll_one(policy, engine)
@@ -164,5 +169,6 @@ class WeightPuller:
         state, record = self.reader.read(policy, latest.version)
         engine.load_weights(state, latest.version)
         self._handed[policy] = latest.version
-        self.history.append(record)
+        with self._history_lock:
+            self.history.append(record)
         return 1

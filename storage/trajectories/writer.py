@@ -168,8 +168,10 @@ class SegmentWriter:
         return done
 
     def _wake_committer(self) -> None:
+        """Start or wake the committer; none is started once the writer closes (``close``
+        commits what is queued itself)."""
         with self._lock:
-            if self._committer is None:
+            if self._committer is None and not self._closed:
                 self._committer = threading.Thread(target=self._commit_rounds, daemon=True,
                                                    name=f"commits of {self.segment}")
                 self._committer.start()
@@ -187,7 +189,10 @@ class SegmentWriter:
             raise failed  # the first failure (later futures fail for its sake)
 
     def close(self) -> None:
-        """Commit what was submitted, stop the committer and release the segment."""
+        """Commit what was submitted, stop the committer and release the segment. Rows are
+        queued only while the writer is open, so the last round here (after the committer and
+        any ``write`` round) commits what a ``submit`` queued but had not yet woken the
+        committer for: nothing queued is committed after the segment is released."""
         with self._lock:
             if self._closed:
                 return
@@ -197,6 +202,7 @@ class SegmentWriter:
         if committer is not None:
             committer.join()
         with self._rounds:  # a ``write`` committing in another thread finishes first
+            self._commit_round()
             self._backend.release_segment(self.segment)
 
     def _check_open(self) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from astraflow.runtime.workers import worker_report
 from tests.dataflow.test_data_layer import make_layer
 
@@ -26,6 +28,34 @@ def test_drain_and_loss_of_a_worker_reach_its_nodes_only(tmp_path):
         assert sum(1 for n, _ in layer.leases.held.values() if n == "w1.n0") == 8
 
     asyncio.run(go())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["drain", "node_gone"])
+def test_a_long_poll_drained_or_lost_while_it_waits_leases_nothing(tmp_path, monkeypatch, how):
+    """The node's state is read again when its parked lease call wakes: tasks created while it
+    waited (a gated layer's next iteration) are not leased to a node drained or declared gone
+    meanwhile. The wait is held open by a gate until both have happened."""
+    layer = make_layer(tmp_path)
+    layer.budget = 0  # gated: no group until ``open_iteration``
+    parked, go = asyncio.Event(), asyncio.Event()
+
+    async def held_wait(seconds):
+        parked.set()
+        await go.wait()
+
+    monkeypatch.setattr(layer, "_wait", held_wait)
+
+    async def run():
+        poll = asyncio.create_task(layer.lease("w0", 4, wait=30.0))
+        await parked.wait()
+        await getattr(layer, how)("w0")
+        await layer.open_iteration(1)
+        go.set()
+        assert await asyncio.wait_for(poll, 5) == []
+        assert not any(n == "w0" for n, _ in layer.leases.held.values())
+
+    asyncio.run(run())
 
 
 def test_the_worst_member_speaks_for_the_worker():

@@ -290,3 +290,36 @@ def test_a_damaged_committed_delta_falls_back_to_full_shards(tmp_path, damage):
     state, record = reader.read("p", 1)
     assert record["mode"] == "full" and record.get("delta_fallback")
     assert torch.equal(state["w"], sd1["w"].to(torch.bfloat16))
+
+
+@pytest.mark.timeout(60)
+def test_the_load_records_are_read_while_a_poll_loads_a_version(tmp_path):
+    """``recent`` (the node's state, and its stop) answers while a poll holds the puller's lock
+    through a whole read and load (held open here on a gate), and sees the load's record after."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    class HeldEngine:
+        version, loads_versions_itself = -1, False
+        loading, release = threading.Event(), threading.Event()
+
+        def take_load_records(self):
+            return []
+
+        def load_weights(self, state, version):
+            self.loading.set()
+            assert self.release.wait(30), "the test never released the load"
+            self.version = version
+
+    WeightStore(tmp_path / "w").publish("p", 0, {"w": torch.zeros(4)}, meta={"layout": "hf"})
+    engine = HeldEngine()
+    puller = WeightPuller(str(tmp_path / "w"), {"p": engine})
+    with ThreadPoolExecutor(2) as pool:
+        poll = pool.submit(puller.poll)
+        try:
+            assert engine.loading.wait(30)
+            assert pool.submit(puller.recent, 5).result(timeout=5) == []
+        finally:
+            engine.release.set()
+        assert poll.result(30) == 1
+    assert [r["version"] for r in puller.recent(5)] == [0]

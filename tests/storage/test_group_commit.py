@@ -147,3 +147,30 @@ def test_a_commit_goes_on_whoever_stops_waiting_for_it(tmp_path, monkeypatch):
     assert [r.index for r in later.result(30)] == [4, 5, 6, 7]
     w.close()
     assert open_trajectory_store(str(root), "r").count("seg") == 8
+
+
+@pytest.mark.timeout(60)
+def test_a_close_racing_a_submit_commits_its_rows_before_releasing_the_segment(tmp_path, monkeypatch):
+    """A ``close`` that runs after a ``submit`` queued its rows and before it woke the committer
+    (made here by closing from inside that wake-up) commits them before releasing the segment:
+    no record follows the release, where a successor writer may be writing."""
+    root = tmp_path / "store"
+    w = open_trajectory_store(str(root)).writer("seg", batch_size=4)
+    events: list[str] = []
+    append, release = w._backend.append_log, w._backend.release_segment
+    monkeypatch.setattr(w._backend, "append_log", lambda *a: (events.append("append"), append(*a))[1])
+    monkeypatch.setattr(w._backend, "release_segment", lambda *a: (events.append("release"), release(*a))[1])
+    wake = type(w)._wake_committer
+
+    def close_first(self):
+        self.close()
+        wake(self)
+
+    monkeypatch.setattr(type(w), "_wake_committer", close_first)
+    done = w.submit([make_row(7, i) for i in range(2)])
+    assert [r.index for r in done.result(30)] == [0, 1]
+    assert events == ["append", "release"]
+    with pytest.raises(ValueError, match="closed"):
+        w.submit([make_row(7, 2)])
+    got = open_trajectory_store(str(root), "r").read(done.result())
+    assert all(rows_equal(make_row(7, i), got[i]) for i in range(2))
