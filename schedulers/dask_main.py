@@ -18,7 +18,8 @@ and go on: the first thing to look at when a worker hangs.
 
 Each process works in a directory of its own (`private_directory`): made here, on the process's
 own node, with a random name and mode 0700 under the node's temporary directory, given to Dask
-as its local directory (and its ``temporary-directory``), removed when the process exits. Dask's
+as its local directory (and its ``temporary-directory``), removed when the process exits (or,
+after a SIGKILL, by the next process on the node: `remove_stale`). Dask's
 default, ``$TMPDIR/dask-scratch-space``, is shared by every user of the node: Dask reuses one it
 finds writable, whoever made it, and puts its folder first on ``sys.path``, so another user could
 plant modules that this process imports.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import faulthandler
+import fcntl
 import os
 import shutil
 import signal
@@ -47,6 +49,9 @@ COMMANDS = ("worker", "scheduler")
 CLOSE_TIMEOUT_S = 5.0
 #: how the name of a process's private directory begins (the rest is random)
 PRIVATE_PREFIX = "astraflow-dask-"
+#: the file in a private directory that its process keeps locked while it lives
+HOLD_FILE = ".astraflow-held"
+_held: list[int] = []
 #: set by the run's owner, this keeps Dask's own routes on the worker's HTTP server
 WORKER_ROUTES_ENV = "DASK_DISTRIBUTED__WORKER__HTTP__ROUTES"
 
@@ -111,13 +116,53 @@ def check_base(base: str) -> None:
 
 def private_directory(base: str) -> str:
     """A new directory under `base` that only this user can use: a random name no one could have
-    made first (``mkdtemp``: created, never reused) and mode 0700."""
+    made first (``mkdtemp``: created, never reused) and mode 0700, held by this process
+    (`hold`). Our directories there that no live process holds (their process was killed
+    outright and could not remove them) are removed first."""
     check_base(base)
+    remove_stale(base)
     path = tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=base)
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise PermissionError(f"{path} is not the private directory just made")  # something else is there
+    hold(path)
     return path
+
+
+def hold(path: str) -> None:
+    """Lock `path`'s ``HOLD_FILE`` for as long as this process lives (the kernel drops the lock
+    when it ends, however it ends). The file is locked before it gets its name, so a
+    `remove_stale` never finds it unlocked while the directory is in use."""
+    fd, tmp = tempfile.mkstemp(prefix=".hold-", dir=path)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.rename(tmp, os.path.join(path, HOLD_FILE))
+    _held.append(fd)  # never closed: closing would drop the lock
+
+
+def remove_stale(base: str) -> None:
+    """Remove the private directories of this user under `base` whose ``HOLD_FILE`` no process
+    locks (best effort). A directory without one, or not ours, or not a real directory, is left."""
+    try:
+        entries = [e for e in os.scandir(base) if e.name.startswith(PRIVATE_PREFIX)]
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            st = os.lstat(entry.path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            fd = os.open(os.path.join(entry.path, HOLD_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its process lives
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def remove_private_directory(path: str) -> None:

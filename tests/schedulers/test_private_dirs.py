@@ -205,6 +205,30 @@ def test_only_a_directory_of_ours_is_removed(tmp_path):
     assert (target / "keep").read_text() == "x" and (tmp_path / "link").is_symlink()
 
 
+def test_the_directories_of_processes_killed_outright_are_removed_by_the_next_one(tmp_path):
+    """A process killed with SIGKILL cannot remove its directory; the next process on the node
+    removes it, and leaves those of live processes and directories it did not make."""
+    base = tmp_path / "node-tmp"
+    base.mkdir()
+    code = ("import sys, time; from schedulers.dask_main import private_directory; "
+            "print(private_directory(sys.argv[1]), flush=True); time.sleep(120)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(base)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+             for _ in range(2)]
+    try:
+        killed, alive = (Path(p.stdout.readline().strip()) for p in procs)
+        procs[0].kill()
+        procs[0].wait(30)
+        foreign = base / "astraflow-dask-notours"  # made some other way (no hold file): not ours to judge
+        foreign.mkdir()
+        mine = Path(private_directory(str(base)))
+        assert not killed.exists() and alive.is_dir() and foreign.is_dir() and mine.is_dir()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(30)
+    remove_private_directory(str(mine))
+
+
 @pytest.fixture
 def dask_config():
     """`prepare` changes this process's Dask config: put it back afterwards."""
