@@ -42,6 +42,8 @@ def _load(config: str, overrides: tuple[str, ...]):
         return cfg
     except (ConfigError, UnsafeDir) as err:
         raise UserError(str(err)) from None
+    except OSError as err:  # a store path that cannot be looked at
+        raise UserError(f"storage.trajectories: {err}") from None
 
 
 def _default_run_dir(name: str) -> Path:
@@ -128,7 +130,7 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     cfg = _load(config, overrides)
     try:
         rd = Path(run_dir) if run_dir else _default_run_dir(cfg.run.name)
-    except ValueError as err:  # another user could change where it would go
+    except (ValueError, OSError) as err:  # another user could change where it would go, or it cannot be made
         raise UserError(str(err)) from None
     try:
         _run(cfg, rd, quiet)

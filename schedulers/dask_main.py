@@ -122,10 +122,14 @@ def private_directory(base: str) -> str:
     check_base(base)
     remove_stale(base)
     path = tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=base)
+    atexit.register(remove_private_directory, path)
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise PermissionError(f"{path} is not the private directory just made")  # something else is there
-    hold(path)
+    try:
+        hold(path)
+    except OSError as err:  # a filesystem without locks: a SIGKILL then leaves the directory behind
+        print(f"dask_main: {path} is not held ({err}); it is still removed at exit", file=sys.stderr)
     return path
 
 
@@ -134,7 +138,12 @@ def hold(path: str) -> None:
     when it ends, however it ends). The file is locked before it gets its name, so a
     `remove_stale` never finds it unlocked while the directory is in use."""
     fd, tmp = tempfile.mkstemp(prefix=".hold-", dir=path)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
     os.rename(tmp, os.path.join(path, HOLD_FILE))
     _held.append(fd)  # never closed: closing would drop the lock
 
@@ -206,7 +215,6 @@ def prepare(command: str, args: list[str]) -> tuple[str, list[str]]:
 
     base, args = option(args, "--local-directory") if command == "worker" else (None, args)
     private = private_directory(base or dask.config.get("temporary-directory", None) or tempfile.gettempdir())
-    atexit.register(remove_private_directory, private)
     dask.config.set({"temporary-directory": private})
     if command == "worker":
         args = [*args, "--local-directory", private]

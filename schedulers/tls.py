@@ -93,14 +93,13 @@ def _handshake_problem(ca_file: Path, cert_file: Path, key_file: Path | None) ->
     Dask does, mutual TLS without host names) would fail their handshake, e.g. a certificate
     another authority signed, or one expired; None when it succeeds. Done in memory."""
     sides = []
-    for purpose in (ssl.PROTOCOL_TLS_CLIENT, ssl.PROTOCOL_TLS_SERVER):
-        ctx = ssl.SSLContext(purpose)
+    for purpose in (ssl.Purpose.SERVER_AUTH, ssl.Purpose.CLIENT_AUTH):  # the client's, the server's (as Dask)
+        ctx = ssl.create_default_context(purpose, cafile=str(ca_file))
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_REQUIRED
-        ctx.load_verify_locations(cafile=str(ca_file))
         ctx.load_cert_chain(str(cert_file), str(key_file) if key_file else None, password=_no_passphrase)
         incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-        sides.append((ctx.wrap_bio(incoming, outgoing, server_side=purpose == ssl.PROTOCOL_TLS_SERVER),
+        sides.append((ctx.wrap_bio(incoming, outgoing, server_side=purpose == ssl.Purpose.CLIENT_AUTH),
                       incoming, outgoing))
     done = [False, False]
     for _ in range(16):  # a handshake takes a few round trips

@@ -74,13 +74,16 @@ def _walk(path: str | Path) -> tuple[list[tuple[str, os.stat_result]], bool]:
     """Every entry the kernel passes through to reach ``path``, in order, with its ``lstat``:
     each directory and each symlink (then what its target passes through); and whether
     ``path`` exists, its own entry (after its symlinks) being the last one then."""
-    todo = [c for c in os.path.join(os.getcwd(), os.fspath(path)).split(os.sep) if c][::-1]
+    path = os.fspath(path)
+    todo = [c for c in (path if os.path.isabs(path) else os.path.join(os.getcwd(), path)).split(os.sep) if c][::-1]
     cur, seen, links = os.sep, [(os.sep, os.lstat(os.sep))], 0
     while todo:
         name = todo.pop()
         if name == ".":
             continue
         if name == "..":  # ``cur`` has no symlinks left: its parent is the one the kernel takes
+            if len(seen) > 1 and seen[-1][0] == cur:
+                seen.pop()  # left behind: not a directory above ``path``
             cur = os.path.dirname(cur)
             continue
         nxt = os.path.join(cur, name)
@@ -107,6 +110,24 @@ def _trusted(uid: int) -> bool:
     return uid in (os.geteuid(), 0)
 
 
+def _others_write(st: os.stat_result) -> bool:
+    """Whether users other than the owner may write the entry: others may, or its group may
+    and the group is not the user's own private group (named as the user, their primary group,
+    no other members: the group of every file under a umask of 002 on many distributions)."""
+    return bool(st.st_mode & stat.S_IWOTH or st.st_mode & stat.S_IWGRP and not _private_group(st.st_gid))
+
+
+def _private_group(gid: int) -> bool:
+    try:
+        import grp
+        import pwd
+
+        me, group = pwd.getpwuid(os.geteuid()), grp.getgrgid(gid)
+    except (ImportError, KeyError):
+        return False
+    return gid == me.pw_gid and group.gr_name == me.pw_name and set(group.gr_mem) <= {me.pw_name}
+
+
 #: what ``_problem`` finds: what is wrong, and the fix (None: the caller's "of your own"; one
 #: that ends in " or": the caller's alternative follows)
 Problem = tuple[str, str | None]
@@ -121,17 +142,21 @@ def _problem(path: str | Path) -> Problem | None:
         st = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
         st = None
+    except OSError as err:  # a directory on the way that this user may not search
+        return f"cannot be checked ({err.strerror or err})", "make the directories above it searchable or"
     if st is not None:
         if not stat.S_ISDIR(st.st_mode):
             return "is not a directory", "move it away or"
         if st.st_uid != os.geteuid():
             return f"is owned by {_owner(st.st_uid)}, not by you ({_owner(os.geteuid())})", None
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        if _others_write(st):
             return (f"is writable by group/others (mode {stat.S_IMODE(st.st_mode):04o})",
                     f"run 'chmod go-w {path}' or")
     seen, exists = _walk(path)
     for entry, est in seen:
-        if stat.S_ISLNK(est.st_mode) and not _trusted(est.st_uid):
+        # a symlink cannot be changed, only replaced by who may write its directory (checked
+        # below) or, in a sticky one, by its owner
+        if stat.S_ISLNK(est.st_mode) and not _trusted(est.st_uid) and _sticky_open(os.path.dirname(entry)):
             where = "is" if entry == os.path.abspath(path) else f"goes through {entry}, which is"
             return (f"{where} a symlink owned by {_owner(est.st_uid)}",
                     "remove it, or use a path of your own (the real one, if you trust where it points)")
@@ -141,13 +166,23 @@ def _problem(path: str | Path) -> Problem | None:
         if not _trusted(est.st_uid):
             return (f"is inside {entry}, owned by {_owner(est.st_uid)}, who can rename or replace what is in it",
                     _ELSEWHERE)
-        if est.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not est.st_mode & stat.S_ISVTX:
+        if _others_write(est) and not est.st_mode & stat.S_ISVTX:
             return (f"is inside {entry}, which group/others can write without the sticky bit (mode "
                     f"{stat.S_IMODE(est.st_mode):04o}), so they can rename or replace what is in it",
                     f"run 'chmod go-w {entry}' or" if est.st_uid == os.geteuid() else
                     f"ask its owner to set the sticky bit ('chmod +t {entry}', as on /tmp) or {_ELSEWHERE}; a "
                     "directory of your own inside it does not help")
     return None
+
+
+def _sticky_open(directory: str) -> bool:
+    """Whether ``directory`` is writable by others with the sticky bit (where each may remove
+    their own entries), or cannot be looked at."""
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return True
+    return _others_write(st) and bool(st.st_mode & stat.S_ISVTX)
 
 
 def _check(path: Path, what: str, other: str, own: str, error: type[UnsafeDir] = UnsafeDir) -> None:

@@ -177,6 +177,11 @@ class Updater:
         except Exception as err:
             if self._touching or not self._changed or eng.dead:
                 raise
+            if record.get("probe_error", 0.0) > self.tolerance:  # measured wrong, and redoing it failed
+                eng._dead = (f"{policy} v{version} was loaded wrong (its probe {record['probe_error']:.3f} nats off) "
+                             f"and re-creating the engine on it failed ({type(err).__name__}: {err}), so it "
+                             "serves nothing until it is restarted")
+                raise
             # the version's weights are in; only their check failed: serve them under their own
             # version (the label must name the weights that sample), unverified and said so
             record["unverified"] = f"{type(err).__name__}: {err}"

@@ -25,6 +25,7 @@ from astraflow.runtime.runlock import RunDirLock
 from schedulers import Partition
 from storage.atomic import write_json
 from astraflow.cli import _default_run_dir
+from storage import ownership
 from storage.ownership import UnsafeRunDir, check_owner_only, make_owner_only, owner_only
 from storage.paths import RunPaths, check_name
 from tests.e2e.test_cli import _write_config
@@ -89,6 +90,27 @@ def test_an_existing_directory_that_only_its_owner_writes_is_accepted_and_left_a
     assert _mode(run) == 0o755
 
 
+def _shared_group(path: Path) -> None:
+    """Give ``path`` a group that is not the user's own private one, where its group write bit
+    lets other users in (the user's private group is theirs alone: ``storage.ownership``)."""
+    if os.geteuid() == 0:
+        os.chown(path, -1, OTHER_UID)
+    elif ownership._private_group(path.stat().st_gid) and not path.stat().st_mode & stat.S_IWOTH:
+        pytest.skip("the group here is the user's private group: its write bit lets no one else in")
+
+
+def test_a_private_group_may_write_what_is_only_the_users(tmp_path, monkeypatch):
+    """A umask of 002 with a group of one's own (most RPM distributions): the group write bit
+    of the run directory and the directories above it lets no one else in."""
+    monkeypatch.setattr(ownership, "_private_group", lambda gid: True)
+    (tmp_path / "clone").mkdir()
+    (tmp_path / "clone").chmod(0o775)
+    check_owner_only(tmp_path / "clone" / "runs" / "x")
+    monkeypatch.setattr(ownership, "_private_group", lambda gid: False)
+    with pytest.raises(UnsafeRunDir, match="which group/others can write without the sticky bit"):
+        check_owner_only(tmp_path / "clone" / "runs" / "x")
+
+
 @pytest.mark.parametrize("where, mode", [("", 0o775), ("", 0o777), ("", 0o1777), ("control", 0o770),
                                          ("weights", 0o757)])
 def test_a_directory_others_can_write_is_refused_naming_the_path_and_the_fix(tmp_path, where, mode):
@@ -96,6 +118,7 @@ def test_a_directory_others_can_write_is_refused_naming_the_path_and_the_fix(tmp
     bad = run / where if where else run
     bad.mkdir(parents=True)
     bad.chmod(mode)
+    _shared_group(bad)
     with pytest.raises(UnsafeRunDir) as err:
         check_owner_only(run)
     assert f"{bad} is writable by group/others (mode {mode:04o}): run 'chmod go-w {bad}'" in str(err.value)
@@ -144,16 +167,25 @@ def test_a_symlink_of_ones_own_is_followed_and_its_target_checked(tmp_path):
 
 @as_root
 def test_a_symlink_of_another_user_is_refused_and_nothing_is_written_through_it(tmp_path):
+    """In a sticky directory open to all (as /tmp) its owner may replace it; in a directory
+    only we can write (a site's link in a root-owned one, say) nobody can: that one is followed."""
     (tmp_path / "target").mkdir(mode=0o700)
-    (tmp_path / "run").symlink_to(tmp_path / "target")
-    os.lchown(tmp_path / "run", OTHER_UID, OTHER_UID)
-    with pytest.raises(UnsafeRunDir, match=f"^run directory {tmp_path / 'run'} is a symlink owned by uid {OTHER_UID}"):
-        RunDirLock(tmp_path / "run").acquire()
-    (tmp_path / "via").symlink_to(tmp_path)
-    os.lchown(tmp_path / "via", OTHER_UID, OTHER_UID)
-    with pytest.raises(UnsafeRunDir, match=f"goes through {tmp_path / 'via'}, which is a symlink owned by uid"):
-        RunDirLock(tmp_path / "via" / "target").acquire()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    (shared / "run").symlink_to(tmp_path / "target")
+    os.lchown(shared / "run", OTHER_UID, OTHER_UID)
+    with pytest.raises(UnsafeRunDir, match=f"^run directory {shared / 'run'} is a symlink owned by uid {OTHER_UID}"):
+        RunDirLock(shared / "run").acquire()
+    (shared / "via").symlink_to(tmp_path)
+    os.lchown(shared / "via", OTHER_UID, OTHER_UID)
+    with pytest.raises(UnsafeRunDir, match=f"goes through {shared / 'via'}, which is a symlink owned by uid"):
+        RunDirLock(shared / "via" / "target").acquire()
     assert not any((tmp_path / "target").iterdir())
+    (tmp_path / "site").symlink_to(tmp_path / "target")
+    os.lchown(tmp_path / "site", OTHER_UID, OTHER_UID)
+    RunDirLock(tmp_path / "site").acquire().release()
+    assert (tmp_path / "target" / "control").is_dir()
 
 
 @as_root
@@ -210,6 +242,7 @@ def test_run_and_partitions_refuse_a_run_directory_others_can_write(tiny_model, 
     cfg, run = _write_config(tmp_path, tiny_model), _live_run(tmp_path / "run")
     desired = RunPaths(run).desired_partitions.read_bytes()
     run.chmod(mode)
+    _shared_group(run)
     needle = f"run directory {run} is writable by group/others (mode {mode:04o}): run 'chmod go-w {run}'"
     for args in (["run", str(cfg), "--run-dir", str(run), "--quiet"],
                  ["partitions", "add", str(run), "extra", "--nodes", "1", "--wait", "0"],
@@ -265,3 +298,13 @@ def test_a_real_run_leaves_nothing_that_group_or_others_can_use(tiny_model, tmp_
     loose = [f"{p} {_mode(p):04o}" for p in run.rglob("*") if not p.is_symlink() and _mode(p) & 0o077]
     assert not loose, loose
     assert (run / "summary.json").exists() and any((run / "weights").rglob("*"))
+
+
+def test_a_dotdot_does_not_make_the_directory_left_count_as_above(tmp_path):
+    """``open/../mine/run``: ``open`` (writable by others) is not above the run directory."""
+    (tmp_path / "open").mkdir()
+    (tmp_path / "open").chmod(0o777)
+    (tmp_path / "mine").mkdir(mode=0o755)
+    check_owner_only(tmp_path / "open" / ".." / "mine" / "run")
+    with pytest.raises(UnsafeRunDir, match="which group/others can write without the sticky bit"):
+        check_owner_only(tmp_path / "open" / "run")

@@ -71,11 +71,14 @@ def test_a_store_of_another_user_is_refused(tmp_path):
     os.chown(tmp_path / "store", OTHER_UID, OTHER_UID)
     with pytest.raises(UnsafeDir, match=f"{tmp_path / 'store'} is owned by uid {OTHER_UID}"):
         open_backend(str(tmp_path / "store"), "a", durable=False)
-    (tmp_path / "link").symlink_to(tmp_path / "store")
-    os.lchown(tmp_path / "link", OTHER_UID, OTHER_UID)
+    shared = tmp_path / "shared"  # as /tmp: its entries' owners may replace them
+    shared.mkdir()
+    shared.chmod(0o1777)
+    (shared / "link").symlink_to(tmp_path / "store")
+    os.lchown(shared / "link", OTHER_UID, OTHER_UID)
     os.chown(tmp_path / "store", 0, 0)
-    with pytest.raises(UnsafeDir, match=f"{tmp_path / 'link'} is a symlink owned by uid {OTHER_UID}"):
-        check_store_url((tmp_path / "link").as_uri())
+    with pytest.raises(UnsafeDir, match=f"{shared / 'link'} is a symlink owned by uid {OTHER_UID}"):
+        check_store_url((shared / "link").as_uri())
 
 
 @pytest.mark.e2e
