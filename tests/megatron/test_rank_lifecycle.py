@@ -9,6 +9,7 @@ import os
 import signal
 import tempfile
 import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -34,6 +35,21 @@ def tmpdir_root(tmp_path, monkeypatch) -> Path:
 
 def _workdirs(root: Path) -> list[Path]:
     return sorted(root.glob("astraflow-megatron-*"))
+
+
+def _left_in(root: Path) -> list[str]:
+    """The processes (pid and command) still working in a directory under ``root``: what a rank
+    started lives in the rank's working directory."""
+    import psutil
+
+    left = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.cwd().startswith(str(root)):
+                left.append(f"{proc.info['pid']}: {' '.join(proc.info['cmdline'] or [])}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return left
 
 
 def _kill(proc) -> None:
@@ -200,6 +216,10 @@ def test_a_trainer_whose_rank_died_reports_it_and_leaves_no_rank_running(tmp_pat
         assert st["version"] == 1 and not st["done"]
         assert all(p.poll() is not None for p in procs)
         assert not (tmp_path / "state" / "opt.pt").exists()
+        deadline = time.monotonic() + 10  # SIGKILL is sent; the kernel takes a moment to end them
+        while _left_in(tmpdir_root) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _left_in(tmpdir_root) == [], "what the killed rank started is still running"
     finally:
         for p in procs:
             if p.poll() is None:

@@ -25,6 +25,7 @@ import json
 import os
 import queue
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -86,7 +87,7 @@ class LocalRanks:
                 with open(self.logs[r], "ab") as fh:
                     proc = subprocess.Popen(
                         [sys.executable, "-m", RANK_MODULE], pass_fds=[child.fileno()], env=env, stdout=fh,
-                        stderr=subprocess.STDOUT, cwd=launch.workdir,
+                        stderr=subprocess.STDOUT, cwd=launch.workdir, process_group=0,
                     )
                 child.close()
                 self.procs.append(proc)
@@ -104,10 +105,14 @@ class LocalRanks:
             p.wait(timeout=timeout_s)
 
     def kill(self) -> None:
-        """Stop the processes this launcher started (by pid) and close the channels."""
+        """Stop the processes this launcher started and close the channels. Each rank leads a
+        process group of its own, so what a rank started (multiprocessing helpers, which outlive
+        a rank killed by the OOM killer) goes with it."""
         for p in self.procs:
-            if p.poll() is None:
-                p.kill()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass  # the rank and everything it started have ended
         for p in self.procs:
             p.wait(timeout=30)
         for c in self.conns:
