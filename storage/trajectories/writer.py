@@ -36,6 +36,8 @@ from storage.trajectories.layout import (
 
 #: chunks an array has room for when it is created (its shape; no chunk exists until written).
 _FIRST_CHUNKS = 16
+#: a packed batch up to this size is joined into one buffer and written at once
+_JOIN_BYTES = 256 << 10
 
 
 def _bytes_of(a: np.ndarray) -> memoryview:
@@ -47,17 +49,17 @@ def _flat_columns(batch: list[StoredSequence]) -> tuple[dict[str, np.ndarray], n
     ``np.concatenate`` per column), and the entries' lengths; ``ValueError`` naming the first
     entry whose arrays are not 1-D with one value per token, or whose values do not fit."""
     flat: dict[str, np.ndarray] = {}
-    lengths = np.zeros(0, np.int64)
+    lengths: list[int] = []  # the tokens' (the first column); lists: cheaper to compare for a few entries
     for k, dt in FLAT_DTYPES.items():
         parts = [getattr(r, k) for r in batch]
         try:
-            lens = np.fromiter(map(len, parts), np.int64, len(parts))
+            lens = list(map(len, parts))
             cat = np.concatenate(parts)
         except (TypeError, ValueError):  # a scalar, or arrays of mixed dimensions
             lens, cat = None, None
         if k == "tokens" and lens is not None:
             lengths = lens
-        if lens is None or cat.ndim != 1 or not np.array_equal(lens, lengths):
+        if lens is None or cat.ndim != 1 or lens != lengths:
             for r in batch:
                 a, length = np.asarray(getattr(r, k)), np.asarray(r.tokens).shape[:1]
                 if a.ndim != 1 or np.asarray(r.tokens).ndim != 1 or a.shape != length:
@@ -70,7 +72,7 @@ def _flat_columns(batch: list[StoredSequence]) -> tuple[dict[str, np.ndarray], n
         if cat.dtype != dt and not np.array_equal(cast, cat, equal_nan=cat.dtype.kind in "fc"):
             raise ValueError(f"{k} values do not fit the stored dtype {dt}: cast them before writing")
         flat[k] = cast
-    return flat, lengths
+    return flat, np.array(lengths, np.int64)
 
 
 class SegmentWriter:
@@ -297,9 +299,12 @@ class SegmentWriter:
                 raise ValueError(f"StoredSequence.{c} must be str, got {type(bad).__name__}")
         tokens = int(lengths.sum())
         at = packed_offsets(n, tokens)
-        # each array written from its own buffer to its place in the batch: no packed copy
         views = [_bytes_of(data) for data in (*flat.values(), index, rewards)]  # in ``CRC_ORDER``
         self._grow(b0 + at[""])
+        if at[""] <= _JOIN_BYTES:  # small: one copy and one write cost less than a write per array
+            views = [memoryview(b"".join(views))]
+            at = {CRC_ORDER[0]: 0}
+        # else each array is written from its own buffer to its place in the batch: no packed copy
         for name, view in zip(CRC_ORDER, views):
             if len(view):
                 start = b0 + at[name]
