@@ -20,7 +20,7 @@ it runs on the same 2 cores). Two call patterns:
 * ``grouped``: the nodes of a worker share a ``Coalescer`` (``lease_many``,
   ``heartbeat_many``, one ``complete``);
 * ``stocked``: ``grouped``, and the nodes' leases are served from the worker's lease stock
-  (``--lease-ahead``, ``rollout.lease_ahead``), as ``RaaSNodeGroup`` does by default: the
+  (``--lease-ahead``), as ``RaaSNodeGroup`` does with ``rollout.lease_ahead`` > 0: the
   headline figures of the result are this pattern's, ``grouped`` is its baseline.
 
 ``--baseline-root DIR`` also runs the per-node pattern against another checkout's code (e.g.
