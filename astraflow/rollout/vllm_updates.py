@@ -293,7 +293,12 @@ class Updater:
         await self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
         self._touching, self._changed = False, True
         if self.engine.labels_versions:
-            await self.engine.llm.update_weight_version(str(version))
+            try:
+                await self.engine.llm.update_weight_version(str(version))
+            except Exception as err:  # vLLM would go on naming the old version for the new weights
+                self.engine.labels_versions = False
+                log.warning("vLLM engine: relabelling its tokens with v%d failed (%s: %s); the engine labels them "
+                            "itself from now on", version, type(err).__name__, err)
 
     async def _recreate(self, model_dir: Path, version: int) -> None:
         eng = self.engine

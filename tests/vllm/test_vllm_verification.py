@@ -180,6 +180,35 @@ def test_a_version_whose_check_fails_after_loading_is_served_under_its_own_label
         assert not any(p.is_alive() for p in procs)
 
 
+def test_a_reload_whose_relabelling_fails_labels_the_new_version_itself(vllm_models, tmp_path, caplog):
+    """``reload_weights`` put the weights in (a version without a probe: nothing re-creates the
+    engine), then vLLM refused the new version label: the
+    tokens must not go on carrying the old version's label; the engine labels them itself."""
+    store = WeightStore(tmp_path / "weights")
+    m1, tok = load_model(vllm_models["v1"])
+    store.publish(POLICY, 2, publish(store, POLICY, 1, m1), meta={"layout": "hf", "arch": m1.config.model_type})
+    engine = VLLMEngine(str(vllm_models["v0"]), options=engine_options(weight_update="reload"), max_batch_size=4,
+                        seed=0, threads=2)
+    try:
+        if not engine.labels_versions:
+            pytest.skip("this vLLM does not label tokens with versions")
+
+        async def refuse(version):
+            raise RuntimeError("no label for you")
+
+        engine.llm.update_weight_version = refuse
+        with caplog.at_level(logging.WARNING, logger="astraflow.rollout"):
+            engine.updater.submit_store(str(store.root), POLICY, 2, False, 10).result(timeout=600)
+        assert engine.serving_version == 2 and engine.dead is None and not engine.labels_versions
+        assert any("relabelling its tokens with v2 failed" in r.getMessage() for r in caplog.records)
+        out = _one(engine, tok.encode("7+88="), SamplingParams(max_new_tokens=6, greedy=True))
+        assert set(out.versions.tolist()) == {2}
+    finally:
+        procs = engine._core_processes()
+        engine.close()
+        assert not any(p.is_alive() for p in procs)
+
+
 def test_a_bf16_engine_updates_to_the_version_within_bf16_rounding(vllm_models, tmp_path):
     """A bf16 engine against the trainer's fp32 probe: the update is judged against what a
     fresh engine scores, so bf16 rounding never counts as a wrong update, and the engine
