@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,29 @@ def test_script_with_spaces_in_paths_runs_the_worker_command_exactly(tmp_path, m
     log = str(run / "jobs").replace("%", "%%") + "/rollout-cpu-local-cpu-0.%j.log"
     script_file = str(run / "jobs" / "rollout-cpu-local-cpu-0.sbatch")
     assert argv == ["sbatch", "--parsable", f"--output={log}", f"--error={log}", script_file]
+
+
+def test_setup_lines_run_with_pythons_usual_path_rules_and_the_worker_with_the_safe_ones(tmp_path):
+    """``astraflow`` sets PYTHONSAFEPATH for what it starts, and sbatch passes its environment on:
+    a setup line's script still imports modules next to it, and the worker still runs without
+    its working directory first on ``sys.path``."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "helper.py").write_text("WORD = 'ready'\n")
+    (site / "prepare.py").write_text("import helper\nprint('setup', helper.WORD)\n")
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\nprintf "worker PYTHONSAFEPATH=%s\\n" "$PYTHONSAFEPATH"\n')
+    python.chmod(0o755)
+    part = Partition(name="cpu", scheduler="slurm", role="rollout")
+    sched = SlurmScheduler(tmp_path / "jobs", python=str(python), host="127.0.0.1", tag="t",
+                           setup_lines=[f"{shlex.quote(sys.executable)} {shlex.quote(str(site / 'prepare.py'))}"])
+    script, _ = sched.render(part, str(tmp_path / "scheduler.json"), 0)
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    out = subprocess.run(["bash", str(path)], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["setup ready", "worker PYTHONSAFEPATH=1"]
 
 
 @pytest.mark.parametrize("bad", ["/tmp/a\nb", "/tmp/a\\b", "/tmp/a\rb"])
