@@ -88,9 +88,14 @@ def parse_pool(spec: str, gpus_per_node: int, local: HardwareProfile | None) -> 
     if gpus < 1:
         raise PlanError(f"--pool {spec!r}: a pool needs at least 1 GPU")
     if kind != LOCAL and gpus > gpus_per_node and gpus % gpus_per_node:  # a partition's nodes are alike
-        lower, upper = gpus // gpus_per_node * gpus_per_node, math.ceil(gpus / gpus_per_node) * gpus_per_node
+        # suggest the whole-node sizes either side, only those within the node limit below
+        nodes = [n for n in (gpus // gpus_per_node, math.ceil(gpus / gpus_per_node)) if n <= MAX_NODES]
+        fix = "use " + " or ".join(f"{kind}={n * gpus_per_node}" for n in nodes)
+        if len(nodes) < 2:
+            fix = (fix if nodes else f"use at most {kind}={MAX_NODES * gpus_per_node}") + \
+                f" (a pool is at most {MAX_NODES} nodes)"
         raise PlanError(f"--pool {spec!r}: {gpus} GPUs are not whole nodes of --gpus-per-node {gpus_per_node}; "
-                        f"use {kind}={lower} or {kind}={upper}, or another --gpus-per-node")
+                        f"{fix}, or another --gpus-per-node")
     pool = Pool(kind, gpus, 1 if kind == LOCAL else gpus_per_node)
     if pool.nodes > MAX_NODES:
         raise PlanError(f"--pool {spec!r}: {pool.nodes} nodes of {pool.gpus_per_node} GPU(s); a plan simulates at most "

@@ -25,11 +25,14 @@ def print_report(report: PlanReport, console: Console) -> None:
                   style="bold")
     console.print(table)
     overall = Table(title="trainer")
-    for col in ("steps/s", "trained/s", "trainer wait", "staleness p50/p90/max", "dropped stale/overflow/filtered"):
+    for col in ("steps/s", "trained/s", "trainer wait", "staleness p50/p90/max", "dropped stale/overflow/filtered",
+                "dropped share of generated"):
         overall.add_column(col, justify="right")
+    drops = ("stale", "overflow", "filtered")
     overall.add_row(f"{r.steps_per_s:.3g}", f"{r.trained_per_s:.4g}", f"{r.trainer_wait:.0%}",
                     "/".join(str(r.staleness[k]) for k in ("p50", "p90", "max")),
-                    "/".join(str(r.dropped[k]) for k in ("stale", "overflow", "filtered")))
+                    "/".join(str(r.dropped[k]) for k in drops),
+                    "/".join(f"{r.dropped_fraction.get(k, 0.0):.1%}" for k in drops))
     console.print(overall)
     s = report.search
     if s is None:

@@ -5,8 +5,8 @@ each time, nothing left in this process); its progress is read from ``metrics.js
 runs. The numbers come from the run's own records: the trainers' per-step ``wait_s`` /
 ``train_s`` / ``publish_s``, the data layer's cumulative counts and staleness histogram, and the
 nodes' counters in ``summary.json``. The first steps (start-up, the first weight loads) are left
-out: every rate and fraction is over the steady part of the run, converted to simulated time
-with the run's ``time_scale``.
+out: every rate, fraction and count (the dropped samples: the counts' growth) is over the
+steady part of the run, rates converted to simulated time with the run's ``time_scale``.
 
 The child's PID is written to ``run.pid`` in the work dir. Ctrl-C (SIGINT) or SIGTERM to the
 planning process stops the child with SIGTERM (it stops cleanly on it); a child still there after
@@ -31,6 +31,8 @@ import yaml
 
 #: steps left out at the start of a run (and at least this share of them)
 WARMUP_STEPS, WARMUP_SHARE = 2, 0.2
+#: the dropped samples reported, and the data layer's cumulative count of each in a step record
+DROP_COUNTS = {"stale": "stale_dropped", "overflow": "overflow_dropped", "filtered": "filtered"}
 #: seconds a simulated run has to stop after SIGTERM before it is killed
 STOP_DEADLINE_S = 60.0
 #: the signals that stop a plan (and its simulated run)
@@ -59,7 +61,10 @@ class SimResult:
     staleness: dict[str, int]
     """Version lag of trained sequences: p50, p90, max."""
     dropped: dict[str, int]
-    """Sequences the data layer dropped: stale, overflow, filtered (whole run)."""
+    """Sequences the data layer dropped in the steady part: stale, overflow, filtered."""
+    dropped_fraction: dict[str, float] = field(default_factory=dict)
+    """The same over the training sequences generated in the steady part (runs of different
+    lengths compare by it)."""
     per_pool: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per pool kind: trajectories/s, tokens/s, share of the generated sequences."""
     real_seconds: float = 0.0
@@ -183,6 +188,10 @@ def measure(run_dir: Path, pools: dict[str, int], time_scale: float) -> SimResul
     generated = b["sequences_generated"] - a["sequences_generated"]
     tokens = b["generated_tokens_per_s"] * b["time"] - a["generated_tokens_per_s"] * a["time"]
     hist = {int(k): v - a["staleness_hist"].get(k, 0) for k, v in b["staleness_hist"].items()}
+    dropped = {name: b[key] - a[key] for name, key in DROP_COUNTS.items()}
+    # training sequences only (evaluation's are never dropped); older records lack the split
+    gen_key = "rollouts_generated" if "rollouts_generated" in a and "rollouts_generated" in b else "sequences_generated"
+    train_generated = max(b[gen_key] - a[gen_key], 0)
     result = SimResult(
         pools=pools, steps=len(steps),
         steps_per_s=(b["step"] - a["step"]) / span,
@@ -191,7 +200,8 @@ def measure(run_dir: Path, pools: dict[str, int], time_scale: float) -> SimResul
         trained_per_s=(b["consumed"] - a["consumed"]) / span,
         trainer_wait=min(sum(s["wait_s"] for s in window) / wall, 1.0),
         staleness=staleness_quantiles(hist),
-        dropped={"stale": b["stale_dropped"], "overflow": b["overflow_dropped"], "filtered": b["filtered"]},
+        dropped=dropped,
+        dropped_fraction={k: n / train_generated if train_generated else 0.0 for k, n in dropped.items()},
     )
     result.per_pool = _per_pool(run_dir, result)
     return result

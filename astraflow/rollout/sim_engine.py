@@ -8,7 +8,8 @@ time and in shape, and does no tensor work, so many nodes fit in one process:
 * the requests decoding together share the engine's throughput: with ``b`` of them the
   aggregate rate is ``min(b * single_tokens_per_s, peak_tokens_per_s)``, each getting ``1/b``
   of it (one request alone decodes at the single rate; past the knee each slows down as the
-  batch fills);
+  batch fills); a request still before its first token holds a slot but takes no share, and
+  its first token is an event (the batch, so every rate, changes then);
 * its response length is drawn from a lognormal (``length_mean``, ``length_sigma``), capped at
   ``max_new_tokens`` (``finish_reason`` ``length``; else it ends with the eos token, ``stop``);
   token ids are drawn uniformly from the vocabulary, log-probs from a plausible range;
@@ -164,29 +165,38 @@ class SimEngine:
                 self._arrived.clear()
                 await self._arrived.wait()
                 continue
-            rate = self._rate(len(self._active))
-            dt = min(r.prefill_left + (r.target - r.made) / rate for r in self._active)
+            # only the requests past their first token share the decode rate; the next event is
+            # the first finish or the first end of a prefill, whichever comes first
+            decoding = sum(1 for r in self._active if r.prefill_left <= 0)
+            rate = self._rate(decoding) if decoding else 0.0
+            dt = min(r.prefill_left if r.prefill_left > 0 else (r.target - r.made) / rate for r in self._active)
             self._arrived.clear()
             start = self.clock.now()
             elapsed = await self.clock.wait(self._arrived, dt)
             self._advance(start, elapsed, rate)
 
     def _advance(self, start: float, elapsed: float, rate: float) -> None:
-        """Move every active request on by ``elapsed`` simulated seconds from ``start`` at
-        ``rate`` tokens/s; each new token is tagged with the version served when it was made."""
+        """Move every active request on by ``elapsed`` simulated seconds from ``start``: through
+        its prefill, else decoding at ``rate`` tokens/s (each request's share of the batch's rate);
+        each new token is tagged with the version served when it was made."""
         self._stats["busy_s"] += elapsed
         changes = self._changes
         while len(changes) > 1 and changes[1][0] <= start:  # keep the version served at ``start``
             changes.pop(0)
         when = np.array([c[0] for c in changes])
         which = np.array([c[1] for c in changes], dtype=np.int32)
+        # a request decodes at the next event's rate from then; a real clock's overshoot past its
+        # prefill is decoded at this interval's rate (the single rate if none was decoding)
+        rate = rate or self._rate(1)
         done = []
         for r in self._active:
             left, used = elapsed, 0.0
             if r.prefill_left > 0:
                 used = min(left, r.prefill_left)
                 r.prefill_left -= used
-                left -= used
+                if r.prefill_left < 1e-9:  # rounding must not leave an event a hair away
+                    r.prefill_left = 0.0
+                left -= used  # > 0 only when a real clock overslept the prefill's end (see below)
             made0 = r.made
             before = int(made0 + 1e-9)
             r.made = min(r.target, made0 + left * rate)

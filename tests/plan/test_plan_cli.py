@@ -165,6 +165,8 @@ def test_plan_runs_a_small_config_end_to_end(tmp_path):
         assert key in overall
     assert overall["steps_per_s"] > 0 and overall["tokens_per_s"] > 0 and 0 <= overall["trainer_wait"] <= 1
     assert set(overall["staleness"]) == {"p50", "p90", "max"} and set(overall["dropped"]) == {"stale", "overflow", "filtered"}
+    assert set(overall["dropped_fraction"]) == set(overall["dropped"])
+    assert all(f >= 0 for f in overall["dropped_fraction"].values())
     assert sum(p["share"] for p in out["per_pool"].values()) == pytest.approx(1.0)
     assert "plan: step" in proc.stderr  # progress while it ran
     assert out["assumptions"]["step_seconds"] == pytest.approx(3.0)  # 0.3 s x the example's time scale 10

@@ -135,3 +135,24 @@ def test_a_cancelled_request_frees_its_slot():
 
     gen = asyncio.run(main())
     assert gen.engine_seconds == pytest.approx(0.5 + 1.0)  # it did not queue behind the cancelled one
+
+
+def test_requests_in_prefill_take_no_share_of_the_decode_rate():
+    # 10 requests without a prompt decode at once; 10 with 5000 prompt tokens (5 s of prefill)
+    # hold slots meanwhile but make no tokens, so the first 10 get the whole peak: 100 tokens/s each
+    clock = VirtualClock()
+    eng = SimEngine(_cfg(ttft_s=0.0, length_mean=1000.0), clock=clock)
+
+    async def main():
+        params = SamplingParams(max_new_tokens=10_000)
+        short = [eng.generate([], params) for _ in range(10)]
+        long_ = [eng.generate([5] * 5000, params) for _ in range(10)]
+        return await asyncio.gather(*short, *long_)
+
+    gens = asyncio.run(main())
+    # 0-5 s: 10 decode at 100/s (500 tokens each); then 20 share 1000/s, 50/s each: the first 10
+    # need 500 more (10 s), ending at 15 s; the others have 500 then and end alone at 100/s, at 20 s
+    assert all(g.engine_seconds == pytest.approx(15.0) for g in gens[:10])
+    assert all(g.engine_seconds == pytest.approx(20.0) for g in gens[10:])
+    assert clock.now() == pytest.approx(20.0)
+    assert eng.stats()["tokens"] == 20 * 1000
