@@ -7,6 +7,9 @@ from rich.table import Table
 
 from astraflow.plan.planner import PlanReport
 
+#: a pool with less than this share of the generated trajectories is reported as idle
+IDLE_SHARE = 0.01
+
 
 def print_report(report: PlanReport, console: Console) -> None:
     r, shape = report.result, report.shape
@@ -24,6 +27,11 @@ def print_report(report: PlanReport, console: Console) -> None:
     table.add_row("all", str(sum(r.pools.values())), f"{r.trajectories_per_s:.4g}", f"{r.tokens_per_s:.4g}", "100%",
                   style="bold")
     console.print(table)
+    idle = [kind for kind, row in r.per_pool.items() if row["share"] < IDLE_SHARE]
+    if idle and len(idle) < len(r.per_pool):
+        console.print(f"pool(s) {', '.join(idle)} generated (almost) nothing: the other pools' nodes took every "
+                      "task the data layer let be in flight (dataflow.prefetch_groups, max_staleness and "
+                      "admission); more of these GPUs would not help this config")
     overall = Table(title="trainer")
     for col in ("steps/s", "trained/s", "trainer wait", "staleness p50/p90/max", "dropped stale/overflow/filtered",
                 "dropped share of generated"):

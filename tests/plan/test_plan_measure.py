@@ -67,3 +67,33 @@ def test_a_refused_pool_size_only_suggests_sizes_that_are_accepted(gpus_per_node
     # just past the largest pool: the largest pool is offered, and why not the next size up
     with pytest.raises(PlanError, match=rf"use h100={top} \(a pool is at most {MAX_NODES} nodes\)"):
         parse_pool(f"h100={top + 1}", gpus_per_node, None)
+
+
+def _report(per_pool: dict[str, float]):
+    from astraflow.plan.planner import PlanReport
+    from astraflow.plan.pools import SimShape
+    from astraflow.plan.simulate import SimResult
+
+    result = SimResult(pools={k: 8 for k in per_pool}, steps=10, steps_per_s=1.0, trajectories_per_s=100.0,
+                       tokens_per_s=1e4, trained_per_s=100.0, trainer_wait=0.5,
+                       staleness={"p50": 0, "p90": 1, "max": 2}, dropped={"stale": 0, "overflow": 0, "filtered": 0},
+                       per_pool={k: {"share": s, "trajectories_per_s": 100 * s, "tokens_per_s": 1e4 * s}
+                                 for k, s in per_pool.items()})
+    shape = SimShape(step_seconds=1.0, prompt_tokens=64, response_mean=100.0, response_sigma=0.5, time_scale=1.0,
+                     steps=10)
+    sources = {k: "assumed" for k in ("step_seconds", "prompt_tokens", "response_tokens", "time_scale")}
+    return PlanReport(shape=shape, shape_sources=sources, result=result, search=None)
+
+
+def test_a_pool_that_generated_nothing_is_named_with_the_reason():
+    from rich.console import Console
+
+    from astraflow.plan.report import print_report
+
+    console = Console(record=True, width=200)
+    print_report(_report({"a100": 0.0, "h100": 1.0}), console)
+    text = console.export_text()
+    assert "pool(s) a100 generated (almost) nothing" in text and "in flight" in text
+    console = Console(record=True, width=200)
+    print_report(_report({"a100": 0.4, "h100": 0.6}), console)
+    assert "generated (almost) nothing" not in console.export_text()
