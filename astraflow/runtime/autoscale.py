@@ -21,6 +21,17 @@ Nothing flaps, by four rules together:
   Without it a pool where one worker moves the wait across the whole band (starved with N,
   idle with N + 1) would add and drain forever.
 
+**Demand**, what the "load fell" exception judges, is not read off the window: trainers consume
+whole batches, so a window's count is a batch more or less than the load, and a window spanning
+one or two steps would read as the load halving or doubling. It is measured between consumption
+events (ticks at which the ``consumed`` count rose): from one to the latest, at least
+``DEMAND_BATCHES`` batches apart, reaching back past the window as far as that needs (never past
+the last change), and taken as the range the quantisation leaves (`Demand`): each event happened
+within the tick before it was seen, and with several policies the span's ends may miscount one
+batch of each other policy. The load fell only if that whole range now lies below
+``1 - high_wait`` of the low end of the highest range seen at this size, so a steady load never
+reads as a fall, whatever its batch size, step time or window.
+
 Scale from zero: with no rollout worker wanted in any rollout partition while a trainer trains,
 the trainers can never take a first step (so the evidence never starts): one worker of the first
 autoscaled partition is added at once. So a drain never leaves none either (the add would follow).
@@ -37,12 +48,27 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from math import inf
 from typing import Literal
 
 from astraflow.sections import AutoscaleConfig
 from schedulers.partition import AutoscaleBounds
 
 Action = Literal["add", "drain", "hold"]
+
+
+def _pct(threshold: float) -> str:
+    """A configured threshold as a percentage, as precise as it was set (0.3: 30%, 0.305: 30.5%)."""
+    return f"{100 * threshold:.6g}%"
+
+
+def _vs(value: float, threshold: float) -> str:
+    """A measured fraction compared with ``threshold``, as a percentage with one decimal, or more
+    where fewer would round it onto the threshold: a reason never reads as false (30.0% > 30%)."""
+    digits = 1
+    while digits < 6 and round(100 * value, digits) == round(100 * threshold, digits):
+        digits += 1
+    return f"{value:.{digits}%}"
 
 
 @dataclass(frozen=True)
@@ -87,18 +113,64 @@ class Seen:
 
     wait: float
     """The trainers' wait fraction (the largest)."""
-    consumed_per_s: float | None
-    """Sequences the trainers consumed per second: at a size where they waited, what that pool delivered."""
+    delivered: float | None
+    """Sequences the trainers consumed per second (at least, `Demand.delivered_lo`, where the
+    consumption events span enough batches; else the window's count): at a size where they
+    waited, what that pool delivered."""
     t: float
     """When."""
 
 
-def demand(sig: Signals) -> float | None:
-    """Sequences a second the trainers would consume if they never waited: what they consumed per
-    second of not waiting (their load, whatever the pool). None without consumption or busy time."""
-    if not sig.consumed_per_s or sig.trainer_wait is None or sig.trainer_wait >= 1:
+#: batches (after the first) a demand estimate spans at least: one step's time alone is noise
+DEMAND_BATCHES = 2
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A consumption event: the sample at which the ``consumed`` count rose."""
+
+    sample: Sample
+    gap_s: float
+    """Seconds since the sample before: the event happened within them."""
+    batch: int
+    """Sequences it added (one batch, or more when several were consumed within the tick)."""
+
+
+@dataclass(frozen=True)
+class Demand:
+    """The trainers' load between two consumption events, as the range whole batches and
+    tick-timed samples leave (module docstring, *Demand*)."""
+
+    lo: float
+    """Sequences a second of not waiting, at least (their load, whatever the pool)."""
+    hi: float
+    """... at most (inf when the span may hold no busy time)."""
+    delivered_lo: float
+    """Sequences a second of the span, at least: while the trainers starve, what the pool delivers."""
+    batches: int
+    """Consumption events in the span after its first."""
+
+
+def measure(marks: list[Mark], policies: int) -> Demand | None:
+    """The demand between the first and the last of ``marks``: the sequences consumed after the
+    first over the span less the largest wait of a policy. The true span differs from the sampled
+    one by less than a tick at each end (the last event may be a tick earlier: shorter; the first
+    too: longer); with ``policies`` > 1 the count may miss or gain one batch of each other policy.
+    None with fewer than ``DEMAND_BATCHES`` events after the first or no time between them."""
+    if len(marks) < DEMAND_BATCHES + 1:
         return None
-    return sig.consumed_per_s / (1 - sig.trainer_wait)
+    first, last = marks[0].sample, marks[-1].sample
+    span = last.t - first.t
+    waits = [last.wait_s[p] - first.wait_s[p] for p in last.wait_s if p in first.wait_s]
+    if span <= 0 or not waits:
+        return None
+    busy = span - min(max(max(waits), 0.0), span)
+    slack = max(policies - 1, 0) * max(m.batch for m in marks)
+    count = last.consumed - first.consumed
+    low = max(count - slack, 0)
+    head, tail = marks[0].gap_s, marks[-1].gap_s
+    return Demand(lo=low / (busy + head), hi=(count + slack) / (busy - tail) if busy > tail else inf,
+                  delivered_lo=low / (span + head), batches=len(marks) - 1)
 
 
 @dataclass(frozen=True)
@@ -141,24 +213,39 @@ class Autoscaler:
     changed_at: dict[str, float] = field(default_factory=dict)
     #: per pool size (rollout workers wanted in all rollout partitions), what its latest full window showed
     seen: dict[int, Seen] = field(default_factory=dict)
-    #: the pool size now and the trainers' highest demand (`demand`) seen at it since it was reached
+    #: the consumption events since the window last restarted: those of the window, the one before
+    #: it, and at least ``DEMAND_BATCHES + 1``
+    marks: deque[Mark] = field(default_factory=deque)
+    #: the pool size now and the highest low end of the trainers' demand (`Demand.lo`) seen at it
+    #: since it was reached
     stay: tuple[int, float | None] = (-1, None)
 
     def observe(self, sample: Sample) -> None:
-        """Add one tick's counters; keep the window's worth (plus the one sample before it). A
-        counter that went down (a restarted trainer or data layer counts afresh) restarts the window."""
+        """Add one tick's counters; keep the window's worth (plus the one sample before it), and the
+        consumption events `measure` needs. A counter that went down (a restarted trainer or data
+        layer counts afresh) restarts the window."""
         if self.samples:
             prev = self.samples[-1]
             if (sample.stale_dropped < prev.stale_dropped or sample.consumed < prev.consumed
                     or any(sample.wait_s[p] < prev.wait_s[p] for p in sample.wait_s if p in prev.wait_s)):
-                self.samples.clear()
+                self.restart_window()
+            elif sample.consumed > prev.consumed:
+                self.marks.append(Mark(sample, sample.t - prev.t, sample.consumed - prev.consumed))
         self.samples.append(sample)
         while len(self.samples) > 2 and sample.t - self.samples[1].t >= self.cfg.window_s:
             self.samples.popleft()
+        while len(self.marks) > DEMAND_BATCHES + 1 and sample.t - self.marks[1].sample.t >= self.cfg.window_s:
+            self.marks.popleft()
 
     def restart_window(self) -> None:
         """Forget the evidence: what follows a change is measured afresh."""
         self.samples.clear()
+        self.marks.clear()
+
+    def demand(self) -> Demand | None:
+        """The trainers' demand over the kept consumption events (`measure`)."""
+        # the policies of the latest event: a trainer that finished since is no longer sampled
+        return measure(list(self.marks), len(self.marks[-1].sample.wait_s)) if self.marks else None
 
     def signals(self) -> Signals | None:
         """The window's signals; None before there are two samples."""
@@ -195,30 +282,37 @@ class Autoscaler:
             have = sig.evidence_s if sig else 0.0
             return Decision("hold", f"collecting evidence ({have:.0f} of {cfg.window_s:.0f} s)",
                             sig.as_dict() if sig else {}, now)
-        values = sig.as_dict()
+        need = self.demand()
+        values = sig.as_dict() | ({"demand_per_s_lo": need.lo, "demand_per_s_hi": need.hi if need.hi < inf else None}
+                                  if need else {})
         wait, stale = sig.trainer_wait, sig.stale_fraction
         if wait is None:
             return Decision("hold", "no trainer is training", values, now)
         self.seen = {n: x for n, x in self.seen.items() if now - x.t < cfg.memory_period_s}
-        self.seen[pool] = Seen(wait, sig.consumed_per_s, now)
-        need = demand(sig)
-        known = [v for v in (need, self.stay[1] if self.stay[0] == pool else None) if v is not None]
+        # what this size delivered: over the consumption events when they span enough batches,
+        # else the window's count (an add usually follows one window; a batch more or less there
+        # only matters once the load has been seen to fall, `_load_fell`)
+        self.seen[pool] = Seen(wait, need.delivered_lo if need else sig.consumed_per_s, now)
+        known = [v for v in (need.lo if need else None, self.stay[1] if self.stay[0] == pool else None)
+                 if v is not None]
         self.stay = (pool, max(known, default=None))
         stale_high = cfg.max_stale_fraction is not None and stale is not None and stale > cfg.max_stale_fraction
+        said = f"trainer wait over the last {cfg.window_s:g} s"  # not the wait since the start `status` shows too
         if wait > cfg.high_wait:
-            why = f"trainer wait {wait:.0%} > high_wait {cfg.high_wait:.0%}"
+            why = f"{said} {_vs(wait, cfg.high_wait)} > high_wait {_pct(cfg.high_wait)}"
             return self._change(now, slots, +1, why, values)
         if wait < cfg.low_wait or stale_high:
-            why = (f"trainer wait {wait:.0%} < low_wait {cfg.low_wait:.0%}" if wait < cfg.low_wait else
-                   f"stale drops {stale:.0%} > max_stale_fraction {cfg.max_stale_fraction:.0%}")
+            why = (f"{said} {_vs(wait, cfg.low_wait)} < low_wait {_pct(cfg.low_wait)}" if wait < cfg.low_wait else
+                   f"stale drops {_vs(stale, cfg.max_stale_fraction)} > max_stale_fraction "
+                   f"{_pct(cfg.max_stale_fraction)}")
             spare, held, fell = self._drain_room(now, pool, need)
             if fell:
                 why += f" (their load fell since {fell} worker(s) starved them)"
             return self._change(now, slots, -1, why, values, (spare, held))
-        return Decision("hold", f"trainer wait {wait:.0%} within [{cfg.low_wait:.0%}, {cfg.high_wait:.0%}]",
+        return Decision("hold", f"{said} {wait:.1%} within [{_pct(cfg.low_wait)}, {_pct(cfg.high_wait)}]",
                         values, now)
 
-    def _drain_room(self, now: float, pool: int, need: float | None) -> tuple[int, str, int | None]:
+    def _drain_room(self, now: float, pool: int, need: Demand | None) -> tuple[int, str, int | None]:
         """How many workers a drain may take off the pool of ``pool``, why not more, and the largest
         starved size forgotten because the load fell (None if none): down to one above the largest
         remembered size below it at which the trainers waited above ``high_wait`` (unless their
@@ -232,19 +326,21 @@ class Autoscaler:
         n = max(kept)
         x = self.seen[n]
         left = cfg.memory_period_s - (now - x.t)
-        return pool - n - 1, (f"at {n} worker(s) the trainers waited {x.wait:.0%} (> high_wait {cfg.high_wait:.0%}) "
+        return pool - n - 1, (f"at {n} worker(s) the trainers waited {_vs(x.wait, cfg.high_wait)} (> high_wait "
+                              f"{_pct(cfg.high_wait)}) "
                               f"{now - x.t:.0f} s ago: no drain back to {n} for {left:.0f} s unless their load "
                               "falls"), fell
 
-    def _load_fell(self, x: Seen, need: float | None) -> bool:
+    def _load_fell(self, x: Seen, need: Demand | None) -> bool:
         """The trainers' load fell since the pool of ``x`` starved them: at this pool size their
-        demand fell to at most ``1 - high_wait`` of the highest seen here (a change at one size, so
-        no comparison across sizes that counts could mislead), and what the pool of ``x`` delivered
-        would now keep their wait within ``high_wait``. A window without consumption says nothing."""
+        demand, at its most, fell to at most ``1 - high_wait`` of the highest seen here at its least
+        (a change at one size, so no comparison across sizes that counts could mislead), and what
+        the pool of ``x`` delivered (`Seen.delivered`) would now keep their wait within
+        ``high_wait``. Too few consumption events here, or none at ``x``, say nothing."""
         hw, peak = self.cfg.high_wait, self.stay[1]
-        if not (need and peak and x.consumed_per_s):
+        if not (need and peak and x.delivered):
             return False
-        return need <= (1 - hw) * peak and 1 - x.consumed_per_s / need <= hw
+        return need.hi <= (1 - hw) * peak and 1 - x.delivered / need.hi <= hw
 
     def _from_zero(self, now: float, slots: list[Slot]) -> Decision:
         """No rollout worker is wanted anywhere while a trainer trains: without one the trainers

@@ -70,7 +70,7 @@ def test_waiting_trainers_grow_the_first_partition_with_headroom_up_to_its_max()
     assert last.action == "hold" and "at max_nodes" in last.reason
     first = next(d for d in s.decisions if d.action == "add")
     assert first.t >= CFG.window_s and first.signals["trainer_wait"] == pytest.approx(0.8)
-    assert "trainer wait 80% > high_wait 30%" in first.reason
+    assert "trainer wait over the last 10 s 80.0% > high_wait 30%" in first.reason
 
 
 def test_busy_trainers_drain_the_last_partition_down_to_its_min():
@@ -115,7 +115,7 @@ def test_stale_drops_drain_unless_trainers_starve():
     cfg = AutoscaleConfig(high_wait=0.3, low_wait=0.05, window_s=10.0, max_stale_fraction=0.2)
     s = Script(cfg, [slot("a", 3)]).run(12, 0.1, stale_per_s=5, consumed_per_s=10)
     drain = next(d for d in s.decisions if d.action == "drain")
-    assert s.actions() == [("drain", "a", 3, 2)] and "stale drops 33% > max_stale_fraction 20%" in drain.reason
+    assert s.actions() == [("drain", "a", 3, 2)] and "stale drops 33.3% > max_stale_fraction 20%" in drain.reason
     s = Script(cfg, [slot("a", 2)]).run(12, 0.6, stale_per_s=5, consumed_per_s=10)
     assert s.actions() == [("add", "a", 2, 3)]
 

@@ -80,8 +80,8 @@ def test_one_worker_across_the_whole_band_is_added_once_and_kept(consumed):
     assert len(pool.after_first_add()) <= 1 and pool.changes() == [("add", 1, 2)]
     assert pool.slot.desired == 2
     last = pool.decisions[-1]
-    assert last.action == "hold" and "trainer wait 0% < low_wait 5%" in last.reason
-    assert "at 1 worker(s) the trainers waited 56% (> high_wait 30%)" in last.reason
+    assert last.action == "hold" and "trainer wait over the last 30 s 0.0% < low_wait 5%" in last.reason
+    assert "at 1 worker(s) the trainers waited 56.0% (> high_wait 30%)" in last.reason
 
 
 @pytest.mark.parametrize("consumed", ["as the wait implies", "constant"])
@@ -99,8 +99,8 @@ def test_staleness_does_not_drain_a_worker_the_trainers_then_miss_again_and_agai
     assert len(pool.after_first_add()) <= 1 and len(pool.changes()) == 2
     assert pool.slot.desired == 3  # the trainers' wait outranks the stale drops, as the rule says
     last = pool.decisions[-1]
-    assert "stale drops 33% > max_stale_fraction 20%" in last.reason
-    assert "at 2 worker(s) the trainers waited 35%" in last.reason
+    assert "stale drops 33.3% > max_stale_fraction 20%" in last.reason
+    assert "at 2 worker(s) the trainers waited 35.0%" in last.reason
 
 
 def test_a_load_that_falls_drains_the_worker_it_no_longer_needs():
@@ -110,8 +110,8 @@ def test_a_load_that_falls_drains_the_worker_it_no_longer_needs():
     assert pool.changes() == [("add", 1, 2), ("drain", 2, 1)] and pool.slot.desired == 1
     drain = next(d for d in pool.decisions if d.action == "drain")
     assert drain.t > 300 and "their load fell since 1 worker(s) starved them" in drain.reason
-    assert pool.decisions[-1].reason.startswith("trainer wait 0% < low_wait 5%, but every autoscaled partition is "
-                                                "at min_nodes")
+    assert pool.decisions[-1].reason.startswith("trainer wait over the last 30 s 0.0% < low_wait 5%, but every "
+                                                "autoscaled partition is at min_nodes")
 
 
 def test_a_load_that_falls_only_a_little_keeps_the_worker():
@@ -119,7 +119,7 @@ def test_a_load_that_falls_only_a_little_keeps_the_worker():
     profile = supply(demand=lambda t: 100.0 if t < 300 else 90.0)
     pool = Pool(AutoscaleConfig(**DOCS), nodes=1).run(1200, profile)
     assert pool.changes() == [("add", 1, 2)]
-    assert "at 1 worker(s) the trainers waited 40%" in pool.decisions[-1].reason
+    assert "at 1 worker(s) the trainers waited 40.0%" in pool.decisions[-1].reason
 
 
 def test_the_memory_expires_so_a_fall_the_counts_do_not_show_still_drains():
@@ -137,7 +137,7 @@ def test_the_memory_expires_so_a_fall_the_counts_do_not_show_still_drains():
     add, drain = [d for d in pool.decisions if d.action != "hold"]
     assert drain.t - add.t >= 400.0  # not before the memory of the starved size expired
     held = [d for d in pool.decisions if add.t < d.t < drain.t and "< low_wait" in d.reason]
-    assert held and all("at 1 worker(s) the trainers waited 56%" in d.reason for d in held)
+    assert held and all("at 1 worker(s) the trainers waited 56.0%" in d.reason for d in held)
 
 
 def test_a_drain_of_several_workers_stops_above_the_size_remembered_as_starved():
@@ -146,7 +146,7 @@ def test_a_drain_of_several_workers_stops_above_the_size_remembered_as_starved()
     pool.run(600, supply(demand=100.0, per_worker=60.0))
     # 2 -> 1 (never known to starve), 1 -> 4 (step_nodes 3), then down only to 2, the size above the starved one
     assert pool.changes() == [("drain", 2, 1), ("add", 1, 4), ("drain", 4, 2)] and pool.slot.desired == 2
-    assert "at 1 worker(s) the trainers waited 40%" in pool.decisions[-1].reason
+    assert "at 1 worker(s) the trainers waited 40.0%" in pool.decisions[-1].reason
 
 
 # ---------------------------------------------------------------- scale from zero

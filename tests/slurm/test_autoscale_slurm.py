@@ -4,7 +4,7 @@ a drain cancels that job while the run goes on.
 ``astraflow run`` runs here with the data layer and the trainer as local workers and one rollout
 partition on the Slurm partition ``h100`` (simulated nodes, so no model). The sim trainer is fast
 from the start (it waits for rollouts: the autoscaler adds a worker, i.e. submits a job) and
-slows down at step 6 (data is always ready: the autoscaler drains a worker, whose job is then
+slows down at step 10 (data is always ready: the autoscaler drains a worker, whose job is then
 cancelled). The test watches ``squeue`` for the run's jobs (tagged with the run's comment).
 """
 
@@ -29,8 +29,10 @@ ADDED = "rollout-h100-local-H100-1"
 
 def _config(tmp_path: Path) -> Path:
     data = yaml.safe_load((ROOT / "examples" / "sim" / "autoscale.yaml").read_text())
-    data["run"].update(max_steps=24, timeout_s=240)  # 18 slow steps: time for a window to see one end
-    data["policies"][0]["trainer"].update(sim_step_seconds=0.05, sim_step_schedule={6: 3.0})
+    # fast until step 10: at two workers the trainer consumes a few batches, so its demand there is
+    # measured (the autoscaler's "load fell" needs it); then 20 slow steps: time for a window to see one end
+    data["run"].update(max_steps=30, timeout_s=240)
+    data["policies"][0]["trainer"].update(sim_step_seconds=0.05, sim_step_schedule={10: 3.0})
     data["cluster"].update(placement_timeout_s=120, worker_start_timeout_s=120)
     data["partitions"][2] = {
         "name": "h100", "scheduler": "slurm", "slurm_partition": "h100", "role": "rollout", "hardware": "H100",

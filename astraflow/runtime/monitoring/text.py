@@ -47,7 +47,7 @@ def format_status(st: dict[str, Any]) -> str:
         r = restarts.get(p, {})
         lines.append(
             f"  {p:<12} version {t['version']:>4}  reward {m.get('reward_mean', float('nan')):.3f}  "
-            f"wait {t.get('wait_fraction', 0):.0%}  buffer {dl.get('buffers', {}).get(p, 0)}"
+            f"wait {t.get('wait_fraction', 0):.0%} since start  buffer {dl.get('buffers', {}).get(p, 0)}"
             + (f"  restarts {r['count']}/{r.get('limit', '?')}" if r.get("count") else "")
         )
     dlr = st.get("data_layer_restarts") or {}
@@ -69,7 +69,8 @@ def format_status(st: dict[str, Any]) -> str:
     idle = [n["idle_fraction"] for n in dl.get("nodes", {}).values() if "idle_fraction" in n and not n.get("gone")]
     waits = [t.get("wait_fraction", 0.0) for t in st.get("trainers", {}).values()]
     if idle and waits:  # which side to grow: waiting trainers want rollout, idle nodes want training
-        lines.append(f"balance: trainer wait {max(waits):.0%}, rollout idle {sum(idle) / len(idle):.0%}")
+        # both over the trainers' and nodes' lifetimes: the autoscaler's lines below say their window
+        lines.append(f"balance since start: trainer wait {max(waits):.0%}, rollout idle {sum(idle) / len(idle):.0%}")
     lines += autoscale_lines(st.get("autoscale"))
     lines.append(
         f"throughput: {dl.get('episodes_per_s', 0):.1f} episodes/s, {dl.get('sequences_per_s', 0):.1f} sequences/s, "
@@ -145,9 +146,9 @@ def autoscale_lines(a: dict[str, Any] | None) -> list[str]:
     if not a:
         return []
     c = a.get("config", {})
-    out = [f"autoscale: trainer wait band [{c.get('low_wait', 0):.0%}, {c.get('high_wait', 0):.0%}] over "
-           f"{c.get('window_s', 0):g}s" + (f", stale drops above {c['max_stale_fraction']:.0%} drain"
-                                           if c.get("max_stale_fraction") is not None else "")]
+    out = [f"autoscale: band [{c.get('low_wait', 0):.0%}, {c.get('high_wait', 0):.0%}] of the trainer wait over the "
+           f"last {c.get('window_s', 0):g}s" + (f", stale drops above {c['max_stale_fraction']:.0%} drain"
+                                                if c.get("max_stale_fraction") is not None else "")]
     last = a.get("last")
     if last:
         out.append(f"  now: {last['action']}: {last['reason']}")

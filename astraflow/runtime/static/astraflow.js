@@ -221,7 +221,8 @@ function renderAutoscale(a) {
   $("autoscale-section").hidden = !a;
   if (!a) return;
   const last = a.last;
-  $("autoscale-now").textContent = `band: trainer wait ${pct(a.low_wait)}–${pct(a.high_wait)} over ${a.window_s}s`
+  $("autoscale-now").textContent = `band ${pct(a.low_wait)}–${pct(a.high_wait)}`
+    + ` of the trainer wait over the last ${a.window_s}s`
     + (a.max_stale_fraction !== null ? `, stale drops above ${pct(a.max_stale_fraction)} drain` : "")
     + (last ? ` · now: ${last.action} — ${last.reason}` : "");
   const time = (t) => new Date(1000 * t).toLocaleTimeString();

@@ -1,0 +1,48 @@
+"""How the autoscaler's numbers read: its reasons never contradict themselves through rounding,
+and `astraflow status` tells its trainer wait (over the window) from the wait since the start
+that the policies and the balance line show."""
+
+from __future__ import annotations
+
+import pytest
+
+from astraflow.runtime.autoscale import Autoscaler, Sample, Slot
+from astraflow.runtime.monitoring.text import autoscale_lines, format_status
+from astraflow.sections import AutoscaleConfig
+from schedulers.partition import AutoscaleBounds
+from storage.paths import RunPaths
+from tests.monitoring.test_damaged_status import _status
+
+
+def _decide(wait_fraction: float, cfg: AutoscaleConfig, nodes: int = 2):
+    scaler = Autoscaler(cfg)
+    for t in range(int(cfg.window_s) + 2):
+        scaler.observe(Sample(float(t), {"solver": wait_fraction * t}, 0, 10 * t))
+    return scaler.decide(cfg.window_s + 1, [Slot("r", nodes, AutoscaleBounds(min_nodes=1, max_nodes=4))])
+
+
+@pytest.mark.parametrize("wait, shown", [(0.304, "30.4% > high_wait 30%"), (0.3004, "30.04% > high_wait 30%"),
+                                         (0.56, "56.0% > high_wait 30%")])
+def test_a_wait_just_above_the_threshold_never_reads_as_equal_to_it(wait, shown):
+    d = _decide(wait, AutoscaleConfig(high_wait=0.3, low_wait=0.05, window_s=10.0))
+    assert d.action == "add" and d.signals["trainer_wait"] == pytest.approx(wait)
+    assert d.reason.startswith(f"trainer wait over the last 10 s {shown}: add 1 worker(s) of r"), d.reason
+
+
+def test_thresholds_show_as_set_and_a_wait_just_below_one_shows_below_it():
+    d = _decide(0.0499, AutoscaleConfig(high_wait=0.305, low_wait=0.05, window_s=10.0))
+    assert d.action == "drain" and d.reason.startswith("trainer wait over the last 10 s 4.99% < low_wait 5%: drain")
+    d = _decide(0.2, AutoscaleConfig(high_wait=0.305, low_wait=0.05, window_s=10.0))
+    assert d.action == "hold" and d.reason == "trainer wait over the last 10 s 20.0% within [5%, 30.5%]"
+
+
+def test_status_tells_the_wait_since_the_start_from_the_wait_over_the_window(tmp_path):
+    st = _status(RunPaths(tmp_path / "run").make())
+    cfg = AutoscaleConfig(high_wait=0.3, low_wait=0.05, window_s=60.0)
+    st["autoscale"]["last"] = _decide(0.0, cfg, nodes=1).as_dict()  # at min_nodes: a hold saying why
+    out = format_status(st)
+    assert "wait 20% since start  buffer 8" in out  # the policy's line
+    assert "balance since start: trainer wait 20%, rollout idle 10%" in out
+    assert "autoscale: band [5%, 30%] of the trainer wait over the last 60s" in out
+    assert "  now: hold: trainer wait over the last 60 s 0.0% < low_wait 5%, but every autoscaled partition" in out
+    assert autoscale_lines(None) == []
