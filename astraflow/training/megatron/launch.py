@@ -25,7 +25,6 @@ import json
 import os
 import queue
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -35,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from pathlib import Path
+
+import psutil
 
 from astraflow.training.megatron.slurm import Allocation, cancel_step, srun_command
 
@@ -68,6 +69,27 @@ class RankLaunch:
         return self.log_dir / f"megatron-rank{rank}.log"
 
 
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _left_behind(workdir: Path) -> list[psutil.Process]:
+    """Processes of this process's group working in ``workdir`` (a backend's private work
+    directory, the ranks' working directory): what a rank started, orphaned when it died."""
+    group, me, root = os.getpgrp(), os.getpid(), str(workdir)
+    out = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != me and os.getpgid(proc.pid) == group and proc.cwd().startswith(root):
+                out.append(proc)
+        except (psutil.Error, OSError):  # ended, or not ours to look at
+            pass
+    return out
+
+
 class LocalRanks:
     """``world`` subprocesses on this host, one socket pair each (see the module docstring)."""
 
@@ -76,6 +98,7 @@ class LocalRanks:
         self.launcher_logs: list[Path] = []
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
+        self.workdir = launch.workdir
         init_method = f"file://{launch.workdir / 'rendezvous'}"
         try:
             for r in range(launch.world):
@@ -87,7 +110,7 @@ class LocalRanks:
                 with open(self.logs[r], "ab") as fh:
                     proc = subprocess.Popen(
                         [sys.executable, "-m", RANK_MODULE], pass_fds=[child.fileno()], env=env, stdout=fh,
-                        stderr=subprocess.STDOUT, cwd=launch.workdir, process_group=0,
+                        stderr=subprocess.STDOUT, cwd=launch.workdir,
                     )
                 child.close()
                 self.procs.append(proc)
@@ -105,14 +128,19 @@ class LocalRanks:
             p.wait(timeout=timeout_s)
 
     def kill(self) -> None:
-        """Stop the processes this launcher started and close the channels. Each rank leads a
-        process group of its own, so what a rank started (multiprocessing helpers, which outlive
-        a rank killed by the OOM killer) goes with it."""
-        for p in self.procs:
+        """Stop the processes this launcher started and close the channels, with what the ranks
+        started (multiprocessing helpers): a live rank's descendants, and what a rank that died
+        (the OOM killer) left behind. The ranks stay in this process's group, so a scheduler that
+        stops the worker by its group stops them too."""
+        live = [p for p in self.procs if p.poll() is None]
+        strays = [c for p in live for c in _descendants(p.pid)] + _left_behind(self.workdir)
+        for p in live:
+            p.kill()
+        for c in strays:
             try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass  # the rank and everything it started have ended
+                c.kill()
+            except psutil.Error:  # ended meanwhile
+                pass
         for p in self.procs:
             p.wait(timeout=30)
         for c in self.conns:
