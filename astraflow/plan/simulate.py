@@ -61,10 +61,11 @@ class SimResult:
     staleness: dict[str, int]
     """Version lag of trained sequences: p50, p90, max."""
     dropped: dict[str, int]
-    """Sequences the data layer dropped in the steady part: stale, overflow, filtered."""
+    """Sequences the data layer dropped in the steady part: stale, overflow, filtered (first
+    policy, as the wait)."""
     dropped_fraction: dict[str, float] = field(default_factory=dict)
-    """The same over the training sequences generated in the steady part (runs of different
-    lengths compare by it)."""
+    """The same over the training sequences every policy generated in the steady part (runs of
+    different lengths compare by it; with one policy, its own share)."""
     per_pool: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per pool kind: trajectories/s, tokens/s, share of the generated sequences."""
     real_seconds: float = 0.0

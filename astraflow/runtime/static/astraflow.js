@@ -10,6 +10,8 @@ const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"
 const $ = (id) => document.getElementById(id);
 const fmt = (x, d = 2) => (x === null || x === undefined || Number.isNaN(x) ? "–" : Number(x).toFixed(d));
 const pct = (x) => (x === null || x === undefined ? "–" : (100 * x).toFixed(0) + "%");
+// a configured threshold as set (0.305: 30.5%), as the autoscaler's reasons give it
+const setting = (x) => (x === null || x === undefined ? "–" : +(100 * x).toPrecision(6) + "%");
 
 function el(tag, attrs = {}, text) {
   const e = document.createElement(tag);
@@ -221,9 +223,9 @@ function renderAutoscale(a) {
   $("autoscale-section").hidden = !a;
   if (!a) return;
   const last = a.last;
-  $("autoscale-now").textContent = `band ${pct(a.low_wait)}–${pct(a.high_wait)}`
+  $("autoscale-now").textContent = `band ${setting(a.low_wait)}–${setting(a.high_wait)}`
     + ` of the trainer wait over the last ${a.window_s}s`
-    + (a.max_stale_fraction !== null ? `, stale drops above ${pct(a.max_stale_fraction)} drain` : "")
+    + (a.max_stale_fraction !== null ? `, stale drops above ${setting(a.max_stale_fraction)} drain` : "")
     + (last ? ` · now: ${last.action} — ${last.reason}` : "");
   const time = (t) => new Date(1000 * t).toLocaleTimeString();
   $("autoscale").tBodies[0].replaceChildren(...a.changes.slice().reverse().map((d) => row([
