@@ -242,7 +242,7 @@ def check(config: str, overrides: tuple[str, ...]) -> None:
         click.echo(line, err=True)
 
     try:
-        click.echo(check_data(cfg.workload), err=True)
+        click.echo(check_data(cfg.workload, cfg), err=True)
         check_sandbox(cfg)  # as `run` checks it: a reward that runs code needs a working sandbox
     except ValueError as err:
         raise UserError(str(err)) from None

@@ -44,6 +44,8 @@ class EvalRound:
     #: the finished record; written once every earlier round of the policy is written too
     result: dict[str, Any] | None = None
     written: bool = False
+    #: the round's tasks that failed (their prompts are left out of its accuracy)
+    failed: int = 0
 
 
 class EvalRounds:
@@ -126,6 +128,7 @@ class EvalRounds:
         """An evaluation task ended as failed: its round finishes without it."""
         if int(task.min_version) in self.rounds:
             self.rounds[int(task.min_version)].remaining -= 1
+            self.rounds[int(task.min_version)].failed += 1
             self._maybe_finish(int(task.min_version))
 
     def _maybe_finish(self, version: int) -> None:
@@ -145,6 +148,7 @@ class EvalRounds:
             "time": time.time() - self.started,
             **scores,
             "eval_prompts": len(per_prompt),
+            "eval_failed_tasks": rnd.failed,
             # an evaluation requested at v runs on v or newer weights (nodes never go back);
             # the first one gates training, so it always runs on exactly the starting weights
             "eval_version_min": min(rnd.versions_used, default=version),

@@ -3,6 +3,7 @@ orchestrator."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -137,10 +138,11 @@ def bpe_for(workload: WorkloadConfig | None, vocab_size: int):
     return build_bpe_tokenizer(texts, vocab_size)
 
 
-def check_data(workload: WorkloadConfig) -> str:
+def check_data(workload: WorkloadConfig, cfg: RunConfig | None = None) -> str:
     """Read the workload's train and held-out splits as a run will: one line of what was found
-    (with the bad rows of a dataset, by location). ``ValueError`` naming the fix when a split is
-    empty or the data cannot be read."""
+    (with the bad rows of a dataset, by location), and with ``cfg`` a line per policy whose
+    model cannot take some of the prompts (``prompts_that_do_not_fit``). ``ValueError`` naming
+    the fix when a split is empty, no train prompt fits, or the data cannot be read."""
     wl = make_workload(workload.name, dict(workload.params or {}), workload.seed)
     n_train, n_eval = len(wl.tasks("train")), len(wl.tasks("eval"))
     if n_train == 0:
@@ -149,7 +151,56 @@ def check_data(workload: WorkloadConfig) -> str:
         raise ValueError(empty_train_split(workload.name, workload.params))
     report = getattr(wl, "report", None)
     found = f"workload {workload.name}: {n_train} train and {n_eval} held-out prompts"
-    return f"{found}; {report.summary()}" if report is not None and report.bad else found
+    lines = [f"{found}; {report.summary()}" if report is not None and report.bad else found]
+    if cfg is not None:
+        lines += prompts_that_do_not_fit(cfg, wl)
+    return "\n".join(lines)
+
+
+#: prompts measured per split and policy (a dataset's first ones): the check stays within seconds
+PROMPTS_MEASURED = 20_000
+
+
+def prompts_that_do_not_fit(cfg: RunConfig, wl) -> list[str]:
+    """A line per policy whose model (one that exists already) has fewer positions than some
+    single-turn prompts of ``wl`` need with ``workload.sampling.max_new_tokens``: their rollouts
+    fail, and held-out ones are left out of the accuracy. ``ValueError`` when no train prompt
+    fits. Agentic episodes budget their context themselves (``max_context_tokens``)."""
+    if is_agentic(type(wl)):
+        return []
+    from astraflow.agents.chat import prompt_ids
+    from astraflow.model_loading import load_tokenizer
+
+    new, lines = cfg.workload.sampling.max_new_tokens, []
+    for pol in cfg.policies:
+        config = pol.model / "config.json"
+        if cfg.simulated(pol) or not config.is_file():
+            continue  # a model init builds is sized to the workload's prompts
+        positions = json.loads(config.read_text()).get("max_position_embeddings")
+        if not isinstance(positions, int) or positions <= new:
+            continue  # no limit known; or max_new_tokens alone overflows, which preflight refuses
+        tok, room = load_tokenizer(pol.model), positions - new
+        over: dict[str, tuple[int, int]] = {}
+        longest: tuple[int, str] = (0, "")
+        for split in ("train", "eval"):
+            tasks = wl.tasks(split)[:PROMPTS_MEASURED]
+            lengths = [len(prompt_ids(tok, wl, p)) for p in tasks]
+            n_over = sum(n > room for n in lengths)
+            over[split] = (n_over, len(tasks))
+            for n, p in zip(lengths, tasks):
+                if n > longest[0]:
+                    longest = (n, str(p.get("row", "")) if isinstance(p, dict) else "")
+        if not any(n for n, _ in over.values()):
+            continue
+        what = (f"policy {pol.name}: {over['train'][0]} of {over['train'][1]} train and {over['eval'][0]} of "
+                f"{over['eval'][1]} held-out prompts are longer than the {room} tokens its model leaves for a "
+                f"prompt ({positions} positions less workload.sampling.max_new_tokens {new}); the longest has "
+                f"{longest[0]} tokens" + (f" ({longest[1]})" if longest[1] else ""))
+        fix = "remove the long prompts from the data, lower max_new_tokens, or use a model with more positions"
+        if over["train"][0] == over["train"][1]:
+            raise ValueError(f"{what}: no train prompt fits; {fix}")
+        lines.append(f"{what}. Their rollouts will fail (held-out ones are left out of the accuracy): {fix}")
+    return lines
 
 
 def prepare_models(cfg: RunConfig, progress: Progress) -> None:
@@ -294,7 +345,7 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
         hf_logging.disable_progress_bar()
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     progress = Progress(enabled=not quiet)
-    progress.note(check_data(cfg.workload))
+    progress.note(check_data(cfg.workload, cfg))
     check_sandbox(cfg)
     with RunDirLock(run_dir) as lock:
         previous = cancel_leftovers(cfg, lock, progress)  # also when the resume is refused: they are left over
@@ -311,4 +362,16 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
             f"{last['eval_accuracy']:.3f} (v{last['step']}) in {result.seconds:.0f}s"
         )
     progress.note(f"ledger: {result.ledger.get('states')}; summary in {RunPaths(run_dir).summary}")
+    failed = failure_reasons(result.ledger)
+    if failed:
+        progress.note(f"failed tasks by reason: {failed} (the tracebacks are in the RaaS nodes' logs under "
+                      f"{RunPaths(run_dir).jobs})")
     return result
+
+
+def failure_reasons(ledger: dict, most: int = 3, width: int = 240) -> str:
+    """The commonest reasons rollout tasks failed (``Ledger.summary``), one line: ``""`` when none did."""
+    by_reason = sorted((ledger.get("failed_by_reason") or {}).items(), key=lambda kv: -kv[1])
+    said = "; ".join(f"{n}x {why if len(why) <= width else why[:width - 3] + '...'}" for why, n in by_reason[:most])
+    more = len(by_reason) - most
+    return said + (f"; and {more} other reason{'s' if more > 1 else ''}" if more > 0 else "")

@@ -102,9 +102,11 @@ class Progress:
                            f"{ev['eval_invalid_call_rate']:.0%} of the calls invalid" if "eval_turns" in ev else "")
                 acc = (f"[bold]{ev['eval_accuracy']:.3f}[/bold]" if ev.get("eval_prompts")
                        else "n/a (no episode of the round completed)")
+                failed = ev.get("eval_failed_tasks", 0)
+                left_out = f", {failed} failed task{'s' if failed != 1 else ''} left out" if failed else ""
                 self.note(
                     f"[bold]eval[/bold] {ev['policy']} v{ev['step']}: held-out accuracy "
-                    f"{acc} ({ev.get('eval_prompts', 0)} prompts, {ev['eval_seconds']:.1f}s{agentic})"
+                    f"{acc} ({ev.get('eval_prompts', 0)} prompts{left_out}, {ev['eval_seconds']:.1f}s{agentic})"
                 )
         now = time.time()
         if now - self._last < self.interval_s:

@@ -41,6 +41,7 @@ def test_records_accuracy_and_writes_in_version_order():
     ev.failed(t0[2])  # a failed task: the round finishes without it
     assert ev.initial_done() and [(r["step"], r["eval_accuracy"]) for r in written] == [(0, 0.0), (2, 1.0)]
     assert written[0]["eval_prompts"] == 2 and ev.done(2) and ev.results == written
+    assert written[0]["eval_failed_tasks"] == 1 and written[1]["eval_failed_tasks"] == 0
 
 
 def test_a_round_whose_every_task_failed_has_no_accuracy_and_readers_skip_it():

@@ -79,6 +79,14 @@ def test_each_policys_evaluations_and_staleness_are_shown_and_a_resume_does_not_
     assert "staleness solver {'0': 5} verifier {'1': 2}" in out
 
 
+def test_an_evaluation_says_how_many_of_its_tasks_failed_and_were_left_out():
+    progress, buf = _progress(heartbeat_s=60)
+    progress.update(_tick([_eval("solver", 0), {**_eval("solver", 2), "eval_failed_tasks": 3}], {}))
+    lines = buf.getvalue().splitlines()
+    v0, v2 = (next(x for x in lines if f"solver v{v}:" in x) for v in (0, 2))
+    assert "failed" not in v0 and "(4 prompts, 3 failed tasks left out, 1.0s)" in v2, lines
+
+
 def test_the_progress_line_shows_each_nodes_version_of_every_policy():
     progress, buf = _progress(heartbeat_s=60.0)
     trainers = {p: {"version": v, "last_metrics": {}} for p, v in (("solver", 3), ("verifier", 1))}
