@@ -50,6 +50,10 @@ DEFAULTS: dict[str, Any] = dict(prompt_field="prompt", answer_field="answer", an
 #: how many bad rows a report lists by location (all are counted)
 REPORT_EXAMPLES = 10
 
+#: how many values of a split field, other than train_split / test_split, get a reason of their own
+#: in the report (the rest share one: a split_field naming a per-row field gives a value per row)
+REPORT_SPLIT_VALUES = 5
+
 
 class DatasetParams(Strict):
     """The ``dataset`` workload's ``params``."""
@@ -129,14 +133,16 @@ def _template(text: str):
 
 @dataclass
 class DataReport:
-    """What reading a dataset found: rows read, rows used per split, bad rows by reason with
-    the first few locations."""
+    """What reading a dataset found: rows read, rows used per split, rows skipped by reason (bad
+    rows with the first few locations, and rows of neither split)."""
 
     source: str
     rows: int = 0
     used: dict[str, int] = field(default_factory=dict)
     bad: Counter = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
+    other_splits: Counter = field(default_factory=Counter)
+    """Rows whose split is neither train_split nor test_split, by reason (not bad data)."""
 
     def skip(self, row: Row, kind: str, detail: str = "") -> None:
         """Count ``row`` as bad for reason ``kind`` (``detail``: what exactly, for the listing)."""
@@ -144,10 +150,18 @@ class DataReport:
         if len(self.examples) < REPORT_EXAMPLES:
             self.examples.append(f"{row.location}: {kind}{f' ({detail})' if detail else ''}")
 
+    def skip_split(self, kind: str) -> None:
+        """Count a row of neither split for reason ``kind``; not listed by location, as a whole
+        split is not one bad row."""
+        self.other_splits[kind] += 1
+
     def summary(self) -> str:
-        """One paragraph: counts, then the bad rows listed by location."""
+        """One paragraph: counts, rows of other splits by reason, then the bad rows listed by location."""
         used = ", ".join(f"{n} {s}" for s, n in self.used.items())
         text = f"dataset {self.source}: {self.rows} rows read, used {used}"
+        if self.other_splits:
+            reasons = "; ".join(f"{n} {r}" for r, n in self.other_splits.most_common())
+            text += f"; {sum(self.other_splits.values())} rows of other splits skipped ({reasons})"
         if self.bad:
             reasons = "; ".join(f"{n} {r}" for r, n in self.bad.most_common())
             text += f"; {sum(self.bad.values())} bad rows skipped ({reasons}): " + "; ".join(self.examples)
@@ -238,11 +252,33 @@ class DatasetWorkload:
                 return "train"
             if label == cfg.test_split:
                 return "test"
+            self.report.skip_split(self._other_split(row, label))
             return None
         # by the prompt, never the id: rows repeating a prompt under other ids stay in one split
         key = f"{cfg.seed}:{payload['text']}"
         u = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") / 2**64
         return "test" if u < cfg.test_fraction else "train"
+
+    def _other_split(self, row: Row, label: Any) -> str:
+        """The report's reason for a row whose split ``label`` is neither train_split nor
+        test_split: the value, with a hint when it differs from one only in case or spaces; past
+        ``REPORT_SPLIT_VALUES`` values, one reason for the rest."""
+        cfg = self.cfg
+        wanted = f"not train_split {cfg.train_split!r} / test_split {cfg.test_split!r}"
+        if label is None or label == "":
+            return f"no value in split field {cfg.split_field!r} ({wanted})"
+        what = "split" if row.split is not None else "split value"
+        hint = ""
+        for key, value in (("train_split", cfg.train_split), ("test_split", cfg.test_split)):
+            if isinstance(label, str) and label.strip().casefold() == value.strip().casefold():
+                differs = "case" if label.casefold() == value.casefold() else "case or surrounding spaces"
+                hint = f": it differs from {key} {value!r} only in {differs}, and values must match exactly"
+                break
+        reason = f"{what} {repr(label)[:40]} ({wanted}{hint})"
+        seen = self.report.other_splits
+        if not hint and reason not in seen and len(seen) >= REPORT_SPLIT_VALUES:
+            return f"{what}s beyond the first {REPORT_SPLIT_VALUES} ({wanted})"
+        return reason
 
     def _payload(self, row: Row) -> dict[str, Any] | None:
         """The task payload of ``row``, or ``None`` (counted in the report) when it is bad."""
@@ -267,6 +303,9 @@ class DatasetWorkload:
                 self.report.skip(row, "answer without ####", repr(solution[-40:]))
                 return None
             answer = gsm8k_answer(solution)
+            if not answer and "####" in solution:  # cut off right after its ####: the solution is no answer
+                self.report.skip(row, "nothing after the final ####", repr(solution[-40:]))
+                return None
         elif cfg.answer_format == "boxed":
             answer = boxed_answer(solution)
             if answer is None:

@@ -26,10 +26,40 @@ RewardFn = Callable[[str, str, Mapping[str, Any]], float]
 REWARDS: Registry = Registry("reward")
 
 
+class RewardError(RuntimeError):
+    """A user's reward failed on a completion: it raised, or returned something that is not a
+    finite number. The message names the reward, so a failed rollout says whose code it was."""
+
+
+class UserReward:
+    """A user's ``"package.module:name"`` reward, called as the function itself; what it raises
+    and a return that is not a finite number become a ``RewardError`` naming it. A class, not a
+    closure, so a workload holding it still pickles."""
+
+    def __init__(self, name: str, fn: RewardFn):
+        self.name, self.fn = name, fn
+        self.check_answer = getattr(fn, "check_answer", None)
+
+    def __call__(self, completion: str, answer: str, payload: Mapping[str, Any]) -> float:
+        try:
+            out = self.fn(completion, answer, payload)
+        except Exception as err:
+            raise RewardError(f"reward {self.name} raised {type(err).__name__}: {err}") from err
+        try:
+            value = float(out)
+        except (TypeError, ValueError, OverflowError):
+            value = math.nan
+        if not math.isfinite(value):
+            raise RewardError(f"reward {self.name} returned {repr(out)[:60]}: it must return a finite number")
+        return value
+
+
 def resolve_reward(name: str) -> RewardFn:
-    """The reward registered as ``name`` or a user's ``"package.module:name"`` function
-    (``ValueError`` listing the known ones)."""
-    return REWARDS.resolve(name)
+    """The reward registered as ``name`` or a user's ``"package.module:name"`` function, the
+    latter wrapped to name itself when it fails (``UserReward``); ``ValueError`` listing the known
+    ones."""
+    fn = REWARDS.resolve(name)
+    return UserReward(name, fn) if ":" in name else fn
 
 
 def answer_problem(name: str, answer: str) -> str | None:
@@ -50,17 +80,24 @@ def _checker(fn: Callable[[str], str | None]) -> Callable[[RewardFn], RewardFn]:
 #: a number as written in an answer: thousands separators only between groups of three digits,
 #: an optional fraction and exponent
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?![\d,]*\d)|-?\.\d+(?:[eE][-+]?\d+)?")
-_FINAL = re.compile(r"####\s*(.+)")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _MINUS = str.maketrans({"\u2212": "-", "\u2013": "-"})  # the minus sign and the en dash written for it
 
 
+def final_text(text: str) -> str | None:
+    """The text after the last ``####`` of ``text``, from its first non-blank character to the end
+    of that line (``""`` when nothing follows it); ``None`` when ``text`` has no ``####``. The last
+    one even on a line that writes two (``"#### 7 #### 18"`` -> ``"18"``)."""
+    at = text.rfind("####")
+    return None if at < 0 else text[at + 4:].lstrip().split("\n", 1)[0]
+
+
 def gsm8k_answer(solution: str) -> str:
-    """The final answer of a GSM8K-style solution: the text after the last ``####``, thousands
-    separators and a trailing period dropped (``"... #### 1,200"`` -> ``"1200"``); the solution
-    stripped when it has no ``####``."""
-    found = _FINAL.findall(solution)
-    text = (found[-1] if found else solution).translate(_MINUS)
+    """The final answer of a GSM8K-style solution: the text after the last ``####`` (``final_text``),
+    thousands separators and a trailing period dropped (``"... #### 1,200"`` -> ``"1200"``; empty
+    when nothing follows that ``####``); the solution stripped when it has no ``####``."""
+    final = final_text(solution)
+    text = (solution if final is None else final).translate(_MINUS)
     return _THOUSANDS.sub("", text.strip()).rstrip(".").strip()
 
 
@@ -107,8 +144,8 @@ def final_number(completion: str) -> float | None:
     """The number a completion answers with: the one after its last ``####`` if it writes one
     (the GSM8K convention), else the last number in it; ``None`` if it has none."""
     completion = completion.translate(_MINUS)
-    found = _FINAL.findall(completion)
-    if found and (numbers := _NUMBER.findall(found[-1])):
+    final = final_text(completion)
+    if final and (numbers := _NUMBER.findall(final)):
         return to_number(numbers[0])
     numbers = _NUMBER.findall(completion)
     return to_number(numbers[-1]) if numbers else None
@@ -176,8 +213,7 @@ def math_verify_match(completion: str, answer: str, payload: Mapping[str, Any]) 
     ``#### N`` are extracted), else 0.0."""
     from math_verify import verify
 
-    found = _FINAL.findall(completion)
-    text = found[-1] if found else completion[-2000:]
+    text = final_text(completion) or completion[-2000:]  # nothing after a ####: the answer is elsewhere
     pred = _mv_parse(text)
     if not pred and "$" not in text and "\\" in text:
         pred = _mv_parse(f"${text}$")  # a bare LaTeX answer (``\\frac{1}{2}``) as math

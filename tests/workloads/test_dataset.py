@@ -208,3 +208,49 @@ def test_a_prompt_repeated_under_other_ids_stays_in_one_split(tmp_path):
     train, test = wl.tasks("train"), wl.tasks("eval")
     assert train and test
     assert not {p["text"] for p in train} & {p["text"] for p in test}
+
+
+def test_a_gsm8k_solution_cut_off_after_its_marker_is_skipped(tmp_path):
+    """A solution ending in a bare ``####`` has no final answer: skipped and counted, not kept with
+    the worked solution as its answer."""
+    rows = [{"question": "q1", "answer": "3 + 4 = 7, then 7 * 2 = 14\n####"},
+            {"question": "q2", "answer": "5 + 6 = 11\n#### "}, *ROWS]
+    wl = dataset(path=str(write_jsonl(tmp_path / "cut.jsonl", rows)), preset="gsm8k", test_fraction=0.25)
+    tasks = wl.tasks("train") + wl.tasks("eval")
+    assert len(tasks) == len(ROWS) and all("####" not in p["answer"] for p in tasks)
+    assert wl.report.bad == {"nothing after the final ####": 2}
+    assert "cut.jsonl line 1: nothing after the final ####" in wl.report.summary()
+
+
+def test_rows_of_other_splits_are_counted_by_reason(tmp_path):
+    """With split_field, rows of neither split are skipped but counted by their value (a value
+    differing only in case is named as such), so the report says where rows went."""
+    values = ["train", "test", "validation", "Train"]
+    rows = [dict(r, split=values[i % 4]) for i, r in enumerate(ROWS)]
+    wl = dataset(path=str(write_jsonl(tmp_path / "s.jsonl", rows)), preset="gsm8k", split_field="split")
+    assert len(wl.tasks("train")) == 10 and len(wl.tasks("eval")) == 10
+    rep, wanted = wl.report, "(not train_split 'train' / test_split 'test'"
+    assert not rep.bad and rep.other_splits == {f"split value 'validation' {wanted})": 10,
+                       f"split value 'Train' {wanted}: it differs from train_split 'train' only in case, "
+                       "and values must match exactly)": 10}
+    text = rep.summary()
+    assert "40 rows read, used 10 train, 10 test; 20 rows of other splits skipped (10 split value" in text, text
+    assert "bad rows" not in text and "s.jsonl line" not in text
+
+    # a split_field holding a value per row: a few values by name, the rest under one reason
+    rows = [dict(r, split="train" if i < 20 else "test" if i < 25 else f"v{i}") for i, r in enumerate(ROWS)]
+    del rows[-1]["split"]
+    wl = dataset(path=str(write_jsonl(tmp_path / "v.jsonl", rows)), preset="gsm8k", split_field="split")
+    assert len(wl.tasks("train")) == 20
+    other = wl.report.other_splits
+    assert sum(other.values()) == 15 and len(other) == 7
+    assert other[f"split value 'v25' {wanted})"] == 1
+    assert other[f"split values beyond the first 5 {wanted})"] == 9
+    assert other[f"no value in split field 'split' {wanted})"] == 1
+
+
+def test_a_failing_user_reward_is_named_in_the_workloads_reward(tmp_path):
+    wl = dataset(path=str(write_jsonl(tmp_path / "r.jsonl", ROWS)), preset="gsm8k",
+                 reward="tests.workloads.test_rewards:user_nan")
+    with pytest.raises(RuntimeError, match="^reward tests.workloads.test_rewards:user_nan returned nan"):
+        wl.reward("#### 2", wl.tasks("train")[0])

@@ -1,12 +1,14 @@
 """Rewards chosen by name: exact, numeric, math_verify (HF math-verify), regex, and the
 answer extraction of the GSM8K and MATH layouts."""
 
+import math
+import pickle
 import threading
 
 import pytest
 
 from astraflow.workloads.rewards import (
-    answer_problem, boxed_answer, final_number, gsm8k_answer, resolve_reward,
+    RewardError, answer_problem, boxed_answer, final_number, gsm8k_answer, resolve_reward,
 )
 
 
@@ -117,3 +119,46 @@ def test_answers_that_cannot_be_scored_are_refused():
     assert answer_problem("exact", "...") and answer_problem("regex", "") and answer_problem("regex", "a*")
     assert answer_problem("math_verify", "(2,3)") is None and answer_problem("math_verify", "\\$18.90") is None
     assert boxed_answer("$\\boxed 5$. (Here $\\frac{1}{2}$ ...)") == "5" and boxed_answer("\\boxed{5\\}}") == "5\\}"
+
+
+def test_the_answer_is_after_the_last_marker_even_on_one_line():
+    """Two ``####`` on one line: every reward reads the text after the later one, as the
+    reference extraction does."""
+    for reward in ("numeric", "exact", "math_verify"):
+        assert score(reward, "#### 7 #### 18", "18") == 1.0, reward
+        assert score(reward, "#### 7 #### 18", "7") == 0.0, reward
+        assert score(reward, "first #### 7\nthen #### 18", "18") == 1.0, reward
+
+
+def test_reference_and_completion_extraction_read_the_last_marker():
+    assert gsm8k_answer("x #### 4 #### 5") == "5"
+    assert gsm8k_answer("3 + 4 = 7\n####") == "" and gsm8k_answer("3 + 4 = 7\n#### ") == ""
+    assert gsm8k_answer("####\n 12\nmore") == "12" and gsm8k_answer(" no marker. ") == "no marker"
+    assert final_number("#### 7 #### 18") == 18.0
+    assert final_number("#### 7 #### none") == 7.0  # no number after the last ####: the last number
+
+
+def user_raising(completion, answer, payload):
+    return {}["no_such_key"]
+
+
+def user_word(completion, answer, payload):
+    return "yes"
+
+
+def user_nan(completion, answer, payload):
+    return math.nan
+
+
+def test_a_user_reward_that_fails_is_named():
+    """What a user's reward raises, or a return that is not a finite number, names the reward:
+    the rollout's failure reason says whose code to fix."""
+    mod = "tests.workloads.test_rewards"
+    with pytest.raises(RewardError, match=f"^reward {mod}:user_raising raised KeyError: 'no_such_key'$"):
+        resolve_reward(f"{mod}:user_raising")("c", "a", {})
+    with pytest.raises(RewardError, match=f"^reward {mod}:user_word returned 'yes': it must return a finite number"):
+        resolve_reward(f"{mod}:user_word")("c", "a", {})
+    with pytest.raises(RewardError, match=f"^reward {mod}:user_nan returned nan: it must return a finite number"):
+        resolve_reward(f"{mod}:user_nan")("c", "a", {})
+    fn = pickle.loads(pickle.dumps(resolve_reward(f"{mod}:user_reward")))  # a workload holding it still pickles
+    assert fn("abc", "b", {}) == 1.0 and answer_problem(f"{mod}:user_reward", "x") is None
