@@ -1,9 +1,10 @@
 """Loading a user's HF model directory, and checking it first: ``check_model_dir`` reads no
 more than config.json, the weight files' headers and the tokenizer, and a directory it cannot
-use (no config, an architecture this transformers does not know, missing, truncated or
-incomplete weights, no tokenizer, or one that needs a package that is not installed) is a
-``ValueError`` that names the directory and the fix. ``load_model`` reads a built model
-(``astraflow.models.init_model``) the same way as a real checkpoint.
+use (no config, an architecture this transformers does not know or that is no causal LM,
+missing, truncated or incomplete weights, no tokenizer, one with more tokens than the model's
+vocabulary, or one that needs a package that is not installed) is a ``ValueError`` that names
+the directory and the fix. ``load_model`` reads a built model (``astraflow.models.init_model``)
+the same way as a real checkpoint.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ _PIP_NAMES = {"google": "protobuf", "sklearn": "scikit-learn", "yaml": "pyyaml"}
 
 def check_model_dir(path: str | Path, tokenizer: bool = True) -> None:
     """Check, reading no more than the weight files' headers, that ``path`` is an HF causal-LM
-    directory this transformers loads: a ``config.json`` of a causal-LM ``model_type`` it knows,
-    readable weight files that hold every weight the model needs, and (``tokenizer``) a tokenizer
-    that loads and encodes. ``ValueError`` naming the directory and the fix."""
+    directory this transformers loads: a ``config.json`` of a causal-LM ``model_type`` it knows (and
+    causal-LM ``architectures``), readable weight files that hold every weight the model needs, and
+    (``tokenizer``) a tokenizer that loads, encodes and fits the model's vocabulary. ``ValueError``
+    naming the directory and the fix."""
     p = Path(path)
     _check_architecture(p)
     if not any((p / f).is_file() for f in WEIGHT_FILES):
@@ -119,7 +121,8 @@ def _read_config(p: Path) -> dict[str, Any]:
 
 
 def _check_architecture(p: Path) -> None:
-    """``config.json``'s ``model_type`` is a causal LM that this transformers can build."""
+    """``config.json``'s ``model_type`` is a causal LM that this transformers can build, and its
+    ``architectures`` (where given) name a causal-LM class."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -140,6 +143,29 @@ def _check_architecture(p: Path) -> None:
         raise ValueError(f"{p}: model_type {model_type!r} is not a causal language model in transformers "
                          f"{version} (AutoModelForCausalLM cannot build it); AstraFlow trains decoder-only causal "
                          "LMs: point at one")
+    # transformers builds a causal LM for some encoder types too (bert -> BertLMHeadModel), but a checkpoint
+    # saved as a bare encoder (BertModel) has no LM head: its weights would fail to load, or train from random
+    archs = config.get("architectures")
+    archs = [archs] if isinstance(archs, str) else archs
+    if isinstance(archs, list) and archs and not any(_is_causal_lm_class(a) for a in archs):
+        named = ", ".join(str(a) for a in archs)
+        raise ValueError(f"{p}: config.json's architectures {named} is not a causal language model class "
+                         "(neither *ForCausalLM nor *LMHeadModel, nor one AutoModelForCausalLM builds in transformers "
+                         f"{version}), so its weights do not fit the model AstraFlow would build; AstraFlow needs a "
+                         "causal (decoder) language model: point at a checkpoint saved as one (architectures a "
+                         "*ForCausalLM class)")
+
+
+def _is_causal_lm_class(name: Any) -> bool:
+    """``name`` (an entry of config.json's ``architectures``) is a causal-LM model class."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not isinstance(name, str):
+        return False
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return True
+    known = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    return any(name == v or (isinstance(v, (tuple, list)) and name in v) for v in known)
 
 
 def _missing_package(err: BaseException, p: Path) -> str | None:
@@ -197,9 +223,9 @@ _TOKENIZER_FIX = ("copy the tokenizer files of the checkpoint into it (tokenizer
 
 
 def load_tokenizer(path: str | Path):
-    """The tokenizer of an HF model directory (checked to be one). It must have tokenizer files and
-    encode text to tokens: from config.json alone transformers builds an empty tokenizer, with which
-    every rollout would fail."""
+    """The tokenizer of an HF model directory (checked to be one). It must have tokenizer files,
+    encode text to tokens (from config.json alone transformers builds an empty tokenizer, with which
+    every rollout would fail) and have no more tokens than the model's vocabulary."""
     from transformers import AutoTokenizer
 
     p = Path(path)
@@ -225,7 +251,23 @@ def load_tokenizer(path: str | Path):
     if not tok("Hello, world! 12+34=", add_special_tokens=False)["input_ids"]:
         raise ValueError(f"the tokenizer of {p} encodes text to no tokens (its vocabulary has {len(tok)}): its "
                          f"tokenizer files are empty or incomplete; {_TOKENIZER_FIX}")
+    _check_vocabulary(p, tok)
     return tok
+
+
+def _check_vocabulary(p: Path, tok) -> None:
+    """Every token id of ``tok`` (added tokens included) has a row in the model's embeddings: past
+    ``vocab_size`` every rollout that meets such a token fails. A smaller tokenizer is normal (the
+    embeddings are padded, to a multiple of 64 or so)."""
+    config = _read_config(p)
+    size = config.get("vocab_size")
+    if size is None and isinstance(config.get("text_config"), dict):  # a multimodal model's language part
+        size = config["text_config"].get("vocab_size")
+    if isinstance(size, int) and not isinstance(size, bool) and len(tok) > size:
+        raise ValueError(f"the tokenizer of {p} has {len(tok)} tokens, more than the model's vocabulary of {size} "
+                         f"(vocab_size in config.json): ids {size} to {len(tok) - 1} have no embedding, so the "
+                         "tokenizer does not belong to the model; put the model's own tokenizer files next to it "
+                         "(tokenizer.json and tokenizer_config.json of the checkpoint)")
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32):

@@ -5,6 +5,7 @@ with no eos. Each message names the directory or file and the fix; ``astraflow c
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,53 @@ def test_a_tokenizer_that_encodes_nothing(tiny_model, tmp_path):
     _edit_json(bad / "tokenizer_config.json", tokenizer_class="Qwen2Tokenizer")
     _refused_everywhere(tmp_path, bad, f"the tokenizer of {bad} encodes text to no tokens", TOKENIZER_FIX,
                         loads=(check_model_dir, load_model, load_tokenizer))
+
+
+
+def test_a_tokenizer_with_more_tokens_than_the_models_vocabulary(tiny_model, tmp_path):
+    """Ids past vocab_size have no embedding: every rollout that meets one would fail."""
+    n = len(load_tokenizer(tiny_model))  # added tokens included
+    bad = _broken(tiny_model, tmp_path, "m")
+    _edit_json(bad / "config.json", vocab_size=n - 10)
+    _refused_everywhere(tmp_path, bad, f"the tokenizer of {bad} has {n} tokens, more than the model's vocabulary of "
+                        f"{n - 10}", "put the model's own tokenizer files next to it",
+                        loads=(check_model_dir, load_model, load_tokenizer))
+    nested = _broken(tiny_model, tmp_path, "nested")  # a multimodal config keeps it in text_config
+    config = json.loads((nested / "config.json").read_text())
+    (nested / "config.json").write_text(json.dumps({**{k: v for k, v in config.items() if k != "vocab_size"},
+                                                    "text_config": {"vocab_size": n - 1}}))
+    with pytest.raises(ValueError, match=f"has {n} tokens, more than the model's vocabulary of {n - 1}"):
+        load_tokenizer(nested)
+    assert config["vocab_size"] > n  # a smaller tokenizer is normal: the embeddings are padded
+    check_model_dir(tiny_model)
+
+
+def _bert(out: Path, tokenizer_from: Path) -> Path:
+    """A BERT encoder saved as BertModel (no LM head), with a tokenizer."""
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig(vocab_size=320, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64)).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((tokenizer_from / name).read_bytes())
+    return out
+
+
+def test_a_checkpoint_that_is_not_a_causal_lm_class_is_refused(tiny_model, tmp_path):
+    """transformers maps model_type bert to BertLMHeadModel, but a BertModel checkpoint has no LM head."""
+    bert = _bert(tmp_path / "bert", tiny_model)
+    _refused_everywhere(tmp_path, bert, f"{bert}: config.json's architectures BertModel is not a causal language "
+                        "model class", "AstraFlow needs a causal (decoder) language model")
+    base = _broken(tiny_model, tmp_path, "base")  # a causal model_type, saved without its head
+    _edit_json(base / "config.json", architectures=["Qwen2Model"])
+    with pytest.raises(ValueError, match="architectures Qwen2Model is not a causal language model class"):
+        check_model_dir(base)
+    for archs in (None, [], ["Qwen2ForCausalLM"], ["Gemma3ForConditionalGeneration"], ["GPT2LMHeadModel"],
+                  ["Qwen2Model", "Qwen2ForCausalLM"]):  # no architectures, or one a causal LM
+        _edit_json(base / "config.json", architectures=archs)
+        check_model_dir(base)
+    llama = init_model(tmp_path / "llama", preset="tiny", arch="llama", tie_word_embeddings=False)
+    check_model_dir(llama)  # what astraflow builds itself
 
 
 @pytest.mark.parametrize("cut", ["empty", "truncated"])

@@ -15,6 +15,7 @@ returning an object with ``tokens``, ``logprobs``, ``versions``, ``finish_reason
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import numbers
 import time
@@ -28,6 +29,8 @@ from astraflow.agents.env import Environment, EpisodeError, StepResult, check_me
 from astraflow.agents.tools import parse_action
 
 Generate = Callable[[list[int], int], Awaitable[Any]]
+
+logger = logging.getLogger("astraflow.agents")
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,8 @@ async def timed(coro: Awaitable[Any], timeout: float, what: str) -> tuple[Any, f
 
 async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Environment,
                             task: Mapping[str, Any], limits: AgentLimits) -> EpisodeLog:
-    """One episode of ``env`` on ``task``; ``env.close()`` is awaited whatever happens."""
+    """One episode of ``env`` on ``task``; ``env.close()`` is awaited whatever happens (one that fails
+    is logged as a warning: the episode's own outcome stands)."""
     log = EpisodeLog()
     timeout = float(env.step_timeout_s)
     try:
@@ -189,6 +193,10 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
                 if not isinstance(info, Mapping):
                     raise EpisodeError(f"{type(env).__name__}.step returned info of type {type(info).__name__}, "
                                        "not a mapping (a dict)")
+                done = _plain(result.done)  # a string such as "no" would be true, and end the episode
+                if not isinstance(done, bool):
+                    raise EpisodeError(f"{type(env).__name__}.step returned done {done!r} of type "
+                                       f"{type(result.done).__name__}, not a boolean (True or False)")
                 kind, calls = "env", []
             if result.done:
                 log.final_reward, log.done = float(result.reward), True
@@ -218,10 +226,13 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
             log.truncated = "max_turns"
         return log
     finally:
+        name = type(env).__name__
         try:
-            await asyncio.wait_for(env.close(), timeout)
-        except Exception:  # a failing close must not hide the episode's own outcome
-            pass
+            await timed(env.close(), timeout, f"{name}.close")
+        except Exception as err:  # a failing close must not hide the episode's own outcome: logged, not raised
+            why = err if isinstance(err, EpisodeError) else f"{name}.close raised {type(err).__name__}: {err}"
+            logger.warning("%s (the episode's own outcome stands; what the environment holds may not be "
+                           "released)", why)
 
 
 def _plain(value: Any) -> Any:

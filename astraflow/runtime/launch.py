@@ -151,7 +151,8 @@ def check_data(workload: WorkloadConfig, cfg: RunConfig | None = None) -> str:
         raise ValueError(empty_train_split(workload.name, workload.params))
     report = getattr(wl, "report", None)
     found = f"workload {workload.name}: {n_train} train and {n_eval} held-out prompts"
-    lines = [f"{found}; {report.summary()}" if report is not None and report.bad else found]
+    said = report is not None and (report.bad or report.other_splits)
+    lines = [f"{found}; {report.summary()}" if said else found]
     if cfg is not None:
         lines += prompts_that_do_not_fit(cfg, wl)
     return "\n".join(lines)

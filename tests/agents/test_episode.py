@@ -492,3 +492,53 @@ def test_the_first_observation_is_cut_as_the_others_are(tok):
     with pytest.raises(EpisodeError, match="raise workload.params.max_context_tokens"):
         run(scripted(tok, ["5"]), tok, _NumpyEnv(first_chars=5_000), max_context_tokens=256,
             max_observation_chars=16_000)
+
+
+class _DoneEnv(SumEnv):
+    """Ends (or not) with the ``done`` it is given, whatever its type."""
+
+    def __init__(self, done):
+        super().__init__()
+        self.done = done
+
+    async def step(self, action):
+        return StepResult([{"role": "user", "content": "again"}], reward=1.0, done=self.done, info={"success": 1.0})
+
+
+def test_a_done_that_is_not_a_boolean_fails_the_episode(tok):
+    """A string such as "no" is true: taken as done, it would end the episode with the wrong reward."""
+    for done, why in (("no", "_DoneEnv.step returned done 'no' of type str, not a boolean"),
+                      (None, "returned done None of type NoneType"), (1, "returned done 1 of type int")):
+        env = _DoneEnv(done)
+        with pytest.raises(EpisodeError, match=why):
+            run(scripted(tok, ["5"] * 3), tok, env, max_turns=3)
+        assert env.closed == 1
+    log = run(scripted(tok, ["5"]), tok, _DoneEnv(np.bool_(True)))  # what comparing arrays gives
+    assert log.done and log.final_reward == 1.0 and log.success == 1.0
+
+
+class _CloseFails(SumEnv):
+    async def close(self):
+        self.closed += 1
+        raise OSError("socket already gone")
+
+
+def test_a_close_that_raises_is_logged_and_the_outcome_stands(tok, caplog):
+    caplog.set_level("WARNING", logger="astraflow.agents")
+    env = _CloseFails()
+    log = run(scripted(tok, ["5"]), tok, env)
+    assert log.done and log.final_reward == 1.0 and env.closed == 1
+    warnings = [r.getMessage() for r in caplog.records if r.name == "astraflow.agents"]
+    assert len(warnings) == 1, warnings
+    assert "_CloseFails.close raised OSError: socket already gone" in warnings[0], warnings
+
+    class StepFails(_CloseFails):
+        async def step(self, action):
+            raise KeyError("boom")
+
+    caplog.clear()
+    with pytest.raises(EpisodeError, match="StepFails.step raised KeyError"):  # the episode's own error, not close's
+        run(scripted(tok, ["5"]), tok, StepFails())
+    assert [r.getMessage() for r in caplog.records if r.name == "astraflow.agents"] == [
+        "StepFails.close raised OSError: socket already gone (the episode's own outcome stands; what the "
+        "environment holds may not be released)"]
