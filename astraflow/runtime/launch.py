@@ -23,6 +23,7 @@ from astraflow.runtime.stopping import REQUEUE_SIGNAL, STOPPING, StopForRequeue,
 from astraflow.training.config import ModelInit
 from astraflow.workloads.base import make_workload, workload_class
 from astraflow.workloads.config import WorkloadConfig
+from storage.atomic import write_atomically
 from storage.paths import RunPaths
 
 
@@ -294,6 +295,51 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
         record.load(paths.dataflow_state)
 
 
+#: what of a model's config.json the committed weights depend on: a resume loads them into the model
+SIGNATURE_KEYS = ("model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
+
+
+def model_signature(model_dir: Path) -> dict:
+    """The shape-giving fields of ``model_dir``'s config.json (``SIGNATURE_KEYS`` it has)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return {k: config[k] for k in SIGNATURE_KEYS if k in config}
+
+
+def check_same_models(cfg: RunConfig, run_dir: Path) -> None:
+    """A resume loads each policy's newest committed weights into the policy's model, which must
+    therefore be of the architecture the run started with (recorded in ``control/models.json``):
+    else a ValueError naming what differs and the fix, before any worker starts. Records the
+    signatures of policies without committed weights yet (and of runs that predate the record)."""
+    from storage.weights import WeightStore
+
+    paths = RunPaths(run_dir)
+    record = paths.control / "models.json"
+    try:
+        known = json.loads(record.read_text()) if record.is_file() else {}
+    except (OSError, ValueError):
+        known = {}  # an unreadable record: written anew from the models of this start
+    store = WeightStore(paths.weights) if paths.weights.is_dir() else None
+    now = dict(known)
+    for pol in cfg.policies:
+        if cfg.simulated(pol) or not (pol.model / "config.json").is_file():
+            continue
+        mine, before = model_signature(pol.model), known.get(pol.name)
+        trained = store is not None and bool(store.versions(pol.name))
+        if trained and before is not None and mine != before:
+            differs = ", ".join(f"{k} {before.get(k)!r} -> {mine.get(k)!r}" for k in SIGNATURE_KEYS
+                                if before.get(k) != mine.get(k))
+            raise ValueError(f"policies[{pol.name}].model: {pol.model} is not the architecture this run directory's "
+                             f"weights were trained as ({differs}; recorded in {record}): a resume loads the "
+                             "committed weights into this model. Point the policy at the model the run started "
+                             "with, or start a new run directory (--run-dir)")
+        if not trained or before is None:
+            now[pol.name] = mine
+    if now != known:
+        paths.control.mkdir(parents=True, exist_ok=True)
+        write_atomically(record, json.dumps(now, indent=1, sort_keys=True))
+
+
 def _check_same_policies(cfg: RunConfig, paths: RunPaths) -> None:
     """A resume trains the policies the run directory has weights of (a renamed policy would
     start afresh beside the old one's weights). Other settings may change (hardware, partitions,
@@ -353,6 +399,7 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
         check_resumable(cfg, run_dir)
         forget_durable_state(cfg, run_dir, progress)
         prepare_models(cfg, progress)
+        check_same_models(cfg, run_dir)
         progress.note(f"run directory {run_dir}")
         result = Orchestrator(cfg, run_dir, progress, previous).run()
     scored = [e for e in result.eval if "eval_accuracy" in e]

@@ -1,0 +1,58 @@
+"""A resume loads the committed weights into each policy's model: a model of another architecture
+is refused before any worker starts, naming what differs; the same architecture elsewhere is fine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from astraflow.cli import main
+from astraflow.runtime.launch import check_same_models
+from storage.weights import WeightStore
+from tests.conftest import tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _variant(tiny_model: Path, out: Path, **changes) -> Path:
+    """A copy of the tiny model whose config.json says ``changes`` (only config.json is read)."""
+    shutil.copytree(tiny_model, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **changes}))
+    return out
+
+
+def test_a_resume_on_a_model_of_another_shape_is_refused_and_the_same_shape_elsewhere_is_not(tiny_model, tmp_path):
+    run = tmp_path / "run"
+    check_same_models(tiny_config(tiny_model), run)  # the first start records the signature
+    recorded = json.loads((run / "control" / "models.json").read_text())
+    assert recorded["solver"]["hidden_size"] == json.loads((tiny_model / "config.json").read_text())["hidden_size"]
+    wider = _variant(tiny_model, tmp_path / "wider", hidden_size=2 * recorded["solver"]["hidden_size"])
+    check_same_models(tiny_config(wider), run)  # nothing committed yet: a new model is taken (and recorded)
+    check_same_models(tiny_config(tiny_model), run)
+
+    WeightStore(run / "weights").publish("solver", 1, {"w": torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"policies\[solver\]\.model: .*wider is not the architecture this run "
+                                         r"directory's weights were trained as \(hidden_size \d+ -> \d+; recorded in"):
+        check_same_models(tiny_config(wider), run)
+    moved = shutil.copytree(tiny_model, tmp_path / "moved")
+    check_same_models(tiny_config(moved), run)  # the same architecture at another path
+
+
+def test_astraflow_run_refuses_the_resume_with_exit_2_before_workers_start(tiny_model, tmp_path):
+    run = tmp_path / "run"
+    check_same_models(tiny_config(tiny_model), run)
+    WeightStore(run / "weights").publish("solver", 1, {"w": torch.zeros(2)})
+    data = yaml.safe_load((ROOT / "examples" / "tiny" / "config.yaml").read_text())
+    data["policies"][0]["model"] = str(_variant(tiny_model, tmp_path / "deeper", num_hidden_layers=7))
+    data["policies"][0].pop("init", None)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(data))
+    res = CliRunner().invoke(main, ["run", str(tmp_path / "cfg.yaml"), "--run-dir", str(run)])
+    assert res.exit_code == 2 and "num_hidden_layers" in res.output and "Traceback" not in res.output, res.output
+    assert not (run / "jobs" / "submitted.json").exists()
