@@ -221,6 +221,35 @@ def test_a_run_before_its_first_status_is_starting_not_absent_nor_its_previous_i
         run_status(paths.root)
 
 
+def test_a_resume_before_its_orchestrator_file_is_starting_not_a_run_that_stopped(tmp_path):
+    """A resume holds the run directory's lock and has archived the summary, but the files are
+    still the dead previous incarnation's: status says the run is starting, not that it stopped
+    without a summary."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from astraflow.runtime.runlock import RunDirLock
+
+    paths = RunPaths(tmp_path / "run").make()
+    now = time.time()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    paths.status_file.write_text(json.dumps({"written_at": now - 30, "data_layer": {"versions": {"p": 146}},
+                                             "trainers": {}, "partitions": {}, "workers": {}}))
+    paths.orchestrator_file.write_text(json.dumps({"pid": int(gone.stdout), "host": socket.gethostname(),
+                                                   "started": now - 600, "dashboard": None, "scheduler": None}))
+    with pytest.raises(RunNotRunning, match="stopped without a summary"):
+        run_status(paths.root)  # nothing holds the directory: the previous run stopped
+    with RunDirLock(paths.root):
+        with pytest.raises(RunNotRunning, match=f"is starting \\(orchestrator pid {os.getpid()} "):
+            run_status(paths.root)
+        with pytest.raises(ValueError, match="is starting"):
+            build_status_view(paths.root)
+    with pytest.raises(RunNotRunning, match="stopped without a summary"):
+        run_status(paths.root)  # let go again: the file is emptied
+
+
 def test_a_partition_being_removed_wants_no_nodes():
     """A removed partition's spec still says how many nodes it had: the view wants none."""
     part = {"scheduler": "local", "role": "rollout", "hardware": "cpu", "region": "local", "nodes": 2, "live": 1}

@@ -11,6 +11,7 @@ connection to the cluster: a run directory on shared storage is enough.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -235,11 +236,26 @@ class Snapshot:
         scheduler, waits for its workers, builds the components)."""
         return bool(self.info) and self.status is None and self.summary is None and orchestrator_alive(self.info)
 
-    def starting_message(self, run_dir: Path | str) -> str:
-        since = time.time() - float(self.info.get("started", time.time()))
-        return (f"the run in {run_dir} is starting (orchestrator pid {self.info.get('pid')} on "
-                f"{self.info.get('host')}, for {since:.0f}s): its first status comes once its workers have "
+    def starting_message(self, run_dir: Path | str, info: dict[str, Any] | None = None) -> str:
+        info = self.info if info is None else info
+        since = time.time() - float(info.get("started", time.time()))
+        return (f"the run in {run_dir} is starting (orchestrator pid {info.get('pid')} on "
+                f"{info.get('host')}, for {since:.0f}s): its first status comes once its workers have "
                 "joined and its components are built; ask again shortly")
+
+    def new_incarnation(self) -> dict[str, Any]:
+        """The ``astraflow run`` that holds the directory's lock (``control/run.lock``: pid, host,
+        start) when it is alive on this host and is not the orchestrator of ``orchestrator.json``:
+        a resume that has not written its own yet (the earlier one's files are still there); else {}."""
+        try:
+            holder = json.loads(self.paths.run_lock.read_bytes() or b"{}")  # emptied when a run lets go
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(holder, dict) or holder.get("host") != socket.gethostname() or "pid" not in holder:
+            return {}
+        if not orchestrator_alive(holder) or holder.get("pid") == self.info.get("pid"):
+            return {}
+        return holder
 
     @property
     def stale(self) -> bool:
@@ -279,6 +295,8 @@ def run_status(run_dir: Path, require_running: bool = True) -> dict[str, Any]:
     snap = read_snapshot(run_dir)
     if snap.starting:
         raise RunNotRunning(snap.starting_message(run_dir))
+    if not snap.running and (resuming := snap.new_incarnation()):
+        raise RunNotRunning(snap.starting_message(run_dir, resuming))
     if not paths.orchestrator_file.exists() or snap.status is None:
         if paths.summary.exists():
             raise RunNotRunning(f"the run in {run_dir} has finished; its final state is in {paths.summary}")
