@@ -151,6 +151,8 @@ class Orchestrator(Shutdown):
         except Exception as err:  # an actor call that raised, a bug: the same way out, traceback in the log
             if disk_full(err):
                 ending = Ending("failed", disk_full_reason(err, self.paths.root))
+            elif (gone := self.placement.scheduler_gone()) is not None:
+                ending = Ending("failed", gone)
             else:
                 ending = Ending("failed", f"{type(err).__name__}: {err} (traceback in {self.paths.log('orchestrator')})")
                 with contextlib.suppress(OSError), open(self.paths.log("orchestrator"), "a") as f:

@@ -79,6 +79,17 @@ class Placement:
                                f"token is in {token_file.with_name('dashboard.url')}, readable by you only)")
         write_orchestrator_info(self.paths, self.dashboard, address)
 
+    def scheduler_gone(self) -> str | None:
+        """Why the run's Dask scheduler process is gone (the reason a run then ends with), or None
+        while it runs: every component reaches the others through it, so the run cannot go on."""
+        proc = self.scheduler_proc.proc if self.scheduler_proc is not None else None
+        if proc is None or proc.poll() is None:
+            return None
+        code = proc.returncode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return (f"the Dask scheduler {how} (its log: {self.paths.log('scheduler')}), and the run cannot go on "
+                "without it: run `astraflow run` on the run directory again to resume it")
+
     def scheduler_address(self, part: Partition) -> str:
         """Slurm workers read the scheduler file when they start (a job that waited in the queue
         still finds the scheduler); local ones get the address directly."""
