@@ -115,10 +115,10 @@ class Progress:
         parts = []
         for p, t in trainers.items():
             m = t.get("last_metrics", {})
-            parts.append(
-                f"{p} step {t['version']} reward {m.get('reward_mean', float('nan')):.3f} "
-                f"loss {m.get('loss', float('nan')):.4f} wait {t.get('wait_fraction', 0):.0%}"
-            )
+            # a trainer that has taken no step yet (since a resume too) has no reward or loss to show
+            trained = (f" reward {m['reward_mean']:.3f} loss {m['loss']:.4f}"
+                       if "reward_mean" in m and "loss" in m else " (no new step yet)")
+            parts.append(f"{p} step {t['version']}{trained} wait {t.get('wait_fraction', 0):.0%}")
         hists = state.get("staleness_hist", {})
         # one policy: its histogram; several: each policy's, named
         hist = (next(iter(hists.values()), {}) if len(hists) <= 1

@@ -87,6 +87,18 @@ def test_an_evaluation_says_how_many_of_its_tasks_failed_and_were_left_out():
     assert "failed" not in v0 and "(4 prompts, 3 failed tasks left out, 1.0s)" in v2, lines
 
 
+def test_a_trainer_without_a_step_yet_shows_no_nan_reward_or_loss():
+    progress, buf = _progress(heartbeat_s=60)
+    progress.interval_s = 0
+    trainers = {"solver": {"version": 28, "last_metrics": {}}, "verifier": {"version": 3, "last_metrics":
+                                                                            {"reward_mean": 0.5, "loss": 0.25}}}
+    progress.update(Tick(data_layer={"nodes": {}, "episodes_per_s": 1.0, "generated_tokens_per_s": 9.0},
+                         trainers=trainers))
+    out = buf.getvalue()
+    assert "solver step 28 (no new step yet) wait 0%" in out and "nan" not in out, out
+    assert "verifier step 3 reward 0.500 loss 0.2500 wait 0%" in out, out
+
+
 def test_the_progress_line_shows_each_nodes_version_of_every_policy():
     progress, buf = _progress(heartbeat_s=60.0)
     trainers = {p: {"version": v, "last_metrics": {}} for p, v in (("solver", 3), ("verifier", 1))}
