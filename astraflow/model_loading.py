@@ -64,35 +64,55 @@ def _check_weight_files(p: Path) -> None:
         if missing or not files:
             raise ValueError(f"{first} names weight shards that are missing from {p} "
                              f"({', '.join(missing) or 'it names none'}); {_WEIGHTS_FIX}")
-    names: set[str] = set()
+    shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         if f.stat().st_size == 0:
             raise ValueError(f"{f} is empty; {_WEIGHTS_FIX}")
         if f.suffix == ".safetensors":
             try:
                 with safe_open(str(f), "pt") as st:
-                    names.update(st.keys())
+                    shapes.update((k, tuple(st.get_slice(k).get_shape())) for k in st.keys())
             except (SafetensorError, OSError) as err:
                 raise ValueError(f"{f} cannot be read as safetensors ({err}): the file is truncated or damaged; "
                                  f"{_WEIGHTS_FIX}") from None
-    if names and all(f.suffix == ".safetensors" for f in files):
-        missing = _missing_weights(p, names)
+    if shapes and all(f.suffix == ".safetensors" for f in files):
+        model = _meta_model(p)
+        missing = _missing_weights(model, set(shapes)) if model is not None else []
         if missing:
             raise _missing_weights_error(p, missing)
+        wrong = _mis_shaped(model, shapes) if model is not None else []
+        if wrong:
+            shown = "; ".join(f"{k}: {list(have)} in the weight files, {list(want)} by config.json"
+                              for k, have, want in wrong[:3])
+            shown += f"; and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+            raise ValueError(f"{p}: config.json does not describe the weights next to it ({len(wrong)} tensor(s) of "
+                             f"another shape: {shown}); put the checkpoint's own config.json next to its weights")
 
 
-def _missing_weights(p: Path, present: set[str]) -> list[str]:
-    """The weights the model of ``p``'s config needs that the tensor names ``present`` lack, judged on
-    the model built on the meta device (no memory); tied weights and those transformers initialises
-    itself do not count. A checkpoint with names the model does not have (renamed by a conversion
-    transformers applies while loading) is not judged here: ``load_model``'s loading report is."""
+def _meta_model(p: Path) -> Any:
+    """The model of ``p``'s config built on the meta device (no memory), or None where this check
+    cannot build it (``from_pretrained`` then reports the problem when loading)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(p))
-    except Exception:  # a config this check cannot build: from_pretrained reports it when loading
-        return []
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(p))
+    except Exception:
+        return None
+
+
+def _mis_shaped(model: Any, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, tuple, tuple]]:
+    """``(name, shape in the files, shape the config gives)`` of the tensors both name, where they differ."""
+    wanted = model.state_dict()
+    return [(k, have, tuple(wanted[k].shape)) for k, have in sorted(shapes.items())
+            if k in wanted and tuple(wanted[k].shape) != have]
+
+
+def _missing_weights(model: Any, present: set[str]) -> list[str]:
+    """The weights ``model`` (``_meta_model``) needs that the tensor names ``present`` lack; tied
+    weights and those transformers initialises itself do not count. A checkpoint with names the model
+    does not have (renamed by a conversion transformers applies while loading) is not judged here:
+    ``load_model``'s loading report is."""
     expected = set(model.state_dict())
     if not present <= expected:
         return []
@@ -112,7 +132,7 @@ def _missing_weights_error(p: Path, missing: list[str]) -> ValueError:
 def _read_config(p: Path) -> dict[str, Any]:
     if not (p / "config.json").is_file():
         raise ValueError(f"{p} is not an HF model directory (no config.json); build one with "
-                         "astraflow.models.init_model(out_dir) or point at a saved checkpoint")
+                         "`astraflow model init OUT_DIR` or point at a saved checkpoint")
     try:
         return json.loads((p / "config.json").read_text())
     except (ValueError, UnicodeDecodeError) as err:
@@ -166,6 +186,17 @@ def _is_causal_lm_class(name: Any) -> bool:
         return True
     known = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
     return any(name == v or (isinstance(v, (tuple, list)) and name in v) for v in known)
+
+
+def _config_error(p: Path) -> str | None:
+    """Why transformers cannot load ``p``'s config.json (``"Type: message"``), or None when it can."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(p)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def _missing_package(err: BaseException, p: Path) -> str | None:
@@ -238,6 +269,10 @@ def load_tokenizer(path: str | Path):
     except Exception as err:  # whatever transformers raises, the message names the directory and the fix
         import transformers
 
+        config_error = _config_error(p)
+        if config_error is not None:  # transformers reads config.json with the tokenizer: the config is at fault
+            raise ValueError(f"{p}/config.json cannot be loaded by transformers {transformers.__version__} "
+                             f"({config_error}); put the checkpoint's own config.json next to its weights") from err
         cls = _tokenizer_class(p)
         what = f"the tokenizer of {p}" + (f" ({cls})" if cls else "")
         package = _missing_package(err, p)

@@ -152,6 +152,29 @@ def test_weights_that_lack_tensors_are_refused(untied, tiny_model, tmp_path):
     check_model_dir(tiny_model)  # a tied head is not in the file, and not missing
 
 
+def test_a_config_that_does_not_describe_its_weights_is_refused(tiny_model, tmp_path):
+    """Weights of other shapes than config.json gives (a config of another model copied next to
+    them) would fail only once a run's workers load them."""
+    config = json.loads((tiny_model / "config.json").read_text())
+    bad = _broken(tiny_model, tmp_path, "wide")
+    _edit_json(bad / "config.json", intermediate_size=2 * config["intermediate_size"])
+    _refused_everywhere(tmp_path, bad, f"{bad}: config.json does not describe the weights next to it",
+                        "put the checkpoint's own config.json next to its weights")
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj.weight: \[\d+, \d+\] in the weight files"):
+        check_model_dir(bad)
+
+
+def test_a_config_transformers_cannot_load_is_blamed_not_the_tokenizer(tiny_model, tmp_path):
+    bad = _broken(tiny_model, tmp_path, "layers")
+    config = json.loads((bad / "config.json").read_text())
+    _edit_json(bad / "config.json", num_hidden_layers=config["num_hidden_layers"] + 2,
+               layer_types=["full_attention"] * config["num_hidden_layers"])
+    with pytest.raises(ValueError) as err:
+        check_model_dir(bad)
+    said = str(err.value)
+    assert said.startswith(f"{bad}/config.json cannot be loaded by transformers") and "tokenizer" not in said, said
+
+
 def test_load_model_refuses_missing_tensors_the_check_cannot_see(untied, tmp_path):
     """A pytorch_model.bin is not opened by the check: the loading report of from_pretrained refuses it."""
     bad = _broken(untied, tmp_path, "m")
