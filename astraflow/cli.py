@@ -132,6 +132,8 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
         rd = Path(run_dir) if run_dir else _default_run_dir(cfg.run.name)
     except (ValueError, OSError) as err:  # another user could change where it would go, or it cannot be made
         raise UserError(str(err)) from None
+    if run_dir:
+        _not_someone_elses_files(rd)
     try:
         _run(cfg, rd, quiet)
     finally:
@@ -140,6 +142,21 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
                 rd.rmdir()
             except OSError:
                 pass
+
+
+def _not_someone_elses_files(rd: Path) -> None:
+    """A ``--run-dir`` that holds files but no run (no ``control/``, which every run makes first) is
+    refused: a run writes config.yaml, logs/, weights/ ... into it, over what is there (a project
+    folder holding the very config given, say)."""
+    try:
+        found = sorted(p.name for p in rd.iterdir()) if rd.is_dir() and not (rd / "control").is_dir() else []
+    except OSError:
+        return  # unreadable: the run directory's own checks say so
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise UserError(f"--run-dir {rd} holds files but no run ({shown}; no control/): a run writes config.yaml, "
+                        "logs/, weights/ and more into its directory. Pass a new or empty directory, or the "
+                        "directory of a run to resume it")
 
 
 def _run(cfg, rd: Path, quiet: bool) -> None:
@@ -167,7 +184,7 @@ def _run(cfg, rd: Path, quiet: bool) -> None:
         if not disk_full(err):
             raise
         raise click.ClickException(f"the run failed: {disk_full_reason(err, rd)}") from None
-    if result.interrupted:
+    if result is not None and result.interrupted:
         click.echo(f"the run was {result.ending.reason}; summary in {RunPaths(result.run_dir).summary}; "
                    "run again on this directory to resume it", err=True)
         ignore_stop_signals()
@@ -285,6 +302,14 @@ def status(run_dir: str, as_json: bool, metrics: bool) -> None:
             snap = read_snapshot(Path(run_dir)) if Path(run_dir).is_dir() else None
         except ValueError as damaged:  # a damaged summary.json (named, with the fix)
             raise UserError(str(damaged)) from None
+        if snap is not None and snap.summary is None and snap.stale and not snap.new_incarnation():
+            # stopped without a summary (its orchestrator killed): its last state, said to be that
+            try:
+                click.echo(format_status({**snap.status, "running": False, "orchestrator": snap.info}))
+            except (TypeError, AttributeError, KeyError, ValueError) as bad:
+                raise UserError(str(damaged_run_files(run_dir, bad))) from None
+            raise UserError(f"{err}: above is its last status, of {snap.age_s:.0f}s ago; `astraflow run` on "
+                            "the run directory resumes it") from None
         if snap is None or snap.summary is None:
             raise UserError(str(err)) from None
         try:

@@ -321,9 +321,14 @@ def test_status_of_a_run_that_stopped_without_a_summary(tmp_path):
     (tmp_path / "control").mkdir()
     (tmp_path / "control" / "orchestrator.json").write_text(json.dumps(
         {"pid": 1, "host": "another-host", "started": time.time() - 600}))
-    (tmp_path / "control" / "status.json").write_text(json.dumps({"written_at": time.time() - 300}))
+    (tmp_path / "control" / "status.json").write_text(json.dumps(
+        {"written_at": time.time() - 300, "data_layer": {"elapsed_s": 90},
+         "trainers": {"solver": {"version": 41, "last_metrics": {"reward_mean": 0.25}}}}))
     res = _invoke("status", str(tmp_path))
     assert res.exit_code == 2 and "stopped without a summary" in res.output, res.output
+    # what it had done when it stopped, said to be its last status, and how to go on
+    assert "solver       version   41  reward 0.250" in res.output, res.output
+    assert "above is its last status, of 300s ago; `astraflow run` on the run directory resumes it" in res.output
 
 
 def test_a_stop_before_the_run_starts_exits_130_without_a_traceback(monkeypatch, tmp_path):
@@ -382,3 +387,22 @@ def test_empty_or_spaced_addresses_and_interfaces_are_refused(tmp_path, key, val
     cfg = _config(tmp_path, cluster={key: value})
     res = _invoke("check", str(cfg))
     assert res.exit_code == 2 and f"cluster.{key}" in res.output and "not an address or interface" in res.output
+
+
+def test_a_run_dir_holding_files_but_no_run_is_refused_and_left_as_it_was(tmp_path):
+    """A project folder given as --run-dir (holding the very config given) is not filled with a
+    run over what is there; a new, an empty and a run's own directory are taken."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    cfg = _config(proj)
+    before = cfg.read_bytes()
+    res = _invoke("run", str(cfg), "--run-dir", str(proj))
+    assert res.exit_code == 2 and f"--run-dir {proj} holds files but no run (tiny.yaml; no control/)" in res.output
+    assert cfg.read_bytes() == before and sorted(p.name for p in proj.iterdir()) == ["tiny.yaml"]
+    from astraflow.cli import _not_someone_elses_files
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_run" / "control").mkdir(parents=True)
+    (tmp_path / "a_run" / "metrics.jsonl").write_text("")
+    for taken in ("new", "empty", "a_run"):
+        _not_someone_elses_files(tmp_path / taken)

@@ -163,11 +163,12 @@ def check_data(workload: WorkloadConfig, cfg: RunConfig | None = None) -> str:
 PROMPTS_MEASURED = 20_000
 
 
-def prompts_that_do_not_fit(cfg: RunConfig, wl) -> list[str]:
+def prompts_that_do_not_fit(cfg: RunConfig, wl, policies: list[str] | None = None) -> list[str]:
     """A line per policy whose model (one that exists already) has fewer positions than some
     single-turn prompts of ``wl`` need with ``workload.sampling.max_new_tokens``: their rollouts
     fail, and held-out ones are left out of the accuracy. ``ValueError`` when no train prompt
-    fits. Agentic episodes budget their context themselves (``max_context_tokens``)."""
+    fits. ``policies``: only these (default: all). Agentic episodes budget their context themselves
+    (``max_context_tokens``)."""
     if is_agentic(type(wl)):
         return []
     from astraflow.agents.chat import prompt_ids
@@ -176,7 +177,7 @@ def prompts_that_do_not_fit(cfg: RunConfig, wl) -> list[str]:
     new, lines = cfg.workload.sampling.max_new_tokens, []
     for pol in cfg.policies:
         config = pol.model / "config.json"
-        if cfg.simulated(pol) or not config.is_file():
+        if cfg.simulated(pol) or not config.is_file() or (policies is not None and pol.name not in policies):
             continue  # a model init builds is sized to the workload's prompts
         positions = json.loads(config.read_text()).get("max_position_embeddings")
         if not isinstance(positions, int) or positions <= new:
@@ -379,11 +380,33 @@ def cancel_leftovers(cfg: RunConfig, lock: RunDirLock, progress: Progress) -> Pr
     return cancel_previous_jobs(lock.paths, cfg.cluster, cfg.partitions, progress)
 
 
-def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
+def already_done(cfg: RunConfig, run_dir: Path) -> str | None:
+    """What to say instead of starting, when the run in ``run_dir`` completed and every policy has
+    committed ``run.max_steps`` (running again would start every process for nothing); else None."""
+    from storage.weights import WeightStore
+
+    paths = RunPaths(run_dir)
+    try:
+        ended = json.loads(paths.summary.read_text()).get("status") if paths.summary.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    if ended != "completed" or not paths.weights.is_dir():
+        return None
+    store = WeightStore(paths.weights)
+    at = {p.name: max(store.versions(p.name), default=-1) for p in cfg.policies}
+    if min(at.values()) < cfg.run.max_steps:
+        return None
+    reached = ", ".join(f"{p} v{v}" for p, v in at.items())
+    return (f"the run in {run_dir} has completed already ({reached}; run.max_steps {cfg.run.max_steps}): nothing "
+            f"to do. Raise run.max_steps (--set run.max_steps=N) to train it further; its summary is {paths.summary}")
+
+
+def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult | None:
     """Run ``cfg`` in ``run_dir``. The directory's lock is held from before any model is built or
     process started until the run ends (``RunDirError`` when another run holds it); the data is
     read before, so a bad dataset leaves no run directory behind. With the lock held, the jobs
-    a previous incarnation left are cancelled before anything starts."""
+    a previous incarnation left are cancelled before anything starts. None: the run had completed
+    already (``already_done``), and nothing was started."""
     logging.basicConfig(level=logging.WARNING)
     _signals_stop_cleanly()
     if quiet:  # transformers' and the hub's own bars too (writing a model built here)
@@ -397,8 +420,17 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult:
     with RunDirLock(run_dir) as lock:
         previous = cancel_leftovers(cfg, lock, progress)  # also when the resume is refused: they are left over
         check_resumable(cfg, run_dir)
+        done = already_done(cfg, run_dir)
+        if done is not None:
+            progress.note(done)
+            return None
         forget_durable_state(cfg, run_dir, progress)
+        missing = [p.name for p in cfg.policies if not p.model.exists() and not cfg.simulated(p)]
         prepare_models(cfg, progress)
+        if missing:  # the prompts against the models init built just now
+            wl = make_workload(cfg.workload.name, dict(cfg.workload.params or {}), cfg.workload.seed)
+            for line in prompts_that_do_not_fit(cfg, wl, missing):
+                progress.note(line)
         check_same_models(cfg, run_dir)
         progress.note(f"run directory {run_dir}")
         result = Orchestrator(cfg, run_dir, progress, previous).run()

@@ -56,3 +56,31 @@ def test_astraflow_run_refuses_the_resume_with_exit_2_before_workers_start(tiny_
     res = CliRunner().invoke(main, ["run", str(tmp_path / "cfg.yaml"), "--run-dir", str(run)])
     assert res.exit_code == 2 and "num_hidden_layers" in res.output and "Traceback" not in res.output, res.output
     assert not (run / "jobs" / "submitted.json").exists()
+
+
+def test_running_again_a_run_that_completed_at_max_steps_starts_nothing(tiny_model, tmp_path):
+    from astraflow.runtime.launch import already_done
+
+    run = tmp_path / "run"
+    (run / "control").mkdir(parents=True)
+    check_same_models(tiny_config(tiny_model), run)
+    store = WeightStore(run / "weights")
+    for v in (0, 2):
+        store.publish("solver", v, {"w": torch.zeros(2)})
+    (run / "summary.json").write_text(json.dumps({"status": "completed"}))
+    assert already_done(tiny_config(tiny_model, run__max_steps=3), run) is None  # more to train
+    said = already_done(tiny_config(tiny_model, run__max_steps=2), run)
+    assert said is not None and "has completed already (solver v2; run.max_steps 2): nothing to do" in said
+    (run / "summary.json").write_text(json.dumps({"status": "failed"}))
+    assert already_done(tiny_config(tiny_model, run__max_steps=2), run) is None  # resumed to finish its work
+
+    (run / "summary.json").write_text(json.dumps({"status": "completed"}))
+    data = yaml.safe_load((ROOT / "examples" / "tiny" / "config.yaml").read_text())
+    data["policies"][0]["model"] = str(tiny_model)
+    data["policies"][0].pop("init", None)
+    data["run"]["max_steps"] = 2
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(data))
+    res = CliRunner().invoke(main, ["run", str(tmp_path / "cfg.yaml"), "--run-dir", str(run)])
+    assert res.exit_code == 0 and "has completed already" in res.output, res.output
+    assert not (run / "jobs" / "submitted.json").exists() and json.loads((run / "summary.json").read_text()) == \
+        {"status": "completed"}

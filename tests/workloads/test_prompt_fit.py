@@ -77,3 +77,17 @@ def test_failure_reasons_are_the_commonest_first_and_bounded():
     said = failure_reasons(ledger)
     assert said.startswith("5x " + "b" * 237 + "...; 3x c; 2x d") and said.endswith("and 1 other reason"), said
     assert failure_reasons({"failed_by_reason": {}}) == "" and failure_reasons({}) == ""
+
+
+def test_the_prompts_are_measured_against_a_model_init_builds_before_workers_start(tmp_path):
+    """A model still to be built is measured once init has built it, before any worker starts."""
+    data = yaml.safe_load((ROOT / "examples" / "tiny" / "config.yaml").read_text())
+    data["policies"][0]["model"] = str(tmp_path / "models" / "tiny")
+    data["workload"]["sampling"]["max_new_tokens"] = 2047  # of the preset's 2048 positions: no prompt fits
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(data))
+    check = CliRunner().invoke(main, ["check", str(tmp_path / "cfg.yaml")])
+    assert check.exit_code == 0, check.output  # no model yet: nothing to measure with
+    res = CliRunner().invoke(main, ["run", str(tmp_path / "cfg.yaml"), "--run-dir", str(tmp_path / "run")])
+    assert res.exit_code == 2 and "no train prompt fits" in res.output, res.output
+    assert (tmp_path / "models" / "tiny" / "config.json").is_file()
+    assert not (tmp_path / "run" / "jobs" / "submitted.json").exists()
