@@ -15,6 +15,7 @@ from pathlib import Path
 
 from astraflow.agents.workload import is_agentic
 from astraflow.config import RunConfig
+from astraflow.preflight import prompts_that_do_not_fit
 from astraflow.runtime.jobrecords import PreviousJobs, cancel_previous_jobs
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
 from astraflow.runtime.progress import Progress
@@ -157,53 +158,6 @@ def check_data(workload: WorkloadConfig, cfg: RunConfig | None = None) -> str:
     if cfg is not None:
         lines += prompts_that_do_not_fit(cfg, wl)
     return "\n".join(lines)
-
-
-#: prompts measured per split and policy (a dataset's first ones): the check stays within seconds
-PROMPTS_MEASURED = 20_000
-
-
-def prompts_that_do_not_fit(cfg: RunConfig, wl, policies: list[str] | None = None) -> list[str]:
-    """A line per policy whose model (one that exists already) has fewer positions than some
-    single-turn prompts of ``wl`` need with ``workload.sampling.max_new_tokens``: their rollouts
-    fail, and held-out ones are left out of the accuracy. ``ValueError`` when no train prompt
-    fits. ``policies``: only these (default: all). Agentic episodes budget their context themselves
-    (``max_context_tokens``)."""
-    if is_agentic(type(wl)):
-        return []
-    from astraflow.agents.chat import prompt_ids
-    from astraflow.model_loading import load_tokenizer
-
-    new, lines = cfg.workload.sampling.max_new_tokens, []
-    for pol in cfg.policies:
-        config = pol.model / "config.json"
-        if cfg.simulated(pol) or not config.is_file() or (policies is not None and pol.name not in policies):
-            continue  # a model init builds is sized to the workload's prompts
-        positions = json.loads(config.read_text()).get("max_position_embeddings")
-        if not isinstance(positions, int) or positions <= new:
-            continue  # no limit known; or max_new_tokens alone overflows, which preflight refuses
-        tok, room = load_tokenizer(pol.model), positions - new
-        over: dict[str, tuple[int, int]] = {}
-        longest: tuple[int, str] = (0, "")
-        for split in ("train", "eval"):
-            tasks = wl.tasks(split)[:PROMPTS_MEASURED]
-            lengths = [len(prompt_ids(tok, wl, p)) for p in tasks]
-            n_over = sum(n > room for n in lengths)
-            over[split] = (n_over, len(tasks))
-            for n, p in zip(lengths, tasks):
-                if n > longest[0]:
-                    longest = (n, str(p.get("row", "")) if isinstance(p, dict) else "")
-        if not any(n for n, _ in over.values()):
-            continue
-        what = (f"policy {pol.name}: {over['train'][0]} of {over['train'][1]} train and {over['eval'][0]} of "
-                f"{over['eval'][1]} held-out prompts are longer than the {room} tokens its model leaves for a "
-                f"prompt ({positions} positions less workload.sampling.max_new_tokens {new}); the longest has "
-                f"{longest[0]} tokens" + (f" ({longest[1]})" if longest[1] else ""))
-        fix = "remove the long prompts from the data, lower max_new_tokens, or use a model with more positions"
-        if over["train"][0] == over["train"][1]:
-            raise ValueError(f"{what}: no train prompt fits; {fix}")
-        lines.append(f"{what}. Their rollouts will fail (held-out ones are left out of the accuracy): {fix}")
-    return lines
 
 
 def prepare_models(cfg: RunConfig, progress: Progress) -> None:
