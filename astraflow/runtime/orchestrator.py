@@ -178,7 +178,8 @@ class Orchestrator(Shutdown):
     def _publish_desired(self) -> None:
         """The desired partitions: the config's, and on a resume also those the previous run
         had added mid-run (``partitions add``), which the reconcile loop then adds again. A
-        partition the config names takes the config's settings; one removed is not brought back."""
+        partition the config names takes the config's settings; one removed (``partitions
+        remove``, also one the config names) is not brought back, and stays recorded as removed."""
         extra: list[Partition] = []
         with desired_lock(self.paths):
             try:
@@ -188,9 +189,14 @@ class Orchestrator(Shutdown):
                 self.progress.note(f"the previous run's desired partitions are unreadable ({err}): "
                                    "only the config's are brought up")
             extra = [p for n, p in before.items() if n not in self.partitions and n not in removals]
-            write_desired(self.paths, [*self.partitions.values(), *extra])
+            kept_out = [n for n in self.partitions if n in removals]
+            mine = [p for n, p in self.partitions.items() if n not in removals]
+            write_desired(self.paths, [*mine, *extra], removals)
         for p in extra:
             self.progress.note(f"partition {p.name}: added to the previous run (partitions add), added again")
+        for n in kept_out:
+            self.progress.note(f"partition {n}: removed from the previous run (partitions remove), not brought up "
+                               "again; `astraflow partitions add` brings it back")
 
     # ------------------------------------------------------------------ bring-up
     def _reconcile(self) -> None:

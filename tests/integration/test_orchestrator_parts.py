@@ -126,6 +126,28 @@ def test_a_resume_keeps_the_partitions_the_previous_run_added(tmp_path):
     assert any("partition extra" in n for n in notes)
 
 
+def test_a_resume_does_not_bring_back_a_partition_of_the_config_that_was_removed(tmp_path):
+    """`partitions remove` of a pool the config names, then a requeue (or a resume): the pool stays
+    removed, for this incarnation and the next, and the run says so."""
+    from types import SimpleNamespace
+
+    from astraflow.runtime.control import read_desired_file, write_desired
+    from astraflow.runtime.orchestrator import Orchestrator
+
+    paths = RunPaths(tmp_path / "run").make()
+    config = {p.name: p for p in (Partition(name="data", role="data"), Partition(name="h100", nodes=2),
+                                  Partition(name="a100", nodes=1))}
+    write_desired(paths, [config["data"], config["a100"]], {"h100": "drain"})
+    for _ in range(2):  # a requeue, then another
+        notes: list[str] = []
+        progress = Progress(enabled=False)
+        progress.note = notes.append
+        Orchestrator._publish_desired(SimpleNamespace(paths=paths, partitions=config, progress=progress))
+        parts, removals = read_desired_file(paths)
+        assert sorted(parts) == ["a100", "data"] and removals == {"h100": "drain"}
+        assert any(n.startswith("partition h100: removed from the previous run") for n in notes), notes
+
+
 def test_teardown_cancels_the_job_of_a_lost_worker_its_scheduler_still_runs(tmp_path):
     """A trainer worker that left the Dask scheduler (hung) while its Slurm job runs on: the run
     ends, and that job is cancelled with the others instead of holding its node."""
