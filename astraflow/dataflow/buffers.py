@@ -121,14 +121,15 @@ class Buffers:
         self.task_drop_reason: dict[str, str] = {}
         self.counts: dict[str, Counter] = {p: Counter() for p in self.policies}
         self.staleness_hist: dict[str, Counter] = {p: Counter() for p in self.policies}
-        #: per node: consumed sequences by staleness (versions behind), all policies together
+        #: per node: consumed sequences by staleness (versions behind), all policies together; saved
+        #: (``changes.py``), so that it counts over the whole run
         self.staleness_by_node: dict[str, Counter] = {}
         self.wait_s: dict[str, float] = {p: 0.0 for p in self.policies}
         self.last_batch: dict[str, dict[str, Any]] = {p: {} for p in self.policies}
         self._ingest_seq = 0
         #: what changed since the data layer's change log last took it (None: not kept;
         #: ``changes.py``): ``("route", task)``, ``("group", group)`` (ingested), ``("ready", policy, ingest_seq)``,
-        #: ``("serving", policy, version)``
+        #: ``("serving", policy, version)``, ``("staleness", node)``
         self.changed: set[tuple] | None = None
 
     @property
@@ -378,6 +379,8 @@ class Buffers:
         self._touch("serving", policy, version - 1)
         for it in items:
             self.staleness_by_node.setdefault(it.node, Counter())[version - 1 - it.oldest_version] += 1
+        for node in {it.node for it in items}:
+            self._touch("staleness", node)
         self.replay[policy].extend(items)
         self.settle(policy, items, None)
 
@@ -411,14 +414,18 @@ class Buffers:
             grp.items.append(it)
         self.ready[policy] = sorted(groups.values(), key=lambda g: g.ingest_seq)
 
-    def end_run(self) -> None:
+    def end_run(self, keep_served: bool = False) -> None:
         """Every buffered item is dropped (``run_ended``), every served batch never committed
-        too (``served_not_trained``)."""
+        too (``served_not_trained``), unless ``keep_served``: the run stopped before its end and
+        is to be resumed. Those batches then stay served, their tasks open, and the resumed
+        trainer's ``put_back`` returns them to the buffer, as after a killed run."""
         for policy, buf in self.ready.items():
             for grp in buf:
                 self._touch("ready", policy, grp.ingest_seq)
                 self.settle(policy, grp.items, "run_ended")
             buf.clear()
+            if keep_served:
+                continue
             for version, served in self.serving[policy].items():
                 self._touch("serving", policy, version)
                 self.settle(policy, served, "served_not_trained")

@@ -16,7 +16,9 @@ entry per key, so that a record holds only the entries changed since the previou
 * ``serving``: ``(policy, version)`` -> the items of a batch served and not committed;
 * ``round`` / ``result``: evaluation rounds by version, finished round records by position;
 * ``order``: source -> ``(epoch, prompt order)`` as written when its epoch began (the order only
-  shrinks from its end within an epoch: each record holds its length), ``rng``: the random stream.
+  shrinks from its end within an epoch: each record holds its length), ``rng``: the random stream;
+* ``staleness``: node -> how stale the sequences it generated were when a trainer consumed them
+  (a Counter), written when a commit consumes some of them (the table grows with the nodes).
 
 The rooms mark what they change (``Ledger.changed``, ``Leases.changed_nodes``,
 ``Buffers.changed``); a group changes only when one of its tasks is created or ends
@@ -42,10 +44,12 @@ if TYPE_CHECKING:
     from astraflow.dataflow.layer import DataLayer
 
 #: what a base written now is; a base of an earlier one of ``READABLE`` is read too (its task
-#: entries have no result, its groups hold theirs, its routes count the items not settled)
+#: entries have no result, its groups hold theirs, its routes count the items not settled). A kind
+#: added later (``staleness``) keeps the format: a base without its entries restores it empty, and
+#: an earlier AstraFlow reads a base with them (it leaves the kind out)
 FORMAT = 3
 READABLE = frozenset({2, 3})
-KINDS = ("task", "group", "node", "route", "ready", "serving", "round", "result", "order", "rng")
+KINDS = ("task", "group", "node", "route", "ready", "serving", "round", "result", "order", "rng", "staleness")
 NODE_FIELDS = ("leased", "completed", "draining", "gone")
 SMALL_BUFFER_FIELDS = ("group_seq", "groups_ingested", "counts", "staleness_hist", "wait_s", "last_batch",
                        "_ingest_seq", "served_replays")
@@ -91,6 +95,8 @@ def entry(dl: DataLayer, kind: str, key: Any) -> Any:
     if kind == "rng":
         version, internal, gauss = dl.mixer.rng.getstate()
         return [version, list(internal), gauss]
+    if kind == "staleness":
+        return bf.staleness_by_node.get(key) or None
     raise ValueError(kind)
 
 
@@ -107,6 +113,7 @@ def all_keys(dl: DataLayer) -> Iterator[tuple[str, Any]]:
     yield from (("result", i) for i in range(len(dl.evals.results)))
     yield from (("order", s) for s in dl.mixer.order)
     yield ("rng", "mixer")
+    yield from (("staleness", n) for n in bf.staleness_by_node)
 
 
 class Marks:
@@ -221,7 +228,7 @@ def assemble(fingerprint: str, small_fields: dict[str, Any], entries: dict[str, 
         "buffers": {"rolling": rolling, "ready": ready, "serving": serving, "routed_left": dict(routed_left),
                     "task_consumed": {t for t, r in routes.items() if r[1]},
                     "task_drop_reason": {t: r[2] for t, r in routes.items() if r[2] is not None},
-                    **sm["buffers"]},
+                    "staleness_by_node": dict(entries.get("staleness", {})), **sm["buffers"]},
         "mixer": sm["mixer"],
         "evals": {"rounds": dict(sorted(entries.get("round", {}).items())),
                   "results": [r for _, r in sorted(entries.get("result", {}).items())]},

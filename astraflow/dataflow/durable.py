@@ -7,8 +7,9 @@ is re-placed from this state, see ``runtime/restarts.py``) or the whole run does
 * ``dataflow.snapshot`` and ``dataflow.changes.<n>``: everything the layer holds that is not
   rebuilt from the config: tasks and their leases, the ledger's open tasks and counters, groups
   in rollout with the trajectories completed so far, the buffers, batches served and not yet
-  committed, evaluation rounds, counters, and what ``dataflow_state.json`` holds (versions,
-  rules, prompt orders, the random stream). A base and an append-only log of the entries that
+  committed, evaluation rounds, counters (per node: the staleness of what was consumed of its
+  sequences), and what ``dataflow_state.json`` holds (versions, rules, prompt orders, the
+  random stream). A base and an append-only log of the entries that
   changed since (``changelog.py``; what an entry is: ``changes.py``). Before any call that
   changed the state returns, a record of its changes is written; calls that run at the same
   time share one record (a group commit), whose cost follows what changed, not how much the
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import time
@@ -54,13 +56,16 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMAT", "SNAPSHOT_GLOBALS", "Durability", "UnusableSnapshot", "load"]
 
+log = logging.getLogger("astraflow.dataflow")
+
 #: a string as ``json.dumps`` quotes it (ASCII, escaped)
 _quoted = json.encoder.encode_basestring_ascii
 
 
 def fingerprint_of(policies: list[str], workload: WorkloadConfig) -> str:
     """What the saved tasks, groups and buffers depend on: a resumed run whose config changed
-    these restores only what ``dataflow_state.json`` holds (its open tasks end as dropped)."""
+    these restores what ``dataflow_state.json`` holds and the run's record so far, not its open
+    tasks (they end as dropped, ``carry_over``)."""
     key = {"policies": list(policies), "group_size": workload.group_size, "workload": workload.name,
            "params": workload.params, "seed": workload.seed, "workflow": workload.workflow}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -164,10 +169,10 @@ class Durability:
 
     def restore(self, dl: DataLayer, keep_leases: bool) -> tuple[dict[str, Any] | None, dict[str, set[int]]]:
         """Attach to the built ``dl`` and load what was saved: the whole snapshot when it is of
-        this configuration, else only its ``core`` (or ``dataflow_state.json`` when there is no
-        snapshot), the saved open tasks then ending as dropped (``config_changed``). Returns
-        what was restored (None: nothing) and, per policy, the versions of batches served and
-        not committed when ``keep_leases`` (the data layer was re-placed)."""
+        this configuration, else its ``core`` and what holds no task (``carry_over``: the saved
+        open tasks end as dropped, ``config_changed``), or ``dataflow_state.json`` when there is
+        no snapshot. Returns what was restored (None: nothing) and, per policy, the versions of
+        batches served and not committed when ``keep_leases`` (the data layer was re-placed)."""
         self._dl = dl
         dl.ledger.journal = self.journal
         dl.metrics.on_error = self.log.fail
@@ -188,9 +193,10 @@ class Durability:
                 self.journal(tid, "dropped", "snapshot_lost")
                 dl.ledger.remember_end(tid, "dropped")
         elif saved["fingerprint"] != self.fingerprint:  # the config changed what its tasks mean
-            for tid in saved["ledger"]["live"]:
-                self.journal(tid, "dropped", "config_changed")
-                dl.ledger.remember_end(tid, "dropped")
+            dropped = carry_over(dl, saved, self.journal)
+            log.warning("the config changed what the saved tasks mean (policies, group size, workload or workflow): "
+                        "%d open tasks of the previous run were dropped (config_changed) and are not reused; "
+                        "the ledger's counts and finished evaluations carry over", dropped)
         else:
             restored = restore(dl, saved, self.journal_path, keep_leases)
             if keep_leases:
@@ -238,6 +244,46 @@ def remember_ended(dl: DataLayer, journal_path: Path | None) -> int:
     return highest
 
 
+def run_start(layer: dict[str, Any], saved_at: float | None) -> float:
+    """When a new incarnation's run started: the time between runs is not run time."""
+    started = float(layer["started"])
+    return time.time() - max(0.0, float(saved_at) - started) if saved_at else started
+
+
+def carry_over(dl: DataLayer, state: dict[str, Any], journal: Callable[[str, str, str | None], None]) -> int:
+    """A resume whose config changed what the saved tasks mean (``fingerprint_of``): they are not
+    reused; each open task ends as dropped (``config_changed``, counted). What holds no task is the
+    run's record so far and is kept: the ledger's counters, the finished evaluation rounds (a
+    version already evaluated is not evaluated again), the run time, what was generated, the
+    staleness per node of what was consumed and the trainers' restarts. The buffers' counts start
+    afresh: admission estimates a group's yield from them, and a group of the new config may
+    yield another number. Returns the open tasks dropped."""
+    layer, lg, bf, ledger = state["layer"], state["ledger"], state["buffers"], dl.ledger
+    ledger.events, ledger.dropped_by_reason = Counter(lg["events"]), Counter(lg["dropped_by_reason"])
+    ledger.failed_by_reason, ledger.state_counts = Counter(lg["failed_by_reason"]), Counter(lg["state_counts"])
+    for tid, record in lg["live"].items():
+        journal(tid, "dropped", "config_changed")
+        ledger.remember_end(tid, "dropped")
+        ledger.state_counts[record.state] -= 1
+    dropped = len(lg["live"])
+    if dropped:
+        ledger.state_counts["dropped"] += dropped
+        ledger.events["dropped"] += dropped
+        ledger.dropped_by_reason["config_changed"] += dropped
+    ledger.state_counts = +ledger.state_counts  # the open states are empty now
+    # rounds whose tasks were just dropped are started afresh (under new ids) when asked for
+    dl.evals.rounds = {v: r for v, r in state["evals"]["rounds"].items() if r.result is not None}
+    dl.evals.results = list(state["evals"]["results"])
+    dl.evals.write()  # a finished round held back behind one left out here
+    dl._started = dl.evals.started = run_start(layer, state.get("saved_at"))
+    dl.trainer_restarts = Counter(layer["trainer_restarts"])
+    generated = layer["generated"]
+    generated.episode_stats = {p: generated.episode_stats.get(p, (0, {})) for p in dl.policy_names}
+    dl.generated = generated
+    dl.buffers.staleness_by_node = {n: Counter(h) for n, h in bf.get("staleness_by_node", {}).items()}
+    return dropped
+
+
 def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, keep_leases: bool) -> dict[str, Any]:
     """Load ``state`` (``load``) into a freshly built ``dl`` (files already ``cut_back``;
     ``rec.restore`` of ``state["core"]`` done by the caller). ``keep_leases``: the nodes holding leases
@@ -245,10 +291,7 @@ def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, kee
     otherwise (a new run incarnation) they go back to the queue, without counting an attempt.
     Returns what was restored, for the log."""
     layer, ls, lg, bf = state["layer"], state["leases"], state["ledger"], state["buffers"]
-    started = layer["started"]
-    if not keep_leases and state.get("saved_at"):  # a new incarnation: the time between runs is not run time
-        started = time.time() - max(0.0, float(state["saved_at"]) - float(started))
-    dl._started = dl.evals.started = started
+    dl._started = dl.evals.started = layer["started"] if keep_leases else run_start(layer, state.get("saved_at"))
     dl.budget = layer["budget"]
     if dl.budget_sources is not None:
         dl.budget_sources = Counter(layer.get("budget_sources") or {})
@@ -285,6 +328,8 @@ def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, kee
         setattr(dl.buffers, f, bf[f])
     for p, by_version in bf.get("served_replays", {}).items():  # absent from an earlier AstraFlow's records
         dl.buffers.served_replays.setdefault(p, {}).update(by_version)
+    # absent from an earlier AstraFlow's records
+    dl.buffers.staleness_by_node = {n: Counter(h) for n, h in bf.get("staleness_by_node", {}).items()}
     dl.mixer.consumed, dl.mixer.groups_created = state["mixer"]["consumed"], state["mixer"]["groups_created"]
     dl.evals.rounds, dl.evals.results = state["evals"]["rounds"], state["evals"]["results"]
     # a round left open by an earlier run's end has no tasks left: it would hold back every later record

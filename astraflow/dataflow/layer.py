@@ -260,19 +260,26 @@ class DataLayer(NodeFacing, TrainerFacing, LaneServed):
         return self.evals.done(version)
 
     # ------------------------------------------------------------------ orchestrator-facing
-    async def finish(self) -> dict[str, Any]:
+    async def finish(self, completed: bool = True) -> dict[str, Any]:
         """End the run: every task that has not ended is dropped with reason ``run_ended``.
-        Afterwards every task in the ledger has ended exactly once."""
+        Afterwards every task in the ledger has ended exactly once, except, when the run stopped
+        before its end (``completed`` False: a lost trainer, a failure, a signal) and its state is
+        durable, the tasks of batches served and never committed: they stay served for the resume
+        to put back (``Buffers.end_run``), counted in the summary's ``kept_for_resume``."""
         self.finished = True
         self.evals.write(past_unfinished=True)  # rounds held back behind an unfinished one were measured
-        self.buffers.end_run()
+        keep = not completed and self.durability.snapshot_path is not None  # else no resume could put them back
+        self.buffers.end_run(keep_served=keep)
         # a completed task still routed to a buffer is ended by it, not here
         self.leases.end_all(keep=self.buffers.routed_left)
         self.buffers.rolling.clear()  # every task of a group still in rollout has ended: a resume starts afresh
         self.evals.drop_unfinishable()  # their tasks just ended: a resume must not wait for them
         self.metrics.flush()
         await self._durable(sync=True)
-        return self.ledger.summary()
+        summary = self.ledger.summary()
+        if keep:
+            summary["kept_for_resume"] = len(self.buffers.routed_left)  # the tasks of the batches kept
+        return summary
 
     async def progress(self) -> dict[str, int]:
         """Cheap counters for pollers that only need to know how far the run is."""

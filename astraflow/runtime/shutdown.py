@@ -12,6 +12,7 @@ from typing import Any
 
 from astraflow.runtime.stopping import BoundedWaits, Ending
 from astraflow.runtime.workers import NODE_PHASES
+from storage.weights import WeightStore
 
 log = logging.getLogger("astraflow.runtime")
 
@@ -26,6 +27,26 @@ class RunResult:
     interrupted: bool = False
     nodes: dict[str, Any] = field(default_factory=dict)
     ending: Ending = Ending("completed")
+
+
+def committed_steps(weights: Path, policies: list[str], reported: dict[str, int]) -> dict[str, int]:
+    """Per policy, the newest version committed in the weight store at ``weights`` (what a
+    resume starts from): a trainer lost after the last tick, or between a commit and its report,
+    committed more than it said. What it (or the last tick) reported, ``reported``, where the
+    store holds none of it or cannot be listed."""
+    store = WeightStore(weights)
+    steps = {}
+    for p in policies:
+        try:
+            kept = store.versions(p)
+        except OSError as err:  # an unreadable store: the summary is still written
+            log.warning("listing the committed versions of %s failed: %s: %s", p, type(err).__name__, err)
+            kept = []
+        if kept:
+            steps[p] = kept[-1]
+        elif p in reported:
+            steps[p] = reported[p]
+    return steps
 
 
 class Shutdown:
@@ -57,13 +78,14 @@ class Shutdown:
             stops = {p: waits.start(f"trainer {p}", lambda t=t: t.stop(timeout=trainer_s))
                      for p, t in self.trainers.items()}
             trainers = {p: waits.result(f"trainer {p}", f, trainer_s + 30) for p, f in stops.items()}
-            ledger = waits.call("data layer finish", lambda: self.dl.finish(), 60) or {}
+            # a run stopped before its end keeps its served, uncommitted batches for the resume
+            ledger = waits.call("data layer finish", lambda: self.dl.finish(completed=ending.clean), 60) or {}
             state = waits.call("data layer state", lambda: self.dl.state(), 30) or {}
             waits.call("data layer close", lambda: self.dl.close(), 30)
         last = self.last_tick
         state = state or (last.data_layer if last else {})
         trainers = {p: t or (last.trainers.get(p) if last else None) for p, t in trainers.items()}
-        steps = {p: t["version"] for p, t in trainers.items() if t}
+        steps = committed_steps(self.paths.weights, list(trainers), {p: t["version"] for p, t in trainers.items() if t})
         result = RunResult(self.paths.root, steps, state.get("eval", []), ledger or state.get("ledger", {}),
                            time.time() - t0, ending.status == "interrupted", nodes, ending)
         self.status.write_summary(ending=ending, steps=steps, ledger=result.ledger, ledger_closed=bool(ledger),

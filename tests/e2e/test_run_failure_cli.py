@@ -28,17 +28,17 @@ EXIT_WITHIN_S = 45.0
 
 @contextmanager
 def _running(tmp_path: Path, tiny_model: Path, *sets: str, max_steps: int = 1000, quiet: bool = True,
-             ) -> Iterator[tuple[subprocess.Popen, Path]]:
-    """A paced run (each episode takes >= 0.5 s) that would go on far longer than the test
-    (unless ``max_steps`` says otherwise); ``sets``: more ``--set`` overrides. Killed on the way
-    out if the test left it running."""
+             paced: bool = True) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """A paced run (each episode takes >= 0.5 s; ``paced`` False: as fast as the trainer) that
+    would go on far longer than the test (unless ``max_steps`` says otherwise); ``sets``: more
+    ``--set`` overrides. Killed on the way out if the test left it running."""
     cfg = _write_config(tmp_path, tiny_model)
     run_dir = tmp_path / "run"
     extra = [arg for s in sets for arg in ("--set", s)]
+    pace = ["--set", "workload.workflow=tests.slurm.slow_workflow:slow_single_turn_test"] if paced else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "astraflow", "run", str(cfg), "--run-dir", str(run_dir), *(["--quiet"] if quiet else []),
-         "--set", f"run.max_steps={max_steps}", "--set", "workload.eval.every=0",
-         "--set", "workload.workflow=tests.slurm.slow_workflow:slow_single_turn_test", *extra],
+         "--set", f"run.max_steps={max_steps}", "--set", "workload.eval.every=0", *pace, *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -127,8 +127,10 @@ def test_a_killed_core_worker_fails_the_run_in_one_line_with_a_summary(tiny_mode
     assert took < EXIT_WITHIN_S, f"the way out took {took:.0f}s"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["reason"].startswith(what)
-    if role == "trainer":  # the data layer was still there: it closed the ledger, every task ended once
-        assert summary["ledger_closed"] and summary["ledger"]["open"] == 0
+    if role == "trainer":  # the data layer was still there: it closed the ledger, every task ended once but
+        # those of the batches served to the lost trainer, kept for the resume (not dropped as served_not_trained)
+        assert summary["ledger_closed"] and summary["ledger"]["open"] == summary["ledger"]["kept_for_resume"]
+        assert "served_not_trained" not in summary["ledger"]["dropped_by_reason"], summary["ledger"]
         assert "trainer solver" in summary["stop_errors"]
     else:  # the ledger could not be closed: the summary keeps the last one read, and says so
         assert not summary["ledger_closed"] and summary["ledger"]["tasks"] > 0
@@ -179,6 +181,33 @@ def victim_name(workers: dict[str, dict], victim: dict) -> str:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(420)
+def test_a_run_failed_on_a_lost_trainer_resumes_and_trains_the_batches_served_to_it(tiny_model, tmp_path):
+    """Unpaced, the trainer is the bottleneck: when it is killed a batch served to it is in training.
+    The run fails keeping that batch; the resume puts it back and trains it: the audit finds nothing lost."""
+    from benchmarks.chaos_audit import audit_run
+
+    with _running(tmp_path, tiny_model, "cluster.trainer_restarts=0", paced=False) as (proc, run_dir):
+        victim = _serving_trainer(_workers_once_training(proc, run_dir))
+        os.kill(_pid(victim), signal.SIGKILL)  # a worker this test's run started, by its PID
+        rc, _, everything, _ = _finish(proc, time.monotonic())
+    assert rc == 1, everything[-3000:]
+    first = json.loads((run_dir / "summary.json").read_text())
+    ledger = first["ledger"]
+    assert "served_not_trained" not in ledger["dropped_by_reason"] and ledger["open"] == ledger["kept_for_resume"]
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    # the newest committed version (one more when the trainer died between a commit and its report)
+    assert first["steps"]["solver"] >= max(steps), (first["steps"], steps[-3:])
+    final = first["steps"]["solver"] + 3
+    resume = [sys.executable, "-m", "astraflow", "run", str(tmp_path / "config.yaml"), "--run-dir", str(run_dir),
+              "--quiet", "--set", f"run.max_steps={final}", "--set", "workload.eval.every=0"]
+    again = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    audit = audit_run(run_dir, final)
+    assert audit["ok"] and not audit["lost_trajectories"], audit["problems"]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(420)
 def test_a_trainer_worker_killed_past_its_restarts_fails_the_run_naming_the_limit(tiny_model, tmp_path):
     with _running(tmp_path, tiny_model, "cluster.trainer_restarts=1") as (proc, run_dir):
         first = _serving_trainer(_workers_once_training(proc, run_dir))
@@ -200,7 +229,7 @@ def test_a_trainer_worker_killed_past_its_restarts_fails_the_run_naming_the_limi
     assert took < EXIT_WITHIN_S, f"the way out took {took:.0f}s"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["trainer_restarts"]["solver"]["count"] == 1
-    assert summary["ledger_closed"] and summary["ledger"]["open"] == 0
+    assert summary["ledger_closed"] and summary["ledger"]["open"] == summary["ledger"]["kept_for_resume"]
     assert not [n for n, w in workers.items() if _alive(_pid(w))], "worker processes were left running"
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from schedulers import parse_worker_name
+
 if TYPE_CHECKING:
     from astraflow.runtime.workers import Fleet
 
@@ -22,11 +24,19 @@ ZERO_COUNTS: dict[str, Any] = {"completed": 0, "tokens": 0, "staleness": Counter
 
 def node_partition(node: str, info: dict[str, Any], fleet: Fleet) -> str | None:
     """The partition of ``node``: from its heartbeat, else from its worker (several nodes per
-    worker are named ``<worker>.n<i>``); None when neither is known."""
+    worker are named ``<worker>.n<i>``), else from its worker's name (a node of an earlier
+    incarnation, whose consumption the data layer keeps); None when none is known."""
     if info.get("partition"):
         return str(info["partition"])
-    w = fleet.workers.get(node) or fleet.workers.get(str(info.get("worker", "")))
-    return w.partition if w is not None else None
+    head, dot, index = node.rpartition(".n")
+    worker = head if dot and index.isdigit() else node
+    w = fleet.workers.get(node) or fleet.workers.get(str(info.get("worker", ""))) or fleet.workers.get(worker)
+    if w is not None:
+        return w.partition
+    try:
+        return str(parse_worker_name(worker)["partition"])
+    except ValueError:
+        return None
 
 
 def partition_counts(dl_state: dict[str, Any], fleet: Fleet, names: list[str]) -> dict[str, dict[str, Any]]:

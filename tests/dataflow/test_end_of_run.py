@@ -1,0 +1,101 @@
+"""The end of a run (``DataLayer.finish``): a run that stopped before its end (a lost trainer, a
+failure, Ctrl-C, a requeue) keeps the batches served and never committed, for the resume to put
+back and train, instead of dropping them as ``served_not_trained``; a run that reached its end
+still drops them."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from astraflow.dataflow.config import DataflowConfig
+from astraflow.dataflow.layer import DataLayer
+from astraflow.workloads.config import EvalConfig, WorkloadConfig
+from tests.dataflow.test_data_layer import MATH, Node, run
+from tests.dataflow.test_durable import Paths, _alternating, _ended_once
+
+
+def _served_then_lost(layer: DataLayer):
+    """16 sequences rolled, v1 committed, then the batch at v1 served to a trainer that is lost."""
+
+    async def go():
+        await Node(layer).roll(16, reward_of=_alternating)
+        first = await layer.next_batch("p", 0, timeout=5)
+        await layer.published("p", 1, {"loss": 0.0})
+        lost = await layer.next_batch("p", 1, timeout=5)
+        return first, lost
+
+    return run(go())
+
+
+@pytest.mark.parametrize("committed", [1, 2], ids=["lost-while-training", "lost-after-commit-before-report"])
+def test_a_run_stopped_before_its_end_keeps_served_batches_and_the_resume_trains_them(tmp_path, committed):
+    """``committed``: the newest version in the weight store when the run stopped (2: the lost
+    trainer committed v2, trained on the kept batch, without reporting it)."""
+    paths = Paths(tmp_path)
+    old = paths.layer()
+    first, lost = _served_then_lost(old)
+
+    async def stop():
+        summary = await old.finish(completed=False)
+        await old.close()
+        return summary
+
+    summary = run(stop())
+    assert "served_not_trained" not in summary["dropped_by_reason"]
+    assert summary["open"] == summary["kept_for_resume"] == 8  # the lost batch's tasks, kept open
+    assert "served_not_trained" not in paths.journal.read_text()
+
+    resumed = paths.layer()  # `astraflow run` again on the run directory
+
+    async def resume():
+        out = await resumed.trainer_restarted("p", committed, restart=False)
+        if committed == 1:  # put back, served again and trained
+            assert out == {"put_back": 8, "recovered": []}
+            again = await resumed.next_batch("p", 1, timeout=5)
+            assert sorted(i.task_id for i in again.items) == sorted(i.task_id for i in lost.items)
+            await resumed.published("p", 2, {"loss": 0.0})
+        else:  # trained on by the commit the lost trainer never reported: consumed now
+            assert out == {"put_back": 0, "recovered": [2]}
+        end = await resumed.finish()
+        await resumed.close()
+        return end
+
+    end = run(resume())
+    assert end["open"] == 0 and "served_not_trained" not in end["dropped_by_reason"]
+    outcomes = _ended_once(paths.journal_lines())  # every task created ended exactly once, across both runs
+    assert outcomes["consumed"] == 16
+    consumed = {x["t"] for x in paths.journal_lines() if x["e"] == "consumed"}
+    assert consumed == {i.task_id for i in first.items} | {i.task_id for i in lost.items}
+    assert paths.steps() == [1, 2]
+
+
+def test_a_run_that_reached_its_end_still_drops_served_uncommitted_batches(tmp_path):
+    paths = Paths(tmp_path)
+    layer = paths.layer()
+    _, lost = _served_then_lost(layer)
+
+    async def stop():
+        summary = await layer.finish()  # completed: no resume follows
+        await layer.close()
+        return summary
+
+    summary = run(stop())
+    assert summary["open"] == 0 and summary["dropped_by_reason"]["served_not_trained"] == 8
+    assert "kept_for_resume" not in summary
+    ends = {x["t"]: x.get("r") for x in paths.journal_lines() if x["e"] != "created"}
+    assert {ends[i.task_id] for i in lost.items} == {"served_not_trained"}
+
+
+def test_without_durable_state_nothing_can_be_put_back_so_nothing_is_kept(tmp_path):
+    layer = DataLayer(
+        dataflow=DataflowConfig(batch_size=8, durable=False),
+        workload=WorkloadConfig(name="math", params=MATH, group_size=4, eval=EvalConfig(every=0, num_prompts=3)),
+        policies=["p"], store_url=f"memory://{uuid.uuid4().hex}", metrics_path=str(tmp_path / "metrics.jsonl"),
+        max_steps=5,
+    )
+    _served_then_lost(layer)
+    summary = run(layer.finish(completed=False))
+    assert summary["open"] == 0 and summary["dropped_by_reason"]["served_not_trained"] == 8
+

@@ -1,0 +1,81 @@
+"""The orchestrator's way out (``Shutdown._shutdown``) with stand-ins for the components: the
+data layer learns whether the run reached its end (one that did not keeps its served, uncommitted
+batches for the resume), and ``summary.json``'s ``steps`` are the newest committed versions in
+the weight store, not the last tick of a trainer that was lost."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from astraflow.runtime.monitoring import Tick
+from astraflow.runtime.shutdown import Shutdown
+from astraflow.runtime.stopping import Ending
+from storage.paths import RunPaths
+from storage.weights import WeightStore
+
+
+def _done(value) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+class _DataLayer:
+    def __init__(self):
+        self.finished_with: list[bool] = []
+
+    def finish(self, completed: bool = True) -> Future:
+        self.finished_with.append(completed)
+        return _done({"tasks": 8, "open": 0, "dropped_by_reason": {}})
+
+    def state(self) -> Future:
+        return _done({"eval": []})
+
+    def close(self) -> Future:
+        return _done(None)
+
+
+class _LostTrainer:
+    def stop(self, timeout: float):
+        raise RuntimeError("its worker is gone")  # the handle of a lost worker raises at once
+
+
+class _Run(Shutdown):
+    """Just what ``_shutdown`` reads of the orchestrator."""
+
+    def __init__(self, root, dl, trainers, last_tick):
+        self.cfg = SimpleNamespace(cluster=SimpleNamespace(stop_grace_s=1.0))
+        self.paths = RunPaths(root).make()
+        self.fleet = SimpleNamespace(of_role=lambda role: [])
+        self.dl, self.trainers, self.last_tick, self.iterations = dl, trainers, last_tick, []
+        self.summary: dict = {}
+        self.status = SimpleNamespace(write_summary=lambda **kw: self.summary.update(kw))
+
+
+@pytest.mark.parametrize("ending, completed", [
+    (Ending("failed", "trainer worker ... is gone; restarting its trainer is off"), False),
+    (Ending("interrupted", "stopped by Ctrl-C"), False),
+    (Ending("interrupted", "stopped by SIGUSR1 for a requeue", requeue=True), False),
+    (Ending("completed"), True),
+], ids=["lost-trainer", "ctrl-c", "requeue", "completed"])
+def test_the_data_layer_learns_whether_the_run_reached_its_end(tmp_path, ending, completed):
+    dl = _DataLayer()
+    run = _Run(tmp_path / "run", dl, {"solver": _LostTrainer()},
+               Tick(data_layer={}, trainers={"solver": {"version": 0}}))
+    run._shutdown(0.0, ending)
+    assert dl.finished_with == [completed]
+
+
+def test_the_summary_steps_are_the_newest_committed_version_not_a_lost_trainers_last_tick(tmp_path):
+    run = _Run(tmp_path / "run", _DataLayer(), {"solver": _LostTrainer()},
+               Tick(data_layer={}, trainers={"solver": {"version": 23}}))  # ticked before v24, v25 were committed
+    store = WeightStore(run.paths.weights, keep_last=10)
+    for v in (23, 24, 25):
+        store.publish("solver", v, {"w": torch.zeros(2)})
+    result = run._shutdown(0.0, Ending("failed", "trainer worker ... is gone"))
+    assert run.summary["steps"] == result.steps == {"solver": 25}
+    assert "trainer solver" in run.summary["stop_errors"]
