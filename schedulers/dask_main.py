@@ -16,6 +16,10 @@ does for nannies, avoids that.
 ``kill -USR2 <pid>`` makes either process write every thread's stack to its log (its stderr)
 and go on: the first thing to look at when a worker hangs.
 
+Started by a run inside a Slurm job (``IGNORE_TERM_ENV``, ``schedulers.procs``), the process
+ignores SIGTERM, which ``scancel`` sends to every process of the job, and stops on SIGINT, which
+the run sends once it has stopped what runs on it.
+
 Each process works in a directory of its own (`private_directory`): made here, on the process's
 own node, with a random name and mode 0700 under the node's temporary directory, given to Dask
 as its local directory (and its ``temporary-directory``), removed when the process exits (or,
@@ -83,6 +87,30 @@ def close_workers_on_signal(cli) -> None:
         return signum
 
     cli.wait_for_signals = wait_then_close
+
+
+async def wait_for_sigint() -> int:
+    """What ``dask worker``/``dask scheduler`` wait for before they close, where SIGTERM is to be
+    ignored: SIGINT alone (a second one ends the process at once)."""
+    loop = asyncio.get_running_loop()
+    got = asyncio.Event()
+    loop.add_signal_handler(signal.SIGINT, got.set)
+    try:
+        await got.wait()
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+    return int(signal.SIGINT)
+
+
+def ignore_sigterm(cli) -> None:
+    """SIGTERM ignored (one line in the log each time), and the command module ``cli`` waiting for
+    SIGINT alone; a Python-level handler, so the processes this one starts do not inherit it."""
+    def noted(signum, frame):
+        os.write(2, b"dask_main: SIGTERM ignored: the run that started this process stops it (SIGINT)\n")
+
+    signal.signal(signal.SIGTERM, noted)
+    if hasattr(cli, "wait_for_signals"):
+        cli.wait_for_signals = wait_for_sigint
 
 
 def option(args: list[str], name: str) -> tuple[str | None, list[str]]:
@@ -237,13 +265,18 @@ def main(argv: list[str] | None = None) -> None:
         _, args = prepare(argv[0], argv[1:])
     except OSError as err:
         sys.exit(f"dask {argv[0]}: no private local directory: {err}")
-    if argv[0] == "worker":
-        from distributed.cli import dask_worker
-        from distributed.cli.dask_worker import main as command
+    from schedulers.procs import IGNORE_TERM_ENV
 
-        close_workers_on_signal(dask_worker)
+    if argv[0] == "worker":
+        from distributed.cli import dask_worker as cli
+        from distributed.cli.dask_worker import main as command
     else:
+        from distributed.cli import dask_scheduler as cli
         from distributed.cli.dask_scheduler import main as command
+    if os.environ.get(IGNORE_TERM_ENV) == "1":
+        ignore_sigterm(cli)
+    if argv[0] == "worker":
+        close_workers_on_signal(cli)
     try:
         command(args=args, prog_name=f"dask {argv[0]}")
         code = 0

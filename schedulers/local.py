@@ -21,7 +21,7 @@ from pathlib import Path
 
 from schedulers.base import JobRef, JobStatus, UnknownJobError
 from schedulers.command import TLSFiles, partition_worker_command, worker_env
-from schedulers.procs import die_with_parent, process_argv, process_identity
+from schedulers.procs import die_with_parent, process_argv, process_identity, stop_env, stop_signal
 from schedulers.partition import Partition, worker_name
 
 
@@ -105,7 +105,7 @@ class LocalScheduler:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **worker_env(partition, name)},
+                env={**os.environ, **worker_env(partition, name), **stop_env()},
                 start_new_session=True,  # own process group: cancel reaches the worker's children too
                 preexec_fn=die_with_parent,  # no orphaned worker if this process dies
             )
@@ -114,14 +114,15 @@ class LocalScheduler:
         return JobRef(job_id, partition.name, name, self.kind, log, identity=process_identity(popen.pid))
 
     def cancel(self, job_ids: Iterable[str], wait: bool = False) -> None:
-        """Always waits: SIGTERM, then SIGKILL after ``term_timeout``, each process reaped."""
+        """Always waits: SIGTERM (SIGINT inside a Slurm job: `stop_signal`), then SIGKILL after
+        ``term_timeout``, each process reaped."""
         ids = list(job_ids)
         unknown = [j for j in ids if j not in self._procs]
         procs = [self._procs[j] for j in ids if j in self._procs]
         for p in procs:
             if p.popen.poll() is None:
                 p.cancelled = True
-                self._signal(p, signal.SIGTERM)
+                self._signal(p, stop_signal())
         deadline = time.monotonic() + self.term_timeout
         for p in procs:
             if not p.cancelled:
@@ -155,7 +156,7 @@ class LocalScheduler:
         return out
 
     def cancel_previous(self, records: Sequence[JobRef]) -> list[JobStatus]:
-        """Stop the workers of `records` (a previous incarnation's) that still run: SIGTERM to
+        """Stop the workers of `records` (a previous incarnation's) that still run: `stop_signal` to
         the worker's process group, SIGKILL after `term_timeout`. A record's pid is signalled
         only while it is verifiably that worker: the same `process_identity` (so not a pid the
         kernel has given to another process since, nor one on another host) and a command line
@@ -165,7 +166,7 @@ class LocalScheduler:
                    if ref.kind == self.kind and ref.identity and ref.job_id.removeprefix("local-").isdigit()]
         victims = [(ref, pid) for ref, pid in victims if _is_worker(pid, ref)]
         for ref, pid in victims:
-            _killpg(pid, signal.SIGTERM)
+            _killpg(pid, stop_signal())
         deadline = time.monotonic() + self.term_timeout
         while any(_is_worker(pid, ref) for ref, pid in victims) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -9,17 +9,37 @@ shutdown after losing its scheduler ignored SIGTERM for an hour. Elsewhere it do
 
 A process that must be found again by a later run (a worker of a previous incarnation of a run)
 is named by its pid *and* its `process_identity`: pids are reused, the identity is not.
+
+Inside a Slurm job (an ``astraflow run`` in a head job or an allocation), ``scancel`` sends
+SIGTERM to every process of the job at once; the run's own Dask processes would then be gone
+before it could stop them in order (flush the nodes, commit, close the ledger). So there the
+processes it starts ignore SIGTERM (``IGNORE_TERM_ENV``, read by ``dask_main``) and are stopped
+with SIGINT (`stop_signal`); elsewhere SIGTERM stops them as usual.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import socket
 import sys
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+#: "1" for the Dask processes a run starts inside a Slurm job: they ignore SIGTERM and stop on SIGINT
+IGNORE_TERM_ENV = "ASTRAFLOW_IGNORE_SIGTERM"
+
+
+def stop_signal() -> signal.Signals:
+    """How this process stops the Dask processes it started: SIGINT inside a Slurm job (module
+    docstring), else SIGTERM."""
+    return signal.SIGINT if os.environ.get("SLURM_JOB_ID") else signal.SIGTERM
+
+
+def stop_env() -> dict[str, str]:
+    """What the environment of a Dask process started here adds for `stop_signal`."""
+    return {IGNORE_TERM_ENV: "1"} if stop_signal() == signal.SIGINT else {}
 
 
 def die_with_parent() -> None:

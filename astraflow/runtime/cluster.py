@@ -14,7 +14,7 @@ from pathlib import Path
 
 from astraflow.runtime.dashboard import ACCESS_ENV, HTTPS_ENV, RUN_DIR_ENV, TOKEN_FILE_ENV
 from schedulers.command import DASK_MAIN, TLSFiles, quiet_dask_env
-from schedulers.procs import die_with_parent
+from schedulers.procs import die_with_parent, stop_env, stop_signal
 from storage.paths import RunPaths
 
 
@@ -54,7 +54,7 @@ class SchedulerProcess:
         ]
         self.proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
-            env=worker_env({RUN_DIR_ENV: str(self.paths.root.resolve()), **self._dashboard_env()}),
+            env=worker_env({RUN_DIR_ENV: str(self.paths.root.resolve()), **self._dashboard_env(), **stop_env()}),
         )
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -90,7 +90,7 @@ class SchedulerProcess:
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        os.killpg(self.proc.pid, stop_signal())
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

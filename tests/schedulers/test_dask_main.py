@@ -82,3 +82,42 @@ def test_a_dask_command_without_the_signal_hook_is_left_as_it_is():
     original = hook.wait_for_signals
     close_workers_on_signal(hook)
     assert hook.wait_for_signals is not original  # wrapped: the workers close when it returns
+
+
+@pytest.mark.timeout(120)
+def test_started_inside_a_slurm_job_a_worker_outlives_sigterm_and_closes_on_sigint(dask_scheduler, tmp_path):
+    """scancel signals every process of the job: the run's own Dask processes ignore SIGTERM and
+    close when the run stops them (SIGINT), after it stopped what runs on them."""
+    import os
+
+    from schedulers.procs import IGNORE_TERM_ENV
+
+    address, _, client = dask_scheduler
+    with open(tmp_path / "w.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "schedulers.dask_main", "worker", address, "--name", "w-1",
+                                 "--nthreads", "1", "--no-nanny", "--no-dashboard", "--death-timeout", "30"],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, IGNORE_TERM_ENV: "1"})
+    try:
+        assert "w-1" in wait_for_workers(client, {"w-1"}, present=True, deadline_s=60)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.5)
+        assert proc.poll() is None and "w-1" in wait_for_workers(client, {"w-1"}, present=True, deadline_s=10)
+        assert "SIGTERM ignored" in (tmp_path / "w.log").read_text()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Reason: signal-2" in (tmp_path / "w.log").read_text()
+    assert "w-1" not in wait_for_workers(client, {"w-1"}, present=False, deadline_s=30)
+
+
+def test_the_stop_signal_is_sigint_inside_a_slurm_job_only(monkeypatch):
+    from schedulers.procs import IGNORE_TERM_ENV, stop_env, stop_signal
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert stop_signal() == signal.SIGTERM and stop_env() == {}
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert stop_signal() == signal.SIGINT and stop_env() == {IGNORE_TERM_ENV: "1"}

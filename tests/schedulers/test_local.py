@@ -176,3 +176,25 @@ def _group(pgid: int) -> list[int]:
             if int(fields[2]) == pgid and fields[0] != "Z":
                 out.append(int(entry))
     return out
+
+
+@pytest.mark.timeout(90)
+def test_inside_a_slurm_job_workers_outlive_a_sigterm_to_the_job_and_cancel_stops_them(dask_scheduler, tmp_path,
+                                                                                       monkeypatch):
+    """scancel's SIGTERM reaches every process of a head job: the run's local workers stay for
+    the run to stop them in order; its cancel then closes them (SIGINT), no SIGKILL needed."""
+    address, _, client = dask_scheduler
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    sched = LocalScheduler(tmp_path / "logs", death_timeout=20, term_timeout=20)
+    (ref,) = sched.submit(_part(nodes=1), address, count=1)
+    pid = int(ref.job_id.removeprefix("local-"))
+    try:
+        assert ref.worker_name in wait_for_workers(client, {ref.worker_name}, present=True, deadline_s=40)
+        os.killpg(pid, signal.SIGTERM)  # as scancel signals the job's processes (this test's own worker)
+        time.sleep(1.5)
+        assert ref.worker_name in wait_for_workers(client, {ref.worker_name}, present=True, deadline_s=10)
+        t0 = time.monotonic()
+        sched.cancel([ref.job_id])
+        assert time.monotonic() - t0 < 15 and sched._procs[ref.job_id].popen.returncode == 0
+    finally:
+        sched.close()
