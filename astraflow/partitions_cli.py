@@ -117,6 +117,9 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
         raise UserError(str(err)) from None
     click.echo(f"partition {part.name} requested: {part.nodes} {part.scheduler} worker(s)"
                + (f" in Slurm partition {part.slurm_partition}" if part.slurm_partition else ""))
+    if part.nodes == 0:  # nothing will be submitted: nothing to wait for
+        click.echo("it has no worker to start (--nodes 0): nothing to wait for")
+        return
     if wait_s <= 0:
         return
     try:
