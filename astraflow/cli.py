@@ -144,19 +144,24 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
                 pass
 
 
+#: what a run writes at the top of its directory (``storage.paths.RunPaths``)
+RUN_DIR_ENTRIES = frozenset({"config.yaml", "metrics.jsonl", "summary.json", "scheduler.json", "control", "logs",
+                             "jobs", "weights", "trajectories", "trainer_state", "security", "plots", "tensorboard"})
+
+
 def _not_someone_elses_files(rd: Path) -> None:
-    """A ``--run-dir`` that holds files but no run (no ``control/``, which every run makes first) is
-    refused: a run writes config.yaml, logs/, weights/ ... into it, over what is there (a project
-    folder holding the very config given, say)."""
+    """A ``--run-dir`` that is no run's (no ``control/``, which every run makes first) but holds
+    files a run would write over (a project folder with its own config.yaml, say) is refused.
+    Other files there (a job's output, ``.gitkeep``, ``lost+found``) are left alone."""
     try:
-        found = sorted(p.name for p in rd.iterdir()) if rd.is_dir() and not (rd / "control").is_dir() else []
+        found = sorted(p.name for p in rd.iterdir() if p.name in RUN_DIR_ENTRIES) \
+            if rd.is_dir() and not (rd / "control").is_dir() else []
     except OSError:
         return  # unreadable: the run directory's own checks say so
     if found:
-        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-        raise UserError(f"--run-dir {rd} holds files but no run ({shown}; no control/): a run writes config.yaml, "
-                        "logs/, weights/ and more into its directory. Pass a new or empty directory, or the "
-                        "directory of a run to resume it")
+        raise UserError(f"--run-dir {rd} is no run's directory (no control/) but holds {', '.join(found)}, which a "
+                        "run would write over. Pass a new or empty directory, or the directory of a run to "
+                        "resume it")
 
 
 def _run(cfg, rd: Path, quiet: bool) -> None:

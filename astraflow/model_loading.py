@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,9 @@ def _check_weight_files(p: Path) -> None:
         missing = _missing_weights(model, set(shapes)) if model is not None else []
         if missing:
             raise _missing_weights_error(p, missing)
-        wrong = _mis_shaped(model, shapes) if model is not None else []
+        # a pre-quantized checkpoint stores packed shapes under the same names: not compared
+        quantized = "quantization_config" in _read_config(p)
+        wrong = _mis_shaped(model, shapes) if model is not None and not quantized else []
         if wrong:
             shown = "; ".join(f"{k}: {list(have)} in the weight files, {list(want)} by config.json"
                               for k, have, want in wrong[:3])
@@ -291,17 +294,31 @@ def load_tokenizer(path: str | Path):
 
 
 def _check_vocabulary(p: Path, tok) -> None:
-    """Every token id of ``tok`` (added tokens included) has a row in the model's embeddings: past
-    ``vocab_size`` every rollout that meets such a token fails. A smaller tokenizer is normal (the
-    embeddings are padded, to a multiple of 64 or so)."""
+    """Every token a run meets has a row in the model's embeddings: the tokenizer's own vocabulary,
+    its eos/bos/pad tokens and those its chat template writes. Past ``vocab_size`` each rollout
+    that meets one would fail. Added tokens a run never writes may lie past it (a multimodal
+    model's image tokens); a smaller tokenizer is normal (the embeddings are padded)."""
     config = _read_config(p)
     size = config.get("vocab_size")
     if size is None and isinstance(config.get("text_config"), dict):  # a multimodal model's language part
         size = config["text_config"].get("vocab_size")
-    if isinstance(size, int) and not isinstance(size, bool) and len(tok) > size:
+    if not isinstance(size, int) or isinstance(size, bool) or len(tok) <= size:
+        return
+    used = {tok.eos_token_id, tok.bos_token_id, tok.pad_token_id}
+    if getattr(tok, "chat_template", None):
+        try:
+            chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+            ids = tok.apply_chat_template(chat, tokenize=True)
+            used |= set(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+        except Exception:  # a template this sample does not fit: its own tokens are not known
+            pass
+    beyond = sorted(i for i in used if isinstance(i, int) and i >= size)
+    if tok.vocab_size > size or beyond:
+        which = (f"ids {size} to {tok.vocab_size - 1} of its vocabulary" if tok.vocab_size > size
+                 else f"the tokens {beyond} that runs write")
         raise ValueError(f"the tokenizer of {p} has {len(tok)} tokens, more than the model's vocabulary of {size} "
-                         f"(vocab_size in config.json): ids {size} to {len(tok) - 1} have no embedding, so the "
-                         "tokenizer does not belong to the model; put the model's own tokenizer files next to it "
+                         f"(vocab_size in config.json), and {which} have no embedding, so the tokenizer does not "
+                         "belong to the model; put the model's own tokenizer files next to it "
                          "(tokenizer.json and tokenizer_config.json of the checkpoint)")
 
 

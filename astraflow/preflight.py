@@ -237,19 +237,26 @@ def prompts_that_do_not_fit(cfg: RunConfig, wl, policies: list[str] | None = Non
         if cfg.simulated(pol) or not config.is_file() or (policies is not None and pol.name not in policies):
             continue  # a model init builds is sized to the workload's prompts
         positions = json.loads(config.read_text()).get("max_position_embeddings")
+        engine = cfg.rollout.engine
+        if engine.type == "vllm" and engine.vllm.max_model_len:  # the engine's own limit (rope scaling)
+            positions = engine.vllm.max_model_len
         if not isinstance(positions, int) or positions <= new:
             continue  # no limit known; or max_new_tokens alone overflows, which preflight refuses
         tok, room = load_tokenizer(pol.model), positions - new
         over: dict[str, tuple[int, int]] = {}
         longest: tuple[int, str] = (0, "")
-        for split in ("train", "eval"):
-            tasks = wl.tasks(split)[:PROMPTS_MEASURED]
-            lengths = [len(prompt_ids(tok, wl, p)) for p in tasks]
-            n_over = sum(n > room for n in lengths)
-            over[split] = (n_over, len(tasks))
-            for n, p in zip(lengths, tasks):
-                if n > longest[0]:
-                    longest = (n, str(p.get("row", "")) if isinstance(p, dict) else "")
+        try:
+            for split in ("train", "eval"):
+                tasks = wl.tasks(split)[:PROMPTS_MEASURED]
+                lengths = [len(prompt_ids(tok, wl, p)) for p in tasks]
+                over[split] = (sum(n > room for n in lengths), len(tasks))
+                for n, p in zip(lengths, tasks):
+                    if n > longest[0]:
+                        longest = (n, str(p.get("row", "")) if isinstance(p, dict) else "")
+        except Exception as err:  # a chat template that refuses these messages: the rollouts will say so
+            lines.append(f"policy {pol.name}: its prompts could not be rendered with {pol.model}'s tokenizer and "
+                         f"chat template to measure them ({type(err).__name__}: {err})")
+            continue
         if not any(n for n, _ in over.values()):
             continue
         what = (f"policy {pol.name}: {over['train'][0]} of {over['train'][1]} train and {over['eval'][0]} of "

@@ -156,8 +156,10 @@ class LocalScheduler:
         return out
 
     def cancel_previous(self, records: Sequence[JobRef]) -> list[JobStatus]:
-        """Stop the workers of `records` (a previous incarnation's) that still run: `stop_signal` to
-        the worker's process group, SIGKILL after `term_timeout`. A record's pid is signalled
+        """Stop the workers of `records` (a previous incarnation's) that still run: SIGINT to the
+        worker's process group (a Dask process takes it whether or not it was started to ignore
+        SIGTERM, which depended on where that incarnation ran), SIGKILL after `term_timeout`. A
+        record's pid is signalled
         only while it is verifiably that worker: the same `process_identity` (so not a pid the
         kernel has given to another process since, nor one on another host) and a command line
         naming the worker (``--name <worker>``). The check and the signal are a few
@@ -166,7 +168,7 @@ class LocalScheduler:
                    if ref.kind == self.kind and ref.identity and ref.job_id.removeprefix("local-").isdigit()]
         victims = [(ref, pid) for ref, pid in victims if _is_worker(pid, ref)]
         for ref, pid in victims:
-            _killpg(pid, stop_signal())
+            _killpg(pid, signal.SIGINT)
         deadline = time.monotonic() + self.term_timeout
         while any(_is_worker(pid, ref) for ref, pid in victims) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -14,7 +14,8 @@ Inside a Slurm job (an ``astraflow run`` in a head job or an allocation), ``scan
 SIGTERM to every process of the job at once; the run's own Dask processes would then be gone
 before it could stop them in order (flush the nodes, commit, close the ledger). So there the
 processes it starts ignore SIGTERM (``IGNORE_TERM_ENV``, read by ``dask_main``) and are stopped
-with SIGINT (`stop_signal`); elsewhere SIGTERM stops them as usual.
+with SIGINT (`stop_signal`); elsewhere SIGTERM stops them as usual. What those processes start
+in turn (engine processes, Megatron ranks) still ends on scancel's SIGTERM.
 """
 
 from __future__ import annotations

@@ -390,19 +390,24 @@ def test_empty_or_spaced_addresses_and_interfaces_are_refused(tmp_path, key, val
 
 
 def test_a_run_dir_holding_files_but_no_run_is_refused_and_left_as_it_was(tmp_path):
-    """A project folder given as --run-dir (holding the very config given) is not filled with a
-    run over what is there; a new, an empty and a run's own directory are taken."""
+    """A project folder given as --run-dir, holding a config.yaml a run would write over, is not
+    filled with a run; a new, an empty, a run's own directory and one with other files are taken."""
     proj = tmp_path / "proj"
     proj.mkdir()
     cfg = _config(proj)
+    cfg = cfg.rename(proj / "config.yaml")
     before = cfg.read_bytes()
     res = _invoke("run", str(cfg), "--run-dir", str(proj))
-    assert res.exit_code == 2 and f"--run-dir {proj} holds files but no run (tiny.yaml; no control/)" in res.output
-    assert cfg.read_bytes() == before and sorted(p.name for p in proj.iterdir()) == ["tiny.yaml"]
+    assert res.exit_code == 2 and f"--run-dir {proj} is no run's directory (no control/) but holds config.yaml, " \
+        "which a run would write over" in res.output, res.output
+    assert cfg.read_bytes() == before and sorted(p.name for p in proj.iterdir()) == ["config.yaml"]
     from astraflow.cli import _not_someone_elses_files
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "a_run" / "control").mkdir(parents=True)
     (tmp_path / "a_run" / "metrics.jsonl").write_text("")
-    for taken in ("new", "empty", "a_run"):
+    (tmp_path / "other" / "lost+found").mkdir(parents=True)
+    (tmp_path / "other" / ".gitkeep").write_text("")
+    (tmp_path / "other" / "head.1234.log").write_text("")
+    for taken in ("new", "empty", "a_run", "other"):
         _not_someone_elses_files(tmp_path / taken)

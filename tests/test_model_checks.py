@@ -69,11 +69,28 @@ def test_a_tokenizer_with_more_tokens_than_the_models_vocabulary(tiny_model, tmp
     nested = _broken(tiny_model, tmp_path, "nested")  # a multimodal config keeps it in text_config
     config = json.loads((nested / "config.json").read_text())
     (nested / "config.json").write_text(json.dumps({**{k: v for k, v in config.items() if k != "vocab_size"},
-                                                    "text_config": {"vocab_size": n - 1}}))
-    with pytest.raises(ValueError, match=f"has {n} tokens, more than the model's vocabulary of {n - 1}"):
+                                                    "text_config": {"vocab_size": n - 10}}))
+    with pytest.raises(ValueError, match=f"has {n} tokens, more than the model's vocabulary of {n - 10}"):
         load_tokenizer(nested)
     assert config["vocab_size"] > n  # a smaller tokenizer is normal: the embeddings are padded
     check_model_dir(tiny_model)
+
+
+def test_added_tokens_past_the_vocabulary_are_refused_only_where_runs_write_them(tiny_model, tmp_path):
+    """A real checkpoint may list added tokens past vocab_size that no text prompt, template or
+    stop token uses (an image token): accepted. Its eos past vocab_size is not."""
+    tok = load_tokenizer(tiny_model)
+    written = {tok.eos_token_id, tok.pad_token_id, *tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], tokenize=True)}
+    unused = len(tok) - 1
+    assert unused not in written and tok.vocab_size < unused  # the last added token: no run writes it
+    spare = _broken(tiny_model, tmp_path, "spare")
+    _edit_json(spare / "config.json", vocab_size=unused)  # (only the tokenizer's check: the weights' shapes differ)
+    load_tokenizer(spare)
+    eos = _broken(tiny_model, tmp_path, "eos")
+    _edit_json(eos / "config.json", vocab_size=tok.eos_token_id)
+    with pytest.raises(ValueError, match=rf"the tokens \[.*{tok.eos_token_id}.*\] that runs write have no embedding"):
+        load_tokenizer(eos)
 
 
 def _bert(out: Path, tokenizer_from: Path) -> Path:
@@ -162,6 +179,9 @@ def test_a_config_that_does_not_describe_its_weights_is_refused(tiny_model, tmp_
                         "put the checkpoint's own config.json next to its weights")
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj.weight: \[\d+, \d+\] in the weight files"):
         check_model_dir(bad)
+    packed = _broken(bad, tmp_path, "packed")  # a pre-quantized checkpoint stores packed shapes: not compared
+    _edit_json(packed / "config.json", quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    check_model_dir(packed)
 
 
 def test_a_config_transformers_cannot_load_is_blamed_not_the_tokenizer(tiny_model, tmp_path):

@@ -15,6 +15,7 @@ returning an object with ``tokens``, ``logprobs``, ``versions``, ``finish_reason
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import numbers
@@ -194,6 +195,8 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
                     raise EpisodeError(f"{type(env).__name__}.step returned info of type {type(info).__name__}, "
                                        "not a mapping (a dict)")
                 done = _plain(result.done)  # a string such as "no" would be true, and end the episode
+                if isinstance(done, int) and done in (0, 1):
+                    done = bool(done)
                 if not isinstance(done, bool):
                     raise EpisodeError(f"{type(env).__name__}.step returned done {done!r} of type "
                                        f"{type(result.done).__name__}, not a boolean (True or False)")
@@ -228,7 +231,9 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
     finally:
         name = type(env).__name__
         try:
-            await timed(env.close(), timeout, f"{name}.close")
+            closing = env.close()
+            if inspect.isawaitable(closing):  # a plain (synchronous) close has run already
+                await timed(closing, timeout, f"{name}.close")
         except Exception as err:  # a failing close must not hide the episode's own outcome: logged, not raised
             why = err if isinstance(err, EpisodeError) else f"{name}.close raised {type(err).__name__}: {err}"
             logger.warning("%s (the episode's own outcome stands; what the environment holds may not be "

@@ -265,7 +265,8 @@ def check_same_models(cfg: RunConfig, run_dir: Path) -> None:
     """A resume loads each policy's newest committed weights into the policy's model, which must
     therefore be of the architecture the run started with (recorded in ``control/models.json``):
     else a ValueError naming what differs and the fix, before any worker starts. Records the
-    signatures of policies without committed weights yet (and of runs that predate the record)."""
+    signatures of policies without committed weights yet (a run that predates the record is not
+    checked)."""
     from storage.weights import WeightStore
 
     paths = RunPaths(run_dir)
@@ -281,14 +282,15 @@ def check_same_models(cfg: RunConfig, run_dir: Path) -> None:
             continue
         mine, before = model_signature(pol.model), known.get(pol.name)
         trained = store is not None and bool(store.versions(pol.name))
-        if trained and before is not None and mine != before:
-            differs = ", ".join(f"{k} {before.get(k)!r} -> {mine.get(k)!r}" for k in SIGNATURE_KEYS
-                                if before.get(k) != mine.get(k))
+        # a key one config leaves out (its default) is not a difference: a re-save may write it out
+        differs = ", ".join(f"{k} {before[k]!r} -> {mine[k]!r}" for k in SIGNATURE_KEYS
+                            if k in mine and k in (before or {}) and before[k] != mine[k])
+        if trained and differs:
             raise ValueError(f"policies[{pol.name}].model: {pol.model} is not the architecture this run directory's "
                              f"weights were trained as ({differs}; recorded in {record}): a resume loads the "
                              "committed weights into this model. Point the policy at the model the run started "
                              "with, or start a new run directory (--run-dir)")
-        if not trained or before is None:
+        if not trained:  # what the first weights will be trained as (a run that has some and no record: unchecked)
             now[pol.name] = mine
     if now != known:
         paths.control.mkdir(parents=True, exist_ok=True)

@@ -190,8 +190,12 @@ class Orchestrator(Shutdown):
                                    "only the config's are brought up")
             extra = [p for n, p in before.items() if n not in self.partitions and n not in removals]
             kept_out = [n for n in self.partitions if n in removals]
-            mine = [p for n, p in self.partitions.items() if n not in removals]
-            write_desired(self.paths, [*mine, *extra], removals)
+            if not any(p.role == "rollout" for n, p in [*self.partitions.items(), *((p.name, p) for p in extra)]
+                       if n not in kept_out):
+                kept_out = []  # no rollout partition would be left: the config's come back after all
+            mine = [p for n, p in self.partitions.items() if n not in kept_out]
+            write_desired(self.paths, [*mine, *extra], {n: m for n, m in removals.items()
+                                                         if n not in self.partitions or n in kept_out})
         for p in extra:
             self.progress.note(f"partition {p.name}: added to the previous run (partitions add), added again")
         for n in kept_out:

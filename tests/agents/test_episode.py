@@ -508,13 +508,14 @@ class _DoneEnv(SumEnv):
 def test_a_done_that_is_not_a_boolean_fails_the_episode(tok):
     """A string such as "no" is true: taken as done, it would end the episode with the wrong reward."""
     for done, why in (("no", "_DoneEnv.step returned done 'no' of type str, not a boolean"),
-                      (None, "returned done None of type NoneType"), (1, "returned done 1 of type int")):
+                      (None, "returned done None of type NoneType"), (2, "returned done 2 of type int")):
         env = _DoneEnv(done)
         with pytest.raises(EpisodeError, match=why):
             run(scripted(tok, ["5"] * 3), tok, env, max_turns=3)
         assert env.closed == 1
-    log = run(scripted(tok, ["5"]), tok, _DoneEnv(np.bool_(True)))  # what comparing arrays gives
-    assert log.done and log.final_reward == 1.0 and log.success == 1.0
+    for fine in (np.bool_(True), 1):  # what comparing arrays gives; a gym-style 0/1
+        log = run(scripted(tok, ["5"]), tok, _DoneEnv(fine))
+        assert log.done and log.final_reward == 1.0 and log.success == 1.0
 
 
 class _CloseFails(SumEnv):
@@ -531,6 +532,19 @@ def test_a_close_that_raises_is_logged_and_the_outcome_stands(tok, caplog):
     warnings = [r.getMessage() for r in caplog.records if r.name == "astraflow.agents"]
     assert len(warnings) == 1, warnings
     assert "_CloseFails.close raised OSError: socket already gone" in warnings[0], warnings
+
+
+class _PlainClose(SumEnv):
+    def close(self):  # gym style: not a coroutine
+        self.closed += 1
+
+
+def test_a_plain_synchronous_close_runs_without_a_warning(tok, caplog):
+    caplog.set_level("WARNING", logger="astraflow.agents")
+    env = _PlainClose()
+    log = run(scripted(tok, ["5"]), tok, env)
+    assert log.done and env.closed == 1
+    assert not [r for r in caplog.records if r.name == "astraflow.agents"]
 
     class StepFails(_CloseFails):
         async def step(self, action):

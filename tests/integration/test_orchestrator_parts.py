@@ -147,6 +147,13 @@ def test_a_resume_does_not_bring_back_a_partition_of_the_config_that_was_removed
         assert sorted(parts) == ["a100", "data"] and removals == {"h100": "drain"}
         assert any(n.startswith("partition h100: removed from the previous run") for n in notes), notes
 
+    # no other rollout pool left (both were removed; the config names only one): it comes back
+    config.pop("a100")
+    write_desired(paths, [config["data"]], {"h100": "drain", "a100": "now"})
+    Orchestrator._publish_desired(SimpleNamespace(paths=paths, partitions=config, progress=progress))
+    parts, removals = read_desired_file(paths)
+    assert sorted(parts) == ["data", "h100"] and removals == {"a100": "now"}
+
 
 def test_teardown_cancels_the_job_of_a_lost_worker_its_scheduler_still_runs(tmp_path):
     """A trainer worker that left the Dask scheduler (hung) while its Slurm job runs on: the run

@@ -248,6 +248,14 @@ def test_a_resume_before_its_orchestrator_file_is_starting_not_a_run_that_stoppe
             build_status_view(paths.root)
     with pytest.raises(RunNotRunning, match="stopped without a summary"):
         run_status(paths.root)  # let go again: the file is emptied
+    # a resume on another host (a requeued head job on another node): said, hedged
+    paths.run_lock.write_text(json.dumps({"pid": 4321, "host": "another-node", "started": now - 5}))
+    with pytest.raises(RunNotRunning, match="held by an `astraflow run` on another-node \\(pid 4321, since \\d+s "
+                                            "ago\\): a resume is likely starting there"):
+        run_status(paths.root)
+    paths.run_lock.write_text(json.dumps({"pid": 4321, "host": "another-node", "started": now - 900}))
+    with pytest.raises(RunNotRunning, match="stopped without a summary"):
+        run_status(paths.root)  # older than the orchestrator file: an earlier incarnation's leftover
 
 
 def test_a_partition_being_removed_wants_no_nodes():

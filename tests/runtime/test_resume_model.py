@@ -43,6 +43,17 @@ def test_a_resume_on_a_model_of_another_shape_is_refused_and_the_same_shape_else
         check_same_models(tiny_config(wider), run)
     moved = shutil.copytree(tiny_model, tmp_path / "moved")
     check_same_models(tiny_config(moved), run)  # the same architecture at another path
+    resaved = _variant(tiny_model, tmp_path / "resaved")
+    config = json.loads((resaved / "config.json").read_text())
+    del config["tie_word_embeddings"]  # a key one save leaves to its default: not a difference
+    (resaved / "config.json").write_text(json.dumps(config))
+    check_same_models(tiny_config(resaved), run)
+
+    old = tmp_path / "old_run"  # weights from before the record existed: no record is made, nothing refused
+    WeightStore(old / "weights").publish("solver", 1, {"w": torch.zeros(2)})
+    check_same_models(tiny_config(wider), old)
+    assert not (old / "control" / "models.json").exists()
+    check_same_models(tiny_config(tiny_model), old)
 
 
 def test_astraflow_run_refuses_the_resume_with_exit_2_before_workers_start(tiny_model, tmp_path):

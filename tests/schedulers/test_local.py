@@ -193,8 +193,7 @@ def test_inside_a_slurm_job_workers_outlive_a_sigterm_to_the_job_and_cancel_stop
         os.killpg(pid, signal.SIGTERM)  # as scancel signals the job's processes (this test's own worker)
         time.sleep(1.5)
         assert ref.worker_name in wait_for_workers(client, {ref.worker_name}, present=True, deadline_s=10)
-        t0 = time.monotonic()
         sched.cancel([ref.job_id])
-        assert time.monotonic() - t0 < 15 and sched._procs[ref.job_id].popen.returncode == 0
+        assert sched._procs[ref.job_id].popen.returncode == 0  # closed on SIGINT: no SIGKILL was needed
     finally:
         sched.close()

@@ -91,3 +91,14 @@ def test_the_prompts_are_measured_against_a_model_init_builds_before_workers_sta
     assert res.exit_code == 2 and "no train prompt fits" in res.output, res.output
     assert (tmp_path / "models" / "tiny" / "config.json").is_file()
     assert not (tmp_path / "run" / "jobs" / "submitted.json").exists()
+
+
+def test_a_template_that_refuses_the_prompts_is_said_in_one_line_not_a_traceback(tiny_model, tmp_path):
+    model = _short_model(tiny_model, tmp_path, positions=256)
+    tok_config = json.loads((model / "tokenizer_config.json").read_text())
+    tok_config["chat_template"] = "{{ raise_exception('this template takes no system role') }}"
+    (model / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    res = CliRunner().invoke(main, ["check", str(_config(tmp_path, model, _rows(40, set())))])
+    assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit)
+    assert "its prompts could not be rendered" in res.output and "takes no system role" in res.output, res.output

@@ -239,6 +239,10 @@ class Snapshot:
     def starting_message(self, run_dir: Path | str, info: dict[str, Any] | None = None) -> str:
         info = self.info if info is None else info
         since = time.time() - float(info.get("started", time.time()))
+        if info.get("unverified"):  # on another host: whether it still runs cannot be told from here
+            return (f"the run directory {run_dir} is held by an `astraflow run` on {info.get('host')} (pid "
+                    f"{info.get('pid')}, since {since:.0f}s ago): a resume is likely starting there (or that "
+                    "process was killed before it let go); ask again shortly")
         return (f"the run in {run_dir} is starting (orchestrator pid {info.get('pid')} on "
                 f"{info.get('host')}, for {since:.0f}s): its first status comes once its workers have "
                 "joined and its components are built; ask again shortly")
@@ -246,13 +250,17 @@ class Snapshot:
     def new_incarnation(self) -> dict[str, Any]:
         """The ``astraflow run`` that holds the directory's lock (``control/run.lock``: pid, host,
         start) when it is alive on this host and is not the orchestrator of ``orchestrator.json``:
-        a resume that has not written its own yet (the earlier one's files are still there); else {}."""
+        a resume that has not written its own yet (the earlier one's files are still there); on
+        another host, one that started after that orchestrator, marked ``unverified``; else {}."""
         try:
             holder = json.loads(self.paths.run_lock.read_bytes() or b"{}")  # emptied when a run lets go
         except (OSError, ValueError):
             return {}
-        if not isinstance(holder, dict) or holder.get("host") != socket.gethostname() or "pid" not in holder:
+        if not isinstance(holder, dict) or "pid" not in holder:
             return {}
+        if holder.get("host") != socket.gethostname():  # a newer start than the orchestrator file's, maybe alive
+            newer = float(holder.get("started", 0)) > float(self.info.get("started", 0))
+            return {**holder, "unverified": True} if newer else {}
         if not orchestrator_alive(holder) or holder.get("pid") == self.info.get("pid"):
             return {}
         return holder
