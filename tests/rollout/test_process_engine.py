@@ -197,12 +197,16 @@ def test_a_close_during_a_restart_leaves_no_engine_process(tiny_model):
 def test_a_model_that_cannot_load_is_a_start_error(tiny_model, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
-    for f in tiny_model.iterdir():  # config, tokenizer and the weights' names check out here; their
-        # shapes, not those of the config, fail there
+    for f in tiny_model.iterdir():  # config, tokenizer and weights check out here; the model built
+        # in the engine process fails there (an activation this transformers does not have)
         (broken / f.name).write_bytes(f.read_bytes())
     config = json.loads((broken / "config.json").read_text())
-    (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 8}))
+    (broken / "config.json").write_text(json.dumps({**config, "hidden_act": "no_such_activation"}))
     with pytest.raises(EngineProcessError, match="failed to start"):
+        ProcessEngine(str(broken), max_batch_size=4, device="cpu")
+    # weights of other shapes than the config gives: refused before a process starts
+    (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 8}))
+    with pytest.raises(ValueError, match="config.json does not describe the weights next to it"):
         ProcessEngine(str(broken), max_batch_size=4, device="cpu")
     (broken / "config.json").write_text(json.dumps(config))
     (broken / "model.safetensors").write_bytes(b"not safetensors")  # unreadable: refused before a process starts

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -22,19 +23,30 @@ def test_exit_codes_follow_system_exit():
     assert exit_code("bad option") == 1
 
 
-def _worker(address: str, name: str, log, *extra: str) -> subprocess.Popen:
+def _worker(address: str, name: str, log, *extra: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "schedulers.dask_main", "worker", address, "--name", name,
                              "--nthreads", "1", "--no-nanny", "--no-dashboard", *extra],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+
+@contextmanager
+def _joined_worker(client, address: str, name: str, log_path, env: dict | None = None):
+    """A worker of this test, joined to the scheduler; killed on the way out if it still runs."""
+    with open(log_path, "wb") as log:
+        proc = _worker(address, name, log, "--death-timeout", "30", env=env)
+    try:
+        assert name in wait_for_workers(client, {name}, present=True, deadline_s=60)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.timeout(120)
 def test_a_worker_dumps_its_stacks_on_sigusr2_and_a_sigterm_ends_it_with_code_0(dask_scheduler, tmp_path):
     address, _, client = dask_scheduler
-    with open(tmp_path / "w.log", "wb") as log:
-        proc = _worker(address, "w-0", log, "--death-timeout", "30")
-    try:
-        assert "w-0" in wait_for_workers(client, {"w-0"}, present=True, deadline_s=60)
+    with _joined_worker(client, address, "w-0", tmp_path / "w.log") as proc:
         proc.send_signal(signal.SIGUSR2)  # every thread's stack into the log; the worker goes on
         deadline = time.monotonic() + 30
         while "most recent call first" not in (tmp_path / "w.log").read_text() and time.monotonic() < deadline:
@@ -43,10 +55,6 @@ def test_a_worker_dumps_its_stacks_on_sigusr2_and_a_sigterm_ends_it_with_code_0(
         assert proc.poll() is None and "w-0" in wait_for_workers(client, {"w-0"}, present=True, deadline_s=10)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     log = (tmp_path / "w.log").read_text()
     assert "Reason: signal-15" in log  # closed on the signal, before the command's loop ends
     assert "End worker" in log  # the last line logged reached the file
@@ -93,23 +101,13 @@ def test_started_inside_a_slurm_job_a_worker_outlives_sigterm_and_closes_on_sigi
     from schedulers.procs import IGNORE_TERM_ENV
 
     address, _, client = dask_scheduler
-    with open(tmp_path / "w.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "schedulers.dask_main", "worker", address, "--name", "w-1",
-                                 "--nthreads", "1", "--no-nanny", "--no-dashboard", "--death-timeout", "30"],
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, IGNORE_TERM_ENV: "1"})
-    try:
-        assert "w-1" in wait_for_workers(client, {"w-1"}, present=True, deadline_s=60)
+    with _joined_worker(client, address, "w-1", tmp_path / "w.log", env={**os.environ, IGNORE_TERM_ENV: "1"}) as proc:
         proc.send_signal(signal.SIGTERM)
         time.sleep(1.5)
         assert proc.poll() is None and "w-1" in wait_for_workers(client, {"w-1"}, present=True, deadline_s=10)
         assert "SIGTERM ignored" in (tmp_path / "w.log").read_text()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert "Reason: signal-2" in (tmp_path / "w.log").read_text()
     assert "w-1" not in wait_for_workers(client, {"w-1"}, present=False, deadline_s=30)
 
