@@ -90,6 +90,19 @@ class RunDirLock:
         self.release()
 
 
+def holder_of(run_dir: str | Path) -> dict:
+    """What the run holding ``run_dir``'s lock wrote (pid, host, start); {} when none holds it (the
+    file is emptied when a run lets go) or the file cannot be read. Takes no lock."""
+    try:
+        fd = os.open(RunPaths(run_dir).run_lock, os.O_RDONLY)
+    except OSError:
+        return {}
+    try:
+        return _read_holder(fd)
+    finally:
+        os.close(fd)
+
+
 def _read_holder(fd: int) -> dict:
     """What the holder wrote (empty while it is still writing it)."""
     try:

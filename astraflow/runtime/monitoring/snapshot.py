@@ -11,7 +11,6 @@ connection to the cluster: a run directory on shared storage is enough.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -252,11 +251,10 @@ class Snapshot:
         start) when it is alive on this host and is not the orchestrator of ``orchestrator.json``:
         a resume that has not written its own yet (the earlier one's files are still there); on
         another host, one that started after that orchestrator, marked ``unverified``; else {}."""
-        try:
-            holder = json.loads(self.paths.run_lock.read_bytes() or b"{}")  # emptied when a run lets go
-        except (OSError, ValueError):
-            return {}
-        if not isinstance(holder, dict) or "pid" not in holder:
+        from astraflow.runtime.runlock import holder_of
+
+        holder = holder_of(self.paths.root)
+        if "pid" not in holder:
             return {}
         if holder.get("host") != socket.gethostname():  # a newer start than the orchestrator file's, maybe alive
             newer = float(holder.get("started", 0)) > float(self.info.get("started", 0))
