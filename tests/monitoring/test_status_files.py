@@ -158,11 +158,12 @@ def test_the_json_status_of_an_ended_run_says_how_it_ended_with_its_final_steps(
     paths = RunPaths(tmp_path / "run").make()
     now = time.time()
     paths.orchestrator_file.write_text(json.dumps({"pid": 2 ** 22 + 7, "host": socket.gethostname(),
-                                                   "started": now - 100, "dashboard": None}))
+                                                   "started": now - 100, "dashboard": "http://127.0.0.1:8787"}))
+    part = {"scheduler": "local", "role": "rollout", "hardware": "cpu", "region": "local", "nodes": 1, "live": 1}
     paths.status_file.write_text(json.dumps({
         "written_at": now - 50, "data_layer": {"elapsed_s": 10.0, "versions": {"solver": 13}},
-        "trainers": {"solver": {"version": 13, "done": False, "wait_fraction": 0.3}}, "partitions": {},
-        "workers": {}}))
+        "trainers": {"solver": {"version": 13, "done": False, "wait_fraction": 0.3}}, "partitions": {"rollout": part},
+        "workers": {"rollout-0": {"partition": "rollout", "job_id": "local-1", "state": "RUNNING"}}}))
     paths.summary.write_text(json.dumps({
         "status": "failed", "reason": "run deadline of 12s passed (run.timeout_s)", "requeue": False,
         "steps": {"solver": 16}, "seconds": 14.0,
@@ -172,6 +173,9 @@ def test_the_json_status_of_an_ended_run_says_how_it_ended_with_its_final_steps(
     assert view.finished and not view.running
     assert (view.outcome, view.requeue, view.seconds) == ("failed", False, 14.0) and "timeout_s" in view.reason
     assert view.policies[0].step == 16 and view.policies[0].wait_fraction == 0.3
+    # the workers and the dashboard stopped with the run, whatever the last periodic status said
+    (rollout,) = view.partitions
+    assert rollout.live == 0 and [n.state for n in rollout.nodes] == ["ENDED"] and view.dashboard is None
 
 
 def test_the_throughput_plot_of_two_policies_draws_the_run_wide_figures_once(tmp_path, monkeypatch):

@@ -79,7 +79,7 @@ class PartitionView(_View):
     hardware: str
     region: str
     desired: int = Field(description="nodes the partition should have (0 once its removal was asked for)")
-    live: int = Field(description="its workers that are not gone")
+    live: int = Field(description="its workers that are not gone (0 once the run finished)")
     nodes: list[NodeView] = Field(description="its workers, by name")
     state: str = Field(default="?", description="active | removing | removed | failed (not refilled); ? when unknown")
     failures: int = Field(default=0, description="its workers that failed (lost before serving or soon after)")
@@ -176,7 +176,7 @@ class StatusView(_View):
     written_at: float | None = Field(description="unix time of the status snapshot; None before the first")
     age_s: float | None = Field(description="seconds since the snapshot was written")
     elapsed_s: float = Field(description="seconds since the data layer started")
-    dashboard: str | None = Field(description="the Dask dashboard address")
+    dashboard: str | None = Field(description="the Dask dashboard address (None once the run finished)")
     episodes_per_s: float = Field(description="run-wide episodes per second")
     sequences_per_s: float = Field(description="run-wide stored sequences per second")
     generated_tokens_per_s: float = Field(description="run-wide sampled tokens per second")
@@ -285,14 +285,14 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
             name=n, scheduler=str(p.get("scheduler", "?")), role=str(p.get("role", "?")),
             hardware=str(p.get("hardware", "?")), region=str(p.get("region", "?")),
             desired=0 if p.get("state") in ("removing", "removed") else int(p.get("nodes", 0)),
-            live=int(p.get("live", 0)), nodes=by_part.get(n, []),
+            live=0 if summary is not None else int(p.get("live", 0)), nodes=by_part.get(n, []),
             state=str(p.get("state", "?")), failures=int(p.get("failures", 0)),
             refill_in_s=p.get("refill_in_s"), error=p.get("error"), **_partition_stats(p),
         )
         for n, p in parts_cfg.items()
     ] + [  # nodes the data layer knows in a partition no longer configured
         PartitionView(name=n, scheduler="?", role="?", hardware="?", region="?", desired=0,
-                      live=sum(1 for x in nodes if x.state != "GONE"), nodes=nodes)
+                      live=sum(1 for x in nodes if x.state not in ("GONE", "ENDED")), nodes=nodes)
         for n, nodes in by_part.items() if n not in parts_cfg
     ]
     max_steps = _max_steps(paths)
@@ -340,7 +340,8 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
         schema_version=SCHEMA_VERSION, run_dir=str(paths.root), running=running, finished=summary is not None,
         outcome=(summary or {}).get("status"), reason=(summary or {}).get("reason"),
         requeue=(summary or {}).get("requeue"), seconds=(summary or {}).get("seconds"),
-        written_at=written, age_s=age, elapsed_s=float(dl.get("elapsed_s", 0.0)), dashboard=info.get("dashboard"),
+        written_at=written, age_s=age, elapsed_s=float(dl.get("elapsed_s", 0.0)),
+        dashboard=None if summary is not None else info.get("dashboard"),  # it stopped with the run
         episodes_per_s=float(dl.get("episodes_per_s", 0.0)), sequences_per_s=float(dl.get("sequences_per_s", 0.0)),
         generated_tokens_per_s=float(dl.get("generated_tokens_per_s", 0.0)),
         rollout_idle_fraction=_mean_idle(partitions),
