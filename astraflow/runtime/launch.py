@@ -19,6 +19,7 @@ from astraflow.preflight import prompts_that_do_not_fit
 from astraflow.runtime.jobrecords import PreviousJobs, cancel_previous_jobs
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
 from astraflow.runtime.progress import Progress
+from astraflow.runtime.resuming import resume_note
 from astraflow.runtime.runlock import RunDirLock
 from astraflow.runtime.stopping import REQUEUE_SIGNAL, STOPPING, StopForRequeue, disk_full
 from astraflow.training.config import ModelInit
@@ -380,6 +381,8 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult | No
         if done is not None:
             progress.note(done)
             return None
+        for line in resume_note(cfg, run_dir):
+            progress.note(line)
         forget_durable_state(cfg, run_dir, progress)
         missing = [p.name for p in cfg.policies if not p.model.exists() and not cfg.simulated(p)]
         prepare_models(cfg, progress)

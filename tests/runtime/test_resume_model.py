@@ -95,3 +95,25 @@ def test_running_again_a_run_that_completed_at_max_steps_starts_nothing(tiny_mod
     assert res.exit_code == 0 and "has completed already" in res.output, res.output
     assert not (run / "jobs" / "submitted.json").exists() and json.loads((run / "summary.json").read_text()) == \
         {"status": "completed"}
+
+
+def test_a_resume_says_where_each_policy_goes_on_and_which_settings_changed(tiny_model, tmp_path):
+    from astraflow.config import dump_config
+    from astraflow.runtime.resuming import resume_note
+
+    run = tmp_path / "run"
+    first = tiny_config(tiny_model, run__max_steps=6)
+    assert resume_note(first, run) == []  # a new run directory: nothing to say
+    (run / "control").mkdir(parents=True)
+    dump_config(first, run / "config.yaml")  # what the first start saved
+    WeightStore(run / "weights").publish("solver", 4, {"w": torch.zeros(2)})
+    assert resume_note(first, run) == [f"resuming the run in {run}: solver from v4 (the newest committed weights)"]
+
+    more = tiny_config(tiny_model, run__max_steps=9, dataflow__batch_size=first.dataflow.batch_size * 2)
+    going_on, changed = resume_note(more, run)
+    assert f"dataflow.batch_size {first.dataflow.batch_size} -> {2 * first.dataflow.batch_size}" in changed
+    assert "run.max_steps 6 -> 9" in changed and changed.count("->") == 2
+
+    regrouped = tiny_config(tiny_model, workload__group_size=first.workload.group_size * 2)
+    *_, meaning = resume_note(regrouped, run)
+    assert "open tasks mean: they are dropped (config_changed)" in meaning

@@ -1,0 +1,83 @@
+"""What ``astraflow run`` says before it resumes a run directory: the version each policy goes
+on from, and the settings changed since the directory's last start (its saved ``config.yaml``),
+so that a resume with other settings is never silent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from astraflow.config import RunConfig
+from storage.paths import RunPaths
+
+#: changed settings named one by one; the rest are counted
+MAX_NAMED = 8
+#: settings whose change makes the previous run's open tasks mean something else (the data
+#: layer drops them and rolls out afresh: ``dataflow.durable.fingerprint_of``)
+TASK_MEANING = ("workload.name", "workload.params", "workload.group_size", "workload.seed", "workload.workflow",
+                "policies")
+
+
+def resume_note(cfg: RunConfig, run_dir: Path) -> list[str]:
+    """The lines to print before a resume; none for a directory without committed weights."""
+    from storage.weights import WeightStore
+
+    paths = RunPaths(run_dir)
+    if not paths.weights.is_dir():
+        return []
+    store = WeightStore(paths.weights)
+    at = {p.name: store.latest(p.name) for p in cfg.policies}
+    if all(v is None for v in at.values()):
+        return []
+    going_on = ", ".join(f"{p} from v{v.version}" if v is not None else f"{p} from its initial model"
+                         for p, v in at.items())
+    lines = [f"resuming the run in {run_dir}: {going_on} (the newest committed weights)"]
+    saved = _saved_config(paths.config)
+    if saved is None:
+        return lines
+    changed = changed_settings(saved, cfg.model_dump(mode="json"))
+    if changed:
+        named = "; ".join(f"{key} {_shown(old)} -> {_shown(new)}" for key, old, new in changed[:MAX_NAMED])
+        more = len(changed) - MAX_NAMED
+        lines.append(f"settings changed since its last start: {named}" + (f"; and {more} more" if more > 0 else ""))
+        if any(key.startswith(TASK_MEANING) for key, _, _ in changed):
+            lines.append("these change what the previous run's open tasks mean: they are dropped (config_changed) "
+                         "and new ones rolled out; the ledger's counts and finished evaluations carry over")
+    return lines
+
+
+def changed_settings(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(dotted key, before, after) for every setting that differs; a missing one is None.
+    Lists of named sections (policies, partitions) are compared by name."""
+    old, new = _flat(before), _flat(after)
+    return [(k, old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out or {prefix: {}}
+    if isinstance(value, list) and value and all(isinstance(x, dict) and "name" in x for x in value):
+        out = {}
+        for x in value:
+            out.update(_flat({k: v for k, v in x.items() if k != "name"}, f"{prefix}.{x['name']}"))
+        return out
+    return {prefix: value}
+
+
+def _saved_config(path: Path) -> dict[str, Any] | None:
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):  # nothing to compare with: the resume itself says the rest
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+def _shown(value: Any, width: int = 40) -> str:
+    text = "(unset)" if value is None else json.dumps(value, default=str)
+    return text if len(text) <= width else text[:width - 3] + "..."
