@@ -77,7 +77,7 @@ class RunConfig(Strict):
     def _check_agentic(self, workload: Any) -> None:
         """An agentic workload runs under the ``agent`` workflow, and its environments must
         fit the contract (a bad signature fails here, not in the run)."""
-        from astraflow.agents.env import signature_problems
+        from astraflow.agents.env import signature_problems, tools_problems
 
         wf, name = self.workload.workflow, self.workload.name
         if not is_agentic(type(workload)):
@@ -91,7 +91,7 @@ class RunConfig(Strict):
             env = workload.environment()
         except Exception as err:
             raise ValueError(f"workload ({name}): environment() failed: {type(err).__name__}: {err}") from None
-        problems = signature_problems(type(env))
+        problems = signature_problems(type(env)) + tools_problems(env)
         if problems:
             raise ValueError(f"workload ({name}): its environment does not fit the contract "
                              f"(astraflow.agents.env.Environment): {'; '.join(problems)}")

@@ -43,8 +43,7 @@ class Registry(Generic[T]):
             try:
                 mod = importlib.import_module(module)
             except ImportError as err:
-                raise ValueError(f"{self.kind} {module}:{name}: cannot import {module!r} ({err}); "
-                                 f"{user_dir_fix()}") from None
+                raise ValueError(f"{self.kind} {module}:{name}: {_import_failure(module, err)}") from None
             except Exception as err:  # a user's module that fails as it runs: name it, no traceback
                 raise ValueError(f"{self.kind} {module}:{name}: importing {module!r} raised "
                                  f"{type(err).__name__}: {err}") from None
@@ -78,3 +77,15 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: str) -> bool:
         return name in self._items
+
+
+def _import_failure(module: str, err: ImportError) -> str:
+    """Why ``module`` could not be imported, and the fix: not found where Python looks, or found
+    but itself importing something that fails (installing or fixing that is the fix, not moving it)."""
+    missing = getattr(err, "name", None)
+    if not missing or module == missing or module.startswith(missing + "."):
+        return f"cannot import {module!r} ({err}); {user_dir_fix()}"
+    if isinstance(err, ModuleNotFoundError):
+        return (f"{module!r} was found, but it imports {missing!r}, which is not installed ({err}); install it "
+                f"in this Python environment or fix that import in {module!r}")
+    return f"{module!r} was found, but an import in it fails ({err}); fix that import in {module!r}"

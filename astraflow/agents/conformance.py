@@ -35,7 +35,7 @@ from typing import Any, Mapping
 
 from astraflow.agents.chat import ChatRenderer
 from astraflow.agents.demos import scripted_turn
-from astraflow.agents.env import EpisodeError, check_messages, signature_problems
+from astraflow.agents.env import EpisodeError, check_messages, signature_problems, tools_problems
 from astraflow.agents.episode import AgentLimits, EpisodeLog, timed, run_agent_episode
 from astraflow.agents.tools import format_call
 
@@ -146,7 +146,7 @@ class _Suite:
         env = _attempt(p, "environment()", self.workload.environment)
         if env is None:
             return p
-        p += signature_problems(type(env))
+        p += signature_problems(type(env)) + tools_problems(env)
         if p:
             return p  # an environment off the contract cannot be driven
         if _attempt(p, "environment()", self.workload.environment) is env:
@@ -224,11 +224,11 @@ class _Suite:
         return True
 
     def check_tools(self, env: Any) -> None:
-        schemas = getattr(env.tools, "schemas", None)
-        if not callable(schemas):
-            self.problems.append(f"{type(env).__name__}.tools must be an astraflow.agents.tools.ToolBox")
+        missing = tools_problems(env)
+        if missing:
+            self.problems += missing
             return
-        listed = _attempt(self.problems, "tools.schemas()", schemas)
+        listed = _attempt(self.problems, "tools.schemas()", env.tools.schemas)
         if listed is not None:
             self.problems += schema_problems(listed)
 
@@ -240,7 +240,7 @@ class _Suite:
                  "an unclosed tool call": '<tool_call>{"name": "x", "arguments": {}}',
                  "a tool call that is not JSON": "<tool_call>{name: calc(1)}</tool_call>",
                  "an unknown tool": format_call("no_such_tool_", {})}
-        for name in getattr(env.tools, "tools", {}):
+        for name in getattr(getattr(env, "tools", None), "tools", {}):
             turns[f"{name} with wrong arguments"] = format_call(name, {"no_such_argument_": [1, {}]})
         return turns
 
@@ -278,7 +278,7 @@ class _Suite:
             ids = list(tok.encode(text, add_special_tokens=False)) + ([eos] if eos is not None else [])
             return scripted_turn(ids[:max_new], "stop" if len(ids) <= max_new else "length")
 
-        tools = getattr(env.tools, "tools", {})
+        tools = getattr(getattr(env.env, "tools", None), "tools", {})
         tool_s = max([float(t.timeout_s) for t in tools.values()], default=0.0) * max(1, len(tools))
         deadline = (self.limits.max_turns + 1) * (float(env.step_timeout_s) + tool_s) + 5.0
         try:

@@ -145,6 +145,20 @@ def signature_problems(cls: type) -> list[str]:
     return problems
 
 
+def tools_problems(env: Any) -> list[str]:
+    """What keeps the environment instance ``env`` from offering its tools: no ``tools``
+    attribute, or one that is not a ``ToolBox``. Empty when it fits (``astraflow check``)."""
+    name = type(env).__name__
+    try:
+        tools = env.tools
+    except AttributeError:
+        return [f"{name} has no tools: set self.tools = ToolBox([...]) in __init__ (ToolBox([]) for none; "
+                "astraflow.agents.tools), or subclass astraflow.agents.env.EnvironmentBase"]
+    if not callable(getattr(tools, "schemas", None)):
+        return [f"{name}.tools is a {type(tools).__name__}, not an astraflow.agents.tools.ToolBox"]
+    return []
+
+
 def check_messages(messages: Any, where: str) -> list[Message]:
     """``messages`` if it is a list of ``{"role", "content"}`` string dicts with an observation
     role, else ``EpisodeError`` naming ``where`` it came from."""

@@ -71,19 +71,19 @@ class JsonNumber(float):
         return self.text
 
 
-def files_of(path: str) -> list[Path]:
+def files_of(path: str, key: str = "path") -> list[Path]:
     """The files (or the one ``save_to_disk`` directory) that ``path`` names: a file, a directory,
-    or a glob pattern; ``ValueError`` when it names nothing."""
+    or a glob pattern; ``ValueError`` when it names nothing, naming ``workload.params.<key>``."""
     path = os.path.expanduser(path)
     if any(ch in path for ch in "*?["):
         found = sorted(Path(p) for p in glob.glob(path))
         if not found:
-            raise ValueError(f"dataset: no file matches {path!r}; check the path (relative paths are "
+            raise ValueError(f"dataset: no file matches {path!r}; check workload.params.{key} (relative paths are "
                              "resolved against the directory the run starts in)")
         return found
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"dataset: {path} does not exist; write the data first or fix workload.params.path")
+        raise ValueError(f"dataset: {path} does not exist; write the data first or fix workload.params.{key}")
     return [p]
 
 
@@ -103,14 +103,15 @@ def format_of(path: Path, fmt: str) -> str:
                      f"to one of {sorted(set(FORMATS.values()) | {'disk'})}")
 
 
-def read_rows(path: str, fmt: str = "auto") -> list[Row]:
-    """Every row of the files ``path`` names, in file order; ``ValueError`` when they hold none."""
+def read_rows(path: str, fmt: str = "auto", key: str = "path") -> list[Row]:
+    """Every row of the files ``path`` (``workload.params.<key>``) names, in file order;
+    ``ValueError`` when they hold none."""
     rows: list[Row] = []
-    for file in files_of(path):
+    for file in files_of(path, key):
         rows.extend(_read_one(file, format_of(file, fmt)))
     if not rows:
         raise DataFileError(f"dataset: {path} holds no rows (an empty file, an empty JSON list, or a CSV with only "
-                            "its header); write the rows into it or fix the path (workload.params.path / test_path)")
+                            f"its header); write the rows into it or fix workload.params.{key}")
     return rows
 
 

@@ -214,7 +214,7 @@ class DatasetWorkload:
         cfg = self.cfg
         self.report = DataReport(self.report.source)
         rows = read_rows(cfg.path, cfg.format)
-        tests = read_rows(cfg.test_path, cfg.format) if cfg.test_path else []
+        tests = read_rows(cfg.test_path, cfg.format, "test_path") if cfg.test_path else []
         self.report.rows = len(rows) + len(tests)
         splits: dict[str, list[dict[str, Any]]] = {"train": [], "test": []}
         usable = 0  # rows of ``path`` with a payload, whichever split they went to

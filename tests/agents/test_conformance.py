@@ -178,6 +178,8 @@ def test_a_good_environment_conforms(tok):
     (broken(__init__=lambda self: (EchoEnv.__init__(self), setattr(self, "tools", _DuplicateTools()))[0]),
      "tool u: parameters must be a JSON schema of type 'object'"),
     (broken(step=lambda self, action: StepResult(done=True)), "Broken.step must be 'async def'"),
+    (broken(__init__=lambda self: None), "Broken has no tools: set self.tools = ToolBox([...]) in __init__"),
+    (broken(__init__=lambda self: setattr(self, "tools", [echo])), "Broken.tools is a list, not an astraflow"),
     (Shared(), "environment() returned the same instance twice"),
     (NotJson(), "tasks('train')[0] is not a JSON object that survives a round trip"),
     (Unstable(), "tasks('train') differs between two calls"),
@@ -231,8 +233,10 @@ def _user_check(tmp_path: Path, module: str, name: str = "mymod") -> subprocess.
     ({**GOOD, "step": "def step(self, action):"}, 2, "MyEnv.step must be 'async def'"),
     ({**GOOD, "reset": "async def reset(self):\n        task = None"}, 2, "MyEnv.reset must take (self, task)"),
     ({**GOOD, "reset": "import no_such_module_\n\n    async def reset(self, task):"}, 2,
-     "cannot import 'mymod' (No module named 'no_such_module_')"),
+     "'mymod' was found, but it imports 'no_such_module_', which is not installed"),
     ({**GOOD, "reset": "async def reset(self, task)"}, 2, "importing 'mymod' raised SyntaxError"),
+    ({**GOOD, "reset": "def __init__(self):\n        pass\n\n    async def reset(self, task):"}, 2,
+     "MyEnv has no tools: set self.tools = ToolBox([...]) in __init__"),
 ])
 def test_user_environment_through_astraflow_check(tmp_path, methods, code, needle):
     proc = _user_check(tmp_path, textwrap.dedent(USER_MODULE.format(**methods)))

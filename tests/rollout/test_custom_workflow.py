@@ -45,3 +45,16 @@ def test_a_wrong_answer_gets_one_more_try(tok):
 def test_an_unimportable_module_names_the_fix():
     with pytest.raises(ValueError, match="cannot import 'no_such_pkg.flows'.*run from the directory"):
         workflow_class("no_such_pkg.flows:x")
+
+
+@pytest.mark.parametrize("line,needle", [
+    ("import no_such_dep_", "'flows_dep' was found, but it imports 'no_such_dep_', which is not installed"),
+    ("from json import no_such_name_", "'flows_dep' was found, but an import in it fails (cannot import name"),
+])
+def test_a_module_whose_own_import_fails_is_not_said_to_be_missing(tmp_path, monkeypatch, line, needle):
+    """The module is there: moving it or the working directory would not help; its import would."""
+    (tmp_path / "flows_dep.py").write_text(f"{line}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as err:
+        workflow_class("flows_dep:x")
+    assert needle in str(err.value) and "run from the directory" not in str(err.value)

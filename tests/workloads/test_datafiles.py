@@ -75,7 +75,7 @@ _UNREADABLE = [
     ("latin.csv", "prompt,answer\nq,1\ncafé,2\n".encode("latin1"),
      r"latin.csv is not UTF-8 \(byte 0xe9 on line 3\); save it as UTF-8 .*iconv -f latin1"),
     ("wide.csv", "prompt,answer\nq,1\n".encode("utf-16"), r"wide.csv is UTF-16 .*iconv -f utf-16"),
-    ("header.csv", b"prompt,answer\n", r"header.csv holds no rows .*only its header.*fix the path"),
+    ("header.csv", b"prompt,answer\n", r"header.csv holds no rows .*only its header.*fix workload.params.path"),
     ("empty.jsonl", b"\n", r"empty.jsonl holds no rows"),
     ("none.json", b"[]", r"none.json holds no rows"),
     ("quote.csv", b'prompt,answer\nq,1\n"never closed,2\n', r"quote.csv line 3 is not valid CSV .*unclosed quote"),
@@ -168,3 +168,12 @@ def test_a_tilde_in_a_data_path_is_the_home_directory(tmp_path, monkeypatch):
     assert resolve_path("~/data/*.csv", "/elsewhere") == str(tmp_path / "data" / "*.csv")
     assert resolve_path("data/t.csv", tmp_path) == str(tmp_path / "data" / "t.csv")
     assert len(read_rows("~/data/t.csv")) == len(read_rows("~/data/*.csv")) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("missing", ["nothere.csv", "nothere-*.csv"])
+def test_a_missing_held_out_file_names_test_path_not_path(tmp_path, missing):
+    write_csv(tmp_path / "t.csv", [[p, "1"] for p in PROMPTS])
+    params = {"path": str(tmp_path / "t.csv"), "test_path": str(tmp_path / missing)}
+    with pytest.raises(ValueError, match=r"workload\.params\.test_path") as err:
+        make_workload("dataset", params, seed=0).tasks("test")
+    assert "workload.params.path" not in str(err.value)
