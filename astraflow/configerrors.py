@@ -1,7 +1,8 @@
 """Reading config text and explaining what is wrong with it: YAML that refuses a key given
-twice, and pydantic's errors as one line each that names the key, the value given and the fix
-(a text field given a YAML boolean or number is told to quote it; a boolean where a number is
-wanted is refused rather than taken as 1 or 0)."""
+twice, and pydantic's errors as one line each that names the key (as a path a user can write or
+``--set``: never a union's tag), the value given and the fix (a text field given a YAML boolean
+or number is told to quote it; a boolean where a number is wanted is refused rather than taken as
+1 or 0; a value where a section is wanted names the section's keys)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import types
 from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Tag, ValidationError
+from pydantic_core import PydanticCustomError
 
 
 class DuplicateKey(yaml.YAMLError):
@@ -76,11 +78,70 @@ def model_of(annotation: Any, value: Any = None) -> type[BaseModel] | None:
     return None
 
 
-def describe_error(e: dict[str, Any], set_hint: bool = True) -> str:
+def _members(annotation: Any) -> list[Any]:
+    """The types a value of ``annotation`` may be: a union's members (an optional's None left
+    out, each member's ``Annotated`` kept for its ``Tag``), else ``annotation`` alone."""
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if get_origin(annotation) in (Union, types.UnionType):
+        return [a for a in get_args(annotation) if a is not type(None)]
+    return [annotation]
+
+
+def _labels(member: Any) -> set[str]:
+    """The names pydantic gives union member ``member`` in an error's location: its ``Tag``, its
+    class name, the ``type`` a rule model is told apart by."""
+    bare = get_args(member)[0] if get_origin(member) is Annotated else member
+    names = {str(m.tag) for m in getattr(member, "__metadata__", ()) if isinstance(m, Tag)}
+    names.add(getattr(bare, "__name__", repr(bare)))
+    if isinstance(bare, type) and issubclass(bare, BaseModel) and "type" in bare.model_fields:
+        names.add(str(bare.model_fields["type"].default))
+    return names
+
+
+def config_loc(model: Any, loc: tuple) -> tuple[tuple, Any]:
+    """The location ``loc`` of an error of ``model`` as a config path, and the annotation found
+    there (None where unknown). Where a value is one of a union's members pydantic puts the
+    member's tag in the location (``dataflow.curator.filter_solved.params``): no key a user can
+    write or ``--set``, so it is left out."""
+    path: list = []
+    ann = model
+    for item in loc:
+        members = _members(ann) if ann is not None else []
+        if len(members) > 1:  # ``item`` is the tag of the member that failed
+            ann = next((m for m in members if str(item) in _labels(m)), None)
+            continue
+        ann = members[0] if members else None
+        path.append(item)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            field = ann.model_fields.get(item) if isinstance(item, str) else None
+            ann = field.annotation if field is not None else None
+        elif ann is not None:
+            ann = _element(ann, list) or _element(ann, dict)
+    return tuple(path), ann
+
+
+def _section_line(loc: str, section: type[BaseModel], given: Any) -> str:
+    """A value given where ``section`` is wanted: set its switch (an ``enabled`` field) or its keys."""
+    got = "null" if given is None else str(given).lower() if isinstance(given, bool) else repr(given)
+    keys = list(section.model_fields)
+    if "enabled" in keys:
+        switch = str(given).lower() if isinstance(given, bool) else "false"
+        return f"{loc}: is a section, not a value (got {got}); set e.g. {loc}.enabled={switch}"
+    return f"{loc}: is a section, not a value (got {got}); set its keys ({', '.join(keys)}), e.g. {loc}.{keys[0]}=..."
+
+
+#: error types whose message is the whole explanation (the value given is not added)
+OWN_WORDS = frozenset({"value_error", "assertion_error", "bool_number", "unknown_param"})
+
+
+def describe_error(e: dict[str, Any], set_hint: bool = True, model: type[BaseModel] | None = None) -> str:
     """One pydantic error as ``loc: message``: the value given where it is a plain value, an
-    unknown key as a likely misspelling, and a string field given a YAML boolean or number
-    (``no``, ``2024``) told to quote it."""
-    loc = ".".join(str(x) for x in e["loc"])
+    unknown key as a likely misspelling, a string field given a YAML boolean or number (``no``,
+    ``2024``) told to quote it, a value where a section is wanted told the section's keys.
+    ``model``: the config type validated, whose union tags are left out of ``loc``."""
+    path, ann = config_loc(model, tuple(e["loc"])) if model is not None else (tuple(e["loc"]), None)
+    loc = ".".join(str(x) for x in path)
     if not loc:  # a check across fields, whose message names them itself
         return e["msg"].removeprefix("Value error, ")
     msg = e["msg"].removeprefix("Value error, ")
@@ -90,17 +151,20 @@ def describe_error(e: dict[str, Any], set_hint: bool = True) -> str:
     if e["type"] == "extra_forbidden":
         return (f"{loc}: unknown key (check the spelling; docs/configuration.md lists the sections and where each "
                 "field is documented)")
+    section = model_of(ann) if ann is not None else None
+    if e["type"] in ("model_type", "model_attributes_type") and section is not None and not isinstance(given, dict):
+        return _section_line(loc, section, given)
     if e["type"] == "string_type" and isinstance(given, (bool, int, float)):
         if isinstance(given, bool):
             got, why, text = f"the boolean {str(given).lower()}", "yes, no, on, off, true, false as booleans", "..."
         else:
             got, why, text = f"the number {given}", "digits as a number", str(given)
         return (f"{loc}: {msg}, got {got} (YAML reads unquoted {why}); quote the text: "
-                f"{e['loc'][-1]}: \"{text}\" in the file"
+                f"{path[-1]}: \"{text}\" in the file"
                 + (f", or --set {loc}='\"{text}\"'" if set_hint else ""))
     if e["type"] in OPTION_FIXES and isinstance(given, float) and given != given:  # nan fails any bound
         return f"{loc}: nan is not a number; use a finite one"
-    if e["type"] not in ("value_error", "assertion_error") and isinstance(given, (str, int, float, bool)):
+    if e["type"] not in OWN_WORDS and isinstance(given, (str, int, float, bool)):
         return f"{loc}: {msg}, got {given!r}"
     return f"{loc}: {msg}"
 
@@ -128,9 +192,31 @@ def _element(annotation: Any, container: type) -> Any:
     return None
 
 
-def _bool_line(where: str, want: str, value: bool) -> str:
-    return (f"{where}: Input should be {want}, got the boolean {str(value).lower()} (YAML reads true, false, yes, "
-            "no, on, off as booleans); write a number")
+#: what a boolean where a number is wanted is told (``want``: "an integer" or "a number")
+BOOL_WORDS = ("Input should be {want}, got the boolean {value} (YAML reads true, false, yes, no, on, off as "
+              "booleans); write a number")
+
+
+def _bools(annotation: Any, value: Any, loc: tuple, stop: type | None) -> list[tuple[tuple, str, bool]]:
+    """``(location, want, boolean)`` of each boolean in ``value`` where ``annotation`` wants a
+    number: the value itself, a value of a ``dict[K, number]`` or an element of a
+    ``list[number]``, or in a section (a model: not one of ``stop``'s, which check themselves)."""
+    want = _numeric(annotation)
+    if isinstance(value, bool):
+        return [(loc, want, value)] if want else []
+    sub = model_of(annotation, value)
+    if sub is None and isinstance(value, (dict, list)):
+        inner = _numeric(_element(annotation, dict if isinstance(value, dict) else list))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        return [((*loc, k), inner, v) for k, v in items if inner and isinstance(v, bool)]
+    if sub is None or (stop is not None and issubclass(sub, stop)):
+        return []
+    if isinstance(value, list):
+        return [found for i, el in enumerate(value) for found in _bools(sub, el, (*loc, i), stop)]
+    if not isinstance(value, dict):
+        return []
+    return [found for key, v in value.items() if isinstance(key, str) and key in sub.model_fields
+            for found in _bools(sub.model_fields[key].annotation, v, (*loc, key), stop)]
 
 
 def bool_problems(data: Any, model: type[BaseModel], loc: str = "") -> list[str]:
@@ -140,32 +226,28 @@ def bool_problems(data: Any, model: type[BaseModel], loc: str = "") -> list[str]
     pydantic's are."""
     if not isinstance(data, dict):
         return []
-    out = []
-    for key, value in data.items():
-        field = model.model_fields.get(key) if isinstance(key, str) else None
-        if field is None:
-            continue
-        where = f"{loc}.{key}" if loc else key
-        want = _numeric(field.annotation)
-        sub = model_of(field.annotation, value)
-        if isinstance(value, bool) and want:
-            out.append(_bool_line(where, want, value))
-        elif sub is None and isinstance(value, (dict, list)):
-            inner = _numeric(_element(field.annotation, dict if isinstance(value, dict) else list))
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            out += [_bool_line(f"{where}.{k}", inner, v) for k, v in items if inner and isinstance(v, bool)]
-        elif sub is not None and isinstance(value, list):
-            out += [line for i, el in enumerate(value) for line in bool_problems(el, sub, f"{where}.{i}")]
-        elif sub is not None:
-            out += bool_problems(value, sub, where)
-    return out
+    return [f"{'.'.join(str(x) for x in ((loc,) if loc else ()) + where)}: "
+            + BOOL_WORDS.format(want=want, value=str(value).lower())
+            for where, want, value in _bools(model, data, (), None)]
 
 
-def format_validation(err: ValidationError | None, extra: list[str] = ()) -> str:
-    """The errors of ``err`` (those of a field in ``extra``, the `bool_problems`, said once)."""
+def refuse_bools(value: Any, annotation: Any, stop: type | None = None) -> None:
+    """Raise a ``ValidationError`` with one error (type ``bool_number``) per boolean in ``value``
+    where ``annotation`` wants a number (`bool_problems`), located from ``value``: raised in a
+    validator, the field fails, so no check across fields reads the boolean as 1 or 0."""
+    found = _bools(annotation, value, (), stop)
+    if found:
+        raise ValidationError.from_exception_data("config", [
+            {"type": PydanticCustomError("bool_number", BOOL_WORDS, {"want": want, "value": str(v).lower()}),
+             "loc": where, "input": v} for where, want, v in found])
+
+
+def format_validation(err: ValidationError | None, extra: list[str] = (), model: type[BaseModel] | None = None) -> str:
+    """The errors of ``err``, an error of ``model`` (those of a field in ``extra``, the
+    `bool_problems`, said once; so is a line two union members both gave)."""
     said = {line.split(": ", 1)[0] for line in extra}
-    lines = [line for e in (err.errors() if err is not None else []) if (line := describe_error(e)).split(": ", 1)[0]
-             not in said]
+    lines = [describe_error(e, model=model) for e in (err.errors() if err is not None else [])]
+    lines = [line for line in dict.fromkeys(lines) if line.split(": ", 1)[0] not in said]
     return "invalid config:\n  " + "\n  ".join([*extra, *lines])
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BeforeValidator, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import BeforeValidator, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from astraflow.configbase import Strict
-from astraflow.configerrors import bool_problems
+from astraflow.configerrors import refuse_bools
 from astraflow.dataflow import rules as R
 from astraflow.registry import Registry
 
@@ -90,24 +90,28 @@ class FreshestRule(Strict):
 
 class _UserRule(Strict):
     """A rule class registered outside this package: ``type`` is ``package.module:name`` (or a
-    name already registered in this process); ``params`` are checked against its ``Params``."""
+    name already registered in this process); ``params`` are checked against its ``Params``,
+    each error located at its parameter (``dataflow.curator.params.<name>``)."""
 
     registry: ClassVar[Registry]
     type: str
-    params: dict[str, Any] = Field(default_factory=dict)
+    params: dict[str, Any] = Field(default_factory=dict, validate_default=True)
 
-    @model_validator(mode="after")
-    def _check(self) -> "_UserRule":
-        cls = R.rule_class(self.registry, self.type)
-        bools = bool_problems(self.params, cls.Params, "params")
-        if bools:  # pydantic would read `true` as 1
-            raise ValueError(f"{self.registry.kind} {self.type!r}: " + "; ".join(bools))
-        try:
-            cls.Params.model_validate(self.params)
-        except ValidationError as err:
-            bad = "; ".join(f"params.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
-            raise ValueError(f"{self.registry.kind} {self.type!r}: {bad}") from None
-        return self
+    @field_validator("type")
+    @classmethod
+    def _resolves(cls, name: str) -> str:
+        R.rule_class(cls.registry, name)  # a module that does not import, no such rule: named here
+        return name
+
+    @field_validator("params")
+    @classmethod
+    def _params_fit(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "type" not in info.data:  # the type failed: that is the error to fix first
+            return params
+        model = R.rule_class(cls.registry, info.data["type"]).Params
+        refuse_bools(params, model)  # pydantic would read `true` as 1
+        model.model_validate(params)  # its errors become this field's, located under params
+        return params
 
 
 class UserCurator(_UserRule):

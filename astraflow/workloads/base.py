@@ -13,12 +13,14 @@ built.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from typing import Any, ClassVar, Mapping, Protocol
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticCustomError
 
-from astraflow.configerrors import bool_problems
+from astraflow.configerrors import bool_problems, refuse_bools
 from astraflow.registry import Registry
 
 
@@ -75,12 +77,32 @@ def params_model(name: str) -> type[BaseModel] | None:
     return getattr(workload_class(name), "Params", None)
 
 
+def unknown_param(name: str, key: str, model: type[BaseModel]) -> str:
+    """What an unknown param ``key`` of workload ``name`` is told: the closest known one, if
+    any, and all its params (docs/configuration.md does not list a workload's params)."""
+    known = sorted(model.model_fields)
+    close = difflib.get_close_matches(key, known, n=1)
+    return (f"unknown param of workload {name!r}" + (f"; did you mean {close[0]}?" if close else "")
+            + f" (its params: {', '.join(known) or 'none'})")
+
+
 def check_params(name: str, params: Mapping[str, Any]) -> None:
     """Validate ``params`` against workload ``name``'s params model: a pydantic
-    ``ValidationError`` (a ``ValueError``) naming each bad or unknown field."""
+    ``ValidationError`` (a ``ValueError``) naming each bad or unknown field (an unknown one
+    with the workload's params) and refusing a boolean where a number is wanted."""
     model = params_model(name)
-    if model is not None:
+    if model is None:
+        return
+    refuse_bools(dict(params), model)  # pydantic would read `true` as 1
+    try:
         model.model_validate(params)
+    except ValidationError as err:
+        raise ValidationError.from_exception_data(err.title, [
+            {"type": PydanticCustomError("unknown_param", unknown_param(name, str(e["loc"][0]), model)),
+             "loc": e["loc"], "input": e["input"]}
+            if e["type"] == "extra_forbidden" and len(e["loc"]) == 1 else
+            {"type": PydanticCustomError(e["type"], e["msg"], e.get("ctx")), "loc": e["loc"], "input": e["input"]}
+            for e in err.errors()]) from None
 
 
 def make_workload(name: str, params: Mapping[str, Any], seed: int) -> Workload:

@@ -12,7 +12,7 @@ from astraflow.workloads.math import MathConfig
 @pytest.mark.parametrize("name, params, loc, needle", [
     ("math", {"digits": 0}, ("params", "digits"), "greater than or equal to 1"),
     ("math", {"ops": ["/"]}, ("params", "ops", 0), "'+', '-' or '*'"),
-    ("math", {"digitz": 1}, ("params", "digitz"), "Extra inputs"),
+    ("math", {"digitz": 1}, ("params", "digitz"), "unknown param of workload 'math'; did you mean digits?"),
     ("mix", {"sources": {"a": {"workload": "math", "weight": 0}}}, ("params", "sources"), "source 'a' has weight 0"),
     ("nope", {}, ("name",), "unknown workload 'nope'; known: "),  # the shipped ones and any a test registered
 ])
