@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -90,8 +89,8 @@ class AutoscaleDriver:
                    if p.role == "rollout" and p.autoscale is None and self.parts.state[name].state == "active")
 
     def step(self, tick: Tick, now: float | None = None) -> Decision:
-        """Observe this tick, decide, apply a change. Returns the decision."""
-        now = time.time() if now is None else now
+        """Observe this tick (at the time it was read), decide, apply a change. Returns the decision."""
+        now = tick.read_at if now is None else now
         self.scaler.observe(sample_of(tick, now))
         decision = self.scaler.decide(now, self.slots(), self.fixed())
         if decision.action != "hold":

@@ -281,11 +281,12 @@ class Orchestrator(Shutdown):
         asking = "the data layer"
         try:
             dl_state = self.dl.state().result(timeout=30)
+            read_at = time.time()
             trainers = {}
             for p, t in self.trainers.items():
                 asking = f"the trainer of {p}"
                 trainers[p] = t.state().result(timeout=30)
-            return Tick(data_layer=dl_state, trainers=trainers)
+            return Tick(data_layer=dl_state, trainers=trainers, read_at=read_at)
         except FUTURE_ERRORS as err:
             self.fleet.check_core(wait_s=10.0)  # a lost worker: its own error (restarts follow)
             if isinstance(err, TimeoutError):  # its worker is there, it does not answer: hung

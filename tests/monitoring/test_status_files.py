@@ -46,13 +46,23 @@ def _writer(paths: RunPaths) -> tuple[StatusWriter, Fleet]:
     return StatusWriter(paths, "astraflow.run.x", parts, fleet), fleet
 
 
-def _tick(completed: int) -> Tick:
+def _tick(completed: int, read_at: float | None = None) -> Tick:
     node = {"partition": "rollout", "completed": completed, "versions": {"solver": 1}, "tokens": 10,
             "generated_tokens_per_s": 5.0, "episodes": 2, "last_seen": time.time()}
     return Tick(data_layer={"elapsed_s": 3.0, "episodes_per_s": 1.5, "generated_tokens_per_s": 20.0, "versions": {"solver": 1},
                             "nodes": {"rollout-rollout-local-cpu-0": node}, "eval": [], "ledger": {"states": {}}},
                 trainers={"solver": {"version": 1, "done": False, "error": None, "last_metrics": {"reward_mean": 0.5},
-                                     "wait_fraction": 0.25}})
+                                     "wait_fraction": 0.25}}, read_at=time.time() if read_at is None else read_at)
+
+
+def test_partition_rates_are_over_the_times_the_counts_were_read(tmp_path):
+    """A tick tracked late (the orchestrator blocked on a job submission after reading it) is
+    rated at the time it was read: 40 trajectories in 4 s is 10/s, however late it is tracked."""
+    writer, _ = _writer(RunPaths(tmp_path / "run").make())
+    t = time.time()
+    writer.track(_tick(0, read_at=t - 20.0))
+    writer.track(_tick(40, read_at=t - 16.0))
+    assert writer.partitions()["rollout"]["episodes_per_s"] == 10.0
 
 
 def test_what_the_writer_writes_every_reader_reads_back(tmp_path):

@@ -14,7 +14,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from astraflow.runtime.monitoring.partition_stats import (ZERO_COUNTS, partition_counts, partition_versions,
@@ -38,6 +38,9 @@ class Tick:
     """``DataLayer.state()``: versions, buffers, counts, ledger, per-node table, evaluations."""
     trainers: dict[str, dict[str, Any]]
     """``Trainer.state()`` per policy: version, done, error, last metrics, wait fraction."""
+    read_at: float = field(default_factory=time.time)
+    """When the data layer's state was read: the time its counts are rated at, however long the
+    orchestrator's tick took before it tracked them (a blocking job submission, say)."""
 
 
 #: evaluation records per policy that the status file carries (summary.json and metrics.jsonl
@@ -86,7 +89,7 @@ class StatusWriter:
         history the rates are computed from (the throughput `astraflow status` and the
         benchmarks report)."""
         counts = partition_counts(tick.data_layer, self.fleet, list(self.parts.partitions))
-        now = time.time()
+        now = tick.read_at
         for name, c in counts.items():
             ps = self.parts.state.get(name)
             if ps is not None and c["completed"] > 0 and ps.first_trajectory_at is None:
