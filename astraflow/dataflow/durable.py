@@ -43,7 +43,7 @@ import re
 import time
 from collections import Counter, deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from astraflow.dataflow import changelog
 from astraflow.dataflow import record as rec
@@ -116,16 +116,17 @@ class Journal:
             self._file = None
 
 
-def read_journal(path: Path) -> list[dict[str, Any]]:
-    """The lines of a ``ledger.jsonl`` (a last line cut short by a crash is skipped)."""
-    out = []
-    if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
+def read_journal(path: Path) -> Iterator[dict[str, Any]]:
+    """The lines of a ``ledger.jsonl``, one at a time (a last line cut short by a crash is
+    skipped): a resume reads a days-long run's journal in the memory of one line."""
+    if not path.exists():
+        return
+    with open(path, errors="replace") as f:
+        for line in f:
             try:
-                out.append(json.loads(line))
+                yield json.loads(line)
             except ValueError:
                 continue
-    return out
 
 
 def cut_back(state: dict[str, Any], journal_path: Path | None, metrics_path: Path | None) -> None:
