@@ -339,8 +339,10 @@ def _run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions, shape: SimSh
 
     def simulate(sized: list[Pool], sim_shape: SimShape, tag: str) -> SimResult:
         label = " ".join(p.label() for p in sized)
-        progress(f"{tag}: simulating {label} for {sim_shape.steps} steps "
-                 f"({sim_shape.steps * sim_shape.step_seconds / 60:.1f} simulated min, time scale {sim_shape.time_scale:.2g})")
+        simulated_min = sim_shape.steps * sim_shape.step_seconds / 60
+        progress(f"{tag}: simulating {label} for {sim_shape.steps} steps ({simulated_min:.1f} simulated min, time "
+                 f"scale {sim_shape.time_scale:.2g}: at least {simulated_min / sim_shape.time_scale:.1f} min of real "
+                 "time, more while the trainer waits; --minutes or --time-scale to change it)")
         sim_dir = workdir / f"sim{len(trials)}"
         try:
             sim_dir.mkdir(parents=True)  # fresh: ``clear_workdir`` removed an earlier plan's

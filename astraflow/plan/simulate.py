@@ -193,12 +193,16 @@ def measure(run_dir: Path, pools: dict[str, int], time_scale: float) -> SimResul
     # training sequences only (evaluation's are never dropped); older records lack the split
     gen_key = "rollouts_generated" if "rollouts_generated" in a and "rollouts_generated" in b else "sequences_generated"
     train_generated = max(b[gen_key] - a[gen_key], 0)
+    # the sequences the steps after ``a`` trained on: the data layer's ``consumed`` may already
+    # count the batch the trainer took for its next step, one batch ahead at one end only
+    trained = (sum(s["num_sequences"] for s in window) if all("num_sequences" in s for s in window)
+               else b["consumed"] - a["consumed"])
     result = SimResult(
         pools=pools, steps=len(steps),
         steps_per_s=(b["step"] - a["step"]) / span,
         trajectories_per_s=generated / span,
         tokens_per_s=tokens / span,
-        trained_per_s=(b["consumed"] - a["consumed"]) / span,
+        trained_per_s=trained / span,
         trainer_wait=min(sum(s["wait_s"] for s in window) / wall, 1.0),
         staleness=staleness_quantiles(hist),
         dropped=dropped,

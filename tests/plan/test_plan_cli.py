@@ -28,6 +28,7 @@ SIM = str(ROOT / "examples/sim/config.yaml")
     (["--pool", "h100:64"], "write KIND=GPUS, e.g. --pool h100=64"),
     (["--pool", "v100=8"], "unknown hardware kind 'v100'; use one of h100, a100, cpu, local"),
     (["--pool", "h100=0"], "a pool needs at least 1 GPU"),
+    (["--pool", "h100=-8"], "a pool needs at least 1 GPU"),
     (["--pool", "local=1"], "add --calibrate"),
     ([], "give at least one --pool"),
     (["--pool", "h100=8", "--pool", "h100=8"], "each hardware kind once"),

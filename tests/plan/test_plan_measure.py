@@ -13,16 +13,18 @@ from astraflow.plan.pools import MAX_NODES, PlanError, parse_pool
 from astraflow.plan.simulate import measure
 
 
-def _write_run(run: Path, drops, steps: int = 20, per_step: int = 32) -> None:
+def _write_run(run: Path, drops, steps: int = 20, per_step: int = 32, ahead=lambda step: 0) -> None:
     """A finished run's records: ``per_step`` sequences generated and consumed a step, and
-    ``drops(step)`` the data layer's cumulative (stale, overflow, filtered) counts at each step."""
+    ``drops(step)`` the data layer's cumulative (stale, overflow, filtered) counts at each step;
+    ``ahead(step)``: batches the trainer had taken for its next steps when the step was recorded."""
     run.mkdir(parents=True, exist_ok=True)
     rows = []
     for step in range(1, steps + 1):
         stale, overflow, filtered = drops(step)
         rows.append({"policy": "solver", "loss": 0.0, "step": step, "time": 3.0 * step, "wait_s": 0.0,
                      "sequences_generated": per_step * step, "rollouts_generated": per_step * step,
-                     "generated_tokens_per_s": 1000.0, "consumed": per_step * step,
+                     "num_sequences": per_step,
+                     "generated_tokens_per_s": 1000.0, "consumed": per_step * (step + ahead(step)),
                      "staleness_hist": {"0": per_step * step}, "stale_dropped": stale,
                      "overflow_dropped": overflow, "filtered": filtered})
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -51,6 +53,14 @@ def test_drops_are_counted_over_the_steady_window_and_as_a_share_of_what_it_gene
     r2 = measure(longer, {"h100": 8}, 1.0)
     assert r2.dropped["stale"] == 31 and r2.dropped_fraction == pytest.approx(r.dropped_fraction)
     assert set(r.to_json()["dropped_fraction"]) == {"stale", "overflow", "filtered"}
+
+
+def test_trained_per_s_is_the_steps_batches_whatever_the_next_batch_counted_already(tmp_path):
+    """A trainer that does not wait has taken its next batch when a step is recorded, except at
+    the end: the data layer's ``consumed`` is a batch ahead at one end of the window only."""
+    _write_run(tmp_path, lambda step: (0, 0, 0), ahead=lambda step: 1 if step < 20 else 0)
+    r = measure(tmp_path, {"h100": 8}, 1.0)
+    assert r.trained_per_s == pytest.approx(r.steps_per_s * 32)
 
 
 @pytest.mark.parametrize("gpus_per_node", [8, 4, 3])
