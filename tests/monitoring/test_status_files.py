@@ -101,6 +101,7 @@ def test_what_the_writer_writes_every_reader_reads_back(tmp_path):
     writer.write_summary(ending=Ending("completed"), steps={"solver": 1}, ledger={}, ledger_closed=True, seconds=1.0,
                          nodes={}, trainers={}, data_layer=_tick(4).data_layer, iterations=[], stop_errors={})
     summary = json.loads(paths.summary.read_text())
+    assert "eval" in summary and "eval" not in summary["data_layer"]  # the evaluations once
     assert summary["status"] == "completed" and summary["reason"] is None and not summary["interrupted"]
     assert summary["workers"]["rollout-rollout-local-cpu-0"]["served"] is False
     assert set(summary["partitions"]) == {"data", "trainer", "rollout"}
@@ -178,8 +179,10 @@ def test_the_json_status_of_an_ended_run_says_how_it_ended_with_its_final_steps(
         "status": "failed", "reason": "run deadline of 12s passed (run.timeout_s)", "requeue": False,
         "steps": {"solver": 16}, "seconds": 14.0,
         "trainers": {"solver": {"policy": "solver", "version": 16, "done": False, "error": None}},
+        "eval": [{"policy": "solver", "step": 16, "eval_accuracy": 0.5}],
         "data_layer": {"elapsed_s": 12.0, "versions": {"solver": 16}}}))
     view = build_status_view(paths.root)
+    assert (view.policies[0].eval_step, view.policies[0].eval_accuracy) == (16, 0.5)  # kept once, beside data_layer
     assert view.finished and not view.running
     assert (view.outcome, view.requeue, view.seconds) == ("failed", False, 14.0) and "timeout_s" in view.reason
     assert view.policies[0].step == 16 and view.policies[0].wait_fraction == 0.3

@@ -304,7 +304,7 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
         for p, step in (summary.get("steps") or {}).items():
             trainers.setdefault(p, {})["version"] = step
     policy_names = list(dict.fromkeys([*dl.get("versions", {}), *trainers]))
-    evals = dl.get("eval", [])
+    evals = dl.get("eval") or (summary or {}).get("eval") or []  # a summary keeps them once, beside its data_layer
     restarts = (summary or {}).get("trainer_restarts") or status.get("trainer_restarts") or {}
     policies = []
     for p in policy_names:

@@ -202,7 +202,9 @@ class StatusWriter:
             "seconds": seconds, "interrupted": ending.status == "interrupted", "nodes": nodes, "trainers": trainers,
             "trainer_restarts": self.trainer_restarts(), "previous_jobs": self.previous_jobs,
             "data_layer_restarts": self.data_layer_restarts(),
-            "data_layer": data_layer, "iterations": iterations, "stop_errors": stop_errors,
+            # its evaluations once, as ``eval`` above: a run with thousands of them kept them twice
+            "data_layer": {k: v for k, v in data_layer.items() if k != "eval"}, "iterations": iterations,
+            "stop_errors": stop_errors,
             "workers": {n: {"partition": w.partition, "job_id": w.job.job_id, "phase": w.phase, "note": w.note,
                             "gone": w.gone, "served": w.actor is not None}
                         for n, w in self.fleet.workers.items()},
