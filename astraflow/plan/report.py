@@ -9,6 +9,18 @@ from astraflow.plan.planner import PlanReport
 
 #: a pool with less than this share of the generated trajectories is reported as idle
 IDLE_SHARE = 0.01
+#: a pool whose trajectories/s per GPU is under this fraction of the fastest pool's is reported
+#: as slow when the trainer waits at least ``SLOW_WAIT``
+SLOW_RATIO, SLOW_WAIT = 0.25, 0.1
+
+
+def slow_pools(per_pool: dict[str, dict[str, float]], gpus: dict[str, int]) -> list[str]:
+    """Pools far slower per GPU than the fastest: their tasks come back late while holding part
+    of the work the data layer lets be in flight, which can leave the trainer waiting longer than
+    without them."""
+    rates = {k: row["trajectories_per_s"] / gpus[k] for k, row in per_pool.items() if gpus.get(k)}
+    best = max(rates.values(), default=0.0)
+    return [k for k, rate in rates.items() if best > 0 and rate < SLOW_RATIO * best]
 
 
 def print_report(report: PlanReport, console: Console) -> None:
@@ -32,6 +44,11 @@ def print_report(report: PlanReport, console: Console) -> None:
         console.print(f"pool(s) {', '.join(idle)} generated (almost) nothing: the other pools' nodes took every "
                       "task the data layer let be in flight (dataflow.prefetch_groups, max_staleness and "
                       "admission); more of these GPUs would not help this config")
+    slow = slow_pools(r.per_pool, r.pools) if r.trainer_wait >= SLOW_WAIT else []
+    if slow:
+        console.print(f"pool(s) {', '.join(slow)} deliver under {SLOW_RATIO:.0%} of the fastest pool's trajectories/s "
+                      "per GPU: their tasks come back late and hold part of the work the data layer lets be in "
+                      "flight, so the trainer may wait more with them than without; plan without them to compare")
     overall = Table(title="trainer")
     for col in ("steps/s", "trained/s", "trainer wait", "staleness p50/p90/max", "dropped stale/overflow/filtered",
                 "dropped share of generated"):

@@ -107,3 +107,16 @@ def test_a_pool_that_generated_nothing_is_named_with_the_reason():
     console = Console(record=True, width=200)
     print_report(_report({"a100": 0.4, "h100": 0.6}), console)
     assert "generated (almost) nothing" not in console.export_text()
+
+
+def test_a_pool_far_slower_per_gpu_is_named_when_the_trainer_waits():
+    from rich.console import Console
+
+    from astraflow.plan.report import print_report
+
+    console = Console(record=True, width=200)
+    print_report(_report({"cpu": 0.1, "h100": 0.9}), console)  # 8 GPUs each: a ninth of the rate per GPU
+    assert "pool(s) cpu deliver under 25% of the fastest pool's trajectories/s per GPU" in console.export_text()
+    console = Console(record=True, width=200)
+    print_report(_report({"a100": 0.4, "h100": 0.6}), console)
+    assert "deliver under" not in console.export_text()
