@@ -14,7 +14,8 @@ entry per key, so that a record holds only the entries changed since the previou
   buffers on restore: a task with one policy never needs the entry);
 * ``ready``: ``(policy, ingest_seq)`` -> a buffered ``ReadyGroup``;
 * ``serving``: ``(policy, version)`` -> the items of a batch served and not committed;
-* ``round`` / ``result``: evaluation rounds by version, finished round records by position;
+* ``round`` / ``result``: evaluation rounds not yet written by version (a written round's entry is
+  removed: its record and version live on in ``result``), finished round records by position;
 * ``order``: source -> ``(epoch, prompt order)`` as written when its epoch began (the order only
   shrinks from its end within an epoch: each record holds its length), ``rng``: the random stream;
 * ``staleness``: node -> how stale the sequences it generated were when a trainer consumed them
@@ -124,7 +125,7 @@ class Marks:
         self.dl = dl
         dl.ledger.changed, dl.ledger.changed_group = set(), set()
         dl.leases.changed_nodes, dl.buffers.changed = set(), set()
-        self._open_rounds = {v for v, r in dl.evals.rounds.items() if not r.written}
+        self._open_rounds = set(dl.evals.rounds)  # a round is held until it is written
         self._evals = self._eval_counters()
         self._results = len(dl.evals.results)
         self._epochs = dict(dl.mixer.epoch)
@@ -132,7 +133,8 @@ class Marks:
 
     def _eval_counters(self) -> tuple:
         ev = self.dl.ledger.events
-        return len(self.dl.evals.rounds), len(self.dl.evals.results), ev["evaluated"], ev["failed"]
+        # the open rounds themselves (a few): one started as another is forgotten changes no count
+        return tuple(self.dl.evals.rounds), len(self.dl.evals.results), ev["evaluated"], ev["failed"]
 
     def take(self) -> set[tuple[str, Any]]:
         """The changed ``(kind, key)`` pairs; the marks start afresh."""
@@ -147,7 +149,7 @@ class Marks:
         out.update(k if len(k) == 2 else (k[0], (k[1], k[2])) for k in buffered)
         counters = self._eval_counters()
         if counters != self._evals:
-            opened = {v for v, r in dl.evals.rounds.items() if not r.written}
+            opened = set(dl.evals.rounds)
             out.update(("round", v) for v in opened | self._open_rounds)
             out.update(("result", i) for i in range(self._results, len(dl.evals.results)))
             self._evals, self._open_rounds, self._results = counters, opened, len(dl.evals.results)

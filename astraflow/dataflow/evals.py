@@ -5,12 +5,17 @@ A round at version ``v`` is ``k`` evaluation tasks per held-out prompt (greedy w
 back; ``eval_version_min``/``max`` record which); the first round gates training, so it always
 measures exactly the starting weights. Rounds overlap and a later one can finish first: records
 are written in version order, a finished round waiting for every earlier one (``write``).
+Only rounds not yet written are held; a written round leaves its record (``results``, the run's
+eval history) and its version (a version is evaluated once), so that neither the layer's memory
+nor its snapshot grows with the prompts of every round ever run.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -65,17 +70,51 @@ class EvalRounds:
         self.workflow = workflow
         self.started = started  # the data layer's start: records' ``time``
         self._write = write
-        self.rounds: dict[int, EvalRound] = {}
-        #: records written, in version order
-        self.results: list[dict[str, Any]] = []
+        #: versions of the rounds written (a record, or none for a round with no prompt), ascending:
+        #: all that a written round leaves besides its record
+        self._finished = array("q")
+        self._rounds: dict[int, EvalRound] = {}
+        self._results: list[dict[str, Any]] = []
+
+    @property
+    def rounds(self) -> dict[int, EvalRound]:
+        """The rounds not yet written, by version."""
+        return self._rounds
+
+    @rounds.setter
+    def rounds(self, rounds: dict[int, EvalRound]) -> None:
+        """Restored rounds; the written ones of an earlier AstraFlow's snapshot leave only their version."""
+        for v in [v for v, r in rounds.items() if r.written]:
+            del rounds[v]
+            self._finish(v)
+        self._rounds = rounds
+
+    @property
+    def results(self) -> list[dict[str, Any]]:
+        """The records written, in version order: the run's eval history (``state()["eval"]``)."""
+        return self._results
+
+    @results.setter
+    def results(self, results: list[dict[str, Any]]) -> None:
+        """Restored records: their versions are finished."""
+        self._results = results
+        for r in results:
+            if isinstance(r.get("step"), int):
+                self._finish(r["step"])
+
+    def _finish(self, version: int) -> None:
+        i = bisect.bisect_left(self._finished, version)
+        if i == len(self._finished) or self._finished[i] != version:
+            self._finished.insert(i, version)
 
     def start(self, version: int, taken: Callable[[str], bool] = lambda task_id: False) -> list[RolloutTask]:
-        """The tasks of a new round at ``version`` (none if it exists). ``taken(task_id)``: whether
-        the ledger knows a task of that id (a round at this version that an earlier run's end cut
-        short): the new round's ids then carry ``.N``, the first N free."""
-        if version in self.rounds:
+        """The tasks of a new round at ``version`` (none if it exists or is written). ``taken(task_id)``:
+        whether the ledger knows a task of that id (a round at this version that an earlier run's end
+        cut short): the new round's ids then carry ``.N``, the first N free."""
+        if version in self.rounds or self.done(version):
             return []
-        with_sets = not self.rounds or (self.final is not None and version >= self.final)
+        first = not self.rounds and not self._finished
+        with_sets = first or (self.final is not None and version >= self.final)
         chosen = [(i, p) for i, p in enumerate(self.payloads) if with_sets or "eval_set" not in p]
         prefix, n = f"eval-v{version}", 0
         while any(taken(f"{prefix}-{i}/0") for i, _ in chosen):
@@ -83,8 +122,10 @@ class EvalRounds:
             prefix = f"eval-v{version}.{n}"
         # no held-out prompt to evaluate (an empty test split): the round is over before it starts,
         # with no record (an accuracy of nothing would read as 0)
-        rnd = EvalRound(version=version, policy=self.policies[0], k=self.k, remaining=len(chosen) * self.k,
-                        written=not chosen)
+        if not chosen:
+            self._finish(version)
+            return []
+        rnd = EvalRound(version=version, policy=self.policies[0], k=self.k, remaining=len(chosen) * self.k)
         self.rounds[version] = rnd
         sampling = {"greedy": True} if self.k == 1 else None
         tasks = []
@@ -106,15 +147,19 @@ class EvalRounds:
         weights (no newer version exists before the first batch is served)."""
         if not self.rounds:
             return True
-        return self.rounds[min(self.rounds)].remaining <= 0
+        low = min(self.rounds)
+        return self.rounds[low].remaining <= 0 or (len(self._finished) > 0 and self._finished[0] < low)
 
     def done(self, version: int) -> bool:
-        rnd = self.rounds.get(version)
-        return rnd is not None and rnd.written
+        """Whether the round at ``version`` is written."""
+        i = bisect.bisect_left(self._finished, version)
+        return i < len(self._finished) and self._finished[i] == version
 
     def record(self, task: RolloutTask, ref: TrajectoryRef) -> None:
         """An evaluation task completed."""
-        rnd = self.rounds[task.min_version]
+        rnd = self.rounds.get(task.min_version)
+        if rnd is None:  # its round is written or forgotten already
+            return
         rnd.rewards.setdefault(task.group_id, []).append(ref.score)
         if ref.stats:
             extra = rnd.sets.get(task.group_id)
@@ -133,7 +178,7 @@ class EvalRounds:
 
     def _maybe_finish(self, version: int) -> None:
         rnd = self.rounds[version]
-        if rnd.remaining > 0:
+        if rnd.remaining > 0 or rnd.result is not None:
             return
         per_prompt = [r for gid, r in rnd.rewards.items() if gid not in rnd.sets]
         # a round none of whose prompts was scored (every task failed) has no accuracy, not 0
@@ -176,6 +221,9 @@ class EvalRounds:
                 by_source.setdefault(rnd.sources[gid], []).append(float(np.mean(r)))
             result["eval_accuracy_by_source"] = {s: float(np.mean(v)) for s, v in by_source.items()}
         rnd.result = result
+        # what only the record needed: a round held back behind an earlier one keeps its record alone
+        rnd.rewards, rnd.sources, rnd.difficulty, rnd.sets = {}, {}, {}, {}
+        rnd.stats, rnd.set_stats, rnd.versions_used = [], {}, []
         self.write()
 
     @staticmethod
@@ -205,15 +253,15 @@ class EvalRounds:
     def write(self, past_unfinished: bool = False) -> None:
         """Write finished records in version order: a finished round waits for the earlier
         ones unless ``past_unfinished`` (at the end of the run, when an unfinished round never
-        will finish)."""
+        will finish). A written round is forgotten but for its version (``done``)."""
         for r in sorted(self.rounds.values(), key=lambda r: r.version):
-            if r.written:
-                continue
             if r.result is None:
                 if past_unfinished:
                     continue
                 break
             r.written = True
+            del self.rounds[r.version]
+            self._finish(r.version)
             self.results.append(r.result)
             self._write(r.result)
 

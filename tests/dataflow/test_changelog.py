@@ -93,6 +93,8 @@ async def _every_kind_of_call(layer, paths, check) -> None:
     await layer.next_batch("p", 1, timeout=5)
     await layer.trainer_restarted("p", 1)  # the batch just served goes back
     await check()
+    await layer.start_eval(2)  # a round open at a check: written, it leaves only its record
+    await check()
     evals = await layer.lease("n3", len(layer.leases.eval_pending))
     trajs = [make_trajectory(t, 1.0, node="n3") for t in evals if t.kind == "eval"]
     await layer.complete(store_and_ref(node.writer, trajs))
