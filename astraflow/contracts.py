@@ -349,17 +349,23 @@ class TrajectoryRef:
     score: float = 0.0
     #: ``Trajectory.stats`` (multi-turn episodes), for metrics and evaluation.
     stats: Mapping[str, float] = field(default_factory=dict)
+    #: per policy, the newest weight version that generated a token of the trajectory: set for
+    #: evaluation trajectories (their records say which weights answered), None for training ones.
+    newest: Mapping[str, int] | None = None
 
     @classmethod
     def of(cls, traj: "Trajectory", refs: list[EntryRef]) -> "TrajectoryRef":
         assert len(refs) == len(traj.sequences), "one entry per stored sequence"
         summaries = []
+        newest: dict[str, int] | None = {} if traj.kind == "eval" else None
         for ref, seq in zip(refs, traj.sequences):
             per_policy = {}
             for idx, name in enumerate(traj.policies):
                 sel = seq.policy_ids == idx
                 if sel.any():
                     per_policy[name] = (int((seq.loss_mask & sel).sum()), int(seq.versions[sel].min()))
+                    if newest is not None:
+                        newest[name] = max(newest.get(name, 0), int(seq.versions[sel].max()))
             summaries.append(
                 SequenceSummary(
                     ref=ref,
@@ -378,6 +384,7 @@ class TrajectoryRef:
             sequences=tuple(summaries),
             score=traj.episode_score(),
             stats=dict(traj.stats),
+            newest=newest,
         )
 
 

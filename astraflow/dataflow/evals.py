@@ -34,8 +34,11 @@ class EvalRound:
     rewards: dict[str, list[float]] = field(default_factory=dict)  # prompt -> rewards
     remaining: int = 0
     started: float = field(default_factory=time.time)
-    #: weight versions of the first policy that actually generated the evaluated answers
+    #: the first policy's oldest version of each answer (what a round saved by an earlier
+    #: AstraFlow recorded; ``version_range`` now)
     versions_used: list[int] = field(default_factory=list)
+    #: per policy, the oldest and the newest weight version that generated the answers
+    version_range: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: eval group id -> source of its prompt (mixtures only)
     sources: dict[str, str] = field(default_factory=dict)
     #: eval group id -> the prompt's ``difficulty`` (payloads that have one)
@@ -51,6 +54,11 @@ class EvalRound:
     written: bool = False
     #: the round's tasks that failed (their prompts are left out of its accuracy)
     failed: int = 0
+
+
+def _ranges(rnd: EvalRound) -> dict[str, tuple[int, int]]:
+    """``rnd.version_range``, made where a round saved by an earlier AstraFlow has none."""
+    return rnd.__dict__.setdefault("version_range", {})
 
 
 class EvalRounds:
@@ -164,8 +172,11 @@ class EvalRounds:
         if ref.stats:
             extra = rnd.sets.get(task.group_id)
             (rnd.stats if extra is None else rnd.set_stats.setdefault(extra, [])).append(dict(ref.stats))
-        first = self.policies[0]
-        rnd.versions_used += [s.policy_tokens[first][1] for s in ref.sequences if first in s.policy_tokens]
+        newest, ranges = ref.newest or {}, _ranges(rnd)
+        for s in ref.sequences:
+            for p, (_, oldest) in s.policy_tokens.items():
+                lo, hi = ranges.get(p, (oldest, oldest))
+                ranges[p] = (min(lo, oldest), max(hi, oldest, newest.get(p, oldest)))
         rnd.remaining -= 1
         self._maybe_finish(task.min_version)
 
@@ -187,6 +198,10 @@ class EvalRounds:
             avg = float(np.mean([np.mean(r) for r in per_prompt]))
             scores = {"eval_accuracy": avg, f"eval_avg@{rnd.k}": avg,
                       f"eval_pass@{rnd.k}": float(np.mean([max(r) > 0 for r in per_prompt]))}
+        ranges = _ranges(rnd)
+        # a round saved by an earlier AstraFlow holds its first answers' oldest versions as a list
+        seen = [*ranges.get(rnd.policy, ()), *rnd.versions_used]
+        first_range = (min(seen, default=version), max(seen, default=version))
         result = {
             "step": version,
             "policy": rnd.policy,
@@ -196,10 +211,12 @@ class EvalRounds:
             "eval_failed_tasks": rnd.failed,
             # an evaluation requested at v runs on v or newer weights (nodes never go back);
             # the first one gates training, so it always runs on exactly the starting weights
-            "eval_version_min": min(rnd.versions_used, default=version),
-            "eval_version_max": max(rnd.versions_used, default=version),
+            "eval_version_min": first_range[0],
+            "eval_version_max": first_range[1],
             "eval_seconds": time.time() - rnd.started,
         }
+        if len(ranges) > 1:  # several policies answered: the weights of each
+            result["eval_versions"] = {p: list(r) for p, r in sorted(ranges.items())}
         result.update(episode_summary(rnd.stats, prefix="eval_"))
         if rnd.sets:
             result["eval_sets"] = self._sets(rnd)
@@ -223,7 +240,7 @@ class EvalRounds:
         rnd.result = result
         # what only the record needed: a round held back behind an earlier one keeps its record alone
         rnd.rewards, rnd.sources, rnd.difficulty, rnd.sets = {}, {}, {}, {}
-        rnd.stats, rnd.set_stats, rnd.versions_used = [], {}, []
+        rnd.stats, rnd.set_stats, rnd.versions_used, rnd.version_range = [], {}, [], {}
         self.write()
 
     @staticmethod

@@ -77,3 +77,34 @@ def test_without_held_out_prompts_a_round_is_over_at_once_with_no_record():
     ev, written = EvalRounds(only_sets, [""], k=1, policies=["p"], workflow="w", by_source=False, started=0.0,
                              write=[].append), None
     assert len(ev.start(0)) == 1 and ev.start(2) == [] and ev.done(2)
+
+
+def test_a_record_names_the_newest_weights_that_answered_for_each_policy():
+    """An answer begun on v4 and finished on v5 (an episode's later turns, a swap mid-decode) was
+    answered by v5 too; a second policy's weights are recorded beside the first's."""
+    import numpy as np
+
+    from astraflow.contracts import NOT_GENERATED, Provenance, Sequence, Trajectory
+    from storage.trajectories import EntryRef
+
+    def answer(task, versions, policy_index=0):
+        n = len(versions)
+        seq = Sequence.build(tokens=np.arange(n + 2), loss_mask=[0, 0] + [1] * n, logprobs=[0.0] * (n + 2),
+                             policy_ids=[NOT_GENERATED] * 2 + [policy_index] * n,
+                             versions=[NOT_GENERATED] * 2 + versions, reward=1.0)
+        traj = Trajectory(task.task_id, task.group_id, task.policies, task.workflow, task.kind, task.attempt,
+                          (seq,), Provenance(node="n"))
+        return TrajectoryRef.of(traj, [EntryRef("seg", 0)])
+
+    ev, written = rounds()
+    tasks = ev.start(4)
+    ev.record(tasks[0], answer(tasks[0], [4, 4, 5, 5]))
+    ev.record(tasks[1], answer(tasks[1], [4, 4]))
+    ev.record(tasks[2], answer(tasks[2], [6, 6], policy_index=1))
+    (record,) = written
+    assert (record["eval_version_min"], record["eval_version_max"]) == (4, 5)
+    assert record["eval_versions"] == {"p": [4, 5], "q": [6, 6]}
+    trained = Trajectory("t", "g", ("p",), "w", "train", 0, (Sequence.build(
+        tokens=np.arange(3), loss_mask=[0, 1, 1], logprobs=[0.0] * 3, policy_ids=[NOT_GENERATED, 0, 0],
+        versions=[NOT_GENERATED, 1, 2], reward=0.0),), Provenance(node="n"))
+    assert TrajectoryRef.of(trained, [EntryRef("seg", 0)]).newest is None  # training refs carry nothing more

@@ -322,8 +322,10 @@ def test_metrics_reader_reads_only_complete_appended_lines(tmp_path):
     with f.open("a") as fh:
         fh.write(json.dumps({**line, "step": 2})[20:] + "\n")
         fh.write(json.dumps({"step": 2, "policy": "a", "time": 2.0, "eval_accuracy": 0.25}) + "\n")
+        # a round every task of which failed: an evaluation line without an accuracy, not a step
+        fh.write(json.dumps({"step": 2, "policy": "a", "time": 2.5, "eval_prompts": 0, "eval_failed_tasks": 4}) + "\n")
     v = reader.view()
-    assert v.lines == 3
+    assert v.lines == 4
     c = v.policies["a"]
     assert c.step == [1, 2] and c.reward_mean == [0.5, 0.5] and c.loss == [None, None]
     assert c.eval_step == [2] and c.eval_accuracy == [0.25] and c.staleness_hist == {"0": 6}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from astraflow.runtime.monitoring.metrics import read_metrics, tail_records
+from astraflow.runtime.monitoring.metrics import is_eval_record, read_metrics, tail_records
 from astraflow.runtime.monitoring.snapshot import read_snapshot
 from storage.paths import RunPaths
 
@@ -43,7 +43,7 @@ def export_tensorboard(run_dir: Path | str, logdir: Path | str | None = None, fo
             ended = not follow or paths.summary.exists() or read_snapshot(paths.root).stale
             records, offset = tail_records(paths.metrics, offset)
             for rec in records:
-                prefix = f"{rec.get('policy', '?')}/" + ("eval/" if "eval_accuracy" in rec else "")
+                prefix = f"{rec.get('policy', '?')}/" + ("eval/" if is_eval_record(rec) else "")
                 for key, value in rec.items():
                     if key not in ("step", "policy") and isinstance(value, (int, float)) and not isinstance(value, bool):
                         writer.add_scalar(prefix + key, value, global_step=int(rec["step"]))

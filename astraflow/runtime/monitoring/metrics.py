@@ -68,6 +68,12 @@ def _is_record(rec: Any) -> bool:
             and ("eval_accuracy" not in rec or _number(rec["eval_accuracy"]) is not None))
 
 
+def is_eval_record(rec: dict[str, Any]) -> bool:
+    """An evaluation round's line, not a trainer step's: one whose every task failed has no
+    ``eval_accuracy``, but has ``eval_prompts`` (0)."""
+    return "eval_accuracy" in rec or "eval_prompts" in rec
+
+
 def _number(value: Any) -> float | int | None:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -128,7 +134,9 @@ class MetricsReader:
         """Add one record (`_is_record`); a field of the wrong type reads as missing."""
         c = self._policy(str(rec.get("policy", "?")))
         when = float(_number(rec.get("time")) or 0.0)
-        if "eval_accuracy" in rec:
+        if is_eval_record(rec):
+            if "eval_accuracy" not in rec:  # a round none of whose tasks completed: no point on the curve
+                return
             c["eval_step"].append(rec["step"])
             c["eval_time"].append(when)
             c["eval_accuracy"].append(float(rec["eval_accuracy"]))
