@@ -128,6 +128,8 @@ def _section_line(loc: str, section: type[BaseModel], given: Any) -> str:
     if "enabled" in keys:
         switch = str(given).lower() if isinstance(given, bool) else "false"
         return f"{loc}: is a section, not a value (got {got}); set e.g. {loc}.enabled={switch}"
+    if not keys:
+        return f"{loc}: is a section that takes no keys, not a value (got {got}); leave it out or write {{}}"
     return f"{loc}: is a section, not a value (got {got}); set its keys ({', '.join(keys)}), e.g. {loc}.{keys[0]}=..."
 
 

@@ -83,7 +83,8 @@ def _import_failure(module: str, err: ImportError) -> str:
     """Why ``module`` could not be imported, and the fix: not found where Python looks, or found
     but itself importing something that fails (installing or fixing that is the fix, not moving it)."""
     missing = getattr(err, "name", None)
-    if not missing or module == missing or module.startswith(missing + "."):
+    not_found = isinstance(err, ModuleNotFoundError) and (module == missing or module.startswith(f"{missing}."))
+    if not missing or not_found:
         return f"cannot import {module!r} ({err}); {user_dir_fix()}"
     if isinstance(err, ModuleNotFoundError):
         return (f"{module!r} was found, but it imports {missing!r}, which is not installed ({err}); install it "

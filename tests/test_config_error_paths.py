@@ -169,6 +169,14 @@ def test_a_value_for_a_section_names_its_switch_or_its_keys(tmp_path, setting, l
         assert res.exit_code == 0, res.output
 
 
+def test_an_empty_params_of_a_rule_that_takes_none_says_so(tmp_path):
+    """``params:`` left empty in YAML is null: a section with no keys, not a crash."""
+    res = _check(tmp_path, "dataflow.ordering.type=fifo", "dataflow.ordering.params=null")
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert _errors(res.output) == ["dataflow.ordering.params: is a section that takes no keys, not a value (got "
+                                   "null); leave it out or write {}"], res.output
+
+
 # -- an unknown workload param ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("settings, line", [

@@ -44,7 +44,7 @@ def print_report(report: PlanReport, console: Console) -> None:
         console.print(f"pool(s) {', '.join(idle)} generated (almost) nothing: the other pools' nodes took every "
                       "task the data layer let be in flight (dataflow.prefetch_groups, max_staleness and "
                       "admission); more of these GPUs would not help this config")
-    slow = slow_pools(r.per_pool, r.pools) if r.trainer_wait >= SLOW_WAIT else []
+    slow = [k for k in slow_pools(r.per_pool, r.pools) if k not in idle] if r.trainer_wait >= SLOW_WAIT else []
     if slow:
         console.print(f"pool(s) {', '.join(slow)} deliver under {SLOW_RATIO:.0%} of the fastest pool's trajectories/s "
                       "per GPU: their tasks come back late and hold part of the work the data layer lets be in "

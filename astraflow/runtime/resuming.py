@@ -16,9 +16,9 @@ from storage.paths import RunPaths
 #: changed settings named one by one; the rest are counted
 MAX_NAMED = 8
 #: settings whose change makes the previous run's open tasks mean something else (the data
-#: layer drops them and rolls out afresh: ``dataflow.durable.fingerprint_of``)
-TASK_MEANING = ("workload.name", "workload.params", "workload.group_size", "workload.seed", "workload.workflow",
-                "policies")
+#: layer drops them and rolls out afresh: ``dataflow.durable.fingerprint_of``, which also takes
+#: the policies' names)
+TASK_MEANING = ("workload.name", "workload.params", "workload.group_size", "workload.seed", "workload.workflow")
 
 
 def resume_note(cfg: RunConfig, run_dir: Path) -> list[str]:
@@ -43,7 +43,9 @@ def resume_note(cfg: RunConfig, run_dir: Path) -> list[str]:
         named = "; ".join(f"{key} {_shown(old)} -> {_shown(new)}" for key, old, new in changed[:MAX_NAMED])
         more = len(changed) - MAX_NAMED
         lines.append(f"settings changed since its last start: {named}" + (f"; and {more} more" if more > 0 else ""))
-        if any(key.startswith(TASK_MEANING) for key, _, _ in changed):
+        names = [[p.get("name") for p in (c.get("policies") or []) if isinstance(p, dict)]
+                 for c in (saved, cfg.model_dump(mode="json"))]
+        if any(key.startswith(TASK_MEANING) for key, _, _ in changed) or names[0] != names[1]:
             lines.append("these change what the previous run's open tasks mean: they are dropped (config_changed) "
                          "and new ones rolled out; the ledger's counts and finished evaluations carry over")
     return lines

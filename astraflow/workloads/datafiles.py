@@ -108,7 +108,12 @@ def read_rows(path: str, fmt: str = "auto", key: str = "path") -> list[Row]:
     ``ValueError`` when they hold none."""
     rows: list[Row] = []
     for file in files_of(path, key):
-        rows.extend(_read_one(file, format_of(file, fmt)))
+        try:
+            rows.extend(_read_one(file, format_of(file, fmt)))
+        except DataFileError as err:  # its fix names the setting that named the file
+            if key == "path":
+                raise
+            raise DataFileError(str(err).replace("workload.params.path", f"workload.params.{key}")) from None
     if not rows:
         raise DataFileError(f"dataset: {path} holds no rows (an empty file, an empty JSON list, or a CSV with only "
                             f"its header); write the rows into it or fix workload.params.{key}")

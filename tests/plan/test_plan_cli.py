@@ -175,6 +175,10 @@ def test_plan_runs_a_small_config_end_to_end(tmp_path):
     step_s = [m["step_s"] for m in lines if "step_s" in m]  # real seconds a step: simulated / time scale
     assert len(step_s) == out["assumptions"]["steps"]
     assert step_s == pytest.approx([3.0 / out["assumptions"]["time_scale"]] * len(step_s))
+    # trained/s is the steps' own batches: the sim trainer records how many it trained on
+    batch = yaml.safe_load((tmp_path / "sim0/run/config.yaml").read_text())["dataflow"]["batch_size"]
+    assert all(m["num_sequences"] == batch for m in lines if "step_s" in m)
+    assert overall["trained_per_s"] == pytest.approx(overall["steps_per_s"] * batch)
 
 
 @pytest.mark.e2e

@@ -120,3 +120,6 @@ def test_a_pool_far_slower_per_gpu_is_named_when_the_trainer_waits():
     console = Console(record=True, width=200)
     print_report(_report({"a100": 0.4, "h100": 0.6}), console)
     assert "deliver under" not in console.export_text()
+    console = Console(record=True, width=200)
+    print_report(_report({"a100": 0.0, "h100": 1.0}), console)  # idle, said once, for the reason it has
+    assert "generated (almost) nothing" in console.export_text() and "deliver under" not in console.export_text()

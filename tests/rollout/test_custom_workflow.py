@@ -58,3 +58,14 @@ def test_a_module_whose_own_import_fails_is_not_said_to_be_missing(tmp_path, mon
     with pytest.raises(ValueError) as err:
         workflow_class("flows_dep:x")
     assert needle in str(err.value) and "run from the directory" not in str(err.value)
+
+
+def test_a_name_missing_from_the_modules_own_package_is_not_said_to_be_a_missing_module(tmp_path, monkeypatch):
+    (tmp_path / "flowpkg").mkdir()
+    (tmp_path / "flowpkg" / "__init__.py").write_text("")
+    (tmp_path / "flowpkg" / "flows.py").write_text("from flowpkg import renamed_helper\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as err:
+        workflow_class("flowpkg.flows:x")
+    assert "'flowpkg.flows' was found, but an import in it fails" in str(err.value)
+    assert "run from the directory" not in str(err.value)

@@ -114,6 +114,8 @@ def test_a_resume_says_where_each_policy_goes_on_and_which_settings_changed(tiny
     assert f"dataflow.batch_size {first.dataflow.batch_size} -> {2 * first.dataflow.batch_size}" in changed
     assert "run.max_steps 6 -> 9" in changed and changed.count("->") == 2
 
+    tuned = tiny_config(tiny_model, policies__0__trainer__lr=first.policies[0].trainer.lr * 2)
+    assert not any("open tasks" in line for line in resume_note(tuned, run))  # a policy's settings mean no task anew
     regrouped = tiny_config(tiny_model, workload__group_size=first.workload.group_size * 2)
     *_, meaning = resume_note(regrouped, run)
     assert "open tasks mean: they are dropped (config_changed)" in meaning

@@ -177,3 +177,12 @@ def test_a_missing_held_out_file_names_test_path_not_path(tmp_path, missing):
     with pytest.raises(ValueError, match=r"workload\.params\.test_path") as err:
         make_workload("dataset", params, seed=0).tasks("test")
     assert "workload.params.path" not in str(err.value)
+
+
+def test_a_compressed_held_out_file_names_test_path(tmp_path):
+    write_csv(tmp_path / "t.csv", [[p, "1"] for p in PROMPTS])
+    with gzip.open(tmp_path / "held.csv.gz", "wt") as f:
+        f.write("prompt,answer\nwhat?,1\n")
+    params = {"path": str(tmp_path / "t.csv"), "test_path": str(tmp_path / "held.csv.gz")}
+    with pytest.raises(ValueError, match=r"is compressed.*point workload\.params\.test_path at that"):
+        make_workload("dataset", params, seed=0).tasks("test")
