@@ -73,6 +73,9 @@ def test_without_held_out_prompts_a_round_is_over_at_once_with_no_record():
     ev = EvalRounds([], [], k=1, policies=["p"], workflow="w", by_source=False, started=0.0, write=written.append)
     assert ev.start(0) == [] and ev.start(5) == []
     assert ev.initial_done() and ev.done(0) and ev.done(5) and written == [] and ev.results == []
+    restored = EvalRounds([], [], k=1, policies=["p"], workflow="w", by_source=False, started=0.0, write=print)
+    restored.rounds, restored.results = {}, []  # a re-placed data layer's: nothing saved of those rounds
+    assert restored.done(5)  # the run's end does not wait for a round that never had a prompt
     only_sets = [{"q": 0, "eval_set": "extra"}]  # prompts of a second set only: evaluated at the first round
     ev, written = EvalRounds(only_sets, [""], k=1, policies=["p"], workflow="w", by_source=False, started=0.0,
                              write=[].append), None
