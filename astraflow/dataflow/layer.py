@@ -286,9 +286,11 @@ class DataLayer(NodeFacing, TrainerFacing, LaneServed):
         return PackedDict(sequences_generated=self.generated.sequences, tokens_generated=self.generated.tokens,
                           **{f"version_{p}": v for p, v in self.versions.items()})
 
-    async def state(self) -> dict[str, Any]:
-        """A JSON-able snapshot for ``astraflow status``, the dashboard and tests."""
-        return rec.layer_status(self)
+    async def state(self, evals: int | None = None) -> dict[str, Any]:
+        """A JSON-able snapshot for ``astraflow status``, the dashboard and tests; with ``evals``,
+        only the last that many evaluation records (a tick's: the whole history, which grows
+        with every round, is read once, at the run's end)."""
+        return rec.layer_status(self, evals)
 
     def lane_enabled(self) -> bool:
         return self.cfg.direct_lane

@@ -302,9 +302,10 @@ def save(path: Path, state: dict[str, Any]) -> None:
     write_json(path, state, default=float)
 
 
-def layer_status(dl: DataLayer) -> dict[str, Any]:
+def layer_status(dl: DataLayer, evals: int | None = None) -> dict[str, Any]:
     """The data layer's JSON-able snapshot (``DataLayer.state``): versions, queues, sources,
-    buffers and counts, throughput, the per-node table, evaluations, the ledger, rule state."""
+    buffers and counts, throughput, the per-node table, evaluations (the last ``evals``, or
+    all), the ledger, rule state."""
     now = time.time()
     elapsed = now - dl._started
     held = Counter(node for node, _ in dl.leases.held.values())
@@ -335,7 +336,7 @@ def layer_status(dl: DataLayer) -> dict[str, Any]:
         # the workers' lease stocks (``rollout.lease_ahead``): tasks leased ahead, not yet taken
         "lease_stocks": {n: {"worker": i.get("worker"), "leases_held": held.get(n, 0), "leased": i.get("leased", 0)}
                          for n, i in dl.leases.nodes.items() if i.get("stock")},
-        "eval": list(dl.evals.results),
+        "eval": list(dl.evals.results if evals is None else dl.evals.results[-evals:] if evals > 0 else []),
         "ledger": dl.ledger.summary(),
         "rules_state": {"curator": dl.curator.state_dict(), "group_filter": dl.group_filter.state_dict()},
     }

@@ -49,6 +49,7 @@ from astraflow.runtime.autoscaling import autoscale_driver
 from astraflow.runtime.control import PartitionError, desired_lock, read_desired_file, write_desired
 from astraflow.runtime.jobrecords import PreviousJobs
 from astraflow.runtime.monitoring import StatusWriter, Tick, archive_summary
+from astraflow.runtime.monitoring.writer import STATUS_EVALS
 from astraflow.runtime.placement import Placement, data_layer_kwargs, node_kwargs, trainer_kwargs
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.reconcile import PartitionSet, run_tag
@@ -70,6 +71,8 @@ log = logging.getLogger("astraflow.runtime")
 
 #: rollout tasks that may fail, none completing, before the run stops (at least 4 batches' worth)
 FAILED_WITHOUT_COMPLETION = 256
+#: evaluation records a tick reads (the status file keeps ``STATUS_EVALS`` of them)
+TICK_EVALS = 4 * STATUS_EVALS
 
 
 class Orchestrator(Shutdown):
@@ -272,7 +275,7 @@ class Orchestrator(Shutdown):
             if latest is not None:
                 self.dl.trainer_restarted(pol.name, latest.version, restart=False).result(timeout=60)
         self.dl.resume_evaluation().result(timeout=60)  # at the versions the trainers resume from
-        self.progress.evals_shown(self.dl.state().result(timeout=60).get("eval", []))  # printed by the last run
+        self.progress.evals_shown(self.dl.state(TICK_EVALS).result(timeout=60).get("eval", []))  # printed by the last run
 
     # ------------------------------------------------------------------ the watch loop
     def _tick(self) -> Tick:
@@ -280,7 +283,8 @@ class Orchestrator(Shutdown):
         does not answer is most often a lost worker: ``RunFailed`` then names it."""
         asking = "the data layer"
         try:
-            dl_state = self.dl.state().result(timeout=30)
+            # the newest evaluations only: a tick shows those, and the history grows with every round
+            dl_state = self.dl.state(TICK_EVALS).result(timeout=30)
             read_at = time.time()
             trainers = {}
             for p, t in self.trainers.items():

@@ -121,6 +121,7 @@ def test_a_resume_after_many_rounds_evaluates_no_finished_version_again_and_keep
     node = Node(layer)
     run(_evaluate(layer, node, range(60)))
     history = run(layer.state())["eval"]
+    assert run(layer.state(5))["eval"] == history[-5:] and run(layer.state(0))["eval"] == []  # a tick's read
     run(layer.finish(completed=False))
     run(layer.close())
 
