@@ -166,6 +166,9 @@ class Trainer(OptimizerCheckpoint):
         self._closed = False
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
+        #: when the last version was committed: a trainer that is done waits no more, and its wait
+        #: fraction stays what its last step's metrics said
+        self._committed_at: float | None = None
         self.write_deltas = write_deltas
         #: per version: delta density, bytes and write seconds (``storage.deltas``)
         self.delta_history: list[dict[str, float]] = []
@@ -261,7 +264,7 @@ class Trainer(OptimizerCheckpoint):
         return self.state()
 
     def state(self) -> dict[str, Any]:
-        now = time.time()
+        now = self._committed_at if self.done and self._committed_at is not None else time.time()
         elapsed = max(now - self._started_at, 1e-9)
         waited = self._waited_s + (now - since if (since := self._waiting_since) else 0.0)
         if self._driven:  # a driver steps it once each rollout phase ended: idle between steps is waiting too
@@ -344,13 +347,14 @@ class Trainer(OptimizerCheckpoint):
         self.wait_s += wait_s
         self.train_s += train_s
         self.publish_s += publish_s
+        self._committed_at = time.time()
         self.last_metrics = {
             **metrics,
             "reward_mean": float(sum(i.sequence.reward for i in batch.items) / max(len(batch), 1)),
             "wait_s": wait_s,
             "train_s": train_s,
             "publish_s": publish_s,
-            "trainer_wait_fraction": self.wait_s / max(time.time() - self._started_at, 1e-9),
+            "trainer_wait_fraction": self.wait_s / max(self._committed_at - self._started_at, 1e-9),
         }
         call_sync(self.dl.published, self.policy, version, self.last_metrics, batch.metrics, timeout=60)
 

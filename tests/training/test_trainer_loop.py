@@ -332,3 +332,21 @@ def test_a_trainer_a_driver_steps_counts_its_idle_time_between_steps_as_waiting(
         trainer.step()
     state = trainer.stop()
     assert state["version"] == 2 and state["wait_fraction"] > 0.5, state
+
+
+def test_a_finished_trainers_wait_fraction_stays_what_its_last_step_said(tmp_path):
+    """Status and summary read the trainer after its last step (the final evaluation, the run's
+    end): the time since then is no part of its training, so the fraction must not decay."""
+    dl = _Finishing()
+    trainer = Trainer(policy="p", cfg=TrainerConfig(backend="sim", sim_step_seconds=0.05), model_path="",
+                      weights_root=str(tmp_path / "w"), keep_versions=5, data_layer=dl, max_steps=2)
+    trainer.start()
+    deadline = time.time() + 30
+    while not trainer.state()["done"] and time.time() < deadline:
+        time.sleep(0.05)
+    first = trainer.state()
+    time.sleep(0.5)
+    later = trainer.state()
+    trainer.stop()
+    assert first["done"] and later["wait_fraction"] == first["wait_fraction"]
+    assert abs(later["wait_fraction"] - trainer.last_metrics["trainer_wait_fraction"]) < 1e-9
