@@ -67,9 +67,9 @@ def test_an_exposed_dashboard_needs_https_and_the_token(exposed):
     assert _request(port, "GET", "/astraflow?token=wrong", ctx)[0] == 403
 
     status, headers, _ = _request(port, "GET", f"/astraflow?token={urllib.parse.quote(token)}", ctx)
-    assert status == 302 and headers["Location"] == "/astraflow"
+    assert status == 302 and headers["Location"] == "./astraflow"
     status, headers, _ = _request(port, "GET", f"//elsewhere/x?token={urllib.parse.quote(token)}&w=a%26b%20c", ctx)
-    assert status == 302 and headers["Location"] == "/elsewhere/x?w=a%26b+c"  # this server's path, arguments kept
+    assert status == 302 and headers["Location"] == "./x?w=a%26b+c"  # relative (a proxy prefix kept), arguments kept
     cookie = headers["Set-Cookie"]
     assert "HttpOnly" in cookie and "Secure" in cookie and "SameSite=Strict" in cookie
     status, _, page = _request(port, "GET", "/astraflow", ctx, {"Cookie": cookie.split(";")[0]})

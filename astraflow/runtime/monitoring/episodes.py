@@ -9,8 +9,12 @@ workload, policy, kind and reward range.
 Why it is cheap: everything but the reward and length of an entry lives in its batch's commit
 record, so the reader counts batches from the segments' commit logs (only what was appended
 since the last request is read), reads only the newest batches (``TrajectoryStore.batch``: two
-small array reads, never tokens) and caches them, since a published batch never changes. Each request reads at most a bounded number of
-batches it has not seen; the store is only read, so training is never slowed or blocked.
+small array reads, never tokens) and caches them, since a published batch never changes. Each
+request reads at most a bounded number of batches it has not seen; the store is only read, so
+training is never slowed or blocked. Per filter, the reader remembers how far its newest-first
+walk got and what it matched, so that a rare filter's walk goes on where the last request
+stopped (the cache may have dropped those batches) and ends, even on a store far larger than
+the cache.
 """
 
 from __future__ import annotations
@@ -18,17 +22,22 @@ from __future__ import annotations
 import heapq
 import json
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from astraflow.runtime.monitoring.view import SCHEMA_VERSION, _View
 from storage.paths import RunPaths
 from storage.trajectories import CommittedBatch, TrajectoryStore, open_trajectory_store
 
 MAX_LIMIT = 100
+CACHE_ENTRIES = 4096
+"""Entries of whole batches an :class:`EpisodeReader` keeps by default."""
+MAX_WALKS = 8
+"""Filters whose walk an :class:`EpisodeReader` remembers (least recently used dropped first)."""
 TEXT_CLIP = 4000
 """Characters kept of one text (model output, tool result, observation) in the view."""
 
@@ -41,8 +50,19 @@ class EpisodeQuery(_View):
     workload: str | None = Field(default=None, description="payload source, or the run's workload name")
     policy: str | None = Field(default=None, description="a policy that acted in the episode")
     kind: Literal["train", "eval"] | None = None
-    min_reward: float | None = None
-    max_reward: float | None = None
+    min_reward: float | None = Field(default=None, allow_inf_nan=False)
+    max_reward: float | None = Field(default=None, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _range(self) -> EpisodeQuery:
+        """An empty reward range is a mistake, not a filter that matches nothing."""
+        if self.min_reward is not None and self.max_reward is not None and self.min_reward > self.max_reward:
+            raise ValueError(f"min_reward {self.min_reward} is above max_reward {self.max_reward}")
+        return self
+
+    def filter_key(self) -> tuple:
+        """What selects the episodes (``limit`` and ``sample`` only say how many)."""
+        return self.workload, self.policy, self.kind, self.min_reward, self.max_reward
 
 
 class CallView(_View):
@@ -175,23 +195,37 @@ def matches(e: EpisodeView, q: EpisodeQuery) -> bool:
             and (q.max_reward is None or e.reward <= q.max_reward))
 
 
+@dataclass
+class _Walk:
+    """How far the newest-first walk of one filter got: per segment the batch count when it
+    began (``top``) and the oldest batch walked (``low``); ``hits``: the matches of the batches
+    walked, newest first (the newest `MAX_LIMIT` at most)."""
+
+    top: dict[str, int]
+    low: dict[str, int]
+    hits: list[EpisodeView]
+
+
 class EpisodeReader:
     """Reads episodes of one run directory; keeps the batches it read (they never change).
     Not thread-safe: the dashboard calls it from one thread."""
 
-    def __init__(self, run_dir: str | Path, *, read_budget: int = 32, cache_entries: int = 4096):
+    def __init__(self, run_dir: str | Path, *, read_budget: int = 32, cache_entries: int | None = None):
         """``read_budget``: batches not yet cached read per request at most (half for the
         newest, plus one per segment, half for the sample); ``cache_entries``: entries kept
-        (whole batches, least recently used dropped first: it bounds the memory used)."""
+        (whole batches, least recently used dropped first: it bounds the memory used;
+        `CACHE_ENTRIES` when not given)."""
         self.paths = RunPaths(run_dir)
         self.read_budget = read_budget
-        self.cache_entries = cache_entries
+        self.cache_entries = CACHE_ENTRIES if cache_entries is None else cache_entries
         self._cache: OrderedDict[tuple[str, int], list[EpisodeView]] = OrderedDict()
         self._cached = 0  # entries in the cache
         self._store: TrajectoryStore | None = None
         self._config: tuple[float, dict[str, Any]] | None = None
         self._workload = ""  # the run's workload name: an episode's workload when its payload names no source
         self._lowest: dict[str, int] = {}  # per segment, the oldest batch the last newest-first walk read
+        self._walks: OrderedDict[tuple, _Walk] = OrderedDict()
+        self._names: tuple[set[str], set[str]] = (set(), set())  # workloads and policies of the episodes read
 
     def _run_config(self) -> dict[str, Any]:
         """The resolved config the run wrote (re-read when it changes; ``{}`` before it exists)."""
@@ -244,37 +278,65 @@ class EpisodeReader:
         recent, partial = self._newest(store, counts, q, budget, seen)
         budget = [self.read_budget // 2]
         sampled = self._sample(store, counts, q, budget, seen)
-        for e in seen:
-            workloads.add(e.workload)
-            policies.update(e.policies)
+        for e in seen + recent:
+            self._names[0].add(e.workload)
+            self._names[1].update(e.policies)
+        workloads |= self._names[0]
+        policies |= self._names[1]
         return EpisodesView(**{**empty, "recent": recent, "sampled": sampled, "batches": sum(counts.values()),
                                "partial": partial}, store=store.url, note=None,
                             workloads=sorted(workloads - {""}), policies=sorted(policies))
 
     def _newest(self, store, counts, q, budget, seen) -> tuple[list[EpisodeView], bool]:
-        """Walk the batches newest first across segments (a heap on publication time, seeded
-        with each segment's last batch) until ``q.limit`` matches. The walk stops where the
-        budget does, so what it returns is always the true newest (``partial``: fewer than
-        asked; the next request, with these batches cached, goes further). Records in
-        ``self._lowest`` the oldest batch walked per segment."""
-        self._lowest = dict(counts)
+        """The newest ``q.limit`` matches, walking the batches newest first (`_walk`). The walk of
+        this filter goes on from where the last request left it; batches published since are
+        walked first. What it returns is always the true newest (``partial``: fewer than asked;
+        the next request goes further). Sets ``self._lowest`` to the oldest batch walked."""
+        key = q.filter_key()
+        w = self._walks.pop(key, None)
+        if w is None or any(counts.get(seg, 0) < n for seg, n in w.top.items()):  # new, or another store
+            w = _Walk(top={}, low={}, hits=[])
+        if counts != w.top:  # batches published since: newer than every one walked
+            low = dict(counts)
+            new, ended = self._walk(store, low, w.top, q, q.limit, budget, seen)
+            if ended:
+                w = _Walk(top=dict(counts), low={s: min(n, w.low.get(s, n)) for s, n in low.items()},
+                          hits=(new + w.hits)[:MAX_LIMIT])
+            else:  # a walk from the top that has not reached the batches walked before: it starts over
+                w = _Walk(top=dict(counts), low=low, hits=new[:MAX_LIMIT])
+        ended = all(n <= 0 for n in w.low.values())
+        if len(w.hits) < q.limit and not ended:
+            more, ended = self._walk(store, w.low, {}, q, q.limit - len(w.hits), budget, seen)
+            w.hits = (w.hits + more)[:MAX_LIMIT]
+        self._walks[key] = w
+        while len(self._walks) > MAX_WALKS:
+            self._walks.popitem(last=False)
+        self._lowest = dict(w.low)
+        return w.hits[:q.limit], len(w.hits) < q.limit and not ended
+
+    def _walk(self, store, low, floor, q, want, budget, seen) -> tuple[list[EpisodeView], bool]:
+        """Walk newest first across segments (a heap on publication time) the batches of each
+        segment below ``low[seg]`` and not below ``floor[seg]``, moving ``low`` down, until
+        ``want`` matches or the budget is spent. Returns the matches, newest first, and whether
+        every such batch was walked."""
         heap, out = [], []
-        for seg, n in sorted(counts.items()):
-            views = self._batch(store, (seg, n - 1), budget)
-            if views is None:
-                return [], True
-            heapq.heappush(heap, (-views[0].written_at, seg, n - 1, views))
-        while heap and len(out) < q.limit:
+        for seg, n in sorted(low.items()):
+            if n > floor.get(seg, 0):
+                views = self._batch(store, (seg, n - 1), budget)
+                if views is None:
+                    return out, False
+                heapq.heappush(heap, (-views[0].written_at, seg, n - 1, views))
+        while heap and len(out) < want:
             _, seg, seqno, views = heapq.heappop(heap)
-            self._lowest[seg] = seqno
+            low[seg] = seqno
             seen.extend(views)
             out.extend(e for e in reversed(views) if matches(e, q))
-            if seqno > 0 and len(out) < q.limit:
+            if seqno > floor.get(seg, 0) and len(out) < want:
                 older = self._batch(store, (seg, seqno - 1), budget)
                 if older is None:
-                    return out, True
+                    return out, False
                 heapq.heappush(heap, (-older[0].written_at, seg, seqno - 1, older))
-        return out[:q.limit], False
+        return out, all(n <= floor.get(seg, 0) for seg, n in low.items())
 
     def _sample(self, store, counts, q, budget, seen) -> list[EpisodeView]:
         """``q.sample`` batches evenly spaced over the batches older than the newest walk (in

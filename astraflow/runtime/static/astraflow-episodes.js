@@ -1,4 +1,4 @@
-// The episode viewer of the AstraFlow page: fetches /astraflow/api/episodes.json with the
+// The episode viewer of the AstraFlow page: fetches astraflow/api/episodes.json with the
 // filters of the form (on "apply", and every few seconds while "follow" is checked) and renders
 // each episode turn by turn. Model output and tool results are untrusted: every text goes in
 // through textContent (el() of astraflow.js), never through innerHTML.
@@ -103,11 +103,11 @@ let epTimer = null;
 async function loadEpisodes() {
   clearTimeout(epTimer);
   try {
-    renderEpisodes(await getJSON(`/astraflow/api/episodes.json?${epQuery()}`));
+    renderEpisodes(await getJSON(`${API}episodes.json?${epQuery()}`));
     $("ep-error").hidden = true;
   } catch (err) {
     $("ep-error").hidden = false;
-    $("ep-error").textContent = String(err.message || err);
+    $("ep-error").textContent = err instanceof NoAnswer ? noAnswer() : String(err.message || err);
   } finally {
     if ($("ep-follow").checked) epTimer = setTimeout(loadEpisodes, EPISODES_MS);
   }

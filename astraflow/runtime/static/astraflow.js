@@ -1,6 +1,10 @@
-// The AstraFlow page: polls /astraflow/api/status.json and metrics.json every 2 s and renders
+// The AstraFlow page: polls astraflow/api/status.json and metrics.json every 2 s and renders
 // tables and inline-SVG charts. Plain JavaScript, nothing loaded from the network.
 "use strict";
+
+// every URL is relative to the page (<prefix>/astraflow): a site proxy may serve the dashboard under a prefix
+const API = "./astraflow/api/";
+const MAX_POINTS = 400;  // points per curve asked of metrics.json: the whole history would grow without bound
 
 // ?refresh=MS on the page address changes the interval (tests use a short one)
 const REFRESH_MS = Math.max(200, Number(new URLSearchParams(location.search).get("refresh")) || 2000);
@@ -254,16 +258,37 @@ function renderMetrics(mv, st) {
 
 let lastStatus = null;
 
+// the dashboard did not answer at all: the run ended (its scheduler stops with it) or the connection dropped
+class NoAnswer extends Error {}
+
+// the JSON answer of `url`; an answer that is not JSON (a 403 or 503 text) raises its text
 async function getJSON(url) {
-  const r = await fetch(url, { cache: "no-store" });
-  const body = await r.json();
-  if (!r.ok) throw new Error(body.error || `${url}: HTTP ${r.status}`);
-  return body;
+  let r, text;
+  try {
+    r = await fetch(url, { cache: "no-store" });
+    text = await r.text();
+  } catch (err) {
+    throw new NoAnswer(String(err.message || err));
+  }
+  let body = null;
+  try { body = JSON.parse(text); } catch (_) { /* not JSON: shown as the text it is */ }
+  if (r.ok && body !== null) return body;
+  const why = (body && body.error) || text.trim().slice(0, 500) || `HTTP ${r.status}`;
+  throw new Error(r.ok ? `${url}: not JSON: ${why}` : why);
+}
+
+function noAnswer() {
+  const dir = lastStatus ? lastStatus.run_dir : "RUN_DIR";
+  $("run-state").textContent = "no answer";
+  $("run-state").className = "badge no-answer";
+  return "no answer from the run: it ended, or the connection (tunnel) dropped; "
+    + `\`astraflow status ${dir}\` tells which`;
 }
 
 async function refresh() {
   try {
-    const [st, mv] = await Promise.all([getJSON("/astraflow/api/status.json"), getJSON("/astraflow/api/metrics.json")]);
+    const [st, mv] = await Promise.all([getJSON("./astraflow/api/status.json"),
+      getJSON(`./astraflow/api/metrics.json?max_points=${MAX_POINTS}`)]);
     lastStatus = st;
     renderStatus(st);
     renderMetrics(mv, st);
@@ -271,7 +296,7 @@ async function refresh() {
     $("updated").textContent = `updated ${new Date().toLocaleTimeString()} (snapshot ${fmt(st.age_s, 1)}s old)`;
   } catch (err) {
     $("error").hidden = false;
-    $("error").textContent = String(err.message || err);
+    $("error").textContent = err instanceof NoAnswer ? noAnswer() : String(err.message || err);
   } finally {
     setTimeout(refresh, REFRESH_MS);
   }
