@@ -1,8 +1,9 @@
 """The bubblewrap command line of one execution, and the check that bubblewrap works here.
 
 Only what the interpreter needs is bound, read-only: the system directories, a few files of
-/etc, the interpreter's own prefix when it lives elsewhere, and the execution's input
-directory. Everything else (the run directory, home directories, /root, /etc/shadow, other
+/etc, the interpreter and its prefix's ``lib`` when it lives elsewhere (never the whole prefix:
+a Python installed with ``--prefix=$HOME`` would show the home directory), and the execution's
+input directory. Everything else (the run directory, home directories, /root, /etc/shadow, other
 processes, the network) does not exist inside.
 """
 
@@ -74,9 +75,27 @@ def _binds(python: str) -> list[str]:
         if os.path.exists(f):
             args += ["--ro-bind", f, f]
     if not any(python.startswith(d + "/") for d in SYSTEM_DIRS):
-        prefix = str(Path(python).parents[1])  # <prefix>/bin/python3.X
-        args += ["--ro-bind", prefix, prefix]
+        args += ["--ro-bind", python, python]  # <prefix>/bin/python3.X, and its standard library:
+        for lib in prefix_libs(python):
+            args += ["--ro-bind", lib, lib]
     return args
+
+
+def prefix_libs(python: str) -> list[str]:
+    """The ``lib`` directories of the prefix of an interpreter outside the system directories
+    (its standard library, its shared libraries); ``SandboxUnavailable`` naming the fix when it is
+    no Python prefix, or where the sandbox's own directories would hide it."""
+    if python.startswith(("/tmp/", SCRATCH + "/", IN_DIR + "/")):
+        top = "/" + python.split("/")[1]
+        raise SandboxUnavailable(f"sandbox interpreter {python} is under {top}, which the sandbox replaces with its "
+                                 "own: set sandbox.interpreter (or --interpreter) to a python3 installed elsewhere")
+    prefix = Path(python).parents[1]
+    libs = [str(prefix / d) for d in ("lib", "lib64") if (prefix / d).is_dir() and not (prefix / d).is_symlink()]
+    if not any(Path(lib).glob("python3*/os.py") for lib in libs):
+        raise SandboxUnavailable(f"sandbox interpreter {python}: no standard library under {prefix}/lib "
+                                 "(lib/python3.X/os.py), so it is not the bin/ of a Python installation: set "
+                                 "sandbox.interpreter (or --interpreter) to the python3 of one")
+    return libs
 
 
 def _sandbox(cfg: SandboxConfig, python: str) -> list[str]:
@@ -129,6 +148,12 @@ def probe(cfg: SandboxConfig) -> None:
         if "unknown option" in why[0].lower():
             raise SandboxUnavailable(f"this bubblewrap is too old for the sandbox's options ({why[0]}): it needs "
                                      f"bubblewrap 0.8 or newer; {FIX}")
+        if any(m in why[0] for m in ("Can't find source path", "execvp")):  # it ran, the interpreter is out of reach
+            raise SandboxUnavailable(
+                f"bubblewrap cannot reach the sandbox interpreter {python} ({why[0]}): the sandbox's user must be "
+                "able to read it and its installation (not under a private directory such as /root or a home "
+                "directory of mode 0700): set sandbox.interpreter (or --interpreter) to such a python3, e.g. "
+                "/usr/bin/python3")
         raise SandboxUnavailable(
             f"bubblewrap cannot create a sandbox here ({why[0]}): it needs unprivileged user "
             "namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0, "

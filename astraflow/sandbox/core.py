@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import logging
 import os
 import secrets
 import selectors
@@ -29,6 +30,7 @@ from . import bwrap
 from .config import SandboxConfig
 from .result import SandboxResult, TestOutcome
 
+log = logging.getLogger("astraflow.sandbox")
 RUNNER = (Path(__file__).with_name("runner.py")).read_text(encoding="utf-8")
 MAX_CHANNEL_BYTES = 1 << 20  # the result pipe: a few lines per test
 MAX_EVENT_CHARS = 1 << 14  # one report line: a test's name and its truncated exception line
@@ -55,6 +57,10 @@ class Sandbox:
         with self._lock:
             if not self._checked:
                 bwrap.probe(self.cfg)
+                if os.getpid() == 1:  # orphans are ours to reap, and nothing here reaps them
+                    log.warning("this process is PID 1 (a container without an init): each sandbox run leaves a "
+                                "zombie process that only PID 1 can reap; start the container with an init "
+                                "(docker run --init, tini, or apptainer's default)")
                 self._root = self._scratch_root()
                 try:
                     shutil.rmtree(self._input_dir("", None))
