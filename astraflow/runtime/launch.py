@@ -158,6 +158,12 @@ def check_data(workload: WorkloadConfig, cfg: RunConfig | None = None) -> str:
     lines = [f"{found}; {report.summary()}" if said else found]
     if cfg is not None:
         lines += prompts_that_do_not_fit(cfg, wl)
+        self_check = getattr(wl, "self_check", None)  # a workload that can test its own data (its references)
+        if callable(self_check) and not cfg.simulated(cfg.policies[0]):
+            from astraflow.sandbox import configure
+
+            configure(cfg.sandbox)
+            lines += self_check()
     return "\n".join(lines)
 
 

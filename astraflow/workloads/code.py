@@ -119,8 +119,13 @@ def task_from_row(row: Mapping[str, Any], where: str, default_id: str | None = N
     if not isinstance(row, Mapping):
         raise ValueError(f"{where}: a task must be a JSON object, got {type(row).__name__}")
     for name in REQUIRED:
+        if row.get(name) is not None and not isinstance(row[name], str):
+            raise ValueError(f"{where}: field {name!r} must be a string, got {type(row[name]).__name__}")
         if not isinstance(row.get(name), str) or not row[name].strip():
             raise ValueError(f"{where}: missing field {name!r} (a task needs prompt, entry_point and tests)")
+    for name in ("tests", "test", "reference", "canonical_solution"):
+        if row.get(name) is not None and not isinstance(row[name], str):
+            raise ValueError(f"{where}: field {name!r} must be a string, got {type(row[name]).__name__}")
     if isinstance(row.get("tests"), str) and row["tests"].strip():
         tests = row["tests"]
     elif isinstance(row.get("test"), str) and row["test"].strip():
@@ -136,6 +141,7 @@ def task_from_row(row: Mapping[str, Any], where: str, default_id: str | None = N
         raise ValueError(f"{where}: field 'tests' defines no top-level test_* function (tests in a class "
                          "or nested in another function are not run: write them as module-level functions)")
     reference = row.get("reference", row.get("canonical_solution"))
+    _check_prompt(row["prompt"], row["entry_point"], reference if isinstance(reference, str) else None, where)
     task = {"id": str(row.get("id", row.get("task_id", default_id or where))), "prompt": row["prompt"],
             "entry_point": row["entry_point"], "tests": tests, "row": where}
     if isinstance(reference, str) and reference.strip():
@@ -143,6 +149,21 @@ def task_from_row(row: Mapping[str, Any], where: str, default_id: str | None = N
     if row.get("family") not in (None, ""):
         task["family"] = task["difficulty"] = str(row["family"])
     return task
+
+
+def _check_prompt(prompt: str, entry_point: str, reference: str | None, where: str) -> None:
+    """The prompt defines ``entry_point`` at the top level, and prompt + reference (the program a
+    warm start teaches and the sandbox runs) is Python: else every episode would score 0."""
+    try:
+        tree = ast.parse(prompt if reference is None else prompt + reference)
+    except SyntaxError as err:
+        said = "prompt + reference" if reference is not None else "prompt"
+        hint = " (does the prompt end with a newline?)" if reference is not None and not prompt.endswith("\n") else ""
+        raise ValueError(f"{where}: {said} is not valid Python{hint} ({err.msg}, line {err.lineno})") from None
+    defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    if entry_point not in defined:
+        raise ValueError(f"{where}: entry_point {entry_point!r} is not a function the prompt defines at the top "
+                         f"level (it defines: {', '.join(defined) or 'none'}); the tests call entry_point")
 
 
 def read_tasks(path: str | Path) -> list[dict[str, Any]]:
@@ -244,6 +265,26 @@ class CodeWorkload:
 
     def source_weights(self) -> dict[str, float]:
         return {"": 1.0}
+
+    def self_check(self, sample: int = 8) -> list[str]:
+        """For tasks from a file: run the references of the first ``sample`` training tasks against
+        their own tests, in the sandbox; a line for each that fails (a warm start would teach it,
+        and a reward that no reference earns cannot be learned). Generated tasks pass by
+        construction: nothing to say."""
+        if self.cfg.train_file is None:
+            return []
+        failing = []
+        checked = [t for t in self.tasks("train") if "reference" in t][:sample]
+        for t in checked:
+            result = self._run(t["prompt"] + t["reference"], t)
+            if result.status == "sandbox_error":  # the sandbox's own check says why, with its fix
+                return []
+            if not result.all_passed:
+                failing.append(f"{t['row']} ({result.status}, {result.passed}/{result.total} tests passed)")
+        if not failing:
+            return []
+        return [f"code workload: {len(failing)} of the {len(checked)} references checked fail their own tests: "
+                f"{'; '.join(failing[:3])}{'; ...' if len(failing) > 3 else ''}; fix the reference or the tests"]
 
     # -- running --------------------------------------------------------------------------------
     def _run(self, program: str, payload: Mapping[str, Any]):

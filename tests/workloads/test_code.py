@@ -119,6 +119,12 @@ def test_jsonl_tasks_and_the_humaneval_check_form(tmp_path):
      "line 2: field 'tests' defines no top-level test_.*module-level"),
     (dict(GOOD, tests="def test_f(:\n"), "line 2: field 'tests' is not valid Python"),
     ("{not json", "line 2: not JSON"),
+    (dict(GOOD, tests=["def test_a():\n    pass\n"]), "line 2: field 'tests' must be a string, got list"),
+    (dict(GOOD, entry_point=3), "line 2: field 'entry_point' must be a string, got int"),
+    (dict(GOOD, entry_point="dec"), "line 2: entry_point 'dec' is not a function the prompt defines at the top "
+                                    "level \\(it defines: inc\\)"),
+    (dict(GOOD, prompt='def inc(x):\n    """Add one."""', reference="    return x + 1\n"),
+     "line 2: prompt \\+ reference is not valid Python \\(does the prompt end with a newline\\?\\)"),
     ("[1, 2]", "line 2: a task must be a JSON object"),
 ])
 def test_bad_jsonl_rows_name_the_file_and_line(tmp_path, row, message):

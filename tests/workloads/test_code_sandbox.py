@@ -112,3 +112,27 @@ def test_a_code_source_of_a_mix_keeps_the_sandbox_deadline_handling_and_its_stat
     assert [(r, s["code_timeout"]) for r, s in asyncio.run(all_four())] == [(0.0, 1.0)] * 4
     math_task = next(t for t in mix.tasks("train") if t["source"] == "math")
     assert mix.reward_and_stats(math_task["answer"], math_task) == (mix.reward(math_task["answer"], math_task), {})
+
+
+def test_references_that_fail_their_own_tests_are_named_by_check(sandbox, tmp_path, tiny_model):
+    """A task file whose reference fails its tests: the warm start would teach it and no reward
+    could be earned; ``astraflow check`` (``check_data``) names the row."""
+    import json
+
+    from astraflow.runtime.launch import check_data
+    from tests.conftest import tiny_config
+
+    good = {"prompt": "def inc(x):\n", "entry_point": "inc", "tests": "def test_a():\n    assert inc(1) == 2\n",
+            "reference": "    return x + 1\n"}
+    rows = [good, dict(good, reference="    return x + 2\n"), good]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    w = CodeWorkload(train_file=str(path), test_file=str(path))
+    (line,) = w.self_check()
+    assert line.startswith("code workload: 1 of the 3 references checked fail their own tests: ")
+    assert f"{path} line 2 (failure, 0/1 tests passed)" in line
+    assert CodeWorkload(train_file=str(path), test_file=str(path), num_train=1).self_check() in ([], [line])
+    cfg = tiny_config(tiny_model, workload__name="code",
+                      workload__params={"train_file": str(path), "test_file": str(path)})
+    assert "1 of the 3 references checked fail their own tests" in check_data(cfg.workload, cfg)
+    assert CodeWorkload().self_check() == []  # generated tasks pass by construction
