@@ -276,8 +276,11 @@ class CodeWorkload:
         failing = []
         checked = [t for t in self.tasks("train") if "reference" in t][:sample]
         for t in checked:
-            result = self._run(t["prompt"] + t["reference"], t)
-            if result.status == "sandbox_error":  # the sandbox's own check says why, with its fix
+            try:
+                result = self._run(t["prompt"] + t["reference"], t)
+            except Exception:  # no working sandbox: its own check says why, with the fix
+                return []
+            if result.status == "sandbox_error":
                 return []
             if not result.all_passed:
                 failing.append(f"{t['row']} ({result.status}, {result.passed}/{result.total} tests passed)")
