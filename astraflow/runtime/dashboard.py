@@ -112,7 +112,7 @@ class MetricsHandler(_JSON):
 
     async def get(self) -> None:
         raw = self.get_argument("max_points", "").strip()
-        if raw and (not (raw.isascii() and raw.isdigit()) or int(raw) < 2):
+        if raw and (not (raw.isascii() and raw.isdigit()) or len(raw) > 9 or int(raw) < 2):
             return self._fail(400, f"max_points: an integer of at least 2 expected, got {raw!r}")
 
         def read() -> str:  # on the pool's one thread: the reader is not thread-safe

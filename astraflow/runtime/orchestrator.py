@@ -275,7 +275,8 @@ class Orchestrator(Shutdown):
             if latest is not None:
                 self.dl.trainer_restarted(pol.name, latest.version, restart=False).result(timeout=60)
         self.dl.resume_evaluation().result(timeout=60)  # at the versions the trainers resume from
-        self.progress.evals_shown(self.dl.state(TICK_EVALS).result(timeout=60).get("eval", []))  # printed by the last run
+        # the evaluations the last run printed
+        self.progress.evals_shown(self.dl.state(TICK_EVALS).result(timeout=60).get("eval", []))
 
     # ------------------------------------------------------------------ the watch loop
     def _tick(self) -> Tick:

@@ -83,7 +83,9 @@ class Shutdown:
             state = waits.call("data layer state", lambda: self.dl.state(), 30) or {}
             waits.call("data layer close", lambda: self.dl.close(), 30)
         last = self.last_tick
-        state = state or (last.data_layer if last else {})
+        if not state and last is not None:  # the data layer did not answer: its last tick, and every
+            # evaluation the run recorded (a tick carries the newest only)
+            state = {**last.data_layer, "eval": evals_on_record(self.paths.metrics) or last.data_layer.get("eval", [])}
         trainers = {p: t or (last.trainers.get(p) if last else None) for p, t in trainers.items()}
         steps = committed_steps(self.paths.weights, list(trainers), {p: t["version"] for p, t in trainers.items() if t})
         result = RunResult(self.paths.root, steps, state.get("eval", []), ledger or state.get("ledger", {}),
@@ -124,3 +126,16 @@ class Shutdown:
                 step()
             except Exception as err:  # the next step still runs: no job or process left behind for this one
                 log.warning("%s failed: %s: %s", what, type(err).__name__, err)
+
+
+def evals_on_record(metrics: Path) -> list[dict[str, Any]]:
+    """The evaluation lines of ``metrics.jsonl``, in order, the last of each policy and version
+    (a version trained again after a lost data layer is recorded again)."""
+    from astraflow.runtime.monitoring.metrics import is_eval_record, tail_records
+
+    try:
+        records, _ = tail_records(metrics, 0)
+    except OSError:
+        return []
+    kept = {(r.get("policy"), r["step"]): r for r in records if is_eval_record(r)}
+    return sorted(kept.values(), key=lambda r: r["step"])

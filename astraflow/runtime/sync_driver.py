@@ -42,7 +42,7 @@ def drive_sync(
         dl.open_iteration(groups_per_batch).result(timeout=30)
         deadline = t0 + timeout_s
         while True:
-            st = dl.state().result(timeout=30)  # before `ready`: nothing can be ingested unseen
+            st = dl.state(0).result(timeout=30)  # before `ready`: nothing ingested unseen
             ready = {p: dl.ready(p, version).result(timeout=30) for p in trainers}
             if all(n >= batch_size for n in ready.values()):
                 break

@@ -22,7 +22,8 @@ SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 ETC_FILES = ("/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d",
              "/etc/localtime", f"/etc/python{sys.version_info.major}.{sys.version_info.minor}",
              "/etc/python3")
-IN_DIR, SCRATCH = "/in", "/scratch"
+# the sandbox's own directories, named so as not to hide where a site installs Python (/scratch, /work)
+IN_DIR, SCRATCH = "/in", "/sandbox"
 ENV = {"HOME": SCRATCH, "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
        "TMPDIR": "/tmp", "PYTHONIOENCODING": "utf-8"}
 

@@ -154,8 +154,8 @@ def task_from_row(row: Mapping[str, Any], where: str, default_id: str | None = N
 def _check_prompt(prompt: str, entry_point: str, reference: str | None, where: str) -> None:
     """The prompt defines ``entry_point`` at the top level, and prompt + reference (the program a
     warm start teaches and the sandbox runs) is Python: else every episode would score 0."""
-    try:
-        tree = ast.parse(prompt if reference is None else prompt + reference)
+    try:  # without a reference, a prompt that ends at a signature gets a body to parse
+        tree = ast.parse(prompt + reference if reference is not None else _with_body(prompt))
     except SyntaxError as err:
         said = "prompt + reference" if reference is not None else "prompt"
         hint = " (does the prompt end with a newline?)" if reference is not None and not prompt.endswith("\n") else ""
@@ -164,6 +164,15 @@ def _check_prompt(prompt: str, entry_point: str, reference: str | None, where: s
     if entry_point not in defined:
         raise ValueError(f"{where}: entry_point {entry_point!r} is not a function the prompt defines at the top "
                          f"level (it defines: {', '.join(defined) or 'none'}); the tests call entry_point")
+
+
+def _with_body(prompt: str) -> str:
+    """``prompt`` as Python: as it is, or with a body after a trailing signature (``def f(x):``)."""
+    try:
+        ast.parse(prompt)
+        return prompt
+    except SyntaxError:
+        return prompt + ("" if prompt.endswith("\n") else "\n") + "    pass\n"
 
 
 def read_tasks(path: str | Path) -> list[dict[str, Any]]:
@@ -267,8 +276,8 @@ class CodeWorkload:
         return {"": 1.0}
 
     def self_check(self, sample: int = 8) -> list[str]:
-        """For tasks from a file: run the references of the first ``sample`` training tasks against
-        their own tests, in the sandbox; a line for each that fails (a warm start would teach it,
+        """For tasks from a file: run the references of ``sample`` training tasks (the first of the
+        seeded training order) against their own tests, in the sandbox; a line for each that fails (a warm start would teach it,
         and a reward that no reference earns cannot be learned). Generated tasks pass by
         construction: nothing to say."""
         if self.cfg.train_file is None:

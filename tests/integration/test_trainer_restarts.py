@@ -77,7 +77,7 @@ class _DataLayer:
     def open_iteration(self, groups):
         return _Done()
 
-    def state(self):
+    def state(self, evals=None):
         return _Done({"outstanding_groups": 0, "pending": 0, "leased": 0})
 
     def ready(self, policy, version):

@@ -79,3 +79,24 @@ def test_the_summary_steps_are_the_newest_committed_version_not_a_lost_trainers_
     result = run._shutdown(0.0, Ending("failed", "trainer worker ... is gone"))
     assert run.summary["steps"] == result.steps == {"solver": 25}
     assert "trainer solver" in run.summary["stop_errors"]
+
+
+class _LostDataLayer(_DataLayer):
+    def state(self) -> Future:
+        raise RuntimeError("Worker holding Actor was lost")
+
+
+def test_a_data_layer_lost_at_the_end_leaves_every_recorded_evaluation_in_the_summary(tmp_path):
+    """A tick carries the newest evaluations only; when the data layer cannot answer at the end,
+    the summary's are those ``metrics.jsonl`` recorded (the last line of a version recorded twice)."""
+    import json
+
+    evals = [{"policy": "solver", "step": v, "eval_accuracy": v / 200, "eval_prompts": 4} for v in range(200)]
+    tick = Tick(data_layer={"eval": evals[-80:]}, trainers={"solver": {"version": 199}})
+    run = _Run(tmp_path / "run", _LostDataLayer(), {"solver": _LostTrainer()}, tick)
+    again = dict(evals[5], eval_accuracy=0.5)  # v5 recorded again, by a re-placed data layer
+    lines = [*evals[:10], {"policy": "solver", "step": 3, "loss": 0.1}, again, *evals[10:]]
+    run.paths.metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    result = run._shutdown(0.0, Ending("failed", "data layer lost"))
+    assert [e["step"] for e in result.eval] == list(range(200))
+    assert result.eval[5]["eval_accuracy"] == 0.5 and run.summary["data_layer"]["eval"] == result.eval

@@ -98,6 +98,13 @@ GOOD = {"prompt": "def inc(x):\n", "entry_point": "inc", "tests": "def test_a():
         "reference": "    return x + 1\n"}
 
 
+def test_a_prompt_that_ends_at_its_signature_needs_no_reference(tmp_path):
+    rows = [{k: v for k, v in GOOD.items() if k != "reference"},
+            {"prompt": "def inc(x):\n    # add one\n", "entry_point": "inc", "tests": GOOD["tests"]}]
+    tasks = read_tasks(write_jsonl(tmp_path / "t.jsonl", rows))
+    assert [t["entry_point"] for t in tasks] == ["inc", "inc"] and all("reference" not in t for t in tasks)
+
+
 def test_jsonl_tasks_and_the_humaneval_check_form(tmp_path):
     he = {"task_id": "t/1", "prompt": "def dbl(x):\n", "entry_point": "dbl", "canonical_solution": "    return 2 * x\n",
           "test": "def check(candidate):\n    assert candidate(2) == 4\n"}

@@ -131,7 +131,6 @@ def test_references_that_fail_their_own_tests_are_named_by_check(sandbox, tmp_pa
     (line,) = w.self_check()
     assert line.startswith("code workload: 1 of the 3 references checked fail their own tests: ")
     assert f"{path} line 2 (failure, 0/1 tests passed)" in line
-    assert CodeWorkload(train_file=str(path), test_file=str(path), num_train=1).self_check() in ([], [line])
     cfg = tiny_config(tiny_model, workload__name="code",
                       workload__params={"train_file": str(path), "test_file": str(path)})
     assert "1 of the 3 references checked fail their own tests" in check_data(cfg.workload, cfg)
