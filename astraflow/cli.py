@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -361,6 +362,41 @@ def tensorboard(run_dir: str, logdir: str | None, follow: bool) -> None:
         raise UserError(f"--logdir {logdir or RunPaths(run_dir).tensorboard}: the event files cannot be written "
                         f"there ({err.strerror or err}); pass a --logdir you can write to") from None
     click.echo(f"{n} metrics lines written to {logdir or RunPaths(run_dir).tensorboard}")
+
+
+@main.command()
+@click.argument("run_dir", type=UserPath(file_okay=False, exists=True))
+@click.argument("out", type=UserPath(file_okay=False), required=False)
+@click.option("--policy", help="The policy to export (needed when the run trains several).")
+@click.option("--version", type=click.IntRange(min=0), help="The weight version (default: the newest committed).")
+@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
+              help="Dtype of the written weights; auto keeps the one the trainer published in.")
+@click.option("--tokenizer", type=UserPath(file_okay=False, exists=True),
+              help="Directory with the tokenizer files (default: the policy's model directory).")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file.")
+@click.option("--force", is_flag=True, help="Replace an earlier export in OUT.")
+@click.option("--list", "list_only", is_flag=True, help="List each policy's committed versions and exit.")
+def export(run_dir: str, out: str | None, policy: str | None, version: int | None, dtype: str,
+           tokenizer: str | None, max_shard_size: str, force: bool, list_only: bool) -> None:
+    """Write a trained policy of the run in RUN_DIR as an HF model directory OUT (config.json,
+    safetensors, tokenizer), checked by loading it back. Load OUT with transformers or vLLM, or
+    start a run from it (policies[].model: OUT). Works while the run goes on."""
+    from astraflow.model_export import ExportError, committed_versions, export_version
+
+    try:
+        if list_only:
+            for name, rows in committed_versions(run_dir).items():
+                for r in rows:
+                    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["committed_at"]))
+                    click.echo(f"{name} v{r['version']}: train step {r['train_steps']}, {r['dtype']}, {r['layout']} "
+                               f"layout, committed {when}")
+            return
+        if out is None:
+            raise UserError("name the output directory: astraflow export RUN_DIR OUT (or --list the versions)")
+        export_version(run_dir, out, policy=policy, version=version, dtype=dtype, tokenizer=tokenizer, force=force,
+                       max_shard_size=max_shard_size, say=click.echo)
+    except ExportError as err:
+        raise UserError(str(err)) from None
 
 
 main.add_command(partitions_cli)  # astraflow partitions list/add/remove RUN_DIR: see docs/autoscaling.md

@@ -39,7 +39,7 @@ import shutil
 import socket
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -313,13 +313,14 @@ class WeightStore:
             if not p.exists() or _sha256(p) != rec["sha256"]:
                 raise ChecksumMismatch(f"{policy} v{version}: {rel} does not match its manifest checksum")
 
-    def load(self, policy: str, version: int, *, verify: bool = False) -> dict:
+    def load(self, policy: str, version: int, *, verify: bool = False, hold: bool = True) -> dict:
         """All tensors of a committed version (``read_checkpoint``), held against retention
         while it is read. ``verify`` checks sha256 first. A version written by ``publish``
         (whole contiguous tensors, one file; its manifest says ``whole_tensors``) is read
         straight from the file's bytes. The ``.metadata`` pickle is checked against its manifest
-        sha256 and unpickled with DCP's classes only (``storage.safe_pickle``)."""
-        with self.hold(policy, version):
+        sha256 and unpickled with DCP's classes only (``storage.safe_pickle``). ``hold=False``
+        is for a reader that cannot write hold files (a store it may only read): it takes none."""
+        with self.hold(policy, version) if hold else nullcontext():
             if verify:
                 self.verify(policy, version)
             man = self.manifest(policy, version)

@@ -50,6 +50,13 @@ def test_run_subprocess_writes_expected_records(tiny_model, tmp_path):
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert resolved["run"]["max_steps"] == 3
     assert (run_dir / "summary.json").exists() and (run_dir / "logs" / "scheduler.log").exists()
+    # the trained policy leaves the run as an HF directory transformers loads
+    proc = subprocess.run([sys.executable, "-m", "astraflow", "export", str(run_dir), str(tmp_path / "trained")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "exported solver v3 (train step 3)" in proc.stdout, proc.stdout + proc.stderr
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "trained").num_parameters() > 0
 
 
 @pytest.mark.parametrize(

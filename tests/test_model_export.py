@@ -1,0 +1,218 @@
+"""``astraflow export``: a run's committed weight version as an HF model directory that
+transformers loads back to the trained weights, and a new run can start from."""
+
+import errno
+import json
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from astraflow.cli import main
+from astraflow.model_export import PROVENANCE, ExportError, committed_versions, export_version
+from astraflow.models import init_model
+from astraflow.training.torch_backend import TorchBackend
+from astraflow.weightconv import hf_to_megatron
+from storage import holds
+from storage.paths import RunPaths
+from storage.weights import WeightStore
+
+
+def _trained(model_dir, seed: int = 0, **kw) -> TorchBackend:
+    """A backend whose weights moved away from the model directory's (as training moves them)."""
+    be = TorchBackend(str(model_dir), lr=1e-3, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in be.model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return be
+
+
+def _run_dir(tmp_path, model_dir, policies=("solver",)):
+    run = tmp_path / "run"
+    RunPaths(run).make()
+    RunPaths(run).config.write_text(yaml.safe_dump({"policies": [{"name": p, "model": str(model_dir)}
+                                                                 for p in policies]}))
+    return run
+
+
+def _logits(model, ids=(5, 17, 42, 99, 3)):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([list(ids)])).logits.float()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A Llama with a separate output head (the tied case is ``tiny_model``)."""
+    return init_model(tmp_path_factory.mktemp("models") / "llama", preset="tiny", arch="llama", seed=2,
+                      tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("which", ["tiny_model", "llama"])
+def test_export_loads_back_to_the_trained_weights(which, request, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = request.getfixturevalue(which)
+    run = _run_dir(tmp_path, model_dir)
+    be = _trained(model_dir)
+    be.publish(WeightStore(RunPaths(run).weights), "solver", 7)
+    lines = []
+    record = export_version(run, tmp_path / "out", say=lines.append)
+    out = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    be.model.eval()
+    assert torch.allclose(_logits(out), _logits(be.model), atol=1e-5)
+    assert not torch.allclose(_logits(out), _logits(base), atol=1e-2)  # the trained weights, not the start
+    assert record["version"] == 7 and record["probe_checked"] and record["probe_error_nats"] < 1e-4
+    assert json.loads((tmp_path / "out" / PROVENANCE).read_text())["source_model"] == str(model_dir)
+    assert out.config.tie_word_embeddings == base.config.tie_word_embeddings
+    assert any("exported solver v7" in line for line in lines)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_a_new_run_starts_from_the_export(tiny_model, tmp_path):
+    """The export is a model directory ``astraflow check`` accepts as ``policies[].model``."""
+    run = _run_dir(tmp_path, tiny_model)
+    _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    export_version(run, tmp_path / "out", say=lambda _: None)
+    res = CliRunner().invoke(main, ["check", "examples/tiny/config.yaml", "--set",
+                                    f"policies.0.model={tmp_path / 'out'}"])
+    assert res.exit_code == 0, res.output
+    assert str(tmp_path / "out") in res.output
+
+
+def test_dtype_auto_keeps_the_published_and_narrowing_is_reported(tiny_model, tmp_path):
+    from safetensors import safe_open
+
+    run = _run_dir(tmp_path, tiny_model)
+    _trained(tiny_model, publish_dtype="bf16").publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    export_version(run, tmp_path / "auto", say=lambda _: None)
+    with safe_open(str(tmp_path / "auto" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    run2 = _run_dir(tmp_path / "b", tiny_model)
+    _trained(tiny_model).publish(WeightStore(RunPaths(run2).weights), "solver", 1)
+    record = export_version(run2, tmp_path / "narrow", dtype="bf16", say=lambda _: None)
+    assert record["published_dtype"] == "fp32" and record["dtype"] == "bf16"
+    assert 0 < record["probe_error_nats"] < 0.05  # bf16 rounding, reported, not refused
+
+
+def test_megatron_layout_exports_in_hf_names(llama, tmp_path):
+    from astraflow.probe import make_probe
+    from transformers import AutoModelForCausalLM
+
+    run = _run_dir(tmp_path, llama)
+    be = _trained(llama)
+    hf = {k: v.detach().clone() for k, v in be.model.state_dict().items()}
+    config = be.model.config.to_dict()
+    WeightStore(RunPaths(run).weights).publish(
+        "solver", 3, hf_to_megatron(hf, config),
+        meta={"layout": "megatron", "hf_config": config, "dtype": "fp32", "probe": make_probe(be.model)})
+    export_version(run, tmp_path / "out", say=lambda _: None)
+    out = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    for k, v in out.state_dict().items():
+        assert torch.equal(v, hf[k]), k
+
+
+def test_a_config_that_does_not_describe_the_weights_exports_nothing(tiny_model, tmp_path):
+    run = _run_dir(tmp_path, tiny_model)
+    store = WeightStore(RunPaths(run).weights)
+    be = _trained(tiny_model)
+    state = {k: v.detach().clone() for k, v in be.model.state_dict().items()}
+    config = be.model.config.to_dict()
+    from astraflow.probe import make_probe
+
+    store.publish("solver", 2, state, meta={"layout": "hf", "probe": make_probe(be.model),
+                                            "config": {**config, "rope_parameters": {"rope_type": "default",
+                                                                                     "rope_theta": 7.0}}})
+    with pytest.raises(ExportError, match="does not describe the trained model"):
+        export_version(run, tmp_path / "out", version=2, say=lambda _: None)
+    store.publish("solver", 3, state, meta={"layout": "hf", "config": {**config, "hidden_size": 32}})
+    with pytest.raises(ExportError, match="do not fit the architecture"):
+        export_version(run, tmp_path / "out", version=3, say=lambda _: None)
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_refusals_name_the_fix(tiny_model, tmp_path):
+    run = _run_dir(tmp_path, tiny_model, policies=("a", "b"))
+    with pytest.raises(ExportError, match="no committed weight version yet"):
+        export_version(run, tmp_path / "o", say=print)
+    store = WeightStore(RunPaths(run).weights, keep_last=2)
+    be = _trained(tiny_model)
+    for v in (1, 2, 3):
+        be.publish(store, "a", v)
+    store.apply_retention("a")
+    be.publish(store, "b", 1)
+    with pytest.raises(ExportError, match="trains 2 policies .*--policy NAME"):
+        export_version(run, tmp_path / "o", say=print)
+    with pytest.raises(ExportError, match="--policy c: .* it has a, b"):
+        export_version(run, tmp_path / "o", policy="c", say=print)
+    with pytest.raises(ExportError, match=r"--version 1: a has committed versions v2, v3; .*keep_versions"):
+        export_version(run, tmp_path / "o", policy="a", version=1, say=print)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(ExportError, match="no export of this tool"):
+        export_version(run, tmp_path / "mine", policy="a", force=True, say=print)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "x"
+    with pytest.raises(ExportError, match="is no run directory"):
+        export_version(tmp_path / "mine", tmp_path / "o", say=print)
+
+
+def test_an_earlier_export_is_replaced_only_with_force(tiny_model, tmp_path):
+    run = _run_dir(tmp_path, tiny_model)
+    store = WeightStore(RunPaths(run).weights)
+    _trained(tiny_model, seed=1).publish(store, "solver", 1)
+    export_version(run, tmp_path / "out", say=print)
+    _trained(tiny_model, seed=2).publish(store, "solver", 2)
+    with pytest.raises(ExportError, match="pass --force"):
+        export_version(run, tmp_path / "out", say=print)
+    assert json.loads((tmp_path / "out" / PROVENANCE).read_text())["version"] == 1
+    export_version(run, tmp_path / "out", force=True, say=print)
+    assert json.loads((tmp_path / "out" / PROVENANCE).read_text())["version"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+
+
+def test_tokenizer_from_elsewhere_when_the_model_directory_is_gone(tmp_path):
+    model_dir = init_model(tmp_path / "m", preset="tiny", seed=4)
+    run = _run_dir(tmp_path, model_dir)
+    be = _trained(model_dir)
+    be.publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    be.tokenizer.save_pretrained(tmp_path / "tok")
+    for f in model_dir.iterdir():
+        f.unlink()
+    model_dir.rmdir()
+    with pytest.raises(ExportError, match="pass --tokenizer DIR"):
+        export_version(run, tmp_path / "out", say=print)
+    export_version(run, tmp_path / "out", tokenizer=tmp_path / "tok", say=print)
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_a_store_it_may_only_read_is_read_without_a_hold(tiny_model, tmp_path, monkeypatch):
+    """A run directory of another user: no hold file can be written, the files' checksums are checked."""
+    run = _run_dir(tmp_path, tiny_model)
+    _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+
+    def no_write(*_a, **_k):
+        raise OSError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(holds, "take", no_write)
+    lines = []
+    export_version(run, tmp_path / "out", say=lines.append)
+    assert any("no read hold taken" in line for line in lines)
+
+
+def test_cli_lists_versions_and_exits_2_on_bad_input(tiny_model, tmp_path):
+    run = _run_dir(tmp_path, tiny_model)
+    store = WeightStore(RunPaths(run).weights)
+    be = _trained(tiny_model)
+    for v in (4, 5):
+        be.publish(store, "solver", v)
+    assert [r["version"] for r in committed_versions(run)["solver"]] == [4, 5]
+    res = CliRunner().invoke(main, ["export", str(run), "--list"])
+    assert res.exit_code == 0 and "solver v4: train step 0, fp32, hf layout" in res.output, res.output
+    res = CliRunner().invoke(main, ["export", str(run)])
+    assert res.exit_code == 2 and "name the output directory" in res.output
+    res = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "o"), "--version", "9"])
+    assert res.exit_code == 2 and "v4, v5" in res.output
+    res = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "o"), "--dtype", "bf16"])
+    assert res.exit_code == 0, res.output
