@@ -34,7 +34,8 @@ from distributed import get_worker
 from distributed.comm.core import CommClosedError
 
 from astraflow import lane
-from astraflow.contracts import Batch, BatchItem, BatchRefs, RowRef, Sequence
+from astraflow.batches import Batch, BatchItem, BatchRefs, RowRef
+from astraflow.contracts import Sequence
 from storage.trajectories import EntryRef
 
 

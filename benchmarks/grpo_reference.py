@@ -34,7 +34,8 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from astraflow.contracts import Batch, BatchItem, Sequence  # noqa: E402
+from astraflow.batches import Batch, BatchItem  # noqa: E402
+from astraflow.contracts import Sequence  # noqa: E402
 from astraflow.models import init_model, num_parameters  # noqa: E402
 from astraflow.rollout.engine import SamplingParams  # noqa: E402
 from astraflow.rollout.hf_engine import HFEngine  # noqa: E402

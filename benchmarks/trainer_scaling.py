@@ -68,7 +68,8 @@ def make_batches(args, rng: np.random.Generator) -> list[tuple[np.ndarray, list[
 
 
 def grpo_batch(tokens: np.ndarray, lengths: list[int], rewards: np.ndarray, behaviour: np.ndarray, prompt: int = 16):
-    from astraflow.contracts import Batch, BatchItem, Sequence
+    from astraflow.batches import Batch, BatchItem
+    from astraflow.contracts import Sequence
 
     items = []
     for i, n in enumerate(lengths):

@@ -77,7 +77,8 @@ def config(vocab=8192, hidden=512, layers=12, ffn=1536):
 
 def random_batch(tokens, rewards, lp):
     """A GRPO batch over random tokens with random rewards; ``lp`` = behaviour log-probs [B, T-1]."""
-    from astraflow.contracts import Batch, BatchItem, Sequence
+    from astraflow.batches import Batch, BatchItem
+    from astraflow.contracts import Sequence
 
     b, t = tokens.shape
     items = []

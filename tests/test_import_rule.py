@@ -38,6 +38,7 @@ FORBIDDEN = {
     "astraflow.lane": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime"],
     "astraflow.pending": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime"],
     "astraflow.contracts": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime"],
+    "astraflow.batches": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime"],
     "storage": ["astraflow"],
     "schedulers": ["astraflow"],
 }

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from distributed.protocol import dumps, loads, to_serialize
 
-from astraflow.contracts import Batch, BatchItem, RolloutTask, Sequence, SequenceSummary, TrajectoryRef
+from astraflow.batches import Batch, BatchItem
+from astraflow.contracts import RolloutTask, Sequence, SequenceSummary, TrajectoryRef
 from astraflow import transport
 from astraflow.transport import Link, Packed, PackedDict, call_sync
 from storage.trajectories import EntryRef

@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from astraflow.contracts import BatchRefs, RowRef, SequenceSummary, TrajectoryRef
+from astraflow.batches import BatchRefs, RowRef
+from astraflow.contracts import SequenceSummary, TrajectoryRef
 from astraflow.dataflow.ledger import Ledger
 from astraflow.dataflow.rules import BufferedGroupView, GroupFilter, Ordering
 

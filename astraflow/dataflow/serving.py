@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from astraflow.contracts import BatchRefs
+from astraflow.batches import BatchRefs
 from astraflow.dataflow import admission
 from astraflow.dataflow import record as rec
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from astraflow.agents.chat import prompt_ids
 from astraflow.config import RunConfig
-from astraflow.contracts import BatchItem
+from astraflow.batches import BatchItem
 from astraflow.plan.planner import Calibration
 from astraflow.plan.pools import PlanError
 from astraflow.plan.trainer_probe import TrainerProbe, trainer_steps

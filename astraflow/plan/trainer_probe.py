@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from astraflow.contracts import Batch, BatchItem
+from astraflow.batches import Batch, BatchItem
 from astraflow.plan.pools import PlanError
 from astraflow.training.config import TrainerConfig
 

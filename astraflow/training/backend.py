@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from astraflow.contracts import Batch, WeightVersion
+from astraflow.batches import Batch
+from astraflow.contracts import WeightVersion
 
 
 class TrainerBackend(Protocol):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from astraflow.contracts import Batch
+from astraflow.batches import Batch
 
 
 OFF_POLICY = ("ppo_clip", "tis", "m2po")

@@ -17,7 +17,8 @@ from typing import get_args
 
 import numpy as np
 
-from astraflow.contracts import Batch, BatchItem, BatchRefs, FinishReason, RowRef, Sequence, sequence_from_stored
+from astraflow.batches import Batch, BatchItem, BatchRefs, RowRef
+from astraflow.contracts import FinishReason, Sequence, sequence_from_stored
 from storage.trajectories import StoredSequence, TrajectoryStore, open_trajectory_store
 from storage.trajectories.columns import Columns
 

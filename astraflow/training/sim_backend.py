@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from astraflow.contracts import Batch
+from astraflow.batches import Batch
 
 
 class SimBackend:

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 
-from astraflow.contracts import Batch
+from astraflow.batches import Batch
 from astraflow.probe import make_probe
 from astraflow.training.grpo import collate, grpo_loss, m2_keep_mask, token_logprobs
 from astraflow.training.numerics import refuse_nonfinite

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from astraflow.contracts import BatchRefs
+from astraflow.batches import BatchRefs
 from astraflow.training.backend import TrainerBackend
 from astraflow.training.config import TrainerConfig
 from astraflow.training.numerics import NonFiniteSteps

@@ -14,7 +14,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from astraflow.contracts import BatchRefs, sequence_from_stored
+from astraflow.batches import BatchRefs
+from astraflow.contracts import sequence_from_stored
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.dataflow.layer import DataLayer
 from astraflow.training.rows import BatchRows, RowsUnreadable

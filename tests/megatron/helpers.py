@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from astraflow.contracts import Batch, BatchItem, Sequence, WeightVersion
+from astraflow.batches import Batch, BatchItem
+from astraflow.contracts import Sequence, WeightVersion
 from storage import paths
 
 VOCAB = 320

@@ -29,7 +29,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from astraflow.contracts import Batch, BatchItem, Sequence  # noqa: E402
+from astraflow.batches import Batch, BatchItem  # noqa: E402
+from astraflow.contracts import Sequence  # noqa: E402
 from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig, RankError  # noqa: E402
 from astraflow.training.megatron.state import unpack  # noqa: E402
 from storage.checkpoint import read_checkpoint  # noqa: E402

@@ -8,7 +8,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from astraflow.contracts import Batch, BatchItem, Sequence  # noqa: E402
+from astraflow.batches import Batch, BatchItem  # noqa: E402
+from astraflow.contracts import Sequence  # noqa: E402
 from astraflow.training.megatron.backend import (  # noqa: E402
     MegatronBackend, MegatronBackendConfig, collate, drop_zero_advantage,
 )

@@ -10,7 +10,8 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from astraflow.contracts import BatchItem, Sequence
+from astraflow.batches import BatchItem
+from astraflow.contracts import Sequence
 from astraflow.plan.pools import PlanError
 from astraflow.plan.trainer_probe import TrainerProbe, trainer_steps
 from astraflow.training.config import TrainerConfig

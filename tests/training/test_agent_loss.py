@@ -8,7 +8,8 @@ import asyncio
 import numpy as np
 import torch
 
-from astraflow.contracts import Batch, BatchItem, RolloutTask
+from astraflow.batches import Batch, BatchItem
+from astraflow.contracts import RolloutTask
 from astraflow.models import load_model
 from astraflow.rollout.engine import SamplingParams
 from astraflow.rollout.hf_engine import HFEngine

@@ -3,7 +3,8 @@ import math
 import numpy as np
 import torch
 
-from astraflow.contracts import Batch, BatchItem, Sequence
+from astraflow.batches import Batch, BatchItem
+from astraflow.contracts import Sequence
 from astraflow.training.grpo import collate, grpo_loss, token_logprobs
 
 

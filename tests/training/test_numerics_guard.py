@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from astraflow.contracts import Batch
+from astraflow.batches import Batch
 from astraflow.training.config import TrainerConfig
 from astraflow.training.numerics import NonFiniteError
 from astraflow.training.torch_backend import TorchBackend

@@ -77,7 +77,8 @@ def test_unknown_off_policy_is_rejected():
 
 
 def test_config_selects_the_correction_and_the_backend_uses_it(tiny_model):
-    from astraflow.contracts import NOT_GENERATED, Batch, BatchItem, Sequence
+    from astraflow.batches import Batch, BatchItem
+    from astraflow.contracts import NOT_GENERATED, Sequence
     from astraflow.training.trainer import make_backend
 
     with pytest.raises(ValueError, match="torch backend only"):
@@ -108,7 +109,8 @@ def test_config_selects_the_correction_and_the_backend_uses_it(tiny_model):
 def test_m2po_takes_the_same_step_whatever_the_micro_batch(tiny_model):
     """M2PO's mask is over the whole batch: splitting it into micro-batches (a hardware setting
     a partition may change) does not change which tokens are masked, nor the gradient."""
-    from astraflow.contracts import NOT_GENERATED, Batch, BatchItem, Sequence
+    from astraflow.batches import Batch, BatchItem
+    from astraflow.contracts import NOT_GENERATED, Sequence
     from astraflow.training.torch_backend import TorchBackend
 
     rng = np.random.default_rng(1)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from astraflow.contracts import Batch
+from astraflow.batches import Batch
 from astraflow.training.config import TrainerConfig
 from astraflow.training.sim_backend import SimBackend
 from astraflow.training.trainer import make_backend
 from storage.weights import WeightStore
 from tests.dataflow.helpers import make_trajectory
-from astraflow.contracts import BatchItem, RolloutTask
+from astraflow.batches import BatchItem
+from astraflow.contracts import RolloutTask
 
 
 def _batch(n: int = 4) -> Batch:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import storage.weights as weights_mod
-from astraflow.contracts import Batch, BatchItem, Sequence, WeightVersion
+from astraflow.batches import Batch, BatchItem
+from astraflow.contracts import Sequence, WeightVersion
 from astraflow.training.grpo import token_logprobs
 from astraflow.training.torch_backend import TorchBackend
 

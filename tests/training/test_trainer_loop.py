@@ -15,7 +15,7 @@ import time
 import torch
 
 from astraflow.training.config import TrainerConfig
-from astraflow.contracts import Batch
+from astraflow.batches import Batch
 from astraflow.training.torch_backend import TorchBackend
 from astraflow.training.trainer import Trainer
 from storage.weights import WeightStore

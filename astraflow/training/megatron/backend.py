@@ -61,7 +61,8 @@ import numpy as np
 import torch
 
 import astraflow
-from astraflow.contracts import Batch, WeightVersion
+from astraflow.batches import Batch
+from astraflow.contracts import WeightVersion
 from astraflow.probe import probe_tokens
 from astraflow.training.megatron.batching import (
     collate, combine_metrics, drop_zero_advantage, split_for_data_parallel, takes_num_tokens,

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from astraflow.contracts import Batch
+from astraflow.batches import Batch
 
 
 def collate(batch: Batch) -> dict[str, np.ndarray]:

@@ -1,0 +1,93 @@
+"""The records of a training batch, as the data layer serves it (``BatchRefs`` of ``RowRef``:
+rows named in the trajectory store) and as the trainer trains on it (``Batch`` of ``BatchItem``:
+the rows read back). Contracts between components, like ``astraflow.contracts``; the wire
+format of both is ``astraflow.transport``'s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from astraflow.contracts import Sequence
+from storage.trajectories import EntryRef
+
+
+@dataclass(frozen=True, eq=False)
+class BatchItem:
+    """One training sequence for one policy, as the trainer consumes it.
+
+    Made from a ``RowRef`` and its stored row on the trainer's side, read by the trainer's
+    loss. ``loss_mask`` is already restricted to the tokens of the batch's policy.
+    """
+
+    sequence: Sequence
+    loss_mask: np.ndarray
+    #: group statistics of ``sequence.reward`` over the group for this policy, stamped at ingest.
+    group_mean: float
+    group_std: float
+    group_size: int
+    #: trainer version at consumption minus ``sequence.oldest_version`` for this policy.
+    staleness: int
+    task_id: str
+    #: True when a replay policy reused an already-consumed sample on purpose.
+    replayed: bool = False
+
+    @property
+    def advantage(self) -> float:
+        """GRPO advantage: the reward normalised within its group."""
+        return (self.sequence.reward - self.group_mean) / (self.group_std + 1e-6)
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """A fixed-size batch of sequences for one policy, as its trainer trains on it: made on
+    the trainer's side from the data layer's ``BatchRefs`` (``astraflow.training.rows``)."""
+
+    policy: str
+    #: the trainer version that asked for it (staleness is measured against it).
+    version: int
+    items: tuple[BatchItem, ...]
+    #: data-layer metrics at batch time (counts, staleness histogram, wait time).
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+@dataclass(frozen=True)
+class RowRef:
+    """One training sequence of a served batch, by reference: where its row lives in the
+    trajectory store and what only the data layer knows of it. Written by the data layer's
+    ``next_batch``; the trainer reads the row and makes the ``BatchItem`` (same fields)."""
+
+    ref: EntryRef
+    task_id: str
+    #: ``Sequence.reward`` of the stored row (known from the node's ``SequenceSummary``)
+    reward: float
+    group_mean: float
+    group_std: float
+    group_size: int
+    staleness: int
+    replayed: bool = False
+
+    @property
+    def advantage(self) -> float:
+        """``BatchItem.advantage`` of the row it names."""
+        return (self.reward - self.group_mean) / (self.group_std + 1e-6)
+
+
+@dataclass(frozen=True, eq=False)
+class BatchRefs:
+    """A ``Batch`` by reference: the rows to train on, named, without their token arrays.
+    Written by the data layer's ``next_batch``; the trainer's side reads the rows from the
+    trajectory store (``astraflow.training.rows``) and trains on the ``Batch`` they make."""
+
+    policy: str
+    version: int
+    items: tuple[RowRef, ...]
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.items)
