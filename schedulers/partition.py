@@ -115,7 +115,7 @@ def walltime_seconds(walltime: str) -> int | None:
     """
     if walltime.upper() in ("INFINITE", "UNLIMITED"):
         return None
-    m = _WALLTIME.match(walltime)
+    m = _WALLTIME.fullmatch(walltime)
     if not m:
         raise ValueError(
             f"walltime {walltime!r} is not a Slurm time limit: use 'HH:MM:SS' (e.g. '01:00:00'), "
@@ -149,7 +149,7 @@ def walltime_seconds(walltime: str) -> int | None:
 
 def mem_to_dask(mem: str) -> str:
     """Slurm memory (``4G``, ``4096M``, ``4096`` = MiB) as a Dask ``--memory-limit`` string."""
-    m = _MEM.match(mem)
+    m = _MEM.fullmatch(mem)
     assert m, f"unvalidated mem {mem!r}"
     number, unit = m.groups()
     return f"{number}{(unit or 'M')}iB"
@@ -388,6 +388,6 @@ def parse_worker_name(name: str) -> dict[str, str | int]:
     if len(fields) != 5:
         raise ValueError(f"worker name {name!r} is not 'role-partition-region-hardware-index'")
     role, part, region, hardware, index = fields
-    if role not in ROLES or not index.isdigit() or not all(_LABEL.match(x) for x in (part, region, hardware)):
+    if role not in ROLES or not index.isdigit() or not all(_LABEL.fullmatch(x) for x in (part, region, hardware)):
         raise ValueError(f"worker name {name!r} is not 'role-partition-region-hardware-index' (role one of {ROLES})")
     return {"role": role, "partition": part, "region": region, "hardware": hardware, "index": int(index)}

@@ -78,7 +78,7 @@ def render_worker_job(
 ) -> tuple[str, list[str]]:
     """The job script of worker `name` of `partition` and the argv that submits it (the script
     is written to ``<job_dir>/<name>.sbatch``, the argv's last element)."""
-    if not _WORKER_NAME.match(name):
+    if not _WORKER_NAME.fullmatch(name):
         raise ValueError(f"worker name {name!r}: use letters, digits, '_', '.' and '-'")
     gres = partition.gres or (f"gpu:{partition.gpus_per_node}" if partition.gpus_per_node else None)
     log = log_pattern(job_dir, name)

@@ -107,7 +107,7 @@ class SlurmScheduler:
         tls: TLSFiles | None = None,
         cancel_wait_s: float = 120.0,
     ):
-        if not _TAG.match(tag):
+        if not _TAG.fullmatch(tag):
             raise ValueError(f"tag {tag!r}: use 1-64 letters, digits, '_', '.', ':' or '-'")
         if host is not None and interface is not None:
             raise ValueError("give either host or interface for the workers, not both")
@@ -192,7 +192,7 @@ class SlurmScheduler:
                 err.add_note(self._cancel_unanswered(worker_name(partition, index)))
             raise
         job_id = out.split(";")[0]  # --parsable prints "id" or "id;cluster"
-        if not _JOB_ID.match(job_id):
+        if not _JOB_ID.fullmatch(job_id):
             raise SlurmCommandError(argv, 0, out, "sbatch --parsable printed no job id")
         name = worker_name(partition, index)
         ref = JobRef(job_id, partition.name, name, self.kind, self.job_dir / f"{name}.{job_id}.log", path)
@@ -240,7 +240,7 @@ class SlurmScheduler:
         """``wait``: until Slurm no longer lists them active, at most ``cancel_wait_s``
         (``SlurmWaitTimeout`` past it)."""
         ids = [str(j) for j in job_ids]
-        bad = [j for j in ids if not _JOB_ID.match(j)]
+        bad = [j for j in ids if not _JOB_ID.fullmatch(j)]
         if bad:
             raise ValueError(f"not Slurm job ids: {bad}: pass the ids submit() returned (digits)")
         if not ids:

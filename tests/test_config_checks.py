@@ -222,6 +222,16 @@ def test_policy_names_are_bounded_as_run_names_are():
     with pytest.raises(ConfigError, match=rf"policies.0.name: policy name 'pppp.*\.\.\. \(300 characters\): use "
                                           rf"1-{RUN_NAME_MAX} letters"):
         config_from_dict(_sim(policies=[{**pol, "name": "p" * 300}]))
+    with pytest.raises(ConfigError, match=r"policies.0.name: policy name 'solver\\n': use "):
+        config_from_dict(_sim(policies=[{**pol, "name": "solver\n"}]))  # a name '$' alone would let through
+
+
+def test_a_walltime_with_a_trailing_newline_is_refused():
+    from schedulers.partition import walltime_seconds
+
+    assert walltime_seconds("01:00:00") == 3600
+    with pytest.raises(ValueError, match="is not a Slurm time limit"):
+        walltime_seconds("01:00:00\n")
 
 
 @pytest.mark.parametrize("rollout, trainer, part, needle", [

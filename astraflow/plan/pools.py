@@ -76,7 +76,7 @@ class Pool:
 
 def parse_pool(spec: str, gpus_per_node: int, local: HardwareProfile | None) -> Pool:
     """``KIND=GPUS`` as a `Pool`; PlanError naming the fix for bad syntax or an unknown kind."""
-    m = _POOL.match(spec.strip())
+    m = _POOL.fullmatch(spec.strip())
     if not m and re.fullmatch(r"\s*\w+\s*=\s*-\s*\d+\s*", spec):  # a negative count: the size is what is wrong
         raise PlanError(f"--pool {spec!r}: a pool needs at least 1 GPU")
     if not m:

@@ -352,6 +352,8 @@ class Orchestrator(Shutdown):
 
         def tick() -> None:
             nonlocal last_tick
+            if time.time() - t0 > self.cfg.run.timeout_s:  # the whole run's, as in the asynchronous loop
+                raise RunFailed(f"run deadline of {self.cfg.run.timeout_s:.0f}s passed (run.timeout_s)")
             if time.time() - last_tick > 1.0:
                 last_tick = time.time()
                 t = self._tick()
@@ -376,9 +378,11 @@ class Orchestrator(Shutdown):
             self.iterations = drive_sync(
                 self.dl, self.trainers, self.fleet.serving_nodes,
                 cfg.dataflow.batch_size, cfg.dataflow.batch_size // cfg.workload.group_size,
-                cfg.run.max_steps, cfg.run.timeout_s, tick, recover,
+                cfg.run.max_steps, cfg.run.timeout_s - (time.time() - t0), tick, recover,
             )
         except (DataLayerLost, *FUTURE_ERRORS) as err:
+            if time.time() - t0 > cfg.run.timeout_s:  # a phase that waited out the run's deadline
+                raise RunFailed(f"run deadline of {cfg.run.timeout_s:.0f}s passed (run.timeout_s)") from err
             lost = err
             if not isinstance(err, DataLayerLost):
                 try:

@@ -30,17 +30,22 @@ def drive_sync(
     on_tick: Callable[[], None] = lambda: None,
     recover: Callable[[], bool] = lambda: False,
 ) -> list[dict[str, float]]:
-    """Run ``max_steps`` lock-step iterations; returns one timing record per iteration.
+    """Run ``max_steps`` lock-step iterations within ``timeout_s`` seconds in all (what is left
+    of the run's deadline); returns one timing record per iteration.
 
     ``trainers`` is the orchestrator's dict of handles: when a step fails, ``recover()`` says
     whether a lost trainer was restarted (its handle swapped in that dict); the step is then
     taken again by the new trainer unless the lost one had committed it already."""
     iterations: list[dict[str, float]] = []
+    deadline = time.time() + timeout_s
+
+    def left() -> float:  # a phase waits at most for what is left of the deadline
+        return max(1.0, deadline - time.time())
+
     version = min(t.state().result(timeout=30)["version"] for t in trainers.values())
     while version < max_steps:
         t0 = time.time()
         dl.open_iteration(groups_per_batch).result(timeout=30)
-        deadline = t0 + timeout_s
         while True:
             st = dl.state(0).result(timeout=30)  # before `ready`: nothing ingested unseen
             ready = {p: dl.ready(p, version).result(timeout=30) for p in trainers}
@@ -49,21 +54,21 @@ def drive_sync(
             if st["outstanding_groups"] == 0 and st["pending"] == 0 and st["leased"] == 0 and not st.get("budget"):
                 dl.open_iteration(1).result(timeout=30)  # filters dropped groups: top up
             if time.time() > deadline:
-                raise TimeoutError(f"sync iteration {version}: batches not ready within {timeout_s:.0f}s ({ready})")
+                raise TimeoutError(f"run deadline passed in sync iteration {version}: batches not ready ({ready})")
             on_tick()
             time.sleep(0.02)
         t1 = time.time()
         for p in list(trainers):
             try:
-                trainers[p].step().result(timeout=timeout_s)
+                trainers[p].step().result(timeout=left())
             except Exception:
                 if not recover():
                     raise
                 if trainers[p].state().result(timeout=30)["version"] <= version:
-                    trainers[p].step().result(timeout=timeout_s)
+                    trainers[p].step().result(timeout=left())
         t2 = time.time()
         for fut in [n.refresh() for n in nodes()]:
-            fut.result(timeout=timeout_s)
+            fut.result(timeout=left())
         t3 = time.time()
         version += 1
         iterations.append({"step": version, "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,

@@ -103,3 +103,31 @@ def test_the_sync_driver_steps_the_restarted_trainer(committed):
 def test_the_sync_driver_raises_what_is_not_a_lost_trainer():
     with pytest.raises(OSError):
         drive_sync(_DataLayer(), {"solver": _Trainer(0, fail=1)}, lambda: [], 16, 4, 3, 10.0)
+
+
+class _SlowDataLayer(_DataLayer):
+    """Each iteration's batch is ready a while after the iteration opens."""
+
+    def __init__(self, ready_after_s: float):
+        self.ready_after_s, self.opened = ready_after_s, 0.0
+
+    def open_iteration(self, groups):
+        import time
+
+        self.opened = time.time()
+        return _Done()
+
+    def state(self, evals=None):  # groups out: no top-up
+        return _Done({"outstanding_groups": 4, "pending": 0, "leased": 4})
+
+    def ready(self, policy, version):
+        import time
+
+        return _Done(16 if time.time() - self.opened >= self.ready_after_s else 0)
+
+
+def test_the_sync_driver_keeps_one_deadline_for_all_its_iterations():
+    """Five iterations of 0.3 s each do not fit 1 s, though each one alone would."""
+    with pytest.raises(TimeoutError, match="run deadline passed in sync iteration"):
+        drive_sync(_SlowDataLayer(0.3), {"solver": _Trainer(0)}, lambda: [], 16, 4, 5, 1.0)
+    assert len(drive_sync(_SlowDataLayer(0.05), {"solver": _Trainer(0)}, lambda: [], 16, 4, 5, 5.0)) == 5
