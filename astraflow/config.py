@@ -2,11 +2,12 @@
 
 Each section's model lives next to what it configures (``astraflow/dataflow/config.py``,
 ``astraflow/rollout/config.py``, ``astraflow/training/config.py``,
-``astraflow/workloads/config.py``, ``storage/config.py``, ``schedulers/partition.py``) and each
-component receives only its own section, never the whole config. The ``run`` and ``cluster``
-sections configure the run as a whole (``astraflow/sections.py``). Cross-component rules are validators whose
-message says how to fix the file. ``load_config`` applies ``--set key=value`` overrides before validation,
-and the resolved config is written into the run directory.
+``astraflow/workloads/config.py``, ``astraflow/sandbox/config.py``, ``storage/config.py``,
+``schedulers/partition.py``) and each component receives only its own section, never the whole
+config. The ``run``, ``cluster`` and ``autoscale`` sections configure the run as a whole
+(``astraflow/sections.py``). Cross-component rules are validators whose message says how to fix
+the file. ``load_config`` applies ``--set key=value`` overrides before validation, and the
+resolved config is written into the run directory.
 """
 
 from __future__ import annotations
@@ -383,7 +384,8 @@ def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
         key, raw = pair.split("=", 1)
         key = key.strip()
         if not key or "" in key.split("."):
-            raise ConfigError(f"--set {pair!r}: {key!r} is not a dotted key; use KEY=VALUE, e.g. --set run.max_steps=20")
+            raise ConfigError(f"--set {pair!r}: {key!r} is not a dotted key; use KEY=VALUE, "
+                              "e.g. --set run.max_steps=20")
         try:
             value = load_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError as err:
@@ -423,7 +425,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} not found: pass the path of a YAML config, e.g. examples/math/config.yaml")
+        raise ConfigError(f"config file {path} not found: pass the path of a YAML config, "
+                          "e.g. examples/math/config.yaml")
     try:
         data = load_yaml(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as err:

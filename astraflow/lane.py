@@ -1,8 +1,8 @@
 """The direct lane: an actor's frequent calls over one plain connection per process, beside Dask.
 
-A Dask actor call costs the actor's worker a few hundred µs of CPU whatever it carries (message
-framing, handler dispatch, metrics) and the caller more; with a thousand RaaS nodes calling the
-data layer, that floor, not the data layer's own work, bounds what it serves. So the data layer
+A Dask actor call costs the actor's worker a fixed amount of CPU whatever it carries (message
+framing, handler dispatch, metrics) and the caller more; with many RaaS nodes calling the data
+layer, that floor, not the data layer's own work, bounds what it serves. So the data layer
 also listens on its worker's host (``LaneServer``, started on the first ``lane_address`` ask, on
 the worker's event loop, with the worker's TLS settings: exactly the peers that may call it
 through Dask can connect), and a ``transport.Link`` sends the methods it names (the nodes'

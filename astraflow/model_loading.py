@@ -215,17 +215,19 @@ def _missing_package(err: BaseException, p: Path) -> str | None:
     names += [m.lower() for m in re.findall(r"requires the (\w+) library", text)]
     names += re.findall(r"`(\w+)` is required", text)
     inverse = {pip: module for module, pip in _PIP_NAMES.items()}
-    missing = [n for n in names if not _installed(inverse.get(n, n))]
+    missing = [n for n in names if not is_installed(inverse.get(n, n))]
     package = _PIP_NAMES.get(missing[0], missing[0]) if missing else None
     # without a tokenizer.json, transformers reads tokenizer.model with sentencepiece and, when
     # that is missing, as a tiktoken file: the tiktoken error then hides the real need
     if package in (None, "tiktoken") and not (p / "tokenizer.json").is_file() \
-            and _is_sentencepiece_model(p / "tokenizer.model") and not _installed("sentencepiece"):
+            and _is_sentencepiece_model(p / "tokenizer.model") and not is_installed("sentencepiece"):
         return "sentencepiece"
     return package
 
 
-def _installed(module: str) -> bool:
+def is_installed(module: str) -> bool:
+    """Whether ``module`` (dotted) can be imported here, found without importing it (a missing
+    parent package, or a module whose spec is unset, reads as not installed)."""
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):

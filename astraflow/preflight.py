@@ -188,7 +188,11 @@ def check_engine(cfg: RunConfig) -> None:
     installed in this environment (the one the run's workers use), or a policy trains with the
     Megatron backend and megatron-core is not installed."""
     for pol in cfg.policies:
-        if pol.trainer.backend == "megatron" and not _installed("megatron.core"):
+        if pol.trainer.backend != "megatron":
+            continue
+        from astraflow.model_loading import is_installed
+
+        if not is_installed("megatron.core"):
             raise ConfigError(f"policies[{pol.name}].trainer.backend: megatron needs megatron-core, which is not "
                               "installed here; install it with pip install -e '.[megatron]' (from the AstraFlow "
                               "checkout), or set trainer.backend: torch")
@@ -202,16 +206,6 @@ def check_engine(cfg: RunConfig) -> None:
             require_vllm(f"partitions[{part.name}].rollout.engine.type" if own else "rollout.engine.type")
         except ValueError as err:
             raise ConfigError(str(err)) from None
-
-
-def _installed(module: str) -> bool:
-    """Whether ``module`` (dotted) can be imported here, found without importing it."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:  # its parent package is missing
-        return False
 
 
 #: prompts measured per split and policy (a dataset's first ones): the check stays within seconds

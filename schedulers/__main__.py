@@ -45,12 +45,13 @@ def render(partition_file, scheduler_address, job_dir, count, start_index, pytho
     from schedulers.partition import Partition
     from schedulers.slurm import SlurmScheduler, run_tag
     from schedulers.tls import TLSFiles
+    from storage.paths import RunPaths
 
     if tag is None:
         tag = run_tag(Path(scheduler_address).parent) if scheduler_address.endswith(".json") else "astraflow"
 
     if tls_file is None and scheduler_address.endswith(".json"):
-        tls_file = Path(scheduler_address).parent / "security" / "tls.json"
+        tls_file = RunPaths(Path(scheduler_address).parent).tls_record
         tls_file = tls_file if tls_file.exists() else None
     try:
         spec = yaml.safe_load(partition_file.read_text())

@@ -98,7 +98,8 @@ def worker_command(
         cmd += ["--scheduler-file", str(scheduler_address)]
     else:
         raise ValueError(
-            f"scheduler address {scheduler_address!r}: give 'tcp://host:port' or the path of a scheduler file ending in .json"
+            f"scheduler address {scheduler_address!r}: give 'tcp://host:port' or the path of a scheduler file "
+            "ending in .json"
         )
     cmd += ["--name", name, "--nthreads", str(nthreads), "--memory-limit", memory_limit]
     if resources:

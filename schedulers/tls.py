@@ -145,7 +145,8 @@ class TLSConfig(BaseModel):
         missing = [k for k, v in given.items() if v is None]
         if missing and (len(missing) == 1 or self.key_file is not None):
             raise ValueError(f"cluster.tls: site certificates need ca_file and cert_file (key_file if separate); "
-                             f"{', '.join(missing)} missing: set it, or remove the others to let the run create its own")
+                             f"{', '.join(missing)} missing: set it, or remove the others to let the run create "
+                             "its own")
         if not self.enabled and self.ca_file is not None:
             raise ValueError("cluster.tls: certificate files are set but enabled is false: remove them or enable TLS")
         for name in ("ca_file", "cert_file", "key_file"):

@@ -17,11 +17,12 @@ Format of a delta directory (``storage.paths.delta_dir(root, policy, v-1, v)``),
     COMMITTED           written last; a directory without it is not a delta
 
 Why this encoding: at RL learning rates an element that changes moves by one or two bf16 units
-in the last place and the changed elements are a few per cent, spread evenly. Raw (int32 index,
-bf16 value) pairs cost 6 bytes per changed element, which caps the saving at about 7x for a 5 %
-density; gaps (small numbers) and bit differences (almost all +-1) are nearly constant in their
-high bits, which bit-shuffling lines up for zstd: about 1.3 bytes per changed element
-(measured in ``benchmarks/weight_sync.py``).
+in the last place and the changed elements are a small share, spread evenly. Raw (int32 index,
+bf16 value) pairs cost 6 bytes per changed element against 2 per element for the full weights,
+which caps the saving at a third of the inverse density; gaps (small numbers) and bit
+differences (almost all +-1) are nearly constant in their high bits, which bit-shuffling lines
+up for zstd: a fraction of the raw pairs' bytes per changed element
+(``benchmarks/weight_sync.py`` measures it).
 
 Everything is compared and reconstructed on the **bf16 bit patterns** (``x.to(bfloat16)``), so
 ``apply_delta(bf16(v-1), delta) == bf16(v)`` bit for bit; the reader keeps its weights as bf16.

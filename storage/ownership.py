@@ -58,7 +58,7 @@ def owner_only() -> Iterator[None]:
 def _subdirs(paths: RunPaths) -> list[Path]:
     """The top-level subdirectories a run writes (those that exist are checked)."""
     return [paths.control, paths.logs, paths.jobs, paths.trajectories, paths.weights,
-            paths.root / "trainer_state", paths.root / "security", paths.plots, paths.tensorboard]
+            paths.trainer_state, paths.security, paths.plots, paths.tensorboard]
 
 
 def _owner(uid: int) -> str:

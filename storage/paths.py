@@ -1,7 +1,8 @@
 """The one module that knows the on-disk layout of a run.
 
-Every path a component writes or reads is built here; no other module assembles run paths
-from strings. A run directory on shared storage looks like::
+Components name a run's files through ``RunPaths`` and the store-relative helpers below
+rather than joining strings (the certificate files inside ``security/`` are named by
+``astraflow.runtime.security``, which creates them). A run directory on shared storage looks like::
 
     <run>/
       config.yaml                 the resolved configuration (written once at start)
@@ -12,12 +13,17 @@ from strings. A run directory on shared storage looks like::
       control/                    partitions.json (desired) + partitions.lock, status.json,
                                   orchestrator.json, dataflow_state.json, run.lock,
                                   dataflow.snapshot + dataflow.changes.<n> + ledger.jsonl
-                                  (the data layer's durable state: base, log of changes, journal)
+                                  (the data layer's durable state: base, log of changes, journal),
+                                  autoscale.jsonl (the autoscaler's changes), models.json (the
+                                  architecture each policy's weights are trained as)
+      security/                   owner-only: the run's TLS certificates and key (ca.pem, run.pem,
+                                  run-key.pem), tls.json (where they are), dashboard.token
       plots/, tensorboard/        written on request by ``astraflow plot`` / ``astraflow tensorboard``
       logs/                       one log file per process
       jobs/                       worker job scripts and logs; submitted.json: every job the
                                   current incarnation submitted (the next one cancels leftovers)
       trajectories/               the Zarr trajectory store (unless the config points elsewhere)
+        astraflow_store.json      the store's layout version (checked on every open)
         segments/<segment>/       one append-only segment per writer
           data/                   its Zarr v3 group (per-token and per-entry arrays)
           commits/log             its commit log: one checksummed record per write
@@ -26,6 +32,7 @@ from strings. A run directory on shared storage looks like::
       weights/<policy>/v<N>/      one committed weight version (shards + manifest + marker)
       weights/<policy>/staging/   versions being written (never read)
       weights/<policy>/readers/   hold files of readers that have a version open
+      weights/<policy>/deltas/    sparse deltas v<N-1> -> v<N> (when ``storage.deltas`` is on)
       trainer_state/<policy>/     a trainer's own state for resuming (optimizer.pt)
 """
 
@@ -116,6 +123,27 @@ class RunPaths:
         return self.control / "autoscale.jsonl"
 
     @property
+    def models_record(self) -> Path:
+        """The architecture (config.json signature) each policy's weights are trained as,
+        checked when the run resumes."""
+        return self.control / "models.json"
+
+    @property
+    def security(self) -> Path:
+        """Owner-only: the run's TLS certificates and key, and its dashboard token."""
+        return self.root / "security"
+
+    @property
+    def dashboard_token(self) -> Path:
+        """The token a request to the run's dashboard must carry."""
+        return self.security / "dashboard.token"
+
+    @property
+    def tls_record(self) -> Path:
+        """Where the run's TLS files are (``TLSFiles`` as JSON): how its clients and workers find them."""
+        return self.security / "tls.json"
+
+    @property
     def ledger_journal(self) -> Path:
         """One line per task created and per task ended, across the run's incarnations."""
         return self.control / "ledger.jsonl"
@@ -124,9 +152,11 @@ class RunPaths:
     def summary(self) -> Path:
         return self.root / "summary.json"
 
-    def archived_summary(self, stamp: int) -> Path:
-        """Where the summary of a finished run is kept when the directory is run again."""
-        return self.root / f"summary.{int(stamp)}.json"
+    def archived_summary(self, stamp: int, n: int = 1) -> Path:
+        """Where the summary of a finished run is kept when the directory is run again
+        (``n`` > 1: the n-th one archived in the same second)."""
+        suffix = "" if n == 1 else f"-{int(n)}"
+        return self.root / f"summary.{int(stamp)}{suffix}.json"
 
     @property
     def plots(self) -> Path:
@@ -153,9 +183,14 @@ class RunPaths:
     def weights(self) -> Path:
         return self.root / "weights"
 
+    @property
+    def trainer_state(self) -> Path:
+        """The trainers' own state for resuming, one directory per policy."""
+        return self.root / "trainer_state"
+
     def optimizer_state(self, policy: str) -> Path:
         """A trainer's saved optimiser state (AdamW moments), for resuming the run."""
-        return self.root / "trainer_state" / check_name("policy", policy) / "optimizer.pt"
+        return self.trainer_state / check_name("policy", policy) / "optimizer.pt"
 
     @property
     def jobs(self) -> Path:

@@ -6,6 +6,9 @@ It never runs a model. RaaS nodes pull tasks with ``lease`` and report stored tr
 own the state, each with its named asynchronous overlap:
 
 * ``leases.py``: task queues, leases and the ledger hand-off (*lease expiry*);
+* ``ledger.py``: every leased task's record, which ends exactly once;
+* ``admission.py``: a new group is rolled out only if it can still be trained on
+  (*admission vs staleness*);
 * ``mixing.py``: per-source prompt orders, rollout-ahead shares and batch quotas (*rollout
   ahead of training*);
 * ``buffers.py``: ingest of finished groups, per-policy buffers, replay and the batch itself,

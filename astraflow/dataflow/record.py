@@ -201,10 +201,11 @@ def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str,
     ``accepted`` / ``filtered`` (group filter) / ``stale_dropped`` / ``overflow_dropped`` /
     ``replayed`` / ``consumed`` sequences, ``curator_skipped`` prompts (the curator runs before
     rollout, for all policies: counted on the first), ``admission_refused`` (times a new group
-    was refused because it could not have been trained on; on the first policy too), ``staleness_hist`` over every consumed
-    sequence, ``trainer_wait_s`` and ``rollouts_per_consumed`` (this policy's training sequences
-    ingested per sequence it consumed: the price of filtering and staleness; ``rollouts_generated``
-    is run-wide, every policy's). With several sources
+    was refused because it could not have been trained on; on the first policy too),
+    ``staleness_hist`` over every consumed sequence, ``trainer_wait_s`` and
+    ``rollouts_per_consumed`` (this policy's training sequences ingested per sequence it
+    consumed: the price of filtering and staleness; ``rollouts_generated`` is run-wide, every
+    policy's). With several sources
     (``mix``, ``by_source``): ``consumed_by_source`` (cumulative sequences of each source
     consumed by this policy) and ``groups_by_source`` (train groups created). Multi-turn runs
     add ``episode_turns``, ``episode_tool_calls``, ``episode_invalid_call_rate``,

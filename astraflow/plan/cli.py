@@ -40,17 +40,21 @@ class Finite(click.FloatRange):
                    "engine, with --calibrate or --calibration). Repeatable.")
 @click.option("--minutes", type=Finite(min=0, min_open=True), default=10.0, show_default=True,
               help="Simulated minutes of training (as many steps as a trainer that never waits takes).")
-@click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True, help="GPUs (sim engines) per RaaS node.")
-@click.option("--step-seconds", type=Finite(min=0, min_open=True), default=None, help="Trainer step time (default: see docs/sim.md).")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True,
+              help="GPUs (sim engines) per RaaS node.")
+@click.option("--step-seconds", type=Finite(min=0, min_open=True), default=None,
+              help="Trainer step time (default: see docs/sim.md).")
 @click.option("--trainer", "trainer_gpus", default="h100=8", show_default=True, metavar="KIND=GPUS",
               help="Trainer GPUs (KIND h100 or a100), for a step time derived from the model's size.")
-@click.option("--model-params", type=Finite(min=0, min_open=True), default=None, help="Model parameters (default: the model's config.json).")
+@click.option("--model-params", type=Finite(min=0, min_open=True), default=None,
+              help="Model parameters (default: the model's config.json).")
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=None,
               help="Mean prompt length in tokens (default: the calibration's, the sim workload's, else 128).")
 @click.option("--response-tokens", type=Finite(min=0, min_open=True), default=None,
               help="Mean response length in tokens (default: the calibration's, the sim engine's length_mean, "
                    "else half of max_new_tokens).")
-@click.option("--time-scale", type=Finite(min=0, min_open=True), default=None, help="Simulated seconds per real second (default: auto).")
+@click.option("--time-scale", type=Finite(min=0, min_open=True), default=None,
+              help="Simulated seconds per real second (default: auto).")
 @click.option("--wait-target", type=Finite(min=0, max=1, max_open=True), default=0.10, show_default=True,
               help="Trainer wait fraction at or below which the trainer counts as not waiting.")
 @click.option("--search/--no-search", default=True, show_default=True,
@@ -58,7 +62,8 @@ class Finite(click.FloatRange):
 @click.option("--search-minutes", type=Finite(min=0, min_open=True), default=None,
               help="Simulated minutes of each search run (default: half of --minutes, at least one where "
                    "--minutes allows).")
-@click.option("--max-trials", type=click.IntRange(min=1), default=6, show_default=True, help="Simulated runs of the search at most.")
+@click.option("--max-trials", type=click.IntRange(min=1), default=6, show_default=True,
+              help="Simulated runs of the search at most.")
 @click.option("--calibrate", is_flag=True, help="Measure this machine's engine and trainer on the config's model.")
 @click.option("--calibration", type=UserPath(dir_okay=False), default=None, help="A saved calibration (JSON).")
 @click.option("--save-calibration", type=UserPath(dir_okay=False), default=None, help="Write the calibration here.")

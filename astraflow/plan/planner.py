@@ -288,7 +288,8 @@ def run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions,
         try:
             return _run_plan(cfg, pools, opts, shape, sources, Path(tmp), progress)
         except SimFailed as err:
-            raise SimFailed(f"{err}\n(the simulated runs' files are removed: pass --workdir DIR to keep them)") from None
+            kept = "(the simulated runs' files are removed: pass --workdir DIR to keep them)"
+            raise SimFailed(f"{err}\n{kept}") from None
 
 
 def clear_workdir(workdir: Path, runs: int) -> None:

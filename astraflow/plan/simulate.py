@@ -29,6 +29,9 @@ from typing import Any, Callable
 
 import yaml
 
+from astraflow.runtime.monitoring.metrics import tail_records
+from storage.paths import RunPaths
+
 #: steps left out at the start of a run (and at least this share of them)
 WARMUP_STEPS, WARMUP_SHARE = 2, 0.2
 #: the dropped samples reported, and the data layer's cumulative count of each in a step record
@@ -101,7 +104,7 @@ def run_sim(data: dict[str, Any], workdir: Path, pools: dict[str, int], time_sca
                 _stop(proc)
                 tail = (workdir / "run.log").read_text(errors="replace")[-2000:]  # the directory may be temporary
                 raise SimFailed(f"the simulated run passed its deadline of {limit:.0f}s; the end of its log:\n{tail}")
-            done = _steps_done(run_dir / "metrics.jsonl")
+            done = _steps_done(run_dir)
             if progress and done != shown:
                 progress(f"step {done}/{steps}")
                 shown = done
@@ -117,7 +120,7 @@ def run_sim(data: dict[str, Any], workdir: Path, pools: dict[str, int], time_sca
     if stop.signum is not None:  # the handlers stay: further signals must not break the plan's own exit
         raise KeyboardInterrupt(f"signal {stop.signum}")
     if proc.returncode != 0:
-        done, timeout = _steps_done(run_dir / "metrics.jsonl"), data["run"]["timeout_s"]
+        done, timeout = _steps_done(run_dir), data["run"]["timeout_s"]
         if time.time() - t0 >= timeout and done < steps:  # the run's own deadline ended it
             raise SimFailed(f"the simulated trainer took {done} of its {steps} steps by the simulated run's deadline "
                             f"({timeout:.0f}s real, many times what a trainer that never waits needs): these pools "
@@ -167,17 +170,22 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
-def _steps_done(metrics: Path) -> int:
-    if not metrics.exists():
-        return 0
-    return sum(1 for line in metrics.read_text().splitlines() if '"loss"' in line)
+def _step_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The trainer step records (those with a ``loss``) of the run's ``metrics.jsonl``, every
+    policy's; a damaged line is skipped, a line still being written is left out."""
+    records, _ = tail_records(RunPaths(run_dir).metrics, 0)
+    return [x for x in records if "loss" in x]
+
+
+def _steps_done(run_dir: Path) -> int:
+    return len(_step_records(run_dir))
 
 
 def measure(run_dir: Path, pools: dict[str, int], time_scale: float) -> SimResult:
     """The `SimResult` of a finished run in ``run_dir`` (first policy's steps)."""
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    policy = next(x["policy"] for x in lines if "loss" in x)
-    steps = [x for x in lines if "loss" in x and x["policy"] == policy]
+    records = _step_records(run_dir)
+    policy = records[0]["policy"]
+    steps = [x for x in records if x["policy"] == policy]
     skip = min(max(WARMUP_STEPS, int(len(steps) * WARMUP_SHARE)), len(steps) - 2)
     assert skip >= 0, f"{run_dir}: at least 2 steps are needed to measure a rate"
     a, b = steps[skip], steps[-1]
@@ -229,7 +237,7 @@ def staleness_quantiles(hist: dict[int, int]) -> dict[str, int]:
 def _per_pool(run_dir: Path, result: SimResult) -> dict[str, dict[str, float]]:
     """Each pool's share of what the nodes generated (their counters in ``summary.json``),
     applied to the run's steady rates."""
-    nodes = json.loads((run_dir / "summary.json").read_text()).get("nodes", {})
+    nodes = json.loads(RunPaths(run_dir).summary.read_text()).get("nodes", {})
     episodes: dict[str, float] = {}
     for st in nodes.values():
         part = str(st.get("partition") or "")

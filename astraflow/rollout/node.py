@@ -360,7 +360,7 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
             "engine_restarts": self.counters["engine_restarts"],
             "engine_pids": engine_pids(self.engines),
             # a node that stopped leasing after an error it could not recover from: the
-            # orchestrator replaces its worker (``Orchestrator._replace_failed_nodes``)
+            # orchestrator replaces its worker (``Fleet.replace_failed_nodes``, ``astraflow/runtime/workers.py``)
             "error": self.error,
             "error_os": self.error_os,
         }

@@ -57,8 +57,9 @@ from schedulers.partition import AutoscaleBounds
 Action = Literal["add", "drain", "hold"]
 
 
-def _pct(threshold: float) -> str:
-    """A configured threshold as a percentage, as precise as it was set (0.3: 30%, 0.305: 30.5%)."""
+def pct(threshold: float) -> str:
+    """A configured threshold as a percentage, as precise as it was set (0.3: 30%, 0.305: 30.5%);
+    the status text shows the band with it too, so both read alike."""
     return f"{100 * threshold:.6g}%"
 
 
@@ -299,17 +300,17 @@ class Autoscaler:
         stale_high = cfg.max_stale_fraction is not None and stale is not None and stale > cfg.max_stale_fraction
         said = f"trainer wait over the last {cfg.window_s:g} s"  # not the wait since the start `status` shows too
         if wait > cfg.high_wait:
-            why = f"{said} {_vs(wait, cfg.high_wait)} > high_wait {_pct(cfg.high_wait)}"
+            why = f"{said} {_vs(wait, cfg.high_wait)} > high_wait {pct(cfg.high_wait)}"
             return self._change(now, slots, +1, why, values)
         if wait < cfg.low_wait or stale_high:
-            why = (f"{said} {_vs(wait, cfg.low_wait)} < low_wait {_pct(cfg.low_wait)}" if wait < cfg.low_wait else
+            why = (f"{said} {_vs(wait, cfg.low_wait)} < low_wait {pct(cfg.low_wait)}" if wait < cfg.low_wait else
                    f"stale drops {_vs(stale, cfg.max_stale_fraction)} > max_stale_fraction "
-                   f"{_pct(cfg.max_stale_fraction)}")
+                   f"{pct(cfg.max_stale_fraction)}")
             spare, held, fell = self._drain_room(now, pool, need)
             if fell:
                 why += f" (their load fell since {fell} worker(s) starved them)"
             return self._change(now, slots, -1, why, values, (spare, held))
-        return Decision("hold", f"{said} {wait:.1%} within [{_pct(cfg.low_wait)}, {_pct(cfg.high_wait)}]",
+        return Decision("hold", f"{said} {wait:.1%} within [{pct(cfg.low_wait)}, {pct(cfg.high_wait)}]",
                         values, now)
 
     def _drain_room(self, now: float, pool: int, need: Demand | None) -> tuple[int, str, int | None]:
@@ -327,7 +328,7 @@ class Autoscaler:
         x = self.seen[n]
         left = cfg.memory_period_s - (now - x.t)
         return pool - n - 1, (f"at {n} worker(s) the trainers waited {_vs(x.wait, cfg.high_wait)} (> high_wait "
-                              f"{_pct(cfg.high_wait)}) "
+                              f"{pct(cfg.high_wait)}) "
                               f"{now - x.t:.0f} s ago: no drain back to {n} for {left:.0f} s unless their load "
                               "falls"), fell
 

@@ -277,7 +277,7 @@ def check_same_models(cfg: RunConfig, run_dir: Path) -> None:
     from storage.weights import WeightStore
 
     paths = RunPaths(run_dir)
-    record = paths.control / "models.json"
+    record = paths.models_record
     try:
         known = json.loads(record.read_text()) if record.is_file() else {}
     except (OSError, ValueError):

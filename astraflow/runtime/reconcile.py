@@ -267,7 +267,8 @@ class PartitionSet:
                 for job in jobs:
                     fleet.add(job, name)
                     self.progress.note(f"submitted {job.kind} worker {job.worker_name} ({job.job_id})")
-                self.records.add(jobs)  # after the fleet has them: a failed write still leaves them cancelled at the end
+                # after the fleet has them: a failed write still leaves them cancelled at the end
+                self.records.add(jobs)
 
     def _shrink(self, fleet: Fleet, name: str, live: list[Worker], excess: int) -> None:
         """Partition ``name`` wants fewer workers than it has (its ``nodes`` went down: the

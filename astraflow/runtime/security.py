@@ -40,14 +40,10 @@ log = logging.getLogger("astraflow.security")
 VALIDITY = datetime.timedelta(days=400)
 
 
-def security_dir(paths: RunPaths) -> Path:
-    return paths.root / "security"
-
-
 def dashboard_token(paths: RunPaths) -> Path:
     """A new random token for the run's dashboard, in an owner-only file; returns the file."""
-    f = security_dir(paths) / "dashboard.token"
-    security_dir(paths).mkdir(mode=0o700, parents=True, exist_ok=True)
+    f = paths.dashboard_token
+    paths.security.mkdir(mode=0o700, parents=True, exist_ok=True)
     _private_write(f, secrets.token_urlsafe(32).encode())
     return f
 
@@ -113,13 +109,13 @@ def run_tls(paths: RunPaths, cfg: TLSConfig) -> TLSFiles | None:
         log.warning("cluster.tls.enabled is false: the run's Dask traffic is plain TCP, and anyone who can reach "
                     "its scheduler port can run code as %s", os.environ.get("USER", "you"))
         return None
-    security_dir(paths).mkdir(mode=0o700, parents=True, exist_ok=True)
+    paths.security.mkdir(mode=0o700, parents=True, exist_ok=True)
     if cfg.site_provided:
         files = TLSFiles(ca_file=cfg.ca_file.absolute(), cert_file=cfg.cert_file.absolute(),  # type: ignore[union-attr]
                          key_file=cfg.key_file.absolute() if cfg.key_file else None)
     else:
-        files = create_run_certificates(security_dir(paths))
-    write_json(security_dir(paths) / "tls.json", files.to_json())  # how clients of the run find them
+        files = create_run_certificates(paths.security)
+    write_json(paths.tls_record, files.to_json())  # how clients of the run find them
     return files
 
 
@@ -139,5 +135,5 @@ def security_for_address(paths: RunPaths, address: str):
     address is ``tls://`` (read from the run's ``security/tls.json``), else None."""
     if not address.startswith("tls://"):
         return None
-    record = read_json_object(security_dir(paths) / "tls.json")
+    record = read_json_object(paths.tls_record)
     return client_security(TLSFiles.from_json(record))

@@ -1,8 +1,8 @@
 """Runtime room: how a run ended, and waits that cannot hang the way out.
 
 Every ending of a run (its last step, Ctrl-C or SIGTERM, the requeue signal, a lost data-layer worker, a lost
-trainer worker past its restarts, the run deadline, an actor call that raised) leaves through the same path in the orchestrator:
-stop the components, write ``summary.json`` with the `Ending`, cancel the worker jobs. On that
+trainer worker past its restarts, the run deadline, an actor call that raised) leaves through the same path in the
+orchestrator: stop the components, write ``summary.json`` with the `Ending`, cancel the worker jobs. On that
 path a component may already be gone, so every actor call is made through `BoundedWaits`: all
 of them share one deadline, and a call that raises or does not answer is noted, never raised.
 """

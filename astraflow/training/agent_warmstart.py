@@ -19,20 +19,12 @@ from astraflow.agents.chat import ChatRenderer
 from astraflow.agents.demos import demonstrations, greedy_success
 from astraflow.agents.episode import EpisodeLog
 from astraflow.models import load_model, pad_id
-from astraflow.training.warmstart import supervised_loop
+from astraflow.training.warmstart import pad_batch, supervised_loop
 
 
 def _collate(logs: list[EpisodeLog], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    T = max(len(log.tokens) for log in logs)
-    ids = torch.full((len(logs), T), pad, dtype=torch.long)
-    att = torch.zeros((len(logs), T), dtype=torch.long)
-    lm = torch.zeros((len(logs), T), dtype=torch.bool)
-    for i, log in enumerate(logs):
-        n = len(log.tokens)
-        ids[i, :n] = torch.tensor(log.tokens)
-        att[i, :n] = 1
-        lm[i, :n] = torch.tensor(log.loss_mask)
-    return ids, att, lm
+    """``pad_batch`` of episodes: the loss on the expert's tokens only."""
+    return pad_batch([(log.tokens, log.loss_mask) for log in logs], pad)
 
 
 def agent_warm_start(

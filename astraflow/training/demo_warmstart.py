@@ -20,7 +20,7 @@ import torch
 
 from astraflow.agents.chat import end_of_turn_ids, prompt_ids
 from astraflow.models import load_model, pad_id
-from astraflow.training.warmstart import supervised_loop
+from astraflow.training.warmstart import pad_batch, supervised_loop
 
 
 def encode_examples(tok: Any, workload: Any, payloads: list[dict[str, Any]]) -> list[tuple[list[int], list[int]]]:
@@ -31,17 +31,8 @@ def encode_examples(tok: Any, workload: Any, payloads: list[dict[str, Any]]) -> 
 
 
 def collate(pairs: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``ids, attention, loss mask`` (the mask covers the targets only)."""
-    T = max(len(p) + len(t) for p, t in pairs)
-    ids = torch.full((len(pairs), T), pad, dtype=torch.long)
-    att = torch.zeros((len(pairs), T), dtype=torch.long)
-    lm = torch.zeros((len(pairs), T), dtype=torch.bool)
-    for i, (p, t) in enumerate(pairs):
-        n = len(p) + len(t)
-        ids[i, :n] = torch.tensor(p + t)
-        att[i, :n] = 1
-        lm[i, len(p):n] = True
-    return ids, att, lm
+    """``pad_batch`` of ``prompt + target`` pairs (the mask covers the targets only)."""
+    return pad_batch([(p + t, [False] * len(p) + [True] * len(t)) for p, t in pairs], pad)
 
 
 @torch.no_grad()

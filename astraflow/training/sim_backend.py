@@ -42,7 +42,8 @@ class SimBackend:
         self._sleep(seconds)
         self.steps += 1
         adv = np.array([item.advantage for item in batch.items], dtype=np.float64)
-        return {"loss": float(-np.mean(adv)) if len(adv) else 0.0, "grad_norm": float(np.abs(adv).mean()) if len(adv) else 0.0,
+        return {"loss": float(-np.mean(adv)) if len(adv) else 0.0,
+                "grad_norm": float(np.abs(adv).mean()) if len(adv) else 0.0,
                 "tokens": float(tokens), "trained_tokens": float(tokens), "step_s": seconds,
                 "num_sequences": float(len(batch.items)),
                 "clip_frac": 0.0, "ratio_mean": 1.0, "approx_kl": 0.0}

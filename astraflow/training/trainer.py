@@ -376,7 +376,8 @@ class Trainer(OptimizerCheckpoint):
         base = self._delta_base
         if base is None or base[0] != version - 1:
             prev_version = version - 1
-            base = (prev_version, self.store.load(self.policy, prev_version)) if prev_version in self.store.versions(self.policy) else None
+            known = prev_version in self.store.versions(self.policy)
+            base = (prev_version, self.store.load(self.policy, prev_version)) if known else None
         if base is not None:
             stats = write_version_delta(self.store.root, self.policy, version - 1, version, base[1], new)
             self.delta_history.append({"version": version, "density": stats.density, "delta_bytes": stats.delta_bytes,

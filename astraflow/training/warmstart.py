@@ -32,7 +32,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -78,28 +78,31 @@ def task_examples(task: str, items: list[Mapping[str, Any]], rng: random.Random)
     return out
 
 
-def _encode(tok, items: list[Mapping[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _encode_pairs(tok, [(format_prompt(it), format_target(it)) for it in items])
+def pad_batch(rows: Sequence[tuple[Sequence[int], Sequence[bool]]],
+              pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch every warm start trains on: right-padded ``ids, attention, loss mask`` of
+    ``rows`` (each its token ids and a loss mask of the same length), padded with ``pad``."""
+    T = max(len(tokens) for tokens, _ in rows)
+    ids = torch.full((len(rows), T), pad, dtype=torch.long)
+    att = torch.zeros((len(rows), T), dtype=torch.long)
+    lm = torch.zeros((len(rows), T), dtype=torch.bool)
+    for i, (tokens, mask) in enumerate(rows):
+        n = len(tokens)
+        ids[i, :n] = torch.tensor(list(tokens), dtype=torch.long)
+        att[i, :n] = 1
+        lm[i, :n] = torch.tensor(list(mask), dtype=torch.bool)
+    return ids, att, lm
 
 
 def _encode_pairs(tok, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``ids, attention, loss mask`` of ``prompt + target + eos`` (the loss on the target and
-    eos); padded with ``pad_id`` (the pad token, else eos), so a tokenizer needs no pad token."""
-    seqs, masks = [], []
+    """``pad_batch`` of ``prompt + target + eos`` (the loss on the target and eos); padded with
+    ``pad_id`` (the pad token, else eos), so a tokenizer needs no pad token."""
+    rows = []
     for prompt, target in pairs:
         p = tok(prompt)["input_ids"]
         a = tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # no BOS mid-sequence
-        seqs.append(p + a)
-        masks.append([0] * len(p) + [1] * len(a))
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id(tok), dtype=torch.long)
-    att = torch.zeros((len(seqs), T), dtype=torch.long)
-    lm = torch.zeros((len(seqs), T), dtype=torch.bool)
-    for i, (s, m) in enumerate(zip(seqs, masks)):
-        ids[i, : len(s)] = torch.tensor(s)
-        att[i, : len(s)] = 1
-        lm[i, : len(s)] = torch.tensor(m, dtype=torch.bool)
-    return ids, att, lm
+        rows.append((p + a, [False] * len(p) + [True] * len(a)))
+    return pad_batch(rows, pad_id(tok))
 
 
 def require_eos(tok, model_dir: str | Path) -> None:

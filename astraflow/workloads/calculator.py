@@ -15,7 +15,6 @@ the problem and the seed, so they are deterministic and disjoint whatever sizes 
 from __future__ import annotations
 
 import ast
-import hashlib
 import operator
 import random
 import re
@@ -28,6 +27,7 @@ from astraflow.agents.env import Action, EnvironmentBase, Message, StepResult
 from astraflow.agents.tools import ToolBox, format_call, tool
 from astraflow.agents.workload import AgentParams, AgentWorkload
 from astraflow.workloads.base import WORKLOADS
+from astraflow.workloads.split import is_held_out
 
 #: the longest expression ``calc`` evaluates (a tiny model's turn is short; so is the bound on
 #: the size of a number it can build)
@@ -132,8 +132,7 @@ class CalculatorParams(AgentParams):
 
 
 def _split_of(question: str, p: CalculatorParams) -> str:
-    h = hashlib.blake2b(f"{p.seed}:{question}".encode(), digest_size=8).digest()
-    return "eval" if int.from_bytes(h, "little") / 2**64 < p.test_fraction else "train"
+    return "eval" if is_held_out(question, p.seed, p.test_fraction) else "train"
 
 
 def make_problems(p: CalculatorParams, split: str) -> list[dict[str, Any]]:

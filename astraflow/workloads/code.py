@@ -32,6 +32,7 @@ from astraflow.configbase import Strict
 from astraflow.sandbox.core import test_names
 from astraflow.workloads.base import WORKLOADS
 from astraflow.workloads import codegen
+from astraflow.workloads.split import is_held_out
 
 #: the fields of a task row (``test`` + ``entry_point`` is HumanEval's ``check`` form)
 REQUIRED = ("prompt", "entry_point")
@@ -235,7 +236,8 @@ class CodeWorkload:
             raise ValueError(f"code workload: split must be train, eval or test, got {split!r}")
         if split == "train":
             return self._splits["train"]
-        extra = [dict(t, eval_set=HUMANEVAL) for t in humaneval_tasks()[: self.cfg.humaneval]] if self.cfg.humaneval else []
+        extra = ([dict(t, eval_set=HUMANEVAL) for t in humaneval_tasks()[: self.cfg.humaneval]]
+                 if self.cfg.humaneval else [])
         return self._splits["test"] + extra
 
     def render_prompt(self, payload: Mapping[str, Any]) -> str:
@@ -277,9 +279,9 @@ class CodeWorkload:
 
     def self_check(self, sample: int = 8) -> list[str]:
         """For tasks from a file: run the references of ``sample`` training tasks (the first of the
-        seeded training order) against their own tests, in the sandbox; a line for each that fails (a warm start would teach it,
-        and a reward that no reference earns cannot be learned). Generated tasks pass by
-        construction: nothing to say."""
+        seeded training order) against their own tests, in the sandbox; a line for each that fails
+        (a warm start would teach it, and a reward that no reference earns cannot be learned).
+        Generated tasks pass by construction: nothing to say."""
         if self.cfg.train_file is None:
             return []
         failing = []
@@ -332,7 +334,7 @@ class CodeWorkload:
             else:
                 splits = {"train": [], "test": []}
                 for t in rows:
-                    held = codegen.is_held_out(t["id"], cfg.seed, cfg.test_fraction)
+                    held = is_held_out(t["id"], cfg.seed, cfg.test_fraction)
                     splits["test" if held else "train"].append(t)
         limits = {"train": cfg.num_train, "test": cfg.num_test}
         for name, items in splits.items():

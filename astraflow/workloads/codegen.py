@@ -12,11 +12,12 @@ Hidden tests are computed from the reference solution on seeded random inputs, o
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import random
 from dataclasses import dataclass
 from typing import Any
+
+from astraflow.workloads.split import is_held_out
 
 #: argument names by kind of argument (a member is written once with each)
 ARG_NAMES = {"int": ("x", "n", "value", "num"), "str": ("s", "text", "word", "name"),
@@ -90,12 +91,6 @@ def _inputs(kind: str, rng: random.Random, n: int) -> list[Any]:
 def member_key(family: str, consts: dict[str, Any]) -> str:
     """A member's identity: its family and constants (not its argument name)."""
     return family + ":" + ",".join(f"{k}={consts[k]}" for k in sorted(consts))
-
-
-def is_held_out(key: str, seed: int, fraction: float) -> bool:
-    """Whether member ``key`` is held out: a seeded hash, independent of order and of the other members."""
-    digest = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
 def make_task(fam: Family, consts: dict[str, Any], arg: str, num_tests: int) -> dict[str, Any]:

@@ -20,7 +20,6 @@ location (``report``), never a crash; a split left with no usable row is an erro
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from astraflow.configbase import Strict
 from astraflow.workloads.base import WORKLOADS
 from astraflow.workloads.datafiles import Row, read_rows, wrapped_rows_hint
 from astraflow.workloads.rewards import answer_problem, boxed_answer, gsm8k_answer, resolve_reward
+from astraflow.workloads.split import is_held_out
 
 #: field layouts of public datasets, by preset name (fields a config sets win)
 PRESETS: dict[str, dict[str, Any]] = {
@@ -180,7 +180,8 @@ class DatasetWorkload:
         self.cfg = DatasetParams.model_validate({"seed": seed, **params})
         self._reward = resolve_reward(self.cfg.reward)
         self._template = _template(self.cfg.prompt_template)
-        self.report = DataReport(self.cfg.path if self.cfg.test_path is None else f"{self.cfg.path} + {self.cfg.test_path}")
+        source = self.cfg.path if self.cfg.test_path is None else f"{self.cfg.path} + {self.cfg.test_path}"
+        self.report = DataReport(source)
 
     # -- the workload interface ---------------------------------------------------------------
     def tasks(self, split: str) -> list[dict[str, Any]]:
@@ -255,9 +256,7 @@ class DatasetWorkload:
             self.report.skip_split(self._other_split(row, label))
             return None
         # by the prompt, never the id: rows repeating a prompt under other ids stay in one split
-        key = f"{cfg.seed}:{payload['text']}"
-        u = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") / 2**64
-        return "test" if u < cfg.test_fraction else "train"
+        return "test" if is_held_out(payload["text"], cfg.seed, cfg.test_fraction) else "train"
 
     def _other_split(self, row: Row, label: Any) -> str:
         """The report's reason for a row whose split ``label`` is neither train_split nor
@@ -334,8 +333,8 @@ class DatasetWorkload:
         if cfg.messages_field:
             msgs = f.get(cfg.messages_field)
             ok = isinstance(msgs, list) and msgs and all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ("system", "user", "assistant")
-                for m in msgs) and msgs[-1]["role"] == "user"
+                isinstance(m, dict) and isinstance(m.get("content"), str)
+                and m.get("role") in ("system", "user", "assistant") for m in msgs) and msgs[-1]["role"] == "user"
             if not ok:
                 self.report.skip(row, f"field {cfg.messages_field!r} is not chat messages ending with a user turn")
                 return None

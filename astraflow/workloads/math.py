@@ -12,7 +12,6 @@ Interface (kept small on purpose): ``make_dataset(cfg, split) -> list[{"question
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from typing import Any, Literal, Mapping, get_args
@@ -21,6 +20,7 @@ from pydantic import Field, ValidationError
 
 from astraflow.configbase import Strict
 from astraflow.workloads.base import WORKLOADS, explain
+from astraflow.workloads.split import is_held_out
 
 SPLITS = ("train", "test")
 #: up to this many distinct problems the generator enumerates all of them (then shuffles).
@@ -73,9 +73,7 @@ def _solve(a: int, op: str, b: int) -> int:
 
 
 def _split_of(a: int, op: str, b: int, cfg: MathConfig) -> str:
-    h = hashlib.blake2b(f"{cfg.seed}:{a}{op}{b}".encode(), digest_size=8).digest()
-    u = int.from_bytes(h, "little") / 2**64
-    return "test" if u < cfg.test_fraction else "train"
+    return "test" if is_held_out(f"{a}{op}{b}", cfg.seed, cfg.test_fraction) else "train"
 
 
 def make_dataset(cfg: MathConfig | Mapping[str, Any] | None, split: str) -> list[dict[str, str]]:

@@ -26,7 +26,6 @@ expert steps (1..``max_difficulty``), in equal shares per split.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from collections import deque
@@ -38,6 +37,7 @@ from pydantic import Field, model_validator
 from astraflow.agents.env import Action, EnvironmentBase, Message, StepResult
 from astraflow.agents.workload import AgentParams, AgentWorkload
 from astraflow.workloads.base import WORKLOADS
+from astraflow.workloads.split import is_held_out
 
 ROOM_NAMES = ("hall", "den", "lab", "attic", "shed", "bath", "porch", "study", "pantry", "loft", "gym", "cellar")
 OBJECTS = ("key", "coin", "apple", "book")
@@ -385,5 +385,4 @@ def _dir_order(item: tuple[str, str]) -> int:
 
 def _split_of(task: Mapping[str, Any], p: TextWorldParams) -> str:
     key = json.dumps({k: v for k, v in task.items() if k != "goal"}, sort_keys=True)
-    h = hashlib.blake2b(f"{p.seed}:{key}".encode(), digest_size=8).digest()
-    return "eval" if int.from_bytes(h, "little") / 2**64 < p.test_fraction else "train"
+    return "eval" if is_held_out(key, p.seed, p.test_fraction) else "train"

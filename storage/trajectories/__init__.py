@@ -93,8 +93,8 @@ committed bytes, so every committed byte a reader asks for is stable; what it ma
 uncommitted and never returned.
 
 Backends: a directory (``/path`` or ``file:///path``; shared filesystem; many processes) and
-``memory://<name>`` (in-process registry by name; same semantics within one process; tests and
-the embedded default).
+``memory://<name>`` (in-process registry by name; same semantics within one process; for tests
+and benchmarks: a run refuses it, its processes could not share it, ``storage.config``).
 """
 
 from storage.trajectories.layout import (

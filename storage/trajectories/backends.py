@@ -3,8 +3,8 @@
 Why it exists: the writer and the reader speak to one small protocol (``StoreBackend``), and
 two implementations answer it: a directory on a shared filesystem (many processes; a commit
 log per segment, appended and made durable with the chunk data in one flush round; here) and
-an in-process registry by name (``memory://<name>``, tests and the embedded default;
-``memory``). ``open_backend`` picks one from a URL.
+an in-process registry by name (``memory://<name>``, for tests and benchmarks: a run refuses
+it; ``memory``). ``open_backend`` picks one from a URL.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Trajectory store, memory room: the in-process backend (``memory://<name>``).
 
-Why it exists: tests and the embedded default need a store with the directory backend's
-semantics (``backends.StoreBackend``) inside one process, without a disk. Stores live in a
+Why it exists: tests and benchmarks need a store with the directory backend's semantics
+(``backends.StoreBackend``) inside one process, without a disk. A run refuses it
+(``storage.config``): its processes could not share it. Stores live in a
 registry by name as long as the process; nothing is durable, so a flush round is a no-op.
 """
 

@@ -189,9 +189,6 @@ class SegmentView:
         self.kept.touch(m)  # may drop them again at once (a batch bigger than the budget)
         return got
 
-    def marker_of(self, index: int) -> Marker:
-        return self.markers[bisect.bisect_right(self.starts, index) - 1]
-
     def _raw_array(self, name: str) -> RawArray:
         raw = self._raw.get(name)
         if raw is None:

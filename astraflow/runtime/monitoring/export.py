@@ -45,7 +45,8 @@ def export_tensorboard(run_dir: Path | str, logdir: Path | str | None = None, fo
             for rec in records:
                 prefix = f"{rec.get('policy', '?')}/" + ("eval/" if is_eval_record(rec) else "")
                 for key, value in rec.items():
-                    if key not in ("step", "policy") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                    if key not in ("step", "policy") and number:
                         writer.add_scalar(prefix + key, value, global_step=int(rec["step"]))
                 written += 1
             writer.flush()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from storage.atomic import UnreadableFile, read_json_object, write_json
+from storage.holds import pid_alive
 from storage.paths import RunPaths
 
 #: a status snapshot older than this means the orchestrator is not running any more.
@@ -193,13 +194,7 @@ def orchestrator_alive(info: dict[str, Any]) -> bool:
     only the snapshot's age can tell)."""
     if info.get("host") != socket.gethostname():
         return True
-    try:
-        os.kill(int(info["pid"]), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(int(info["pid"]))
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from astraflow.runtime.autoscale import pct
+
 
 def format_partitions(st: dict[str, Any]) -> str:
     """One line per partition: kind, role, state, desired/live/serving workers, rate, error."""
@@ -141,18 +143,13 @@ def partition_stats_line(p: dict[str, Any]) -> str:
             f"serving {served}{bounds}")
 
 
-def _pct(threshold: float) -> str:
-    """A configured threshold as set (0.3: 30%, 0.305: 30.5%), as the autoscaler's reasons give it."""
-    return f"{100 * threshold:.6g}%"
-
-
 def autoscale_lines(a: dict[str, Any] | None) -> list[str]:
     """The autoscaler's band, its latest decision and its recent changes (none without one)."""
     if not a:
         return []
     c = a.get("config", {})
-    out = [f"autoscale: band [{_pct(c.get('low_wait', 0))}, {_pct(c.get('high_wait', 0))}] of the trainer wait over "
-           f"the last {c.get('window_s', 0):g}s" + (f", stale drops above {_pct(c['max_stale_fraction'])} drain"
+    out = [f"autoscale: band [{pct(c.get('low_wait', 0))}, {pct(c.get('high_wait', 0))}] of the trainer wait over "
+           f"the last {c.get('window_s', 0):g}s" + (f", stale drops above {pct(c['max_stale_fraction'])} drain"
                                                 if c.get("max_stale_fraction") is not None else "")]
     last = a.get("last")
     if last:

@@ -83,7 +83,8 @@ class PartitionView(_View):
     nodes: list[NodeView] = Field(description="its workers, by name")
     state: str = Field(default="?", description="active | removing | removed | failed (not refilled); ? when unknown")
     failures: int = Field(default=0, description="its workers that failed (lost before serving or soon after)")
-    refill_in_s: float | None = Field(default=None, description="seconds until it is refilled again (backoff after a failure); None when not waiting")
+    refill_in_s: float | None = Field(default=None, description="seconds until it is refilled again (backoff after "
+                                                              "a failure); None when not waiting")
     error: str | None = Field(default=None, description="why it failed; None while healthy")
     trajectories_per_s: float = Field(default=0.0, description="tasks its nodes completed per second over the "
                                                                "last ~10 s")
@@ -227,7 +228,8 @@ def _node_view(name: str, worker: dict[str, Any], part: dict[str, Any], info: di
     seen = info.get("last_seen")
     return NodeView(
         name=name, partition=worker.get("partition", info.get("partition", "?")), role=part.get("role", "?"),
-        hardware=str(info.get("hardware", part.get("hardware", "?"))), region=str(info.get("region", part.get("region", "?"))),
+        hardware=str(info.get("hardware", part.get("hardware", "?"))),
+        region=str(info.get("region", part.get("region", "?"))),
         job_id=str(worker.get("job_id", "?")), state=state,
         versions={p: int(v) for p, v in (info.get("versions") or {}).items()},
         leased_now=int(info.get("inflight", 0)), leased_total=int(info.get("leased", 0)),

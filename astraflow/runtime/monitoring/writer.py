@@ -133,7 +133,8 @@ class StatusWriter:
                 "removal_mode": ps.removal_mode,
                 "removal_requested_at": ps.removal_requested_at,
                 "removed_at": ps.removed_at,
-                "drain_seconds": (ps.removed_at - ps.removal_requested_at) if ps.removed_at and ps.removal_requested_at else None,
+                "drain_seconds": ((ps.removed_at - ps.removal_requested_at)
+                                  if ps.removed_at and ps.removal_requested_at else None),
             }
         return out
 

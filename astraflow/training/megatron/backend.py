@@ -212,7 +212,6 @@ class MegatronBackend:
         #: per replica: its tensor-parallel rank 0, what answers for the replica's rows
         self.replica_heads = sorted((r for r in range(world) if self.tp_rank[r] == 0), key=self.dp_rank.__getitem__)
         assert [self.tp_rank[r] for r in self.first_replica] == list(range(config.tp_size))
-        self.local_params = [infos[r]["local_params"] for r in self.first_replica]
         #: per tensor-parallel rank: parameter name -> shape, what a loaded state is checked
         #: against before it is sent
         self.param_shapes: list[dict[str, list[int]]] = [infos[r]["params"] for r in self.first_replica]

@@ -87,7 +87,8 @@ def check_shard(shard: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequence
         )
     for name, t in shard.items():
         if tuple(t.shape) != tuple(shapes[name]):
-            raise ValueError(f"{name}: the weights give {tuple(t.shape)}, rank {rank}'s model has {tuple(shapes[name])}")
+            raise ValueError(f"{name}: the weights give {tuple(t.shape)}, rank {rank}'s model has "
+                             f"{tuple(shapes[name])}")
 
 
 def load_shard_into(model: torch.nn.Module, shard: Mapping[str, torch.Tensor], rank: int) -> None:

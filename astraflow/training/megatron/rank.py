@@ -265,8 +265,9 @@ class Rank:
             # the shard writers report a short write without its errno: a filesystem left with
             # (almost) no room after the failed save is taken to be why
             if full_disk_in(err) is None and _free_bytes(payload["dir"]) < NEARLY_FULL_BYTES:
-                raise OSError(errno.ENOSPC, f"No space left on device (the shards could not be written: "
-                              f"{(str(err).strip().splitlines() or [type(err).__name__])[-1]})", payload["dir"]) from err
+                last = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+                raise OSError(errno.ENOSPC, f"No space left on device (the shards could not be written: {last})",
+                              payload["dir"]) from err
             raise
         dist.barrier()
         return {"save_s": time.perf_counter() - t0}
@@ -286,9 +287,7 @@ class Rank:
         load_named_optimizer_state(self.model, self.opt, unpack(payload))
 
     def info(self) -> dict:
-        n = sum(p.numel() for p in self.model.parameters())
-        return {"rank": self.spec.rank, "tp_rank": self.tp_rank, "dp_rank": self.dp_rank,
-                "local_params": n, "hf_config": self.hf_config,
+        return {"rank": self.spec.rank, "tp_rank": self.tp_rank, "dp_rank": self.dp_rank, "hf_config": self.hf_config,
                 "params": {k: list(p.shape) for k, p in self.model.named_parameters()}}
 
 
