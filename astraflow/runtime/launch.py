@@ -407,6 +407,8 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult | No
             f"{last['eval_accuracy']:.3f} (v{last['step']}) in {result.seconds:.0f}s"
         )
     progress.note(f"ledger: {result.ledger.get('states')}; summary in {RunPaths(run_dir).summary}")
+    if not result.interrupted and any(p.trainer.backend != "sim" for p in cfg.policies):
+        progress.note(f"the trained model as an HF directory: astraflow export {run_dir} OUT")
     failed = failure_reasons(result.ledger)
     if failed:
         progress.note(f"failed tasks by reason: {failed} (the tracebacks are in the RaaS nodes' logs under "
