@@ -21,14 +21,17 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import yaml
 
+from storage.holds import pid_alive
 from storage.paths import RunPaths, tmp_sibling
 
 #: the file the export writes next to the model, naming its origin (and marking OUT as an export)
@@ -39,6 +42,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ARCH_TOLERANCE = 0.01
 #: config keys that describe the trainer's copy, not the model
 _NOT_CONFIG = ("_name_or_path", "dtype", "torch_dtype", "transformers_version")
+#: files of a model directory that are its weights or config: the rest (tokenizer, chat template,
+#: generation config, license, README) is copied into the export as the run used it
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json")
+_OWN_FILES = ("config.json", PROVENANCE)
+#: read errors of a damaged version (a truncated shard, a missing or damaged metadata file)
+_DAMAGED = (EOFError, ValueError, KeyError, RuntimeError, OSError)
 
 
 class ExportError(ValueError):
@@ -58,6 +67,9 @@ def committed_versions(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
                 committed_at = store.get(policy, v).committed_at
             except KeyError:  # retired since the listing
                 continue
+            except ValueError as err:  # a damaged manifest: listed as such, the others still are
+                rows.append({"version": v, "damaged": str(err)})
+                continue
             rows.append({"version": v, "train_steps": meta.get("train_steps"), "dtype": meta.get("dtype", "fp32"),
                          "layout": meta.get("layout", "hf"), "committed_at": committed_at})
         out[policy] = rows
@@ -66,47 +78,66 @@ def committed_versions(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
 
 def export_version(run_dir: str | Path, out: str | Path, *, policy: str | None = None, version: int | None = None,
                    dtype: str = "auto", tokenizer: str | Path | None = None, force: bool = False,
-                   max_shard_size: str = "5GB", say: Callable[[str], None] = print) -> dict[str, Any]:
+                   max_shard_size: int | str = "5GB", say: Callable[[str], None] = print) -> dict[str, Any]:
     """Write ``policy``'s committed ``version`` (the newest by default) of the run in ``run_dir``
     as an HF model directory ``out``, checked by loading it back; returns the provenance record
     written with it. ``dtype`` ``auto`` keeps the dtype the trainer published. The tokenizer
     comes from the policy's model directory unless ``tokenizer`` names another."""
-    store = _store(run_dir)
-    policy = _policy(store, policy, run_dir)
-    version = _version(store, policy, version)
-    meta = store.manifest(policy, version).get("meta", {})
-    published = meta.get("dtype", "fp32")
     if dtype != "auto" and dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose one of auto, {', '.join(DTYPES)}")
-    target = DTYPES[published if dtype == "auto" else dtype]
-    source = Path(tokenizer) if tokenizer is not None else _model_dir(run_dir, policy)
-    tok = _tokenizer(source, given=tokenizer is not None)
-    out = Path(out)
+    store = _store(run_dir)
+    policy = _policy(store, policy, run_dir)
+    out = _resolve_out(Path(out))
     replacing = _check_out(out, force)
-
-    say(f"reading {policy} v{version} ({meta.get('layout', 'hf')} layout, {published}) from {store.root}")
-    state = _read(store, policy, version, say)
-    model = _build(meta, state, source, target)
-    n_params = sum(p.numel() for p in model.parameters())
-    _check_space(out, model, target)
-    tmp = tmp_sibling(out)
-    try:
+    with ExitStack() as stack:
+        version, held = _hold(stack, store, policy, version, say)
+        meta = store.manifest(policy, version).get("meta", {})
+        if meta.get("sim"):
+            raise ExportError(f"{policy} v{version} was published by the sim trainer, which trains no model: "
+                              "there are no weights to export")
+        committed_at = store.get(policy, version).committed_at
+        published = meta.get("dtype", "fp32")
+        target = DTYPES[published if dtype == "auto" else dtype]
+        source = Path(tokenizer) if tokenizer is not None else _model_dir(run_dir, policy)
+        tok = _tokenizer(source, given=tokenizer is not None)
+        staging = _staging(out, stack)  # before the read: a directory that cannot be written fails at once
+        say(f"reading {policy} v{version} ({meta.get('layout', 'hf')} layout, {published}) from {store.root}")
+        state = _read(store, policy, version, held)
+        model = _build(meta, state, source, target)
+        _check_tokenizer(tok, model, source, tokenizer is not None)
+        n_params = sum(p.numel() for p in model.parameters())
+        _check_space(staging, model, target)
         say(f"writing {n_params / 1e6:.1f}M parameters as {_name(target)} to {out}")
-        model.save_pretrained(tmp, max_shard_size=max_shard_size)
-        tok.save_pretrained(tmp)
-        del model
-        checked = _verify(tmp, meta, state, target)
+        try:
+            model.save_pretrained(staging, max_shard_size=max_shard_size)
+            del model
+            _with_older_readers_keys(staging / "config.json")
+            _copy_model_files(source, staging, tok)
+        except OSError as err:
+            raise ExportError(f"{out}: the model cannot be written there ({err.strerror or err}); free space there "
+                              "or name another directory") from None
+        checked = _verify(staging, meta, state, target, out)
         record = {"run_dir": str(Path(run_dir).resolve()), "policy": policy, "version": version,
-                  "train_steps": meta.get("train_steps"), "committed_at": store.get(policy, version).committed_at,
+                  "train_steps": meta.get("train_steps"), "committed_at": committed_at,
                   "published_dtype": published, "dtype": _name(target), "source_model": str(source),
                   "parameters": n_params, **checked, "exported_at": time.time()}
-        (tmp / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
-        _put_in_place(tmp, out, replacing)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    say(f"exported {policy} v{version} (train step {meta.get('train_steps', '?')}) to {out}: loaded back, every "
-        f"tensor as written, the probe within {checked['probe_error_nats']:.2g} nats of the trained weights")
+        (staging / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
+        _readable_as_umask_allows(staging)
+        _put_in_place(staging, out, replacing)
+    step = f" (train step {meta['train_steps']})" if meta.get("train_steps") is not None else ""
+    say(f"exported {policy} v{version}{step} to {out}: loaded back, every tensor as written, the probe within "
+        f"{checked['probe_error_nats']:.2g} nats of the trained weights")
     return record
+
+
+def parse_size(text: str) -> int:
+    """A shard size as ``--max-shard-size`` takes it: bytes, or a number with KB/MB/GB/TB
+    (powers of 1000, as transformers reads them); more than zero."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?B)?\s*", str(text), re.IGNORECASE)
+    if not m or int(m.group(1)) == 0:
+        raise ExportError(f"--max-shard-size {text!r}: give a number of bytes more than 0, or one with KB, MB, GB or "
+                          "TB (e.g. 5GB)")
+    return int(m.group(1)) * 1000 ** "BKMGT".index((m.group(2) or "B")[0].upper())
 
 
 def _store(run_dir: str | Path):
@@ -144,6 +175,30 @@ def _version(store, policy: str, version: int | None) -> int:
     return version
 
 
+def _hold(stack: ExitStack, store, policy: str, version: int | None, say: Callable[[str], None]) -> tuple[int, bool]:
+    """Hold the version against retention for the whole export (``stack`` releases it): the
+    newest when none is asked for, taken again if retention removed it first. ``(version,
+    held)``: not held where the store's readers directory cannot be written."""
+    from storage.weights import VersionNotCommitted
+
+    for _ in range(5):
+        chosen = _version(store, policy, version)
+        try:
+            stack.enter_context(store.hold(policy, chosen))
+            return chosen, True
+        except VersionNotCommitted:
+            if version is not None:  # retired between the listing and the hold
+                raise ExportError(f"--version {version}: {policy} v{version} was deleted by the run's retention "
+                                  f"just now; committed: {_ranges(store.versions(policy))}") from None
+        except OSError as err:
+            if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            say(f"no read hold taken ({err.strerror}): reading {policy} v{chosen} checked against its checksums")
+            return chosen, False
+    raise ExportError(f"{policy}: each newest version was deleted by retention before it could be held; the run "
+                      "publishes faster than it keeps versions: raise storage.keep_versions")
+
+
 def _ranges(versions: list[int]) -> str:
     return ", ".join(f"v{v}" for v in versions) if len(versions) <= 6 else f"v{versions[0]} ... v{versions[-1]}"
 
@@ -177,12 +232,26 @@ def _tokenizer(source: Path, given: bool):
         raise ExportError(f"{err}{fix}") from None
 
 
+def _resolve_out(out: Path) -> Path:
+    """OUT with a symlink followed (the model goes where it points)."""
+    if out.is_symlink():
+        if not out.exists():
+            raise ExportError(f"{out} is a symlink to {os.readlink(out)}, which does not exist: make that directory "
+                              "or name another")
+        return out.resolve()
+    return out.absolute()
+
+
 def _check_out(out: Path, force: bool) -> bool:
-    """Whether ``out`` holds an earlier export to replace; refuses a directory of other files."""
+    """Whether ``out`` exists (empty, or an earlier export to replace); refuses a directory of
+    other files. Removes what killed exports into ``out`` left."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} is a file: name a directory for the model")
-    if not out.exists() or not any(out.iterdir()):
-        return out.exists()
+    _remove_stale(out)
+    if not out.exists():
+        return False
+    if not any(out.iterdir()):
+        return True
     if not (out / PROVENANCE).exists():
         raise ExportError(f"{out} already holds files that are no export of this tool: name a new directory "
                           "(an export replaces only an earlier export, with --force)")
@@ -192,18 +261,58 @@ def _check_out(out: Path, force: bool) -> bool:
     return True
 
 
-def _read(store, policy: str, version: int, say: Callable[[str], None]) -> dict[str, torch.Tensor]:
-    """The version's tensors in HF names; without a hold where the store's readers directory
-    cannot be written (a run directory of another user), checking every file's sha256 instead."""
+def _stale_names(out: Path) -> list[Path]:
+    """Staging directories of exports into ``out`` whose process is gone (killed midway)."""
+    found = []
+    for d, prefix in ((out.parent, f".{out.name}."), (out, f".{_STAGE}.")):
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for n in names:
+            pid = n[len(prefix):].split(".", 1)[0] if n.startswith(prefix) and n.endswith(".tmp") else ""
+            if pid.isdigit() and not pid_alive(int(pid)):
+                found.append(d / n)
+    return found
+
+
+def _remove_stale(out: Path) -> None:
+    for p in _stale_names(out):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+#: the staging directory's name inside an existing OUT
+_STAGE = "astraflow-export"
+
+
+def _staging(out: Path, stack: ExitStack) -> Path:
+    """Where the model is written before it is checked: beside a new OUT (then renamed to it), or
+    inside an existing one (a mount point, a directory made for the group), whose files are then
+    moved up. Removed again unless the export completes."""
+    staging = out / f".{_STAGE}.{os.getpid()}.{os.urandom(6).hex()}.tmp" if out.exists() else tmp_sibling(out)
+    try:
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except OSError as err:
+        raise ExportError(f"{staging.parent}: cannot write the model there ({err.strerror or err}); name a "
+                          "directory you can write to") from None
+    stack.callback(shutil.rmtree, staging, ignore_errors=True)
+    return staging
+
+
+def _read(store, policy: str, version: int, held: bool) -> dict[str, torch.Tensor]:
+    """The version's tensors in HF names, every file checked against the manifest's sha256 (a
+    damaged shard is refused, not exported); ``held`` says the caller holds it against retention."""
     from astraflow.weightconv import to_hf_state_dict
+    from storage.weights import ChecksumMismatch, DamagedVersion
 
     try:
-        raw = store.load(policy, version)
-    except OSError as err:
-        if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
-        say(f"no read hold taken ({err.strerror}): reading {policy} v{version} checked against its checksums")
         raw = store.load(policy, version, verify=True, hold=False)
+    except (ChecksumMismatch, DamagedVersion, *_DAMAGED) as err:
+        if isinstance(err, OSError) and err.errno in (errno.ENOMEM, errno.EACCES):
+            raise ExportError(f"{policy} v{version} cannot be read ({err.strerror or err})") from None
+        raise ExportError(f"{policy} v{version} is damaged ({type(err).__name__}: {err}): export another version "
+                          "(`astraflow export RUN_DIR --list`)") from None
     meta = store.manifest(policy, version).get("meta", {})
     try:
         return to_hf_state_dict(raw, meta)
@@ -254,21 +363,28 @@ def _build(meta: dict[str, Any], state: dict[str, torch.Tensor], source: Path, t
     return model
 
 
-def _check_space(out: Path, model, target: torch.dtype) -> None:
+def _check_space(staging: Path, model, target: torch.dtype) -> None:
     need = sum(p.numel() for p in model.parameters()) * torch.finfo(target).bits // 8
-    parent = out.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(parent).free
-    except OSError as err:
-        raise ExportError(f"{parent}: cannot write the model there ({err.strerror or err}); name a directory "
-                          "you can write to") from None
+    free = shutil.disk_usage(staging).free
     if free < need * 1.05:
-        raise ExportError(f"{parent} has {free / 2**30:.1f} GiB free and the model needs {need / 2**30:.1f} GiB: "
-                          "free space there or name another directory (--dtype bf16 halves an fp32 model)")
+        raise ExportError(f"{staging.parent} has {_size(free)} free and the model needs {_size(need)}: free space "
+                          "there or name another directory (--dtype bf16 halves an fp32 model)")
 
 
-def _verify(tmp: Path, meta: dict[str, Any], state: dict[str, torch.Tensor], target: torch.dtype) -> dict:
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _check_tokenizer(tok, model, source: Path, given: bool) -> None:
+    """A tokenizer with ids past the model's vocabulary belongs to another model."""
+    size = model.config.get_text_config().vocab_size
+    if tok.vocab_size > size:
+        where = f"--tokenizer {source}" if given else f"the tokenizer of {source}"
+        raise ExportError(f"{where} has {tok.vocab_size} tokens, more than the model's vocabulary of {size}: it is "
+                          "another model's; pass --tokenizer DIR with the policy's own tokenizer files")
+
+
+def _verify(tmp: Path, meta: dict[str, Any], state: dict[str, torch.Tensor], target: torch.dtype, out: Path) -> dict:
     """Load ``tmp`` as a user will and compare: every tensor equal to the intended one, and the
     architecture scoring the version's probe as the trainer did. Returns the probe's errors."""
     from astraflow.model_loading import load_model
@@ -277,13 +393,13 @@ def _verify(tmp: Path, meta: dict[str, Any], state: dict[str, torch.Tensor], tar
     try:
         model, _ = load_model(tmp, dtype=torch.float32)
     except ValueError as err:
-        raise ExportError(f"the written model does not load back: {err}") from None
+        raise ExportError(f"the written model does not load back: {str(err).replace(str(tmp), str(out))}") from None
     written = model.state_dict()
     for name, tensor in state.items():
         if name not in written or not torch.equal(written[name], tensor.to(target).float()):
             raise ExportError(f"the written model's {name} differs from the version's: nothing was exported")
     probe = meta.get("probe") or {}
-    tokens = probe.get("tokens") or probe_tokens(int(model.config.vocab_size))
+    tokens = probe.get("tokens") or probe_tokens(int(model.config.get_text_config().vocab_size))
     served = teacher_forced_logprobs(model, tokens)
     if not probe.get("logprobs"):  # a version published without a probe: the tensors' check is all there is
         return {"probe_error_nats": 0.0, "probe_checked": False}
@@ -296,14 +412,62 @@ def _verify(tmp: Path, meta: dict[str, Any], state: dict[str, torch.Tensor], tar
     return {"probe_error_nats": probe_error(probe["logprobs"], served), "probe_checked": True}
 
 
-def _put_in_place(tmp: Path, out: Path, replacing: bool) -> None:
-    if replacing:  # an empty directory, or an earlier export with --force
-        old = tmp_sibling(out)
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
+def _put_in_place(staging: Path, out: Path, existing: bool) -> None:
+    """A new OUT: the staging directory renamed to it. An existing OUT: the new files moved in,
+    the earlier export's other files removed, the provenance file last (what marks OUT an export)."""
+    try:
+        if not existing:
+            os.rename(staging, out)
+            return
+        new = {p.name for p in staging.iterdir()}
+        for name in sorted(new - {PROVENANCE}):
+            os.replace(staging / name, out / name)
+        for old in out.iterdir():
+            if old.name not in new and old != staging:
+                shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+        os.replace(staging / PROVENANCE, out / PROVENANCE)
+    except OSError as err:
+        raise ExportError(f"{out}: the checked model could not be put there ({err.strerror or err}); another export "
+                          "into it at the same time writes it too: export once, or name another directory") from None
+
+
+def _readable_as_umask_allows(root: Path) -> None:
+    """Files and directories with the permissions the user's umask gives new ones (some writers
+    make their files owner-only, which a group or a serving account could then not read)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for d, dirs, files in os.walk(root):
+        os.chmod(d, 0o777 & ~mask)
+        for f in files:
+            os.chmod(os.path.join(d, f), 0o666 & ~mask)
+
+
+def _copy_model_files(source: Path, staging: Path, tok) -> None:
+    """The tokenizer files, chat template and generation config as the run used them: copied
+    from the source directory (a re-save would rewrite them in the installed transformers'
+    format, which older readers misread); re-saved only where the source holds none."""
+    if source.is_dir():
+        for f in sorted(source.iterdir()):
+            if f.is_file() and f.name not in _OWN_FILES and not f.name.endswith(_WEIGHT_SUFFIXES):
+                shutil.copyfile(f, staging / f.name)
+    if not any((staging / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")):
+        tok.save_pretrained(staging)
+
+
+def _with_older_readers_keys(config_file: Path) -> None:
+    """Add to ``config.json`` the keys transformers 4 and engines built on it read where the
+    installed transformers writes newer ones (``rope_parameters``, ``dtype``): ``rope_theta``,
+    ``rope_scaling`` and ``torch_dtype``. Left out, an older reader falls back to its defaults
+    without a word (a different rope base)."""
+    cfg = json.loads(config_file.read_text())
+    rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        cfg.setdefault("rope_theta", rope["rope_theta"])
+        if rope.get("rope_type", "default") != "default":
+            cfg.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+    if "dtype" in cfg:
+        cfg.setdefault("torch_dtype", cfg["dtype"])
+    config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -214,5 +214,128 @@ def test_cli_lists_versions_and_exits_2_on_bad_input(tiny_model, tmp_path):
     assert res.exit_code == 2 and "name the output directory" in res.output
     res = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "o"), "--version", "9"])
     assert res.exit_code == 2 and "v4, v5" in res.output
+    res = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "o"), "--max-shard-size", "abc"])
+    assert res.exit_code == 2 and "--max-shard-size 'abc'" in res.output, res.output
     res = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "o"), "--dtype", "bf16"])
     assert res.exit_code == 0, res.output
+    man = RunPaths(run).weights / "solver" / "v00000004" / "manifest.json"
+    man.write_text("{damaged")
+    res = CliRunner().invoke(main, ["export", str(run), "--list"])
+    assert res.exit_code == 0 and "solver v4: damaged" in res.output and "solver v5: train step" in res.output
+
+
+def test_a_live_run_going_on_during_the_export_cannot_retire_the_version(tiny_model, tmp_path, monkeypatch):
+    """The run publishes and applies retention while the export works: the version stays held."""
+    import astraflow.model_export as mx
+
+    run = _run_dir(tmp_path, tiny_model)
+    store = WeightStore(RunPaths(run).weights, keep_last=1)
+    be = _trained(tiny_model)
+    be.publish(store, "solver", 1)
+    real = mx._tokenizer
+
+    def while_the_run_goes_on(*a, **k):
+        for v in (2, 3, 4):
+            be.publish(store, "solver", v)
+            store.apply_retention("solver")
+        return real(*a, **k)
+
+    monkeypatch.setattr(mx, "_tokenizer", while_the_run_goes_on)
+    record = export_version(run, tmp_path / "out", say=print)
+    assert record["version"] == 1 and store.versions("solver") == [1, 4]  # held: retention kept it
+    store.apply_retention("solver")
+    assert store.versions("solver") == [4]  # released at the end
+
+
+def test_a_damaged_shard_is_refused_not_exported(tiny_model, tmp_path):
+    run = _run_dir(tmp_path, tiny_model)
+    wv = _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    shard = next(p for p in (tmp_path / "run" / "weights" / "solver").glob(f"v*{wv.version}/*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte in the middle of the weights
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ExportError, match=r"solver v1 is damaged .*--list"):
+        export_version(run, tmp_path / "out", say=print)
+    assert not (tmp_path / "out").exists()
+
+
+def test_older_readers_find_their_keys_and_the_tokenizer_files_are_the_runs(tiny_model, tmp_path):
+    run = _run_dir(tmp_path, tiny_model)
+    _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    export_version(run, tmp_path / "out", say=print)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] and cfg["torch_dtype"] == "float32"
+    for f in tiny_model.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_out_may_be_a_symlink_or_a_directory_made_for_it(tiny_model, tmp_path):
+    import os
+    import stat
+
+    run = _run_dir(tmp_path, tiny_model)
+    _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    (tmp_path / "shared").mkdir()
+    os.chmod(tmp_path / "shared", 0o2770)
+    (tmp_path / "link").symlink_to(tmp_path / "shared")
+    export_version(run, tmp_path / "link", say=print)
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "shared" / PROVENANCE).is_file()
+    assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o2770  # the directory made for it stays
+    assert not [p for p in (tmp_path / "shared").iterdir() if p.name.startswith(".")]
+    export_version(run, tmp_path / "shared", force=True, say=print)  # an earlier export replaced in place
+    assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o2770
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ExportError, match="which does not exist"):
+        export_version(run, tmp_path / "dangling", say=print)
+
+
+def test_what_a_killed_export_left_is_removed_by_the_next(tiny_model, tmp_path):
+    import subprocess
+
+    run = _run_dir(tmp_path, tiny_model)
+    _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = tmp_path / f".out.{dead.pid}.0123456789ab.tmp"
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"partial")
+    export_version(run, tmp_path / "out", say=print)
+    assert not left.exists() and (tmp_path / "out" / PROVENANCE).is_file()
+
+
+def test_a_sim_run_has_no_model_to_export(tmp_path, tiny_model):
+    run = _run_dir(tmp_path, tiny_model)
+    WeightStore(RunPaths(run).weights).publish("solver", 1, {"sim.steps": torch.tensor([1])},
+                                               meta={"sim": True, "train_steps": 1})
+    with pytest.raises(ExportError, match="sim trainer, which trains no model"):
+        export_version(run, tmp_path / "out", say=print)
+
+
+@pytest.mark.parametrize("text, size", [("5GB", 5 * 10**9), ("200kb", 200_000), ("1000", 1000), ("3 MB", 3 * 10**6)])
+def test_shard_sizes(text, size):
+    from astraflow.model_export import parse_size
+
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["abc", "0", "-5MB", "5GiB", "1e9", ""])
+def test_bad_shard_sizes_name_the_form(text):
+    from astraflow.model_export import parse_size
+
+    with pytest.raises(ExportError, match="--max-shard-size"):
+        parse_size(text)
+
+
+def test_written_files_follow_the_umask(tiny_model, tmp_path):
+    import os
+    import stat
+
+    run = _run_dir(tmp_path, tiny_model)
+    _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    before = os.umask(0o022)
+    try:
+        export_version(run, tmp_path / "out", say=print)
+    finally:
+        os.umask(before)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").iterdir()} == {0o644}
