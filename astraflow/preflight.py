@@ -102,12 +102,27 @@ def _planned_config(pol) -> dict | None:
     return make_config(pol.init.preset, pol.init.arch, tie_word_embeddings=pol.init.tie_embeddings).to_dict()
 
 
+#: config.json keys that give a model's positions, by family (GPT-2 and its kin say ``n_positions``)
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def max_positions(config: dict) -> int | None:
+    """The positions of a model from its config.json: the first of its family's keys that is
+    set, in its ``text_config`` for a multimodal model; None if it names none."""
+    for c in (config, config.get("text_config")):
+        if isinstance(c, dict):
+            for key in POSITION_KEYS:
+                if isinstance(c.get(key), int) and not isinstance(c[key], bool):
+                    return c[key]
+    return None
+
+
 def _check_positions(cfg: RunConfig, pol, config: dict, built: str = "") -> None:
     """A generation of ``workload.sampling.max_new_tokens`` (an agentic episode: its whole
     ``max_context_tokens``) must fit the model's ``max_position_embeddings``: past it every
     request fails, or decodes garbage. ``built``: how the model comes to be, where it does not
     exist yet (said in the message)."""
-    positions = config.get("max_position_embeddings")
+    positions = max_positions(config)
     if not isinstance(positions, int) or cfg.simulated(pol):
         return
     from astraflow.workloads.base import params_model
@@ -230,7 +245,7 @@ def prompts_that_do_not_fit(cfg: RunConfig, wl, policies: list[str] | None = Non
         config = pol.model / "config.json"
         if cfg.simulated(pol) or not config.is_file() or (policies is not None and pol.name not in policies):
             continue  # a model init builds is sized to the workload's prompts
-        positions = json.loads(config.read_text()).get("max_position_embeddings")
+        positions = max_positions(json.loads(config.read_text()))
         engine = cfg.rollout.engine
         if engine.type == "vllm" and engine.vllm.max_model_len:  # the engine's own limit (rope scaling)
             positions = engine.vllm.max_model_len

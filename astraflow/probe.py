@@ -60,7 +60,10 @@ def teacher_forced_logprobs(model: Any, tokens: Sequence[int], state: Mapping[st
 def make_probe(model: Any, state: Mapping[str, Any] | None = None) -> dict[str, list]:
     """``meta["probe"]`` for ``model`` (or for ``state`` run through its architecture), in eval
     mode (no dropout) whatever mode the model is in."""
-    tokens = probe_tokens(int(model.config.vocab_size))
+    text = model.config.get_text_config()  # a multimodal model's language part holds both numbers
+    positions = getattr(text, "max_position_embeddings", None)
+    n = min(PROBE_LEN, positions) if isinstance(positions, int) else PROBE_LEN
+    tokens = probe_tokens(int(text.vocab_size), n=n)
     training = model.training
     model.eval()
     try:

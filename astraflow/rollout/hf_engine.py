@@ -69,6 +69,11 @@ class _Request:
     finish_reason: str | None = None
 
 
+#: nats: a cached decoding step and the full forward of the same tokens agree this closely (fp32;
+#: only the order of sums differs), an architecture whose step reads its inputs wrongly is off by far more
+CACHED_STEP_TOLERANCE = 0.01
+
+
 class HFEngine:
     """transformers engine implementing ``astraflow.rollout.engine.InferenceEngine``.
 
@@ -111,11 +116,26 @@ class HFEngine:
             raise ValueError(f"HFEngine: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.dtype = dtype
         self.model.to(self.device)
+        self._vocab = self.model.get_input_embeddings().num_embeddings
+        # transformers >= 5.2x calls the KV cache ``cache``; earlier 5.x (the vLLM extra pins
+        # < 5.20) ``past_key_values``: pass it under whichever name this model's forward takes
+        fwd = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
+        from astraflow.models import pad_id
+
+        # the pad token, else eos, else 0: padded positions are masked out whatever they hold
+        self._pad_id = pad_id(self.tokenizer)
+        #: a decoding step passes the mask of its new tokens only, not the whole row's: for
+        #: architectures whose cached step reads the mask as covering its inputs (state-space models)
+        self._step_mask_only = False
+        self.model.eval()  # no dropout: the check compares two forwards
+        # in fp32, before a cast: the architecture's own behaviour, not rounding
+        self._check_cached_decoding(numbers=next(self.model.parameters()).dtype == torch.float32)
         if dtype == "bf16":
             for p in self.model.parameters():  # the weights only: float buffers (RoPE's inverse
                 p.data = p.data.to(torch.bfloat16)  # frequencies) stay fp32, or long positions drift
             warn_if_bf16_is_emulated(self.device, "rollout.engine.dtype")
-        self.model.eval()
+            self._check_cached_decoding(numbers=False)  # runs at all in bf16
         if max_batch_size < 1:
             raise ValueError(f"HFEngine: max_batch_size must be >= 1, got {max_batch_size}")
         self.max_batch_size = max_batch_size
@@ -123,21 +143,12 @@ class HFEngine:
             raise ValueError(f"HFEngine: swap_min_remaining must be >= 0, got {swap_min_remaining}")
         self.swap_min_remaining = swap_min_remaining
         self.version = version
-        from astraflow.models import pad_id
-
-        # the pad token, else eos, else 0: padded positions are masked out whatever they hold
-        self._pad_id = pad_id(self.tokenizer)
         stops = turn_stop_ids(self.tokenizer)
         gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         stops |= set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])  # a model's list of ends
         unk = self.tokenizer.unk_token_id
         self._stop_ids = frozenset(s for s in stops if s is not None and s != unk)
-        self._max_positions = getattr(self.model.config, "max_position_embeddings", None)
-        self._vocab = self.model.get_input_embeddings().num_embeddings
-        # transformers >= 5.2x calls the KV cache ``cache``; earlier 5.x (the vLLM extra pins
-        # < 5.20) ``past_key_values``: pass it under whichever name this model's forward takes
-        fwd = inspect.signature(self.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
+        self._max_positions = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._pending: list[_Request] = []
         self._lock = threading.Lock()
@@ -353,6 +364,41 @@ class HFEngine:
             else:
                 logits, cache = self._forward(ids[:, -1:], mask, cache)
 
+    @torch.no_grad()
+    def _check_cached_decoding(self, numbers: bool) -> None:
+        """The engine samples each token from a cached decoding step. Check at start, on a
+        left-padded pair of rows, that such a step gives the model's own full-forward
+        distribution (``numbers``; else only that it runs): an architecture whose cached step
+        differs would roll out from a wrong distribution without an error. A step that needs its
+        new tokens' mask alone is switched to it; one that still differs, returns no cache or
+        fails in this dtype is refused."""
+        from astraflow.probe import probe_tokens
+
+        dev, n = self.device, 6
+        ids = torch.tensor([probe_tokens(self._vocab, n, seed=1), [self._pad_id] * 2 + probe_tokens(self._vocab, n - 2,
+                                                                                                   seed=2)], device=dev)
+        mask = torch.ones_like(ids)
+        mask[1, :2] = 0
+        kind = getattr(self.model.config, "model_type", type(self.model).__name__)
+        tolerance, bf16 = CACHED_STEP_TOLERANCE, not numbers
+        try:
+            full, _ = self._forward(ids, mask, None)
+            gaps = []
+            for step_mask_only in (False, True) if numbers else (self._step_mask_only,):
+                self._step_mask_only = step_mask_only
+                _, cache = self._forward(ids[:, :-1], mask[:, :-1], None)
+                step, _ = self._forward(ids[:, -1:], mask, cache)
+                gaps.append(float((torch.log_softmax(full, -1) - torch.log_softmax(step, -1)).abs().max()))
+                if not numbers or gaps[-1] <= tolerance:
+                    return
+        except Exception as err:  # whatever the model raises: named with the architecture and the fix
+            fix = "set rollout.engine.dtype: fp32" if bf16 else "this architecture cannot be served by the HF engine"
+            raise ValueError(f"the HF engine cannot decode {kind} models{' in bf16' if bf16 else ''} "
+                             f"({type(err).__name__}: {err}); {fix}") from err
+        raise ValueError(f"the HF engine's cached decoding of {kind} models differs from their full forward by "
+                         f"{min(gaps):.3g} nats (tolerance {tolerance}): rollouts would be sampled from a wrong "
+                         "distribution; this architecture cannot be served by the HF engine")
+
     @staticmethod
     def _steps_left(batch: list[_Request], active: list[bool]) -> int:
         """Decoding steps the batch still needs (its longest unfinished request)."""
@@ -364,6 +410,8 @@ class HFEngine:
         the last column. Returns fp32 logits of the last position and the new cache."""
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         pos = pos[:, -ids.shape[1]:]
+        if cache is not None and self._step_mask_only:
+            mask = mask[:, -ids.shape[1]:]
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
             **{self._cache_kw: cache},
