@@ -225,14 +225,17 @@ class VLLMEngine:
         return gate
 
     def _stops(self, model_dir: Path) -> set[int]:
-        """End-of-turn tokens: the tokenizer's eos and chat-template closer, the model's
-        generation-config eos (a list for some models)."""
+        """End-of-turn tokens: the tokenizer's eos and chat-template closer, the model's eos (a
+        list for some models) from its generation config, else from config.json, as the HF
+        engine reads it."""
         tok = self.tokenizer
         stops = turn_stop_ids(tok)
-        gen = model_dir / "generation_config.json"
-        if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            stops |= set(eos if isinstance(eos, list) else [eos])
+        for name in ("generation_config.json", "config.json"):
+            f = model_dir / name
+            eos = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+            if eos is not None:
+                stops |= set(eos if isinstance(eos, list) else [eos])
+                break
         return {int(s) for s in stops if s is not None and s != tok.unk_token_id}
 
     async def _start(self, model_dir: str, version: int) -> None:

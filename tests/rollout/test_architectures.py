@@ -121,3 +121,17 @@ def test_positions_of_any_family(config, positions):
     from astraflow.preflight import max_positions
 
     assert max_positions(config) == positions
+
+
+def test_the_vllm_engine_stops_on_an_eos_list_given_in_config_json_alone(tmp_path):
+    """As the HF engine does (transformers falls back to config.json's eos without a generation config)."""
+    import json
+    from types import SimpleNamespace
+
+    from astraflow.rollout.vllm_engine import VLLMEngine
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [262, 263]}))
+    assert {262, 263} <= VLLMEngine._stops(SimpleNamespace(tokenizer=build_tokenizer()), tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 264}))
+    stops = VLLMEngine._stops(SimpleNamespace(tokenizer=build_tokenizer()), tmp_path)
+    assert 264 in stops and 262 not in stops
