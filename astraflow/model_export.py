@@ -40,6 +40,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: nats, mean over the probe: the exported architecture with the published tensors must score the
 #: probe this close to the trainer (summation order differs, a wrong config is off by far more)
 ARCH_TOLERANCE = 0.01
+#: nats: weights narrowed to a smaller dtype than the trainer published score the probe this close
+#: (rounding moves it a little, a wrong config far more)
+NARROWED_TOLERANCE = 0.1
 #: config keys that describe the trainer's copy, not the model
 _NOT_CONFIG = ("_name_or_path", "dtype", "torch_dtype", "transformers_version")
 #: files of a model directory that are its weights or config: the rest (tokenizer, chat template,
@@ -89,45 +92,61 @@ def export_version(run_dir: str | Path, out: str | Path, *, policy: str | None =
     policy = _policy(store, policy, run_dir)
     out = _resolve_out(Path(out))
     replacing = _check_out(out, force)
-    with ExitStack() as stack:
-        version, held = _hold(stack, store, policy, version, say)
-        meta = store.manifest(policy, version).get("meta", {})
-        if meta.get("sim"):
-            raise ExportError(f"{policy} v{version} was published by the sim trainer, which trains no model: "
-                              "there are no weights to export")
-        committed_at = store.get(policy, version).committed_at
-        published = meta.get("dtype", "fp32")
-        target = DTYPES[published if dtype == "auto" else dtype]
-        source = Path(tokenizer) if tokenizer is not None else _model_dir(run_dir, policy)
-        tok = _tokenizer(source, given=tokenizer is not None)
-        staging = _staging(out, stack)  # before the read: a directory that cannot be written fails at once
-        say(f"reading {policy} v{version} ({meta.get('layout', 'hf')} layout, {published}) from {store.root}")
-        state = _read(store, policy, version, held)
-        model = _build(meta, state, source, target)
-        _check_tokenizer(tok, model, source, tokenizer is not None)
-        n_params = sum(p.numel() for p in model.parameters())
-        _check_space(staging, model, target)
-        say(f"writing {n_params / 1e6:.1f}M parameters as {_name(target)} to {out}")
-        try:
-            model.save_pretrained(staging, max_shard_size=max_shard_size)
-            del model
-            _with_older_readers_keys(staging / "config.json")
-            _copy_model_files(source, staging, tok)
-        except OSError as err:
-            raise ExportError(f"{out}: the model cannot be written there ({err.strerror or err}); free space there "
-                              "or name another directory") from None
-        checked = _verify(staging, meta, state, target, out)
-        record = {"run_dir": str(Path(run_dir).resolve()), "policy": policy, "version": version,
-                  "train_steps": meta.get("train_steps"), "committed_at": committed_at,
-                  "published_dtype": published, "dtype": _name(target), "source_model": str(source),
-                  "parameters": n_params, **checked, "exported_at": time.time()}
-        (staging / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
-        _readable_as_umask_allows(staging)
-        _put_in_place(staging, out, replacing)
+    try:
+        with ExitStack() as stack:
+            version, held = _hold(stack, store, policy, version, say)
+            meta = store.manifest(policy, version).get("meta", {})
+            if meta.get("sim"):
+                raise ExportError(f"{policy} v{version} was published by the sim trainer, which trains no model: "
+                                  "there are no weights to export")
+            committed_at = store.get(policy, version).committed_at
+            published = meta.get("dtype", "fp32")
+            target = DTYPES[published if dtype == "auto" else dtype]
+            source = Path(tokenizer) if tokenizer is not None else _model_dir(run_dir, policy)
+            tok = _tokenizer(source, given=tokenizer is not None)
+            staging = _staging(out, stack)  # before the read: a directory that cannot be written fails at once
+            say(f"reading {policy} v{version} ({meta.get('layout', 'hf')} layout, {published}) from {store.root}")
+            state = _read(store, policy, version, held)
+            model = _build(meta, state, source, target)
+            _check_tokenizer(tok, model, source, tokenizer is not None)
+            n_params = sum(p.numel() for p in model.parameters())
+            _check_space(staging, model, target)
+            say(f"writing {n_params / 1e6:.1f}M parameters as {_name(target)} to {out}")
+            try:
+                model.save_pretrained(staging, max_shard_size=max_shard_size)
+                del model
+                _with_older_readers_keys(staging / "config.json")
+                _copy_model_files(source, staging, tok)
+            except OSError as err:
+                raise ExportError(f"{out}: the model cannot be written there ({err.strerror or err}); free space there "
+                                  "or name another directory") from None
+            back = _load_back(staging, out, target)
+            _compare(back, state, target)
+            del state  # the probe runs on the loaded copy: at most two copies of the model at once
+            checked = _probe_check(back, meta, narrowed=target != torch.float32 and _name(target) != published)
+            del back
+            record = {"run_dir": str(Path(run_dir).resolve()), "policy": policy, "version": version,
+                      "train_steps": meta.get("train_steps"), "committed_at": committed_at,
+                      "published_dtype": published, "dtype": _name(target), "source_model": str(source),
+                      "parameters": n_params, **checked, "exported_at": time.time()}
+            (staging / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
+            _readable_as_umask_allows(staging)
+            _put_in_place(staging, out, replacing)
+    except MemoryError:
+        raise ExportError(_memory_message(out)) from None
+    except RuntimeError as err:  # torch's allocator says so in a RuntimeError
+        if "allocate" not in str(err):
+            raise
+        raise ExportError(_memory_message(out)) from None
     step = f" (train step {meta['train_steps']})" if meta.get("train_steps") is not None else ""
     say(f"exported {policy} v{version}{step} to {out}: loaded back, every tensor as written, the probe within "
         f"{checked['probe_error_nats']:.2g} nats of the trained weights")
     return record
+
+
+def _memory_message(out: Path) -> str:
+    return (f"{out}: not enough memory to export the model (it holds about two copies of it at once, in the "
+            "published and the written dtype): export on a node with more memory")
 
 
 def parse_size(text: str) -> int:
@@ -179,13 +198,16 @@ def _hold(stack: ExitStack, store, policy: str, version: int | None, say: Callab
     """Hold the version against retention for the whole export (``stack`` releases it): the
     newest when none is asked for, taken again if retention removed it first. ``(version,
     held)``: not held where the store's readers directory cannot be written."""
-    from storage.weights import VersionNotCommitted
+    from storage.weights import DamagedVersion, VersionNotCommitted
 
     for _ in range(5):
         chosen = _version(store, policy, version)
         try:
             stack.enter_context(store.hold(policy, chosen))
             return chosen, True
+        except DamagedVersion as err:
+            raise ExportError(f"{policy} v{chosen} is damaged ({err}); export another version: --version N of "
+                              "those `astraflow export RUN_DIR --list` shows") from None
         except VersionNotCommitted:
             if version is not None:  # retired between the listing and the hold
                 raise ExportError(f"--version {version}: {policy} v{version} was deleted by the run's retention "
@@ -250,7 +272,7 @@ def _check_out(out: Path, force: bool) -> bool:
     _remove_stale(out)
     if not out.exists():
         return False
-    if not any(out.iterdir()):
+    if not any(p.name != "lost+found" for p in out.iterdir()):  # empty, or a file system's root
         return True
     if not (out / PROVENANCE).exists():
         raise ExportError(f"{out} already holds files that are no export of this tool: name a new directory "
@@ -264,14 +286,15 @@ def _check_out(out: Path, force: bool) -> bool:
 def _stale_names(out: Path) -> list[Path]:
     """Staging directories of exports into ``out`` whose process is gone (killed midway)."""
     found = []
-    for d, prefix in ((out.parent, f".{out.name}."), (out, f".{_STAGE}.")):
+    for d, name in ((out.parent, out.name), (out, _STAGE)):
+        pattern = re.compile(rf"\.{re.escape(name)}\.(\d+)\.[0-9a-f]{{12}}\.tmp")
         try:
             names = os.listdir(d)
         except OSError:
             continue
         for n in names:
-            pid = n[len(prefix):].split(".", 1)[0] if n.startswith(prefix) and n.endswith(".tmp") else ""
-            if pid.isdigit() and not pid_alive(int(pid)):
+            m = pattern.fullmatch(n)
+            if m and not pid_alive(int(m.group(1))):
                 found.append(d / n)
     return found
 
@@ -384,32 +407,42 @@ def _check_tokenizer(tok, model, source: Path, given: bool) -> None:
                           "another model's; pass --tokenizer DIR with the policy's own tokenizer files")
 
 
-def _verify(tmp: Path, meta: dict[str, Any], state: dict[str, torch.Tensor], target: torch.dtype, out: Path) -> dict:
-    """Load ``tmp`` as a user will and compare: every tensor equal to the intended one, and the
-    architecture scoring the version's probe as the trainer did. Returns the probe's errors."""
+def _load_back(staging: Path, out: Path, target: torch.dtype):
+    """The written directory loaded as a user will (``astraflow run``'s loader), in its dtype."""
     from astraflow.model_loading import load_model
-    from astraflow.probe import probe_error, probe_tokens, teacher_forced_logprobs
 
     try:
-        model, _ = load_model(tmp, dtype=torch.float32)
+        return load_model(staging, dtype=target)[0]
     except ValueError as err:
-        raise ExportError(f"the written model does not load back: {str(err).replace(str(tmp), str(out))}") from None
+        raise ExportError(f"the written model does not load back: {str(err).replace(str(staging), str(out))}"
+                          ) from None
+
+
+def _compare(model, state: dict[str, torch.Tensor], target: torch.dtype) -> None:
+    """Every tensor the model loaded equals the version's, cast as it was written."""
     written = model.state_dict()
     for name, tensor in state.items():
-        if name not in written or not torch.equal(written[name], tensor.to(target).float()):
+        if name not in written or not torch.equal(written[name], tensor.to(target)):
             raise ExportError(f"the written model's {name} differs from the version's: nothing was exported")
+
+
+def _probe_check(model, meta: dict[str, Any], narrowed: bool) -> dict:
+    """The loaded model, upcast in place to fp32 as the trainer scored it, against the version's
+    probe: its published weights score it as the trainer did (a config that does not describe
+    them is off by far more); weights narrowed to a smaller dtype within ``NARROWED_TOLERANCE``."""
+    from astraflow.probe import probe_error, teacher_forced_logprobs
+
     probe = meta.get("probe") or {}
-    tokens = probe.get("tokens") or probe_tokens(int(model.config.get_text_config().vocab_size))
-    served = teacher_forced_logprobs(model, tokens)
     if not probe.get("logprobs"):  # a version published without a probe: the tensors' check is all there is
         return {"probe_error_nats": 0.0, "probe_checked": False}
-    arch = probe_error(probe["logprobs"], teacher_forced_logprobs(model, tokens, {k: v.float() for k, v in
-                                                                                  state.items()}))
-    if not arch <= ARCH_TOLERANCE:
-        raise ExportError(f"the exported model scores the version's probe {arch:.3g} nats away from the trainer "
-                          f"(tolerance {ARCH_TOLERANCE}): the published config does not describe the trained "
-                          "model, nothing was exported")
-    return {"probe_error_nats": probe_error(probe["logprobs"], served), "probe_checked": True}
+    model.float()
+    err = probe_error(probe["logprobs"], teacher_forced_logprobs(model, probe["tokens"]))
+    tolerance = NARROWED_TOLERANCE if narrowed else ARCH_TOLERANCE
+    if not err <= tolerance:
+        raise ExportError(f"the exported model scores the version's probe {err:.3g} nats away from the trainer "
+                          f"(tolerance {tolerance}): the published config does not describe the trained model, "
+                          "nothing was exported")
+    return {"probe_error_nats": err, "probe_checked": True}
 
 
 def _put_in_place(staging: Path, out: Path, existing: bool) -> None:
@@ -423,7 +456,7 @@ def _put_in_place(staging: Path, out: Path, existing: bool) -> None:
         for name in sorted(new - {PROVENANCE}):
             os.replace(staging / name, out / name)
         for old in out.iterdir():
-            if old.name not in new and old != staging:
+            if old.name not in new and old != staging and old.name != "lost+found":
                 shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
         os.replace(staging / PROVENANCE, out / PROVENANCE)
     except OSError as err:

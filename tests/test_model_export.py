@@ -339,3 +339,37 @@ def test_written_files_follow_the_umask(tiny_model, tmp_path):
     finally:
         os.umask(before)
     assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").iterdir()} == {0o644}
+
+
+def test_a_damaged_newest_version_points_at_the_others(tiny_model, tmp_path):
+    run = _run_dir(tmp_path, tiny_model)
+    store = WeightStore(RunPaths(run).weights)
+    be = _trained(tiny_model)
+    for v in (1, 2):
+        be.publish(store, "solver", v)
+    man = RunPaths(run).weights / "solver" / "v00000002" / "manifest.json"
+    man.write_text(man.read_text() + "garbage")
+    with pytest.raises(ExportError, match=r"solver v2 is damaged .*--version N"):
+        export_version(run, tmp_path / "out", say=print)
+    assert export_version(run, tmp_path / "out", version=1, say=print)["version"] == 1
+
+
+def test_only_a_dead_exports_leftovers_of_this_out_are_removed(tiny_model, tmp_path):
+    """``.ckpt.100.<pid>...`` is a live export's into ``ckpt.100``, not a dead one's into ``ckpt``."""
+    import os
+
+    run = _run_dir(tmp_path, tiny_model)
+    _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    other = tmp_path / f".ckpt.100.{os.getpid()}.0123456789ab.tmp"
+    other.mkdir()
+    export_version(run, tmp_path / "ckpt", say=print)
+    assert other.is_dir()
+
+
+def test_a_file_systems_root_with_lost_and_found_is_an_empty_out(tiny_model, tmp_path):
+    run = _run_dir(tmp_path, tiny_model)
+    _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    (tmp_path / "mnt" / "lost+found").mkdir(parents=True)
+    export_version(run, tmp_path / "mnt", say=print)
+    export_version(run, tmp_path / "mnt", force=True, say=print)
+    assert (tmp_path / "mnt" / "lost+found").is_dir() and (tmp_path / "mnt" / PROVENANCE).is_file()

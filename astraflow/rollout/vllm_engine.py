@@ -226,16 +226,14 @@ class VLLMEngine:
 
     def _stops(self, model_dir: Path) -> set[int]:
         """End-of-turn tokens: the tokenizer's eos and chat-template closer, the model's eos (a
-        list for some models) from its generation config, else from config.json, as the HF
-        engine reads it."""
+        list for some models) from its generation config, from config.json where it has none
+        (transformers' rule, so the HF engine stops on the same)."""
         tok = self.tokenizer
         stops = turn_stop_ids(tok)
-        for name in ("generation_config.json", "config.json"):
-            f = model_dir / name
-            eos = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
-            if eos is not None:
-                stops |= set(eos if isinstance(eos, list) else [eos])
-                break
+        gen = model_dir / "generation_config.json"  # transformers reads config.json's only without one
+        f = gen if gen.is_file() else model_dir / "config.json"
+        eos = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+        stops |= set(eos if isinstance(eos, list) else [eos])
         return {int(s) for s in stops if s is not None and s != tok.unk_token_id}
 
     async def _start(self, model_dir: str, version: int) -> None:

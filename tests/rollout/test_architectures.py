@@ -124,7 +124,7 @@ def test_positions_of_any_family(config, positions):
 
 
 def test_the_vllm_engine_stops_on_an_eos_list_given_in_config_json_alone(tmp_path):
-    """As the HF engine does (transformers falls back to config.json's eos without a generation config)."""
+    """As the HF engine does: transformers reads config.json's eos where there is no generation config."""
     import json
     from types import SimpleNamespace
 
@@ -135,3 +135,13 @@ def test_the_vllm_engine_stops_on_an_eos_list_given_in_config_json_alone(tmp_pat
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 264}))
     stops = VLLMEngine._stops(SimpleNamespace(tokenizer=build_tokenizer()), tmp_path)
     assert 264 in stops and 262 not in stops
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True}))  # none: none from config.json
+    assert not {262, 263} & VLLMEngine._stops(SimpleNamespace(tokenizer=build_tokenizer()), tmp_path)
+
+
+def test_a_model_handed_over_in_bf16_is_checked_too():
+    from transformers import MambaConfig
+
+    model, tok = _model(MambaConfig, hidden_size=64, num_hidden_layers=2, state_size=8)
+    engine = HFEngine(model.to(torch.bfloat16), tokenizer=tok, device="cpu", seed=1)
+    assert engine._step_mask_only
