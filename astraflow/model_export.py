@@ -122,7 +122,7 @@ def export_version(run_dir: str | Path, out: str | Path, *, policy: str | None =
                                   "or name another directory") from None
             back = _load_back(staging, out, target)
             _compare(back, state, target)
-            del state  # the probe runs on the loaded copy: at most two copies of the model at once
+            del state  # the probe runs on the loaded copy
             checked = _probe_check(back, meta, narrowed=target != torch.float32 and _name(target) != published)
             del back
             record = {"run_dir": str(Path(run_dir).resolve()), "policy": policy, "version": version,
@@ -145,8 +145,8 @@ def export_version(run_dir: str | Path, out: str | Path, *, policy: str | None =
 
 
 def _memory_message(out: Path) -> str:
-    return (f"{out}: not enough memory to export the model (it holds about two copies of it at once, in the "
-            "published and the written dtype): export on a node with more memory")
+    return (f"{out}: not enough memory to export the model (it holds the version as published and the written "
+            "copy, loaded back in fp32 for the final check): export on a node with more memory")
 
 
 def parse_size(text: str) -> int:
