@@ -37,6 +37,15 @@ def _run_dir(tmp_path, model_dir, policies=("solver",)):
     return run
 
 
+def _one_version(tmp_path, model_dir, versions=(1,)):
+    """A run directory whose policy ``solver`` has published ``versions``, trained away from ``model_dir``."""
+    run = _run_dir(tmp_path, model_dir)
+    store, be = WeightStore(RunPaths(run).weights), _trained(model_dir)
+    for v in versions:
+        be.publish(store, "solver", v)
+    return run
+
+
 def _logits(model, ids=(5, 17, 42, 99, 3)):
     with torch.no_grad():
         return model(input_ids=torch.tensor([list(ids)])).logits.float()
@@ -73,8 +82,7 @@ def test_export_loads_back_to_the_trained_weights(which, request, tmp_path):
 
 def test_a_new_run_starts_from_the_export(tiny_model, tmp_path):
     """The export is a model directory ``astraflow check`` accepts as ``policies[].model``."""
-    run = _run_dir(tmp_path, tiny_model)
-    _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    run = _one_version(tmp_path, tiny_model)
     export_version(run, tmp_path / "out", say=lambda _: None)
     res = CliRunner().invoke(main, ["check", "examples/tiny/config.yaml", "--set",
                                     f"policies.0.model={tmp_path / 'out'}"])
@@ -189,8 +197,7 @@ def test_tokenizer_from_elsewhere_when_the_model_directory_is_gone(tmp_path):
 
 def test_a_store_it_may_only_read_is_read_without_a_hold(tiny_model, tmp_path, monkeypatch):
     """A run directory of another user: no hold file can be written, the files' checksums are checked."""
-    run = _run_dir(tmp_path, tiny_model)
-    _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    run = _one_version(tmp_path, tiny_model)
 
     def no_write(*_a, **_k):
         raise OSError(errno.EACCES, "Permission denied")
@@ -202,11 +209,7 @@ def test_a_store_it_may_only_read_is_read_without_a_hold(tiny_model, tmp_path, m
 
 
 def test_cli_lists_versions_and_exits_2_on_bad_input(tiny_model, tmp_path):
-    run = _run_dir(tmp_path, tiny_model)
-    store = WeightStore(RunPaths(run).weights)
-    be = _trained(tiny_model)
-    for v in (4, 5):
-        be.publish(store, "solver", v)
+    run = _one_version(tmp_path, tiny_model, versions=(4, 5))
     assert [r["version"] for r in committed_versions(run)["solver"]] == [4, 5]
     res = CliRunner().invoke(main, ["export", str(run), "--list"])
     assert res.exit_code == 0 and "solver v4: train step 0, fp32, hf layout" in res.output, res.output
@@ -260,8 +263,7 @@ def test_a_damaged_shard_is_refused_not_exported(tiny_model, tmp_path):
 
 
 def test_older_readers_find_their_keys_and_the_tokenizer_files_are_the_runs(tiny_model, tmp_path):
-    run = _run_dir(tmp_path, tiny_model)
-    _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    run = _one_version(tmp_path, tiny_model)
     export_version(run, tmp_path / "out", say=print)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] and cfg["torch_dtype"] == "float32"
@@ -274,8 +276,7 @@ def test_out_may_be_a_symlink_or_a_directory_made_for_it(tiny_model, tmp_path):
     import os
     import stat
 
-    run = _run_dir(tmp_path, tiny_model)
-    _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    run = _one_version(tmp_path, tiny_model)
     (tmp_path / "shared").mkdir()
     os.chmod(tmp_path / "shared", 0o2770)
     (tmp_path / "link").symlink_to(tmp_path / "shared")
@@ -293,8 +294,7 @@ def test_out_may_be_a_symlink_or_a_directory_made_for_it(tiny_model, tmp_path):
 def test_what_a_killed_export_left_is_removed_by_the_next(tiny_model, tmp_path):
     import subprocess
 
-    run = _run_dir(tmp_path, tiny_model)
-    _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    run = _one_version(tmp_path, tiny_model)
     dead = subprocess.Popen(["true"])
     dead.wait()
     left = tmp_path / f".out.{dead.pid}.0123456789ab.tmp"
@@ -331,8 +331,7 @@ def test_written_files_follow_the_umask(tiny_model, tmp_path):
     import os
     import stat
 
-    run = _run_dir(tmp_path, tiny_model)
-    _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    run = _one_version(tmp_path, tiny_model)
     before = os.umask(0o022)
     try:
         export_version(run, tmp_path / "out", say=print)
@@ -342,11 +341,7 @@ def test_written_files_follow_the_umask(tiny_model, tmp_path):
 
 
 def test_a_damaged_newest_version_points_at_the_others(tiny_model, tmp_path):
-    run = _run_dir(tmp_path, tiny_model)
-    store = WeightStore(RunPaths(run).weights)
-    be = _trained(tiny_model)
-    for v in (1, 2):
-        be.publish(store, "solver", v)
+    run = _one_version(tmp_path, tiny_model, versions=(1, 2))
     man = RunPaths(run).weights / "solver" / "v00000002" / "manifest.json"
     man.write_text(man.read_text() + "garbage")
     with pytest.raises(ExportError, match=r"solver v2 is damaged .*--version N"):
@@ -358,8 +353,7 @@ def test_only_a_dead_exports_leftovers_of_this_out_are_removed(tiny_model, tmp_p
     """``.ckpt.100.<pid>...`` is a live export's into ``ckpt.100``, not a dead one's into ``ckpt``."""
     import os
 
-    run = _run_dir(tmp_path, tiny_model)
-    _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    run = _one_version(tmp_path, tiny_model)
     other = tmp_path / f".ckpt.100.{os.getpid()}.0123456789ab.tmp"
     other.mkdir()
     export_version(run, tmp_path / "ckpt", say=print)
@@ -367,8 +361,7 @@ def test_only_a_dead_exports_leftovers_of_this_out_are_removed(tiny_model, tmp_p
 
 
 def test_a_file_systems_root_with_lost_and_found_is_an_empty_out(tiny_model, tmp_path):
-    run = _run_dir(tmp_path, tiny_model)
-    _trained(tiny_model).publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    run = _one_version(tmp_path, tiny_model)
     (tmp_path / "mnt" / "lost+found").mkdir(parents=True)
     export_version(run, tmp_path / "mnt", say=print)
     export_version(run, tmp_path / "mnt", force=True, say=print)
