@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import re
 import shutil
 import time
@@ -31,11 +30,10 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from storage.holds import pid_alive
-from storage.paths import RunPaths, tmp_sibling
+from astraflow.export_dir import (PROVENANCE, ExportError, check_out, put_in_place, readable_as_umask_allows,
+                                  resolve_out, staging_dir)
+from storage.paths import RunPaths
 
-#: the file the export writes next to the model, naming its origin (and marking OUT as an export)
-PROVENANCE = "astraflow_export.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: nats, mean over the probe: the exported architecture with the published tensors must score the
 #: probe this close to the trainer (summation order differs, a wrong config is off by far more)
@@ -51,10 +49,6 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msg
 _OWN_FILES = ("config.json", PROVENANCE)
 #: read errors of a damaged version (a truncated shard, a missing or damaged metadata file)
 _DAMAGED = (EOFError, ValueError, KeyError, RuntimeError, OSError)
-
-
-class ExportError(ValueError):
-    """A run, version or output directory the export cannot use; the message names the fix."""
 
 
 def committed_versions(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
@@ -90,8 +84,8 @@ def export_version(run_dir: str | Path, out: str | Path, *, policy: str | None =
         raise ExportError(f"--dtype {dtype}: choose one of auto, {', '.join(DTYPES)}")
     store = _store(run_dir)
     policy = _policy(store, policy, run_dir)
-    out = _resolve_out(Path(out))
-    replacing = _check_out(out, force)
+    out = resolve_out(Path(out))
+    replacing = check_out(out, force)
     try:
         with ExitStack() as stack:
             version, held = _hold(stack, store, policy, version, say)
@@ -104,7 +98,7 @@ def export_version(run_dir: str | Path, out: str | Path, *, policy: str | None =
             target = DTYPES[published if dtype == "auto" else dtype]
             source = Path(tokenizer) if tokenizer is not None else _model_dir(run_dir, policy)
             tok = _tokenizer(source, given=tokenizer is not None)
-            staging = _staging(out, stack)  # before the read: a directory that cannot be written fails at once
+            staging = staging_dir(out, stack)  # before the read: a directory that cannot be written fails at once
             say(f"reading {policy} v{version} ({meta.get('layout', 'hf')} layout, {published}) from {store.root}")
             state = _read(store, policy, version, held)
             model = _build(meta, state, source, target)
@@ -130,8 +124,8 @@ def export_version(run_dir: str | Path, out: str | Path, *, policy: str | None =
                       "published_dtype": published, "dtype": _name(target), "source_model": str(source),
                       "parameters": n_params, **checked, "exported_at": time.time()}
             (staging / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
-            _readable_as_umask_allows(staging)
-            _put_in_place(staging, out, replacing)
+            readable_as_umask_allows(staging)
+            put_in_place(staging, out, replacing)
     except MemoryError:
         raise ExportError(_memory_message(out)) from None
     except RuntimeError as err:  # torch's allocator says so in a RuntimeError
@@ -254,75 +248,6 @@ def _tokenizer(source: Path, given: bool):
         raise ExportError(f"{err}{fix}") from None
 
 
-def _resolve_out(out: Path) -> Path:
-    """OUT with a symlink followed (the model goes where it points)."""
-    if out.is_symlink():
-        if not out.exists():
-            raise ExportError(f"{out} is a symlink to {os.readlink(out)}, which does not exist: make that directory "
-                              "or name another")
-        return out.resolve()
-    return out.absolute()
-
-
-def _check_out(out: Path, force: bool) -> bool:
-    """Whether ``out`` exists (empty, or an earlier export to replace); refuses a directory of
-    other files. Removes what killed exports into ``out`` left."""
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"{out} is a file: name a directory for the model")
-    _remove_stale(out)
-    if not out.exists():
-        return False
-    if not any(p.name != "lost+found" for p in out.iterdir()):  # empty, or a file system's root
-        return True
-    if not (out / PROVENANCE).exists():
-        raise ExportError(f"{out} already holds files that are no export of this tool: name a new directory "
-                          "(an export replaces only an earlier export, with --force)")
-    if not force:
-        raise ExportError(f"{out} holds an earlier export ({out / PROVENANCE}): pass --force to replace it, or "
-                          "name a new directory")
-    return True
-
-
-def _stale_names(out: Path) -> list[Path]:
-    """Staging directories of exports into ``out`` whose process is gone (killed midway)."""
-    found = []
-    for d, name in ((out.parent, out.name), (out, _STAGE)):
-        pattern = re.compile(rf"\.{re.escape(name)}\.(\d+)\.[0-9a-f]{{12}}\.tmp")
-        try:
-            names = os.listdir(d)
-        except OSError:
-            continue
-        for n in names:
-            m = pattern.fullmatch(n)
-            if m and not pid_alive(int(m.group(1))):
-                found.append(d / n)
-    return found
-
-
-def _remove_stale(out: Path) -> None:
-    for p in _stale_names(out):
-        shutil.rmtree(p, ignore_errors=True)
-
-
-#: the staging directory's name inside an existing OUT
-_STAGE = "astraflow-export"
-
-
-def _staging(out: Path, stack: ExitStack) -> Path:
-    """Where the model is written before it is checked: beside a new OUT (then renamed to it), or
-    inside an existing one (a mount point, a directory made for the group), whose files are then
-    moved up. Removed again unless the export completes."""
-    staging = out / f".{_STAGE}.{os.getpid()}.{os.urandom(6).hex()}.tmp" if out.exists() else tmp_sibling(out)
-    try:
-        staging.parent.mkdir(parents=True, exist_ok=True)
-        staging.mkdir()
-    except OSError as err:
-        raise ExportError(f"{staging.parent}: cannot write the model there ({err.strerror or err}); name a "
-                          "directory you can write to") from None
-    stack.callback(shutil.rmtree, staging, ignore_errors=True)
-    return staging
-
-
 def _read(store, policy: str, version: int, held: bool) -> dict[str, torch.Tensor]:
     """The version's tensors in HF names, every file checked against the manifest's sha256 (a
     damaged shard is refused, not exported); ``held`` says the caller holds it against retention."""
@@ -443,36 +368,6 @@ def _probe_check(model, meta: dict[str, Any], narrowed: bool) -> dict:
                           f"(tolerance {tolerance}): the published config does not describe the trained model, "
                           "nothing was exported")
     return {"probe_error_nats": err, "probe_checked": True}
-
-
-def _put_in_place(staging: Path, out: Path, existing: bool) -> None:
-    """A new OUT: the staging directory renamed to it. An existing OUT: the new files moved in,
-    the earlier export's other files removed, the provenance file last (what marks OUT an export)."""
-    try:
-        if not existing:
-            os.rename(staging, out)
-            return
-        new = {p.name for p in staging.iterdir()}
-        for name in sorted(new - {PROVENANCE}):
-            os.replace(staging / name, out / name)
-        for old in out.iterdir():
-            if old.name not in new and old != staging and old.name != "lost+found":
-                shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
-        os.replace(staging / PROVENANCE, out / PROVENANCE)
-    except OSError as err:
-        raise ExportError(f"{out}: the checked model could not be put there ({err.strerror or err}); another export "
-                          "into it at the same time writes it too: export once, or name another directory") from None
-
-
-def _readable_as_umask_allows(root: Path) -> None:
-    """Files and directories with the permissions the user's umask gives new ones (some writers
-    make their files owner-only, which a group or a serving account could then not read)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    for d, dirs, files in os.walk(root):
-        os.chmod(d, 0o777 & ~mask)
-        for f in files:
-            os.chmod(os.path.join(d, f), 0o666 & ~mask)
 
 
 def _copy_model_files(source: Path, staging: Path, tok) -> None:

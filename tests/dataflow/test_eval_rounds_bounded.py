@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import pickle
 import sys
-import uuid
 from collections import deque
 
 from astraflow.contracts import TrajectoryRef
@@ -20,6 +19,7 @@ from astraflow.workloads.config import EvalConfig, WorkloadConfig
 from tests.dataflow.helpers import make_trajectory, store_and_ref
 from tests.dataflow.test_changelog import same
 from tests.dataflow.test_data_layer import Node, run
+from tests.dataflow.test_durable import Paths as DurablePaths
 
 PROMPTS = 12
 #: what the rounds held and the snapshot's rounds may grow by from few to many finished rounds
@@ -28,13 +28,8 @@ FLAT_BYTES = 4 << 10
 RECORD_BYTES = 1 << 10
 
 
-class Paths:
-    def __init__(self, tmp_path):
-        self.url = f"memory://{uuid.uuid4().hex}"
-        self.metrics = tmp_path / "metrics.jsonl"
-        self.snapshot = tmp_path / "dataflow.snapshot"
-        self.journal = tmp_path / "ledger.jsonl"
-        self.state = tmp_path / "dataflow_state.json"
+class Paths(DurablePaths):
+    """The durable data layer's files, as in ``test_durable``, with evaluation rounds of ``PROMPTS``."""
 
     def layer(self, max_steps: int = 1000) -> DataLayer:
         return DataLayer(

@@ -51,23 +51,16 @@ def test_a_prefix_that_is_a_home_directory_shows_only_the_interpreter_and_its_li
     assert lines[1] == "False" and lines[2] == "['bin', 'lib']", r.stdout
 
 
-def test_a_directory_that_is_no_python_installation_is_refused_naming_the_setting(tmp_path):
-    where = Path(tempfile.mkdtemp(prefix="astraflow-nopy-", dir="/var/tmp"))
+@pytest.mark.parametrize("under, needle", [
+    ("/var/tmp", r"no standard library under .*set sandbox.interpreter"),  # a bin/python3 alone
+    ("/tmp", r"is under /tmp, which the sandbox replaces"),
+])
+def test_an_interpreter_the_sandbox_cannot_use_is_refused_naming_why(under, needle):
+    where = Path(tempfile.mkdtemp(prefix="astraflow-python-", dir=under))
     try:
         (where / "bin").mkdir()
         shutil.copy2(SYSTEM_PYTHON if SYSTEM_PYTHON.exists() else sys.executable, where / "bin" / "python3")
-        with pytest.raises(SandboxUnavailable, match=r"no standard library under .*set sandbox.interpreter"):
-            Sandbox(SandboxConfig(**LIMITS, interpreter=str(where / "bin" / "python3"))).check()
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
-
-
-def test_an_interpreter_under_tmp_is_refused_naming_why():
-    where = Path(tempfile.mkdtemp(prefix="astraflow-tmp-python-", dir="/tmp"))
-    try:
-        (where / "bin").mkdir()
-        shutil.copy2(SYSTEM_PYTHON if SYSTEM_PYTHON.exists() else sys.executable, where / "bin" / "python3")
-        with pytest.raises(SandboxUnavailable, match=r"is under /tmp, which the sandbox replaces"):
+        with pytest.raises(SandboxUnavailable, match=needle):
             Sandbox(SandboxConfig(**LIMITS, interpreter=str(where / "bin" / "python3"))).check()
     finally:
         shutil.rmtree(where, ignore_errors=True)
