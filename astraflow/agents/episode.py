@@ -148,70 +148,17 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
         for _ in range(limits.max_turns):
             room = limits.max_context_tokens - len(log.tokens) - reserve
             gen = await generate(list(log.tokens), min(limits.max_new_tokens, room))
-            log.engine_seconds += float(gen.engine_seconds)
-            gen_ids = [int(t) for t in gen.tokens]
-            ended = renderer.ended(gen_ids, gen.finish_reason)
-            start = len(log.tokens)
-            log.tokens += gen_ids
-            log.loss_mask += [True] * len(gen_ids)
-            log.logprobs += [float(x) for x in gen.logprobs]
-            log.versions += [int(v) for v in gen.versions]
-            log.finish_reason = gen.finish_reason
-            text = renderer.tok.decode(gen_ids[:-1] if ended else gen_ids, skip_special_tokens=False)
-            action = parse_action(text)
-            vs = [int(v) for v in gen.versions]
-            log.turns.append({"kind": "model", "start": start, "end": len(log.tokens), "text": text,
-                              "versions": [min(vs), max(vs)] if vs else [], "finish": gen.finish_reason})
+            action, ended = _record_model_turn(log, gen, renderer)
             closing = renderer.close_turn(ended)
             if action.tool_calls or action.errors:
-                messages, calls = [], []
-                for call in action.in_order():  # the results in the order the calls were written
-                    log.tool_calls += 1
-                    if isinstance(call, str):  # a call that could not be read still counts as one
-                        log.invalid_calls += 1
-                        messages.append({"role": "tool", "content": f"error: {call}"})
-                        calls.append({"error": call})
-                        continue
-                    res = await env.tools.run(call)
-                    log.tool_seconds += res.seconds
-                    log.invalid_calls += 0 if res.valid else 1
-                    content = capped(res.content, limits.max_observation_chars)
-                    messages.append({"role": "tool", "content": content})
-                    calls.append({"name": call.name, "arguments": dict(call.arguments), "result": content,
-                                  "valid": res.valid})
-                result, kind = StepResult(observation=messages), "tool"
+                result, calls = await _run_tools(env, action, log, limits)
+                kind = "tool"
             else:
                 result, secs = await timed(env.step(action), timeout, f"{type(env).__name__}.step")
                 log.env_seconds += secs
-                if not isinstance(result, StepResult):
-                    raise EpisodeError(f"{type(env).__name__}.step returned {type(result).__name__}, not a StepResult")
-                check_messages(result.observation, "step")
-                result = replace(result, observation=_capped_messages(result.observation,
-                                                                      limits.max_observation_chars))
-                reward, info = _plain(result.reward), result.info
-                if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
-                    raise EpisodeError(f"{type(env).__name__}.step returned reward {reward!r}, not a finite number")
-                if not isinstance(info, Mapping):
-                    raise EpisodeError(f"{type(env).__name__}.step returned info of type {type(info).__name__}, "
-                                       "not a mapping (a dict)")
-                done = _plain(result.done)  # a string such as "no" would be true, and end the episode
-                if isinstance(done, int) and done in (0, 1):
-                    done = bool(done)
-                if not isinstance(done, bool):
-                    raise EpisodeError(f"{type(env).__name__}.step returned done {done!r} of type "
-                                       f"{type(result.done).__name__}, not a boolean (True or False)")
-                kind, calls = "env", []
+                result, kind, calls = _checked_step(result, type(env).__name__, limits), "env", []
             if result.done:
-                log.final_reward, log.done = float(result.reward), True
-                success = _plain(result.info.get("success", result.reward))
-                if not isinstance(success, numbers.Real) or not math.isfinite(float(success)):
-                    raise EpisodeError(f"{type(env).__name__}.step returned info['success'] {success!r}, not a "
-                                       "finite number or a boolean")
-                log.success = float(success)
-                # nothing follows the last turn: its observation is recorded, not tokenised
-                log.turns.append({"kind": kind, "start": len(log.tokens), "end": len(log.tokens),
-                                  "messages": result.observation, "reward": float(result.reward), "done": True,
-                                  "calls": calls, "info": _jsonable(result.info)})
+                _record_end(log, result, kind, calls, type(env).__name__)
                 break
             if result.reward:
                 log.turn_rewards.append(float(result.reward))
@@ -238,6 +185,79 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
             why = err if isinstance(err, EpisodeError) else f"{name}.close raised {type(err).__name__}: {err}"
             logger.warning("%s (the episode's own outcome stands; what the environment holds may not be "
                            "released)", why)
+
+
+def _record_model_turn(log: EpisodeLog, gen: Any, renderer: ChatRenderer) -> tuple[Any, bool]:
+    """Append the engine's answer as a trained model turn; ``(the action it asks for, whether the
+    turn ended on its own end-of-turn token)``."""
+    log.engine_seconds += float(gen.engine_seconds)
+    gen_ids = [int(t) for t in gen.tokens]
+    ended = renderer.ended(gen_ids, gen.finish_reason)
+    start = len(log.tokens)
+    log.tokens += gen_ids
+    log.loss_mask += [True] * len(gen_ids)
+    log.logprobs += [float(x) for x in gen.logprobs]
+    vs = [int(v) for v in gen.versions]
+    log.versions += vs
+    log.finish_reason = gen.finish_reason
+    text = renderer.tok.decode(gen_ids[:-1] if ended else gen_ids, skip_special_tokens=False)
+    log.turns.append({"kind": "model", "start": start, "end": len(log.tokens), "text": text,
+                      "versions": [min(vs), max(vs)] if vs else [], "finish": gen.finish_reason})
+    return parse_action(text), ended
+
+
+async def _run_tools(env: Environment, action: Any, log: EpisodeLog,
+                     limits: AgentLimits) -> tuple[StepResult, list[dict[str, Any]]]:
+    """Run the turn's tool calls through ``env.tools``: their results as one observation (in the
+    order the calls were written; a call that could not be read answered with its error) and the
+    calls as the episode viewer shows them."""
+    messages, calls = [], []
+    for call in action.in_order():
+        log.tool_calls += 1
+        if isinstance(call, str):  # a call that could not be read still counts as one
+            log.invalid_calls += 1
+            messages.append({"role": "tool", "content": f"error: {call}"})
+            calls.append({"error": call})
+            continue
+        res = await env.tools.run(call)
+        log.tool_seconds += res.seconds
+        log.invalid_calls += 0 if res.valid else 1
+        content = capped(res.content, limits.max_observation_chars)
+        messages.append({"role": "tool", "content": content})
+        calls.append({"name": call.name, "arguments": dict(call.arguments), "result": content, "valid": res.valid})
+    return StepResult(observation=messages), calls
+
+
+def _checked_step(result: Any, name: str, limits: AgentLimits) -> StepResult:
+    """``env.step``'s answer checked (an ``EpisodeError`` naming what is wrong), its observation
+    capped and its ``done`` a plain boolean."""
+    if not isinstance(result, StepResult):
+        raise EpisodeError(f"{name}.step returned {type(result).__name__}, not a StepResult")
+    check_messages(result.observation, "step")
+    reward, info = _plain(result.reward), result.info
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
+        raise EpisodeError(f"{name}.step returned reward {reward!r}, not a finite number")
+    if not isinstance(info, Mapping):
+        raise EpisodeError(f"{name}.step returned info of type {type(info).__name__}, not a mapping (a dict)")
+    done = _plain(result.done)  # a string such as "no" would be true, and end the episode
+    if isinstance(done, int) and done in (0, 1):
+        done = bool(done)
+    if not isinstance(done, bool):
+        raise EpisodeError(f"{name}.step returned done {done!r} of type {type(result.done).__name__}, not a "
+                           "boolean (True or False)")
+    return replace(result, done=done, observation=_capped_messages(result.observation, limits.max_observation_chars))
+
+
+def _record_end(log: EpisodeLog, result: StepResult, kind: str, calls: list[dict[str, Any]], name: str) -> None:
+    """The environment said ``done``: its reward and success are the episode's, and its last
+    observation is recorded for the viewer (nothing follows it, so it is not tokenised)."""
+    log.final_reward, log.done = float(result.reward), True
+    success = _plain(result.info.get("success", result.reward))
+    if not isinstance(success, numbers.Real) or not math.isfinite(float(success)):
+        raise EpisodeError(f"{name}.step returned info['success'] {success!r}, not a finite number or a boolean")
+    log.success = float(success)
+    log.turns.append({"kind": kind, "start": len(log.tokens), "end": len(log.tokens), "messages": result.observation,
+                      "reward": float(result.reward), "done": True, "calls": calls, "info": _jsonable(result.info)})
 
 
 def _plain(value: Any) -> Any:
