@@ -21,11 +21,12 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from astraflow.agents.workload import is_agentic
 from astraflow.configerrors import DuplicateKey, bool_problems, format_validation, load_yaml, model_of
 from astraflow.configbase import Strict
+from astraflow.configchecks import check_policy_inits, check_sandbox_deadlines, check_workflow, checked_workload
 from astraflow.configpaths import resolve_paths
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.partition_settings import check_partition, effective_rollout
 from astraflow.rollout.config import RolloutConfig
-from astraflow.sandbox.config import SandboxConfig, deadline_problem
+from astraflow.sandbox.config import SandboxConfig
 from astraflow.training.config import PolicyConfig, sim_mismatch
 from astraflow.workloads.config import WorkloadConfig
 from astraflow.sections import AutoscaleConfig, ClusterConfig, RunSection, check_autoscale
@@ -236,77 +237,13 @@ class RunConfig(Strict):
             check_partition(part, self.rollout, {p.name: p.trainer for p in self.policies})
         self._check_trainer_ranks()
         check_autoscale(self.autoscale, self.partitions, self.run.mode)
-        from astraflow.rollout.workflows import not_a_workflow, workflow_class
-
-        try:
-            wf = workflow_class(self.workload.workflow)
-        except (ValueError, ImportError) as err:
-            raise ValueError(f"workload.workflow: {err}") from None
-        why = not_a_workflow(wf)
-        if why:
-            raise ValueError(
-                f"workload.workflow: {self.workload.workflow!r} {why}; name a workflow class (a subclass of "
-                "astraflow.rollout.workflows.WorkflowBase with num_policies and async run_episode(engines, task)) "
-                "or a registered workflow, e.g. single_turn")
-        need = wf.num_policies
-        if need != len(self.policies):
-            raise ValueError(
-                f"workload.workflow {self.workload.workflow!r} drives {need} policies but policies names "
-                f"{len(self.policies)}: list one policy per role, in the workflow's order"
-            )
-        from astraflow.workloads.base import make_workload
-
-        try:  # cheap: workloads generate their prompts lazily, in tasks(); catches a user's
-            # workload without a Params model whose constructor rejects its params
-            workload = make_workload(self.workload.name, self.workload.params, self.workload.seed)
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"workload ({self.workload.name}): {err}") from None
+        check_workflow(self.workload.workflow, len(self.policies))
+        workload = checked_workload(self.workload)
         self._check_agentic(workload)
-        from astraflow.workloads.mix import MixtureWorkload
-
-        # a mixture's sources each, else the workload itself
-        for part in workload.sources.values() if isinstance(workload, MixtureWorkload) else [workload]:
-            if getattr(part, "uses_sandbox", False):
-                why = deadline_problem(self.sandbox, getattr(getattr(part, "cfg", None), "timeout_s", None),
-                                       self.rollout.reward_timeout_s)
-                if why:
-                    raise ValueError(why)
+        check_sandbox_deadlines(workload, self.sandbox, self.rollout.reward_timeout_s)
         agentic = is_agentic(type(workload))
         self._check_context_length(workload.params.max_context_tokens if agentic else None)
-        for i, pol in enumerate(self.policies):
-            base = pol.init.start_from if pol.init is not None else None
-            if base is not None and base not in [p.name for p in self.policies[:i]]:
-                raise ValueError(
-                    f"policies[{pol.name}].init.start_from: {base!r} is not a policy listed before "
-                    f"{pol.name!r}; name one of {[p.name for p in self.policies[:i]]} (models are built "
-                    "in the order of `policies`)"
-                )
-            demos = agentic or hasattr(workload, "demonstration")
-            if pol.init is not None and pol.init.warm_starts and self.workload.name != "math" and not demos:
-                raise ValueError(
-                    f"policies[{pol.name}].init.warm_start_seconds: the supervised warm start trains on "
-                    f"the math workload's generator, an agentic workload's expert or a workload's "
-                    f"demonstrations (the dataset workload's reference solutions), not on workload "
-                    f"{self.workload.name!r}; set it to 0 "
-                    "(and drop warm_start_steps) or point model at a directory built by a math config"
-                )
-            tester = pol.init is not None and pol.init.task == "test"
-            if tester and (not callable(getattr(workload, "program", None)) or not hasattr(workload, "demonstration")):
-                raise ValueError(
-                    f"policies[{pol.name}].init.task: 'test' teaches the test generator of a code workload "
-                    f"(workload.name: code, workflow solver_testgen); workload {self.workload.name!r} has no "
-                    "programs to test: use another task")
-            if (pol.init is not None and pol.init.warm_starts and self.workload.name != "math"
-                    and pol.init.task not in ("solve", "test")):
-                raise ValueError(
-                    f"policies[{pol.name}].init.task: {pol.init.task!r} is a role of the math workload's "
-                    f"warm start; with workload {self.workload.name!r} leave it at 'solve' ('test' for "
-                    "the tester of a code workload)")
-            if pol.init is None and not pol.model.exists() and not self.simulated(pol):
-                raise ValueError(
-                    f"policies[{pol.name}].model: {pol.model} does not exist; point it at an HF "
-                    "model directory or add an `init:` section to build one locally"
-                )
+        check_policy_inits(self.policies, workload, self.workload.name, agentic, self.simulated)
         return self
 
     def simulated(self, pol: PolicyConfig) -> bool:
