@@ -272,6 +272,26 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
     # a finished run: the data layer's final state (every task ended) is in the summary
     dl = (summary or {}).get("data_layer") or status.get("data_layer") or {}
     written, age, running, info = snap.written_at, snap.age_s, snap.running, snap.info
+    partitions = _partition_views(status, dl, summary is not None, now)
+    policies = _policy_views(status, dl, summary, _max_steps(paths))
+    return StatusView(
+        schema_version=SCHEMA_VERSION, run_dir=str(paths.root), running=running, finished=summary is not None,
+        outcome=(summary or {}).get("status"), reason=(summary or {}).get("reason"),
+        requeue=(summary or {}).get("requeue"), seconds=(summary or {}).get("seconds"),
+        written_at=written, age_s=age, elapsed_s=float(dl.get("elapsed_s", 0.0)),
+        dashboard=None if summary is not None else info.get("dashboard"),  # it stopped with the run
+        episodes_per_s=float(dl.get("episodes_per_s", 0.0)), sequences_per_s=float(dl.get("sequences_per_s", 0.0)),
+        generated_tokens_per_s=float(dl.get("generated_tokens_per_s", 0.0)),
+        rollout_idle_fraction=_mean_idle(partitions),
+        policies=policies, partitions=partitions, ledger=_ledger_view(dl),
+        autoscale=_autoscale_view((summary or {}).get("autoscale") or status.get("autoscale")),
+        waiting=None if summary is not None else (status.get("waiting") or {}).get("what"),
+    )
+
+
+def _partition_views(status: dict[str, Any], dl: dict[str, Any], finished: bool, now: float) -> list[PartitionView]:
+    """Each configured partition with its nodes (the workers and the data layer's nodes), then
+    any partition no longer configured that the data layer still knows nodes of."""
     dl_nodes = dl.get("nodes", {})
     workers = status.get("workers", {})
     parts_cfg = status.get("partitions", {})
@@ -280,36 +300,39 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
         w = workers.get(name, {})
         node_info = dl_nodes.get(name, {})
         pname = w.get("partition", node_info.get("partition", "?"))
-        by_part.setdefault(pname, []).append(_node_view(name, w, parts_cfg.get(pname, {}), node_info, now,
-                                                            summary is not None))
-    partitions = [
+        by_part.setdefault(pname, []).append(_node_view(name, w, parts_cfg.get(pname, {}), node_info, now, finished))
+    return [
         PartitionView(
             name=n, scheduler=str(p.get("scheduler", "?")), role=str(p.get("role", "?")),
             hardware=str(p.get("hardware", "?")), region=str(p.get("region", "?")),
             desired=0 if p.get("state") in ("removing", "removed") else int(p.get("nodes", 0)),
-            live=0 if summary is not None else int(p.get("live", 0)), nodes=by_part.get(n, []),
+            live=0 if finished else int(p.get("live", 0)), nodes=by_part.get(n, []),
             state=str(p.get("state", "?")), failures=int(p.get("failures", 0)),
             refill_in_s=p.get("refill_in_s"), error=p.get("error"), **_partition_stats(p),
         )
         for n, p in parts_cfg.items()
-    ] + [  # nodes the data layer knows in a partition no longer configured
+    ] + [
         PartitionView(name=n, scheduler="?", role="?", hardware="?", region="?", desired=0,
                       live=sum(1 for x in nodes if x.state not in ("GONE", "ENDED")), nodes=nodes)
         for n, nodes in by_part.items() if n not in parts_cfg
     ]
-    max_steps = _max_steps(paths)
+
+
+def _policy_views(status: dict[str, Any], dl: dict[str, Any], summary: dict[str, Any] | None,
+                  max_steps: int | None) -> list[PolicyView]:
+    """Each policy's progress, counts and last evaluation; a finished run's trainers as they
+    stopped (the summary's word is final)."""
     trainers = dict(status.get("trainers", {}))
-    if summary is not None:  # what the trainers said when they stopped, and the steps taken, are final
+    if summary is not None:
         for p, final in (summary.get("trainers") or {}).items():
             if final:
                 trainers[p] = {**trainers.get(p, {}), **final}
         for p, step in (summary.get("steps") or {}).items():
             trainers.setdefault(p, {})["version"] = step
-    policy_names = list(dict.fromkeys([*dl.get("versions", {}), *trainers]))
     evals = dl.get("eval") or (summary or {}).get("eval") or []  # a summary keeps them once, beside its data_layer
     restarts = (summary or {}).get("trainer_restarts") or status.get("trainer_restarts") or {}
     policies = []
-    for p in policy_names:
+    for p in dict.fromkeys([*dl.get("versions", {}), *trainers]):
         t = trainers.get(p, {})
         m = t.get("last_metrics") or {}
         c = dl.get("counts", {}).get(p, {})
@@ -329,27 +352,18 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
             staleness_hist={str(k): int(v) for k, v in dl.get("staleness_hist", {}).get(p, {}).items()},
             restarts=int(restarts.get(p, {}).get("count", 0)),
         ))
+    return policies
+
+
+def _ledger_view(dl: dict[str, Any]) -> LedgerView:
     led = dl.get("ledger", {})
     events = led.get("events", {})
-    ledger = LedgerView(
+    return LedgerView(
         tasks=int(led.get("tasks", 0)), open=int(led.get("open", 0)),
         states={k: int(v) for k, v in led.get("states", {}).items()},
         totals={k: int(events.get(k, 0)) for k in LEDGER_EVENTS},
         dropped_by_reason={k: int(v) for k, v in led.get("dropped_by_reason", {}).items()},
         failed_by_reason={k: int(v) for k, v in led.get("failed_by_reason", {}).items()},
-    )
-    return StatusView(
-        schema_version=SCHEMA_VERSION, run_dir=str(paths.root), running=running, finished=summary is not None,
-        outcome=(summary or {}).get("status"), reason=(summary or {}).get("reason"),
-        requeue=(summary or {}).get("requeue"), seconds=(summary or {}).get("seconds"),
-        written_at=written, age_s=age, elapsed_s=float(dl.get("elapsed_s", 0.0)),
-        dashboard=None if summary is not None else info.get("dashboard"),  # it stopped with the run
-        episodes_per_s=float(dl.get("episodes_per_s", 0.0)), sequences_per_s=float(dl.get("sequences_per_s", 0.0)),
-        generated_tokens_per_s=float(dl.get("generated_tokens_per_s", 0.0)),
-        rollout_idle_fraction=_mean_idle(partitions),
-        policies=policies, partitions=partitions, ledger=ledger,
-        autoscale=_autoscale_view((summary or {}).get("autoscale") or status.get("autoscale")),
-        waiting=None if summary is not None else (status.get("waiting") or {}).get("what"),
     )
 
 
