@@ -86,7 +86,6 @@ class TorchBackend:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
         )
-        self.steps = 0
         #: steps skipped because their loss or gradient norm was not finite (in all)
         self.nonfinite_skipped = 0
         #: every name a parameter has in ``state_dict()`` (a tied head under both of its names);
@@ -144,7 +143,6 @@ class TorchBackend:
         else:  # no weight (nor optimiser moment) takes a nan/inf: drop the gradient
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_skipped += 1
-        self.steps += 1
         self.model.eval()
         return {
             "loss": loss_sum,
@@ -225,7 +223,7 @@ class TorchBackend:
             "layout": "hf",
             "arch": self.model.config.model_type,
             "config": self.model.config.to_dict(),
-            "train_steps": self.steps,
+            "train_steps": version,  # the trainer's version counts the run's optimiser steps
             "dtype": self.publish_dtype,
         }
         weights = self._for_publish(self.model.state_dict() if state is None else state)

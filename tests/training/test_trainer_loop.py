@@ -246,6 +246,24 @@ def test_a_resume_stopped_before_its_first_step_keeps_the_older_checkpoint_as_it
     assert trainer(_NoData(batch)).start(run_loop=False) == 3
 
 
+def test_a_resumed_trainer_publishes_the_run_s_step_count(tmp_path, tiny_model):
+    """``train_steps`` in a version's manifest counts the run's optimiser steps, not those since
+    the trainer last started (what ``astraflow export`` records of a resumed run)."""
+    from storage.weights import WeightStore
+
+    batch, _, trainer = _checkpointing(tmp_path, tiny_model, every=2)
+    first = trainer(_DataLayer(batch))
+    first.start(run_loop=False)
+    for _ in range(2):
+        first.step()
+    again = trainer(_DataLayer(batch))
+    assert again.start(run_loop=False) == 2
+    again.step()
+    store = WeightStore(str(tmp_path / "weights"))
+    assert [store.manifest("p", v)["meta"]["train_steps"] for v in (0, 1, 2, 3)] == [0, 1, 2, 3]
+    again.stop()
+
+
 def test_a_failed_publish_keeps_the_last_usable_optimiser_checkpoint(tmp_path, tiny_model, monkeypatch):
     """Publishing fails from v4 on (a full disk): the trainer stops at v5 trained, v3 committed.
     The checkpoint of v3 stays the one a resume uses; the states of versions never committed

@@ -256,7 +256,7 @@ class MegatronBackend:
             raise NonFiniteError(f"policy {policy}: not publishing v{version}, its weights give non-finite "
                                  f"log-probs of the probe sequence; {likely_cause(policy)}")
         self.save_shards(store.staging(policy, version))
-        return store.commit(policy, version, {"layout": "megatron", "hf_config": self.hf_config,
+        return store.commit(policy, version, {"layout": "megatron", "hf_config": self.hf_config, "train_steps": version,
                                               "dtype": self.config.publish_dtype, "probe": probe})
 
     def probe(self) -> dict[str, list]:
