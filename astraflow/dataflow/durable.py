@@ -49,6 +49,7 @@ from astraflow.dataflow import changelog
 from astraflow.dataflow import record as rec
 from astraflow.dataflow.changelog import FORMAT, SNAPSHOT_GLOBALS, ChangeLog, UnusableSnapshot
 from astraflow.dataflow.ledger import TERMINAL
+from storage.trajectories import EntryRef
 
 if TYPE_CHECKING:
     from astraflow.dataflow.layer import DataLayer
@@ -216,6 +217,32 @@ def load(path: Path) -> dict[str, Any] | None:
     """The state saved at ``path`` (``changelog.load``; None when there is none);
     ``UnusableSnapshot`` when it cannot be read or refers to anything but the data layer's records."""
     return changelog.load(path)
+
+
+def held_refs(state: dict[str, Any]) -> list[EntryRef]:
+    """Every stored row the saved state's buffers still name (``load``'s result): the results of
+    groups being rolled out, the buffered items and the batches served and not committed. A
+    resume serves them to trainers, so their segments must still be in the trajectory store."""
+    bf = state["buffers"]
+    refs = [s.ref for grp in bf["rolling"].values() for res in grp.results.values() for s in res.sequences]
+    refs += [it.summary.ref for groups in bf["ready"].values() for grp in groups for it in grp.items]
+    refs += [it.summary.ref for by_version in bf["serving"].values() for items in by_version.values()
+             for it in items]
+    return refs
+
+
+def missing_rows(state: dict[str, Any], store: Any) -> dict[str, int]:
+    """Per segment of ``store`` (a ``TrajectoryStore``), how many rows ``held_refs`` names that it
+    does not hold (the segment deleted, or cut back): empty when a resume can serve them all."""
+    present = set(store.segments())
+    committed: dict[str, int] = {}
+    missing: Counter = Counter()
+    for ref in held_refs(state):
+        if ref.segment not in committed:
+            committed[ref.segment] = store.count(ref.segment) if ref.segment in present else 0
+        if ref.index >= committed[ref.segment]:
+            missing[ref.segment] += 1
+    return dict(missing)
 
 
 def open_in_journal(journal_path: Path | None) -> list[str]:

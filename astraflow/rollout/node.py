@@ -54,6 +54,7 @@ from astraflow.rollout.workflows import make_workflow
 from astraflow.sandbox import SandboxConfig, configure as configure_sandbox
 from astraflow.workloads.base import make_workload
 from storage.trajectories import open_trajectory_store
+from storage.trajectories.rotating import RotatingWriter
 
 log = logging.getLogger("astraflow.rollout")
 
@@ -162,7 +163,7 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
         # a segment of this incarnation's own: a node of the same name started while an earlier
         # one still writes (a partitioned worker replaced) never shares its writer's segment
         segment = f"{self.identity.name}.{uuid.uuid4().hex[:8]}"
-        self.writer = self.store.writer(segment, batch_size=self.cfg.write_batch)
+        self.writer = RotatingWriter(self.store, segment, self.cfg.write_batch, self.cfg.segment_max_entries)
         workload = make_workload(*self._workload_args)
         if self._sandbox is not None:  # the run's ``sandbox:`` for the rewards that run code here
             sandbox = configure_sandbox(self._sandbox)

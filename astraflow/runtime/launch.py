@@ -255,6 +255,31 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
         from astraflow.dataflow import record
 
         record.load(paths.dataflow_state)
+    else:
+        from astraflow.runtime.placement import store_url
+
+        _check_rows_present(saved, store_url(cfg, paths))
+
+
+def _check_rows_present(saved: dict, url: str) -> None:
+    """The rows the saved data layer holds must still be in the trajectory store (segments
+    deleted to free space would fail every batch that names them): else a ValueError naming
+    them and the fix."""
+    from astraflow.dataflow import durable
+    from storage.trajectories import open_trajectory_store
+
+    if Path(url).is_dir():
+        missing = durable.missing_rows(saved, open_trajectory_store(url, "r"))
+    else:  # the whole store is gone
+        missing = {"every segment": n} if (n := len(durable.held_refs(saved))) else {}
+    if missing:
+        named = ", ".join(f"{seg} ({n})" for seg, n in sorted(missing.items())[:5])
+        more = f" and {len(missing) - 5} more segments" if len(missing) > 5 else ""
+        raise ValueError(
+            f"{sum(missing.values())} rows the saved data layer still holds are gone from the trajectory store "
+            f"{url}: {named}{more}. Put the deleted segments back, or resume without the saved buffers: move "
+            "control/dataflow.snapshot and its control/dataflow.changes.* aside (the trainers continue from their "
+            "weights, the tasks the run had in flight end as dropped), or start a new run directory")
 
 
 #: what of a model's config.json the committed weights depend on: a resume loads them into the model

@@ -38,6 +38,26 @@ def _holds_leases_after(run_dir, node: str, since: float, wait_s: float = 20.0) 
 
 
 @pytest.mark.timeout(300)
+def test_nodes_move_to_new_segments_as_each_fills_and_the_trainer_reads_across_them(tiny_model, tmp_path):
+    """``rollout.segment_max_entries``: each node's trajectories go to a series of segments
+    (``<node>.<id>``, then ``.1``, ``.2``, ...), every full one past the bound, and training reads
+    the rows wherever they are."""
+    cfg = tiny_config(tiny_model, **{"run.max_steps": 3, "rollout.segment_max_entries": 8,
+                                     "rollout.write_batch": 4})
+    result = Orchestrator(cfg, tmp_path / "run").run()
+    assert result.steps == {"solver": 3} and result.ledger["open"] == 0
+    store = open_trajectory_store(str(tmp_path / "run" / "trajectories"), "r")
+    counts = {s: store.count(s) for s in store.segments()}
+    bases = sorted(s for s in counts if s.count(".") == 1)
+    assert len(bases) == 2  # one series per node
+    for base in bases:
+        series = sorted((s for s in counts if s == base or s.startswith(base + ".")), key=lambda s: (len(s), s))
+        assert series == [base] + [f"{base}.{k}" for k in range(1, len(series))]
+        assert len(series) >= 2 and all(counts[s] >= 8 for s in series[:-1])
+    assert sum(counts.values()) >= 3 * cfg.dataflow.batch_size
+
+
+@pytest.mark.timeout(300)
 def test_components_exchange_tasks_trajectories_and_weights(tiny_model, tmp_path):
     cfg = tiny_config(tiny_model, **{"run.max_steps": 4})
     result = Orchestrator(cfg, tmp_path / "run").run()
