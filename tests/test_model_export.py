@@ -212,7 +212,7 @@ def test_cli_lists_versions_and_exits_2_on_bad_input(tiny_model, tmp_path):
     run = _one_version(tmp_path, tiny_model, versions=(4, 5))
     assert [r["version"] for r in committed_versions(run)["solver"]] == [4, 5]
     res = CliRunner().invoke(main, ["export", str(run), "--list"])
-    assert res.exit_code == 0 and "solver v4: train step 0, fp32, hf layout" in res.output, res.output
+    assert res.exit_code == 0 and "solver v4: train step 4, fp32, hf layout" in res.output, res.output
     res = CliRunner().invoke(main, ["export", str(run)])
     assert res.exit_code == 2 and "name the output directory" in res.output
     res = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "o"), "--version", "9"])
