@@ -16,14 +16,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 
+from storage.full_disk import named
 from storage.paths import tmp_sibling
 
 
 def fsync_path(path: Path) -> None:
-    """fsync a file or a directory by path."""
+    """fsync a file or a directory by path; its error names ``path`` (a network filesystem may
+    report a full disk only here)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as err:
+        raise named(err, path)
     finally:
         os.close(fd)
 
@@ -59,6 +63,8 @@ def sync_together(data_files: Iterable[Path | str | int] = (), full: Iterable[Pa
 
 
 def _write_tmp(final: Path, data: bytes, durable: bool) -> Path:
+    """``data`` in a temp sibling of ``final``; a failed write names ``final`` (a file object's
+    write names no file, and a full disk's message must name the filesystem that filled)."""
     tmp = tmp_sibling(final)
     try:
         with open(tmp, "wb") as f:
@@ -66,6 +72,9 @@ def _write_tmp(final: Path, data: bytes, durable: bool) -> Path:
             f.flush()
             if durable:
                 os.fsync(f.fileno())
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise named(err, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -14,6 +14,7 @@ import os
 import warnings
 from pathlib import Path
 
+from storage.full_disk import full_disk_in
 from storage.safe_pickle import load_dcp_metadata
 
 #: the file every DCP checkpoint directory holds.
@@ -151,15 +152,20 @@ def _read_whole_tensors(vdir: Path, metadata) -> dict | None:
 def save_failure(err: BaseException, what: str, where: Path, full: bool) -> Exception:
     """The ``Exception`` to raise for a ``dcp.save`` into ``where`` that failed with ``err``
     (DCP's ``CheckpointException``, a ``BaseException``, carries each rank's error): an
-    ``OSError`` for a write the system refused, ENOSPC also when ``full`` (torch's zip writer
-    words a full disk as its own error), else a ``RuntimeError`` naming the rank's error."""
+    ``OSError`` for a write the system refused, else a ``RuntimeError`` naming the rank's error.
+    A full disk, quota or file-size limit is found anywhere in the chain (torch's zip writer
+    raises its own error with the ``OSError`` as its context); with none there, ENOSPC when
+    ``full`` (the caller saw no room left)."""
     cause = err
     for failure in (getattr(err, "failures", None) or {}).values():
         exc = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(exc, BaseException):
             cause = exc
             break
-    if not isinstance(cause, OSError) and full:
+    refused = full_disk_in(err)
+    if refused is not None:
+        cause = refused
+    elif not isinstance(cause, OSError) and full:
         cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if isinstance(cause, OSError):
         return OSError(cause.errno, f"{what} failed: {cause.strerror or cause}", cause.filename or str(where))

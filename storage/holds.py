@@ -16,6 +16,7 @@ from pathlib import Path
 
 from storage import paths
 from storage.atomic import write_atomically
+from storage.full_disk import is_full_disk, lack_of_room
 
 
 def pid_alive(pid: int) -> bool:
@@ -36,9 +37,10 @@ def take(root: Path, policy: str, version: int, host: str) -> Path:
         hold.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(hold, json.dumps({"pid": os.getpid(), "host": host, "since": time.time()}).encode())
     except OSError as err:
+        way = lack_of_room(err.errno) if is_full_disk(err) else "give this process write access to the store"
         raise OSError(err.errno, f"cannot write a reader's hold file in {hold.parent} ({err.strerror}): "
                                  "readers of a weight store write there to keep the version they read from "
-                                 "retention; give this process write access to the store") from err
+                                 f"retention; {way}", str(hold)) from err
     return hold
 
 

@@ -47,6 +47,7 @@ from typing import Iterator, Mapping
 from storage import holds, paths
 from storage.atomic import fsync_path, write_atomically
 from storage.checkpoint import DCP_METADATA, quiet_dcp_logger, read_checkpoint, read_metadata, save_failure
+from storage.full_disk import full_disk_in
 
 MANIFEST_FORMAT = "astraflow-weights-v1"
 _RETIRING = "COMMITTED.retiring"
@@ -230,12 +231,14 @@ class WeightStore:
                 warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
                 dcp.save(state_dict, storage_writer=writer, no_dist=True)
         except BaseException as err:  # (DCP's CheckpointException is one) nothing of a failed write stays behind
-            free = shutil.disk_usage(stage).free
+            # the errno in the chain says why; with none, a disk left with no room for the state is
+            # taken to be why (a quota does not show in the free space: only its errno tells it)
+            need = sum(v.numel() * v.element_size() for v in state_dict.values())
+            full = full_disk_in(err) is None and shutil.disk_usage(stage).free < need
             self.discard_staging(policy, version)
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
-            need = sum(v.numel() * v.element_size() for v in state_dict.values())
-            raise save_failure(err, f"publishing {policy} v{version}", stage, full=free < need) from err
+            raise save_failure(err, f"publishing {policy} v{version}", stage, full=full) from err
         return self.commit(policy, version, meta, whole_tensors=True)
 
     # -- reading -----------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from storage.full_disk import is_full_disk
+
 log = logging.getLogger("astraflow.runtime")
 
 
@@ -77,8 +79,9 @@ def interrupted(sig: KeyboardInterrupt) -> Ending:
 
 
 def disk_full(err: BaseException) -> bool:
-    """Whether `err` is a write refused because the filesystem (or the user's quota) is full."""
-    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+    """Whether `err` is a write refused for want of room: the filesystem full, the user's quota
+    exceeded, or a file past the file-size limit (``storage.full_disk``)."""
+    return is_full_disk(err)
 
 
 def full_disk_of(report: dict[str, Any]) -> OSError | None:
@@ -93,13 +96,25 @@ def full_disk_of(report: dict[str, Any]) -> OSError | None:
 
 
 def disk_full_reason(err: OSError, run_dir: Path) -> str:
-    """One line for a run stopped by a full disk: what could not be written, and the way on
-    (every write of a run is atomic or committed by a marker, so the directory resumes)."""
+    """One line for a run stopped by a full disk, a quota or a file-size limit: what could not be
+    written, and the way on (every write of a run is atomic or committed by a marker, so the
+    directory resumes)."""
     what = f"writing {err.filename}" if err.filename else "a write"
     outside = err.filename and not Path(os.path.abspath(err.filename)).is_relative_to(Path(run_dir).absolute())
-    if outside:  # a disk of its own (a node's scratch, a trajectory store elsewhere): that one is full
-        return (f"no space left on the filesystem of {err.filename} ({what} failed): free space there, then run "
-                f"`astraflow run` again on {run_dir} to resume")
+    # a disk of its own (a node's scratch, a trajectory store elsewhere): that one is full
+    where, resume = (err.filename, f"on {run_dir}") if outside else (run_dir, "on this directory")
+    if err.errno == errno.EDQUOT:  # the filesystem may have room: the user's share of it is spent
+        return (f"quota exceeded on {where} ({what} failed): check your quota (e.g. `quota -s`, or `lfs quota -u "
+                f"$USER <mount>` on Lustre) and free space within it or have it raised, then run `astraflow run` "
+                f"again {resume} to resume")
+    if err.errno == errno.EFBIG:  # a per-process limit, not the disk: Slurm jobs inherit the submit shell's
+        return (f"file-size limit reached on {where} ({what} failed): a file outgrew `ulimit -f` (RLIMIT_FSIZE; "
+                "Slurm passes the submitting shell's limits to its jobs) or the largest file the filesystem "
+                f"takes: raise the limit (`ulimit -f unlimited` before submitting), then run `astraflow run` "
+                f"again {resume} to resume")
+    if outside:
+        return (f"no space left on the filesystem of {where} ({what} failed): free space there, then run "
+                f"`astraflow run` again {resume} to resume")
     return (f"no space left on the filesystem of {run_dir} ({what} failed): free space there (or move the run "
             "directory to a larger filesystem), then run `astraflow run` again on this directory to resume")
 

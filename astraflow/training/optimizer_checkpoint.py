@@ -9,6 +9,10 @@ resume continues from rounded weights.
 A checkpoint taken before its version is committed (right after its step, while the version
 publishes) goes to ``<path>.pending`` and replaces the checkpoint only once the version is
 committed (``promote_optimizer``): a publish that fails never costs the last usable one.
+
+A save refused for want of room (a full disk, a quota, a file-size limit) stops the trainer the
+way a publish's full disk does: a run that trained on would keep a checkpoint ever further
+behind its weights, and its resume would continue from old moments without a word.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 from astraflow.training.backend import TrainerBackend
 from astraflow.training.numerics import nonfinite_tensors
 from storage.atomic import write_atomically
+from storage.full_disk import full_disk_in
 from storage.weights import WeightStore
 
 log = logging.getLogger("astraflow.training")
@@ -30,7 +35,8 @@ log = logging.getLogger("astraflow.training")
 
 class OptimizerCheckpoint:
     """Saving and loading a trainer's optimiser state; uses the trainer's ``policy``, ``cfg``,
-    ``backend``, ``store``, ``version``, ``optimizer_path`` and ``optimizer_resumed_from``."""
+    ``backend``, ``store``, ``version``, ``optimizer_path``, ``optimizer_resumed_from``, ``error``
+    and ``_fail``."""
 
     policy: str
     cfg: Any
@@ -40,6 +46,9 @@ class OptimizerCheckpoint:
     committed: int
     optimizer_path: Path | None
     optimizer_resumed_from: int | None
+    error: str | None
+    #: saves that failed other than for want of room (shown in the trainer's ``state()``)
+    optimizer_save_failures: int = 0
     #: the version of the checkpoint waiting in ``<path>.pending`` for its commit (None: none)
     _pending_version: int | None = None
     _checkpoint_lock = threading.Lock()
@@ -64,8 +73,9 @@ class OptimizerCheckpoint:
         ``optimizer_path``, atomically; False when there is no path, the backend has none or its
         weights hold nan/inf (a resume must not continue from them).
         Versions published narrower than the fp32 master weights (``publish_dtype: bf16``) are
-        rounded, so the master weights are saved with it (``master_weights``). A failure is
-        logged, not raised: it must not stop training."""
+        rounded, so the master weights are saved with it (``master_weights``). A full disk,
+        quota or file-size limit raises its ``OSError`` (the trainer stops, the run ends on it,
+        resumable); any other failure is logged and counted in ``optimizer_save_failures``."""
         if (self.optimizer_path is None or not self.backend.supports_optimizer_state or self.version == 0
                 or self.version == self._start_version):  # no step here: the state is not of this version
             return False
@@ -89,9 +99,27 @@ class OptimizerCheckpoint:
                 self._pending_version = self.version if ahead else None
             self.promote_optimizer()  # committed meanwhile
             return True
-        except Exception:
+        except Exception as err:
+            full = full_disk_in(err)
+            if full is not None:
+                raise OSError(full.errno, f"saving the optimiser state of v{self.version} failed: {full.strerror}",
+                              str(full.filename or self.optimizer_path)) from err
+            self.optimizer_save_failures += 1
             log.exception("trainer %s: saving the optimiser state of v%d failed", self.policy, self.version)
             return False
+
+    def save_optimizer_on_exit(self) -> None:
+        """The save as the trainer stops: a full disk then is reported through ``state()`` (as
+        the trainer's error unless it has one already), not raised out of its thread or ``stop()``."""
+        try:
+            self.save_optimizer()
+        except OSError as err:
+            log.error("trainer %s: %s", self.policy, err)
+            if self.error is None:
+                self._fail(err)
+
+    def _fail(self, err: Exception) -> None:
+        raise NotImplementedError  # the trainer's: reports ``err`` through its ``state()``
 
     def _load_optimizer(self) -> None:
         """A resumed run: continue with the saved optimiser state when there is one. It may be
@@ -121,8 +149,15 @@ class OptimizerCheckpoint:
         master = saved.get("master_weights") if self.optimizer_resumed_from == self.version else None
         if master is not None:  # the exact weights the published version was rounded from
             self.backend.load_state_dict(master)
-        log.info("trainer %s: resuming at v%d with the optimiser state of v%d", self.policy, self.version,
-                 self.optimizer_resumed_from)
+        gap = self.version - self.optimizer_resumed_from
+        if gap:  # its saves failed, or the trainer stopped without its last one: the moments lag the weights
+            log.warning("trainer %s: resuming at v%d with the optimiser state of v%d, %d step(s) older than the "
+                        "weights (trainer.optimizer_checkpoint_every = %s; a gap past it means saves failed: see "
+                        "the previous trainer log)", self.policy, self.version, self.optimizer_resumed_from, gap,
+                        self.cfg.optimizer_checkpoint_every)
+        else:
+            log.info("trainer %s: resuming at v%d with the optimiser state of v%d", self.policy, self.version,
+                     self.optimizer_resumed_from)
         self._warn_rounded(rounded and master is None, self.optimizer_resumed_from)
 
     def _warn_rounded(self, rounded: bool, checkpoint_version: int | None) -> None:

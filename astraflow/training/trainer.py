@@ -258,7 +258,7 @@ class Trainer(OptimizerCheckpoint):
                     self._commit_lock.release()
         elif self.backend is not None:  # run.mode sync: a driver stepped this trainer
             try:
-                self.save_optimizer()
+                self.save_optimizer_on_exit()
             finally:
                 self.backend.close()  # the Megatron backend's rank processes and work directory
         return self.state()
@@ -285,6 +285,7 @@ class Trainer(OptimizerCheckpoint):
             "wait_total_s": waited,
             "deltas": self.delta_history[-5:],
             "optimizer_resumed_from": self.optimizer_resumed_from,
+            "optimizer_save_failures": self.optimizer_save_failures,
             "last_metrics": dict(self.last_metrics),
         }
 
@@ -408,9 +409,7 @@ class Trainer(OptimizerCheckpoint):
             log.info("trainer %s stopped at v%d (%s)", self.policy, self.version,
                      err or "while waiting for a batch")
         except Exception as err:  # reported through state(); the orchestrator fails the run
-            self.error = f"{type(err).__name__}: {err}"
-            if isinstance(err, OSError) and err.errno is not None:
-                self.error_os = (err.errno, None if err.filename is None else str(err.filename))
+            self._fail(err)
             log.exception("trainer %s failed", self.policy)
         finally:
             if publishing is not None:  # an error elsewhere: still commit what was trained
@@ -422,9 +421,15 @@ class Trainer(OptimizerCheckpoint):
                     log.exception("trainer %s: publishing v%d failed", self.policy, self.version)
             if self.backend is not None:
                 try:
-                    self.save_optimizer()
+                    self.save_optimizer_on_exit()
                 finally:  # the Megatron backend's rank processes, whatever else failed
                     self._close_backend()
+
+    def _fail(self, err: Exception) -> None:
+        """Report ``err`` through ``state()``; an ``OSError``'s errno and file go with it (a full disk)."""
+        self.error = f"{type(err).__name__}: {err}"
+        if isinstance(err, OSError) and err.errno is not None:
+            self.error_os = (err.errno, None if err.filename is None else str(err.filename))
 
     def _close_backend(self) -> None:
         """Close the backend on the loop's way out; a failure is logged, the loop's own error

@@ -10,6 +10,7 @@ it; ``memory``). ``open_backend`` picks one from a URL.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -17,6 +18,7 @@ from zarr.storage import LocalStore
 
 from storage import paths
 from storage.atomic import create_atomically, fsync_path, sync_together, write_atomically
+from storage.full_disk import named
 from storage.ownership import check_store_dir, make_parents
 from storage.trajectories.chunks import Piece
 from storage.trajectories.memory import open_memory_backend
@@ -59,6 +61,7 @@ class StoreBackend(Protocol):
     def metadata_changed(self, segment: str, key: str) -> None: ...
     def sync_metadata(self, segment: str, key: str) -> None: ...
     def release_segment(self, segment: str) -> None: ...
+    def delete_segment(self, segment: str) -> None: ...
     def read_metadata(self, segment: str, key: str) -> bytes | None: ...
 
 
@@ -196,9 +199,7 @@ class DirBackend:
                 targets.append(os.dup(fd))
                 targets += [os.dup(opened[p]) if p in opened else p for p in files]
             try:
-                done = 0
-                while done < len(record):
-                    done += os.pwrite(fd, record[done:], offset + done)
+                _pwrite_all(fd, record, offset, paths.commit_log(self.root, segment))
             except BaseException:
                 os.ftruncate(fd, offset)  # a record that failed half-way is not left for the next one
                 raise
@@ -218,6 +219,8 @@ class DirBackend:
         def flush_round() -> None:
             try:
                 sync_together(targets, sorted(dirs))
+            except OSError as err:  # a descriptor's sync names no file: the segment's filesystem it is
+                raise named(err, paths.commit_log(self.root, segment))
             finally:
                 _close_all(targets)
 
@@ -244,13 +247,15 @@ class DirBackend:
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
                     dirs.add(parent)
                 if os.fstat(fd).st_size != chunk_bytes:  # new, or cut short by a killed writer
-                    os.ftruncate(fd, chunk_bytes)
+                    try:
+                        os.ftruncate(fd, chunk_bytes)
+                    except OSError as err:  # past a file-size limit: named like a failed write
+                        os.close(fd)
+                        raise named(err, path)
                 opened[path] = fd
                 while len(opened) > _MAX_OPEN:  # the oldest; if unsynced, it is synced by path
                     _close(opened, next(iter(opened)))
-            done = 0
-            while done < nbytes:
-                done += os.pwrite(fd, buf[at + done:at + nbytes], offset + done)
+            _pwrite_all(fd, buf[at:at + nbytes], offset, path)
             files[path] = None
 
     def read_metadata(self, segment: str, key: str) -> bytes | None:
@@ -266,6 +271,19 @@ class DirBackend:
         fd = self._logs.pop(segment, None)
         if fd is not None:
             os.close(fd)
+
+    def delete_segment(self, segment: str) -> None:
+        """Renamed out of the listing first (one atomic step: no reader ever lists half a
+        segment), then removed; a removal cut short leaves a hidden directory, not a segment."""
+        self.release_segment(segment)
+        self._unsynced.pop(segment, None)
+        self._data_dirs.pop(segment, None)
+        gone = paths.segments_root(self.root) / f".{segment}.{os.getpid()}.deleted.tmp"
+        try:
+            os.rename(paths.segment_dir(self.root, segment), gone)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(gone, ignore_errors=True)
 
     def read_chunks(self, segment: str, pieces: list[Piece], buf: memoryview) -> None:
         base = self._data_dir(segment)
@@ -293,6 +311,17 @@ class DirBackend:
         files, dirs = self._unsynced.setdefault(segment, ({}, set()))
         files.setdefault(str(path), None)
         dirs.add(path.parent)  # Zarr replaces the file by a rename
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int, path: str | os.PathLike) -> None:
+    """Write all of ``data`` at ``offset`` of ``fd``. ``os.pwrite`` names no file in its error: it
+    is raised naming ``path``, so a store on a filesystem of its own that fills is named, not the run's."""
+    done = 0
+    try:
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], offset + done)
+    except OSError as err:
+        raise named(err, path)
 
 
 def _no_flush() -> None:

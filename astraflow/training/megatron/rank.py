@@ -58,6 +58,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from astraflow.training.megatron.state import load_named_optimizer_state, named_optimizer_state, pack, unpack
+from storage.full_disk import full_disk_in
 
 
 def _cast_shards(sharded: dict, dtype: torch.dtype) -> dict:
@@ -339,27 +340,6 @@ def _free_bytes(directory: str) -> int:
     except OSError:
         return NEARLY_FULL_BYTES  # not there to ask: not known to be full
     return st.f_bavail * st.f_frsize
-
-
-def full_disk_in(err: BaseException) -> OSError | None:
-    """The ``OSError`` of a full filesystem or quota anywhere in ``err``'s chain (its causes,
-    contexts, and the per-rank failures of a torch ``CheckpointException``), or None."""
-    seen: set[int] = set()
-    todo: list[BaseException] = [err]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return e
-        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
-        failures = getattr(e, "failures", None)  # rank -> (exception, its stack summary)
-        for failure in failures.values() if isinstance(failures, dict) else ():
-            first = failure[0] if isinstance(failure, tuple) and failure else failure
-            if isinstance(first, BaseException):
-                todo.append(first)
-    return None
 
 
 if __name__ == "__main__":
