@@ -38,24 +38,67 @@ def resume_note(cfg: RunConfig, run_dir: Path) -> list[str]:
     saved = _saved_config(paths.config)
     if saved is None:
         return lines
-    changed = changed_settings(saved, cfg.model_dump(mode="json"))
+    now = cfg.model_dump(mode="json")
+    defaults = _as_read_now(saved)
+    changed = changed_settings(saved, now, defaults)
     if changed:
         named = "; ".join(f"{key} {_shown(old)} -> {_shown(new)}" for key, old, new in changed[:MAX_NAMED])
         more = len(changed) - MAX_NAMED
         lines.append(f"settings changed since its last start: {named}" + (f"; and {more} more" if more > 0 else ""))
-        names = [[p.get("name") for p in (c.get("policies") or []) if isinstance(p, dict)]
-                 for c in (saved, cfg.model_dump(mode="json"))]
+        names = [[p.get("name") for p in (c.get("policies") or []) if isinstance(p, dict)] for c in (saved, now)]
         if any(key.startswith(TASK_MEANING) for key, _, _ in changed) or names[0] != names[1]:
             lines.append("these change what the previous run's open tasks mean: they are dropped (config_changed) "
                          "and new ones rolled out; the ledger's counts and finished evaluations carry over")
+    new = len(new_settings(saved, now, defaults))
+    if new:
+        some = f"{new} setting{'s' if new > 1 else ''}"
+        lines.append(f"{some} new in this AstraFlow version, at their defaults" if defaults is not None
+                     else f"{some} not in the saved config (new in this AstraFlow version)")
     return lines
 
 
-def changed_settings(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(dotted key, before, after) for every setting that differs; a missing one is None.
-    Lists of named sections (policies, partitions) are compared by name."""
+def changed_settings(before: dict[str, Any], after: dict[str, Any],
+                     defaults: dict[str, Any] | None = None) -> list[tuple[str, Any, Any]]:
+    """(dotted key, before, after) for every setting that differs; a missing one is None. Keys
+    in both configs come first, each group led by the models the policies load, then the workload
+(`_rank`). A key ``before`` lacks (new in
+    this version) is a change only where ``after`` differs from ``defaults``, ``before`` as this
+    version reads it (`new_settings` counts the others); without ``defaults``, never. Lists of
+    named sections (policies, partitions) are compared by name."""
     old, new = _flat(before), _flat(after)
-    return [(k, old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+    fresh = set(new_settings(before, after, defaults))
+    keys = [k for k in old.keys() | new.keys() if k not in fresh and old.get(k) != new.get(k)]
+    keys.sort(key=lambda k: (k not in old or k not in new, _rank(k), k))
+    return [(k, old.get(k), new.get(k)) for k in keys]
+
+
+def new_settings(before: dict[str, Any], after: dict[str, Any], defaults: dict[str, Any] | None = None) -> list[str]:
+    """The dotted keys ``after`` has and ``before`` lacks that are at their defaults (the value
+    ``defaults``, ``before`` as this version reads it, has): settings an older version did not
+    write. Without ``defaults``, every key ``before`` lacks."""
+    old, new = _flat(before), _flat(after)
+    dflt = None if defaults is None else _flat(defaults)
+    return sorted(k for k in new.keys() - old.keys() if dflt is None or (k in dflt and dflt[k] == new[k]))
+
+
+def _rank(key: str) -> int:
+    """0 for a policy's model (what the weights load into), 1 for the workload (what the tasks
+    are), 2 for the rest: the changes a user most needs to see are named before the count."""
+    parts = key.split(".")
+    if len(parts) == 3 and parts[0] == "policies" and parts[2] == "model":
+        return 0
+    return 1 if parts[0] == "workload" else 2
+
+
+def _as_read_now(saved: dict[str, Any]) -> dict[str, Any] | None:
+    """The saved config as this version reads it (the settings it lacks at their defaults);
+    None where it no longer validates (a moved model, say)."""
+    from astraflow.config import config_from_dict
+
+    try:
+        return config_from_dict(saved).model_dump(mode="json")
+    except Exception:  # whatever stops it, only the note is the poorer
+        return None
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:

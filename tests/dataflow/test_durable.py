@@ -491,7 +491,7 @@ def test_a_resume_whose_buffered_rows_were_deleted_is_refused_naming_the_fix(tmp
     would fail, so the resume's check refuses first, naming the segments and how to go on."""
     import shutil
 
-    from astraflow.runtime.launch import _check_rows_present
+    from astraflow.runtime.resume_checks import _check_rows_present
     from storage.trajectories import open_trajectory_store
 
     paths = Paths(tmp_path)

@@ -13,7 +13,7 @@ import yaml
 from click.testing import CliRunner
 
 from astraflow.cli import main
-from astraflow.runtime.launch import check_same_models
+from astraflow.runtime.resume_checks import check_same_models
 from storage.weights import WeightStore
 from tests.conftest import tiny_config
 
@@ -61,11 +61,15 @@ def test_astraflow_run_refuses_the_resume_with_exit_2_before_workers_start(tiny_
     check_same_models(tiny_config(tiny_model), run)
     WeightStore(run / "weights").publish("solver", 1, {"w": torch.zeros(2)})
     data = yaml.safe_load((ROOT / "examples" / "tiny" / "config.yaml").read_text())
-    data["policies"][0]["model"] = str(_variant(tiny_model, tmp_path / "deeper", num_hidden_layers=7))
+    # a whole model of another architecture: a config.json edited alone fails the model's own checks first
+    from astraflow.models import init_model
+
+    data["policies"][0]["model"] = str(init_model(tmp_path / "untied", preset="tiny", tie_word_embeddings=False))
     data["policies"][0].pop("init", None)
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(data))
     res = CliRunner().invoke(main, ["run", str(tmp_path / "cfg.yaml"), "--run-dir", str(run)])
-    assert res.exit_code == 2 and "num_hidden_layers" in res.output and "Traceback" not in res.output, res.output
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "weights were trained as (tie_word_embeddings True -> False" in res.output, res.output
     assert not (run / "jobs" / "submitted.json").exists()
 
 

@@ -5,6 +5,7 @@ from its ``summary.json``."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from astraflow.runtime.autoscale import pct
@@ -36,8 +37,7 @@ def format_status(st: dict[str, Any]) -> str:
     dl = st.get("data_layer", {})
     lines = [
         f"run {st.get('run_dir')}  elapsed {dl.get('elapsed_s', 0):.0f}s  "
-        f"dashboard {(st.get('orchestrator') or {}).get('dashboard')} (with the token in "
-        f"{st.get('run_dir')}/security/dashboard.url)",
+        f"dashboard {(st.get('orchestrator') or {}).get('dashboard')}" + _token_hint(st.get("run_dir")),
         "policies:",
     ]
     waiting = st.get("waiting")
@@ -105,7 +105,7 @@ def format_summary(summary: dict[str, Any], where: str) -> str:
     """A finished run in a few lines, from its ``summary.json`` (at ``where``): how it ended and
     why, the steps each policy took, its held-out accuracy and its ledger."""
     seconds = summary.get("seconds")
-    lines = [f"run finished: {summary.get('status', '?')}"
+    lines = [f"run finished: {outcome(summary)}"
              + (f" ({summary['reason']})" if summary.get("reason") else "")
              + (f" after {seconds:.0f}s" if isinstance(seconds, (int, float)) else "")
              + ("; stopped for a requeue: run again on its directory to resume it" if summary.get("requeue") else "")]
@@ -127,6 +127,25 @@ def format_summary(summary: dict[str, Any], where: str) -> str:
                  + ("" if summary.get("ledger_closed", True) else " (the data layer was gone: its last state read)"))
     lines.append(f"summary: {where} (`astraflow status --json` for the whole final state)")
     return "\n".join(lines)
+
+
+def _token_hint(run_dir: Any) -> str:
+    """Where the dashboard's address with its token is, when that file exists: only a run that
+    served its page wrote one (and only its owner can see it)."""
+    url_file = Path(str(run_dir)) / "security" / "dashboard.url"
+    try:
+        return f" (with the token in {url_file})" if run_dir and url_file.is_file() else ""
+    except OSError:  # another user's run directory: its security/ is the owner's alone
+        return ""
+
+
+def outcome(summary: dict[str, Any]) -> str:
+    """How the run ended: its ``status``; for a summary written before there was one, what its
+    ``interrupted`` flag says (a run that failed then wrote no summary)."""
+    if summary.get("status") is not None:
+        return str(summary["status"])
+    flag = summary.get("interrupted")
+    return "?" if not isinstance(flag, bool) else "interrupted" if flag else "completed"
 
 
 def partition_stats_line(p: dict[str, Any]) -> str:
