@@ -12,6 +12,11 @@ class StorageConfig(BaseModel):
     """Trajectory store: a directory (or ``file://`` URL) every node, the data layer and the
     trainers reach; default ``<run>/trajectories``. A relative directory is made absolute when
     the config loads (against the directory ``astraflow`` runs in), as model paths are."""
+    keep_trajectories: bool = True
+    """Keep every trajectory for the run's life (the run's record: the episode viewer shows
+    them all). False: a segment is deleted once no node writes to it and the data layer holds
+    none of its rows (each node moves to a new segment every ``rollout.segment_max_entries``
+    trajectories), so the store stays about as large as what is in flight, not the whole run."""
     keep_versions: int = Field(default=3, ge=1)
     """Weight versions kept per policy (held versions are never deleted)."""
     deltas: bool = False

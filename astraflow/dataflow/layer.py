@@ -20,6 +20,7 @@ own the state, each with its named asynchronous overlap:
 * ``evals.py``: held-out evaluation rounds;
 * ``record.py``: the metrics lines and the saved state;
 * ``rules.py``: the dataflow rules (curator, group filter, ordering) run at their stages;
+* ``retention.py``: trajectory segments deleted once nothing can need their rows (opt-in);
 * ``durable.py``: the change log every call that changed the state writes to before it
   answers, and the ledger's journal (a re-placed or resumed data layer continues from them).
 
@@ -49,6 +50,7 @@ from astraflow.dataflow.evals import EvalRounds
 from astraflow.dataflow.leases import Leases
 from astraflow.dataflow.mixing import Mixer, empty_train_split
 from astraflow.dataflow.nodes_facing import NodeFacing
+from astraflow.dataflow.retention import SegmentRetention
 from astraflow.dataflow.serving import BatchTimeout, TrainerFacing
 from astraflow.transport import PackedDict
 from astraflow.workloads.base import make_workload
@@ -96,6 +98,7 @@ class DataLayer(NodeFacing, TrainerFacing, LaneServed):
         snapshot_path: str | None = None,
         journal_path: str | None = None,
         keep_leases: bool = False,
+        keep_trajectories: bool = True,
     ):
         self.cfg = dataflow
         self.wcfg = workload
@@ -107,6 +110,8 @@ class DataLayer(NodeFacing, TrainerFacing, LaneServed):
         #: opened (created if new, its layout version checked) before any node writes; batches
         #: are served by reference, so the data layer itself reads no rows from it
         self.store = open_trajectory_store(store_url, "a")
+        #: ``keep_trajectories`` False: segments no one needs any more are deleted (``retention``)
+        self.retention = SegmentRetention(self.store, enabled=not keep_trajectories)
         wl = make_workload(workload.name, workload.params, workload.seed)
         self._train = wl.tasks("train")
         if not self._train and max_steps > 0:
@@ -157,6 +162,8 @@ class DataLayer(NodeFacing, TrainerFacing, LaneServed):
         #: one replaced had served (their trainer may never have received them: asked again, they
         #: are put back, not dropped)
         self.restored, self._in_doubt = self.durability.restore(self, keep_leases)
+        if not keep_leases:  # a new incarnation: the nodes that wrote the stored segments are gone
+            self.retention.segments_done(self.store.segments())
         # the curve starts where training starts: at 0 now; a resumed run's versions move forward
         # first (``trainer_restarted``), then ``resume_evaluation`` starts its round
         self._eval_at_start = bool(workload.eval.every) and not keep_leases

@@ -142,6 +142,12 @@ class NodeFacing:
         self.service.add("complete", time.perf_counter() - t0)
         return new
 
+    async def segments_done(self, segments: list[str]) -> None:
+        """A node will neither write to ``segments`` nor complete rows of them again: they are
+        deleted once no held row is in them (``retention``; only with
+        ``storage.keep_trajectories: false``)."""
+        self.retention.segments_done(segments)
+
     async def fail(self, task_id: str, reason: str, attempt: int | None = None) -> None:
         """A node could not run a task; it is requeued (or fails after ``max_attempts``).
         ``attempt``: the attempt the node ran (``RolloutTask.attempt``); a report of an earlier

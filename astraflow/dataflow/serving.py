@@ -104,6 +104,7 @@ class TrainerFacing:
         self._committed(policy, version, metrics, batch_metrics)
         self._notify()
         await self._durable()
+        await self.retention.sweep(self.buffers, self._durable)  # what the batch held may be free now
 
     def _committed(self, policy: str, version: int, metrics: dict[str, Any] | None,
                    batch_metrics: dict[str, Any] | None) -> None:

@@ -29,6 +29,7 @@ replaces the node (also one that went silent).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
@@ -143,6 +144,8 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started_at = time.time()
+        self._segment_batches: collections.Counter = collections.Counter()  # per segment: batches not yet completed
+        self._segments_reported: set[str] = set()
 
     # ------------------------------------------------------------------ actor API
     def reconnect(self, data_layer: Any) -> None:

@@ -38,7 +38,8 @@ class NodeEpisodes:
     """Episodes and trajectory writes of a node; uses the node's ``engines``, ``cfg``,
     ``counters``, ``identity``, ``dl``, ``workflow``, ``writer``, ``inflight``, ``writing``, the
     lease loop's ``_slot_free`` and the writer's queue (``_finished``, ``_finished_event``,
-    ``_closing``), and ``_recovery``/``_recover`` (``engine_recovery``)."""
+    ``_closing``, ``_segment_batches``, ``_segments_reported``), and ``_recovery``/``_recover``
+    (``engine_recovery``)."""
 
     engines: dict[str, InferenceEngine]
     cfg: Any
@@ -53,6 +54,8 @@ class NodeEpisodes:
     _finished: list[Trajectory]
     _finished_event: asyncio.Event
     _closing: bool
+    _segment_batches: collections.Counter
+    _segments_reported: set[str]
     _recovery: asyncio.Task | None
 
     async def _generate(self, task: RolloutTask) -> Trajectory:
@@ -152,15 +155,18 @@ class NodeEpisodes:
             t0 = time.time()
             rows = [row for traj in batch for row in traj.to_stored()]
             written = await asyncio.to_thread(self.writer.submit, rows)
+            segment = getattr(self.writer, "segment", "")  # the one these rows went to (only this loop submits)
+            self._segment_batches[segment] += 1
             self.counters["write_s"] += time.time() - t0
-            done = asyncio.create_task(self._complete_written(batch, written, t0))
+            done = asyncio.create_task(self._complete_written(batch, written, t0, segment))
             done.add_done_callback(lambda _: self._finished_event.set())  # a failure is seen at once
             committing.append(done)
         for done in committing:
             await done
         await asyncio.to_thread(self.writer.flush)
+        await self._report_done_segments(getattr(self.writer, "segment", None))  # nothing is written after this
 
-    async def _complete_written(self, batch: list[Trajectory], written: Any, t0: float) -> None:
+    async def _complete_written(self, batch: list[Trajectory], written: Any, t0: float, segment: str) -> None:
         """Once the commit of ``batch`` (``written``: the writer's future of its refs) is durable,
         report it with one ``complete``."""
         refs = await asyncio.wrap_future(written)
@@ -177,3 +183,21 @@ class NodeEpisodes:
         self.counters["complete_calls"] += 1
         for traj in batch:
             self.writing.discard(traj.task_id)
+        self._segment_batches[segment] -= 1
+        await self._report_done_segments()
+
+    async def _report_done_segments(self, last: str | None = None) -> None:
+        """Tell the data layer which segments this node will neither write nor complete rows of
+        again: those the writer filled and closed, once every batch written there was completed
+        (and ``last``, the current one, when the writer ends). The data layer may delete them
+        once it holds none of their rows (``storage.keep_trajectories``)."""
+        closed = [*getattr(self.writer, "closed_segments", ()), *([last] if last else [])]
+        done = [s for s in closed if s not in self._segments_reported and self._segment_batches[s] == 0]
+        if not done:
+            return
+        self._segments_reported.update(done)
+        try:
+            await call(self.dl.segments_done, done, timeout=60)
+        except Exception as err:  # only space is at stake: the segments are kept
+            log.warning("node %s: reporting finished segments %s failed (%s); they are kept", self.identity.name,
+                        done, err)

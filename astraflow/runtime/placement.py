@@ -165,6 +165,7 @@ def data_layer_kwargs(cfg: RunConfig, paths: RunPaths, keep_leases: bool = False
         seed=cfg.run.seed, gated=cfg.run.mode == "sync", state_path=str(paths.dataflow_state),
         snapshot_path=str(paths.dataflow_snapshot) if durable else None,
         journal_path=str(paths.ledger_journal) if durable else None, keep_leases=keep_leases,
+        keep_trajectories=cfg.storage.keep_trajectories,
     )
 
 

@@ -125,6 +125,11 @@ class MemoryBackend:
     def release_segment(self, segment: str) -> None:
         return None
 
+    def delete_segment(self, segment: str) -> None:
+        with self.state.lock:
+            for held in (self.state.zarr, self.state.markers, self.state.logs):
+                held.pop(segment, None)
+
     def read_metadata(self, segment: str, key: str) -> bytes | None:
         with self.state.lock:
             buf = self.state.zarr.get(segment, {}).get(key)

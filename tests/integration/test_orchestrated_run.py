@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from astraflow.runtime.monitoring.view import build_status_view
 from astraflow.runtime.orchestrator import Orchestrator
 from storage.trajectories import open_trajectory_store
 from storage.weights import WeightStore
@@ -55,6 +56,27 @@ def test_nodes_move_to_new_segments_as_each_fills_and_the_trainer_reads_across_t
         assert series == [base] + [f"{base}.{k}" for k in range(1, len(series))]
         assert len(series) >= 2 and all(counts[s] >= 8 for s in series[:-1])
     assert sum(counts.values()) >= 3 * cfg.dataflow.batch_size
+
+
+@pytest.mark.timeout(300)
+def test_without_keep_trajectories_finished_segments_no_row_is_held_in_are_deleted(tiny_model, tmp_path):
+    """``storage.keep_trajectories: false``: the segments nodes filled are deleted once the data
+    layer holds none of their rows; training goes on reading the rest."""
+    cfg = tiny_config(tiny_model, **{"run.max_steps": 4, "rollout.segment_max_entries": 8,
+                                     "rollout.write_batch": 4, "storage.keep_trajectories": False})
+    result = Orchestrator(cfg, tmp_path / "run").run()
+    assert result.steps == {"solver": 4} and result.ledger["open"] == 0
+    store = open_trajectory_store(str(tmp_path / "run" / "trajectories"), "r")
+    present = set(store.segments())
+    status = json.loads((tmp_path / "run" / "summary.json").read_text())["data_layer"]["retention"]
+    assert status["segments_deleted"] >= 2
+    series: dict[str, int] = {}  # per node: the highest segment number still stored
+    for s in present:
+        base, k = (s, 0) if s.count(".") == 1 else (s.rsplit(".", 1)[0], int(s.rsplit(".", 1)[1]))
+        series[base] = max(series.get(base, 0), k)
+    gaps = sum(k + 1 for k in series.values()) - len(present)  # segments of a series no longer there
+    assert 2 <= gaps <= status["segments_deleted"]
+    assert build_status_view(tmp_path / "run").segments_deleted == status["segments_deleted"]
 
 
 @pytest.mark.timeout(300)

@@ -214,3 +214,24 @@ def test_page_shows_episode_turns_and_filters_in_a_browser(server, tmp_path):
         assert not errors, errors
     finally:
         driver.quit()
+
+
+def test_a_segment_deleted_while_the_viewer_reads_it_is_left_out(tok, tmp_path, monkeypatch):
+    """``storage.keep_trajectories: false`` deletes segments under a running viewer: one listed
+    before its deletion and read after it is left out, not an error."""
+    run_dir = write_run(tmp_path / "run", tok)
+    reader = EpisodeReader(run_dir)
+    assert len(reader.view(EpisodeQuery()).recent) == 15  # three agentic episodes, six batches of two
+    reader._cache.clear()  # the batches are read from the store again
+    reader._walks.clear()
+    listed = reader._store.segments()
+    open_trajectory_store(str(RunPaths(run_dir).trajectories), "a").delete_segment("rollout-1")
+    real, calls = TrajectoryStore.segments, []
+
+    def segments(self):  # the first listing is the one taken just before the deletion
+        calls.append(1)
+        return listed if len(calls) == 1 else real(self)
+
+    monkeypatch.setattr(TrajectoryStore, "segments", segments)
+    v = reader.view(EpisodeQuery())
+    assert ids(v.recent) == ["ag-truncated", "ag-hostile", "ag-solved"] and len(calls) == 2

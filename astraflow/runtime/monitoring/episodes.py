@@ -253,6 +253,14 @@ class EpisodeReader:
         return got
 
     def view(self, q: EpisodeQuery) -> EpisodesView:
+        try:
+            return self._view(q)
+        except OSError:  # a segment deleted while it was read (storage.keep_trajectories: false): once more
+            self._store = None  # its cached views go: the store is listed afresh
+            self._walks.clear()
+            return self._view(q)
+
+    def _view(self, q: EpisodeQuery) -> EpisodesView:
         cfg = self._run_config()
         wl = cfg.get("workload") or {}
         self._workload = str(wl.get("name", ""))

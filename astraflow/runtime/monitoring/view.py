@@ -191,6 +191,8 @@ class StatusView(_View):
     autoscale: AutoscaleView | None = Field(default=None, description="the autoscaler; None when the run has none")
     waiting: str | None = Field(default=None, description="what the orchestrator is doing while the figures wait "
                                                           "(a trainer's or the data layer's restart); None otherwise")
+    segments_deleted: int | None = Field(default=None, description="trajectory segments deleted since the data "
+                                         "layer started (storage.keep_trajectories: false); None when all are kept")
 
 
 LEDGER_EVENTS = ("created", "leased", "completed", "requeued", "failed", "consumed", "dropped", "evaluated")
@@ -286,6 +288,7 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
         policies=policies, partitions=partitions, ledger=_ledger_view(dl),
         autoscale=_autoscale_view((summary or {}).get("autoscale") or status.get("autoscale")),
         waiting=None if summary is not None else (status.get("waiting") or {}).get("what"),
+        segments_deleted=(dl.get("retention") or {}).get("segments_deleted"),
     )
 
 

@@ -1,0 +1,57 @@
+"""Segment retention (``astraflow/dataflow/retention.py``): with ``storage.keep_trajectories:
+false`` a segment goes once its node is done with it and no row of it is held."""
+
+from __future__ import annotations
+
+import pytest
+
+from astraflow.dataflow.config import DataflowConfig
+from astraflow.dataflow.layer import DataLayer
+from astraflow.workloads.config import EvalConfig, WorkloadConfig
+from tests.dataflow.test_data_layer import MATH, Node, run
+
+
+def _layer(tmp_path, keep: bool) -> DataLayer:
+    return DataLayer(dataflow=DataflowConfig(batch_size=8), workload=WorkloadConfig(name="math", params=MATH,
+                     group_size=4, eval=EvalConfig(every=0)), policies=["p"], store_url=str(tmp_path / "t"), metrics_path=None, max_steps=5,
+                     snapshot_path=str(tmp_path / "dataflow.snapshot"), journal_path=str(tmp_path / "ledger.jsonl"),
+                     keep_trajectories=keep)
+
+
+def _alternating(t) -> float:
+    return float(int(t.task_id.split("/")[1]) % 2)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_done_segment_goes_once_no_held_row_is_in_it(tmp_path, keep):
+    layer = _layer(tmp_path, keep)
+
+    async def go():
+        await Node(layer, "n0").roll(8, reward_of=_alternating)
+        await Node(layer, "n1").roll(8, reward_of=_alternating)
+        await layer.segments_done(["n0", "n1", "never-written"])
+        await layer.published("p", 0, {})  # nothing consumed yet: every row of n0 and n1 is buffered
+        assert layer.store.segments() == ["n0", "n1"]
+        batch = await layer.next_batch("p", 0, timeout=5)
+        assert {it.ref.segment for it in batch.items} == {"n0"}  # the oldest groups first
+        layer.retention._last = 0.0  # the next sweep is not held back by the previous one
+        await layer.published("p", 1, {"loss": 0.0})  # n0's rows consumed: nothing holds them
+        await layer.close()
+
+    run(go())
+    assert layer.store.segments() == (["n0", "n1"] if keep else ["n1"])
+    assert layer.retention.deleted == (0 if keep else 1)
+    if keep:
+        return
+    # a new incarnation: every stored segment is done (their nodes are gone); n1's rows are still buffered
+    again = _layer(tmp_path, keep)
+    assert again.retention.done == {"n1"}
+
+    async def later():
+        await again.next_batch("p", 1, timeout=5)
+        await again.published("p", 2, {"loss": 0.0})
+        await again.close()
+
+    run(later())
+    assert again.store.segments() == [] and (tmp_path / "t" / "segments").is_dir()
+    assert not [p for p in (tmp_path / "t" / "segments").iterdir()]  # no half-deleted directory left behind
