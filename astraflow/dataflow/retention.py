@@ -13,8 +13,9 @@ deleted when both hold:
 
 The state that no longer names those rows is made durable before anything is deleted, so a
 data layer restored from its change log never holds a deleted row. A node that dies keeps its
-last segment (it never said it was done) until the run is resumed. The episode viewer then
-shows only the episodes still stored.
+last segment (it never said it was done), and a data layer re-placed mid-run forgets the
+segments reported to the one before: both are kept until the run is resumed. The episode viewer
+then shows only the episodes still stored.
 """
 
 from __future__ import annotations
