@@ -20,16 +20,9 @@ from storage.paths import RunPaths
 from storage.trajectories import open_trajectory_store
 from storage.weights import WeightStore
 from tests.conftest import tiny_config
+from tests.runtime.test_resume_model import _variant
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _variant(tiny_model: Path, out: Path, **changes) -> Path:
-    """A copy of the tiny model whose config.json says ``changes`` (only config.json is read)."""
-    shutil.copytree(tiny_model, out)
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, **changes}))
-    return out
 
 
 def _old_run(tiny_model: Path, run: Path, layout: str = "hf") -> Path:
