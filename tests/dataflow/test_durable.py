@@ -485,36 +485,3 @@ def test_a_resumed_runs_first_evaluation_is_at_the_version_its_trainers_resume_f
     run(resume())
     assert max(again.evals.rounds) == 9
 
-
-def test_a_resume_whose_buffered_rows_were_deleted_is_refused_naming_the_fix(tmp_path):
-    """Segments deleted while the run was stopped (to free space): every batch naming their rows
-    would fail, so the resume's check refuses first, naming the segments and how to go on."""
-    import shutil
-
-    from astraflow.runtime.resume_checks import _check_rows_present
-    from storage.trajectories import open_trajectory_store
-
-    paths = Paths(tmp_path)
-    paths.url = str(tmp_path / "trajectories")
-    layer = paths.layer()
-
-    async def go():
-        await Node(layer, "n0").roll(8, reward_of=_alternating)
-        await Node(layer, "n1").roll(8, reward_of=_alternating)
-        await layer.next_batch("p", 0, timeout=5)  # served, never committed: its rows are held too
-        await layer.close()
-
-    run(go())
-    saved = durable.load(paths.snapshot)
-    store = open_trajectory_store(paths.url, "r")
-    assert len(durable.held_refs(saved)) == 16 and durable.missing_rows(saved, store) == {}
-    _check_rows_present(saved, paths.url)  # all there: no complaint
-
-    shutil.rmtree(tmp_path / "trajectories" / "segments" / "n1")
-    assert durable.missing_rows(saved, open_trajectory_store(paths.url, "r")) == {"n1": 8}
-    with pytest.raises(ValueError, match=r"8 rows .* gone from the trajectory store .*: n1 \(8\)\. Put the deleted "
-                                         r"segments back, or .* move control/dataflow.snapshot"):
-        _check_rows_present(saved, paths.url)
-    shutil.rmtree(tmp_path / "trajectories")
-    with pytest.raises(ValueError, match=r"16 rows .*: every segment \(16\)"):
-        _check_rows_present(saved, paths.url)

@@ -1,19 +1,26 @@
 """Segment retention (``astraflow/dataflow/retention.py``): with ``storage.keep_trajectories:
-false`` a segment goes once its node is done with it and no row of it is held."""
+false`` a segment goes once its node is done with it and no row of it is held; and a resume whose
+held rows were deleted by hand is refused before it starts."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
+from astraflow.dataflow import durable
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.dataflow.layer import DataLayer
 from astraflow.workloads.config import EvalConfig, WorkloadConfig
+from astraflow.runtime.resume_checks import _check_rows_present
+from storage.trajectories import open_trajectory_store
 from tests.dataflow.test_data_layer import MATH, Node, run
 
 
 def _layer(tmp_path, keep: bool) -> DataLayer:
-    return DataLayer(dataflow=DataflowConfig(batch_size=8), workload=WorkloadConfig(name="math", params=MATH,
-                     group_size=4, eval=EvalConfig(every=0)), policies=["p"], store_url=str(tmp_path / "t"), metrics_path=None, max_steps=5,
+    workload = WorkloadConfig(name="math", params=MATH, group_size=4, eval=EvalConfig(every=0))
+    return DataLayer(dataflow=DataflowConfig(batch_size=8), workload=workload, policies=["p"],
+                     store_url=str(tmp_path / "t"), metrics_path=None, max_steps=5,
                      snapshot_path=str(tmp_path / "dataflow.snapshot"), journal_path=str(tmp_path / "ledger.jsonl"),
                      keep_trajectories=keep)
 
@@ -55,3 +62,34 @@ def test_a_done_segment_goes_once_no_held_row_is_in_it(tmp_path, keep):
     run(later())
     assert again.store.segments() == [] and (tmp_path / "t" / "segments").is_dir()
     assert not [p for p in (tmp_path / "t" / "segments").iterdir()]  # no half-deleted directory left behind
+
+
+def test_a_resume_whose_buffered_rows_were_deleted_is_refused_naming_the_fix(tmp_path):
+    """Segments deleted while the run was stopped (to free space): every batch naming their rows
+    would fail, so the resume's check refuses first, naming the segments and how to go on."""
+    from tests.dataflow.test_durable import Paths
+
+    paths = Paths(tmp_path)
+    paths.url = str(tmp_path / "trajectories")
+    layer = paths.layer()
+
+    async def go():
+        await Node(layer, "n0").roll(8, reward_of=_alternating)
+        await Node(layer, "n1").roll(8, reward_of=_alternating)
+        await layer.next_batch("p", 0, timeout=5)  # served, never committed: its rows are held too
+        await layer.close()
+
+    run(go())
+    saved = durable.load(paths.snapshot)
+    store = open_trajectory_store(paths.url, "r")
+    assert len(durable.held_refs(saved)) == 16 and durable.missing_rows(saved, store) == {}
+    _check_rows_present(saved, paths.url)  # all there: no complaint
+
+    shutil.rmtree(tmp_path / "trajectories" / "segments" / "n1")
+    assert durable.missing_rows(saved, open_trajectory_store(paths.url, "r")) == {"n1": 8}
+    with pytest.raises(ValueError, match=r"8 rows .* gone from the trajectory store .*: n1 \(8\)\. Put the deleted "
+                                         r"segments back, or .* move control/dataflow.snapshot"):
+        _check_rows_present(saved, paths.url)
+    shutil.rmtree(tmp_path / "trajectories")
+    with pytest.raises(ValueError, match=r"16 rows .*: every segment \(16\)"):
+        _check_rows_present(saved, paths.url)
