@@ -147,7 +147,7 @@ def check_data(workload: WorkloadConfig, cfg: RunConfig | None = None) -> str:
     model cannot take some of the prompts (``prompts_that_do_not_fit``). ``ValueError`` naming
     the fix when a split is empty, no train prompt fits, or the data cannot be read."""
     wl = make_workload(workload.name, dict(workload.params or {}), workload.seed)
-    n_train, n_eval = len(wl.tasks("train")), len(wl.tasks("eval"))
+    n_train, n_eval = len(_split(wl, workload.name, "train")), len(_split(wl, workload.name, "eval"))
     if n_train == 0:
         from astraflow.dataflow.mixing import empty_train_split
 
@@ -165,6 +165,18 @@ def check_data(workload: WorkloadConfig, cfg: RunConfig | None = None) -> str:
             configure(cfg.sandbox)
             lines += self_check()
     return "\n".join(lines)
+
+
+def _split(wl, name: str, split: str) -> list:
+    """``wl.tasks(split)``; a workload's own error other than the ``ValueError`` that names its
+    fix becomes one naming the method (a user's workload: a traceback says less)."""
+    try:
+        return wl.tasks(split)
+    except ValueError:
+        raise
+    except Exception as err:
+        raise ValueError(f"workload {name}: tasks({split!r}) raised {type(err).__name__}: {err}; fix the "
+                         f"workload's tasks() (`astraflow check CONFIG` runs it without starting anything)") from err
 
 
 def prepare_models(cfg: RunConfig, progress: Progress) -> None:

@@ -267,3 +267,14 @@ def test_the_guess_example_never_pays_for_not_answering(tok):
     assert returns(probes + ["7"])[0] == pytest.approx(0.8)
     assert returns(probes + ["3"]) == (0.0, None)
     assert returns(probes + [format_call("probe", {"n": 1})]) == (0.0, "max_turns")
+
+
+def test_a_workload_whose_tasks_raise_is_named_with_its_fix():
+    """A user's ``tasks("eval")`` raising ``KeyError``: a ValueError naming the method and
+    ``astraflow check``, which the CLI turns into exit 2, not a traceback."""
+    from astraflow.runtime.launch import check_data
+    from astraflow.workloads.config import WorkloadConfig
+
+    with pytest.raises(ValueError, match=r"workload tests.agents.toy:NoHeldOutWorkload: tasks\('eval'\) raised "
+                                         r"KeyError: 'eval_file'; fix the workload's tasks\(\)"):
+        check_data(WorkloadConfig(name="tests.agents.toy:NoHeldOutWorkload", workflow="agent"))

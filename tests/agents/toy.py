@@ -68,3 +68,12 @@ class BrokenWorkload(LookupWorkload):
 
     def environment(self) -> LookupEnv:
         return BrokenEnv()
+
+
+class NoHeldOutWorkload(LookupWorkload):
+    """The lookup workload whose held-out split cannot be read (a user's bug in ``tasks``)."""
+
+    def tasks(self, split: str) -> list[dict[str, Any]]:
+        if split == "eval":
+            raise KeyError("eval_file")
+        return super().tasks(split)
