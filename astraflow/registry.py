@@ -7,6 +7,7 @@ in a config fails at load time with the fix in the message.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from typing import Callable, Generic, TypeVar
 
@@ -57,8 +58,12 @@ class Registry(Generic[T]):
                     raise ValueError(f"{self.kind} {module}:{name} {why}")
                 return obj
             if name not in self._items:
+                own = [a for a in vars(mod) if not a.startswith("_")]
+                close = difflib.get_close_matches(name, own + list(self._items), n=1)
+                hint = f"did you mean {module}:{close[0]}? " if close else ""
                 raise ValueError(f"{self.kind} {module}:{name}: {module!r} has no {name!r} and registered no "
-                                 f"{self.kind} of that name; known: {', '.join(sorted(self._items)) or '(none)'}")
+                                 f"{self.kind} of that name; {hint}known: "
+                                 f"{', '.join(sorted(self._items)) or '(none)'}")
             why = self.check(self._items[name]) if self.check is not None else None
             if why:  # what the user's module registered, checked as its attribute would be
                 raise ValueError(f"{self.kind} {module}:{name} {why}")

@@ -249,6 +249,8 @@ def run_config(tmp_path, **dataflow):
      r"dataflow.curator.params.n: Input should be greater than or equal to 1"),
     ("curator", {"type": "tests.dataflow.user_rules:nope"},
      r"'tests.dataflow.user_rules' has no 'nope' and registered no prompt curator .*; known: .*greso"),
+    ("curator", {"type": "tests.dataflow.user_rules:EveryNht"},
+     r"has no 'EveryNht' .*; did you mean tests.dataflow.user_rules:EveryNth\? known: "),
     # a module attribute that is not a rule class (its params model): a config error, no traceback
     ("curator", {"type": "tests.dataflow.user_rules:EveryNthParams"},
      r"prompt curator tests.dataflow.user_rules:EveryNthParams is not a rule class"),
