@@ -82,7 +82,9 @@ class _Counted:
     async def close(self) -> None:
         self.closes += 1
         try:
-            await self.env.close()
+            closing = self.env.close()
+            if inspect.isawaitable(closing):  # a plain (synchronous) close has run already
+                await closing
         except Exception as err:  # any error of the code under test is a finding
             self.close_error = f"{type(err).__name__}: {err}"
             raise
@@ -214,14 +216,23 @@ class _Suite:
                 self.problems.append(str(err))
                 return False
             finally:
-                try:
-                    await timed(env.close(), timeout, f"close after reset(task {i})")
-                except EpisodeError as err:
-                    self.problems.append(str(err))
+                await self.close_after_reset(env, timeout, i)
         if firsts[0] != firsts[1]:
             self.problems.append(f"reset(task {i}) returned different messages for the same task; make it "
                                  "deterministic (seed any randomness from the task)")
         return True
+
+    async def close_after_reset(self, env: Any, timeout: float, i: int) -> None:
+        """Close ``env`` after a reset (a plain ``def close`` or an ``async`` one); a failure is a problem."""
+        what = f"close after reset(task {i})"
+        try:
+            closing = env.close()
+            if inspect.isawaitable(closing):
+                await timed(closing, timeout, what)
+        except EpisodeError as err:
+            self.problems.append(str(err))
+        except Exception as err:  # any error of the code under test is a finding
+            self.problems.append(f"{what} raised {type(err).__name__}: {err}")
 
     def check_tools(self, env: Any) -> None:
         missing = tools_problems(env)

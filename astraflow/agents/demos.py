@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -22,6 +23,9 @@ import numpy as np
 
 from astraflow.agents.chat import ChatRenderer
 from astraflow.agents.episode import AgentLimits, EpisodeLog, run_agent_episode
+from astraflow.agents.tools import CALL_OPEN
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,9 +44,11 @@ def scripted_turn(ids: list[int], finish: str) -> _Turn:
 
 
 async def demonstration(workload: Any, renderer: ChatRenderer, task: Mapping[str, Any],
-                        limits: AgentLimits, noise: float = 0.0, rng: random.Random | None = None) -> EpisodeLog:
+                        limits: AgentLimits, noise: float = 0.0, rng: random.Random | None = None,
+                        cut: list[tuple[int, bool]] | None = None) -> EpisodeLog:
     """The scripted expert's episode of ``task`` (the environment must offer ``expert_action``,
-    and ``explore_action`` when ``noise`` > 0)."""
+    and ``explore_action`` when ``noise`` > 0). A turn longer than its token budget is cut, as a
+    model's would be; ``cut`` collects ``(full length, whether it holds a tool call)`` of each."""
     env = workload.environment()
     if not callable(getattr(env, "expert_action", None)):
         raise ValueError(f"{type(env).__name__} has no expert_action(): it cannot make demonstrations")
@@ -54,21 +60,53 @@ async def demonstration(workload: Any, renderer: ChatRenderer, task: Mapping[str
     async def generate(tokens: list[int], max_new: int) -> _Turn:
         turn = env.explore_action(rng) if noise > 0 and rng.random() < noise else env.expert_action()
         ids = renderer.encode(turn) + [renderer.end_id]
+        if len(ids) > max_new and cut is not None:
+            cut.append((len(ids), CALL_OPEN in turn))
         return scripted_turn(ids[:max_new], "stop" if len(ids) <= max_new else "length")
 
     return await run_agent_episode(generate, renderer, env, task, limits)
 
 
 def demonstrations(workload: Any, renderer: ChatRenderer, tasks: list[Mapping[str, Any]],
-                   limits: AgentLimits, noise: float = 0.0, seed: int = 0) -> list[EpisodeLog]:
+                   limits: AgentLimits, noise: float = 0.0, seed: int = 0,
+                   keep_cut: bool = False) -> list[EpisodeLog]:
     """``demonstration`` of each task (successful ones only: an expert that fails teaches
-    nothing; with ``noise``, the episodes its detours made fail are left out too)."""
+    nothing; with ``noise``, the episodes its detours made fail are left out too).
+
+    Expert turns cut to their token budget are reported in one warning naming the setting to
+    raise. An episode with a cut tool-call turn is left out too, unless ``keep_cut``: it would
+    teach a broken call (a ``ValueError`` when that leaves no demonstration at all)."""
     rng = random.Random(f"demonstrations:{seed}")
+    cuts: list[list[tuple[int, bool]]] = [[] for _ in tasks]
 
     async def all_of() -> list[EpisodeLog]:
-        return [await demonstration(workload, renderer, t, limits, noise, rng) for t in tasks]
+        return [await demonstration(workload, renderer, t, limits, noise, rng, cut)
+                for t, cut in zip(tasks, cuts)]
 
-    return [log for log in asyncio.run(all_of()) if log.success > 0]
+    logs = asyncio.run(all_of())
+    if keep_cut or not any(cuts):
+        return [log for log in logs if log.success > 0]
+    broken = [any(call for _, call in cut) for cut in cuts]
+    ok = [log for log, bad in zip(logs, broken) if log.success > 0 and not bad]
+    dropped = sum(1 for log, bad in zip(logs, broken) if log.success > 0 and bad)
+    why = _cut_warning(workload, limits, cuts, dropped)
+    if not ok and dropped:
+        raise ValueError(why)
+    logger.warning("%s", why)
+    return ok
+
+
+def _cut_warning(workload: Any, limits: AgentLimits, cuts: list[list[tuple[int, bool]]], dropped: int) -> str:
+    """What the cut expert turns were, what was left out, and which setting to raise."""
+    n, longest = sum(len(c) for c in cuts), max(n for c in cuts for n, _ in c)
+    if longest > limits.max_new_tokens:
+        fix = f"raise workload.sampling.max_new_tokens ({limits.max_new_tokens}) to at least {longest}"
+    else:  # cut by what was left of the episode's context, not by the turn budget
+        fix = f"raise workload.params.max_context_tokens ({limits.max_context_tokens})"
+    left = (f"{dropped} successful demonstration(s) with a cut tool call are left out (it would teach a "
+            "broken call)" if dropped else "they are trained on as cut")
+    return (f"{type(workload).__name__}: {n} expert turn(s) in {sum(1 for c in cuts if c)} demonstration(s) were "
+            f"cut to their token budget (the longest expert turn has {longest} tokens); {left}: {fix}")
 
 
 def demonstration_texts(workload: Any, tasks: list[Mapping[str, Any]], tokenizer: Any,
@@ -77,7 +115,8 @@ def demonstration_texts(workload: Any, tasks: list[Mapping[str, Any]], tokenizer
     left out): the corpus a tokenizer for this workload is trained on, so that observations,
     tool results and the expert's turns all merge into few tokens."""
     renderer = ChatRenderer(tokenizer)
-    logs = demonstrations(workload, renderer, tasks, workload.limits(max_new_tokens))
+    # a cut turn's text still teaches the tokenizer the workload's words
+    logs = demonstrations(workload, renderer, tasks, workload.limits(max_new_tokens), keep_cut=True)
     tags = [t for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if not t.special]
     texts = [tokenizer.decode(log.tokens, skip_special_tokens=True) for log in logs]
     for tag in tags:

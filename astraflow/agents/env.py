@@ -11,7 +11,8 @@ An *environment* is one episode's world. The agent workflow builds a fresh one p
     await env.close()                          # always, also after an error or a timeout
 
 Every ``reset``/``step`` runs under ``step_timeout_s``; ``close`` releases per-episode resources
-(processes, files, connections) and is awaited whatever happened. An environment that raises,
+(processes, files, connections) and is awaited whatever happened (a plain ``def close`` is
+called once instead). An environment that raises,
 hangs past its deadline or returns something that is not a ``StepResult`` fails the episode
 (``EpisodeError``): the data layer retries the task up to its attempt limit.
 
@@ -112,26 +113,31 @@ class EnvironmentBase:
         self.tools = ToolBox([])
 
     async def reset(self, task: Mapping[str, Any]) -> list[Message]:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not define reset(self, task)")
 
     async def step(self, action: Action) -> StepResult:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not define step(self, action)")
 
     async def close(self) -> None:
         return None
 
 
 def signature_problems(cls: type) -> list[str]:
-    """What keeps ``cls`` from being an ``Environment``: missing methods, methods that are not
-    ``async def`` or take the wrong arguments. Empty when it fits; ``astraflow check`` reports
-    these before a run starts."""
+    """What keeps ``cls`` from being an ``Environment``: missing methods (``reset`` and ``step``
+    left to ``EnvironmentBase``'s, which only raise), methods that are not ``async def`` or take
+    the wrong arguments. ``close`` may be a plain ``def`` (the loop calls it once). Empty when it
+    fits; ``astraflow check`` reports these before a run starts."""
     problems = []
     for name, nargs in (("reset", 1), ("step", 1), ("close", 0)):
         fn = getattr(cls, name, None)
         if fn is None:
             problems.append(f"{cls.__name__} has no {name}()")
             continue
-        if not inspect.iscoroutinefunction(fn):
+        if name != "close" and fn is getattr(EnvironmentBase, name):
+            arg = "task" if name == "reset" else "action"
+            problems.append(f"{cls.__name__} does not define {name}: add 'async def {name}(self, {arg})'")
+            continue
+        if name != "close" and not inspect.iscoroutinefunction(fn):
             problems.append(f"{cls.__name__}.{name} must be 'async def'")
             continue
         params = [p for p in inspect.signature(fn).parameters.values()

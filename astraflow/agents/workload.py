@@ -55,11 +55,13 @@ class AgentWorkload:
 
     def tasks(self, split: str) -> list[dict[str, Any]]:
         """Payloads of ``"train"`` or ``"eval"``; a ``difficulty`` key is reported per level."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not define tasks(self, split): return the "
+                                  "task payloads of 'train' or 'eval'")
 
     def environment(self) -> Environment:
         """A fresh environment for one episode."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not define environment(self): return a fresh "
+                                  "Environment per episode (docs/agents.md)")
 
     def source_weights(self) -> dict[str, float]:
         return {"": 1.0}
