@@ -23,7 +23,6 @@ import asyncio
 import inspect
 import json
 import re
-import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
@@ -31,92 +30,19 @@ from typing import Any, Callable, Iterable
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from astraflow.agents.env import Action, EpisodeError, ToolCall
+from astraflow.rollout.call_threads import CallDeadline, CallThreads
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|$)", re.DOTALL)
 
 
-
-class ToolDeadline(Exception):
-    """A tool call ran past its timeout (apart from a ``TimeoutError`` the tool raised itself)."""
-
-
-class _ToolCall:
-    """One plain tool call on a daemon thread of its own (``_ToolThreads``)."""
-
-    def __init__(self, slots: threading.Semaphore):
-        self.slots = slots
-        self.lock = threading.Lock()
-        self.started: float | None = None
-        self.dropped = False  # abandoned (past its deadline, or its episode gave up)
-        self.released = False
-
-    def release(self) -> None:
-        with self.lock:
-            if self.released:
-                return
-            self.released = True
-        self.slots.release()
+#: a tool call past its timeout (apart from a ``TimeoutError`` the tool raised itself)
+ToolDeadline = CallDeadline
 
 
-class _ToolThreads:
-    """Plain (non-async) tools run each call on a daemon thread of its own, at most ``size`` at
-    once (the others queue; a call's deadline counts from when it starts). A call past its
-    deadline is abandoned: Python cannot stop its thread, which then no longer counts towards
-    ``size`` (stuck tools never starve the others) and, a daemon, does not hold up the
-    process's exit."""
-
-    def __init__(self, size: int = 32):
-        self.size = size
-        self._slots = threading.Semaphore(size)
-
-    async def call(self, fn: Callable[[], Any], timeout_s: float) -> Any:
-        """``fn()`` on a thread; ``ToolDeadline`` once it ran ``timeout_s`` seconds."""
-        loop = asyncio.get_running_loop()
-        answer = loop.create_future()
-        call = _ToolCall(self._slots)
-
-        def run() -> None:
-            self._slots.acquire()
-            with call.lock:
-                if call.dropped:  # given up on while it queued
-                    call.released = True
-                    self._slots.release()
-                    return
-                call.started = time.monotonic()
-            try:
-                value, error = fn(), None
-            except BaseException as err:
-                value, error = None, err
-            call.release()
-            try:
-                loop.call_soon_threadsafe(_answer, answer, value, error)
-            except RuntimeError:  # the episode's loop has closed
-                pass
-
-        threading.Thread(target=run, name="astraflow-tool", daemon=True).start()
-        try:
-            while True:
-                left = timeout_s - (time.monotonic() - call.started) if call.started is not None else timeout_s
-                if left <= 0:
-                    raise ToolDeadline
-                done, _ = await asyncio.wait({answer}, timeout=max(left, 0.005))
-                if done:
-                    return answer.result()
-        except BaseException:
-            with call.lock:
-                call.dropped = True
-            if call.started is not None:
-                call.release()  # its slot goes to the next call; the thread runs on, unheeded
-            raise
-
-
-def _answer(answer: asyncio.Future, value: Any, error: BaseException | None) -> None:
-    if not answer.done():
-        if error is not None:
-            answer.set_exception(error)
-        else:
-            answer.set_result(value)
+def _ToolThreads(size: int = 32) -> CallThreads:
+    """The threads plain tools run on (``CallThreads``: a stuck call gives its slot back)."""
+    return CallThreads(size, name="astraflow-tool")
 
 
 _THREADS = _ToolThreads()

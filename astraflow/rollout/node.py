@@ -23,7 +23,8 @@ to ``dataflow.max_attempts``); rewards run off the loop under ``rollout.reward_t
 whole episode is cancelled (its task failed) past ``rollout.episode_timeout_s``. Dead engine
 processes are restarted within a budget (``engine_recovery``). A loop that dies (writer, weight
 watcher, a data-layer call) sends a last heartbeat with its error, and the orchestrator
-replaces the node (also one that went silent).
+replaces the node (also one that went silent). Something that blocks the loop itself is logged
+with the stack it is stuck in (``loop_watchdog``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from astraflow.contracts import RolloutTask, Trajectory
 from astraflow.rollout.engine import InferenceEngine, SamplingParams
 from astraflow.rollout.engine_pool import dead_engines, engine_pids, replicas_of, serving
 from astraflow.rollout.engine_recovery import EngineRecovery
+from astraflow.rollout.loop_watchdog import unwatch_loop, watch_loop
 from astraflow.rollout.engines import make_engine
 from astraflow.rollout.node_episodes import NodeEpisodes
 from astraflow.rollout.process_engine import EngineProcessError
@@ -146,6 +148,7 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
         self._started_at = time.time()
         self._segment_batches: collections.Counter = collections.Counter()  # per segment: batches not yet completed
         self._segments_reported: set[str] = set()
+        self._failures_logged: set[tuple[str, str]] = set()  # reasons logged with their tracebacks
 
     # ------------------------------------------------------------------ actor API
     def reconnect(self, data_layer: Any) -> None:
@@ -251,6 +254,7 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
     async def _guarded(self) -> None:
         """The node's loop, on a thread's own event loop (``_run``) or on the shared one."""
         self._loop = asyncio.get_running_loop()
+        watchdog = watch_loop(self.identity.name)  # names what blocks the loop, should anything do so
         try:
             await self._main()
         except BaseException as err:  # whatever stopped the loop is reported, then re-raised
@@ -260,6 +264,8 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
             log.exception("RaaS node %s failed", self.identity.name)
             await asyncio.to_thread(self._last_word)
             raise
+        finally:
+            unwatch_loop(watchdog, self.identity.name)
 
     def _last_word(self) -> None:
         """A dead loop's last heartbeat: its error (the orchestrator replaces the node), no lease renewed."""

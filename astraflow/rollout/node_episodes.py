@@ -29,6 +29,9 @@ log = logging.getLogger("astraflow.rollout")
 #: batches a node's writer has written and waits to see committed before it holds the next one back
 WRITE_AHEAD = 4
 
+#: distinct failure reasons a node logs with their tracebacks (reasons that differ per task stop there)
+MAX_TRACEBACKS = 100
+
 
 class EpisodeTimeout(TimeoutError):
     """An episode ran past ``rollout.episode_timeout_s``: it was cancelled and its task failed."""
@@ -38,8 +41,8 @@ class NodeEpisodes:
     """Episodes and trajectory writes of a node; uses the node's ``engines``, ``cfg``,
     ``counters``, ``identity``, ``dl``, ``workflow``, ``writer``, ``inflight``, ``writing``, the
     lease loop's ``_slot_free`` and the writer's queue (``_finished``, ``_finished_event``,
-    ``_closing``, ``_segment_batches``, ``_segments_reported``), and ``_recovery``/``_recover``
-    (``engine_recovery``)."""
+    ``_closing``, ``_segment_batches``, ``_segments_reported``), ``_failures_logged``, and
+    ``_recovery``/``_recover`` (``engine_recovery``)."""
 
     engines: dict[str, InferenceEngine]
     cfg: Any
@@ -57,12 +60,20 @@ class NodeEpisodes:
     _segment_batches: collections.Counter
     _segments_reported: set[str]
     _recovery: asyncio.Task | None
+    #: failure reasons (exception type, first line) already logged with their tracebacks
+    _failures_logged: set[tuple[str, str]]
 
     async def _generate(self, task: RolloutTask) -> Trajectory:
         """The episode of ``task``: wait for the weight version it needs, then run the workflow."""
         if task.min_version >= 0:
             await self._wait_for_version(task.policies[0], task.min_version, timeout=120)
-        return await self.workflow.run_episode(self.engines, task)
+        traj = await self.workflow.run_episode(self.engines, task)
+        if not isinstance(traj, Trajectory):
+            what = "None" if traj is None else f"a {type(traj).__name__}"
+            how = "self.trajectory(...)" if hasattr(self.workflow, "trajectory") else "astraflow.contracts.Trajectory"
+            raise TypeError(f"{type(self.workflow).__name__}.run_episode returned {what}, not a Trajectory "
+                            f"(build one with {how})")
+        return traj
 
     async def _episode(self, task: RolloutTask) -> None:
         try:
@@ -92,7 +103,7 @@ class NodeEpisodes:
             raise
         except BaseException as err:  # of any type, or the asyncio task (or the loop) ends with the lease held
             self.counters["failed"] += 1
-            log.warning("episode %s failed: %s: %s", task.task_id, type(err).__name__, err)
+            self._log_failure(task, err)
             if isinstance(err, EngineProcessError) and (self._recovery is None or self._recovery.done()):
                 self._recovery = asyncio.get_running_loop().create_task(self._recover(err))
             await self._fail(task, f"{type(err).__name__}: {err}")
@@ -101,6 +112,17 @@ class NodeEpisodes:
         finally:
             self.inflight.pop(task.task_id, None)
             self._slot_free.set()
+
+    def _log_failure(self, task: RolloutTask, err: BaseException) -> None:
+        """Log a failed episode: with its traceback the first time its reason (exception type and
+        first line) is seen on this node, as one line after that (a failure on every task would
+        flood the log)."""
+        reason = (type(err).__name__, str(err).partition("\n")[0])
+        first = reason not in self._failures_logged and len(self._failures_logged) < MAX_TRACEBACKS
+        if first:
+            self._failures_logged.add(reason)
+        log.warning("episode %s failed: %s: %s", task.task_id, type(err).__name__, err,
+                    exc_info=err if first else None)
 
     async def _fail(self, task: RolloutTask, reason: str) -> None:
         """Tell the data layer ``task`` failed (it is requeued up to its attempt limit). When the

@@ -6,9 +6,10 @@ registered by name and chosen in the config (``workload.workflow``), and a user'
 ``package.module:name``. A RaaS node calls ``run_episode(engines, task)`` and knows nothing else
 about it.
 
-A workflow scores with ``await self.score(text, payload)``: the workload's reward runs in a
-thread pool under a deadline, off the node's event loop (a reward that hangs fails its episode
-instead of freezing the node, heartbeats included).
+A workflow scores with ``await self.score(text, payload)``: the workload's reward runs on a
+thread under a deadline, off the node's event loop (a reward that hangs fails its episode
+instead of freezing the node, heartbeats included; its thread is abandoned, so hung rewards
+never hold up the healthy ones).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, ClassVar, Mapping, Protocol
 
@@ -25,9 +26,11 @@ import numpy as np
 
 from astraflow.agents.chat import prompt_ids
 from astraflow.contracts import NOT_GENERATED, Provenance, RolloutTask, Sequence, Trajectory
+from astraflow.rollout.call_threads import CallDeadline, CallThreads
 from astraflow.rollout.engine import Generation, InferenceEngine, SamplingParams
 from astraflow.registry import Registry
 from astraflow.workloads.base import Workload
+from astraflow.workloads.rewards import RewardError
 from astraflow.workloads.prompts import (  # noqa: F401  (re-exported)
     SELECT_NEW_TOKENS, VERIFY_NEW_TOKENS, parse_pick, parse_verdict, retry_prompt, select_prompt, verify_prompt,
 )
@@ -50,9 +53,10 @@ WORKFLOWS: Registry = Registry("workflow")
 #: deadline of one reward call when none is given (``rollout.reward_timeout_s`` sets it)
 REWARD_TIMEOUT_S = 30.0
 
-#: shared by the reward calls of every workflow of the process; a reward past its deadline keeps
-#: its thread until it returns (a thread cannot be killed), so the pool has room to spare
-_REWARD_POOL = ThreadPoolExecutor(max_workers=32, thread_name_prefix="astraflow-reward")
+#: shared by the reward calls of every workflow of the process: each call on a daemon thread of its
+#: own; a reward past its deadline is abandoned and gives its slot back (a thread cannot be killed),
+#: so rewards that hang never starve the healthy ones
+_REWARD_THREADS = CallThreads(32, name="astraflow-reward")
 
 
 class RewardTimeout(TimeoutError):
@@ -137,9 +141,10 @@ class WorkflowBase:
         self.reward_timeout_s = reward_timeout_s
 
     async def score(self, completion: str, payload: Mapping) -> float:
-        """``workload.reward(completion, payload)`` in the reward pool, off the event loop;
-        ``RewardTimeout`` past ``reward_timeout_s``; the reward's own error propagates."""
-        return await self._in_pool(self.workload.reward, completion, payload)
+        """``workload.reward(completion, payload)`` off the event loop, as a float; ``RewardTimeout``
+        past ``reward_timeout_s``; ``RewardError`` naming the workload when it raises or returns
+        something that is not a finite number."""
+        return self._number(await self._in_pool(self.workload.reward, completion, payload), "reward")
 
     async def score_and_stats(self, completion: str, payload: Mapping) -> tuple[float, dict[str, float]]:
         """The reward and the episode statistics of a workload that reports them
@@ -147,22 +152,46 @@ class WorkflowBase:
         fn = getattr(self.workload, "reward_and_stats", None)
         if fn is None:
             return await self.score(completion, payload), {}
-        reward, stats = await self._in_pool(fn, completion, payload)
-        return float(reward), {k: float(v) for k, v in stats.items()}
-
-    async def _in_pool(self, fn, completion: str, payload: Mapping):
+        out = await self._in_pool(fn, completion, payload, "reward_and_stats")
         try:
-            if getattr(self.workload, "uses_sandbox", False):
-                # waiting for a sandbox slot behind other programs is not this reward running long
-                from astraflow.sandbox import default_sandbox, run_within
+            reward, stats = out
+            stats = {k: float(v) for k, v in stats.items()}
+        except (TypeError, ValueError, AttributeError):
+            raise RewardError(f"{type(self.workload).__name__}.reward_and_stats returned {repr(out)[:60]}, "
+                              "not a (reward, {name: number}) pair") from None
+        return self._number(reward, "reward_and_stats"), stats
 
-                return await run_within(_REWARD_POOL, lambda: fn(completion, payload), self.reward_timeout_s,
-                                        default_sandbox())
-            fut = asyncio.get_running_loop().run_in_executor(_REWARD_POOL, fn, completion, payload)
-            return await asyncio.wait_for(fut, self.reward_timeout_s)
-        except TimeoutError:
-            raise RewardTimeout(f"{type(self.workload).__name__}.reward ran past its {self.reward_timeout_s:g} s "
+    def _number(self, out: Any, method: str) -> float:
+        """A reward as a float; ``RewardError`` naming the workload's ``method`` when it is not a finite number."""
+        try:
+            value = float(out)
+        except (TypeError, ValueError, OverflowError):
+            value, what = math.nan, "a number"
+        else:
+            what = "a finite number"
+        if not math.isfinite(value):
+            raise RewardError(f"{type(self.workload).__name__}.{method} returned {repr(out)[:60]}, not {what}")
+        return value
+
+    async def _in_pool(self, fn, completion: str, payload: Mapping, method: str = "reward"):
+        """``fn(completion, payload)`` (the workload's ``method``) on a reward thread under
+        ``reward_timeout_s``; its errors become a ``RewardError`` naming it."""
+        name = f"{type(self.workload).__name__}.{method}"
+        queue = None
+        if getattr(self.workload, "uses_sandbox", False):
+            # waiting for a sandbox slot behind other programs is not this reward running long
+            from astraflow.sandbox import default_sandbox
+
+            queue = default_sandbox()
+        try:
+            return await _REWARD_THREADS.call(lambda: fn(completion, payload), self.reward_timeout_s, queue)
+        except CallDeadline:
+            raise RewardTimeout(f"{name} ran past its {self.reward_timeout_s:g} s "
                                 "deadline (rollout.reward_timeout_s)") from None
+        except RewardError:  # already names whose reward failed (a dataset workload's own reward)
+            raise
+        except Exception as err:
+            raise RewardError(f"{name} raised {type(err).__name__}: {err}") from err
 
     def trajectory(self, task: RolloutTask, seqs: list[Sequence], t0: float, engine_s: float) -> Trajectory:
         """The episode of ``task`` made of ``seqs``, started at ``t0``, ``engine_s`` seconds in engines."""

@@ -1,0 +1,118 @@
+"""Plain (blocking) calls under deadlines, off the event loop, where a call may never return.
+
+A thread cannot be killed. A fixed thread pool whose threads hang one after another ends up with
+no thread left for healthy calls, which then time out behind the stuck ones. ``CallThreads`` runs
+each call on a daemon thread of its own, at most ``size`` at once: a call past its deadline is
+abandoned and gives its slot back, so stuck calls never starve the others, and, daemons, do not
+hold up the process's exit. Tools and rewards both run this way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any, Callable, Protocol
+
+
+class CallDeadline(Exception):
+    """A call ran past its deadline (apart from a ``TimeoutError`` the call raised itself)."""
+
+
+class QueueClock(Protocol):
+    """Time a thread spent queueing for something else (a sandbox slot, say): not its own running."""
+
+    def forget_queued(self, ident: int) -> None: ...
+
+    def queued_s(self, ident: int) -> float: ...
+
+
+class _Call:
+    """One call on a daemon thread of its own."""
+
+    def __init__(self, slots: threading.Semaphore):
+        self.slots = slots
+        self.lock = threading.Lock()
+        self.started: float | None = None
+        self.ident: int | None = None
+        self.dropped = False  # abandoned (past its deadline, or its caller gave up)
+        self.released = False
+
+    def release(self) -> None:
+        with self.lock:
+            if self.released:
+                return
+            self.released = True
+        self.slots.release()
+
+
+class CallThreads:
+    """Each call on a daemon thread of its own, at most ``size`` running at once (the others queue;
+    a call's deadline counts from when it starts). A call past its deadline is abandoned: its thread
+    runs on unheeded and no longer counts towards ``size``."""
+
+    def __init__(self, size: int = 32, name: str = "astraflow-call"):
+        self.size = size
+        self.name = name
+        self._slots = threading.Semaphore(size)
+
+    async def call(self, fn: Callable[[], Any], timeout_s: float | None, queue: QueueClock | None = None) -> Any:
+        """``fn()`` on a thread; ``CallDeadline`` once it ran ``timeout_s`` seconds (None: no deadline),
+        not counting the time ``queue`` says its thread waited elsewhere."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        call = _Call(self._slots)
+
+        def run() -> None:
+            self._slots.acquire()
+            with call.lock:
+                if call.dropped:  # given up on while it queued
+                    call.released = True
+                    self._slots.release()
+                    return
+                call.ident = threading.get_ident()
+                if queue is not None:
+                    queue.forget_queued(call.ident)
+                call.started = time.monotonic()
+            try:
+                value, error = fn(), None
+            except BaseException as err:
+                value, error = None, err
+            call.release()
+            try:
+                loop.call_soon_threadsafe(_answer, answer, value, error)
+            except RuntimeError:  # the caller's loop has closed
+                pass
+
+        threading.Thread(target=run, name=self.name, daemon=True).start()
+        try:
+            while True:
+                left = None if timeout_s is None else self._left(call, timeout_s, queue)
+                if left is not None and left <= 0:
+                    raise CallDeadline
+                done, _ = await asyncio.wait({answer}, timeout=None if left is None else max(left, 0.005))
+                if done:
+                    return answer.result()
+        except BaseException:
+            with call.lock:
+                call.dropped = True
+            if call.started is not None:
+                call.release()  # its slot goes to the next call; the thread runs on, unheeded
+            raise
+
+    @staticmethod
+    def _left(call: _Call, timeout_s: float, queue: QueueClock | None) -> float:
+        if call.started is None:
+            return timeout_s
+        ran = time.monotonic() - call.started
+        if queue is not None and call.ident is not None:
+            ran -= queue.queued_s(call.ident)
+        return timeout_s - ran
+
+
+def _answer(answer: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if not answer.done():
+        if error is not None:
+            answer.set_exception(error)
+        else:
+            answer.set_result(value)
