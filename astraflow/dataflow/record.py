@@ -193,7 +193,8 @@ class MetricsLog:
 def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str, Any],
                 batch_metrics: dict[str, Any], cfg: DataflowConfig, counts: Counter,
                 staleness_hist: Counter, generated: Generated, trainer_wait_s: float,
-                node_versions: dict[str, Any], by_source: dict[str, dict[str, int]] | None) -> dict[str, Any]:
+                node_versions: dict[str, Any], by_source: dict[str, dict[str, int]] | None,
+                failed_tasks: int = 0, failed_tasks_total: int = 0) -> dict[str, Any]:
     """The metrics line of ``policy``'s step ``version`` (one per policy and step).
 
     It holds the trainer's own ``metrics``, the batch's (``data_*``: wait, staleness histogram
@@ -205,7 +206,9 @@ def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str,
     ``staleness_hist`` over every consumed sequence, ``trainer_wait_s`` and
     ``rollouts_per_consumed`` (this policy's training sequences ingested per sequence it
     consumed: the price of filtering and staleness; ``rollouts_generated`` is run-wide, every
-    policy's). With several sources
+    policy's), ``failed_tasks`` (rollout tasks of any policy that failed since the previous step
+    line) and ``failed_tasks_total`` (the run's), so that failing episodes show while it runs. With
+    several sources
     (``mix``, ``by_source``): ``consumed_by_source`` (cumulative sequences of each source
     consumed by this policy) and ``groups_by_source`` (train groups created). Multi-turn runs
     add ``episode_turns``, ``episode_tool_calls``, ``episode_invalid_call_rate``,
@@ -227,6 +230,8 @@ def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str,
         "consumed": counts["consumed"],
         "curator_skipped": counts["curator_skipped"],
         "admission_refused": counts["admission_refused"],
+        "failed_tasks": failed_tasks,
+        "failed_tasks_total": failed_tasks_total,
         "staleness_hist": {str(k): v for k, v in sorted(staleness_hist.items())},
         "sequences_generated": generated.sequences,
         "rollouts_generated": generated.train_sequences,

@@ -112,13 +112,15 @@ class TrainerFacing:
         self.buffers.commit(policy, version)  # the batch trained on is consumed
         by_source = ({"consumed_by_source": self.mixer.consumed_by_source(policy),
                       "groups_by_source": self.mixer.groups_by_source()} if self.mixer.mixing else None)
+        failed = self.ledger.events["failed"]  # failed tasks since the previous step line, and the run's
+        since, self._failed_recorded = failed - getattr(self, "_failed_recorded", 0), failed
         self.metrics.write(rec.step_record(
             policy=policy, version=version, elapsed=time.time() - self._started, metrics=metrics or {},
             batch_metrics=batch_metrics or self.buffers.last_batch[policy], cfg=self.cfg,
             counts=self.buffers.counts[policy], staleness_hist=self.buffers.staleness_hist[policy],
             generated=self.generated, trainer_wait_s=self.buffers.wait_s[policy],
             node_versions={n: i.get("versions") for n, i in self.leases.nodes.items() if not i.get("gone")},
-            by_source=by_source))
+            by_source=by_source, failed_tasks=max(since, 0), failed_tasks_total=failed))
         if self._state_path is not None:
             rec.save(self._state_path, self.state_dict())
         if all(v >= self.max_steps for v in self.versions.values()):

@@ -319,7 +319,8 @@ class Orchestrator(Shutdown):
                 self._reconcile()
                 self.fleet.advance()
                 self.fleet.replace_failed_nodes(tick.data_layer, silent_after=self.cfg.dataflow.lease_seconds)
-                why = self.nothing_completes.check(tick.data_layer.get("ledger", {}))
+                why = (self.parts.rollout_exhausted(self.fleet)
+                       or self.nothing_completes.check(tick.data_layer.get("ledger", {})))
                 if why:
                     raise RunFailed(why)
             except TrainerLost as lost:

@@ -19,6 +19,27 @@ if TYPE_CHECKING:
 
 #: nodes named on a progress line; more are counted
 MAX_NODES_SHOWN = 8
+#: characters of a failure reason shown on a progress line
+REASON_SHOWN = 80
+
+
+def top_failure(ledger: dict) -> tuple[int, str]:
+    """How many rollout tasks failed (``Ledger.summary``) and the commonest reason ("" when none)."""
+    failed = int((ledger.get("events") or {}).get("failed", 0))
+    by_reason = ledger.get("failed_by_reason") or {}
+    return failed, max(by_reason, key=by_reason.get) if by_reason else ""
+
+
+def failures_outnumber_consumed(ledger: dict, jobs_dir: object) -> str | None:
+    """The end-of-run warning when more rollout tasks failed than were trained on (a run can end
+    ``completed`` on the few episodes that did not fail), or None."""
+    failed, reason = top_failure(ledger)
+    consumed = int((ledger.get("events") or {}).get("consumed", 0))
+    if failed <= consumed:
+        return None
+    return (f"more rollout tasks failed ({failed}) than were trained on ({consumed}); the commonest reason: "
+            f"{reason or 'none recorded'} (the tracebacks are in the RaaS nodes' logs under {jobs_dir})")
+
 
 class Progress:
     def __init__(self, enabled: bool = True, console: Console | None = None, interval_s: float = 5.0,
@@ -130,8 +151,12 @@ class Progress:
         # many nodes (``rollout.nodes_per_worker``): the first few, then how many more
         nodes = " ".join(shown[:MAX_NODES_SHOWN]) + (f" +{len(shown) - MAX_NODES_SHOWN} more"
                                                       if len(shown) > MAX_NODES_SHOWN else "")
+        failed, reason = top_failure(state.get("ledger") or {})
+        if len(reason) > REASON_SHOWN:
+            reason = reason[:REASON_SHOWN - 3] + "..."
+        failures = f" | [bold]{failed} tasks failed[/bold] ({escape(reason)})" if failed else ""
         self.note(
             " | ".join(parts)
             + f" | {state['episodes_per_s']:.1f} ep/s {state['generated_tokens_per_s']:.0f} tok/s"
-            + f" | staleness {hist} | nodes {nodes}"
+            + f" | staleness {hist} | nodes {nodes}{failures}"
         )

@@ -158,6 +158,20 @@ class PartitionSet:
         """Partitions marked failed, with why (at start, a refused partition ends the run)."""
         return {n: ps.error for n, ps in self.state.items() if ps.state == "failed"}
 
+    def rollout_exhausted(self, fleet: Fleet) -> str | None:
+        """Why no episode can be rolled out again (None: one can): every rollout partition stopped
+        being refilled (failed; removed ones aside) and no rollout worker is left. The run ends
+        with this instead of idling until the trainers' batch timeout blames them."""
+        rollout = {n: ps for n, ps in self.state.items()
+                   if n in self.partitions and self.partitions[n].role == "rollout"}
+        failed = {n: ps.error for n, ps in rollout.items() if ps.state == "failed"}
+        if not failed or any(ps.state not in ("failed", "removed") for ps in rollout.values()):
+            return None
+        if any(not w.gone for w in fleet.of_role("rollout")):
+            return None
+        said = "; ".join(f"partition {n}: {why}" for n, why in failed.items())
+        return f"no rollout node is left and no rollout partition is refilled any more ({said})"
+
     def record_failure(self, name: str, last_note: str) -> None:
         """A worker of partition `name` failed (lost before it served or soon after, or its node
         failed): the partition is refilled only after a growing backoff, and too many failures

@@ -10,8 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
+from astraflow.runtime.progress import failures_outnumber_consumed
 from astraflow.runtime.stopping import BoundedWaits, Ending
 from astraflow.runtime.workers import NODE_PHASES
+from storage.atomic import write_json
 from storage.weights import WeightStore
 
 log = logging.getLogger("astraflow.runtime")
@@ -27,6 +31,22 @@ class RunResult:
     interrupted: bool = False
     nodes: dict[str, Any] = field(default_factory=dict)
     ending: Ending = Ending("completed")
+
+
+def jsonable(value: Any, depth: int = 0) -> Any:
+    """``value`` with what JSON cannot hold turned into strings: keys that are not strings or
+    numbers, sets and tuples made lists, other objects (and anything nested too deep: a cycle)
+    their ``str``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if depth > 64:
+        return str(value)
+    if isinstance(value, dict):
+        return {k if isinstance(k, (str, int, float, bool)) or k is None else str(k): jsonable(v, depth + 1)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v, depth + 1) for v in value]
+    return str(value)
 
 
 def committed_steps(weights: Path, policies: list[str], reported: dict[str, int]) -> dict[str, int]:
@@ -90,10 +110,35 @@ class Shutdown:
         steps = committed_steps(self.paths.weights, list(trainers), {p: t["version"] for p, t in trainers.items() if t})
         result = RunResult(self.paths.root, steps, state.get("eval", []), ledger or state.get("ledger", {}),
                            time.time() - t0, ending.status == "interrupted", nodes, ending)
-        self.status.write_summary(ending=ending, steps=steps, ledger=result.ledger, ledger_closed=bool(ledger),
-                                  seconds=result.seconds, nodes=nodes, trainers=trainers, data_layer=state,
-                                  iterations=self.iterations, stop_errors=waits.errors)
+        warning = failures_outnumber_consumed(result.ledger, self.paths.jobs)
+        if warning:  # a run ended on the few episodes that did not fail: said where it ends
+            log.warning("%s", warning)
+            progress = getattr(self, "progress", None)
+            if progress is not None:
+                progress.note(f"[bold]warning[/bold]: {escape(warning)}")
+        self._write_summary(ending, dict(steps=steps, ledger=result.ledger, ledger_closed=bool(ledger),
+                                         seconds=result.seconds, nodes=nodes, trainers=trainers, data_layer=state,
+                                         iterations=self.iterations, stop_errors=waits.errors))
         return result
+
+    def _write_summary(self, ending: Ending, parts: dict[str, Any]) -> None:
+        """``summary.json`` is written whatever the parts hold: a value JSON cannot hold (a user
+        rule's state with tuple keys, say) is written as a string, and the ending's reason kept."""
+        try:
+            self.status.write_summary(ending=ending, **parts)
+            return
+        except (TypeError, ValueError) as err:
+            log.warning("summary.json holds values JSON cannot hold (%s: %s): they are written as strings",
+                        type(err).__name__, err)
+        try:
+            self.status.write_summary(ending=ending, **{k: jsonable(v) for k, v in parts.items()})
+        except (TypeError, ValueError) as err:  # what the status adds itself: the ending and the steps at least
+            log.warning("summary.json could not be written in full (%s: %s): only the ending and the steps are",
+                        type(err).__name__, err)
+            write_json(self.paths.summary, jsonable({
+                "status": ending.status, "reason": ending.reason, "requeue": ending.requeue,
+                "steps": parts.get("steps", {}), "interrupted": ending.status == "interrupted",
+                "summary_error": f"{type(err).__name__}: {err}"}), indent=2)
 
     def _gone_but_listed(self, sched: Any) -> list[str]:
         """Jobs of workers that left the Dask scheduler (a hung trainer, say) whose scheduler

@@ -1,0 +1,55 @@
+"""Failing episodes show while a run runs: every step line of ``metrics.jsonl`` carries the
+rollout tasks that failed since the previous step line and the run's total."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from tests.dataflow.helpers import make_trajectory, store_and_ref
+from tests.dataflow.test_data_layer import Node, make_layer
+
+
+def _steps(tmp_path) -> list[dict]:
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "failed_tasks" in r or "consumed" in r]
+
+
+def test_step_lines_carry_failed_tasks_since_the_last_line_and_the_total(tmp_path):
+    layer = make_layer(tmp_path, max_attempts=1)
+    node = Node(layer)
+
+    async def fail(n: int):
+        for t in await layer.lease("n", n):
+            await layer.fail(t.task_id, "tool broke", attempt=t.attempt)
+
+    async def step(version: int):
+        while await layer.ready("p", version - 1) < 8:
+            await node.roll(8, reward_of=lambda t: float(int(t.task_id.split("/")[1]) % 2))
+        await layer.next_batch("p", version - 1, timeout=5)
+        await layer.published("p", version, {"loss": 0.0})
+
+    async def go():
+        await fail(2)
+        await step(1)
+        await fail(3)
+        await step(2)
+        await step(3)
+
+    asyncio.run(go())
+    steps = _steps(tmp_path)
+    assert [(r["step"], r["failed_tasks"], r["failed_tasks_total"]) for r in steps] == [(1, 2, 2), (2, 3, 5), (3, 0, 5)]
+
+
+def test_a_step_record_without_failures_says_zero(tmp_path):
+    layer = make_layer(tmp_path)
+
+    async def go():
+        tasks = await layer.lease("n", 8)
+        writer = layer.store.writer("n")
+        await layer.complete(store_and_ref(writer, [make_trajectory(t, float(i % 2)) for i, t in enumerate(tasks)]))
+        await layer.next_batch("p", 0, timeout=5)
+        await layer.published("p", 1, {"loss": 0.0})
+
+    asyncio.run(go())
+    assert (_steps(tmp_path)[-1]["failed_tasks"], _steps(tmp_path)[-1]["failed_tasks_total"]) == (0, 0)
