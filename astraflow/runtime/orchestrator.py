@@ -56,7 +56,7 @@ from astraflow.runtime.reconcile import PartitionSet, run_tag
 from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts, note
 from astraflow.runtime.shutdown import RunResult, Shutdown
 from astraflow.runtime.stopping import (STOPPING, Ending, NothingCompletes, disk_full,
-                                        disk_full_reason, full_disk_of, interrupted)
+                                        disk_full_reason, full_disk_of, interrupted, is_disk_full_reason)
 from astraflow.runtime.workers import (FUTURE_ERRORS, PHASES, DataLayerLost, Fleet, RunFailed,
                                       TrainerLost, Worker)
 from astraflow.training.numerics import NonFiniteError
@@ -170,7 +170,7 @@ class Orchestrator(Shutdown):
             if not disk_full(err):
                 raise
             full = disk_full_reason(err, self.paths.root)
-            before = f"{ending.reason}; then " if ending.reason and not ending.reason.startswith("no space left") else ""
+            before = f"{ending.reason}; then " if ending.reason and not is_disk_full_reason(ending.reason) else ""
             raise RunFailed(f"{before}{full}; summary.json could not be written") from None
         finally:
             self._teardown()

@@ -95,6 +95,15 @@ def full_disk_of(report: dict[str, Any]) -> OSError | None:
     return err if disk_full(err) else None
 
 
+#: how each of ``disk_full_reason``'s lines begins
+_FULL_DISK_OPENINGS = ("no space left", "quota exceeded", "file-size limit reached")
+
+
+def is_disk_full_reason(reason: str | None) -> bool:
+    """Whether ``reason`` is a line ``disk_full_reason`` wrote (it is not repeated after a second one)."""
+    return bool(reason) and reason.startswith(_FULL_DISK_OPENINGS)
+
+
 def disk_full_reason(err: OSError, run_dir: Path) -> str:
     """One line for a run stopped by a full disk, a quota or a file-size limit: what could not be
     written, and the way on (every write of a run is atomic or committed by a marker, so the

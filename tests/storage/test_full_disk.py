@@ -149,3 +149,13 @@ def test_a_hold_file_refused_for_room_says_so_not_write_access(tmp_path, monkeyp
         holds.take(tmp_path, "p", 1, "host")
     assert info.value.errno == code and says in str(info.value)
     assert (code == errno.EACCES) == ("write access" in str(info.value))
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EFBIG])
+def test_each_full_disk_line_is_known_as_one(tmp_path, code):
+    """The orchestrator does not repeat a full-disk reason when the summary then cannot be
+    written either: each kind of line is recognised."""
+    from astraflow.runtime.stopping import disk_full_reason, is_disk_full_reason
+
+    line = disk_full_reason(OSError(code, os.strerror(code), str(tmp_path / "x")), tmp_path)
+    assert is_disk_full_reason(line) and not is_disk_full_reason("trainer solver failed: KeyError: 'x'")
