@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from astraflow.agents.env import Action, EpisodeError, ToolCall
-from astraflow.rollout.call_threads import CallDeadline, CallThreads
+from astraflow.agents.call_threads import CallDeadline, CallThreads
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|$)", re.DOTALL)

@@ -111,6 +111,12 @@ class _UserRule(Strict):
         model = R.rule_class(cls.registry, info.data["type"]).Params
         refuse_bools(params, model)  # pydantic would read `true` as 1
         model.model_validate(params)  # its errors become this field's, located under params
+        try:  # built once here, so `astraflow check` finds what the data layer would fail on
+            R.make(cls.registry, info.data["type"], params)
+        except R.RuleError as err:  # names the rule: a state that could never be saved
+            raise ValueError(str(err)) from None
+        except Exception as err:  # the user's constructor
+            raise ValueError(f"building {info.data['type']} raised {type(err).__name__}: {err}") from None
         return params
 
 

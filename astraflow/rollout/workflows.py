@@ -26,7 +26,7 @@ import numpy as np
 
 from astraflow.agents.chat import prompt_ids
 from astraflow.contracts import NOT_GENERATED, Provenance, RolloutTask, Sequence, Trajectory
-from astraflow.rollout.call_threads import CallDeadline, CallThreads
+from astraflow.agents.call_threads import CallDeadline, CallThreads
 from astraflow.rollout.engine import Generation, InferenceEngine, SamplingParams
 from astraflow.registry import Registry
 from astraflow.workloads.base import Workload

@@ -64,3 +64,13 @@ def test_plain_json_problem_names_what_is_wrong():
     assert R.plain_json_problem({"a": [1, 2.5, "x", None, True, {"b": []}]}) is None
     assert R.plain_json_problem({"a": (1, 2)}) == "state['a'] is a builtins.tuple (use a list)"
     assert "of type int" in R.plain_json_problem({"a": {1: 2}})
+
+
+def test_a_rule_whose_state_could_never_be_saved_is_a_config_error(tmp_path):
+    """``astraflow check`` builds a user's rule: a state of sets is refused with the config's
+    other errors, naming the field, before anything starts."""
+    from astraflow.config import ConfigError
+    from tests.dataflow.test_rules import run_config
+
+    with pytest.raises(ConfigError, match=r"dataflow.curator.params: .*SetState.*state_dict is not plain JSON"):
+        run_config(tmp_path, curator={"type": f"{HERE}:SetState"})
