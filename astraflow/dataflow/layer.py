@@ -150,6 +150,9 @@ class DataLayer(NodeFacing, TrainerFacing, LaneServed):
         self.trainer_restarts: Counter = Counter()
         self.generated = rec.Generated.for_policies(self.policy_names)
         self.finished = False
+        #: a dataflow rule's first failure in a node's call (``RuleError``): the orchestrator ends
+        #: the run with it instead of replacing the node that happened to call
+        self.rule_error: str | None = None
         self._ready_event: asyncio.Event | None = None
         #: groups the data layer may still create; None = free running (the AstraFlow mode).
         #: The trainer-centred baseline (``run.mode: sync``) opens one iteration at a time.

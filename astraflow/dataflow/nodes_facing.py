@@ -14,6 +14,7 @@ from typing import Any
 
 from astraflow.contracts import RolloutTask, TrajectoryRef, lease_stock_name
 from astraflow.dataflow import admission
+from astraflow.dataflow.rules import RuleError
 from astraflow.transport import Packed, PackedDict
 
 #: completions recorded before ``complete`` lets other calls run (a gathered completion of a
@@ -51,6 +52,9 @@ class NodeFacing:
         t0 = time.perf_counter()
         try:
             return await self._lease_now(requests, wait)
+        except RuleError as err:  # a curator's bug: the run ends naming it, no node is blamed
+            self.rule_error = self.rule_error or str(err)
+            raise
         finally:
             self.service.add("lease", time.perf_counter() - t0)
 
@@ -137,7 +141,11 @@ class NodeFacing:
                 grp = self.buffers.rolling[task.group_id]
                 grp.results[ref.task_id] = ref
                 if grp.done():
-                    self._ingest(grp)
+                    try:
+                        self._ingest(grp)
+                    except RuleError as err:  # a group filter's or curator's bug: the run ends naming it
+                        self.rule_error = self.rule_error or str(err)
+                        raise
         await self._durable(mark)
         self.service.add("complete", time.perf_counter() - t0)
         return new

@@ -345,5 +345,6 @@ def layer_status(dl: DataLayer, evals: int | None = None) -> dict[str, Any]:
         "eval": list(dl.evals.results if evals is None else dl.evals.results[-evals:] if evals > 0 else []),
         "ledger": dl.ledger.summary(),
         **({"retention": dl.retention.status()} if dl.retention.enabled else {}),
+        **({"rule_error": dl.rule_error} if dl.rule_error else {}),
         "rules_state": {"curator": dl.curator.state_dict(), "group_filter": dl.group_filter.state_dict()},
     }

@@ -316,6 +316,8 @@ class Orchestrator(Shutdown):
                 for p, st in tick.trainers.items():
                     if st["error"]:
                         raise full_disk_of(st) or RunFailed(f"trainer {p} failed: {st['error']}")
+                if why := _rule_failed(tick.data_layer):  # before nodes are replaced for it
+                    raise RunFailed(why)
                 self._reconcile()
                 self.fleet.advance()
                 self.fleet.replace_failed_nodes(tick.data_layer, silent_after=self.cfg.dataflow.lease_seconds)
@@ -359,7 +361,7 @@ class Orchestrator(Shutdown):
                 last_tick = time.time()
                 t = self._tick()
                 self.fleet.raise_full_disk(t.data_layer)  # nodes are not replaced here, but a full disk stops the run
-                why = self.nothing_completes.check(t.data_layer.get("ledger", {}))
+                why = _rule_failed(t.data_layer) or self.nothing_completes.check(t.data_layer.get("ledger", {}))
                 if why:
                     raise RunFailed(why)
                 self._show(t)
@@ -395,3 +397,10 @@ class Orchestrator(Shutdown):
             # the driver holds the data layer's handle through its phases: no re-placing under it
             raise RunFailed(f"{lost}; run.mode: sync does not re-place a lost data layer: run again on this "
                             "run directory to resume it") from err
+
+
+def _rule_failed(data_layer: dict) -> str | None:
+    """The run's end when a dataflow rule failed in the data layer (its status says which): no
+    node or trainer is to blame, and replacing them would only fail again."""
+    why = data_layer.get("rule_error")
+    return f"{why} (fix the rule, then run `astraflow run` again on this directory to resume)" if why else None

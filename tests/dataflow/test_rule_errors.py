@@ -19,6 +19,7 @@ def test_a_raising_curator_is_named_with_its_error(tmp_path):
     with pytest.raises(R.RuleError, match=r"dataflow\.curator \(tests\.dataflow\.bad_user_rules:Boom\)\.accept "
                                           r"raised KeyError: 'curator_bug'"):
         asyncio.run(layer.lease("n", 8))
+    _ends_the_run(layer, "accept raised KeyError")
 
 
 def test_a_filter_returning_a_bare_bool_is_told_the_shape(tmp_path):
@@ -26,6 +27,16 @@ def test_a_filter_returning_a_bare_bool_is_told_the_shape(tmp_path):
     with pytest.raises(R.RuleError, match=r"dataflow\.group_filter \(.*BareKeep\)\.keep returned True: "
                                           r"a group filter's keep must return \(bool, reason-or-None\)"):
         asyncio.run(Node(layer).roll(8))
+    _ends_the_run(layer, "keep returned True")
+
+
+def _ends_the_run(layer, what: str) -> None:
+    """The data layer's status carries the rule's failure, which the orchestrator ends the run
+    with (no node is replaced for it)."""
+    from astraflow.runtime.orchestrator import _rule_failed
+
+    why = _rule_failed(asyncio.run(layer.state()))
+    assert why is not None and what in why and why.endswith("again on this directory to resume)")
 
 
 def test_an_ordering_that_leaves_groups_out_is_named():
