@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class StorageConfig(BaseModel):
@@ -16,7 +16,8 @@ class StorageConfig(BaseModel):
     """Keep every trajectory for the run's life (the run's record: the episode viewer shows
     them all). False: a segment is deleted once no node writes to it and the data layer holds
     none of its rows (each node moves to a new segment every ``rollout.segment_max_entries``
-    trajectories), so the store stays about as large as what is in flight, not the whole run."""
+    stored sequences), so the store stays about as large as what is in flight, not the whole
+    run. Only with the run's own store (``trajectories`` left out)."""
     keep_versions: int = Field(default=3, ge=1)
     """Weight versions kept per policy (held versions are never deleted)."""
     deltas: bool = False
@@ -32,3 +33,11 @@ class StorageConfig(BaseModel):
                              "are processes of their own: point storage.trajectories at a directory they all "
                              "reach, or leave it out (<run>/trajectories)")
         return url
+
+    @model_validator(mode="after")
+    def _own_store(self) -> "StorageConfig":
+        if not self.keep_trajectories and self.trajectories is not None:
+            raise ValueError(f"keep_trajectories: false deletes the segments of the run's own store, and "
+                             f"storage.trajectories {self.trajectories} may hold other runs' segments: leave "
+                             "storage.trajectories out (<run>/trajectories) or keep the trajectories")
+        return self

@@ -10,6 +10,7 @@ hold up the process's exit. Tools and rewards both run this way.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 from typing import Any, Callable, Protocol
@@ -49,12 +50,35 @@ class _Call:
 class CallThreads:
     """Each call on a daemon thread of its own, at most ``size`` running at once (the others queue;
     a call's deadline counts from when it starts). A call past its deadline is abandoned: its thread
-    runs on unheeded and no longer counts towards ``size``."""
+    runs on unheeded and no longer counts towards ``size``. Threads whose call returned wait for
+    the next one (up to ``size`` of them), so a call costs a hand-over, not a thread start; every
+    call is given a thread that is free, so none waits behind a stuck one."""
 
     def __init__(self, size: int = 32, name: str = "astraflow-call"):
         self.size = size
         self.name = name
         self._slots = threading.Semaphore(size)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a call and not yet promised to one
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        """Hand ``job`` to a waiting thread, promised to it here, or to a new one."""
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1
+        self._jobs.put(job)
+        if spawn:
+            threading.Thread(target=self._work, name=self.name, daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            self._jobs.get()()
+            with self._lock:
+                if self._idle >= self.size:  # enough threads wait already
+                    return
+                self._idle += 1
 
     async def call(self, fn: Callable[[], Any], timeout_s: float | None, queue: QueueClock | None = None) -> Any:
         """``fn()`` on a thread; ``CallDeadline`` once it ran ``timeout_s`` seconds (None: no deadline),
@@ -84,7 +108,7 @@ class CallThreads:
             except RuntimeError:  # the caller's loop has closed
                 pass
 
-        threading.Thread(target=run, name=self.name, daemon=True).start()
+        self._submit(run)
         try:
             while True:
                 left = None if timeout_s is None else self._left(call, timeout_s, queue)

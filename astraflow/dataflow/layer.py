@@ -165,8 +165,10 @@ class DataLayer(NodeFacing, TrainerFacing, LaneServed):
         #: one replaced had served (their trainer may never have received them: asked again, they
         #: are put back, not dropped)
         self.restored, self._in_doubt = self.durability.restore(self, keep_leases)
-        if not keep_leases:  # a new incarnation: the nodes that wrote the stored segments are gone
+        if not keep_leases:  # a new incarnation: the nodes that wrote the (run's own) store's segments are gone
             self.retention.segments_done(self.store.segments())
+        #: failed tasks counted in the last step line (a restored ledger's are not new)
+        self._failed_recorded = self.ledger.events["failed"]
         # the curve starts where training starts: at 0 now; a resumed run's versions move forward
         # first (``trainer_restarted``), then ``resume_evaluation`` starts its round
         self._eval_at_start = bool(workload.eval.every) and not keep_leases
@@ -310,5 +312,6 @@ class DataLayer(NodeFacing, TrainerFacing, LaneServed):
 
     async def close(self) -> None:
         await self.close_lane()
+        await self.retention.wait()  # its deletions come after a change-log write: not cut off by the close
         await self.durability.close()  # first: its last record reads the metrics file's length
         self.metrics.close()

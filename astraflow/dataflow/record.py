@@ -23,6 +23,7 @@ from astraflow.contracts import TrajectoryRef
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.dataflow.evals import episode_sums, summary_of_sums
 from astraflow.dataflow.mixing import Mixer
+from astraflow.dataflow.rules import plain_state
 from storage.atomic import UnreadableFile, read_json_object, write_json
 
 if TYPE_CHECKING:
@@ -255,7 +256,7 @@ def snapshot(*, versions: dict[str, int], cfg: DataflowConfig, rules: dict[str, 
     out = {
         "versions": dict(versions),
         RULE_TYPES_KEY: {stage: getattr(cfg, stage).type for stage in RULE_STAGES},
-        **{stage: rules[stage].state_dict() for stage in RULE_STAGES},
+        **{stage: plain_state(rules[stage]) for stage in RULE_STAGES},
         **mixer.state_dict(orders),
         "group_seq": group_seq,
     }

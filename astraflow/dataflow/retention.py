@@ -53,10 +53,17 @@ class SegmentRetention:
         self.deleted = 0
         self._last = 0.0
         self._sweeping = False
+        self._task: asyncio.Task | None = None  # the sweep under way (kept: the loop holds tasks weakly)
 
     def segments_done(self, segments: Iterable[str]) -> None:
         if self.enabled:
             self.done.update(segments)
+
+    def sweep_soon(self, buffers: Any, durable: Callable[[], Awaitable[None]]) -> None:
+        """``sweep`` in a task of its own: the caller (a trainer's ``published``) does not wait
+        for the deletions."""
+        if self.done and not self._sweeping and time.monotonic() - self._last >= SWEEP_EVERY_S:
+            self._task = asyncio.get_running_loop().create_task(self.sweep(buffers, durable))
 
     async def sweep(self, buffers: Any, durable: Callable[[], Awaitable[None]], force: bool = False) -> int:
         """Delete the done segments no held row is in (at most every ``SWEEP_EVERY_S`` unless
@@ -70,13 +77,18 @@ class SegmentRetention:
             gone = sorted(self.done - held_segments(buffers))
             if not gone:
                 return 0
-            await durable()  # the state that holds none of their rows is in the change log first
+            await durable()  # the state that holds none of their rows is on disk first (synced)
             self.done.difference_update(gone)
             await asyncio.to_thread(self._delete, gone)
             self.deleted += len(gone)
             return len(gone)
         finally:
             self._sweeping = False
+
+    async def wait(self) -> None:
+        """Until the sweep under way (if any) has finished."""
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
 
     def _delete(self, segments: list[str]) -> None:
         for seg in segments:

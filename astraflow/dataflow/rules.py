@@ -334,8 +334,22 @@ def make(registry: Registry, name: str, params: BaseModel | dict[str, Any], seed
     if not isinstance(params, cls.Params):
         params = cls.Params.model_validate(params)
     rule = checked(cls(params, seed), registry, name)
-    rule.state_dict()  # a state that could never be saved: said now, not at the first save
+    plain_state(rule)  # a state that could never be saved: said now, not at the first save
     return rule
+
+
+def plain_state(rule: Any) -> dict[str, Any]:
+    """``rule.state_dict()``, checked to be plain JSON (``RuleError`` naming the rule and the
+    value otherwise). Checked when the rule is built and at each saved step, not on every
+    change-log record (that one is pickled, and this walk is not free)."""
+    state = rule.state_dict()
+    label = getattr(rule, "_checked", type(rule).__name__)
+    why = plain_json_problem(state) if isinstance(state, dict) else f"state_dict returned a {type(state).__name__}"
+    if why is not None:
+        raise RuleError(f"{label}.state_dict is not plain JSON: {why}; a rule's state is dicts with str keys, "
+                        "lists, numbers, strings, bools and None (docs/extending.md), so that a run can save "
+                        "and restore it")
+    return state
 
 
 class RuleError(RuntimeError):
@@ -419,11 +433,6 @@ def checked(rule: Any, registry: Registry, name: str) -> Any:
         state = call("state_dict")
         if isinstance(state, dict):  # the checked methods are no state (a RuleBase lists the instance's attributes)
             state = {k: v for k, v in state.items() if not (k in wrappers and v is wrappers[k])}
-        why = plain_json_problem(state) if isinstance(state, dict) else f"state_dict returned a {type(state).__name__}"
-        if why is not None:
-            raise RuleError(f"{label}.state_dict is not plain JSON: {why}; a rule's state is dicts with str keys, "
-                            "lists, numbers, strings, bools and None (docs/extending.md), so that a run can save "
-                            "and restore it")
         return state
 
     stage_methods = {"accept": accept, "observe": observe, "keep": keep, "order": order}

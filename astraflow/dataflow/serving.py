@@ -104,7 +104,7 @@ class TrainerFacing:
         self._committed(policy, version, metrics, batch_metrics)
         self._notify()
         await self._durable()
-        await self.retention.sweep(self.buffers, self._durable)  # what the batch held may be free now
+        self.retention.sweep_soon(self.buffers, lambda: self._durable(sync=True))  # what the batch held may be free
 
     def _committed(self, policy: str, version: int, metrics: dict[str, Any] | None,
                    batch_metrics: dict[str, Any] | None) -> None:
@@ -113,7 +113,7 @@ class TrainerFacing:
         by_source = ({"consumed_by_source": self.mixer.consumed_by_source(policy),
                       "groups_by_source": self.mixer.groups_by_source()} if self.mixer.mixing else None)
         failed = self.ledger.events["failed"]  # failed tasks since the previous step line, and the run's
-        since, self._failed_recorded = failed - getattr(self, "_failed_recorded", 0), failed
+        since, self._failed_recorded = failed - self._failed_recorded, failed
         self.metrics.write(rec.step_record(
             policy=policy, version=version, elapsed=time.time() - self._started, metrics=metrics or {},
             batch_metrics=batch_metrics or self.buffers.last_batch[policy], cfg=self.cfg,

@@ -137,10 +137,10 @@ class RolloutConfig(Strict):
     write_batch: int = Field(default=64, ge=1)
     """Trajectories buffered before a segment write (also flushed every ``flush_seconds``)."""
     segment_max_entries: int = Field(default=50_000, ge=1)
-    """Trajectories one segment of the store holds before the node moves to a new one: a
-    reader opening a segment parses its whole commit log, so this bounds what a resume, a
-    restarted trainer or the episode viewer pays per segment; a full segment is never written
-    again."""
+    """Stored sequences (one per trajectory in a single-policy workflow) one segment of the
+    store holds before the node moves to a new one: a reader opening a segment parses its whole
+    commit log, so this bounds what a resume, a restarted trainer or the episode viewer pays per
+    segment; a full segment is never written again."""
     flush_seconds: float = Field(default=0.5, gt=0)
     """Longest time a finished trajectory waits in the node before it is written."""
     lease_wait_seconds: float = Field(default=0.5, ge=0, le=5)

@@ -75,9 +75,9 @@ def _check_rows_present(saved: dict, url: str) -> None:
     from astraflow.dataflow import durable
     from storage.trajectories import open_trajectory_store
 
-    if Path(url).is_dir():
+    try:
         missing = durable.missing_rows(saved, open_trajectory_store(url, "r"))
-    else:  # the whole store is gone
+    except FileNotFoundError:  # the whole store is gone
         missing = {"every segment": n} if (n := len(durable.held_refs(saved))) else {}
     if missing:
         named = ", ".join(f"{seg} ({n})" for seg, n in sorted(missing.items())[:5])

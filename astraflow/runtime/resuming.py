@@ -61,10 +61,10 @@ def changed_settings(before: dict[str, Any], after: dict[str, Any],
                      defaults: dict[str, Any] | None = None) -> list[tuple[str, Any, Any]]:
     """(dotted key, before, after) for every setting that differs; a missing one is None. Keys
     in both configs come first, each group led by the models the policies load, then the workload
-(`_rank`). A key ``before`` lacks (new in
-    this version) is a change only where ``after`` differs from ``defaults``, ``before`` as this
-    version reads it (`new_settings` counts the others); without ``defaults``, never. Lists of
-    named sections (policies, partitions) are compared by name."""
+    (``_rank``). A key ``before`` lacks (new in this version) is a change only where ``after``
+    differs from ``defaults``, ``before`` as this version reads it (``new_settings`` counts the
+    others); without ``defaults``, never. Lists of named sections (policies, partitions) are
+    compared by name."""
     old, new = _flat(before), _flat(after)
     fresh = set(new_settings(before, after, defaults))
     keys = [k for k in old.keys() | new.keys() if k not in fresh and old.get(k) != new.get(k)]

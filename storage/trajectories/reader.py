@@ -313,8 +313,7 @@ class TrajectoryStore:
         return self._backend.list_segments()
 
     def delete_segment(self, segment: str) -> None:
-        """Remove ``segment`` and its entries for good (its writer closed and nothing needs its
-        rows any more: the caller's word); a segment already gone is no error."""
+        """Remove ``segment`` for good (the caller's word: nothing needs its rows); gone already is no error."""
         if self._mode == "r":
             raise ValueError(f"store {self.url} was opened with mode='r': open it with mode='a' to delete")
         self._views.pop(paths.check_name("segment", segment), None)

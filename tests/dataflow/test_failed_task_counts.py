@@ -53,3 +53,30 @@ def test_a_step_record_without_failures_says_zero(tmp_path):
 
     asyncio.run(go())
     assert (_steps(tmp_path)[-1]["failed_tasks"], _steps(tmp_path)[-1]["failed_tasks_total"]) == (0, 0)
+
+
+
+def test_a_restored_layer_does_not_count_the_run_s_earlier_failures_again(tmp_path):
+    """A data layer built on the saved state (a resume, a re-placement): its first step line
+    counts only what failed since it started."""
+    from astraflow.dataflow.config import DataflowConfig
+    from astraflow.dataflow.layer import DataLayer
+    from astraflow.workloads.config import EvalConfig, WorkloadConfig
+    from tests.dataflow.test_data_layer import MATH
+
+    def layer() -> DataLayer:
+        return DataLayer(dataflow=DataflowConfig(batch_size=8, max_attempts=1),
+                         workload=WorkloadConfig(name="math", params=MATH, group_size=4, eval=EvalConfig(every=0)),
+                         policies=["p"], store_url=str(tmp_path / "t"), metrics_path=str(tmp_path / "metrics.jsonl"),
+                         max_steps=5, snapshot_path=str(tmp_path / "snap"), journal_path=str(tmp_path / "ledger.jsonl"))
+
+    first = layer()
+
+    async def before():
+        for t in await first.lease("n", 3):
+            await first.fail(t.task_id, "tool broke", attempt=t.attempt)
+        await first.close()
+
+    asyncio.run(before())
+    again = layer()
+    assert again.ledger.events["failed"] == 3 and again._failed_recorded == 3

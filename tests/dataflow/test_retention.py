@@ -43,6 +43,8 @@ def test_a_done_segment_goes_once_no_held_row_is_in_it(tmp_path, keep):
         assert {it.ref.segment for it in batch.items} == {"n0"}  # the oldest groups first
         layer.retention._last = 0.0  # the next sweep is not held back by the previous one
         await layer.published("p", 1, {"loss": 0.0})  # n0's rows consumed: nothing holds them
+        assert (layer.retention._task is None) == keep  # the trainer's call did not wait for the deletion
+        await layer.retention.wait()
         await layer.close()
 
     run(go())
@@ -93,3 +95,31 @@ def test_a_resume_whose_buffered_rows_were_deleted_is_refused_naming_the_fix(tmp
     shutil.rmtree(tmp_path / "trajectories")
     with pytest.raises(ValueError, match=r"16 rows .*: every segment \(16\)"):
         _check_rows_present(saved, paths.url)
+
+
+def test_retention_is_refused_for_a_store_other_runs_may_share(tmp_path):
+    """A store outside the run directory may hold other runs' segments: deleting what this run
+    did not write is never risked."""
+    from pydantic import ValidationError
+
+    from storage.config import StorageConfig
+
+    with pytest.raises(ValidationError, match="keep_trajectories: false deletes the segments of the run's own store"):
+        StorageConfig(trajectories=str(tmp_path / "shared"), keep_trajectories=False)
+    assert not StorageConfig(keep_trajectories=False).keep_trajectories
+
+
+def test_a_resume_check_reads_a_file_url_store(tmp_path):
+    """``storage.trajectories: file:///...`` is a store like a directory for the resume's check."""
+    from tests.dataflow.test_durable import Paths
+
+    paths = Paths(tmp_path)
+    paths.url = str(tmp_path / "trajectories")
+    layer = paths.layer()
+
+    async def go():
+        await Node(layer, "n0").roll(8, reward_of=_alternating)
+        await layer.close()
+
+    run(go())
+    _check_rows_present(durable.load(paths.snapshot), f"file://{tmp_path / 'trajectories'}")

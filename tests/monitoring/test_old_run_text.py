@@ -34,3 +34,13 @@ def test_the_dashboard_token_file_is_named_only_where_it_exists(tmp_path):
     url.write_text("http://127.0.0.1:1/astraflow?token=x\n")
     first = format_status(st).splitlines()[0]
     assert first.endswith(f"(with the token in {url})"), first
+
+
+def test_status_json_reads_an_old_summary_s_outcome_as_the_text_does(tmp_path):
+    """``status --json`` (the view) and the text agree on a summary without ``status``."""
+    import json
+
+    from astraflow.runtime.monitoring.view import build_status_view
+
+    (tmp_path / "summary.json").write_text(json.dumps({"interrupted": True, "seconds": 21.0, "steps": {}}))
+    assert build_status_view(tmp_path).outcome == "interrupted"

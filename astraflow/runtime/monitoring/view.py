@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.runtime.monitoring.snapshot import STALE_AFTER_S, damaged_run_files, read_snapshot
+from astraflow.runtime.monitoring.text import outcome as outcome_of
 from storage.paths import RunPaths
 
 SCHEMA_VERSION = 2
@@ -278,7 +279,7 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
     policies = _policy_views(status, dl, summary, _max_steps(paths))
     return StatusView(
         schema_version=SCHEMA_VERSION, run_dir=str(paths.root), running=running, finished=summary is not None,
-        outcome=(summary or {}).get("status"), reason=(summary or {}).get("reason"),
+        outcome=None if summary is None else outcome_of(summary), reason=(summary or {}).get("reason"),
         requeue=(summary or {}).get("requeue"), seconds=(summary or {}).get("seconds"),
         written_at=written, age_s=age, elapsed_s=float(dl.get("elapsed_s", 0.0)),
         dashboard=None if summary is not None else info.get("dashboard"),  # it stopped with the run
