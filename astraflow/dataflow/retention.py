@@ -5,17 +5,16 @@ any quota long before its weights do. With ``storage.keep_trajectories: false`` 
 deleted when both hold:
 
 * no node will write to it or complete a row of it again: its node reported it done
-  (``segments_done``: filled and closed, or the node's last one when it stopped, every batch
-  written there completed), or it was there when a new run incarnation started (the nodes
-  that wrote it are gone);
+  (``segments_done``: filled and closed, every batch written there completed), or it was there
+  when a new run incarnation started (the nodes that wrote it are gone);
 * no row of it is held: not by a group being rolled out, a buffer, a batch served and not yet
   committed, or the replay pool.
 
 The state that no longer names those rows is made durable before anything is deleted, so a
-data layer restored from its change log never holds a deleted row. A node that dies keeps its
-last segment (it never said it was done), and a data layer re-placed mid-run forgets the
-segments reported to the one before: both are kept until the run is resumed. The episode viewer
-then shows only the episodes still stored.
+data layer restored from its change log never holds a deleted row. A node that stops or dies
+keeps the segment it ended with (it never said it was done), and a data layer re-placed
+mid-run forgets the segments reported to the one before: both are kept until the run is
+resumed. The episode viewer then shows only the episodes still stored.
 """
 
 from __future__ import annotations

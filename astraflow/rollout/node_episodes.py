@@ -186,7 +186,6 @@ class NodeEpisodes:
         for done in committing:
             await done
         await asyncio.to_thread(self.writer.flush)
-        await self._report_done_segments(getattr(self.writer, "segment", None))  # nothing is written after this
 
     async def _complete_written(self, batch: list[Trajectory], written: Any, t0: float, segment: str) -> None:
         """Once the commit of ``batch`` (``written``: the writer's future of its refs) is durable,
@@ -208,12 +207,13 @@ class NodeEpisodes:
         self._segment_batches[segment] -= 1
         await self._report_done_segments()
 
-    async def _report_done_segments(self, last: str | None = None) -> None:
+    async def _report_done_segments(self) -> None:
         """Tell the data layer which segments this node will neither write nor complete rows of
-        again: those the writer filled and closed, once every batch written there was completed
-        (and ``last``, the current one, when the writer ends). The data layer may delete them
-        once it holds none of their rows (``storage.keep_trajectories``)."""
-        closed = [*getattr(self.writer, "closed_segments", ()), *([last] if last else [])]
+        again: those the writer filled and closed, once every batch written there was completed.
+        The data layer may delete them once it holds none of their rows
+        (``storage.keep_trajectories``). The segment a node ends with is not reported (a call while
+        the node stops would hold up its stop): the next run incarnation takes it as done."""
+        closed = getattr(self.writer, "closed_segments", ())
         done = [s for s in closed if s not in self._segments_reported and self._segment_batches[s] == 0]
         if not done:
             return
