@@ -224,11 +224,19 @@ def held_refs(state: dict[str, Any]) -> list[EntryRef]:
     groups being rolled out, the buffered items and the batches served and not committed. A
     resume serves them to trainers, so their segments must still be in the trajectory store."""
     bf = state["buffers"]
-    refs = [s.ref for grp in bf["rolling"].values() for res in grp.results.values() for s in res.sequences]
-    refs += [it.summary.ref for groups in bf["ready"].values() for grp in groups for it in grp.items]
-    refs += [it.summary.ref for by_version in bf["serving"].values() for items in by_version.values()
-             for it in items]
-    return refs
+    return list(refs_in(bf["rolling"], bf["ready"], bf["serving"]))
+
+
+def refs_in(rolling: dict, ready: dict, serving: dict) -> Iterator[EntryRef]:
+    """The stored rows named by groups being rolled out, buffered groups and served batches
+    (``Buffers``' fields, live or saved)."""
+    for grp in rolling.values():
+        for res in grp.results.values():
+            yield from (s.ref for s in res.sequences)
+    for groups in ready.values():
+        yield from (it.summary.ref for grp in groups for it in grp.items)
+    for by_version in serving.values():
+        yield from (it.summary.ref for items in by_version.values() for it in items)
 
 
 def missing_rows(state: dict[str, Any], store: Any) -> dict[str, int]:

@@ -24,6 +24,8 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, Iterable
 
+from astraflow.dataflow.durable import refs_in
+
 log = logging.getLogger("astraflow.dataflow")
 
 #: seconds between two sweeps at most once a version is committed
@@ -32,11 +34,7 @@ SWEEP_EVERY_S = 10.0
 
 def held_segments(buffers: Any) -> set[str]:
     """The segments a row held anywhere in ``buffers`` (a ``Buffers``) is stored in."""
-    held = {s.ref.segment for grp in buffers.rolling.values() for res in grp.results.values() for s in res.sequences}
-    for groups in buffers.ready.values():
-        held.update(it.summary.ref.segment for grp in groups for it in grp.items)
-    for by_version in buffers.serving.values():
-        held.update(it.summary.ref.segment for items in by_version.values() for it in items)
+    held = {ref.segment for ref in refs_in(buffers.rolling, buffers.ready, buffers.serving)}
     for pool in buffers.replay.values():
         held.update(it.summary.ref.segment for it in pool)
     return held
