@@ -49,8 +49,9 @@ from astraflow.runtime.autoscaling import autoscale_driver
 from astraflow.runtime.control import PartitionError, desired_lock, read_desired_file, write_desired
 from astraflow.runtime.jobrecords import PreviousJobs
 from astraflow.runtime.monitoring import StatusWriter, Tick, archive_summary
+from astraflow.runtime.monitoring.disk import DiskWatch, run_places
 from astraflow.runtime.monitoring.writer import STATUS_EVALS
-from astraflow.runtime.placement import Placement, data_layer_kwargs, node_kwargs, trainer_kwargs
+from astraflow.runtime.placement import Placement, data_layer_kwargs, node_kwargs, store_url, trainer_kwargs
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.reconcile import PartitionSet, run_tag
 from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts, note
@@ -104,6 +105,9 @@ class Orchestrator(Shutdown):
         self.autoscaler = autoscale_driver(cfg, self.paths, self.parts, self.fleet, self.progress)
         if self.autoscaler is not None:
             self.status.autoscale = self.autoscaler.status
+        #: free space on the run directory's filesystem and the trajectory store's
+        self.disk = DiskWatch(run_places(self.paths.root, store_url(cfg, self.paths)), _disk_advice(cfg))
+        self.status.disk = self.disk.view
         #: the last state read from the components (the summary's fallback when they are gone)
         self.last_tick: Tick | None = None
         #: per-iteration phase times of the trainer-centred baseline (``run.mode: sync``)
@@ -302,6 +306,8 @@ class Orchestrator(Shutdown):
     def _show(self, tick: Tick) -> None:
         self.last_tick = tick
         self.progress.update(tick)
+        for warning in self.disk.sample():
+            note(self.progress, self.paths, f"warning: {warning}")
         self.status.write(tick)
 
     def _loop(self, t0: float) -> None:
@@ -397,6 +403,15 @@ class Orchestrator(Shutdown):
             # the driver holds the data layer's handle through its phases: no re-placing under it
             raise RunFailed(f"{lost}; run.mode: sync does not re-place a lost data layer: run again on this "
                             "run directory to resume it") from err
+
+
+def _disk_advice(cfg: RunConfig) -> str:
+    """What a warning of a filling disk says to do: trajectories the run is done with can go
+    only from its own store."""
+    if cfg.storage.keep_trajectories and not cfg.storage.trajectories:
+        return ("free space there, or stop the run and resume it with storage.keep_trajectories: false "
+                "(trajectory segments the run is done with are then deleted)")
+    return "free space there"
 
 
 def _rule_failed(data_layer: dict) -> str | None:

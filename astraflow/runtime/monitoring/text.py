@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from astraflow.runtime.autoscale import pct
+from astraflow.runtime.monitoring.disk import disk_line
 
 
 def format_partitions(st: dict[str, Any]) -> str:
@@ -80,6 +81,8 @@ def format_status(st: dict[str, Any]) -> str:
         f"ledger {dl.get('ledger', {}).get('states', {})}"
     )
     lines += eval_lines(dl.get("eval", []))
+    if st.get("disk"):
+        lines += ["disk:"] + [disk_line(d) for d in st["disk"]]
     return "\n".join(lines)
 
 

@@ -162,6 +162,19 @@ class LedgerView(_View):
     failed_by_reason: dict[str, int]
 
 
+class DiskView(_View):
+    """A filesystem the run writes to (``monitoring.disk``)."""
+
+    path: str = Field(description="where it was sampled (the run directory, or the nearest existing directory "
+                                  "above a place not made yet)")
+    places: list[str] = Field(description="what of the run is on it: run directory, trajectory store")
+    free_bytes: int
+    total_bytes: int
+    falling_bytes_per_h: float | None = Field(description="how fast free space falls, fitted over the last half "
+                                                          "hour (negative: it grows); None before a trend")
+    full_in_s: float | None = Field(description="seconds until it is full at that rate; None when it does not fall")
+
+
 class StatusView(_View):
     """Everything the AstraFlow page shows live; also ``astraflow status --json``."""
 
@@ -194,6 +207,8 @@ class StatusView(_View):
                                                           "(a trainer's or the data layer's restart); None otherwise")
     segments_deleted: int | None = Field(default=None, description="trajectory segments deleted since the data "
                                          "layer started (storage.keep_trajectories: false); None when all are kept")
+    disk: list[DiskView] = Field(default_factory=list, description="free space on the filesystems the run writes "
+                                 "to; empty before the first sample and once the run ended")
 
 
 LEDGER_EVENTS = ("created", "leased", "completed", "requeued", "failed", "consumed", "dropped", "evaluated")
@@ -290,6 +305,7 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
         autoscale=_autoscale_view((summary or {}).get("autoscale") or status.get("autoscale")),
         waiting=None if summary is not None else (status.get("waiting") or {}).get("what"),
         segments_deleted=(dl.get("retention") or {}).get("segments_deleted"),
+        disk=[] if summary is not None else status.get("disk") or [],
     )
 
 

@@ -79,6 +79,8 @@ class StatusWriter:
         self.capacity: Callable[[str], dict[str, int] | None] = lambda name: None
         #: the autoscaler's status entry (``AutoscaleDriver.status``; None: no autoscaler)
         self.autoscale: Callable[[], dict[str, Any] | None] = lambda: None
+        #: free space on the run's filesystems (``DiskWatch.view``)
+        self.disk: Callable[[], list[dict[str, Any]]] = list
         #: per partition: the weight versions its live nodes serve, per policy
         self._versions: dict[str, dict[str, list[int]]] = {}
         #: the last status written (``alive_while`` writes it again)
@@ -176,6 +178,7 @@ class StatusWriter:
             "previous_jobs": self.previous_jobs,
             "partitions": self.partitions(),
             "autoscale": self.autoscale(),
+            "disk": self.disk(),
             "workers": {
                 n: {"job_id": w.job.job_id, "partition": w.partition, "kind": w.job.kind,
                     "state": fleet.job_state(w), "phase": w.phase, "note": w.note,

@@ -190,6 +190,7 @@ function renderStatus(st) {
   nb.replaceChildren(...rows);
 
   renderAutoscale(st.autoscale);
+  renderDisk(st.disk || []);
 
   const L = st.ledger;
   const kv = (title, obj, id) => {
@@ -221,6 +222,15 @@ function partitionStats(part) {
     + ` · serving ${served}`
     + (c ? ` · capacity ${c.node_capacity}/node, ${c.engines_per_node} engine(s) × batch ${c.engine_max_batch}` : "")
     + (b ? ` · autoscale ${b.min_nodes}–${b.max_nodes} nodes, cooldown ${b.cooldown_s}s` : "");
+}
+
+// free space per filesystem the run writes to, and when it fills at the current rate
+function renderDisk(disks) {
+  const gib = (n) => `${fmt(n / 2 ** 30, n < 100 * 2 ** 30 ? 1 : 0)} GiB`;
+  const span = (s) => (s < 7200 ? `${Math.round(s / 60)} min` : s < 172800 ? `${fmt(s / 3600, 1)} h` : `${fmt(s / 86400, 1)} days`);
+  $("disk").textContent = disks.map((d) => `${d.places.join(", ")}: ${gib(d.free_bytes)} free`
+    + (d.full_in_s !== null ? ` (full in ~${span(d.full_in_s)})` : "")).join(" · ") || "–";
+  $("disk").classList.toggle("warn", disks.some((d) => d.full_in_s !== null && d.full_in_s < 6 * 3600));
 }
 
 function renderAutoscale(a) {
