@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from distributed import Client
 
+from astraflow.codeversion import code_fingerprint, differences
 from astraflow.partition_settings import effective_rollout, effective_trainer
 from astraflow.rollout.node import NodeIdentity
 from astraflow.runtime.cluster import SchedulerProcess, connected_workers, repo_root
@@ -47,6 +48,10 @@ class Placement:
         self.dashboard: str | None = None
         #: the run's TLS certificates (None: TLS turned off); workers are started with them
         self.tls: TLSFiles | None = None
+        #: this process's code (``codeversion``), taken when the run starts
+        self.code = code_fingerprint()
+        #: the worker addresses whose code was found the same
+        self._same_code: set[str] = set()
 
     def start(self) -> None:
         """Start the scheduler (workers started later import AstraFlow from this checkout),
@@ -104,10 +109,27 @@ class Placement:
 
     def submit_actor(self, cls, worker: str, **kwargs):
         """Construct ``cls`` as an actor pinned to the worker named ``worker``; returns the
-        future of the handle (the caller waits with the placement deadline)."""
+        future of the handle (the caller waits with the placement deadline). ``RunFailed`` when
+        the worker runs other code than this process (`check_code`)."""
+        address = self.joined()[worker]
+        self.check_code(worker, address)
         return self.client.submit(  # type: ignore[union-attr]
-            cls, actor=True, workers=[self.joined()[worker]], allow_other_workers=False, **kwargs
+            cls, actor=True, workers=[address], allow_other_workers=False, **kwargs
         )
+
+    def check_code(self, worker: str, address: str) -> None:
+        """``RunFailed`` naming what differs when the worker at ``address`` runs other AstraFlow
+        code, Python or libraries than the run (asked once per worker)."""
+        if address in self._same_code:
+            return
+        theirs = self.client.run(code_fingerprint, workers=[address])[address]  # type: ignore[union-attr]
+        if diff := differences(self.code, theirs):
+            raise RunFailed(
+                f"worker {worker} runs other code than this run ({'; '.join(diff)}): the installed AstraFlow "
+                "changed under the live run, or the worker's job uses another environment. Stop the run, make "
+                "every partition's jobs use the run's installation, then run `astraflow run` again on this run "
+                "directory to resume it (docs/upgrading.md)")
+        self._same_code.add(address)
 
     def wait_all(self, what: str, futures: dict[str, Any]) -> dict[str, Any]:
         """Wait for every future with the placement deadline, naming what is still missing."""
