@@ -39,6 +39,22 @@ class TaskRecord:
 
 #: ended tasks whose outcome the ledger keeps (older ones are forgotten, their counts kept)
 REMEMBER_ENDED = 100_000
+#: distinct reasons counted by name per outcome (an error whose message carries its input would
+#: otherwise add a key per task to every status and summary); later ones are counted together
+MAX_REASONS = 32
+#: the counter of the reasons past ``MAX_REASONS`` (``ledger.jsonl`` keeps each task's own)
+OTHER_REASONS = "other reasons (each task's in ledger.jsonl)"
+#: characters of a reason that name its counter
+REASON_CHARS = 300
+
+
+def count_reason(counter: Counter, reason: str | None) -> None:
+    """Count ``reason`` (its first line, at most ``REASON_CHARS``) in ``counter``, under
+    ``OTHER_REASONS`` once ``MAX_REASONS`` reasons are counted by name."""
+    key = (reason or "unknown").strip().split("\n", 1)[0][:REASON_CHARS] or "unknown"
+    if key not in counter and len(counter) >= MAX_REASONS:
+        key = OTHER_REASONS
+    counter[key] += 1
 
 
 class _AllTasks(Mapping):
@@ -120,7 +136,7 @@ class Ledger:
     def requeue(self, task_id: str, why: str) -> None:
         self._unlease(task_id, "requeue").attempt += 1
         self.events["requeued"] += 1
-        self.events[f"requeued_{why}"] += 1
+        self.events[f"requeued_{why.split(':', 1)[0]}"] += 1  # by kind: a failure's message is not a key
 
     def moved(self, task_id: str, node: str) -> None:
         """A leased task changed hands (a worker's lease stock gave it to one of its nodes)."""
@@ -162,9 +178,9 @@ class Ledger:
             self.journal(task_id, outcome, reason)
         self.events[outcome] += 1
         if outcome == "dropped":
-            self.dropped_by_reason[reason or "unknown"] += 1
+            count_reason(self.dropped_by_reason, reason)
         elif outcome == "failed":
-            self.failed_by_reason[reason or "unknown"] += 1
+            count_reason(self.failed_by_reason, reason)
 
     def remember_end(self, task_id: str, outcome: str) -> None:
         """Keep ``task_id``'s outcome, forgetting the oldest beyond ``remember``."""

@@ -80,3 +80,28 @@ def test_a_restored_layer_does_not_count_the_run_s_earlier_failures_again(tmp_pa
     asyncio.run(before())
     again = layer()
     assert again.ledger.events["failed"] == 3 and again._failed_recorded == 3
+
+
+def test_failures_whose_messages_carry_their_input_are_counted_under_a_bounded_set_of_keys(tmp_path):
+    """A reward whose error names its input fails each task with another message: the counters
+    (in every status and summary) keep ``MAX_REASONS`` of them by name and the rest together,
+    and the requeues are counted by kind."""
+    from astraflow.dataflow.ledger import MAX_REASONS, OTHER_REASONS
+
+    layer = make_layer(tmp_path, max_attempts=2)
+    n = MAX_REASONS + 20
+
+    async def go():  # two attempts each: the second ends the task as failed
+        while layer.ledger.summary()["events"].get("failed", 0) < n:
+            for t in await layer.lease("n", n - layer.ledger.summary()["events"].get("failed", 0)):
+                await layer.fail(t.task_id, f"reward raised ValueError: bad answer {t.task_id}\nTraceback ...",
+                                 attempt=t.attempt)
+
+    asyncio.run(go())
+    ledger = layer.ledger.summary()
+    by_reason = ledger["failed_by_reason"]
+    assert len(by_reason) == MAX_REASONS + 1 and sum(by_reason.values()) == n
+    assert by_reason[OTHER_REASONS] == n - MAX_REASONS
+    assert all("Traceback" not in why for why in by_reason)  # the first line names it
+    assert ledger["events"]["requeued_failed"] == ledger["events"]["requeued"] >= n  # by kind
+    assert not [k for k in ledger["events"] if k.startswith("requeued_failed:")]
