@@ -122,8 +122,8 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
 
     Prints the Dask dashboard address, progress while it trains, and writes config.yaml,
     metrics.jsonl, summary.json, the trajectory store, the weight store and logs into the run
-    directory. Ctrl-C (or SIGTERM, scancel) stops cleanly without losing what was written and
-    exits with 130; SIGUSR1 (the head job's walltime warning) stops the same way and exits with
+    directory. Ctrl-C (or SIGTERM, scancel, or the terminal closing: SIGHUP, unless started under
+    nohup) stops cleanly without losing what was written and exits with 130; SIGUSR1 (the head job's walltime warning) stops the same way and exits with
     75 (the head job then requeues); a failed run exits with 1 and its reason in one line.
     summary.json records how the run ended and the worker jobs are cancelled. Run again on the
     directory to resume it (jobs a previous incarnation left are cancelled first).
@@ -192,8 +192,9 @@ def _run(cfg, rd: Path, quiet: bool) -> None:
             raise
         raise click.ClickException(f"the run failed: {disk_full_reason(err, rd)}") from None
     if result is not None and result.interrupted:
-        click.echo(f"the run was {result.ending.reason}; summary in {RunPaths(result.run_dir).summary}; "
-                   "run again on this directory to resume it", err=True)
+        with contextlib.suppress(OSError):  # stopped because its terminal closed: nowhere to say it
+            click.echo(f"the run was {result.ending.reason}; summary in {RunPaths(result.run_dir).summary}; "
+                       "run again on this directory to resume it", err=True)
         ignore_stop_signals()
         sys.exit(REQUEUE_EXIT_CODE if result.ending.requeue else 130)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 from typing import Callable, Generic, TypeVar
 
 from storage.ownership import add_user_dir, user_dir_fix
@@ -92,6 +93,9 @@ def _import_failure(module: str, err: ImportError) -> str:
     if not missing or not_found:
         return f"cannot import {module!r} ({err}); {user_dir_fix()}"
     if isinstance(err, ModuleNotFoundError):
+        worker = os.environ.get("ASTRAFLOW_WORKER_NAME")  # the orchestrator's environment may have it
+        where = (f"the Python environment worker {worker}'s jobs start in" if worker
+                 else "this Python environment")
         return (f"{module!r} was found, but it imports {missing!r}, which is not installed ({err}); install it "
-                f"in this Python environment or fix that import in {module!r}")
+                f"in {where} or fix that import in {module!r}")
     return f"{module!r} was found, but an import in it fails ({err}); fix that import in {module!r}"

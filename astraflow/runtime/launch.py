@@ -3,6 +3,7 @@ orchestrator."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -208,17 +209,36 @@ def _signals_stop_cleanly() -> None:
 
     def handler(signum, frame):
         if STOPPING.is_set():  # a second Ctrl-C, or one during any run's stop: it must not break it
-            sys.stderr.write(f"already stopping (signal {signum} ignored): the components get "
-                             "cluster.stop_grace_s, then the summary is written and the jobs cancelled\n")
+            with contextlib.suppress(OSError):  # a terminal that closed
+                sys.stderr.write(f"already stopping ({signal_name(signum)} ignored): the components get "
+                                 "cluster.stop_grace_s, then the summary is written and the jobs cancelled\n")
             return
         STOPPING.set()
-        raise (StopForRequeue if signum == REQUEUE_SIGNAL else KeyboardInterrupt)(f"signal {signum}")
+        raise (StopForRequeue if signum == REQUEUE_SIGNAL else KeyboardInterrupt)(signal_name(signum))
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(REQUEUE_SIGNAL, handler)
+    # the terminal or SSH session closed: by default the process would die at once, leaving no
+    # summary and its worker jobs running (under nohup it is ignored, as asked)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, handler)
     # a run started in the background by a non-interactive shell inherits SIGINT ignored;
     # `kill -INT` (and Ctrl-C) must still stop it cleanly
     signal.signal(signal.SIGINT, handler)
+
+
+#: what a stop calls the signals users know by another name
+_SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)",
+                 signal.SIGHUP: "SIGHUP (its terminal closed; a run that must outlive its terminal is started "
+                                "under sbatch, tmux or nohup)"}
+
+
+def signal_name(signum: int) -> str:
+    """``SIGTERM``, ``SIGINT (Ctrl-C)``, ...: what the stop's reason names."""
+    try:
+        return _SIGNAL_NAMES.get(signum) or signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def check_sandbox(cfg: RunConfig) -> None:
@@ -322,7 +342,7 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult | No
             f"held-out accuracy {first['eval_accuracy']:.3f} (v{first['step']}) -> "
             f"{last['eval_accuracy']:.3f} (v{last['step']}) in {result.seconds:.0f}s"
         )
-    progress.note(f"ledger: {result.ledger.get('states')}; summary in {RunPaths(run_dir).summary}")
+    progress.note(f"ledger: {result.ledger.get('states') or 'no task created'}; summary in {RunPaths(run_dir).summary}")
     if not result.interrupted and any(p.trainer.backend != "sim" for p in cfg.policies):
         progress.note(f"the trained model as an HF directory: astraflow export {run_dir} OUT")
     failed = failure_reasons(result.ledger)

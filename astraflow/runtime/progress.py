@@ -5,6 +5,8 @@ written from. Plain lines when the output is not a terminal (logs, CI)."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -41,20 +43,35 @@ def failures_outnumber_consumed(ledger: dict, jobs_dir: object) -> str | None:
             f"{reason or 'none recorded'} (the tracebacks are in the RaaS nodes' logs under {jobs_dir})")
 
 
+class _Console(Console):
+    """A console whose reader went away (``astraflow run ... | head``, a ``tee`` killed) goes
+    quiet: the run goes on (rich's own console would exit the process, skipping the summary)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # later writes of the process go nowhere, without an error
+        os.close(devnull)
+
+
 class Progress:
     def __init__(self, enabled: bool = True, console: Console | None = None, interval_s: float = 5.0,
                  heartbeat_s: float = 15.0):
         self.enabled = enabled
         self.heartbeat_s = heartbeat_s
         self._waits: list[list[str]] = []  # [what, detail] of the open waiting() blocks, innermost last
-        self.console = console or Console(stderr=False, highlight=False, soft_wrap=True)
+        self.console = console or _Console(stderr=False, highlight=False, soft_wrap=True)
         self.interval_s = interval_s
         self._last = 0.0
         self._eval_shown: dict[str, int] = {}  # per policy, the last evaluated version shown
 
     def note(self, msg: str) -> None:
-        if self.enabled:
+        if not self.enabled:
+            return
+        try:
             self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg}")
+        except OSError:  # its terminal is gone (a hang-up): the run's files say the rest
+            self.enabled = False
 
     @contextmanager
     def waiting(self, what: str, live: bool = True) -> Iterator[None]:

@@ -107,7 +107,7 @@ class TrainerRestarts:
             self._note(
                 f"trainer {p} lost ({why}): restarting it ({n} of {limit}) from v{version}; "
                 f"{back['put_back']} sequences served to it put back"
-                + (f", uncommitted v{dropped} discarded" if dropped else ""))
+                + _discarded(dropped, version))
         new = self._new_worker(w.partition, why)
         index = {pol.name: i for i, pol in enumerate(self.cfg.policies)}
         pols = {pol.name: pol for pol in self.cfg.policies}
@@ -143,6 +143,17 @@ class TrainerRestarts:
 
     def _new_worker(self, partition: str, why: str):
         return new_worker(self, "trainer", partition, why)
+
+
+def _discarded(versions: list[int], latest: int) -> str:
+    """What a restart's note says of the version directories it removed: above ``latest`` a
+    publish the lost trainer did not finish; below it one that retention had begun to delete."""
+    said = []
+    if newer := [v for v in versions if v > latest]:
+        said.append("uncommitted " + ", ".join(f"v{v}" for v in newer) + " discarded")
+    if older := [v for v in versions if v <= latest]:
+        said.append("half-deleted old " + ", ".join(f"v{v}" for v in older) + " removed (retention)")
+    return "".join(f"; {x}" for x in said)
 
 
 def note(progress: Progress, paths: RunPaths, msg: str) -> None:

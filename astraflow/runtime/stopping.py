@@ -39,12 +39,12 @@ STOPPING = threading.Event()
 
 
 def ignore_stop_signals() -> None:
-    """After a stopped run has written its summary: further Ctrl-C, SIGTERM or SIGUSR1 are
+    """After a stopped run has written its summary: further Ctrl-C, SIGTERM, SIGUSR1 or SIGHUP are
     ignored while the process exits. Python restores the default action of a signal with a
     handler of its own late in its exit, and a signal arriving then would kill the process and
     lose the exit code (130 or 75) that tells the shell or the head job how the run ended."""
     if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM, REQUEUE_SIGNAL):
+        for signum in (signal.SIGINT, signal.SIGTERM, REQUEUE_SIGNAL, signal.SIGHUP):
             signal.signal(signum, signal.SIG_IGN)
 
 

@@ -316,12 +316,13 @@ class Fleet:
                 self.parts.cancel(w)
             except Exception as err:  # gone meanwhile, or the scheduler did not answer: noted, not fatal
                 log.warning("cancelling the job %s of lost worker %s failed: %s", w.job.job_id, w.name, err)
+        see = f"; see {w.job.log}" if w.job.log and str(w.job.log) not in why else ""  # a job's reason may name it
         if role == "trainer":
-            raise TrainerLost(f"trainer worker {w.name} is gone ({why}); see {w.job.log}", w, why)
+            raise TrainerLost(f"trainer worker {w.name} is gone ({why}){see}", w, why)
         if role == "data":
-            raise DataLayerLost(f"data-layer worker {w.name} is gone ({why}); see {w.job.log}", w, why)
+            raise DataLayerLost(f"data-layer worker {w.name} is gone ({why}){see}", w, why)
         if role != "rollout":
-            raise RunFailed(f"{role} worker {w.name} is gone ({why}); see {w.job.log}")
+            raise RunFailed(f"{role} worker {w.name} is gone ({why}){see}")
         n = self.dl.node_gone(w.name).result(timeout=30) if was in NODE_PHASES else 0
         self.progress.note(f"worker {w.name} is gone ({why}); {n} leases requeued")
         if failed or was not in ("serving", "draining") or (was == "serving" and served_s < SERVED_LONG_S):

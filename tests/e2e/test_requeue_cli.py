@@ -33,7 +33,7 @@ def test_sigusr1_stops_for_a_requeue_and_the_resume_cancels_what_was_left(tiny_m
         os.kill(proc.pid, signal.SIGUSR1)
         rc, lines, everything, _ = _finish(proc, killed_at)
     assert rc == 75, everything[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("the run was stopped by signal 10 for a requeue"), lines
+    assert len(lines) == 1 and lines[0].startswith("the run was stopped by SIGUSR1 for a requeue"), lines
     first = json.loads((run_dir / "summary.json").read_text())
     assert first["status"] == "interrupted" and first["requeue"] is True and "walltime" in first["reason"]
     assert first["ledger_closed"] and not first["stop_errors"], first  # a clean stop: every component answered

@@ -248,10 +248,10 @@ def test_sigterm_to_the_head_and_its_workers_stops_in_one_line_with_a_summary(ti
         rc, lines, everything, took = _finish(proc, killed_at)
     assert rc == 130, everything[-3000:]
     assert len(lines) == 1 and "Traceback" not in everything, everything[-3000:]
-    assert lines[0].startswith("the run was stopped by signal 15") and "summary.json" in lines[0], lines
+    assert lines[0].startswith("the run was stopped by SIGTERM") and "summary.json" in lines[0], lines
     assert took < EXIT_WITHIN_S, f"the way out took {took:.0f}s"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "interrupted" and summary["reason"] == "stopped by signal 15"
+    assert summary["status"] == "interrupted" and summary["reason"] == "stopped by SIGTERM"
     assert summary["steps"]["solver"] >= 1  # from the last state read: the trainer was gone
     assert not [n for n, w in workers.items() if _alive(_pid(w))], "worker processes were left running"
 
@@ -273,7 +273,7 @@ def test_ctrl_c_again_during_the_stop_does_not_break_it(tiny_model, tmp_path):
         rc, lines, everything, took = _finish(proc, killed_at)
     assert rc == 130, everything[-3000:]
     assert "Traceback" not in everything and "Aborted" not in everything, everything[-3000:]
-    assert lines[-1].startswith("the run was stopped by signal 2") and "summary.json" in lines[-1], lines
+    assert lines[-1].startswith("the run was stopped by SIGINT (Ctrl-C)") and "summary.json" in lines[-1], lines
     assert lines[:-1] and all(line.startswith("already stopping") for line in lines[:-1]), lines
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["ledger_closed"]

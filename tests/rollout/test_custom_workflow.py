@@ -69,3 +69,14 @@ def test_a_name_missing_from_the_modules_own_package_is_not_said_to_be_a_missing
         workflow_class("flowpkg.flows:x")
     assert "'flowpkg.flows' was found, but an import in it fails" in str(err.value)
     assert "run from the directory" not in str(err.value)
+
+
+def test_a_dependency_missing_on_a_worker_names_the_worker_s_environment(tmp_path, monkeypatch):
+    """On a worker the orchestrator's environment may have the dependency: the fix is where the
+    worker's jobs start."""
+    (tmp_path / "flows_dep2.py").write_text("import no_such_dep_2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("ASTRAFLOW_WORKER_NAME", "rollout-gpu-local-cpu-0")
+    with pytest.raises(ValueError) as err:
+        workflow_class("flows_dep2:x")
+    assert "install it in the Python environment worker rollout-gpu-local-cpu-0's jobs start in" in str(err.value)
