@@ -21,6 +21,7 @@ from astraflow.clibase import UserError, UserPath, field_option
 from astraflow.partitions_cli import partitions as partitions_cli
 from astraflow.plan.cli import plan as plan_cli
 from astraflow.sandbox.cli import sandbox as sandbox_cli
+from astraflow.stop_cli import stop as stop_cli
 from astraflow.training.config import ModelInit
 from storage.ownership import USER_DIR_ENV, UnsafeDir, add_user_dir, check_owner_only, owner_only
 from storage.paths import RunPaths, default_run_dir
@@ -429,6 +430,7 @@ def _stops_as_ctrl_c() -> Iterator[None]:
 main.add_command(partitions_cli)  # astraflow partitions list/add/remove RUN_DIR: see docs/autoscaling.md
 main.add_command(sandbox_cli)  # astraflow sandbox run PROGRAM [--tests FILE]: see docs/sandbox.md
 main.add_command(plan_cli)  # astraflow plan CONFIG --pool KIND=GPUS: see docs/sim.md
+main.add_command(stop_cli)  # astraflow stop RUN_DIR: Ctrl-C from another shell
 
 if __name__ == "__main__":
     main()

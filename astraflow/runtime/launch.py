@@ -228,7 +228,7 @@ def _signals_stop_cleanly() -> None:
 
 
 #: what a stop calls the signals users know by another name
-_SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)",
+_SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C or `astraflow stop`)",
                  signal.SIGHUP: "SIGHUP (its terminal closed; a run that must outlive its terminal is started "
                                 "under sbatch, tmux or nohup)"}
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections import namedtuple
 from pathlib import Path
@@ -107,6 +108,7 @@ def test_status_and_its_json_show_the_filesystems(tmp_path):
     write_orchestrator_info(paths, None, None)
     writer.write(_tick(4))
     text = format_status(run_status(paths.root))
+    assert text.startswith(f"run {paths.root} (pid {os.getpid()} on ")  # what `astraflow stop` signals
     assert f"disk:\n  run directory: 120 GiB free of 2.0 TiB on {paths.root}  (falling 2.0 GiB/h: full in ~2.5 days)" \
         in text
     (view,) = build_status_view(paths.root).disk

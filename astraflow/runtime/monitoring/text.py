@@ -37,7 +37,7 @@ def format_partitions(st: dict[str, Any]) -> str:
 def format_status(st: dict[str, Any]) -> str:
     dl = st.get("data_layer", {})
     lines = [
-        f"run {st.get('run_dir')}  elapsed {dl.get('elapsed_s', 0):.0f}s  "
+        f"run {st.get('run_dir')}{_who(st.get('orchestrator') or {})}  elapsed {dl.get('elapsed_s', 0):.0f}s  "
         f"dashboard {(st.get('orchestrator') or {}).get('dashboard')}" + _token_hint(st.get("run_dir")),
         "policies:",
     ]
@@ -130,6 +130,11 @@ def format_summary(summary: dict[str, Any], where: str) -> str:
                  + ("" if summary.get("ledger_closed", True) else " (the data layer was gone: its last state read)"))
     lines.append(f"summary: {where} (`astraflow status --json` for the whole final state)")
     return "\n".join(lines)
+
+
+def _who(info: dict[str, Any]) -> str:
+    """`` (pid P on HOST)``: the `astraflow run` process `astraflow stop` signals."""
+    return f" (pid {info['pid']} on {info.get('host', '?')})" if info.get("pid") else ""
 
 
 def _token_hint(run_dir: Any) -> str:

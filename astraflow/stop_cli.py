@@ -1,0 +1,103 @@
+"""``astraflow stop RUN_DIR``: stop a live run from another shell, the way Ctrl-C stops it.
+
+The run's ``astraflow run`` process holds the directory's lock and wrote who it is there (pid,
+host, start time: ``runtime.runlock``). ``stop`` checks that this process still lives on this
+host (a pid reused since by another process is not signalled), sends it SIGINT (nodes flush
+what they wrote, trainers commit, the summary is written, the worker jobs are cancelled) and
+waits until the run let go of the directory, then says how it ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import click
+
+from astraflow.clibase import Seconds, UserError, UserPath
+from astraflow.runtime.runlock import holder_of
+from storage.holds import pid_alive
+from storage.paths import RunPaths
+
+
+def process_started_at(pid: int) -> float | None:
+    """When process ``pid`` of this host started (unix time; None: unknown or gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def live_holder(run_dir: Path) -> dict:
+    """The ``astraflow run`` holding ``run_dir``, checked to be alive on this host; ``UserError``
+    naming the way on when there is none or it runs elsewhere."""
+    holder = holder_of(run_dir)
+    if not holder.get("pid"):
+        raise UserError(f"no run is running in {run_dir} (its lock names no holder): nothing to stop")
+    pid, host = int(holder["pid"]), holder.get("host")
+    if host != socket.gethostname():
+        raise UserError(f"the run in {run_dir} runs on host {host} (pid {pid}): run `astraflow stop` there, or "
+                        "`scancel` its head job (which stops it the same way)")
+    started = process_started_at(pid)
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        cmdline = b""
+    # a pid reused since the run died: another program, or a process younger than the run's lock
+    if not pid_alive(pid) or b"astraflow" not in cmdline or (
+            started is not None and started > float(holder.get("started", 0)) + 1.0):
+        raise UserError(f"no run is running in {run_dir}: the run that held it (pid {pid}) is gone; "
+                        "`astraflow run` on the directory resumes it")
+    return holder
+
+
+@click.command("stop")
+@click.argument("run_dir", type=UserPath(file_okay=False, exists=True))
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Wait until the run has stopped and say how it ended.")
+@click.option("--timeout", type=Seconds(), default=300.0, show_default=True,
+              help="Seconds to wait for the stop (it takes about cluster.stop_grace_s at most).")
+def stop(run_dir: str, wait: bool, timeout: float) -> None:
+    """Stop the run in RUN_DIR as Ctrl-C in its terminal would: RaaS nodes flush what they wrote,
+    trainers commit, summary.json is written and the worker jobs are cancelled. `astraflow run`
+    on the directory resumes it. Run it on the host of the run's `astraflow run` (under Slurm,
+    `scancel` of the head job does the same)."""
+    rd = Path(run_dir)
+    holder = live_holder(rd)
+    pid = int(holder["pid"])
+    try:
+        os.kill(pid, signal.SIGINT)
+    except ProcessLookupError:
+        raise UserError(f"the run in {rd} (pid {pid}) ended meanwhile") from None
+    except PermissionError:
+        raise UserError(f"the run in {rd} (pid {pid}) is another user's: only its owner can stop it") from None
+    click.echo(f"stopping the run in {rd} (pid {pid})")
+    if not wait:
+        return
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid) and holder_of(rd).get("pid") == pid:
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"the run (pid {pid}) is still stopping after {timeout:.0f}s; "
+                                       f"`astraflow status {rd}` shows what it waits for")
+        time.sleep(0.5)
+    click.echo(_ended(rd))
+
+
+def _ended(rd: Path) -> str:
+    """How the stopped run ended, from its summary."""
+    from astraflow.runtime.monitoring.text import outcome
+
+    try:
+        summary = json.loads(RunPaths(rd).summary.read_text())
+    except (OSError, ValueError):
+        return f"the run stopped without a summary; `astraflow run` on {rd} resumes it"
+    steps = ", ".join(f"{p} at step {n}" for p, n in (summary.get("steps") or {}).items())
+    return (f"the run ended {outcome(summary)}" + (f" ({summary['reason']})" if summary.get("reason") else "")
+            + (f", {steps}" if steps else "") + f"; `astraflow run` on {rd} resumes it")

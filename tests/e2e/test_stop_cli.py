@@ -1,0 +1,61 @@
+"""``astraflow stop RUN_DIR`` from another shell stops a live run the Ctrl-C way (summary, no
+worker left) and says how it ended; with no live run it says so and signals nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from storage.paths import RunPaths
+from tests.e2e.test_cli import ROOT
+from tests.e2e.test_run_failure_cli import _alive, _pid, _running, _workers_once_training
+
+
+def _stop(run_dir, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "astraflow", "stop", str(run_dir), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_stop_from_another_shell_stops_the_run_with_a_summary(tiny_model, tmp_path):
+    with _running(tmp_path, tiny_model) as (proc, run_dir):
+        workers = _workers_once_training(proc, run_dir)
+        done = _stop(run_dir)
+        assert proc.wait(60) == 130
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout.splitlines()
+    assert out[0] == f"stopping the run in {run_dir} (pid {proc.pid})"
+    assert out[1].startswith("the run ended interrupted (stopped by SIGINT (Ctrl-C or `astraflow stop`)), solver at step ")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["ledger_closed"]
+    assert not [n for n, w in workers.items() if _alive(_pid(w))], "worker processes were left running"
+    again = _stop(run_dir)  # nothing runs there now
+    assert again.returncode == 2 and "no run is running in" in again.stderr
+
+
+def test_stop_signals_nothing_without_a_live_run_of_this_host(tmp_path):
+    run_dir = tmp_path / "run"
+    lock = RunPaths(run_dir).run_lock
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    assert "its lock names no holder" in _stop(run_dir).stderr
+    # a run that died without letting go: its pid is free now (or another program's)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": time.time()}))
+    res = _stop(run_dir)
+    assert res.returncode == 2 and f"the run that held it (pid {dead.pid}) is gone" in res.stderr
+    # a live process that is not the run (this test's own pid, say) is not signalled
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time() - 3600}))
+    res = _stop(run_dir)
+    assert res.returncode == 2 and "is gone" in res.stderr
+    lock.write_text(json.dumps({"pid": 1234, "host": "another-host", "started": time.time()}))
+    res = _stop(run_dir)
+    assert res.returncode == 2 and "runs on host another-host (pid 1234)" in res.stderr and "scancel" in res.stderr
