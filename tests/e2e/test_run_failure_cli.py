@@ -273,7 +273,8 @@ def test_ctrl_c_again_during_the_stop_does_not_break_it(tiny_model, tmp_path):
         rc, lines, everything, took = _finish(proc, killed_at)
     assert rc == 130, everything[-3000:]
     assert "Traceback" not in everything and "Aborted" not in everything, everything[-3000:]
-    assert lines[-1].startswith("the run was stopped by SIGINT (Ctrl-C)") and "summary.json" in lines[-1], lines
+    assert lines[-1].startswith("the run was stopped by SIGINT (Ctrl-C or `astraflow stop`)"), lines
+    assert "summary.json" in lines[-1], lines
     assert lines[:-1] and all(line.startswith("already stopping") for line in lines[:-1]), lines
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["ledger_closed"]
