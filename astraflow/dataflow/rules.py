@@ -27,8 +27,10 @@ decisions the uninterrupted run would have made from that point, given the same 
 
 from __future__ import annotations
 
+import logging
 import math
 import random
+import traceback
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, Sequence
 
@@ -36,6 +38,9 @@ from pydantic import BaseModel, Field
 
 from astraflow.configbase import Strict
 from astraflow.registry import Registry
+
+log = logging.getLogger("astraflow.dataflow")
+
 
 def not_a_rule(obj: Any, methods: tuple[str, ...] = ()) -> str | None:
     """Why ``obj`` cannot be a dataflow rule with ``methods`` (None: it can): a class with a
@@ -395,6 +400,7 @@ def checked(rule: Any, registry: Registry, name: str) -> Any:
     inner = getattr(rule, "__dict__", None)
     if inner is None or "_checked" in inner:
         return rule  # without an instance dict (slots) it is called as it is; checked once
+    logged: set[str] = set()
 
     def call(method: str, *args: Any) -> Any:
         try:
@@ -402,7 +408,12 @@ def checked(rule: Any, registry: Registry, name: str) -> Any:
         except RuleError:
             raise
         except Exception as err:
-            raise RuleError(f"{label}.{method} raised {type(err).__name__}: {err}") from err
+            where = traceback.extract_tb(err.__traceback__)[-1]  # the user's line, in the run's one-line reason
+            if method not in logged:  # its whole traceback once, in the data layer's worker log
+                logged.add(method)
+                log.error("%s.%s raised", label, method, exc_info=err)
+            raise RuleError(f"{label}.{method} raised {type(err).__name__}: {err} "
+                            f"(at {where.filename}:{where.lineno} in {where.name})") from err
 
     def accept(prompt_key: str, payload: dict) -> bool:
         out = call("accept", prompt_key, payload)

@@ -14,12 +14,17 @@ from tests.dataflow.test_data_layer import Node, make_layer
 HERE = "tests.dataflow.bad_user_rules"
 
 
-def test_a_raising_curator_is_named_with_its_error(tmp_path):
+def test_a_raising_curator_is_named_with_its_error(tmp_path, caplog):
     layer = make_layer(tmp_path, curator={"type": f"{HERE}:Boom"})
-    with pytest.raises(R.RuleError, match=r"dataflow\.curator \(tests\.dataflow\.bad_user_rules:Boom\)\.accept "
-                                          r"raised KeyError: 'curator_bug'"):
+    with caplog.at_level("ERROR", logger="astraflow.dataflow"), pytest.raises(
+            R.RuleError, match=r"dataflow\.curator \(tests\.dataflow\.bad_user_rules:Boom\)\.accept "
+                               r"raised KeyError: 'curator_bug' \(at .*bad_user_rules\.py:\d+ in accept\)"):
         asyncio.run(layer.lease("n", 8))
     _ends_the_run(layer, "accept raised KeyError")
+    # the whole traceback once, in the data layer's log, down to the user's own line
+    logged = [r for r in caplog.records if "accept raised" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info[2] is not None
+    assert "curator_bug" in "".join(__import__("traceback").format_exception(*logged[0].exc_info))
 
 
 def test_a_filter_returning_a_bare_bool_is_told_the_shape(tmp_path):
