@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,8 +30,9 @@ class SchedulerProcess:
         https = dashboard_token_file is not None if dashboard_https is None else dashboard_https
         if https and tls is None:
             raise ValueError("a dashboard served over HTTPS needs the run's TLS files too")
-        if interface:
-            host = None  # listen on the interface's address (e.g. ib0 on the head node)
+        if interface:  # listen on the interface's address (e.g. ib0 on the head node)
+            # as an address: Dask's scheduler refuses an interface together with the TLS protocol
+            host = interface_address(interface, "cluster.scheduler_interface")
         self.paths = paths
         self.dashboard = f"{dashboard_host}:{dashboard_port}"
         self.host = host
@@ -44,9 +46,10 @@ class SchedulerProcess:
         """Start the scheduler; returns its address once it wrote the scheduler file."""
         self.paths.scheduler_file.unlink(missing_ok=True)
         log = open(self.paths.log("scheduler"), "ab")
+        written_from = log.seek(0, os.SEEK_END)
         cmd = [
             sys.executable, "-m", DASK_MAIN, "scheduler",
-            *(["--host", self.host] if self.host else ["--interface", str(self.interface)]), "--port", "0",
+            "--host", str(self.host), "--port", "0",
             "--dashboard-address", self.dashboard,
             "--scheduler-file", str(self.paths.scheduler_file),
             "--preload", "astraflow.runtime.dashboard",
@@ -59,9 +62,14 @@ class SchedulerProcess:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"the Dask scheduler exited with code {self.proc.returncode}; see {self.paths.log('scheduler')}"
-                )
+                try:  # what this start wrote (the log keeps earlier incarnations' too)
+                    with open(self.paths.log("scheduler"), "rb") as f:
+                        f.seek(written_from)
+                        lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+                except OSError:
+                    lines = []
+                raise RuntimeError(f"the Dask scheduler exited with code {self.proc.returncode} while starting: "
+                                   f"{last_error_line(lines)[:300]}; see {self.paths.log('scheduler')}")
             if self.paths.scheduler_file.exists():
                 try:
                     return json.loads(self.paths.scheduler_file.read_text())["address"]
@@ -96,6 +104,38 @@ class SchedulerProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout)
+
+
+def interface_address(interface: str, key: str) -> str:
+    """The IPv4 address of network interface ``interface`` on this machine; a ``ValueError``
+    naming config ``key`` and the interfaces there are when it has none."""
+    from distributed.utils import get_ip_interface
+
+    try:
+        return get_ip_interface(interface)
+    except (KeyError, ValueError):
+        import psutil
+
+        known = ", ".join(sorted(psutil.net_if_addrs())) or "none"
+        raise ValueError(f"{key}: {interface!r} is no network interface with an IPv4 address on this machine "
+                         f"(there are: {known}); name one of them, or unset it") from None
+
+
+def last_error_line(lines: list[str]) -> str:
+    """The line of a worker's log that says why it ended: the last exception, or the one that
+    caused it (Dask wraps a worker's failure to start in ``RuntimeError: Worker failed to
+    start``); else the last line."""
+    errors = [i for i, x in enumerate(lines) if _EXCEPTION_LINE.match(x)]
+    if not errors:
+        return lines[-1].strip() if lines else "its log is empty"
+    last = errors[-1]
+    causes = [i for i in errors[:-1] if any(_CAUSE in x for x in lines[i:last])]
+    return lines[causes[-1] if causes else last].strip()
+
+
+#: a line a Python traceback ends with (``ValueError: ...``, ``socket.gaierror: ...``)
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:[Ee]rror|Exception|Exit|Interrupt)(?::|$)")
+_CAUSE = "The above exception was the direct cause of the following exception"
 
 
 def repo_root() -> Path:

@@ -22,11 +22,12 @@ from distributed import Client
 from astraflow.codeversion import code_fingerprint, differences
 from astraflow.partition_settings import effective_rollout, effective_trainer
 from astraflow.rollout.node import NodeIdentity
-from astraflow.runtime.cluster import SchedulerProcess, connected_workers, repo_root
+from astraflow.runtime.cluster import SchedulerProcess, connected_workers, last_error_line, repo_root
 from astraflow.runtime.monitoring import write_orchestrator_info
 from astraflow.runtime.security import client_security, dashboard_token, run_tls
 from astraflow.runtime.workers import RunFailed
 from schedulers import Partition, TLSFiles
+from schedulers.base import ACTIVE_STATES
 from schedulers.command import is_loopback
 from storage.atomic import write_atomically
 from storage.paths import RunPaths
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
     from astraflow.config import ClusterConfig, RunConfig
     from astraflow.runtime.progress import Progress
     from astraflow.training.config import PolicyConfig
+
+#: job states after which a worker that has not joined never will (UNKNOWN is not one)
+ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED"}) - ACTIVE_STATES
+
 
 class Placement:
     """The Dask scheduler process and client of a run, and actors placed on named workers."""
@@ -67,7 +72,10 @@ class Placement:
                                                host=cc.scheduler_host, interface=cc.scheduler_interface, tls=self.tls,
                                                dashboard_token_file=token_file, dashboard_https=exposed)
         with self.progress.waiting("starting the Dask scheduler"):
-            address = self.scheduler_proc.start()
+            try:
+                address = self.scheduler_proc.start()
+            except (RuntimeError, TimeoutError) as err:  # its own line says why (a host, a port, an interface)
+                raise RunFailed(str(err)) from None
         self.client = Client(address, timeout=30, security=client_security(self.tls))
         dash = self.client.scheduler_info().get("services", {}).get("dashboard")
         host = cc.dashboard_host if cc.dashboard_host not in ("0.0.0.0", "::") else socket.getfqdn()
@@ -155,6 +163,7 @@ class Placement:
         timeout = self.cluster.worker_start_timeout_s
         deadline = time.time() + timeout
         states: dict[str, str] = {}
+        ended_before: set[str] = set()
         next_poll = 0.0
         while True:
             joined = self.joined()
@@ -164,12 +173,35 @@ class Placement:
             if time.time() >= next_poll:
                 next_poll = time.time() + 5.0
                 states = job_states()
+                # a job that ended without its worker joining (seen so twice: not a requeue) never will
+                ended = {n for n in missing if states.get(n, "PENDING") in ENDED_STATES}
+                if ended & ended_before:
+                    raise RunFailed(self._never_joined(sorted(ended & ended_before), states))
+                ended_before = ended
             shown = ", ".join(f"{n} ({states.get(n, '?')})" for n in missing[:3])
             self.progress.detail(f"{len(names) - len(missing)}/{len(names)} joined; not yet {shown}"
                                  + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
             if time.time() > deadline:
                 raise RunFailed(f"workers did not join within {timeout:.0f}s: {missing}; see {self.paths.jobs}/*.log")
             time.sleep(0.2)
+
+
+    def _never_joined(self, names: list[str], states: dict[str, str]) -> str:
+        """Why the run stops: workers whose jobs ended before they joined, with what their logs
+        say last (a bad interface, a missing module, a wrong Python), workers that say the same
+        named together."""
+        by_error: dict[str, list[str]] = {}
+        for name in names:
+            # a local job's <name>.log, a Slurm job's <name>.<job id>.log (the newest)
+            logs = sorted([*self.paths.jobs.glob(f"{name}.log"), *self.paths.jobs.glob(f"{name}.*.log")],
+                          key=lambda f: f.stat().st_mtime)
+            try:
+                lines = [x for x in logs[-1].read_text(errors="replace").splitlines() if x.strip()] if logs else []
+            except OSError:
+                lines = []
+            by_error.setdefault(last_error_line(lines)[:300], []).append(f"{name} ({states.get(name)})")
+        said = "; ".join(f"{', '.join(ws)}: {error}" for error, ws in list(by_error.items())[:3])
+        return (f"worker job(s) ended before joining the Dask scheduler: {said}; see {self.paths.jobs}/*.log")
 
 
 # -- what each actor is built with ----------------------------------------------------------------

@@ -194,3 +194,28 @@ def test_site_files_that_do_not_load_are_refused_naming_the_field(tmp_path, fiel
     bundle = tmp_path / "bundle.pem"  # a certificate file that holds its key too
     bundle.write_bytes(site.cert_file.read_bytes() + site.key_file.read_bytes())
     TLSConfig(ca_file=site.ca_file, cert_file=bundle)
+
+
+def test_a_scheduler_on_a_named_interface_starts_with_tls(tmp_path):
+    """``cluster.scheduler_interface`` (ib0 on a cluster; lo here) with TLS on: Dask refuses an
+    interface together with the TLS protocol, so the scheduler listens on the interface's address."""
+    paths = RunPaths(tmp_path / "run").make()
+    files = run_tls(paths, TLSConfig())
+    proc = SchedulerProcess(paths, dashboard_port=0, interface="lo", tls=files)
+    try:
+        address = proc.start()
+        assert address.startswith("tls://127.")
+        with Client(address, timeout=20, security=client_security(files)) as client:
+            assert client.scheduler_info()["address"] == address
+    finally:
+        proc.stop()
+    with pytest.raises(ValueError, match=r"cluster.scheduler_interface: 'nope0' is no network interface .*lo"):
+        SchedulerProcess(paths, dashboard_port=0, interface="nope0", tls=files)
+
+
+def test_a_scheduler_that_cannot_start_says_why_in_its_error(tmp_path):
+    """A host that does not resolve: the error quotes the scheduler log's cause, not only its code."""
+    paths = RunPaths(tmp_path / "run").make()
+    paths.log("scheduler").write_text("Traceback (most recent call last):\nValueError: an earlier incarnation's\n")
+    with pytest.raises(RuntimeError, match=r"exited with code 1 while starting: socket\.gaierror: "):
+        SchedulerProcess(paths, dashboard_port=0, host="no.such.host.invalid").start()

@@ -1,0 +1,41 @@
+"""Worker jobs that end before they join (a wrong network interface, a missing module, another
+Python) stop the run at once with what their logs say, instead of after the whole
+``cluster.worker_start_timeout_s`` with only "did not join"."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from astraflow.runtime.cluster import last_error_line as _last_error
+from tests.e2e.test_cli import ROOT, _write_config
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_workers_that_cannot_start_fail_the_run_with_their_error(tiny_model, tmp_path):
+    t0 = time.monotonic()
+    res = subprocess.run(
+        [sys.executable, "-m", "astraflow", "run", str(_write_config(tmp_path, tiny_model)), "--run-dir",
+         str(tmp_path / "run"), "--quiet", "--set", "cluster.worker_interface=nope0",
+         "--set", "cluster.worker_start_timeout_s=600"],
+        cwd=ROOT, capture_output=True, text=True, timeout=280)
+    took = time.monotonic() - t0
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "worker job(s) ended before joining the Dask scheduler" in res.stderr
+    assert "'nope0' is not a valid network interface" in res.stderr and "(FAILED)" in res.stderr
+    assert took < 200, f"the run waited {took:.0f}s for workers that had ended"
+
+
+def test_the_error_quoted_is_the_cause_dask_wrapped():
+    log = ["2026-01-01 - distributed.worker - INFO - Stopping worker", "Traceback (most recent call last):",
+           "  File \"x.py\", line 1, in f", "ValueError: 'nope0' is not a valid network interface", "",
+           "The above exception was the direct cause of the following exception:",
+           "Traceback (most recent call last):", "RuntimeError: Worker failed to start."]
+    assert _last_error(log) == "ValueError: 'nope0' is not a valid network interface"
+    assert _last_error(["ModuleNotFoundError: No module named 'astraflow'"]).startswith("ModuleNotFoundError")
+    assert _last_error(["slurmstepd: error: *** JOB 12 CANCELLED ***"]) == "slurmstepd: error: *** JOB 12 CANCELLED ***"
+    assert _last_error([]) == "its log is empty"
