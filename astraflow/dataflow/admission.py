@@ -323,6 +323,9 @@ def no_batch_reason(layer: Any, policy: str, version: int, timeout: float, avail
     if layer.cfg.lockstep and behind:
         held_back = ("; waiting for dataflow.lockstep: " + ", ".join(f"{p} at v{v}" for p, v in behind.items())
                      + f" (below v{version}): is its trainer running?")
+    elif not layer.ledger.events["leased"]:  # nothing can come before a node leases (an eval round neither)
+        held_back = ("; no RaaS node has leased a task yet: do the rollout partitions have nodes, and did their "
+                     "workers start (`astraflow status`, their logs under jobs/)?")
     elif not layer.evals.initial_done():
         held_back = ("; waiting for the first held-out evaluation round to finish (the RaaS nodes run its "
                      "tasks first; workload.eval.every: 0 turns evaluation off)")

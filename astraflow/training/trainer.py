@@ -303,7 +303,8 @@ class Trainer(OptimizerCheckpoint):
                 if time.time() >= deadline:
                     raise TimeoutError(
                         f"trainer {self.policy}: no batch within trainer.batch_timeout_s = "
-                        f"{self.cfg.batch_timeout_s:g} s; last answer: {err}"
+                        f"{self.cfg.batch_timeout_s:g} s (raise policies[{self.policy}].trainer.batch_timeout_s "
+                        f"where rollouts are that slow); last answer: {err}"
                     ) from err
                 if self._stop.is_set():
                     raise _Stopped from None
