@@ -200,25 +200,54 @@ class LocalScheduler:
 
 
 def _end_group(pgid: int, deadline: float) -> None:
-    """Wait until the process group ``pgid`` of a reaped worker is empty, at most until
-    ``deadline``, then SIGKILL what is left. Safe after the leader is reaped: the kernel does
-    not give a pid to a new process while a process group of that id still has members."""
-    def alive() -> bool:
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # not ours: nothing to stop here
-            return False
-
-    while alive() and time.monotonic() < deadline:
+    """Wait until the process group ``pgid`` of a reaped worker has no live member, at most until
+    ``deadline``, then SIGKILL what is left. A group of zombies only is gone: nothing in it runs,
+    and an orphan's zombie (a multiprocessing resource tracker, say) waits for PID 1 to reap it,
+    which in a container without an init never comes. Safe after the leader is reaped: the
+    kernel does not give a pid to a new process while a process group of that id has members."""
+    while _group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.02)
-    if alive():
+    if _group_alive(pgid):
         try:
             os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):  # gone meanwhile, or not ours
             pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether the process group ``pgid`` has a member this process may signal that is not a
+    zombie (where /proc cannot tell zombies apart, any member it may signal)."""
+    # zombies only, or nobody: on two scans, so that a child forked while the first one ran is seen
+    if _live_members(pgid) is False and _live_members(pgid) is False:
+        return False
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # not ours: nothing to stop here
+        return False
+
+
+def _live_members(pgid: int) -> bool | None:
+    """Whether /proc lists a process of group ``pgid`` that is neither a zombie nor dead; None
+    where /proc cannot be read or is not this process's (another pid namespace's)."""
+    try:
+        pids = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return None
+    if str(os.getpid()) not in pids:
+        return None
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # ended since the listing
+            continue
+        fields = stat.rsplit(b")", 1)[-1].split()  # after the command name, which may hold anything
+        if len(fields) > 2 and fields[2] == str(pgid).encode() and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
 
 
 def _is_worker(pid: int, ref: JobRef) -> bool:

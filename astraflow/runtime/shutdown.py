@@ -5,6 +5,7 @@ alive cancelled by id and the Dask scheduler stopped by pid."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,10 +77,13 @@ class Shutdown:
         """Stop the components in order and write ``summary.json`` with ``ending``. Every wait
         is bounded (`BoundedWaits`): after a failure or a signal all together by
         ``cluster.stop_grace_s``, nodes and trainers each getting a share so that the data layer
-        can still close the ledger. What a component that is gone would have said comes from the
-        last tick; what did not answer is listed as ``stop_errors``."""
+        can still close the ledger. The nodes stop at once and share their share; a node still
+        loading its model is not waited for (`_still_starting`). What a component that is gone
+        would have said comes from the last tick; what did not answer is listed as ``stop_errors``."""
         grace = self.cfg.cluster.stop_grace_s
         node_s, trainer_s = (60.0, 120.0) if ending.clean else (0.4 * grace, 0.3 * grace)
+        # what a node's answer may take past its own stop timeout (its engines closed, the reply sent)
+        node_answer_s = 10.0 if ending.clean else 0.1 * grace
         waits = BoundedWaits(600.0 if ending.clean else grace)
         nodes: dict[str, Any] = {}
         trainers: dict[str, Any] = {}
@@ -88,13 +92,18 @@ class Shutdown:
         if self.dl is not None:
             # with the data layer lost, nothing a node flushes could be completed: nodes are not waited for
             dl_lost = any(w.gone for w in self.fleet.of_role("data"))
+            live = [w for w in self.fleet.of_role("rollout")
+                    if w.phase in NODE_PHASES and w.actor is not None and not dl_lost]
             stops = {w.name: (w.future if w.draining else waits.start(f"node {w.name}",
                                                                       lambda w=w: w.actor.stop(timeout=node_s)))
-                     for w in self.fleet.of_role("rollout")
-                     if w.phase in NODE_PHASES and w.actor is not None and not dl_lost}
-            for n, f in stops.items():  # a node that did not answer: its leases end as run_ended
-                nodes[n] = (waits.result(f"node {n}", f, node_s + 10)
-                            or {"node": n, "error": waits.errors.get(f"node {n}")})
+                     for w in live if not _still_starting(w)}
+            # a node that did not answer: its leases end as run_ended
+            for n, answer in _answers(waits, "node", stops, node_s + node_answer_s).items():
+                nodes[n] = answer or {"node": n, "error": waits.errors.get(f"node {n}")}
+            for w in live:
+                if _still_starting(w):  # its job is cancelled with the others: it holds no lease yet
+                    nodes[w.name] = {"node": w.name, "stopped": False, "error": None,
+                                     "note": "still starting (its model loading): not waited for"}
             stops = {p: waits.start(f"trainer {p}", lambda t=t: t.stop(timeout=trainer_s))
                      for p, t in self.trainers.items()}
             trainers = {p: waits.result(f"trainer {p}", f, trainer_s + 30) for p, f in stops.items()}
@@ -110,16 +119,24 @@ class Shutdown:
         steps = committed_steps(self.paths.weights, list(trainers), {p: t["version"] for p, t in trainers.items() if t})
         result = RunResult(self.paths.root, steps, state.get("eval", []), ledger or state.get("ledger", {}),
                            time.time() - t0, ending.status == "interrupted", nodes, ending)
-        warning = failures_outnumber_consumed(result.ledger, self.paths.jobs)
-        if warning:  # a run ended on the few episodes that did not fail: said where it ends
-            log.warning("%s", warning)
-            progress = getattr(self, "progress", None)
-            if progress is not None:
-                progress.note(f"[bold]warning[/bold]: {escape(warning)}")
+        self._warn_failures(result.ledger, ending)
         self._write_summary(ending, dict(steps=steps, ledger=result.ledger, ledger_closed=bool(ledger),
                                          seconds=result.seconds, nodes=nodes, trainers=trainers, data_layer=state,
                                          iterations=self.iterations, stop_errors=waits.errors))
         return result
+
+    def _warn_failures(self, ledger: dict[str, Any], ending: Ending) -> None:
+        """Warn, once, when more rollout tasks failed than were trained on (a run can end on the few
+        episodes that did not fail): as a progress note, or in the log when there is no progress
+        output (``--quiet``). Not for a run that fails for its failing tasks: its line says so."""
+        warning = failures_outnumber_consumed(ledger, self.paths.jobs)
+        if not warning or (ending.status == "failed" and _FAILING_TASKS.match(ending.reason or "")):
+            return
+        progress = getattr(self, "progress", None)
+        if progress is not None and progress.enabled:
+            progress.note(f"[bold]warning[/bold]: {escape(warning)}")
+        else:
+            log.warning("%s", warning)
 
     def _write_summary(self, ending: Ending, parts: dict[str, Any]) -> None:
         """``summary.json`` is written whatever the parts hold: a value JSON cannot hold (a user
@@ -184,3 +201,32 @@ def evals_on_record(metrics: Path) -> list[dict[str, Any]]:
         return []
     kept = {(r.get("policy"), r["step"]): r for r in records if is_eval_record(r)}
     return sorted(kept.values(), key=lambda r: r["step"])
+
+
+#: the reason of a run stopped because its rollout tasks keep failing (``NothingCompletes``)
+_FAILING_TASKS = re.compile(r"\d+ rollout tasks failed (and none completed|since the last one completed) ")
+
+
+def _still_starting(w: Any) -> bool:
+    """Whether the RaaS node on worker ``w`` is still in its ``start()`` (loading its model):
+    a stop sent to it would wait behind that on the worker's actor thread, and it holds no
+    lease until ``start()`` returns."""
+    return w.phase in ("placing", "starting") and w.future is not None and not w.future.done()
+
+
+def _answers(waits: BoundedWaits, kind: str, futures: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """The answers of calls made at once (``{name: future}``, ``kind`` naming them in the
+    errors), waited for together: they share one deadline ``seconds`` from now (and ``waits``'
+    own). One still unanswered after it is noted as timed out without a further wait (the least
+    wait ``waits`` gives each call would add up over many)."""
+    deadline = time.monotonic() + seconds
+    out: dict[str, Any] = {}
+    for name, future in futures.items():
+        what = f"{kind} {name}"
+        if future is not None and time.monotonic() >= deadline and not future.done():
+            waits.errors[what] = f"TimeoutError: no answer within {seconds:.1f} s (the {kind}s' share of the stop)"
+            log.info("stopping the run: %s: %s", what, waits.errors[what])  # reported in summary.json
+            out[name] = None
+            continue
+        out[name] = waits.result(what, future, max(deadline - time.monotonic(), 0.0))
+    return out
