@@ -40,6 +40,10 @@ QUIET_DASK_ENV = {
     "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s",
     "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "2s",
     "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL": "1s",
+    # AstraFlow's own lines in a worker's log formatted as Dask's (time, level, logger), INFO on
+    "DASK_LOGGING__ASTRAFLOW": "info",
+    # no progress bars (a model's "Loading weights") drawn into log files
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
 }
 
 

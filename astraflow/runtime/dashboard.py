@@ -231,6 +231,9 @@ def _link_from_dashboard(scheduler) -> None:
 
 
 def dask_setup(scheduler) -> None:  # noqa: D401  (Dask preload hook)
+    # a worker leaving as the run stops closes its comm mid-send: Dask logs that at INFO with a
+    # traceback, which reads as an error in the log of a run that ended well
+    logging.getLogger("distributed.batched").setLevel(logging.WARNING)
     run_dir = os.environ.get(RUN_DIR_ENV)
     app = getattr(scheduler, "http_application", None)
     if not run_dir or app is None:
