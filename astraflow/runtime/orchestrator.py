@@ -285,7 +285,10 @@ class Orchestrator(Shutdown):
     # ------------------------------------------------------------------ the watch loop
     def _tick(self) -> Tick:
         """The data layer's and every trainer's state, read once for this tick. A component that
-        does not answer is most often a lost worker: ``RunFailed`` then names it."""
+        does not answer is most often a lost worker: ``RunFailed`` then names it; a Dask
+        scheduler that is gone is seen first (a call would wait for its reconnect)."""
+        if (gone := self.placement.scheduler_gone()) is not None:
+            raise RunFailed(gone)
         asking = "the data layer"
         try:
             # the newest evaluations only: a tick shows those, and the history grows with every round

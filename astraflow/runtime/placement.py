@@ -10,6 +10,7 @@ only its own config section, with the partition's settings merged over it
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -99,6 +100,8 @@ class Placement:
         if proc is None or proc.poll() is None:
             return None
         code = proc.returncode
+        # its client's reconnect attempts would put Dask's own error lines on the terminal
+        logging.getLogger("distributed.client").setLevel(logging.CRITICAL)
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         return (f"the Dask scheduler {how} (its log: {self.paths.log('scheduler')}), and the run cannot go on "
                 "without it: run `astraflow run` on the run directory again to resume it")
