@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import logging
-from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
@@ -16,25 +15,12 @@ from astraflow.runtime.progress import Progress
 from astraflow.runtime.shutdown import Shutdown
 from astraflow.runtime.stopping import Ending, NothingCompletes
 from storage.paths import RunPaths
+from tests.runtime.shutdown_fakes import FakeDataLayer
 
 LEDGER = {"events": {"failed": 373, "consumed": 0}, "failed_by_reason": {"failed:EpisodeError: reward raised": 373}}
 
 
-def _done(value) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
 
-
-class _DataLayer:
-    def finish(self, completed: bool = True) -> Future:
-        return _done(LEDGER)
-
-    def state(self) -> Future:
-        return _done({"eval": [], "ledger": LEDGER})
-
-    def close(self) -> Future:
-        return _done(None)
 
 
 class _Run(Shutdown):
@@ -46,7 +32,7 @@ class _Run(Shutdown):
         self.cfg = SimpleNamespace(cluster=SimpleNamespace(stop_grace_s=2.0))
         self.paths = RunPaths(root).make()
         self.fleet = SimpleNamespace(of_role=lambda role: [])
-        self.dl, self.trainers, self.last_tick, self.iterations = _DataLayer(), {}, None, []
+        self.dl, self.trainers, self.last_tick, self.iterations = FakeDataLayer(LEDGER, with_ledger_in_state=True), {}, None, []
         self.status = SimpleNamespace(write_summary=lambda **kw: None)
 
 

@@ -16,27 +16,14 @@ from astraflow.runtime.stopping import Ending
 from astraflow.runtime.workers import Worker
 from schedulers import JobRef
 from storage.paths import RunPaths
+from tests.runtime.shutdown_fakes import FakeDataLayer, done
 
 #: the run's stop budget in these tests; the trainer's answer takes a fraction of it
 GRACE_S = 6.0
 TRAINER_ANSWER_S = 1.0
 
 
-def _done(value) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
 
-
-class _DataLayer:
-    def finish(self, completed: bool = True) -> Future:
-        return _done({"tasks": 8, "open": 0, "dropped_by_reason": {}})
-
-    def state(self) -> Future:
-        return _done({"eval": []})
-
-    def close(self) -> Future:
-        return _done(None)
 
 
 class _Trainer:
@@ -58,12 +45,12 @@ class _Node:
 
     def stop(self, timeout: float) -> Future:
         self.stops.append(timeout)
-        return _done({"node": "n", "stopped": True, "error": None}) if self.answers else Future()
+        return done({"node": "n", "stopped": True, "error": None}) if self.answers else Future()
 
 
 def _worker(name: str, phase: str, node: _Node, started: bool = True) -> Worker:
     w = Worker(JobRef(f"local-{name}", "rollout", name, "local", None), "rollout", actor=node)
-    w.enter(phase, None if phase == "serving" else (_done({"solver": 0}) if started else Future()))
+    w.enter(phase, None if phase == "serving" else (done({"solver": 0}) if started else Future()))
     return w
 
 
@@ -74,7 +61,7 @@ class _Run(Shutdown):
         self.cfg = SimpleNamespace(cluster=SimpleNamespace(stop_grace_s=GRACE_S))
         self.paths = RunPaths(root).make()
         self.fleet = SimpleNamespace(of_role=lambda role: workers if role == "rollout" else [])
-        self.dl, self.trainers, self.iterations = _DataLayer(), {"solver": _Trainer()}, []
+        self.dl, self.trainers, self.iterations = FakeDataLayer(), {"solver": _Trainer()}, []
         self.last_tick = Tick(data_layer={}, trainers={"solver": {"version": 2}})
         self.summary: dict = {}
         self.status = SimpleNamespace(write_summary=lambda **kw: self.summary.update(kw))

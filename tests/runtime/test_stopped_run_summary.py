@@ -15,28 +15,11 @@ from astraflow.runtime.monitoring import Tick
 from astraflow.runtime.shutdown import Shutdown
 from astraflow.runtime.stopping import Ending
 from storage.paths import RunPaths
+from tests.runtime.shutdown_fakes import FakeDataLayer
 from storage.weights import WeightStore
 
 
-def _done(value) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
 
-
-class _DataLayer:
-    def __init__(self):
-        self.finished_with: list[bool] = []
-
-    def finish(self, completed: bool = True) -> Future:
-        self.finished_with.append(completed)
-        return _done({"tasks": 8, "open": 0, "dropped_by_reason": {}})
-
-    def state(self) -> Future:
-        return _done({"eval": []})
-
-    def close(self) -> Future:
-        return _done(None)
 
 
 class _LostTrainer:
@@ -63,7 +46,7 @@ class _Run(Shutdown):
     (Ending("completed"), True),
 ], ids=["lost-trainer", "ctrl-c", "requeue", "completed"])
 def test_the_data_layer_learns_whether_the_run_reached_its_end(tmp_path, ending, completed):
-    dl = _DataLayer()
+    dl = FakeDataLayer()
     run = _Run(tmp_path / "run", dl, {"solver": _LostTrainer()},
                Tick(data_layer={}, trainers={"solver": {"version": 0}}))
     run._shutdown(0.0, ending)
@@ -71,7 +54,7 @@ def test_the_data_layer_learns_whether_the_run_reached_its_end(tmp_path, ending,
 
 
 def test_the_summary_steps_are_the_newest_committed_version_not_a_lost_trainers_last_tick(tmp_path):
-    run = _Run(tmp_path / "run", _DataLayer(), {"solver": _LostTrainer()},
+    run = _Run(tmp_path / "run", FakeDataLayer(), {"solver": _LostTrainer()},
                Tick(data_layer={}, trainers={"solver": {"version": 23}}))  # ticked before v24, v25 were committed
     store = WeightStore(run.paths.weights, keep_last=10)
     for v in (23, 24, 25):
@@ -81,7 +64,7 @@ def test_the_summary_steps_are_the_newest_committed_version_not_a_lost_trainers_
     assert "trainer solver" in run.summary["stop_errors"]
 
 
-class _LostDataLayer(_DataLayer):
+class _LostDataLayer(FakeDataLayer):
     def state(self) -> Future:
         raise RuntimeError("Worker holding Actor was lost")
 
