@@ -182,7 +182,8 @@ def small(dl: DataLayer, lengths: dict[str, int]) -> dict[str, Any]:
                   "budget_sources": dict(dl.budget_sources) if dl.budget_sources is not None else None,
                   "trainer_restarts": dl.trainer_restarts, "generated": dl.generated},
         "ledger": {"events": ledger.events, "dropped_by_reason": ledger.dropped_by_reason,
-                   "failed_by_reason": ledger.failed_by_reason, "state_counts": ledger.state_counts},
+                   "failed_by_reason": ledger.failed_by_reason, "state_counts": ledger.state_counts,
+                   "requeued_by_reason": ledger.requeued_by_reason},
         "buffers": {f: getattr(buffers, f) for f in SMALL_BUFFER_FIELDS},
         "mixer": {"consumed": dl.mixer.consumed, "groups_created": dl.mixer.groups_created},
     }

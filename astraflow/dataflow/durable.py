@@ -297,6 +297,7 @@ def carry_over(dl: DataLayer, state: dict[str, Any], journal: Callable[[str, str
     layer, lg, bf, ledger = state["layer"], state["ledger"], state["buffers"], dl.ledger
     ledger.events, ledger.dropped_by_reason = Counter(lg["events"]), Counter(lg["dropped_by_reason"])
     ledger.failed_by_reason, ledger.state_counts = Counter(lg["failed_by_reason"]), Counter(lg["state_counts"])
+    ledger.requeued_by_reason = Counter(lg.get("requeued_by_reason") or {})  # absent from older states
     for tid, record in lg["live"].items():
         journal(tid, "dropped", "config_changed")
         ledger.remember_end(tid, "dropped")
@@ -339,6 +340,7 @@ def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, kee
     ledger.live = lg["live"]
     ledger.events, ledger.dropped_by_reason = lg["events"], lg["dropped_by_reason"]
     ledger.failed_by_reason, ledger.state_counts = lg["failed_by_reason"], lg["state_counts"]
+    ledger.requeued_by_reason = Counter(lg.get("requeued_by_reason") or {})  # absent from older states
     leases = dl.leases
     leases.tasks = ls["tasks"]
     leases.pending, leases.eval_pending = deque(ls["pending"]), deque(ls["eval_pending"])

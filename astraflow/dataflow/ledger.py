@@ -88,6 +88,8 @@ class Ledger:
     events: Counter = field(default_factory=Counter)
     dropped_by_reason: Counter = field(default_factory=Counter)
     failed_by_reason: Counter = field(default_factory=Counter)
+    #: attempts given back to run again, by why (a node's failure report names its error)
+    requeued_by_reason: Counter = field(default_factory=Counter)
     #: tasks per state, kept up to date on every transition (summaries are O(1))
     state_counts: Counter = field(default_factory=Counter)
     #: the tasks that have not ended (what a snapshot of the data layer saves)
@@ -136,7 +138,8 @@ class Ledger:
     def requeue(self, task_id: str, why: str) -> None:
         self._unlease(task_id, "requeue").attempt += 1
         self.events["requeued"] += 1
-        self.events[f"requeued_{why.split(':', 1)[0]}"] += 1  # by kind: a failure's message is not a key
+        self.events[f"requeued_{why.split(':', 1)[0]}"] += 1  # by kind: a failure's message is not an event
+        count_reason(self.requeued_by_reason, why)
 
     def moved(self, task_id: str, node: str) -> None:
         """A leased task changed hands (a worker's lease stock gave it to one of its nodes)."""
@@ -203,5 +206,6 @@ class Ledger:
             "events": dict(self.events),
             "dropped_by_reason": dict(self.dropped_by_reason),
             "failed_by_reason": dict(self.failed_by_reason),
+            "requeued_by_reason": dict(self.requeued_by_reason),
             "open": self.open_tasks(),
         }

@@ -2,13 +2,15 @@
 
 A mixin of ``RaaSNode`` (``node``), kept apart from its lease loop: the loop only starts
 ``_recover`` when an episode failed with ``EngineProcessError`` or an idle engine is found
-dead, and leases meanwhile where every policy still has a replica serving.
+dead, and leases meanwhile where every policy still has a replica serving. A node that stops
+restarts nothing (``scancel`` ends its engine processes with it): a recovery under way gives up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any
 
 from astraflow.rollout.engine import InferenceEngine
@@ -20,7 +22,7 @@ log = logging.getLogger("astraflow.rollout")
 
 class EngineRecovery:
     """Engine restarts of a node; uses the node's ``engines``, ``cfg``, ``counters``,
-    ``identity``, ``puller``, ``error``, ``draining`` and ``_reviving``."""
+    ``identity``, ``puller``, ``error``, ``draining``, ``_reviving`` and its stop event ``_stop``."""
 
     engines: dict[str, InferenceEngine]
     cfg: Any
@@ -30,6 +32,7 @@ class EngineRecovery:
     error: str | None
     draining: bool
     _reviving: list[InferenceEngine]
+    _stop: threading.Event
 
     async def _recover(self, err: EngineProcessError) -> None:
         """Engine processes died. Restart each (``rollout.engine_restarts`` times per node) and
@@ -37,7 +40,11 @@ class EngineRecovery:
         are requeued. The node leases meanwhile only where every policy still has a replica
         serving. Past the budget (or an engine that cannot be restarted) the node stops
         leasing, so that other nodes get the tasks instead of this one failing them one after
-        another; its heartbeats carry the error, and the orchestrator replaces its worker."""
+        another; its heartbeats carry the error, and the orchestrator replaces its worker.
+        Once the node stops it returns: a stop does not wait for a model to load, and an engine
+        closed under a restart is no error of the node."""
+        if self._stop.is_set():
+            return
         dead = dead_engines(self.engines)
         restartable = all(r.restartable for e in self.engines.values() for r in replicas_of(e))
         if not dead and restartable:
@@ -51,9 +58,16 @@ class EngineRecovery:
         self._reviving = [engine for _, engine in dead]
         try:
             for label, engine in dead:
+                if self._stop.is_set():
+                    return
                 await self._restart_engine(label, engine)
+            if self._stop.is_set():
+                return
             self.counters["weight_loads"] += await asyncio.to_thread(self.puller.poll)
         except Exception as again:  # its starts spent (e.g. the model no longer loads), or the weights did not load
+            if self._stop.is_set():  # the node closed the engine it was restarting
+                log.info("node %s stops: the engine restart was given up (%s)", self.identity.name, again)
+                return
             log.exception("node %s: restarting the engine process failed", self.identity.name)
             self.error, self.draining = f"{err}; restarting it failed: {type(again).__name__}: {again}", True
         finally:
@@ -73,6 +87,6 @@ class EngineRecovery:
                 await asyncio.to_thread(engine.restart)
                 return
             except EngineProcessError as again:
-                if self.counters["engine_restarts"] >= self.cfg.engine_restarts:
+                if self.counters["engine_restarts"] >= self.cfg.engine_restarts or self._stop.is_set():
                     raise
                 why = str(again)

@@ -48,6 +48,7 @@ from astraflow.rollout.engine_pool import dead_engines, engine_pids, replicas_of
 from astraflow.rollout.engine_recovery import EngineRecovery
 from astraflow.rollout.loop_watchdog import unwatch_loop, watch_loop
 from astraflow.rollout.engines import make_engine
+from astraflow.rollout.failure_log import FailureLog
 from astraflow.rollout.node_episodes import NodeEpisodes
 from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.rollout.shared_loop import shared_loop
@@ -148,7 +149,7 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
         self._started_at = time.time()
         self._segment_batches: collections.Counter = collections.Counter()  # per segment: batches not yet completed
         self._segments_reported: set[str] = set()
-        self._failures_logged: set[tuple[str, str]] = set()  # reasons logged with their tracebacks
+        self._failure_log = FailureLog(identity.name)  # a traceback per failure reason, then counts
 
     # ------------------------------------------------------------------ actor API
     def reconnect(self, data_layer: Any) -> None:
@@ -257,14 +258,18 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
         watchdog = watch_loop(self.identity.name)  # names what blocks the loop, should anything do so
         try:
             await self._main()
-        except BaseException as err:  # whatever stopped the loop is reported, then re-raised
+        except BaseException as err:  # whatever stopped the loop is logged and reported, once
             self.error, self.draining = f"{type(err).__name__}: {err}", True
             if isinstance(err, OSError) and err.errno is not None:
                 self.error_os = (err.errno, None if err.filename is None else str(err.filename))
             log.exception("RaaS node %s failed", self.identity.name)
             await asyncio.to_thread(self._last_word)
-            raise
+            if isinstance(err, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise  # the loop itself was cancelled: the cancellation goes on
+            # not raised on: out of the node's thread, Python's thread-exception handler would log
+            # it a second time; the orchestrator learns of it from the last heartbeat
         finally:
+            self._failure_log.flush()  # the failures counted and not said yet
             unwatch_loop(watchdog, self.identity.name)
 
     def _last_word(self) -> None:
@@ -291,6 +296,7 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
                     helper.result()
                     raise RuntimeError(f"{helper.get_name()} of node {self.identity.name} ended")
             self._slot_free.clear()  # a slot freed from here on (even during the lease call) ends the wait below
+            self._failure_log.flush(due_only=True)  # failures counted for a minute: one line per reason
             now = time.time()
             if now - last_beat > HEARTBEAT_SECONDS:
                 reply = await call(self.dl.heartbeat, self.identity.name, self._beat_stats(), timeout=30)
@@ -300,7 +306,8 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
             free = self.capacity - len(self.inflight)
             tasks: list[RolloutTask] = []
             recovering = self._recovery is not None and not self._recovery.done()
-            if not recovering and self.error is None and dead_engines(self.engines):  # died while idle
+            if not recovering and self.error is None and not self._stop.is_set() and dead_engines(self.engines):
+                # died while idle (not while the node stops: scancel ends the engine processes too)
                 self._recovery = asyncio.get_running_loop().create_task(
                     self._recover(EngineProcessError(dead_engines(self.engines)[0][1].dead)))
                 recovering = True
@@ -345,6 +352,9 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
         self._finished_event.set()
         await writer
         watcher.cancel()
+        if self._recovery is not None and not self._recovery.done():  # a stop does not wait for a model load
+            self._recovery.cancel()
+            await asyncio.wait([self._recovery], timeout=5)
         try:  # a last heartbeat: the final counters, and the error a failed node stopped on
             await call(self.dl.heartbeat, self.identity.name, self._beat_stats(), timeout=10)
         except Exception as err:  # the data layer may be gone already at the end of a run

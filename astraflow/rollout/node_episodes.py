@@ -5,8 +5,9 @@ A mixin of ``RaaSNode`` (``node``), kept apart from the lease loop, which only d
 lease and starts ``_episode`` per task. Here: the episode's deadline
 (``rollout.episode_timeout_s``), the node's identity stamped into the trajectory's provenance,
 failure containment (an exception of any type fails that task only, and a dead engine process
-starts ``_recover``), and the writer that writes finished trajectories to the node's segment
-in batches and reports them with ``complete`` only once their commit is durable.
+starts ``_recover`` unless the node is stopping; the failures are logged by ``failure_log``),
+and the writer that writes finished trajectories to the node's segment in batches and reports
+them with ``complete`` only once their commit is durable.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import threading
 import time
 from dataclasses import replace
 from typing import Any
 
 from astraflow.contracts import RolloutTask, Trajectory, TrajectoryRef
 from astraflow.rollout.engine import InferenceEngine, confirmed_version
+from astraflow.rollout.failure_log import FailureLog
 from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.transport import call
 
@@ -28,9 +31,6 @@ log = logging.getLogger("astraflow.rollout")
 
 #: batches a node's writer has written and waits to see committed before it holds the next one back
 WRITE_AHEAD = 4
-
-#: distinct failure reasons a node logs with their tracebacks (reasons that differ per task stop there)
-MAX_TRACEBACKS = 100
 
 
 class EpisodeTimeout(TimeoutError):
@@ -41,8 +41,8 @@ class NodeEpisodes:
     """Episodes and trajectory writes of a node; uses the node's ``engines``, ``cfg``,
     ``counters``, ``identity``, ``dl``, ``workflow``, ``writer``, ``inflight``, ``writing``, the
     lease loop's ``_slot_free`` and the writer's queue (``_finished``, ``_finished_event``,
-    ``_closing``, ``_segment_batches``, ``_segments_reported``), ``_failures_logged``, and
-    ``_recovery``/``_recover`` (``engine_recovery``)."""
+    ``_closing``, ``_segment_batches``, ``_segments_reported``), ``_failure_log``, the stop event
+    ``_stop``, and ``_recovery``/``_recover`` (``engine_recovery``)."""
 
     engines: dict[str, InferenceEngine]
     cfg: Any
@@ -60,8 +60,9 @@ class NodeEpisodes:
     _segment_batches: collections.Counter
     _segments_reported: set[str]
     _recovery: asyncio.Task | None
-    #: failure reasons (exception type, first line) already logged with their tracebacks
-    _failures_logged: set[tuple[str, str]]
+    _stop: threading.Event
+    #: the failed episodes' lines: a traceback per reason, then counts (``failure_log``)
+    _failure_log: FailureLog
 
     async def _generate(self, task: RolloutTask) -> Trajectory:
         """The episode of ``task``: wait for the weight version it needs, then run the workflow."""
@@ -103,8 +104,10 @@ class NodeEpisodes:
             raise
         except BaseException as err:  # of any type, or the asyncio task (or the loop) ends with the lease held
             self.counters["failed"] += 1
-            self._log_failure(task, err)
-            if isinstance(err, EngineProcessError) and (self._recovery is None or self._recovery.done()):
+            self._failure_log.failed(task.task_id, err)
+            # a node that stops (scancel ends its engine processes too) does not restart them
+            if (isinstance(err, EngineProcessError) and not self._stop.is_set()
+                    and (self._recovery is None or self._recovery.done())):
                 self._recovery = asyncio.get_running_loop().create_task(self._recover(err))
             await self._fail(task, f"{type(err).__name__}: {err}")
             if isinstance(err, asyncio.CancelledError) and asyncio.current_task().cancelling():
@@ -112,17 +115,6 @@ class NodeEpisodes:
         finally:
             self.inflight.pop(task.task_id, None)
             self._slot_free.set()
-
-    def _log_failure(self, task: RolloutTask, err: BaseException) -> None:
-        """Log a failed episode: with its traceback the first time its reason (exception type and
-        first line) is seen on this node, as one line after that (a failure on every task would
-        flood the log)."""
-        reason = (type(err).__name__, str(err).partition("\n")[0])
-        first = reason not in self._failures_logged and len(self._failures_logged) < MAX_TRACEBACKS
-        if first:
-            self._failures_logged.add(reason)
-        log.warning("episode %s failed: %s: %s", task.task_id, type(err).__name__, err,
-                    exc_info=err if first else None)
 
     async def _fail(self, task: RolloutTask, reason: str) -> None:
         """Tell the data layer ``task`` failed (it is requeued up to its attempt limit). When the

@@ -50,6 +50,7 @@ import itertools
 import logging
 import multiprocessing
 import threading
+import time
 from typing import Any, Mapping
 
 from astraflow.rollout.engine import SWAP_MIN_REMAINING, Generation, SamplingParams
@@ -62,6 +63,10 @@ log = logging.getLogger("astraflow.rollout")
 STAT_KEYS = ("tokens", "requests", "batches", "busy_seconds", "weight_swaps", "decode_steps", "reencoded_rows")
 #: seconds ``ProcessEngine`` waits for the engine process to load its model
 START_TIMEOUT_S = 300.0
+#: seconds between two looks, while an engine process starts, at whether the engine was closed
+START_POLL_S = 0.1
+#: seconds ``close`` waits for a ``restart`` under way to give up (it does within ``START_POLL_S``)
+CLOSE_RESTART_WAIT_S = 1.0
 
 
 class EngineProcessError(RuntimeError):
@@ -133,9 +138,14 @@ class ProcessEngine:
     def _await_ready(self, version: int) -> None:
         conn, proc = self._conn, self._proc
         path, timeout = self._args[0], self._start_timeout
-        if not conn.poll(timeout):
-            self._abandon()
-            raise EngineProcessError(f"the engine process did not load {path} within {timeout:.0f}s")
+        deadline = time.monotonic() + timeout
+        while not conn.poll(START_POLL_S):  # a ``close`` meanwhile ends the wait, not the model load
+            if self._closed:
+                self._abandon()
+                raise EngineProcessError("the engine was closed while its process started")
+            if time.monotonic() > deadline:
+                self._abandon()
+                raise EngineProcessError(f"the engine process did not load {path} within {timeout:.0f}s")
         try:
             msg = conn.recv()
         except EOFError:
@@ -166,7 +176,8 @@ class ProcessEngine:
         """Start a new engine process after this one died (blocking: the model loads). It
         holds the model directory's weights as version 0; the caller loads the newest
         committed version next (``load_version``: the pipe keeps that before any request).
-        The requests of the dead process have failed already."""
+        The requests of the dead process have failed already. A ``close`` meanwhile makes it
+        give up (``EngineProcessError``), its new process stopped."""
         with self._life_lock:
             if self._closed:
                 raise EngineProcessError("the engine was closed: not restarted")
@@ -177,6 +188,9 @@ class ProcessEngine:
             self._stats_before = {k: self._stats_before[k] + self._stats.get(k, 0.0) for k in STAT_KEYS}
             self._stats = dict.fromkeys(STAT_KEYS, 0.0)
             self._spawn(0)
+            if self._closed:  # closed after it started: ``close`` did not wait for it, so it ends here
+                self._shut(10.0)
+                raise EngineProcessError("the engine was closed while its process started")
             self.restarts += 1
 
     @property
@@ -262,19 +276,28 @@ class ProcessEngine:
         return {k: self._stats_before[k] + self._stats.get(k, 0.0) for k in STAT_KEYS}
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the engine process (SIGKILL after ``timeout``). A ``restart`` under way (another
-        thread) finishes first and its process is stopped here; none starts after."""
+        """Stop the engine process (SIGKILL after ``timeout``); none starts after. A ``restart``
+        under way (another thread) is not waited for while its model loads: it sees the engine
+        closed within ``START_POLL_S`` and stops the process it started itself."""
         self._closed = True
-        with self._life_lock:
-            if self._proc.is_alive():
-                try:
-                    self._send(("close",))
-                except (OSError, EngineProcessError):
-                    pass  # already gone: join below reaps it
-                self._reap(timeout)
-            if self._proc.is_alive():
-                self._kill()
-            self._conn.close()
+        if not self._life_lock.acquire(timeout=CLOSE_RESTART_WAIT_S):
+            return  # still restarting: the restart stops its process once it looks
+        try:
+            self._shut(timeout)
+        finally:
+            self._life_lock.release()
+
+    def _shut(self, timeout: float) -> None:
+        """Stop the current engine process (``close``'s work, under ``_life_lock``)."""
+        if self._proc.is_alive():
+            try:
+                self._send(("close",))
+            except (OSError, EngineProcessError):
+                pass  # already gone: join below reaps it
+            self._reap(timeout)
+        if self._proc.is_alive():
+            self._kill()
+        self._conn.close()
 
     # -- internals -----------------------------------------------------------------------
     def _send(self, msg: tuple) -> None:

@@ -105,3 +105,4 @@ def test_failures_whose_messages_carry_their_input_are_counted_under_a_bounded_s
     assert all("Traceback" not in why for why in by_reason)  # the first line names it
     assert ledger["events"]["requeued_failed"] == ledger["events"]["requeued"] >= n  # by kind
     assert not [k for k in ledger["events"] if k.startswith("requeued_failed:")]
+    assert len(ledger["requeued_by_reason"]) == MAX_REASONS + 1  # why they were retried, bounded as well

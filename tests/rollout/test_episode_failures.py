@@ -160,7 +160,7 @@ def _held(dl: LocalActor) -> dict:
 
 
 def _reasons(summary: dict) -> str:
-    return " ".join(list(summary["events"]) + list(summary["failed_by_reason"]))
+    return " ".join(list(summary["requeued_by_reason"]) + list(summary["failed_by_reason"]))
 
 
 @pytest.fixture

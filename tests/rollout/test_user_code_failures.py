@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from astraflow.contracts import RolloutTask
+from astraflow.rollout.failure_log import FailureLog
 from astraflow.rollout.node_episodes import NodeEpisodes
 from astraflow.rollout.workflows import RewardTimeout, WorkflowBase
 from astraflow.workloads.rewards import RewardError, UserReward
@@ -105,7 +106,7 @@ class Episodes(NodeEpisodes):
         self.counters = {"failed": 0}
         self.inflight, self.failed = {}, []
         self._recovery = None
-        self._failures_logged = set()
+        self._failure_log = FailureLog("n0")
 
     async def _fail(self, task, reason):
         self.failed.append(reason)
@@ -157,8 +158,11 @@ def test_a_failure_reason_is_logged_with_its_traceback_once(caplog):
     node = Episodes(Broken())
     with caplog.at_level(logging.WARNING, logger="astraflow.rollout"):
         asyncio.run(node.run(4))
-    said = [r for r in caplog.records if "failed:" in r.getMessage()]
-    assert [r.exc_info is not None for r in said] == [True, False, True, False]
+        node._failure_log.flush()  # as the node does when it stops
+    said = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert [r.exc_info is not None for r in said] == [True, True, False]
+    last = said[2].getMessage()
+    assert last.startswith("node n0: 2 more episodes failed in the last") and last.endswith("s: KeyError: 'missing'")
     assert "raise KeyError" in caplog.text  # the user's frame is in the log
 
 
