@@ -147,9 +147,38 @@ class RunConfig(Strict):
                 fix = "1 or more" if role == "trainer" else "1" + (" and 0 on the others" if len(parts) > 1 else "")
                 raise ValueError(f"partitions: {why}, and the {role} partitions have {total} node(s) in all "
                                  f"({names}): set nodes: {fix} on partition {parts[0].name!r}")
+        self._check_trainer_workers()
         problem = self.dataflow.node_lease_problem()
         if problem:
             raise ValueError(problem)
+
+    def _check_trainer_workers(self) -> None:
+        """One trainer worker per policy at most: each policy's trainer runs on one worker, and a
+        lost one is replaced by a new worker, so a worker beyond the policies would only idle."""
+        parts = [p for p in self.partitions if p.role == "trainer"]
+        total, n = sum(p.nodes for p in parts), len(self.policies)
+        if total <= n:
+            return
+        # the fix goes on the last partition with nodes: the ones before it keep theirs
+        last = next(p for p in reversed(parts) if p.nodes > 0)
+        keep = max(n - (total - last.nodes), 0)
+        names = ", ".join(f"{p.name!r} ({p.nodes})" for p in parts)
+        raise ValueError(
+            f"partitions: the trainer partitions have {total} node(s) in all ({names}), and the run trains "
+            f"{n} polic{'y' if n == 1 else 'ies'}: one trainer worker each (a lost one is replaced by a new "
+            f"worker, so more would only idle); set nodes: {keep} on partition {last.name!r}"
+            + (" and lower the others" if total - last.nodes > n else ""))
+
+    def _check_store(self) -> None:
+        """``storage.trajectories`` names a directory on this machine's file system (whether it
+        can be created is checked with the machine, before a run starts: ``check_store_url``)."""
+        if self.storage.trajectories is None:
+            return
+        from storage.trajectories.backends import store_url_problem
+
+        problem = store_url_problem(self.storage.trajectories)
+        if problem:
+            raise ValueError(f"storage.trajectories: {problem}")
 
     def _check_trainer_ranks(self) -> None:
         """A Megatron trainer's ``tensor_parallel * data_parallel`` ranks take one GPU each on a
@@ -224,6 +253,7 @@ class RunConfig(Strict):
         if len(set(pnames)) != len(pnames):
             raise ValueError(f"partitions: names must be unique, got {pnames}")
         self._check_workers()
+        self._check_store()
         policy = WorkerPolicy.of(self.cluster.worker_env_allowlist, self.cluster.sbatch_options_allowlist)
         problems = [line for p in self.partitions for line in policy.problems(p)]
         if problems:

@@ -19,21 +19,46 @@ class DuplicateKey(yaml.YAMLError):
     """A mapping that names one key twice (YAML keeps the last silently)."""
 
 
-def _without_sexagesimal(resolvers: dict[str, list]) -> dict[str, list]:
-    """YAML 1.1's implicit resolvers with integers and floats that contain no ``:``: its base-60
-    numbers (``12:00:00`` read as 43200) become text, as YAML 1.2 reads them; a walltime or a
-    clock time is meant, never a number."""
-    numbers = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
-    return {first: [(tag, re.compile(r"(?=[^:]*\Z)" + rx.pattern, rx.flags) if tag in numbers else rx)
-                    for tag, rx in pairs] for first, pairs in resolvers.items()}
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_DIGITS = r"[0-9](?:_?[0-9])*"  # digits, an underscore between two of them allowed (10_000)
+#: YAML 1.2 core integers: decimal (a leading zero is no octal: 010 is 10), 0o octal, 0x hex
+_INT = re.compile(rf"(?:[-+]?{_DIGITS}|0o[0-7]+|0x[0-9a-fA-F]+)\Z")
+#: YAML 1.2 core floats: a point or an exponent (1e-1, 1e3, .5, 2.), and the infinities and nan
+_FLOAT = re.compile(rf"(?:[-+]?(?:\.{_DIGITS}|{_DIGITS}\.(?:{_DIGITS})?|{_DIGITS}(?=[eE]))(?:[eE][-+]?[0-9]+)?"
+                    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))\Z")
+
+
+def _core_numbers(resolvers: dict[str, list]) -> dict[str, list]:
+    """YAML 1.1's implicit resolvers with its integers and floats replaced by YAML 1.2's core
+    schema: ``010`` is 10 (1.1: octal 8), ``1e-1`` and ``1e3`` are floats (1.1: text), and
+    base-60 numbers (``12:00:00``, 1.1: 43200) stay text; a walltime or a clock time is meant,
+    never a number. Booleans, nulls and timestamps are 1.1's."""
+    out = {first: [(tag, rx) for tag, rx in pairs if tag not in (_INT_TAG, _FLOAT_TAG)]
+           for first, pairs in resolvers.items()}
+    for first in "+-.0123456789":  # integers first, as YAML 1.2 resolves them (no text matches both)
+        out[first] = [*([(_INT_TAG, _INT)] if first != "." else []), (_FLOAT_TAG, _FLOAT), *out.get(first, [])]
+    return {first: pairs for first, pairs in out.items() if pairs}
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """An integer as YAML 1.2 reads it (``_INT``): decimal whatever its leading zeros, ``0o``
+    octal, ``0x`` hex (``yaml.SafeLoader`` reads ``010`` as octal and ``0o17`` not at all)."""
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    sign, digits = (-1, text[1:]) if text[:1] == "-" else (1, text.lstrip("+"))
+    base = {"0o": 8, "0x": 16}.get(digits[:2].lower(), 10)
+    try:
+        return sign * int(digits[2:] if base != 10 else digits, base)
+    except ValueError:
+        raise yaml.constructor.ConstructorError(None, None, f"{text!r} is not an integer", node.start_mark) from None
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a key given twice in one mapping: YAML itself keeps the
-    last one, so a second ``run:`` block would silently discard the first. Unquoted base-60
-    numbers (``walltime: 12:00:00``) stay text (this class only: ``yaml.safe_load`` is unchanged)."""
+    last one, so a second ``run:`` block would silently discard the first. Numbers are YAML
+    1.2's (``_core_numbers``): ``010`` is 10, ``1e-1`` a float, ``walltime: 12:00:00`` text
+    (this class only: ``yaml.safe_load`` is unchanged)."""
 
-    yaml_implicit_resolvers = _without_sexagesimal(yaml.SafeLoader.yaml_implicit_resolvers)
+    yaml_implicit_resolvers = _core_numbers(yaml.SafeLoader.yaml_implicit_resolvers)
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -52,6 +77,9 @@ class UniqueKeyLoader(yaml.SafeLoader):
                                        "only the last silently; write each key once (merge the two blocks)")
                 first[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+UniqueKeyLoader.add_constructor(_INT_TAG, _construct_int)
 
 
 def load_yaml(text: str) -> Any:

@@ -32,6 +32,7 @@ import yaml
 
 from astraflow.export_dir import (PROVENANCE, ExportError, check_out, put_in_place, readable_as_umask_allows,
                                   resolve_out, staging_dir)
+from astraflow.models import INIT_RECORD
 from storage.paths import RunPaths
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,7 +47,9 @@ _NOT_CONFIG = ("_name_or_path", "dtype", "torch_dtype", "transformers_version")
 #: files of a model directory that are its weights or config: the rest (tokenizer, chat template,
 #: generation config, license, README) is copied into the export as the run used it
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json")
-_OWN_FILES = ("config.json", PROVENANCE)
+#: files of the base model directory not copied: the export writes its own config and provenance,
+#: and how the base was built (``INIT_RECORD``) does not describe the trained model
+_OWN_FILES = ("config.json", PROVENANCE, INIT_RECORD)
 #: read errors of a damaged version (a truncated shard, a missing or damaged metadata file)
 _DAMAGED = (EOFError, ValueError, KeyError, RuntimeError, OSError)
 

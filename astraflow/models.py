@@ -13,6 +13,7 @@ Loading and checking a model directory live in ``astraflow.model_loading`` (re-e
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -172,6 +173,30 @@ def init_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen2", s
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
+
+
+#: the file in which a model directory built from a config's ``policies[].init`` records that init
+INIT_RECORD = "astraflow_init.json"
+
+
+def record_init(model_dir: str | Path, init: dict[str, Any]) -> None:
+    """Record in ``model_dir`` the ``init`` section it was built from (``ModelInit.model_dump``):
+    a config whose ``init`` asks for another model is then refused (``preflight``), instead of
+    this directory being trained as if it were that model."""
+    from storage.atomic import write_atomically
+
+    write_atomically(Path(model_dir) / INIT_RECORD, json.dumps(init, indent=1, sort_keys=True) + "\n")
+
+
+def recorded_init(model_dir: str | Path) -> dict[str, Any] | None:
+    """The ``init`` section ``model_dir`` records it was built from (`record_init`); None where it
+    records none (a user's checkpoint, a directory built by ``astraflow model init`` or by an
+    AstraFlow that kept no record) or the record cannot be read."""
+    try:
+        found = json.loads((Path(model_dir) / INIT_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def resolve_device(device: str) -> torch.device:

@@ -60,6 +60,7 @@ def check_models(cfg: RunConfig) -> None:
                 _check_positions(cfg, pol, planned, "to be built by init")
                 _check_megatron_shape(pol, planned, "to be built by init")
             continue
+        _check_built_from_init(pol)
         try:
             check_model_dir(pol.model)
         except ValueError as err:
@@ -70,6 +71,37 @@ def check_models(cfg: RunConfig) -> None:
         config = json.loads((pol.model / "config.json").read_text())
         _check_positions(cfg, pol, config)
         _check_megatron_shape(pol, config)
+
+
+def _check_built_from_init(pol) -> None:
+    """An existing model directory that records the ``init`` it was built from (``INIT_RECORD``)
+    must be the model the policy's ``init`` asks for: else the run would train the old model
+    and ignore the new ``init`` without a word. A directory without a record (a user's
+    checkpoint, one built by an older AstraFlow) or a policy without ``init`` is left alone."""
+    from pydantic import ValidationError
+
+    from astraflow.models import recorded_init
+    from astraflow.training.config import ModelInit
+
+    recorded = recorded_init(pol.model) if pol.init is not None else None
+    if recorded is None:
+        return
+    try:
+        old = ModelInit.model_validate(recorded).build_settings()
+    except ValidationError:  # a record of another AstraFlow's settings: nothing to compare with
+        return
+    new = pol.init.build_settings()
+    unused = object()  # a setting one of the two builds does not use
+    keys = [k for k in dict.fromkeys([*old, *new]) if old.get(k, unused) != new.get(k, unused)]
+    if not keys:
+        return
+
+    def said(settings: dict) -> str:
+        return ", ".join(f"{k}: {json.dumps(settings[k])}" for k in keys if k in settings)
+
+    raise ConfigError(f"policies[{pol.name}].model {pol.model} was built with init {{{said(old)}}}, the config's "
+                      f"init asks for {{{said(new)}}}: remove {pol.model} to rebuild it, or drop init (or restore "
+                      "it as it was) to train the model that is there")
 
 
 def _check_megatron_shape(pol, config: dict, built: str = "") -> None:
@@ -277,3 +309,26 @@ def prompts_that_do_not_fit(cfg: RunConfig, wl, policies: list[str] | None = Non
             raise ValueError(f"{what}: no train prompt fits; {fix}")
         lines.append(f"{what}. Their rollouts will fail (held-out ones are left out of the accuracy): {fix}")
     return lines
+
+
+def eval_split_lines(workload, held_out: list) -> list[str]:
+    """What the evaluations ``workload.eval`` asks for will find in the held-out split
+    ``held_out``: a ``ValueError`` when it is empty (no evaluation would ever run), a line when
+    ``num_prompts`` is more than it holds (the data layer takes the prompts there are; those of
+    a second evaluation set, tagged ``eval_set``, come whole and are not counted)."""
+    ev = workload.eval
+    if ev.every == 0:
+        return []
+    if not held_out:
+        from astraflow.workloads.base import params_model
+
+        model = params_model(workload.name)
+        knob = " (workload.params.num_test)" if model is not None and "num_test" in model.model_fields else ""
+        raise ValueError(f"workload.eval.every {ev.every}: workload {workload.name} has no held-out prompts, so no "
+                         "evaluation would ever run; set workload.eval.every: 0 to train without evaluations, or "
+                         f"give the workload a held-out split{knob}")
+    plain = sum(1 for p in held_out if not (isinstance(p, dict) and "eval_set" in p))
+    if 0 < plain < ev.num_prompts:
+        return [f"workload.eval.num_prompts {ev.num_prompts}: the held-out split has {plain} prompts, so each "
+                f"evaluation takes those {plain}"]
+    return []

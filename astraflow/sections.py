@@ -103,8 +103,9 @@ class RunSection(Strict):
     digits, ``_ . -``, starting with a letter or digit."""
     max_steps: int = Field(default=50, ge=1)
     """Trainer steps per policy; the run ends when every trainer has taken them."""
-    seed: int = 0
-    """Seed of trainers and engines (each RaaS node mixes in its name: no two nodes sample alike)."""
+    seed: int = Field(default=0, ge=0, lt=2**32)
+    """Seed of trainers and engines (each RaaS node mixes in its name: no two nodes sample alike);
+    0 to 2**32 - 1, the seeds torch and numpy take."""
     mode: Literal["async", "sync"] = "async"
     """``async``: the three components run their own loops (AstraFlow). ``sync``: a
     trainer-centred driver loop, the baseline for comparisons."""

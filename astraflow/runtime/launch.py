@@ -16,7 +16,7 @@ from pathlib import Path
 
 from astraflow.agents.workload import is_agentic
 from astraflow.config import RunConfig
-from astraflow.preflight import prompts_that_do_not_fit
+from astraflow.preflight import eval_split_lines, prompts_that_do_not_fit
 from astraflow.runtime.jobrecords import PreviousJobs, cancel_previous_jobs
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
 from astraflow.runtime.progress import Progress
@@ -144,19 +144,25 @@ def bpe_for(workload: WorkloadConfig | None, vocab_size: int):
 
 def check_data(workload: WorkloadConfig, cfg: RunConfig | None = None) -> str:
     """Read the workload's train and held-out splits as a run will: one line of what was found
-    (with the bad rows of a dataset, by location), and with ``cfg`` a line per policy whose
-    model cannot take some of the prompts (``prompts_that_do_not_fit``). ``ValueError`` naming
-    the fix when a split is empty, no train prompt fits, or the data cannot be read."""
+    (with the bad rows of a dataset, by location), a line when ``workload.eval.num_prompts`` asks
+    for more held-out prompts than there are (each evaluation takes them all), and with ``cfg`` a
+    line per policy whose model cannot take some of the prompts (``prompts_that_do_not_fit``).
+    ``ValueError`` naming the fix when the train split is empty, evaluations are asked for
+    (``workload.eval.every``) of an empty held-out split, no train prompt fits, or the data
+    cannot be read."""
     wl = make_workload(workload.name, dict(workload.params or {}), workload.seed)
-    n_train, n_eval = len(_split(wl, workload.name, "train")), len(_split(wl, workload.name, "eval"))
+    n_train = len(_split(wl, workload.name, "train"))
+    held_out = _split(wl, workload.name, "eval")
+    n_eval = len(held_out)
     if n_train == 0:
         from astraflow.dataflow.mixing import empty_train_split
 
         raise ValueError(empty_train_split(workload.name, workload.params))
+    lines = eval_split_lines(workload, held_out)
     report = getattr(wl, "report", None)
     found = f"workload {workload.name}: {n_train} train and {n_eval} held-out prompts"
     said = report is not None and (report.bad or report.other_splits)
-    lines = [f"{found}; {report.summary()}" if said else found]
+    lines.insert(0, f"{found}; {report.summary()}" if said else found)
     if cfg is not None:
         lines += prompts_that_do_not_fit(cfg, wl)
         self_check = getattr(wl, "self_check", None)  # a workload that can test its own data (its references)
@@ -181,11 +187,21 @@ def _split(wl, name: str, split: str) -> list:
 
 
 def prepare_models(cfg: RunConfig, progress: Progress) -> None:
+    """Build each policy's missing model directory from its ``init`` and record that init in it
+    (``INIT_RECORD``: a later config whose ``init`` differs is refused, not silently trained on
+    this model). An existing directory is used as it is; one that records no init, where the
+    policy has an ``init``, is said to be (its ``init`` then builds nothing)."""
+    from astraflow.models import record_init, recorded_init
     from astraflow.sandbox import configure
 
     configure(cfg.sandbox)  # a warm start's held-out checks score with the run's sandbox limits
     for pol in cfg.policies:
-        if pol.model.exists() or cfg.simulated(pol):
+        if cfg.simulated(pol):
+            continue
+        if pol.model.exists():
+            if pol.init is not None and recorded_init(pol.model) is None:
+                progress.note(f"policy {pol.name}: {pol.model} exists and records no init it was built from, so "
+                              "its init builds nothing (remove the directory to build the model from init)")
             continue
         assert pol.init is not None, "config validation requires init for a missing model"
         base = cfg.policy(pol.init.start_from).model if pol.init.start_from else None
@@ -195,6 +211,7 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
             build_model(pol.model, pol.init, cfg.workload, progress, base=base)
         except ModelDirError as err:
             raise ModelDirError(f"policies[{pol.name}].model: {err}") from None
+        record_init(pol.model, pol.init.model_dump(mode="json"))  # also replaces a start_from base's record
 
 
 def _signals_stop_cleanly() -> None:

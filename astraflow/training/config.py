@@ -22,8 +22,8 @@ class ModelInit(Strict):
     tie_embeddings: bool = True
     """Whether the output head shares the input embedding's weights (``tie_word_embeddings``);
     ``false`` gives the model a separate ``lm_head``, as most larger checkpoints have."""
-    seed: int = 0
-    """Seed of the random initialisation."""
+    seed: int = Field(default=0, ge=0, lt=2**32)
+    """Seed of the random initialisation and the warm start (0 to 2**32 - 1, the seeds torch takes)."""
     tokenizer: Literal["byte", "bpe"] = "byte"
     """``byte``: a byte-level tokenizer with no merges (every byte one token; the fast examples).
     ``bpe``: a byte-level BPE trained on the workload's train split (its prompts and reference
@@ -69,6 +69,15 @@ class ModelInit(Strict):
     def warm_starts(self) -> bool:
         """Whether the build includes a supervised warm start."""
         return self.warm_start_seconds > 0 or self.warm_start_steps is not None
+
+    def build_settings(self) -> dict:
+        """The settings that shape the model this section builds, as JSON values: what a model
+        directory built from it must match (``preflight``). With ``start_from`` the base model's
+        shape and tokenizer are copied, and without a warm start its settings do nothing."""
+        out = self.model_dump(mode="json")
+        unused = (("preset", "arch", "tie_embeddings", "tokenizer", "vocab_size") if self.start_from else ()) + (
+            () if self.warm_starts else ("warm_start_lr", "warm_start_target", "demo_noise", "task"))
+        return {k: v for k, v in out.items() if k not in unused}
 
     @model_validator(mode="after")
     def _settings_that_act(self) -> "ModelInit":

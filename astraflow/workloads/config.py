@@ -42,8 +42,8 @@ class WorkloadConfig(Strict):
     ``astraflow.workloads.math.MathConfig``: ``digits``, ``ops``, ``num_train``, ``num_test``,
     ...; mix: ``astraflow.workloads.mix.MixParams``: ``sources: {name: {workload, weight,
     params}}``, mixed by weight). Kept as written, so the resolved config reads like the file."""
-    seed: int = 0
-    """Seed of the generated dataset and of prompt order."""
+    seed: int = Field(default=0, ge=0, lt=2**32)
+    """Seed of the generated dataset and of prompt order (0 to 2**32 - 1, the seeds numpy takes)."""
     group_size: int = Field(default=8, ge=1)
     """Samples per prompt (a GRPO group)."""
     sampling: SamplingConfig = SamplingConfig()

@@ -37,7 +37,9 @@ class SimParams(BaseModel):
     """Skill gained per weight version."""
     max_skill: float = 3.0
     """The skill no version goes beyond."""
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=2**32)
+    """Seed of the prompts' hardness and lengths and of the rewards' draws (``workload.seed`` unless
+    set here; 0 to 2**32 - 1, the seeds numpy takes)."""
 
 
 def _bucket(hardness: float) -> str:

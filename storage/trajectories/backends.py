@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -375,18 +376,46 @@ def open_backend(url: str, mode: str, durable: bool) -> StoreBackend:
     return DirBackend(root, durable)
 
 
-def check_store_url(url: str) -> None:
-    """``UnsafeDir`` (a ``ValueError``) when the directory a store URL names (a path, or the
-    same as ``file://``) is not the user's alone, as a run directory must be (one that does not
-    exist yet: when another user could change the directories above it). A ``memory://`` store,
-    or a URL ``open_backend`` refuses, has nothing to check here."""
-    if url.startswith("memory://") or ("://" in url and not url.startswith("file://")):
-        return
+#: the forms of store URL a run takes, as errors name them
+STORE_FORMS = "a directory path or a file:///abs/path URL"
+
+
+def store_url_problem(url: str) -> str | None:
+    """Why no run can keep its trajectories at ``url`` (``storage.trajectories``), from the text
+    alone: a scheme other than ``file://``, a ``file://`` URL naming another host or no absolute
+    path. None: a directory on this machine (or ``memory://``, which the config refuses itself)."""
+    if "://" in url and not url.startswith(("file://", "memory://")):
+        return f"{url!r}: no store reads scheme {url.split('://', 1)[0]!r}; give {STORE_FORMS} (shared storage mounted)"
     try:
-        root = _file_url_path(url) if url.startswith("file://") else Path(url)
-    except ValueError:  # another host: open_backend says so
+        path = _file_url_path(url) if url.startswith("file://") else None
+    except ValueError as err:  # another host (the message names file:///abs/path)
+        return str(err)
+    if path is not None and not path.is_absolute():
+        return f"{url!r} names no absolute path: give {STORE_FORMS}, e.g. file:///scratch/trajectories"
+    return None
+
+
+def check_store_url(url: str) -> None:
+    """Refuse a store URL before a run starts rather than when its data layer opens the store:
+    ``ValueError`` for one no run can use (`store_url_problem`), ``UnsafeDir`` (a ``ValueError``)
+    when its directory is not the user's alone, as a run directory must be (one that does not
+    exist yet: when another user could change the directories above it), ``OSError`` when it
+    does not exist and cannot be created (a probe made and removed in its nearest existing
+    ancestor: a file in the way, a read-only or special file system such as /proc)."""
+    if url.startswith("memory://"):
         return
-    check_store_dir(root.absolute())
+    problem = store_url_problem(url)
+    if problem:
+        raise ValueError(problem)
+    root = (_file_url_path(url) if url.startswith("file://") else Path(url)).absolute()
+    check_store_dir(root)
+    if not os.path.lexists(root):
+        ancestor = next(a for a in root.parents if os.path.lexists(a))
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".astraflow-probe-", dir=ancestor))
+        except OSError as err:
+            raise OSError(f"trajectory store directory {root} cannot be created in {ancestor} "
+                          f"({err.strerror or err}): give {STORE_FORMS} that this user can create") from None
 
 
 def _file_url_path(url: str) -> Path:

@@ -1,0 +1,85 @@
+"""A model directory built from a policy's ``init`` records that init, and a config whose
+``init`` asks for another model is refused (exit 2, naming the directory and both inits)
+instead of training the old model as if it were the new one. A directory without the record (a
+user's checkpoint, one built by an older AstraFlow) is left alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from astraflow.config import ConfigError, config_from_dict, load_config
+from astraflow.preflight import check_models
+from astraflow.training.config import ModelInit, PolicyConfig
+from tests.test_cli_errors import _config, _invoke
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The tiny example's model, built by ``prepare_models`` as ``astraflow run`` builds it."""
+    from astraflow.runtime.launch import prepare_models
+    from astraflow.runtime.progress import Progress
+
+    tmp = tmp_path_factory.mktemp("init_record")
+    path = _config(tmp)
+    prepare_models(load_config(path), Progress(enabled=False))
+    return tmp, path
+
+
+def test_a_built_model_records_its_init(built):
+    tmp, _ = built
+    record = json.loads((tmp / "models" / "tiny" / "astraflow_init.json").read_text())
+    assert ModelInit.model_validate(record) == ModelInit(preset="tiny", arch="qwen2", warm_start_seconds=0)
+
+
+def test_the_same_init_checks(built):
+    _, path = built
+    res = _invoke("check", str(path))
+    assert res.exit_code == 0, res.output
+
+
+def test_another_init_is_refused_naming_both_and_the_fix(built):
+    tmp, path = built
+    res = _invoke("check", str(path), "--set", "policies.solver.init.preset=50m",
+                  "--set", "policies.solver.init.arch=llama")
+    assert res.exit_code == 2, res.output
+    model = tmp / "models" / "tiny"
+    text = " ".join(res.output.split())
+    assert (f'policies[solver].model {model} was built with init {{preset: "tiny", arch: "qwen2"}}, the '
+            f'config\'s init asks for {{preset: "50m", arch: "llama"}}: remove {model} to rebuild it, or drop '
+            "init") in text, res.output
+
+
+def test_without_init_the_directory_is_used_as_it_is(built):
+    _, path = built
+    data = load_config(path).model_dump(mode="json")
+    data["policies"][0]["init"] = None
+    check_models(config_from_dict(data))  # no error: the model there is trained
+
+
+def test_a_directory_that_records_no_init_is_left_alone(tmp_path, built):
+    """A user's checkpoint (here: the built model without its record) with any ``init``."""
+    import shutil
+
+    src, _ = built
+    path = _config(tmp_path)
+    shutil.copytree(src / "models" / "tiny", tmp_path / "models" / "tiny")
+    (tmp_path / "models" / "tiny" / "astraflow_init.json").unlink()
+    check_models(load_config(path, ["policies.solver.init.preset=mini"]))
+
+
+def test_settings_a_build_does_not_use_are_no_difference(tmp_path):
+    """Without a warm start its learning rate shapes nothing; with ``start_from`` the base's
+    preset does: neither refuses a directory built with another value."""
+    from astraflow.models import record_init
+    from astraflow.preflight import _check_built_from_init
+
+    (tmp_path / "m").mkdir()
+    record_init(tmp_path / "m", ModelInit(preset="tiny", warm_start_lr=1e-3).model_dump(mode="json"))
+    _check_built_from_init(PolicyConfig(name="p", model=tmp_path / "m", init={"preset": "tiny", "warm_start_lr": 0.1}))
+    with pytest.raises(ConfigError, match=r"warm_start_steps: null.*warm_start_steps: 5"):
+        _check_built_from_init(PolicyConfig(name="p", model=tmp_path / "m", init={"preset": "tiny",
+                                                                                "warm_start_steps": 5}))
+    record_init(tmp_path / "m", ModelInit(preset="tiny", start_from="a").model_dump(mode="json"))
+    _check_built_from_init(PolicyConfig(name="p", model=tmp_path / "m", init={"preset": "mini", "start_from": "a"}))
