@@ -332,3 +332,36 @@ def eval_split_lines(workload, held_out: list) -> list[str]:
         return [f"workload.eval.num_prompts {ev.num_prompts}: the held-out split has {plain} prompts, so each "
                 f"evaluation takes those {plain}"]
     return []
+
+
+def check_network(cfg: RunConfig) -> None:
+    """``ConfigError`` naming the cluster setting when an address the run binds on this machine
+    cannot be: ``scheduler_interface`` with no IPv4 address here, a ``scheduler_host`` or
+    ``dashboard_host`` that does not resolve, a ``worker_interface`` missing here while a
+    partition's workers run here (``scheduler: local``). Checked when the run starts, on the
+    machine that runs it (``astraflow check`` on a login node may see other interfaces)."""
+    import socket
+
+    import psutil
+
+    from astraflow.runtime.cluster import interface_address
+
+    cc = cfg.cluster
+    if cc.scheduler_interface:
+        try:
+            interface_address(cc.scheduler_interface, "cluster.scheduler_interface")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    for key in ("scheduler_host", "dashboard_host"):
+        host = getattr(cc, key)
+        if host and not (key == "scheduler_host" and cc.scheduler_interface):
+            try:
+                socket.getaddrinfo(host, None)
+            except OSError as err:
+                raise ConfigError(f"cluster.{key}: {host!r} does not resolve on this machine ({err}); give an "
+                                  "address of this machine (127.0.0.1 keeps the run on it)") from None
+    local = [p.name for p in cfg.partitions if p.scheduler == "local"]
+    if cc.worker_interface and local and cc.worker_interface not in psutil.net_if_addrs():
+        raise ConfigError(f"cluster.worker_interface: {cc.worker_interface!r} is no network interface of this "
+                          f"machine, where partitions {', '.join(local)} start their workers (there are: "
+                          f"{', '.join(sorted(psutil.net_if_addrs()))}); name one of them, or unset it")

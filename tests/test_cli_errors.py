@@ -411,3 +411,15 @@ def test_a_run_dir_holding_files_but_no_run_is_refused_and_left_as_it_was(tmp_pa
     (tmp_path / "other" / "head.1234.log").write_text("")
     for taken in ("new", "empty", "a_run", "other"):
         _not_someone_elses_files(tmp_path / taken)
+
+
+@pytest.mark.parametrize("setting,said", [
+    ("cluster.scheduler_interface=nope0", "cluster.scheduler_interface: 'nope0' is no network interface"),
+    ("cluster.scheduler_host=no.such.host.invalid", "cluster.scheduler_host: 'no.such.host.invalid' does not resolve"),
+    ("cluster.worker_interface=nope0", "cluster.worker_interface: 'nope0' is no network interface of this machine"),
+])
+def test_addresses_the_run_cannot_bind_here_are_refused_before_it_starts(tmp_path, setting, said):
+    res = CliRunner().invoke(main, ["run", str(ROOT / "examples" / "tiny" / "config.yaml"), "--run-dir",
+                                    str(tmp_path / "run"), "--quiet", "--set", setting])
+    assert res.exit_code == 2 and said in res.output, res.output
+    assert not (tmp_path / "run").exists()

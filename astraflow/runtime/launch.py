@@ -16,7 +16,7 @@ from pathlib import Path
 
 from astraflow.agents.workload import is_agentic
 from astraflow.config import RunConfig
-from astraflow.preflight import eval_split_lines, prompts_that_do_not_fit
+from astraflow.preflight import check_network, eval_split_lines, prompts_that_do_not_fit
 from astraflow.runtime.jobrecords import PreviousJobs, cancel_previous_jobs
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
 from astraflow.runtime.progress import Progress
@@ -333,6 +333,7 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult | No
     progress = Progress(enabled=not quiet)
     progress.note(check_data(cfg.workload, cfg))
     check_sandbox(cfg)
+    check_network(cfg)  # the addresses it binds here, before a scheduler or worker fails on one
     with RunDirLock(run_dir) as lock:
         previous = cancel_leftovers(cfg, lock, progress)  # also when the resume is refused: they are left over
         check_resumable(cfg, run_dir)

@@ -1,4 +1,4 @@
-"""Worker jobs that end before they join (a wrong network interface, a missing module, another
+"""Worker jobs that end before they join (a setting they cannot parse, a missing module, another
 Python) stop the run at once with what their logs say, instead of after the whole
 ``cluster.worker_start_timeout_s`` with only "did not join"."""
 
@@ -20,13 +20,14 @@ def test_workers_that_cannot_start_fail_the_run_with_their_error(tiny_model, tmp
     t0 = time.monotonic()
     res = subprocess.run(
         [sys.executable, "-m", "astraflow", "run", str(_write_config(tmp_path, tiny_model)), "--run-dir",
-         str(tmp_path / "run"), "--quiet", "--set", "cluster.worker_interface=nope0",
-         "--set", "cluster.worker_start_timeout_s=600"],
+         str(tmp_path / "run"), "--quiet", "--set", "cluster.worker_start_timeout_s=600",
+         # a Dask setting the workers cannot parse: their jobs fail before they join
+         "--set", 'partitions.rollout.env={DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL: "soon"}'],
         cwd=ROOT, capture_output=True, text=True, timeout=280)
     took = time.monotonic() - t0
     assert res.returncode == 1, res.stderr[-3000:]
     assert "worker job(s) ended before joining the Dask scheduler" in res.stderr
-    assert "'nope0' is not a valid network interface" in res.stderr and "(FAILED)" in res.stderr
+    assert "KeyError: 'Invalid time unit: soon" in res.stderr and "rollout-rollout-local-cpu-0 (FAILED)" in res.stderr
     assert took < 200, f"the run waited {took:.0f}s for workers that had ended"
 
 
