@@ -41,33 +41,53 @@ def _falling(watch: DiskWatch, disk: Disk, gib_per_h: float, start: float, minut
 
 
 def test_a_filesystem_filling_within_hours_is_warned_about_once_per_level(tmp_path):
-    disk = Disk(free_gib=50.0)
+    disk = Disk(free_gib=120.0)
     watch = DiskWatch({"run directory": tmp_path}, advice="free space there", usage=disk)
-    # 20 GiB/h from 50 GiB: after 10 minutes about 2.3 h are left, under WARN_S, over URGENT_S
-    said = _falling(watch, disk, 20.0, start=1000.0, minutes=10)
+    # 20 GiB/h from 120 GiB: under WARN_S left from the start, but said only on a quarter hour of samples
+    assert _falling(watch, disk, 20.0, start=1000.0, minutes=14) == []
+    said = _falling(watch, disk, 20.0, start=1000.0 + 14 * 60, minutes=10)
     assert len(said) == 1
-    assert f"the filesystem of {tmp_path} (run directory)" in said[0] and "full in about 2." in said[0]
+    assert f"the filesystem of {tmp_path} (run directory)" in said[0] and "full in about 5." in said[0]
     assert said[0].endswith(": free space there") and "resumes" in said[0]
     view = watch.view()[0]
     assert abs(view["falling_bytes_per_h"] / GIB - 20.0) < 0.5
     assert view["full_in_s"] is not None and URGENT_S < view["full_in_s"] < WARN_S
     # the same level is not said again; the urgent one is, once
-    said = _falling(watch, disk, 20.0, start=1600.0, minutes=100)
+    said = _falling(watch, disk, 20.0, start=1000.0 + 24 * 60, minutes=300)
     assert len(said) == 1 and "full in about" in said[0]
     assert watch.view()[0]["full_in_s"] <= URGENT_S
 
 
-def test_a_steady_or_growing_filesystem_is_not_warned_about_and_a_recovered_one_is_again(tmp_path):
+def test_a_burst_at_the_start_or_space_that_comes_back_is_not_a_disk_filling_up(tmp_path):
+    """The first weight versions written at once, then little: no warning. Free space that falls
+    as a version is written and comes back when an old one is deleted: at most one warning."""
+    disk = Disk(free_gib=300.0)
+    watch = DiskWatch({"run directory": tmp_path}, usage=disk)
+    said = watch.sample(now=0.0)
+    disk.free -= 15 * GIB
+    said += _falling(watch, disk, 1.0, start=30.0, minutes=180)
+    assert said == []
+    disk = Disk(free_gib=20.0)
+    watch = DiskWatch({"run directory": tmp_path}, usage=disk)
+    said = []
+    for i in range(12 * 120):  # 12 h: 5 GiB written over 10 minutes, deleted at once, again
+        said += watch.sample(now=30.0 * i)
+        disk.free += 5 * GIB if i % 20 == 19 else -5 * GIB / 19
+    assert len(said) <= 1, said
+
+
+def test_a_steady_filesystem_is_not_warned_about_and_a_level_is_said_again_after_hours(tmp_path):
     disk = Disk(free_gib=5.0)
     watch = DiskWatch({"run directory": tmp_path}, usage=disk)
-    assert _falling(watch, disk, 0.0, start=0.0, minutes=20) == []  # little room, but not falling
+    assert _falling(watch, disk, 0.0, start=0.0, minutes=40) == []  # little room, but not falling
     assert watch.view()[0]["full_in_s"] is None
-    disk.free = 50 * GIB
-    assert len(_falling(watch, disk, 40.0, start=1200.0, minutes=40)) >= 1
-    disk.free = 900 * GIB  # space freed: the trend turns, and a later fall is warned about again
-    assert _falling(watch, disk, -100.0, start=4000.0, minutes=40) == []
-    disk.free = 30 * GIB
-    assert len(_falling(watch, disk, 30.0, start=7000.0, minutes=40)) >= 1
+    disk.free = 60 * GIB
+    said = _falling(watch, disk, 10.0, start=2400.0, minutes=60)
+    assert len(said) == 1  # not again within WARN_S, though the disk keeps filling
+    disk.free = 900 * GIB  # space freed; hours later the disk fills again: said again
+    assert _falling(watch, disk, -10.0, start=6000.0, minutes=300) == []
+    disk.free = 40 * GIB
+    assert len(_falling(watch, disk, 10.0, start=6000.0 + WARN_S, minutes=60)) == 1
 
 
 def test_no_trend_before_two_minutes_of_samples_and_samples_only_every_period(tmp_path):

@@ -5,7 +5,8 @@ rather hear about it hours before. `DiskWatch` samples the free space of each fi
 (the run directory's, and the trajectory store's where that is elsewhere) every `EVERY_S`
 seconds, fits the trend over the last `WINDOW_S`, and says when the filesystem fills at that
 rate. ``status`` shows it; the orchestrator warns once when a filesystem will fill within
-`WARN_S` (and again within `URGENT_S`). A user quota (``quota -s``, ``lfs quota``) can run
+`WARN_S` (and again within `URGENT_S`) once the trend has said so for `PERSIST_S`, on at least
+`WARN_SPAN_S` of samples, and says a level at most once every `WARN_S`. A user quota (``quota -s``, ``lfs quota``) can run
 out before the filesystem does: the filesystem's free space is all a process can read.
 """
 
@@ -25,6 +26,12 @@ EVERY_S = 30.0
 WINDOW_S = 1800.0
 #: the least span of samples that gives a trend (a few samples of noise say nothing)
 MIN_SPAN_S = 120.0
+#: the least span of samples a warning is given on (a run's first weight versions, written at
+#: once, would otherwise look like a disk filling fast)
+WARN_SPAN_S = WINDOW_S / 2
+#: seconds the trend must go on saying so before a warning (a trend that swings, as free space
+#: falls while a version is written and comes back when an old one is deleted, does not)
+PERSIST_S = 600.0
 #: a filesystem that fills within this many seconds at the current rate is warned about
 WARN_S = 6 * 3600.0
 #: ... and again within this many
@@ -64,8 +71,10 @@ class _Filesystem:
     places: list[str]
     samples: deque[tuple[float, int]] = field(default_factory=deque)
     total: int = 0
-    #: the warning levels said (``WARN_S``, ``URGENT_S``), cleared once the filesystem recovers
-    warned: set[float] = field(default_factory=set)
+    #: per warning level (``WARN_S``, ``URGENT_S``): when it was last said
+    warned: dict[float, float] = field(default_factory=dict)
+    #: since when the trend has said "full within ``WARN_S``" without a break (None: it does not)
+    filling_since: float | None = None
 
     def falling_per_s(self) -> float | None:
         """Bytes per second the free space falls by (least squares over the window; negative:
@@ -120,9 +129,9 @@ class DiskWatch:
         self._last = float("-inf")
 
     def sample(self, now: float | None = None) -> list[str]:
-        """Sample every filesystem when ``every_s`` has passed; the warnings now due (one line
-        each, said once per level)."""
-        now = time.time() if now is None else now
+        """Sample every filesystem when ``every_s`` has passed (``now``: seconds on a monotonic
+        clock); the warnings now due (one line each, said once per level)."""
+        now = time.monotonic() if now is None else now  # a clock step neither pauses nor skews it
         if now - self._last < self.every_s:
             return []
         self._last = now
@@ -148,15 +157,22 @@ class DiskWatch:
 
 
 def _warning(fs: _Filesystem) -> str | None:
-    """The line to say for ``fs`` now, if any: the tightest level it passed and has not said."""
+    """The line to say for ``fs`` now, if any: the tightest level it passed (for ``PERSIST_S``),
+    when that level was not said within the last ``WARN_S``."""
     full_in = fs.view()["full_in_s"]
+    now = fs.samples[-1][0]
     if full_in is None or full_in > WARN_S:
-        fs.warned.clear()  # recovered (or not falling): a later fall is warned about again
+        fs.filling_since = None
+        return None
+    fs.filling_since = now if fs.filling_since is None else fs.filling_since
+    if now - fs.samples[0][0] < WARN_SPAN_S or now - fs.filling_since < PERSIST_S:
         return None
     level = URGENT_S if full_in <= URGENT_S else WARN_S
-    if level in fs.warned:
+    if now - fs.warned.get(level, float("-inf")) < WARN_S:
         return None
-    fs.warned.update(lv for lv in (WARN_S, URGENT_S) if lv >= level)
+    for lv in (WARN_S, URGENT_S):
+        if lv >= level:
+            fs.warned[lv] = now
     view = fs.view()
     return (f"the filesystem of {fs.path} ({', '.join(fs.places)}) has {gib(view['free_bytes'])} free and loses "
             f"{gib(view['falling_bytes_per_h'])} an hour: full in about {hours(full_in)}, and then the run stops "
