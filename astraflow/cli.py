@@ -182,7 +182,8 @@ def _run(cfg, rd: Path, quiet: bool) -> None:
         sys.exit(REQUEUE_EXIT_CODE)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM before the run started (checking data, building models)
         ignore_stop_signals()
-        click.echo(f"stopped before the run started; run again on {rd} to start it", err=True)
+        with contextlib.suppress(OSError):  # its terminal closed (a hang-up)
+            click.echo(f"stopped before the run started; run again on {rd} to start it", err=True)
         sys.exit(130)
     except ValueError as err:
         raise UserError(str(err)) from None

@@ -98,14 +98,14 @@ class Progress:
             last_note = t0
             while not stop.wait(1.0):
                 if status is not None:
-                    status.update(text())
+                    self._drawn(status.update, text())
                 elif time.time() - last_note >= self.heartbeat_s:
                     last_note = time.time()
                     self.note("still " + text()[0].lower() + text()[1:])
 
         status = self.console.status(text()) if on_terminal else None
         if status is not None:
-            status.start()
+            self._drawn(status.start)
         ticker = threading.Thread(target=tick, args=(status,), daemon=True, name="astraflow-progress")
         ticker.start()
         try:
@@ -113,10 +113,17 @@ class Progress:
         finally:
             stop.set()
             ticker.join(timeout=5)
-            if status is not None:
-                status.stop()
+            if status is not None:  # its terminal may be gone (a hang-up): that must not replace the stop
+                self._drawn(status.stop)
             self._waits.pop()
         self.note(f"{what}: done in {time.time() - t0:.1f}s")
+
+    def _drawn(self, draw, *args) -> None:
+        """``draw(*args)`` on the terminal; a terminal that is gone ends the progress output."""
+        try:
+            draw(*args)
+        except OSError:
+            self.enabled = False
 
     def detail(self, msg: str) -> None:
         """What the innermost :meth:`waiting` block is blocked on right now (shown with it)."""
