@@ -46,11 +46,12 @@ def code_fingerprint() -> dict[str, Any]:
 def differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     """What differs between two fingerprints, one phrase each (empty: the same code)."""
     out = []
-    if mine.get("python") != theirs.get("python"):
+    if _minor(mine.get("python")) != _minor(theirs.get("python")):  # a patch release runs the same code
         out.append(f"Python {theirs.get('python')} instead of {mine.get('python')}")
     for dist, v in (mine.get("versions") or {}).items():
-        if (theirs.get("versions") or {}).get(dist) != v:
-            out.append(f"{dist} {(theirs.get('versions') or {}).get(dist)} instead of {v}")
+        other = (theirs.get("versions") or {}).get(dist)
+        if _public(other) != _public(v):  # a build label (torch's +cpu, +cu130) is the same release
+            out.append(f"{dist} {other} instead of {v}")
     a, b = mine.get("files") or {}, theirs.get("files") or {}
     changed = sorted(f for f in a.keys() | b.keys() if a.get(f) != b.get(f))
     if changed:
@@ -58,3 +59,13 @@ def differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
                                                     if len(changed) > NAMED_FILES else "")
         out.append(f"{len(changed)} source file(s) differ ({named})")
     return out
+
+
+def _minor(version: Any) -> str | None:
+    """``3.11`` of ``3.11.7``."""
+    return ".".join(str(version).split(".")[:2]) if version else None
+
+
+def _public(version: Any) -> str | None:
+    """A version without its local build label: ``2.13.0`` of ``2.13.0+cpu``."""
+    return str(version).split("+", 1)[0] if version else None

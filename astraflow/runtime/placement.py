@@ -26,7 +26,7 @@ from astraflow.rollout.node import NodeIdentity
 from astraflow.runtime.cluster import SchedulerProcess, connected_workers, last_error_line, repo_root
 from astraflow.runtime.monitoring import write_orchestrator_info
 from astraflow.runtime.security import client_security, dashboard_token, run_tls
-from astraflow.runtime.workers import RunFailed
+from astraflow.runtime.workers import RunFailed, WorkerUnusable
 from schedulers import Partition, TLSFiles
 from schedulers.base import ACTIVE_STATES
 from schedulers.command import is_loopback
@@ -133,9 +133,13 @@ class Placement:
         code, Python or libraries than the run (asked once per worker)."""
         if address in self._same_code:
             return
-        theirs = self.client.run(code_fingerprint, workers=[address])[address]  # type: ignore[union-attr]
+        try:
+            theirs = self.client.run(code_fingerprint, workers=[address])[address]  # type: ignore[union-attr]
+        except Exception as err:  # it left meanwhile, or its check failed: nothing is placed there
+            raise WorkerUnusable(f"worker {worker}: its code could not be checked ({type(err).__name__}: "
+                                 f"{err})") from err
         if diff := differences(self.code, theirs):
-            raise RunFailed(
+            raise WorkerUnusable(
                 f"worker {worker} runs other code than this run ({'; '.join(diff)}): the installed AstraFlow "
                 "changed under the live run, or the worker's job uses another environment. Stop the run, make "
                 "every partition's jobs use the run's installation, then run `astraflow run` again on this run "

@@ -45,6 +45,12 @@ class RunFailed(RuntimeError):
     """A component reported an error or the run passed its deadline."""
 
 
+class WorkerUnusable(RunFailed):
+    """A worker nothing can be placed on (``Placement.check_code``: other code): the run fails
+    when it was to hold the data layer or a trainer; a RaaS node's placement fails instead (its
+    slot is refilled, and a partition whose workers keep failing stops being refilled)."""
+
+
 class CoreWorkerLost(RunFailed):
     """A worker holding a trainer or the data layer is gone; left uncaught (at bring-up, or
     its restarts spent) it fails the run."""
@@ -215,7 +221,12 @@ class Fleet:
             if self.role(w) != "rollout":
                 continue  # data and trainer actors are placed by the orchestrator at start
             if w.phase == "submitted" and w.joined_at is not None:
-                w.enter("placing", self.place_node(name, self.parts.partitions[w.partition]))
+                try:
+                    placing = self.place_node(name, self.parts.partitions[w.partition])
+                except WorkerUnusable as err:  # other code there: its slot is refilled, the run goes on
+                    self.fail_placement(w, f"placement failed: {err}")
+                    continue
+                w.enter("placing", placing)
             elif w.phase == "placing" and w.future.done():
                 try:
                     w.actor = w.future.result(timeout=5)

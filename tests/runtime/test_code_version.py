@@ -18,7 +18,7 @@ from astraflow.codeversion import PACKAGES, code_fingerprint, differences
 from astraflow.config import ClusterConfig
 from astraflow.runtime.placement import Placement
 from astraflow.runtime.progress import Progress
-from astraflow.runtime.workers import RunFailed
+from astraflow.runtime.workers import WorkerUnusable
 from tests.schedulers.dask_fixtures import wait_for_workers
 from storage.paths import RunPaths
 
@@ -52,7 +52,7 @@ def test_a_worker_with_other_code_is_refused_before_an_actor_is_placed(tmp_path)
             same = next(n for n in joined if n != "rollout-other")
             placement.check_code(same, joined[same])  # the run's own code: placed as before
             assert placement.submit_actor(dict, same).result(timeout=60) is not None
-            with pytest.raises(RunFailed) as err:
+            with pytest.raises(WorkerUnusable) as err:  # a RunFailed for a core worker; a node's placement fails
                 placement.submit_actor(dict, "rollout-other")
             msg = str(err.value)
             assert "worker rollout-other runs other code than this run" in msg
@@ -65,6 +65,11 @@ def test_a_worker_with_other_code_is_refused_before_an_actor_is_placed(tmp_path)
 def test_differences_name_versions_and_files_and_the_same_code_has_none():
     mine = code_fingerprint()
     assert differences(mine, mine) == []
+    # a patch release of Python and a build label of torch run the same code
+    patch = ".".join(mine["python"].split(".")[:2] + ["99"])
+    same = {**mine, "python": patch, "versions": {**mine["versions"], "torch": mine["versions"]["torch"].split("+")[0]
+                                                  + "+cu130"}}
+    assert differences(mine, same) == []
     theirs = {**mine, "python": "3.10.0", "versions": {**mine["versions"], "torch": "2.0.0"},
               "files": {k: ("x" if i < 5 else v) for i, (k, v) in enumerate(mine["files"].items())}}
     said = differences(mine, theirs)

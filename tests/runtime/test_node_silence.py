@@ -156,3 +156,22 @@ def test_a_lost_worker_whose_job_is_still_active_is_cancelled(tmp_path):
     fleet.lost(fleet.workers["rollout-0"], "worker left the Dask scheduler")
     fleet.lost(fleet.workers["rollout-1"], "job FAILED")
     assert fleet.parts.schedulers["local"].cancelled == ["local-900"]  # the failed one is over already
+
+
+def test_a_node_worker_running_other_code_fails_its_placement_and_the_run_goes_on(tmp_path):
+    from astraflow.runtime.workers import WorkerUnusable
+
+    fleet, _ = _fleet(tmp_path)
+    fleet.placement = _Placement(fleet)
+
+    def place(name, part):
+        raise WorkerUnusable(f"worker {name} runs other code than this run (1 source file(s) differ (x.py))")
+
+    fleet.place_node = place
+    w = fleet.workers["rollout-0"]
+    w.enter("submitted")
+    w.joined_at = time.time()
+    fleet.advance()  # no RunFailed: the node's slot is refilled
+    assert w.phase == "gone" and "runs other code than this run" in w.note
+    assert fleet.parts.schedulers["local"].cancelled == ["local-900"]
+    assert fleet.workers["rollout-1"].phase == "serving"
