@@ -100,6 +100,9 @@ class LocalScheduler:
         )
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as out:
+            # the log keeps every start of this worker name: where this one begins
+            out.write(f"{JOB_START_MARK} {name} {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+            out.flush()
             popen = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,
@@ -197,6 +200,21 @@ class LocalScheduler:
                 os.killpg(p.popen.pid, sig)
             except ProcessLookupError:  # the leader exited between poll() and killpg(): nothing left to stop
                 pass
+
+
+#: the line a local worker's log gets before each start of the worker (``job_lines``)
+JOB_START_MARK = "==== astraflow: starting worker"
+
+
+def job_lines(log: Path) -> list[str]:
+    """The non-empty lines of a worker's log since its latest start (a local worker's log holds
+    every start of its name; a Slurm job's is its own)."""
+    try:
+        lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return []
+    starts = [i for i, x in enumerate(lines) if x.startswith(JOB_START_MARK)]
+    return lines[starts[-1] + 1:] if starts else lines
 
 
 def _end_group(pgid: int, deadline: float) -> None:

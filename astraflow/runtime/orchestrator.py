@@ -223,7 +223,7 @@ class Orchestrator(Shutdown):
             raise RunFailed("; ".join(f"partition {n}: {e}" for n, e in refused.items()))
         names = [w.name for role in ("data", "trainer", "rollout") for w in self.fleet.of_role(role)]
         with self.progress.waiting(f"waiting for {len(self.workers)} workers to join"):
-            self.placement.wait_workers(names, self.fleet.listed_states)
+            self.placement.wait_workers(names, self.fleet.listed_states, self.fleet.log_of)
 
     def _partition_of(self, worker: str) -> Partition:
         return self.partitions[self.workers[worker].partition]

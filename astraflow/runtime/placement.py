@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 import zlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from distributed import Client
@@ -29,6 +30,7 @@ from astraflow.runtime.security import client_security, dashboard_token, run_tls
 from astraflow.runtime.workers import RunFailed, WorkerUnusable
 from schedulers import Partition, TLSFiles
 from schedulers.base import ACTIVE_STATES
+from schedulers.local import job_lines
 from schedulers.command import is_loopback
 from storage.atomic import write_atomically
 from storage.paths import RunPaths
@@ -163,7 +165,8 @@ class Placement:
                 ) from None
         return out
 
-    def wait_workers(self, names: list[str], job_states: Callable[[], dict[str, str]]) -> None:
+    def wait_workers(self, names: list[str], job_states: Callable[[], dict[str, str]],
+                     logs: Callable[[str], Path | None] = lambda name: None) -> None:
         """Wait until every named worker joined (deadline ``cluster.worker_start_timeout_s``),
         showing which have not and the state of their jobs (``job_states``: worker name ->
         state, asked every 5 s: PENDING in a Slurm queue, ...)."""
@@ -183,7 +186,7 @@ class Placement:
                 # a job that ended without its worker joining (seen so twice: not a requeue) never will
                 ended = {n for n in missing if states.get(n, "PENDING") in ENDED_STATES}
                 if ended & ended_before:
-                    raise RunFailed(self._never_joined(sorted(ended & ended_before), states))
+                    raise RunFailed(self._never_joined(sorted(ended & ended_before), states, logs))
                 ended_before = ended
             shown = ", ".join(f"{n} ({states.get(n, '?')})" for n in missing[:3])
             self.progress.detail(f"{len(names) - len(missing)}/{len(names)} joined; not yet {shown}"
@@ -193,22 +196,17 @@ class Placement:
             time.sleep(0.2)
 
 
-    def _never_joined(self, names: list[str], states: dict[str, str]) -> str:
+    def _never_joined(self, names: list[str], states: dict[str, str], logs: Callable[[str], Path | None]) -> str:
         """Why the run stops: workers whose jobs ended before they joined, with what their logs
-        say last (a bad interface, a missing module, a wrong Python), workers that say the same
-        named together."""
+        say last since the job started (a bad setting, a missing module, a wrong Python),
+        workers that say the same named together."""
         by_error: dict[str, list[str]] = {}
         for name in names:
-            # a local job's <name>.log, a Slurm job's <name>.<job id>.log (the newest)
-            logs = sorted([*self.paths.jobs.glob(f"{name}.log"), *self.paths.jobs.glob(f"{name}.*.log")],
-                          key=lambda f: f.stat().st_mtime)
-            try:
-                lines = [x for x in logs[-1].read_text(errors="replace").splitlines() if x.strip()] if logs else []
-            except OSError:
-                lines = []
+            log_file = logs(name)
+            lines = job_lines(log_file) if log_file is not None else []
             by_error.setdefault(last_error_line(lines)[:300], []).append(f"{name} ({states.get(name)})")
         said = "; ".join(f"{', '.join(ws)}: {error}" for error, ws in list(by_error.items())[:3])
-        return (f"worker job(s) ended before joining the Dask scheduler: {said}; see {self.paths.jobs}/*.log")
+        return f"worker job(s) ended before joining the Dask scheduler: {said}; see {self.paths.jobs}/*.log"
 
 
 # -- what each actor is built with ----------------------------------------------------------------

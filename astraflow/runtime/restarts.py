@@ -176,7 +176,7 @@ def new_worker(r: TrainerRestarts | DataLayerRestarts, role: str, partition: str
                         f"{partition}: {ps.error or ps.state}; see {r.paths.jobs}")
     new = fresh[0]
     with r.progress.waiting(f"waiting for the new {role} worker {new.name}"):
-        r.placement.wait_workers([new.name], r.fleet.listed_states)
+        r.placement.wait_workers([new.name], r.fleet.listed_states, r.fleet.log_of)
     new.joined_at = time.time()
     return new
 

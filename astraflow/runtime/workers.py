@@ -27,6 +27,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from astraflow.runtime.stopping import disk_full, full_disk_of
@@ -169,6 +170,11 @@ class Fleet:
             return "GONE"
         st = self.jobs.get(w.job.job_id)
         return st.state if st is not None else "UNKNOWN"
+
+    def log_of(self, name: str) -> Path | None:
+        """The log file of worker ``name``'s job (None: unknown)."""
+        w = self.workers.get(name)
+        return Path(w.job.log) if w is not None and w.job.log else None
 
     def listed_states(self) -> dict[str, str]:
         """``{worker name: job state}`` from a fresh listing (shown while waiting for workers)."""

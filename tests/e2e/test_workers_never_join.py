@@ -40,3 +40,16 @@ def test_the_error_quoted_is_the_cause_dask_wrapped():
     assert _last_error(["ModuleNotFoundError: No module named 'astraflow'"]).startswith("ModuleNotFoundError")
     assert _last_error(["slurmstepd: error: *** JOB 12 CANCELLED ***"]) == "slurmstepd: error: *** JOB 12 CANCELLED ***"
     assert _last_error([]) == "its log is empty"
+
+
+def test_a_local_worker_s_log_is_read_from_its_latest_start(tmp_path):
+    """A local worker's log keeps every start of its name: an earlier start's error, fixed since,
+    is not the one quoted."""
+    from schedulers.local import JOB_START_MARK, job_lines
+
+    log = tmp_path / "rollout-r-local-cpu-0.log"
+    log.write_text(f"{JOB_START_MARK} rollout-r-local-cpu-0 2026-01-01 00:00:00\nTraceback (most recent call last):\n"
+                   "ValueError: ib0 has no IPv4 address\n"
+                   f"{JOB_START_MARK} rollout-r-local-cpu-0 2026-01-01 01:00:00\nKilled\n")
+    assert _last_error(job_lines(log)) == "Killed"
+    assert job_lines(tmp_path / "missing.log") == []
