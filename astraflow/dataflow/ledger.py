@@ -42,8 +42,8 @@ REMEMBER_ENDED = 100_000
 #: distinct reasons counted by name per outcome (an error whose message carries its input would
 #: otherwise add a key per task to every status and summary); later ones are counted together
 MAX_REASONS = 32
-#: the counter of the reasons past ``MAX_REASONS`` (``ledger.jsonl`` keeps each task's own)
-OTHER_REASONS = "other reasons (each task's in ledger.jsonl)"
+#: the counter of the reasons past ``MAX_REASONS`` (a node logs each reason's first traceback)
+OTHER_REASONS = "other reasons (see the RaaS nodes' logs)"
 #: characters of a reason that name its counter
 REASON_CHARS = 300
 
@@ -51,7 +51,7 @@ REASON_CHARS = 300
 def count_reason(counter: Counter, reason: str | None) -> None:
     """Count ``reason`` (its first line, at most ``REASON_CHARS``) in ``counter``, under
     ``OTHER_REASONS`` once ``MAX_REASONS`` reasons are counted by name."""
-    key = (reason or "unknown").strip().split("\n", 1)[0][:REASON_CHARS] or "unknown"
+    key = str(reason or "unknown").strip().split("\n", 1)[0][:REASON_CHARS] or "unknown"
     if key not in counter and len(counter) >= MAX_REASONS:
         key = OTHER_REASONS
     counter[key] += 1

@@ -27,6 +27,7 @@ decisions the uninterrupted run would have made from that point, given the same 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import random
@@ -391,6 +392,18 @@ def _is_bool(x: Any) -> bool:
     return isinstance(x, bool) or type(x).__name__ == "bool_"  # numpy's too
 
 
+def _user_frame(rule: Any, err: BaseException) -> traceback.FrameSummary:
+    """The frame of ``err``'s traceback in the rule's own source file, the innermost (a rule
+    that called a library failing inside it is named at its own line, not the library's)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    try:
+        source = inspect.getsourcefile(type(rule))
+    except TypeError:  # a class without a source file
+        source = None
+    own = [f for f in frames if source is not None and f.filename == source]
+    return own[-1] if own else frames[min(1, len(frames) - 1)]  # [0] is the wrapper's own call
+
+
 def checked(rule: Any, registry: Registry, name: str) -> Any:
     """``rule`` with its stage methods and ``state_dict`` replaced (on the instance: its type
     stays the rule's class) by ones that raise `RuleError` naming the rule when it raises, when
@@ -408,7 +421,7 @@ def checked(rule: Any, registry: Registry, name: str) -> Any:
         except RuleError:
             raise
         except Exception as err:
-            where = traceback.extract_tb(err.__traceback__)[-1]  # the user's line, in the run's one-line reason
+            where = _user_frame(rule, err)  # the user's line, in the run's one-line reason
             if method not in logged:  # its whole traceback once, in the data layer's worker log
                 logged.add(method)
                 log.error("%s.%s raised", label, method, exc_info=err)

@@ -61,3 +61,15 @@ class Dropper(RuleBase):
 
     def order(self, groups, version, max_staleness):
         return [0] if groups else []
+
+
+class EmptyMean(RuleBase):
+    """keep calls a library that raises inside it (the mean of no rewards)."""
+
+    def __init__(self, params, seed=0):
+        pass
+
+    def keep(self, rewards):
+        import statistics
+
+        return statistics.mean([r for r in rewards if r > 9]) > 0, None

@@ -35,6 +35,12 @@ def test_a_filter_returning_a_bare_bool_is_told_the_shape(tmp_path):
     _ends_the_run(layer, "keep returned True")
 
 
+def test_a_rule_failing_inside_a_library_is_named_at_its_own_line(tmp_path):
+    layer = make_layer(tmp_path, group_filter={"type": f"{HERE}:EmptyMean"})
+    with pytest.raises(R.RuleError, match=r"\.keep raised StatisticsError: .* \(at .*bad_user_rules\.py:\d+ in keep\)"):
+        asyncio.run(Node(layer).roll(8))
+
+
 def _ends_the_run(layer, what: str) -> None:
     """The data layer's status carries the rule's failure, which the orchestrator ends the run
     with (no node is replaced for it)."""

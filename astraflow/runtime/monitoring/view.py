@@ -160,6 +160,8 @@ class LedgerView(_View):
                                                "consumed, dropped, evaluated (0 when none happened)")
     dropped_by_reason: dict[str, int]
     failed_by_reason: dict[str, int]
+    requeued_by_reason: dict[str, int] = Field(default_factory=dict, description="attempts run again, by why "
+                                               "(at most 32 reasons by name, the rest together)")
 
 
 class DiskView(_View):
@@ -384,6 +386,7 @@ def _ledger_view(dl: dict[str, Any]) -> LedgerView:
         totals={k: int(events.get(k, 0)) for k in LEDGER_EVENTS},
         dropped_by_reason={k: int(v) for k, v in led.get("dropped_by_reason", {}).items()},
         failed_by_reason={k: int(v) for k, v in led.get("failed_by_reason", {}).items()},
+        requeued_by_reason={k: int(v) for k, v in (led.get("requeued_by_reason") or {}).items()},
     )
 
 
