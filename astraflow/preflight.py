@@ -344,7 +344,7 @@ def check_network(cfg: RunConfig) -> None:
 
     import psutil
 
-    from astraflow.runtime.cluster import interface_address
+    from schedulers.command import interface_address
 
     cc = cfg.cluster
     if cc.scheduler_interface:

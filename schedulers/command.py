@@ -57,6 +57,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def interface_address(interface: str, key: str) -> str:
+    """The IPv4 address of network interface ``interface`` on this machine; a ``ValueError``
+    naming config ``key`` and the interfaces there are when it has none."""
+    from distributed.utils import get_ip_interface
+
+    try:
+        return get_ip_interface(interface)
+    except (KeyError, ValueError):
+        import psutil
+
+        known = ", ".join(sorted(psutil.net_if_addrs())) or "none"
+        raise ValueError(f"{key}: {interface!r} is no network interface with an IPv4 address on this machine "
+                         f"(there are: {known}); name one of them, or unset it") from None
+
+
 def quiet_dask_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The ``QUIET_DASK_ENV`` entries that ``environ`` does not set already."""
     return {k: v for k, v in QUIET_DASK_ENV.items() if k not in environ}

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from astraflow.runtime.dashboard import ACCESS_ENV, HTTPS_ENV, RUN_DIR_ENV, TOKEN_FILE_ENV
-from schedulers.command import DASK_MAIN, TLSFiles, quiet_dask_env
+from schedulers.command import DASK_MAIN, TLSFiles, interface_address, quiet_dask_env
 from schedulers.procs import die_with_parent, stop_env, stop_signal
 from storage.paths import RunPaths
 
@@ -104,21 +104,6 @@ class SchedulerProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout)
-
-
-def interface_address(interface: str, key: str) -> str:
-    """The IPv4 address of network interface ``interface`` on this machine; a ``ValueError``
-    naming config ``key`` and the interfaces there are when it has none."""
-    from distributed.utils import get_ip_interface
-
-    try:
-        return get_ip_interface(interface)
-    except (KeyError, ValueError):
-        import psutil
-
-        known = ", ".join(sorted(psutil.net_if_addrs())) or "none"
-        raise ValueError(f"{key}: {interface!r} is no network interface with an IPv4 address on this machine "
-                         f"(there are: {known}); name one of them, or unset it") from None
 
 
 def last_error_line(lines: list[str]) -> str:
