@@ -24,6 +24,11 @@ from storage.holds import pid_alive
 from storage.paths import RunPaths
 
 
+#: seconds a run's process may seem to have started after it took its lock (the wall clock,
+#: which the lock's time is on, stepped since: NTP after a VM resume)
+CLOCK_SLACK_S = 120.0
+
+
 def process_started_at(pid: int) -> float | None:
     """When process ``pid`` of this host started (unix time; None: unknown or gone)."""
     try:
@@ -46,15 +51,19 @@ def live_holder(run_dir: Path) -> dict:
         raise UserError(f"the run in {run_dir} runs on host {host} (pid {pid}): run `astraflow stop` there, or "
                         "`scancel` its head job (which stops it the same way)")
     started = process_started_at(pid)
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        cmdline = b""
-    # a pid reused since the run died: another program, or a process younger than the run's lock
-    if not pid_alive(pid) or b"astraflow" not in cmdline or (
-            started is not None and started > float(holder.get("started", 0)) + 1.0):
+    # a pid reused since the run died: a process younger than the run's lock (with a margin for
+    # a clock stepped since)
+    if not pid_alive(pid) or (started is not None and started > float(holder.get("started", 0)) + CLOCK_SLACK_S):
         raise UserError(f"no run is running in {run_dir}: the run that held it (pid {pid}) is gone; "
                         "`astraflow run` on the directory resumes it")
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        cmdline = ""
+    if "astraflow" not in cmdline:  # another program, or a run started from a script of the user's
+        shown = cmdline.strip()[:120] or "its command line is unreadable"
+        raise UserError(f"pid {pid}, which holds {run_dir}, does not look like `astraflow run` ({shown}): if it "
+                        f"is the run, `kill -INT {pid}` stops it the same way")
     return holder
 
 

@@ -224,7 +224,7 @@ def _end_group(pgid: int, deadline: float) -> None:
     which in a container without an init never comes. Safe after the leader is reaped: the
     kernel does not give a pid to a new process while a process group of that id has members."""
     while _group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.02)
+        time.sleep(0.05)
     if _group_alive(pgid):
         try:
             os.killpg(pgid, signal.SIGKILL)
@@ -235,16 +235,14 @@ def _end_group(pgid: int, deadline: float) -> None:
 def _group_alive(pgid: int) -> bool:
     """Whether the process group ``pgid`` has a member this process may signal that is not a
     zombie (where /proc cannot tell zombies apart, any member it may signal)."""
-    # zombies only, or nobody: on two scans, so that a child forked while the first one ran is seen
-    if _live_members(pgid) is False and _live_members(pgid) is False:
-        return False
     try:
-        os.killpg(pgid, 0)
-        return True
+        os.killpg(pgid, 0)  # the cheap answer first: nobody left
     except ProcessLookupError:
         return False
     except PermissionError:  # not ours: nothing to stop here
         return False
+    # zombies only: on two scans, so that a child forked while the first one ran is seen
+    return not (_live_members(pgid) is False and _live_members(pgid) is False)
 
 
 def _live_members(pgid: int) -> bool | None:

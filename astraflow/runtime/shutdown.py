@@ -83,6 +83,8 @@ class Shutdown:
         grace = self.cfg.cluster.stop_grace_s
         node_s, trainer_s = (60.0, 120.0) if ending.clean else (0.4 * grace, 0.3 * grace)
         # what a node's answer may take past its own stop timeout (its engines closed, the reply sent)
+        # (after a signal the nodes get half the grace in all: the trainers and the data layer the rest;
+        # engines that close slowly, as vLLM's core processes, want a larger cluster.stop_grace_s)
         node_answer_s = 10.0 if ending.clean else 0.1 * grace
         waits = BoundedWaits(600.0 if ending.clean else grace)
         nodes: dict[str, Any] = {}

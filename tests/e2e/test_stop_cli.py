@@ -52,10 +52,20 @@ def test_stop_signals_nothing_without_a_live_run_of_this_host(tmp_path):
     lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": time.time()}))
     res = _stop(run_dir)
     assert res.returncode == 2 and f"the run that held it (pid {dead.pid}) is gone" in res.stderr
-    # a live process that is not the run (this test's own pid, say) is not signalled
+    # a process younger than the lock (a pid reused since) is not signalled
     lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time() - 3600}))
     res = _stop(run_dir)
     assert res.returncode == 2 and "is gone" in res.stderr
+    # nor one that is not `astraflow run` (a `sleep` this test started, by its pid)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        lock.write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(), "started": time.time()}))
+        res = _stop(run_dir)
+        assert res.returncode == 2 and "does not look like `astraflow run` (sleep 60)" in res.stderr
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
     lock.write_text(json.dumps({"pid": 1234, "host": "another-host", "started": time.time()}))
     res = _stop(run_dir)
     assert res.returncode == 2 and "runs on host another-host (pid 1234)" in res.stderr and "scancel" in res.stderr
