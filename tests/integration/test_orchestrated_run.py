@@ -51,11 +51,15 @@ def test_nodes_move_to_new_segments_as_each_fills_and_the_trainer_reads_across_t
     counts = {s: store.count(s) for s in store.segments()}
     bases = sorted(s for s in counts if s.count(".") == 1)
     assert len(bases) == 2  # one series per node
+    rotated = 0
     for base in bases:
         series = sorted((s for s in counts if s == base or s.startswith(base + ".")), key=lambda s: (len(s), s))
         assert series == [base] + [f"{base}.{k}" for k in range(1, len(series))]
-        assert len(series) >= 2 and all(counts[s] >= 8 for s in series[:-1])
-    assert sum(counts.values()) >= 3 * cfg.dataflow.batch_size
+        assert all(counts[s] >= 8 for s in series[:-1])  # a segment is left only once full
+        # a node that wrote past the bound moved on (on a loaded machine one node may get few tasks)
+        assert len(series) >= 2 or sum(counts[s] for s in series) <= 8 + 4, (base, counts)
+        rotated += len(series) >= 2
+    assert rotated >= 1 and sum(counts.values()) >= 3 * cfg.dataflow.batch_size
 
 
 @pytest.mark.timeout(300)

@@ -11,12 +11,13 @@ from astraflow.runtime.monitoring import Tick
 from astraflow.runtime.shutdown import jsonable
 from astraflow.runtime.stopping import Ending
 from storage.atomic import write_json
-from tests.runtime.test_stopped_run_summary import _DataLayer, _done, _Run
+from tests.runtime.shutdown_fakes import FakeDataLayer, done
+from tests.runtime.test_stopped_run_summary import _Run
 
 
-class _OddState(_DataLayer):
+class _OddState(FakeDataLayer):
     def state(self):
-        return _done({"eval": [], "rules_state": {"curator": {("p1", 4): 1, "seen": {"p2"}}}})
+        return done({"eval": [], "rules_state": {"curator": {("p1", 4): 1, "seen": {"p2"}}}})
 
 
 def _summary_writer(run, extra=None):
@@ -37,7 +38,7 @@ def test_a_summary_with_values_json_cannot_hold_is_written_with_them_as_strings(
 
 
 def test_a_summary_the_status_cannot_write_at_all_keeps_the_ending(tmp_path):
-    run = _Run(tmp_path / "run", _DataLayer(), {}, Tick(data_layer={}, trainers={}))
+    run = _Run(tmp_path / "run", FakeDataLayer(), {}, Tick(data_layer={}, trainers={}))
     run.status = SimpleNamespace(write_summary=_summary_writer(run, {"partitions": {(1, 2): object()}}))
     run._shutdown(0.0, Ending("failed", "the original reason"))
     summary = json.loads(run.paths.summary.read_text())
