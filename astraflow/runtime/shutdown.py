@@ -5,7 +5,6 @@ alive cancelled by id and the Dask scheduler stopped by pid."""
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 from rich.markup import escape
 
 from astraflow.runtime.progress import failures_outnumber_consumed
-from astraflow.runtime.stopping import BoundedWaits, Ending
+from astraflow.runtime.stopping import BoundedWaits, Ending, is_failing_tasks_reason
 from astraflow.runtime.workers import NODE_PHASES
 from storage.atomic import write_json
 from storage.weights import WeightStore
@@ -132,7 +131,7 @@ class Shutdown:
         episodes that did not fail): as a progress note, or in the log when there is no progress
         output (``--quiet``). Not for a run that fails for its failing tasks: its line says so."""
         warning = failures_outnumber_consumed(ledger, self.paths.jobs)
-        if not warning or (ending.status == "failed" and _FAILING_TASKS.match(ending.reason or "")):
+        if not warning or (ending.status == "failed" and is_failing_tasks_reason(ending.reason)):
             return
         progress = getattr(self, "progress", None)
         if progress is not None and progress.enabled:
@@ -203,10 +202,6 @@ def evals_on_record(metrics: Path) -> list[dict[str, Any]]:
         return []
     kept = {(r.get("policy"), r["step"]): r for r in records if is_eval_record(r)}
     return sorted(kept.values(), key=lambda r: r["step"])
-
-
-#: the reason of a run stopped because its rollout tasks keep failing (``NothingCompletes``)
-_FAILING_TASKS = re.compile(r"\d+ rollout tasks failed (and none completed|since the last one completed) ")
 
 
 def _still_starting(w: Any) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -200,3 +201,12 @@ class NothingCompletes:
         since = "since the last one completed" if completed else "and none completed"
         return (f"{n} rollout tasks failed {since} ({said}): fix what the reasons say (a RaaS node's "
                 "log under the run's jobs/ has the traceback), then run again on this run directory")
+
+
+#: how `NothingCompletes.check`'s reason begins
+_FAILING_TASKS = re.compile(r"\d+ rollout tasks failed (and none completed|since the last one completed) ")
+
+
+def is_failing_tasks_reason(reason: str | None) -> bool:
+    """Whether ``reason`` is a line `NothingCompletes.check` wrote (its failures said already)."""
+    return bool(reason) and _FAILING_TASKS.match(reason) is not None

@@ -75,6 +75,8 @@ class _Filesystem:
     warned: dict[float, float] = field(default_factory=dict)
     #: since when the trend has said "full within ``WARN_S``" without a break (None: it does not)
     filling_since: float | None = None
+    #: what the latest sample says (``measure``; None before the first): the status reads it each tick
+    latest: dict[str, Any] | None = None
 
     def falling_per_s(self) -> float | None:
         """Bytes per second the free space falls by (least squares over the window; negative:
@@ -88,7 +90,7 @@ class _Filesystem:
         var = sum((t - mt) ** 2 for t in ts)
         return -sum((t - mt) * (f - mf) for t, f in zip(ts, fs)) / var if var else None
 
-    def view(self) -> dict[str, Any]:
+    def measure(self) -> dict[str, Any]:
         free = self.samples[-1][1]
         falling = self.falling_per_s()
         full_in = free / falling if falling and falling > 0 else None
@@ -145,7 +147,8 @@ class DiskWatch:
             fs.samples.append((now, usage.free))
             while fs.samples and now - fs.samples[0][0] > WINDOW_S:
                 fs.samples.popleft()
-            if line := _warning(fs):
+            fs.latest = fs.measure()
+            if line := _warning(fs, fs.latest):
                 warnings.append(f"{line}: {self.advice}")
         return warnings
 
@@ -153,13 +156,13 @@ class DiskWatch:
         """Per filesystem sampled: its path, the run's places on it, free and total bytes, how
         fast the free space falls (bytes an hour; None before a trend) and when it fills at
         that rate (seconds; None when it does not fall)."""
-        return [fs.view() for fs in self._filesystems.values() if fs.samples]
+        return [fs.latest for fs in self._filesystems.values() if fs.latest is not None]
 
 
-def _warning(fs: _Filesystem) -> str | None:
-    """The line to say for ``fs`` now, if any: the tightest level it passed (for ``PERSIST_S``),
-    when that level was not said within the last ``WARN_S``."""
-    full_in = fs.view()["full_in_s"]
+def _warning(fs: _Filesystem, view: dict[str, Any]) -> str | None:
+    """The line to say for ``fs`` (whose latest ``view`` this is) now, if any: the tightest level
+    it passed (for ``PERSIST_S``), when that level was not said within the last ``WARN_S``."""
+    full_in = view["full_in_s"]
     now = fs.samples[-1][0]
     if full_in is None or full_in > WARN_S:
         fs.filling_since = None
@@ -170,10 +173,7 @@ def _warning(fs: _Filesystem) -> str | None:
     level = URGENT_S if full_in <= URGENT_S else WARN_S
     if now - fs.warned.get(level, float("-inf")) < WARN_S:
         return None
-    for lv in (WARN_S, URGENT_S):
-        if lv >= level:
-            fs.warned[lv] = now
-    view = fs.view()
+    fs.warned.update({lv: now for lv in (WARN_S, URGENT_S) if lv >= level})  # an urgent one says both
     return (f"the filesystem of {fs.path} ({', '.join(fs.places)}) has {gib(view['free_bytes'])} free and loses "
             f"{gib(view['falling_bytes_per_h'])} an hour: full in about {hours(full_in)}, and then the run stops "
             "(it resumes once there is room)")
