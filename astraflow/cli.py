@@ -228,7 +228,7 @@ def model_init(out: str, preset: str, arch: str, seed: int, tie_embeddings: bool
     from pydantic import ValidationError
 
     from astraflow.configerrors import option_errors
-    from astraflow.preflight import unbuildable
+    from storage.ownership import unbuildable
     from astraflow.runtime.launch import ModelDirError, build_model
 
     try:

@@ -7,28 +7,10 @@ trainer backend are installed. Each raises ``ConfigError`` naming the field and 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from pathlib import Path
 
 from astraflow.config import ConfigError, RunConfig
 from astraflow.partition_settings import effective_rollout, effective_trainer
-
-
-def unbuildable(out: Path) -> str | None:
-    """Why directory ``out`` (missing) cannot be created, or None: its nearest existing ancestor
-    is a file, or no directory can be made in it (tried, and removed again: permissions, a
-    read-only or special filesystem such as /proc). Nothing is left behind either way."""
-    ancestor = Path(os.path.abspath(out)).parent
-    while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        return f"{ancestor} is a file, not a directory"
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".astraflow-probe-", dir=ancestor))
-    except OSError as err:
-        return f"no directory can be created in {ancestor} ({err.strerror or err})"
-    return None
+from storage.ownership import unbuildable
 
 
 def check_models(cfg: RunConfig) -> None:

@@ -19,6 +19,7 @@ import contextlib
 import os
 import stat
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -280,3 +281,19 @@ def user_dir_fix() -> str:
         return "run from the directory that holds it, or install its package"
     return (f"{why}, so it is not on the import path (a module there would run as you): run from a directory "
             "only you can change, or install the module's package (pip install -e)")
+
+
+def unbuildable(out: Path) -> str | None:
+    """Why directory ``out`` (missing) cannot be created, or None: its nearest existing ancestor
+    is a file, or no directory can be made in it (tried, and removed again: permissions, a
+    read-only or special filesystem such as /proc). Nothing is left behind either way."""
+    ancestor = Path(os.path.abspath(out)).parent
+    while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{ancestor} is a file, not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".astraflow-probe-", dir=ancestor))
+    except OSError as err:
+        return f"no directory can be created in {ancestor} ({err.strerror or err})"
+    return None

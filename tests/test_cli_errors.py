@@ -90,7 +90,7 @@ def test_build_model_names_a_directory_it_cannot_create(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
 def test_unbuildable_in_a_read_only_directory(tmp_path):
-    from astraflow.preflight import unbuildable
+    from storage.ownership import unbuildable
 
     ro = tmp_path / "ro"
     ro.mkdir()

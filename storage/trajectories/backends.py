@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -20,7 +19,7 @@ from zarr.storage import LocalStore
 from storage import paths
 from storage.atomic import create_atomically, fsync_path, sync_together, write_atomically
 from storage.full_disk import named
-from storage.ownership import check_store_dir, make_parents
+from storage.ownership import check_store_dir, make_parents, unbuildable
 from storage.trajectories.chunks import Piece
 from storage.trajectories.memory import open_memory_backend
 
@@ -409,13 +408,9 @@ def check_store_url(url: str) -> None:
         raise ValueError(problem)
     root = (_file_url_path(url) if url.startswith("file://") else Path(url)).absolute()
     check_store_dir(root)
-    if not os.path.lexists(root):
-        ancestor = next(a for a in root.parents if os.path.lexists(a))
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".astraflow-probe-", dir=ancestor))
-        except OSError as err:
-            raise OSError(f"trajectory store directory {root} cannot be created in {ancestor} "
-                          f"({err.strerror or err}): give {STORE_FORMS} that this user can create") from None
+    if not os.path.lexists(root) and (why := unbuildable(root)):
+        raise OSError(f"trajectory store directory {root} cannot be created: {why}; give {STORE_FORMS} that this "
+                      "user can create")
 
 
 def _file_url_path(url: str) -> Path:
