@@ -39,7 +39,8 @@ def test_a_store_directory_that_cannot_be_created_is_refused(tmp_path):
 def test_a_store_on_a_special_file_system_is_refused():
     from storage.trajectories.backends import check_store_url
 
-    with pytest.raises(OSError, match="trajectory store directory /proc/astraflow-store cannot be created: no directory can be created in /proc"):
+    with pytest.raises(OSError, match="trajectory store directory /proc/astraflow-store cannot be created: "
+                                      "no directory can be created in /proc"):
         check_store_url("/proc/astraflow-store")
 
 
