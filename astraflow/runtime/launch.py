@@ -214,6 +214,22 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
         record_init(pol.model, pol.init.model_dump(mode="json"))  # also replaces a start_from base's record
 
 
+def head_logging() -> None:
+    """The head's log lines on its stderr: warnings and worse, less what `_drop_unwaited_timeouts` drops."""
+    logging.basicConfig(level=logging.WARNING)
+    asyncio_log = logging.getLogger("asyncio")
+    if _drop_unwaited_timeouts not in asyncio_log.filters:
+        asyncio_log.addFilter(_drop_unwaited_timeouts)
+
+
+def _drop_unwaited_timeouts(record: logging.LogRecord) -> bool:
+    """False for asyncio's report of a timeout nobody waited for: Dask's client leaves one behind
+    when its connection's sender is torn down mid-wait on the way out (a run that fails must
+    print its one line, not three of asyncio's). Every other exception it reports still shows."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (isinstance(exc, TimeoutError) and str(record.msg).startswith("Future exception was never retrieved"))
+
+
 def _signals_stop_cleanly() -> None:
     """SIGTERM (``scancel`` of a head job, ``kill``) takes the Ctrl-C path: a stop bounded by
     ``cluster.stop_grace_s`` that flushes the nodes, closes the ledger, writes the summary and
@@ -323,7 +339,7 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult | No
     read before, so a bad dataset leaves no run directory behind. With the lock held, the jobs
     a previous incarnation left are cancelled before anything starts. None: the run had completed
     already (``already_done``), and nothing was started."""
-    logging.basicConfig(level=logging.WARNING)
+    head_logging()
     _signals_stop_cleanly()
     if quiet:  # transformers' and the hub's own bars too (writing a model built here)
         from transformers.utils import logging as hf_logging
