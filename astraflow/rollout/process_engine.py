@@ -235,7 +235,7 @@ class ProcessEngine:
                 return
         try:
             self._send(("cancel", [rid]))
-        except (OSError, EngineProcessError):
+        except EngineProcessError:
             pass  # the engine process is gone: nothing decodes it
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
@@ -292,7 +292,7 @@ class ProcessEngine:
         if self._proc.is_alive():
             try:
                 self._send(("close",))
-            except (OSError, EngineProcessError):
+            except EngineProcessError:
                 pass  # already gone: join below reaps it
             self._reap(timeout)
         if self._proc.is_alive():
@@ -301,10 +301,15 @@ class ProcessEngine:
 
     # -- internals -----------------------------------------------------------------------
     def _send(self, msg: tuple) -> None:
+        """``EngineProcessError`` also when the process died and its reader has not noticed yet
+        (a broken pipe): callers treat both the same, as a dead engine the node restarts."""
         if self._dead:
             raise EngineProcessError(self._dead)
-        with self._send_lock:
-            self._conn.send(msg)
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+        except OSError as err:
+            raise EngineProcessError(f"the engine process is unreachable ({err}); see the worker log") from err
 
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
@@ -312,11 +317,11 @@ class ProcessEngine:
             return
         try:
             self._send(("generate", batch))
-        except (OSError, EngineProcessError) as err:
+        except EngineProcessError as err:
             for rid, _, _ in batch:
                 fut = self._futures.pop(rid, None)
                 if fut is not None and not fut.done():
-                    fut.set_exception(EngineProcessError(f"engine process unreachable: {err}"))
+                    fut.set_exception(err)
 
     def _read(self, conn, proc) -> None:
         """Reader thread of one engine process: hand each results message to the event loop.

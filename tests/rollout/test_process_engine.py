@@ -320,3 +320,20 @@ def test_an_engine_process_serves_a_new_loop_after_the_old_one_closed_with_reque
         assert len(asyncio.run(again()).tokens) == 2
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_send_to_an_engine_process_that_just_died_is_an_engine_error(tiny_model):
+    """Before its reader thread marks the engine dead, a send meets a broken pipe: that must be
+    the dead-engine error the node restarts on (the reader is held back here to see it)."""
+    eng = ProcessEngine(str(tiny_model), max_batch_size=4, seed=0, device="cpu")
+    try:
+        with eng._reap_lock:  # the reader marks the engine dead only after taking it
+            os.kill(eng.pid, signal.SIGKILL)  # our own child, by PID
+            eng._proc.join(30)
+            assert eng.dead is None
+            with pytest.raises(EngineProcessError, match="unreachable"):
+                eng.load_version(str(tiny_model), "solver", 1)
+            assert eng.version == 0  # the version it was told to load is not taken as loaded
+    finally:
+        eng.close()
