@@ -31,9 +31,17 @@ XDIST_GROUPS = {
 }
 
 
+#: modules whose tests share an expensive module-scoped fixture (Megatron ranks trained a few
+#: steps, engine processes): each module is a group, so that fixture is built on one worker only
+MODULE_GROUPS = ("tests/megatron/", "tests/rollout/test_engine_pool.py", "tests/rollout/test_process_engine.py")
+
+
 def xdist_group_of(nodeid: str) -> str | None:
     """The group of the test ``nodeid`` (relative to the repository root), or None."""
-    return next((name for name, prefixes in XDIST_GROUPS.items() if nodeid.startswith(prefixes)), None)
+    named = next((name for name, prefixes in XDIST_GROUPS.items() if nodeid.startswith(prefixes)), None)
+    if named is None and nodeid.startswith(MODULE_GROUPS):
+        return nodeid.split("::", 1)[0]
+    return named
 
 
 @pytest.hookimpl(optionalhook=True)
