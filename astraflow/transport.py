@@ -234,6 +234,23 @@ class Link:
         return _LinkMethod(self, name)
 
 
+class FollowsDataLayer:
+    """The actor API of a component that calls the data layer through ``self.dl`` (a `Link`):
+    the orchestrator tells it when the data layer's worker is lost and where its replacement is."""
+
+    dl: Link
+
+    def reconnect(self, data_layer: Any) -> None:
+        """The data layer was re-placed on another worker: calls go to ``data_layer`` from now
+        on (those waiting for it are made again there)."""
+        self.dl.set(bind(data_layer))
+
+    def data_layer_lost(self) -> None:
+        """The data layer's worker is gone and it is being re-placed: calls to it wait for
+        ``reconnect`` instead of timing out meanwhile."""
+        self.dl.expect_new()
+
+
 def _settled(lane_state: tuple | None, generation: int) -> bool:
     """Whether a ``Link``'s lane state holds for ``generation``: an open lane, or none and not yet
     time to try again."""

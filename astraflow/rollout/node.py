@@ -53,7 +53,7 @@ from astraflow.rollout.node_episodes import NodeEpisodes
 from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.rollout.shared_loop import shared_loop
 from astraflow.rollout.weight_sync import WeightPuller
-from astraflow.transport import Link, bind, call, call_sync
+from astraflow.transport import FollowsDataLayer, Link, bind, call, call_sync
 from astraflow.rollout.workflows import make_workflow
 from astraflow.sandbox import SandboxConfig, configure as configure_sandbox
 from astraflow.workloads.base import make_workload
@@ -79,7 +79,7 @@ class NodeIdentity:
     worker: str | None = None
 
 
-class RaaSNode(NodeEpisodes, EngineRecovery):
+class RaaSNode(NodeEpisodes, EngineRecovery, FollowsDataLayer):
     """Dask actor: one rollout service."""
 
     def __init__(
@@ -152,16 +152,6 @@ class RaaSNode(NodeEpisodes, EngineRecovery):
         self._failure_log = FailureLog(identity.name)  # a traceback per failure reason, then counts
 
     # ------------------------------------------------------------------ actor API
-    def reconnect(self, data_layer: Any) -> None:
-        """The data layer was re-placed on another worker: calls go to ``data_layer`` from now
-        on (those waiting for it are made again there)."""
-        self.dl.set(bind(data_layer))
-
-    def data_layer_lost(self) -> None:
-        """The data layer's worker is gone and it is being re-placed: calls to it wait for
-        ``reconnect`` instead of timing out meanwhile."""
-        self.dl.expect_new()
-
     def start(self) -> dict[str, int]:
         """Load engines, catch up to the latest committed weights, start the loop. Returns the
         weight version loaded per policy (the node leases only after this catch-up)."""

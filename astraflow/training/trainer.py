@@ -37,7 +37,7 @@ from astraflow.training.config import TrainerConfig
 from astraflow.training.numerics import NonFiniteSteps
 from astraflow.training.optimizer_checkpoint import OptimizerCheckpoint
 from astraflow.training.rows import BatchRows
-from astraflow.transport import Link, bind, call_sync
+from astraflow.transport import FollowsDataLayer, Link, bind, call_sync
 from storage.weights import WeightStore
 
 log = logging.getLogger("astraflow.training")
@@ -106,7 +106,7 @@ class _Background:
         return self._value
 
 
-class Trainer(OptimizerCheckpoint):
+class Trainer(OptimizerCheckpoint, FollowsDataLayer):
     """Dask actor: trains one policy."""
 
     def __init__(
@@ -181,16 +181,6 @@ class Trainer(OptimizerCheckpoint):
         #: built by ``start()``; None before (``stop()`` of a trainer never started saves nothing)
         self.backend: TrainerBackend | None = None
         self.store: WeightStore | None = None
-
-    def reconnect(self, data_layer: Any) -> None:
-        """The data layer was re-placed on another worker: calls go to ``data_layer`` from now
-        on (those waiting for it are made again there)."""
-        self.dl.set(bind(data_layer))
-
-    def data_layer_lost(self) -> None:
-        """The data layer's worker is gone and it is being re-placed: calls to it wait for
-        ``reconnect`` instead of timing out meanwhile."""
-        self.dl.expect_new()
 
     def start(self, run_loop: bool = True) -> int:
         """Build the backend, publish the initial version, start the loop (unless a driver
