@@ -2,10 +2,12 @@
 
 Write a temp sibling, fsync it, rename (or hard-link, for create-only files) it over the final
 name, then fsync the directory: a reader sees the old file or the new one, never part of one,
-and after the call returns the file survives a crash of the machine. Every writer of the run
-directory goes through ``write_atomically`` / ``write_json`` / ``create_atomically`` (or
+and after the call returns the file survives a crash of the machine. Writers of the run
+directory's files go through ``write_atomically`` / ``write_json`` / ``create_atomically`` (or
 ``create_in_order``: several files of one directory, committed together); readers of a JSON
-file that a person may have edited or damaged use ``read_json_object``.
+file that a person may have edited or damaged use ``read_json_object``. Whole directories (a
+weight version, a delta, an export) are committed by their own rename and marker instead, and
+the run's secret files are created exclusively with their mode (``runtime.security``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ rather than joining strings (the certificate files inside ``security/`` are name
                                   current incarnation submitted (the next one cancels leftovers)
       trajectories/               the Zarr trajectory store (unless the config points elsewhere)
         astraflow_store.json      the store's layout version (checked on every open)
-        segments/<segment>/       one append-only segment per writer
+        segments/<segment>/       append-only, one writer each (a node writes a series)
           data/                   its Zarr v3 group (per-token and per-entry arrays)
           commits/log             its commit log: one checksummed record per write
           commits/<seqno>.json    one commit marker per published batch (segments written

@@ -56,7 +56,7 @@ _RETIRING = "COMMITTED.retiring"
 @dataclass(frozen=True)
 class WeightVersion:
     """A committed weight version. Written by the weight store at commit; read by RaaS nodes
-    (which version to pull, full or delta) and by the data layer (staleness).
+    (which version to pull, full or delta), trainers that resume and ``astraflow export``.
     """
 
     policy: str

@@ -31,8 +31,8 @@ The forward passes run on the event loop's own thread, one step at a time, yield
 loop between steps (finished episodes, lease replies and new requests are handled there).
 Handing each step to a worker thread instead would cost two GIL hand-offs per decoded token,
 which a busy RaaS node process pays in tokens/s (``benchmarks/rollout_overhead.py``); torch
-releases the GIL inside its kernels, so the node's writer and weight-watcher threads still run
-during a step.
+releases the GIL inside its kernels, so the node's threads (the segment writer's commits, the
+weight poll's reads) still run during a step; its coroutines wait for the step to end.
 """
 
 from __future__ import annotations

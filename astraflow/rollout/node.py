@@ -7,13 +7,14 @@ event loop, where three coroutines overlap:
 * the *lease loop* keeps up to ``capacity`` episodes in flight (``lease`` from the data layer,
   one asyncio task per episode; the engine batches their generation requests; a node with
   several engines per policy, one per GPU by default, spreads them: ``engine_pool``);
-* the *writer* writes finished trajectories to this node's own segment of the trajectory store
-  (one per start of the node) in batches, and only after the write returned (entries
-  committed) reports them with ``complete``. Invariant: a task is never completed before its
-  trajectory is readable (the episodes and the writer: ``node_episodes``);
-* the *weight watcher* polls the weight store and loads every newer committed version into the
-  engine, also while episodes are in flight (partial rollout: tokens after the swap carry the
-  new version).
+* the *writer* writes finished trajectories to this node's own segments of the trajectory store
+  (a series of bounded ones per start of the node: ``storage.trajectories.rotating``) in batches,
+  and only after the write returned (entries committed) reports them with ``complete``.
+  Invariant: a task is never completed before its trajectory is readable (the episodes and the
+  writer: ``node_episodes``);
+* the *weight watcher* polls the weight store and loads the newest committed version into the
+  engine (skipping those in between), also while episodes are in flight (partial rollout:
+  tokens after the swap carry the new version).
 
 A heartbeat renews the leases of the tasks the node still works on and carries its stats. A
 node that vanishes loses nothing: its leases expire and the data layer requeues them.

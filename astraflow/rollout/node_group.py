@@ -24,7 +24,7 @@ from astraflow.transport import Link, bind
 
 
 def member_name(worker: str, index: int) -> str:
-    """The name of node ``index`` of ``worker`` (its trajectory segment and data-layer name)."""
+    """The name of node ``index`` of ``worker`` (its data-layer name, and the base of its segments' names)."""
     return f"{worker}.n{index}"
 
 

@@ -1,7 +1,7 @@
 """Pulling weights into a RaaS node's engines.
 
 Asynchronous overlap "weight publish vs pull": trainers commit versions to the weight store
-at their own pace; the node polls ``latest(policy)`` and loads each newer committed version.
+at their own pace; the node polls ``latest(policy)`` and loads the newest committed version (skipping those in between).
 A reader never sees a partial version (it trusts only the commit marker) and holds the
 version open while reading so retention cannot delete it under it. The engine applies the
 loaded weights between two decoding steps.

@@ -315,7 +315,7 @@ class Orchestrator(Shutdown):
 
     def _loop(self, t0: float) -> None:
         if self.cfg.run.mode == "sync":
-            self._sync_loop(t0)
+            self._sync_loop(t0)  # then the watch loop below sees the trainers done and the last evaluation out
         final = self.cfg.run.max_steps
         eval_on = bool(self.cfg.workload.eval.every)
         eval_waited = False

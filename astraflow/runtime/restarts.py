@@ -95,7 +95,7 @@ class TrainerRestarts:
             return
         store = WeightStore(self.paths.weights, keep_last=self.cfg.storage.keep_versions)
         started: dict[str, dict[str, Any]] = {}
-        for p in policies:
+        for p in policies:  # the RaaS nodes' holds stay: they are live readers (unlike at a resume)
             latest = store.latest(p)
             version = latest.version if latest is not None else 0
             dropped = store.discard_uncommitted(p)

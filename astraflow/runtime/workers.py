@@ -5,8 +5,9 @@ worker (a Slurm job in the queue, a model loading, a drain).
 Rollout workers move through these phases::
 
     submitted --joined--> placing --actor built--> starting --caught up--> serving
-        any phase --remove--> draining (node stops leasing, finishes and writes what it holds)
+        starting/serving --remove--> draining (node stops leasing, finishes and writes what it holds)
                   --> gone (job cancelled; leases still held are requeued by ``node_gone``)
+        submitted/placing --remove--> gone (job cancelled at once: nothing to drain)
         any phase --job ended / worker left--> gone (leases requeued, the partition refilled)
 
 Data and trainer workers are placed by the orchestrator and only ever leave the ``serving``
@@ -275,9 +276,9 @@ class Fleet:
         return None
 
     def check_core(self, wait_s: float = 0.0) -> None:
-        """``RunFailed`` (``TrainerLost``) naming a data-layer or trainer worker that is lost
-        (called when a component stops answering, so that the run's reason names the lost
-        worker, not the failed call, and a lost trainer is replaced); returns when none is,
+        """``RunFailed`` (``TrainerLost`` / ``DataLayerLost``) naming a data-layer or trainer worker
+        that is lost (called when a component stops answering, so that the run's reason names the
+        lost worker, not the failed call, and a lost trainer or data layer is replaced); returns when none is,
         after looking again for up to ``wait_s`` (a call can fail before the job's end or the
         worker's departure is seen)."""
         deadline = time.time() + wait_s

@@ -281,7 +281,7 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
 
     def _fetch(self, version: int):
         """The data layer's next batch for a trainer at ``version``: waits up to
-        ``batch_timeout_s`` (then the data layer's ``BatchTimeout``), in calls of at most 2 s
+        ``batch_timeout_s`` (then a ``TimeoutError`` naming that setting), in calls of at most 2 s
         so that ``stop()`` ends the wait (``_Stopped``) instead of sitting out the deadline
         when no node is generating any more (e.g. Ctrl-C)."""
         deadline = time.time() + self.cfg.batch_timeout_s
@@ -353,8 +353,8 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
     def _write_delta_async(self, version: int) -> None:
         """Asynchronous overlap "delta writing vs training": the sparse delta ``v-1 -> v`` is
         computed from the committed shards in a helper thread while the next step trains.
-        Invariant: at most one delta is being written; a version whose predecessor was not
-        read in time gets no delta (readers then load full shards)."""
+        Invariant: at most one delta is being written (the next commit waits for it); a version
+        whose predecessor retention already removed gets no delta (readers then load full shards)."""
         if self._delta_thread is not None and self._delta_thread.is_alive():
             self._delta_thread.join()
         self._delta_thread = threading.Thread(target=self._write_delta, args=(version,), daemon=True)

@@ -1,7 +1,8 @@
-"""Zarr trajectory store: append-only segments written by RaaS nodes, read by the data layer.
+"""Zarr trajectory store: append-only segments written by RaaS nodes, read by trainers.
 
 Why it exists: RaaS nodes produce trajectories faster than a scheduler round trip can carry
-them, and trainers/the data layer on other nodes need them without copies through Dask. A
+them, and trainers on other nodes need them without copies through Dask (the data layer serves
+batches by reference: it lists and deletes segments, and reads no rows). A
 store on shared storage, written by many processes and read by a few, with no locking, is
 the narrow interface between them.
 
@@ -33,7 +34,7 @@ trainer builds its tensors from it directly::
 ``cols.split(name)`` gives one view per entry, ``cols.row(i)`` / ``cols.rows()`` give
 ``StoredSequence`` objects (views of the columns; ``copy=True`` for arrays of their own).
 ``store.read(refs)`` is ``read_columns(refs).rows(copy=True)``: one ``StoredSequence`` per
-entry owning its arrays (the data layer, monitors). Both raise ``EntryNotCommitted`` naming the
+entry owning its arrays (trainers' rows, tests, tools). Both raise ``EntryNotCommitted`` naming the
 first refs no commit covers.
 
 Layout and commit protocol
