@@ -281,7 +281,7 @@ def iteration_sources(layer: Any, groups: int) -> Counter:
     first, mixer, buffers = layer.policy_names[0], layer.mixer, layer.buffers
     gs = mixer.group_size
     quota, _ = mixer.quotas(first, layer.cfg.batch_size)
-    avail = buffers.available_by_source(first, layer.versions[first], mixer.weights)
+    avail = buffers.drop_stale_by_source(first, layer.versions[first], mixer.weights)
     rolling = buffers.rolling_by_source()
     lack = {s: quota[s] - avail[s] - gs * (rolling[s] + layer.budget_sources[s]) for s in quota}
     out: Counter = Counter()

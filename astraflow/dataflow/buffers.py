@@ -254,8 +254,9 @@ class Buffers:
         self.task_drop_reason.pop(tid, None)
 
     # -- batches -----------------------------------------------------------------------------
-    def available(self, policy: str, version: int) -> int:
-        """Drop stale sequences from the buffer; count what is left."""
+    def drop_stale(self, policy: str, version: int) -> int:
+        """Drop (and settle) the buffer's sequences too stale for a trainer at ``version``; how
+        many are left to serve."""
         buf = self.ready[policy]
         total = 0
         for grp in list(buf):
@@ -270,9 +271,9 @@ class Buffers:
             total += len(grp.items)
         return total
 
-    def available_by_source(self, policy: str, version: int, sources: Sequence[str]) -> dict[str, int]:
-        """``available`` (stale sequences dropped), per source."""
-        self.available(policy, version)
+    def drop_stale_by_source(self, policy: str, version: int, sources: Sequence[str]) -> dict[str, int]:
+        """``drop_stale``, with what is left counted per source."""
+        self.drop_stale(policy, version)
         out = {s: 0 for s in sources}
         for grp in self.ready[policy]:
             out[grp.source] += len(grp.items)

@@ -62,7 +62,7 @@ class TrainerFacing:
             while True:
                 self.leases.expire()
                 self._refill()
-                avail = self.buffers.available_by_source(policy, version, self.mixer.weights)
+                avail = self.buffers.drop_stale_by_source(policy, version, self.mixer.weights)
                 short = {s: q - avail[s] for s, q in quota.items() if avail[s] < q}
                 lockstep_ok = not self.cfg.lockstep or all(v >= version for v in self.versions.values())
                 if not short and lockstep_ok and self.evals.initial_done():
@@ -187,7 +187,7 @@ class TrainerFacing:
         several sources, those its next batch can take (each source up to its quota of it), so
         that the batch is ready when this reaches ``batch_size``."""
         if not self.mixer.mixing:
-            return self.buffers.available(policy, version)
+            return self.buffers.drop_stale(policy, version)
         quota, _ = self.mixer.quotas(policy, self.cfg.batch_size)
-        avail = self.buffers.available_by_source(policy, version, self.mixer.weights)
+        avail = self.buffers.drop_stale_by_source(policy, version, self.mixer.weights)
         return sum(min(avail[s], q) for s, q in quota.items())

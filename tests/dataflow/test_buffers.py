@@ -71,8 +71,8 @@ def test_the_buffer_is_capped_and_stale_sequences_are_dropped():
     for _ in range(5):
         rig.group([0.0, 1.0])
     assert len(rig.buffers.ready["p"]) == 4 and rig.buffers.counts["p"]["overflow_dropped"] == 2
-    assert rig.buffers.available("p", version=1) == 8  # staleness 1: within the bound
-    assert rig.buffers.available("p", version=2) == 0
+    assert rig.buffers.drop_stale("p", version=1) == 8  # staleness 1: within the bound
+    assert rig.buffers.drop_stale("p", version=2) == 0
     assert rig.buffers.counts["p"]["stale_dropped"] == 8 and rig.ledger.dropped_by_reason["stale"] == 8
 
 
@@ -116,7 +116,7 @@ def test_take_follows_the_ordering_within_each_source_quota():
     freshest = R.make(R.ORDERINGS, "freshest", {})
     chosen, taken = rig.buffers.take("p", {"a": 2, "b": 0}, freshest, 2)
     assert taken == {"a": 2, "b": 0} and {i.oldest_version for i in chosen} == {2}
-    assert rig.buffers.available_by_source("p", 2, ["a", "b"]) == {"a": 2, "b": 2}
+    assert rig.buffers.drop_stale_by_source("p", 2, ["a", "b"]) == {"a": 2, "b": 2}
 
 
 class _FreshOnly(R.RuleBase):

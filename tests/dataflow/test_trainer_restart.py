@@ -96,5 +96,5 @@ def test_put_back_items_keep_their_groups_and_can_still_go_stale():
     assert [len(g.items) for g in rig.buffers.ready["p"]] == [2, 2]  # the halves rejoined
     assert [g.ingest_seq for g in rig.buffers.ready["p"]] == [1, 2]
     assert rig.buffers.staleness_hist["p"] == {} and rig.buffers.counts["p"]["consumed"] == 0
-    assert rig.buffers.available("p", version=2) == 0  # two versions later: stale, counted
+    assert rig.buffers.drop_stale("p", version=2) == 0  # two versions later: stale, counted
     assert rig.ledger.dropped_by_reason == {"stale": 4}
