@@ -329,7 +329,7 @@ async def follow_versions(dl: Any, version: list[int], every: float = 0.1) -> No
 
 def gathered(coalescers: list[Any]) -> dict[str, list[int]]:
     """Per kind: gathered calls sent and node calls they carried, over ``coalescers``."""
-    out = {k: [sum(h.lanes[k].calls for h in coalescers), sum(h.lanes[k].carried for h in coalescers)]
+    out = {k: [sum(h.gatherers[k].calls for h in coalescers), sum(h.gatherers[k].carried for h in coalescers)]
            for k in ("lease", "heartbeat")}
     stocks = [h.stock for h in coalescers if getattr(h, "stock", None) is not None]
     if stocks:  # node leases served by the stocks, and the stocks' own refill calls

@@ -26,11 +26,11 @@ from astraflow.rollout.lease_stock import LeaseStock
 from astraflow.pending import Pending, settle_all
 from astraflow.transport import Link, Packed, PackedDict
 
-#: a lane's sender thread ends after this many idle seconds (started again on the next call)
+#: a gatherer's sender thread ends after this many idle seconds (started again on the next call)
 IDLE_S = 30.0
 
 
-class _Lane:
+class _Gatherer:
     """The calls of one kind: gathered while calls are on their way, sent by sender threads
     (up to ``senders`` at once: a call waiting on the data layer's snapshot write does not hold
     back the next; calls made meanwhile share the write)."""
@@ -87,7 +87,7 @@ class Coalescer:
     def __init__(self, handle: Any, worker: str = "", lease_ahead: int = 0, lease_wait_s: float = 0.5):
         #: the data layer's handle (a ``transport.Link``: it follows a re-placed data layer)
         self.handle = handle
-        self.lanes = {name: _Lane(name, send, pending=self._pending) for name, send in
+        self.gatherers = {name: _Gatherer(name, send, pending=self._pending) for name, send in
                       (("heartbeat", self._heartbeats), ("lease", self._leases), ("complete", self._completes))}
         self.stock = LeaseStock(handle, worker, lease_ahead, lease_wait_s) if lease_ahead > 0 and worker else None
 
@@ -124,17 +124,17 @@ class Coalescer:
     def heartbeat(self, node: str, stats: dict[str, Any]) -> Pending:
         if self.stock is not None:
             self.stock.saw(node, stats.get("versions"))
-        return self.lanes["heartbeat"].submit((node, stats))
+        return self.gatherers["heartbeat"].submit((node, stats))
 
     def lease(self, node: str, capacity: int, wait: float = 0.0, versions: dict[str, int] | None = None) -> Pending:
         if self.stock is not None and capacity > 0:
             answer = self.stock.lease(node, capacity, wait, versions)
             if answer is not None:
                 return answer
-        return self.lanes["lease"].submit((node, capacity, wait, versions))
+        return self.gatherers["lease"].submit((node, capacity, wait, versions))
 
     def complete(self, refs: list) -> Pending:
-        return self.lanes["complete"].submit((refs,))
+        return self.gatherers["complete"].submit((refs,))
 
     def _heartbeats(self, items: list[tuple[tuple, Pending]]) -> None:
         stock = self.stock
@@ -167,8 +167,8 @@ class Coalescer:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per kind: gathered calls sent and the node calls they carried; the lease stock's counts."""
-        out: dict[str, dict[str, Any]] = {name: {"calls": lane.calls, "carried": lane.carried}
-                                          for name, lane in self.lanes.items()}
+        out: dict[str, dict[str, Any]] = {name: {"calls": gatherer.calls, "carried": gatherer.carried}
+                                          for name, gatherer in self.gatherers.items()}
         if self.stock is not None:
             out["stock"] = self.stock.stats()
         return out
