@@ -211,7 +211,7 @@ class Orchestrator(Shutdown):
 
     # ------------------------------------------------------------------ bring-up
     def _reconcile(self) -> None:
-        self.parts.reconcile(self.fleet, self.placement.scheduler_address)
+        self.parts.reconcile(self.fleet, self.placement.scheduler_contact)
 
     def _bring_up(self) -> None:
         """Start the scheduler, submit every configured worker job, wait until all joined."""

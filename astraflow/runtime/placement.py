@@ -108,9 +108,9 @@ class Placement:
         return (f"the Dask scheduler {how} (its log: {self.paths.log('scheduler')}), and the run cannot go on "
                 "without it: run `astraflow run` on the run directory again to resume it")
 
-    def scheduler_address(self, part: Partition) -> str:
-        """Slurm workers read the scheduler file when they start (a job that waited in the queue
-        still finds the scheduler); local ones get the address directly."""
+    def scheduler_contact(self, part: Partition) -> str:
+        """How ``part``'s workers find the scheduler: the scheduler file for Slurm workers, read when
+        they start (a job that waited in the queue still finds it); its address for local ones."""
         if part.scheduler == "slurm":
             return str(self.paths.scheduler_file.resolve())
         return self.client.scheduler.address  # type: ignore[union-attr]

@@ -118,7 +118,8 @@ class Worker:
         return self.phase == "draining"
 
     @property
-    def started(self) -> bool:
+    def has_actor(self) -> bool:
+        """It holds an actor now, or held one before it was gone."""
         return self.phase in NODE_PHASES or (self.phase == "gone" and self.actor is not None)
 
     def enter(self, phase: str, future: Any = None) -> None:

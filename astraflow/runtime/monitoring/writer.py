@@ -182,7 +182,7 @@ class StatusWriter:
             "workers": {
                 n: {"job_id": w.job.job_id, "partition": w.partition, "kind": w.job.kind,
                     "state": fleet.job_state(w), "phase": w.phase, "note": w.note,
-                    "draining": w.draining, "actor": w.started, "log": str(w.job.log) if w.job.log else None}
+                    "draining": w.draining, "actor": w.has_actor, "log": str(w.job.log) if w.job.log else None}
                 for n, w in fleet.workers.items()
             },
         }
