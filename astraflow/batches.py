@@ -14,6 +14,11 @@ from astraflow.contracts import Sequence
 from storage.trajectories import EntryRef
 
 
+def grpo_advantage(reward: float, group_mean: float, group_std: float) -> float:
+    """GRPO advantage: ``reward`` normalised within its group (a group of equal rewards: 0)."""
+    return (reward - group_mean) / (group_std + 1e-6)
+
+
 @dataclass(frozen=True, eq=False)
 class BatchItem:
     """One training sequence for one policy, as the trainer consumes it.
@@ -37,7 +42,7 @@ class BatchItem:
     @property
     def advantage(self) -> float:
         """GRPO advantage: the reward normalised within its group."""
-        return (self.sequence.reward - self.group_mean) / (self.group_std + 1e-6)
+        return grpo_advantage(self.sequence.reward, self.group_mean, self.group_std)
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,7 +80,7 @@ class RowRef:
     @property
     def advantage(self) -> float:
         """``BatchItem.advantage`` of the row it names."""
-        return (self.reward - self.group_mean) / (self.group_std + 1e-6)
+        return grpo_advantage(self.reward, self.group_mean, self.group_std)
 
 
 @dataclass(frozen=True, eq=False)
