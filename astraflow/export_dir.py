@@ -1,5 +1,5 @@
 """Where ``astraflow export`` writes: the output directory OUT, checked before the model is read
-and filled only once the model is checked.
+and filled only once the model is checked; and what it writes there besides the weights.
 
 A new OUT is written beside it under a temporary name and renamed to it. An existing OUT (an
 empty directory made for the group, a mount point, an earlier export replaced with ``--force``)
@@ -10,17 +10,25 @@ their names and removed by the next export into the same OUT.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 from contextlib import ExitStack
 from pathlib import Path
 
+from astraflow.models import INIT_RECORD
 from storage.holds import pid_alive
 from storage.paths import tmp_sibling
 
 #: the file the export writes next to the model, naming its origin (and marking OUT as an export)
 PROVENANCE = "astraflow_export.json"
+#: files of a model directory that are its weights or config: the rest (tokenizer, chat template,
+#: generation config, license, README) is copied into the export as the run used it
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json")
+#: files of the base model directory not copied: the export writes its own config and provenance,
+#: and how the base was built (``INIT_RECORD``) does not describe the trained model
+_OWN_FILES = ("config.json", PROVENANCE, INIT_RECORD)
 
 
 class ExportError(ValueError):
@@ -124,3 +132,43 @@ def readable_as_umask_allows(root: Path) -> None:
         os.chmod(d, 0o777 & ~mask)
         for f in files:
             os.chmod(os.path.join(d, f), 0o666 & ~mask)
+
+
+def check_space(staging: Path, need: int) -> None:
+    """Room in ``staging`` for ``need`` bytes of weights."""
+    free = shutil.disk_usage(staging).free
+    if free < need * 1.05:
+        raise ExportError(f"{staging.parent} has {_size(free)} free and the model needs {_size(need)}: free space "
+                          "there or name another directory (--dtype bf16 halves an fp32 model)")
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def copy_model_files(source: Path, staging: Path, tok) -> None:
+    """The tokenizer files, chat template and generation config as the run used them: copied
+    from the source directory (a re-save would rewrite them in the installed transformers'
+    format, which older readers misread); re-saved only where the source holds none."""
+    if source.is_dir():
+        for f in sorted(source.iterdir()):
+            if f.is_file() and f.name not in _OWN_FILES and not f.name.endswith(_WEIGHT_SUFFIXES):
+                shutil.copyfile(f, staging / f.name)
+    if not any((staging / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")):
+        tok.save_pretrained(staging)
+
+
+def with_older_readers_keys(config_file: Path) -> None:
+    """Add to ``config.json`` the keys transformers 4 and engines built on it read where the
+    installed transformers writes newer ones (``rope_parameters``, ``dtype``): ``rope_theta``,
+    ``rope_scaling`` and ``torch_dtype``. Left out, an older reader falls back to its defaults
+    without a word (a different rope base)."""
+    cfg = json.loads(config_file.read_text())
+    rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        cfg.setdefault("rope_theta", rope["rope_theta"])
+        if rope.get("rope_type", "default") != "default":
+            cfg.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+    if "dtype" in cfg:
+        cfg.setdefault("torch_dtype", cfg["dtype"])
+    config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -14,25 +14,31 @@ directory: config.json, safetensors shards, the tokenizer. The export
    architecture scoring the version's probe (the log-probs the trainer published with the
    weights). A directory that fails is never renamed to OUT;
 4. records where the model came from in ``OUT/astraflow_export.json``.
+
+It holds about one copy of the model in the exported dtype at a time (a node that can hold the
+model can export it): the version is read and cast tensor by tensor, the built model is freed once
+written, the copy loaded back is checked against the sha256 of each cast tensor, and the probe
+upcasts one decoder layer at a time.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import hashlib
 import json
 import re
-import shutil
 import time
+import warnings
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import yaml
 
-from astraflow.export_dir import (PROVENANCE, ExportError, check_out, put_in_place, readable_as_umask_allows,
-                                  resolve_out, staging_dir)
-from astraflow.models import INIT_RECORD
+from astraflow.export_dir import (PROVENANCE, ExportError, check_out, check_space, copy_model_files, put_in_place,
+                                  readable_as_umask_allows, resolve_out, staging_dir, with_older_readers_keys)
 from storage.paths import RunPaths
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,12 +50,6 @@ ARCH_TOLERANCE = 0.01
 NARROWED_TOLERANCE = 0.1
 #: config keys that describe the trainer's copy, not the model
 _NOT_CONFIG = ("_name_or_path", "dtype", "torch_dtype", "transformers_version")
-#: files of a model directory that are its weights or config: the rest (tokenizer, chat template,
-#: generation config, license, README) is copied into the export as the run used it
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json")
-#: files of the base model directory not copied: the export writes its own config and provenance,
-#: and how the base was built (``INIT_RECORD``) does not describe the trained model
-_OWN_FILES = ("config.json", PROVENANCE, INIT_RECORD)
 #: read errors of a damaged version (a truncated shard, a missing or damaged metadata file)
 _DAMAGED = (EOFError, ValueError, KeyError, RuntimeError, OSError)
 
@@ -91,7 +91,7 @@ def export_version(run_dir: str | Path, out: str | Path, *, policy: str | None =
     replacing = check_out(out, force)
     try:
         with ExitStack() as stack:
-            version, held = _hold(stack, store, policy, version, say)
+            version, _ = _hold(stack, store, policy, version, say)
             meta = store.manifest(policy, version).get("meta", {})
             if meta.get("sim"):
                 raise ExportError(f"{policy} v{version} was published by the sim trainer, which trains no model: "
@@ -103,23 +103,22 @@ def export_version(run_dir: str | Path, out: str | Path, *, policy: str | None =
             tok = _tokenizer(source, given=tokenizer is not None)
             staging = staging_dir(out, stack)  # before the read: a directory that cannot be written fails at once
             say(f"reading {policy} v{version} ({meta.get('layout', 'hf')} layout, {published}) from {store.root}")
-            state = _read(store, policy, version, held)
-            model = _build(meta, state, source, target)
+            model, digests = _build(meta, _tensors(store, policy, version, meta, target), source, target)
             _check_tokenizer(tok, model, source, tokenizer is not None)
             n_params = sum(p.numel() for p in model.parameters())
-            _check_space(staging, model, target)
+            check_space(staging, n_params * torch.finfo(target).bits // 8)
             say(f"writing {n_params / 1e6:.1f}M parameters as {_name(target)} to {out}")
             try:
                 model.save_pretrained(staging, max_shard_size=max_shard_size)
-                del model
-                _with_older_readers_keys(staging / "config.json")
-                _copy_model_files(source, staging, tok)
+                del model  # before the copy is loaded back: one copy at a time
+                _release_freed()
+                with_older_readers_keys(staging / "config.json")
+                copy_model_files(source, staging, tok)
             except OSError as err:
                 raise ExportError(f"{out}: the model cannot be written there ({err.strerror or err}); free space there "
                                   "or name another directory") from None
             back = _load_back(staging, out, target)
-            _compare(back, state, target)
-            del state  # the probe runs on the loaded copy
+            _compare(back, digests)
             checked = _probe_check(back, meta, narrowed=target != torch.float32 and _name(target) != published)
             del back
             record = {"run_dir": str(Path(run_dir).resolve()), "policy": policy, "version": version,
@@ -129,21 +128,15 @@ def export_version(run_dir: str | Path, out: str | Path, *, policy: str | None =
             (staging / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
             readable_as_umask_allows(staging)
             put_in_place(staging, out, replacing)
-    except MemoryError:
-        raise ExportError(_memory_message(out)) from None
-    except RuntimeError as err:  # torch's allocator says so in a RuntimeError
-        if "allocate" not in str(err):
+    except (MemoryError, RuntimeError) as err:  # torch's allocator says so in a RuntimeError
+        if not isinstance(err, MemoryError) and "allocate" not in str(err):
             raise
-        raise ExportError(_memory_message(out)) from None
+        raise ExportError(f"{out}: not enough memory to export the model (it holds one copy of it in the exported "
+                          "dtype, and a tensor or decoder layer more): export on a node with more memory") from None
     step = f" (train step {meta['train_steps']})" if meta.get("train_steps") is not None else ""
     say(f"exported {policy} v{version}{step} to {out}: loaded back, every tensor as written, the probe within "
         f"{checked['probe_error_nats']:.2g} nats of the trained weights")
     return record
-
-
-def _memory_message(out: Path) -> str:
-    return (f"{out}: not enough memory to export the model (it holds the version as published and the written "
-            "copy, loaded back in fp32 for the final check): export on a node with more memory")
 
 
 def parse_size(text: str) -> int:
@@ -251,25 +244,76 @@ def _tokenizer(source: Path, given: bool):
         raise ExportError(f"{err}{fix}") from None
 
 
-def _read(store, policy: str, version: int, held: bool) -> dict[str, torch.Tensor]:
-    """The version's tensors in HF names, every file checked against the manifest's sha256 (a
-    damaged shard is refused, not exported); ``held`` says the caller holds it against retention."""
+def _tensors(store, policy: str, version: int, meta: dict[str, Any],
+             target: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The version's tensors in HF names, floating ones cast to ``target``, every file checked
+    against the manifest's sha256 first (a damaged shard is refused, not exported). Read one by one
+    (``dcp.load`` of one name): the published copy of one tensor is held at a time. A Megatron
+    version is read whole: its fused tensors map to HF names only all together."""
+    if meta.get("layout", "hf") != "hf":
+        state = _read(store, policy, version)
+        while state:
+            name, tensor = state.popitem()
+            yield name, tensor.to(target) if tensor.is_floating_point() else tensor
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from storage.checkpoint import preparsed_reader, quiet_dcp_logger, read_metadata
+    from storage.paths import version_dir
+    from storage.weights import ChecksumMismatch, DamagedVersion, metadata_sha256_of
+
+    vdir = version_dir(store.root, policy, version)
+    try:
+        store.verify(policy, version)
+        metadata = read_metadata(vdir, sha256=metadata_sha256_of(store.manifest(policy, version), policy, version))
+    except (ChecksumMismatch, DamagedVersion, *_DAMAGED) as err:
+        raise _damaged(err, policy, version) from None
+    quiet_dcp_logger()
+    for name, m in metadata.state_dict_metadata.items():
+        if not isinstance(m, TensorStorageMetadata):  # Megatron's byte blobs: no model tensor
+            continue
+        one = {name: torch.empty(tuple(m.size), dtype=m.properties.dtype)}
+        try:
+            with warnings.catch_warnings():  # a single-process load is the intent; DCP warns about it
+                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(one, storage_reader=preparsed_reader(vdir, metadata), no_dist=True)
+        except (CheckpointException, *_DAMAGED) as err:
+            if "allocate" in str(err):  # torch's allocator: out of memory, not a damaged file
+                raise MemoryError(str(err)) from None
+            raise _damaged(err, policy, version) from None
+        tensor = one.pop(name)
+        if tensor.is_floating_point() and tensor.dtype != target:
+            tensor = tensor.to(target)
+            _release_freed()  # the published copy and the read's buffers, before the next tensor is read
+        yield name, tensor
+
+
+def _read(store, policy: str, version: int) -> dict[str, torch.Tensor]:
+    """The version's tensors in HF names, all at once, every file checked against the manifest's
+    sha256 (a damaged shard is refused, not exported)."""
     from astraflow.weightconv import to_hf_state_dict
     from storage.weights import ChecksumMismatch, DamagedVersion
 
     try:
         raw = store.load(policy, version, verify=True, hold=False)
     except (ChecksumMismatch, DamagedVersion, *_DAMAGED) as err:
-        if isinstance(err, OSError) and err.errno in (errno.ENOMEM, errno.EACCES):
-            raise ExportError(f"{policy} v{version} cannot be read ({err.strerror or err})") from None
-        raise ExportError(f"{policy} v{version} is damaged ({type(err).__name__}: {err}): export another version "
-                          "(`astraflow export RUN_DIR --list`)") from None
+        raise _damaged(err, policy, version) from None
     meta = store.manifest(policy, version).get("meta", {})
     try:
         return to_hf_state_dict(raw, meta)
     except (KeyError, ValueError) as err:
         raise ExportError(f"{policy} v{version} cannot be mapped to HF names ({type(err).__name__}: {err}); its "
                           "manifest's meta names its layout and, for Megatron shards, the HF config") from None
+
+
+def _damaged(err: BaseException, policy: str, version: int) -> ExportError:
+    if isinstance(err, OSError) and err.errno in (errno.ENOMEM, errno.EACCES):
+        return ExportError(f"{policy} v{version} cannot be read ({err.strerror or err})")
+    return ExportError(f"{policy} v{version} is damaged ({type(err).__name__}: {err}): export another version "
+                       "(`astraflow export RUN_DIR --list`)")
 
 
 def _config(meta: dict[str, Any], source: Path):
@@ -287,43 +331,51 @@ def _config(meta: dict[str, Any], source: Path):
     return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
 
 
-def _build(meta: dict[str, Any], state: dict[str, torch.Tensor], source: Path, target: torch.dtype):
-    """The model of the published config holding ``state`` (strictly: no tensor missing or
-    extra, every shape right), cast to ``target``, with the source's generation config."""
+def _build(meta: dict[str, Any], tensors: Iterator[tuple[str, torch.Tensor]], source: Path, target: torch.dtype):
+    """``(model, digests)``: the model of the published config holding ``tensors`` (``_tensors``,
+    cast to ``target``; strictly: no tensor missing or extra, every shape right), with the source's
+    generation config; and each tensor's ``_digest``, what the written copy must load back to."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     config = _config(meta, source)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    state, digests, too_big = {}, {}, []
+    for name, tensor in tensors:
+        if target == torch.float16 and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            too_big.append(name)
+        digests[name] = _digest(tensor)
+        state[name] = tensor
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:
         raise ExportError(f"the weights do not fit the architecture of the config published with them "
                           f"({str(err).splitlines()[0]} ...): the version and its manifest do not belong "
                           "together") from None
+    del state
     model.tie_weights()
-    model.to(target)
-    if target == torch.float16:
-        too_big = [k for k, v in model.state_dict().items() if v.is_floating_point() and v.device.type != "meta"
-                   and not torch.isfinite(v).all()]
-        if too_big:
-            raise ExportError(f"{len(too_big)} tensors (first {too_big[0]}) exceed fp16's range: export as bf16 "
-                              "or fp32")
+    model.to(target)  # the buffers the version does not hold (left on the meta device)
+    if too_big:
+        raise ExportError(f"{len(too_big)} tensors (first {too_big[0]}) exceed fp16's range: export as bf16 or fp32")
     if (source / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(source)
-    return model
+    return model, digests
 
 
-def _check_space(staging: Path, model, target: torch.dtype) -> None:
-    need = sum(p.numel() for p in model.parameters()) * torch.finfo(target).bits // 8
-    free = shutil.disk_usage(staging).free
-    if free < need * 1.05:
-        raise ExportError(f"{staging.parent} has {_size(free)} free and the model needs {_size(need)}: free space "
-                          "there or name another directory (--dtype bf16 halves an fp32 model)")
+def _release_freed() -> None:
+    """Hand freed tensors' memory back to the system: glibc keeps blocks below its mmap threshold
+    in the heap, where a copy mapped from files cannot reuse them. A no-op without ``malloc_trim``."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
-def _size(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+def _digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes: equal digests are equal tensors, bit for bit."""
+    h = hashlib.sha256(f"{tensor.dtype} {tuple(tensor.shape)}".encode())
+    h.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def _check_tokenizer(tok, model, source: Path, given: bool) -> None:
@@ -346,24 +398,25 @@ def _load_back(staging: Path, out: Path, target: torch.dtype):
                           ) from None
 
 
-def _compare(model, state: dict[str, torch.Tensor], target: torch.dtype) -> None:
-    """Every tensor the model loaded equals the version's, cast as it was written."""
+def _compare(model, digests: dict[str, str]) -> None:
+    """Every tensor the model loaded equals the version's, cast as it was written: compared by
+    ``_digest``, so the version's tensors need not be held next to the loaded copy."""
     written = model.state_dict()
-    for name, tensor in state.items():
-        if name not in written or not torch.equal(written[name], tensor.to(target)):
+    for name, digest in digests.items():
+        if name not in written or _digest(written[name]) != digest:
             raise ExportError(f"the written model's {name} differs from the version's: nothing was exported")
 
 
 def _probe_check(model, meta: dict[str, Any], narrowed: bool) -> dict:
-    """The loaded model, upcast in place to fp32 as the trainer scored it, against the version's
+    """The loaded model, run in fp32 as the trainer scored it (``probe.compute_in_fp32``), against the version's
     probe: its published weights score it as the trainer did (a config that does not describe
     them is off by far more); weights narrowed to a smaller dtype within ``NARROWED_TOLERANCE``."""
-    from astraflow.probe import probe_error, teacher_forced_logprobs
+    from astraflow.probe import compute_in_fp32, probe_error, teacher_forced_logprobs
 
     probe = meta.get("probe") or {}
     if not probe.get("logprobs"):  # a version published without a probe: the tensors' check is all there is
         return {"probe_error_nats": 0.0, "probe_checked": False}
-    model.float()
+    compute_in_fp32(model)
     err = probe_error(probe["logprobs"], teacher_forced_logprobs(model, probe["tokens"]))
     tolerance = NARROWED_TOLERANCE if narrowed else ARCH_TOLERANCE
     if not err <= tolerance:
@@ -371,34 +424,6 @@ def _probe_check(model, meta: dict[str, Any], narrowed: bool) -> dict:
                           f"(tolerance {tolerance}): the published config does not describe the trained model, "
                           "nothing was exported")
     return {"probe_error_nats": err, "probe_checked": True}
-
-
-def _copy_model_files(source: Path, staging: Path, tok) -> None:
-    """The tokenizer files, chat template and generation config as the run used them: copied
-    from the source directory (a re-save would rewrite them in the installed transformers'
-    format, which older readers misread); re-saved only where the source holds none."""
-    if source.is_dir():
-        for f in sorted(source.iterdir()):
-            if f.is_file() and f.name not in _OWN_FILES and not f.name.endswith(_WEIGHT_SUFFIXES):
-                shutil.copyfile(f, staging / f.name)
-    if not any((staging / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")):
-        tok.save_pretrained(staging)
-
-
-def _with_older_readers_keys(config_file: Path) -> None:
-    """Add to ``config.json`` the keys transformers 4 and engines built on it read where the
-    installed transformers writes newer ones (``rope_parameters``, ``dtype``): ``rope_theta``,
-    ``rope_scaling`` and ``torch_dtype``. Left out, an older reader falls back to its defaults
-    without a word (a different rope base)."""
-    cfg = json.loads(config_file.read_text())
-    rope = cfg.get("rope_parameters")
-    if isinstance(rope, dict) and "rope_theta" in rope:
-        cfg.setdefault("rope_theta", rope["rope_theta"])
-        if rope.get("rope_type", "default") != "default":
-            cfg.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
-    if "dtype" in cfg:
-        cfg.setdefault("torch_dtype", cfg["dtype"])
-    config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -82,3 +82,39 @@ def probe_error(expected: Sequence[float], got: Sequence[float]) -> float:
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
         return math.inf
     return float(np.abs(a - b).mean())
+
+
+def compute_in_fp32(model: Any) -> None:
+    """Make ``model``'s forward compute what ``model.float()``'s would, holding it in its own dtype:
+    floating buffers and parameters outside the decoder's layers (its largest ``ModuleList``) upcast
+    at once, each layer's parameters upcast just before it runs and given back their loaded tensors
+    after it, so the fp32 copy of one layer at a time is held, not the model's."""
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    layers = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=torch.nn.ModuleList())
+    inside = {id(m) for m in layers.modules()}
+    elsewhere = {id(p) for m in model.modules() if id(m) not in inside for p in m.parameters(recurse=False)}
+    per_layer = {id(p) for p in layers.parameters()} - elsewhere
+    for m in model.modules():
+        for name, b in m.named_buffers(recurse=False):
+            setattr(m, name, b.float() if b.is_floating_point() else b)
+    for p in model.parameters():
+        if id(p) not in per_layer and p.is_floating_point():
+            p.data = p.data.float()
+    for layer in layers:
+        own = [p for p in layer.parameters() if id(p) in per_layer and p.is_floating_point()]
+        kept: list[torch.Tensor] = []
+
+        def up(_m, _args, own=own, kept=kept):
+            kept[:] = [p.data for p in own]
+            for p in own:
+                p.data = p.data.float()
+
+        def down(_m, _args, _out, own=own, kept=kept):  # the loaded tensors back, not a new cast of them
+            for p, loaded in zip(own, kept):
+                p.data = loaded
+            kept.clear()
+
+        layer.register_forward_pre_hook(up)
+        layer.register_forward_hook(down)

@@ -37,7 +37,7 @@ def read_metadata(path: str | Path, *, sha256: str | None = None):
     return load_dcp_metadata(Path(path) / DCP_METADATA, sha256=sha256)
 
 
-def _reader(path: Path, metadata):
+def preparsed_reader(path: Path, metadata):
     """A ``FileSystemReader`` for ``path`` that hands DCP the already (safely) read metadata
     instead of unpickling the file itself."""
     import torch.distributed.checkpoint as dcp
@@ -84,7 +84,7 @@ def read_checkpoint(path: str | Path, *, whole_tensors: bool = False, metadata_s
     with warnings.catch_warnings():  # a single-process load is the intent; DCP warns about it
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=_reader(path, metadata), no_dist=True)
+        dcp.load(state, storage_reader=preparsed_reader(path, metadata), no_dist=True)
     return state
 
 

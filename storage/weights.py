@@ -100,7 +100,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _metadata_sha256(manifest: dict, policy: str, version: int) -> str:
+def metadata_sha256_of(manifest: dict, policy: str, version: int) -> str:
     """The manifest's sha256 of the version's ``.metadata`` (checked before it is unpickled)."""
     rec = manifest.get("files", {}).get(DCP_METADATA)
     if not isinstance(rec, dict) or not isinstance(rec.get("sha256"), str):
@@ -329,7 +329,7 @@ class WeightStore:
             man = self.manifest(policy, version)
             return read_checkpoint(paths.version_dir(self.root, policy, version),
                                    whole_tensors=bool(man.get("whole_tensors")),
-                                   metadata_sha256=_metadata_sha256(man, policy, version))
+                                   metadata_sha256=metadata_sha256_of(man, policy, version))
 
     @contextmanager
     def hold(self, policy: str, version: int) -> Iterator[WeightVersion]:
