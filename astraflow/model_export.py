@@ -132,7 +132,8 @@ def export_version(run_dir: str | Path, out: str | Path, *, policy: str | None =
         if not isinstance(err, MemoryError) and "allocate" not in str(err):
             raise
         raise ExportError(f"{out}: not enough memory to export the model (it holds one copy of it in the exported "
-                          "dtype, and a tensor or decoder layer more): export on a node with more memory") from None
+                          "dtype and a tensor or decoder layer more; a Megatron-layout version is read whole): "
+                          "export on a node with more memory") from None
     step = f" (train step {meta['train_steps']})" if meta.get("train_steps") is not None else ""
     say(f"exported {policy} v{version}{step} to {out}: loaded back, every tensor as written, the probe within "
         f"{checked['probe_error_nats']:.2g} nats of the trained weights")
@@ -281,8 +282,6 @@ def _tensors(store, policy: str, version: int, meta: dict[str, Any],
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(one, storage_reader=preparsed_reader(vdir, metadata), no_dist=True)
         except (CheckpointException, *_DAMAGED) as err:
-            if "allocate" in str(err):  # torch's allocator: out of memory, not a damaged file
-                raise MemoryError(str(err)) from None
             raise _damaged(err, policy, version) from None
         tensor = one.pop(name)
         if tensor.is_floating_point() and tensor.dtype != target:
@@ -294,12 +293,16 @@ def _tensors(store, policy: str, version: int, meta: dict[str, Any],
 def _read(store, policy: str, version: int) -> dict[str, torch.Tensor]:
     """The version's tensors in HF names, all at once, every file checked against the manifest's
     sha256 (a damaged shard is refused, not exported)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from astraflow.weightconv import to_hf_state_dict
     from storage.weights import ChecksumMismatch, DamagedVersion
 
     try:
         raw = store.load(policy, version, verify=True, hold=False)
     except (ChecksumMismatch, DamagedVersion, *_DAMAGED) as err:
+        raise _damaged(err, policy, version) from None
+    except CheckpointException as err:  # DCP's wrapper of what failed inside its read
         raise _damaged(err, policy, version) from None
     meta = store.manifest(policy, version).get("meta", {})
     try:
@@ -309,7 +312,13 @@ def _read(store, policy: str, version: int) -> dict[str, torch.Tensor]:
                           "manifest's meta names its layout and, for Megatron shards, the HF config") from None
 
 
-def _damaged(err: BaseException, policy: str, version: int) -> ExportError:
+def _damaged(err: BaseException, policy: str, version: int) -> BaseException:
+    """What a failed read of the version says: ``MemoryError`` when memory ran out (torch's
+    allocator says so in a ``RuntimeError``; DCP wraps what failed in its read), else the version
+    is damaged or cannot be read."""
+    wrapped = [e for e, _ in getattr(err, "failures", {}).values()] if hasattr(err, "failures") else []
+    if any(isinstance(e, MemoryError) or "allocate" in str(e) for e in [err, *wrapped]):
+        return MemoryError(f"reading {policy} v{version}")
     if isinstance(err, OSError) and err.errno in (errno.ENOMEM, errno.EACCES):
         return ExportError(f"{policy} v{version} cannot be read ({err.strerror or err})")
     return ExportError(f"{policy} v{version} is damaged ({type(err).__name__}: {err}): export another version "
@@ -334,7 +343,7 @@ def _config(meta: dict[str, Any], source: Path):
 def _build(meta: dict[str, Any], tensors: Iterator[tuple[str, torch.Tensor]], source: Path, target: torch.dtype):
     """``(model, digests)``: the model of the published config holding ``tensors`` (``_tensors``,
     cast to ``target``; strictly: no tensor missing or extra, every shape right), with the source's
-    generation config; and each tensor's ``_digest``, what the written copy must load back to."""
+    generation config; and each tensor's dtype and ``_digest``, what the written copy must load back to."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     config = _config(meta, source)
@@ -344,7 +353,7 @@ def _build(meta: dict[str, Any], tensors: Iterator[tuple[str, torch.Tensor]], so
     for name, tensor in tensors:
         if target == torch.float16 and tensor.is_floating_point() and not torch.isfinite(tensor).all():
             too_big.append(name)
-        digests[name] = _digest(tensor)
+        digests[name] = (tensor.dtype, _digest(tensor))
         state[name] = tensor
     try:
         model.load_state_dict(state, strict=True, assign=True)
@@ -398,12 +407,18 @@ def _load_back(staging: Path, out: Path, target: torch.dtype):
                           ) from None
 
 
-def _compare(model, digests: dict[str, str]) -> None:
+def _compare(model, digests: dict[str, tuple[torch.dtype, str]]) -> None:
     """Every tensor the model loaded equals the version's, cast as it was written: compared by
-    ``_digest``, so the version's tensors need not be held next to the loaded copy."""
+    ``_digest``, so the version's tensors need not be held next to the loaded copy. A tensor the
+    architecture keeps wider than written (``_keep_in_fp32_modules``: loaded back upcast) is
+    narrowed again first, which is exact for a value that was written narrow."""
     written = model.state_dict()
-    for name, digest in digests.items():
-        if name not in written or _digest(written[name]) != digest:
+    for name, (dtype, digest) in digests.items():
+        got = written.get(name)
+        if got is not None and got.dtype != dtype and got.is_floating_point() and dtype.is_floating_point \
+                and torch.finfo(got.dtype).bits > torch.finfo(dtype).bits:
+            got = got.to(dtype)
+        if got is None or _digest(got) != digest:
             raise ExportError(f"the written model's {name} differs from the version's: nothing was exported")
 
 

@@ -91,10 +91,12 @@ def compute_in_fp32(model: Any) -> None:
     after it, so the fp32 copy of one layer at a time is held, not the model's."""
     import torch
 
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    layers = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=torch.nn.ModuleList())
-    inside = {id(m) for m in layers.modules()}
-    elsewhere = {id(p) for m in model.modules() if id(m) not in inside for p in m.parameters(recurse=False)}
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+    prefix, layers = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()),
+                         default=("", torch.nn.ModuleList()))
+    # a parameter also reachable from outside the layers (shared with another part) is upcast at once
+    elsewhere = {id(p) for name, p in model.named_parameters(remove_duplicate=False)
+                 if not name.startswith(prefix + ".")}
     per_layer = {id(p) for p in layers.parameters()} - elsewhere
     for m in model.modules():
         for name, b in m.named_buffers(recurse=False):
@@ -102,7 +104,7 @@ def compute_in_fp32(model: Any) -> None:
     for p in model.parameters():
         if id(p) not in per_layer and p.is_floating_point():
             p.data = p.data.float()
-    for layer in layers:
+    for layer in dict.fromkeys(layers):  # a block listed twice (shared across depth) is hooked once
         own = [p for p in layer.parameters() if id(p) in per_layer and p.is_floating_point()]
         kept: list[torch.Tensor] = []
 

@@ -94,3 +94,82 @@ def test_memory_running_out_while_reading_is_named_as_such(tiny_model, tmp_path,
     with pytest.raises(ExportError, match="not enough memory to export the model"):
         export_version(run, tmp_path / "out", say=print)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_architecture_that_keeps_tensors_in_fp32_exports_as_bf16(tiny_model, tmp_path):
+    """DeepSeek-V3 keeps its router's bias in fp32 (``_keep_in_fp32_modules``): the copy loaded
+    back holds it upcast, equal in value to what was written, and the export goes through."""
+    import shutil
+
+    import yaml
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from astraflow.training.torch_backend import TorchBackend
+
+    kw = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=4, vocab_size=320, n_routed_experts=4, num_experts_per_tok=2,
+              n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+              qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("deepseek_v3", **kw))
+    assert model._keep_in_fp32_modules_strict or model._keep_in_fp32_modules
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    for f in tiny_model.iterdir():  # the tiny model's tokenizer (its vocabulary fits)
+        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, model_dir / f.name)
+    run = tmp_path / "run"
+    RunPaths(run).make()
+    RunPaths(run).config.write_text(yaml.safe_dump({"policies": [{"name": "solver", "model": str(model_dir)}]}))
+    TorchBackend(str(model_dir), lr=1e-3, publish_dtype="bf16").publish(WeightStore(RunPaths(run).weights), "solver", 1)
+    record = export_version(run, tmp_path / "out", say=print)
+    assert record["dtype"] == "bf16" and record["probe_error_nats"] <= mx.ARCH_TOLERANCE
+
+
+@pytest.mark.parametrize("failure", [MemoryError(), RuntimeError("DefaultCPUAllocator: can't allocate memory")])
+def test_memory_running_out_inside_the_checkpoint_read_is_said_so(tiny_model, tmp_path, monkeypatch, failure):
+    """DCP wraps what fails in its read: running out of memory there is not a damaged version."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def no_memory(self, *args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(FileSystemReader, "read_data", no_memory)
+    with pytest.raises(ExportError, match="not enough memory to export the model"):
+        export_version(_one_version(tmp_path, tiny_model), tmp_path / "out", say=print)
+
+
+def test_fp32_compute_covers_modules_shared_between_the_layers_and_the_rest():
+    """A module the layers share with the model's top runs in fp32 outside the layers' forward
+    too, and a block listed twice (shared across depth) comes back to its loaded tensors."""
+    shared, block = torch.nn.Linear(8, 8).bfloat16(), torch.nn.Linear(8, 8).bfloat16()
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared, self.own = shared, torch.nn.Linear(8, 8).bfloat16()
+
+        def forward(self, x):
+            return self.own(self.shared(x))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(), Layer(), block, block])
+            self.head = shared
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    import copy
+
+    model = Model()
+    reference = copy.deepcopy(model).float()  # its sharing kept, in copies of its own
+    loaded = block.weight.data_ptr()
+    compute_in_fp32(model)
+    x = torch.randn(2, 8)
+    assert torch.equal(model(x), reference(x))
+    assert block.weight.data_ptr() == loaded and block.weight.dtype == torch.bfloat16

@@ -5,9 +5,9 @@ worker (a Slurm job in the queue, a model loading, a drain).
 Rollout workers move through these phases::
 
     submitted --joined--> placing --actor built--> starting --caught up--> serving
-        starting/serving --remove--> draining (node stops leasing, finishes and writes what it holds)
-                  --> gone (job cancelled; leases still held are requeued by ``node_gone``)
-        submitted/placing --remove--> gone (job cancelled at once: nothing to drain)
+        starting/serving --remove (drain)--> draining (node stops leasing, finishes and writes what
+                  it holds) --> gone (job cancelled; leases still held are requeued by ``node_gone``)
+        any other phase, or removed without a drain --remove--> gone (job cancelled at once)
         any phase --job ended / worker left--> gone (leases requeued, the partition refilled)
 
 Data and trainer workers are placed by the orchestrator and only ever leave the ``serving``

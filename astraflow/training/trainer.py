@@ -353,8 +353,9 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
     def _write_delta_async(self, version: int) -> None:
         """Asynchronous overlap "delta writing vs training": the sparse delta ``v-1 -> v`` is
         computed from the committed shards in a helper thread while the next step trains.
-        Invariant: at most one delta is being written (the next commit waits for it); a version
-        whose predecessor retention already removed gets no delta (readers then load full shards)."""
+        Invariant: at most one delta is being written (the next version, once published, waits
+        for it before it is reported); a version whose predecessor retention already removed gets
+        no delta (readers then load full shards)."""
         if self._delta_thread is not None and self._delta_thread.is_alive():
             self._delta_thread.join()
         self._delta_thread = threading.Thread(target=self._write_delta, args=(version,), daemon=True)

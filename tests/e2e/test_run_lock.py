@@ -69,3 +69,9 @@ def test_a_second_run_is_refused_while_the_first_holds_the_directory_and_runs_af
     assert released.returncode == 0, released.stdout[-3000:] + released.stderr[-3000:]
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert steps == [1, 2]
+    # a run refused on a directory that holds a run leaves it as it was: still a resume away
+    kept = {f: (run_dir / f).read_bytes() for f in ("metrics.jsonl", "summary.json", "config.yaml")}
+    with RunDirLock(run_dir):
+        again = _cli("run", str(cfg), "--run-dir", str(run_dir), "--set", "run.max_steps=3", "--quiet")
+    assert again.returncode == 2 and "another --run-dir" in again.stderr, again.stderr[-3000:]
+    assert {f: (run_dir / f).read_bytes() for f in kept} == kept
