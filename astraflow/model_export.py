@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import hashlib
 import json
 import re
 import time
-import warnings
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -249,7 +249,7 @@ def _tensors(store, policy: str, version: int, meta: dict[str, Any],
              target: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """The version's tensors in HF names, floating ones cast to ``target``, every file checked
     against the manifest's sha256 first (a damaged shard is refused, not exported). Read one by one
-    (``dcp.load`` of one name): the published copy of one tensor is held at a time. A Megatron
+    (``WeightStore.iter_tensors``): the published copy of one tensor is held at a time. A Megatron
     version is read whole: its fused tensors map to HF names only all together."""
     if meta.get("layout", "hf") != "hf":
         state = _read(store, policy, version)
@@ -257,33 +257,18 @@ def _tensors(store, policy: str, version: int, meta: dict[str, Any],
             name, tensor = state.popitem()
             yield name, tensor.to(target) if tensor.is_floating_point() else tensor
         return
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from storage.checkpoint import preparsed_reader, quiet_dcp_logger, read_metadata
-    from storage.paths import version_dir
-    from storage.weights import ChecksumMismatch, DamagedVersion, metadata_sha256_of
+    from storage.weights import ChecksumMismatch, DamagedVersion
 
-    vdir = version_dir(store.root, policy, version)
-    try:
-        store.verify(policy, version)
-        metadata = read_metadata(vdir, sha256=metadata_sha256_of(store.manifest(policy, version), policy, version))
-    except (ChecksumMismatch, DamagedVersion, *_DAMAGED) as err:
-        raise _damaged(err, policy, version) from None
-    quiet_dcp_logger()
-    for name, m in metadata.state_dict_metadata.items():
-        if not isinstance(m, TensorStorageMetadata):  # Megatron's byte blobs: no model tensor
-            continue
-        one = {name: torch.empty(tuple(m.size), dtype=m.properties.dtype)}
+    tensors = store.iter_tensors(policy, version)
+    while True:
         try:
-            with warnings.catch_warnings():  # a single-process load is the intent; DCP warns about it
-                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(one, storage_reader=preparsed_reader(vdir, metadata), no_dist=True)
-        except (CheckpointException, *_DAMAGED) as err:
+            name, tensor = next(tensors)
+        except StopIteration:
+            return
+        except (ChecksumMismatch, DamagedVersion, CheckpointException, *_DAMAGED) as err:
             raise _damaged(err, policy, version) from None
-        tensor = one.pop(name)
         if tensor.is_floating_point() and tensor.dtype != target:
             tensor = tensor.to(target)
             _release_freed()  # the published copy and the read's buffers, before the next tensor is read
@@ -316,7 +301,7 @@ def _damaged(err: BaseException, policy: str, version: int) -> BaseException:
     """What a failed read of the version says: ``MemoryError`` when memory ran out (torch's
     allocator says so in a ``RuntimeError``; DCP wraps what failed in its read), else the version
     is damaged or cannot be read."""
-    wrapped = [e for e, _ in getattr(err, "failures", {}).values()] if hasattr(err, "failures") else []
+    wrapped = [e for e, _ in getattr(err, "failures", {}).values()]
     if any(isinstance(e, MemoryError) or "allocate" in str(e) for e in [err, *wrapped]):
         return MemoryError(f"reading {policy} v{version}")
     if isinstance(err, OSError) and err.errno in (errno.ENOMEM, errno.EACCES):
@@ -374,10 +359,18 @@ def _build(meta: dict[str, Any], tensors: Iterator[tuple[str, torch.Tensor]], so
 def _release_freed() -> None:
     """Hand freed tensors' memory back to the system: glibc keeps blocks below its mmap threshold
     in the heap, where a copy mapped from files cannot reuse them. A no-op without ``malloc_trim``."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """The C library's ``malloc_trim``, or None where it has none (not glibc)."""
     try:
-        ctypes.CDLL(None).malloc_trim(0)
+        return ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
-        pass
+        return None
 
 
 def _digest(tensor: torch.Tensor) -> str:

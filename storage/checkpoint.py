@@ -13,6 +13,7 @@ import errno
 import os
 import warnings
 from pathlib import Path
+from typing import Any, Iterator
 
 from storage.full_disk import full_disk_in
 from storage.safe_pickle import load_dcp_metadata
@@ -37,7 +38,7 @@ def read_metadata(path: str | Path, *, sha256: str | None = None):
     return load_dcp_metadata(Path(path) / DCP_METADATA, sha256=sha256)
 
 
-def preparsed_reader(path: Path, metadata):
+def _reader(path: Path, metadata):
     """A ``FileSystemReader`` for ``path`` that hands DCP the already (safely) read metadata
     instead of unpickling the file itself."""
     import torch.distributed.checkpoint as dcp
@@ -65,7 +66,6 @@ def read_checkpoint(path: str | Path, *, whole_tensors: bool = False, metadata_s
     ``metadata_sha256``: the manifest's checksum of ``.metadata``; a mismatch, or a class DCP
     never writes, raises ``UnsafeCheckpointError`` before anything in the file is called."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = Path(path)
@@ -81,11 +81,34 @@ def read_checkpoint(path: str | Path, *, whole_tensors: bool = False, metadata_s
         for k, m in metadata.state_dict_metadata.items()
         if isinstance(m, TensorStorageMetadata)
     }
+    _dcp_load(state, path, metadata)
+    return state
+
+
+def iter_checkpoint(path: str | Path, *, metadata_sha256: str | None = None) -> Iterator[tuple[str, Any]]:
+    """``read_checkpoint``'s tensors one at a time, ``(name, tensor)``, each read when asked for:
+    a reader that is done with one before the next holds one tensor's memory, not the version's."""
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    metadata = read_metadata(path, sha256=metadata_sha256)
+    for name, m in metadata.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):  # not Megatron's byte blobs
+            one = {name: torch.empty(tuple(m.size), dtype=m.properties.dtype)}
+            _dcp_load(one, path, metadata)
+            yield name, one.pop(name)
+
+
+def _dcp_load(state: dict, path: Path, metadata) -> None:
+    """``dcp.load`` of ``state``'s tensors from checkpoint directory ``path``, in this process."""
+    import torch.distributed.checkpoint as dcp
+
+    quiet_dcp_logger()
     with warnings.catch_warnings():  # a single-process load is the intent; DCP warns about it
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=preparsed_reader(path, metadata), no_dist=True)
-    return state
+        dcp.load(state, storage_reader=_reader(path, metadata), no_dist=True)
 
 
 def _read_fully(path: Path, buf: bytearray) -> bool:

@@ -42,11 +42,12 @@ import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 from storage import holds, paths
 from storage.atomic import fsync_path, write_atomically
-from storage.checkpoint import DCP_METADATA, quiet_dcp_logger, read_checkpoint, read_metadata, save_failure
+from storage.checkpoint import (DCP_METADATA, iter_checkpoint, quiet_dcp_logger, read_checkpoint, read_metadata,
+                                save_failure)
 from storage.full_disk import full_disk_in
 
 MANIFEST_FORMAT = "astraflow-weights-v1"
@@ -100,7 +101,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def metadata_sha256_of(manifest: dict, policy: str, version: int) -> str:
+def _metadata_sha256(manifest: dict, policy: str, version: int) -> str:
     """The manifest's sha256 of the version's ``.metadata`` (checked before it is unpickled)."""
     rec = manifest.get("files", {}).get(DCP_METADATA)
     if not isinstance(rec, dict) or not isinstance(rec.get("sha256"), str):
@@ -329,7 +330,14 @@ class WeightStore:
             man = self.manifest(policy, version)
             return read_checkpoint(paths.version_dir(self.root, policy, version),
                                    whole_tensors=bool(man.get("whole_tensors")),
-                                   metadata_sha256=metadata_sha256_of(man, policy, version))
+                                   metadata_sha256=_metadata_sha256(man, policy, version))
+
+    def iter_tensors(self, policy: str, version: int) -> Iterator[tuple[str, Any]]:
+        """A committed version's tensors one at a time (``iter_checkpoint``), every file checked
+        against its sha256 first. Takes no hold: the caller holds the version (``hold``) while it reads."""
+        self.verify(policy, version)
+        yield from iter_checkpoint(paths.version_dir(self.root, policy, version),
+                                   metadata_sha256=_metadata_sha256(self.manifest(policy, version), policy, version))
 
     @contextmanager
     def hold(self, policy: str, version: int) -> Iterator[WeightVersion]:
