@@ -271,6 +271,9 @@ class RaaSNode(NodeEpisodes, EngineRecovery, FollowsDataLayer):
             log.warning("node %s: the heartbeat with its error was not delivered: %s", self.identity.name, err)
 
     async def _main(self) -> None:
+        """The node's loop: each turn heartbeats when due, leases for the free slots (unless the
+        node drains or its engines are being restored), starts an episode per task, then waits
+        for a free slot or paces an empty lease. A drained node leaves when nothing is left."""
         self._slot_free = asyncio.Event()
         self._new_weights = asyncio.Event()  # a newer version loaded: a long pause ends
         self.pacing = LeasePacing(self.cfg.lease_wait_seconds)
@@ -288,49 +291,67 @@ class RaaSNode(NodeEpisodes, EngineRecovery, FollowsDataLayer):
                     raise RuntimeError(f"{helper.get_name()} of node {self.identity.name} ended")
             self._slot_free.clear()  # a slot freed from here on (even during the lease call) ends the wait below
             self._failure_log.flush(due_only=True)  # failures counted for a minute: one line per reason
-            now = time.time()
-            if now - last_beat > HEARTBEAT_SECONDS:
+            if time.time() - last_beat > HEARTBEAT_SECONDS:
+                last_beat = time.time()
                 reply = await call(self.dl.heartbeat, self.identity.name, self._beat_stats(), timeout=30)
-                last_beat = now
                 if reply["draining"]:
                     self.draining = True
-            free = self.capacity - len(self.inflight)
-            tasks: list[RolloutTask] = []
-            recovering = self._recovery is not None and not self._recovery.done()
-            if not recovering and self.error is None and not self._stop.is_set() and dead_engines(self.engines):
-                # died while idle (not while the node stops: scancel ends the engine processes too)
-                self._recovery = asyncio.get_running_loop().create_task(
-                    self._recover(EngineProcessError(dead_engines(self.engines)[0][1].dead)))
-                recovering = True
-            recovering = recovering and not serving(self.engines, self._reviving)
+            recovering = self._recovering()
             self._new_weights.clear()  # a load from now on ends this turn's pause (one earlier was seen)
-            if free > 0 and not self.draining and not recovering:
-                t0 = time.time()
-                # a long poll when idle-capable: the data layer answers as soon as it has tasks
-                tasks = await call(self.dl.lease, self.identity.name, free, self.cfg.lease_wait_seconds,
-                                   versions=self.versions(), timeout=30)
-                self.pacing.leased(len(tasks), time.time() - t0)
-                self.counters["lease_s"] += time.time() - t0
-                self.counters["lease_calls"] += 1
-                self.counters["leased"] += len(tasks)
-            for task in tasks:
+            for task in await self._lease_free_slots(recovering):
                 self.inflight[task.task_id] = task
                 ep = asyncio.create_task(self._episode(task))
                 episodes.add(ep)
                 ep.add_done_callback(episodes.discard)
-            t0, was_idle = time.time(), not self.inflight
-            if len(self.inflight) < self.capacity and not self.draining:
-                await self.pacing.pause(self._new_weights)  # the data layer had too few tasks: ask again
-            else:  # wait until an episode frees a slot (or the heartbeat is due)
-                try:
-                    await asyncio.wait_for(self._slot_free.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    pass
-            if was_idle:  # nothing was generating during this wait
-                self.counters["idle_s"] += time.time() - t0
+            await self._wait_for_a_slot()
             if self.draining and not self.inflight and not self.writing:
                 break
-        # drain: finish in-flight episodes, then flush
+        await self._drain(episodes, writer, watcher)
+
+    def _recovering(self) -> bool:
+        """Whether the node's engines are being restored and none serves meanwhile; an engine that
+        died while the node was idle starts its recovery here (not while the node stops: scancel
+        ends the engine processes too)."""
+        recovering = self._recovery is not None and not self._recovery.done()
+        if not recovering and self.error is None and not self._stop.is_set() and dead_engines(self.engines):
+            self._recovery = asyncio.get_running_loop().create_task(
+                self._recover(EngineProcessError(dead_engines(self.engines)[0][1].dead)))
+            recovering = True
+        return recovering and not serving(self.engines, self._reviving)
+
+    async def _lease_free_slots(self, recovering: bool) -> list[RolloutTask]:
+        """Tasks for the free slots: a long poll, which the data layer answers as soon as it has
+        tasks; none while the node drains or recovers."""
+        free = self.capacity - len(self.inflight)
+        if free <= 0 or self.draining or recovering:
+            return []
+        t0 = time.time()
+        tasks = await call(self.dl.lease, self.identity.name, free, self.cfg.lease_wait_seconds,
+                           versions=self.versions(), timeout=30)
+        self.pacing.leased(len(tasks), time.time() - t0)
+        self.counters["lease_s"] += time.time() - t0
+        self.counters["lease_calls"] += 1
+        self.counters["leased"] += len(tasks)
+        return tasks
+
+    async def _wait_for_a_slot(self) -> None:
+        """With slots free, the lease pacing's pause (the data layer had too few tasks: ask again);
+        with none, until an episode frees one (at most a second: the heartbeat may be due)."""
+        t0, was_idle = time.time(), not self.inflight
+        if len(self.inflight) < self.capacity and not self.draining:
+            await self.pacing.pause(self._new_weights)
+        else:
+            try:
+                await asyncio.wait_for(self._slot_free.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+        if was_idle:  # nothing was generating during this wait
+            self.counters["idle_s"] += time.time() - t0
+
+    async def _drain(self, episodes: set[asyncio.Task], writer: asyncio.Task, watcher: asyncio.Task) -> None:
+        """The way out: in-flight episodes finish (or are cancelled past the give-up time, their
+        tasks requeued), the writer flushes, and a last heartbeat carries the final counters and
+        the error a failed node stopped on."""
         if episodes:
             await asyncio.wait(episodes,
                                timeout=60 if self._give_up_at is None else max(self._give_up_at - time.time(), 0))
@@ -346,7 +367,7 @@ class RaaSNode(NodeEpisodes, EngineRecovery, FollowsDataLayer):
         if self._recovery is not None and not self._recovery.done():  # a stop does not wait for a model load
             self._recovery.cancel()
             await asyncio.wait([self._recovery], timeout=5)
-        try:  # a last heartbeat: the final counters, and the error a failed node stopped on
+        try:
             await call(self.dl.heartbeat, self.identity.name, self._beat_stats(), timeout=10)
         except Exception as err:  # the data layer may be gone already at the end of a run
             log.info("node %s: last heartbeat not delivered: %s", self.identity.name, err)
