@@ -44,15 +44,7 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
 
     progress = progress or Progress()
     out = Path(out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    except OSError as err:  # a user's path (under a file, read-only): a ValueError naming the fix
-        if disk_full(err):  # not the path's fault: a full disk ends a run the one way it always does
-            raise
-        where = f" ({err.filename})" if err.filename else ""
-        raise ModelDirError(f"{out} cannot be created: {err.strerror or err}{where}; choose a directory "
-                            "that can be created") from None
+    tmp = _temp_sibling(out)
     try:
         if base is not None:
             shutil.copytree(base, tmp / "init")
@@ -65,44 +57,7 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
                 init_model(tmp / "init", preset=init.preset, arch=init.arch, seed=init.seed,
                            tie_word_embeddings=init.tie_embeddings, tokenizer=tokenizer)
         if init.warm_starts:
-            params = dict((workload.params if workload else {}) or {})
-            bounds = [f"{init.warm_start_seconds:.0f}s"] if init.warm_start_seconds > 0 else []
-            bounds += [f"{init.warm_start_steps} steps"] if init.warm_start_steps is not None else []
-            common = dict(seconds=init.warm_start_seconds or None, steps=init.warm_start_steps,
-                          lr=init.warm_start_lr, seed=init.seed, progress=progress.enabled,
-                          target_acc=init.warm_start_target,
-                          eval_every=25 if init.warm_start_target is not None else 50,
-                          # shown in the heartbeat lines of a log ("still supervised warm start ...")
-                          on_eval=lambda r: progress.detail(f"step {r['step']}, held-out accuracy {r['acc']:.2f}"))
-            agentic = workload is not None and is_agentic(workload_class(workload.name))
-            demos = (workload is not None and workload.name != "math" and not agentic
-                     and hasattr(workload_class(workload.name), "demonstration"))
-            what = ("expert demonstrations" if agentic else "tests from the hidden tests" if init.task == "test"
-                    else "reference solutions" if demos else init.task)
-            # the warm start draws its own progress bar
-            with progress.waiting(f"supervised warm start ({what}) for {' or '.join(bounds)}", live=False):
-                if agentic:
-                    from astraflow.training.agent_warmstart import agent_warm_start
-
-                    wl = make_workload(workload.name, params, workload.seed)
-                    result = agent_warm_start(tmp / "init", tmp / "final", wl, demo_noise=init.demo_noise,
-                                              max_new_tokens=workload.sampling.max_new_tokens, **common)
-                elif demos:
-                    from astraflow.training.demo_warmstart import demo_warm_start
-
-                    wl = make_workload(workload.name, params, workload.seed)
-                    max_new = workload.sampling.max_new_tokens
-                    if init.task == "test":  # the tester of solver_testgen: its prompts and suites
-                        from astraflow.workloads.testgen import SUITE_NEW_TOKENS, TesterView
-
-                        wl, max_new = TesterView(wl), SUITE_NEW_TOKENS
-                    result = demo_warm_start(tmp / "init", tmp / "final", wl, max_new_tokens=max_new, **common)
-                else:
-                    from astraflow.training.warmstart import warm_start
-
-                    result = warm_start(tmp / "init", tmp / "final", workload=params, task=init.task, **common)
-            progress.note(f"warm start ({what}): {result['steps']} steps, "
-                          f"held-out {'success' if agentic else 'accuracy'} {result['acc']:.3f}")
+            _warm_start(tmp / "init", tmp / "final", init, workload, progress)
             shutil.rmtree(tmp / "init")
             (tmp / "final").rename(tmp / "init")
         if out.exists():
@@ -111,6 +66,64 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _temp_sibling(out: Path) -> Path:
+    """A fresh temporary directory beside ``out``; a path that cannot be created (under a file,
+    read-only) is a `ModelDirError` naming the fix, a full disk raised as it is."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as err:
+        if disk_full(err):  # not the path's fault: a full disk ends a run the one way it always does
+            raise
+        where = f" ({err.filename})" if err.filename else ""
+        raise ModelDirError(f"{out} cannot be created: {err.strerror or err}{where}; choose a directory "
+                            "that can be created") from None
+
+
+def _warm_start(src: Path, dst: Path, init: ModelInit, workload: WorkloadConfig | None, progress: Progress) -> None:
+    """The supervised warm start from ``src`` into ``dst``, on what the workload offers: expert
+    demonstrations (agentic workloads), reference solutions (workloads with demonstrations; the
+    hidden tests for ``init.task: test``), or generated problems (math)."""
+    params = dict((workload.params if workload else {}) or {})
+    bounds = [f"{init.warm_start_seconds:.0f}s"] if init.warm_start_seconds > 0 else []
+    bounds += [f"{init.warm_start_steps} steps"] if init.warm_start_steps is not None else []
+    common = dict(seconds=init.warm_start_seconds or None, steps=init.warm_start_steps,
+                  lr=init.warm_start_lr, seed=init.seed, progress=progress.enabled,
+                  target_acc=init.warm_start_target,
+                  eval_every=25 if init.warm_start_target is not None else 50,
+                  # shown in the heartbeat lines of a log ("still supervised warm start ...")
+                  on_eval=lambda r: progress.detail(f"step {r['step']}, held-out accuracy {r['acc']:.2f}"))
+    agentic = workload is not None and is_agentic(workload_class(workload.name))
+    demos = (workload is not None and workload.name != "math" and not agentic
+             and hasattr(workload_class(workload.name), "demonstration"))
+    what = ("expert demonstrations" if agentic else "tests from the hidden tests" if init.task == "test"
+            else "reference solutions" if demos else init.task)
+    # the warm start draws its own progress bar
+    with progress.waiting(f"supervised warm start ({what}) for {' or '.join(bounds)}", live=False):
+        if agentic:
+            from astraflow.training.agent_warmstart import agent_warm_start
+
+            wl = make_workload(workload.name, params, workload.seed)
+            result = agent_warm_start(src, dst, wl, demo_noise=init.demo_noise,
+                                      max_new_tokens=workload.sampling.max_new_tokens, **common)
+        elif demos:
+            from astraflow.training.demo_warmstart import demo_warm_start
+
+            wl = make_workload(workload.name, params, workload.seed)
+            max_new = workload.sampling.max_new_tokens
+            if init.task == "test":  # the tester of solver_testgen: its prompts and suites
+                from astraflow.workloads.testgen import SUITE_NEW_TOKENS, TesterView
+
+                wl, max_new = TesterView(wl), SUITE_NEW_TOKENS
+            result = demo_warm_start(src, dst, wl, max_new_tokens=max_new, **common)
+        else:
+            from astraflow.training.warmstart import warm_start
+
+            result = warm_start(src, dst, workload=params, task=init.task, **common)
+    progress.note(f"warm start ({what}): {result['steps']} steps, "
+                  f"held-out {'success' if agentic else 'accuracy'} {result['acc']:.3f}")
 
 
 #: expert episodes a BPE tokenizer of an agentic workload is trained on (plenty for its merges)
