@@ -81,11 +81,29 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
     partition (the run is unaffected) and exits with 2. With `--until serving`, a partition not
     serving within --wait exits with 1 (it stays requested).
     """
+    from astraflow.runtime.control import add_partition
+
+    part = _partition_from(name, from_yaml, fields)
+    try:
+        add_partition(Path(run_dir), part)
+    except ValueError as err:  # RunNotRunning, PartitionError, a damaged file of the run
+        raise UserError(str(err)) from None
+    click.echo(f"partition {part.name} requested: {part.nodes} {part.scheduler} worker(s)"
+               + (f" in Slurm partition {part.slurm_partition}" if part.slurm_partition else ""))
+    if part.nodes == 0:  # nothing will be submitted: nothing to wait for
+        click.echo("it has no worker to start (--nodes 0): nothing to wait for")
+        return
+    if wait_s > 0:
+        _wait_for_added(Path(run_dir), part, wait_s, until)
+
+
+def _partition_from(name: str | None, from_yaml: str | None, fields: dict) -> Partition:
+    """The partition to add: ``--from-yaml``'s fields, then NAME and the options given on the
+    command line over them; invalid fields are a `UserError` naming each."""
     import yaml
     from pydantic import ValidationError
 
     from astraflow.configerrors import bool_problems, load_yaml, partition_errors
-    from astraflow.runtime.control import add_partition, remove_partition, wait_partition
 
     data: dict = {}
     if from_yaml:
@@ -111,19 +129,18 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
         raise UserError(partition_errors(err, bools)) from None
     if bools:
         raise UserError(partition_errors(None, bools))
+    return part
+
+
+def _wait_for_added(run_dir: Path, part: Partition, wait_s: float, until: str) -> None:
+    """Wait up to ``wait_s`` for the added partition's jobs to be submitted or (``until``
+    serving) to serve, and say so. Jobs sbatch refused, or workers that failed before serving,
+    withdraw the partition and are a `UserError`; no answer in time is a warning (submitted) or
+    exit 1 (serving)."""
+    from astraflow.runtime.control import remove_partition, wait_partition
+
     try:
-        add_partition(Path(run_dir), part)
-    except ValueError as err:  # RunNotRunning, PartitionError, a damaged file of the run
-        raise UserError(str(err)) from None
-    click.echo(f"partition {part.name} requested: {part.nodes} {part.scheduler} worker(s)"
-               + (f" in Slurm partition {part.slurm_partition}" if part.slurm_partition else ""))
-    if part.nodes == 0:  # nothing will be submitted: nothing to wait for
-        click.echo("it has no worker to start (--nodes 0): nothing to wait for")
-        return
-    if wait_s <= 0:
-        return
-    try:
-        entry = wait_partition(Path(run_dir), part.name, wait_s, until=until)
+        entry = wait_partition(run_dir, part.name, wait_s, until=until)
     except TimeoutError as err:
         if until == "serving":  # asked to know it serves: not knowing is a failure
             raise click.ClickException(str(err)) from None
@@ -134,7 +151,7 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
     if entry.get("error"):
         what = "failed" if entry.get("jobs") else "was refused"
         try:  # withdraw at once: none of its workers serves
-            remove_partition(Path(run_dir), part.name, "now", keep_one=False)
+            remove_partition(run_dir, part.name, "now", keep_one=False)
         except ValueError as err:  # the run ended meanwhile, its files locked or damaged
             raise UserError(f"partition {part.name} {what}: {entry['error']}\n"
                             f"withdrawing it failed too: {err}") from None
