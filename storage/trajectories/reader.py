@@ -345,7 +345,28 @@ class TrajectoryStore:
         seg = np.fromiter((seg_ids.setdefault(r.segment, len(seg_ids)) for r in refs), np.int64, n)
         idx = np.fromiter((r.index for r in refs), np.int64, n)
         views = [self._view(s) for s in seg_ids]
-        # 1) index rows and rewards of the requested entries (one covering slice per segment)
+        index, reward = self._index_rows(views, seg, idx)
+        lengths = index[:, 1]
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        cols = {k: np.empty(int(offsets[-1]), dt) for k, dt in FLAT_DTYPES.items()}
+        # spans: stretches of refs naming consecutive entries of one segment (contiguous on disk
+        # and in the columns): (segment, first entry, end entry, first token, end token, offset)
+        cut = np.flatnonzero((seg[1:] != seg[:-1]) | (idx[1:] != idx[:-1] + 1)) + 1
+        first, last = np.concatenate([[0], cut]), np.concatenate([cut, [n]]) - 1
+        spans = list(zip(seg[first].tolist(), idx[first].tolist(), (idx[last] + 1).tolist(),
+                         index[first, 0].tolist(), (index[last, 0] + lengths[last]).tolist(),
+                         offsets[first].tolist()))
+        strings = self._strings(views, spans)
+        self._read_tokens(views, spans, cols)
+        return Columns(list(refs), offsets, *cols.values(), index[:, 2].copy(), index[:, 3].copy(), reward,
+                       *(strings[c] for c in STRING_COLUMNS))
+
+    def _index_rows(self, views: list["SegmentView"], seg: np.ndarray, idx: np.ndarray) -> tuple:
+        """The index rows and rewards of the entries (``seg``: each one's view, ``idx``: its
+        entry): one covering slice per segment, or one per run of nearby entries where they lie
+        far apart. ``EntryNotCommitted`` for an entry past a segment's committed ones."""
+        n = len(idx)
         index, reward = np.empty((n, len(INDEX_COLUMNS)), np.int64), np.empty(n, np.float64)
         for s, view in enumerate(views):
             pos = np.flatnonzero(seg == s) if len(views) > 1 else np.arange(n)
@@ -364,7 +385,6 @@ class TrajectoryStore:
                 index[pos] = view.rows("index", lo, hi)[ix - lo]
                 reward[pos] = view.rows("reward", lo, hi)[ix - lo]
                 continue
-            # far-apart refs: one slice per run of nearby ones, not everything between them
             order = np.argsort(ix, kind="stable")
             sx = ix[order]
             cuts = np.flatnonzero(np.diff(sx) > _MERGE_GAP_ENTRIES) + 1
@@ -372,17 +392,11 @@ class TrajectoryStore:
                 lo, hi, sel = int(sx[a]), int(sx[b - 1]) + 1, pos[order[a:b]]
                 index[sel] = view.rows("index", lo, hi)[sx[a:b] - lo]
                 reward[sel] = view.rows("reward", lo, hi)[sx[a:b] - lo]
-        lengths = index[:, 1]
-        offsets = np.zeros(n + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        cols = {k: np.empty(int(offsets[-1]), dt) for k, dt in FLAT_DTYPES.items()}
-        # 2) spans: stretches of refs naming consecutive entries of one segment (contiguous on
-        # disk and in the columns); their strings come from the markers, a slice per marker
-        cut = np.flatnonzero((seg[1:] != seg[:-1]) | (idx[1:] != idx[:-1] + 1)) + 1
-        first, last = np.concatenate([[0], cut]), np.concatenate([cut, [n]]) - 1
-        spans = list(zip(seg[first].tolist(), idx[first].tolist(), (idx[last] + 1).tolist(),
-                         index[first, 0].tolist(), (index[last, 0] + lengths[last]).tolist(),
-                         offsets[first].tolist()))
+        return index, reward
+
+    @staticmethod
+    def _strings(views: list["SegmentView"], spans: list[tuple]) -> dict[str, list[str]]:
+        """The string columns of the spans' entries, in order: a slice of each marker's strings."""
         strings: dict[str, list[str]] = {c: [] for c in STRING_COLUMNS}
         for s, e0, e1, *_ in spans:
             view = views[s]
@@ -394,8 +408,11 @@ class TrajectoryStore:
                 for c in STRING_COLUMNS:
                     strings[c].extend(got[c][j0:j1])
                 e0, k = m.start + j1, k + 1
-        # 3) token runs: spans sorted by offset, merged when close; one read per array per run,
-        # straight into the columns when the run is a single span
+        return strings
+
+    def _read_tokens(self, views: list["SegmentView"], spans: list[tuple], cols: dict[str, np.ndarray]) -> None:
+        """The spans' token arrays into ``cols``: spans sorted by token offset and merged when
+        close, one read per array per run, straight into the columns when a run is one span."""
         for s, view in enumerate(views):
             mine = sorted(sp for sp in spans if sp[0] == s) if len(views) > 1 else sorted(spans)
             run: list = []
@@ -407,8 +424,6 @@ class TrajectoryStore:
                 end = max(end, sp[4]) if run else sp[4]
                 run.append(sp)
             self._copy_run(view, run, end, cols)
-        return Columns(list(refs), offsets, *cols.values(), index[:, 2].copy(), index[:, 3].copy(), reward,
-                       *(strings[c] for c in STRING_COLUMNS))
 
     @staticmethod
     def _copy_run(view: "SegmentView", run: list, t1: int, cols: dict[str, np.ndarray]) -> None:
