@@ -76,6 +76,7 @@ def plan(config: str, pools: tuple[str, ...], trainer_gpus: str, calibrate: bool
     """Simulate CONFIG on pools of hardware: throughput per pool and overall, trainer wait,
     staleness, dropped samples, then the pool sizes at which the trainer stops waiting."""
     from rich.console import Console
+    from rich.markup import escape
 
     from astraflow.config import ConfigError, load_config
     from astraflow.plan.planner import Calibration, PlanOptions, check_save_path, check_workdir, run_plan
@@ -111,13 +112,13 @@ def plan(config: str, pools: tuple[str, ...], trainer_gpus: str, calibrate: bool
         if calibrate:
             from astraflow.plan.calibrate import calibrate as measure_local
 
-            cal = measure_local(cfg, progress=lambda s: err.print(f"[dim]calibrate: {s}[/dim]"))
+            cal = measure_local(cfg, progress=lambda s: err.print(f"[dim]calibrate: {escape(s)}[/dim]"))
         if cal is not None and save_calibration:
             cal.save(Path(save_calibration))
         parsed = [parse_pool(p, gpus_per_node, cal.engine if cal else None) for p in pools]
         report = run_plan(cfg, parsed, PlanOptions(trainer=(kind.lower(), int(n)), calibration=cal,
                                                    workdir=Path(workdir) if workdir else None, **opts),
-                          progress=lambda s: err.print(f"[dim]{s}[/dim]"))
+                          progress=lambda s: err.print(f"[dim]{escape(s)}[/dim]"))
     except (ConfigError, PlanError) as e:
         raise BadInput(str(e)) from None
     except SimFailed as e:

@@ -65,11 +65,13 @@ class Progress:
         self._last = 0.0
         self._eval_shown: dict[str, int] = {}  # per policy, the last evaluated version shown
 
-    def note(self, msg: str) -> None:
+    def note(self, msg: str, markup: bool = False) -> None:
+        """One timestamped line. ``msg`` is shown as written (an error's ``[/INST]`` or an
+        install hint's ``.[vllm]`` is text, not a style) unless ``markup`` says it is rich markup."""
         if not self.enabled:
             return
         try:
-            self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg}")
+            self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg if markup else escape(msg)}")
         except OSError:  # its terminal is gone (a hang-up): the run's files say the rest
             self.enabled = False
 
@@ -92,7 +94,8 @@ class Progress:
 
         def text() -> str:
             detail = self._waits[-1][1] if self._waits and self._waits[-1][0] == what else ""
-            return f"{what} ... {time.time() - t0:.0f}s" + (f" [dim]({escape(detail)})[/dim]" if detail else "")
+            return (f"{escape(what)} ... {time.time() - t0:.0f}s"
+                    + (f" [dim]({escape(detail)})[/dim]" if detail else ""))
 
         def tick(status) -> None:  # the spinner's seconds, or a heartbeat line in logs
             last_note = t0
@@ -101,7 +104,7 @@ class Progress:
                     self._drawn(status.update, text())
                 elif time.time() - last_note >= self.heartbeat_s:
                     last_note = time.time()
-                    self.note("still " + text()[0].lower() + text()[1:])
+                    self.note("still " + text()[0].lower() + text()[1:], markup=True)
 
         status = self.console.status(text()) if on_terminal else None
         if status is not None:
@@ -151,8 +154,8 @@ class Progress:
                 left_out = f", {failed} failed task{'s' if failed != 1 else ''} left out" if failed else ""
                 self.note(
                     f"[bold]eval[/bold] {ev['policy']} v{ev['step']}: held-out accuracy "
-                    f"{acc} ({ev.get('eval_prompts', 0)} prompts{left_out}, {ev['eval_seconds']:.1f}s{agentic})"
-                )
+                    f"{acc} ({ev.get('eval_prompts', 0)} prompts{left_out}, {ev['eval_seconds']:.1f}s{agentic})",
+                    markup=True)
         now = time.time()
         if now - self._last < self.interval_s:
             return
@@ -182,5 +185,4 @@ class Progress:
         self.note(
             " | ".join(parts)
             + f" | {state['episodes_per_s']:.1f} ep/s {state['generated_tokens_per_s']:.0f} tok/s"
-            + f" | staleness {hist} | nodes {nodes}{failures}"
-        )
+            + f" | staleness {hist} | nodes {nodes}{failures}", markup=True)

@@ -135,7 +135,7 @@ class Shutdown:
             return
         progress = getattr(self, "progress", None)
         if progress is not None and progress.enabled:
-            progress.note(f"[bold]warning[/bold]: {escape(warning)}")
+            progress.note(f"[bold]warning[/bold]: {escape(warning)}", markup=True)
         else:
             log.warning("%s", warning)
 

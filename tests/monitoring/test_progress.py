@@ -108,3 +108,23 @@ def test_the_progress_line_shows_each_nodes_version_of_every_policy():
                          trainers=trainers))
     out = buf.getvalue()
     assert "h1000:v3/1" in out and "h1001:v2/?" in out, out
+
+
+@pytest.mark.timeout(30)
+def test_notes_and_waits_show_square_brackets_as_written():
+    """An install hint (``.[vllm]``) or an error quoting a chat template (``[/INST]``) is text:
+    rich would drop the first as a style tag and raise on the second's closing tag."""
+    progress, buf = _progress(heartbeat_s=0.2)
+    progress.note("install vLLM: pip install -e '.[vllm]'")
+    progress.note("the reward failed on 'hello [/INST] world'")
+    with progress.waiting("loading [bold] weights"):
+        progress.detail("[/x] detail")
+        deadline = time.time() + 10
+        while "still loading" not in buf.getvalue():  # the first heartbeat line
+            assert time.time() < deadline, buf.getvalue()
+            time.sleep(0.05)
+    out = buf.getvalue()
+    assert "pip install -e '.[vllm]'" in out
+    assert "'hello [/INST] world'" in out
+    assert "still loading [bold] weights" in out and "([/x] detail)" in out
+    assert "loading [bold] weights: done in" in out
