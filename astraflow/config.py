@@ -24,7 +24,7 @@ from astraflow.configbase import Strict
 from astraflow.configchecks import check_policy_inits, check_sandbox_deadlines, check_workflow, checked_workload
 from astraflow.configpaths import resolve_paths
 from astraflow.dataflow.config import DataflowConfig
-from astraflow.partition_settings import check_partition, effective_rollout
+from astraflow.partition_settings import check_context_length, check_partition, effective_rollout
 from astraflow.rollout.config import RolloutConfig
 from astraflow.sandbox.config import SandboxConfig
 from astraflow.training.config import PolicyConfig, sim_mismatch
@@ -112,29 +112,18 @@ class RunConfig(Strict):
                 "more, whatever dataflow.group_filter says); set workload.group_size: 2 or more")
 
     def _check_context_length(self, episode_tokens: int | None) -> None:
-        """A ``vllm`` engine's ``max_model_len`` must hold a prompt (a token at least) and
-        ``workload.sampling.max_new_tokens``, and an agentic episode's ``episode_tokens``
-        (``workload.params.max_context_tokens``: its last turns' requests grow to it): the
-        engine refuses every longer request."""
-        new = self.workload.sampling.max_new_tokens
+        """Every rollout partition's ``vllm`` engine holds a request (``check_context_length``)."""
         for part in self.partitions:
-            engine = effective_rollout(self.rollout, part).engine if part.role == "rollout" else None
-            limit = engine.vllm.max_model_len if engine is not None and engine.type == "vllm" else None
-            if limit is None:
-                continue
-            own = "max_model_len" in part.rollout.get("engine", {}).get("vllm", {})
-            section = f"partitions[{part.name}].rollout" if own else "rollout"
-            field = f"{section}.engine.vllm.max_model_len {limit}"
-            if limit <= new:
-                raise ValueError(
-                    f"{field}: a request is its prompt plus workload.sampling.max_new_tokens {new} tokens, which "
-                    f"does not fit; raise max_model_len to at least {new} plus the longest prompt, or lower "
-                    "workload.sampling.max_new_tokens")
-            if episode_tokens is not None and limit < episode_tokens:
-                raise ValueError(
-                    f"{field}: an episode's requests grow to workload.params.max_context_tokens "
-                    f"{episode_tokens} tokens, which do not fit; raise max_model_len to {episode_tokens} or lower "
-                    "max_context_tokens")
+            check_context_length(part, self.rollout, self.workload.sampling.max_new_tokens, episode_tokens)
+
+    def check_added(self, part: Partition) -> None:
+        """``ValueError`` when partition ``part``, added to the running run (``astraflow partitions
+        add``), does not fit this config: its settings (``check_partition``), and its engine's
+        context length against the workload's requests, as the config's own partitions are judged."""
+        check_partition(part, self.rollout, {p.name: p.trainer for p in self.policies})
+        workload = checked_workload(self.workload)
+        episode = workload.params.max_context_tokens if is_agentic(type(workload)) else None
+        check_context_length(part, self.rollout, self.workload.sampling.max_new_tokens, episode)
 
     def _check_workers(self) -> None:
         """Worker counts a run cannot start with (one data-layer worker, a trainer one at least;

@@ -43,6 +43,29 @@ def effective_trainer(base: TrainerConfig, part: Partition | None) -> TrainerCon
     return _merged(base, part.trainer, f"partitions[{part.name}].trainer", TRAINER_FIELDS)
 
 
+def check_context_length(part: Partition, rollout: RolloutConfig, new_tokens: int, episode_tokens: int | None) -> None:
+    """A ``vllm`` engine's ``max_model_len`` on ``part`` must hold a prompt (a token at least) and
+    ``new_tokens`` (``workload.sampling.max_new_tokens``), and an agentic episode's
+    ``episode_tokens`` (``workload.params.max_context_tokens``: its last turns' requests grow
+    to it): the engine refuses every longer request."""
+    engine = effective_rollout(rollout, part).engine if part.role == "rollout" else None
+    limit = engine.vllm.max_model_len if engine is not None and engine.type == "vllm" else None
+    if limit is None:
+        return
+    own = "max_model_len" in part.rollout.get("engine", {}).get("vllm", {})
+    field = f"{f'partitions[{part.name}].rollout' if own else 'rollout'}.engine.vllm.max_model_len {limit}"
+    if limit <= new_tokens:
+        raise ValueError(
+            f"{field}: a request is its prompt plus workload.sampling.max_new_tokens {new_tokens} tokens, which "
+            f"does not fit; raise max_model_len to at least {new_tokens} plus the longest prompt, or lower "
+            "workload.sampling.max_new_tokens")
+    if episode_tokens is not None and limit < episode_tokens:
+        raise ValueError(
+            f"{field}: an episode's requests grow to workload.params.max_context_tokens "
+            f"{episode_tokens} tokens, which do not fit; raise max_model_len to {episode_tokens} or lower "
+            "max_context_tokens")
+
+
 def check_partition(part: Partition, rollout: RolloutConfig, trainers: Mapping[str, TrainerConfig]) -> None:
     """ValueError naming the field and the fix when ``part``'s settings cannot be used: set on
     a partition of another role, an unknown key, a bad value, an engine that spans more GPUs

@@ -7,6 +7,7 @@ trainer backend are installed. Each raises ``ConfigError`` naming the field and 
 from __future__ import annotations
 
 import json
+import os
 
 from astraflow.config import ConfigError, RunConfig
 from astraflow.partition_settings import effective_rollout, effective_trainer
@@ -131,6 +132,43 @@ def max_positions(config: dict) -> int | None:
     return None
 
 
+def engine_limits(cfg: RunConfig) -> list[tuple[str, int]]:
+    """``(field, max_model_len)`` of every rollout partition's ``vllm`` engine that sets one
+    (the run's ``rollout`` section, or a partition's own over it), each field once."""
+    out = {}
+    for part in cfg.partitions:
+        limit = _limit_of(cfg, part) if part.role == "rollout" else None
+        if limit:
+            own = "max_model_len" in part.rollout.get("engine", {}).get("vllm", {})
+            out[f"{f'partitions[{part.name}].rollout' if own else 'rollout'}.engine.vllm.max_model_len"] = limit
+    return list(out.items())
+
+
+def _tightest(cfg: RunConfig, positions: int | None) -> tuple[int | None, str | None]:
+    """The fewest positions a request of the run gets, and the ``max_model_len`` field that sets
+    it (None: the model's own ``positions``): a ``vllm`` engine's own limit where it sets one
+    (rope scaling may raise it past the model's), the model's on every other rollout partition."""
+    limits = [(limit, field) for field, limit in engine_limits(cfg)]
+    unlimited = any(part.role == "rollout" and not _limit_of(cfg, part) for part in cfg.partitions)
+    candidates = limits + ([(positions, None)] if unlimited or not limits else [])
+    candidates = [c for c in candidates if isinstance(c[0], int)]
+    return min(candidates, key=lambda c: c[0]) if candidates else (None, None)
+
+
+def _limit_of(cfg: RunConfig, part) -> int | None:
+    engine = effective_rollout(cfg.rollout, part).engine
+    return engine.vllm.max_model_len if engine.type == "vllm" else None
+
+
+def _rope_factor(config: dict) -> float:
+    """How far a model's rope scaling stretches its positions (1: none), as vLLM reads it."""
+    for c in (config, config.get("text_config")):
+        rope = c.get("rope_scaling") if isinstance(c, dict) else None
+        if isinstance(rope, dict) and isinstance(rope.get("factor"), (int, float)) and rope["factor"] > 1:
+            return float(rope["factor"])
+    return 1.0
+
+
 def _check_positions(cfg: RunConfig, pol, config: dict, built: str = "") -> None:
     """A generation of ``workload.sampling.max_new_tokens`` (an agentic episode: its whole
     ``max_context_tokens``) must fit the model's ``max_position_embeddings``: past it every
@@ -155,6 +193,13 @@ def _check_positions(cfg: RunConfig, pol, config: dict, built: str = "") -> None
     if isinstance(episode, int) and episode > positions:
         raise ConfigError(f"workload.params.max_context_tokens {episode}: the model of policy {pol.name} "
                           f"({where}) has {positions} positions; lower max_context_tokens to {positions}")
+    allowed = int(positions * _rope_factor(config))
+    for field, limit in engine_limits(cfg):
+        if limit > allowed and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") in ("", "0"):
+            scaled = f" ({positions} with rope scaling)" if allowed != positions else ""
+            raise ConfigError(f"{field} {limit}: the model of policy {pol.name} ({where}) has {allowed} "
+                              f"positions{scaled}, and vLLM refuses a longer max_model_len; lower it to {allowed} "
+                              "or less, or leave it unset (the model's own)")
 
 
 def _check_warm_start_base(cfg: RunConfig, pol) -> None:
@@ -259,10 +304,7 @@ def prompts_that_do_not_fit(cfg: RunConfig, wl, policies: list[str] | None = Non
         config = pol.model / "config.json"
         if cfg.simulated(pol) or not config.is_file() or (policies is not None and pol.name not in policies):
             continue  # a model init builds is sized to the workload's prompts
-        positions = max_positions(json.loads(config.read_text()))
-        engine = cfg.rollout.engine
-        if engine.type == "vllm" and engine.vllm.max_model_len:  # the engine's own limit (rope scaling)
-            positions = engine.vllm.max_model_len
+        positions, field = _tightest(cfg, max_positions(json.loads(config.read_text())))
         if not isinstance(positions, int) or positions <= new:
             continue  # no limit known; or max_new_tokens alone overflows, which preflight refuses
         tok, room = load_tokenizer(pol.model), positions - new
@@ -282,11 +324,13 @@ def prompts_that_do_not_fit(cfg: RunConfig, wl, policies: list[str] | None = Non
             continue
         if not any(n for n, _ in over.values()):
             continue
+        limit = f"{field} {positions}" if field else f"{positions} positions"
         what = (f"policy {pol.name}: {over['train'][0]} of {over['train'][1]} train and {over['eval'][0]} of "
-                f"{over['eval'][1]} held-out prompts are longer than the {room} tokens its model leaves for a "
-                f"prompt ({positions} positions less workload.sampling.max_new_tokens {new}); the longest has "
+                f"{over['eval'][1]} held-out prompts are longer than the {room} tokens left for a prompt "
+                f"({limit} less workload.sampling.max_new_tokens {new}); the longest has "
                 f"{longest[0]} tokens" + (f" ({longest[1]})" if longest[1] else ""))
-        fix = "remove the long prompts from the data, lower max_new_tokens, or use a model with more positions"
+        fix = ("remove the long prompts from the data, lower max_new_tokens, or "
+               + (f"raise {field}" if field else "use a model with more positions"))
         if over["train"][0] == over["train"][1]:
             raise ValueError(f"{what}: no train prompt fits; {fix}")
         lines.append(f"{what}. Their rollouts will fail (held-out ones are left out of the accuracy): {fix}")

@@ -42,7 +42,7 @@ from typing import Any
 
 from astraflow.config import RunConfig, dump_config
 from astraflow.dataflow.layer import DataLayer
-from astraflow.partition_settings import check_partition, partition_capacity
+from astraflow.partition_settings import effective_rollout, partition_capacity
 from astraflow.rollout.node import RaaSNode
 from astraflow.rollout.node_group import RaaSNodeGroup
 from astraflow.runtime.autoscaling import autoscale_driver
@@ -85,9 +85,8 @@ class Orchestrator(Shutdown):
         self.paths = RunPaths(run_dir).make()
         self.progress = progress or Progress(enabled=False)
         self.placement = Placement(self.paths, cfg.cluster, self.progress)
-        trainers = {pol.name: pol.trainer for pol in cfg.policies}
         self.parts = PartitionSet(list(cfg.partitions), self.paths, cfg.cluster, self.progress,
-                                  check_settings=lambda part: check_partition(part, cfg.rollout, trainers))
+                                  check_settings=self._check_partition)
         self.fleet = Fleet(self.parts, self.placement, cfg.cluster, self.progress, self._place_node)
         self.status = StatusWriter(self.paths, self.run_tag(), self.parts, self.fleet)
         self.status.previous_jobs = (previous_jobs or PreviousJobs()).as_dict()
@@ -227,6 +226,16 @@ class Orchestrator(Shutdown):
 
     def _partition_of(self, worker: str) -> Partition:
         return self.partitions[self.workers[worker].partition]
+
+    def _check_partition(self, part: Partition) -> None:
+        """``ValueError`` when the run cannot start ``part`` (one added mid-run included): settings
+        that do not fit the run's config, or a ``vllm`` engine without vLLM in this environment,
+        the one the run's workers start in (its nodes would fail at every start)."""
+        self.cfg.check_added(part)
+        if part.role == "rollout" and effective_rollout(self.cfg.rollout, part).engine.type == "vllm":
+            from astraflow.rollout.vllm_setup import require_vllm
+
+            require_vllm(f"partitions[{part.name}].rollout.engine.type")
 
     def _place_node(self, name: str, part: Partition):
         kwargs = node_kwargs(self.cfg, self.paths, name, part, self.dl)
