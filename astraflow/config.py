@@ -29,7 +29,8 @@ from astraflow.rollout.config import RolloutConfig
 from astraflow.sandbox.config import SandboxConfig
 from astraflow.training.config import PolicyConfig, sim_mismatch
 from astraflow.workloads.config import WorkloadConfig
-from astraflow.sections import AutoscaleConfig, ClusterConfig, RunSection, check_autoscale
+from astraflow.sections import (VLLM_PLACEMENT_TIMEOUT_S, AutoscaleConfig, ClusterConfig, RunSection,
+                                check_autoscale)
 from schedulers.partition import ROLES, Partition
 from schedulers.policy import WorkerPolicy
 from storage.atomic import write_atomically
@@ -203,6 +204,29 @@ class RunConfig(Strict):
                         + (f", or span {ranks // part.gpus_per_node} nodes with nodes_per_worker: "
                            f"{ranks // part.gpus_per_node} (nodes counts trainer workers, not the nodes of one)"
                            if ranks % part.gpus_per_node == 0 else ""))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_start_deadline(cls, data: Any) -> Any:
+        """Where a rollout engine (the run's, or a partition's own) is ``vllm`` and the config
+        sets no ``cluster.placement_timeout_s``, its nodes get ``VLLM_PLACEMENT_TIMEOUT_S`` to
+        start: a real model's vLLM start takes minutes, and past the deadline the worker is
+        failed and refilled, over and over."""
+        if not isinstance(data, dict) or not isinstance(data.get("cluster", {}), dict):
+            return data
+        if "placement_timeout_s" in data.get("cluster", {}):
+            return data
+
+        def engine_type(rollout: Any) -> Any:
+            engine = rollout.get("engine") if isinstance(rollout, dict) else None
+            return engine.get("type") if isinstance(engine, dict) else None
+
+        parts = data.get("partitions") if isinstance(data.get("partitions"), list) else []
+        types = {engine_type(data.get("rollout"))} | {
+            engine_type(p.get("rollout") if isinstance(p, dict) else getattr(p, "rollout", None)) for p in parts}
+        if "vllm" not in types:
+            return data
+        return {**data, "cluster": {**data.get("cluster", {}), "placement_timeout_s": VLLM_PLACEMENT_TIMEOUT_S}}
 
     @model_validator(mode="after")
     def _engine_fits_rollout_gpus(self) -> "RunConfig":

@@ -19,6 +19,10 @@ from storage.paths import is_plain_name
 RUN_NAME_MAX = 64
 
 
+#: ``cluster.placement_timeout_s`` when a rollout engine is ``vllm`` and the config sets none
+VLLM_PLACEMENT_TIMEOUT_S = 600.0
+
+
 class ClusterConfig(Strict):
     dashboard_port: int = Field(default=8787, ge=0, le=65535)
     """Dask dashboard port (0: any free port)."""
@@ -29,7 +33,9 @@ class ClusterConfig(Strict):
     worker_start_timeout_s: float = Field(default=180.0, gt=0)
     """Deadline for requested workers to join the scheduler."""
     placement_timeout_s: float = Field(default=120.0, gt=0)
-    """Deadline for an actor to be constructed on its worker."""
+    """Deadline for an actor to be constructed and started on its worker (a RaaS node's start
+    builds its engines). Where a rollout engine is ``vllm`` and this is not set, the default is
+    ``VLLM_PLACEMENT_TIMEOUT_S``: vLLM's start loads, profiles and may compile the model."""
     drain_timeout_s: float = Field(default=120.0, gt=0)
     """Deadline for a removed RaaS node to finish and write its in-flight episodes before its
     job is cancelled anyway (what it still holds is requeued)."""

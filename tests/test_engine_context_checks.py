@@ -91,3 +91,14 @@ def test_the_run_refuses_a_vllm_partition_where_vllm_is_not_installed(tiny_model
     with pytest.raises(ValueError, match=r"partitions\[gpu\].rollout.engine.type: vllm needs vLLM.*pip install"):
         Orchestrator._check_partition(run, part)
     Orchestrator._check_partition(run, Partition(name="cpu", role="rollout", scheduler="local", nodes=1))
+
+
+def test_vllm_nodes_get_minutes_to_start_unless_the_config_says_otherwise(tiny_model):
+    """A real model's vLLM start (load, profile, compile) outlasts the HF engine's deadline."""
+    from astraflow.sections import VLLM_PLACEMENT_TIMEOUT_S
+
+    assert tiny_config(tiny_model).cluster.placement_timeout_s == 120.0
+    assert _vllm(tiny_model).cluster.placement_timeout_s == VLLM_PLACEMENT_TIMEOUT_S
+    assert _vllm(tiny_model, cluster__placement_timeout_s=90).cluster.placement_timeout_s == 90
+    parts = [{"name": "gpu", "role": "rollout", "scheduler": "local", "rollout": {"engine": {"type": "vllm"}}}] + PARTS
+    assert tiny_config(tiny_model, partitions=parts).cluster.placement_timeout_s == VLLM_PLACEMENT_TIMEOUT_S
