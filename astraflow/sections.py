@@ -162,6 +162,15 @@ class AutoscaleConfig(Strict):
     so one worker that moves the wait across the whole band cannot make it flap.
     None: ``MEMORY_WINDOWS`` (60) times ``window_s``."""
 
+    @field_validator("high_wait", "low_wait", "max_stale_fraction", mode="before")
+    @classmethod
+    def _fraction_not_percent(cls, value: object) -> object:
+        """``high_wait: 30`` meant 30 %: say how to write it rather than only that it is too big."""
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 1 < value <= 100:
+            raise ValueError(f"{value} reads as a percentage; these are fractions of the time or of the "
+                             f"sequences: write {value / 100:g} for {value:g} %")
+        return value
+
     @property
     def memory_period_s(self) -> float:
         """``memory_s``, or its default from ``window_s``."""

@@ -368,9 +368,14 @@ class Autoscaler:
         if room and spare <= 0:
             return Decision("hold", f"{why}, but {held}", values, now)
         ready = [s for s in room if now - self.changed_at.get(s.name, float("-inf")) >= s.bounds.cooldown_s]
+        if not slots:
+            return Decision("hold", f"{why}, but no active partition has autoscale bounds", values, now)
         if not ready:
-            limit = "max_nodes" if sign > 0 else "min_nodes"
-            state = "cooling down" if room else f"at {limit}"
+            if room:
+                left = min(s.bounds.cooldown_s - (now - self.changed_at[s.name]) for s in room)
+                state = f"cooling down ({left:.0f} s left)"
+            else:
+                state = f"at {'max_nodes' if sign > 0 else 'min_nodes'}"
             return Decision("hold", f"{why}, but every autoscaled partition is {state}", values, now)
         s = ready[0]
         count = min(self.cfg.step_nodes, spare,

@@ -41,17 +41,20 @@ RECENT = 20
 SETTLING = ("submitted", "placing", "starting", "draining")
 
 
-def sample_of(tick: Tick, now: float) -> Sample:
-    """The autoscaler's counters in one tick: trainers still training, all policies' counts."""
+def sample_of(tick: Tick, now: float, since: dict[str, int] | None = None) -> Sample:
+    """The autoscaler's counters in one tick: trainers still training, all policies' counts.
+    ``since``: each policy's version when the autoscaler first saw its trainer (a resumed run's
+    trainers start past v0): started once every training one has taken a step past it."""
+    since = since or {}
     counts = tick.data_layer.get("counts", {})
-    training = [st for st in tick.trainers.values() if not st.get("done")]
     return Sample(
         t=now,
         wait_s={p: float(st.get("wait_total_s", st.get("wait_s", 0.0))) for p, st in tick.trainers.items()
                 if not st.get("done")},
         stale_dropped=sum(int(c.get("stale_dropped", 0)) for c in counts.values()),
         consumed=sum(int(c.get("consumed", 0)) for c in counts.values()),
-        started=all(int(st.get("version", 0)) >= 1 for st in training),
+        started=all(int(st.get("version", 0)) > since.get(p, 0)
+                    for p, st in tick.trainers.items() if not st.get("done")),
     )
 
 
@@ -68,6 +71,9 @@ class AutoscaleDriver:
         self.scaler = Autoscaler(cfg)
         self.last: Decision | None = None
         self.changes: deque[dict[str, Any]] = deque(maxlen=RECENT)
+        #: each policy's version when its trainer was first seen: the start-up waits of a resumed
+        #: run (its trainers past v0 from the start) are not a signal either
+        self.first_versions: dict[str, int] = {}
 
     def slots(self) -> list[Slot]:
         """The active rollout partitions with bounds, in the desired set's order; a worker still
@@ -91,7 +97,9 @@ class AutoscaleDriver:
     def step(self, tick: Tick, now: float | None = None) -> Decision:
         """Observe this tick (at the time it was read), decide, apply a change. Returns the decision."""
         now = tick.read_at if now is None else now
-        self.scaler.observe(sample_of(tick, now))
+        for policy, st in tick.trainers.items():
+            self.first_versions.setdefault(policy, int(st.get("version", 0)))
+        self.scaler.observe(sample_of(tick, now, self.first_versions))
         decision = self.scaler.decide(now, self.slots(), self.fixed())
         if decision.action != "hold":
             decision = self._apply(decision)

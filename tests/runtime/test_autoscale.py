@@ -91,7 +91,18 @@ def test_cooldown_holds_a_partition_changed_recently():
     s = Script(CFG, [slot("a", 1, hi=5, cooldown=35.0)]).run(60, 0.9)
     times = [d.t for d in s.decisions if d.action == "add"]
     assert len(times) == 2 and times[1] - times[0] >= 35.0
-    assert any("cooling down" in d.reason for d in s.decisions)
+    cooling = [d.reason for d in s.decisions if "cooling down" in d.reason]
+    assert cooling and all(" s left)" in r for r in cooling), cooling  # how long it still holds
+
+
+def test_a_pool_without_an_active_autoscaled_partition_says_so():
+    """An autoscaled partition removed mid-run, a fixed one left: nothing can be changed, and
+    the reason must not claim a partition is at its bounds."""
+    scaler = Autoscaler(CFG)
+    for t in range(1, 13):  # a fixed partition's one worker; the trainer waits 90 % of the time
+        scaler.observe(Sample(float(t), {"solver": 0.9 * t}, 0, 10 * t))
+        d = scaler.decide(float(t), [], fixed=1)
+    assert d.action == "hold" and "no active partition has autoscale bounds" in d.reason, d.reason
 
 
 def test_a_signal_oscillating_inside_the_band_never_changes_anything():
@@ -157,6 +168,10 @@ def test_config_errors_name_the_fix():
         _cfg(autoscale={}, rollout_parts=[{"name": "r", "role": "rollout"}])
     with pytest.raises(ValueError, match="low_wait 0.4 must be below high_wait"):
         AutoscaleConfig(low_wait=0.4, high_wait=0.3)
+    with pytest.raises(ValidationError, match="30 reads as a percentage.*write 0.3 for 30 %"):
+        AutoscaleConfig(high_wait=30)
+    with pytest.raises(ValidationError, match="write 0.2 for 20 %"):
+        AutoscaleConfig(max_stale_fraction=20)
     with pytest.raises(ValidationError, match="set nodes between min_nodes and max_nodes"):
         Partition(name="r", nodes=5, autoscale={"max_nodes": 3})
     with pytest.raises(ValidationError, match="make min_nodes <= max_nodes"):

@@ -215,3 +215,31 @@ def test_a_config_whose_autoscaled_rollout_starts_empty_runs_and_grows_to_one_wo
     assert driver.fixed() == 1
     d = driver.step(tick, now=1.0)
     assert d.action == "hold" and "first steps" in d.reason and read_desired_file(paths)[0]["r"].nodes == 0
+
+
+def test_a_resumed_runs_start_up_waits_are_not_a_signal(tmp_path):
+    """A resumed run's trainers start past v0: their waits until the first step after the resume
+    are start-up, as on a fresh run; once one step is taken, a starved trainer gets a worker."""
+    from types import SimpleNamespace
+
+    part = Partition(name="r", nodes=1, autoscale={"min_nodes": 1, "max_nodes": 2, "cooldown_s": 0})
+    paths = RunPaths(tmp_path / "run").make()
+    write_desired(paths, [part])
+    pset = PartitionSet([part], paths, ClusterConfig(), Progress(enabled=False))
+
+    class OneServing:
+        def in_partition(self, name):
+            return [SimpleNamespace(gone=False, phase="serving", draining=False)]
+
+    driver = AutoscaleDriver(AutoscaleConfig(high_wait=0.3, low_wait=0.05, window_s=2.0), paths, pset, OneServing(),
+                             Progress(enabled=False))
+
+    def step(t: float, version: int):
+        trainers = {"solver": {"version": version, "done": False, "wait_total_s": 0.9 * t}}
+        return driver.step(Tick(data_layer={"counts": {"solver": {"consumed": int(t)}}}, trainers=trainers), now=t)
+
+    held = [step(float(t), 4) for t in range(10)]  # resumed at v4, 90 % waiting while it starts
+    assert all(d.action == "hold" and "first steps" in d.reason for d in held), [d.reason for d in held]
+    assert read_desired_file(paths)[0]["r"].nodes == 1
+    later = [step(float(t), 5) for t in range(10, 20)]
+    assert any(d.action == "add" for d in later), [d.reason for d in later]
