@@ -89,10 +89,15 @@ class AutoscaleDriver:
         return out
 
     def fixed(self) -> int:
-        """Workers wanted in the active rollout partitions without bounds: they count in the pool
-        size the autoscaler remembers, and a pool with them is not empty."""
-        return sum(p.nodes for name, p in self.parts.partitions.items()
-                   if p.role == "rollout" and p.autoscale is None and self.parts.state[name].state == "active")
+        """Workers wanted in the active rollout partitions without bounds, and those still serving
+        in failed ones (not refilled, yet they roll out): they count in the pool size the
+        autoscaler remembers, and a pool with them is not empty."""
+        wanted = sum(p.nodes for name, p in self.parts.partitions.items()
+                     if p.role == "rollout" and p.autoscale is None and self.parts.state[name].state == "active")
+        left = sum(1 for name, p in self.parts.partitions.items()
+                   if p.role == "rollout" and self.parts.state[name].state == "failed"
+                   for w in self.fleet.in_partition(name) if not w.gone and not w.draining)
+        return wanted + left
 
     def step(self, tick: Tick, now: float | None = None) -> Decision:
         """Observe this tick (at the time it was read), decide, apply a change. Returns the decision."""

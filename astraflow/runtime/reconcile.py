@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from astraflow.runtime.control import DEFAULT_REMOVAL, PartitionError, read_desired_file
+from astraflow.runtime.control import DEFAULT_REMOVAL, PartitionError, read_desired_file, set_partition_nodes
 from astraflow.runtime.jobrecords import JobRecords
 from schedulers import Partition, TLSFiles, UnknownJobError, make_scheduler, parse_worker_name
 from schedulers.policy import WorkerPolicy
@@ -172,14 +172,18 @@ class PartitionSet:
         said = "; ".join(f"partition {n}: {why}" for n, why in failed.items())
         return f"no rollout node is left and no rollout partition is refilled any more ({said})"
 
-    def record_failure(self, name: str, last_note: str) -> None:
+    def record_failure(self, name: str, last_note: str, serving: int = 0) -> None:
         """A worker of partition `name` failed (lost before it served or soon after, or its node
         failed): the partition is refilled only after a growing backoff, and too many failures
-        mark it failed so it is not refilled again and again. Both are noted in the progress
-        and shown by ``astraflow status``."""
+        mark it failed so it is not refilled again and again. An autoscaled partition whose
+        ``serving`` workers still serve is not failed for the workers it could not add: it goes
+        back to the size that serves (the autoscaler may grow it again). All of it is noted in
+        the progress and shown by ``astraflow status``."""
         part, ps = self.partitions[name], self.state[name]
         ps.failures += 1
         limit = FAILURES_PER_NODE * max(part.nodes, 1)
+        if ps.state == "active" and ps.failures >= limit and self._shrink_to_serving(name, serving, last_note):
+            return
         if ps.state == "active" and ps.failures >= limit:
             ps.state, ps.refill_at = "failed", None
             ps.error = (f"{ps.failures} workers failed (last: {last_note}); not refilling. "
@@ -190,6 +194,24 @@ class PartitionSet:
             ps.refill_at = time.time() + delay
             self.progress.note(f"partition {name}: worker failure {ps.failures} of {limit} before it stops being "
                                f"refilled (last: {last_note}); refilling in {delay:.0f}s")
+
+    def _shrink_to_serving(self, name: str, serving: int, last_note: str) -> bool:
+        """Put an autoscaled partition back to its ``serving`` workers (at least its
+        ``min_nodes``) after its added workers kept failing; False where that does not apply."""
+        part, ps = self.partitions[name], self.state[name]
+        keep = max(serving, part.autoscale.min_nodes) if part.autoscale is not None else part.nodes
+        if not serving or keep >= part.nodes:
+            return False
+        try:
+            set_partition_nodes(self.paths, name, keep)
+        except (PartitionError, ValueError) as err:  # its file locked or damaged: fail it as any other
+            log.warning("partition %s: going back to %d worker(s) failed: %s", name, keep, err)
+            return False
+        self.partitions[name] = part.model_copy(update={"nodes": keep})
+        self.progress.note(f"partition {name}: {ps.failures} workers failed (last: {last_note}); back to the "
+                           f"{keep} worker(s) that serve, from {part.nodes} (the autoscaler may grow it again)")
+        ps.failures, ps.refill_at = 0, None
+        return True
 
     def _refusal(self, part: Partition) -> str | None:
         """Why the run does not start ``part`` (None: it may): the allowlists, or settings

@@ -398,7 +398,8 @@ class Fleet:
     def _count_failure(self, w: Worker) -> None:
         last = next((x.note for x in reversed(list(self.workers.values()))
                      if x.partition == w.partition and x.note), "unknown")
-        self.parts.record_failure(w.partition, last)
+        serving = sum(1 for x in self.in_partition(w.partition) if not x.gone and x.phase == "serving")
+        self.parts.record_failure(w.partition, last, serving)
 
     # ------------------------------------------------------------------ removal
     def remove(self, w: Worker, drain: bool) -> None:

@@ -145,3 +145,37 @@ def test_a_failed_grow_of_a_serving_partition_backs_off_instead_of_failing_it(tm
     _reconcile(pset, fleet)
     assert pset.state["gpu"].state == "active"
     assert sum(1 for x in fleet.workers.values() if not x.gone) == 2
+
+
+def test_an_autoscaled_partition_whose_added_workers_keep_failing_goes_back_to_those_that_serve(tmp_path, monkeypatch):
+    """The autoscaler grew a serving partition and every added worker fails: the partition is not
+    failed (its first worker still serves, and a failed partition can never be scaled again); it
+    goes back to the workers that serve, in the desired file too, and may be grown again."""
+    from astraflow.runtime.control import read_desired_file
+
+    fake_slurm(tmp_path, monkeypatch, fail_at=99)
+    paths = RunPaths(tmp_path / "run").make()
+    progress = Progress(enabled=False)
+    part = Partition(name="gpu", scheduler="slurm", nodes=1, role="rollout",
+                     autoscale={"min_nodes": 1, "max_nodes": 3})
+    pset = PartitionSet([part], paths, ClusterConfig(), progress)
+    fleet = Fleet(pset, placement=None, cluster=ClusterConfig(), progress=progress, place_node=lambda n, p: None)
+    fleet.dl = _DataLayer()
+    write_desired(paths, [part])
+    _reconcile(pset, fleet)
+    [first] = fleet.workers.values()
+    first.enter("serving")
+    first.since -= SERVED_LONG_S + 1
+    write_desired(paths, [part.model_copy(update={"nodes": 2})])  # the autoscaler's add
+    ps = pset.state["gpu"]
+    for _ in range(FAILURES_PER_NODE * 2):
+        ps.refill_at = None  # its backoff has passed
+        _reconcile(pset, fleet)
+        [added] = [w for w in fleet.workers.values() if not w.gone and w is not first]
+        fleet.lost(added, "job FAILED")  # before it served
+        if pset.partitions["gpu"].nodes == 1:
+            break
+    assert ps.state == "active" and ps.failures == 0 and ps.error is None
+    assert pset.partitions["gpu"].nodes == 1 and read_desired_file(paths)[0]["gpu"].nodes == 1
+    _reconcile(pset, fleet)
+    assert [w for w in fleet.workers.values() if not w.gone] == [first]  # nothing more submitted

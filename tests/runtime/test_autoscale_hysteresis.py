@@ -243,3 +243,26 @@ def test_a_resumed_runs_start_up_waits_are_not_a_signal(tmp_path):
     assert read_desired_file(paths)[0]["r"].nodes == 1
     later = [step(float(t), 5) for t in range(10, 20)]
     assert any(d.action == "add" for d in later), [d.reason for d in later]
+
+
+def test_the_serving_workers_of_a_failed_partition_count_in_the_pool(tmp_path):
+    """A partition failed for its refills may still have a worker rolling out: the pool is not
+    empty (the scale-from-zero path would add at once, past the evidence and the cooldown)."""
+    from types import SimpleNamespace
+
+    auto = Partition(name="r", nodes=0, autoscale={"min_nodes": 0, "max_nodes": 2})
+    old = Partition(name="old", nodes=2)
+    paths = RunPaths(tmp_path / "run").make()
+    write_desired(paths, [auto, old])
+    pset = PartitionSet([auto, old], paths, ClusterConfig(), Progress(enabled=False))
+    pset.state["old"].state = "failed"
+
+    class OneLeft:
+        def in_partition(self, name):
+            return [SimpleNamespace(gone=False, phase="serving", draining=False)] if name == "old" else []
+
+    driver = AutoscaleDriver(AutoscaleConfig(), paths, pset, OneLeft(), Progress(enabled=False))
+    assert driver.fixed() == 1
+    tick = Tick(data_layer={"counts": {}}, trainers={"solver": {"version": 3, "done": False, "wait_total_s": 1.0}})
+    d = driver.step(tick, now=1.0)
+    assert d.action == "hold" and "no rollout worker" not in d.reason, d.reason
