@@ -16,15 +16,18 @@ def format_partitions(st: dict[str, Any]) -> str:
     """One line per partition: kind, role, state, desired/live/serving workers, rate, error."""
     lines = [f"{'partition':<14} {'scheduler':<9} {'slurm':<8} {'role':<8} {'state':<9} "
              f"{'desired':>7} {'live':>4} {'serving':>7} {'episodes':>8} {'ep/s':>6}  jobs"]
+    # a status without its autoscaler (``autoscale.enabled: false``) says partitions' bounds do not act
+    scaling = st.get("autoscale") is not None if "autoscale" in st else None
     for name, p in st.get("partitions", {}).items():
         jobs = " ".join(f"{j}:{s}" for j, s in p.get("jobs", {}).items()) or "-"
+        desired = 0 if p.get("state") in ("removing", "removed") else p["nodes"]  # as `status --json` says
         lines.append(
             f"{name:<14} {p['scheduler']:<9} {p.get('slurm_partition') or '-':<8} {p['role']:<8} "
-            f"{p.get('state', '?'):<9} {p['nodes']:>7} {p.get('live', 0):>4} {p.get('serving', 0):>7} "
+            f"{p.get('state', '?'):<9} {desired:>7} {p.get('live', 0):>4} {p.get('serving', 0):>7} "
             f"{p.get('completed', 0):>8} {p.get('episodes_per_s', 0.0):>6.1f}  {jobs}"
         )
         if p.get("role") == "rollout":
-            lines.append(partition_stats_line(p))
+            lines.append(partition_stats_line(p, scaling))
         if p.get("failures"):
             wait = p.get("refill_in_s")
             lines.append(f"  failures: {p['failures']} worker(s) failed"
@@ -124,6 +127,7 @@ def format_summary(summary: dict[str, Any], where: str) -> str:
         if isinstance(t, dict) and t.get("error"):
             lines.append(f"  {p} error: {t['error']}")
     lines += eval_lines(summary.get("eval") or [])
+    lines += autoscale_lines(summary.get("autoscale"))
     ledger = summary.get("ledger") or {}
     states = ", ".join(f"{k} {v}" for k, v in (ledger.get("states") or {}).items()) or "-"
     lines.append(f"ledger: {ledger.get('tasks', 0)} tasks: {states}"
@@ -156,9 +160,10 @@ def outcome(summary: dict[str, Any]) -> str:
     return "?" if not isinstance(flag, bool) else "interrupted" if flag else "completed"
 
 
-def partition_stats_line(p: dict[str, Any]) -> str:
-    """A rollout partition's throughput, staleness of what it generated, versions served and
-    autoscale bounds, on one indented line."""
+def partition_stats_line(p: dict[str, Any], scaling: bool | None = None) -> str:
+    """A rollout partition's throughput, staleness of what it generated, versions served, what a
+    node leases at once and autoscale bounds (``scaling`` False: the run's autoscaler is off), on
+    one indented line."""
     mean, worst = p.get("staleness_mean"), p.get("staleness_max")
     stale = (f"staleness mean {mean:.2f} max {worst} ({p.get('consumed', 0)} consumed)" if mean is not None
              else "staleness -")
@@ -166,8 +171,12 @@ def partition_stats_line(p: dict[str, Any]) -> str:
                       for pol, vs in (p.get("versions") or {}).items() if vs) or "-"
     b = p.get("autoscale")
     bounds = f"; autoscale {b['min_nodes']}..{b['max_nodes']} nodes, cooldown {b['cooldown_s']:g}s" if b else ""
+    if b and scaling is False:
+        bounds += " (not acting: the run's autoscaler is off)"
+    cap = p.get("capacity")
+    leases = f", {cap['node_capacity']} episodes a node, engine batch {cap['engine_max_batch']}" if cap else ""
     return (f"  {p.get('episodes_per_s', 0.0):.1f} traj/s, {p.get('tokens_per_s', 0.0):.0f} tok/s, {stale}, "
-            f"serving {served}{bounds}")
+            f"serving {served}{leases}{bounds}")
 
 
 def autoscale_lines(a: dict[str, Any] | None) -> list[str]:
