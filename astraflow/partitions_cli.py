@@ -16,10 +16,13 @@ from astraflow.clibase import Seconds, UserError, UserPath, choices, field_optio
 from astraflow.runtime.control import DEFAULT_REMOVAL, REMOVAL_HELP, REMOVAL_MODES
 from schedulers.partition import Partition
 from storage.ownership import owner_only
+from storage.paths import RunPaths
 
 #: scheduler of a partition added to a running run when neither the options nor --from-yaml
 #: name one (a pool that joins a running run is usually a Slurm partition)
 ADD_SCHEDULER = "slurm"
+#: a partition's settings that only a Slurm partition has
+SLURM_ONLY = ("slurm_partition", "gres", "sbatch_options")
 
 
 @click.group()
@@ -51,7 +54,9 @@ def partitions_list(run_dir: str, as_json: bool) -> None:
 @click.argument("name", required=False)
 @click.option("--from-yaml", "from_yaml", type=UserPath(dir_okay=False),
               help="A YAML mapping of Partition fields (options given here override it).")
-@click.option("--scheduler", type=choices(Partition, "scheduler"), default=None, help=f"[default: {ADD_SCHEDULER}]")
+@click.option("--scheduler", type=choices(Partition, "scheduler"), default=None,
+              help="[default: the scheduler of the run's rollout partitions where they all have one, else "
+                   f"{ADD_SCHEDULER}]")
 @click.option("--slurm-partition", default=None, help="Slurm partition (sbatch --partition).")
 @click.option("--nodes", type=int, default=None,
               help=f"Workers (one Slurm job, one node each). [default: {Partition.model_fields['nodes'].default}]")
@@ -83,7 +88,7 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
     """
     from astraflow.runtime.control import add_partition
 
-    part = _partition_from(name, from_yaml, fields)
+    part = _partition_from(name, from_yaml, fields, _run_scheduler(Path(run_dir)))
     try:
         add_partition(Path(run_dir), part)
     except ValueError as err:  # RunNotRunning, PartitionError, a damaged file of the run
@@ -97,9 +102,23 @@ def partitions_add(run_dir: str, name: str | None, from_yaml: str | None, wait_s
         _wait_for_added(Path(run_dir), part, wait_s, until)
 
 
-def _partition_from(name: str | None, from_yaml: str | None, fields: dict) -> Partition:
+def _run_scheduler(run_dir: Path) -> str:
+    """The scheduler of the run's rollout partitions where they all have the same (an embedded
+    run's ``local``), else ``ADD_SCHEDULER``."""
+    from astraflow.runtime.control import read_desired_file
+
+    try:
+        parts, _ = read_desired_file(RunPaths(run_dir))
+    except (OSError, ValueError):  # not a run, or its file damaged: add_partition says so
+        return ADD_SCHEDULER
+    kinds = {p.scheduler for p in parts.values() if p.role == "rollout"}
+    return kinds.pop() if len(kinds) == 1 else ADD_SCHEDULER
+
+
+def _partition_from(name: str | None, from_yaml: str | None, fields: dict, scheduler: str) -> Partition:
     """The partition to add: ``--from-yaml``'s fields, then NAME and the options given on the
-    command line over them; invalid fields are a `UserError` naming each."""
+    command line over them (``scheduler`` where none names one); invalid fields are a
+    `UserError` naming each."""
     import yaml
     from pydantic import ValidationError
 
@@ -118,10 +137,11 @@ def _partition_from(name: str | None, from_yaml: str | None, fields: dict) -> Pa
         data["name"] = name
     if "name" not in data:
         raise UserError("give the partition NAME (or a `name:` in --from-yaml)")
-    data.setdefault("scheduler", ADD_SCHEDULER)
     for key, value in fields.items():
         if value is not None and value != ():
             data[key] = list(value) if key == "sbatch_options" else value
+    if "scheduler" not in data:  # options only Slurm has name it
+        data["scheduler"] = "slurm" if any(k in data for k in SLURM_ONLY) else scheduler
     bools = bool_problems(data, Partition)  # `nodes: true` would be taken as 1
     try:
         part = Partition(**data)

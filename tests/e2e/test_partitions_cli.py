@@ -77,6 +77,21 @@ def test_add_writes_the_desired_file(live_run, tmp_path):
     assert (a100.scheduler, a100.nodes, a100.mem, a100.sbatch_options) == ("slurm", 2, "4G", ("--qos=high",))
 
 
+def test_an_added_partition_takes_the_scheduler_of_the_runs_rollout_partitions(live_run):
+    """An embedded run (every rollout partition local) gets a local partition, not a Slurm job
+    sent to whatever Slurm this machine has; options only Slurm has still mean Slurm."""
+    parts, _ = read_desired_file(live_run)
+    write_desired(live_run, [parts["data"], parts["trainer"], Partition(name="cpu", role="rollout")])
+    code, out = _invoke("partitions", "add", str(live_run.root), "more", "--wait", "0")
+    assert code == 0 and "1 local worker(s)" in out, out
+    code, out = _invoke("partitions", "add", str(live_run.root), "gpu", "--slurm-partition", "h100", "--wait", "0")
+    assert code == 0, out
+    parts, _ = read_desired_file(live_run)
+    assert (parts["more"].scheduler, parts["gpu"].scheduler) == ("local", "slurm")
+    code, out = _invoke("partitions", "add", str(live_run.root), "--help")
+    assert "the scheduler of the run's rollout" in " ".join(out.split())
+
+
 def test_partitions_add_takes_settings_and_refuses_bad_ones(live_run, tmp_path):
     (tmp_path / "bad.yaml").write_text("name: a100\nrollout: {engine: {max_batch: 0}}\n")
     code, out = _invoke("partitions", "add", str(live_run.root), "--from-yaml", str(tmp_path / "bad.yaml"), "--wait", "0")
