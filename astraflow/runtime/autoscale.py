@@ -184,6 +184,9 @@ class Slot:
     bounds: AutoscaleBounds
     settling: int = 0
     """Its workers still submitted, placing, starting or draining, or wanted but not submitted."""
+    stuck: int = 0
+    """Its workers submitted longer ago than a worker's start deadline and not joined yet (a queue
+    that holds them): not waited for, and the partition is not grown while they wait."""
 
 
 @dataclass(frozen=True)
@@ -363,7 +366,8 @@ class Autoscaler:
         skipping slots in their cooldown and changing at most ``most`` workers (the count and why
         not more); hold, saying why, when none can change."""
         order = slots if sign > 0 else list(reversed(slots))
-        room = [s for s in order if (s.desired < s.bounds.max_nodes if sign > 0 else s.desired > s.bounds.min_nodes)]
+        room = [s for s in order if (s.desired < s.bounds.max_nodes and not s.stuck if sign > 0
+                                     else s.desired > s.bounds.min_nodes)]
         spare, held = most or (self.cfg.step_nodes, "")
         if room and spare <= 0:
             return Decision("hold", f"{why}, but {held}", values, now)
@@ -374,6 +378,8 @@ class Autoscaler:
             if room:
                 left = min(s.bounds.cooldown_s - (now - self.changed_at[s.name]) for s in room)
                 state = f"cooling down ({left:.0f} s left)"
+            elif sign > 0 and any(s.stuck for s in slots):
+                state = "at max_nodes or has workers its queue holds back"
             else:
                 state = f"at {'max_nodes' if sign > 0 else 'min_nodes'}"
             return Decision("hold", f"{why}, but every autoscaled partition is {state}", values, now)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -75,17 +76,22 @@ class AutoscaleDriver:
         #: run (its trainers past v0 from the start) are not a signal either
         self.first_versions: dict[str, int] = {}
 
-    def slots(self) -> list[Slot]:
+    def slots(self, now: float | None = None) -> list[Slot]:
         """The active rollout partitions with bounds, in the desired set's order; a worker still
-        starting or draining, or one not even submitted yet, counts as settling."""
+        starting or draining, or one not even submitted yet, counts as settling; one submitted
+        longer ago than ``cluster.worker_start_timeout_s`` and not joined (a queue that holds it)
+        as stuck: the autoscaler grows another partition rather than wait for it for ever."""
+        now = time.time() if now is None else now
+        deadline = self.parts.cluster.worker_start_timeout_s
         out = []
         for name, part in self.parts.partitions.items():
             if part.autoscale is None or part.role != "rollout" or self.parts.state[name].state != "active":
                 continue
             mine = [w for w in self.fleet.in_partition(name) if not w.gone]
-            settling = sum(1 for w in mine if w.phase in SETTLING)
+            stuck = sum(1 for w in mine if w.phase == "submitted" and now - w.since > deadline)
+            settling = sum(1 for w in mine if w.phase in SETTLING) - stuck
             unsubmitted = part.nodes - sum(1 for w in mine if not w.draining)  # e.g. refill backoff after a failure
-            out.append(Slot(name, part.nodes, part.autoscale, settling + max(unsubmitted, 0)))
+            out.append(Slot(name, part.nodes, part.autoscale, settling + max(unsubmitted, 0), stuck))
         return out
 
     def fixed(self) -> int:
@@ -105,7 +111,7 @@ class AutoscaleDriver:
         for policy, st in tick.trainers.items():
             self.first_versions.setdefault(policy, int(st.get("version", 0)))
         self.scaler.observe(sample_of(tick, now, self.first_versions))
-        decision = self.scaler.decide(now, self.slots(), self.fixed())
+        decision = self.scaler.decide(now, self.slots(now), self.fixed())
         if decision.action != "hold":
             decision = self._apply(decision)
         self.last = decision

@@ -316,3 +316,40 @@ def test_partitions_add_refuses_a_vllm_partition_where_vllm_is_not_installed(tmp
     assert "gpus" not in read_desired_file(paths)[0]
     add_partition(paths.root, Partition(name="cpus", nodes=1))  # the run's own engine: accepted
     assert "cpus" in read_desired_file(paths)[0]
+
+
+def test_a_worker_its_queue_holds_back_does_not_stop_the_next_partition_growing(tmp_path):
+    """The first partition's added worker stays submitted past the start deadline (a Slurm queue
+    that holds it): the autoscaler stops waiting for it and grows the next partition instead."""
+    import time
+
+    paths = RunPaths(tmp_path / "run").make()
+    a = Partition(name="a", nodes=2, autoscale={"min_nodes": 1, "max_nodes": 3, "cooldown_s": 0})
+    b = Partition(name="b", nodes=0, autoscale={"min_nodes": 0, "max_nodes": 2, "cooldown_s": 0})
+    write_desired(paths, [a, b])
+    cluster = ClusterConfig(worker_start_timeout_s=60)
+    pset = PartitionSet([a, b], paths, cluster, Progress(enabled=False))
+
+    def worker(i: int, phase: str) -> Worker:
+        name = f"rollout-a-local-cpu-{i}"
+        return Worker(job=JobRef(job_id=f"local-{i}", partition="a", worker_name=name, kind="local", log=None),
+                      partition="a", phase=phase)
+
+    t0 = time.time()
+    queued = worker(1, "submitted")
+    fleet = _Fleet([worker(0, "serving"), queued])
+    driver = AutoscaleDriver(AutoscaleConfig(window_s=5.0), paths, pset, fleet, Progress(enabled=False))
+
+    def step(t: float):
+        tick = Tick(data_layer={"counts": {"solver": {"consumed": int(10 * t), "stale_dropped": 0}}},
+                    trainers={"solver": {"version": 3 if t == 0 else 4, "done": False, "wait_total_s": 0.9 * t}})
+        return driver.step(tick, now=t0 + t)
+
+    step(0.0)  # the trainer first seen at v3, then stepping on
+    early = [step(float(t)) for t in range(1, 8)]  # within the deadline: it is waited for
+    assert all("waiting for 1 worker(s) to start" in d.reason for d in early), [d.reason for d in early]
+    queued.since = t0 - 120  # submitted two minutes ago and still not joined
+    later = [step(float(t)) for t in range(8, 20)]
+    adds = [(d.partition, d.desired, d.target) for d in later if d.action == "add"]
+    assert adds and adds[0] == ("b", 0, 1), [d.reason for d in later]
+    assert read_desired_file(paths)[0]["a"].nodes == 2  # not grown further while its worker waits
