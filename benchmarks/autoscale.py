@@ -44,6 +44,7 @@ def config(kind: str, args: argparse.Namespace, out: Path) -> Path:
     data["run"].update(max_steps=args.steps, timeout_s=600)
     data["policies"][0]["trainer"]["sim_step_schedule"] = {2: 0.05, args.steps // 2 + 1: args.slow_step}
     data["autoscale"].update(window_s=args.window, enabled=kind == "autoscaled")
+    data["autoscale"].pop("memory_s", None)  # the default memory (the example shortens it for its demo)
     rollout = data["partitions"][2]
     rollout["nodes"] = args.max_nodes if kind == "fixed-max" else 1
     rollout["autoscale"] = {"min_nodes": 1, "max_nodes": args.max_nodes, "cooldown_s": 2}
