@@ -45,12 +45,13 @@ SETTINGS = {
 def run_one(work: Path, setting: str, admission: str, steps: int, repeat: int) -> dict:
     from astraflow.config import load_config
     from astraflow.runtime.launch import launch
+    from benchmarks.run_checks import require_completed
 
     overrides = {**SETTINGS[setting], "dataflow.admission": admission, "run.max_steps": steps,
                  "workload.eval.every": steps, "cluster.dashboard_port": 0, "run.seed": repeat}
     cfg = load_config(ROOT / "examples" / "math" / "config.yaml", [f"{k}={v}" for k, v in overrides.items()])
     run_dir = work / f"{setting}-{admission}-{repeat}"
-    launch(cfg, run_dir, quiet=True)
+    require_completed(launch(cfg, run_dir, quiet=True), run_dir, steps, f"{setting} {admission} (run {run_dir})")
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     step_lines = [x for x in lines if "accepted" in x]
     evals = [x for x in lines if "eval_accuracy" in x]

@@ -86,11 +86,13 @@ def last_step_line(run_dir: Path) -> dict:
 
 def run_variant(model: Path, work: Path, name: str, dataflow: dict, steps: int, seed: int, lr: float) -> dict:
     from astraflow.runtime.launch import launch
+    from benchmarks.run_checks import require_completed
 
     run_dir = work / name
     t0 = time.perf_counter()
     result = launch(make_config(model, name, dataflow, steps, seed, lr), run_dir, quiet=True)
     wall = time.perf_counter() - t0
+    require_completed(result, run_dir, steps, f"variant {name}")
     last = last_step_line(run_dir)
     evals = sorted(result.eval, key=lambda e: e["step"])
     return {
@@ -116,9 +118,14 @@ def main() -> None:
     ap.add_argument("--warm-start-steps", type=int, default=220, help="steps of supervised warm start")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-4, help="trainer learning rate")
-    ap.add_argument("--only", nargs="*", help="variant names to run (default: all)")
+    names = [n for n, _ in VARIANTS]
+    ap.add_argument("--only", nargs="+", choices=names, metavar="VARIANT",
+                    help=f"variants to run (default: all): {', '.join(names)}; vanilla, the baseline of the "
+                         "ratios, always runs")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
     args = ap.parse_args()
+    if args.only and "vanilla" not in args.only:
+        args.only.append("vanilla")  # the ratios are to vanilla: without it RESULT would have none
 
     from rich.console import Console
     from rich.table import Table

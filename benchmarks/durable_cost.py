@@ -61,7 +61,8 @@ def main() -> None:
         "steps_per_s_ratio_durable_vs_not": round(mean(True, "steps_per_s") / mean(False, "steps_per_s"), 3),
         "episodes_per_s_ratio_durable_vs_not": round(mean(True, "episodes_per_s") / mean(False, "episodes_per_s"), 3),
         "durable_steps_per_s": round(mean(True, "steps_per_s"), 3), "plain_steps_per_s": round(mean(False, "steps_per_s"), 3),
-        "snapshots_per_step": round(mean(True, "snap_writes") / args.steps, 1),
+        # per step actually taken (a run's last step line), not per step asked for
+        "snapshots_per_step": round(mean(True, "snap_writes") / max(mean(True, "steps"), 1), 1),
         "calls_per_snapshot": round(mean(True, "snap_commits") / max(mean(True, "snap_writes"), 1), 2),
         "steps": args.steps, "repeats": args.repeats,
     }))

@@ -15,7 +15,9 @@ Slurm jobs in partition h100), driven through the real CLI while it trains:
    (``--admission prefetch`` runs the former admission rule for comparison; with ``version``
    more nodes than the trainer can use are left idle rather than rolling out stale work).
 
-Brings up the local Slurm (tests/slurm/local_slurm.sh) when none answers, and stops it if it did.
+Brings up the local Slurm (tests/slurm/local_slurm.sh) when none answers, and stops it after if
+it did, unless ``squeue`` then lists a job that is not this run's (someone else is using it: it is
+left running, and said so). Its scratch directory (``/tmp/af-elastic-*``) is removed at exit.
 
     python benchmarks/elastic.py [--window 8] [--admission version|prefetch]
 """
@@ -23,8 +25,10 @@ Brings up the local Slurm (tests/slurm/local_slurm.sh) when none answers, and st
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from schedulers.slurm import SlurmScheduler  # noqa: E402
+from schedulers.slurm import SlurmScheduler, run_tag  # noqa: E402
+from schedulers.slurm_cli import SlurmCommandError, run_slurm  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
 
@@ -85,8 +90,42 @@ def add_and_time(run_dir: Path, name: str, *opts: str) -> float:
     return time.time() - t0
 
 
+def others_in_squeue(tag: str) -> list[str] | None:
+    """Ids of the jobs ``squeue`` lists (any state) that are not this run's (``--comment`` ``tag``);
+    None when squeue did not answer."""
+    try:
+        data = json.loads(run_slurm(["squeue", "--json", "--states=all"], timeout=30))
+    except (SlurmCommandError, ValueError):
+        return None
+    return [str(j.get("job_id")) for j in data.get("jobs", []) if j.get("comment") != tag]
+
+
+def stop_local_slurm(tag: str) -> None:
+    """Stop the local Slurm this benchmark started, only when no one else has submitted to it
+    meanwhile: stopping it would kill their jobs."""
+    others = others_in_squeue(tag)
+    if others is None:
+        print("left the local Slurm running: squeue did not answer, so whether others use it is unknown; "
+              "stop it with: bash tests/slurm/local_slurm.sh stop", file=sys.stderr)
+    elif others:
+        print(f"left the local Slurm running: squeue lists {len(others)} job(s) not this run's "
+              f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); stop it when they are done with: "
+              "bash tests/slurm/local_slurm.sh stop", file=sys.stderr)
+    else:
+        subprocess.run(["bash", str(ROOT / "tests" / "slurm" / "local_slurm.sh"), "stop"], check=True, timeout=60)
+
+
+def log_tail(log: Path, lines: int = 20) -> None:
+    """The end of the run's log on stderr (the scratch directory that holds it is removed at exit)."""
+    try:
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return
+    print(f"the last lines of the run's log ({log}, removed at exit):", *tail, sep="\n", file=sys.stderr)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--window", type=float, default=8.0, help="seconds per throughput measurement")
     ap.add_argument("--admission", choices=["version", "prefetch"], default="version",
                     help="dataflow.admission of the run")
@@ -97,6 +136,7 @@ def main() -> None:
         subprocess.run(["bash", str(ROOT / "tests" / "slurm" / "local_slurm.sh"), "start"], check=True, timeout=300)
         started_slurm = True
     tmp = Path(tempfile.mkdtemp(prefix="af-elastic-"))
+    atexit.register(shutil.rmtree, tmp, True)  # at exit, also after a failure or Ctrl-C
     run_dir, model = tmp / "run", tmp / "model"
     subprocess.run([sys.executable, "-m", "astraflow", "model", "init", str(model), "--preset", "tiny"],
                    check=True, env=ENV, cwd=ROOT, capture_output=True, timeout=300)
@@ -122,6 +162,10 @@ def main() -> None:
         res["seconds_to_drain"] = time.time() - t0
         res["drain_seconds_orchestrator"] = status(run_dir)["partitions"]["h100"]["drain_seconds"]
         res["traj_per_s_a100_only"] = rate(run_dir, args.window)
+    except BaseException:
+        log.flush()
+        log_tail(tmp / "run.log")
+        raise
     finally:
         run.send_signal(signal.SIGINT)
         try:
@@ -132,8 +176,9 @@ def main() -> None:
         if tag is not None:  # any worker job of this run still queued (none after a clean stop)
             sched = SlurmScheduler(tmp / "jobs", tag=tag)
             sched.cancel([j.job_id for j in sched.jobs() if j.active])
+        log.close()
         if started_slurm:
-            subprocess.run(["bash", str(ROOT / "tests" / "slurm" / "local_slurm.sh"), "stop"], check=True, timeout=60)
+            stop_local_slurm(run_tag(run_dir))
     summary = json.loads((run_dir / "summary.json").read_text())
     ledger = summary["ledger"]
     res["lost_tasks"] = int(ledger["open"]) + sum(ledger.get("failed_by_reason", {}).values())

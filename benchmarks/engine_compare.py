@@ -72,14 +72,14 @@ async def go_warm(engine, prompts, params) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=512)
+    ap.add_argument("--prompts", type=int, default=512, help="requests per engine and repetition")
     ap.add_argument("--capacity", type=int, default=128, help="requests in flight")
     ap.add_argument("--max-batch", type=int, default=64, help="engine batch size (both engines)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per request at most")
+    ap.add_argument("--preset", default="tiny", choices=["tiny", "small"], help="model size preset")
     ap.add_argument("--threads", type=int, default=1, help="engine threads (torch for hf, OpenMP for vLLM's CPU build)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0, help="model init and sampling seed")
+    ap.add_argument("--reps", type=int, default=3, help="alternating hf/vLLM repetitions (median ratio reported)")
     args = ap.parse_args()
 
     import torch
@@ -96,19 +96,22 @@ def main() -> None:
         ap.error(str(err))  # exit 2, no traceback
     (ROOT / "benchmarks" / "out").mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="engine-compare-", dir=ROOT / "benchmarks" / "out"))
-    model_dir = init_model(work / "model", preset=args.preset, seed=args.seed)
-    tok = load_tokenizer(model_dir)
-    wl = make_workload("math", {"digits": 2}, 0)
-    train = wl.tasks("train")
-    prompts = [tok.encode(wl.render_prompt(train[i % len(train)])) for i in range(args.prompts)]
+    try:  # the scratch model goes on a failure or Ctrl-C too
+        model_dir = init_model(work / "model", preset=args.preset, seed=args.seed)
+        tok = load_tokenizer(model_dir)
+        wl = make_workload("math", {"digits": 2}, 0)
+        train = wl.tasks("train")
+        prompts = [tok.encode(wl.render_prompt(train[i % len(train)])) for i in range(args.prompts)]
 
-    rows = []
-    for rep in range(args.reps):
-        order = ("hf", "vllm") if rep % 2 == 0 else ("vllm", "hf")
-        res = {e: run_engine(e, model_dir, prompts, args) for e in order}
-        rows.append(res)
-        print(f"rep {rep + 1}/{args.reps}: hf {res['hf']['tokens_per_s']:.0f} tok/s, "
-              f"vllm {res['vllm']['tokens_per_s']:.0f} tok/s", flush=True)
+        rows = []
+        for rep in range(args.reps):
+            order = ("hf", "vllm") if rep % 2 == 0 else ("vllm", "hf")
+            res = {e: run_engine(e, model_dir, prompts, args) for e in order}
+            rows.append(res)
+            print(f"rep {rep + 1}/{args.reps}: hf {res['hf']['tokens_per_s']:.0f} tok/s, "
+                  f"vllm {res['vllm']['tokens_per_s']:.0f} tok/s", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
     table = Table(title=f"engines ({args.prompts} prompts, {args.capacity} in flight, batch {args.max_batch}, "
                         f"{args.max_new_tokens} new tokens, {args.preset} model, {args.threads} thread(s); {build_name()})")
@@ -123,7 +126,6 @@ def main() -> None:
             table.add_row(str(i + 1) if e == "hf" else "", e, str(r["tokens"]), f"{r['seconds']:.2f}",
                           f"{r['tokens_per_s']:.0f}", f"{ratio:.2f}" if e == "vllm" else "")
     Console().print(table)
-    shutil.rmtree(work, ignore_errors=True)
     print("RESULT " + json.dumps({
         "vllm_vs_hf_tokens_per_s": round(statistics.median(ratios), 3),
         "ratios": [round(r, 3) for r in ratios],

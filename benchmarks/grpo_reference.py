@@ -84,7 +84,13 @@ def parse_args(argv=None):
     p.add_argument("--compare-run", default=None, metavar="RUN_DIR",
                    help="an `astraflow run` directory (e.g. the main example's): compare its held-out "
                         "accuracy curve with this run's per minute of RL")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    from benchmarks.run_checks import cuda_problem
+
+    problem = cuda_problem(args.device)
+    if problem:  # else the engine fails with a traceback after the warm start
+        p.error(problem)
+    return args
 
 
 def _gain30_minutes(curve: list[tuple[float, float]], smooth: int = 1) -> float | None:

@@ -5,6 +5,8 @@ CPU model) through ``astraflow.runtime.launch`` (the code path of ``astraflow ru
 ``--set``-style overrides and reads back, from its run directory, trainer steps per second
 between the first and the last step (model loading and the first evaluation excluded),
 episodes per second, the held-out accuracy at the end, and the summary.
+
+A run that stopped early (Ctrl-C, ``astraflow stop``) ends the benchmark (``require_completed``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from benchmarks.run_checks import require_completed  # noqa: E402
+
 
 def run_main_example(run_dir: Path, overrides: dict[str, Any], steps: int, seed: int) -> dict[str, Any]:
     """One run of the main example (``steps`` trainer steps, one evaluation at the end)."""
@@ -31,7 +35,8 @@ def run_main_example(run_dir: Path, overrides: dict[str, Any], steps: int, seed:
     sets = {"run.max_steps": steps, "workload.eval.every": steps, "cluster.dashboard_port": 0, "run.seed": seed,
             **overrides}
     cfg = load_config(ROOT / "examples" / "math" / "config.yaml", [f"{k}={v}" for k, v in sets.items()])
-    launch(cfg, run_dir, quiet=True)
+    result = launch(cfg, run_dir, quiet=True)
+    summary = require_completed(result, run_dir, steps, f"the run in {run_dir}")
     address = json.loads((run_dir / "control" / "orchestrator.json").read_text()).get("scheduler", "")
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     step_lines = [x for x in lines if "accepted" in x]
@@ -42,4 +47,4 @@ def run_main_example(run_dir: Path, overrides: dict[str, Any], steps: int, seed:
             "steps_per_s": (last["step"] - first["step"]) / seconds,
             "episodes_per_s": (last["rollouts_generated"] - first["rollouts_generated"]) / seconds,
             "acc_after": evals[-1]["eval_accuracy"] if evals else float("nan"),
-            "summary": json.loads((run_dir / "summary.json").read_text())}
+            "summary": summary}

@@ -75,6 +75,7 @@ from astraflow.training.config import ModelInit  # noqa: E402
 
 from astraflow.workloads.config import WorkloadConfig  # noqa: E402
 from astraflow.runtime.launch import build_model, launch  # noqa: E402
+from benchmarks.run_checks import require_completed  # noqa: E402
 
 
 def make_config(args, workdir: Path, models: dict[str, Path], mode: str, two: bool, seed: int = 0) -> dict:
@@ -202,8 +203,8 @@ def run_one(label: str, cfg_dict: dict, run_dir: Path, console: Console) -> dict
     finally:
         sampler.stop()
     wall = time.time() - t0
+    summary = require_completed(result, run_dir, cfg.run.max_steps, f"{label} (run {run_dir})")
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((run_dir / "summary.json").read_text())
     evals = [x for x in lines if "eval_accuracy" in x]
     final = max(evals, key=lambda x: x["step"])
     span, n = step_span(lines)
@@ -232,13 +233,13 @@ def run_one(label: str, cfg_dict: dict, run_dir: Path, console: Console) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--digits", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=16, help="trainer steps per policy and run (the same in every mode)")
+    ap.add_argument("--batch", type=int, default=64, help="sequences per trainer batch (also the engine batch)")
+    ap.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO group size)")
+    ap.add_argument("--digits", type=int, default=2, help="digits of the addition problems")
     ap.add_argument("--lr", type=float, default=1e-4, help="RL lr (>= 5e-4 wrecks a partly trained tiny policy)")
-    ap.add_argument("--eval-prompts", type=int, default=200)
-    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--eval-prompts", type=int, default=200, help="held-out problems per evaluation")
+    ap.add_argument("--preset", default="tiny", help="model size preset of both policies")
     # bounds in steps, not seconds: the warm starts are seeded, so every machine builds the same models
     ap.add_argument("--solver-steps", type=int, default=1226,
                     help="upper bound of the solver's warm start (optimiser steps; 1,226 gives 0.19)")

@@ -39,6 +39,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -250,14 +251,14 @@ def print_tables(rows: list[dict], args, n: int, plain: bool = True) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--groups", type=int, default=200)
-    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--groups", type=int, default=200, help="prompts rolled out per path and repetition")
+    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     ap.add_argument("--capacity", type=int, default=128, help="episodes in flight (both paths)")
     ap.add_argument("--max-batch", type=int, default=64, help="engine batch size (both paths)")
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--preset", default="tiny", choices=["tiny", "small"])
-    ap.add_argument("--digits", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated per sample at most")
+    ap.add_argument("--preset", default="tiny", choices=["tiny", "small"], help="model size preset")
+    ap.add_argument("--digits", type=int, default=2, help="digits of the addition problems (prompt length)")
+    ap.add_argument("--seed", type=int, default=0, help="model init and sampling seed")
     ap.add_argument("--reps", type=int, default=3, help="alternating bare/RaaS repetitions (median reported)")
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"],
                     help="the engine of both paths (vllm: needs vLLM installed, e.g. the venv of tests/run_vllm.sh)")
@@ -272,6 +273,11 @@ def main() -> None:
     ap.add_argument("--in-process", action="store_true",
                     help="run the node's engine inside its worker process (rollout.engine.process: false)")
     args = ap.parse_args()
+    from benchmarks.run_checks import cuda_problem
+
+    problem = cuda_problem(args.device)
+    if problem:  # else the bare engine's child fails with a traceback and this process with EOFError
+        ap.error(problem)
     if args.engine == "vllm":
         from astraflow.rollout.vllm_setup import require_vllm
 
@@ -280,11 +286,42 @@ def main() -> None:
         except ValueError as err:
             ap.error(str(err))  # exit 2 before anything starts, no traceback
 
+    (ROOT / "benchmarks" / "out").mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="rollout-overhead-", dir=ROOT / "benchmarks" / "out"))
+    try:  # the scratch directory goes on a failure or Ctrl-C too
+        rows = measure(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    n = args.groups * args.group_size
+    print_tables(rows, args, n, plain=not args.tls_only)
+    # medians of the repetitions, each figure its own (an even count averages the middle two)
+    ratio, tls_ratio = statistics.median(x["ratio"] for x in rows), statistics.median(x["tls_ratio"] for x in rows)
+    bare_tps = statistics.median(x["bare_tokens"] / x["bare_s"] for x in rows)
+    raas_tps = statistics.median(x["raas_tokens"] / x["raas_s"] for x in rows)
+    overhead_ms = statistics.median(1000 * x["c"]["write_s"] / max(x["c"]["episodes"], 1) for x in rows)
+    print(f"median of {len(rows)}: ratio {ratio:.3f}, TLS/plain TCP {tls_ratio:.3f}; per-trajectory store write+index "
+          f"{overhead_ms:.2f} ms (lease calls overlap decoding and are not counted)")
+    print("RESULT " + json.dumps({
+        "ratio_vs_bare_engine": round(ratio, 3),
+        "ratios": [round(x["ratio"], 3) for x in rows],
+        "tls_vs_plain_tcp": round(tls_ratio, 3),
+        "tls_vs_plain_tcp_ratios": [round(x["tls_ratio"], 3) for x in rows],
+        "bare_tokens_per_s": round(bare_tps, 1),
+        "raas_tokens_per_s": round(raas_tps, 1),
+        "overhead_ms_per_trajectory": round(overhead_ms, 3),
+        "episodes": int(rows[-1]["c"]["episodes"]),
+        "engine_process": not args.in_process,
+        "engine": args.engine,
+        "cpu_bind": args.cpu_bind,
+        "device": args.device,
+    }))
+
+
+def measure(args, work: Path) -> list[dict]:
+    """The repetitions, each a (bare, RaaS, RaaS plain TCP) triple, with their scratch under ``work``."""
     from astraflow.models import init_model
     from astraflow.workloads.base import make_workload
 
-    (ROOT / "benchmarks" / "out").mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="rollout-overhead-", dir=ROOT / "benchmarks" / "out"))
     model_dir = init_model(work / "model", preset=args.preset, seed=args.seed)
     wl = make_workload("math", {"digits": args.digits}, 0)
     from transformers import AutoTokenizer
@@ -317,29 +354,7 @@ def main() -> None:
         print(f"rep {rep + 1}/{args.reps}: ratio {rows[-1]['ratio']:.3f}, TLS/plain {rows[-1]['tls_ratio']:.3f}",
               flush=True)
 
-    print_tables(rows, args, n, plain=not args.tls_only)
-    med = sorted(rows, key=lambda x: x["ratio"])[len(rows) // 2]
-    c = med["c"]
-    bare_tps, raas_tps = med["bare_tokens"] / med["bare_s"], med["raas_tokens"] / med["raas_s"]
-    overhead_ms = 1000 * c["write_s"] / max(c["episodes"], 1)
-    tls_ratio = sorted(x["tls_ratio"] for x in rows)[len(rows) // 2]
-    print(f"median of {len(rows)}: ratio {med['ratio']:.3f}, TLS/plain TCP {tls_ratio:.3f}; per-trajectory store write+index "
-          f"{overhead_ms:.2f} ms (lease calls overlap decoding and are not counted)")
-    shutil.rmtree(work, ignore_errors=True)
-    print("RESULT " + json.dumps({
-        "ratio_vs_bare_engine": round(med["ratio"], 3),
-        "ratios": [round(x["ratio"], 3) for x in rows],
-        "tls_vs_plain_tcp": round(tls_ratio, 3),
-        "tls_vs_plain_tcp_ratios": [round(x["tls_ratio"], 3) for x in rows],
-        "bare_tokens_per_s": round(bare_tps, 1),
-        "raas_tokens_per_s": round(raas_tps, 1),
-        "overhead_ms_per_trajectory": round(overhead_ms, 3),
-        "episodes": int(c["episodes"]),
-        "engine_process": not args.in_process,
-        "engine": args.engine,
-        "cpu_bind": args.cpu_bind,
-        "device": args.device,
-    }))
+    return rows
 
 
 if __name__ == "__main__":

@@ -70,9 +70,10 @@ def _in_fresh_process(root: str, segment: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--entries", type=int, default=1_000_000)
-    ap.add_argument("--bound", type=int, default=50_000)
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
+    ap.add_argument("--entries", type=int, default=1_000_000, help="trajectories written, both ways")
+    ap.add_argument("--bound", type=int, default=50_000,
+                    help="rollout.segment_max_entries of the bounded side (entries per segment)")
     ap.add_argument("--measure", nargs=2, metavar=("ROOT", "SEGMENT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:

@@ -28,6 +28,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from itertools import product
 from pathlib import Path
 
@@ -51,7 +52,9 @@ def parse_args(argv=None):
                    help="also compare this earlier `astraflow run` directory (repeatable)")
     p.add_argument("--reference-result", action="append", default=[], metavar="LOG",
                    help="also compare this earlier reference run (a file holding its RESULT line; repeatable)")
-    p.add_argument("--workdir", default="runs/system_vs_reference", help="run directories and logs go here")
+    p.add_argument("--workdir", default=None,
+                   help="run directories and logs go here (default: a fresh runs/system_vs_reference/<timestamp>; "
+                        "an existing one must not hold the run directories already)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config overrides for the system runs (as `astraflow run --set`)")
     p.add_argument("--reference-extra-seconds", type=float, default=20.0,
@@ -133,14 +136,30 @@ def compare_pairs(systems: list[tuple[str, Path]], references: list[tuple[str, d
     }
 
 
+def fresh_workdir(parent: Path) -> Path:
+    """A new directory under ``parent`` named by the time (``-2``, ... when taken), so that every
+    run without ``--workdir`` has run directories of its own."""
+    parent.mkdir(parents=True, exist_ok=True)
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+    while True:
+        work = parent / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            work.mkdir()
+            return work
+        except FileExistsError:
+            n += 1
+
+
 def main(argv=None) -> dict:
     a = parse_args(argv)
     console = Console()
     cfg = load_config(ROOT / a.config, a.overrides)
     pol = cfg.policies[0]
     model_dir = Path(pol.model)
-    work = ROOT / a.workdir
+    work = ROOT / a.workdir if a.workdir else fresh_workdir(ROOT / "runs" / "system_vs_reference")
     work.mkdir(parents=True, exist_ok=True)
+    if a.pairs:
+        console.print(f"run directories and logs under {work}")
     sets = [x for o in a.overrides for x in ("--set", o)]
     ref_args = [
         "--preset", pol.init.preset if pol.init else "mini", "--arch", pol.init.arch if pol.init else "llama",

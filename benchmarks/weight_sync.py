@@ -141,13 +141,18 @@ def pure_bf16_density(cfg, lr, steps, rng) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=2e-6)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=3, help="trainer steps: versions published after v0 (at least 1)")
+    ap.add_argument("--lr", type=float, default=2e-6, help="AdamW learning rate of the fp32-master trainer")
+    ap.add_argument("--batch", type=int, default=4,
+                    help="sequences per step, one GRPO group with random rewards (at least 2)")
+    ap.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
     args = ap.parse_args()
+    if args.batch < 2:  # one sequence's reward is its group's mean: no advantage, no update, an empty delta
+        ap.error(f"--batch {args.batch}: a GRPO group of one has no advantage (nothing would change); use 2 or more")
+    if args.steps < 1:
+        ap.error(f"--steps {args.steps}: at least one step is needed to publish a version to sync")
     torch.set_num_threads(args.threads)
 
     from rich.console import Console

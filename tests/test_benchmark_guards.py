@@ -1,0 +1,96 @@
+"""The benchmarks' guards, without running a benchmark: a run that stopped early is refused
+(``benchmarks/run_checks.py``), a missing GPU is an argument error, argument errors exit 2 before
+anything starts, and the elastic benchmark leaves a local Slurm someone else uses running."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.run_checks import cuda_problem, require_completed, stopped_early
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _result(status: str = "completed", reason: str | None = None, steps: int = 5):
+    """What ``launch`` returns, as far as the guard reads it."""
+    return SimpleNamespace(interrupted=status == "interrupted", ending=SimpleNamespace(status=status, reason=reason),
+                           steps={"solver": steps})
+
+
+def test_a_completed_run_passes():
+    assert stopped_early({"status": "completed", "steps": {"solver": 5}}, 5, _result()) is None
+    # launch started nothing (the directory held a completed run): the summary decides
+    assert stopped_early({"status": "completed", "steps": {"solver": 5}}, 5, None) is None
+
+
+@pytest.mark.parametrize("summary, result, said", [
+    ({"status": "interrupted", "reason": "stopped by SIGINT"}, _result("interrupted", "stopped by SIGINT", 3),
+     "interrupted: stopped by SIGINT"),
+    ({"status": "failed", "reason": "trainer lost"}, None, "'failed': trainer lost"),
+    (None, None, "no summary.json"),
+    ({"status": "completed", "steps": {"solver": 5, "verifier": 2}}, None, "2 of 5 trainer steps"),
+    ({"status": "completed"}, _result(steps=4), "4 of 5 trainer steps"),
+])
+def test_a_run_cut_short_is_named_with_why(summary, result, said):
+    assert said in stopped_early(summary, 5, result)
+
+
+def test_require_completed_exits_with_one_line_and_no_result(tmp_path, capsys):
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "interrupted", "reason": "stopped by SIGINT"}))
+    with pytest.raises(SystemExit) as exc:
+        require_completed(_result("interrupted", "stopped by SIGINT", 2), tmp_path, 5, "fast version")
+    message = str(exc.value.code)
+    assert message.startswith("fast version stopped early (interrupted: stopped by SIGINT)")
+    assert "\n" not in message and "RESULT {" not in capsys.readouterr().out
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "completed", "steps": {"solver": 5}}))
+    assert require_completed(_result(), tmp_path, 5, "x")["status"] == "completed"
+
+
+def test_a_cuda_device_without_a_gpu_is_an_argument_error(monkeypatch):
+    import torch
+
+    assert cuda_problem("cpu") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    said = cuda_problem("cuda:0")
+    assert "--device cuda:0" in said and "--device cpu" in said
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert cuda_problem("cuda:0") is None and "1 CUDA device" in cuda_problem("cuda:1")
+    assert "not a device" in cuda_problem("gpu0")
+
+
+@pytest.mark.parametrize("script, args, said", [
+    ("data_algorithms.py", ["--only", "dynamic_sampl"], "invalid choice: 'dynamic_sampl'"),
+    ("worker_startup.py", ["--rounds", "0"], "at least 1"),
+])
+def test_argument_errors_exit_2_before_anything_starts(script, args, said):
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 2 and said in res.stderr and "Traceback" not in res.stderr
+
+
+def test_elastic_stops_its_local_slurm_only_when_no_one_else_uses_it(monkeypatch, capsys):
+    from benchmarks import elastic
+
+    stopped = []
+    monkeypatch.setattr(elastic.subprocess, "run", lambda cmd, **kw: stopped.append(cmd))
+    listing = {"jobs": [{"job_id": 7, "comment": "astraflow.run.1234abcd"}]}
+    monkeypatch.setattr(elastic, "run_slurm", lambda cmd, timeout: json.dumps(listing))
+    elastic.stop_local_slurm("astraflow.run.1234abcd")  # its own jobs only: stopped
+    assert len(stopped) == 1 and stopped[0][-1] == "stop"
+    listing["jobs"].append({"job_id": 8, "comment": "someone else"})
+    elastic.stop_local_slurm("astraflow.run.1234abcd")
+    assert len(stopped) == 1 and "left the local Slurm running" in capsys.readouterr().err
+
+    def no_answer(cmd, timeout):
+        raise elastic.SlurmCommandError(cmd, 1, "", "down")
+
+    monkeypatch.setattr(elastic, "run_slurm", no_answer)
+    elastic.stop_local_slurm("astraflow.run.1234abcd")
+    assert len(stopped) == 1 and "did not answer" in capsys.readouterr().err
