@@ -240,16 +240,25 @@ class VLLMEngine:
         """Create the ``AsyncLLM`` on ``model_dir`` holding ``version`` (blocks this loop while
         it loads); vLLM labels the tokens it generates with the version from then on. A start
         that fails (a re-creation for an update included) leaves the engine ``dead`` with the
-        reason, so that requests fail with ``EngineProcessError`` and the node restarts it."""
+        reason, so that requests fail with ``EngineProcessError`` and the node restarts it, and
+        raises ``RuntimeError`` with vLLM's message (vLLM's traceback goes to the log): some of
+        vLLM's errors (pydantic's ``ValidationError`` of its config) cannot be pickled, and Dask
+        pickles an error with its cause and context, so a node's start that raised one, or one
+        chained to it, would never report its failure to the scheduler."""
         from astraflow.rollout.vllm_setup import make_async_llm
 
         try:
             self.llm = make_async_llm(model_dir, self.options, **self._engine_kwargs)
             if self.labels_versions:
                 await self.llm.update_weight_version(str(version))
+            return
+        except Exception as err:
+            self._dead = f"starting the vLLM engine on {model_dir} failed: {type(err).__name__}: {err}"
+            log.warning("vLLM engine: %s", self._dead, exc_info=err)
         except BaseException as err:
             self._dead = f"starting the vLLM engine on {model_dir} failed: {type(err).__name__}: {err}"
             raise
+        raise RuntimeError(self._dead)  # outside the handler: no reference to vLLM's error
 
     async def _shutdown(self) -> None:
         """Shut the ``AsyncLLM`` down and reap its engine core (vLLM kills the workers under it)."""

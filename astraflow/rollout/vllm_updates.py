@@ -14,15 +14,20 @@ How a version gets into vLLM (``rollout.engine.vllm.weight_update``):
 
 A silent wrong update is the failure guarded against: after every update the engine scores
 the version's probe sequence (``astraflow.probe``, published by the trainer in the manifest)
-and compares with the trainer's log-probs. An in-place update off by more than
-``probe_tolerance`` is redone by re-creating the engine. If the fresh engine is right, the
-in-place path served wrong weights on this build: a warning names the build and that engine
-re-creates for every later update. If the fresh engine is as far off, the gap is the engine's
-numerics (a bf16 engine against the trainer's fp32 probe), and the tolerance rises to twice it.
+and compares with the trainer's log-probs, and with those of the version it held before: two
+versions a training step apart are often closer than ``probe_tolerance``, so an engine left on
+the old weights would pass a check against the new version alone (``check_probe``). An
+in-place update off by more than ``probe_tolerance``, or nearer the held version than the new
+one, is redone by re-creating the engine. If the fresh engine is right, the in-place path
+served wrong weights on this build: a warning names the build and that engine re-creates for
+every later update. If the fresh engine is as far off, the gap is the engine's numerics (a
+bf16 engine against the trainer's fp32 probe), and the tolerance rises to twice it.
 A version without a probe is loaded unverified (logged once), as is one whose check itself fails
-after its weights are in (logged, recorded as ``unverified``). An in-place load that fails
-part-way leaves the engine ``dead`` (its tensors may mix two versions): its node restarts it
-and loads the newest version. One that fails before touching the weights keeps the old ones.
+after its weights are in (logged, recorded as ``unverified``). The update holds its version
+against retention from before it stops generation: a version retired meanwhile is refused
+with the engine's weights and requests untouched. An in-place load that fails part-way leaves
+the engine ``dead`` (its tensors may mix two versions): its node restarts it and loads the
+newest version. One that fails before touching the weights keeps the old ones.
 
 Asynchronous overlap "weight update vs in-flight generation": an update closes the engine's
 gate (new requests and resumptions wait), then either aborts the running requests, which
@@ -41,8 +46,9 @@ import math
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from astraflow.probe import probe_error
 from astraflow.rollout.weight_sync import VersionReader
@@ -57,19 +63,57 @@ log = logging.getLogger("astraflow.rollout")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".bin.index.json")
 
 
-def judge(err: float, fresh: float, tolerance: float) -> tuple[float, bool]:
+@dataclass(frozen=True)
+class ProbeCheck:
+    """What an engine's scores of a version's probe say: ``err`` nats off the new version's
+    probe; where the held version's probe has the same tokens, ``err_held`` nats off that one
+    and ``apart``, the two probes' distance; ``stale``: the scores are no nearer the new version
+    than the held one, although the two are far enough apart for the engine to tell."""
+
+    err: float
+    err_held: float | None = None
+    apart: float | None = None
+    stale: bool = False
+
+    def passed(self, tolerance: float) -> bool:
+        return self.err <= tolerance and not self.stale
+
+
+def check_probe(probe: Mapping[str, Any], got: Sequence[float], held: Mapping[str, Any] | None = None,
+                noise: float = 0.0) -> ProbeCheck:
+    """Judge an engine's log-probs ``got`` of ``probe["tokens"]`` after an update to ``probe``'s
+    version. ``held``: the probe of the version the engine held before, which it scored
+    ``noise`` nats off when it verified it (its own error on those weights). An engine on
+    either version scores that version's probe about ``noise`` off, so (triangle inequality)
+    the other's at least ``apart - noise``: only versions more than ``2 * noise`` apart can be
+    told apart, closer ones are judged by ``err`` alone. Without ``held``, or with a probe of
+    other tokens (the comparison would mean nothing), only ``err`` is measured."""
+    err = probe_error(probe["logprobs"], got)
+    if held is None or [int(t) for t in held["tokens"]] != [int(t) for t in probe["tokens"]]:
+        return ProbeCheck(err)
+    err_held = probe_error(held["logprobs"], got)
+    apart = probe_error(held["logprobs"], probe["logprobs"])
+    distinct = math.isfinite(apart) and apart > 2 * noise
+    return ProbeCheck(err, err_held, apart, stale=distinct and err_held <= err)
+
+
+def judge(err: float, fresh: float, tolerance: float, stale: bool = False,
+          fresh_stale: bool = False) -> tuple[float, bool]:
     """``(tolerance, wrong)`` after an update off by ``err`` nats whose version a re-created
-    engine scores ``fresh`` nats off. A fresh engine is right by construction: if it is off by
-    more than ``tolerance`` too, the gap is the engine's numerics and the tolerance becomes
-    twice it; ``wrong``: the update was off by more than the resulting tolerance, the update
-    path is to blame. A non-finite ``fresh`` (the version's own weights give NaN or infinite
-    log-probs) blames neither and keeps the tolerance, which would otherwise become infinite
-    and pass every later update unchecked."""
+    engine scores ``fresh`` nats off (``stale``, ``fresh_stale``: the update's and the fresh
+    engine's scores were nearer the version held before, ``ProbeCheck.stale``). A fresh engine
+    is right by construction: if it is off by more than ``tolerance`` too, the gap is the
+    engine's numerics and the tolerance becomes twice it; ``wrong``: the update was off by more
+    than the resulting tolerance, or stale where the fresh engine is not, so the update path is
+    to blame (a fresh engine as stale says the two versions cannot be told apart on it). A
+    non-finite ``fresh`` (the version's own weights give NaN or infinite log-probs) blames
+    neither and keeps the tolerance, which would otherwise become infinite and pass every later
+    update unchecked."""
     if not math.isfinite(fresh):
         return tolerance, False
     if fresh > tolerance:
         tolerance = 2 * fresh
-    return tolerance, err > tolerance
+    return tolerance, err > tolerance or (stale and not fresh_stale)
 
 
 class Updater:
@@ -88,6 +132,11 @@ class Updater:
             raise ValueError(f"rollout.engine.vllm.weight_update: in_place needs vLLM's weight-transfer protocol, "
                              f"which {self.build} lacks; use auto or recreate")
         self.mode = ("in_place" if native else "recreate") if wanted == "auto" else wanted
+        if wanted != "auto":
+            why = "rollout.engine.vllm.weight_update asks for it"
+        else:
+            why = f"auto: the build {'has' if native else 'lacks'} vLLM's weight-transfer protocol"
+        log.info("vLLM engine: weight updates %s on %s (%s)", self.mode, self.build, why)
         self.tolerance = engine.options.probe_tolerance
         self._lock: asyncio.Lock | None = None
         self._queued = 0  # updates scheduled and not yet done: the gate stays closed
@@ -98,6 +147,10 @@ class Updater:
         self._warned_unverified = False
         self._touching = False  # an in-place load is changing the engine's weights
         self._changed = False  # this update has changed the engine's weights (its check may still fail)
+        self._paused = False  # this update has paused generation (to resume if it fails)
+        #: (probe, noise, version) of the version the engine holds, verified: ``noise`` is how far
+        #: off its probe the engine scored it (``check_probe``); None where unverified
+        self._held: tuple[Mapping[str, Any], float, int] | None = None
         self.last_read: dict[str, Any] = {}
 
     # -- called from any thread --------------------------------------------------------------
@@ -121,8 +174,10 @@ class Updater:
         return out
 
     def forget_readers(self) -> None:
-        """A restarted engine holds the model directory again: deltas start from full shards."""
+        """A restarted engine holds the model directory again: deltas start from full shards,
+        and the next check has no verified version to compare with."""
         self._readers.clear()
+        self._held = None
 
     def _report(self, fut: concurrent.futures.Future) -> None:
         if fut.cancelled() or fut.exception() is None:
@@ -154,7 +209,7 @@ class Updater:
                         eng._dead = (f"loading v{version} into the vLLM engine in place failed part-way "
                                      f"({type(err).__name__}: {err}); its weights may be half-updated, so it "
                                      "serves nothing until it is restarted")
-                    elif eng.llm is not None and not eng.llm.errored:
+                    elif self._paused and eng.llm is not None and not eng.llm.errored:
                         await eng.llm.resume_generation()  # nothing changed: keep serving the weights it has
                     raise
                 finally:
@@ -167,27 +222,32 @@ class Updater:
     async def _apply(self, version: int, root: str, policy: str, use_deltas: bool, every: int) -> None:
         eng = self.engine
         t0 = time.time()
-        self._changed = False
-        aborted = await self._quiesce()
-        probe = WeightStore(root).manifest(policy, version).get("meta", {}).get("probe")
-        record: dict[str, Any] = {"policy": policy, "version": version, "mode": self.mode, "engine": "vllm",
-                                  "resumed_requests": aborted}
-        try:
-            await self._load_and_check(version, root, policy, use_deltas, every, probe, record)
-        except Exception as err:
-            if self._touching or not self._changed or eng.dead:
-                raise
-            if record.get("probe_error", 0.0) > self.tolerance:  # measured wrong, and redoing it failed
-                eng._dead = (f"{policy} v{version} was loaded wrong (its probe {record['probe_error']:.3f} nats off) "
-                             f"and re-creating the engine on it failed ({type(err).__name__}: {err}), so it "
-                             "serves nothing until it is restarted")
-                raise
-            # the version's weights are in; only their check failed: serve them under their own
-            # version (the label must name the weights that sample), unverified and said so
-            record["unverified"] = f"{type(err).__name__}: {err}"
-            log.warning("vLLM engine: %s v%d is loaded but checking it failed (%s); it is served unverified",
-                        policy, version, record["unverified"])
-            await eng.llm.resume_generation()
+        self._changed = self._paused = False
+        store = WeightStore(root)
+        # held from before generation stops: a version retired meanwhile is refused here, with the
+        # engine's weights and running requests untouched, and none is retired while it is read
+        with store.hold(policy, version):
+            probe = store.manifest(policy, version).get("meta", {}).get("probe")
+            aborted = await self._quiesce()
+            record: dict[str, Any] = {"policy": policy, "version": version, "mode": self.mode, "engine": "vllm",
+                                      "resumed_requests": aborted}
+            try:
+                await self._load_and_check(version, root, policy, use_deltas, every, probe, record)
+            except Exception as err:
+                if self._touching or not self._changed or eng.dead:
+                    raise
+                if record.get("probe_error", 0.0) > self.tolerance or record.get("stale"):
+                    # measured wrong, and redoing it failed
+                    eng._dead = (f"{policy} v{version} was loaded wrong (its probe {record['probe_error']:.3f} "
+                                 f"nats off) and re-creating the engine on it failed ({type(err).__name__}: {err}), "
+                                 "so it serves nothing until it is restarted")
+                    raise
+                # the version's weights are in; only their check failed: serve them under their own
+                # version (the label must name the weights that sample), unverified and said so
+                record["unverified"] = f"{type(err).__name__}: {err}"
+                log.warning("vLLM engine: %s v%d is loaded but checking it failed (%s); it is served unverified",
+                            policy, version, record["unverified"])
+                await eng.llm.resume_generation()
         eng.serving_version = version
         eng._stats["weight_swaps"] += 1
         record["load_s"] = time.time() - t0
@@ -196,39 +256,58 @@ class Updater:
     async def _load_and_check(self, version: int, root: str, policy: str, use_deltas: bool, every: int,
                               probe: Mapping[str, Any] | None, record: dict[str, Any]) -> None:
         """Load ``version`` the current way, resume the engine's scheduler, check the probe
-        (re-creating on a wrong in-place update); fills ``record``."""
+        against the version's and the held version's (re-creating on a wrong or stale in-place
+        update); fills ``record``."""
         eng = self.engine
+        held_probe, noise, held_version = self._held or (None, 0.0, None)
         if self.mode == "in_place":
             record["read"] = await self._in_place(root, policy, version, use_deltas, every)
         elif self.mode == "reload":
             await self._reload(self._write_model_dir(root, policy, version, use_deltas, every), version)
         else:
             await self._recreate(self._write_model_dir(root, policy, version, use_deltas, every), version)
+        self._held = None  # the weights changed: nothing verified until the check below passes
         if self.mode != "in_place":
             record["read"] = self.last_read
         await eng.llm.resume_generation()
-        if probe is not None:
-            err = record["probe_error"] = await self._probe_error(probe)
-            if err > self.tolerance and self.mode != "recreate":
-                await self._recreate(self._write_model_dir(root, policy, version, use_deltas, every), version)
-                await eng.llm.resume_generation()
-                fresh = record["probe_error_after_fallback"] = await self._probe_error(probe)
-                record["fallback"] = "recreate"
-                self._judge(err, fresh, policy, version)
-            elif err > self.tolerance:
-                log.warning("vLLM engine: %s v%d's probe log-probs are %.3f nats off the trainer's on a freshly "
-                            "created engine (tolerance %.3f)", policy, version, err, self.tolerance)
-        elif not self._warned_unverified:
-            self._warned_unverified = True
-            log.warning("vLLM engine: %s v%d carries no probe (meta.probe) and is loaded unverified", policy, version)
+        if probe is None:
+            if not self._warned_unverified:
+                self._warned_unverified = True
+                log.warning("vLLM engine: %s v%d carries no probe (meta.probe) and is loaded unverified",
+                            policy, version)
+            return
+        # a re-created engine is right by construction: only the tolerance can fault it
+        check = check_probe(probe, await self._score(probe), held_probe if self.mode != "recreate" else None, noise)
+        record["probe_error"] = check.err
+        if check.err_held is not None:
+            record.update(probe_held_version=held_version, probe_error_held=check.err_held, probe_apart=check.apart)
+        if check.stale:
+            record["stale"] = True
+        if not check.passed(self.tolerance) and self.mode != "recreate":
+            await self._recreate(self._write_model_dir(root, policy, version, use_deltas, every), version)
+            await eng.llm.resume_generation()
+            fresh = check_probe(probe, await self._score(probe), held_probe, noise)
+            record["probe_error_after_fallback"] = fresh.err
+            record["fallback"] = "recreate"
+            self._judge(check, fresh, policy, version, held_version)
+            check = fresh
+        elif check.err > self.tolerance:
+            log.warning("vLLM engine: %s v%d's probe log-probs are %.3f nats off the trainer's on a freshly "
+                        "created engine (tolerance %.3f)", policy, version, check.err, self.tolerance)
+        if math.isfinite(check.err):
+            self._held = (probe, check.err, version)
 
-    def _judge(self, err: float, fresh: float, policy: str, version: int) -> None:
-        """After an in-place update off by ``err`` and a re-created engine off by ``fresh`` on
-        the same version: a fresh engine is right by construction, so if it is about as far
-        off, the gap is this engine's numerics (its dtype), not the update: the tolerance rises
-        to twice it and updates stay in place. Otherwise the in-place path served wrong weights
-        on this build: every later update re-creates."""
-        tolerance, wrong = judge(err, fresh, self.tolerance)
+    def _judge(self, check: ProbeCheck, fresh_check: ProbeCheck, policy: str, version: int,
+               held_version: int | None) -> None:
+        """After an in-place update whose probe ``check`` failed and a re-created engine's
+        ``fresh_check`` on the same version: a fresh engine is right by construction, so if it
+        is about as far off, the gap is this engine's numerics (its dtype), not the update: the
+        tolerance rises to twice it and updates stay in place; if it is as near the held
+        version, the two versions cannot be told apart on this engine. Otherwise the in-place
+        path served wrong (or the held version's) weights on this build: every later update
+        re-creates."""
+        err, fresh = check.err, fresh_check.err
+        tolerance, wrong = judge(err, fresh, self.tolerance, check.stale, fresh_check.stale)
         if not math.isfinite(fresh):
             log.warning("vLLM engine: a freshly created engine scores %s v%d's probe with non-finite log-probs: "
                         "the version (its weights or its probe) is broken, not the update", policy, version)
@@ -237,11 +316,19 @@ class Updater:
             log.warning("vLLM engine: a freshly created engine scores %s v%d's probe %.3f nats off the trainer's "
                         "(the engine's dtype, rollout.engine.dtype, against the trainer's fp32 probe): the probe "
                         "tolerance of this engine is now %.3f nats", policy, version, fresh, self.tolerance)
-        if wrong:
+        if wrong and err <= tolerance:  # near the new version, but nearer the held one
+            log.warning("vLLM engine: after the %r update to %s v%d its log-probs of the version's probe were "
+                        "%.3f nats off the trainer's and %.3f off those of v%s, the version it held (a re-created "
+                        "engine: %.3f and %.3f): %s served the held version's weights after a %r update; the engine "
+                        "was re-created on the version, as it will be for every later update", self.mode, policy,
+                        version, err, check.err_held, held_version, fresh, fresh_check.err_held, self.build,
+                        self.mode)
+        elif wrong:
             log.warning("vLLM engine: after the %r update to %s v%d its log-probs of the version's probe were "
                         "%.3f nats off the trainer's (a re-created engine: %.3f): %s served wrong weights after "
                         "a %r update; the engine was re-created on the version, as it will be for every later update",
                         self.mode, policy, version, err, fresh, self.build, self.mode)
+        if wrong:
             self.mode = "recreate"
 
     async def _quiesce(self) -> int:
@@ -254,8 +341,10 @@ class Updater:
         if running and eng.steps_left() >= eng.swap_min_remaining:
             for r in running:
                 r.resume = True
+            self._paused = True
             await eng.llm.pause_generation(mode="abort", clear_cache=True)
             return len(running)
+        self._paused = True
         await eng.llm.pause_generation(mode="wait", clear_cache=True)
         return await self._take_back()
 
@@ -329,9 +418,9 @@ class Updater:
         save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
         return out
 
-    async def _probe_error(self, probe: Mapping[str, Any]) -> float:
-        """Mean absolute difference between the engine's prompt log-probs of the probe tokens
-        and the trainer's."""
+    async def _score(self, probe: Mapping[str, Any]) -> list[float]:
+        """The engine's prompt log-probs of the probe's tokens (``log p(tokens[i] | tokens[:i])``
+        for ``i >= 1``, as the trainer's ``probe["logprobs"]``)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -341,8 +430,7 @@ class Updater:
                                                   SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
                                                   f"probe-{time.monotonic_ns()}"):
             final = out
-        got = [d[t].logprob for d, t in zip(final.prompt_logprobs[1:], tokens[1:])]
-        return probe_error(probe["logprobs"], got)
+        return [d[t].logprob for d, t in zip(final.prompt_logprobs[1:], tokens[1:])]
 
     def close(self) -> None:
         shutil.rmtree(self._scratch, ignore_errors=True)

@@ -13,7 +13,7 @@ import pytest
 
 from astraflow.probe import probe_error
 from astraflow.rollout.vllm_engine import _versions
-from astraflow.rollout.vllm_updates import judge
+from astraflow.rollout.vllm_updates import check_probe, judge
 from tests.conftest import tiny_config
 
 #: the fields of vLLM's weight-version span that ``_versions`` reads
@@ -33,6 +33,45 @@ def test_judge_blames_the_update_only_when_a_fresh_engine_is_right():
     assert judge(0.12, 0.1, 0.05) == (0.2, False)  # both off alike: the engine's numerics, tolerance 2x
     assert judge(0.5, 0.1, 0.05) == (0.2, True)  # off by more than the numerics explain
     assert judge(0.01, 0.0, 0.05) == (0.05, False)
+
+
+#: two versions' probes of the same tokens, 0.02 nats apart (less than the default tolerance, 0.05)
+HELD = {"tokens": [3, 1, 4, 1, 5], "logprobs": [-1.0, -2.0, -3.0, -4.0]}
+NEW = {"tokens": [3, 1, 4, 1, 5], "logprobs": [-1.02, -1.98, -3.02, -3.98]}
+
+
+def test_an_engine_left_on_the_held_version_is_stale_though_within_the_tolerance():
+    check = check_probe(NEW, HELD["logprobs"], HELD, noise=1e-6)
+    assert check.err == pytest.approx(0.02) and check.err_held == 0.0 and check.apart == pytest.approx(0.02)
+    assert check.stale and not check.passed(0.05)
+    assert check_probe(NEW, HELD["logprobs"]).passed(0.05)  # against the new version alone it would pass
+    halfway = [(a + b) / 2 for a, b in zip(HELD["logprobs"], NEW["logprobs"])]
+    assert not check_probe(NEW, halfway, HELD, noise=1e-6).passed(0.05)  # no nearer the new one: rejected
+
+
+def test_an_engine_on_the_new_version_passes_the_relative_check():
+    got = [x + 1e-6 for x in NEW["logprobs"]]
+    check = check_probe(NEW, got, HELD, noise=1e-6)
+    assert not check.stale and check.passed(0.05) and check.err_held == pytest.approx(0.02, abs=1e-5)
+    assert not check_probe(NEW, [x + 0.1 for x in NEW["logprobs"]], HELD, noise=1e-6).passed(0.05)  # tolerance
+
+
+def test_versions_closer_than_the_engines_noise_are_judged_by_the_tolerance_alone():
+    """An engine 0.015 nats off each version it holds cannot tell two versions 0.02 apart."""
+    check = check_probe(NEW, HELD["logprobs"], HELD, noise=0.015)
+    assert not check.stale and check.passed(0.05) and check.apart == pytest.approx(0.02)
+    assert check_probe(HELD, HELD["logprobs"], HELD, noise=0.0).passed(0.05)  # the same weights republished
+
+
+def test_probes_of_other_tokens_are_not_compared():
+    other = {"tokens": [2, 7, 1, 8, 2], "logprobs": HELD["logprobs"]}
+    check = check_probe(NEW, HELD["logprobs"], other, noise=0.0)
+    assert check.err_held is None and check.apart is None and not check.stale and check.passed(0.05)
+
+
+def test_judge_blames_a_stale_update_only_when_the_fresh_engine_tells_the_versions_apart():
+    assert judge(0.02, 0.0, 0.05, stale=True, fresh_stale=False) == (0.05, True)
+    assert judge(0.02, 0.02, 0.05, stale=True, fresh_stale=True) == (0.05, False)  # indistinguishable
 
 
 @pytest.mark.parametrize("fresh", [math.inf, math.nan])
@@ -206,7 +245,7 @@ def test_an_update_that_fails_before_touching_the_weights_keeps_serving_the_old_
     with pytest.raises(VersionNotCommitted):
         run(go())
     assert eng._dead is None
-    assert eng.llm.calls == ["pause", "resume"] and eng.serving_version == 0 and eng._gate.is_set()
+    assert eng.llm.calls == [] and eng.serving_version == 0 and eng._gate.is_set()  # refused before pausing
 
 
 def test_a_reload_that_succeeds_serves_the_new_version(tmp_path):

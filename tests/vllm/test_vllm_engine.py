@@ -2,18 +2,21 @@
 
 One engine serves the whole module, in order: generation on the initial weights, a partial
 rollout across a full update, a finish-then-swap update, a delta update, an engine crash and
-restart. The tests share it because each engine start costs seconds on the CPU build.
+restart, a version retention would retire mid-update, an in-place update that changes nothing.
+The tests share it because each engine start costs seconds on the CPU build.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (bash tests/run_vllm.sh runs this tier)")
 
@@ -44,6 +47,7 @@ def _wait_loaded(engine, version: int, deadline_s: float = 300):
     end = time.monotonic() + deadline_s
     while engine.serving_version < version:
         assert time.monotonic() < end, f"v{version} not loaded; records {engine.take_load_records()}"
+        assert engine.dead is None, engine.dead
         time.sleep(0.05)
 
 
@@ -257,3 +261,77 @@ def test_without_vllms_version_labels_the_engine_labels_a_partial_rollout_itself
                                atol=1e-4)
     assert set(late.versions) == {6}
     np.testing.assert_allclose(late.logprobs, reference_logprobs(m1, prompts[1], late.tokens), atol=1e-4)
+
+
+def test_a_version_retention_retires_mid_update_is_held_and_loaded(setup, vllm_models, monkeypatch):
+    """Retention (a trainer keeping one version) runs right after this process read v7's
+    manifest, before vLLM's workers read v7: the update holds v7 from before it starts, so v7
+    is kept and loaded (unheld, the workers found it gone inside the in-place protocol and the
+    engine went dead)."""
+    engine, store, prompts, m0 = setup
+    m2, _ = load_model(vllm_models["v2"])
+    publish(store, POLICY, 7, m2)
+    publish(store, POLICY, 8, m0)
+    read, retired = WeightStore.manifest, []
+
+    def manifest(self, policy, version):
+        out = read(self, policy, version)
+        if version == 7 and not retired:
+            retired.append(WeightStore(store.root, keep_last=1).apply_retention(POLICY))
+        return out
+
+    monkeypatch.setattr(WeightStore, "manifest", manifest)
+    engine.load_version(str(store.root), POLICY, 7)
+    _wait_loaded(engine, 7)
+    monkeypatch.undo()
+    assert 0 in retired[0] and 7 not in retired[0] and engine.dead is None
+    out = _gather(engine, prompts[:1], SamplingParams(max_new_tokens=16, greedy=True))[0]
+    assert set(out.versions) == {7}
+    np.testing.assert_allclose(out.logprobs, reference_logprobs(m2, prompts[0], out.tokens), atol=1e-4)
+
+
+def test_an_in_place_update_that_changes_nothing_is_caught_though_the_versions_are_close(setup, vllm_models,
+                                                                                         monkeypatch, caplog):
+    """v9 is v7 with the final norm 10% larger: their probes are closer than the tolerance, so
+    an engine left on v7 passes a check against v9 alone. Scored nearer v7's probe than v9's,
+    the update is redone by re-creating the engine, and the build is named."""
+    engine, store, prompts, _ = setup
+    assert engine.serving_version == 7
+    m9, _ = load_model(vllm_models["v2"])
+    with torch.no_grad():
+        m9.model.norm.weight.mul_(1.1)
+    publish(store, POLICY, 9, m9)
+    updater = engine.updater
+
+    async def unchanged(root, policy, version, use_deltas, every):
+        updater._changed = True  # returns as a load does, the workers still holding v7
+        return {}
+
+    monkeypatch.setattr(updater, "_in_place", unchanged)
+    with caplog.at_level(logging.WARNING, logger="astraflow.rollout"):
+        engine.load_version(str(store.root), POLICY, 9)
+        _wait_loaded(engine, 9)
+    rec = engine.take_load_records()[-1]
+    assert rec["probe_error"] < engine.options.probe_tolerance  # what a check against v9 alone saw
+    assert rec["stale"] and rec["probe_held_version"] == 7 and rec["fallback"] == "recreate"
+    assert rec["probe_error_after_fallback"] < 1e-3 and updater.mode == "recreate"
+    assert any(updater.build in r.getMessage() and "held version's weights" in r.getMessage() for r in caplog.records)
+    out = _gather(engine, prompts[:1], SamplingParams(max_new_tokens=16, greedy=True))[0]
+    assert set(out.versions) == {9}
+    np.testing.assert_allclose(out.logprobs, reference_logprobs(m9, prompts[0], out.tokens), atol=1e-4)
+
+
+def test_a_start_vllm_refuses_fails_at_once_with_an_error_that_pickles(vllm_models):
+    """A max_model_len above the model's positions: vLLM's pydantic error cannot be pickled,
+    so a node's start raising it (or an error chained to it) never reported to the scheduler;
+    the engine raises its message alone."""
+    from distributed.protocol.pickle import dumps, loads  # Dask's, with tblib's support for causes
+
+    from astraflow.rollout.config import VLLMConfig
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="starting the vLLM engine on .* failed: ValidationError") as info:
+        VLLMEngine(str(vllm_models["v0"]), options=VLLMConfig(max_model_len=1_000_000, cpu_kvcache_gib=1),
+                   max_batch_size=4, threads=1)
+    assert "max_model_len" in str(loads(dumps(info.value)))
+    assert time.monotonic() - t0 < 60
