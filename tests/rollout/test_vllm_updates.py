@@ -15,6 +15,7 @@ import torch
 
 from astraflow.rollout.vllm_updates import Updater
 from storage.weights import WeightStore
+from tests.rollout.test_vllm_decisions import _LLM as _RecordingLLM
 
 POLICY = "actor"
 TOKENS = [5, 9, 2, 7, 1]
@@ -25,26 +26,18 @@ def _probe(shift: float) -> dict:
     return {"tokens": TOKENS, "logprobs": [-1.0 - shift, -2.0 - shift, -3.0 + shift, -0.5 - shift]}
 
 
-class _LLM:
+class _LLM(_RecordingLLM):
     """Holds one version's weights: scores that version's probe exactly; ``reload_weights``
     loads the directory's version unless ``stale`` (an update that returns but changes nothing)."""
 
     def __init__(self, holds: int, probes: dict[int, dict], stale: bool = False):
-        self.holds, self.probes, self.stale, self.errored, self.calls = holds, probes, stale, False, []
-
-    async def pause_generation(self, mode, clear_cache):
-        self.calls.append("pause")
-
-    async def resume_generation(self):
-        self.calls.append("resume")
+        super().__init__(fail_reload=False)
+        self.holds, self.probes, self.stale = holds, probes, stale
 
     async def collective_rpc(self, method, kwargs=None):
-        self.calls.append(method)
+        await super().collective_rpc(method, kwargs)
         if not self.stale:
             self.holds = int(Path(kwargs["weights_path"]).name[1:])  # the update's directory: v<version>
-
-    async def update_weight_version(self, version):
-        self.calls.append(f"version {version}")
 
     def score(self) -> list[float]:
         return list(self.probes.get(self.holds, _probe(-1.0))["logprobs"])
