@@ -1,6 +1,6 @@
 """``astraflow plan``: parses and checks the options, then calls ``planner.run_plan`` and prints
 its report (``report``) or its JSON. Registered on the main command line by ``astraflow.cli``.
-Ctrl-C (or SIGTERM while a run is simulated) stops the plan, its simulated run included, and
+Ctrl-C (or SIGTERM or SIGHUP while a run is simulated) stops the plan, its simulated run included, and
 exits with 130, as ``astraflow run`` does."""
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from typing import Any
 import click
 
 from astraflow.clibase import UserPath
+
+#: the report's width when stdout is not a terminal (rich's default there, 80, would cut the tables)
+PIPED_WIDTH = 200
 
 
 class BadInput(click.ClickException):
@@ -132,4 +135,5 @@ def plan(config: str, pools: tuple[str, ...], trainer_gpus: str, calibrate: bool
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
-        print_report(report, Console())
+        console = Console()
+        print_report(report, console if console.is_terminal else Console(width=PIPED_WIDTH))

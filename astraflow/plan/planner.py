@@ -17,7 +17,11 @@ Where the simulated run's numbers come from (first that applies):
 * time scale: ``--time-scale``, else a real trainer step of at least ``REAL_STEP_S`` (the
   control plane's own latency per step, a floor under the wait, stays small against it) and at
   most ``REAL_RATE`` trajectories a real second (what this machine's control plane keeps up
-  with), whichever is slower.
+  with), whichever is slower; but at least fast enough that the engines' timeline from a weight
+  version to a sample of it (``pools.engine_seconds``) takes at most ``REAL_ENGINE_S`` real
+  seconds, since below scale 1 it stretches in real time as the trainer's step does. Where that
+  leaves a real trainer step under ``MIN_REAL_STEP_S`` (a trainer far faster than the engines'
+  timeline), the plan is refused naming ``--step-seconds`` / ``--time-scale``.
 
 A run is at most ``MAX_MINUTES`` simulated minutes and ``MAX_STEPS`` steps (steady rates come
 within minutes; more only costs real time).
@@ -37,7 +41,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from astraflow.config import ConfigError, RunConfig, config_from_dict
-from astraflow.plan.pools import MAX_NODES, Pool, PlanError, SimShape, derived_step_seconds, sim_config
+from astraflow.plan.pools import (MAX_NODES, Pool, PlanError, SimShape, derived_step_seconds, engine_seconds,
+                                  ignored_sim_settings, sim_config, simulated_factor)
 from astraflow.plan.search import SearchResult, find_scale
 from astraflow.plan.simulate import SimFailed, SimResult, run_sim
 from astraflow.rollout.sim_config import HardwareProfile
@@ -45,6 +50,12 @@ from astraflow.rollout.sim_config import HardwareProfile
 DEFAULT_PROMPT_TOKENS = 128
 REAL_STEP_S = 2.0
 REAL_RATE = 150.0
+#: real seconds the engines' timeline from a weight version to a sample may take (the floor
+#: under the automatic time scale)
+REAL_ENGINE_S = 10.0
+#: the shortest real trainer step an automatic time scale may give: below it the control
+#: plane's own hand-off a step is what the trainer would wait for
+MIN_REAL_STEP_S = 0.05
 MIN_STEPS = 8
 #: the longest simulated run (``--minutes``, ``--search-minutes``): a simulated day
 MAX_MINUTES = 1440.0
@@ -108,7 +119,8 @@ class Calibration:
     @classmethod
     def load(cls, path: Path) -> "Calibration":
         """The calibration saved at ``path``; PlanError naming the file (and the field whose value
-        is out of range: every number of it is finite and above 0) for anything else."""
+        is out of range: every number of it is finite and above 0, the engine's peak rate at least
+        its single-request rate) for anything else."""
         try:
             data = json.loads(path.read_text())
             engine = HardwareProfile(**data["engine"])
@@ -122,6 +134,10 @@ class Calibration:
                 what = "a whole number >= 1" if key == "prompt_tokens" else "a finite number > 0"
                 raise PlanError(f"--calibration {path}: {key} is {value!r}, not {what}; measure again with "
                                 "--calibrate --save-calibration FILE")
+        if engine.peak_tokens_per_s < engine.single_tokens_per_s:  # as a sim engine's section refuses it
+            raise PlanError(f"--calibration {path}: engine.peak_tokens_per_s {engine.peak_tokens_per_s:g} is below "
+                            f"engine.single_tokens_per_s {engine.single_tokens_per_s:g} (a batch cannot decode "
+                            "slower than one request alone); measure again with --calibrate --save-calibration FILE")
         return cls(engine, float(numbers["step_seconds"]), int(numbers["prompt_tokens"]),
                    float(numbers["response_mean"]))
 
@@ -161,14 +177,16 @@ class PlanReport:
             "overall": {k: v for k, v in self.result.to_json().items() if k not in ("pools", "per_pool")},
             "per_pool": self.result.per_pool,
             "no_wait": None if s is None else {
-                "target_wait": s.target, "factor": s.factor,
+                "target_wait": s.target, "factor": s.factor, "limited": s.limited,
                 "pools": dict(s.sizes) if s.sizes is not None else None,
                 "trials": [{"factor": t.factor, "pools": dict(t.sizes), "trainer_wait": t.wait} for t in s.trials]},
         }
 
 
-def shape_for(cfg: RunConfig, opts: PlanOptions) -> tuple[SimShape, dict[str, str]]:
-    """The simulated run's step time, lengths, time scale and steps, with where each came from."""
+def shape_for(cfg: RunConfig, opts: PlanOptions, pools: tuple[Pool, ...] | list[Pool] = ()
+              ) -> tuple[SimShape, dict[str, str]]:
+    """The simulated run's step time, lengths, time scale and steps, with where each came from
+    (the automatic time scale also from the engines' timeline on ``pools``)."""
     cal, src = opts.calibration, {}
     pol = cfg.policies[0]
     max_new = cfg.workload.sampling.max_new_tokens
@@ -218,14 +236,21 @@ def shape_for(cfg: RunConfig, opts: PlanOptions) -> tuple[SimShape, dict[str, st
         kind, n = opts.trainer
         step = derived_step_seconds(params, tokens, n, kind)
         src["step_seconds"] = f"derived: 6 x {params:.3g} params x {tokens:.0f} tokens on {kind}x{n}"
+    local = cal.engine if cal is not None else None
     if opts.time_scale is not None:
         scale, src["time_scale"] = opts.time_scale, "--time-scale"
     else:
-        scale = max(min(step / REAL_STEP_S, REAL_RATE * step / cfg.dataflow.batch_size), 0.05)
+        engine = engine_seconds(list(pools), SimShape(step, int(prompt), float(resp), sigma, 1.0, MIN_STEPS, local))
+        scale = max(min(step / REAL_STEP_S, REAL_RATE * step / cfg.dataflow.batch_size), engine / REAL_ENGINE_S)
         src["time_scale"] = "auto"
+        if step / scale < MIN_REAL_STEP_S:
+            raise PlanError(f"a trainer step of {step:.3g} s ({src['step_seconds']}) is far shorter than the engines' "
+                            f"{engine:.3g} s from a weight version to a sample (load, response): at the time scale "
+                            f"that keeps those within {REAL_ENGINE_S:g} real s ({scale:.3g}) its real step is under "
+                            f"{MIN_REAL_STEP_S:g} s, the control plane's own latency; give the trainer's real "
+                            "--step-seconds S (its fixed costs a step included), or --time-scale S")
     steps = steps_for(opts.minutes, step, "--minutes")
-    return SimShape(step, int(prompt), float(resp), sigma, scale, steps,
-                    cal.engine if cal is not None else None), src
+    return SimShape(step, int(prompt), float(resp), sigma, scale, steps, local), src
 
 
 def steps_for(minutes: float, step_seconds: float, option: str) -> int:
@@ -270,7 +295,12 @@ def run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions,
         raise PlanError("run.mode is sync: the trainer idles while each rollout phase runs, which its wait "
                         "fraction (what the plan sizes pools by) does not count; plan the config with "
                         "--set run.mode=async")
-    shape, sources = shape_for(cfg, opts)
+    shape, sources = shape_for(cfg, opts, pools)
+    ignored = ignored_sim_settings(cfg)
+    if ignored:  # each pool's engines follow its kind (or the calibration), not the config's engine
+        progress(f"warning: {', '.join(ignored)} not simulated: a named pool's engines follow its hardware "
+                 "preset; to plan another GPU or model, calibrate it as a local pool (--pool local=N --calibrate "
+                 "on that machine, or --calibration FILE)")
     if opts.search:  # the search's runs too, before the first run takes its time
         steps_for(_search_minutes(opts), shape.step_seconds, "--search-minutes" if opts.search_minutes else "--minutes")
     kinds = [p.kind for p in pools]
@@ -368,7 +398,12 @@ def _run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions, shape: SimSh
         def sizes(factor: float) -> tuple[tuple[str, int], ...]:
             return tuple((p.kind, p.scaled(factor).gpus) for p in pools)
 
-        search = find_scale(lambda f: simulate([p.scaled(f) for p in pools], short, f"search x{f:.3g}").trainer_wait,
+        def actual(factor: float) -> float:  # the factor of the sizes simulated (whole nodes)
+            return simulated_factor(pools, factor)
+
+        search = find_scale(lambda f: simulate([p.scaled(f) for p in pools], short,
+                                               f"search x{actual(f):.3g}").trainer_wait,
                             sizes, opts.wait_target, base_wait=result.trainer_wait, max_trials=opts.max_trials,
-                            max_factor=min(64.0, *(MAX_NODES / p.nodes for p in pools)))  # no pool past MAX_NODES
+                            max_factor=min(64.0, *(MAX_NODES / p.nodes for p in pools)),  # no pool past MAX_NODES
+                            simulated=actual)
     return PlanReport(shape, sources, result, search, trials)

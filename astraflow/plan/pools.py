@@ -74,6 +74,12 @@ class Pool:
         return f"{self.kind}={self.gpus}"
 
 
+def simulated_factor(pools: list[Pool], factor: float) -> float:
+    """The factor the pools scaled by ``factor`` actually have (their GPUs over the planned GPUs):
+    sizes are whole nodes, so it is what the search simulates and reports, not ``factor``."""
+    return sum(p.scaled(factor).gpus for p in pools) / sum(p.gpus for p in pools)
+
+
 def parse_pool(spec: str, gpus_per_node: int, local: HardwareProfile | None) -> Pool:
     """``KIND=GPUS`` as a `Pool`; PlanError naming the fix for bad syntax or an unknown kind."""
     m = _POOL.fullmatch(spec.strip())
@@ -119,6 +125,20 @@ def derived_step_seconds(params: float, tokens: float, trainer_gpus: int, kind: 
     return 6.0 * params * tokens / (trainer_gpus * TRAINER_PEAK_FLOPS[kind] * TRAINER_MFU)
 
 
+#: the config's ``rollout.engine.sim`` settings a plan uses (the rest describe one engine's
+#: hardware, which each pool's kind or the calibration sets instead)
+SIM_SETTINGS_USED = ("hardware", "time_scale", "length_mean", "length_sigma")
+
+
+def ignored_sim_settings(cfg: RunConfig) -> list[str]:
+    """The config's (or ``--set``'s) ``rollout.engine.sim`` settings the simulated pools do not
+    carry: a named pool's engines follow its preset, a ``local`` pool's the calibration."""
+    if cfg.rollout.engine.type != "sim":
+        return []
+    return sorted(f"rollout.engine.sim.{k}" for k in cfg.rollout.engine.sim.model_fields_set
+                  if k not in SIM_SETTINGS_USED)
+
+
 @dataclass(frozen=True)
 class SimShape:
     """What the simulated run takes from measurements or assumptions rather than the config."""
@@ -136,6 +156,23 @@ class SimShape:
     """The local pool's measured engine, when there is one."""
 
 
+def profile(pool: Pool, shape: SimShape) -> HardwareProfile:
+    """The engine a pool's nodes simulate: its kind's preset, or the calibration for ``local``."""
+    if pool.kind == LOCAL:
+        assert shape.local is not None
+        return shape.local
+    return PRESETS[pool.kind]
+
+
+def engine_seconds(pools: list[Pool], shape: SimShape) -> float:
+    """Simulated seconds from a new weight version to a sample of it on the slowest pool's engine
+    (its load, time to first token, prefill, a mean response at the single-request rate): the
+    engines' own timeline, which runs in real time divided by the time scale as the trainer's does."""
+    return max((p.load_seconds + p.ttft_s + shape.prompt_tokens / p.prefill_tokens_per_s
+                + shape.response_mean / p.single_tokens_per_s for p in (profile(q, shape) for q in pools)),
+               default=0.0)
+
+
 def sim_config(cfg: RunConfig, pools: list[Pool], shape: SimShape, name: str = "plan") -> dict[str, Any]:
     """The simulated run (as config data) standing for ``cfg`` on ``pools``: sim engines of each
     pool's hardware, sim trainers taking ``shape.step_seconds`` a step, the sim workload with
@@ -146,8 +183,11 @@ def sim_config(cfg: RunConfig, pools: list[Pool], shape: SimShape, name: str = "
     data = cfg.model_dump(mode="json")
     scale = shape.time_scale
     step_real = shape.step_seconds / scale
+    # the deadline: many times what a trainer that never waits needs, plus a few engine timelines
+    # (a weight load and a response) a step, which bound a run however fast its trainer is
+    engine_real = engine_seconds(pools, shape) / scale
     data["run"].update(name=name, max_steps=shape.steps,
-                       timeout_s=max(600.0, 20 * shape.steps * step_real + 300))
+                       timeout_s=max(600.0, 20 * shape.steps * step_real + 3 * shape.steps * engine_real + 300))
     for pol in data["policies"]:
         pol.update(model="sim", init=None)
         # one step time, the one reported: no per-token time or schedule on top of it

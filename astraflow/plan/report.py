@@ -1,4 +1,5 @@
-"""The plan as rich tables: per pool and overall, then the sizes at which the trainer stops waiting."""
+"""The plan as rich tables: per pool and overall, then the sizes at which the trainer stops waiting.
+A column too narrow for a value folds it onto the next line rather than cutting it."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def print_report(report: PlanReport, console: Console) -> None:
                   f"{shape.time_scale:.2g} ({src['time_scale']})")
     table = Table(title="simulated throughput (steady part of the run, simulated time)")
     for col in ("pool", "GPUs", "trajectories/s", "tokens/s", "share"):
-        table.add_column(col, justify="left" if col == "pool" else "right")
+        table.add_column(col, justify="left" if col == "pool" else "right", overflow="fold")
     for kind, row in r.per_pool.items():
         table.add_row(kind, str(r.pools.get(kind, "")), f"{row['trajectories_per_s']:.4g}",
                       f"{row['tokens_per_s']:.4g}", f"{row['share']:.0%}")
@@ -52,7 +53,7 @@ def print_report(report: PlanReport, console: Console) -> None:
     overall = Table(title="trainer")
     for col in ("steps/s", "trained/s", "trainer wait", "staleness p50/p90/max", "dropped stale/overflow/filtered",
                 "dropped share of generated"):
-        overall.add_column(col, justify="right")
+        overall.add_column(col, justify="right", overflow="fold")
     drops = ("stale", "overflow", "filtered")
     overall.add_row(f"{r.steps_per_s:.3g}", f"{r.trained_per_s:.4g}", f"{r.trainer_wait:.0%}",
                     "/".join(str(r.staleness[k]) for k in ("p50", "p90", "max")),
@@ -64,12 +65,19 @@ def print_report(report: PlanReport, console: Console) -> None:
         return
     trials = Table(title=f"pool sizes vs trainer wait (target: at most {s.target:.0%})")
     for col in ("factor", "pools", "trainer wait", ""):
-        trials.add_column(col, justify="right")
+        trials.add_column(col, justify="right", overflow="fold")
     for t in sorted(s.trials, key=lambda t: t.factor):
         mark = "answer" if t.factor == s.factor else ("waits" if t.waits(s.target) else "")
         trials.add_row(f"x{t.factor:.3g}", " ".join(f"{k}={n}" for k, n in t.sizes), f"{t.wait:.0%}", mark)
     console.print(trials)
-    if s.sizes is None:
+    if s.limited:
+        grown = sorted(s.trials, key=lambda t: t.factor)[-2:]
+        console.print(f"more GPUs did not lower the trainer wait (x{grown[0].factor:.3g}: {grown[0].wait:.0%}, "
+                      f"x{grown[-1].factor:.3g}: {grown[-1].wait:.0%}), so the search stopped: pool size is not what "
+                      "limits this run but the work the data layer lets be in flight (dataflow.prefetch_groups, "
+                      "max_staleness and admission) against a sample's latency (weight loads, response length), "
+                      "or the trainer itself")
+    elif s.sizes is None:
         console.print(f"the trainer still waits at the largest sizes tried (x{max(t.factor for t in s.trials):.3g}): "
                       "if more GPUs barely changed the wait, what limits the run is not their number but how "
                       "long a sample takes to reach the trainer against the work the data layer lets be in "

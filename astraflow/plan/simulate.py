@@ -8,12 +8,12 @@ nodes' counters in ``summary.json``. The first steps (start-up, the first weight
 out: every rate, fraction and count (the dropped samples: the counts' growth) is over the
 steady part of the run, rates converted to simulated time with the run's ``time_scale``.
 
-The child's PID is written to ``run.pid`` in the work dir. Ctrl-C (SIGINT) or SIGTERM to the
-planning process stops the child with SIGTERM (it stops cleanly on it); a child still there after
-``STOP_DEADLINE_S`` is killed. Further stop signals are only noted while that runs, so a second
-Ctrl-C cannot cut it short: a stopped plan leaves no run behind. Then ``KeyboardInterrupt``
-reaches the caller, with the stop signals still held off (the plan is on its way out).
-"""
+The child's PID is written to ``run.pid`` in the work dir. Ctrl-C (SIGINT), SIGTERM or SIGHUP (a
+closed terminal) to the planning process stops the child with SIGTERM (it stops cleanly on it);
+a child still there after ``STOP_DEADLINE_S`` is killed. Further stop signals are only noted
+while that runs, so a second Ctrl-C cannot cut it short: a stopped plan leaves no run behind.
+Then ``KeyboardInterrupt`` reaches the caller, with the stop signals still held off (the plan is
+on its way out)."""
 
 from __future__ import annotations
 
@@ -38,8 +38,9 @@ WARMUP_STEPS, WARMUP_SHARE = 2, 0.2
 DROP_COUNTS = {"stale": "stale_dropped", "overflow": "overflow_dropped", "filtered": "filtered"}
 #: seconds a simulated run has to stop after SIGTERM before it is killed
 STOP_DEADLINE_S = 60.0
-#: the signals that stop a plan (and its simulated run)
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: the signals that stop a plan (and its simulated run): SIGHUP too, or a closed terminal would
+#: leave the run (and its temporary directory) behind
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class SimFailed(RuntimeError):
@@ -90,6 +91,7 @@ def run_sim(data: dict[str, Any], workdir: Path, pools: dict[str, int], time_sca
     log = (workdir / "run.log").open("w")
     limit = deadline_s or data["run"]["timeout_s"] + 120
     shown = -1
+    counted = _StepCount(run_dir)
     stop = _StopSignals()
     installed = threading.current_thread() is threading.main_thread()  # handlers are set there only
     previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS} if installed else {}  # before the child exists
@@ -104,7 +106,7 @@ def run_sim(data: dict[str, Any], workdir: Path, pools: dict[str, int], time_sca
                 _stop(proc)
                 tail = (workdir / "run.log").read_text(errors="replace")[-2000:]  # the directory may be temporary
                 raise SimFailed(f"the simulated run passed its deadline of {limit:.0f}s; the end of its log:\n{tail}")
-            done = _steps_done(run_dir)
+            done = counted()
             if progress and done != shown:
                 progress(f"step {done}/{steps}")
                 shown = done
@@ -120,7 +122,12 @@ def run_sim(data: dict[str, Any], workdir: Path, pools: dict[str, int], time_sca
     if stop.signum is not None:  # the handlers stay: further signals must not break the plan's own exit
         raise KeyboardInterrupt(f"signal {stop.signum}")
     if proc.returncode != 0:
-        done, timeout = _steps_done(run_dir), data["run"]["timeout_s"]
+        done, timeout = counted(), data["run"]["timeout_s"]
+        if time.time() - t0 >= timeout and steps / 2 <= done < steps:  # the trainer kept up: real time ran out
+            raise SimFailed(f"the simulated trainer took {done} of its {steps} steps by the simulated run's deadline "
+                            f"({timeout:.0f}s real): the pools kept it going, but the run is slower in real time "
+                            f"than planned (the engines' timeline at time scale {time_scale:.3g}); give a larger "
+                            "--time-scale (or fewer --minutes)")
         if time.time() - t0 >= timeout and done < steps:  # the run's own deadline ended it
             raise SimFailed(f"the simulated trainer took {done} of its {steps} steps by the simulated run's deadline "
                             f"({timeout:.0f}s real, many times what a trainer that never waits needs): these pools "
@@ -177,8 +184,18 @@ def _step_records(run_dir: Path) -> list[dict[str, Any]]:
     return [x for x in records if "loss" in x]
 
 
-def _steps_done(run_dir: Path) -> int:
-    return len(_step_records(run_dir))
+class _StepCount:
+    """The trainer steps recorded so far in a run's ``metrics.jsonl``, read from where the last
+    call stopped (re-reading the whole file every poll would cost its length each time)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = RunPaths(run_dir).metrics
+        self.offset = self.steps = 0
+
+    def __call__(self) -> int:
+        records, self.offset = tail_records(self.path, self.offset)
+        self.steps += sum(1 for x in records if "loss" in x)
+        return self.steps
 
 
 def measure(run_dir: Path, pools: dict[str, int], time_scale: float) -> SimResult:

@@ -116,7 +116,8 @@ def test_a_sim_trainer_that_takes_no_time_exits_2_naming_the_fix():
     (["--minutes", "1e307"], f"--minutes 1e+307: give more than 0 and at most {MAX_MINUTES:g} simulated minutes"),
     (["--minutes", "1e6"], f"at most {MAX_MINUTES:g} simulated minutes"),
     (["--minutes", "10", "--search-minutes", "5000"], "--search-minutes 5000: give more than 0 and at most"),
-    (["--step-seconds", "0.0001", "--minutes", "100"], f"simulated steps; a run takes at most {MAX_STEPS}"),
+    (["--step-seconds", "0.0001", "--minutes", "100", "--time-scale", "1"],
+     f"simulated steps; a run takes at most {MAX_STEPS}"),
 ])
 def test_minutes_out_of_range_exit_2_naming_the_bound(args, needle):
     res = CliRunner().invoke(main, ["plan", SIM, "--pool", "h100=8", *args])
