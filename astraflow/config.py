@@ -117,14 +117,19 @@ class RunConfig(Strict):
         for part in self.partitions:
             check_context_length(part, self.rollout, self.workload.sampling.max_new_tokens, episode_tokens)
 
-    def check_added(self, part: Partition) -> None:
+    def episode_tokens(self) -> int | None:
+        """How long an agentic workload's episode grows (``workload.params.max_context_tokens``);
+        None for a single-turn workload."""
+        workload = checked_workload(self.workload)
+        return workload.params.max_context_tokens if is_agentic(type(workload)) else None
+
+    def check_added(self, part: Partition, episode_tokens: int | None) -> None:
         """``ValueError`` when partition ``part``, added to the running run (``astraflow partitions
         add``), does not fit this config: its settings (``check_partition``), and its engine's
-        context length against the workload's requests, as the config's own partitions are judged."""
+        context length against the workload's requests (``episode_tokens``: `episode_tokens`), as
+        the config's own partitions are judged."""
         check_partition(part, self.rollout, {p.name: p.trainer for p in self.policies})
-        workload = checked_workload(self.workload)
-        episode = workload.params.max_context_tokens if is_agentic(type(workload)) else None
-        check_context_length(part, self.rollout, self.workload.sampling.max_new_tokens, episode)
+        check_context_length(part, self.rollout, self.workload.sampling.max_new_tokens, episode_tokens)
 
     def _check_workers(self) -> None:
         """Worker counts a run cannot start with (one data-layer worker, a trainer one at least;

@@ -22,7 +22,7 @@ from storage.paths import RunPaths
 #: name one (a pool that joins a running run is usually a Slurm partition)
 ADD_SCHEDULER = "slurm"
 #: a partition's settings that only a Slurm partition has
-SLURM_ONLY = ("slurm_partition", "gres", "sbatch_options")
+SLURM_ONLY = ("slurm_partition", "gres", "sbatch_options", "walltime")
 
 
 @click.group()
@@ -141,7 +141,7 @@ def _partition_from(name: str | None, from_yaml: str | None, fields: dict, sched
         if value is not None and value != ():
             data[key] = list(value) if key == "sbatch_options" else value
     if "scheduler" not in data:  # options only Slurm has name it
-        data["scheduler"] = "slurm" if any(k in data for k in SLURM_ONLY) else scheduler
+        data["scheduler"] = "slurm" if any(data.get(k) not in (None, (), []) for k in SLURM_ONLY) else scheduler
     bools = bool_problems(data, Partition)  # `nodes: true` would be taken as 1
     try:
         part = Partition(**data)

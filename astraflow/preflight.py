@@ -135,13 +135,16 @@ def max_positions(config: dict) -> int | None:
 def engine_limits(cfg: RunConfig) -> list[tuple[str, int]]:
     """``(field, max_model_len)`` of every rollout partition's ``vllm`` engine that sets one
     (the run's ``rollout`` section, or a partition's own over it), each field once."""
-    out = {}
-    for part in cfg.partitions:
-        limit = _limit_of(cfg, part) if part.role == "rollout" else None
-        if limit:
-            own = "max_model_len" in part.rollout.get("engine", {}).get("vllm", {})
-            out[f"{f'partitions[{part.name}].rollout' if own else 'rollout'}.engine.vllm.max_model_len"] = limit
-    return list(out.items())
+    return list(dict(x for x in map(lambda part: engine_limit(cfg, part), cfg.partitions) if x).items())
+
+
+def engine_limit(cfg: RunConfig, part) -> tuple[str, int] | None:
+    """``(field, max_model_len)`` of ``part``'s ``vllm`` engine where it sets one, else None."""
+    limit = _limit_of(cfg, part) if part.role == "rollout" else None
+    if not limit:
+        return None
+    own = "max_model_len" in part.rollout.get("engine", {}).get("vllm", {})
+    return f"{f'partitions[{part.name}].rollout' if own else 'rollout'}.engine.vllm.max_model_len", limit
 
 
 def _tightest(cfg: RunConfig, positions: int | None) -> tuple[int | None, str | None]:
@@ -160,13 +163,65 @@ def _limit_of(cfg: RunConfig, part) -> int | None:
     return engine.vllm.max_model_len if engine.type == "vllm" else None
 
 
-def _rope_factor(config: dict) -> float:
-    """How far a model's rope scaling stretches its positions (1: none), as vLLM reads it."""
+def model_limits(cfg: RunConfig) -> dict[str, tuple[int, int]]:
+    """Per existing policy model (``"policy NAME (DIR)"``): the longest ``max_model_len`` vLLM takes
+    for it and its positions before rope scaling; models not built yet, simulated or naming no
+    positions are left out."""
+    out = {}
+    for pol in cfg.policies:
+        config = pol.model / "config.json"
+        if cfg.simulated(pol) or not config.is_file():
+            continue
+        try:
+            data = json.loads(config.read_text())
+        except (OSError, ValueError):
+            continue
+        allowed, positions = vllm_positions(data), max_positions(data)
+        if allowed is not None and positions is not None:
+            out[f"policy {pol.name} ({pol.model})"] = (allowed, positions)
+    return out
+
+
+def vllm_positions(config: dict) -> int | None:
+    """The longest ``max_model_len`` vLLM takes for a model's config.json: its positions, times
+    its rope scaling factor where the rope type stretches them (``yarn`` from its original
+    positions; ``llama3``, ``longrope`` and ``su`` count them stretched already); None if it
+    names none."""
+    positions = max_positions(config)
+    if not isinstance(positions, int):
+        return None
     for c in (config, config.get("text_config")):
         rope = c.get("rope_scaling") if isinstance(c, dict) else None
-        if isinstance(rope, dict) and isinstance(rope.get("factor"), (int, float)) and rope["factor"] > 1:
-            return float(rope["factor"])
-    return 1.0
+        if not isinstance(rope, dict) or not isinstance(rope.get("factor"), (int, float)) or rope["factor"] <= 1:
+            continue
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind in ("llama3", "longrope", "su"):
+            return positions
+        base = c.get("original_max_position_embeddings", rope.get("original_max_position_embeddings"))
+        base = base if kind == "yarn" and isinstance(base, int) and not isinstance(base, bool) else positions
+        return int(base * rope["factor"])
+    return positions
+
+
+def long_context_allowed() -> bool:
+    """vLLM's own override of its ``max_model_len`` bound (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``), read
+    as vLLM reads it."""
+    return os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
+
+
+def check_engine_positions(cfg: RunConfig, allowed: int, positions: int, whose: str,
+                           limits: list[tuple[str, int]] | None = None) -> None:
+    """``ConfigError`` when a ``vllm`` engine's ``max_model_len`` (``limits``, default every
+    rollout partition's) is past the ``allowed`` positions of the model ``whose`` describes
+    (``positions`` before rope scaling): vLLM refuses it at every start."""
+    if long_context_allowed():
+        return
+    for field, limit in engine_limits(cfg) if limits is None else limits:
+        if limit > allowed:
+            scaled = f" ({positions} before rope scaling)" if allowed != positions else ""
+            raise ConfigError(f"{field} {limit}: the model of {whose} has {allowed} positions{scaled}, and vLLM "
+                              f"refuses a longer max_model_len; lower it to {allowed} or less, or leave it unset "
+                              "(the model's own)")
 
 
 def _check_positions(cfg: RunConfig, pol, config: dict, built: str = "") -> None:
@@ -193,13 +248,7 @@ def _check_positions(cfg: RunConfig, pol, config: dict, built: str = "") -> None
     if isinstance(episode, int) and episode > positions:
         raise ConfigError(f"workload.params.max_context_tokens {episode}: the model of policy {pol.name} "
                           f"({where}) has {positions} positions; lower max_context_tokens to {positions}")
-    allowed = int(positions * _rope_factor(config))
-    for field, limit in engine_limits(cfg):
-        if limit > allowed and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") in ("", "0"):
-            scaled = f" ({positions} with rope scaling)" if allowed != positions else ""
-            raise ConfigError(f"{field} {limit}: the model of policy {pol.name} ({where}) has {allowed} "
-                              f"positions{scaled}, and vLLM refuses a longer max_model_len; lower it to {allowed} "
-                              "or less, or leave it unset (the model's own)")
+    check_engine_positions(cfg, vllm_positions(config) or positions, positions, f"policy {pol.name} ({where})")
 
 
 def _check_warm_start_base(cfg: RunConfig, pol) -> None:

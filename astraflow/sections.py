@@ -166,7 +166,7 @@ class AutoscaleConfig(Strict):
     @classmethod
     def _fraction_not_percent(cls, value: object) -> object:
         """``high_wait: 30`` meant 30 %: say how to write it rather than only that it is too big."""
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and 1 < value <= 100:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 2 <= value <= 100:
             raise ValueError(f"{value} reads as a percentage; these are fractions of the time or of the "
                              f"sequences: write {value / 100:g} for {value:g} %")
         return value

@@ -45,8 +45,21 @@ def test_rope_scaling_stretches_the_positions_a_max_model_len_may_use(tiny_model
     config["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
     (model / "config.json").write_text(json.dumps(config))
     check_models(_vllm(model, rollout__engine__vllm__max_model_len=4 * positions))
-    with pytest.raises(ConfigError, match=rf"has {4 * positions} positions \({positions} with rope scaling\)"):
+    with pytest.raises(ConfigError, match=rf"has {4 * positions} positions \({positions} before rope scaling\)"):
         check_models(_vllm(model, rollout__engine__vllm__max_model_len=4 * positions + 1))
+    # yarn stretches its original positions; llama3 counts them stretched already (as vLLM does)
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": positions // 2}
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=rf"has {2 * positions} positions"):
+        check_models(_vllm(model, rollout__engine__vllm__max_model_len=2 * positions + 1))
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": positions // 8}
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=rf"has {positions} positions,"):
+        check_models(_vllm(model, rollout__engine__vllm__max_model_len=positions + 1))
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "false")  # vLLM reads only 1 or true as set
+    with pytest.raises(ConfigError, match="refuses a longer max_model_len"):
+        check_models(_vllm(model, rollout__engine__vllm__max_model_len=positions + 1))
 
 
 def test_prompts_are_measured_against_a_partitions_own_engine_limit(tiny_model):
@@ -73,9 +86,9 @@ def test_a_partition_added_mid_run_is_held_to_the_configs_checks(tiny_model):
                       rollout={"engine": {"vllm": {"max_model_len": 40}}})
     with pytest.raises(ValueError, match=r"partitions\[short\].rollout.engine.vllm.max_model_len 40: a request is "
                                          r"its prompt plus workload.sampling.max_new_tokens 48"):
-        cfg.check_added(short)
+        cfg.check_added(short, cfg.episode_tokens())
     cfg.check_added(Partition(name="ok", role="rollout", scheduler="local", nodes=1,
-                              rollout={"engine": {"vllm": {"max_model_len": 64}}}))
+                              rollout={"engine": {"vllm": {"max_model_len": 64}}}), None)
 
 
 def test_the_run_refuses_a_vllm_partition_where_vllm_is_not_installed(tiny_model):
@@ -91,6 +104,23 @@ def test_the_run_refuses_a_vllm_partition_where_vllm_is_not_installed(tiny_model
     with pytest.raises(ValueError, match=r"partitions\[gpu\].rollout.engine.type: vllm needs vLLM.*pip install"):
         Orchestrator._check_partition(run, part)
     Orchestrator._check_partition(run, Partition(name="cpu", role="rollout", scheduler="local", nodes=1))
+
+
+def test_an_added_vllm_partition_past_the_models_positions_is_refused(tiny_model, monkeypatch):
+    """The run judges an added partition's ``max_model_len`` against its models as the config's."""
+    import astraflow.rollout.vllm_setup as vllm_setup
+
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    monkeypatch.setattr(vllm_setup, "vllm_available", lambda: True)  # the install is judged apart
+    positions = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    run = SimpleNamespace(cfg=tiny_config(tiny_model))
+    big = Partition(name="gpu", role="rollout", scheduler="local", nodes=1,
+                    rollout={"engine": {"type": "vllm", "vllm": {"max_model_len": 100 * positions}}})
+    with pytest.raises(ConfigError, match=rf"partitions\[gpu\].rollout.engine.vllm.max_model_len {100 * positions}: "
+                                          rf"the model of policy solver .* has {positions} positions"):
+        Orchestrator._check_partition(run, big)
+    Orchestrator._check_partition(run, Partition(name="fits", role="rollout", scheduler="local", nodes=1, rollout={
+        "engine": {"type": "vllm", "vllm": {"max_model_len": positions}}}))
 
 
 def test_vllm_nodes_get_minutes_to_start_unless_the_config_says_otherwise(tiny_model):

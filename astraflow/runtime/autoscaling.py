@@ -90,6 +90,9 @@ class AutoscaleDriver:
             mine = [w for w in self.fleet.in_partition(name) if not w.gone]
             stuck = sum(1 for w in mine if w.phase == "submitted" and now - w.since > deadline)
             settling = sum(1 for w in mine if w.phase in SETTLING) - stuck
+            shrunk = self.parts.state[name].shrunk_at
+            if shrunk is not None and now - shrunk < self.cfg.memory_period_s:
+                stuck = max(stuck, 1)  # its added workers kept failing: not grown again for a while
             unsubmitted = part.nodes - sum(1 for w in mine if not w.draining)  # e.g. refill backoff after a failure
             out.append(Slot(name, part.nodes, part.autoscale, settling + max(unsubmitted, 0), stuck))
         return out

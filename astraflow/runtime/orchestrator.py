@@ -229,13 +229,24 @@ class Orchestrator(Shutdown):
 
     def _check_partition(self, part: Partition) -> None:
         """``ValueError`` when the run cannot start ``part`` (one added mid-run included): settings
-        that do not fit the run's config, or a ``vllm`` engine without vLLM in this environment,
-        the one the run's workers start in (its nodes would fail at every start)."""
-        self.cfg.check_added(part)
-        if part.role == "rollout" and effective_rollout(self.cfg.rollout, part).engine.type == "vllm":
-            from astraflow.rollout.vllm_setup import require_vllm
+        that do not fit the run's config, a ``vllm`` engine without vLLM in this environment (the
+        one the run's workers start in) or with a ``max_model_len`` past a policy's model: its
+        nodes would fail at every start."""
+        if not hasattr(self, "_limits"):  # what the checks need of the workload and the models, once
+            from astraflow.preflight import model_limits
 
-            require_vllm(f"partitions[{part.name}].rollout.engine.type")
+            self._episode_tokens, self._limits = self.cfg.episode_tokens(), model_limits(self.cfg)
+        self.cfg.check_added(part, self._episode_tokens)
+        if part.role != "rollout" or effective_rollout(self.cfg.rollout, part).engine.type != "vllm":
+            return
+        from astraflow.preflight import check_engine_positions, engine_limit
+        from astraflow.rollout.vllm_setup import require_vllm
+
+        require_vllm(f"partitions[{part.name}].rollout.engine.type")
+        limit = engine_limit(self.cfg, part)
+        for whose, (allowed, positions) in self._limits.items():
+            if limit is not None:
+                check_engine_positions(self.cfg, allowed, positions, whose, [limit])
 
     def _place_node(self, name: str, part: Partition):
         kwargs = node_kwargs(self.cfg, self.paths, name, part, self.dl)

@@ -62,6 +62,9 @@ class PartitionState:
     an error); too many mark it failed."""
     refill_at: float | None = None
     """No worker is submitted for it before this time (the backoff after its last failure)."""
+    shrunk_at: float | None = None
+    """When its workers that kept failing were given up (``record_failure``): the autoscaler
+    does not grow it again for its memory (``autoscale.memory_s``)."""
 
 
 def run_tag(paths: RunPaths) -> str:
@@ -177,7 +180,7 @@ class PartitionSet:
         failed): the partition is refilled only after a growing backoff, and too many failures
         mark it failed so it is not refilled again and again. An autoscaled partition whose
         ``serving`` workers still serve is not failed for the workers it could not add: it goes
-        back to the size that serves (the autoscaler may grow it again). All of it is noted in
+        back to the size that serves (the autoscaler does not grow it for its memory). All of it is noted in
         the progress and shown by ``astraflow status``."""
         part, ps = self.partitions[name], self.state[name]
         ps.failures += 1
@@ -209,8 +212,8 @@ class PartitionSet:
             return False
         self.partitions[name] = part.model_copy(update={"nodes": keep})
         self.progress.note(f"partition {name}: {ps.failures} workers failed (last: {last_note}); back to the "
-                           f"{keep} worker(s) that serve, from {part.nodes} (the autoscaler may grow it again)")
-        ps.failures, ps.refill_at = 0, None
+                           f"{keep} worker(s) that serve, from {part.nodes} (not grown again for autoscale.memory_s)")
+        ps.failures, ps.refill_at, ps.shrunk_at = 0, None, time.time()
         return True
 
     def _refusal(self, part: Partition) -> str | None:
@@ -296,7 +299,8 @@ class PartitionSet:
                     jobs = []
                     if live:  # growing one that serves (a queue limit, a slow controller): back off, retry
                         self.progress.note(f"partition {name}: submitting {missing} more worker(s) failed: {err}")
-                        self.record_failure(name, f"submitting workers failed: {err}")
+                        self.record_failure(name, f"submitting workers failed: {err}",
+                                            sum(1 for w in live if w.phase == "serving"))
                     else:
                         ps.state, ps.error = "failed", f"submitting workers failed: {err}"
                         self.progress.note(f"partition {name}: {ps.error}")

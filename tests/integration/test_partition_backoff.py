@@ -179,3 +179,30 @@ def test_an_autoscaled_partition_whose_added_workers_keep_failing_goes_back_to_t
     assert pset.partitions["gpu"].nodes == 1 and read_desired_file(paths)[0]["gpu"].nodes == 1
     _reconcile(pset, fleet)
     assert [w for w in fleet.workers.values() if not w.gone] == [first]  # nothing more submitted
+
+
+def test_an_autoscaled_grow_that_sbatch_keeps_refusing_goes_back_to_the_workers_that_serve(tmp_path, monkeypatch):
+    """A queue limit refuses every added worker's job: the partition is not failed (its worker
+    still serves), it goes back to that worker and is marked so the autoscaler leaves it be."""
+    rec = fake_slurm(tmp_path, monkeypatch, fail_at=99)
+    paths = RunPaths(tmp_path / "run").make()
+    progress = Progress(enabled=False)
+    part = Partition(name="gpu", scheduler="slurm", nodes=1, role="rollout",
+                     autoscale={"min_nodes": 1, "max_nodes": 3})
+    pset = PartitionSet([part], paths, ClusterConfig(), progress)
+    fleet = Fleet(pset, placement=None, cluster=ClusterConfig(), progress=progress, place_node=lambda n, p: None)
+    fleet.dl = _DataLayer()
+    write_desired(paths, [part])
+    _reconcile(pset, fleet)
+    [first] = fleet.workers.values()
+    first.enter("serving")
+    first.since -= SERVED_LONG_S + 1
+    refuse = rec / "bin" / "sbatch"
+    refuse.write_text("#!/bin/sh\necho 'sbatch: error: QOSMaxSubmitJobPerUserLimit' >&2\nexit 1\n")
+    write_desired(paths, [part.model_copy(update={"nodes": 2})])  # the autoscaler's add
+    ps = pset.state["gpu"]
+    for _ in range(FAILURES_PER_NODE * 2 + 2):
+        ps.refill_at = None  # its backoff has passed
+        _reconcile(pset, fleet)
+    assert ps.state == "active" and ps.error is None and ps.shrunk_at is not None
+    assert pset.partitions["gpu"].nodes == 1

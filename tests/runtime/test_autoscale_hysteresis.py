@@ -266,3 +266,26 @@ def test_the_serving_workers_of_a_failed_partition_count_in_the_pool(tmp_path):
     tick = Tick(data_layer={"counts": {}}, trainers={"solver": {"version": 3, "done": False, "wait_total_s": 1.0}})
     d = driver.step(tick, now=1.0)
     assert d.action == "hold" and "no rollout worker" not in d.reason, d.reason
+
+
+def test_a_partition_given_back_after_failed_adds_is_not_grown_again_for_the_memory(tmp_path):
+    """Its added workers kept failing and it went back to those that serve: growing it again at
+    once would repeat the failures for the whole run."""
+    import time
+    from types import SimpleNamespace
+
+    part = Partition(name="r", nodes=1, autoscale={"min_nodes": 1, "max_nodes": 3, "cooldown_s": 0})
+    paths = RunPaths(tmp_path / "run").make()
+    write_desired(paths, [part])
+    pset = PartitionSet([part], paths, ClusterConfig(), Progress(enabled=False))
+
+    class OneServing:
+        def in_partition(self, name):
+            return [SimpleNamespace(gone=False, phase="serving", draining=False)]
+
+    driver = AutoscaleDriver(AutoscaleConfig(memory_s=100.0), paths, pset, OneServing(), Progress(enabled=False))
+    now = time.time()
+    assert driver.slots(now)[0].stuck == 0
+    pset.state["r"].shrunk_at = now - 10
+    assert driver.slots(now)[0].stuck == 1  # held back from growth
+    assert driver.slots(now + 100)[0].stuck == 0  # the memory has passed
