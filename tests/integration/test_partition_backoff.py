@@ -30,10 +30,10 @@ class _DataLayer:
         return fut
 
 
-def _setup(tmp_path, nodes: int = 1):
+def _setup(tmp_path, nodes: int = 1, autoscale: dict | None = None):
     paths = RunPaths(tmp_path / "run").make()
     progress = Progress(enabled=False)
-    part = Partition(name="gpu", scheduler="slurm", nodes=nodes, role="rollout")
+    part = Partition(name="gpu", scheduler="slurm", nodes=nodes, role="rollout", autoscale=autoscale)
     pset = PartitionSet([part], paths, ClusterConfig(), progress)
     fleet = Fleet(pset, placement=None, cluster=ClusterConfig(), progress=progress, place_node=lambda n, p: None)
     fleet.dl = _DataLayer()
@@ -147,6 +147,16 @@ def test_a_failed_grow_of_a_serving_partition_backs_off_instead_of_failing_it(tm
     assert sum(1 for x in fleet.workers.values() if not x.gone) == 2
 
 
+def _serving_autoscaled(tmp_path):
+    """An autoscaled partition (1..3 workers) whose one worker has served long."""
+    paths, pset, fleet = _setup(tmp_path, autoscale={"min_nodes": 1, "max_nodes": 3})
+    _reconcile(pset, fleet)
+    [first] = fleet.workers.values()
+    first.enter("serving")
+    first.since -= SERVED_LONG_S + 1
+    return paths, pset, fleet, first
+
+
 def test_an_autoscaled_partition_whose_added_workers_keep_failing_goes_back_to_those_that_serve(tmp_path, monkeypatch):
     """The autoscaler grew a serving partition and every added worker fails: the partition is not
     failed (its first worker still serves, and a failed partition can never be scaled again); it
@@ -154,19 +164,8 @@ def test_an_autoscaled_partition_whose_added_workers_keep_failing_goes_back_to_t
     from astraflow.runtime.control import read_desired_file
 
     fake_slurm(tmp_path, monkeypatch, fail_at=99)
-    paths = RunPaths(tmp_path / "run").make()
-    progress = Progress(enabled=False)
-    part = Partition(name="gpu", scheduler="slurm", nodes=1, role="rollout",
-                     autoscale={"min_nodes": 1, "max_nodes": 3})
-    pset = PartitionSet([part], paths, ClusterConfig(), progress)
-    fleet = Fleet(pset, placement=None, cluster=ClusterConfig(), progress=progress, place_node=lambda n, p: None)
-    fleet.dl = _DataLayer()
-    write_desired(paths, [part])
-    _reconcile(pset, fleet)
-    [first] = fleet.workers.values()
-    first.enter("serving")
-    first.since -= SERVED_LONG_S + 1
-    write_desired(paths, [part.model_copy(update={"nodes": 2})])  # the autoscaler's add
+    paths, pset, fleet, first = _serving_autoscaled(tmp_path)
+    write_desired(paths, [pset.partitions["gpu"].model_copy(update={"nodes": 2})])  # the autoscaler's add
     ps = pset.state["gpu"]
     for _ in range(FAILURES_PER_NODE * 2):
         ps.refill_at = None  # its backoff has passed
@@ -185,21 +184,10 @@ def test_an_autoscaled_grow_that_sbatch_keeps_refusing_goes_back_to_the_workers_
     """A queue limit refuses every added worker's job: the partition is not failed (its worker
     still serves), it goes back to that worker and is marked so the autoscaler leaves it be."""
     rec = fake_slurm(tmp_path, monkeypatch, fail_at=99)
-    paths = RunPaths(tmp_path / "run").make()
-    progress = Progress(enabled=False)
-    part = Partition(name="gpu", scheduler="slurm", nodes=1, role="rollout",
-                     autoscale={"min_nodes": 1, "max_nodes": 3})
-    pset = PartitionSet([part], paths, ClusterConfig(), progress)
-    fleet = Fleet(pset, placement=None, cluster=ClusterConfig(), progress=progress, place_node=lambda n, p: None)
-    fleet.dl = _DataLayer()
-    write_desired(paths, [part])
-    _reconcile(pset, fleet)
-    [first] = fleet.workers.values()
-    first.enter("serving")
-    first.since -= SERVED_LONG_S + 1
+    paths, pset, fleet, first = _serving_autoscaled(tmp_path)
     refuse = rec / "bin" / "sbatch"
     refuse.write_text("#!/bin/sh\necho 'sbatch: error: QOSMaxSubmitJobPerUserLimit' >&2\nexit 1\n")
-    write_desired(paths, [part.model_copy(update={"nodes": 2})])  # the autoscaler's add
+    write_desired(paths, [pset.partitions["gpu"].model_copy(update={"nodes": 2})])  # the autoscaler's add
     ps = pset.state["gpu"]
     for _ in range(FAILURES_PER_NODE * 2 + 2):
         ps.refill_at = None  # its backoff has passed

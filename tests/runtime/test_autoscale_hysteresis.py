@@ -217,12 +217,11 @@ def test_a_config_whose_autoscaled_rollout_starts_empty_runs_and_grows_to_one_wo
     assert d.action == "hold" and "first steps" in d.reason and read_desired_file(paths)[0]["r"].nodes == 0
 
 
-def test_a_resumed_runs_start_up_waits_are_not_a_signal(tmp_path):
-    """A resumed run's trainers start past v0: their waits until the first step after the resume
-    are start-up, as on a fresh run; once one step is taken, a starved trainer gets a worker."""
+def _one_serving(tmp_path, max_nodes: int, cfg: AutoscaleConfig):
+    """A driver over one autoscaled partition ``r`` (1..``max_nodes``) whose one worker serves."""
     from types import SimpleNamespace
 
-    part = Partition(name="r", nodes=1, autoscale={"min_nodes": 1, "max_nodes": 2, "cooldown_s": 0})
+    part = Partition(name="r", nodes=1, autoscale={"min_nodes": 1, "max_nodes": max_nodes, "cooldown_s": 0})
     paths = RunPaths(tmp_path / "run").make()
     write_desired(paths, [part])
     pset = PartitionSet([part], paths, ClusterConfig(), Progress(enabled=False))
@@ -231,8 +230,13 @@ def test_a_resumed_runs_start_up_waits_are_not_a_signal(tmp_path):
         def in_partition(self, name):
             return [SimpleNamespace(gone=False, phase="serving", draining=False)]
 
-    driver = AutoscaleDriver(AutoscaleConfig(high_wait=0.3, low_wait=0.05, window_s=2.0), paths, pset, OneServing(),
-                             Progress(enabled=False))
+    return paths, pset, AutoscaleDriver(cfg, paths, pset, OneServing(), Progress(enabled=False))
+
+
+def test_a_resumed_runs_start_up_waits_are_not_a_signal(tmp_path):
+    """A resumed run's trainers start past v0: their waits until the first step after the resume
+    are start-up, as on a fresh run; once one step is taken, a starved trainer gets a worker."""
+    paths, pset, driver = _one_serving(tmp_path, 2, AutoscaleConfig(high_wait=0.3, low_wait=0.05, window_s=2.0))
 
     def step(t: float, version: int):
         trainers = {"solver": {"version": version, "done": False, "wait_total_s": 0.9 * t}}
@@ -272,18 +276,8 @@ def test_a_partition_given_back_after_failed_adds_is_not_grown_again_for_the_mem
     """Its added workers kept failing and it went back to those that serve: growing it again at
     once would repeat the failures for the whole run."""
     import time
-    from types import SimpleNamespace
 
-    part = Partition(name="r", nodes=1, autoscale={"min_nodes": 1, "max_nodes": 3, "cooldown_s": 0})
-    paths = RunPaths(tmp_path / "run").make()
-    write_desired(paths, [part])
-    pset = PartitionSet([part], paths, ClusterConfig(), Progress(enabled=False))
-
-    class OneServing:
-        def in_partition(self, name):
-            return [SimpleNamespace(gone=False, phase="serving", draining=False)]
-
-    driver = AutoscaleDriver(AutoscaleConfig(memory_s=100.0), paths, pset, OneServing(), Progress(enabled=False))
+    _, pset, driver = _one_serving(tmp_path, 3, AutoscaleConfig(memory_s=100.0))
     now = time.time()
     assert driver.slots(now)[0].stuck == 0
     pset.state["r"].shrunk_at = now - 10
