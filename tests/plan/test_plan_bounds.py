@@ -69,8 +69,9 @@ def test_the_deadline_counts_the_engines_timeline_at_a_slow_time_scale(monkeypat
 
 
 def test_a_trainer_far_faster_than_the_engines_is_refused_naming_the_fix(monkeypatch):
-    """The tiny model's step derived from its FLOPs is microseconds: no time scale runs both."""
-    res, runs = _plan(monkeypatch, TINY, "--pool", "h100=8", "--no-search")
+    """A tiny model's step derived from its FLOPs is microseconds: no time scale runs both (its
+    size given, so no model need be built here)."""
+    res, runs = _plan(monkeypatch, TINY, "--pool", "h100=8", "--no-search", "--model-params", "800000")
     assert res.exit_code == 2, res.output
     out = " ".join(res.output.split())
     assert "--step-seconds" in out and "--time-scale" in out and "fewer --minutes" not in out

@@ -51,7 +51,7 @@ def test_check_names_the_prompts_that_do_not_fit_and_where_the_longest_is(tiny_m
     res = CliRunner().invoke(main, ["check", str(_config(tmp_path, model, _rows(40, {7})))])
     assert res.exit_code == 0, res.output
     line = next(x for x in res.output.splitlines() if x.startswith("policy solver:"))
-    assert "are longer than the 240 tokens its model leaves for a prompt (256 positions less " \
+    assert "are longer than the 240 tokens left for a prompt (256 positions less " \
            "workload.sampling.max_new_tokens 16)" in line, line
     assert "rows.jsonl line 8" in line and "lower max_new_tokens" in line, line
     train, held_out = line.split(": ", 1)[1].split(" and ")[:2]
