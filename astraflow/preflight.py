@@ -135,7 +135,7 @@ def max_positions(config: dict) -> int | None:
 def engine_limits(cfg: RunConfig) -> list[tuple[str, int]]:
     """``(field, max_model_len)`` of every rollout partition's ``vllm`` engine that sets one
     (the run's ``rollout`` section, or a partition's own over it), each field once."""
-    return list(dict(x for x in map(lambda part: engine_limit(cfg, part), cfg.partitions) if x).items())
+    return list(dict(x for x in (engine_limit(cfg, part) for part in cfg.partitions) if x).items())
 
 
 def engine_limit(cfg: RunConfig, part) -> tuple[str, int] | None:

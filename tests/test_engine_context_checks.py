@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from astraflow.config import ConfigError
-from astraflow.preflight import check_models, prompts_that_do_not_fit
+from astraflow.preflight import check_models, model_limits, prompts_that_do_not_fit
 from astraflow.runtime.orchestrator import Orchestrator
 from astraflow.workloads.base import make_workload
 from schedulers.partition import Partition
@@ -91,6 +91,11 @@ def test_a_partition_added_mid_run_is_held_to_the_configs_checks(tiny_model):
                               rollout={"engine": {"vllm": {"max_model_len": 64}}}), None)
 
 
+def _run_of(cfg):
+    """What `Orchestrator._check_partition` reads of a run."""
+    return SimpleNamespace(cfg=cfg, _episode_tokens=cfg.episode_tokens(), _limits=model_limits(cfg))
+
+
 def test_the_run_refuses_a_vllm_partition_where_vllm_is_not_installed(tiny_model):
     """``partitions add`` from another environment may pass; the run's own workers would fail at
     every start, so the orchestrator refuses it with the install command."""
@@ -99,7 +104,7 @@ def test_the_run_refuses_a_vllm_partition_where_vllm_is_not_installed(tiny_model
 
     if vllm_available():
         pytest.skip("vLLM is installed here: nothing to refuse")
-    run = SimpleNamespace(cfg=tiny_config(tiny_model))
+    run = _run_of(tiny_config(tiny_model))
     part = Partition(name="gpu", role="rollout", scheduler="local", nodes=1, rollout={"engine": {"type": "vllm"}})
     with pytest.raises(ValueError, match=r"partitions\[gpu\].rollout.engine.type: vllm needs vLLM.*pip install"):
         Orchestrator._check_partition(run, part)
@@ -113,7 +118,7 @@ def test_an_added_vllm_partition_past_the_models_positions_is_refused(tiny_model
     monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
     monkeypatch.setattr(vllm_setup, "vllm_available", lambda: True)  # the install is judged apart
     positions = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
-    run = SimpleNamespace(cfg=tiny_config(tiny_model))
+    run = _run_of(tiny_config(tiny_model))
     big = Partition(name="gpu", role="rollout", scheduler="local", nodes=1,
                     rollout={"engine": {"type": "vllm", "vllm": {"max_model_len": 100 * positions}}})
     with pytest.raises(ConfigError, match=rf"partitions\[gpu\].rollout.engine.vllm.max_model_len {100 * positions}: "

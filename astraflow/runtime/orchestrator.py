@@ -43,6 +43,7 @@ from typing import Any
 from astraflow.config import RunConfig, dump_config
 from astraflow.dataflow.layer import DataLayer
 from astraflow.partition_settings import effective_rollout, partition_capacity
+from astraflow.preflight import check_engine_positions, engine_limit, model_limits
 from astraflow.rollout.node import RaaSNode
 from astraflow.rollout.node_group import RaaSNodeGroup
 from astraflow.runtime.autoscaling import autoscale_driver
@@ -85,6 +86,8 @@ class Orchestrator(Shutdown):
         self.paths = RunPaths(run_dir).make()
         self.progress = progress or Progress(enabled=False)
         self.placement = Placement(self.paths, cfg.cluster, self.progress)
+        #: what judging a partition needs of the workload and the models, read once
+        self._episode_tokens, self._limits = cfg.episode_tokens(), model_limits(cfg)
         self.parts = PartitionSet(list(cfg.partitions), self.paths, cfg.cluster, self.progress,
                                   check_settings=self._check_partition)
         self.fleet = Fleet(self.parts, self.placement, cfg.cluster, self.progress, self._place_node)
@@ -232,14 +235,9 @@ class Orchestrator(Shutdown):
         that do not fit the run's config, a ``vllm`` engine without vLLM in this environment (the
         one the run's workers start in) or with a ``max_model_len`` past a policy's model: its
         nodes would fail at every start."""
-        if not hasattr(self, "_limits"):  # what the checks need of the workload and the models, once
-            from astraflow.preflight import model_limits
-
-            self._episode_tokens, self._limits = self.cfg.episode_tokens(), model_limits(self.cfg)
         self.cfg.check_added(part, self._episode_tokens)
         if part.role != "rollout" or effective_rollout(self.cfg.rollout, part).engine.type != "vllm":
             return
-        from astraflow.preflight import check_engine_positions, engine_limit
         from astraflow.rollout.vllm_setup import require_vllm
 
         require_vllm(f"partitions[{part.name}].rollout.engine.type")

@@ -18,6 +18,7 @@ import pytest
 
 import storage.trajectories.layout as layout
 import storage.trajectories.reader as reader_mod
+import storage.trajectories.segment_view as segment_view
 import storage.trajectories.writer as writer_mod
 from storage import paths
 from storage.trajectories import EntryNotCommitted, EntryRef, open_trajectory_store
@@ -149,7 +150,7 @@ def test_random_batches_read_back_across_the_change_of_layout(tmp_path, monkeypa
     assert 0 < mixed.first_packed == per_array < len(mixed.markers) and mixed.markers[per_array].data_at == 0
     _check_reads(early, segs, rng, rounds=20)
     _check_reads(open_trajectory_store(url, "r"), segs, rng, rounds=20)
-    monkeypatch.setattr(reader_mod, "BOOT_ID", "another-machine")
+    monkeypatch.setattr(segment_view, "BOOT_ID", "another-machine")
     _check_reads(open_trajectory_store(url, "r"), segs, rng, rounds=5)
 
 
