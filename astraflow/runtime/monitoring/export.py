@@ -79,70 +79,76 @@ def write_plots(run_dir: Path | str, out: Path | str | None = None) -> list[Path
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # under a file, in a read-only place: a ValueError naming the option
         raise _unwritable(out_dir, err) from None
-
-    def pts(xs: list, ys: list) -> tuple[list, list]:
-        keep = [(x, y) for x, y in zip(xs, ys) if y is not None]
-        return [x for x, _ in keep], [y for _, y in keep]
-
     written = []
-
-    def save(fig, name: str) -> None:
-        fig.tight_layout()
-        path = out_dir / f"{name}.png"
+    for name in PLOTS:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
         try:
+            _DRAW[name](ax, view.policies)
+            fig.tight_layout()
+            path = out_dir / f"{name}.png"
             fig.savefig(path, dpi=100)
         except OSError as err:
             raise _unwritable(out_dir, err) from None
         finally:
             plt.close(fig)
         written.append(path)
+    return written
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for p, c in view.policies.items():
-        ax.plot(*pts(c.step, c.reward_mean), marker=".", label=p)
+
+def _present(xs: list, ys: list) -> tuple[list, list]:
+    """The points of a series whose value is known (a step line may lack a field)."""
+    keep = [(x, y) for x, y in zip(xs, ys) if y is not None]
+    return [x for x, _ in keep], [y for _, y in keep]
+
+
+def _draw_reward(ax, policies: dict) -> None:
+    for p, c in policies.items():
+        ax.plot(*_present(c.step, c.reward_mean), marker=".", label=p)
     ax.set(title="mean reward per training batch", xlabel="trainer step", ylabel="reward")
     ax.legend(loc="best"), ax.grid(alpha=0.3)
-    save(fig, "reward")
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for p, c in view.policies.items():
+
+def _draw_accuracy(ax, policies: dict) -> None:
+    for p, c in policies.items():
         if c.eval_step:
             ax.plot(c.eval_step, c.eval_accuracy, marker="o", label=p)
     ax.set(title="held-out accuracy", xlabel="weight version", ylabel="accuracy", ylim=(-0.02, 1.02))
-    if any(c.eval_step for c in view.policies.values()):
+    if any(c.eval_step for c in policies.values()):
         ax.legend(loc="best")
     else:
         ax.text(0.5, 0.5, "no evaluation yet", ha="center", va="center", transform=ax.transAxes)
     ax.grid(alpha=0.3)
-    save(fig, "accuracy")
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+
+def _draw_throughput(ax, policies: dict) -> None:
     ax2 = ax.twinx()
     # run-wide figures, written with every policy's step: one series, the points of all in time order
-    run_wide = [(t, e, k) for c in view.policies.values()
-                for t, e, k in zip(c.time, c.episodes_per_s, c.generated_tokens_per_s)]
-    run_wide.sort(key=lambda point: point[0])
+    run_wide = sorted(((t, e, k) for c in policies.values()
+                       for t, e, k in zip(c.time, c.episodes_per_s, c.generated_tokens_per_s)),
+                      key=lambda point: point[0])
     times = [t for t, _, _ in run_wide]
-    ax.plot(*pts(times, [e for _, e, _ in run_wide]), marker=".", color="tab:blue", label="episodes/s (run)")
-    ax2.plot(*pts(times, [k for _, _, k in run_wide]), marker=".", color="tab:orange", linestyle="--",
+    ax.plot(*_present(times, [e for _, e, _ in run_wide]), marker=".", color="tab:blue", label="episodes/s (run)")
+    ax2.plot(*_present(times, [k for _, _, k in run_wide]), marker=".", color="tab:orange", linestyle="--",
              label="tokens/s (run)")
     ax.set(title="throughput (cumulative average)", xlabel="seconds", ylabel="episodes/s")
     ax2.set_ylabel("tokens/s")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, loc="best"), ax.grid(alpha=0.3)
-    save(fig, "throughput")
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    n = len(view.policies)
-    for i, (p, c) in enumerate(view.policies.items()):
+
+def _draw_staleness(ax, policies: dict) -> None:
+    n = len(policies)
+    for i, (p, c) in enumerate(policies.items()):
         ks = sorted(c.staleness_hist, key=int)
         ax.bar([int(k) + (i - (n - 1) / 2) * 0.8 / n for k in ks], [c.staleness_hist[k] for k in ks],
                width=0.8 / n, label=p)
     ax.set(title="staleness of consumed trajectories", xlabel="versions behind", ylabel="trajectories")
     ax.legend(loc="best"), ax.grid(alpha=0.3, axis="y")
-    save(fig, "staleness")
-    return written
+
+
+_DRAW = {"reward": _draw_reward, "accuracy": _draw_accuracy, "throughput": _draw_throughput,
+         "staleness": _draw_staleness}
 
 
 def _unwritable(out_dir: Path, err: OSError) -> ValueError:
