@@ -14,6 +14,15 @@ from astraflow.contracts import Sequence
 from storage.trajectories import EntryRef
 
 
+def group_stats(rewards) -> tuple[float, float]:
+    """The mean and standard deviation of a group's rewards, as the data layer stamps them at
+    ingest. A group scored alike gets its reward and 0 exactly (``np.mean`` of 0.1s is not 0.1),
+    so each of its advantages is exactly 0 (a step skips such rows)."""
+    if np.ptp(rewards) == 0:
+        return float(rewards[0]), 0.0
+    return float(np.mean(rewards)), float(np.std(rewards))
+
+
 def grpo_advantage(reward: float, group_mean: float, group_std: float) -> float:
     """GRPO advantage: ``reward`` normalised within its group (a group of equal rewards: 0)."""
     return (reward - group_mean) / (group_std + 1e-6)
@@ -33,7 +42,8 @@ class BatchItem:
     group_mean: float
     group_std: float
     group_size: int
-    #: trainer version at consumption minus ``sequence.oldest_version`` for this policy.
+    #: the trainer version the batch was served to minus the oldest version among the tokens
+    #: this policy generated in the sequence (``Item.oldest_version`` in the data layer).
     staleness: int
     task_id: str
     #: True when a replay policy reused an already-consumed sample on purpose.

@@ -70,9 +70,6 @@ class RolloutTask:
     kind: TaskKind = "train"
     #: 0 for the first lease, incremented each time an expired or failed lease is requeued.
     attempt: int = 0
-    #: wall-clock time (``time.time()``) after which the data layer requeues the task;
-    #: ``None`` until the task is leased.
-    lease_deadline: float | None = None
     #: sampling overrides for this task (``temperature``, ``max_new_tokens``); ``None`` means the
     #: RaaS node's engine defaults.
     sampling: Mapping[str, Any] | None = None
@@ -202,12 +199,6 @@ class Sequence:
         seq.__dict__.update(tokens=tokens, loss_mask=loss_mask, logprobs=logprobs, policy_ids=policy_ids,
                             versions=versions, reward=reward, rewards=rewards, finish_reason=finish_reason)
         return seq
-
-    @property
-    def oldest_version(self) -> int:
-        """Lowest weight version among generated tokens (-1 if nothing was generated)."""
-        gen = self.versions[self.versions >= 0]
-        return int(gen.min()) if len(gen) else NOT_GENERATED
 
     def num_generated(self) -> int:
         return int(self.loss_mask.sum())

@@ -14,9 +14,8 @@ from schedulers.partition import Partition
 from schedulers.policy import (DEFAULT_SBATCH_OPTIONS_ALLOWLIST, DEFAULT_WORKER_ENV_ALLOWLIST, EnvAllowlist,
                                SbatchAllowlist)
 from schedulers.tls import TLSConfig
+from storage.paths import NAME_MAX as RUN_NAME_MAX
 from storage.paths import is_plain_name
-
-RUN_NAME_MAX = 64
 
 
 #: ``cluster.placement_timeout_s`` when a rollout engine is ``vllm`` and the config sets none

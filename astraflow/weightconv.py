@@ -120,10 +120,6 @@ class GPTShape:
         )
 
 
-#: the former name, from when only Llama was supported
-LlamaShape = GPTShape
-
-
 def _qwen2_sliding_window(c: Mapping[str, Any], layers: int) -> bool:
     """Whether a Qwen2 config has sliding-window layers: ``layer_types`` says so where the config
     object filled it in; a raw ``config.json`` may only have the switches it is derived from."""

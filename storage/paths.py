@@ -44,6 +44,9 @@ import uuid
 from pathlib import Path
 
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+#: the longest name of a run or a policy: each becomes a path component and part of job and
+#: file names, so it stays far below a filesystem's limit on one name
+NAME_MAX = 64
 
 
 def is_plain_name(name: str) -> bool:

@@ -2,9 +2,10 @@
 
 * ``storage`` and ``schedulers`` never import ``astraflow``;
 * the components ``rollout``, ``dataflow`` and ``training`` never import each other, the
-  ``runtime`` that places them, the composed run config (``astraflow.config``) or the CLI:
-  they share only the contracts, the transport, their own config section, ``storage`` and
-  ``workloads``;
+  ``runtime`` that places them, the composed run config (``astraflow.config``), the run's own
+  sections (``astraflow.sections``) or the CLI: besides their own config section they share the
+  contracts, the transport and modules that import no component (``storage``, ``workloads``,
+  ``agents``, ``models``, ``batches`` ...);
 * ``workloads`` is a leaf: it imports no component and no runtime; ``agents`` (the environment
   contract) is a leaf below it;
 * ``sandbox`` (running model-written code) is a leaf: no component, runtime, run config,
@@ -27,7 +28,7 @@ COMPONENTS = ("rollout", "dataflow", "training")
 # module prefixes each unit must never import
 FORBIDDEN = {
     **{f"astraflow.{c}": [f"astraflow.{o}" for o in COMPONENTS if o != c]
-       + ["astraflow.runtime", "astraflow.config", "astraflow.cli"] for c in COMPONENTS},
+       + ["astraflow.runtime", "astraflow.config", "astraflow.sections", "astraflow.cli"] for c in COMPONENTS},
     "astraflow.workloads": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime", "astraflow.config"],
     "astraflow.agents": [f"astraflow.{c}" for c in COMPONENTS] + ["astraflow.runtime", "astraflow.config",
                                                                    "astraflow.workloads"],
@@ -168,6 +169,7 @@ def test_a_clean_tree_passes(tmp_path):
     ("storage/__init__.py", "def f():\n    import astraflow.contracts\n", "storage/__init__.py: imports astraflow"),
     ("schedulers/__init__.py", "from astraflow import config\n", "imports astraflow"),
     ("astraflow/training/__init__.py", "from astraflow.runtime import orchestrator\n", "imports astraflow.runtime"),
+    ("astraflow/training/__init__.py", "from astraflow.sections import RunConfig\n", "imports astraflow.sections"),
 ])
 def test_each_broken_rule_is_reported(tmp_path, rel, text, needle):
     violations, _ = check(_tree(tmp_path, {**CLEAN, rel: text}))

@@ -10,7 +10,7 @@ are settled.
 
 Named asynchronous overlap, *staleness*: a sequence whose oldest token version for the consuming
 policy is more than ``max_staleness`` versions behind the trainer's version is dropped and
-counted as ``stale`` (``available``, just before a batch is assembled), so no batch holds a
+counted as ``stale`` (``drop_stale``, just before a batch is assembled), so no batch holds a
 sequence older than the bound, however far rollouts ran ahead. Replayed sequences are held to
 the same bound.
 """
@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from astraflow.batches import BatchRefs, RowRef
+from astraflow.batches import BatchRefs, RowRef, group_stats
 from astraflow.contracts import SequenceSummary, TrajectoryRef
 from astraflow.dataflow.ledger import Ledger
 from astraflow.dataflow.rules import BufferedGroupView, GroupFilter, Ordering
@@ -202,9 +202,7 @@ class Buffers:
                 c["filtered"] += len(items)
                 self.settle(policy, items, reason or "filtered")
                 continue
-            mean, std = float(np.mean(rewards)), float(np.std(rewards))
-            if np.ptp(rewards) == 0:  # scored alike: advantage exactly 0 (np.mean of 0.1s is not 0.1)
-                mean, std = float(rewards[0]), 0.0
+            mean, std = group_stats(rewards)
             self._ingest_seq += 1
             for it in items:
                 it.group_mean, it.group_std, it.group_size = mean, std, len(items)

@@ -19,10 +19,12 @@ own the state, each with its named asynchronous overlap:
   replaced: *served, then committed*);
 * ``evals.py``: held-out evaluation rounds;
 * ``record.py``: the metrics lines and the saved state;
-* ``rules.py``: the dataflow rules (curator, group filter, ordering) run at their stages;
+* ``rules.py``: the dataflow rules (curator, group filter, ordering) run at their stages, and
+  ``rule_checks.py`` what a user's rule may return;
 * ``retention.py``: trajectory segments deleted once nothing can need their rows (opt-in);
-* ``durable.py``: the change log every call that changed the state writes to before it
-  answers, and the ledger's journal (a re-placed or resumed data layer continues from them).
+* ``durable.py``: what every call that changed the state writes before it answers, and the
+  restore (a re-placed or resumed data layer continues from it): ``changelog.py`` writes the
+  change log of the entries ``changes.py`` defines, beside the ledger's journal.
 
 Every public method is ``async``: Dask runs async actor methods on the worker's event loop,
 one at a time between awaits, so the state needs no locks, and a trainer blocked in

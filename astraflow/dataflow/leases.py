@@ -38,14 +38,6 @@ from astraflow.contracts import RolloutTask, TrajectoryRef
 from astraflow.dataflow.ledger import TERMINAL, Ledger
 
 
-def _leased(task: RolloutTask, deadline: float | None) -> RolloutTask:
-    """``replace(task, lease_deadline=deadline)`` without running the constructor again (every
-    other field is the valid task's own)."""
-    out = object.__new__(RolloutTask)
-    out.__dict__.update(task.__dict__, lease_deadline=deadline)
-    return out
-
-
 class Leases:
     """Task queues, leases and nodes of the data layer."""
 
@@ -105,7 +97,7 @@ class Leases:
         for queue in (self.eval_pending, self.pending):
             while queue and len(out) < capacity:
                 tid = queue.popleft()
-                task = self.tasks[tid] = _leased(self.tasks[tid], deadline)
+                task = self.tasks[tid]
                 self.ledger.lease(tid, node)
                 self.hold(tid, node, deadline)
                 out.append(task)
@@ -217,9 +209,7 @@ class Leases:
         counted (a lease stock gives back what its nodes did not take)."""
         self._release(tid)
         self.ledger.returned(tid)
-        task = self.tasks[tid]
-        self.tasks[tid] = _leased(task, None)
-        self._queue(task.kind).appendleft(tid)
+        self._queue(self.tasks[tid].kind).appendleft(tid)
 
     def give_back(self, tid: str, why: str) -> None:
         """A leased task comes back (expired, failed, node gone): requeue or fail it."""
@@ -230,7 +220,7 @@ class Leases:
             self.ledger.end(tid, "failed", f"{why} (after {self.max_attempts} attempts)")
             self._on_failed(self.tasks.pop(tid))
             return
-        self.tasks[tid] = replace(task, attempt=task.attempt + 1, lease_deadline=None)
+        self.tasks[tid] = replace(task, attempt=task.attempt + 1)
         self._queue(task.kind).appendleft(tid)
 
     def on_worker(self, node: str) -> list[str]:

@@ -37,7 +37,7 @@ import numpy as np
 
 from astraflow.agents.chat import prompt_ids
 from astraflow.config import RunConfig
-from astraflow.batches import BatchItem
+from astraflow.batches import BatchItem, group_stats
 from astraflow.plan.planner import Calibration
 from astraflow.plan.pools import PlanError
 from astraflow.plan.trainer_probe import TrainerProbe, trainer_steps
@@ -160,7 +160,7 @@ def _batch_items(prompts, gens, rewards, n: int, group_size: int) -> tuple[Batch
     group statistics, so the step trains (or skips, advantage 0) what a run's step would."""
     seqs = [turn_sequence(p, g, 0, r) for p, g, r in zip(prompts, gens, rewards)]
     groups = [rewards[i:i + group_size] for i in range(0, len(rewards), group_size)]
-    stats = [(float(np.mean(x)), float(np.std(x)), len(x)) for x in groups]
+    stats = [(*group_stats(x), len(x)) for x in groups]
     out = []
     for k in range(n):
         i = k % len(seqs)

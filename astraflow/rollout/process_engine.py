@@ -19,7 +19,8 @@ semantics rely on):
   process reads a committed version from the weight store itself, full shards or its last
   version plus a delta (``weight_sync.VersionReader``; what the node's weight watcher sends:
   the weights never cross the pipe); ``("close",)``.
-* engine -> node: ``("ready", version)`` once; ``("results", [(id, Generation | error
+* engine -> node: ``("ready", version)`` once, or ``("error", text)`` when the engine could
+  not start (the node fails the start with that text); ``("results", [(id, Generation | error
   text), ...], stats, version)`` — every request finished in one tick of the engine's loop;
   ``("loaded", record)`` (how a ``load`` was read: mode, seconds, delta statistics);
   ``("accepted", version)`` (the engine took the version's weights: every request after them

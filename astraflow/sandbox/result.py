@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 Status = Literal["ok", "failure", "timeout", "memory", "output_limit", "sandbox_error"]
-STATUSES: tuple[str, ...] = ("ok", "failure", "timeout", "memory", "output_limit", "sandbox_error")
 
 
 @dataclass(frozen=True)

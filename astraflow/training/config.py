@@ -8,8 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from astraflow.configbase import Strict
-from astraflow.sections import RUN_NAME_MAX
-from storage.paths import is_plain_name
+from storage.paths import NAME_MAX, is_plain_name
 
 
 class ModelInit(Strict):
@@ -262,8 +261,8 @@ class PolicyConfig(Strict):
     def _plain_name(cls, v: str) -> str:
         """The name is a path component (weights, trainer state) and part of file names: bounded
         as ``run.name`` is, far below the filesystem's limit on one name."""
-        if not is_plain_name(v) or len(v) > RUN_NAME_MAX:
-            shown = repr(v) if len(v) <= RUN_NAME_MAX else f"{v[:20]!r}... ({len(v)} characters)"
-            raise ValueError(f"policy name {shown}: use 1-{RUN_NAME_MAX} letters, digits, '_', '.', '-', starting "
+        if not is_plain_name(v) or len(v) > NAME_MAX:
+            shown = repr(v) if len(v) <= NAME_MAX else f"{v[:20]!r}... ({len(v)} characters)"
+            raise ValueError(f"policy name {shown}: use 1-{NAME_MAX} letters, digits, '_', '.', '-', starting "
                              "with a letter or digit (it names directories), e.g. 'solver'")
         return v

@@ -10,7 +10,8 @@ Rooms: ``layout`` (the schema: arrays, dtypes, packed batches, commit log record
 ``chunks`` (element ranges of an array as byte ranges of its chunks), ``writer``
 (``SegmentWriter``: appending and committing), ``reader`` (``open_trajectory_store``,
 ``TrajectoryStore``: what is committed, reading entries, and ``batch``: one published batch
-without its tokens, for monitors), ``columns`` (``Columns``: many entries read as concatenated
+without its tokens, for monitors), ``segment_view`` (``SegmentView``: one segment's committed
+entries, opened once and kept), ``columns`` (``Columns``: many entries read as concatenated
 arrays), ``rotating`` (``RotatingWriter``: one writer's entries over a series of bounded segments),
 ``backends`` (where the bytes live: a directory) and ``memory`` (in-process stores).
 

@@ -56,3 +56,12 @@ def test_the_trainer_batch_is_grpo_groups_with_their_rewards():
     adv = [it.advantage for it in items[4:8]]
     assert adv[0] > 0 > adv[1] and sum(adv) == pytest.approx(0.0, abs=1e-5)
     assert items[8].sequence is items[0].sequence and items[8].group_mean == 1.0
+
+
+def test_a_group_scored_alike_at_a_fraction_has_advantage_exactly_0_as_in_a_run():
+    """The data layer's group statistics: ``np.mean`` of equal fractions is not the fraction,
+    so computed naively the rows would get a tiny advantage and be trained, not skipped."""
+    gens = [Generation(tokens=np.array([5], np.int32), logprobs=np.array([-1.0], np.float32),
+                       versions=np.zeros(1, np.int32), finish_reason="length") for _ in range(3)]
+    items = _batch_items([[1, 2]] * 3, gens, [0.1, 0.1, 0.1], n=3, group_size=3)
+    assert [it.advantage for it in items] == [0.0] * 3 and items[0].group_std == 0.0
