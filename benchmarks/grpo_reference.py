@@ -262,11 +262,13 @@ def main(argv=None) -> dict:
             rewards_window = []
             curve.append({"seconds": round(el, 1), "cpu_seconds": round(time.process_time() - c0, 1),
                           "step": step, "acc": acc, "train_reward": round(tr, 4)})
+            # a step that trained no row (every advantage 0) measured no ratio
+            clip, kl = (last_stats.get(k, float("nan")) for k in ("clip_frac", "approx_kl"))
             table.add_row(f"{el:.0f}", str(step), f"{tr:.3f}", f"{acc:.3f}", f"{gain:+.1f}", f"{sps:.2f}",
-                          f"{last_stats['clip_frac']:.3f}", f"{last_stats['approx_kl']:.4f}")
+                          f"{clip:.3f}", f"{kl:.4f}")
             console.print(f"[{el:6.0f}s cpu {time.process_time() - c0:5.0f}s] step {step:5d}  train reward {tr:.3f}  held-out acc {acc:.3f}  "
-                          f"gain {gain:+.1f} pts  clip {last_stats['clip_frac']:.3f} "
-                          f"kl {last_stats['approx_kl']:.4f} |A| {last_stats['advantage_abs_mean']:.2f}",
+                          f"gain {gain:+.1f} pts  clip {clip:.3f} "
+                          f"kl {kl:.4f} |A| {last_stats['advantage_abs_mean']:.2f}",
                           highlight=False)
             if a.stop_at_gain is not None and gain >= a.stop_at_gain:
                 break

@@ -109,7 +109,9 @@ def grpo_loss(
     with torch.no_grad():
         n = mask.sum().clamp(min=1.0)
         stats = {
-            "clip_frac": float(((unclipped != clipped).to(mask.dtype) * mask).sum() / n),
+            # the tokens the clip takes out of the gradient: min() chose the clipped term (a ratio
+            # past the range on the side its advantage pushes towards, not the other side)
+            "clip_frac": float(((clipped < unclipped).to(mask.dtype) * mask).sum() / n),
             "ratio_mean": float((ratio * mask).sum() / n),
             # k3 estimator of KL(behaviour || current), a drift diagnostic only
             "approx_kl": float(((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum() / n),

@@ -111,7 +111,7 @@ class TorchBackend:
         keep = self._m2_batch_mask(c, rows, mb) if self.off_policy == "m2po" and len(rows) > mb else None
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
-        agg = {"clip_frac": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0}
+        agg: dict[str, float] = {}  # the loss's diagnostics over the trained tokens (none trained: absent)
         for s in range(0, len(rows), mb):
             sl = rows[s : s + mb]
             # trim right padding of this micro-batch

@@ -13,9 +13,11 @@ from astraflow.workloads.base import check_params, workload_class
 class SamplingConfig(Strict):
     temperature: float = Field(default=1.0, ge=1e-3)
     """Sampling temperature of training rollouts (below 0.001 the scaled logits overflow; greedy
-    decoding is the evaluation's)."""
+    decoding is the evaluation's). The log-probs the engine records and the trainer computes are
+    the model's own (temperature 1, every token), so away from 1 the loss's importance ratio does
+    not see how the tokens were drawn (an on-policy ratio is still 1)."""
     top_p: float = Field(default=1.0, gt=0, le=1)
-    """Nucleus sampling threshold."""
+    """Nucleus sampling threshold (below 1: the same caveat as ``temperature``)."""
     max_new_tokens: int = Field(default=8, ge=1)
     """Token budget of one generation."""
 

@@ -28,6 +28,20 @@ def test_grpo_loss_hand_computed():
     assert abs(loss8.item() - sum(per_token) / 8) < 1e-6
 
 
+def test_clip_frac_counts_only_the_tokens_the_clip_takes_out_of_the_gradient():
+    # ratio 2.0 with A=+1 and 0.5 with A=-1 are clipped (no gradient); 2.0 with A=-1 and 0.5 with
+    # A=+1 are past the range on the other side: min() keeps the unclipped term, the gradient flows
+    new = torch.tensor([[math.log(2.0), math.log(0.5)], [math.log(2.0), math.log(0.5)]])
+    old = torch.zeros(2, 2)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    _, st = grpo_loss(new, old, torch.tensor([1.0, -1.0]), mask, clip_low=0.2, clip_high=0.28)
+    assert st["clip_frac"] == 0.5
+    flowing = new.clone().requires_grad_(True)
+    loss, _ = grpo_loss(flowing, old, torch.tensor([1.0, -1.0]), mask, clip_low=0.2, clip_high=0.28)
+    loss.backward()
+    assert (flowing.grad != 0).tolist() == [[False, True], [True, False]]
+
+
 def test_grpo_gradient_direction():
     new = torch.zeros(2, 2, requires_grad=True)
     loss, _ = grpo_loss(new, torch.zeros(2, 2), torch.tensor([1.0, -1.0]), torch.ones(2, 2, dtype=torch.bool))
