@@ -138,6 +138,7 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     if run_dir:
         _not_someone_elses_files(rd)
     try:
+        _not_another_runs_store(cfg.storage.trajectories, rd)
         _run(cfg, rd, quiet)
     finally:
         if not run_dir:  # the directory claimed for it, left empty (bad data): nothing behind
@@ -165,6 +166,18 @@ def _not_someone_elses_files(rd: Path) -> None:
         raise UserError(f"--run-dir {rd} is no run's directory (no control/) but holds {', '.join(found)}, which a "
                         "run would write over. Pass a new or empty directory, or the directory of a run to "
                         "resume it")
+
+
+def _not_another_runs_store(url: str | None, rd: Path) -> None:
+    """A ``storage.trajectories`` that is another run directory's own store is refused: that run
+    owns it (keeping no trajectories, its resume deletes every segment it does not need)."""
+    from storage.trajectories.backends import owning_run
+
+    owner = owning_run(url) if url else None
+    if owner is not None and owner.resolve() != rd.resolve():
+        raise UserError(f"storage.trajectories {url} is the trajectory store of the run in {owner}, which owns "
+                        "it (it may delete segments it does not need): give a directory outside any run "
+                        "directory to share a store, or leave storage.trajectories out (<run>/trajectories)")
 
 
 def _run(cfg, rd: Path, quiet: bool) -> None:

@@ -43,7 +43,7 @@ def check_models(cfg: RunConfig) -> None:
                 _check_positions(cfg, pol, planned, "to be built by init")
                 _check_megatron_shape(pol, planned, "to be built by init")
             continue
-        _check_built_from_init(pol)
+        check_built_from_init(pol)
         try:
             check_model_dir(pol.model)
         except ValueError as err:
@@ -56,7 +56,7 @@ def check_models(cfg: RunConfig) -> None:
         _check_megatron_shape(pol, config)
 
 
-def _check_built_from_init(pol) -> None:
+def check_built_from_init(pol) -> None:
     """An existing model directory that records the ``init`` it was built from (``INIT_RECORD``)
     must be the model the policy's ``init`` asks for: else the run would train the old model
     and ignore the new ``init`` without a word. A directory without a record (a user's

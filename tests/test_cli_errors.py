@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -329,6 +330,24 @@ def test_status_of_a_run_that_stopped_without_a_summary(tmp_path):
     # what it had done when it stopped, said to be its last status, and how to go on
     assert "solver       version   41  reward 0.250" in res.output, res.output
     assert "above is its last status, of 300s ago; `astraflow run` on the run directory resumes it" in res.output
+
+
+def test_status_right_after_the_run_was_killed_shows_its_last_status(tmp_path):
+    """Its orchestrator is gone: the snapshot need not age before it is said to be the last."""
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / "control").mkdir()
+    (tmp_path / "control" / "orchestrator.json").write_text(json.dumps(
+        {"pid": gone.pid, "host": socket.gethostname(), "started": time.time() - 60}))
+    (tmp_path / "control" / "status.json").write_text(json.dumps(
+        {"written_at": time.time() - 2, "data_layer": {"elapsed_s": 50},
+         "trainers": {"solver": {"version": 7, "last_metrics": {"reward_mean": 0.5}}}}))
+    res = _invoke("status", str(tmp_path))
+    assert res.exit_code == 2 and "stopped without a summary" in res.output, res.output
+    assert "solver       version    7  reward 0.500" in res.output, res.output
+    assert "above is its last status, of 2s ago; `astraflow run` on the run directory resumes it" in res.output
 
 
 def test_a_stop_before_the_run_starts_exits_130_without_a_traceback(monkeypatch, tmp_path):

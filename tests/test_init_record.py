@@ -73,13 +73,44 @@ def test_settings_a_build_does_not_use_are_no_difference(tmp_path):
     """Without a warm start its learning rate shapes nothing; with ``start_from`` the base's
     preset does: neither refuses a directory built with another value."""
     from astraflow.models import record_init
-    from astraflow.preflight import _check_built_from_init
+    from astraflow.preflight import check_built_from_init
 
     (tmp_path / "m").mkdir()
     record_init(tmp_path / "m", ModelInit(preset="tiny", warm_start_lr=1e-3).model_dump(mode="json"))
-    _check_built_from_init(PolicyConfig(name="p", model=tmp_path / "m", init={"preset": "tiny", "warm_start_lr": 0.1}))
+    check_built_from_init(PolicyConfig(name="p", model=tmp_path / "m", init={"preset": "tiny", "warm_start_lr": 0.1}))
     with pytest.raises(ConfigError, match=r"warm_start_steps: null.*warm_start_steps: 5"):
-        _check_built_from_init(PolicyConfig(name="p", model=tmp_path / "m", init={"preset": "tiny",
+        check_built_from_init(PolicyConfig(name="p", model=tmp_path / "m", init={"preset": "tiny",
                                                                                 "warm_start_steps": 5}))
     record_init(tmp_path / "m", ModelInit(preset="tiny", start_from="a").model_dump(mode="json"))
-    _check_built_from_init(PolicyConfig(name="p", model=tmp_path / "m", init={"preset": "mini", "start_from": "a"}))
+    check_built_from_init(PolicyConfig(name="p", model=tmp_path / "m", init={"preset": "mini", "start_from": "a"}))
+
+
+def test_runs_started_together_build_a_missing_model_once(tmp_path):
+    """A run that finds another building the model waits for it and then uses what it built,
+    checked like any existing model: never built twice, never replaced under the other run."""
+    import fcntl
+    import os
+    import threading
+
+    from astraflow.models import record_init
+    from astraflow.runtime.launch import build_model, prepare_models
+    from astraflow.runtime.progress import Progress
+
+    cfg = load_config(_config(tmp_path))
+    model = cfg.policies[0].model
+    model.parent.mkdir(parents=True)
+    fd = os.open(model.parent / f".{model.name}.build.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # "another run" is building the model
+    waiter = threading.Thread(target=prepare_models, args=(cfg, Progress(enabled=False)))
+    waiter.start()
+    waiter.join(3.0)
+    assert waiter.is_alive() and not model.exists()  # it waits for the build it would repeat
+    pol = cfg.policies[0]  # the other run's build, under its lock
+    build_model(model, pol.init, cfg.workload)
+    record_init(model, pol.init.model_dump(mode="json"))
+    built = os.stat(model / "config.json")
+    os.close(fd)
+    waiter.join(60)
+    assert not waiter.is_alive()
+    after = os.stat(model / "config.json")
+    assert (after.st_ino, after.st_mtime_ns) == (built.st_ino, built.st_mtime_ns)

@@ -48,3 +48,21 @@ def test_a_store_that_can_be_created_checks_and_is_not_made(tmp_path):
     res = _invoke("check", str(_config(tmp_path)), "--set", f"storage.trajectories=file://{tmp_path}/new/store")
     assert res.exit_code == 0, res.output
     assert not (tmp_path / "new").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".astraflow")]
+
+
+def test_another_run_directorys_own_store_is_refused_by_run_and_its_own_is_not(tmp_path):
+    """A run that keeps no trajectories deletes, when it resumes, the segments of its own store
+    that it does not need: another run writing there would lose its rows."""
+    other = tmp_path / "other-run"
+    (other / "control").mkdir(parents=True)
+    (other / "trajectories" / "segments").mkdir(parents=True)
+    for url in (f"{other}/trajectories", f"file://{other}/trajectories/sub"):
+        res = _invoke("run", str(_config(tmp_path)), "--run-dir", str(tmp_path / "mine"), "--quiet",
+                      "--set", f"storage.trajectories={url}")
+        assert res.exit_code == 2, res.output
+        text = " ".join(res.output.split())
+        assert f"is the trajectory store of the run in {other}" in text and "outside any run directory" in text
+    from storage.trajectories.backends import owning_run
+
+    assert owning_run(f"{other}/trajectories") == other
+    assert owning_run(str(tmp_path / "shared")) is None and owning_run(f"{other}/elsewhere") is None

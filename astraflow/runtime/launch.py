@@ -4,6 +4,8 @@ orchestrator."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from astraflow.agents.workload import is_agentic
 from astraflow.config import RunConfig
-from astraflow.preflight import check_network, eval_split_lines, prompts_that_do_not_fit
+from astraflow.preflight import check_built_from_init, check_network, eval_split_lines, prompts_that_do_not_fit
 from astraflow.runtime.jobrecords import PreviousJobs, cancel_previous_jobs
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
 from astraflow.runtime.progress import Progress
@@ -60,9 +62,13 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
             _warm_start(tmp / "init", tmp / "final", init, workload, progress)
             shutil.rmtree(tmp / "init")
             (tmp / "final").rename(tmp / "init")
-        if out.exists():
-            shutil.rmtree(out)
-        (tmp / "init").rename(out)
+        try:
+            (tmp / "init").rename(out)  # over an empty directory only (``init-model``'s OUT)
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise ModelDirError(f"{out} was filled while this model was built (by another build?); it is "
+                                "left as it is: remove it to build it again, or use it") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -75,11 +81,38 @@ def _temp_sibling(out: Path) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     except OSError as err:
-        if disk_full(err):  # not the path's fault: a full disk ends a run the one way it always does
-            raise
-        where = f" ({err.filename})" if err.filename else ""
-        raise ModelDirError(f"{out} cannot be created: {err.strerror or err}{where}; choose a directory "
-                            "that can be created") from None
+        raise _unbuildable(out, err) from None
+
+
+def _unbuildable(out: Path, err: OSError) -> OSError:
+    """What to raise for ``err`` making a place for model ``out``: a full disk as it is (not the
+    path's fault: it ends a run the one way it always does), else a `ModelDirError` naming the fix."""
+    if disk_full(err):
+        return err
+    where = f" ({err.filename})" if err.filename else ""
+    return ModelDirError(f"{out} cannot be created: {err.strerror or err}{where}; choose a directory "
+                         "that can be created")
+
+
+@contextlib.contextmanager
+def _building(out: Path, progress: Progress):
+    """Held while model ``out`` is looked for and built: an ``flock`` on ``.<name>.build.lock``
+    beside it, so that runs started together build a missing model once (the later ones wait,
+    then find it built) and none replaces the directory another has started from."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out.parent / f".{out.name}.build.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as err:
+        raise _unbuildable(out, err) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            with progress.waiting(f"waiting for another run that is building {out}"):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _warm_start(src: Path, dst: Path, init: ModelInit, workload: WorkloadConfig | None, progress: Progress) -> None:
@@ -218,13 +251,18 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
             continue
         assert pol.init is not None, "config validation requires init for a missing model"
         base = cfg.policy(pol.init.start_from).model if pol.init.start_from else None
-        progress.note(f"policy {pol.name}: building {pol.model} (no such directory yet)"
-                      + (f" from {base}" if base else ""))
         try:
-            build_model(pol.model, pol.init, cfg.workload, progress, base=base)
+            with _building(pol.model, progress):
+                if pol.model.exists():  # another run built it while this one waited: checked as any other
+                    check_built_from_init(pol)
+                    progress.note(f"policy {pol.name}: {pol.model} was built by another run meanwhile")
+                    continue
+                progress.note(f"policy {pol.name}: building {pol.model} (no such directory yet)"
+                              + (f" from {base}" if base else ""))
+                build_model(pol.model, pol.init, cfg.workload, progress, base=base)
+                record_init(pol.model, pol.init.model_dump(mode="json"))  # also replaces a start_from base's record
         except ModelDirError as err:
             raise ModelDirError(f"policies[{pol.name}].model: {err}") from None
-        record_init(pol.model, pol.init.model_dump(mode="json"))  # also replaces a start_from base's record
 
 
 def head_logging() -> None:

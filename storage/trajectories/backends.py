@@ -413,6 +413,21 @@ def check_store_url(url: str) -> None:
                       "user can create")
 
 
+def owning_run(url: str) -> Path | None:
+    """The run directory whose own trajectory store (``<run>/trajectories``, a run's when its
+    config names none) ``url`` is or lies in; None: no run's. Such a store belongs to that run:
+    it deletes the segments it no longer needs when it keeps no trajectories, another run's
+    among them."""
+    if url.startswith("memory://") or store_url_problem(url):
+        return None
+    root = (_file_url_path(url) if url.startswith("file://") else Path(url)).absolute()
+    for place in (root, *root.parents):
+        run = paths.RunPaths(place.parent)
+        if place == run.trajectories and run.control.is_dir():
+            return run.root
+    return None
+
+
 def _file_url_path(url: str) -> Path:
     """The local path of a ``file://`` URL (percent-escapes decoded; host empty or ``localhost``)."""
     from urllib.parse import urlparse

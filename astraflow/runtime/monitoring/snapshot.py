@@ -260,8 +260,10 @@ class Snapshot:
 
     @property
     def stale(self) -> bool:
-        """A snapshot exists and its writer stopped writing it."""
-        return self.status is not None and (self.age_s is None or self.age_s > STALE_AFTER_S)
+        """A snapshot exists and its writer stopped writing it: long ago, or its orchestrator is
+        gone (killed: no need to wait out the age)."""
+        gone = not (self.info and orchestrator_alive(self.info))
+        return self.status is not None and (gone or self.age_s is None or self.age_s > STALE_AFTER_S)
 
 
 def damaged_run_files(run_dir: Path | str, err: Exception) -> UnreadableFile:
