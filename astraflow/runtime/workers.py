@@ -216,7 +216,6 @@ class Fleet:
         self.poll_jobs()
         joined = self.placement.joined()
         now = time.time()
-        deadline = self.cluster.placement_timeout_s
         for name, w in list(self.workers.items()):
             if w.gone:
                 continue
@@ -226,46 +225,54 @@ class Fleet:
                 continue
             if w.joined_at is None and name in joined:
                 w.joined_at = now
-            if self.role(w) != "rollout":
-                continue  # data and trainer actors are placed by the orchestrator at start
-            if w.phase == "submitted" and w.joined_at is not None:
-                try:
-                    placing = self.place_node(name, self.parts.partitions[w.partition])
-                except WorkerUnusable as err:  # other code there: its slot is refilled, the run goes on
-                    self.fail_placement(w, f"placement failed: {err}")
-                    continue
-                w.enter("placing", placing)
-            elif w.phase == "placing" and w.future.done():
-                try:
-                    w.actor = w.future.result(timeout=5)
-                except FUTURE_ERRORS as err:
-                    if disk_full(err):
-                        raise
-                    self.fail_placement(w, f"placement failed: {type(err).__name__}: {err}")
-                    continue
-                w.enter("starting", w.actor.start())
-            elif w.phase == "starting" and w.future.done():
-                try:
-                    versions = w.future.result(timeout=5)
-                except FUTURE_ERRORS as err:
-                    if disk_full(err):  # a new node would fail on it too: the run stops
-                        raise
-                    self.fail_placement(w, f"placement failed: start: {type(err).__name__}: {err}")
-                    continue
-                w.enter("serving")
-                self.progress.note(f"RaaS node {name} serving {versions}")
-            elif w.phase in ("placing", "starting") and now - w.since > deadline:
-                self.fail_placement(w, f"placement failed: {w.phase} took more than {deadline:.0f}s "
-                                       f"(cluster.placement_timeout_s); see {w.job.log}")
-            elif w.phase == "draining":
-                timeout = self.cluster.drain_timeout_s
-                if w.future is None or w.future.done() or now - w.since > timeout:
-                    if w.future is not None and w.future.done():
-                        try:
-                            w.future.result(timeout=5)
-                        except FUTURE_ERRORS as err:
-                            log.warning("stopping %s during its drain failed: %s", name, err)
-                    self.finish_removal(w, "drained" if w.future is not None and w.future.done() else "drain timed out")
+            if self.role(w) == "rollout":  # data and trainer actors are placed by the orchestrator at start
+                self._advance_node(w, now)
+
+    def _advance_node(self, w: Worker, now: float) -> None:
+        """One step of a rollout worker: its node placed once the worker joined, started once
+        placed, serving once started (each within ``cluster.placement_timeout_s``); a drain
+        ends when its node stopped or ``cluster.drain_timeout_s`` is up."""
+        if w.phase == "submitted" and w.joined_at is not None:
+            try:
+                placing = self.place_node(w.name, self.parts.partitions[w.partition])
+            except WorkerUnusable as err:  # other code there: its slot is refilled, the run goes on
+                self.fail_placement(w, f"placement failed: {err}")
+                return
+            w.enter("placing", placing)
+        elif w.phase in ("placing", "starting") and w.future.done():
+            self._placed_or_started(w)
+        elif w.phase in ("placing", "starting") and now - w.since > self.cluster.placement_timeout_s:
+            self.fail_placement(w, f"placement failed: {w.phase} took more than "
+                                   f"{self.cluster.placement_timeout_s:.0f}s (cluster.placement_timeout_s); "
+                                   f"see {w.job.log}")
+        elif w.phase == "draining":
+            stopped = w.future is not None and w.future.done()
+            if w.future is None or stopped or now - w.since > self.cluster.drain_timeout_s:
+                if stopped:
+                    try:
+                        w.future.result(timeout=5)
+                    except FUTURE_ERRORS as err:
+                        log.warning("stopping %s during its drain failed: %s", w.name, err)
+                self.finish_removal(w, "drained" if stopped else "drain timed out")
+
+    def _placed_or_started(self, w: Worker) -> None:
+        """The placing or starting future of ``w`` is done: the next phase, or the placement
+        failed (its slot is refilled); an error of a full disk stops the run instead (a new
+        node would fail on it too)."""
+        step = "" if w.phase == "placing" else "start: "
+        try:
+            value = w.future.result(timeout=5)
+        except FUTURE_ERRORS as err:
+            if disk_full(err):
+                raise
+            self.fail_placement(w, f"placement failed: {step}{type(err).__name__}: {err}")
+            return
+        if w.phase == "placing":
+            w.actor = value
+            w.enter("starting", w.actor.start())
+        else:
+            w.enter("serving")
+            self.progress.note(f"RaaS node {w.name} serving {value}")
 
     def _why_lost(self, w: Worker, joined: dict[str, str]) -> str | None:
         """Why worker ``w`` is lost (its job ended, it left the Dask scheduler), or None."""
