@@ -253,16 +253,7 @@ class PartitionSet:
 
         Never blocks on a worker: removals only start a drain (finished by `Fleet.advance`)."""
         self.retry_cancels()
-        try:
-            desired, removals = read_desired_file(self.paths)
-        except PartitionError as err:  # a damaged file: keep the partitions the run has
-            if str(err) != self._desired_error:
-                self.progress.note(str(err))
-            self._desired_error = str(err)
-            desired = {n: p for n, p in self.partitions.items() if self.state[n].state not in ("removing", "removed")}
-            removals = {}
-        else:
-            self._desired_error = None
+        desired, removals = self._read_desired()
         self._refuse_disallowed(desired)
         for name, part in desired.items():
             if name not in self.state or self.state[name].state == "removed":
@@ -272,43 +263,68 @@ class PartitionSet:
             ps = self.state[name]
             mine = [w for w in fleet.in_partition(name) if not w.gone]
             if name not in desired:
-                if ps.state in ("active", "failed"):
-                    ps.state, ps.removal_requested_at = "removing", time.time()
-                    ps.removal_mode = removals.get(name, DEFAULT_REMOVAL)
-                    self.progress.note(f"removing partition {name} ({ps.removal_mode}): {len(mine)} worker(s)")
-                for w in mine:
-                    if not w.draining:
-                        fleet.remove(w, drain=ps.removal_mode == "drain")
-                if ps.state == "removing" and not mine:
-                    ps.state, ps.removed_at = "removed", time.time()
-                    self.progress.note(f"partition {name} removed in {ps.removed_at - ps.removal_requested_at:.1f}s")
+                self._remove(fleet, name, mine, removals.get(name, DEFAULT_REMOVAL))
                 continue
             if ps.state == "failed":
                 continue
             live = [w for w in mine if not w.draining]
             if len(live) > part.nodes:
                 self._shrink(fleet, name, live, len(live) - part.nodes)
-                continue
-            missing = part.nodes - len(live)
-            if missing > 0 and (ps.refill_at is None or time.time() >= ps.refill_at):
-                used = {parse_worker_name(w.name)["index"] for w in fleet.in_partition(name)}
-                start = max(used) + 1 if used else 0
-                try:
-                    jobs = self.scheduler_for(part).submit(part, address_for(part), missing, start)
-                except (SlurmCommandError, ValueError, OSError) as err:  # OSError: a local worker that cannot start
-                    jobs = []
-                    if live:  # growing one that serves (a queue limit, a slow controller): back off, retry
-                        self.progress.note(f"partition {name}: submitting {missing} more worker(s) failed: {err}")
-                        self.record_failure(name, f"submitting workers failed: {err}",
-                                            sum(1 for w in live if w.phase == "serving"))
-                    else:
-                        ps.state, ps.error = "failed", f"submitting workers failed: {err}"
-                        self.progress.note(f"partition {name}: {ps.error}")
-                for job in jobs:
-                    fleet.add(job, name)
-                    self.progress.note(f"submitted {job.kind} worker {job.worker_name} ({job.job_id})")
-                # after the fleet has them: a failed write still leaves them cancelled at the end
-                self.records.add(jobs)
+            elif len(live) < part.nodes and (ps.refill_at is None or time.time() >= ps.refill_at):
+                self._grow(fleet, name, live, part.nodes - len(live), address_for)
+
+    def _read_desired(self) -> tuple[dict[str, Partition], dict[str, str]]:
+        """The desired partitions and the removal modes asked for; a damaged file (said once) keeps
+        the partitions the run has, none of them removed."""
+        try:
+            desired, removals = read_desired_file(self.paths)
+        except PartitionError as err:
+            if str(err) != self._desired_error:
+                self.progress.note(str(err))
+            self._desired_error = str(err)
+            return {n: p for n, p in self.partitions.items()
+                    if self.state[n].state not in ("removing", "removed")}, {}
+        self._desired_error = None
+        return desired, removals
+
+    def _remove(self, fleet: Fleet, name: str, mine: list[Worker], mode: str) -> None:
+        """Partition ``name`` is no longer desired: its workers drained (or cancelled, by
+        ``mode``), and it is removed once none is left."""
+        ps = self.state[name]
+        if ps.state in ("active", "failed"):
+            ps.state, ps.removal_requested_at, ps.removal_mode = "removing", time.time(), mode
+            self.progress.note(f"removing partition {name} ({ps.removal_mode}): {len(mine)} worker(s)")
+        for w in mine:
+            if not w.draining:
+                fleet.remove(w, drain=ps.removal_mode == "drain")
+        if ps.state == "removing" and not mine:
+            ps.state, ps.removed_at = "removed", time.time()
+            self.progress.note(f"partition {name} removed in {ps.removed_at - ps.removal_requested_at:.1f}s")
+
+    def _grow(self, fleet: Fleet, name: str, live: list[Worker], missing: int,
+              address_for: Callable[[Partition], str]) -> None:
+        """Submit ``missing`` workers of partition ``name``, numbered after its others. A refused
+        submission fails a partition with no live worker; one that serves backs off and retries
+        (a queue limit, a slow controller)."""
+        part, ps = self.partitions[name], self.state[name]
+        used = {parse_worker_name(w.name)["index"] for w in fleet.in_partition(name)}
+        start = max(used) + 1 if used else 0
+        try:
+            jobs = self.scheduler_for(part).submit(part, address_for(part), missing, start)
+        except (SlurmCommandError, ValueError, OSError) as err:  # OSError: a local worker that cannot start
+            jobs = []
+            if live:
+                self.progress.note(f"partition {name}: submitting {missing} more worker(s) failed: {err}")
+                self.record_failure(name, f"submitting workers failed: {err}",
+                                    sum(1 for w in live if w.phase == "serving"))
+            else:
+                ps.state, ps.error = "failed", f"submitting workers failed: {err}"
+                self.progress.note(f"partition {name}: {ps.error}")
+        for job in jobs:
+            fleet.add(job, name)
+            self.progress.note(f"submitted {job.kind} worker {job.worker_name} ({job.job_id})")
+        # after the fleet has them: a failed write still leaves them cancelled at the end
+        self.records.add(jobs)
 
     def _shrink(self, fleet: Fleet, name: str, live: list[Worker], excess: int) -> None:
         """Partition ``name`` wants fewer workers than it has (its ``nodes`` went down: the
