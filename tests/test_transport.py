@@ -57,6 +57,23 @@ def test_batch_round_trips_through_pickle_and_dask_in_a_few_frames():
     _same(batch, loads(frames)["result"])
 
 
+def test_the_batch_wire_formats_carry_every_field_of_their_records():
+    """The reducers list the fields by hand: a field added to a record must be carried, not
+    arrive as its class default."""
+    from dataclasses import fields
+
+    from astraflow.batches import BatchRefs, RowRef
+
+    back = pickle.loads(pickle.dumps(_batch(3)))
+    assert set(vars(back.items[0])) == {f.name for f in fields(BatchItem)}
+    assert set(vars(back.items[0].sequence)) == {f.name for f in fields(Sequence)}
+    row = RowRef(ref=EntryRef("s", 1), task_id="g/0", reward=1.0, group_mean=0.5, group_std=0.5, group_size=2,
+                 staleness=1, replayed=True)
+    refs = pickle.loads(pickle.dumps(BatchRefs(policy="p", version=3, items=(row,), metrics={})))
+    assert set(vars(refs.items[0])) == {f.name for f in fields(RowRef)}
+    assert [getattr(refs.items[0], f.name) for f in fields(RowRef)] == [getattr(row, f.name) for f in fields(RowRef)]
+
+
 def test_empty_batch_round_trips():
     empty = Batch(policy="p", version=0, items=())
     back = loads(dumps({"result": empty}))["result"]
