@@ -69,45 +69,44 @@ def committed_steps(weights: Path, policies: list[str], reported: dict[str, int]
     return steps
 
 
+@dataclass(frozen=True)
+class StopBudgets:
+    """Seconds each part of a stop may take. A run that completed stops at leisure (fixed
+    bounds); after a failure or a signal the whole stop keeps to ``cluster.stop_grace_s``: the
+    nodes share 0.4 of it (plus 0.1 for their answers: engines closed, the reply sent; engines
+    that close slowly, as vLLM's core processes, want a larger grace), the trainers 0.3, so that
+    the data layer can still close the ledger."""
+
+    total: float
+    node: float
+    node_answer: float
+    trainer: float
+
+    @classmethod
+    def for_ending(cls, ending: Ending, grace: float) -> "StopBudgets":
+        if ending.clean:
+            return cls(total=600.0, node=60.0, node_answer=10.0, trainer=120.0)
+        return cls(total=grace, node=0.4 * grace, node_answer=0.1 * grace, trainer=0.3 * grace)
+
+
 class Shutdown:
     """The orchestrator's way out: ``_shutdown`` then ``_teardown`` (``Orchestrator.run``)."""
 
     def _shutdown(self, t0: float, ending: Ending) -> RunResult:
         """Stop the components in order and write ``summary.json`` with ``ending``. Every wait
-        is bounded (`BoundedWaits`): after a failure or a signal all together by
-        ``cluster.stop_grace_s``, nodes and trainers each getting a share so that the data layer
-        can still close the ledger. The nodes stop at once and share their share; a node still
-        loading its model is not waited for (`_still_starting`). What a component that is gone
-        would have said comes from the last tick; what did not answer is listed as ``stop_errors``."""
-        grace = self.cfg.cluster.stop_grace_s
-        node_s, trainer_s = (60.0, 120.0) if ending.clean else (0.4 * grace, 0.3 * grace)
-        # what a node's answer may take past its own stop timeout (its engines closed, the reply sent)
-        # (after a signal the nodes get half the grace in all: the trainers and the data layer the rest;
-        # engines that close slowly, as vLLM's core processes, want a larger cluster.stop_grace_s)
-        node_answer_s = 10.0 if ending.clean else 0.1 * grace
-        waits = BoundedWaits(600.0 if ending.clean else grace)
+        is bounded (`BoundedWaits`, by `StopBudgets`). What a component that is gone would have
+        said comes from the last tick; what did not answer is listed as ``stop_errors``."""
+        budgets = StopBudgets.for_ending(ending, self.cfg.cluster.stop_grace_s)
+        waits = BoundedWaits(budgets.total)
         nodes: dict[str, Any] = {}
         trainers: dict[str, Any] = {}
         ledger: dict[str, Any] = {}
         state: dict[str, Any] = {}
         if self.dl is not None:
-            # with the data layer lost, nothing a node flushes could be completed: nodes are not waited for
-            dl_lost = any(w.gone for w in self.fleet.of_role("data"))
-            live = [w for w in self.fleet.of_role("rollout")
-                    if w.phase in NODE_PHASES and w.actor is not None and not dl_lost]
-            stops = {w.name: (w.future if w.draining else waits.start(f"node {w.name}",
-                                                                      lambda w=w: w.actor.stop(timeout=node_s)))
-                     for w in live if not _still_starting(w)}
-            # a node that did not answer: its leases end as run_ended
-            for n, answer in _answers(waits, "node", stops, node_s + node_answer_s).items():
-                nodes[n] = answer or {"node": n, "error": waits.errors.get(f"node {n}")}
-            for w in live:
-                if _still_starting(w):  # its job is cancelled with the others: it holds no lease yet
-                    nodes[w.name] = {"node": w.name, "stopped": False, "error": None,
-                                     "note": "still starting (its model loading): not waited for"}
-            stops = {p: waits.start(f"trainer {p}", lambda t=t: t.stop(timeout=trainer_s))
+            nodes = self._stop_nodes(waits, budgets)
+            stops = {p: waits.start(f"trainer {p}", lambda t=t: t.stop(timeout=budgets.trainer))
                      for p, t in self.trainers.items()}
-            trainers = {p: waits.result(f"trainer {p}", f, trainer_s + 30) for p, f in stops.items()}
+            trainers = {p: waits.result(f"trainer {p}", f, budgets.trainer + 30) for p, f in stops.items()}
             # a run stopped before its end keeps its served, uncommitted batches for the resume
             ledger = waits.call("data layer finish", lambda: self.dl.finish(completed=ending.clean), 60) or {}
             state = waits.call("data layer state", lambda: self.dl.state(), 30) or {}
@@ -125,6 +124,27 @@ class Shutdown:
                                          seconds=result.seconds, nodes=nodes, trainers=trainers, data_layer=state,
                                          iterations=self.iterations, stop_errors=waits.errors))
         return result
+
+    def _stop_nodes(self, waits: BoundedWaits, budgets: StopBudgets) -> dict[str, Any]:
+        """Every serving node stopped at once (a draining one's drain is its stop), their answers
+        by node. A node still loading its model is not waited for (`_still_starting`: its job is
+        cancelled with the others, it holds no lease yet); with the data layer lost nothing a
+        node flushes could be completed, so none is waited for. A node that did not answer:
+        its leases end as run_ended."""
+        dl_lost = any(w.gone for w in self.fleet.of_role("data"))
+        live = [w for w in self.fleet.of_role("rollout")
+                if w.phase in NODE_PHASES and w.actor is not None and not dl_lost]
+        stops = {w.name: (w.future if w.draining else waits.start(f"node {w.name}",
+                                                                  lambda w=w: w.actor.stop(timeout=budgets.node)))
+                 for w in live if not _still_starting(w)}
+        nodes = {}
+        for n, answer in _answers(waits, "node", stops, budgets.node + budgets.node_answer).items():
+            nodes[n] = answer or {"node": n, "error": waits.errors.get(f"node {n}")}
+        for w in live:
+            if _still_starting(w):
+                nodes[w.name] = {"node": w.name, "stopped": False, "error": None,
+                                 "note": "still starting (its model loading): not waited for"}
+        return nodes
 
     def _warn_failures(self, ledger: dict[str, Any], ending: Ending) -> None:
         """Warn, once, when more rollout tasks failed than were trained on (a run can end on the few
