@@ -187,56 +187,11 @@ def shape_for(cfg: RunConfig, opts: PlanOptions, pools: tuple[Pool, ...] | list[
               ) -> tuple[SimShape, dict[str, str]]:
     """The simulated run's step time, lengths, time scale and steps, with where each came from
     (the automatic time scale also from the engines' timeline on ``pools``)."""
-    cal, src = opts.calibration, {}
-    pol = cfg.policies[0]
-    max_new = cfg.workload.sampling.max_new_tokens
-    if opts.response_tokens is not None:
-        resp, src["response_tokens"] = opts.response_tokens, "--response-tokens"
-    elif cal is not None:
-        resp, src["response_tokens"] = cal.response_mean, "calibration"
-    elif cfg.rollout.engine.type == "sim":
-        resp, src["response_tokens"] = cfg.rollout.engine.sim.length_mean, "rollout.engine.sim.length_mean"
-    else:
-        resp, src["response_tokens"] = max(max_new / 2, 1.0), "half of max_new_tokens"
-    sigma = cfg.rollout.engine.sim.length_sigma if cfg.rollout.engine.type == "sim" else 0.8
-    if cal is not None:  # the measured mean already includes the cap: no spread around it
-        sigma = 0.0 if opts.response_tokens is None else sigma
-    if opts.prompt_tokens is not None:
-        prompt, src["prompt_tokens"] = opts.prompt_tokens, "--prompt-tokens"
-    elif cal is not None:
-        prompt, src["prompt_tokens"] = cal.prompt_tokens, "calibration"
-    elif cfg.workload.name == "sim":
-        prompt, src["prompt_tokens"] = int(cfg.workload.params.get("prompt_tokens", 64)), "workload.params"
-    else:
-        prompt, src["prompt_tokens"] = DEFAULT_PROMPT_TOKENS, "default"
-    if opts.step_seconds is not None:
-        step, src["step_seconds"] = opts.step_seconds, "--step-seconds"
-    elif all(p.trainer.backend == "sim" for p in cfg.policies):
-        # a sim trainer sleeps real seconds; its engines run time_scale faster than real time. Its
-        # per-token time is folded in at the mean batch (loss tokens: the responses'); a schedule
-        # is left out, since the simulated trainer takes this one step time throughout
-        tr = pol.trainer
-        scale_in = cfg.rollout.engine.sim.time_scale if cfg.rollout.engine.type == "sim" else 1.0
-        loss_tokens = cfg.dataflow.batch_size * resp
-        step = (tr.sim_step_seconds + tr.sim_seconds_per_token * loss_tokens) * scale_in
-        src["step_seconds"] = "trainer.sim_step_seconds x time_scale"
-        if tr.sim_seconds_per_token:
-            src["step_seconds"] = (f"(trainer.sim_step_seconds + sim_seconds_per_token x {loss_tokens:.0f} loss "
-                                   "tokens) x time_scale")
-        if tr.sim_step_schedule:
-            src["step_seconds"] += " (sim_step_schedule left out)"
-        if not step > 0:
-            raise PlanError("the config's sim trainer takes no time a step (sim_step_seconds and "
-                            "sim_seconds_per_token are 0): give --step-seconds S")
-    elif cal is not None:
-        step, src["step_seconds"] = cal.step_seconds, "calibration"
-    else:
-        params = opts.model_params or model_params(Path(str(pol.model)))
-        tokens = cfg.dataflow.batch_size * (prompt + resp)
-        kind, n = opts.trainer
-        step = derived_step_seconds(params, tokens, n, kind)
-        src["step_seconds"] = f"derived: 6 x {params:.3g} params x {tokens:.0f} tokens on {kind}x{n}"
-    local = cal.engine if cal is not None else None
+    src: dict[str, str] = {}
+    resp, sigma, src["response_tokens"] = _response_tokens(cfg, opts)
+    prompt, src["prompt_tokens"] = _prompt_tokens(cfg, opts)
+    step, src["step_seconds"] = _step_seconds(cfg, opts, prompt, resp)
+    local = opts.calibration.engine if opts.calibration is not None else None
     if opts.time_scale is not None:
         scale, src["time_scale"] = opts.time_scale, "--time-scale"
     else:
@@ -251,6 +206,62 @@ def shape_for(cfg: RunConfig, opts: PlanOptions, pools: tuple[Pool, ...] | list[
                             "--step-seconds S (its fixed costs a step included), or --time-scale S")
     steps = steps_for(opts.minutes, step, "--minutes")
     return SimShape(step, int(prompt), float(resp), sigma, scale, steps, local), src
+
+
+def _response_tokens(cfg: RunConfig, opts: PlanOptions) -> tuple[float, float, str]:
+    """The mean response length, the spread of its log-normal and where the mean came from."""
+    cal, sim = opts.calibration, cfg.rollout.engine.type == "sim"
+    sigma = cfg.rollout.engine.sim.length_sigma if sim else 0.8
+    if opts.response_tokens is not None:
+        return opts.response_tokens, sigma, "--response-tokens"
+    if cal is not None:  # the measured mean already includes the cap: no spread around it
+        return cal.response_mean, 0.0, "calibration"
+    if sim:
+        return cfg.rollout.engine.sim.length_mean, sigma, "rollout.engine.sim.length_mean"
+    return max(cfg.workload.sampling.max_new_tokens / 2, 1.0), sigma, "half of max_new_tokens"
+
+
+def _prompt_tokens(cfg: RunConfig, opts: PlanOptions) -> tuple[int, str]:
+    if opts.prompt_tokens is not None:
+        return opts.prompt_tokens, "--prompt-tokens"
+    if opts.calibration is not None:
+        return opts.calibration.prompt_tokens, "calibration"
+    if cfg.workload.name == "sim":
+        return int(cfg.workload.params.get("prompt_tokens", 64)), "workload.params"
+    return DEFAULT_PROMPT_TOKENS, "default"
+
+
+def _step_seconds(cfg: RunConfig, opts: PlanOptions, prompt: int, resp: float) -> tuple[float, str]:
+    """The trainer's step in simulated seconds and where it came from: the option, the config's
+    sim trainer, a calibration, or derived from the model's size and the batch's tokens."""
+    if opts.step_seconds is not None:
+        return opts.step_seconds, "--step-seconds"
+    pol = cfg.policies[0]
+    if all(p.trainer.backend == "sim" for p in cfg.policies):
+        # a sim trainer sleeps real seconds; its engines run time_scale faster than real time. Its
+        # per-token time is folded in at the mean batch (loss tokens: the responses'); a schedule
+        # is left out, since the simulated trainer takes this one step time throughout
+        tr = pol.trainer
+        scale_in = cfg.rollout.engine.sim.time_scale if cfg.rollout.engine.type == "sim" else 1.0
+        loss_tokens = cfg.dataflow.batch_size * resp
+        step = (tr.sim_step_seconds + tr.sim_seconds_per_token * loss_tokens) * scale_in
+        where = "trainer.sim_step_seconds x time_scale"
+        if tr.sim_seconds_per_token:
+            where = (f"(trainer.sim_step_seconds + sim_seconds_per_token x {loss_tokens:.0f} loss "
+                     "tokens) x time_scale")
+        if tr.sim_step_schedule:
+            where += " (sim_step_schedule left out)"
+        if not step > 0:
+            raise PlanError("the config's sim trainer takes no time a step (sim_step_seconds and "
+                            "sim_seconds_per_token are 0): give --step-seconds S")
+        return step, where
+    if opts.calibration is not None:
+        return opts.calibration.step_seconds, "calibration"
+    params = opts.model_params or model_params(Path(str(pol.model)))
+    tokens = cfg.dataflow.batch_size * (prompt + resp)
+    kind, n = opts.trainer
+    return (derived_step_seconds(params, tokens, n, kind),
+            f"derived: 6 x {params:.3g} params x {tokens:.0f} tokens on {kind}x{n}")
 
 
 def steps_for(minutes: float, step_seconds: float, option: str) -> int:
