@@ -38,8 +38,26 @@ def check_model_dir(path: str | Path, tokenizer: bool = True) -> None:
         raise ValueError(f"{p} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)}); copy the "
                          "checkpoint's weight files into it, or save the model there with save_pretrained")
     _check_weight_files(p)
+    _check_generation_config(p)
     if tokenizer:
         load_tokenizer(p)
+
+
+def _check_generation_config(p: Path) -> None:
+    """A ``generation_config.json`` is JSON holding an object: the engines read the model's end
+    tokens from it (transformers would ignore a damaged one and stop on fewer tokens; vLLM and
+    ``astraflow export`` fail on it)."""
+    f = p / "generation_config.json"
+    if not f.is_file():
+        return
+    try:
+        data = json.loads(f.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        data = err
+    if not isinstance(data, dict):
+        why = f"not JSON ({data})" if isinstance(data, Exception) else f"a JSON {type(data).__name__}, not an object"
+        raise ValueError(f"{f} is {why}: restore the checkpoint's own file, or remove it (its end tokens are then "
+                         "read from config.json)")
 
 
 _WEIGHTS_FIX = ("copy the checkpoint's weight files into it again (every shard), "
@@ -76,7 +94,9 @@ def _check_weight_files(p: Path) -> None:
             except (SafetensorError, OSError) as err:
                 raise ValueError(f"{f} cannot be read as safetensors ({err}): the file is truncated or damaged; "
                                  f"{_WEIGHTS_FIX}") from None
-    if shapes and all(f.suffix == ".safetensors" for f in files):
+        elif f.suffix == ".bin":
+            shapes.update(_bin_shapes(f))
+    if shapes and all(f.suffix in (".safetensors", ".bin") for f in files):
         model = _meta_model(p)
         missing = _missing_weights(model, set(shapes)) if model is not None else []
         if missing:
@@ -90,6 +110,24 @@ def _check_weight_files(p: Path) -> None:
             shown += f"; and {len(wrong) - 3} more" if len(wrong) > 3 else ""
             raise ValueError(f"{p}: config.json does not describe the weights next to it ({len(wrong)} tensor(s) of "
                              f"another shape: {shown}); put the checkpoint's own config.json next to its weights")
+
+
+def _bin_shapes(f: Path) -> dict[str, tuple[int, ...]]:
+    """The tensor names and shapes of a PyTorch weight file, read onto the meta device (no
+    memory: the names and shapes only), with the same restricted unpickler ``from_pretrained`` uses."""
+    import torch
+
+    try:
+        try:
+            state = torch.load(f, map_location="meta", weights_only=True, mmap=True)
+        except RuntimeError:  # a file of the format before zip archives cannot be mapped
+            state = torch.load(f, map_location="meta", weights_only=True)
+    except Exception as err:
+        raise ValueError(f"{f} cannot be read as PyTorch weights ({type(err).__name__}: {err}): the file is "
+                         f"truncated or damaged; {_WEIGHTS_FIX}") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{f} holds a {type(state).__name__}, not a dict of weights; {_WEIGHTS_FIX}")
+    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 def _meta_model(p: Path) -> Any:

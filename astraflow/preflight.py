@@ -367,10 +367,10 @@ def prompts_that_do_not_fit(cfg: RunConfig, wl, policies: list[str] | None = Non
                 for n, p in zip(lengths, tasks):
                     if n > longest[0]:
                         longest = (n, str(p.get("row", "")) if isinstance(p, dict) else "")
-        except Exception as err:  # a chat template that refuses these messages: the rollouts will say so
-            lines.append(f"policy {pol.name}: its prompts could not be rendered with {pol.model}'s tokenizer and "
-                         f"chat template to measure them ({type(err).__name__}: {err})")
-            continue
+        except Exception as err:  # a chat template that refuses these messages: every rollout would fail on it
+            raise ValueError(f"policy {pol.name}: the workload's prompts cannot be rendered with {pol.model}'s chat "
+                             f"template ({type(err).__name__}: {err}); fix the template (tokenizer_config.json's "
+                             "chat_template) or the messages the workload gives it") from None
         if not any(n for n, _ in over.values()):
             continue
         limit = f"{field} {positions}" if field else f"{positions} positions"

@@ -99,7 +99,10 @@ class GPTShape:
             raise ValueError(f"hidden_act={c['hidden_act']!r}: only SwiGLU (silu) is supported")
         rope = c.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default" or c.get("rope_scaling"):
-            raise ValueError("rope scaling is not supported by the Megatron conversion")
+            kind = rope.get("rope_type") if rope.get("rope_type", "default") != "default" else \
+                (c.get("rope_scaling") or {}).get("rope_type") or (c.get("rope_scaling") or {}).get("type")
+            raise ValueError(f"rope scaling ({kind or 'set'}) is not supported by the Megatron conversion: train "
+                             "this model with trainer.backend: torch")
         theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
         kv = int(c.get("num_key_value_heads") or heads)
         if heads % kv:

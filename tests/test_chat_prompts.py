@@ -103,3 +103,24 @@ def test_a_mixture_renders_each_source_its_own_way(tmp_path, bpe):
     by_source = {p["source"]: p for p in mix.tasks("eval")}
     assert bpe.decode(prompt_ids(bpe, mix, by_source["words"])).startswith("<|im_start|>user\n")
     assert bpe.decode(prompt_ids(bpe, mix, by_source["sums"])) == f"{by_source['sums']['question']}="
+
+
+def test_an_eos_that_is_also_the_unk_token_still_stops_a_turn(tiny_model, tmp_path):
+    """GPT-2, Phi, NeoX tokenizers: unk = bos = eos = <|endoftext|>. Only a guess that encodes as
+    unk (a closing the vocabulary lacks) is no stop; the tokenizer's and the model's eos are."""
+    import shutil
+
+    from astraflow.agents.chat import turn_stop_ids
+    from astraflow.rollout.hf_engine import HFEngine
+
+    model = tmp_path / "eos-is-unk"
+    shutil.copytree(tiny_model, model)
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    tok = load_model(tiny_model)[1]
+    cfg["unk_token"] = tok.eos_token  # the eos doubles as unk
+    cfg_path.write_text(json.dumps(cfg))
+    engine = HFEngine(model, device="cpu")
+    eos = engine.tokenizer.eos_token_id
+    assert engine.tokenizer.unk_token_id == eos and eos in turn_stop_ids(engine.tokenizer)
+    assert eos in engine._stop_ids  # (it was filtered out with the unk: every completion ran to its budget)

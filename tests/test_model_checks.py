@@ -195,16 +195,24 @@ def test_a_config_transformers_cannot_load_is_blamed_not_the_tokenizer(tiny_mode
     assert said.startswith(f"{bad}/config.json cannot be loaded by transformers") and "tokenizer" not in said, said
 
 
-def test_load_model_refuses_missing_tensors_the_check_cannot_see(untied, tmp_path):
-    """A pytorch_model.bin is not opened by the check: the loading report of from_pretrained refuses it."""
-    bad = _broken(untied, tmp_path, "m")
+def test_a_pytorch_bin_checkpoint_is_checked_as_safetensors_are(untied, tmp_path):
+    """Names and shapes are read from pytorch_model.bin on the meta device: missing tensors are
+    refused by the check (before any worker), as load_model's own report refuses them."""
     model, _ = load_model(untied)
-    (bad / "model.safetensors").unlink()
-    state = {k: v for k, v in model.state_dict().items() if not k.startswith("model.layers.3.")}
-    torch.save(state, bad / "pytorch_model.bin")
-    check_model_dir(bad)
+    whole = _broken(untied, tmp_path, "whole")
+    (whole / "model.safetensors").unlink()
+    torch.save(model.state_dict(), whole / "pytorch_model.bin")
+    check_model_dir(whole)
+    bad = _broken(whole, tmp_path, "m")
+    torch.save({k: v for k, v in model.state_dict().items() if not k.startswith("model.layers.3.")},
+               bad / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"the weight files lack 12 tensor\(s\) the model needs"):
+        check_model_dir(bad)
     with pytest.raises(ValueError, match=r"the weight files lack 12 tensor\(s\) the model needs .*every shard"):
         load_model(bad)
+    (bad / "pytorch_model.bin").write_bytes(b"not a torch file at all")
+    with pytest.raises(ValueError, match="cannot be read as PyTorch weights"):
+        check_model_dir(bad)
 
 
 def test_a_warm_start_pads_with_eos_when_the_tokenizer_has_no_pad_token(tiny_model, tmp_path):
@@ -277,3 +285,12 @@ def test_a_generation_longer_than_the_positions_of_a_model_init_builds_is_refuse
     data["workload"]["sampling"] = {"max_new_tokens": 2000}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
     assert CliRunner().invoke(main, ["check", str(tmp_path / "config.yaml")]).exit_code == 0
+
+
+@pytest.mark.parametrize("text", ['{"eos_token_id": [1, 2', "[1, 2]"])
+def test_a_damaged_generation_config_is_refused_naming_the_file(tiny_model, tmp_path, text):
+    """Its end tokens would be lost without a word in a run, and vLLM and export fail on it."""
+    bad = _broken(tiny_model, tmp_path, "gen")
+    (bad / "generation_config.json").write_text(text)
+    with pytest.raises(ValueError, match=r"generation_config.json is .*restore the checkpoint's own file, or remove it"):
+        check_model_dir(bad)

@@ -159,12 +159,20 @@ def _fold_system(messages: list[Message]) -> list[Message] | None:
 
 def prompt_ids(tokenizer: Any, workload: Any, payload: Any) -> list[int]:
     """Token ids of a single-turn prompt: the workload's chat messages (``render_messages``)
-    rendered with the tokenizer's chat template and its generation prompt when both exist,
-    else the workload's plain text (``render_prompt``) as the model's tokenizer encodes it."""
+    rendered with the tokenizer's chat template and its generation prompt when both exist (a
+    template without a system role gets the system text at the head of the first user message,
+    as an episode's first observation does), else the workload's plain text (``render_prompt``)
+    as the model's tokenizer encodes it."""
     render = getattr(workload, "render_messages", None)
     messages = render(payload) if render is not None and getattr(tokenizer, "chat_template", None) else None
     if messages is not None:  # (a mixture returns None for its plain-text sources)
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception:
+            folded = _fold_system(messages)
+            if folded is None:
+                raise
+            text = tokenizer.apply_chat_template(folded, tokenize=False, add_generation_prompt=True)
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(workload.render_prompt(payload)))
 
@@ -177,8 +185,7 @@ def turn_stop_ids(tokenizer: Any, closing: str | None = None) -> set[int]:
     vocab = getattr(tokenizer, "get_vocab", None)
     known = vocab() if callable(vocab) else {}
     stops |= {known[name] for name in _NAMED_TOKENS if name in known}
-    unk = getattr(tokenizer, "unk_token_id", None)
-    return {s for s in stops if s is not None and s != unk}
+    return {s for s in stops if s is not None}
 
 
 def end_of_turn_ids(tokenizer: Any, closing: str | None = None) -> list[int]:
@@ -194,5 +201,7 @@ def end_of_turn_ids(tokenizer: Any, closing: str | None = None) -> list[int]:
                 closing = ""
         special = set(getattr(tokenizer, "all_special_ids", [])) | set(getattr(tokenizer, "added_tokens_decoder", {}))
         first = list(tokenizer.encode(closing.lstrip(), add_special_tokens=False))[:1]
-        ids += [i for i in first if i in special and i not in ids]
+        # a closing the vocabulary lacks encodes as unk: no stop (an eos that is unk, as GPT-2's, is one)
+        unk = getattr(tokenizer, "unk_token_id", None)
+        ids += [i for i in first if i in special and i not in ids and i != unk]
     return ids

@@ -151,8 +151,7 @@ class HFEngine:
         stops = turn_stop_ids(self.tokenizer)
         gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         stops |= set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])  # a model's list of ends
-        unk = self.tokenizer.unk_token_id
-        self._stop_ids = frozenset(s for s in stops if s is not None and s != unk)
+        self._stop_ids = frozenset(s for s in stops if s is not None)
         self._max_positions = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._pending: list[_Request] = []

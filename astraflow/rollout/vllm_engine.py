@@ -234,7 +234,7 @@ class VLLMEngine:
         f = gen if gen.is_file() else model_dir / "config.json"
         eos = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
         stops |= set(eos if isinstance(eos, list) else [eos])
-        return {int(s) for s in stops if s is not None and s != tok.unk_token_id}
+        return {int(s) for s in stops if s is not None}
 
     async def _start(self, model_dir: str, version: int) -> None:
         """Create the ``AsyncLLM`` on ``model_dir`` holding ``version`` (blocks this loop while
