@@ -15,6 +15,7 @@ returning an object with ``tokens``, ``logprobs``, ``versions``, ``finish_reason
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import math
@@ -182,9 +183,22 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
             if inspect.isawaitable(closing):  # a plain (synchronous) close has run already
                 await timed(closing, timeout, f"{name}.close")
         except Exception as err:  # a failing close must not hide the episode's own outcome: logged, not raised
-            why = err if isinstance(err, EpisodeError) else f"{name}.close raised {type(err).__name__}: {err}"
-            logger.warning("%s (the episode's own outcome stands; what the environment holds may not be "
-                           "released)", why)
+            _close_failed(name, err)
+
+
+#: per environment class and error type: how many closes failed in this process
+_CLOSE_FAILURES: collections.Counter = collections.Counter()
+
+
+def _close_failed(name: str, err: Exception) -> None:
+    """A failed ``close``, logged without flooding the node's log (a close that always fails
+    fails every episode): the first with its traceback, then at the 10th, 100th, ... time."""
+    n = _CLOSE_FAILURES[name, type(err).__name__] = _CLOSE_FAILURES[name, type(err).__name__] + 1
+    if str(n).rstrip("0") != "1":  # neither the first nor a power of ten
+        return
+    why = err if isinstance(err, EpisodeError) else f"{name}.close raised {type(err).__name__}: {err}"
+    logger.warning("%s (the episode's own outcome stands; what the environment holds may not be released)%s",
+                   why, f" [{n} times in this process]" if n > 1 else "", exc_info=err if n == 1 else None)
 
 
 def _record_model_turn(log: EpisodeLog, gen: Any, renderer: ChatRenderer) -> tuple[Any, bool]:

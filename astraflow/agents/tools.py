@@ -75,8 +75,9 @@ def parse_action(text: str) -> Action:
         except RecursionError:
             error("the tool call's JSON is nested too deeply")
             continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            error('a tool call must be {"name": <tool>, "arguments": {...}}')
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or set(obj) - {"name", "arguments"}:
+            error('a tool call must be {"name": <tool>, "arguments": {...}}'
+                  + (f" (not {sorted(set(obj) - {'name', 'arguments'})})" if isinstance(obj, dict) else ""))
             continue
         args = obj.get("arguments", {})
         if not isinstance(args, dict):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from astraflow.agents.env import Environment
 from astraflow.agents.episode import AgentLimits
@@ -37,6 +37,16 @@ class AgentParams(Strict):
     """Tasks in the held-out split (disjoint from train)."""
     seed: int = 0
     """Seed of the generated data (``workload.seed`` unless set here)."""
+
+    @model_validator(mode="after")
+    def _limits_kept(self) -> "AgentParams":
+        """The bounds above, also where a workload's ``Params`` gives a field a new default
+        without them (``max_turns: int = 5`` drops ``ge=1``): an episode with no model turn
+        trains nothing, and a run of them would never end."""
+        for name, least in (("max_turns", 1), ("max_context_tokens", 16), ("max_observation_chars", 64)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} {getattr(self, name)}: give at least {least}")
+        return self
 
 
 class AgentWorkload:

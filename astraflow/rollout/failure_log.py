@@ -2,7 +2,8 @@
 
 A reward or tool that fails on a share of the tasks would write a line per failed episode, and
 the workers' logs (``jobs/*.log``) are never rotated. So the first failure of each reason (the
-exception type and the first line of its message) is logged with its traceback, and the later
+exception type and where it was raised; the first line of its message where it has no traceback:
+an error that names a task's value is still one bug) is logged with its traceback, and the later
 ones are counted: one line per reason at most every ``every_s`` seconds says how many failed
 with it since the last line about it. The node says what is still counted when it stops
 (``flush``), and on each turn of its loop says what is due (``flush(due_only=True)``), so a
@@ -24,8 +25,20 @@ MAX_REASONS = 100
 #: seconds between two lines about the same failure reason
 EVERY_S = 60.0
 
-#: a reason key: (exception type, first line of its message; None for a type's other messages)
+#: a reason key: (exception type, where it was raised or the first line of its message; None for a
+#: type's other reasons)
 Reason = tuple[str, str | None]
+
+
+def reason_of(err: BaseException) -> Reason:
+    """``err``'s reason: its type and the innermost frame of its traceback (``file:line``), or
+    the first line of its message when it has no traceback."""
+    tb = err.__traceback__
+    if tb is None:
+        return type(err).__name__, str(err).partition("\n")[0]
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return type(err).__name__, f"raised at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
 
 
 class FailureLog:
@@ -47,7 +60,7 @@ class FailureLog:
         """Episode ``task_id`` failed with ``err``: logged with its traceback if its reason is
         new, else counted (and the count said if its last line is ``every_s`` old)."""
         kind, now = type(err).__name__, self.clock()
-        reason: Reason = (kind, str(err).partition("\n")[0])
+        reason = reason_of(err)
         if reason not in self._said_at:
             if self._traced < self.max_reasons:
                 self._traced += 1
@@ -70,8 +83,8 @@ class FailureLog:
     def _say(self, reason: Reason, now: float) -> None:
         n = self._counts.pop(reason)
         kind, first = reason
-        what = (f"{kind} (messages past the first {self.max_reasons})" if first is None
-                else f"{kind}: {first}" if first else kind)
+        what = (f"{kind} (reasons past the first {self.max_reasons})" if first is None
+                else f"{kind} {first}" if first.startswith("raised at ") else f"{kind}: {first}" if first else kind)
         log.warning("node %s: %d more episode%s failed in the last %.1f s: %s", self.node, n,
                     "" if n == 1 else "s", now - self._said_at[reason], what)
         self._said_at[reason] = now

@@ -21,8 +21,8 @@ from astraflow.agents.workload import AgentParams, AgentWorkload
 
 
 class GuessParams(AgentParams):
-    max_turns: int = 5
-    max_context_tokens: int = 512
+    max_turns: int = Field(default=5, ge=1)
+    max_context_tokens: int = Field(default=512, ge=16)
     probe_cost: float = Field(default=0.05, ge=0, lt=0.2)
     """What each probe takes off a right answer's return (below 0.2: five probes leave it positive)."""
 

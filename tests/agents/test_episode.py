@@ -131,6 +131,8 @@ def test_a_turn_ending_on_another_stop_token_is_read_without_it(tok):
     ('<tool_call>{"name": "add", "arguments": {"a": "x", "b": 2}}</tool_call>', "wrong arguments for add"),
     ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2, "c": 3}}</tool_call>', "wrong arguments for add"),
     ('<tool_call>["add"]</tool_call>', '"name"'),
+    # a misspelt key is no call with default arguments
+    ('<tool_call>{"name": "add", "argumens": {"a": 1, "b": 2}}</tool_call>', "(not ['argumens'])"),
 ])
 def test_bad_calls_become_error_observations(tok, turn, why):
     log = run(scripted(tok, [turn, "5"]), tok, SumEnv())
@@ -534,6 +536,18 @@ def test_a_close_that_raises_is_logged_and_the_outcome_stands(tok, caplog):
     assert "_CloseFails.close raised OSError: socket already gone" in warnings[0], warnings
 
 
+def test_a_close_that_always_raises_is_said_once_with_its_traceback_then_at_powers_of_ten(tok, caplog):
+    class AlwaysFailsToClose(_CloseFails):
+        pass
+
+    caplog.set_level("WARNING", logger="astraflow.agents")
+    for _ in range(12):
+        run(scripted(tok, ["5"]), tok, AlwaysFailsToClose())
+    said = [r for r in caplog.records if r.name == "astraflow.agents"]
+    assert [r.exc_info is not None for r in said] == [True, False], [r.getMessage() for r in said]
+    assert said[1].getMessage().endswith("[10 times in this process]")
+
+
 class _PlainClose(SumEnv):
     def close(self):  # gym style: not a coroutine
         self.closed += 1
@@ -556,3 +570,20 @@ def test_a_plain_synchronous_close_runs_without_a_warning(tok, caplog):
     assert [r.getMessage() for r in caplog.records if r.name == "astraflow.agents"] == [
         "StepFails.close raised OSError: socket already gone (the episode's own outcome stands; what the "
         "environment holds may not be released)"]
+
+
+def test_a_workloads_own_default_keeps_the_base_bounds():
+    """``max_turns: int = 5`` in a workload's Params drops the base field's ``ge=1``: the bounds
+    still hold (no model turn trains nothing, and a run of such episodes never ends)."""
+    from pydantic import ValidationError
+
+    from astraflow.agents.workload import AgentParams
+
+    class Params(AgentParams):
+        max_turns: int = 5
+        max_context_tokens: int = 512
+
+    assert Params().max_turns == 5
+    for bad in ({"max_turns": 0}, {"max_context_tokens": 8}):
+        with pytest.raises(ValidationError, match=f"{next(iter(bad))} .*: give at least"):
+            Params(**bad)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import re
 
-from astraflow.rollout.failure_log import FailureLog
+from astraflow.rollout.failure_log import FailureLog, reason_of
 
 
 class Clock:
@@ -39,6 +39,7 @@ def test_a_reward_failing_often_writes_a_line_a_minute_saying_how_many(caplog):
                 raise ValueError("reward failed\nsecond line differs per task %d" % i)
             except ValueError as err:
                 failures.failed(f"g{i}/0", err)
+                where = f"ValueError {reason_of(err)[1]}"  # raised here, its messages differ: one reason
             clock.now += 0.5
         lines = _failure_lines(caplog)
         assert lines[0].exc_info is not None and lines[0].getMessage().startswith("episode g0/0 failed: ValueError")
@@ -46,8 +47,8 @@ def test_a_reward_failing_often_writes_a_line_a_minute_saying_how_many(caplog):
         assert 4 <= len(lines) - 1 <= 5, [r.getMessage() for r in lines]  # at most one line a minute
         failures.flush()  # the node stops
     lines = _failure_lines(caplog)
-    assert _counted(lines, "ValueError: reward failed") == 599  # every failure after the first is said
-    assert "failed in the last 60.0 s: ValueError: reward failed" in lines[1].getMessage()
+    assert _counted(lines, where) == 599  # every failure after the first is said
+    assert f"failed in the last 60.0 s: {where}" in lines[1].getMessage()
 
 
 def test_reasons_are_counted_apart_and_a_quiet_one_is_said_when_due_or_at_the_stop(caplog):
@@ -84,4 +85,26 @@ def test_reasons_that_differ_per_task_are_counted_together_past_the_first_ones(c
     lines = _failure_lines(caplog)
     assert [r.exc_info is not None for r in lines] == [True, True, True, False]
     assert lines[-1].getMessage() == ("node n0: 47 more episodes failed in the last 0.0 s: "
-                                      "KeyError (messages past the first 3)")
+                                      "KeyError (reasons past the first 3)")
+
+
+def test_one_place_that_raises_with_a_message_per_task_is_one_reason(caplog):
+    """An environment whose error names the task's value (a cell, an id) is one bug: one
+    traceback, then counts, said by where it was raised."""
+    failures = FailureLog("n0", clock=Clock())
+
+    def step(cell):
+        raise RuntimeError(f"stepped on trap {cell}")
+
+    with caplog.at_level(logging.WARNING, logger="astraflow.rollout"):
+        for i in range(20):
+            try:
+                step((i % 3, i % 5))
+            except RuntimeError as err:
+                failures.failed(f"t{i}", err)
+                where = reason_of(err)[1]
+        failures.flush()
+    lines = _failure_lines(caplog)
+    assert [r.exc_info is not None for r in lines] == [True, False]
+    assert where.startswith("raised at ") and where.endswith(f"{__file__}:{step.__code__.co_firstlineno + 1}")
+    assert lines[-1].getMessage().endswith(f"19 more episodes failed in the last 0.0 s: RuntimeError {where}")

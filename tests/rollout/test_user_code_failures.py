@@ -162,7 +162,8 @@ def test_a_failure_reason_is_logged_with_its_traceback_once(caplog):
     said = [r for r in caplog.records if "failed" in r.getMessage()]
     assert [r.exc_info is not None for r in said] == [True, True, False]
     last = said[2].getMessage()
-    assert last.startswith("node n0: 2 more episodes failed in the last") and last.endswith("s: KeyError: 'missing'")
+    assert last.startswith("node n0: 2 more episodes failed in the last"), last
+    assert last.endswith(f"s: KeyError raised at {__file__}:{Broken.run_episode.__code__.co_firstlineno + 4}"), last
     assert "raise KeyError" in caplog.text  # the user's frame is in the log
 
 
