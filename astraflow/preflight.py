@@ -335,6 +335,20 @@ def check_engine(cfg: RunConfig) -> None:
 PROMPTS_MEASURED = 20_000
 
 
+class _Unrenderable(ValueError):
+    """A prompt the workload and the model's tokenizer cannot turn into tokens (its cause chained)."""
+
+
+def _prompt_length(tok, wl, payload, split: str) -> int:
+    from astraflow.agents.chat import prompt_ids
+
+    try:
+        return len(prompt_ids(tok, wl, payload))
+    except Exception as err:
+        row = payload.get("row") if isinstance(payload, dict) else None
+        raise _Unrenderable(f"the {split} prompt" + (f" of {row}" if row else "")) from err
+
+
 def prompts_that_do_not_fit(cfg: RunConfig, wl, policies: list[str] | None = None) -> list[str]:
     """A line per policy whose model (one that exists already) has fewer positions than some
     single-turn prompts of ``wl`` need with ``workload.sampling.max_new_tokens``: their rollouts
@@ -345,7 +359,6 @@ def prompts_that_do_not_fit(cfg: RunConfig, wl, policies: list[str] | None = Non
 
     if is_agentic(type(wl)):
         return []
-    from astraflow.agents.chat import prompt_ids
     from astraflow.model_loading import load_tokenizer
 
     new, lines = cfg.workload.sampling.max_new_tokens, []
@@ -362,15 +375,15 @@ def prompts_that_do_not_fit(cfg: RunConfig, wl, policies: list[str] | None = Non
         try:
             for split in ("train", "eval"):
                 tasks = wl.tasks(split)[:PROMPTS_MEASURED]
-                lengths = [len(prompt_ids(tok, wl, p)) for p in tasks]
+                lengths = [_prompt_length(tok, wl, p, split) for p in tasks]
                 over[split] = (sum(n > room for n in lengths), len(tasks))
                 for n, p in zip(lengths, tasks):
                     if n > longest[0]:
                         longest = (n, str(p.get("row", "")) if isinstance(p, dict) else "")
-        except Exception as err:  # a chat template that refuses these messages: every rollout would fail on it
-            raise ValueError(f"policy {pol.name}: the workload's prompts cannot be rendered with {pol.model}'s chat "
-                             f"template ({type(err).__name__}: {err}); fix the template (tokenizer_config.json's "
-                             "chat_template) or the messages the workload gives it") from None
+        except _Unrenderable as err:  # every rollout of such a prompt would fail on it
+            raise ValueError(f"policy {pol.name}: {err} cannot be rendered with {pol.model}'s tokenizer and chat "
+                             f"template ({type(err.__cause__).__name__}: {err.__cause__}); fix the template "
+                             "(tokenizer_config.json's chat_template) or the messages the workload gives it") from None
         if not any(n for n, _ in over.values()):
             continue
         limit = f"{field} {positions}" if field else f"{positions} positions"

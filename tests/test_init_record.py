@@ -101,16 +101,35 @@ def test_runs_started_together_build_a_missing_model_once(tmp_path):
     model.parent.mkdir(parents=True)
     fd = os.open(model.parent / f".{model.name}.build.lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)  # "another run" is building the model
-    waiter = threading.Thread(target=prepare_models, args=(cfg, Progress(enabled=False)))
-    waiter.start()
-    waiter.join(3.0)
-    assert waiter.is_alive() and not model.exists()  # it waits for the build it would repeat
-    pol = cfg.policies[0]  # the other run's build, under its lock
-    build_model(model, pol.init, cfg.workload)
-    record_init(model, pol.init.model_dump(mode="json"))
-    built = os.stat(model / "config.json")
-    os.close(fd)
+    waiter = threading.Thread(target=prepare_models, args=(cfg, Progress(enabled=False)), daemon=True)
+    try:
+        waiter.start()
+        waiter.join(3.0)
+        assert waiter.is_alive() and not model.exists()  # it waits for the build it would repeat
+        pol = cfg.policies[0]  # the other run's build, under its lock
+        build_model(model, pol.init, cfg.workload)
+        record_init(model, pol.init.model_dump(mode="json"))
+        built = os.stat(model / "config.json")
+    finally:
+        os.close(fd)
     waiter.join(60)
     assert not waiter.is_alive()
     after = os.stat(model / "config.json")
     assert (after.st_ino, after.st_mtime_ns) == (built.st_ino, built.st_mtime_ns)
+
+
+def test_a_models_directory_without_locks_still_builds(tmp_path, monkeypatch):
+    """NFS mounted nolock, Lustre noflock: flock fails with ENOLCK; the model is built unguarded."""
+    import errno
+    import fcntl
+
+    from astraflow.runtime.launch import prepare_models
+    from astraflow.runtime.progress import Progress
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    cfg = load_config(_config(tmp_path))
+    prepare_models(cfg, Progress(enabled=False))
+    assert (cfg.policies[0].model / "config.json").is_file()

@@ -292,5 +292,6 @@ def test_a_damaged_generation_config_is_refused_naming_the_file(tiny_model, tmp_
     """Its end tokens would be lost without a word in a run, and vLLM and export fail on it."""
     bad = _broken(tiny_model, tmp_path, "gen")
     (bad / "generation_config.json").write_text(text)
-    with pytest.raises(ValueError, match=r"generation_config.json is .*restore the checkpoint's own file, or remove it"):
+    with pytest.raises(ValueError, match=r"generation_config.json is .*restore the checkpoint's own file, or "
+                                         "remove it"):
         check_model_dir(bad)

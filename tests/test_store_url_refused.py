@@ -55,8 +55,10 @@ def test_another_run_directorys_own_store_is_refused_by_run_and_its_own_is_not(t
     that it does not need: another run writing there would lose its rows."""
     other = tmp_path / "other-run"
     (other / "control").mkdir(parents=True)
+    (other / "control" / "run.lock").write_text("{}")
     (other / "trajectories" / "segments").mkdir(parents=True)
-    for url in (f"{other}/trajectories", f"file://{other}/trajectories/sub"):
+    (tmp_path / "link").symlink_to(other / "trajectories")
+    for url in (f"{other}/trajectories", f"file://{other}/trajectories/sub", str(tmp_path / "link")):
         res = _invoke("run", str(_config(tmp_path)), "--run-dir", str(tmp_path / "mine"), "--quiet",
                       "--set", f"storage.trajectories={url}")
         assert res.exit_code == 2, res.output
@@ -66,3 +68,6 @@ def test_another_run_directorys_own_store_is_refused_by_run_and_its_own_is_not(t
 
     assert owning_run(f"{other}/trajectories") == other
     assert owning_run(str(tmp_path / "shared")) is None and owning_run(f"{other}/elsewhere") is None
+    project = tmp_path / "project"  # a control/ directory that is no run's (no run.lock)
+    (project / "control").mkdir(parents=True)
+    assert owning_run(f"{project}/trajectories") is None

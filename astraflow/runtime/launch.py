@@ -98,21 +98,32 @@ def _unbuildable(out: Path, err: OSError) -> OSError:
 def _building(out: Path, progress: Progress):
     """Held while model ``out`` is looked for and built: an ``flock`` on ``.<name>.build.lock``
     beside it, so that runs started together build a missing model once (the later ones wait,
-    then find it built) and none replaces the directory another has started from."""
+    then find it built) and none replaces the directory another has started from. Where no
+    lock can be had (a file system without locks, another user's lock file) the build goes on
+    unguarded, as before there was one."""
+    lock = out.parent / f".{out.name}.build.lock"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out.parent / f".{out.name}.build.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except PermissionError:
+        if not lock.exists():
+            raise _unbuildable(out, PermissionError(errno.EACCES, "Permission denied", str(out.parent))) from None
+        fd = None  # another user's lock file: unguarded
     except OSError as err:
         raise _unbuildable(out, err) from None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            with progress.waiting(f"waiting for another run that is building {out}"):
-                fcntl.flock(fd, fcntl.LOCK_EX)
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                with progress.waiting(f"waiting for another run that is building {out}"):
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as err:  # a file system without locks (NFS nolock, Lustre noflock)
+                progress.note(f"building {out} without a lock ({err}): runs started together may build it twice")
         yield
     finally:
-        os.close(fd)  # releases the lock
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 def _warm_start(src: Path, dst: Path, init: ModelInit, workload: WorkloadConfig | None, progress: Progress) -> None:
@@ -245,6 +256,7 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
         if cfg.simulated(pol):
             continue
         if pol.model.exists():
+            check_built_from_init(pol)  # built since the config was checked (another run) counts too
             if pol.init is not None and recorded_init(pol.model) is None:
                 progress.note(f"policy {pol.name}: {pol.model} exists and records no init it was built from, so "
                               "its init builds nothing (remove the directory to build the model from init)")

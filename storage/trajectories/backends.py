@@ -420,10 +420,10 @@ def owning_run(url: str) -> Path | None:
     among them."""
     if url.startswith("memory://") or store_url_problem(url):
         return None
-    root = (_file_url_path(url) if url.startswith("file://") else Path(url)).absolute()
+    root = (_file_url_path(url) if url.startswith("file://") else Path(url)).resolve()
     for place in (root, *root.parents):
         run = paths.RunPaths(place.parent)
-        if place == run.trajectories and run.control.is_dir():
+        if place == run.trajectories and run.run_lock.is_file():  # every run takes it first
             return run.root
     return None
 

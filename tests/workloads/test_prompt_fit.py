@@ -103,7 +103,7 @@ def test_a_template_that_refuses_the_prompts_is_said_in_one_line_not_a_traceback
     assert "Traceback" not in res.output, res.output
     assert res.exit_code == 2, res.output  # every rollout would fail on it: refused before anything starts
     text = " ".join(res.output.split())
-    assert "the workload's prompts cannot be rendered" in text and "takes no system role" in text, res.output
+    assert "cannot be rendered with" in text and "takes no system role" in text, res.output
     assert "fix the template" in text
 
 
