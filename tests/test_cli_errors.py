@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -347,7 +348,8 @@ def test_status_right_after_the_run_was_killed_shows_its_last_status(tmp_path):
     res = _invoke("status", str(tmp_path))
     assert res.exit_code == 2 and "stopped without a summary" in res.output, res.output
     assert "solver       version    7  reward 0.500" in res.output, res.output
-    assert "above is its last status, of 2s ago; `astraflow run` on the run directory resumes it" in res.output
+    assert re.search(r"above is its last status, of [2-9]s ago; `astraflow run` on the run directory resumes it",
+                     res.output), res.output
 
 
 def test_a_stop_before_the_run_starts_exits_130_without_a_traceback(monkeypatch, tmp_path):
