@@ -39,7 +39,7 @@ def _load(config: str, overrides: tuple[str, ...]):
         check_devices(cfg)
         check_engine(cfg)
         if cfg.storage.trajectories:  # a store outside the run directory (the run trains from it) is ours alone
-            from storage.trajectories.backends import check_store_url
+            from storage.trajectories.locations import check_store_url
 
             check_store_url(cfg.storage.trajectories)
         return cfg
@@ -171,7 +171,7 @@ def _not_someone_elses_files(rd: Path) -> None:
 def _not_another_runs_store(url: str | None, rd: Path) -> None:
     """A ``storage.trajectories`` that is another run directory's own store is refused: that run
     owns it (keeping no trajectories, its resume deletes every segment it does not need)."""
-    from storage.trajectories.backends import owning_run
+    from storage.trajectories.locations import owning_run
 
     owner = owning_run(url) if url else None
     if owner is not None and owner.resolve() != rd.resolve():

@@ -169,7 +169,7 @@ class RunConfig(Strict):
         can be created is checked with the machine, before a run starts: ``check_store_url``)."""
         if self.storage.trajectories is None:
             return
-        from storage.trajectories.backends import store_url_problem
+        from storage.trajectories.locations import store_url_problem
 
         problem = store_url_problem(self.storage.trajectories)
         if problem:

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from astraflow.config import ConfigError
-from astraflow.preflight import check_models, model_limits, prompts_that_do_not_fit
+from astraflow.context_fit import model_limits, prompts_that_do_not_fit
+from astraflow.preflight import check_models
 from astraflow.runtime.orchestrator import Orchestrator
 from astraflow.workloads.base import make_workload
 from schedulers.partition import Partition

@@ -37,7 +37,7 @@ def test_a_store_directory_that_cannot_be_created_is_refused(tmp_path):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no /proc here")
 def test_a_store_on_a_special_file_system_is_refused():
-    from storage.trajectories.backends import check_store_url
+    from storage.trajectories.locations import check_store_url
 
     with pytest.raises(OSError, match="trajectory store directory /proc/astraflow-store cannot be created: "
                                       "no directory can be created in /proc"):
@@ -64,7 +64,7 @@ def test_another_run_directorys_own_store_is_refused_by_run_and_its_own_is_not(t
         assert res.exit_code == 2, res.output
         text = " ".join(res.output.split())
         assert f"is the trajectory store of the run in {other}" in text and "outside any run directory" in text
-    from storage.trajectories.backends import owning_run
+    from storage.trajectories.locations import owning_run
 
     assert owning_run(f"{other}/trajectories") == other
     assert owning_run(str(tmp_path / "shared")) is None and owning_run(f"{other}/elsewhere") is None

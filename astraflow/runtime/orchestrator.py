@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from astraflow.config import RunConfig, dump_config
+from astraflow.context_fit import check_engine_positions, engine_limit, model_limits
 from astraflow.dataflow.layer import DataLayer
 from astraflow.partition_settings import effective_rollout, partition_capacity
-from astraflow.preflight import check_engine_positions, engine_limit, model_limits
 from astraflow.rollout.node import RaaSNode
 from astraflow.rollout.node_group import RaaSNodeGroup
 from astraflow.runtime.autoscaling import autoscale_driver

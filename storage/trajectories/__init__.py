@@ -13,7 +13,8 @@ Rooms: ``layout`` (the schema: arrays, dtypes, packed batches, commit log record
 without its tokens, for monitors), ``segment_view`` (``SegmentView``: one segment's committed
 entries, opened once and kept), ``columns`` (``Columns``: many entries read as concatenated
 arrays), ``rotating`` (``RotatingWriter``: one writer's entries over a series of bounded segments),
-``backends`` (where the bytes live: a directory) and ``memory`` (in-process stores).
+``backends`` (where the bytes live: a directory), ``locations`` (what a store URL names, and
+the run that owns a store) and ``memory`` (in-process stores).
 
 Reading
 -------

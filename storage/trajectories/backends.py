@@ -4,7 +4,8 @@ Why it exists: the writer and the reader speak to one small protocol (``StoreBac
 two implementations answer it: a directory on a shared filesystem (many processes; a commit
 log per segment, appended and made durable with the chunk data in one flush round; here) and
 an in-process registry by name (``memory://<name>``, for tests and benchmarks: a run refuses
-it; ``memory``). ``open_backend`` picks one from a URL.
+it; ``memory``). ``open_backend`` picks one from a URL (what the URL names and whether a run
+can keep a store there: ``locations``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from zarr.storage import LocalStore
 from storage import paths
 from storage.atomic import create_atomically, fsync_path, sync_together, write_atomically
 from storage.full_disk import named
-from storage.ownership import check_store_dir, make_parents, unbuildable
+from storage.ownership import check_store_dir
 from storage.trajectories.chunks import Piece
+from storage.trajectories.locations import check_writable_dir, file_url_path
 from storage.trajectories.memory import open_memory_backend
 
 
@@ -367,88 +369,9 @@ def open_backend(url: str, mode: str, durable: bool) -> StoreBackend:
             f"unknown trajectory store scheme {scheme!r} in {url!r}: known are a plain directory "
             "path, 'file://', 'memory://'"
         )
-    root = (_file_url_path(url) if url.startswith("file://") else Path(url)).absolute()
+    root = (file_url_path(url) if url.startswith("file://") else Path(url)).absolute()
     if mode == "a":
         check_store_dir(root)  # nothing made in a place another user could change
-        _check_writable_dir(root)
+        check_writable_dir(root)
         check_store_dir(root)  # and what is there now is ours alone: the run trains from it
     return DirBackend(root, durable)
-
-
-#: the forms of store URL a run takes, as errors name them
-STORE_FORMS = "a directory path or a file:///abs/path URL"
-
-
-def store_url_problem(url: str) -> str | None:
-    """Why no run can keep its trajectories at ``url`` (``storage.trajectories``), from the text
-    alone: a scheme other than ``file://``, a ``file://`` URL naming another host or no absolute
-    path. None: a directory on this machine (or ``memory://``, which the config refuses itself)."""
-    if "://" in url and not url.startswith(("file://", "memory://")):
-        return f"{url!r}: no store reads scheme {url.split('://', 1)[0]!r}; give {STORE_FORMS} (shared storage mounted)"
-    try:
-        path = _file_url_path(url) if url.startswith("file://") else None
-    except ValueError as err:  # another host (the message names file:///abs/path)
-        return str(err)
-    if path is not None and not path.is_absolute():
-        return f"{url!r} names no absolute path: give {STORE_FORMS}, e.g. file:///scratch/trajectories"
-    return None
-
-
-def check_store_url(url: str) -> None:
-    """Refuse a store URL before a run starts rather than when its data layer opens the store:
-    ``ValueError`` for one no run can use (`store_url_problem`), ``UnsafeDir`` (a ``ValueError``)
-    when its directory is not the user's alone, as a run directory must be (one that does not
-    exist yet: when another user could change the directories above it), ``OSError`` when it
-    does not exist and cannot be created (a probe made and removed in its nearest existing
-    ancestor: a file in the way, a read-only or special file system such as /proc)."""
-    if url.startswith("memory://"):
-        return
-    problem = store_url_problem(url)
-    if problem:
-        raise ValueError(problem)
-    root = (_file_url_path(url) if url.startswith("file://") else Path(url)).absolute()
-    check_store_dir(root)
-    if not os.path.lexists(root) and (why := unbuildable(root)):
-        raise OSError(f"trajectory store directory {root} cannot be created: {why}; give {STORE_FORMS} that this "
-                      "user can create")
-
-
-def owning_run(url: str) -> Path | None:
-    """The run directory whose own trajectory store (``<run>/trajectories``, a run's when its
-    config names none) ``url`` is or lies in; None: no run's. Such a store belongs to that run:
-    it deletes the segments it no longer needs when it keeps no trajectories, another run's
-    among them."""
-    if url.startswith("memory://") or store_url_problem(url):
-        return None
-    root = (_file_url_path(url) if url.startswith("file://") else Path(url)).resolve()
-    for place in (root, *root.parents):
-        run = paths.RunPaths(place.parent)
-        if place == run.trajectories and run.run_lock.is_file():  # every run takes it first
-            return run.root
-    return None
-
-
-def _file_url_path(url: str) -> Path:
-    """The local path of a ``file://`` URL (percent-escapes decoded; host empty or ``localhost``)."""
-    from urllib.parse import urlparse
-    from urllib.request import url2pathname
-
-    parsed = urlparse(url)
-    if parsed.netloc not in ("", "localhost"):
-        raise ValueError(f"trajectory store URL {url!r} names host {parsed.netloc!r}: a file:// store is on this "
-                         "machine's file system (file:///abs/path); shared storage is a mounted directory")
-    return Path(url2pathname(parsed.path))
-
-
-def _check_writable_dir(root: Path) -> None:
-    try:
-        make_parents(root)
-        root.mkdir(mode=0o755, exist_ok=True)  # as the umask says, but not writable by group/others
-        probe = paths.tmp_sibling(root / "write-probe")
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(
-            f"trajectory store directory {root} is not writable ({e.strerror or e}): point the store "
-            "at a directory this process can create files in, or open it with mode='r' to only read"
-        ) from e

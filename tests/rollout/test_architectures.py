@@ -118,7 +118,7 @@ def test_the_probe_of_a_multimodal_model_and_of_a_short_one():
     ({"vocab_size": 10}, None),
 ])
 def test_positions_of_any_family(config, positions):
-    from astraflow.preflight import max_positions
+    from astraflow.context_fit import max_positions
 
     assert max_positions(config) == positions
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from storage.ownership import UnsafeDir
-from storage.trajectories.backends import check_store_url, open_backend
+from storage.trajectories.backends import open_backend
+from storage.trajectories.locations import check_store_url
 from tests.e2e.test_cli import _write_config
 
 ROOT = Path(__file__).resolve().parents[2]
