@@ -18,7 +18,8 @@ from pathlib import Path
 
 from astraflow.agents.workload import is_agentic
 from astraflow.config import RunConfig
-from astraflow.preflight import check_built_from_init, check_network, eval_split_lines, prompts_that_do_not_fit
+from astraflow.context_fit import prompts_that_do_not_fit
+from astraflow.preflight import check_built_from_init, check_network, eval_split_lines
 from astraflow.runtime.jobrecords import PreviousJobs, cancel_previous_jobs
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
 from astraflow.runtime.progress import Progress
@@ -59,7 +60,7 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
                 init_model(tmp / "init", preset=init.preset, arch=init.arch, seed=init.seed,
                            tie_word_embeddings=init.tie_embeddings, tokenizer=tokenizer)
         if init.warm_starts:
-            _warm_start(tmp / "init", tmp / "final", init, workload, progress)
+            _warm_start(tmp / "init", tmp / "final", init, workload, progress, out)
             shutil.rmtree(tmp / "init")
             (tmp / "final").rename(tmp / "init")
         try:
@@ -126,10 +127,13 @@ def _building(out: Path, progress: Progress):
             os.close(fd)  # releases the lock
 
 
-def _warm_start(src: Path, dst: Path, init: ModelInit, workload: WorkloadConfig | None, progress: Progress) -> None:
-    """The supervised warm start from ``src`` into ``dst``, on what the workload offers: expert
-    demonstrations (agentic workloads), reference solutions (workloads with demonstrations; the
-    hidden tests for ``init.task: test``), or generated problems (math)."""
+def _warm_start(src: Path, dst: Path, init: ModelInit, workload: WorkloadConfig | None, progress: Progress,
+                model: Path) -> None:
+    """The supervised warm start from ``src`` into ``dst`` (to become ``model``), on what the
+    workload offers: expert demonstrations (agentic workloads), reference solutions (workloads
+    with demonstrations; the hidden tests for ``init.task: test``), or generated problems (math).
+    One that ends at its bound short of ``warm_start_target`` says so: the run then starts RL
+    from a weaker policy than its config intends, and the model is kept for later runs."""
     params = dict((workload.params if workload else {}) or {})
     bounds = [f"{init.warm_start_seconds:.0f}s"] if init.warm_start_seconds > 0 else []
     bounds += [f"{init.warm_start_steps} steps"] if init.warm_start_steps is not None else []
@@ -161,13 +165,19 @@ def _warm_start(src: Path, dst: Path, init: ModelInit, workload: WorkloadConfig 
                 from astraflow.workloads.testgen import SUITE_NEW_TOKENS, TesterView
 
                 wl, max_new = TesterView(wl), SUITE_NEW_TOKENS
-            result = demo_warm_start(src, dst, wl, max_new_tokens=max_new, **common)
+            result = demo_warm_start(src, dst, wl, max_new_tokens=max_new, label=what, **common)
         else:
             from astraflow.training.warmstart import warm_start
 
             result = warm_start(src, dst, workload=params, task=init.task, **common)
     progress.note(f"warm start ({what}): {result['steps']} steps, "
                   f"held-out {'success' if agentic else 'accuracy'} {result['acc']:.3f}")
+    target = init.warm_start_target
+    if target is not None and result["acc"] < target:
+        progress.note(f"warning: the warm start reached its bound ({' or '.join(bounds)}) at held-out "
+                      f"{result['acc']:.3f}, short of its target {target}: RL starts from a weaker policy than "
+                      f"the config intends. To build it again, remove {model} and raise "
+                      "init.warm_start_steps (or warm_start_seconds)")
 
 
 #: expert episodes a BPE tokenizer of an agentic workload is trained on (plenty for its merges)

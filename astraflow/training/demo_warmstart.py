@@ -83,8 +83,10 @@ def demo_warm_start(
     seed: int = 0,
     progress: bool = True,
     on_eval: Callable[[dict[str, float]], None] | None = None,
+    label: str = "reference solutions",
 ) -> dict[str, Any]:
-    """SFT ``model_dir`` on ``workload.demonstration`` of its train tasks, saved to ``out_dir``.
+    """SFT ``model_dir`` on ``workload.demonstration`` of its train tasks, saved to ``out_dir``
+    (``label`` names them on the progress bar).
 
     Stops at the first of ``steps``, ``seconds`` and held-out greedy success >= ``target_acc``
     (every ``eval_every`` steps, on ``eval_size`` held-out tasks, completions of up to
@@ -103,5 +105,5 @@ def demo_warm_start(
         model, tok, out_dir,
         lambda: collate([examples[rng.randrange(len(examples))] for _ in range(batch_size)], pad),
         lambda: success_rate(model, tok, workload, held_out, max_new_tokens),
-        label="reference solutions", steps=steps, seconds=seconds, lr=lr, target_acc=target_acc,
+        label=label, steps=steps, seconds=seconds, lr=lr, target_acc=target_acc,
         eval_every=eval_every, warmup_steps=warmup_steps, progress=progress, on_eval=on_eval)

@@ -194,8 +194,10 @@ def supervised_loop(model: Any, tok: Any, out_dir: str | Path,
     """The SFT loop of every warm start: next-token cross-entropy on the loss-masked tokens of
     ``next_batch()`` (``ids, attention, loss mask``), AdamW with a linear warmup, until ``steps``,
     ``seconds`` or ``evaluate() >= target_acc`` (measured every ``eval_every`` steps and once at
-    the end); the model and tokenizer are saved to ``out_dir``. Returns ``{"steps", "seconds",
-    "loss", "acc", "history"}``."""
+    the end); the model and tokenizer are saved to ``out_dir``: the weights of the best
+    evaluation, so a loop that ends at its bound on a worse evaluation keeps the better model it
+    had. Returns ``{"steps", "seconds", "loss", "acc", "history", "kept_step"}`` (``acc`` and
+    ``kept_step``: the saved model's)."""
     if steps is None and seconds is None and target_acc is None:
         raise ValueError(f"warm start ({label}) needs a stopping rule: steps=, seconds= or target_acc=")
     model.train()
@@ -205,10 +207,14 @@ def supervised_loop(model: Any, tok: Any, out_dir: str | Path,
     t0 = time.perf_counter()
     step, loss_v, acc = 0, float("nan"), float("nan")
 
+    best: dict[str, Any] = {"acc": float("-inf"), "step": 0, "state": None}
+
     def do_eval() -> float:
         a = evaluate()
         rec = {"step": step, "seconds": time.perf_counter() - t0, "loss": loss_v, "acc": a}
         history.append(rec)
+        if a > best["acc"]:
+            best.update(acc=a, step=step, state={k: v.detach().clone() for k, v in model.state_dict().items()})
         if on_eval is not None:
             on_eval(rec)
         return a
@@ -239,9 +245,14 @@ def supervised_loop(model: Any, tok: Any, out_dir: str | Path,
             bar.update(bar_task, completed=step, loss=loss_v, acc=acc)
     if not history or history[-1]["step"] != step:
         acc = do_eval()
+    kept_step = step
+    if best["state"] is not None and best["acc"] > acc:
+        model.load_state_dict(best["state"])
+        acc, kept_step = best["acc"], best["step"]
     model.eval()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    return {"steps": step, "seconds": time.perf_counter() - t0, "loss": loss_v, "acc": acc, "history": history}
+    return {"steps": step, "seconds": time.perf_counter() - t0, "loss": loss_v, "acc": acc, "history": history,
+            "kept_step": kept_step}

@@ -49,3 +49,30 @@ def test_a_tokenizer_that_adds_a_bos_gets_none_inside_the_trained_answer():
     bos_id = tok.convert_tokens_to_ids(bos)
     assert row[0] == bos_id
     assert not [i for i, (t, m) in enumerate(zip(row, mask)) if t == bos_id and m]
+
+
+def test_a_loop_that_ends_on_a_worse_evaluation_keeps_the_best_weights(tiny_model, tmp_path):
+    """The model saved is the one of the best evaluation, not the last, when the bound ends the
+    loop after a worse one (a bounded warm start that dipped at its end)."""
+    import torch
+
+    from astraflow.training.warmstart import supervised_loop
+
+    model, tok = load_model(tiny_model)
+    saved: dict[int, dict] = {}
+    scores = iter([0.1, 0.6, 0.2])  # evaluations at steps 1, 2 and 3 (the end)
+
+    def evaluate_() -> float:
+        step = len(saved) + 1
+        saved[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return next(scores)
+
+    ids = torch.tensor([tok.encode("1+2=3")] * 4)
+    batch = (ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
+    res = supervised_loop(model, tok, tmp_path / "out", lambda: batch, evaluate_, label="t", steps=3, seconds=None,
+                          lr=1e-2, target_acc=None, eval_every=1, warmup_steps=1, progress=False, on_eval=None)
+    assert (res["steps"], res["acc"], res["kept_step"]) == (3, 0.6, 2)
+    kept, _ = load_model(tmp_path / "out")
+    for name, value in kept.state_dict().items():
+        assert torch.equal(value, saved[2][name]), name
+    assert not torch.equal(saved[3]["model.embed_tokens.weight"], saved[2]["model.embed_tokens.weight"])

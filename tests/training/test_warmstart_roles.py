@@ -166,3 +166,26 @@ def test_a_warm_start_bounded_in_steps_builds_the_same_model_twice(tmp_path):
     init = load_model(init_model(tmp_path / "init", preset="tiny", seed=0))[0].state_dict()
     assert all(torch.equal(outs[0][k], outs[1][k]) for k in init)
     assert not all(torch.equal(outs[0][k], init[k]) for k in init)  # it did train
+
+
+def test_a_warm_start_that_ends_at_its_bound_short_of_its_target_says_so(tiny_model, tmp_path):
+    """The run goes on from the weaker model, and its log names the model to remove and the
+    bound to raise."""
+    import io
+
+    from rich.console import Console
+
+    from astraflow.runtime.launch import build_model
+    from astraflow.runtime.progress import Progress
+    from astraflow.workloads.config import WorkloadConfig
+
+    out = io.StringIO()
+    progress = Progress(console=Console(file=out, width=400, highlight=False))
+    model = tmp_path / "solver"
+    init = ModelInit(warm_start_steps=2, warm_start_target=0.9)
+    build_model(model, init, WorkloadConfig(name="math", params={"digits": 1, "num_test": 10}), progress,
+                base=tiny_model)
+    log = out.getvalue()
+    assert "warning: the warm start reached its bound (2 steps)" in log
+    assert "short of its target 0.9" in log and f"remove {model} and raise init.warm_start_steps" in log
+    assert load_model(model)  # kept for later runs
