@@ -242,7 +242,7 @@ def model_init(out: str, preset: str, arch: str, seed: int, tie_embeddings: bool
 
     from astraflow.configerrors import option_errors
     from storage.ownership import unbuildable
-    from astraflow.runtime.launch import ModelDirError, build_model
+    from astraflow.runtime.model_build import ModelDirError, build_model
 
     try:
         init = ModelInit(preset=preset, arch=arch, seed=seed, tie_embeddings=tie_embeddings,

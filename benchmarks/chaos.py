@@ -52,7 +52,7 @@ def overrides(steps: int, eval_every: int, restarts: int) -> list[str]:
 def prepare_model(config: Path, sets: list[str]) -> None:
     """Build the config's model once, before timing anything (a first run would build it)."""
     from astraflow.config import load_config
-    from astraflow.runtime.launch import prepare_models
+    from astraflow.runtime.model_build import prepare_models
     from astraflow.runtime.progress import Progress
 
     prepare_models(load_config(config, sets), Progress())

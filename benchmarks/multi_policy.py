@@ -74,7 +74,8 @@ from astraflow.config import config_from_dict  # noqa: E402
 from astraflow.training.config import ModelInit  # noqa: E402
 
 from astraflow.workloads.config import WorkloadConfig  # noqa: E402
-from astraflow.runtime.launch import build_model, launch  # noqa: E402
+from astraflow.runtime.launch import launch  # noqa: E402
+from astraflow.runtime.model_build import build_model  # noqa: E402
 from benchmarks.run_checks import require_completed  # noqa: E402
 
 

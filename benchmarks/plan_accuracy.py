@@ -78,7 +78,7 @@ def trainer_step(run_dir: Path) -> dict:
 def calibration(overrides: list[str]):
     from astraflow.config import load_config
     from astraflow.plan.calibrate import calibrate
-    from astraflow.runtime.launch import prepare_models
+    from astraflow.runtime.model_build import prepare_models
     from astraflow.runtime.progress import Progress
 
     cfg = load_config(CONFIG, [o for o in overrides if o != "--set"])

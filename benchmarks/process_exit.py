@@ -62,7 +62,7 @@ NORMAL_EXIT = PRELOAD + "\nimport sys, time\nprint(time.time(), flush=True)\n"
 def tiny_model() -> str:
     """The tiny example's model directory, built as ``astraflow run`` builds it when missing."""
     from astraflow.config import load_config
-    from astraflow.runtime.launch import prepare_models
+    from astraflow.runtime.model_build import prepare_models
     from astraflow.runtime.progress import Progress
 
     cfg = load_config(ROOT / "examples" / "tiny" / "config.yaml", [])

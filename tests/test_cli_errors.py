@@ -82,7 +82,7 @@ def test_model_init_refuses_an_out_in_proc():
 
 def test_build_model_names_a_directory_it_cannot_create(tmp_path):
     """The fallback after the checks (a path that became unusable since): a ValueError, not an OSError."""
-    from astraflow.runtime.launch import ModelDirError, build_model
+    from astraflow.runtime.model_build import ModelDirError, build_model
     from astraflow.training.config import ModelInit
 
     (tmp_path / "afile").write_text("")

@@ -49,7 +49,7 @@ def test_the_untied_qwen2_model_has_biases_and_its_own_head(untied):
 
 
 def test_init_section_builds_an_untied_model(tmp_path):
-    from astraflow.runtime.launch import build_model
+    from astraflow.runtime.model_build import build_model
     from astraflow.training.config import ModelInit
 
     assert ModelInit().tie_embeddings is True

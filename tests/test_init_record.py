@@ -18,7 +18,7 @@ from tests.test_cli_errors import _config, _invoke
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """The tiny example's model, built by ``prepare_models`` as ``astraflow run`` builds it."""
-    from astraflow.runtime.launch import prepare_models
+    from astraflow.runtime.model_build import prepare_models
     from astraflow.runtime.progress import Progress
 
     tmp = tmp_path_factory.mktemp("init_record")
@@ -93,7 +93,7 @@ def test_runs_started_together_build_a_missing_model_once(tmp_path):
     import threading
 
     from astraflow.models import record_init
-    from astraflow.runtime.launch import build_model, prepare_models
+    from astraflow.runtime.model_build import build_model, prepare_models
     from astraflow.runtime.progress import Progress
 
     cfg = load_config(_config(tmp_path))
@@ -123,7 +123,7 @@ def test_a_models_directory_without_locks_still_builds(tmp_path, monkeypatch):
     import errno
     import fcntl
 
-    from astraflow.runtime.launch import prepare_models
+    from astraflow.runtime.model_build import prepare_models
     from astraflow.runtime.progress import Progress
 
     def no_locks(fd, op):

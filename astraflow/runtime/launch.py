@@ -1,212 +1,31 @@
-"""Runtime room: ``astraflow run``. Prepare the models a config names, then hand over to the
-orchestrator."""
+"""Runtime room: ``astraflow run``. Check the data and the run directory, prepare the models a
+config names (``model_build``), then hand over to the orchestrator."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
-from astraflow.agents.workload import is_agentic
 from astraflow.config import RunConfig
 from astraflow.context_fit import prompts_that_do_not_fit
-from astraflow.preflight import check_built_from_init, check_network, eval_split_lines
+from astraflow.preflight import check_network, eval_split_lines
 from astraflow.runtime.jobrecords import PreviousJobs, cancel_previous_jobs
+from astraflow.runtime.model_build import prepare_models
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.resume_checks import check_resumable, check_same_models
 from astraflow.runtime.resuming import resume_note
 from astraflow.runtime.runlock import RunDirLock
-from astraflow.runtime.stopping import REQUEUE_SIGNAL, STOPPING, StopForRequeue, disk_full
-from astraflow.training.config import ModelInit
-from astraflow.workloads.base import make_workload, workload_class
+from astraflow.runtime.stopping import REQUEUE_SIGNAL, STOPPING, StopForRequeue
+from astraflow.workloads.base import make_workload
 from astraflow.workloads.config import WorkloadConfig
 from storage.paths import RunPaths
-
-
-class ModelDirError(ValueError):
-    """The directory a model is to be built into cannot be created."""
-
-
-def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = None,
-                progress: Progress | None = None, base: Path | None = None) -> Path:
-    """Build a model directory locally: random init (or a copy of the ``base`` model
-    directory, ``init.start_from``'s), then an optional supervised warm start on the
-    workload's train split. Written to a temporary sibling and renamed, so an interrupted
-    build never leaves a half-written model behind."""
-    from astraflow.models import init_model
-
-    progress = progress or Progress()
-    out = Path(out)
-    tmp = _temp_sibling(out)
-    try:
-        if base is not None:
-            shutil.copytree(base, tmp / "init")
-        else:
-            tokenizer = None
-            if init.tokenizer == "bpe":
-                with progress.waiting(f"training a {init.vocab_size}-token BPE tokenizer on the train split"):
-                    tokenizer = bpe_for(workload, init.vocab_size)
-            with progress.waiting(f"initialising a {init.preset} {init.arch} model"):
-                init_model(tmp / "init", preset=init.preset, arch=init.arch, seed=init.seed,
-                           tie_word_embeddings=init.tie_embeddings, tokenizer=tokenizer)
-        if init.warm_starts:
-            _warm_start(tmp / "init", tmp / "final", init, workload, progress, out)
-            shutil.rmtree(tmp / "init")
-            (tmp / "final").rename(tmp / "init")
-        try:
-            (tmp / "init").rename(out)  # over an empty directory only (``init-model``'s OUT)
-        except OSError as err:
-            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-            raise ModelDirError(f"{out} was filled while this model was built (by another build?); it is "
-                                "left as it is: remove it to build it again, or use it") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _temp_sibling(out: Path) -> Path:
-    """A fresh temporary directory beside ``out``; a path that cannot be created (under a file,
-    read-only) is a `ModelDirError` naming the fix, a full disk raised as it is."""
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    except OSError as err:
-        raise _unbuildable(out, err) from None
-
-
-def _unbuildable(out: Path, err: OSError) -> OSError:
-    """What to raise for ``err`` making a place for model ``out``: a full disk as it is (not the
-    path's fault: it ends a run the one way it always does), else a `ModelDirError` naming the fix."""
-    if disk_full(err):
-        return err
-    where = f" ({err.filename})" if err.filename else ""
-    return ModelDirError(f"{out} cannot be created: {err.strerror or err}{where}; choose a directory "
-                         "that can be created")
-
-
-@contextlib.contextmanager
-def _building(out: Path, progress: Progress):
-    """Held while model ``out`` is looked for and built: an ``flock`` on ``.<name>.build.lock``
-    beside it, so that runs started together build a missing model once (the later ones wait,
-    then find it built) and none replaces the directory another has started from. Where no
-    lock can be had (a file system without locks, another user's lock file) the build goes on
-    unguarded, as before there was one."""
-    lock = out.parent / f".{out.name}.build.lock"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-    except PermissionError:
-        if not lock.exists():
-            raise _unbuildable(out, PermissionError(errno.EACCES, "Permission denied", str(out.parent))) from None
-        fd = None  # another user's lock file: unguarded
-    except OSError as err:
-        raise _unbuildable(out, err) from None
-    try:
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                with progress.waiting(f"waiting for another run that is building {out}"):
-                    fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError as err:  # a file system without locks (NFS nolock, Lustre noflock)
-                progress.note(f"building {out} without a lock ({err}): runs started together may build it twice")
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # releases the lock
-
-
-def _warm_start(src: Path, dst: Path, init: ModelInit, workload: WorkloadConfig | None, progress: Progress,
-                model: Path) -> None:
-    """The supervised warm start from ``src`` into ``dst`` (to become ``model``), on what the
-    workload offers: expert demonstrations (agentic workloads), reference solutions (workloads
-    with demonstrations; the hidden tests for ``init.task: test``), or generated problems (math).
-    One that ends at its bound short of ``warm_start_target`` says so: the run then starts RL
-    from a weaker policy than its config intends, and the model is kept for later runs."""
-    params = dict((workload.params if workload else {}) or {})
-    bounds = [f"{init.warm_start_seconds:.0f}s"] if init.warm_start_seconds > 0 else []
-    bounds += [f"{init.warm_start_steps} steps"] if init.warm_start_steps is not None else []
-    common = dict(seconds=init.warm_start_seconds or None, steps=init.warm_start_steps,
-                  lr=init.warm_start_lr, seed=init.seed, progress=progress.enabled,
-                  target_acc=init.warm_start_target,
-                  eval_every=25 if init.warm_start_target is not None else 50,
-                  # shown in the heartbeat lines of a log ("still supervised warm start ...")
-                  on_eval=lambda r: progress.detail(f"step {r['step']}, held-out accuracy {r['acc']:.2f}"))
-    agentic = workload is not None and is_agentic(workload_class(workload.name))
-    demos = (workload is not None and workload.name != "math" and not agentic
-             and hasattr(workload_class(workload.name), "demonstration"))
-    what = ("expert demonstrations" if agentic else "tests from the hidden tests" if init.task == "test"
-            else "reference solutions" if demos else init.task)
-    # the warm start draws its own progress bar
-    with progress.waiting(f"supervised warm start ({what}) for {' or '.join(bounds)}", live=False):
-        if agentic:
-            from astraflow.training.agent_warmstart import agent_warm_start
-
-            wl = make_workload(workload.name, params, workload.seed)
-            result = agent_warm_start(src, dst, wl, demo_noise=init.demo_noise,
-                                      max_new_tokens=workload.sampling.max_new_tokens, **common)
-        elif demos:
-            from astraflow.training.demo_warmstart import demo_warm_start
-
-            wl = make_workload(workload.name, params, workload.seed)
-            max_new = workload.sampling.max_new_tokens
-            if init.task == "test":  # the tester of solver_testgen: its prompts and suites
-                from astraflow.workloads.testgen import SUITE_NEW_TOKENS, TesterView
-
-                wl, max_new = TesterView(wl), SUITE_NEW_TOKENS
-            result = demo_warm_start(src, dst, wl, max_new_tokens=max_new, label=what, **common)
-        else:
-            from astraflow.training.warmstart import warm_start
-
-            result = warm_start(src, dst, workload=params, task=init.task, **common)
-    progress.note(f"warm start ({what}): {result['steps']} steps, "
-                  f"held-out {'success' if agentic else 'accuracy'} {result['acc']:.3f}")
-    target = init.warm_start_target
-    if target is not None and result["acc"] < target:
-        progress.note(f"warning: the warm start reached its bound ({' or '.join(bounds)}) at held-out "
-                      f"{result['acc']:.3f}, short of its target {target}: RL starts from a weaker policy than "
-                      f"the config intends. To build it again, remove {model} and raise "
-                      "init.warm_start_steps (or warm_start_seconds)")
-
-
-#: expert episodes a BPE tokenizer of an agentic workload is trained on (plenty for its merges)
-BPE_AGENT_EPISODES = 2000
-
-
-def bpe_for(workload: WorkloadConfig | None, vocab_size: int):
-    """A BPE tokenizer trained on ``workload``'s train split: each prompt as plain text and its
-    demonstration (reference solution) where the workload has one; for an agentic workload, its
-    expert's episodes (observations, tool results and turns)."""
-    from astraflow.models import build_bpe_tokenizer
-
-    if workload is None:
-        raise ValueError("init.tokenizer: bpe trains on the workload's train split; the config has no workload")
-    wl = make_workload(workload.name, dict(workload.params or {}), workload.seed)
-    if is_agentic(type(wl)):
-        from astraflow.agents.demos import demonstration_texts
-        from astraflow.models import build_tokenizer
-
-        corpus = wl.tasks("train")[:BPE_AGENT_EPISODES]
-        return build_bpe_tokenizer(demonstration_texts(wl, corpus, build_tokenizer()), vocab_size)
-    demo = getattr(wl, "demonstration", None)
-    texts = [wl.render_prompt(p) + (demo(p) if demo is not None else "") for p in wl.tasks("train")]
-    if workload.workflow == "solver_testgen":  # the tester's prompts and suites share the tokenizer
-        from astraflow.workloads.testgen import TesterView, hidden_asserts
-
-        view = TesterView(wl)
-        texts += [view.render_prompt(p) + "\n".join(hidden_asserts(p)) for p in wl.tasks("train")]
-    return build_bpe_tokenizer(texts, vocab_size)
 
 
 def check_data(workload: WorkloadConfig, cfg: RunConfig | None = None) -> str:
@@ -251,40 +70,6 @@ def _split(wl, name: str, split: str) -> list:
     except Exception as err:
         raise ValueError(f"workload {name}: tasks({split!r}) raised {type(err).__name__}: {err}; fix the "
                          f"workload's tasks() (`astraflow check CONFIG` runs it without starting anything)") from err
-
-
-def prepare_models(cfg: RunConfig, progress: Progress) -> None:
-    """Build each policy's missing model directory from its ``init`` and record that init in it
-    (``INIT_RECORD``: a later config whose ``init`` differs is refused, not silently trained on
-    this model). An existing directory is used as it is; one that records no init, where the
-    policy has an ``init``, is said to be (its ``init`` then builds nothing)."""
-    from astraflow.models import record_init, recorded_init
-    from astraflow.sandbox import configure
-
-    configure(cfg.sandbox)  # a warm start's held-out checks score with the run's sandbox limits
-    for pol in cfg.policies:
-        if cfg.simulated(pol):
-            continue
-        if pol.model.exists():
-            check_built_from_init(pol)  # built since the config was checked (another run) counts too
-            if pol.init is not None and recorded_init(pol.model) is None:
-                progress.note(f"policy {pol.name}: {pol.model} exists and records no init it was built from, so "
-                              "its init builds nothing (remove the directory to build the model from init)")
-            continue
-        assert pol.init is not None, "config validation requires init for a missing model"
-        base = cfg.policy(pol.init.start_from).model if pol.init.start_from else None
-        try:
-            with _building(pol.model, progress):
-                if pol.model.exists():  # another run built it while this one waited: checked as any other
-                    check_built_from_init(pol)
-                    progress.note(f"policy {pol.name}: {pol.model} was built by another run meanwhile")
-                    continue
-                progress.note(f"policy {pol.name}: building {pol.model} (no such directory yet)"
-                              + (f" from {base}" if base else ""))
-                build_model(pol.model, pol.init, cfg.workload, progress, base=base)
-                record_init(pol.model, pol.init.model_dump(mode="json"))  # also replaces a start_from base's record
-        except ModelDirError as err:
-            raise ModelDirError(f"policies[{pol.name}].model: {err}") from None
 
 
 def head_logging() -> None:

@@ -62,7 +62,7 @@ def test_a_bpe_tokenizer_for_an_agentic_workload_learns_its_episodes():
     """``tokenizer: bpe`` on an agentic workload trains on its expert's episodes: the same
     demonstrations take far fewer tokens and still decode to the same text."""
     from astraflow.models import build_tokenizer
-    from astraflow.runtime.launch import bpe_for
+    from astraflow.runtime.model_build import bpe_for
     from astraflow.workloads.base import make_workload
     from astraflow.workloads.config import WorkloadConfig
 

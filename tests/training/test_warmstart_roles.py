@@ -123,7 +123,7 @@ def test_a_role_can_start_from_an_earlier_policys_model(tiny_model, tmp_path):
     every role), not from a random initialisation."""
     import torch
 
-    from astraflow.runtime.launch import build_model
+    from astraflow.runtime.model_build import build_model
 
     out = build_model(tmp_path / "verifier", ModelInit(preset="mini", seed=5, task="verify"), base=tiny_model)
     (a, _), (b, _) = load_model(tiny_model), load_model(out)
@@ -175,7 +175,7 @@ def test_a_warm_start_that_ends_at_its_bound_short_of_its_target_says_so(tiny_mo
 
     from rich.console import Console
 
-    from astraflow.runtime.launch import build_model
+    from astraflow.runtime.model_build import build_model
     from astraflow.runtime.progress import Progress
     from astraflow.workloads.config import WorkloadConfig
 
