@@ -84,5 +84,6 @@ def check_policy_inits(policies: Sequence[PolicyConfig], workload: Any, workload
                 "the tester of a code workload)")
         if init is None and not pol.model.exists() and not simulated(pol):
             raise ValueError(
-                f"policies[{pol.name}].model: {pol.model} does not exist; point it at an HF "
-                "model directory or add an `init:` section to build one locally")
+                f"policies[{pol.name}].model: {pol.model} does not exist; point it at an HF model "
+                "directory you have (config.json, weights, tokenizer: nothing is downloaded at run time), "
+                "or add an `init:` section to build a small model from scratch")

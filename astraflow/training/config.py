@@ -43,7 +43,8 @@ class ModelInit(Strict):
     warm_start_target: float | None = Field(default=None, gt=0, le=1)
     """Stop the warm start as soon as held-out accuracy reaches this (checked every 25 steps;
     ``warm_start_seconds`` / ``warm_start_steps`` stay the upper bounds). Makes RL start from
-    the same competence on fast and slow machines. ``None``: run to the bounds."""
+    the same competence on fast and slow machines. ``None``: run to the bounds. A warm start that
+    ends at a bound short of it says so; the model kept is that of its best evaluation."""
     demo_noise: float = Field(default=0.0, ge=0, lt=1)
     """Agentic warm start: the share of the expert's turns replaced by a random plausible
     command (the environment's ``explore_action``), the expert recovering from where it led: an

@@ -82,7 +82,8 @@ def test_missing_model_names_the_fix(tmp_path):
     data["policies"][0].pop("init")
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
     res = CliRunner().invoke(main, ["check", str(tmp_path / "c.yaml")])
-    assert res.exit_code == 2 and "add an `init:` section" in res.output
+    assert res.exit_code == 2 and "add an `init:` section" in res.output and str(tmp_path / "nope") in res.output
+    assert "nothing is downloaded at run time" in res.output
 
 
 def test_set_override_and_bad_override(tiny_model, tmp_path):
