@@ -7,5 +7,9 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3.11 -m venv .venv
 fi
-.venv/bin/pip install -q -e .
+# installed once, and again when pyproject.toml changes (a stamp beside the venv)
+if [ ! -f .venv/.astraflow-installed ] || [ pyproject.toml -nt .venv/.astraflow-installed ]; then
+  .venv/bin/pip install -q -e .
+  touch .venv/.astraflow-installed
+fi
 exec .venv/bin/astraflow run examples/math/config.yaml "$@"
