@@ -46,6 +46,9 @@ class AgentLimits:
     max_observation_chars: int = 16_000
     """Characters of one tool result or observation message at most; a longer one is cut
     (with a note of how much) before it is tokenised, so the model still sees a result."""
+    invalid_call_penalty: float = 0.0
+    """Taken off the episode's return per invalid tool call, as a per-turn reward of the turn
+    that made it (0: invalid calls cost only the turn)."""
 
 
 def capped(text: str, cap: int) -> str:
@@ -223,9 +226,10 @@ def _record_model_turn(log: EpisodeLog, gen: Any, renderer: ChatRenderer) -> tup
 async def _run_tools(env: Environment, action: Any, log: EpisodeLog,
                      limits: AgentLimits) -> tuple[StepResult, list[dict[str, Any]]]:
     """Run the turn's tool calls through ``env.tools``: their results as one observation (in the
-    order the calls were written; a call that could not be read answered with its error) and the
-    calls as the episode viewer shows them."""
-    messages, calls = [], []
+    order the calls were written; a call that could not be read answered with its error), with
+    the turn's reward (``invalid_call_penalty`` per invalid call, negated), and the calls as the
+    episode viewer shows them."""
+    messages, calls, invalid = [], [], log.invalid_calls
     for call in action.in_order():
         log.tool_calls += 1
         if isinstance(call, str):  # a call that could not be read still counts as one
@@ -239,7 +243,8 @@ async def _run_tools(env: Environment, action: Any, log: EpisodeLog,
         content = capped(res.content, limits.max_observation_chars)
         messages.append({"role": "tool", "content": content})
         calls.append({"name": call.name, "arguments": dict(call.arguments), "result": content, "valid": res.valid})
-    return StepResult(observation=messages), calls
+    penalty = limits.invalid_call_penalty * (log.invalid_calls - invalid)
+    return StepResult(observation=messages, reward=-penalty if penalty else 0.0), calls
 
 
 def _checked_step(result: Any, name: str, limits: AgentLimits) -> StepResult:

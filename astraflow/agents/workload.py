@@ -20,6 +20,11 @@ from astraflow.agents.episode import AgentLimits
 from astraflow.configbase import Strict
 
 
+#: the largest ``invalid_call_penalty``: rewards are mostly 0/1, and a penalty past the reward of
+#: a success would teach the policy to stop calling tools rather than to call them right
+MAX_INVALID_CALL_PENALTY = 1.0
+
+
 class AgentParams(Strict):
     """Parameters every agentic workload has (a workload's ``Params`` extends it)."""
 
@@ -31,6 +36,10 @@ class AgentParams(Strict):
     """Characters of one tool result or observation message at most: a longer one is cut, with a
     note of how much, before it is tokenised (a huge result would stall the node and end the
     episode at the context limit without the model seeing any of it)."""
+    invalid_call_penalty: float = Field(default=0.0, ge=0.0, le=MAX_INVALID_CALL_PENALTY)
+    """Taken off an episode's return per invalid tool call (unreadable, an unknown tool, wrong
+    arguments), so RL learns to write calls that run; 0 (the default): an invalid call costs only
+    its turn. In the units of the environment's rewards, at most a success's usual 1."""
     num_train: int = Field(default=2000, ge=1)
     """Tasks in the train split."""
     num_test: int = Field(default=200, ge=1)
@@ -46,6 +55,9 @@ class AgentParams(Strict):
         for name, least in (("max_turns", 1), ("max_context_tokens", 16), ("max_observation_chars", 64)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} {getattr(self, name)}: give at least {least}")
+        penalty = self.invalid_call_penalty
+        if not 0.0 <= penalty <= MAX_INVALID_CALL_PENALTY:  # NaN included
+            raise ValueError(f"invalid_call_penalty {penalty}: give a number from 0 to {MAX_INVALID_CALL_PENALTY:g}")
         return self
 
 
@@ -61,7 +73,8 @@ class AgentWorkload:
 
     def limits(self, max_new_tokens: int) -> AgentLimits:
         return AgentLimits(max_turns=self.params.max_turns, max_context_tokens=self.params.max_context_tokens,
-                           max_new_tokens=max_new_tokens, max_observation_chars=self.params.max_observation_chars)
+                           max_new_tokens=max_new_tokens, max_observation_chars=self.params.max_observation_chars,
+                           invalid_call_penalty=self.params.invalid_call_penalty)
 
     def tasks(self, split: str) -> list[dict[str, Any]]:
         """Payloads of ``"train"`` or ``"eval"``; a ``difficulty`` key is reported per level."""

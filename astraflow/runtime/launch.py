@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from astraflow.config import RunConfig
@@ -144,6 +145,52 @@ def check_sandbox(cfg: RunConfig) -> None:
         Sandbox(cfg.sandbox).check()
     except SandboxUnavailable as err:
         raise ValueError(f"sandbox: {err}") from None
+
+
+def check_environment_of(cfg: RunConfig, say: Callable[[str], None] = lambda line: None) -> str | None:
+    """An agentic workload's environment run through the conformance suite (scripted turns in
+    place of a model, tokenised as the run's first policy will tokenise them; ``say`` is told
+    first): a line saying it conforms, a ValueError listing what does not, ``None`` for a
+    workload without an environment."""
+    from astraflow.agents.workload import is_agentic
+    from astraflow.workloads.base import workload_class
+
+    if not is_agentic(workload_class(cfg.workload.name)):
+        return None
+    from astraflow.agents.conformance import check_environment
+
+    say(f"workload {cfg.workload.name}: running its environment through the conformance suite")
+    wl = make_workload(cfg.workload.name, dict(cfg.workload.params or {}), cfg.workload.seed)
+    problems = check_environment(wl, max_new_tokens=cfg.workload.sampling.max_new_tokens, tokenizer=_run_tokenizer(cfg))
+    if problems:
+        raise ValueError(f"workload {cfg.workload.name}: its environment does not conform (the conformance "
+                         "suite, docs/agents.md):\n  - " + "\n  - ".join(problems))
+    return f"workload {cfg.workload.name}: its environment conforms (scripted episodes on tasks of both splits)"
+
+
+def _run_tokenizer(cfg: RunConfig):
+    """The tokenizer the first policy's model has, or will have once its ``init`` builds it (a BPE
+    one is trained as the build trains it); ``None`` for the default byte-level one, or where the
+    model cannot be read (the model check names why)."""
+    from astraflow.model_loading import load_tokenizer
+
+    pol = next((p for p in cfg.policies if not cfg.simulated(p)), None)
+    while pol is not None:
+        if pol.model.exists():
+            try:
+                return load_tokenizer(pol.model)
+            except (OSError, ValueError):
+                return None
+        if pol.init is None or not pol.init.start_from:
+            break
+        pol = cfg.policy(pol.init.start_from)  # built from an earlier policy's model: its tokenizer
+    if pol is None:
+        return None
+    if pol.init is not None and pol.init.tokenizer == "bpe":
+        from astraflow.runtime.model_build import bpe_for
+
+        return bpe_for(cfg.workload, pol.init.vocab_size)
+    return None
 
 
 def forget_durable_state(cfg: RunConfig, run_dir: Path, progress: Progress) -> None:

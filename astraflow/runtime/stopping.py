@@ -172,20 +172,52 @@ class BoundedWaits:
         log.info("stopping the run: %s: %s", what, self.errors[what])  # reported in summary.json
 
 
+#: tasks dropped untrained since the last trained batch, per failed task of
+#: ``NothingCompletes.limit``, that stop a run: a healthy run whose group filter drops most of
+#: its groups still trains a batch well within it
+DROPPED_PER_FAILED = 4
+
+#: what to do about tasks dropped for a reason (the ``Ledger``'s drop reasons)
+_DROP_FIXES = {
+    "zero_advantage": "every episode of a group got the same reward, so there is nothing to learn from: look at "
+                      "the rewards in the episode viewer (all 0: the task is too hard for the model or its reward "
+                      "never pays; a warm start or easier tasks help)",
+    "group_incomplete": "too few episodes of each group completed (see why the others failed)",
+    "stale": "the trainer falls too far behind the rollouts (dataflow.max_staleness)",
+}
+
+
+def _top(recent: dict[str, int]) -> str:
+    reasons = sorted(((why, c) for why, c in recent.items() if c > 0), key=lambda kv: -kv[1])[:3]
+    return "; ".join(f"{count}x {why}" for why, count in reasons) or "no reason recorded"
+
+
 class NothingCompletes:
     """A run in which tasks keep failing and none completes (an engine that cannot take the
     prompts, or whose weights went bad after some steps; a reward that always raises) is stopped
     with the failures' reasons instead of creating new tasks until ``run.timeout_s``. Counts the
     failures since the last completion seen (from the first tick this object sees: a resumed
-    run's earlier tasks do not count)."""
+    run's earlier tasks do not count).
 
-    def __init__(self, limit: int):
+    Completing is not training: a run whose tasks all complete and are then dropped (every
+    group filtered for equal rewards, or too few episodes of each group completing) trains
+    nothing either. The tasks dropped since the last task trained on are counted too, and
+    ``dropped_limit`` of them stop the run naming the drop reasons."""
+
+    def __init__(self, limit: int, dropped_limit: int | None = None):
         self.limit = limit
+        self.dropped_limit = dropped_limit or DROPPED_PER_FAILED * limit
         self._base: tuple[int, int] | None = None
         self._reasons_base: dict[str, int] = {}
+        #: (dropped, consumed, failed) at the last consumption seen, and the reasons then
+        self._trained: tuple[int, int, int] | None = None
+        self._trained_reasons: dict[str, int] = {}
 
     def check(self, ledger: dict[str, Any]) -> str | None:
         """Why the run must stop (``ledger``: the data layer's ``Ledger.summary()``), or None."""
+        return self._failing(ledger) or self._untrained(ledger)
+
+    def _failing(self, ledger: dict[str, Any]) -> str | None:
         events = ledger.get("events", {})
         failed, completed = int(events.get("failed", 0)), int(events.get("completed", 0))
         by_reason = dict(ledger.get("failed_by_reason", {}))
@@ -196,11 +228,27 @@ class NothingCompletes:
         if n < self.limit:
             return None
         recent = {why: c - self._reasons_base.get(why, 0) for why, c in by_reason.items()}
-        reasons = sorted(((why, c) for why, c in recent.items() if c > 0), key=lambda kv: -kv[1])[:3]
-        said = "; ".join(f"{count}x {why}" for why, count in reasons) or "no reason recorded"
         since = "since the last one completed" if completed else "and none completed"
-        return (f"{n} rollout tasks failed {since} ({said}): fix what the reasons say (a RaaS node's "
+        return (f"{n} rollout tasks failed {since} ({_top(recent)}): fix what the reasons say (a RaaS node's "
                 "log under the run's jobs/ has the traceback), then run again on this run directory")
+
+    def _untrained(self, ledger: dict[str, Any]) -> str | None:
+        events = ledger.get("events", {})
+        dropped, consumed, failed = (int(events.get(k, 0)) for k in ("dropped", "consumed", "failed"))
+        by_reason = {f"dropped: {why}": int(c) for why, c in (ledger.get("dropped_by_reason") or {}).items()}
+        by_reason.update({str(why): int(c) for why, c in (ledger.get("failed_by_reason") or {}).items()})
+        if self._trained is None or consumed > self._trained[1]:
+            self._trained, self._trained_reasons = (dropped, consumed, failed), by_reason
+            return None
+        n = dropped - self._trained[0]
+        if n < self.dropped_limit:
+            return None
+        recent = {why: c - self._trained_reasons.get(why, 0) for why, c in by_reason.items()}
+        fixes = [fix for why, fix in _DROP_FIXES.items() if recent.get(f"dropped: {why}", 0) * 4 >= n]
+        also = f", {failed - self._trained[2]} failed" if failed > self._trained[2] else ""
+        since = "since the last one was trained on" if consumed else "and none was trained on"
+        return (f"{n} rollout tasks completed and were dropped untrained{also} {since} ({_top(recent)}): "
+                + "".join(f"{fix}; " for fix in fixes) + "fix that, then run again on this run directory")
 
 
 #: how `NothingCompletes.check`'s reason begins

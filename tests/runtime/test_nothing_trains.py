@@ -1,0 +1,61 @@
+"""A run whose tasks complete but are all dropped untrained (every group filtered for equal
+rewards, too few episodes of each group completing) stops naming the drop reasons and the
+fix (``stopping.NothingCompletes``), as one whose tasks all fail does."""
+
+from __future__ import annotations
+
+import asyncio
+
+from astraflow.dataflow.config import DropZeroAdvantageRule
+from astraflow.runtime.stopping import NothingCompletes
+from tests.dataflow.test_data_layer import Node, make_layer
+
+
+def summary(completed: int, dropped: int, consumed: int, reasons: dict[str, int], failed: int = 0) -> dict:
+    return {"events": {"completed": completed, "dropped": dropped, "consumed": consumed, "failed": failed},
+            "dropped_by_reason": reasons, "failed_by_reason": {"failed:EpisodeError: boom": failed} if failed else {}}
+
+
+def test_every_group_filtered_stops_the_run_naming_the_reason_and_the_fix():
+    watch = NothingCompletes(limit=100)
+    assert watch.check(summary(0, 0, 0, {})) is None  # the first tick is the baseline
+    assert watch.check(summary(399, 399, 0, {"zero_advantage": 399})) is None
+    why = watch.check(summary(400, 400, 0, {"zero_advantage": 400}))
+    assert why.startswith("400 rollout tasks completed and were dropped untrained and none was trained on "
+                          "(400x dropped: zero_advantage)"), why
+    assert "same reward" in why and "episode viewer" in why
+
+
+def test_drops_since_the_last_trained_batch_count_with_the_failures_meanwhile():
+    watch = NothingCompletes(limit=100, dropped_limit=50)
+    watch.check(summary(100, 20, 80, {"zero_advantage": 20}))
+    assert watch.check(summary(150, 60, 90, {"zero_advantage": 60})) is None  # a batch trained: counting restarts
+    why = watch.check(summary(200, 110, 90, {"zero_advantage": 60, "group_incomplete": 50}, failed=30))
+    assert why.startswith("50 rollout tasks completed and were dropped untrained, 30 failed since the last one "
+                          "was trained on (50x dropped: group_incomplete; 30x failed:EpisodeError: boom)"), why
+    assert "too few episodes of each group completed" in why and "same reward" not in why
+
+
+def test_filtered_groups_among_trained_batches_do_not_stop_the_run():
+    watch = NothingCompletes(limit=100)
+    for tick in range(1, 50):  # most groups filtered, yet a batch trains every tick
+        assert watch.check(summary(400 * tick, 360 * tick, 40 * tick, {"zero_advantage": 360 * tick})) is None
+
+
+def test_a_data_layer_whose_groups_all_score_alike_is_stopped(tmp_path):
+    """The ledger of a real data layer whose every group gets equal rewards (``drop_zero_advantage``)."""
+    layer = make_layer(tmp_path, group_size=4, batch_size=8, group_filter=DropZeroAdvantageRule())
+    watch = NothingCompletes(limit=8)  # 32 dropped tasks stop it
+
+    async def go():
+        node = Node(layer)
+        seen = [watch.check(layer.ledger.summary())]
+        for _ in range(10):
+            await node.roll(4, reward_of=lambda t: 0.0)
+            seen.append(watch.check(layer.ledger.summary()))
+        return seen
+
+    seen = asyncio.run(go())
+    assert seen[:8] == [None] * 8 and seen[8] is not None, seen
+    assert seen[8].startswith("32 rollout tasks completed and were dropped untrained and none was trained on "
+                              "(32x dropped: zero_advantage)")
