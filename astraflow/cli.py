@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from astraflow.clibase import UserError, UserPath, field_option
+from astraflow.episodes_cli import episodes as episodes_cli
 from astraflow.partitions_cli import partitions as partitions_cli
 from astraflow.plan.cli import plan as plan_cli
 from astraflow.sandbox.cli import sandbox as sandbox_cli
@@ -270,13 +271,13 @@ def check(config: str, overrides: tuple[str, ...]) -> None:
     """Validate CONFIG and print the resolved configuration, then (on stderr) what each
     partition's workers run with (engines per RaaS node, the settings a partition changes) and
     read the workload's data as a run would and say what it found (a dataset's bad rows listed
-    by file and line)."""
+    by file and line); an agentic workload's environment is run through the conformance suite."""
     import yaml
 
     cfg = _load(config, overrides)
     click.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     from astraflow.partition_settings import plan_lines
-    from astraflow.runtime.launch import check_data, check_sandbox
+    from astraflow.runtime.launch import check_data, check_environment_of, check_sandbox
 
     for line in plan_lines(cfg.partitions, cfg.rollout, {p.name: p.trainer for p in cfg.policies}):
         click.echo(line, err=True)
@@ -284,6 +285,8 @@ def check(config: str, overrides: tuple[str, ...]) -> None:
     try:
         click.echo(check_data(cfg.workload, cfg), err=True)
         check_sandbox(cfg)  # as `run` checks it: a reward that runs code needs a working sandbox
+        if (conforms := check_environment_of(cfg, lambda line: click.echo(line, err=True))) is not None:
+            click.echo(conforms, err=True)
     except ValueError as err:
         raise UserError(str(err)) from None
 
@@ -445,6 +448,7 @@ main.add_command(partitions_cli)  # astraflow partitions list/add/remove RUN_DIR
 main.add_command(sandbox_cli)  # astraflow sandbox run PROGRAM [--tests FILE]: see docs/sandbox.md
 main.add_command(plan_cli)  # astraflow plan CONFIG --pool KIND=GPUS: see docs/sim.md
 main.add_command(stop_cli)  # astraflow stop RUN_DIR: Ctrl-C from another shell
+main.add_command(episodes_cli)  # astraflow episodes RUN_DIR: what the policies wrote
 
 if __name__ == "__main__":
     main()

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from click.testing import CliRunner
 
+from astraflow.cli import main
 from astraflow.runtime.monitoring.episodes import EpisodeQuery, EpisodeReader
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,3 +58,8 @@ def test_agentic_example_runs(example, tiny_model, tmp_path):
     view = EpisodeReader(run_dir).view(EpisodeQuery(limit=5, sample=0))
     assert view.recent and all(e.workflow == "agent" and e.turns for e in view.recent)
     assert {t.kind for e in view.recent for t in e.turns} >= {"observation", "model"}
+    # the same episodes in a terminal: the task, then turn by turn
+    res = CliRunner().invoke(main, ["episodes", str(run_dir), "-n", "1", "--kind", "train"])
+    assert res.exit_code == 0, res.output
+    assert "task: {" in res.output and "model (v" in res.output, res.output
+    assert f"policies {data['policies'][0]['name']}" in res.output

@@ -4,6 +4,7 @@ through click's runner (exit code 2, one message naming the fix, no traceback)."
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,15 @@ def test_run_subprocess_writes_expected_records(tiny_model, tmp_path):
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert resolved["run"]["max_steps"] == 3
     assert (run_dir / "summary.json").exists() and (run_dir / "logs" / "scheduler.log").exists()
+    # what the policy wrote: single-turn episodes decoded from their stored tokens
+    res = CliRunner().invoke(main, ["episodes", str(run_dir), "--json", "-n", "3", "--kind", "train"])
+    assert res.exit_code == 0, res.output
+    shown = json.loads(res.output)["recent"]
+    assert len(shown) == 3 and all(e["kind"] == "train" and not e["turns"] for e in shown)
+    for e in shown:  # the tiny config: 1-digit sums, a completion of up to 4 tokens
+        assert re.fullmatch(r"\d[-+]\d=", e["prompt"]) and e["completion"], e
+    res = CliRunner().invoke(main, ["episodes", str(run_dir), "-n", "2", "--min-reward", "2"])
+    assert res.exit_code == 2 and "none matches the filters" in res.output
     # the trained policy leaves the run as an HF directory transformers loads
     proc = subprocess.run([sys.executable, "-m", "astraflow", "export", str(run_dir), str(tmp_path / "trained")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
