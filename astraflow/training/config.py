@@ -129,8 +129,8 @@ class TrainerConfig(Strict):
     """AdamW learning rate."""
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW weight decay."""
-    clip_low: float = Field(default=0.2, ge=0)
-    """PPO clip range below 1 for the importance ratio."""
+    clip_low: float = Field(default=0.2, ge=0, lt=1)
+    """PPO clip range below 1 for the importance ratio (below 1: ``1 - clip_low`` stays positive)."""
     clip_high: float = Field(default=0.28, ge=0)
     """PPO clip range above 1 (a higher upper clip keeps exploration alive)."""
     max_grad_norm: float = Field(default=1.0, gt=0)
@@ -158,6 +158,18 @@ class TrainerConfig(Strict):
     batch mean is at most ``m2_tau`` (over the whole batch, whatever ``micro_batch``) and uses
     the unclipped ratio on the rest. The Megatron
     backend supports ``ppo_clip`` only."""
+    advantage: str = "grpo"
+    """How a batch's rewards become advantages: ``grpo`` (the reward normalised within its
+    group), ``dr_grpo`` (minus the group mean, not divided by its std), ``rloo`` (minus the mean
+    of the group's other samples), ``batch_norm`` (minus the group mean, then normalised over
+    the batch: REINFORCE++), or ``package.module:function`` of your own, given the batch's items
+    (reward, group mean/std/size) and returning one advantage each (``docs/extending.md``)."""
+    loss_fn: str = "grpo"
+    """The policy loss: ``grpo`` (the token-level clipped loss, with ``off_policy``'s correction),
+    or ``package.module:function`` of your own with ``grpo_loss``'s arguments
+    ``(new_logprobs, old_logprobs, advantages, mask, clip_low, clip_high, *, num_tokens)``,
+    returning the loss or ``(loss, stats)``. Every sequence is then trained, whatever its
+    advantage (a KL term has a gradient where the advantage is 0)."""
     is_cap: float = Field(default=2.0, gt=0)
     """``off_policy: tis``: the truncation ``C`` of the importance weight ``min(r, C)``."""
     m2_tau: float = Field(default=0.04, gt=0)
@@ -191,6 +203,16 @@ class TrainerConfig(Strict):
     the optimiser checkpoint also keeps the fp32 weights, so a resumed run continues from
     them (from the published bf16 ones only if that checkpoint is older than the version)."""
 
+    @field_validator("advantage", "loss_fn")
+    @classmethod
+    def _algorithm(cls, v: str, info) -> str:
+        """A built-in, or a ``module:function`` that imports and fits (imported here, so that a
+        typo fails ``astraflow check``, not the trainer after the run started)."""
+        from astraflow.training.algorithms import advantage_fn, loss_fn
+
+        (advantage_fn if info.field_name == "advantage" else loss_fn)(v)
+        return v
+
     @model_validator(mode="after")
     def _backend_settings(self) -> "TrainerConfig":
         """Settings that only one backend implements (the backends themselves do not re-check)."""
@@ -214,6 +236,11 @@ class TrainerConfig(Strict):
             raise ValueError(
                 f"trainer.off_policy {self.off_policy!r} is implemented by the torch backend only; "
                 "set trainer.backend: torch or trainer.off_policy: ppo_clip"
+            )
+        if self.loss_fn != "grpo" and self.off_policy != "ppo_clip":
+            raise ValueError(
+                f"trainer.off_policy {self.off_policy!r} is a correction of the built-in loss, and trainer.loss_fn "
+                f"{self.loss_fn!r} is your own (it does its own): drop off_policy, or loss_fn"
             )
         if self.backend == "megatron" and self.precision != "fp32":
             raise ValueError(

@@ -2,7 +2,8 @@
 
 Group-relative policy optimisation: each sampled sequence's advantage is its reward
 normalised within its group (``BatchItem.advantage``, from the group mean/std the data layer
-stamped at ingest), and the policy is pushed along it with a PPO-style clipped importance
+stamped at ingest; ``trainer.advantage`` chooses another estimator, ``training.algorithms``,
+and ``trainer.loss_fn`` another loss), and the policy is pushed along it with a PPO-style clipped importance
 ratio against the *behaviour* log-probs the inference engine recorded (so stale or
 partially-rolled-out tokens are corrected per token). No KL term. The loss is token-level: a
 sum over every loss token of the batch divided by the number of loss tokens in the whole batch
@@ -109,13 +110,14 @@ def grpo_loss(
     with torch.no_grad():
         n = mask.sum().clamp(min=1.0)
         stats = {
-            # the tokens the clip takes out of the gradient: min() chose the clipped term (a ratio
-            # past the range on the side its advantage pushes towards, not the other side)
-            "clip_frac": float(((clipped < unclipped).to(mask.dtype) * mask).sum() / n),
             "ratio_mean": float((ratio * mask).sum() / n),
             # k3 estimator of KL(behaviour || current), a drift diagnostic only
             "approx_kl": float(((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum() / n),
         }
+        if off_policy == "ppo_clip":  # the only correction that clips
+            # the tokens the clip takes out of the gradient: min() chose the clipped term (a ratio
+            # past the range on the side its advantage pushes towards, not the other side)
+            stats["clip_frac"] = float(((clipped < unclipped).to(mask.dtype) * mask).sum() / n)
         if off_policy == "tis":
             stats["is_truncated_frac"] = float(((ratio > is_cap).to(mask.dtype) * mask).sum() / n)
         if off_policy == "m2po":
@@ -136,8 +138,9 @@ class Collated:
     rewards: torch.Tensor  # [B] float32
 
 
-def collate(batch: Batch, pad_id: int) -> Collated:
-    """Right-pad the batch's sequences into tensors."""
+def collate(batch: Batch, pad_id: int, advantages: np.ndarray | None = None) -> Collated:
+    """Right-pad the batch's sequences into tensors; ``advantages``: one per sequence (the
+    estimator ``trainer.advantage`` chose, ``training.algorithms``), GRPO's when not given."""
     if not len(batch):
         raise ValueError("collate: the batch is empty")
     items = batch.items
@@ -160,7 +163,8 @@ def collate(batch: Batch, pad_id: int) -> Collated:
         attention_mask=torch.from_numpy(attn),
         loss_mask=torch.from_numpy(lmask),
         old_logprobs=torch.from_numpy(old),
-        advantages=torch.tensor([it.advantage for it in items], dtype=torch.float32),
+        advantages=(torch.tensor([it.advantage for it in items], dtype=torch.float32) if advantages is None
+                    else torch.as_tensor(np.asarray(advantages, np.float32))),
         rewards=torch.tensor([it.sequence.reward for it in items], dtype=torch.float32),
     )
 

@@ -25,6 +25,7 @@ import torch
 
 from astraflow.batches import Batch
 from astraflow.probe import make_probe
+from astraflow.training.algorithms import advantages, user_loss
 from astraflow.training.grpo import collate, grpo_loss, m2_keep_mask, token_logprobs
 from astraflow.training.numerics import refuse_nonfinite
 
@@ -57,8 +58,17 @@ class TorchBackend:
         skip_zero_advantage: bool = True,
         precision: Literal["fp32", "bf16"] = "fp32",
         publish_dtype: Literal["auto", "fp32", "bf16"] = "auto",
+        advantage: str = "grpo",
+        loss_fn: str = "grpo",
     ) -> None:
         from astraflow.models import load_model, resolve_device, warn_if_bf16_is_emulated
+        from astraflow.training.algorithms import advantage_fn, is_builtin_loss
+        from astraflow.training.algorithms import loss_fn as resolve_loss
+
+        #: the advantage estimator and, where the config names its own, the loss (``training.algorithms``)
+        self.advantage_name, self.advantage_fn = advantage, advantage_fn(advantage)
+        self.loss_name = loss_fn
+        self.custom_loss = None if is_builtin_loss(loss_fn) else resolve_loss(loss_fn)
 
         #: off-policy correction of the loss (``grpo.grpo_loss``) and its parameters
         self.off_policy, self.is_cap, self.m2_tau = off_policy, is_cap, m2_tau
@@ -97,14 +107,15 @@ class TorchBackend:
         # eval mode for the policy-gradient pass too: with dropout on, the new log-probs of an
         # on-policy batch would differ from the engine's (a ratio away from 1, clipped at random)
         self.model.eval()
-        c = collate(batch, self.pad_id)
+        c = collate(batch, self.pad_id, advantages(self.advantage_fn, batch.items, self.advantage_name))
         total_tokens = int(c.loss_mask.sum())  # the loss is normalised by all of them, trained or not
         B = c.tokens.shape[0]
         rows = torch.arange(B)
-        if self.skip_zero_advantage and self.off_policy != "m2po":
+        if self.skip_zero_advantage and self.off_policy != "m2po" and self.custom_loss is None:
             # a sequence with advantage 0 (a group whose samples all scored alike) contributes
             # exactly 0 to the ppo_clip / tis loss and its gradient: skip its forward/backward.
-            # (m2po's token mask depends on every token's ratio, so it trains on all rows.)
+            # (m2po's token mask depends on every token's ratio, so it trains on all rows; a
+            # loss of the user's may have terms without the advantage, a KL penalty.)
             rows = torch.nonzero(c.advantages != 0).flatten()
         trained_tokens = int(c.loss_mask[rows].sum())
         mb = self.micro_batch_size or B
@@ -121,12 +132,16 @@ class TorchBackend:
             lm = c.loss_mask[sl, :width].to(self.device)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
                 new = token_logprobs(self.model, tok, att)  # its log-softmax is fp32 either way
-            loss, st = grpo_loss(
-                new, c.old_logprobs[sl, :width].to(self.device), c.advantages[sl].to(self.device), lm,
-                self.clip_low, self.clip_high, num_tokens=total_tokens,
-                off_policy=self.off_policy, is_cap=self.is_cap, m2_tau=self.m2_tau,
-                keep_mask=None if keep is None else keep[sl, :width].to(self.device),
-            )
+            old, adv = c.old_logprobs[sl, :width].to(self.device), c.advantages[sl].to(self.device)
+            if self.custom_loss is not None:
+                loss, st = user_loss(self.custom_loss, self.loss_name, new, old, adv, lm, self.clip_low,
+                                     self.clip_high, total_tokens)
+            else:
+                loss, st = grpo_loss(
+                    new, old, adv, lm, self.clip_low, self.clip_high, num_tokens=total_tokens,
+                    off_policy=self.off_policy, is_cap=self.is_cap, m2_tau=self.m2_tau,
+                    keep_mask=None if keep is None else keep[sl, :width].to(self.device),
+                )
             loss.backward()
             loss_sum += loss.item()
             w = float(lm.sum()) / max(trained_tokens, 1)

@@ -55,7 +55,7 @@ def make_backend(cfg: TrainerConfig, model_path: str, seed: int) -> TrainerBacke
             micro_batch_size=cfg.micro_batch, clip_low=cfg.clip_low, clip_high=cfg.clip_high, seed=seed,
             off_policy=cfg.off_policy, is_cap=cfg.is_cap, m2_tau=cfg.m2_tau, device=cfg.device,
             skip_zero_advantage=cfg.skip_zero_advantage, precision=cfg.precision,
-            publish_dtype=cfg.resolved_publish_dtype,
+            publish_dtype=cfg.resolved_publish_dtype, advantage=cfg.advantage, loss_fn=cfg.loss_fn,
         )
     if cfg.backend == "megatron":
         from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig
@@ -65,7 +65,8 @@ def make_backend(cfg: TrainerConfig, model_path: str, seed: int) -> TrainerBacke
             weight_decay=cfg.weight_decay, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
             max_grad_norm=cfg.max_grad_norm, seed=seed,
             threads_per_rank=cfg.threads, skip_zero_advantage=cfg.skip_zero_advantage,
-            publish_dtype=cfg.resolved_publish_dtype,
+            publish_dtype=cfg.resolved_publish_dtype, advantage=cfg.advantage,
+            **({} if cfg.loss_fn == "grpo" else {"loss_fn": cfg.loss_fn}),
         ))
     if cfg.backend == "sim":
         from astraflow.training.sim_backend import SimBackend

@@ -63,6 +63,7 @@ import torch
 import astraflow
 from astraflow.batches import Batch
 from astraflow.contracts import WeightVersion
+from astraflow.training.algorithms import advantage_fn, advantages
 from astraflow.probe import probe_tokens
 from astraflow.training.megatron.batching import (
     collate, combine_metrics, drop_zero_advantage, split_for_data_parallel, takes_num_tokens,
@@ -77,6 +78,9 @@ from astraflow.weightconv import megatron_to_hf
 
 
 #: seconds the other ranks have to answer after one answered that its disk is full
+#: the built-in loss, as the ranks import it
+DEFAULT_LOSS = "astraflow.training.grpo:grpo_loss"
+
 FULL_DISK_GRACE_S = 30.0
 
 
@@ -103,7 +107,9 @@ class MegatronBackendConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     #: the loss, ``module:function`` with the signature of ``astraflow.training.grpo.grpo_loss``.
-    loss_fn: str = "astraflow.training.grpo:grpo_loss"
+    loss_fn: str = DEFAULT_LOSS
+    #: the advantage estimator (``training.algorithms``: a built-in name or ``module:function``).
+    advantage: str = "grpo"
     #: torch threads per rank (CPU).
     threads_per_rank: int = 1
     #: deadline for the ranks to import Megatron, build and load the model.
@@ -215,7 +221,9 @@ class MegatronBackend:
         #: per tensor-parallel rank: parameter name -> shape, what a loaded state is checked
         #: against before it is sent
         self.param_shapes: list[dict[str, list[int]]] = [infos[r]["params"] for r in self.first_replica]
-        self.skip_zero_advantage = config.skip_zero_advantage and takes_num_tokens(config.loss_fn)
+        # a loss of the user's may have terms without the advantage (a KL penalty): every row trains
+        self.skip_zero_advantage = config.skip_zero_advantage and config.loss_fn == DEFAULT_LOSS
+        self.advantage_fn = advantage_fn(config.advantage)
 
     # -- TrainerBackend ----------------------------------------------------------------------
     def train_step(self, batch: Batch) -> dict[str, float]:
@@ -225,7 +233,7 @@ class MegatronBackend:
                 f"a batch of {len(batch)} sequence(s) cannot be split over data_parallel={dp} replicas: "
                 "raise dataflow.batch_size to at least trainer.data_parallel, or lower trainer.data_parallel"
             )
-        arrays = collate(batch)
+        arrays = collate(batch, advantages(self.advantage_fn, batch.items, self.config.advantage))
         trained = drop_zero_advantage(arrays) if self.skip_zero_advantage else arrays
         if dp == 1:
             metrics = self._call("train", trained, self.config.step_timeout_s)[0]

@@ -21,8 +21,9 @@ import numpy as np
 from astraflow.batches import Batch
 
 
-def collate(batch: Batch) -> dict[str, np.ndarray]:
-    """A batch as right-padded arrays aligned to next-token prediction.
+def collate(batch: Batch, advantages: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """A batch as right-padded arrays aligned to next-token prediction; ``advantages``: one per
+    sequence (``trainer.advantage``'s estimator), GRPO's when not given.
 
     ``tokens`` ``[B, T]``; ``mask``/``old_logprobs`` ``[B, T-1]`` for targets ``tokens[:, 1:]``;
     ``advantages`` ``[B]``; ``lengths`` ``[B]`` (each row's real token count, what the
@@ -45,7 +46,7 @@ def collate(batch: Batch) -> dict[str, np.ndarray]:
         tokens[i, :n] = it.sequence.tokens
         mask[i, : n - 1] = it.loss_mask[1:]
         old[i, : n - 1] = it.sequence.logprobs[1:]
-        adv[i] = it.advantage
+        adv[i] = it.advantage if advantages is None else advantages[i]
         lengths[i] = n
     return {"tokens": tokens, "mask": mask, "old_logprobs": old, "advantages": adv, "lengths": lengths}
 

@@ -121,9 +121,12 @@ def collective_timeout_s(cfg: dict) -> float:
 
 def resolve(dotted: str):
     """``"package.module:attr"`` -> the attribute (loss functions are chosen by name in the config)."""
+    from storage.ownership import add_user_dir
+
     module, _, attr = dotted.partition(":")
     if not attr:
         raise ValueError(f"loss_fn {dotted!r} must look like 'package.module:function'")
+    add_user_dir()  # a loss of the user's, from the directory `astraflow` was started in
     return getattr(importlib.import_module(module), attr)
 
 
