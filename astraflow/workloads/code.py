@@ -224,7 +224,7 @@ class CodeWorkload:
     Params = CodeParams
 
     def __init__(self, seed: int = 0, **params: Any):
-        self.cfg = CodeParams.model_validate({"seed": seed, **params})
+        self.cfg = type(self).Params.model_validate({"seed": seed, **params})  # a subclass's own Params too
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
 

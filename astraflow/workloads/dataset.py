@@ -177,7 +177,7 @@ class DatasetWorkload:
     Params = DatasetParams
 
     def __init__(self, seed: int = 0, **params: Any):
-        self.cfg = DatasetParams.model_validate({"seed": seed, **params})
+        self.cfg = type(self).Params.model_validate({"seed": seed, **params})  # a subclass's own Params too
         self._reward = resolve_reward(self.cfg.reward)
         self._template = _template(self.cfg.prompt_template)
         source = self.cfg.path if self.cfg.test_path is None else f"{self.cfg.path} + {self.cfg.test_path}"

@@ -164,7 +164,7 @@ class MathWorkload:
     Params = MathConfig
 
     def __init__(self, seed: int = 0, **params: Any):
-        self.cfg = MathConfig.model_validate({"seed": seed, **params})
+        self.cfg = type(self).Params.model_validate({"seed": seed, **params})  # a subclass's own Params too
 
     def tasks(self, split: str) -> list[dict[str, Any]]:
         return make_dataset(self.cfg, "test" if split == "eval" else split)

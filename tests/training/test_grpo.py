@@ -84,3 +84,18 @@ def test_collate_and_token_logprobs(tiny_model):
         att = torch.tensor([[0, 0, 1, 1, 1]])
         lpl = token_logprobs(model, left, att)
         assert torch.allclose(lpl[0, 3:], lp[1, 1:3], atol=1e-5)
+
+
+def test_only_the_clipping_correction_reports_a_clip_fraction():
+    """``tis`` and ``m2po`` clip nothing: a clip fraction there would read as clipping."""
+    import torch
+
+    from astraflow.training.grpo import grpo_loss
+
+    new = torch.tensor([[0.0, 0.5, -0.5]])
+    old = torch.zeros(1, 3)
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    adv = torch.tensor([1.0])
+    assert "clip_frac" in grpo_loss(new, old, adv, mask, off_policy="ppo_clip")[1]
+    for mode in ("tis", "m2po"):
+        assert "clip_frac" not in grpo_loss(new, old, adv, mask, off_policy=mode)[1], mode
