@@ -40,6 +40,14 @@ class EpisodeError(RuntimeError):
     returned garbage. The RaaS node fails the task (retried up to the attempt limit)."""
 
 
+class ToolError(Exception):
+    """Raised by a tool for a call the model got wrong (a key that is not there, a value out of
+    range): its message becomes the call's error observation and the call counts as invalid, as
+    a call that does not fit the tool's schema does. Any other exception a tool raises fails the
+    episode (an ``EpisodeError``: resampled, never scored), which suits faults of the tool
+    itself, not of the model's call."""
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """A tool call the model wrote: the tool's name and its JSON arguments."""

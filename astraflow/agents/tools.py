@@ -7,9 +7,10 @@ The syntax (the Hermes/Qwen convention, which chat templates of tool-using model
 A turn may hold several calls; each result comes back as one ``tool`` message. A call that
 cannot be read (no closing tag, bad JSON, no ``name``), names an unknown tool or passes
 arguments that do not fit the tool's schema gets an *error observation* the model can learn
-from, and counts as an invalid call; it never fails the episode. A tool that raises, runs
-past its timeout or returns something that is neither text nor JSON fails the episode
-(``EpisodeError``).
+from, and counts as an invalid call; it never fails the episode; so does a call for which the
+tool raises ``ToolError`` (the model's mistake, in the tool's words). A tool that raises
+anything else, runs past its timeout or returns something that is neither text nor JSON fails
+the episode (``EpisodeError``).
 
 Tools run off the node's event loop: an ``async def`` tool is awaited with its deadline, a
 plain function runs on a thread, so a slow tool stalls neither heartbeats nor other episodes. A
@@ -29,7 +30,7 @@ from typing import Any, Callable, Iterable
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
-from astraflow.agents.env import Action, EpisodeError, ToolCall
+from astraflow.agents.env import Action, EpisodeError, ToolCall, ToolError
 from astraflow.agents.call_threads import CallDeadline, CallThreads
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -199,8 +200,12 @@ class ToolBox:
             if isinstance(err, ToolDeadline) or (deadline is not None and deadline.expired()):  # not the tool's own
                 raise EpisodeError(f"tool {t.name} ran past its {t.timeout_s:g} s timeout") from None
             raise EpisodeError(f"tool {t.name} raised {type(err).__name__}: {err}") from err
+        except ToolError as err:  # the model's call, in the tool's words
+            return ToolResult(f"error: {err}", valid=False, seconds=time.perf_counter() - t0)
         except Exception as err:
-            raise EpisodeError(f"tool {t.name} raised {type(err).__name__}: {err}") from err
+            raise EpisodeError(f"tool {t.name} raised {type(err).__name__}: {err} (a tool that raises fails its "
+                               "episode, which is resampled; for a call the model got wrong raise "
+                               "astraflow.agents.env.ToolError, which the model sees as the call's error)") from err
         return ToolResult(_as_text(t.name, out), valid=True, seconds=time.perf_counter() - t0)
 
 

@@ -587,3 +587,38 @@ def test_a_workloads_own_default_keeps_the_base_bounds():
     for bad in ({"max_turns": 0}, {"max_context_tokens": 8}):
         with pytest.raises(ValidationError, match=f"{next(iter(bad))} .*: give at least"):
             Params(**bad)
+
+
+def test_a_tool_error_is_the_models_mistake_and_any_other_exception_fails_the_episode(tok):
+    """``ToolError`` (a call the model got wrong, in the tool's words) is an error observation
+    and an invalid call; a tool that raises anything else fails the episode, and the failure
+    names ``ToolError`` as the way to let the model see its mistake."""
+    from astraflow.agents.env import ToolError
+
+    table = {"a": "1"}
+
+    @tool()
+    def lookup(key: str) -> str:
+        """Look a key up."""
+        if key not in table:
+            raise ToolError(f"no key {key!r}; keys: a")
+        return table[key]
+
+    @tool()
+    def fragile(key: str) -> str:
+        """Look a key up, raising on a missing one."""
+        return table[key]
+
+    class LookupEnv(SumEnv):
+        def __init__(self):
+            super().__init__()
+            self.tools = ToolBox([lookup, fragile])
+
+    call = '<tool_call>{"name": "%s", "arguments": {"key": "zzz"}}</tool_call>'
+    log = run(scripted(tok, [call % "lookup", "5"]), tok, LookupEnv())
+    tool_turn = next(t for t in log.turns if t["kind"] == "tool")
+    assert tool_turn["messages"][0]["content"] == "error: no key 'zzz'; keys: a"
+    assert log.invalid_calls == 1 and log.done
+    with pytest.raises(EpisodeError, match=r"tool fragile raised KeyError: 'zzz' \(a tool that raises fails its "
+                                           r"episode.*raise astraflow.agents.env.ToolError"):
+        run(scripted(tok, [call % "fragile", "5"]), tok, LookupEnv())
