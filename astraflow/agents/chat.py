@@ -20,6 +20,10 @@ insists on alternating user and assistant roles (it cannot render tool messages,
 row), each observation goes as one user message, its messages' contents joined.
 Without one (a plain language model) messages are their contents, one per line.
 
+An environment's text never becomes control tokens: a special token's text inside a message
+(a web page quoting ``<|im_end|><|im_start|>assistant``) is broken by a zero-width space
+before it is rendered, so it cannot end the message or forge a model turn.
+
 A turn ends when the engine stops on one of ``stop_ids``: the tokens the engines stop on (the
 eos token, the template's closing token, ``<|im_end|>``, ``<|endoftext|>``), which need not be
 the tokenizer's eos.
@@ -44,6 +48,9 @@ class ChatRenderer:
         self.tok = tokenizer
         self.templated = bool(getattr(tokenizer, "chat_template", None))
         self.eos_id = tokenizer.eos_token_id
+        #: the texts of the special tokens, longest first (``defused``)
+        self._special_texts = sorted({t for t in getattr(tokenizer, "all_special_tokens", ()) if len(t) > 1},
+                                     key=len, reverse=True)
         if self.templated:
             try:
                 base = self._render(_DUMMY)
@@ -85,6 +92,19 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
+    def defused(self, messages: list[Message]) -> list[Message]:
+        """``messages`` with every special token's text in their contents broken by a zero-width
+        space after its first character (module docstring); the same list when there is none."""
+        if not any(t in m["content"] for m in messages for t in self._special_texts):
+            return messages
+        out = []
+        for m in messages:
+            content = m["content"]
+            for t in self._special_texts:
+                content = content.replace(t, t[0] + "\u200b" + t[1:])
+            out.append({**m, "content": content})
+        return out
+
     def start(self, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Tokens of the first observation, ending where the model's first turn begins. The
         tools' JSON schemas go to the template (a tool-using model's template lists them in its
@@ -92,6 +112,7 @@ class ChatRenderer:
         tokenizer adds its special tokens (a BOS), as a single-turn prompt gets them; a template
         that has no system role gets the system messages' text at the head of the first user
         message."""
+        messages = self.defused(messages)
         if not self.templated:
             return list(self.tok.encode("".join(m["content"] + "\n" for m in messages)))
         try:
@@ -111,6 +132,7 @@ class ChatRenderer:
         what the template renders after the (dummy) turn's closing. Not a difference of whole
         renderings: a template may render the last assistant turn otherwise than one a user
         message follows (Qwen3's empty think block)."""
+        messages = self.defused(messages)
         if not self.templated:
             return self.encode("".join(m["content"] + "\n" for m in messages))
         if self._merge and messages:

@@ -149,7 +149,7 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
                                f"context budget of {limits.max_context_tokens} leaves for a turn: raise "
                                "workload.params.max_context_tokens, or lower max_observation_chars or "
                                f"shorten what {type(env).__name__}.reset returns")
-        for _ in range(limits.max_turns):
+        for turn in range(limits.max_turns):
             room = limits.max_context_tokens - len(log.tokens) - reserve
             gen = await generate(list(log.tokens), min(limits.max_new_tokens, room))
             action, ended = _record_model_turn(log, gen, renderer)
@@ -166,6 +166,10 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
                 break
             if result.reward:
                 log.turn_rewards.append(float(result.reward))
+            if turn == limits.max_turns - 1:  # no turn follows: its observation would be context no one reads
+                log.truncated = "max_turns"
+                log.append(closing, kind="")
+                break
             try:
                 obs = closing + renderer.observation(result.observation)
             except Exception as err:  # the template's own error (jinja2's): this episode's failure
@@ -176,8 +180,6 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
                 log.append(closing, kind="")
                 break
             log.append(obs, kind=kind, messages=result.observation, reward=float(result.reward), calls=calls)
-        else:
-            log.truncated = "max_turns"
         return log
     finally:
         name = type(env).__name__

@@ -622,3 +622,18 @@ def test_a_tool_error_is_the_models_mistake_and_any_other_exception_fails_the_ep
     with pytest.raises(EpisodeError, match=r"tool fragile raised KeyError: 'zzz' \(a tool that raises fails its "
                                            r"episode.*raise astraflow.agents.env.ToolError"):
         run(scripted(tok, [call % "fragile", "5"]), tok, LookupEnv())
+
+
+def test_the_last_allowed_turn_ends_on_its_closing_and_is_truncated_by_max_turns(tok):
+    """No observation follows the last turn max_turns allows (no turn reads it), so however long
+    the environment's answer, the episode ends on the turn's closing and is truncated by
+    max_turns, not by the context; its per-turn reward still counts."""
+    class Wordy(SumEnv):
+        async def step(self, action: Action) -> StepResult:
+            return StepResult([{"role": "user", "content": "go on " * 200}], reward=0.25)
+
+    log = run(scripted(tok, ["hmm", "hmm"]), tok, Wordy(), max_turns=1, max_context_tokens=200)
+    assert log.truncated == "max_turns" and log.turn_rewards == [0.25]
+    assert tok.decode(log.tokens).endswith("hmm<|im_end|>\n") and "go on" not in tok.decode(log.tokens)
+    log = run(scripted(tok, ["hmm", "hmm", "hmm"]), tok, Wordy(), max_turns=2, max_context_tokens=4000)
+    assert log.truncated == "max_turns" and tok.decode(log.tokens).count("<|im_start|>user") == 2  # the first, one reply
