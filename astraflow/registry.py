@@ -59,7 +59,9 @@ class Registry(Generic[T]):
                     raise ValueError(f"{self.kind} {module}:{name} {why}")
                 return obj
             if name not in self._items:
-                own = [a for a in vars(mod) if not a.startswith("_")]
+                # the module's names that could be one of these (a rule of another stage is not a hint)
+                own = [a for a, obj in vars(mod).items() if not a.startswith("_")
+                       and (self.check is None or self.check(obj) is None)]
                 close = difflib.get_close_matches(name, own + list(self._items), n=1)
                 hint = f"did you mean {module}:{close[0]}? " if close else ""
                 raise ValueError(f"{self.kind} {module}:{name}: {module!r} has no {name!r} and registered no "

@@ -251,6 +251,9 @@ def run_config(tmp_path, **dataflow):
      r"'tests.dataflow.user_rules' has no 'nope' and registered no prompt curator .*; known: .*greso"),
     ("curator", {"type": "tests.dataflow.user_rules:EveryNht"},
      r"has no 'EveryNht' .*; did you mean tests.dataflow.user_rules:EveryNth\? known: "),
+    # a class of the module that is no rule of this stage is no hint (EveryNth is a curator)
+    ("ordering", {"type": "tests.dataflow.user_rules:EveryNht"}, r"has no 'EveryNht' and registered no buffer "
+     r"ordering of that name; known: "),
     # a module attribute that is not a rule class (its params model): a config error, no traceback
     ("curator", {"type": "tests.dataflow.user_rules:EveryNthParams"},
      r"prompt curator tests.dataflow.user_rules:EveryNthParams is not a rule class"),
