@@ -232,7 +232,8 @@ def model() -> None:
     help="Upper bound of the warm start in optimiser steps (1 or more). Unset: no bound in steps (the warm start "
          "then runs for --warm-start-seconds, and not at all when that is 0). Given alone, the warm start runs this "
          "many steps with no time bound; the warm start is seeded, so a bound in steps builds the same model on a "
-         "fast and a slow machine. With several bounds the first reached stops it."))
+         "fast and a slow machine of one kind (CPUs of other kinds round differently). With several bounds the "
+         "first reached stops it."))
 @click.option("--warm-start-lr", type=float, **field_option(ModelInit, "warm_start_lr"))
 def model_init(out: str, preset: str, arch: str, seed: int, tie_embeddings: bool, warm_start_seconds: float,
                warm_start_steps: int | None, warm_start_lr: float) -> None:

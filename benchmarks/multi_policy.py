@@ -35,7 +35,8 @@ within each repeat, RESULT carries their medians (and every repeat under ``per_r
 accuracies are means over the repeats (one 200-prompt evaluation is +-0.03).
 
 The models are built once and copied read-only into every run: the solver (tiny preset) by a
-short supervised warm start (``--solver-steps``; it ends at 0.19 held-out accuracy), the verifier from
+short supervised warm start (``--solver-steps``; its best evaluation is kept, 0.1-0.2 held-out accuracy
+depending on the CPU's kernels), the verifier from
 the solver's model (``init.start_from``: one base model for both roles) by a warm start on its
 own role (``task: verify``, ``"12+34=47?"`` -> ``"46N"``) stopped at ``--verifier-target``
 held-out verdict accuracy. Learning to verify teaches the verifier the sum as well, so it ends
@@ -241,9 +242,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4, help="RL lr (>= 5e-4 wrecks a partly trained tiny policy)")
     ap.add_argument("--eval-prompts", type=int, default=200, help="held-out problems per evaluation")
     ap.add_argument("--preset", default="tiny", help="model size preset of both policies")
-    # bounds in steps, not seconds: the warm starts are seeded, so every machine builds the same models
+    # bounds in steps, not seconds: the warm starts are seeded, so a slow machine builds the models a fast one does
     ap.add_argument("--solver-steps", type=int, default=1226,
-                    help="upper bound of the solver's warm start (optimiser steps; 1,226 gives 0.19)")
+                    help="upper bound of the solver's warm start (optimiser steps; 0.1-0.2 held-out by 1,226)")
     ap.add_argument("--solver-target", type=float, default=0.3,
                     help="stop the solver's warm start earlier at this held-out accuracy")
     ap.add_argument("--verifier-steps", type=int, default=6000, help="upper bound of the verifier's warm start")

@@ -36,7 +36,8 @@ class ModelInit(Strict):
     warm_start_steps: int | None = Field(default=None, ge=1)
     """Upper bound of the warm start in optimiser steps (``None``: none; set alone, it runs
     the warm start with no time bound). The warm start is seeded, so a bound in steps builds
-    the same model on a fast and a slow machine, which a bound in seconds does not. With
+    the same model on a fast and a slow machine of one kind, which a bound in seconds does not
+    (a CPU of another kind rounds differently, and the models part ways within steps). With
     several bounds the first reached stops it."""
     warm_start_lr: float = Field(default=1e-3, gt=0, allow_inf_nan=False)
     """Learning rate of the warm start."""
