@@ -171,6 +171,12 @@ class TrainerConfig(Strict):
     ``(new_logprobs, old_logprobs, advantages, mask, clip_low, clip_high, *, num_tokens)``,
     returning the loss or ``(loss, stats)``. Every sequence is then trained, whatever its
     advantage (a KL term has a gradient where the advantage is 0)."""
+    kl_coef: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    """Weight of a KL penalty to the model the run started from (the policy's ``model``), as in
+    the GRPO paper: per token, the k3 estimate ``exp(ref - new) - (ref - new) - 1``, normalised
+    like the loss; logged as ``kl_ref``. 0 (the default): none. Torch backend only; it keeps a
+    frozen copy of that model on the trainer's device, runs one more forward per micro-batch
+    and trains every sequence, also those whose advantage is 0."""
     is_cap: float = Field(default=2.0, gt=0)
     """``off_policy: tis``: the truncation ``C`` of the importance weight ``min(r, C)``."""
     m2_tau: float = Field(default=0.04, gt=0)
@@ -242,6 +248,11 @@ class TrainerConfig(Strict):
             raise ValueError(
                 f"trainer.off_policy {self.off_policy!r} is a correction of the built-in loss, and trainer.loss_fn "
                 f"{self.loss_fn!r} is your own (it does its own): drop off_policy, or loss_fn"
+            )
+        if self.backend == "megatron" and self.kl_coef:
+            raise ValueError(
+                f"trainer.kl_coef {self.kl_coef} is implemented by the torch backend only; "
+                "set trainer.backend: torch or drop kl_coef"
             )
         if self.backend == "megatron" and self.precision != "fp32":
             raise ValueError(

@@ -8,7 +8,9 @@ loss or gradient norm is not finite changes no weight (``training.numerics``: co
 metrics; the trainer stops after too many in a row), and ``publish`` refuses weights that are
 not finite. Sequences with advantage 0 add exactly nothing to the ``ppo_clip``/``tis`` loss or
 its gradient and are not computed (``skip_zero_advantage``; early in GRPO whole groups score
-alike); the loss statistics are then over the trained sequences. ``precision="bf16"`` runs the
+alike); the loss statistics are then over the trained sequences. ``kl_coef`` adds GRPO's KL
+penalty to the model the trainer started from (a frozen copy, one more forward per micro-batch;
+every sequence is then trained). ``precision="bf16"`` runs the
 forward/backward under bf16 autocast (the weights, gradients and AdamW state stay fp32).
 ``publish`` hands the current weights, under their HF names, to the weight store, the
 parameters cast to ``publish_dtype`` (``bf16`` halves every version; the fp32 master weights
@@ -60,6 +62,7 @@ class TorchBackend:
         publish_dtype: Literal["auto", "fp32", "bf16"] = "auto",
         advantage: str = "grpo",
         loss_fn: str = "grpo",
+        kl_coef: float = 0.0,
     ) -> None:
         from astraflow.models import load_model, resolve_device, warn_if_bf16_is_emulated
         from astraflow.training.algorithms import advantage_fn, is_builtin_loss
@@ -83,6 +86,12 @@ class TorchBackend:
         self.model, self.tokenizer = load_model(model_path)
         self.device = resolve_device(device)
         self.model.to(self.device)
+        #: the KL penalty's weight and its reference, a frozen copy of the model it starts from
+        #: (``model_path``: a resumed run's trainer loads its newest version over the model, not
+        #: over the reference)
+        self.kl_coef, self.reference = kl_coef, None
+        if kl_coef > 0:
+            self.reference = load_model(model_path)[0].to(self.device).eval().requires_grad_(False)
         if precision == "bf16":
             warn_if_bf16_is_emulated(self.device, "policies[].trainer.precision")
         if precision == "bf16" and self.device.type == "cpu":
@@ -111,11 +120,11 @@ class TorchBackend:
         total_tokens = int(c.loss_mask.sum())  # the loss is normalised by all of them, trained or not
         B = c.tokens.shape[0]
         rows = torch.arange(B)
-        if self.skip_zero_advantage and self.off_policy != "m2po" and self.custom_loss is None:
+        if self.skip_zero_advantage and self.off_policy != "m2po" and self.custom_loss is None and not self.kl_coef:
             # a sequence with advantage 0 (a group whose samples all scored alike) contributes
             # exactly 0 to the ppo_clip / tis loss and its gradient: skip its forward/backward.
-            # (m2po's token mask depends on every token's ratio, so it trains on all rows; a
-            # loss of the user's may have terms without the advantage, a KL penalty.)
+            # (m2po's token mask depends on every token's ratio, so it trains on all rows; a KL
+            # penalty, or a loss of the user's, has terms without the advantage.)
             rows = torch.nonzero(c.advantages != 0).flatten()
         trained_tokens = int(c.loss_mask[rows].sum())
         mb = self.micro_batch_size or B
@@ -142,6 +151,10 @@ class TorchBackend:
                     off_policy=self.off_policy, is_cap=self.is_cap, m2_tau=self.m2_tau,
                     keep_mask=None if keep is None else keep[sl, :width].to(self.device),
                 )
+            if self.reference is not None:
+                kl = self._kl_to_reference(new, tok, att, lm)
+                loss = loss + self.kl_coef * kl.sum() / max(total_tokens, 1)
+                st = {**st, "kl_ref": float(kl.sum()) / max(float(lm.sum()), 1.0)}
             loss.backward()
             loss_sum += loss.item()
             w = float(lm.sum()) / max(trained_tokens, 1)
@@ -172,6 +185,16 @@ class TorchBackend:
             "nonfinite_skipped_total": float(self.nonfinite_skipped),
             "seconds": time.perf_counter() - t0,
         }
+
+    def _kl_to_reference(self, new: torch.Tensor, tok: torch.Tensor, att: torch.Tensor,
+                         mask: torch.Tensor) -> torch.Tensor:
+        """Per loss token, the k3 estimate of KL(policy || reference): ``exp(d) - d - 1`` with
+        ``d = ref - new`` (never negative, unbiased; GRPO's penalty), 0 off the mask."""
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                             enabled=self.precision == "bf16"):
+            ref = token_logprobs(self.reference, tok, att)
+        d = ref.float() - new.float()
+        return (torch.exp(d) - d - 1) * mask.to(d.dtype)
 
     def _m2_batch_mask(self, c, rows: torch.Tensor, mb: int) -> torch.Tensor:
         """M2PO's keep mask over the whole batch (``[B, T]``, CPU): every micro-batch's log

@@ -147,3 +147,34 @@ def test_a_run_trains_with_an_estimator_and_loss_from_the_users_directory(tiny_m
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [x for x in steps if "loss" in x]
     assert [x["step"] for x in trained] == [1, 2] and all(x.get("plugin_called") == 1.0 for x in trained)
+
+
+def test_a_kl_penalty_keeps_the_policy_near_the_model_it_started_from(tiny_model):
+    """``kl_coef``: GRPO's k3 penalty to a frozen copy of the starting model. It is 0 on the first
+    step (the policy is that model), grows as the policy moves, and a large weight holds the
+    policy near its start where none lets it drift; every sequence trains, also a group scored
+    alike."""
+    import torch
+
+    from astraflow.training.grpo import collate, token_logprobs
+    from astraflow.training.torch_backend import TorchBackend
+
+    drift = {}
+    for coef in (0.0, 10.0):
+        be = TorchBackend(tiny_model, lr=3e-3, kl_coef=coef)
+        batch = _batch(be.model, be.tokenizer)
+        steps = [be.train_step(batch) for _ in range(6)]
+        if coef:
+            assert steps[0]["kl_ref"] == 0.0 and max(s["kl_ref"] for s in steps) > 0
+            alike = _batch(be.model, be.tokenizer, rewards=(1.0, 1.0, 1.0, 1.0))
+            assert be.train_step(alike)["trained_sequences"] == 4
+        else:
+            assert "kl_ref" not in steps[-1] and be.reference is None
+        ref = TorchBackend(tiny_model, lr=1e-3, kl_coef=1.0)  # its reference: the starting model
+        c = collate(batch, be.pad_id)
+        with torch.no_grad():
+            new = token_logprobs(be.model, c.tokens, c.attention_mask)
+            drift[coef] = float(ref._kl_to_reference(new, c.tokens, c.attention_mask, c.loss_mask).sum())
+    assert drift[10.0] < 0.5 * drift[0.0], drift
+    with pytest.raises(ValidationError, match="kl_coef 0.1 is implemented by the torch backend only"):
+        TrainerConfig(backend="megatron", kl_coef=0.1)
