@@ -1,14 +1,14 @@
 """The GRPO loss, shared by every trainer backend.
 
-Group-relative policy optimisation: each sampled sequence's advantage is its reward
-normalised within its group (``BatchItem.advantage``, from the group mean/std the data layer
-stamped at ingest; ``trainer.advantage`` chooses another estimator, ``training.algorithms``,
-and ``trainer.loss_fn`` another loss), and the policy is pushed along it with a PPO-style clipped importance
-ratio against the *behaviour* log-probs the inference engine recorded (so stale or
+Group-relative policy optimisation: each sampled sequence's advantage is its reward normalised
+within its group (``BatchItem.advantage``, from the group mean/std the data layer stamped at
+ingest; ``trainer.advantage`` chooses another estimator, ``training.algorithms``, and
+``trainer.loss_fn`` another loss), and the policy is pushed along it with a PPO-style clipped
+importance ratio against the *behaviour* log-probs the inference engine recorded (so stale or
 partially-rolled-out tokens are corrected per token). No KL term here (``trainer.kl_coef`` adds
-one in the torch backend). The loss is token-level: a
-sum over every loss token of the batch divided by the number of loss tokens in the whole batch
-(also when the batch is split into micro-batches: pass ``num_tokens``).
+one in the torch backend). The loss is token-level: a sum over every loss token of the batch
+divided by the number of loss tokens in the whole batch (also when the batch is split into
+micro-batches: pass ``num_tokens``).
 
 Off-policy correction (``trainer.off_policy``) decides how a token's importance ratio
 ``r = exp(new - behaviour)`` enters the loss, i.e. how stale data is accepted:
