@@ -27,7 +27,7 @@ import numpy as np
 from astraflow.batches import BatchRefs, RowRef, group_stats
 from astraflow.contracts import SequenceSummary, TrajectoryRef
 from astraflow.dataflow.ledger import Ledger
-from astraflow.dataflow.rules import BufferedGroupView, GroupFilter, Ordering
+from astraflow.dataflow.rules import BufferedGroupView, GroupFilter, GroupView, Ordering, keep_group
 
 
 @dataclass
@@ -197,7 +197,10 @@ class Buffers:
             if len(items) < 2:
                 self.settle(policy, items, "group_incomplete")
                 continue
-            keep, reason = group_filter.keep(rewards)
+            keep, reason = keep_group(group_filter, rewards, GroupView(
+                policy, grp.source, tuple(it.summary.finish_reason for it in items),
+                tuple(it.summary.num_tokens for it in items),
+                tuple(it.summary.policy_tokens[policy][0] for it in items)))
             if not keep:
                 c["filtered"] += len(items)
                 self.settle(policy, items, reason or "filtered")

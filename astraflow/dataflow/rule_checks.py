@@ -78,6 +78,17 @@ def _user_frame(rule: Any, err: BaseException) -> traceback.FrameSummary:
     return own[-1] if own else frames[min(1, len(frames) - 1)]  # [0] is the wrapper's own call
 
 
+def positional_args(fn: Any) -> int:
+    """How many positional arguments function ``fn`` takes (0: not a function)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 0
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 99
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
 def checked(rule: Any, registry: Registry, name: str) -> Any:
     """``rule`` with its stage methods and ``state_dict`` replaced (on the instance: its type
     stays the rule's class) by ones that raise `RuleError` naming the rule when it raises, when
@@ -90,6 +101,7 @@ def checked(rule: Any, registry: Registry, name: str) -> Any:
     if inner is None or "_checked" in inner:
         return rule  # without an instance dict (slots) it is called as it is; checked once
     logged: set[str] = set()
+    takes_group = positional_args(getattr(type(rule), "keep", None)) >= 3  # (self, rewards, group)
 
     def call(method: str, *args: Any) -> Any:
         try:
@@ -113,8 +125,8 @@ def checked(rule: Any, registry: Registry, name: str) -> Any:
     def observe(prompt_key: str, rewards: Sequence[float]) -> None:
         call("observe", prompt_key, rewards)
 
-    def keep(rewards: Sequence[float]) -> tuple[bool, str | None]:
-        out = call("keep", rewards)
+    def keep(rewards: Sequence[float], group: Any = None) -> tuple[bool, str | None]:
+        out = call("keep", rewards, group) if takes_group else call("keep", rewards)
         if not (isinstance(out, (tuple, list)) and len(out) == 2 and _is_bool(out[0])
                 and (out[1] is None or isinstance(out[1], str))):
             raise RuleError(f"{label}.keep returned {out!r}: a group filter's keep must return (bool, reason-or-None),"

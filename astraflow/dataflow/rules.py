@@ -6,7 +6,8 @@ protocol; the data layer calls them and nothing else knows they exist):
 
 * ``Curator`` before rollout: ``accept(prompt_key, payload) -> bool`` and ``observe(prompt_key,
   rewards)`` after a group ends (to learn which prompts are worth rolling out).
-* ``GroupFilter`` after rollout: ``keep(rewards) -> (bool, reason)`` for one (group, policy).
+* ``GroupFilter`` after rollout: ``keep(rewards) -> (bool, reason)`` for one (group, policy);
+  a ``keep(rewards, group)`` also gets the group's ``GroupView`` (lengths, how each sequence ended).
 * ``Ordering`` of the buffer: ``order(groups, version, max_staleness) -> list[index]`` in
   consumption order.
 
@@ -27,6 +28,7 @@ decisions the uninterrupted run would have made from that point, given the same 
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ from pydantic import BaseModel, Field
 from astraflow.configbase import Strict
 # the contract every rule is held to; RuleError and plain_json_problem are part of this module's API
 from astraflow.dataflow.rule_checks import RuleError, checked, plain_json_problem, plain_state  # noqa: F401
+from astraflow.dataflow.rule_checks import positional_args
 from astraflow.registry import Registry
 
 
@@ -118,8 +121,36 @@ class Curator(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+@dataclass(frozen=True)
+class GroupView:
+    """What a group filter whose ``keep`` takes a second argument sees of the group besides its
+    rewards: the policy it is routed to, the payload's source (a mixture's), and per sequence,
+    in the order of ``rewards``, how it ended (``stop``, or ``length``: cut by its token budget),
+    its tokens and the tokens this policy generated in it."""
+
+    policy: str
+    source: str
+    finish_reasons: tuple[str, ...]
+    num_tokens: tuple[int, ...]
+    generated_tokens: tuple[int, ...]
+
+
 class GroupFilter(Protocol):
-    def keep(self, rewards: Sequence[float]) -> tuple[bool, str | None]: ...
+    def keep(self, rewards: Sequence[float], group: GroupView = ...) -> tuple[bool, str | None]: ...
+
+
+def keep_group(group_filter: Any, rewards: Sequence[float], group: GroupView) -> tuple[bool, str | None]:
+    """``group_filter.keep`` of a group: with its ``GroupView`` where ``keep`` takes a second
+    argument (the checked wrapper of ``rule_checks`` always does, and passes it on only so)."""
+    own = getattr(group_filter, "__dict__", {}).get("keep")
+    if own is not None or _takes_group(type(group_filter).keep):
+        return (own or group_filter.keep)(rewards, group)
+    return group_filter.keep(rewards)
+
+
+@functools.cache
+def _takes_group(keep: Any) -> bool:
+    return positional_args(keep) >= 3  # (self, rewards, group)
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
 

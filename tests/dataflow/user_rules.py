@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from astraflow.configbase import Strict
-from astraflow.dataflow.rules import CURATORS, AcceptAll
+from astraflow.dataflow.rules import CURATORS, AcceptAll, KeepAll
 
 
 class EveryNthParams(Strict):
@@ -41,3 +41,18 @@ class Stateless:
 
     def observe(self, prompt_key: str, rewards) -> None:
         pass
+
+
+#: the group views ``DropTruncated`` was given, in order
+SEEN_GROUPS: list = []
+
+
+class DropTruncated(KeepAll):
+    """Drop a group any of whose sequences was cut by its token budget (the group's view);
+    named by its module attribute, registered nowhere."""
+
+    def keep(self, rewards, group):
+        SEEN_GROUPS.append(group)
+        if "length" in group.finish_reasons:
+            return False, "truncated"
+        return True, None
