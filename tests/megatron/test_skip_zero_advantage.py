@@ -64,3 +64,19 @@ def test_skipping_is_the_same_step(tmp_path):
             after[skip] = (be.logprobs(toks), m["loss"])
     np.testing.assert_allclose(after[True][0], after[False][0], atol=1e-6)
     assert after[True][1] == pytest.approx(after[False][1], abs=1e-7)
+
+
+@pytest.mark.timeout(240)
+def test_a_users_loss_trains_every_row_and_is_told_the_batchs_tokens(tmp_path):
+    """A loss named in the config (``trainer.loss_fn``) with ``num_tokens`` required: every row
+    is sent (no zero-advantage skip, a KL term has a gradient there) and the loss gets the whole
+    batch's loss tokens, on one replica as on several."""
+    hf_dir = save_tiny_llama(tmp_path / "hf", tied=False)
+    toks = prompts(batch=6, length=12)
+    with MegatronBackend(MegatronBackendConfig(
+        hf_checkpoint=str(hf_dir), tp_size=1, lr=1e-3, loss_fn="tests.megatron.helpers:keyword_num_tokens_loss",
+        start_timeout_s=120, step_timeout_s=120, advantage="dr_grpo",
+    )) as be:
+        batch = _batch(toks, be.logprobs(toks))
+        m = be.train_step(batch)
+    assert m["trained_sequences"] == 6 and m["user_loss_num_tokens"] == float(collate(batch)["mask"].sum())

@@ -63,8 +63,8 @@ import torch
 import astraflow
 from astraflow.batches import Batch
 from astraflow.contracts import WeightVersion
-from astraflow.training.algorithms import advantage_fn, advantages
 from astraflow.probe import probe_tokens
+from astraflow.training.algorithms import advantage_fn, advantages
 from astraflow.training.megatron.batching import (
     collate, combine_metrics, drop_zero_advantage, split_for_data_parallel, takes_num_tokens,
 )
@@ -77,10 +77,10 @@ from astraflow.training.megatron.state import check_optimizer_state, layout, pac
 from astraflow.weightconv import megatron_to_hf
 
 
-#: seconds the other ranks have to answer after one answered that its disk is full
 #: the built-in loss, as the ranks import it
 DEFAULT_LOSS = "astraflow.training.grpo:grpo_loss"
 
+#: seconds the other ranks have to answer after one answered that its disk is full
 FULL_DISK_GRACE_S = 30.0
 
 
@@ -223,6 +223,7 @@ class MegatronBackend:
         self.param_shapes: list[dict[str, list[int]]] = [infos[r]["params"] for r in self.first_replica]
         # a loss of the user's may have terms without the advantage (a KL penalty): every row trains
         self.skip_zero_advantage = config.skip_zero_advantage and config.loss_fn == DEFAULT_LOSS
+        self.loss_takes_num_tokens = takes_num_tokens(config.loss_fn)
         self.advantage_fn = advantage_fn(config.advantage)
 
     # -- TrainerBackend ----------------------------------------------------------------------
@@ -235,6 +236,8 @@ class MegatronBackend:
             )
         arrays = collate(batch, advantages(self.advantage_fn, batch.items, self.config.advantage))
         trained = drop_zero_advantage(arrays) if self.skip_zero_advantage else arrays
+        if "num_tokens" not in trained and self.loss_takes_num_tokens:  # a loss of the user's is told it too
+            trained = {**trained, "num_tokens": float(arrays["mask"].sum())}
         if dp == 1:
             metrics = self._call("train", trained, self.config.step_timeout_s)[0]
         else:

@@ -70,12 +70,17 @@ def drop_zero_advantage(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
 
 
 def takes_num_tokens(loss_fn: str) -> bool:
-    """Whether the ``module:function`` loss accepts ``num_tokens`` (the batch-wide normaliser)."""
+    """Whether the ``module:function`` loss accepts ``num_tokens`` (the batch-wide normaliser),
+    by name or as one of its ``**kwargs``."""
     import importlib
     import inspect
 
+    from storage.ownership import add_user_dir
+
     module, name = loss_fn.split(":")
-    return "num_tokens" in inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    add_user_dir()  # a loss of the user's, from the directory `astraflow` was started in
+    params = inspect.signature(getattr(importlib.import_module(module), name)).parameters.values()
+    return any(p.name == "num_tokens" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def balance_by_tokens(lengths: Sequence[int], parts: int) -> list[list[int]]:

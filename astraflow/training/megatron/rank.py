@@ -48,7 +48,6 @@ that ``OSError``, so the run ends as any full disk ends it, resumable.
 from __future__ import annotations
 
 import errno
-import importlib
 import os
 import time
 from contextlib import contextmanager
@@ -121,13 +120,11 @@ def collective_timeout_s(cfg: dict) -> float:
 
 def resolve(dotted: str):
     """``"package.module:attr"`` -> the attribute (loss functions are chosen by name in the config)."""
-    from storage.ownership import add_user_dir
+    from astraflow.training.algorithms import loss_fn
 
-    module, _, attr = dotted.partition(":")
-    if not attr:
+    if ":" not in dotted:
         raise ValueError(f"loss_fn {dotted!r} must look like 'package.module:function'")
-    add_user_dir()  # a loss of the user's, from the directory `astraflow` was started in
-    return getattr(importlib.import_module(module), attr)
+    return loss_fn(dotted)  # as the config resolved it: from the user's directory or package too
 
 
 class Rank:
