@@ -201,7 +201,7 @@ class NothingCompletes:
 
     Completing is not training: a run whose tasks all complete and are then dropped (every
     group filtered for equal rewards, or too few episodes of each group completing) trains
-    nothing either. The tasks dropped since the last task trained on are counted too, and
+    nothing either. The tasks dropped since the last one trained on or kept are counted too, and
     ``dropped_limit`` of them stop the run naming the drop reasons."""
 
     def __init__(self, limit: int, dropped_limit: int | None = None):
@@ -212,6 +212,7 @@ class NothingCompletes:
         #: (dropped, consumed, failed) at the last consumption seen, and the reasons then
         self._trained: tuple[int, int, int] | None = None
         self._trained_reasons: dict[str, int] = {}
+        self._kept: int | None = None  # completed minus dropped at the last check
 
     def check(self, ledger: dict[str, Any]) -> str | None:
         """Why the run must stop (``ledger``: the data layer's ``Ledger.summary()``), or None."""
@@ -234,10 +235,15 @@ class NothingCompletes:
 
     def _untrained(self, ledger: dict[str, Any]) -> str | None:
         events = ledger.get("events", {})
-        dropped, consumed, failed = (int(events.get(k, 0)) for k in ("dropped", "consumed", "failed"))
+        dropped, consumed, failed, completed = (int(events.get(k, 0)) for k in
+                                                ("dropped", "consumed", "failed", "completed"))
         by_reason = {f"dropped: {why}": int(c) for why, c in (ledger.get("dropped_by_reason") or {}).items()}
         by_reason.update({str(why): int(c) for why, c in (ledger.get("failed_by_reason") or {}).items()})
-        if self._trained is None or consumed > self._trained[1]:
+        # a task trained on, or one completed and kept (its group has a signal, and waits for a
+        # batch: a run whose filter drops most groups is slow, not stuck)
+        kept, grew = completed - dropped, self._kept is not None and completed - dropped > self._kept
+        self._kept = kept
+        if self._trained is None or consumed > self._trained[1] or grew:
             self._trained, self._trained_reasons = (dropped, consumed, failed), by_reason
             return None
         n = dropped - self._trained[0]

@@ -59,3 +59,17 @@ def test_a_data_layer_whose_groups_all_score_alike_is_stopped(tmp_path):
     assert seen[:8] == [None] * 8 and seen[8] is not None, seen
     assert seen[8].startswith("32 rollout tasks completed and were dropped untrained and none was trained on "
                               "(32x dropped: zero_advantage)")
+
+
+def test_a_run_that_keeps_a_few_groups_is_slow_not_stuck():
+    """Sparse signal: 95 % of the groups scored alike and dropped, a batch of 64 trained every
+    1,280 completed tasks. Each kept group shows the run has signal: it is never stopped,
+    however long a batch takes to fill (the limit is the orchestrator's: 4 x 256)."""
+    watch = NothingCompletes(limit=256)
+    completed = dropped = consumed = 0
+    for tick in range(400):
+        completed += 32
+        dropped += 30 if tick % 8 else 32  # a tick in eight keeps none
+        if tick % 40 == 39:
+            consumed += 64
+        assert watch.check(summary(completed, dropped, consumed, {"zero_advantage": dropped})) is None, tick
