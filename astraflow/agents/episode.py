@@ -169,6 +169,9 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
             if turn == limits.max_turns - 1:  # no turn follows: its observation would be context no one reads
                 log.truncated = "max_turns"
                 log.append(closing, kind="")
+                # recorded for the viewer, as a done episode's last observation is, but not tokenised
+                log.turns.append({"kind": kind, "start": len(log.tokens), "end": len(log.tokens),
+                                  "messages": result.observation, "reward": float(result.reward), "calls": calls})
                 break
             try:
                 obs = closing + renderer.observation(result.observation)

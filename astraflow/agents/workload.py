@@ -55,8 +55,8 @@ class AgentParams(Strict):
         for name, least in (("max_turns", 1), ("max_context_tokens", 16), ("max_observation_chars", 64)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} {getattr(self, name)}: give at least {least}")
-        penalty = self.invalid_call_penalty
-        if not 0.0 <= penalty <= MAX_INVALID_CALL_PENALTY:  # NaN included
+        penalty = self.invalid_call_penalty  # a subclass's own field may have dropped the bounds
+        if not 0.0 <= penalty <= MAX_INVALID_CALL_PENALTY:
             raise ValueError(f"invalid_call_penalty {penalty}: give a number from 0 to {MAX_INVALID_CALL_PENALTY:g}")
         return self
 

@@ -214,7 +214,9 @@ def supervised_loop(model: Any, tok: Any, out_dir: str | Path,
         rec = {"step": step, "seconds": time.perf_counter() - t0, "loss": loss_v, "acc": a}
         history.append(rec)
         if a > best["acc"]:
-            best.update(acc=a, step=step, state={k: v.detach().clone() for k, v in model.state_dict().items()})
+            # kept on the CPU: a model on a GPU is not doubled there
+            state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            best.update(acc=a, step=step, state=state)
         if on_eval is not None:
             on_eval(rec)
         return a
