@@ -638,4 +638,5 @@ def test_the_last_allowed_turn_ends_on_its_closing_and_is_truncated_by_max_turns
     assert last["start"] == last["end"] == len(log.tokens) and last["messages"][0]["content"].startswith("go on")
     assert tok.decode(log.tokens).endswith("hmm<|im_end|>\n") and "go on" not in tok.decode(log.tokens)
     log = run(scripted(tok, ["hmm", "hmm", "hmm"]), tok, Wordy(), max_turns=2, max_context_tokens=4000)
-    assert log.truncated == "max_turns" and tok.decode(log.tokens).count("<|im_start|>user") == 2  # the first, one reply
+    # the first observation and one reply
+    assert log.truncated == "max_turns" and tok.decode(log.tokens).count("<|im_start|>user") == 2
