@@ -124,3 +124,14 @@ def test_help_explains():
 def test_status_of_a_run_that_is_not_running(tmp_path):
     res = CliRunner().invoke(main, ["status", str(tmp_path)])
     assert res.exit_code == 2 and "no run has started" in res.output
+
+
+def test_episodes_of_a_directory_that_is_no_run_or_keeps_no_store(tmp_path):
+    res = CliRunner().invoke(main, ["episodes", str(tmp_path)])
+    assert res.exit_code == 2 and "is not a run directory (no config.yaml)" in res.output
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"storage": {"trajectories": "memory://x"},
+                                                          "workload": {"name": "math"}}))
+    res = CliRunner().invoke(main, ["episodes", str(tmp_path)])
+    assert res.exit_code == 2 and "lives inside the run's processes" in res.output
+    res = CliRunner().invoke(main, ["episodes", str(tmp_path), "--min-reward", "2", "--max-reward", "1"])
+    assert res.exit_code == 2 and "min_reward 2.0 is above max_reward 1.0" in res.output
