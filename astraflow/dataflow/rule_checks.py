@@ -5,6 +5,7 @@ error, a wrong return or a state that is not plain JSON raises ``RuleError`` nam
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import traceback
@@ -78,15 +79,16 @@ def _user_frame(rule: Any, err: BaseException) -> traceback.FrameSummary:
     return own[-1] if own else frames[min(1, len(frames) - 1)]  # [0] is the wrapper's own call
 
 
-def positional_args(fn: Any) -> int:
-    """How many positional arguments function ``fn`` takes (0: not a function)."""
+@functools.cache
+def takes_group(keep: Any) -> bool:
+    """Whether a group filter's ``keep`` (as its class defines it: ``self`` first) takes the
+    group's view: its argument after ``rewards`` is named ``group``."""
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = [p for p in inspect.signature(keep).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
-        return 0
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return 99
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+        return False
+    return len(params) >= 3 and params[2].name == "group"
 
 
 def checked(rule: Any, registry: Registry, name: str) -> Any:
@@ -101,7 +103,7 @@ def checked(rule: Any, registry: Registry, name: str) -> Any:
     if inner is None or "_checked" in inner:
         return rule  # without an instance dict (slots) it is called as it is; checked once
     logged: set[str] = set()
-    takes_group = positional_args(getattr(type(rule), "keep", None)) >= 3  # (self, rewards, group)
+    with_group = takes_group(getattr(type(rule), "keep", None))
 
     def call(method: str, *args: Any) -> Any:
         try:
@@ -126,7 +128,7 @@ def checked(rule: Any, registry: Registry, name: str) -> Any:
         call("observe", prompt_key, rewards)
 
     def keep(rewards: Sequence[float], group: Any = None) -> tuple[bool, str | None]:
-        out = call("keep", rewards, group) if takes_group else call("keep", rewards)
+        out = call("keep", rewards, group) if with_group else call("keep", rewards)
         if not (isinstance(out, (tuple, list)) and len(out) == 2 and _is_bool(out[0])
                 and (out[1] is None or isinstance(out[1], str))):
             raise RuleError(f"{label}.keep returned {out!r}: a group filter's keep must return (bool, reason-or-None),"

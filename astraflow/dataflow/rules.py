@@ -28,7 +28,6 @@ decisions the uninterrupted run would have made from that point, given the same 
 
 from __future__ import annotations
 
-import functools
 import math
 import random
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from pydantic import BaseModel, Field
 from astraflow.configbase import Strict
 # the contract every rule is held to; RuleError and plain_json_problem are part of this module's API
 from astraflow.dataflow.rule_checks import RuleError, checked, plain_json_problem, plain_state  # noqa: F401
-from astraflow.dataflow.rule_checks import positional_args
+from astraflow.dataflow.rule_checks import takes_group
 from astraflow.registry import Registry
 
 
@@ -123,10 +122,11 @@ class Curator(Protocol):
 
 @dataclass(frozen=True)
 class GroupView:
-    """What a group filter whose ``keep`` takes a second argument sees of the group besides its
-    rewards: the policy it is routed to, the payload's source (a mixture's), and per sequence,
-    in the order of ``rewards``, how it ended (``stop``, or ``length``: cut by its token budget),
-    its tokens and the tokens this policy generated in it."""
+    """What a group filter whose ``keep`` has a second argument named ``group`` sees of the group
+    besides its rewards: the policy it is routed to, the payload's source (a mixture's), and per
+    sequence, in the order of ``rewards``, how it ended (``stop``; ``length``: cut by its token
+    budget, or an agentic episode truncated; ``abort``), its tokens and the tokens this policy
+    generated in it."""
 
     policy: str
     source: str
@@ -137,22 +137,18 @@ class GroupView:
 
 class GroupFilter(Protocol):
     def keep(self, rewards: Sequence[float], group: GroupView = ...) -> tuple[bool, str | None]: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def keep_group(group_filter: Any, rewards: Sequence[float], group: GroupView) -> tuple[bool, str | None]:
-    """``group_filter.keep`` of a group: with its ``GroupView`` where ``keep`` takes a second
-    argument (the checked wrapper of ``rule_checks`` always does, and passes it on only so)."""
+    """``group_filter.keep`` of a group: with its ``GroupView`` where ``keep``'s second argument
+    is named ``group`` (the checked wrapper of ``rule_checks`` always takes it, and passes it on
+    only so); a ``keep(rewards)``, or one whose second argument is another optional one, without."""
     own = getattr(group_filter, "__dict__", {}).get("keep")
-    if own is not None or _takes_group(type(group_filter).keep):
+    if own is not None or takes_group(type(group_filter).keep):
         return (own or group_filter.keep)(rewards, group)
     return group_filter.keep(rewards)
-
-
-@functools.cache
-def _takes_group(keep: Any) -> bool:
-    return positional_args(keep) >= 3  # (self, rewards, group)
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
 
 
 @dataclass(frozen=True)

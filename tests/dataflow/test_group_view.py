@@ -14,6 +14,7 @@ from tests.dataflow.helpers import make_trajectory, store_and_ref
 from tests.dataflow.test_data_layer import make_layer
 from tests.dataflow.user_rules import SEEN_GROUPS as SEEN
 
+
 def _ended_by(traj, reason: str):
     s = traj.sequences[0]
     seq = Sequence.build(s.tokens, s.loss_mask, s.logprobs, s.policy_ids, s.versions, s.reward, finish_reason=reason)
@@ -38,6 +39,16 @@ def test_a_filter_that_takes_the_group_view_drops_groups_with_a_truncated_sequen
     assert layer.ledger.summary()["dropped_by_reason"] == {"truncated": 4}
 
 
-def test_a_filter_that_takes_rewards_only_is_called_with_them():
+def test_a_filter_whose_keep_takes_no_group_is_called_without_it():
+    """``keep(rewards)``, and a ``keep`` whose second argument is another optional one (written
+    before views existed), get the rewards only, checked by the data layer's wrapper or not."""
+    from astraflow.dataflow.rules import FILTERS, checked
+
+    class Spread(KeepAll):
+        def keep(self, rewards, min_spread=0.0):
+            return max(rewards) - min(rewards) > min_spread, "alike"
+
     view = GroupView("p", "", ("stop",), (3,), (1,))
-    assert keep_group(KeepAll(KeepAll.Params(), 0), [1.0], view) == (True, None)
+    for rule in (KeepAll(KeepAll.Params(), 0), Spread(KeepAll.Params(), 0)):
+        assert keep_group(rule, [1.0, 0.0], view) == (True, None if type(rule) is KeepAll else "alike")
+        assert keep_group(checked(rule, FILTERS, "t"), [1.0, 1.0], view)[0] == (type(rule) is KeepAll)
