@@ -243,10 +243,16 @@ class DataLayer(NodeFacing, TrainerFacing, LaneServed):
             self._ingest(grp)
 
     def _ingest(self, grp: RolloutGroup) -> None:
+        accepted = self._accepted()
         first_rewards = self.buffers.ingest(grp, self.group_filter)
+        if self._accepted() > accepted:  # a group with a signal, kept for a batch (``NothingCompletes``)
+            self.ledger.events["kept"] += 1
         if first_rewards:
             self.curator.observe(grp.prompt_key, first_rewards)
         self._notify()
+
+    def _accepted(self) -> int:
+        return sum(c["accepted"] for c in self.buffers.counts.values())
 
     def _start_eval(self, version: int) -> None:
         for task in self.evals.start(version, taken=self.ledger.tasks.__contains__):

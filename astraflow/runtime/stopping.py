@@ -212,7 +212,7 @@ class NothingCompletes:
         #: (dropped, consumed, failed) at the last consumption seen, and the reasons then
         self._trained: tuple[int, int, int] | None = None
         self._trained_reasons: dict[str, int] = {}
-        self._kept: int | None = None  # completed minus dropped at the last check
+        self._kept = 0  # groups kept for a batch (the ledger's event) at the last reset
 
     def check(self, ledger: dict[str, Any]) -> str | None:
         """Why the run must stop (``ledger``: the data layer's ``Ledger.summary()``), or None."""
@@ -235,16 +235,13 @@ class NothingCompletes:
 
     def _untrained(self, ledger: dict[str, Any]) -> str | None:
         events = ledger.get("events", {})
-        dropped, consumed, failed, completed = (int(events.get(k, 0)) for k in
-                                                ("dropped", "consumed", "failed", "completed"))
+        dropped, consumed, failed, kept = (int(events.get(k, 0)) for k in ("dropped", "consumed", "failed", "kept"))
         by_reason = {f"dropped: {why}": int(c) for why, c in (ledger.get("dropped_by_reason") or {}).items()}
         by_reason.update({str(why): int(c) for why, c in (ledger.get("failed_by_reason") or {}).items()})
-        # a task trained on, or one completed and kept (its group has a signal, and waits for a
-        # batch: a run whose filter drops most groups is slow, not stuck)
-        kept, grew = completed - dropped, self._kept is not None and completed - dropped > self._kept
-        self._kept = kept
-        if self._trained is None or consumed > self._trained[1] or grew:
-            self._trained, self._trained_reasons = (dropped, consumed, failed), by_reason
+        # a task trained on, or a group kept (it has a signal, and waits for a batch: a run whose
+        # filter drops most groups is slow, not stuck)
+        if self._trained is None or consumed > self._trained[1] or kept > self._kept:
+            self._trained, self._trained_reasons, self._kept = (dropped, consumed, failed), by_reason, kept
             return None
         n = dropped - self._trained[0]
         if n < self.dropped_limit:

@@ -36,7 +36,9 @@ def test_a_filter_that_takes_the_group_view_drops_groups_with_a_truncated_sequen
     asyncio.run(go())
     assert [g.finish_reasons for g in SEEN] == [("stop",) * 4, ("stop", "length", "stop", "stop")]
     assert all(g.policy == "p" and g.num_tokens == (7,) * 4 and g.generated_tokens == (4,) * 4 for g in SEEN)
-    assert layer.ledger.summary()["dropped_by_reason"] == {"truncated": 4}
+    ledger = layer.ledger.summary()
+    assert ledger["dropped_by_reason"] == {"truncated": 4}
+    assert ledger["events"]["kept"] == 1  # the first group, kept for a batch (what NothingCompletes reads)
 
 
 def test_a_filter_whose_keep_takes_no_group_is_called_without_it():

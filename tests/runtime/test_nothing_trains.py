@@ -11,8 +11,10 @@ from astraflow.runtime.stopping import NothingCompletes
 from tests.dataflow.test_data_layer import Node, make_layer
 
 
-def summary(completed: int, dropped: int, consumed: int, reasons: dict[str, int], failed: int = 0) -> dict:
-    return {"events": {"completed": completed, "dropped": dropped, "consumed": consumed, "failed": failed},
+def summary(completed: int, dropped: int, consumed: int, reasons: dict[str, int], failed: int = 0,
+            kept: int = 0) -> dict:
+    return {"events": {"completed": completed, "dropped": dropped, "consumed": consumed, "failed": failed,
+                       "kept": kept},
             "dropped_by_reason": reasons, "failed_by_reason": {"failed:EpisodeError: boom": failed} if failed else {}}
 
 
@@ -66,10 +68,25 @@ def test_a_run_that_keeps_a_few_groups_is_slow_not_stuck():
     1,280 completed tasks. Each kept group shows the run has signal: it is never stopped,
     however long a batch takes to fill (the limit is the orchestrator's: 4 x 256)."""
     watch = NothingCompletes(limit=256)
-    completed = dropped = consumed = 0
+    completed = dropped = consumed = kept = 0
     for tick in range(400):
         completed += 32
         dropped += 30 if tick % 8 else 32  # a tick in eight keeps none
+        kept += 0 if tick % 8 == 0 else 1
         if tick % 40 == 39:
             consumed += 64
-        assert watch.check(summary(completed, dropped, consumed, {"zero_advantage": dropped})) is None, tick
+        assert watch.check(summary(completed, dropped, consumed, {"zero_advantage": dropped}, kept=kept)) is None
+
+
+def test_episodes_waiting_for_their_group_are_not_a_kept_group():
+    """Tasks completed whose groups are not whole yet come and go between checks; only a kept
+    group restarts the count, so a run that keeps none still stops."""
+    watch = NothingCompletes(limit=256)
+    completed = dropped = 0
+    stopped = None
+    for tick in range(200):
+        waiting = (0, 4, 8)[tick % 3]
+        dropped += 32
+        completed = dropped + waiting
+        stopped = stopped or watch.check(summary(completed, dropped, 0, {"zero_advantage": dropped}))
+    assert stopped and "dropped untrained and none was trained on" in stopped
