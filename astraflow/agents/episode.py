@@ -167,11 +167,7 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
             if result.reward:
                 log.turn_rewards.append(float(result.reward))
             if turn == limits.max_turns - 1:  # no turn follows: its observation would be context no one reads
-                log.truncated = "max_turns"
-                log.append(closing, kind="")
-                # recorded for the viewer, as a done episode's last observation is, but not tokenised
-                log.turns.append({"kind": kind, "start": len(log.tokens), "end": len(log.tokens),
-                                  "messages": result.observation, "reward": float(result.reward), "calls": calls})
+                _record_unread(log, "max_turns", closing, kind, result, calls)
                 break
             try:
                 obs = closing + renderer.observation(result.observation)
@@ -179,8 +175,7 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
                 raise EpisodeError(f"the chat template cannot render {type(env).__name__}'s observation "
                                    f"({type(err).__name__}: {err})") from err
             if len(log.tokens) + len(obs) + reserve >= limits.max_context_tokens:
-                log.truncated = "context"
-                log.append(closing, kind="")
+                _record_unread(log, "context", closing, kind, result, calls)
                 break
             log.append(obs, kind=kind, messages=result.observation, reward=float(result.reward), calls=calls)
         return log
@@ -270,6 +265,16 @@ def _checked_step(result: Any, name: str, limits: AgentLimits) -> StepResult:
         raise EpisodeError(f"{name}.step returned done {done!r} of type {type(result.done).__name__}, not a "
                            "boolean (True or False)")
     return replace(result, done=done, observation=_capped_messages(result.observation, limits.max_observation_chars))
+
+
+def _record_unread(log: EpisodeLog, truncated: str, closing: list[int], kind: str, result: StepResult,
+                   calls: list[dict[str, Any]]) -> None:
+    """The episode ends, ``truncated``, on the model turn's ``closing``: the environment's answer
+    is recorded for the viewer (as a done episode's last observation is) but not tokenised."""
+    log.truncated = truncated
+    log.append(closing, kind="")
+    log.turns.append({"kind": kind, "start": len(log.tokens), "end": len(log.tokens), "messages": result.observation,
+                      "reward": float(result.reward), "calls": calls})
 
 
 def _record_end(log: EpisodeLog, result: StepResult, kind: str, calls: list[dict[str, Any]], name: str) -> None:

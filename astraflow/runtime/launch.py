@@ -284,7 +284,7 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult | No
     progress.note(f"ledger: {result.ledger.get('states') or 'no task created'}; summary in {RunPaths(run_dir).summary}")
     if not result.interrupted and any(p.trainer.backend != "sim" for p in cfg.policies):
         progress.note(f"the trained model as an HF directory: astraflow export {run_dir} OUT")
-        progress.note(f"what it wrote, episode by episode: astraflow episodes {run_dir}")
+    progress.note(f"what the policies wrote, episode by episode: astraflow episodes {run_dir}")
     failed = failure_reasons(result.ledger)
     if failed:
         progress.note(f"failed tasks by reason: {failed} (the tracebacks are in the RaaS nodes' logs under "

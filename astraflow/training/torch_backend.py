@@ -19,6 +19,7 @@ stay as they are).
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from typing import Any, Literal
@@ -86,18 +87,18 @@ class TorchBackend:
         self.model, self.tokenizer = load_model(model_path)
         self.device = resolve_device(device)
         self.model.to(self.device)
-        #: the KL penalty's weight and its reference, a frozen copy of the model it starts from
-        #: (``model_path``: a resumed run's trainer loads its newest version over the model, not
-        #: over the reference)
-        self.kl_coef, self.reference = kl_coef, None
-        if kl_coef > 0:
-            self.reference = load_model(model_path)[0].to(self.device).eval().requires_grad_(False)
         if precision == "bf16":
             warn_if_bf16_is_emulated(self.device, "policies[].trainer.precision")
         if precision == "bf16" and self.device.type == "cpu":
             # the CPU's bf16 flash-attention backward is far slower than its fp32 one (it costs
             # more than the bf16 products gain); eager attention is a bf16 bmm + softmax
             self.model.set_attn_implementation("eager")
+        #: the KL penalty's weight and its reference, a frozen copy of the model it starts from
+        #: (``model_path``, attention set up alike: a resumed run's trainer loads its newest
+        #: version over the model, not over the reference)
+        self.kl_coef, self.reference = kl_coef, None
+        if kl_coef > 0:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
@@ -154,7 +155,7 @@ class TorchBackend:
             if self.reference is not None:
                 kl = self._kl_to_reference(new, tok, att, lm)
                 loss = loss + self.kl_coef * kl.sum() / max(total_tokens, 1)
-                st = {**st, "kl_ref": float(kl.sum()) / max(float(lm.sum()), 1.0)}
+                st = {**st, "kl_ref": float(kl.detach().sum()) / max(float(lm.sum()), 1.0)}
             loss.backward()
             loss_sum += loss.item()
             w = float(lm.sum()) / max(trained_tokens, 1)
@@ -193,8 +194,10 @@ class TorchBackend:
         with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16,
                                              enabled=self.precision == "bf16"):
             ref = token_logprobs(self.reference, tok, att)
-        d = ref.float() - new.float()
-        return (torch.exp(d) - d - 1) * mask.to(d.dtype)
+        # off the mask 0 (a prompt token's gap may be huge: exp of it would make inf * 0 = nan),
+        # and bounded, as a ratio this far from 1 would be clipped anyway
+        d = torch.where(mask.bool(), ref.float() - new.float(), 0.0).clamp(-20.0, 20.0)
+        return torch.exp(d) - d - 1
 
     def _m2_batch_mask(self, c, rows: torch.Tensor, mb: int) -> torch.Tensor:
         """M2PO's keep mask over the whole batch (``[B, T]``, CPU): every micro-batch's log

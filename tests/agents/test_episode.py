@@ -151,6 +151,8 @@ def test_max_turns_and_context_truncate(tok):
     assert log.truncated == "max_turns" and not log.done and log.reward == 0.0
     log = run(scripted(tok, ["hmm"] * 50), tok, SumEnv(), max_context_tokens=80)
     assert log.truncated == "context" and len(log.tokens) <= 80 and log.stats()["truncated"] == 1.0
+    assert log.turns[-1]["start"] == log.turns[-1]["end"] == len(log.tokens)  # the answer it could not take
+    assert log.turns[-1]["messages"] == [{"role": "user", "content": "answer please"}]
     log = run(scripted(tok, ["a long answer " * 10]), tok, SumEnv(), max_new_tokens=8)
     assert log.turns[1]["finish"] == "length" and log.done  # a cut turn is still an action
 

@@ -42,7 +42,7 @@ def test_run_subprocess_writes_expected_records(tiny_model, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "dashboard http://127.0.0.1:" in proc.stdout
     assert f"the trained model as an HF directory: astraflow export {run_dir} OUT" in proc.stdout
-    assert f"what it wrote, episode by episode: astraflow episodes {run_dir}" in proc.stdout
+    assert f"what the policies wrote, episode by episode: astraflow episodes {run_dir}" in proc.stdout
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [x for x in lines if "loss" in x]
     assert [x["step"] for x in train] == [1, 2, 3]

@@ -178,3 +178,13 @@ def test_a_kl_penalty_keeps_the_policy_near_the_model_it_started_from(tiny_model
     assert drift[10.0] < 0.5 * drift[0.0], drift
     with pytest.raises(ValidationError, match="kl_coef 0.1 is implemented by the torch backend only"):
         TrainerConfig(backend="megatron", kl_coef=0.1)
+
+
+def test_the_kl_reference_runs_as_the_policy_does_in_bf16(tiny_model):
+    """On a CPU a bf16 policy runs eager attention; its reference does too, so the penalty of
+    the first step (the policy is its reference) is exactly 0 there as well."""
+    from astraflow.training.torch_backend import TorchBackend
+
+    be = TorchBackend(tiny_model, lr=1e-3, kl_coef=1.0, precision="bf16")
+    assert be.reference.config._attn_implementation == be.model.config._attn_implementation
+    assert be.train_step(_batch(be.model, be.tokenizer))["kl_ref"] == 0.0

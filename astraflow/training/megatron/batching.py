@@ -77,9 +77,13 @@ def takes_num_tokens(loss_fn: str) -> bool:
 
     from storage.ownership import add_user_dir
 
+    from astraflow.training.algorithms import LOSSES
+
     module, name = loss_fn.split(":")
     add_user_dir()  # a loss of the user's, from the directory `astraflow` was started in
-    params = inspect.signature(getattr(importlib.import_module(module), name)).parameters.values()
+    mod = importlib.import_module(module)
+    fn = getattr(mod, name) if hasattr(mod, name) else LOSSES.get(name)  # a name its module registered
+    params = inspect.signature(fn).parameters.values()
     return any(p.name == "num_tokens" or p.kind is p.VAR_KEYWORD for p in params)
 
 
