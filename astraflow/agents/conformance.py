@@ -68,8 +68,9 @@ def assert_conforms(workload: Any, **kwargs: Any) -> None:
 
 
 #: seconds an environment call may run without giving the event loop back: a longer stretch is
-#: a blocking call, which stalls every episode and the heartbeats of the node that runs it
-BLOCKING_S = 0.5
+#: a blocking call, which stalls every episode and the heartbeats of the node that runs it (far
+#: above what a busy machine's scheduler alone adds to a short stretch)
+BLOCKING_S = 1.0
 
 
 class _Stretches:

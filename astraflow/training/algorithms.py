@@ -117,6 +117,19 @@ def loss_fn(name: str) -> Callable:
     return LOSSES.resolve(name)
 
 
+def loss_by_name(dotted: str) -> Callable:
+    """The loss ``module:function`` names (an attribute of the module, or a name it registered),
+    without the config's checks: what a Megatron rank, given a checked config, looks up."""
+    import importlib
+
+    from storage.ownership import add_user_dir
+
+    module, _, name = dotted.partition(":")
+    add_user_dir()  # a loss of the user's, from the directory `astraflow` was started in
+    mod = importlib.import_module(module)
+    return getattr(mod, name) if hasattr(mod, name) else LOSSES.get(name)
+
+
 def is_builtin_loss(name: str) -> bool:
     return name == "grpo"
 

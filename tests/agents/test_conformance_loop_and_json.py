@@ -27,24 +27,24 @@ def tok():
 
 
 async def _sleepy_step(self, action):
-    time.sleep(0.7)  # the bug: a blocking sleep in an async def
+    time.sleep(1.5)  # the bug: a blocking sleep in an async def
     return await EchoEnv.step(self, action)
 
 
 async def _polite_step(self, action):
-    await asyncio.sleep(0.7)  # as long, but the loop runs on meanwhile
+    await asyncio.sleep(1.5)  # as long, but the loop runs on meanwhile
     return await EchoEnv.step(self, action)
 
 
 async def _sleepy_reset(self, task):
-    time.sleep(0.7)
+    time.sleep(1.5)
     return await EchoEnv.reset(self, task)
 
 
 @tool
 async def slow_echo(text: str) -> str:
     """Repeat the text, slowly."""
-    time.sleep(0.7)
+    time.sleep(1.5)
     return text
 
 
@@ -63,14 +63,14 @@ def _problems(workload, tok):
     ({"__init__": _sleepy_tool_init}, "Broken's tool echo blocked the event loop"),
 ])
 def test_a_call_that_blocks_the_event_loop_is_reported_with_the_fix(methods, where, tok):
-    problems = _problems(broken(**methods), tok)
+    problems = _problems(broken(**methods, step_timeout_s=30.0), tok)  # a deadline far from the sleeps
     hits = [p for p in problems if where in p]
     assert len(hits) == 1, problems  # said once, not once per episode
     assert "await asyncio.sleep" in hits[0] and "asyncio.to_thread" in hits[0]
 
 
 def test_awaiting_as_long_is_not_blocking(tok):
-    assert _problems(broken(step=_polite_step), tok) == []
+    assert _problems(broken(step=_polite_step, step_timeout_s=30.0), tok) == []
 
 
 async def _set_in_info(self, action):
@@ -124,7 +124,7 @@ def test_astraflow_check_runs_an_agentic_workloads_conformance_suite(tmp_path, m
         "from examples.custom_env.guess import GuessEnv, GuessWorkload\n\n"
         "class SlowEnv(GuessEnv):\n"
         "    async def step(self, action):\n"
-        "        time.sleep(1.0)\n"
+        "        time.sleep(1.5)\n"
         "        return await super().step(action)\n\n"
         "class SlowGuess(GuessWorkload):\n"
         "    def environment(self):\n"

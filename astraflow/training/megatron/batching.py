@@ -72,17 +72,11 @@ def drop_zero_advantage(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
 def takes_num_tokens(loss_fn: str) -> bool:
     """Whether the ``module:function`` loss accepts ``num_tokens`` (the batch-wide normaliser),
     by name or as one of its ``**kwargs``."""
-    import importlib
     import inspect
 
-    from storage.ownership import add_user_dir
+    from astraflow.training.algorithms import loss_by_name
 
-    from astraflow.training.algorithms import LOSSES
-
-    module, name = loss_fn.split(":")
-    add_user_dir()  # a loss of the user's, from the directory `astraflow` was started in
-    mod = importlib.import_module(module)
-    fn = getattr(mod, name) if hasattr(mod, name) else LOSSES.get(name)  # a name its module registered
+    fn = loss_by_name(loss_fn)
     params = inspect.signature(fn).parameters.values()
     return any(p.name == "num_tokens" or p.kind is p.VAR_KEYWORD for p in params)
 

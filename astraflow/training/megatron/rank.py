@@ -120,11 +120,11 @@ def collective_timeout_s(cfg: dict) -> float:
 
 def resolve(dotted: str):
     """``"package.module:attr"`` -> the attribute (loss functions are chosen by name in the config)."""
-    from astraflow.training.algorithms import loss_fn
+    from astraflow.training.algorithms import loss_by_name
 
     if ":" not in dotted:
         raise ValueError(f"loss_fn {dotted!r} must look like 'package.module:function'")
-    return loss_fn(dotted)  # as the config resolved it: from the user's directory or package too
+    return loss_by_name(dotted)  # as the config found it: from the user's directory or package too
 
 
 class Rank:
