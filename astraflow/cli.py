@@ -9,45 +9,23 @@ never disagree.
 from __future__ import annotations
 
 import contextlib
-import signal
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import click
 
+from astraflow.check_cli import check as check_cli, load_checked_config
 from astraflow.clibase import UserError, UserPath, field_option
 from astraflow.episodes_cli import episodes as episodes_cli
+from astraflow.export_cli import export as export_cli
 from astraflow.partitions_cli import partitions as partitions_cli
 from astraflow.plan.cli import plan as plan_cli
 from astraflow.sandbox.cli import sandbox as sandbox_cli
 from astraflow.stop_cli import stop as stop_cli
 from astraflow.training.config import ModelInit
-from storage.ownership import USER_DIR_ENV, UnsafeDir, add_user_dir, check_owner_only, owner_only
+from storage.ownership import USER_DIR_ENV, add_user_dir, check_owner_only, owner_only
 from storage.paths import RunPaths, default_run_dir
-
-
-def _load(config: str, overrides: tuple[str, ...]):
-    """The validated config, its existing model directories checked to load, and an external
-    trajectory store checked to be the user's alone."""
-    from astraflow.config import ConfigError, load_config
-    from astraflow.preflight import check_devices, check_engine, check_models
-
-    try:
-        cfg = load_config(config, list(overrides))
-        check_models(cfg)
-        check_devices(cfg)
-        check_engine(cfg)
-        if cfg.storage.trajectories:  # a store outside the run directory (the run trains from it) is ours alone
-            from storage.trajectories.locations import check_store_url
-
-            check_store_url(cfg.storage.trajectories)
-        return cfg
-    except (ConfigError, UnsafeDir) as err:
-        raise UserError(str(err)) from None
-    except OSError as err:  # a store path that cannot be looked at
-        raise UserError(f"storage.trajectories: {err}") from None
 
 
 def _default_run_dir(name: str) -> Path:
@@ -125,13 +103,14 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     Prints the Dask dashboard address, progress while it trains, and writes config.yaml,
     metrics.jsonl, summary.json, the trajectory store, the weight store and logs into the run
     directory. Ctrl-C (or SIGTERM, scancel, or the terminal closing: SIGHUP, unless started under
-    nohup) stops cleanly without losing what was written and exits with 130; SIGUSR1 (the head job's walltime warning) stops the same way and exits with
-    75 (the head job then requeues); a failed run exits with 1 and its reason in one line.
+    nohup) stops cleanly without losing what was written and exits with 130; SIGUSR1 (the head
+    job's walltime warning) stops the same way and exits with 75 (the head job then requeues); a
+    failed run exits with 1 and its reason in one line.
     summary.json records how the run ended and the worker jobs are cancelled. Run again on the
     directory to resume it (jobs a previous incarnation left are cancelled first).
     """
     click.get_current_context().with_resource(owner_only())  # inherited by the processes it starts
-    cfg = _load(config, overrides)
+    cfg = load_checked_config(config, overrides)
     try:
         rd = Path(run_dir) if run_dir else _default_run_dir(cfg.run.name)
     except (ValueError, OSError) as err:  # another user could change where it would go, or it cannot be made
@@ -264,35 +243,6 @@ def model_init(out: str, preset: str, arch: str, seed: int, tie_embeddings: bool
 
 
 @main.command()
-@click.argument("config", type=UserPath(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a config value as `astraflow run` would, e.g. --set run.max_steps=20 (repeatable; "
-                   "VALUE is YAML, list elements are named: --set policies.solver.trainer.lr=1e-4).")
-def check(config: str, overrides: tuple[str, ...]) -> None:
-    """Validate CONFIG and print the resolved configuration, then (on stderr) what each
-    partition's workers run with (engines per RaaS node, the settings a partition changes) and
-    read the workload's data as a run would and say what it found (a dataset's bad rows listed
-    by file and line); an agentic workload's environment is run through the conformance suite."""
-    import yaml
-
-    cfg = _load(config, overrides)
-    click.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    from astraflow.partition_settings import plan_lines
-    from astraflow.runtime.launch import check_data, check_environment_of, check_sandbox
-
-    for line in plan_lines(cfg.partitions, cfg.rollout, {p.name: p.trainer for p in cfg.policies}):
-        click.echo(line, err=True)
-
-    try:
-        click.echo(check_data(cfg.workload, cfg), err=True)
-        check_sandbox(cfg)  # as `run` checks it: a reward that runs code needs a working sandbox
-        if (conforms := check_environment_of(cfg, lambda line: click.echo(line, err=True))) is not None:
-            click.echo(conforms, err=True)
-    except ValueError as err:
-        raise UserError(str(err)) from None
-
-
-@main.command()
 @click.argument("run_dir", type=UserPath(file_okay=False))
 @click.option("--json", "as_json", is_flag=True,
               help="Machine-readable output: the same view as the dashboard's /astraflow/api/status.json "
@@ -385,71 +335,13 @@ def tensorboard(run_dir: str, logdir: str | None, follow: bool) -> None:
     click.echo(f"{n} metrics lines written to {logdir or RunPaths(run_dir).tensorboard}")
 
 
-@main.command()
-@click.argument("run_dir", type=UserPath(file_okay=False, exists=True))
-@click.argument("out", type=UserPath(file_okay=False), required=False)
-@click.option("--policy", help="The policy to export (needed when the run trains several).")
-@click.option("--version", type=click.IntRange(min=0), help="The weight version (default: the newest committed).")
-@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
-              help="Dtype of the written weights; auto keeps the one the trainer published in.")
-@click.option("--tokenizer", type=UserPath(file_okay=False, exists=True),
-              help="Directory with the tokenizer files (default: the policy's model directory).")
-@click.option("--max-shard-size", default="5GB", show_default=True,
-              help="Largest safetensors file: bytes, or a number with KB, MB, GB or TB.")
-@click.option("--force", is_flag=True, help="Replace an earlier export in OUT.")
-@click.option("--list", "list_only", is_flag=True, help="List each policy's committed versions and exit.")
-def export(run_dir: str, out: str | None, policy: str | None, version: int | None, dtype: str,
-           tokenizer: str | None, max_shard_size: str, force: bool, list_only: bool) -> None:
-    """Write a trained policy of the run in RUN_DIR as an HF model directory OUT (config.json,
-    safetensors, tokenizer), checked by loading it back. Load OUT with transformers or vLLM, or
-    start a run from it (policies[].model: OUT). Works while the run goes on."""
-    from astraflow.model_export import ExportError, committed_versions, export_version, parse_size
-
-    try:
-        if list_only:
-            listed = committed_versions(run_dir)
-            for name, rows in listed.items():
-                for r in rows:
-                    if "damaged" in r:
-                        click.echo(f"{name} v{r['version']}: damaged ({r['damaged']})")
-                        continue
-                    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["committed_at"]))
-                    step = f"train step {r['train_steps']}, " if r["train_steps"] is not None else ""
-                    click.echo(f"{name} v{r['version']}: {step}{r['dtype']}, {r['layout']} layout, committed {when}")
-            if not any(listed.values()):
-                click.echo(f"{run_dir} has no committed weight version yet")
-            return
-        if out is None:
-            raise UserError("name the output directory: astraflow export RUN_DIR OUT (or --list the versions)")
-        with _stops_as_ctrl_c():  # SIGTERM/SIGHUP (a job's time limit, a closed terminal) clean up as Ctrl-C
-            export_version(run_dir, out, policy=policy, version=version, dtype=dtype, tokenizer=tokenizer,
-                           force=force, max_shard_size=parse_size(max_shard_size), say=click.echo)
-    except ExportError as err:
-        raise UserError(str(err)) from None
-    except KeyboardInterrupt:
-        click.echo("export stopped; nothing was written to OUT", err=True)
-        sys.exit(130)
-
-
-@contextlib.contextmanager
-def _stops_as_ctrl_c() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise KeyboardInterrupt in the block, so its cleanup runs as on Ctrl-C."""
-    def stop(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    before = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
-
-
 main.add_command(partitions_cli)  # astraflow partitions list/add/remove RUN_DIR: see docs/autoscaling.md
 main.add_command(sandbox_cli)  # astraflow sandbox run PROGRAM [--tests FILE]: see docs/sandbox.md
 main.add_command(plan_cli)  # astraflow plan CONFIG --pool KIND=GPUS: see docs/sim.md
 main.add_command(stop_cli)  # astraflow stop RUN_DIR: Ctrl-C from another shell
 main.add_command(episodes_cli)  # astraflow episodes RUN_DIR: what the policies wrote
+main.add_command(check_cli)  # astraflow check CONFIG: what run checks, nothing started
+main.add_command(export_cli)  # astraflow export RUN_DIR OUT: a version as an HF model
 
 if __name__ == "__main__":
     main()

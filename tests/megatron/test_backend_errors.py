@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig, RankError
+from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig
+from astraflow.training.megatron.launch import RankError
 from tests.megatron.helpers import save_tiny_llama
 
 

@@ -31,7 +31,8 @@ pytest.importorskip("megatron.core")
 
 from astraflow.batches import Batch, BatchItem  # noqa: E402
 from astraflow.contracts import Sequence  # noqa: E402
-from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig, RankError  # noqa: E402
+from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig  # noqa: E402
+from astraflow.training.megatron.launch import RankError  # noqa: E402
 from astraflow.training.megatron.state import unpack  # noqa: E402
 from storage.checkpoint import read_checkpoint  # noqa: E402
 from tests.megatron.helpers import MiniStore, loss_fn_name, prompts, save_tiny_llama  # noqa: E402

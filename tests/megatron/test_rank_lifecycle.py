@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig, RankError
+from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig
+from astraflow.training.megatron.launch import RankError
 from tests.megatron.helpers import grpo_batch, prompts, save_tiny_llama
 
 #: one GPU per rank: two ranks need two GPUs, or none (gloo on CPU)

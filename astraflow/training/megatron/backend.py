@@ -13,11 +13,9 @@ work directory (no port to pick). When the trainer's Slurm job spans several nod
 ``rank`` module runs as one ``srun`` job step over the whole allocation, with ``env://``
 rendezvous (``launch``, ``slurm``; ``launcher`` chooses).
 
-Control channel. Each rank gets one end of a socket pair (``pass_fds``), or under srun an
-authenticated TCP connection back to the backend (``launch``); the backend sends every command
-to every rank (or, for what one replica answers alone, to data-parallel rank 0's) and waits for
-every answer, each wait with a deadline while watching the ranks' processes. The ranks of a TP
-group get identical payloads, so no broadcast is needed inside it.
+Control channel. The backend sends every command to every rank (or, for what one replica
+answers alone, to data-parallel rank 0's) and waits for every answer (``channel``). The ranks
+of a TP group get identical payloads, so no broadcast is needed inside it.
 
 Data parallelism. ``train_step`` splits the batch's rows over the replicas, balanced by token
 count (``batching.balance_by_tokens``); each share's loss is normalised by the whole batch's
@@ -49,11 +47,8 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +63,9 @@ from astraflow.training.algorithms import advantage_fn, advantages
 from astraflow.training.megatron.batching import (
     collate, combine_metrics, drop_zero_advantage, split_for_data_parallel, takes_num_tokens,
 )
+from astraflow.training.megatron.channel import RankChannel
 from astraflow.training.megatron.convert import check_shard, gather_shards, shard_for_rank, to_module_state
-from astraflow.training.megatron.launch import RankError, RankLaunch, start_ranks
+from astraflow.training.megatron.launch import RankLaunch, start_ranks
 from astraflow.training.numerics import NonFiniteError, likely_cause
 from astraflow.training.megatron.slurm import Allocation
 from astraflow.training.megatron.state import BACKEND as STATE_BACKEND
@@ -79,9 +75,6 @@ from astraflow.weightconv import megatron_to_hf
 
 #: the built-in loss, as the ranks import it
 DEFAULT_LOSS = "astraflow.training.grpo:grpo_loss"
-
-#: seconds the other ranks have to answer after one answered that its disk is full
-FULL_DISK_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -160,7 +153,7 @@ class MegatronBackendConfig:
             )
 
 
-class MegatronBackend:
+class MegatronBackend(RankChannel):
     """Tensor- and data-parallel Megatron-core trainer backend (see the module docstring)."""
 
     #: ``TrainerBackend`` capabilities: the weights live in the rank processes, so there is no
@@ -185,8 +178,7 @@ class MegatronBackend:
                 "give the trainer partition more GPUs per node"
             )
         self._workdir = Path(tempfile.mkdtemp(prefix="astraflow-megatron-"))
-        #: why the ranks were stopped (what a later call reports); None while they run
-        self._stopped: str | None = None
+        self._stopped = None
         log_dir = Path(config.log_dir) if config.log_dir else self._workdir
         log_dir.mkdir(parents=True, exist_ok=True)
         repo_root = str(Path(astraflow.__file__).resolve().parents[1])
@@ -200,8 +192,8 @@ class MegatronBackend:
         except BaseException:
             self._drop_workdir(failed=True)
             raise
-        self._conns: list[Connection] = self._ranks.conns
-        self._logs: list[Path] = self._ranks.logs
+        self._conns = self._ranks.conns
+        self._logs = self._ranks.logs
         try:
             cfg = asdict(config)
             cfg.pop("env")
@@ -351,102 +343,3 @@ class MegatronBackend:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # -- plumbing ----------------------------------------------------------------------------
-    def _call(self, cmd: str, payload: Any, timeout_s: float, per_rank: list[Any] | None = None,
-              ranks: list[int] | None = None) -> list[Any]:
-        """Send ``cmd`` with ``payload`` (or rank r ``per_rank[r]``) to every rank, or only to
-        ``ranks`` (a command no collective runs in); their answers, in the order sent. A rank
-        that answered ``full_disk`` makes it raise that ``OSError`` once every rank answered (the
-        channels stay in step), or once the others had ``FULL_DISK_GRACE_S`` to (a rank left
-        waiting in a collective the failed one never joined)."""
-        if not self._conns:
-            raise RankError(f"the backend's ranks were stopped: {self._stopped}; {cmd!r} needs a new backend")
-        ranks = list(range(len(self._conns))) if ranks is None else ranks
-        for r in ranks:
-            try:
-                self._conns[r].send((cmd, payload if per_rank is None else per_rank[r]))
-            except OSError as e:  # its end is closed: the rank died since the last command
-                raise self._lost(r, cmd, "before") from e
-        deadline = time.monotonic() + timeout_s
-        results = []
-        full: OSError | None = None
-        try:
-            for r in ranks:
-                # a rank that answered 'stop' exits next: not a crash while a slower one answers
-                done = tuple(ranks[:len(results)]) if cmd == "stop" else ()
-                results.append(self._answer(r, cmd, timeout_s, deadline, done))
-                if isinstance(results[-1], OSError):
-                    full = full or results[-1]
-                    deadline = min(deadline, time.monotonic() + FULL_DISK_GRACE_S)
-        except RankError as err:
-            if full is not None:
-                raise full from err
-            raise
-        if full is not None:
-            raise full
-        return results
-
-    def _answer(self, r: int, cmd: str, timeout_s: float, deadline: float, done: tuple[int, ...]) -> Any:
-        """Rank ``r``'s answer to ``cmd`` (an ``OSError`` for its full disk), or ``RankError``;
-        the ranks in ``done`` may have exited."""
-        c = self._conns[r]
-        while not c.poll(0.2):
-            dead = [d for d in self._ranks.exited() if d not in done]
-            if dead:
-                raise RankError(self._report(f"rank(s) {dead} exited during {cmd!r}", dead))
-            if time.monotonic() > deadline:
-                raise RankError(self._report(f"rank {r} did not answer {cmd!r} within {timeout_s:.0f}s", [r]))
-        try:
-            status, result = c.recv()
-        except (EOFError, OSError) as e:  # OSError: a TCP channel reset by its peer
-            raise self._lost(r, cmd, "during", done) from e
-        if status == "full_disk":
-            return OSError(*result)
-        assert status == "ok", status
-        return result
-
-    def _lost(self, r: int, cmd: str, when: str, done: tuple[int, ...] = ()) -> RankError:
-        """The ``RankError`` (the other ranks stopped) for rank ``r``'s channel found closed
-        ``when`` (before, during) ``cmd``: the ranks that exited (but ``done``), else ``r``."""
-        dead = self._exited_soon(done)
-        if dead:
-            return RankError(self._report(f"rank(s) {dead} exited {when} {cmd!r}", dead))
-        return RankError(self._report(f"rank {r} closed its channel {when} {cmd!r}", [r]))
-
-    def _exited_soon(self, done: tuple[int, ...] = (), wait_s: float = 10.0) -> list[int]:
-        """The ranks (but ``done``) that have exited, given ``wait_s`` to show it: a channel
-        closes just before its process ends (and under srun, the step ends a moment after its
-        failed rank)."""
-        deadline = time.monotonic() + wait_s
-        while (not (dead := [d for d in self._ranks.exited() if d not in done])
-               and time.monotonic() < deadline):
-            time.sleep(0.1)
-        return dead
-
-    def _report(self, what: str, ranks: list[int]) -> str:
-        """``what``, with the tails of ``ranks``' logs (and srun's), once every rank is stopped."""
-        self._kill(what)
-        tails = []
-        for r in ranks:
-            text = self._logs[r].read_text(errors="replace") if self._logs[r].exists() else ""
-            tails.append(f"--- rank {r} log ({self._logs[r]}), last lines:\n" + "\n".join(text.splitlines()[-25:]))
-        for log in self._ranks.launcher_logs:  # what srun said about the step
-            text = log.read_text(errors="replace") if log.exists() else ""
-            tails.append(f"--- {log}, last lines:\n" + "\n".join(text.splitlines()[-10:]))
-        return what + "\n" + "\n".join(tails)
-
-    def _kill(self, why: str) -> None:
-        """Stop the rank processes this backend started and close the channels (``why``: what a
-        later call reports), as after a failure (``_drop_workdir``)."""
-        self._stopped = self._stopped or why
-        self._ranks.kill()
-        self._conns = []
-        self._drop_workdir(failed=True)
-
-    def _drop_workdir(self, failed: bool) -> None:
-        """Remove the work directory (rendezvous file, the ranks' working directory): after a
-        clean stop, and after a failure when the logs live elsewhere (``log_dir``); a failure's
-        ``RankError`` points at the logs, so the directory stays when they are in it."""
-        if not failed or self.config.log_dir is not None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
