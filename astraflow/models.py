@@ -177,6 +177,8 @@ def init_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen2", s
 
 #: the file in which a model directory built from a config's ``policies[].init`` records that init
 INIT_RECORD = "astraflow_init.json"
+#: the key of ``INIT_RECORD`` that says which workload a warm start trained on (name, params, seed)
+WARM_STARTED_ON = "warm_started_on"
 
 
 def record_init(model_dir: str | Path, init: dict[str, Any]) -> None:

@@ -65,12 +65,13 @@ def check_built_from_init(pol) -> None:
     checkpoint, one built by an older AstraFlow) or a policy without ``init`` is left alone."""
     from pydantic import ValidationError
 
-    from astraflow.models import recorded_init
+    from astraflow.models import WARM_STARTED_ON, recorded_init
     from astraflow.training.config import ModelInit
 
     recorded = recorded_init(pol.model) if pol.init is not None else None
     if recorded is None:
         return
+    recorded.pop(WARM_STARTED_ON, None)  # what it trained on, not how it was built
     try:
         old = ModelInit.model_validate(recorded).build_settings()
     except ValidationError:  # a record of another AstraFlow's settings: nothing to compare with

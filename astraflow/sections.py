@@ -109,8 +109,9 @@ class RunSection(Strict):
     max_steps: int = Field(default=50, ge=1)
     """Trainer steps per policy; the run ends when every trainer has taken them."""
     seed: int = Field(default=0, ge=0, lt=2**32)
-    """Seed of trainers and engines (each RaaS node mixes in its name: no two nodes sample alike);
-    0 to 2**32 - 1, the seeds torch and numpy take."""
+    """Seed of the run: the prompt order, the dataflow rules, the trainers and the sampling (each
+    episode samples from its own stream, seeded from this seed, its task and attempt); vary it,
+    not ``workload.seed``, to repeat a run on the same problems. 0 to 2**32 - 1."""
     mode: Literal["async", "sync"] = "async"
     """``async``: the three components run their own loops (AstraFlow). ``sync``: a
     trainer-centred driver loop, the baseline for comparisons."""

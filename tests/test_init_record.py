@@ -133,3 +133,45 @@ def test_a_models_directory_without_locks_still_builds(tmp_path, monkeypatch):
     cfg = load_config(_config(tmp_path))
     prepare_models(cfg, Progress(enabled=False))
     assert (cfg.policies[0].model / "config.json").is_file()
+
+
+def test_a_warm_start_trains_on_the_runs_split_and_a_run_on_other_problems_is_warned(tmp_path, monkeypatch):
+    """The math warm start trains on the split of the run's ``workload.seed`` (a held-out problem
+    of that seed is never a warm-start one), records what it trained on, and a later run whose
+    workload draws other problems is warned that its held-out set may have been trained on."""
+    import io
+
+    from rich.console import Console
+
+    from astraflow.runtime.model_build import prepare_models
+    from astraflow.runtime.progress import Progress
+    from astraflow.workloads.math import MathConfig, make_dataset
+
+    path = _config(tmp_path)
+    sets = ["policies.solver.init.warm_start_steps=2", "workload.seed=3"]
+    cfg = load_config(path, sets)
+    seen = {}
+    import astraflow.training.warmstart as ws
+
+    real = ws.warm_start
+
+    def spy(*args, workload=None, **kw):  # what the warm start is asked to train on
+        seen["workload"] = workload
+        return real(*args, workload=workload, **kw)
+
+    monkeypatch.setattr(ws, "warm_start", spy)
+    prepare_models(cfg, Progress(enabled=False))
+    trained = {p["question"] for p in make_dataset(MathConfig.from_any(seen["workload"]), "train")}
+    held_out = {p["question"] for p in make_dataset(MathConfig(digits=1, num_test=20, seed=3), "test")}
+    assert trained and held_out and not trained & held_out
+    record = json.loads((tmp_path / "models" / "tiny" / "astraflow_init.json").read_text())
+    assert record["warm_started_on"] == {"name": "math", "params": {"digits": 1, "num_test": 20}, "seed": 3}
+
+    def notes(*more):
+        out = io.StringIO()
+        prepare_models(load_config(path, sets + list(more)), Progress(console=Console(file=out, width=400)))
+        return " ".join(out.getvalue().split())
+
+    assert "warning" not in notes()  # the same problems: nothing to say, and the record still checks
+    said = notes("workload.seed=4")
+    assert 'was warm-started on workload math {"seed": 3}, not this run\'s' in said and "Vary run.seed" in said

@@ -51,6 +51,7 @@ import torch
 
 from astraflow.agents.chat import turn_stop_ids
 from astraflow.rollout.engine import SWAP_MIN_REMAINING, Generation, SamplingParams
+from astraflow.rollout.seeds import seeded, uniforms
 
 log = logging.getLogger("astraflow.rollout")
 
@@ -63,6 +64,8 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     future: asyncio.Future
+    #: the seed of the request's sampling stream (``seeds.uniforms``)
+    seed: int = 0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -82,7 +85,8 @@ class HFEngine:
     ``model`` is a path to an HF causal-LM directory or an already loaded ``(model, tokenizer)``
     pair. ``max_batch_size`` caps the sequences decoded together; ``swap_min_remaining``: a
     weight swap lands mid-batch only with at least this many decoding steps left (0: always at
-    the next step; see the module docstring); ``seed`` seeds sampling;
+    the next step; see the module docstring); ``seed`` seeds the requests that come without
+    a seed of their own (each request samples from its own stream: ``seeds``);
     ``device`` is ``auto`` (a GPU when torch sees one), ``cpu`` or ``cuda[:N]``: the model,
     the KV cache and sampling live there, finished tokens come back to the host once per step.
     ``dtype`` is ``fp32`` or ``bf16``: the weights and the forward passes (the logits are cast
@@ -153,7 +157,8 @@ class HFEngine:
         stops |= set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])  # a model's list of ends
         self._stop_ids = frozenset(s for s in stops if s is not None)
         self._max_positions = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        self._gen = torch.Generator(device=self.device).manual_seed(seed)
+        #: seeds of requests that come without one (outside an episode's ``episode_seeds``)
+        self._seeds = np.random.default_rng(seed)
         self._pending: list[_Request] = []
         self._lock = threading.Lock()
         self._pending_weights: tuple[dict[str, torch.Tensor], int] | None = None
@@ -164,6 +169,7 @@ class HFEngine:
 
     # -- protocol ------------------------------------------------------------------------
     async def generate(self, prompt_tokens: list[int], params: SamplingParams) -> Generation:
+        params = seeded(params)
         prompt = [int(t) for t in prompt_tokens]
         if not prompt:
             raise ValueError("HFEngine.generate: prompt_tokens is empty")
@@ -185,7 +191,8 @@ class HFEngine:
                 f"exceeds the model's {self._max_positions} positions; shorten one of them"
             )
         loop = asyncio.get_running_loop()
-        req = _Request(prompt, params, loop.create_future())
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
+        req = _Request(prompt, params, loop.create_future(), seed=seed)
         self._pending.append(req)
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = loop.create_task(self._serve())
@@ -331,12 +338,14 @@ class HFEngine:
         greedy = torch.tensor([r.params.greedy for r in batch], device=dev)
         top_p = torch.tensor([1.0 if r.params.greedy else r.params.top_p for r in batch], device=dev)
         stops = [self._stop_ids | set(r.params.stop_token_ids) for r in batch]
+        seeds = np.array([r.seed for r in batch], dtype=np.uint64)
         active = [True] * n
 
         # prefill
         logits, cache = self._forward(ids, mask, None)
         for _step in range(max_new):
-            tok, lp = self._sample(logits, temps, greedy, top_p)
+            draws = np.array([len(r.tokens) for r in batch], dtype=np.uint64)
+            tok, lp = self._sample(logits, temps, greedy, top_p, uniforms(seeds, draws))
             tok_host, lp_host = tok.tolist(), lp.tolist()  # one device -> host copy per step
             for i, r in enumerate(batch):
                 if not active[i]:
@@ -423,7 +432,9 @@ class HFEngine:
         )
         return out.logits[:, -1, :].float(), getattr(out, self._cache_kw)
 
-    def _sample(self, logits, temps, greedy, top_p):
+    def _sample(self, logits, temps, greedy, top_p, u: np.ndarray):
+        """Each row's token: argmax where greedy, else the inverse of the (top-p) distribution's
+        CDF at the row's own uniform ``u`` (``seeds``), so no row's draw depends on another's."""
         logp = torch.log_softmax(logits, dim=-1)  # temperature 1: the behaviour log-probs
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         if bool((top_p < 1.0).any()):
@@ -431,6 +442,11 @@ class HFEngine:
             keep = (sp.cumsum(-1) - sp) < top_p[:, None]
             sp = sp * keep
             probs = torch.zeros_like(probs).scatter(-1, si, sp)
-        sampled = torch.multinomial(probs, 1, generator=self._gen)[:, 0]
-        tok = torch.where(greedy, logits.argmax(-1), sampled)
+        cum = probs.cumsum(-1)
+        target = torch.from_numpy(u).to(cum.device) * cum[:, -1]
+        sampled = torch.searchsorted(cum, target[:, None], right=True)[:, 0].clamp(max=cum.shape[-1] - 1)
+        best = logits.argmax(-1)
+        # a token the distribution excludes can come out only where rounding put the target at the CDF's end
+        sampled = torch.where(probs.gather(-1, sampled[:, None])[:, 0] > 0, sampled, best)
+        tok = torch.where(greedy, best, sampled)
         return tok, logp.gather(-1, tok[:, None])[:, 0]

@@ -98,6 +98,7 @@ class RaaSNode(NodeEpisodes, EngineRecovery, FollowsDataLayer):
         weights_root: str,
         data_layer: Any,
         seed: int = 0,
+        run_seed: int = 0,
         use_deltas: bool = False,
         sandbox: SandboxConfig | None = None,
         gpus: int = 0,
@@ -108,7 +109,9 @@ class RaaSNode(NodeEpisodes, EngineRecovery, FollowsDataLayer):
         self.dl = Link(data_layer, "the data layer")  # swapped by ``reconnect``
         self.store_url = store_url
         self.weights_root = weights_root
-        self.seed = seed
+        #: the engines' own seed (requests without one), and the run's: an episode's requests are
+        #: seeded from the run's seed and its task (``seeds.episode_seeds``), whichever node runs it
+        self.seed, self.run_seed = seed, run_seed
         self.use_deltas = use_deltas
         #: GPUs the node's partition gives it (``gpus_per_node``): its engines spread over them
         self.gpus = gpus

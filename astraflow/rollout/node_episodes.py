@@ -24,6 +24,7 @@ from astraflow.contracts import RolloutTask, Trajectory, TrajectoryRef
 from astraflow.rollout.engine import InferenceEngine, confirmed_version
 from astraflow.rollout.failure_log import FailureLog
 from astraflow.rollout.process_engine import EngineProcessError
+from astraflow.rollout.seeds import episode_seeds
 from astraflow.transport import call
 
 log = logging.getLogger("astraflow.rollout")
@@ -42,7 +43,8 @@ class NodeEpisodes:
     ``counters``, ``identity``, ``dl``, ``workflow``, ``writer``, ``inflight``, ``writing``, the
     lease loop's ``_slot_free`` and the writer's queue (``_finished``, ``_finished_event``,
     ``_closing``, ``_segment_batches``, ``_segments_reported``), ``_failure_log``, the stop event
-    ``_stop``, and ``_recovery``/``_recover`` (``engine_recovery``)."""
+    ``_stop``, ``run_seed`` (the episodes' sampling seeds) and ``_recovery``/``_recover``
+    (``engine_recovery``)."""
 
     engines: dict[str, InferenceEngine]
     cfg: Any
@@ -61,6 +63,7 @@ class NodeEpisodes:
     _segments_reported: set[str]
     _recovery: asyncio.Task | None
     _stop: threading.Event
+    run_seed: int = 0
     #: the failed episodes' lines: a traceback per reason, then counts (``failure_log``)
     _failure_log: FailureLog
 
@@ -68,7 +71,8 @@ class NodeEpisodes:
         """The episode of ``task``: wait for the weight version it needs, then run the workflow."""
         if task.min_version >= 0:
             await self._wait_for_version(task.policies[0], task.min_version, timeout=120)
-        traj = await self.workflow.run_episode(self.engines, task)
+        with episode_seeds(self.run_seed, task.task_id, task.attempt):
+            traj = await self.workflow.run_episode(self.engines, task)
         if not isinstance(traj, Trajectory):
             what = "None" if traj is None else f"a {type(traj).__name__}"
             how = "self.trajectory(...)" if hasattr(self.workflow, "trajectory") else "astraflow.contracts.Trajectory"

@@ -55,6 +55,7 @@ import time
 from typing import Any, Mapping
 
 from astraflow.rollout.engine import SWAP_MIN_REMAINING, Generation, SamplingParams
+from astraflow.rollout.seeds import seeded
 from astraflow.rollout.engine_process import engine_main
 
 log = logging.getLogger("astraflow.rollout")
@@ -204,6 +205,7 @@ class ProcessEngine:
 
     # -- protocol ------------------------------------------------------------------------
     async def generate(self, prompt_tokens: list[int], params: SamplingParams) -> Generation:
+        params = seeded(params)  # here: the episode's scope does not reach the engine's process
         if self._dead:
             raise EngineProcessError(self._dead)
         loop = asyncio.get_running_loop()

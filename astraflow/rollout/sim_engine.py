@@ -18,7 +18,8 @@ time and in shape, and does no tensor work, so many nodes fit in one process:
 
 Time goes through a ``Clock``: ``RealClock`` sleeps (scaled by ``time_scale``); a test passes
 a ``VirtualClock`` and the engine's timeline runs without waiting. All randomness comes from
-the engine's seed, so a run is reproducible.
+the engine's seed, drawn in the order requests arrive: under a ``VirtualClock`` a run repeats
+exactly; under the real clock arrival order, and with it the draws, varies from run to run.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import shutil
 import tempfile
@@ -159,7 +160,9 @@ def _warm_start(src: Path, dst: Path, init: ModelInit, workload: WorkloadConfig 
         else:
             from astraflow.training.warmstart import warm_start
 
-            result = warm_start(src, dst, workload=params, task=init.task, **common)
+            # the run's workload.seed splits its problems: the warm start must train on that train split
+            seeded_params = {"seed": workload.seed, **params} if workload else params
+            result = warm_start(src, dst, workload=seeded_params, task=init.task, **common)
     progress.note(f"warm start ({what}): {result['steps']} steps, "
                   f"held-out {'success' if agentic else 'accuracy'} {result['acc']:.3f}")
     target = init.warm_start_target
@@ -168,6 +171,29 @@ def _warm_start(src: Path, dst: Path, init: ModelInit, workload: WorkloadConfig 
                       f"{result['acc']:.3f}, short of its target {target}: RL starts from a weaker policy than "
                       f"the config intends. To build it again, remove {model} and raise "
                       "init.warm_start_steps (or warm_start_seconds)")
+
+
+def workload_identity(workload: WorkloadConfig | None) -> dict | None:
+    """What decides a workload's problems and their split: its name, params and seed (a seed the
+    params set wins, as ``make_workload`` takes it)."""
+    if workload is None:
+        return None
+    params = workload.model_dump(mode="json")["params"] or {}
+    return {"name": workload.name, "params": {k: v for k, v in params.items() if k != "seed"},
+            "seed": params.get("seed", workload.seed)}
+
+
+def warm_started_elsewhere(model: Path, workload: WorkloadConfig | None) -> str | None:
+    """Where ``model`` records a warm start on other problems than ``workload``'s: what differs
+    (e.g. ``math {"seed": 0}``); else None."""
+    from astraflow.models import WARM_STARTED_ON, recorded_init
+
+    recorded = (recorded_init(model) or {}).get(WARM_STARTED_ON)
+    ours = workload_identity(workload)
+    if not isinstance(recorded, dict) or ours is None or recorded == ours:
+        return None
+    differs = {k: recorded.get(k) for k in ours if recorded.get(k) != ours[k]}
+    return f"{recorded.get('name')} {json.dumps(differs)}"
 
 
 #: expert episodes a BPE tokenizer of an agentic workload is trained on (plenty for its merges)
@@ -203,8 +229,9 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
     """Build each policy's missing model directory from its ``init`` and record that init in it
     (``INIT_RECORD``: a later config whose ``init`` differs is refused, not silently trained on
     this model). An existing directory is used as it is; one that records no init, where the
-    policy has an ``init``, is said to be (its ``init`` then builds nothing)."""
-    from astraflow.models import record_init, recorded_init
+    policy has an ``init``, is said to be (its ``init`` then builds nothing), and one warm-started
+    on another workload's problems is warned about (its held-out problems may have been trained on)."""
+    from astraflow.models import WARM_STARTED_ON, record_init, recorded_init
     from astraflow.sandbox import configure
 
     configure(cfg.sandbox)  # a warm start's held-out checks score with the run's sandbox limits
@@ -216,6 +243,11 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
             if pol.init is not None and recorded_init(pol.model) is None:
                 progress.note(f"policy {pol.name}: {pol.model} exists and records no init it was built from, so "
                               "its init builds nothing (remove the directory to build the model from init)")
+            if (other := warm_started_elsewhere(pol.model, cfg.workload)) is not None:
+                progress.note(f"warning: policy {pol.name}: {pol.model} was warm-started on workload {other}, not "
+                              "this run's: its held-out problems may be ones the warm start trained on. Vary "
+                              "run.seed (not workload.seed) to repeat a run on the same held-out problems, or "
+                              "remove the directory to build the model for this workload")
             continue
         assert pol.init is not None, "config validation requires init for a missing model"
         base = cfg.policy(pol.init.start_from).model if pol.init.start_from else None
@@ -228,6 +260,9 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
                 progress.note(f"policy {pol.name}: building {pol.model} (no such directory yet)"
                               + (f" from {base}" if base else ""))
                 build_model(pol.model, pol.init, cfg.workload, progress, base=base)
-                record_init(pol.model, pol.init.model_dump(mode="json"))  # also replaces a start_from base's record
+                record = pol.init.model_dump(mode="json")
+                if pol.init.warm_starts:  # what it trained on: a later run on other problems is warned
+                    record[WARM_STARTED_ON] = workload_identity(cfg.workload)
+                record_init(pol.model, record)  # also replaces a start_from base's record
         except ModelDirError as err:
             raise ModelDirError(f"policies[{pol.name}].model: {err}") from None

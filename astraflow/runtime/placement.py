@@ -262,6 +262,7 @@ def node_kwargs(cfg: RunConfig, paths: RunPaths, name: str, part: Partition, dat
         weights_root=str(paths.weights),
         data_layer=data_layer,
         seed=node_seed(cfg.run.seed, name),
+        run_seed=cfg.run.seed,
         use_deltas=cfg.storage.deltas,
         sandbox=cfg.sandbox,
     )

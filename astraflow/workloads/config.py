@@ -45,7 +45,8 @@ class WorkloadConfig(Strict):
     ...; mix: ``astraflow.workloads.mix.MixParams``: ``sources: {name: {workload, weight,
     params}}``, mixed by weight). Kept as written, so the resolved config reads like the file."""
     seed: int = Field(default=0, ge=0, lt=2**32)
-    """Seed of the generated dataset and of prompt order (0 to 2**32 - 1, the seeds numpy takes)."""
+    """Seed of the generated dataset: which problems there are and which are held out (another
+    seed evaluates on other problems), and of its order (0 to 2**32 - 1)."""
     group_size: int = Field(default=8, ge=1)
     """Samples per prompt (a GRPO group)."""
     sampling: SamplingConfig = SamplingConfig()

@@ -100,7 +100,7 @@ def test_weight_swap_mid_generation_tags_versions(tiny_model, tmp_path):
         assert set(v) <= {-1, 5}
         assert v == sorted(v, key=lambda x: x != -1)  # old versions first, then new
         k = v.count(-1)
-        assert k >= n_before - 1
+        assert k >= min(n_before - 1, len(v))  # a request may have stopped before the swap
         if 0 < k < len(v):
             saw_mixed = True
         # each token's log-prob is the teacher-forced log-prob of the weights that made it
