@@ -256,16 +256,18 @@ def listen_args() -> tuple[str, Any] | None:
 
 
 def connect_args(worker: Any) -> Any:
-    """The TLS context a caller presents: its worker's (``worker`` bound), else its client's;
-    None without TLS."""
+    """The TLS context a caller presents: on a worker (``worker`` bound) the worker's own
+    certificate, as it presents to other workers (``dask worker --tls-cert`` gives a worker no
+    client certificate, and the lane's server requires one), else its client's; None without TLS."""
     security = getattr(worker, "security", None)
+    role = "worker"
     if security is None:
         try:
             from distributed import get_client
-            security = get_client().security
+            security, role = get_client().security, "client"
         except ValueError:
             return None
-    return security.get_connection_args("client").get("ssl_context")
+    return security.get_connection_args(role).get("ssl_context")
 
 
 class LaneServed:

@@ -187,3 +187,37 @@ def test_with_tls_only_the_runs_certificate_gets_a_connection(tls, tmp_path):
     with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
         LaneClient(address, ctx).submit("echo", (1,), {}).result(10)
     assert actor.served().result() == 1
+
+
+def test_a_worker_presents_its_own_certificate_on_the_lane(tmp_path):
+    """A RaaS node calls the data layer's lane from a worker started as ``dask worker --tls-cert``
+    starts it: with a worker certificate and no client certificate. The lane takes it (a lane
+    the handshake refuses would close under every call, leaving them all to Dask)."""
+    import types
+
+    from distributed import Security
+
+    from astraflow.lane import LaneServer, connect_args
+
+    files = create_run_certificates(tmp_path / "security")
+    security = Security(require_encryption=True, tls_ca_file=str(files.ca_file), tls_worker_cert=str(files.cert_file),
+                        tls_worker_key=str(files.key_file))
+    assert security.tls_client_cert is None  # as the worker's command line sets it
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = LaneServer(_Served(), frozenset({"echo"}))
+    client = None
+    try:
+        listen = security.get_listen_args("worker")["ssl_context"]
+        address = asyncio.run_coroutine_threadsafe(server.start("127.0.0.1", listen), loop).result(10)
+        client = LaneClient(address, connect_args(types.SimpleNamespace(security=security)))
+        assert client.submit("echo", ("from a worker",), {}).result(10) == "from a worker"
+        assert server.calls == 1 and not client.closed
+    finally:
+        if client is not None:
+            client.close()
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
