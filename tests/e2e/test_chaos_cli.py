@@ -13,13 +13,16 @@ import yaml
 from benchmarks.chaos_audit import audit_run
 from benchmarks.chaos_killer import KINDS, CliRun, Killer, alive
 from tests.e2e.test_cli import _write_config
+from tests.slurm.slow_workflow import PACE_OFF_ENV, end_pacing
 
 STEPS = 40
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(420)
-def test_one_kill_of_each_kind_loses_nothing_and_the_run_completes(tiny_model, tmp_path):
+def test_one_kill_of_each_kind_loses_nothing_and_the_run_completes(tiny_model, tmp_path, monkeypatch):
+    # both incarnations inherit the switch that ends the pacing once the last kill is recovered
+    monkeypatch.setenv(PACE_OFF_ENV, str(tmp_path / "pace-off"))
     cfg = _write_config(tmp_path, tiny_model)
     data = yaml.safe_load(cfg.read_text())
     # one RaaS node: fewer processes on a small machine; its crash-loop budget allows one kill
@@ -36,6 +39,7 @@ def test_one_kill_of_each_kind_loses_nothing_and_the_run_completes(tiny_model, t
     killer = Killer(run, kills=len(KINDS), seed=1, mean_gap_s=1.0, recovery_timeout_s=150, say=lines.append)
     try:
         kills = killer.run_all()
+        end_pacing(tmp_path / "pace-off")  # the kills are done: the remaining steps need no pacing
         rc = run.wait(240)
     finally:
         left = run.stop()

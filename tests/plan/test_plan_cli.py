@@ -150,11 +150,13 @@ def test_a_missing_workdir_is_made(tmp_path):
 @pytest.mark.timeout(120)
 def test_plan_runs_a_small_config_end_to_end(tmp_path):
     """Also: a sim trainer's per-token time and schedule become the one step time reported
-    (0.1 s + 6400 loss tokens x 31.25 us = 0.3 s a step), and every simulated step takes it."""
+    (0.1 s + 6400 loss tokens x 31.25 us = 0.3 s a step), and every simulated step takes it.
+    A given time scale keeps the real steps short (the automatic one would make each 2 s real; it
+    is checked by test_plan_bounds, and the SIGTERM test below runs it through the CLI)."""
     sets = ["policies.0.trainer.sim_step_seconds=0.1", "policies.0.trainer.sim_seconds_per_token=0.00003125",
             "policies.0.trainer.sim_step_schedule={2: 0.01}"]
     proc = subprocess.run([sys.executable, "-m", "astraflow", "plan", SIM, "--pool", "h100=2", "--pool", "a100=2",
-                           "--gpus-per-node", "1", "--minutes", "0.4", "--no-search", "--json",
+                           "--gpus-per-node", "1", "--minutes", "0.4", "--no-search", "--json", "--time-scale", "6",
                            *(a for s in sets for a in ("--set", s)),
                            "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -17,6 +17,9 @@
 #                                              before it starts again (Slurm's default, 120 s, would make
 #                                              the requeue test sit idle; a job started sooner is refused)
 #
+# The scheduling loops run every second (Slurm's defaults, 60 s and 30 s, would leave a requeued job
+# pending that long after its credential wait; a few nodes cost the controller nothing to scan).
+#
 # start is idempotent: with the same settings and the daemons alive it only waits for idle nodes.
 # stop kills only the daemons whose pid files this script's config names (and munged if it started it).
 set -euo pipefail
@@ -130,7 +133,7 @@ JobCompType=jobcomp/filetxt
 JobCompLoc=$D/log/jobcomp.txt
 MpiDefault=none
 SchedulerType=sched/backfill
-SchedulerParameters=batch_sched_delay=0,sched_min_interval=100000
+SchedulerParameters=batch_sched_delay=0,sched_min_interval=100000,sched_interval=1,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides

@@ -11,7 +11,8 @@ Pacing: every episode takes at least 0.5 s (a test-only workflow, `slow_workflow
 node runs `rollout.capacity` (4) at once, so a trainer step (16 sequences) takes about 2 s per
 serving node whatever the CPU speed; `max_steps` is chosen so the run cannot end before the
 last action (the test checks that, and says so if it ever fails). The added partition has two nodes, so cancelling
-one leaves the run a serving node while the replacement loads.
+one leaves the run a serving node while the replacement loads. Once the last action is done the
+test ends the pacing: the remaining steps only show that the run finishes, at the tiny model's pace.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from click.testing import CliRunner
 from astraflow.cli import main
 from schedulers.slurm import SlurmScheduler, run_slurm
 from storage.trajectories import EntryRef, open_trajectory_store
+from tests.slurm.slow_workflow import PACE_OFF_ENV, end_pacing
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_STEPS = 100
@@ -78,10 +80,11 @@ def _config(tmp_path: Path, model: Path) -> Path:
 def test_partitions_added_removed_and_killed_mid_run_lose_no_task(tiny_model, tmp_path):
     run_dir, head_log = tmp_path / "run", tmp_path / "head.log"
     config = _config(tmp_path, tiny_model)
+    pace_off = tmp_path / "pace-off"
     head = run_slurm([
         "sbatch", "--parsable", "--partition=cpu", "--cpus-per-task=1", "--mem=1G", "--time=00:10:00",
         f"--output={head_log}", f"--error={head_log}", f"--chdir={ROOT}",
-        f"--export=ALL,ASTRAFLOW_PYTHON={sys.executable}",
+        f"--export=ALL,ASTRAFLOW_PYTHON={sys.executable},{PACE_OFF_ENV}={pace_off}",
         str(ROOT / "jobs" / "astraflow-head.sbatch"), str(config), str(run_dir),
     ]).strip().split(";")[0]
     tag = None
@@ -125,7 +128,11 @@ def test_partitions_added_removed_and_killed_mid_run_lose_no_task(tiny_model, tm
               lambda: (s := _status(run_dir)) and s["workers"][victim_name]["phase"] == "gone"
               and len(s["partitions"]["a100"]["workers"]) == 2, 120, head_log)
 
-        # 6. the run finishes its steps
+        # 6. the replacement serves; then the run finishes its steps, no longer paced: nothing is
+        # left for the test to see mid-run
+        _wait("the replacement a100 worker serving",
+              lambda: (s := _status(run_dir)) and s["partitions"]["a100"]["serving"] == 2, 150, head_log)
+        end_pacing(pace_off)
         _wait("the run to finish", lambda: (run_dir / "summary.json").exists(), 300, head_log, interval=1.0)
     finally:
         run_slurm(["scancel", head])

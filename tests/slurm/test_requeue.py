@@ -5,7 +5,9 @@ Slurm rollout worker). While it trains, the test sends what Slurm sends before t
 (``--signal=B:USR1@300``: SIGUSR1 to the batch shell only, here ``scancel --signal=USR1
 --batch``). The run stops cleanly (its summary says requeue, its worker job is cancelled), the
 script requeues the job, and its second incarnation resumes on the same run directory and
-finishes: versions go on from where they stopped, each step is trained and logged once.
+finishes: versions go on from where they stopped, each step is trained and logged once. The
+pacing only keeps the first incarnation from finishing before the signal: once the job is
+requeued the test ends it, and the resumed incarnation trains at the tiny model's pace.
 
 A requeued job waits for Slurm's credential lifetime before it may start again (120 s by
 default; a job started sooner is refused); tests/slurm/local_slurm.sh sets it to 15 s.
@@ -30,6 +32,7 @@ from astraflow.sections import ClusterConfig
 from schedulers import Partition
 from schedulers.slurm import SlurmScheduler, run_slurm
 from storage.paths import RunPaths
+from tests.slurm.slow_workflow import PACE_OFF_ENV, end_pacing
 from tests.slurm.test_elastic import ROOT, _status, _wait
 
 MAX_STEPS = 20
@@ -66,11 +69,11 @@ def _summary(run_dir: Path) -> dict | None:
 @pytest.mark.e2e
 @pytest.mark.timeout(420)
 def test_the_walltime_warning_requeues_the_head_job_and_the_run_resumes(tiny_model, tmp_path):
-    run_dir, head_log = tmp_path / "run", tmp_path / "head.log"
+    run_dir, head_log, pace_off = tmp_path / "run", tmp_path / "head.log", tmp_path / "pace-off"
     head = run_slurm([
         "sbatch", "--parsable", "--partition=cpu", "--cpus-per-task=1", "--mem=1G", "--time=00:10:00",
         f"--output={head_log}", f"--error={head_log}", f"--chdir={ROOT}",
-        f"--export=ALL,ASTRAFLOW_PYTHON={sys.executable}",
+        f"--export=ALL,ASTRAFLOW_PYTHON={sys.executable},{PACE_OFF_ENV}={pace_off}",
         str(ROOT / "jobs" / "astraflow-head.sbatch"), str(_config(tmp_path, tiny_model)), str(run_dir),
     ]).strip().split(";")[0]
     tag = run_tag(RunPaths(run_dir))
@@ -82,6 +85,8 @@ def test_the_walltime_warning_requeues_the_head_job_and_the_run_resumes(tiny_mod
         run_slurm(["scancel", "--signal=USR1", "--batch", head])  # what --signal=B:USR1@300 sends
         _wait("the head job requeued", lambda: _job(head).get("restart_cnt", 0) >= 1, 90, head_log)
         first = _summary(run_dir)
+        # the first incarnation has stopped where it was: the resumed one needs no pacing
+        end_pacing(pace_off)
         _wait("the resumed run to finish", lambda: (s := _summary(run_dir)) and s["status"] == "completed", 240,
               head_log, interval=1.0)
         _wait("the head job to end", lambda: _job(head).get("job_state") == "COMPLETED", 60, head_log)
