@@ -173,5 +173,11 @@ def test_a_warm_start_trains_on_the_runs_split_and_a_run_on_other_problems_is_wa
         return " ".join(out.getvalue().split())
 
     assert "warning" not in notes()  # the same problems: nothing to say, and the record still checks
+    assert "warning" not in notes("workload.params.num_test=30")  # other problems, none of them taught
     said = notes("workload.seed=4")
-    assert 'was warm-started on workload math {"seed": 3}, not this run\'s' in said and "Vary run.seed" in said
+    assert "the warm start of" in said and 'held-out prompts (warm-started on math {"seed": 3})' in said, said
+    assert "Vary run.seed" in said
+    # a model built before the record named its workload: a math warm start took seed 0's split
+    del record["warm_started_on"]
+    (tmp_path / "models" / "tiny" / "astraflow_init.json").write_text(json.dumps(record))
+    assert 'held-out prompts (warm-started on math {"seed": 0})' in notes()

@@ -32,9 +32,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     #: greedy decoding (used for evaluation); ignores temperature/top_p.
     greedy: bool = False
-    #: the request's sampling seed: the same seed, prompt and weights give the same tokens,
-    #: whatever else the engine decodes beside it; ``None``: the episode's next seed
-    #: (``seeds.seeded``), or one the engine draws
+    #: the request's sampling seed (any integer): on the HF engine the same seed, prompt and
+    #: weights give the same tokens whatever else it decodes beside it (the vLLM and sim engines
+    #: draw from a stream of their own); ``None``: the episode's next seed (``seeds.seeded``),
+    #: or one the engine draws
     seed: int | None = None
 
 

@@ -41,6 +41,7 @@ import asyncio
 import inspect
 import logging
 import math
+import numbers
 import threading
 import time
 from dataclasses import dataclass, field
@@ -191,7 +192,10 @@ class HFEngine:
                 f"exceeds the model's {self._max_positions} positions; shorten one of them"
             )
         loop = asyncio.get_running_loop()
-        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
+        if params.seed is not None and not isinstance(params.seed, numbers.Integral):
+            raise ValueError(f"HFEngine.generate: seed must be an integer, got {params.seed!r}")
+        # any integer names a stream (a workflow's hash() may be negative): the engine takes it mod 2**64
+        seed = int(params.seed) % 2**64 if params.seed is not None else int(self._seeds.integers(2**63))
         req = _Request(prompt, params, loop.create_future(), seed=seed)
         self._pending.append(req)
         if self._loop_task is None or self._loop_task.done():
@@ -442,7 +446,11 @@ class HFEngine:
             keep = (sp.cumsum(-1) - sp) < top_p[:, None]
             sp = sp * keep
             probs = torch.zeros_like(probs).scatter(-1, si, sp)
-        cum = probs.cumsum(-1)
+        # float64: a token of the distribution's tail still adds to the sum it follows
+        cum = probs.double().cumsum(-1)
+        if not bool(torch.isfinite(cum[:, -1]).all()):
+            raise ValueError("HFEngine: the model's logits are not finite (an overflow in its forward, e.g. in "
+                             "bf16): nothing can be sampled from them")
         target = torch.from_numpy(u).to(cum.device) * cum[:, -1]
         sampled = torch.searchsorted(cum, target[:, None], right=True)[:, 0].clamp(max=cum.shape[-1] - 1)
         best = logits.argmax(-1)

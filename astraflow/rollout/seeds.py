@@ -66,11 +66,11 @@ _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 def uniforms(seeds: np.ndarray, draws: np.ndarray) -> np.ndarray:
-    """Per row, draw ``draws[i]`` of the stream seeded with ``seeds[i]``, as float32 in [0, 1)
-    (24 random bits: exact in float32)."""
+    """Per row, draw ``draws[i]`` of the stream seeded with ``seeds[i]``, as float64 in [0, 1)
+    (53 random bits: exact in float64)."""
     with np.errstate(over="ignore"):
         z = seeds.astype(np.uint64) + (draws.astype(np.uint64) + np.uint64(1)) * _GAMMA
         z = (z ^ (z >> np.uint64(30))) * _M1
         z = (z ^ (z >> np.uint64(27))) * _M2
     z ^= z >> np.uint64(31)
-    return (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53

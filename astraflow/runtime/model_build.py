@@ -183,17 +183,31 @@ def workload_identity(workload: WorkloadConfig | None) -> dict | None:
             "seed": params.get("seed", workload.seed)}
 
 
-def warm_started_elsewhere(model: Path, workload: WorkloadConfig | None) -> str | None:
-    """Where ``model`` records a warm start on other problems than ``workload``'s: what differs
-    (e.g. ``math {"seed": 0}``); else None."""
+def held_out_trained_on(model: Path, init: ModelInit | None, workload: WorkloadConfig | None) -> str | None:
+    """Where ``model``'s warm start trained on other problems than ``workload``'s and some of
+    ``workload``'s held-out prompts were among them: how many, and what differs (a model built
+    before the record names its workload and warm-started on math took seed 0's split); else None.
+    A recorded workload that cannot be built again (its files moved) is not compared."""
     from astraflow.models import WARM_STARTED_ON, recorded_init
 
-    recorded = (recorded_init(model) or {}).get(WARM_STARTED_ON)
-    ours = workload_identity(workload)
-    if not isinstance(recorded, dict) or ours is None or recorded == ours:
+    record, ours = recorded_init(model) or {}, workload_identity(workload)
+    then = record.get(WARM_STARTED_ON)
+    if then is None and init is not None and init.warm_starts and ours and ours["name"] == "math":
+        then = {**ours, "seed": 0}  # what such a build trained on, whatever the run's seed
+    if not isinstance(then, dict) or ours is None or then == ours:
         return None
-    differs = {k: recorded.get(k) for k in ours if recorded.get(k) != ours[k]}
-    return f"{recorded.get('name')} {json.dumps(differs)}"
+    try:
+        before = make_workload(then["name"], {**then["params"], "seed": then["seed"]}, then["seed"])
+        now = make_workload(workload.name, dict(workload.params or {}), workload.seed)
+        trained = {before.render_prompt(p) for p in before.tasks("train")}
+        held_out = [now.render_prompt(p) for p in now.tasks("test")]
+    except Exception:
+        return None
+    seen = sum(p in trained for p in held_out)
+    if not seen:
+        return None
+    differs = {k: then.get(k) for k in ours if then.get(k) != ours[k]}
+    return f"{seen} of its {len(held_out)} held-out prompts (warm-started on {then['name']} {json.dumps(differs)})"
 
 
 #: expert episodes a BPE tokenizer of an agentic workload is trained on (plenty for its merges)
@@ -229,8 +243,8 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
     """Build each policy's missing model directory from its ``init`` and record that init in it
     (``INIT_RECORD``: a later config whose ``init`` differs is refused, not silently trained on
     this model). An existing directory is used as it is; one that records no init, where the
-    policy has an ``init``, is said to be (its ``init`` then builds nothing), and one warm-started
-    on another workload's problems is warned about (its held-out problems may have been trained on)."""
+    policy has an ``init``, is said to be (its ``init`` then builds nothing), and one whose warm
+    start trained on some of the run's held-out prompts is warned about (``held_out_trained_on``)."""
     from astraflow.models import WARM_STARTED_ON, record_init, recorded_init
     from astraflow.sandbox import configure
 
@@ -243,11 +257,11 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
             if pol.init is not None and recorded_init(pol.model) is None:
                 progress.note(f"policy {pol.name}: {pol.model} exists and records no init it was built from, so "
                               "its init builds nothing (remove the directory to build the model from init)")
-            if (other := warm_started_elsewhere(pol.model, cfg.workload)) is not None:
-                progress.note(f"warning: policy {pol.name}: {pol.model} was warm-started on workload {other}, not "
-                              "this run's: its held-out problems may be ones the warm start trained on. Vary "
-                              "run.seed (not workload.seed) to repeat a run on the same held-out problems, or "
-                              "remove the directory to build the model for this workload")
+            if (leak := held_out_trained_on(pol.model, pol.init, cfg.workload)) is not None:
+                progress.note(f"warning: policy {pol.name}: the warm start of {pol.model} trained on {leak}: the "
+                              "run's held-out accuracy counts problems the model was taught. Vary run.seed (not "
+                              "workload.seed) to repeat a run on the same held-out problems, or remove the "
+                              "directory to build the model for this workload")
             continue
         assert pol.init is not None, "config validation requires init for a missing model"
         base = cfg.policy(pol.init.start_from).model if pol.init.start_from else None

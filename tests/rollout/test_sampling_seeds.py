@@ -2,8 +2,10 @@
 not on which requests share its batches or in which order they came."""
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
+import pytest
 import torch
 
 from astraflow.rollout.engine import SamplingParams
@@ -83,3 +85,53 @@ def test_the_sampler_follows_the_distribution_with_top_p(tiny_model):
     np.testing.assert_allclose(freq(0.8), [0.0, 0.25 / 0.85, 0.0, 0.6 / 0.85], atol=0.01)
     tok, _ = eng._sample(logits[:2], torch.ones(2), torch.tensor([True, False]), torch.ones(2), u[:2])
     assert int(tok[0]) == 3  # greedy rows take the argmax
+
+
+def test_any_integer_seed_names_a_stream_and_a_wrong_one_fails_only_its_request(tiny_model):
+    eng = HFEngine(tiny_model)
+    prompt = eng.tokenizer("1+2=")["input_ids"]
+
+    async def main():
+        return await asyncio.gather(eng.generate(prompt, replace(PARAMS, seed=-3)),
+                                    eng.generate(prompt, replace(PARAMS, seed="3")), return_exceptions=True)
+
+    negative, wrong = asyncio.run(main())
+    assert negative.tokens.tolist() == asyncio.run(eng.generate(prompt, replace(PARAMS, seed=2**64 - 3))).tokens.tolist()
+    assert isinstance(wrong, ValueError) and "seed must be an integer" in str(wrong)
+
+
+def test_logits_that_are_not_finite_fail_the_step(tiny_model):
+    eng = HFEngine(tiny_model)
+    logits = torch.tensor([[0.1, float("nan"), 0.3], [0.1, 0.2, 0.3]])
+    u = uniforms(np.arange(2, dtype=np.uint64), np.zeros(2, dtype=np.uint64))
+    with pytest.raises(ValueError, match="logits are not finite"):
+        eng._sample(logits, torch.ones(2), torch.zeros(2, dtype=torch.bool), torch.ones(2), u)
+
+
+def test_a_node_seeds_each_episode_from_the_run_seed_and_the_engine_process_takes_it(tiny_model):
+    """A RaaS node opens the scope around each episode (its run seed, the task, the attempt), and
+    an engine in its own process samples as the one in the node's would."""
+    from astraflow.contracts import RolloutTask
+    from astraflow.rollout.node_episodes import NodeEpisodes
+    from astraflow.rollout.process_engine import ProcessEngine
+
+    class Seen:
+        async def run_episode(self, engines, task):
+            self.seed = seeded(SamplingParams()).seed
+            return self.seed
+
+    node, workflow = NodeEpisodes(), Seen()
+    node.run_seed, node.workflow, node.engines = 11, workflow, {}
+    task = RolloutTask(task_id="g/2", group_id="g", policies=("p",), workflow="w", prompt={}, attempt=1)
+    with pytest.raises(TypeError):  # not a Trajectory; the seed it took is what matters here
+        asyncio.run(node._generate(task))
+    with episode_seeds(11, "g/2", 1):
+        assert workflow.seed == seeded(SamplingParams()).seed
+
+    local = HFEngine(tiny_model, seed=1)
+    prompt = local.tokenizer("12+34=")["input_ids"]
+    remote = ProcessEngine(str(tiny_model), max_batch_size=4, seed=2, device="cpu")
+    try:
+        assert asyncio.run(_episode(remote, prompt, "g/0")) == asyncio.run(_episode(local, prompt, "g/0"))
+    finally:
+        remote.close()
