@@ -52,6 +52,7 @@ import torch
 
 from astraflow.agents.chat import turn_stop_ids
 from astraflow.rollout.engine import SWAP_MIN_REMAINING, Generation, SamplingParams
+from astraflow.rollout.hf_checks import check_cached_decoding
 from astraflow.rollout.seeds import seeded, uniforms
 
 log = logging.getLogger("astraflow.rollout")
@@ -71,13 +72,6 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-
-
-#: nats, largest over the vocabulary: a cached decoding step and the full forward of the same tokens
-#: agree this closely in fp32 (the order of sums differs; TF32 kernels on a GPU), in bf16/fp16 with
-#: rounding; an architecture whose step reads its inputs wrongly is off by far more
-CACHED_STEP_TOLERANCE = 0.05
-ROUNDED_STEP_TOLERANCE = 0.5
 
 
 class HFEngine:
@@ -140,12 +134,12 @@ class HFEngine:
                              f"{self._vocab} embeddings: the tokenizer belongs to another model")
         self.model.eval()  # no dropout: the check compares two forwards
         # before a cast: the architecture's own behaviour, not bf16 rounding
-        self._check_cached_decoding(both_masks=True)
+        check_cached_decoding(self, both_masks=True)
         if dtype == "bf16":
             for p in self.model.parameters():  # the weights only: float buffers (RoPE's inverse
                 p.data = p.data.to(torch.bfloat16)  # frequencies) stay fp32, or long positions drift
             warn_if_bf16_is_emulated(self.device, "rollout.engine.dtype")
-            self._check_cached_decoding(both_masks=False)  # and in bf16
+            check_cached_decoding(self, both_masks=False)  # and in bf16
         if max_batch_size < 1:
             raise ValueError(f"HFEngine: max_batch_size must be >= 1, got {max_batch_size}")
         self.max_batch_size = max_batch_size
@@ -380,42 +374,6 @@ class HFEngine:
                 logits, cache = self._forward(ids, mask, None)
             else:
                 logits, cache = self._forward(ids[:, -1:], mask, cache)
-
-    @torch.no_grad()
-    def _check_cached_decoding(self, both_masks: bool) -> None:
-        """The engine samples each token from a cached decoding step. Check at start, on a
-        left-padded pair of rows, that such a step gives the model's own full-forward
-        distribution: an architecture whose cached step differs would roll out from a wrong
-        distribution without an error. A step that needs its new tokens' mask alone is switched
-        to it (``both_masks``: both are tried); one that still differs, returns no cache or fails
-        in the model's dtype is refused."""
-        from astraflow.probe import probe_tokens
-
-        dev, n = self.device, 6
-        ids = torch.tensor([probe_tokens(self._vocab, n, seed=1), [self._pad_id] * 2 + probe_tokens(self._vocab, n - 2,
-                                                                                                   seed=2)], device=dev)
-        mask = torch.ones_like(ids)
-        mask[1, :2] = 0
-        kind = getattr(self.model.config, "model_type", type(self.model).__name__)
-        fp32 = next(self.model.parameters()).dtype == torch.float32
-        tolerance, bf16 = CACHED_STEP_TOLERANCE if fp32 else ROUNDED_STEP_TOLERANCE, not fp32
-        try:
-            full, _ = self._forward(ids, mask, None)
-            gaps = []
-            for step_mask_only in (False, True) if both_masks else (self._step_mask_only,):
-                self._step_mask_only = step_mask_only
-                _, cache = self._forward(ids[:, :-1], mask[:, :-1], None)
-                step, _ = self._forward(ids[:, -1:], mask, cache)
-                gaps.append(float((torch.log_softmax(full, -1) - torch.log_softmax(step, -1)).abs().max()))
-                if gaps[-1] <= tolerance:
-                    return
-        except Exception as err:  # whatever the model raises: named with the architecture and the fix
-            fix = "set rollout.engine.dtype: fp32" if bf16 else "this architecture cannot be served by the HF engine"
-            raise ValueError(f"the HF engine cannot decode {kind} models{' in bf16' if bf16 else ''} "
-                             f"({type(err).__name__}: {err}); {fix}") from err
-        raise ValueError(f"the HF engine's cached decoding of {kind} models differs from their full forward by "
-                         f"{min(gaps):.3g} nats (tolerance {tolerance}): rollouts would be sampled from a wrong "
-                         "distribution; this architecture cannot be served by the HF engine")
 
     @staticmethod
     def _steps_left(batch: list[_Request], active: list[bool]) -> int:
