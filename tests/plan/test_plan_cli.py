@@ -151,8 +151,8 @@ def test_a_missing_workdir_is_made(tmp_path):
 def test_plan_runs_a_small_config_end_to_end(tmp_path):
     """Also: a sim trainer's per-token time and schedule become the one step time reported
     (0.1 s + 6400 loss tokens x 31.25 us = 0.3 s a step), and every simulated step takes it.
-    A given time scale keeps the real steps short (the automatic one would make each 2 s real; it
-    is checked by test_plan_bounds, and the SIGTERM test below runs it through the CLI)."""
+    A given time scale keeps the real steps short (the automatic one would make each 2 s real; its
+    choice is checked by test_plan_bounds, and the SIGTERM test below starts a plan with it)."""
     sets = ["policies.0.trainer.sim_step_seconds=0.1", "policies.0.trainer.sim_seconds_per_token=0.00003125",
             "policies.0.trainer.sim_step_schedule={2: 0.01}"]
     proc = subprocess.run([sys.executable, "-m", "astraflow", "plan", SIM, "--pool", "h100=2", "--pool", "a100=2",
