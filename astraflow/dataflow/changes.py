@@ -16,8 +16,9 @@ entry per key, so that a record holds only the entries changed since the previou
 * ``serving``: ``(policy, version)`` -> the items of a batch served and not committed;
 * ``round`` / ``result``: evaluation rounds not yet written by version (a written round's entry is
   removed: its record and version live on in ``result``), finished round records by position;
-* ``order``: source -> ``(epoch, prompt order)`` as written when its epoch began (the order only
-  shrinks from its end within an epoch: each record holds its length), ``rng``: the random stream;
+* ``order``: source -> ``(epoch, prompt order)`` as written when its epoch began or prompts were
+  put back (otherwise it only shrinks from its end: each record holds its length), ``rng``: the
+  random stream;
 * ``staleness``: node -> how stale the sequences it generated were when a trainer consumed them
   (a Counter), written when a commit consumes some of them (the table grows with the nodes).
 
@@ -157,6 +158,8 @@ class Marks:
         if epochs != self._epochs:
             out.update(("order", s) for s, e in epochs.items() if self._epochs.get(s) != e)
             self._epochs = dict(epochs)
+        out.update(("order", s) for s in dl.mixer.rewritten)  # written whole: it grew
+        dl.mixer.rewritten = set()
         # the random stream moves only when an order is shuffled or a batch samples replays
         if any(k[0] == "order" or k[0] == "serving" for k in out):
             out.add(("rng", "mixer"))

@@ -292,6 +292,8 @@ class DataLayer(NodeFacing, TrainerFacing, LaneServed):
         self.finished = True
         self.evals.write(past_unfinished=True)  # rounds held back behind an unfinished one were measured
         keep = not completed and self.durability.snapshot_path is not None  # else no resume could put them back
+        if keep:  # the resume rolls out the prompts of the groups cut short first
+            self._put_back_rolling()
         self.buffers.end_run(keep_served=keep)
         # a completed task still routed to a buffer is ended by it, not here
         self.leases.end_all(keep=self.buffers.routed_left)
@@ -303,6 +305,17 @@ class DataLayer(NodeFacing, TrainerFacing, LaneServed):
         if keep:
             summary["kept_for_resume"] = len(self.buffers.routed_left)  # the tasks of the batches kept
         return summary
+
+    def _put_back_rolling(self) -> None:
+        """The prompts of the train groups still in rollout, back at the head of their sources'
+        orders (their tasks end as ``run_ended``; without this the resume would go on after them)."""
+        by_source: dict[str, list[int]] = {}
+        for grp in self.buffers.rolling.values():
+            if grp.kind == "train" and grp.prompt_key[:1] == "p" and grp.prompt_key[1:].isdigit():
+                by_source.setdefault(grp.source, []).append(int(grp.prompt_key[1:]))
+        for source, indices in by_source.items():
+            if source in self.mixer.order:
+                self.mixer.put_back(source, indices)
 
     async def progress(self) -> dict[str, int]:
         """Cheap counters for pollers that only need to know how far the run is."""

@@ -77,6 +77,9 @@ class Mixer:
         self.groups_created: Counter = Counter()
         #: the last ``pick_source`` found nothing because admission refused a source
         self.refused = False
+        #: sources whose order was changed otherwise than by taking from its end (``put_back``):
+        #: the durable record writes them whole (``changes``)
+        self.rewritten: set[str] = set()
 
     def source_of(self, payload: dict[str, Any]) -> str:
         return str(payload.get(SOURCE_KEY, "")) if self.mixing else ""
@@ -90,6 +93,16 @@ class Mixer:
             self.rng.shuffle(order)
             self.epoch[source] += 1
         return order.pop()
+
+    def put_back(self, source: str, indices: list[int]) -> None:
+        """Prompts of groups a stopped run cut short, in the order they were taken: taken again
+        first (a prompt still to come later in the current order moves up, never twice)."""
+        order = self.order[source]
+        for idx in reversed(indices):  # the order is taken from its end: the first goes last
+            if idx in order:
+                order.remove(idx)
+            order.append(idx)
+        self.rewritten.add(source)
 
     def pick_source(self, limit: int, rolling: Counter, buffered: dict[str, int],
                     admits: Callable[..., bool] | None = None) -> str | None:

@@ -251,8 +251,8 @@ def snapshot(*, versions: dict[str, int], cfg: DataflowConfig, rules: dict[str, 
     """What a resumed run needs: the trainers' versions, the rules' own state (random streams
     included) with their ``type`` names, the prompt order of each source and the shuffling
     stream, and the batch-time mixing credit. Leases and buffers are not saved: the tasks of
-    an interrupted run end as ``run_ended``, and the resume continues the prompt order after
-    their prompts (they come round again next epoch). ``orders`` False: without
+    an interrupted run end as ``run_ended`` (``DataLayer.finish`` puts the prompts of its groups
+    in rollout back at the head of the orders). ``orders`` False: without
     the prompt orders and the shuffling stream (the change log keeps them apart)."""
     out = {
         "versions": dict(versions),

@@ -99,3 +99,31 @@ def test_without_durable_state_nothing_can_be_put_back_so_nothing_is_kept(tmp_pa
     summary = run(layer.finish(completed=False))
     assert summary["open"] == 0 and summary["dropped_by_reason"]["served_not_trained"] == 8
 
+
+
+def test_a_stopped_run_rolls_out_first_the_prompts_of_the_groups_it_cut_short(tmp_path):
+    """Groups still in rollout when a run stops end as ``run_ended``; the resume takes their
+    prompts again first, instead of going on after them (they would wait for the next epoch)."""
+    paths = Paths(tmp_path)
+    old = paths.layer()
+
+    async def stop():
+        await Node(old).roll(6)  # one group completes, the next is half done, the rest not leased
+        cut = [(g.prompt_key, g.kind) for g in old.buffers.rolling.values()]
+        await old.finish(completed=False)
+        await old.close()
+        return [key for key, kind in cut if kind == "train"]
+
+    cut = run(stop())
+    assert len(cut) >= 2
+    resumed = paths.layer()
+
+    async def resume():
+        await resumed.lease("n1", 1)  # the resumed layer opens its first groups
+        opened = [g.prompt_key for g in resumed.buffers.rolling.values()]
+        await resumed.finish()
+        await resumed.close()
+        return opened
+
+    opened = run(resume())
+    assert opened[:len(cut)] == cut
