@@ -218,7 +218,8 @@ def model_init(out: str, preset: str, arch: str, seed: int, tie_embeddings: bool
                warm_start_steps: int | None, warm_start_lr: float) -> None:
     """Build a small Qwen2/Llama model (--preset) with a local byte-level tokenizer into OUT (HF format).
 
-    The warm start trains on the math workload's train split."""
+    The warm start trains on the math workload's train split (its default params, seed 0): a run
+    with another workload.seed evaluates it partly on problems it was taught."""
     from pydantic import ValidationError
 
     from astraflow.configerrors import option_errors
