@@ -1,5 +1,5 @@
-"""A start-up check of the HF engine (``hf_engine``): that its cached decoding step gives the
-model's own distribution."""
+"""What the HF engine (``hf_engine``) checks of a model: at start, that its cached decoding step
+gives the model's own distribution; per cache, whether rows can be copied between its rows."""
 
 from __future__ import annotations
 
@@ -49,3 +49,15 @@ def check_cached_decoding(engine: Any, both_masks: bool) -> None:
     raise ValueError(f"the HF engine's cached decoding of {kind} models differs from their full forward by "
                      f"{min(gaps):.3g} nats (tolerance {tolerance}): rollouts would be sampled from a wrong "
                      "distribution; this architecture cannot be served by the HF engine")
+
+
+def row_indexable(cache: Any) -> bool:
+    """Whether ``cache`` is transformers' plain per-layer key/value cache, whose rows can be
+    selected and repeated (``batch_select_indices``) without other state to keep in step."""
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+    except ImportError:  # a transformers without per-layer caches
+        return False
+    layers = getattr(cache, "layers", None)
+    return (type(cache) is DynamicCache and bool(layers)
+            and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers))

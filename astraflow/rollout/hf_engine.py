@@ -52,7 +52,7 @@ import torch
 
 from astraflow.agents.chat import turn_stop_ids
 from astraflow.rollout.engine import SWAP_MIN_REMAINING, Generation, SamplingParams
-from astraflow.rollout.hf_checks import check_cached_decoding
+from astraflow.rollout.hf_checks import check_cached_decoding, row_indexable
 from astraflow.rollout.seeds import seeded, uniforms
 
 log = logging.getLogger("astraflow.rollout")
@@ -132,6 +132,9 @@ class HFEngine:
         if not 0 <= self._pad_id < self._vocab:
             raise ValueError(f"HFEngine: the tokenizer's pad/eos id {self._pad_id} lies outside the model's "
                              f"{self._vocab} embeddings: the tokenizer belongs to another model")
+        #: the prefill forwards each distinct prompt of a batch once (``_prefill``); turned off
+        #: where the model's KV cache cannot be indexed by row
+        self.share_prefill = True
         self.model.eval()  # no dropout: the check compares two forwards
         # before a cast: the architecture's own behaviour, not bf16 rounding
         check_cached_decoding(self, both_masks=True)
@@ -160,7 +163,7 @@ class HFEngine:
         self._decoding = False
         self._loop_task: asyncio.Task | None = None
         self._stats = dict(tokens=0, requests=0, batches=0, busy_seconds=0.0, weight_swaps=0,
-                           decode_steps=0, reencoded_rows=0)
+                           decode_steps=0, reencoded_rows=0, prefill_rows=0)
 
     # -- protocol ------------------------------------------------------------------------
     async def generate(self, prompt_tokens: list[int], params: SamplingParams) -> Generation:
@@ -339,8 +342,7 @@ class HFEngine:
         seeds = np.array([r.seed for r in batch], dtype=np.uint64)
         active = [True] * n
 
-        # prefill
-        logits, cache = self._forward(ids, mask, None)
+        logits, cache = self._prefill(batch, ids, mask)
         for _step in range(max_new):
             draws = np.array([len(r.tokens) for r in batch], dtype=np.uint64)
             tok, lp = self._sample(logits, temps, greedy, top_p, uniforms(seeds, draws))
@@ -374,6 +376,32 @@ class HFEngine:
                 logits, cache = self._forward(ids, mask, None)
             else:
                 logits, cache = self._forward(ids[:, -1:], mask, cache)
+
+    def _prefill(self, batch: list[_Request], ids: torch.Tensor, mask: torch.Tensor):
+        """The batch's first forward. Where rows repeat a prompt (a group's samples share theirs),
+        each distinct prompt is forwarded once and its logits and KV cache copied to the rows that
+        have it: the same numbers for a fraction of the work. A cache that cannot be indexed by row
+        turns this off for good (the full forward then runs, as for a batch of distinct prompts)."""
+        slot: dict[tuple[int, ...], int] = {}
+        heads, rows = [], []
+        for i, r in enumerate(batch):
+            key = tuple(r.prompt)
+            if key not in slot:
+                slot[key] = len(heads)
+                heads.append(i)
+            rows.append(slot[key])
+        if not self.share_prefill or len(heads) == len(batch):
+            self._stats["prefill_rows"] += len(batch)
+            return self._forward(ids, mask, None)
+        first = torch.tensor(heads, device=ids.device)
+        logits, cache = self._forward(ids[first], mask[first], None)
+        if not row_indexable(cache):
+            self.share_prefill = False
+            return self._prefill(batch, ids, mask)
+        index = torch.tensor(rows, device=ids.device)
+        cache.batch_select_indices(index)
+        self._stats["prefill_rows"] += len(heads)
+        return logits[index], cache
 
     @staticmethod
     def _steps_left(batch: list[_Request], active: list[bool]) -> int:

@@ -35,9 +35,10 @@ def _model(config_cls, **kw):
 
 
 def _engine_vs_trainer(engine: HFEngine) -> float:
-    """Largest gap between the engine's sampled log-probs and the trainer's teacher-forced ones."""
+    """Largest gap between the engine's sampled log-probs and the trainer's teacher-forced ones;
+    every prompt twice, as a group's samples share theirs (the shared prefill, or its fallback)."""
     tok = engine.tokenizer
-    prompts = [tok.encode(s, add_special_tokens=False) for s in PROMPTS]
+    prompts = [tok.encode(s, add_special_tokens=False) for s in PROMPTS] * 2
 
     async def go():
         return await asyncio.gather(*[engine.generate(p, SamplingParams(max_new_tokens=16, temperature=1.0))
@@ -63,6 +64,7 @@ def test_a_state_space_model_decodes_its_own_distribution():
     engine = HFEngine(model, tokenizer=tok, device="cpu", seed=1)
     assert engine._step_mask_only  # the full row's mask in a cached step corrupts its state
     assert _engine_vs_trainer(engine) < 1e-3
+    assert not engine.share_prefill  # its cache holds states, not rows of keys and values: every row forwarded
 
 
 def test_an_attention_model_keeps_the_full_mask_and_matches():
@@ -71,6 +73,7 @@ def test_an_attention_model_keeps_the_full_mask_and_matches():
     model, tok = _model(GPT2Config, n_embd=64, n_layer=2, n_head=4, n_positions=128)
     engine = HFEngine(model, tokenizer=tok, device="cpu", seed=1)
     assert not engine._step_mask_only and _engine_vs_trainer(engine) < 1e-3
+    assert engine.share_prefill and engine.stats()["prefill_rows"] == len(PROMPTS)
 
 
 def test_a_model_that_fails_in_bf16_is_refused_naming_fp32():

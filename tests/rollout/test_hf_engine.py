@@ -208,3 +208,34 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_and_names_the_setting(monkeypat
     assert [r.getMessage() for r in caplog.records] == [
         "rollout.engine.dtype: bf16 on a CPU without native bf16 (AVX512-BF16 or AMX) is emulated and slower "
         "than fp32 here; set rollout.engine.dtype=fp32"]
+
+
+def test_a_batch_that_repeats_prompts_forwards_each_once_with_the_same_numbers(tiny_model):
+    """A group's samples share their prompt: the prefill runs once per distinct prompt and its
+    logits and KV cache go to every row that has it; tokens and log-probs are what a forward of
+    every row gives."""
+    from dataclasses import replace
+
+    base = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=())
+
+    def run(share):
+        eng = HFEngine(tiny_model, seed=1)
+        eng.share_prefill = share
+        prompts = _prompts(eng.tokenizer)[:2]
+        rows = [(p, replace(base, seed=k)) for p in prompts for k in range(4)]  # two groups of four
+        rows.append((prompts[0], replace(base, greedy=True)))
+        gens = asyncio.run(_gather_each(eng, rows))
+        return gens, eng.stats()
+
+    shared, st = run(True)
+    alone, st_alone = run(False)
+    assert st["batches"] == st_alone["batches"] == 1
+    assert (st["prefill_rows"], st_alone["prefill_rows"]) == (2, 9)
+    for a, b in zip(shared, alone):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert len({tuple(g.tokens.tolist()) for g in shared[:4]}) > 1  # the group's samples still differ
+
+
+async def _gather_each(engine, rows):
+    return await asyncio.gather(*[engine.generate(p, params) for p, params in rows])
