@@ -25,7 +25,10 @@ follows it. Re-encoding costs a prefill of every row, which for short generation
 than the few fresher tokens are worth (a sequence's staleness is set by its oldest token
 anyway).
 
-Requests that arrive while a batch is decoding wait for the next batch.
+Requests that arrive while a batch is decoding wait for the next batch. A batch's prefill
+forwards each distinct prompt once (a group's samples share theirs) and copies its KV cache to
+the rows that have it; each row samples from a stream of its own (``seeds``), so neither the
+sharing nor the batch's other rows change a request's tokens.
 
 The forward passes run on the event loop's own thread, one step at a time, yielding to the
 loop between steps (finished episodes, lease replies and new requests are handled there).
