@@ -420,15 +420,16 @@ class Buffers:
     def end_run(self, keep_served: bool = False) -> None:
         """Every buffered item is dropped (``run_ended``), every served batch never committed
         too (``served_not_trained``), unless ``keep_served``: the run stopped before its end and
-        is to be resumed. Those batches then stay served, their tasks open, and the resumed
-        trainer's ``put_back`` returns them to the buffer, as after a killed run."""
+        is to be resumed. The buffers and those batches then stay, their tasks open: the resume
+        trains the buffered groups, and the resumed trainer's ``put_back`` returns the batches
+        to the buffer, as after a killed run."""
         for policy, buf in self.ready.items():
+            if keep_served:
+                continue
             for grp in buf:
                 self._touch("ready", policy, grp.ingest_seq)
                 self.settle(policy, grp.items, "run_ended")
             buf.clear()
-            if keep_served:
-                continue
             for version, served in self.serving[policy].items():
                 self._touch("serving", policy, version)
                 self.settle(policy, served, "served_not_trained")

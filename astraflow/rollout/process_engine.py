@@ -62,7 +62,8 @@ log = logging.getLogger("astraflow.rollout")
 
 
 #: ``HFEngine.stats()`` keys (reported as zeros until the first reply)
-STAT_KEYS = ("tokens", "requests", "batches", "busy_seconds", "weight_swaps", "decode_steps", "reencoded_rows")
+STAT_KEYS = ("tokens", "requests", "batches", "busy_seconds", "weight_swaps", "decode_steps", "reencoded_rows",
+             "prefill_rows")
 #: seconds ``ProcessEngine`` waits for the engine process to load its model
 START_TIMEOUT_S = 300.0
 #: seconds between two looks, while an engine process starts, at whether the engine was closed

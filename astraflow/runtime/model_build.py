@@ -200,7 +200,10 @@ def held_out_trained_on(model: Path, init: ModelInit | None, workload: WorkloadC
         before = make_workload(then["name"], {**then["params"], "seed": then["seed"]}, then["seed"])
         now = make_workload(workload.name, dict(workload.params or {}), workload.seed)
         trained = {before.render_prompt(p) for p in before.tasks("train")}
-        held_out = [now.render_prompt(p) for p in now.tasks("test")]
+        # what the run evaluates: the held-out split's first eval.num_prompts (a second set whole)
+        tests = now.tasks("test")
+        main = [p for p in tests if "eval_set" not in p][:workload.eval.num_prompts]
+        held_out = [now.render_prompt(p) for p in main + [p for p in tests if "eval_set" in p]]
     except Exception:
         return None
     seen = sum(p in trained for p in held_out)

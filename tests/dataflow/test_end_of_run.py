@@ -127,3 +127,33 @@ def test_a_stopped_run_rolls_out_first_the_prompts_of_the_groups_it_cut_short(tm
 
     opened = run(resume())
     assert opened[:len(cut)] == cut
+
+
+def test_groups_buffered_at_a_stop_are_trained_after_the_resume(tmp_path):
+    """Groups whose rollout ended but that no batch took yet stay in the buffer for the resume
+    (their tasks open), instead of ending as ``run_ended`` with their prompts skipped for the epoch."""
+    paths = Paths(tmp_path)
+    old = paths.layer()
+
+    async def stop():
+        await Node(old).roll(10)  # two groups complete and buffered (a batch is 8 of 16), one half done
+        buffered = {it.task_id for grp in old.buffers.ready["p"] for it in grp.items}
+        summary = await old.finish(completed=False)
+        await old.close()
+        return buffered, summary
+
+    buffered, summary = run(stop())
+    assert len(buffered) == 8 and summary["kept_for_resume"] == 8
+    ended = {x["t"] for x in paths.journal_lines() if x["e"] == "dropped"}
+    assert ended and not buffered & ended  # the cut-short group's tasks ended; the buffered ones are open
+    resumed = paths.layer()
+
+    async def resume():
+        batch = await resumed.next_batch("p", 0, timeout=5)
+        taken = {i.task_id for i in batch.items}
+        await resumed.finish()
+        await resumed.close()
+        return taken
+
+    assert run(resume()) == buffered  # the resume's first batch is what the stop left buffered
+    assert _ended_once(paths.journal_lines())["consumed"] == 0  # served, never committed: the end drops them
