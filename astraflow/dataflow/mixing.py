@@ -186,7 +186,10 @@ class Mixer:
         order, epoch = state["order"], state["epoch"]
         if isinstance(order, list):  # saved before sources existed: one source ""
             order, epoch = {"": order}, {"": epoch}
-        if set(order) == set(self.weights):
+        if set(order) == set(self.weights) and not all(set(o) <= set(self.by_source[s]) for s, o in order.items()):
+            log.warning("the workload's training prompts changed since the run was saved (its orders name "
+                        "prompts it no longer has): prompt orders start fresh")
+        elif set(order) == set(self.weights):
             self.order = {s: list(o) for s, o in order.items()}
             self.epoch = {s: int(e) for s, e in epoch.items()}
         else:

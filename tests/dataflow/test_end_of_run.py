@@ -157,3 +157,34 @@ def test_groups_buffered_at_a_stop_are_trained_after_the_resume(tmp_path):
 
     assert run(resume()) == buffered  # the resume's first batch is what the stop left buffered
     assert _ended_once(paths.journal_lines())["consumed"] == 0  # served, never committed: the end drops them
+
+
+def test_a_resume_whose_workload_has_fewer_prompts_starts_its_orders_afresh(tmp_path):
+    """The saved prompt order names prompts of the old workload's train split; a resumed config
+    with fewer of them must not lease from indices past its end."""
+    from astraflow.dataflow.config import DataflowConfig
+
+    paths = Paths(tmp_path)
+    old = paths.layer()
+
+    async def stop():
+        await Node(old).roll(6)
+        await old.finish(completed=False)
+        await old.close()
+
+    run(stop())
+    resumed = DataLayer(
+        dataflow=DataflowConfig(batch_size=8),
+        workload=WorkloadConfig(name="math", params={**MATH, "num_train": 10}, group_size=4,
+                                eval=EvalConfig(every=0, num_prompts=3)),
+        policies=["p"], store_url=paths.url, metrics_path=str(paths.metrics), max_steps=5,
+        state_path=str(paths.state), snapshot_path=str(paths.snapshot), journal_path=str(paths.journal))
+
+    async def lease():
+        tasks = await resumed.lease("n1", 4)
+        await resumed.finish()
+        await resumed.close()
+        return tasks
+
+    assert len(run(lease())) == 4
+    assert all(0 <= i < 10 for i in resumed.mixer.order[""])
