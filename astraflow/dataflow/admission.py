@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from astraflow.contracts import RolloutTask
+from astraflow.dataflow.buffers import prompt_key
 
 
 @dataclass
@@ -260,14 +261,14 @@ def refill(layer: Any) -> None:
         proposals += 1
         idx = mixer.next_prompt(source)
         payload = layer._train[idx]
-        if not layer.curator.accept(f"p{idx}", payload):
+        if not layer.curator.accept(prompt_key(idx), payload):
             buffers.counts[first]["curator_skipped"] += 1
             continue
         if layer.budget is not None:
             layer.budget -= 1
             if layer.budget_sources is not None:
                 layer.budget_sources[source] -= 1
-        grp = buffers.open_group(f"p{idx}", source)
+        grp = buffers.open_group(prompt_key(idx), source)
         mixer.groups_created[source] += 1
         for tid in grp.task_ids:
             layer.leases.add(RolloutTask(task_id=tid, group_id=grp.group_id, policies=tuple(layer.policy_names),

@@ -46,7 +46,7 @@ from astraflow.lane import LaneServed
 from astraflow.dataflow import admission, durable
 from astraflow.dataflow import record as rec
 from astraflow.dataflow import rules as R
-from astraflow.dataflow.buffers import Buffers, RolloutGroup
+from astraflow.dataflow.buffers import Buffers, RolloutGroup, prompt_index
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.dataflow.evals import EvalRounds
 from astraflow.dataflow.leases import Leases
@@ -57,6 +57,7 @@ from astraflow.dataflow.serving import BatchTimeout, TrainerFacing
 from astraflow.transport import PackedDict
 from astraflow.workloads.base import make_workload
 from astraflow.workloads.config import WorkloadConfig
+from astraflow.workloads.split import evaluated
 from storage.trajectories import open_trajectory_store
 
 __all__ = ["BatchTimeout", "DataLayer"]
@@ -119,9 +120,7 @@ class DataLayer(NodeFacing, TrainerFacing, LaneServed):
         if not self._train and max_steps > 0:
             raise ValueError(empty_train_split(workload.name, workload.params))
         held_out = wl.tasks("eval")
-        # eval.num_prompts bounds the held-out split; a second set (``eval_set``) comes whole
-        evals = ([p for p in held_out if "eval_set" not in p][: workload.eval.num_prompts]
-                 + [p for p in held_out if "eval_set" in p])
+        evals = evaluated(held_out, workload.eval.num_prompts)
         self._started = time.time()
         #: one random stream for prompt orders and replay sampling (saved with the run)
         rng = random.Random(seed)
@@ -311,8 +310,8 @@ class DataLayer(NodeFacing, TrainerFacing, LaneServed):
         orders (their tasks end as ``run_ended``; without this the resume would go on after them)."""
         by_source: dict[str, list[int]] = {}
         for grp in self.buffers.rolling.values():
-            if grp.kind == "train" and grp.prompt_key[:1] == "p" and grp.prompt_key[1:].isdigit():
-                by_source.setdefault(grp.source, []).append(int(grp.prompt_key[1:]))
+            if grp.kind == "train" and (index := prompt_index(grp.prompt_key)) is not None:
+                by_source.setdefault(grp.source, []).append(index)
         for source, indices in by_source.items():
             if source in self.mixer.order:
                 self.mixer.put_back(source, indices)

@@ -22,6 +22,7 @@ from astraflow.runtime.stopping import disk_full
 from astraflow.training.config import ModelInit
 from astraflow.workloads.base import make_workload, workload_class
 from astraflow.workloads.config import WorkloadConfig
+from astraflow.workloads.split import evaluated
 
 
 class ModelDirError(ValueError):
@@ -200,10 +201,7 @@ def held_out_trained_on(model: Path, init: ModelInit | None, workload: WorkloadC
         before = make_workload(then["name"], {**then["params"], "seed": then["seed"]}, then["seed"])
         now = make_workload(workload.name, dict(workload.params or {}), workload.seed)
         trained = {before.render_prompt(p) for p in before.tasks("train")}
-        # what the run evaluates: the held-out split's first eval.num_prompts (a second set whole)
-        tests = now.tasks("test")
-        main = [p for p in tests if "eval_set" not in p][:workload.eval.num_prompts]
-        held_out = [now.render_prompt(p) for p in main + [p for p in tests if "eval_set" in p]]
+        held_out = [now.render_prompt(p) for p in evaluated(now.tasks("eval"), workload.eval.num_prompts)]
     except Exception:
         return None
     seen = sum(p in trained for p in held_out)

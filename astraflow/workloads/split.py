@@ -15,3 +15,9 @@ def is_held_out(key: str, seed: object, fraction: float) -> bool:
     [0, 1) fixed by ``seed`` and ``key`` falls below ``fraction``."""
     digest = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2**64 < fraction
+
+
+def evaluated(held_out: list[dict], num_prompts: int) -> list[dict]:
+    """The prompts a run evaluates of a workload's ``tasks("eval")``: the first ``num_prompts``
+    of its held-out split, and a second set (payloads with ``eval_set``) whole."""
+    return [p for p in held_out if "eval_set" not in p][:num_prompts] + [p for p in held_out if "eval_set" in p]
