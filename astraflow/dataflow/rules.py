@@ -125,8 +125,8 @@ class GroupView:
     """What a group filter whose ``keep`` has a second argument named ``group`` sees of the group
     besides its rewards: the policy it is routed to, the payload's source (a mixture's), and per
     sequence, in the order of ``rewards``, how it ended (``stop``; ``length``: cut by its token
-    budget, or an agentic episode truncated; ``abort``), its tokens and the tokens this policy
-    generated in it."""
+    budget, or an agentic episode truncated or ended on a cut turn; ``abort``), its tokens and
+    the tokens this policy generated in it."""
 
     policy: str
     source: str

@@ -66,10 +66,12 @@ class AgentWorkflow(WorkflowBase):
 def episode_sequence(log: EpisodeLog) -> Sequence:
     """The stored sequence of an episode: its reward is the episode's return (final plus
     per-turn rewards), which GRPO normalises within the group, so every generated token of the
-    episode gets the same advantage; ``rewards`` keeps the two parts."""
+    episode gets the same advantage; ``rewards`` keeps the two parts. It ended by ``length`` when
+    the episode was truncated or its last model turn was cut by its token budget (an answer the
+    environment graded cut short), as a single-turn completion cut so did."""
     arrays = log.arrays()
     policy_ids = np.where(arrays["loss_mask"], 0, NOT_GENERATED).astype(np.int16)
     return Sequence(tokens=arrays["tokens"], loss_mask=arrays["loss_mask"], logprobs=arrays["logprobs"],
                     policy_ids=policy_ids, versions=arrays["versions"], reward=log.reward,
                     rewards={"final": log.final_reward, "turns": float(sum(log.turn_rewards))},
-                    finish_reason="length" if log.truncated else "stop")
+                    finish_reason="length" if log.truncated or log.finish_reason == "length" else "stop")

@@ -64,3 +64,13 @@ def test_the_bounds_hold_where_a_workload_gives_its_own_default():
 
     with pytest.raises(ValidationError, match="invalid_call_penalty 2.0: give a number from 0 to 1"):
         Params()
+
+
+def test_an_answer_cut_by_its_budget_is_stored_as_cut(tok):
+    """The environment graded (and ended on) a final answer the token budget cut short: the
+    sequence ended by ``length``, as a cut single-turn completion does (what an overlong filter
+    reads); one that ended on its stop token ended by ``stop``."""
+    cut = run(scripted(tok, ["5" * 40]), tok, SumEnv(), max_new_tokens=4)
+    assert cut.done and cut.truncated is None and episode_sequence(cut).finish_reason == "length"
+    whole = run(scripted(tok, ["5"]), tok, SumEnv(), max_new_tokens=4)
+    assert whole.done and episode_sequence(whole).finish_reason == "stop"
