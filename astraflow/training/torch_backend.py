@@ -10,8 +10,10 @@ not finite. Sequences with advantage 0 add exactly nothing to the ``ppo_clip``/`
 its gradient and are not computed (``skip_zero_advantage``; early in GRPO whole groups score
 alike); the loss statistics are then over the trained sequences. ``kl_coef`` adds GRPO's KL
 penalty to the model the trainer started from (a frozen copy, one more forward per micro-batch;
-every sequence is then trained). ``precision="bf16"`` runs the
-forward/backward under bf16 autocast (the weights, gradients and AdamW state stay fp32).
+every sequence is then trained). Each distinct prompt of a micro-batch is forwarded once, its
+key/value cache repeated for the samples that share it (``share_prompt``, ``training.prefix``).
+``precision="bf16"`` runs the forward/backward under bf16 autocast (the weights, gradients and
+AdamW state stay fp32).
 ``publish`` hands the current weights, under their HF names, to the weight store, the
 parameters cast to ``publish_dtype`` (``bf16`` halves every version; the fp32 master weights
 stay as they are).
@@ -29,7 +31,8 @@ import torch
 from astraflow.batches import Batch
 from astraflow.probe import make_probe
 from astraflow.training.algorithms import advantages, user_loss
-from astraflow.training.grpo import collate, grpo_loss, m2_keep_mask, token_logprobs
+from astraflow.training.grpo import collate, grpo_loss, m2_keep_mask
+from astraflow.training.prefix import PrefixSharing
 from astraflow.training.numerics import refuse_nonfinite
 
 
@@ -64,6 +67,7 @@ class TorchBackend:
         advantage: str = "grpo",
         loss_fn: str = "grpo",
         kl_coef: float = 0.0,
+        share_prompt: bool = True,
     ) -> None:
         from astraflow.models import load_model, resolve_device, warn_if_bf16_is_emulated
         from astraflow.training.algorithms import advantage_fn, is_builtin_loss
@@ -83,6 +87,10 @@ class TorchBackend:
                               else publish_dtype)
         #: skip the forward/backward of sequences whose advantage is 0 (same step, less work)
         self.skip_zero_advantage = skip_zero_advantage
+        #: each distinct prompt of a micro-batch forwarded once (``training.prefix``); not for a
+        #: loss of the user's, which may read the log-probs of prompt tokens
+        self.prefix = PrefixSharing(share_prompt and self.custom_loss is None,
+                                    atol=5e-2 if precision == "bf16" else 1e-3)
         torch.manual_seed(seed)
         self.model, self.tokenizer = load_model(model_path)
         self.device = resolve_device(device)
@@ -113,7 +121,7 @@ class TorchBackend:
         self._param_names = {k for k, _ in self.model.named_parameters(remove_duplicate=False)}
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        t0 = time.perf_counter()
+        t0, forwarded = time.perf_counter(), self.prefix.forwarded
         # eval mode for the policy-gradient pass too: with dropout on, the new log-probs of an
         # on-policy batch would differ from the engine's (a ratio away from 1, clipped at random)
         self.model.eval()
@@ -141,7 +149,7 @@ class TorchBackend:
             att = c.attention_mask[sl, :width].to(self.device)
             lm = c.loss_mask[sl, :width].to(self.device)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
-                new = token_logprobs(self.model, tok, att)  # its log-softmax is fp32 either way
+                new = self.prefix.logprobs(self.model, tok, att, lm)  # its log-softmax is fp32 either way
             old, adv = c.old_logprobs[sl, :width].to(self.device), c.advantages[sl].to(self.device)
             if self.custom_loss is not None:
                 loss, st = user_loss(self.custom_loss, self.loss_name, new, old, adv, lm, self.clip_low,
@@ -180,6 +188,7 @@ class TorchBackend:
             "num_tokens": float(total_tokens),
             "num_sequences": float(B),
             "trained_sequences": float(len(rows)),
+            "forwarded_tokens": float(self.prefix.forwarded - forwarded),
             "reward_mean": float(c.rewards.mean()),
             "advantage_abs_mean": float(c.advantages.abs().mean()),
             "nonfinite_skipped": float(not finite),
@@ -193,7 +202,7 @@ class TorchBackend:
         ``d = ref - new`` (never negative, unbiased; GRPO's penalty), 0 off the mask."""
         with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16,
                                              enabled=self.precision == "bf16"):
-            ref = token_logprobs(self.reference, tok, att)
+            ref = self.prefix.logprobs(self.reference, tok, att, mask)
         # off the mask 0 (a prompt token's gap may be huge: exp of it would make inf * 0 = nan),
         # and bounded, as a ratio this far from 1 would be clipped anyway
         d = torch.where(mask.bool(), ref.float() - new.float(), 0.0).clamp(-20.0, 20.0)
@@ -208,8 +217,9 @@ class TorchBackend:
                 sl = rows[s : s + mb]
                 width = int(c.attention_mask[sl].sum(-1).max())
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
-                    new = token_logprobs(self.model, c.tokens[sl, :width].to(self.device),
-                                         c.attention_mask[sl, :width].to(self.device))
+                    new = self.prefix.logprobs(self.model, c.tokens[sl, :width].to(self.device),
+                                               c.attention_mask[sl, :width].to(self.device),
+                                               c.loss_mask[sl, :width].to(self.device))
                 log_ratio[sl, :width] = (new.float().cpu() - c.old_logprobs[sl, :width])
         return m2_keep_mask(log_ratio, c.loss_mask, self.m2_tau)
 

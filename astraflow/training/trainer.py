@@ -56,7 +56,7 @@ def make_backend(cfg: TrainerConfig, model_path: str, seed: int) -> TrainerBacke
             off_policy=cfg.off_policy, is_cap=cfg.is_cap, m2_tau=cfg.m2_tau, device=cfg.device,
             skip_zero_advantage=cfg.skip_zero_advantage, precision=cfg.precision,
             publish_dtype=cfg.resolved_publish_dtype, advantage=cfg.advantage, loss_fn=cfg.loss_fn,
-            kl_coef=cfg.kl_coef,
+            kl_coef=cfg.kl_coef, share_prompt=cfg.share_prompt,
         )
     if cfg.backend == "megatron":
         from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig

@@ -228,3 +228,18 @@ def test_a_model_with_dropout_trains_on_policy_at_ratio_one(tiny_model, tmp_path
     assert be.model.config.attention_dropout == 0.5
     out = be.train_step(_batch(be.model, be.tokenizer))
     assert abs(out["ratio_mean"] - 1.0) < 1e-4 and out["clip_frac"] == 0.0 and abs(out["approx_kl"]) < 1e-6
+
+
+@pytest.mark.parametrize("settings", [{}, {"off_policy": "m2po"}, {"kl_coef": 0.1}, {"micro_batch_size": 2}])
+def test_sharing_the_prompt_is_the_same_step(tiny_model, settings):
+    """Each distinct prompt forwarded once (``share_prompt``): the gradients of a plain step, for
+    fewer forwarded tokens, with M2PO's mask, a KL penalty and micro-batches alike."""
+    whole = TorchBackend(tiny_model, lr=1e-3, share_prompt=False, device="cpu", **settings)
+    shared = TorchBackend(tiny_model, lr=1e-3, device="cpu", **settings)
+    batch = _batch(whole.model, whole.tokenizer)
+    a, b = whole.train_step(batch), shared.train_step(batch)
+    assert b["forwarded_tokens"] < a["forwarded_tokens"]
+    assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4
+    gb = dict(shared.model.named_parameters())
+    for k, p in whole.model.named_parameters():
+        assert torch.allclose(p.grad, gb[k].grad, atol=1e-6), k
