@@ -26,18 +26,21 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 _PIP_NAMES = {"google": "protobuf", "sklearn": "scikit-learn", "yaml": "pyyaml"}
 
 
-def check_model_dir(path: str | Path, tokenizer: bool = True) -> None:
+def check_model_dir(path: str | Path, tokenizer: bool = True, against_model: bool = True) -> None:
     """Check, reading no more than the weight files' headers, that ``path`` is an HF causal-LM
     directory this transformers loads: a ``config.json`` of a causal-LM ``model_type`` it knows (and
     causal-LM ``architectures``), readable weight files that hold every weight the model needs, and
     (``tokenizer``) a tokenizer that loads, encodes and fits the model's vocabulary. ``ValueError``
-    naming the directory and the fix."""
+    naming the directory and the fix. ``against_model=False`` leaves out comparing the weights'
+    names and shapes with the model the config describes: building that model imports the
+    architecture's modelling code, most of a check's time, which a process that will not load the
+    model itself (a node whose engine process does, and checks there) need not spend."""
     p = Path(path)
     _check_architecture(p)
     if not any((p / f).is_file() for f in WEIGHT_FILES):
         raise ValueError(f"{p} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)}); copy the "
                          "checkpoint's weight files into it, or save the model there with save_pretrained")
-    _check_weight_files(p)
+    _check_weight_files(p, against_model)
     _check_generation_config(p)
     if tokenizer:
         load_tokenizer(p)
@@ -64,11 +67,11 @@ _WEIGHTS_FIX = ("copy the checkpoint's weight files into it again (every shard),
                 "or save the model there with save_pretrained")
 
 
-def _check_weight_files(p: Path) -> None:
+def _check_weight_files(p: Path, against_model: bool = True) -> None:
     """The weight files ``from_pretrained`` reads (the first of ``WEIGHT_FILES``; an index's shards)
     exist and are not empty, each safetensors header parses and covers its whole file (a truncated one
-    does not) and their tensors name every weight the model needs (``_missing_weights``): caught here,
-    not once a run's workers load them."""
+    does not) and (``against_model``) their tensors name every weight the model needs
+    (``_missing_weights``), in its shapes: caught here, not once a run's workers load them."""
     from safetensors import SafetensorError, safe_open
 
     first = next(p / f for f in WEIGHT_FILES if (p / f).is_file())
@@ -96,7 +99,7 @@ def _check_weight_files(p: Path) -> None:
                                  f"{_WEIGHTS_FIX}") from None
         elif f.suffix == ".bin":
             shapes.update(_bin_shapes(f))
-    if shapes and all(f.suffix in (".safetensors", ".bin") for f in files):
+    if against_model and shapes and all(f.suffix in (".safetensors", ".bin") for f in files):
         model = _meta_model(p)
         missing = _missing_weights(model, set(shapes)) if model is not None else []
         if missing:

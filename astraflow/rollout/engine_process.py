@@ -27,6 +27,13 @@ def engine_main(conn, model_path: str, max_batch: int, seed: int, device: str, t
     import torch
 
     torch.set_num_threads(threads)
+    try:  # the check the node left to this process, which imports the modelling code anyway
+        from astraflow.models import check_model_dir
+
+        check_model_dir(model_path, tokenizer=False)
+    except ValueError as err:  # the node raises it as the same ValueError a check there would have
+        conn.send(("refused", str(err)))
+        return
     try:
         from astraflow.rollout.hf_engine import HFEngine
 

@@ -20,7 +20,10 @@ semantics rely on):
   version plus a delta (``weight_sync.VersionReader``; what the node's weight watcher sends:
   the weights never cross the pipe); ``("close",)``.
 * engine -> node: ``("ready", version)`` once, or ``("error", text)`` when the engine could
-  not start (the node fails the start with that text); ``("results", [(id, Generation | error
+  not start (the node fails the start with that text), or ``("refused", text)`` when the model
+  directory failed the part of its check the node leaves to the engine process (the weights
+  against the model the config describes: a ``ValueError`` with that text, as the node's own
+  check would have raised); ``("results", [(id, Generation | error
   text), ...], stats, version)`` — every request finished in one tick of the engine's loop;
   ``("loaded", record)`` (how a ``load`` was read: mode, seconds, delta statistics);
   ``("accepted", version)`` (the engine took the version's weights: every request after them
@@ -88,7 +91,9 @@ class ProcessEngine:
                  visible_devices: str | None = None):
         from astraflow.models import check_model_dir, load_tokenizer
 
-        check_model_dir(model_path, tokenizer=False)  # a bad directory fails here, before a process starts
+        # a bad directory fails here, before a process starts; the weights are compared with the
+        # model the config describes in the engine process, which imports its modelling code anyway
+        check_model_dir(model_path, tokenizer=False, against_model=False)
         self.version = version
         # what each engine process starts with
         self._args = (str(model_path), max_batch_size, seed, device, threads, swap_min_remaining, dtype,
@@ -121,7 +126,7 @@ class ProcessEngine:
         except BaseException:
             self._abandon()
             raise
-        self._await_ready(version)
+        self._await_ready(version, refused=ValueError)
 
     def _spawn(self, version: int) -> None:
         """Start an engine process holding the model directory's weights as ``version``, wait
@@ -138,7 +143,10 @@ class ProcessEngine:
         proc.start()
         child_conn.close()  # the child holds its end; ours closing lets us see its death as EOF
 
-    def _await_ready(self, version: int) -> None:
+    def _await_ready(self, version: int, refused: type[Exception] | None = None) -> None:
+        """Wait for the engine process's first message. A model directory it refused raises
+        ``refused(text)`` where given (the first start: the check's own ``ValueError``), else
+        ``EngineProcessError`` as any start failure (a restart, which the node retries)."""
         conn, proc = self._conn, self._proc
         path, timeout = self._args[0], self._start_timeout
         deadline = time.monotonic() + timeout
@@ -159,7 +167,10 @@ class ProcessEngine:
             ) from None
         if msg[0] != "ready":
             self._abandon()
-            raise EngineProcessError(f"the engine process failed to start: {msg[1]}")
+            if msg[0] == "refused" and refused is not None:
+                raise refused(msg[1])
+            why = f"ValueError: {msg[1]}" if msg[0] == "refused" else msg[1]
+            raise EngineProcessError(f"the engine process failed to start: {why}")
         self.version = self.confirmed_version = version
         self._dead = None
         self._reader = threading.Thread(target=self._read, args=(conn, proc), name="engine-reader", daemon=True)

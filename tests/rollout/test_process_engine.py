@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from astraflow import model_loading
 from astraflow.models import load_model
 from astraflow.rollout.engine import SamplingParams
 from astraflow.rollout.hf_engine import HFEngine
@@ -194,7 +195,7 @@ def test_a_close_during_a_restart_leaves_no_engine_process(tiny_model):
 
 
 @pytest.mark.timeout(120)
-def test_a_model_that_cannot_load_is_a_start_error(tiny_model, tmp_path):
+def test_a_model_that_cannot_load_is_a_start_error(tiny_model, tmp_path, monkeypatch):
     broken = tmp_path / "broken"
     broken.mkdir()
     for f in tiny_model.iterdir():  # config, tokenizer and weights check out here; the model built
@@ -204,9 +205,16 @@ def test_a_model_that_cannot_load_is_a_start_error(tiny_model, tmp_path):
     (broken / "config.json").write_text(json.dumps({**config, "hidden_act": "no_such_activation"}))
     with pytest.raises(EngineProcessError, match="failed to start"):
         ProcessEngine(str(broken), max_batch_size=4, device="cpu")
-    # weights of other shapes than the config gives: refused before a process starts
+    # weights of other shapes than the config gives: the same ValueError, from the engine process,
+    # which compares them with the model it builds anyway (the node builds none)
     (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 8}))
-    with pytest.raises(ValueError, match="config.json does not describe the weights next to it"):
+
+    def no_model_in_the_node(path):
+        raise AssertionError(f"the node built the model of {path}")
+
+    with monkeypatch.context() as patch, \
+            pytest.raises(ValueError, match="config.json does not describe the weights next to it"):
+        patch.setattr(model_loading, "_meta_model", no_model_in_the_node)
         ProcessEngine(str(broken), max_batch_size=4, device="cpu")
     (broken / "config.json").write_text(json.dumps(config))
     (broken / "model.safetensors").write_bytes(b"not safetensors")  # unreadable: refused before a process starts
