@@ -36,7 +36,6 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from astraflow.rollout.config import RolloutConfig
@@ -50,6 +49,7 @@ from astraflow.rollout.engine_recovery import EngineRecovery
 from astraflow.rollout.loop_watchdog import unwatch_loop, watch_loop
 from astraflow.rollout.engines import make_engine
 from astraflow.rollout.failure_log import FailureLog
+from astraflow.rollout.identity import NodeIdentity
 from astraflow.rollout.node_episodes import NodeEpisodes
 from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.rollout.shared_loop import shared_loop
@@ -68,16 +68,6 @@ log = logging.getLogger("astraflow.rollout")
 HEARTBEAT_SECONDS = 1.0
 
 
-@dataclass(frozen=True)
-class NodeIdentity:
-    """Who the node is; stamped into every trajectory's provenance."""
-
-    name: str
-    partition: str | None = None
-    region: str | None = None
-    hardware: str | None = None
-    #: the worker the node shares with others (``rollout.nodes_per_worker``); None: its own
-    worker: str | None = None
 
 
 class RaaSNode(NodeEpisodes, EngineRecovery, FollowsDataLayer):

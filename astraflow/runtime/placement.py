@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import time
+import uuid
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -23,8 +24,9 @@ from distributed import Client
 
 from astraflow.codeversion import code_fingerprint, differences
 from astraflow.partition_settings import effective_rollout, effective_trainer
-from astraflow.rollout.node import NodeIdentity
+from astraflow.rollout.identity import NodeIdentity
 from astraflow.runtime.cluster import SchedulerProcess, connected_workers, last_error_line, repo_root
+from astraflow.runtime.construct import class_path, construct
 from astraflow.runtime.monitoring import write_orchestrator_info
 from astraflow.runtime.security import client_security, dashboard_token, run_tls
 from astraflow.runtime.workers import RunFailed, WorkerUnusable
@@ -126,8 +128,10 @@ class Placement:
         the worker runs other code than this process (`check_code`)."""
         address = self.joined()[worker]
         self.check_code(worker, address)
+        where = class_path(cls)  # the class by name: the scheduler need not import it (`construct`)
         return self.client.submit(  # type: ignore[union-attr]
-            cls, actor=True, workers=[address], allow_other_workers=False, **kwargs
+            construct, where, key=f"{cls.__name__}-{uuid.uuid4()}", actor=True, workers=[address],
+            allow_other_workers=False, **kwargs
         )
 
     def check_code(self, worker: str, address: str) -> None:
