@@ -71,3 +71,30 @@ def test_construct_builds_the_class_it_names():
     assert built == {"a": 1}
     assert class_path(_Recording) == f"{__name__}:_Recording"
     assert isinstance(construct(class_path(_Recording)), _Recording)
+
+
+class _Answering:
+    """A Dask client whose workers all run this process's code; it records each ``run``."""
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, func, workers, **kwargs):
+        self.runs.append(list(workers))
+        return {a: func() for a in workers}
+
+
+def test_the_workers_that_joined_are_asked_for_their_code_at_once(tmp_path, monkeypatch):
+    """Each worker hashes its sources when asked: asked one by one as each is placed on, the run
+    would wait for them in turn."""
+    from astraflow.config import ClusterConfig
+    from astraflow.runtime.progress import Progress
+
+    placement = Placement(RunPaths(tmp_path / "run").make(), ClusterConfig(), Progress(enabled=False))
+    placement.client = _Answering()
+    workers = {f"w{i}": f"tls://127.0.0.1:{i + 1}" for i in range(3)}
+    monkeypatch.setattr(placement, "joined", lambda: workers)
+    placement.wait_workers(list(workers), lambda: {})
+    for name, address in workers.items():
+        placement.check_code(name, address)
+    assert placement.client.runs == [list(workers.values())]
