@@ -19,6 +19,12 @@ def class_path(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def by_name(cls: type) -> bool:
+    """Whether a worker can import ``cls`` by its `class_path` (not one defined in a function or
+    in the ``__main__`` of the placing process, which Dask pickles by value)."""
+    return cls.__module__ != "__main__" and "<locals>" not in cls.__qualname__
+
+
 def construct(path: str, /, **kwargs: Any) -> Any:
     """An instance of the class at ``path`` (``module:qualname``), built with ``kwargs``."""
     module, _, qualname = path.partition(":")

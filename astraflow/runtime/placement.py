@@ -26,7 +26,7 @@ from astraflow.codeversion import code_fingerprint, differences
 from astraflow.partition_settings import effective_rollout, effective_trainer
 from astraflow.rollout.identity import NodeIdentity
 from astraflow.runtime.cluster import SchedulerProcess, connected_workers, last_error_line, repo_root
-from astraflow.runtime.construct import class_path, construct
+from astraflow.runtime.construct import by_name, class_path, construct
 from astraflow.runtime.monitoring import write_orchestrator_info
 from astraflow.runtime.security import client_security, dashboard_token, run_tls
 from astraflow.runtime.workers import RunFailed, WorkerUnusable
@@ -131,8 +131,9 @@ class Placement:
         address = self.joined()[worker]
         self.check_code(worker, address)
         where = class_path(cls)  # the class by name: the scheduler need not import it (`construct`)
+        args = (construct, where) if by_name(cls) else (cls,)  # else pickled by value, as Dask does
         return self.client.submit(  # type: ignore[union-attr]
-            construct, where, key=f"{cls.__name__}-{uuid.uuid4()}", actor=True, workers=[address],
+            *args, key=f"{cls.__name__}-{uuid.uuid4()}", actor=True, workers=[address],
             allow_other_workers=False, **kwargs
         )
 

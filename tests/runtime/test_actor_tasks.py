@@ -12,7 +12,7 @@ import sys
 
 from astraflow.dataflow.layer import DataLayer
 from astraflow.rollout.node import RaaSNode
-from astraflow.runtime.construct import class_path, construct
+from astraflow.runtime.construct import by_name, class_path, construct
 from astraflow.runtime.placement import Placement, data_layer_kwargs, node_kwargs, trainer_kwargs
 from astraflow.training.trainer import Trainer
 from storage.paths import RunPaths
@@ -71,6 +71,11 @@ def test_construct_builds_the_class_it_names():
     assert built == {"a": 1}
     assert class_path(_Recording) == f"{__name__}:_Recording"
     assert isinstance(construct(class_path(_Recording)), _Recording)
+
+    class Local:  # no worker could import it by name: placed as the class itself
+        pass
+
+    assert by_name(_Recording) and by_name(dict) and not by_name(Local)
 
 
 class _Answering:
