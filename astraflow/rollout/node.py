@@ -68,8 +68,6 @@ log = logging.getLogger("astraflow.rollout")
 HEARTBEAT_SECONDS = 1.0
 
 
-
-
 class RaaSNode(NodeEpisodes, EngineRecovery, FollowsDataLayer):
     """Dask actor: one rollout service."""
 

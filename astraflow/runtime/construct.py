@@ -20,15 +20,25 @@ def class_path(cls: type) -> str:
 
 
 def by_name(cls: type) -> bool:
-    """Whether a worker can import ``cls`` by its `class_path` (not one defined in a function or
-    in the ``__main__`` of the placing process, which Dask pickles by value)."""
-    return cls.__module__ != "__main__" and "<locals>" not in cls.__qualname__
+    """Whether a worker can import ``cls`` by its `class_path`: the path leads back to the class
+    itself (not one defined in a function, in the ``__main__`` of the placing process, or bound
+    to another name, which Dask pickles by value)."""
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        return False
+    try:
+        return _resolve(class_path(cls)) is cls
+    except Exception:
+        return False
 
 
 def construct(path: str, /, **kwargs: Any) -> Any:
     """An instance of the class at ``path`` (``module:qualname``), built with ``kwargs``."""
+    return _resolve(path)(**kwargs)
+
+
+def _resolve(path: str) -> Any:
     module, _, qualname = path.partition(":")
     obj: Any = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
-    return obj(**kwargs)
+    return obj

@@ -8,13 +8,14 @@ the same gradients (they flow back through the repeated cache into the one prefi
 a fraction of the work when prompts are long next to what follows them.
 
 A row's prefix is its tokens before its first loss token; log-probs are computed from there on
-(0 before, where no built-in loss or the KL term reads them). Left-padded prefixes and
-right-padded remainders keep every row's positions and attention those of the plain forward.
+(0 before, where no built-in loss or the KL term reads them; a row without loss tokens gets 0
+throughout). Left-padded prefixes and right-padded remainders keep every row's positions and
+attention those of the plain forward.
 
-It applies only where the model keeps transformers' plain per-layer key/value cache (no sliding
-windows, no state-space layers) and where it saves work; the first micro-batch it applies to is
-also computed the plain way and compared: a model whose cached forward disagrees turns it off
-for good, with a warning.
+It applies only where the model keeps transformers' plain per-layer key/value cache (no
+state-space layers; sliding windows only when the rows fit in them) and where it saves work.
+The first micro-batch with loss tokens it applies to is also computed the plain way, in fp32,
+and compared: a model whose cached forward disagrees turns it off for good, with a warning.
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ class Layout:
 
 def layout(tokens: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> Layout:
     """Split a right-padded ``[B, T]`` micro-batch: a row's prefix is its tokens before its first
-    loss token (at least one token; a row without any loss token keeps only its last token for
-    the remainder), rows with equal prefixes share one."""
+    loss token, rows with equal prefixes share one; a row without any loss token is its first
+    token and no remainder (nothing of it is read)."""
     lengths = attention_mask.sum(-1).cpu()
     has_loss = loss_mask.any(-1).cpu()
-    first = torch.where(has_loss, loss_mask.to(torch.int8).argmax(-1).cpu(), lengths - 1)
-    first = torch.minimum(first.clamp(min=1), lengths.clamp(min=1))
+    first = torch.where(has_loss, loss_mask.to(torch.int8).argmax(-1).cpu(), 1).clamp(min=1)
+    ends = torch.where(has_loss, lengths, first)  # where each row's remainder ends
     host = tokens.cpu()
     slot: dict[bytes, int] = {}
     heads, group = [], []
@@ -67,7 +68,7 @@ def layout(tokens: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.
         group.append(slot[key])
     B, dev = tokens.shape[0], tokens.device
     P = int(first.max()) if B else 0
-    C = max(int((lengths - first).max()), 1) if B else 1
+    C = max(int((ends - first).max()), 1) if B else 1
     prefixes = torch.zeros((len(heads), P), dtype=tokens.dtype)  # padding: masked, any valid id
     prefix_mask = torch.zeros((len(heads), P), dtype=attention_mask.dtype)
     for g, i in enumerate(heads):
@@ -77,22 +78,26 @@ def layout(tokens: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.
     rest = torch.zeros((B, C), dtype=tokens.dtype)
     rest_mask = torch.zeros((B, C), dtype=attention_mask.dtype)
     for i in range(B):
-        p, n = int(first[i]), int(lengths[i])
+        p, n = int(first[i]), int(ends[i])
         rest[i, :n - p] = host[i, p:n]
         rest_mask[i, :n - p] = 1
     return Layout(torch.tensor(group, device=dev), prefixes.to(dev), prefix_mask.to(dev), rest.to(dev),
                   rest_mask.to(dev), first.to(dev))
 
 
-def plain_cache(cache) -> bool:
-    """Whether ``cache`` is transformers' plain per-layer key/value cache without sliding windows,
-    whose rows can be repeated (``batch_select_indices``) with nothing else to keep in step."""
+def plain_cache(cache, width: int) -> bool:
+    """Whether ``cache`` is transformers' plain per-layer key/value cache, whose rows can be
+    repeated (``batch_select_indices``) with nothing else to keep in step; a sliding-window layer
+    only where rows of ``width`` tokens fit in its window (it never drops a key)."""
     try:
-        from transformers.cache_utils import DynamicCache, DynamicLayer
+        from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
     except ImportError:  # a transformers without per-layer caches
         return False
     layers = getattr(cache, "layers", None)
-    return type(cache) is DynamicCache and bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+    return type(cache) is DynamicCache and bool(layers) and all(
+        type(layer) is DynamicLayer
+        or (type(layer) is DynamicSlidingWindowLayer and width < getattr(layer, "sliding_window", 0) - 1)
+        for layer in layers)
 
 
 def shared_logprobs(model, lay: Layout, width: int) -> torch.Tensor | None:
@@ -104,7 +109,7 @@ def shared_logprobs(model, lay: Layout, width: int) -> torch.Tensor | None:
     out = model(input_ids=lay.prefixes, attention_mask=lay.prefix_mask,
                 position_ids=(lay.prefix_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
     cache = getattr(out, kw, None)
-    if not plain_cache(cache):
+    if not plain_cache(cache, lay.prefixes.shape[1] + lay.rest.shape[1]):
         return None
     cache.batch_select_indices(lay.group)
     mask = torch.cat([lay.prefix_mask[lay.group], lay.rest_mask], dim=1)
@@ -127,7 +132,7 @@ class PrefixSharing:
 
     def __init__(self, enabled: bool = True, atol: float = 1e-3):
         self.enabled = enabled
-        #: the check's tolerance on log-probs (bf16 autocast rounds the two ways apart more)
+        #: the check's tolerance on log-probs (both ways in fp32)
         self.atol = atol
         self._checked = False
         #: the tokens the forwards ran on so far (padding included)
@@ -149,10 +154,14 @@ class PrefixSharing:
         return new
 
     def _agrees(self, model, lay: Layout, tokens, attention_mask, loss_mask) -> bool:
-        """Both ways on one micro-batch, without gradients: whether their log-probs of the loss
-        tokens agree (else sharing is turned off)."""
+        """Both ways on one micro-batch, without gradients and in fp32 (the forwards' structure is
+        checked, not bf16's rounding): whether their log-probs of the loss tokens agree (else
+        sharing is turned off). A micro-batch without loss tokens compares nothing: the next is checked."""
+        if not bool(loss_mask.any()):
+            return True
         self._checked = True
-        with torch.no_grad():
+        self.forwarded += lay.forwarded() + tokens.numel()
+        with torch.no_grad(), torch.autocast(tokens.device.type, enabled=False):
             try:
                 shared = shared_logprobs(model, lay, tokens.shape[1])
             except Exception as err:  # a forward that takes no cache, or positions, this way
@@ -162,7 +171,7 @@ class PrefixSharing:
                 self._off("the model's key/value cache cannot be repeated by row")
                 return False
             plain = token_logprobs(model, tokens, attention_mask)
-        gap = float(((shared - plain).abs() * loss_mask.to(plain.dtype)).max()) if loss_mask.any() else 0.0
+        gap = float(((shared - plain).abs() * loss_mask.to(plain.dtype)).max())
         if not gap <= self.atol:
             self._off(f"its log-probs differ from the plain forward's by up to {gap:.3g}")
             return False

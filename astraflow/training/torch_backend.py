@@ -11,7 +11,9 @@ its gradient and are not computed (``skip_zero_advantage``; early in GRPO whole 
 alike); the loss statistics are then over the trained sequences. ``kl_coef`` adds GRPO's KL
 penalty to the model the trainer started from (a frozen copy, one more forward per micro-batch;
 every sequence is then trained). Each distinct prompt of a micro-batch is forwarded once, its
-key/value cache repeated for the samples that share it (``share_prompt``, ``training.prefix``).
+key/value cache repeated for the samples that share it (``share_prompt``, ``training.prefix``;
+``forwarded_tokens`` in the metrics counts the tokens the step's forwards ran on, padding, a KL
+reference's and M2PO's first pass included).
 ``precision="bf16"`` runs the forward/backward under bf16 autocast (the weights, gradients and
 AdamW state stay fp32).
 ``publish`` hands the current weights, under their HF names, to the weight store, the
@@ -89,8 +91,7 @@ class TorchBackend:
         self.skip_zero_advantage = skip_zero_advantage
         #: each distinct prompt of a micro-batch forwarded once (``training.prefix``); not for a
         #: loss of the user's, which may read the log-probs of prompt tokens
-        self.prefix = PrefixSharing(share_prompt and self.custom_loss is None,
-                                    atol=5e-2 if precision == "bf16" else 1e-3)
+        self.prefix = PrefixSharing(share_prompt and self.custom_loss is None)
         torch.manual_seed(seed)
         self.model, self.tokenizer = load_model(model_path)
         self.device = resolve_device(device)

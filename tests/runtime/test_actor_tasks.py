@@ -10,6 +10,8 @@ import pickle
 import subprocess
 import sys
 
+from distributed.actor import Actor
+
 from astraflow.dataflow.layer import DataLayer
 from astraflow.rollout.node import RaaSNode
 from astraflow.runtime.construct import by_name, class_path, construct
@@ -51,13 +53,15 @@ def test_placing_a_trainer_or_a_node_imports_neither_in_the_scheduler(tiny_model
     monkeypatch.setattr(placement, "joined", lambda: {"w": "tls://127.0.0.1:1"})
     monkeypatch.setattr(placement, "check_code", lambda worker, address: None)
     placement.submit_actor(DataLayer, "w", **data_layer_kwargs(cfg, paths))
-    placement.submit_actor(Trainer, "w", **trainer_kwargs(cfg, paths, 0, cfg.policies[0], None, part))
-    placement.submit_actor(RaaSNode, "w", **node_kwargs(cfg, paths, "rollout-0", part, None))
+    # the data layer's handle, as a real placement passes it (it names the data layer's module)
+    handle = Actor(DataLayer, "tls://127.0.0.1:1", "DataLayer-x")
+    placement.submit_actor(Trainer, "w", **trainer_kwargs(cfg, paths, 0, cfg.policies[0], handle, part))
+    placement.submit_actor(RaaSNode, "w", **node_kwargs(cfg, paths, "rollout-0", part, handle))
     named: set[str] = set()
     for func, args, kwargs in placement.client.submitted:
         assert func is construct and kwargs["actor"] is True
         named |= _modules_named((func, args, {k: v for k, v in kwargs.items() if k not in ("workers", "key")}))
-    for cls in (DataLayer, Trainer, RaaSNode):
+    for cls in (Trainer, RaaSNode):
         assert cls.__module__ not in named
     # what the scheduler imports to read those tasks pulls in neither torch nor transformers
     probe = f"import sys; import {', '.join(sorted(named))}; print(sorted(m for m in ('torch', 'transformers') " \
@@ -76,6 +80,8 @@ def test_construct_builds_the_class_it_names():
         pass
 
     assert by_name(_Recording) and by_name(dict) and not by_name(Local)
+    renamed = type("Elsewhere", (), {"__module__": __name__})  # its path names nothing in this module
+    assert not by_name(renamed)
 
 
 class _Answering:

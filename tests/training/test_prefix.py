@@ -55,9 +55,10 @@ def _batch(groups=((7, 3), (12, 4), (3, 2)), seed=0, multi_turn=False):
     return tok, att, lm
 
 
-def _after_prefix(lay, att):
-    """Every position after each row's prefix (where shared log-probs are defined)."""
-    return (torch.arange(att.shape[1]) >= lay.start[:, None]) & att.bool()
+def _after_prefix(lay, att, lm):
+    """Every position after the prefix of each row with loss tokens (where shared log-probs are
+    defined; a row without any is 0 throughout)."""
+    return (torch.arange(att.shape[1]) >= lay.start[:, None]) & att.bool() & lm.any(-1, keepdim=True)
 
 
 @pytest.mark.parametrize("multi_turn", [False, True])
@@ -81,9 +82,8 @@ def test_shared_logprobs_and_gradients_match_the_plain_forward(arch, multi_turn)
 
     plain, g_plain = grads(lambda: token_logprobs(model, tok, att))
     shared, g_shared = grads(lambda: shared_logprobs(model, lay, tok.shape[1]))
-    where = _after_prefix(lay, att)
+    where = _after_prefix(lay, att, lm)
     assert torch.equal(where & lm, lm)  # every loss token is after its row's prefix
-    assert int(lay.start[-1]) == int(att[-1].sum()) - 1  # no loss token: only the last is not prefix
     assert torch.allclose(shared[where], plain[where], atol=1e-5)
     assert torch.all(shared[~where] == 0)
     assert float((g_shared - g_plain).norm() / g_plain.norm()) < 1e-5
@@ -96,8 +96,11 @@ def test_it_shares_only_where_it_saves_work():
     out = sharing.logprobs(model, tok, att, lm)
     assert sharing.forwarded == tok.numel() and torch.equal(out, token_logprobs(model, tok, att))
     tok, att, lm = _batch()
+    sharing.logprobs(model, tok, att, lm)  # the first shared micro-batch: checked against the plain forward
+    before = sharing.forwarded
     sharing.logprobs(model, tok, att, lm)
-    assert sharing.enabled and sharing.forwarded < 2 * tok.numel()
+    lay = layout(tok, att, lm)
+    assert sharing.enabled and sharing.forwarded - before == lay.forwarded() < tok.numel()
 
 
 def test_a_model_whose_cache_holds_states_is_forwarded_whole(caplog):
@@ -131,4 +134,40 @@ def test_a_cached_forward_that_disagrees_turns_it_off(caplog):
     with caplog.at_level(logging.WARNING, logger="astraflow.training"):
         out = sharing.logprobs(model, tok, att, lm)
     assert not sharing.enabled and "differ from the plain forward" in caplog.text
-    assert torch.equal(out, token_logprobs(model, tok, att)) and sharing.forwarded == tok.numel()
+    # the check's two forwards, then the plain one
+    assert torch.equal(out, token_logprobs(model, tok, att))
+    assert sharing.forwarded == layout(tok, att, lm).forwarded() + 2 * tok.numel()
+
+
+def test_a_sliding_window_the_rows_fit_in_is_shared():
+    from transformers import Qwen2Config
+
+    model = _model(Qwen2Config, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    tok, att, lm = _batch()
+    sharing = PrefixSharing()
+    out = sharing.logprobs(model, tok, att, lm)
+    assert sharing.enabled and torch.allclose(out[lm], token_logprobs(model, tok, att)[lm], atol=1e-5)
+
+
+def test_rows_without_tokens_or_loss_tokens_are_zero():
+    model = _llama()
+    tok = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 10, 0], [5, 6, 7, 11, 12], [0, 0, 0, 0, 0], [13, 14, 0, 0, 0]])
+    att = (torch.arange(5) < torch.tensor([5, 4, 5, 0, 2])[:, None]).long()
+    lm = torch.zeros_like(att, dtype=torch.bool)
+    lm[:3, 3:] = att[:3, 3:].bool()  # three samples of one prompt; an empty row; a row without loss tokens
+    lay = layout(tok, att, lm)
+    out = shared_logprobs(model, lay, tok.shape[1])
+    assert torch.all(out[3:] == 0) and torch.all(out[:3, :3] == 0)
+    assert torch.allclose(out[lm], token_logprobs(model, tok, att)[lm], atol=1e-5)
+
+
+def test_the_check_waits_for_a_micro_batch_with_loss_tokens():
+    model = _llama()
+    tok, att, lm = _batch()
+    sharing = PrefixSharing(atol=-1.0)
+    same = tok[:1].repeat(4, 1), att[:1].repeat(4, 1)  # one sequence four times: worth sharing
+    sharing.logprobs(model, *same, torch.zeros_like(lm[:4]))  # no loss token to compare: not checked yet
+    assert sharing.enabled
+    sharing.logprobs(model, tok, att, lm)
+    assert not sharing.enabled
