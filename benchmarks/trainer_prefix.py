@@ -7,8 +7,8 @@ signal), one torch thread as in the example's trainer.
     python benchmarks/trainer_prefix.py [--steps 10] [--model DIR] [--prompts 16] [--samples 8]
 
 Two backends start from the same weights and take the same batches, alternating which goes
-first. Ends with ``RESULT {json}``: seconds per step, shared over baseline, and the largest
-relative gap between the two steps' losses and gradient norms.
+first. Ends with ``RESULT {json}``: seconds per step, shared over baseline, and the relative gap
+between the two first steps' losses and gradient norms (taken from the same weights).
 """
 
 from __future__ import annotations
@@ -60,14 +60,14 @@ def _batch(engine: HFEngine, workload, problems, samples: int, new_tokens: int, 
     return Batch(policy="solver", version=0, items=tuple(items))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=10, help="timed steps per setting")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=5)
     ap.add_argument("--model", type=Path, help="an HF model directory (default: a fresh mini Llama)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or init_model(Path(tmp) / "mini", preset="mini", arch="llama")
@@ -89,17 +89,19 @@ def main() -> None:
                 if b:
                     times[share].append(time.perf_counter() - t0)
                     tokens[share] += out[share]["forwarded_tokens"]
-            for k in ("loss", "grad_norm"):
-                gap = max(gap, abs(out[True][k] - out[False][k]) / max(abs(out[False][k]), 1e-12))
+            for k in ("loss", "grad_norm") if b == 0 else ():  # from the same weights (later, Adam's steps part them)
+                # relative, but not to a loss that is next to 0 (a batch whose advantages cancel)
+                gap = max(gap, abs(out[True][k] - out[False][k]) / max(abs(out[True][k]), abs(out[False][k]), 1e-3))
     shared, whole = statistics.median(times[True]), statistics.median(times[False])
     print(f"{'prompt':>8} {'median s/step':>14} {'tokens/step':>12} {'steps':>6}")
     for name, share, secs in (("whole", False, whole), ("shared", True, shared)):
         print(f"{name:>8} {secs:>14.4f} {tokens[share] / len(times[share]):>12.0f} {len(times[share]):>6}")
-    print(f"largest relative gap in loss / grad norm: {gap:.2e}")
-    print("RESULT " + json.dumps({"seconds_per_step_shared": round(shared, 4), "seconds_per_step_whole":
-                                  round(whole, 4), "time_ratio_shared_vs_whole": round(shared / whole, 3),
-                                  "forwarded_tokens_ratio": round(tokens[True] / tokens[False], 3),
-                                  "max_relative_gap": float(f"{gap:.2e}")}))
+    print(f"relative gap in the first step's loss / grad norm: {gap:.2e}")
+    result = {"seconds_per_step_shared": round(shared, 4), "seconds_per_step_whole": round(whole, 4),
+              "time_ratio_shared_vs_whole": round(shared / whole, 3),
+              "forwarded_tokens_ratio": round(tokens[True] / tokens[False], 3), "max_relative_gap": float(f"{gap:.2e}")}
+    print("RESULT " + json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":
