@@ -34,6 +34,9 @@ def engine_main(conn, model_path: str, max_batch: int, seed: int, device: str, t
     except ValueError as err:  # the node raises it as the same ValueError a check there would have
         conn.send(("refused", str(err)))
         return
+    except Exception as err:  # the directory could not be read (a shared filesystem's error): a start failure
+        conn.send(("error", f"{type(err).__name__}: {err}"))
+        return
     try:
         from astraflow.rollout.hf_engine import HFEngine
 

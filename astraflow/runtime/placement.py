@@ -62,8 +62,9 @@ class Placement:
         self.code = code_fingerprint()
         #: the worker addresses whose code was found the same
         self._same_code: set[str] = set()
-        #: fingerprints asked of workers ahead of their check (``ask_code``), by address
-        self._asked: dict[str, dict[str, Any]] = {}
+        #: fingerprints asked of workers ahead of their check (``ask_code``), by worker name and
+        #: address (a worker that left unchecked and another at its address are not confused)
+        self._asked: dict[tuple[str, str], dict[str, Any]] = {}
 
     def start(self) -> None:
         """Start the scheduler (workers started later import AstraFlow from this checkout),
@@ -143,7 +144,7 @@ class Placement:
         if address in self._same_code:
             return
         try:
-            theirs = self._asked.pop(address, None) or \
+            theirs = self._asked.pop((worker, address), None) or \
                 self.client.run(code_fingerprint, workers=[address])[address]  # type: ignore[union-attr]
         except Exception as err:  # it left meanwhile, or its check failed: nothing is placed there
             raise WorkerUnusable(f"worker {worker}: its code could not be checked ({type(err).__name__}: "
@@ -156,19 +157,19 @@ class Placement:
                 "directory to resume it (docs/upgrading.md)")
         self._same_code.add(address)
 
-    def ask_code(self, addresses: list[str]) -> None:
-        """Ask the workers at ``addresses`` for their code's fingerprint in one call, which they
+    def ask_code(self, workers: dict[str, str]) -> None:
+        """Ask ``workers`` (name -> address) for their code's fingerprint in one call, which they
         answer side by side (each takes a while to hash its sources), instead of one after the
         other as each is checked; ``check_code`` compares what came back. A worker that did not
         answer is asked again by ``check_code``, which names why."""
-        todo = [a for a in addresses if a not in self._same_code and a not in self._asked]
+        todo = {a: n for n, a in workers.items() if a not in self._same_code and (n, a) not in self._asked}
         if not todo:
             return
         try:
-            got = self.client.run(code_fingerprint, workers=todo, on_error="return")  # type: ignore[union-attr]
+            got = self.client.run(code_fingerprint, workers=list(todo), on_error="return")  # type: ignore[union-attr]
         except Exception:  # the check of each, later, says what is wrong
             return
-        self._asked.update({a: fp for a, fp in got.items() if isinstance(fp, dict)})
+        self._asked.update({(todo[a], a): fp for a, fp in got.items() if a in todo and isinstance(fp, dict)})
 
     def wait_all(self, what: str, futures: dict[str, Any]) -> dict[str, Any]:
         """Wait for every future with the placement deadline, naming what is still missing."""
@@ -202,7 +203,7 @@ class Placement:
             joined = self.joined()
             missing = [n for n in names if n not in joined]
             if not missing:
-                self.ask_code([joined[n] for n in names])  # all at once, before each is placed on
+                self.ask_code({n: joined[n] for n in names})  # all at once, before each is placed on
                 return
             if time.time() >= next_poll:
                 next_poll = time.time() + 5.0

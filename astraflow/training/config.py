@@ -191,16 +191,17 @@ class TrainerConfig(Strict):
     skip_zero_advantage: bool = True
     """Do not compute the forward/backward of sequences whose group-normalised advantage is 0
     (every sample of their group scored alike). They add exactly nothing to the
-    ``ppo_clip``/``tis`` loss or its gradient, so the step is the same with less work. Both backends; ``m2po`` always trains every
-    sequence."""
+    ``ppo_clip``/``tis`` loss or its gradient, so the step is the same with less work. Both
+    backends; ``m2po`` always trains every sequence."""
     share_prompt: bool = True
     """Torch backend: forward each distinct prompt of a micro-batch once (a group's samples share
     theirs; an agentic group its first observation) and every sample's completion on its key/value
-    cache: the same log-probs and gradients to float rounding, for less work. It turns itself off
-    where it would not save work, for a loss of your own (``loss_fn``), and, with a warning, for a
-    model whose cache cannot be repeated by row (sliding windows, state-space layers) or whose
-    cached forward disagrees with the plain one on the first batch. The Megatron backend forwards
-    every sequence whole."""
+    cache: the same log-probs and gradients to float rounding, for less work. A micro-batch where
+    it would save nothing is forwarded whole; it is off for a loss of your own (``loss_fn``) and
+    turns itself off, with a warning, for a model whose cache cannot be repeated by row
+    (state-space layers, sliding windows the rows do not fit in), whose cached forward fails, or
+    whose log-probs disagree with the plain forward's on the first micro-batch it checks. The
+    Megatron and sim backends ignore it (the Megatron backend forwards every sequence whole)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """Torch backend: ``bf16`` runs the forward and backward under bf16 autocast (matrix
     products in bf16; weights, gradients, optimiser state and the log-softmax stay fp32).

@@ -14,8 +14,9 @@ attention those of the plain forward.
 
 It applies only where the model keeps transformers' plain per-layer key/value cache (no
 state-space layers; sliding windows only when the rows fit in them) and where it saves work.
-The first micro-batch with loss tokens it applies to is also computed the plain way, in fp32,
-and compared: a model whose cached forward disagrees turns it off for good, with a warning.
+The first micro-batch with loss tokens it applies to is also computed the plain way (in fp32
+where the model runs in it) and compared: a model whose cached forward disagrees or fails turns
+it off for good, with a warning; micro-batches before it are forwarded whole.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ log = logging.getLogger("astraflow.training")
 
 #: share only when the tokens forwarded drop below this fraction of the plain forward's
 WORTH_IT = 0.8
+#: the first-use check's tolerance for a model it cannot run in fp32 (bf16 rounds the two apart)
+HALF_ATOL = 5e-2
 
 
 @dataclass
@@ -141,7 +144,8 @@ class PrefixSharing:
     def logprobs(self, model, tokens: torch.Tensor, attention_mask: torch.Tensor,
                  loss_mask: torch.Tensor) -> torch.Tensor:
         lay = layout(tokens, attention_mask, loss_mask) if self.enabled else None
-        if lay is None or lay.forwarded() >= WORTH_IT * tokens.numel():
+        unchecked = not self._checked and not bool(loss_mask.any())  # nothing to check it on yet
+        if lay is None or unchecked or lay.forwarded() >= WORTH_IT * tokens.numel():
             self.forwarded += tokens.numel()
             return token_logprobs(model, tokens, attention_mask)
         if not self._checked and not self._agrees(model, lay, tokens, attention_mask, loss_mask):
@@ -154,28 +158,34 @@ class PrefixSharing:
         return new
 
     def _agrees(self, model, lay: Layout, tokens, attention_mask, loss_mask) -> bool:
-        """Both ways on one micro-batch, without gradients and in fp32 (the forwards' structure is
-        checked, not bf16's rounding): whether their log-probs of the loss tokens agree (else
-        sharing is turned off). A micro-batch without loss tokens compares nothing: the next is checked."""
-        if not bool(loss_mask.any()):
-            return True
+        """Both ways on one micro-batch with loss tokens, without gradients: whether their
+        log-probs of the loss tokens agree (else sharing is turned off). In fp32, so that the
+        forwards' structure is compared, not bf16's rounding; a model whose attention runs only
+        in half precision (flash attention) is compared as the step runs it, within ``HALF_ATOL``."""
         self._checked = True
         self.forwarded += lay.forwarded() + tokens.numel()
-        with torch.no_grad(), torch.autocast(tokens.device.type, enabled=False):
-            try:
-                shared = shared_logprobs(model, lay, tokens.shape[1])
-            except Exception as err:  # a forward that takes no cache, or positions, this way
-                self._off(f"its cached forward raised {type(err).__name__}: {err}")
-                return False
-            if shared is None:
-                self._off("the model's key/value cache cannot be repeated by row")
-                return False
-            plain = token_logprobs(model, tokens, attention_mask)
+        try:
+            with torch.no_grad():
+                try:
+                    with torch.autocast(tokens.device.type, enabled=False):
+                        shared, plain, atol = *self._both(model, lay, tokens, attention_mask), self.atol
+                except Exception:
+                    shared, plain, atol = *self._both(model, lay, tokens, attention_mask), HALF_ATOL
+        except Exception as err:  # a forward that takes no cache, or positions, this way
+            self._off(f"its cached forward raised {type(err).__name__}: {err}")
+            return False
+        if shared is None:
+            self._off("the model's key/value cache cannot be repeated by row")
+            return False
         gap = float(((shared - plain).abs() * loss_mask.to(plain.dtype)).max())
-        if not gap <= self.atol:
+        if not gap <= atol:
             self._off(f"its log-probs differ from the plain forward's by up to {gap:.3g}")
             return False
         return True
+
+    @staticmethod
+    def _both(model, lay: Layout, tokens, attention_mask):
+        return shared_logprobs(model, lay, tokens.shape[1]), token_logprobs(model, tokens, attention_mask)
 
     def _off(self, why: str) -> None:
         self.enabled = False

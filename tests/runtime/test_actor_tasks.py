@@ -109,3 +109,15 @@ def test_the_workers_that_joined_are_asked_for_their_code_at_once(tmp_path, monk
     for name, address in workers.items():
         placement.check_code(name, address)
     assert placement.client.runs == [list(workers.values())]
+
+
+def test_a_worker_at_the_address_of_one_that_left_unchecked_is_asked_itself(tmp_path, monkeypatch):
+    from astraflow.config import ClusterConfig
+    from astraflow.runtime.progress import Progress
+
+    placement = Placement(RunPaths(tmp_path / "run").make(), ClusterConfig(), Progress(enabled=False))
+    placement.client = _Answering()
+    monkeypatch.setattr(placement, "joined", lambda: {"w0": "tls://127.0.0.1:1"})
+    placement.wait_workers(["w0"], lambda: {})  # w0 answers, then leaves before anything is placed on it
+    placement.check_code("w1", "tls://127.0.0.1:1")  # its successor at the same address
+    assert placement.client.runs == [["tls://127.0.0.1:1"], ["tls://127.0.0.1:1"]]

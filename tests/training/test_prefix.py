@@ -171,3 +171,40 @@ def test_the_check_waits_for_a_micro_batch_with_loss_tokens():
     assert sharing.enabled
     sharing.logprobs(model, tok, att, lm)
     assert not sharing.enabled
+
+
+class _Plain(torch.nn.Module):
+    """A model whose forward takes no cache (as some remote-code models): ``fp32``: False, it
+    also runs only under autocast (as flash attention runs only in half precision)."""
+
+    def __init__(self, inner, fp32: bool = True):
+        super().__init__()
+        self.inner, self.fp32 = inner, fp32
+
+    def forward(self, input_ids, attention_mask, position_ids, **kw):
+        if not self.fp32 and not torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("runs only in half precision")
+        if self.fp32 and kw:
+            raise TypeError(f"forward() got unexpected keyword arguments {sorted(kw)}")
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kw)
+
+
+def test_a_model_that_takes_no_cache_is_forwarded_whole_even_before_its_check(caplog):
+    model = _Plain(_llama())
+    tok, att, lm = _batch()
+    sharing = PrefixSharing()
+    sharing.logprobs(model, tok, att, torch.zeros_like(lm))  # no loss token: forwarded whole, nothing raised
+    with caplog.at_level(logging.WARNING, logger="astraflow.training"):
+        out = sharing.logprobs(model, tok, att, lm)
+    assert not sharing.enabled and "cached forward raised TypeError" in caplog.text
+    assert torch.equal(out, token_logprobs(model, tok, att))
+
+
+def test_a_model_that_runs_only_in_half_precision_is_checked_as_it_runs():
+    model = _Plain(_llama(), fp32=False)
+    tok, att, lm = _batch()
+    sharing = PrefixSharing()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sharing.logprobs(model, tok, att, lm)
+        plain = token_logprobs(model, tok, att)
+    assert sharing.enabled and float((out - plain)[lm].abs().max()) < 5e-2
