@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from astraflow.contracts import RolloutTask
-from astraflow.dataflow.buffers import prompt_key
+from astraflow.dataflow.mixing import prompt_key
 
 
 @dataclass

@@ -30,16 +30,6 @@ from astraflow.dataflow.ledger import Ledger
 from astraflow.dataflow.rules import BufferedGroupView, GroupFilter, GroupView, Ordering, keep_group
 
 
-def prompt_key(index: int) -> str:
-    """The key of training prompt number ``index`` (a group's ``prompt_key``, the curator's)."""
-    return f"p{index}"
-
-
-def prompt_index(key: str) -> int | None:
-    """The training prompt a ``prompt_key`` names; None for a key of another kind."""
-    return int(key[1:]) if key[:1] == "p" and key[1:].isdigit() else None
-
-
 @dataclass
 class RolloutGroup:
     """A train group being rolled out: its tasks and those that completed or failed."""

@@ -46,11 +46,11 @@ from astraflow.lane import LaneServed
 from astraflow.dataflow import admission, durable
 from astraflow.dataflow import record as rec
 from astraflow.dataflow import rules as R
-from astraflow.dataflow.buffers import Buffers, RolloutGroup, prompt_index
+from astraflow.dataflow.buffers import Buffers, RolloutGroup
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.dataflow.evals import EvalRounds
 from astraflow.dataflow.leases import Leases
-from astraflow.dataflow.mixing import Mixer, empty_train_split
+from astraflow.dataflow.mixing import Mixer, empty_train_split, prompt_index
 from astraflow.dataflow.nodes_facing import NodeFacing
 from astraflow.dataflow.retention import SegmentRetention
 from astraflow.dataflow.serving import BatchTimeout, TrainerFacing

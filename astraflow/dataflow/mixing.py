@@ -32,6 +32,17 @@ from typing import Any, Callable
 
 from astraflow.workloads.mix import SOURCE_KEY
 
+
+def prompt_key(index: int) -> str:
+    """The key of training prompt number ``index`` (a group's ``prompt_key``, the curator's)."""
+    return f"p{index}"
+
+
+def prompt_index(key: str) -> int | None:
+    """The training prompt a ``prompt_key`` names; None for a key of another kind."""
+    return int(key[1:]) if key[:1] == "p" and key[1:].isdigit() else None
+
+
 log = logging.getLogger("astraflow.dataflow")
 
 
