@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-from typing import get_args
+from typing import Mapping, get_args
 
 from astraflow.rollout.config import EngineConfig, EngineType
 from astraflow.rollout.engine import InferenceEngine
@@ -20,27 +20,45 @@ KNOWN: tuple[str, ...] = get_args(EngineType)
 def make_engine(cfg: EngineConfig, model_path: str, seed: int = 0, gpus: int = 0) -> InferenceEngine:
     """The engine of one policy on a node whose partition gives it ``gpus`` GPUs: one engine,
     or an ``EnginePool`` of ``plan_replicas``' engines (one per GPU by default)."""
+    return make_engines(cfg, {"policy": model_path}, seed=seed, gpus=gpus)["policy"]
+
+
+def make_engines(cfg: EngineConfig, models: Mapping[str, str], seed: int = 0,
+                 gpus: int = 0) -> dict[str, InferenceEngine]:
+    """The engine of every policy of a node (``models``: policy -> model directory), each as
+    ``make_engine`` builds it. Engines in processes of their own load side by side: every
+    process is started before the first is waited for, so a node of eight GPUs loads its
+    eight replicas at once, not one after the other. A failure stops every engine started."""
     if cfg.type not in KNOWN:
         raise ValueError(f"unknown engine type {cfg.type!r}; known: {', '.join(KNOWN)}")
     if cfg.type == "sim":  # no model, no torch: one simulated engine per replica
-        return _make_sim(cfg, seed, gpus)
+        return {policy: _make_sim(cfg, seed, gpus) for policy in models}
     import torch
 
     cuda_seen = torch.cuda.device_count() if gpus and cfg.device in ("auto", "cuda") else 0
     plans = plan_replicas(cfg, gpus, cuda_seen, os.environ.get("CUDA_VISIBLE_DEVICES"), seed=seed)
     torch.set_num_threads(cfg.threads)  # this process's own (an engine here; replicas in processes split it)
-    engines: list[InferenceEngine] = []
+    started: dict[str, list[InferenceEngine]] = {}
     try:
-        for plan in plans:
-            engines.append(_make_one(cfg, model_path, plan))
-    except BaseException:  # a replica that fails to start: stop the ones already started
-        for engine in engines:
-            engine.close()
+        for policy, path in models.items():
+            started[policy] = []
+            for plan in plans:
+                started[policy].append(_make_one(cfg, path, plan))
+        for engines in started.values():
+            for engine in engines:
+                wait = getattr(engine, "wait_started", None)  # a process still loading its model
+                if wait is not None:
+                    wait()
+    except BaseException:  # an engine that fails to start: stop the ones already started
+        for engines in started.values():
+            for engine in engines:
+                engine.close()
         raise
-    if len(engines) > 1:
-        log.info("%d engine replicas of %s: %s", len(engines), model_path,
-                 ", ".join(p.visible_devices or p.device for p in plans))
-    return engines[0] if len(engines) == 1 else EnginePool(engines)
+    if len(plans) > 1:
+        for path in dict.fromkeys(models.values()):
+            log.info("%d engine replicas of %s: %s", len(plans), path,
+                     ", ".join(p.visible_devices or p.device for p in plans))
+    return {policy: engines[0] if len(engines) == 1 else EnginePool(engines) for policy, engines in started.items()}
 
 
 def _make_sim(cfg: EngineConfig, seed: int, gpus: int) -> InferenceEngine:
@@ -68,7 +86,7 @@ def _make_one(cfg: EngineConfig, model_path: str, plan: ReplicaPlan) -> Inferenc
 
                 return ProcessEngine(model_path, max_batch_size=cfg.max_batch, seed=plan.seed, device=plan.device,
                                      threads=plan.threads, version=0, swap_min_remaining=cfg.swap_min_remaining,
-                                     dtype=cfg.dtype, visible_devices=plan.visible_devices)
+                                     dtype=cfg.dtype, visible_devices=plan.visible_devices, wait=False)
         return HFEngine(model_path, max_batch_size=cfg.max_batch, version=0, seed=plan.seed, device=plan.device_in_node,
                         swap_min_remaining=cfg.swap_min_remaining, dtype=cfg.dtype)
     if cfg.type == "vllm":

@@ -47,7 +47,7 @@ from astraflow.rollout.engine import InferenceEngine, SamplingParams
 from astraflow.rollout.engine_pool import dead_engines, engine_pids, replicas_of, serving
 from astraflow.rollout.engine_recovery import EngineRecovery
 from astraflow.rollout.loop_watchdog import unwatch_loop, watch_loop
-from astraflow.rollout.engines import make_engine
+from astraflow.rollout.engines import make_engines
 from astraflow.rollout.failure_log import FailureLog
 from astraflow.rollout.identity import NodeIdentity
 from astraflow.rollout.node_episodes import NodeEpisodes
@@ -160,8 +160,8 @@ class RaaSNode(NodeEpisodes, EngineRecovery, FollowsDataLayer):
                 sandbox.check()  # a node without a working sandbox fails its start, not every episode
         self.workflow = make_workflow(self._workflow_name, workload, self._sampling, self.identity.name,
                                       reward_timeout_s=self.cfg.reward_timeout_s)
-        for policy, path in self.models.items():
-            self.engines[policy] = make_engine(self.cfg.engine, path, seed=self.seed, gpus=self.gpus)
+        # every policy's engines load side by side
+        self.engines.update(make_engines(self.cfg.engine, self.models, seed=self.seed, gpus=self.gpus))
         prepare = getattr(self.workflow, "prepare", None)
         if prepare is not None:  # what the workflow checks once the engines are there (chat templates)
             prepare(self.engines)

@@ -88,7 +88,7 @@ class ProcessEngine:
     def __init__(self, model_path: str, *, max_batch_size: int, seed: int = 0, device: str = "auto",
                  threads: int = 1, version: int = 0, start_timeout: float = START_TIMEOUT_S,
                  swap_min_remaining: int = SWAP_MIN_REMAINING, dtype: str = "fp32",
-                 visible_devices: str | None = None):
+                 visible_devices: str | None = None, wait: bool = True):
         from astraflow.models import check_model_dir, load_tokenizer
 
         # a bad directory fails here, before a process starts; the weights are compared with the
@@ -120,13 +120,24 @@ class ProcessEngine:
         self._failures_said: set[tuple[int, str]] = set()
         self._life_lock = threading.Lock()  # restart and close, one at a time
         self._closed = False
+        #: an engine process started that has not said it is ready (it reads no message yet)
+        self._loading = False
         self._launch(version)
         try:  # the tokenizer loads here while the engine process loads the model
             self.tokenizer = load_tokenizer(model_path)
         except BaseException:
             self._abandon()
             raise
-        self._await_ready(version, refused=ValueError)
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Wait for the first engine process to load its model (the constructor does, unless
+        ``wait=False`` let the caller start other engines meanwhile): ``ValueError`` for a
+        model directory it refused, ``EngineProcessError`` for any other failure (the process
+        is stopped). Returns at once once it has."""
+        if self._loading:
+            self._await_ready(self.version, refused=ValueError)
 
     def _spawn(self, version: int) -> None:
         """Start an engine process holding the model directory's weights as ``version``, wait
@@ -140,6 +151,7 @@ class ProcessEngine:
         proc = ctx.Process(target=engine_main, name="astraflow-engine", daemon=True,
                            args=(child_conn, *self._args, version))
         self._conn, self._proc = conn, proc
+        self._loading = True
         proc.start()
         child_conn.close()  # the child holds its end; ours closing lets us see its death as EOF
 
@@ -172,6 +184,7 @@ class ProcessEngine:
             why = f"ValueError: {msg[1]}" if msg[0] == "refused" else msg[1]
             raise EngineProcessError(f"the engine process failed to start: {why}")
         self.version = self.confirmed_version = version
+        self._loading = False
         self._dead = None
         self._reader = threading.Thread(target=self._read, args=(conn, proc), name="engine-reader", daemon=True)
         self._reader.start()
@@ -303,8 +316,9 @@ class ProcessEngine:
             self._life_lock.release()
 
     def _shut(self, timeout: float) -> None:
-        """Stop the current engine process (``close``'s work, under ``_life_lock``)."""
-        if self._proc.is_alive():
+        """Stop the current engine process (``close``'s work, under ``_life_lock``); one still
+        loading its model reads no message yet and is killed."""
+        if self._proc.is_alive() and not self._loading:
             try:
                 self._send(("close",))
             except EngineProcessError:
@@ -406,6 +420,7 @@ class ProcessEngine:
 
     def _abandon(self) -> None:
         """A start that failed: the process killed and reaped, our end of its pipe closed."""
+        self._loading = False
         self._kill()
         self._conn.close()
 
