@@ -34,6 +34,9 @@ class EvalRound:
     rewards: dict[str, list[float]] = field(default_factory=dict)  # prompt -> rewards
     remaining: int = 0
     started: float = field(default_factory=time.time)
+    #: when a node first leased one of its tasks: ``eval_seconds`` counts from there, not from
+    #: ``started`` (the first round's tasks wait for the run's nodes to load their models)
+    leased_at: float | None = None
     #: the first policy's oldest version of each answer (what a round saved by an earlier
     #: AstraFlow recorded; ``version_range`` now)
     versions_used: list[int] = field(default_factory=list)
@@ -166,6 +169,12 @@ class EvalRounds:
         i = bisect.bisect_left(self._finished, version)
         return i < len(self._finished) and self._finished[i] == version
 
+    def leased(self, task: RolloutTask) -> None:
+        """A node leased an evaluation task: its round's clock starts with the first."""
+        rnd = self.rounds.get(task.min_version)
+        if rnd is not None and getattr(rnd, "leased_at", None) is None:  # a round saved before the field
+            rnd.leased_at = time.time()
+
     def record(self, task: RolloutTask, ref: TrajectoryRef) -> None:
         """An evaluation task completed."""
         rnd = self.rounds.get(task.min_version)
@@ -216,7 +225,7 @@ class EvalRounds:
             # the first one gates training, so it always runs on exactly the starting weights
             "eval_version_min": first_range[0],
             "eval_version_max": first_range[1],
-            "eval_seconds": time.time() - rnd.started,
+            "eval_seconds": time.time() - (getattr(rnd, "leased_at", None) or rnd.started),
         }
         if len(ranges) > 1:  # several policies answered: the weights of each
             result["eval_versions"] = {p: list(r) for p, r in sorted(ranges.items())}

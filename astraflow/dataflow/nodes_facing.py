@@ -94,7 +94,12 @@ class NodeFacing:
             self._refill()
         for node, capacity, info, gone in asking:  # a node named twice gets both shares (none is orphaned)
             if not _dropped(info, gone):  # drained or declared gone while the call waited: nothing
-                out[node].extend(self.leases.take(node, capacity))
+                taken = self.leases.take(node, capacity)
+                for task in taken:  # evaluation tasks come first
+                    if task.kind != "eval":
+                        break
+                    self.evals.leased(task)
+                out[node].extend(taken)
         await self._durable(mark)  # a node never runs a task the next data layer does not know
         return out
 

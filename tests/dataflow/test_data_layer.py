@@ -198,9 +198,11 @@ def test_eval_round_reports_accuracy(tmp_path):
 
     async def go():
         await layer.start_eval(0)
+        assert layer.evals.rounds[0].leased_at is None
         leased = await layer.lease("n", 100)
         tasks = [t for t in leased if t.kind == "eval"]
         assert leased[:3] == tasks and len(tasks) == 3  # evaluation tasks are leased first
+        assert layer.evals.rounds[0].leased_at is not None  # the round's seconds count from here
         assert all(t.min_version == 0 and t.sampling == {"greedy": True} for t in tasks)
         w = layer.store.writer("n")
         rewards = [1.0, 0.0, 1.0]

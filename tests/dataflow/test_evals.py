@@ -111,3 +111,26 @@ def test_a_record_names_the_newest_weights_that_answered_for_each_policy():
         tokens=np.arange(3), loss_mask=[0, 1, 1], logprobs=[0.0] * 3, policy_ids=[NOT_GENERATED, 0, 0],
         versions=[NOT_GENERATED, 1, 2], reward=0.0),), Provenance(node="n"))
     assert TrajectoryRef.of(trained, [EntryRef("seg", 0)]).newest is None  # training refs carry nothing more
+
+
+def test_a_rounds_seconds_count_from_its_first_lease(monkeypatch):
+    """The first round is made when the data layer starts and waits for the nodes to load their
+    models: its ``eval_seconds`` is the evaluation's own time, from the first task a node leased."""
+    import astraflow.dataflow.evals as evals_module
+
+    clock = [100.0]
+    monkeypatch.setattr(evals_module.time, "time", lambda: clock[0])
+    ev, written = rounds()
+    tasks = ev.start(0)
+    clock[0] = 130.0  # the nodes start
+    ev.leased(tasks[0])
+    clock[0] = 131.0
+    ev.leased(tasks[1])  # a later lease does not move the start
+    clock[0] = 132.5
+    finish(ev, tasks)
+    assert written[0]["eval_seconds"] == pytest.approx(2.5)
+    never = ev.start(2)  # a round none of whose tasks was leased (restored, say): from its making
+    ev.rounds[2].started = 135.0
+    clock[0] = 140.0
+    finish(ev, never)
+    assert written[1]["eval_seconds"] == pytest.approx(5.0)
