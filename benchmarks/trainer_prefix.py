@@ -33,7 +33,7 @@ from astraflow.training.torch_backend import TorchBackend
 from astraflow.workloads.base import make_workload
 
 
-def _batch(engine: HFEngine, workload, problems, samples: int, new_tokens: int, seed: int) -> Batch:
+def example_batch(engine: HFEngine, workload, problems, samples: int, new_tokens: int, seed: int) -> Batch:
     """A GRPO batch as the trainer gets it: each prompt's samples with their behaviour log-probs,
     rewards and group statistics (seeded 0/1 rewards: a fresh model would score every sample 0,
     and the step's work does not depend on the rewards' values)."""
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
         times: dict[bool, list[float]] = {True: [], False: []}
         gap, tokens = 0.0, {True: 0.0, False: 0.0}
         for b in range(args.steps + 1):  # the first step of each warms up
-            batch = _batch(engine, workload, problems[b * args.prompts:(b + 1) * args.prompts], args.samples,
+            batch = example_batch(engine, workload, problems[b * args.prompts:(b + 1) * args.prompts], args.samples,
                            args.new_tokens, b)
             out = {}
             for share in (True, False) if b % 2 else (False, True):

@@ -69,6 +69,7 @@ def test_a_cuda_device_without_a_gpu_is_an_argument_error(monkeypatch):
     ("data_algorithms.py", ["--only", "dynamic_sampl"], "invalid choice: 'dynamic_sampl'"),
     ("worker_startup.py", ["--rounds", "0"], "at least 1"),
     ("engine_start.py", ["--replicas", "0"], "at least 1"),
+    ("trainer_optimizer.py", ["--steps", "0"], "at least 1"),
 ])
 def test_argument_errors_exit_2_before_anything_starts(script, args, said):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,

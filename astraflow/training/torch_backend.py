@@ -36,6 +36,7 @@ from astraflow.training.algorithms import advantages, user_loss
 from astraflow.training.grpo import collate, grpo_loss, m2_keep_mask
 from astraflow.training.prefix import PrefixSharing
 from astraflow.training.numerics import refuse_nonfinite
+from astraflow.training.optim import adamw
 
 
 class TorchBackend:
@@ -112,9 +113,7 @@ class TorchBackend:
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
         self.clip_low, self.clip_high = clip_low, clip_high
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
-        )
+        self.optimizer = adamw(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
         #: steps skipped because their loss or gradient norm was not finite (in all)
         self.nonfinite_skipped = 0
         #: every name a parameter has in ``state_dict()`` (a tied head under both of its names);

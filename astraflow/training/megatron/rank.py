@@ -57,6 +57,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from astraflow.training.megatron.state import load_named_optimizer_state, named_optimizer_state, pack, unpack
+from astraflow.training.optim import adamw
 from storage.full_disk import full_disk_in
 
 
@@ -151,10 +152,8 @@ class Rank:
         del hf_sd
         self.model.to(self.device)
         self.ddp = wrap_data_parallel(self.model) if spec.dp_size > 1 else None
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=float(cfg["lr"]), betas=tuple(cfg.get("betas", (0.9, 0.99))),
-            weight_decay=float(cfg.get("weight_decay", 0.0)),
-        )
+        self.opt = adamw(self.model.parameters(), lr=float(cfg["lr"]), betas=tuple(cfg.get("betas", (0.9, 0.99))),
+                         weight_decay=float(cfg.get("weight_decay", 0.0)))
 
     # -- compute ---------------------------------------------------------------------------
     def _token_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
