@@ -32,7 +32,8 @@ def test_one_kill_of_each_kind_loses_nothing_and_the_run_completes(tiny_model, t
         f"run.max_steps={STEPS}", "workload.eval.every=20",
         # paced (each episode takes >= 0.5 s): the kills land while it trains, on any machine
         "workload.workflow=tests.slurm.slow_workflow:slow_single_turn_test",
-        "cluster.trainer_restarts=5", "cluster.data_layer_restarts=5", "rollout.engine_restarts=5"],
+        "cluster.trainer_restarts=5", "cluster.data_layer_restarts=5", "rollout.engine_restarts=5",
+        "rollout.engine.process=true"],  # an engine process to kill (the tiny example runs none)
         tmp_path / "run.log")
     run.start()
     lines: list[str] = []

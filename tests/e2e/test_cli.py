@@ -34,9 +34,9 @@ def _write_config(tmp_path, model, **changes) -> Path:
 def test_run_subprocess_writes_expected_records(tiny_model, tmp_path):
     cfg = _write_config(tmp_path, tiny_model)
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
+    proc = subprocess.run(  # with the default engine, in a process of its own (the tiny example's runs in the node)
         [sys.executable, "-m", "astraflow", "run", str(cfg), "--run-dir", str(run_dir),
-         "--set", "run.max_steps=3"],
+         "--set", "run.max_steps=3", "--set", "rollout.engine.process=true"],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

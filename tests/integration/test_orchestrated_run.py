@@ -159,6 +159,7 @@ def test_a_node_whose_engine_keeps_dying_is_replaced(tiny_model, tmp_path):
     reports) makes the node stop leasing; the orchestrator replaces its worker and the run
     finishes with every task ended once."""
     cfg = tiny_config(tiny_model, **{"run.max_steps": 8, "workload.eval.every": 0, "rollout.engine_restarts": 0,
+                                     "rollout.engine.process": True,  # the tiny example runs none
                                      "workload.workflow": "tests.slurm.slow_workflow:slow_single_turn_test"})
     run_dir = tmp_path / "run"
     th, box = run_in_thread(Orchestrator(cfg, run_dir))
