@@ -100,19 +100,37 @@ def _check_weight_files(p: Path, against_model: bool = True) -> None:
         elif f.suffix == ".bin":
             shapes.update(_bin_shapes(f))
     if against_model and shapes and all(f.suffix in (".safetensors", ".bin") for f in files):
-        model = _meta_model(p)
-        missing = _missing_weights(model, set(shapes)) if model is not None else []
-        if missing:
-            raise _missing_weights_error(p, missing)
-        # a pre-quantized checkpoint stores packed shapes under the same names: not compared
-        quantized = "quantization_config" in _read_config(p)
-        wrong = _mis_shaped(model, shapes) if model is not None and not quantized else []
-        if wrong:
-            shown = "; ".join(f"{k}: {list(have)} in the weight files, {list(want)} by config.json"
-                              for k, have, want in wrong[:3])
-            shown += f"; and {len(wrong) - 3} more" if len(wrong) > 3 else ""
-            raise ValueError(f"{p}: config.json does not describe the weights next to it ({len(wrong)} tensor(s) of "
-                             f"another shape: {shown}); put the checkpoint's own config.json next to its weights")
+        _check_against_model(p, shapes)
+
+
+def _check_against_model(p: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The weights' names and shapes against the model ``p``'s config describes. Building that
+    model imports the architecture's modelling code (seconds): a pass is remembered
+    (``astraflow.checked``) for the same config, names, shapes and transformers."""
+    import transformers
+
+    from astraflow.checked import check_key, passed_before, remember_pass
+
+    key = check_key("weights-against-model", {"config": (p / "config.json").read_text(errors="replace"),
+                                              "shapes": sorted(shapes.items()),
+                                              "transformers": transformers.__version__}, __file__)
+    if passed_before(key):
+        return
+    model = _meta_model(p)
+    missing = _missing_weights(model, set(shapes)) if model is not None else []
+    if missing:
+        raise _missing_weights_error(p, missing)
+    # a pre-quantized checkpoint stores packed shapes under the same names: not compared
+    quantized = "quantization_config" in _read_config(p)
+    wrong = _mis_shaped(model, shapes) if model is not None and not quantized else []
+    if wrong:
+        shown = "; ".join(f"{k}: {list(have)} in the weight files, {list(want)} by config.json"
+                          for k, have, want in wrong[:3])
+        shown += f"; and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+        raise ValueError(f"{p}: config.json does not describe the weights next to it ({len(wrong)} tensor(s) of "
+                         f"another shape: {shown}); put the checkpoint's own config.json next to its weights")
+    if model is not None:
+        remember_pass(key)
 
 
 def _bin_shapes(f: Path) -> dict[str, tuple[int, ...]]:

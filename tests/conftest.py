@@ -68,6 +68,19 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_check_cache(tmp_path_factory):
+    """The remembered model checks (``astraflow.checked``) of this session's processes, the
+    ones the tests start included, kept apart from the user's own."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
     """Tests share 2 cores with the processes they start: one intra-op thread each."""
