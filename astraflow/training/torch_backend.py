@@ -245,10 +245,13 @@ class TorchBackend:
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         """Continue with saved optimiser moments (``ValueError`` if they belong to another
         model); the hyperparameters stay this backend's (a resumed run may change ``lr``)."""
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        own = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        saved = state["param_groups"]
+        if len(saved) == len(own):  # else torch refuses it, naming the groups
+            # loaded with these groups: torch places step counts by them (a fused group's on its
+            # parameters' device; a state saved by the unfused AdamW keeps them on the CPU)
+            state = {**state, "param_groups": [{**g, **mine} for g, mine in zip(saved, own)]}
         self.optimizer.load_state_dict(state)
-        for g, own in zip(self.optimizer.param_groups, groups):
-            g.update(own)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of the current weights as they are published (CPU, parameters in

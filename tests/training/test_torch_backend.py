@@ -1,3 +1,4 @@
+import copy
 import json
 from dataclasses import replace
 
@@ -243,3 +244,33 @@ def test_sharing_the_prompt_is_the_same_step(tiny_model, settings):
     for k, p in whole.model.named_parameters():
         assert torch.allclose(p.grad, gb[k].grad, atol=1e-6), k
     assert shared.train_step(batch)["forwarded_tokens"] < whole.train_step(batch)["forwarded_tokens"]
+
+
+def test_an_optimiser_state_of_the_default_adamw_resumes_on_the_fused_one(tiny_model):
+    """A checkpoint saved before the trainers used the fused AdamW (its groups say ``fused:
+    None``, its step counts lie on the CPU) resumes on the fused one. Torch places the step
+    counts by the groups it loads (a fused group's on its parameters' device, where the fused
+    kernel wants them: on a GPU it refuses one left on the CPU), so those must be this
+    optimiser's, not the checkpoint's."""
+    old = TorchBackend(tiny_model, lr=1e-3)
+    d = old.optimizer.defaults
+    old.optimizer = torch.optim.AdamW(old.model.parameters(), lr=d["lr"], betas=d["betas"],
+                                      weight_decay=d["weight_decay"])  # as the backend made it before
+    batch = _batch(old.model, old.tokenizer)
+    old.train_step(batch)
+    saved = copy.deepcopy(old.optimizer_state())  # as saved: not sharing its tensors
+    assert not saved["param_groups"][0]["fused"]
+    resumed = TorchBackend(tiny_model, lr=1e-3)
+    resumed.load_state_dict(old.snapshot())
+    loaded = []
+    resumed.optimizer.register_load_state_dict_pre_hook(lambda opt, sd: loaded.extend(sd["param_groups"]))
+    resumed.load_optimizer_state(saved)
+    assert [g["fused"] for g in loaded] == [True] and resumed.optimizer.param_groups[0]["fused"] is True
+    for p in resumed.model.parameters():
+        step = resumed.optimizer.state[p]["step"]
+        assert step.device == p.device and step.dtype == torch.float32 and float(step) == 1.0
+    old.train_step(batch)
+    resumed.train_step(batch)
+    after = old.state_dict()
+    for k, v in resumed.state_dict().items():
+        torch.testing.assert_close(v, after[k], rtol=1e-5, atol=1e-6)
