@@ -133,9 +133,11 @@ class Marks:
         self._retry: set[tuple[str, Any]] = set()
 
     def _eval_counters(self) -> tuple:
-        ev = self.dl.ledger.events
-        # the open rounds themselves (a few): one started as another is forgotten changes no count
-        return tuple(self.dl.evals.rounds), len(self.dl.evals.results), ev["evaluated"], ev["failed"]
+        ev, rounds = self.dl.ledger.events, self.dl.evals.rounds
+        # the open rounds themselves (a few): one started as another is forgotten changes no count;
+        # those leased (a round's first lease changes no count either)
+        leased = tuple(v for v, r in rounds.items() if getattr(r, "leased_at", None) is not None)
+        return tuple(rounds), leased, len(self.dl.evals.results), ev["evaluated"], ev["failed"]
 
     def take(self) -> set[tuple[str, Any]]:
         """The changed ``(kind, key)`` pairs; the marks start afresh."""

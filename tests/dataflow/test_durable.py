@@ -196,6 +196,25 @@ def test_a_resumed_evaluation_round_is_not_started_twice(tmp_path):
     assert len(layer.leases.eval_pending) == eval_tasks and list(layer.evals.rounds) == [0]
 
 
+
+def test_a_replaced_layer_keeps_when_an_evaluation_round_was_first_leased(tmp_path):
+    """A round's ``eval_seconds`` counts from its first lease: a layer built on the change log
+    of a lost one knows that time, also when nothing of the round but the lease was recorded
+    since (no answer of it came in yet)."""
+    paths = Paths(tmp_path)
+    lost = paths.layer(eval_every=2)
+
+    async def lease_round_0():
+        await lost.start_eval(2)  # a record holding both rounds, neither leased yet
+        return await lost.lease("n0", 2)  # round 0's tasks come first
+
+    held = run(lease_round_0())
+    assert [t.min_version for t in held] == [0, 0] and lost.evals.rounds[0].leased_at is not None
+    layer = paths.layer(keep_leases=True, eval_every=2)
+    assert layer.evals.rounds[0].leased_at == lost.evals.rounds[0].leased_at
+    assert layer.evals.rounds[2].leased_at is None
+
+
 class _Boom:
     def __reduce__(self):
         return (os.system, ("touch pwned",))
