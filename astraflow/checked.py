@@ -1,7 +1,8 @@
 """Remembered passes of a costly check whose inputs are all known: a check that passed on
 exactly these inputs (hashed together with the checking module's own source, so that a changed
 check runs again) is not run again. The marks live under ``$XDG_CACHE_HOME/astraflow/checked``
-(``~/.cache`` by default), readable by the user alone; a cache that cannot be read or written
+(``~/.cache`` by default; ``$ASTRAFLOW_CACHE_DIR/checked`` where that is set), readable by the
+user alone; a cache that cannot be read or written
 only means that the check runs."""
 
 from __future__ import annotations
@@ -13,8 +14,14 @@ from pathlib import Path
 from typing import Any
 
 
+#: a directory for AstraFlow's cache that overrides the XDG one
+CACHE_ENV = "ASTRAFLOW_CACHE_DIR"
+
+
 def cache_dir() -> Path:
-    """Where the marks are kept."""
+    """Where the marks are kept: ``$ASTRAFLOW_CACHE_DIR/checked`` where that is set."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]) / "checked"
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "astraflow" / "checked"
 

@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     for kind in KINDS[::-1]:
         print(f"{kind:>8} {opt_s[kind]:>12.5f} {step[kind]:>13.4f}")
     print(f"largest weight difference after {args.steps + 1} steps: {gap:.2e}")
-    result = {"optimizer_seconds_fused": round(opt_s["fused"], 5), "optimizer_seconds_default": round(opt_s["default"], 5),
+    result = {"optimizer_seconds_fused": round(opt_s["fused"], 5),
+              "optimizer_seconds_default": round(opt_s["default"], 5),
               "optimizer_ratio_fused_vs_default": round(opt_s["fused"] / opt_s["default"], 3),
               "step_seconds_fused": round(step["fused"], 4), "step_seconds_default": round(step["default"], 4),
               "step_ratio_fused_vs_default": round(step["fused"] / step["default"], 3),

@@ -72,13 +72,13 @@ def tiny_model(tmp_path_factory) -> Path:
 def _own_check_cache(tmp_path_factory):
     """The remembered model checks (``astraflow.checked``) of this session's processes, the
     ones the tests start included, kept apart from the user's own."""
-    before = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    before = os.environ.get("ASTRAFLOW_CACHE_DIR")
+    os.environ["ASTRAFLOW_CACHE_DIR"] = str(tmp_path_factory.mktemp("astraflow-cache"))
     yield
     if before is None:
-        os.environ.pop("XDG_CACHE_HOME", None)
+        os.environ.pop("ASTRAFLOW_CACHE_DIR", None)
     else:
-        os.environ["XDG_CACHE_HOME"] = before
+        os.environ["ASTRAFLOW_CACHE_DIR"] = before
 
 
 @pytest.fixture(autouse=True)

@@ -18,6 +18,7 @@ from astraflow.models import check_model_dir
 @pytest.fixture
 def builds(monkeypatch, tmp_path):
     """The directories whose model the check built, in order (a cache of this test's own)."""
+    monkeypatch.delenv("ASTRAFLOW_CACHE_DIR", raising=False)  # the XDG place, as for a user
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     built = []
     meta = model_loading._meta_model
@@ -64,7 +65,7 @@ def test_a_check_that_changed_or_another_transformers_checks_again(tiny_model, t
 def test_a_cache_that_cannot_be_written_leaves_the_check_running(tiny_model, tmp_path, builds, monkeypatch):
     blocked = tmp_path / "not-a-dir"
     blocked.write_text("")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    monkeypatch.setenv("ASTRAFLOW_CACHE_DIR", str(blocked))
     check_model_dir(tiny_model, tokenizer=False)
     check_model_dir(tiny_model, tokenizer=False)
     assert builds == [tiny_model, tiny_model]

@@ -5,16 +5,20 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+from pathlib import Path
 from typing import Mapping, get_args
 
 from astraflow.rollout.config import EngineConfig, EngineType
 from astraflow.rollout.engine import InferenceEngine
 from astraflow.rollout.engine_pool import EnginePool, ReplicaPlan, plan_replicas
+from astraflow.rollout.host_memory import available_bytes
 
 log = logging.getLogger("astraflow.rollout")
 
 #: the engine types this factory builds: one list, the config's
 KNOWN: tuple[str, ...] = get_args(EngineType)
+#: the share of the host memory available that engine processes loading side by side may take
+LOAD_MEMORY_SHARE = 0.8
 
 
 def make_engine(cfg: EngineConfig, model_path: str, seed: int = 0, gpus: int = 0) -> InferenceEngine:
@@ -26,9 +30,9 @@ def make_engine(cfg: EngineConfig, model_path: str, seed: int = 0, gpus: int = 0
 def make_engines(cfg: EngineConfig, models: Mapping[str, str], seed: int = 0,
                  gpus: int = 0) -> dict[str, InferenceEngine]:
     """The engine of every policy of a node (``models``: policy -> model directory), each as
-    ``make_engine`` builds it. Engines in processes of their own load side by side: every
-    process is started before the first is waited for, so a node of eight GPUs loads its
-    eight replicas at once, not one after the other. A failure stops every engine started."""
+    ``make_engine`` builds it. Engines in processes of their own load side by side, as many at
+    once as the host memory holds (``load_slots``): a node of eight GPUs loads its eight
+    replicas together, not one after the other. A failure stops every engine started."""
     if cfg.type not in KNOWN:
         raise ValueError(f"unknown engine type {cfg.type!r}; known: {', '.join(KNOWN)}")
     if cfg.type == "sim":  # no model, no torch: one simulated engine per replica
@@ -39,16 +43,20 @@ def make_engines(cfg: EngineConfig, models: Mapping[str, str], seed: int = 0,
     plans = plan_replicas(cfg, gpus, cuda_seen, os.environ.get("CUDA_VISIBLE_DEVICES"), seed=seed)
     torch.set_num_threads(cfg.threads)  # this process's own (an engine here; replicas in processes split it)
     started: dict[str, list[InferenceEngine]] = {}
+    slots = load_slots(list(models.values()), len(models) * len(plans))
+    loading: list[InferenceEngine] = []  # processes started, not yet waited for
     try:
         for policy, path in models.items():
             started[policy] = []
             for plan in plans:
-                started[policy].append(_make_one(cfg, path, plan))
-        for engines in started.values():
-            for engine in engines:
-                wait = getattr(engine, "wait_started", None)  # a process still loading its model
-                if wait is not None:
-                    wait()
+                if len(loading) >= slots:
+                    loading.pop(0).wait_started()
+                engine = _make_one(cfg, path, plan)
+                started[policy].append(engine)
+                if hasattr(engine, "wait_started"):  # a process loading its model
+                    loading.append(engine)
+        while loading:
+            loading.pop(0).wait_started()
     except BaseException:  # an engine that fails to start: stop the ones already started
         for engines in started.values():
             for engine in engines:
@@ -59,6 +67,27 @@ def make_engines(cfg: EngineConfig, models: Mapping[str, str], seed: int = 0,
             log.info("%d engine replicas of %s: %s", len(plans), path,
                      ", ".join(p.visible_devices or p.device for p in plans))
     return {policy: engines[0] if len(engines) == 1 else EnginePool(engines) for policy, engines in started.items()}
+
+
+def load_slots(model_paths: list[str], engines: int) -> int:
+    """How many of a node's ``engines`` may load their models at once: an engine process builds
+    its model in fp32 in host memory before moving it to its device (about twice its weight
+    files' bytes for bf16 files); as many as fit in ``LOAD_MEMORY_SHARE`` of the host memory
+    this process may still take (``host_memory``), at least one."""
+    need = 2 * max((weight_bytes(p) for p in model_paths), default=0)
+    if need <= 0:
+        return max(engines, 1)
+    return max(1, min(engines, int(available_bytes() * LOAD_MEMORY_SHARE) // need))
+
+
+def weight_bytes(model_path: str) -> int:
+    """The bytes of a model directory's weight files (its safetensors, else its PyTorch ones)."""
+    p = Path(model_path)
+    for pattern in ("*.safetensors", "*.bin"):
+        files = [f for f in p.glob(pattern) if f.is_file()]
+        if files:
+            return sum(f.stat().st_size for f in files)
+    return 0
 
 
 def _make_sim(cfg: EngineConfig, seed: int, gpus: int) -> InferenceEngine:

@@ -65,3 +65,64 @@ def test_a_model_refused_before_its_process_starts_stops_an_engine_still_loading
     (kind, _, proc), = recorded  # never waited for: killed while it loaded
     assert kind == "launch" and proc.exitcode is not None
     assert proc not in multiprocessing.active_children()
+
+
+class _Loading:
+    """An engine whose process loads until ``wait_started`` (what ``make_engines`` sees of one)."""
+
+    tokenizer = None
+
+    def __init__(self, events, name):
+        self.events, self.name = events, name
+        events.append(("launch", name))
+
+    def wait_started(self):
+        self.events.append(("ready", self.name))
+
+    def close(self):
+        self.events.append(("close", self.name))
+
+
+def test_no_more_engines_load_at_once_than_the_host_memory_holds(tiny_model, monkeypatch):
+    from astraflow.rollout import engines
+
+    events = []
+    monkeypatch.setattr(engines, "_make_one", lambda cfg, path, plan: _Loading(events, f"{path}#{plan.index}"))
+    need = 2 * engines.weight_bytes(str(tiny_model))  # an fp32 copy of bf16 weights, at most
+    assert need > 0
+    cfg = EngineConfig(device="cpu", replicas=2)
+    monkeypatch.setattr(engines, "available_bytes", lambda: int(need * 1.5 / engines.LOAD_MEMORY_SHARE))
+    made = make_engines(cfg, {"a": str(tiny_model), "b": str(tiny_model)})
+    assert [len(getattr(e, "replicas", [e])) for e in made.values()] == [2, 2]
+    names = [f"{tiny_model}#{i}" for i in (0, 1)] * 2
+    assert events == [("launch", names[0]), ("ready", names[0]), ("launch", names[1]), ("ready", names[1]),
+                      ("launch", names[2]), ("ready", names[2]), ("launch", names[3]), ("ready", names[3])]
+    events.clear()  # room for three: the fourth waits for the first
+    monkeypatch.setattr(engines, "available_bytes", lambda: int(need * 3.2 / engines.LOAD_MEMORY_SHARE))
+    make_engines(cfg, {"a": str(tiny_model), "b": str(tiny_model)})
+    assert [e[0] for e in events] == ["launch"] * 3 + ["ready", "launch"] + ["ready"] * 3
+    assert engines.load_slots([str(tiny_model)], 8) >= 1 and engines.load_slots(["/nonexistent"], 8) == 8
+
+
+def test_the_room_a_cgroup_leaves_is_the_least_along_its_path(tmp_path):
+    from astraflow.rollout.host_memory import cgroup_room
+
+    proc = tmp_path / "cgroup"
+    root = tmp_path / "fs"
+    job, task = root / "slurm" / "job_7", root / "slurm" / "job_7" / "step_0" / "task_0"
+    task.mkdir(parents=True)
+    (job / "memory.max").write_text("1000\n")  # the job's limit, set above the process's group
+    (job / "memory.current").write_text("400\n")
+    (task / "memory.max").write_text("max\n")
+    (task / "memory.current").write_text("100\n")
+    proc.write_text("0::/slurm/job_7/step_0/task_0\n")
+    assert cgroup_room(proc, root) == 600
+    (job / "memory.max").write_text("max\n")
+    assert cgroup_room(proc, root) is None  # no limit anywhere
+    v1 = root / "memory" / "docker" / "abc"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("5000")
+    (v1 / "memory.usage_in_bytes").write_text("4200")
+    proc.write_text("4:memory:/docker/abc\n3:cpu:/\n")
+    assert cgroup_room(proc, root) == 800
+    assert cgroup_room(tmp_path / "absent", root) is None
