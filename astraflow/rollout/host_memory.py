@@ -20,17 +20,23 @@ def available_bytes() -> int:
 
 def cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT) -> int | None:
     """The least room (limit less usage) of this process's memory cgroup and its ancestors, or
-    None where no limit is set or none can be read."""
+    None where no limit is set or none can be read. The group's inactive page cache counts as
+    room: usage includes it, and the kernel drops it before refusing an allocation (a job
+    that wrote or read files has its group's usage near the limit otherwise)."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
         return None
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        parts = line.split(":", 2)
+        if len(parts) != 3:  # not ``id:controllers:path``
+            continue
+        _, controllers, path = parts
         if controllers == "":  # cgroup v2: one unified hierarchy
-            base, limit, usage = root, "memory.max", "memory.current"
+            base, limit, usage, cache = root, "memory.max", "memory.current", "inactive_file"
         elif "memory" in controllers.split(","):
             base, limit, usage = root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+            cache = "total_inactive_file"  # v1's own ``inactive_file`` leaves out the groups below
         else:
             continue
         rooms = []
@@ -39,7 +45,8 @@ def cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGRO
             try:
                 cap = (group / limit).read_text().strip()
                 if cap != "max":
-                    rooms.append(max(int(cap) - int((group / usage).read_text().strip()), 0))
+                    used = int((group / usage).read_text().strip()) - _stat(group, cache)
+                    rooms.append(max(int(cap) - used, 0))
             except (OSError, ValueError):
                 pass  # a level without the files (the root) or unreadable: no limit known there
             if group == base or base not in group.parents:
@@ -47,3 +54,15 @@ def cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGRO
             group = group.parent
         return min(rooms) if rooms else None
     return None
+
+
+def _stat(group: Path, key: str) -> int:
+    """``key`` of the group's ``memory.stat`` (0 where it cannot be read)."""
+    try:
+        for line in (group / "memory.stat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
