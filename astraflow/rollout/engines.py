@@ -44,19 +44,22 @@ def make_engines(cfg: EngineConfig, models: Mapping[str, str], seed: int = 0,
     torch.set_num_threads(cfg.threads)  # this process's own (an engine here; replicas in processes split it)
     started: dict[str, list[InferenceEngine]] = {}
     slots = load_slots(list(models.values()), len(models) * len(plans))
+    # an engine loading beside others shares the disk and the CPU with them: its start may take
+    # as many times longer (the node waits no longer than for the same loads one after another)
+    patience = min(slots, len(models) * len(plans))
     loading: list[InferenceEngine] = []  # processes started, not yet waited for
     try:
         for policy, path in models.items():
             started[policy] = []
             for plan in plans:
                 if len(loading) >= slots:
-                    loading.pop(0).wait_started()
+                    loading.pop(0).wait_started(patience)
                 engine = _make_one(cfg, path, plan)
                 started[policy].append(engine)
                 if hasattr(engine, "wait_started"):  # a process loading its model
                     loading.append(engine)
         while loading:
-            loading.pop(0).wait_started()
+            loading.pop(0).wait_started(patience)
     except BaseException:  # an engine that fails to start: stop the ones already started
         for engines in started.values():
             for engine in engines:

@@ -131,13 +131,14 @@ class ProcessEngine:
         if wait:
             self.wait_started()
 
-    def wait_started(self) -> None:
+    def wait_started(self, patience: float = 1.0) -> None:
         """Wait for the first engine process to load its model (the constructor does, unless
-        ``wait=False`` let the caller start other engines meanwhile): ``ValueError`` for a
-        model directory it refused, ``EngineProcessError`` for any other failure (the process
-        is stopped). Returns at once once it has."""
+        ``wait=False`` let the caller start other engines meanwhile), up to ``patience`` times
+        the start timeout: ``ValueError`` for a model directory it refused,
+        ``EngineProcessError`` for any other failure (the process is stopped). Returns at once
+        once it has."""
         if self._loading:
-            self._await_ready(self.version, refused=ValueError)
+            self._await_ready(self.version, refused=ValueError, timeout=self._start_timeout * patience)
 
     def _spawn(self, version: int) -> None:
         """Start an engine process holding the model directory's weights as ``version``, wait
@@ -155,12 +156,13 @@ class ProcessEngine:
         proc.start()
         child_conn.close()  # the child holds its end; ours closing lets us see its death as EOF
 
-    def _await_ready(self, version: int, refused: type[Exception] | None = None) -> None:
+    def _await_ready(self, version: int, refused: type[Exception] | None = None,
+                     timeout: float | None = None) -> None:
         """Wait for the engine process's first message. A model directory it refused raises
         ``refused(text)`` where given (the first start: the check's own ``ValueError``), else
         ``EngineProcessError`` as any start failure (a restart, which the node retries)."""
         conn, proc = self._conn, self._proc
-        path, timeout = self._args[0], self._start_timeout
+        path, timeout = self._args[0], timeout or self._start_timeout
         deadline = time.monotonic() + timeout
         while not conn.poll(START_POLL_S):  # a ``close`` meanwhile ends the wait, not the model load
             if self._closed:

@@ -24,8 +24,8 @@ def recorded(monkeypatch):
         launch(self, version)
         events.append(("launch", self._args[0], self._proc))
 
-    def recording_wait(self):
-        wait(self)
+    def recording_wait(self, patience=1.0):
+        wait(self, patience)
         events.append(("ready", self._args[0]))
 
     monkeypatch.setattr(ProcessEngine, "_launch", recording_launch)
@@ -76,8 +76,9 @@ class _Loading:
         self.events, self.name = events, name
         events.append(("launch", name))
 
-    def wait_started(self):
+    def wait_started(self, patience=1.0):
         self.events.append(("ready", self.name))
+        self.patience = patience
 
     def close(self):
         self.events.append(("close", self.name))
@@ -101,6 +102,10 @@ def test_no_more_engines_load_at_once_than_the_host_memory_holds(tiny_model, mon
     monkeypatch.setattr(engines, "available_bytes", lambda: int(need * 3.2 / engines.LOAD_MEMORY_SHARE))
     make_engines(cfg, {"a": str(tiny_model), "b": str(tiny_model)})
     assert [e[0] for e in events] == ["launch"] * 3 + ["ready", "launch"] + ["ready"] * 3
+    # three loading together: each may take three times the start timeout of one loading alone
+    assert {r.patience for e in made.values() for r in e.replicas} == {1}
+    again = make_engines(cfg, {"a": str(tiny_model)})
+    assert {r.patience for r in again["a"].replicas} == {2}
     assert engines.load_slots([str(tiny_model)], 8) >= 1 and engines.load_slots(["/nonexistent"], 8) == 8
 
 
