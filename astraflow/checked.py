@@ -2,8 +2,7 @@
 exactly these inputs (hashed together with the checking module's own source, so that a changed
 check runs again) is not run again. The marks live under ``$XDG_CACHE_HOME/astraflow/checked``
 (``~/.cache`` by default; ``$ASTRAFLOW_CACHE_DIR/checked`` where that is set), readable by the
-user alone; a cache that cannot be read or written
-only means that the check runs."""
+user alone; a cache that cannot be read or written only means that the check runs."""
 
 from __future__ import annotations
 

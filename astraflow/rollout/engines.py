@@ -43,10 +43,12 @@ def make_engines(cfg: EngineConfig, models: Mapping[str, str], seed: int = 0,
     plans = plan_replicas(cfg, gpus, cuda_seen, os.environ.get("CUDA_VISIBLE_DEVICES"), seed=seed)
     torch.set_num_threads(cfg.threads)  # this process's own (an engine here; replicas in processes split it)
     started: dict[str, list[InferenceEngine]] = {}
-    slots = load_slots(list(models.values()), len(models) * len(plans))
+    total = len(models) * len(plans)
+    # engines built in this process (in-process hf, vLLM) load in their constructors, one by one
+    slots = load_slots(list(models.values()), total) if cfg.type == "hf" and cfg.process else total
     # an engine loading beside others shares the disk and the CPU with them: its start may take
     # as many times longer (the node waits no longer than for the same loads one after another)
-    patience = min(slots, len(models) * len(plans))
+    patience = min(slots, total)
     loading: list[InferenceEngine] = []  # processes started, not yet waited for
     try:
         for policy, path in models.items():
