@@ -370,6 +370,13 @@ def restore(dl: DataLayer, state: dict[str, Any], journal_path: Path | None, kee
     dl.buffers.staleness_by_node = {n: Counter(h) for n, h in bf.get("staleness_by_node", {}).items()}
     dl.mixer.consumed, dl.mixer.groups_created = state["mixer"]["consumed"], state["mixer"]["groups_created"]
     dl.evals.rounds, dl.evals.results = state["evals"]["rounds"], state["evals"]["results"]
+    if not keep_leases:  # an open round's time between the runs is not time spent evaluating
+        between = dl._started - float(layer["started"])
+        for rnd in dl.evals.rounds.values():
+            if rnd.result is None:
+                rnd.started += between
+                leased = getattr(rnd, "leased_at", None)  # absent from rounds an earlier AstraFlow saved
+                rnd.leased_at = None if leased is None else leased + between
     # a round left open by an earlier run's end has no tasks left: it would hold back every later record
     open_evals = {int(t.min_version) for tid, t in leases.tasks.items() if t.kind == "eval" and tid in ledger.live}
     dl.evals.drop_unfinishable(lambda version: version in open_evals)

@@ -187,34 +187,6 @@ def test_a_changed_config_ends_the_saved_tasks_instead_of_restoring_them(tmp_pat
     assert created and created <= {x["t"] for x in lines if x["e"] == "dropped"}
 
 
-def test_a_resumed_evaluation_round_is_not_started_twice(tmp_path):
-    paths = Paths(tmp_path)
-    old = paths.layer(eval_every=2)
-    eval_tasks = len(old.leases.eval_pending)
-    run(old.close())
-    layer = paths.layer(eval_every=2)
-    assert len(layer.leases.eval_pending) == eval_tasks and list(layer.evals.rounds) == [0]
-
-
-
-def test_a_replaced_layer_keeps_when_an_evaluation_round_was_first_leased(tmp_path):
-    """A round's ``eval_seconds`` counts from its first lease: a layer built on the change log
-    of a lost one knows that time, also when nothing of the round but the lease was recorded
-    since (no answer of it came in yet)."""
-    paths = Paths(tmp_path)
-    lost = paths.layer(eval_every=2)
-
-    async def lease_round_0():
-        await lost.start_eval(2)  # a record holding both rounds, neither leased yet
-        return await lost.lease("n0", 2)  # round 0's tasks come first
-
-    held = run(lease_round_0())
-    assert [t.min_version for t in held] == [0, 0] and lost.evals.rounds[0].leased_at is not None
-    layer = paths.layer(keep_leases=True, eval_every=2)
-    assert layer.evals.rounds[0].leased_at == lost.evals.rounds[0].leased_at
-    assert layer.evals.rounds[2].leased_at is None
-
-
 class _Boom:
     def __reduce__(self):
         return (os.system, ("touch pwned",))
@@ -244,58 +216,6 @@ def test_a_resumed_run_forgets_the_old_nodes_a_new_one_may_reuse_a_name(tmp_path
     run(before())
     layer = paths.layer(keep_leases=False)
     assert len(run(layer.lease("n0", 4))) == 4  # the new incarnation's n0 is not draining
-
-
-def test_an_evaluation_cut_short_by_the_runs_end_does_not_hold_back_the_resumed_run(tmp_path, monkeypatch):
-    """The run ends (Ctrl-C) while a held-out round is open: its tasks are dropped, so the round is
-    forgotten, not restored; the resumed run evaluates that version again under fresh task ids and
-    finishes. A snapshot that still holds such a round (its tasks gone) is cleaned up on restore,
-    and the finished rounds it held back are written."""
-    paths = Paths(tmp_path)
-    old = paths.layer(eval_every=2)
-
-    async def one_eval_task(layer):
-        await Node(layer, "n-old").roll(1)  # evaluation tasks are leased first: one of round 0
-
-    run(one_eval_task(old))
-    assert old.evals.rounds[0].remaining == 2
-    run(old.finish())
-    assert 0 not in old.evals.rounds  # cut short: not recorded, not kept
-    run(old.close())
-
-    resumed = paths.layer(eval_every=2)
-    tasks = [resumed.leases.tasks[t] for t in resumed.leases.eval_pending]
-    assert list(resumed.evals.rounds) == [0] and len(tasks) == 3
-    assert {t.group_id.rpartition("-")[0] for t in tasks} == {"eval-v0.1"}  # the old ids ended: fresh ones
-
-    async def finish_round(layer):
-        await Node(layer, "n-new").roll(3)
-        return await layer.eval_done(0)
-
-    assert run(finish_round(resumed))
-    assert paths.steps().count(0) == 1  # one record of v0: the resumed round's
-    run(resumed.close())
-
-    # a snapshot of a data layer that kept the open round (its tasks ended) is cleaned up on restore
-    paths2 = Paths(tmp_path / "second")
-    (tmp_path / "second").mkdir()
-    older = paths2.layer(eval_every=2)
-    run(one_eval_task(older))
-    monkeypatch.setattr(type(older.evals), "drop_unfinishable", lambda self, alive=None: [])
-    run(older.finish())
-    monkeypatch.undo()
-    assert older.evals.rounds[0].result is None and not older.leases.eval_pending
-    run(older.close())
-    restored = paths2.layer(eval_every=2)
-
-    async def evaluate_v2(layer):
-        await layer.start_eval(2)
-        await Node(layer, "n-new").roll(6)  # the fresh round at v0 and the round at v2
-        return await layer.eval_done(2)
-
-    assert run(evaluate_v2(restored))  # not held back behind the old round
-    assert sorted(paths2.steps()) == [0, 2]
-    run(restored.close())
 
 
 class _FullDisk:
@@ -387,20 +307,6 @@ def test_a_trainer_resumed_behind_the_layer_trains_the_later_versions_again(tmp_
     assert paths.steps() == [1, 2, 2]
 
 
-def test_a_changed_config_starts_an_evaluation_round_under_new_ids(tmp_path):
-    """The saved round's tasks end as config_changed; the new round of the same version takes
-    ids of its own: every task in the journal is created and ended once."""
-    paths = Paths(tmp_path)
-    old = paths.layer(eval_every=2)
-    run(old.lease("n0", 2))
-    run(old.close())
-    new = paths.layer(eval_every=2, group_size=2)
-    assert new.leases.eval_pending and all(".1-" in t for t in new.leases.eval_pending)
-    run(new.finish())
-    run(new.close())
-    _ended_once(paths.journal_lines())
-
-
 def test_a_resumed_run_counts_run_time_not_the_time_between_runs(tmp_path):
     """A new incarnation's elapsed time (its rates' denominator, its lines' ``time``) goes on
     from where the last one saved; a data layer re-placed within a run keeps its start."""
@@ -481,26 +387,4 @@ def test_a_resume_without_the_snapshot_makes_new_groups_under_new_ids(tmp_path, 
     created = Counter(x["t"] for x in paths.journal_lines() if x["e"] == "created")
     assert set(created.values()) == {1}
 
-
-def test_a_resumed_runs_first_evaluation_is_at_the_version_its_trainers_resume_from(tmp_path):
-    """The change log ends behind the weight store (a power loss): the resume's evaluation round
-    starts only once the trainers' versions have moved forward, at those versions."""
-    paths = Paths(tmp_path)
-    layer = paths.layer(eval_every=2, max_steps=50)
-    run(Node(layer).roll(8, reward_of=_alternating))
-    run(layer.close())
-    state = durable.load(paths.snapshot)
-    assert state is not None
-    again = paths.layer(eval_every=2, max_steps=50)
-    again.versions["p"] = 3  # what the change log recorded (set as if restored behind the store)
-    again._eval_at_start = True
-
-    async def resume():
-        await again.trainer_restarted("p", 9, restart=False)  # the store's newest committed version
-        await again.resume_evaluation()
-        await again.resume_evaluation()  # once only
-        await again.close()
-
-    run(resume())
-    assert max(again.evals.rounds) == 9
 
