@@ -255,13 +255,18 @@ class Buffers:
         self.task_drop_reason.pop(tid, None)
 
     # -- batches -----------------------------------------------------------------------------
+    def fresh(self, it: Item, version: int) -> bool:
+        """Whether a trainer at ``version`` may take ``it``: sampled at most ``max_staleness`` versions
+        before it, and not after it (by a version moved aside, behind which the trainer resumed)."""
+        return 0 <= version - it.oldest_version <= self.max_staleness
+
     def drop_stale(self, policy: str, version: int) -> int:
         """Drop (and settle) the buffer's sequences too stale for a trainer at ``version``; how
         many are left to serve."""
         buf = self.ready[policy]
         total = 0
         for grp in list(buf):
-            stale = [it for it in grp.items if version - it.oldest_version > self.max_staleness]
+            stale = [it for it in grp.items if not self.fresh(it, version)]
             if stale:
                 self._touch("ready", policy, grp.ingest_seq)
                 self.counts[policy]["stale_dropped"] += len(stale)
@@ -349,9 +354,8 @@ class Buffers:
         """How many items of ``policy``'s replay pool a batch at ``version`` may replay: those
         within ``max_staleness`` of it (older ones leave the pool: they only get older)."""
         pool = self.replay[policy]
-        if any(version - it.oldest_version > self.max_staleness for it in pool):
-            self.replay[policy] = pool = deque((it for it in pool if version - it.oldest_version <= self.max_staleness),
-                                               maxlen=pool.maxlen)
+        if not all(self.fresh(it, version) for it in pool):
+            self.replay[policy] = pool = deque((it for it in pool if self.fresh(it, version)), maxlen=pool.maxlen)
         return len(pool)
 
     def drop_served(self, policy: str, version: int) -> list[Item]:
