@@ -143,6 +143,8 @@ def _stage(registry: Registry, shipped: list[type[Strict]], user: type[_UserRule
         return type_of(value) if type_of(value) in names else "user"
 
     def known(value: Any) -> Any:
+        if isinstance(value, str):  # a rule by its name alone, its parameters the defaults
+            value = {"type": value}
         t = type_of(value)
         if t in names or (isinstance(t, str) and (":" in t or t in registry)):
             return value

@@ -238,6 +238,7 @@ def run_config(tmp_path, **dataflow):
     ("group_filter", {"type": "keep_some"}, r"dataflow.group_filter: .*known: drop_zero_advantage, keep_all"),
     ("ordering", {"type": "lifo"}, r"dataflow.ordering: .*known: edf, fifo, freshest"),
     ("ordering", {"params": {}}, r"dataflow.ordering: needs a `type:`"),
+    ("curator", "no_such", r"dataflow.curator: unknown prompt curator 'no_such'"),
     ("curator", {"type": "filter_solved", "params": {"threshold": 1.5}},
      r"dataflow.curator.params.threshold: Input should be less than or equal to 1"),
     ("curator", {"type": "greso", "params": {"floor": 0}},
@@ -305,3 +306,12 @@ def test_a_user_rule_named_by_module_path_runs_in_the_data_layer(tmp_path):
         assert keys and all(int(k[1:]) % 3 == 0 for k in keys)
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("stage, name", [("curator", "filter_solved"), ("group_filter", "drop_zero_advantage"),
+                                         ("ordering", "freshest"), ("curator", "tests.dataflow.user_rules:EveryNth")])
+def test_a_rule_named_alone_is_that_rule_with_its_default_params(tmp_path, stage, name):
+    """``curator: filter_solved`` (what ``--set dataflow.curator=filter_solved`` writes) is
+    ``{type: filter_solved}``."""
+    assert getattr(run_config(tmp_path, **{stage: name}).dataflow, stage) == \
+        getattr(run_config(tmp_path, **{stage: {"type": name}}).dataflow, stage)
