@@ -77,8 +77,9 @@ def execute(names: list, send, out, memory_line: str, ran: list) -> int:
     sys.modules["__main__"] = program
     namespace = program.__dict__
 
-    def run_source(path: str, label: str) -> tuple[bool, str | None, int]:
-        """(ran cleanly, the exception line, exit code) of exec-ing ``path`` in the namespace."""
+    def run_source(path: str, label: str, exit_ok: bool) -> tuple[bool, str | None, int]:
+        """(ran cleanly, the exception line, exit code) of exec-ing ``path`` in the namespace;
+        ``exit_ok``: whether ``SystemExit(0)`` ends it cleanly (the program's, not the tests')."""
         try:
             with open(path, "rb") as f:
                 source = f.read().decode("utf-8-sig")  # a leading byte-order mark is not code
@@ -91,16 +92,16 @@ def execute(names: list, send, out, memory_line: str, ran: list) -> int:
             return True, None, 0
         except BaseException as err:  # the program's error, whatever it is
             set_recursion_limit(RECURSION_LIMIT)
-            return program_failed(err, out, memory_line)
+            return program_failed(err, out, memory_line, exit_ok)
 
-    ok, error, code = run_source("/in/program.py", "the program")
+    ok, error, code = run_source("/in/program.py", "the program", True)
     send("program", ok)
     if not ok:
         return code
     if not names:
         send("done")
         return 0
-    ok, error, _ = run_source("/in/tests.py", "the tests")
+    ok, error, _ = run_source("/in/tests.py", "the tests", False)
     if names == ["tests"] or not ok:  # the whole source is one test, or its top level failed
         for name in names:
             send("test", (name, ok, error))
@@ -115,11 +116,12 @@ def execute(names: list, send, out, memory_line: str, ran: list) -> int:
     return 1 if failed else 0
 
 
-def program_failed(err: BaseException, out, memory_line: str) -> tuple[bool, str | None, int]:
+def program_failed(err: BaseException, out, memory_line: str, exit_ok: bool) -> tuple[bool, str | None, int]:
     """(ran cleanly, the exception line, exit code) of the program raising ``err``: its
-    traceback on stderr, a MemoryError reported; whatever the program broke, never raises."""
+    traceback on stderr, a MemoryError reported; whatever the program broke, never raises.
+    A ``SystemExit`` out of the tests is a failure whatever its code: their asserts did not all run."""
     try:
-        if isinstance(err, SystemExit):
+        if isinstance(err, SystemExit) and exit_ok:
             code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
             return (True, None, 0) if code == 0 else (False, f"SystemExit: {err.code}"[:ERROR_CHARS], code)
         if isinstance(err, MemoryError):

@@ -69,6 +69,16 @@ def test_a_program_that_exits_during_the_tests_fails_the_rest(sb):
     assert r.status == "failure" and [t.passed for t in r.tests] == [True, False, False]
 
 
+@pytest.mark.parametrize("body", ["raise SystemExit(0)", "import sys\n    sys.exit()"])
+def test_a_program_that_exits_cleanly_during_the_tests_does_not_pass_them(sb, body):
+    """The tests' asserts did not run: exit code 0 is no pass, with or without test_* functions."""
+    prog = f"def add(a, b):\n    {body}\n"
+    r = sb.run(prog, "assert add(1, 2) == 4\n")
+    assert r.status == "failure" and not r.all_passed and [t.passed for t in r.tests] == [False], r
+    r = sb.run(prog, "X = add(1, 2)\n\ndef test_a():\n    assert X == 4\n")
+    assert r.status == "failure" and [t.passed for t in r.tests] == [False], r
+
+
 def test_printing_a_fake_report_does_not_pass_the_tests(sb):
     fake = json.dumps({"nonce": "guess", "event": "test", "name": "test_a", "passed": True, "error": None})
     prog = f"import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, {fake!r}.encode() + b'\\n')\n    except OSError:\n        pass\nprint({fake!r})\nos._exit(0)\n"
