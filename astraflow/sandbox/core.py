@@ -178,10 +178,9 @@ class Sandbox:
         path = tempfile.mkdtemp(prefix="exec-", dir=self._root)  # 0700
         try:
             files = {"runner.py": RUNNER.encode(),
-                     "program.py": program.encode("utf-8", "surrogateescape") if isinstance(program, str)
-                     else program}
+                     "program.py": _utf8(program) if isinstance(program, str) else program}
             if tests is not None:
-                files["tests.py"] = tests.encode("utf-8", "surrogateescape")
+                files["tests.py"] = _utf8(tests)
             gid = bwrap.drop_privileges(self.cfg).get("group")
             for name, data in files.items():
                 fd = os.open(os.path.join(path, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -368,6 +367,16 @@ def test_names(tests: str) -> list[str]:
     names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
              and n.name.startswith("test_")]
     return list(dict.fromkeys(names)) or ["tests"]
+
+
+def _utf8(text: str) -> bytes:
+    """``text`` as the file the runner reads. A lone surrogate is no character: it is written as
+    bytes that are not UTF-8 either, so the run fails as a program that is not UTF-8 (a result,
+    not an exception out of ``run``)."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass")
 
 
 def _not_ours(st: os.stat_result) -> str | None:

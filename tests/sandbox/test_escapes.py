@@ -178,6 +178,13 @@ def test_a_program_that_is_not_utf8_fails(sb):
     assert r.status == "failure" and "UTF-8" in r.stderr
 
 
+@pytest.mark.parametrize("surrogate", ["\ud800", "\udc80"])
+def test_a_program_with_a_lone_surrogate_fails_as_not_utf8(sb, surrogate):
+    """A str that is no UTF-8 text (a lone surrogate) is the program's failure, not an exception out of run."""
+    r = sb.run(f"def f():\n    return '{surrogate}'\n", "def test_f():\n    assert f()\n")
+    assert r.status == "failure" and "UTF-8" in r.stderr and not r.tests[0].passed, r
+
+
 def test_a_program_that_is_not_python_fails(sb):
     r = sb.run("def f(:\n    return\n", "def test_f():\n    assert f()\n")
     assert r.status == "failure" and "SyntaxError" in r.stderr
