@@ -26,6 +26,15 @@ def test_head_script_is_valid_bash_and_explains_misuse(tmp_path):
     assert missing.returncode == 2 and "config file 'nope.yaml' not found" in missing.stderr
 
 
+def test_head_script_refuses_an_option_in_place_of_the_run_directory(tmp_path):
+    """``CONFIG --set k=v`` would run in a directory named ``--set`` (``--run-dir --set``)."""
+    (tmp_path / "c.yaml").write_text("run: {}\n")
+    proc = subprocess.run(["bash", str(JOBS / "astraflow-head.sbatch"), "c.yaml", "--set", "run.max_steps=5"],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin", "ASTRAFLOW_PYTHON": sys.executable})
+    assert proc.returncode == 2 and "RUN_DIR '--set' is an option: give RUN_DIR" in proc.stderr, proc.stderr
+
+
 def test_worker_template_link_points_at_the_rendered_template():
     link = JOBS / "worker.sbatch.j2"
     assert link.resolve() == (JOBS.parent / "schedulers" / "templates" / "worker.sbatch.j2").resolve()
