@@ -61,3 +61,15 @@ def test_bubblewrap_and_the_interpreter_can_be_given_as_options(tmp_path, monkey
     assert r.exit_code == 2 and "set --bwrap to its path" in r.output and "sandbox.bwrap" not in r.output
     r = CliRunner().invoke(main, ["sandbox", "run", str(prog), "--bwrap", real, "--interpreter", python, "--json"])
     assert r.exit_code == 0 and json.loads(r.output)["status"] == "ok", r.output
+
+
+def test_the_programs_output_cannot_rewrite_the_summary_on_a_terminal(tmp_path):
+    """Cursor moves and line erases in its output or exception line are shown, not acted on."""
+    prog = tmp_path / "p.py"
+    prog.write_text("print('\\x1b[1A\\x1b[2Kstatus: ok\\r')\ndef add(a, b):\n    raise ValueError('\\x1b[2K\\x9b1A')\n")
+    tests = tmp_path / "t.py"
+    tests.write_text("def test_a():\n    assert add(1, 2) == 3\n")
+    r = CliRunner().invoke(main, ["sandbox", "run", str(prog), "--tests", str(tests)], color=True)  # as on a tty
+    assert r.exit_code == 0 and "status: failure" in r.output, r.output
+    assert not any(c in r.output for c in "\x1b\x9b\r"), r.output
+    assert "\\x1b[1A\\x1b[2Kstatus: ok\\x0d" in r.output and "ValueError: \\x1b[2K\\x9b1A" in r.output, r.output
