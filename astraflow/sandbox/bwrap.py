@@ -9,8 +9,11 @@ processes, the network) does not exist inside.
 
 from __future__ import annotations
 
+import errno
 import os
+import platform
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +39,45 @@ HOST_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 # not bubblewrap's whole --dev tree: fewer mounts, a smaller surface, a faster start
 DEVICES = ("--dev-bind", "/dev/null", "/dev/null", "--ro-bind", "/dev/zero", "/dev/zero",
            "--ro-bind", "/dev/urandom", "/dev/urandom", "--ro-bind", "/dev/random", "/dev/random")
+
+
+# the kernel keyring calls (add_key, request_key, keyctl) by machine, with its AUDIT_ARCH_*: an
+# execution starts in the node's session keyring, whose keys (Kerberos tickets, AFS tokens) it
+# would possess and so could read, and request_key has the host run /sbin/request-key for it
+KEYRING_SYSCALLS = {"x86_64": (0xC000003E, (248, 249, 250)), "aarch64": (0xC00000B7, (217, 218, 219)),
+                    "ppc64le": (0xC0000015, (269, 270, 271))}
+
+
+def seccomp_filter(machine: str) -> bytes | None:
+    """The BPF program bwrap's ``--seccomp`` installs: the keyring calls and every call of another
+    ABI (32-bit compat) fail with EPERM; None on a machine not in ``KEYRING_SYSCALLS``."""
+    if machine not in KEYRING_SYSCALLS:
+        return None
+    arch, calls = KEYRING_SYSCALLS[machine]
+    ld, jeq, mask, ret = 0x20, 0x15, 0x54, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_ALU|AND|K, BPF_RET|K
+    refuse, allow = 0x00050000 | errno.EPERM, 0x7FFF0000  # SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW
+
+    def op(code: int, k: int, jt: int = 0) -> bytes:  # struct sock_filter
+        return struct.pack("HBBI", code, jt, 0, k)
+
+    prog = [op(ld, 4), op(jeq, arch, 1), op(ret, refuse),  # seccomp_data.arch
+            op(ld, 0), op(mask, 0xBFFFFFFF)]  # seccomp_data.nr, without x32's bit
+    prog += [op(jeq, nr, len(calls) - i) for i, nr in enumerate(calls)]
+    return b"".join(prog + [op(ret, allow), op(ret, refuse)])
+
+
+SECCOMP_FILTER = seccomp_filter(platform.machine())
+
+
+def seccomp_fd() -> int | None:
+    """The read end of a pipe holding ``SECCOMP_FILTER`` for ``--seccomp`` (bubblewrap reads it to
+    the end and closes it); the caller passes it to bubblewrap and closes it. None without a filter."""
+    if SECCOMP_FILTER is None:
+        return None
+    r, w = os.pipe()
+    os.write(w, SECCOMP_FILTER)
+    os.close(w)
+    return r
 
 
 class SandboxUnavailable(RuntimeError):
@@ -99,11 +141,14 @@ def prefix_libs(python: str) -> list[str]:
     return libs
 
 
-def _sandbox(cfg: SandboxConfig, python: str) -> list[str]:
+def _sandbox(cfg: SandboxConfig, python: str, filter_fd: int | None) -> list[str]:
     """bwrap and every option of an execution's sandbox but its input directory: what
-    ``command`` runs and what ``probe`` checks, so an option this bubblewrap lacks fails the check."""
+    ``command`` runs and what ``probe`` checks, so an option this bubblewrap lacks fails the check.
+    ``filter_fd``: from ``seccomp_fd``."""
     args = [bwrap_path(cfg), "--unshare-all", "--unshare-user", "--disable-userns",
             "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]
+    if filter_fd is not None:
+        args += ["--seccomp", str(filter_fd)]
     for k, v in ENV.items():
         args += ["--setenv", k, v]
     args += _binds(python)
@@ -114,9 +159,9 @@ def _sandbox(cfg: SandboxConfig, python: str) -> list[str]:
 
 
 def command(cfg: SandboxConfig, python: str, in_dir: str, result_fd: int,
-            test_names: list[str]) -> list[str]:
+            test_names: list[str], filter_fd: int | None = None) -> list[str]:
     """bwrap argv running the runner on ``in_dir``; the runner reports on ``result_fd``."""
-    return [*_sandbox(cfg, python), "--ro-bind", in_dir, IN_DIR, "--chdir", SCRATCH,
+    return [*_sandbox(cfg, python, filter_fd), "--ro-bind", in_dir, IN_DIR, "--chdir", SCRATCH,
             python, "-I", "-S", "-B", f"{IN_DIR}/runner.py", str(result_fd), str(cfg.cpu_s),
             str(cfg.memory_mb << 20), str(cfg.max_processes), str(file_size_limit(cfg)), *test_names]
 
@@ -138,12 +183,16 @@ def drop_privileges(cfg: SandboxConfig) -> dict:
 def probe(cfg: SandboxConfig) -> None:
     """Raise SandboxUnavailable unless bubblewrap can start the interpreter in its namespaces."""
     python = interpreter(cfg)
-    args = [*_sandbox(cfg, python), "--chdir", SCRATCH, python, "-I", "-S", "-c", "pass"]
+    filter_fd = seccomp_fd()
     try:
-        proc = subprocess.run(args, capture_output=True, timeout=30, stdin=subprocess.DEVNULL,
-                              env=HOST_ENV, **drop_privileges(cfg))
+        args = [*_sandbox(cfg, python, filter_fd), "--chdir", SCRATCH, python, "-I", "-S", "-c", "pass"]
+        proc = subprocess.run(args, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, env=HOST_ENV,
+                              pass_fds=() if filter_fd is None else (filter_fd,), **drop_privileges(cfg))
     except (OSError, subprocess.TimeoutExpired) as err:
         raise SandboxUnavailable(f"bubblewrap could not run: {err}: {FIX}") from None
+    finally:
+        if filter_fd is not None:
+            os.close(filter_fd)
     if proc.returncode != 0:
         why = proc.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no message"]
         if "unknown option" in why[0].lower():

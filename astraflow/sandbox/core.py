@@ -203,16 +203,20 @@ class Sandbox:
         nonce = secrets.token_hex(16)
         names = [] if tests is None else test_names(tests)
         r_fd, w_fd = os.pipe()
+        filter_fd = bwrap.seccomp_fd()
+        fds = (w_fd,) if filter_fd is None else (w_fd, filter_fd)
         try:
-            cmd = bwrap.command(cfg, bwrap.interpreter(cfg), in_dir, w_fd, names)
+            cmd = bwrap.command(cfg, bwrap.interpreter(cfg), in_dir, w_fd, names, filter_fd)
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, pass_fds=(w_fd,), process_group=0,
+                                    stderr=subprocess.PIPE, pass_fds=fds, process_group=0,
                                     env=bwrap.HOST_ENV, **bwrap.drop_privileges(cfg))
         except (OSError, bwrap.SandboxUnavailable) as err:
             os.close(r_fd)
-            os.close(w_fd)
+            for fd in fds:
+                os.close(fd)
             return _result("sandbox_error", (), "", f"sandbox could not start: {err}", None, start)
-        os.close(w_fd)
+        for fd in fds:
+            os.close(fd)
         try:
             proc.stdin.write(nonce.encode() + b"\n")
             proc.stdin.close()

@@ -4,6 +4,7 @@ without a trace on the host. Every case has a short timeout."""
 from __future__ import annotations
 
 import os
+import platform
 import secrets
 import signal
 import socket
@@ -127,6 +128,34 @@ def test_the_nodes_environment_is_not_visible(sb, monkeypatch):
             "    try:\n        print(open(p, 'rb').read())\n    except OSError as err:\n        print(err)\n")
     r = sb.run(prog)
     assert r.status == "ok" and secret not in r.stdout and "ASTRAFLOW_TEST_SECRET" not in r.stdout
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the system call numbers below are x86_64's")
+def test_the_nodes_keyring_is_out_of_reach(sb):
+    """The execution starts in the session keyring of the thread that runs it: the keys there
+    (Kerberos tickets, AFS tokens) must not be readable, nor any keyring call possible."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    secret, found = secrets.token_hex(8), {}
+
+    def run_in_a_keyring_of_its_own():  # credentials are per thread: the test process's are untouched
+        assert libc.syscall(250, 1, None) > 0  # keyctl(KEYCTL_JOIN_SESSION_KEYRING): a new anonymous one
+        assert libc.syscall(248, b"user", b"astraflow-test", secret.encode(), 16, -3) > 0  # add_key to it
+        found["r"] = sb.run("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                            "buf = ctypes.create_string_buffer(64)\n"
+                            "key = libc.syscall(250, 10, -3, b'user', b'astraflow-test', 0)\n"  # KEYCTL_SEARCH
+                            "print('search', key, ctypes.get_errno())\n"
+                            "print('read', libc.syscall(250, 11, key, buf, 64), buf.value)\n"  # KEYCTL_READ
+                            "print('session', libc.syscall(250, 0, -3, 0), ctypes.get_errno())\n")
+
+    thread = threading.Thread(target=run_in_a_keyring_of_its_own)
+    thread.start()
+    thread.join()
+    r = found["r"]
+    assert r.status == "ok" and secret not in r.stdout, r
+    assert "search -1 1\n" in r.stdout and "session -1 1\n" in r.stdout, r.stdout  # EPERM
 
 
 def test_no_network_not_even_the_hosts_loopback(sb):
