@@ -101,12 +101,19 @@ def _first_top_level_line(lines: list[str]) -> int:
             if tok.type == tokenize.NEWLINE:
                 starts = True
             elif tok.type not in skip:
-                if starts and tok.start[1] == 0:
+                if starts and _column_0(tok.line[:tok.start[1]]):
                     return tok.start[0] - 1
                 starts = False
         return len(lines)
     except (tokenize.TokenError, SyntaxError):
-        return next((i for i, line in enumerate(lines) if line.strip() and not line[:1].isspace()), len(lines))
+        return next((i for i, line in enumerate(lines)
+                     if line.strip() and _column_0(line[:len(line) - len(line.lstrip(" \t\f"))])), len(lines))
+
+
+def _column_0(indent: str) -> bool:
+    """Whether a line with this leading whitespace starts at column 0 to Python, for which a form
+    feed resets the column (a form feed then ``print(1)`` after a function is top-level code)."""
+    return indent.rsplit("\f", 1)[-1] == ""
 
 
 def check_to_tests(test: str, entry_point: str) -> str:

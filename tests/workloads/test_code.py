@@ -76,6 +76,9 @@ def test_body_of_drops_code_after_the_function():
     assert body_of("    return x + 1\nprint(1)\n    junk") == "    return x + 1\n"
     assert body_of("    if x:\n\n        return 1\n    return 2\ndef g(): pass") == "    if x:\n\n        return 1\n    return 2\n"
     assert body_of("oops") == "\n"
+    # a form feed resets Python's column: the line is top-level code, cut like any other
+    assert body_of("    return 1\n\x0cprint(1)\n") == body_of("    return 1\n \x0cprint(1)") == "    return 1\n"
+    assert body_of('    return """x\n\x0cprint(1)\n') == '    return """x\n'  # unreadable source too
 
 
 def test_body_of_keeps_multi_line_strings_and_unusual_line_breaks_inside_strings():
