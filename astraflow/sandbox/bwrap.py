@@ -41,19 +41,22 @@ DEVICES = ("--dev-bind", "/dev/null", "/dev/null", "--ro-bind", "/dev/zero", "/d
            "--ro-bind", "/dev/urandom", "/dev/urandom", "--ro-bind", "/dev/random", "/dev/random")
 
 
-# the kernel keyring calls (add_key, request_key, keyctl) by machine, with its AUDIT_ARCH_*: an
-# execution starts in the node's session keyring, whose keys (Kerberos tickets, AFS tokens) it
-# would possess and so could read, and request_key has the host run /sbin/request-key for it
-KEYRING_SYSCALLS = {"x86_64": (0xC000003E, (248, 249, 250)), "aarch64": (0xC00000B7, (217, 218, 219)),
-                    "ppc64le": (0xC0000015, (269, 270, 271))}
+# system calls refused inside, by machine, with its AUDIT_ARCH_*. The keyring calls (add_key,
+# request_key, keyctl): an execution starts in the node's session keyring, whose keys (Kerberos
+# tickets, AFS tokens) it would possess and so could read, and request_key has the host run
+# /sbin/request-key for it. ptrace, process_vm_readv/writev, pidfd_getfd: bubblewrap's init
+# (pid 1 inside, the same user) runs without this filter and holds that keyring.
+REFUSED_SYSCALLS = {"x86_64": (0xC000003E, (248, 249, 250, 101, 310, 311, 438)),
+                    "aarch64": (0xC00000B7, (217, 218, 219, 117, 270, 271, 438)),
+                    "ppc64le": (0xC0000015, (269, 270, 271, 26, 351, 352, 438))}
 
 
 def seccomp_filter(machine: str) -> bytes | None:
-    """The BPF program bwrap's ``--seccomp`` installs: the keyring calls and every call of another
-    ABI (32-bit compat) fail with EPERM; None on a machine not in ``KEYRING_SYSCALLS``."""
-    if machine not in KEYRING_SYSCALLS:
+    """The BPF program bwrap's ``--seccomp`` installs: ``REFUSED_SYSCALLS`` and every call of another
+    ABI (32-bit compat) fail with EPERM; None on a machine not in ``REFUSED_SYSCALLS``."""
+    if machine not in REFUSED_SYSCALLS:
         return None
-    arch, calls = KEYRING_SYSCALLS[machine]
+    arch, calls = REFUSED_SYSCALLS[machine]
     ld, jeq, mask, ret = 0x20, 0x15, 0x54, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_ALU|AND|K, BPF_RET|K
     refuse, allow = 0x00050000 | errno.EPERM, 0x7FFF0000  # SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW
 

@@ -148,7 +148,9 @@ def test_the_nodes_keyring_is_out_of_reach(sb):
                             "key = libc.syscall(250, 10, -3, b'user', b'astraflow-test', 0)\n"  # KEYCTL_SEARCH
                             "print('search', key, ctypes.get_errno())\n"
                             "print('read', libc.syscall(250, 11, key, buf, 64), buf.value)\n"  # KEYCTL_READ
-                            "print('session', libc.syscall(250, 0, -3, 0), ctypes.get_errno())\n")
+                            "print('session', libc.syscall(250, 0, -3, 0), ctypes.get_errno())\n"
+                            # bubblewrap's init (pid 1) holds the keyring without the filter: no ptrace
+                            "print('ptrace', libc.syscall(101, 16, 1, 0, 0), ctypes.get_errno())\n")
 
     thread = threading.Thread(target=run_in_a_keyring_of_its_own)
     thread.start()
@@ -156,6 +158,7 @@ def test_the_nodes_keyring_is_out_of_reach(sb):
     r = found["r"]
     assert r.status == "ok" and secret not in r.stdout, r
     assert "search -1 1\n" in r.stdout and "session -1 1\n" in r.stdout, r.stdout  # EPERM
+    assert "ptrace -1 1\n" in r.stdout, r.stdout
 
 
 def test_no_network_not_even_the_hosts_loopback(sb):
