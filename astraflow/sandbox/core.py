@@ -203,9 +203,10 @@ class Sandbox:
         nonce = secrets.token_hex(16)
         names = [] if tests is None else test_names(tests)
         r_fd, w_fd = os.pipe()
-        filter_fd = bwrap.seccomp_fd()
-        fds = (w_fd,) if filter_fd is None else (w_fd, filter_fd)
+        fds = [w_fd]
         try:
+            filter_fd = bwrap.seccomp_fd()
+            fds += [] if filter_fd is None else [filter_fd]
             cmd = bwrap.command(cfg, bwrap.interpreter(cfg), in_dir, w_fd, names, filter_fd)
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, pass_fds=fds, process_group=0,
