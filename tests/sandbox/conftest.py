@@ -5,6 +5,7 @@ fail instead so CI cannot pass by skipping them."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -46,3 +47,14 @@ def sandbox_processes(token: str) -> list[int]:
         if token.encode() in cmdline and state != b"Z":
             found.append(int(entry))
     return found
+
+
+def none_left(token: str, within_s: float = 10.0) -> bool:
+    """Whether every process of a finished execution is gone within ``within_s``: the kernel
+    kills a PID namespace's processes with its init, but a busy machine takes a moment to."""
+    deadline = time.monotonic() + within_s
+    while sandbox_processes(token):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
