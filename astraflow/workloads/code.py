@@ -11,8 +11,9 @@ The policy writes the function's body; everything from the first line that is no
 on is dropped (the model went on to write other code). The prompt plus the body runs in the
 sandbox with the tests. Reward: 1.0 when every test passes (``reward: all``) or the fraction
 that pass (``reward: fraction``). Each episode also reports how it ended (``reward_and_stats``):
-passed, wrong, timeout, resource limit or sandbox error, so a slow or broken sandbox is not
-read as a policy that got worse.
+passed, wrong, timeout or resource limit, so a slow sandbox is not read as a policy that got
+worse. A run the sandbox itself failed judges nothing: the episode fails (``SandboxFailed``), as
+any task whose reward raised, and is rolled out again; no reward of 0 is trained on.
 """
 
 from __future__ import annotations
@@ -221,6 +222,11 @@ def humaneval_tasks() -> list[dict[str, Any]]:
     return [dict(t, family=HUMANEVAL) for t in read_tasks(humaneval_path())]
 
 
+class SandboxFailed(RuntimeError):
+    """The sandbox failed to judge a program (it could not start, its runner crashed): not the
+    program's fault, so no reward; the episode fails with the sandbox's message."""
+
+
 @WORKLOADS.register("code")
 class CodeWorkload:
     """Complete a Python function; scored by its hidden tests in the sandbox (``CodeParams``)."""
@@ -260,16 +266,18 @@ class CodeWorkload:
     def reward_and_stats(self, completion: str, payload: Mapping[str, Any]) -> tuple[float, dict[str, float]]:
         """The reward and how the episode ended: ``code_pass`` (every test passed),
         ``code_wrong`` (ran, some test failed or the program raised), ``code_timeout``,
-        ``code_resource`` (memory or output limit), ``code_sandbox_error`` (the sandbox itself
-        failed: not the policy's fault) and ``code_tests_frac`` (fraction of tests passed)."""
+        ``code_resource`` (memory or output limit) and ``code_tests_frac`` (fraction of tests
+        passed). ``SandboxFailed`` where the sandbox itself failed."""
         result = self._run(self.program(completion, payload), payload)
+        if result.status == "sandbox_error":
+            why = (result.stderr.strip().splitlines() or ["no message"])[-1]
+            raise SandboxFailed(f"the code sandbox failed to run the program (not the program's fault): {why}")
         frac = result.passed / result.total if result.total else 0.0
         status = result.status
         stats = {"code_pass": float(result.all_passed),
                  "code_wrong": float(status in ("ok", "failure") and not result.all_passed),
                  "code_timeout": float(status == "timeout"),
                  "code_resource": float(status in ("memory", "output_limit")),
-                 "code_sandbox_error": float(status == "sandbox_error"),
                  "code_tests_frac": frac}
         reward = float(result.all_passed) if self.cfg.reward == "all" else frac
         return reward, stats

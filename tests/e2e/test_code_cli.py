@@ -53,13 +53,13 @@ def test_code_example_runs(tiny_model, tmp_path):
     train = [x for x in lines if "loss" in x]
     assert [x["step"] for x in train] == [1, 2]
     stats = [x for x in train if "episode_code_pass" in x]
-    assert stats and all(x["episode_code_sandbox_error"] == 0.0 for x in stats)
+    assert stats and all("episode_code_timeout" in x for x in stats)
     evals = [x for x in lines if "eval_accuracy" in x]
     assert [x["step"] for x in evals] == [0, 2]
     for x in evals:
         assert x["eval_prompts"] == 6 and "eval_code_timeout" in x
         he = x["eval_sets"]["humaneval"]
-        assert he["prompts"] == 3 and he["code_sandbox_error"] == 0.0 and 0.0 <= he["pass@1"] <= 1.0
+        assert he["prompts"] == 3 and "code_timeout" in he and 0.0 <= he["pass@1"] <= 1.0
 
 
 def test_without_a_working_sandbox_the_run_exits_2_before_anything_starts(tmp_path):

@@ -164,8 +164,8 @@ def test_humaneval_is_read_from_the_package_and_is_a_second_eval_set():
 
 
 class FakeResult:
-    def __init__(self, status, passed, total):
-        self.status, self.passed, self.total = status, passed, total
+    def __init__(self, status, passed, total, stderr=""):
+        self.status, self.passed, self.total, self.stderr = status, passed, total, stderr
         self.all_passed = status == "ok" and passed == total
 
 
@@ -196,7 +196,6 @@ def fake_sandbox(monkeypatch):
     ("timeout", 1, 5, 0.0, 0.2, "code_timeout"),
     ("memory", 0, 5, 0.0, 0.0, "code_resource"),
     ("output_limit", 0, 0, 0.0, 0.0, "code_resource"),
-    ("sandbox_error", 0, 0, 0.0, 0.0, "code_sandbox_error"),
 ])
 def test_reward_all_or_fraction_and_outcomes_counted_apart(fake_sandbox, status, passed, total, all_reward,
                                                            frac_reward, outcome):
@@ -216,9 +215,19 @@ def test_same_program_is_run_once_but_sandbox_errors_are_retried(fake_sandbox):
     w.reward("    return 0\nprint('after the function: dropped')", task)
     assert fake_sandbox.calls == 1
     fake_sandbox.result = FakeResult("sandbox_error", 0, 0)
-    w.reward("    return 1\n", task)
-    w.reward("    return 1\n", task)
+    for _ in range(2):
+        with pytest.raises(code_mod.SandboxFailed):
+            w.reward("    return 1\n", task)
     assert fake_sandbox.calls == 3
+
+
+def test_a_program_the_sandbox_failed_to_judge_is_no_reward_but_a_failed_episode(fake_sandbox):
+    """A reward of 0 for a run the sandbox could not make would train the policy away from a
+    program that may be right: the episode fails instead, with the sandbox's message."""
+    fake_sandbox.result = FakeResult("sandbox_error", 0, 0, "sandbox could not start: [Errno 11] no room")
+    task = CodeWorkload(num_train=1).tasks("train")[0]
+    with pytest.raises(code_mod.SandboxFailed, match=r"not the program's fault\): sandbox could not start"):
+        CodeWorkload().reward_and_stats("    return 0\n", task)
 
 
 def test_relative_task_files_resolve_against_the_start_directory(tmp_path):
