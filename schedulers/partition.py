@@ -71,8 +71,8 @@ Label = Annotated[str, Field(pattern=_LABEL_RE), _fix(
 Count = Annotated[int, Field(ge=0), _fix("{field} is {value}: use 0 or more")]
 SlurmPartitionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$"), _fix(
     "slurm_partition {value}: use the name `sinfo` shows (letters, digits, '_', '.', '-')")]
-Mem = Annotated[str, Field(pattern=r"^0*[1-9]\d*[KMGT]?$"), _fix(
-    "mem {value}: use a positive number with an optional K/M/G/T suffix, e.g. '4G' or '4096M'")]
+Mem = Annotated[str, Field(pattern=r"^\d+[KMGT]?$"), _fix(
+    "mem {value}: use a number with an optional K/M/G/T suffix, e.g. '4G' or '4096M' (0: all of a node's memory)")]
 Gres = Annotated[str, Field(pattern=rf"^{_GRES_ITEM_RE}(?:,{_GRES_ITEM_RE})*$"), _fix(
     "gres {value}: use Slurm's 'name[:type][:count]' list, e.g. 'gpu:h100:4' or 'gpu:2'")]
 ResourceName = Annotated[str, Field(pattern=_IDENT), _fix(
@@ -148,11 +148,12 @@ def walltime_seconds(walltime: str) -> int | None:
 
 
 def mem_to_dask(mem: str) -> str:
-    """Slurm memory (``4G``, ``4096M``, ``4096`` = MiB) as a Dask ``--memory-limit`` string."""
+    """Slurm memory (``4G``, ``4096M``, ``4096`` = MiB) as a Dask ``--memory-limit`` string; ``0``
+    (Slurm: all of the node's memory) is Dask's ``auto`` (what the worker's machine or job has)."""
     m = _MEM.fullmatch(mem)
     assert m, f"unvalidated mem {mem!r}"
     number, unit = m.groups()
-    return f"{number}{(unit or 'M')}iB"
+    return "auto" if int(number) == 0 else f"{int(number)}{(unit or 'M')}iB"
 
 
 class AutoscaleBounds(BaseModel):
@@ -223,8 +224,8 @@ class Partition(BaseModel):
     Slurm only. Its gpu count must equal `gpus_per_node` when both are set."""
 
     mem: Mem | None = None
-    """Memory per node in Slurm syntax (``4G``, ``4096M``; a bare number is MiB); also the Dask
-    worker's memory limit. None = Slurm's default and Dask's ``auto``."""
+    """Memory per node in Slurm syntax (``4G``, ``4096M``; a bare number is MiB; ``0``: all of the
+    node's memory); also the Dask worker's memory limit. None = Slurm's default and Dask's ``auto``."""
 
     walltime: str = "01:00:00"
     """Slurm time limit (``--time``), e.g. ``01:00:00`` or ``2-00:00:00``. Ignored by ``local``."""

@@ -74,6 +74,9 @@ def test_partition_is_frozen_and_derives_worker_settings():
     assert p.worker_resources == {"rollout": 1.0, "GPU": 4.0}
     assert p.worker_threads == 8 and p.worker_memory_limit == "16GiB"
     assert Partition(name="c", mem="2048").worker_memory_limit == "2048MiB"
+    # Slurm's --mem=0 (all of the node's memory): the job asks for it, the worker takes what it has
+    assert Partition(name="c", mem="0").worker_memory_limit == "auto"
+    assert Partition(name="c", mem="0G").worker_memory_limit == "auto"
     assert Partition(name="c", resources={"slots": 2}).worker_resources == {"slots": 2.0}
     assert "Slurm time limit" in Partition.model_fields["walltime"].description  # field docs reach the schema
 

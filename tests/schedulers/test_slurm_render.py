@@ -229,3 +229,8 @@ def test_the_dry_run_names_a_partition_file_it_cannot_use(tmp_path, text, needle
     res = CliRunner().invoke(main, ["render", str(part), "--scheduler-address", "tcp://127.0.0.1:1",
                                     "--job-dir", str(tmp_path / "jobs")])
     assert res.exit_code == 2 and needle in res.output and "Traceback" not in res.output, res.output
+
+
+def test_mem_0_asks_slurm_for_all_of_the_nodes_memory_and_the_worker_takes_what_it_has():
+    script, _ = SlurmScheduler(**SITE).render(Partition(name="big", scheduler="slurm", mem="0"), "tcp://h:8786", 0)
+    assert "#SBATCH --mem=0\n" in script and "--memory-limit auto" in script
