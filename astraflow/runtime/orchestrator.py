@@ -52,7 +52,8 @@ from astraflow.runtime.jobrecords import PreviousJobs
 from astraflow.runtime.monitoring import StatusWriter, Tick, archive_summary
 from astraflow.runtime.monitoring.disk import DiskWatch, run_places
 from astraflow.runtime.monitoring.writer import STATUS_EVALS
-from astraflow.runtime.placement import Placement, data_layer_kwargs, node_kwargs, store_url, trainer_kwargs
+from astraflow.runtime.placement import (Placement, data_layer_kwargs, loopback_hint, node_kwargs, store_url,
+                                        trainer_kwargs)
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.reconcile import PartitionSet, run_tag
 from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts, note
@@ -224,8 +225,11 @@ class Orchestrator(Shutdown):
         if refused:
             raise RunFailed("; ".join(f"partition {n}: {e}" for n, e in refused.items()))
         names = [w.name for role in ("data", "trainer", "rollout") for w in self.fleet.of_role(role)]
+        hint = loopback_hint(self.cfg.cluster, self.partitions.values())
+        if hint:
+            self.progress.note(f"{hint} (no matter where Slurm runs on this host alone)")
         with self.progress.waiting(f"waiting for {len(self.workers)} workers to join"):
-            self.placement.wait_workers(names, self.fleet.listed_states, self.fleet.log_of)
+            self.placement.wait_workers(names, self.fleet.listed_states, self.fleet.log_of, hint)
 
     def _partition_of(self, worker: str) -> Partition:
         return self.partitions[self.workers[worker].partition]

@@ -18,7 +18,7 @@ import time
 import uuid
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from distributed import Client
 
@@ -189,11 +189,11 @@ class Placement:
         return out
 
     def wait_workers(self, names: list[str], job_states: Callable[[], dict[str, str]],
-                     logs: Callable[[str], Path | None] = lambda name: None) -> None:
+                     logs: Callable[[str], Path | None] = lambda name: None, hint: str = "") -> None:
         """Wait until every named worker joined (deadline ``cluster.worker_start_timeout_s``),
         showing which have not and the state of their jobs (``job_states``: worker name ->
         state, asked every 5 s: PENDING in a Slurm queue, ...); then asks them for their code
-        (``ask_code``)."""
+        (``ask_code``). ``hint``: a likely cause, said with a failure to join."""
         timeout = self.cluster.worker_start_timeout_s
         deadline = time.time() + timeout
         states: dict[str, str] = {}
@@ -211,13 +211,15 @@ class Placement:
                 # a job that ended without its worker joining (seen so twice: not a requeue) never will
                 ended = {n for n in missing if states.get(n, "PENDING") in ENDED_STATES}
                 if ended & ended_before:
-                    raise RunFailed(self._never_joined(sorted(ended & ended_before), states, logs))
+                    raise RunFailed(self._never_joined(sorted(ended & ended_before), states, logs)
+                                    + (f"; {hint}" if hint else ""))
                 ended_before = ended
             shown = ", ".join(f"{n} ({states.get(n, '?')})" for n in missing[:3])
             self.progress.detail(f"{len(names) - len(missing)}/{len(names)} joined; not yet {shown}"
                                  + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
             if time.time() > deadline:
-                raise RunFailed(f"workers did not join within {timeout:.0f}s: {missing}; see {self.paths.jobs}/*.log")
+                raise RunFailed(f"workers did not join within {timeout:.0f}s: {missing}; see {self.paths.jobs}/*.log"
+                                + (f"; {hint}" if hint else ""))
             time.sleep(0.2)
 
 
@@ -232,6 +234,17 @@ class Placement:
             by_error.setdefault(last_error_line(lines)[:300], []).append(f"{name} ({states.get(name)})")
         said = "; ".join(f"{', '.join(ws)}: {error}" for error, ws in list(by_error.items())[:3])
         return f"worker job(s) ended before joining the Dask scheduler: {said}; see {self.paths.jobs}/*.log"
+
+
+def loopback_hint(cc: ClusterConfig, partitions: Iterable[Partition]) -> str:
+    """What to say where Slurm partitions' workers must join a scheduler that listens on loopback
+    (the default): only those Slurm places on the head's own host can reach it. ``""`` otherwise."""
+    slurm = sorted(p.name for p in partitions if p.scheduler == "slurm")
+    if not slurm or cc.scheduler_interface is not None or not is_loopback(cc.scheduler_host):
+        return ""
+    return (f"the Dask scheduler listens on {cc.scheduler_host} (cluster.scheduler_host), which the workers of "
+            f"Slurm partition(s) {', '.join(slurm)} reach only from this host: set cluster.scheduler_interface "
+            "(e.g. ib0) or cluster.scheduler_host to the head node's address")
 
 
 # -- what each actor is built with ----------------------------------------------------------------
