@@ -5,10 +5,23 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any, Literal, get_args, get_origin
 
 import click
 from pydantic import BaseModel
+
+
+#: what a terminal would act on in text it prints (escape sequences, carriage returns, ...): all
+#: control characters but newline and tab, C1 ones included
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` written by a model, a program or an environment, safe to print on a terminal: its
+    control characters but newline and tab shown as ``\\xNN``, so it cannot move the cursor,
+    rewrite what was printed above it or retitle the window."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 class UserError(click.ClickException):

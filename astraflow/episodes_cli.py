@@ -15,7 +15,7 @@ from typing import Any
 import click
 import yaml
 
-from astraflow.clibase import UserError, UserPath
+from astraflow.clibase import UserError, UserPath, printable
 from storage.paths import RunPaths
 
 #: batches the command may read (the dashboard reads fewer per request, to stay cheap while training)
@@ -88,28 +88,29 @@ def _show(console, e, text: dict[str, str] | None, sampled: bool) -> None:
             f"reward {e.reward:.3g}  {e.num_tokens} tokens, finished by {e.finish_reason}"
             + (f", truncated at {e.truncated}" if e.truncated else "") + ("  (sampled)" if sampled else ""))
     console.print()
-    console.print(Text(head, style="bold"))
+    console.print(Text(printable(head), style="bold"))
     if e.task:
-        console.print(Text("task: " + json.dumps(e.task, ensure_ascii=False, default=str)[:400], style="dim"))
+        task = json.dumps(e.task, ensure_ascii=False, default=str)[:400]
+        console.print(Text(printable(f"task: {task}"), style="dim"))
     if text:
-        console.print(Text(text["prompt"], style="dim"), end="")
-        console.print(Text(text["completion"], style="bold green"))
+        console.print(Text(printable(text["prompt"]), style="dim"), end="")
+        console.print(Text(printable(text["completion"]), style="bold green"))
     elif not e.turns:
         console.print("[dim](its tokens could not be decoded: the policy's model directory is not here)[/dim]")
     for t in e.turns:
         if t.kind == "model":
             versions = "-".join(str(v) for v in sorted(set(t.versions)))
-            console.print(f"[cyan]model[/cyan] [dim](v{versions}, {escape(t.finish or '?')})[/dim]")
-            console.print(Text(t.text or "", style="green"))
+            console.print(f"[cyan]model[/cyan] [dim](v{versions}, {escape(printable(t.finish or '?'))})[/dim]")
+            console.print(Text(printable(t.text or ""), style="green"))
         for c in t.calls:
             if c.valid is False or c.error:
-                console.print(Text(f"  invalid tool call: {c.error}", style="red"))
+                console.print(Text(printable(f"  invalid tool call: {c.error}"), style="red"))
             else:
-                console.print(Text(f"  {c.name}({json.dumps(c.arguments, ensure_ascii=False)}) -> {c.result}",
-                                   style="yellow"))
+                call = f"  {c.name}({json.dumps(c.arguments, ensure_ascii=False)}) -> {c.result}"
+                console.print(Text(printable(call), style="yellow"))
         for m in t.messages:
-            console.print(f"[magenta]{escape(m.role)}[/magenta]")
-            console.print(Text(m.content))
+            console.print(f"[magenta]{escape(printable(m.role))}[/magenta]")
+            console.print(Text(printable(m.content)))
         if t.reward:
             console.print(f"[dim]reward {t.reward:.3g}{' (done)' if t.done else ''}[/dim]")
     if e.turns and e.final_reward is not None:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
 import click
 
-from astraflow.clibase import UserPath
+from astraflow.clibase import UserPath, printable
 
 
 class BadInput(click.ClickException):
@@ -80,24 +79,14 @@ def _read_bytes(path: Path, what: str) -> bytes:
         raise BadInput(f"{what} {path}: {err.strerror or err}: give the path of a Python file") from None
 
 
-#: control characters a terminal acts on (moving the cursor, erasing lines, setting the title), but
-#: newline and tab: the program writes its output and its exception lines, and must not rewrite
-#: the status printed above them
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def _shown(text: str) -> str:
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
-
-
 def summary(result) -> str:
     """A readable account of a SandboxResult: the status, each test, the output (control
     characters shown as ``\\xNN``)."""
     tests = f"{result.passed}/{result.total} tests passed, " if result.tests else ""
     lines = [f"status: {result.status} ({tests}exit code {result.exit_code}, {result.wall_s:.2f} s)"]
     for t in result.tests:
-        lines.append(f"  {'PASS' if t.passed else 'FAIL'} {t.name}" + (f": {_shown(t.error)}" if t.error else ""))
+        lines.append(f"  {'PASS' if t.passed else 'FAIL'} {t.name}" + (f": {printable(t.error)}" if t.error else ""))
     for name, text in (("stdout", result.stdout), ("stderr", result.stderr)):
         if text:
-            lines += [f"--- {name} ---", _shown(text.rstrip("\n"))]
+            lines += [f"--- {name} ---", printable(text.rstrip("\n"))]
     return "\n".join(lines)
