@@ -124,3 +124,16 @@ def test_an_eos_that_is_also_the_unk_token_still_stops_a_turn(tiny_model, tmp_pa
     eos = engine.tokenizer.eos_token_id
     assert engine.tokenizer.unk_token_id == eos and eos in turn_stop_ids(engine.tokenizer)
     assert eos in engine._stop_ids  # (it was filtered out with the unk: every completion ran to its budget)
+
+
+def test_a_template_that_skips_the_system_role_keeps_the_system_prompt(tmp_path):
+    """A template that renders user and assistant messages only (Phi-3's first) would drop
+    ``system_prompt`` without an error: it goes at the head of the user message instead."""
+    wl = _workload(tmp_path)
+    p = wl.tasks("train")[0]
+    tok = build_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n"
+                         "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert tok.decode(prompt_ids(tok, wl, p)) == (f"<|im_start|>user\nSolve it.\n\n{p['messages'][-1]['content']}"
+                                                  "<|im_end|>\n<|im_start|>assistant\n")

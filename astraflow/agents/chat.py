@@ -17,7 +17,9 @@ With a chat template the pieces are differences of rendered conversations (a dum
 exchange cancels a default system prompt and keeps roles alternating), so any template that
 renders each message on its own works, one that trims contents too. For a template that
 insists on alternating user and assistant roles (it cannot render tool messages, or two in a
-row), each observation goes as one user message, its messages' contents joined.
+row), each observation goes as one user message, its messages' contents joined; so does an
+observation that a template would render without a message's content (a role it skips), and a
+first observation's system messages go at the head of the first user message.
 Without one (a plain language model) messages are their contents, one per line.
 
 An environment's text never becomes control tokens: a special token's text inside a message
@@ -116,7 +118,10 @@ class ChatRenderer:
         if not self.templated:
             return list(self.tok.encode("".join(m["content"] + "\n" for m in messages)))
         try:
-            return self.encode(self._render(messages, gen=True, tools=tools))
+            text = self._render(messages, gen=True, tools=tools)
+            folded = None if _kept(text, messages, "system") else _fold_system(messages)
+            # a template that skips the system role without an error (Phi-3's first) would lose it
+            return self.encode(text if folded is None else self._render(folded, gen=True, tools=tools))
         except Exception as err:
             folded = _fold_system(messages)
             if folded is not None:
@@ -135,9 +140,11 @@ class ChatRenderer:
         messages = self.defused(messages)
         if not self.templated:
             return self.encode("".join(m["content"] + "\n" for m in messages))
-        if self._merge and messages:
-            messages = [{"role": "user", "content": "\n\n".join(m["content"] for m in messages)}]
-        full = self._render(_DUMMY_TURN + list(messages), gen=True)
+        full = self._render(_DUMMY_TURN + _merged(messages), gen=True) if self._merge else None
+        if full is None:
+            full = self._render(_DUMMY_TURN + list(messages), gen=True)
+            if not _kept(full, messages):  # a template that skips roles it does not know (tool, system)
+                full = self._render(_DUMMY_TURN + _merged(messages), gen=True)
         answer = _DUMMY_TURN[-1]["content"]
         at = full.find(answer) + len(answer)
         if at < len(answer) or not full.startswith(self._closing, at):
@@ -167,6 +174,17 @@ class _NotOneByOne(ValueError):
     """The template does not render an observation after a closed turn as the same closing."""
 
 
+def _merged(messages: list[Message]) -> list[Message]:
+    """``messages`` as one user message, their contents joined (none: none)."""
+    return [{"role": "user", "content": "\n\n".join(m["content"] for m in messages)}] if messages else []
+
+
+def _kept(text: str, messages: list[Message], role: str | None = None) -> bool:
+    """Whether a rendering ``text`` holds the content of each of ``messages`` (of ``role``, when
+    given): a template may skip a role it does not know without an error."""
+    return all(m["content"].strip() in text for m in messages if role is None or m["role"] == role)
+
+
 def _fold_system(messages: list[Message]) -> list[Message] | None:
     """``messages`` with the system messages' contents put at the head of the first user
     message (for templates without a system role); ``None`` when there is none or no user."""
@@ -190,6 +208,9 @@ def prompt_ids(tokenizer: Any, workload: Any, payload: Any) -> list[int]:
     if messages is not None:  # (a mixture returns None for its plain-text sources)
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            if not _kept(text, messages, "system"):  # a template that skips the system role without an error
+                text = tokenizer.apply_chat_template(_fold_system(messages) or messages, tokenize=False,
+                                                     add_generation_prompt=True)
         except Exception:
             folded = _fold_system(messages)
             if folded is None:

@@ -193,3 +193,23 @@ def test_an_environments_text_cannot_forge_control_tokens():
     assert "I give up" in tok.decode(quoted) and "im_end|>\n" in tok.decode(quoted)
     first = r.start([{"role": "user", "content": forged}])
     assert sum(t in control for t in first) == sum(t in control for t in r.start([{"role": "user", "content": "x"}]))
+
+
+#: Phi-3's way: roles it does not know (tool; system in its first template) are skipped, no error
+SKIPS_ROLES = (
+    "{% for m in messages %}{% if m['role'] in ('user', 'assistant') %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_skips_tool_and_system_roles_loses_no_message():
+    """Tool results and system instructions reach the model as user text instead of vanishing
+    from the context while the episode goes on as if the model had seen them."""
+    t = build_tokenizer()
+    t.chat_template = SKIPS_ROLES
+    r = ChatRenderer(t)
+    obs = t.decode(r.observation([{"role": "tool", "content": "42"}, {"role": "system", "content": "hurry"}]))
+    assert obs == "<|im_start|>user\n42\n\nhurry<|im_end|>\n<|im_start|>assistant\n"
+    first = t.decode(r.start([{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "go"}]))
+    assert first == "<|im_start|>user\nUse the tools.\n\ngo<|im_end|>\n<|im_start|>assistant\n"
