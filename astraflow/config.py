@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from astraflow.agents.workload import is_agentic
+from astraflow.agents.workload import AgentParams, is_agentic
 from astraflow.configerrors import DuplicateKey, bool_problems, format_validation, load_yaml, model_of
 from astraflow.configbase import Strict
 from astraflow.configchecks import check_policy_inits, check_sandbox_deadlines, check_workflow, checked_workload
@@ -90,6 +90,11 @@ class RunConfig(Strict):
             return
         if wf != "agent":
             raise ValueError(f"workload.workflow: {name!r} is an agentic workload; set workload.workflow: agent")
+        params = getattr(workload, "params", None)
+        if not isinstance(params, AgentParams):  # the episode limits the run and its nodes read
+            raise ValueError(f"workload ({name}): its params are a {type(params).__name__}, not an "
+                             "astraflow.agents.workload.AgentParams (max_turns, max_context_tokens, ...): "
+                             "let its Params class extend AgentParams (docs/agents.md)")
         try:
             env = workload.environment()
         except Exception as err:

@@ -278,3 +278,24 @@ def test_a_workload_whose_tasks_raise_is_named_with_its_fix():
     with pytest.raises(ValueError, match=r"workload tests.agents.toy:NoHeldOutWorkload: tasks\('eval'\) raised "
                                          r"KeyError: 'eval_file'; fix the workload's tasks\(\)"):
         check_data(WorkloadConfig(name="tests.agents.toy:NoHeldOutWorkload", workflow="agent"))
+
+
+def test_an_agentic_workload_whose_params_are_not_agent_params_is_named_with_its_fix(tmp_path):
+    """A user's ``Params`` of plain pydantic has none of the episode limits the run reads:
+    exit 2 naming ``AgentParams``, not an ``AttributeError`` traceback."""
+    module = textwrap.dedent(USER_MODULE.format(**GOOD)) + textwrap.dedent('''
+        from pydantic import BaseModel
+
+
+        class PlainParams(BaseModel):
+            num_train: int = 10
+
+
+        class MyWorkload(MyWorkload):
+            Params = PlainParams
+        ''')
+    proc = _user_check(tmp_path, module)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "its params are a PlainParams, not an astraflow.agents.workload.AgentParams" in out, out
+    assert "Traceback" not in out, out
