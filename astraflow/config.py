@@ -103,6 +103,14 @@ class RunConfig(Strict):
         if problems:
             raise ValueError(f"workload ({name}): its environment does not fit the contract "
                              f"(astraflow.agents.env.Environment): {'; '.join(problems)}")
+        # a model still to build learns from the expert's episodes: its warm start, its BPE tokenizer
+        demos = [p for p in self.policies if p.init is not None and not p.model.exists() and not self.simulated(p)
+                 and (p.init.warm_starts or p.init.tokenizer == "bpe")]
+        if demos and not callable(getattr(env, "expert_action", None)):
+            raise ValueError(f"policies[{demos[0].name}].init: a warm start or a bpe tokenizer learns from the "
+                             f"environment's expert_action() demonstrations, and {type(env).__name__} ({name}) "
+                             "has none: add it (docs/agents.md), or set warm_start_seconds: 0, drop "
+                             "warm_start_steps and use tokenizer: byte")
         noisy = [p.name for p in self.policies if p.init is not None and p.init.demo_noise > 0]
         if noisy and not callable(getattr(env, "explore_action", None)):
             raise ValueError(f"policies[{noisy[0]}].init.demo_noise needs the environment's explore_action(rng) "

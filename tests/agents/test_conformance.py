@@ -299,3 +299,19 @@ def test_an_agentic_workload_whose_params_are_not_agent_params_is_named_with_its
     assert proc.returncode == 2, out
     assert "its params are a PlainParams, not an astraflow.agents.workload.AgentParams" in out, out
     assert "Traceback" not in out, out
+
+
+@pytest.mark.parametrize("init", [{"warm_start_steps": 5}, {"tokenizer": "bpe"}])
+def test_a_model_to_build_from_an_environment_without_an_expert_is_refused_by_check(tmp_path, init):
+    """A warm start and a BPE tokenizer learn from the expert's demonstrations: without
+    ``expert_action`` the run would fail once started, so ``astraflow check`` refuses it."""
+    (tmp_path / "mymod.py").write_text(textwrap.dedent(USER_MODULE.format(**GOOD)))
+    data = yaml.safe_load((ROOT / "examples" / "tiny" / "config.yaml").read_text())
+    data["policies"][0].update(model=str(tmp_path / "model"), init={"preset": "tiny", **init})
+    data["workload"] = {"name": "mymod:MyWorkload", "workflow": "agent", "group_size": 4}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    proc = subprocess.run([sys.executable, "-m", "astraflow", "check", "config.yaml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "MyEnv (mymod:MyWorkload) has none: add it" in out and "Traceback" not in out, out
