@@ -13,6 +13,7 @@ and reported with its row, not a task that silently scores 0.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import re
@@ -23,7 +24,23 @@ from astraflow.registry import Registry
 
 RewardFn = Callable[[str, str, Mapping[str, Any]], float]
 
-REWARDS: Registry = Registry("reward")
+
+
+def _check_reward(obj: object) -> str | None:
+    """Why ``obj`` cannot be a reward: not callable, or not callable as ``(completion, answer,
+    payload)`` (every rollout would fail with a ``TypeError``)."""
+    if not callable(obj):
+        return "is not a function"
+    try:
+        inspect.signature(obj).bind("", "", {})
+    except TypeError:
+        return "cannot be called as fn(completion, answer, payload): give it those three arguments"
+    except ValueError:  # no signature to read: calling it will tell
+        pass
+    return None
+
+
+REWARDS: Registry = Registry("reward", _check_reward)
 
 
 class RewardError(RuntimeError):

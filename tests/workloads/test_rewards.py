@@ -162,3 +162,17 @@ def test_a_user_reward_that_fails_is_named():
         resolve_reward(f"{mod}:user_nan")("c", "a", {})
     fn = pickle.loads(pickle.dumps(resolve_reward(f"{mod}:user_reward")))  # a workload holding it still pickles
     assert fn("abc", "b", {}) == 1.0 and answer_problem(f"{mod}:user_reward", "x") is None
+
+
+def user_two_args(completion, answer):
+    """A user's reward missing the payload argument."""
+    return 1.0
+
+
+def test_a_user_reward_with_the_wrong_arguments_is_refused_when_named():
+    """A reward that cannot take ``(completion, answer, payload)`` would fail every rollout with
+    a TypeError once the run started: resolving it names the fix (``astraflow check``, exit 2)."""
+    with pytest.raises(ValueError, match="user_two_args cannot be called as fn\\(completion, answer, payload\\)"):
+        resolve_reward("tests.workloads.test_rewards:user_two_args")
+    with pytest.raises(ValueError, match="test_rewards:math is not a function"):
+        resolve_reward("tests.workloads.test_rewards:math")
