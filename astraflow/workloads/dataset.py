@@ -296,6 +296,10 @@ class DatasetWorkload:
         if solution is None or str(solution).strip() == "":
             self.report.skip(row, f"missing field {cfg.answer_field!r}")
             return None
+        if isinstance(solution, (list, dict)):  # its Python repr would be the answer, and match nothing
+            self.report.skip(row, f"field {cfg.answer_field!r} is a {type(solution).__name__}, not text or a number",
+                             repr(solution)[:40])
+            return None
         solution = str(solution)
         if cfg.answer_format == "gsm8k":
             if "####" not in solution and len(solution.split()) > 1:  # a worked solution with no final answer
@@ -342,6 +346,10 @@ class DatasetWorkload:
         prompt = f.get(cfg.prompt_field)
         if prompt is None or str(prompt).strip() == "":
             self.report.skip(row, f"missing field {cfg.prompt_field!r}")
+            return None
+        if isinstance(prompt, (list, dict)):  # chat messages (TRL's conversational layout) or a record
+            hint = f" (chat messages? set messages_field: {cfg.prompt_field})" if isinstance(prompt, list) else ""
+            self.report.skip(row, f"field {cfg.prompt_field!r} is a {type(prompt).__name__}, not text{hint}")
             return None
         try:
             text = self._template.render({**f, "prompt": str(prompt)})

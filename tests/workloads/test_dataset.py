@@ -254,3 +254,21 @@ def test_a_failing_user_reward_is_named_in_the_workloads_reward(tmp_path):
                  reward="tests.workloads.test_rewards:user_nan")
     with pytest.raises(RuntimeError, match="^reward tests.workloads.test_rewards:user_nan returned nan"):
         wl.reward("#### 2", wl.tasks("train")[0])
+
+
+def test_a_prompt_or_answer_that_is_a_list_or_an_object_is_a_bad_row_not_its_repr(tmp_path):
+    """TRL's conversational layout (``prompt`` holding chat messages) and a list of accepted
+    answers would otherwise become their Python repr: a prompt no one wrote, an answer nothing
+    matches. They are skipped and located, the messages with the field to set."""
+    good = [{"prompt": f"{i}+{i}?", "answer": str(2 * i)} for i in range(3)]
+    rows = good + [{"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2"},
+                   {"prompt": "2+2?", "answer": ["4", "four"]}, {"prompt": {"text": "3+3?"}, "answer": "6"}]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    write_jsonl(tmp_path / "test.jsonl", good)
+    wl = dataset(path=str(tmp_path / "train.jsonl"), test_path=str(tmp_path / "test.jsonl"))
+    assert sorted(t["answer"] for t in wl.tasks("train")) == ["0", "2", "4"]
+    text = wl.report.summary()
+    for where in ("train.jsonl line 4: field 'prompt' is a list, not text (chat messages? set messages_field: prompt)",
+                  "train.jsonl line 5: field 'answer' is a list, not text or a number",
+                  "train.jsonl line 6: field 'prompt' is a dict, not text"):
+        assert where in text, text
