@@ -157,8 +157,11 @@ class ChatRenderer:
         """Tokens the template puts after a model turn that the model did not generate;
         ``ended``: the turn ended on a stop token, which stands for the closing's own."""
         ids = self.encode(self._closing)
-        if ended and ids and ids[0] in self.stop_ids:
-            ids = ids[1:]
+        # the stop token stands for the closing's own, and what comes before it for nothing the
+        # model wrote when it is blank (Llama 2's ' </s>'): the stop token is not written twice
+        at = next((i for i, t in enumerate(ids) if t in self.stop_ids), None)
+        if ended and at is not None and not self.tok.decode(ids[:at]).strip():
+            ids = ids[at + 1:]
         return ids
 
     def ended(self, tokens: list[int], finish_reason: str) -> bool:

@@ -213,3 +213,25 @@ def test_a_template_that_skips_tool_and_system_roles_loses_no_message():
     assert obs == "<|im_start|>user\n42\n\nhurry<|im_end|>\n<|im_start|>assistant\n"
     first = t.decode(r.start([{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "go"}]))
     assert first == "<|im_start|>user\nUse the tools.\n\ngo<|im_end|>\n<|im_start|>assistant\n"
+
+
+#: Llama 2's way: an assistant turn closed by a space and then eos, roles alternating
+SPACE_EOS = (
+    "{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+    "{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] | trim + ' [/INST]' }}"
+    "{% else %}{{ ' ' + m['content'] | trim + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def test_a_turn_that_ended_on_eos_is_not_closed_by_a_second_eos():
+    """A closing of blank text before the stop token (``' </s>'``): the model's own ``</s>``
+    stands for it, as ``<|im_end|>`` does for ``<|im_end|>\\n``; a cut turn gets all of it."""
+    t = build_tokenizer()
+    t.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>"})
+    t.chat_template = SPACE_EOS
+    r = ChatRenderer(t)
+    ids = r.start([{"role": "user", "content": "go"}]) + r.encode("look") + [r.end_id] + r.close_turn(True)
+    ids += r.observation([{"role": "user", "content": "a room"}])
+    assert t.decode(ids) == "<s>[INST] go [/INST]look</s>[INST] a room [/INST]"
+    assert t.decode(r.close_turn(False)) == " </s>"
