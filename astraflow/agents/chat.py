@@ -33,6 +33,7 @@ the tokenizer's eos.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from astraflow.agents.env import EpisodeError, Message
@@ -67,6 +68,9 @@ class ChatRenderer:
             #: observations go as one user message (tool results and several messages merged):
             #: for a template that insists on alternating user and assistant roles
             self._merge = False
+            #: system messages go at the head of the first user message: for a template that skips
+            #: the system role without an error (Phi-3's first), which would drop them
+            self._fold = False
             try:  # an observation after a model turn, as every multi-turn episode renders one
                 self.observation([{"role": "user", "content": _PROBE}])
             except _NotOneByOne as err:
@@ -74,10 +78,17 @@ class ChatRenderer:
             except Exception as err:
                 raise ValueError(f"the tokenizer's chat template cannot render a user message after an "
                                  f"assistant turn ({type(err).__name__}: {err}); {_FIX}") from None
-            try:  # tool results, several at once
-                self.observation([{"role": "tool", "content": _PROBE}, {"role": "tool", "content": _PROBE}])
+            tools = [{"role": "tool", "content": f"{_PROBE}{i}"} for i in (1, 2)]
+            try:  # tool results, several at once, each rendered (a template may skip a role it does not know)
+                self.observation(tools)
+                self._merge = not _kept(self._render(_DUMMY_TURN + tools, gen=True), tools)
             except Exception:
                 self._merge = True
+            system = [{"role": "system", "content": _PROBE}]
+            try:
+                self._fold = not _kept(self._render(system + _DUMMY, gen=True), system)
+            except Exception:  # a template without a system role that says so: ``start`` folds on the error
+                pass
         else:
             self._closing = "\n"
         #: the tokens a model turn may end with (module docstring)
@@ -118,10 +129,8 @@ class ChatRenderer:
         if not self.templated:
             return list(self.tok.encode("".join(m["content"] + "\n" for m in messages)))
         try:
-            text = self._render(messages, gen=True, tools=tools)
-            folded = None if _kept(text, messages, "system") else _fold_system(messages)
-            # a template that skips the system role without an error (Phi-3's first) would lose it
-            return self.encode(text if folded is None else self._render(folded, gen=True, tools=tools))
+            folded = _fold_system(messages) if self._fold else None
+            return self.encode(self._render(folded or messages, gen=True, tools=tools))
         except Exception as err:
             folded = _fold_system(messages)
             if folded is not None:
@@ -140,11 +149,9 @@ class ChatRenderer:
         messages = self.defused(messages)
         if not self.templated:
             return self.encode("".join(m["content"] + "\n" for m in messages))
-        full = self._render(_DUMMY_TURN + _merged(messages), gen=True) if self._merge else None
-        if full is None:
-            full = self._render(_DUMMY_TURN + list(messages), gen=True)
-            if not _kept(full, messages):  # a template that skips roles it does not know (tool, system)
-                full = self._render(_DUMMY_TURN + _merged(messages), gen=True)
+        if self._merge or (self._fold and any(m["role"] == "system" for m in messages)):
+            messages = _merged(messages)
+        full = self._render(_DUMMY_TURN + list(messages), gen=True)
         answer = _DUMMY_TURN[-1]["content"]
         at = full.find(answer) + len(answer)
         if at < len(answer) or not full.startswith(self._closing, at):
@@ -184,8 +191,12 @@ def _merged(messages: list[Message]) -> list[Message]:
 
 def _kept(text: str, messages: list[Message], role: str | None = None) -> bool:
     """Whether a rendering ``text`` holds the content of each of ``messages`` (of ``role``, when
-    given): a template may skip a role it does not know without an error."""
-    return all(m["content"].strip() in text for m in messages if role is None or m["role"] == role)
+    given), as it is or JSON-quoted (``| tojson``): a template may skip a role it does not know
+    without an error."""
+    def found(content: str) -> bool:
+        return content.strip() in text or json.dumps(content.strip(), ensure_ascii=False)[1:-1] in text
+
+    return all(found(m["content"]) for m in messages if role is None or m["role"] == role)
 
 
 def _fold_system(messages: list[Message]) -> list[Message] | None:

@@ -235,3 +235,15 @@ def test_a_turn_that_ended_on_eos_is_not_closed_by_a_second_eos():
     ids += r.observation([{"role": "user", "content": "a room"}])
     assert t.decode(ids) == "<s>[INST] go [/INST]look</s>[INST] a room [/INST]"
     assert t.decode(r.close_turn(False)) == " </s>"
+
+
+def test_a_template_that_quotes_tool_results_as_json_keeps_its_tool_role():
+    """Llama 3.1's way (``content | tojson`` for tool results): the results are there, quoted, so
+    they keep the template's own tool turn rather than being merged into a user message."""
+    t = build_tokenizer()
+    t.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                       "{% if m['role'] == 'tool' %}{{ m['content'] | tojson }}{% else %}{{ m['content'] }}{% endif %}"
+                       "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    r = ChatRenderer(t)
+    obs = t.decode(r.observation([{"role": "tool", "content": 'a "quoted"\nresult'}]))
+    assert not r._merge and obs == '<|im_start|>tool\n"a \\"quoted\\"\\nresult"<|im_end|>\n<|im_start|>assistant\n'
