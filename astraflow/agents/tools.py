@@ -131,6 +131,10 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, timeo
         fields, params = {}, list(sig.parameters.values())
         method = bool(params) and params[0].name == "self"
         for p in params[1:] if method else params:
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):  # a JSON object's keys name each argument
+                star = "*" if p.kind is p.VAR_POSITIONAL else "**"
+                raise TypeError(f"tool {f.__qualname__}: {star}{p.name} cannot be called with JSON arguments; "
+                                "give the tool named parameters (a list or a dict parameter for many values)")
             ann = Any if p.annotation is inspect.Parameter.empty else p.annotation
             fields[p.name] = (ann, ... if p.default is inspect.Parameter.empty else p.default)
         model = create_model(f"{f.__name__}_args", __config__=ConfigDict(extra="forbid"), **fields)

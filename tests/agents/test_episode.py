@@ -465,6 +465,16 @@ def test_a_tool_of_a_module_with_postponed_annotations_gets_its_schema(tmp_path,
     assert asyncio.run(box.run(ToolCall("convert", {"value": 2, "unit": "mi"}))).content == "3.2"
 
 
+
+@pytest.mark.parametrize("star", ["*names: str", "**options: str"])
+def test_a_tool_with_star_parameters_is_refused_when_it_is_made(star):
+    """JSON arguments name each parameter: ``*names`` / ``**options`` made a schema no call
+    could satisfy (every call an invalid one, or a ``TypeError`` failing the episode)."""
+    namespace: dict = {}
+    exec(f"def look({star}) -> str:\n    return 'x'", namespace)
+    with pytest.raises(TypeError, match=r"tool look: \*{1,2}\w+ cannot be called with JSON arguments"):
+        tool(namespace["look"])
+
 class _NumpyEnv(SumEnv):
     """Its reward and success are NumPy scalars (what comparing arrays gives); its first
     observation is as long as ``first_chars``."""
