@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import time
 
-from astraflow.rollout.workflows import WORKFLOWS, WorkflowBase, sampling_for, turn_sequence
+from astraflow.rollout.workflows import WORKFLOWS, WorkflowBase, prompt_ids, sampling_for, turn_sequence
 
 
 @WORKFLOWS.register("two_tries")
 class TwoTries(WorkflowBase):
     async def run_episode(self, engines, task):
         t0, engine = time.time(), engines[task.policies[0]]
-        prompt = engine.tokenizer.encode(self.workload.render_prompt(task.prompt))
+        # the prompt as the built-in workflows make it: through the chat template where the model has one
+        prompt = prompt_ids(engine.tokenizer, self.workload, task.prompt)
         seqs, secs = [], 0.0
         for _ in range(2):
             gen = await engine.generate(prompt, sampling_for(task, self.sampling))

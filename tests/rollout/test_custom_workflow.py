@@ -80,3 +80,27 @@ def test_a_dependency_missing_on_a_worker_names_the_worker_s_environment(tmp_pat
     with pytest.raises(ValueError) as err:
         workflow_class("flows_dep2:x")
     assert "install it in the Python environment worker rollout-gpu-local-cpu-0's jobs start in" in str(err.value)
+
+
+
+def test_the_readme_workflow_prompts_a_chat_model_through_its_template(tmp_path):
+    """A user copying the example for a chat model and a dataset trains on the prompt the model
+    is served with: the template's, as the built-in workflows make it (``prompt_ids``)."""
+    import json
+
+    from astraflow.agents.chat import prompt_ids
+    from astraflow.models import build_bpe_tokenizer
+
+    chat = build_bpe_tokenizer([f"{a}+{b}={a + b}" for a in range(40) for b in range(40)], vocab_size=300)
+    (tmp_path / "sums.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{a}", "answer": str(2 * a)}) + "\n"
+                                                 for a in range(20)))
+    workload = make_workload("dataset", {"path": str(tmp_path / "sums.jsonl"), "reward": "numeric",
+                                         "system_prompt": "Add."}, seed=0)
+    task = RolloutTask(task_id="g/0", group_id="g", policies=("solver",), workflow="two_tries",
+                       prompt=workload.tasks("train")[0], kind="train")
+    served = chat.decode(prompt_ids(chat, workload, task.prompt), skip_special_tokens=True)
+    assert "Add." in served  # the template's messages, the system prompt among them
+    engine = Scripted(chat, {served: [str(task.prompt["answer"])]})
+    cls = workflow_class("examples.custom_workflow.flows:two_tries")
+    traj = asyncio.run(cls(workload, SamplingParams(max_new_tokens=5), "n").run_episode({"solver": engine}, task))
+    assert [s.reward for s in traj.sequences] == [1.0] and engine.seen[0][0] == served
