@@ -227,6 +227,33 @@ def check_engine(cfg: RunConfig) -> None:
             raise ConfigError(str(err)) from None
 
 
+def models_that_never_stop(cfg: RunConfig) -> list[str]:
+    """A line per policy whose model (one that exists) has no token a generation ends on: no eos
+    in its tokenizer, generation_config.json or config.json, no chat-template closing token and
+    no ``<|im_end|>`` or ``<|endoftext|>``. Every turn then runs to ``max_new_tokens``, which a
+    run allows (a workload may want fixed-length answers) but rarely means."""
+    from astraflow.agents.chat import turn_stop_ids
+    from astraflow.model_loading import load_tokenizer
+
+    lines = []
+    for pol in cfg.policies:
+        if cfg.simulated(pol) or not (pol.model / "config.json").is_file():
+            continue  # a model init builds has its end tokens
+        gen = pol.model / "generation_config.json"
+        try:
+            eos = json.loads((gen if gen.is_file() else pol.model / "config.json").read_text()).get("eos_token_id")
+        except (ValueError, UnicodeDecodeError, AttributeError):  # check_models said what is wrong with it
+            continue
+        if turn_stop_ids(load_tokenizer(pol.model)) or eos not in (None, []):
+            continue
+        lines.append(f"policy {pol.name}: {pol.model} has no end-of-sequence token (no eos_token in its tokenizer, "
+                     "no eos_token_id in generation_config.json or config.json, no chat template closing one), so "
+                     f"every generation runs to workload.sampling.max_new_tokens "
+                     f"({cfg.workload.sampling.max_new_tokens}); set the tokenizer's eos_token (tokenizer_config.json) "
+                     "if the model has one")
+    return lines
+
+
 def eval_split_lines(workload, held_out: list) -> list[str]:
     """What the evaluations ``workload.eval`` asks for will find in the held-out split
     ``held_out``: a ``ValueError`` when it is empty (no evaluation would ever run), a line when

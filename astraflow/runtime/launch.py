@@ -15,7 +15,7 @@ from pathlib import Path
 
 from astraflow.config import RunConfig
 from astraflow.context_fit import prompts_that_do_not_fit
-from astraflow.preflight import check_network, eval_split_lines
+from astraflow.preflight import check_network, eval_split_lines, models_that_never_stop
 from astraflow.runtime.jobrecords import PreviousJobs, cancel_previous_jobs
 from astraflow.runtime.model_build import prepare_models
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
@@ -51,7 +51,7 @@ def check_data(workload: WorkloadConfig, cfg: RunConfig | None = None) -> str:
     said = report is not None and (report.bad or report.other_splits)
     lines.insert(0, f"{found}; {report.summary()}" if said else found)
     if cfg is not None:
-        lines += prompts_that_do_not_fit(cfg, wl)
+        lines += prompts_that_do_not_fit(cfg, wl) + models_that_never_stop(cfg)
         self_check = getattr(wl, "self_check", None)  # a workload that can test its own data (its references)
         if callable(self_check) and not cfg.simulated(cfg.policies[0]):
             from astraflow.sandbox import configure
