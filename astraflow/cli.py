@@ -181,16 +181,18 @@ def _run(cfg, rd: Path, quiet: bool) -> None:
     except ValueError as err:
         raise UserError(str(err)) from None
     except (RunFailed, NonFiniteError) as err:  # the run started and failed: exit 1, its reason
+        ignore_stop_signals()  # a late stop signal must not turn its 1 into death by signal either
         raise click.ClickException(f"the run failed: {err}") from None
     except OSError as err:  # a full disk before the run got going (lock, config, models)
         if not disk_full(err):
             raise
         raise click.ClickException(f"the run failed: {disk_full_reason(err, rd)}") from None
+    if result is not None:  # a completed run's exit (0) outlives a stop signal in the interpreter's exit too
+        ignore_stop_signals()
     if result is not None and result.interrupted:
         with contextlib.suppress(OSError):  # stopped because its terminal closed: nowhere to say it
             click.echo(f"the run was {result.ending.reason}; summary in {RunPaths(result.run_dir).summary}; "
                        "run again on this directory to resume it", err=True)
-        ignore_stop_signals()
         sys.exit(REQUEUE_EXIT_CODE if result.ending.requeue else 130)
 
 

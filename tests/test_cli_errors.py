@@ -372,6 +372,30 @@ def test_a_stop_before_the_run_starts_exits_130_without_a_traceback(monkeypatch,
     assert "stopped before the run started" in res.output and "Traceback" not in res.output
 
 
+@pytest.mark.parametrize("ends, code", [("completed", 0), ("failed", 1)])
+def test_a_finished_run_ignores_stop_signals_while_it_exits(monkeypatch, tmp_path, ends, code):
+    """A completed or failed run's exit code (0, 1) survives a SIGTERM that arrives while the
+    process exits (Python restores the default action late in its exit), as 130's does."""
+    from click.testing import CliRunner
+
+    import astraflow.runtime.launch as launch_module
+    import astraflow.runtime.stopping as stopping
+    from astraflow.cli import main
+    from astraflow.runtime.shutdown import RunResult
+    from astraflow.runtime.workers import RunFailed
+
+    def launch(cfg, run_dir, quiet=False):
+        if ends == "failed":
+            raise RunFailed("a trainer error")
+        return RunResult(run_dir, {"solver": 4}, [], {}, 1.0)
+
+    ignored = []
+    monkeypatch.setattr(launch_module, "launch", launch)
+    monkeypatch.setattr(stopping, "ignore_stop_signals", lambda: ignored.append(1))  # not in pytest's process
+    res = CliRunner().invoke(main, ["run", "examples/tiny/config.yaml", "--run-dir", str(tmp_path / "run")])
+    assert res.exit_code == code and ignored, res.output
+
+
 def test_tilde_in_paths_is_the_home_directory(tmp_path, monkeypatch):
     """``--run-dir=~/x`` and quoted paths reach the program with ``~`` unexpanded: it is the
     home directory, not a directory named ``~``."""
