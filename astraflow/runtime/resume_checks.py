@@ -15,7 +15,7 @@ from storage.paths import RunPaths
 
 def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
     """Before anything starts on a run directory that has weights: each policy's newest committed
-    version must be readable (``DamagedVersion``, a ValueError naming the file and the fix) and
+    version must be readable and its files whole (``DamagedVersion``, a ValueError naming the file and the fix) and
     within ``run.max_steps``, the policies those of the run directory (a renamed policy would
     start afresh beside the old one's weights), the trajectory store of a layout this code reads,
     and the data layer's snapshot readable (``UnusableSnapshot``) with its rows in the store."""
@@ -33,6 +33,8 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
                 raise ValueError(f"run.max_steps {cfg.run.max_steps} is below v{latest.version}, which policy "
                                  f"{pol.name} of this run directory already committed: set run.max_steps to "
                                  f"{latest.version} or more (more trains further), or start a new run directory")
+            if latest is not None:  # a shard cut short would fail every node and trainer that loads it
+                store.check_sizes(pol.name, latest.version)
     _check_store_layout(store_url(cfg, paths))
     saved = None
     if cfg.dataflow.durable:

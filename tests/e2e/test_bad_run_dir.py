@@ -145,6 +145,32 @@ def test_resuming_on_a_damaged_manifest_exits_2_before_anything_starts(tmp_path)
     assert not run.scheduler_file.exists() and not run.summary.exists()  # nothing started
 
 
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_resuming_on_a_cut_short_weight_shard_exits_2_before_anything_starts(tmp_path, damage):
+    """A shard of the newest version cut short (a copy of the run directory that stopped part way)
+    would fail every RaaS node's and the trainer's start with DCP's read error: refused first."""
+    import torch
+
+    from storage import paths as store_paths
+    from storage.weights import WeightStore
+
+    run = RunPaths(tmp_path / "run").make()
+    store = WeightStore(run.weights)
+    store.publish("solver", 3, {"w": torch.ones(64)})
+    vdir = store_paths.version_dir(run.weights, "solver", 3)
+    [shard] = [f for f in vdir.iterdir() if f.suffix == ".distcp"]
+    if damage == "truncated":
+        os.truncate(shard, 100)
+    else:
+        shard.unlink()
+    config = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "config.yaml"
+    res = CliRunner().invoke(main, ["run", str(config), "--run-dir", str(run.root), "--quiet"])
+    assert res.exit_code == 2, res.output
+    assert f"{shard} is damaged" in res.output and f"move {vdir} out of the run directory" in res.output
+    assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
+    assert not run.scheduler_file.exists() and not run.summary.exists()  # nothing started
+
+
 def test_resuming_on_a_damaged_dataflow_snapshot_exits_2_before_anything_starts(tmp_path):
     run = RunPaths(tmp_path / "run").make()
     run.dataflow_snapshot.write_bytes(GARBAGE)
