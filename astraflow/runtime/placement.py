@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 #: job states after which a worker that has not joined never will (UNKNOWN is not one)
 ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED"}) - ACTIVE_STATES
 
+#: seconds between ``wait_all``'s checks that the worker of an actor it waits for is still there
+LOST_CHECK_S = 2.0
+
 
 class Placement:
     """The Dask scheduler process and client of a run, and actors placed on named workers."""
@@ -65,6 +68,9 @@ class Placement:
         #: fingerprints asked of workers ahead of their check (``ask_code``), by worker name and
         #: address (a worker that left unchecked and another at its address are not confused)
         self._asked: dict[tuple[str, str], dict[str, Any]] = {}
+        #: the worker (name, address) each actor was placed on, by its task's key: ``wait_all``
+        #: gives up on one whose worker left (Dask would keep the pinned task waiting for it)
+        self._pinned: dict[str, tuple[str, str]] = {}
 
     def start(self) -> None:
         """Start the scheduler (workers started later import AstraFlow from this checkout),
@@ -133,9 +139,10 @@ class Placement:
         self.check_code(worker, address)
         where = class_path(cls)  # the class by name: the scheduler need not import it (`construct`)
         args = (construct, where) if by_name(cls) else (cls,)  # else pickled by value, as Dask does
+        key = f"{cls.__name__}-{uuid.uuid4()}"
+        self._pinned[key] = (worker, address)
         return self.client.submit(  # type: ignore[union-attr]
-            *args, key=f"{cls.__name__}-{uuid.uuid4()}", actor=True, workers=[address],
-            allow_other_workers=False, **kwargs
+            *args, key=key, actor=True, workers=[address], allow_other_workers=False, **kwargs
         )
 
     def check_code(self, worker: str, address: str) -> None:
@@ -178,15 +185,27 @@ class Placement:
         out = {}
         for key, fut in futures.items():
             self.progress.detail(f"{len(out)}/{len(futures)} ready; waiting for {key}")
-            try:
-                out[key] = fut.result(timeout=max(deadline - time.time(), 0.1))
-            except TimeoutError:
-                missing = [k for k in futures if k not in out]
-                raise RunFailed(
-                    f"{what} did not finish within {timeout:.0f}s (cluster.placement_timeout_s) for {missing}; "
-                    f"see the worker logs in {self.paths.jobs}"
-                ) from None
+            while key not in out:
+                try:
+                    out[key] = fut.result(timeout=min(max(deadline - time.time(), 0.1), LOST_CHECK_S))
+                except TimeoutError:
+                    if time.time() >= deadline:
+                        missing = [k for k in futures if k not in out]
+                        raise RunFailed(
+                            f"{what} did not finish within {timeout:.0f}s (cluster.placement_timeout_s) for "
+                            f"{missing}; see the worker logs in {self.paths.jobs}"
+                        ) from None
+                    self._check_not_lost(what, key, fut)
         return out
+
+    def _check_not_lost(self, what: str, key: str, fut: Any) -> None:
+        """``RunFailed`` when the worker ``fut``'s actor was placed on left the cluster: its task
+        would wait for it until the placement deadline."""
+        pinned = self._pinned.get(getattr(fut, "key", None))
+        if pinned is None or self.joined().get(pinned[0]) == pinned[1]:
+            return
+        raise RunFailed(f"{what}: worker {pinned[0]} was lost before {key} was ready (killed, out of memory or its "
+                        f"job ended; its log is in {self.paths.jobs}); `astraflow run` on the run directory resumes")
 
     def wait_workers(self, names: list[str], job_states: Callable[[], dict[str, str]],
                      logs: Callable[[str], Path | None] = lambda name: None, hint: str = "") -> None:
