@@ -22,6 +22,17 @@ from storage.safe_pickle import load_dcp_metadata
 DCP_METADATA = ".metadata"
 
 
+class CheckpointReadError(RuntimeError):
+    """A ``dcp.load`` that failed, as an ``Exception``: DCP's ``CheckpointException`` is a
+    ``BaseException``, which a Dask actor call does not send back (its caller sees only the
+    worker's connection dropped) and ``except Exception`` does not catch. ``failures``: DCP's,
+    each rank's error and its frames; not sent across processes (the message says what failed)."""
+
+    def __init__(self, message: str, failures: dict | None = None):
+        super().__init__(message)  # the message alone in ``args``: what pickling rebuilds it from
+        self.failures = failures or {}
+
+
 def quiet_dcp_logger() -> None:
     """DCP's own logger sits at DEBUG behind a NullHandler: every save builds log records that
     nobody sees, which costs time on a small publish. Raise it to WARNING."""
@@ -103,12 +114,20 @@ def iter_checkpoint(path: str | Path, *, metadata_sha256: str | None = None) -> 
 def _dcp_load(state: dict, path: Path, metadata) -> None:
     """``dcp.load`` of ``state``'s tensors from checkpoint directory ``path``, in this process."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     quiet_dcp_logger()
     with warnings.catch_warnings():  # a single-process load is the intent; DCP warns about it
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=_reader(path, metadata), no_dist=True)
+        try:
+            dcp.load(state, storage_reader=_reader(path, metadata), no_dist=True)
+        except CheckpointException as err:
+            failures = err.failures or {}
+            cause = next((f[0] if isinstance(f, tuple) else f for f in failures.values()), err)
+            why = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+            raise CheckpointReadError(f"reading the checkpoint {path} failed ({why}); a file of it may be damaged "
+                                      "or cut short", failures) from None
 
 
 def _read_fully(path: Path, buf: bytearray) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import pickle
 import shutil
 import subprocess
 import sys
@@ -181,6 +182,24 @@ def test_manifest_checksums_are_verified(tmp_path):
         store.verify("p", 3)
     with pytest.raises(ChecksumMismatch):
         store.load("p", 3, verify=True)
+
+
+def test_a_shard_cut_short_fails_its_read_with_an_exception_naming_the_version(tmp_path):
+    """DCP's read error is a ``BaseException``: through a Dask actor call (a RaaS node's start, its
+    weight watcher) it would drop the worker's connection instead of saying what failed."""
+    from storage.checkpoint import CheckpointReadError
+
+    store = WeightStore(tmp_path / "w")
+    store.publish("p", 3, _state(3))
+    vdir = paths.version_dir(store.root, "p", 3)
+    shard = vdir / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(Exception) as err:  # an Exception, not only a BaseException
+        store.load("p", 3)
+    assert isinstance(err.value, CheckpointReadError) and f"reading the checkpoint {vdir} failed (RuntimeError: " in \
+        str(err.value) and err.value.failures
+    sent = pickle.loads(pickle.dumps(err.value))  # as a Dask actor call sends it to its caller
+    assert isinstance(sent, CheckpointReadError) and str(sent) == str(err.value)
 
 
 def test_retention_keeps_last_k_and_never_a_held_version(tmp_path):
