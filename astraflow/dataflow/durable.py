@@ -132,10 +132,18 @@ def read_journal(path: Path) -> Iterator[dict[str, Any]]:
 
 def cut_back(state: dict[str, Any], journal_path: Path | None, metrics_path: Path | None) -> None:
     """Cut ``ledger.jsonl`` and ``metrics.jsonl`` back to their lengths when ``state`` was
-    taken (before they are opened for appending)."""
+    taken (before they are opened for appending). One shorter than that lost records the state
+    counts on (damaged, or not yet on disk at a power loss): the run goes on, with a warning."""
     for path, length in ((journal_path, state["lengths"]["journal"]), (metrics_path, state["lengths"]["metrics"])):
-        if path is not None and path.exists() and path.stat().st_size > length:
+        if path is None:
+            continue
+        size = path.stat().st_size if path.exists() else 0
+        if size > length:
             os.truncate(path, length)
+        elif size < length:
+            log.warning("%s holds %d bytes, fewer than the %d the saved state records: its last records are lost "
+                        "(the file was damaged or cut short, or not on disk at a power loss); the run goes on from "
+                        "the saved state, and those records stay missing from it", path, size, length)
 
 
 class Durability:

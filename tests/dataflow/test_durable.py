@@ -388,3 +388,21 @@ def test_a_resume_without_the_snapshot_makes_new_groups_under_new_ids(tmp_path, 
     assert set(created.values()) == {1}
 
 
+
+
+def test_a_journal_shorter_than_the_saved_state_is_warned_about(tmp_path, caplog):
+    paths = Paths(tmp_path)
+    layer = paths.layer()
+
+    async def go():
+        await Node(layer).roll(8, reward_of=_alternating)
+        await layer.next_batch("p", 0, timeout=5)
+        await layer.published("p", 1, {"loss": 0.0})
+        await layer.close()
+
+    run(go())
+    os.truncate(paths.journal, paths.journal.stat().st_size // 2)
+    with caplog.at_level("WARNING", logger="astraflow.dataflow"):
+        paths.layer(keep_leases=True).metrics.close()
+    said = [r.getMessage() for r in caplog.records if "fewer than" in r.getMessage()]
+    assert len(said) == 1 and str(paths.journal) in said[0] and "its last records are lost" in said[0]
