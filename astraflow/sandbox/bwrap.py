@@ -53,18 +53,20 @@ REFUSED_SYSCALLS = {"x86_64": (0xC000003E, (248, 249, 250, 101, 310, 311, 438)),
 
 def seccomp_filter(machine: str) -> bytes | None:
     """The BPF program bwrap's ``--seccomp`` installs: ``REFUSED_SYSCALLS`` and every call of another
-    ABI (32-bit compat) fail with EPERM; None on a machine not in ``REFUSED_SYSCALLS``."""
+    ABI (32-bit compat, x32) fail with EPERM; None on a machine not in ``REFUSED_SYSCALLS``."""
     if machine not in REFUSED_SYSCALLS:
         return None
     arch, calls = REFUSED_SYSCALLS[machine]
-    ld, jeq, mask, ret = 0x20, 0x15, 0x54, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_ALU|AND|K, BPF_RET|K
+    ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JSET|K, BPF_RET|K
     refuse, allow = 0x00050000 | errno.EPERM, 0x7FFF0000  # SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW
 
     def op(code: int, k: int, jt: int = 0) -> bytes:  # struct sock_filter
         return struct.pack("HBBI", code, jt, 0, k)
 
+    # x86_64's x32 calls carry the native arch with bit 30 set in nr, numbered apart (x32's ptrace
+    # is 521): refused whole, as the other ABIs are, not matched against the native numbers
     prog = [op(ld, 4), op(jeq, arch, 1), op(ret, refuse),  # seccomp_data.arch
-            op(ld, 0), op(mask, 0xBFFFFFFF)]  # seccomp_data.nr, without x32's bit
+            op(ld, 0), op(jset, 0x40000000, len(calls) + 1)]  # seccomp_data.nr
     prog += [op(jeq, nr, len(calls) - i) for i, nr in enumerate(calls)]
     return b"".join(prog + [op(ret, allow), op(ret, refuse)])
 
