@@ -266,3 +266,16 @@ def test_the_host_parses_only_lines_that_carry_the_nonce(monkeypatch):
     channel = "\n".join(["{" + ",".join(["1"] * 1000) + "}", repr(("0" * 32, "done", None)), long, good])
     assert core._events(channel.encode(), nonce) == [("test", ("test_a", True, None))]
     assert parsed == [good]
+
+
+def test_unittest_classes_run_as_the_docs_say(sb):
+    """``unittest.main(exit=False)`` from a test_* function (docs/sandbox.md) sees the program's
+    argv, not the runner's arguments, which it would load as test names (test_* itself among them)."""
+    tests = ("import sys, unittest\n\nclass T(unittest.TestCase):\n    def test_add(self):\n"
+             "        self.assertEqual(add(1, 2), 3)\n\ndef test_unittest():\n"
+             "    assert sys.argv == ['/in/program.py'], sys.argv\n"
+             "    assert unittest.main(exit=False).result.wasSuccessful()\n")
+    r = sb.run("def add(a, b):\n    return a + b\n", tests)
+    assert r.status == "ok" and r.all_passed, r
+    r = sb.run("def add(a, b):\n    return a - b\n", tests)
+    assert r.status == "failure" and "AssertionError" in r.tests[0].error, r
