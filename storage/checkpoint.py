@@ -29,8 +29,11 @@ class CheckpointReadError(RuntimeError):
     each rank's error and its frames; not sent across processes (the message says what failed)."""
 
     def __init__(self, message: str, failures: dict | None = None):
-        super().__init__(message)  # the message alone in ``args``: what pickling rebuilds it from
+        super().__init__(message)
         self.failures = failures or {}
+
+    def __reduce__(self):  # the message alone: a rank's exception may not unpickle, and its frames weigh
+        return type(self), (str(self),)
 
 
 def quiet_dcp_logger() -> None:

@@ -199,7 +199,21 @@ def test_a_shard_cut_short_fails_its_read_with_an_exception_naming_the_version(t
     assert isinstance(err.value, CheckpointReadError) and f"reading the checkpoint {vdir} failed (RuntimeError: " in \
         str(err.value) and err.value.failures
     sent = pickle.loads(pickle.dumps(err.value))  # as a Dask actor call sends it to its caller
-    assert isinstance(sent, CheckpointReadError) and str(sent) == str(err.value)
+    assert isinstance(sent, CheckpointReadError) and str(sent) == str(err.value) and sent.failures == {}
+
+
+def test_a_read_error_reaches_its_caller_whatever_the_ranks_exception_is():
+    """DCP's failures (each rank's exception and frames) stay in the process that read: one that
+    cannot be rebuilt from its args would make the error itself fail to unpickle at the caller."""
+    from storage.checkpoint import CheckpointReadError
+
+    class NeedsTwo(Exception):
+        def __init__(self, a, b):
+            super().__init__(a)
+
+    err = CheckpointReadError("reading the checkpoint x failed", {0: (NeedsTwo("a", "b"), [])})
+    sent = pickle.loads(pickle.dumps(err))
+    assert str(sent) == "reading the checkpoint x failed" and sent.failures == {}
 
 
 def test_retention_keeps_last_k_and_never_a_held_version(tmp_path):
