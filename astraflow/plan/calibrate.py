@@ -83,7 +83,7 @@ def calibrate(cfg: RunConfig, progress: Callable[[str], None] = lambda s: None, 
         alone = asyncio.run(_alone(engine, prompts, params, repeats))
         gens = alone.gens + asyncio.run(_generate(engine, all_prompts[batch:], params, batch))
         configure(cfg.sandbox)  # a reward that runs code does so under the run's sandbox limits
-        rewards = [float(workload.reward(engine.tokenizer.decode(g.tokens, skip_special_tokens=True), x))
+        rewards = [_reward(workload, engine.tokenizer.decode(g.tokens, skip_special_tokens=True), x)
                    for g, x in zip(gens, payloads)]
         items = _batch_items(all_prompts, gens, rewards, cfg.dataflow.batch_size, cfg.workload.group_size)
         alike = sum(1 for it in items if it.advantage == 0)
@@ -145,6 +145,18 @@ async def _alone(engine, prompts, params, repeats) -> _Alone:
     single_s, single = singles[repeats // 2]
     full_s, gens = fulls[repeats // 2]
     return _Alone(single_s, single[0], statistics.median(firsts), full_s, statistics.median(first_fulls), gens)
+
+
+def _reward(workload, completion: str, payload) -> float:
+    """The workload's reward of one sample; 0 for a program the code sandbox failed to run
+    (``SandboxFailed``): a run fails that episode and rolls it out again, while the calibration
+    only needs which groups scored alike, not to end with a traceback after its generations."""
+    from astraflow.workloads.code import SandboxFailed
+
+    try:
+        return float(workload.reward(completion, payload))
+    except SandboxFailed:
+        return 0.0
 
 
 def _group_payloads(tasks: list, batch: int, group_size: int, seed: int) -> list:

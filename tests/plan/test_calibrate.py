@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from astraflow.config import RunConfig, load_config
-from astraflow.plan.calibrate import _batch_items, _group_payloads, calibrate
+from astraflow.plan.calibrate import _batch_items, _group_payloads, _reward, calibrate
 from astraflow.rollout.engine import Generation
 from astraflow.plan.planner import Calibration, PlanOptions, shape_for
 from astraflow.plan.pools import parse_pool, sim_config
@@ -65,3 +65,23 @@ def test_a_group_scored_alike_at_a_fraction_has_advantage_exactly_0_as_in_a_run(
                        versions=np.zeros(1, np.int32), finish_reason="length") for _ in range(3)]
     items = _batch_items([[1, 2]] * 3, gens, [0.1, 0.1, 0.1], n=3, group_size=3)
     assert [it.advantage for it in items] == [0.0] * 3 and items[0].group_std == 0.0
+
+
+def test_a_program_the_sandbox_failed_to_run_scores_0_in_a_calibration(monkeypatch):
+    """The code workload fails such an episode (``SandboxFailed``) for a run to roll it out again;
+    the calibration, which only groups rewards, goes on instead of ending after its generations."""
+    from astraflow.workloads import code as code_mod
+
+    class Failed:
+        status, passed, total, all_passed, stderr = "sandbox_error", 0, 0, False, "sandbox could not start: no room"
+
+    class Sandbox:
+        def run(self, program, tests, timeout_s=None):
+            return Failed()
+
+    monkeypatch.setattr("astraflow.sandbox.default_sandbox", lambda: Sandbox())
+    w = code_mod.CodeWorkload(num_train=1)
+    task = w.tasks("train")[0]
+    with pytest.raises(code_mod.SandboxFailed):
+        w.reward("    return 0\n", task)
+    assert _reward(w, "    return 0\n", task) == 0.0
