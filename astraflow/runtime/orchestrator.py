@@ -227,7 +227,7 @@ class Orchestrator(Shutdown):
         names = [w.name for role in ("data", "trainer", "rollout") for w in self.fleet.of_role(role)]
         hint = loopback_hint(self.cfg.cluster, self.partitions.values())
         if hint:
-            self.progress.note(f"{hint} (no matter where Slurm runs on this host alone)")
+            self.progress.note(f"{hint} (harmless where Slurm runs on this host alone)")
         with self.progress.waiting(f"waiting for {len(self.workers)} workers to join"):
             self.placement.wait_workers(names, self.fleet.listed_states, self.fleet.log_of, hint)
 
