@@ -66,6 +66,8 @@ log = logging.getLogger("astraflow.rollout")
 #: seconds between a node's heartbeats, which renew its leases; a run's ``dataflow.lease_seconds``
 #: must span a few of them (``astraflow.dataflow.config.MIN_LEASE_SECONDS``)
 HEARTBEAT_SECONDS = 1.0
+#: seconds between the log lines of a weight-store failure that lasts (its traceback comes first)
+REPEAT_LOG_S = 60.0
 
 
 class RaaSNode(NodeEpisodes, EngineRecovery, FollowsDataLayer):
@@ -389,14 +391,22 @@ class RaaSNode(NodeEpisodes, EngineRecovery, FollowsDataLayer):
         }
 
     async def _watch_weights(self) -> None:
+        said, said_at = "", 0.0  # a failure that lasts (a damaged version) is logged once a minute, not every poll
         while True:
             try:
                 loaded = await asyncio.to_thread(self.puller.poll)
                 self.counters["weight_loads"] += loaded
                 if loaded:
                     self._new_weights.set()
+                said = ""
             except EngineProcessError:
                 pass  # the engine died: ``_recover`` restarts it and loads the newest version
-            except Exception:  # e.g. shared storage briefly unreadable: the next poll tries again
-                log.exception("node %s: polling the weight store failed", self.identity.name)
+            except Exception as err:  # e.g. shared storage briefly unreadable: the next poll tries again
+                why = f"{type(err).__name__}: {err}"
+                if why != said:
+                    log.exception("node %s: polling the weight store failed", self.identity.name)
+                    said, said_at = why, time.monotonic()
+                elif time.monotonic() - said_at >= REPEAT_LOG_S:
+                    log.warning("node %s: polling the weight store still fails (%s)", self.identity.name, why)
+                    said_at = time.monotonic()
             await asyncio.sleep(self.cfg.weight_poll_seconds)
