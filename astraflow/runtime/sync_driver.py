@@ -42,13 +42,16 @@ def drive_sync(
     def left() -> float:  # a phase waits at most for what is left of the deadline
         return max(1.0, deadline - time.time())
 
-    version = min(t.state().result(timeout=30)["version"] for t in trainers.values())
-    while version < max_steps:
+    # each trainer at its own version: a resumed run may have stopped between two trainers' steps
+    versions = {p: t.state().result(timeout=30)["version"] for p, t in trainers.items()}
+    while min(versions.values()) < max_steps:
+        version = min(versions.values())
+        due = [p for p in trainers if versions[p] < max_steps]  # one ahead waits for the others
         t0 = time.time()
         dl.open_iteration(groups_per_batch).result(timeout=30)
         while True:
             st = dl.state(0).result(timeout=30)  # before `ready`: nothing ingested unseen
-            ready = {p: dl.ready(p, version).result(timeout=30) for p in trainers}
+            ready = {p: dl.ready(p, versions[p]).result(timeout=30) for p in due}
             if all(n >= batch_size for n in ready.values()):
                 break
             if st["outstanding_groups"] == 0 and st["pending"] == 0 and st["leased"] == 0 and not st.get("budget"):
@@ -58,20 +61,20 @@ def drive_sync(
             on_tick()
             time.sleep(0.02)
         t1 = time.time()
-        for p in list(trainers):
+        for p in due:
             try:
                 trainers[p].step().result(timeout=left())
             except Exception:
                 if not recover():
                     raise
-                if trainers[p].state().result(timeout=30)["version"] <= version:
+                if trainers[p].state().result(timeout=30)["version"] <= versions[p]:
                     trainers[p].step().result(timeout=left())
+            versions[p] += 1
         t2 = time.time()
         for fut in [n.refresh() for n in nodes()]:
             fut.result(timeout=left())
         t3 = time.time()
-        version += 1
-        iterations.append({"step": version, "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
+        iterations.append({"step": min(versions.values()), "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
                            "iteration_s": t3 - t0})
         on_tick()
     return iterations

@@ -24,6 +24,8 @@ class _Harness:
     (each call a future), a node that completes what it leases at the trainer's version, and a
     trainer that takes a batch per step (its batches' sources recorded)."""
 
+    policies = ["p"]
+
     def __init__(self, weights: dict[str, float], group_size: int, batch_size: int):
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
@@ -33,8 +35,8 @@ class _Harness:
                 dataflow=DataflowConfig(batch_size=batch_size),
                 workload=WorkloadConfig(name="mix", params={"sources": sources(**weights)}, group_size=group_size,
                                         eval=EvalConfig(every=0)),
-                policies=["p"], store_url=f"memory://{uuid.uuid4().hex}", metrics_path=None, max_steps=100,
-                gated=True)
+                policies=list(self.policies), store_url=f"memory://{uuid.uuid4().hex}", metrics_path=None,
+                max_steps=100, gated=True)
         self.dl = self.call(build()).result()
         self.stop = False
         self.call(self._node())
