@@ -135,6 +135,9 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, timeo
                 star = "*" if p.kind is p.VAR_POSITIONAL else "**"
                 raise TypeError(f"tool {f.__qualname__}: {star}{p.name} cannot be called with JSON arguments; "
                                 "give the tool named parameters (a list or a dict parameter for many values)")
+            if p.kind is p.POSITIONAL_ONLY:  # called as fn(**arguments): a name it does not take
+                raise TypeError(f"tool {f.__qualname__}: {p.name} is positional-only (before '/') and cannot be "
+                                "called with JSON arguments, which name it; drop the '/'")
             ann = Any if p.annotation is inspect.Parameter.empty else p.annotation
             fields[p.name] = (ann, ... if p.default is inspect.Parameter.empty else p.default)
         model = create_model(f"{f.__name__}_args", __config__=ConfigDict(extra="forbid"), **fields)

@@ -475,6 +475,15 @@ def test_a_tool_with_star_parameters_is_refused_when_it_is_made(star):
     with pytest.raises(TypeError, match=r"tool look: \*{1,2}\w+ cannot be called with JSON arguments"):
         tool(namespace["look"])
 
+
+def test_a_tool_with_positional_only_parameters_is_refused_when_it_is_made():
+    """Tools are called with their JSON arguments by name: a parameter before ``/`` made every
+    call a ``TypeError`` that failed the episode."""
+    namespace: dict = {}
+    exec("def look(room: str, /) -> str:\n    return room", namespace)
+    with pytest.raises(TypeError, match=r"tool look: room is positional-only .* drop the '/'"):
+        tool(namespace["look"])
+
 class _NumpyEnv(SumEnv):
     """Its reward and success are NumPy scalars (what comparing arrays gives); its first
     observation is as long as ``first_chars``."""
