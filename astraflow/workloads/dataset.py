@@ -293,6 +293,8 @@ class DatasetWorkload:
         if messages is None:
             return None
         solution = f.get(cfg.answer_field)
+        if isinstance(solution, list) and len(solution) == 1 and isinstance(solution[0], (str, int, float)):
+            solution = solution[0]  # a list of accepted answers holding one (OlympiadBench's final_answer)
         if solution is None or str(solution).strip() == "":
             self.report.skip(row, f"missing field {cfg.answer_field!r}")
             return None

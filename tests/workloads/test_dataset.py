@@ -272,3 +272,16 @@ def test_a_prompt_or_answer_that_is_a_list_or_an_object_is_a_bad_row_not_its_rep
                   "train.jsonl line 5: field 'answer' is a list, not text or a number",
                   "train.jsonl line 6: field 'prompt' is a dict, not text"):
         assert where in text, text
+
+
+def test_an_answer_listed_alone_is_that_answer(tmp_path):
+    """A list of accepted answers holding one (OlympiadBench's ``final_answer: ["$42$"]``) is that
+    answer, as its repr scored under math_verify before lists were bad rows; two stay a bad row."""
+    rows = [{"prompt": f"{i}+{i}?", "answer": [f"${2 * i}$"]} for i in range(3)] + [{"prompt": "1+1?", "answer": [2]}]
+    write_jsonl(tmp_path / "train.jsonl", rows + [{"prompt": "2+2?", "answer": ["4", "four"]}])
+    write_jsonl(tmp_path / "test.jsonl", rows)
+    wl = dataset(path=str(tmp_path / "train.jsonl"), test_path=str(tmp_path / "test.jsonl"), reward="math_verify")
+    tasks = sorted(wl.tasks("train"), key=lambda t: t["answer"])
+    assert [t["answer"] for t in tasks] == ["$0$", "$2$", "$4$", "2"]
+    assert [wl.reward("\\boxed{4}", t) for t in tasks] == [0.0, 0.0, 1.0, 0.0]
+    assert "train.jsonl line 5: field 'answer' is a list, not text or a number" in wl.report.summary()
