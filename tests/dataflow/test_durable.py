@@ -118,8 +118,8 @@ def test_a_version_reported_again_changes_nothing(tmp_path):
     assert paths.steps() == [1]
 
 
-def test_lines_written_after_the_last_snapshot_are_cut_back(tmp_path):
-    paths = Paths(tmp_path)
+def _one_step(paths: Paths) -> None:
+    """A layer that served one batch, saw its version published and closed."""
     layer = paths.layer()
 
     async def go():
@@ -129,6 +129,11 @@ def test_lines_written_after_the_last_snapshot_are_cut_back(tmp_path):
         await layer.close()
 
     run(go())
+
+
+def test_lines_written_after_the_last_snapshot_are_cut_back(tmp_path):
+    paths = Paths(tmp_path)
+    _one_step(paths)
     good_metrics, good_journal = paths.metrics.read_text(), paths.journal.read_text()
     with open(paths.metrics, "a") as f:  # a step line and ends the dead layer wrote, unsaved
         f.write(json.dumps({"step": 2, "policy": "p"}) + "\n")
@@ -392,15 +397,7 @@ def test_a_resume_without_the_snapshot_makes_new_groups_under_new_ids(tmp_path, 
 
 def test_a_journal_shorter_than_the_saved_state_is_warned_about(tmp_path, caplog):
     paths = Paths(tmp_path)
-    layer = paths.layer()
-
-    async def go():
-        await Node(layer).roll(8, reward_of=_alternating)
-        await layer.next_batch("p", 0, timeout=5)
-        await layer.published("p", 1, {"loss": 0.0})
-        await layer.close()
-
-    run(go())
+    _one_step(paths)
     os.truncate(paths.journal, paths.journal.stat().st_size // 2)
     with caplog.at_level("WARNING", logger="astraflow.dataflow"):
         paths.layer(keep_leases=True).metrics.close()
