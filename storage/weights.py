@@ -317,22 +317,6 @@ class WeightStore:
             if not p.exists() or _sha256(p) != rec["sha256"]:
                 raise ChecksumMismatch(f"{policy} v{version}: {rel} does not match its manifest checksum")
 
-    def check_sizes(self, policy: str, version: int) -> None:
-        """Every file of a committed version there at the size its manifest records: a stat each,
-        nothing read (what a resume checks before it starts); ``DamagedVersion`` naming the first
-        file cut short or missing, and the fix."""
-        vdir = paths.version_dir(self.root, policy, version)
-        for rel, rec in self.manifest(policy, version)["files"].items():
-            want = rec.get("bytes") if isinstance(rec, dict) else None
-            try:
-                size = (vdir / rel).stat().st_size
-            except FileNotFoundError:
-                size = None
-            if size is None or (isinstance(want, int) and size != want):
-                have = "missing" if size is None else f"{size} bytes, its manifest records {want}"
-                raise DamagedVersion(f"{vdir / rel} is damaged ({have}): move {vdir} out of the run directory to "
-                                     "go on from the version before it, or restore the file")
-
     def load(self, policy: str, version: int, *, verify: bool = False, hold: bool = True) -> dict:
         """All tensors of a committed version (``read_checkpoint``), held against retention
         while it is read. ``verify`` checks sha256 first. A version written by ``publish``

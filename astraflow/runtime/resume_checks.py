@@ -15,8 +15,8 @@ from storage.paths import RunPaths
 
 def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
     """Before anything starts on a run directory that has weights: each policy's newest committed
-    version must be readable and its files whole (``DamagedVersion``, a ValueError naming the file and the fix) and
-    within ``run.max_steps``, the policies those of the run directory (a renamed policy would
+    version must be readable and its files whole (``DamagedVersion``, a ValueError naming the
+    file and the fix) and within ``run.max_steps``, the policies those of the run directory (a renamed policy would
     start afresh beside the old one's weights), the trajectory store of a layout this code reads,
     and the data layer's snapshot readable (``UnusableSnapshot``) with its rows in the store."""
     from astraflow.dataflow import durable
@@ -34,7 +34,7 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
                                  f"{pol.name} of this run directory already committed: set run.max_steps to "
                                  f"{latest.version} or more (more trains further), or start a new run directory")
             if latest is not None:  # a shard cut short would fail every node and trainer that loads it
-                store.check_sizes(pol.name, latest.version)
+                _check_sizes(store, pol.name, latest.version)
     _check_store_layout(store_url(cfg, paths))
     saved = None
     if cfg.dataflow.durable:
@@ -173,3 +173,22 @@ def _check_same_policies(cfg: RunConfig, paths: RunPaths) -> None:
         raise ValueError(f"this run directory trains the policies {before}, the config names {names}: a resume "
                          "cannot rename, add or remove policies. Use the same policy names to resume it, or start "
                          "a new run directory (--run-dir)")
+
+
+def _check_sizes(store, policy: str, version: int) -> None:
+    """Every file of a committed version there at the size its manifest records: a stat each,
+    nothing read; ``DamagedVersion`` naming the first file cut short or missing, and the fix."""
+    from storage.paths import version_dir
+    from storage.weights import DamagedVersion
+
+    vdir = version_dir(store.root, policy, version)
+    for rel, rec in store.manifest(policy, version)["files"].items():
+        want = rec.get("bytes") if isinstance(rec, dict) else None
+        try:
+            size = (vdir / rel).stat().st_size
+        except FileNotFoundError:
+            size = None
+        if size is None or (isinstance(want, int) and size != want):
+            have = "missing" if size is None else f"{size} bytes, its manifest records {want}"
+            raise DamagedVersion(f"{vdir / rel} is damaged ({have}): move {vdir} out of the run directory to "
+                                 "go on from the version before it, or restore the file")

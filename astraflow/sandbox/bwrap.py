@@ -188,8 +188,9 @@ def drop_privileges(cfg: SandboxConfig) -> dict:
 def probe(cfg: SandboxConfig) -> None:
     """Raise SandboxUnavailable unless bubblewrap can start the interpreter in its namespaces."""
     python = interpreter(cfg)
-    filter_fd = seccomp_fd()
+    filter_fd = None
     try:
+        filter_fd = seccomp_fd()
         args = [*_sandbox(cfg, python, filter_fd), "--chdir", SCRATCH, python, "-I", "-S", "-c", "pass"]
         proc = subprocess.run(args, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, env=HOST_ENV,
                               pass_fds=() if filter_fd is None else (filter_fd,), **drop_privileges(cfg))

@@ -25,7 +25,6 @@ from astraflow.registry import Registry
 RewardFn = Callable[[str, str, Mapping[str, Any]], float]
 
 
-
 def _check_reward(obj: object) -> str | None:
     """Why ``obj`` cannot be a reward: not callable, or not callable as ``(completion, answer,
     payload)`` (every rollout would fail with a ``TypeError``)."""
