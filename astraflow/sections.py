@@ -63,6 +63,11 @@ class ClusterConfig(Strict):
     """Interface workers listen on (e.g. ``ib0``), Slurm ones and those of ``scheduler: local``
     partitions on the head's host alike. None: Slurm workers the default route's, local ones the
     scheduler's address; ``127.0.0.1`` when the scheduler is on loopback (a one-host cluster)."""
+    local_fork: bool = True
+    """Start the workers of ``scheduler: local`` partitions as forks of one process that imported
+    Dask, torch, transformers and AstraFlow's components once, instead of each importing them
+    anew (seconds of CPU per worker). A partition whose ``env`` sets more than ``ASTRAFLOW_*``
+    and ``DASK_*`` variables gets fresh processes anyway; false: every worker does."""
     worker_python: str | None = None
     """Interpreter Slurm worker jobs run (a venv on the shared filesystem). None: the one
     running the orchestrator."""

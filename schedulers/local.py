@@ -1,15 +1,17 @@
 """Workers as local subprocesses: the embedded default (a laptop, CI, no Slurm).
 
-Each worker is `worker_command(...)` started with `subprocess.Popen` in its own process group
-(so `cancel` also stops anything the worker spawned), its stdout/stderr going to
-``<log_dir>/<worker name>.log``. The job id is ``local-<pid>``. Only processes this object
-started are ever signalled, and only by their own PID/process group, with one exception:
+Each worker is `worker_command(...)` started in its own process group (so `cancel` also stops
+anything the worker spawned), its stdout/stderr going to ``<log_dir>/<worker name>.log``: forked
+from a fork server (`start_fork_server`: one process imports the workers' code once for all of
+them, ``schedulers.forkserver``) where one was given, else with `subprocess.Popen`. The job id
+is ``local-<pid>``. Only processes this object started are ever signalled, and only by their own PID/process group, with one exception:
 `cancel_previous` stops the workers a previous incarnation of the run started, and only those
 whose pid still belongs to that very worker (its recorded `process_identity` and command line).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -20,14 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from schedulers.base import JobRef, JobStatus, UnknownJobError
-from schedulers.command import TLSFiles, partition_worker_command, worker_env
+from schedulers.command import TLSFiles, partition_worker_command, quiet_dask_env, worker_env
+from schedulers.forkserver import FORK_SERVER_MARK, ForkedProcess, ForkServer, ForkServerError
 from schedulers.procs import die_with_parent, process_argv, process_identity, stop_env, stop_signal
 from schedulers.partition import Partition, worker_name
 
 
+logger = logging.getLogger(__name__)
+
+
 @dataclass
 class _Proc:
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ForkedProcess
     partition: str
     name: str
     log: Path
@@ -41,7 +47,9 @@ class LocalScheduler:
     default: local traffic stays on this machine); `interface`: the network interface they
     listen on instead (a run whose other workers are on other hosts must reach them).
     `term_timeout`: seconds `cancel` waits after SIGTERM before it sends SIGKILL. `tls`: the
-    run's certificates, for a ``tls://`` scheduler.
+    run's certificates, for a ``tls://`` scheduler. `fork_server` (`start_fork_server`, closed
+    with this object): where workers are forked from; one it cannot stand in for (another
+    environment, the server gone) starts as a fresh process.
     """
 
     kind = "local"
@@ -57,8 +65,10 @@ class LocalScheduler:
         death_timeout: float = 60,
         term_timeout: float = 10.0,
         tls: TLSFiles | None = None,
+        fork_server: ForkServer | None = None,
     ):
         self.log_dir = Path(log_dir)
+        self._server = fork_server
         self.python = python
         self.host = None if interface else host
         self.interface = interface
@@ -99,22 +109,43 @@ class LocalScheduler:
             tls=self.tls,
         )
         log = self.log_dir / f"{name}.log"
+        env = {**os.environ, **worker_env(partition, name), **stop_env()}
         with open(log, "ab") as out:
             # the log keeps every start of this worker name: where this one begins
             out.write(f"{JOB_START_MARK} {name} {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
             out.flush()
-            popen = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **worker_env(partition, name), **stop_env()},
-                start_new_session=True,  # own process group: cancel reaches the worker's children too
-                preexec_fn=die_with_parent,  # no orphaned worker if this process dies
-            )
+            popen = self._forked(cmd, env, log)
+            if popen is None:
+                popen = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,  # own process group: cancel reaches the worker's children too
+                    preexec_fn=die_with_parent,  # no orphaned worker if this process dies
+                )
         job_id = f"local-{popen.pid}"
         self._procs[job_id] = _Proc(popen, partition.name, name, log)
         return JobRef(job_id, partition.name, name, self.kind, log, identity=process_identity(popen.pid))
+
+    def _forked(self, cmd: list[str], env: dict[str, str], log: Path) -> ForkedProcess | None:
+        """The worker forked from the fork server, or None where there is none or it cannot stand
+        in for a fresh process. A server that failed is not asked again."""
+        if self._server is None:
+            return None
+        why = self._server.misfit(cmd, env)
+        if why is not None:
+            logger.info("%s starts as a fresh process: %s", cmd[cmd.index("--name") + 1] if "--name" in cmd else cmd,
+                        why)
+            return None
+        try:
+            return self._server.start(cmd, env, log)
+        except ForkServerError as err:
+            logger.warning("local workers start as fresh processes from now on: %s", err)
+            self._server.close()
+            self._server = None
+            return None
 
     def cancel(self, job_ids: Iterable[str], wait: bool = False) -> None:
         """Always waits: SIGTERM (SIGINT inside a Slurm job: `stop_signal`), then SIGKILL after
@@ -184,6 +215,8 @@ class LocalScheduler:
     def close(self) -> None:
         """Cancel every worker still running (call at shutdown; also on context exit)."""
         self.cancel([j for j, p in self._procs.items() if p.popen.poll() is None])
+        if self._server is not None:
+            self._server.close()
 
     def __enter__(self) -> "LocalScheduler":
         return self
@@ -200,6 +233,15 @@ class LocalScheduler:
                 os.killpg(p.popen.pid, sig)
             except ProcessLookupError:  # the leader exited between poll() and killpg(): nothing left to stop
                 pass
+
+
+def start_fork_server(log_dir: str | Path, modules: Sequence[str], python: str = sys.executable) -> ForkServer:
+    """A fork server for `LocalScheduler`'s workers, importing `modules` (it starts importing at
+    once: start it early, and the imports overlap what this process does meanwhile). Its
+    environment is what a worker of a partition without ``env`` gets, less the worker's name."""
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **quiet_dask_env(os.environ), **stop_env()}
+    return ForkServer(python, modules, env, Path(log_dir) / "forkserver.log")
 
 
 #: the line a local worker's log gets before each start of the worker (``job_lines``)
@@ -267,11 +309,13 @@ def _live_members(pgid: int) -> bool | None:
 
 
 def _is_worker(pid: int, ref: JobRef) -> bool:
-    """Whether `pid` is still the worker `ref` recorded: same identity, ``--name <worker>`` in its argv."""
+    """Whether `pid` is still the worker `ref` recorded: same identity, and a command line naming
+    it (``--name <worker>``) or that of a fork server's child (which has the server's)."""
     if ref.identity is None or process_identity(pid) != ref.identity:
         return False
     argv = process_argv(pid)
-    return any(a == "--name" and b == ref.worker_name for a, b in zip(argv, argv[1:]))
+    return (any(a == "--name" and b == ref.worker_name for a, b in zip(argv, argv[1:]))
+            or any(FORK_SERVER_MARK in a for a in argv))
 
 
 def _killpg(pid: int, sig: signal.Signals) -> None:

@@ -127,6 +127,14 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
+def export_repo_path() -> None:
+    """Put this checkout first on ``PYTHONPATH`` (once), so that every process started from here
+    on imports AstraFlow from it, as this one does."""
+    root, now = str(repo_root()), os.environ.get("PYTHONPATH", "")
+    if now.split(os.pathsep)[0] != root:
+        os.environ["PYTHONPATH"] = root + (os.pathsep + now if now else "")
+
+
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of processes we start: AstraFlow importable (actor classes must be
     importable on every worker), one BLAS thread and Dask's monitors slowed down

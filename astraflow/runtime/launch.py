@@ -20,6 +20,7 @@ from astraflow.runtime.jobrecords import PreviousJobs, cancel_previous_jobs
 from astraflow.runtime.model_build import prepare_models
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
 from astraflow.runtime.progress import Progress
+from astraflow.runtime.reconcile import local_fork_server
 from astraflow.runtime.resume_checks import check_resumable, check_same_models
 from astraflow.runtime.resuming import resume_note
 from astraflow.runtime.runlock import RunDirLock
@@ -265,15 +266,20 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult | No
         for line in resume_note(cfg, run_dir):
             progress.note(line)
         forget_durable_state(cfg, run_dir, progress)
-        missing = [p.name for p in cfg.policies if not p.model.exists() and not cfg.simulated(p)]
-        prepare_models(cfg, progress)
-        if missing:  # the prompts against the models init built just now
-            wl = make_workload(cfg.workload.name, dict(cfg.workload.params or {}), cfg.workload.seed)
-            for line in prompts_that_do_not_fit(cfg, wl, missing):
-                progress.note(line)
-        check_same_models(cfg, run_dir)
-        progress.note(f"run directory {run_dir}")
-        result = Orchestrator(cfg, run_dir, progress, previous).run()
+        server = local_fork_server(RunPaths(run_dir), cfg.cluster, list(cfg.partitions))
+        try:
+            missing = [p.name for p in cfg.policies if not p.model.exists() and not cfg.simulated(p)]
+            prepare_models(cfg, progress)
+            if missing:  # the prompts against the models init built just now
+                wl = make_workload(cfg.workload.name, dict(cfg.workload.params or {}), cfg.workload.seed)
+                for line in prompts_that_do_not_fit(cfg, wl, missing):
+                    progress.note(line)
+            check_same_models(cfg, run_dir)
+            progress.note(f"run directory {run_dir}")
+            result = Orchestrator(cfg, run_dir, progress, previous, server).run()
+        finally:
+            if server is not None:  # the run's local scheduler closed it already, unless none was made
+                server.close()
     scored = [e for e in result.eval if "eval_accuracy" in e]
     if scored:
         first, last = scored[0], scored[-1]

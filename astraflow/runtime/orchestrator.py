@@ -65,6 +65,7 @@ from astraflow.runtime.workers import (FUTURE_ERRORS, PHASES, DataLayerLost, Fle
 from astraflow.training.numerics import NonFiniteError
 from astraflow.training.trainer import Trainer
 from schedulers import Partition
+from schedulers.forkserver import ForkServer
 from storage.paths import RunPaths
 from storage.weights import WeightStore
 
@@ -80,9 +81,10 @@ TICK_EVALS = 4 * STATUS_EVALS
 
 class Orchestrator(Shutdown):
     def __init__(self, cfg: RunConfig, run_dir: Path, progress: Progress | None = None,
-                 previous_jobs: PreviousJobs | None = None):
+                 previous_jobs: PreviousJobs | None = None, fork_server: ForkServer | None = None):
         """`previous_jobs`: what `launch` cancelled of the previous incarnation's worker jobs
-        (recorded in the status and the summary)."""
+        (recorded in the status and the summary); `fork_server`: what local workers are forked
+        from (`reconcile.local_fork_server`)."""
         self.cfg = cfg
         self.paths = RunPaths(run_dir).make()
         self.progress = progress or Progress(enabled=False)
@@ -90,7 +92,7 @@ class Orchestrator(Shutdown):
         #: what judging a partition needs of the workload and the models, read once
         self._episode_tokens, self._limits = cfg.episode_tokens(), model_limits(cfg)
         self.parts = PartitionSet(list(cfg.partitions), self.paths, cfg.cluster, self.progress,
-                                  check_settings=self._check_partition)
+                                  check_settings=self._check_partition, fork_server=fork_server)
         self.fleet = Fleet(self.parts, self.placement, cfg.cluster, self.progress, self._place_node)
         self.status = StatusWriter(self.paths, self.run_tag(), self.parts, self.fleet)
         self.status.previous_jobs = (previous_jobs or PreviousJobs()).as_dict()

@@ -11,7 +11,6 @@ only its own config section, with the partition's settings merged over it
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import sys
 import time
@@ -25,7 +24,7 @@ from distributed import Client
 from astraflow.codeversion import code_fingerprint, differences
 from astraflow.partition_settings import effective_rollout, effective_trainer
 from astraflow.rollout.identity import NodeIdentity
-from astraflow.runtime.cluster import SchedulerProcess, connected_workers, last_error_line, repo_root
+from astraflow.runtime.cluster import SchedulerProcess, connected_workers, export_repo_path, last_error_line
 from astraflow.runtime.construct import by_name, class_path, construct
 from astraflow.runtime.monitoring import write_orchestrator_info
 from astraflow.runtime.security import client_security, dashboard_token, run_tls
@@ -75,9 +74,7 @@ class Placement:
     def start(self) -> None:
         """Start the scheduler (workers started later import AstraFlow from this checkout),
         connect, and publish who runs the orchestrator in ``control/orchestrator.json``."""
-        os.environ["PYTHONPATH"] = str(repo_root()) + (
-            os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""
-        )
+        export_repo_path()
         cc = self.cluster
         self.tls = run_tls(self.paths, cc.tls)
         exposed = not is_loopback(cc.dashboard_host)  # then HTTPS too (the config checked TLS is on)

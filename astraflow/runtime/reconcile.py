@@ -19,9 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from astraflow.runtime.cluster import export_repo_path
 from astraflow.runtime.control import DEFAULT_REMOVAL, PartitionError, read_desired_file, set_partition_nodes
 from astraflow.runtime.jobrecords import JobRecords
 from schedulers import Partition, TLSFiles, UnknownJobError, make_scheduler, parse_worker_name
+from schedulers.forkserver import ForkServer
+from schedulers.local import start_fork_server
 from schedulers.policy import WorkerPolicy
 from schedulers.slurm import SlurmCommandError
 from schedulers.slurm import run_tag as slurm_run_tag
@@ -72,16 +75,41 @@ def run_tag(paths: RunPaths) -> str:
     return slurm_run_tag(paths.root)
 
 
-def run_scheduler(kind: str, paths: RunPaths, cluster: ClusterConfig, tls: TLSFiles | None):
+#: what the fork server of local workers imports once for all of them (``schedulers.forkserver``):
+#: the Dask worker, the modules of the actors placed on workers and what building a model imports
+LOCAL_PRELOAD = (
+    "distributed.cli.dask_worker", "tornado.platform.asyncio", "storage.ownership", "astraflow.workloads.datafiles",
+    "astraflow.codeversion", "astraflow.runtime.construct", "astraflow.dataflow.layer", "astraflow.rollout.node",
+    "astraflow.rollout.node_group", "astraflow.training.trainer", "astraflow.workloads", "astraflow.models",
+    "astraflow.model_loading", "astraflow.rollout.hf_engine", "astraflow.training.torch_backend",
+    "torch.distributed.checkpoint", "transformers", "transformers.activations", "transformers.masking_utils",
+    "transformers.modeling_layers", "transformers.models.auto.auto_factory",
+    "transformers.tokenization_utils_tokenizers",
+)
+
+
+def local_fork_server(paths: RunPaths, cluster: ClusterConfig, partitions: list[Partition]) -> ForkServer | None:
+    """The fork server the run's local workers are forked from (``cluster.local_fork``), started
+    now so that its imports overlap the run's own start; None without local partitions."""
+    if not cluster.local_fork or not any(p.scheduler == "local" for p in partitions):
+        return None
+    export_repo_path()  # what the workers' environment will have (`Placement.start`)
+    return start_fork_server(paths.make().jobs, LOCAL_PRELOAD)
+
+
+def run_scheduler(kind: str, paths: RunPaths, cluster: ClusterConfig, tls: TLSFiles | None,
+                  fork_server: ForkServer | None = None):
     """The scheduler backend of `kind` for the run in `paths`, set up from the run's cluster
-    settings (its jobs tagged with `run_tag`, so every incarnation of the run finds them)."""
+    settings (its jobs tagged with `run_tag`, so every incarnation of the run finds them);
+    local workers are forked from `fork_server` where given (`local_fork_server`)."""
     cc = cluster
     loopback = cc.scheduler_host in ("127.0.0.1", "localhost")
     if kind == "local":
         # on this host; reachable from the others where the scheduler is (workers on other hosts
         # call the data layer and the trainers directly at their workers' addresses)
         kwargs: dict[str, Any] = {"log_dir": paths.jobs, "interface": cc.worker_interface or cc.scheduler_interface,
-                                  "host": "127.0.0.1" if loopback else cc.scheduler_host}
+                                  "host": "127.0.0.1" if loopback else cc.scheduler_host,
+                                  "fork_server": fork_server}
     else:
         iface = cc.worker_interface
         host = None
@@ -98,8 +126,10 @@ class PartitionSet:
     """The run's partitions, their states and the scheduler backends of their workers."""
 
     def __init__(self, partitions: list[Partition], paths: RunPaths, cluster: ClusterConfig, progress: Progress,
-                 check_settings: Callable[[Partition], None] | None = None):
+                 check_settings: Callable[[Partition], None] | None = None, fork_server: ForkServer | None = None):
         self.paths = paths
+        #: where the local scheduler forks its workers from (it closes the server)
+        self.fork_server = fork_server
         self.cluster = cluster
         self.progress = progress
         self.partitions: dict[str, Partition] = {p.name: p for p in partitions}
@@ -121,7 +151,8 @@ class PartitionSet:
 
     def scheduler_for(self, part: Partition):
         if part.scheduler not in self.schedulers:
-            self.schedulers[part.scheduler] = run_scheduler(part.scheduler, self.paths, self.cluster, self.tls)
+            self.schedulers[part.scheduler] = run_scheduler(part.scheduler, self.paths, self.cluster, self.tls,
+                                                            self.fork_server if part.scheduler == "local" else None)
         return self.schedulers[part.scheduler]
 
     def cancel(self, w: Worker, wait: bool = False) -> None:

@@ -1,0 +1,143 @@
+"""The fork server local workers start from (``schedulers.forkserver``): a forked worker is the
+process a fresh one would be (its own session, environment, log, exit status), it dies with the
+server, and what the server cannot stand in for starts fresh."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from schedulers import LocalScheduler, Partition
+from schedulers.forkserver import FORK_SERVER_MARK, ForkedProcess, ForkServer, ForkServerError
+from schedulers.local import start_fork_server
+from schedulers.procs import process_argv
+from tests.schedulers.dask_fixtures import wait_for_workers
+
+#: a module each test child runs: says what it is, starts a grandchild in its group, exits as told
+CHILD = '''
+import os, subprocess, sys, time
+import numpy
+print("env", os.environ.get("ASTRAFLOW_PROBE"), "cwd", os.getcwd(), "sid", os.getsid(0) == os.getpid(), flush=True)
+print("preloaded", "json.tool" in sys.modules, "argv", sys.argv[1:], "draw", numpy.random.randint(1 << 30), flush=True)
+if sys.argv[1] == "sleep":
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    time.sleep(60)
+sys.exit(int(sys.argv[1]))
+'''
+
+
+def _server(tmp_path, **env) -> ForkServer:
+    (tmp_path / "probe_child.py").write_text(CHILD)
+    return ForkServer(sys.executable, ["json.tool", "numpy"], {**os.environ, **env}, tmp_path / "server.log")
+
+
+def _wait(cond, deadline_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + deadline_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return cond()
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a process that is neither a zombie nor dead."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _stop_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_has_its_own_session_environment_log_and_exit_status(tmp_path):
+    server = _server(tmp_path)
+    try:
+        logs = [tmp_path / f"child{i}.log" for i in range(2)]
+        kids = [server.start([sys.executable, "-m", "probe_child", "3"], {**server.env, "ASTRAFLOW_PROBE": f"p{i}"},
+                             log, cwd=tmp_path) for i, log in enumerate(logs)]
+        assert all(isinstance(k, ForkedProcess) for k in kids)
+        assert [k.wait(timeout=30) for k in kids] == [3, 3] and kids[0].poll() == 3
+        texts = [log.read_text() for log in logs]
+        for i, text in enumerate(texts):
+            assert f"env p{i} cwd {tmp_path} sid True" in text, text
+            assert "preloaded True argv ['3']" in text, text  # the server's imports, the child's arguments
+        draws = [t.split("draw ")[1].split()[0] for t in texts]
+        assert draws[0] != draws[1], "the children share numpy's random state"
+        # reaped once the exit was seen: no zombie keeps the pid
+        assert _wait(lambda: not any(os.path.exists(f"/proc/{k.pid}") for k in kids))
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(120)
+def test_children_die_with_the_server_and_it_refuses_to_start_more(tmp_path):
+    server = _server(tmp_path)
+    kid = server.start([sys.executable, "-m", "probe_child", "sleep"], server.env, tmp_path / "c.log", cwd=tmp_path)
+    assert any(FORK_SERVER_MARK in a for a in process_argv(kid.pid))
+    with pytest.raises(subprocess.TimeoutExpired):
+        kid.wait(timeout=0.5)
+    assert _wait(lambda: "argv ['sleep']" in (tmp_path / "c.log").read_text())
+    os.kill(server._proc.pid, signal.SIGKILL)  # the server crashes
+    assert kid.wait(timeout=20) == -signal.SIGKILL
+    assert _wait(lambda: not _running(kid.pid))
+    assert server.misfit([sys.executable, "-m", "probe_child", "0"], server.env) == "the fork server is gone"
+    with pytest.raises(ForkServerError):
+        server.start([sys.executable, "-m", "probe_child", "0"], server.env, tmp_path / "d.log", cwd=tmp_path)
+    server.close()
+    _stop_group(kid.pid)  # its grandchild, orphaned
+
+
+def test_what_a_fork_cannot_stand_in_for_is_named(tmp_path):
+    server = _server(tmp_path)
+    try:
+        argv = [sys.executable, "-m", "probe_child", "0"]
+        assert server.misfit(argv, {**server.env, "ASTRAFLOW_ROLE": "x", "DASK_X": "1"}) is None
+        assert "OMP_NUM_THREADS" in server.misfit(argv, {**server.env, "OMP_NUM_THREADS": "7"})
+        assert "PATH" in server.misfit(argv, {k: v for k, v in server.env.items() if k != "PATH"})
+        assert "-m MODULE" in server.misfit(["/other/python", "-m", "x"], server.env)
+        assert "-m MODULE" in server.misfit([sys.executable, "-c", "pass"], server.env)
+    finally:
+        server.close()
+
+
+def _part(**kw) -> Partition:
+    return Partition(**{"name": "cpu", "region": "home", "hardware": "cpu", "role": "rollout", "nodes": 1, **kw})
+
+
+@pytest.mark.timeout(150)
+def test_local_workers_are_forked_cancelled_with_their_group_and_others_start_fresh(dask_scheduler, tmp_path):
+    address, _, client = dask_scheduler
+    server = start_fork_server(tmp_path / "logs", ["distributed.cli.dask_worker"])
+    sched = LocalScheduler(tmp_path / "logs", death_timeout=20, fork_server=server)
+    try:
+        (forked,) = sched.submit(_part(), address, count=1)
+        (fresh,) = sched.submit(_part(name="gpu", env={"OMP_NUM_THREADS": "3"}), address, count=1)
+        names = {forked.worker_name, fresh.worker_name}
+        assert names <= wait_for_workers(client, names, present=True, deadline_s=60), \
+            [r.log.read_text()[-800:] for r in (forked, fresh)]
+        pids = {ref.worker_name: int(ref.job_id.removeprefix("local-")) for ref in (forked, fresh)}
+        assert any(FORK_SERVER_MARK in a for a in process_argv(pids[forked.worker_name]))
+        assert "schedulers.dask_main" in process_argv(pids[fresh.worker_name])
+        seen = client.run(lambda: (os.environ["ASTRAFLOW_WORKER_NAME"], os.getpid(), os.getpgid(0)))
+        assert {n: p for n, p, _ in seen.values()} == pids
+        assert all(p == g for _, p, g in seen.values())  # each leads a process group of its own
+        # a process the forked worker started is in its group: the cancel ends it too
+        started = client.run(lambda: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]).pid,
+                             workers=[a for a, v in seen.items() if v[0] == forked.worker_name])
+        sched.cancel([forked.job_id])
+        assert {j.worker_name: j.state for j in sched.jobs()}[forked.worker_name] == "CANCELLED"
+        assert not _running(pids[forked.worker_name]) and not _running(next(iter(started.values())))
+    finally:
+        sched.close()
+    assert not server.alive and not _running(pids[fresh.worker_name])
+    assert wait_for_workers(client, names, present=False, deadline_s=20).isdisjoint(names)
