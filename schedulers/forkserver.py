@@ -12,10 +12,13 @@ A child stands in for a fresh ``subprocess.Popen`` of the same command only wher
 the same process, so `ForkServer.misfit` refuses commands of another interpreter or with an
 environment that differs from the server's in anything but ``ASTRAFLOW_*`` and ``DASK_*``
 (read after start: Dask's configuration is collected again in the child); what it refuses is
-started as a fresh process (`misfit` says why). `ForkedProcess` answers like a ``Popen``: ``pid``, ``poll``,
-``wait``, ``returncode``. As with a ``Popen``, a child stays unreaped (a zombie, so its pid
-and process group cannot be given to another process) until the starter has seen its exit,
-and every child dies with the server, which dies with its starter (``PR_SET_PDEATHSIG``).
+started as a fresh process (`misfit` says why). `ForkedProcess` answers like a ``Popen``:
+``pid``, ``poll``, ``wait``, ``returncode``. As with a ``Popen``, a child stays unreaped (a
+zombie, so its pid and process group cannot be given to another process) until the starter has
+seen its exit, and every child dies with the server, which dies with its starter
+(``PR_SET_PDEATHSIG``). Where its processes are to ignore SIGTERM (``IGNORE_TERM_ENV``, inside
+a Slurm job, whose ``scancel`` signals every process), the server ignores it too: it must not
+take the run's workers down before the run stopped them.
 
 The protocol is JSON lines on the server's stdin and stdout: ``{"id", "argv", "env", "cwd",
 "log"}`` answered by ``{"id", "pid"}`` or ``{"id", "error"}``; ``{"exit": pid, "code": c}``
@@ -38,7 +41,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from schedulers.procs import die_with_parent
+from schedulers.procs import IGNORE_TERM_ENV, die_with_parent
 
 #: what the command line of the server, and so of each child, contains
 FORK_SERVER_MARK = "from schedulers.forkserver import serve"
@@ -77,8 +80,8 @@ class ForkedProcess:
 
 
 class ForkServer:
-    """The starter's side: runs ``python -m schedulers.forkserver *modules`` with `env` (its
-    stderr appended to `log`) and forks children from it on request."""
+    """The starter's side: runs the server (`serve`) importing `modules`, with `env` and its
+    stderr appended to `log`, and forks children from it on request."""
 
     def __init__(self, python: str, modules: Sequence[str], env: Mapping[str, str], log: str | Path):
         self.python = python
@@ -92,6 +95,7 @@ class ForkServer:
                 start_new_session=True, preexec_fn=die_with_parent,
             )
         self._cond = threading.Condition()
+        self._sending = threading.Lock()  # one message at a time on the pipe (a request can be long)
         self._answers: dict[int, dict] = {}
         self._exits: dict[int, int] = {}
         self._reaped: set[int] = set()
@@ -151,7 +155,8 @@ class ForkServer:
 
     def _send(self, message: dict) -> None:
         try:
-            self._proc.stdin.write(json.dumps(message).encode() + b"\n")  # type: ignore[union-attr]
+            with self._sending:
+                self._proc.stdin.write(json.dumps(message).encode() + b"\n")  # type: ignore[union-attr]
         except (OSError, ValueError) as err:  # the server is gone
             with self._cond:
                 self._gone = True
@@ -221,6 +226,8 @@ class _Server:
         self.reported: set[int] = set()  # ended and reported, waiting for the starter's "reap"
 
     def serve(self, modules: Sequence[str]) -> None:
+        if os.environ.get(IGNORE_TERM_ENV) == "1":  # stopped by its starter alone (module docstring)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for name in modules:
             try:
                 importlib.import_module(name)
@@ -297,7 +304,8 @@ def _become(request: dict, keep_out: Sequence[int]) -> None:
         os.setsid()
         die_with_parent()
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for signum in (signal.SIGCHLD, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
         for fd in keep_out:
             os.close(fd)
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)

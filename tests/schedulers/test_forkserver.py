@@ -141,3 +141,29 @@ def test_local_workers_are_forked_cancelled_with_their_group_and_others_start_fr
         sched.close()
     assert not server.alive and not _running(pids[fresh.worker_name])
     assert wait_for_workers(client, names, present=False, deadline_s=20).isdisjoint(names)
+
+
+@pytest.mark.timeout(120)
+def test_inside_a_slurm_job_the_server_and_its_workers_outlive_a_sigterm_to_the_job(dask_scheduler, tmp_path,
+                                                                                     monkeypatch):
+    """scancel's SIGTERM reaches every process of a head job, the fork server too: it must not end
+    (and take the workers with it) before the run stopped them in order."""
+    address, _, client = dask_scheduler
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    server = start_fork_server(tmp_path / "logs", ["distributed.cli.dask_worker"])
+    sched = LocalScheduler(tmp_path / "logs", death_timeout=20, term_timeout=20, fork_server=server)
+    (ref,) = sched.submit(_part(), address, count=1)
+    pid = int(ref.job_id.removeprefix("local-"))
+    try:
+        assert ref.worker_name in wait_for_workers(client, {ref.worker_name}, present=True, deadline_s=40)
+        assert any(FORK_SERVER_MARK in a for a in process_argv(pid))
+        for pgid in (server._proc.pid, pid):
+            os.killpg(pgid, signal.SIGTERM)
+        time.sleep(1.5)
+        assert server.alive and server._proc.poll() is None
+        assert ref.worker_name in wait_for_workers(client, {ref.worker_name}, present=True, deadline_s=10)
+        sched.cancel([ref.job_id])
+        assert sched._procs[ref.job_id].popen.returncode == 0  # closed on SIGINT: no SIGKILL was needed
+    finally:
+        sched.close()
+    assert not server.alive
