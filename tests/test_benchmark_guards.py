@@ -68,6 +68,7 @@ def test_a_cuda_device_without_a_gpu_is_an_argument_error(monkeypatch):
 @pytest.mark.parametrize("script, args, said", [
     ("data_algorithms.py", ["--only", "dynamic_sampl"], "invalid choice: 'dynamic_sampl'"),
     ("worker_startup.py", ["--rounds", "0"], "at least 1"),
+    ("local_fork.py", ["--steps", "0"], "at least 1"),
     ("engine_start.py", ["--replicas", "0"], "at least 1"),
     ("trainer_optimizer.py", ["--steps", "0"], "at least 1"),
 ])
