@@ -4,9 +4,10 @@ Each worker is `worker_command(...)` started in its own process group (so `cance
 anything the worker spawned), its stdout/stderr going to ``<log_dir>/<worker name>.log``: forked
 from a fork server (`start_fork_server`: one process imports the workers' code once for all of
 them, ``schedulers.forkserver``) where one was given, else with `subprocess.Popen`. The job id
-is ``local-<pid>``. Only processes this object started are ever signalled, and only by their own PID/process group, with one exception:
-`cancel_previous` stops the workers a previous incarnation of the run started, and only those
-whose pid still belongs to that very worker (its recorded `process_identity` and command line).
+is ``local-<pid>``. Only processes this object started are ever signalled, and only by their
+own PID/process group, with one exception: `cancel_previous` stops the workers a previous
+incarnation of the run started, and only those whose pid still belongs to that very worker (its
+recorded `process_identity` and command line).
 """
 
 from __future__ import annotations
@@ -114,8 +115,11 @@ class LocalScheduler:
             # the log keeps every start of this worker name: where this one begins
             out.write(f"{JOB_START_MARK} {name} {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
             out.flush()
-            popen = self._forked(cmd, env, log)
+            popen, why = self._forked(cmd, env, log)
             if popen is None:
+                if why:
+                    out.write(f"started as a fresh process, not forked: {why}\n".encode())
+                    out.flush()
                 popen = subprocess.Popen(
                     cmd,
                     stdin=subprocess.DEVNULL,
@@ -129,23 +133,21 @@ class LocalScheduler:
         self._procs[job_id] = _Proc(popen, partition.name, name, log)
         return JobRef(job_id, partition.name, name, self.kind, log, identity=process_identity(popen.pid))
 
-    def _forked(self, cmd: list[str], env: dict[str, str], log: Path) -> ForkedProcess | None:
-        """The worker forked from the fork server, or None where there is none or it cannot stand
-        in for a fresh process. A server that failed is not asked again."""
+    def _forked(self, cmd: list[str], env: dict[str, str], log: Path) -> tuple[ForkedProcess | None, str | None]:
+        """The worker forked from the fork server, or None and why not (None: there is no server).
+        A server that failed is not asked again."""
         if self._server is None:
-            return None
+            return None, None
         why = self._server.misfit(cmd, env)
         if why is not None:
-            logger.info("%s starts as a fresh process: %s", cmd[cmd.index("--name") + 1] if "--name" in cmd else cmd,
-                        why)
-            return None
+            return None, why
         try:
-            return self._server.start(cmd, env, log)
+            return self._server.start(cmd, env, log), None
         except ForkServerError as err:
             logger.warning("local workers start as fresh processes from now on: %s", err)
             self._server.close()
             self._server = None
-            return None
+            return None, str(err)
 
     def cancel(self, job_ids: Iterable[str], wait: bool = False) -> None:
         """Always waits: SIGTERM (SIGINT inside a Slurm job: `stop_signal`), then SIGKILL after

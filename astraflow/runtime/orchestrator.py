@@ -55,7 +55,7 @@ from astraflow.runtime.monitoring.writer import STATUS_EVALS
 from astraflow.runtime.placement import (Placement, data_layer_kwargs, loopback_hint, node_kwargs, store_url,
                                         trainer_kwargs)
 from astraflow.runtime.progress import Progress
-from astraflow.runtime.reconcile import PartitionSet, run_tag
+from astraflow.runtime.reconcile import PartitionSet, local_fork_server, run_tag
 from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts, note
 from astraflow.runtime.shutdown import RunResult, Shutdown
 from astraflow.runtime.stopping import (STOPPING, Ending, NothingCompletes, disk_full,
@@ -84,7 +84,7 @@ class Orchestrator(Shutdown):
                  previous_jobs: PreviousJobs | None = None, fork_server: ForkServer | None = None):
         """`previous_jobs`: what `launch` cancelled of the previous incarnation's worker jobs
         (recorded in the status and the summary); `fork_server`: what local workers are forked
-        from (`reconcile.local_fork_server`)."""
+        from (`reconcile.local_fork_server`; started here when not given)."""
         self.cfg = cfg
         self.paths = RunPaths(run_dir).make()
         self.progress = progress or Progress(enabled=False)
@@ -92,7 +92,9 @@ class Orchestrator(Shutdown):
         #: what judging a partition needs of the workload and the models, read once
         self._episode_tokens, self._limits = cfg.episode_tokens(), model_limits(cfg)
         self.parts = PartitionSet(list(cfg.partitions), self.paths, cfg.cluster, self.progress,
-                                  check_settings=self._check_partition, fork_server=fork_server)
+                                  check_settings=self._check_partition,
+                                  fork_server=fork_server or local_fork_server(self.paths, cfg.cluster,
+                                                                               list(cfg.partitions)))
         self.fleet = Fleet(self.parts, self.placement, cfg.cluster, self.progress, self._place_node)
         self.status = StatusWriter(self.paths, self.run_tag(), self.parts, self.fleet)
         self.status.previous_jobs = (previous_jobs or PreviousJobs()).as_dict()

@@ -202,6 +202,8 @@ class Shutdown:
             alive += [j for j in self.parts.uncancelled(sched.kind) if j not in alive]
             steps += [(f"cancelling the {sched.kind} jobs {alive}", lambda s=sched, a=alive: s.cancel(a)),
                       (f"closing the {sched.kind} scheduler", sched.close)]
+        if self.parts.fork_server is not None:  # closed with the local scheduler, unless none was made
+            steps.append(("closing the fork server", self.parts.fork_server.close))
         if self.placement.scheduler_proc is not None:
             steps.append(("stopping the Dask scheduler", self.placement.scheduler_proc.stop))
         for what, step in steps:

@@ -128,6 +128,7 @@ def test_local_workers_are_forked_cancelled_with_their_group_and_others_start_fr
         pids = {ref.worker_name: int(ref.job_id.removeprefix("local-")) for ref in (forked, fresh)}
         assert any(FORK_SERVER_MARK in a for a in process_argv(pids[forked.worker_name]))
         assert "schedulers.dask_main" in process_argv(pids[fresh.worker_name])
+        assert "not forked: its environment sets OMP_NUM_THREADS otherwise" in fresh.log.read_text()
         seen = client.run(lambda: (os.environ["ASTRAFLOW_WORKER_NAME"], os.getpid(), os.getpgid(0)))
         assert {n: p for n, p, _ in seen.values()} == pids
         assert all(p == g for _, p, g in seen.values())  # each leads a process group of its own
