@@ -47,6 +47,8 @@ from schedulers.procs import IGNORE_TERM_ENV, die_with_parent
 FORK_SERVER_MARK = "from schedulers.forkserver import serve"
 #: environment variables a forked child may have other values of than the server
 CHILD_ENV_PREFIXES = ("ASTRAFLOW_", "DASK_")
+#: torch asks NVML, not CUDA, whether there is a GPU where this is "1"
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 #: seconds the first fork request waits for the server's imports
 READY_TIMEOUT_S = 600.0
 #: seconds a fork request waits for its answer once the server is ready
@@ -224,16 +226,21 @@ class _Server:
             os.set_blocking(fd, False)
         self.children: set[int] = set()  # running, or ended and not yet reported
         self.reported: set[int] = set()  # ended and reported, waiting for the starter's "reap"
+        self.refusal: str | None = None  # why no child can be forked from this process
 
     def serve(self, modules: Sequence[str]) -> None:
         if os.environ.get(IGNORE_TERM_ENV) == "1":  # stopped by its starter alone (module docstring)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # an import asking torch whether there is a GPU must not initialise CUDA here: a forked
+        # child could not use it (this process's environment only; each child gets its own)
+        os.environ[NVML_CHECK_ENV] = "1"
         for name in modules:
             try:
                 importlib.import_module(name)
             except BaseException:  # the child that needs it fails the same way, in its own log
                 print(f"forkserver: importing {name} failed:", file=sys.stderr)
                 traceback.print_exc()
+        self.refusal = _cuda_refusal()
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(self.wake_w)
         self._answer({"ready": True})
@@ -268,6 +275,9 @@ class _Server:
                 os.waitpid(pid, 0)
                 self.reported.discard(pid)
             return
+        if self.refusal:
+            self._answer({"id": message["id"], "error": self.refusal})
+            return
         try:
             pid = os.fork()
         except OSError as err:
@@ -295,6 +305,15 @@ class _Server:
         data = json.dumps(message).encode() + b"\n"
         while data:
             data = data[os.write(self.answers, data):]
+
+
+def _cuda_refusal() -> str | None:
+    """Why the imports left this process unfit to fork from: CUDA initialised (a forked child
+    cannot use it). None: fit."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "an import initialised CUDA in the fork server, which its children could not use"
+    return None
 
 
 def _become(request: dict, keep_out: Sequence[int]) -> None:

@@ -168,3 +168,26 @@ def test_inside_a_slurm_job_the_server_and_its_workers_outlive_a_sigterm_to_the_
     finally:
         sched.close()
     assert not server.alive
+
+
+@pytest.mark.timeout(120)
+def test_a_server_whose_imports_initialised_cuda_forks_nothing_and_workers_start_fresh(dask_scheduler, tmp_path,
+                                                                                        monkeypatch):
+    """A forked child cannot use CUDA its parent initialised: such a server refuses, and the
+    workers start as fresh processes (saying why in their log)."""
+    address, _, client = dask_scheduler
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "cuda_at_import.py").write_text(  # what an import touching the GPU looks like to torch
+        "import torch\ntorch.cuda.is_initialized = lambda: True\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'mods'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    server = start_fork_server(tmp_path / "logs", ["cuda_at_import"])
+    sched = LocalScheduler(tmp_path / "logs", death_timeout=20, fork_server=server)
+    try:
+        (ref,) = sched.submit(_part(), address, count=1)
+        assert "not forked: the fork server could not start" in ref.log.read_text()
+        assert "initialised CUDA" in ref.log.read_text()
+        assert "schedulers.dask_main" in process_argv(int(ref.job_id.removeprefix("local-")))
+        assert ref.worker_name in wait_for_workers(client, {ref.worker_name}, present=True, deadline_s=40)
+        assert not server.alive
+    finally:
+        sched.close()
