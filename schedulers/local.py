@@ -70,6 +70,7 @@ class LocalScheduler:
     ):
         self.log_dir = Path(log_dir)
         self._server = fork_server
+        self._forking = fork_server is not None  # False once the server failed a start
         self.python = python
         self.host = None if interface else host
         self.interface = interface
@@ -135,8 +136,9 @@ class LocalScheduler:
 
     def _forked(self, cmd: list[str], env: dict[str, str], log: Path) -> tuple[ForkedProcess | None, str | None]:
         """The worker forked from the fork server, or None and why not (None: there is no server).
-        A server that failed is not asked again."""
-        if self._server is None:
+        A server that failed is not asked again; it is closed at once only where no worker
+        forked from it runs (they would die with it), else with this object."""
+        if self._server is None or not self._forking:
             return None, None
         why = self._server.misfit(cmd, env)
         if why is not None:
@@ -145,8 +147,9 @@ class LocalScheduler:
             return self._server.start(cmd, env, log), None
         except ForkServerError as err:
             logger.warning("local workers start as fresh processes from now on: %s", err)
-            self._server.close()
-            self._server = None
+            self._forking = False
+            if not any(isinstance(p.popen, ForkedProcess) and p.popen.poll() is None for p in self._procs.values()):
+                self._server.close()
             return None, str(err)
 
     def cancel(self, job_ids: Iterable[str], wait: bool = False) -> None:

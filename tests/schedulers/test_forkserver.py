@@ -191,3 +191,54 @@ def test_a_server_whose_imports_initialised_cuda_forks_nothing_and_workers_start
         assert not server.alive
     finally:
         sched.close()
+
+
+def _mods(tmp_path, monkeypatch, **files: str):
+    """Modules `files` (name: source) importable by the servers and children the test starts."""
+    mods = tmp_path / "mods"
+    mods.mkdir(exist_ok=True)
+    for name, source in files.items():
+        (mods / f"{name}.py").write_text(source)
+    monkeypatch.setenv("PYTHONPATH", f"{mods}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+
+#: a server's imports that fail every fork after the first (``fork`` refused for lack of memory, say)
+ONE_FORK = '''
+import errno, os
+_fork, _forks = os.fork, []
+def fork():
+    _forks.append(1)
+    if len(_forks) > 1:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+    return _fork()
+os.fork = fork
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_fork_that_fails_starts_that_worker_fresh_and_leaves_the_forked_ones_running(tmp_path, monkeypatch):
+    """The server still holds the workers it forked (they die with it): one fork it could not do
+    must not end them."""
+    import schedulers.local as local
+
+    _mods(tmp_path, monkeypatch, one_fork=ONE_FORK, sleeper="import time\ntime.sleep(120)\n")
+    monkeypatch.setattr(local, "partition_worker_command",
+                        lambda part, address, name, **kw: [sys.executable, "-m", "sleeper", "--name", name])
+    server = start_fork_server(tmp_path / "logs", ["one_fork"])
+    sched = LocalScheduler(tmp_path / "logs", term_timeout=10, fork_server=server)
+    try:
+        (forked,) = sched.submit(_part(), "tcp://127.0.0.1:8786", count=1)
+        assert any(FORK_SERVER_MARK in a for a in process_argv(int(forked.job_id.removeprefix("local-"))))
+        (fresh,) = sched.submit(_part(), "tcp://127.0.0.1:8786", count=1, start_index=1)
+        pids = {ref.worker_name: int(ref.job_id.removeprefix("local-")) for ref in (forked, fresh)}
+        assert "not forked: the fork server could not start sleeper: OSError" in fresh.log.read_text()
+        assert server.alive and _running(pids[forked.worker_name])
+        assert {j.worker_name: j.state for j in sched.jobs()} == {forked.worker_name: "RUNNING",
+                                                                  fresh.worker_name: "RUNNING"}
+        (third,) = sched.submit(_part(), "tcp://127.0.0.1:8786", count=1, start_index=2)  # not asked again
+        assert "not forked" not in third.log.read_text()
+        assert "sleeper" in process_argv(int(third.job_id.removeprefix("local-")))
+    finally:
+        sched.close()
+    assert not server.alive and not _running(pids[forked.worker_name])
+    assert {j.state for j in sched.jobs()} == {"CANCELLED"}
