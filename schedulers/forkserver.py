@@ -11,8 +11,11 @@ new session, its log as stdout and stderr, its own environment and working direc
 A child stands in for a fresh ``subprocess.Popen`` of the same command only where that gives
 the same process, so `ForkServer.misfit` refuses commands of another interpreter or with an
 environment that differs from the server's in anything but ``ASTRAFLOW_*`` and ``DASK_*``
-(read after start: Dask's configuration is collected again in the child); what it refuses is
-started as a fresh process (`misfit` says why). `ForkedProcess` answers like a ``Popen``:
+(read after start: Dask's configuration is collected again in the child; not those Dask reads
+at import, ``DASK_IMPORT_ENV``), or than what the server's imports set in its environment (a
+library that writes the value it uses there, as torch does with its cache directory, set the
+same in the starter by the same import); what it refuses is started as a fresh process
+(`misfit` says why). `ForkedProcess` answers like a ``Popen``:
 ``pid``, ``poll``, ``wait``, ``returncode``. As with a ``Popen``, a child stays unreaped (a
 zombie, so its pid and process group cannot be given to another process) until the starter has
 seen its exit, and every child dies with the server, which dies with its starter
@@ -47,6 +50,12 @@ from schedulers.procs import IGNORE_TERM_ENV, die_with_parent
 FORK_SERVER_MARK = "from schedulers.forkserver import serve"
 #: environment variables a forked child may have other values of than the server
 CHILD_ENV_PREFIXES = ("ASTRAFLOW_", "DASK_")
+#: ... but not these, which Dask reads when it is imported (its configuration files, logging,
+#: module constants of ``distributed``): a child would keep what the server read
+DASK_IMPORT_ENV = ("DASK_CONFIG", "DASK_ROOT_CONFIG", "DASK_INTERNAL_INHERIT_CONFIG", "DASK_LOGGING",
+                   "DASK_DISTRIBUTED__LOGGING", "DASK_DISTRIBUTED__ADMIN__PDB", "DASK_DISTRIBUTED__ADMIN__LOG",
+                   "DASK_DISTRIBUTED__COMM__SHARD", "DASK_DISTRIBUTED__COMM__OFFLOAD",
+                   "DASK_DISTRIBUTED__DIAGNOSTICS__CUDF")
 #: torch asks NVML, not CUDA, whether there is a GPU where this is "1"
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 #: seconds the first fork request waits for the server's imports
@@ -102,6 +111,7 @@ class ForkServer:
         self._exits: dict[int, int] = {}
         self._reaped: set[int] = set()
         self._ready = False
+        self._imported_env: dict[str, str] = {}  # the server's environment after its imports
         self._gone = False
         self._next_id = 0
         self._reader = threading.Thread(target=self._read, name="forkserver-reader", daemon=True)
@@ -118,8 +128,16 @@ class ForkServer:
             return "the fork server is gone"
         if len(argv) < 3 or argv[0] != self.python or argv[1] != "-m":
             return f"the command is not `{self.python} -m MODULE ...`"
-        differ = sorted(k for k in set(env) | set(self.env)
-                        if not k.startswith(CHILD_ENV_PREFIXES) and env.get(k) != self.env.get(k))
+        differ = sorted(k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k)
+                        and (not k.startswith(CHILD_ENV_PREFIXES) or k.upper().startswith(DASK_IMPORT_ENV)))
+        if differ and all(env.get(k) == os.environ.get(k) for k in differ):
+            # each set in this process since the server started: by an import the server made
+            # too, to the same value? (known once its imports are done)
+            with self._cond:
+                self._cond.wait_for(lambda: self._ready or self._gone, READY_TIMEOUT_S)
+            if self._gone:
+                return "the fork server is gone"
+            differ = [k for k in differ if env.get(k) != self._imported_env.get(k)]
         return f"its environment sets {', '.join(differ)} otherwise" if differ else None
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], log: str | Path,
@@ -174,6 +192,7 @@ class ForkServer:
             with self._cond:
                 if "ready" in message:
                     self._ready = True
+                    self._imported_env = dict(message.get("env") or {})
                 elif "exit" in message:
                     self._exits[int(message["exit"])] = int(message["code"])
                 else:
@@ -233,6 +252,7 @@ class _Server:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # an import asking torch whether there is a GPU must not initialise CUDA here: a forked
         # child could not use it (this process's environment only; each child gets its own)
+        nvml = os.environ.get(NVML_CHECK_ENV)
         os.environ[NVML_CHECK_ENV] = "1"
         for name in modules:
             try:
@@ -243,7 +263,8 @@ class _Server:
         self.refusal = _cuda_refusal()
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(self.wake_w)
-        self._answer({"ready": True})
+        imported = {**os.environ, NVML_CHECK_ENV: nvml}
+        self._answer({"ready": True, "env": {k: v for k, v in imported.items() if v is not None}})
         pending = b""
         while True:
             try:

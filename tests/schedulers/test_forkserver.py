@@ -242,3 +242,47 @@ def test_a_fork_that_fails_starts_that_worker_fresh_and_leaves_the_forked_ones_r
         sched.close()
     assert not server.alive and not _running(pids[forked.worker_name])
     assert {j.state for j in sched.jobs()} == {"CANCELLED"}
+
+
+#: a server's import that writes into its own environment the value it would use anyway, as
+#: torch's does with its cache directory (``TORCHINDUCTOR_CACHE_DIR``)
+SETS_ITS_CACHE_DIR = '''
+import json
+import os
+os.environ["PROBE_CACHE_DIR"] = os.path.abspath(os.environ.get("PROBE_CACHE_DIR", "/tmp/probe-cache"))
+'''
+
+
+def test_what_an_import_set_in_the_environment_to_the_same_value_is_no_misfit(tmp_path, monkeypatch):
+    """The run's own process imports the same libraries after the server started (a model built
+    by the run: transformers, then torch's compiler set ``TORCHINDUCTOR_CACHE_DIR``), and every
+    worker it starts then has that variable: where the server's imports set it to the same value,
+    they worked with it, and a fork is what a fresh process would be."""
+    _mods(tmp_path, monkeypatch, sets_cache_dir=SETS_ITS_CACHE_DIR)
+    monkeypatch.delenv("PROBE_CACHE_DIR", raising=False)
+    server = ForkServer(sys.executable, ["sets_cache_dir"], dict(os.environ), tmp_path / "server.log")
+    try:
+        argv = [sys.executable, "-m", "json.tool", "--help"]
+        monkeypatch.setenv("PROBE_CACHE_DIR", "/tmp/probe-cache")  # the same import, here
+        assert server.misfit(argv, dict(os.environ)) is None
+        monkeypatch.setenv("PROBE_CACHE_DIR", "/elsewhere")
+        assert "PROBE_CACHE_DIR" in server.misfit(argv, dict(os.environ))
+        monkeypatch.setenv("PROBE_CACHE_DIR", "/tmp/probe-cache")
+        assert "PROBE_OTHER" in server.misfit(argv, {**os.environ, "PROBE_OTHER": "1"})
+    finally:
+        server.close()
+
+
+def test_dask_variables_read_when_dask_is_imported_must_match(tmp_path):
+    """Dask's configuration is collected again in a child, but its files' places, logging and a
+    few module constants were taken when the server imported Dask: a partition setting those starts
+    fresh."""
+    server = _server(tmp_path)
+    try:
+        argv = [sys.executable, "-m", "probe_child", "0"]
+        assert server.misfit(argv, {**server.env, "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "True"}) is None
+        for name in ("DASK_LOGGING__DISTRIBUTED", "DASK_CONFIG", "DASK_DISTRIBUTED__ADMIN__PDB_ON_ERR",
+                     "DASK_DISTRIBUTED__COMM__OFFLOAD", "DASK_INTERNAL_INHERIT_CONFIG"):
+            assert name in (server.misfit(argv, {**server.env, name: "x"}) or ""), name
+    finally:
+        server.close()
