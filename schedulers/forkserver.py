@@ -174,9 +174,11 @@ class ForkServer:
         self._reader.join(timeout)
 
     def _send(self, message: dict) -> None:
+        data = memoryview(json.dumps(message).encode() + b"\n")
         try:
             with self._sending:
-                self._proc.stdin.write(json.dumps(message).encode() + b"\n")  # type: ignore[union-attr]
+                while data:  # a pipe may take part of it (a signal while the write waited for room)
+                    data = data[self._proc.stdin.write(data):]  # type: ignore[union-attr]
         except (OSError, ValueError) as err:  # the server is gone
             with self._cond:
                 self._gone = True
@@ -388,12 +390,15 @@ def _exit_code(code: object) -> int:
 
 def _fresh_state() -> None:
     """What the imports computed from the server's environment or that all children would
-    share: Dask's configuration (collected again from this environment) and numpy's global
-    random state (seeded anew, as in a fresh process)."""
+    share: Dask's configuration (collected again from this environment) and the global random
+    states of numpy and torch (seeded anew, as in a fresh process; Python's ``random`` is on
+    its own after a fork)."""
     if "dask.config" in sys.modules:
         sys.modules["dask.config"].refresh()
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
+    if "torch" in sys.modules:  # its CPU generator (CUDA's are made in the child: no CUDA here)
+        sys.modules["torch"].default_generator.seed()
 
 
 def serve(modules: Sequence[str]) -> None:

@@ -4,6 +4,7 @@ server, and what the server cannot stand in for starts fresh."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -284,5 +285,43 @@ def test_dask_variables_read_when_dask_is_imported_must_match(tmp_path):
         for name in ("DASK_LOGGING__DISTRIBUTED", "DASK_CONFIG", "DASK_DISTRIBUTED__ADMIN__PDB_ON_ERR",
                      "DASK_DISTRIBUTED__COMM__OFFLOAD", "DASK_INTERNAL_INHERIT_CONFIG"):
             assert name in (server.misfit(argv, {**server.env, name: "x"}) or ""), name
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(120)
+def test_forked_children_draw_from_torch_as_fresh_processes_do(tmp_path, monkeypatch):
+    """torch's global generator is seeded once per process at import: each child gets its own
+    seed, not the server's (every worker would otherwise draw the same numbers)."""
+    _mods(tmp_path, monkeypatch, torch_draw="import torch\nprint('seed', torch.initial_seed(), flush=True)\n")
+    server = ForkServer(sys.executable, ["torch"], dict(os.environ), tmp_path / "server.log")
+    try:
+        logs = [tmp_path / f"draw{i}.log" for i in range(2)]
+        kids = [server.start([sys.executable, "-m", "torch_draw"], server.env, log, cwd=tmp_path) for log in logs]
+        assert [k.wait(timeout=60) for k in kids] == [0, 0], [log.read_text() for log in logs]
+        seeds = [log.read_text().split("seed ")[1].split()[0] for log in logs]
+        assert seeds[0] != seeds[1], "the children share torch's random state"
+    finally:
+        server.close()
+
+
+def test_a_request_is_sent_whole_when_the_pipe_takes_part_of_it(tmp_path):
+    """A write to the server's pipe may take part of a long request (a signal while it waits for
+    room): the rest follows, or the server reads a broken line."""
+    server = _server(tmp_path)
+    try:
+        written = bytearray()
+
+        class Partial:
+            closed = False
+
+            def write(self, data) -> int:
+                written.extend(bytes(data)[:1000])
+                return min(len(data), 1000)
+
+        server._proc.stdin, real = Partial(), server._proc.stdin
+        server._send({"id": 7, "env": {"X": "y" * 5000}})
+        server._proc.stdin = real
+        assert json.loads(written) == {"id": 7, "env": {"X": "y" * 5000}}
     finally:
         server.close()
