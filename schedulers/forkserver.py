@@ -110,6 +110,7 @@ class ForkServer:
         self._answers: dict[int, dict] = {}
         self._exits: dict[int, int] = {}
         self._reaped: set[int] = set()
+        self._abandoned: set[int] = set()  # requests whose answer came too late for `start`
         self._ready = False
         self._imported_env: dict[str, str] = {}  # the server's environment after its imports
         self._gone = False
@@ -142,7 +143,8 @@ class ForkServer:
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], log: str | Path,
               cwd: str | Path | None = None) -> ForkedProcess:
-        """Fork ``argv`` (``python -m module args...``); `ForkServerError` when that failed."""
+        """Fork ``argv`` (``python -m module args...``); `ForkServerError` when that failed or
+        took too long (a child forked after that is killed: the caller starts another)."""
         with self._cond:
             request_id = self._next_id
             self._next_id += 1
@@ -152,6 +154,8 @@ class ForkServer:
             self._cond.wait_for(lambda: self._ready or self._gone, READY_TIMEOUT_S)
             self._cond.wait_for(lambda: request_id in self._answers or self._gone, FORK_TIMEOUT_S)
             answer = self._answers.pop(request_id, None)
+            if answer is None:  # a child forked for it later is killed (`_read`): nobody knows of it
+                self._abandoned.add(request_id)
         if answer is None:
             raise ForkServerError(f"the fork server did not answer (it {'ended' if self._gone else 'hangs'}); "
                                   f"see {self.log}")
@@ -191,15 +195,21 @@ class ForkServer:
                 message = json.loads(line)
             except ValueError:
                 continue
+            late = None
             with self._cond:
                 if "ready" in message:
                     self._ready = True
                     self._imported_env = dict(message.get("env") or {})
                 elif "exit" in message:
                     self._exits[int(message["exit"])] = int(message["code"])
+                elif int(message["id"]) in self._abandoned:
+                    self._abandoned.discard(int(message["id"]))
+                    late = message.get("pid")
                 else:
                     self._answers[int(message["id"])] = message
                 self._cond.notify_all()
+            if late is not None:  # unreaped until we say so: the pid is still that child's
+                _kill_late(int(late))
         with self._cond:  # its children were killed with it
             self._gone = True
             self._cond.notify_all()
@@ -224,6 +234,15 @@ class ForkServer:
         with self._cond:
             self._cond.wait_for(lambda: pid in self._exits or self._gone, timeout)
         return self._exit_code(pid)
+
+
+def _kill_late(pid: int) -> None:
+    """SIGKILL a child forked after its `start` gave up, with its group where it made one."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # no group yet (its setsid still to come)
+            continue
 
 
 # ---- the server's side ----------------------------------------------------------------------

@@ -325,3 +325,48 @@ def test_a_request_is_sent_whole_when_the_pipe_takes_part_of_it(tmp_path):
         assert json.loads(written) == {"id": 7, "env": {"X": "y" * 5000}}
     finally:
         server.close()
+
+
+#: a server's imports that make every fork after the first wait (a machine short of memory)
+SLOW_FORK = '''
+import os, time
+_fork, _forks = os.fork, []
+def fork():
+    _forks.append(1)
+    if len(_forks) > 1:
+        time.sleep(float(os.environ.get("PROBE_FORK_DELAY", "0")))
+    return _fork()
+os.fork = fork
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_child_forked_after_its_start_gave_up_is_killed(tmp_path, monkeypatch):
+    """A worker `start` no longer waits for would run unknown to the scheduler (and the fresh
+    one started in its place under the same name): the late answer kills it."""
+    import schedulers.forkserver as forkserver
+
+    _mods(tmp_path, monkeypatch, slow_fork=SLOW_FORK,
+          pid_sleeper="import os, sys, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(120)\n")
+    monkeypatch.setenv("PROBE_FORK_DELAY", "3")
+    monkeypatch.setattr(forkserver, "FORK_TIMEOUT_S", 0.5)
+    server = ForkServer(sys.executable, ["slow_fork"], dict(os.environ), tmp_path / "server.log")
+    argv = [sys.executable, "-m", "pid_sleeper"]
+    try:
+        first = server.start(argv, server.env, tmp_path / "first.log", cwd=tmp_path)
+        with pytest.raises(ForkServerError, match="hangs"):
+            server.start(argv, server.env, tmp_path / "late.log", cwd=tmp_path)
+        assert _wait(lambda: len(_children(server)) == 2)  # forked after all
+        assert _wait(lambda: [k for k in _children(server) if k != first.pid and _running(k)] == []), \
+            "the late child runs"
+        assert first.poll() is None and _running(first.pid)
+    finally:
+        server.close()
+
+
+def _children(server: ForkServer) -> list[int]:
+    """The server's children, zombies included."""
+    try:
+        return [int(k) for k in open(f"/proc/{server._proc.pid}/task/{server._proc.pid}/children").read().split()]
+    except OSError:
+        return []
