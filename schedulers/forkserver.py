@@ -421,5 +421,14 @@ def _fresh_state() -> None:
 
 
 def serve(modules: Sequence[str]) -> None:
-    """The server's main: import `modules`, then fork on request until stdin closes."""
+    """The server's main: import `modules`, then fork on request until stdin closes; then end
+    at once, as ``schedulers.dask_main`` does: the interpreter's teardown of what it imported
+    (torch, transformers) would cost seconds that the run's shutdown waits for, and there is
+    nothing of this process's own to flush but its log."""
     _Server().serve(modules)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)

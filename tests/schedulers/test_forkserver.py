@@ -370,3 +370,16 @@ def _children(server: ForkServer) -> list[int]:
         return [int(k) for k in open(f"/proc/{server._proc.pid}/task/{server._proc.pid}/children").read().split()]
     except OSError:
         return []
+
+
+def test_a_closed_server_ends_without_tearing_its_imports_down(tmp_path, monkeypatch):
+    """The interpreter's teardown of torch and transformers takes seconds the run's shutdown
+    would wait for: the server skips it (its imports' exit handlers do not run)."""
+    marker = tmp_path / "torn-down"
+    _mods(tmp_path, monkeypatch, exit_marker=f"import atexit, pathlib\n"
+                                             f"atexit.register(pathlib.Path({str(marker)!r}).touch)\n")
+    server = ForkServer(sys.executable, ["exit_marker"], dict(os.environ), tmp_path / "server.log")
+    with server._cond:
+        assert server._cond.wait_for(lambda: server._ready, 60)
+    server.close()
+    assert server._proc.returncode == 0 and not marker.exists()
