@@ -67,7 +67,8 @@ class ClusterConfig(Strict):
     """Start the workers of ``scheduler: local`` partitions as forks of one process that imported
     Dask, torch, transformers and AstraFlow's components once, instead of each importing them
     anew (seconds of CPU per worker). A partition whose ``env`` sets more than ``ASTRAFLOW_*``
-    and ``DASK_*`` variables gets fresh processes anyway; false: every worker does."""
+    and ``DASK_*`` variables (or Dask's read at import, ``DASK_LOGGING__*`` say) gets fresh
+    processes anyway; false: every worker does."""
     worker_python: str | None = None
     """Interpreter Slurm worker jobs run (a venv on the shared filesystem). None: the one
     running the orchestrator."""
