@@ -31,6 +31,7 @@ when a child ended, answered by ``{"reap": pid}``. EOF on stdin stops the server
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import json
 import os
@@ -282,6 +283,7 @@ class _Server:
                 print(f"forkserver: importing {name} failed:", file=sys.stderr)
                 traceback.print_exc()
         self.refusal = _cuda_refusal()
+        gc.freeze()  # what the imports made: children's collections skip it (no page copied to scan it)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(self.wake_w)
         imported = {**os.environ, NVML_CHECK_ENV: nvml}
