@@ -59,6 +59,9 @@ def one_run(run_dir: Path, steps: int, fork: bool) -> tuple[float, float]:
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"the run failed ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}")
+    fresh = [log.name for log in (run_dir / "jobs").glob("*.log") if "not forked" in log.read_text(errors="replace")]
+    if fork and fresh:  # a comparison of fresh with fresh would say nothing
+        raise RuntimeError(f"workers of the forked run started fresh (their logs say why): {fresh}")
     return wall, sum(cpu.values())
 
 
