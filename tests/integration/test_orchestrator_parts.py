@@ -185,7 +185,7 @@ def test_teardown_cancels_the_job_of_a_lost_worker_its_scheduler_still_runs(tmp_
         workers[name] = SimpleNamespace(job=JobRef(job_id, "trainer", name, "slurm", None), gone=True)
     orc = Orchestrator.__new__(Orchestrator)
     orc.placement = SimpleNamespace(client=None, scheduler_proc=None)
-    orc.parts = SimpleNamespace(schedulers={"slurm": sched}, uncancelled=lambda kind: [])
+    orc.parts = SimpleNamespace(schedulers={"slurm": sched}, uncancelled=lambda kind: [], fork_server=None)
     orc.fleet = SimpleNamespace(workers=workers)
     orc._teardown()
     assert sched.cancelled == ["101"]
