@@ -10,7 +10,7 @@ new session, its log as stdout and stderr, its own environment and working direc
 
 A child stands in for a fresh ``subprocess.Popen`` of the same command only where that gives
 the same process, so `ForkServer.misfit` refuses commands of another interpreter or with an
-environment that differs from the server's in anything but ``ASTRAFLOW_*`` and ``DASK_*``
+environment that differs from the server's in anything but ``ASTRAFLOW_*``, ``DASK_*`` (and pytest's ``PYTEST_*``)
 (read after start: Dask's configuration is collected again in the child; not those Dask reads
 at import, ``DASK_IMPORT_ENV``), or than what the server's imports set in its environment (a
 library that writes the value it uses there, as torch does with its cache directory, set the
@@ -49,8 +49,9 @@ from schedulers.procs import IGNORE_TERM_ENV, die_with_parent
 
 #: what the command line of the server, and so of each child, contains
 FORK_SERVER_MARK = "from schedulers.forkserver import serve"
-#: environment variables a forked child may have other values of than the server
-CHILD_ENV_PREFIXES = ("ASTRAFLOW_", "DASK_")
+#: environment variables a forked child may have other values of than the server (pytest's
+#: describe the test running in the starter, which nothing a worker imports reads)
+CHILD_ENV_PREFIXES = ("ASTRAFLOW_", "DASK_", "PYTEST_")
 #: ... but not these, which Dask reads when it is imported (its configuration files, logging,
 #: module constants of ``distributed``): a child would keep what the server read
 DASK_IMPORT_ENV = ("DASK_CONFIG", "DASK_ROOT_CONFIG", "DASK_INTERNAL_INHERIT_CONFIG", "DASK_LOGGING",

@@ -102,7 +102,8 @@ def test_what_a_fork_cannot_stand_in_for_is_named(tmp_path):
     server = _server(tmp_path)
     try:
         argv = [sys.executable, "-m", "probe_child", "0"]
-        assert server.misfit(argv, {**server.env, "ASTRAFLOW_ROLE": "x", "DASK_X": "1"}) is None
+        assert server.misfit(argv, {**server.env, "ASTRAFLOW_ROLE": "x", "DASK_X": "1",
+                                    "PYTEST_CURRENT_TEST": "t.py::test (call)"}) is None
         assert "OMP_NUM_THREADS" in server.misfit(argv, {**server.env, "OMP_NUM_THREADS": "7"})
         assert "PATH" in server.misfit(argv, {k: v for k, v in server.env.items() if k != "PATH"})
         assert "-m MODULE" in server.misfit(["/other/python", "-m", "x"], server.env)
