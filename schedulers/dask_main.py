@@ -48,6 +48,8 @@ import stat
 import sys
 import tempfile
 
+from schedulers.procs import exit_code
+
 COMMANDS = ("worker", "scheduler")
 #: seconds a worker's close may take once a signal arrived
 CLOSE_TIMEOUT_S = 5.0
@@ -58,16 +60,6 @@ HOLD_FILE = ".astraflow-held"
 _held: list[int] = []
 #: set by the run's owner, this keeps Dask's own routes on the worker's HTTP server
 WORKER_ROUTES_ENV = "DASK_DISTRIBUTED__WORKER__HTTP__ROUTES"
-
-
-def exit_code(code: object) -> int:
-    """The process exit status ``SystemExit(code)`` stands for (a message counts as 1)."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
 
 
 def close_workers_on_signal(cli) -> None:

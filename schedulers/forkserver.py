@@ -45,7 +45,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from schedulers.procs import IGNORE_TERM_ENV, die_with_parent
+from schedulers.procs import IGNORE_TERM_ENV, die_with_parent, exit_code
 
 #: what the command line of the server, and so of each child, contains
 FORK_SERVER_MARK = "from schedulers.forkserver import serve"
@@ -387,7 +387,7 @@ def _become(request: dict, keep_out: Sequence[int]) -> None:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as done:
-            code = _exit_code(done.code)
+            code = exit_code(done.code)
         atexit._run_exitfuncs()  # what a normal exit runs
     except BaseException:
         traceback.print_exc()
@@ -398,16 +398,6 @@ def _become(request: dict, keep_out: Sequence[int]) -> None:
             except (OSError, ValueError):
                 pass
         os._exit(code)
-
-
-def _exit_code(code: object) -> int:
-    """The exit status ``SystemExit(code)`` stands for (a message is printed and counts as 1)."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
 
 
 def _fresh_state() -> None:

@@ -49,6 +49,17 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def exit_code(code: object) -> int:
+    """The process exit status ``SystemExit(code)`` stands for (a message is printed to stderr
+    and counts as 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
 def process_identity(pid: int) -> str | None:
     """``<host>/<boot id>/<start time>`` of the running process `pid`, or None when there is
     none (or it is a zombie, or this is not Linux). Two readings are equal only for the same
