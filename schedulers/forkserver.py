@@ -16,7 +16,7 @@ at import, ``DASK_IMPORT_ENV``), or than what the server's imports set in its en
 library that writes the value it uses there, as torch does with its cache directory, set the
 same in the starter by the same import); what it refuses is started as a fresh process
 (`misfit` says why). `ForkedProcess` answers like a ``Popen``:
-``pid``, ``poll``, ``wait``, ``returncode``. As with a ``Popen``, a child stays unreaped (a
+``pid``, ``poll``, ``wait``, ``kill``, ``returncode``. As with a ``Popen``, a child stays unreaped (a
 zombie, so its pid and process group cannot be given to another process) until the starter has
 seen its exit, and every child dies with the server, which dies with its starter
 (``PR_SET_PDEATHSIG``). Where its processes are to ignore SIGTERM (``IGNORE_TERM_ENV``, inside
@@ -83,6 +83,12 @@ class ForkedProcess:
         if self.returncode is None:
             self.returncode = self._server._exit_code(self.pid)
         return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the child (a no-op once it was seen to end: until then its pid is still its
+        own, unreaped)."""
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
         if self.poll() is None:

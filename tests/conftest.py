@@ -81,6 +81,16 @@ def _own_check_cache(tmp_path_factory):
         os.environ["ASTRAFLOW_CACHE_DIR"] = before
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _rank_fork_server_stopped():
+    """The rank fork server a Megatron test started in this process (kept for the later ones,
+    ``astraflow.training.megatron.launch.rank_fork_server``) is stopped when the session ends."""
+    yield
+    launch = sys.modules.get("astraflow.training.megatron.launch")
+    if launch is not None:
+        launch.close_rank_fork_server()
+
+
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
     """Tests share 2 cores with the processes they start: one intra-op thread each."""

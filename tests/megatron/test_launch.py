@@ -73,7 +73,6 @@ def test_control_channel_takes_only_peers_with_the_token(monkeypatch):
     token = "s3cret-" + "x" * 40
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
-    monkeypatch.delenv("ASTRAFLOW_RANK_FD", raising=False)
     env = {"ASTRAFLOW_RANK_CONTROL": f"127.0.0.1:{port}", "SLURM_JOB_ID": "9", "SLURM_STEP_ID": "0"}
     rank_env_lock = threading.Lock()  # rank_channel reads and pops os.environ: one at a time
     ranks: dict[int, object] = {}

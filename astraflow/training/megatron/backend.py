@@ -126,6 +126,9 @@ class MegatronBackendConfig:
     #: (one job step over the Slurm job the backend runs in, ranks on every node of it), or
     #: ``auto``: ``srun`` inside a Slurm job of more than one node, else ``local``.
     launcher: str = "auto"
+    #: fork local ranks from the process's rank fork server (``launch.rank_fork_server``: torch
+    #: and Megatron imported once); off, each rank is a fresh interpreter.
+    fork_ranks: bool = True
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.dp_size < 1:
@@ -188,7 +191,7 @@ class MegatronBackend(RankChannel):
         env.setdefault("OMP_NUM_THREADS", str(config.threads_per_rank))
         launch = RankLaunch(world, config.tp_size, config.dp_size, env, log_dir, self._workdir)
         try:
-            self._ranks = start_ranks(config.launcher, launch, config.start_timeout_s)
+            self._ranks = start_ranks(config.launcher, launch, config.start_timeout_s, config.fork_ranks)
         except BaseException:
             self._drop_workdir(failed=True)
             raise

@@ -1,7 +1,7 @@
 """The Megatron backend's side of the control channel to its rank processes.
 
-Each rank gets one end of a socket pair (``pass_fds``), or under srun an authenticated TCP
-connection back to the backend (``launch``). ``RankChannel._call`` sends a command to every rank
+Each rank connects back to the backend over a Unix socket in its private work directory, or
+under srun over TCP, authenticated with the launch's token (``launch``). ``RankChannel._call`` sends a command to every rank
 (or to the ones named) and waits for every answer, each wait with a deadline while watching the
 ranks' processes; a rank that exits, closes its channel or misses the deadline stops them all and
 raises ``RankError`` with the tails of their logs. ``MegatronBackend`` (``backend``) starts the

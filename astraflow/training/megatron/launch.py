@@ -4,14 +4,17 @@ Both launchers give the backend the same thing: one ``multiprocessing.connection
 per rank (in rank order), the per-rank log files, the ranks that have exited, and a way to stop
 them all.
 
-* ``LocalRanks`` (one node; the default): ``world`` plain subprocesses of the backend,
-  ``file://`` rendezvous in the backend's private work directory, control over a socket pair
-  per rank (the child's end passed by fd). Nothing listens on a port.
+* ``LocalRanks`` (one node; the default): ``world`` processes on this host, forked from this
+  process's rank fork server (``rank_fork_server``: torch and Megatron imported once for every
+  rank and every later backend of the process) or, where a fork cannot stand in for a fresh
+  start, plain subprocesses; ``file://`` rendezvous in the backend's private work directory;
+  each rank connects back to a Unix socket in that directory (mode 0700) and proves the
+  launch's token as under srun. Nothing listens on a port.
 * ``SrunRanks`` (a trainer job that spans several nodes): one ``srun`` job step inside the
   trainer's own Slurm job starts the ranks on every node of the allocation (``srun_command``);
   ``env://`` rendezvous (``MASTER_ADDR`` = the first node, where the backend runs, and a free
   ``MASTER_PORT``); each rank takes ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` from Slurm's
-  ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``. A socket pair cannot cross nodes, so each
+  ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``. A Unix socket cannot cross nodes, so each
   rank connects back over TCP to a listener of the backend, and both sides prove they hold the
   launch's secret token (``multiprocessing.connection``'s HMAC challenge, both ways) before
   anything is unpickled: other users of the cluster can reach that port.
@@ -30,7 +33,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from pathlib import Path
@@ -38,8 +42,21 @@ from pathlib import Path
 import psutil
 
 from astraflow.training.megatron.slurm import Allocation, cancel_step, srun_command
+from schedulers.forkserver import ForkedProcess, ForkServer, ForkServerError
 
 RANK_MODULE = "astraflow.training.megatron.rank"
+#: what the ranks' fork server imports once: the rank and what building a Megatron GPT model,
+#: its optimiser and its checkpoints import
+RANK_PRELOAD = (
+    RANK_MODULE, "astraflow.training.megatron.model", "astraflow.training.grpo", "storage.ownership",
+    "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.distributed",
+    "megatron.core.dist_checkpointing", "megatron.core.transformer.transformer_config",
+)
+#: the Unix socket local ranks connect to, in the backend's private work directory (also the
+#: ranks' working directory, so they name it relative to it whatever the directory's length)
+CONTROL_SOCKET = "ranks.sock"
+#: longest path ``bind`` takes for a Unix socket (``sun_path`` less its terminating byte)
+_SUN_PATH_MAX = 107
 #: a rank's hello after the handshake is a small JSON object; anything longer is refused
 _HELLO_MAX = 4096
 
@@ -76,48 +93,106 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
-def _left_behind(workdir: Path) -> list[psutil.Process]:
-    """Processes of this process's group working in ``workdir`` (a backend's private work
+def _left_behind(workdir: Path, groups: set[int]) -> list[psutil.Process]:
+    """Processes of the process ``groups`` working in ``workdir`` (a backend's private work
     directory, the ranks' working directory): what a rank started, orphaned when it died."""
-    group, me, root = os.getpgrp(), os.getpid(), str(workdir)
+    me, root = os.getpid(), str(workdir)
     out = []
     for proc in psutil.process_iter():
         try:
-            if proc.pid != me and os.getpgid(proc.pid) == group and proc.cwd().startswith(root):
+            if proc.pid != me and os.getpgid(proc.pid) in groups and proc.cwd().startswith(root):
                 out.append(proc)
         except (psutil.Error, OSError):  # ended, or not ours to look at
             pass
     return out
 
 
-class LocalRanks:
-    """``world`` subprocesses on this host, one socket pair each (see the module docstring)."""
+_fork_lock = threading.Lock()
+_fork_server: ForkServer | None = None
+_keeper: ThreadPoolExecutor | None = None
 
-    def __init__(self, launch: RankLaunch):
+
+def rank_fork_server(env: Mapping[str, str], log_dir: Path) -> ForkServer:
+    """This process's fork server for local ranks: started on first use with ``env`` (the
+    ranks' environment; a later launch whose ranks would differ starts them fresh, ``misfit``)
+    and kept for the life of the process, so a backend started again (a resume, a restart after
+    a rank died) forks its ranks at once. It is started from a thread that lives as long as the
+    process: the server is killed when the thread that started it ends (``die_with_parent``),
+    and a backend may be built on a thread that ends before its ranks."""
+    global _fork_server, _keeper
+    with _fork_lock:
+        if _fork_server is None or not _fork_server.alive:
+            if _keeper is None:
+                _keeper = ThreadPoolExecutor(1, thread_name_prefix="megatron-forkserver")
+            log = log_dir / "megatron-forkserver.log"
+            _fork_server = _keeper.submit(ForkServer, sys.executable, RANK_PRELOAD, env, log).result()
+        return _fork_server
+
+
+def close_rank_fork_server() -> None:
+    """Stop this process's rank fork server, if one runs (ranks forked from it die with it)."""
+    global _fork_server
+    with _fork_lock:
+        server, _fork_server = _fork_server, None
+    if server is not None:
+        server.close()
+
+
+def _unix_listener(workdir: Path, backlog: int) -> socket.socket:
+    """A listening Unix socket ``CONTROL_SOCKET`` in ``workdir`` (bound through the directory's
+    descriptor where the full path is longer than a socket address holds)."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = str(workdir / CONTROL_SOCKET)
+    try:
+        if len(path.encode()) <= _SUN_PATH_MAX:
+            server.bind(path)
+        else:
+            dirfd = os.open(workdir, os.O_RDONLY)
+            try:
+                server.bind(f"/proc/self/fd/{dirfd}/{CONTROL_SOCKET}")
+            finally:
+                os.close(dirfd)
+        server.listen(backlog)
+    except BaseException:
+        server.close()
+        raise
+    return server
+
+
+class LocalRanks:
+    """``world`` processes on this host, each connected back over a Unix socket with the
+    launch's token (see the module docstring). ``fork``: fork them from ``rank_fork_server``
+    where it can stand in for a fresh start; a rank started fresh says why in its log."""
+
+    def __init__(self, launch: RankLaunch, start_timeout_s: float, fork: bool = True):
         self.logs = [launch.log(r) for r in range(launch.world)]
         self.launcher_logs: list[Path] = []
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | ForkedProcess] = []
         self.conns: list[Connection] = []
         self.workdir = launch.workdir
+        token = secrets.token_hex(32)
+        env = dict(launch.env)
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks share this host
         init_method = f"file://{launch.workdir / 'rendezvous'}"
+        listener = _unix_listener(launch.workdir, launch.world)
         try:
+            forker = rank_fork_server(env, launch.log_dir) if fork else None
             for r in range(launch.world):
-                parent, child = socket.socketpair()
-                env = dict(launch.env)
-                env["ASTRAFLOW_RANK_FD"] = str(child.fileno())
-                env["ASTRAFLOW_RANK_SPEC"] = launch.spec(rank=r, init_method=init_method)
-                env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks share this host
-                with open(self.logs[r], "ab") as fh:
-                    proc = subprocess.Popen(
-                        [sys.executable, "-m", RANK_MODULE], pass_fds=[child.fileno()], env=env, stdout=fh,
-                        stderr=subprocess.STDOUT, cwd=launch.workdir,
-                    )
-                child.close()
-                self.procs.append(proc)
-                self.conns.append(Connection(parent.detach()))
+                rank_env = dict(env, ASTRAFLOW_RANK_SPEC=launch.spec(rank=r, init_method=init_method),
+                                ASTRAFLOW_RANK_CONTROL=f"unix:{CONTROL_SOCKET}", ASTRAFLOW_RANK_TOKEN=token)
+                self.procs.append(_start_rank(forker, rank_env, self.logs[r], launch.workdir))
+            self.conns, _ = accept_ranks(listener, token.encode(), launch.world,
+                                         time.monotonic() + start_timeout_s, self._check_running)
         except BaseException:
             self.kill()
             raise
+        finally:
+            listener.close()
+
+    def _check_running(self) -> None:
+        if dead := self.exited():
+            raise RankError(f"rank(s) {dead} exited before connecting to the backend; see "
+                            + ", ".join(str(self.logs[r]) for r in dead))
 
     def exited(self) -> list[int]:
         """The ranks whose process has ended."""
@@ -130,10 +205,12 @@ class LocalRanks:
     def kill(self) -> None:
         """Stop the processes this launcher started and close the channels, with what the ranks
         started (multiprocessing helpers): a live rank's descendants, and what a rank that died
-        (the OOM killer) left behind. The ranks stay in this process's group, so a scheduler that
-        stops the worker by its group stops them too."""
+        (the OOM killer) left behind. A rank started fresh stays in this process's group (a
+        scheduler that stops the worker by its group stops it too); a forked one leads a group of
+        its own and dies with the fork server, which dies with this process."""
         live = [p for p in self.procs if p.poll() is None]
-        strays = [c for p in live for c in _descendants(p.pid)] + _left_behind(self.workdir)
+        groups = {os.getpgrp()} | {p.pid for p in self.procs if isinstance(p, ForkedProcess)}
+        strays = [c for p in live for c in _descendants(p.pid)] + _left_behind(self.workdir, groups)
         for p in live:
             p.kill()
         for c in strays:
@@ -146,6 +223,23 @@ class LocalRanks:
         for c in self.conns:
             c.close()
         self.procs, self.conns = [], []
+
+
+def _start_rank(forker: ForkServer | None, env: dict[str, str], log: Path,
+                workdir: Path) -> subprocess.Popen | ForkedProcess:
+    """One rank, forked from ``forker`` where it can stand in, else as a fresh subprocess."""
+    argv = [sys.executable, "-m", RANK_MODULE]
+    why = "forking ranks is off" if forker is None else forker.misfit(argv, env)
+    if why is None:
+        try:
+            return forker.start(argv, env, log, cwd=workdir)
+        except ForkServerError as err:
+            why = str(err)
+    with open(log, "ab") as fh:
+        if forker is not None:
+            fh.write(f"astraflow: rank started as a fresh process, not forked: {why}\n".encode())
+            fh.flush()
+        return subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=workdir)
 
 
 class SrunRanks:
@@ -293,13 +387,14 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def start_ranks(launcher: str, launch: RankLaunch, start_timeout_s: float) -> LocalRanks | SrunRanks:
-    """``LocalRanks`` or ``SrunRanks`` for ``launcher`` (``auto``: srun inside a Slurm job that
-    spans more than one node, else local)."""
+def start_ranks(launcher: str, launch: RankLaunch, start_timeout_s: float,
+                fork: bool = True) -> LocalRanks | SrunRanks:
+    """``LocalRanks`` (forked where ``fork``) or ``SrunRanks`` for ``launcher`` (``auto``: srun
+    inside a Slurm job that spans more than one node, else local)."""
     if launcher == "auto":
         launcher = "srun" if Allocation.spans_nodes() else "local"
     if launcher == "local":
-        return LocalRanks(launch)
+        return LocalRanks(launch, start_timeout_s, fork)
     return SrunRanks(launch, Allocation.from_env(launch.world), start_timeout_s)
 
 
@@ -318,14 +413,17 @@ def rank_spec() -> dict:
 
 
 def rank_channel(rank: int) -> Connection:
-    """The channel to the backend: the inherited socket pair end, or (under srun) a TCP
-    connection authenticated with the launch's token, then a hello naming this rank."""
-    if "ASTRAFLOW_RANK_FD" in os.environ:
-        return Connection(int(os.environ["ASTRAFLOW_RANK_FD"]))
-    host, _, port = os.environ["ASTRAFLOW_RANK_CONTROL"].rpartition(":")
+    """The channel to the backend: a connection to its Unix socket (``unix:PATH``, relative to
+    the rank's working directory) or, under srun, over TCP (``HOST:PORT``), authenticated with
+    the launch's token, then a hello naming this rank."""
+    control = os.environ["ASTRAFLOW_RANK_CONTROL"]
     # popped: nothing this rank starts (checkpoint writer processes) needs the token
     token = os.environ.pop("ASTRAFLOW_RANK_TOKEN").encode()
-    conn = Client((host, int(port)), authkey=token)
+    if control.startswith("unix:"):
+        conn = Client(control[len("unix:"):], family="AF_UNIX", authkey=token)
+    else:
+        host, _, port = control.rpartition(":")
+        conn = Client((host, int(port)), authkey=token)
     step = f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}"
     conn.send_bytes(json.dumps({"rank": rank, "step": step, "host": socket.gethostname(),
                                 "node": os.environ.get("SLURMD_NODENAME"), "pid": os.getpid()}).encode())
