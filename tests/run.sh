@@ -48,12 +48,13 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# 3. the suite (pytest exits 5 when it collected nothing: that is a failure here too) on two
-#    pytest-xdist workers (--dist loadgroup: tests that must not run side by side share a group,
-#    see tests/conftest.py): many end-to-end tests wait on paced runs, Slurm jobs and process
-#    start-ups, which the other worker's tests fill. ASTRAFLOW_TEST_WORKERS=N sets the count;
-#    0 runs everything in this one process.
-workers=${ASTRAFLOW_TEST_WORKERS:-2}
+# 3. the suite (pytest exits 5 when it collected nothing: that is a failure here too) on three
+#    pytest-xdist workers on two cores (--dist loadgroup: tests that must not run side by side
+#    share a group, see tests/conftest.py): many end-to-end tests wait on paced runs, Slurm jobs
+#    and process start-ups, which the other workers' tests fill; with two workers the cores were
+#    left idle part of the time. ASTRAFLOW_TEST_WORKERS=N sets the count; 0 runs everything in
+#    this one process.
+workers=${ASTRAFLOW_TEST_WORKERS:-3}
 parallel=()
 if [ "$workers" != 0 ]; then parallel=(-n "$workers" --dist loadgroup); fi
 set +e
