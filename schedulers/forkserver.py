@@ -100,10 +100,15 @@ class ForkedProcess:
 
 class ForkServer:
     """The starter's side: runs the server (`serve`) importing `modules`, with `env` and its
-    stderr appended to `log`, and forks children from it on request."""
+    stderr appended to `log`, and forks children from it on request. `sessions`: the server and
+    each child lead sessions of their own (local workers, which are cancelled by their group);
+    False keeps them in the starter's process group, as plain subprocesses would be (what
+    stops the starter's group stops them and what they started)."""
 
-    def __init__(self, python: str, modules: Sequence[str], env: Mapping[str, str], log: str | Path):
+    def __init__(self, python: str, modules: Sequence[str], env: Mapping[str, str], log: str | Path,
+                 sessions: bool = True):
         self.python = python
+        self.sessions = sessions
         self.env = dict(env)
         self.log = Path(log)
         with open(self.log, "ab") as err:
@@ -111,7 +116,7 @@ class ForkServer:
                 # -c, not -m: run as __main__, this module would be imported a second time by its package
                 [python, "-c", f"import sys; {FORK_SERVER_MARK}; serve(sys.argv[1:])", *modules],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=self.env, bufsize=0,
-                start_new_session=True, preexec_fn=die_with_parent,
+                start_new_session=sessions, preexec_fn=die_with_parent,
             )
         self._cond = threading.Condition()
         self._sending = threading.Lock()  # one message at a time on the pipe (a request can be long)
@@ -150,17 +155,19 @@ class ForkServer:
         return f"its environment sets {', '.join(differ)} otherwise" if differ else None
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], log: str | Path,
-              cwd: str | Path | None = None) -> ForkedProcess:
+              cwd: str | Path | None = None, ready_timeout: float = READY_TIMEOUT_S) -> ForkedProcess:
         """Fork ``argv`` (``python -m module args...``); `ForkServerError` when that failed or
-        took too long (a child forked after that is killed: the caller starts another)."""
+        took too long (the server's imports more than `ready_timeout` seconds; a child forked
+        after that is killed: the caller starts another)."""
         with self._cond:
             request_id = self._next_id
             self._next_id += 1
         self._send({"id": request_id, "argv": list(argv), "env": dict(env), "cwd": str(cwd or os.getcwd()),
-                    "log": str(log)})
+                    "log": str(log), "setsid": self.sessions})
         with self._cond:  # the imports first (the server reads the request after them), then the fork
-            self._cond.wait_for(lambda: self._ready or self._gone, READY_TIMEOUT_S)
-            self._cond.wait_for(lambda: request_id in self._answers or self._gone, FORK_TIMEOUT_S)
+            self._cond.wait_for(lambda: self._ready or self._gone, ready_timeout)
+            if self._ready:
+                self._cond.wait_for(lambda: request_id in self._answers or self._gone, FORK_TIMEOUT_S)
             answer = self._answers.pop(request_id, None)
             if answer is None:  # a child forked for it later is killed (`_read`): nobody knows of it
                 self._abandoned.add(request_id)
@@ -371,7 +378,8 @@ def _become(request: dict, keep_out: Sequence[int]) -> None:
     """In the forked child: turn into ``request``'s command, run it, and exit with its status."""
     code = 1
     try:
-        os.setsid()
+        if request.get("setsid", True):
+            os.setsid()
         die_with_parent()
         signal.set_wakeup_fd(-1)
         for signum in (signal.SIGCHLD, signal.SIGTERM):

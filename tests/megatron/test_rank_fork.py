@@ -5,9 +5,11 @@ backend's work directory is."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -18,7 +20,7 @@ pytest.importorskip("megatron.core")
 
 from astraflow.training.megatron import launch  # noqa: E402
 from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig  # noqa: E402
-from schedulers.forkserver import ForkedProcess  # noqa: E402
+from schedulers.forkserver import ForkedProcess, ForkServer  # noqa: E402
 from tests.megatron.helpers import loss_fn_name, prompts, save_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.megatron
@@ -46,6 +48,8 @@ def _fork_twice_then_misfit(tmp_path: Path) -> None:
         with _backend(hf_dir) as be:
             (rank,) = be._ranks.procs
             assert isinstance(rank, ForkedProcess)
+            # in this process's group, as a fresh rank: what stops the group stops it and its helpers
+            assert os.getpgid(rank.pid) == os.getpgrp()
             parents.append(psutil.Process(rank.pid).ppid())
             logprobs.append(be.logprobs(toks))
     server = launch._fork_server
@@ -79,3 +83,19 @@ def test_a_rank_reaches_the_control_socket_of_a_work_directory_too_long_for_a_so
         assert proc.wait(30) == 0
     finally:
         listener.close()
+
+
+def test_a_fork_server_that_hangs_in_its_imports_is_given_up_at_the_start_deadline(tmp_path, monkeypatch):
+    (tmp_path / "hangs_on_import.py").write_text("import time\ntime.sleep(600)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    server = ForkServer(sys.executable, ["hangs_on_import"], env, tmp_path / "server.log", sessions=False)
+    monkeypatch.setattr(launch, "_fork_server", server)
+    try:
+        t0 = time.monotonic()
+        proc = launch._start_rank(server, env, tmp_path / "rank.log", tmp_path, deadline=t0 + 2)
+        assert isinstance(proc, subprocess.Popen) and time.monotonic() - t0 < 30
+        proc.wait(60)  # a rank without its launch's environment ends at once
+        assert launch._fork_server is None  # the next launch starts another server
+        assert "not forked: the fork server did not answer (it hangs)" in (tmp_path / "rank.log").read_text()
+    finally:
+        server.close()

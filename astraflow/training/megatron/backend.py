@@ -4,11 +4,11 @@ parallelism.
 Process layout. The trainer actor lives in one Dask worker process; a TP group needs one process
 per rank, and ``dp_size`` replicas of it make ``tp_size * dp_size`` rank processes (rank
 ``dp_rank * tp_size + tp_rank``, Megatron's order; one GPU each on a GPU node). On one node the
-backend starts the ranks itself as plain subprocesses (``python -m
-astraflow.training.megatron.rank``), not with ``torch.multiprocessing.spawn``: Dask worker
-processes are daemonic and may not have ``multiprocessing`` children, a spawned child would
-re-import the worker's main module, and a subprocess gives every rank its own log file and a pid
-the backend can stop by id. They rendezvous through a ``file://`` store in the backend's private
+backend starts the ranks itself (``python -m astraflow.training.megatron.rank``, forked from
+the process's rank fork server where it can stand in, ``launch``), not with
+``torch.multiprocessing.spawn``: Dask worker processes are daemonic and may not have
+``multiprocessing`` children, a spawned child would re-import the worker's main module, and a
+process of its own gives every rank its own log file and a pid the backend can stop by id. They rendezvous through a ``file://`` store in the backend's private
 work directory (no port to pick). When the trainer's Slurm job spans several nodes, the same
 ``rank`` module runs as one ``srun`` job step over the whole allocation, with ``env://``
 rendezvous (``launch``, ``slurm``; ``launcher`` chooses).
@@ -122,7 +122,7 @@ class MegatronBackendConfig:
     #: dtype of the published floating-point shards, ``fp32`` or ``bf16`` (the ranks' parameters
     #: are fp32 either way).
     publish_dtype: str = "fp32"
-    #: how the ranks start: ``local`` (subprocesses of the backend on its own host), ``srun``
+    #: how the ranks start: ``local`` (processes on the backend's own host), ``srun``
     #: (one job step over the Slurm job the backend runs in, ranks on every node of it), or
     #: ``auto``: ``srun`` inside a Slurm job of more than one node, else ``local``.
     launcher: str = "auto"

@@ -93,14 +93,14 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
-def _left_behind(workdir: Path, groups: set[int]) -> list[psutil.Process]:
-    """Processes of the process ``groups`` working in ``workdir`` (a backend's private work
+def _left_behind(workdir: Path) -> list[psutil.Process]:
+    """Processes of this process's group working in ``workdir`` (a backend's private work
     directory, the ranks' working directory): what a rank started, orphaned when it died."""
-    me, root = os.getpid(), str(workdir)
+    group, me, root = os.getpgrp(), os.getpid(), str(workdir)
     out = []
     for proc in psutil.process_iter():
         try:
-            if proc.pid != me and os.getpgid(proc.pid) in groups and proc.cwd().startswith(root):
+            if proc.pid != me and os.getpgid(proc.pid) == group and proc.cwd().startswith(root):
                 out.append(proc)
         except (psutil.Error, OSError):  # ended, or not ours to look at
             pass
@@ -125,8 +125,19 @@ def rank_fork_server(env: Mapping[str, str], log_dir: Path) -> ForkServer:
             if _keeper is None:
                 _keeper = ThreadPoolExecutor(1, thread_name_prefix="megatron-forkserver")
             log = log_dir / "megatron-forkserver.log"
-            _fork_server = _keeper.submit(ForkServer, sys.executable, RANK_PRELOAD, env, log).result()
+            # in this process's group, as fresh ranks are: what stops the group stops the server,
+            # the ranks and what the ranks started
+            _fork_server = _keeper.submit(ForkServer, sys.executable, RANK_PRELOAD, env, log, False).result()
         return _fork_server
+
+
+def _drop_rank_fork_server(server: ForkServer) -> None:
+    """Stop handing out ``server`` (it failed, hangs or refuses to fork): the next launch starts
+    another. Ranks already forked from it keep running."""
+    global _fork_server
+    with _fork_lock:
+        if _fork_server is server:
+            _fork_server = None
 
 
 def close_rank_fork_server() -> None:
@@ -174,15 +185,18 @@ class LocalRanks:
         env = dict(launch.env)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks share this host
         init_method = f"file://{launch.workdir / 'rendezvous'}"
+        deadline = time.monotonic() + start_timeout_s
         listener = _unix_listener(launch.workdir, launch.world)
         try:
             forker = rank_fork_server(env, launch.log_dir) if fork else None
             for r in range(launch.world):
                 rank_env = dict(env, ASTRAFLOW_RANK_SPEC=launch.spec(rank=r, init_method=init_method),
                                 ASTRAFLOW_RANK_CONTROL=f"unix:{CONTROL_SOCKET}", ASTRAFLOW_RANK_TOKEN=token)
-                self.procs.append(_start_rank(forker, rank_env, self.logs[r], launch.workdir))
-            self.conns, _ = accept_ranks(listener, token.encode(), launch.world,
-                                         time.monotonic() + start_timeout_s, self._check_running)
+                proc = _start_rank(forker, rank_env, self.logs[r], launch.workdir, deadline)
+                if forker is not None and _fork_server is not forker:  # given up: the next start fresh
+                    forker = None
+                self.procs.append(proc)
+            self.conns, _ = accept_ranks(listener, token.encode(), launch.world, deadline, self._check_running)
         except BaseException:
             self.kill()
             raise
@@ -205,12 +219,10 @@ class LocalRanks:
     def kill(self) -> None:
         """Stop the processes this launcher started and close the channels, with what the ranks
         started (multiprocessing helpers): a live rank's descendants, and what a rank that died
-        (the OOM killer) left behind. A rank started fresh stays in this process's group (a
-        scheduler that stops the worker by its group stops it too); a forked one leads a group of
-        its own and dies with the fork server, which dies with this process."""
+        (the OOM killer) left behind. The ranks, forked or not, stay in this process's group, so a
+        scheduler that stops the worker by its group stops them and what they started too."""
         live = [p for p in self.procs if p.poll() is None]
-        groups = {os.getpgrp()} | {p.pid for p in self.procs if isinstance(p, ForkedProcess)}
-        strays = [c for p in live for c in _descendants(p.pid)] + _left_behind(self.workdir, groups)
+        strays = [c for p in live for c in _descendants(p.pid)] + _left_behind(self.workdir)
         for p in live:
             p.kill()
         for c in strays:
@@ -225,16 +237,19 @@ class LocalRanks:
         self.procs, self.conns = [], []
 
 
-def _start_rank(forker: ForkServer | None, env: dict[str, str], log: Path,
-                workdir: Path) -> subprocess.Popen | ForkedProcess:
-    """One rank, forked from ``forker`` where it can stand in, else as a fresh subprocess."""
+def _start_rank(forker: ForkServer | None, env: dict[str, str], log: Path, workdir: Path,
+                deadline: float) -> subprocess.Popen | ForkedProcess:
+    """One rank, forked from ``forker`` where it can stand in, else as a fresh subprocess. A
+    server that fails (or whose imports outlast the start ``deadline``) is given up
+    (`_drop_rank_fork_server`): this rank and the next start fresh."""
     argv = [sys.executable, "-m", RANK_MODULE]
     why = "forking ranks is off" if forker is None else forker.misfit(argv, env)
     if why is None:
         try:
-            return forker.start(argv, env, log, cwd=workdir)
+            return forker.start(argv, env, log, cwd=workdir, ready_timeout=max(0.0, deadline - time.monotonic()))
         except ForkServerError as err:
             why = str(err)
+            _drop_rank_fork_server(forker)
     with open(log, "ab") as fh:
         if forker is not None:
             fh.write(f"astraflow: rank started as a fresh process, not forked: {why}\n".encode())

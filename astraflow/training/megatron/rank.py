@@ -2,8 +2,8 @@
 as its own process.
 
 ``MegatronBackend`` (in the trainer actor's process) starts ``tp_size * dp_size`` of these with
-``python -m astraflow.training.megatron.rank`` (as subprocesses, or as one srun job step across
-nodes) and talks to each through a private channel (``launch.rank_channel``: an authenticated
+``python -m astraflow.training.megatron.rank`` (as processes of its own node, or as one srun job
+step across nodes) and talks to each through a private channel (``launch.rank_channel``: an authenticated
 connection back to the backend, over a Unix socket or, under srun, TCP). Local ranks are forked
 from a server that imported this module and Megatron once (``launch.rank_fork_server``). Every rank receives the
 same command stream; the ranks of one data-parallel replica get the same payload, so a
