@@ -3,29 +3,30 @@
 A Dask worker of a run imports Dask, torch, transformers and AstraFlow's components before it
 can serve; on a laptop or a CI machine, where a run's workers share a few cores, that import
 (seconds of CPU per process) is most of what starting them costs. The fork server is a plain
-Python process (`serve`) that imports the given modules and then, on each
-request of the process that started it, forks a child that becomes the requested command: a
-new session, its log as stdout and stderr, its own environment and working directory, then
-``python -m <module> <args>`` run in it. (``ps`` shows a child with the server's command line.)
+Python process (`serve`) that imports the given modules and then, on each request of the process
+that started it, forks a child that becomes the requested command: a new session (unless the
+server was made without, `ForkServer`'s ``sessions``), its log as stdout and stderr, its own
+environment and working directory, then ``python -m <module> <args>`` run in it. (``ps`` shows a
+child with the server's command line.)
 
-A child stands in for a fresh ``subprocess.Popen`` of the same command only where that gives
-the same process, so `ForkServer.misfit` refuses commands of another interpreter or with an
-environment that differs from the server's in anything but ``ASTRAFLOW_*``, ``DASK_*`` (and pytest's ``PYTEST_*``)
-(read after start: Dask's configuration is collected again in the child; not those Dask reads
-at import, ``DASK_IMPORT_ENV``), or than what the server's imports set in its environment (a
-library that writes the value it uses there, as torch does with its cache directory, set the
-same in the starter by the same import); what it refuses is started as a fresh process
-(`misfit` says why). `ForkedProcess` answers like a ``Popen``:
-``pid``, ``poll``, ``wait``, ``kill``, ``returncode``. As with a ``Popen``, a child stays unreaped (a
-zombie, so its pid and process group cannot be given to another process) until the starter has
-seen its exit, and every child dies with the server, which dies with its starter
-(``PR_SET_PDEATHSIG``). Where its processes are to ignore SIGTERM (``IGNORE_TERM_ENV``, inside
-a Slurm job, whose ``scancel`` signals every process), the server ignores it too: it must not
-take the run's workers down before the run stopped them.
+A child stands in for a fresh ``subprocess.Popen`` of the same command only where that gives the
+same process, so `ForkServer.misfit` refuses commands of another interpreter or with an
+environment that differs from the server's in anything but ``ASTRAFLOW_*``, ``DASK_*`` (and
+pytest's ``PYTEST_*``) (read after start: Dask's configuration is collected again in the child;
+not those Dask reads at import, ``DASK_IMPORT_ENV``), or than what the server's imports set in
+its environment (a library that writes the value it uses there, as torch does with its cache
+directory, set the same in the starter by the same import); what it refuses is started as a
+fresh process (`misfit` says why). `ForkedProcess` answers like a ``Popen``: ``pid``, ``poll``,
+``wait``, ``kill``, ``returncode``. As with a ``Popen``, a child stays unreaped (a zombie, so
+its pid and process group cannot be given to another process) until the starter has seen its
+exit, and every child dies with the server, which dies with its starter (``PR_SET_PDEATHSIG``).
+Where its processes are to ignore SIGTERM (``IGNORE_TERM_ENV``, inside a Slurm job, whose
+``scancel`` signals every process), the server ignores it too: it must not take the run's
+workers down before the run stopped them.
 
 The protocol is JSON lines on the server's stdin and stdout: ``{"id", "argv", "env", "cwd",
-"log"}`` answered by ``{"id", "pid"}`` or ``{"id", "error"}``; ``{"exit": pid, "code": c}``
-when a child ended, answered by ``{"reap": pid}``. EOF on stdin stops the server.
+"log", "setsid"}`` answered by ``{"id", "pid"}`` or ``{"id", "error"}``; ``{"exit": pid,
+"code": c}`` when a child ended, answered by ``{"reap": pid}``. EOF on stdin stops the server.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ backend starts the ranks itself (``python -m astraflow.training.megatron.rank``,
 the process's rank fork server where it can stand in, ``launch``), not with
 ``torch.multiprocessing.spawn``: Dask worker processes are daemonic and may not have
 ``multiprocessing`` children, a spawned child would re-import the worker's main module, and a
-process of its own gives every rank its own log file and a pid the backend can stop by id. They rendezvous through a ``file://`` store in the backend's private
-work directory (no port to pick). When the trainer's Slurm job spans several nodes, the same
+process of its own gives every rank its own log file and a pid the backend can stop by id. They
+rendezvous through a ``file://`` store in the backend's private work directory (no port to
+pick). When the trainer's Slurm job spans several nodes, the same
 ``rank`` module runs as one ``srun`` job step over the whole allocation, with ``env://``
 rendezvous (``launch``, ``slurm``; ``launcher`` chooses).
 

@@ -1,11 +1,12 @@
 """The Megatron backend's side of the control channel to its rank processes.
 
 Each rank connects back to the backend over a Unix socket in its private work directory, or
-under srun over TCP, authenticated with the launch's token (``launch``). ``RankChannel._call`` sends a command to every rank
-(or to the ones named) and waits for every answer, each wait with a deadline while watching the
-ranks' processes; a rank that exits, closes its channel or misses the deadline stops them all and
-raises ``RankError`` with the tails of their logs. ``MegatronBackend`` (``backend``) starts the
-ranks and sets the attributes declared here; its commands go through ``_call``.
+under srun over TCP, authenticated with the launch's token (``launch``). ``RankChannel._call``
+sends a command to every rank (or to the ones named) and waits for every answer, each wait with
+a deadline while watching the ranks' processes; a rank that exits, closes its channel or misses
+the deadline stops them all and raises ``RankError`` with the tails of their logs.
+``MegatronBackend`` (``backend``) starts the ranks and sets the attributes declared here; its
+commands go through ``_call``.
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@ as its own process.
 
 ``MegatronBackend`` (in the trainer actor's process) starts ``tp_size * dp_size`` of these with
 ``python -m astraflow.training.megatron.rank`` (as processes of its own node, or as one srun job
-step across nodes) and talks to each through a private channel (``launch.rank_channel``: an authenticated
-connection back to the backend, over a Unix socket or, under srun, TCP). Local ranks are forked
-from a server that imported this module and Megatron once (``launch.rank_fork_server``). Every rank receives the
-same command stream; the ranks of one data-parallel replica get the same payload, so a
-tensor-parallel step needs no extra broadcast and every rank can report its own progress.
+step across nodes) and talks to each through a private channel (``launch.rank_channel``: an
+authenticated connection back to the backend, over a Unix socket or, under srun, TCP). Local
+ranks are forked from a server that imported this module and Megatron once
+(``launch.rank_fork_server``). Every rank receives the same command stream; the ranks of one
+data-parallel replica get the same payload, so a tensor-parallel step needs no extra broadcast
+and every rank can report its own progress.
 
 Data parallelism (``dp_size > 1``): each replica trains on its share of the batch and
 Megatron-core's ``DistributedDataParallel`` wrapper (contiguous gradient buffer, one all-reduce
