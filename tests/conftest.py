@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -89,6 +90,22 @@ def _rank_fork_server_stopped():
     launch = sys.modules.get("astraflow.training.megatron.launch")
     if launch is not None:
         launch.close_rank_fork_server()
+
+
+#: the signals that stop a run (``astraflow.runtime.stopping``)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+
+
+@pytest.fixture(autouse=True)
+def _signal_dispositions_kept():
+    """A command run in-process (click's ``CliRunner``) may set the run's stop signals to be
+    ignored as the process exits (``runtime.stopping.ignore_stop_signals``): restored after each
+    test, since a process started later would inherit them ignored (a shell cannot trap those)."""
+    kept = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    yield
+    for signum, handler in kept.items():
+        if handler is not None and signal.getsignal(signum) != handler:
+            signal.signal(signum, handler)
 
 
 @pytest.fixture(autouse=True)

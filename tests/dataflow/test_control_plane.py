@@ -103,15 +103,20 @@ def test_groups_in_rollout_per_source_are_counted_as_they_come_and_go(tmp_path):
 
 class _LoopHandle:
     """A data layer's methods as an actor handle's are: each call returns a future (the layer
-    runs on its own event loop in a thread), and counts the calls that reach it."""
+    runs on its own event loop in a thread), and counts the calls that reach it. While ``gate``
+    is clear a call is held where it is made (a busy data layer), so calls made meanwhile gather
+    however slowly the machine runs the test."""
 
     def __init__(self, layer):
         self.layer, self.calls = layer, []
+        self.gate = threading.Event()
+        self.gate.set()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
 
     def __getattr__(self, name):
         def method(*args, **kwargs) -> Future:
+            assert self.gate.wait(30)
             self.calls.append(name)
             return asyncio.run_coroutine_threadsafe(getattr(self.layer, name)(*args, **kwargs), self.loop)
         return method
@@ -121,10 +126,14 @@ def test_a_coalescer_gathers_the_nodes_calls_and_answers_each_node(tmp_path):
     handle = _LoopHandle(make_layer(tmp_path, prefetch_groups=6))
     co = Coalescer(handle)
     names = [f"w0.n{i}" for i in range(6)]
-    leases = [co.lease(n, 2, 0.0, versions=None) for n in names]  # made together: gathered
+    handle.gate.clear()  # the senders' first calls wait: the nodes' later calls gather behind them
+    leases = [co.lease(n, 2, 0.0, versions=None) for n in names]
+    handle.gate.set()
     got = {n: [t.task_id for t in p.result(30)] for n, p in zip(names, leases)}
     assert all(len(v) == 2 for v in got.values()) and len({t for v in got.values() for t in v}) == 12
+    handle.gate.clear()
     beats = [co.heartbeat(n, {"worker": "w0", "holding": got[n]}) for n in names]
+    handle.gate.set()
     assert all(p.result(30) == {"draining": False, "finished": False} for p in beats)
     assert handle.calls.count("lease_many") < 6 and handle.calls.count("heartbeat_many") < 6
     assert "lease" not in handle.calls and "heartbeat" not in handle.calls
@@ -146,10 +155,12 @@ def test_nodes_on_one_loop_await_gathered_calls_without_a_thread_each(tmp_path):
 
     async def go():
         before = threading.active_count()
+        handle.gate.clear()
         beats = [asyncio.ensure_future(call(co.heartbeat, n, {"worker": "w0", "holding": []})) for n in names]
         leases = [asyncio.ensure_future(call(co.lease, n, 1, 0.0, versions=None)) for n in names]
         await asyncio.sleep(0)
         assert threading.active_count() - before <= 8  # the lanes' senders, not one per node
+        handle.gate.set()
         replies = await asyncio.gather(*beats)
         got = await asyncio.gather(*leases)
         with pytest.raises(TimeoutError, match="within 0.05s"):
