@@ -6,7 +6,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-# 1. environment (.venv in the checkout; torch is pinned in pyproject so no CUDA build is pulled)
+# 1. environment (.venv in the checkout; torch is pinned in pyproject so no CUDA build is pulled).
+#    A machine that sets PYTHONDONTWRITEBYTECODE would make each of the suite's hundreds of Python
+#    processes compile the project's modules again, and each pytest worker rewrite every test
+#    module again: here they cache them (__pycache__, ignored by git)
+unset PYTHONDONTWRITEBYTECODE
 if [ ! -x .venv/bin/python ]; then
   python3.11 -m venv .venv
 fi

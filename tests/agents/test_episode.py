@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass
 
@@ -29,6 +30,17 @@ def nap(seconds: float) -> str:
     return "awake"
 
 
+#: set by the episode that must finish while another waits on `until_released`
+RELEASED = threading.Event()
+
+
+@tool(timeout_s=30)
+def until_released() -> str:
+    """Wait until another episode lets go (a tool slower than a whole other episode)."""
+    RELEASED.wait(30)
+    return "released"
+
+
 class SumEnv(EnvironmentBase):
     """Answer ``a+b``; a per-turn reward of 0.1 for each tool call the env is told about."""
 
@@ -36,7 +48,7 @@ class SumEnv(EnvironmentBase):
 
     def __init__(self, shaped: float = 0.0):
         super().__init__()
-        self.tools = ToolBox([add, nap])
+        self.tools = ToolBox([add, nap, until_released])
         self.shaped = shaped
         self.closed = 0
 
@@ -220,21 +232,23 @@ def test_env_failures_fail_the_episode_and_close_it(tok):
 
 
 def test_slow_tool_does_not_delay_another_episode(tok):
-    """One episode waits on a tool that sleeps in its thread; the other finishes meanwhile."""
-    done_at = {}
+    """One episode waits in a tool's thread until the other has finished: the other runs meanwhile
+    (a tool that blocked the loop would hold both until the tool's timeout)."""
+    done = []
+    RELEASED.clear()
 
     async def both():
         async def one(name, turns):
-            t0 = time.perf_counter()
             await run_agent_episode(scripted(tok, turns), ChatRenderer(tok), SumEnv(), {"a": 2, "b": 3},
                                     AgentLimits())
-            done_at[name] = time.perf_counter() - t0
+            done.append(name)
+            RELEASED.set()
 
-        await asyncio.gather(one("slow", [format_call("nap", {"seconds": 0.25}), "5"]),
+        await asyncio.gather(one("slow", [format_call("until_released", {}), "5"]),
                              one("fast", ["hmm", "hmm", "5"]))
 
     asyncio.run(both())
-    assert done_at["fast"] < 0.15 < done_at["slow"]
+    assert done == ["fast", "slow"]
 
 
 def test_plain_text_model_without_template(tok):
@@ -248,7 +262,6 @@ def test_plain_text_model_without_template(tok):
 def test_tools_stuck_past_their_timeout_do_not_starve_the_others():
     """Every slot of a small tool pool taken by a call that never returns in time: abandoned
     calls give their slots back, and a quick tool still answers."""
-    import threading
 
     from astraflow.agents.env import ToolCall
     from astraflow.agents.tools import ToolBox, _ToolThreads
@@ -302,7 +315,6 @@ def test_a_method_tool_binds_to_its_environment_and_deep_json_is_an_error_observ
 def test_calls_queued_behind_stuck_tools_run_once_those_are_abandoned():
     """Twice as many stuck calls as a small pool has slots, all at once: the queued ones start
     as the first ones are abandoned and time out in turn, instead of waiting forever."""
-    import threading
 
     import astraflow.agents.tools as tools_mod
     from astraflow.agents.env import ToolCall

@@ -188,21 +188,26 @@ def test_a_gathered_answer_reaches_every_kind_of_waiter():
     waiter = threading.Thread(target=lambda: blocked.append(calls[5].result(10)))
     waiter.start()
 
-    def node_loop(mine: list, out: list, cancel_first: bool) -> None:
+    waiting = [threading.Event(), threading.Event()]
+
+    def node_loop(mine: list, out: list, cancel_first: bool, ready: threading.Event) -> None:
         async def go():
             tasks = [asyncio.ensure_future(p.wait_async(10)) for p in mine]
             await asyncio.sleep(0.05)
             if cancel_first:
                 tasks[0].cancel()
+            await asyncio.sleep(0)  # the cancel is through
+            ready.set()
             out.extend(await asyncio.gather(*tasks, return_exceptions=True))
         asyncio.run(go())
 
     got_a, got_b = [], []
-    loops = [threading.Thread(target=node_loop, args=(calls[0:3], got_a, True)),
-             threading.Thread(target=node_loop, args=(calls[3:5], got_b, False))]
+    loops = [threading.Thread(target=node_loop, args=(calls[0:3], got_a, True, waiting[0])),
+             threading.Thread(target=node_loop, args=(calls[3:5], got_b, False, waiting[1]))]
     for t in loops:
         t.start()
-    time.sleep(0.3)
+    assert all(e.wait(10) for e in waiting)
+    time.sleep(0.05)  # the blocked thread is in ``result`` (settling first would answer it all the same)
     settle_all((p, i) for i, p in enumerate(calls))
     for t in loops + [waiter]:
         t.join(10)

@@ -122,9 +122,8 @@ def test_a_lease_on_an_empty_stock_is_answered_at_once_without_a_long_poll(tmp_p
     try:
         first = co.lease("w0.n0", 8, 5.0).result(10)
         assert len(first) == 4
-        t0 = time.monotonic()
-        assert co.lease("w0.n1", 1, 0.0).result(5) == []  # none left anywhere: no wait
-        assert time.monotonic() - t0 < 0.1
+        empty = co.lease("w0.n1", 1, 0.0)  # none left anywhere: answered as it is asked, no wait
+        assert empty.done() and empty.result(0) == []
         t0 = time.monotonic()
         assert co.lease("w0.n1", 1, 0.3).result(5) == []  # a long poll ends with the stock's
         assert 0.2 <= time.monotonic() - t0 < 3.0

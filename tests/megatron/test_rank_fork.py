@@ -1,7 +1,7 @@
 """Local ranks forked from the process's rank fork server: every backend of the process forks
 from the one server (Megatron imported once), a rank whose environment differs from the
-server's starts fresh and says why, and the control socket is found however long the
-backend's work directory is."""
+server's starts fresh and says why, a save starts no helper interpreter, and the control socket
+is found however long the backend's work directory is."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _fork_twice_then_misfit(tmp_path: Path) -> None:
     hf_dir = save_tiny_llama(tmp_path / "hf", tied=True)
     toks = prompts()
     parents, logprobs = [], []
-    for _ in range(2):
+    for i in range(2):
         with _backend(hf_dir) as be:
             (rank,) = be._ranks.procs
             assert isinstance(rank, ForkedProcess)
@@ -52,6 +52,9 @@ def _fork_twice_then_misfit(tmp_path: Path) -> None:
             assert os.getpgid(rank.pid) == os.getpgrp()
             parents.append(psutil.Process(rank.pid).ppid())
             logprobs.append(be.logprobs(toks))
+            be.save_shards(tmp_path / f"v{i}")  # the shard writer's results stay in the rank's process:
+            helpers = [" ".join(c.cmdline()) for c in psutil.Process(rank.pid).children(recursive=True)]
+            assert not [c for c in helpers if "spawn_main" in c], helpers  # no spawned manager interpreter
     server = launch._fork_server
     assert server is not None and server.alive and parents == [server._proc.pid] * 2
     assert (logprobs[0] == logprobs[1]).all()  # a forked rank builds the same model each time

@@ -160,7 +160,7 @@ def never_ready(conn, *args):
 def test_closing_a_process_engine_does_not_wait_for_the_model_its_restart_loads(tiny_model, monkeypatch):
     from astraflow.rollout import process_engine
 
-    engine = ProcessEngine(str(tiny_model), max_batch_size=4, device="cpu", start_timeout=20)
+    engine = ProcessEngine(str(tiny_model), max_batch_size=4, device="cpu")
     try:
         dead_pid = engine.pid
         os.kill(dead_pid, signal.SIGKILL)  # our own child, by its PID

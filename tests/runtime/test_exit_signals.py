@@ -16,17 +16,16 @@ class SlowTeardown:  # a module global: released late in the interpreter's exit
 
 keep = SlowTeardown()
 _signals_stop_cleanly()  # the run's handlers, as `astraflow run` installs them
-print("ready", flush=True)
-time.sleep(0.2)
 ignore_stop_signals()
+print("exiting", flush=True)
 sys.exit(130)
 """
 
 
 def test_a_late_ctrl_c_does_not_turn_exit_130_into_death_by_signal():
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE)
-    assert child.stdout.readline().strip() == b"ready"
-    time.sleep(0.9)  # the child is in its exit now, releasing SlowTeardown
+    assert child.stdout.readline().strip() == b"exiting"
+    time.sleep(0.5)  # the child is in its exit now, releasing SlowTeardown
     child.send_signal(signal.SIGINT)
     assert child.wait(30) == 130
 

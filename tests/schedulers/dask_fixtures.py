@@ -22,13 +22,15 @@ def start_dask_scheduler(tmp: Path, deadline_s: float = 30.0) -> tuple[subproces
         stdout=open(tmp / "scheduler.log", "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + deadline_s
-    while not sched_file.exists():
+    while True:  # Dask writes the file in place: it may be read empty or half written
+        try:
+            return proc, json.loads(sched_file.read_text())["address"], sched_file
+        except (OSError, ValueError, KeyError):
+            pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"dask scheduler did not start: {(tmp / 'scheduler.log').read_text()}")
         time.sleep(0.05)
-    time.sleep(0.05)  # the file is written in one go, but give the writer a moment to close it
-    return proc, json.loads(sched_file.read_text())["address"], sched_file
 
 
 def stop(proc: subprocess.Popen) -> None:

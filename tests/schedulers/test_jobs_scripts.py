@@ -79,12 +79,21 @@ def _head(tmp_path, *, restarts: int | None = None, **env: str) -> subprocess.Po
                             cwd=tmp_path, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _catches_usr1(pid: int) -> bool:
+    """Whether process ``pid`` has a handler for SIGUSR1 (its ``SigCgt`` mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGUSR1 - 1) & 1)
+    return False
+
+
 def _warned(tmp_path, proc: subprocess.Popen) -> tuple[int, str]:
-    """Send the walltime warning to the script (as Slurm's ``B:USR1`` does) once astraflow runs."""
-    deadline = time.monotonic() + 20
-    while not (tmp_path / "args").exists() and time.monotonic() < deadline:
+    """Send the walltime warning to the script (as Slurm's ``B:USR1`` does) once astraflow runs
+    (the stand-in sets its trap before it writes args) and the script has set its own trap."""
+    deadline = time.monotonic() + 60
+    while not ((tmp_path / "args").exists() and _catches_usr1(proc.pid)):
+        assert proc.poll() is None and time.monotonic() < deadline, "the head script never got to run astraflow"
         time.sleep(0.05)
-    time.sleep(0.2)  # the stand-in sets its trap before it writes args; the head script waits on it
     proc.send_signal(signal.SIGUSR1)
     out, _ = proc.communicate(timeout=30)
     return proc.returncode, out

@@ -63,22 +63,22 @@ def test_generated_tasks_reward_all_fraction_and_timeouts(sandbox):
 
 
 def test_waiting_for_a_sandbox_slot_does_not_count_against_the_reward_deadline(sandbox):
-    """Four programs that run to their 1 s limit on 2 slots, under a 1.5 s reward deadline:
-    the last two wait a second for a slot, and still score a timeout (0) instead of failing
-    their episodes."""
+    """Eight programs that run to their 1 s limit on 2 slots, under a 3 s reward deadline (room
+    for the sandbox's own start and clean-up on a busy machine): the last two wait three
+    seconds or more for a slot, and still score a timeout (0) instead of failing their episodes."""
     import asyncio
 
     from astraflow.rollout.workflows import WorkflowBase
 
     w = CodeWorkload(families=["add"], timeout_s=1.0)
     task = w.tasks("train")[0]
-    flow = WorkflowBase(workload=w, sampling=None, node="n", reward_timeout_s=1.5)
+    flow = WorkflowBase(workload=w, sampling=None, node="n", reward_timeout_s=3.0)
 
-    async def all_four():  # distinct bodies: no cached result
+    async def all_eight():  # distinct bodies: no cached result
         return await asyncio.gather(*(flow.score_and_stats(f"    while True:\n        x = {i}\n", task)
-                                      for i in range(4)))
+                                      for i in range(8)))
 
-    assert [(r, s["code_timeout"]) for r, s in asyncio.run(all_four())] == [(0.0, 1.0)] * 4
+    assert [(r, s["code_timeout"]) for r, s in asyncio.run(all_eight())] == [(0.0, 1.0)] * 8
 
 
 def test_results_are_cached_per_test_suite_not_per_task_id(sandbox):
@@ -92,7 +92,7 @@ def test_results_are_cached_per_test_suite_not_per_task_id(sandbox):
 
 
 def test_a_code_source_of_a_mix_keeps_the_sandbox_deadline_handling_and_its_statistics(sandbox):
-    """The same four looping programs as above, through a ``mix`` with a code source: slot waits
+    """The same eight looping programs as above, through a ``mix`` with a code source: slot waits
     do not count against the reward deadline, and the code statistics come back."""
     import asyncio
 
@@ -103,13 +103,13 @@ def test_a_code_source_of_a_mix_keeps_the_sandbox_deadline_handling_and_its_stat
                                    "math": {"workload": "math", "params": {"digits": 1}}})
     assert mix.uses_sandbox
     task = next(t for t in mix.tasks("train") if t["source"] == "code")
-    flow = WorkflowBase(workload=mix, sampling=None, node="n", reward_timeout_s=1.5)
+    flow = WorkflowBase(workload=mix, sampling=None, node="n", reward_timeout_s=3.0)
 
-    async def all_four():
+    async def all_eight():
         return await asyncio.gather(*(flow.score_and_stats(f"    while True:\n        y = {i}\n", task)
-                                      for i in range(4)))
+                                      for i in range(8)))
 
-    assert [(r, s["code_timeout"]) for r, s in asyncio.run(all_four())] == [(0.0, 1.0)] * 4
+    assert [(r, s["code_timeout"]) for r, s in asyncio.run(all_eight())] == [(0.0, 1.0)] * 8
     math_task = next(t for t in mix.tasks("train") if t["source"] == "math")
     assert mix.reward_and_stats(math_task["answer"], math_task) == (mix.reward(math_task["answer"], math_task), {})
 
