@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
 import time
 from contextlib import contextmanager
 
@@ -258,6 +259,7 @@ class Rank:
         from megatron.core import dist_checkpointing
 
         t0 = time.perf_counter()
+        _write_results_in_process()
         sharded = self.model.sharded_state_dict()
         if payload.get("dtype", "fp32") == "bf16":
             sharded = _cast_shards(sharded, torch.bfloat16)
@@ -330,6 +332,20 @@ def main() -> None:
 #: what a command's failure may be: any error, and torch's ``CheckpointException`` (a
 #: ``BaseException``); not an interrupt
 _FAILURES = (Exception, CheckpointException)
+
+
+def _write_results_in_process() -> None:
+    """Megatron-core's shard writer passes its results through a queue that by default lives in
+    a spawned manager process, made for saves that finish in another process: started at a
+    rank's first save, it imports torch and this module again and stays as long as the rank.
+    ``save`` here is synchronous (the writer puts and takes in this process), so a plain queue
+    serves; a Megatron-core without that queue keeps its own."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if getattr(filesystem_async, "_results_queue", ...) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 #: free space under which a failed save is put down to a full filesystem
 NEARLY_FULL_BYTES = 16 * 1024 * 1024
