@@ -36,7 +36,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from astraflow.training.megatron import launch  # noqa: E402
+from astraflow.training.megatron import rank_server  # noqa: E402
 from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig  # noqa: E402
 from tests.megatron.helpers import loss_fn_name, prompts, save_tiny_llama  # noqa: E402
 
@@ -105,7 +105,7 @@ def main() -> None:
                 wall, cpu = one_round(hf_dir, args.tp, fork)
                 rows[fork].append((wall, cpu))
                 console.print(f"round {r + 1}: {'forked' if fork else 'fresh '} {wall:6.1f} s wall {cpu:6.1f} s CPU")
-        launch.close_rank_fork_server()
+        rank_server.close_rank_fork_server()
     fresh = rows[False]
     forked = rows[True][1:] or rows[True]
     med = {name: (statistics.median(w for w, _ in xs), statistics.median(c for _, c in xs))

@@ -63,6 +63,8 @@ DASK_IMPORT_ENV = ("DASK_CONFIG", "DASK_ROOT_CONFIG", "DASK_INTERNAL_INHERIT_CON
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 #: seconds the first fork request waits for the server's imports
 READY_TIMEOUT_S = 600.0
+#: `ForkServer.misfit` of a server whose imports outlasted the wait
+NOT_READY = "the fork server did not answer (it hangs)"
 #: seconds a fork request waits for its answer once the server is ready
 FORK_TIMEOUT_S = 30.0
 
@@ -104,10 +106,11 @@ class ForkServer:
     stderr appended to `log`, and forks children from it on request. `sessions`: the server and
     each child lead sessions of their own (local workers, which are cancelled by their group);
     False keeps them in the starter's process group, as plain subprocesses would be (what
-    stops the starter's group stops them and what they started)."""
+    stops the starter's group stops them and what they started). `cwd`: the server's working
+    directory (default: the starter's), where ``-c`` lets it import from."""
 
     def __init__(self, python: str, modules: Sequence[str], env: Mapping[str, str], log: str | Path,
-                 sessions: bool = True):
+                 sessions: bool = True, cwd: str | Path | None = None):
         self.python = python
         self.sessions = sessions
         self.env = dict(env)
@@ -117,7 +120,7 @@ class ForkServer:
                 # -c, not -m: run as __main__, this module would be imported a second time by its package
                 [python, "-c", f"import sys; {FORK_SERVER_MARK}; serve(sys.argv[1:])", *modules],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=self.env, bufsize=0,
-                start_new_session=sessions, preexec_fn=die_with_parent,
+                start_new_session=sessions, preexec_fn=die_with_parent, cwd=cwd,
             )
         self._cond = threading.Condition()
         self._sending = threading.Lock()  # one message at a time on the pipe (a request can be long)
@@ -136,9 +139,10 @@ class ForkServer:
     def alive(self) -> bool:
         return not self._gone
 
-    def misfit(self, argv: Sequence[str], env: Mapping[str, str]) -> str | None:
+    def misfit(self, argv: Sequence[str], env: Mapping[str, str], timeout: float = READY_TIMEOUT_S) -> str | None:
         """Why a child forked for `argv` with `env` would not be the process a fresh start would
-        be (None: it would)."""
+        be (None: it would). Waits up to `timeout` for the server's imports where the answer
+        depends on them; a server not ready by then is a misfit."""
         if self._gone:
             return "the fork server is gone"
         if len(argv) < 3 or argv[0] != self.python or argv[1] != "-m":
@@ -149,9 +153,11 @@ class ForkServer:
             # each set in this process since the server started: by an import the server made
             # too, to the same value? (known once its imports are done)
             with self._cond:
-                self._cond.wait_for(lambda: self._ready or self._gone, READY_TIMEOUT_S)
+                self._cond.wait_for(lambda: self._ready or self._gone, timeout)
             if self._gone:
                 return "the fork server is gone"
+            if not self._ready:
+                return NOT_READY
             differ = [k for k in differ if env.get(k) != self._imported_env.get(k)]
         return f"its environment sets {', '.join(differ)} otherwise" if differ else None
 

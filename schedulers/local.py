@@ -24,7 +24,7 @@ from pathlib import Path
 
 from schedulers.base import JobRef, JobStatus, UnknownJobError
 from schedulers.command import TLSFiles, partition_worker_command, quiet_dask_env, worker_env
-from schedulers.forkserver import FORK_SERVER_MARK, ForkedProcess, ForkServer, ForkServerError
+from schedulers.forkserver import FORK_SERVER_MARK, NOT_READY, ForkedProcess, ForkServer, ForkServerError
 from schedulers.procs import die_with_parent, process_argv, process_identity, stop_env, stop_signal
 from schedulers.partition import Partition, worker_name
 
@@ -141,6 +141,8 @@ class LocalScheduler:
         if self._server is None or not self._forking:
             return None, None
         why = self._server.misfit(cmd, env)
+        if why == NOT_READY:  # its imports outlasted the wait: the next workers need not wait on it again
+            self._forking = False
         if why is not None:
             return None, why
         try:

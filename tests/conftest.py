@@ -85,11 +85,11 @@ def _own_check_cache(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def _rank_fork_server_stopped():
     """The rank fork server a Megatron test started in this process (kept for the later ones,
-    ``astraflow.training.megatron.launch.rank_fork_server``) is stopped when the session ends."""
+    ``astraflow.training.megatron.rank_server``) is stopped when the session ends."""
     yield
-    launch = sys.modules.get("astraflow.training.megatron.launch")
-    if launch is not None:
-        launch.close_rank_fork_server()
+    rank_server = sys.modules.get("astraflow.training.megatron.rank_server")
+    if rank_server is not None:
+        rank_server.close_rank_fork_server()
 
 
 #: the signals that stop a run (``astraflow.runtime.stopping``)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.e2e.test_run_failure_cli import EXIT_WITHIN_S, _alive, _finish, _pid, _running, _workers_once_training
+from tests.e2e.test_run_failure_cli import _alive, _finish, _pid, _running, _workers_once_training
 
 
 @pytest.mark.e2e
@@ -27,8 +27,8 @@ def test_a_killed_scheduler_ends_the_run_at_once_in_one_line(tiny_model, tmp_pat
     assert rc == 1, everything[-3000:]
     assert len(lines) == 1 and lines[0].startswith("Error: the run failed: the Dask scheduler was killed by signal 9")
     assert "distributed.client" not in everything, everything[-3000:]
-    # no 30 s of client reconnects (the line above); the rest is the run's bounded stop
-    assert took < EXIT_WITHIN_S, f"the run took {took:.0f}s to see its scheduler gone"
+    # under the client's 30 s of reconnects: the run did not wait them out
+    assert took < 29, f"the run took {took:.0f}s to see its scheduler gone"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "resume" in summary["reason"]
     assert not [n for n, w in workers.items() if _alive(_pid(w))], "worker processes were left running"

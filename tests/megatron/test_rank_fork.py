@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from astraflow.training.megatron import launch  # noqa: E402
+from astraflow.training.megatron import launch, rank_server  # noqa: E402
 from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig  # noqa: E402
 from schedulers.forkserver import ForkedProcess, ForkServer  # noqa: E402
 from tests.megatron.helpers import loss_fn_name, prompts, save_tiny_llama  # noqa: E402
@@ -33,11 +33,14 @@ def _backend(hf_dir: Path, **kw) -> MegatronBackend:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU ranks (gloo); a GPU host forks them the same way")
 def test_backends_of_one_process_fork_their_ranks_from_one_server_and_a_misfit_starts_fresh(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "_fork_server", None)  # this test's own server, not an earlier test's
+    monkeypatch.setattr(rank_server, "_server", None)  # this test's own server, not an earlier test's
+    monkeypatch.setattr(rank_server, "_directory", None)
     try:
         _fork_twice_then_misfit(tmp_path)
     finally:
-        launch.close_rank_fork_server()
+        directory = rank_server._directory
+        rank_server.close_rank_fork_server()
+    assert directory is not None and not directory.exists()
 
 
 def _fork_twice_then_misfit(tmp_path: Path) -> None:
@@ -55,8 +58,11 @@ def _fork_twice_then_misfit(tmp_path: Path) -> None:
             be.save_shards(tmp_path / f"v{i}")  # the shard writer's results stay in the rank's process:
             helpers = [" ".join(c.cmdline()) for c in psutil.Process(rank.pid).children(recursive=True)]
             assert not [c for c in helpers if "spawn_main" in c], helpers  # no spawned manager interpreter
-    server = launch._fork_server
+    server = rank_server.current()
     assert server is not None and server.alive and parents == [server._proc.pid] * 2
+    # its log and working directory are its own: the backends' work directories are gone
+    assert server.log.is_file() and server.log.parent == rank_server._directory
+    assert Path(psutil.Process(server._proc.pid).cwd()) == rank_server._directory.resolve()
     assert (logprobs[0] == logprobs[1]).all()  # a forked rank builds the same model each time
 
     with _backend(hf_dir, env={"RANK_FORK_TEST_VAR": "x"},
@@ -65,7 +71,7 @@ def _fork_twice_then_misfit(tmp_path: Path) -> None:
         assert isinstance(rank, subprocess.Popen) and (be.logprobs(toks) == logprobs[0]).all()
     said = (tmp_path / "logs" / "megatron-rank0.log").read_text()
     assert "not forked: its environment sets RANK_FORK_TEST_VAR otherwise" in said
-    assert launch._fork_server is server and server.alive  # kept for the backends that still fit
+    assert rank_server.current() is server and server.alive  # kept for the backends that still fit
 
 
 def test_a_rank_reaches_the_control_socket_of_a_work_directory_too_long_for_a_socket_address(tmp_path):
@@ -92,13 +98,24 @@ def test_a_fork_server_that_hangs_in_its_imports_is_given_up_at_the_start_deadli
     (tmp_path / "hangs_on_import.py").write_text("import time\ntime.sleep(600)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     server = ForkServer(sys.executable, ["hangs_on_import"], env, tmp_path / "server.log", sessions=False)
-    monkeypatch.setattr(launch, "_fork_server", server)
+    monkeypatch.setattr(rank_server, "_server", server)
     try:
         t0 = time.monotonic()
         proc = launch._start_rank(server, env, tmp_path / "rank.log", tmp_path, deadline=t0 + 2)
         assert isinstance(proc, subprocess.Popen) and time.monotonic() - t0 < 30
         proc.wait(60)  # a rank without its launch's environment ends at once
-        assert launch._fork_server is None  # the next launch starts another server
+        assert rank_server.current() is None  # the next launch starts another server
         assert "not forked: the fork server did not answer (it hangs)" in (tmp_path / "rank.log").read_text()
+        # a variable set here since the server started: whether its imports set it too is asked
+        # of the server, within the deadline as well
+        monkeypatch.setattr(rank_server, "_server", server)
+        monkeypatch.setenv("RANK_FORK_LATE_VAR", "1")
+        t1 = time.monotonic()
+        late = launch._start_rank(server, dict(env, RANK_FORK_LATE_VAR="1"), tmp_path / "late.log", tmp_path,
+                                  deadline=t1 + 2)
+        assert isinstance(late, subprocess.Popen) and time.monotonic() - t1 < 30
+        late.wait(60)
+        assert rank_server.current() is None
+        assert "not forked: the fork server did not answer (it hangs)" in (tmp_path / "late.log").read_text()
     finally:
         server.close()

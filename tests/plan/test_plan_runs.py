@@ -93,7 +93,7 @@ def test_ctrl_c_twice_stops_the_simulated_run_completely_and_exits_130(tmp_path)
         time.sleep(1.0)  # the run takes seconds to stop: the second lands while the plan waits for it
         plan.send_signal(signal.SIGINT)
         assert plan.wait(timeout=100) == 130
-        _, alive = psutil.wait_procs(family, timeout=10)  # gone when the plan exits, not some time later
+        _, alive = psutil.wait_procs(family, timeout=10)  # gone with the plan (their parent's death), not left running
         assert not alive, f"left running: {[(p.pid, p.cmdline()) for p in alive]}"
         err = (tmp_path / "plan.err").read_text()
         assert "already stopping the simulated run" in err and "Aborted!" not in err, err[-3000:]

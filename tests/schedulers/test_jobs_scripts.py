@@ -92,7 +92,8 @@ def _warned(tmp_path, proc: subprocess.Popen) -> tuple[int, str]:
     (the stand-in sets its trap before it writes args) and the script has set its own trap."""
     deadline = time.monotonic() + 60
     while not ((tmp_path / "args").exists() and _catches_usr1(proc.pid)):
-        assert proc.poll() is None and time.monotonic() < deadline, "the head script never got to run astraflow"
+        assert proc.poll() is None and time.monotonic() < deadline, \
+            "the head script did not run astraflow with its USR1 trap set (was SIGUSR1 ignored when it started?)"
         time.sleep(0.05)
     proc.send_signal(signal.SIGUSR1)
     out, _ = proc.communicate(timeout=30)

@@ -127,7 +127,7 @@ class MegatronBackendConfig:
     #: (one job step over the Slurm job the backend runs in, ranks on every node of it), or
     #: ``auto``: ``srun`` inside a Slurm job of more than one node, else ``local``.
     launcher: str = "auto"
-    #: fork local ranks from the process's rank fork server (``launch.rank_fork_server``: torch
+    #: fork local ranks from the process's rank fork server (``rank_server``: torch
     #: and Megatron imported once); off, each rank is a fresh interpreter.
     fork_ranks: bool = True
 

@@ -4,26 +4,25 @@ Both launchers give the backend the same thing: one ``multiprocessing.connection
 per rank (in rank order), the per-rank log files, the ranks that have exited, and a way to stop
 them all.
 
-* ``LocalRanks`` (one node; the default): ``world`` processes on this host, forked from this
-  process's rank fork server (``rank_fork_server``: torch and Megatron imported once for every
-  rank and every later backend of the process) or, where a fork cannot stand in for a fresh
-  start, plain subprocesses; ``file://`` rendezvous in the backend's private work directory;
-  each rank connects back to a Unix socket in that directory (mode 0700) and proves the
-  launch's token as under srun. Nothing listens on a port.
+* ``LocalRanks`` (one node; the default): ``world`` processes on this host, forked from the
+  process's rank fork server (``rank_server``: torch and Megatron imported once for all
+  its backends) or, where a fork cannot stand in for a fresh start, plain subprocesses;
+  ``file://`` rendezvous in the backend's private (0700) work directory, where each rank
+  connects back to a Unix socket and proves the launch's token as under srun. No port.
 * ``SrunRanks`` (a trainer job that spans several nodes): one ``srun`` job step inside the
   trainer's own Slurm job starts the ranks on every node of the allocation (``srun_command``);
   ``env://`` rendezvous (``MASTER_ADDR`` = the first node, where the backend runs, and a free
-  ``MASTER_PORT``); each rank takes ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` from Slurm's
-  ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``. A Unix socket cannot cross nodes, so each
-  rank connects back over TCP to a listener of the backend, and both sides prove they hold the
-  launch's secret token (``multiprocessing.connection``'s HMAC challenge, both ways) before
-  anything is unpickled: other users of the cluster can reach that port.
+  ``MASTER_PORT``); ranks take ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` from ``SLURM_PROCID``/
+  ``SLURM_NTASKS``/``SLURM_LOCALID``. Each rank connects back over TCP to a listener of the
+  backend, and both sides prove they hold the launch's secret token (``multiprocessing.connection``'s
+  HMAC challenge, both ways) before anything is unpickled: others on the cluster reach that port.
 
 The rank side of both is ``rank_spec`` and ``rank_channel``; ``slurm`` reads the allocation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -33,8 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from pathlib import Path
@@ -42,16 +40,10 @@ from pathlib import Path
 import psutil
 
 from astraflow.training.megatron.slurm import Allocation, cancel_step, srun_command
-from schedulers.forkserver import ForkedProcess, ForkServer, ForkServerError
+from astraflow.training.megatron import rank_server
+from astraflow.training.megatron.rank_server import RANK_MODULE
+from schedulers.forkserver import NOT_READY, ForkedProcess, ForkServer, ForkServerError
 
-RANK_MODULE = "astraflow.training.megatron.rank"
-#: what the ranks' fork server imports once: the rank and what building a Megatron GPT model,
-#: its optimiser and its checkpoints import
-RANK_PRELOAD = (
-    RANK_MODULE, "astraflow.training.megatron.model", "astraflow.training.grpo", "storage.ownership",
-    "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.distributed",
-    "megatron.core.dist_checkpointing", "megatron.core.transformer.transformer_config",
-)
 #: the Unix socket local ranks connect to, in the backend's private work directory (also the
 #: ranks' working directory, so they name it relative to it whatever the directory's length)
 CONTROL_SOCKET = "ranks.sock"
@@ -99,54 +91,10 @@ def _left_behind(workdir: Path) -> list[psutil.Process]:
     group, me, root = os.getpgrp(), os.getpid(), str(workdir)
     out = []
     for proc in psutil.process_iter():
-        try:
+        with contextlib.suppress(psutil.Error, OSError):  # ended, or not ours to look at
             if proc.pid != me and os.getpgid(proc.pid) == group and proc.cwd().startswith(root):
                 out.append(proc)
-        except (psutil.Error, OSError):  # ended, or not ours to look at
-            pass
     return out
-
-
-_fork_lock = threading.Lock()
-_fork_server: ForkServer | None = None
-_keeper: ThreadPoolExecutor | None = None
-
-
-def rank_fork_server(env: Mapping[str, str], log_dir: Path) -> ForkServer:
-    """This process's fork server for local ranks: started on first use with ``env`` (the
-    ranks' environment; a later launch whose ranks would differ starts them fresh, ``misfit``)
-    and kept for the life of the process, so a backend started again (a resume, a restart after
-    a rank died) forks its ranks at once. It is started from a thread that lives as long as the
-    process: the server is killed when the thread that started it ends (``die_with_parent``),
-    and a backend may be built on a thread that ends before its ranks."""
-    global _fork_server, _keeper
-    with _fork_lock:
-        if _fork_server is None or not _fork_server.alive:
-            if _keeper is None:
-                _keeper = ThreadPoolExecutor(1, thread_name_prefix="megatron-forkserver")
-            log = log_dir / "megatron-forkserver.log"
-            # in this process's group, as fresh ranks are: what stops the group stops the server,
-            # the ranks and what the ranks started
-            _fork_server = _keeper.submit(ForkServer, sys.executable, RANK_PRELOAD, env, log, False).result()
-        return _fork_server
-
-
-def _drop_rank_fork_server(server: ForkServer) -> None:
-    """Stop handing out ``server`` (it failed, hangs or refuses to fork): the next launch starts
-    another. Ranks already forked from it keep running."""
-    global _fork_server
-    with _fork_lock:
-        if _fork_server is server:
-            _fork_server = None
-
-
-def close_rank_fork_server() -> None:
-    """Stop this process's rank fork server, if one runs (ranks forked from it die with it)."""
-    global _fork_server
-    with _fork_lock:
-        server, _fork_server = _fork_server, None
-    if server is not None:
-        server.close()
 
 
 def _unix_listener(workdir: Path, backlog: int) -> socket.socket:
@@ -172,7 +120,7 @@ def _unix_listener(workdir: Path, backlog: int) -> socket.socket:
 
 class LocalRanks:
     """``world`` processes on this host, each connected back over a Unix socket with the
-    launch's token (see the module docstring). ``fork``: fork them from ``rank_fork_server``
+    launch's token (see the module docstring). ``fork``: fork them from ``rank_server``
     where it can stand in for a fresh start; a rank started fresh says why in its log."""
 
     def __init__(self, launch: RankLaunch, start_timeout_s: float, fork: bool = True):
@@ -188,12 +136,13 @@ class LocalRanks:
         deadline = time.monotonic() + start_timeout_s
         listener = _unix_listener(launch.workdir, launch.world)
         try:
-            forker = rank_fork_server(env, launch.log_dir) if fork else None
+            kept_logs = launch.log_dir if launch.log_dir != launch.workdir else None  # outlives this backend
+            forker = rank_server.rank_fork_server(env, kept_logs) if fork else None
             for r in range(launch.world):
                 rank_env = dict(env, ASTRAFLOW_RANK_SPEC=launch.spec(rank=r, init_method=init_method),
                                 ASTRAFLOW_RANK_CONTROL=f"unix:{CONTROL_SOCKET}", ASTRAFLOW_RANK_TOKEN=token)
                 proc = _start_rank(forker, rank_env, self.logs[r], launch.workdir, deadline)
-                if forker is not None and _fork_server is not forker:  # given up: the next start fresh
+                if forker is not None and rank_server.current() is not forker:  # given up: the next start fresh
                     forker = None
                 self.procs.append(proc)
             self.conns, _ = accept_ranks(listener, token.encode(), launch.world, deadline, self._check_running)
@@ -226,10 +175,8 @@ class LocalRanks:
         for p in live:
             p.kill()
         for c in strays:
-            try:
+            with contextlib.suppress(psutil.Error):  # ended meanwhile
                 c.kill()
-            except psutil.Error:  # ended meanwhile
-                pass
         for p in self.procs:
             p.wait(timeout=30)
         for c in self.conns:
@@ -239,17 +186,19 @@ class LocalRanks:
 
 def _start_rank(forker: ForkServer | None, env: dict[str, str], log: Path, workdir: Path,
                 deadline: float) -> subprocess.Popen | ForkedProcess:
-    """One rank, forked from ``forker`` where it can stand in, else as a fresh subprocess. A
-    server that fails (or whose imports outlast the start ``deadline``) is given up
-    (`_drop_rank_fork_server`): this rank and the next start fresh."""
+    """One rank, forked from ``forker`` where it can stand in, else a fresh subprocess. A server that
+    fails or outlasts the start ``deadline`` is given up (`rank_server.give_up`): ranks start fresh."""
     argv = [sys.executable, "-m", RANK_MODULE]
-    why = "forking ranks is off" if forker is None else forker.misfit(argv, env)
+    left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
+    why = "forking ranks is off" if forker is None else forker.misfit(argv, env, left())
+    if why == NOT_READY:
+        rank_server.give_up(forker, close=True)  # it forked nothing: nothing of it runs
     if why is None:
         try:
-            return forker.start(argv, env, log, cwd=workdir, ready_timeout=max(0.0, deadline - time.monotonic()))
+            return forker.start(argv, env, log, cwd=workdir, ready_timeout=left())
         except ForkServerError as err:
             why = str(err)
-            _drop_rank_fork_server(forker)
+            rank_server.give_up(forker)
     with open(log, "ab") as fh:
         if forker is not None:
             fh.write(f"astraflow: rank started as a fresh process, not forked: {why}\n".encode())
@@ -368,10 +317,8 @@ def accept_ranks(server: socket.socket, token: bytes, world: int, deadline: floa
         raise
     finally:
         for sock in pending:  # wakes a handshake still waiting on a silent peer, ends a failed one
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             sock.close()
     return [by_rank[r][0] for r in range(world)], [by_rank[r][1] for r in range(world)]
 

@@ -5,10 +5,10 @@ as its own process.
 ``python -m astraflow.training.megatron.rank`` (as processes of its own node, or as one srun job
 step across nodes) and talks to each through a private channel (``launch.rank_channel``: an
 authenticated connection back to the backend, over a Unix socket or, under srun, TCP). Local
-ranks are forked from a server that imported this module and Megatron once
-(``launch.rank_fork_server``). Every rank receives the same command stream; the ranks of one
-data-parallel replica get the same payload, so a tensor-parallel step needs no extra broadcast
-and every rank can report its own progress.
+ranks are forked from a server that imported this module and Megatron once (``rank_server``).
+Every rank receives the same command stream; the ranks of one data-parallel replica get the
+same payload, so a tensor-parallel step needs no extra broadcast and every rank can report its
+own progress.
 
 Data parallelism (``dp_size > 1``): each replica trains on its share of the batch and
 Megatron-core's ``DistributedDataParallel`` wrapper (contiguous gradient buffer, one all-reduce
@@ -333,22 +333,23 @@ def main() -> None:
 #: ``BaseException``); not an interrupt
 _FAILURES = (Exception, CheckpointException)
 
+#: free space under which a failed save is put down to a full filesystem
+NEARLY_FULL_BYTES = 16 * 1024 * 1024
+
 
 def _write_results_in_process() -> None:
     """Megatron-core's shard writer passes its results through a queue that by default lives in
     a spawned manager process, made for saves that finish in another process: started at a
     rank's first save, it imports torch and this module again and stays as long as the rank.
     ``save`` here is synchronous (the writer puts and takes in this process), so a plain queue
-    serves; a Megatron-core without that queue keeps its own."""
+    serves (an asynchronous save, which this rank never makes, would need the manager's); a
+    Megatron-core without that queue keeps its own."""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
     except ImportError:
         return
     if getattr(filesystem_async, "_results_queue", ...) is None:
         filesystem_async._results_queue = queue.Queue()
-
-#: free space under which a failed save is put down to a full filesystem
-NEARLY_FULL_BYTES = 16 * 1024 * 1024
 
 
 def _free_bytes(directory: str) -> int:
