@@ -270,21 +270,20 @@ class Orchestrator(Shutdown):
                 DataLayer, data_w.name, **data_layer_kwargs(cfg, self.paths))})["data"]
             data_w.actor = self.dl
             self._recover_served()
-        self.restarts.placed_on = {pol.name: trainer_ws[i % len(trainer_ws)].name for i, pol in enumerate(cfg.policies)}
-        placed = {
-            pol.name: placement.submit_actor(Trainer, self.restarts.placed_on[pol.name],
-                                             **trainer_kwargs(cfg, self.paths, i, pol, self.dl,
-                                                              self._partition_of(self.restarts.placed_on[pol.name])))
-            for i, pol in enumerate(cfg.policies)
-        }
+        on = self.restarts.placed_on = {p.name: trainer_ws[i % len(trainer_ws)].name
+                                        for i, p in enumerate(cfg.policies)}
+        placed = {pol.name: placement.submit_actor(Trainer, on[pol.name], **trainer_kwargs(
+            cfg, self.paths, i, pol, self.dl, self._partition_of(on[pol.name]))) for i, pol in enumerate(cfg.policies)}
+
+        def place_nodes() -> None:  # once the trainers are starting: the core workers serve
+            for w in trainer_ws + [data_w]:
+                if not w.gone:  # (a trainer worker lost and replaced already)
+                    w.enter("serving", None)
+            self.fleet.place_nodes(wait=True)
+
         with self.progress.waiting(f"starting {len(placed)} trainer(s) and the RaaS nodes (model loading)"):
             self.fleet.advance()  # the RaaS nodes' placing begins now: their loading overlaps the trainers'
-            self.trainers.update(placement.wait_all("placing trainers", placed))
-            starts = {p: t.start(run_loop=cfg.run.mode == "async") for p, t in self.trainers.items()}
-            for w in trainer_ws + [data_w]:
-                w.enter("serving", None)
-            self.fleet.place_nodes(wait=True)
-            placement.wait_all("starting trainers (backend build, v0 publish)", starts)
+            self.restarts.start_all(placed, place_nodes)  # a trainer worker lost meanwhile is replaced
 
     def _recover_served(self) -> None:
         """A resumed run: each trainer starts from its newest committed version; the data

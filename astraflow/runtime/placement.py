@@ -28,7 +28,7 @@ from astraflow.runtime.cluster import SchedulerProcess, connected_workers, expor
 from astraflow.runtime.construct import by_name, class_path, construct
 from astraflow.runtime.monitoring import write_orchestrator_info
 from astraflow.runtime.security import client_security, dashboard_token, run_tls
-from astraflow.runtime.workers import RunFailed, WorkerUnusable
+from astraflow.runtime.workers import LostBeforeReady, RunFailed, WorkerUnusable
 from schedulers import Partition, TLSFiles
 from schedulers.base import ACTIVE_STATES
 from schedulers.local import job_lines
@@ -196,12 +196,12 @@ class Placement:
         return out
 
     def _check_not_lost(self, what: str, key: str, fut: Any) -> None:
-        """``RunFailed`` when the worker ``fut``'s actor was placed on left the cluster: its task
-        would wait for it until the placement deadline."""
+        """``LostBeforeReady`` when the worker ``fut``'s actor was placed on left the cluster: its
+        task would wait for it until the placement deadline."""
         pinned = self._pinned.get(getattr(fut, "key", None))
         if pinned is None or self.joined().get(pinned[0]) == pinned[1]:
             return
-        raise RunFailed(f"{what}: worker {pinned[0]} was lost before {key} was ready (killed, out of memory or its "
+        raise LostBeforeReady(f"{what}: worker {pinned[0]} was lost before {key} was ready (killed, out of memory or its "
                         f"job ended; its log is in {self.paths.jobs}); `astraflow run` on the run directory resumes")
 
     def wait_workers(self, names: list[str], job_states: Callable[[], dict[str, str]],

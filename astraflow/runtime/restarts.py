@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from astraflow.dataflow.layer import DataLayer
 from astraflow.runtime.placement import data_layer_kwargs, trainer_kwargs
-from astraflow.runtime.workers import FUTURE_ERRORS, NODE_PHASES, DataLayerLost, RunFailed, TrainerLost
+from astraflow.runtime.workers import (FUTURE_ERRORS, NODE_PHASES, DataLayerLost, LostBeforeReady, RunFailed,
+                                      TrainerLost)
 from astraflow.training.trainer import Trainer
 from storage.weights import WeightStore
 
@@ -71,6 +72,47 @@ class TrainerRestarts:
         """``{policy: {"count": n, "restarts": [...]}}`` for status.json and summary.json."""
         return {p: {"count": len(h), "limit": self.cfg.cluster.trainer_restarts, "restarts": list(h)}
                 for p, h in self.history.items()}
+
+    def start_all(self, placed: dict[str, Any], meanwhile: Callable[[], None]) -> None:
+        """The run's start: wait for the trainers ``placed`` (policy -> future of its actor),
+        start each (backend build, v0 publish), run ``meanwhile`` once (the RaaS nodes' placing,
+        which overlaps the trainers' model loading) and wait for the starts. A trainer worker
+        lost meanwhile is replaced as one lost later in the run (``replace``, within
+        ``cluster.trainer_restarts``); the other workers' trainers are still waited for."""
+        run_loop = self.cfg.run.mode == "async"
+        starts: dict[str, Any] = {}
+        ran = False
+        while True:
+            try:
+                waiting = {p: f for p, f in placed.items() if p not in starts}
+                for p, t in self.placement.wait_all("placing trainers", waiting).items():
+                    self.trainers[p] = t
+                    starts[p] = t.start(run_loop=run_loop)
+                if not ran:
+                    ran = True
+                    meanwhile()
+                self.placement.wait_all("starting trainers (backend build, v0 publish)", starts)
+                return
+            except FUTURE_ERRORS as err:
+                lost = self._lost_at_start(err)
+            gone = lost.worker.name
+            moved = [p for p, name in self.placed_on.items() if name == gone]
+            self.replace(lost)  # places and starts the trainers of ``moved`` on a new worker
+            for p in moved:
+                placed.pop(p, None)
+                starts.pop(p, None)
+
+    def _lost_at_start(self, err: BaseException) -> TrainerLost:
+        """The trainer worker lost behind ``err``, raised at the run's start; else ``err`` again
+        (an actor's own error, the data layer's worker lost: the run fails on it)."""
+        if isinstance(err, TrainerLost):
+            return err
+        if isinstance(err, (LostBeforeReady, OSError)):  # the job's end may be seen a little later
+            try:
+                self.fleet.check_core(wait_s=10.0)
+            except TrainerLost as lost:
+                return lost
+        raise err
 
     def replace(self, lost: TrainerLost) -> None:
         """Restart every trainer that ran on the lost worker (module docstring), or raise

@@ -53,6 +53,11 @@ class WorkerUnusable(RunFailed):
     slot is refilled, and a partition whose workers keep failing stops being refilled)."""
 
 
+class LostBeforeReady(RunFailed):
+    """The worker an actor was being placed or started on left the cluster before it was
+    ready (``Placement.wait_all``): the trainer restarts look for a lost trainer worker."""
+
+
 class CoreWorkerLost(RunFailed):
     """A worker holding a trainer or the data layer is gone; left uncaught (at bring-up, or
     its restarts spent) it fails the run."""

@@ -175,6 +175,34 @@ def test_a_killed_trainer_worker_is_replaced_and_the_run_completes_nothing_lost_
     assert len(pids) == len(workers) + 1 and not [p for p in pids if _alive(p)], "worker processes were left running"
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(420)
+def test_a_trainer_worker_lost_during_the_start_is_replaced_and_the_run_completes(tiny_model, tmp_path, monkeypatch):
+    """Killed by its own advantage module as the backend imports it (``tests/e2e/dying_trainer.py``):
+    before v0 is published, while the RaaS nodes are being placed."""
+    from tests.e2e.dying_trainer import DIE_ONCE_ENV
+
+    died = tmp_path / "trainer-died"
+    monkeypatch.setenv(DIE_ONCE_ENV, str(died))
+    steps = 4
+    with _running(tmp_path, tiny_model, "policies.0.trainer.advantage=tests.e2e.dying_trainer:grpo_after_a_death",
+                  max_steps=steps, quiet=False, paced=False) as (proc, run_dir):
+        out, err = _completed(proc)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert died.exists(), "the trainer worker was not killed: the test tested nothing"
+    assert "trainer solver lost" in out and "restarting it (1 of 2) from v0" in out, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == {"solver": steps}
+    (restart,) = summary["trainer_restarts"]["solver"]["restarts"]
+    assert restart["from_version"] == 0 and restart["new_worker"] != restart["worker"], restart
+    train = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in train if x.get("policy") == "solver"] == list(range(1, steps + 1))
+    assert summary["ledger_closed"] and summary["ledger"]["open"] == 0
+    assert summary["ledger"]["states"]["consumed"] == 16 * steps, summary["ledger"]
+    pids = [int(w["job_id"].removeprefix("local-")) for w in summary["workers"].values()]
+    assert int(died.read_text()) in pids and not [p for p in pids if _alive(p)], "worker processes were left running"
+
+
 def victim_name(workers: dict[str, dict], victim: dict) -> str:
     return next(n for n, w in workers.items() if w is victim)
 
