@@ -291,6 +291,7 @@ def trainer_kwargs(cfg: RunConfig, paths: RunPaths, index: int, pol: PolicyConfi
         data_layer=data_layer, max_steps=cfg.run.max_steps, seed=cfg.run.seed + index,
         write_deltas=cfg.storage.deltas, optimizer_path=str(paths.optimizer_state(pol.name)),
         store_url=store_url(cfg, paths),  # it reads the rows of its batches there, as the nodes write them
+        log_dir=str(paths.logs / f"trainer-{pol.name}"),  # its backend's own processes' logs (Megatron ranks)
     )
 
 

@@ -43,7 +43,7 @@ from storage.weights import WeightStore
 log = logging.getLogger("astraflow.training")
 
 
-def make_backend(cfg: TrainerConfig, model_path: str, seed: int) -> TrainerBackend:
+def make_backend(cfg: TrainerConfig, model_path: str, seed: int, log_dir: str | None = None) -> TrainerBackend:
     if cfg.backend == "torch":
         import torch
 
@@ -66,7 +66,7 @@ def make_backend(cfg: TrainerConfig, model_path: str, seed: int) -> TrainerBacke
             weight_decay=cfg.weight_decay, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
             max_grad_norm=cfg.max_grad_norm, seed=seed,
             threads_per_rank=cfg.threads, skip_zero_advantage=cfg.skip_zero_advantage,
-            publish_dtype=cfg.resolved_publish_dtype, advantage=cfg.advantage,
+            publish_dtype=cfg.resolved_publish_dtype, advantage=cfg.advantage, log_dir=log_dir,
             **({} if cfg.loss_fn == "grpo" else {"loss_fn": cfg.loss_fn}),
         ))
     if cfg.backend == "sim":
@@ -125,6 +125,7 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
         write_deltas: bool = False,
         optimizer_path: str | None = None,
         store_url: str | None = None,
+        log_dir: str | None = None,
     ):
         self.policy = policy
         self.cfg = cfg
@@ -137,6 +138,8 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
         self.rows = BatchRows(store_url) if store_url else None
         self.max_steps = max_steps
         self.seed = seed
+        #: where the backend's own processes log (a Megatron backend's ranks); None: its work directory
+        self.log_dir = log_dir
         #: the version the backend's weights are at (= optimiser steps taken, counted from the
         #: initial weights, version 0); ``committed``: the newest version in the store
         self.version = 0
@@ -190,7 +193,7 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
         starts from (a resumed run continues after its latest version)."""
         bind(self.dl)
         self.store = WeightStore(self.weights_root, keep_last=self.keep_versions)
-        self.backend = make_backend(self.cfg, self.model_path, self.seed)
+        self.backend = make_backend(self.cfg, self.model_path, self.seed, self.log_dir)
         latest = self.store.latest(self.policy)
         if latest is None:
             self.backend.publish(self.store, self.policy, 0)

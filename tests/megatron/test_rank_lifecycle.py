@@ -35,7 +35,7 @@ def tmpdir_root(tmp_path, monkeypatch) -> Path:
 
 
 def _workdirs(root: Path) -> list[Path]:
-    return sorted(root.glob("astraflow-megatron-*"))
+    return sorted(d for d in root.glob("astraflow-megatron-*") if not d.name.startswith("astraflow-megatron-ranks-"))
 
 
 def _left_in(root: Path) -> list[str]:

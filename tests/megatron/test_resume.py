@@ -134,7 +134,10 @@ def test_bf16_weights_are_upcast_into_the_fp32_parameters(runs):
 def test_a_resumed_trainer_continues_from_its_latest_committed_version(tmp_path):
     """A megatron trainer stopped at v2 (optimiser state saved, versions published in bf16):
     a new one on the same directories starts at v2 with the fp32 master weights and the saved
-    moments, and its next step is the one the first trainer would have taken."""
+    moments, and its next step is the one the first trainer would have taken. The ranks log to
+    the trainer's ``log_dir`` (a run's logs directory), the backend works in the worker's private
+    directory (Dask's ``temporary-directory``) and removes its work directory when closed."""
+    import dask
     from transformers import AutoConfig, LlamaForCausalLM
 
     from astraflow.training.config import TrainerConfig
@@ -150,11 +153,18 @@ def test_a_resumed_trainer_continues_from_its_latest_committed_version(tmp_path)
     def trainer() -> Trainer:
         return Trainer(policy="p", cfg=cfg, model_path=str(hf_dir), weights_root=str(tmp_path / "weights"),
                        keep_versions=5, data_layer=_DataLayer(batch), max_steps=10,
-                       optimizer_path=str(tmp_path / "trainer_state" / "p" / "optimizer.pt"))
+                       optimizer_path=str(tmp_path / "trainer_state" / "p" / "optimizer.pt"),
+                       log_dir=str(tmp_path / "logs" / "trainer-p"))
 
+    private = tmp_path / "private"
+    private.mkdir()
     first = trainer()
     try:
-        assert first.start(run_loop=False) == 0
+        with dask.config.set({"temporary-directory": str(private)}):
+            assert first.start(run_loop=False) == 0
+        workdir = first.backend._workdir
+        assert workdir.parent == private and workdir.is_dir()
+        assert (tmp_path / "logs" / "trainer-p" / "megatron-rank0.log").exists()
         first.step()
         first.step()
         first.save_optimizer()  # what stop() saves: v2's optimiser state (with the master weights)
@@ -163,6 +173,7 @@ def test_a_resumed_trainer_continues_from_its_latest_committed_version(tmp_path)
         uninterrupted = first.backend.state_dict()
     finally:
         first.backend.close()
+    assert not workdir.exists()
     assert WeightStore(tmp_path / "weights").versions("p") == [0, 1, 2]
 
     second = trainer()

@@ -10,7 +10,9 @@ the process's rank fork server where it can stand in, ``launch``), not with
 ``multiprocessing`` children, a spawned child would re-import the worker's main module, and a
 process of its own gives every rank its own log file and a pid the backend can stop by id. They
 rendezvous through a ``file://`` store in the backend's private work directory (no port to
-pick). When the trainer's Slurm job spans several nodes, the same
+pick; made in the worker's private directory, so a worker killed outright leaves none) and log
+to ``log_dir`` (a run's: ``logs/trainer-<policy>/`` of the run directory, which every node of a
+job sees; else the work directory). When the trainer's Slurm job spans several nodes, the same
 ``rank`` module runs as one ``srun`` job step over the whole allocation, with ``env://``
 rendezvous (``launch``, ``slurm``; ``launcher`` chooses).
 
@@ -67,6 +69,7 @@ from astraflow.training.megatron.batching import (
 from astraflow.training.megatron.channel import RankChannel
 from astraflow.training.megatron.convert import check_shard, gather_shards, shard_for_rank, to_module_state
 from astraflow.training.megatron.launch import RankLaunch, start_ranks
+from astraflow.training.megatron.rank_server import temporary_directory
 from astraflow.training.numerics import NonFiniteError, likely_cause
 from astraflow.training.megatron.slurm import Allocation
 from astraflow.training.megatron.state import BACKEND as STATE_BACKEND
@@ -181,7 +184,7 @@ class MegatronBackend(RankChannel):
                 f"this node and it has {gpus}: lower trainer.tensor_parallel or trainer.data_parallel, or "
                 "give the trainer partition more GPUs per node"
             )
-        self._workdir = Path(tempfile.mkdtemp(prefix="astraflow-megatron-"))
+        self._workdir = Path(tempfile.mkdtemp(prefix="astraflow-megatron-", dir=temporary_directory()))
         self._stopped = None
         log_dir = Path(config.log_dir) if config.log_dir else self._workdir
         log_dir.mkdir(parents=True, exist_ok=True)

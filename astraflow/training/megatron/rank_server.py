@@ -50,7 +50,7 @@ def rank_fork_server(env: Mapping[str, str], log_dir: Path | None = None) -> For
             if _keeper is None:
                 _keeper = ThreadPoolExecutor(1, thread_name_prefix="megatron-forkserver")
             if _directory is None or not _directory.is_dir():
-                _directory = Path(tempfile.mkdtemp(prefix="astraflow-megatron-ranks-", dir=_temporary_directory()))
+                _directory = Path(tempfile.mkdtemp(prefix="astraflow-megatron-ranks-", dir=temporary_directory()))
                 atexit.register(_remove, _directory, os.getpid())
             log = (log_dir or _directory) / "megatron-forkserver.log"
             _server = _keeper.submit(ForkServer, sys.executable, RANK_PRELOAD, env, log, False, _directory).result()
@@ -85,7 +85,9 @@ def close_rank_fork_server() -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _temporary_directory() -> str | None:
+def temporary_directory() -> str | None:
+    """Dask's ``temporary-directory`` where set: in a run's worker, its private directory (removed
+    with it, or after a SIGKILL by the next worker on the node); None: ``$TMPDIR``."""
     dask = sys.modules.get("dask")
     return dask.config.get("temporary-directory", None) if dask is not None else None
 
