@@ -1,11 +1,12 @@
 """What the code sandbox costs per execution, next to a plain unsandboxed Python subprocess.
 
 The same mix of programs (a small function with passing tests, one with a failing test) runs
-through ``astraflow.sandbox.Sandbox`` (bubblewrap, limits, per-test results) and through a plain
-``python3 -I -B`` subprocess of the same interpreter on the program followed by the tests, at
-concurrency 1 and 2. Reported: executions per second and p50/p99 latency of each. The last line
-is ``RESULT {json}``: the sandbox's executions/s and p99 at concurrency 2 and its ratio to the
-plain subprocess (goal: at least 0.5).
+through ``astraflow.sandbox.Sandbox`` (bubblewrap, limits, per-test results), with the tests in a
+process of their own (the default) and in the program's interpreter (``isolate_tests: false``),
+and through a plain ``python3 -I -B`` subprocess of the same interpreter on the program followed
+by the tests, at concurrency 1 and 2. Reported: executions per second and p50/p99 latency of
+each. The last line is ``RESULT {json}``: the sandbox's executions/s and p99 at concurrency 2,
+its ratio to the plain subprocess (goal: at least 0.5), and isolated tests' ratio to shared ones.
 
 Run from the repository root: ``python benchmarks/sandbox.py [--runs 60]``.
 """
@@ -78,9 +79,10 @@ def main() -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for c in (1, 2):
-            sb = Sandbox(SandboxConfig(concurrency=c))
             rows[("plain", c)] = measure(plain(python, Path(tmp)), args.runs, c)
-            rows[("sandbox", c)] = measure(sandboxed(sb), args.runs, c)
+            rows[("sandbox", c)] = measure(sandboxed(Sandbox(SandboxConfig(concurrency=c))), args.runs, c)
+            rows[("shared", c)] = measure(sandboxed(Sandbox(SandboxConfig(concurrency=c, isolate_tests=False))),
+                                          args.runs, c)
     print(f"{'':10}{'conc':>5}{'exec/s':>9}{'p50 ms':>9}{'p99 ms':>9}   ({os.cpu_count()} cores, {python})")
     for (kind, c), m in rows.items():
         print(f"{kind:10}{c:>5}{m['executions_per_s']:>9.1f}{m['p50_ms']:>9.1f}{m['p99_ms']:>9.1f}")
@@ -89,6 +91,7 @@ def main() -> None:
         "ratio_vs_plain_subprocess": round(best["executions_per_s"] / rows[("plain", 2)]["executions_per_s"], 3),
         "ratio_vs_plain_subprocess_concurrency_1": round(
             rows[("sandbox", 1)]["executions_per_s"] / rows[("plain", 1)]["executions_per_s"], 3),
+        "isolated_vs_shared_tests": round(best["executions_per_s"] / rows[("shared", 2)]["executions_per_s"], 3),
         "executions_per_s": round(best["executions_per_s"], 2), "p50_ms": round(best["p50_ms"], 1),
         "p99_ms": round(best["p99_ms"], 1), "concurrency": 2, "runs": args.runs}))
 

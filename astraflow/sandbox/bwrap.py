@@ -168,7 +168,8 @@ def command(cfg: SandboxConfig, python: str, in_dir: str, result_fd: int,
     """bwrap argv running the runner on ``in_dir``; the runner reports on ``result_fd``."""
     return [*_sandbox(cfg, python, filter_fd), "--ro-bind", in_dir, IN_DIR, "--chdir", SCRATCH,
             python, "-I", "-S", "-B", f"{IN_DIR}/runner.py", str(result_fd), str(cfg.cpu_s),
-            str(cfg.memory_mb << 20), str(cfg.max_processes), str(file_size_limit(cfg)), *test_names]
+            str(cfg.memory_mb << 20), str(cfg.max_processes), str(file_size_limit(cfg)),
+            "isolated" if cfg.isolate_tests else "shared", *test_names]
 
 
 def file_size_limit(cfg: SandboxConfig) -> int:
@@ -185,13 +186,19 @@ def drop_privileges(cfg: SandboxConfig) -> dict:
     return {"user": cfg.sandbox_uid, "group": cfg.sandbox_uid, "extra_groups": []}
 
 
-def probe(cfg: SandboxConfig) -> None:
-    """Raise SandboxUnavailable unless bubblewrap can start the interpreter in its namespaces."""
+#: what the start-up probe runs in the sandbox: prints the interpreter's bytecode magic number
+MAGIC_SCRIPT = "import importlib.util, sys; sys.stdout.write(importlib.util.MAGIC_NUMBER.hex())"
+
+
+def probe(cfg: SandboxConfig) -> str:
+    """Raise SandboxUnavailable unless bubblewrap can start the interpreter in its namespaces;
+    the interpreter's bytecode magic number (hex), which says whether code the host compiled
+    runs there."""
     python = interpreter(cfg)
     filter_fd = None
     try:
         filter_fd = seccomp_fd()
-        args = [*_sandbox(cfg, python, filter_fd), "--chdir", SCRATCH, python, "-I", "-S", "-c", "pass"]
+        args = [*_sandbox(cfg, python, filter_fd), "--chdir", SCRATCH, python, "-I", "-S", "-c", MAGIC_SCRIPT]
         proc = subprocess.run(args, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, env=HOST_ENV,
                               pass_fds=() if filter_fd is None else (filter_fd,), **drop_privileges(cfg))
     except (OSError, subprocess.TimeoutExpired) as err:
@@ -214,3 +221,4 @@ def probe(cfg: SandboxConfig) -> None:
             f"bubblewrap cannot create a sandbox here ({why[0]}): it needs unprivileged user "
             "namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0, "
             f"no AppArmor restriction on bwrap); {FIX}")
+    return proc.stdout.decode("ascii", "replace").strip()

@@ -31,7 +31,11 @@ def sandbox() -> None:
 @sandbox.command("run")
 @click.argument("program", type=UserPath(dir_okay=False, path_type=Path))
 @click.option("--tests", "tests_file", type=UserPath(dir_okay=False, path_type=Path), default=None,
-              help="Python file run after PROGRAM in its namespace; each top-level test_* function is one test.")
+              help="Python file of tests of PROGRAM; each top-level test_* function is one test. They run in a "
+                   "process of their own against what PROGRAM defined (only plain values cross).")
+@click.option("--shared-tests", is_flag=True,
+              help="Run --tests in PROGRAM's own interpreter and namespace (sandbox.isolate_tests: false): "
+                   "any object crosses, and PROGRAM can cheat them.")
 @click.option("--timeout", "timeout_s", type=float, default=None,
               help="Wall-clock limit in seconds (default: sandbox.timeout_s).")
 @click.option("--bwrap", "bwrap", default=None, metavar="PATH",
@@ -39,7 +43,7 @@ def sandbox() -> None:
 @click.option("--interpreter", default=None, metavar="PATH",
               help="The Python run inside the sandbox (default: this machine's base python3).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
-def run_cmd(program: Path, tests_file: Path | None, timeout_s: float | None, bwrap: str | None,
+def run_cmd(program: Path, tests_file: Path | None, shared_tests: bool, timeout_s: float | None, bwrap: str | None,
             interpreter: str | None, as_json: bool) -> None:
     """Run PROGRAM (and --tests) in the sandbox and print the structured result."""
     from . import Sandbox, SandboxConfig, SandboxUnavailable
@@ -53,7 +57,8 @@ def run_cmd(program: Path, tests_file: Path | None, timeout_s: float | None, bwr
             raise BadInput(f"--tests {tests_file} is not UTF-8 ({err}): save it as UTF-8") from None
     if timeout_s is not None and not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise BadInput(f"--timeout {timeout_s}: give a positive, finite number of seconds")
-    cfg = SandboxConfig(**{k: v for k, v in (("bwrap", bwrap), ("interpreter", interpreter)) if v})
+    cfg = SandboxConfig(**{k: v for k, v in (("bwrap", bwrap), ("interpreter", interpreter)) if v},
+                        isolate_tests=not shared_tests)
     try:
         result = Sandbox(cfg).run(source, tests, timeout_s=timeout_s)
     except SandboxUnavailable as err:

@@ -39,6 +39,12 @@ class SandboxConfig(Strict):
     the kernel enforces the process limit (it exempts root). Default: nobody."""
     bwrap: str = "bwrap"
     """The bubblewrap executable (a name on PATH or a path)."""
+    isolate_tests: bool = True
+    """Run the tests in a process of their own, against proxies of what the program defined:
+    only plain values (numbers, strings, bytes, None and containers of them) cross, the program
+    never sees the tests' source, and it cannot patch the tests' builtins or make a value equal
+    to everything (``docs/sandbox.md``). False: the tests run in the program's interpreter and
+    namespace (they may then use any object of the program, and the program can cheat them)."""
 
 
 #: what an execution may take past its wall-clock limit: starting bubblewrap, killing it, its pipes closing

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import importlib.util
 import logging
+import marshal
 import os
 import secrets
 import selectors
@@ -32,10 +34,12 @@ from .result import SandboxResult, TestOutcome
 
 log = logging.getLogger("astraflow.sandbox")
 RUNNER = (Path(__file__).with_name("runner.py")).read_text(encoding="utf-8")
+JUDGE = (Path(__file__).with_name("judge.py")).read_text(encoding="utf-8")  # isolated tests
 MAX_CHANNEL_BYTES = 1 << 20  # the result pipe: a few lines per test
 MAX_EVENT_CHARS = 1 << 14  # one report line: a test's name and its truncated exception line
 EXIT_GRACE_S = 1.0  # after bubblewrap exits, how long its pipes may take to close
 CPU_SIGNALS = (128 + signal.SIGXCPU, 128 + signal.SIGKILL)  # the CPU limit's soft and hard ends
+PIPE_BYTES = 1 << 15  # what a pipe takes before a writer blocks (its buffer is at least 64 KiB on Linux)
 
 
 class Sandbox:
@@ -48,6 +52,9 @@ class Sandbox:
         self._lock = threading.Lock()
         self._checked = False
         self._root = Path()
+        #: the isolated tests' judge (``judge.py``) as the input directory holds it: compiled here
+        #: (``judge.bin``) when the sandbox interpreter reads this interpreter's bytecode, else source
+        self._judge: tuple[str, bytes] = ("judge.py", JUDGE.encode())
         #: per thread: [seconds it waited for a slot, when its current wait began or None]
         self._queued: dict[int, list] = {}
 
@@ -56,7 +63,8 @@ class Sandbox:
         execution directory can be made under the scratch root; once."""
         with self._lock:
             if not self._checked:
-                bwrap.probe(self.cfg)
+                if bwrap.probe(self.cfg) == importlib.util.MAGIC_NUMBER.hex():  # it runs what we compile
+                    self._judge = ("judge.bin", marshal.dumps(compile(JUDGE, "/in/judge.py", "exec")))
                 if os.getpid() == 1:  # orphans are ours to reap, and nothing here reaps them
                     log.warning("this process is PID 1 (a container without an init): each sandbox run leaves a "
                                 "zombie process that only PID 1 can reap; start the container with an init "
@@ -179,7 +187,9 @@ class Sandbox:
         try:
             files = {"runner.py": RUNNER.encode(),
                      "program.py": _utf8(program) if isinstance(program, str) else program}
-            if tests is not None:
+            if tests is not None and self.cfg.isolate_tests:  # the tests come on the runner's stdin
+                files[self._judge[0]] = self._judge[1]
+            elif tests is not None:
                 files["tests.py"] = _utf8(tests)
             gid = bwrap.drop_privileges(self.cfg).get("group")
             for name, data in files.items():
@@ -218,13 +228,29 @@ class Sandbox:
             return _result("sandbox_error", (), "", f"sandbox could not start: {err}", None, start)
         for fd in fds:
             os.close(fd)
-        try:
-            proc.stdin.write(nonce.encode() + b"\n")
-            proc.stdin.close()
-        except OSError:
-            pass  # bubblewrap already failed: its stderr says why
+        feed = nonce.encode() + b"\n"
+        if tests is not None and cfg.isolate_tests:  # only the judge reads them, never the program's process
+            feed += _utf8(tests)
+        _feed(proc, feed)
         out, err, channel, killed = _collect(proc, r_fd, start + timeout, cfg.max_output_bytes)
         return _judge(proc.returncode, out, err, _events(channel, nonce), killed, names, start, cfg.cpu_s)
+
+
+def _feed(proc: subprocess.Popen, data: bytes) -> None:
+    """``data`` to the runner's stdin, then closed. What a pipe holds is written here; more from a
+    thread, so that a runner that never reads cannot hold this call past the deadline."""
+
+    def write() -> None:
+        try:
+            proc.stdin.write(data)
+            proc.stdin.close()
+        except OSError:
+            pass  # bubblewrap already failed (its stderr says why), or the runner was killed
+
+    if len(data) <= PIPE_BYTES:
+        write()
+    else:
+        threading.Thread(target=write, name="sandbox-stdin", daemon=True).start()
 
 
 def _collect(proc: subprocess.Popen, r_fd: int, deadline: float,

@@ -1,22 +1,28 @@
 """The first code that runs inside the sandbox (standard library only; copied into each
 execution's input directory, never imported by the host).
 
-argv: result fd, CPU seconds, address-space bytes, process count, file-size bytes, then the
-test names (the host parses them from the tests; ``tests`` alone: the whole source is one
-test). It reads the nonce from stdin, sets the resource limits every later process inherits,
-runs /in/program.py, then /in/tests.py and each named test in the program's namespace, and
-reports on the result pipe: one ``repr((nonce, event, payload))`` line per event. Imports are
-kept to the few the success path needs: they are most of an execution's start-up time.
+argv: result fd, CPU seconds, address-space bytes, process count, file-size bytes, the mode
+(``isolated`` or ``shared``), then the test names (the host parses them from the tests;
+``tests`` alone: the whole source is one test). It reads the nonce from stdin, sets the
+resource limits every later process inherits, runs /in/program.py, then the tests and each
+named test, and reports on the result pipe: one ``repr((nonce, event, payload))`` line per
+event. Imports are kept to the few the success path needs: they are most of an execution's
+start-up time.
 
-The program runs in this interpreter, as a ``__main__`` module of its own (``import __main__``
-gives it its own namespace, not this module). The channel and the nonce live only in
+``isolated`` (with tests): the program runs in a process of its own and the tests here, against
+proxies of what it defined (``judge.py``, loaded from the input directory); the tests come on
+stdin after the nonce, read once the program's process exists, and only this process holds the
+result pipe. ``shared``: the tests (/in/tests.py) run in the program's namespace, in this
+interpreter.
+
+The program runs as a ``__main__`` module of its own (``import __main__`` gives it its own
+namespace, not this module). In the shared mode the channel and the nonce live only in
 ``main``'s locals: one that digs through frames or the garbage collector's objects could still
 forge the report. The nonce stops printing or blind writes to a file descriptor, not introspection.
-
-The program shares this interpreter's modules and builtins, so it can break what the runner
-would report with (the recursion limit, ``sys.modules``, a hostile exception class): reporting
-resets the recursion limit, uses what was taken before the program ran, falls back to a plain
-line, and once the program has run, a failure of the runner is the program's failure.
+The program also shares this interpreter's modules and builtins there, so it can break what the
+runner would report with (the recursion limit, ``sys.modules``, a hostile exception class):
+reporting resets the recursion limit, uses what was taken before the program ran, falls back to
+a plain line, and once the program has run, a failure of the runner is the program's failure.
 """
 
 import os
@@ -28,15 +34,18 @@ MAX_FILES = 64  # open descriptors per process: with the file-size limit, bounds
 RECURSION_LIMIT = sys.getrecursionlimit()
 set_recursion_limit = sys.setrecursionlimit  # taken before the program can replace it
 safe_repr = repr
+#: sources read from no file (the isolated tests, from stdin) by path: an assert's line is quoted from here
+SOURCES = {}
 
 
 def main() -> int:
     fd = int(sys.argv[1])
-    names = sys.argv[6:]
-    nonce = sys.stdin.readline().strip()
-    devnull = os.open("/dev/null", os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
+    isolated, names = sys.argv[6] == "isolated", sys.argv[7:]
+    nonce = _read_line(0)
+    if not (isolated and names):  # else the tests follow the nonce: the judge reads them
+        devnull = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
     os.set_inheritable(fd, False)  # exec'd children do not get the channel
     out = os.fdopen(fd, "w", buffering=1)
     memory_line = repr((nonce, "memory", None)) + "\n"
@@ -47,7 +56,7 @@ def main() -> int:
         out.write(safe_repr((nonce, event, payload)) + "\n")
 
     try:
-        return execute(names, send, out, memory_line, ran)
+        return execute(names, isolated, send, out, memory_line, ran)
     except BaseException as exc:
         if ran:  # the program broke what the runner reports with: its failure, not the sandbox's
             _plain_error("the program broke the sandbox runner's reporting")
@@ -58,12 +67,31 @@ def main() -> int:
         return 70
 
 
-def execute(names: list, send, out, memory_line: str, ran: list) -> int:
+def _read_line(fd: int) -> str:
+    """One line of ``fd``, read a byte at a time: what follows it is not consumed."""
+    line = bytearray()
+    while (byte := os.read(fd, 1)) not in (b"", b"\n"):
+        line += byte
+    return line.decode("ascii").strip()
+
+
+def _read_tests(fd: int) -> str:
+    """The rest of ``fd``: the isolated tests' source (kept in ``SOURCES`` as /in/tests.py)."""
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    source = SOURCES["/in/tests.py"] = b"".join(chunks).decode("utf-8-sig")
+    return source
+
+
+def execute(names: list, isolated: bool, send, out, memory_line: str, ran: list) -> int:
     """Set the limits, run the program and the tests, report each event through ``send``."""
+    isolated = isolated and bool(names)
     cpu_s, memory, nproc, fsize = float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     cpu = int(cpu_s + 0.999)
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    nproc += isolated  # the judge's own process: the program keeps its count
     resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     for kind, value in ((resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NOFILE, MAX_FILES)):
         hard = resource.getrlimit(kind)[1]  # each file (memfds included), open descriptors; never raised
@@ -78,9 +106,13 @@ def execute(names: list, send, out, memory_line: str, ran: list) -> int:
     sys.modules["__main__"] = program
     namespace = program.__dict__
 
-    def run_source(path: str, label: str, exit_ok: bool) -> tuple[bool, str | None, int]:
+    def report_memory() -> None:
+        out.write(memory_line)
+
+    def run_source(path: str, label: str, exit_ok: bool, memory=report_memory) -> tuple[bool, str | None, int]:
         """(ran cleanly, the exception line, exit code) of exec-ing ``path`` in the namespace;
-        ``exit_ok``: whether ``SystemExit(0)`` ends it cleanly (the program's, not the tests')."""
+        ``exit_ok``: whether ``SystemExit(0)`` ends it cleanly (the program's, not the tests');
+        ``memory()`` reports an allocation that failed."""
         try:
             with open(path, "rb") as f:
                 source = f.read().decode("utf-8-sig")  # a leading byte-order mark is not code
@@ -93,7 +125,25 @@ def execute(names: list, send, out, memory_line: str, ran: list) -> int:
             return True, None, 0
         except BaseException as err:  # the program's error, whatever it is
             set_recursion_limit(RECURSION_LIMIT)
-            return program_failed(err, out, memory_line, exit_ok)
+            return program_failed(err, memory, exit_ok)
+
+    if isolated:
+        judge = {"__name__": "judge", "__builtins__": __builtins__}
+        try:  # compiled by the host when its bytecode is this interpreter's
+            with open("/in/judge.bin", "rb") as f:
+                code = __import__("marshal").loads(f.read())
+        except FileNotFoundError:
+            with open("/in/judge.py", "rb") as f:
+                code = compile(f.read(), "/in/judge.py", "exec")
+        exec(code, judge)
+
+        def run_program(memory) -> tuple[bool, int]:
+            ok, _, code = run_source("/in/program.py", "the program", True, memory)
+            return ok, code
+
+        ran.append(True)  # from here a failure of the judge's is the program's doing
+        return judge["run_isolated"](names, send, report_memory, out.fileno(), run_program, namespace,
+                                     lambda fn: run_test(fn, report_memory), describe, lambda: _read_tests(0))
 
     ok, error, code = run_source("/in/program.py", "the program", True)
     send("program", ok)
@@ -110,14 +160,14 @@ def execute(names: list, send, out, memory_line: str, ran: list) -> int:
         return 0 if ok else 1
     failed = 0
     for name in names:
-        passed, error = run_test(namespace.get(name), memory_line, out)
+        passed, error = run_test(namespace.get(name), report_memory)
         failed += not passed
         send("test", (name, passed, error))
     send("done")
     return 1 if failed else 0
 
 
-def program_failed(err: BaseException, out, memory_line: str, exit_ok: bool) -> tuple[bool, str | None, int]:
+def program_failed(err: BaseException, memory, exit_ok: bool) -> tuple[bool, str | None, int]:
     """(ran cleanly, the exception line, exit code) of the program raising ``err``: its
     traceback on stderr, a MemoryError reported; whatever the program broke, never raises.
     A ``SystemExit`` out of the tests is a failure whatever its code: their asserts did not all run."""
@@ -126,14 +176,14 @@ def program_failed(err: BaseException, out, memory_line: str, exit_ok: bool) -> 
             code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
             return (True, None, 0) if code == 0 else (False, f"SystemExit: {err.code}"[:ERROR_CHARS], code)
         if isinstance(err, MemoryError):
-            out.write(memory_line)
+            memory()
         print_error(err)
         return False, describe(err), 1
     except BaseException:
         return False, "the program's exception could not be reported", 1
 
 
-def run_test(fn, memory_line: str, out) -> tuple[bool, str | None]:
+def run_test(fn, memory) -> tuple[bool, str | None]:
     if not callable(fn):
         return False, "TypeError: not a function after the tests ran"
     try:
@@ -147,7 +197,7 @@ def run_test(fn, memory_line: str, out) -> tuple[bool, str | None]:
         set_recursion_limit(RECURSION_LIMIT)
         try:
             if isinstance(err, MemoryError):
-                out.write(memory_line)
+                memory()
                 return False, "MemoryError"
             return False, describe(err)
         except BaseException:
@@ -204,8 +254,11 @@ def describe(err: BaseException) -> str:
 
 def _source_line(path: str, lineno: int) -> str:
     try:
-        with open(path, "rb") as f:
-            lines = f.read().decode("utf-8", "replace").splitlines()
+        if path in SOURCES:
+            lines = SOURCES[path].splitlines()
+        else:
+            with open(path, "rb") as f:
+                lines = f.read().decode("utf-8", "replace").splitlines()
         return lines[lineno - 1].strip() if 0 < lineno <= len(lines) else ""
     except OSError:
         return ""

@@ -24,6 +24,18 @@ def test_run_prints_a_summary_and_exits_0_whatever_the_program_did(tmp_path):
     assert "status: failure (1/2 tests passed" in r.output and "FAIL test_b: AssertionError" in r.output
 
 
+def test_shared_tests_run_in_the_programs_namespace(tmp_path):
+    """Tests that reach the program's globals by name: only in its own namespace."""
+    prog = tmp_path / "prog.py"
+    prog.write_text("SEEN = []\ndef add(a, b):\n    SEEN.append(a)\n    return a + b\n")
+    tests = tmp_path / "tests.py"
+    tests.write_text("def test_a():\n    add(1, 2)\n    assert SEEN == [1]\n")
+    shared = CliRunner().invoke(main, ["sandbox", "run", str(prog), "--tests", str(tests), "--shared-tests", "--json"])
+    isolated = CliRunner().invoke(main, ["sandbox", "run", str(prog), "--tests", str(tests), "--json"])
+    assert json.loads(shared.output)["status"] == "ok", shared.output
+    assert json.loads(isolated.output)["status"] == "failure", isolated.output  # a copy of SEEN, made before
+
+
 def test_run_json(tmp_path):
     prog, tests = _files(tmp_path)
     r = CliRunner().invoke(main, ["sandbox", "run", str(prog), "--json", "--timeout", "5"])

@@ -1,0 +1,135 @@
+"""Isolated tests (``sandbox.isolate_tests``, the default) on the real sandbox: the cheats a
+policy can learn against tests that run in its program's interpreter pass there and fail here;
+honest programs (functions, classes, generators, coroutines, exceptions, every plain type) pass
+alike; a program's end, limits and output mid-test read as they do in one process; and the wire
+between the two processes refuses what it cannot carry instead of trusting it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from astraflow.sandbox import Sandbox, SandboxConfig
+from astraflow.sandbox import judge
+
+LIMITS = dict(timeout_s=3.0, cpu_s=2.0, memory_mb=256, max_processes=16, max_output_bytes=4096)
+#: what the cheats fool: a comparison, and a truth test (passed honestly by a truthy plain value)
+TESTS = "def test_add():\n    assert add(2, 2) == 4\n\ndef test_truth():\n    assert add(1, 1)\n"
+
+
+@pytest.fixture(scope="module")
+def isolated():
+    return Sandbox(SandboxConfig(**LIMITS))
+
+
+@pytest.fixture(scope="module")
+def shared():
+    return Sandbox(SandboxConfig(**LIMITS, isolate_tests=False))
+
+
+CHEATS = {
+    "an object equal to everything": "class E:\n    def __eq__(self, o):\n        return True\n\n"
+                                     "def add(a, b):\n    return E()\n",
+    "an int subclass equal to everything": "class I(int):\n    def __eq__(self, o):\n        return True\n"
+                                           "    __hash__ = int.__hash__\n\ndef add(a, b):\n    return I(7)\n",
+    "the tests read and answered": "import re\nsrc = open('/in/tests.py').read()\n"
+                                   "ANS = {(int(a), int(b)): int(c) for a, b, c in "
+                                   "re.findall(r'add\\((\\d+), (\\d+)\\) == (\\d+)', src)}\n"
+                                   "def add(a, b):\n    return ANS.get((a, b), 1)\n",
+}
+
+
+@pytest.mark.parametrize("cheat", list(CHEATS))
+def test_a_cheat_that_passes_shared_tests_fails_isolated_ones(isolated, shared, cheat):
+    assert shared.run(CHEATS[cheat], TESTS).status == "ok"  # what a policy would be rewarded for
+    r = isolated.run(CHEATS[cheat], TESTS)
+    assert r.status == "failure" and not r.tests[0].passed, r
+
+
+HONEST = ("import asyncio\n"
+          "class Stack:\n    def __init__(self):\n        self.items = []\n"
+          "    def push(self, v):\n        self.items.append(v)\n    def pop(self):\n        return self.items.pop()\n"
+          "    def __len__(self):\n        return len(self.items)\n    def __str__(self):\n"
+          "        return f'Stack{self.items}'\n"
+          "class Negative(ValueError):\n    pass\n"
+          "def root(x):\n    if x < 0:\n        raise Negative(f'{x} < 0')\n    return x ** 0.5\n"
+          "def evens(n):\n    yield from range(0, n, 2)\n"
+          "async def later(v):\n    await asyncio.sleep(0)\n    return v\n"
+          "def echo(*a, **k):\n    print('echo', a, k)\n    return a, k\n"
+          "LIMIT = 10 ** 30\n")
+HONEST_TESTS = (
+    "import math\n"
+    "def test_objects():\n    s = Stack()\n    s.push(1)\n    s.push([2, (3.5, None)])\n"
+    "    assert len(s) == 2 and str(s) == 'Stack[1, [2, (3.5, None)]]'\n"
+    "    assert s.pop() == [2, (3.5, None)] and s.pop() == 1 and s.items == []\n"
+    "def test_exceptions():\n    try:\n        root(-1)\n    except ValueError as e:\n"
+    "        assert '-1 < 0' in str(e)\n    else:\n        assert False\n"
+    "def test_iteration():\n    assert list(evens(7)) == [0, 2, 4, 6] and 4 in evens(7)\n"
+    "async def test_coroutine():\n    assert await later(5) == 5\n"
+    "def test_plain_values():\n"
+    "    value = ({1: 'a', (2, 3): b'x'}, {1, 2}, frozenset([3]), 2 ** 100, -LIMIT, float('inf'), 1 + 2j,\n"
+    "             'snow \\u2603 \\udcff')\n"
+    "    args, kwargs = echo(*value, key=[None, True, 0.1])\n"
+    "    assert args == value and kwargs == {'key': [None, True, 0.1]}\n"
+    "    assert math.isnan(echo(float('nan'))[0][0]) and root(4) == 2.0\n")
+
+
+@pytest.mark.parametrize("mode", ["isolated", "shared"])
+def test_an_honest_program_passes_either_way(isolated, shared, mode):
+    r = (isolated if mode == "isolated" else shared).run(HONEST, HONEST_TESTS)
+    assert r.status == "ok", (r.tests, r.stderr)
+    assert r.stdout.count("echo") == 2  # the program's output during the tests reaches the result
+
+
+def test_a_failing_assert_is_quoted_and_a_callback_is_refused_by_name(isolated):
+    r = isolated.run("def add(a, b):\n    return a - b\n\ndef apply(f, x):\n    return f(x)\n",
+                     "def test_add():\n    assert add(2, 2) == 4\n\ndef test_apply():\n    assert apply(abs, -1) == 1\n")
+    add, apply = r.tests
+    assert add.error == "AssertionError: assert add(2, 2) == 4"
+    assert "TypeError" in apply.error and "sandbox.isolate_tests" in apply.error
+
+
+def test_the_program_sees_neither_the_tests_file_nor_their_source(isolated):
+    probe = ("import gc, os\nprint(sorted(os.listdir('/in')))\n"
+             "print('held', any('SECRET' in o for o in gc.get_objects() if isinstance(o, str)))\n")
+    r = isolated.run(probe, "def test_a():\n    assert 'SECRET'\n")
+    assert r.status == "ok" and "tests.py" not in r.stdout and "held False" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("body, status", [
+    ("import os\n    os._exit(0)", "failure"), ("while True:\n        pass", "timeout"),
+    ("return bytearray(1 << 30)", "memory"), ("import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)", "failure"),
+])
+def test_a_program_that_ends_or_hits_a_limit_inside_a_test_reads_as_in_one_process(isolated, shared, body, status):
+    program, tests = f"def f():\n    {body}\n", "def test_a():\n    f()\n\ndef test_b():\n    pass\n"
+    one, two = shared.run(program, tests), isolated.run(program, tests)
+    assert one.status == two.status == status and one.tests == two.tests, (one, two)
+    assert one.exit_code == two.exit_code
+
+
+def test_the_wire_round_trips_plain_values_and_refuses_the_rest():
+    values = [None, True, 0, -(1 << 70), 1.5, -0.0, math.inf, 2 - 3j, "", "\udcff", b"\x00", [1, (2,)],
+              {(1, "a"): {2}}, frozenset({b"z"}), ()]
+    handles = []
+    data = judge.dumps((values, object()), lambda x: handles.append(x) or 7)
+    back = judge.loads(data, lambda ref: ("remote", ref))
+    assert back[0] == values and back[1] == ("remote", 7) and len(handles) == 1
+    nested = []
+    for _ in range(judge.MAX_DEPTH + 5):
+        nested = [nested]
+    with pytest.raises(ValueError, match="nested"):
+        judge.dumps(nested, lambda x: 0)
+    for bad in (b"q", b"s99;ab", b"l2;N", b"NN", b"i12", b"d1;N", b"l" + b"l1;" * 200 + b"N"):
+        with pytest.raises((ValueError, IndexError)):
+            judge.loads(bad, lambda ref: ref)
+
+
+def test_a_sandbox_interpreter_of_other_bytecode_compiles_the_judge_itself(monkeypatch):
+    """The host hands over the judge compiled only when the probe says the sandbox interpreter
+    reads its bytecode; else the source, which the runner compiles."""
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "MAGIC_NUMBER", b"\x00\x00\r\n")  # as if the host were another Python
+    r = Sandbox(SandboxConfig(**LIMITS)).run(CHEATS["an object equal to everything"], TESTS)
+    assert r.status == "failure" and "no truth value" in r.tests[1].error, r
