@@ -75,8 +75,8 @@ class TrainerRestarts:
 
     def start_all(self, placed: dict[str, Any], meanwhile: Callable[[], None]) -> None:
         """The run's start: wait for the trainers ``placed`` (policy -> future of its actor),
-        start each (backend build, v0 publish), run ``meanwhile`` once (the RaaS nodes' placing,
-        which overlaps the trainers' model loading) and wait for the starts. A trainer worker
+        start each (backend build, v0 publish), run ``meanwhile`` until it completes once (the RaaS
+        nodes' placing, which overlaps the trainers' model loading) and wait for the starts. A trainer worker
         lost meanwhile is replaced as one lost later in the run (``replace``, within
         ``cluster.trainer_restarts``); the other workers' trainers are still waited for."""
         run_loop = self.cfg.run.mode == "async"
@@ -88,9 +88,9 @@ class TrainerRestarts:
                 for p, t in self.placement.wait_all("placing trainers", waiting).items():
                     self.trainers[p] = t
                     starts[p] = t.start(run_loop=run_loop)
-                if not ran:
-                    ran = True
+                if not ran:  # again after a replacement that interrupted it
                     meanwhile()
+                    ran = True
                 self.placement.wait_all("starting trainers (backend build, v0 publish)", starts)
                 return
             except FUTURE_ERRORS as err:
