@@ -34,7 +34,8 @@ from .result import SandboxResult, TestOutcome
 
 log = logging.getLogger("astraflow.sandbox")
 RUNNER = (Path(__file__).with_name("runner.py")).read_text(encoding="utf-8")
-JUDGE = (Path(__file__).with_name("judge.py")).read_text(encoding="utf-8")  # isolated tests
+#: the isolated tests' judge, its wire first (``judge.py``)
+JUDGE = "\n".join(Path(__file__).with_name(name).read_text(encoding="utf-8") for name in ("wire.py", "judge.py"))
 MAX_CHANNEL_BYTES = 1 << 20  # the result pipe: a few lines per test
 MAX_EVENT_CHARS = 1 << 14  # one report line: a test's name and its truncated exception line
 EXIT_GRACE_S = 1.0  # after bubblewrap exits, how long its pipes may take to close

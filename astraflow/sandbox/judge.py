@@ -1,150 +1,43 @@
 """Isolated tests (``sandbox.isolate_tests``), inside the sandbox: the runner (``runner.py``)
-loads this file from its input directory and calls ``run_isolated``; standard library only,
-never imported by the host.
+loads this file (after ``wire.py``) from its input directory and calls ``run_isolated``;
+standard library only, never imported by the host but in tests.
 
 The runner's process becomes the *judge*: it forks the *program's process*, which runs the
 program and then answers the judge's requests. Only the judge holds the result channel and
 reads the tests (from its standard input, after the fork: they never exist in the program's
-process); it runs them in a namespace of proxies. Between the two processes only plain values
-travel (None, bool, int, float, complex, str, bytes and lists, tuples, sets, frozensets and dicts
-of them; instances of their subclasses travel as the plain value), in a small encoding with a
-parser of its own. Anything else the program returns stays in its process and
-reaches the tests as a ``Remote``: it can be called, indexed, iterated, measured and printed,
-each by a request, but comparing it or testing its truth never asks the program. So a program
-can make its functions return what it likes, but not what the tests compare it with, nor the
-builtins, assertions or report of the tests.
+process); it runs them with proxies of what the program defined (never under a builtin's name,
+nor a dunder). Only plain values travel between the two (``wire.py``); anything else the program
+returns stays in its process and reaches the tests as a ``Remote``: it can be called, indexed,
+iterated, measured and printed, each by a request, but comparing it or testing its truth never
+asks the program. A list, dict or set the tests pass to a call is updated in place with what
+the call left in it. An exception crosses as its nearest builtin class, or as a class of the
+tests' own standing for one the program defined at top level (``except TheirError`` works),
+with its arguments where they are plain; ``StopIteration`` and its kin cross as
+``RuntimeError``, so a program cannot end the tests' iterations early. So a program can make
+its functions return what it likes, but not what the tests compare it with, nor the builtins,
+assertions or report of the tests.
 """
 
+import builtins
 import os
 import sys
 
+try:  # on the host (tests, linters) the wire is a module; in the sandbox its source comes first in this file
+    from astraflow.sandbox.wire import ProgramGone, dumps, no_handles, read_frame, write_frame
+except ImportError:
+    pass
+
+#: names the tests never take from the program: a program global called ``len`` must not shadow theirs
+RESERVED = frozenset(dir(builtins))
+#: what must not end the tests' own iterations when the program raises it
+ENDS_ITERATION = ("StopIteration", "StopAsyncIteration", "GeneratorExit")
+#: most items one request takes from a program iterator (fewer at first: it may be endless)
+MAX_CHUNK = 1024
 
 
-class ProgramGone(Exception):
-    """The program's process ended while the judge waited for it."""
-
-
-# -- the wire: a 4-byte length, then the message in a small tagged encoding (``ast`` and ``json``
-# cost an execution milliseconds to import; ``pickle`` and ``marshal`` must not read what the program writes)
-
-#: how deep containers may nest on the wire
-MAX_DEPTH = 100
-_SEQUENCES = {list: b"l", tuple: b"t", set: b"S", frozenset: b"Z"}
-_BUILD = {b"l": list, b"t": tuple, b"S": set, b"Z": frozenset}
-_PLAIN = (bool, int, float, complex, str, bytes, dict, list, tuple, set, frozenset)
-
-
-def dumps(x, handle, depth: int = 0) -> bytes:
-    """``x`` encoded; what is not plain becomes a handle: ``handle(x)``, its reference."""
-    if depth > MAX_DEPTH:
-        raise ValueError(f"a value nested more than {MAX_DEPTH} deep cannot cross to the tests")
-    if x is None:
-        return b"N"
-    if x is True or x is False:
-        return b"T" if x else b"F"
-    t = type(x)
-    if t is int:
-        return b"i%d;" % x if -1 << 60 < x < 1 << 60 else b"I%d;" % ((x.bit_length() + 8) // 8) + x.to_bytes(
-            (x.bit_length() + 8) // 8, "big", signed=True)
-    if t is str:
-        data = x.encode("utf-8", "surrogatepass")
-        return b"s%d;" % len(data) + data
-    if t is bytes:
-        return b"b%d;" % len(x) + x
-    if t is float:
-        return b"f" + x.hex().encode() + b";"
-    if t is complex:
-        return b"c" + x.real.hex().encode() + b";" + x.imag.hex().encode() + b";"
-    if t is dict:
-        return b"d%d;" % len(x) + b"".join(dumps(k, handle, depth + 1) + dumps(v, handle, depth + 1)
-                                           for k, v in x.items())
-    tag = _SEQUENCES.get(t)
-    if tag is not None:
-        return tag + b"%d;" % len(x) + b"".join(dumps(i, handle, depth + 1) for i in x)
-    for base in _PLAIN:
-        if isinstance(x, base):  # a subclass travels as its plain value
-            return dumps(base(x), handle, depth)
-    return b"h%d;" % handle(x)
-
-
-def loads(data: bytes, remote):
-    """The value ``dumps`` wrote; ``remote(ref)`` for a handle. ``ValueError`` for anything else."""
-    value, end = _load(data, 0, remote, 0)
-    if end != len(data):
-        raise ValueError("trailing bytes on the wire")
-    return value
-
-
-def _number(data: bytes, i: int) -> tuple[bytes, int]:
-    end = data.index(b";", i)
-    return data[i:end], end + 1
-
-
-def _load(data: bytes, i: int, remote, depth: int):
-    if depth > MAX_DEPTH:
-        raise ValueError("nested too deeply")
-    tag = data[i:i + 1]
-    i += 1
-    if tag == b"N":
-        return None, i
-    if tag in (b"T", b"F"):
-        return tag == b"T", i
-    if tag in (b"i", b"h"):
-        text, i = _number(data, i)
-        return (int(text) if tag == b"i" else remote(int(text))), i
-    if tag in (b"I", b"s", b"b"):
-        text, i = _number(data, i)
-        n = int(text)
-        if n < 0 or i + n > len(data):
-            raise ValueError("a length past the message")
-        chunk = data[i:i + n]
-        value = (int.from_bytes(chunk, "big", signed=True) if tag == b"I"
-                 else chunk.decode("utf-8", "surrogatepass") if tag == b"s" else chunk)
-        return value, i + n
-    if tag == b"f":
-        text, i = _number(data, i)
-        return float.fromhex(text.decode("ascii")), i
-    if tag == b"c":
-        real, i = _number(data, i)
-        imag, i = _number(data, i)
-        return complex(float.fromhex(real.decode("ascii")), float.fromhex(imag.decode("ascii"))), i
-    if tag == b"d" or tag in _BUILD:
-        text, i = _number(data, i)
-        items = []
-        for _ in range(int(text) * (2 if tag == b"d" else 1)):
-            item, i = _load(data, i, remote, depth + 1)
-            items.append(item)
-        if tag == b"d":
-            return dict(zip(items[::2], items[1::2])), i
-        return _BUILD[tag](items), i
-    raise ValueError(f"unknown tag {tag!r} on the wire")
-
-
-def write_frame(fd: int, message, handle) -> None:
-    data = dumps(message, handle)
-    data = len(data).to_bytes(4, "big") + data
-    while data:
-        data = data[os.write(fd, data):]
-
-
-def read_frame(fd: int, remote):
-    """The next message, or ``ProgramGone`` at the end of the pipe."""
-    return loads(_read_exactly(fd, int.from_bytes(_read_exactly(fd, 4), "big")), remote)
-
-
-def _read_exactly(fd: int, n: int) -> bytes:
-    parts, left = [], n
-    while left:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            raise ProgramGone()
-        parts.append(chunk)
-        left -= len(chunk)
-    return b"".join(parts)
-
-
-def _no_handles(x) -> int:
-    raise TypeError(f"a {type(x).__name__} on the judge's wire")
+def offered(name) -> bool:
+    """Whether a program global of this name reaches the tests."""
+    return type(name) is str and not name.startswith("__") and name not in RESERVED
 
 
 # -- the program's process ------------------------------------------------------------------
@@ -159,29 +52,37 @@ def serve(requests: int, answers: int, run_program, namespace: dict, describe) -
         handles[id(x)] = x
         return id(x)
 
-    ok, code = run_program(lambda: write_frame(answers, ("memory",), _no_handles))
+    ok, code = run_program(lambda: write_frame(answers, ("memory",), no_handles))
     _flush()  # what the program printed: this process ends by a kill
     if not ok:
-        write_frame(answers, ("program", False, code), _no_handles)
+        write_frame(answers, ("program", False, code), no_handles)
         os._exit(code)
-    names = {}
+    names, errors, modules = {}, {}, {}
     for name, value in list(namespace.items()):
-        if type(name) is str and not name.startswith("__") and type(value) is not type(sys):
+        if offered(name) and type(value) is type(sys):  # the tests import it themselves
+            modules[name] = getattr(value, "__name__", None)
+        elif offered(name):
             try:
+                if isinstance(value, type) and issubclass(value, BaseException):
+                    errors[value] = name, _builtin_base(value).__name__
                 dumps(value, handle)
                 names[name] = value
             except BaseException:  # an object the program made unreadable: not offered to the tests
                 pass
-    write_frame(answers, ("program", True, names), handle)
+    write_frame(answers, ("program", True, names, dict(errors.values()), modules), handle)
     while True:
         try:
-            request = read_frame(requests, handles.__getitem__)
+            kind, obj, arg = read_frame(requests, handles.__getitem__)
         except ProgramGone:
             os._exit(0)
         try:
-            answer = dumps(("ok", _ANSWERS[request[0]](request[1], request[2])), handle)
+            result = _ANSWERS[kind](obj, arg)
+            if kind == "call":  # what the call left in the containers it was given
+                result = (result, [a for a in arg[0] if type(a) in (list, dict, set)],
+                          {k: a for k, a in arg[1].items() if type(a) in (list, dict, set)})
+            answer = dumps(("ok", result), handle)
         except BaseException as err:  # what the program raised, or a result that cannot travel
-            answer = dumps(_raised(err, describe), _no_handles)
+            answer = dumps(_raised(err, errors, describe), no_handles)
         _flush()
         os.write(answers, len(answer).to_bytes(4, "big"))
         while answer:
@@ -205,7 +106,8 @@ _ANSWERS = {
     "setitem": lambda obj, a: obj.__setitem__(a[0], a[1]),
     "delitem": lambda obj, a: obj.__delitem__(a),
     "len": lambda obj, _: len(obj),
-    "list": lambda obj, _: list(obj),
+    "iter": lambda obj, _: iter(obj),
+    "take": lambda obj, n: _take(obj, n),
     "str": lambda obj, _: str(obj),
     "repr": lambda obj, _: repr(obj),
     "int": lambda obj, _: int(obj),
@@ -214,14 +116,36 @@ _ANSWERS = {
 }
 
 
-def _raised(err: BaseException, describe) -> tuple:
-    """``("raise", builtin class name, line)``: the nearest builtin class of ``err`` (what the
-    tests can catch) and its line as the runner describes it."""
+def _take(it, n: int) -> list:
+    """Up to ``n`` items of the iterator ``it`` (fewer: it ended)."""
+    out = []
+    for _ in range(n):
+        try:
+            out.append(next(it))
+        except StopIteration:
+            break
+    return out
+
+
+def _builtin_base(cls: type) -> type:
+    return next(c for c in cls.__mro__ if c.__module__ == "builtins" and issubclass(c, BaseException))
+
+
+def _raised(err: BaseException, errors: dict, describe) -> tuple:
+    """``("raise", class name, top-level, args, line)``: the program's top-level exception class
+    ``err`` is of (top-level True), else its nearest builtin class; its arguments where plain;
+    its line as the runner describes it."""
     try:
-        base = next(c for c in type(err).__mro__ if c.__module__ == "builtins" and issubclass(c, BaseException))
-        return ("raise", base.__name__, str.__str__(describe(err)))
+        mine = next((errors[c][0] for c in type(err).__mro__ if c in errors), None)
+        try:
+            args = tuple(err.args)
+            dumps(args, no_handles)
+        except BaseException:
+            args = None
+        return ("raise", mine or _builtin_base(type(err)).__name__, mine is not None, args,
+                str.__str__(describe(err)))
     except BaseException:
-        return ("raise", "Exception", "the program's exception could not be reported")
+        return ("raise", "Exception", False, None, "the program's exception could not be reported")
 
 
 # -- the judge --------------------------------------------------------------------------------
@@ -236,7 +160,10 @@ class Remote:
         object.__setattr__(self, "_ask", ask)
 
     def __call__(self, *args, **kwargs):
-        return self._ask("call", self._ref, (args, kwargs))
+        result, changed, changed_kw = self._ask("call", self._ref, (args, kwargs))
+        _update([a for a in args if type(a) in (list, dict, set)], changed)
+        _update([kwargs[k] for k in changed_kw if k in kwargs], [changed_kw[k] for k in changed_kw if k in kwargs])
+        return result
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
@@ -259,10 +186,14 @@ class Remote:
         return _typed(self._ask("len", self._ref, None), int, "len()")
 
     def __iter__(self):
-        return iter(_typed(self._ask("list", self._ref, None), list, "iter()"))
+        it = self._ask("iter", self._ref, None)
+        return Items(it) if type(it) is Remote else iter(it)
+
+    def __next__(self):
+        return next(Items(self, 1))
 
     def __contains__(self, item) -> bool:  # compared here, not by the program
-        return item in list(self)
+        return any(item is x or item == x for x in self)
 
     def __str__(self) -> str:
         return _typed(self._ask("str", self._ref, None), str, "str()")
@@ -293,6 +224,40 @@ class Remote:
                         "(sandbox.isolate_tests): compare a plain value it returns instead")
 
 
+class Items:
+    """The tests' iterator over a program iterator: items taken in growing chunks (one request
+    each), so an endless generator is read only as far as the tests go."""
+
+    def __init__(self, it: Remote, limit: int = MAX_CHUNK):
+        self.it, self.buffer, self.chunk, self.limit, self.done = it, [], 1, limit, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.buffer and not self.done:
+            it = self.it
+            taken = it._ask("take", it._ref, self.chunk)
+            self.buffer = list(reversed(_typed(taken, list, "next()")))
+            self.done = len(taken) < self.chunk
+            self.chunk = min(2 * self.chunk, self.limit)
+        if not self.buffer:
+            raise StopIteration
+        return self.buffer.pop()
+
+
+def _update(given: list, now: list) -> None:
+    """The tests' lists, dicts and sets given to a call, filled with what the call left in them."""
+    for old, new in zip(given, now if type(now) is list else []):
+        if type(old) is not type(new):
+            continue
+        if type(old) is list:
+            old[:] = new
+        else:
+            old.clear()
+            old.update(new)
+
+
 def _typed(value, kind: type, what: str):
     if type(value) is not kind:
         raise TypeError(f"{what} of a program object gave {type(value).__name__}, not {kind.__name__}")
@@ -305,6 +270,8 @@ class Judge:
     def __init__(self, requests: int, answers: int):
         self.requests, self.answers = requests, answers
         self.remotes: dict[int, Remote] = {}
+        #: the tests' classes standing for the program's top-level exception classes, by name
+        self.errors: dict[str, type] = {}
         #: the program's process ended (a test that caught ``ProgramGone`` still ends the run)
         self.gone = False
 
@@ -332,25 +299,45 @@ class Judge:
         except (ProgramGone, BrokenPipeError):
             self.gone = True
             raise ProgramGone() from None
-        return self.answer(message)
-
-    def answer(self, message):
-        if message[0] == "ok":
+        if message[0] == "ok" and len(message) == 2:
             return message[1]
-        if message[0] == "raise":
-            import builtins
-
-            cls = getattr(builtins, str(message[1]), None)
-            if not (isinstance(cls, type) and issubclass(cls, BaseException)):
-                cls = Exception
-            line = str(message[2])
-            text = line[len(cls.__name__) + 2:] if line.startswith(cls.__name__ + ": ") else line
-            try:
-                err = cls(text)
-            except BaseException:  # a builtin that takes other arguments (UnicodeError's kin)
-                err = Exception(line)
-            raise err
+        if message[0] == "raise" and len(message) == 5:
+            raise self._error(*message[1:])
         raise ValueError(f"the program's process answered {str(message[0])[:40]!r}")
+
+    def _error(self, name, top_level, args, line) -> BaseException:
+        """The exception the tests see for one the program raised (module docstring)."""
+        cls = self.errors.get(name) if top_level else None
+        if cls is None:
+            cls = getattr(builtins, str(name), None)
+            if not (isinstance(cls, type) and issubclass(cls, BaseException)) or cls.__name__ in ENDS_ITERATION:
+                cls = RuntimeError
+        line = str(line)
+        try:
+            return cls(*args) if type(args) is tuple else cls(line)
+        except BaseException:  # arguments a builtin does not take (UnicodeError's kin)
+            return RuntimeError(line)
+
+    def program_names(self, first) -> dict:
+        """The names of the program's report (``serve``): its plain values and proxies, and a
+        class of the tests' own for each of its exception classes. Anything else in the report
+        (forged by the program: it can write to that pipe) is left out."""
+        if not (type(first) is tuple and len(first) == 5 and first[:2] == ("program", True)
+                and all(type(part) is dict for part in first[2:])):
+            raise ValueError("the program's process sent a malformed report")
+        names = {k: v for k, v in first[2].items() if offered(k)}
+        for name, module in first[4].items():  # the modules the program imported: the standard library's
+            if offered(name) and type(module) is str:
+                try:
+                    __import__(module)
+                    names[name] = sys.modules[module]
+                except BaseException:  # none of that name here
+                    pass
+        for name, base in first[3].items():
+            base = getattr(builtins, str(base), None)
+            if offered(name) and isinstance(base, type) and issubclass(base, BaseException):
+                names[name] = self.errors[name] = type(name, (base,), {"__module__": "__main__"})
+        return names
 
 
 def run_isolated(names: list, send, memory, result_fd: int, run_program, namespace: dict, run_test, describe,
@@ -380,17 +367,18 @@ def run_isolated(names: list, send, memory, result_fd: int, run_program, namespa
     judge = Judge(from_judge, to_judge)
     try:
         first = read_frame(to_judge, judge.remote)
-        while first[0] == "memory":
+        while first == ("memory",):
             memory()
             first = read_frame(to_judge, judge.remote)
     except ProgramGone:
         return _program_ended(pid)
-    if not first[1]:  # the program failed: the runner's reporting as if it had run here
+    if type(first) is tuple and first[:2] == ("program", False):  # failed: reported as if it had run here
         send("program", False)
         return _program_ended(pid)
-    send("program", True)
     tests = type(sys)("__main__")
-    tests.__dict__.update(first[2])
+    tests.__dict__.update(judge.program_names(first))
+    tests.__dict__.update(__builtins__=builtins, __name__="__main__")
+    send("program", True)
     sys.modules["__main__"] = tests
     try:
         ok, error = True, None

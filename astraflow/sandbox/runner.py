@@ -188,7 +188,7 @@ def run_test(fn, memory) -> tuple[bool, str | None]:
         return False, "TypeError: not a function after the tests ran"
     try:
         result = fn()
-        if hasattr(result, "__await__"):
+        if type(result).__name__ == "coroutine":  # an ``async def`` test (not whatever it returned)
             import asyncio
 
             asyncio.run(result)

@@ -1,8 +1,9 @@
 """Isolated tests (``sandbox.isolate_tests``, the default) on the real sandbox: the cheats a
-policy can learn against tests that run in its program's interpreter pass there and fail here;
-honest programs (functions, classes, generators, coroutines, exceptions, every plain type) pass
-alike; a program's end, limits and output mid-test read as they do in one process; and the wire
-between the two processes refuses what it cannot carry instead of trusting it."""
+policy can learn against tests that run in its program's interpreter pass there and fail here,
+and so does a report forged on the judge's own pipe; honest programs (functions, classes,
+generators, coroutines, exceptions of their own, containers changed in place, named tuples,
+every plain type) pass alike; a program's end, limits and output mid-test read as they do in
+one process; and the wire between the two processes refuses what it cannot carry."""
 
 from __future__ import annotations
 
@@ -11,11 +12,18 @@ import math
 import pytest
 
 from astraflow.sandbox import Sandbox, SandboxConfig
-from astraflow.sandbox import judge
+from astraflow.sandbox import wire
 
 LIMITS = dict(timeout_s=3.0, cpu_s=2.0, memory_mb=256, max_processes=16, max_output_bytes=4096)
 #: what the cheats fool: a comparison, and a truth test (passed honestly by a truthy plain value)
 TESTS = "def test_add():\n    assert add(2, 2) == 4\n\ndef test_truth():\n    assert add(1, 1)\n"
+#: tests of the kind a cheat needs, where TESTS would not do
+CHEAT_TESTS = {
+    "builtins shadowed by the program's globals": "def test_add():\n    for i in range(3):\n        assert add(i, i) == 2 * i\n"
+                                                  "    assert all([add(1, 1) == 2])\n",
+    "StopIteration ending the tests' iteration": "def test_add():\n    assert all(map(lambda c: add(*c) == sum(c), "
+                                                 "[(1, 1), (2, 5)]))\n",
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +41,9 @@ CHEATS = {
                                      "def add(a, b):\n    return E()\n",
     "an int subclass equal to everything": "class I(int):\n    def __eq__(self, o):\n        return True\n"
                                            "    __hash__ = int.__hash__\n\ndef add(a, b):\n    return I(7)\n",
+    "builtins shadowed by the program's globals": "def add(a, b):\n    return 0\n\n"
+                                                  "range = lambda *a: ()\nall = lambda *a: True\n",
+    "StopIteration ending the tests' iteration": "def add(a, b):\n    raise StopIteration\n",
     "the tests read and answered": "import re\nsrc = open('/in/tests.py').read()\n"
                                    "ANS = {(int(a), int(b)): int(c) for a, b, c in "
                                    "re.findall(r'add\\((\\d+), (\\d+)\\) == (\\d+)', src)}\n"
@@ -42,8 +53,9 @@ CHEATS = {
 
 @pytest.mark.parametrize("cheat", list(CHEATS))
 def test_a_cheat_that_passes_shared_tests_fails_isolated_ones(isolated, shared, cheat):
-    assert shared.run(CHEATS[cheat], TESTS).status == "ok"  # what a policy would be rewarded for
-    r = isolated.run(CHEATS[cheat], TESTS)
+    tests = CHEAT_TESTS.get(cheat, TESTS)
+    assert shared.run(CHEATS[cheat], tests).status == "ok"  # what a policy would be rewarded for
+    r = isolated.run(CHEATS[cheat], tests)
     assert r.status == "failure" and not r.tests[0].passed, r
 
 
@@ -57,14 +69,19 @@ HONEST = ("import asyncio\n"
           "def evens(n):\n    yield from range(0, n, 2)\n"
           "async def later(v):\n    await asyncio.sleep(0)\n    return v\n"
           "def echo(*a, **k):\n    print('echo', a, k)\n    return a, k\n"
-          "LIMIT = 10 ** 30\n")
+          "LIMIT = 10 ** 30\n"
+          "import collections, math\nPoint = collections.namedtuple('Point', 'x y')\n"
+          "def origin():\n    return Point(0, 0)\n"
+          "def sort_in_place(xs, seen=None):\n    xs.sort()\n    if seen is not None:\n        seen['n'] = len(xs)\n"
+          "def count_up():\n    n = 0\n    while True:\n        yield n\n        n += 1\n"
+          "def lookup(d, k):\n    return d[k]\n")
 HONEST_TESTS = (
     "import math\n"
     "def test_objects():\n    s = Stack()\n    s.push(1)\n    s.push([2, (3.5, None)])\n"
     "    assert len(s) == 2 and str(s) == 'Stack[1, [2, (3.5, None)]]'\n"
     "    assert s.pop() == [2, (3.5, None)] and s.pop() == 1 and s.items == []\n"
     "def test_exceptions():\n    try:\n        root(-1)\n    except ValueError as e:\n"
-    "        assert '-1 < 0' in str(e)\n    else:\n        assert False\n"
+    "        assert str(e) == '-1 < 0'\n    else:\n        assert False\n"
     "def test_iteration():\n    assert list(evens(7)) == [0, 2, 4, 6] and 4 in evens(7)\n"
     "async def test_coroutine():\n    assert await later(5) == 5\n"
     "def test_plain_values():\n"
@@ -72,7 +89,15 @@ HONEST_TESTS = (
     "             'snow \\u2603 \\udcff')\n"
     "    args, kwargs = echo(*value, key=[None, True, 0.1])\n"
     "    assert args == value and kwargs == {'key': [None, True, 0.1]}\n"
-    "    assert math.isnan(echo(float('nan'))[0][0]) and root(4) == 2.0\n")
+    "    assert math.isnan(echo(float('nan'))[0][0]) and root(4) == 2.0\n"
+    "def test_in_place_and_named():\n    xs, seen = [3, 1, 2], {}\n    sort_in_place(xs, seen=seen)\n"
+    "    assert xs == [1, 2, 3] and seen == {'n': 3}\n    assert origin() == (0, 0) and origin().x == 0\n"
+    "def test_own_exceptions():\n    try:\n        root(-2)\n    except Negative as e:\n        assert str(e) == '-2 < 0'\n"
+    "    else:\n        assert False\n    try:\n        lookup({}, 'k')\n    except KeyError as e:\n"
+    "        assert e.args == ('k',)\n"
+    "def test_lazy_iteration():\n    import itertools\n    g = count_up()\n    assert next(g) == 0 and next(g) == 1\n"
+    "    assert list(itertools.islice(count_up(), 3)) == [0, 1, 2]\n"
+    "def test_the_programs_modules():\n    assert math.floor(2.5) == 2\n")
 
 
 @pytest.mark.parametrize("mode", ["isolated", "shared"])
@@ -80,6 +105,19 @@ def test_an_honest_program_passes_either_way(isolated, shared, mode):
     r = (isolated if mode == "isolated" else shared).run(HONEST, HONEST_TESTS)
     assert r.status == "ok", (r.tests, r.stderr)
     assert r.stdout.count("echo") == 2  # the program's output during the tests reaches the result
+
+
+def test_a_report_forged_on_the_judges_pipe_gives_the_tests_no_name_they_did_not_define(isolated):
+    """The program's process is a fork of the judge: it can reach the function that writes its
+    report and add names to it (here ``__name__``, which would skip the tests' checks)."""
+    forger = ("import sys\ndef add(a, b):\n    return 0\n_f = sys._getframe()\n"
+              "while _f.f_code.co_name != 'serve':\n    _f = _f.f_back\n_J = _f.f_globals\n_orig = _J['write_frame']\n"
+              "def _wf(fd, msg, handle):\n    if type(msg) is tuple and msg[:2] == ('program', True):\n"
+              "        msg[2].update(__name__='not_main', __builtins__={'all': lambda *a: True}, len=lambda x: 0)\n"
+              "    return _orig(fd, msg, handle)\n_J['write_frame'] = _wf\n")
+    r = isolated.run(forger, "def check(candidate):\n    assert candidate(2, 2) == 4\n\n"
+                             "if __name__ == '__main__':\n    check(add)\n")
+    assert r.status == "failure" and r.tests[0].error == "AssertionError: assert candidate(2, 2) == 4", r
 
 
 def test_a_failing_assert_is_quoted_and_a_callback_is_refused_by_name(isolated):
@@ -101,9 +139,11 @@ def test_the_program_sees_neither_the_tests_file_nor_their_source(isolated):
     ("import os\n    os._exit(0)", "failure"), ("while True:\n        pass", "timeout"),
     ("return bytearray(1 << 30)", "memory"), ("import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)", "failure"),
 ])
-def test_a_program_that_ends_or_hits_a_limit_inside_a_test_reads_as_in_one_process(isolated, shared, body, status):
+def test_a_program_that_ends_or_hits_a_limit_inside_a_test_reads_as_in_one_process(body, status):
     program, tests = f"def f():\n    {body}\n", "def test_a():\n    f()\n\ndef test_b():\n    pass\n"
-    one, two = shared.run(program, tests), isolated.run(program, tests)
+    limits = {**LIMITS, "timeout_s": 60.0, "cpu_s": 1.0}  # the CPU limit first, however loaded the machine
+    one = Sandbox(SandboxConfig(**limits, isolate_tests=False)).run(program, tests)
+    two = Sandbox(SandboxConfig(**limits)).run(program, tests)
     assert one.status == two.status == status and one.tests == two.tests, (one, two)
     assert one.exit_code == two.exit_code
 
@@ -112,17 +152,17 @@ def test_the_wire_round_trips_plain_values_and_refuses_the_rest():
     values = [None, True, 0, -(1 << 70), 1.5, -0.0, math.inf, 2 - 3j, "", "\udcff", b"\x00", [1, (2,)],
               {(1, "a"): {2}}, frozenset({b"z"}), ()]
     handles = []
-    data = judge.dumps((values, object()), lambda x: handles.append(x) or 7)
-    back = judge.loads(data, lambda ref: ("remote", ref))
+    data = wire.dumps((values, object()), lambda x: handles.append(x) or 7)
+    back = wire.loads(data, lambda ref: ("remote", ref))
     assert back[0] == values and back[1] == ("remote", 7) and len(handles) == 1
     nested = []
-    for _ in range(judge.MAX_DEPTH + 5):
+    for _ in range(wire.MAX_DEPTH + 5):
         nested = [nested]
     with pytest.raises(ValueError, match="nested"):
-        judge.dumps(nested, lambda x: 0)
+        wire.dumps(nested, lambda x: 0)
     for bad in (b"q", b"s99;ab", b"l2;N", b"NN", b"i12", b"d1;N", b"l" + b"l1;" * 200 + b"N"):
         with pytest.raises((ValueError, IndexError)):
-            judge.loads(bad, lambda ref: ref)
+            wire.loads(bad, lambda ref: ref)
 
 
 def test_a_sandbox_interpreter_of_other_bytecode_compiles_the_judge_itself(monkeypatch):
