@@ -36,6 +36,9 @@ log = logging.getLogger("astraflow.sandbox")
 RUNNER = (Path(__file__).with_name("runner.py")).read_text(encoding="utf-8")
 #: the isolated tests' judge, its wire first (``judge.py``)
 JUDGE = "\n".join(Path(__file__).with_name(name).read_text(encoding="utf-8") for name in ("wire.py", "judge.py"))
+#: ``runner.py`` where the host compiled the runner (``runner.bin``): it runs that as the runner would run
+BOOT = ("import marshal\nwith open('/in/runner.bin', 'rb') as f:\n    code = marshal.loads(f.read())\n"
+        "exec(code, {'__name__': '__main__', '__file__': '/in/runner.py', '__builtins__': __builtins__})\n")
 MAX_CHANNEL_BYTES = 1 << 20  # the result pipe: a few lines per test
 MAX_EVENT_CHARS = 1 << 14  # one report line: a test's name and its truncated exception line
 EXIT_GRACE_S = 1.0  # after bubblewrap exits, how long its pipes may take to close
@@ -53,8 +56,10 @@ class Sandbox:
         self._lock = threading.Lock()
         self._checked = False
         self._root = Path()
-        #: the isolated tests' judge (``judge.py``) as the input directory holds it: compiled here
-        #: (``judge.bin``) when the sandbox interpreter reads this interpreter's bytecode, else source
+        #: the runner and the isolated tests' judge as the input directory holds them: compiled
+        #: here (``runner.bin``, ``judge.bin``) when the sandbox interpreter reads this
+        #: interpreter's bytecode (an execution then compiles neither), else their source
+        self._code = {"runner.py": RUNNER.encode()}
         self._judge: tuple[str, bytes] = ("judge.py", JUDGE.encode())
         #: per thread: [seconds it waited for a slot, when its current wait began or None]
         self._queued: dict[int, list] = {}
@@ -65,6 +70,8 @@ class Sandbox:
         with self._lock:
             if not self._checked:
                 if bwrap.probe(self.cfg) == importlib.util.MAGIC_NUMBER.hex():  # it runs what we compile
+                    self._code = {"runner.py": BOOT.encode(),
+                                  "runner.bin": marshal.dumps(compile(RUNNER, "/in/runner.py", "exec"))}
                     self._judge = ("judge.bin", marshal.dumps(compile(JUDGE, "/in/judge.py", "exec")))
                 if os.getpid() == 1:  # orphans are ours to reap, and nothing here reaps them
                     log.warning("this process is PID 1 (a container without an init): each sandbox run leaves a "
@@ -186,7 +193,7 @@ class Sandbox:
         users); when the sandbox runs as another uid, also by its group, read-only."""
         path = tempfile.mkdtemp(prefix="exec-", dir=self._root)  # 0700
         try:
-            files = {"runner.py": RUNNER.encode(),
+            files = {**self._code,
                      "program.py": _utf8(program) if isinstance(program, str) else program}
             if tests is not None and self.cfg.isolate_tests:  # the tests come on the runner's stdin
                 files[self._judge[0]] = self._judge[1]
