@@ -34,8 +34,9 @@ from .result import SandboxResult, TestOutcome
 
 log = logging.getLogger("astraflow.sandbox")
 RUNNER = (Path(__file__).with_name("runner.py")).read_text(encoding="utf-8")
-#: the isolated tests' judge, its wire first (``judge.py``)
-JUDGE = "\n".join(Path(__file__).with_name(name).read_text(encoding="utf-8") for name in ("wire.py", "judge.py"))
+#: the isolated tests' judge, its wire and proxies first (``judge.py``)
+JUDGE = "\n".join(Path(__file__).with_name(name).read_text(encoding="utf-8")
+                  for name in ("wire.py", "remote.py", "judge.py"))
 #: ``runner.py`` where the host compiled the runner (``runner.bin``): it runs that as the runner would run
 BOOT = ("import marshal\nwith open('/in/runner.bin', 'rb') as f:\n    code = marshal.loads(f.read())\n"
         "exec(code, {'__name__': '__main__', '__file__': '/in/runner.py', '__builtins__': __builtins__})\n")

@@ -1,5 +1,5 @@
 """Isolated tests (``sandbox.isolate_tests``), inside the sandbox: the runner (``runner.py``)
-loads this file (after ``wire.py``) from its input directory and calls ``run_isolated``;
+loads this file (after ``wire.py`` and ``remote.py``) from its input directory and calls ``run_isolated``;
 standard library only, never imported by the host but in tests.
 
 The runner's process becomes the *judge*: it forks the *program's process*, which runs the
@@ -22,22 +22,39 @@ import builtins
 import os
 import sys
 
-try:  # on the host (tests, linters) the wire is a module; in the sandbox its source comes first in this file
+try:  # on the host (tests, linters) these are modules; in the sandbox their source comes first in this file
+    from astraflow.sandbox.remote import Remote
     from astraflow.sandbox.wire import ProgramGone, dumps, no_handles, read_frame, write_frame
 except ImportError:
     pass
 
 #: names the tests never take from the program: a program global called ``len`` must not shadow theirs
 RESERVED = frozenset(dir(builtins))
-#: what must not end the tests' own iterations when the program raises it
-ENDS_ITERATION = ("StopIteration", "StopAsyncIteration", "GeneratorExit")
-#: most items one request takes from a program iterator (fewer at first: it may be endless)
-MAX_CHUNK = 1024
+#: what must not end the tests' own iterations when the program raises it (nor a subclass)
+ENDS_ITERATION = (StopIteration, StopAsyncIteration, GeneratorExit)
+#: the standard-library packages whose modules the judge imports by a name the program gives:
+#: a module a program imported, one an exception it raised comes from. Only these (importing
+#: some others runs code: ``unittest.__main__`` would import the program's files)
+MODULES = frozenset({"array", "bisect", "calendar", "cmath", "collections", "copy", "dataclasses", "datetime",
+                     "decimal", "enum", "fractions", "functools", "heapq", "itertools", "json", "math", "numbers",
+                     "operator", "os", "random", "re", "statistics", "string", "sys", "textwrap", "time", "typing",
+                     "unicodedata"})
 
 
 def offered(name) -> bool:
     """Whether a program global of this name reaches the tests."""
     return type(name) is str and not name.startswith("__") and name not in RESERVED
+
+
+def module(name):
+    """The standard-library module ``name`` if it is one of ``MODULES``' (imported), else None."""
+    if type(name) is not str or name.split(".")[0] not in MODULES:
+        return None
+    try:
+        __import__(name)
+        return sys.modules[name]
+    except BaseException:  # none of that name here
+        return None
 
 
 # -- the program's process ------------------------------------------------------------------
@@ -57,19 +74,26 @@ def serve(requests: int, answers: int, run_program, namespace: dict, describe) -
     if not ok:
         write_frame(answers, ("program", False, code), no_handles)
         os._exit(code)
-    names, errors, modules = {}, {}, {}
+    names, classes, modules = {}, {}, {}
     for name, value in list(namespace.items()):
         if offered(name) and type(value) is type(sys):  # the tests import it themselves
             modules[name] = getattr(value, "__name__", None)
         elif offered(name):
             try:
                 if isinstance(value, type) and issubclass(value, BaseException):
-                    errors[value] = name, _builtin_base(value).__name__
+                    classes.setdefault(value, name)  # its first name; others alias it
                 dumps(value, handle)
                 names[name] = value
             except BaseException:  # an object the program made unreadable: not offered to the tests
                 pass
-    write_frame(answers, ("program", True, names, dict(errors.values()), modules), handle)
+    errors = {}  # name -> (builtin base, the names of its bases among the program's classes)
+    for cls, name in classes.items():
+        try:
+            errors[name] = (_builtin_base(cls).__name__, [classes[b] for b in cls.__bases__ if b in classes])
+        except BaseException:
+            pass
+    aliases = {name: classes[v] for name, v in names.items() if isinstance(v, type) and v in classes and classes[v] in errors}
+    write_frame(answers, ("program", True, names, errors, aliases, modules), handle)
     while True:
         try:
             kind, obj, arg = read_frame(requests, handles.__getitem__)
@@ -77,12 +101,12 @@ def serve(requests: int, answers: int, run_program, namespace: dict, describe) -
             os._exit(0)
         try:
             result = _ANSWERS[kind](obj, arg)
-            if kind == "call":  # what the call left in the containers it was given
-                result = (result, [a for a in arg[0] if type(a) in (list, dict, set)],
-                          {k: a for k, a in arg[1].items() if type(a) in (list, dict, set)})
+            if kind == "call":  # what the call left in the containers it was given, by position and keyword
+                result = (result, [(i, a) for i, a in enumerate(arg[0]) if type(a) in (list, dict, set)],
+                          [(k, a) for k, a in arg[1].items() if type(a) in (list, dict, set)])
             answer = dumps(("ok", result), handle)
         except BaseException as err:  # what the program raised, or a result that cannot travel
-            answer = dumps(_raised(err, errors, describe), no_handles)
+            answer = dumps(_raised(err, classes, describe), no_handles)
         _flush()
         os.write(answers, len(answer).to_bytes(4, "big"))
         while answer:
@@ -131,138 +155,25 @@ def _builtin_base(cls: type) -> type:
     return next(c for c in cls.__mro__ if c.__module__ == "builtins" and issubclass(c, BaseException))
 
 
-def _raised(err: BaseException, errors: dict, describe) -> tuple:
-    """``("raise", class name, top-level, args, line)``: the program's top-level exception class
-    ``err`` is of (top-level True), else its nearest builtin class; its arguments where plain;
-    its line as the runner describes it."""
+def _raised(err: BaseException, classes: dict, describe) -> tuple:
+    """``("raise", class, builtin base, args, line)`` for ``err``: its class as the name of the
+    program's top-level class it is (or derives from), else as ``module:qualname``; its nearest
+    builtin class; its arguments where plain; its line as the runner describes it."""
     try:
-        mine = next((errors[c][0] for c in type(err).__mro__ if c in errors), None)
+        cls = type(err)
+        mine = next((classes[c] for c in cls.__mro__ if c in classes), None)
         try:
             args = tuple(err.args)
             dumps(args, no_handles)
         except BaseException:
             args = None
-        return ("raise", mine or _builtin_base(type(err)).__name__, mine is not None, args,
+        return ("raise", mine or f"{cls.__module__}:{cls.__qualname__}", _builtin_base(cls).__name__, args,
                 str.__str__(describe(err)))
     except BaseException:
-        return ("raise", "Exception", False, None, "the program's exception could not be reported")
+        return ("raise", "builtins:Exception", "Exception", None, "the program's exception could not be reported")
 
 
 # -- the judge --------------------------------------------------------------------------------
-
-class Remote:
-    """A program object that stays in the program's process (module docstring)."""
-
-    __slots__ = ("_ref", "_ask")
-
-    def __init__(self, ref: int, ask):
-        object.__setattr__(self, "_ref", ref)
-        object.__setattr__(self, "_ask", ask)
-
-    def __call__(self, *args, **kwargs):
-        result, changed, changed_kw = self._ask("call", self._ref, (args, kwargs))
-        _update([a for a in args if type(a) in (list, dict, set)], changed)
-        _update([kwargs[k] for k in changed_kw if k in kwargs], [changed_kw[k] for k in changed_kw if k in kwargs])
-        return result
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return self._ask("getattr", self._ref, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        self._ask("setattr", self._ref, (name, value))
-
-    def __getitem__(self, key):
-        return self._ask("getitem", self._ref, key)
-
-    def __setitem__(self, key, value) -> None:
-        self._ask("setitem", self._ref, (key, value))
-
-    def __delitem__(self, key) -> None:
-        self._ask("delitem", self._ref, key)
-
-    def __len__(self) -> int:
-        return _typed(self._ask("len", self._ref, None), int, "len()")
-
-    def __iter__(self):
-        it = self._ask("iter", self._ref, None)
-        return Items(it) if type(it) is Remote else iter(it)
-
-    def __next__(self):
-        return next(Items(self, 1))
-
-    def __contains__(self, item) -> bool:  # compared here, not by the program
-        return any(item is x or item == x for x in self)
-
-    def __str__(self) -> str:
-        return _typed(self._ask("str", self._ref, None), str, "str()")
-
-    def __repr__(self) -> str:
-        return _typed(self._ask("repr", self._ref, None), str, "repr()")
-
-    def __int__(self) -> int:
-        return _typed(self._ask("int", self._ref, None), int, "int()")
-
-    def __index__(self) -> int:
-        return self.__int__()
-
-    def __float__(self) -> float:
-        return _typed(self._ask("float", self._ref, None), float, "float()")
-
-    def __await__(self):
-        return self._ask("await", self._ref, None)
-        yield  # a generator: ``await`` takes the value above as its result
-
-    def __eq__(self, other) -> bool:  # never the program's own comparison (``!=`` inverts this)
-        return other is self
-
-    __hash__ = object.__hash__
-
-    def __bool__(self) -> bool:
-        raise TypeError("a program object that is not a plain value has no truth value in isolated tests "
-                        "(sandbox.isolate_tests): compare a plain value it returns instead")
-
-
-class Items:
-    """The tests' iterator over a program iterator: items taken in growing chunks (one request
-    each), so an endless generator is read only as far as the tests go."""
-
-    def __init__(self, it: Remote, limit: int = MAX_CHUNK):
-        self.it, self.buffer, self.chunk, self.limit, self.done = it, [], 1, limit, False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if not self.buffer and not self.done:
-            it = self.it
-            taken = it._ask("take", it._ref, self.chunk)
-            self.buffer = list(reversed(_typed(taken, list, "next()")))
-            self.done = len(taken) < self.chunk
-            self.chunk = min(2 * self.chunk, self.limit)
-        if not self.buffer:
-            raise StopIteration
-        return self.buffer.pop()
-
-
-def _update(given: list, now: list) -> None:
-    """The tests' lists, dicts and sets given to a call, filled with what the call left in them."""
-    for old, new in zip(given, now if type(now) is list else []):
-        if type(old) is not type(new):
-            continue
-        if type(old) is list:
-            old[:] = new
-        else:
-            old.clear()
-            old.update(new)
-
-
-def _typed(value, kind: type, what: str):
-    if type(value) is not kind:
-        raise TypeError(f"{what} of a program object gave {type(value).__name__}, not {kind.__name__}")
-    return value
-
 
 class Judge:
     """The judge's end of the pipes: asks, and rebuilds answers (raising what the program raised)."""
@@ -305,13 +216,22 @@ class Judge:
             raise self._error(*message[1:])
         raise ValueError(f"the program's process answered {str(message[0])[:40]!r}")
 
-    def _error(self, name, top_level, args, line) -> BaseException:
-        """The exception the tests see for one the program raised (module docstring)."""
-        cls = self.errors.get(name) if top_level else None
-        if cls is None:
-            cls = getattr(builtins, str(name), None)
-            if not (isinstance(cls, type) and issubclass(cls, BaseException)) or cls.__name__ in ENDS_ITERATION:
-                cls = RuntimeError
+    def _error(self, name, base, args, line) -> BaseException:
+        """The exception the tests see for one the program raised (module docstring): the class
+        of the tests' own for the program's class, the standard library's class (of one of
+        ``MODULES``, or a builtin: also for a program class that takes a builtin's name), else
+        its nearest builtin class; never one that would end an iteration."""
+        cls = self.errors.get(name)
+        if cls is None and type(name) is str and ":" in name:
+            where, _, qualname = name.partition(":")
+            found = builtins if where in ("builtins", "__main__") else module(where)
+            for part in qualname.split(".") if found is not None else ():
+                found = getattr(found, part, None)
+            cls = found
+        if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+            cls = getattr(builtins, str(base), None)
+        if not (isinstance(cls, type) and issubclass(cls, BaseException)) or issubclass(cls, ENDS_ITERATION):
+            cls = RuntimeError
         line = str(line)
         try:
             return cls(*args) if type(args) is tuple else cls(line)
@@ -319,24 +239,33 @@ class Judge:
             return RuntimeError(line)
 
     def program_names(self, first) -> dict:
-        """The names of the program's report (``serve``): its plain values and proxies, and a
-        class of the tests' own for each of its exception classes. Anything else in the report
-        (forged by the program: it can write to that pipe) is left out."""
-        if not (type(first) is tuple and len(first) == 5 and first[:2] == ("program", True)
+        """The names of the program's report (``serve``): its plain values and proxies, a class
+        of the tests' own for each of its exception classes (with their hierarchy), the modules
+        it imported. Anything else in the report (forged by the program: it can write to that
+        pipe) is left out."""
+        if not (type(first) is tuple and len(first) == 6 and first[:2] == ("program", True)
                 and all(type(part) is dict for part in first[2:])):
             raise ValueError("the program's process sent a malformed report")
         names = {k: v for k, v in first[2].items() if offered(k)}
-        for name, module in first[4].items():  # the modules the program imported: the standard library's
-            if offered(name) and type(module) is str:
-                try:
-                    __import__(module)
-                    names[name] = sys.modules[module]
-                except BaseException:  # none of that name here
-                    pass
-        for name, base in first[3].items():
-            base = getattr(builtins, str(base), None)
-            if offered(name) and isinstance(base, type) and issubclass(base, BaseException):
-                names[name] = self.errors[name] = type(name, (base,), {"__module__": "__main__"})
+        pending = {k: v for k, v in first[3].items()
+                   if offered(k) and type(v) is tuple and len(v) == 2 and type(v[1]) is list}
+        while pending:  # a class after its bases
+            ready = [k for k, (_, parents) in pending.items() if all(p in self.errors for p in parents)]
+            if not ready:
+                break
+            for k in ready:
+                base, parents = pending.pop(k)
+                bases = tuple(self.errors[p] for p in parents) or (getattr(builtins, str(base), None),)
+                if all(isinstance(b, type) and issubclass(b, BaseException) and not issubclass(b, ENDS_ITERATION)
+                       for b in bases):
+                    try:
+                        self.errors[k] = type(k, bases, {"__module__": "__main__"})
+                    except TypeError:  # bases no class can have together
+                        pass
+        names.update({k: self.errors[v] for k, v in first[4].items() if offered(k) and v in self.errors})
+        for name, imported in first[5].items():  # the modules the program imported, of the standard library
+            if offered(name) and module(imported) is not None:
+                names[name] = module(imported)
         return names
 
 

@@ -114,7 +114,7 @@ def _load(data: bytes, i: int, remote, depth: int):
         if cls is None:
             from collections import namedtuple
 
-            cls = _NAMED[name, fields] = namedtuple(name, fields)
+            cls = _NAMED[name, fields] = namedtuple(name, fields, rename=True)  # fields as ``_1`` made by rename
         return cls(*items), i
     raise ValueError(f"unknown tag {tag!r} on the wire")
 

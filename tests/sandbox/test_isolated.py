@@ -23,6 +23,8 @@ CHEAT_TESTS = {
                                                   "    assert all([add(1, 1) == 2])\n",
     "StopIteration ending the tests' iteration": "def test_add():\n    assert all(map(lambda c: add(*c) == sum(c), "
                                                  "[(1, 1), (2, 5)]))\n",
+    "a StopIteration of its own ending the tests' iteration": "def test_add():\n    assert all(map(lambda c: add(*c) == "
+                                                              "sum(c), [(1, 1), (2, 5)]))\n",
 }
 
 
@@ -44,6 +46,8 @@ CHEATS = {
     "builtins shadowed by the program's globals": "def add(a, b):\n    return 0\n\n"
                                                   "range = lambda *a: ()\nall = lambda *a: True\n",
     "StopIteration ending the tests' iteration": "def add(a, b):\n    raise StopIteration\n",
+    "a StopIteration of its own ending the tests' iteration": "class Done(StopIteration):\n    pass\n\n"
+                                                              "def add(a, b):\n    raise Done\n",
     "the tests read and answered": "import re\nsrc = open('/in/tests.py').read()\n"
                                    "ANS = {(int(a), int(b)): int(c) for a, b, c in "
                                    "re.findall(r'add\\((\\d+), (\\d+)\\) == (\\d+)', src)}\n"
@@ -74,7 +78,10 @@ HONEST = ("import asyncio\n"
           "def origin():\n    return Point(0, 0)\n"
           "def sort_in_place(xs, seen=None):\n    xs.sort()\n    if seen is not None:\n        seen['n'] = len(xs)\n"
           "def count_up():\n    n = 0\n    while True:\n        yield n\n        n += 1\n"
-          "def lookup(d, k):\n    return d[k]\n")
+          "def lookup(d, k):\n    return d[k]\n"
+          "import statistics\nclass AppError(Exception):\n    pass\nclass NotFound(AppError):\n    pass\n"
+          "Missing = NotFound\ndef find(k):\n    raise NotFound(k)\ndef mean(xs):\n    return statistics.mean(xs)\n"
+          "def total(xs):\n    return sum(xs)\n")
 HONEST_TESTS = (
     "import math\n"
     "def test_objects():\n    s = Stack()\n    s.push(1)\n    s.push([2, (3.5, None)])\n"
@@ -97,7 +104,11 @@ HONEST_TESTS = (
     "        assert e.args == ('k',)\n"
     "def test_lazy_iteration():\n    import itertools\n    g = count_up()\n    assert next(g) == 0 and next(g) == 1\n"
     "    assert list(itertools.islice(count_up(), 3)) == [0, 1, 2]\n"
-    "def test_the_programs_modules():\n    assert math.floor(2.5) == 2\n")
+    "def test_the_programs_modules():\n    assert math.floor(2.5) == 2\n"
+    "def test_exception_classes():\n    import statistics\n    for catch in (AppError, NotFound, Missing):\n"
+    "        try:\n            find('k')\n        except catch as e:\n            assert e.args == ('k',)\n"
+    "    try:\n        mean([])\n    except statistics.StatisticsError:\n        pass\n    else:\n        assert False\n"
+    "def test_ranges_and_generators():\n    assert total(range(4)) == 6 and total(x * x for x in range(3)) == 5\n")
 
 
 @pytest.mark.parametrize("mode", ["isolated", "shared"])
@@ -118,6 +129,18 @@ def test_a_report_forged_on_the_judges_pipe_gives_the_tests_no_name_they_did_not
     r = isolated.run(forger, "def check(candidate):\n    assert candidate(2, 2) == 4\n\n"
                              "if __name__ == '__main__':\n    check(add)\n")
     assert r.status == "failure" and r.tests[0].error == "AssertionError: assert candidate(2, 2) == 4", r
+
+
+def test_the_judge_imports_no_module_the_program_names_outside_a_short_list(isolated):
+    """``unittest.__main__`` imported in the judge would run unittest's discovery there, which
+    imports the program's files from the scratch directory (here one that reports a pass)."""
+    payload = ("import os, sys\nf = sys._getframe()\nwhile f.f_code.co_name != 'run_isolated':\n    f = f.f_back\n"
+               "L = f.f_locals\nL['send']('program', True)\nfor n in L['names']:\n    L['send']('test', (n, True, None))\n"
+               "L['send']('done')\nos._exit(0)\n")
+    program = (f"import sys\nopen('/sandbox/test_zz_judge.py', 'w').write({payload!r})\n"
+               "m = type(sys)('unittest.__main__')\n\ndef add(a, b):\n    return a - b\n")
+    r = isolated.run(program, TESTS)
+    assert r.status == "failure" and not r.tests[0].passed, r
 
 
 def test_a_failing_assert_is_quoted_and_a_callback_is_refused_by_name(isolated):
