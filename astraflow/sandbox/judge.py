@@ -22,11 +22,9 @@ import builtins
 import os
 import sys
 
-try:  # on the host (tests, linters) these are modules; in the sandbox their source comes first in this file
+if "dumps" not in globals():  # on the host (tests, linters): modules; in the sandbox their source comes first
     from astraflow.sandbox.remote import Remote
     from astraflow.sandbox.wire import ProgramGone, dumps, no_handles, read_frame, write_frame
-except ImportError:
-    pass
 
 #: names the tests never take from the program: a program global called ``len`` must not shadow theirs
 RESERVED = frozenset(dir(builtins))
@@ -293,6 +291,10 @@ def run_isolated(names: list, send, memory, result_fd: int, run_program, namespa
     os.close(from_program)
     source = read_tests()
     _no_input()
+    try:  # while the program runs
+        code, error = compile(source, "/in/tests.py", "exec"), None
+    except BaseException as err:
+        code, error = None, err
     judge = Judge(from_judge, to_judge)
     try:
         first = read_frame(to_judge, judge.remote)
@@ -310,9 +312,11 @@ def run_isolated(names: list, send, memory, result_fd: int, run_program, namespa
     send("program", True)
     sys.modules["__main__"] = tests
     try:
-        ok, error = True, None
+        ok = True
         try:
-            exec(compile(source, "/in/tests.py", "exec"), tests.__dict__)
+            if error is not None:
+                raise error
+            exec(code, tests.__dict__)
         except BaseException as err:
             if isinstance(err, MemoryError):
                 memory()
