@@ -201,8 +201,9 @@ class Placement:
         pinned = self._pinned.get(getattr(fut, "key", None))
         if pinned is None or self.joined().get(pinned[0]) == pinned[1]:
             return
-        raise LostBeforeReady(f"{what}: worker {pinned[0]} was lost before {key} was ready (killed, out of memory or its "
-                        f"job ended; its log is in {self.paths.jobs}); `astraflow run` on the run directory resumes")
+        raise LostBeforeReady(f"{what}: worker {pinned[0]} was lost before {key} was ready (killed, out of memory or "
+                              f"its job ended; its log is in {self.paths.jobs}); `astraflow run` on the run directory "
+                              "resumes")
 
     def wait_workers(self, names: list[str], job_states: Callable[[], dict[str, str]],
                      logs: Callable[[str], Path | None] = lambda name: None, hint: str = "") -> None:

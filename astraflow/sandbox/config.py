@@ -21,7 +21,7 @@ class SandboxConfig(Strict):
     ``memory``)."""
     max_processes: int = Field(32, ge=2)
     """Processes (and threads) an execution may have at once (RLIMIT_NPROC in the execution's
-    own user namespace, the interpreter included)."""
+    own user namespace, the interpreter included; isolated tests' judge comes on top)."""
     max_output_bytes: int = Field(65536, ge=1024)
     """Cap on stdout + stderr together; more kills the execution (status ``output_limit``)."""
     scratch_mb: int = Field(64, ge=1)

@@ -44,7 +44,7 @@ MAX_CHANNEL_BYTES = 1 << 20  # the result pipe: a few lines per test
 MAX_EVENT_CHARS = 1 << 14  # one report line: a test's name and its truncated exception line
 EXIT_GRACE_S = 1.0  # after bubblewrap exits, how long its pipes may take to close
 CPU_SIGNALS = (128 + signal.SIGXCPU, 128 + signal.SIGKILL)  # the CPU limit's soft and hard ends
-PIPE_BYTES = 1 << 15  # what a pipe takes before a writer blocks (its buffer is at least 64 KiB on Linux)
+PIPE_BYTES = 4096  # what a pipe surely takes before a writer blocks (one page: Linux shrinks pipes past a user's quota)
 
 
 class Sandbox:
@@ -252,9 +252,13 @@ def _feed(proc: subprocess.Popen, data: bytes) -> None:
     def write() -> None:
         try:
             proc.stdin.write(data)
-            proc.stdin.close()
         except OSError:
             pass  # bubblewrap already failed (its stderr says why), or the runner was killed
+        finally:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
 
     if len(data) <= PIPE_BYTES:
         write()

@@ -18,12 +18,13 @@ its functions return what it likes, but not what the tests compare it with, nor 
 assertions or report of the tests.
 """
 
+import _thread
 import builtins
 import os
 import sys
 
 if "dumps" not in globals():  # on the host (tests, linters): modules; in the sandbox their source comes first
-    from astraflow.sandbox.remote import Remote
+    from astraflow.sandbox.remote import Remote, unread
     from astraflow.sandbox.wire import ProgramGone, dumps, no_handles, read_frame, write_frame
 
 #: names the tests never take from the program: a program global called ``len`` must not shadow theirs
@@ -90,7 +91,8 @@ def serve(requests: int, answers: int, run_program, namespace: dict, describe) -
             errors[name] = (_builtin_base(cls).__name__, [classes[b] for b in cls.__bases__ if b in classes])
         except BaseException:
             pass
-    aliases = {name: classes[v] for name, v in names.items() if isinstance(v, type) and v in classes and classes[v] in errors}
+    aliases = {name: classes[v] for name, v in names.items()
+               if isinstance(v, type) and v in classes and classes[v] in errors}
     write_frame(answers, ("program", True, names, errors, aliases, modules), handle)
     while True:
         try:
@@ -138,15 +140,28 @@ _ANSWERS = {
 }
 
 
-def _take(it, n: int) -> list:
-    """Up to ``n`` items of the iterator ``it`` (fewer: it ended)."""
+#: the error a program iterator raised after items the judge had not had yet: raised at its next take
+_PENDING: dict = {}
+
+
+def _take(it, n: int) -> tuple:
+    """(up to ``n`` items of the iterator ``it``, whether it ended). An error it raises after
+    some items waits for the next take, so the tests get those items first."""
+    err = _PENDING.pop(id(it), None)
+    if err is not None:
+        raise err
     out = []
     for _ in range(n):
         try:
             out.append(next(it))
         except StopIteration:
+            return out, True
+        except BaseException as e:
+            if not out:
+                raise
+            _PENDING[id(it)] = e
             break
-    return out
+    return out, False
 
 
 def _builtin_base(cls: type) -> type:
@@ -179,6 +194,7 @@ class Judge:
     def __init__(self, requests: int, answers: int):
         self.requests, self.answers = requests, answers
         self.remotes: dict[int, Remote] = {}
+        self._lock = _thread.allocate_lock()  # one request at a time on the pipes, whatever thread asks
         #: the tests' classes standing for the program's top-level exception classes, by name
         self.errors: dict[str, type] = {}
         #: the program's process ended (a test that caught ``ProgramGone`` still ends the run)
@@ -192,7 +208,11 @@ class Judge:
 
     @staticmethod
     def _ref(obj) -> int:
-        """A program object's reference, to send it back; nothing else of the tests' may cross."""
+        """A program object's reference, to send it back; nothing else of the tests' may cross
+        (nor a program iterator the tests have items of that the program would not see again)."""
+        if type(obj) is Remote and unread(obj):
+            raise TypeError("the tests passed the program an iterator of its own that they had read ahead of "
+                            "(isolated tests take its items in chunks): pass list(it) instead")
         if type(obj) is Remote:
             return object.__getattribute__(obj, "_ref")
         raise TypeError(f"the tests passed a {type(obj).__name__} to the program: with isolated tests "
@@ -201,10 +221,11 @@ class Judge:
     def ask(self, kind: str, ref: int, args):
         data = dumps((kind, self.remote(ref), args), self._ref)  # before the pipe: a refusal sends nothing
         try:
-            os.write(self.requests, len(data).to_bytes(4, "big"))
-            while data:
-                data = data[os.write(self.requests, data):]
-            message = read_frame(self.answers, self.remote)
+            with self._lock:
+                os.write(self.requests, len(data).to_bytes(4, "big"))
+                while data:
+                    data = data[os.write(self.requests, data):]
+                message = read_frame(self.answers, self.remote)
         except (ProgramGone, BrokenPipeError):
             self.gone = True
             raise ProgramGone() from None
@@ -287,8 +308,17 @@ def run_isolated(names: list, send, memory, result_fd: int, run_program, namespa
             serve(to_program, from_program, run_program, namespace, describe)
         finally:
             os._exit(70)
-    os.close(to_program)
-    os.close(from_program)
+    try:
+        os.close(to_program)
+        os.close(from_program)
+        return _judge_tests(pid, names, send, memory, from_judge, to_judge, run_test, describe, read_tests)
+    finally:
+        _stop(pid)
+
+
+def _judge_tests(pid: int, names: list, send, memory, from_judge: int, to_judge: int, run_test, describe,
+                 read_tests) -> int:
+    """``run_isolated``'s judge, once the program's process is forked (``pid``)."""
     source = read_tests()
     _no_input()
     try:  # while the program runs
@@ -311,34 +341,31 @@ def run_isolated(names: list, send, memory, result_fd: int, run_program, namespa
     tests.__dict__.update(__builtins__=builtins, __name__="__main__")
     send("program", True)
     sys.modules["__main__"] = tests
+    ok = True
     try:
-        ok = True
-        try:
-            if error is not None:
-                raise error
-            exec(code, tests.__dict__)
-        except BaseException as err:
-            if isinstance(err, MemoryError):
-                memory()
-            ok, error = False, describe(err)
+        if error is not None:
+            raise error
+        exec(code, tests.__dict__)
+    except BaseException as err:
+        if isinstance(err, MemoryError):
+            memory()
+        ok, error = False, describe(err)
+    if judge.gone:
+        return _program_ended(pid)
+    if names == ["tests"] or not ok:
+        for name in names:
+            send("test", (name, ok, error))
+        send("done")
+        return 0 if ok else 1
+    failed = 0
+    for name in names:
+        passed, error = run_test(tests.__dict__.get(name))
         if judge.gone:
             return _program_ended(pid)
-        if names == ["tests"] or not ok:
-            for name in names:
-                send("test", (name, ok, error))
-            send("done")
-            return 0 if ok else 1
-        failed = 0
-        for name in names:
-            passed, error = run_test(tests.__dict__.get(name))
-            if judge.gone:
-                return _program_ended(pid)
-            failed += not passed
-            send("test", (name, passed, error))
-        send("done")
-        return 1 if failed else 0
-    finally:
-        _stop(pid)
+        failed += not passed
+        send("test", (name, passed, error))
+    send("done")
+    return 1 if failed else 0
 
 
 def _no_input() -> None:

@@ -5,6 +5,9 @@ source before ``judge.py``'s (never imported there)."""
 
 #: most items one request takes from a program iterator (fewer at first: it may be endless)
 MAX_CHUNK = 1024
+#: iterators and views of the tests' that cross to the program as the list of their items
+AS_LIST = (range, map, zip, filter, enumerate, reversed, type({}.keys()), type({}.values()), type({}.items()),
+           type(iter([])), type(iter(())), type(iter("")), type(iter(range(0))), type(x for x in ()))
 
 
 class Remote:
@@ -17,9 +20,9 @@ class Remote:
         object.__setattr__(self, "_ask", ask)
 
     def __call__(self, *args, **kwargs):
-        # a range or a generator of the tests' crosses as the list of its items
-        args = tuple(list(a) if type(a) is range or type(a).__name__ == "generator" else a for a in args)
-        result, changed, changed_kw = self._ask("call", self._ref, (args, kwargs))
+        args = tuple(list(a) if type(a) in AS_LIST else a for a in args)
+        sent = {k: list(a) if type(a) in AS_LIST else a for k, a in kwargs.items()}
+        result, changed, changed_kw = self._ask("call", self._ref, (args, sent))
         _update(args, changed)
         _update(kwargs, changed_kw)
         return result
@@ -97,9 +100,9 @@ class Items:
     def __next__(self):
         if not self.buffer and not self.done:
             it = self.it
-            taken = it._ask("take", it._ref, self.chunk)
+            taken, ended = _typed(it._ask("take", it._ref, self.chunk), tuple, "next()")
             self.buffer = list(reversed(_typed(taken, list, "next()")))
-            self.done = len(taken) < self.chunk
+            self.done = ended is True
             self.chunk = min(2 * self.chunk, MAX_CHUNK)
         if not self.buffer:
             raise StopIteration
@@ -108,6 +111,12 @@ class Items:
 
 #: the tests' iterator of each program iterator they hold
 _ITEMS: dict = {}
+
+
+def unread(it: Remote) -> bool:
+    """Whether the tests hold items of ``it`` they took ahead and have not used."""
+    found = _ITEMS.get(id(it))
+    return found is not None and found.it is it and bool(found.buffer)
 
 
 def _items(it: Remote) -> Items:

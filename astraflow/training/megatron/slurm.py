@@ -76,7 +76,8 @@ def node_addr(node: str) -> str:
 
 def srun_command(alloc: Allocation, world: int, log_dir: Path, python: str, module: str) -> list[str]:
     """The ``srun`` argv of the ranks' job step: ``world`` tasks, ``ranks_per_node`` on each node
-    in block order, every task's output in its own ``megatron-rank<r>.log``, the whole step
+    in block order, every task's output appended to its own ``megatron-rank<r>.log`` (a restarted
+    trainer's ranks keep the lost ones' logs), the whole step
     ended when one rank exits non-zero. The step gets the job's GPUs on each node (Slurm's
     default); each rank picks ``LOCAL_RANK``'s."""
     logs = str(log_dir).replace("%", "%%") + "/megatron-rank%t.log"
@@ -84,7 +85,7 @@ def srun_command(alloc: Allocation, world: int, log_dir: Path, python: str, modu
         "srun", f"--jobid={alloc.job_id}", f"--nodes={len(alloc.nodes)}", f"--ntasks={world}",
         f"--ntasks-per-node={alloc.ranks_per_node}", f"--cpus-per-task={alloc.cpus_per_rank}",
         "--distribution=block", "--kill-on-bad-exit=1", "--export=ALL", "--job-name=megatron-ranks",
-        f"--output={logs}", f"--error={logs}", python, "-m", module,
+        f"--output={logs}", f"--error={logs}", "--open-mode=append", python, "-m", module,
     ]
 
 
