@@ -202,3 +202,25 @@ def test_a_sandbox_interpreter_of_other_bytecode_compiles_the_judge_itself(monke
     monkeypatch.setattr(importlib.util, "MAGIC_NUMBER", b"\x00\x00\r\n")  # as if the host were another Python
     r = Sandbox(SandboxConfig(**LIMITS)).run(CHEATS["an object equal to everything"], TESTS)
     assert r.status == "failure" and "no truth value" in r.tests[1].error, r
+
+
+def test_iteration_threads_and_argument_kinds_behave_as_in_one_process(isolated, shared):
+    """A generator that raises after some items gives those items first; calls from several
+    threads of the tests each get their own answer; views and builtin iterators cross as lists;
+    an iterator the tests read ahead of is refused with the fix rather than handed over short."""
+    program = ("def g():\n    yield 1\n    yield 2\n    raise ValueError('x')\n"
+               "def nums():\n    return iter(range(10))\ndef rest(it):\n    return list(it)\n"
+               "def sq(x):\n    return x * x\ndef total(xs):\n    return sum(xs)\n")
+    tests = ("def test_gen():\n    got = []\n    try:\n        for x in g():\n            got.append(x)\n"
+             "    except ValueError:\n        got.append('raised')\n    assert got == [1, 2, 'raised']\n"
+             "def test_threads():\n    from concurrent.futures import ThreadPoolExecutor\n"
+             "    with ThreadPoolExecutor(4) as ex:\n"
+             "        assert list(ex.map(sq, range(40))) == [i * i for i in range(40)]\n"
+             "def test_views():\n    d = {'a': 1, 'b': 2}\n"
+             "    assert total(d.values()) == 3 and total(map(int, '123')) == 6\n"
+             "    assert total(xs=iter([4])) == 4\n")
+    for sb in (isolated, shared):
+        r = sb.run(program, tests)
+        assert r.status == "ok", r.tests
+    r = isolated.run(program, "def test_a():\n    it = nums()\n    next(it)\n    next(it)\n    rest(it)\n")
+    assert "list(it)" in r.tests[0].error, r.tests
