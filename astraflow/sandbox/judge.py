@@ -288,13 +288,12 @@ class Judge:
         return names
 
 
-def run_isolated(names: list, send, memory, result_fd: int, run_program, namespace: dict, run_test, describe,
-                 read_tests) -> int:
-    """The judge (module docstring): fork the program's process (``run_program`` in
-    ``namespace``), run the tests against it, report each through ``send``; the runner's exit
-    code. ``memory()`` reports an execution out of memory; ``result_fd`` is closed in the
-    program's process; ``read_tests()`` reads the tests' source from standard input (after the
-    fork, so the program's process never holds it)."""
+def run_isolated(names: list, result_fd: int, namespace: dict, runner: dict) -> int:
+    """The judge (module docstring): fork the program's process (``runner["run_program"]`` in
+    ``namespace``; ``result_fd`` closed there), run the named tests against it, report each;
+    the runner's exit code. ``runner``: the runner's ``send``, ``memory`` (reports an execution
+    out of memory), ``describe``, ``run_test``, ``report_tests`` and ``read_tests`` (the tests'
+    source from standard input, read after the fork, so the program's process never holds it)."""
     sys.stdout.flush()
     sys.stderr.flush()
     to_program, from_judge = os.pipe()
@@ -305,26 +304,26 @@ def run_isolated(names: list, send, memory, result_fd: int, run_program, namespa
             for fd in (result_fd, from_judge, to_judge):
                 os.close(fd)
             _no_input()
-            serve(to_program, from_program, run_program, namespace, describe)
+            serve(to_program, from_program, runner["run_program"], namespace, runner["describe"])
         finally:
             os._exit(70)
     try:
         os.close(to_program)
         os.close(from_program)
-        return _judge_tests(pid, names, send, memory, from_judge, to_judge, run_test, describe, read_tests)
+        return _judge_tests(pid, names, from_judge, to_judge, runner)
     finally:
         _stop(pid)
 
 
-def _judge_tests(pid: int, names: list, send, memory, from_judge: int, to_judge: int, run_test, describe,
-                 read_tests) -> int:
+def _judge_tests(pid: int, names: list, from_judge: int, to_judge: int, runner: dict) -> int:
     """``run_isolated``'s judge, once the program's process is forked (``pid``)."""
-    source = read_tests()
+    send, memory, describe = runner["send"], runner["memory"], runner["describe"]
+    source = runner["read_tests"]()
     _no_input()
     try:  # while the program runs
-        code, error = compile(source, "/in/tests.py", "exec"), None
+        compiled, error = compile(source, "/in/tests.py", "exec"), None
     except BaseException as err:
-        code, error = None, err
+        compiled, error = None, err
     judge = Judge(from_judge, to_judge)
     try:
         first = read_frame(to_judge, judge.remote)
@@ -345,27 +344,16 @@ def _judge_tests(pid: int, names: list, send, memory, from_judge: int, to_judge:
     try:
         if error is not None:
             raise error
-        exec(code, tests.__dict__)
+        exec(compiled, tests.__dict__)
     except BaseException as err:
         if isinstance(err, MemoryError):
             memory()
         ok, error = False, describe(err)
     if judge.gone:
         return _program_ended(pid)
-    if names == ["tests"] or not ok:
-        for name in names:
-            send("test", (name, ok, error))
-        send("done")
-        return 0 if ok else 1
-    failed = 0
-    for name in names:
-        passed, error = run_test(tests.__dict__.get(name))
-        if judge.gone:
-            return _program_ended(pid)
-        failed += not passed
-        send("test", (name, passed, error))
-    send("done")
-    return 1 if failed else 0
+    code = runner["report_tests"](names, ok, error, lambda name: runner["run_test"](tests.__dict__.get(name)), send,
+                                  lambda: judge.gone)
+    return _program_ended(pid) if code is None else code
 
 
 def _no_input() -> None:

@@ -142,8 +142,10 @@ def execute(names: list, isolated: bool, send, out, memory_line: str, ran: list)
             return ok, code
 
         ran.append(True)  # from here a failure of the judge's is the program's doing
-        return judge["run_isolated"](names, send, report_memory, out.fileno(), run_program, namespace,
-                                     lambda fn: run_test(fn, report_memory), describe, lambda: _read_tests(0))
+        return judge["run_isolated"](names, out.fileno(), namespace, {
+            "send": send, "memory": report_memory, "run_program": run_program, "describe": describe,
+            "run_test": lambda fn: run_test(fn, report_memory), "read_tests": lambda: _read_tests(0),
+            "report_tests": report_tests})
 
     ok, error, code = run_source("/in/program.py", "the program", True)
     send("program", ok)
@@ -153,6 +155,13 @@ def execute(names: list, isolated: bool, send, out, memory_line: str, ran: list)
         send("done")
         return 0
     ok, error, _ = run_source("/in/tests.py", "the tests", False)
+    return report_tests(names, ok, error, lambda name: run_test(namespace.get(name), report_memory), send)
+
+
+def report_tests(names: list, ok: bool, error, run_one, send, gone=lambda: False):
+    """Each named test's outcome through ``send``, then "done"; the runner's exit code. ``ok``
+    False (the tests' top level failed) or a single ``tests``: each reports that. ``run_one(name)``
+    runs one; once ``gone()`` (the program's process ended) None, nothing more reported."""
     if names == ["tests"] or not ok:  # the whole source is one test, or its top level failed
         for name in names:
             send("test", (name, ok, error))
@@ -160,7 +169,9 @@ def execute(names: list, isolated: bool, send, out, memory_line: str, ran: list)
         return 0 if ok else 1
     failed = 0
     for name in names:
-        passed, error = run_test(namespace.get(name), report_memory)
+        passed, error = run_one(name)
+        if gone():
+            return None
         failed += not passed
         send("test", (name, passed, error))
     send("done")
