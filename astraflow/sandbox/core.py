@@ -62,6 +62,8 @@ class Sandbox:
         #: interpreter's bytecode (an execution then compiles neither), else their source
         self._code = {"runner.py": RUNNER.encode()}
         self._judge: tuple[str, bytes] = ("judge.py", JUDGE.encode())
+        #: how bubblewrap is started as the sandbox's user (``bwrap.launcher``), found once
+        self._launcher: tuple[list[str], dict] = ([], {})
         #: per thread: [seconds it waited for a slot, when its current wait began or None]
         self._queued: dict[int, list] = {}
 
@@ -70,6 +72,7 @@ class Sandbox:
         execution directory can be made under the scratch root; once."""
         with self._lock:
             if not self._checked:
+                self._launcher = bwrap.launcher(self.cfg)
                 if bwrap.probe(self.cfg) == importlib.util.MAGIC_NUMBER.hex():  # it runs what we compile
                     self._code = {"runner.py": BOOT.encode(),
                                   "runner.bin": marshal.dumps(compile(RUNNER, "/in/runner.py", "exec"))}
@@ -93,7 +96,7 @@ class Sandbox:
         whatever the umask). Refused unless it is our directory and no one else can write it:
         another user could read the tests there, or swap an execution's inputs for a runner
         that reports a pass. Run as another uid, the sandbox must pass through every directory above it."""
-        drop = bool(bwrap.drop_privileges(self.cfg))
+        drop = bwrap.sandbox_id(self.cfg) is not None
         default = Path(tempfile.gettempdir()) / f"astraflow-sandbox-{os.geteuid()}"
         root = Path(self.cfg.scratch_root or default).absolute()
         try:
@@ -200,7 +203,7 @@ class Sandbox:
                 files[self._judge[0]] = self._judge[1]
             elif tests is not None:
                 files["tests.py"] = _utf8(tests)
-            gid = bwrap.drop_privileges(self.cfg).get("group")
+            gid = bwrap.sandbox_id(self.cfg)
             for name, data in files.items():
                 fd = os.open(os.path.join(path, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                 with open(fd, "wb") as f:
@@ -226,10 +229,11 @@ class Sandbox:
         try:
             filter_fd = bwrap.seccomp_fd()
             fds += [] if filter_fd is None else [filter_fd]
-            cmd = bwrap.command(cfg, bwrap.interpreter(cfg), in_dir, w_fd, names, filter_fd)
+            prefix, as_user = self._launcher
+            cmd = [*prefix, *bwrap.command(cfg, bwrap.interpreter(cfg), in_dir, w_fd, names, filter_fd)]
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, pass_fds=fds, process_group=0,
-                                    env=bwrap.HOST_ENV, **bwrap.drop_privileges(cfg))
+                                    env=bwrap.HOST_ENV, **as_user)
         except (OSError, bwrap.SandboxUnavailable) as err:
             os.close(r_fd)
             for fd in fds:

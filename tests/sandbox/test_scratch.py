@@ -121,3 +121,18 @@ def test_astraflow_check_reports_an_unusable_scratch_root_as_a_config_error(tmp_
                           sandbox=SandboxConfig(**LIMITS, scratch_root=str(tmp_path / "a-file" / "sub")))
     with pytest.raises(ValueError, match="sandbox: cannot create the sandbox's scratch root .*sandbox.scratch_root"):
         launch.check_sandbox(cfg)
+
+
+def test_as_root_bubblewrap_starts_through_setpriv_where_installed(monkeypatch):
+    """Popen asked to change the user copies the whole calling process; ``setpriv`` lets it
+    start bubblewrap without that, as the same unprivileged user."""
+    from astraflow.sandbox import bwrap
+
+    cfg = SandboxConfig(sandbox_uid=4321)
+    monkeypatch.setattr(bwrap.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(bwrap.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert bwrap.launcher(cfg) == (["/usr/bin/setpriv", "--reuid=4321", "--regid=4321", "--clear-groups", "--"], {})
+    monkeypatch.setattr(bwrap.shutil, "which", lambda name: None)
+    assert bwrap.launcher(cfg) == ([], {"user": 4321, "group": 4321, "extra_groups": []})
+    monkeypatch.setattr(bwrap.os, "geteuid", lambda: 1000)
+    assert bwrap.launcher(cfg) == ([], {}) and bwrap.sandbox_id(cfg) is None
