@@ -108,7 +108,8 @@ def _load(data: bytes, i: int, remote, depth: int):
         return _BUILD[tag](items), i
     if tag == b"n":
         (name, fields, items), i = _load(data, i, remote, depth + 1)
-        if not (type(name) is str and type(fields) is tuple and type(items) is tuple and len(fields) == len(items)):
+        if not (type(name) is str and type(fields) is tuple and type(items) is tuple and len(fields) == len(items)
+                and all(type(f) is str for f in fields)):
             raise ValueError("a malformed named tuple")
         cls = _NAMED.get((name, fields))
         if cls is None:

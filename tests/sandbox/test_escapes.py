@@ -149,7 +149,9 @@ def test_the_nodes_keyring_is_out_of_reach(sb):
                             "print('read', libc.syscall(250, 11, key, buf, 64), buf.value)\n"  # KEYCTL_READ
                             "print('session', libc.syscall(250, 0, -3, 0), ctypes.get_errno())\n"
                             # bubblewrap's init (pid 1) holds the keyring without the filter: no ptrace
-                            "print('ptrace', libc.syscall(101, 16, 1, 0, 0), ctypes.get_errno())\n")
+                            "print('ptrace', libc.syscall(101, 16, 1, 0, 0), ctypes.get_errno())\n"
+                            # nor a watchpoint on another process of the execution (perf_event_open)
+                            "print('perf', libc.syscall(298, None, 1, -1, -1, 0), ctypes.get_errno())\n")
 
     thread = threading.Thread(target=run_in_a_keyring_of_its_own)
     thread.start()
@@ -157,7 +159,7 @@ def test_the_nodes_keyring_is_out_of_reach(sb):
     r = found["r"]
     assert r.status == "ok" and secret not in r.stdout, r
     assert "search -1 1\n" in r.stdout and "session -1 1\n" in r.stdout, r.stdout  # EPERM
-    assert "ptrace -1 1\n" in r.stdout, r.stdout
+    assert "ptrace -1 1\n" in r.stdout and "perf -1 1\n" in r.stdout, r.stdout
 
 
 def test_no_network_not_even_the_hosts_loopback(sb):

@@ -82,7 +82,9 @@ HONEST = ("import asyncio\n"
           "def lookup(d, k):\n    return d[k]\n"
           "import statistics\nclass AppError(Exception):\n    pass\nclass NotFound(AppError):\n    pass\n"
           "Missing = NotFound\ndef find(k):\n    raise NotFound(k)\ndef mean(xs):\n    return statistics.mean(xs)\n"
-          "def total(xs):\n    return sum(xs)\n")
+          "def total(xs):\n    return sum(xs)\n"
+          "import json\nfrom json import JSONDecodeError\nBase = Exception\n"
+          "def parse(s):\n    return json.loads(s)\n")
 HONEST_TESTS = (
     "import math\n"
     "def test_objects():\n    s = Stack()\n    s.push(1)\n    s.push([2, (3.5, None)])\n"
@@ -111,6 +113,10 @@ HONEST_TESTS = (
     "        try:\n            find('k')\n        except catch as e:\n            assert e.args == ('k',)\n"
     "    try:\n        mean([])\n    except statistics.StatisticsError:\n        pass\n"
     "    else:\n        assert False\n"
+    "def test_standard_exception_classes():\n    import json\n"
+    "    for catch in (json.JSONDecodeError, JSONDecodeError, Base, ValueError):\n"
+    "        try:\n            parse('{')\n        except catch:\n            pass\n"
+    "        else:\n            assert False\n"
     "def test_ranges_and_generators():\n    assert total(range(4)) == 6 and total(x * x for x in range(3)) == 5\n")
 
 
@@ -189,7 +195,8 @@ def test_the_wire_round_trips_plain_values_and_refuses_the_rest():
         nested = [nested]
     with pytest.raises(ValueError, match="nested"):
         wire.dumps(nested, lambda x: 0)
-    for bad in (b"q", b"s99;ab", b"l2;N", b"NN", b"i12", b"d1;N", b"l" + b"l1;" * 200 + b"N"):
+    forged = b"n" + wire.dumps(("Point", (object(),), (1,)), lambda x: 5)  # a field name that is a handle
+    for bad in (b"q", b"s99;ab", b"l2;N", b"NN", b"i12", b"d1;N", b"l" + b"l1;" * 200 + b"N", forged):
         with pytest.raises((ValueError, IndexError)):
             wire.loads(bad, lambda ref: ref)
 
