@@ -73,10 +73,10 @@ def module(name):
 
 # -- the program's process ------------------------------------------------------------------
 
-def serve(requests: int, answers: int, run_program, namespace: dict, describe) -> None:
+def serve(requests: int, answers: int, run_program, namespace: dict, describe, flush) -> None:
     """Run the program (``run_program(report_memory)`` -> (ok, exit code), in ``namespace``),
-    report it and what it defined, then answer requests until the judge closes the pipe.
-    Never returns."""
+    report it and what it defined, then answer requests until the judge closes the pipe;
+    ``flush()`` writes out what it printed. Never returns."""
     handles = {}
 
     def handle(x) -> int:
@@ -84,7 +84,7 @@ def serve(requests: int, answers: int, run_program, namespace: dict, describe) -
         return id(x)
 
     ok, code = run_program(lambda: write_frame(answers, ("memory",), no_handles))
-    _flush()  # what the program printed: this process ends by a kill
+    flush()  # what the program printed: this process ends by a kill
     if not ok:
         write_frame(answers, ("program", False, code), no_handles)
         os._exit(code)
@@ -127,18 +127,10 @@ def serve(requests: int, answers: int, run_program, namespace: dict, describe) -
             answer = dumps(("ok", result), handle)
         except BaseException as err:  # what the program raised, or a result that cannot travel
             answer = dumps(_raised(err, classes, describe), no_handles)
-        _flush()
+        flush()
         os.write(answers, len(answer).to_bytes(4, "big"))
         while answer:
             answer = answer[os.write(answers, answer):]
-
-
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
-            stream.flush()
-        except BaseException:  # the program replaced or closed it
-            pass
 
 
 #: what the program's process does for each kind of request: (object, argument) -> result
@@ -313,10 +305,9 @@ def run_isolated(names: list, result_fd: int, namespace: dict, runner: dict) -> 
     """The judge (module docstring): fork the program's process (``runner["run_program"]`` in
     ``namespace``; ``result_fd`` closed there), run the named tests against it, report each;
     the runner's exit code. ``runner``: the runner's ``send``, ``memory`` (reports an execution
-    out of memory), ``describe``, ``run_test``, ``report_tests`` and ``read_tests`` (the tests'
+    out of memory), ``describe``, ``flush``, ``run_test``, ``report_tests`` and ``read_tests`` (the tests'
     source from standard input, read after the fork, so the program's process never holds it)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    runner["flush"]()  # nothing buffered is written twice, once by each process
     to_program, from_judge = os.pipe()
     to_judge, from_program = os.pipe()
     pid = os.fork()
@@ -325,7 +316,7 @@ def run_isolated(names: list, result_fd: int, namespace: dict, runner: dict) -> 
             for fd in (result_fd, from_judge, to_judge):
                 os.close(fd)
             _no_input()
-            serve(to_program, from_program, runner["run_program"], namespace, runner["describe"])
+            serve(to_program, from_program, runner["run_program"], namespace, runner["describe"], runner["flush"])
         finally:
             os._exit(70)
     try:

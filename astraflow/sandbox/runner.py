@@ -67,6 +67,15 @@ def main() -> int:
         return 70
 
 
+def flush_output() -> None:
+    """What the program printed, out before its process ends (by ``os._exit`` or a kill)."""
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except BaseException:  # the program replaced or closed it
+            pass
+
+
 def _read_line(fd: int) -> str:
     """One line of ``fd``, read a byte at a time: what follows it is not consumed."""
     line = bytearray()
@@ -80,8 +89,8 @@ def _read_tests(fd: int) -> str:
     chunks = []
     while chunk := os.read(fd, 1 << 16):
         chunks.append(chunk)
-    source = SOURCES["/in/tests.py"] = b"".join(chunks).decode("utf-8-sig")
-    return source
+    SOURCES["/in/tests.py"] = b"".join(chunks).decode("utf-8-sig")
+    return SOURCES["/in/tests.py"]
 
 
 def execute(names: list, isolated: bool, send, out, memory_line: str, ran: list) -> int:
@@ -145,7 +154,7 @@ def execute(names: list, isolated: bool, send, out, memory_line: str, ran: list)
         return judge["run_isolated"](names, out.fileno(), namespace, {
             "send": send, "memory": report_memory, "run_program": run_program, "describe": describe,
             "run_test": lambda fn: run_test(fn, report_memory), "read_tests": lambda: _read_tests(0),
-            "report_tests": report_tests})
+            "report_tests": report_tests, "flush": flush_output})
 
     ok, error, code = run_source("/in/program.py", "the program", True)
     send("program", ok)
@@ -281,9 +290,5 @@ if __name__ == "__main__":
     except BaseException as exc:  # before the channel was open: the host reports sandbox_error
         sys.stderr.write(f"sandbox runner failed: {exc!r}\n")
         status = 70
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
-            stream.flush()
-        except BaseException:  # the program replaced or closed it
-            pass
+    flush_output()
     os._exit(status)
