@@ -148,14 +148,12 @@ def prefix_libs(python: str) -> list[str]:
     return libs
 
 
-def _sandbox(cfg: SandboxConfig, python: str, filter_fd: int | None) -> list[str]:
-    """bwrap and every option of an execution's sandbox but its input directory: what
-    ``command`` runs and what ``probe`` checks, so an option this bubblewrap lacks fails the check.
-    ``filter_fd``: from ``seccomp_fd``."""
+def sandbox_args(cfg: SandboxConfig, python: str) -> list[str]:
+    """bwrap and every option of an execution's sandbox but its seccomp filter and input
+    directory: what ``command`` runs and what ``probe`` checks, so an option this bubblewrap
+    lacks fails the check. The same for every execution (a ``Sandbox`` builds it once)."""
     args = [bwrap_path(cfg), "--unshare-all", "--unshare-user", "--disable-userns",
             "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]
-    if filter_fd is not None:
-        args += ["--seccomp", str(filter_fd)]
     for k, v in ENV.items():
         args += ["--setenv", k, v]
     args += _binds(python)
@@ -165,10 +163,16 @@ def _sandbox(cfg: SandboxConfig, python: str, filter_fd: int | None) -> list[str
     return args
 
 
-def command(cfg: SandboxConfig, python: str, in_dir: str, result_fd: int,
+def _seccomp(filter_fd: int | None) -> list[str]:
+    """bwrap's option installing the filter read from ``filter_fd`` (from ``seccomp_fd``)."""
+    return [] if filter_fd is None else ["--seccomp", str(filter_fd)]
+
+
+def command(cfg: SandboxConfig, base: list[str], python: str, in_dir: str, result_fd: int,
             test_names: list[str], filter_fd: int | None = None) -> list[str]:
-    """bwrap argv running the runner on ``in_dir``; the runner reports on ``result_fd``."""
-    return [*_sandbox(cfg, python, filter_fd), "--ro-bind", in_dir, IN_DIR, "--chdir", SCRATCH,
+    """bwrap argv running the runner on ``in_dir``; the runner reports on ``result_fd``.
+    ``base``: ``sandbox_args(cfg, python)``."""
+    return [*base, *_seccomp(filter_fd), "--ro-bind", in_dir, IN_DIR, "--chdir", SCRATCH,
             python, "-I", "-S", "-B", f"{IN_DIR}/runner.py", str(result_fd), str(cfg.cpu_s),
             str(cfg.memory_mb << 20), str(cfg.max_processes), str(file_size_limit(cfg)),
             "isolated" if cfg.isolate_tests else "shared", *test_names]
@@ -213,7 +217,8 @@ def probe(cfg: SandboxConfig) -> str:
     try:
         filter_fd = seccomp_fd()
         prefix, as_user = launcher(cfg)
-        args = [*prefix, *_sandbox(cfg, python, filter_fd), "--chdir", SCRATCH, python, "-I", "-S", "-c", MAGIC_SCRIPT]
+        args = [*prefix, *sandbox_args(cfg, python), *_seccomp(filter_fd), "--chdir", SCRATCH,
+                python, "-I", "-S", "-c", MAGIC_SCRIPT]
         proc = subprocess.run(args, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, env=HOST_ENV,
                               pass_fds=() if filter_fd is None else (filter_fd,), **as_user)
     except (OSError, subprocess.TimeoutExpired) as err:

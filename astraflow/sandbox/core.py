@@ -64,6 +64,8 @@ class Sandbox:
         self._judge: tuple[str, bytes] = ("judge.py", JUDGE.encode())
         #: how bubblewrap is started as the sandbox's user (``bwrap.launcher``), found once
         self._launcher: tuple[list[str], dict] = ([], {})
+        #: (``bwrap.sandbox_args``, the interpreter): the argv every execution starts with
+        self._argv: tuple[list[str], str] | None = None
         #: per thread: [seconds it waited for a slot, when its current wait began or None]
         self._queued: dict[int, list] = {}
 
@@ -230,7 +232,10 @@ class Sandbox:
             filter_fd = bwrap.seccomp_fd()
             fds += [] if filter_fd is None else [filter_fd]
             prefix, as_user = self._launcher
-            cmd = [*prefix, *bwrap.command(cfg, bwrap.interpreter(cfg), in_dir, w_fd, names, filter_fd)]
+            if self._argv is None:  # found once: bubblewrap, the interpreter, what is bound
+                python = bwrap.interpreter(cfg)
+                self._argv = (bwrap.sandbox_args(cfg, python), python)
+            cmd = [*prefix, *bwrap.command(cfg, *self._argv, in_dir, w_fd, names, filter_fd)]
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, pass_fds=fds, process_group=0,
                                     env=bwrap.HOST_ENV, **as_user)

@@ -118,23 +118,34 @@ def execute(names: list, isolated: bool, send, out, memory_line: str, ran: list)
     def report_memory() -> None:
         out.write(memory_line)
 
-    def run_source(path: str, label: str, exit_ok: bool, memory=report_memory) -> tuple[bool, str | None, int]:
-        """(ran cleanly, the exception line, exit code) of exec-ing ``path`` in the namespace;
-        ``exit_ok``: whether ``SystemExit(0)`` ends it cleanly (the program's, not the tests');
-        ``memory()`` reports an allocation that failed."""
+    def load(path: str, label: str, exit_ok: bool, memory=report_memory):
+        """(the code of ``path``, None), or (None, ``run_source``'s result) where it is no code."""
         try:
             with open(path, "rb") as f:
                 source = f.read().decode("utf-8-sig")  # a leading byte-order mark is not code
         except UnicodeDecodeError as err:
             _plain_error(f"{label} is not valid UTF-8: {err}")
-            return False, f"UnicodeDecodeError: {err}"[:ERROR_CHARS], 1
+            return None, (False, f"UnicodeDecodeError: {err}"[:ERROR_CHARS], 1)
         try:
             ran.append(True)
-            exec(compile(source, path, "exec"), namespace)
+            return compile(source, path, "exec"), None
+        except BaseException as err:  # its syntax error, whatever it is
+            set_recursion_limit(RECURSION_LIMIT)
+            return None, program_failed(err, memory, exit_ok)
+
+    def run_code(code, exit_ok: bool, memory=report_memory) -> tuple[bool, str | None, int]:
+        try:
+            exec(code, namespace)
             return True, None, 0
         except BaseException as err:  # the program's error, whatever it is
             set_recursion_limit(RECURSION_LIMIT)
             return program_failed(err, memory, exit_ok)
+
+    def run_source(path: str, label: str, exit_ok: bool) -> tuple[bool, str | None, int]:
+        """(ran cleanly, the exception line, exit code) of exec-ing ``path`` in the namespace;
+        ``exit_ok``: whether ``SystemExit(0)`` ends it cleanly (the program's, not the tests')."""
+        code, failed = load(path, label, exit_ok)
+        return failed if code is None else run_code(code, exit_ok)
 
     if isolated:
         judge = {"__name__": "judge", "__builtins__": __builtins__}
@@ -146,8 +157,15 @@ def execute(names: list, isolated: bool, send, out, memory_line: str, ran: list)
                 code = compile(f.read(), "/in/judge.py", "exec")
         exec(code, judge)
 
+        # compiled before the fork: the program's process only runs it, and one that does not
+        # compile needs no process
+        program_code, failed = load("/in/program.py", "the program", True)
+        if failed is not None:
+            send("program", False)
+            return failed[2]
+
         def run_program(memory) -> tuple[bool, int]:
-            ok, _, code = run_source("/in/program.py", "the program", True, memory)
+            ok, _, code = run_code(program_code, True, memory)
             return ok, code
 
         ran.append(True)  # from here a failure of the judge's is the program's doing

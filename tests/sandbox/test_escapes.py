@@ -220,7 +220,7 @@ def test_a_program_with_a_lone_surrogate_fails_as_not_utf8(sb, surrogate):
 def test_a_program_that_is_not_python_fails(sb):
     r = sb.run("def f(:\n    return\n", "def test_f():\n    assert f()\n")
     assert r.status == "failure" and "SyntaxError" in r.stderr
-    assert [(t.name, t.passed) for t in r.tests] == [("test_f", False)]
+    assert [(t.name, t.passed, t.error) for t in r.tests] == [("test_f", False, "not run: the program failed")]
 
 
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGXCPU"])
