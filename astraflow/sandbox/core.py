@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import functools
 import importlib.util
 import logging
 import marshal
@@ -30,7 +31,7 @@ from typing import Any, Callable
 
 from . import bwrap
 from .config import SandboxConfig
-from .result import SandboxResult, TestOutcome
+from .result import SandboxResult, events, judged, result
 
 log = logging.getLogger("astraflow.sandbox")
 RUNNER = (Path(__file__).with_name("runner.py")).read_text(encoding="utf-8")
@@ -41,9 +42,7 @@ JUDGE = "\n".join(Path(__file__).with_name(name).read_text(encoding="utf-8")
 BOOT = ("import marshal\nwith open('/in/runner.bin', 'rb') as f:\n    code = marshal.loads(f.read())\n"
         "exec(code, {'__name__': '__main__', '__file__': '/in/runner.py', '__builtins__': __builtins__})\n")
 MAX_CHANNEL_BYTES = 1 << 20  # the result pipe: a few lines per test
-MAX_EVENT_CHARS = 1 << 14  # one report line: a test's name and its truncated exception line
 EXIT_GRACE_S = 1.0  # after bubblewrap exits, how long its pipes may take to close
-CPU_SIGNALS = (128 + signal.SIGXCPU, 128 + signal.SIGKILL)  # the CPU limit's soft and hard ends
 PIPE_BYTES = 4096  # what a pipe surely takes before a writer blocks (one page: Linux shrinks pipes past a user's quota)
 
 
@@ -188,7 +187,7 @@ class Sandbox:
         try:
             in_dir = self._input_dir(program, tests)
         except OSError as err:
-            return _result("sandbox_error", (), "", f"sandbox could not write its inputs: {err}", None, start)
+            return result("sandbox_error", (), "", f"sandbox could not write its inputs: {err}", None, start)
         try:
             return self._spawn_and_collect(in_dir, tests, timeout, start)
         finally:
@@ -243,7 +242,7 @@ class Sandbox:
             os.close(r_fd)
             for fd in fds:
                 os.close(fd)
-            return _result("sandbox_error", (), "", f"sandbox could not start: {err}", None, start)
+            return result("sandbox_error", (), "", f"sandbox could not start: {err}", None, start)
         for fd in fds:
             os.close(fd)
         feed = nonce.encode() + b"\n"
@@ -251,7 +250,7 @@ class Sandbox:
             feed += _utf8(tests)
         _feed(proc, feed)
         out, err, channel, killed = _collect(proc, r_fd, start + timeout, cfg.max_output_bytes)
-        return _judge(proc.returncode, out, err, _events(channel, nonce), killed, names, start, cfg.cpu_s)
+        return judged(proc.returncode, out, err, events(channel, nonce), killed, names, start, cfg.cpu_s)
 
 
 def _feed(proc: subprocess.Popen, data: bytes) -> None:
@@ -329,58 +328,6 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _events(channel: bytes, nonce: str) -> list[tuple[str, object]]:
-    """(event, payload) of the runner's lines that carry the nonce; anything else is ignored
-    (the program can write to the pipe too), and before it is parsed: a long or nested literal
-    costs the host CPU time."""
-    events = []
-    prefix = f"('{nonce}', "  # how the runner's repr((nonce, event, payload)) begins (a hex nonce)
-    for line in channel.decode("utf-8", "replace").splitlines():
-        if len(line) > MAX_EVENT_CHARS or not line.startswith(prefix):
-            continue
-        try:
-            event = ast.literal_eval(line)
-        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-            continue
-        if isinstance(event, tuple) and len(event) == 3 and event[0] == nonce:
-            events.append((str(event[1]), event[2]))
-    return events
-
-
-def _judge(code: int | None, out: bytes, err: bytes, events: list[tuple[str, object]],
-           killed: str | None, expected: list[str], start: float, cpu_s: float) -> SandboxResult:
-    """The result of an execution. Killed by SIGXCPU or SIGKILL is a timeout only once the
-    execution has lasted ``cpu_s``: the program can send either signal to itself, and one
-    process needs at least that long to spend its CPU time."""
-    kinds = {kind for kind, _ in events}
-    outcomes = {}
-    for kind, payload in events:
-        if kind == "test" and isinstance(payload, tuple) and len(payload) == 3:
-            name, passed, error = payload
-            outcomes.setdefault(str(name), TestOutcome(
-                str(name), bool(passed), None if error is None else str(error)))
-    why = {"timeout": "not run: the execution timed out", "output_limit": "not run: output limit"}
-    program_ok = any(kind == "program" and payload is True for kind, payload in events)
-    default = ("not run: the program failed" if not program_ok
-               else "not run: the program exited before this test")
-    missing = why.get(killed or "", default)
-    results = tuple(outcomes.get(n) or TestOutcome(n, False, missing) for n in expected)
-    if killed:
-        status = killed
-    elif "start" not in kinds or "runner_error" in kinds:
-        status = "sandbox_error"
-    elif code in CPU_SIGNALS and time.monotonic() - start >= cpu_s:
-        status = "timeout"
-    elif "memory" in kinds:
-        status = "memory"
-    elif code == 0 and "done" in kinds and all(t.passed for t in results):
-        status = "ok"
-    else:
-        status = "failure"
-    return _result(status, results, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
-                   code, start)
-
-
 async def run_within(executor: Any, fn: Callable[[], Any], deadline_s: float | None, sandbox: Sandbox) -> Any:
     """``fn()`` on ``executor``; ``TimeoutError`` once it has run ``deadline_s`` seconds, not
     counting the time it waited for a thread of the executor or a slot of ``sandbox`` (queueing
@@ -413,13 +360,18 @@ async def run_within(executor: Any, fn: Callable[[], Any], deadline_s: float | N
 def test_names(tests: str) -> list[str]:
     """The tests' top-level ``test_*`` functions in order, or ["tests"] when there are none
     (the whole source is one test). The tests come from the workload, not the model."""
+    return list(_names(tests))
+
+
+@functools.lru_cache(maxsize=256)  # a group's samples share their task's tests
+def _names(tests: str) -> tuple[str, ...]:
     try:
         tree = ast.parse(tests.removeprefix("\ufeff"))
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return ["tests"]
+        return ("tests",)
     names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
              and n.name.startswith("test_")]
-    return list(dict.fromkeys(names)) or ["tests"]
+    return tuple(dict.fromkeys(names)) or ("tests",)
 
 
 def _utf8(text: str) -> bytes:
@@ -441,8 +393,3 @@ def _not_ours(st: os.stat_result) -> str | None:
     if st.st_mode & 0o022:
         return f"is writable by group or others (mode {st.st_mode & 0o777:04o})"
     return None
-
-
-def _result(status, tests, stdout, stderr, code, start) -> SandboxResult:
-    return SandboxResult(status=status, tests=tuple(tests), stdout=stdout, stderr=stderr,
-                         exit_code=code, wall_s=time.monotonic() - start)

@@ -255,16 +255,16 @@ def test_a_byte_order_mark_is_not_code(sb):
 def test_the_host_parses_only_lines_that_carry_the_nonce(monkeypatch):
     """The program can write to the result pipe: its lines are dropped before any parsing (a
     literal can cost the host seconds of CPU), and so is an overlong line."""
-    from astraflow.sandbox import core
+    from astraflow.sandbox import result
 
     parsed = []
-    real = core.ast.literal_eval
-    monkeypatch.setattr(core.ast, "literal_eval", lambda s: parsed.append(s) or real(s))
+    real = result.ast.literal_eval
+    monkeypatch.setattr(result.ast, "literal_eval", lambda s: parsed.append(s) or real(s))
     nonce = "ab" * 16
     good = repr((nonce, "test", ("test_a", True, None)))
-    long = repr((nonce, "test", ("test_b", True, "x" * (core.MAX_EVENT_CHARS + 1))))
+    long = repr((nonce, "test", ("test_b", True, "x" * (result.MAX_EVENT_CHARS + 1))))
     channel = "\n".join(["{" + ",".join(["1"] * 1000) + "}", repr(("0" * 32, "done", None)), long, good])
-    assert core._events(channel.encode(), nonce) == [("test", ("test_a", True, None))]
+    assert result.events(channel.encode(), nonce) == [("test", ("test_a", True, None))]
     assert parsed == [good]
 
 
