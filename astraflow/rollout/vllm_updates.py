@@ -97,22 +97,28 @@ def check_probe(probe: Mapping[str, Any], got: Sequence[float], held: Mapping[st
     return ProbeCheck(err, err_held, apart, stale=distinct and err_held <= err)
 
 
+#: nats: a freshly created engine further off a version's probe than this (or than the configured
+#: tolerance, if higher) is past what its dtype's rounding explains
+NUMERICS_CEILING = 0.5
+
+
 def judge(err: float, fresh: float, tolerance: float, stale: bool = False,
           fresh_stale: bool = False) -> tuple[float, bool]:
     """``(tolerance, wrong)`` after an update off by ``err`` nats whose version a re-created
     engine scores ``fresh`` nats off (``stale``, ``fresh_stale``: the update's and the fresh
     engine's scores were nearer the version held before, ``ProbeCheck.stale``). A fresh engine
     is right by construction: if it is off by more than ``tolerance`` too, the gap is the
-    engine's numerics and the tolerance becomes twice it; ``wrong``: the update was off by more
-    than the resulting tolerance, or stale where the fresh engine is not, so the update path is
-    to blame (a fresh engine as stale says the two versions cannot be told apart on it). A
-    non-finite ``fresh`` (the version's own weights give NaN or infinite log-probs) blames
-    neither and keeps the tolerance, which would otherwise become infinite and pass every later
-    update unchecked."""
-    if not math.isfinite(fresh):
+    engine's numerics and the tolerance becomes twice it (at most ``NUMERICS_CEILING``);
+    ``wrong``: the update was off by more than the resulting tolerance, or stale where the fresh
+    engine is not, so the update path is to blame (a fresh engine as stale says the two
+    versions cannot be told apart on it). A fresh engine past the ceiling, or non-finite, says
+    the version itself (its weights, their conversion, its probe) is broken: that blames
+    neither and keeps the tolerance, which would otherwise pass every later update unchecked."""
+    ceiling = max(NUMERICS_CEILING, tolerance)
+    if not math.isfinite(fresh) or fresh > ceiling:
         return tolerance, False
     if fresh > tolerance:
-        tolerance = 2 * fresh
+        tolerance = min(2 * fresh, ceiling)
     return tolerance, err > tolerance or (stale and not fresh_stale)
 
 
@@ -311,6 +317,12 @@ class Updater:
         if not math.isfinite(fresh):
             log.warning("vLLM engine: a freshly created engine scores %s v%d's probe with non-finite log-probs: "
                         "the version (its weights or its probe) is broken, not the update", policy, version)
+        elif fresh > max(NUMERICS_CEILING, self.tolerance):
+            log.warning("vLLM engine: a freshly created engine scores %s v%d's probe %.3f nats off the trainer's, "
+                        "more than an engine's dtype explains (%.2f): the version (its weights, their conversion "
+                        "or its probe) is broken, not the update; the probe tolerance stays %.3f (raise "
+                        "rollout.engine.vllm.probe_tolerance if this engine's numerics are that far off)",
+                        policy, version, fresh, NUMERICS_CEILING, self.tolerance)
         if tolerance != self.tolerance:
             self.tolerance = tolerance
             log.warning("vLLM engine: a freshly created engine scores %s v%d's probe %.3f nats off the trainer's "

@@ -33,6 +33,8 @@ def test_judge_blames_the_update_only_when_a_fresh_engine_is_right():
     assert judge(0.12, 0.1, 0.05) == (0.2, False)  # both off alike: the engine's numerics, tolerance 2x
     assert judge(0.5, 0.1, 0.05) == (0.2, True)  # off by more than the numerics explain
     assert judge(0.01, 0.0, 0.05) == (0.05, False)
+    assert judge(0.5, 0.4, 0.05) == (0.5, False)  # the raise stops at what a dtype explains
+    assert judge(0.9, 0.8, 1.0) == (1.0, False)  # a tolerance configured higher is kept
 
 
 #: two versions' probes of the same tokens, 0.02 nats apart (less than the default tolerance, 0.05)
@@ -74,10 +76,11 @@ def test_judge_blames_a_stale_update_only_when_the_fresh_engine_tells_the_versio
     assert judge(0.02, 0.02, 0.05, stale=True, fresh_stale=True) == (0.05, False)  # indistinguishable
 
 
-@pytest.mark.parametrize("fresh", [math.inf, math.nan])
-def test_a_fresh_engine_with_non_finite_log_probs_keeps_the_check_on(fresh):
-    """A broken version scored inf by both engines must not raise the tolerance to infinity
-    (every later update, however wrong, would then pass)."""
+@pytest.mark.parametrize("fresh", [math.inf, math.nan, 2.9, 0.6])
+def test_a_fresh_engine_off_past_any_dtype_keeps_the_check_on(fresh):
+    """A broken version (a bad conversion, a wrong probe) scored far off or inf by both engines
+    must not raise the tolerance past what numerics explain (every later update, however
+    wrong, would then pass)."""
     tolerance, wrong = judge(math.inf, fresh, 0.05)
     assert tolerance == 0.05 and not wrong
     assert judge(2.0, 0.001, tolerance) == (0.05, True)  # a later wrong update is still caught
