@@ -23,7 +23,9 @@ class VLLMConfig(Strict):
     """``rollout.engine.vllm``: the vLLM engine's own settings (``rollout/vllm_engine.py``)."""
 
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
-    """Fraction of each GPU's memory vLLM may take (weights, activations, KV cache)."""
+    """Fraction of each GPU's memory the node's vLLM engines on it take together (weights,
+    activations, KV cache): engines that share a GPU (several policies, more replicas than
+    GPUs) split it evenly."""
     max_model_len: int | None = Field(default=None, gt=PROBE_LEN)
     """Longest prompt + completion in tokens; ``None``: the model's ``max_position_embeddings``.
     More than the probe sequence every weight update is checked with (``astraflow.probe``)."""

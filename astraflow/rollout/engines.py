@@ -50,13 +50,15 @@ def make_engines(cfg: EngineConfig, models: Mapping[str, str], seed: int = 0,
     # as many times longer (the node waits no longer than for the same loads one after another)
     patience = min(slots, total)
     loading: list[InferenceEngine] = []  # processes started, not yet waited for
+    shares = gpu_sharers(plans, len(models))
     try:
-        for policy, path in models.items():
+        for k, (policy, path) in enumerate(models.items()):
             started[policy] = []
             for plan in plans:
                 if len(loading) >= slots:
                     loading.pop(0).wait_started(patience)
-                engine = _make_one(cfg, path, plan)
+                # a policy's engines take the CPUs after the previous policies' (vLLM's CPU build binds them)
+                engine = _make_one(cfg, path, plan, order=k * len(plans) + plan.index, sharers=shares[plan.index])
                 started[policy].append(engine)
                 if hasattr(engine, "wait_started"):  # a process loading its model
                     loading.append(engine)
@@ -72,6 +74,18 @@ def make_engines(cfg: EngineConfig, models: Mapping[str, str], seed: int = 0,
             log.info("%d engine replicas of %s: %s", len(plans), path,
                      ", ".join(p.visible_devices or p.device for p in plans))
     return {policy: engines[0] if len(engines) == 1 else EnginePool(engines) for policy, engines in started.items()}
+
+
+def gpu_sharers(plans: list[ReplicaPlan], policies: int) -> list[int]:
+    """Per replica plan, how many of the node's engines (``policies`` of them per plan) share
+    its most crowded GPU: each policy's replicas take the same GPUs, more replicas than GPUs
+    wrap around, an explicit ``cuda:N`` puts every engine on one GPU; 1 where it has none."""
+    on: dict[object, int] = {}
+    for plan in plans:
+        for g in plan.gpus or ((plan.device,) if plan.device.startswith("cuda:") else ()):
+            on[g] = on.get(g, 0) + policies
+    return [max((on[g] for g in plan.gpus or ((plan.device,) if plan.device in on else ())), default=1)
+            for plan in plans]
 
 
 def load_slots(model_paths: list[str], engines: int) -> int:
@@ -105,7 +119,10 @@ def _make_sim(cfg: EngineConfig, seed: int, gpus: int) -> InferenceEngine:
     return engines[0] if count == 1 else EnginePool(engines)
 
 
-def _make_one(cfg: EngineConfig, model_path: str, plan: ReplicaPlan) -> InferenceEngine:
+def _make_one(cfg: EngineConfig, model_path: str, plan: ReplicaPlan, order: int = 0,
+              sharers: int = 1) -> InferenceEngine:
+    """One engine of ``plan``: the node's ``order``-th (its first CPU, where engines bind CPUs);
+    ``sharers`` engines on its GPU split ``gpu_memory_utilization``."""
     # version 0: the model directory is what the trainer publishes as v0
     if cfg.type == "hf":
         from astraflow.rollout.hf_engine import HFEngine
@@ -127,10 +144,15 @@ def _make_one(cfg: EngineConfig, model_path: str, plan: ReplicaPlan) -> Inferenc
         from astraflow.rollout.vllm_engine import VLLMEngine
 
         visible = vllm_visible_devices(plan, os.environ.get("CUDA_VISIBLE_DEVICES"))
-        return VLLMEngine(model_path, options=cfg.vllm, max_batch_size=cfg.max_batch, seed=plan.seed, version=0,
+        options = cfg.vllm
+        if sharers > 1:  # each asks vLLM for its part: the first would otherwise leave the others too little
+            options = options.model_copy(update={"gpu_memory_utilization": options.gpu_memory_utilization / sharers})
+            log.info("%d vLLM engines share GPU(s) %s: each takes %.3f of its memory (of %.2f)", sharers,
+                     visible or plan.device, options.gpu_memory_utilization, cfg.vllm.gpu_memory_utilization)
+        return VLLMEngine(model_path, options=options, max_batch_size=cfg.max_batch, seed=plan.seed, version=0,
                           tensor_parallel=cfg.tensor_parallel, dtype=cfg.dtype, threads=plan.threads,
                           swap_min_remaining=cfg.swap_min_remaining, visible_devices=visible,
-                          first_cpu=plan.index * plan.threads)
+                          first_cpu=order * plan.threads)
     raise ValueError(f"unknown engine type {cfg.type!r}; known: {', '.join(KNOWN)}")
 
 

@@ -88,7 +88,7 @@ def test_no_more_engines_load_at_once_than_the_host_memory_holds(tiny_model, mon
     from astraflow.rollout import engines
 
     events = []
-    monkeypatch.setattr(engines, "_make_one", lambda cfg, path, plan: _Loading(events, f"{path}#{plan.index}"))
+    monkeypatch.setattr(engines, "_make_one", lambda cfg, path, plan, **_: _Loading(events, f"{path}#{plan.index}"))
     need = 2 * engines.weight_bytes(str(tiny_model))  # an fp32 copy of bf16 weights, at most
     assert need > 0
     cfg = EngineConfig(device="cpu", replicas=2)

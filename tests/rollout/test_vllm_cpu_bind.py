@@ -41,3 +41,44 @@ def test_an_unknown_binding_is_refused_with_the_choices():
     with pytest.raises(ValidationError, match="cores.*none"):
         EngineConfig.model_validate({"type": "vllm", "vllm": {"cpu_bind": "first"}})
     assert EngineConfig.model_validate({"type": "vllm", "vllm": {"cpu_bind": "none"}}).vllm.cpu_bind == "none"
+
+
+class _Recorded:
+    """Stands for ``VLLMEngine``: what a node would start each engine with."""
+
+    made: list = []
+    tokenizer = None
+
+    def __init__(self, model_path, *, options, visible_devices, first_cpu, **_):
+        self.made.append((options.gpu_memory_utilization, visible_devices, first_cpu))
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("gpus, replicas, device, expected", [
+    # two policies on one GPU: each half of the fraction; on the CPU build, CPUs of their own
+    (1, None, "auto", [(0.4, "0", 0), (0.4, "0", 1)]),
+    # two policies, two GPUs, one replica each per GPU: two engines per GPU
+    (2, None, "auto", [(0.4, "0", 0), (0.4, "1", 1), (0.4, "0", 2), (0.4, "1", 3)]),
+    # three replicas on two GPUs: the first GPU holds two of each policy's, the second one
+    (2, 3, "auto", [(0.2, "0", 0), (0.4, "1", 1), (0.2, "0", 2), (0.2, "0", 3), (0.4, "1", 4), (0.2, "0", 5)]),
+    # an explicit GPU: every engine of the node on it
+    (1, None, "cuda:0", [(0.4, "0", 0), (0.4, "0", 1)]),
+])
+def test_engines_sharing_a_gpu_split_its_memory_and_take_cpus_of_their_own(monkeypatch, gpus, replicas, device,
+                                                                              expected):
+    import torch
+
+    from astraflow.rollout import engines, vllm_engine
+
+    _Recorded.made = []
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", _Recorded)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus))))
+    cfg = EngineConfig.model_validate({"type": "vllm", "device": device, "replicas": replicas, "threads": 12,
+                                       "vllm": {"gpu_memory_utilization": 0.8}})
+    engines.make_engines(cfg, {"solver": "/m/a", "verifier": "/m/b"}, gpus=gpus)
+    threads = 12 // (len(expected) // 2)  # each replica's share of the threads
+    got = [(round(f, 6), v, first // threads) for f, v, first in _Recorded.made]
+    assert got == expected
