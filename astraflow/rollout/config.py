@@ -32,10 +32,10 @@ class VLLMConfig(Strict):
     weight_update: Literal["auto", "in_place", "reload", "recreate"] = "auto"
     """How a new weight version reaches the engine. ``in_place``: vLLM's weight-transfer
     protocol (pause, start, update, finish, resume) with the weights read from the weight store
-    inside vLLM's workers; ``reload``: vLLM's older ``reload_weights`` call (for a vLLM without
-    the protocol; it serves wrong log-probs on the CPU build); ``recreate``: a new engine on
-    the new weights (an engine start per version); ``auto``: ``in_place`` where the installed
-    vLLM has the protocol, else ``recreate``. Every update is checked against the version's
+    inside vLLM's workers; ``reload``: vLLM's older ``reload_weights`` call (it serves wrong
+    log-probs on the CPU build, which the check catches); ``recreate``: a new engine on the new
+    weights (an engine start per version); ``auto``: ``in_place`` where the installed vLLM has
+    the protocol (the engine needs vLLM 0.32 or newer, which do), else ``recreate``. Every update is checked against the version's
     probe log-probs, and one that fails the check is redone by re-creating the engine (with a
     warning naming the vLLM build), as is every later update of that engine."""
     probe_tolerance: float = Field(default=0.05, gt=0)

