@@ -10,6 +10,7 @@ processes, the network) does not exist inside.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import platform
 import shutil
@@ -114,14 +115,52 @@ def bwrap_path(cfg: SandboxConfig) -> str:
     return found
 
 
-def _binds(python: str) -> list[str]:
+def stage_etc(root: Path) -> str | None:
+    """A directory under ``root`` holding copies of ``ETC_FILES`` (links kept as links, readable by
+    all), bound as the sandbox's /etc in one mount instead of one per file. Named by its content:
+    processes share it, and a changed /etc gets a new one. None where it cannot be made (each
+    file is bound then)."""
+    work = root / f".etc-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        os.mkdir(work, 0o755)
+        for f in ETC_FILES:
+            if os.path.islink(f) or os.path.isfile(f):
+                shutil.copy2(f, work / Path(f).name, follow_symlinks=False)
+            elif os.path.isdir(f):
+                shutil.copytree(f, work / Path(f).name, symlinks=True)
+        digest = hashlib.sha256()
+        for d, dirs, files in sorted(os.walk(work)):
+            os.chmod(d, 0o755)
+            for name in sorted(dirs + files):
+                path = os.path.join(d, name)
+                digest.update(os.path.relpath(path, work).encode() + b"\0")
+                if os.path.islink(path):
+                    digest.update(b"->" + os.readlink(path).encode())
+                elif os.path.isfile(path):
+                    os.chmod(path, 0o644)
+                    with open(path, "rb") as fh:
+                        digest.update(fh.read())
+        final = root / f"etc-{digest.hexdigest()[:24]}"
+        try:
+            os.rename(work, final)
+        except OSError:  # another process made it first (the same content)
+            shutil.rmtree(work, ignore_errors=True)
+        return str(final) if final.is_dir() else None
+    except OSError:
+        shutil.rmtree(work, ignore_errors=True)
+        return None
+
+
+def _binds(python: str, etc: str | None = None) -> list[str]:
     args: list[str] = []
     for d in SYSTEM_DIRS:
         if os.path.islink(d):  # merged /usr: /lib -> usr/lib
             args += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d):
             args += ["--ro-bind", d, d]
-    for f in ETC_FILES:
+    if etc is not None:
+        args += ["--ro-bind", etc, "/etc"]
+    for f in ETC_FILES if etc is None else ():
         if os.path.exists(f):
             args += ["--ro-bind", f, f]
     if not any(python.startswith(d + "/") for d in SYSTEM_DIRS):
@@ -148,15 +187,16 @@ def prefix_libs(python: str) -> list[str]:
     return libs
 
 
-def sandbox_args(cfg: SandboxConfig, python: str) -> list[str]:
+def sandbox_args(cfg: SandboxConfig, python: str, etc: str | None = None) -> list[str]:
     """bwrap and every option of an execution's sandbox but its seccomp filter and input
     directory: what ``command`` runs and what ``probe`` checks, so an option this bubblewrap
-    lacks fails the check. The same for every execution (a ``Sandbox`` builds it once)."""
+    lacks fails the check. The same for every execution (a ``Sandbox`` builds it once).
+    ``etc``: from ``stage_etc``."""
     args = [bwrap_path(cfg), "--unshare-all", "--unshare-user", "--disable-userns",
             "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]
     for k, v in ENV.items():
         args += ["--setenv", k, v]
-    args += _binds(python)
+    args += _binds(python, etc)
     args += [*DEVICES,
              "--size", str(cfg.scratch_mb << 20), "--perms", "1777", "--tmpfs", SCRATCH,
              "--size", str(cfg.scratch_mb << 20), "--perms", "1777", "--tmpfs", "/tmp"]

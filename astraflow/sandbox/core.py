@@ -65,6 +65,8 @@ class Sandbox:
         self._launcher: tuple[list[str], dict] = ([], {})
         #: (``bwrap.sandbox_args``, the interpreter): the argv every execution starts with
         self._argv: tuple[list[str], str] | None = None
+        #: the sandbox's /etc, staged under the scratch root (``bwrap.stage_etc``); None: file by file
+        self._etc: str | None = None
         #: per thread: [seconds it waited for a slot, when its current wait began or None]
         self._queued: dict[int, list] = {}
 
@@ -83,6 +85,7 @@ class Sandbox:
                                 "zombie process that only PID 1 can reap; start the container with an init "
                                 "(docker run --init, tini, or apptainer's default)")
                 self._root = self._scratch_root()
+                self._etc = bwrap.stage_etc(self._root)
                 try:
                     shutil.rmtree(self._input_dir("", None))
                 except OSError as err:
@@ -233,7 +236,7 @@ class Sandbox:
             prefix, as_user = self._launcher
             if self._argv is None:  # found once: bubblewrap, the interpreter, what is bound
                 python = bwrap.interpreter(cfg)
-                self._argv = (bwrap.sandbox_args(cfg, python), python)
+                self._argv = (bwrap.sandbox_args(cfg, python, self._etc), python)
             cmd = [*prefix, *bwrap.command(cfg, *self._argv, in_dir, w_fd, names, filter_fd)]
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, pass_fds=fds, process_group=0,

@@ -136,3 +136,26 @@ def test_as_root_bubblewrap_starts_through_setpriv_where_installed(monkeypatch):
     assert bwrap.launcher(cfg) == ([], {"user": 4321, "group": 4321, "extra_groups": []})
     monkeypatch.setattr(bwrap.os, "geteuid", lambda: 1000)
     assert bwrap.launcher(cfg) == ([], {}) and bwrap.sandbox_id(cfg) is None
+
+
+def test_the_sandboxs_etc_is_one_staged_copy_shared_by_sandboxes(shared_tmp):
+    """The few /etc files the interpreter reads are copied once under the scratch root and bound
+    as /etc in one mount: the same names and contents as the host's, read-only, and a second
+    sandbox with the same root reuses the copy."""
+    from astraflow.sandbox import bwrap
+
+    root = shared_tmp / "root"
+    cfg = SandboxConfig(**LIMITS, scratch_root=str(root))
+    program = ("import os\nprint(sorted(os.listdir('/etc')))\nprint(open('/etc/ld.so.conf').read(), end='')\n"
+               "try:\n    open('/etc/x', 'w')\nexcept OSError as e:\n    print(type(e).__name__)\n")
+    first = Sandbox(cfg)
+    r = first.run(program)
+    assert r.status == "ok", r.stderr
+    names = sorted(Path(f).name for f in bwrap.ETC_FILES if os.path.lexists(f))
+    assert r.stdout.splitlines()[0] == str(names)
+    assert Path("/etc/ld.so.conf").read_text() in r.stdout and r.stdout.rstrip().endswith("OSError")
+    second = Sandbox(cfg)
+    assert second.run("print(1)\n").status == "ok"
+    assert first._etc == second._etc and [p.name for p in root.iterdir() if p.name.startswith("etc-")] == [
+        Path(first._etc).name]
+    assert not any(p.name.startswith(".etc-") for p in root.iterdir())  # no half-made copy left
