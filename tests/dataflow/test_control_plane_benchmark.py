@@ -24,6 +24,9 @@ def test_tiny_run_prints_sane_rows_and_a_result_line(tmp_path):
     assert last.startswith("RESULT {"), proc.stdout[-2000:]
     result = json.loads(last[len("RESULT "):])
     assert result["cost_growth_1e4_to_1e7"] > 0 and result["index_range"] == [1000, 10000]
+    # the headline is the default call pattern's; the opt-in lease stock's figures are named
+    assert result["headline_calls"] == "grouped" and "stocked_p99_lease_ms_10_nodes" in result
+    assert result["p99_lease_stocked_vs_grouped"] > 0
     rows = json.loads(out.read_text())
     assert [(r["nodes"], r["calls"]) for r in rows["scale"]] == [(10, "per-node"), (10, "grouped"), (10, "stocked")]
     for r in rows["scale"]:
