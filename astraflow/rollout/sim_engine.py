@@ -3,13 +3,20 @@
 It answers like a serving engine with continuous batching on the configured hardware would, in
 time and in shape, and does no tensor work, so many nodes fit in one process:
 
-* a request waits in a queue until one of ``max_batch`` slots is free, then takes
-  ``ttft_s + prompt_tokens / prefill_tokens_per_s`` to its first token;
+* a request waits in a queue until one of ``max_batch`` slots is free, then ``ttft_s`` (the
+  scheduling and first step's latency, taken side by side) before its prompt is processed:
+  the engine prefills ``prefill_tokens_per_s`` prompt tokens a second, one prompt at a time in
+  the order the requests were admitted, so a batch of long prompts reaches its first tokens
+  one after another, not all at once; alone, a request's first token comes after
+  ``ttft_s + prompt_tokens / prefill_tokens_per_s``;
 * the requests decoding together share the engine's throughput: with ``b`` of them the
   aggregate rate is ``min(b * single_tokens_per_s, peak_tokens_per_s)``, each getting ``1/b``
   of it (one request alone decodes at the single rate; past the knee each slows down as the
   batch fills); a request still before its first token holds a slot but takes no share, and
   its first token is an event (the batch, so every rate, changes then);
+* a prompt being prefilled and the decoding requests share the engine's time, half each (as a
+  chunked prefill puts prompt chunks into the decoding steps): prefilling costs the decoders
+  about the time it takes;
 * its response length is drawn from a lognormal (``length_mean``, ``length_sigma``), capped at
   ``max_new_tokens`` (``finish_reason`` ``length``; else it ends with the eos token, ``stop``);
   token ids are drawn uniformly from the vocabulary, log-probs from a plausible range;
@@ -47,7 +54,8 @@ class _Request:
     stops: bool  # ends with eos (else cut by max_new_tokens)
     future: asyncio.Future
     submitted: float
-    prefill_left: float = 0.0  # simulated seconds before the first token
+    delay_left: float = 0.0  # simulated seconds of ``ttft_s`` left
+    prompt_left: float = 0.0  # prompt tokens left to prefill
     made: float = 0.0  # tokens generated so far (fractional between events)
     versions: list[int] = field(default_factory=list)
 
@@ -159,27 +167,33 @@ class SimEngine:
                 req = self._queue.popleft()
                 if req.future.done():
                     continue
-                req.prefill_left = self.profile.ttft_s + req.prompt_len / self.profile.prefill_tokens_per_s
+                req.delay_left, req.prompt_left = self.profile.ttft_s, float(req.prompt_len)
                 self._active.append(req)
                 self._stats["batches"] += 1
             if not self._active:
                 self._arrived.clear()
                 await self._arrived.wait()
                 continue
-            # only the requests past their first token share the decode rate; the next event is
-            # the first finish or the first end of a prefill, whichever comes first
-            decoding = sum(1 for r in self._active if r.prefill_left <= 0)
-            rate = self._rate(decoding) if decoding else 0.0
-            dt = min(r.prefill_left if r.prefill_left > 0 else (r.target - r.made) / rate for r in self._active)
+            # only the requests past their first token share the decode rate, and only the first
+            # admitted of those past ttft_s is prefilled; the next event is the first finish, end
+            # of a ttft_s or end of the prompt being prefilled
+            decoding = sum(1 for r in self._active if r.delay_left <= 0 and r.prompt_left <= 0)
+            head = next((r for r in self._active if r.delay_left <= 0 < r.prompt_left), None)
+            rate = self._rate(decoding) * (0.5 if head else 1.0) if decoding else 0.0
+            prefill = self.profile.prefill_tokens_per_s * (0.5 if decoding else 1.0)
+            dt = min(r.delay_left if r.delay_left > 0 else r.prompt_left / prefill if r is head
+                     else math.inf if r.prompt_left > 0 else (r.target - r.made) / rate for r in self._active)
             self._arrived.clear()
             start = self.clock.now()
             elapsed = await self.clock.wait(self._arrived, dt)
-            self._advance(start, elapsed, rate)
+            self._advance(start, elapsed, rate, head, prefill)
 
-    def _advance(self, start: float, elapsed: float, rate: float) -> None:
+    def _advance(self, start: float, elapsed: float, rate: float, head: _Request | None = None,
+                 prefill: float = 1.0) -> None:
         """Move every active request on by ``elapsed`` simulated seconds from ``start``: through
-        its prefill, else decoding at ``rate`` tokens/s (each request's share of the batch's rate);
-        each new token is tagged with the version served when it was made."""
+        its ``ttft_s``, its prompt (``head`` alone, at ``prefill`` tokens/s), else decoding at
+        ``rate`` tokens/s (each request's share of the batch's rate); each new token is tagged
+        with the version served when it was made."""
         self._stats["busy_s"] += elapsed
         changes = self._changes
         while len(changes) > 1 and changes[1][0] <= start:  # keep the version served at ``start``
@@ -192,12 +206,25 @@ class SimEngine:
         done = []
         for r in self._active:
             left, used = elapsed, 0.0
-            if r.prefill_left > 0:
-                used = min(left, r.prefill_left)
-                r.prefill_left -= used
-                if r.prefill_left < 1e-9:  # rounding must not leave an event a hair away
-                    r.prefill_left = 0.0
-                left -= used  # > 0 only when a real clock overslept the prefill's end (see below)
+            if r.delay_left > 0:
+                used = min(left, r.delay_left)
+                r.delay_left -= used
+                if r.delay_left < 1e-9:  # rounding must not leave an event a hair away
+                    r.delay_left = 0.0
+                left -= used  # > 0 only when a real clock overslept the delay's end
+                if r.prompt_left > 0:
+                    continue  # its prompt waits for the next event, behind the others admitted before
+            if r.prompt_left > 0:
+                if r is not head:
+                    continue
+                took = min(left, r.prompt_left / prefill)
+                r.prompt_left -= took * prefill
+                if r.prompt_left < 1e-6:
+                    r.prompt_left = 0.0
+                used += took
+                left -= took  # > 0 only when a real clock overslept the prompt's end (see below)
+                if r.prompt_left > 0:
+                    continue
             made0 = r.made
             before = int(made0 + 1e-9)
             r.made = min(r.target, made0 + left * rate)

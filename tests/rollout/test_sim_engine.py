@@ -137,22 +137,29 @@ def test_a_cancelled_request_frees_its_slot():
     assert gen.engine_seconds == pytest.approx(0.5 + 1.0)  # it did not queue behind the cancelled one
 
 
-def test_requests_in_prefill_take_no_share_of_the_decode_rate():
-    # 10 requests without a prompt decode at once; 10 with 5000 prompt tokens (5 s of prefill)
-    # hold slots meanwhile but make no tokens, so the first 10 get the whole peak: 100 tokens/s each
+def test_requests_in_prefill_take_no_share_of_the_decode_rate_and_prefilling_halves_it():
+    # one request decodes alone (1000 tokens at 100/s: 10 s); one with 2000 prompt tokens holds a
+    # slot meanwhile and makes no tokens. Its prompt and the decoder share the engine's time:
+    # 4 s of prefill at 500/s, the decoder at 50/s (200 tokens); then both decode at 100/s
     clock = VirtualClock()
     eng = SimEngine(_cfg(ttft_s=0.0, length_mean=1000.0), clock=clock)
 
     async def main():
         params = SamplingParams(max_new_tokens=10_000)
-        short = [eng.generate([], params) for _ in range(10)]
-        long_ = [eng.generate([5] * 5000, params) for _ in range(10)]
-        return await asyncio.gather(*short, *long_)
+        return await asyncio.gather(eng.generate([], params), eng.generate([5] * 2000, params))
 
-    gens = asyncio.run(main())
-    # 0-5 s: 10 decode at 100/s (500 tokens each); then 20 share 1000/s, 50/s each: the first 10
-    # need 500 more (10 s), ending at 15 s; the others have 500 then and end alone at 100/s, at 20 s
-    assert all(g.engine_seconds == pytest.approx(15.0) for g in gens[:10])
-    assert all(g.engine_seconds == pytest.approx(20.0) for g in gens[10:])
-    assert clock.now() == pytest.approx(20.0)
-    assert eng.stats()["tokens"] == 20 * 1000
+    first, second = asyncio.run(main())
+    assert first.engine_seconds == pytest.approx(4.0 + 800 / 100)
+    assert second.engine_seconds == pytest.approx(4.0 + 1000 / 100)
+    assert eng.stats()["tokens"] == 2 * 1000
+
+
+def test_prompts_admitted_together_are_prefilled_one_after_another():
+    # four 1000-token prompts at 1000 prompt tokens/s reach their first tokens 1 s apart (the
+    # engine's prefill throughput is one, not one per request); decoding one token is instant here
+    fast = dict(ttft_s=0.25, length_mean=1.0, single_tokens_per_s=1e7, peak_tokens_per_s=1e9)
+    gens = _run(SimEngine(_cfg(**fast), clock=VirtualClock()), 4, prompt_len=1000)
+    assert sorted(g.engine_seconds for g in gens) == pytest.approx([1.25, 2.25, 3.25, 4.25], rel=1e-4)
+    # alone: ttft_s and its prompt, as the profile says
+    [gen] = _run(SimEngine(_cfg(**fast), clock=VirtualClock()), 1, prompt_len=1000)
+    assert gen.engine_seconds == pytest.approx(1.25, rel=1e-4)
