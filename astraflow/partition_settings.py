@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from astraflow.configerrors import bool_problems
 from astraflow.rollout.config import RolloutConfig
+from astraflow.rollout.sim_config import PRESETS
 from astraflow.training.config import TrainerConfig, sim_mismatch
 from schedulers.partition import Partition
 
@@ -30,10 +31,25 @@ TRAINER_FIELDS: tuple[str, ...] = ("micro_batch", "threads", "device")
 
 
 def effective_rollout(base: RolloutConfig, part: Partition | None) -> RolloutConfig:
-    """The ``rollout`` section of the RaaS nodes of ``part``: ``base`` with its settings over it."""
-    if part is None or not part.rollout:
+    """The ``rollout`` section of the RaaS nodes of ``part``: ``base`` with its settings over it.
+    Sim engines take the preset a partition's ``hardware`` label names (``sim_hardware``)."""
+    if part is None:
         return base
-    return _merged(base, part.rollout, f"partitions[{part.name}].rollout", None)
+    cfg = _merged(base, part.rollout, f"partitions[{part.name}].rollout", None) if part.rollout else base
+    hw = sim_hardware(part)
+    if cfg.engine.type == "sim" and hw is not None and hw != cfg.engine.sim.hardware:
+        sim = cfg.engine.sim.model_copy(update={"hardware": hw})
+        cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"sim": sim})})
+    return cfg
+
+
+def sim_hardware(part: Partition) -> str | None:
+    """The sim preset a partition's ``hardware`` label names (``H100`` -> ``h100``), unless it is
+    the default label (``cpu``) or the partition sets ``rollout.engine.sim.hardware`` itself."""
+    label = part.hardware.lower()
+    if label == "cpu" or label not in PRESETS or "hardware" in part.rollout.get("engine", {}).get("sim", {}):
+        return None
+    return label
 
 
 def effective_trainer(base: TrainerConfig, part: Partition | None) -> TrainerConfig:
@@ -213,5 +229,7 @@ def plan_lines(partitions: list[Partition], rollout: RolloutConfig, trainers: Ma
             what += "; " + ", ".join(f"{k}={v}" for k, v in diff.items())
         if part.role == "rollout":
             what += f"; capacity {_capacity_line(cfg, part.gpus_per_node)}"
+            if cfg.engine.type == "sim" and sim_hardware(part) is not None:
+                what += f" (sim {cfg.engine.sim.hardware}: the partition's hardware label)"
         lines.append(what)
     return lines

@@ -173,3 +173,22 @@ def test_a_partition_whose_engine_is_sim_only_in_a_sim_run():
         check_partition(Partition(name="h100", rollout={"engine": {"type": "sim"}}), RUN, {"solver": TrainerConfig()})
     check_partition(Partition(name="h100", rollout={"engine": {"type": "vllm"}}), RUN, {"solver": TrainerConfig()})
     check_partition(Partition(name="h100"), sim, {"solver": TrainerConfig(backend="sim")})
+
+
+@pytest.mark.parametrize("label, own, expected", [
+    ("A100", {}, "a100"),  # the label names a preset: its timing
+    ("h100", {}, "h100"),
+    ("cpu", {}, "h100"),  # the default label keeps the run's preset
+    ("H200", {}, "h100"),  # a label without a preset too
+    ("a100", {"engine": {"sim": {"hardware": "cpu"}}}, "cpu"),  # the partition's own setting wins
+])
+def test_a_sim_partitions_hardware_label_picks_its_preset(label, own, expected):
+    base = RolloutConfig.model_validate({"engine": {"type": "sim", "sim": {"hardware": "h100"}}})
+    part = Partition(name="p", scheduler="local", role="rollout", hardware=label, rollout=own)
+    got = effective_rollout(base, part)
+    assert got.engine.sim.hardware == expected
+    assert got.node_capacity(0) == effective_rollout(base.model_copy(update={"engine": base.engine.model_copy(
+        update={"sim": base.engine.sim.model_copy(update={"hardware": expected})})}), None).node_capacity(0)
+    # a real engine's settings do not follow the label
+    hf = RolloutConfig()
+    assert effective_rollout(hf, part.model_copy(update={"rollout": {}})) is hf
