@@ -307,6 +307,10 @@ def run_plan(cfg: RunConfig, pools: list[Pool], opts: PlanOptions,
                         "fraction (what the plan sizes pools by) does not count; plan the config with "
                         "--set run.mode=async")
     shape, sources = shape_for(cfg, opts, pools)
+    if cfg.workload.workflow not in ("single_turn", "sim"):  # the sim workflow is one request an episode
+        progress(f"warning: workflow {cfg.workload.workflow} runs episodes of several engine requests (turns, "
+                 "tools); the plan simulates one request per episode of the config's response length, so its "
+                 "rates are single-turn episodes' and its trainer wait a lower bound")
     ignored = ignored_sim_settings(cfg)
     if ignored:  # each pool's engines follow its kind (or the calibration), not the config's engine
         progress(f"warning: {', '.join(ignored)} not simulated: a named pool's engines follow its hardware "

@@ -173,3 +173,14 @@ def test_a_megatron_trainer_with_parallel_sizes_is_simulated_by_one_sim_trainer(
     sim = RunConfig.model_validate(sim_config(cfg, [parse_pool("h100=8", 8, None)], shape))
     tr = sim.policies[0].trainer
     assert (tr.backend, tr.tensor_parallel, tr.data_parallel) == ("sim", 1, 1)
+
+
+def test_a_multi_turn_workflow_is_planned_with_a_warning_that_says_what_is_simulated():
+    """The plan runs one engine request per episode: an agentic config is planned as single-turn
+    episodes, and the plan says so before it runs (here it then stops at the repeated pool)."""
+    res = CliRunner().invoke(main, ["plan", str(ROOT / "examples/calculator/config.yaml"), "--pool", "h100=8",
+                                    "--pool", "h100=16", "--step-seconds", "2"])
+    assert res.exit_code == 2, res.output
+    said = " ".join(res.output.split())
+    assert "warning: workflow agent runs episodes of several engine requests" in said
+    assert "each hardware kind once" in said
