@@ -175,11 +175,7 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
 
 def _engines_per_node(cfg: RolloutConfig, gpus: int) -> int:
     """Engines per policy on a RaaS node whose partition gives it ``gpus`` GPUs."""
-    eng = cfg.engine
-    if eng.type == "sim":
-        return eng.sim_engines(gpus)
-    on_gpus = gpus > 0 and eng.device in ("auto", "cuda")
-    return eng.replicas or (max(gpus // eng.tensor_parallel, 1) if on_gpus else 1)
+    return cfg.engine.engines_per_node(gpus)
 
 
 def partition_capacity(rollout: RolloutConfig, part: Partition) -> dict[str, int] | None:
@@ -200,9 +196,9 @@ def _capacity_line(cfg: RolloutConfig, gpus: int) -> str:
         p = cfg.engine.sim.profile()
         batch = f"sim {cfg.engine.sim.hardware} max_batch {p.max_batch} x {cfg.engine.sim_engines(gpus)} engine(s)"
     else:
-        batch = f"engine max_batch {cfg.engine.max_batch}"
+        batch = f"engine max_batch {cfg.engine.max_batch} x {cfg.engine.engines_per_node(gpus)} engine(s)"
     how = "rollout.capacity" if cfg.capacity is not None else \
-        ("derived from the hardware" if cfg.engine.type == "sim" else "default")
+        ("derived from the hardware" if cfg.engine.type == "sim" else "twice the engines' batch")
     return f"{cap} episodes per node ({how}; {batch})"
 
 

@@ -80,11 +80,11 @@ def test_check_prints_what_each_partition_runs_with(tiny_model, tmp_path):
     assert "partition trainer (trainer, 1 node(s), 0 GPU(s) each); trainer.micro_batch=8" in lines
     assert ("partition cpu (rollout, 1 node(s), 0 GPU(s) each): 2 engine(s) per policy, on auto, 2 thread(s) each; "
             "rollout.engine.threads=4, rollout.engine.replicas=2; capacity 16 episodes per node (rollout.capacity; engine "
-            "max_batch 64)") in lines
+            "max_batch 64 x 2 engine(s))") in lines
     h100 = next(x for x in lines if x.startswith("partition h100"))
     assert "4 engine(s) per policy, 1 GPU(s) each" in h100 and "rollout.capacity=256" in h100
     assert "rollout.engine.max_batch=128" in h100
-    assert "capacity 256 episodes per node (rollout.capacity; engine max_batch 128)" in h100
+    assert "capacity 256 episodes per node (rollout.capacity; engine max_batch 128 x 4 engine(s))" in h100
 
 
 def test_check_exits_2_on_an_unknown_partition_setting(tiny_model, tmp_path):

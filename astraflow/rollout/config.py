@@ -15,9 +15,6 @@ from astraflow.rollout.sim_config import SimEngineConfig
 #: the engine types ``rollout.engine.type`` can name (``engines.make_engine`` builds them)
 EngineType = Literal["hf", "vllm", "sim"]
 
-#: ``rollout.capacity`` of a node with a real engine when the config leaves it unset
-DEFAULT_CAPACITY = 32
-
 
 class VLLMConfig(Strict):
     """``rollout.engine.vllm``: the vLLM engine's own settings (``rollout/vllm_engine.py``)."""
@@ -111,6 +108,14 @@ class EngineConfig(Strict):
         per ``tensor_parallel`` GPUs, at least one."""
         return self.replicas or max(gpus // self.tensor_parallel, 1)
 
+    def engines_per_node(self, gpus: int) -> int:
+        """Engines per policy on a node whose partition gives it ``gpus`` GPUs (as on a node that
+        sees them): ``replicas``, else one per ``tensor_parallel`` GPUs where it runs on GPUs, one."""
+        if self.type == "sim":
+            return self.sim_engines(gpus)
+        on_gpus = gpus > 0 and self.device in ("auto", "cuda")
+        return self.replicas or (max(gpus // self.tensor_parallel, 1) if on_gpus else 1)
+
     @model_validator(mode="after")
     def _parallelism(self) -> "EngineConfig":
         if self.type == "hf" and self.tensor_parallel > 1:
@@ -134,8 +139,9 @@ class RolloutConfig(Strict):
     capacity: int | None = Field(default=None, ge=1)
     """Episodes in flight on one node. Above ``engine.max_batch`` (2x is a good start) the next
     batch already waits in the engine while one decodes, so the engine never idles for a lease
-    round trip. None: derived from the hardware for sim engines (``node_capacity``), 32 for real
-    ones; set it per pool with ``partitions[].rollout.capacity``."""
+    round trip. None: twice what the node's engines decode at once (``max_batch`` times the
+    engines per policy; for sim engines the batch at which the hardware peaks, ``node_capacity``);
+    set it per pool with ``partitions[].rollout.capacity``."""
     write_batch: int = Field(default=64, ge=1)
     """Trajectories buffered before a segment write (also flushed every ``flush_seconds``)."""
     segment_max_entries: int = Field(default=50_000, ge=1)
@@ -188,11 +194,12 @@ class RolloutConfig(Strict):
         reaches the hardware's peak rate (``peak / single`` tokens/s, at most ``max_batch``):
         past it requests only share the same rate, and the second half waits queued so that
         no engine idles for a lease round trip. Faster hardware, with a higher knee, so leases
-        more at once. A real engine's rates are not known before it runs: ``DEFAULT_CAPACITY``."""
+        more at once. A real engine's rates are not known before it runs: twice the batch its
+        engines decode at most (``max_batch``), for the same reason."""
         if self.capacity is not None:
             return self.capacity
         if self.engine.type != "sim":
-            return DEFAULT_CAPACITY
+            return 2 * self.engine.max_batch * self.engine.engines_per_node(gpus)
         p = self.engine.sim.profile()
         knee = min(p.max_batch, math.ceil(p.peak_tokens_per_s / p.single_tokens_per_s))
         return 2 * knee * self.engine.sim_engines(gpus)

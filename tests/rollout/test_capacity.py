@@ -10,7 +10,7 @@ import yaml
 
 from astraflow.cli import main
 from astraflow.partition_settings import effective_rollout, partition_capacity
-from astraflow.rollout.config import DEFAULT_CAPACITY, RolloutConfig
+from astraflow.rollout.config import RolloutConfig
 from astraflow.rollout.node import NodeIdentity, RaaSNode
 from astraflow.rollout.sim_config import PRESETS
 from schedulers import Partition
@@ -41,10 +41,15 @@ def test_max_batch_caps_the_knee():
     assert cfg.node_capacity(1) == 16
 
 
-def test_explicit_capacity_wins_and_real_engines_keep_the_default():
+def test_explicit_capacity_wins_and_real_engines_take_twice_their_batch():
     assert _sim("h100", capacity=24).node_capacity(8) == 24
-    assert RolloutConfig().node_capacity(8) == DEFAULT_CAPACITY
     assert RolloutConfig(capacity=256).node_capacity(8) == 256
+    # one engine per GPU (hf), one per tensor_parallel GPUs (vllm), the replicas asked for, one on a CPU
+    assert RolloutConfig(engine={"max_batch": 16}).node_capacity(0) == 32
+    assert RolloutConfig(engine={"max_batch": 16}).node_capacity(4) == 2 * 16 * 4
+    assert RolloutConfig(engine={"type": "vllm", "max_batch": 128, "tensor_parallel": 2}).node_capacity(8) == 2 * 128 * 4
+    assert RolloutConfig(engine={"max_batch": 16, "replicas": 3}).node_capacity(0) == 2 * 16 * 3
+    assert RolloutConfig(engine={"max_batch": 16, "device": "cpu"}).node_capacity(4) == 32
 
 
 def test_a_partitions_hardware_sets_its_nodes_capacity():
