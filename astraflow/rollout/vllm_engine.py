@@ -90,6 +90,9 @@ class VLLMEngine:
         self.labels_versions = vllm_setup.labels_versions()
         self._ids = itertools.count()
         self._running: dict[str, _Request] = {}
+        #: every request's task (waiting at the gate or generating); failed by ``close``
+        self._requests: set[asyncio.Task] = set()
+        self._closing = False
         self._stats = dict(tokens=0, requests=0, batches=0, busy_seconds=0.0, weight_swaps=0, decode_steps=0,
                            reencoded_rows=0, recreations=0)
         #: the version asked for last (``load_version``); ``serving_version``: the one loaded
@@ -158,6 +161,7 @@ class VLLMEngine:
         if self._loop.is_closed():
             return
         if self._thread.is_alive():
+            self._call(self._fail_requests(), timeout=30)
             self._call(self._shutdown(), timeout=120)
             self.updater.close()
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -284,7 +288,28 @@ class VLLMEngine:
             stop_token_ids=sorted(set(self._stop_ids) | set(p.stop_token_ids)),
             output_kind=RequestOutputKind.FINAL_ONLY, skip_special_tokens=False)
 
+    async def _fail_requests(self) -> None:
+        """The engine closes: requests still waiting or running end with ``EngineProcessError``
+        rather than waiting on a loop that stops."""
+        self._closing = True
+        tasks = list(self._requests)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def _generate(self, req: _Request) -> Generation:
+        task = asyncio.current_task()
+        self._requests.add(task)
+        try:
+            return await self._run(req)
+        except asyncio.CancelledError:
+            if self._closing:
+                raise EngineProcessError("the vLLM engine was closed while this request ran") from None
+            raise
+        finally:
+            self._requests.discard(task)
+
+    async def _run(self, req: _Request) -> Generation:
         """One request: run it, and again from its prefix each time an update aborts it."""
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
