@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from pydantic import ValidationError
+
 from astraflow.config import ConfigError, RunConfig, config_from_dict
 from astraflow.plan.pools import (MAX_NODES, Pool, PlanError, SimShape, derived_step_seconds, engine_seconds,
                                   ignored_sim_settings, sim_config, simulated_factor)
@@ -125,6 +127,11 @@ class Calibration:
             data = json.loads(path.read_text())
             engine = HardwareProfile(**data["engine"])
             numbers = {k: data[k] for k in ("step_seconds", "prompt_tokens", "response_mean")}
+        except ValidationError as err:  # one line naming the field, not pydantic's whole report
+            first = err.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            raise PlanError(f"--calibration {path}: engine.{where} is {first.get('input')!r}: {first['msg']}; "
+                            "measure again with --calibrate --save-calibration FILE") from None
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise PlanError(f"--calibration {path}: not a calibration file ({err}); write one with "
                             "--calibrate --save-calibration FILE") from None

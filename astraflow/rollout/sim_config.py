@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from astraflow.configbase import Strict
 
@@ -70,6 +70,11 @@ class SimEngineConfig(Strict):
     """Token ids are drawn from ``[4, vocab_size)`` (0-3 are the sim tokenizer's special tokens)."""
     time_scale: float = Field(default=1.0, gt=0)
     """Simulated seconds per real second: 10 runs the hardware's timeline ten times faster."""
+
+    @field_validator("hardware", mode="before")
+    @classmethod
+    def _any_case(cls, value):  # a partition's label is written H100 as often as h100
+        return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _rates(self) -> "SimEngineConfig":

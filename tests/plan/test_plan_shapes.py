@@ -153,6 +153,17 @@ def test_a_calibration_out_of_range_exits_2_naming_file_and_field(tmp_path, fiel
     assert f"--calibration{path}:{field}is" in flat and "Traceback" not in res.output
 
 
+def test_a_calibrations_engine_field_out_of_range_is_named_in_one_line(tmp_path):
+    path = _calibration(tmp_path / "cal.json")
+    data = json.loads(path.read_text())
+    data["engine"]["single_tokens_per_s"] = -1
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError) as err:
+        Calibration.load(path)
+    assert "engine.single_tokens_per_s is -1: Input should be greater than 0" in str(err.value)
+    assert "\n" not in str(err.value) and "pydantic" not in str(err.value)
+
+
 def test_a_pool_past_the_simulated_node_bound_exits_2_and_the_search_stays_within_it():
     from astraflow.plan.pools import MAX_NODES, PlanError, parse_pool
 

@@ -112,6 +112,7 @@ def test_the_factory_builds_sim_engines_and_presets_validate():
     pool = make_engine(EngineConfig(type="sim", replicas=3), "unused", seed=1)
     assert len(pool.replicas) == 3
     assert SimEngineConfig(hardware="a100", ttft_s=1.0).profile().ttft_s == 1.0
+    assert SimEngineConfig(hardware="A100").hardware == "a100"  # written as partitions label it
     with pytest.raises(ValueError, match="peak_tokens_per_s"):
         SimEngineConfig(single_tokens_per_s=500, peak_tokens_per_s=100)
 
