@@ -32,9 +32,10 @@ class VLLMConfig(Strict):
     inside vLLM's workers; ``reload``: vLLM's older ``reload_weights`` call (it serves wrong
     log-probs on the CPU build, which the check catches); ``recreate``: a new engine on the new
     weights (an engine start per version); ``auto``: ``in_place`` where the installed vLLM has
-    the protocol (the engine needs vLLM 0.32 or newer, which do), else ``recreate``. Every update is checked against the version's
-    probe log-probs, and one that fails the check is redone by re-creating the engine (with a
-    warning naming the vLLM build), as is every later update of that engine."""
+    the protocol (the engine needs vLLM 0.32 or newer, which do), else ``recreate``. Every
+    update is checked against the version's probe log-probs, and one that fails the check is
+    redone by re-creating the engine (with a warning naming the vLLM build), as is every later
+    update of that engine."""
     probe_tolerance: float = Field(default=0.05, gt=0)
     """Largest mean absolute difference (nats) between the engine's log-probs of the version's
     probe sequence and the trainer's that counts as the right weights. Versions published in

@@ -47,7 +47,8 @@ def test_explicit_capacity_wins_and_real_engines_take_twice_their_batch():
     # one engine per GPU (hf), one per tensor_parallel GPUs (vllm), the replicas asked for, one on a CPU
     assert RolloutConfig(engine={"max_batch": 16}).node_capacity(0) == 32
     assert RolloutConfig(engine={"max_batch": 16}).node_capacity(4) == 2 * 16 * 4
-    assert RolloutConfig(engine={"type": "vllm", "max_batch": 128, "tensor_parallel": 2}).node_capacity(8) == 2 * 128 * 4
+    vllm = RolloutConfig(engine={"type": "vllm", "max_batch": 128, "tensor_parallel": 2})
+    assert vllm.node_capacity(8) == 2 * 128 * 4
     assert RolloutConfig(engine={"max_batch": 16, "replicas": 3}).node_capacity(0) == 2 * 16 * 3
     assert RolloutConfig(engine={"max_batch": 16, "device": "cpu"}).node_capacity(4) == 32
 
