@@ -6,11 +6,9 @@ How a version gets into vLLM (``rollout.engine.vllm.weight_update``):
   resume) with our ``astraflow_store`` backend (``vllm_worker``): each worker reads the version
   from the weight store itself (full shards or held version + delta, Megatron layouts
   converted) and loads it through vLLM's layerwise reload. Only the version number crosses.
-* ``reload``: vLLM's older ``reload_weights`` RPC on an HF directory written from the version
-  (for a vLLM without the protocol). It is known to serve wrong log-probs on the CPU build.
-* ``recreate``: a new ``AsyncLLM`` on an HF directory written from the version; always right,
-  costs an engine start.
-* ``auto``: ``in_place`` where the protocol exists, else ``recreate``.
+* ``reload`` / ``recreate``: vLLM's older ``reload_weights`` RPC (wrong log-probs on the CPU
+  build), or a new ``AsyncLLM`` (always right, an engine start), on an HF directory written
+  from the version before generation stops. ``auto``: ``in_place`` where the protocol exists.
 
 A silent wrong update is the failure guarded against: after every update the engine scores
 the version's probe sequence (``astraflow.probe``, published by the trainer in the manifest)
@@ -21,9 +19,9 @@ in-place update off by more than ``probe_tolerance``, or nearer the held version
 one, is redone by re-creating the engine. If the fresh engine is right, the in-place path
 served wrong weights on this build: a warning names the build and that engine re-creates for
 every later update. If the fresh engine is as far off, the gap is the engine's numerics (a
-bf16 engine against the trainer's fp32 probe), and the tolerance rises to twice it.
-A version without a probe is loaded unverified (logged once), as is one whose check itself fails
-after its weights are in (logged, recorded as ``unverified``). The update holds its version
+bf16 engine against the trainer's fp32 probe): the tolerance rises to twice it, up to a ceiling
+past which the version itself is broken. A version without a probe is loaded unverified
+(logged once), as is one whose check fails after its weights are in. The update holds its version
 against retention from before it stops generation: a version retired meanwhile is refused
 with the engine's weights and requests untouched. An in-place load that fails part-way leaves
 the engine ``dead`` (its tensors may mix two versions): its node restarts it and loads the
@@ -97,8 +95,7 @@ def check_probe(probe: Mapping[str, Any], got: Sequence[float], held: Mapping[st
     return ProbeCheck(err, err_held, apart, stale=distinct and err_held <= err)
 
 
-#: nats: a freshly created engine further off a version's probe than this (or than the configured
-#: tolerance, if higher) is past what its dtype's rounding explains
+#: nats: a fresh engine further off a version's probe (or the tolerance, if higher) is no rounding
 NUMERICS_CEILING = 0.5
 
 
@@ -234,11 +231,14 @@ class Updater:
         # engine's weights and running requests untouched, and none is retired while it is read
         with store.hold(policy, version):
             probe = store.manifest(policy, version).get("meta", {}).get("probe")
+            prepared = None
+            if self.mode != "in_place":  # read and written while the running requests still generate
+                prepared = await asyncio.to_thread(self._write_model_dir, root, policy, version, use_deltas, every)
             aborted = await self._quiesce()
             record: dict[str, Any] = {"policy": policy, "version": version, "mode": self.mode, "engine": "vllm",
                                       "resumed_requests": aborted}
             try:
-                await self._load_and_check(version, root, policy, use_deltas, every, probe, record)
+                await self._load_and_check(version, root, policy, use_deltas, every, probe, record, prepared)
             except Exception as err:
                 if self._touching or not self._changed or eng.dead:
                     raise
@@ -260,18 +260,20 @@ class Updater:
         self._records.append(record)
 
     async def _load_and_check(self, version: int, root: str, policy: str, use_deltas: bool, every: int,
-                              probe: Mapping[str, Any] | None, record: dict[str, Any]) -> None:
-        """Load ``version`` the current way, resume the engine's scheduler, check the probe
-        against the version's and the held version's (re-creating on a wrong or stale in-place
-        update); fills ``record``."""
+                              probe: Mapping[str, Any] | None, record: dict[str, Any],
+                              prepared: Path | None = None) -> None:
+        """Load ``version`` the current way (``prepared``: its model directory, written before
+        generation stopped), resume the engine's scheduler, check the probe against the
+        version's and the held version's (re-creating on a wrong or stale in-place update);
+        fills ``record``."""
         eng = self.engine
         held_probe, noise, held_version = self._held or (None, 0.0, None)
         if self.mode == "in_place":
             record["read"] = await self._in_place(root, policy, version, use_deltas, every)
         elif self.mode == "reload":
-            await self._reload(self._write_model_dir(root, policy, version, use_deltas, every), version)
+            await self._reload(prepared or self._write_model_dir(root, policy, version, use_deltas, every), version)
         else:
-            await self._recreate(self._write_model_dir(root, policy, version, use_deltas, every), version)
+            await self._recreate(prepared or self._write_model_dir(root, policy, version, use_deltas, every), version)
         self._held = None  # the weights changed: nothing verified until the check below passes
         if self.mode != "in_place":
             record["read"] = self.last_read
