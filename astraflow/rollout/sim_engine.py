@@ -88,6 +88,8 @@ class SimEngine:
         target, stops = self.response_length(params.max_new_tokens)
         req = _Request(prompt_len=len(prompt_tokens), target=target, stops=stops,
                        future=asyncio.get_running_loop().create_future(), submitted=self.clock.now())
+        # a request cancelled (its episode given up) frees its slot, and the prefill, at once
+        req.future.add_done_callback(lambda _: self._arrived.set())
         self._queue.append(req)
         self._arrived.set()
         return await req.future

@@ -161,7 +161,10 @@ class VLLMEngine:
         if self._loop.is_closed():
             return
         if self._thread.is_alive():
-            self._call(self._fail_requests(), timeout=30)
+            try:
+                self._call(self._fail_requests(), timeout=30)
+            except Exception as err:  # a request vLLM does not let go of: shut down all the same
+                log.warning("vLLM engine: failing its requests on close: %s: %s", type(err).__name__, err)
             self._call(self._shutdown(), timeout=120)
             self.updater.close()
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -298,6 +301,8 @@ class VLLMEngine:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _generate(self, req: _Request) -> Generation:
+        if self._closing:
+            raise EngineProcessError("the vLLM engine is closed")
         task = asyncio.current_task()
         self._requests.add(task)
         try:
@@ -319,6 +324,8 @@ class VLLMEngine:
         finish = "length"
         while True:
             await self._gate.wait()
+            if self._closing:
+                raise EngineProcessError("the vLLM engine was closed while this request waited")
             if not self._gate.is_set():  # an update closed the gate between the wake-up and now
                 continue
             if self.dead:

@@ -164,3 +164,21 @@ def test_prompts_admitted_together_are_prefilled_one_after_another():
     # alone: ttft_s and its prompt, as the profile says
     [gen] = _run(SimEngine(_cfg(**fast), clock=VirtualClock()), 1, prompt_len=1000)
     assert gen.engine_seconds == pytest.approx(1.25, rel=1e-4)
+
+
+def test_a_request_cancelled_in_its_prefill_gives_the_prefill_to_the_next_at_once():
+    # A's 3000-token prompt (3 s at 1000 tokens/s) is cancelled after 0.5 s: B's 10 tokens are
+    # prefilled from then, not after A's whole prompt
+    clock = VirtualClock(max_step=0.5)
+    eng = SimEngine(_cfg(ttft_s=0.0, length_mean=1.0, single_tokens_per_s=1e7, peak_tokens_per_s=1e9), clock=clock)
+
+    async def main():
+        a = asyncio.ensure_future(eng.generate([5] * 3000, SamplingParams(max_new_tokens=10)))
+        b = asyncio.ensure_future(eng.generate([5] * 10, SamplingParams(max_new_tokens=10)))
+        while clock.now() < 0.5:
+            await asyncio.sleep(0)
+        a.cancel()
+        return await b
+
+    gen = asyncio.run(main())
+    assert gen.engine_seconds == pytest.approx(0.5 + 0.01, abs=1e-3)
