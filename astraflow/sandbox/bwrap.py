@@ -9,6 +9,7 @@ processes, the network) does not exist inside.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -17,6 +18,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from .config import SandboxConfig
@@ -116,39 +118,55 @@ def bwrap_path(cfg: SandboxConfig) -> str:
 
 
 def stage_etc(root: Path) -> str | None:
-    """A directory under ``root`` holding copies of ``ETC_FILES`` (links kept as links, readable by
-    all), bound as the sandbox's /etc in one mount instead of one per file. Named by its content:
-    processes share it, and a changed /etc gets a new one. None where it cannot be made (each
-    file is bound then)."""
+    """A directory under ``root`` holding copies of ``ETC_FILES`` (what binding each would show:
+    a link at their top followed, links inside a directory kept), readable by all, bound as the
+    sandbox's /etc in one mount instead of one per file. Named by its content: processes share
+    it, a changed /etc gets a new one, and a damaged copy is replaced. None where it cannot be
+    made (each file is bound then)."""
+    for old in root.glob(".etc-*"):  # a crashed process's half-made copy
+        with contextlib.suppress(OSError):
+            if time.time() - old.lstat().st_mtime > 3600:
+                shutil.rmtree(old, ignore_errors=True)
     work = root / f".etc-{os.getpid()}-{os.urandom(4).hex()}"
     try:
         os.mkdir(work, 0o755)
         for f in ETC_FILES:
-            if os.path.islink(f) or os.path.isfile(f):
-                shutil.copy2(f, work / Path(f).name, follow_symlinks=False)
-            elif os.path.isdir(f):
+            if os.path.isdir(f):
                 shutil.copytree(f, work / Path(f).name, symlinks=True)
-        digest = hashlib.sha256()
-        for d, dirs, files in sorted(os.walk(work)):
-            os.chmod(d, 0o755)
-            for name in sorted(dirs + files):
-                path = os.path.join(d, name)
-                digest.update(os.path.relpath(path, work).encode() + b"\0")
-                if os.path.islink(path):
-                    digest.update(b"->" + os.readlink(path).encode())
-                elif os.path.isfile(path):
-                    os.chmod(path, 0o644)
-                    with open(path, "rb") as fh:
-                        digest.update(fh.read())
-        final = root / f"etc-{digest.hexdigest()[:24]}"
+            elif os.path.isfile(f):
+                shutil.copyfile(f, work / Path(f).name)
+        digest = _digest(work, readable=True)
+        final = root / f"etc-{digest}"
+        if final.is_dir() and _digest(final) != digest:  # pruned or changed since it was made
+            shutil.rmtree(final, ignore_errors=True)
         try:
             os.rename(work, final)
         except OSError:  # another process made it first (the same content)
             shutil.rmtree(work, ignore_errors=True)
-        return str(final) if final.is_dir() else None
-    except OSError:
+        return str(final) if final.is_dir() and _digest(final) == digest else None
+    except (OSError, UnicodeError, ValueError):
         shutil.rmtree(work, ignore_errors=True)
         return None
+
+
+def _digest(top: Path, readable: bool = False) -> str:
+    """The names, link targets and file contents under ``top``; ``readable``: made readable by
+    all on the way (directories 0755, files 0644)."""
+    digest = hashlib.sha256()
+    for d, dirs, files in sorted(os.walk(top)):
+        if readable:
+            os.chmod(d, 0o755)
+        for name in sorted(dirs + files):
+            path = os.path.join(d, name)
+            digest.update(os.path.relpath(path, top).encode() + b"\0")
+            if os.path.islink(path):
+                digest.update(b"->" + os.readlink(path).encode())
+            elif os.path.isfile(path):
+                if readable:
+                    os.chmod(path, 0o644)
+                with open(path, "rb") as fh:
+                    digest.update(fh.read())
+    return digest.hexdigest()[:24]
 
 
 def _binds(python: str, etc: str | None = None) -> list[str]:
@@ -248,7 +266,7 @@ def launcher(cfg: SandboxConfig) -> tuple[list[str], dict]:
 MAGIC_SCRIPT = "import importlib.util, sys; sys.stdout.write(importlib.util.MAGIC_NUMBER.hex())"
 
 
-def probe(cfg: SandboxConfig) -> str:
+def probe(cfg: SandboxConfig, etc: str | None = None) -> str:
     """Raise SandboxUnavailable unless bubblewrap can start the interpreter in its namespaces;
     the interpreter's bytecode magic number (hex), which says whether code the host compiled
     runs there."""
@@ -257,7 +275,7 @@ def probe(cfg: SandboxConfig) -> str:
     try:
         filter_fd = seccomp_fd()
         prefix, as_user = launcher(cfg)
-        args = [*prefix, *sandbox_args(cfg, python), *_seccomp(filter_fd), "--chdir", SCRATCH,
+        args = [*prefix, *sandbox_args(cfg, python, etc), *_seccomp(filter_fd), "--chdir", SCRATCH,
                 python, "-I", "-S", "-c", MAGIC_SCRIPT]
         proc = subprocess.run(args, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, env=HOST_ENV,
                               pass_fds=() if filter_fd is None else (filter_fd,), **as_user)

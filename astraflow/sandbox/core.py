@@ -76,7 +76,9 @@ class Sandbox:
         with self._lock:
             if not self._checked:
                 self._launcher = bwrap.launcher(self.cfg)
-                if bwrap.probe(self.cfg) == importlib.util.MAGIC_NUMBER.hex():  # it runs what we compile
+                self._root = self._scratch_root()
+                self._etc = bwrap.stage_etc(self._root)
+                if bwrap.probe(self.cfg, self._etc) == importlib.util.MAGIC_NUMBER.hex():  # it runs what we compile
                     self._code = {"runner.py": BOOT.encode(),
                                   "runner.bin": marshal.dumps(compile(RUNNER, "/in/runner.py", "exec"))}
                     self._judge = ("judge.bin", marshal.dumps(compile(JUDGE, "/in/judge.py", "exec")))
@@ -84,8 +86,6 @@ class Sandbox:
                     log.warning("this process is PID 1 (a container without an init): each sandbox run leaves a "
                                 "zombie process that only PID 1 can reap; start the container with an init "
                                 "(docker run --init, tini, or apptainer's default)")
-                self._root = self._scratch_root()
-                self._etc = bwrap.stage_etc(self._root)
                 try:
                     shutil.rmtree(self._input_dir("", None))
                 except OSError as err:
@@ -234,6 +234,8 @@ class Sandbox:
             filter_fd = bwrap.seccomp_fd()
             fds += [] if filter_fd is None else [filter_fd]
             prefix, as_user = self._launcher
+            if self._etc is not None and not os.path.isdir(self._etc):  # removed under us (a /tmp cleaner)
+                self._etc, self._argv = bwrap.stage_etc(self._root), None
             if self._argv is None:  # found once: bubblewrap, the interpreter, what is bound
                 python = bwrap.interpreter(cfg)
                 self._argv = (bwrap.sandbox_args(cfg, python, self._etc), python)

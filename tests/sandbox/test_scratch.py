@@ -159,3 +159,21 @@ def test_the_sandboxs_etc_is_one_staged_copy_shared_by_sandboxes(shared_tmp):
     assert first._etc == second._etc and [p.name for p in root.iterdir() if p.name.startswith("etc-")] == [
         Path(first._etc).name]
     assert not any(p.name.startswith(".etc-") for p in root.iterdir())  # no half-made copy left
+
+
+def test_a_staged_etc_pruned_or_removed_is_made_again(shared_tmp):
+    """A /tmp cleaner may prune the staged copy (a later sandbox then replaces it) or remove it
+    while a sandbox uses it (its next execution stages it again)."""
+    root = shared_tmp / "root"
+    cfg = SandboxConfig(**LIMITS, scratch_root=str(root))
+    first = Sandbox(cfg)
+    assert first.run("print(1)\n").status == "ok"
+    staged = Path(first._etc)
+    (staged / "ld.so.conf").unlink()
+    second = Sandbox(cfg)
+    r = second.run("print(open('/etc/ld.so.conf').read(), end='')\n")
+    assert r.status == "ok" and r.stdout == Path("/etc/ld.so.conf").read_text(), r.stderr
+    assert second._etc == str(staged) and (staged / "ld.so.conf").exists()
+    shutil.rmtree(staged)
+    r = first.run("print(open('/etc/ld.so.conf').read(), end='')\n")
+    assert r.status == "ok" and r.stdout == Path("/etc/ld.so.conf").read_text(), r.stderr
