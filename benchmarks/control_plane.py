@@ -408,7 +408,7 @@ def main() -> None:
     result: dict = {}
     # the headline: how a node group calls by default (gathered; the lease stock is opt-in,
     # ``rollout.lease_ahead``), else the first pattern measured; the others under their names
-    measured = [r["calls"] for r in scale]
+    measured = [r["calls"] for r in scale if r["calls"] != "baseline"]  # not another checkout's
     headline = "grouped" if "grouped" in measured else (measured[0] if measured else "grouped")
     result["headline_calls"] = headline
     lane_on = [r for r in scale if r.get("lane") != "off"] or scale  # the headline: the default (lane on)

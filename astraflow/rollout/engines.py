@@ -79,13 +79,16 @@ def make_engines(cfg: EngineConfig, models: Mapping[str, str], seed: int = 0,
 def gpu_sharers(plans: list[ReplicaPlan], policies: int) -> list[int]:
     """Per replica plan, how many of the node's engines (``policies`` of them per plan) share
     its most crowded GPU: each policy's replicas take the same GPUs, more replicas than GPUs
-    wrap around, an explicit ``cuda:N`` puts every engine on one GPU; 1 where it has none."""
+    wrap around, an explicit ``cuda:N`` or none planned (every engine on the worker's default
+    device) puts every engine on one GPU (on a CPU build the share is not used)."""
+    def where(plan: ReplicaPlan) -> tuple:  # no GPUs of its own: the device the worker gives it
+        return plan.gpus or (plan.device if plan.device.startswith("cuda:") else "default",)
+
     on: dict[object, int] = {}
     for plan in plans:
-        for g in plan.gpus or ((plan.device,) if plan.device.startswith("cuda:") else ()):
+        for g in where(plan):
             on[g] = on.get(g, 0) + policies
-    return [max((on[g] for g in plan.gpus or ((plan.device,) if plan.device in on else ())), default=1)
-            for plan in plans]
+    return [max(on[g] for g in where(plan)) for plan in plans]
 
 
 def load_slots(model_paths: list[str], engines: int) -> int:

