@@ -225,8 +225,10 @@ def sim_config(cfg: RunConfig, pools: list[Pool], shape: SimShape, name: str = "
         for suffix, workers, per_worker in worker_split(pool.nodes):
             settings: dict[str, Any] = {"nodes_per_worker": per_worker,
                                         "engine": {"replicas": pool.engines_per_node, "sim": dict(sim)}}
-            if pool.kind == LOCAL:
-                settings["capacity"] = user_capacity or None
+            if pool.kind == LOCAL:  # what the real run's node leases: its own, else twice its engines' batch
+                engine = cfg.rollout.engine
+                settings["capacity"] = user_capacity or (
+                    None if engine.type == "sim" else 2 * engine.max_batch * pool.engines_per_node)
             parts.append({"name": f"pool_{pool.kind}{suffix}", "scheduler": "local", "role": "rollout",
                           "nodes": workers, "hardware": pool.kind, "rollout": settings})
     data["partitions"] = parts
