@@ -4,7 +4,8 @@ An ``EmuNode`` does what a ``RaaSNode``'s loop does towards the data layer (its 
 the node's own ``rollout.pacing.LeasePacing``): a heartbeat a
 second (renewing the leases it holds, with its worker and weight versions), a lease of its
 free slots, an "episode" per task (a timer), a tiny trajectory, and its ``complete``
-once written. The trajectories of a worker's nodes are written together every ``flush_s``
+once written. The trajectories of a worker's nodes are written by a node's rule (at once
+when the node has nothing else in flight, else ``flush_s`` after its oldest), together,
 through the real segment writer, one segment per emulated worker (``WorkerWriter``: one
 segment per node would make this one process write thousands of times a second, a cost of the
 store and of the emulation, not of the control plane); each node then completes its own
@@ -237,28 +238,50 @@ SLICE = 64
 
 
 class WorkerWriter:
-    """The segment of one emulated worker: what its nodes finished, written every ``flush_s``.
-    As a node's writer does, each batch is staged at once and completed once its commit is
-    durable, while the next ones are written (a checkout without ``submit`` waits for each)."""
+    """The segment of one emulated worker: what its nodes finished, written by a node's rule
+    (``flush_seconds`` after a node's oldest finished trajectory, at once when the node has
+    nothing else in flight), the due nodes' trajectories together in one write. As a node's
+    writer does, each batch is staged at once and completed once its commit is durable, while
+    the next ones are written (a checkout without ``submit`` waits for each)."""
 
     def __init__(self, writer: Any, flush_s: float):
         self.writer, self.flush_s = writer, flush_s
-        self.finished: list[tuple[EmuNode, Trajectory]] = []
+        #: node -> (when its oldest finished, what it finished), in the order they finished
+        self.finished: dict[EmuNode, tuple[float, list[Trajectory]]] = {}
+        self._due: asyncio.Event | None = None
 
     def add(self, node: EmuNode, traj: Trajectory) -> None:
-        self.finished.append((node, traj))
+        if self._due is None:
+            self._due = asyncio.Event()
+        since, trajs = self.finished.setdefault(node, (time.monotonic(), []))
+        trajs.append(traj)
+        if not node.inflight:  # nothing else to wait for: the node writes at once
+            self._due.set()
+
+    async def _wait_due(self) -> list[tuple[EmuNode, Trajectory]]:
+        """Until some node's trajectories are due; takes them."""
+        if self._due is None:
+            self._due = asyncio.Event()
+        while True:
+            now = time.monotonic()
+            due = [n for n, (since, _) in self.finished.items() if not n.inflight or now - since >= self.flush_s]
+            if due:
+                return [(n, t) for n in due for t in self.finished.pop(n)[1]]
+            first = min((since for since, _ in self.finished.values()), default=now)
+            self._due.clear()
+            try:
+                await asyncio.wait_for(self._due.wait(), max(first + self.flush_s - now, 0.001))
+            except asyncio.TimeoutError:
+                pass
 
     async def run(self) -> None:
         committing: set[asyncio.Task] = set()
         submit = getattr(self.writer, "submit", None)
         while True:
-            await asyncio.sleep(self.flush_s)
+            batch = await self._wait_due()
             for t in [t for t in committing if t.done()]:
                 committing.discard(t)
                 t.result()  # a failed commit or completion ends the writer (and the benchmark)
-            if not self.finished:
-                continue
-            batch, self.finished = self.finished, []
             rows = []
             for i in range(0, len(batch), SLICE):  # in slices: the nodes' calls are answered between
                 rows += [r for _, t in batch[i:i + SLICE] for r in t.to_stored()]
