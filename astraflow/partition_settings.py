@@ -173,11 +173,6 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
     return out
 
 
-def _engines_per_node(cfg: RolloutConfig, gpus: int) -> int:
-    """Engines per policy on a RaaS node whose partition gives it ``gpus`` GPUs."""
-    return cfg.engine.engines_per_node(gpus)
-
-
 def partition_capacity(rollout: RolloutConfig, part: Partition) -> dict[str, int] | None:
     """A rollout partition's lease capacity per node, the batch each engine decodes at most, and
     engines per node (``status --json`` and the dashboard show them); None for other roles."""
@@ -186,7 +181,7 @@ def partition_capacity(rollout: RolloutConfig, part: Partition) -> dict[str, int
     cfg = effective_rollout(rollout, part)
     batch = cfg.engine.sim.profile().max_batch if cfg.engine.type == "sim" else cfg.engine.max_batch
     return {"node_capacity": cfg.node_capacity(part.gpus_per_node), "engine_max_batch": batch,
-            "engines_per_node": _engines_per_node(cfg, part.gpus_per_node)}
+            "engines_per_node": cfg.engine.engines_per_node(part.gpus_per_node)}
 
 
 def _capacity_line(cfg: RolloutConfig, gpus: int) -> str:
@@ -213,7 +208,7 @@ def plan_lines(partitions: list[Partition], rollout: RolloutConfig, trainers: Ma
             cfg = effective_rollout(rollout, part)
             eng = cfg.engine
             on_gpus = part.gpus_per_node > 0 and eng.device in ("auto", "cuda")
-            n = _engines_per_node(cfg, part.gpus_per_node)
+            n = cfg.engine.engines_per_node(part.gpus_per_node)
             where = f"{eng.tensor_parallel} GPU(s) each" if on_gpus else f"on {eng.device}"
             what += f": {n} engine(s) per policy, {where}, {max(1, eng.threads // n)} thread(s) each"
             diff = changed(rollout, cfg, "rollout.")

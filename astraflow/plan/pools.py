@@ -207,7 +207,6 @@ def sim_config(cfg: RunConfig, pools: list[Pool], shape: SimShape, name: str = "
     # trajectory for 0.5 x time_scale simulated seconds)
     for key in ("flush_seconds", "weight_poll_seconds"):
         rollout[key] = max(rollout[key] / scale, 0.005)
-    user_capacity = rollout["capacity"]
     rollout["capacity"] = None
     rollout["nodes_per_worker"] = 1
     data["autoscale"] = None  # the pools are the sizes to plan: nothing resizes them mid-run
@@ -225,10 +224,10 @@ def sim_config(cfg: RunConfig, pools: list[Pool], shape: SimShape, name: str = "
         for suffix, workers, per_worker in worker_split(pool.nodes):
             settings: dict[str, Any] = {"nodes_per_worker": per_worker,
                                         "engine": {"replicas": pool.engines_per_node, "sim": dict(sim)}}
-            if pool.kind == LOCAL:  # what the real run's node leases: its own, else twice its engines' batch
-                engine = cfg.rollout.engine
-                settings["capacity"] = user_capacity or (
-                    None if engine.type == "sim" else 2 * engine.max_batch * pool.engines_per_node)
+            if pool.kind == LOCAL:  # what the real run's node leases, with this pool's engines
+                engine = cfg.rollout.engine.model_copy(update={"replicas": pool.engines_per_node})
+                settings["capacity"] = (cfg.rollout.capacity if engine.type == "sim"  # else the profile's own
+                                        else cfg.rollout.model_copy(update={"engine": engine}).node_capacity(0))
             parts.append({"name": f"pool_{pool.kind}{suffix}", "scheduler": "local", "role": "rollout",
                           "nodes": workers, "hardware": pool.kind, "rollout": settings})
     data["partitions"] = parts
