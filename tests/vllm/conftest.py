@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import torch
@@ -31,14 +32,41 @@ def publish(store, policy: str, version: int, model, drop: tuple[str, ...] = ())
     """Publish ``model`` (bf16-exact weights, less the ``drop`` names) as ``version`` with its
     probe; returns the tensors."""
     sd = bf16_exact(model)
-    store.publish(policy, version, {k: v for k, v in sd.items() if k not in drop}, meta={"layout": "hf", "arch": model.config.model_type,
-                                            "probe": make_probe(model)})
+    meta = {"layout": "hf", "arch": model.config.model_type, "probe": make_probe(model)}
+    store.publish(policy, version, {k: v for k, v in sd.items() if k not in drop}, meta=meta)
     return sd
+
+
+#: how far the engine's log-probs may be from the CPU reference's (``reference_logprobs``), and a
+#: probe's recorded error from zero: the CPU build runs the reference's fp32 arithmetic; a GPU's
+#: kernels (TF32 products in attention, other reduction orders) differ by more, and both stay far
+#: below what a wrong update gives (nats)
+ON_GPU = torch.cuda.is_available()
+LOGPROB_ATOL = 2e-2 if ON_GPU else 1e-4
+PROBE_ATOL = 2e-2 if ON_GPU else 1e-3
 
 
 def reference_logprobs(model, prompt: list[int], tokens) -> list[float]:
     """Teacher-forced log-probs of ``tokens`` after ``prompt`` (the trainer's computation)."""
     return teacher_forced_logprobs(model, list(prompt) + [int(t) for t in tokens])[len(prompt) - 1:]
+
+
+def assert_greedy_agrees(model, prompt: list[int], got, want) -> None:
+    """Two greedy completions of ``prompt`` (``GenerationOutput``s) agree: the same tokens and
+    log-probs up to the first token where they differ, and there a near tie under ``model`` (both
+    choices' log-probs within the arithmetic's error: either engine chose right); what follows a
+    tie differs legitimately, so it is not compared."""
+    got_t, want_t = [int(t) for t in got.tokens], [int(t) for t in want.tokens]
+    same = next((i for i, (a, b) in enumerate(zip(got_t, want_t)) if a != b), min(len(got_t), len(want_t)))
+    np.testing.assert_allclose(got.logprobs[:same], want.logprobs[:same], atol=LOGPROB_ATOL)
+    if same == len(got_t) == len(want_t):
+        assert got.finish_reason == want.finish_reason
+        return
+    assert same < len(got_t) and same < len(want_t), f"one completion is the other's prefix: {got_t} vs {want_t}"
+    head = list(prompt) + got_t[:same]
+    choices = [reference_logprobs(model, head, [t])[-1] for t in (got_t[same], want_t[same])]
+    assert abs(choices[0] - choices[1]) <= 2 * LOGPROB_ATOL, (
+        f"token {same} differs ({got_t[same]} vs {want_t[same]}) without a near tie: log-probs {choices}")
 
 
 @pytest.fixture(scope="session")
