@@ -293,7 +293,8 @@ def status(run_dir: str, as_json: bool, metrics: bool) -> None:
         if snap is None or snap.summary is None:
             raise UserError(str(err)) from None
         try:
-            click.echo(format_summary(snap.summary, str(snap.paths.summary)))
+            parts = (snap.status or {}).get("partitions") or snap.summary.get("partitions") or {}
+            click.echo(format_summary(snap.summary, str(snap.paths.summary), parts))
         except (TypeError, AttributeError, KeyError, ValueError) as bad:  # a field of a type no writer writes
             raise UserError(str(damaged_run_files(run_dir, bad))) from None
         return

@@ -35,3 +35,15 @@ def test_a_finished_runs_text_keeps_its_autoscalers_last_decision():
         "changes": [{"t": 0.0, "reason": "trainer wait 50% > high_wait 30%: add 1 worker(s) of r (1 -> 2)"}]}}
     text = format_summary(summary, "s.json")
     assert "autoscale: band [5%, 30%]" in text and "now: hold: trainer wait" in text and "(1 -> 2)" in text, text
+
+
+def test_a_finished_runs_text_says_what_each_rollout_partition_generated():
+    parts = {"gpu": {**PART, "hardware": "h100", "staleness_mean": 0.5, "staleness_max": 2, "consumed": 6,
+                     "versions": {"solver": [0, 4]}},
+             "train": {"scheduler": "local", "role": "train", "nodes": 1}}
+    text = format_summary({"status": "completed", "steps": {"solver": 5}}, "s.json", parts)
+    lines = text.splitlines()
+    at = lines.index("rollout partitions:")
+    assert lines[at + 1] == "  gpu (h100): 7 episodes, staleness mean 0.50 max 2 (6 consumed), serving solver:v0-v4 at the end", text
+    assert "train" not in text.split("rollout partitions:")[1].split("ledger")[0]
+    assert "rollout partitions" not in format_summary({"status": "completed"}, "s.json")

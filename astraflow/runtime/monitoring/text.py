@@ -107,9 +107,10 @@ def eval_lines(evals: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def format_summary(summary: dict[str, Any], where: str) -> str:
+def format_summary(summary: dict[str, Any], where: str, partitions: dict[str, Any] | None = None) -> str:
     """A finished run in a few lines, from its ``summary.json`` (at ``where``): how it ended and
-    why, the steps each policy took, its held-out accuracy and its ledger."""
+    why, the steps each policy took, its held-out accuracy, what each rollout partition of its
+    last status (``partitions``) generated, and its ledger."""
     seconds = summary.get("seconds")
     lines = [f"run finished: {outcome(summary)}"
              + (f" ({summary['reason']})" if summary.get("reason") else "")
@@ -128,12 +129,38 @@ def format_summary(summary: dict[str, Any], where: str) -> str:
             lines.append(f"  {p} error: {t['error']}")
     lines += eval_lines(summary.get("eval") or [])
     lines += autoscale_lines(summary.get("autoscale"))
+    lines += finished_partition_lines(partitions or {})
     ledger = summary.get("ledger") or {}
     states = ", ".join(f"{k} {v}" for k, v in (ledger.get("states") or {}).items()) or "-"
     lines.append(f"ledger: {ledger.get('tasks', 0)} tasks: {states}"
                  + ("" if summary.get("ledger_closed", True) else " (the data layer was gone: its last state read)"))
     lines.append(f"summary: {where} (`astraflow status --json` for the whole final state)")
     return "\n".join(lines)
+
+
+def finished_partition_lines(partitions: dict[str, Any]) -> list[str]:
+    """Each rollout partition of a finished run: the episodes it completed, how stale what it
+    generated was when trained on, the versions it served at the end (its last rates would say nothing)."""
+    out = []
+    for name, p in partitions.items():
+        if not isinstance(p, dict) or p.get("role") != "rollout":
+            continue
+        out.append(f"  {name} ({p.get('hardware') or p.get('scheduler', '?')}): {p.get('completed', 0)} episodes, "
+                   f"{_stale(p)}, serving {_served(p)} at the end")
+    return ["rollout partitions:", *out] if out else []
+
+
+def _stale(p: dict[str, Any]) -> str:
+    """How stale a partition's sequences were when trained on: mean, worst, how many."""
+    mean, worst = p.get("staleness_mean"), p.get("staleness_max")
+    return (f"staleness mean {mean:.2f} max {worst} ({p.get('consumed', 0)} consumed)" if mean is not None
+            else "staleness -")
+
+
+def _served(p: dict[str, Any]) -> str:
+    """The versions each policy's engines of a partition served, ``pol:vA-vB``."""
+    return " ".join(f"{pol}:" + (f"v{vs[0]}" if len(vs) == 1 else f"v{vs[0]}-v{vs[-1]}")
+                    for pol, vs in (p.get("versions") or {}).items() if vs) or "-"
 
 
 def _who(info: dict[str, Any]) -> str:
@@ -164,18 +191,14 @@ def partition_stats_line(p: dict[str, Any], scaling: bool | None = None) -> str:
     """A rollout partition's throughput, staleness of what it generated, versions served, what a
     node leases at once and autoscale bounds (``scaling`` False: the run's autoscaler is off), on
     one indented line."""
-    mean, worst = p.get("staleness_mean"), p.get("staleness_max")
-    stale = (f"staleness mean {mean:.2f} max {worst} ({p.get('consumed', 0)} consumed)" if mean is not None
-             else "staleness -")
-    served = " ".join(f"{pol}:" + (f"v{vs[0]}" if len(vs) == 1 else f"v{vs[0]}-v{vs[-1]}")
-                      for pol, vs in (p.get("versions") or {}).items() if vs) or "-"
+    served = _served(p)
     b = p.get("autoscale")
     bounds = f"; autoscale {b['min_nodes']}..{b['max_nodes']} nodes, cooldown {b['cooldown_s']:g}s" if b else ""
     if b and scaling is False:
         bounds += " (not acting: the run's autoscaler is off)"
     cap = p.get("capacity")
     leases = f", {cap['node_capacity']} episodes a node, engine batch {cap['engine_max_batch']}" if cap else ""
-    return (f"  {p.get('episodes_per_s', 0.0):.1f} traj/s, {p.get('tokens_per_s', 0.0):.0f} tok/s, {stale}, "
+    return (f"  {p.get('episodes_per_s', 0.0):.1f} traj/s, {p.get('tokens_per_s', 0.0):.0f} tok/s, {_stale(p)}, "
             f"serving {served}{leases}{bounds}")
 
 
