@@ -32,13 +32,15 @@ def print_report(report: PlanReport, console: Console) -> None:
                   f"on average ({src['response_tokens']}); {r.steps} simulated steps at time scale "
                   f"{shape.time_scale:.2g} ({src['time_scale']})")
     table = Table(title="simulated throughput (steady part of the run, simulated time)")
-    for col in ("pool", "GPUs", "trajectories/s", "tokens/s", "share"):
+    # staleness per pool over the whole run (the data layer counts it per node), the trainer table's of its steady part
+    for col in ("pool", "GPUs", "trajectories/s", "tokens/s", "share", "staleness p50/p90/max, whole run"):
         table.add_column(col, justify="left" if col == "pool" else "right", overflow="fold")
     for kind, row in r.per_pool.items():
+        stale = "/".join(str(row[f"staleness_{q}"]) for q in ("p50", "p90", "max")) if "staleness_max" in row else "-"
         table.add_row(kind, str(r.pools.get(kind, "")), f"{row['trajectories_per_s']:.4g}",
-                      f"{row['tokens_per_s']:.4g}", f"{row['share']:.0%}")
+                      f"{row['tokens_per_s']:.4g}", f"{row['share']:.0%}", stale)
     table.add_row("all", str(sum(r.pools.values())), f"{r.trajectories_per_s:.4g}", f"{r.tokens_per_s:.4g}", "100%",
-                  style="bold")
+                  "", style="bold")
     console.print(table)
     idle = [kind for kind, row in r.per_pool.items() if row["share"] < IDLE_SHARE]
     if idle and len(idle) < len(r.per_pool):

@@ -251,16 +251,32 @@ def staleness_quantiles(hist: dict[int, int]) -> dict[str, int]:
     return out
 
 
+def _pool_of(partition: Any) -> str | None:
+    """The pool kind of a planner partition (``pool_KIND``, or ``pool_KIND.rest`` for a pool's
+    last workers: the same pool); None for any other partition."""
+    part = str(partition or "")
+    return part.removeprefix("pool_").split(".")[0] if part.startswith("pool_") else None
+
+
 def _per_pool(run_dir: Path, result: SimResult) -> dict[str, dict[str, float]]:
     """Each pool's share of what the nodes generated (their counters in ``summary.json``),
-    applied to the run's steady rates."""
-    nodes = json.loads(RunPaths(run_dir).summary.read_text()).get("nodes", {})
+    applied to the run's steady rates, and how stale its sequences were when trained on (over
+    the whole run: the data layer counts them per node)."""
+    summary = json.loads(RunPaths(run_dir).summary.read_text())
     episodes: dict[str, float] = {}
-    for st in nodes.values():
-        part = str(st.get("partition") or "")
-        if part.startswith("pool_"):
-            kind = part.removeprefix("pool_").split(".")[0]  # ``pool_KIND.rest``: the same pool
+    for st in summary.get("nodes", {}).values():
+        if (kind := _pool_of(st.get("partition"))) is not None:
             episodes[kind] = episodes.get(kind, 0) + st.get("counters", {}).get("episodes", 0)
+    dl = summary.get("data_layer") or {}
+    hists: dict[str, dict[int, int]] = {}
+    for node, hist in (dl.get("consumed_staleness_by_node") or {}).items():
+        kind = _pool_of((dl.get("nodes") or {}).get(node, {}).get("partition"))
+        if kind in episodes:
+            into = hists.setdefault(kind, {})
+            for lag, n in hist.items():
+                into[int(lag)] = into.get(int(lag), 0) + int(n)
     total = sum(episodes.values()) or 1.0
     return {kind: {"share": n / total, "trajectories_per_s": result.trajectories_per_s * n / total,
-                   "tokens_per_s": result.tokens_per_s * n / total} for kind, n in sorted(episodes.items())}
+                   "tokens_per_s": result.tokens_per_s * n / total,
+                   **{f"staleness_{q}": v for q, v in staleness_quantiles(hists.get(kind, {})).items()}}
+            for kind, n in sorted(episodes.items())}
