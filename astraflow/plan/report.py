@@ -36,7 +36,8 @@ def print_report(report: PlanReport, console: Console) -> None:
     for col in ("pool", "GPUs", "trajectories/s", "tokens/s", "share", "staleness p50/p90/max, whole run"):
         table.add_column(col, justify="left" if col == "pool" else "right", overflow="fold")
     for kind, row in r.per_pool.items():
-        stale = "/".join(str(row[f"staleness_{q}"]) for q in ("p50", "p90", "max")) if "staleness_max" in row else "-"
+        stale = ("/".join(str(row[f"staleness_{q}"]) for q in ("p50", "p90", "max"))
+                 if row.get("staleness_max") is not None else "-")
         table.add_row(kind, str(r.pools.get(kind, "")), f"{row['trajectories_per_s']:.4g}",
                       f"{row['tokens_per_s']:.4g}", f"{row['share']:.0%}", stale)
     table.add_row("all", str(sum(r.pools.values())), f"{r.trajectories_per_s:.4g}", f"{r.tokens_per_s:.4g}", "100%",

@@ -278,5 +278,6 @@ def _per_pool(run_dir: Path, result: SimResult) -> dict[str, dict[str, float]]:
     total = sum(episodes.values()) or 1.0
     return {kind: {"share": n / total, "trajectories_per_s": result.trajectories_per_s * n / total,
                    "tokens_per_s": result.tokens_per_s * n / total,
-                   **{f"staleness_{q}": v for q, v in staleness_quantiles(hists.get(kind, {})).items()}}
+                   **{f"staleness_{q}": v if hists.get(kind) else None  # None: nothing of it was trained on
+                      for q, v in staleness_quantiles(hists.get(kind, {})).items()}}
             for kind, n in sorted(episodes.items())}

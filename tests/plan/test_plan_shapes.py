@@ -201,7 +201,8 @@ def test_each_pool_reports_how_stale_its_sequences_were(tmp_path):
     """The data layer's per-node staleness counts, summed over each pool's nodes (a node group's
     members are named after their worker; the data layer knows each one's partition)."""
     nodes = {"w1": {"partition": "pool_h100", "counters": {"episodes": 30}},
-             "w2": {"partition": "pool_a100", "counters": {"episodes": 10}}}
+             "w2": {"partition": "pool_a100", "counters": {"episodes": 10}},
+             "w3": {"partition": "pool_cpu", "counters": {"episodes": 0}}}
     dl = {"nodes": {"w1.n0": {"partition": "pool_h100"}, "w1.n1": {"partition": "pool_h100.rest"},
                     "w2.n0": {"partition": "pool_a100"}, "t": {"partition": "trainer"}},
           "consumed_staleness_by_node": {"w1.n0": {"0": 8, "1": 1}, "w1.n1": {"0": 1}, "w2.n0": {"2": 3, "5": 1},
@@ -210,3 +211,4 @@ def test_each_pool_reports_how_stale_its_sequences_were(tmp_path):
     out = _per_pool(tmp_path, SimpleNamespace(trajectories_per_s=8.0, tokens_per_s=800.0))
     assert {k: out["h100"][f"staleness_{k}"] for k in ("p50", "p90", "max")} == {"p50": 0, "p90": 0, "max": 1}
     assert {k: out["a100"][f"staleness_{k}"] for k in ("p50", "p90", "max")} == {"p50": 2, "p90": 5, "max": 5}
+    assert out["cpu"]["staleness_max"] is None  # nothing of it was trained on
