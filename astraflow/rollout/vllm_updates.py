@@ -44,13 +44,12 @@ import math
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping
 
-from astraflow.probe import probe_error
+from astraflow.rollout.vllm_probe import NUMERICS_CEILING, ProbeCheck, check_probe, judge
 from astraflow.rollout.weight_sync import VersionReader
-from storage.weights import WeightStore
+from storage.weights import DamagedVersion, VersionNotCommitted, WeightStore
 
 if TYPE_CHECKING:
     from astraflow.rollout.vllm_engine import VLLMEngine
@@ -59,64 +58,6 @@ log = logging.getLogger("astraflow.rollout")
 
 #: files of a model directory that are weights (not copied into a re-created engine's directory)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".bin.index.json")
-
-
-@dataclass(frozen=True)
-class ProbeCheck:
-    """What an engine's scores of a version's probe say: ``err`` nats off the new version's
-    probe; where the held version's probe has the same tokens, ``err_held`` nats off that one
-    and ``apart``, the two probes' distance; ``stale``: the scores are no nearer the new version
-    than the held one, although the two are far enough apart for the engine to tell."""
-
-    err: float
-    err_held: float | None = None
-    apart: float | None = None
-    stale: bool = False
-
-    def passed(self, tolerance: float) -> bool:
-        return self.err <= tolerance and not self.stale
-
-
-def check_probe(probe: Mapping[str, Any], got: Sequence[float], held: Mapping[str, Any] | None = None,
-                noise: float = 0.0) -> ProbeCheck:
-    """Judge an engine's log-probs ``got`` of ``probe["tokens"]`` after an update to ``probe``'s
-    version. ``held``: the probe of the version the engine held before, which it scored
-    ``noise`` nats off when it verified it (its own error on those weights). An engine on
-    either version scores that version's probe about ``noise`` off, so (triangle inequality)
-    the other's at least ``apart - noise``: only versions more than ``2 * noise`` apart can be
-    told apart, closer ones are judged by ``err`` alone. Without ``held``, or with a probe of
-    other tokens (the comparison would mean nothing), only ``err`` is measured."""
-    err = probe_error(probe["logprobs"], got)
-    if held is None or [int(t) for t in held["tokens"]] != [int(t) for t in probe["tokens"]]:
-        return ProbeCheck(err)
-    err_held = probe_error(held["logprobs"], got)
-    apart = probe_error(held["logprobs"], probe["logprobs"])
-    distinct = math.isfinite(apart) and apart > 2 * noise
-    return ProbeCheck(err, err_held, apart, stale=distinct and err_held <= err)
-
-
-#: nats: a fresh engine further off a version's probe (or the tolerance, if higher) is no rounding
-NUMERICS_CEILING = 0.5
-
-
-def judge(err: float, fresh: float, tolerance: float, stale: bool = False,
-          fresh_stale: bool = False) -> tuple[float, bool]:
-    """``(tolerance, wrong)`` after an update off by ``err`` nats whose version a re-created
-    engine scores ``fresh`` nats off (``stale``, ``fresh_stale``: the update's and the fresh
-    engine's scores were nearer the version held before, ``ProbeCheck.stale``). A fresh engine
-    is right by construction: if it is off by more than ``tolerance`` too, the gap is the
-    engine's numerics and the tolerance becomes twice it (at most ``NUMERICS_CEILING``);
-    ``wrong``: the update was off by more than the resulting tolerance, or stale where the fresh
-    engine is not, so the update path is to blame (a fresh engine as stale says the two
-    versions cannot be told apart on it). A fresh engine past the ceiling, or non-finite, says
-    the version itself (its weights, their conversion, its probe) is broken: that blames
-    neither and keeps the tolerance, which would otherwise pass every later update unchecked."""
-    ceiling = max(NUMERICS_CEILING, tolerance)
-    if not math.isfinite(fresh) or fresh > ceiling:
-        return tolerance, False
-    if fresh > tolerance:
-        tolerance = min(2 * fresh, ceiling)
-    return tolerance, err > tolerance or (stale and not fresh_stale)
 
 
 class Updater:
@@ -231,6 +172,8 @@ class Updater:
         # engine's weights and running requests untouched, and none is retired while it is read
         with store.hold(policy, version):
             probe = store.manifest(policy, version).get("meta", {}).get("probe")
+            if self._held is None and probe is not None and self.mode != "recreate":
+                await self._verify_held(store, policy)
             prepared = None
             if self.mode != "in_place":  # read and written while the running requests still generate
                 prepared = await asyncio.to_thread(self._write_model_dir, root, policy, version, use_deltas, every)
@@ -431,6 +374,20 @@ class Updater:
                 shutil.copy2(f, out / f.name)
         save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
         return out
+
+    async def _verify_held(self, store: WeightStore, policy: str) -> None:
+        """Score the version the engine serves against that version's own probe, while it still
+        generates, so that this update's check can tell the new version from it (``check_probe``'s
+        ``held``): an engine starts, and restarts, on weights no update has verified, and the first
+        versions of a run are often closer than the tolerance. Nothing is learnt where that version
+        is gone from the store, has no probe, or scores off it."""
+        held = self.engine.serving_version
+        try:
+            probe = store.manifest(policy, held).get("meta", {}).get("probe")
+        except (VersionNotCommitted, DamagedVersion, OSError):
+            return
+        if probe is not None and (check := check_probe(probe, await self._score(probe))).passed(self.tolerance):
+            self._held = (probe, check.err, held)
 
     async def _score(self, probe: Mapping[str, Any]) -> list[float]:
         """The engine's prompt log-probs of the probe's tokens (``log p(tokens[i] | tokens[:i])``

@@ -13,7 +13,7 @@ import pytest
 
 from astraflow.probe import probe_error
 from astraflow.rollout.vllm_engine import _versions
-from astraflow.rollout.vllm_updates import check_probe, judge
+from astraflow.rollout.vllm_probe import check_probe, judge
 from tests.conftest import tiny_config
 
 #: the fields of vLLM's weight-version span that ``_versions`` reads

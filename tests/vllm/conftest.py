@@ -83,6 +83,13 @@ def vllm_models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+def close_engine(engine) -> None:
+    """Close a ``VLLMEngine`` and check that vLLM's engine-core processes went with it."""
+    procs = engine._core_processes()
+    engine.close()
+    assert not any(p.is_alive() for p in procs), "vLLM's engine core outlived close()"
+
+
 def engine_options(**overrides):
     from astraflow.rollout.config import VLLMConfig
 

@@ -29,8 +29,8 @@ from astraflow.rollout.vllm_engine import VLLMEngine
 from storage.deltas import write_version_delta
 from storage.weights import WeightStore
 
-from .conftest import (LOGPROB_ATOL, PROBE_ATOL, assert_greedy_agrees, bf16_exact, engine_options, publish,
-                       reference_logprobs)
+from .conftest import (LOGPROB_ATOL, PROBE_ATOL, assert_greedy_agrees, bf16_exact, close_engine, engine_options,
+                       publish, reference_logprobs)
 
 PROMPTS = ["1+2=", "12+34=", "7+88=", "a longer prompt: 55+44="]
 POLICY = "p"
@@ -61,9 +61,7 @@ def setup(vllm_models, tmp_path_factory):
                         threads=2, swap_min_remaining=0)
     prompts = [tok.encode(p) for p in PROMPTS]
     yield engine, store, prompts, m0
-    procs = engine._core_processes()
-    engine.close()
-    assert not any(p.is_alive() for p in procs), "vLLM's engine core outlived close()"
+    close_engine(engine)
 
 
 def test_greedy_generation_equals_the_hf_engine_on_the_same_weights(setup, vllm_models):

@@ -26,7 +26,7 @@ from astraflow.workloads.base import make_workload
 from storage.weights import WeightStore
 from tests.rollout.test_node_writer import _node
 
-from .conftest import engine_options, publish
+from .conftest import close_engine, engine_options, publish
 
 
 @pytest.mark.timeout(900)
@@ -75,6 +75,4 @@ def test_a_node_restarts_a_dead_vllm_engine_with_the_newest_weights(tmp_path, vl
     try:
         asyncio.run(run())
     finally:
-        procs = engine._core_processes()
-        engine.close()
-        assert not any(p.is_alive() for p in procs)
+        close_engine(engine)
