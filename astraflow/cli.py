@@ -290,7 +290,8 @@ def status(run_dir: str, as_json: bool, metrics: bool) -> None:
                 raise UserError(str(damaged_run_files(run_dir, bad))) from None
             raise UserError(f"{err}: above is its last status, of {snap.age_s:.0f}s ago; `astraflow run` on "
                             "the run directory resumes it") from None
-        if snap is None or snap.summary is None:
+        if snap is None or snap.summary is None or snap.new_incarnation():
+            # a resume holding the directory has not set the previous incarnation's summary aside yet
             raise UserError(str(err)) from None
         try:
             parts = (snap.status or {}).get("partitions") or snap.summary.get("partitions") or {}

@@ -276,6 +276,42 @@ def test_a_resume_before_its_orchestrator_file_is_starting_not_a_run_that_stoppe
         run_status(paths.root)  # older than the orchestrator file: an earlier incarnation's leftover
 
 
+def test_a_resume_of_a_finished_run_is_starting_not_the_summary_it_will_set_aside(tmp_path):
+    """A resume of a finished run holds the run directory's lock while it builds models and checks
+    the directory, before its orchestrator sets the previous summary aside: status says the run
+    is starting (text and JSON), not that it finished."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    from astraflow.cli import main
+    from astraflow.runtime.runlock import RunDirLock
+
+    paths = RunPaths(tmp_path / "run").make()
+    now = time.time()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    paths.status_file.write_text(json.dumps({"written_at": now - 60, "data_layer": {"versions": {"p": 20}},
+                                             "trainers": {}, "partitions": {}, "workers": {}}))
+    paths.orchestrator_file.write_text(json.dumps({"pid": int(gone.stdout), "host": socket.gethostname(),
+                                                   "started": now - 600, "dashboard": None, "scheduler": None}))
+    paths.summary.write_text(json.dumps({"status": "completed", "reason": None, "steps": {"p": 20}}))
+    done = CliRunner().invoke(main, ["status", str(paths.root)])
+    assert done.exit_code == 0 and "run finished: completed" in done.output
+    assert build_status_view(paths.root).finished
+    with RunDirLock(paths.root):
+        with pytest.raises(RunNotRunning, match=f"is starting \\(orchestrator pid {os.getpid()} "):
+            run_status(paths.root)
+        with pytest.raises(ValueError, match="is starting"):
+            build_status_view(paths.root)
+        for json_flag in ([], ["--json"]):
+            res = CliRunner().invoke(main, ["status", str(paths.root), *json_flag])
+            assert res.exit_code == 2 and "is starting" in res.output and "completed" not in res.output, res.output
+    assert "run finished: completed" in CliRunner().invoke(main, ["status", str(paths.root)]).output
+
+
 def test_a_partition_being_removed_wants_no_nodes():
     """A removed partition's spec still says how many nodes it had: the view wants none."""
     part = {"scheduler": "local", "role": "rollout", "hardware": "cpu", "region": "local", "nodes": 2, "live": 1}

@@ -280,8 +280,9 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
         raise ValueError(f"{run_dir} is not a run directory: pass the --run-dir of `astraflow run`")
     if status is None and summary is None and snap.starting:
         raise ValueError(snap.starting_message(run_dir))
-    if summary is None and not snap.running and (resuming := snap.new_incarnation()):
-        raise ValueError(snap.starting_message(run_dir, resuming))  # the files are the previous incarnation's
+    if not snap.running and (resuming := snap.new_incarnation()):
+        # the files (a summary too, until the resume sets it aside) are the previous incarnation's
+        raise ValueError(snap.starting_message(run_dir, resuming))
     if status is None and summary is None:
         raise ValueError(f"no run has started in {run_dir} yet (no {paths.status_file}): "
                          f"pass the --run-dir of `astraflow run`")
