@@ -288,8 +288,9 @@ def status(run_dir: str, as_json: bool, metrics: bool) -> None:
                 click.echo(format_status({**snap.status, "running": False, "orchestrator": snap.info}))
             except (TypeError, AttributeError, KeyError, ValueError) as bad:
                 raise UserError(str(damaged_run_files(run_dir, bad))) from None
-            raise UserError(f"{err}: above is its last status, of {snap.age_s:.0f}s ago; `astraflow run` on "
-                            "the run directory resumes it") from None
+            raise UserError(_silent_run(Path(run_dir), snap.age_s)
+                            or f"{err}: above is its last status, of {snap.age_s:.0f}s ago; `astraflow run` on "
+                               "the run directory resumes it") from None
         if snap is None or snap.summary is None or snap.new_incarnation():
             # a resume holding the directory has not set the previous incarnation's summary aside yet
             raise UserError(str(err)) from None
@@ -305,6 +306,24 @@ def status(run_dir: str, as_json: bool, metrics: bool) -> None:
         click.echo(format_status(st))
     except (TypeError, AttributeError, KeyError, ValueError) as bad:
         raise UserError(str(damaged_run_files(run_dir, bad))) from None
+
+
+def _silent_run(run_dir: Path, age_s: float) -> str | None:
+    """What to say of a run whose status went stale while its `astraflow run` still lives and holds
+    the directory (suspended, or busy or hung: its workers may well go on training), where a
+    resume would be refused; None when no live run holds it."""
+    from astraflow.stop_cli import live_holder, process_state
+
+    try:
+        pid = int(live_holder(run_dir)["pid"])
+    except UserError:
+        return None
+    said = f"the run in {run_dir} has written no status for {age_s:.0f}s (above is its last)"
+    if process_state(pid) in ("T", "t"):
+        return (f"{said}: its `astraflow run` (pid {pid}) is suspended (Ctrl-Z or SIGSTOP) and still holds the "
+                f"run directory; `fg` in its terminal or `kill -CONT {pid}` lets it go on")
+    return (f"{said}: its `astraflow run` (pid {pid}) still holds the run directory but is busy or hung; "
+            f"`astraflow stop {run_dir}` stops it, then `astraflow run` on the directory resumes it")
 
 
 @main.command()

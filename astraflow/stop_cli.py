@@ -40,6 +40,14 @@ def process_started_at(pid: int) -> float | None:
     return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` of this host (``T``: stopped; None: unknown or gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def live_holder(run_dir: Path) -> dict:
     """The ``astraflow run`` holding ``run_dir``, checked to be alive on this host; ``UserError``
     naming the way on when there is none or it runs elsewhere."""

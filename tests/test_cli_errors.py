@@ -352,6 +352,55 @@ def test_status_right_after_the_run_was_killed_shows_its_last_status(tmp_path):
                      res.output), res.output
 
 
+def _wait_for_state(pid: int, stopped: bool) -> None:
+    """Until the kernel has stopped (or let go on) ``pid``: a signal is delivered after kill returns."""
+    for _ in range(200):
+        if (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T") == stopped:
+            return
+        time.sleep(0.01)
+
+
+def test_status_of_a_run_whose_live_head_writes_no_status_does_not_say_to_resume_it(tmp_path):
+    """Its `astraflow run` was suspended (Ctrl-Z) or hangs while its workers go on training: it
+    still holds the run directory, so a resume would be refused. Status says so and what to do;
+    once that process is gone, the resume is the way on."""
+    import signal
+    import subprocess
+    import sys
+
+    ready = tmp_path / "locked"
+    code = ("import sys, time; from pathlib import Path; from astraflow.runtime.runlock import RunDirLock; "
+            "lock = RunDirLock(sys.argv[1]).acquire(); Path(sys.argv[2]).touch(); time.sleep(120)")
+    head = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "run"), str(ready)])
+    try:
+        for _ in range(600):
+            if ready.exists():
+                break
+            time.sleep(0.05)
+        control = tmp_path / "run" / "control"
+        (control / "orchestrator.json").write_text(json.dumps(
+            {"pid": head.pid, "host": socket.gethostname(), "started": time.time() - 600}))
+        (control / "status.json").write_text(json.dumps(
+            {"written_at": time.time() - 45, "data_layer": {"elapsed_s": 90},
+             "trainers": {"solver": {"version": 41, "last_metrics": {"reward_mean": 0.25}}}}))
+        head.send_signal(signal.SIGSTOP)
+        _wait_for_state(head.pid, stopped=True)
+        res = _invoke("status", str(tmp_path / "run"))
+        assert res.exit_code == 2 and "solver       version   41" in res.output, res.output
+        assert f"(pid {head.pid}) is suspended" in res.output and f"kill -CONT {head.pid}" in res.output, res.output
+        assert "stopped without a summary" not in res.output, res.output
+        head.send_signal(signal.SIGCONT)
+        _wait_for_state(head.pid, stopped=False)
+        res = _invoke("status", str(tmp_path / "run"))
+        assert res.exit_code == 2 and "still holds the run directory but is busy or hung" in res.output, res.output
+    finally:
+        head.kill()
+        head.wait()
+    res = _invoke("status", str(tmp_path / "run"))
+    assert res.exit_code == 2 and "stopped without a summary" in res.output, res.output
+    assert "`astraflow run` on the run directory resumes it" in res.output, res.output
+
+
 def test_a_stop_before_the_run_starts_exits_130_without_a_traceback(monkeypatch, tmp_path):
     """Ctrl-C or SIGTERM (scancel) while the data is checked or the models are built, before
     the run started: the documented 130 and one line, not click's "Aborted!" and 1."""
