@@ -131,8 +131,10 @@ class Placement:
     def submit_actor(self, cls, worker: str, **kwargs):
         """Construct ``cls`` as an actor pinned to the worker named ``worker``; returns the
         future of the handle (the caller waits with the placement deadline). ``RunFailed`` when
-        the worker runs other code than this process (`check_code`)."""
-        address = self.joined()[worker]
+        the worker runs other code than this process (`check_code`), or has left meanwhile."""
+        address = self.joined().get(worker)
+        if address is None:  # seen joined a moment ago, gone since (killed, out of memory)
+            raise WorkerUnusable(f"worker {worker} left the Dask scheduler before its actor could be placed there")
         self.check_code(worker, address)
         where = class_path(cls)  # the class by name: the scheduler need not import it (`construct`)
         args = (construct, where) if by_name(cls) else (cls,)  # else pickled by value, as Dask does

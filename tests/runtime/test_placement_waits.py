@@ -9,7 +9,7 @@ import pytest
 from astraflow.config import ClusterConfig
 from astraflow.runtime.placement import Placement
 from astraflow.runtime.progress import Progress
-from astraflow.runtime.workers import RunFailed
+from astraflow.runtime.workers import RunFailed, WorkerUnusable
 from storage.paths import RunPaths
 
 
@@ -58,3 +58,12 @@ def test_an_actor_whose_worker_stays_is_waited_for(tmp_path, monkeypatch):
     placement = _placement(tmp_path, monkeypatch, workers, waits=3)
     fut = placement.submit_actor(dict, "trainer-trainer-0")
     assert placement.wait_all("placing trainers", {"solver": fut}) == {"solver": "actor"}
+
+
+def test_a_worker_that_left_before_its_actor_is_placed_is_unusable_not_a_key_error(tmp_path, monkeypatch):
+    """A RaaS worker killed between the fleet seeing it joined and its node's placement: the
+    placement fails as for a worker nothing can be placed on (its slot is refilled), instead of
+    a KeyError that ended the whole run."""
+    placement = _placement(tmp_path, monkeypatch, {}, waits=0)
+    with pytest.raises(WorkerUnusable, match="worker rollout-rollout-local-cpu-2 left the Dask scheduler"):
+        placement.submit_actor(dict, "rollout-rollout-local-cpu-2")
