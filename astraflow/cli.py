@@ -290,7 +290,7 @@ def status(run_dir: str, as_json: bool, metrics: bool) -> None:
                 raise UserError(str(damaged_run_files(run_dir, bad))) from None
             raise UserError(_silent_run(Path(run_dir), snap.age_s)
                             or f"{err}: above is its last status, of {snap.age_s:.0f}s ago; `astraflow run` on "
-                               "the run directory resumes it") from None
+                               f"the run directory resumes it{_resumes_from(Path(run_dir))}") from None
         if snap is None or snap.summary is None or snap.new_incarnation():
             # a resume holding the directory has not set the previous incarnation's summary aside yet
             raise UserError(str(err)) from None
@@ -306,6 +306,16 @@ def status(run_dir: str, as_json: bool, metrics: bool) -> None:
         click.echo(format_status(st))
     except (TypeError, AttributeError, KeyError, ValueError) as bad:
         raise UserError(str(damaged_run_files(run_dir, bad))) from None
+
+
+def _resumes_from(run_dir: Path) -> str:
+    """`` from solver v30 (...)``: each policy's newest committed version, where a resume goes on
+    (a killed run's last status may be some steps older); empty without one."""
+    from storage.weights import WeightStore
+
+    store = WeightStore(RunPaths(run_dir).weights)
+    at = [(p, vs[-1]) for p in store.policies() if (vs := store.versions(p))]
+    return f" from {', '.join(f'{p} v{v}' for p, v in at)} (the newest committed weights)" if at else ""
 
 
 def _silent_run(run_dir: Path, age_s: float) -> str | None:

@@ -401,6 +401,29 @@ def test_status_of_a_run_whose_live_head_writes_no_status_does_not_say_to_resume
     assert "`astraflow run` on the run directory resumes it" in res.output, res.output
 
 
+def test_status_of_a_killed_run_says_where_a_resume_goes_on(tmp_path):
+    """A killed run's last status is some steps behind what it committed: the line says the
+    version the resume goes on from, from the weight store."""
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / "control").mkdir()
+    (tmp_path / "control" / "orchestrator.json").write_text(json.dumps(
+        {"pid": gone.pid, "host": socket.gethostname(), "started": time.time() - 60}))
+    (tmp_path / "control" / "status.json").write_text(json.dumps(
+        {"written_at": time.time() - 3, "data_layer": {"elapsed_s": 50},
+         "trainers": {"solver": {"version": 24, "last_metrics": {"reward_mean": 0.5}}}}))
+    for v in (29, 30):
+        (tmp_path / "weights" / "solver" / f"v{v:08d}").mkdir(parents=True)
+        (tmp_path / "weights" / "solver" / f"v{v:08d}" / "COMMITTED").write_text("{}")
+    (tmp_path / "weights" / "solver" / "v00000031").mkdir()  # never committed: not where it goes on
+    res = _invoke("status", str(tmp_path))
+    assert res.exit_code == 2 and "solver       version   24" in res.output, res.output
+    assert "`astraflow run` on the run directory resumes it from solver v30 (the newest committed weights)" \
+        in res.output, res.output
+
+
 def test_a_stop_before_the_run_starts_exits_130_without_a_traceback(monkeypatch, tmp_path):
     """Ctrl-C or SIGTERM (scancel) while the data is checked or the models are built, before
     the run started: the documented 130 and one line, not click's "Aborted!" and 1."""
