@@ -231,18 +231,27 @@ def _model_dir(run_dir: str | Path, policy: str) -> Path:
 
 def _tokenizer(source: Path, given: bool):
     """The tokenizer in ``source``: a model directory (checked as runs check it) or, given with
-    ``--tokenizer``, a directory of tokenizer files alone (checked against the model on export)."""
-    from astraflow.model_loading import load_tokenizer
+    ``--tokenizer``, a directory of tokenizer files alone (checked against the model on export;
+    what transformers raises for it names neither the option nor the fix, so it is said here)."""
+    from astraflow.model_loading import TOKENIZER_FILES, load_tokenizer
 
-    try:
-        if given and not (source / "config.json").exists():
-            from transformers import AutoTokenizer
+    if given and not (source / "config.json").exists():
+        from transformers import AutoTokenizer
 
+        fix = "pass the directory holding the policy's tokenizer files (save_pretrained's), or its model directory"
+        if not any(any(source.glob(name)) for name in TOKENIZER_FILES):
+            raise ExportError(f"--tokenizer {source} has no tokenizer files (none of tokenizer.json, tokenizer.model, "
+                              f"vocab.json + merges.txt, vocab.txt): {fix}")
+        try:
             return AutoTokenizer.from_pretrained(source)
+        except Exception as err:
+            raise ExportError(f"--tokenizer {source}: transformers cannot load a tokenizer there "
+                              f"({type(err).__name__}: {err}); {fix}") from None
+    try:
         return load_tokenizer(source)
     except (ValueError, OSError) as err:
-        fix = "" if given else "; or pass --tokenizer DIR, a directory holding the policy's tokenizer files"
-        raise ExportError(f"{err}{fix}") from None
+        raise ExportError(f"{err}; or pass --tokenizer DIR, a directory holding the policy's tokenizer files"
+                          if not given else str(err)) from None
 
 
 def _tensors(store, policy: str, version: int, meta: dict[str, Any],

@@ -195,6 +195,19 @@ def test_tokenizer_from_elsewhere_when_the_model_directory_is_gone(tmp_path):
     assert (tmp_path / "out" / "tokenizer.json").is_file()
 
 
+@pytest.mark.parametrize("content", [None, "{}", "garbage"])
+def test_a_tokenizer_directory_without_usable_files_is_named_with_the_fix(content, tiny_model, tmp_path):
+    """A --tokenizer directory with no tokenizer files, or broken ones: exit 2 naming the option, no traceback."""
+    run = _one_version(tmp_path, tiny_model)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    if content is not None:
+        (tok / "tokenizer.json").write_text(content)
+    res = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "out"), "--tokenizer", str(tok)])
+    assert res.exit_code == 2 and f"--tokenizer {tok}" in res.output, res.output
+    assert "tokenizer files" in res.output and not (tmp_path / "out").exists()
+
+
 def test_a_store_it_may_only_read_is_read_without_a_hold(tiny_model, tmp_path, monkeypatch):
     """A run directory of another user: no hold file can be written, the files' checksums are checked."""
     run = _one_version(tmp_path, tiny_model)
