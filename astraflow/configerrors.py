@@ -293,12 +293,16 @@ OPTION_FIXES = {
 
 def option_errors(err: ValidationError) -> str:
     """A ``ValidationError`` of a config model built from options, one line per option, as
-    ``--option VALUE: the fix``: the fields are named as the options that set them."""
+    ``--option VALUE: the fix``: the fields are named as the options that set them (a check
+    across fields, which has no one field, names them itself)."""
     def plain(v: Any) -> Any:  # 0.0 -> 0, as a user would type it
         return int(v) if isinstance(v, float) and v.is_integer() else v
 
     lines = []
     for e in err.errors():
+        if not e["loc"]:
+            lines.append(e["msg"].removeprefix("Value error, "))
+            continue
         option = "--" + "-".join(str(x) for x in e["loc"]).replace("_", "-")
         ctx = {k: plain(v) for k, v in (e.get("ctx") or {}).items()}
         fix = OPTION_FIXES.get(e["type"], "").format(**ctx) or e["msg"].removeprefix("Value error, ")

@@ -44,6 +44,7 @@ def episodes(run_dir: str, limit: int, sample: int, policy: str | None, kind: st
     trained on are left)."""
     from pydantic import ValidationError
 
+    from astraflow.configerrors import option_errors
     from astraflow.runtime.monitoring.episodes import EpisodeQuery, EpisodeReader
 
     paths = RunPaths(run_dir)
@@ -54,7 +55,7 @@ def episodes(run_dir: str, limit: int, sample: int, policy: str | None, kind: st
         query = EpisodeQuery(limit=limit, sample=sample, policy=policy, kind=kind, workload=workload,
                              min_reward=min_reward, max_reward=max_reward)
     except ValidationError as err:
-        raise UserError("; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())) from None
+        raise UserError(option_errors(err).replace("\n", "; ")) from None
     view = EpisodeReader(run_dir, read_budget=READ_BUDGET).view(query)
     shown = view.recent + view.sampled
     if view.note and not as_json:

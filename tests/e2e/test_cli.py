@@ -135,3 +135,10 @@ def test_episodes_of_a_directory_that_is_no_run_or_keeps_no_store(tmp_path):
     assert res.exit_code == 2 and "lives inside the run's processes" in res.output
     res = CliRunner().invoke(main, ["episodes", str(tmp_path), "--min-reward", "2", "--max-reward", "1"])
     assert res.exit_code == 2 and "min_reward 2.0 is above max_reward 1.0" in res.output
+
+
+@pytest.mark.parametrize("option", ["--min-reward", "--max-reward"])
+def test_episodes_names_the_reward_bound_that_is_not_finite(tmp_path, option):
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"workload": {"name": "math"}}))
+    res = CliRunner().invoke(main, ["episodes", str(tmp_path), option, "nan"])
+    assert res.exit_code == 2 and f"{option} nan: use a finite number" in res.output, res.output
