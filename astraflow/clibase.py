@@ -49,9 +49,14 @@ def choices(model: type[BaseModel], name: str) -> click.Choice:
 
 class UserPath(click.Path):
     """``click.Path`` with ``~`` expanded: the shell leaves it alone in ``--run-dir=~/runs/a`` or
-    when quoted, and a literal ``./~`` directory would be made instead."""
+    when quoted, and a literal ``./~`` directory would be made instead. An empty path is refused:
+    it is what an unset variable gives (``--run-dir "$RUN_DIR"``), and read as the working
+    directory or as no option at all it would act on the wrong directory (a new run, not a resume)."""
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            fix = ", or leave the option out" if isinstance(param, click.Option) else ""
+            self.fail(f"the path is empty (an unset shell variable?): give a path{fix}", param, ctx)
         if isinstance(value, str):
             value = os.path.expanduser(value)
         return super().convert(value, param, ctx)

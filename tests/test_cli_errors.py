@@ -480,6 +480,19 @@ def test_tilde_in_paths_is_the_home_directory(tmp_path, monkeypatch):
     assert str(tmp_path / "nowhere") in res.output and not (tmp_path / "~").exists()
 
 
+@pytest.mark.parametrize("args, name", [(["run", "CFG", "--run-dir", ""], "'--run-dir'"),
+                                        (["status", ""], "'RUN_DIR'"), (["model", "init", ""], "'OUT'"),
+                                        (["check", " "], "'CONFIG'")])
+def test_an_empty_path_is_refused_not_taken_as_the_working_or_a_default_directory(tmp_path, monkeypatch, args, name):
+    """An unset variable (``--run-dir "$RUN_DIR"``) must not start a new run in a default directory
+    instead of resuming, nor act on the working directory."""
+    monkeypatch.chdir(tmp_path)
+    cfg = _config(tmp_path)
+    res = _invoke(*[str(cfg) if a == "CFG" else a for a in args])
+    assert res.exit_code == 2 and f"Invalid value for {name}: the path is empty" in res.output, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.yaml"]
+
+
 def test_default_run_directories_started_in_the_same_second_are_distinct(tmp_path, monkeypatch):
     from astraflow import cli
 
