@@ -336,8 +336,9 @@ def _default_data(model: type[BaseModel] | None, key: str) -> Any:
     default = field.get_default(call_default_factory=True)
     if isinstance(default, list) and all(isinstance(el, BaseModel) for el in default):
         return [el.model_dump(mode="json", exclude_unset=True) for el in default]
-    if isinstance(default, BaseModel):
-        return default.model_dump(mode="json", exclude_unset=True)
+    if isinstance(default, BaseModel):  # with its ``type`` even at its default: a rule's union tells members by it
+        typed = {"type": default.model_dump(mode="json")["type"]} if "type" in type(default).model_fields else {}
+        return {**typed, **default.model_dump(mode="json", exclude_unset=True)}
     return {}
 
 

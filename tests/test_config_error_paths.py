@@ -105,6 +105,9 @@ TAGS = {"user", "accept_all", "filter_solved", "greso", "curriculum", "keep_all"
      "dataflow.ordering.params.windo: unknown key", None),
     (["dataflow.curator.type=no_such.module:rule"],
      "dataflow.curator.type: prompt curator no_such.module:rule: cannot import 'no_such.module'", "accept_all"),
+    # a rule the file leaves at its default keeps its type: the param is what is wrong, not a missing `type:`
+    (["dataflow.curator.params.threshold=0.5"], "dataflow.curator.params.threshold: unknown key", None),
+    (["dataflow.ordering.params.window=1"], "dataflow.ordering.params.window: unknown key", None),
 ])
 def test_a_rule_error_names_the_path_to_set_not_the_union_tag(tmp_path, settings, line, fix):
     res = _check(tmp_path, *settings)
