@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from astraflow.agents.workload import AgentParams, is_agentic
-from astraflow.configerrors import DuplicateKey, bool_problems, format_validation, load_yaml, model_of
+from astraflow.configerrors import DuplicateKey, bool_problems, dotted_key, format_validation, load_yaml, model_of
 from astraflow.configbase import Strict
 from astraflow.configchecks import check_policy_inits, check_sandbox_deadlines, check_workflow, checked_workload
 from astraflow.configpaths import resolve_paths
@@ -381,7 +381,7 @@ def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
         if "=" not in pair:
             raise ConfigError(f"--set {pair!r}: use KEY=VALUE, e.g. --set run.max_steps=20")
         key, raw = pair.split("=", 1)
-        key = key.strip()
+        key = dotted_key(key.strip())
         if not key or "" in key.split("."):
             raise ConfigError(f"--set {pair!r}: {key!r} is not a dotted key; use KEY=VALUE, "
                               "e.g. --set run.max_steps=20")

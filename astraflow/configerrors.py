@@ -87,6 +87,12 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
 
 
+def dotted_key(key: str) -> str:
+    """A ``--set`` key with list elements written as the errors write them (``policies[solver].trainer.lr``)
+    in the dotted form (``policies.solver.trainer.lr``): a path copied from a message can be set."""
+    return re.sub(r"\[([^\[\].]+)\]", r".\1", key)
+
+
 def model_of(annotation: Any, value: Any = None) -> type[BaseModel] | None:
     """The config model a field holds: the annotation itself, an optional one, the model of the
     elements of a list, or, of a union told apart by ``type`` (a dataflow rule), the member

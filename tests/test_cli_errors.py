@@ -127,6 +127,16 @@ def test_set_addresses_a_default_partition_by_name(tmp_path):
     assert "no list element named or numbered 'gpu' in partitions (it has data, trainer, rollout)" in res.output
 
 
+def test_set_takes_a_list_element_as_the_errors_write_it(tmp_path):
+    """Messages name elements as ``policies[solver]``: that path, copied into --set, sets the field."""
+    res = _invoke("check", str(_config(tmp_path)), "--set", "policies[solver].trainer.lr=0.5",
+                  "--set", "partitions[rollout].nodes=1")
+    assert res.exit_code == 0, res.output
+    cfg = yaml.safe_load(res.stdout)
+    assert cfg["policies"][0]["trainer"]["lr"] == 0.5
+    assert {p["name"]: p["nodes"] for p in cfg["partitions"]}["rollout"] == 1
+
+
 def test_duplicate_key_in_a_config_file(tmp_path):
     cfg = _config(tmp_path)
     dup = tmp_path / "dup.yaml"
