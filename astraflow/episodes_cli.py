@@ -56,7 +56,10 @@ def episodes(run_dir: str, limit: int, sample: int, policy: str | None, kind: st
                              min_reward=min_reward, max_reward=max_reward)
     except ValidationError as err:
         raise UserError(option_errors(err).replace("\n", "; ")) from None
-    view = EpisodeReader(run_dir, read_budget=READ_BUDGET).view(query)
+    try:
+        view = EpisodeReader(run_dir, read_budget=READ_BUDGET).view(query)
+    except ValueError as err:  # a damaged file of the run (named, with the fix)
+        raise UserError(str(err)) from None
     shown = view.recent + view.sampled
     if view.note and not as_json:
         raise UserError(f"no episodes to show: {view.note}")

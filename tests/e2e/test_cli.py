@@ -137,6 +137,15 @@ def test_episodes_of_a_directory_that_is_no_run_or_keeps_no_store(tmp_path):
     assert res.exit_code == 2 and "min_reward 2.0 is above max_reward 1.0" in res.output
 
 
+@pytest.mark.parametrize("content, said", [(b": : bad\n", "ParserError"), (b"- a\n", "a YAML list, not a mapping"),
+                                           (b"\xff\xfe", "UnicodeDecodeError")])
+def test_episodes_of_a_run_whose_config_is_damaged_names_the_file(tmp_path, content, said):
+    (tmp_path / "config.yaml").write_bytes(content)
+    res = CliRunner().invoke(main, ["episodes", str(tmp_path)])
+    assert res.exit_code == 2 and f"{tmp_path / 'config.yaml'} is not the config a run writes ({said}" in res.output, \
+        res.output
+
+
 @pytest.mark.parametrize("option", ["--min-reward", "--max-reward"])
 def test_episodes_names_the_reward_bound_that_is_not_finite(tmp_path, option):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"workload": {"name": "math"}}))

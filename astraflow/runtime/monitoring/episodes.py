@@ -30,6 +30,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from astraflow.runtime.monitoring.view import SCHEMA_VERSION, _View
+from storage.atomic import UnreadableFile
 from storage.paths import RunPaths
 from storage.trajectories import CommittedBatch, TrajectoryStore, open_trajectory_store
 
@@ -228,13 +229,23 @@ class EpisodeReader:
         self._names: tuple[set[str], set[str]] = (set(), set())  # workloads and policies of the episodes read
 
     def _run_config(self) -> dict[str, Any]:
-        """The resolved config the run wrote (re-read when it changes; ``{}`` before it exists)."""
+        """The resolved config the run wrote (re-read when it changes; ``{}`` before it exists).
+        One that is no YAML mapping is an `UnreadableFile` naming it, not a parser's traceback."""
         try:
             mtime = self.paths.config.stat().st_mtime
         except FileNotFoundError:
             return {}
         if self._config is None or self._config[0] != mtime:
-            self._config = (mtime, yaml.safe_load(self.paths.config.read_text()) or {})
+            try:
+                cfg = yaml.safe_load(self.paths.config.read_text(encoding="utf-8")) or {}
+            except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+                cfg = err
+            if not isinstance(cfg, dict):
+                why = (f"{type(cfg).__name__}: {(str(cfg).splitlines() or [''])[0]}" if isinstance(cfg, Exception)
+                       else f"a YAML {type(cfg).__name__}, not a mapping")
+                raise UnreadableFile(f"{self.paths.config} is not the config a run writes ({why}): restore it from "
+                                     "a copy (`astraflow run` writes it at its start)")
+            self._config = (mtime, cfg)
         return self._config[1]
 
     def _batch(self, store: TrajectoryStore, key: tuple[str, int], budget: list[int]) -> list[EpisodeView] | None:
