@@ -288,8 +288,9 @@ def status(run_dir: str, as_json: bool, metrics: bool) -> None:
                 click.echo(format_status({**snap.status, "running": False, "orchestrator": snap.info}))
             except (TypeError, AttributeError, KeyError, ValueError) as bad:
                 raise UserError(str(damaged_run_files(run_dir, bad))) from None
+            age = f"of {snap.age_s:.0f}s ago" if snap.age_s is not None else "undated (it has no written_at)"
             raise UserError(_silent_run(Path(run_dir), snap.age_s)
-                            or f"{err}: above is its last status, of {snap.age_s:.0f}s ago; `astraflow run` on "
+                            or f"{err}: above is its last status, {age}; `astraflow run` on "
                                f"the run directory resumes it{_resumes_from(Path(run_dir))}") from None
         if snap is None or snap.summary is None or snap.new_incarnation():
             # a resume holding the directory has not set the previous incarnation's summary aside yet
@@ -318,7 +319,7 @@ def _resumes_from(run_dir: Path) -> str:
     return f" from {', '.join(f'{p} v{v}' for p, v in at)} (the newest committed weights)" if at else ""
 
 
-def _silent_run(run_dir: Path, age_s: float) -> str | None:
+def _silent_run(run_dir: Path, age_s: float | None) -> str | None:
     """What to say of a run whose status went stale while its `astraflow run` still lives and holds
     the directory (suspended, or busy or hung: its workers may well go on training), where a
     resume would be refused; None when no live run holds it."""
@@ -328,7 +329,8 @@ def _silent_run(run_dir: Path, age_s: float) -> str | None:
         pid = int(live_holder(run_dir)["pid"])
     except UserError:
         return None
-    said = f"the run in {run_dir} has written no status for {age_s:.0f}s (above is its last)"
+    said = (f"the run in {run_dir} has written no status for {age_s:.0f}s (above is its last)" if age_s is not None
+            else f"the run in {run_dir} has written no dated status (above is its last)")
     if process_state(pid) in ("T", "t"):
         return (f"{said}: its `astraflow run` (pid {pid}) is suspended (Ctrl-Z or SIGSTOP) and still holds the "
                 f"run directory; `fg` in its terminal or `kill -CONT {pid}` lets it go on")

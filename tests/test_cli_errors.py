@@ -343,6 +343,15 @@ def test_status_of_a_run_that_stopped_without_a_summary(tmp_path):
     assert "above is its last status, of 300s ago; `astraflow run` on the run directory resumes it" in res.output
 
 
+def test_status_of_a_run_that_stopped_without_a_summary_or_a_time_in_its_status(tmp_path):
+    (tmp_path / "control").mkdir()
+    (tmp_path / "control" / "orchestrator.json").write_text(json.dumps(
+        {"pid": 1, "host": "another-host", "started": time.time() - 600}))
+    (tmp_path / "control" / "status.json").write_text(json.dumps({"written_at": None, "data_layer": {}}))
+    res = _invoke("status", str(tmp_path))
+    assert res.exit_code == 2 and "above is its last status, undated (it has no written_at)" in res.output, res.output
+
+
 def test_status_right_after_the_run_was_killed_shows_its_last_status(tmp_path):
     """Its orchestrator is gone: the snapshot need not age before it is said to be the last."""
     import subprocess
