@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from astraflow.clibase import UserPath
 
@@ -102,6 +103,9 @@ def plan(config: str, pools: tuple[str, ...], trainer_gpus: str, calibrate: bool
             raise PlanError("--calibrate measures a calibration and --calibration loads a saved one: give one of them")
         if opts["search_minutes"] is not None and not opts["search"]:
             raise PlanError("--search-minutes sets the search's runs and --no-search skips the search: drop one")
+        given = click.get_current_context().get_parameter_source("max_trials") is ParameterSource.COMMANDLINE
+        if given and not opts["search"]:  # it has a default: only one the user typed is refused
+            raise PlanError("--max-trials bounds the search's runs and --no-search skips the search: drop one")
         if save_calibration and not (calibrate or calibration):
             raise PlanError("--save-calibration writes the calibration: add --calibrate to measure one")
         for spec in pools:  # syntax and kinds before a calibration takes its seconds

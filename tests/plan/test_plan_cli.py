@@ -45,6 +45,7 @@ SIM = str(ROOT / "examples/sim/config.yaml")
     (["--pool", "h100=8", "--calibrate", "--calibration", "c.json"], "give one of them"),
     (["--pool", "h100=8", "--save-calibration", "c.json"], "add --calibrate"),
     (["--pool", "h100=8", "--no-search", "--search-minutes", "2"], "--no-search skips the search: drop one"),
+    (["--pool", "h100=8", "--no-search", "--max-trials", "3"], "--no-search skips the search: drop one"),
     (["--pool", "h100=20"], "20 GPUs are not whole nodes of --gpus-per-node 8; use h100=16 or h100=24"),
     (["--pool", "h100=12"], "12 GPUs are not whole nodes of --gpus-per-node 8; use h100=8 or h100=16"),
 ])
