@@ -22,7 +22,7 @@ from astraflow.agents.workload import AgentParams, is_agentic
 from astraflow.configerrors import DuplicateKey, bool_problems, dotted_key, format_validation, load_yaml, model_of
 from astraflow.configbase import Strict
 from astraflow.configchecks import check_policy_inits, check_sandbox_deadlines, check_workflow, checked_workload
-from astraflow.configpaths import resolve_paths
+from astraflow.configpaths import resolve_paths, working_dir
 from astraflow.dataflow.config import DataflowConfig
 from astraflow.partition_settings import check_context_length, check_partition, effective_rollout
 from astraflow.rollout.config import RolloutConfig
@@ -422,7 +422,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     are resolved against the current directory (so examples run from the repository root, as
     the README shows).
     """
-    path = Path(path)
+    path, base_dir = Path(path), working_dir()
     if not path.is_file():
         raise ConfigError(f"config file {path} not found: pass the path of a YAML config, "
                           "e.g. examples/math/config.yaml")
@@ -441,7 +441,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for key, value in parse_overrides(overrides or []):
         _set_path(data, key, value)
-    return config_from_dict(data, base_dir=Path.cwd())
+    return config_from_dict(data, base_dir=base_dir)
 
 
 def dump_config(cfg: RunConfig, path: Path) -> None:

@@ -11,6 +11,18 @@ from typing import Any
 from astraflow.workloads.datafiles import resolve_path
 
 
+def working_dir() -> Path:
+    """The directory relative paths of a config are read against; one removed since the shell
+    entered it is a ``ConfigError`` saying so (its path is gone: nothing relative can be found)."""
+    from astraflow.config import ConfigError
+
+    try:
+        return Path.cwd()
+    except FileNotFoundError:
+        raise ConfigError("the working directory was removed (the config's relative paths are read against it): "
+                          "cd to an existing directory and run the command again") from None
+
+
 def resolve_paths(data: dict, base_dir: Path) -> None:
     """Make the relative paths of config dict ``data`` absolute against ``base_dir``, in place:
     the policies' models, the data files of ``dataset`` and ``code`` workloads, the trajectory

@@ -512,6 +512,18 @@ def test_an_empty_path_is_refused_not_taken_as_the_working_or_a_default_director
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.yaml"]
 
 
+@pytest.mark.parametrize("command", [["check"], ["plan", "--pool", "h100=8"]])
+def test_a_removed_working_directory_is_said_not_blamed_on_a_field(tmp_path, monkeypatch, command):
+    """Relative paths are read against it: its removal is the error, not storage.trajectories nor a traceback."""
+    cfg, gone = _config(tmp_path), tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    res = _invoke(command[0], str(cfg), *command[1:])
+    assert res.exit_code == 2 and "the working directory was removed" in res.output, res.output
+    assert "storage.trajectories" not in res.output
+
+
 def test_default_run_directories_started_in_the_same_second_are_distinct(tmp_path, monkeypatch):
     from astraflow import cli
 
