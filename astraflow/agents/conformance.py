@@ -21,7 +21,7 @@ What it checks, on ``n_tasks`` tasks drawn from both splits:
   exactly once and does not raise;
 * no ``reset``, ``step``, ``close`` or tool call holds the event loop (a blocking call in an
   ``async def``), and observations and ``info`` are JSON;
-* when the environment offers ``expert_action()``, replaying the expert succeeds on every task;
+* with ``expert_action()``, replaying the expert succeeds on every task, each tool call it writes valid;
   with ``explore_action(rng)``, an episode of its random commands runs like any other.
 """
 
@@ -402,6 +402,11 @@ class _Suite:
             why = f"it was truncated ({log.truncated})" if log.truncated else f"success {log.success}"
             self.problems.append(f"replaying the expert on task {i} did not succeed: {why}; "
                                  f"turns: {[t.get('text') for t in log.turns if t['kind'] == 'model']}"[:400])
+        elif log is not None and log.invalid_calls:  # the tool never ran; a warm start drops such demonstrations
+            cut = any(t.get("finish") == "length" for t in log.turns if t["kind"] == "model")
+            self.problems.append(f"replaying the expert on task {i}: {log.invalid_calls} of its tool calls were "
+                                 "invalid and never ran the tool; " + (f"a turn was cut at workload.sampling."
+                                 f"max_new_tokens ({self.limits.max_new_tokens}): raise it" if cut else "fix them"))
 
     async def episode(self, what: str, task: Mapping[str, Any], turn: Any) -> EpisodeLog | None:
         """One episode of a fresh environment whose model turns are ``turn(env)``; the log, or

@@ -191,6 +191,19 @@ def test_a_broken_environment_is_reported(workload, needle, tok):
         assert_conforms(workload, n_tasks=2, tokenizer=tok)
 
 
+@pytest.mark.parametrize("workload,max_new,needle", [
+    (EchoWorkload(), 8, "invalid and never ran the tool; a turn was cut at workload.sampling.max_new_tokens (8)"),
+    (broken(expert_action=lambda self: (setattr(self, "turn", self.turn + 1), "<tool_call>{echo}</tool_call>"
+                                        if self.turn == 1 else self.task["word"])[1]), 256,
+     "1 of its tool calls were invalid and never ran the tool; fix them"),
+])
+def test_an_expert_whose_tool_calls_never_run_is_reported(workload, max_new, needle, tok):
+    """The expert still succeeds, but its tools were never exercised: a budget too small cuts its
+    calls (a tool that raises would pass unseen), and a warm start would drop every demonstration."""
+    problems = check_environment(workload, n_tasks=2, max_new_tokens=max_new, tokenizer=tok)
+    assert any(needle in p for p in problems), problems
+
+
 # -- a user's environment, written only here, through `astraflow check` ---------------------------
 
 USER_MODULE = '''
