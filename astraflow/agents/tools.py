@@ -140,7 +140,7 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, timeo
                                 "called with JSON arguments, which name it; drop the '/'")
             ann = Any if p.annotation is inspect.Parameter.empty else p.annotation
             fields[p.name] = (ann, ... if p.default is inspect.Parameter.empty else p.default)
-        model = create_model(f"{f.__name__}_args", __config__=ConfigDict(extra="forbid"), **fields)
+        model = create_model(f"{f.__name__}_args", __config__=ConfigDict(extra="forbid", allow_inf_nan=False), **fields)
         desc = description or (inspect.getdoc(f) or "").split("\n")[0]
         return Tool(name=name or f.__name__, description=desc, fn=f, arguments=model, timeout_s=timeout_s,
                     method=method)
@@ -190,7 +190,8 @@ class ToolBox:
             known = ", ".join(self.tools) or "none"
             return ToolResult(f"error: unknown tool {call.name!r}; tools: {known}", valid=False)
         try:
-            args = t.arguments.model_validate(dict(call.arguments))
+            # strictly, as the JSON the schema describes: a string for a number or a bool fits no schema
+            args = t.arguments.model_validate_json(json.dumps(dict(call.arguments)), strict=True)
         except ValidationError as err:
             why = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in err.errors())
             return ToolResult(f"error: wrong arguments for {t.name}: {why}", valid=False)

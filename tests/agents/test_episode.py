@@ -13,7 +13,7 @@ import pytest
 from astraflow.agents.chat import ChatRenderer
 from astraflow.agents.env import Action, EnvironmentBase, EpisodeError, StepResult
 from astraflow.agents.episode import AgentLimits, run_agent_episode
-from astraflow.agents.tools import ToolBox, format_call, tool
+from astraflow.agents.tools import ToolBox, format_call, parse_action, tool
 from astraflow.models import build_tokenizer
 
 
@@ -142,6 +142,9 @@ def test_a_turn_ending_on_another_stop_token_is_read_without_it(tok):
     ('<tool_call>{"name": "mul", "arguments": {"a": 1, "b": 2}}</tool_call>', "unknown tool 'mul'"),
     ('<tool_call>{"name": "add", "arguments": {"a": "x", "b": 2}}</tool_call>', "wrong arguments for add"),
     ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2, "c": 3}}</tool_call>', "wrong arguments for add"),
+    # checked strictly against the schema the model sees: text or a bool is no integer, NaN no number
+    ('<tool_call>{"name": "add", "arguments": {"a": "1", "b": 2}}</tool_call>', "a: Input should be a valid integer"),
+    ('<tool_call>{"name": "add", "arguments": {"a": true, "b": 2}}</tool_call>', "a: Input should be a valid integer"),
     ('<tool_call>["add"]</tool_call>', '"name"'),
     # a misspelt key is no call with default arguments
     ('<tool_call>{"name": "add", "argumens": {"a": 1, "b": 2}}</tool_call>', "(not ['argumens'])"),
@@ -151,6 +154,20 @@ def test_bad_calls_become_error_observations(tok, turn, why):
     tool_turn = next(t for t in log.turns if t["kind"] == "tool")
     assert why in tool_turn["messages"][0]["content"] and tool_turn["messages"][0]["content"].startswith("error:")
     assert log.invalid_calls == 1 and log.done and log.success == 1.0
+
+
+def test_a_number_argument_takes_numbers_only():
+    """A float parameter takes an integer, but not text, a bool, NaN or infinity, which its schema's
+    "number" does not describe."""
+    @tool
+    def half(x: float) -> str:
+        """Half of x."""
+        return str(x / 2)
+
+    box = ToolBox([half])
+    for x, valid in [(3, True), (1.5, True), ("3", False), (True, False), (float("nan"), False), (float("inf"), False)]:
+        call = parse_action(format_call("half", {"x": x})).tool_calls[0]
+        assert asyncio.run(box.run(call)).valid is valid, x
 
 
 def test_per_turn_rewards_add_to_the_return(tok):
