@@ -74,6 +74,8 @@ def _user_modules_from_cwd() -> Iterator[None]:
         cwd = str(Path.cwd())
     except OSError:  # the working directory was removed: nothing to import from
         cwd = ""
+    # `python -m astraflow` put the directory first: resolve modules as the processes started will
+    head = sys.path.pop(0) if cwd and sys.path and sys.path[0] == cwd and not sys.flags.safe_path else None
     added = bool(cwd) and cwd not in sys.path
     if cwd:
         os.environ[USER_DIR_ENV] = cwd
@@ -89,6 +91,8 @@ def _user_modules_from_cwd() -> Iterator[None]:
                 os.environ[key] = value
         if added and cwd in sys.path:
             sys.path.remove(cwd)
+        if head is not None:
+            sys.path.insert(0, head)
 
 
 @main.command()

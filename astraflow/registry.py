@@ -10,9 +10,10 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
+from pathlib import Path
 from typing import Callable, Generic, TypeVar
 
-from storage.ownership import add_user_dir, user_dir_fix
+from storage.ownership import USER_DIR_ENV, add_user_dir, user_dir_fix
 
 T = TypeVar("T")
 
@@ -65,7 +66,7 @@ class Registry(Generic[T]):
                 close = difflib.get_close_matches(name, own + list(self._items), n=1)
                 hint = f"did you mean {module}:{close[0]}? " if close else ""
                 raise ValueError(f"{self.kind} {module}:{name}: {module!r} has no {name!r} and registered no "
-                                 f"{self.kind} of that name; {hint}known: "
+                                 f"{self.kind} of that name; {_shadowed(mod)}{hint}known: "
                                  f"{', '.join(sorted(self._items)) or '(none)'}")
             why = self.check(self._items[name]) if self.check is not None else None
             if why:  # what the user's module registered, checked as its attribute would be
@@ -85,6 +86,20 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: str) -> bool:
         return name in self._items
+
+
+def _shadowed(mod: object) -> str:
+    """A note when the working directory holds a module of ``mod``'s name that the import did not
+    find: the directory comes last on the path, so an installed module of that name wins."""
+    user_dir, top = os.environ.get(USER_DIR_ENV), getattr(mod, "__name__", "").split(".")[0]
+    if not user_dir or not top:
+        return ""
+    mine = [p for p in (Path(user_dir) / f"{top}.py", Path(user_dir) / top) if p.exists()]
+    found = getattr(mod, "__file__", None) or "a module outside it"
+    if not mine or Path(found).resolve().is_relative_to(mine[0].resolve()):
+        return ""
+    return (f"{mod.__name__!r} is {found}, not your {mine[0]}: an installed module of that name comes before "
+            "the working directory, which is searched last; rename yours. ")
 
 
 def _import_failure(module: str, err: ImportError) -> str:

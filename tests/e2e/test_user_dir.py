@@ -125,3 +125,23 @@ def test_the_processes_a_run_starts_import_the_users_workflow_but_not_the_workin
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "run" / "summary.json").exists()
     assert sorted(p.name for p in marks.iterdir()) == []  # no process of the run imported a planted module
+
+
+@pytest.mark.parametrize("safe_path", [False, True])
+def test_a_user_module_named_like_an_installed_one_is_refused_by_check_as_the_run_would(tmp_path, safe_path):
+    """``python -m`` puts the working directory first, where the run's processes put it last:
+    check resolves the config's modules as they will, and says which module won and why."""
+    proj = tmp_path / "proj"
+    proj.mkdir(mode=0o700)
+    (proj / "code.py").write_text((ROOT / "examples" / "custom_workflow" / "flows.py").read_text())
+    data = yaml.safe_load((ROOT / "examples" / "custom_workflow" / "config.yaml").read_text())
+    data["policies"][0]["model"] = str(tmp_path / "model")
+    data["workload"]["workflow"] = "code:two_tries"
+    (proj / "config.yaml").write_text(yaml.safe_dump(data))
+    env = {k: v for k, v in os.environ.items() if k not in ("ASTRAFLOW_USER_DIR", "PYTHONSAFEPATH")}
+    env["PYTHONPATH"] = str(ROOT)
+    flags = ["-P"] if safe_path else []
+    proc = subprocess.run([sys.executable, *flags, "-m", "astraflow", "check", "config.yaml"], cwd=proj, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"not your {proj / 'code.py'}: an installed module of that name comes before" in proc.stderr, proc.stderr
