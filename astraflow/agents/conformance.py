@@ -42,7 +42,7 @@ import numpy as np
 from astraflow.agents.chat import ChatRenderer
 from astraflow.agents.demos import scripted_turn
 from astraflow.agents.env import EpisodeError, check_messages, signature_problems, tools_problems
-from astraflow.agents.episode import AgentLimits, EpisodeLog, timed, run_agent_episode
+from astraflow.agents.episode import AgentLimits, EpisodeLog, _capped_messages, start_tokens, timed, run_agent_episode
 from astraflow.agents.tools import format_call
 
 
@@ -335,7 +335,7 @@ class _Suite:
                     if (problem := json_problem(f"{type(env).__name__}.reset", f"observation message {j}", m)):
                         raise EpisodeError(problem)
                 firsts.append(first)
-                n = len(self.renderer.start(first))
+                n = len(start_tokens(self.renderer, env, _capped_messages(first, self.limits.max_observation_chars)))
                 if n >= self.limits.max_context_tokens:
                     raise EpisodeError(f"reset(task {i}): the first observation has {n} tokens, not less than "
                                        f"max_context_tokens ({self.limits.max_context_tokens}); raise it")

@@ -63,6 +63,13 @@ def _capped_messages(messages: list[dict], cap: int) -> list[dict]:
             if isinstance(m.get("content"), str) and len(m["content"]) > cap else m for m in messages]
 
 
+def start_tokens(renderer: ChatRenderer, env: Environment, first: list[dict]) -> list[int]:
+    """The tokens an episode starts from: the first observation ``first`` (capped already) with
+    the schemas of ``env``'s tools, which the template may list in its system prompt."""
+    schemas = getattr(env.tools, "schemas", None)
+    return renderer.start(first, tools=schemas() if schemas else None)
+
+
 @dataclass
 class EpisodeLog:
     """What one episode produced (see the module docstring)."""
@@ -140,8 +147,7 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
         first, secs = await timed(env.reset(task), timeout, f"{type(env).__name__}.reset")
         log.env_seconds += secs
         first = _capped_messages(check_messages(first, "reset"), limits.max_observation_chars)
-        schemas = getattr(env.tools, "schemas", None)
-        log.append(renderer.start(first, tools=schemas() if schemas else None), kind="observation", messages=first)
+        log.append(start_tokens(renderer, env, first), kind="observation", messages=first)
         # kept free for the closing a turn cut by its budget gets: the stored episode stays in the budget
         reserve = len(renderer.close_turn(False))
         if len(log.tokens) + reserve >= limits.max_context_tokens:

@@ -204,6 +204,23 @@ def test_an_expert_whose_tool_calls_never_run_is_reported(workload, max_new, nee
     assert any(needle in p for p in problems), problems
 
 
+async def _long_reset(self, task):
+    self.task, self.turn = task, 0
+    return [{"role": "user", "content": f"say {task['word']}" + " ." * 2000}]
+
+
+def test_a_first_observation_is_measured_as_an_episode_caps_it(tok):
+    """A long first observation that max_observation_chars cuts to fit the context conforms, as
+    its episodes run; one that does not fit after the cut is reported with the cut's length."""
+    workload = broken(reset=_long_reset)
+    workload.params = workload.Params(max_context_tokens=512, max_observation_chars=200)
+    assert check_environment(workload, n_tasks=2, tokenizer=tok) == []
+    workload.params = workload.Params(max_context_tokens=512, max_observation_chars=1000)
+    problems = check_environment(workload, n_tasks=2, tokenizer=tok)
+    assert any("the first observation has" in p and "tokens, not less than max_context_tokens (512)" in p
+               and int(p.split(" has ")[1].split()[0]) < 1200 for p in problems), problems
+
+
 # -- a user's environment, written only here, through `astraflow check` ---------------------------
 
 USER_MODULE = '''
