@@ -19,7 +19,8 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from astraflow.agents.workload import AgentParams, is_agentic
-from astraflow.configerrors import DuplicateKey, bool_problems, dotted_key, format_validation, load_yaml, model_of
+from astraflow.configerrors import (DuplicateKey, bool_problems, dotted_key, format_validation, load_yaml, model_of,
+                                    yaml_problem)
 from astraflow.configbase import Strict
 from astraflow.configchecks import check_policy_inits, check_sandbox_deadlines, check_workflow, checked_workload
 from astraflow.configpaths import resolve_paths, working_dir
@@ -436,7 +437,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     except DuplicateKey as err:
         raise ConfigError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        raise ConfigError(f"{path}: not valid YAML at {yaml_problem(err)}; fix the file there") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for key, value in parse_overrides(overrides or []):

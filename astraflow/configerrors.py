@@ -87,6 +87,17 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
 
 
+def yaml_problem(err: BaseException) -> str:
+    """A YAML error in one line, where in the file and what (``line 3, column 1: expected the node
+    content, but found '<stream end>' (while parsing a flow node)``), not PyYAML's several lines
+    naming ``<unicode string>``."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if mark is None or not problem:
+        return " ".join(str(err).split())
+    context = getattr(err, "context", None)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
+
+
 def dotted_key(key: str) -> str:
     """A ``--set`` key with list elements written as the errors write them (``policies[solver].trainer.lr``)
     in the dotted form (``policies.solver.trainer.lr``): a path copied from a message can be set."""

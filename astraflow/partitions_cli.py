@@ -122,13 +122,15 @@ def _partition_from(name: str | None, from_yaml: str | None, fields: dict, sched
     import yaml
     from pydantic import ValidationError
 
-    from astraflow.configerrors import bool_problems, load_yaml, partition_errors
+    from astraflow.configerrors import bool_problems, load_yaml, partition_errors, yaml_problem
 
     data: dict = {}
     if from_yaml:
         try:
             data = load_yaml(Path(from_yaml).read_bytes().decode("utf-8")) or {}
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        except yaml.YAMLError as err:
+            raise UserError(f"--from-yaml {from_yaml}: not valid YAML at {yaml_problem(err)}") from None
+        except (OSError, UnicodeDecodeError) as err:
             raise UserError(f"--from-yaml {from_yaml}: {err}") from None
         if not isinstance(data, dict):
             raise UserError(f"--from-yaml {from_yaml}: write a mapping of partition fields "

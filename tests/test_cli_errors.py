@@ -253,6 +253,13 @@ def test_partition_unknown_key_reads_as_in_a_config_file(tmp_path):
     assert "nodez: unknown key (check the spelling" in res.output and "Extra inputs" not in res.output
 
 
+def test_partition_yaml_that_does_not_parse_is_named_where_in_one_line(tmp_path):
+    (tmp_path / "p.yaml").write_text("name: x\nnodes: [2\n")
+    res = _invoke("partitions", "add", str(tmp_path), "--from-yaml", str(tmp_path / "p.yaml"))
+    assert res.exit_code == 2, res.output
+    assert "p.yaml: not valid YAML at line 3, column 1: " in res.output and "<unicode string>" not in res.output
+
+
 def test_partition_boolean_nodes_is_refused(tmp_path):
     (tmp_path / "p.yaml").write_text("name: x\nnodes: true\n")
     res = _invoke("partitions", "add", str(tmp_path), "--from-yaml", str(tmp_path / "p.yaml"))

@@ -36,6 +36,11 @@ def _a_scalar(tmp_path, cfg):
     return ["check", str(tmp_path / "scalar.yaml")]
 
 
+def _not_yaml(tmp_path, cfg):
+    (tmp_path / "broken.yaml").write_text("run:\n  max_steps: [3\n")
+    return ["check", str(tmp_path / "broken.yaml")]
+
+
 def _run_dir_under_a_file(tmp_path, cfg):
     (tmp_path / "afile").write_text("")
     return ["run", str(cfg), "--run-dir", str(tmp_path / "afile" / "run")]
@@ -60,6 +65,7 @@ CASES = {
     "config not UTF-8": (_not_utf8, "not UTF-8 text", None),
     "YAML list, not a mapping": (_a_list, "the top level must be a mapping", None),
     "YAML scalar, not a mapping": (_a_scalar, "the top level must be a mapping", None),
+    "not valid YAML: where, in one line": (_not_yaml, "broken.yaml: not valid YAML at line 3, column 1: ", None),
     "--run-dir under a file": (_run_dir_under_a_file, "cannot be created or written", None),
     "--run-dir in a read-only directory": (_run_dir_in_a_read_only_dir, "cannot be created or written",
                                            "root may write anywhere" if os.geteuid() == 0 else None),
