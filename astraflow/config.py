@@ -19,8 +19,8 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from astraflow.agents.workload import AgentParams, is_agentic
-from astraflow.configerrors import (DuplicateKey, bool_problems, dotted_key, format_validation, load_yaml, model_of,
-                                    yaml_problem)
+from astraflow.configerrors import (ConfigError, DuplicateKey, bool_problems, dotted_key, format_validation, load_yaml,
+                                    model_of, yaml_problem)
 from astraflow.configbase import Strict
 from astraflow.configchecks import check_policy_inits, check_sandbox_deadlines, check_workflow, checked_workload
 from astraflow.configpaths import resolve_paths, working_dir
@@ -321,10 +321,6 @@ class RunConfig(Strict):
 
 
 # -- loading -----------------------------------------------------------------------------------
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the field and the fix."""
 
 
 def _default_data(model: type[BaseModel] | None, key: str) -> Any:

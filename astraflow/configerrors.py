@@ -15,6 +15,10 @@ from pydantic import BaseModel, Tag, ValidationError
 from pydantic_core import PydanticCustomError
 
 
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the field and the fix."""
+
+
 class DuplicateKey(yaml.YAMLError):
     """A mapping that names one key twice (YAML keeps the last silently)."""
 

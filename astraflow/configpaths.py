@@ -8,14 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from astraflow.configerrors import ConfigError
 from astraflow.workloads.datafiles import resolve_path
 
 
 def working_dir() -> Path:
     """The directory relative paths of a config are read against; one removed since the shell
     entered it is a ``ConfigError`` saying so (its path is gone: nothing relative can be found)."""
-    from astraflow.config import ConfigError
-
     try:
         return Path.cwd()
     except FileNotFoundError:

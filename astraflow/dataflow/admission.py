@@ -294,17 +294,21 @@ def iteration_sources(layer: Any, groups: int) -> Counter:
 
 
 def _rules_took(layer: Any, policy: str) -> str:
+    """`rules_took` of ``layer``'s counts, for ``policy``'s batch."""
+    first, counts = layer.policy_names[0], layer.buffers.counts
+    return rules_took(counts[first]["curator_skipped"], sum(layer.mixer.groups_created.values()),
+                      counts[policy]["filtered"], counts[policy]["sequences_ingested"],
+                      layer.cfg.curator.type, layer.cfg.group_filter.type)
+
+
+def rules_took(skipped: int, made: int, filtered: int, ingested: int, curator: str, group_filter: str) -> str:
     """A clause naming the curator and the group filter when they took most of what could have
     made a batch: as many prompts skipped as groups made, or half the sequences dropped."""
-    first, counts = layer.policy_names[0], layer.buffers.counts
-    skipped, made = counts[first]["curator_skipped"], sum(layer.mixer.groups_created.values())
-    filtered, ingested = counts[policy]["filtered"], counts[policy]["sequences_ingested"]
     parts = []
     if skipped and skipped >= made:
-        parts.append(f"the curator (dataflow.curator: {layer.cfg.curator.type}) skipped {skipped} prompts against "
-                     f"{made} groups made")
+        parts.append(f"the curator (dataflow.curator: {curator}) skipped {skipped} prompts against {made} groups made")
     if filtered and 2 * filtered >= ingested:
-        parts.append(f"the group filter (dataflow.group_filter: {layer.cfg.group_filter.type}) dropped {filtered} of "
+        parts.append(f"the group filter (dataflow.group_filter: {group_filter}) dropped {filtered} of "
                      f"{ingested} sequences")
     if not parts:
         return ""

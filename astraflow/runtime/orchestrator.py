@@ -58,7 +58,7 @@ from astraflow.runtime.progress import Progress
 from astraflow.runtime.reconcile import PartitionSet, local_fork_server, run_tag
 from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts, note
 from astraflow.runtime.shutdown import RunResult, Shutdown
-from astraflow.runtime.stopping import (STOPPING, Ending, NothingCompletes, disk_full,
+from astraflow.runtime.stopping import (STOPPING, Ending, NothingCompletes, deadline_reason, disk_full,
                                         disk_full_reason, full_disk_of, interrupted, is_disk_full_reason)
 from astraflow.runtime.workers import (FUTURE_ERRORS, PHASES, DataLayerLost, Fleet, RunFailed,
                                       TrainerLost, Worker)
@@ -378,22 +378,23 @@ class Orchestrator(Shutdown):
                 eval_waited = True
                 self.progress.note(f"trainers took {final} steps; waiting for the held-out evaluation of v{final}")
             if time.time() - t0 > self.cfg.run.timeout_s:
-                raise RunFailed(f"run deadline of {self.cfg.run.timeout_s:.0f}s passed (run.timeout_s)")
+                raise RunFailed(deadline_reason(self.cfg, tick.data_layer))
             time.sleep(1.0)
 
     def _sync_loop(self, t0: float) -> None:
         """The trainer-centred baseline: a driver loop owns the phases (see sync_driver)."""
         from astraflow.runtime.sync_driver import drive_sync
 
-        last_tick = 0.0
+        last_tick, last_dl = 0.0, None
 
         def tick() -> None:
-            nonlocal last_tick
+            nonlocal last_tick, last_dl
             if time.time() - t0 > self.cfg.run.timeout_s:  # the whole run's, as in the asynchronous loop
-                raise RunFailed(f"run deadline of {self.cfg.run.timeout_s:.0f}s passed (run.timeout_s)")
+                raise RunFailed(deadline_reason(self.cfg, last_dl))
             if time.time() - last_tick > 1.0:
                 last_tick = time.time()
                 t = self._tick()
+                last_dl = t.data_layer
                 self.fleet.raise_full_disk(t.data_layer)  # nodes are not replaced here, but a full disk stops the run
                 why = _rule_failed(t.data_layer) or self.nothing_completes.check(t.data_layer.get("ledger", {}))
                 if why:
@@ -419,7 +420,7 @@ class Orchestrator(Shutdown):
             )
         except (DataLayerLost, *FUTURE_ERRORS) as err:
             if time.time() - t0 > cfg.run.timeout_s:  # a phase that waited out the run's deadline
-                raise RunFailed(f"run deadline of {cfg.run.timeout_s:.0f}s passed (run.timeout_s)") from err
+                raise RunFailed(deadline_reason(cfg, last_dl)) from err
             lost = err
             if not isinstance(err, DataLayerLost):
                 try:

@@ -258,6 +258,24 @@ class NothingCompletes:
 _FAILING_TASKS = re.compile(r"\d+ rollout tasks failed (and none completed|since the last one completed) ")
 
 
+def deadline_reason(cfg: Any, data_layer: dict[str, Any] | None) -> str:
+    """The run's end at ``run.timeout_s``, with what held its batches back where the data layer's
+    last status (``data_layer``) shows it: the curator or the group filter taking most of what
+    could have been trained (a run whose deadline comes before ``trainer.batch_timeout_s``
+    would otherwise end without the reason its trainers' timeouts give)."""
+    from astraflow.dataflow.admission import rules_took
+
+    why = f"run deadline of {cfg.run.timeout_s:.0f}s passed (run.timeout_s)"
+    counts, sources = (data_layer or {}).get("counts") or {}, (data_layer or {}).get("sources") or {}
+    first = cfg.policies[0].name
+    made = sum(int(s.get("groups_created", 0)) for s in sources.values() if isinstance(s, dict))
+    clauses = {rules_took(int(counts.get(first, {}).get("curator_skipped", 0)), made,
+                          int(c.get("filtered", 0)), int(c.get("sequences_ingested", 0)),
+                          cfg.dataflow.curator.type, cfg.dataflow.group_filter.type)
+               for c in (counts.get(p.name) or {} for p in cfg.policies)}
+    return why + "".join(sorted(c for c in clauses if c))
+
+
 def is_failing_tasks_reason(reason: str | None) -> bool:
     """Whether ``reason`` is a line `NothingCompletes.check` wrote (its failures said already)."""
     return bool(reason) and _FAILING_TASKS.match(reason) is not None

@@ -90,3 +90,21 @@ def test_episodes_waiting_for_their_group_are_not_a_kept_group():
         completed = dropped + waiting
         stopped = stopped or watch.check(summary(completed, dropped, 0, {"zero_advantage": dropped}))
     assert stopped and "dropped untrained and none was trained on" in stopped
+
+
+def test_a_run_deadline_names_a_curator_that_skipped_what_could_have_been_trained():
+    """``run.timeout_s`` shorter than ``trainer.batch_timeout_s``: the deadline's line gives the
+    reason a trainer's batch timeout would have (the curator skipped every prompt)."""
+    from astraflow.config import load_config
+    from astraflow.runtime.stopping import deadline_reason
+
+    cfg = load_config("examples/tiny/config.yaml", ["run.timeout_s=150", "dataflow.curator.type=filter_solved"])
+    status = {"counts": {"solver": {"curator_skipped": 40, "sequences_ingested": 0}},
+              "sources": {"": {"groups_created": 3}}}
+    why = deadline_reason(cfg, status)
+    assert why.startswith("run deadline of 150s passed (run.timeout_s); the curator (dataflow.curator: filter_solved) "
+                          "skipped 40 prompts against 3 groups made"), why
+    assert deadline_reason(cfg, None) == "run deadline of 150s passed (run.timeout_s)"
+    busy = {"counts": {"solver": {"curator_skipped": 2, "sequences_ingested": 64}},
+            "sources": {"": {"groups_created": 9}}}
+    assert deadline_reason(cfg, busy) == "run deadline of 150s passed (run.timeout_s)"
