@@ -122,10 +122,19 @@ def test_a_stale_or_missing_snapshot_is_not_running(tmp_path):
     writer, _ = _writer(paths)
     write_orchestrator_info(paths, None, None)
     writer.write(_tick(0))
+    written = json.loads(paths.status_file.read_text())
+    for w in written["workers"].values():
+        w["state"] = "RUNNING"  # as the scheduler said when the status was written
+    paths.status_file.write_text(json.dumps(written))
+    assert {n.state for part in build_status_view(paths.root).partitions for n in part.nodes} == {"RUNNING"}
     later = time.time() + STALE_AFTER_S + 1
     snap = read_snapshot(paths.root, now=later)
     assert snap.stale and not snap.running
-    assert not build_status_view(paths.root, now=later).running
+    stale = build_status_view(paths.root, now=later)
+    assert not stale.running
+    # its jobs' states are as old as that status: not said to be running
+    nodes = [n for part in stale.partitions for n in part.nodes]
+    assert nodes and {n.state for n in nodes} == {"UNKNOWN"}, [(n.name, n.state) for n in nodes]
     info = json.loads(paths.orchestrator_file.read_text())
     paths.orchestrator_file.write_text(json.dumps({**info, "host": "elsewhere", "pid": 1}))
     assert read_snapshot(paths.root).running  # another host: only the age tells

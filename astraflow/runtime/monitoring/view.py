@@ -41,7 +41,8 @@ class NodeView(_View):
     job_id: str = Field(description="local pid-based id or Slurm job id")
     state: str = Field(description="job state from the scheduler (RUNNING, PENDING, ...); "
                                    "DRAINING while it finishes its leases; GONE once it left; "
-                                   "ENDED when the run finished")
+                                   "ENDED when the run finished; UNKNOWN when it stopped without a summary "
+                                   "(its last status is all there is)")
     versions: dict[str, int] = Field(description="weight version served per policy (RaaS nodes; empty otherwise)")
     leased_now: int = Field(description="tasks the node holds right now (in flight)")
     leased_total: int = Field(description="tasks leased to the node since it joined")
@@ -230,12 +231,15 @@ def _max_steps(paths: RunPaths) -> int | None:
 
 
 def _node_view(name: str, worker: dict[str, Any], part: dict[str, Any], info: dict[str, Any], now: float,
-               finished: bool) -> NodeView:
+               ended: str | None) -> NodeView:
+    """``ended``: ENDED for a finished run (its last snapshot predates the shutdown, which
+    cancelled every job), UNKNOWN for one that stopped without a summary (its jobs' states
+    are as old as its last status); None while it runs."""
     state = str(worker.get("state", "UNKNOWN"))
     if info.get("gone") or state == "GONE":
         state = "GONE"
-    elif finished:  # the last snapshot predates shutdown, which cancelled every job
-        state = "ENDED"
+    elif ended is not None:
+        state = ended
     elif worker.get("draining") or info.get("draining"):
         state = "DRAINING"
     tokens = int(info.get("tokens", 0))
@@ -293,7 +297,8 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
     # a finished run: the data layer's final state (every task ended) is in the summary
     dl = (summary or {}).get("data_layer") or status.get("data_layer") or {}
     written, age, running, info = snap.written_at, snap.age_s, snap.running, snap.info
-    partitions = _partition_views(status, dl, summary is not None, now)
+    ended = "ENDED" if summary is not None else None if running else "UNKNOWN"
+    partitions = _partition_views(status, dl, ended, now)
     policies = _policy_views(status, dl, summary, _max_steps(paths))
     return StatusView(
         schema_version=SCHEMA_VERSION, run_dir=str(paths.root), running=running, finished=summary is not None,
@@ -312,9 +317,12 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
     )
 
 
-def _partition_views(status: dict[str, Any], dl: dict[str, Any], finished: bool, now: float) -> list[PartitionView]:
+def _partition_views(status: dict[str, Any], dl: dict[str, Any], ended: str | None,
+                     now: float) -> list[PartitionView]:
     """Each configured partition with its nodes (the workers and the data layer's nodes), then
-    any partition no longer configured that the data layer still knows nodes of."""
+    any partition no longer configured that the data layer still knows nodes of; ``ended``: the
+    state of every node not gone of a run that is not running (``_node_view``)."""
+    finished = ended == "ENDED"
     dl_nodes = dl.get("nodes", {})
     workers = status.get("workers", {})
     parts_cfg = status.get("partitions", {})
@@ -323,7 +331,7 @@ def _partition_views(status: dict[str, Any], dl: dict[str, Any], finished: bool,
         w = workers.get(name, {})
         node_info = dl_nodes.get(name, {})
         pname = w.get("partition", node_info.get("partition", "?"))
-        by_part.setdefault(pname, []).append(_node_view(name, w, parts_cfg.get(pname, {}), node_info, now, finished))
+        by_part.setdefault(pname, []).append(_node_view(name, w, parts_cfg.get(pname, {}), node_info, now, ended))
     return [
         PartitionView(
             name=n, scheduler=str(p.get("scheduler", "?")), role=str(p.get("role", "?")),
