@@ -406,7 +406,7 @@ def config_from_dict(data: dict, base_dir: Path | None = None) -> RunConfig:
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(format_validation(err, bools, RunConfig)) from None
+        raise ConfigError(format_validation(err, bools, RunConfig, data)) from None
     if bools:
         raise ConfigError(format_validation(None, bools))
     return cfg

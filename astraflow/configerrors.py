@@ -186,13 +186,38 @@ def _section_line(loc: str, section: type[BaseModel], given: Any) -> str:
 OWN_WORDS = frozenset({"value_error", "assertion_error", "bool_number", "unknown_param"})
 
 
-def describe_error(e: dict[str, Any], set_hint: bool = True, model: type[BaseModel] | None = None) -> str:
+#: a list element's name usable in a location (and in ``--set``); any other is named by its index
+_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+
+def dotted(path: tuple, data: Any = None) -> str:
+    """``path`` dotted, an element of a list of named sections written as the checks across fields
+    write it (``policies[solver].trainer.lr``, which ``--set`` takes too), found in the config
+    ``data``; any other element by its index."""
+    out: list[str] = []
+    node = data
+    for x in path:
+        if isinstance(x, int) and isinstance(node, list) and out:
+            node = node[x] if -len(node) <= x < len(node) else None
+            name = node.get("name") if isinstance(node, dict) else None
+            if isinstance(name, str) and _LABEL.fullmatch(name):
+                out[-1] += f"[{name}]"
+                continue
+        else:
+            node = node.get(x) if isinstance(node, dict) else None
+        out.append(str(x))
+    return ".".join(out)
+
+
+def describe_error(e: dict[str, Any], set_hint: bool = True, model: type[BaseModel] | None = None,
+                   data: Any = None) -> str:
     """One pydantic error as ``loc: message``: the value given where it is a plain value, an
     unknown key as a likely misspelling, a string field given a YAML boolean or number (``no``,
     ``2024``) told to quote it, a value where a section is wanted told the section's keys.
-    ``model``: the config type validated, whose union tags are left out of ``loc``."""
+    ``model``: the config type validated, whose union tags are left out of ``loc``; ``data``:
+    what was validated, whose named list elements are named in ``loc`` (`dotted`)."""
     path, ann = config_loc(model, tuple(e["loc"])) if model is not None else (tuple(e["loc"]), None)
-    loc = ".".join(str(x) for x in path)
+    loc = dotted(path, data)
     if not loc:  # a check across fields, whose message names them itself
         return e["msg"].removeprefix("Value error, ")
     msg = e["msg"].removeprefix("Value error, ")
@@ -277,7 +302,7 @@ def bool_problems(data: Any, model: type[BaseModel], loc: str = "") -> list[str]
     pydantic's are."""
     if not isinstance(data, dict):
         return []
-    return [f"{'.'.join(str(x) for x in ((loc,) if loc else ()) + where)}: "
+    return [f"{'.'.join(((loc,) if loc else ()) + (dotted(where, data),))}: "
             + BOOL_WORDS.format(want=want, value=str(value).lower())
             for where, want, value in _bools(model, data, (), None)]
 
@@ -293,11 +318,12 @@ def refuse_bools(value: Any, annotation: Any, stop: type | None = None) -> None:
              "loc": where, "input": v} for where, want, v in found])
 
 
-def format_validation(err: ValidationError | None, extra: list[str] = (), model: type[BaseModel] | None = None) -> str:
-    """The errors of ``err``, an error of ``model`` (those of a field in ``extra``, the
-    `bool_problems`, said once; so is a line two union members both gave)."""
+def format_validation(err: ValidationError | None, extra: list[str] = (), model: type[BaseModel] | None = None,
+                      data: Any = None) -> str:
+    """The errors of ``err``, an error of ``model`` validating ``data`` (those of a field in
+    ``extra``, the `bool_problems`, said once; so is a line two union members both gave)."""
     said = {line.split(": ", 1)[0] for line in extra}
-    lines = [describe_error(e, model=model) for e in (err.errors() if err is not None else [])]
+    lines = [describe_error(e, model=model, data=data) for e in (err.errors() if err is not None else [])]
     lines = [line for line in dict.fromkeys(lines) if line.split(": ", 1)[0] not in said]
     return "invalid config:\n  " + "\n  ".join([*extra, *lines])
 

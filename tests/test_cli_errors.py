@@ -205,9 +205,9 @@ def test_boolean_for_an_integer_is_refused(tmp_path, key):
     ("partitions.rollout.rollout={capacity: true}",
      "partitions[rollout].rollout.capacity: Input should be an integer, got the boolean true"),
     ("policies.solver.trainer.sim_step_schedule={3: true}",
-     "policies.0.trainer.sim_step_schedule.3: Input should be a number, got the boolean true"),
+     "policies[solver].trainer.sim_step_schedule.3: Input should be a number, got the boolean true"),
     ("partitions.rollout.resources={GPU: true}",
-     "partitions.2.resources.GPU: Input should be a number, got the boolean true"),
+     "partitions[rollout].resources.GPU: Input should be a number, got the boolean true"),
 ])
 def test_boolean_for_a_number_is_refused_in_params_rules_and_partition_settings(tmp_path, setting, needle):
     res = _invoke("check", str(_config(tmp_path)), "--set", setting)

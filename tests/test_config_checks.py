@@ -131,12 +131,12 @@ def test_a_sim_policys_model_is_a_name_even_where_a_directory_of_that_name_exist
 
 
 @pytest.mark.parametrize("key, value, needle", [
-    ("sim_step_seconds", ".inf", "policies.0.trainer.sim_step_seconds: Input should be a finite number, got inf"),
-    ("sim_seconds_per_token", ".inf", "policies.0.trainer.sim_seconds_per_token: Input should be a finite number"),
-    ("sim_step_seconds", ".nan", "policies.0.trainer.sim_step_seconds: nan is not a number; use a finite one"),
-    ("sim_step_schedule", "{2: .inf}", "policies.0.trainer.sim_step_schedule.2: Input should be a finite number"),
+    ("sim_step_seconds", ".inf", "policies[solver].trainer.sim_step_seconds: Input should be a finite number, got inf"),
+    ("sim_seconds_per_token", ".inf", "policies[solver].trainer.sim_seconds_per_token: Input should be a finite number"),
+    ("sim_step_seconds", ".nan", "policies[solver].trainer.sim_step_seconds: nan is not a number; use a finite one"),
+    ("sim_step_schedule", "{2: .inf}", "policies[solver].trainer.sim_step_schedule.2: Input should be a finite number"),
     # any number of any section: an infinite timeout would reach Dask or a sleep
-    ("batch_timeout_s", ".inf", "policies.0.trainer.batch_timeout_s: Input should be a finite number"),
+    ("batch_timeout_s", ".inf", "policies[solver].trainer.batch_timeout_s: Input should be a finite number"),
 ])
 def test_a_non_finite_sim_step_time_is_refused(tmp_path, key, value, needle):
     res = _invoke("check", str(_config(tmp_path)), "--set", f"policies.solver.trainer.{key}={value}")

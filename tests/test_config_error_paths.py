@@ -130,7 +130,7 @@ BOOL = "Input should be {}, got the boolean true (YAML reads true, false, yes, n
     (["dataflow.batch_size=true"], "dataflow.batch_size: " + BOOL.format("an integer")),
     (["dataflow.batch_size=true", "dataflow.replay_ratio=0.5"], "dataflow.batch_size: " + BOOL.format("an integer")),
     (["workload.group_size=true"], "workload.group_size: " + BOOL.format("an integer")),
-    (["partitions.trainer.nodes=true"], "partitions.1.nodes: " + BOOL.format("an integer")),
+    (["partitions.trainer.nodes=true"], "partitions[trainer].nodes: " + BOOL.format("an integer")),
 ])
 def test_a_boolean_for_a_number_is_the_only_error_checks_across_fields_add_none(tmp_path, settings, line):
     """``true`` is not taken as 1: no "batch_size (1) must be a multiple of group_size" after it."""

@@ -15,7 +15,7 @@ SIM = str(Path(__file__).resolve().parents[1] / "examples" / "sim" / "config.yam
 @pytest.mark.parametrize("sim, setting, key", [
     (False, "run.seed=18446744073709551616", "run.seed: Input should be less than 4294967296"),
     (False, "run.seed=-1", "run.seed: Input should be greater than or equal to 0"),
-    (False, "policies.solver.init.seed=4294967296", "policies.0.init.seed: Input should be less than 4294967296"),
+    (False, "policies.solver.init.seed=4294967296", "policies[solver].init.seed: Input should be less than 4294967296"),
     (True, "workload.seed=-1", "workload.seed: Input should be greater than or equal to 0"),
     (True, "workload.params.seed=4294967296", "workload.params.seed: Input should be less than 4294967296"),
 ])

@@ -43,7 +43,8 @@ def test_a_bad_publish_dtype_in_a_run_config_names_the_field(tiny_model):
     from astraflow.config import ConfigError
     from tests.conftest import tiny_config
 
-    with pytest.raises(ConfigError, match=r"policies\.0\.trainer\.publish_dtype: Input should be 'auto', 'fp32' or 'bf16'"):
+    with pytest.raises(ConfigError,
+                       match=r"policies\[solver\]\.trainer\.publish_dtype: Input should be 'auto', 'fp32' or 'bf16'"):
         tiny_config(tiny_model, **{"policies.0.trainer.publish_dtype": "half"})
 
 
