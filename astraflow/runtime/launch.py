@@ -75,8 +75,10 @@ def _split(wl, name: str, split: str) -> list:
 
 
 def head_logging() -> None:
-    """The head's log lines on its stderr: warnings and worse, less what `_drop_unwaited_timeouts` drops."""
-    logging.basicConfig(level=logging.WARNING)
+    """The head's log lines on its stderr: warnings and worse, less what `_drop_unwaited_timeouts` drops,
+    each with its time and where it comes from, as the progress lines beside them read."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
     asyncio_log = logging.getLogger("asyncio")
     if _drop_unwaited_timeouts not in asyncio_log.filters:
         asyncio_log.addFilter(_drop_unwaited_timeouts)
