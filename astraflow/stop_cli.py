@@ -53,6 +53,9 @@ def live_holder(run_dir: Path) -> dict:
     naming the way on when there is none or it runs elsewhere."""
     holder = holder_of(run_dir)
     if not holder.get("pid"):
+        if not RunPaths(run_dir).run_lock.exists():
+            raise UserError(f"{run_dir} is not a run directory (no `astraflow run` has used it): pass the "
+                            "--run-dir of `astraflow run`")
         raise UserError(f"no run is running in {run_dir} (its lock names no holder): nothing to stop")
     pid, host = int(holder["pid"]), holder.get("host")
     if host != socket.gethostname():

@@ -112,6 +112,9 @@ def interpreter(cfg: SandboxConfig) -> str:
 
 def bwrap_path(cfg: SandboxConfig) -> str:
     found = shutil.which(cfg.bwrap)
+    if not found and os.sep in cfg.bwrap and os.path.isfile(cfg.bwrap):  # there, but not a program it may run
+        raise SandboxUnavailable(f"bubblewrap ({cfg.bwrap}) is not executable: give the path of the bwrap program, "
+                                 f"or make it executable (chmod +x {cfg.bwrap})")
     if not found:
         raise SandboxUnavailable(f"bubblewrap ({cfg.bwrap}) not found: {FIX}")
     return found

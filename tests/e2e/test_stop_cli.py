@@ -42,8 +42,11 @@ def test_stop_from_another_shell_stops_the_run_with_a_summary(tiny_model, tmp_pa
 
 def test_stop_signals_nothing_without_a_live_run_of_this_host(tmp_path):
     run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    res = _stop(run_dir)  # a directory no run has used
+    assert res.returncode == 2 and "is not a run directory" in res.stderr and "--run-dir" in res.stderr, res.stderr
     lock = RunPaths(run_dir).run_lock
-    lock.parent.mkdir(parents=True)
+    lock.parent.mkdir(parents=True, exist_ok=True)
     lock.write_text("")
     assert "its lock names no holder" in _stop(run_dir).stderr
     # a run that died without letting go: its pid is free now (or another program's)

@@ -73,6 +73,10 @@ def test_bubblewrap_and_the_interpreter_can_be_given_as_options(tmp_path, monkey
     assert r.exit_code == 2 and "set --bwrap to its path" in r.output and "sandbox.bwrap" not in r.output
     r = CliRunner().invoke(main, ["sandbox", "run", str(prog), "--bwrap", real, "--interpreter", python, "--json"])
     assert r.exit_code == 0 and json.loads(r.output)["status"] == "ok", r.output
+    plain = tmp_path / "bwrap-copy"
+    plain.write_bytes(b"")  # a file there, not a program
+    r = CliRunner().invoke(main, ["sandbox", "run", str(prog), "--bwrap", str(plain)])
+    assert r.exit_code == 2 and "is not executable" in r.output and f"chmod +x {plain}" in r.output, r.output
 
 
 def test_the_programs_output_cannot_rewrite_the_summary_on_a_terminal(tmp_path):
