@@ -99,7 +99,8 @@ def _user_modules_from_cwd() -> Iterator[None]:
 @click.argument("config", type=UserPath(dir_okay=False))
 @click.option("--run-dir", type=UserPath(file_okay=False), help="Run directory (default: runs/<name>-<time>).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a config value, e.g. --set run.max_steps=20 (repeatable).")
+              help="Override a config value, e.g. --set run.max_steps=20 (repeatable; VALUE is YAML, list "
+                   "elements are named: --set policies.solver.trainer.lr=1e-4).")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: bool) -> None:
     """Train with CONFIG (a YAML file) until every trainer has taken run.max_steps steps.
