@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal, Mapping
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from astraflow.configbase import Strict
 from astraflow.workloads.base import WORKLOADS
@@ -110,14 +110,26 @@ class DatasetParams(Strict):
     seed: int = 0
     """Seed of the held-out split and of the order of the rows."""
 
+    @field_validator("reward")
+    @classmethod
+    def _known_reward(cls, v: str | None) -> str | None:
+        if v is not None:
+            resolve_reward(v)  # an unknown reward fails here, at its field, listing the known ones
+        return v
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _compiles(cls, v: str | None) -> str | None:
+        if v is not None:
+            _template(v)  # a template that does not compile fails here, at its field
+        return v
+
     @model_validator(mode="after")
     def _fill(self) -> "DatasetParams":
         preset = PRESETS.get(self.preset or "", {})
         for name, default in DEFAULTS.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, preset.get(name, default))
-        resolve_reward(self.reward)  # an unknown reward fails here, listing the known ones
-        _template(self.prompt_template)  # a template that does not compile fails here
         return self
 
 

@@ -81,7 +81,7 @@ def test_check_reports_bad_rows_with_their_location_and_fails_when_nothing_is_us
                "--set", "workload.params.prompt_field=prompt")
     assert proc.returncode == 2 and "no usable train rows" in proc.stderr and "Traceback" not in proc.stderr
     proc = cli("check", "examples/wordproblems/config.yaml", *base, "--set", "workload.params.reward=nope")
-    assert proc.returncode == 2 and "unknown reward 'nope'" in proc.stderr
+    assert proc.returncode == 2 and "workload.params.reward: unknown reward 'nope'" in proc.stderr
 
 
 @pytest.mark.e2e
