@@ -224,10 +224,10 @@ def supervised_loop(model: Any, tok: Any, out_dir: str | Path,
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = [TextColumn(f"warm start ({label})"), BarColumn(), TextColumn("step {task.completed:.0f}"),
-               TextColumn("loss {task.fields[loss]:.3f} acc {task.fields[acc]:.2f}"),
+               TextColumn("loss {task.fields[loss]} acc {task.fields[acc]}"),  # '-' until measured
                TimeElapsedColumn()]
     with Progress(*columns, disable=not progress, transient=False) as bar:
-        bar_task = bar.add_task("sft", total=steps, loss=float("nan"), acc=float("nan"))
+        bar_task = bar.add_task("sft", total=steps, loss="-", acc="-")
         while (steps is None or step < steps) and (seconds is None or time.perf_counter() - t0 < seconds):
             ids, att, lm = next_batch()
             logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
@@ -242,9 +242,9 @@ def supervised_loop(model: Any, tok: Any, out_dir: str | Path,
             if eval_every and step % eval_every == 0:
                 acc = do_eval()
                 if target_acc is not None and acc >= target_acc:
-                    bar.update(bar_task, completed=step, loss=loss_v, acc=acc)
+                    bar.update(bar_task, completed=step, loss=f"{loss_v:.3f}", acc=f"{acc:.2f}")
                     break
-            bar.update(bar_task, completed=step, loss=loss_v, acc=acc)
+            bar.update(bar_task, completed=step, loss=f"{loss_v:.3f}", acc="-" if acc != acc else f"{acc:.2f}")
     if not history or history[-1]["step"] != step:
         acc = do_eval()
     kept_step = step
