@@ -342,22 +342,27 @@ def option_errors(err: ValidationError) -> str:
     """A ``ValidationError`` of a config model built from options, one line per option, as
     ``--option VALUE: the fix``: the fields are named as the options that set them (a check
     across fields, which has no one field, names them itself)."""
+    return "\n".join(option_error(e) for e in err.errors())
+
+
+def option_error(e: dict[str, Any]) -> str:
+    """One pydantic error of a field set by an option, as ``--option VALUE: the fix``."""
     def plain(v: Any) -> Any:  # 0.0 -> 0, as a user would type it
         return int(v) if isinstance(v, float) and v.is_integer() else v
 
-    lines = []
-    for e in err.errors():
-        if not e["loc"]:
-            lines.append(e["msg"].removeprefix("Value error, "))
-            continue
-        option = "--" + "-".join(str(x) for x in e["loc"]).replace("_", "-")
-        ctx = {k: plain(v) for k, v in (e.get("ctx") or {}).items()}
-        fix = OPTION_FIXES.get(e["type"], "").format(**ctx) or e["msg"].removeprefix("Value error, ")
-        lines.append(f"{option} {plain(e.get('input'))}: {fix}")
-    return "\n".join(lines)
+    if not e["loc"]:
+        return e["msg"].removeprefix("Value error, ")
+    option = "--" + "-".join(str(x) for x in e["loc"]).replace("_", "-")
+    ctx = {k: plain(v) for k, v in (e.get("ctx") or {}).items()}
+    fix = OPTION_FIXES.get(e["type"], "").format(**ctx) or e["msg"].removeprefix("Value error, ")
+    if fix.startswith((f"{e['loc'][-1]} is ", f"{e['loc'][-1]} '")) and ": " in fix:  # the value once is enough
+        fix = fix.split(": ", 1)[1]
+    return f"{option} {plain(e.get('input'))}: {fix}"
 
 
-def partition_errors(err: ValidationError | None, extra: list[str] = ()) -> str:
-    """The errors of a partition from options and --from-yaml, worded as a config file's are."""
-    lines = [*extra, *(describe_error(e, set_hint=False) for e in (err.errors() if err else []))]
+def partition_errors(err: ValidationError | None, extra: list[str] = (), options: Any = ()) -> str:
+    """The errors of a partition from options and --from-yaml, worded as a config file's are; a
+    field in ``options`` (given as an option) is named as that option (`option_error`)."""
+    lines = [*extra, *(option_error(e) if e["loc"] and e["loc"][0] in options else describe_error(e, set_hint=False)
+                       for e in (err.errors() if err else []))]
     return "invalid partition:\n  " + "\n  ".join(lines)

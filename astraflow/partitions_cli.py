@@ -139,16 +139,16 @@ def _partition_from(name: str | None, from_yaml: str | None, fields: dict, sched
         data["name"] = name
     if "name" not in data:
         raise UserError("give the partition NAME (or a `name:` in --from-yaml)")
-    for key, value in fields.items():
-        if value is not None and value != ():
-            data[key] = list(value) if key == "sbatch_options" else value
+    given = {key for key, value in fields.items() if value is not None and value != ()}
+    for key in given:
+        data[key] = list(fields[key]) if key == "sbatch_options" else fields[key]
     if "scheduler" not in data:  # options only Slurm has name it
         data["scheduler"] = "slurm" if any(data.get(k) not in (None, (), []) for k in SLURM_ONLY) else scheduler
     bools = bool_problems(data, Partition)  # `nodes: true` would be taken as 1
     try:
         part = Partition(**data)
     except ValidationError as err:
-        raise UserError(partition_errors(err, bools)) from None
+        raise UserError(partition_errors(err, bools, given)) from None
     if bools:
         raise UserError(partition_errors(None, bools))
     return part

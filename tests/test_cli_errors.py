@@ -260,6 +260,15 @@ def test_partition_yaml_that_does_not_parse_is_named_where_in_one_line(tmp_path)
     assert "p.yaml: not valid YAML at line 3, column 1: " in res.output and "<unicode string>" not in res.output
 
 
+def test_partition_options_are_named_as_the_options_given(tmp_path):
+    """A bad value from an option is named as that option; one from --from-yaml as its field."""
+    (tmp_path / "p.yaml").write_text("name: x\nnodes: -2\n")
+    res = _invoke("partitions", "add", str(tmp_path), "--from-yaml", str(tmp_path / "p.yaml"), "--cpus-per-node", "0")
+    assert res.exit_code == 2, res.output
+    assert "--cpus-per-node 0: use 1 or more" in res.output and "cpus_per_node" not in res.output, res.output
+    assert "nodes: nodes is -2: use 0 or more" in res.output and "--nodes" not in res.output
+
+
 def test_partition_boolean_nodes_is_refused(tmp_path):
     (tmp_path / "p.yaml").write_text("name: x\nnodes: true\n")
     res = _invoke("partitions", "add", str(tmp_path), "--from-yaml", str(tmp_path / "p.yaml"))

@@ -44,10 +44,10 @@ def _invoke(*args):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--nodes", "-1"], "nodes: nodes is -1: use 0 or more"),
-    (["--walltime", "99:99"], "walltime: walltime '99:99': seconds must be < 60"),
-    (["--mem", "lots"], "mem: mem 'lots'"),
-    (["--gres", "gpu:h100:x:y"], "gres: gres 'gpu:h100:x:y'"),
+    (["--nodes", "-1"], "--nodes -1: use 0 or more"),
+    (["--walltime", "99:99"], "--walltime 99:99: seconds must be < 60"),
+    (["--mem", "lots"], "--mem lots: use a number"),
+    (["--gres", "gpu:h100:x:y"], "--gres gpu:h100:x:y: use Slurm's"),
     (["--sbatch-option=--time=10"], "set walltime instead"),
     (["--scheduler", "local", "--slurm-partition", "a100"], "slurm_partition is a Slurm setting but scheduler is 'local'"),
     (["--role", "trainer"], "only rollout partitions can be added"),
