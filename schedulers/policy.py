@@ -67,7 +67,8 @@ UNSAFE_ENV: tuple[str, ...] = (
     "BASHOPTS", "IFS", "PS4", "PROMPT_COMMAND", "GLOBIGNORE", "SHELL", "HOME", "XDG_*", "PERL5*", "PERLLIB",
     "RUBY*", "NODE_OPTIONS", "JAVA_TOOL_OPTIONS", "_JAVA_OPTIONS", "MALLOC_*", "GLIBC_TUNABLES", "LOCPATH",
     "HOSTALIASES", "RES_OPTIONS", "LOCALDOMAIN", "*PRELOAD*", "*PLUGIN*", "*INJECTION*", "*_CONF_FILE",
-    "*CONFIG_FILE*", "DASK_CONFIG", "DASK_DISTRIBUTED__COMM__*", "DASK_DISTRIBUTED__WORKER__PRELOAD*",
+    "*CONFIG_FILE*", "DASK_*CONFIG*", "DASK_DISTRIBUTED__COMM__*", "DASK_DISTRIBUTED__WORKER__PRELOAD*",
+    "DASK_LOGGING*", "DASK_DISTRIBUTED__LOGGING*",
     "*CA_BUNDLE*", "SSL_*", "*_CERT*", "*PROXY*", "*proxy*", "*ENDPOINT*", "*_URL", "*_HOST", "SLURM_*",
     "*_CACHE", "*CACHE_DIR*", "*_HOME", "*_MODULE_DIR", "*EXTENSIONS_DIR*",
 )
@@ -138,9 +139,16 @@ def env_allowed(name: str, allowlist: Iterable[str]) -> bool:
     allowlist = tuple(allowlist)
     if name in allowlist:
         return True
-    if any(fnmatchcase(name, p) for p in UNSAFE_ENV):
+    if unsafe_env(name):
         return False
     return any(fnmatchcase(name, p) for p in allowlist)
+
+
+def unsafe_env(name: str) -> bool:
+    """Whether `name` is one of `UNSAFE_ENV`. Dask lower-cases what follows ``DASK_``, so
+    ``DASK_distributed__worker__preload`` is the preload too: those are matched upper-cased."""
+    names = {name, name.upper()} if name.startswith("DASK_") else {name}
+    return any(fnmatchcase(n, p) for n in names for p in UNSAFE_ENV)
 
 
 @dataclass(frozen=True)
@@ -164,7 +172,7 @@ class WorkerPolicy:
         for name in sorted(part.env):
             if not env_allowed(name, self.env_allowlist):
                 why = (" (it can load code or redirect trust, so only an entry naming it exactly admits it)"
-                       if any(fnmatchcase(name, p) for p in UNSAFE_ENV) else "")
+                       if unsafe_env(name) else "")
                 out.append(f"partitions[{part.name}].env: {name} is not in {ENV_FIELD}{why}: remove it from the "
                            f"partition, or add {name!r} to {ENV_FIELD} in the run's config")
         for opt in part.sbatch_options:

@@ -22,6 +22,18 @@ def test_loader_and_interpreter_variables_are_refused_by_default_and_by_any_patt
     assert env_allowed(name, (name,))  # the owner may name it exactly
 
 
+# Dask lower-cases what follows DASK_ and reads whole configs from these: each can run code in a worker
+DASK_LOADERS = ["DASK_distributed__worker__preload", "DASK_Distributed__Comm__Require_Encryption",
+                "DASK_INTERNAL_INHERIT_CONFIG", "DASK_ROOT_CONFIG", "DASK_LOGGING__VERSION", "DASK_logging__handlers",
+                "DASK_DISTRIBUTED__LOGGING_FILE_CONFIG"]
+
+
+@pytest.mark.parametrize("name", DASK_LOADERS)
+def test_dask_settings_that_load_code_are_refused_by_any_pattern_whatever_their_case(name):
+    assert not env_allowed(name, ("*", "DASK_*"))
+    assert env_allowed(name, (name,))
+
+
 @pytest.mark.parametrize("name", ["OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "NCCL_IB_HCA", "NCCL_DEBUG",
                                   "TORCH_NCCL_BLOCKING_WAIT", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE",
                                   "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED", "TMPDIR", "LC_ALL"])
