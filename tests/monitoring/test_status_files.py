@@ -227,6 +227,31 @@ def test_the_throughput_plot_of_two_policies_draws_the_run_wide_figures_once(tmp
         len(throughput["episodes/s (run)"]) == 6
 
 
+def test_plots_are_not_written_into_a_run_directory_another_user_can_change(tmp_path):
+    """``plot`` writes into the run directory: one that others can write may hold their symlink
+    (``plots/reward.png`` -> a file of ours), which would be overwritten. Refused, with the fix;
+    ``--out`` elsewhere still works, and plots in a run directory of ours are owner-only."""
+    pytest.importorskip("matplotlib")
+    from astraflow.runtime.monitoring.export import write_plots
+
+    paths = RunPaths(tmp_path / "run").make()
+    paths.metrics.write_text(json.dumps({"policy": "p", "step": 1, "elapsed_s": 1.0, "reward_mean": 0.5}) + "\n")
+    mine = tmp_path / "mine"
+    mine.write_text("precious")
+    paths.plots.mkdir()
+    (paths.plots / "reward.png").symlink_to(mine)
+    paths.root.chmod(0o777)
+    with pytest.raises(ValueError, match="writable by group/others.*pass --out"):
+        write_plots(paths.root)
+    assert mine.read_text() == "precious"
+    assert len(write_plots(paths.root, tmp_path / "elsewhere")) == 4
+    paths.root.chmod(0o700)
+    (paths.plots / "reward.png").unlink()
+    paths.plots.chmod(0o755)
+    written = write_plots(paths.root)
+    assert {f.stat().st_mode & 0o077 for f in written} == {0}
+
+
 def test_a_run_before_its_first_status_is_starting_not_absent_nor_its_previous_incarnation(tmp_path):
     """A resumed run's orchestrator runs (workers joining, models loading) and has written no
     status yet: the previous incarnation's status.json is not shown as this run's, and status

@@ -50,3 +50,13 @@ def test_a_finished_runs_metrics_are_mirrored(tmp_path, scalars):
     paths.summary.write_text("{}")
     assert export_tensorboard(tmp_path, follow=True, poll_s=0.05, start_grace_s=1.0) == 1
     assert scalars == [("p/loss", 0.5, 3)]
+
+
+def test_event_files_are_not_written_into_a_run_directory_another_user_can_change(tmp_path, scalars):
+    """Its symlinks there could make us overwrite a file of ours: refused unless --logdir is given."""
+    paths = RunPaths(tmp_path / "run").make()
+    paths.metrics.write_text(json.dumps({"policy": "p", "step": 1, "reward_mean": 0.5}) + "\n")
+    paths.root.chmod(0o777)
+    with pytest.raises(ValueError, match="writable by group/others.*pass --logdir"):
+        export_tensorboard(paths.root)
+    assert export_tensorboard(paths.root, tmp_path / "tb") == 1

@@ -10,7 +10,17 @@ from pathlib import Path
 
 from astraflow.runtime.monitoring.metrics import is_eval_record, read_metrics, tail_records
 from astraflow.runtime.monitoring.snapshot import read_snapshot
+from storage.ownership import UnsafeRunDir, check_owner_only, owner_only
 from storage.paths import RunPaths
+
+
+def _own_run_dir(run_dir: Path | str, option: str) -> None:
+    """Refuse to write into a run directory another user could change: a symlink they planted
+    there (``plots/reward.png`` -> ``~/.bashrc``) would have us overwrite a file of ours."""
+    try:
+        check_owner_only(run_dir)
+    except UnsafeRunDir as err:
+        raise ValueError(f"{err}; or pass {option} to write somewhere of your own") from None
 
 
 def export_tensorboard(run_dir: Path | str, logdir: Path | str | None = None, follow: bool = False,
@@ -30,7 +40,12 @@ def export_tensorboard(run_dir: Path | str, logdir: Path | str | None = None, fo
     paths = RunPaths(Path(run_dir))
     if not paths.metrics.exists() and not follow:
         raise ValueError(f"{paths.metrics} does not exist: pass the --run-dir of a run that started")
-    writer = SummaryWriter(log_dir=str(logdir if logdir is not None else paths.tensorboard))
+    if logdir is not None:
+        writer = SummaryWriter(log_dir=str(logdir))
+    else:
+        _own_run_dir(run_dir, "--logdir")
+        with owner_only():  # in the run directory, owner-only as everything the run writes there
+            writer = SummaryWriter(log_dir=str(paths.tensorboard))
     offset = written = 0
     t0 = time.monotonic()
     try:
@@ -69,16 +84,24 @@ def write_plots(run_dir: Path | str, out: Path | str | None = None) -> list[Path
     except ImportError:
         raise ValueError("astraflow plot needs matplotlib: pip install 'astraflow[plot]'") from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     view = read_metrics(run_dir)
     if not view.policies:
         raise ValueError(f"{RunPaths(Path(run_dir)).metrics} has no metrics yet: plot a run that took a step")
-    out_dir = Path(out) if out is not None else RunPaths(Path(run_dir)).plots
+    if out is not None:
+        return _draw_all(view, Path(out))
+    _own_run_dir(run_dir, "--out")
+    with owner_only():  # in the run directory, owner-only as everything the run writes there
+        return _draw_all(view, RunPaths(Path(run_dir)).plots)
+
+
+def _draw_all(view, out_dir: Path) -> list[Path]:
+    """Draw every plot of `view` into `out_dir`, made if missing."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # under a file, in a read-only place: a ValueError naming the option
         raise _unwritable(out_dir, err) from None
+    import matplotlib.pyplot as plt
+
     written = []
     for name in PLOTS:
         fig, ax = plt.subplots(figsize=(6, 3.5))
