@@ -117,9 +117,23 @@ def _column_0(indent: str) -> bool:
     return indent.rsplit("\f", 1)[-1] == ""
 
 
-def check_to_tests(test: str, entry_point: str) -> str:
-    """HumanEval's test source (a ``check(candidate)`` function) as one ``test_*`` function."""
-    return f"{test}\n\ndef test_check():\n    check({entry_point})\n"
+def check_to_tests(test: str, entry_point: str, prompt: str = "") -> str:
+    """HumanEval's test source (a ``check(candidate)`` function) as one ``test_*`` function, after
+    the prompt's imports and other functions: ``check`` calls its own copy of a helper (HumanEval/32's
+    ``poly``), not the program's, which the body can rewrite when it runs (``poly.__code__ = ...``)."""
+    return f"{prompt_helpers(prompt, entry_point)}{test}\n\ndef test_check():\n    check({entry_point})\n"
+
+
+def prompt_helpers(prompt: str, entry_point: str) -> str:
+    """The source of the prompt's top-level imports and functions but ``entry_point`` ("" when the
+    prompt is not Python: ``_check_prompt`` names that)."""
+    try:
+        tree = ast.parse(_with_body(prompt))
+    except (SyntaxError, ValueError):
+        return ""
+    kept = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+            or isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name != entry_point]
+    return "".join(ast.unparse(n) + "\n\n\n" for n in kept)
 
 
 def task_from_row(row: Mapping[str, Any], where: str, default_id: str | None = None) -> dict[str, Any]:
@@ -138,7 +152,7 @@ def task_from_row(row: Mapping[str, Any], where: str, default_id: str | None = N
     if isinstance(row.get("tests"), str) and row["tests"].strip():
         tests = row["tests"]
     elif isinstance(row.get("test"), str) and row["test"].strip():
-        tests = check_to_tests(row["test"], row["entry_point"])
+        tests = check_to_tests(row["test"], row["entry_point"], row["prompt"])
     else:
         raise ValueError(f"{where}: missing field 'tests' (Python source with test_* functions, or "
                          "HumanEval's 'test' with a check(candidate) function)")

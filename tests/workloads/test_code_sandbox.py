@@ -49,6 +49,24 @@ def test_humaneval_canonical_solutions_all_pass_and_a_wrong_body_fails(sandbox):
     assert all(r == 0.0 and s["code_wrong"] == 1.0 for r, s in wrong)
 
 
+#: a HumanEval-form task whose check calls a helper of the prompt's (HumanEval/32's ``poly``)
+HELPER_ROW = {"prompt": "import math\n\n\ndef poly(xs, x):\n    return sum(c * math.pow(x, i) for i, c in "
+                        "enumerate(xs))\n\n\ndef find_zero(xs):\n    \"\"\"A zero of poly(xs).\"\"\"\n",
+              "entry_point": "find_zero",
+              "test": "def check(candidate):\n    for xs in ([1, 2], [-6, 11, -6, 1]):\n"
+                      "        assert abs(poly(xs, candidate(xs))) < 1e-4\n"}
+
+
+def test_a_body_rewriting_a_helper_of_the_prompt_does_not_fool_the_check(sandbox):
+    task = code_mod.task_from_row(HELPER_ROW, "row")
+    cheat = "    poly.__code__ = (lambda xs, x: 0.0).__code__\n    return 0.0\n"
+    right = ("    lo, hi = -100.0, 100.0\n    for _ in range(200):\n        mid = (lo + hi) / 2\n"
+             "        if (poly(xs, mid) > 0) == (poly(xs, lo) > 0):\n            lo = mid\n"
+             "        else:\n            hi = mid\n    return lo\n")
+    assert CodeWorkload().reward(right, task) == 1.0
+    assert CodeWorkload().reward(cheat, task) == 0.0
+
+
 def test_generated_tasks_reward_all_fraction_and_timeouts(sandbox):
     task = next(t for t in CodeWorkload(families=["add"]).tasks("train") if t["entry_point"] == "add_5")
     arg = task["prompt"].split("(")[1].split(")")[0]
