@@ -162,6 +162,21 @@ def test_the_nodes_keyring_is_out_of_reach(sb):
     assert "ptrace -1 1\n" in r.stdout and "perf -1 1\n" in r.stdout, r.stdout
 
 
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the system call numbers below are x86_64's")
+def test_memory_held_in_system_v_shared_memory_is_refused(sb):
+    """A System V segment outlives every mapping of it, outside any address space: a process could
+    attach, fill and detach one after another, holding without bound. shmget fails with EPERM."""
+    prog = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = ctypes.c_void_p\n"
+            "held = 0\nfor _ in range(8):\n"
+            "    sid = libc.syscall(29, 0, 16 << 20, 0o1600)\n"  # shmget(IPC_PRIVATE, IPC_CREAT | 0600)
+            "    if sid < 0:\n        print('shmget', sid, ctypes.get_errno())\n        break\n"
+            "    p = libc.shmat(sid, None, 0)\n    ctypes.memset(p, 1, 16 << 20)\n"
+            "    libc.shmdt(ctypes.c_void_p(p))\n    held += 16\nprint('held', held)\n")
+    r = Sandbox(SandboxConfig(**{**LIMITS, "memory_mb": 64})).run(prog)
+    assert r.status == "ok", r.stderr
+    assert "shmget -1 1\n" in r.stdout and "held 0\n" in r.stdout, r.stdout  # EPERM: nothing held
+
+
 def test_no_network_not_even_the_hosts_loopback(sb):
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
