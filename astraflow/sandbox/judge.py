@@ -310,9 +310,14 @@ def run_isolated(names: list, result_fd: int, namespace: dict, runner: dict) -> 
     runner["flush"]()  # nothing buffered is written twice, once by each process
     to_program, from_judge = os.pipe()
     to_judge, from_program = os.pipe()
+    import _signal
+
+    # the program may signal the judge: a SIGINT would raise KeyboardInterrupt in the tests' own code
+    _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
     pid = os.fork()
     if pid == 0:  # the program's process: no result channel, no tests, no standard input
         try:
+            _signal.signal(_signal.SIGINT, _signal.default_int_handler)  # as in any program
             for fd in (result_fd, from_judge, to_judge):
                 os.close(fd)
             _no_input()

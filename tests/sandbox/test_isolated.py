@@ -140,6 +140,17 @@ def test_a_report_forged_on_the_judges_pipe_gives_the_tests_no_name_they_did_not
     assert r.status == "failure" and r.tests[0].error == "AssertionError: assert candidate(2, 2) == 4", r
 
 
+def test_the_program_cannot_raise_keyboard_interrupt_in_the_tests_own_code(isolated):
+    """A SIGINT sent to the judge (the same user) would raise KeyboardInterrupt wherever its tests
+    are, outside any call to the program: here in a step they guard with a broad ``except``."""
+    program = ("import os, signal, time\ndef add(a, b):\n    judge = os.getppid()\n    if a == 0 and os.fork() == 0:\n"
+               "        time.sleep(0.2)\n        os.kill(judge, signal.SIGINT)\n        os._exit(0)\n    return 0\n")
+    tests = ("import time\n\ndef test_a():\n    add(0, 0)\n    try:\n        time.sleep(1)  # the tests' own work\n"
+             "    except BaseException:\n        return\n    assert add(2, 2) == 4\n")
+    r = isolated.run(program, tests, timeout_s=5)
+    assert r.status == "failure" and r.tests[0].error == "AssertionError: assert add(2, 2) == 4", r
+
+
 def test_the_judge_imports_no_module_the_program_names_outside_a_short_list(isolated):
     """``unittest.__main__`` imported in the judge would run unittest's discovery there, which
     imports the program's files from the scratch directory (here one that reports a pass)."""
