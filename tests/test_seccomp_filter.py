@@ -56,3 +56,15 @@ def test_no_x32_call_gets_through_on_x86_64():
 
 def test_an_unknown_machine_has_no_filter():
     assert seccomp_filter("riscv64") is None
+
+
+#: calls that hold memory outside every limit of the sandbox: shmget (and ppc64le's ipc), bpf
+MEMORY_CALLS = {"x86_64": (29, 321), "aarch64": (194, 280), "ppc64le": (395, 117, 361)}
+
+
+@pytest.mark.parametrize("machine", sorted(MEMORY_CALLS))
+def test_calls_that_hold_memory_outside_the_limits_are_refused(machine):
+    arch, _ = REFUSED_SYSCALLS[machine]
+    prog = seccomp_filter(machine)
+    for nr in MEMORY_CALLS[machine]:
+        assert verdict(prog, nr, arch) == EPERM, nr
