@@ -31,9 +31,11 @@ def _needs_bubblewrap():
         pytest.skip(WHY)
 
 
-def sandbox_processes(token: str) -> list[int]:
-    """Host pids of live (not zombie) processes whose command line contains ``token``."""
-    found = []
+def sandbox_processes(token: str, parent: int | None = None) -> list[int]:
+    """Host pids of live (not zombie) processes whose command line contains ``token``; with
+    ``parent``, only those descending from it (executions this process started, not those of a
+    test running beside it)."""
+    found, parents = [], {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -41,12 +43,25 @@ def sandbox_processes(token: str) -> list[int]:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read()
             with open(f"/proc/{entry}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
+                state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]
+        except (OSError, ValueError):
             continue
+        parents[int(entry)] = int(ppid)
         if token.encode() in cmdline and state != b"Z":
             found.append(int(entry))
-    return found
+    if parent is None:
+        return found
+
+    def descends(pid: int) -> bool:
+        seen = set()
+        while pid in parents and pid not in seen:
+            seen.add(pid)
+            pid = parents[pid]
+            if pid == parent:
+                return True
+        return False
+
+    return [pid for pid in found if descends(pid)]
 
 
 def none_left(token: str, within_s: float = 10.0) -> bool:
