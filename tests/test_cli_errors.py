@@ -368,18 +368,24 @@ def test_status_of_a_run_that_stopped_without_a_summary_or_a_time_in_its_status(
     assert res.exit_code == 2 and "above is its last status, undated (it has no written_at)" in res.output, res.output
 
 
-def test_status_right_after_the_run_was_killed_shows_its_last_status(tmp_path):
-    """Its orchestrator is gone: the snapshot need not age before it is said to be the last."""
+def _killed_run(run_dir, version: int, written_ago: float) -> None:
+    """A run directory whose orchestrator is gone (its pid free), with its last status: solver at
+    ``version``, written ``written_ago`` seconds ago."""
     import subprocess
 
     gone = subprocess.Popen(["true"])
     gone.wait()
-    (tmp_path / "control").mkdir()
-    (tmp_path / "control" / "orchestrator.json").write_text(json.dumps(
+    (run_dir / "control").mkdir()
+    (run_dir / "control" / "orchestrator.json").write_text(json.dumps(
         {"pid": gone.pid, "host": socket.gethostname(), "started": time.time() - 60}))
-    (tmp_path / "control" / "status.json").write_text(json.dumps(
-        {"written_at": time.time() - 2, "data_layer": {"elapsed_s": 50},
-         "trainers": {"solver": {"version": 7, "last_metrics": {"reward_mean": 0.5}}}}))
+    (run_dir / "control" / "status.json").write_text(json.dumps(
+        {"written_at": time.time() - written_ago, "data_layer": {"elapsed_s": 50},
+         "trainers": {"solver": {"version": version, "last_metrics": {"reward_mean": 0.5}}}}))
+
+
+def test_status_right_after_the_run_was_killed_shows_its_last_status(tmp_path):
+    """Its orchestrator is gone: the snapshot need not age before it is said to be the last."""
+    _killed_run(tmp_path, 7, 2)
     res = _invoke("status", str(tmp_path))
     assert res.exit_code == 2 and "stopped without a summary" in res.output, res.output
     assert "solver       version    7  reward 0.500" in res.output, res.output
@@ -439,16 +445,7 @@ def test_status_of_a_run_whose_live_head_writes_no_status_does_not_say_to_resume
 def test_status_of_a_killed_run_says_where_a_resume_goes_on(tmp_path):
     """A killed run's last status is some steps behind what it committed: the line says the
     version the resume goes on from, from the weight store."""
-    import subprocess
-
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    (tmp_path / "control").mkdir()
-    (tmp_path / "control" / "orchestrator.json").write_text(json.dumps(
-        {"pid": gone.pid, "host": socket.gethostname(), "started": time.time() - 60}))
-    (tmp_path / "control" / "status.json").write_text(json.dumps(
-        {"written_at": time.time() - 3, "data_layer": {"elapsed_s": 50},
-         "trainers": {"solver": {"version": 24, "last_metrics": {"reward_mean": 0.5}}}}))
+    _killed_run(tmp_path, 24, 3)
     for v in (29, 30):
         (tmp_path / "weights" / "solver" / f"v{v:08d}").mkdir(parents=True)
         (tmp_path / "weights" / "solver" / f"v{v:08d}" / "COMMITTED").write_text("{}")
