@@ -36,6 +36,9 @@ def export(run_dir: str, out: str | None, policy: str | None, version: int | Non
 
     try:
         if list_only:
+            if out is not None:  # a listing writes nothing: OUT would be ignored without a word
+                raise UserError(f"--list writes nothing, so OUT ({out}) would be ignored: drop OUT to list the "
+                                "versions, or drop --list to export")
             listed = committed_versions(run_dir)
             for name, rows in listed.items():
                 for r in rows:

@@ -228,6 +228,8 @@ def test_cli_lists_versions_and_exits_2_on_bad_input(tiny_model, tmp_path):
     assert res.exit_code == 0 and "solver v4: train step 4, fp32, hf layout" in res.output, res.output
     res = CliRunner().invoke(main, ["export", str(run)])
     assert res.exit_code == 2 and "name the output directory" in res.output
+    res = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "o"), "--list"])
+    assert res.exit_code == 2 and "--list writes nothing" in res.output and not (tmp_path / "o").exists()
     res = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "o"), "--version", "9"])
     assert res.exit_code == 2 and "v4, v5" in res.output
     res = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "o"), "--max-shard-size", "abc"])
