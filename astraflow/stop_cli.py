@@ -75,7 +75,28 @@ def live_holder(run_dir: Path) -> dict:
         shown = cmdline.strip()[:120] or "its command line is unreadable"
         raise UserError(f"pid {pid}, which holds {run_dir}, does not look like `astraflow run` ({shown}): if it "
                         f"is the run, `kill -INT {pid}` stops it the same way")
+    if _holds(pid, RunPaths(run_dir).run_lock) is False:  # a lock file naming another run's process
+        raise UserError(f"pid {pid}, which {run_dir}'s lock names, does not hold that lock (another run's "
+                        "process, or a lock file written by hand): not stopping it")
     return holder
+
+
+def _holds(pid: int, lock: Path) -> bool | None:
+    """Whether process ``pid`` has the file ``lock`` open, as the run holding it does; None where
+    its descriptors cannot be read."""
+    try:
+        want = os.stat(lock)
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+            return True
+    return False
 
 
 @click.command("stop")

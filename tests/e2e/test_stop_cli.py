@@ -69,6 +69,16 @@ def test_stop_signals_nothing_without_a_live_run_of_this_host(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+    # nor an `astraflow` process that does not hold this lock (a lock file naming another run's)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "astraflow", "run"])
+    try:
+        lock.write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(), "started": time.time() + 5}))
+        res = _stop(run_dir)
+        assert res.returncode == 2 and "does not hold that lock" in res.stderr, res.stderr
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
     lock.write_text(json.dumps({"pid": 1234, "host": "another-host", "started": time.time()}))
     res = _stop(run_dir)
     assert res.returncode == 2 and "runs on host another-host (pid 1234)" in res.stderr and "scancel" in res.stderr
