@@ -128,9 +128,11 @@ def test_connected_workers_never_reads_the_refreshed_cache(tmp_path):
                 fresh_misses = sum(not connected_workers(client) for _ in range(300))
         print(f"misses: cached {cached_misses} in {reads} reads, fresh {fresh_misses} in 300")
         assert fresh_misses == 0
-        assert cached_misses > 0, "the race this guards against did not show here (Dask changed?)"
     finally:
         stop(proc)
+    if not cached_misses:  # a loaded machine may not hit the window in the time given: no comparison made
+        pytest.skip(f"the race this guards against did not show in {reads} reads here (a busy machine, or Dask "
+                    "changed)")
 
 
 def test_submit_is_all_or_none(tmp_path):
