@@ -6,6 +6,7 @@ a sandbox result (a stand-in sandbox here; tests/workloads/test_code_sandbox.py 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -70,6 +71,17 @@ def test_families_limits_and_unknown_names():
         CodeWorkload(families=["nope"]).tasks("train")
     with pytest.raises(ValueError, match="reward"):
         make_workload("code", {"reward": "most"}, 0)
+
+
+def test_docs_name_every_family_as_families_takes_it():
+    """docs/code.md gives each generated family as `families:` names it, then its function names
+    (`mul` writes `times_k`): a list of the functions alone sent users to names that are refused."""
+    from astraflow.workloads.codegen import FAMILIES
+
+    text = (ROOT / "docs" / "code.md").read_text()
+    for fam in FAMILIES:
+        fn = fam.fname.split("{")[0]
+        assert re.search(rf"`{fam.name}`\s+\(`{re.escape(fn)}", text), (fam.name, fn)
 
 
 def test_body_of_drops_code_after_the_function():
