@@ -55,8 +55,8 @@ def partitions_list(run_dir: str, as_json: bool) -> None:
 @click.option("--from-yaml", "from_yaml", type=UserPath(dir_okay=False),
               help="A YAML mapping of Partition fields (options given here override it).")
 @click.option("--scheduler", type=choices(Partition, "scheduler"), default=None,
-              help="[default: the scheduler of the run's rollout partitions where they all have one, else "
-                   f"{ADD_SCHEDULER}]")
+              help="What starts the workers: local processes on the run's host, or Slurm jobs.  [default: the "
+                   f"scheduler of the run's rollout partitions where they all have one, else {ADD_SCHEDULER}]")
 @click.option("--slurm-partition", default=None, help="Slurm partition (sbatch --partition).")
 @click.option("--nodes", type=int, default=None,
               help=f"Workers (one Slurm job, one node each). [default: {Partition.model_fields['nodes'].default}]")

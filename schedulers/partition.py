@@ -231,8 +231,9 @@ class Partition(BaseModel):
     """Slurm time limit (``--time``), e.g. ``01:00:00`` or ``2-00:00:00``. Ignored by ``local``."""
 
     region: Label = "local"
-    """Where the pool runs (site or cloud region label), part of the worker name; used for
-    cross-region routing. Letters, digits, '_' and '.'."""
+    """Where the pool runs (site or cloud region label): part of the worker name and of each
+    trajectory's provenance; a label only, nothing is placed or routed by it. Letters, digits,
+    '_' and '.'."""
 
     hardware: Label = "cpu"
     """Hardware label (``H100``, ``A100``, ``cpu``), part of the worker name. Letters, digits, '_' and '.'."""

@@ -11,6 +11,7 @@ import socket
 import time
 from pathlib import Path
 
+import click
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -318,6 +319,22 @@ def test_help_describes_every_option():
     assert res.exit_code == 0 and "Override a config value" in res.output
     res = _invoke("model", "init", "--help")
     assert res.exit_code == 0 and "None" not in res.output and "Unset: no bound in steps" in res.output
+    bare = []  # every command of the tree has a text, and every option one beyond its "[default: ...]"
+
+    def walk(cmd: click.Command, path: str) -> None:
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+        if not (cmd.help or "").strip():
+            bare.append(path)
+        for p in cmd.params:
+            text = (getattr(p, "help", None) or "").strip()
+            if isinstance(p, click.Option) and (not text or text.startswith("[")):
+                bare.append(f"{path} {p.opts[0]}")
+
+    walk(main, "astraflow")
+    assert not bare, bare
+    res = _invoke("partitions", "add", "--help")
+    assert "routing" not in res.output, res.output  # a region is a label: nothing routes by it
 
 
 # -- status of a finished run ----------------------------------------------------------------------
