@@ -24,7 +24,8 @@ def main() -> None:
 @click.option("--scheduler-address", required=True, help="tcp://host:port or the path of <run>/scheduler.json")
 @click.option("--job-dir", required=True, type=click.Path(path_type=Path), help="where scripts and logs would go")
 @click.option("--count", default=1, show_default=True, type=click.IntRange(min=1), help="how many workers")
-@click.option("--start-index", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--start-index", default=0, show_default=True, type=click.IntRange(min=0),
+              help="number of the first worker (the last field of its name)")
 @click.option("--python", "python", default=sys.executable, show_default=True, help="interpreter on the compute nodes")
 @click.option("--interface", default=None, help="network interface the workers listen on (e.g. ib0)")
 @click.option("--setup-line", "setup_lines", multiple=True, help="shell line before the worker (module load ...)")

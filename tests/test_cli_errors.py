@@ -331,7 +331,10 @@ def test_help_describes_every_option():
             if isinstance(p, click.Option) and (not text or text.startswith("[")):
                 bare.append(f"{path} {p.opts[0]}")
 
+    from schedulers.__main__ import main as schedulers_main
+
     walk(main, "astraflow")
+    walk(schedulers_main, "python -m schedulers")
     assert not bare, bare
     res = _invoke("partitions", "add", "--help")
     assert "routing" not in res.output, res.output  # a region is a label: nothing routes by it
