@@ -66,7 +66,7 @@ def partitions_list(run_dir: str, as_json: bool) -> None:
 @click.option("--mem", default=None, help="Memory per node, e.g. 16G.")
 @click.option("--walltime", default=None, help="Slurm time limit, e.g. 04:00:00.")
 @click.option("--region", **field_option(Partition, "region", default=None, show_default=False))
-@click.option("--hardware", default=None, help="Hardware label in worker names, e.g. H100.")
+@click.option("--hardware", **field_option(Partition, "hardware", default=None, show_default=False))
 @click.option("--role", type=choices(Partition, "role"), default=None,
               help=f"Only rollout pools can join a running run.  [default: {Partition.model_fields['role'].default}]")
 @click.option("--sbatch-option", "sbatch_options", multiple=True, metavar="--OPT=VALUE",

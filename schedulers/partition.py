@@ -236,7 +236,9 @@ class Partition(BaseModel):
     '_' and '.'."""
 
     hardware: Label = "cpu"
-    """Hardware label (``H100``, ``A100``, ``cpu``), part of the worker name. Letters, digits, '_' and '.'."""
+    """Hardware label (``H100``, ``A100``, ``cpu``), part of the worker name; with sim engines a
+    label naming a preset (``h100``, ``a100``, case aside) gives the pool that preset's timing
+    (``docs/sim.md``). Letters, digits, '_' and '.'."""
 
     role: Role = "rollout"
     """What the workers host: ``rollout`` (RaaS nodes), ``trainer`` or ``data`` (data layer)."""

@@ -338,6 +338,7 @@ def test_help_describes_every_option():
     assert not bare, bare
     res = _invoke("partitions", "add", "--help")
     assert "routing" not in res.output, res.output  # a region is a label: nothing routes by it
+    assert "preset's timing" in " ".join(res.output.split())  # --hardware picks a sim pool's preset
 
 
 # -- status of a finished run ----------------------------------------------------------------------
