@@ -6,6 +6,7 @@ or number is told to quote it; a boolean where a number is wanted is refused rat
 
 from __future__ import annotations
 
+import difflib
 import re
 import types
 from typing import Annotated, Any, Union, get_args, get_origin
@@ -182,6 +183,20 @@ def _section_line(loc: str, section: type[BaseModel], given: Any) -> str:
     return f"{loc}: is a section, not a value (got {got}); set its keys ({', '.join(keys)}), e.g. {loc}.{keys[0]}=..."
 
 
+def _unknown_key(loc: str, key: Any, model: Any, parent: tuple) -> str:
+    """An unknown key as a likely misspelling: the nearest key of its section and the section's
+    keys, as an unknown workload param is told (the section unknown: where fields are documented)."""
+    section = model_of(config_loc(model, parent)[1]) if model is not None else None
+    if section is None:
+        return (f"{loc}: unknown key (check the spelling; docs/configuration.md lists the sections and where each "
+                "field is documented)")
+    keys = list(section.model_fields)
+    if not keys:
+        return f"{loc}: unknown key; this section takes no keys (leave it out or write {{}})"
+    close = difflib.get_close_matches(str(key), keys, n=1)
+    return f"{loc}: unknown key{f'; did you mean {close[0]}?' if close else ''} (its keys: {', '.join(keys)})"
+
+
 #: error types whose message is the whole explanation (the value given is not added)
 OWN_WORDS = frozenset({"value_error", "assertion_error", "bool_number", "unknown_param"})
 
@@ -225,8 +240,7 @@ def describe_error(e: dict[str, Any], set_hint: bool = True, model: type[BaseMod
         return msg
     given = e.get("input")
     if e["type"] == "extra_forbidden":
-        return (f"{loc}: unknown key (check the spelling; docs/configuration.md lists the sections and where each "
-                "field is documented)")
+        return _unknown_key(loc, path[-1], model, tuple(e["loc"])[:-1])
     section = model_of(ann) if ann is not None else None
     if e["type"] in ("model_type", "model_attributes_type") and section is not None and not isinstance(given, dict):
         return _section_line(loc, section, given)
@@ -360,9 +374,11 @@ def option_error(e: dict[str, Any]) -> str:
     return f"{option} {plain(e.get('input'))}: {fix}"
 
 
-def partition_errors(err: ValidationError | None, extra: list[str] = (), options: Any = ()) -> str:
+def partition_errors(err: ValidationError | None, extra: list[str] = (), options: Any = (),
+                     model: type[BaseModel] | None = None) -> str:
     """The errors of a partition from options and --from-yaml, worded as a config file's are; a
-    field in ``options`` (given as an option) is named as that option (`option_error`)."""
-    lines = [*extra, *(option_error(e) if e["loc"] and e["loc"][0] in options else describe_error(e, set_hint=False)
-                       for e in (err.errors() if err else []))]
+    field in ``options`` (given as an option) is named as that option (`option_error`). ``model``:
+    the partition's type, whose keys an unknown one is told."""
+    lines = [*extra, *(option_error(e) if e["loc"] and e["loc"][0] in options
+                       else describe_error(e, set_hint=False, model=model) for e in (err.errors() if err else []))]
     return "invalid partition:\n  " + "\n  ".join(lines)

@@ -148,7 +148,7 @@ def _partition_from(name: str | None, from_yaml: str | None, fields: dict, sched
     try:
         part = Partition(**data)
     except ValidationError as err:
-        raise UserError(partition_errors(err, bools, given)) from None
+        raise UserError(partition_errors(err, bools, given, Partition)) from None
     if bools:
         raise UserError(partition_errors(None, bools))
     return part

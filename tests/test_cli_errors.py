@@ -251,7 +251,7 @@ def test_partition_unknown_key_reads_as_in_a_config_file(tmp_path):
     (tmp_path / "p.yaml").write_text("name: x\nnodez: 3\n")
     res = _invoke("partitions", "add", str(tmp_path), "--from-yaml", str(tmp_path / "p.yaml"))
     assert res.exit_code == 2, res.output
-    assert "nodez: unknown key (check the spelling" in res.output and "Extra inputs" not in res.output
+    assert "nodez: unknown key; did you mean nodes?" in res.output and "Extra inputs" not in res.output
 
 
 def test_partition_yaml_that_does_not_parse_is_named_where_in_one_line(tmp_path):

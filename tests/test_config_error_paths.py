@@ -1,7 +1,7 @@
 """Config errors name a path a user can write or ``--set``, and the fix: never the tag of a union
 member (a dataflow rule's ``type``); a boolean is never taken as a number, nor judged as one by a
 check across fields; a value where a section is wanted is told the section's switch or keys; an
-unknown workload param is told the workload's params."""
+unknown workload param is told the workload's params, and an unknown key its section's keys."""
 
 from __future__ import annotations
 
@@ -196,3 +196,28 @@ def test_an_unknown_workload_param_names_the_workloads_params(tmp_path, settings
     assert res.exit_code == 2, res.output
     assert len(_errors(res.output)) == 1 and _errors(res.output)[0].startswith(line), res.output
     assert "docs/configuration.md" not in res.output
+
+
+# -- an unknown key ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("settings, line", [
+    (["rollout.capcity=3"], "rollout.capcity: unknown key; did you mean capacity? (its keys: engine, capacity, "),
+    (["policies.solver.trainer.lrr=1e-4"], "policies[solver].trainer.lrr: unknown key; did you mean lr? (its keys: "),
+    (["cluster.tls.enable=false"], "cluster.tls.enable: unknown key; did you mean enabled? (its keys: enabled, "),
+    (["dataflow.curator.type=curriculum", "dataflow.curator.params.widht=0.2"],
+     "dataflow.curator.params.widht: unknown key; did you mean width? (its keys: seed, target, width, floor)"),
+    (["dataflow.ordering.type=edf", "dataflow.ordering.params.window=1"],
+     "dataflow.ordering.params.window: unknown key; this section takes no keys"),
+    (["autoscale={hi: 1}"], "autoscale.hi: unknown key (its keys: enabled, high_wait, low_wait, "),
+])
+def test_an_unknown_key_is_told_the_nearest_key_and_its_sections_keys(tmp_path, settings, line):
+    """As an unknown workload param is: a misspelt key names the one meant, not only the docs."""
+    res = _check(tmp_path, *settings)
+    assert res.exit_code == 2, res.output
+    assert len(_errors(res.output)) == 1 and _errors(res.output)[0].startswith(line), res.output
+
+
+def test_an_unknown_key_of_a_partition_file_is_told_the_partitions_keys(tmp_path):
+    (tmp_path / "p.yaml").write_text("name: x\nnodez: 3\n")
+    res = _invoke("partitions", "add", str(tmp_path), "--from-yaml", str(tmp_path / "p.yaml"))
+    assert res.exit_code == 2 and "nodez: unknown key; did you mean nodes? (its keys: name, " in res.output, res.output
