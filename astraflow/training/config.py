@@ -186,7 +186,7 @@ class TrainerConfig(Strict):
     stops, under ``<run>/trainer_state/<policy>/`` (with the fp32 weights when ``publish_dtype``
     is narrower); a run resumed on the same run directory continues with it instead of fresh
     moments. The Megatron backend's state is per tensor-parallel rank: a resume with another
-    ``tensor_parallel`` starts with fresh moments (another ``data_parallel`` keeps them: the
+    ``tensor_parallel`` cuts it again for its ranks, and another ``data_parallel`` keeps it (the
     replicas' moments are equal). 0: only when the trainer stops."""
     skip_zero_advantage: bool = True
     """Do not compute the forward/backward of sequences whose group-normalised advantage is 0

@@ -1,7 +1,8 @@
 """The Megatron ranks' optimiser-state record (``training/megatron/state.py``) on a plain module:
 keyed by parameter name, it survives ``torch.save`` / ``torch.load(weights_only=True)`` and
-continues with the same step; a record of another layout or model is refused by name. Pure torch
-(no Megatron import, no process): what each rank runs on its own shard."""
+continues with the same step; a record saved under another tensor-parallel size is cut again for
+this one; a record of another pipeline layout or model is refused by name. Pure torch (no Megatron
+import, no process): what each rank runs on its own shard."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import io
 import pytest
 import torch
 
+from astraflow.training.megatron.convert import shard_for_rank
 from astraflow.training.megatron.state import (
-    check_optimizer_state, layout, load_named_optimizer_state, named_optimizer_state, pack, unpack,
+    check_optimizer_state, for_tensor_parallel, layout, load_named_optimizer_state, named_optimizer_state, pack, unpack,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,14 +62,55 @@ def test_another_layout_or_model_is_refused_by_name():
     a, opt_a = _model_and_opt()
     _step(a, opt_a, 1)
     saved, shapes = _record(a, opt_a)
-    with pytest.raises(ValueError, match="saved with the parallel layout tensor_parallel=1.*runs tensor_parallel=2"):
-        check_optimizer_state(saved, [shapes, shapes])
+    other_pipeline = {**saved, "layout": {**saved["layout"], "pipeline_parallel": 2}}
+    with pytest.raises(ValueError, match="saved with the parallel layout .*pipeline_parallel=2 and this trainer runs"):
+        check_optimizer_state(other_pipeline, [shapes])
+    with pytest.raises(ValueError, match="saved with the parallel layout .*pipeline_parallel=2 and this trainer runs"):
+        for_tensor_parallel(other_pipeline, 2)
     with pytest.raises(ValueError, match="not an optimiser state of the Megatron backend"):
         check_optimizer_state(opt_a.state_dict(), [shapes])
     with pytest.raises(ValueError, match=r"0.weight exp_avg has shape \(3, 4\), the parameter \(3, 5\)"):
         check_optimizer_state(saved, [{**shapes, "0.weight": [3, 5]}])
     with pytest.raises(ValueError, match="names parameters this model does not have"):
         check_optimizer_state(saved, [{k: v for k, v in shapes.items() if k != "1.weight"}])
+
+
+#: Megatron parameter names of each kind of cut (``convert``): rows, [gate; up] rows, columns, replicated
+_FULL_SHAPES = {"embedding.word_embeddings.weight": (8, 3), "decoder.layers.0.mlp.linear_fc1.weight": (8, 3),
+                "decoder.layers.0.self_attention.linear_proj.weight": (3, 4), "decoder.final_layernorm.weight": (3,)}
+
+
+def _state_for(full: dict, tp: int, step: float = 7.0) -> dict:
+    """The record ``tp`` ranks save for the full moments ``full`` (``exp_avg``; ``exp_avg_sq`` its square)."""
+    ranks = []
+    for t in range(tp):
+        cut = shard_for_rank(full, t, tp)
+        ranks.append({"state": {n: {"step": torch.tensor(step), "exp_avg": cut[n], "exp_avg_sq": cut[n] ** 2}
+                                for n in full},
+                      "param_groups": [{"lr": 1e-3, "params": list(full)}]})
+    return {"backend": "megatron", "layout": layout(tp, 2), "ranks": ranks}
+
+
+def test_a_state_saved_under_another_tensor_parallel_size_is_cut_again():
+    torch.manual_seed(0)
+    full = {n: torch.randn(shape) for n, shape in _FULL_SHAPES.items()}
+    saved = _state_for(full, 2)
+    for tp in (1, 2, 4):
+        got = for_tensor_parallel(saved, tp)
+        want = _state_for(full, tp)
+        assert got["layout"] == layout(tp, 2) and len(got["ranks"]) == tp
+        check_optimizer_state(got, [{n: list(m["exp_avg"].shape) for n, m in rec["state"].items()}
+                                    for rec in want["ranks"]], dp_size=1)
+        for g, w in zip(got["ranks"], want["ranks"]):
+            assert g["param_groups"] == w["param_groups"]
+            for n in full:
+                assert float(g["state"][n]["step"]) == 7.0
+                assert all(torch.equal(g["state"][n][k], w["state"][n][k]) for k in ("exp_avg", "exp_avg_sq")), n
+    assert for_tensor_parallel(saved, 2) is saved
+    damaged = _state_for(full, 2)
+    del damaged["ranks"][1]["state"]["decoder.final_layernorm.weight"]
+    with pytest.raises(ValueError, match="ranks hold moments of different parameters: it is damaged"):
+        for_tensor_parallel(damaged, 1)
 
 
 def test_packed_views_carry_only_their_own_elements():

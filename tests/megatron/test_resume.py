@@ -1,7 +1,7 @@
 """The Megatron backend resumes: a committed version loads into a new backend (any TP size), its
 optimiser state round-trips through ``torch.save`` / ``torch.load(weights_only=True)`` and the
-next step is the uninterrupted run's, a state saved under another TP size is refused (the
-ranks keep running, with fresh moments), and a ``Trainer`` on a megatron config continues from
+next step is the uninterrupted run's, also under another TP size (the moments cut again for
+it), a state of another backend is refused (the ranks keep running), and a ``Trainer`` on a megatron config continues from
 its latest committed version.
 
 Real rank processes over gloo and the real ``WeightStore``; the data layer is the recorder the
@@ -49,7 +49,8 @@ def _max_diff(a: dict, b: dict) -> float:
 def runs(tmp_path_factory):
     """TP=2, tied embeddings: two steps, v2 committed, its optimiser state saved, then the
     uninterrupted third step. A new TP=2 backend resumes from v2 and the saved state and takes
-    the same third step; a TP=1 backend loads v2 and is offered the TP=2 optimiser state."""
+    the same third step; a TP=1 backend loads v2, takes the third step with fresh moments, then
+loads v2 again with the TP=2 optimiser state and takes it again."""
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("TP=2 on a GPU host needs 2 GPUs (NCCL, one per rank); CPU hosts run it over gloo")
     tmp = tmp_path_factory.mktemp("resume")
@@ -78,13 +79,14 @@ def runs(tmp_path_factory):
         c.load_state_dict(committed)
         out["tp1_logprobs"] = c.logprobs(toks)
         with pytest.raises(ValueError) as err:
-            c.load_optimizer_state(out["saved_optimizer"])
-        out["layout_error"] = str(err.value)
-        with pytest.raises(ValueError) as err:
             c.load_optimizer_state({"state": {}, "param_groups": []})  # the torch backend's kind
         out["foreign_error"] = str(err.value)
         c.train_step(out["batch3"])  # refused without harm: the ranks go on, with fresh moments
         out["fresh_moments_step"] = c.state_dict()
+        c.load_state_dict(committed)
+        c.load_optimizer_state(out["saved_optimizer"])  # saved under TP=2
+        c.train_step(out["batch3"])
+        out["tp1_resumed_step"] = c.state_dict()
         c.load_state_dict({k: v.to(torch.bfloat16) for k, v in out["v2_state"].items()})
         out["bf16_loaded"] = c.state_dict()
     return out
@@ -116,10 +118,12 @@ def test_the_saved_optimiser_state_continues_with_the_same_step(runs):
 
 
 @pytest.mark.timeout(300)
-def test_a_layout_change_loads_the_weights_and_refuses_the_moments(runs):
+def test_a_layout_change_loads_the_weights_and_the_moments(runs):
     assert np.abs(runs["tp1_logprobs"] - runs["v2_logprobs"]).max() < TOL  # weights reshard to any TP size
-    msg = runs["layout_error"]
-    assert "tensor_parallel=2" in msg and "tensor_parallel=1" in msg and "trainer.tensor_parallel" in msg
+    # the TP=2 moments, cut again for TP=1, take the uninterrupted step (to float rounding of
+    # the other reduction order); fresh moments land far from it
+    assert _max_diff(runs["tp1_resumed_step"], runs["uninterrupted"]) < 1e-5
+    assert _max_diff(runs["fresh_moments_step"], runs["uninterrupted"]) > 100 * 1e-5
     assert "not an optimiser state of the Megatron backend" in runs["foreign_error"]
 
 

@@ -41,9 +41,10 @@ Resume. ``load_state_dict`` takes a committed version (any TP size, fp32 or bf16
 weights, cuts each rank's shard here and sends it; ``state_dict`` gathers the shards back under
 HF names (both from data-parallel rank 0; every replica gets the weights). ``optimizer_state``
 is every tensor-parallel rank's AdamW state keyed by parameter name, with the parallel layout
-it belongs to; it loads under the same tensor-parallel size and any data-parallel size
-(``state``). Everything loaded is checked against the shapes the ranks reported at ``init``
-before it is sent, so a refused state raises ``ValueError`` and leaves the ranks running.
+it belongs to; it loads under any tensor- and data-parallel size (``state``: moments saved
+under another tensor-parallel size are put back together and cut again). Everything loaded is
+checked against the shapes the ranks reported at ``init`` before it is sent, so a refused state
+raises ``ValueError`` and leaves the ranks running.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ from astraflow.training.megatron.rank_server import temporary_directory
 from astraflow.training.numerics import NonFiniteError, likely_cause
 from astraflow.training.megatron.slurm import Allocation
 from astraflow.training.megatron.state import BACKEND as STATE_BACKEND
-from astraflow.training.megatron.state import check_optimizer_state, layout, pack, unpack
+from astraflow.training.megatron.state import check_optimizer_state, for_tensor_parallel, layout, pack, unpack
 from astraflow.weightconv import megatron_to_hf
 
 
@@ -165,8 +166,8 @@ class MegatronBackend(RankChannel):
 
     #: ``TrainerBackend`` capabilities: the weights live in the rank processes, so there is no
     #: in-process copy to publish in the background (``snapshot`` raises; the trainer does not
-    #: call it). A run resumes from committed weights in any TP/DP layout, and with its optimiser
-    #: state under the TP size it was saved with (any DP size, ``state``).
+    #: call it). A run resumes from committed weights and its optimiser state in any TP/DP
+    #: layout (``state``).
     supports_snapshot = False
     supports_resume = True
     supports_optimizer_state = True
@@ -315,9 +316,10 @@ class MegatronBackend(RankChannel):
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         """Continue with saved moments, every replica with its tensor-parallel rank's record
-        (saved under any ``dp_size``). ``ValueError`` (the ranks untouched) when they were
-        saved under another tensor-parallel size or for another model; the hyperparameters stay
-        this backend's (a resumed run may change ``lr``)."""
+        (saved under any ``dp_size``; under another ``tp_size``, cut again for this one).
+        ``ValueError`` (the ranks untouched) when they are another model's; the hyperparameters
+        stay this backend's (a resumed run may change ``lr``)."""
+        state = for_tensor_parallel(state, self.config.tp_size)
         check_optimizer_state(state, self.param_shapes, self.config.dp_size)
         packed = [pack(rec) for rec in state["ranks"]]
         self._call("load_optimizer_state", None, self.config.step_timeout_s, per_rank=[packed[t] for t in self.tp_rank])

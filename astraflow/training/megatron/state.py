@@ -15,10 +15,12 @@ instead of position (``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "par
 Data parallelism replicates the moments: every replica applies the same reduced gradient to
 the same weights, so the records of data-parallel rank 0 are the whole state and a state
 loads under any ``data_parallel`` (each replica gets its tensor-parallel rank's record;
-``data_parallel`` is recorded for the reader). It loads only under the same tensor- and
-pipeline-parallel sizes (``ValueError`` naming both layouts otherwise); names and shapes are
-checked against each rank's parameters in the backend, before anything is sent, so a refused
-state leaves the ranks running.
+``data_parallel`` is recorded for the reader). A rank's moments are cut from the full tensors
+exactly as its parameters are, so a state saved under another tensor-parallel size is put back
+together and cut again for this one (``for_tensor_parallel``, with ``convert``'s cuts); the
+pipeline-parallel size must match (``ValueError`` naming both layouts otherwise). Names and
+shapes are checked against each rank's parameters in the backend, before anything is sent, so a
+refused state leaves the ranks running.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ import torch
 
 BACKEND = "megatron"
 
-#: the layout sizes a saved optimiser state must match to load (``data_parallel`` need not)
-SHARDED_BY = ("tensor_parallel", "pipeline_parallel")
+#: the layout sizes a saved optimiser state must match to load (``tensor_parallel`` is cut
+#: again, ``data_parallel`` need not)
+SHARDED_BY = ("pipeline_parallel",)
+#: the per-parameter moments, cut over the tensor-parallel ranks as the parameter is
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def pack(obj: Any) -> bytes:
@@ -59,8 +64,7 @@ def unpack(data: bytes) -> Any:
 
 def layout(tp_size: int, dp_size: int = 1) -> dict[str, int]:
     """The parallel layout an optimiser state was written under. The moments are sharded by
-    the tensor- and pipeline-parallel sizes (``SHARDED_BY``) and replicated over the
-    data-parallel one."""
+    the tensor- and pipeline-parallel sizes and replicated over the data-parallel one."""
     return {"tensor_parallel": tp_size, "data_parallel": dp_size, "pipeline_parallel": 1}
 
 
@@ -70,19 +74,11 @@ def _fmt(lay: Mapping[str, Any]) -> str:
 
 def check_optimizer_state(state: Any, params: Sequence[Mapping[str, Sequence[int]]], dp_size: int = 1) -> None:
     """``ValueError`` unless ``state`` is a Megatron optimiser state for this backend's layout
-    (``params``: per tensor-parallel rank, parameter name -> shape; ``dp_size``: its
-    data-parallel size, which may differ from the saved one) whose names and moment shapes fit."""
-    if not isinstance(state, dict) or state.get("backend") != BACKEND or "ranks" not in state:
-        raise ValueError("not an optimiser state of the Megatron backend (a run trained with another "
-                         "trainer.backend?): it needs the keys 'backend', 'layout' and 'ranks'")
+    (cut for its tensor-parallel size by ``for_tensor_parallel``; ``params``: per
+    tensor-parallel rank, parameter name -> shape; ``dp_size``: its data-parallel size, which
+    may differ from the saved one) whose names and moment shapes fit."""
     current = layout(len(params), dp_size)
-    saved = state.get("layout") or {}
-    if any(saved.get(k) != current[k] for k in SHARDED_BY):
-        raise ValueError(
-            f"the optimiser state was saved with the parallel layout {_fmt(saved)} and "
-            f"this trainer runs {_fmt(current)}: its moments are sharded for the saved layout; resume with "
-            "that trainer.tensor_parallel to keep them"
-        )
+    _check_record(state, current)
     if len(state["ranks"]) != len(params):
         raise ValueError(f"the optimiser state holds {len(state['ranks'])} rank(s) for {_fmt(current)}: it is damaged")
     for r, (rec, own) in enumerate(zip(state["ranks"], params)):
@@ -98,6 +94,46 @@ def check_optimizer_state(state: Any, params: Sequence[Mapping[str, Sequence[int
         if groups != [list(own)]:
             raise ValueError(f"optimiser state of rank {r} has other parameter groups than this model's one "
                              "group of every parameter")
+
+
+def _check_record(state: Any, current: Mapping[str, int]) -> None:
+    """``ValueError`` unless ``state`` is a Megatron optimiser state whose layout may load
+    under ``current`` (``SHARDED_BY`` equal)."""
+    if not isinstance(state, dict) or state.get("backend") != BACKEND or "ranks" not in state:
+        raise ValueError("not an optimiser state of the Megatron backend (a run trained with another "
+                         "trainer.backend?): it needs the keys 'backend', 'layout' and 'ranks'")
+    saved = state.get("layout") or {}
+    if any(saved.get(k) != current[k] for k in SHARDED_BY):
+        raise ValueError(
+            f"the optimiser state was saved with the parallel layout {_fmt(saved)} and "
+            f"this trainer runs {_fmt(current)}: its moments are sharded for the saved layout"
+        )
+
+
+def for_tensor_parallel(state: Any, tp_size: int) -> dict[str, Any]:
+    """``state`` with one record per tensor-parallel rank of ``tp_size``: as it is when saved
+    under that size, else every moment put back together from the saved ranks' cuts and cut
+    again (``convert``), the step counts and parameter groups taken from saved rank 0 (every
+    rank steps alike). ``ValueError`` for a record that is not a Megatron state or is damaged."""
+    from astraflow.training.megatron.convert import gather_shards, shard_for_rank
+
+    _check_record(state, layout(tp_size))
+    ranks = state["ranks"]
+    saved_tp = (state.get("layout") or {}).get("tensor_parallel")
+    if len(ranks) == tp_size or saved_tp != len(ranks) or not ranks:
+        return state  # the same size, or a damaged record that ``check_optimizer_state`` names
+    names = list(ranks[0]["state"])
+    if any(list(rec["state"]) != names for rec in ranks):
+        raise ValueError(f"the optimiser state's {len(ranks)} ranks hold moments of different parameters: "
+                         "it is damaged")
+    full = {key: gather_shards([{n: rec["state"][n][key] for n in names} for rec in ranks]) for key in MOMENTS}
+    records = []
+    for t in range(tp_size):
+        cut = {key: shard_for_rank(full[key], t, tp_size) for key in MOMENTS}
+        records.append({"state": {n: {**ranks[0]["state"][n], **{key: cut[key][n] for key in MOMENTS}} for n in names},
+                        "param_groups": ranks[0]["param_groups"]})
+    return {**state, "layout": layout(tp_size, (state.get("layout") or {}).get("data_parallel", 1)),
+            "ranks": records}
 
 
 def named_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
