@@ -5,18 +5,17 @@ and delegates each concern to its own module:
 * the worker state machine (`workers`): phases, losses, failed nodes, removals and drains;
 * partition reconciliation (`reconcile`): desired partitions against the worker jobs;
 * the autoscaler (`autoscaling`): the partitions' desired sizes from the trainers' wait;
-* restarts (`restarts`): a lost trainer worker replaced, its trainer resumed; a lost
-  data-layer worker replaced, the data layer restored from its durable state;
+* restarts (`restarts`): a lost trainer worker (or a rank of its backend) replaced, its trainer
+  resumed; a lost data-layer worker replaced, the data layer restored from its durable state;
 * status and summary (`monitoring.writer`): ``control/status.json`` each tick, ``summary.json``.
 * the way out (`shutdown`): components stopped in order, the summary, jobs cancelled.
 
 Each tick of its loop it:
 
 1. reads the *desired* partitions and submits or cancels worker jobs to match;
-2. advances every worker one step: places a RaaS actor on every rollout worker that joined
-   and has none (the node catches up to the latest weights before leasing), and tells the data
-   layer about workers that vanished (their leases are requeued at once instead of waiting for
-   expiry);
+2. advances every worker one step: places a RaaS actor on every rollout worker that joined and
+   has none (it catches up to the latest weights before leasing), and tells the data layer
+   about workers that vanished (their leases are requeued at once, not at expiry);
 3. shows progress and writes the status, and ends the run when every trainer took its steps
    and the last evaluation finished (or on Ctrl-C / SIGTERM, a lost data-layer or trainer
    worker past ``cluster.data_layer_restarts`` / ``cluster.trainer_restarts``, a component
@@ -349,6 +348,7 @@ class Orchestrator(Shutdown):
                 tick = self._tick()
                 for p, st in tick.trainers.items():
                     if st["error"]:
+                        self.restarts.backend_lost(p, st)  # a rank killed: TrainerLost, restarted below
                         raise full_disk_of(st) or RunFailed(f"trainer {p} failed: {st['error']}")
                 if why := _rule_failed(tick.data_layer):  # before nodes are replaced for it
                     raise RunFailed(why)

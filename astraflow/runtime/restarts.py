@@ -114,6 +114,19 @@ class TrainerRestarts:
                 return lost
         raise err
 
+    def backend_lost(self, policy: str, state: dict[str, Any]) -> None:
+        """Raise ``TrainerLost`` for the worker of ``policy``'s trainer when it failed because a
+        process of its backend was killed from outside (``error_lost``: a Megatron rank ended by
+        the out-of-memory killer): its worker is then replaced and the trainer restarted as
+        after a lost worker (``replace``). Nothing for any other failure."""
+        w = self.fleet.workers.get(self.placed_on.get(policy, ""))
+        if not state.get("error_lost") or w is None or w.gone:
+            return
+        why = state["error"].splitlines()[0]
+        w.enter("gone")  # its job is cancelled and the partition refilled, as for a worker that vanished
+        w.note = why
+        raise TrainerLost(f"trainer {policy} on worker {w.name} lost a process of its backend ({why})", w, why)
+
     def replace(self, lost: TrainerLost) -> None:
         """Restart every trainer that ran on the lost worker (module docstring), or raise
         ``RunFailed`` saying why it cannot be and the fix."""

@@ -17,6 +17,12 @@ from astraflow.batches import Batch
 from astraflow.contracts import WeightVersion
 
 
+class BackendProcessLost(RuntimeError):
+    """A process the backend computes in was killed from outside (SIGKILL: the out-of-memory
+    killer, an administrator), not failed on its own: the trainer reports it (``error_lost`` in
+    its state) and the run replaces the trainer as it replaces one whose worker was lost."""
+
+
 class TrainerBackend(Protocol):
     @property
     def supports_snapshot(self) -> bool:

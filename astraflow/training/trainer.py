@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from astraflow.batches import BatchRefs
-from astraflow.training.backend import TrainerBackend
+from astraflow.training.backend import BackendProcessLost, TrainerBackend
 from astraflow.training.config import TrainerConfig
 from astraflow.training.numerics import NonFiniteSteps
 from astraflow.training.optimizer_checkpoint import OptimizerCheckpoint
@@ -149,6 +149,9 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
         self.error: str | None = None
         self.error_os: tuple[int, str | None] | None = None
         """(errno, filename) when the error was an ``OSError``: the orchestrator tells a full disk apart."""
+        #: the error was a process of the backend killed from outside (``BackendProcessLost``): the
+        #: orchestrator restarts the trainer as if its worker had been lost
+        self.error_lost = False
         self.wait_s = 0.0
         #: seconds waited for batches up to the last fetch (``wait_s`` counts committed steps
         #: only); with ``_waiting_since`` it gives the autoscaler a wait that a starved trainer
@@ -271,6 +274,7 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
             "done": self.done,
             "error": self.error,
             "error_os": self.error_os,
+            "error_lost": self.error_lost,
             "wait_s": self.wait_s,
             "train_s": self.train_s,
             "publish_s": self.publish_s,
@@ -425,6 +429,7 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
     def _fail(self, err: Exception) -> None:
         """Report ``err`` through ``state()``; an ``OSError``'s errno and file go with it (a full disk)."""
         self.error = f"{type(err).__name__}: {err}"
+        self.error_lost = isinstance(err, BackendProcessLost)
         if isinstance(err, OSError) and err.errno is not None:
             self.error_os = (err.errno, None if err.filename is None else str(err.filename))
 

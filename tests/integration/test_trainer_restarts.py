@@ -131,3 +131,22 @@ def test_the_sync_driver_keeps_one_deadline_for_all_its_iterations():
     with pytest.raises(TimeoutError, match="run deadline passed in sync iteration"):
         drive_sync(_SlowDataLayer(0.3), {"solver": _Trainer(0)}, lambda: [], 16, 4, 5, 1.0)
     assert len(drive_sync(_SlowDataLayer(0.05), {"solver": _Trainer(0)}, lambda: [], 16, 4, 5, 5.0)) == 5
+
+
+def test_a_trainer_whose_backend_lost_a_process_is_restarted_as_a_lost_worker(tmp_path):
+    """A rank of a Megatron trainer killed from outside (``error_lost``): ``TrainerLost`` for its
+    worker, marked gone so that the partition is refilled; any other trainer error is left to fail
+    the run."""
+    r = _restarts(tmp_path, 2, 0)
+    w = Worker(job=JobRef(job_id="local-1", partition="trainer", worker_name="trainer-trainer-local-cpu-0",
+                          kind="local", log=None), partition="trainer", phase="serving")
+    r.fleet = SimpleNamespace(workers={w.name: w})
+    failed = {"error": "ValueError: the loss raised", "error_lost": False}
+    r.backend_lost("solver", failed)  # not a lost process: nothing raised here, the run fails on it
+    assert not w.gone
+    killed = {"error": "RankKilled: rank(s) [1] exited during 'train': rank 1 was killed by SIGKILL\n--- rank 1 log",
+              "error_lost": True}
+    with pytest.raises(TrainerLost, match=r"^trainer solver on worker trainer-trainer-local-cpu-0 lost a process "
+                                          r"of its backend \(RankKilled: .* killed by SIGKILL\)$") as lost:
+        r.backend_lost("solver", killed)
+    assert lost.value.worker is w and w.gone and lost.value.why.startswith("RankKilled: rank(s) [1]")

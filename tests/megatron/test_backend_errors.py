@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig
-from astraflow.training.megatron.launch import RankError
+from astraflow.training.megatron.launch import RankError, RankKilled
 from tests.megatron.helpers import save_tiny_llama
 
 
@@ -27,6 +27,8 @@ def test_rank_failure_raises_rank_error_with_log_tail(tmp_path, monkeypatch, own
             start_timeout_s=60, log_dir=str(logs) if own_log_dir else None,
         ))
     assert "no_such_module_xyz" in str(err.value) and "during 'init'" in str(err.value)
+    # it failed on its own (a traceback, exit code 1): not a process lost to the OOM killer
+    assert "ended with exit code 1" in str(err.value).splitlines()[0] and not isinstance(err.value, RankKilled)
     # the backend's work directories (not the rank fork server's, made here if it started in this test)
     workdirs = [d for d in tmp_path.glob("astraflow-megatron-*") if not d.name.startswith("astraflow-megatron-ranks-")]
     # every rank fails the same way: the error quotes the log of the one that exited first

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig
-from astraflow.training.megatron.launch import RankError
+from astraflow.training.megatron.launch import RankError, RankKilled
 from tests.megatron.helpers import grpo_batch, prompts, save_tiny_llama
 
 #: one GPU per rank: two ranks need two GPUs, or none (gloo on CPU)
@@ -71,15 +71,16 @@ def test_a_rank_that_died_between_commands_is_reported_and_the_others_stopped(tm
         toks = prompts()
         lp = be.logprobs(toks)
         _kill(procs[1])
-        with pytest.raises(RankError) as err:
+        with pytest.raises(RankKilled) as err:  # a RankError that the trainer reports as a lost process
             be.train_step(grpo_batch(toks, lp))
         msg = str(err.value)
-        assert msg.startswith("rank(s) [1] exited before 'train'"), msg
+        assert msg.startswith("rank(s) [1] exited before 'train': rank 1 was killed by SIGKILL, as the "
+                              "out-of-memory killer kills\n"), msg
         assert f"--- rank 1 log ({logs / 'megatron-rank1.log'})" in msg
         assert all(p.poll() is not None for p in procs)  # the surviving rank was stopped too
         be.close()  # nothing left to stop: no error
         with pytest.raises(RankError, match=r"^the backend's ranks were stopped: rank\(s\) \[1\] exited before "
-                                            r"'train'; 'logprobs' needs a new backend"):
+                                            r"'train': rank 1 was killed by SIGKILL, .*; 'logprobs' needs a new backend"):
             be.logprobs(toks)
         # the logs are in log_dir: the work directory holds nothing the error points at
         assert _workdirs(tmpdir_root) == []
@@ -213,7 +214,8 @@ def test_a_trainer_whose_rank_died_reports_it_and_leaves_no_rank_running(tmp_pat
     try:
         tr._run()  # the loop, in this thread: it returns, whatever failed
         st = tr.state()
-        assert st["error"].startswith("RankError: rank(s) [0] exited before 'train'"), st["error"]
+        assert st["error"].startswith("RankKilled: rank(s) [0] exited before 'train'"), st["error"]
+        assert st["error_lost"]  # the run restarts such a trainer as it does one whose worker was lost
         assert st["version"] == 1 and not st["done"]
         assert all(p.poll() is not None for p in procs)
         assert not (tmp_path / "state" / "opt.pt").exists()

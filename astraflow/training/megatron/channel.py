@@ -4,7 +4,9 @@ Each rank connects back to the backend over a Unix socket in its private work di
 under srun over TCP, authenticated with the launch's token (``launch``). ``RankChannel._call``
 sends a command to every rank (or to the ones named) and waits for every answer, each wait with
 a deadline while watching the ranks' processes; a rank that exits, closes its channel or misses
-the deadline stops them all and raises ``RankError`` with the tails of their logs.
+the deadline stops them all and raises ``RankError`` with how each ended (an exit code, a
+signal) and the tails of their logs: ``RankKilled`` when one was killed by SIGKILL, which the
+trainer reports as a lost process (the run restarts it, ``BackendProcessLost``).
 ``MegatronBackend`` (``backend``) starts the ranks and sets the attributes declared here; its
 commands go through ``_call``.
 """
@@ -12,12 +14,13 @@ commands go through ``_call``.
 from __future__ import annotations
 
 import shutil
+import signal
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from astraflow.training.megatron.launch import LocalRanks, RankError, SrunRanks
+from astraflow.training.megatron.launch import LocalRanks, RankError, RankKilled, SrunRanks, how_ended
 
 if TYPE_CHECKING:
     from astraflow.training.megatron.backend import MegatronBackendConfig
@@ -83,9 +86,9 @@ class RankChannel:
         while not c.poll(0.2):
             dead = [d for d in self._ranks.exited() if d not in done]
             if dead:
-                raise RankError(self._report(f"rank(s) {dead} exited during {cmd!r}", dead))
+                raise self._error(f"rank(s) {dead} exited during {cmd!r}", dead)
             if time.monotonic() > deadline:
-                raise RankError(self._report(f"rank {r} did not answer {cmd!r} within {timeout_s:.0f}s", [r]))
+                raise self._error(f"rank {r} did not answer {cmd!r} within {timeout_s:.0f}s", [r])
         try:
             status, result = c.recv()
         except (EOFError, OSError) as e:  # OSError: a TCP channel reset by its peer
@@ -100,8 +103,8 @@ class RankChannel:
         ``when`` (before, during) ``cmd``: the ranks that exited (but ``done``), else ``r``."""
         dead = self._exited_soon(done)
         if dead:
-            return RankError(self._report(f"rank(s) {dead} exited {when} {cmd!r}", dead))
-        return RankError(self._report(f"rank {r} closed its channel {when} {cmd!r}", [r]))
+            return self._error(f"rank(s) {dead} exited {when} {cmd!r}", dead)
+        return self._error(f"rank {r} closed its channel {when} {cmd!r}", [r])
 
     def _exited_soon(self, done: tuple[int, ...] = (), wait_s: float = 10.0) -> list[int]:
         """The ranks (but ``done``) that have exited, given ``wait_s`` to show it: a channel
@@ -113,8 +116,12 @@ class RankChannel:
             time.sleep(0.1)
         return dead
 
-    def _report(self, what: str, ranks: list[int]) -> str:
-        """``what``, with the tails of ``ranks``' logs (and srun's), once every rank is stopped."""
+    def _error(self, what: str, ranks: list[int]) -> RankError:
+        """``what``, with how each of ``ranks`` ended and the tails of their logs (and srun's), once
+        every rank is stopped: ``RankKilled`` when one of them was killed by SIGKILL."""
+        codes = self._ranks.exit_codes(ranks)
+        ended = [f"rank {r} {how_ended(c)}" for r, c in codes.items() if c is not None]
+        what += f": {'; '.join(ended)}" if ended else ""
         self._kill(what)
         tails = []
         for r in ranks:
@@ -123,7 +130,8 @@ class RankChannel:
         for log in self._ranks.launcher_logs:  # what srun said about the step
             text = log.read_text(errors="replace") if log.exists() else ""
             tails.append(f"--- {log}, last lines:\n" + "\n".join(text.splitlines()[-10:]))
-        return what + "\n" + "\n".join(tails)
+        killed = any(c == -signal.SIGKILL for c in codes.values())
+        return (RankKilled if killed else RankError)(what + "\n" + "\n".join(tails))
 
     def _kill(self, why: str) -> None:
         """Stop the rank processes this backend started and close the channels (``why``: what a

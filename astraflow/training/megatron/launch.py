@@ -27,6 +27,7 @@ import json
 import os
 import queue
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import psutil
 
+from astraflow.training.backend import BackendProcessLost
 from astraflow.training.megatron.slurm import Allocation, cancel_step, srun_command
 from astraflow.training.megatron import rank_server
 from astraflow.training.megatron.rank_server import RANK_MODULE
@@ -55,6 +57,24 @@ _HELLO_MAX = 4096
 
 class RankError(RuntimeError):
     """A rank process died or did not answer in time; carries the tail of its log."""
+
+
+class RankKilled(RankError, BackendProcessLost):
+    """A rank process was killed by SIGKILL (the out-of-memory killer, most often): nothing in
+    its log says why, and a new backend may well run where this one ran."""
+
+
+def how_ended(code: int | None) -> str | None:
+    """A process's exit status (``Popen.returncode``) in words; None while it runs."""
+    if code is None:
+        return None
+    if code >= 0:
+        return f"ended with exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"was killed by {name}" + (", as the out-of-memory killer kills" if -code == signal.SIGKILL else "")
 
 
 @dataclass(frozen=True)
@@ -161,6 +181,10 @@ class LocalRanks:
         """The ranks whose process has ended."""
         return [i for i, p in enumerate(self.procs) if p.poll() is not None]
 
+    def exit_codes(self, ranks: list[int]) -> dict[int, int | None]:
+        """Each of ``ranks``' exit status (``Popen.returncode``: negative for a signal; None: running)."""
+        return {r: self.procs[r].poll() for r in ranks if r < len(self.procs)}
+
     def wait(self, timeout_s: float) -> None:
         for p in self.procs:
             p.wait(timeout=timeout_s)
@@ -258,6 +282,10 @@ class SrunRanks:
         """Every rank once the step has ended (srun ends with the step; with
         ``--kill-on-bad-exit`` one rank failing ends all of them)."""
         return list(range(self.world)) if self.proc.poll() is not None else []
+
+    def exit_codes(self, ranks: list[int]) -> dict[int, int | None]:
+        """Not known rank by rank: srun's own status is in its log."""
+        return {}
 
     def wait(self, timeout_s: float) -> None:
         self.proc.wait(timeout=timeout_s)
