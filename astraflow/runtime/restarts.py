@@ -53,6 +53,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("astraflow.runtime")
 
 
+
+def optimizer_gap(opt: int | None, version: int) -> str:
+    """Which optimiser state a trainer at ``version`` goes on with (``opt``: its checkpoint's version)."""
+    if opt is None:
+        return ("a fresh optimiser state (no usable checkpoint: trainer.optimizer_checkpoint_every; the trainer's "
+                "log says why)")
+    return f"the optimiser state of v{opt}" + (f" ({version - opt} steps older than its weights)" if opt != version
+                                                else "")
+
+
 class TrainerRestarts:
     """Which worker each policy's trainer runs on, and its restarts (shown in status.json and
     summary.json as ``trainer_restarts``)."""
@@ -91,7 +101,8 @@ class TrainerRestarts:
                 if not ran:  # again after a replacement that interrupted it
                     meanwhile()
                     ran = True
-                self.placement.wait_all("starting trainers (backend build, v0 publish)", starts)
+                versions = self.placement.wait_all("starting trainers (backend build, v0 publish)", starts)
+                self._note_resumed(versions)
                 return
             except FUTURE_ERRORS as err:
                 lost = self._lost_at_start(err)
@@ -188,10 +199,19 @@ class TrainerRestarts:
             self.history[p].append({**started[p], "new_worker": new.name, "resumed_version": versions[p],
                                     "optimizer_version": opt,
                                     "optimizer_gap": None if opt is None else versions[p] - opt})
-            gap = ("a fresh optimiser state (no checkpoint: trainer.optimizer_checkpoint_every)" if opt is None
-                   else f"the optimiser state of v{opt}" + (f" ({versions[p] - opt} steps older than its weights)"
-                                                            if opt != versions[p] else ""))
-            self._note(f"trainer {p} restarted on {new.name} at v{versions[p]} with {gap}")
+            self._note(f"trainer {p} restarted on {new.name} at v{versions[p]} with {optimizer_gap(opt, versions[p])}")
+
+    def _note_resumed(self, versions: dict[str, int]) -> None:
+        """At a resumed run's start, say per trained policy which optimiser state its trainer goes on
+        with: older moments or fresh ones change the next steps, and the trainer's log is not the console."""
+        for p, version in versions.items():
+            if not version or self.cfg.policy(p).trainer.backend == "sim":  # a new run's v0; no optimiser
+                continue
+            try:
+                opt = self.trainers[p].state().result(timeout=30).get("optimizer_resumed_from")
+            except Exception:  # a worker lost meanwhile: the loop's next tick finds it
+                continue
+            self._note(f"trainer {p} resumes at v{version} with {optimizer_gap(opt, version)}")
 
     def _note(self, msg: str) -> None:
         note(self.progress, self.paths, msg)
