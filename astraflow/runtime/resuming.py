@@ -15,6 +15,8 @@ from storage.paths import RunPaths
 
 #: changed settings named one by one; the rest are counted
 MAX_NAMED = 8
+#: characters of a value shown in the note
+SHOWN_WIDTH = 40
 #: settings whose change makes the previous run's open tasks mean something else (the data
 #: layer drops them and rolls out afresh: ``dataflow.durable.fingerprint_of``, which also takes
 #: the policies' names)
@@ -42,9 +44,16 @@ def resume_note(cfg: RunConfig, run_dir: Path) -> list[str]:
     defaults = _as_read_now(saved)
     changed = changed_settings(saved, now, defaults)
     if changed:
-        named = "; ".join(f"{key} {_shown(old)} -> {_shown(new)}" for key, old, new in changed[:MAX_NAMED])
-        more = len(changed) - MAX_NAMED
-        lines.append(f"settings changed since its last start: {named}" + (f"; and {more} more" if more > 0 else ""))
+        given = _flat(cfg.model_dump(mode="json", exclude_unset=True))
+        # a key the config leaves unset now runs at this version's default: the user changed
+        # nothing there (a default an upgrade changed, or an override since dropped)
+        mine = [c for c in changed if c[0] in given]
+        dflt = [c for c in changed if c not in mine]
+        if mine:
+            lines.append(f"settings changed since its last start: {_named(mine)}")
+        if dflt:
+            lines.append("settings the config leaves unset, at this AstraFlow version's defaults, which differ from "
+                         f"its last start (set them to keep the old values): {_named(dflt)}")
         names = [[p.get("name") for p in (c.get("policies") or []) if isinstance(p, dict)] for c in (saved, now)]
         if any(key.startswith(TASK_MEANING) for key, _, _ in changed) or names[0] != names[1]:
             lines.append("these change what the previous run's open tasks mean: they are dropped (config_changed) "
@@ -52,7 +61,8 @@ def resume_note(cfg: RunConfig, run_dir: Path) -> list[str]:
     new = len(new_settings(saved, now, defaults))
     if new:
         some = f"{new} setting{'s' if new > 1 else ''}"
-        lines.append(f"{some} new in this AstraFlow version, at their defaults" if defaults is not None
+        at = "at their defaults" if new > 1 else "at its default"
+        lines.append(f"{some} new in this AstraFlow version, {at}" if defaults is not None
                      else f"{some} not in the saved config (new in this AstraFlow version)")
     return lines
 
@@ -123,6 +133,25 @@ def _saved_config(path: Path) -> dict[str, Any] | None:
     return saved if isinstance(saved, dict) else None
 
 
-def _shown(value: Any, width: int = 40) -> str:
+def _named(changed: list[tuple[str, Any, Any]]) -> str:
+    """``changed`` one by one up to ``MAX_NAMED``, the rest counted."""
+    named = "; ".join(_change(key, old, new) for key, old, new in changed[:MAX_NAMED])
+    more = len(changed) - MAX_NAMED
+    return named + (f"; and {more} more" if more > 0 else "")
+
+
+def _change(key: str, old: Any, new: Any) -> str:
+    """``key old -> new``; two lists too long to show whole say what the new one adds and drops."""
+    scalars = isinstance(old, list) and isinstance(new, list) and all(
+        isinstance(x, (str, int, float, bool)) for x in old + new)
+    if scalars and max(len(json.dumps(old)), len(json.dumps(new))) > SHOWN_WIDTH:
+        added, dropped = [x for x in new if x not in old], [x for x in old if x not in new]
+        if added or dropped:
+            parts = ([f"adds {_shown(added)}"] if added else []) + ([f"drops {_shown(dropped)}"] if dropped else [])
+            return f"{key} {' and '.join(parts)}"
+    return f"{key} {_shown(old)} -> {_shown(new)}"
+
+
+def _shown(value: Any, width: int = SHOWN_WIDTH) -> str:
     text = "(unset)" if value is None else json.dumps(value, default=str)
     return text if len(text) <= width else text[:width - 3] + "..."

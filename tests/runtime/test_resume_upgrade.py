@@ -160,3 +160,29 @@ def test_the_resume_note_names_the_users_changes_first_and_counts_the_new_settin
     assert len(named) == MAX_NAMED + 1 and named[-1] == "and 3 more", named
     assert "(unset)" not in changed and "sandbox" not in changed and "stop_grace_s" not in changed
     assert new == f"{new_here} settings new in this AstraFlow version, at their defaults"
+
+
+def test_the_resume_note_tells_a_changed_default_from_a_change_of_the_users(tiny_model, tmp_path):
+    """An older version wrote its defaults into the saved config; where this version's default
+    differs and the config leaves the setting unset, the user changed nothing: the note says so
+    on a line of its own, and a long list says what it adds instead of two cut-short prefixes."""
+    from astraflow.config import config_from_dict, dump_config
+    from astraflow.runtime.resuming import resume_note
+
+    run = tmp_path / "run"
+    RunPaths(run).make()
+    dump_config(tiny_config(tiny_model), run / "config.yaml")
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    added = saved["cluster"]["worker_env_allowlist"].pop()  # the older default lacked one
+    saved["rollout"]["capacity"] = 32  # the older default; the tiny example sets it: left unset below
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    WeightStore(run / "weights").publish("solver", 3, {"w": torch.zeros(2)})
+
+    data = yaml.safe_load(_cli_config(tmp_path, tiny_model).read_text())
+    del data["rollout"]["capacity"]
+    data["run"]["max_steps"] = 9
+    going_on, changed, defaults = resume_note(config_from_dict(data), run)
+    assert changed == "settings changed since its last start: run.max_steps 4 -> 9", changed
+    assert defaults.startswith("settings the config leaves unset, at this AstraFlow version's defaults"), defaults
+    assert f'cluster.worker_env_allowlist adds ["{added}"]' in defaults, defaults
+    assert "rollout.capacity 32 -> (unset)" in defaults and "max_steps" not in defaults, defaults
