@@ -97,7 +97,7 @@ class Orchestrator(Shutdown):
         self.fleet = Fleet(self.parts, self.placement, cfg.cluster, self.progress, self._place_node)
         self.status = StatusWriter(self.paths, self.run_tag(), self.parts, self.fleet)
         self.status.previous_jobs = (previous_jobs or PreviousJobs()).as_dict()
-        self.nothing_completes = NothingCompletes(max(FAILED_WITHOUT_COMPLETION, 4 * cfg.dataflow.batch_size))
+        self.nothing_completes = NothingCompletes.of_run(cfg, FAILED_WITHOUT_COMPLETION)
         self.status.capacity = lambda name: partition_capacity(cfg.rollout, self.parts.partitions[name])
         #: the trainers' handles by policy; replaced in place when a trainer is restarted
         self.trainers: dict[str, Any] = {}
@@ -356,7 +356,7 @@ class Orchestrator(Shutdown):
                 self.fleet.advance()
                 self.fleet.replace_failed_nodes(tick.data_layer, silent_after=self.cfg.dataflow.lease_seconds)
                 why = (self.parts.rollout_exhausted(self.fleet)
-                       or self.nothing_completes.check(tick.data_layer.get("ledger", {})))
+                       or self.nothing_completes.check_layer(tick.data_layer))
                 if why:
                     raise RunFailed(why)
             except TrainerLost as lost:
@@ -396,7 +396,7 @@ class Orchestrator(Shutdown):
                 t = self._tick()
                 last_dl = t.data_layer
                 self.fleet.raise_full_disk(t.data_layer)  # nodes are not replaced here, but a full disk stops the run
-                why = _rule_failed(t.data_layer) or self.nothing_completes.check(t.data_layer.get("ledger", {}))
+                why = _rule_failed(t.data_layer) or self.nothing_completes.check_layer(t.data_layer)
                 if why:
                     raise RunFailed(why)
                 self._show(t)

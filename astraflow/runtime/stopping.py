@@ -202,11 +202,20 @@ class NothingCompletes:
     Completing is not training: a run whose tasks all complete and are then dropped (every
     group filtered for equal rewards, or too few episodes of each group completing) trains
     nothing either. The tasks dropped since the last one trained on or kept are counted too, and
-    ``dropped_limit`` of them stop the run naming the drop reasons."""
+    ``dropped_limit`` of them stop the run naming the drop reasons.
 
-    def __init__(self, limit: int, dropped_limit: int | None = None):
+    A task is consumed when any policy trains on it, so with several policies the ledger does not
+    see one policy starved while another trains (a group filter that drops only its groups):
+    ``check_layer`` also counts, per policy whose trainer has steps left, the sequences routed
+    to it since it last kept or trained on one (the data layer's per-policy counts)."""
+
+    def __init__(self, limit: int, dropped_limit: int | None = None, max_steps: int | None = None,
+                 group_filter: str = "keep_all"):
         self.limit = limit
         self.dropped_limit = dropped_limit or DROPPED_PER_FAILED * limit
+        self.max_steps, self.group_filter = max_steps, group_filter
+        #: per policy: its counts at the last sequence it kept or trained on
+        self._policy_base: dict[str, dict[str, int]] = {}
         self._base: tuple[int, int] | None = None
         self._reasons_base: dict[str, int] = {}
         #: (dropped, consumed, failed) at the last consumption seen, and the reasons then
@@ -214,9 +223,39 @@ class NothingCompletes:
         self._trained_reasons: dict[str, int] = {}
         self._kept = 0  # groups kept for a batch (the ledger's event) at the last reset
 
+    @classmethod
+    def of_run(cls, cfg: Any, limit: int) -> "NothingCompletes":
+        """The watch of a run: ``limit`` failures, at least four batches' worth."""
+        return cls(max(limit, 4 * cfg.dataflow.batch_size), max_steps=cfg.run.max_steps,
+                   group_filter=cfg.dataflow.group_filter.type)
+
     def check(self, ledger: dict[str, Any]) -> str | None:
         """Why the run must stop (``ledger``: the data layer's ``Ledger.summary()``), or None."""
         return self._failing(ledger) or self._untrained(ledger)
+
+    def check_layer(self, layer: dict[str, Any]) -> str | None:
+        """``check`` of the data layer's status ``layer`` (``DataLayer.state``), then each policy's."""
+        return self.check(layer.get("ledger", {})) or self._starved(layer)
+
+    def _starved(self, layer: dict[str, Any]) -> str | None:
+        versions, counts = layer.get("versions") or {}, layer.get("counts") or {}
+        for policy, c in counts.items():
+            if self.max_steps is not None and int(versions.get(policy, 0)) >= self.max_steps:
+                continue  # its trainer is done: what it no longer takes is not starving it
+            now = {k: int(c.get(k, 0)) for k in ("sequences_ingested", "accepted", "consumed", "filtered",
+                                                  "stale_dropped", "overflow_dropped")}
+            base = self._policy_base.get(policy)
+            if base is None or now["accepted"] > base["accepted"] or now["consumed"] > base["consumed"]:
+                self._policy_base[policy] = now
+                continue
+            n = now["sequences_ingested"] - base["sequences_ingested"]
+            if n < self.dropped_limit:
+                continue
+            since = "since it last kept one" if now["accepted"] else "and it kept none"
+            return (f"policy {policy} is starved: {n} rollout sequences for it were dropped untrained {since} "
+                    f"({self._drops(now, base)}), while its trainer waits at v{int(versions.get(policy, 0))}: "
+                    f"loosen the rule that drops them for {policy}, then run again on this run directory")
+        return None
 
     def _failing(self, ledger: dict[str, Any]) -> str | None:
         events = ledger.get("events", {})
@@ -232,6 +271,15 @@ class NothingCompletes:
         since = "since the last one completed" if completed else "and none completed"
         return (f"{n} rollout tasks failed {since} ({_top(recent)}): fix what the reasons say (a RaaS node's "
                 "log under the run's jobs/ has the traceback), then run again on this run directory")
+
+    def _drops(self, now: dict[str, int], base: dict[str, int]) -> str:
+        """What dropped a policy's sequences between its counts ``base`` and ``now``."""
+        d = {k: now[k] - base[k] for k in now}
+        parts = [f"{d['filtered']} by the group filter (dataflow.group_filter: {self.group_filter})"]
+        parts += [f"{d['stale_dropped']} stale (dataflow.max_staleness)", f"{d['overflow_dropped']} overflow"]
+        rest = d["sequences_ingested"] - d["filtered"] - d["stale_dropped"] - d["overflow_dropped"]
+        parts.append(f"{rest} in groups of fewer than 2 of its sequences")
+        return "; ".join(p for p in parts if not p.startswith(("0 ", "-")))
 
     def _untrained(self, ledger: dict[str, Any]) -> str | None:
         events = ledger.get("events", {})

@@ -56,3 +56,10 @@ class DropTruncated(KeepAll):
         if "length" in group.finish_reasons:
             return False, "truncated"
         return True, None
+
+
+class DropSecondPolicy(KeepAll):
+    """Drop every group routed to the policy ``b`` (one policy starved while another trains)."""
+
+    def keep(self, rewards, group):
+        return group.policy != "b", "not_for_b"

@@ -108,3 +108,55 @@ def test_a_run_deadline_names_a_curator_that_skipped_what_could_have_been_traine
     busy = {"counts": {"solver": {"curator_skipped": 2, "sequences_ingested": 64}},
             "sources": {"": {"groups_created": 9}}}
     assert deadline_reason(cfg, busy) == "run deadline of 150s passed (run.timeout_s)"
+
+
+def _two_policy_trajectory(task, reward: float):
+    """An episode in which policy ``a`` (index 0) and then ``b`` (index 1) each wrote one sequence."""
+    from dataclasses import replace
+
+    from tests.dataflow.helpers import make_trajectory
+
+    first, second = make_trajectory(task, reward), make_trajectory(task, reward, policy_index=1)
+    return replace(first, sequences=first.sequences + second.sequences)
+
+
+def test_a_policy_whose_every_group_is_filtered_stops_the_run_while_another_trains(tmp_path):
+    """Every task is consumed by ``a`` (so the ledger sees training and kept groups), while the
+    group filter drops all of ``b``'s: the watch names ``b``, the rule and the count, and leaves
+    a policy whose trainer took its last step alone."""
+    from tests.dataflow.helpers import store_and_ref
+
+    layer = make_layer(tmp_path, policies=("a", "b"), group_size=4, batch_size=8, admission="prefetch",
+                       max_staleness=10, group_filter={"type": "tests.dataflow.user_rules:DropSecondPolicy"})
+    watch = NothingCompletes(limit=8, max_steps=5, group_filter="tests.dataflow.user_rules:DropSecondPolicy")
+    ledger_only = NothingCompletes(limit=8)
+
+    async def go():
+        writer = layer.store.writer("n0")
+        seen = []
+        for step in range(6):
+            tasks = await layer.lease("n0", 8)
+            rewards = [float(i % 2) for i in range(len(tasks))]
+            await layer.complete(store_and_ref(writer, [_two_policy_trajectory(t, r) for t, r in zip(tasks, rewards)]))
+            await layer.next_batch("a", step, timeout=5)
+            await layer.published("a", step + 1, {"loss": 0.0})
+            status = await layer.state(0)
+            assert ledger_only.check(status["ledger"]) is None  # the ledger alone sees a healthy run
+            seen.append(watch.check_layer(status))
+        return seen
+
+    seen = asyncio.run(go())
+    assert seen[:4] == [None] * 4 and seen[4] is not None, seen  # the first tick is the baseline
+    assert seen[4].startswith("policy b is starved: 32 rollout sequences for it were dropped untrained and it kept "
+                              "none (32 by the group filter (dataflow.group_filter: "
+                              "tests.dataflow.user_rules:DropSecondPolicy)), while its trainer waits at v0"), seen[4]
+    done = NothingCompletes(limit=8, max_steps=0)  # every trainer took its steps: nothing is starved
+    assert all(done.check_layer({"versions": {"a": 0, "b": 0}, "counts": {"b": {"sequences_ingested": n}}}) is None
+               for n in (0, 100, 1000))
+
+
+def test_a_policy_that_keeps_some_groups_is_not_starved():
+    watch = NothingCompletes(limit=8)
+    for tick in range(50):  # b keeps one group in ten: slow, not stuck
+        counts = {"b": {"sequences_ingested": 40 * tick, "filtered": 36 * tick, "accepted": 4 * tick}}
+        assert watch.check_layer({"versions": {"b": 0}, "counts": counts}) is None
