@@ -331,11 +331,7 @@ class Buffers:
         if replays:
             self.served_replays[policy][version] = len(replays)
 
-        c = self.counts[policy]
-        c["consumed"] += len(items)
-        c["replayed"] += len(replays)
-        hist = Counter(x.staleness for x in items)
-        self.staleness_hist[policy].update(hist)
+        hist = Counter(x.staleness for x in items)  # counted as consumed once trained on (``commit``)
         metrics = {
             "wait_s": waited,
             "reward_mean": float(np.mean([x.reward for x in items])),
@@ -366,23 +362,19 @@ class Buffers:
         if not lost:
             return []
         self._touch("serving", policy, version)
-        self._uncount(policy, version, lost)
+        self.served_replays[policy].pop(version, None)
         self.settle(policy, lost, "served_not_trained")
         return lost
 
-    def _uncount(self, policy: str, version: int, items: list[Item]) -> None:
-        """Take back what serving ``items`` at ``version`` counted as consumed (and replayed)."""
-        self.counts[policy]["consumed"] -= len(items)
-        self.counts[policy]["replayed"] -= self.served_replays[policy].pop(version, 0)
-        hist = self.staleness_hist[policy]
-        hist.subtract(Counter(version - it.oldest_version for it in items))
-        self.staleness_hist[policy] = +hist  # no zero or negative bins
-
-    def commit(self, policy: str, version: int) -> None:
+    def commit(self, policy: str, version: int) -> list[Item]:
         """``policy``'s trainer committed ``version``: the batch served at ``version - 1`` is
-        consumed, and replay may serve its items again."""
+        consumed (counted: ``consumed``, ``replayed``, ``staleness_hist`` say what was trained on,
+        not what a trainer holds untrained), and replay may serve its items again. Returns them."""
         items = self.serving[policy].pop(version - 1, [])
-        self.served_replays[policy].pop(version - 1, None)
+        c = self.counts[policy]
+        c["consumed"] += len(items)
+        c["replayed"] += self.served_replays[policy].pop(version - 1, 0)
+        self.staleness_hist[policy].update(Counter(version - 1 - it.oldest_version for it in items))
         self._touch("serving", policy, version - 1)
         for it in items:
             self.staleness_by_node.setdefault(it.node, Counter())[version - 1 - it.oldest_version] += 1
@@ -390,19 +382,19 @@ class Buffers:
             self._touch("staleness", node)
         self.replay[policy].extend(items)
         self.settle(policy, items, None)
+        return items
 
     def put_back(self, policy: str, from_version: int) -> list[Item]:
         """``policy``'s trainer was lost and a new one resumes from the committed ``from_version``:
         every batch served at ``from_version`` or later never reached a committed version, so
         its items return to the buffer, in their groups and ingest order, to be served again
         (not dropped as ``served_not_trained``; they may still age past ``max_staleness`` and
-        be dropped as ``stale``, counted). What serving counted for them is taken back. Returns
-        the items."""
+        be dropped as ``stale``, counted). Returns the items."""
         back: list[Item] = []
         for v in sorted(v for v in self.serving[policy] if v >= from_version):
             items = self.serving[policy].pop(v)
             self._touch("serving", policy, v)
-            self._uncount(policy, v, items)
+            self.served_replays[policy].pop(v, None)
             back += items
         self.counts[policy]["put_back"] += len(back)
         if back:

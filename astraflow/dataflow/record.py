@@ -201,7 +201,9 @@ def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str,
     It holds the trainer's own ``metrics``, the batch's (``data_*``: wait, staleness histogram
     of the batch, replays), the rules in use and the policy's cumulative dataflow counts:
     ``accepted`` / ``filtered`` (group filter) / ``stale_dropped`` / ``overflow_dropped`` /
-    ``replayed`` / ``consumed`` sequences, ``curator_skipped`` prompts (the curator runs before
+    ``replayed`` / ``consumed`` sequences (``replayed``, ``consumed``, ``staleness_hist`` and
+    ``consumed_by_source``: of the versions committed so far, not the batch a trainer holds
+    ahead), ``curator_skipped`` prompts (the curator runs before
     rollout, for all policies: counted on the first), ``admission_refused`` (times a new group
     was refused because it could not have been trained on; on the first policy too),
     ``staleness_hist`` over every consumed sequence, ``trainer_wait_s`` and

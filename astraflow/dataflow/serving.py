@@ -50,8 +50,7 @@ class TrainerFacing:
         if version in self._in_doubt[policy]:  # served by the data layer this one replaced, asked again
             self._in_doubt[policy].discard(version)
             self._put_back(policy, version)
-        lost = self.buffers.drop_served(policy, version)  # asked again: the batch served before never trained
-        self.mixer.consumed[policy].subtract(Counter(it.source for it in lost))
+        self.buffers.drop_served(policy, version)  # asked again: the batch served before never trained
         n_replay = self.cfg.replay_rows
         if n_replay and self.buffers.replayable(policy, version) < n_replay:
             n_replay = 0
@@ -82,8 +81,7 @@ class TrainerFacing:
         if self.trainer_restarts[policy] != incarnation:  # asked by the trainer that was lost
             raise RuntimeError(f"the trainer of {policy} was replaced while this call waited: it serves nothing")
         self.mixer.credit[policy] = credit
-        chosen, taken = self.buffers.take(policy, quota, self.ordering, version)
-        self.mixer.consumed[policy].update(taken)
+        chosen, _ = self.buffers.take(policy, quota, self.ordering, version)
         batch = self.buffers.serve(policy, version, chosen, n_replay, waited,
                                    quota if self.mixer.mixing else None)
         self._notify()  # room for new groups: wakes the nodes' waiting lease calls
@@ -109,7 +107,8 @@ class TrainerFacing:
     def _committed(self, policy: str, version: int, metrics: dict[str, Any] | None,
                    batch_metrics: dict[str, Any] | None) -> None:
         self.versions[policy] = max(self.versions[policy], version)
-        self.buffers.commit(policy, version)  # the batch trained on is consumed
+        trained = self.buffers.commit(policy, version)  # the batch trained on is consumed
+        self.mixer.consumed[policy].update(Counter(it.source for it in trained))
         by_source = ({"consumed_by_source": self.mixer.consumed_by_source(policy),
                       "groups_by_source": self.mixer.groups_by_source()} if self.mixer.mixing else None)
         failed = self.ledger.events["failed"]  # failed tasks since the previous step line, and the run's
@@ -168,9 +167,7 @@ class TrainerFacing:
             await self._durable(sync=True)
 
     def _put_back(self, policy: str, from_version: int) -> list:
-        back = self.buffers.put_back(policy, from_version)
-        self.mixer.consumed[policy].subtract(Counter(it.source for it in back))
-        return back
+        return self.buffers.put_back(policy, from_version)
 
     async def open_iteration(self, groups: int) -> None:
         """Baseline (``run.mode: sync``, a gated data layer) control: allow exactly ``groups``

@@ -87,7 +87,7 @@ def test_a_served_batch_is_consumed_when_its_version_commits_and_replay_reuses_i
     assert {rig.ledger.state_of(i.task_id) for i in batch.items} == {"consumed"}
     rig.group([0.0, 1.0])
     again, _ = rig.serve(1, 2, n_replay=2)
-    assert sum(i.replayed for i in again.items) == 2 and rig.buffers.counts["p"]["replayed"] == 2
+    assert sum(i.replayed for i in again.items) == 2 and rig.buffers.counts["p"]["replayed"] == 0
     # served by reference; the trainer's side reads every row, replayed ones included
     full = BatchRows(rig.url).batch(again)
     assert [i.task_id for i in full.items] == [i.task_id for i in again.items]
@@ -96,6 +96,8 @@ def test_a_served_batch_is_consumed_when_its_version_commits_and_replay_reuses_i
     rig.group([0.0, 1.0])
     rig.serve(1, 2)  # version 1 asks again: its first batch never reached training
     assert rig.ledger.dropped_by_reason["served_not_trained"] == 2
+    assert (rig.buffers.counts["p"]["consumed"], rig.buffers.counts["p"]["replayed"]) == (4, 0)
+    assert rig.buffers.staleness_hist["p"] == {0: 4}  # what was trained on, and only that
 
 
 def test_end_run_drops_what_is_buffered_or_served():

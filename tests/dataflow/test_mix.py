@@ -377,3 +377,38 @@ def test_one_source_changes_nothing(tmp_path):
         assert all(v == 0.0 for v in plain.mixer.credit["p"].values())
 
     asyncio.run(go())
+
+
+def test_a_step_line_counts_what_was_trained_on_not_the_batch_fetched_ahead(tmp_path):
+    """A trainer fetches its next batch before it reports the version trained on the last (as
+    the real one does): the step line's cumulative ``consumed``, ``consumed_by_source`` and
+    ``staleness_hist`` count the batches trained on up to that step, not the one in hand."""
+    layer = make_layer(tmp_path, params={"sources": sources(a=3, b=1)})
+
+    async def go():
+        writer, stop = layer.store.writer("n0"), asyncio.Event()
+
+        async def node():
+            while not stop.is_set():
+                tasks = await layer.lease("n0", 8)
+                trajs = [make_trajectory(t, mixed_reward(t), version=layer.versions["p"]) for t in tasks]
+                if trajs:
+                    await layer.complete(store_and_ref(writer, trajs))
+                await asyncio.sleep(0.001 if tasks else 0.01)
+
+        rolling = asyncio.create_task(node())
+        await layer.next_batch("p", 0, timeout=10)
+        for v in range(1, 4):
+            await layer.next_batch("p", v, timeout=10)  # the next batch in hand, then v reported
+            await layer.published("p", v, {"loss": 0.0})
+        stop.set()
+        await rolling
+
+    asyncio.run(go())
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = {x["step"]: x for x in lines if "consumed" in x}
+    for v in (1, 2, 3):
+        assert steps[v]["consumed"] == 16 * v, steps[v]
+        assert steps[v]["consumed_by_source"] == {"a": 12 * v, "b": 4 * v}
+        assert sum(steps[v]["staleness_hist"].values()) == 16 * v
+    assert layer.counts["p"]["consumed"] == 48 and layer.mixer.consumed_by_source("p") == {"a": 36, "b": 12}

@@ -21,6 +21,8 @@ def test_replay_mixes_consumed_samples_and_records_them(tmp_path):
         assert len(second) == 8 and len(replayed) == 4
         assert {i.task_id for i in replayed} <= {i.task_id for i in first.items}
         assert all(i.staleness == 1 for i in replayed)
+        assert (await layer.state())["counts"]["p"]["replayed"] == 0  # counted once trained on
+        await layer.published("p", 2)
         assert (await layer.state())["counts"]["p"]["replayed"] == 4
 
     run(go())
@@ -39,6 +41,8 @@ def test_a_batch_asked_for_again_is_neither_replayed_nor_counted_as_consumed(tmp
         again = await layer.next_batch("p", 0, timeout=5)
         assert not any(i.replayed for i in again.items)  # nothing was consumed: nothing to replay
         assert not {i.task_id for i in lost.items} & {i.task_id for i in again.items}
+        assert "consumed" not in (await layer.state())["counts"]["p"]  # served twice, trained on never
+        await layer.published("p", 1)
         state = await layer.state()
         assert state["counts"]["p"]["consumed"] == 8
         assert sum(state["staleness_hist"]["p"].values()) == 8
@@ -80,11 +84,14 @@ def test_the_replays_of_a_batch_never_trained_are_taken_back_with_it(tmp_path):
         await layer.published("p", 1, {})
         await node.roll(16, reward_of=_alternating, version=1)
         first = await layer.next_batch("p", 1, timeout=5)
-        assert sum(i.replayed for i in first.items) == 2 and layer.counts["p"]["replayed"] == 2
+        assert sum(i.replayed for i in first.items) == 2 and layer.counts["p"]["replayed"] == 0
         again = await layer.next_batch("p", 1, timeout=5)  # the first never reached training
         assert sum(i.replayed for i in again.items) == 2
-        assert (layer.counts["p"]["consumed"], layer.counts["p"]["replayed"]) == (8 + 6, 2)
+        assert (layer.counts["p"]["consumed"], layer.counts["p"]["replayed"]) == (8, 0)
         await layer.trainer_restarted("p", 1)  # a replaced trainer: the batch goes back
         assert (layer.counts["p"]["consumed"], layer.counts["p"]["replayed"]) == (8, 0)
+        again = await layer.next_batch("p", 1, timeout=5)
+        await layer.published("p", 2)  # trained on: its new rows and its replays count, once
+        assert (layer.counts["p"]["consumed"], layer.counts["p"]["replayed"]) == (8 + 6, 2)
 
     run(go())
