@@ -239,22 +239,24 @@ class NothingCompletes:
 
     def _starved(self, layer: dict[str, Any]) -> str | None:
         versions, counts = layer.get("versions") or {}, layer.get("counts") or {}
+        routed = sum(int(c.get("sequences_ingested", 0)) for c in counts.values())  # every policy's
         for policy, c in counts.items():
             if self.max_steps is not None and int(versions.get(policy, 0)) >= self.max_steps:
                 continue  # its trainer is done: what it no longer takes is not starving it
             now = {k: int(c.get(k, 0)) for k in ("sequences_ingested", "accepted", "consumed", "filtered",
                                                   "stale_dropped", "overflow_dropped")}
+            now["routed"] = routed
             base = self._policy_base.get(policy)
             if base is None or now["accepted"] > base["accepted"] or now["consumed"] > base["consumed"]:
                 self._policy_base[policy] = now
                 continue
-            n = now["sequences_ingested"] - base["sequences_ingested"]
+            n = routed - base["routed"]  # a policy the episodes give no tokens is starved as well
             if n < self.dropped_limit:
                 continue
             since = "since it last kept one" if now["accepted"] else "and it kept none"
-            return (f"policy {policy} is starved: {n} rollout sequences for it were dropped untrained {since} "
-                    f"({self._drops(now, base)}), while its trainer waits at v{int(versions.get(policy, 0))}: "
-                    f"loosen the rule that drops them for {policy}, then run again on this run directory")
+            return (f"policy {policy} is starved: {n} rollout sequences were routed to the policies {since}: "
+                    f"{self._drops(now, base)}; its trainer waits at v{int(versions.get(policy, 0))}: "
+                    f"fix what drops them or gives it none, then run again on this run directory")
         return None
 
     def _failing(self, ledger: dict[str, Any]) -> str | None:
@@ -273,13 +275,16 @@ class NothingCompletes:
                 "log under the run's jobs/ has the traceback), then run again on this run directory")
 
     def _drops(self, now: dict[str, int], base: dict[str, int]) -> str:
-        """What dropped a policy's sequences between its counts ``base`` and ``now``."""
+        """What became of a policy's sequences between its counts ``base`` and ``now``."""
         d = {k: now[k] - base[k] for k in now}
+        if not d["sequences_ingested"]:
+            return "none was for it (its episodes wrote no tokens of it: see the workflow)"
         parts = [f"{d['filtered']} by the group filter (dataflow.group_filter: {self.group_filter})"]
         parts += [f"{d['stale_dropped']} stale (dataflow.max_staleness)", f"{d['overflow_dropped']} overflow"]
         rest = d["sequences_ingested"] - d["filtered"] - d["stale_dropped"] - d["overflow_dropped"]
         parts.append(f"{rest} in groups of fewer than 2 of its sequences")
-        return "; ".join(p for p in parts if not p.startswith(("0 ", "-")))
+        dropped = "; ".join(p for p in parts if not p.startswith(("0 ", "-")))
+        return f"{d['sequences_ingested']} were for it and dropped untrained ({dropped})"
 
     def _untrained(self, ledger: dict[str, Any]) -> str | None:
         events = ledger.get("events", {})

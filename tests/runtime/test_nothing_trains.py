@@ -146,13 +146,27 @@ def test_a_policy_whose_every_group_is_filtered_stops_the_run_while_another_trai
         return seen
 
     seen = asyncio.run(go())
-    assert seen[:4] == [None] * 4 and seen[4] is not None, seen  # the first tick is the baseline
-    assert seen[4].startswith("policy b is starved: 32 rollout sequences for it were dropped untrained and it kept "
-                              "none (32 by the group filter (dataflow.group_filter: "
-                              "tests.dataflow.user_rules:DropSecondPolicy)), while its trainer waits at v0"), seen[4]
+    assert seen[:2] == [None] * 2 and seen[2] is not None, seen  # the first tick is the baseline
+    assert seen[2] == ("policy b is starved: 32 rollout sequences were routed to the policies and it kept none: "
+                       "16 were for it and dropped untrained (16 by the group filter (dataflow.group_filter: "
+                       "tests.dataflow.user_rules:DropSecondPolicy)); its trainer waits at v0: fix what drops them "
+                       "or gives it none, then run again on this run directory"), seen[2]
     done = NothingCompletes(limit=8, max_steps=0)  # every trainer took its steps: nothing is starved
     assert all(done.check_layer({"versions": {"a": 0, "b": 0}, "counts": {"b": {"sequences_ingested": n}}}) is None
                for n in (0, 100, 1000))
+
+
+def test_a_policy_its_episodes_give_no_tokens_is_starved_while_another_trains():
+    """A workflow that writes the second policy's turn only sometimes (never, for a model that is
+    never right): nothing is routed to it, nothing dropped for it; the others' sequences count."""
+    watch = NothingCompletes(limit=8, max_steps=5)
+    seen = []
+    for tick in range(4):
+        counts = {"a": {"sequences_ingested": 16 * tick, "accepted": 16 * tick, "consumed": 16 * tick}, "b": {}}
+        seen.append(watch.check_layer({"versions": {"a": tick, "b": 0}, "counts": counts}))
+    assert seen[:2] == [None, None] and seen[2].startswith(
+        "policy b is starved: 32 rollout sequences were routed to the policies and it kept none: none was for it "
+        "(its episodes wrote no tokens of it: see the workflow); its trainer waits at v0"), seen
 
 
 def test_a_policy_that_keeps_some_groups_is_not_starved():
