@@ -210,10 +210,12 @@ class NothingCompletes:
     to it since it last kept or trained on one (the data layer's per-policy counts)."""
 
     def __init__(self, limit: int, dropped_limit: int | None = None, max_steps: int | None = None,
-                 group_filter: str = "keep_all"):
+                 group_filter: str = "keep_all", curator: str = "accept_all"):
         self.limit = limit
         self.dropped_limit = dropped_limit or DROPPED_PER_FAILED * limit
-        self.max_steps, self.group_filter = max_steps, group_filter
+        self.max_steps, self.group_filter, self.curator = max_steps, group_filter, curator
+        #: (prompts the curator skipped, groups made) when a group was last made
+        self._made: tuple[int, int] | None = None
         #: per policy: its counts at the last sequence it kept or trained on
         self._policy_base: dict[str, dict[str, int]] = {}
         self._base: tuple[int, int] | None = None
@@ -227,7 +229,7 @@ class NothingCompletes:
     def of_run(cls, cfg: Any, limit: int) -> "NothingCompletes":
         """The watch of a run: ``limit`` failures, at least four batches' worth."""
         return cls(max(limit, 4 * cfg.dataflow.batch_size), max_steps=cfg.run.max_steps,
-                   group_filter=cfg.dataflow.group_filter.type)
+                   group_filter=cfg.dataflow.group_filter.type, curator=cfg.dataflow.curator.type)
 
     def check(self, ledger: dict[str, Any]) -> str | None:
         """Why the run must stop (``ledger``: the data layer's ``Ledger.summary()``), or None."""
@@ -235,7 +237,23 @@ class NothingCompletes:
 
     def check_layer(self, layer: dict[str, Any]) -> str | None:
         """``check`` of the data layer's status ``layer`` (``DataLayer.state``), then each policy's."""
-        return self.check(layer.get("ledger", {})) or self._starved(layer)
+        return self.check(layer.get("ledger", {})) or self._starved(layer) or self._all_skipped(layer)
+
+    def _all_skipped(self, layer: dict[str, Any]) -> str | None:
+        """A curator that accepts no prompt any more: no group is made, so nothing fails or is
+        dropped either; its skips since the last group made stop the run."""
+        counts, sources = layer.get("counts") or {}, layer.get("sources") or {}
+        skipped = sum(int(c.get("curator_skipped", 0)) for c in counts.values())  # counted on the first policy
+        made = sum(int(s.get("groups_created", 0)) for s in sources.values() if isinstance(s, dict))
+        if self._made is None or made > self._made[1]:
+            self._made = (skipped, made)
+            return None
+        n = skipped - self._made[0]
+        if n < self.dropped_limit:
+            return None
+        return (f"the curator (dataflow.curator: {self.curator}) skipped {n} prompts in a row and accepted none "
+                f"since the last group was made ({made} in all): loosen it (e.g. its explore), or set "
+                "dataflow.curator: accept_all, then run again on this run directory")
 
     def _starved(self, layer: dict[str, Any]) -> str | None:
         versions, counts = layer.get("versions") or {}, layer.get("counts") or {}

@@ -63,3 +63,11 @@ class DropSecondPolicy(KeepAll):
 
     def keep(self, rewards, group):
         return group.policy != "b", "not_for_b"
+
+
+@CURATORS.register("reject_all_test")
+class RejectAll(AcceptAll):
+    """Roll out no prompt (a curator that has come to skip everything)."""
+
+    def accept(self, prompt_key: str, payload: dict) -> bool:
+        return False

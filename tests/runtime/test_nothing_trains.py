@@ -174,3 +174,28 @@ def test_a_policy_that_keeps_some_groups_is_not_starved():
     for tick in range(50):  # b keeps one group in ten: slow, not stuck
         counts = {"b": {"sequences_ingested": 40 * tick, "filtered": 36 * tick, "accepted": 4 * tick}}
         assert watch.check_layer({"versions": {"b": 0}, "counts": counts}) is None
+
+
+def test_a_curator_that_accepts_no_prompt_stops_the_run_naming_it(tmp_path):
+    """No group is made, so nothing fails or is dropped: the curator's skips since the last
+    group made stop the run (a trainer would otherwise wait out its batch timeout)."""
+    layer = make_layer(tmp_path, group_size=4, batch_size=8,
+                       curator={"type": "tests.dataflow.user_rules:reject_all_test"})
+    watch = NothingCompletes(limit=8, curator="tests.dataflow.user_rules:reject_all_test")
+
+    async def go():
+        seen = []
+        for _ in range(4):
+            assert await layer.lease("n0", 8) == []  # each lease call proposes the train split once
+            seen.append(watch.check_layer(await layer.state(0)))
+        return seen
+
+    seen = asyncio.run(go())
+    assert seen[0] is None and any(seen), seen
+    why = next(w for w in seen if w)
+    assert why.startswith("the curator (dataflow.curator: tests.dataflow.user_rules:reject_all_test) skipped ")
+    assert "accepted none since the last group was made (0 in all): loosen it" in why
+    made = NothingCompletes(limit=8)  # a group made now and then: a selective curator, not a stuck one
+    for tick in range(40):
+        status = {"counts": {"p": {"curator_skipped": 20 * tick}}, "sources": {"": {"groups_created": tick}}}
+        assert made.check_layer(status) is None
