@@ -46,3 +46,15 @@ def test_status_tells_the_wait_since_the_start_from_the_wait_over_the_window(tmp
     assert "autoscale: band [5%, 30%] of the trainer wait over the last 60s" in out
     assert "  now: hold: trainer wait over the last 60 s 0.0% < low_wait 5%, but every autoscaled partition" in out
     assert autoscale_lines(None) == []
+
+
+def test_the_balance_line_leaves_out_a_trainer_that_took_its_last_step(tmp_path):
+    """Two policies, one done after a run of waiting (its wait since start stays high): the
+    balance says the wait of the trainer still training, as the autoscaler counts it, and which
+    one is done; once all are done it says theirs."""
+    st = _status(RunPaths(tmp_path / "run").make())
+    st["trainers"] = {"solver": {"version": 40, "done": True, "wait_fraction": 0.72, "last_metrics": {}},
+                      "verifier": {"version": 11, "done": False, "wait_fraction": 0.08, "last_metrics": {}}}
+    assert "balance since start: trainer wait 8% (solver done), rollout idle 10%" in format_status(st)
+    st["trainers"]["verifier"]["done"] = True
+    assert "balance since start: trainer wait 72%, rollout idle 10%" in format_status(st)

@@ -73,10 +73,15 @@ def format_status(st: dict[str, Any]) -> str:
             + (f"  idle {node['idle_fraction']:.0%}" if "idle_fraction" in node else "")
         )
     idle = [n["idle_fraction"] for n in dl.get("nodes", {}).values() if "idle_fraction" in n and not n.get("gone")]
-    waits = [t.get("wait_fraction", 0.0) for t in st.get("trainers", {}).values()]
+    trainers = st.get("trainers", {})
+    # a trainer that took its last step waits no more, and wants no rollout (as the autoscaler's)
+    training = {p: t for p, t in trainers.items() if not t.get("done")} or trainers
+    waits = [t.get("wait_fraction", 0.0) for t in training.values()]
     if idle and waits:  # which side to grow: waiting trainers want rollout, idle nodes want training
         # both over the trainers' and nodes' lifetimes: the autoscaler's lines below say their window
-        lines.append(f"balance since start: trainer wait {max(waits):.0%}, rollout idle {sum(idle) / len(idle):.0%}")
+        done = sorted(set(trainers) - set(training))
+        lines.append(f"balance since start: trainer wait {max(waits):.0%}"
+                     + (f" ({', '.join(done)} done)" if done else "") + f", rollout idle {sum(idle) / len(idle):.0%}")
     lines += autoscale_lines(st.get("autoscale"))
     lines.append(
         f"throughput: {dl.get('episodes_per_s', 0):.1f} episodes/s, {dl.get('sequences_per_s', 0):.1f} sequences/s, "

@@ -145,7 +145,9 @@ function renderStatus(st) {
   $("elapsed").textContent = duration(st.elapsed_s);
   $("traj-s").textContent = fmt(st.episodes_per_s, 1);
   $("tok-s").textContent = fmt(st.generated_tokens_per_s, 0);
-  const waits = st.policies.map((p) => p.wait_fraction);
+  // a trainer that took its last step wants no rollout: the balance is the others'
+  const training = st.policies.filter((p) => !p.done);
+  const waits = (training.length ? training : st.policies).map((p) => p.wait_fraction);
   $("trainer-wait").textContent = waits.length ? pct(Math.max(...waits)) : "–";
   $("rollout-idle").textContent = st.rollout_idle_fraction === null ? "–" : pct(st.rollout_idle_fraction);
 
