@@ -205,7 +205,9 @@ class DataflowConfig(Strict):
     replay_ratio: float = Field(default=0.0, ge=0, lt=1)
     """Fraction of each batch filled with samples trained on before (their version committed)
     and still within ``max_staleness`` (recorded as replays); a batch with too few of those
-    takes new samples only. At least one row a batch: ``replay_ratio x batch_size >= 1``."""
+    takes new samples only. At least one row a batch: ``replay_ratio x batch_size >= 1``. A row is
+    two or more versions old by the time it may be replayed where the trainer fetches its next
+    batch while it publishes the last (torch, sim): ``max_staleness`` 1 then replays next to nothing."""
     lockstep: bool = False
     """Multi-policy: policies advance in lockstep (a version barrier) instead of independently."""
     direct_lane: bool = True
@@ -244,7 +246,8 @@ class DataflowConfig(Strict):
         if self.replay_ratio > 0 and self.max_staleness == 0:
             raise ValueError(
                 f"replay_ratio {self.replay_ratio} with max_staleness 0 never replays: a replayed row was trained "
-                "on at an earlier version, so it is at least one version old; set max_staleness to 1 or more, "
-                "or replay_ratio: 0")
+                "on at an earlier version, so it is at least one version old, and two or more where the trainer "
+                "asks for its next batch while it publishes the last (the torch and sim backends); set "
+                "max_staleness to 2 or more (1 replays only rows a trainer waited for), or replay_ratio: 0")
         return self
 
