@@ -367,6 +367,8 @@ def _set_path(data: dict, dotted: str, value: Any, model: type[BaseModel] | None
         else:
             if key not in node:
                 node[key] = _default_data(model, key)
+            elif isinstance(node[key], str) and model is DataflowConfig and "type" in _default_data(model, key):
+                node[key] = {"type": node[key]}  # a rule named alone (``ordering: edf``): its section
             field = model.model_fields.get(key) if model is not None else None
             model = model_of(field.annotation) if field is not None else None
             node = node[key]

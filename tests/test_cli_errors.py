@@ -138,6 +138,18 @@ def test_set_takes_a_list_element_as_the_errors_write_it(tmp_path):
     assert {p["name"]: p["nodes"] for p in cfg["partitions"]}["rollout"] == 1
 
 
+def test_set_into_a_rule_the_file_names_alone(tmp_path):
+    """``ordering: edf`` is the rule with its default params (docs/configuration.md): a --set of its
+    type or a parameter reaches into it, as into ``{type: edf}``, instead of "not a section"."""
+    dataflow = {"batch_size": 16, "ordering": "edf", "curator": "filter_solved"}
+    res = _invoke("check", str(_config(tmp_path, dataflow=dataflow)), "--set", "dataflow.ordering.type=freshest",
+                  "--set", "dataflow.curator.params.threshold=0.5")
+    assert res.exit_code == 0, res.output
+    got = yaml.safe_load(res.stdout)["dataflow"]
+    assert got["ordering"]["type"] == "freshest"
+    assert got["curator"]["type"] == "filter_solved" and got["curator"]["params"]["threshold"] == 0.5
+
+
 def test_duplicate_key_in_a_config_file(tmp_path):
     cfg = _config(tmp_path)
     dup = tmp_path / "dup.yaml"
