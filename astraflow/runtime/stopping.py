@@ -206,8 +206,10 @@ class NothingCompletes:
 
     A task is consumed when any policy trains on it, so with several policies the ledger does not
     see one policy starved while another trains (a group filter that drops only its groups):
-    ``check_layer`` also counts, per policy whose trainer has steps left, the sequences routed
-    to it since it last kept or trained on one (the data layer's per-policy counts)."""
+    ``check_layer`` also counts, per policy whose trainer has steps left, every policy's routed
+    sequences since it last kept or trained on one of its own (the data layer's per-policy
+    counts), and the curator's skips since the last group was made (a curator that accepts
+    nothing makes no task to fail or drop)."""
 
     def __init__(self, limit: int, dropped_limit: int | None = None, max_steps: int | None = None,
                  group_filter: str = "keep_all", curator: str = "accept_all"):
