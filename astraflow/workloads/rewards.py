@@ -12,15 +12,14 @@ and reported with its row, not a task that silently scores 0.
 
 from __future__ import annotations
 
-import functools
 import inspect
-import logging
 import math
 import re
-import threading
 from typing import Any, Callable, Mapping
 
 from astraflow.registry import Registry
+from astraflow.workloads import mathcheck
+from astraflow.workloads.mathcheck import MINUS as _MINUS, gold
 
 RewardFn = Callable[[str, str, Mapping[str, Any]], float]
 
@@ -97,7 +96,6 @@ def _checker(fn: Callable[[str], str | None]) -> Callable[[RewardFn], RewardFn]:
 #: an optional fraction and exponent
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?![\d,]*\d)|-?\.\d+(?:[eE][-+]?\d+)?")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
-_MINUS = str.maketrans({"\u2212": "-", "\u2013": "-"})  # the minus sign and the en dash written for it
 
 
 def final_text(text: str) -> str | None:
@@ -207,18 +205,7 @@ def numeric_match(completion: str, answer: str, payload: Mapping[str, Any]) -> f
 
 
 def _math_verify_problem(answer: str) -> str | None:
-    return None if _gold(answer) else f"math-verify cannot parse answer {answer[:40]!r}"
-
-
-def _mv_parse(text: str) -> list:
-    from math_verify import parse
-
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # not a warning per call about its timeout
-
-    # math-verify bounds its parsing with SIGALRM, which only the main thread may set; elsewhere
-    # (a RaaS node's reward thread) it runs unbounded over a completion of bounded length
-    main = threading.current_thread() is threading.main_thread()
-    return parse(text.translate(_MINUS), parsing_timeout=5 if main else None)
+    return None if gold(answer) else f"math-verify cannot parse answer {answer[:40]!r}"
 
 
 @REWARDS.register("math_verify")
@@ -226,24 +213,10 @@ def _mv_parse(text: str) -> list:
 def math_verify_match(completion: str, answer: str, payload: Mapping[str, Any]) -> float:
     """1.0 when HF's ``math-verify`` finds the completion's answer mathematically equal to the
     reference (``\\frac{1}{2}``, ``0.5`` and ``1/2`` agree; ``\\boxed{}`` answers and GSM8K's
-    ``#### N`` are extracted), else 0.0."""
-    from math_verify import verify
-
+    ``#### N`` are extracted), else 0.0. Compared in a worker process under a deadline
+    (``mathcheck``): an answer sympy cannot evaluate in time (``10^{10^{10}}``) scores 0."""
     text = final_text(completion) or completion[-2000:]  # nothing after a ####: the answer is elsewhere
-    pred = _mv_parse(text)
-    if not pred and "$" not in text and "\\" in text:
-        pred = _mv_parse(f"${text}$")  # a bare LaTeX answer (``\\frac{1}{2}``) as math
-    if not pred:
-        return 0.0
-    main = threading.current_thread() is threading.main_thread()
-    return 1.0 if verify(_gold(answer), pred, timeout_seconds=5 if main else None) else 0.0
-
-
-@functools.lru_cache(maxsize=4096)
-def _gold(answer: str) -> list:
-    """A reference answer parsed once: every completion of its group is compared with it. Read
-    as LaTeX (a MATH ``\\boxed{}`` content: ``4a`` is not the number 4), as text where that fails."""
-    return _mv_parse(f"\\boxed{{{answer}}}") or _mv_parse(answer)
+    return 1.0 if mathcheck.equal(answer, text) else 0.0
 
 
 def _regex_problem(answer: str) -> str | None:

@@ -3,10 +3,13 @@ answer extraction of the GSM8K and MATH layouts."""
 
 import math
 import pickle
+import subprocess
+import sys
 import threading
 
 import pytest
 
+from astraflow.workloads import mathcheck
 from astraflow.workloads.rewards import (
     RewardError, answer_problem, boxed_answer, final_number, gsm8k_answer, resolve_reward,
 )
@@ -34,6 +37,49 @@ def test_math_verify_runs_off_the_main_thread():
     t.start()
     t.join()
     assert out == [1.0]
+
+
+#: a power tower, a factorial of a billion, a binomial of a trillion: sympy computes them in C code that
+#: holds the GIL, so a reward thread's deadline cannot stop them and its whole process stalls
+_UNEVALUABLE = ["\\boxed{10^{10^{10}}}", "\\boxed{(10^{9})!}", "\\boxed{\\binom{10^{12}}{10^6}}", "#### 9**9**9"]
+
+
+def test_math_verify_answer_sympy_cannot_evaluate_scores_0_without_stalling_the_process():
+    """Scored on a thread, as a RaaS node scores: each scores 0 within its deadline while the
+    main thread keeps running (a child Python, so a stall fails the test instead of hanging it)."""
+    code = f"""if True:
+        import threading, time
+        from astraflow.workloads import mathcheck
+        from astraflow.workloads.rewards import math_verify_match
+        out = []
+        th = threading.Thread(target=lambda: out.extend(math_verify_match(c, "46", {{}}) for c in {_UNEVALUABLE!r}))
+        t0, ticks = time.monotonic(), 0
+        th.start()
+        while th.is_alive():
+            time.sleep(0.1)
+            ticks += 1
+        mathcheck.close()
+        print(out, ticks, time.monotonic() - t0)
+    """
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    scores, ticks, seconds = run.stdout.split("]")[0] + "]", *map(float, run.stdout.split("]")[1].split())
+    assert scores == str([0.0] * len(_UNEVALUABLE))
+    assert ticks >= 0.5 * seconds / 0.1, f"the main thread stalled: {ticks} ticks in {seconds:.1f} s"
+
+
+def test_math_verify_comparison_past_its_deadline_is_killed_and_the_next_one_scores(monkeypatch):
+    monkeypatch.setattr(mathcheck, "DEADLINE_S", 0.5)
+    assert score("math_verify", "\\boxed{(1+x)^{100000}}", "46") == 0.0
+    assert score("math_verify", "\\boxed{46}", "46") == 1.0
+
+
+def test_math_verify_worker_that_cannot_start_is_an_error_not_a_zero(monkeypatch):
+    pool = mathcheck.Pool(1)
+    monkeypatch.setattr(mathcheck.sys, "executable", "/bin/false")
+    with pytest.raises(RuntimeError, match="math-verify worker .* did not start"):
+        pool.equal("46", "46")
+    pool.close()
 
 
 def test_numeric_reads_the_final_answer():
