@@ -166,8 +166,10 @@ def final_number(completion: str) -> float | None:
 
 
 def same_number(got: float, want: float) -> bool:
-    """Integers equal exactly; other numbers to 1e-6 relative."""
-    if got.is_integer() and want.is_integer():
+    """An integer reference ``want`` matches only itself; others match to 1e-6 relative. Not
+    the tolerance for integers: ``1000000.5`` is within 1e-6 of both 1000000 and 1000001, one
+    answer credited for two."""
+    if want.is_integer():
         return got == want
     return math.isclose(got, want, rel_tol=1e-6, abs_tol=0.0)
 
@@ -197,7 +199,7 @@ def _numeric_problem(answer: str) -> str | None:
 @_checker(_numeric_problem)
 def numeric_match(completion: str, answer: str, payload: Mapping[str, Any]) -> float:
     """1.0 when the completion's number (``final_number``) equals the reference number
-    (``same_number``: integers exactly, others to 1e-6 relative), else 0.0."""
+    (``same_number``: an integer reference exactly, others to 1e-6 relative), else 0.0."""
     want, got = to_number(answer), final_number(completion)
     if want is None or got is None:
         return 0.0
