@@ -95,6 +95,8 @@ def _checker(fn: Callable[[str], str | None]) -> Callable[[RewardFn], RewardFn]:
 #: a number as written in an answer: thousands separators only between groups of three digits,
 #: an optional fraction and exponent
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?![\d,]*\d)|-?\.\d+(?:[eE][-+]?\d+)?")
+#: the characters an answer is read from: after the last ``####``, else at the end of the completion
+ANSWER_CHARS = 2000
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 
 
@@ -156,12 +158,15 @@ def to_number(text: str) -> float | None:
 
 def final_number(completion: str) -> float | None:
     """The number a completion answers with: the one after its last ``####`` if it writes one
-    (the GSM8K convention), else the last number in it; ``None`` if it has none."""
+    (the GSM8K convention), else the last number in it; ``None`` if it has none. Read within
+    ``ANSWER_CHARS`` (after the ``####``, else at the end): ``_NUMBER`` takes time quadratic in
+    a run of digits and commas, which a degenerate completion (``1,1,1,...``) repeats for
+    thousands of tokens, and holds the GIL meanwhile."""
     completion = completion.translate(_MINUS)
     final = final_text(completion)
-    if final and (numbers := _NUMBER.findall(final)):
+    if final and (numbers := _NUMBER.findall(final[:ANSWER_CHARS])):
         return to_number(numbers[0])
-    numbers = _NUMBER.findall(completion)
+    numbers = _NUMBER.findall(completion[-ANSWER_CHARS:])
     return to_number(numbers[-1]) if numbers else None
 
 
@@ -217,7 +222,7 @@ def math_verify_match(completion: str, answer: str, payload: Mapping[str, Any]) 
     reference (``\\frac{1}{2}``, ``0.5`` and ``1/2`` agree; ``\\boxed{}`` answers and GSM8K's
     ``#### N`` are extracted), else 0.0. Compared in a worker process under a deadline
     (``mathcheck``): an answer sympy cannot evaluate in time (``10^{10^{10}}``) scores 0."""
-    text = final_text(completion) or completion[-2000:]  # nothing after a ####: the answer is elsewhere
+    text = final_text(completion) or completion[-ANSWER_CHARS:]  # nothing after a ####: the answer is elsewhere
     return 1.0 if mathcheck.equal(answer, text) else 0.0
 
 

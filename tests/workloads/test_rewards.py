@@ -6,6 +6,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -178,6 +179,17 @@ def test_the_answer_is_after_the_last_marker_even_on_one_line():
         assert score(reward, "#### 7 #### 18", "18") == 1.0, reward
         assert score(reward, "#### 7 #### 18", "7") == 0.0, reward
         assert score(reward, "first #### 7\nthen #### 18", "18") == 1.0, reward
+
+
+@pytest.mark.parametrize("run", ["12,345,", "1,"])
+def test_numeric_reads_a_degenerate_completion_in_bounded_time(run):
+    """A policy stuck repeating digits and commas: reading its number took time quadratic in the
+    completion's length (seconds at 60k characters, the GIL held), now bounded by ANSWER_CHARS."""
+    for completion in (run * (60_000 // len(run)) + " so 46", "#### " + run * (60_000 // len(run))):
+        t0 = time.monotonic()
+        score("numeric", completion, "46")
+        assert time.monotonic() - t0 < 1.0
+    assert score("numeric", run * (60_000 // len(run)) + " so 46", "46") == 1.0
 
 
 def test_reference_and_completion_extraction_read_the_last_marker():
