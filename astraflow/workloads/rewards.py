@@ -98,6 +98,13 @@ _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?
 #: the characters an answer is read from: after the last ``####``, else at the end of the completion
 ANSWER_CHARS = 2000
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+#: a thousands separator as LaTeX writes it (MATH's ``10,\\!000``, ``1{,}200``, a thin space ``1\\,200``)
+_LATEX_THOUSANDS = re.compile(r"(?<=\d)(?:\{,\}|,\\!|\\[,!]|\{\\,\})(?=\d{3}(?!\d))")
+
+
+def _plain(text: str) -> str:
+    """``text`` with a Unicode minus as ``-`` and LaTeX thousands separators as ``,``."""
+    return _LATEX_THOUSANDS.sub(",", text.translate(_MINUS))
 
 
 def final_text(text: str) -> str | None:
@@ -113,7 +120,7 @@ def gsm8k_answer(solution: str) -> str:
     thousands separators and a trailing period dropped (``"... #### 1,200"`` -> ``"1200"``; empty
     when nothing follows that ``####``); the solution stripped when it has no ``####``."""
     final = final_text(solution)
-    text = (solution if final is None else final).translate(_MINUS)
+    text = _plain(solution if final is None else final)
     return _THOUSANDS.sub("", text.strip()).rstrip(".").strip()
 
 
@@ -143,9 +150,9 @@ def boxed_answer(solution: str) -> str | None:
 
 
 def to_number(text: str) -> float | None:
-    """``text`` as a number (thousands separators, an exponent, a Unicode minus allowed), or
-    ``None``."""
-    text = text.strip().translate(_MINUS)
+    """``text`` as a number (thousands separators, LaTeX's too, an exponent, a Unicode minus
+    allowed), or ``None``."""
+    text = _plain(text.strip())
     if "," in text:
         if not re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?:[eE][-+]?\d+)?", text):
             return None
@@ -162,7 +169,7 @@ def final_number(completion: str) -> float | None:
     ``ANSWER_CHARS`` (after the ``####``, else at the end): ``_NUMBER`` takes time quadratic in
     a run of digits and commas, which a degenerate completion (``1,1,1,...``) repeats for
     thousands of tokens, and holds the GIL meanwhile."""
-    completion = completion.translate(_MINUS)
+    completion = _plain(completion)
     final = final_text(completion)
     if final and (numbers := _NUMBER.findall(final[:ANSWER_CHARS])):
         return to_number(numbers[0])
