@@ -9,7 +9,7 @@ process (a RaaS node's event loop, its heartbeats, its other rewards) stalls for
 and a worker's address space is capped (``MEMORY_BYTES``), so that a number too big to hold
 fails at once instead of exhausting the node's memory.
 
-A worker is ``python -m astraflow.workloads.mathcheck``: it reads one JSON request per line,
+A worker is ``python -m astraflow.workloads.mathcheck [CPU_S]``: it reads one JSON request per line,
 ``[answer, text]``, and writes ``1`` or ``0`` per line. It imports no other astraflow module.
 """
 
@@ -29,6 +29,9 @@ from pathlib import Path
 #: a comparison that has not answered after this long is killed with its worker (math-verify's
 #: own limits, 5 s to parse and 5 s to compare, stop what runs long in Python code)
 DEADLINE_S = 15.0
+#: CPU seconds a worker may spend on one comparison before the kernel ends it (only an orphaned
+#: worker gets there: the pool kills one past ``DEADLINE_S`` first)
+ORPHAN_CPU_S = 2 * DEADLINE_S
 #: how long a new worker may take to import math-verify
 START_S = 120.0
 #: the address space of a worker: far above what it needs, far below a node's memory
@@ -85,14 +88,27 @@ def _serve() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
     out.write("ready\n")
     out.flush()
+    cpu_s = float(sys.argv[1]) if len(sys.argv) > 1 else ORPHAN_CPU_S
     for line in sys.stdin:
         answer, text = json.loads(line)
+        _cpu_limit(cpu_s)
         try:
             ok = compare(answer, text)
         except (MemoryError, RecursionError):  # a number or an expression too big to hold: no match
             ok = False
         out.write("1\n" if ok else "0\n")
         out.flush()
+
+
+def _cpu_limit(seconds: float) -> None:
+    """The kernel ends this worker (SIGXCPU) once the coming comparison has used ``seconds`` of CPU:
+    the pool kills a worker past its deadline, but not one orphaned by a node that died meanwhile."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    soft = int(usage.ru_utime + usage.ru_stime + seconds) + 1
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
 # -- the pool ----------------------------------------------------------------------------------

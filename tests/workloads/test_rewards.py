@@ -69,6 +69,23 @@ def test_math_verify_answer_sympy_cannot_evaluate_scores_0_without_stalling_the_
     assert ticks >= 0.5 * seconds / 0.1, f"the main thread stalled: {ticks} ticks in {seconds:.1f} s"
 
 
+def test_a_math_verify_worker_ends_itself_past_its_cpu_limit_as_an_orphan_would():
+    """Nothing kills a worker whose node died mid-comparison: the kernel ends it at its CPU limit."""
+    import json
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "astraflow.workloads.mathcheck", "1"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.stdin.write(json.dumps(["46", "\\boxed{(1+x)^{100000}}"]) + "\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == -signal.SIGXCPU
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_math_verify_comparison_past_its_deadline_is_killed_and_the_next_one_scores(monkeypatch):
     monkeypatch.setattr(mathcheck, "DEADLINE_S", 0.5)
     assert score("math_verify", "\\boxed{(1+x)^{100000}}", "46") == 0.0
