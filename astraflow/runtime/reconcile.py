@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from astraflow.runtime.cluster import export_repo_path
 from astraflow.runtime.control import DEFAULT_REMOVAL, PartitionError, read_desired_file, set_partition_nodes
 from astraflow.runtime.jobrecords import JobRecords
-from schedulers import Partition, TLSFiles, UnknownJobError, make_scheduler, parse_worker_name
+from schedulers import Partition, TLSFiles, UnknownJobError, make_scheduler, parse_worker_name, walltime_seconds
 from schedulers.forkserver import ForkServer
 from schedulers.local import start_fork_server
 from schedulers.policy import WorkerPolicy
@@ -205,6 +205,14 @@ class PartitionSet:
             return None
         said = "; ".join(f"partition {n}: {why}" for n, why in failed.items())
         return f"no rollout node is left and no rollout partition is refilled any more ({said})"
+
+    def served_long_s(self, name: str, served_long_s: float) -> float:
+        """How long a worker of partition ``name`` must have served for its loss not to count as a
+        failure: ``served_long_s``, or half the walltime of a Slurm partition whose walltime is
+        shorter than twice that (its healthy workers reach the walltime sooner)."""
+        part = self.partitions.get(name)
+        wall = walltime_seconds(part.walltime) if part is not None and part.scheduler == "slurm" else None
+        return served_long_s if wall is None else min(served_long_s, wall / 2)
 
     def record_failure(self, name: str, last_note: str, serving: int = 0) -> None:
         """A worker of partition `name` failed (lost before it served or soon after, or its node

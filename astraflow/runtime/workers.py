@@ -80,8 +80,8 @@ class DataLayerLost(CoreWorkerLost):
 #: actor's constructor fails; anything else is a bug and propagates.
 FUTURE_ERRORS = (OSError, RuntimeError, ValueError, TimeoutError, KeyError, asyncio.CancelledError)
 
-#: a worker lost after serving this long is not counted as a failure of its partition (the end
-#: of a healthy worker: preemption, walltime); one lost sooner is part of a crash loop
+#: a worker lost after serving this long (or half a shorter Slurm walltime) is not counted as a
+#: failure of its partition (a healthy end: preemption, walltime); one lost sooner is a crash loop
 SERVED_LONG_S = 300.0
 
 #: how long the worker jobs may fail to be listed (slurmctld busy, squeue timing out) before the
@@ -331,8 +331,8 @@ class Fleet:
     def lost(self, w: Worker, why: str, failed: bool = False) -> None:
         """A worker vanished on its own (or, ``failed``, is replaced after an error): requeue its
         leases now; the partition is refilled by the reconciler unless it was removed. A worker
-        lost before serving or within ``SERVED_LONG_S`` of it counts as a failure of its
-        partition (backoff, then no refill). A lost trainer worker raises ``TrainerLost``, a lost
+        lost before serving or within ``SERVED_LONG_S`` of it (half a shorter walltime) counts as
+        a failure of its partition (backoff, then no refill). A lost trainer worker raises ``TrainerLost``, a lost
         data-layer worker ``DataLayerLost``. A job still listed active (requeued by Slurm after a
         node failure, suspended, or only its worker left the scheduler) is cancelled: it would
         hold its node unseen, and its replacement is submitted anyway."""
@@ -356,7 +356,8 @@ class Fleet:
             raise RunFailed(f"{role} worker {w.name} is gone ({why}){see}")
         n = self.dl.node_gone(w.name).result(timeout=30) if was in NODE_PHASES else 0
         self.progress.note(f"worker {w.name} is gone ({why}); {n} leases requeued")
-        if failed or was not in ("serving", "draining") or (was == "serving" and served_s < SERVED_LONG_S):
+        long_s = self.parts.served_long_s(w.partition, SERVED_LONG_S)
+        if failed or was not in ("serving", "draining") or (was == "serving" and served_s < long_s):
             self._count_failure(w)
 
     def forget_silence(self) -> None:

@@ -30,10 +30,11 @@ class _DataLayer:
         return fut
 
 
-def _setup(tmp_path, nodes: int = 1, autoscale: dict | None = None):
+def _setup(tmp_path, nodes: int = 1, autoscale: dict | None = None, walltime: str = "01:00:00"):
     paths = RunPaths(tmp_path / "run").make()
     progress = Progress(enabled=False)
-    part = Partition(name="gpu", scheduler="slurm", nodes=nodes, role="rollout", autoscale=autoscale)
+    part = Partition(name="gpu", scheduler="slurm", nodes=nodes, role="rollout", autoscale=autoscale,
+                     walltime=walltime)
     pset = PartitionSet([part], paths, ClusterConfig(), progress)
     fleet = Fleet(pset, placement=None, cluster=ClusterConfig(), progress=progress, place_node=lambda n, p: None)
     fleet.dl = _DataLayer()
@@ -97,6 +98,30 @@ def test_a_worker_lost_after_long_service_is_not_a_failure(tmp_path, monkeypatch
     w.since -= SERVED_LONG_S + 1
     fleet.lost(w, "job 4101 PREEMPTED")
     assert pset.state["gpu"].failures == 0 and pset.state["gpu"].refill_at is None
+
+
+def test_workers_that_serve_until_a_short_walltime_do_not_fail_their_partition(tmp_path, monkeypatch):
+    """A partition whose walltime is shorter than ``SERVED_LONG_S``: each worker serves, then
+    Slurm ends it at its walltime (seen as the job's TIMEOUT or as the worker leaving the
+    scheduler first). That is the healthy end of a worker, refilled every time, never a crash
+    loop that fails the partition (and with it the run); a worker lost soon after it began
+    serving still counts."""
+    fake_slurm(tmp_path, monkeypatch, fail_at=99)
+    _, pset, fleet = _setup(tmp_path, walltime="00:02:00")
+    ps = pset.state["gpu"]
+    for why in ["job 4101 FAILED (TimeLimit)"] + ["worker left the Dask scheduler"] * FAILURES_PER_NODE:
+        _reconcile(pset, fleet)
+        [w] = [x for x in fleet.workers.values() if not x.gone]
+        w.enter("serving")
+        w.since -= 61  # served more than half its 2-minute walltime
+        fleet.lost(w, why)
+        assert ps.failures == 0 and ps.state == "active" and ps.refill_at is None, why
+    _reconcile(pset, fleet)
+    [w] = [x for x in fleet.workers.values() if not x.gone]
+    w.enter("serving")
+    w.since -= 20
+    fleet.lost(w, "job 4105 FAILED")
+    assert ps.failures == 1
 
 
 def test_a_partial_submission_marks_the_partition_failed_naming_the_cancelled_jobs(tmp_path, monkeypatch):
