@@ -28,6 +28,10 @@ def format_partitions(st: dict[str, Any]) -> str:
         )
         if p.get("role") == "rollout":
             lines.append(partition_stats_line(p, scaling))
+        queued = [f"{w['job_id']} ({w['reason']})" for w in st.get("workers", {}).values()
+                  if w.get("partition") == name and w.get("reason")]
+        if queued:  # a pending job's reason says what holds it (Resources, a node down, a limit)
+            lines.append(f"  waiting in the queue: job {', '.join(queued)}")
         if p.get("failures"):
             wait = p.get("refill_in_s")
             lines.append(f"  failures: {p['failures']} worker(s) failed"
@@ -68,7 +72,9 @@ def format_status(st: dict[str, Any]) -> str:
         node = dl.get("nodes", {}).get(name, {})
         lines.append(
             f"  {name:<36} {w['job_id']:<14} {w['state']:<9} {w.get('phase', '-'):<9} "
-            f"versions {node.get('versions', '-')}  {node.get('completed', 0)} episodes  "
+            + (f"waiting: {w['reason']}  " if w.get("reason") else "")
+            + (f"on {w['host']}  " if w.get("host") else "")
+            + f"versions {node.get('versions', '-')}  {node.get('completed', 0)} episodes  "
             f"{node.get('generated_tokens_per_s', 0):.0f} generated tok/s"
             + (f"  idle {node['idle_fraction']:.0%}" if "idle_fraction" in node else "")
         )

@@ -54,6 +54,10 @@ class NodeView(_View):
     idle_fraction: float | None = Field(description="share of the node's lifetime with nothing to generate "
                                                     "(RaaS nodes; None otherwise)")
     last_seen_s: float | None = Field(description="seconds since its last heartbeat; None: never (not a RaaS node)")
+    host: str | None = Field(default=None, description="the node its job runs on (Slurm's node list, localhost); "
+                                                       "None while it waits, once it is gone, or when unknown")
+    reason: str | None = Field(default=None, description="why its job waits in the queue (Slurm's reason: "
+                                                         "Resources, Priority, ReqNodeNotAvail...); None otherwise")
 
 
 class BoundsView(_View):
@@ -261,6 +265,8 @@ def _node_view(name: str, worker: dict[str, Any], part: dict[str, Any], info: di
         episodes_per_s=ep_s, generated_tokens_per_s=tok_s,
         idle_fraction=float(info["idle_fraction"]) if "idle_fraction" in info else None,
         last_seen_s=(now - float(seen)) if seen is not None else None,
+        host=worker.get("host") if ended is None and state != "GONE" else None,
+        reason=worker.get("reason") if ended is None and state == "PENDING" else None,
     )
 
 

@@ -25,6 +25,7 @@ from storage.paths import RunPaths
 if TYPE_CHECKING:
     from astraflow.runtime.reconcile import PartitionSet
     from astraflow.runtime.workers import Fleet
+    from schedulers import JobStatus
 
 #: seconds of history behind a partition's ``episodes_per_s``
 RATE_WINDOW_S = 10.0
@@ -58,6 +59,15 @@ def recent_evals(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if seen[p] <= STATUS_EVALS:
             keep.append(e)
     return keep[::-1]
+
+
+def job_placement(st: JobStatus | None, gone: bool) -> dict[str, str | None]:
+    """Where a worker's job runs (``host``: the scheduler's node) and why it waits (``reason``:
+    Slurm's, e.g. ``Resources`` or ``ReqNodeNotAvail``): what an operator otherwise looks up
+    with ``squeue`` for a worker that stays PENDING. Both None once the worker is gone."""
+    if st is None or gone or not st.active:
+        return {"host": None, "reason": None}
+    return {"host": st.node, "reason": st.reason if st.state == "PENDING" else None}
 
 
 class StatusWriter:
@@ -182,7 +192,8 @@ class StatusWriter:
             "workers": {
                 n: {"job_id": w.job.job_id, "partition": w.partition, "kind": w.job.kind,
                     "state": fleet.job_state(w), "phase": w.phase, "note": w.note,
-                    "draining": w.draining, "actor": w.has_actor, "log": str(w.job.log) if w.job.log else None}
+                    "draining": w.draining, "actor": w.has_actor, "log": str(w.job.log) if w.job.log else None,
+                    **job_placement(fleet.jobs.get(w.job.job_id), w.gone)}
                 for n, w in fleet.workers.items()
             },
         }

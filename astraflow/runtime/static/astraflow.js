@@ -179,7 +179,8 @@ function renderStatus(st) {
       const versions = Object.entries(n.versions).map(([p, v]) => `${p}:v${v}`).join(" ") || "–";
       const isRollout = n.role === "rollout";
       rows.push(row([
-        n.name, n.role, n.hardware, n.region, n.job_id, [n.state, { class: "state-" + n.state }],
+        n.name, n.role, n.hardware, n.region, n.job_id + (n.host ? ` on ${n.host}` : ""),
+        [n.state + (n.reason ? ` (${n.reason})` : ""), { class: "state-" + n.state }],
         [versions, { id: `node-${n.name}-versions` }],
         isRollout ? n.leased_now : "–", isRollout ? n.leased_total : "–",
         isRollout ? fmt(n.episodes_per_s, 2) : "–",
