@@ -51,10 +51,10 @@ def test_head_script_refuses_an_interpreter_without_astraflow(tmp_path):
 # -- walltime warning and requeue: the script's decisions, with `astraflow run` and `scontrol`
 # standing in as small scripts (the real path runs on the local Slurm: tests/slurm/test_requeue.py)
 
-#: stands in for `$ASTRAFLOW_PYTHON`: `-c` runs the real interpreter; `-m astraflow run` says it
+#: stands in for `$ASTRAFLOW_PYTHON`: `-c` runs the real interpreter (leaving `checked`); `-m astraflow run` says it
 #: started, exits 75 on SIGUSR1 as astraflow does, and otherwise exits with $STUB_RC
 STUB_PY = """#!/bin/bash
-if [ "$1" = -c ]; then exec {python} "$@"; fi
+if [ "$1" = -c ]; then touch "$STUB_DIR/checked"; exec {python} "$@"; fi
 trap 'kill $s 2>/dev/null; echo usr1 >> "$STUB_DIR/signals"; exit 75' USR1
 echo "$@" > "$STUB_DIR/args.tmp" && mv "$STUB_DIR/args.tmp" "$STUB_DIR/args"  # after the trap: then it is ready
 sleep "${{STUB_SLEEP:-0}}" & s=$!
@@ -62,12 +62,15 @@ wait $s
 exit "${{STUB_RC:-0}}"
 """
 STUB_SCONTROL = '#!/bin/sh\necho "$@" >> "$STUB_DIR/scontrol"\n'
+#: `squeue -h -j ID -o %L`: the job's time left ($STUB_TIME_LEFT, a day by default)
+STUB_SQUEUE = '#!/bin/sh\necho "${STUB_TIME_LEFT:-1-00:00:00}"\n'
 
 
 def _head(tmp_path, *, restarts: int | None = None, **env: str) -> subprocess.Popen:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in (("py", STUB_PY.format(python=sys.executable)), ("scontrol", STUB_SCONTROL)):
+    for name, text in (("py", STUB_PY.format(python=sys.executable)), ("scontrol", STUB_SCONTROL),
+                       ("squeue", STUB_SQUEUE)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     (tmp_path / "c.yaml").write_text("run: {}\n")
@@ -144,3 +147,33 @@ def test_a_bad_requeue_cap_is_refused_naming_the_fix(tmp_path):
     proc = _head(tmp_path, ASTRAFLOW_MAX_REQUEUES="many")
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 2 and "ASTRAFLOW_MAX_REQUEUES='many': set it to a whole number" in out, out
+
+
+def test_a_job_whose_time_limit_is_within_the_warning_ignores_it_instead_of_requeueing_forever(tmp_path):
+    """Slurm sends the warning at once to a job that starts with less time left than the
+    warning: stopping for a requeue then would requeue it again and again, never taking a step.
+    The script says so, the warning does not reach astraflow, and the job is not requeued."""
+    proc = _head(tmp_path, STUB_SLEEP="3", STUB_TIME_LEFT="1:58")
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "args").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)  # the warning, at once
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and not (tmp_path / "signals").exists(), out
+    assert not (tmp_path / "scontrol").exists(), out
+    assert "starts with 118s left, within its walltime warning (--signal=B:USR1@300" in out, out
+    assert "submit with a --time well over 360 s" in out, out
+
+
+def test_a_warning_that_comes_before_astraflow_runs_does_not_kill_the_script(tmp_path):
+    """SIGUSR1's default action ends a shell: the warning of a short job can come while the
+    script still checks its interpreter."""
+    proc = _head(tmp_path, STUB_TIME_LEFT="1:00")
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "checked").exists():  # the script runs its interpreter's checks
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and (tmp_path / "args").exists(), out
