@@ -12,16 +12,18 @@ from storage.ownership import UnsafeDir
 
 
 def load_checked_config(config: str, overrides: tuple[str, ...]):
-    """The validated config, its existing model directories checked to load, and an external
-    trajectory store checked to be the user's alone."""
+    """The validated config, its existing model directories checked to load, its Slurm
+    partitions checked to exist (where Slurm answers), and an external trajectory store checked
+    to be the user's alone."""
     from astraflow.config import ConfigError, load_config
-    from astraflow.preflight import check_devices, check_engine, check_models
+    from astraflow.preflight import check_devices, check_engine, check_models, check_slurm_partitions
 
     try:
         cfg = load_config(config, list(overrides))
         check_models(cfg)
         check_devices(cfg)
         check_engine(cfg)
+        check_slurm_partitions(cfg)
         if cfg.storage.trajectories:  # a store outside the run directory (the run trains from it) is ours alone
             from storage.trajectories.locations import check_store_url
 

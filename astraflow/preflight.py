@@ -308,3 +308,26 @@ def check_network(cfg: RunConfig) -> None:
         raise ConfigError(f"cluster.worker_interface: {cc.worker_interface!r} is no network interface of this "
                           f"machine, where partitions {', '.join(local)} start their workers (there are: "
                           f"{', '.join(sorted(psutil.net_if_addrs()))}); name one of them, or unset it")
+
+
+def check_slurm_partitions(cfg: RunConfig) -> None:
+    """``ConfigError`` naming a ``scheduler: slurm`` partition whose ``slurm_partition`` this
+    site's Slurm does not have (``sinfo --all`` lists them), before anything starts: otherwise
+    the run starts its scheduler, data layer and trainer, then fails on ``sbatch``'s refusal.
+    Nothing is checked where ``sinfo`` does not answer (no Slurm here: submitting will say)."""
+    wanted = {p.name: p.slurm_partition for p in cfg.partitions if p.scheduler == "slurm" and p.slurm_partition}
+    if not wanted:
+        return
+    from schedulers.slurm_cli import SlurmCommandError, run_slurm
+
+    try:
+        out = run_slurm(["sinfo", "--all", "-h", "-o", "%R"], timeout=10)
+    except SlurmCommandError:
+        return
+    known = sorted({line.strip() for line in out.splitlines() if line.strip()})
+    for name, slurm_partition in wanted.items():
+        missing = [s for s in slurm_partition.split(",") if s.strip() not in known]
+        if known and missing:
+            raise ConfigError(f"partitions[{name}].slurm_partition: {', '.join(map(repr, missing))} is not a "
+                              f"partition of this Slurm cluster (sinfo lists {', '.join(known)}): set it to one "
+                              "of them")

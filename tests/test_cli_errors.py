@@ -191,6 +191,30 @@ def test_an_unquoted_walltime_stays_text(tmp_path):
     assert yaml.safe_load(res.stdout)["partitions"][2]["walltime"] == "1:30:00"
 
 
+def test_a_slurm_partition_the_cluster_does_not_have_is_refused_before_the_run_starts(tmp_path, monkeypatch):
+    """``sbatch -p nosuch`` would refuse it only once the run had started its scheduler, data
+    layer and trainer; ``sinfo`` (a stand-in on PATH, the process boundary) names those there are.
+    Where ``sinfo`` does not answer nothing is checked: the submission says it."""
+    parts = [{"name": "data", "role": "data"}, {"name": "trainer", "role": "trainer"},
+             {"name": "h100", "role": "rollout", "scheduler": "slurm", "slurm_partition": "gpu-h100"}]
+    cfg = _config(tmp_path, partitions=parts)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sinfo = bin_dir / "sinfo"
+    sinfo.write_text("#!/bin/sh\nprintf 'h100\\na100\\ncpu\\n'\n")
+    sinfo.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for command in ("check", "run"):
+        res = _invoke(command, str(cfg), *(["--run-dir", str(tmp_path / "run")] if command == "run" else []))
+        assert res.exit_code == 2, res.output
+        assert ("partitions[h100].slurm_partition: 'gpu-h100' is not a partition of this Slurm cluster "
+                "(sinfo lists a100, cpu, h100): set it to one of them") in res.output, res.output
+    assert not (tmp_path / "run").exists()
+    assert _invoke("check", str(cfg), "--set", "partitions.h100.slurm_partition=a100").exit_code == 0
+    sinfo.write_text("#!/bin/sh\necho 'slurm_load_partitions: Unable to contact slurm controller' >&2\nexit 1\n")
+    assert _invoke("check", str(cfg)).exit_code == 0
+
+
 # -- values YAML reads as another type ---------------------------------------------------------------
 
 @pytest.mark.parametrize("value, needle", [
