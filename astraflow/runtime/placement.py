@@ -212,7 +212,9 @@ class Placement:
         """Wait until every named worker joined (deadline ``cluster.worker_start_timeout_s``),
         showing which have not and the state of their jobs (``job_states``: worker name ->
         state, asked every 5 s: PENDING in a Slurm queue, ...); then asks them for their code
-        (``ask_code``). ``hint``: a likely cause, said with a failure to join."""
+        (``ask_code``). Rollout workers whose jobs wait in the queue do not hold the run back
+        once every other worker and one rollout worker joined: they join when Slurm starts them,
+        as a refill's do. ``hint``: a likely cause, said with a failure to join a running job."""
         timeout = self.cluster.worker_start_timeout_s
         deadline = time.time() + timeout
         states: dict[str, str] = {}
@@ -221,8 +223,13 @@ class Placement:
         while True:
             joined = self.joined()
             missing = [n for n in names if n not in joined]
-            if not missing:
-                self.ask_code({n: joined[n] for n in names})  # all at once, before each is placed on
+            rollout = [n for n in names if n.startswith("rollout-")]
+            queued = [n for n in missing if n in rollout and states.get(n) == "PENDING"]
+            if not missing or (len(queued) == len(missing) and any(n in joined for n in rollout)):
+                if queued:
+                    self.progress.note(f"starting without {len(queued)} rollout worker(s) whose jobs wait in the "
+                                       f"queue ({', '.join(queued)}): they join when Slurm starts them")
+                self.ask_code({n: joined[n] for n in names if n in joined})  # all at once, before each is placed on
                 return
             if time.time() >= next_poll:
                 next_poll = time.time() + 5.0
@@ -236,9 +243,11 @@ class Placement:
             shown = ", ".join(f"{n} ({states.get(n, '?')})" for n in missing[:3])
             self.progress.detail(f"{len(names) - len(missing)}/{len(names)} joined; not yet {shown}"
                                  + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
-            if time.time() > deadline:
-                raise RunFailed(f"workers did not join within {timeout:.0f}s: {missing}; see {self.paths.jobs}/*.log"
-                                + (f"; {hint}" if hint else ""))
+            if time.time() > deadline:  # the hint (how workers reach the scheduler) is for jobs that run
+                running = hint and any(states.get(n) == "RUNNING" for n in missing)
+                raise RunFailed(f"workers did not join within {timeout:.0f}s (cluster.worker_start_timeout_s): "
+                                + ", ".join(f"{n} ({states.get(n, '?')})" for n in missing)
+                                + f"; see {self.paths.jobs}/*.log" + (f"; {hint}" if running else ""))
             time.sleep(0.2)
 
 
