@@ -279,8 +279,11 @@ def wait_partition(run_dir: Path, name: str, timeout: float, until: str = "submi
         if until == "removed" and entry.get("state") == "removed":
             return entry
         if time.time() > deadline:
+            queued = [f"{w.get('job_id')} ({w['reason']})" for w in (st.get("workers") or {}).values()
+                      if w.get("partition") == name and w.get("reason")]
             raise TimeoutError(
-                f"partition {name!r} not {until} within {timeout:.0f}s (state {entry.get('state', 'not seen yet')}); "
-                "check `astraflow status` again"
+                f"partition {name!r} not {until} within {timeout:.0f}s (state {entry.get('state', 'not seen yet')})"
+                + (f"; its job(s) wait in the Slurm queue: {', '.join(queued)}" if queued else "")
+                + "; check `astraflow status` again"
             )
         time.sleep(0.2)

@@ -144,8 +144,9 @@ def test_list_shows_partitions(live_run):
     assert code == 0 and set(json.loads(out)) == {"data", "trainer", "h100"}
 
 
-def _reported_later(paths, name: str, entry: dict, after_s: float = 0.5):
-    """The orchestrator's side: after ``after_s``, status.json reports partition ``name`` as ``entry``."""
+def _reported_later(paths, name: str, entry: dict, after_s: float = 0.5, workers: dict | None = None):
+    """The orchestrator's side: after ``after_s``, status.json reports partition ``name`` as ``entry``
+    (and ``workers``, the workers' entries, where given)."""
     import threading
 
     def report():
@@ -153,6 +154,7 @@ def _reported_later(paths, name: str, entry: dict, after_s: float = 0.5):
         st = json.loads(paths.status_file.read_text())
         own = Partition(name=name, scheduler="slurm", slurm_partition=name, role="rollout")
         st["partitions"][name] = {**own.model_dump(mode="json"), **entry}
+        st["workers"].update(workers or {})
         st["written_at"] = time.time()
         write_status(paths, st)
 
@@ -179,11 +181,16 @@ def test_add_until_serving_waits_for_a_serving_node_or_its_failure(live_run, ent
 
 
 def test_add_until_serving_that_times_out_exits_1_and_stays_requested(live_run):
-    thread = _reported_later(live_run, "a100", {"state": "active", "jobs": {"101": "PENDING"}, "serving": 0})
+    """A job Slurm holds in its queue: the timeout says so, with Slurm's reason."""
+    queued = {"rollout-a100-local-cpu-0": {"partition": "a100", "job_id": "101", "state": "PENDING",
+                                           "reason": "Resources"}}
+    thread = _reported_later(live_run, "a100", {"state": "active", "jobs": {"101": "PENDING"}, "serving": 0},
+                             workers=queued)
     got, out = _invoke("partitions", "add", str(live_run.root), "a100", "--slurm-partition", "a100",
                        "--until", "serving", "--wait", "1.5")
     thread.join()
     assert got == 1 and "partition 'a100' not serving within 2s (state active)" in out, out
+    assert "its job(s) wait in the Slurm queue: 101 (Resources)" in out, out
     assert "a100" in read_desired_file(live_run)[0]
 
 
