@@ -171,8 +171,9 @@ class Progress:
         # one policy: its histogram; several: each policy's, named
         hist = (next(iter(hists.values()), {}) if len(hists) <= 1
                 else " ".join(f"{p} {h}" for p, h in hists.items()))
-        # a node's weight versions: one per policy, in the trainers' order (``v3`` or ``v3/1``)
-        shown = [f"{n.split('-')[1]}{n.split('-')[-1]}:v"
+        # a node's weight versions: one per policy, in the trainers' order (``v3`` or ``v3/1``), after its
+        # partition and index (``h100-0``: partition names often end in digits, as hosts do)
+        shown = [f"{n.split('-')[1]}-{n.split('-')[-1]}:v"
                  + "/".join(str((i.get("versions") or {}).get(p, "?")) for p in (trainers or [""]))
                  for n, i in state.get("nodes", {}).items() if not i.get("gone") and n.startswith("rollout")]
         # many nodes (``rollout.nodes_per_worker``): the first few, then how many more

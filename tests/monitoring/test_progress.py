@@ -107,7 +107,8 @@ def test_the_progress_line_shows_each_nodes_version_of_every_policy():
     progress.update(Tick(data_layer={"nodes": nodes, "episodes_per_s": 1.0, "generated_tokens_per_s": 9.0},
                          trainers=trainers))
     out = buf.getvalue()
-    assert "h1000:v3/1" in out and "h1001:v2/?" in out, out
+    # partition and index apart: ``h1001`` would read as a host, or as worker 01 of partition h10
+    assert "h100-0:v3/1" in out and "h100-1:v2/?" in out, out
 
 
 @pytest.mark.timeout(30)
