@@ -80,7 +80,7 @@ def test_a_rank_that_died_between_commands_is_reported_and_the_others_stopped(tm
         assert all(p.poll() is not None for p in procs)  # the surviving rank was stopped too
         be.close()  # nothing left to stop: no error
         with pytest.raises(RankError, match=r"^the backend's ranks were stopped: rank\(s\) \[1\] exited before "
-                                            r"'train': rank 1 was killed by SIGKILL, .*; 'logprobs' needs a new backend"):
+                           r"'train': rank 1 was killed by SIGKILL, .*; 'logprobs' needs a new backend"):
             be.logprobs(toks)
         # the logs are in log_dir: the work directory holds nothing the error points at
         assert _workdirs(tmpdir_root) == []

@@ -1,8 +1,8 @@
 """The Megatron backend resumes: a committed version loads into a new backend (any TP size), its
 optimiser state round-trips through ``torch.save`` / ``torch.load(weights_only=True)`` and the
 next step is the uninterrupted run's, also under another TP size (the moments cut again for
-it), a state of another backend is refused (the ranks keep running), and a ``Trainer`` on a megatron config continues from
-its latest committed version.
+it), a state of another backend is refused (the ranks keep running), and a ``Trainer`` on a
+megatron config continues from its latest committed version.
 
 Real rank processes over gloo and the real ``WeightStore``; the data layer is the recorder the
 trainer-loop tests use. Tolerance as the parity tests: 1e-4 nats per token.
