@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from astraflow.check_cli import check as check_cli, load_checked_config
-from astraflow.clibase import UserError, UserPath, field_option
+from astraflow.clibase import UserError, UserPath, field_option, open_standard_streams
 from astraflow.episodes_cli import episodes as episodes_cli
 from astraflow.export_cli import export as export_cli
 from astraflow.partitions_cli import partitions as partitions_cli
@@ -55,6 +55,7 @@ def main(ctx: click.Context) -> None:
     (the embedded default) or as Slurm jobs across partitions. Start with
     `astraflow run examples/math/config.yaml`.
     """
+    open_standard_streams()
     ctx.with_resource(_user_modules_from_cwd())
 
 

@@ -1,11 +1,13 @@
-"""What the ``astraflow`` command modules share: the bad-input error, and click options made
-from config fields (so the CLI and the config never disagree on choices, defaults and help)."""
+"""What the ``astraflow`` command modules share: the bad-input error, click options made from
+config fields (so the CLI and the config never disagree on choices, defaults and help), and
+standard streams that are open whatever the command was started with."""
 
 from __future__ import annotations
 
 import math
 import os
 import re
+import sys
 from typing import Any, Literal, get_args, get_origin
 
 import click
@@ -22,6 +24,23 @@ def printable(text: str) -> str:
     control characters but newline and tab shown as ``\\xNN``, so it cannot move the cursor,
     rewrite what was printed above it or retitle the window."""
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def open_standard_streams() -> None:
+    """A command started with standard input, output or error closed (``<&-``, ``>&-``, a daemon's
+    child) gets ``/dev/null`` there. Else the next pipe or file it opens takes that descriptor,
+    where a child's standard stream is put (the sandbox's seccomp filter, handed to bubblewrap by
+    descriptor, was overwritten by its stdin), and Python's ``sys.stdout`` is None."""
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            got = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: 0 to fd - 1 are open
+            assert got == fd, (got, fd)
+        if getattr(sys, name) is None:
+            stream = open(fd, "r" if fd == 0 else "w", closefd=False)
+            setattr(sys, name, stream)
+            setattr(sys, f"__{name}__", stream)
 
 
 class UserError(click.ClickException):

@@ -1,6 +1,7 @@
 """A run whose terminal goes away: a reader of its output that quits (``| head``) leaves the run
 going to its end; a hang-up (the terminal or SSH session closed) stops it the Ctrl-C way, with a
-summary and no worker left running. Either used to kill the CLI at once, without a summary."""
+summary and no worker left running. Either used to kill the CLI at once, without a summary. A run
+started with no terminal at all (its standard streams closed) runs to its end."""
 
 from __future__ import annotations
 
@@ -69,3 +70,20 @@ def test_a_hang_up_stops_the_run_with_a_summary_and_no_worker_left(tiny_model, t
     assert summary["status"] == "interrupted" and summary["reason"].startswith("stopped by SIGHUP (its terminal closed")
     assert summary["ledger_closed"]
     assert not [n for n, w in workers.items() if _alive(_pid(w))], "worker processes were left running"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_run_started_with_its_standard_input_and_output_closed_completes(tiny_model, tmp_path):
+    """``astraflow run ... <&- >&-`` (a daemon's child): its progress goes nowhere, and the run
+    completes. Python had no ``sys.stdout`` then, and the run failed on its first use."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "astraflow", "run", str(_write_config(tmp_path, tiny_model)), "--run-dir", str(run_dir),
+         "--set", "workload.eval.every=0", "--set", "run.max_steps=2"],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True, timeout=240,
+        preexec_fn=lambda: (os.close(0), os.close(1)),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"]["solver"] == 2

@@ -89,3 +89,20 @@ def test_the_programs_output_cannot_rewrite_the_summary_on_a_terminal(tmp_path):
     assert r.exit_code == 0 and "status: failure" in r.output, r.output
     assert not any(c in r.output for c in "\x1b\x9b\r"), r.output
     assert "\\x1b[1A\\x1b[2Kstatus: ok\\x0d" in r.output and "ValueError: \\x1b[2K\\x9b1A" in r.output, r.output
+
+
+def test_a_command_started_with_its_standard_input_closed_runs_the_program(tmp_path):
+    """``<&-`` (a daemon's child, a cron job): the seccomp filter's pipe would take descriptor 0,
+    and bubblewrap's stdin overwrote it there (it then refused the filter)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    prog, tests = _files(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "astraflow", "sandbox", "run", str(prog), "--tests", str(tests),
+                          "--json"], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+                         timeout=120, preexec_fn=lambda: os.close(0))
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert (res["status"], res["passed"], res["total"]) == ("failure", 1, 2), res
