@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import faulthandler
 import fcntl
 import os
@@ -138,7 +139,10 @@ def private_directory(base: str) -> str:
     """A new directory under `base` that only this user can use: a random name no one could have
     made first (``mkdtemp``: created, never reused) and mode 0700, held by this process
     (`hold`). Our directories there that no live process holds (their process was killed
-    outright and could not remove them) are removed first."""
+    outright and could not remove them) are removed first. A `base` not there yet is made (0700),
+    as Dask makes its own local directory (``DASK_TEMPORARY_DIRECTORY`` naming a new one)."""
+    with contextlib.suppress(FileExistsError):  # a file there: `check_base` says what it is
+        os.makedirs(base, mode=0o700)
     check_base(base)
     remove_stale(base)
     path = tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=base)

@@ -270,3 +270,14 @@ def test_prepare_gives_the_command_its_private_directory_and_http_address(tmp_pa
 def test_option_reads_both_spellings():
     assert option(["a", "--x", "1", "--x=2", "b"], "--x") == ("2", ["a", "b"])
     assert option(["--xy", "1"], "--x") == (None, ["--xy", "1"])
+
+
+def test_a_base_not_there_yet_is_made_for_this_user_only(tmp_path):
+    """``DASK_TEMPORARY_DIRECTORY`` (or a partition's local directory) naming a directory not made
+    yet: made, as Dask makes its own, instead of the run's scheduler failing to start."""
+    base = tmp_path / "scratch" / "dask"
+    path = Path(private_directory(str(base)))
+    try:
+        assert path.parent == base and stat.S_IMODE(base.stat().st_mode) == 0o700
+    finally:
+        remove_private_directory(str(path))
