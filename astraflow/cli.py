@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from astraflow.check_cli import check as check_cli, load_checked_config
-from astraflow.clibase import UserError, UserPath, field_option, open_standard_streams
+from astraflow.clibase import UserError, UserPath, field_option, open_standard_streams, shell_arg
 from astraflow.episodes_cli import episodes as episodes_cli
 from astraflow.export_cli import export as export_cli
 from astraflow.partitions_cli import partitions as partitions_cli
@@ -341,7 +341,7 @@ def _silent_run(run_dir: Path, age_s: float | None) -> str | None:
         return (f"{said}: its `astraflow run` (pid {pid}) is suspended (Ctrl-Z or SIGSTOP) and still holds the "
                 f"run directory; `fg` in its terminal or `kill -CONT {pid}` lets it go on")
     return (f"{said}: its `astraflow run` (pid {pid}) still holds the run directory but is busy or hung; "
-            f"`astraflow stop {run_dir}` stops it, then `astraflow run` on the directory resumes it")
+            f"`astraflow stop {shell_arg(run_dir)}` stops it, then `astraflow run` on the directory resumes it")
 
 
 @main.command()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shlex
 import sys
 from typing import Any, Literal, get_args, get_origin
 
@@ -24,6 +25,14 @@ def printable(text: str) -> str:
     control characters but newline and tab shown as ``\\xNN``, so it cannot move the cursor,
     rewrite what was printed above it or retitle the window."""
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def shell_arg(path: str | os.PathLike[str]) -> str:
+    """``path`` as an argument of a command printed for the user to paste: quoted where a shell
+    would split or expand it (a space, a quote), and after ``./`` where it starts with a dash, which
+    the command would take for an option."""
+    text = str(path)
+    return shlex.quote(f"./{text}" if text.startswith("-") else text)
 
 
 def open_standard_streams() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from astraflow.clibase import Seconds, UserError, UserPath, choices, field_option
+from astraflow.clibase import Seconds, UserError, UserPath, choices, field_option, shell_arg
 from astraflow.runtime.control import DEFAULT_REMOVAL, REMOVAL_HELP, REMOVAL_MODES
 from schedulers.partition import Partition
 from storage.ownership import owner_only
@@ -181,7 +181,7 @@ def _wait_for_added(run_dir: Path, part: Partition, wait_s: float, until: str) -
                         "it was withdrawn; the run is unaffected. Fix the options and add it again")
     jobs = ", ".join(f"{j} ({s})" for j, s in entry.get("jobs", {}).items())
     if until == "submitted":
-        click.echo(f"submitted: {jobs}\n(its workers may still fail to start: `astraflow status {run_dir}` "
+        click.echo(f"submitted: {jobs}\n(its workers may still fail to start: `astraflow status {shell_arg(run_dir)}` "
                    "shows the partition's state; `--until serving` waits until one serves)")
     else:
         click.echo(f"serving: {entry.get('serving', 0)} of {part.nodes} worker(s) (jobs: {jobs or 'none'})")

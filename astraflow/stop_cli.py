@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from astraflow.clibase import Seconds, UserError, UserPath
+from astraflow.clibase import Seconds, UserError, UserPath, shell_arg
 from astraflow.runtime.runlock import holder_of
 from storage.holds import pid_alive
 from storage.paths import RunPaths
@@ -126,7 +126,7 @@ def stop(run_dir: str, wait: bool, timeout: float) -> None:
     while pid_alive(pid) and holder_of(rd).get("pid") == pid:
         if time.monotonic() > deadline:
             raise click.ClickException(f"the run (pid {pid}) is still stopping after {timeout:.0f}s; "
-                                       f"`astraflow status {rd}` shows what it waits for")
+                                       f"`astraflow status {shell_arg(rd)}` shows what it waits for")
         time.sleep(0.5)
     click.echo(_ended(rd))
 

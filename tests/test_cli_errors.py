@@ -654,3 +654,20 @@ def test_addresses_the_run_cannot_bind_here_are_refused_before_it_starts(tmp_pat
                                     str(tmp_path / "run"), "--quiet", "--set", setting])
     assert res.exit_code == 2 and said in res.output, res.output
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["my runs", "-run", "it's"])
+def test_a_command_printed_to_paste_names_its_run_directory_whatever_its_name(tmp_path, monkeypatch, name):
+    """The commands a run prints (``astraflow export DIR OUT``, ``astraflow episodes DIR``),
+    pasted into a shell, reach the same directory: quoted where it has a space or a quote, after
+    ``./`` where it starts with a dash (else the command takes it for an option)."""
+    import shlex
+
+    from astraflow.clibase import shell_arg
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).mkdir()
+    argv = shlex.split(f"astraflow status {shell_arg(name)}")
+    assert len(argv) == 3 and Path(argv[2]).resolve() == (tmp_path / name).resolve(), argv
+    res = _invoke(*argv[1:])
+    assert res.exit_code == 2 and "no run has started in" in res.output, res.output

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from astraflow.clibase import shell_arg
 from astraflow.config import RunConfig
 from astraflow.context_fit import prompts_that_do_not_fit
 from astraflow.preflight import check_network, eval_split_lines, models_that_never_stop
@@ -291,8 +292,8 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult | No
         )
     progress.note(f"ledger: {result.ledger.get('states') or 'no task created'}; summary in {RunPaths(run_dir).summary}")
     if not result.interrupted and any(p.trainer.backend != "sim" for p in cfg.policies):
-        progress.note(f"the trained model as an HF directory: astraflow export {run_dir} OUT")
-    progress.note(f"what the policies wrote, episode by episode: astraflow episodes {run_dir}")
+        progress.note(f"the trained model as an HF directory: astraflow export {shell_arg(run_dir)} OUT")
+    progress.note(f"what the policies wrote, episode by episode: astraflow episodes {shell_arg(run_dir)}")
     failed = failure_reasons(result.ledger)
     if failed:
         progress.note(f"failed tasks by reason: {failed} (the tracebacks are in the RaaS nodes' logs under "
