@@ -58,7 +58,7 @@ def run_tag(run_dir: Path) -> str:
     """The ``--comment`` of the Slurm jobs of the run in ``run_dir``: readable and unique per run
     directory, the same for every incarnation of the run (how a restarted run finds its jobs)."""
     base = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:40] or "run"
-    digest = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
+    digest = hashlib.sha1(os.fsencode(run_dir.resolve())).hexdigest()[:8]  # its bytes, whatever the locale
     return f"astraflow.{base}.{digest}"
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import pytest
 
 from schedulers import Partition, TLSFiles
 from schedulers.command import QUIET_DASK_ENV, worker_env
-from schedulers.slurm import SlurmScheduler
+from schedulers.slurm import SlurmScheduler, run_tag
 from schedulers.slurm_cli import normalise_state
 
 GOLDEN = Path(__file__).with_name("golden")
@@ -234,3 +234,18 @@ def test_the_dry_run_names_a_partition_file_it_cannot_use(tmp_path, text, needle
 def test_mem_0_asks_slurm_for_all_of_the_nodes_memory_and_the_worker_takes_what_it_has():
     script, _ = SlurmScheduler(**SITE).render(Partition(name="big", scheduler="slurm", mem="0"), "tcp://h:8786", 0)
     assert "#SBATCH --mem=0\n" in script and "--memory-limit auto" in script
+
+
+def test_the_run_tag_of_a_directory_whose_name_is_not_utf8_text(tmp_path):
+    """A name the locale cannot decode (a Latin-1 byte; any non-ASCII name with Python's UTF-8
+    mode off under ``LC_ALL=C``) reaches Python with surrogates: its tag is made from its bytes,
+    where a text encoding failed and the run never started. A UTF-8 name keeps its tag (a run
+    started before finds its jobs)."""
+    import hashlib
+
+    raw = tmp_path / os.fsdecode(b"caf\xe9")
+    raw.mkdir()
+    assert run_tag(raw) == f"astraflow.caf_.{hashlib.sha1(os.fsencode(raw.resolve())).hexdigest()[:8]}"
+    plain = tmp_path / "caf\u00e9"
+    plain.mkdir()
+    assert run_tag(plain) == f"astraflow.caf_.{hashlib.sha1(str(plain.resolve()).encode()).hexdigest()[:8]}"
