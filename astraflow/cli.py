@@ -119,8 +119,12 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     cfg = load_checked_config(config, overrides)
     try:
         rd = Path(run_dir) if run_dir else _default_run_dir(cfg.run.name)
-    except (ValueError, OSError) as err:  # another user could change where it would go, or it cannot be made
+    except ValueError as err:  # another user could change where it would go
         raise UserError(str(err)) from None
+    except OSError as err:  # runs/ here cannot be made or written (a read-only working directory)
+        where = Path(err.filename or "runs").absolute().parent
+        raise UserError(f"the run directory cannot be made in {where} ({err.strerror or err}): pass --run-dir "
+                        "in a place you can write to") from None
     if run_dir:
         _not_someone_elses_files(rd)
     try:

@@ -81,6 +81,17 @@ def test_model_init_refuses_an_out_in_proc():
     assert res.exit_code == 2 and "OUT /proc/astraflow-nope cannot be created" in res.output, res.output
 
 
+def test_run_without_run_dir_where_runs_cannot_be_made_names_run_dir(tmp_path, monkeypatch):
+    """Started without --run-dir where ``runs/`` cannot be made (a read-only working directory;
+    here a file in its place): the one line names --run-dir, not only the errno."""
+    cfg = _config(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("")
+    res = _invoke("run", str(cfg))
+    assert res.exit_code == 2 and f"the run directory cannot be made in {tmp_path}" in res.output, res.output
+    assert "pass --run-dir in a place you can write to" in res.output, res.output
+
+
 def test_build_model_names_a_directory_it_cannot_create(tmp_path):
     """The fallback after the checks (a path that became unusable since): a ValueError, not an OSError."""
     from astraflow.runtime.model_build import ModelDirError, build_model
