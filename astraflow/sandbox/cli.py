@@ -3,7 +3,7 @@
 Registered on the main CLI by ``astraflow.cli``; kept here so the sandbox stays one package.
 Bad input (a missing file, a bad timeout, bubblewrap missing) exits 2 with one line naming the
 fix (an option of this command where the run config's field has one: ``--bwrap``,
-``--interpreter``); a program that ran exits 0 whatever it returned; a sandbox that failed exits 1.
+``--interpreter``, ``--scratch-root``); a program that ran exits 0 whatever it returned; a sandbox that failed exits 1.
 """
 
 from __future__ import annotations
@@ -42,9 +42,12 @@ def sandbox() -> None:
               help="The bubblewrap executable (default: bwrap on PATH).")
 @click.option("--interpreter", default=None, metavar="PATH",
               help="The Python run inside the sandbox (default: this machine's base python3).")
+@click.option("--scratch-root", default=None, metavar="DIR",
+              help="Where each execution's inputs are put while it runs (default: astraflow-sandbox-<uid> in "
+                   "the temp directory, $TMPDIR). It must be yours and writable by no one else.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 def run_cmd(program: Path, tests_file: Path | None, shared_tests: bool, timeout_s: float | None, bwrap: str | None,
-            interpreter: str | None, as_json: bool) -> None:
+            interpreter: str | None, scratch_root: str | None, as_json: bool) -> None:
     """Run PROGRAM (and --tests) in the sandbox and print the structured result."""
     from . import Sandbox, SandboxConfig, SandboxUnavailable
 
@@ -57,8 +60,8 @@ def run_cmd(program: Path, tests_file: Path | None, shared_tests: bool, timeout_
             raise BadInput(f"--tests {tests_file} is not UTF-8 ({err}): save it as UTF-8") from None
     if timeout_s is not None and not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise BadInput(f"--timeout {timeout_s}: give a positive, finite number of seconds")
-    cfg = SandboxConfig(**{k: v for k, v in (("bwrap", bwrap), ("interpreter", interpreter)) if v},
-                        isolate_tests=not shared_tests)
+    given = (("bwrap", bwrap), ("interpreter", interpreter), ("scratch_root", scratch_root))
+    cfg = SandboxConfig(**{k: v for k, v in given if v}, isolate_tests=not shared_tests)
     try:
         result = Sandbox(cfg).run(source, tests, timeout_s=timeout_s)
     except SandboxUnavailable as err:
@@ -74,7 +77,9 @@ def run_cmd(program: Path, tests_file: Path | None, shared_tests: bool, timeout_
 def cli_words(message: str) -> str:
     """A SandboxUnavailable message with the run config's fields this command takes as options
     named as those options (``sandbox.bwrap`` is ``--bwrap`` here)."""
-    return message.replace("sandbox.bwrap", "--bwrap").replace("sandbox.interpreter", "--interpreter")
+    for field in ("bwrap", "interpreter", "scratch_root"):
+        message = message.replace(f"sandbox.{field}", f"--{field.replace('_', '-')}")
+    return message
 
 
 def _read_bytes(path: Path, what: str) -> bytes:

@@ -106,3 +106,28 @@ def test_a_command_started_with_its_standard_input_closed_runs_the_program(tmp_p
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     assert (res["status"], res["passed"], res["total"]) == ("failure", 1, 2), res
+
+
+def test_a_temp_directory_it_cannot_use_is_named_with_the_option_that_moves_it(tmp_path, monkeypatch):
+    """$TMPDIR full, read-only, or holding a file where the scratch root goes: the fix named is
+    --scratch-root, which this command takes (the run config's ``sandbox.scratch_root``)."""
+    import os
+    import shutil
+    import tempfile
+    import uuid
+
+    prog, _ = _files(tmp_path)
+    scratch = os.path.join(tempfile.gettempdir(), f"astraflow-sandbox-test-{uuid.uuid4().hex[:8]}")  # reachable
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    (tmp / f"astraflow-sandbox-{os.geteuid()}").write_text("")  # a file where its directory goes
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read $TMPDIR again
+    r = CliRunner().invoke(main, ["sandbox", "run", str(prog)])
+    assert r.exit_code == 2 and "set --scratch-root to a directory" in r.output, r.output
+    assert "sandbox.scratch_root" not in r.output, r.output
+    try:
+        r = CliRunner().invoke(main, ["sandbox", "run", str(prog), "--scratch-root", scratch, "--json"])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert r.exit_code == 0 and json.loads(r.output)["status"] == "ok", r.output
