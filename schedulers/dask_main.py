@@ -238,7 +238,14 @@ def prepare(command: str, args: list[str]) -> tuple[str, list[str]]:
     import dask
 
     base, args = option(args, "--local-directory") if command == "worker" else (None, args)
-    private = private_directory(base or dask.config.get("temporary-directory", None) or tempfile.gettempdir())
+    setting = dask.config.get("temporary-directory", None)
+    try:
+        private = private_directory(base or setting or tempfile.gettempdir())
+    except OSError as err:  # said with where the directory came from: that is what to change
+        origin = ("its --local-directory (the partition's local_directory)" if base else
+                  "Dask's temporary-directory (DASK_TEMPORARY_DIRECTORY or a Dask config file)" if setting else
+                  "the temp directory ($TMPDIR, else /tmp)")
+        raise OSError(f"{err}; the directory is {origin}: point that at a directory only you can write") from None
     dask.config.set({"temporary-directory": private})
     if command == "worker":
         args = [*args, "--local-directory", private]

@@ -184,7 +184,8 @@ def test_a_base_that_others_could_change_is_refused(tmp_path):
 
 def test_a_dask_temporary_directory_others_could_change_stops_the_worker(tmp_path):
     """Dask's ``temporary-directory`` setting chooses where the private directory is made, never
-    a directory to use as it is: one that others could change is refused before Dask starts."""
+    a directory to use as it is: one that others could change is refused before Dask starts, with
+    the setting to change named."""
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
@@ -192,6 +193,7 @@ def test_a_dask_temporary_directory_others_could_change_stops_the_worker(tmp_pat
                           "--no-nanny", "--death-timeout", "2"], cwd=REPO, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "DASK_TEMPORARY_DIRECTORY": str(shared)})
     assert out.returncode == 1 and "no private local directory" in out.stderr and "sticky" in out.stderr, out.stderr
+    assert "the directory is Dask's temporary-directory (DASK_TEMPORARY_DIRECTORY" in out.stderr, out.stderr
     assert os.listdir(shared) == []
 
 
