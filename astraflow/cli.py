@@ -212,7 +212,7 @@ def model() -> None:
 
 
 @model.command("init")
-@click.argument("out", type=UserPath(file_okay=False))
+@click.argument("out", type=UserPath(file_okay=False, utf8=True))
 @click.option("--preset", **field_option(ModelInit, "preset"))
 @click.option("--arch", **field_option(ModelInit, "arch"))
 @click.option("--seed", type=int, **field_option(ModelInit, "seed"))

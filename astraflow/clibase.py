@@ -79,12 +79,25 @@ class UserPath(click.Path):
     """``click.Path`` with ``~`` expanded: the shell leaves it alone in ``--run-dir=~/runs/a`` or
     when quoted, and a literal ``./~`` directory would be made instead. An empty path is refused:
     it is what an unset variable gives (``--run-dir "$RUN_DIR"``), and read as the working
-    directory or as no option at all it would act on the wrong directory (a new run, not a resume)."""
+    directory or as no option at all it would act on the wrong directory (a new run, not a resume).
+    ``utf8``: a path whose name is not UTF-8 text (a Latin-1 byte) is refused, for a model
+    directory that safetensors writes (it takes only UTF-8 paths)."""
+
+    def __init__(self, *args: Any, utf8: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.utf8 = utf8
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and not value.strip():
             fix = ", or leave the option out" if isinstance(param, click.Option) else ""
             self.fail(f"the path is empty (an unset shell variable?): give a path{fix}", param, ctx)
+        if self.utf8 and isinstance(value, str) and not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                self.fail(f"{value.encode('utf-8', 'backslashreplace').decode()}: the name is not UTF-8 text, "
+                          "and the model's safetensors files take only UTF-8 paths: rename it, or give a "
+                          "UTF-8 path", param, ctx)
         if isinstance(value, str):
             value = os.path.expanduser(value)
         return super().convert(value, param, ctx)

@@ -16,7 +16,7 @@ from astraflow.clibase import UserError, UserPath
 
 @click.command("export")
 @click.argument("run_dir", type=UserPath(file_okay=False, exists=True))
-@click.argument("out", type=UserPath(file_okay=False), required=False)
+@click.argument("out", type=UserPath(file_okay=False, utf8=True), required=False)
 @click.option("--policy", help="The policy to export (needed when the run trains several).")
 @click.option("--version", type=click.IntRange(min=0), help="The weight version (default: the newest committed).")
 @click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,

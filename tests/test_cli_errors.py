@@ -92,6 +92,16 @@ def test_run_without_run_dir_where_runs_cannot_be_made_names_run_dir(tmp_path, m
     assert "pass --run-dir in a place you can write to" in res.output, res.output
 
 
+def test_a_model_directory_whose_name_is_not_utf8_is_refused_naming_the_fix(tmp_path):
+    """safetensors takes only UTF-8 paths: a Latin-1 name for ``model init``'s or ``export``'s
+    OUT ended in a UnicodeEncodeError traceback after the model was built."""
+    out = tmp_path / os.fsdecode(b"mod\xe8le")
+    for args in (["model", "init", str(out), "--preset", "tiny"], ["export", str(tmp_path), str(out)]):
+        res = _invoke(*args)
+        assert res.exit_code == 2 and "the name is not UTF-8 text" in res.output, res.output
+        assert "mod\\udce8le" in res.output and not out.exists(), res.output
+
+
 def test_build_model_names_a_directory_it_cannot_create(tmp_path):
     """The fallback after the checks (a path that became unusable since): a ValueError, not an OSError."""
     from astraflow.runtime.model_build import ModelDirError, build_model
