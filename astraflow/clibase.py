@@ -4,6 +4,7 @@ standard streams that are open whatever the command was started with."""
 
 from __future__ import annotations
 
+import codecs
 import math
 import os
 import re
@@ -35,11 +36,18 @@ def shell_arg(path: str | os.PathLike[str]) -> str:
     return shlex.quote(f"./{text}" if text.startswith("-") else text)
 
 
+#: the error handler of a standard stream whose encoding is not UTF-8 (`_shown`)
+_SHOWN = "astraflow-shown"
+
+
 def open_standard_streams() -> None:
     """A command started with standard input, output or error closed (``<&-``, ``>&-``, a daemon's
     child) gets ``/dev/null`` there. Else the next pipe or file it opens takes that descriptor,
     where a child's standard stream is put (the sandbox's seccomp filter, handed to bubblewrap by
-    descriptor, was overwritten by its stdin), and Python's ``sys.stdout`` is None."""
+    descriptor, was overwritten by its stdin), and Python's ``sys.stdout`` is None. Output and
+    error write what their encoding cannot (a model's text, under a Latin-1 or ASCII locale
+    without Python's UTF-8 mode) as escapes (``\\xe9``, ``\\ufffd``) rather than failing."""
+    codecs.register_error(_SHOWN, _shown)
     for fd, name in enumerate(("stdin", "stdout", "stderr")):
         try:
             os.fstat(fd)
@@ -50,6 +58,20 @@ def open_standard_streams() -> None:
             stream = open(fd, "r" if fd == 0 else "w", closefd=False)
             setattr(sys, name, stream)
             setattr(sys, f"__{name}__", stream)
+        stream = getattr(sys, name)
+        encoding = (getattr(stream, "encoding", None) or "utf-8").lower().replace("-", "").replace("_", "")
+        if fd and encoding != "utf8" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors=_SHOWN)
+
+
+def _shown(err: UnicodeError) -> tuple[str | bytes, int]:
+    """The ``_SHOWN`` error handler: a path's undecodable bytes (surrogates) written back as they
+    were, anything else the encoding lacks as an escape (``\\xe9``, ``\\ufffd``)."""
+    assert isinstance(err, UnicodeEncodeError), err
+    text = err.object[err.start:err.end]
+    if all(0xDC80 <= ord(c) <= 0xDCFF for c in text):
+        return bytes(ord(c) - 0xDC00 for c in text), err.end
+    return codecs.backslashreplace_errors(err)
 
 
 class UserError(click.ClickException):
