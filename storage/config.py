@@ -23,7 +23,9 @@ class StorageConfig(BaseModel):
     deltas: bool = False
     """Write a sparse bf16 delta ``v-1 -> v`` after every commit (off the training critical
     path) and let RaaS nodes that are one version behind apply it instead of loading full
-    shards. Nodes then serve the bf16 view of the weights (as GPU engines do)."""
+    shards. Nodes then serve the bf16 view of the weights (as GPU engines do), so trainers
+    publish bf16 versions (``publish_dtype: auto``; ``fp32`` is refused): a version's committed
+    weights are the ones its tokens were sampled with."""
 
     @field_validator("trajectories")
     @classmethod

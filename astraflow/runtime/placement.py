@@ -298,7 +298,8 @@ def trainer_kwargs(cfg: RunConfig, paths: RunPaths, index: int, pol: PolicyConfi
                    part: Partition | None = None) -> dict[str, Any]:
     """The trainer of policy number `index` (its seed is offset by the index) on a worker of `part`."""
     return dict(
-        policy=pol.name, cfg=effective_trainer(pol.trainer, part), model_path=str(pol.model),
+        policy=pol.name, cfg=effective_trainer(pol.trainer, part).for_deltas(cfg.storage.deltas),
+        model_path=str(pol.model),
         weights_root=str(paths.weights), keep_versions=cfg.storage.keep_versions,
         data_layer=data_layer, max_steps=cfg.run.max_steps, seed=cfg.run.seed + index,
         write_deltas=cfg.storage.deltas, optimizer_path=str(paths.optimizer_state(pol.name)),

@@ -215,7 +215,9 @@ class TrainerConfig(Strict):
     trainer trains in bf16 (``precision: bf16``; the Megatron backend's parameters are fp32, so
     ``fp32`` there) and ``fp32`` otherwise. A bf16 version is half the bytes; a bf16 engine
     serves its values as they are, an fp32 engine upcasts them exactly. Integer tensors and
-    buffers are published unchanged; sparse deltas are bf16 either way. With a narrower dtype
+    buffers are published unchanged. Under ``storage.deltas`` nodes serve every version as
+    bf16 (what the deltas rebuild), so ``auto`` is ``bf16`` there and ``fp32`` is refused: the
+    committed versions are then the weights the nodes sampled with. With a narrower dtype
     the optimiser checkpoint also keeps the fp32 weights, so a resumed run continues from
     them (from the published bf16 ones only if that checkpoint is older than the version)."""
 
@@ -277,6 +279,14 @@ class TrainerConfig(Strict):
         if self.publish_dtype != "auto":
             return self.publish_dtype
         return "bf16" if self.backend == "torch" and self.precision == "bf16" else "fp32"
+
+    def for_deltas(self, deltas: bool) -> "TrainerConfig":
+        """This section as its trainer runs it under ``storage.deltas``: nodes that apply the
+        sparse bf16 deltas serve every version rounded to bf16, so ``auto`` publishes bf16, and
+        a version's committed weights are the ones its tokens were sampled with."""
+        if not deltas or self.publish_dtype != "auto" or self.backend == "sim":
+            return self
+        return self.model_copy(update={"publish_dtype": "bf16"})
 
 
 def sim_mismatch(engine_field: str, engine: str, trainer_field: str, backend: str) -> str | None:

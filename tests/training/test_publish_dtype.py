@@ -181,3 +181,37 @@ def test_a_resumed_trainer_continues_from_the_fp32_master_weights(tiny_model, tm
     rounded = trainer()
     assert rounded.start(run_loop=False) == 2 and rounded.state()["optimizer_resumed_from"] is None
     assert all(torch.equal(rounded.backend.state_dict()[k], published[k].float()) for k in master)
+
+
+def test_under_deltas_nodes_serve_exactly_the_committed_versions_and_fp32_is_refused(tiny_model, tmp_path):
+    """``storage.deltas``: nodes serve every version rebuilt in bf16, so the trainer placed for the
+    run publishes bf16 (``auto``) and the weights each version's tokens were sampled with are its
+    committed ones, bit for bit (a version read in full, then ones rebuilt from deltas)."""
+    from astraflow.config import ConfigError
+    from astraflow.rollout.weight_sync import WeightPuller
+    from astraflow.runtime.placement import trainer_kwargs
+    from storage.paths import RunPaths
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tiny_model, **{"storage.deltas": True})
+    paths = RunPaths(tmp_path / "run")
+    tcfg = trainer_kwargs(cfg, paths, 0, cfg.policies[0], None)["cfg"]
+    assert tcfg.resolved_publish_dtype == "bf16"
+    be = TorchBackend(tiny_model, lr=3e-3, publish_dtype=tcfg.resolved_publish_dtype)
+    store = WeightStore(paths.weights, keep_last=5)
+    be.publish(store, "p", 0)
+    engine = HFEngine(str(tiny_model), version=0, device="cpu")
+    puller = WeightPuller(str(paths.weights), {"p": engine}, use_deltas=True)
+    modes = []
+    for v in (1, 2, 3):
+        be.train_step(_batch(be.model, be.tokenizer))
+        be.publish(store, "p", v)
+        write_version_delta(paths.weights, "p", v - 1, v, store.load("p", v - 1), store.load("p", v))
+        assert puller.poll() == 1 and engine.version == v
+        modes.append(puller.history[-1]["mode"])
+        committed = store.load("p", v)
+        for k, t in _params(engine).items():
+            assert torch.equal(t, committed[k].to(t.dtype)), (v, k)
+    assert modes == ["full", "delta", "delta"]
+    with pytest.raises(ConfigError, match=r"publish_dtype: fp32 with storage\.deltas.*set publish_dtype: bf16"):
+        tiny_config(tiny_model, **{"storage.deltas": True, "policies.0.trainer.publish_dtype": "fp32"})
