@@ -136,12 +136,14 @@ def _single_turn_texts(paths: RunPaths, store_url: str | None, shown: list) -> d
     cols = open_trajectory_store(store_url, mode="r").read_columns(refs)
     out = {}
     for i, e in enumerate(shown):
-        tok = _tokenizer(tokenizers, models.get(e.policies[0]) if e.policies else None)
-        if tok is None:
-            continue
         a, b = int(cols.offsets[i]), int(cols.offsets[i + 1])
         ids, mask = cols.tokens[a:b].tolist(), cols.loss_mask[a:b]
         first = next((j for j, m in enumerate(mask) if m), len(ids))  # the completion: the trained tokens
+        # the policy that wrote it (a verifier's sequence is the verifier's tokens, prompt included)
+        pid = int(cols.policy_ids[a + first]) if first < len(ids) else 0
+        tok = _tokenizer(tokenizers, models.get(e.policies[pid]) if 0 <= pid < len(e.policies) else None)
+        if tok is None:
+            continue
         out[e.id] = {"prompt": tok.decode(ids[:first]), "completion": tok.decode(ids[first:])}
     return out
 

@@ -50,3 +50,42 @@ def test_what_a_non_utf8_terminal_cannot_show_is_printed_escaped(tmp_path):
                          env={**os.environ, "PYTHONIOENCODING": "ascii"})
     assert out.returncode == 0, out.stderr.decode(errors="replace")[-3000:]
     assert b"caf\\xe9 \\ufffd" in out.stdout, out.stdout
+
+
+def test_a_sequence_is_decoded_with_the_tokenizer_of_the_policy_that_wrote_it(tmp_path):
+    """Two policies with tokenizers of their own: the verifier's sequence (its prompt and its
+    verdict) is decoded with the verifier's tokenizer, not the solver's."""
+    import json
+
+    import yaml
+
+    from astraflow.contracts import Provenance, Sequence, Trajectory
+    from astraflow.models import build_bpe_tokenizer, init_model
+    from storage.paths import RunPaths
+
+    byte_tok, bpe_tok = build_tokenizer(), build_bpe_tokenizer(["is 12+30=42 right? Y", "no N"] * 50, vocab_size=400)
+    solver = init_model(tmp_path / "solver", tokenizer=byte_tok)
+    verifier = init_model(tmp_path / "verifier", tokenizer=bpe_tok)
+    paths = RunPaths(tmp_path / "run")
+    paths.root.mkdir()
+    paths.config.write_text(yaml.safe_dump({"workload": {"name": "math"}, "storage": {"trajectories": None},
+                                            "policies": [{"name": "solver", "model": str(solver)},
+                                                         {"name": "verifier", "model": str(verifier)}]}))
+
+    def seq(tok, prompt: str, answer: str, pid: int) -> Sequence:
+        p, c = tok.encode(prompt, add_special_tokens=False), tok.encode(answer, add_special_tokens=False)
+        n = len(p) + len(c)
+        return Sequence.build(tokens=p + c, loss_mask=[0] * len(p) + [1] * len(c), logprobs=[0.0] * n,
+                              policy_ids=[-1] * len(p) + [pid] * len(c), versions=[-1] * len(p) + [0] * len(c),
+                              reward=1.0)
+
+    traj = Trajectory(task_id="g/0", group_id="g", policies=("solver", "verifier"), workflow="solver_verifier",
+                      kind="train", attempt=0, provenance=Provenance(node="rollout-0"),
+                      sequences=(seq(byte_tok, "12+30=", "42", 0), seq(bpe_tok, "is 12+30=42 right? ", "Y", 1)))
+    store = open_trajectory_store(str(paths.trajectories), "a", durable=False)
+    with store.writer("rollout-0") as w:
+        w.write(traj.to_stored())
+    out = CliRunner().invoke(main, ["episodes", str(paths.root), "-n", "2", "--json"])
+    assert out.exit_code == 0, out.output
+    texts = {e["seq_index"]: (e["prompt"], e["completion"]) for e in json.loads(out.output)["recent"]}
+    assert texts == {0: ("12+30=", "42"), 1: ("is 12+30=42 right? ", "Y")}
