@@ -87,14 +87,16 @@ def test_check_reports_bad_rows_with_their_location_and_fails_when_nothing_is_us
 @pytest.mark.e2e
 def test_real_cluster_gsm8k_config_checks_against_a_local_qwen2_model(wordproblems, tmp_path):
     """The Qwen2.5 GSM8K config cannot run here (no downloads); with its model path pointed at
-    a locally built Qwen2 model with a chat template, and GSM8K-layout files, it validates."""
+    a locally built Qwen2 model with a chat template, GSM8K-layout files and its Slurm partitions
+    named as this machine's Slurm names them (as a user at another site would), it validates."""
     from astraflow.models import build_bpe_tokenizer, init_model
 
     texts = [json.loads(x)["question"] for x in (wordproblems / "train.jsonl").read_text().splitlines()]
     init_model(tmp_path / "qwen", preset="tiny", arch="qwen2", tokenizer=build_bpe_tokenizer(texts, 400))
     proc = cli("check", "examples/real/qwen2.5-0.5b-gsm8k.yaml", "--set", f"policies.0.model={tmp_path / 'qwen'}",
                "--set", f"workload.params.path={wordproblems / 'train.jsonl'}",
-               "--set", f"workload.params.test_path={wordproblems / 'test.jsonl'}")
+               "--set", f"workload.params.test_path={wordproblems / 'test.jsonl'}",
+               "--set", "partitions[trainer].slurm_partition=h100", "--set", "partitions[rollout].slurm_partition=h100")
     assert proc.returncode == 0, proc.stderr[-2000:]
     resolved = yaml.safe_load(proc.stdout)
     assert resolved["workload"]["params"]["reward"] == "math_verify"
