@@ -306,7 +306,8 @@ def status(run_dir: str, as_json: bool, metrics: bool) -> None:
             # a resume holding the directory has not set the previous incarnation's summary aside yet
             raise UserError(str(err)) from None
         try:
-            parts = (snap.status or {}).get("partitions") or snap.summary.get("partitions") or {}
+            # the summary's table is counted from the final state; the last status predates the end
+            parts = snap.summary.get("partitions") or (snap.status or {}).get("partitions") or {}
             click.echo(format_summary(snap.summary, str(snap.paths.summary), parts))
         except (TypeError, AttributeError, KeyError, ValueError) as bad:  # a field of a type no writer writes
             raise UserError(str(damaged_run_files(run_dir, bad))) from None

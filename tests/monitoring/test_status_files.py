@@ -171,6 +171,36 @@ def test_summaries_archived_in_the_same_second_are_all_kept(tmp_path, monkeypatc
     assert kept == [0, 1, 2] and not paths.summary.exists()
 
 
+@pytest.mark.parametrize("closed", [True, False], ids=["data-layer-answered", "data-layer-lost"])
+def test_the_summary_partitions_are_counted_from_the_final_state_not_the_last_tick(tmp_path, closed):
+    """A run that fails at its deadline right after a tick keeps generating and training while
+    it stops: the summary's partition table (what ``status`` shows of a finished run) is counted
+    from the data layer's final state when it answered, and from the last tick only when not."""
+    from click.testing import CliRunner
+
+    from astraflow.cli import main
+
+    paths = RunPaths(tmp_path / "run").make()
+    writer, _ = _writer(paths)
+    write_orchestrator_info(paths, "http://127.0.0.1:1/status", "tcp://127.0.0.1:2")
+    writer.track(_tick(32))
+    writer.write(_tick(32))  # the last periodic status
+    final = _tick(61).data_layer
+    final["nodes"]["rollout-rollout-local-cpu-0"]["versions"] = {"solver": 3}
+    final["consumed_staleness_by_node"] = {"rollout-rollout-local-cpu-0": {"0": 16, "1": 32}}
+    writer.write_summary(ending=Ending("failed", "run deadline of 3s passed (run.timeout_s)"), steps={"solver": 3},
+                         ledger={"states": {}} if closed else {}, ledger_closed=closed, seconds=9.0, nodes={},
+                         trainers={}, data_layer=final, iterations=[], stop_errors={})
+    rollout = json.loads(paths.summary.read_text())["partitions"]["rollout"]
+    want = (61, {"solver": [3]}, 48) if closed else (32, {"solver": [1]}, 0)
+    assert (rollout["completed"], rollout["versions"], rollout["consumed"]) == want
+    # what `astraflow status` says of the finished run, in text and in JSON, is the summary's
+    (viewed,) = [p for p in build_status_view(paths.root).partitions if p.name == "rollout"]
+    assert (viewed.versions, viewed.consumed) == want[1:]
+    text = CliRunner().invoke(main, ["status", str(paths.root)]).output
+    assert f"rollout (cpu): {want[0]} episodes" in text and f"solver:v{want[1]['solver'][0]} at the end" in text, text
+
+
 def test_the_json_status_of_an_ended_run_says_how_it_ended_with_its_final_steps(tmp_path):
     """The last periodic status predates the end: the summary's outcome, reason and each
     trainer's final step are what ``status --json`` reports (a script tells failed from done)."""

@@ -120,8 +120,8 @@ def eval_lines(evals: list[dict[str, Any]]) -> list[str]:
 
 def format_summary(summary: dict[str, Any], where: str, partitions: dict[str, Any] | None = None) -> str:
     """A finished run in a few lines, from its ``summary.json`` (at ``where``): how it ended and
-    why, the steps each policy took, its held-out accuracy, what each rollout partition of its
-    last status (``partitions``) generated, and its ledger."""
+    why, the steps each policy took, its held-out accuracy, what each rollout partition
+    (``partitions``: the summary's, else its last status's) generated, and its ledger."""
     seconds = summary.get("seconds")
     lines = [f"run finished: {outcome(summary)}"
              + (f" ({summary['reason']})" if summary.get("reason") else "")

@@ -300,8 +300,11 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
         ended: dict[str, Any] = summary or {}
         status = {"data_layer": ended.get("data_layer", {}), "trainers": {},
                   "partitions": ended.get("partitions") or {}, "workers": ended.get("workers") or {}}
-    # a finished run: the data layer's final state (every task ended) is in the summary
+    # a finished run: the data layer's final state (every task ended) is in the summary, and the
+    # partition table counted from it (the last periodic status predates the end)
     dl = (summary or {}).get("data_layer") or status.get("data_layer") or {}
+    if (summary or {}).get("partitions"):
+        status = {**status, "partitions": summary["partitions"]}
     written, age, running, info = snap.written_at, snap.age_s, snap.running, snap.info
     ended = "ENDED" if summary is not None else None if running else "UNKNOWN"
     partitions = _partition_views(status, dl, ended, now)

@@ -210,7 +210,11 @@ class StatusWriter:
         (``trainer_restarts``: count, limit, and per restart the lost worker, why, the versions
         resumed and the optimiser state's), the previous incarnation's jobs cancelled at start
         (``previous_jobs``), every worker, and what did not answer while the run stopped
-        (``stop_errors``)."""
+        (``stop_errors``). The partition table is counted from ``data_layer`` when the data layer
+        answered at the end (``ledger_closed``): a run that failed or was stopped between two ticks
+        kept generating and training after the last one."""
+        if ledger_closed and "nodes" in data_layer:
+            self.track(Tick(data_layer=data_layer, trainers=trainers))
         write_summary(self.paths, {
             "status": ending.status, "reason": ending.reason, "requeue": ending.requeue,
             "steps": steps, "eval": data_layer.get("eval", []), "ledger": ledger, "ledger_closed": ledger_closed,
