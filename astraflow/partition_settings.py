@@ -93,6 +93,7 @@ def check_partition(part: Partition, rollout: RolloutConfig, trainers: Mapping[s
             raise ValueError(f"partitions[{part.name}].{section}: settings for {role} workers on a partition of "
                              f"role {part.role!r}; move them to a {role} partition or remove them")
     if part.role == "rollout":
+        _check_lease_ahead(part, effective_rollout(rollout, part))
         engine = effective_rollout(rollout, part).engine
         tp, gpus = engine.tensor_parallel, part.gpus_per_node
         if tp > 1 and (gpus < tp or gpus % tp):
@@ -122,6 +123,22 @@ def check_partition(part: Partition, rollout: RolloutConfig, trainers: Mapping[s
                 f"partitions[{part.name}]: the trainer of {name} runs on device {mine.device}, which needs a GPU, "
                 "and the partition's jobs request none: set gpus_per_node, or use device: "
                 "auto or cpu")
+
+
+def _check_lease_ahead(part: Partition, cfg: RolloutConfig) -> None:
+    """``rollout.lease_ahead`` stocks tasks for the nodes of a worker that runs several
+    (``RaaSNodeGroup``); a worker of one node leases from the data layer itself, so on such a
+    partition the setting would do nothing."""
+    if cfg.lease_ahead == 0 or cfg.nodes_per_worker > 1:
+        return
+    own = "lease_ahead" in part.rollout
+    field = f"partitions[{part.name}].rollout.lease_ahead" if own else "rollout.lease_ahead"
+    raise ValueError(
+        f"{field} {cfg.lease_ahead}: a lease stock serves the nodes of a worker that runs several "
+        f"(rollout.nodes_per_worker above 1, sim engines), and partition {part.name!r} runs one node per worker, "
+        "which leases from the data layer itself: set nodes_per_worker above 1, or "
+        + ("drop lease_ahead" if own else f"lease_ahead: 0 (for this partition alone: partitions[{part.name}]"
+                                          ".rollout: {lease_ahead: 0})"))
 
 
 def changed(base: BaseModel, merged: BaseModel, prefix: str = "") -> dict[str, Any]:

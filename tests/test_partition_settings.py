@@ -192,3 +192,21 @@ def test_a_sim_partitions_hardware_label_picks_its_preset(label, own, expected):
     # a real engine's settings do not follow the label
     hf = RolloutConfig()
     assert effective_rollout(hf, part.model_copy(update={"rollout": {}})) is hf
+
+
+def test_lease_ahead_is_refused_where_a_worker_runs_one_node():
+    """``rollout.lease_ahead`` stocks tasks for the nodes of a worker that runs several; a worker
+    of one node is a plain RaaS node that leases from the data layer itself, so there the
+    setting would do nothing: refused, naming where it comes from and the fix."""
+    sim = {"type": "sim"}
+    trainers = {"solver": TrainerConfig(backend="sim")}
+    with pytest.raises(ValueError, match=r"^rollout\.lease_ahead 8: .* partition 'r' runs one node per worker"):
+        check_partition(Partition(name="r"), RolloutConfig(engine=sim, lease_ahead=8), trainers)
+    with pytest.raises(ValueError, match=r"^partitions\[r\]\.rollout\.lease_ahead 4: .*drop lease_ahead"):
+        check_partition(Partition(name="r", rollout={"lease_ahead": 4}), RolloutConfig(engine=sim), trainers)
+    # several nodes per worker, the run's or the partition's own: the stock serves them
+    check_partition(Partition(name="r"), RolloutConfig(engine=sim, lease_ahead=8, nodes_per_worker=3), trainers)
+    check_partition(Partition(name="r", rollout={"nodes_per_worker": 3}), RolloutConfig(engine=sim, lease_ahead=8),
+                    trainers)
+    check_partition(Partition(name="r", rollout={"lease_ahead": 0}), RolloutConfig(engine=sim, lease_ahead=8),
+                    trainers)

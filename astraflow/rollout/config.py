@@ -163,7 +163,8 @@ class RolloutConfig(Strict):
     follows the nodes' rate (what they ask for in about two round trips) up to this. 0 (the
     default): every lease goes to the data layer, as a real node's does, which is what
     ``astraflow plan`` should predict from; with the stock, tasks reach nodes one hop later
-    and runs bound by admission flow somewhat less (``docs/sim.md``)."""
+    and runs bound by admission flow somewhat less (``docs/sim.md``). Refused on a rollout
+    partition whose workers run one node each (it leases from the data layer itself)."""
     weight_poll_seconds: float = Field(default=0.1, gt=0)
     """How often the node checks the weight store for a newer version (a listing of the policy's
     version directory). A node whose weights fall more than ``dataflow.max_staleness`` versions
