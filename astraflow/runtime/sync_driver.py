@@ -3,8 +3,9 @@
 Same engines, losses, stores and actors as AstraFlow's asynchronous mode; only the control
 differs. One driver loop does what a verl-style central trainer does each iteration:
 
-1. open exactly one batch worth of groups in the data layer and wait until every policy's
-   buffer can fill a batch (rollout phase, ``R``: the slowest episode decides);
+1. open one batch worth of groups in the data layer, less those already on their way or
+   buffered (a resumed run restores what its previous incarnation opened), and wait until every
+   policy's buffer can fill a batch (rollout phase, ``R``: the slowest episode decides);
 2. train each policy in turn, one step each, publishing its new version (training phase,
    ``T``: the RaaS nodes sit idle);
 3. make every RaaS node load the new weights before the next iteration (sync phase, ``S``).
@@ -48,7 +49,9 @@ def drive_sync(
         version = min(versions.values())
         due = [p for p in trainers if versions[p] < max_steps]  # one ahead waits for the others
         t0 = time.time()
-        dl.open_iteration(groups_per_batch).result(timeout=30)
+        lacking = _lacking(dl, {p: versions[p] for p in due}, groups_per_batch, batch_size // groups_per_batch)
+        if lacking:
+            dl.open_iteration(lacking).result(timeout=30)
         while True:
             st = dl.state(0).result(timeout=30)  # before `ready`: nothing ingested unseen
             ready = {p: dl.ready(p, versions[p]).result(timeout=30) for p in due}
@@ -78,3 +81,13 @@ def drive_sync(
                            "iteration_s": t3 - t0})
         on_tick()
     return iterations
+
+
+def _lacking(dl: Any, versions: dict[str, int], groups_per_batch: int, group_size: int) -> int:
+    """Groups the next batch still lacks: one batch's worth less the groups rolling out or
+    allowed and not yet created, and the whole groups every policy already has buffered. A run
+    resumed with a batch's worth restored would otherwise roll out a second one behind it, and
+    train every later iteration on rows of the version before, for good."""
+    st = dl.state(0).result(timeout=30)
+    buffered = min(dl.ready(p, v).result(timeout=30) for p, v in versions.items())
+    return max(groups_per_batch - st["outstanding_groups"] - (st.get("budget") or 0) - buffered // group_size, 0)

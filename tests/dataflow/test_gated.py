@@ -111,3 +111,19 @@ def test_each_sync_iteration_rolls_out_what_its_batch_takes(weights, group_size,
         assert h.call(h.dl.state()).result()["budget"] == 0
     finally:
         h.close()
+
+
+def test_a_sync_run_resumed_with_its_groups_on_their_way_trains_on_the_versions_it_rolls_out():
+    """A resumed run restores the groups its previous incarnation opened (rolling out or
+    buffered): opened on top of them, one batch more was always ahead, and every later
+    iteration trained on rows of the version before (staleness 1 in a baseline meant to have none)."""
+    h = _Harness({"a": 1}, 4, 8)
+    try:
+        h.call(h.dl.open_iteration(2)).result()  # what the killed incarnation had opened
+        iterations = drive_sync(h.handle(), {"p": h.trainer()}, lambda: [], 8, 2, 4, 20.0)
+        assert len(iterations) == 4 and len(h.batches) == 4
+        assert sum(h.dl.mixer.groups_created.values()) == 4 * 2  # the restored batch was the first one
+        st = h.call(h.dl.state()).result()
+        assert st["buffers"]["p"] == 0 and st["outstanding_groups"] == 0
+    finally:
+        h.close()

@@ -106,10 +106,11 @@ def test_the_sync_driver_raises_what_is_not_a_lost_trainer():
 
 
 class _SlowDataLayer(_DataLayer):
-    """Each iteration's batch is ready a while after the iteration opens."""
+    """Each iteration's batch is ready a while after the iteration opens, and taken by its step
+    (``_TakingTrainer``): the driver opens the next iteration only once it is taken."""
 
     def __init__(self, ready_after_s: float):
-        self.ready_after_s, self.opened = ready_after_s, 0.0
+        self.ready_after_s, self.opened = ready_after_s, None
 
     def open_iteration(self, groups):
         import time
@@ -117,20 +118,36 @@ class _SlowDataLayer(_DataLayer):
         self.opened = time.time()
         return _Done()
 
-    def state(self, evals=None):  # groups out: no top-up
-        return _Done({"outstanding_groups": 4, "pending": 0, "leased": 4})
-
-    def ready(self, policy, version):
+    def _ready(self) -> bool:
         import time
 
-        return _Done(16 if time.time() - self.opened >= self.ready_after_s else 0)
+        return self.opened is not None and time.time() - self.opened >= self.ready_after_s
+
+    def state(self, evals=None):  # the iteration's groups out until its batch is ready: no top-up
+        out = 4 if self.opened is not None and not self._ready() else 0
+        return _Done({"outstanding_groups": out, "pending": 0, "leased": out})
+
+    def ready(self, policy, version):
+        return _Done(16 if self._ready() else 0)
+
+
+class _TakingTrainer(_Trainer):
+    def __init__(self, dl: _SlowDataLayer):
+        super().__init__(0)
+        self.dl = dl
+
+    def step(self):
+        self.dl.opened = None  # the batch taken
+        return super().step()
 
 
 def test_the_sync_driver_keeps_one_deadline_for_all_its_iterations():
     """Five iterations of 0.3 s each do not fit 1 s, though each one alone would."""
+    slow = _SlowDataLayer(0.3)
     with pytest.raises(TimeoutError, match="run deadline passed in sync iteration"):
-        drive_sync(_SlowDataLayer(0.3), {"solver": _Trainer(0)}, lambda: [], 16, 4, 5, 1.0)
-    assert len(drive_sync(_SlowDataLayer(0.05), {"solver": _Trainer(0)}, lambda: [], 16, 4, 5, 5.0)) == 5
+        drive_sync(slow, {"solver": _TakingTrainer(slow)}, lambda: [], 16, 4, 5, 1.0)
+    fast = _SlowDataLayer(0.05)
+    assert len(drive_sync(fast, {"solver": _TakingTrainer(fast)}, lambda: [], 16, 4, 5, 5.0)) == 5
 
 
 def test_a_trainer_whose_backend_lost_a_process_is_restarted_as_a_lost_worker(tmp_path):
