@@ -22,12 +22,10 @@ from astraflow.agents.workload import AgentParams, is_agentic
 from astraflow.configerrors import (ConfigError, DuplicateKey, bool_problems, dotted_key, format_validation, load_yaml,
                                     model_of, yaml_problem)
 from astraflow.configbase import Strict
-from astraflow.configchecks import (
-    check_delta_dtypes, check_policy_inits, check_sandbox_deadlines, check_workflow, checked_workload,
-)
+from astraflow.configchecks import check_policy_inits, check_sandbox_deadlines, check_workflow, checked_workload
 from astraflow.configpaths import resolve_paths, working_dir
 from astraflow.dataflow.config import DataflowConfig
-from astraflow.partition_settings import check_context_length, check_partition, effective_rollout
+from astraflow.partition_settings import check_context_length, check_deltas, check_partition, effective_rollout
 from astraflow.rollout.config import RolloutConfig
 from astraflow.sandbox.config import SandboxConfig
 from astraflow.training.config import PolicyConfig, sim_mismatch
@@ -300,7 +298,7 @@ class RunConfig(Strict):
         for part in self.partitions:
             check_partition(part, self.rollout, {p.name: p.trainer for p in self.policies})
         self._check_trainer_ranks()
-        check_delta_dtypes(self.storage.deltas, self.policies)
+        check_deltas(self.storage.deltas, self.rollout, self.partitions, self.policies)
         check_autoscale(self.autoscale, self.partitions, self.run.mode)
         check_workflow(self.workload.workflow, len(self.policies))
         workload = checked_workload(self.workload)

@@ -53,17 +53,6 @@ def check_sandbox_deadlines(workload: Any, sandbox: SandboxConfig, reward_timeou
                 raise ValueError(why)
 
 
-def check_delta_dtypes(deltas: bool, policies: Sequence[PolicyConfig]) -> None:
-    """Under ``storage.deltas`` nodes serve each version rounded to bf16 (what the deltas rebuild):
-    a trainer publishing fp32 would commit weights other than those its tokens were sampled with."""
-    for pol in policies if deltas else ():
-        if pol.trainer.publish_dtype == "fp32" and pol.trainer.backend != "sim":
-            raise ValueError(
-                f"policies[{pol.name}].trainer.publish_dtype: fp32 with storage.deltas: the nodes serve every "
-                "version as bf16 (what the deltas rebuild), so the committed fp32 weights are not the ones its "
-                "tokens were sampled with; set publish_dtype: bf16 (or auto), or storage.deltas: false")
-
-
 def check_policy_inits(policies: Sequence[PolicyConfig], workload: Any, workload_name: str, agentic: bool,
                        simulated: Callable[[PolicyConfig], bool]) -> None:
     """Each policy's model exists or its ``init`` section can build it from this workload."""

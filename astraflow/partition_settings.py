@@ -141,6 +141,26 @@ def _check_lease_ahead(part: Partition, cfg: RolloutConfig) -> None:
                                           ".rollout: {lease_ahead: 0})"))
 
 
+def check_deltas(deltas: bool, rollout: RolloutConfig, partitions: list[Partition], policies: list[Any]) -> None:
+    """``storage.deltas`` makes every trainer write a delta after each commit for the nodes one
+    version behind; where every rollout partition loads full shards at every version
+    (``full_resync_every: 1``, the run's or its own) no node would apply one. Nodes then serve each
+    version rounded to bf16 (what the deltas rebuild): a trainer publishing fp32 would commit
+    weights other than those its tokens were sampled with."""
+    for pol in policies if deltas else ():
+        if pol.trainer.publish_dtype == "fp32" and pol.trainer.backend != "sim":
+            raise ValueError(
+                f"policies[{pol.name}].trainer.publish_dtype: fp32 with storage.deltas: the nodes serve every "
+                "version as bf16 (what the deltas rebuild), so the committed fp32 weights are not the ones its "
+                "tokens were sampled with; set publish_dtype: bf16 (or auto), or storage.deltas: false")
+    every = [effective_rollout(rollout, p).full_resync_every for p in partitions if p.role == "rollout"]
+    if deltas and every and all(n == 1 for n in every):
+        raise ValueError(
+            "storage.deltas: true writes a delta after every commit for the nodes one version behind, and "
+            "rollout.full_resync_every 1 has every node load full shards at every version, so none would ever "
+            "apply one: set full_resync_every to 2 or more (default 10), or storage.deltas: false")
+
+
 def changed(base: BaseModel, merged: BaseModel, prefix: str = "") -> dict[str, Any]:
     """``{dotted field: value}`` where ``merged`` differs from ``base`` (what a partition changes)."""
     out: dict[str, Any] = {}

@@ -210,3 +210,26 @@ def test_lease_ahead_is_refused_where_a_worker_runs_one_node():
                     trainers)
     check_partition(Partition(name="r", rollout={"lease_ahead": 0}), RolloutConfig(engine=sim, lease_ahead=8),
                     trainers)
+
+
+def test_deltas_that_no_node_would_apply_are_refused():
+    """``storage.deltas`` with every rollout partition loading full shards at every version
+    (``full_resync_every: 1``): the trainers would write a delta per version that no node applies."""
+    from astraflow.config import config_from_dict
+    from astraflow.configerrors import ConfigError
+    from astraflow.partition_settings import check_deltas
+
+    every_version = RolloutConfig(full_resync_every=1)
+    parts = [Partition(name="data", role="data"), Partition(name="a"), Partition(name="b")]
+    with pytest.raises(ValueError, match=r"^storage\.deltas: true .* rollout\.full_resync_every 1 .*set "
+                                         r"full_resync_every to 2 or more \(default 10\), or storage\.deltas: false"):
+        check_deltas(True, every_version, parts)
+    check_deltas(False, every_version, parts)
+    check_deltas(True, every_version, [*parts[:2], Partition(name="b", rollout={"full_resync_every": 5})])
+    check_deltas(True, RolloutConfig(), parts)
+    data = {"policies": [{"name": "solver", "model": "sim", "trainer": {"backend": "sim"}}],
+            "workload": {"name": "sim", "workflow": "sim", "group_size": 4, "eval": {"every": 0}},
+            "dataflow": {"batch_size": 8}, "rollout": {"engine": {"type": "sim"}, "full_resync_every": 1},
+            "storage": {"deltas": True}}
+    with pytest.raises(ConfigError, match="none would ever apply one"):
+        config_from_dict(data)
