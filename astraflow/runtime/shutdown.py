@@ -112,9 +112,11 @@ class Shutdown:
             state = waits.call("data layer state", lambda: self.dl.state(), 30) or {}
             waits.call("data layer close", lambda: self.dl.close(), 30)
         last = self.last_tick
-        if not state and last is not None:  # the data layer did not answer: its last tick, and every
-            # evaluation the run recorded (a tick carries the newest only)
-            state = {**last.data_layer, "eval": evals_on_record(self.paths.metrics) or last.data_layer.get("eval", [])}
+        if not state and last is not None:  # the data layer did not answer: its last tick
+            state = dict(last.data_layer)
+        if state:  # every evaluation the run recorded: a tick carries the newest only, and a data layer
+            # that is not durable resumes without its previous incarnations'
+            state = {**state, "eval": all_evals(state.get("eval", []), evals_on_record(self.paths.metrics))}
         trainers = {p: t or (last.trainers.get(p) if last else None) for p, t in trainers.items()}
         steps = committed_steps(self.paths.weights, list(trainers), {p: t["version"] for p, t in trainers.items() if t})
         result = RunResult(self.paths.root, steps, state.get("eval", []), ledger or state.get("ledger", {}),
@@ -224,6 +226,15 @@ def evals_on_record(metrics: Path) -> list[dict[str, Any]]:
         return []
     kept = {(r.get("policy"), r["step"]): r for r in records if is_eval_record(r)}
     return sorted(kept.values(), key=lambda r: r["step"])
+
+
+def all_evals(answered: list[dict[str, Any]], recorded: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The evaluations the data layer ``answered`` with and those ``metrics.jsonl`` ``recorded``
+    (`evals_on_record`), once each by policy and version (the record's when both have one), in
+    the order of their versions."""
+    kept = {(r.get("policy"), r.get("step")): r for r in answered}
+    kept.update({(r.get("policy"), r["step"]): r for r in recorded})
+    return sorted(kept.values(), key=lambda r: r.get("step", 0))
 
 
 def _still_starting(w: Any) -> bool:

@@ -15,7 +15,7 @@ from astraflow.runtime.monitoring import Tick
 from astraflow.runtime.shutdown import Shutdown
 from astraflow.runtime.stopping import Ending
 from storage.paths import RunPaths
-from tests.runtime.shutdown_fakes import FakeDataLayer
+from tests.runtime.shutdown_fakes import FakeDataLayer, done
 from storage.weights import WeightStore
 
 
@@ -83,3 +83,25 @@ def test_a_data_layer_lost_at_the_end_leaves_every_recorded_evaluation_in_the_su
     result = run._shutdown(0.0, Ending("failed", "data layer lost"))
     assert [e["step"] for e in result.eval] == list(range(200))
     assert result.eval[5]["eval_accuracy"] == 0.5 and run.summary["data_layer"]["eval"] == result.eval
+
+
+class _ResumedDataLayer(FakeDataLayer):
+    """A data layer that is not durable, resumed at v5: it knows only its own evaluations."""
+
+    def state(self) -> Future:
+        return done({"eval": [{"policy": "solver", "step": v, "eval_accuracy": 0.1, "eval_prompts": 4}
+                              for v in (5, 6)]})
+
+
+def test_a_resumed_run_whose_data_layer_is_not_durable_keeps_its_earlier_evaluations(tmp_path):
+    """``dataflow.durable: false``: the resumed data layer starts without the evaluations of the
+    incarnation before, which ``metrics.jsonl`` recorded; the summary (and the run's closing
+    "held-out accuracy (v0) -> (vN)" line) has them all, not only the resumed ones."""
+    import json
+
+    run = _Run(tmp_path / "run", _ResumedDataLayer(), {"solver": _LostTrainer()},
+               Tick(data_layer={}, trainers={"solver": {"version": 6}}))
+    earlier = [{"policy": "solver", "step": v, "eval_accuracy": 0.0, "eval_prompts": 4} for v in (0, 2, 4)]
+    run.paths.metrics.write_text("".join(json.dumps(x) + "\n" for x in earlier))  # the first incarnation's
+    result = run._shutdown(0.0, Ending("completed"))
+    assert [e["step"] for e in result.eval] == [0, 2, 4, 5, 6] == [e["step"] for e in run.summary["data_layer"]["eval"]]
