@@ -58,7 +58,7 @@ from astraflow.runtime.reconcile import PartitionSet, local_fork_server, run_tag
 from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts, note
 from astraflow.runtime.shutdown import RunResult, Shutdown
 from astraflow.runtime.stopping import (STOPPING, Ending, NothingCompletes, deadline_reason, disk_full,
-                                        disk_full_reason, full_disk_of, interrupted, is_disk_full_reason)
+                                        disk_full_reason, full_disk_of, interrupted, is_disk_full_reason, rule_failed)
 from astraflow.runtime.workers import (FUTURE_ERRORS, PHASES, DataLayerLost, Fleet, RunFailed,
                                       TrainerLost, Worker)
 from astraflow.training.numerics import NonFiniteError
@@ -350,7 +350,7 @@ class Orchestrator(Shutdown):
                     if st["error"]:
                         self.restarts.backend_lost(p, st)  # a rank killed: TrainerLost, restarted below
                         raise full_disk_of(st) or RunFailed(f"trainer {p} failed: {st['error']}")
-                if why := _rule_failed(tick.data_layer):  # before nodes are replaced for it
+                if why := rule_failed(tick.data_layer):  # before nodes are replaced for it
                     raise RunFailed(why)
                 self._reconcile()
                 self.fleet.advance()
@@ -360,8 +360,7 @@ class Orchestrator(Shutdown):
                 if why:
                     raise RunFailed(why)
             except TrainerLost as lost:
-                with self.status.alive_while(f"replacing the trainer worker {lost.worker.name} ({lost.why})"):
-                    self.restarts.replace(lost)  # or RunFailed: restarts spent, backend cannot resume
+                self._replace_trainer(lost)
                 continue
             except DataLayerLost as lost:
                 with self.status.alive_while(f"re-placing the data layer ({lost.why})"):
@@ -381,6 +380,11 @@ class Orchestrator(Shutdown):
                 raise RunFailed(deadline_reason(self.cfg, tick.data_layer))
             time.sleep(1.0)
 
+    def _replace_trainer(self, lost: TrainerLost) -> None:
+        """The lost trainer replaced (or RunFailed: its restarts spent, its backend cannot resume)."""
+        with self.status.alive_while(f"replacing the trainer worker {lost.worker.name} ({lost.why})"):
+            self.restarts.replace(lost)
+
     def _sync_loop(self, t0: float) -> None:
         """The trainer-centred baseline: a driver loop owns the phases (see sync_driver)."""
         from astraflow.runtime.sync_driver import drive_sync
@@ -393,10 +397,14 @@ class Orchestrator(Shutdown):
                 raise RunFailed(deadline_reason(self.cfg, last_dl))
             if time.time() - last_tick > 1.0:
                 last_tick = time.time()
-                t = self._tick()
+                try:
+                    t = self._tick()
+                except TrainerLost as lost:  # between two steps, while a batch fills: replaced as in a step
+                    self._replace_trainer(lost)
+                    return
                 last_dl = t.data_layer
                 self.fleet.raise_full_disk(t.data_layer)  # nodes are not replaced here, but a full disk stops the run
-                why = _rule_failed(t.data_layer) or self.nothing_completes.check_layer(t.data_layer)
+                why = rule_failed(t.data_layer) or self.nothing_completes.check_layer(t.data_layer)
                 if why:
                     raise RunFailed(why)
                 self._show(t)
@@ -406,8 +414,7 @@ class Orchestrator(Shutdown):
             try:
                 self.fleet.check_core(wait_s=10.0)
             except TrainerLost as lost:
-                with self.status.alive_while(f"replacing the trainer worker {lost.worker.name} ({lost.why})"):
-                    self.restarts.replace(lost)
+                self._replace_trainer(lost)
                 return True
             return False
 
@@ -441,10 +448,3 @@ def _disk_advice(cfg: RunConfig) -> str:
         return ("free space there, or stop the run and resume it with storage.keep_trajectories: false "
                 "(trajectory segments the run is done with are then deleted)")
     return "free space there"
-
-
-def _rule_failed(data_layer: dict) -> str | None:
-    """The run's end when a dataflow rule failed in the data layer (its status says which): no
-    node or trainer is to blame, and replacing them would only fail again."""
-    why = data_layer.get("rule_error")
-    return f"{why} (fix the rule, then run `astraflow run` again on this directory to resume)" if why else None

@@ -352,3 +352,10 @@ def deadline_reason(cfg: Any, data_layer: dict[str, Any] | None) -> str:
 def is_failing_tasks_reason(reason: str | None) -> bool:
     """Whether ``reason`` is a line `NothingCompletes.check` wrote (its failures said already)."""
     return bool(reason) and _FAILING_TASKS.match(reason) is not None
+
+
+def rule_failed(data_layer: dict) -> str | None:
+    """The run's end when a dataflow rule failed in the data layer (its status says which): no
+    node or trainer is to blame, and replacing them would only fail again."""
+    why = data_layer.get("rule_error")
+    return f"{why} (fix the rule, then run `astraflow run` again on this directory to resume)" if why else None

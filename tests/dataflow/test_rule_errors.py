@@ -44,9 +44,9 @@ def test_a_rule_failing_inside_a_library_is_named_at_its_own_line(tmp_path):
 def _ends_the_run(layer, what: str) -> None:
     """The data layer's status carries the rule's failure, which the orchestrator ends the run
     with (no node is replaced for it)."""
-    from astraflow.runtime.orchestrator import _rule_failed
+    from astraflow.runtime.stopping import rule_failed
 
-    why = _rule_failed(asyncio.run(layer.state()))
+    why = rule_failed(asyncio.run(layer.state()))
     assert why is not None and what in why and why.endswith("again on this directory to resume)")
 
 

@@ -4,6 +4,7 @@ naming the limit and the fix; the sync driver takes a step again on the restarte
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -98,6 +99,49 @@ def test_the_sync_driver_steps_the_restarted_trainer(committed):
     iterations = drive_sync(_DataLayer(), trainers, lambda: [], 16, 4, 3, 10.0, recover=recover)
     assert [it["step"] for it in iterations] == [1, 2, 3]
     assert new.version == 3 and new.steps == (2 if committed else 3)
+
+
+def test_a_trainer_lost_while_a_sync_batch_fills_is_restarted(tmp_path):
+    """``run.mode: sync``: a trainer worker lost between two steps is seen by the orchestrator's
+    tick while the driver waits (not by a failed step): it is replaced, as after a failed step,
+    instead of failing the run whatever ``cluster.trainer_restarts`` allows."""
+    import contextlib
+
+    from astraflow.runtime.orchestrator import Orchestrator
+
+    lost, new = _Trainer(0), _Trainer(0)
+    replaced: list[TrainerLost] = []
+
+    class _Run:
+        _sync_loop, _replace_trainer = Orchestrator._sync_loop, Orchestrator._replace_trainer
+
+        def __init__(self):
+            self.cfg = tiny_config(tmp_path, **{"run.max_steps": 3, "dataflow.batch_size": 16,
+                                               "workload.group_size": 4})
+            self.dl, self.trainers, self.ticks = _DataLayer(), {"solver": lost}, 0
+            self.fleet = SimpleNamespace(serving_nodes=lambda: [], raise_full_disk=lambda dl: None)
+            self.nothing_completes = SimpleNamespace(check_layer=lambda dl: None)
+            self.status = SimpleNamespace(alive_while=lambda what: contextlib.nullcontext())
+            self.restarts = SimpleNamespace(replace=self._replace)
+
+        def _replace(self, why: TrainerLost) -> None:  # what TrainerRestarts.replace does: a new one, resumed
+            replaced.append(why)
+            new.version = lost.version
+            self.trainers["solver"] = new
+
+        def _tick(self):
+            self.ticks += 1
+            if self.ticks == 1:  # the worker died after the first step
+                raise _lost()
+            return SimpleNamespace(data_layer={})
+
+        def _show(self, tick) -> None:
+            pass
+
+    run = _Run()
+    run._sync_loop(time.time())
+    assert len(replaced) == 1 and [it["step"] for it in run.iterations] == [1, 2, 3]
+    assert (lost.steps, new.steps, new.version) == (1, 2, 3)
 
 
 def test_the_sync_driver_raises_what_is_not_a_lost_trainer():
