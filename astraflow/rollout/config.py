@@ -170,7 +170,8 @@ class RolloutConfig(Strict):
     version directory). A node whose weights fall more than ``dataflow.max_staleness`` versions
     behind gets no new work until it loads newer ones, so poll well within a trainer step."""
     full_resync_every: int = Field(default=10, ge=1)
-    """Load full shards instead of a delta every N versions."""
+    """With ``storage.deltas``: load full shards instead of a delta every N versions (1 on every
+    rollout partition is refused: no node would apply a delta)."""
     reward_timeout_s: float = Field(default=30.0, gt=0)
     """Deadline of one reward call. Rewards run off the node's event loop, so a slow one stalls
     neither heartbeats nor other episodes; one past its deadline fails its episode (retried up to
