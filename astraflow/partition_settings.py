@@ -141,7 +141,7 @@ def _check_lease_ahead(part: Partition, cfg: RolloutConfig) -> None:
                                           ".rollout: {lease_ahead: 0})"))
 
 
-def check_deltas(deltas: bool, rollout: RolloutConfig, partitions: list[Partition], policies: list[Any]) -> None:
+def check_deltas(deltas: bool, rollout: RolloutConfig, partitions: list[Partition], policies: Any = ()) -> None:
     """``storage.deltas`` makes every trainer write a delta after each commit for the nodes one
     version behind; where every rollout partition loads full shards at every version
     (``full_resync_every: 1``, the run's or its own) no node would apply one. Nodes then serve each
