@@ -20,7 +20,7 @@ from astraflow.preflight import check_network, eval_split_lines, models_that_nev
 from astraflow.runtime.jobrecords import PreviousJobs, cancel_previous_jobs
 from astraflow.runtime.model_build import prepare_models
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
-from astraflow.runtime.progress import Progress
+from astraflow.runtime.progress import Progress, accuracy_changes
 from astraflow.runtime.reconcile import local_fork_server
 from astraflow.runtime.resume_checks import check_resumable, check_same_models
 from astraflow.runtime.resuming import resume_note
@@ -283,13 +283,8 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult | No
         finally:
             if server is not None:  # the run's local scheduler closed it already, unless none was made
                 server.close()
-    scored = [e for e in result.eval if "eval_accuracy" in e]
-    if scored:
-        first, last = scored[0], scored[-1]
-        progress.note(
-            f"held-out accuracy {first['eval_accuracy']:.3f} (v{first['step']}) -> "
-            f"{last['eval_accuracy']:.3f} (v{last['step']}) in {result.seconds:.0f}s"
-        )
+    for line in accuracy_changes(result.eval):
+        progress.note(line)
     progress.note(f"ledger: {result.ledger.get('states') or 'no task created'}; summary in {RunPaths(run_dir).summary}")
     if not result.interrupted and any(p.trainer.backend != "sim" for p in cfg.policies):
         progress.note(f"the trained model as an HF directory: astraflow export {shell_arg(run_dir)} OUT")

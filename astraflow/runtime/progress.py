@@ -43,6 +43,24 @@ def failures_outnumber_consumed(ledger: dict, jobs_dir: object) -> str | None:
             f"{reason or 'none recorded'} (the tracebacks are in the RaaS nodes' logs under {jobs_dir})")
 
 
+def accuracy_changes(evals: list[dict]) -> list[str]:
+    """The end-of-run line of each policy: its first and last held-out accuracy and the run time
+    between them (the records' ``time``, which a resumed run continues; a policy named where
+    there are several). Evaluations with no accuracy (no episode of the round completed) are left out."""
+    scored: dict[str, list[dict]] = {}
+    for e in evals:
+        if "eval_accuracy" in e:
+            scored.setdefault(str(e.get("policy", "")), []).append(e)
+    lines = []
+    for policy, mine in scored.items():
+        first, last = mine[0], mine[-1]
+        name = f" ({policy})" if len(scored) > 1 else ""
+        lines.append(f"held-out accuracy{name} {first['eval_accuracy']:.3f} (v{first['step']}) -> "
+                     f"{last['eval_accuracy']:.3f} (v{last['step']}) in "
+                     f"{float(last.get('time', 0.0)) - float(first.get('time', 0.0)):.0f}s")
+    return lines
+
+
 class _Console(Console):
     """A console whose reader went away (``astraflow run ... | head``, a ``tee`` killed) goes
     quiet: the run goes on (rich's own console would exit the process, skipping the summary)."""

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from astraflow.runtime.monitoring.writer import Tick
-from astraflow.runtime.progress import Progress
+from astraflow.runtime.progress import Progress, accuracy_changes
 
 
 def _progress(heartbeat_s: float) -> tuple[Progress, io.StringIO]:
@@ -129,3 +129,18 @@ def test_notes_and_waits_show_square_brackets_as_written():
     assert "'hello [/INST] world'" in out
     assert "still loading [bold] weights" in out and "([/x] detail)" in out
     assert "loading [bold] weights: done in" in out
+
+
+def test_the_end_of_run_accuracy_line_is_per_policy_over_the_run_time_between_its_evaluations():
+    # a resumed run: v0 evaluated 1 s into the first incarnation, v140 76 s into the run (the
+    # incarnation that ended ran for a fraction of that); two policies are not compared with each other
+    evals = [{**_eval("solver", 0), "eval_accuracy": 0.28, "time": 1.0},
+             {**_eval("verifier", 0), "eval_accuracy": 0.10, "time": 1.5},
+             {"policy": "solver", "step": 70, "eval_prompts": 0, "time": 40.0},  # no episode completed
+             {**_eval("solver", 140), "eval_accuracy": 0.96, "time": 77.0},
+             {**_eval("verifier", 100), "eval_accuracy": 0.30, "time": 60.0}]
+    assert accuracy_changes(evals) == [
+        "held-out accuracy (solver) 0.280 (v0) -> 0.960 (v140) in 76s",
+        "held-out accuracy (verifier) 0.100 (v0) -> 0.300 (v100) in 58s"]
+    assert accuracy_changes(evals[:1] + evals[3:4]) == ["held-out accuracy 0.280 (v0) -> 0.960 (v140) in 76s"]
+    assert accuracy_changes([]) == []
