@@ -163,6 +163,9 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
         #: seconds spent reading the rows of served batches (part of the wait for batches)
         self.read_s = 0.0
         self.last_metrics: dict[str, float] = {}
+        #: held while ``committed`` and ``last_metrics`` change together: `state()` (another thread)
+        #: shows a version with its own step's reward and loss
+        self._shown_lock = threading.Lock()
         #: counts the steps in a row with a nan/inf loss or gradient norm (``max_nonfinite_steps``)
         self.nonfinite = NonFiniteSteps(policy, cfg.max_nonfinite_steps)
         self._stop = threading.Event()
@@ -267,9 +270,11 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
         waited = self._waited_s + (now - since if (since := self._waiting_since) else 0.0)
         if self._driven:  # a driver steps it once each rollout phase ended: idle between steps is waiting too
             waited = max(waited, elapsed - self.train_s - self.publish_s)
+        with self._shown_lock:
+            version, metrics = self.committed, dict(self.last_metrics)
         return {
             "policy": self.policy,
-            "version": self.committed,
+            "version": version,
             "trained_version": self.version,
             "done": self.done,
             "error": self.error,
@@ -285,7 +290,7 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
             "deltas": self.delta_history[-5:],
             "optimizer_resumed_from": self.optimizer_resumed_from,
             "optimizer_save_failures": self.optimizer_save_failures,
-            "last_metrics": dict(self.last_metrics),
+            "last_metrics": metrics,
         }
 
     def _fetch(self, version: int):
@@ -341,22 +346,23 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
         else:
             self.backend.publish(self.store, self.policy, version, state=state)
         publish_s = time.time() - t0
-        self.committed = version
-        self.promote_optimizer()
-        if self.write_deltas:
-            self._write_delta_async(version)
         self.wait_s += wait_s
         self.train_s += train_s
         self.publish_s += publish_s
         self._committed_at = time.time()
-        self.last_metrics = {
-            **metrics,
-            "reward_mean": float(sum(i.sequence.reward for i in batch.items) / max(len(batch), 1)),
-            "wait_s": wait_s,
-            "train_s": train_s,
-            "publish_s": publish_s,
-            "trainer_wait_fraction": self.wait_s / max(self._committed_at - self._started_at, 1e-9),
-        }
+        with self._shown_lock:
+            self.last_metrics = {
+                **metrics,
+                "reward_mean": float(sum(i.sequence.reward for i in batch.items) / max(len(batch), 1)),
+                "wait_s": wait_s,
+                "train_s": train_s,
+                "publish_s": publish_s,
+                "trainer_wait_fraction": self.wait_s / max(self._committed_at - self._started_at, 1e-9),
+            }
+            self.committed = version
+        self.promote_optimizer()
+        if self.write_deltas:
+            self._write_delta_async(version)
         call_sync(self.dl.published, self.policy, version, self.last_metrics, batch.metrics, timeout=60)
 
     def _write_delta_async(self, version: int) -> None:

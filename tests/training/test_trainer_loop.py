@@ -368,3 +368,29 @@ def test_a_finished_trainers_wait_fraction_stays_what_its_last_step_said(tmp_pat
     trainer.stop()
     assert first["done"] and later["wait_fraction"] == first["wait_fraction"]
     assert abs(later["wait_fraction"] - trainer.last_metrics["trainer_wait_fraction"]) < 1e-9
+
+
+def test_a_trainers_state_never_pairs_a_version_with_the_previous_steps_metrics(tmp_path):
+    """Status and the progress line show a trainer's ``version`` with its ``last_metrics`` (reward,
+    loss): what ``state()`` says while a version is being committed (its optimiser state
+    promoted, its delta started) must be that version's step, as reported to the data layer."""
+    dl = _Finishing()
+    published: dict[int, dict] = {}
+    dl.published = lambda policy, version, metrics, batch_metrics=None: (
+        published.__setitem__(version, dict(metrics)), _done())[1]
+    seen: list[dict] = []
+
+    class _Watched(Trainer):
+        def promote_optimizer(self) -> None:  # runs while the version is committed
+            seen.append(self.state())
+            super().promote_optimizer()
+
+    trainer = _Watched(policy="p", cfg=TrainerConfig(backend="sim", sim_step_seconds=0.05), model_path="",
+                       weights_root=str(tmp_path / "w"), keep_versions=5, data_layer=dl, max_steps=3)
+    trainer.start()
+    deadline = time.time() + 30
+    while not trainer.state()["done"] and time.time() < deadline:
+        time.sleep(0.05)
+    trainer.stop()
+    mid = [s for s in seen if s["version"] >= 1]
+    assert mid and all(s["last_metrics"] == published[s["version"]] for s in mid), (mid, published)
