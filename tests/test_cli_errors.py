@@ -471,6 +471,22 @@ def test_status_right_after_the_run_was_killed_shows_its_last_status(tmp_path):
                      res.output), res.output
 
 
+def test_status_of_a_killed_run_offers_no_dashboard(tmp_path):
+    """The dashboard is served by the run's scheduler, which died with its orchestrator: neither
+    the text nor `--json` sends the operator to its address."""
+    _killed_run(tmp_path, 7, 2)
+    info = json.loads((tmp_path / "control" / "orchestrator.json").read_text())
+    info["dashboard"] = "http://127.0.0.1:39293/status"
+    (tmp_path / "control" / "orchestrator.json").write_text(json.dumps(info))
+    res = _invoke("status", str(tmp_path))
+    assert res.exit_code == 2 and "not running: its dashboard is gone" in res.output, res.output
+    assert "39293" not in res.output, res.output
+    res = _invoke("status", str(tmp_path), "--json")
+    assert res.exit_code == 0, res.output
+    view = json.loads(res.output)
+    assert view["running"] is False and view["dashboard"] is None, view
+
+
 def _wait_for_state(pid: int, stopped: bool) -> None:
     """Until the kernel has stopped (or let go on) ``pid``: a signal is delivered after kill returns."""
     for _ in range(200):

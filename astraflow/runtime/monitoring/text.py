@@ -10,6 +10,7 @@ from typing import Any
 
 from astraflow.runtime.autoscale import pct
 from astraflow.runtime.monitoring.disk import disk_line
+from astraflow.runtime.monitoring.snapshot import orchestrator_alive
 
 
 def format_partitions(st: dict[str, Any]) -> str:
@@ -43,9 +44,14 @@ def format_partitions(st: dict[str, Any]) -> str:
 
 def format_status(st: dict[str, Any]) -> str:
     dl = st.get("data_layer", {})
+    info = st.get("orchestrator") or {}
+    # a run whose orchestrator was killed took its dashboard with it (a silent one still serves it)
+    gone = not st.get("running", True) and bool(info.get("pid")) and not orchestrator_alive(info)
+    dashboard = ("not running: its dashboard is gone" if gone
+                 else f"dashboard {info.get('dashboard')}" + _token_hint(st.get("run_dir")))
     lines = [
-        f"run {st.get('run_dir')}{_who(st.get('orchestrator') or {})}  elapsed {dl.get('elapsed_s', 0):.0f}s  "
-        f"dashboard {(st.get('orchestrator') or {}).get('dashboard')}" + _token_hint(st.get("run_dir")),
+        f"run {st.get('run_dir')}{_who(info)}  elapsed {dl.get('elapsed_s', 0):.0f}s  "
+        + dashboard,
         "policies:",
     ]
     waiting = st.get("waiting")

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from astraflow.runtime.monitoring.snapshot import STALE_AFTER_S, damaged_run_files, read_snapshot
+from astraflow.runtime.monitoring.snapshot import STALE_AFTER_S, damaged_run_files, orchestrator_alive, read_snapshot
 from astraflow.runtime.monitoring.text import outcome as outcome_of
 from storage.paths import RunPaths
 
@@ -314,7 +314,8 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
         outcome=None if summary is None else outcome_of(summary), reason=(summary or {}).get("reason"),
         requeue=(summary or {}).get("requeue"), seconds=(summary or {}).get("seconds"),
         written_at=written, age_s=age, elapsed_s=float(dl.get("elapsed_s", 0.0)),
-        dashboard=None if summary is not None else info.get("dashboard"),  # it stopped with the run
+        # it stops with the run, a killed one's too (on another host only the summary tells)
+        dashboard=info.get("dashboard") if summary is None and info.get("pid") and orchestrator_alive(info) else None,
         episodes_per_s=float(dl.get("episodes_per_s", 0.0)), sequences_per_s=float(dl.get("sequences_per_s", 0.0)),
         generated_tokens_per_s=float(dl.get("generated_tokens_per_s", 0.0)),
         rollout_idle_fraction=_mean_idle(partitions),
