@@ -66,6 +66,29 @@ def test_partition_rates_are_over_the_times_the_counts_were_read(tmp_path):
     assert writer.partitions()["rollout"]["episodes_per_s"] == 10.0
 
 
+def test_a_worker_of_several_nodes_is_shown_as_its_nodes(tmp_path):
+    """``rollout.nodes_per_worker``: a worker's nodes report as ``<worker>.n<i>``. The text line of
+    the worker sums them (not 0 episodes); the view lists each node with its worker's job and
+    state, and the worker not again as a node that generated nothing."""
+    paths = RunPaths(tmp_path / "run").make()
+    writer, _ = _writer(paths)
+    write_orchestrator_info(paths, None, None)
+    tick = _tick(3)
+    worker = "rollout-rollout-local-cpu-0"
+    node = tick.data_layer["nodes"].pop(worker)
+    tick.data_layer["nodes"].update({
+        f"{worker}.n0": {**node, "idle_fraction": 0.2},
+        f"{worker}.n1": {**node, "completed": 5, "versions": {"solver": 2}, "idle_fraction": 0.4}})
+    writer.track(tick)
+    writer.write(tick)
+    line = next(x for x in format_status(run_status(paths.root)).splitlines() if x.strip().startswith(worker))
+    assert "2 nodes  versions {'solver': '1-2'}  8 episodes  10 generated tok/s  idle 30%" in line, line
+    rollout = next(p for p in build_status_view(paths.root).partitions if p.name == "rollout")
+    assert [n.name for n in rollout.nodes] == [f"{worker}.n0", f"{worker}.n1"], rollout.nodes
+    job_state = run_status(paths.root)["workers"][worker]["state"]
+    assert {(n.job_id, n.state) for n in rollout.nodes} == {("local-102", job_state)}, rollout.nodes
+
+
 def test_what_the_writer_writes_every_reader_reads_back(tmp_path):
     paths = RunPaths(tmp_path / "run").make()
     writer, fleet = _writer(paths)

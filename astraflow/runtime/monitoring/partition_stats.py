@@ -22,14 +22,20 @@ if TYPE_CHECKING:
 ZERO_COUNTS: dict[str, Any] = {"completed": 0, "tokens": 0, "staleness": Counter()}
 
 
+def worker_of(node: str) -> str:
+    """The worker hosting ``node``: several nodes of one worker (``rollout.nodes_per_worker``) are
+    named ``<worker>.n<i>``; a worker's only node has the worker's name."""
+    head, dot, index = node.rpartition(".n")
+    return head if dot and index.isdigit() else node
+
+
 def node_partition(node: str, info: dict[str, Any], fleet: Fleet) -> str | None:
     """The partition of ``node``: from its heartbeat, else from its worker (several nodes per
     worker are named ``<worker>.n<i>``), else from its worker's name (a node of an earlier
     incarnation, whose consumption the data layer keeps); None when none is known."""
     if info.get("partition"):
         return str(info["partition"])
-    head, dot, index = node.rpartition(".n")
-    worker = head if dot and index.isdigit() else node
+    worker = worker_of(node)
     w = fleet.workers.get(node) or fleet.workers.get(str(info.get("worker", ""))) or fleet.workers.get(worker)
     if w is not None:
         return w.partition

@@ -10,6 +10,7 @@ from typing import Any
 
 from astraflow.runtime.autoscale import pct
 from astraflow.runtime.monitoring.disk import disk_line
+from astraflow.runtime.monitoring.partition_stats import worker_of
 from astraflow.runtime.monitoring.snapshot import orchestrator_alive
 
 
@@ -75,11 +76,12 @@ def format_status(st: dict[str, Any]) -> str:
     lines += ["  " + x for x in format_partitions(st).splitlines()]
     lines.append("workers:")
     for name, w in st.get("workers", {}).items():
-        node = dl.get("nodes", {}).get(name, {})
+        node = worker_nodes(name, dl.get("nodes", {}))
         lines.append(
             f"  {name:<36} {w['job_id']:<14} {w['state']:<9} {w.get('phase', '-'):<9} "
             + (f"waiting: {w['reason']}  " if w.get("reason") else "")
             + (f"on {w['host']}  " if w.get("host") else "")
+            + (f"{node['nodes']} nodes  " if node.get("nodes") else "")
             + f"versions {node.get('versions', '-')}  {node.get('completed', 0)} episodes  "
             f"{node.get('generated_tokens_per_s', 0):.0f} generated tok/s"
             + (f"  idle {node['idle_fraction']:.0%}" if "idle_fraction" in node else "")
@@ -108,6 +110,26 @@ def format_status(st: dict[str, Any]) -> str:
 
 #: the most recent evaluations a status shows per policy (the curve is in metrics.jsonl)
 SHOWN_EVALS = 5
+
+
+def worker_nodes(worker: str, nodes: dict[str, Any]) -> dict[str, Any]:
+    """What the data layer knows of ``worker``'s nodes as one: its own entry, or its nodes'
+    (``<worker>.n<i>``, ``rollout.nodes_per_worker``) summed, their versions as ``vA-vB`` where
+    they differ and their mean idle fraction, with their count as ``nodes``."""
+    if worker in nodes:
+        return nodes[worker]
+    mine = [i for n, i in nodes.items() if worker_of(n) == worker and not i.get("gone")]
+    if not mine:
+        return {}
+    versions: dict[str, list[int]] = {}
+    for i in mine:
+        for p, v in (i.get("versions") or {}).items():
+            versions.setdefault(p, []).append(int(v))
+    idle = [float(i["idle_fraction"]) for i in mine if "idle_fraction" in i]
+    return {"nodes": len(mine), "completed": sum(int(i.get("completed", 0)) for i in mine),
+            "generated_tokens_per_s": sum(float(i.get("generated_tokens_per_s", 0.0)) for i in mine),
+            "versions": {p: min(vs) if min(vs) == max(vs) else f"{min(vs)}-{max(vs)}" for p, vs in versions.items()},
+            **({"idle_fraction": sum(idle) / len(idle)} if idle else {})}
 
 
 def eval_lines(evals: list[dict[str, Any]]) -> list[str]:

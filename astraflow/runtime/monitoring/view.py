@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from astraflow.runtime.monitoring.partition_stats import worker_of
 from astraflow.runtime.monitoring.snapshot import STALE_AFTER_S, damaged_run_files, orchestrator_alive, read_snapshot
 from astraflow.runtime.monitoring.text import outcome as outcome_of
 from storage.paths import RunPaths
@@ -337,8 +338,10 @@ def _partition_views(status: dict[str, Any], dl: dict[str, Any], ended: str | No
     workers = status.get("workers", {})
     parts_cfg = status.get("partitions", {})
     by_part: dict[str, list[NodeView]] = {n: [] for n in parts_cfg}
-    for name in sorted(set(workers) | set(dl_nodes)):
-        w = workers.get(name, {})
+    # a worker whose nodes report under names of their own: listed as its nodes, each with its job
+    hosting = {worker_of(n) for n in dl_nodes} - set(dl_nodes)
+    for name in sorted((set(workers) - hosting) | set(dl_nodes)):
+        w = workers.get(name) or workers.get(worker_of(name), {})
         node_info = dl_nodes.get(name, {})
         pname = w.get("partition", node_info.get("partition", "?"))
         by_part.setdefault(pname, []).append(_node_view(name, w, parts_cfg.get(pname, {}), node_info, now, ended))
