@@ -96,6 +96,13 @@ class Shutdown:
         """Stop the components in order and write ``summary.json`` with ``ending``. Every wait
         is bounded (`BoundedWaits`, by `StopBudgets`). What a component that is gone would have
         said comes from the last tick; what did not answer is listed as ``stop_errors``."""
+        # the stop may take minutes (a completed run's nodes flush, vLLM engines close): the last status
+        # is written on, naming it, so that `status` says the run is stopping, not that it went silent
+        with self.status.alive_while(f"stopping: the run {ending.status}"
+                                     + (f" ({ending.reason})" if ending.reason else "")):
+            return self._stop_components(t0, ending)
+
+    def _stop_components(self, t0: float, ending: Ending) -> RunResult:
         budgets = StopBudgets.for_ending(ending, self.cfg.cluster.stop_grace_s)
         waits = BoundedWaits(budgets.total)
         nodes: dict[str, Any] = {}

@@ -4,6 +4,7 @@ the run fails for its failing tasks, whose failure line already says so."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 from types import SimpleNamespace
@@ -33,7 +34,8 @@ class _Run(Shutdown):
         self.paths = RunPaths(root).make()
         self.fleet = SimpleNamespace(of_role=lambda role: [])
         self.dl, self.trainers, self.last_tick, self.iterations = FakeDataLayer(LEDGER, with_ledger_in_state=True), {}, None, []
-        self.status = SimpleNamespace(write_summary=lambda **kw: None)
+        self.status = SimpleNamespace(write_summary=lambda **kw: None,
+                                      alive_while=lambda what: contextlib.nullcontext())
 
 
 def _warnings(caplog) -> list[str]:

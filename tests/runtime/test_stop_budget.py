@@ -5,6 +5,7 @@ so that trainers and the data layer still get their time and do not show up in `
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import Future
@@ -64,7 +65,8 @@ class _Run(Shutdown):
         self.dl, self.trainers, self.iterations = FakeDataLayer(), {"solver": _Trainer()}, []
         self.last_tick = Tick(data_layer={}, trainers={"solver": {"version": 2}})
         self.summary: dict = {}
-        self.status = SimpleNamespace(write_summary=lambda **kw: self.summary.update(kw))
+        self.status = SimpleNamespace(write_summary=lambda **kw: self.summary.update(kw),
+                                      alive_while=lambda what: contextlib.nullcontext())
 
 
 def _stop(tmp_path, workers: list[Worker]) -> tuple[_Run, float]:

@@ -5,6 +5,8 @@ the weight store, not the last tick of a trainer that was lost."""
 
 from __future__ import annotations
 
+import contextlib
+import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -36,7 +38,8 @@ class _Run(Shutdown):
         self.fleet = SimpleNamespace(of_role=lambda role: [])
         self.dl, self.trainers, self.last_tick, self.iterations = dl, trainers, last_tick, []
         self.summary: dict = {}
-        self.status = SimpleNamespace(write_summary=lambda **kw: self.summary.update(kw))
+        self.status = SimpleNamespace(write_summary=lambda **kw: self.summary.update(kw),
+                                      alive_while=lambda what: contextlib.nullcontext())
 
 
 @pytest.mark.parametrize("ending, completed", [
@@ -105,3 +108,38 @@ def test_a_resumed_run_whose_data_layer_is_not_durable_keeps_its_earlier_evaluat
     run.paths.metrics.write_text("".join(json.dumps(x) + "\n" for x in earlier))  # the first incarnation's
     result = run._shutdown(0.0, Ending("completed"))
     assert [e["step"] for e in result.eval] == [0, 2, 4, 5, 6] == [e["step"] for e in run.summary["data_layer"]["eval"]]
+
+
+class _SlowToFinish(FakeDataLayer):
+    """A data layer that closes its ledger slowly; it records what `status` said meanwhile."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root, self.seen = root, None
+
+    def finish(self, completed: bool = True) -> Future:
+        from astraflow.runtime.monitoring import format_status, run_status
+
+        deadline = time.time() + 5
+        while (st := run_status(self.root)).get("waiting") is None and time.time() < deadline:
+            time.sleep(0.05)
+        self.seen = format_status(st)
+        return super().finish(completed)
+
+
+def test_status_says_the_run_is_stopping_while_it_stops(tmp_path):
+    """A stop can outlast `STALE_AFTER_S` (nodes flushing, engines closing): meanwhile the last
+    status is written on and says so, from the stop's start, not "running" as if nothing
+    happened, nor "busy or hung" once it ages; the summary then ends it for every reader."""
+    from astraflow.runtime.monitoring import build_status_view, write_orchestrator_info
+    from tests.monitoring.test_status_files import _tick, _writer
+
+    dl = _SlowToFinish(tmp_path / "run")
+    run = _Run(tmp_path / "run", dl, {}, _tick(1))
+    run.status, _ = _writer(run.paths)
+    write_orchestrator_info(run.paths, None, None)
+    run.status.write(_tick(1))
+    run._shutdown(time.time(), Ending("interrupted", "stopped by Ctrl-C"))
+    assert dl.seen is not None and "now: stopping: the run interrupted (stopped by Ctrl-C) (for 0s)" in dl.seen, dl.seen
+    view = build_status_view(run.paths.root)
+    assert view.finished and view.outcome == "interrupted" and view.waiting is None

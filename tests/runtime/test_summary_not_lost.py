@@ -4,6 +4,7 @@ ending's reason is kept, instead of the CLI dying with a json traceback and no s
 
 from __future__ import annotations
 
+import contextlib
 import json
 from types import SimpleNamespace
 
@@ -29,7 +30,8 @@ def _summary_writer(run, extra=None):
 
 def test_a_summary_with_values_json_cannot_hold_is_written_with_them_as_strings(tmp_path):
     run = _Run(tmp_path / "run", _OddState(), {}, Tick(data_layer={}, trainers={}))
-    run.status = SimpleNamespace(write_summary=_summary_writer(run))
+    run.status = SimpleNamespace(write_summary=_summary_writer(run),
+                                 alive_while=lambda what: contextlib.nullcontext())
     reason = "dataflow.curator (mypkg.rules:setstate).state_dict is not plain JSON"
     run._shutdown(0.0, Ending("failed", reason))
     summary = json.loads(run.paths.summary.read_text())
@@ -39,7 +41,8 @@ def test_a_summary_with_values_json_cannot_hold_is_written_with_them_as_strings(
 
 def test_a_summary_the_status_cannot_write_at_all_keeps_the_ending(tmp_path):
     run = _Run(tmp_path / "run", FakeDataLayer(), {}, Tick(data_layer={}, trainers={}))
-    run.status = SimpleNamespace(write_summary=_summary_writer(run, {"partitions": {(1, 2): object()}}))
+    run.status = SimpleNamespace(write_summary=_summary_writer(run, {"partitions": {(1, 2): object()}}),
+                                 alive_while=lambda what: contextlib.nullcontext())
     run._shutdown(0.0, Ending("failed", "the original reason"))
     summary = json.loads(run.paths.summary.read_text())
     assert (summary["status"], summary["reason"]) == ("failed", "the original reason")

@@ -154,17 +154,20 @@ class StatusWriter:
     def alive_while(self, what: str, every_s: float = 5.0) -> Iterator[None]:
         """While a long step of the orchestrator's own runs (a trainer's or the data layer's
         restart: placing a worker, loading a model), the last status is written again every
-        ``every_s`` seconds with ``waiting`` naming the step: the run is not taken for stopped."""
+        ``every_s`` seconds (and once at the start) with ``waiting`` naming the step: the run is not
+        taken for stopped, and says what it is doing."""
         if self._last is None:  # no status yet: `status` says the run is starting
             yield
             return
         stop, t0 = threading.Event(), time.time()
 
         def beat() -> None:
-            while not stop.wait(every_s):
+            while True:
                 with contextlib.suppress(OSError):  # a full disk must not end the restart
                     write_status(self.paths, {**self._last, "written_at": time.time(),
                                               "waiting": {"what": what, "since": t0}})
+                if stop.wait(every_s):
+                    return
 
         keeper = threading.Thread(target=beat, name="astraflow-status-keepalive", daemon=True)
         keeper.start()
