@@ -337,6 +337,7 @@ def layer_status(dl: DataLayer, evals: int | None = None) -> dict[str, Any]:
         "restored": dl.restored,  # what this data layer continued from (a re-placed or resumed one)
         "snapshots": dl.durability.log.stats(),
         "service_ms": dl.service.summary(),
+        "episodes_generated": dl.generated.episodes,
         "sequences_generated": dl.generated.sequences,
         "tokens_generated": dl.generated.tokens,
         **dl.generated.rates(elapsed),

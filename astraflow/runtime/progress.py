@@ -82,6 +82,8 @@ class Progress:
         self.interval_s = interval_s
         self._last = 0.0
         self._eval_shown: dict[str, int] = {}  # per policy, the last evaluated version shown
+        #: (read at, episodes, tokens) the data layer had generated at the last status line
+        self._counted: tuple[float, int, int] | None = None
 
     def note(self, msg: str, markup: bool = False) -> None:
         """One timestamped line. ``msg`` is shown as written (an error's ``[/INST]`` or an
@@ -201,7 +203,21 @@ class Progress:
         if len(reason) > REASON_SHOWN:
             reason = reason[:REASON_SHOWN - 3] + "..."
         failures = f" | [bold]{failed} tasks failed[/bold] ({escape(reason)})" if failed else ""
+        ep_s, tok_s = self._rates(tick)
         self.note(
             " | ".join(parts)
-            + f" | {state['episodes_per_s']:.1f} ep/s {state['generated_tokens_per_s']:.0f} tok/s"
+            + f" | {ep_s:.1f} ep/s {tok_s:.0f} tok/s"
             + f" | staleness {hist} | nodes {nodes}{failures}", markup=True)
+
+    def _rates(self, tick: Tick) -> tuple[float, float]:
+        """Episodes and sampled tokens per second since the previous status line (a run that
+        stopped generating shows 0, not an average that decays slowly); the run's average on the
+        first line, and where the counts went back (a data layer replaced without its state)."""
+        state = tick.data_layer
+        eps, toks = state.get("episodes_generated"), state.get("tokens_generated")
+        last = self._counted
+        self._counted = (tick.read_at, int(eps), int(toks)) if eps is not None and toks is not None else None
+        if last is None or self._counted is None or tick.read_at <= last[0] or eps < last[1] or toks < last[2]:
+            return float(state["episodes_per_s"]), float(state["generated_tokens_per_s"])
+        span = tick.read_at - last[0]
+        return (eps - last[1]) / span, (toks - last[2]) / span

@@ -144,3 +144,23 @@ def test_the_end_of_run_accuracy_line_is_per_policy_over_the_run_time_between_it
         "held-out accuracy (verifier) 0.100 (v0) -> 0.300 (v100) in 58s"]
     assert accuracy_changes(evals[:1] + evals[3:4]) == ["held-out accuracy 0.280 (v0) -> 0.960 (v140) in 76s"]
     assert accuracy_changes([]) == []
+
+
+def test_the_status_lines_throughput_is_over_the_interval_since_the_previous_line():
+    """A run whose nodes stopped generating shows 0 ep/s at once, not the run's average decaying
+    slowly; the first line (no interval yet) and a count that went back show the average."""
+    progress, buf = _progress(heartbeat_s=60)
+    progress.interval_s = 0
+    t0 = time.time()
+
+    def tick(read_at: float, episodes: int, tokens: int) -> Tick:
+        t = _tick([], {"solver": {}})
+        return Tick(data_layer={**t.data_layer, "episodes_per_s": 40.0, "generated_tokens_per_s": 4000.0,
+                                "episodes_generated": episodes, "tokens_generated": tokens},
+                    trainers=t.trainers, read_at=read_at)
+
+    for read_at, episodes, tokens in ((t0, 400, 40000), (t0 + 5, 500, 50000), (t0 + 10, 500, 50000),
+                                      (t0 + 15, 10, 100)):
+        progress.update(tick(read_at, episodes, tokens))
+    rates = re.findall(r"\| ([\d.]+) ep/s (\d+) tok/s", buf.getvalue())
+    assert rates == [("40.0", "4000"), ("20.0", "2000"), ("0.0", "0"), ("40.0", "4000")], buf.getvalue()
