@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Iterator
 from rich.console import Console
 from rich.markup import escape
 
+from astraflow.runtime.monitoring.text import batch_wait
+
 if TYPE_CHECKING:
     from astraflow.runtime.monitoring import Tick
 
@@ -186,7 +188,7 @@ class Progress:
             # a trainer that has taken no step yet (since a resume too) has no reward or loss to show
             trained = (f" reward {m['reward_mean']:.3f} loss {m['loss']:.4f}"
                        if "reward_mean" in m and "loss" in m else " (no new step yet)")
-            parts.append(f"{p} step {t['version']}{trained} wait {t.get('wait_fraction', 0):.0%}")
+            parts.append(f"{p} step {t['version']}{trained} wait {t.get('wait_fraction', 0):.0%}{batch_wait(t)}")
         hists = state.get("staleness_hist", {})
         # one policy: its histogram; several: each policy's, named
         hist = (next(iter(hists.values()), {}) if len(hists) <= 1

@@ -287,6 +287,8 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
             # the wait in progress included: a trainer that gets no batch shows as waiting
             "wait_fraction": min(1.0, waited / elapsed),
             "wait_total_s": waited,
+            # the wait for the next batch so far (0: not waiting): a starved trainer shows as such at once
+            "batch_wait_s": max(now - since, 0.0) if since and not self.done else 0.0,
             "deltas": self.delta_history[-5:],
             "optimizer_resumed_from": self.optimizer_resumed_from,
             "optimizer_save_failures": self.optimizer_save_failures,

@@ -164,3 +164,18 @@ def test_the_status_lines_throughput_is_over_the_interval_since_the_previous_lin
         progress.update(tick(read_at, episodes, tokens))
     rates = re.findall(r"\| ([\d.]+) ep/s (\d+) tok/s", buf.getvalue())
     assert rates == [("40.0", "4000"), ("20.0", "2000"), ("0.0", "0"), ("40.0", "4000")], buf.getvalue()
+
+
+def test_a_trainer_waiting_long_for_its_next_batch_is_said_to_wait_in_the_progress_line_and_status():
+    from astraflow.runtime.monitoring import format_status
+
+    progress, buf = _progress(heartbeat_s=60)
+    progress.interval_s = 0
+    t = _tick([], {"solver": {}})
+    for waited in (3.0, 42.0):
+        trainers = {"solver": {**t.trainers["solver"], "wait_fraction": 0.4, "batch_wait_s": waited}}
+        progress.update(Tick(data_layer=t.data_layer, trainers=trainers))
+        text = format_status({"data_layer": t.data_layer, "trainers": trainers})
+        assert ("waiting for a batch for 42s" in text) == (waited == 42.0), text
+    first, second = buf.getvalue().strip().splitlines()
+    assert "waiting for a batch" not in first and "wait 40% waiting for a batch for 42s |" in second, second

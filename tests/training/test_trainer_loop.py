@@ -394,3 +394,29 @@ def test_a_trainers_state_never_pairs_a_version_with_the_previous_steps_metrics(
     trainer.stop()
     mid = [s for s in seen if s["version"] >= 1]
     assert mid and all(s["last_metrics"] == published[s["version"]] for s in mid), (mid, published)
+
+
+class _Starved:
+    """A data layer with nothing to serve: every ``next_batch`` times out."""
+
+    _worker = "test"
+
+    def next_batch(self, policy, version, timeout):
+        time.sleep(min(timeout, 0.1))
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        f.set_exception(TimeoutError("no batch"))
+        return f
+
+    def published(self, policy, version, metrics, batch_metrics=None):
+        return _done()
+
+
+def test_a_starved_trainer_says_how_long_it_has_waited_for_its_next_batch(tmp_path):
+    """Its wait fraction is over its lifetime and rises slowly; ``batch_wait_s`` is the wait in progress."""
+    trainer = Trainer(policy="p", cfg=TrainerConfig(backend="sim", sim_step_seconds=0.05), model_path="",
+                      weights_root=str(tmp_path / "w"), keep_versions=5, data_layer=_Starved(), max_steps=3)
+    trainer.start()
+    time.sleep(0.6)
+    state = trainer.state()
+    trainer.stop()
+    assert state["version"] == 0 and 0.3 < state["batch_wait_s"] < 30, state

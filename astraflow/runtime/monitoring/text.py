@@ -14,6 +14,17 @@ from astraflow.runtime.monitoring.partition_stats import worker_of
 from astraflow.runtime.monitoring.snapshot import orchestrator_alive
 
 
+#: a trainer waiting longer than this for its next batch is said to be waiting, and how long
+WAIT_SHOWN_S = 10.0
+
+
+def batch_wait(trainer: dict[str, Any]) -> str:
+    """`` waiting for a batch for 42s`` of a trainer whose wait for its next batch has lasted
+    over `WAIT_SHOWN_S` (its wait fraction, over its lifetime, rises too slowly to tell)."""
+    waited = float(trainer.get("batch_wait_s") or 0.0)
+    return f" waiting for a batch for {waited:.0f}s" if waited > WAIT_SHOWN_S else ""
+
+
 def format_partitions(st: dict[str, Any]) -> str:
     """One line per partition: kind, role, state, desired/live/serving workers, rate, error."""
     lines = [f"{'partition':<14} {'scheduler':<9} {'slurm':<8} {'role':<8} {'state':<9} "
@@ -65,6 +76,7 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(
             f"  {p:<12} version {t['version']:>4}  reward {m.get('reward_mean', float('nan')):.3f}  "
             f"wait {t.get('wait_fraction', 0):.0%} since start  buffer {dl.get('buffers', {}).get(p, 0)}"
+            + (f" {batch_wait(t)}" if batch_wait(t) else "")
             + (f"  restarts {r['count']}/{r.get('limit', '?')}" if r.get("count") else "")
         )
     dlr = st.get("data_layer_restarts") or {}

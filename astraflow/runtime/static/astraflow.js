@@ -157,7 +157,9 @@ function renderStatus(st) {
     [`${p.step}${p.max_steps !== null ? " / " + p.max_steps : ""}`, { id: `policy-${p.name}-step`, "data-value": p.step }],
     [fmt(p.reward_mean, 3), { id: `policy-${p.name}-reward` }],
     [p.eval_accuracy === null ? "–" : `${fmt(p.eval_accuracy, 3)} (v${p.eval_step})`, { id: `policy-${p.name}-accuracy` }],
-    [pct(p.wait_fraction), { id: `policy-${p.name}-wait` }],
+    // a wait for the next batch over 10 s: said, with how long (the fraction rises too slowly to tell)
+    [pct(p.wait_fraction) + (p.batch_wait_s > 10 ? ` (waiting ${Math.round(p.batch_wait_s)}s)` : ""),
+      { id: `policy-${p.name}-wait` }],
     p.buffer, p.accepted, p.filtered, p.stale_dropped, p.replayed,
     [p.consumed, { id: `policy-${p.name}-consumed`, "data-value": p.consumed }],
   ])));
