@@ -24,6 +24,16 @@ def test_a_summary_with_status_says_it_and_one_with_neither_says_it_does_not_kno
     assert format_summary({"seconds": 3}, "s.json").startswith("run finished: ? after 3s")
 
 
+def test_a_resumed_runs_summary_says_its_seconds_are_its_last_incarnations():
+    """``seconds`` is how long the last `astraflow run` ran; a resumed run trained for longer in all
+    (the data layer's run time), which is said beside it. A run that was not resumed: its seconds alone."""
+    resumed = {"status": "interrupted", "seconds": 41.5, "data_layer": {"elapsed_s": 84.1}}
+    assert format_summary(resumed, "s.json").splitlines()[0] == (
+        "run finished: interrupted after 42s (its last incarnation; 84s of run time in all)")
+    single = {"status": "completed", "seconds": 20.2, "data_layer": {"elapsed_s": 11.0}}
+    assert format_summary(single, "s.json").splitlines()[0] == "run finished: completed after 20s"
+
+
 def test_the_dashboard_token_file_is_named_only_where_it_exists(tmp_path):
     paths = RunPaths(tmp_path / "run").make()
     st = {**_status(paths), "orchestrator": {"dashboard": "http://127.0.0.1:1/status"}}

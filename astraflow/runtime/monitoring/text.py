@@ -163,9 +163,13 @@ def format_summary(summary: dict[str, Any], where: str, partitions: dict[str, An
     why, the steps each policy took, its held-out accuracy, what each rollout partition
     (``partitions``: the summary's, else its last status's) generated, and its ledger."""
     seconds = summary.get("seconds")
+    # ``seconds`` is the last incarnation's; a resumed run's run time (the data layer's) is longer
+    run_time = (summary.get("data_layer") or {}).get("elapsed_s")
+    resumed = isinstance(run_time, (int, float)) and isinstance(seconds, (int, float)) and run_time > seconds
     lines = [f"run finished: {outcome(summary)}"
              + (f" ({summary['reason']})" if summary.get("reason") else "")
              + (f" after {seconds:.0f}s" if isinstance(seconds, (int, float)) else "")
+             + (f" (its last incarnation; {run_time:.0f}s of run time in all)" if resumed else "")
              + ("; stopped for a requeue: run again on its directory to resume it" if summary.get("requeue") else "")]
     steps = summary.get("steps") or {}
     lines.append("steps: " + (", ".join(f"{p} {n}" for p, n in steps.items()) or "none"))
