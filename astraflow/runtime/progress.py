@@ -174,8 +174,12 @@ class Progress:
                        else "n/a (no episode of the round completed)")
                 failed = ev.get("eval_failed_tasks", 0)
                 left_out = f", {failed} failed task{'s' if failed != 1 else ''} left out" if failed else ""
+                # a round asked for at v runs on v or newer weights (nodes never go back): which, when newer
+                lo, hi = ev.get("eval_version_min"), ev.get("eval_version_max")
+                ran_on = (f" (on v{lo} weights)" if lo == hi else f" (on v{lo}-v{hi} weights)") \
+                    if lo is not None and hi is not None and (lo, hi) != (ev["step"], ev["step"]) else ""
                 self.note(
-                    f"[bold]eval[/bold] {ev['policy']} v{ev['step']}: held-out accuracy "
+                    f"[bold]eval[/bold] {ev['policy']} v{ev['step']}{ran_on}: held-out accuracy "
                     f"{acc} ({ev.get('eval_prompts', 0)} prompts{left_out}, {ev['eval_seconds']:.1f}s{agentic})",
                     markup=True)
         now = time.time()

@@ -179,3 +179,16 @@ def test_a_trainer_waiting_long_for_its_next_batch_is_said_to_wait_in_the_progre
         assert ("waiting for a batch for 42s" in text) == (waited == 42.0), text
     first, second = buf.getvalue().strip().splitlines()
     assert "waiting for a batch" not in first and "wait 40% waiting for a batch for 42s |" in second, second
+
+
+def test_an_evaluation_run_on_newer_weights_than_its_version_says_which():
+    """A round asked for at v4 may run on v6 (nodes never go back): its line names the weights."""
+    progress, buf = _progress(heartbeat_s=60)
+    progress.interval_s = 1e9
+    evals = [{**_eval("solver", 2), "eval_version_min": 2, "eval_version_max": 2},
+             {**_eval("solver", 4), "eval_version_min": 6, "eval_version_max": 6},
+             {**_eval("solver", 6), "eval_version_min": 6, "eval_version_max": 7}]
+    progress.update(_tick(evals, {"solver": {}}))
+    out = buf.getvalue()
+    assert "eval solver v2: held-out" in out, out
+    assert "eval solver v4 (on v6 weights): held-out" in out and "eval solver v6 (on v6-v7 weights): held-out" in out
