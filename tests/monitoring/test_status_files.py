@@ -104,6 +104,7 @@ def test_what_the_writer_writes_every_reader_reads_back(tmp_path):
     assert rollout["episodes_per_s"] > 0 and rollout["first_trajectory_at"] is not None
     assert st["workers"]["rollout-rollout-local-cpu-0"]["phase"] == "serving"
     assert "rollout-rollout-local-cpu-0" in format_status(st)
+    assert "throughput since start: 1.5 episodes/s" in format_status(st)  # the run's average, said to be
     assert "data layer: re-placed" not in format_status(st)
     writer.data_layer_restarts = lambda: {"count": 1, "limit": 2, "restarts": [
         {"worker": "data-data-local-cpu-0", "why": "job local-1 FAILED", "new_worker": "data-data-local-cpu-1"}]}

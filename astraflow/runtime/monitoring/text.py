@@ -110,7 +110,9 @@ def format_status(st: dict[str, Any]) -> str:
                      + (f" ({', '.join(done)} done)" if done else "") + f", rollout idle {sum(idle) / len(idle):.0%}")
     lines += autoscale_lines(st.get("autoscale"))
     lines.append(
-        f"throughput: {dl.get('episodes_per_s', 0):.1f} episodes/s, {dl.get('sequences_per_s', 0):.1f} sequences/s, "
+        # the run's average (the partitions' lines above are over their last ~10 s)
+        f"throughput since start: {dl.get('episodes_per_s', 0):.1f} episodes/s, "
+        f"{dl.get('sequences_per_s', 0):.1f} sequences/s, "
         f"{dl.get('generated_tokens_per_s', 0):.0f} generated tok/s; "
         f"ledger {dl.get('ledger', {}).get('states', {})}"
     )
