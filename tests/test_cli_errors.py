@@ -471,16 +471,23 @@ def test_status_right_after_the_run_was_killed_shows_its_last_status(tmp_path):
                      res.output), res.output
 
 
-def test_status_of_a_killed_run_offers_no_dashboard(tmp_path):
+def test_status_of_a_killed_run_offers_no_dashboard_nor_its_jobs_last_states(tmp_path):
     """The dashboard is served by the run's scheduler, which died with its orchestrator: neither
     the text nor `--json` sends the operator to its address."""
     _killed_run(tmp_path, 7, 2)
     info = json.loads((tmp_path / "control" / "orchestrator.json").read_text())
     info["dashboard"] = "http://127.0.0.1:39293/status"
     (tmp_path / "control" / "orchestrator.json").write_text(json.dumps(info))
+    status = json.loads((tmp_path / "control" / "status.json").read_text())
+    status["workers"] = {"rollout-r-local-cpu-0": {"job_id": "local-7", "partition": "r", "state": "RUNNING",
+                                                   "phase": "serving", "host": "localhost"}}
+    status["partitions"] = {"r": {"scheduler": "local", "role": "rollout", "nodes": 1, "jobs": {"local-7": "RUNNING"}}}
+    (tmp_path / "control" / "status.json").write_text(json.dumps(status))
     res = _invoke("status", str(tmp_path))
     assert res.exit_code == 2 and "not running: its dashboard is gone" in res.output, res.output
     assert "39293" not in res.output, res.output
+    # its jobs' states are as old as its last status: not said to be running (as --json says)
+    assert "RUNNING" not in res.output and "local-7:UNKNOWN" in res.output, res.output
     res = _invoke("status", str(tmp_path), "--json")
     assert res.exit_code == 0, res.output
     view = json.loads(res.output)

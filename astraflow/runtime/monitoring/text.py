@@ -61,6 +61,10 @@ def format_status(st: dict[str, Any]) -> str:
     gone = not st.get("running", True) and bool(info.get("pid")) and not orchestrator_alive(info)
     dashboard = ("not running: its dashboard is gone" if gone
                  else f"dashboard {info.get('dashboard')}" + _token_hint(st.get("run_dir")))
+    if gone:  # its jobs' states are as old as its last status (`status --json` says UNKNOWN too)
+        st = {**st, "workers": {n: {**w, "state": "UNKNOWN", "host": None} for n, w in st.get("workers", {}).items()},
+              "partitions": {n: {**p, "jobs": {j: "UNKNOWN" for j in p.get("jobs", {})}}
+                             for n, p in st.get("partitions", {}).items()}}
     lines = [
         f"run {st.get('run_dir')}{_who(info)}  elapsed {dl.get('elapsed_s', 0):.0f}s  "
         + dashboard,
