@@ -132,8 +132,8 @@ SHOWN_EVALS = 5
 
 def worker_nodes(worker: str, nodes: dict[str, Any]) -> dict[str, Any]:
     """What the data layer knows of ``worker``'s nodes as one: its own entry, or its nodes'
-    (``<worker>.n<i>``, ``rollout.nodes_per_worker``) summed, their versions as ``vA-vB`` where
-    they differ and their mean idle fraction, with their count as ``nodes``."""
+    (``<worker>.n<i>``, ``rollout.nodes_per_worker``) summed, each policy's versions as ``"A-B"``
+    where they differ and their mean idle fraction, with their count as ``nodes``."""
     if worker in nodes:
         return nodes[worker]
     mine = [i for n, i in nodes.items() if worker_of(n) == worker and not i.get("gone")]
