@@ -132,7 +132,7 @@ async def timed(coro: Awaitable[Any], timeout: float, what: str) -> tuple[Any, f
         raise EpisodeError(f"{what} raised TimeoutError: {err}") from err
     except EpisodeError:
         raise
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # sys.exit in an environment ends its episode, not the process
         raise EpisodeError(f"{what} raised {type(err).__name__}: {err}") from err
     return out, time.perf_counter() - t0
 
@@ -191,7 +191,7 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
             closing = env.close()
             if inspect.isawaitable(closing):  # a plain (synchronous) close has run already
                 await timed(closing, timeout, f"{name}.close")
-        except Exception as err:  # a failing close must not hide the episode's own outcome: logged, not raised
+        except (Exception, SystemExit) as err:  # a failing close must not hide the episode's outcome: logged
             _close_failed(name, err)
 
 
@@ -199,7 +199,7 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
 _CLOSE_FAILURES: collections.Counter = collections.Counter()
 
 
-def _close_failed(name: str, err: Exception) -> None:
+def _close_failed(name: str, err: BaseException) -> None:
     """A failed ``close``, logged without flooding the node's log (a close that always fails
     fails every episode): the first with its traceback, then at the 10th, 100th, ... time."""
     n = _CLOSE_FAILURES[name, type(err).__name__] = _CLOSE_FAILURES[name, type(err).__name__] + 1

@@ -210,7 +210,7 @@ class ToolBox:
             raise EpisodeError(f"tool {t.name} raised {type(err).__name__}: {err}") from err
         except ToolError as err:  # the model's call, in the tool's words
             return ToolResult(f"error: {err}", valid=False, seconds=time.perf_counter() - t0)
-        except Exception as err:
+        except (Exception, SystemExit) as err:  # sys.exit in a tool (an argparse CLI's bad input) is its fault
             raise EpisodeError(f"tool {t.name} raised {type(err).__name__}: {err} (a tool that raises fails its "
                                "episode, which is resampled; for a call the model got wrong raise "
                                "astraflow.agents.env.ToolError, which the model sees as the call's error)") from err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -246,6 +247,50 @@ def test_env_failures_fail_the_episode_and_close_it(tok):
     with pytest.raises(EpisodeError, match="timeout"):
         run(scripted(tok, [format_call("nap", {"seconds": 2})]), tok, env)
     assert env.closed == 1
+
+
+def test_sys_exit_in_a_tool_or_the_environment_fails_the_episode_not_the_process(tok, caplog):
+    """A tool wrapping an argparse CLI exits on bad input; ``SystemExit`` must end that episode
+    (named), not ``astraflow check``, a warm start or a node's loop."""
+
+    @tool(timeout_s=5)
+    def cli(args: str) -> str:
+        """A command-line program."""
+        raise SystemExit(2)
+
+    @tool(timeout_s=5)
+    async def acli(args: str) -> str:
+        """The same, async."""
+        sys.exit(2)
+
+    class WithCli(SumEnv):
+        def __init__(self):
+            super().__init__()
+            self.tools = ToolBox([cli, acli])
+
+    class ExitingReset(SumEnv):
+        async def reset(self, task):
+            sys.exit(1)
+
+    class ExitingClose(SumEnv):
+        async def close(self):
+            await super().close()
+            sys.exit(4)
+
+    for name in ("cli", "acli"):
+        env = WithCli()
+        with pytest.raises(EpisodeError, match=f"tool {name} raised SystemExit: 2"):
+            run(scripted(tok, [format_call(name, {"args": "-x"})]), tok, env)
+        assert env.closed == 1
+    env = ExitingReset()
+    with pytest.raises(EpisodeError, match="ExitingReset.reset raised SystemExit: 1"):
+        run(scripted(tok, ["5"]), tok, env)
+    assert env.closed == 1
+    env = ExitingClose()
+    with caplog.at_level("WARNING", logger="astraflow.agents"):
+        log = run(scripted(tok, ["5"]), tok, env)
+    assert log.done and log.success == 1.0 and env.closed == 1  # the episode's outcome stands
+    assert "ExitingClose.close raised SystemExit: 4" in caplog.text
 
 
 def test_slow_tool_does_not_delay_another_episode(tok):
