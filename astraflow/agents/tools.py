@@ -26,9 +26,9 @@ import json
 import re
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable
+from typing import Annotated, Any, Callable, Iterable
 
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from astraflow.agents.env import Action, EpisodeError, ToolCall, ToolError
 from astraflow.agents.call_threads import CallDeadline, CallThreads
@@ -139,8 +139,17 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, timeo
                 raise TypeError(f"tool {f.__qualname__}: {p.name} is positional-only (before '/') and cannot be "
                                 "called with JSON arguments, which name it; drop the '/'")
             ann = Any if p.annotation is inspect.Parameter.empty else p.annotation
-            fields[p.name] = (ann, ... if p.default is inspect.Parameter.empty else p.default)
-        model = create_model(f"{f.__name__}_args", __config__=ConfigDict(extra="forbid", allow_inf_nan=False), **fields)
+            # each parameter by its own name as an alias of a neutral field: a name pydantic holds
+            # (``model_dump``, ``model_config``, ``_x``) would otherwise fail or silently drop it
+            fields[f"arg{len(fields)}"] = (Annotated[ann, Field(alias=p.name)],
+                                           ... if p.default is inspect.Parameter.empty else p.default)
+        try:
+            model = create_model(f"{f.__name__}_args", __config__=ConfigDict(extra="forbid", allow_inf_nan=False),
+                                 **fields)
+        except Exception as err:  # pydantic's own error would not say which tool
+            raise TypeError(f"tool {f.__qualname__}: its parameters cannot be JSON arguments ({type(err).__name__}: "
+                            f"{str(err).partition(chr(10))[0]}); annotate each with a JSON type (str, int, float, "
+                            "bool, list, dict or a pydantic model)") from err
         desc = description or (inspect.getdoc(f) or "").split("\n")[0]
         return Tool(name=name or f.__name__, description=desc, fn=f, arguments=model, timeout_s=timeout_s,
                     method=method)
@@ -195,7 +204,7 @@ class ToolBox:
         except ValidationError as err:
             why = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in err.errors())
             return ToolResult(f"error: wrong arguments for {t.name}: {why}", valid=False)
-        kwargs = {k: getattr(args, k) for k in type(args).model_fields}
+        kwargs = {f.alias: getattr(args, k) for k, f in type(args).model_fields.items()}
         t0 = time.perf_counter()
         deadline = None
         try:

@@ -558,6 +558,36 @@ def test_a_tool_with_positional_only_parameters_is_refused_when_it_is_made():
     with pytest.raises(TypeError, match=r"tool look: room is positional-only .* drop the '/'"):
         tool(namespace["look"])
 
+
+def test_parameter_names_pydantic_reserves_are_tool_arguments_like_any_other(tok):
+    """A parameter named like a member of pydantic's models (``model_config``, ``model_dump``,
+    ``json``) or with a leading underscore was dropped from the schema (every call invalid) or
+    failed with pydantic's error naming no tool."""
+
+    def lookup(model_config: int, json: str, _key: str = "k", model_dump: bool = False) -> str:
+        """Look it up."""
+        return f"{model_config}/{json}/{_key}/{model_dump}"
+
+    t = tool(lookup)
+    params = t.schema["function"]["parameters"]
+    assert list(params["properties"]) == ["model_config", "json", "_key", "model_dump"]
+    assert params["required"] == ["model_config", "json"]
+    out = asyncio.run(ToolBox([t]).run(parse_action(format_call("lookup", {"model_config": 3, "json": "j",
+                                                                         "_key": "z"})).tool_calls[0]))
+    assert out.valid and out.content == "3/j/z/False"
+    bad = asyncio.run(ToolBox([t]).run(parse_action(format_call("lookup", {"arg0": 3})).tool_calls[0]))
+    assert not bad.valid and "model_config: Field required" in bad.content and "arg0" in bad.content
+
+
+def test_a_parameter_type_with_no_json_schema_is_refused_naming_the_tool():
+    def look(where: threading.Event) -> str:
+        """Look."""
+        return "x"
+
+    with pytest.raises(TypeError, match=r"tool .*look: its parameters cannot be JSON arguments .*JSON type"):
+        tool(look)
+
+
 class _NumpyEnv(SumEnv):
     """Its reward and success are NumPy scalars (what comparing arrays gives); its first
     observation is as long as ``first_chars``."""
