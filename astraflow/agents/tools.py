@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Callable, Iterable
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from astraflow.agents.env import Action, EpisodeError, ToolCall, ToolError
@@ -227,10 +228,21 @@ class ToolBox:
 
 
 def _as_text(name: str, out: Any) -> str:
+    """A tool's result as the text the model reads: text as it is, anything else as JSON (NumPy
+    scalars and arrays, what computing a result with NumPy gives, as the numbers they hold)."""
     if isinstance(out, str):
         return out
     try:
-        return json.dumps(out)
-    except (TypeError, ValueError):
-        raise EpisodeError(f"tool {name} returned {type(out).__name__}, neither text nor JSON") from None
+        return json.dumps(out, default=_numpy_as_json)
+    except (TypeError, ValueError) as err:
+        raise EpisodeError(f"tool {name} returned {type(out).__name__}, neither text nor JSON ({err}): return a "
+                           "str, or a dict, list, number, bool or None") from None
+
+
+def _numpy_as_json(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 

@@ -588,6 +588,30 @@ def test_a_parameter_type_with_no_json_schema_is_refused_naming_the_tool():
         tool(look)
 
 
+@pytest.mark.parametrize("value, text", [(np.float32(1.5), "1.5"), (np.int64(7), "7"), (np.bool_(True), "true"),
+                                         (np.arange(3), "[0, 1, 2]"), ({"n": np.int32(2)}, '{"n": 2}'),
+                                         (None, "null"), ({"a": [1.0]}, '{"a": [1.0]}')])
+def test_a_tool_result_computed_with_numpy_is_the_json_of_its_numbers(value, text):
+    """A result that is a NumPy number (what computing it with NumPy gives) failed every episode that
+    called the tool, as if it were no JSON."""
+
+    def compute() -> str:
+        """Compute."""
+        return value
+
+    out = asyncio.run(ToolBox([tool(compute)]).run(parse_action(format_call("compute", {})).tool_calls[0]))
+    assert out.valid and out.content == text
+
+
+def test_a_tool_result_that_is_no_json_fails_the_episode_naming_the_fix():
+    def raw() -> str:
+        """Raw bytes."""
+        return b"\x00"
+
+    with pytest.raises(EpisodeError, match="tool raw returned bytes, neither text nor JSON .*: return a str"):
+        asyncio.run(ToolBox([tool(raw)]).run(parse_action(format_call("raw", {})).tool_calls[0]))
+
+
 class _NumpyEnv(SumEnv):
     """Its reward and success are NumPy scalars (what comparing arrays gives); its first
     observation is as long as ``first_chars``."""
