@@ -20,6 +20,85 @@ class CallDeadline(Exception):
     """A call ran past its deadline (apart from a ``TimeoutError`` the call raised itself)."""
 
 
+class CallAbandoned(CallDeadline):
+    """A coroutine past its deadline that did not stop when cancelled (it caught the cancellation):
+    abandoned, left running, as a stuck thread is."""
+
+
+#: seconds a coroutine past its deadline has to stop once cancelled before it is abandoned
+CANCEL_GRACE_S = 1.0
+#: what a coroutine that catches its own cancellation is told (``CallAbandoned``)
+CANCEL_STUCK = ("did not stop when cancelled: it catches asyncio.CancelledError (a bare 'except:' or "
+                "'except BaseException' around an await; re-raise it); it was abandoned, still running")
+
+
+async def awaited(aw: Any, timeout_s: float) -> Any:
+    """``await aw`` with a deadline: ``CallDeadline`` once ``timeout_s`` passes. Under
+    ``asyncio.timeout`` a coroutine that catches its cancellation (a bare ``except:`` in a retry
+    loop) would hold its caller, and the episode, forever; here it runs as a task of its own, gets
+    ``CANCEL_GRACE_S`` to stop once cancelled, and is then abandoned (``CallAbandoned``)."""
+    task = asyncio.ensure_future(_kept(aw))
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:  # the caller is cancelled: so is the call, whose cleanup comes first
+        task.cancel()
+        await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+        _abandon(task)
+        raise
+    if done:
+        out = task.result()
+        if isinstance(out, _Exited):
+            raise out.exit
+        return out
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+    _abandon(task)
+    raise CallDeadline if done else CallAbandoned
+
+
+class _Exited:
+    def __init__(self, exit: SystemExit):
+        self.exit = exit
+
+
+async def _kept(aw: Any) -> Any:
+    """``await aw``; a ``SystemExit`` it raises (``sys.exit`` in the code under a deadline) comes
+    back as a value, for ``awaited`` to raise: out of a task it would stop the event loop."""
+    try:
+        return await aw
+    except SystemExit as exit:
+        return _Exited(exit)
+
+
+def run_abandoning(coro: Any) -> Any:
+    """``asyncio.run(coro)``, except that tasks still running at its end (calls ``awaited``
+    abandoned) get ``CANCEL_GRACE_S`` to stop and are then left, so the run ends."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        if left:
+            loop.run_until_complete(asyncio.wait(left, timeout=CANCEL_GRACE_S))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+#: abandoned tasks not ended yet: held, as a stuck thread is, since garbage collecting a coroutine
+#: that catches its cancellation runs its ``except`` at whatever moment the collector picks
+_ABANDONED: set[asyncio.Future] = set()
+
+
+def _abandon(task: asyncio.Future) -> None:
+    """What ``task`` raises, now or once it ends, is no one's: not logged as never retrieved."""
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    if not task.done():
+        _ABANDONED.add(task)
+        task.add_done_callback(_ABANDONED.discard)
+
+
 class QueueClock(Protocol):
     """Time a thread spent queueing for something else (a sandbox slot, say): not its own running."""
 

@@ -28,18 +28,15 @@ What it checks, on ``n_tasks`` tasks drawn from both splits:
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import json
-import math
 import random
 import string
-import time
 from typing import Any, Mapping
 
-import numpy as np
-
+from astraflow.agents.call_threads import run_abandoning
 from astraflow.agents.chat import ChatRenderer
+from astraflow.agents.conformance_watch import Counted, json_problem
 from astraflow.agents.demos import scripted_turn
 from astraflow.agents.env import EpisodeError, check_messages, signature_problems, tools_problems
 from astraflow.agents.episode import AgentLimits, EpisodeLog, _capped_messages, start_tokens, timed, run_agent_episode
@@ -57,7 +54,7 @@ def check_environment(workload: Any, n_tasks: int = 4, seed: int = 0, max_new_to
         from astraflow.models import build_tokenizer
 
         tokenizer = build_tokenizer()
-    return asyncio.run(_Suite(workload, tokenizer, random.Random(seed), max_new_tokens).run(n_tasks))
+    return run_abandoning(_Suite(workload, tokenizer, random.Random(seed), max_new_tokens).run(n_tasks))
 
 
 def assert_conforms(workload: Any, **kwargs: Any) -> None:
@@ -65,153 +62,6 @@ def assert_conforms(workload: Any, **kwargs: Any) -> None:
     problems = check_environment(workload, **kwargs)
     if problems:
         raise AssertionError(f"{type(workload).__name__} does not conform:\n  - " + "\n  - ".join(problems))
-
-
-#: seconds an environment call may run without giving the event loop back: a longer stretch is
-#: a blocking call, which stalls every episode and the heartbeats of the node that runs it (far
-#: above what a busy machine's scheduler alone adds to a short stretch)
-BLOCKING_S = 1.0
-
-
-class _Stretches:
-    """Awaits ``coro`` timing each stretch it runs without giving the event loop back (from one
-    of its waits to the next): ``longest`` is what a blocking call in it held the loop for."""
-
-    def __init__(self, coro: Any):
-        self.coro, self.longest = coro, 0.0
-
-    def __await__(self):
-        inner = self.coro.__await__()
-        resume = functools.partial(inner.send, None)
-        while True:
-            t0 = time.perf_counter()
-            try:
-                waiting = resume()
-            except StopIteration as stop:
-                return stop.value
-            finally:
-                self.longest = max(self.longest, time.perf_counter() - t0)
-            try:
-                answer = yield waiting
-            except GeneratorExit:
-                inner.close()
-                raise
-            except BaseException as err:  # a cancellation or an error for the awaited: passed on
-                resume = functools.partial(inner.throw, err)
-            else:
-                resume = functools.partial(inner.send, answer)
-
-
-class _Counted:
-    """An environment seen through a wrapper that counts ``close`` calls, keeps what a ``close``
-    raised (the loop swallows it so as not to hide the episode's own outcome), and notes in
-    ``findings`` (by key, each once) a call that blocked the event loop and a payload that is
-    not JSON."""
-
-    def __init__(self, env: Any, findings: dict[str, str]):
-        self.env, self.closes, self.close_error, self.findings = env, 0, None, findings
-        self.step_timeout_s = env.step_timeout_s
-
-    @property
-    def tools(self) -> Any:
-        return _TimedTools(self.env.tools, self)
-
-    async def timed(self, what: str, call: Any) -> Any:
-        """``await call``, noting a stretch past ``BLOCKING_S`` that ``what`` held the loop for."""
-        if not inspect.isawaitable(call):
-            return call
-        stretches = _Stretches(call)
-        try:
-            return await stretches
-        finally:
-            if stretches.longest > BLOCKING_S:
-                self.note(f"blocked {what}", blocking_problem(type(self.env).__name__, what, stretches.longest))
-
-    def note(self, key: str, problem: str) -> None:
-        self.findings.setdefault(key, problem)
-
-    async def reset(self, task: Mapping[str, Any]):
-        first = await self.timed("reset", self.env.reset(task))
-        if isinstance(first, list):
-            for i, m in enumerate(first):
-                self.note_json("reset", f"observation message {i}", m)
-        return first
-
-    async def step(self, action):
-        result = await self.timed("step", self.env.step(action))
-        for i, m in enumerate(getattr(result, "observation", None) or []):
-            self.note_json("step", f"observation message {i}", m)
-        info = getattr(result, "info", None)
-        if isinstance(info, Mapping):
-            self.note_json("step", "info", info)
-        return result
-
-    def note_json(self, method: str, what: str, value: Any) -> None:
-        problem = json_problem(f"{type(self.env).__name__}.{method}", what, value)
-        if problem is not None:
-            self.note(f"json {method} {what.split(' ')[0]}", problem)
-
-    async def close(self) -> None:
-        self.closes += 1
-        try:
-            await self.timed("close", self.env.close())  # a plain (synchronous) close has run already
-        except Exception as err:  # any error of the code under test is a finding
-            self.close_error = f"{type(err).__name__}: {err}"
-            raise
-
-
-class _TimedTools:
-    """An environment's ``ToolBox`` whose calls are timed as its own calls are (``_Counted``)."""
-
-    def __init__(self, tools: Any, counted: _Counted):
-        self._tools, self._counted = tools, counted
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tools, name)
-
-    async def run(self, call: Any) -> Any:
-        return await self._counted.timed(f"tool {call.name}", self._tools.run(call))
-
-
-def blocking_problem(env: str, what: str, seconds: float) -> str:
-    """The problem of ``env``'s call ``what`` that held the event loop ``seconds`` without awaiting."""
-    where = f"{env}'s {what}" if what.startswith("tool ") else f"{env}.{what}"
-    thread = "make the tool a plain def (it then runs on a thread of its own), or " if what.startswith("tool ") else ""
-    return (f"{where} blocked the event loop for {seconds:.2f} s without awaiting (time.sleep, or a request, "
-            "file or subprocess call without await, in an async def): every episode on the node waits meanwhile; "
-            f"use 'await asyncio.sleep(...)' and async clients, or {thread}run the blocking work in a thread: "
-            "'await asyncio.to_thread(fn, ...)'")
-
-
-def json_problem(call: str, what: str, value: Any) -> str | None:
-    """The problem of ``call`` (``Env.step``) returning ``what`` (``info``) that is not JSON, or None."""
-    where = not_json(value)
-    if where is None:
-        return None
-    return (f"{call} returned {what}{where[0]} of type {where[1]}, which is not JSON: observations and info "
-            "are stored with the episode as JSON (the episode viewer, metrics); give str keys and only str, "
-            "finite numbers, booleans, None, lists and dicts")
-
-
-def not_json(value: Any, path: str = "") -> tuple[str, str] | None:
-    """``(where, type name)`` of the first part of ``value`` that is not JSON (a NumPy scalar is
-    taken as the number it holds), or None when all of it is."""
-    if isinstance(value, np.generic) and not isinstance(value, (np.str_, np.bytes_, np.void)):
-        value = value.item()
-    if value is None or isinstance(value, (str, bool, int)):
-        return None
-    if isinstance(value, float):
-        return None if math.isfinite(value) else (path, f"float ({value})")
-    if isinstance(value, (list, tuple)):
-        return next((w for i, v in enumerate(value) if (w := not_json(v, f"{path}[{i}]")) is not None), None)
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                return f"{path} (key {k!r})", type(k).__name__
-            if (w := not_json(v, f"{path}[{k!r}]")) is not None:
-                return w
-        return None
-    return path, type(value).__name__
 
 
 def _attempt(problems: list[str], what: str, fn: Any, *args: Any) -> Any:
@@ -266,7 +116,7 @@ class _Suite:
         limits = getattr(workload, "limits", None)
         self.limits = limits(max_new_tokens) if callable(limits) else AgentLimits(max_new_tokens=max_new_tokens)
         self.problems: list[str] = []
-        #: what the episodes' environments did wrong without failing them (``_Counted.note``)
+        #: what the episodes' environments did wrong without failing them (``Counted.note``)
         self.findings: dict[str, str] = {}
 
     async def run(self, n_tasks: int) -> list[str]:
@@ -413,7 +263,7 @@ class _Suite:
         ``None`` with a problem when it failed, overran, or closed other than once."""
         inner = self.workload.environment()
         # named like the environment's class: the loop's messages name it
-        env = type(type(inner).__name__, (_Counted,), {})(inner, self.findings)
+        env = type(type(inner).__name__, (Counted,), {})(inner, self.findings)
         tok, eos = self.tok, self.renderer.end_id
 
         async def generate(tokens: list[int], max_new: int) -> Any:

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from astraflow.agents.call_threads import run_abandoning
 from astraflow.agents.chat import ChatRenderer
 from astraflow.agents.episode import AgentLimits, EpisodeLog, run_agent_episode
 from astraflow.agents.tools import CALL_OPEN
@@ -83,7 +84,7 @@ def demonstrations(workload: Any, renderer: ChatRenderer, tasks: list[Mapping[st
         return [await demonstration(workload, renderer, t, limits, noise, rng, cut)
                 for t, cut in zip(tasks, cuts)]
 
-    logs = asyncio.run(all_of())
+    logs = run_abandoning(all_of())
     if keep_cut or not any(cuts):
         return [log for log in logs if log.success > 0]
     broken = [any(call for _, call in cut) for cut in cuts]
@@ -192,6 +193,6 @@ def greedy_success(model: Any, tok: Any, workload: Any, tasks: list[Mapping[str,
         return [j.result() for j in jobs]
 
     try:
-        return float(np.mean(asyncio.run(all_of())))
+        return float(np.mean(run_abandoning(all_of())))
     finally:
         model.train(was_training)

@@ -14,7 +14,6 @@ returning an object with ``tokens``, ``logprobs``, ``versions``, ``finish_reason
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import inspect
 import logging
@@ -26,6 +25,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 import numpy as np
 
+from astraflow.agents.call_threads import CANCEL_STUCK, CallAbandoned, CallDeadline, awaited
 from astraflow.agents.chat import ChatRenderer
 from astraflow.agents.env import Environment, EpisodeError, StepResult, check_messages
 from astraflow.agents.tools import parse_action
@@ -124,12 +124,11 @@ async def timed(coro: Awaitable[Any], timeout: float, what: str) -> tuple[Any, f
     """``(result, seconds)`` of an environment call, any failure or a missed deadline an ``EpisodeError``."""
     t0 = time.perf_counter()
     try:
-        async with asyncio.timeout(timeout) as deadline:
-            out = await coro
-    except TimeoutError as err:
-        if deadline.expired():  # not a TimeoutError the call raised itself
-            raise EpisodeError(f"{what} ran past its {timeout:g} s deadline") from None
-        raise EpisodeError(f"{what} raised TimeoutError: {err}") from err
+        out = await awaited(coro, timeout)
+    except CallAbandoned:
+        raise EpisodeError(f"{what} ran past its {timeout:g} s deadline and {CANCEL_STUCK}") from None
+    except CallDeadline:  # not a TimeoutError the call raised itself
+        raise EpisodeError(f"{what} ran past its {timeout:g} s deadline") from None
     except EpisodeError:
         raise
     except (Exception, SystemExit) as err:  # sys.exit in an environment ends its episode, not the process

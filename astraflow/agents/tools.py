@@ -20,7 +20,6 @@ does (code that may never return belongs in the code sandbox, a process of its o
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import re
@@ -32,7 +31,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from astraflow.agents.env import Action, EpisodeError, ToolCall, ToolError
-from astraflow.agents.call_threads import CallDeadline, CallThreads
+from astraflow.agents.call_threads import CANCEL_STUCK, CallAbandoned, CallDeadline, CallThreads, awaited
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|$)", re.DOTALL)
@@ -207,17 +206,15 @@ class ToolBox:
             return ToolResult(f"error: wrong arguments for {t.name}: {why}", valid=False)
         kwargs = {f.alias: getattr(args, k) for k, f in type(args).model_fields.items()}
         t0 = time.perf_counter()
-        deadline = None
         try:
             if inspect.iscoroutinefunction(t.fn):
-                async with asyncio.timeout(t.timeout_s) as deadline:
-                    out = await t.fn(**kwargs)
+                out = await awaited(t.fn(**kwargs), t.timeout_s)
             else:
                 out = await _THREADS.call(lambda: t.fn(**kwargs), t.timeout_s)
-        except (ToolDeadline, TimeoutError) as err:
-            if isinstance(err, ToolDeadline) or (deadline is not None and deadline.expired()):  # not the tool's own
-                raise EpisodeError(f"tool {t.name} ran past its {t.timeout_s:g} s timeout") from None
-            raise EpisodeError(f"tool {t.name} raised {type(err).__name__}: {err}") from err
+        except CallAbandoned:
+            raise EpisodeError(f"tool {t.name} ran past its {t.timeout_s:g} s timeout and {CANCEL_STUCK}") from None
+        except ToolDeadline:  # not a TimeoutError the tool raised itself
+            raise EpisodeError(f"tool {t.name} ran past its {t.timeout_s:g} s timeout") from None
         except ToolError as err:  # the model's call, in the tool's words
             return ToolResult(f"error: {err}", valid=False, seconds=time.perf_counter() - t0)
         except (Exception, SystemExit) as err:  # sys.exit in a tool (an argparse CLI's bad input) is its fault

@@ -449,6 +449,53 @@ def test_a_tools_own_timeout_error_is_not_reported_as_its_deadline():
         asyncio.run(timed(reset(), 30, "Env.reset"))
 
 
+async def _retrying_forever() -> None:
+    """A retry loop whose bare ``except:`` also catches the cancellation of its deadline."""
+    while True:
+        try:
+            await asyncio.sleep(100)
+        except:  # noqa: E722 (the fault under test)
+            await asyncio.sleep(0.01)
+
+
+def test_a_call_that_catches_its_cancellation_is_abandoned_not_waited_for_forever(tok):
+    """Under ``asyncio.timeout`` an environment call or async tool that swallows its cancellation
+    held its episode (and the node's episode deadline, which cancels the same way) forever."""
+
+    @tool(timeout_s=0.2)
+    async def fetch() -> str:
+        """Fetch, retrying."""
+        await _retrying_forever()
+
+    class Stuck(SumEnv):
+        step_timeout_s = 0.2
+
+        def __init__(self):
+            super().__init__()
+            self.tools = ToolBox([fetch])
+
+        async def step(self, action):
+            await _retrying_forever()
+
+    for turn, what in (("5", "Stuck.step ran past its 0.2 s deadline"), (format_call("fetch", {}),
+                                                                          "tool fetch ran past its 0.2 s timeout")):
+        env, out = Stuck(), {}
+
+        def go():  # on a loop of its own, in a thread the test can stop waiting for
+            episode = run_agent_episode(scripted(tok, [turn]), ChatRenderer(tok), env, {"a": 2, "b": 3}, AgentLimits())
+            try:
+                asyncio.new_event_loop().run_until_complete(episode)
+            except EpisodeError as err:
+                out["error"] = str(err)
+
+        thread = threading.Thread(target=go, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), f"{what}: the episode never ended"
+        assert f"{what} and did not stop when cancelled: it catches asyncio.CancelledError" in out["error"]
+        assert env.closed == 1
+
+
 @tool
 def dump(n: int) -> str:
     """Write ``n`` characters (a tool that prints a huge file)."""
