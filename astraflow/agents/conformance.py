@@ -21,6 +21,7 @@ What it checks, on ``n_tasks`` tasks drawn from both splits:
   exactly once and does not raise;
 * no ``reset``, ``step``, ``close`` or tool call holds the event loop (a blocking call in an
   ``async def``), and observations and ``info`` are JSON;
+* the process's working directory and ``os.environ`` are left as they were (``ProcessState``);
 * with ``expert_action()``, replaying the expert succeeds on every task, each tool call it writes valid;
   with ``explore_action(rng)``, an episode of its random commands runs like any other.
 """
@@ -36,7 +37,7 @@ from typing import Any, Mapping
 
 from astraflow.agents.call_threads import run_abandoning
 from astraflow.agents.chat import ChatRenderer
-from astraflow.agents.conformance_watch import Counted, json_problem
+from astraflow.agents.conformance_watch import Counted, ProcessState, json_problem
 from astraflow.agents.demos import scripted_turn
 from astraflow.agents.env import EpisodeError, check_messages, signature_problems, tools_problems
 from astraflow.agents.episode import AgentLimits, EpisodeLog, _capped_messages, start_tokens, timed, run_agent_episode
@@ -118,12 +119,19 @@ class _Suite:
         self.problems: list[str] = []
         #: what the episodes' environments did wrong without failing them (``Counted.note``)
         self.findings: dict[str, str] = {}
+        self.env_name = "the environment"
 
     async def run(self, n_tasks: int) -> list[str]:
+        state = ProcessState()
+        problems = await self._run(n_tasks)
+        return problems + state.problems(self.env_name)
+
+    async def _run(self, n_tasks: int) -> list[str]:
         p = self.problems
         env = _attempt(p, "environment()", self.workload.environment)
         if env is None:
             return p
+        self.env_name = type(env).__name__
         p += signature_problems(type(env)) + tools_problems(env)
         if p:
             return p  # an environment off the contract cannot be driven

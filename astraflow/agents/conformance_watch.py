@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 import time
 from dataclasses import replace
 from typing import Any, Mapping
@@ -170,3 +171,29 @@ def not_json(value: Any, path: str = "") -> tuple[str, str] | None:
                 return w
         return None
     return path, type(value).__name__
+
+
+class ProcessState:
+    """The working directory and environment variables of the process, which every episode on a
+    RaaS node shares (and the node itself): an environment or tool that changes them changes them
+    for all. Variables an import adds (``torch`` sets some) are not counted; changed or removed
+    ones and the directory are, and are put back so that the suite goes on as it started."""
+
+    def __init__(self) -> None:
+        self.cwd, self.environ = os.getcwd(), dict(os.environ)
+
+    def problems(self, env: str) -> list[str]:
+        """What ``env`` (its class name) changed since this was made, each put back."""
+        out, cwd = [], os.getcwd()
+        if cwd != self.cwd:
+            os.chdir(self.cwd)
+            out.append(f"{env} (or a tool of it) changed the process's working directory from {self.cwd} to "
+                       f"{cwd} (os.chdir): every episode on the node runs in that process and sees it; use "
+                       "absolute paths, or cwd= in subprocess calls, instead")
+        changed = sorted(k for k, v in self.environ.items() if os.environ.get(k) != v)
+        if changed:
+            os.environ.update({k: self.environ[k] for k in changed})
+            out.append(f"{env} (or a tool of it) changed or removed os.environ[{', '.join(map(repr, changed[:5]))}]"
+                       f"{' ...' if len(changed) > 5 else ''}: every episode on the node runs in that process and "
+                       "sees it; pass env= to subprocess calls instead")
+        return out

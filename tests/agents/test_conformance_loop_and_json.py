@@ -140,3 +140,30 @@ def test_astraflow_check_runs_an_agentic_workloads_conformance_suite(tmp_path, m
         (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
         res = CliRunner().invoke(main, ["check", str(tmp_path / "c.yaml")])
         assert res.exit_code == code and said in res.output, res.output[-2000:]
+
+
+def test_an_environment_that_changes_the_working_directory_or_environ_is_reported_and_put_back(tok, tmp_path,
+                                                                                              monkeypatch):
+    """A RaaS node runs many episodes in one process: an ``os.chdir`` or an ``os.environ`` change in
+    one (a tool preparing a subprocess) is every other's, and the node's. A variable only added
+    (an import may add some) is not reported."""
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ASTRAFLOW_TEST_KEPT", "yes")
+    monkeypatch.delenv("ASTRAFLOW_TEST_ADDED", raising=False)
+
+    async def moving_step(self, action):
+        os.chdir("/")
+        os.environ["ASTRAFLOW_TEST_KEPT"] = "changed"
+        os.environ["ASTRAFLOW_TEST_ADDED"] = "1"
+        return await EchoEnv.step(self, action)
+
+    problems = _problems(broken(step=moving_step), tok)
+    assert any(f"Broken (or a tool of it) changed the process's working directory from {tmp_path} to /" in p
+               and "use absolute paths, or cwd= in subprocess calls" in p for p in problems), problems
+    assert any("changed or removed os.environ['ASTRAFLOW_TEST_KEPT']: " in p and "pass env= to subprocess" in p
+               for p in problems), problems
+    assert not any("ASTRAFLOW_TEST_ADDED" in p for p in problems), problems
+    assert os.getcwd() == str(tmp_path) and os.environ["ASTRAFLOW_TEST_KEPT"] == "yes"  # put back
+    monkeypatch.delenv("ASTRAFLOW_TEST_ADDED", raising=False)
