@@ -25,6 +25,7 @@ step, is what evaluation counts; otherwise the final reward is.
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Protocol, runtime_checkable
 
@@ -185,4 +186,9 @@ def check_messages(messages: Any, where: str) -> list[Message]:
         if m["role"] not in OBSERVATION_ROLES:
             raise EpisodeError(f"{where} returned a message with role {m['role']!r}; "
                                f"observations use {OBSERVATION_ROLES}")
+        try:  # stored with the episode as sorted JSON: a key that fails it would fail the node's whole write
+            json.dumps(m, sort_keys=True, default=str)
+        except (TypeError, ValueError, RecursionError) as err:
+            raise EpisodeError(f"{where} returned a message that cannot be stored as JSON ({type(err).__name__}: "
+                               f"{err}); give every key as a str and every value as JSON") from None
     return messages

@@ -145,7 +145,7 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
     try:
         first, secs = await timed(env.reset(task), timeout, f"{type(env).__name__}.reset")
         log.env_seconds += secs
-        first = _capped_messages(check_messages(first, "reset"), limits.max_observation_chars)
+        first = _capped_messages(check_messages(first, f"{type(env).__name__}.reset"), limits.max_observation_chars)
         log.append(start_tokens(renderer, env, first), kind="observation", messages=first)
         # kept free for the closing a turn cut by its budget gets: the stored episode stays in the budget
         reserve = len(renderer.close_turn(False))
@@ -257,7 +257,7 @@ def _checked_step(result: Any, name: str, limits: AgentLimits) -> StepResult:
     capped and its ``done`` a plain boolean."""
     if not isinstance(result, StepResult):
         raise EpisodeError(f"{name}.step returned {type(result).__name__}, not a StepResult")
-    check_messages(result.observation, "step")
+    check_messages(result.observation, f"{name}.step")
     reward, info = _plain(result.reward), result.info
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
         raise EpisodeError(f"{name}.step returned reward {reward!r}, not a finite number")

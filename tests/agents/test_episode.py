@@ -249,6 +249,22 @@ def test_env_failures_fail_the_episode_and_close_it(tok):
     assert env.closed == 1
 
 
+@pytest.mark.parametrize("extra", [{"meta": {1: "a", "b": 2}}, {("x", 1): "tuple key"}])
+def test_a_message_that_cannot_be_stored_fails_its_episode_not_the_nodes_write(tok, extra):
+    """An observation message is stored with the episode as sorted JSON: a key that cannot be
+    (mixed int and str keys, a tuple) raised in the node's trajectory write, which failed the node
+    and every episode of its write batch instead of this one."""
+
+    class Odd(SumEnv):
+        async def reset(self, task):
+            return [{"role": "user", "content": "2+3?", **extra}]
+
+    env = Odd()
+    with pytest.raises(EpisodeError, match="Odd.reset returned a message that cannot be stored as JSON .*key as a str"):
+        run(scripted(tok, ["5"]), tok, env)
+    assert env.closed == 1
+
+
 def test_sys_exit_in_a_tool_or_the_environment_fails_the_episode_not_the_process(tok, caplog):
     """A tool wrapping an argparse CLI exits on bad input; ``SystemExit`` must end that episode
     (named), not ``astraflow check``, a warm start or a node's loop."""
