@@ -66,10 +66,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import faulthandler
 import json
 import multiprocessing
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
@@ -376,6 +378,8 @@ def main() -> None:
     ap.add_argument("--json-out", default=None, help="also write every row (scale and index) to this JSON file")
     ap.add_argument("--profile", action="store_true", help="cProfile the data layer's event loop in the window")
     args = ap.parse_args()
+    # ``kill -USR1`` prints where every thread is: what a run that no longer moves waits on
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     scale: list[dict] = []
     if not args.skip_scale:

@@ -6,19 +6,39 @@ the machine too shared) for its numbers to mean anything."""
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _run_bounded(cmd: list[str], timeout_s: float = 240) -> subprocess.CompletedProcess:
+    """``cmd`` in a session of its own: past ``timeout_s`` it prints where its threads wait
+    (SIGUSR1, which the benchmark hands to faulthandler), then the whole session is killed, its
+    spawned emulator processes too, and the test fails with what it printed."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the benchmark did not end within {timeout_s:g} s; its threads then:\n{err[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def test_tiny_run_prints_sane_rows_and_a_result_line(tmp_path):
     out = tmp_path / "rows.json"
-    proc = subprocess.run(
+    proc = _run_bounded(
         [sys.executable, "benchmarks/control_plane.py", "--nodes", "10", "--seconds", "2", "--warmup", "2",
-         "--batch-size", "64", "--index-sizes", "1e3,1e4", "--index-trajectories", "300", "--json-out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=420, env={**os.environ, "PYTHONPATH": str(ROOT)})
+         "--batch-size", "64", "--index-sizes", "1e3,1e4", "--index-trajectories", "300", "--json-out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("RESULT {"), proc.stdout[-2000:]
