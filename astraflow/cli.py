@@ -236,7 +236,8 @@ def model_init(out: str, preset: str, arch: str, seed: int, tie_embeddings: bool
 
     from astraflow.configerrors import option_errors
     from storage.ownership import unbuildable
-    from astraflow.runtime.model_build import ModelDirError, build_model
+    from astraflow.runtime.model_build import ModelDirError, build_model, building
+    from astraflow.runtime.progress import Progress
 
     try:
         init = ModelInit(preset=preset, arch=arch, seed=seed, tie_embeddings=tie_embeddings,
@@ -250,7 +251,8 @@ def model_init(out: str, preset: str, arch: str, seed: int, tie_embeddings: bool
     if why:
         raise UserError(f"OUT {out} cannot be created: {why}; choose a directory that can be created")
     try:
-        build_model(Path(out), init)
+        with building(Path(out), Progress()):
+            build_model(Path(out), init)
     except ModelDirError as err:
         raise UserError(f"OUT {err}") from None
 

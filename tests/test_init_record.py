@@ -181,3 +181,24 @@ def test_a_warm_start_trains_on_the_runs_split_and_a_run_on_other_problems_is_wa
     del record["warm_started_on"]
     (tmp_path / "models" / "tiny" / "astraflow_init.json").write_text(json.dumps(record))
     assert 'held-out prompts (warm-started on math {"seed": 0})' in notes()
+
+
+def test_a_build_removes_what_a_killed_build_left_beside_the_model(tmp_path):
+    """A build killed before its cleanup ran (SIGKILL, a node lost) leaves its temporary sibling
+    ``.<model>.XXXXXXXX``; the next build, holding the lock, removes it. Other names are kept."""
+    from astraflow.runtime.model_build import prepare_models
+    from astraflow.runtime.progress import Progress
+
+    cfg = load_config(_config(tmp_path))
+    model = cfg.policies[0].model
+    model.parent.mkdir(parents=True)
+    left = model.parent / f".{model.name}.k1ll3d_x"
+    (left / "init").mkdir(parents=True)
+    (left / "init" / "model.safetensors").write_bytes(b"\0" * 1024)
+    kept = [model.parent / f".{model.name}.notes", model.parent / f".{model.name}.abcdefgh.txt"]
+    kept[0].mkdir()
+    kept[1].write_text("mine")
+    prepare_models(cfg, Progress(enabled=False))
+    assert (model / "config.json").is_file()
+    assert not left.exists()
+    assert all(p.exists() for p in kept)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import glob
 import json
 import os
 import shutil
@@ -88,7 +89,7 @@ def _unbuildable(out: Path, err: OSError) -> OSError:
 
 
 @contextlib.contextmanager
-def _building(out: Path, progress: Progress):
+def building(out: Path, progress: Progress):
     """Held while model ``out`` is looked for and built: an ``flock`` on ``.<name>.build.lock``
     beside it, so that runs started together build a missing model once (the later ones wait,
     then find it built) and none replaces the directory another has started from. Where no
@@ -107,16 +108,28 @@ def _building(out: Path, progress: Progress):
     try:
         if fd is not None:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                with progress.waiting(f"waiting for another run that is building {out}"):
-                    fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    with progress.waiting(f"waiting for another run that is building {out}"):
+                        fcntl.flock(fd, fcntl.LOCK_EX)
             except OSError as err:  # a file system without locks (NFS nolock, Lustre noflock)
                 progress.note(f"building {out} without a lock ({err}): runs started together may build it twice")
+            else:
+                _remove_leftovers(out, progress)
         yield
     finally:
         if fd is not None:
             os.close(fd)  # releases the lock
+
+
+def _remove_leftovers(out: Path, progress: Progress) -> None:
+    """Remove the temporary siblings (``_temp_sibling``) of builds of ``out`` that were killed
+    before their ``finally`` ran. Called with the build lock held: no build of ``out`` is live."""
+    for path in out.parent.glob(f".{glob.escape(out.name)}.*"):
+        if len(path.name) == len(out.name) + 10 and path.is_dir() and not path.is_symlink():
+            progress.note(f"removing {path}, left by an interrupted build of {out}")
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _warm_start(src: Path, dst: Path, init: ModelInit, workload: WorkloadConfig | None, progress: Progress,
@@ -267,7 +280,7 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
         assert pol.init is not None, "config validation requires init for a missing model"
         base = cfg.policy(pol.init.start_from).model if pol.init.start_from else None
         try:
-            with _building(pol.model, progress):
+            with building(pol.model, progress):
                 if pol.model.exists():  # another run built it while this one waited: checked as any other
                     check_built_from_init(pol)
                     progress.note(f"policy {pol.name}: {pol.model} was built by another run meanwhile")
