@@ -262,6 +262,16 @@ class Trajectory:
 
     # -- storage mapping: one stored entry per sequence --------------------------------------
     def to_stored(self) -> list[StoredSequence]:
+        """One stored row per sequence. A ``ValueError`` names what a workflow gave that cannot be
+        stored as JSON (keys of mixed types, a value that holds itself)."""
+        try:
+            return self._stored()
+        except (TypeError, ValueError, RecursionError) as err:
+            raise ValueError(f"Trajectory {self.task_id}: its stats, score, rewards or episode cannot be stored as "
+                             f"JSON ({type(err).__name__}: {err}); give every key as a str and every value as "
+                             "JSON (numbers, strings, lists, dicts)") from None
+
+    def _stored(self) -> list[StoredSequence]:
         meta = {
             "policies": list(self.policies),
             "workflow": self.workflow,

@@ -270,7 +270,7 @@ class RaaSNode(NodeEpisodes, EngineRecovery, FollowsDataLayer):
         self._slot_free = asyncio.Event()
         self._new_weights = asyncio.Event()  # a newer version loaded: a long pause ends
         self.pacing = LeasePacing(self.cfg.lease_wait_seconds)
-        self._finished: list[Trajectory] = []  # generated, waiting for the writer
+        self._finished: list = []  # generated (with its rows), waiting for the writer
         self._finished_event = asyncio.Event()
         self._closing = False
         writer = asyncio.create_task(self._writer(), name="the trajectory writer")

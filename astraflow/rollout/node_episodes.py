@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from astraflow.contracts import RolloutTask, Trajectory, TrajectoryRef
+from storage.trajectories import StoredSequence
 from astraflow.rollout.engine import InferenceEngine, confirmed_version
 from astraflow.rollout.failure_log import FailureLog
 from astraflow.rollout.process_engine import EngineProcessError
@@ -56,7 +57,7 @@ class NodeEpisodes:
     inflight: dict[str, RolloutTask]
     writing: set[str]
     _slot_free: asyncio.Event
-    _finished: list[Trajectory]
+    _finished: list[tuple[Trajectory, list[StoredSequence]]]  # generated, and its rows to write
     _finished_event: asyncio.Event
     _closing: bool
     _segment_batches: collections.Counter
@@ -101,8 +102,9 @@ class NodeEpisodes:
                     hardware=self.identity.hardware,
                 ),
             )
+            rows = traj.to_stored()  # here, not in the writer: what cannot be stored fails its own episode
             self.writing.add(task.task_id)
-            self._finished.append(traj)
+            self._finished.append((traj, rows))
             self._finished_event.set()
         except GeneratorExit:  # the coroutine is closed with the node's loop: nothing left to report to
             raise
@@ -168,10 +170,11 @@ class NodeEpisodes:
             while len(committing) >= WRITE_AHEAD:
                 await asyncio.wait([committing[0]])
                 committing.popleft().result()
-            batch = self._finished[: self.cfg.write_batch]
-            del self._finished[: len(batch)]
+            pending = self._finished[: self.cfg.write_batch]
+            del self._finished[: len(pending)]
             t0 = time.time()
-            rows = [row for traj in batch for row in traj.to_stored()]
+            batch = [traj for traj, _ in pending]
+            rows = [row for _, stored in pending for row in stored]
             written = await asyncio.to_thread(self.writer.submit, rows)
             segment = getattr(self.writer, "segment", "")  # the one these rows went to (only this loop submits)
             self._segment_batches[segment] += 1

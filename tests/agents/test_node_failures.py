@@ -34,5 +34,5 @@ def test_a_raising_environment_fails_one_episode_and_the_node_goes_on(tmp_path, 
     node.engines["p"].close()
     assert [t for t, _ in dl.failed] == ["g0/0"] and "EpisodeError" in dl.failed[0][1]
     assert "KeyError" in dl.failed[0][1] and node.counters["failed"] == 1
-    assert [t.task_id for t in node._finished] == ["g1/0"]
+    assert [t.task_id for t, _ in node._finished] == ["g1/0"]
     assert not node.inflight and not node.draining and node.error is None

@@ -76,7 +76,7 @@ async def _drive(node: RaaSNode, script) -> None:
 def _finish(node: RaaSNode, trajs) -> None:
     for t in trajs:
         node.writing.add(t.task_id)
-        node._finished.append(t)
+        node._finished.append((t, t.to_stored()))
     node._finished_event.set()
 
 
@@ -249,8 +249,8 @@ def test_a_node_restarts_a_dead_engine_process_with_the_newest_weights(tmp_path,
         watcher.cancel()
         node.inflight[tasks[1].task_id] = tasks[1]
         await node._episode(tasks[1])  # served by the new process, with v5
-        assert [t.task_id for t in node._finished] == ["g0/1"]
-        assert set(node._finished[0].sequences[0].versions[node._finished[0].sequences[0].loss_mask].tolist()) == {5}
+        assert [t.task_id for t, _ in node._finished] == ["g0/1"]
+        assert set(node._finished[0][0].sequences[0].versions[node._finished[0][0].sequences[0].loss_mask].tolist()) == {5}
         await episode_killed(tasks[2])  # no restarts left
         assert node.draining and "exited with code -9" in node.error
 
@@ -373,3 +373,35 @@ def test_numpy_values_in_a_trajectorys_metadata_are_stored_not_fatal():
                       "rewards": {"correct": np.float32(1.0), "parts": np.array([0.5, 0.5])}}),)})
     meta = json.loads(traj.to_stored()[0].meta)
     assert meta["rewards"] == {"correct": 1.0, "parts": [0.5, 0.5]}
+
+
+@pytest.mark.timeout(60)
+def test_a_trajectory_that_cannot_be_stored_fails_its_own_episode_not_the_nodes_batch(tmp_path):
+    """A custom workflow's statistics with keys of mixed types (or a value that holds itself)
+    cannot be written as sorted JSON: that episode fails, named, and the others are written."""
+    node, dl = _node(tmp_path, write_batch=1000, flush_seconds=0.05)
+    cyclic: dict = {}
+    cyclic["self"] = cyclic
+    bad = {"g0/0": {1: "a", "b": 2}, "g1/0": cyclic}
+
+    class Workflow:
+        async def run_episode(self, engines, task):
+            traj = _traj(int(task.group_id[1:]))
+            return type(traj)(**{**traj.__dict__, "stats": bad.get(task.task_id, {"turns": 1})})
+
+    node.workflow = Workflow()
+    tasks = [RolloutTask(task_id=f"g{i}/0", group_id=f"g{i}", policies=("p",), workflow="single_turn",
+                         prompt={"q": i}, kind="train") for i in range(3)]
+
+    async def script():
+        node._slot_free = asyncio.Event()
+        for t in tasks:
+            node.inflight[t.task_id] = t
+        await asyncio.gather(*(node._episode(t) for t in tasks))
+        while not dl.batches:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(_drive(node, script))
+    assert sorted(t for t, _ in dl.failed) == ["g0/0", "g1/0"]
+    assert all("cannot be stored as JSON" in why and "stats" in why for _, why in dl.failed)
+    assert [ids for _, ids in dl.batches] == [["g2/0"]] and node.error is None and not node.writing

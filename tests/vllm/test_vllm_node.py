@@ -68,8 +68,8 @@ def test_a_node_restarts_a_dead_vllm_engine_with_the_newest_weights(tmp_path, vl
         watcher.cancel()
         node.inflight[tasks[1].task_id] = tasks[1]
         await node._episode(tasks[1])
-        seq = node._finished[0].sequences[0]
-        assert [t.task_id for t in node._finished] == ["g0/1"]
+        seq = node._finished[0][0].sequences[0]
+        assert [t.task_id for t, _ in node._finished] == ["g0/1"]
         assert set(seq.versions[seq.loss_mask].tolist()) == {1}
 
     try:
