@@ -54,13 +54,19 @@ log = logging.getLogger("astraflow.runtime")
 
 
 
-def optimizer_gap(opt: int | None, version: int) -> str:
-    """Which optimiser state a trainer at ``version`` goes on with (``opt``: its checkpoint's version)."""
+def optimizer_gap(state: dict[str, Any], version: int) -> str:
+    """Which optimiser state a trainer at ``version`` goes on with, from its ``state()``, and the
+    weights: the published ones rounded to their dtype when no checkpoint held the fp32 masters."""
+    opt = state.get("optimizer_resumed_from")
     if opt is None:
-        return ("a fresh optimiser state (no usable checkpoint: trainer.optimizer_checkpoint_every; the trainer's "
-                "log says why)")
-    return f"the optimiser state of v{opt}" + (f" ({version - opt} steps older than its weights)" if opt != version
-                                                else "")
+        why = state.get("optimizer_fresh_why") or "no usable checkpoint: the trainer's log says why"
+        text = f"a fresh optimiser state ({why})"
+    else:
+        text = f"the optimiser state of v{opt}" + (f" ({version - opt} steps older than its weights)"
+                                                   if opt != version else "")
+    if state.get("resumed_from_rounded"):
+        text += ", from its published weights rounded to their publish dtype (no fp32 master weights of this version)"
+    return text
 
 
 class TrainerRestarts:
@@ -199,7 +205,8 @@ class TrainerRestarts:
             self.history[p].append({**started[p], "new_worker": new.name, "resumed_version": versions[p],
                                     "optimizer_version": opt,
                                     "optimizer_gap": None if opt is None else versions[p] - opt})
-            self._note(f"trainer {p} restarted on {new.name} at v{versions[p]} with {optimizer_gap(opt, versions[p])}")
+            self._note(f"trainer {p} restarted on {new.name} at v{versions[p]} with "
+                       f"{optimizer_gap(states[p], versions[p])}")
 
     def _note_resumed(self, versions: dict[str, int]) -> None:
         """At a resumed run's start, say per trained policy which optimiser state its trainer goes on
@@ -208,10 +215,10 @@ class TrainerRestarts:
             if not version or self.cfg.policy(p).trainer.backend == "sim":  # a new run's v0; no optimiser
                 continue
             try:
-                opt = self.trainers[p].state().result(timeout=30).get("optimizer_resumed_from")
+                state = self.trainers[p].state().result(timeout=30)
             except Exception:  # a worker lost meanwhile: the loop's next tick finds it
                 continue
-            self._note(f"trainer {p} resumes at v{version} with {optimizer_gap(opt, version)}")
+            self._note(f"trainer {p} resumes at v{version} with {optimizer_gap(state, version)}")
 
     def _note(self, msg: str) -> None:
         note(self.progress, self.paths, msg)

@@ -52,6 +52,15 @@ class OptimizerCheckpoint:
     #: the version of the checkpoint waiting in ``<path>.pending`` for its commit (None: none)
     _pending_version: int | None = None
     _checkpoint_lock = threading.Lock()
+    #: why a resumed trainer went on with fresh moments (None: it did not), and whether it went on
+    #: from published weights rounded to their dtype: the run's console says both at a resume
+    optimizer_fresh_why: str | None = None
+    resumed_from_rounded: bool = False
+
+    def optimizer_resume_state(self) -> dict[str, Any]:
+        """What the trainer's ``state()`` says of the optimiser state it resumed with."""
+        return {"optimizer_resumed_from": self.optimizer_resumed_from, "optimizer_fresh_why": self.optimizer_fresh_why,
+                "resumed_from_rounded": self.resumed_from_rounded}
 
     def _pending_path(self) -> Path:
         return self.optimizer_path.with_name(self.optimizer_path.name + ".pending")
@@ -129,6 +138,9 @@ class OptimizerCheckpoint:
         path = self.optimizer_path
         rounded = self.store.manifest(self.policy, self.version)["meta"].get("dtype", "fp32") != "fp32"
         if path is None or not path.exists() or not self.backend.supports_optimizer_state:
+            self.optimizer_fresh_why = ("its backend keeps no optimiser state" if path is not None
+                                        and not self.backend.supports_optimizer_state else
+                                        "no checkpoint was saved: trainer.optimizer_checkpoint_every")
             log.info("trainer %s: resuming at v%d with a fresh optimiser state", self.policy, self.version)
             self._warn_rounded(rounded, None)
             return
@@ -141,6 +153,7 @@ class OptimizerCheckpoint:
                                  "hold the gradient of a batch that will be trained again)")
             self.backend.load_optimizer_state(saved["optimizer"])
         except Exception as err:  # unreadable, or another model's: fresh moments, not a failed resume
+            self.optimizer_fresh_why = f"{path.name} cannot be used: {type(err).__name__}: {err}"[:300]
             log.warning("trainer %s: %s cannot be used (%s: %s); starting with a fresh optimiser state",
                         self.policy, path, type(err).__name__, err)
             self._warn_rounded(rounded, None)
@@ -162,6 +175,7 @@ class OptimizerCheckpoint:
 
     def _warn_rounded(self, rounded: bool, checkpoint_version: int | None) -> None:
         """A resume that continues from a published version rounded to a narrower dtype."""
+        self.resumed_from_rounded = rounded
         if rounded:
             log.warning("trainer %s: resuming from the published weights of v%d, rounded to their publish "
                         "dtype (the fp32 master weights are only in an optimiser checkpoint of the same version; "

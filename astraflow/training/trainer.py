@@ -290,7 +290,7 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
             # the wait for the next batch so far (0: not waiting): a starved trainer shows as such at once
             "batch_wait_s": max(now - since, 0.0) if since and not self.done else 0.0,
             "deltas": self.delta_history[-5:],
-            "optimizer_resumed_from": self.optimizer_resumed_from,
+            **self.optimizer_resume_state(),
             "optimizer_save_failures": self.optimizer_save_failures,
             "last_metrics": metrics,
         }

@@ -216,14 +216,14 @@ def test_a_trainer_whose_backend_lost_a_process_is_restarted_as_a_lost_worker(tm
 class _Starting:
     """A trainer that starts at ``version`` and resumed the optimiser state of ``opt``."""
 
-    def __init__(self, version: int, opt: int | None):
-        self.version, self.opt = version, opt
+    def __init__(self, version: int, opt: int | None, **extra):
+        self.version, self.opt, self.extra = version, opt, extra
 
     def start(self, run_loop=True):
         return _Done(self.version)
 
     def state(self):
-        return _Done({"version": self.version, "optimizer_resumed_from": self.opt})
+        return _Done({"version": self.version, "optimizer_resumed_from": self.opt, **self.extra})
 
 
 class _Placement:
@@ -231,17 +231,20 @@ class _Placement:
         return {p: f.result() for p, f in futures.items()}
 
 
-@pytest.mark.parametrize("version, opt, said", [
-    (7, 7, "trainer solver resumes at v7 with the optimiser state of v7"),
-    (7, 5, "trainer solver resumes at v7 with the optimiser state of v5 (2 steps older than its weights)"),
-    (7, None, "trainer solver resumes at v7 with a fresh optimiser state (no usable checkpoint"),
-    (0, None, None),  # a new run says nothing of it
+@pytest.mark.parametrize("version, opt, extra, said", [
+    (7, 7, {}, "trainer solver resumes at v7 with the optimiser state of v7"),
+    (7, 5, {}, "trainer solver resumes at v7 with the optimiser state of v5 (2 steps older than its weights)"),
+    (7, None, {}, "trainer solver resumes at v7 with a fresh optimiser state (no usable checkpoint"),
+    (7, None, {"optimizer_fresh_why": "optimizer.pt cannot be used: KeyError: 'exp_avg'", "resumed_from_rounded": True},
+     "trainer solver resumes at v7 with a fresh optimiser state (optimizer.pt cannot be used: KeyError: 'exp_avg'), "
+     "from its published weights rounded to their publish dtype"),
+    (0, None, {}, None),  # a new run says nothing of it
 ])
-def test_a_resumed_start_says_which_optimiser_state_each_trainer_goes_on_with(tmp_path, version, opt, said):
+def test_a_resumed_start_says_which_optimiser_state_each_trainer_goes_on_with(tmp_path, version, opt, extra, said):
     r = _restarts(tmp_path, 1, 0)
     r.placement = _Placement()
     notes: list[str] = []
     r.progress.note = notes.append
-    r.start_all({"solver": _Done(_Starting(version, opt))}, lambda: None)
+    r.start_all({"solver": _Done(_Starting(version, opt, **extra))}, lambda: None)
     resumed = [n for n in notes if "resumes at" in n]
     assert (resumed[0].startswith(said) if said else not resumed), notes

@@ -180,6 +180,8 @@ def test_a_resumed_trainer_continues_from_the_fp32_master_weights(tiny_model, tm
     opt.unlink()
     rounded = trainer()
     assert rounded.start(run_loop=False) == 2 and rounded.state()["optimizer_resumed_from"] is None
+    assert rounded.state()["resumed_from_rounded"] and not resumed.state()["resumed_from_rounded"]
+    assert "optimizer_checkpoint_every" in rounded.state()["optimizer_fresh_why"]
     assert all(torch.equal(rounded.backend.state_dict()[k], published[k].float()) for k in master)
 
 

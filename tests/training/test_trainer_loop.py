@@ -223,6 +223,7 @@ def test_optimiser_state_is_saved_periodically_and_at_stop_and_resumed(tmp_path,
     torch.save({"policy": "p", "version": 3, "optimizer": {"state": {}, "param_groups": []}}, path)
     third = trainer(_NoData(batch))  # a state that does not fit the model: fresh moments, no failure
     assert third.start(run_loop=False) == 3 and third.state()["optimizer_resumed_from"] is None
+    assert third.state()["optimizer_fresh_why"].startswith(f"{path.name} cannot be used: ")
     assert third.backend.optimizer.state_dict()["state"] == {}
 
     path.write_bytes(b"not a checkpoint")  # unreadable: the same
