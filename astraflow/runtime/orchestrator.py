@@ -409,10 +409,10 @@ class Orchestrator(Shutdown):
                     raise RunFailed(why)
                 self._show(t)
 
-        def recover() -> bool:
-            """After a trainer call failed: replace a lost trainer worker (True), or False."""
+        def recover(policy: str, err: BaseException) -> bool:
+            """After a trainer's step failed: replace a lost trainer or backend process (True), or False."""
             try:
-                self.fleet.check_core(wait_s=10.0)
+                self.restarts.check_step_failure(policy, err)
             except TrainerLost as lost:
                 self._replace_trainer(lost)
                 return True

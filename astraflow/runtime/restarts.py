@@ -40,6 +40,7 @@ from astraflow.dataflow.layer import DataLayer
 from astraflow.runtime.placement import data_layer_kwargs, trainer_kwargs
 from astraflow.runtime.workers import (FUTURE_ERRORS, NODE_PHASES, DataLayerLost, LostBeforeReady, RunFailed,
                                       TrainerLost)
+from astraflow.training.backend import BackendProcessLost
 from astraflow.training.trainer import Trainer
 from storage.weights import WeightStore
 
@@ -118,6 +119,13 @@ class TrainerRestarts:
             for p in moved:
                 placed.pop(p, None)
                 starts.pop(p, None)
+
+    def check_step_failure(self, policy: str, err: BaseException) -> None:
+        """After ``policy``'s step driven from outside (``run.mode: sync``) raised ``err``: raise
+        ``TrainerLost`` when its backend lost a process (``backend_lost``) or its worker is gone."""
+        if isinstance(err, BackendProcessLost):
+            self.backend_lost(policy, {"error_lost": True, "error": f"{type(err).__name__}: {err}"})
+        self.fleet.check_core(wait_s=10.0)
 
     def _lost_at_start(self, err: BaseException) -> TrainerLost:
         """The trainer worker lost behind ``err``, raised at the run's start; else ``err`` again

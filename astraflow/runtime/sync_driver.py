@@ -29,12 +29,12 @@ def drive_sync(
     max_steps: int,
     timeout_s: float,
     on_tick: Callable[[], None] = lambda: None,
-    recover: Callable[[], bool] = lambda: False,
+    recover: Callable[[str, BaseException], bool] = lambda policy, err: False,
 ) -> list[dict[str, float]]:
     """Run ``max_steps`` lock-step iterations within ``timeout_s`` seconds in all (what is left
     of the run's deadline); returns one timing record per iteration.
 
-    ``trainers`` is the orchestrator's dict of handles: when a step fails, ``recover()`` says
+    ``trainers`` is the orchestrator's dict of handles: when a step fails, ``recover(policy, error)`` says
     whether a lost trainer was restarted (its handle swapped in that dict); the step is then
     taken again by the new trainer unless the lost one had committed it already."""
     iterations: list[dict[str, float]] = []
@@ -67,8 +67,8 @@ def drive_sync(
         for p in due:
             try:
                 trainers[p].step().result(timeout=left())
-            except Exception:
-                if not recover():
+            except Exception as err:
+                if not recover(p, err):
                     raise
                 if trainers[p].state().result(timeout=30)["version"] <= versions[p]:
                     trainers[p].step().result(timeout=left())

@@ -91,7 +91,8 @@ def test_the_sync_driver_steps_the_restarted_trainer(committed):
     trainers = {"solver": lost}
     new = _Trainer(0)
 
-    def recover() -> bool:  # what the orchestrator does: a new trainer, resumed, swapped in place
+    def recover(policy, err) -> bool:  # what the orchestrator does: a new trainer, resumed, swapped in place
+        assert policy == "solver" and isinstance(err, OSError)
         new.version = lost.version
         trainers["solver"] = new
         return True
@@ -248,3 +249,20 @@ def test_a_resumed_start_says_which_optimiser_state_each_trainer_goes_on_with(tm
     r.start_all({"solver": _Done(_Starting(version, opt, **extra))}, lambda: None)
     resumed = [n for n in notes if "resumes at" in n]
     assert (resumed[0].startswith(said) if said else not resumed), notes
+
+
+def test_a_sync_step_that_lost_a_backend_process_restarts_the_trainer(tmp_path):
+    """``run.mode: sync``: a step that raised because a rank was killed from outside (the trainer's
+    worker still alive) is a lost trainer, restarted within ``cluster.trainer_restarts`` as in an
+    asynchronous run; a step's own error, with the worker alive, is not."""
+    from astraflow.training.backend import BackendProcessLost
+
+    r = _restarts(tmp_path, 2, 0)
+    w = Worker(job=JobRef(job_id="local-1", partition="trainer", worker_name="trainer-trainer-local-cpu-0",
+                          kind="local", log=None), partition="trainer", phase="serving")
+    r.fleet = SimpleNamespace(workers={w.name: w}, check_core=lambda wait_s: None)
+    r.check_step_failure("solver", ValueError("the loss raised"))
+    assert not w.gone
+    with pytest.raises(TrainerLost, match=r"lost a process of its backend \(BackendProcessLost: rank 1 .*SIGKILL\)"):
+        r.check_step_failure("solver", BackendProcessLost("rank 1 was killed by SIGKILL"))
+    assert w.gone
