@@ -80,8 +80,9 @@ class CodeParams(Strict):
 def body_of(completion: str) -> str:
     """The function body a completion writes: its lines up to the first one that starts at
     column 0 outside a string (code or prose after the function), with a trailing newline.
-    Lines are split at ``\n`` only, as Python does, so a string may hold U+2028 and the like."""
-    lines = completion.replace("\r\n", "\n").split("\n")
+    Lines end where Python ends them: at ``\n``, ``\r\n`` or a lone ``\r`` (a line after a lone
+    ``\r`` would otherwise run at top level), not at U+2028 and the like."""
+    lines = completion.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     cut = _first_top_level_line(lines)
     return "\n".join(lines[:cut]).rstrip() + "\n"
 

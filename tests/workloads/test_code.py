@@ -93,6 +93,13 @@ def test_body_of_drops_code_after_the_function():
     assert body_of('    return """x\n\x0cprint(1)\n') == '    return """x\n'  # unreadable source too
 
 
+def test_body_of_cuts_at_a_lone_carriage_return_as_python_breaks_lines_there():
+    """Python ends a line at a lone \r: what follows one at column 0 is top-level code, cut."""
+    assert body_of("    return x + 1\rdef f(x):\r    return 0\r") == "    return x + 1\n"
+    assert body_of("    return x + 1\n\rprint(1)\n") == "    return x + 1\n"
+    assert body_of("    y = x\r    return y\r") == "    y = x\n    return y\n"
+
+
 def test_body_of_keeps_multi_line_strings_and_unusual_line_breaks_inside_strings():
     multi = '    msg = """Hello\n{}"""\n    return msg.format(name)\n'
     assert body_of(multi) == multi  # the string's second line starts at column 0
