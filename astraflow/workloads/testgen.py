@@ -67,6 +67,8 @@ def _check_assert(line: str, entry_point: str) -> str | None:
         return "not Python"
     if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
         return "not an assert statement"
+    if tree.body[0].msg is not None:  # evaluated when the assert fails: code the judge would run
+        return "an assert with a message (`assert ..., msg`)"
     test = tree.body[0].test
     if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
         return "not `<call> == <expected>`"

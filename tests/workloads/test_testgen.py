@@ -60,6 +60,9 @@ TWO = "assert add_3(5) == 8\nassert add_3(0) == 3\n"
     ("assert True", "line 1: not `<call> == <expected>`"),
     ("assert add_4(5) == 9", "line 1: the left side is not a call of add_3"),
     ("assert add_3(5) == 8; import os", "line 1: not an assert statement"),
+    # the message is code, run in the judge where the assert fails (it could forge the report)
+    ("assert add_3(5) == 0, __import__('os')._exit(0)", "line 1: an assert with a message (`assert ..., msg`)"),
+    ("assert add_3(5) == 8, 'why'", "line 1: an assert with a message (`assert ..., msg`)"),
     ("\n".join(["assert add_3(1) == 4"] * (MAX_ASSERTS + 1)), f"{MAX_ASSERTS + 1} lines, more than {MAX_ASSERTS} asserts"),
 ])
 def test_suite_format(text, error):
