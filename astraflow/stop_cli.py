@@ -59,8 +59,10 @@ def live_holder(run_dir: Path) -> dict:
         raise UserError(f"no run is running in {run_dir} (its lock names no holder): nothing to stop")
     pid, host = int(holder["pid"]), holder.get("host")
     if host != socket.gethostname():
-        raise UserError(f"the run in {run_dir} runs on host {host} (pid {pid}): run `astraflow stop` there, or "
-                        "`scancel` its head job (which stops it the same way)")
+        job = holder.get("slurm_job")
+        how = (f"`scancel {job}` (its head job: it stops the same way)" if job
+               else "`scancel` its head job (which stops it the same way)")
+        raise UserError(f"the run in {run_dir} runs on host {host} (pid {pid}): run `astraflow stop` there, or {how}")
     started = process_started_at(pid)
     # a pid reused since the run died: a process younger than the run's lock (with a margin for
     # a clock stepped since)

@@ -57,17 +57,18 @@ class RunDirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _describe(_read_holder(fd))
+            holder = _read_holder(fd)
             os.close(fd)
             raise RunDirError(
-                f"run directory {root} is in use by a running `astraflow run` ({holder}): pass another "
-                "--run-dir, or stop that run first (Ctrl-C, or scancel its job) and run again on this "
-                "directory to resume it") from None
+                f"run directory {root} is in use by a running `astraflow run` ({_describe(holder)}): pass "
+                f"another --run-dir, or stop that run first (Ctrl-C, or {_scancel(holder)}) and run again on "
+                "this directory to resume it") from None
         except OSError as err:  # a filesystem without locks: run unguarded rather than not at all
             log.warning("cannot lock %s (%s); nothing stops a second run on this directory", lock, err)
             os.close(fd)
             return self
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+                "slurm_job": head_slurm_job()}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self._fd = fd
@@ -112,9 +113,22 @@ def _read_holder(fd: int) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def head_slurm_job() -> str | None:
+    """The id of the Slurm job this process runs in (the head job's, for `astraflow run`), or
+    None outside Slurm: recorded so that a user on another host (a login node, where `astraflow
+    stop` cannot signal the process) is told which job to ``scancel``, and sees it in the status."""
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
+def _scancel(holder: dict) -> str:
+    job = holder.get("slurm_job")
+    return f"`scancel {job}`, its Slurm job" if job else "scancel its job"
+
+
 def _describe(holder: dict) -> str:
     if not holder:
         return "pid and host not recorded yet"
     started = holder.get("started")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
-    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {when}"
+    job = f" in Slurm job {holder['slurm_job']}" if holder.get("slurm_job") else ""
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{job}, started {when}"

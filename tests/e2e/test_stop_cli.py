@@ -82,3 +82,25 @@ def test_stop_signals_nothing_without_a_live_run_of_this_host(tmp_path):
     lock.write_text(json.dumps({"pid": 1234, "host": "another-host", "started": time.time()}))
     res = _stop(run_dir)
     assert res.returncode == 2 and "runs on host another-host (pid 1234)" in res.stderr and "scancel" in res.stderr
+
+
+def test_stop_from_another_host_names_the_head_job_to_scancel(tmp_path, monkeypatch):
+    """On a Slurm cluster `astraflow stop` runs on a login node, never the head job's node: it
+    cannot signal the run there, so it names the head job the run records (`SLURM_JOB_ID`), and
+    a second run on the directory (and `status`) name it too."""
+    from astraflow.runtime.monitoring.text import _who
+    from astraflow.runtime.runlock import RunDirError, RunDirLock
+
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("SLURM_JOB_ID", "4321")
+    with RunDirLock(run_dir):
+        holder = json.loads(RunPaths(run_dir).run_lock.read_text())
+        assert holder["slurm_job"] == "4321" and holder["pid"] == os.getpid(), holder
+        with pytest.raises(RunDirError, match=r"in Slurm job 4321, .*`scancel 4321`"):
+            RunDirLock(run_dir).acquire()
+    assert _who({"pid": 7, "host": "node17", "slurm_job": "4321"}) == " (pid 7 on node17, Slurm job 4321)"
+    RunPaths(run_dir).run_lock.write_text(json.dumps(
+        {"pid": 1234, "host": "another-host", "started": time.time(), "slurm_job": "4321"}))
+    res = _stop(run_dir)
+    assert res.returncode == 2 and "runs on host another-host (pid 1234)" in res.stderr, res.stderr
+    assert "`scancel 4321` (its head job" in res.stderr, res.stderr

@@ -99,6 +99,9 @@ def test_partitions_added_removed_and_killed_mid_run_lose_no_task(tiny_model, tm
         assert json.loads((run_dir / "control" / "orchestrator.json").read_text())["scheduler"].startswith("tls://")
         code, out = _cli("status", str(run_dir))
         assert code == 0 and "h100" in out, out
+        # the run names its head job: the one to scancel from a login node, where `astraflow stop` cannot signal it
+        assert json.loads((run_dir / "control" / "orchestrator.json").read_text())["slurm_job"] == head
+        assert f", Slurm job {head})" in out, out
 
         # 2. a bad request is refused with exit 2 and leaves the run alone
         code, out = _cli("partitions", "add", str(run_dir), "bad", "--slurm-partition", "nosuch", "--wait", "20")

@@ -33,10 +33,13 @@ class RunNotRunning(ValueError):
 # -- writing (the orchestrator) ------------------------------------------------------------------
 
 def write_orchestrator_info(paths: RunPaths, dashboard: str | None, scheduler: str | None) -> None:
-    """Who runs the orchestrator (pid, host, start time) and where its dashboard is."""
+    """Who runs the orchestrator (pid, host, start time, the Slurm job it runs in) and where its
+    dashboard is."""
+    from astraflow.runtime.runlock import head_slurm_job
+
     write_json(paths.orchestrator_file,
                {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                "dashboard": dashboard, "scheduler": scheduler},
+                "slurm_job": head_slurm_job(), "dashboard": dashboard, "scheduler": scheduler},
                indent=2)
 
 
@@ -110,8 +113,8 @@ _NONE = type(None)
 #: what the readers (the text status, the status view, the partitions commands) take from each
 #: status file, and its type: a field of a wrong type, or a required one missing, makes the file
 #: damaged (its writer always writes them so, and a reader would fail on them)
-_INFO = _Obj({"pid": int, "host": str, "started": _NUM, "dashboard": (str, _NONE), "scheduler": (str, _NONE)},
-             required=("pid", "host"))
+_INFO = _Obj({"pid": int, "host": str, "started": _NUM, "dashboard": (str, _NONE), "scheduler": (str, _NONE),
+              "slurm_job": (str, _NONE)}, required=("pid", "host"))
 _STATUS = _Obj({
     "written_at": (*_NUM, _NONE),
     "data_layer": _Obj({
@@ -237,8 +240,9 @@ class Snapshot:
             return (f"the run directory {run_dir} is held by an `astraflow run` on {info.get('host')} (pid "
                     f"{info.get('pid')}, since {since:.0f}s ago): a resume is likely starting there (or that "
                     "process was killed before it let go); ask again shortly")
+        job = f", Slurm job {info['slurm_job']}" if info.get("slurm_job") else ""
         return (f"the run in {run_dir} is starting (orchestrator pid {info.get('pid')} on "
-                f"{info.get('host')}, for {since:.0f}s): its first status comes once its workers have "
+                f"{info.get('host')}{job}, for {since:.0f}s): its first status comes once its workers have "
                 "joined and its components are built; ask again shortly")
 
     def new_incarnation(self) -> dict[str, Any]:

@@ -225,8 +225,10 @@ def _served(p: dict[str, Any]) -> str:
 
 
 def _who(info: dict[str, Any]) -> str:
-    """`` (pid P on HOST)``: the `astraflow run` process `astraflow stop` signals."""
-    return f" (pid {info['pid']} on {info.get('host', '?')})" if info.get("pid") else ""
+    """`` (pid P on HOST, Slurm job J)``: the `astraflow run` process `astraflow stop` signals, and
+    the job to ``scancel`` from another host."""
+    job = f", Slurm job {info['slurm_job']}" if info.get("slurm_job") else ""
+    return f" (pid {info['pid']} on {info.get('host', '?')}{job})" if info.get("pid") else ""
 
 
 def _token_hint(run_dir: Any) -> str:

@@ -201,6 +201,8 @@ class StatusView(_View):
     age_s: float | None = Field(description="seconds since the snapshot was written")
     elapsed_s: float = Field(description="seconds since the data layer started")
     dashboard: str | None = Field(description="the Dask dashboard address (None once the run finished)")
+    slurm_job: str | None = Field(default=None, description="the Slurm job the orchestrator runs in (the head "
+                                  "job: `scancel` it to stop the run from another host); None outside Slurm")
     episodes_per_s: float = Field(description="run-wide episodes per second")
     sequences_per_s: float = Field(description="run-wide stored sequences per second")
     generated_tokens_per_s: float = Field(description="run-wide sampled tokens per second")
@@ -318,6 +320,7 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
         written_at=written, age_s=age, elapsed_s=float(dl.get("elapsed_s", 0.0)),
         # it stops with the run, a killed one's too (on another host only the summary tells)
         dashboard=info.get("dashboard") if summary is None and info.get("pid") and orchestrator_alive(info) else None,
+        slurm_job=info.get("slurm_job"),
         episodes_per_s=float(dl.get("episodes_per_s", 0.0)), sequences_per_s=float(dl.get("sequences_per_s", 0.0)),
         generated_tokens_per_s=float(dl.get("generated_tokens_per_s", 0.0)),
         rollout_idle_fraction=_mean_idle(partitions),
