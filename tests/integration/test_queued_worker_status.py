@@ -42,6 +42,7 @@ def test_status_names_each_workers_node_and_why_a_queued_one_waits(tmp_path, mon
     # this process stands in for the live orchestrator (the view of a run that ended shows no placement)
     paths.orchestrator_file.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                                    "started": time.time() - 10}))
+    running.enter("serving")
     StatusWriter(paths, "t", pset, fleet).write(Tick(data_layer={}, trainers={}))
     st = json.loads((paths.control / "status.json").read_text())
 
@@ -53,3 +54,7 @@ def test_status_names_each_workers_node_and_why_a_queued_one_waits(tmp_path, mon
     nodes = {n.name: n for n in view.nodes}
     assert (nodes[running.name].host, nodes[running.name].reason) == ("a100-1", None)
     assert (nodes[queued.name].host, nodes[queued.name].reason) == (None, "Resources")
+    # what the text's `serving` column and worker phases say, `--json` says too: a script waiting for
+    # a partition to serve cannot tell a queued or loading worker from a serving one by `live`
+    assert (view.live, view.serving) == (2, 1), view
+    assert (nodes[running.name].phase, nodes[queued.name].phase) == ("serving", "submitted")

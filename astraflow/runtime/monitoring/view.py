@@ -14,98 +14,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+# the partition and worker models and the base of every view (re-exported here)
+from astraflow.runtime.monitoring.node_views import (  # noqa: F401
+    SCHEMA_VERSION, BoundsView, CapacityView, NodeView, PartitionView, _View,
+)
 from astraflow.runtime.monitoring.partition_stats import worker_of
 from astraflow.runtime.monitoring.snapshot import STALE_AFTER_S, damaged_run_files, orchestrator_alive, read_snapshot
 from astraflow.runtime.monitoring.text import outcome as outcome_of
 from storage.paths import RunPaths
 
-SCHEMA_VERSION = 2
-"""Version of the status and metrics views; bumped when a field changes meaning."""
-
-
-class _View(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 # ---------------------------------------------------------------------------- status view
-
-class NodeView(_View):
-    """One worker of the run (a RaaS node, the data layer or a trainer)."""
-
-    name: str = Field(description="Dask worker name, e.g. rollout-rollout-local-cpu-0")
-    partition: str = Field(description="partition the worker's job belongs to")
-    role: str = Field(description="rollout | data | trainer")
-    hardware: str = Field(description="the partition's hardware label (cpu, a100, ...)")
-    region: str = Field(description="the partition's region label")
-    job_id: str = Field(description="local pid-based id or Slurm job id")
-    state: str = Field(description="job state from the scheduler (RUNNING, PENDING, ...); "
-                                   "DRAINING while it finishes its leases; GONE once it left; "
-                                   "ENDED when the run finished; UNKNOWN when it stopped without a summary "
-                                   "(its last status is all there is)")
-    versions: dict[str, int] = Field(description="weight version served per policy (RaaS nodes; empty otherwise)")
-    leased_now: int = Field(description="tasks the node holds right now (in flight)")
-    leased_total: int = Field(description="tasks leased to the node since it joined")
-    completed_total: int = Field(description="tasks the node completed")
-    episodes: int = Field(description="episodes the node generated")
-    tokens: int = Field(description="tokens the node's policies sampled (prompts and tool output not counted)")
-    episodes_per_s: float = Field(description="episodes per second over the node's lifetime")
-    generated_tokens_per_s: float = Field(description="sampled tokens per second over the node's lifetime")
-    idle_fraction: float | None = Field(description="share of the node's lifetime with nothing to generate "
-                                                    "(RaaS nodes; None otherwise)")
-    last_seen_s: float | None = Field(description="seconds since its last heartbeat; None: never (not a RaaS node)")
-    host: str | None = Field(default=None, description="the node its job runs on (Slurm's node list, localhost); "
-                                                       "None while it waits, once it is gone, or when unknown")
-    reason: str | None = Field(default=None, description="why its job waits in the queue (Slurm's reason: "
-                                                         "Resources, Priority, ReqNodeNotAvail...); None otherwise")
-
-
-class BoundsView(_View):
-    """A partition's autoscale bounds (``partitions[].autoscale``)."""
-
-    min_nodes: int
-    max_nodes: int
-    cooldown_s: float
-
-
-class CapacityView(_View):
-    """What a rollout partition's nodes take on: faster hardware leases more at once."""
-
-    node_capacity: int = Field(description="episodes a node leases at once (rollout.capacity, or derived)")
-    engine_max_batch: int = Field(description="requests an engine decodes together at most")
-    engines_per_node: int = Field(description="engines per policy on a node")
-
-
-class PartitionView(_View):
-    """A partition as configured (or added with ``astraflow partitions add``)."""
-
-    name: str
-    scheduler: str = Field(description="local | slurm")
-    role: str = Field(description="rollout | data | trainer")
-    hardware: str
-    region: str
-    desired: int = Field(description="nodes the partition should have (0 once its removal was asked for)")
-    live: int = Field(description="its workers that are not gone (0 once the run finished)")
-    nodes: list[NodeView] = Field(description="its workers, by name")
-    state: str = Field(default="?", description="active | removing | removed | failed (not refilled); ? when unknown")
-    failures: int = Field(default=0, description="its workers that failed (lost before serving or soon after)")
-    refill_in_s: float | None = Field(default=None, description="seconds until it is refilled again (backoff after "
-                                                              "a failure); None when not waiting")
-    error: str | None = Field(default=None, description="why it failed; None while healthy")
-    trajectories_per_s: float = Field(default=0.0, description="tasks its nodes completed per second over the "
-                                                               "last ~10 s")
-    tokens_per_s: float = Field(default=0.0, description="tokens its nodes sampled per second over the last ~10 s")
-    consumed: int = Field(default=0, description="sequences its nodes generated that trainers consumed")
-    staleness_mean: float | None = Field(default=None, description="mean versions behind the trainer of those "
-                                                                   "sequences when consumed; None before any")
-    staleness_max: int | None = Field(default=None, description="their largest staleness; None before any")
-    versions: dict[str, list[int]] = Field(default_factory=dict, description="per policy: the weight versions "
-                                                                            "its live nodes serve now")
-    autoscale: BoundsView | None = Field(default=None, description="its autoscale bounds; None: not autoscaled")
-    capacity: CapacityView | None = Field(default=None, description="a rollout partition's lease capacity and "
-                                                                    "engine batch; None for other roles")
-
 
 class PolicyView(_View):
     """One policy: its trainer and what the data layer did with its trajectories."""
@@ -269,6 +189,7 @@ def _node_view(name: str, worker: dict[str, Any], part: dict[str, Any], info: di
         episodes_per_s=ep_s, generated_tokens_per_s=tok_s,
         idle_fraction=float(info["idle_fraction"]) if "idle_fraction" in info else None,
         last_seen_s=(now - float(seen)) if seen is not None else None,
+        phase=worker.get("phase") if ended is None else None,
         host=worker.get("host") if ended is None and state != "GONE" else None,
         reason=worker.get("reason") if ended is None and state == "PENDING" else None,
     )
@@ -354,7 +275,8 @@ def _partition_views(status: dict[str, Any], dl: dict[str, Any], ended: str | No
             name=n, scheduler=str(p.get("scheduler", "?")), role=str(p.get("role", "?")),
             hardware=str(p.get("hardware", "?")), region=str(p.get("region", "?")),
             desired=0 if p.get("state") in ("removing", "removed") else int(p.get("nodes", 0)),
-            live=0 if finished else int(p.get("live", 0)), nodes=by_part.get(n, []),
+            live=0 if finished else int(p.get("live", 0)), serving=0 if finished else int(p.get("serving", 0)),
+            nodes=by_part.get(n, []),
             state=str(p.get("state", "?")), failures=int(p.get("failures", 0)),
             refill_in_s=p.get("refill_in_s"), error=p.get("error"), **_partition_stats(p),
         )
