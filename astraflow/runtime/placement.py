@@ -214,7 +214,8 @@ class Placement:
         state, asked every 5 s: PENDING in a Slurm queue, ...); then asks them for their code
         (``ask_code``). Rollout workers whose jobs wait in the queue do not hold the run back
         once every other worker and one rollout worker joined: they join when Slurm starts them,
-        as a refill's do. ``hint``: a likely cause, said with a failure to join a running job."""
+        as a refill's do. ``hint``: a likely cause, said with a failure to join a running job or
+        with a job that ended failing to connect."""
         timeout = self.cluster.worker_start_timeout_s
         deadline = time.time() + timeout
         states: dict[str, str] = {}
@@ -237,8 +238,10 @@ class Placement:
                 # a job that ended without its worker joining (seen so twice: not a requeue) never will
                 ended = {n for n in missing if states.get(n, "PENDING") in ENDED_STATES}
                 if ended & ended_before:
-                    raise RunFailed(self._never_joined(sorted(ended & ended_before), states, logs)
-                                    + (f"; {hint}" if hint else ""))
+                    said = self._never_joined(sorted(ended & ended_before), states, logs)
+                    # the hint (how workers reach the scheduler) only where a worker failed to connect,
+                    # not where its job failed before (a setup line, a missing module)
+                    raise RunFailed(said + (f"; {hint}" if hint and "connect" in said.lower() else ""))
                 ended_before = ended
             shown = ", ".join(f"{n} ({states.get(n, '?')})" for n in missing[:3])
             self.progress.detail(f"{len(names) - len(missing)}/{len(names)} joined; not yet {shown}"

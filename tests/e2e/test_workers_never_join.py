@@ -53,3 +53,29 @@ def test_a_local_worker_s_log_is_read_from_its_latest_start(tmp_path):
                    f"{JOB_START_MARK} rollout-r-local-cpu-0 2026-01-01 01:00:00\nKilled\n")
     assert _last_error(job_lines(log)) == "Killed"
     assert job_lines(tmp_path / "missing.log") == []
+
+
+@pytest.mark.parametrize("error, hinted", [
+    ("/var/spool/slurmd/job00019/slurm_script: line 21: module: command not found", False),
+    ("OSError: Timed out trying to connect to tls://127.0.0.1:42375 after 30 s", True),
+])
+def test_the_scheduler_address_hint_comes_only_with_a_failure_to_connect(tmp_path, monkeypatch, error, hinted):
+    """A worker job that failed on its site setup line is not told to fix how workers reach the
+    scheduler: the hint only goes with a worker that ended failing to connect."""
+    from astraflow.config import ClusterConfig
+    from astraflow.runtime.placement import Placement
+    from astraflow.runtime.progress import Progress
+    from astraflow.runtime.workers import RunFailed
+    from storage.paths import RunPaths
+
+    log = tmp_path / "w.log"
+    log.write_text(error + "\n")
+    placement = Placement(RunPaths(tmp_path / "run").make(), ClusterConfig(), Progress(enabled=False))
+    monkeypatch.setattr(placement, "joined", lambda: {})
+    monkeypatch.setattr("astraflow.runtime.placement.time.sleep", lambda s: None)
+    clock = iter(range(0, 10_000, 3))
+    monkeypatch.setattr("astraflow.runtime.placement.time.time", lambda: float(next(clock)))
+    with pytest.raises(RunFailed) as err:
+        placement.wait_workers(["rollout-h100-local-H100-0"], lambda: {"rollout-h100-local-H100-0": "FAILED"},
+                               lambda name: log, hint="the Dask scheduler listens on 127.0.0.1")
+    assert error in str(err.value) and ("listens on 127.0.0.1" in str(err.value)) == hinted, str(err.value)
