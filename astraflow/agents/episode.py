@@ -146,6 +146,9 @@ async def run_agent_episode(generate: Generate, renderer: ChatRenderer, env: Env
         first, secs = await timed(env.reset(task), timeout, f"{type(env).__name__}.reset")
         log.env_seconds += secs
         first = _capped_messages(check_messages(first, f"{type(env).__name__}.reset"), limits.max_observation_chars)
+        if not first:  # else a template's own error about an empty conversation would name the template
+            raise EpisodeError(f"{type(env).__name__}.reset returned no message: return the first observation, "
+                               "at least one message (the task for the model)")
         log.append(start_tokens(renderer, env, first), kind="observation", messages=first)
         # kept free for the closing a turn cut by its budget gets: the stored episode stays in the budget
         reserve = len(renderer.close_turn(False))

@@ -249,6 +249,24 @@ def test_env_failures_fail_the_episode_and_close_it(tok):
     assert env.closed == 1
 
 
+@pytest.mark.parametrize("templated", [True, False])
+def test_a_reset_with_no_message_is_named_not_blamed_on_the_chat_template(tok, templated):
+    """An empty first observation failed in the chat template ("cannot apply chat template to an
+    empty conversation ... set the tokenizer's chat_template"), sending the user to fix the
+    tokenizer; without a template the model was sampled from nothing."""
+    class Silent(SumEnv):
+        async def reset(self, task):
+            self.task = task
+            return []
+
+    plain = build_tokenizer()
+    plain.chat_template = None
+    env = Silent()
+    with pytest.raises(EpisodeError, match=r"^Silent.reset returned no message: return the first observation"):
+        run(scripted(tok, ["5"]), tok if templated else plain, env)
+    assert env.closed == 1
+
+
 @pytest.mark.parametrize("extra", [{"meta": {1: "a", "b": 2}}, {("x", 1): "tuple key"}])
 def test_a_message_that_cannot_be_stored_fails_its_episode_not_the_nodes_write(tok, extra):
     """An observation message is stored with the episode as sorted JSON: a key that cannot be
