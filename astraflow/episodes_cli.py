@@ -35,7 +35,8 @@ READ_BUDGET = 256
 @click.option("--max-reward", type=float, help="Only episodes with at most this reward.")
 @click.option("--json", "as_json", is_flag=True,
               help="Machine-readable output: the dashboard's /astraflow/api/episodes.json view, each episode "
-                   "with `prompt` and `completion` decoded where it has no turns.")
+                   "with `prompt` and `completion` decoded where it has no turns (`parts`: the completion's runs of "
+                   "trained and untrained tokens).")
 def episodes(run_dir: str, limit: int, sample: int, policy: str | None, kind: str | None, workload: str | None,
              min_reward: float | None, max_reward: float | None, as_json: bool) -> None:
     """Show the episodes stored by the run in RUN_DIR, newest first: task, reward, how each ended
@@ -98,7 +99,10 @@ def _show(console, e, text: dict[str, str] | None, sampled: bool) -> None:
         console.print(Text(printable(f"task: {task}"), style="dim"))
     if text:
         console.print(Text(printable(text["prompt"]), style="dim"), end="")
-        console.print(Text(printable(text["completion"]), style="bold green"))
+        # the trained runs as the model's text, what a workflow put between them (a critique) dim
+        for part in text["parts"]:
+            console.print(Text(printable(part["text"]), style="bold green" if part["trained"] else "dim"), end="")
+        console.print()
     elif not e.turns:
         console.print("[dim](its tokens could not be decoded: the policy's model directory is not here)[/dim]")
     for t in e.turns:
@@ -122,9 +126,11 @@ def _show(console, e, text: dict[str, str] | None, sampled: bool) -> None:
 
 
 def _single_turn_texts(paths: RunPaths, store_url: str | None, shown: list) -> dict[str, dict[str, str]]:
-    """``{id: {"prompt", "completion"}}`` of ``shown`` (episodes without turns), decoded from the
-    stored tokens with the tokenizer of the policy that wrote each; an episode whose policy's
-    model directory is missing or unreadable (a sim run) is left out."""
+    """``{id: {"prompt", "completion", "parts"}}`` of ``shown`` (episodes without turns), decoded
+    from the stored tokens with the tokenizer of the policy that wrote each: the completion from
+    the first trained token on, and ``parts`` its runs of trained and untrained tokens (a workflow
+    of its own may put untrained text, a critique, between two answers). An episode whose
+    policy's model directory is missing or unreadable (a sim run) is left out."""
     if not shown or store_url is None:
         return {}
     from storage.trajectories import EntryRef, open_trajectory_store
@@ -144,7 +150,9 @@ def _single_turn_texts(paths: RunPaths, store_url: str | None, shown: list) -> d
         tok = _tokenizer(tokenizers, models.get(e.policies[pid]) if 0 <= pid < len(e.policies) else None)
         if tok is None:
             continue
-        out[e.id] = {"prompt": tok.decode(ids[:first]), "completion": tok.decode(ids[first:])}
+        cuts = [first] + [j for j in range(first + 1, len(ids)) if mask[j] != mask[j - 1]] + [len(ids)]
+        parts = [{"text": tok.decode(ids[i:j]), "trained": bool(mask[i])} for i, j in zip(cuts, cuts[1:]) if i < j]
+        out[e.id] = {"prompt": tok.decode(ids[:first]), "completion": tok.decode(ids[first:]), "parts": parts}
     return out
 
 

@@ -89,3 +89,45 @@ def test_a_sequence_is_decoded_with_the_tokenizer_of_the_policy_that_wrote_it(tm
     assert out.exit_code == 0, out.output
     texts = {e["seq_index"]: (e["prompt"], e["completion"]) for e in json.loads(out.output)["recent"]}
     assert texts == {0: ("12+30=", "42"), 1: ("is 12+30=42 right? ", "Y")}
+
+
+def test_untrained_text_between_two_answers_is_not_shown_as_the_models(tmp_path):
+    """A workflow of the user's own (self-correction: an answer, a critique, a second answer) stores
+    one sequence whose critique is untrained. The completion was every token from the first
+    trained one on, shown as the model's text: the critique read as if the model wrote it, so a
+    user could not see that it was masked out of the loss. ``parts`` gives the runs."""
+    import json
+
+    import yaml
+
+    from astraflow.contracts import Provenance, Sequence, Trajectory
+    from astraflow.models import init_model
+    from storage.paths import RunPaths
+
+    tok = build_tokenizer()
+    model = init_model(tmp_path / "model", tokenizer=tok)
+    paths = RunPaths(tmp_path / "run")
+    paths.root.mkdir()
+    paths.config.write_text(yaml.safe_dump({"workload": {"name": "math"}, "storage": {"trajectories": None},
+                                            "policies": [{"name": "solver", "model": str(model)}]}))
+    pieces = [("2+2=", False), ("5", True), (" Wrong. Again: ", False), ("4", True)]
+    ids = [tok.encode(text, add_special_tokens=False) for text, _ in pieces]
+    mask = [m for (_, m), i in zip(pieces, ids) for _ in i]
+    n = len(mask)
+    seq = Sequence.build(tokens=sum(ids, []), loss_mask=mask, logprobs=[0.0] * n,
+                         policy_ids=[0 if m else -1 for m in mask], versions=[0 if m else -1 for m in mask],
+                         reward=1.0)
+    traj = Trajectory(task_id="g/0", group_id="g", policies=("solver",), workflow="self_correct", kind="train",
+                      attempt=0, provenance=Provenance(node="rollout-0"), sequences=(seq,))
+    store = open_trajectory_store(str(paths.trajectories), "a", durable=False)
+    with store.writer("rollout-0") as w:
+        w.write(traj.to_stored())
+    out = CliRunner().invoke(main, ["episodes", str(paths.root), "-n", "1", "--json"])
+    assert out.exit_code == 0, out.output
+    e = json.loads(out.output)["recent"][0]
+    assert (e["prompt"], e["completion"]) == ("2+2=", "5 Wrong. Again: 4")
+    assert e["parts"] == [{"text": "5", "trained": True}, {"text": " Wrong. Again: ", "trained": False},
+                          {"text": "4", "trained": True}]
+    out = CliRunner().invoke(main, ["episodes", str(paths.root), "-n", "1"])
+    assert out.exit_code == 0, out.output
+    assert "2+2=5 Wrong. Again: 4\n" in out.output
