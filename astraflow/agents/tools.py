@@ -183,11 +183,16 @@ class ToolBox:
         return [t.schema for t in self.tools.values()]
 
     def describe(self) -> str:
-        """One line per tool, ``name(arg: type, ...): description``, for a system prompt."""
+        """One line per tool, ``name(arg: type, ...): description``, for a system prompt; an
+        argument with a default is written ``arg: type = default``."""
         lines = []
         for t in self.tools.values():
-            props = t.arguments.model_json_schema().get("properties", {})
-            args = ", ".join(f"{k}: {v.get('type', 'any')}" for k, v in props.items())
+            schema = t.arguments.model_json_schema()
+            defs = schema.get("$defs", {})
+            props = schema.get("properties", {})
+            args = ", ".join(f"{k}: {_type_name(v, defs)}"
+                             + (f" = {json.dumps(v['default'])}" if "default" in v else "")
+                             for k, v in props.items())
             lines.append(f"{t.name}({args}): {t.description}")
         return "\n".join(lines)
 
@@ -222,6 +227,30 @@ class ToolBox:
                                "episode, which is resampled; for a call the model got wrong raise "
                                "astraflow.agents.env.ToolError, which the model sees as the call's error)") from err
         return ToolResult(_as_text(t.name, out), valid=True, seconds=time.perf_counter() - t0)
+
+
+def _type_name(schema: dict[str, Any], defs: dict[str, Any], seen: tuple[str, ...] = ()) -> str:
+    """A JSON schema's type in a few characters (``integer``, ``"a" | "b"``, ``array of string``,
+    ``string | null``, an object's fields in braces), as ``ToolBox.describe`` tells the model:
+    an ``Optional``, enum, list or pydantic-model argument is not ``any``."""
+    if "$ref" in schema:
+        name = schema["$ref"].rsplit("/", 1)[-1]
+        return name if name in seen else _type_name(defs.get(name, {}), defs, seen + (name,))  # a recursive model
+    if "enum" in schema:
+        return " | ".join(json.dumps(v) for v in schema["enum"])
+    if "const" in schema:
+        return json.dumps(schema["const"])
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            return " | ".join(_type_name(s, defs, seen) for s in schema[key])
+    kind = schema.get("type", "any")
+    if isinstance(kind, list):
+        return " | ".join(kind)
+    if kind == "array" and isinstance(schema.get("items"), dict):
+        return f"array of {_type_name(schema['items'], defs, seen)}"
+    if kind == "object" and schema.get("properties"):
+        return "{" + ", ".join(f"{k}: {_type_name(v, defs, seen)}" for k, v in schema["properties"].items()) + "}"
+    return kind
 
 
 def _as_text(name: str, out: Any) -> str:

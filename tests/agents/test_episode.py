@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Literal, Optional
 
 import numpy as np
 import pytest
+from pydantic import BaseModel
 
 from astraflow.agents.chat import ChatRenderer
 from astraflow.agents.env import Action, EnvironmentBase, EpisodeError, StepResult
@@ -169,6 +172,37 @@ def test_a_number_argument_takes_numbers_only():
     for x, valid in [(3, True), (1.5, True), ("3", False), (True, False), (float("nan"), False), (float("inf"), False)]:
         call = parse_action(format_call("half", {"x": x})).tool_calls[0]
         assert asyncio.run(box.run(call)).valid is valid, x
+
+
+class Line(BaseModel):
+    name: str
+    qty: int = 1
+
+
+class Basket(BaseModel):
+    lines: list[Line]
+    note: Optional[str] = None
+
+
+class Size(str, enum.Enum):
+    small = "small"
+    large = "large"
+
+
+def test_describe_names_the_types_of_optional_enum_list_and_model_arguments():
+    """``ToolBox.describe`` (the tools' lines of a system prompt) wrote ``any`` for an ``Optional``,
+    enum, list-or-None or pydantic-model argument and left out defaults: the model was told
+    nothing of what such a tool takes."""
+    @tool
+    def buy(basket: Basket, size: Optional[Size] = None, unit: Literal["kg", "g"] = "kg",
+            tags: list[str] | None = None, k: int = 3) -> str:
+        """Buy a basket."""
+        return "ok"
+
+    assert ToolBox([buy]).describe() == (
+        'buy(basket: {lines: array of {name: string, qty: integer}, note: string | null}, '
+        'size: "small" | "large" | null = null, unit: "kg" | "g" = "kg", tags: array of string | null = null, '
+        'k: integer = 3): Buy a basket.')
 
 
 def test_per_turn_rewards_add_to_the_return(tok):
