@@ -172,6 +172,10 @@ class ToolBox:
     def __init__(self, tools: Iterable[Tool]):
         self.tools: dict[str, Tool] = {}
         for t in tools:
+            if t.method:  # ``@tool`` on a method, read from the class: called without its ``self``
+                raise ValueError(f"tool {t.name} is a method read from its class (ToolBox([{t.name}]) in the class "
+                                 f"body): build the ToolBox in __init__ from the instance's, "
+                                 f"self.tools = ToolBox([self.{t.name}])")
             if t.name in self.tools:
                 raise ValueError(f"two tools are named {t.name!r}")
             self.tools[t.name] = t

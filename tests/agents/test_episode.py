@@ -442,6 +442,21 @@ def test_a_method_tool_binds_to_its_environment_and_deep_json_is_an_error_observ
     assert parse_action(deep).errors == ("the tool call's JSON is nested too deeply",)
 
 
+def test_a_method_tool_read_from_its_class_is_refused_naming_the_fix():
+    """``tools = ToolBox([look])`` in the class body holds the method unbound: every valid call
+    then failed its episode with "missing 1 required positional argument: 'self'", and the
+    conformance suite (whose garbage calls never reach the tool) passed it."""
+    with pytest.raises(ValueError, match=r"tool look is a method read from its class .* "
+                                         r"self.tools = ToolBox\(\[self.look\]\)"):
+        class Looking(EnvironmentBase):
+            @tool
+            def look(self, what: str) -> str:
+                """Look at something."""
+                return what
+
+            tools = ToolBox([look])
+
+
 def test_calls_queued_behind_stuck_tools_run_once_those_are_abandoned():
     """Twice as many stuck calls as a small pool has slots, all at once: the queued ones start
     as the first ones are abandoned and time out in turn, instead of waiting forever."""
