@@ -262,7 +262,10 @@ def _checked_step(result: Any, name: str, limits: AgentLimits) -> StepResult:
         raise EpisodeError(f"{name}.step returned {type(result).__name__}, not a StepResult")
     check_messages(result.observation, f"{name}.step")
     reward, info = _plain(result.reward), result.info
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
+    if isinstance(reward, bool):  # "not a finite number" would puzzle whoever wrote reward=(answer == secret)
+        raise EpisodeError(f"{name}.step returned reward {reward!r}, a bool: give a number, "
+                           f"reward=float(...), and the bool as info['success']")
+    if not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
         raise EpisodeError(f"{name}.step returned reward {reward!r}, not a finite number")
     if not isinstance(info, Mapping):
         raise EpisodeError(f"{name}.step returned info of type {type(info).__name__}, not a mapping (a dict)")

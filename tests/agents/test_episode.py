@@ -254,6 +254,10 @@ def test_env_failures_fail_the_episode_and_close_it(tok):
         async def step(self, action):
             return StepResult([{"role": "user", "content": "ok"}], reward=None, done=True)
 
+    class BoolReward(SumEnv):  # reward=(answer == secret): was "not a finite number"
+        async def step(self, action):
+            return StepResult([{"role": "user", "content": "ok"}], reward=np.bool_(True), done=True)
+
     class BadInfo(SumEnv):
         async def step(self, action):
             return StepResult([{"role": "user", "content": "ok"}], reward=np.float32(1.0), done=True, info=["x"])
@@ -269,6 +273,7 @@ def test_env_failures_fail_the_episode_and_close_it(tok):
 
     for cls, why in ((Raising, "raised KeyError"), (Hanging, "deadline"), (Garbage, "not a StepResult"),
                      (NoReward, "NoReward.step returned reward None, not a finite number"),
+                     (BoolReward, r"BoolReward.step returned reward True, a bool: give a number, reward=float\(...\)"),
                      (BadInfo, "BadInfo.step returned info of type list"),
                      (lambda: BadSuccess(None), r"info\['success'\] None, not a finite number"),
                      (lambda: BadSuccess("yes"), r"info\['success'\] 'yes'"),
