@@ -145,6 +145,10 @@ class Sequence:
     finish_reason: FinishReason = "stop"
 
     def __post_init__(self) -> None:
+        for name in ("tokens", "loss_mask", "logprobs", "policy_ids", "versions"):
+            if not isinstance(getattr(self, name), np.ndarray):  # a list fails below with an operator's TypeError
+                raise ValueError(f"Sequence.{name} is a {type(getattr(self, name)).__name__}, not a NumPy array: "
+                                 "make the sequence with Sequence.build(...), which takes lists")
         n = len(self.tokens)
         for name in ("loss_mask", "logprobs", "policy_ids", "versions"):
             arr = getattr(self, name)

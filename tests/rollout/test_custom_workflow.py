@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from astraflow.contracts import RolloutTask
@@ -104,3 +105,17 @@ def test_the_readme_workflow_prompts_a_chat_model_through_its_template(tmp_path)
     cls = workflow_class("examples.custom_workflow.flows:two_tries")
     traj = asyncio.run(cls(workload, SamplingParams(max_new_tokens=5), "n").run_episode({"solver": engine}, task))
     assert [s.reward for s in traj.sequences] == [1.0] and engine.seen[0][0] == served
+
+
+def test_a_sequence_of_lists_names_sequence_build():
+    """A user's workflow that makes a ``Sequence`` of plain lists (as its tokens come) failed every
+    episode with "'>=' not supported between instances of 'list' and 'int'"."""
+    from astraflow.contracts import Sequence
+
+    with pytest.raises(ValueError, match=r"^Sequence.tokens is a list, not a NumPy array: make the sequence with "
+                                         r"Sequence.build\(...\), which takes lists"):
+        Sequence(tokens=[1, 2], loss_mask=[False, True], logprobs=[0.0, -1.0], policy_ids=[-1, 0],
+                 versions=[-1, 0], reward=1.0)
+    seq = Sequence.build(tokens=[1, 2], loss_mask=[False, True], logprobs=[0.0, -1.0], policy_ids=[-1, 0],
+                         versions=[-1, 0], reward=1.0)
+    assert seq.loss_mask.dtype == bool and seq.tokens.dtype == np.int32
