@@ -130,6 +130,19 @@ def test_answer_checks_name_what_a_reward_cannot_score():
     assert answer_problem("exact", "  ") is not None
 
 
+def test_plain_number_answers_are_checked_without_the_math_verify_parser(monkeypatch):
+    """Reading a dataset checks every answer: math-verify's parser takes milliseconds an answer,
+    hours over millions of GSM8K-style rows, and always parses a plain number."""
+    from astraflow.workloads import rewards
+
+    parsed = []
+    monkeypatch.setattr(rewards, "gold", lambda answer: parsed.append(answer) or [answer])
+    for answer in ("42", "-7", "2.50", ".5", "007"):
+        assert answer_problem("math_verify", answer) is None
+    assert parsed == []
+    assert answer_problem("math_verify", "\\frac{1}{2}") is None and parsed == ["\\frac{1}{2}"]
+
+
 def test_extraction_of_public_layouts():
     assert gsm8k_answer("She has 3 + 4 = <<3+4=7>>7 apples.\n#### 7") == "7"
     assert gsm8k_answer("#### 1,234.") == "1234"
