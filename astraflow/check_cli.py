@@ -56,6 +56,7 @@ def check(config: str, overrides: tuple[str, ...]) -> None:
         click.echo(line, err=True)
 
     try:
+        click.echo(f"reading the data of workload {cfg.workload.name} ...", err=True)  # minutes for millions of rows
         click.echo(check_data(cfg.workload, cfg), err=True)
         check_sandbox(cfg)  # as `run` checks it: a reward that runs code needs a working sandbox
         if (conforms := check_environment_of(cfg, lambda line: click.echo(line, err=True))) is not None:

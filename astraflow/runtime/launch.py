@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -256,7 +257,11 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult | No
         hf_logging.disable_progress_bar()
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     progress = Progress(enabled=not quiet)
-    progress.note(check_data(cfg.workload, cfg))
+    read_from = time.monotonic()
+    with progress.waiting(f"reading the data of workload {cfg.workload.name}"):
+        found = check_data(cfg.workload, cfg)
+    data_read_s = time.monotonic() - read_from  # the data layer reads it again: its placement deadline
+    progress.note(found)
     check_sandbox(cfg)
     check_network(cfg)  # the addresses it binds here, before a scheduler or worker fails on one
     with RunDirLock(run_dir) as lock:
@@ -279,7 +284,7 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult | No
                     progress.note(line)
             check_same_models(cfg, run_dir)
             progress.note(f"run directory {run_dir}")
-            result = Orchestrator(cfg, run_dir, progress, previous, server).run()
+            result = Orchestrator(cfg, run_dir, progress, previous, server, data_read_s).run()
         finally:
             if server is not None:  # the run's local scheduler closed it already, unless none was made
                 server.close()

@@ -59,8 +59,7 @@ from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts, note
 from astraflow.runtime.shutdown import RunResult, Shutdown
 from astraflow.runtime.stopping import (STOPPING, Ending, NothingCompletes, deadline_reason, disk_full,
                                         disk_full_reason, full_disk_of, interrupted, is_disk_full_reason, rule_failed)
-from astraflow.runtime.workers import (FUTURE_ERRORS, PHASES, DataLayerLost, Fleet, RunFailed,
-                                      TrainerLost, Worker)
+from astraflow.runtime.workers import FUTURE_ERRORS, PHASES, DataLayerLost, Fleet, RunFailed, TrainerLost, Worker
 from astraflow.training.numerics import NonFiniteError
 from astraflow.training.trainer import Trainer
 from schedulers import Partition
@@ -80,14 +79,15 @@ TICK_EVALS = 4 * STATUS_EVALS
 
 class Orchestrator(Shutdown):
     def __init__(self, cfg: RunConfig, run_dir: Path, progress: Progress | None = None,
-                 previous_jobs: PreviousJobs | None = None, fork_server: ForkServer | None = None):
-        """`previous_jobs`: what `launch` cancelled of the previous incarnation's worker jobs
-        (recorded in the status and the summary); `fork_server`: what local workers are forked
-        from (`reconcile.local_fork_server`; started here when not given)."""
+                 previous_jobs: PreviousJobs | None = None, fork_server: ForkServer | None = None,
+                 data_read_s: float = 0.0):
+        """`previous_jobs`: what `launch` cancelled of the previous incarnation's worker jobs (recorded in
+        the status and the summary); `fork_server`: what local workers are forked from (`reconcile.local_fork_server`;
+        started here when not given); `data_read_s`: how long `launch` took to read the data (`Placement`)."""
         self.cfg = cfg
         self.paths = RunPaths(run_dir).make()
         self.progress = progress or Progress(enabled=False)
-        self.placement = Placement(self.paths, cfg.cluster, self.progress)
+        self.placement = Placement(self.paths, cfg.cluster, self.progress, data_read_s)
         #: what judging a partition needs of the workload and the models, read once
         self._episode_tokens, self._limits = cfg.episode_tokens(), model_limits(cfg)
         self.parts = PartitionSet(list(cfg.partitions), self.paths, cfg.cluster, self.progress,
@@ -266,7 +266,7 @@ class Orchestrator(Shutdown):
         trainer_ws = self.fleet.of_role("trainer")
         with self.progress.waiting("placing the data layer"):
             self.fleet.dl = placement.wait_all("placing the data layer", {"data": placement.submit_actor(
-                DataLayer, data_w.name, **data_layer_kwargs(cfg, self.paths))})["data"]
+                DataLayer, data_w.name, **data_layer_kwargs(cfg, self.paths))}, reads_data=True)["data"]
             data_w.actor = self.dl
             self._recover_served()
         on = self.restarts.placed_on = {p.name: trainer_ws[i % len(trainer_ws)].name

@@ -51,10 +51,13 @@ LOST_CHECK_S = 2.0
 class Placement:
     """The Dask scheduler process and client of a run, and actors placed on named workers."""
 
-    def __init__(self, paths: RunPaths, cluster: ClusterConfig, progress: Progress):
+    def __init__(self, paths: RunPaths, cluster: ClusterConfig, progress: Progress, data_read_s: float = 0.0):
         self.paths = paths
         self.cluster = cluster
         self.progress = progress
+        #: seconds ``launch`` took to read the workload's data: a data layer reads it again as it is
+        #: constructed, so its placement deadline is longer by twice that (``wait_all(reads_data=True)``)
+        self.data_read_s = data_read_s
         self.scheduler_proc: SchedulerProcess | None = None
         self.client: Client | None = None
         self.dashboard: str | None = None
@@ -177,9 +180,10 @@ class Placement:
             return
         self._asked.update({(todo[a], a): fp for a, fp in got.items() if a in todo and isinstance(fp, dict)})
 
-    def wait_all(self, what: str, futures: dict[str, Any]) -> dict[str, Any]:
-        """Wait for every future with the placement deadline, naming what is still missing."""
-        timeout = self.cluster.placement_timeout_s
+    def wait_all(self, what: str, futures: dict[str, Any], reads_data: bool = False) -> dict[str, Any]:
+        """Wait for every future with the placement deadline, naming what is still missing;
+        ``reads_data``: an actor that reads the workload's data as it starts (the data layer)."""
+        timeout = self.cluster.placement_timeout_s + (2 * self.data_read_s if reads_data else 0.0)
         deadline = time.time() + timeout
         out = {}
         for key, fut in futures.items():
@@ -191,8 +195,9 @@ class Placement:
                     if time.time() >= deadline:
                         missing = [k for k in futures if k not in out]
                         raise RunFailed(
-                            f"{what} did not finish within {timeout:.0f}s (cluster.placement_timeout_s) for "
-                            f"{missing}; see the worker logs in {self.paths.jobs}"
+                            f"{what} did not finish within {timeout:.0f}s (cluster.placement_timeout_s"
+                            + (f" and twice the {self.data_read_s:.0f}s the data took to read" if reads_data else "")
+                            + f") for {missing}; see the worker logs in {self.paths.jobs}"
                         ) from None
                     self._check_not_lost(what, key, fut)
         return out

@@ -335,7 +335,8 @@ class DataLayerRestarts:
         try:
             with self.progress.waiting(f"restoring the data layer on {new.name}"):
                 dl = self.placement.wait_all("placing the re-placed data layer", {"data": self.placement.submit_actor(
-                    DataLayer, new.name, **data_layer_kwargs(self.cfg, self.paths, keep_leases=True))})["data"]
+                    DataLayer, new.name, **data_layer_kwargs(self.cfg, self.paths, keep_leases=True))},
+                    reads_data=True)["data"]
                 restored = dl.state().result(timeout=60).get("restored") or {}
         except RunFailed:
             raise

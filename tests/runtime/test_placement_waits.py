@@ -4,6 +4,8 @@ out of memory) fails the wait at once naming the worker, instead of at the place
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from astraflow.config import ClusterConfig
@@ -67,3 +69,34 @@ def test_a_worker_that_left_before_its_actor_is_placed_is_unusable_not_a_key_err
     placement = _placement(tmp_path, monkeypatch, {}, waits=0)
     with pytest.raises(WorkerUnusable, match="worker rollout-rollout-local-cpu-2 left the Dask scheduler"):
         placement.submit_actor(dict, "rollout-rollout-local-cpu-2")
+
+
+class _Building:
+    """A Dask future of an actor built ``seconds`` after it is made (a data layer reading its data)."""
+
+    def __init__(self, seconds: float):
+        self.ready_at = time.monotonic() + seconds
+
+    def result(self, timeout=None):
+        left = self.ready_at - time.monotonic()
+        if left > 0:
+            time.sleep(min(left, timeout))
+            if timeout < left:
+                raise TimeoutError
+        return "actor"
+
+
+def test_the_data_layers_deadline_counts_the_time_the_data_took_to_read(tmp_path):
+    """The data layer reads the whole dataset as it is constructed: a dataset that took ``launch``
+    longer than ``cluster.placement_timeout_s`` to read failed the run at the data layer's placement."""
+    def placement(data_read_s: float) -> Placement:
+        return Placement(RunPaths(tmp_path / "run").make(), ClusterConfig(placement_timeout_s=0.2),
+                         Progress(enabled=False), data_read_s=data_read_s)
+
+    assert placement(0.5).wait_all("placing the data layer", {"data": _Building(0.6)}, reads_data=True) == {
+        "data": "actor"}
+    with pytest.raises(RunFailed, match=r"placing the data layer did not finish within 0s \(cluster.placement_timeout_s"
+                                        r" and twice the 0s the data took to read\) for \['data'\]"):
+        placement(0.01).wait_all("placing the data layer", {"data": _Building(1.0)}, reads_data=True)
+    with pytest.raises(RunFailed, match=r"placing trainers did not finish within 0s \(cluster.placement_timeout_s\)"):
+        placement(0.5).wait_all("placing trainers", {"solver": _Building(0.6)})
