@@ -75,7 +75,8 @@ class DatasetParams(Strict):
     """The field holding the prompt as chat messages (``[{role, content}, ...]``, ending with a
     user turn) instead of ``prompt_field``."""
     answer_field: str | None = None
-    """The field holding the reference answer or solution (default ``answer``)."""
+    """The field holding the reference answer or solution (default ``answer``). Every field
+    setting may name a field inside nested objects by a dotted path (``solution.final``)."""
     answer_format: Literal["plain", "gsm8k", "boxed"] | None = None
     """How the reference answer is read from ``answer_field``: ``plain`` (the field as it is),
     ``gsm8k`` (the text after the last ``####``), ``boxed`` (the last ``\\boxed{}``)."""
@@ -259,7 +260,7 @@ class DatasetWorkload:
         if all_train:
             return "train"
         label = row.split if row.split is not None else (
-            row.fields.get(cfg.split_field) if cfg.split_field else None)
+            field_value(row.fields, cfg.split_field) if cfg.split_field else None)
         if row.split is not None or cfg.split_field:
             if label == cfg.train_split:
                 return "train"
@@ -304,15 +305,15 @@ class DatasetWorkload:
         messages = self._messages(row)
         if messages is None:
             return None
-        solution = f.get(cfg.answer_field)
+        solution = field_value(f, cfg.answer_field)
         if isinstance(solution, list) and len(solution) == 1 and isinstance(solution[0], (str, int, float)):
             solution = solution[0]  # a list of accepted answers holding one (OlympiadBench's final_answer)
         if solution is None or str(solution).strip() == "":
             self.report.skip(row, f"missing field {cfg.answer_field!r}")
             return None
         if isinstance(solution, (list, dict)):  # its Python repr would be the answer, and match nothing
-            self.report.skip(row, f"field {cfg.answer_field!r} is a {type(solution).__name__}, not text or a number",
-                             repr(solution)[:40])
+            self.report.skip(row, f"field {cfg.answer_field!r} is a {type(solution).__name__}, not text or a number"
+                             + _nested_hint("answer_field", cfg.answer_field, solution), repr(solution)[:40])
             return None
         solution = str(solution)
         if cfg.answer_format == "gsm8k":
@@ -337,19 +338,19 @@ class DatasetWorkload:
         payload: dict[str, Any] = {"messages": messages, "answer": answer, "solution": solution,
                                    "text": messages[-1]["content"], "row": row.location}
         if cfg.id_field:
-            if f.get(cfg.id_field) in (None, ""):
+            if field_value(f, cfg.id_field) in (None, ""):
                 self.report.skip(row, f"missing field {cfg.id_field!r}")
                 return None
-            payload["id"] = str(f[cfg.id_field])
-        if cfg.difficulty_field and f.get(cfg.difficulty_field) not in (None, ""):
-            payload["difficulty"] = str(f[cfg.difficulty_field])
+            payload["id"] = str(field_value(f, cfg.id_field))
+        if cfg.difficulty_field and field_value(f, cfg.difficulty_field) not in (None, ""):
+            payload["difficulty"] = str(field_value(f, cfg.difficulty_field))
         return payload
 
     def _messages(self, row: Row) -> list[dict[str, str]] | None:
         cfg, f = self.cfg, row.fields or {}
         system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
         if cfg.messages_field:
-            msgs = f.get(cfg.messages_field)
+            msgs = field_value(f, cfg.messages_field)
             ok = isinstance(msgs, list) and msgs and all(
                 isinstance(m, dict) and isinstance(m.get("content"), str)
                 and m.get("role") in ("system", "user", "assistant") for m in msgs) and msgs[-1]["role"] == "user"
@@ -357,12 +358,13 @@ class DatasetWorkload:
                 self.report.skip(row, f"field {cfg.messages_field!r} is not chat messages ending with a user turn")
                 return None
             return system + [{"role": m["role"], "content": m["content"]} for m in msgs]
-        prompt = f.get(cfg.prompt_field)
+        prompt = field_value(f, cfg.prompt_field)
         if prompt is None or str(prompt).strip() == "":
             self.report.skip(row, f"missing field {cfg.prompt_field!r}")
             return None
         if isinstance(prompt, (list, dict)):  # chat messages (TRL's conversational layout) or a record
-            hint = f" (chat messages? set messages_field: {cfg.prompt_field})" if isinstance(prompt, list) else ""
+            hint = (f" (chat messages? set messages_field: {cfg.prompt_field})" if isinstance(prompt, list)
+                    else _nested_hint("prompt_field", cfg.prompt_field, prompt))
             self.report.skip(row, f"field {cfg.prompt_field!r} is a {type(prompt).__name__}, not text{hint}")
             return None
         try:
@@ -371,6 +373,27 @@ class DatasetWorkload:
             self.report.skip(row, "prompt_template does not render", str(err))
             return None
         return system + [{"role": "user", "content": text}]
+
+
+def field_value(fields: Mapping[str, Any], name: str) -> Any:
+    """Field ``name`` of a row (``None`` when it has none): a key of the row, else a dotted path
+    into its nested objects (``solution.final``: JSON objects, Parquet structs)."""
+    if name in fields:
+        return fields[name]
+    value: Any = fields
+    for key in name.split("."):
+        if not isinstance(value, Mapping) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
+def _nested_hint(setting: str, name: str, value: Any) -> str:
+    """How to name a field inside the object ``value`` of field ``name``: a dotted path."""
+    if not isinstance(value, dict) or not value:
+        return ""
+    keys = sorted(value, key=str)[:5]
+    return f" (an object with keys {keys}: set {setting}: {name}.{keys[0]}, a dotted path, for one of them)"
 
 
 def _fix_for(split: str, cfg: DatasetParams, usable: int, disk_splits: set[str], source: list[Row]) -> str:

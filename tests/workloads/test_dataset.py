@@ -285,3 +285,26 @@ def test_an_answer_listed_alone_is_that_answer(tmp_path):
     assert [t["answer"] for t in tasks] == ["$0$", "$2$", "$4$", "2"]
     assert [wl.reward("\\boxed{4}", t) for t in tasks] == [0.0, 0.0, 1.0, 0.0]
     assert "train.jsonl line 5: field 'answer' is a list, not text or a number" in wl.report.summary()
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_dotted_field_name_reaches_into_nested_objects(tmp_path, fmt):
+    """An answer under ``solution.final`` (a JSON object, a Parquet struct) was a "missing field"
+    on every row; naming the object itself says which dotted path to set."""
+    rows = [{"meta": {"id": f"r{i}", "level": i % 2}, "problem": {"text": f"{i}+{i}?"},
+             "solution": {"final": 2 * i, "steps": "..."}} for i in range(6)]
+    if fmt == "jsonl":
+        path = write_jsonl(tmp_path / "n.jsonl", rows)
+    else:
+        import datasets
+
+        path = tmp_path / "n.parquet"
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    wl = dataset(path=str(path), test_path=str(path), prompt_field="problem.text", answer_field="solution.final",
+                 id_field="meta.id", difficulty_field="meta.level", reward="numeric")
+    task = next(t for t in wl.tasks("train") if t["id"] == "r3")
+    assert (task["text"], task["answer"], task["difficulty"]) == ("3+3?", "6", "1")
+    with pytest.raises(ValueError, match=r"field 'solution' is a dict, not text or a number \(an object with keys "
+                                         r"\['final', 'steps'\]: set answer_field: solution.final, a dotted path"):
+        dataset(path=str(path), test_path=str(path), prompt_field="problem.text",
+                answer_field="solution").tasks("train")
