@@ -315,6 +315,8 @@ class DatasetWorkload:
             self.report.skip(row, f"field {cfg.answer_field!r} is a {type(solution).__name__}, not text or a number"
                              + _nested_hint("answer_field", cfg.answer_field, solution), repr(solution)[:40])
             return None
+        if type(solution) is float and solution.is_integer():  # Arrow reads a column with one fraction as floats:
+            solution = int(solution)  # a Parquet answer 7 came out "7.0", which `exact` never matched (JSON's stays)
         solution = str(solution)
         if cfg.answer_format == "gsm8k":
             if "####" not in solution and len(solution.split()) > 1:  # a worked solution with no final answer

@@ -308,3 +308,16 @@ def test_a_dotted_field_name_reaches_into_nested_objects(tmp_path, fmt):
                                          r"\['final', 'steps'\]: set answer_field: solution.final, a dotted path"):
         dataset(path=str(path), test_path=str(path), prompt_field="problem.text",
                 answer_field="solution").tasks("train")
+
+
+def test_a_whole_number_in_a_float_column_is_read_as_the_integer(tmp_path):
+    """Arrow stores a Parquet column of answers holding one fraction as floats: the answer 7 read
+    as "7.0" scored 0 under the default ``exact`` reward for "#### 7"."""
+    import pandas as pd
+
+    prompts = [f"q{i}" for i in range(8)]
+    pd.DataFrame({"prompt": prompts, "answer": [2.5] + list(range(7))}).to_parquet(tmp_path / "f.parquet")
+    wl = dataset(path=str(tmp_path / "f.parquet"), test_path=str(tmp_path / "f.parquet"))
+    answers = {t["text"]: t["answer"] for t in wl.tasks("train")}
+    assert answers == {"q0": "2.5", **{f"q{i}": str(i - 1) for i in range(1, 8)}}
+    assert wl.reward("#### 6", next(t for t in wl.tasks("train") if t["text"] == "q7")) == 1.0
