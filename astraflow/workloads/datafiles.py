@@ -169,7 +169,8 @@ def _json_lines(file: Path) -> Iterator[Row]:
                 yield Row(None, where, error="not UTF-8")
                 continue
             except json.JSONDecodeError as err:
-                yield Row(None, where, error=f"not JSON: {err.msg}")
+                # json's messages end where its position would go ("Invalid control character at")
+                yield Row(None, where, error=f"not JSON: {err.msg.removesuffix(' at')} at column {err.colno}")
                 continue
             if not isinstance(fields, dict):
                 yield Row(None, where, error=f"a JSON {type(fields).__name__}, not an object")
