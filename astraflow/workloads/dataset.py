@@ -308,8 +308,8 @@ class DatasetWorkload:
         solution = field_value(f, cfg.answer_field)
         if isinstance(solution, list) and len(solution) == 1 and isinstance(solution[0], (str, int, float)):
             solution = solution[0]  # a list of accepted answers holding one (OlympiadBench's final_answer)
-        if solution is None or str(solution).strip() == "":
-            self.report.skip(row, f"missing field {cfg.answer_field!r}")
+        if solution is None or str(solution).strip() == "":  # absent, or there and blank: the data to fix differs
+            self.report.skip(row, f"{'missing' if solution is None else 'empty'} field {cfg.answer_field!r}")
             return None
         if isinstance(solution, (list, dict)):  # its Python repr would be the answer, and match nothing
             self.report.skip(row, f"field {cfg.answer_field!r} is a {type(solution).__name__}, not text or a number"
@@ -362,7 +362,7 @@ class DatasetWorkload:
             return system + [{"role": m["role"], "content": m["content"]} for m in msgs]
         prompt = field_value(f, cfg.prompt_field)
         if prompt is None or str(prompt).strip() == "":
-            self.report.skip(row, f"missing field {cfg.prompt_field!r}")
+            self.report.skip(row, f"{'missing' if prompt is None else 'empty'} field {cfg.prompt_field!r}")
             return None
         if isinstance(prompt, (list, dict)):  # chat messages (TRL's conversational layout) or a record
             hint = (f" (chat messages? set messages_field: {cfg.prompt_field})" if isinstance(prompt, list)

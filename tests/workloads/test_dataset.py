@@ -321,3 +321,17 @@ def test_a_whole_number_in_a_float_column_is_read_as_the_integer(tmp_path):
     answers = {t["text"]: t["answer"] for t in wl.tasks("train")}
     assert answers == {"q0": "2.5", **{f"q{i}": str(i - 1) for i in range(1, 8)}}
     assert wl.reward("#### 6", next(t for t in wl.tasks("train") if t["text"] == "q7")) == 1.0
+
+
+def test_an_empty_prompt_or_answer_is_told_apart_from_a_missing_one(tmp_path):
+    """A row whose prompt is ``""`` was reported as missing its field: the user looked for a typo in
+    the field name instead of the blank values."""
+    rows = [{"prompt": f"{i}+{i}?", "answer": str(2 * i)} for i in range(4)]
+    rows += [{"prompt": "", "answer": "1"}, {"prompt": "1+1?", "answer": " "}, {"answer": "3"}]
+    write_jsonl(tmp_path / "e.jsonl", rows)
+    wl = dataset(path=str(tmp_path / "e.jsonl"), test_path=str(tmp_path / "e.jsonl"))
+    assert len(wl.tasks("train")) == 4
+    text = wl.report.summary()
+    for where in ("e.jsonl line 5: empty field 'prompt'", "e.jsonl line 6: empty field 'answer'",
+                  "e.jsonl line 7: missing field 'prompt'"):
+        assert where in text, text
