@@ -176,6 +176,12 @@ def _problem(path: str | Path) -> Problem | None:
     return None
 
 
+def dir_problem(path: str | Path) -> Problem | None:
+    """``_problem`` for directories outside a run that hold what the run trusts (the sandbox's
+    scratch root): what is wrong and the fix, or None when no other user can change ``path``."""
+    return _problem(path)
+
+
 def _sticky_open(directory: str) -> bool:
     """Whether ``directory`` is writable by others with the sticky bit (where each may remove
     their own entries), or cannot be looked at."""

@@ -29,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+from storage.ownership import dir_problem, make_parents
+
 from . import bwrap
 from .config import SandboxConfig
 from .result import SandboxResult, events, judged, result
@@ -97,14 +99,16 @@ class Sandbox:
     def _scratch_root(self) -> Path:
         """The directory execution inputs go under: ``sandbox.scratch_root``, else this user's
         own in the temp dir; made if missing (0700, 0711 when the sandbox runs as another uid,
-        whatever the umask). Refused unless it is our directory and no one else can write it:
-        another user could read the tests there, or swap an execution's inputs for a runner
-        that reports a pass. Run as another uid, the sandbox must pass through every directory above it."""
+        whatever the umask; missing directories above it never writable by others). Refused unless it is our
+        directory, no one else can write it and no one else can swap it for theirs (a directory
+        above it they can rename entries in, a symlink of theirs on the way): another user could
+        read the tests there, or swap an execution's inputs for a runner that reports a pass.
+        Run as another uid, the sandbox must pass through every directory above it."""
         drop = bwrap.sandbox_id(self.cfg) is not None
         default = Path(tempfile.gettempdir()) / f"astraflow-sandbox-{os.geteuid()}"
         root = Path(self.cfg.scratch_root or default).absolute()
         try:
-            root.parent.mkdir(parents=True, exist_ok=True)
+            make_parents(root)
             try:
                 os.mkdir(root, 0o700)
                 os.chmod(root, 0o711 if drop else 0o700)
@@ -116,11 +120,15 @@ class Sandbox:
             raise bwrap.SandboxUnavailable(
                 f"cannot create the sandbox's scratch root {root} ({why}): set "
                 "sandbox.scratch_root to a directory you can write") from None
-        problem = _not_ours(st)
+        problem, fix = _not_ours(st), "remove it, or set sandbox.scratch_root to a directory only you can write"
+        if problem is None and (found := dir_problem(root)) is not None:  # swappable from above
+            problem, fix = found[0], "set sandbox.scratch_root to a directory only you can write"
+            if found[1]:
+                fix = f"{found[1]} {fix}" if found[1].endswith(" or") else f"{fix} ({found[1]})"
         if problem:
             raise bwrap.SandboxUnavailable(
                 f"the sandbox's scratch root {root} {problem}: another user could read the tests under it or "
-                f"forge results; remove it, or set sandbox.scratch_root to a directory only you can write")
+                f"forge results; {fix}")
         if drop:
             for d in (root, *root.parents):
                 if not os.stat(d).st_mode & 0o001:

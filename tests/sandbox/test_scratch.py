@@ -177,3 +177,29 @@ def test_a_staged_etc_pruned_or_removed_is_made_again(shared_tmp):
     shutil.rmtree(staged)
     r = first.run("print(open('/etc/ld.so.conf').read(), end='')\n")
     assert r.status == "ok" and r.stdout == Path("/etc/ld.so.conf").read_text(), r.stderr
+
+
+def test_a_scratch_root_others_could_swap_from_above_is_refused(shared_tmp):
+    """A root of this user's own that only they can write, inside a directory that others can write without the
+    sticky bit: they could rename it away and put theirs in its place after the check, and the
+    next execution's tests and runner would go into their directory."""
+    above = _writable_by_others(shared_tmp / "project")
+    root = above / "root"
+    root.mkdir(mode=0o711)  # the sandbox's uid may pass (where the node is root)
+    with pytest.raises(SandboxUnavailable, match=f"scratch root {root} is inside {above}, which group/others can "
+                                                 r"write without the sticky bit.*set sandbox.scratch_root"):
+        Sandbox(SandboxConfig(**LIMITS, scratch_root=str(root))).check()
+
+
+def test_missing_directories_above_a_scratch_root_are_not_writable_by_others(shared_tmp):
+    """Made under a umask of 000, the directories above a new scratch root must not let others
+    rename it away."""
+    root = shared_tmp / "a" / "b" / "root"
+    old = os.umask(0)
+    try:
+        r = Sandbox(SandboxConfig(**LIMITS, scratch_root=str(root))).run("print(1)\n")
+    finally:
+        os.umask(old)
+    assert r.status == "ok", r.stderr
+    for d in (shared_tmp / "a", shared_tmp / "a" / "b"):
+        assert not d.stat().st_mode & 0o022, (d, oct(d.stat().st_mode))
