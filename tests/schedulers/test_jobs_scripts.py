@@ -177,3 +177,17 @@ def test_a_warning_that_comes_before_astraflow_runs_does_not_kill_the_script(tmp
     proc.send_signal(signal.SIGUSR1)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0 and (tmp_path / "args").exists(), out
+
+
+def test_head_script_does_not_import_from_its_working_directory(tmp_path):
+    """A job submitted from a directory others can write (a shared project directory): a module
+    planted there must not run as the job's owner ahead of the installed ``astraflow``."""
+    (tmp_path / "c.yaml").write_text("run: {}\n")
+    marker = tmp_path / "planted-ran"
+    (tmp_path / "astraflow.py").write_text(f"open({str(marker)!r}, 'w').close()\nimport sys\nsys.exit(0)\n")
+    proc = subprocess.run(["bash", str(JOBS / "astraflow-head.sbatch"), "c.yaml", str(tmp_path / "run")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(JOBS.parent),
+                               "ASTRAFLOW_PYTHON": sys.executable})
+    assert not marker.exists(), proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "invalid config" in proc.stderr, proc.stdout + proc.stderr  # the real one ran
