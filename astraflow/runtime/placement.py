@@ -96,6 +96,11 @@ class Placement:
         base = f"{'https' if exposed else 'http'}://{host}:{dash}" if dash else None
         self.dashboard = f"{base}/status" if base else None
         self.progress.note(f"Dask scheduler {address}; dashboard {self.dashboard}")
+        if dash and cc.dashboard_port and dash != cc.dashboard_port:  # Dask moved it: another process has it
+            self.progress.note(f"cluster.dashboard_port {cc.dashboard_port} is taken on this machine, so the dashboard "
+                               f"is on port {dash}: an SSH tunnel to port {cc.dashboard_port} reaches another run or "
+                               "another user's program, not this run (never send it the run's token); tunnel to "
+                               f"port {dash}, or set cluster.dashboard_port to a free port (0: any)")
         if base:
             url = f"{base}/astraflow?token={token_file.read_text().strip()}"
             write_atomically(token_file.with_name("dashboard.url"), url + "\n")
