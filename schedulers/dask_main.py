@@ -125,7 +125,10 @@ def option(args: list[str], name: str) -> tuple[str | None, list[str]]:
 def check_base(base: str) -> None:
     """Refuse (`PermissionError`) a `base` another user could change: owned by someone other than
     us or root, or writable by group or others without the sticky bit (there they could rename
-    our directory away and put theirs in its place)."""
+    our directory away and put theirs in its place), or one they could swap for theirs as a
+    whole (a directory above it they can rename entries in, a symlink of theirs on the way)."""
+    from storage.ownership import swap_problem
+
     st = os.stat(base)
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(f"{base} is not a directory")
@@ -133,6 +136,8 @@ def check_base(base: str) -> None:
         raise PermissionError(f"{base} belongs to uid {st.st_uid}: another user could change what is in it")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
         raise PermissionError(f"{base} is writable by others without the sticky bit ({stat.filemode(st.st_mode)})")
+    if found := swap_problem(base):
+        raise PermissionError(f"{base} {found[0]}")
 
 
 def private_directory(base: str) -> str:

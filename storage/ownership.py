@@ -153,6 +153,14 @@ def _problem(path: str | Path) -> Problem | None:
         if _others_write(st):
             return (f"is writable by group/others (mode {stat.S_IMODE(st.st_mode):04o})",
                     f"run 'chmod go-w {path}' or")
+    return swap_problem(path)
+
+
+def swap_problem(path: str | Path) -> Problem | None:
+    """``_problem``'s half that does not look at ``path`` itself: whether another user could swap
+    it for one of theirs (a symlink of theirs on the way, a directory above it they can rename
+    entries in), for directories checked otherwise (the sandbox's scratch root, a Dask worker's
+    temporary directory, which may be root's such as ``/tmp``). None: no one can."""
     seen, exists = _walk(path)
     for entry, est in seen:
         # a symlink cannot be changed, only replaced by who may write its directory (checked
@@ -174,12 +182,6 @@ def _problem(path: str | Path) -> Problem | None:
                     f"ask its owner to set the sticky bit ('chmod +t {entry}', as on /tmp) or {_ELSEWHERE}; a "
                     "directory of your own inside it does not help")
     return None
-
-
-def dir_problem(path: str | Path) -> Problem | None:
-    """``_problem`` for directories outside a run that hold what the run trusts (the sandbox's
-    scratch root): what is wrong and the fix, or None when no other user can change ``path``."""
-    return _problem(path)
 
 
 def _sticky_open(directory: str) -> bool:

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from storage.ownership import dir_problem, make_parents
+from storage.ownership import make_parents, swap_problem
 
 from . import bwrap
 from .config import SandboxConfig
@@ -121,7 +121,7 @@ class Sandbox:
                 f"cannot create the sandbox's scratch root {root} ({why}): set "
                 "sandbox.scratch_root to a directory you can write") from None
         problem, fix = _not_ours(st), "remove it, or set sandbox.scratch_root to a directory only you can write"
-        if problem is None and (found := dir_problem(root)) is not None:  # swappable from above
+        if problem is None and (found := swap_problem(root)) is not None:  # swappable from above
             problem, fix = found[0], "set sandbox.scratch_root to a directory only you can write"
             if found[1]:
                 fix = f"{found[1]} {fix}" if found[1].endswith(" or") else f"{fix} ({found[1]})"

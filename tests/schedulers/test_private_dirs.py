@@ -182,6 +182,21 @@ def test_a_base_that_others_could_change_is_refused(tmp_path):
     assert not path.exists()
 
 
+def test_a_base_that_others_could_swap_from_above_is_refused(tmp_path):
+    """A base of our own inside a directory others can write without the sticky bit (``$TMPDIR``
+    in a shared project directory): they could rename it away, with our directory in it, and put
+    theirs in its place, with modules for the sys.path entry Dask makes of it."""
+    above = tmp_path / "project"
+    above.mkdir()
+    above.chmod(0o777)
+    base = above / "mine"
+    base.mkdir(mode=0o700)
+    with pytest.raises(PermissionError, match=f"{base} is inside {above}, which group/others can write without "
+                                              "the sticky bit"):
+        private_directory(str(base))
+    assert os.listdir(base) == []
+
+
 def test_a_dask_temporary_directory_others_could_change_stops_the_worker(tmp_path):
     """Dask's ``temporary-directory`` setting chooses where the private directory is made, never
     a directory to use as it is: one that others could change is refused before Dask starts, with
