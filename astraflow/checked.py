@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from storage.ownership import make_parents
+
 
 #: a directory for AstraFlow's cache that overrides the XDG one
 CACHE_ENV = "ASTRAFLOW_CACHE_DIR"
@@ -47,7 +49,8 @@ def remember_pass(key: str) -> None:
     """Mark the check of this key as passed (nothing when the cache cannot be written)."""
     where = cache_dir()
     try:
-        where.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_parents(where)  # a missing ~/.cache not writable by others, whatever the umask
+        where.mkdir(mode=0o700, exist_ok=True)
         (where / key).touch()
     except OSError:
         pass

@@ -7,6 +7,7 @@ written only means the check runs every time."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -69,3 +70,18 @@ def test_a_cache_that_cannot_be_written_leaves_the_check_running(tiny_model, tmp
     check_model_dir(tiny_model, tokenizer=False)
     check_model_dir(tiny_model, tokenizer=False)
     assert builds == [tiny_model, tiny_model]
+
+
+def test_the_cache_directories_made_are_not_writable_by_others_whatever_the_umask(tmp_path, monkeypatch):
+    """A missing ``~/.cache`` made under umask 000 would let others rename ``astraflow/checked`` and
+    put marks of their own there (and plant files for every other program that uses the cache)."""
+    monkeypatch.delenv(checked.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home" / "cache"))
+    old = os.umask(0)
+    try:
+        checked.remember_pass("some-check")
+    finally:
+        os.umask(old)
+    assert checked.passed_before("some-check")
+    for d in (tmp_path / "home", tmp_path / "home" / "cache", tmp_path / "home" / "cache" / "astraflow"):
+        assert not d.stat().st_mode & 0o022, (d, oct(d.stat().st_mode))
