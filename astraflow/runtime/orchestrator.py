@@ -5,12 +5,10 @@ and delegates each concern to its own module:
 * the worker state machine (`workers`): phases, losses, failed nodes, removals and drains;
 * partition reconciliation (`reconcile`): desired partitions against the worker jobs;
 * the autoscaler (`autoscaling`): the partitions' desired sizes from the trainers' wait;
-* restarts (`restarts`): a lost trainer worker (or a rank of its backend) replaced, its trainer
-  resumed; a lost data-layer worker replaced, the data layer restored from its durable state;
+* restarts (`restarts`): a lost trainer worker (or backend rank) replaced, its trainer resumed; a lost
+  data-layer worker replaced, the data layer restored from its durable state;
 * status and summary (`monitoring.writer`): ``control/status.json`` each tick, ``summary.json``.
-* the way out (`shutdown`): components stopped in order, the summary, jobs cancelled.
-
-Each tick of its loop it:
+* the way out (`shutdown`): components stopped in order, the summary, jobs cancelled. Each tick of its loop it:
 
 1. reads the *desired* partitions and submits or cancels worker jobs to match;
 2. advances every worker one step: places a RaaS actor on every rollout worker that joined and
@@ -167,8 +165,9 @@ class Orchestrator(Shutdown):
             elif (gone := self.placement.scheduler_gone()) is not None:
                 ending = Ending("failed", gone)
             else:
-                ending = Ending("failed", f"{type(err).__name__}: {err} (traceback in {self.paths.log('orchestrator')})")
-                with contextlib.suppress(OSError), open(self.paths.log("orchestrator"), "a") as f:
+                where = self.paths.log("orchestrator")
+                ending = Ending("failed", f"{type(err).__name__}: {err} (traceback in {where})")
+                with contextlib.suppress(OSError), open(where, "a") as f:
                     traceback.print_exc(file=f)
         except BaseException:  # SystemExit and the like: no summary, but no orphaned jobs either
             self._teardown()

@@ -3,7 +3,8 @@
 The trainer actor owns the loop (``next_batch`` -> ``train_step`` -> ``publish``); a backend
 owns a model and its optimiser. ``torch`` (plain PyTorch, CPU or one GPU) and ``megatron``
 (Megatron-core, tensor parallel, multi-process) implement it with the same GRPO loss and the
-same ``Batch`` contract (``sim``, no model, only takes a step's time), so the backend choice changes nothing outside ``training/``.
+same ``Batch`` contract (``sim``, no model, only takes a step's time), so the backend choice
+changes nothing outside ``training/``.
 
 What a backend can do beyond train and publish is declared by its ``supports_*`` properties;
 the trainer reads them and calls a capability's methods only when it is declared.

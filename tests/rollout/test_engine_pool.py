@@ -165,7 +165,8 @@ def test_a_dead_replica_is_restarted_while_the_other_keeps_serving(pool, tiny_mo
 
     asyncio.run(run())
     assert not dl.failed and [t.task_id for t, _ in node._finished] == ["g0/0"]
-    assert set(node._finished[0][0].sequences[0].versions[node._finished[0][0].sequences[0].loss_mask].tolist()) == {5}
+    seq = node._finished[0][0].sequences[0]
+    assert set(seq.versions[seq.loss_mask].tolist()) == {5}
     assert node.counters["engine_restarts"] == 1 and node.error is None and not node.draining
     assert first.pid == first_pid and second.pid != second_pid and second.dead is None
     assert first.version == second.version == 5

@@ -250,7 +250,8 @@ def test_a_node_restarts_a_dead_engine_process_with_the_newest_weights(tmp_path,
         node.inflight[tasks[1].task_id] = tasks[1]
         await node._episode(tasks[1])  # served by the new process, with v5
         assert [t.task_id for t, _ in node._finished] == ["g0/1"]
-        assert set(node._finished[0][0].sequences[0].versions[node._finished[0][0].sequences[0].loss_mask].tolist()) == {5}
+        seq = node._finished[0][0].sequences[0]
+        assert set(seq.versions[seq.loss_mask].tolist()) == {5}
         await episode_killed(tasks[2])  # no restarts left
         assert node.draining and "exited with code -9" in node.error
 

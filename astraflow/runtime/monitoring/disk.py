@@ -6,8 +6,9 @@ rather hear about it hours before. `DiskWatch` samples the free space of each fi
 seconds, fits the trend over the last `WINDOW_S`, and says when the filesystem fills at that
 rate. ``status`` shows it; the orchestrator warns once when a filesystem will fill within
 `WARN_S` (and again within `URGENT_S`) once the trend has said so for `PERSIST_S`, on at least
-`WARN_SPAN_S` of samples, and says a level at most once every `WARN_S`. A user quota (``quota -s``, ``lfs quota``) can run
-out before the filesystem does: the filesystem's free space is all a process can read.
+`WARN_SPAN_S` of samples, and says a level at most once every `WARN_S`. A user quota
+(``quota -s``, ``lfs quota``) can run out before the filesystem does: the filesystem's free
+space is all a process can read.
 """
 
 from __future__ import annotations
