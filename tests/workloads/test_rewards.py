@@ -70,17 +70,25 @@ def test_math_verify_answer_sympy_cannot_evaluate_scores_0_without_stalling_the_
 
 
 def test_a_math_verify_worker_ends_itself_past_its_cpu_limit_as_an_orphan_would():
-    """Nothing kills a worker whose node died mid-comparison: the kernel ends it at its CPU limit."""
+    """Nothing kills a worker whose node died mid-comparison: the kernel ends it at its CPU limit.
+    On a loaded machine math-verify's own wall-clock timeout may answer first: the same request
+    again then goes on from the CPU the worker used so far."""
     import json
     import signal
 
-    proc = subprocess.Popen([sys.executable, "-m", "astraflow.workloads.mathcheck", "1"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "astraflow.workloads.mathcheck", "0"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        proc.stdin.write(json.dumps(["46", "\\boxed{(1+x)^{100000}}"]) + "\n")
-        proc.stdin.flush()
-        assert proc.wait(timeout=60) == -signal.SIGXCPU
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                proc.stdin.write(json.dumps(["46", "\\boxed{(1+x)^{100000}}"]) + "\n")
+                proc.stdin.flush()
+            except BrokenPipeError:  # ended meanwhile
+                break
+            assert proc.stdout.readline().strip() in ("0", "")  # "": ended while it compared
+        assert proc.wait(timeout=10) == -signal.SIGXCPU
     finally:
         proc.kill()
         proc.wait()
