@@ -299,6 +299,10 @@ def test_plots_are_not_written_into_a_run_directory_another_user_can_change(tmp_
         write_plots(paths.root)
     assert mine.read_text() == "precious"
     assert len(write_plots(paths.root, tmp_path / "elsewhere")) == 4
+    (tmp_path / "elsewhere" / "accuracy.png").unlink()
+    (tmp_path / "elsewhere" / "accuracy.png").symlink_to(mine)  # --out into a place others could write
+    write_plots(paths.root, tmp_path / "elsewhere")
+    assert mine.read_text() == "precious" and not (tmp_path / "elsewhere" / "accuracy.png").is_symlink()
     paths.root.chmod(0o700)
     (paths.plots / "reward.png").unlink()
     paths.plots.chmod(0o755)

@@ -5,11 +5,13 @@ matplotlib) or TensorBoard event files (``astraflow tensorboard``, needs tensorb
 
 from __future__ import annotations
 
+import io
 import time
 from pathlib import Path
 
 from astraflow.runtime.monitoring.metrics import is_eval_record, read_metrics, tail_records
 from astraflow.runtime.monitoring.snapshot import read_snapshot
+from storage.atomic import write_atomically
 from storage.ownership import UnsafeRunDir, check_owner_only, owner_only
 from storage.paths import RunPaths
 
@@ -109,7 +111,9 @@ def _draw_all(view, out_dir: Path) -> list[Path]:
             _DRAW[name](ax, view.policies)
             fig.tight_layout()
             path = out_dir / f"{name}.png"
-            fig.savefig(path, dpi=100)
+            png = io.BytesIO()
+            fig.savefig(png, format="png", dpi=100)
+            write_atomically(path, png.getvalue(), durable=False)  # replaces a link there, never writes through it
         except OSError as err:
             raise _unwritable(out_dir, err) from None
         finally:
