@@ -130,17 +130,20 @@ def stop(run_dir: str, wait: bool, timeout: float) -> None:
             raise click.ClickException(f"the run (pid {pid}) is still stopping after {timeout:.0f}s; "
                                        f"`astraflow status {shell_arg(rd)}` shows what it waits for")
         time.sleep(0.5)
-    click.echo(_ended(rd))
+    click.echo(_ended(rd, holder.get("slurm_job")))
 
 
-def _ended(rd: Path) -> str:
-    """How the stopped run ended, from its summary."""
+def _ended(rd: Path, slurm_job: str | None = None) -> str:
+    """How the stopped run ended, from its summary, and how to resume it (a run that ran in a
+    Slurm head job: by submitting the head job again on the directory)."""
     from astraflow.runtime.monitoring.text import outcome
 
+    resume = (f"`sbatch jobs/astraflow-head.sbatch CONFIG {shell_arg(rd)}` (or `astraflow run` on it) resumes it"
+              if slurm_job else f"`astraflow run` on {rd} resumes it")
     try:
         summary = json.loads(RunPaths(rd).summary.read_text())
     except (OSError, ValueError):
-        return f"the run stopped without a summary; `astraflow run` on {rd} resumes it"
+        return f"the run stopped without a summary; {resume}"
     steps = ", ".join(f"{p} at step {n}" for p, n in (summary.get("steps") or {}).items())
     return (f"the run ended {outcome(summary)}" + (f" ({summary['reason']})" if summary.get("reason") else "")
-            + (f", {steps}" if steps else "") + f"; `astraflow run` on {rd} resumes it")
+            + (f", {steps}" if steps else "") + f"; {resume}")

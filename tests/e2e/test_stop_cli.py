@@ -104,3 +104,15 @@ def test_stop_from_another_host_names_the_head_job_to_scancel(tmp_path, monkeypa
     res = _stop(run_dir)
     assert res.returncode == 2 and "runs on host another-host (pid 1234)" in res.stderr, res.stderr
     assert "`scancel 4321` (its head job" in res.stderr, res.stderr
+
+
+def test_a_stopped_head_jobs_run_is_resumed_by_submitting_the_head_job_again(tmp_path):
+    """The line after a stop says how to resume: under Slurm the head job is submitted again on
+    the directory (``astraflow run`` there would run on the login node)."""
+    from astraflow.stop_cli import _ended
+
+    run_dir = tmp_path / "my run"
+    RunPaths(run_dir).make()
+    assert _ended(run_dir, "4321").endswith(
+        f"`sbatch jobs/astraflow-head.sbatch CONFIG '{run_dir}'` (or `astraflow run` on it) resumes it")
+    assert _ended(run_dir).endswith(f"`astraflow run` on {run_dir} resumes it")
