@@ -49,6 +49,8 @@ DEFAULTS: dict[str, Any] = dict(prompt_field="prompt", answer_field="answer", an
 
 #: how many bad rows a report lists by location (all are counted)
 REPORT_EXAMPLES = 10
+#: of them, rows skipped for one reason at most (the others' get room; one message stays short)
+EXAMPLES_PER_REASON = 3
 
 #: how many values of a split field, other than train_split / test_split, get a reason of their own
 #: in the report (the rest share one: a split_field naming a per-row field gives a value per row)
@@ -160,7 +162,7 @@ class DataReport:
     def skip(self, row: Row, kind: str, detail: str = "") -> None:
         """Count ``row`` as bad for reason ``kind`` (``detail``: what exactly, for the listing)."""
         self.bad[kind] += 1
-        if len(self.examples) < REPORT_EXAMPLES:
+        if len(self.examples) < REPORT_EXAMPLES and self.bad[kind] <= EXAMPLES_PER_REASON:
             self.examples.append(f"{row.location}: {kind}{f' ({detail})' if detail else ''}")
 
     def skip_split(self, kind: str) -> None:

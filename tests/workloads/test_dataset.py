@@ -132,6 +132,19 @@ def test_bad_rows_are_counted_and_located_not_fatal(tmp_path):
         assert where in text, text
 
 
+def test_many_rows_bad_for_one_reason_leave_room_for_the_others_in_the_listing(tmp_path):
+    """A file where most rows lack the field: three of them are listed, and a rarer reason still is."""
+    lines = [json.dumps({"prompt": f"q{i}", "answer": "1"}) for i in range(40)] + ["not json at all"]
+    lines += [json.dumps(r) for r in ROWS[:3]]
+    (tmp_path / "many.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "test.jsonl").write_text(json.dumps(ROWS[3]) + "\n")
+    wl = dataset(path=str(tmp_path / "many.jsonl"), test_path=str(tmp_path / "test.jsonl"), preset="gsm8k")
+    assert len(wl.tasks("train")) == 3
+    text = wl.report.summary()
+    assert text.count("missing field 'question'") == 1 + 3  # the count, then three rows
+    assert "many.jsonl line 41: not JSON" in text and text.endswith("; ..."), text
+
+
 def test_a_split_with_no_usable_row_is_an_error_naming_the_fix(tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "p", "answer": "a"}] * 3)
     with pytest.raises(ValueError, match="no usable train rows.*missing field 'question'.*prompt_field"):
