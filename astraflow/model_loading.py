@@ -193,6 +193,10 @@ def _missing_weights_error(p: Path, missing: list[str]) -> ValueError:
 
 def _read_config(p: Path) -> dict[str, Any]:
     if not (p / "config.json").is_file():
+        snapshot = _hub_snapshot(p)
+        if snapshot is not None:
+            raise ValueError(f"{p} is a Hugging Face hub cache entry, not a model directory (its files are in "
+                             f"snapshots/<revision>/): point at the snapshot, {snapshot}")
         raise ValueError(f"{p} is not an HF model directory (no config.json); build one with "
                          "`astraflow model init OUT_DIR` or point at a saved checkpoint")
     try:
@@ -200,6 +204,23 @@ def _read_config(p: Path) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as err:
         raise ValueError(f"{p / 'config.json'} is not valid JSON ({err}); save the model again with "
                          "save_pretrained") from None
+
+
+def _hub_snapshot(p: Path) -> Path | None:
+    """The model directory inside ``p`` where ``p`` is a hub cache entry (``models--org--name``, as
+    ``huggingface-cli download`` without ``--local-dir`` leaves it) or its ``snapshots``: the
+    revision ``refs/main`` names, else the newest snapshot holding a config.json; None otherwise."""
+    snapshots = p if p.name == "snapshots" else p / "snapshots"
+    try:
+        found = [d for d in snapshots.iterdir() if (d / "config.json").is_file()]
+    except OSError:
+        return None
+    try:
+        main = (snapshots.parent / "refs" / "main").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        main = ""
+    named = [d for d in found if d.name == main]
+    return (named or sorted(found, key=lambda d: d.stat().st_mtime))[-1] if found else None
 
 
 def _check_architecture(p: Path) -> None:

@@ -96,6 +96,30 @@ def test_a_directory_without_config_json(tmp_path):
             load(tmp_path / "m")
 
 
+def test_a_hub_cache_entry_names_its_snapshot(tiny_model, tmp_path):
+    """``huggingface-cli download`` without ``--local-dir`` leaves ``models--org--name`` with the
+    files in ``snapshots/<revision>`` (links into ``blobs``): pointed at the entry or at its
+    ``snapshots``, the error names the revision ``refs/main`` names; the snapshot itself loads."""
+    entry = tmp_path / "models--me--m"
+    (entry / "blobs").mkdir(parents=True)
+    for rev in ("old", "abc123"):
+        (entry / "snapshots" / rev).mkdir(parents=True)
+        for f in tiny_model.iterdir():
+            blob = entry / "blobs" / f"{rev}-{f.name}"
+            shutil.copyfile(f, blob)
+            (entry / "snapshots" / rev / f.name).symlink_to(Path("..", "..", "blobs", blob.name))
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text("abc123")
+    for where in (entry, entry / "snapshots"):
+        for load in (load_model, check_model_dir):
+            with pytest.raises(ValueError, match=rf"{where} is a Hugging Face hub cache entry, not a model "
+                                                 rf"directory .*: point at the snapshot, {entry}/snapshots/abc123$"):
+                load(where)
+    check_model_dir(entry / "snapshots" / "abc123")
+    res = _check(tmp_path, entry)
+    assert res.exit_code == 2 and f"point at the snapshot, {entry}/snapshots/abc123" in res.output, res.output
+
+
 def test_an_architecture_transformers_does_not_know(tiny_model, tmp_path):
     import transformers
 
