@@ -14,6 +14,12 @@ CACHED_STEP_TOLERANCE = 0.05
 ROUNDED_STEP_TOLERANCE = 0.5
 
 
+#: what a user whose architecture the HF engine cannot decode can do instead
+_NOT_SERVED = ("this architecture cannot be served by the HF engine: serve it with rollout.engine.type: vllm where "
+               "vLLM supports it, or train a model of an architecture the HF engine decodes (a key/value cache, "
+               "as Llama, Qwen2, Mistral, Gemma or GPT-2 have, or a state-space model such as Mamba)")
+
+
 @torch.no_grad()
 def check_cached_decoding(engine: Any, both_masks: bool) -> None:
     """The engine samples each token from a cached decoding step. Check at start, on a
@@ -43,12 +49,12 @@ def check_cached_decoding(engine: Any, both_masks: bool) -> None:
             if gaps[-1] <= tolerance:
                 return
     except Exception as err:  # whatever the model raises: named with the architecture and the fix
-        fix = "set rollout.engine.dtype: fp32" if bf16 else "this architecture cannot be served by the HF engine"
+        fix = "set rollout.engine.dtype: fp32" if bf16 else _NOT_SERVED
         raise ValueError(f"the HF engine cannot decode {kind} models{' in bf16' if bf16 else ''} "
                          f"({type(err).__name__}: {err}); {fix}") from err
     raise ValueError(f"the HF engine's cached decoding of {kind} models differs from their full forward by "
                      f"{min(gaps):.3g} nats (tolerance {tolerance}): rollouts would be sampled from a wrong "
-                     "distribution; this architecture cannot be served by the HF engine")
+                     f"distribution; {_NOT_SERVED}")
 
 
 def row_indexable(cache: Any) -> bool:

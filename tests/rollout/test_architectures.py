@@ -91,7 +91,8 @@ def test_an_architecture_without_a_cache_is_refused():
 
     model, tok = _model(RecurrentGemmaConfig, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, lru_width=64, attention_window_size=16)
-    with pytest.raises(ValueError, match="cannot decode recurrent_gemma models .*cannot be served by the HF engine"):
+    with pytest.raises(ValueError, match="cannot decode recurrent_gemma models .*cannot be served by the HF engine: "
+                                         "serve it with rollout.engine.type: vllm where vLLM supports it, or train"):
         HFEngine(model, tokenizer=tok, device="cpu")
 
 
