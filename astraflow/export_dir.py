@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -172,3 +173,28 @@ def with_older_readers_keys(config_file: Path) -> None:
     if "dtype" in cfg:
         cfg.setdefault("torch_dtype", cfg["dtype"])
     config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def check_same_vocabulary(tok, given: Path, run_model_dir: Callable[[], Path]) -> None:
+    """A ``--tokenizer`` directory whose vocabulary differs from that of the run's model directory
+    (``run_model_dir()``, an ``ExportError`` where the run's config names none), where that still
+    exists: the weights were trained on the run's token ids, so the export would pair them with
+    other text, and loading it back checks nothing of that."""
+    from astraflow.model_loading import TOKENIZER_FILES
+
+    try:
+        run_model = run_model_dir()
+    except ExportError:
+        return
+    if given.resolve() == run_model.resolve() or not any(any(run_model.glob(n)) for n in TOKENIZER_FILES):
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        ran = AutoTokenizer.from_pretrained(run_model)
+    except Exception:  # the run's tokenizer cannot be read here: nothing to compare with
+        return
+    if ran.get_vocab() != tok.get_vocab():
+        raise ExportError(f"--tokenizer {given} has another vocabulary than the tokenizer the run trained with, in "
+                          f"{run_model} ({len(tok)} tokens, there {len(ran)}): the model would read and write other "
+                          "text; leave --tokenizer out (the run's is taken), or pass a copy of the run's tokenizer")

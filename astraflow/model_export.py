@@ -37,8 +37,9 @@ from typing import Any, Callable, Iterator
 import torch
 import yaml
 
-from astraflow.export_dir import (PROVENANCE, ExportError, check_out, check_space, copy_model_files, put_in_place,
-                                  readable_as_umask_allows, resolve_out, staging_dir, with_older_readers_keys)
+from astraflow.export_dir import (PROVENANCE, ExportError, check_out, check_same_vocabulary, check_space,
+                                  copy_model_files, put_in_place, readable_as_umask_allows, resolve_out,
+                                  staging_dir, with_older_readers_keys)
 from storage.paths import RunPaths
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -101,6 +102,8 @@ def export_version(run_dir: str | Path, out: str | Path, *, policy: str | None =
             target = DTYPES[published if dtype == "auto" else dtype]
             source = Path(tokenizer) if tokenizer is not None else _model_dir(run_dir, policy)
             tok = _tokenizer(source, given=tokenizer is not None)
+            if tokenizer is not None:
+                check_same_vocabulary(tok, source, lambda: _model_dir(run_dir, policy))
             staging = staging_dir(out, stack)  # before the read: a directory that cannot be written fails at once
             say(f"reading {policy} v{version} ({meta.get('layout', 'hf')} layout, {published}) from {store.root}")
             model, digests = _build(meta, _tensors(store, policy, version, meta, target), source, target)

@@ -3,6 +3,7 @@ transformers loads back to the trained weights, and a new run can start from."""
 
 import errno
 import json
+import shutil
 
 import pytest
 import torch
@@ -193,6 +194,23 @@ def test_tokenizer_from_elsewhere_when_the_model_directory_is_gone(tmp_path):
         export_version(run, tmp_path / "out", say=print)
     export_version(run, tmp_path / "out", tokenizer=tmp_path / "tok", say=print)
     assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_a_tokenizer_of_another_vocabulary_than_the_runs_is_refused(tiny_model, tmp_path):
+    """While the run's model directory exists, --tokenizer must have its vocabulary (a copy with
+    another chat template is fine): another would pair the trained ids with other text."""
+    from astraflow.models import build_bpe_tokenizer
+
+    run = _one_version(tmp_path, tiny_model)
+    other = tmp_path / "bpe"
+    build_bpe_tokenizer([f"{i} plus {i * 7} is {i * 8}" for i in range(200)], vocab_size=300).save_pretrained(other)
+    with pytest.raises(ExportError, match=rf"--tokenizer {other} has another vocabulary than the tokenizer the run "
+                                          rf"trained with, in {tiny_model} .*leave --tokenizer out"):
+        export_version(run, tmp_path / "out", tokenizer=other, say=print)
+    assert not (tmp_path / "out").exists()
+    same = tmp_path / "same"
+    shutil.copytree(tiny_model, same)
+    export_version(run, tmp_path / "out", tokenizer=same, say=print)
 
 
 @pytest.mark.parametrize("content", [None, "{}", "garbage"])
