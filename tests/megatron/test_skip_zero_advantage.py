@@ -18,10 +18,10 @@ from tests.megatron.helpers import loss_fn_name, prompts, save_tiny_llama  # noq
 pytestmark = pytest.mark.megatron
 
 
-def _batch(tokens: np.ndarray, behaviour_lp: np.ndarray, prompt_len: int = 4) -> Batch:
+def _batch(tokens: np.ndarray, behaviour_lp: np.ndarray, prompt_len: int = 4, rewards=None) -> Batch:
     """Two GRPO groups: rows 0-2 scored alike (advantage 0), rows 3-5 did not; the alike
     group's sequences are the longest, so leaving them out also trims the padding."""
-    rewards = [1.0, 1.0, 1.0, 1.0, 0.0, 0.25]
+    rewards = rewards or [1.0, 1.0, 1.0, 1.0, 0.0, 0.25]
     lengths = [12, 12, 11, 8, 9, 7]
     items = []
     for i, (toks, r, n) in enumerate(zip(tokens, rewards, lengths)):
@@ -62,6 +62,8 @@ def test_skipping_is_the_same_step(tmp_path):
             m = be.train_step(batch)
             assert m["num_sequences"] == 6 and m["trained_sequences"] == (3 if skip else 6)
             after[skip] = (be.logprobs(toks), m["loss"])
+            alike = be.train_step(_batch(toks, be.logprobs(toks), rewards=[1.0] * 6))  # no signal: a zero step
+            assert alike["trained_sequences"] == (0 if skip else 6)  # as the torch backend counts it
     np.testing.assert_allclose(after[True][0], after[False][0], atol=1e-6)
     assert after[True][1] == pytest.approx(after[False][1], abs=1e-7)
 

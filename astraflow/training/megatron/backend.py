@@ -245,7 +245,9 @@ class MegatronBackend(RankChannel):
             answers = self._call("train", None, self.config.step_timeout_s,
                                  per_rank=[shares[d] for d in self.dp_rank])
             metrics = combine_metrics([answers[r] for r in self.replica_heads])
-        metrics.update(num_sequences=float(len(batch)), trained_sequences=float(len(trained["advantages"])))
+        # with the skip, rows without advantage count as untrained even where all are sent (a zero step)
+        n = np.count_nonzero(arrays["advantages"]) if self.skip_zero_advantage else len(arrays["advantages"])
+        metrics.update(num_sequences=float(len(batch)), trained_sequences=float(n))
         return metrics
 
     def save_shards(self, directory: str | Path) -> dict[str, float]:
