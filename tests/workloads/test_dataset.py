@@ -348,3 +348,25 @@ def test_an_empty_prompt_or_answer_is_told_apart_from_a_missing_one(tmp_path):
     for where in ("e.jsonl line 5: empty field 'prompt'", "e.jsonl line 6: empty field 'answer'",
                   "e.jsonl line 7: missing field 'prompt'"):
         assert where in text, text
+
+
+@pytest.mark.parametrize("template", [
+    "{{ prompt }}", "{{prompt}}\n", "Q: {{ prompt }}\r\nA:", "a\rb {{  prompt }} c {{prompt}}\n\n", "no prompt", "",
+    "{{ prompt }}\nGive your reasoning, then the final answer after \"####\".", "} {{ prompt }} {",
+    "{{ prompt|upper }}", "{{- prompt }}", "{% raw %}{{ prompt }}{% endraw %}", "[{{ lang }}] {{ prompt }}",
+])
+def test_a_template_that_only_places_the_prompt_renders_as_jinja_does(template):
+    """Text around ``{{ prompt }}`` is rendered by joining (large datasets read faster); the
+    result is Jinja's, newlines included, and any other template is Jinja's own."""
+    from jinja2 import StrictUndefined
+    from jinja2.sandbox import SandboxedEnvironment
+
+    from astraflow.workloads.dataset import _PromptOnly, _template
+
+    jinja = SandboxedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True).from_string(template)
+    compiled = _template(template)
+    assert isinstance(compiled, _PromptOnly) == ("lang" not in template and "|" not in template
+                                                 and "{%" not in template and "{{-" not in template)
+    for value in ("hello", "multi\r\nline\n", "{{ not a template }}", "ünï 😀", "", "  spaced  "):
+        fields = {"prompt": value, "lang": "en"}
+        assert compiled.render(fields) == jinja.render(fields)
