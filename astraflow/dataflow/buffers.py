@@ -355,9 +355,10 @@ class Buffers:
         return len(pool)
 
     def drop_served(self, policy: str, version: int) -> list[Item]:
-        """``policy``'s trainer asks again at ``version``: the batch served to it at ``version``
-        never reached its training. Its items are dropped (``served_not_trained``) and what
-        serving counted for them is taken back. Returns the items."""
+        """A batch is served at ``version`` again while the one served before at it is still
+        held (the data layer's ``next_batch`` puts that one back first): it never reached its
+        training. Its items are dropped (``served_not_trained``) and what serving counted for
+        them is taken back. Returns the items."""
         lost = self.serving[policy].pop(version, None)
         if not lost:
             return []

@@ -5,7 +5,7 @@ Invariant 1 of the design lives here. A task moves ``pending -> leased -> comple
 stock returns a task it never handed out) and ends exactly
 once as one of ``consumed`` (a trainer trained on its sequences and committed that version),
 ``dropped`` (with a reason: stale, zero_advantage, group_incomplete, run_ended,
-served_not_trained: fetched by a trainer that stopped or asked again before committing),
+served_not_trained: fetched by a trainer that stopped before committing, at a run's end),
 ``failed`` (with a reason) or ``evaluated`` (an evaluation task whose result was recorded).
 Ending a task twice is a bug and asserts.
 

@@ -4,7 +4,8 @@ replaced. A part of `DataLayer` (``layer.py``), kept in its own module; every na
 
 Named asynchronous overlap, *served, then committed*: a batch served to a trainer at ``v`` is
 consumed only when the trainer reports ``v + 1`` committed. A trainer that asks again at ``v``
-never got (or never trained on) the first batch; a trainer replaced after ``v`` gets back what
+never got the first batch (a trainer trains only on what it was answered, then moves to
+``v + 1``): it is put back and served again; a trainer replaced after ``v`` gets back what
 was served to its predecessor at ``v`` or later (``trainer_restarted``). Either way no sequence
 is trained twice and none is dropped without a reason.
 
@@ -47,10 +48,11 @@ class TrainerFacing:
         pace = self.paces[policy]
         pace.asked(t0)
         pace.waiting += 1
-        if version in self._in_doubt[policy]:  # served by the data layer this one replaced, asked again
-            self._in_doubt[policy].discard(version)
-            self._put_back(policy, version)
-        self.buffers.drop_served(policy, version)  # asked again: the batch served before never trained
+        # asked again at ``version``: the batch served before (by this layer, or by the one it
+        # replaced) never reached the trainer (its answer was lost or came past the call's
+        # deadline, e.g. a trainer paused that long), so it is served again, not dropped
+        self._in_doubt[policy].discard(version)
+        self._put_back(policy, version)
         n_replay = self.cfg.replay_rows
         if n_replay and self.buffers.replayable(policy, version) < n_replay:
             n_replay = 0

@@ -76,9 +76,26 @@ def test_lease_complete_batch_and_group_stats(tmp_path):
 
 
 def test_a_batch_served_but_never_trained_is_not_consumed(tmp_path):
-    """A trainer that asks again for the same version (its first answer was lost) or stops
-    before it commits the version trained on a batch: those tasks end as dropped
-    (``served_not_trained``), not consumed, and each ends once."""
+    """A trainer that stops before it commits the version trained on a batch: those tasks end
+    as dropped (``served_not_trained``) at the run's end, not consumed, and each ends once."""
+    layer = make_layer(tmp_path)
+
+    async def go():
+        node = Node(layer)
+        await node.roll(16, reward_of=lambda t: float(int(t.task_id.split("/")[1]) % 2))
+        served = await layer.next_batch("p", 0, timeout=5)
+        summary = await layer.finish()  # `served` was never committed
+        assert {layer.ledger.state_of(i.task_id) for i in served.items} == {"dropped"}
+        assert layer.ledger.dropped_by_reason["served_not_trained"] == 8
+        assert summary["open"] == 0 and "consumed" not in summary["states"]
+
+    run(go())
+
+
+def test_a_batch_asked_for_again_is_served_again_not_dropped(tmp_path):
+    """A trainer asks again at the same version: its first answer never reached it (lost, or
+    past the call's deadline: a trainer paused that long). The first batch is put back and
+    served again, not dropped, and consumed once when that version is committed."""
     layer = make_layer(tmp_path)
 
     async def go():
@@ -86,13 +103,12 @@ def test_a_batch_served_but_never_trained_is_not_consumed(tmp_path):
         await node.roll(16, reward_of=lambda t: float(int(t.task_id.split("/")[1]) % 2))
         lost = await layer.next_batch("p", 0, timeout=5)
         again = await layer.next_batch("p", 0, timeout=5)  # the same version asks again
-        assert {i.task_id for i in lost.items}.isdisjoint(i.task_id for i in again.items)
-        assert {layer.ledger.state_of(i.task_id) for i in lost.items} == {"dropped"}
-        assert layer.ledger.dropped_by_reason["served_not_trained"] == 8
-        summary = await layer.finish()  # `again` was never committed either
-        assert {layer.ledger.state_of(i.task_id) for i in again.items} == {"dropped"}
-        assert layer.ledger.dropped_by_reason["served_not_trained"] == 16
-        assert summary["open"] == 0 and "consumed" not in summary["states"]
+        assert sorted(i.task_id for i in again.items) == sorted(i.task_id for i in lost.items)
+        assert "served_not_trained" not in layer.ledger.dropped_by_reason
+        assert {layer.ledger.state_of(i.task_id) for i in lost.items} == {"completed"}
+        await layer.published("p", 1)
+        assert {layer.ledger.state_of(i.task_id) for i in again.items} == {"consumed"}
+        assert (await layer.state())["counts"]["p"]["consumed"] == 8
 
     run(go())
 
