@@ -81,8 +81,11 @@ def interrupted(sig: KeyboardInterrupt) -> Ending:
 
 def disk_full(err: BaseException) -> bool:
     """Whether `err` is a write refused for want of room: the filesystem full, the user's quota
-    exceeded, or a file past the file-size limit (``storage.full_disk``)."""
-    return is_full_disk(err)
+    exceeded, or a file past the file-size limit (``storage.full_disk``); or refused by a
+    filesystem made read-only (remounted, or by the kernel after an I/O error). Either way no
+    write of the run can land, a new worker would meet it too, and the directory resumes once
+    it takes writes again."""
+    return is_full_disk(err) or (isinstance(err, OSError) and err.errno == errno.EROFS)
 
 
 def full_disk_of(report: dict[str, Any]) -> OSError | None:
@@ -97,7 +100,7 @@ def full_disk_of(report: dict[str, Any]) -> OSError | None:
 
 
 #: how each of ``disk_full_reason``'s lines begins
-_FULL_DISK_OPENINGS = ("no space left", "quota exceeded", "file-size limit reached")
+_FULL_DISK_OPENINGS = ("no space left", "quota exceeded", "file-size limit reached", "read-only filesystem")
 
 
 def is_disk_full_reason(reason: str | None) -> bool:
@@ -117,6 +120,10 @@ def disk_full_reason(err: OSError, run_dir: Path) -> str:
         return (f"quota exceeded on {where} ({what} failed): check your quota (e.g. `quota -s`, or `lfs quota -u "
                 f"$USER <mount>` on Lustre) and free space within it or have it raised, then run `astraflow run` "
                 f"again {resume} to resume")
+    if err.errno == errno.EROFS:  # not for want of room: the filesystem takes no writes at all
+        return (f"read-only filesystem at {where} ({what} failed): make it writable again (remount it "
+                "read-write; one the kernel made read-only after an I/O error needs its administrator), "
+                f"then run `astraflow run` again {resume} to resume")
     if err.errno == errno.EFBIG:  # a per-process limit, not the disk: Slurm jobs inherit the submit shell's
         return (f"file-size limit reached on {where} ({what} failed): a file outgrew `ulimit -f` (RLIMIT_FSIZE; "
                 "Slurm passes the submitting shell's limits to its jobs) or the largest file the filesystem "

@@ -159,3 +159,15 @@ def test_each_full_disk_line_is_known_as_one(tmp_path, code):
 
     line = disk_full_reason(OSError(code, os.strerror(code), str(tmp_path / "x")), tmp_path)
     assert is_disk_full_reason(line) and not is_disk_full_reason("trainer solver failed: KeyError: 'x'")
+
+
+def test_a_read_only_filesystem_ends_the_run_with_its_own_line(tmp_path):
+    """A filesystem made read-only (remounted, or by the kernel after an I/O error) ends the run as
+    a full disk does (a new worker would meet it too), with a line that says so, not 'no space'."""
+    inside = str(tmp_path / "control" / "status.json")
+    err = OSError(errno.EROFS, "Read-only file system", inside)
+    assert disk_full(err)
+    line = disk_full_reason(err, tmp_path)
+    assert line.startswith(f"read-only filesystem at {tmp_path} (writing {inside} failed): make it writable again")
+    assert "no space" not in line and "`astraflow run` again on this directory to resume" in line
+    assert not disk_full(OSError(errno.EACCES, "Permission denied", inside))
