@@ -80,6 +80,8 @@ class Journal:
     def __init__(self, path: Path | None, on_error: Callable[[BaseException], None] | None = None):
         self.path = path
         self.on_error = on_error
+        if path is not None:  # a last line cut short (the file shorter than the state records): the
+            rec.cut_torn_line(path)  # next line appended would join it, and both would be unreadable
         self._file = open(path, "a", buffering=1 << 16) if path is not None else None
 
     def __call__(self, task_id: str, event: str, reason: str | None) -> None:

@@ -143,6 +143,24 @@ def test_lines_written_after_the_last_snapshot_are_cut_back(tmp_path):
     assert paths.metrics.read_text() == good_metrics and paths.journal.read_text() == good_journal
 
 
+def test_a_journal_cut_short_in_a_line_is_cut_back_to_its_last_whole_line(tmp_path):
+    """``ledger.jsonl`` shorter than the saved state records, its last line torn (a power loss,
+    a damaged file): the torn line is cut, so the lines the resumed run appends stay whole
+    (appended to it, the next one would have been unreadable too)."""
+    paths = Paths(tmp_path)
+    _one_step(paths)
+    whole = paths.journal.read_bytes()
+    with open(paths.journal, "r+b") as f:
+        f.truncate(len(whole) - 7)
+    layer = paths.layer(keep_leases=True)
+    layer.durability.journal("late/0", "created", None)  # a line the resumed run appends
+    run(layer.close())
+    lines = paths.journal.read_text().splitlines()
+    assert [json.loads(x) for x in lines]  # every line parses
+    assert json.loads(lines[-1]) == {"t": "late/0", "e": "created"}
+    assert paths.journal.read_bytes().startswith(whole[: whole.rstrip(b"\n").rfind(b"\n") + 1])
+
+
 def test_a_resumed_run_requeues_the_old_leases_and_puts_back_uncommitted_batches(tmp_path):
     paths = Paths(tmp_path)
     old = paths.layer()
