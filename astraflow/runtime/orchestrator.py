@@ -325,8 +325,8 @@ class Orchestrator(Shutdown):
         except FUTURE_ERRORS as err:
             self.fleet.check_core(wait_s=10.0)  # a lost worker: its own error (restarts follow)
             if isinstance(err, TimeoutError):  # its worker is there, it does not answer: hung
-                raise RunFailed(f"{asking} did not answer within 30 s, its worker still connected (hung: "
-                                "see its worker log under jobs/)") from err
+                raise RunFailed(f"{asking} did not answer within 30 s, its worker still connected (hung: see its "
+                                "worker log under jobs/); `astraflow run` on the run directory resumes it") from err
             raise
 
     def _show(self, tick: Tick) -> None:
