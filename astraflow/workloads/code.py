@@ -237,6 +237,16 @@ def humaneval_tasks() -> list[dict[str, Any]]:
     return [dict(t, family=HUMANEVAL) for t in read_tasks(humaneval_path())]
 
 
+def _why_failed(result) -> str:
+    """What the user reads to fix a reference: the program's own error when it failed before the
+    tests ran (its traceback's last line: a module not installed), else the first failing test's."""
+    failed = [t for t in result.tests if not t.passed]
+    last = (result.stderr.strip().splitlines() or [""])[-1].strip()
+    if last and (not failed or (failed[0].error or "").startswith("not run: the program")):
+        return last[:200]
+    return f"{failed[0].name}: {failed[0].error}"[:200] if failed and failed[0].error else ""
+
+
 class SandboxFailed(RuntimeError):
     """The sandbox failed to judge a program (it could not start, its runner crashed): not the
     program's fault, so no reward; the episode fails with the sandbox's message."""
@@ -324,7 +334,9 @@ class CodeWorkload:
             if result.status == "sandbox_error":
                 return []
             if not result.all_passed:
-                failing.append(f"{t['row']} ({result.status}, {result.passed}/{result.total} tests passed)")
+                why = _why_failed(result)
+                failing.append(f"{t['row']} ({result.status}, {result.passed}/{result.total} tests passed"
+                               f"{': ' + why if why else ''})")
         if not failing:
             return []
         return [f"code workload: {len(failing)} of the {len(checked)} references checked fail their own tests: "

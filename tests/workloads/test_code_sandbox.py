@@ -148,8 +148,26 @@ def test_references_that_fail_their_own_tests_are_named_by_check(sandbox, tmp_pa
     w = CodeWorkload(train_file=str(path), test_file=str(path))
     (line,) = w.self_check()
     assert line.startswith("code workload: 1 of the 3 references checked fail their own tests: ")
-    assert f"{path} line 2 (failure, 0/1 tests passed)" in line
+    assert f"{path} line 2 (failure, 0/1 tests passed: test_a: AssertionError: assert inc(1) == 2)" in line
     cfg = tiny_config(tiny_model, workload__name="code",
                       workload__params={"train_file": str(path), "test_file": str(path)})
     assert "1 of the 3 references checked fail their own tests" in check_data(cfg.workload, cfg)
     assert CodeWorkload().self_check() == []  # generated tasks pass by construction
+
+
+def test_a_failing_reference_is_named_with_why_it_fails(sandbox, tmp_path):
+    """The line ``astraflow check`` prints for a failing reference says what to fix: the module the
+    prompt imports that is not installed (the program failed before any test ran), or the failing
+    test's error (``asyncio.run`` on a coroutine of the program, which the isolated tests refuse)."""
+    import json
+
+    rows = [{"prompt": "import numpy_not_installed_here\n\ndef f(x):\n", "entry_point": "f",
+             "tests": "def test_a():\n    assert f(1) == 1\n", "reference": "    return x\n"},
+            {"prompt": "async def double(x):\n", "entry_point": "double", "reference": "    return 2 * x\n",
+             "tests": "import asyncio\n\ndef test_d():\n    assert asyncio.run(double(2)) == 4\n"}]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (line,) = CodeWorkload(train_file=str(path), test_file=str(path)).self_check()
+    assert (f"{path} line 1 (failure, 0/1 tests passed: ModuleNotFoundError: No module named "
+            "'numpy_not_installed_here')") in line
+    assert f"{path} line 2 (failure, 0/1 tests passed: test_d: ValueError: a coroutine was expected" in line
