@@ -184,19 +184,22 @@ def _check_prompt(prompt: str, entry_point: str, reference: str | None, where: s
         said = "prompt + reference" if reference is not None else "prompt"
         hint = " (does the prompt end with a newline?)" if reference is not None and not prompt.endswith("\n") else ""
         raise ValueError(f"{where}: {said} is not valid Python{hint} ({err.msg}, line {err.lineno})") from None
-    defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
     if entry_point not in defined:
-        raise ValueError(f"{where}: entry_point {entry_point!r} is not a function the prompt defines at the top "
-                         f"level (it defines: {', '.join(defined) or 'none'}); the tests call entry_point")
+        raise ValueError(f"{where}: entry_point {entry_point!r} is not a function or class the prompt defines at the "
+                         f"top level (it defines: {', '.join(defined) or 'none'}); the tests call entry_point")
 
 
 def _with_body(prompt: str) -> str:
-    """``prompt`` as Python: as it is, or with a body after a trailing signature (``def f(x):``)."""
+    """``prompt`` as Python: as it is, or with a body after a trailing signature (``def f(x):``, or a
+    method's in a class: the body one level below the signature's line)."""
     try:
         ast.parse(prompt)
         return prompt
     except SyntaxError:
-        return prompt + ("" if prompt.endswith("\n") else "\n") + "    pass\n"
+        last = next((line for line in reversed(prompt.splitlines()) if line.strip()), "")
+        indent = last[:len(last) - len(last.lstrip())]
+        return prompt + ("" if prompt.endswith("\n") else "\n") + indent + "    pass\n"
 
 
 def read_tasks(path: str | Path) -> list[dict[str, Any]]:

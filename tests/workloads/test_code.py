@@ -127,6 +127,18 @@ def test_a_prompt_that_ends_at_its_signature_needs_no_reference(tmp_path):
     assert [t["entry_point"] for t in tasks] == ["inc", "inc"] and all("reference" not in t for t in tasks)
 
 
+def test_a_class_is_an_entry_point_and_a_method_signature_ends_a_prompt(tmp_path):
+    """A task may ask for a class (the tests call it): its prompt may end at a method's signature,
+    whose body is one level below it."""
+    tests = "def test_s():\n    s = Stack()\n    s.push(1)\n    assert s.items == [1]\n"
+    rows = [{"prompt": "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
+             "entry_point": "Stack", "tests": tests, "reference": "        self.items.append(x)\n"},
+            {"prompt": "class Stack:\n    def __init__(self):\n", "entry_point": "Stack", "tests": tests}]
+    tasks = read_tasks(write_jsonl(tmp_path / "t.jsonl", rows))
+    assert [t["entry_point"] for t in tasks] == ["Stack", "Stack"]
+    assert run_locally(tasks[0]["prompt"] + tasks[0]["reference"], tasks[0]["tests"]) == (1, 1)
+
+
 def test_jsonl_tasks_and_the_humaneval_check_form(tmp_path):
     he = {"task_id": "t/1", "prompt": "def dbl(x):\n", "entry_point": "dbl", "canonical_solution": "    return 2 * x\n",
           "test": "def check(candidate):\n    assert candidate(2) == 4\n"}
@@ -150,8 +162,8 @@ def test_jsonl_tasks_and_the_humaneval_check_form(tmp_path):
     ("{not json", "line 2: not JSON"),
     (dict(GOOD, tests=["def test_a():\n    pass\n"]), "line 2: field 'tests' must be a string, got list"),
     (dict(GOOD, entry_point=3), "line 2: field 'entry_point' must be a string, got int"),
-    (dict(GOOD, entry_point="dec"), "line 2: entry_point 'dec' is not a function the prompt defines at the top "
-                                    "level \\(it defines: inc\\)"),
+    (dict(GOOD, entry_point="dec"), "line 2: entry_point 'dec' is not a function or class the prompt defines at "
+                                    "the top level \\(it defines: inc\\)"),
     (dict(GOOD, prompt='def inc(x):\n    """Add one."""', reference="    return x + 1\n"),
      "line 2: prompt \\+ reference is not valid Python \\(does the prompt end with a newline\\?\\)"),
     ("[1, 2]", "line 2: a task must be a JSON object"),
