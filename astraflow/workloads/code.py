@@ -142,6 +142,11 @@ def task_from_row(row: Mapping[str, Any], where: str, default_id: str | None = N
     missing or malformed field."""
     if not isinstance(row, Mapping):
         raise ValueError(f"{where}: a task must be a JSON object, got {type(row).__name__}")
+    foreign = _foreign_format(row)
+    readable = all(isinstance(row.get(k), str) for k in ("prompt", "entry_point")) and (
+        isinstance(row.get("tests"), str) or isinstance(row.get("test"), str))
+    if foreign and not readable:
+        raise ValueError(f"{where}: {foreign} (docs/code.md, 'The task format')")
     for name in REQUIRED:
         if row.get(name) is not None and not isinstance(row[name], str):
             raise ValueError(f"{where}: field {name!r} must be a string, got {type(row[name]).__name__}")
@@ -173,6 +178,22 @@ def task_from_row(row: Mapping[str, Any], where: str, default_id: str | None = N
     if row.get("family") not in (None, ""):
         task["family"] = task["difficulty"] = str(row["family"])
     return task
+
+
+def _foreign_format(row: Mapping[str, Any]) -> str | None:
+    """What to do with a row of another dataset's format the code workload does not read (MBPP's
+    assert strings, APPS's or CodeContests' stdin/stdout pairs); None for any other row."""
+    if "test_list" in row:
+        return ("this looks like an MBPP row (text, code, test_list), not a code task: convert it to prompt = the "
+                "function's signature from code with text as its docstring, entry_point = the function's name, "
+                "tests = each assert of test_list inside a def test_N(): (after test_setup_code and test_imports), "
+                "reference = the rest of code")
+    if any(k in row for k in ("input_output", "public_tests", "private_tests", "generated_tests")):
+        return ("this looks like a stdin/stdout task (APPS, CodeContests), not a code task: the code workload scores "
+                "a function by test_* functions, not a program's output; convert it to a prompt defining a "
+                "function (e.g. def solve(text: str) -> str:), entry_point = its name, and tests that call it "
+                "with each input and compare with its output")
+    return None
 
 
 def _check_prompt(prompt: str, entry_point: str, reference: str | None, where: str) -> None:

@@ -175,6 +175,23 @@ def test_bad_jsonl_rows_name_the_file_and_line(tmp_path, row, message):
     assert "bad.jsonl" in str(err.value)
 
 
+@pytest.mark.parametrize("row, message", [
+    ({"task_id": 2, "text": "Find the minimum.", "code": "def m(a, b):\n    return min(a, b)",
+      "test_list": ["assert m(1, 2) == 1"], "test_setup_code": ""}, "line 1: this looks like an MBPP row"),
+    ({"prompt": "Find the minimum.", "code": "def m(a, b):\n    return min(a, b)", "test_list": ["assert m(1, 2) == 1"],
+      "test_imports": []}, "line 1: this looks like an MBPP row.*each assert of test_list inside a def test_N"),
+    ({"question": "Print 2n.", "input_output": json.dumps({"inputs": ["3\n"], "outputs": ["6\n"]})},
+     "line 1: this looks like a stdin/stdout task \\(APPS, CodeContests\\).*def solve"),
+    ({"description": "Print 2n.", "public_tests": {"input": ["3\n"], "output": ["6\n"]}}, "stdin/stdout task"),
+])
+def test_rows_of_other_datasets_formats_say_how_to_convert_them(tmp_path, row, message):
+    """MBPP's and APPS's rows are what people have: refused naming the format and the conversion,
+    not with a bare 'missing field'."""
+    with pytest.raises(ValueError, match=message) as err:
+        read_tasks(write_jsonl(tmp_path / "mbpp.jsonl", [row]))
+    assert "mbpp.jsonl line 1" in str(err.value) and "docs/code.md" in str(err.value)
+
+
 def test_missing_files_and_test_file_alone(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         CodeWorkload(train_file=str(tmp_path / "none.jsonl")).tasks("train")
