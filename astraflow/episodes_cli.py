@@ -94,6 +94,8 @@ def _show(console, e, text: dict[str, str] | None, sampled: bool) -> None:
             + (f", truncated at {e.truncated}" if e.truncated else "") + ("  (sampled)" if sampled else ""))
     console.print()
     console.print(Text(printable(head), style="bold"))
+    if e.stats:  # how the episode ended, as its workload says (a program's tests: passed, wrong, timeout)
+        console.print(Text(printable("  ".join(f"{k} {v:.3g}" for k, v in sorted(e.stats.items()))), style="dim"))
     if e.task:
         task = json.dumps(e.task, ensure_ascii=False, default=str)[:400]
         console.print(Text(printable(f"task: {task}"), style="dim"))

@@ -131,3 +131,22 @@ def test_untrained_text_between_two_answers_is_not_shown_as_the_models(tmp_path)
     out = CliRunner().invoke(main, ["episodes", str(paths.root), "-n", "1"])
     assert out.exit_code == 0, out.output
     assert "2+2=5 Wrong. Again: 4\n" in out.output
+
+
+def test_an_episodes_statistics_are_shown_with_its_reward(tmp_path):
+    """How a code episode ended (its tests: passed, wrong, timed out, the fraction passed) is in the
+    text view, not only in ``--json``: a reward of 0 alone does not say whether the program was
+    wrong or too slow."""
+    import dataclasses
+
+    from tests.monitoring.episode_store import single_turn
+
+    run_dir = write_run(tmp_path / "run", build_tokenizer(), old_batches=0)
+    store = open_trajectory_store(str(run_dir / "trajectories"), "a", durable=False)
+    stats = {"code_pass": 0.0, "code_wrong": 0.0, "code_timeout": 1.0, "code_tests_frac": 0.25}
+    with store.writer("rollout-2") as w:
+        time.sleep(0.002)  # the newest episode
+        w.write(dataclasses.replace(single_turn("code-1", 0.0), stats=stats).to_stored())
+    out = CliRunner().invoke(main, ["episodes", str(run_dir), "-n", "1"])
+    assert out.exit_code == 0, out.output
+    assert "code_pass 0  code_tests_frac 0.25  code_timeout 1  code_wrong 0" in out.output
