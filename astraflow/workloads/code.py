@@ -230,7 +230,7 @@ def read_tasks(path: str | Path) -> list[dict[str, Any]]:
         raise ValueError(f"code workload: {path} does not exist; write the tasks first or fix "
                          "workload.params.train_file / test_file")
     opener = gzip.open if p.suffix == ".gz" else open
-    tasks = []
+    tasks, seen = [], {}
     with opener(p, "rt", encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -241,7 +241,12 @@ def read_tasks(path: str | Path) -> list[dict[str, Any]]:
                 raise ValueError(f"{p} line {n}: not JSON ({err.msg})") from None
             # a row without an id: its file's name and line, not the path as spelt (the held-out split
             # goes by the id, and must not change with the directory the run starts in)
-            tasks.append(task_from_row(row, f"{p} line {n}", default_id=f"{p.name} line {n}"))
+            task = task_from_row(row, f"{p} line {n}", default_id=f"{p.name} line {n}")
+            if task["id"] in seen:  # the held-out split goes by id: two tasks under one would be split as one
+                raise ValueError(f"{p} line {n}: id {task['id']!r} is also the id of line {seen[task['id']]}; "
+                                 "give each task a unique id (or drop the duplicate row)")
+            seen[task["id"]] = n
+            tasks.append(task)
     if not tasks:
         raise ValueError(f"code workload: {p} has no tasks")
     return tasks

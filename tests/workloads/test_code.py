@@ -192,6 +192,17 @@ def test_rows_of_other_datasets_formats_say_how_to_convert_them(tmp_path, row, m
     assert "mbpp.jsonl line 1" in str(err.value) and "docs/code.md" in str(err.value)
 
 
+def test_a_repeated_task_id_names_both_lines(tmp_path):
+    """Ids are unique (the held-out split goes by id): a file with one twice is refused, naming the
+    lines, HumanEval's integer ``task_id`` spelt as the string it is read as included."""
+    path = write_jsonl(tmp_path / "dups.jsonl", [dict(GOOD, id="inc"), dict(GOOD, id="dec"), dict(GOOD, id="inc")])
+    with pytest.raises(ValueError, match="dups.jsonl line 3: id 'inc' is also the id of line 1; give each task a "
+                                         "unique id"):
+        read_tasks(path)
+    with pytest.raises(ValueError, match="line 2: id '7' is also the id of line 1"):
+        read_tasks(write_jsonl(tmp_path / "ints.jsonl", [dict(GOOD, task_id=7), dict(GOOD, task_id="7")]))
+
+
 def test_missing_files_and_test_file_alone(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         CodeWorkload(train_file=str(tmp_path / "none.jsonl")).tasks("train")
