@@ -9,6 +9,7 @@ measured in ``context_fit``."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from astraflow.config import ConfigError, RunConfig
 from astraflow.context_fit import check_engine_positions, max_positions, vllm_positions
@@ -275,6 +276,24 @@ def eval_split_lines(workload, held_out: list) -> list[str]:
         return [f"workload.eval.num_prompts {ev.num_prompts}: the held-out split has {plain} prompts, so each "
                 f"evaluation takes those {plain}"]
     return []
+
+
+def held_out_overlap(train: list, held_out: list) -> list[str]:
+    """A line when held-out prompts are also training prompts (the same prompt text, or messages):
+    their evaluations would count problems the policy trains on, as a test file that repeats the
+    train file does."""
+    def key(p: Any) -> str | None:
+        text = p.get("messages") or p.get("prompt") or p.get("question") if isinstance(p, dict) else None
+        return json.dumps(text, sort_keys=True, default=str) if text else None
+
+    seen = {k for k in map(key, train) if k is not None}
+    both = [p for p in held_out if (k := key(p)) is not None and k in seen]
+    if not both:
+        return []
+    where = both[0].get("row") or both[0].get("id")
+    return [f"warning: {len(both)} of the {len(held_out)} held-out prompts are also training prompts"
+            + (f" (the first: {where})" if where else "") + ": their evaluations count problems the policy trains "
+            "on; hold out prompts the train split does not have (a test file without them)"]
 
 
 def check_network(cfg: RunConfig) -> None:

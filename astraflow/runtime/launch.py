@@ -17,7 +17,7 @@ from pathlib import Path
 from astraflow.clibase import shell_arg
 from astraflow.config import RunConfig
 from astraflow.context_fit import prompts_that_do_not_fit
-from astraflow.preflight import check_network, eval_split_lines, models_that_never_stop
+from astraflow.preflight import check_network, eval_split_lines, held_out_overlap, models_that_never_stop
 from astraflow.runtime.jobrecords import PreviousJobs, cancel_previous_jobs
 from astraflow.runtime.model_build import prepare_models
 from astraflow.runtime.orchestrator import Orchestrator, RunResult
@@ -41,14 +41,15 @@ def check_data(workload: WorkloadConfig, cfg: RunConfig | None = None) -> str:
     (``workload.eval.every``) of an empty held-out split, no train prompt fits, or the data
     cannot be read."""
     wl = make_workload(workload.name, dict(workload.params or {}), workload.seed)
-    n_train = len(_split(wl, workload.name, "train"))
+    train = _split(wl, workload.name, "train")
+    n_train = len(train)
     held_out = _split(wl, workload.name, "eval")
     n_eval = len(held_out)
     if n_train == 0:
         from astraflow.dataflow.mixing import empty_train_split
 
         raise ValueError(empty_train_split(workload.name, workload.params))
-    lines = eval_split_lines(workload, held_out)
+    lines = eval_split_lines(workload, held_out) + held_out_overlap(train, held_out)
     report = getattr(wl, "report", None)
     found = f"workload {workload.name}: {n_train} train and {n_eval} held-out prompts"
     said = report is not None and (report.bad or report.other_splits)

@@ -41,3 +41,22 @@ def test_check_exits_2_naming_the_key(tmp_path):
     res = _invoke("check", str(_config(tmp_path)), "--set", "workload.params.num_test=0")
     assert res.exit_code == 2, res.output
     assert "workload.eval.every 2: workload math has no held-out prompts" in " ".join(res.output.split())
+
+
+def test_held_out_prompts_that_are_also_training_prompts_are_warned_about(tmp_path):
+    """A test file that repeats rows of the train file: evaluations would count problems the policy
+    trains on. Said once, with how many and the first one's row; disjoint files say nothing."""
+    import json
+
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"} for i in range(12)]
+    train, test, other = tmp_path / "train.jsonl", tmp_path / "test.jsonl", tmp_path / "other.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    test.write_text("".join(json.dumps(r) + "\n" for r in rows[8:] + [{"question": "new?", "answer": "#### 1"}]))
+    other.write_text("".join(json.dumps(dict(r, question=r["question"] + " Really?")) + "\n" for r in rows[8:]))
+    wl = WorkloadConfig(name="dataset", params={"path": str(train), "test_path": str(test), "preset": "gsm8k"},
+                        eval={"every": 2, "num_prompts": 4})
+    (line,) = [x for x in check_data(wl).splitlines() if x.startswith("warning:")]
+    assert line.startswith("warning: 4 of the 5 held-out prompts are also training prompts (the first: ")
+    assert "test.jsonl line " in line and "a test file without them" in line
+    apart = wl.model_copy(update={"params": dict(wl.params, test_path=str(other))})
+    assert "warning:" not in check_data(apart)
