@@ -266,10 +266,12 @@ class Autoscaler:
                        stale_fraction=stale / left if left > 0 else None, evidence_s=span,
                        consumed_per_s=(last.consumed - first.consumed) / span)
 
-    def decide(self, now: float, slots: list[Slot], fixed: int = 0) -> Decision:
+    def decide(self, now: float, slots: list[Slot], fixed: int = 0, others_settling: int = 0) -> Decision:
         """The decision for this tick. ``slots`` in config order; ``fixed``: the workers wanted in
-        rollout partitions without bounds (they count in the pool size). An add or a drain
-        restarts the window and starts the partition's cooldown."""
+        rollout partitions without bounds (they count in the pool size); ``others_settling``: workers
+        of the other rollout partitions still starting or draining (added or removed by hand), which
+        hold it as the slots' own do. An add or a drain restarts the window and starts the
+        partition's cooldown."""
         cfg = self.cfg
         pool = sum(s.desired for s in slots) + fixed
         if pool == 0 and self.samples and self.samples[-1].wait_s:
@@ -277,7 +279,7 @@ class Autoscaler:
         if self.samples and not self.samples[-1].started:
             self.restart_window()
             return Decision("hold", "waiting for the trainers' first steps (start-up waits are not a signal)", {}, now)
-        settling = sum(s.settling for s in slots)
+        settling = sum(s.settling for s in slots) + others_settling
         if settling:
             self.restart_window()
             return Decision("hold", f"waiting for {settling} worker(s) to start or drain", {}, now)

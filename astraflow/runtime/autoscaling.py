@@ -108,13 +108,24 @@ class AutoscaleDriver:
                    for w in self.fleet.in_partition(name) if not w.gone and not w.draining)
         return wanted + left
 
+    def others_settling(self, now: float) -> int:
+        """Workers of the rollout partitions without bounds, or no longer active (added or removed
+        by hand), still placing, starting or draining, or submitted within the start deadline: the
+        window's evidence predates them, and the pool size it would be remembered at is not the one
+        that served. One a queue holds past the deadline is not waited for."""
+        deadline = self.parts.cluster.worker_start_timeout_s
+        scaled = {s.name for s in self.slots(now)}
+        return sum(1 for name, p in self.parts.partitions.items() if p.role == "rollout" and name not in scaled
+                   for w in self.fleet.in_partition(name)
+                   if w.phase in SETTLING and not (w.phase == "submitted" and now - w.since > deadline))
+
     def step(self, tick: Tick, now: float | None = None) -> Decision:
         """Observe this tick (at the time it was read), decide, apply a change. Returns the decision."""
         now = tick.read_at if now is None else now
         for policy, st in tick.trainers.items():
             self.first_versions.setdefault(policy, int(st.get("version", 0)))
         self.scaler.observe(sample_of(tick, now, self.first_versions))
-        decision = self.scaler.decide(now, self.slots(now), self.fixed())
+        decision = self.scaler.decide(now, self.slots(now), self.fixed(), self.others_settling(now))
         if decision.action != "hold":
             decision = self._apply(decision)
         self.last = decision

@@ -353,3 +353,45 @@ def test_a_worker_its_queue_holds_back_does_not_stop_the_next_partition_growing(
     adds = [(d.partition, d.desired, d.target) for d in later if d.action == "add"]
     assert adds and adds[0] == ("b", 0, 1), [d.reason for d in later]
     assert read_desired_file(paths)[0]["a"].nodes == 2  # not grown further while its worker waits
+
+
+def test_workers_added_or_removed_by_hand_hold_the_autoscaler_until_they_settle(tmp_path):
+    """``partitions add`` of a partition without bounds while the trainers starve: its workers are
+    still starting, so the window's wait predates them. The autoscaler waits for them (and then
+    for a fresh window) rather than add a worker on that evidence; so does a removed partition's
+    draining worker. Before this, it added at once and remembered the new pool size as starved."""
+    import time
+
+    paths = RunPaths(tmp_path / "run").make()
+    auto = Partition(name="a", nodes=1, autoscale={"min_nodes": 1, "max_nodes": 3, "cooldown_s": 0})
+    manual = Partition(name="manual", nodes=2)
+    write_desired(paths, [auto, manual])
+    pset = PartitionSet([auto, manual], paths, ClusterConfig(), Progress(enabled=False))
+
+    def worker(part: str, i: int, phase: str) -> Worker:
+        name = f"rollout-{part}-local-cpu-{i}"
+        return Worker(job=JobRef(job_id=f"{part}-{i}", partition=part, worker_name=name, kind="local", log=None),
+                      partition=part, phase=phase)
+
+    added = [worker("manual", 0, "starting"), worker("manual", 1, "placing")]
+    fleet = _Fleet([worker("a", 0, "serving"), *added])
+    driver = AutoscaleDriver(AutoscaleConfig(window_s=5.0), paths, pset, fleet, Progress(enabled=False))
+    t0 = time.time()
+
+    def step(t: float):
+        tick = Tick(data_layer={"counts": {"solver": {"consumed": int(10 * t), "stale_dropped": 0}}},
+                    trainers={"solver": {"version": 1 if t == 0 else 2, "done": False, "wait_total_s": 0.9 * t}})
+        return driver.step(tick, now=t0 + t)
+
+    step(0.0)
+    early = [step(float(t)) for t in range(1, 10)]
+    assert all(d.action == "hold" and "waiting for 2 worker(s)" in d.reason for d in early), [d.reason for d in early]
+    assert read_desired_file(paths)[0]["a"].nodes == 1 and not driver.scaler.seen
+    for w in added:
+        w.enter("serving")
+    later = [step(float(t)) for t in range(10, 18)]
+    assert [d.action for d in later][:5] == ["hold"] * 5 and "add" in [d.action for d in later]  # a fresh window
+    pset.state["manual"].state = "removing"
+    added[0].enter("draining")
+    d = step(30.0)
+    assert d.action == "hold" and "waiting for 1 worker(s)" in d.reason, d.reason
