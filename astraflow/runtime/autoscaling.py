@@ -38,6 +38,9 @@ log = logging.getLogger("astraflow.runtime")
 #: changes kept for the status (all of them are in ``control/autoscale.jsonl``)
 RECENT = 20
 
+#: the fields of a change as ``Decision.as_dict`` writes it (the status's views read exactly these)
+RECORD_KEYS = {"t", "action", "partition", "count", "desired", "target", "reason", "signals"}
+
 #: worker phases of a change that has not settled yet
 SETTLING = ("submitted", "placing", "starting", "draining")
 
@@ -59,6 +62,24 @@ def sample_of(tick: Tick, now: float, since: dict[str, int] | None = None) -> Sa
     )
 
 
+def logged_changes(paths: RunPaths) -> list[dict[str, Any]]:
+    """The changes ``control/autoscale.jsonl`` holds, oldest first (none without the file; a
+    damaged line, such as one cut short by a killed run, is left out)."""
+    try:
+        lines = paths.autoscale_log.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines[-4 * RECENT:]:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and set(record) == RECORD_KEYS and record["action"] in ("add", "drain"):
+            out.append(record)
+    return out
+
+
 class AutoscaleDriver:
     """Feeds the `Autoscaler` each tick and applies its decisions (module docstring)."""
 
@@ -71,7 +92,8 @@ class AutoscaleDriver:
         self.progress = progress
         self.scaler = Autoscaler(cfg)
         self.last: Decision | None = None
-        self.changes: deque[dict[str, Any]] = deque(maxlen=RECENT)
+        # a resumed run (a requeued job) goes on showing the changes the runs before it made
+        self.changes: deque[dict[str, Any]] = deque(logged_changes(paths), maxlen=RECENT)
         #: each policy's version when its trainer was first seen: the start-up waits of a resumed
         #: run (its trainers past v0 from the start) are not a signal either
         self.first_versions: dict[str, int] = {}

@@ -4,6 +4,8 @@ that the policies and the balance line show."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from astraflow.runtime.autoscale import Autoscaler, Sample, Slot
@@ -58,3 +60,24 @@ def test_the_balance_line_leaves_out_a_trainer_that_took_its_last_step(tmp_path)
     assert "balance since start: trainer wait 8% (solver done), rollout idle 10%" in format_status(st)
     st["trainers"]["verifier"]["done"] = True
     assert "balance since start: trainer wait 72%, rollout idle 10%" in format_status(st)
+
+
+def test_a_resumed_run_goes_on_showing_the_changes_made_before_it(tmp_path):
+    """A requeued job resumes the run: its status and dashboard show the changes of the runs
+    before it (the autoscale log's), not an empty history; a line cut short is left out."""
+    from astraflow.runtime.autoscale import Decision
+    from astraflow.runtime.autoscaling import AutoscaleDriver
+    from astraflow.runtime.monitoring.view import _autoscale_view
+    from astraflow.runtime.progress import Progress
+
+    paths = RunPaths(tmp_path / "run").make()
+    paths.control.mkdir(parents=True, exist_ok=True)
+    before = [Decision("add", "trainer wait ... > high_wait 30%: add 1 worker(s) of r (1 -> 2)", {"trainer_wait": 0.5},
+                       10.0, "r", 1, 1, 2).as_dict(),
+              Decision("drain", "trainer wait ... < low_wait 5%: drain 1 worker(s) of r (2 -> 1)", {}, 20.0,
+                       "r", 1, 2, 1).as_dict()]
+    paths.autoscale_log.write_text("".join(json.dumps(r) + "\n" for r in before) + '{"t": 30.0, "act')
+    driver = AutoscaleDriver(AutoscaleConfig(), paths, None, None, Progress(enabled=False))
+    st = driver.status()
+    assert st["changes"] == before
+    assert [c.action for c in _autoscale_view(st).changes] == ["add", "drain"]
