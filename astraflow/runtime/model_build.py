@@ -153,8 +153,12 @@ def _warm_start(src: Path, dst: Path, init: ModelInit, workload: WorkloadConfig 
              and hasattr(workload_class(workload.name), "demonstration"))
     what = ("expert demonstrations" if agentic else "tests from the hidden tests" if init.task == "test"
             else "reference solutions" if demos else init.task)
+    # its stopping rule in full: a target usually ends it long before its bound in steps
+    measure = "success" if agentic else "accuracy"
+    rule = ([f"for up to {' or '.join(bounds)}"] if bounds else []) + (
+        [f"until held-out {measure} {init.warm_start_target}"] if init.warm_start_target is not None else [])
     # the warm start draws its own progress bar
-    with progress.waiting(f"supervised warm start ({what}) for {' or '.join(bounds)}", live=False):
+    with progress.waiting(f"supervised warm start ({what}) {', '.join(rule)}", live=False):
         if agentic:
             from astraflow.training.agent_warmstart import agent_warm_start
 
@@ -178,7 +182,7 @@ def _warm_start(src: Path, dst: Path, init: ModelInit, workload: WorkloadConfig 
             seeded_params = {"seed": workload.seed, **params} if workload else params
             result = warm_start(src, dst, workload=seeded_params, task=init.task, **common)
     progress.note(f"warm start ({what}): {result['steps']} steps, "
-                  f"held-out {'success' if agentic else 'accuracy'} {result['acc']:.3f}")
+                  f"held-out {measure} {result['acc']:.3f}")
     target = init.warm_start_target
     if target is not None and result["acc"] < target:
         progress.note(f"warning: the warm start reached its bound ({' or '.join(bounds)}) at held-out "

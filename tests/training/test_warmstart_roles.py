@@ -189,3 +189,22 @@ def test_a_warm_start_that_ends_at_its_bound_short_of_its_target_says_so(tiny_mo
     assert "warning: the warm start reached its bound (2 steps)" in log
     assert "short of its target 0.9" in log and f"remove {model} and raise init.warm_start_steps" in log
     assert load_model(model)  # kept for later runs
+
+
+def test_the_warm_starts_log_line_names_its_target_as_well_as_its_bound(tiny_model, tmp_path):
+    """A target usually ends the warm start long before its bound in steps: the line a log shows
+    while it runs says both, so "for 1500 steps" does not promise a wait the target cuts short."""
+    import io
+
+    from rich.console import Console
+
+    from astraflow.runtime.model_build import build_model
+    from astraflow.runtime.progress import Progress
+    from astraflow.workloads.config import WorkloadConfig
+
+    out = io.StringIO()
+    progress = Progress(console=Console(file=out, width=400, highlight=False))
+    init = ModelInit(warm_start_steps=2, warm_start_target=0.9)
+    build_model(tmp_path / "solver", init, WorkloadConfig(name="math", params={"digits": 1, "num_test": 10}),
+                progress, base=tiny_model)
+    assert "supervised warm start (solve) for up to 2 steps, until held-out accuracy 0.9 ..." in out.getvalue()
