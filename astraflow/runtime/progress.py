@@ -60,7 +60,24 @@ def accuracy_changes(evals: list[dict]) -> list[str]:
         lines.append(f"held-out accuracy{name} {first['eval_accuracy']:.3f} (v{first['step']}) -> "
                      f"{last['eval_accuracy']:.3f} (v{last['step']}) in "
                      f"{float(last.get('time', 0.0)) - float(first.get('time', 0.0)):.0f}s")
+        # a second evaluation set (``eval_sets``, HumanEval beside the code workload's split) runs at the
+        # first and the last evaluation only: its own first and last
+        sets: dict[str, list[tuple[int, dict]]] = {}
+        for e in mine:
+            for set_name, res in (e.get("eval_sets") or {}).items():
+                if "accuracy" in res:
+                    sets.setdefault(set_name, []).append((e["step"], res))
+        for set_name, seen in sets.items():
+            (v0, a), (v1, b) = seen[0], seen[-1]
+            lines.append(f"{set_name}{name} {a['accuracy']:.3f} (v{v0}) -> {b['accuracy']:.3f} (v{v1}), "
+                         f"{b.get('prompts', 0)} prompts")
     return lines
+
+
+def second_sets(ev: dict) -> str:
+    """An evaluation line's tail for its second evaluation sets (``eval_sets``): ``""`` when none ran."""
+    return "".join(f"; {n} {r['accuracy']:.3f} ({r.get('prompts', 0)} prompts)"
+                   for n, r in (ev.get("eval_sets") or {}).items() if "accuracy" in r)
 
 
 class _Console(Console):
@@ -180,7 +197,8 @@ class Progress:
                     if lo is not None and hi is not None and (lo, hi) != (ev["step"], ev["step"]) else ""
                 self.note(
                     f"[bold]eval[/bold] {ev['policy']} v{ev['step']}{ran_on}: held-out accuracy "
-                    f"{acc} ({ev.get('eval_prompts', 0)} prompts{left_out}, {ev['eval_seconds']:.1f}s{agentic})",
+                    f"{acc} ({ev.get('eval_prompts', 0)} prompts{left_out}, {ev['eval_seconds']:.1f}s{agentic})"
+                    f"{escape(second_sets(ev))}",
                     markup=True)
         now = time.time()
         if now - self._last < self.interval_s:

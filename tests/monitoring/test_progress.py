@@ -192,3 +192,20 @@ def test_an_evaluation_run_on_newer_weights_than_its_version_says_which():
     out = buf.getvalue()
     assert "eval solver v2: held-out" in out, out
     assert "eval solver v4 (on v6 weights): held-out" in out and "eval solver v6 (on v6-v7 weights): held-out" in out
+
+
+def test_a_second_evaluation_set_is_shown_on_its_evaluation_line_and_at_the_end_of_the_run():
+    """HumanEval beside the code workload's split (``eval_sets``, the first and the last evaluation
+    only) was in metrics.jsonl alone: the terminal never named it."""
+    he = {"humaneval": {"accuracy": 0.0, "pass@1": 0.0, "prompts": 164}}
+    evals = [{**_eval("coder", 0), "eval_accuracy": 0.558, "time": 1.0, "eval_sets": he},
+             {**_eval("coder", 50), "eval_accuracy": 0.688, "time": 60.0},
+             {**_eval("coder", 300), "eval_accuracy": 0.769, "time": 531.0,
+              "eval_sets": {"humaneval": {**he["humaneval"], "accuracy": 0.012}}}]
+    progress, buf = _progress(heartbeat_s=60)
+    progress.update(_tick(evals, {}))
+    lines = buf.getvalue().splitlines()
+    v0, v50 = (next(x for x in lines if f"coder v{v}:" in x) for v in (0, 50))
+    assert v0.endswith("(4 prompts, 1.0s); humaneval 0.000 (164 prompts)") and "humaneval" not in v50, lines
+    assert accuracy_changes(evals) == ["held-out accuracy 0.558 (v0) -> 0.769 (v300) in 530s",
+                                       "humaneval 0.000 (v0) -> 0.012 (v300), 164 prompts"]
