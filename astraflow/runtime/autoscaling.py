@@ -94,9 +94,21 @@ class AutoscaleDriver:
         self.last: Decision | None = None
         # a resumed run (a requeued job) goes on showing the changes the runs before it made
         self.changes: deque[dict[str, Any]] = deque(logged_changes(paths), maxlen=RECENT)
+        if parts is not None:
+            self._note_resumed_sizes()
         #: each policy's version when its trainer was first seen: the start-up waits of a resumed
         #: run (its trainers past v0 from the start) are not a signal either
         self.first_versions: dict[str, int] = {}
+
+    def _note_resumed_sizes(self) -> None:
+        """A resumed run starts each partition at its config's ``nodes``: say so where the
+        autoscaler had left one at another size (it scales from the config's size again)."""
+        last = {c["partition"]: c["target"] for c in self.changes}
+        for name, target in last.items():
+            part = self.parts.partitions.get(name)
+            if part is not None and part.autoscale is not None and part.nodes != target:
+                self.progress.note(f"autoscale: partition {name} resumes at its config's {part.nodes} node(s); the "
+                                   f"autoscaler had it at {target} before, and scales it from {part.nodes} again")
 
     def slots(self, now: float | None = None) -> list[Slot]:
         """The active rollout partitions with bounds, in the desired set's order; a worker still

@@ -81,3 +81,29 @@ def test_a_resumed_run_goes_on_showing_the_changes_made_before_it(tmp_path):
     st = driver.status()
     assert st["changes"] == before
     assert [c.action for c in _autoscale_view(st).changes] == ["add", "drain"]
+
+
+def test_a_resumed_run_says_when_it_starts_a_partition_at_another_size_than_the_autoscaler_left(tmp_path):
+    """A resume starts the partitions at their config's ``nodes``: one the autoscaler had grown is
+    named, with both sizes; one left at the config's size says nothing."""
+    from types import SimpleNamespace
+
+    from astraflow.runtime.autoscale import Decision
+    from astraflow.runtime.autoscaling import AutoscaleDriver
+    from astraflow.runtime.progress import Progress
+
+    paths = RunPaths(tmp_path / "run").make()
+    paths.control.mkdir(parents=True, exist_ok=True)
+    logged = [Decision("add", "wait: add 2 worker(s) of r (1 -> 3)", {}, 10.0, "r", 2, 1, 3).as_dict(),
+              Decision("add", "wait: add 1 worker(s) of s (1 -> 2)", {}, 11.0, "s", 1, 1, 2).as_dict(),
+              Decision("drain", "idle: drain 1 worker(s) of s (2 -> 1)", {}, 12.0, "s", 1, 2, 1).as_dict()]
+    paths.autoscale_log.write_text("".join(json.dumps(r) + "\n" for r in logged))
+    bounds = SimpleNamespace(min_nodes=1, max_nodes=4)
+    parts = SimpleNamespace(partitions={"r": SimpleNamespace(nodes=1, autoscale=bounds),
+                                        "s": SimpleNamespace(nodes=1, autoscale=bounds)})
+    notes: list[str] = []
+    progress = Progress(enabled=False)
+    progress.note = notes.append
+    AutoscaleDriver(AutoscaleConfig(), paths, parts, None, progress)
+    assert notes == ["autoscale: partition r resumes at its config's 1 node(s); the autoscaler had it at 3 before, "
+                     "and scales it from 1 again"]
