@@ -46,7 +46,8 @@ class VLLMConfig(Strict):
     as an integer)."""
     cpu_bind: Literal["cores", "none"] = "cores"
     """CPU build only: where vLLM's OpenMP threads (``rollout.engine.threads`` of them) run.
-    ``cores``: each bound to one of the first CPUs the worker may use, as vLLM recommends for a
+    ``cores``: each bound to one of the first CPUs the worker may use (a CPU list of its own for each
+    tensor-parallel worker of the engine), as vLLM recommends for a
     machine the engine has to itself; ``none``: not bound, the operating system places them and
     moves them off a CPU that another process wants (a machine the node shares with the data
     layer, the trainer or other programs, where a bound thread cannot escape a busy core).

@@ -155,7 +155,7 @@ def _make_one(cfg: EngineConfig, model_path: str, plan: ReplicaPlan, order: int 
         return VLLMEngine(model_path, options=options, max_batch_size=cfg.max_batch, seed=plan.seed, version=0,
                           tensor_parallel=cfg.tensor_parallel, dtype=cfg.dtype, threads=plan.threads,
                           swap_min_remaining=cfg.swap_min_remaining, visible_devices=visible,
-                          first_cpu=order * plan.threads)
+                          first_cpu=order * plan.threads * cfg.tensor_parallel)
     raise ValueError(f"unknown engine type {cfg.type!r}; known: {', '.join(KNOWN)}")
 
 

@@ -107,16 +107,22 @@ def labels_versions() -> bool:
             and "weight_version" in inspect.signature(finish).parameters)
 
 
-def cpu_environment(threads: int, kvcache_gib: int, bind: str = "cores", first: int = 0) -> dict[str, str]:
-    """The CPU build's thread and memory settings: ``threads`` OpenMP threads, with
-    ``bind="cores"`` bound to CPUs ``first`` .. ``first + threads - 1`` of those this process
-    may use (counting round), with ``"none"`` left to the operating system; no CPUs reserved
-    for the frontend (the node's own threads share them); a KV cache of ``kvcache_gib`` GiB."""
-    threads = max(threads, 1)
+def cpu_environment(threads: int, kvcache_gib: int, bind: str = "cores", first: int = 0,
+                    ranks: int = 1) -> dict[str, str]:
+    """The CPU build's thread and memory settings: ``threads`` OpenMP threads in each of the
+    engine's ``ranks`` workers (``tensor_parallel``), with ``bind="cores"`` rank r's bound to CPUs
+    ``first + r * threads`` onwards of those this process may use (counting round; vLLM takes one
+    list per rank, ``|``-separated, and refuses a single list for several ranks), with
+    ``"none"`` left to the operating system; no CPUs reserved for the frontend (the node's own
+    threads share them); a KV cache of ``kvcache_gib`` GiB."""
+    threads, ranks = max(threads, 1), max(ranks, 1)
     if bind == "cores":
         cpus = sorted(os.sched_getaffinity(0))
-        mine = sorted({cpus[(first + k) % len(cpus)] for k in range(threads)})
-        placement = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine))}
+        lists = []
+        for rank in range(ranks):
+            start = first + rank * threads
+            lists.append(",".join(map(str, sorted({cpus[(start + k) % len(cpus)] for k in range(threads)}))))
+        placement = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(lists)}
     elif bind == "none":  # vLLM then leaves OMP_NUM_THREADS to the environment
         placement = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
     else:
@@ -145,15 +151,16 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                     os.environ[key] = value
 
 
-def engine_environment(options: Any, threads: int, first_cpu: int, visible_devices: str | None) -> dict[str, str]:
+def engine_environment(options: Any, threads: int, first_cpu: int, visible_devices: str | None,
+                       ranks: int = 1) -> dict[str, str]:
     """The environment one engine is spawned with: its GPUs (``visible_devices``), or on the
-    CPU build its threads' placement (``first_cpu`` onwards) and KV cache. A placement the user
+    CPU build its ``ranks`` workers' threads' placement (``first_cpu`` onwards) and KV cache. A placement the user
     set (``VLLM_CPU_OMP_THREADS_BIND``) is kept whole, and so are other CPU settings they set."""
     env: dict[str, str] = {}
     if visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible_devices
     if is_cpu_build():
-        cpu = cpu_environment(threads, options.cpu_kvcache_gib, options.cpu_bind, first_cpu)
+        cpu = cpu_environment(threads, options.cpu_kvcache_gib, options.cpu_bind, first_cpu, ranks)
         if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # the user's placement, whole
             cpu = {k: v for k, v in cpu.items() if k not in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")}
         env.update({k: v for k, v in cpu.items() if k == "OMP_NUM_THREADS" or k not in os.environ})
@@ -184,5 +191,5 @@ def make_async_llm(model_dir: str, options: Any, *, max_batch_size: int, seed: i
     )
     if has_weight_transfer():
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_worker.BACKEND)
-    with _environment(engine_environment(options, threads, first_cpu, visible_devices)):
+    with _environment(engine_environment(options, threads, first_cpu, visible_devices, tensor_parallel)):
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))

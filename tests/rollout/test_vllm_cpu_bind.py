@@ -26,6 +26,29 @@ def test_a_replica_binds_from_its_first_cpu_on_counting_round():
     assert many == ",".join(map(str, cpus))  # more threads than CPUs: each CPU once
 
 
+def test_each_tensor_parallel_worker_gets_a_cpu_list_of_its_own():
+    """vLLM's CPU build takes one ``|``-separated list per rank and refuses to start an engine of
+    ``tensor_parallel`` 2 given a single list."""
+    cpus = sorted(os.sched_getaffinity(0))
+    lists = cpu_environment(1, 2, ranks=2)["VLLM_CPU_OMP_THREADS_BIND"].split("|")
+    assert lists == [str(cpus[0]), str(cpus[1 % len(cpus)])]
+    later = cpu_environment(1, 2, first=2, ranks=2)["VLLM_CPU_OMP_THREADS_BIND"].split("|")
+    assert later == [str(cpus[2 % len(cpus)]), str(cpus[3 % len(cpus)])]
+    assert cpu_environment(2, 2, "none")["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+def test_replicas_of_a_tensor_parallel_engine_start_past_the_cpus_of_the_one_before(monkeypatch):
+    from astraflow.rollout import engines, vllm_engine
+
+    _Recorded.made = []
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", _Recorded)
+    cfg = EngineConfig.model_validate({"type": "vllm", "device": "cpu", "replicas": 2, "threads": 4,
+                                       "tensor_parallel": 2})
+    engines.make_engines(cfg, {"solver": "/m/a"}, gpus=0)
+    # two threads per replica, in each of its two workers: the second replica binds from CPU 4 on
+    assert [first for _, _, first in _Recorded.made] == [0, 4]
+
+
 def test_the_kv_cache_is_whole_gib_and_a_fraction_is_refused_naming_the_field():
     assert EngineConfig.model_validate({"type": "vllm", "vllm": {"cpu_kvcache_gib": 3}}).vllm.cpu_kvcache_gib == 3
     with pytest.raises(ValidationError, match="cpu_kvcache_gib"):

@@ -68,3 +68,24 @@ def test_replicas_bind_their_threads_to_cpus_of_their_own(vllm_models, monkeypat
     finally:
         for engine in engines:
             engine.close()
+
+
+def test_a_tensor_parallel_engine_binds_each_worker_and_serves_the_trainers_logprobs(vllm_models, monkeypatch):
+    """``cpu_bind: cores`` (the default) with ``tensor_parallel`` 2: vLLM's CPU build refuses to
+    start on one CPU list for two workers; each gets its own."""
+    if not is_cpu_build():
+        pytest.skip("cpu_bind applies to vLLM's CPU build")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    model, tok = load_model(vllm_models["v0"])
+    engine = VLLMEngine(str(vllm_models["v0"]), options=engine_options(), max_batch_size=4, seed=0, threads=1,
+                        tensor_parallel=2)
+    try:
+        assert sorted(tuple(w.cpu_affinity()) for w in _workers(engine)) == [(cpus[0],), (cpus[1],)]
+        prompt = tok.encode("12+34=")
+        out = asyncio.run(engine.generate(prompt, SamplingParams(max_new_tokens=8, greedy=True)))
+        np.testing.assert_allclose(out.logprobs, reference_logprobs(model, prompt, out.tokens), atol=LOGPROB_ATOL)
+    finally:
+        engine.close()
