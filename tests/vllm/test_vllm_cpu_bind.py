@@ -48,15 +48,22 @@ def test_an_unbound_engine_runs_on_every_cpu_and_serves_the_trainers_logprobs(vl
         engine.close()
 
 
-def test_replicas_bind_their_threads_to_cpus_of_their_own(vllm_models, monkeypatch):
-    """Two engines of one node (``EnginePool`` replicas), one thread each: the second binds
-    to the node's second CPU, not to the first engine's."""
+def _two_cpus_of_the_cpu_build(monkeypatch) -> list[int]:
+    """This process's CPUs, skipping where ``cpu_bind`` does not apply (a GPU build) or there are
+    fewer than two; vLLM's own bind variable unset, as a node's engine starts without it."""
     if not is_cpu_build():
         pytest.skip("cpu_bind applies to vLLM's CPU build")
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("needs two CPUs")
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    return cpus
+
+
+def test_replicas_bind_their_threads_to_cpus_of_their_own(vllm_models, monkeypatch):
+    """Two engines of one node (``EnginePool`` replicas), one thread each: the second binds
+    to the node's second CPU, not to the first engine's."""
+    cpus = _two_cpus_of_the_cpu_build(monkeypatch)
     engines = []
     try:
         for first in (0, 1):
@@ -73,12 +80,7 @@ def test_replicas_bind_their_threads_to_cpus_of_their_own(vllm_models, monkeypat
 def test_a_tensor_parallel_engine_binds_each_worker_and_serves_the_trainers_logprobs(vllm_models, monkeypatch):
     """``cpu_bind: cores`` (the default) with ``tensor_parallel`` 2: vLLM's CPU build refuses to
     start on one CPU list for two workers; each gets its own."""
-    if not is_cpu_build():
-        pytest.skip("cpu_bind applies to vLLM's CPU build")
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("needs two CPUs")
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    cpus = _two_cpus_of_the_cpu_build(monkeypatch)
     model, tok = load_model(vllm_models["v0"])
     engine = VLLMEngine(str(vllm_models["v0"]), options=engine_options(), max_batch_size=4, seed=0, threads=1,
                         tensor_parallel=2)
