@@ -148,8 +148,7 @@ def parse_size(text: str) -> int:
     (powers of 1000, as transformers reads them); more than zero."""
     m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?B)?\s*", str(text), re.IGNORECASE)
     if not m or int(m.group(1)) == 0:
-        raise ExportError(f"--max-shard-size {text!r}: give a number of bytes more than 0, or one with KB, MB, GB or "
-                          "TB (e.g. 5GB)")
+        raise ExportError(f"--max-shard-size {text!r}: give bytes (more than 0) or a size with KB, MB, GB or TB: 5GB")
     return int(m.group(1)) * 1000 ** "BKMGT".index((m.group(2) or "B")[0].upper())
 
 
@@ -182,9 +181,10 @@ def _version(store, policy: str, version: int | None) -> int:
     versions = store.versions(policy)
     if version is None:
         return versions[-1]
-    if version not in versions:
-        raise ExportError(f"--version {version}: {policy} has committed versions {_ranges(versions)}; the run keeps "
-                          "only the newest storage.keep_versions of them (older ones are deleted as training goes)")
+    if version not in versions:  # one newer than the newest was never committed; an older one was deleted
+        why = (f"v{version} is not committed yet" if version > versions[-1] else "the run keeps only the newest "
+               "storage.keep_versions of them (older ones are deleted as training goes)")
+        raise ExportError(f"--version {version}: {policy} has committed versions {_ranges(versions)}; {why}")
     return version
 
 

@@ -250,6 +250,7 @@ def test_cli_lists_versions_and_exits_2_on_bad_input(tiny_model, tmp_path):
     assert res.exit_code == 2 and "--list writes nothing" in res.output and not (tmp_path / "o").exists()
     res = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "o"), "--version", "9"])
     assert res.exit_code == 2 and "v4, v5" in res.output
+    assert "v9 is not committed yet" in res.output and "keep_versions" not in res.output, res.output
     res = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "o"), "--max-shard-size", "abc"])
     assert res.exit_code == 2 and "--max-shard-size 'abc'" in res.output, res.output
     res = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "o"), "--dtype", "bf16"])
