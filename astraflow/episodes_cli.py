@@ -76,6 +76,10 @@ def episodes(run_dir: str, limit: int, sample: int, policy: str | None, kind: st
     console = Console(highlight=False, soft_wrap=True)
     if not shown:
         why = "none matches the filters" if view.batches else "none is stored"
+        for flag, what, name, known in (("--policy", "policies", policy, view.policies),
+                                        ("--workload", "workloads", workload, view.workloads)):
+            if name is not None and name not in known:  # a misspelt name, not a filter that happened to match nothing
+                why = f"{flag} {name!r} is not one of this run's {what} ({', '.join(known) or 'none'})"
         raise UserError(f"no episodes to show in {run_dir}: {why} ({view.batches} batches in {view.store})")
     for e in shown:
         _show(console, e, texts.get(e.id), sampled=e in view.sampled)

@@ -150,3 +150,15 @@ def test_an_episodes_statistics_are_shown_with_its_reward(tmp_path):
     out = CliRunner().invoke(main, ["episodes", str(run_dir), "-n", "1"])
     assert out.exit_code == 0, out.output
     assert "code_pass 0  code_tests_frac 0.25  code_timeout 1  code_wrong 0" in out.output
+
+
+def test_a_policy_or_workload_the_run_has_not_is_named_with_the_ones_it_has(tmp_path):
+    """A misspelt ``--policy`` or ``--workload`` says so and lists the run's names, rather than
+    blaming the filters as a reward range that matched nothing would."""
+    run_dir = write_run(tmp_path / "run", build_tokenizer(), old_batches=0)
+    out = CliRunner().invoke(main, ["episodes", str(run_dir), "--policy", "solvr"])
+    assert out.exit_code == 2 and "--policy 'solvr' is not one of this run's policies (solver)" in out.output, out.output
+    out = CliRunner().invoke(main, ["episodes", str(run_dir), "--workload", "maths"])
+    assert out.exit_code == 2 and "--workload 'maths' is not one of this run's workloads (" in out.output, out.output
+    out = CliRunner().invoke(main, ["episodes", str(run_dir), "--min-reward", "50"])
+    assert out.exit_code == 2 and "none matches the filters" in out.output, out.output
