@@ -243,7 +243,7 @@ async def _run_tools(env: Environment, action: Any, log: EpisodeLog,
         if isinstance(call, str):  # a call that could not be read still counts as one
             log.invalid_calls += 1
             messages.append({"role": "tool", "content": f"error: {call}"})
-            calls.append({"error": call})
+            calls.append({"error": call, "valid": False})
             continue
         res = await env.tools.run(call)
         log.tool_seconds += res.seconds

@@ -235,3 +235,23 @@ def test_a_segment_deleted_while_the_viewer_reads_it_is_left_out(tok, tmp_path, 
     monkeypatch.setattr(TrajectoryStore, "segments", segments)
     v = reader.view(EpisodeQuery())
     assert ids(v.recent) == ["ag-truncated", "ag-hostile", "ag-solved"] and len(calls) == 2
+
+
+def test_a_call_that_could_not_be_read_is_shown_invalid(tmp_path):
+    """An unreadable tool call counts in the episode's ``invalid_calls``; the view says it is not
+    valid (``valid: False``) rather than unknown, also for episodes stored without the flag."""
+    from astraflow.runtime.monitoring.episodes import _turn
+    from tests.monitoring.episode_store import agentic
+
+    tok = build_tokenizer()
+    run_dir = write_run(tmp_path / "run", tok, old_batches=0)
+    episode = agentic(tok, "ag-unreadable", ["<tool_call>{oops</tool_call>", "5"], {"a": 2, "b": 3})
+    store = open_trajectory_store(str(RunPaths(run_dir).trajectories), "a", durable=False)
+    with store.writer("rollout-2") as w:
+        time.sleep(0.002)  # the newest episode
+        w.write(episode.to_stored())
+    shown = EpisodeReader(run_dir).view(EpisodeQuery(limit=1)).recent[0]
+    calls = [c for t in shown.turns for c in t.calls]
+    assert shown.stats["invalid_calls"] == 1.0 and len(calls) == 1, calls
+    assert calls[0].error and calls[0].valid is False
+    assert _turn({"kind": "tool", "calls": [{"error": "not JSON"}]}).calls[0].valid is False  # stored before the flag

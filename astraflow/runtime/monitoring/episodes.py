@@ -72,7 +72,8 @@ class CallView(_View):
     name: str | None = None
     arguments: dict[str, Any] = Field(default_factory=dict)
     result: str | None = None
-    valid: bool | None = None
+    valid: bool | None = Field(default=None, description="False for a call the tool refused and for one that "
+                               "could not be read (both count in the episode's invalid_calls)")
     error: str | None = None
 
 
@@ -153,7 +154,8 @@ def _clip(x: Any) -> Any:
 
 def _turn(t: dict[str, Any]) -> TurnView:
     calls = [CallView(name=c.get("name"), arguments=_clip(c.get("arguments") or {}), result=_clip(c.get("result")),
-                      valid=c.get("valid"), error=_clip(c.get("error"))) for c in t.get("calls") or []]
+                      valid=c.get("valid", False if c.get("error") else None),  # unreadable: counted invalid
+                      error=_clip(c.get("error"))) for c in t.get("calls") or []]
     msgs = [MessageView(role=str(m.get("role", "")), content=_clip(str(m.get("content", ""))))
             for m in t.get("messages") or []]
     return TurnView(kind=str(t.get("kind", "?")), start=int(t.get("start", 0)), end=int(t.get("end", 0)),
