@@ -117,11 +117,13 @@ def _show(console, e, text: dict[str, str] | None, sampled: bool) -> None:
             console.print(f"[cyan]model[/cyan] [dim](v{versions}, {escape(printable(t.finish or '?'))})[/dim]")
             console.print(Text(printable(t.text or ""), style="green"))
         for c in t.calls:
-            if c.valid is False or c.error:
+            if c.error:  # a call that could not be read: no name or arguments to show
                 console.print(Text(printable(f"  invalid tool call: {c.error}"), style="red"))
-            else:
-                call = f"  {c.name}({json.dumps(c.arguments, ensure_ascii=False)}) -> {c.result}"
-                console.print(Text(printable(call), style="yellow"))
+                continue
+            call = f"  {c.name}({json.dumps(c.arguments, ensure_ascii=False)}) -> {c.result}"
+            # one the tool refused (unknown tool, wrong arguments): its answer says why
+            console.print(Text(printable(("  invalid tool call: " + call.lstrip()) if c.valid is False else call),
+                               style="red" if c.valid is False else "yellow"))
         for m in t.messages:
             console.print(f"[magenta]{escape(printable(m.role))}[/magenta]")
             console.print(Text(printable(m.content)))

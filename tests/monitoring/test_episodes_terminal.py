@@ -162,3 +162,21 @@ def test_a_policy_or_workload_the_run_has_not_is_named_with_the_ones_it_has(tmp_
     assert out.exit_code == 2 and "--workload 'maths' is not one of this run's workloads (" in out.output, out.output
     out = CliRunner().invoke(main, ["episodes", str(run_dir), "--min-reward", "50"])
     assert out.exit_code == 2 and "none matches the filters" in out.output, out.output
+
+
+def test_a_call_the_tool_refused_is_shown_with_its_name_and_why(tmp_path):
+    """A well-formed call to a tool that does not exist is invalid without a read error: shown
+    as the call and the tool's answer, not as ``invalid tool call: None``."""
+    from astraflow.agents.tools import format_call
+
+    tok = build_tokenizer()
+    run_dir = write_run(tmp_path / "run", tok, old_batches=0)
+    store = open_trajectory_store(str(run_dir / "trajectories"), "a", durable=False)
+    episode = agentic(tok, "ag-refused", [format_call("mul", {"a": 2, "b": 3}), "6"], {"a": 2, "b": 3})
+    with store.writer("rollout-2") as w:
+        time.sleep(0.002)  # the newest episode
+        w.write(episode.to_stored())
+    out = CliRunner().invoke(main, ["episodes", str(run_dir), "-n", "1"])
+    assert out.exit_code == 0, out.output
+    assert "None" not in out.output, out.output
+    assert 'invalid tool call: mul({"a": 2, "b": 3}) -> error: unknown tool' in out.output, out.output
