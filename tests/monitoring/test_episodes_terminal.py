@@ -157,7 +157,8 @@ def test_a_policy_or_workload_the_run_has_not_is_named_with_the_ones_it_has(tmp_
     blaming the filters as a reward range that matched nothing would."""
     run_dir = write_run(tmp_path / "run", build_tokenizer(), old_batches=0)
     out = CliRunner().invoke(main, ["episodes", str(run_dir), "--policy", "solvr"])
-    assert out.exit_code == 2 and "--policy 'solvr' is not one of this run's policies (solver)" in out.output, out.output
+    assert out.exit_code == 2, out.output
+    assert "--policy 'solvr' is not one of this run's policies (solver)" in out.output, out.output
     out = CliRunner().invoke(main, ["episodes", str(run_dir), "--workload", "maths"])
     assert out.exit_code == 2 and "--workload 'maths' is not one of this run's workloads (" in out.output, out.output
     out = CliRunner().invoke(main, ["episodes", str(run_dir), "--min-reward", "50"])
