@@ -47,3 +47,16 @@ def test_a_finished_runs_text_says_what_each_rollout_partition_generated():
     assert lines[at + 1] == "  gpu (h100): 7 episodes, staleness mean 0.50 max 2 (6 consumed), serving solver:v0-v4 at the end", text
     assert "train" not in text.split("rollout partitions:")[1].split("ledger")[0]
     assert "rollout partitions" not in format_summary({"status": "completed"}, "s.json")
+
+
+def test_a_resumed_runs_partition_episodes_are_said_to_be_its_last_incarnations():
+    """A resume starts the nodes' episode counts afresh while the consumed sequences are the whole
+    run's: a resumed run's text says which is which rather than '238 episodes ... (4800 consumed)'."""
+    parts = {"cpu": {**PART, "completed": 238, "staleness_mean": 1.0, "staleness_max": 2, "consumed": 4800,
+                     "versions": {"solver": [300]}}}
+    resumed = {"status": "completed", "seconds": 6.0, "data_layer": {"elapsed_s": 42.0}}
+    line = format_summary(resumed, "s.json", parts).splitlines()[3]
+    assert line == ("  cpu (local): 238 episodes in its last incarnation, staleness mean 1.00 max 2 "
+                    "(4800 consumed over the run), serving solver:v300 at the end"), line
+    single = {"status": "completed", "seconds": 20.0, "data_layer": {"elapsed_s": 11.0}}
+    assert "incarnation" not in format_summary(single, "s.json", parts)

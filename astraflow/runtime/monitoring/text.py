@@ -190,7 +190,7 @@ def format_summary(summary: dict[str, Any], where: str, partitions: dict[str, An
             lines.append(f"  {p} error: {t['error']}")
     lines += eval_lines(summary.get("eval") or [])
     lines += autoscale_lines(summary.get("autoscale"))
-    lines += finished_partition_lines(partitions or {})
+    lines += finished_partition_lines(partitions or {}, resumed)
     ledger = summary.get("ledger") or {}
     states = ", ".join(f"{k} {v}" for k, v in (ledger.get("states") or {}).items()) or "-"
     lines.append(f"ledger: {ledger.get('tasks', 0)} tasks: {states}"
@@ -199,15 +199,18 @@ def format_summary(summary: dict[str, Any], where: str, partitions: dict[str, An
     return "\n".join(lines)
 
 
-def finished_partition_lines(partitions: dict[str, Any]) -> list[str]:
+def finished_partition_lines(partitions: dict[str, Any], resumed: bool = False) -> list[str]:
     """Each rollout partition of a finished run: the episodes it completed, how stale what it
-    generated was when trained on, the versions it served at the end (its last rates would say nothing)."""
+    generated was when trained on, the versions it served at the end (its last rates would say nothing).
+    ``resumed``: its episodes are the last incarnation's (a resume starts its nodes' counts afresh),
+    its consumed sequences the whole run's; said so."""
     out = []
     for name, p in partitions.items():
         if not isinstance(p, dict) or p.get("role") != "rollout":
             continue
-        out.append(f"  {name} ({p.get('hardware') or p.get('scheduler', '?')}): {p.get('completed', 0)} episodes, "
-                   f"{_stale(p)}, serving {_served(p)} at the end")
+        stale = _stale(p).replace(" consumed)", " consumed over the run)") if resumed else _stale(p)
+        out.append(f"  {name} ({p.get('hardware') or p.get('scheduler', '?')}): {p.get('completed', 0)} episodes"
+                   f"{' in its last incarnation' if resumed else ''}, {stale}, serving {_served(p)} at the end")
     return ["rollout partitions:", *out] if out else []
 
 
