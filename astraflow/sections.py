@@ -122,7 +122,8 @@ class RunSection(Strict):
     """``async``: the three components run their own loops (AstraFlow). ``sync``: a
     trainer-centred driver loop, the baseline for comparisons."""
     timeout_s: float = Field(default=3600.0, gt=0)
-    """Deadline of the whole run."""
+    """Deadline of the whole run, counted from its start; looked at once the components are up,
+    so a run whose start-up outlasts it ends then."""
 
     @field_validator("name")
     @classmethod
