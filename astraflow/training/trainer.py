@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
@@ -177,12 +178,11 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
         self._closed = False
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
-        #: when the last version was committed: a trainer that is done waits no more, and its wait
-        #: fraction stays what its last step's metrics said
+        #: when the last version was committed: a done trainer waits no more, its wait fraction stays its last step's
         self._committed_at: float | None = None
         self.write_deltas = write_deltas
-        #: per version: delta density, bytes and write seconds (``storage.deltas``)
-        self.delta_history: list[dict[str, float]] = []
+        #: the last versions' delta density, bytes and write seconds (``storage.deltas``): what state() shows
+        self.delta_history: deque[dict[str, float]] = deque(maxlen=5)
         self._delta_thread: threading.Thread | None = None
         self._delta_base: tuple[int, dict] | None = None
         #: where the optimiser state is saved (``trainer.optimizer_checkpoint_every``); None: never
@@ -289,7 +289,7 @@ class Trainer(OptimizerCheckpoint, FollowsDataLayer):
             "wait_total_s": waited,
             # the wait for the next batch so far (0: not waiting): a starved trainer shows as such at once
             "batch_wait_s": max(now - since, 0.0) if since and not self.done else 0.0,
-            "deltas": self.delta_history[-5:],
+            "deltas": list(self.delta_history),
             **self.optimizer_resume_state(),
             "optimizer_save_failures": self.optimizer_save_failures,
             "last_metrics": metrics,

@@ -421,3 +421,22 @@ def test_a_starved_trainer_says_how_long_it_has_waited_for_its_next_batch(tmp_pa
     state = trainer.state()
     trainer.stop()
     assert state["version"] == 0 and 0.3 < state["batch_wait_s"] < 30, state
+
+
+def test_delta_history_stays_bounded_over_many_versions(tmp_path, tiny_model):
+    """With ``storage.deltas`` every version adds a delta record; a run of days publishes
+    hundreds of thousands of versions, so the trainer keeps only the few its state shows."""
+    steps = 9
+    ref = TorchBackend(tiny_model, lr=1e-3)
+    dl = _DataLayer(_batch(ref.model, ref.tokenizer))
+    tr = Trainer(policy="p", cfg=TrainerConfig(lr=1e-3), model_path=tiny_model, weights_root=str(tmp_path / "weights"),
+                 keep_versions=3, data_layer=dl, max_steps=steps, write_deltas=True)
+    assert tr.start() == 0
+    deadline = time.time() + 120
+    while not tr.state()["done"] and tr.state()["error"] is None and time.time() < deadline:
+        time.sleep(0.05)
+    st = tr.stop()
+    assert st["error"] is None and st["done"]
+    tr._delta_thread.join(timeout=30)  # the last version's delta is written in the background
+    assert [d["version"] for d in tr.delta_history] == list(range(steps - 4, steps + 1))
+    assert [d["version"] for d in tr.state()["deltas"]] == list(range(steps - 4, steps + 1))
