@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,10 @@ from storage.trajectories.writer import SegmentWriter
 _MERGE_GAP_TOKENS = 32 * 1024
 #: refs of one segment further apart than this many entries read their index rows separately
 _MERGE_GAP_ENTRIES = 4096
+#: segments whose views (their batches' markers, parsed from the commit log) a store object keeps,
+#: the ones used last: a long-lived reader (a trainer) meets every segment of a run, one after another
+#: as nodes rotate them; a view dropped is parsed again from its commit log if ever read again
+KEPT_VIEWS = 1024
 
 
 def open_trajectory_store(url: str, mode: str = "a", *, durable: bool = True) -> "TrajectoryStore":
@@ -88,7 +93,7 @@ class TrajectoryStore:
                 "wrote it, or point this run at a new store directory"
             )
         self._layout = rec
-        self._views: dict[str, SegmentView] = {}
+        self._views: OrderedDict[str, SegmentView] = OrderedDict()  # least recently used first
         self.kept = KeptStrings()  # shared by the views: a budget per store object
 
     @property
@@ -131,6 +136,10 @@ class TrajectoryStore:
         v = self._views.get(segment)
         if v is None:
             v = self._views[segment] = SegmentView(self._backend, paths.check_name("segment", segment), self.kept)
+            while len(self._views) > KEPT_VIEWS:
+                self._views.popitem(last=False)
+        else:
+            self._views.move_to_end(segment)
         return v
 
     def read(self, refs: list[EntryRef]) -> list[StoredSequence]:

@@ -48,3 +48,22 @@ def test_a_segment_of_marker_files_reads_its_dropped_strings_back(tmp_path):
     assert [b.strings["meta"] for b in batches] == [[make_row(0, i).meta for i in range(b.start, b.end)]
                                                     for b in batches]
     assert batches[-1].end == 12
+
+
+def test_a_long_lived_reader_keeps_the_views_of_the_segments_it_used_last_only(tmp_path, monkeypatch):
+    """Nodes rotate their segments, so a trainer reading a run of days meets segment after
+    segment: it keeps the parsed views of the last ``KEPT_VIEWS`` only, and one dropped reads
+    back exact."""
+    from storage.trajectories import reader as reader_module
+
+    monkeypatch.setattr(reader_module, "KEPT_VIEWS", 4, raising=False)
+    url = str(tmp_path / "store")
+    _write(url, segments=12, per_segment=6, batch=2)
+    reader = open_trajectory_store(url, "r")
+    for w in range(12):
+        assert rows_equal(reader.read([EntryRef(f"w{w}", 5)])[0], make_row(w, 5))
+        assert len(reader._views) == min(w + 1, 4)
+    assert list(reader._views) == ["w8", "w9", "w10", "w11"]
+    reader.read([EntryRef("w9", 0)])  # used again: the last one dropped next
+    assert rows_equal(reader.read([EntryRef("w0", 1)])[0], make_row(0, 1))
+    assert list(reader._views) == ["w10", "w11", "w9", "w0"]
