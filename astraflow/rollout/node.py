@@ -142,7 +142,7 @@ class RaaSNode(NodeEpisodes, EngineRecovery, FollowsDataLayer):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started_at = time.time()
         self._segment_batches: collections.Counter = collections.Counter()  # per segment: batches not yet completed
-        self._segments_reported: set[str] = set()
+        self._segments_closed: list[str] = []  # closed by the writer, some of their batches not completed yet
         self._failure_log = FailureLog(identity.name)  # a traceback per failure reason, then counts
 
     # ------------------------------------------------------------------ actor API

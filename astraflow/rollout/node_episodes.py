@@ -43,7 +43,7 @@ class NodeEpisodes:
     """Episodes and trajectory writes of a node; uses the node's ``engines``, ``cfg``,
     ``counters``, ``identity``, ``dl``, ``workflow``, ``writer``, ``inflight``, ``writing``, the
     lease loop's ``_slot_free`` and the writer's queue (``_finished``, ``_finished_event``,
-    ``_closing``, ``_segment_batches``, ``_segments_reported``), ``_failure_log``, the stop event
+    ``_closing``, ``_segment_batches``, ``_segments_closed``), ``_failure_log``, the stop event
     ``_stop``, ``run_seed`` (the episodes' sampling seeds) and ``_recovery``/``_recover``
     (``engine_recovery``)."""
 
@@ -61,7 +61,7 @@ class NodeEpisodes:
     _finished_event: asyncio.Event
     _closing: bool
     _segment_batches: collections.Counter
-    _segments_reported: set[str]
+    _segments_closed: list[str]
     _recovery: asyncio.Task | None
     _stop: threading.Event
     run_seed: int = 0
@@ -212,11 +212,14 @@ class NodeEpisodes:
         The data layer may delete them once it holds none of their rows
         (``storage.keep_trajectories``). The segment a node ends with is not reported (a call while
         the node stops would hold up its stop): the next run incarnation takes it as done."""
-        closed = getattr(self.writer, "closed_segments", ())
-        done = [s for s in closed if s not in self._segments_reported and self._segment_batches[s] == 0]
+        take = getattr(self.writer, "take_closed", None)
+        self._segments_closed.extend(take() if take is not None else ())
+        done = [s for s in self._segments_closed if self._segment_batches[s] == 0]
         if not done:
             return
-        self._segments_reported.update(done)
+        self._segments_closed = [s for s in self._segments_closed if s not in done]
+        for s in done:  # never written again: a long run keeps only its open segments' counts
+            del self._segment_batches[s]
         try:
             await call(self.dl.segments_done, done, timeout=60)
         except Exception as err:  # only space is at stake: the segments are kept

@@ -40,7 +40,7 @@ class RotatingWriter:
         self._index = 0
         self._current = self._open(base)
         self._staged = self._current.committed  # entries staged in the current segment
-        #: the segments this writer filled and closed, oldest first
+        #: the segments this writer filled and closed since the last ``take_closed``, oldest first
         self.closed_segments: list[str] = []
 
     def _open(self, segment: str) -> SegmentWriter:
@@ -68,6 +68,13 @@ class RotatingWriter:
             self.closed_segments.append(full.segment)
         self._staged += n
         return self._current
+
+    def take_closed(self) -> list[str]:
+        """The segments filled and closed since the last call, oldest first; forgotten here, so a
+        writer of a long run holds only those its caller has not taken yet."""
+        with self._lock:
+            taken, self.closed_segments = self.closed_segments, []
+        return taken
 
     def submit(self, rows: list[StoredSequence]) -> "Future[list[EntryRef]]":
         with self._lock:

@@ -406,3 +406,33 @@ def test_a_trajectory_that_cannot_be_stored_fails_its_own_episode_not_the_nodes_
     assert sorted(t for t, _ in dl.failed) == ["g0/0", "g1/0"]
     assert all("cannot be stored as JSON" in why and "stats" in why for _, why in dl.failed)
     assert [ids for _, ids in dl.batches] == [["g2/0"]] and node.error is None and not node.writing
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_rotates_many_segments_keeps_only_its_open_ones(tmp_path):
+    """A node of a long run fills segment after segment: each is reported done once, and the
+    node (and its writer) keep nothing of those reported, so what they hold stays bounded."""
+    from storage.trajectories.rotating import RotatingWriter
+
+    node, dl = _node(tmp_path, write_batch=2, flush_seconds=0.05)
+    node.writer = RotatingWriter(open_trajectory_store(dl.store_url, "a"), "n0", batch_size=2, max_entries=2)
+    reported: list[str] = []
+
+    def segments_done(segments):
+        reported.extend(segments)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(None)
+        return fut
+
+    dl.segments_done = segments_done
+
+    async def script():
+        for k in range(12):  # each batch of two fills a segment: the next one closes it
+            _finish(node, [_traj(2 * k), _traj(2 * k + 1)])
+            while sum(len(ids) for _, ids in dl.batches) < 2 * k + 2:
+                await asyncio.sleep(0.01)
+
+    asyncio.run(_drive(node, script))
+    assert reported == ["n0"] + [f"n0.{i}" for i in range(1, 11)]  # every closed one, once, in order
+    assert node.writer.closed_segments == [] and node._segments_closed == []
+    assert set(node._segment_batches) <= {"n0.11"}  # the open segment's count only

@@ -21,6 +21,7 @@ def test_a_full_segment_is_closed_and_the_next_one_started(tmp_path):
     # calls of 3 rows, at most 5 a segment: a call never splits, the next call starts a new segment
     assert [r.segment for r in refs] == ["node.ab12"] * 6 + ["node.ab12.1"] * 6 + ["node.ab12.2"] * 3
     assert w.closed_segments == ["node.ab12", "node.ab12.1"]
+    assert w.take_closed() == ["node.ab12", "node.ab12.1"] and w.take_closed() == []  # taken once: none kept
     reader = open_trajectory_store(str(tmp_path / "t"), "r")
     assert {s: reader.count(s) for s in reader.segments()} == {"node.ab12": 6, "node.ab12.1": 6, "node.ab12.2": 3}
     assert all(rows_equal(got, make_row(0, i)) for i, got in enumerate(reader.read(refs)))
