@@ -21,7 +21,6 @@ location (``report``), never a crash; a split left with no usable row is an erro
 from __future__ import annotations
 
 import random
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -34,6 +33,7 @@ from astraflow.workloads.base import WORKLOADS
 from astraflow.workloads.datafiles import Row, read_rows, wrapped_rows_hint
 from astraflow.workloads.rewards import answer_problem, boxed_answer, gsm8k_answer, resolve_reward
 from astraflow.workloads.split import is_held_out
+from astraflow.workloads.templates import compile_template
 
 #: field layouts of public datasets, by preset name (fields a config sets win)
 PRESETS: dict[str, dict[str, Any]] = {
@@ -125,7 +125,7 @@ class DatasetParams(Strict):
     @classmethod
     def _compiles(cls, v: str | None) -> str | None:
         if v is not None:
-            _template(v)  # a template that does not compile fails here, at its field
+            compile_template(v)  # a template that does not compile fails here, at its field
         return v
 
     @model_validator(mode="after")
@@ -135,32 +135,6 @@ class DatasetParams(Strict):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, preset.get(name, default))
         return self
-
-
-def _template(text: str):
-    """The compiled ``prompt_template``: one that only places ``{{ prompt }}`` in text renders
-    by joining (what Jinja gives it, without Jinja's per-row cost on large datasets)."""
-    from jinja2 import StrictUndefined, TemplateSyntaxError
-    from jinja2.sandbox import SandboxedEnvironment
-
-    try:
-        compiled = SandboxedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True).from_string(text)
-    except TemplateSyntaxError as err:
-        raise ValueError(f"prompt_template does not compile: {err}") from None
-    parts = re.split(r"\{\{\s*prompt\s*\}\}", text)
-    if any(mark in part for part in parts for mark in ("{{", "{%", "{#", "}}", "%}", "#}")):
-        return compiled
-    return _PromptOnly([re.sub(r"\r\n?", "\n", part) for part in parts])
-
-
-@dataclass(frozen=True)
-class _PromptOnly:
-    """A template that is text around ``{{ prompt }}`` (Jinja reads its newlines as ``\\n``)."""
-
-    parts: list[str]
-
-    def render(self, fields: Mapping[str, Any]) -> str:
-        return str(fields["prompt"]).join(self.parts)
 
 
 @dataclass
@@ -211,7 +185,7 @@ class DatasetWorkload:
     def __init__(self, seed: int = 0, **params: Any):
         self.cfg = type(self).Params.model_validate({"seed": seed, **params})  # a subclass's own Params too
         self._reward = resolve_reward(self.cfg.reward)
-        self._template = _template(self.cfg.prompt_template)
+        self._template = compile_template(self.cfg.prompt_template)
         source = self.cfg.path if self.cfg.test_path is None else f"{self.cfg.path} + {self.cfg.test_path}"
         self.report = DataReport(source)
 

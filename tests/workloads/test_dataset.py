@@ -361,10 +361,10 @@ def test_a_template_that_only_places_the_prompt_renders_as_jinja_does(template):
     from jinja2 import StrictUndefined
     from jinja2.sandbox import SandboxedEnvironment
 
-    from astraflow.workloads.dataset import _PromptOnly, _template
+    from astraflow.workloads.templates import _PromptOnly, compile_template
 
     jinja = SandboxedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True).from_string(template)
-    compiled = _template(template)
+    compiled = compile_template(template)
     assert isinstance(compiled, _PromptOnly) == ("lang" not in template and "|" not in template
                                                  and "{%" not in template and "{{-" not in template)
     for value in ("hello", "multi\r\nline\n", "{{ not a template }}", "ünï 😀", "", "  spaced  "):
