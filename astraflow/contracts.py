@@ -268,14 +268,6 @@ class Trajectory:
     def to_stored(self) -> list[StoredSequence]:
         """One stored row per sequence. A ``ValueError`` names what a workflow gave that cannot be
         stored as JSON (keys of mixed types, a value that holds itself)."""
-        try:
-            return self._stored()
-        except (TypeError, ValueError, RecursionError) as err:
-            raise ValueError(f"Trajectory {self.task_id}: its stats, score, rewards or episode cannot be stored as "
-                             f"JSON ({type(err).__name__}: {err}); give every key as a str and every value as "
-                             "JSON (numbers, strings, lists, dicts)") from None
-
-    def _stored(self) -> list[StoredSequence]:
         meta = {
             "policies": list(self.policies),
             "workflow": self.workflow,
@@ -298,11 +290,19 @@ class Trajectory:
                 versions=s.versions,
                 reward=s.reward,
                 finish_reason=s.finish_reason,
-                meta=_META_JSON.encode({**meta, "rewards": dict(s.rewards),
-                                        **({"episode": self.episode} if i == 0 and self.episode else {})}),
+                meta=self._meta_json({**meta, "rewards": dict(s.rewards),
+                                      **({"episode": self.episode} if i == 0 and self.episode else {})}),
             )
             for i, s in enumerate(self.sequences)
         ]
+
+    def _meta_json(self, meta: dict[str, Any]) -> str:
+        try:
+            return _META_JSON.encode(meta)
+        except (TypeError, ValueError, RecursionError) as err:
+            raise ValueError(f"Trajectory {self.task_id}: its stats, score, rewards or episode cannot be stored as "
+                             f"JSON ({type(err).__name__}: {err}); give every key as a str and every value as "
+                             "JSON (numbers, strings, lists, dicts)") from None
 
     def episode_score(self) -> float:
         """``score``, or the reward of the first policy's last sequence."""

@@ -284,7 +284,9 @@ def held_out_overlap(train: list, held_out: list) -> list[str]:
     train file does."""
     def key(p: Any) -> str | None:
         text = p.get("messages") or p.get("prompt") or p.get("question") if isinstance(p, dict) else None
-        return json.dumps(text, sort_keys=True, default=str) if text else None
+        if not text or isinstance(text, str):
+            return text or None
+        return json.dumps(text, sort_keys=True, default=str)
 
     seen = {k for k in map(key, train) if k is not None}
     both = [p for p in held_out if (k := key(p)) is not None and k in seen]

@@ -21,12 +21,12 @@ from dataclasses import replace
 from typing import Any
 
 from astraflow.contracts import RolloutTask, Trajectory, TrajectoryRef
-from storage.trajectories import StoredSequence
 from astraflow.rollout.engine import InferenceEngine, confirmed_version
 from astraflow.rollout.failure_log import FailureLog
 from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.rollout.seeds import episode_seeds
 from astraflow.transport import call
+from storage.trajectories import StoredSequence
 
 log = logging.getLogger("astraflow.rollout")
 

@@ -353,16 +353,21 @@ def test_a_trainer_a_driver_steps_counts_its_idle_time_between_steps_as_waiting(
     assert state["version"] == 2 and state["wait_fraction"] > 0.5, state
 
 
+def _run_until_done(trainer: Trainer, timeout_s: float = 30.0) -> None:
+    """Start ``trainer``'s loop and wait (at most ``timeout_s``) until it has taken its steps."""
+    trainer.start()
+    deadline = time.time() + timeout_s
+    while not trainer.state()["done"] and time.time() < deadline:
+        time.sleep(0.05)
+
+
 def test_a_finished_trainers_wait_fraction_stays_what_its_last_step_said(tmp_path):
     """Status and summary read the trainer after its last step (the final evaluation, the run's
     end): the time since then is no part of its training, so the fraction must not decay."""
     dl = _Finishing()
     trainer = Trainer(policy="p", cfg=TrainerConfig(backend="sim", sim_step_seconds=0.05), model_path="",
                       weights_root=str(tmp_path / "w"), keep_versions=5, data_layer=dl, max_steps=2)
-    trainer.start()
-    deadline = time.time() + 30
-    while not trainer.state()["done"] and time.time() < deadline:
-        time.sleep(0.05)
+    _run_until_done(trainer)
     first = trainer.state()
     time.sleep(0.5)
     later = trainer.state()
@@ -388,10 +393,7 @@ def test_a_trainers_state_never_pairs_a_version_with_the_previous_steps_metrics(
 
     trainer = _Watched(policy="p", cfg=TrainerConfig(backend="sim", sim_step_seconds=0.05), model_path="",
                        weights_root=str(tmp_path / "w"), keep_versions=5, data_layer=dl, max_steps=3)
-    trainer.start()
-    deadline = time.time() + 30
-    while not trainer.state()["done"] and time.time() < deadline:
-        time.sleep(0.05)
+    _run_until_done(trainer)
     trainer.stop()
     mid = [s for s in seen if s["version"] >= 1]
     assert mid and all(s["last_metrics"] == published[s["version"]] for s in mid), (mid, published)
