@@ -28,7 +28,6 @@ _LABEL = re.compile(_LABEL_RE)
 _IDENT = r"^[A-Za-z_][A-Za-z0-9_]*$"
 _MEM = re.compile(r"^(\d+)([KMGT]?)$")
 _GRES_ITEM_RE = r"([A-Za-z_][A-Za-z0-9_]*)(?::([A-Za-z0-9_.-]+?))?(?::(\d+))?"
-_GRES_ITEM = re.compile(rf"^{_GRES_ITEM_RE}$")
 
 
 def gres_gpus(gres: str) -> int | None:
