@@ -1,8 +1,9 @@
-"""Name -> class registries for everything a config selects by name.
+"""Name -> class or function registries for everything a config selects by name.
 
-Workloads, workflows and dataflow rules register themselves with a decorator; a
-config names them. An unknown name raises ``ValueError`` listing the known ones, so a typo
-in a config fails at load time with the fix in the message.
+Workloads, workflows, dataflow rules, the dataset workload's rewards and the trainer's advantage
+estimators and losses register themselves with a decorator; a config names them. An unknown name
+raises ``ValueError`` listing the known ones, so a typo in a config fails at load time with the fix
+in the message.
 """
 
 from __future__ import annotations
