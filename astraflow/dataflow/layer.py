@@ -2,8 +2,9 @@
 
 It never runs a model. RaaS nodes pull tasks with ``lease`` and report stored trajectories with
 ``complete``; trainers pull batches with ``next_batch`` and report new weight versions with
-``published``. This module is the front: it keeps the public methods and wires the rooms that
-own the state, each with its named asynchronous overlap:
+``published``. This module is the front: its class takes the calls of ``nodes_facing.py`` and
+``serving.py`` as mixins, keeps the orchestrator-facing ones, and wires the rooms that own the
+state, each with its named asynchronous overlap:
 
 * ``leases.py``: task queues, leases and the ledger hand-off (*lease expiry*);
 * ``ledger.py``: every leased task's record, which ends exactly once;
@@ -26,7 +27,7 @@ own the state, each with its named asynchronous overlap:
   restore (a re-placed or resumed data layer continues from it): ``changelog.py`` writes the
   change log of the entries ``changes.py`` defines, beside the ledger's journal.
 
-Every public method is ``async``: Dask runs async actor methods on the worker's event loop,
+Every actor call is ``async``: Dask runs async actor methods on the worker's event loop,
 one at a time between awaits, so the state needs no locks, and a trainer blocked in
 ``next_batch`` does not block the leases that will fill its batch.
 """
