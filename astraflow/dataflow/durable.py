@@ -72,17 +72,12 @@ def fingerprint_of(policies: list[str], workload: WorkloadConfig) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-class Journal:
-    """``ledger.jsonl``: appended on every creation and end, flushed before every snapshot. A
-    write that fails (a full disk) calls ``on_error`` first: the ledger moved in memory, and the
-    call that moved it stops half way."""
+class Journal(rec.AppendLog):
+    """``ledger.jsonl``: appended on every creation and end, flushed before every snapshot."""
 
     def __init__(self, path: Path | None, on_error: Callable[[BaseException], None] | None = None):
         self.path = path
-        self.on_error = on_error
-        if path is not None:  # a last line cut short (the file shorter than the state records): the
-            rec.cut_torn_line(path)  # next line appended would join it, and both would be unreadable
-        self._file = open(path, "a", buffering=1 << 16) if path is not None else None
+        super().__init__(path, buffering=1 << 16, on_error=on_error)
 
     def __call__(self, task_id: str, event: str, reason: str | None) -> None:
         if self._file is None:
@@ -92,31 +87,7 @@ class Journal:
         else:  # the line ``json.dumps`` writes, without building a dict and an encoder per call
             line = f'{{"t": {_quoted(task_id)}, "e": {_quoted(event)}'
             line = line + "}\n" if reason is None else f'{line}, "r": {_quoted(reason)}}}\n'
-        try:
-            self._file.write(line)
-        except OSError as err:
-            self._failed(err)
-            raise
-
-    def _failed(self, err: BaseException) -> None:
-        if self.on_error is not None:
-            self.on_error(err)
-
-    def flush(self) -> int:
-        """Flush to the kernel; the file's length."""
-        if self._file is None:
-            return 0
-        try:
-            self._file.flush()
-        except OSError as err:
-            self._failed(err)
-            raise
-        return os.fstat(self._file.fileno()).st_size
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._append(line)
 
 
 def read_journal(path: Path) -> Iterator[dict[str, Any]]:
@@ -169,7 +140,7 @@ class Durability:
 
     def lengths(self) -> dict[str, int]:
         """``metrics.jsonl`` and ``ledger.jsonl`` flushed to the kernel: their lengths."""
-        return {"metrics": self._dl.metrics.length(), "journal": self.journal.flush()}
+        return {"metrics": self._dl.metrics.flush(), "journal": self.journal.flush()}
 
     async def commit(self, sync: bool = False) -> None:
         """Return once every change made so far is in the log (``ChangeLog.commit``)."""

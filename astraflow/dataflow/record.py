@@ -149,16 +149,53 @@ def cut_torn_line(path: Path) -> None:
         return
 
 
-class MetricsLog:
-    """``metrics.jsonl``, opened for appending (``path`` None: nothing is written). Every line is
-    strict JSON: a value that is not finite is written as null."""
+class AppendLog:
+    """A JSON-lines file of the run directory opened for appending (``path`` None: nothing is
+    written), its last line cut first if a crash left it torn. A write or flush that fails (a
+    full disk) calls ``on_error`` before it propagates: the state that line recorded moved in
+    memory, and the call that moved it stops half way."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | Path | None, buffering: int,
+                 on_error: Callable[[BaseException], None] | None = None):
         if path:
             cut_torn_line(Path(path))
-        self._file = open(path, "a", buffering=1) if path else None
-        #: called with the error of a write that failed (a full disk), before it propagates
-        self.on_error: Callable[[BaseException], None] | None = None
+        self._file = open(path, "a", buffering=buffering) if path else None
+        self.on_error = on_error
+
+    def _append(self, line: str) -> None:
+        try:
+            self._file.write(line)
+        except OSError as err:
+            self._failed(err)
+            raise
+
+    def _failed(self, err: BaseException) -> None:
+        if self.on_error is not None:
+            self.on_error(err)
+
+    def flush(self) -> int:
+        """Flush to the kernel; the file's length in bytes, everything written so far included."""
+        if self._file is None:
+            return 0
+        try:
+            self._file.flush()
+        except OSError as err:
+            self._failed(err)
+            raise
+        return os.fstat(self._file.fileno()).st_size
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class MetricsLog(AppendLog):
+    """``metrics.jsonl``, line-buffered. Every line is strict JSON: a value that is not finite is
+    written as null."""
+
+    def __init__(self, path: str | None):
+        super().__init__(path, buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is None:
@@ -167,28 +204,7 @@ class MetricsLog:
             line = json.dumps(record, default=_plain_number, allow_nan=False)
         except ValueError:  # a value that is not finite: written as null
             line = json.dumps(finite_json(record), default=_as_finite_float, allow_nan=False)
-        try:
-            self._file.write(line + "\n")
-        except OSError as err:
-            if self.on_error is not None:
-                self.on_error(err)
-            raise
-
-    def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-
-    def length(self) -> int:
-        """The file's length in bytes, everything written so far included."""
-        if self._file is None:
-            return 0
-        self._file.flush()
-        return os.fstat(self._file.fileno()).st_size
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._append(line + "\n")
 
 
 def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str, Any],
