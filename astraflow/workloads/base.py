@@ -26,7 +26,12 @@ from astraflow.registry import Registry
 
 class Workload(Protocol):
     """A dataset of prompts with a verifiable reward, built as ``cls(seed=seed, **params)``
-    (``workload.seed``, unless ``params`` sets ``seed``)."""
+    (``workload.seed``, unless ``params`` sets ``seed``).
+
+    Two methods are optional and looked up by name: ``render_messages(payload)``, the prompt as
+    chat messages for a model with a chat template (``astraflow.agents.chat.prompt_ids``), and
+    ``demonstration(payload)``, the completion a supervised warm start trains on
+    (``runtime.model_build``)."""
 
     #: the pydantic model of the workload's ``params``. A class registered without one (a
     #: test's ad-hoc workload) gets its params as keyword arguments, unchecked by the config.
