@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -114,6 +116,28 @@ def _one_torch_thread():
     import torch
 
     torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def read_only_dir(path: Path):
+    """``path`` (a directory) that this process cannot write in while the block runs: mode 0o500,
+    or for root, whom permissions do not stop, a read-only bind mount over it (unmounted after)."""
+    if os.geteuid() != 0:
+        path.chmod(0o500)
+        try:
+            yield path
+        finally:
+            path.chmod(0o700)
+        return
+    for args in (["--bind", str(path), str(path)], ["-o", "remount,bind,ro", str(path)]):
+        res = subprocess.run(["mount", *args], capture_output=True, text=True)
+        if res.returncode != 0:
+            subprocess.run(["umount", str(path)], capture_output=True)
+            pytest.skip(f"root here cannot bind-mount {path} read-only: {res.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
 
 
 def tiny_config(model: Path, **overrides):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import uuid
 
 import pytest
@@ -50,16 +49,14 @@ def test_unwritable_dir_names_the_fix(tmp_path):
         open_trajectory_store(str(blocker / "store"))
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
 def test_read_only_dir_names_the_fix(tmp_path):
+    from tests.conftest import read_only_dir
+
     d = tmp_path / "ro"
     d.mkdir()
-    d.chmod(0o500)
-    try:
-        with pytest.raises(ValueError, match="not writable"):
-            open_trajectory_store(str(d))
-    finally:
-        d.chmod(0o700)
+    with read_only_dir(d), pytest.raises(ValueError, match=f"store directory {d} is not writable .*mode='r'"):
+        open_trajectory_store(str(d))
+    assert not list(d.iterdir())
 
 
 def test_wrong_layout_version_names_the_fix(tmp_path):
