@@ -31,10 +31,10 @@ def test_scheduler_contract(kind, tmp_path, dask_scheduler):
     assert isinstance(sched, Scheduler) and sched.kind == kind
     assert sched.submit(part, address, count=0) == []
     refs = sched.submit(part, address, count=2, start_index=5)
-    assert [r.worker_name for r in refs] == ["trainer-pool-local-cpu-5", "trainer-pool-local-cpu-6"]
-    assert len({r.job_id for r in refs}) == 2 and all(r.kind == kind and r.partition == "pool" for r in refs)
     names = {r.worker_name for r in refs}
-    try:
+    try:  # the workers are cancelled whichever check fails
+        assert [r.worker_name for r in refs] == ["trainer-pool-local-cpu-5", "trainer-pool-local-cpu-6"]
+        assert len({r.job_id for r in refs}) == 2 and all(r.kind == kind and r.partition == "pool" for r in refs)
         assert names <= wait_for_workers(client, names, present=True, deadline_s=45)
         listed = {s.job_id: s for s in sched.jobs()}
         assert set(listed) == {r.job_id for r in refs}
