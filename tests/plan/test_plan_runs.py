@@ -46,8 +46,13 @@ def test_a_plan_run_again_on_its_workdir_simulates_afresh(tmp_path):
     (wd / "sim.yaml").write_text("the user's")
     outputs = []
     for _ in range(2):
-        with _plan(wd, "--minutes", "0.4", "--json", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        proc = _plan(wd, "--minutes", "0.4", "--json", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
             out, err = proc.communicate(timeout=150)
+        finally:  # a plan past its time is killed (its run and cluster die with it), not waited on forever
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
         assert proc.returncode == 0, err[-3000:]
         outputs.append((json.loads(out), err))
         if len(outputs) == 1:
