@@ -20,7 +20,11 @@ def test_tasks_are_seeded_and_labelled():
 def test_reward_is_a_function_of_prompt_completion_and_version():
     wl = make_workload("sim", {"skill_per_version": 0.05}, 0)
     task = wl.tasks("train")[0]
-    assert wl.reward_at("abc", task, 3) == wl.reward_at("abc", task, 3)
+    other = make_workload("sim", {"skill_per_version": 0.05}, 0)  # the same function, built again
+    pairs = [(f"c{i}", t) for i, t in enumerate(wl.tasks("train")[:100])]
+    first = [wl.reward_at(c, t, 3) for c, t in pairs]
+    assert first == [wl.reward_at(c, t, 3) for c, t in pairs] == [other.reward_at(c, t, 3) for c, t in pairs]
+    assert len(set(first)) > 1  # not one constant reward
     assert wl.reward("abc", task) == wl.reward_at("abc", task, 0)
     tasks = wl.tasks("train")[:200]
     completions = [f"c{i}" for i in range(20)]
