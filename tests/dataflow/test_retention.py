@@ -122,4 +122,9 @@ def test_a_resume_check_reads_a_file_url_store(tmp_path):
         await layer.close()
 
     run(go())
-    _check_rows_present(durable.load(paths.snapshot), f"file://{tmp_path / 'trajectories'}")
+    saved = durable.load(paths.snapshot)
+    assert len(durable.held_refs(saved)) == 8  # rows to look for: the check below is not vacuous
+    _check_rows_present(saved, f"file://{tmp_path / 'trajectories'}")
+    with pytest.raises(ValueError, match=r"8 rows .*: n0 \(8\)"):  # and it does look in that store
+        shutil.rmtree(tmp_path / "trajectories" / "segments" / "n0")
+        _check_rows_present(saved, f"file://{tmp_path / 'trajectories'}")
