@@ -31,11 +31,13 @@ class ModelDirError(ValueError):
 
 
 def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = None,
-                progress: Progress | None = None, base: Path | None = None) -> Path:
+                progress: Progress | None = None, base: Path | None = None, threads: int = 1) -> Path:
     """Build a model directory locally: random init (or a copy of the ``base`` model
     directory, ``init.start_from``'s), then an optional supervised warm start on the
-    workload's train split. Written to a temporary sibling and renamed, so an interrupted
-    build never leaves a half-written model behind."""
+    workload's train split, on ``threads`` torch threads (a run passes its trainer's: torch's
+    default of every core spins its threads against each other on a busy machine). Written to
+    a temporary sibling and renamed, so an interrupted build never leaves a half-written model
+    behind."""
     from astraflow.models import init_model
 
     progress = progress or Progress()
@@ -53,7 +55,8 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
                 init_model(tmp / "init", preset=init.preset, arch=init.arch, seed=init.seed,
                            tie_word_embeddings=init.tie_embeddings, tokenizer=tokenizer)
         if init.warm_starts:
-            _warm_start(tmp / "init", tmp / "final", init, workload, progress, out)
+            with torch_threads(threads):
+                _warm_start(tmp / "init", tmp / "final", init, workload, progress, out)
             shutil.rmtree(tmp / "init")
             (tmp / "final").rename(tmp / "init")
         try:
@@ -66,6 +69,19 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` in the block, then back to what they were."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _temp_sibling(out: Path) -> Path:
@@ -291,7 +307,7 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
                     continue
                 progress.note(f"policy {pol.name}: building {pol.model} (no such directory yet)"
                               + (f" from {base}" if base else ""))
-                build_model(pol.model, pol.init, cfg.workload, progress, base=base)
+                build_model(pol.model, pol.init, cfg.workload, progress, base=base, threads=pol.trainer.threads)
                 record = pol.init.model_dump(mode="json")
                 if pol.init.warm_starts:  # what it trained on: a later run on other problems is warned
                     record[WARM_STARTED_ON] = workload_identity(cfg.workload)

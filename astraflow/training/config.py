@@ -140,7 +140,7 @@ class TrainerConfig(Strict):
     """Sequences per forward/backward (gradient accumulation over the batch); the torch backend's
     (the megatron backend trains each data-parallel share at once)."""
     threads: int = Field(default=1, ge=1)
-    """torch intra-op threads of the trainer process."""
+    """torch intra-op threads of the trainer process, and of the policy's warm start (``init``)."""
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """Where the torch backend trains: ``auto`` (the worker's GPU when it has one, else the
     CPU), ``cpu``, ``cuda`` or ``cuda:N``. The megatron backend places its ranks itself."""

@@ -208,3 +208,39 @@ def test_the_warm_starts_log_line_names_its_target_as_well_as_its_bound(tiny_mod
     build_model(tmp_path / "solver", init, WorkloadConfig(name="math", params={"digits": 1, "num_test": 10}),
                 progress, base=tiny_model)
     assert "supervised warm start (solve) for up to 2 steps, until held-out accuracy 0.9 ..." in out.getvalue()
+
+
+def test_the_warm_start_trains_on_the_threads_it_is_given_and_gives_them_back(tiny_model, tmp_path, monkeypatch):
+    """torch's default (every core) spins its threads against the run's other processes on a busy
+    machine: a run's warm start uses its trainer's ``threads``, and the process keeps its own."""
+    import torch
+
+    import astraflow.runtime.model_build as mb
+    from astraflow.workloads.config import WorkloadConfig
+
+    seen = []
+    real = mb._warm_start
+    monkeypatch.setattr(mb, "_warm_start", lambda *a, **k: (seen.append(torch.get_num_threads()), real(*a, **k)))
+    before = torch.get_num_threads()
+    wanted = 3 if before != 3 else 2
+    mb.build_model(tmp_path / "solver", ModelInit(warm_start_steps=1),
+                   WorkloadConfig(name="math", params={"digits": 1, "num_test": 10}), base=tiny_model, threads=wanted)
+    assert seen == [wanted] and torch.get_num_threads() == before
+
+
+def test_a_run_builds_its_model_on_its_trainers_threads(tmp_path, monkeypatch):
+    """``prepare_models`` passes each policy's ``trainer.threads`` to the build."""
+    import astraflow.runtime.model_build as mb
+    from astraflow.runtime.progress import Progress
+    from tests.conftest import tiny_config
+
+    got = {}
+
+    def build(out, init, *args, threads=1, **kwargs):
+        got["threads"] = threads
+        out.mkdir()
+
+    monkeypatch.setattr(mb, "build_model", build)
+    cfg = tiny_config(tmp_path / "missing-model", **{"policies.0.trainer.threads": 2, "policies.0.init": {"preset": "tiny"}})
+    mb.prepare_models(cfg, Progress())
+    assert got == {"threads": 2}
