@@ -400,3 +400,31 @@ def test_a_file_systems_root_with_lost_and_found_is_an_empty_out(tiny_model, tmp
     export_version(run, tmp_path / "mnt", say=print)
     export_version(run, tmp_path / "mnt", force=True, say=print)
     assert (tmp_path / "mnt" / "lost+found").is_dir() and (tmp_path / "mnt" / PROVENANCE).is_file()
+
+
+def test_the_export_commands_a_finished_run_prints_each_export_a_policy(tiny_model, tmp_path):
+    """What `astraflow run` prints at its end, pasted: a two-policy run's commands name the policy
+    (export refuses to guess between them), and each one exports that policy."""
+    import shlex
+
+    from astraflow.runtime.launch import export_hints
+    from tests.conftest import tiny_config
+
+    run = _run_dir(tmp_path, tiny_model, policies=("solver", "verifier"))
+    store, be = WeightStore(RunPaths(run).weights), _trained(tiny_model)
+    for p in ("solver", "verifier"):
+        be.publish(store, p, 1)
+    cfg = tiny_config(tiny_model, workload__workflow="solver_verifier",
+                      policies=[{"name": "solver", "model": str(tiny_model)},
+                                {"name": "verifier", "model": str(tiny_model)}])
+    hints = export_hints(cfg, run)
+    assert len(hints) == 2
+    for hint, policy in zip(hints, ("solver", "verifier")):
+        out = tmp_path / f"out-{policy}"
+        args = shlex.split(hint.split(": ", 1)[1].replace(" OUT", f" {out}"))
+        assert args[:2] == ["astraflow", "export"], hint
+        res = CliRunner().invoke(main, args[1:])
+        assert res.exit_code == 0, (hint, res.output)
+        assert json.loads((out / PROVENANCE).read_text())["policy"] == policy
+    assert export_hints(tiny_config(tiny_model), run) == [f"the trained model as an HF directory: "
+                                                          f"astraflow export {run} OUT"]

@@ -292,14 +292,25 @@ def launch(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> RunResult | No
     for line in accuracy_changes(result.eval):
         progress.note(line)
     progress.note(f"ledger: {result.ledger.get('states') or 'no task created'}; summary in {RunPaths(run_dir).summary}")
-    if not result.interrupted and any(p.trainer.backend != "sim" for p in cfg.policies):
-        progress.note(f"the trained model as an HF directory: astraflow export {shell_arg(run_dir)} OUT")
+    if not result.interrupted:
+        for line in export_hints(cfg, run_dir):
+            progress.note(line)
     progress.note(f"what the policies wrote, episode by episode: astraflow episodes {shell_arg(run_dir)}")
     failed = failure_reasons(result.ledger)
     if failed:
         progress.note(f"failed tasks by reason: {failed} (the tracebacks are in the RaaS nodes' logs under "
                       f"{RunPaths(run_dir).jobs})")
     return result
+
+
+def export_hints(cfg: RunConfig, run_dir: Path) -> list[str]:
+    """The ``astraflow export`` command of each trained policy: with ``--policy`` where the run
+    trains several (export refuses to guess), none for a sim policy (it has no weights)."""
+    real = [p.name for p in cfg.policies if p.trainer.backend != "sim"]
+    if len(cfg.policies) == 1:
+        return [f"the trained model as an HF directory: astraflow export {shell_arg(run_dir)} OUT"] if real else []
+    return [f"the trained {name} as an HF directory: astraflow export {shell_arg(run_dir)} OUT --policy {name}"
+            for name in real]
 
 
 def failure_reasons(ledger: dict, most: int = 3, width: int = 240) -> str:
