@@ -36,7 +36,7 @@ READ_BUDGET = 256
 @click.option("--json", "as_json", is_flag=True,
               help="Machine-readable output: the dashboard's /astraflow/api/episodes.json view, each episode "
                    "with `prompt` and `completion` decoded where it has no turns (`parts`: the completion's runs of "
-                   "trained and untrained tokens).")
+                   "trained and untrained tokens; `policy`: the one that wrote it).")
 def episodes(run_dir: str, limit: int, sample: int, policy: str | None, kind: str | None, workload: str | None,
              min_reward: float | None, max_reward: float | None, as_json: bool) -> None:
     """Show the episodes stored by the run in RUN_DIR, newest first: task, reward, how each ended
@@ -93,7 +93,9 @@ def _show(console, e, text: dict[str, str] | None, sampled: bool) -> None:
     from rich.markup import escape
     from rich.text import Text
 
-    head = (f"{e.id}  {e.kind} {e.workload}/{e.workflow}  policies {', '.join(e.policies)}  "
+    # the sequence of one policy (its reward) among an episode's: which one wrote it
+    writer = f"  written by {text['policy']}" if text and len(e.policies) > 1 else ""
+    head = (f"{e.id}  {e.kind} {e.workload}/{e.workflow}  policies {', '.join(e.policies)}{writer}  "
             f"reward {e.reward:.3g}  {e.num_tokens} tokens, finished by {e.finish_reason}"
             + (f", truncated at {e.truncated}" if e.truncated else "") + ("  (sampled)" if sampled else ""))
     console.print()
@@ -133,9 +135,9 @@ def _show(console, e, text: dict[str, str] | None, sampled: bool) -> None:
         console.print(f"[dim]final reward {e.final_reward:.3g}[/dim]")
 
 
-def _single_turn_texts(paths: RunPaths, store_url: str | None, shown: list) -> dict[str, dict[str, str]]:
-    """``{id: {"prompt", "completion", "parts"}}`` of ``shown`` (episodes without turns), decoded
-    from the stored tokens with the tokenizer of the policy that wrote each: the completion from
+def _single_turn_texts(paths: RunPaths, store_url: str | None, shown: list) -> dict[str, dict[str, Any]]:
+    """``{id: {"prompt", "completion", "parts", "policy"}}`` of ``shown`` (episodes without turns),
+    decoded from the stored tokens with the tokenizer of ``policy``, the one that wrote each: the completion from
     the first trained token on, and ``parts`` its runs of trained and untrained tokens (a workflow
     of its own may put untrained text, a critique, between two answers). An episode whose
     policy's model directory is missing or unreadable (a sim run) is left out."""
@@ -155,12 +157,14 @@ def _single_turn_texts(paths: RunPaths, store_url: str | None, shown: list) -> d
         first = next((j for j, m in enumerate(mask) if m), len(ids))  # the completion: the trained tokens
         # the policy that wrote it (a verifier's sequence is the verifier's tokens, prompt included)
         pid = int(cols.policy_ids[a + first]) if first < len(ids) else 0
-        tok = _tokenizer(tokenizers, models.get(e.policies[pid]) if 0 <= pid < len(e.policies) else None)
+        policy = e.policies[pid] if 0 <= pid < len(e.policies) else None
+        tok = _tokenizer(tokenizers, models.get(policy) if policy is not None else None)
         if tok is None:
             continue
         cuts = [first] + [j for j in range(first + 1, len(ids)) if mask[j] != mask[j - 1]] + [len(ids)]
         parts = [{"text": tok.decode(ids[i:j]), "trained": bool(mask[i])} for i, j in zip(cuts, cuts[1:]) if i < j]
-        out[e.id] = {"prompt": tok.decode(ids[:first]), "completion": tok.decode(ids[first:]), "parts": parts}
+        out[e.id] = {"prompt": tok.decode(ids[:first]), "completion": tok.decode(ids[first:]), "parts": parts,
+                     "policy": policy}
     return out
 
 

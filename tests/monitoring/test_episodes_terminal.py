@@ -52,11 +52,9 @@ def test_what_a_non_utf8_terminal_cannot_show_is_printed_escaped(tmp_path):
     assert b"caf\\xe9 \\ufffd" in out.stdout, out.stdout
 
 
-def test_a_sequence_is_decoded_with_the_tokenizer_of_the_policy_that_wrote_it(tmp_path):
-    """Two policies with tokenizers of their own: the verifier's sequence (its prompt and its
-    verdict) is decoded with the verifier's tokenizer, not the solver's."""
-    import json
-
+def _solver_verifier_run(tmp_path):
+    """A run directory of two policies with tokenizers of their own and one stored episode: the
+    solver's answer (reward 0) and the verifier's verdict on it (reward 1)."""
     import yaml
 
     from astraflow.contracts import Provenance, Sequence, Trajectory
@@ -72,23 +70,49 @@ def test_a_sequence_is_decoded_with_the_tokenizer_of_the_policy_that_wrote_it(tm
                                             "policies": [{"name": "solver", "model": str(solver)},
                                                          {"name": "verifier", "model": str(verifier)}]}))
 
-    def seq(tok, prompt: str, answer: str, pid: int) -> Sequence:
+    def seq(tok, prompt: str, answer: str, pid: int, reward: float) -> Sequence:
         p, c = tok.encode(prompt, add_special_tokens=False), tok.encode(answer, add_special_tokens=False)
         n = len(p) + len(c)
         return Sequence.build(tokens=p + c, loss_mask=[0] * len(p) + [1] * len(c), logprobs=[0.0] * n,
                               policy_ids=[-1] * len(p) + [pid] * len(c), versions=[-1] * len(p) + [0] * len(c),
-                              reward=1.0)
+                              reward=reward)
 
     traj = Trajectory(task_id="g/0", group_id="g", policies=("solver", "verifier"), workflow="solver_verifier",
                       kind="train", attempt=0, provenance=Provenance(node="rollout-0"),
-                      sequences=(seq(byte_tok, "12+30=", "42", 0), seq(bpe_tok, "is 12+30=42 right? ", "Y", 1)))
+                      sequences=(seq(byte_tok, "12+30=", "42", 0, 0.0),
+                                 seq(bpe_tok, "is 12+30=42 right? ", "Y", 1, 1.0)))
     store = open_trajectory_store(str(paths.trajectories), "a", durable=False)
     with store.writer("rollout-0") as w:
         w.write(traj.to_stored())
-    out = CliRunner().invoke(main, ["episodes", str(paths.root), "-n", "2", "--json"])
+    return paths.root
+
+
+def test_a_sequence_is_decoded_with_the_tokenizer_of_the_policy_that_wrote_it(tmp_path):
+    """Two policies with tokenizers of their own: the verifier's sequence (its prompt and its
+    verdict) is decoded with the verifier's tokenizer, not the solver's."""
+    import json
+
+    out = CliRunner().invoke(main, ["episodes", str(_solver_verifier_run(tmp_path)), "-n", "2", "--json"])
     assert out.exit_code == 0, out.output
     texts = {e["seq_index"]: (e["prompt"], e["completion"]) for e in json.loads(out.output)["recent"]}
     assert texts == {0: ("12+30=", "42"), 1: ("is 12+30=42 right? ", "Y")}
+
+
+def test_each_sequence_of_a_two_policy_episode_names_the_policy_that_wrote_it(tmp_path):
+    """An episode of two policies is shown sequence by sequence, each with its own reward: the
+    header names whose sequence (and so whose reward) it is, not only the episode's policies."""
+    import json
+
+    run = _solver_verifier_run(tmp_path)
+    out = CliRunner().invoke(main, ["episodes", str(run), "-n", "2", "--json"])
+    assert out.exit_code == 0, out.output
+    assert {e["seq_index"]: (e["policy"], e["reward"]) for e in json.loads(out.output)["recent"]} == {
+        0: ("solver", 0.0), 1: ("verifier", 1.0)}
+    out = CliRunner().invoke(main, ["episodes", str(run), "-n", "2"])
+    assert out.exit_code == 0, out.output
+    heads = [line for line in out.output.splitlines() if "policies solver, verifier" in line]
+    assert len(heads) == 2, out.output
+    assert "written by verifier  reward 1 " in heads[0] and "written by solver  reward 0 " in heads[1], heads
 
 
 def test_untrained_text_between_two_answers_is_not_shown_as_the_models(tmp_path):
