@@ -160,7 +160,7 @@ class TrainerRestarts:
         limit = self.cfg.cluster.trainer_restarts
         for p in policies:
             if limit == 0:
-                raise RunFailed(f"{lost}; restarting its trainer is off (cluster.trainer_restarts: 0): "
+                raise RunFailed(f"{lost}; restarting its trainer ({p}) is off (cluster.trainer_restarts: 0): "
                                 "set it above 0 to restart a lost trainer, or run again on this run directory")
             if len(self.history[p]) >= limit:
                 raise RunFailed(f"{lost}; trainer {p} was already restarted {limit} time(s), the limit "
