@@ -162,7 +162,7 @@ def check_same_models(cfg: RunConfig, run_dir: Path) -> None:
 
 def _check_same_policies(cfg: RunConfig, paths: RunPaths) -> None:
     """A resume trains the policies the run directory has weights of (a renamed policy would
-    start afresh beside the old one's weights). Other settings may change (hardware, partitions,
+    start afresh beside the old one's weights), in the order its saved config lists them. Other settings may change (hardware, partitions,
     ``run.max_steps``; a changed workload is handled by the data layer)."""
     from storage.weights import WeightStore
 
@@ -173,6 +173,28 @@ def _check_same_policies(cfg: RunConfig, paths: RunPaths) -> None:
         raise ValueError(f"this run directory trains the policies {before}, the config names {names}: a resume "
                          "cannot rename, add or remove policies. Use the same policy names to resume it, or start "
                          "a new run directory (--run-dir)")
+    # the workflow gives policies their roles by their order: reordered, the trained solver would verify
+    order = [p.name for p in cfg.policies]
+    saved = _saved_order(paths.config)
+    if before and saved is not None and sorted(saved) == names and saved != order:
+        raise ValueError(f"policies: this run directory trained them in the order {saved} (the workflow's roles, "
+                         f"in {paths.config}), the config lists {order}: a resume would give each the other's role. "
+                         "List them in the run's order, or start a new run directory (--run-dir)")
+
+
+def _saved_order(config: Path) -> list[str] | None:
+    """The policy names in the order the run directory's saved config lists them; None when it
+    cannot be read (a resume then goes on unchecked, as one of a directory without a config)."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load(config.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    pols = saved.get("policies") if isinstance(saved, dict) else None
+    if not isinstance(pols, list) or not all(isinstance(p, dict) and isinstance(p.get("name"), str) for p in pols):
+        return None
+    return [p["name"] for p in pols]
 
 
 def _check_sizes(store, policy: str, version: int) -> None:

@@ -253,3 +253,35 @@ def test_a_refused_resume_still_cancels_the_jobs_the_previous_incarnation_left(t
         assert process_identity(pid) != worker.identity, "the previous incarnation's worker still runs"
     finally:
         previous.close()
+
+
+def test_resuming_with_the_policies_reordered_exits_2_naming_both_orders(tmp_path):
+    """The workflow gives policies their roles in the order they are listed: a resume with the
+    solver and the verifier swapped would have the trained verifier answer and the solver judge,
+    under the old names and metrics. Refused before anything starts; the run's order resumes."""
+    import torch
+    import yaml
+
+    from storage.weights import WeightStore
+
+    run = RunPaths(tmp_path / "run").make()
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny" / "config.yaml").read_text())
+    data["workload"]["workflow"] = "solver_verifier"
+    data["policies"] = [dict(data["policies"][0], name=name) for name in ("solver", "verifier")]
+    run.config.write_text(yaml.safe_dump(data))  # what the run's first start saved
+    for name in ("solver", "verifier"):
+        WeightStore(run.weights).publish(name, 2, {"w": torch.ones(2)})
+    swapped = tmp_path / "swapped.yaml"
+    swapped.write_text(yaml.safe_dump(dict(data, policies=data["policies"][::-1])))
+    res = CliRunner().invoke(main, ["run", str(swapped), "--run-dir", str(run.root), "--quiet"])
+    assert res.exit_code == 2, res.output
+    assert "trained them in the order ['solver', 'verifier']" in res.output, res.output
+    assert "the config lists ['verifier', 'solver']" in res.output and "Traceback" not in res.output
+    assert not run.scheduler_file.exists()  # nothing started
+
+    from astraflow.config import load_config
+    from astraflow.runtime.resume_checks import _check_same_policies
+
+    same = tmp_path / "same.yaml"
+    same.write_text(yaml.safe_dump(data))
+    _check_same_policies(load_config(same), run)  # the run's own order resumes
