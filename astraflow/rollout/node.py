@@ -55,7 +55,7 @@ from astraflow.rollout.process_engine import EngineProcessError
 from astraflow.rollout.shared_loop import shared_loop
 from astraflow.rollout.weight_sync import WeightPuller
 from astraflow.transport import FollowsDataLayer, Link, bind, call, call_sync
-from astraflow.rollout.workflows import make_workflow
+from astraflow.rollout.workflows import PolicyEngines, make_workflow
 from astraflow.sandbox import SandboxConfig, configure as configure_sandbox
 from astraflow.workloads.base import make_workload
 from storage.trajectories import open_trajectory_store
@@ -113,7 +113,7 @@ class RaaSNode(NodeEpisodes, EngineRecovery, FollowsDataLayer):
         self._sampling = SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens
         )
-        self.engines: dict[str, InferenceEngine] = {}
+        self.engines: dict[str, InferenceEngine] = PolicyEngines()
         #: the weight watcher's puller; None until ``start()`` has loaded the engines
         self.puller: WeightPuller | None = None
         #: episodes being generated (they count against ``capacity``)

@@ -48,6 +48,24 @@ class Workflow(Protocol):
     ) -> Trajectory: ...
 
 
+class UnknownPolicy(KeyError):
+    """A workflow asked for the engine of a policy the run does not train."""
+
+    def __str__(self) -> str:  # the message, not KeyError's repr of it
+        return str(self.args[0])
+
+
+class PolicyEngines(dict):
+    """A node's engines by policy name, as its workflow gets them: a name the run's config does not
+    list (a workflow that hard-codes ``engines["verifier"]`` in a run whose policy is ``judge``)
+    fails the episode naming the run's policies and the portable way to pick one."""
+
+    def __missing__(self, key: Any) -> InferenceEngine:
+        raise UnknownPolicy(f"engines[{key!r}]: the run has no policy named {key!r} (its policies: "
+                            f"{', '.join(self) or 'none'}); take a role's policy as task.policies[i], in the "
+                            "order of the config's policies")
+
+
 WORKFLOWS: Registry = Registry("workflow")
 
 #: deadline of one reward call when none is given (``rollout.reward_timeout_s`` sets it)

@@ -134,7 +134,7 @@ def _rig(tmp_path, tiny_model, workflow_cls, reward_timeout_s: float = 30.0, max
     # what ``start`` does on a Dask worker, with the test's workflow and an in-process engine
     node.store = open_trajectory_store(url, "a")
     node.writer = node.store.writer("n0", batch_size=16)
-    node.engines = {"p": HFEngine(str(tiny_model), version=0)}
+    node.engines.update({"p": HFEngine(str(tiny_model), version=0)})  # as ``start`` fills them
     node.puller = WeightPuller(str(tmp_path / "weights"), node.engines)
     workload = MathWithReward()
     node.workflow = workflow_cls(workload=workload, sampling=SamplingParams(max_new_tokens=4), node="n0",
@@ -191,6 +191,28 @@ def test_any_exception_of_a_workflow_or_reward_fails_its_task_and_releases_the_l
     assert summary["events"].get("requeued_lease_expired", 0) == 0
     assert all(r.endswith(" (after 2 attempts)") for r in summary["failed_by_reason"]), summary
     assert node.counters["failed"] >= len(Scripted.FAILURES)
+
+
+class ByName(SingleTurn):
+    """A user's workflow that takes its engine by a hard-coded policy name."""
+
+    async def run_episode(self, engines, task):
+        engines["verifier"]
+        return await super().run_episode(engines, task)
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_asked_for_by_a_policy_name_the_run_has_not_fails_naming_the_runs_policies(
+        tmp_path, tiny_model, stop_after):
+    """A workflow written for a run whose second policy is ``verifier``, in a run that names it
+    otherwise: the failure reason (what the run stops with) names the run's policies and the fix,
+    not only ``KeyError: 'verifier'``."""
+    _, dl, node, _ = _rig(tmp_path, tiny_model, ByName)
+    stop_after((node, dl))
+    _wait("the episodes to fail", lambda: _ledger(dl)["failed_by_reason"])
+    reason = _reasons(_ledger(dl))
+    assert ("UnknownPolicy: engines['verifier']: the run has no policy named 'verifier' (its policies: p); take a "
+            "role's policy as task.policies[i]") in reason, reason
 
 
 @pytest.mark.timeout(120)
