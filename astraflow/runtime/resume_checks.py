@@ -162,8 +162,9 @@ def check_same_models(cfg: RunConfig, run_dir: Path) -> None:
 
 def _check_same_policies(cfg: RunConfig, paths: RunPaths) -> None:
     """A resume trains the policies the run directory has weights of (a renamed policy would
-    start afresh beside the old one's weights), in the order its saved config lists them. Other settings may change (hardware, partitions,
-    ``run.max_steps``; a changed workload is handled by the data layer)."""
+    start afresh beside the old one's weights), in the order its saved config lists them (their
+    roles). Other settings may change (hardware, partitions, ``run.max_steps``; a changed workload
+    is handled by the data layer)."""
     from storage.weights import WeightStore
 
     store = WeightStore(paths.weights)
