@@ -53,7 +53,7 @@ from astraflow.runtime.placement import (Placement, data_layer_kwargs, loopback_
                                         trainer_kwargs)
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.reconcile import PartitionSet, local_fork_server, run_tag
-from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts, note
+from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts, hung, note
 from astraflow.runtime.shutdown import RunResult, Shutdown
 from astraflow.runtime.stopping import (STOPPING, Ending, NothingCompletes, deadline_reason, disk_full,
                                         disk_full_reason, full_disk_of, interrupted, is_disk_full_reason, rule_failed)
@@ -312,21 +312,22 @@ class Orchestrator(Shutdown):
         scheduler that is gone is seen first (a call would wait for its reconnect)."""
         if (gone := self.placement.scheduler_gone()) is not None:
             raise RunFailed(gone)
-        asking = "the data layer"
+        asking, worker = "the data layer", None
         try:
             # the newest evaluations only: a tick shows those, and the history grows with every round
             dl_state = self.dl.state(TICK_EVALS).result(timeout=30)
             read_at = time.time()
             trainers = {}
             for p, t in self.trainers.items():
-                asking = f"the trainer of {p}"
+                asking, worker = f"the trainer of {p}", self.restarts.placed_on.get(p)
                 trainers[p] = t.state().result(timeout=30)
             return Tick(data_layer=dl_state, trainers=trainers, read_at=read_at)
         except FUTURE_ERRORS as err:
             self.fleet.check_core(wait_s=10.0)  # a lost worker: its own error (restarts follow)
-            if isinstance(err, TimeoutError):  # its worker is there, it does not answer: hung
-                raise RunFailed(f"{asking} did not answer within 30 s, its worker still connected (hung: see its "
-                                "worker log under jobs/); `astraflow run` on the run directory resumes it") from err
+            if isinstance(err, TimeoutError):  # its worker is there, it does not answer: hung, replaced
+                why = f"{asking} did not answer within 30 s, its worker still connected (hung: see its log under jobs/)"
+                hung(self.fleet, worker, why)
+                raise RunFailed(f"{why}; `astraflow run` on the run directory resumes it") from err
             raise
 
     def _show(self, tick: Tick) -> None:

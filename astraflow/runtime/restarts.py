@@ -70,6 +70,17 @@ def optimizer_gap(state: dict[str, Any], version: int) -> str:
     return text
 
 
+def hung(fleet: Fleet, worker: str | None, why: str) -> None:
+    """A data-layer or trainer worker that is connected but does not answer (stuck, or paused
+    with SIGSTOP) is lost as one that vanished: ``TrainerLost`` / ``DataLayerLost``, so its
+    restart cancels its job (SIGKILL reaches a stopped process) and replaces it. ``worker``: the
+    trainer's worker name, None for the data layer's. Returns when no such worker is known."""
+    found = fleet.workers.get(worker) if worker else next(
+        (w for w in fleet.of_role("data") if not w.gone), None)
+    if found is not None and not found.gone:
+        fleet.lost(found, why)
+
+
 class TrainerRestarts:
     """Which worker each policy's trainer runs on, and its restarts (shown in status.json and
     summary.json as ``trainer_restarts``)."""
