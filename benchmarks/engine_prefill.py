@@ -14,16 +14,19 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not an installed one
 
-from astraflow.models import init_model
-from astraflow.rollout.engine import SamplingParams
-from astraflow.rollout.hf_engine import HFEngine
-from astraflow.workloads.base import make_workload
+import torch  # noqa: E402
+
+from astraflow.models import init_model  # noqa: E402
+from astraflow.rollout.engine import SamplingParams  # noqa: E402
+from astraflow.rollout.hf_engine import HFEngine  # noqa: E402
+from astraflow.workloads.base import make_workload  # noqa: E402
 
 
 def _batch(engine: HFEngine, prompts: list[list[int]], samples: int, new_tokens: int, seed: int):

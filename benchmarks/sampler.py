@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
-import numpy as np
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not an installed one
 
-from astraflow.rollout.hf_engine import HFEngine
-from astraflow.rollout.seeds import uniforms
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from astraflow.rollout.hf_engine import HFEngine  # noqa: E402
+from astraflow.rollout.seeds import uniforms  # noqa: E402
 
 SHAPES = [(64, 512), (128, 4096), (64, 32_000), (16, 151_936)]
 #: top-p 1 (the examples' setting) and 0.95 (both samplers then sort the distribution first)

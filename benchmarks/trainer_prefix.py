@@ -17,20 +17,23 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not an installed one
 
-from astraflow.batches import Batch, BatchItem
-from astraflow.contracts import Sequence
-from astraflow.models import init_model
-from astraflow.rollout.engine import SamplingParams
-from astraflow.rollout.hf_engine import HFEngine
-from astraflow.training.torch_backend import TorchBackend
-from astraflow.workloads.base import make_workload
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from astraflow.batches import Batch, BatchItem  # noqa: E402
+from astraflow.contracts import Sequence  # noqa: E402
+from astraflow.models import init_model  # noqa: E402
+from astraflow.rollout.engine import SamplingParams  # noqa: E402
+from astraflow.rollout.hf_engine import HFEngine  # noqa: E402
+from astraflow.training.torch_backend import TorchBackend  # noqa: E402
+from astraflow.workloads.base import make_workload  # noqa: E402
 
 
 def example_batch(engine: HFEngine, workload, problems, samples: int, new_tokens: int, seed: int) -> Batch:
