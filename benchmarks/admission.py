@@ -36,6 +36,8 @@ os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from benchmarks.run_checks import at_least  # noqa: E402
+
 SETTINGS = {
     "fast": {"rollout.capacity": 256, "rollout.engine.max_batch": 128},
     "slow": {"rollout.capacity": 32, "rollout.engine.max_batch": 16},
@@ -72,8 +74,8 @@ def run_one(work: Path, setting: str, admission: str, steps: int, repeat: int) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=200, help="trainer steps per run")
-    ap.add_argument("--repeats", type=int, default=1, help="alternating old/new pairs per setting")
+    ap.add_argument("--steps", type=at_least(2), default=200, help="trainer steps per run (its pace needs two)")
+    ap.add_argument("--repeats", type=at_least(1), default=1, help="alternating old/new pairs per setting")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the run directories here")
     args = ap.parse_args()
 

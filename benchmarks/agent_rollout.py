@@ -70,6 +70,7 @@ if str(ROOT) not in sys.path:
 from astraflow.agents.env import Action, EnvironmentBase, Message, StepResult  # noqa: E402
 from astraflow.agents.tools import ToolBox, tool  # noqa: E402
 from astraflow.agents.workload import AgentParams, AgentWorkload  # noqa: E402
+from benchmarks.run_checks import at_least  # noqa: E402
 
 #: how the data layer and the node name the workload (imported from this module on each worker)
 WORKLOAD = "benchmarks.agent_rollout:LedgerWorkload"
@@ -232,15 +233,15 @@ def raas(workers: tuple, model_dir: Path, work: Path, params: dict[str, Any], gr
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--episodes", type=int, default=96, help="episodes per side (a multiple of --group-size)")
-    ap.add_argument("--turns", type=int, default=4, help="model turns per episode")
-    ap.add_argument("--concurrency", type=int, default=32, help="episodes in flight (both sides)")
-    ap.add_argument("--max-batch", type=int, default=32, help="engine batch size (both sides)")
-    ap.add_argument("--max-new-tokens", type=int, default=16, help="token budget of one model turn")
-    ap.add_argument("--group-size", type=int, default=4, help="episodes per task (a GRPO group)")
-    ap.add_argument("--env-ms", type=float, default=5.0, help="latency of one environment step")
+    ap.add_argument("--episodes", type=at_least(1), default=96, help="episodes per side (a multiple of --group-size)")
+    ap.add_argument("--turns", type=at_least(1), default=4, help="model turns per episode")
+    ap.add_argument("--concurrency", type=at_least(1), default=32, help="episodes in flight (both sides)")
+    ap.add_argument("--max-batch", type=at_least(1), default=32, help="engine batch size (both sides)")
+    ap.add_argument("--max-new-tokens", type=at_least(1), default=16, help="token budget of one model turn")
+    ap.add_argument("--group-size", type=at_least(1), default=4, help="episodes per task (a GRPO group)")
+    ap.add_argument("--env-ms", type=at_least(0, float), default=5.0, help="latency of one environment step")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reps", type=int, default=3, help="alternating bare/RaaS repetitions (median reported)")
+    ap.add_argument("--reps", type=at_least(1), default=3, help="alternating bare/RaaS repetitions (median reported)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 8 episodes, 2 turns, 1 repetition")
     args = ap.parse_args(argv)
     if args.quick:

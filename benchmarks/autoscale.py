@@ -33,6 +33,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.run_checks import above, at_least  # noqa: E402
+
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -78,10 +80,10 @@ def run(kind: str, args: argparse.Namespace, tmp: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--max-nodes", type=int, default=2, help="the pool's maximum (fixed-max runs with it)")
-    ap.add_argument("--steps", type=int, default=14, help="trainer steps; the slow phase is the second half")
-    ap.add_argument("--slow-step", type=float, default=3.0, help="seconds a step takes in the slow phase")
-    ap.add_argument("--window", type=float, default=3.0, help="autoscale.window_s")
+    ap.add_argument("--max-nodes", type=at_least(1), default=2, help="the pool's maximum (fixed-max runs with it)")
+    ap.add_argument("--steps", type=at_least(4), default=14, help="trainer steps; the slow phase is the second half")
+    ap.add_argument("--slow-step", type=above(0), default=3.0, help="seconds a step takes in the slow phase")
+    ap.add_argument("--window", type=above(0), default=3.0, help="autoscale.window_s")
     args = ap.parse_args()
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="af-autoscale-") as d:

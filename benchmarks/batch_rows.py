@@ -41,6 +41,7 @@ from astraflow.dataflow.config import DataflowConfig  # noqa: E402
 from astraflow.dataflow.layer import DataLayer  # noqa: E402
 from astraflow.training import rows as batch_rows  # noqa: E402
 from astraflow.workloads.config import EvalConfig, WorkloadConfig  # noqa: E402
+from benchmarks.run_checks import at_least, counts  # noqa: E402
 
 
 def _trajectory(task, tokens: int, rng: random.Random) -> Trajectory:
@@ -111,11 +112,11 @@ def measure(batch_size: int, tokens: int, reps: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch-size", type=int, default=1024)
-    ap.add_argument("--tokens", default="12,512", help="tokens per row, comma-separated")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--batch-size", type=at_least(1), default=1024)
+    ap.add_argument("--tokens", type=counts(), default="12,512", help="tokens per row, comma-separated")
+    ap.add_argument("--reps", type=at_least(1), default=20)
     args = ap.parse_args(argv)
-    rows = [measure(args.batch_size, int(t), args.reps) for t in args.tokens.split(",")]
+    rows = [measure(args.batch_size, t, args.reps) for t in args.tokens]
     cols = ["tokens", "batch", "read_us_per_seq", "per_row_us_per_seq", "columns_us_per_seq", "speedup"]
     print("batch assembly on the trainer's side (CPU µs per sequence, medians; read: the store read both share)")
     print("  ".join(f"{c:>20}" for c in cols))

@@ -40,6 +40,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from benchmarks.chaos_audit import audit_run  # noqa: E402
 from benchmarks.chaos_killer import KINDS, CliRun, Killer  # noqa: E402
+from benchmarks.run_checks import above, at_least  # noqa: E402
 
 
 def overrides(steps: int, eval_every: int, restarts: int) -> list[str]:
@@ -166,15 +167,16 @@ def stop_on_signals() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=ROOT / "examples" / "math" / "config.yaml")
-    ap.add_argument("--steps", type=int, default=400, help="run.max_steps of both runs")
-    ap.add_argument("--eval-every", type=int, default=50, help="workload.eval.every of both runs")
-    ap.add_argument("--kills", type=int, default=20, help="kills in the chaos run")
+    ap.add_argument("--steps", type=at_least(1), default=400, help="run.max_steps of both runs")
+    ap.add_argument("--eval-every", type=at_least(1), default=50, help="workload.eval.every of both runs")
+    ap.add_argument("--kills", type=at_least(0), default=20, help="kills in the chaos run")
     ap.add_argument("--seed", type=int, default=0, help="the killer's random stream")
-    ap.add_argument("--mean-gap", type=float, default=5.0, help="mean seconds between a recovery and the next kill")
+    ap.add_argument("--mean-gap", type=at_least(0, float), default=5.0,
+                    help="mean seconds between a recovery and the next kill")
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="what may be killed")
-    ap.add_argument("--restarts", type=int, default=100, help="the restart limits of both runs")
-    ap.add_argument("--recovery-timeout", type=float, default=300.0, help="seconds a killed part has to come back")
-    ap.add_argument("--deadline", type=float, default=3600.0, help="seconds each run may take in all")
+    ap.add_argument("--restarts", type=at_least(0), default=100, help="the restart limits of both runs")
+    ap.add_argument("--recovery-timeout", type=above(0), default=300.0, help="seconds a killed part has to come back")
+    ap.add_argument("--deadline", type=above(0), default=3600.0, help="seconds each run may take in all")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the run directories and logs here")
     args = ap.parse_args()
     stop_on_signals()

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from benchmarks.run_checks import above, at_least  # noqa: E402
 from schedulers.command import QUIET_DASK_ENV, worker_command  # noqa: E402
 
 #: Dask's own defaults for the same keys (set explicitly, so that the shell cannot change them)
@@ -88,8 +89,8 @@ def measure(settings: dict[str, str], seconds: float, settle: float) -> dict[str
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seconds", type=float, default=20.0, help="measurement window per setting")
-    ap.add_argument("--settle", type=float, default=8.0, help="seconds after start before measuring")
+    ap.add_argument("--seconds", type=above(0), default=20.0, help="measurement window per setting")
+    ap.add_argument("--settle", type=at_least(0, float), default=8.0, help="seconds after start before measuring")
     args = ap.parse_args()
     console = Console()
     results = {}

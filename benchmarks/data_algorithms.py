@@ -42,6 +42,8 @@ os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from benchmarks.run_checks import at_least  # noqa: E402
+
 #: the warm start sees every training problem; RL cycles over a fixed subset of them, so that
 #: prompts come back (several epochs in a run) and a curator has a history to act on.
 WARM = {"digits": 1, "ops": ["+", "-"], "test_fraction": 0.25, "num_test": 50}
@@ -114,8 +116,8 @@ def run_variant(model: Path, work: Path, name: str, dataflow: dict, steps: int, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=40, help="trainer steps per variant (the same budget)")
-    ap.add_argument("--warm-start-steps", type=int, default=220, help="steps of supervised warm start")
+    ap.add_argument("--steps", type=at_least(1), default=40, help="trainer steps per variant (the same budget)")
+    ap.add_argument("--warm-start-steps", type=at_least(0), default=220, help="steps of supervised warm start")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-4, help="trainer learning rate")
     names = [n for n, _ in VARIANTS]

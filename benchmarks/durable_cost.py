@@ -24,12 +24,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.main_example_runs import run_main_example  # noqa: E402
+from benchmarks.run_checks import at_least  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=200, help="trainer steps per run")
-    ap.add_argument("--repeats", type=int, default=1, help="on/off pairs, alternating which goes first")
+    ap.add_argument("--steps", type=at_least(2), default=200, help="trainer steps per run (its pace needs two)")
+    ap.add_argument("--repeats", type=at_least(1), default=1, help="on/off pairs, alternating which goes first")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the run directories here")
     args = ap.parse_args()
 

@@ -93,13 +93,19 @@ def run_sizes(sizes: list[int], calls: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--astraflow-root", default=ROOT)
-    ap.add_argument("--outstanding", default="1000,8000")
-    ap.add_argument("--calls", type=int, default=300)
-    ap.add_argument("--baseline-root", default=None)
-    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--astraflow-root", default=ROOT, help="the checkout whose code is measured (default: this one)")
+    ap.add_argument("--outstanding", default="1000,8000", help="tasks leased out at each size, comma-separated")
+    ap.add_argument("--calls", type=int, default=300, help="state-changing calls timed at each size")
+    ap.add_argument("--baseline-root", default=None, help="also measure another checkout's code (rows 'baseline')")
+    ap.add_argument("--json-out", default=None, help="write the rows here as JSON instead of the table")
     args = ap.parse_args()
-    sizes = [int(x) for x in args.outstanding.split(",")]
+    # checked here, not with benchmarks.run_checks: --astraflow-root may be a checkout without it
+    try:
+        sizes = [int(x) for x in args.outstanding.split(",")]
+    except ValueError:
+        ap.error(f"--outstanding {args.outstanding}: comma-separated integers")
+    if min(sizes) < 1 or args.calls < 1:
+        ap.error("--outstanding sizes and --calls must be at least 1")
     rows = [{"code": "this", **r} for r in run_sizes(sizes, args.calls)]
     if args.baseline_root:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from benchmarks.run_checks import above  # noqa: E402
 from schedulers.slurm import SlurmScheduler, run_tag  # noqa: E402
 from schedulers.slurm_cli import SlurmCommandError, run_slurm  # noqa: E402
 
@@ -126,7 +127,7 @@ def log_tail(log: Path, lines: int = 20) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--window", type=float, default=8.0, help="seconds per throughput measurement")
+    ap.add_argument("--window", type=above(0), default=8.0, help="seconds per throughput measurement")
     ap.add_argument("--admission", choices=["version", "prefetch"], default="version",
                     help="dataflow.admission of the run")
     args = ap.parse_args()

@@ -31,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.run_checks import at_least  # noqa: E402
+
 
 def run_engine(engine_type: str, model_dir: Path, prompts: list[list[int]], args) -> dict:
     """Build the engine, generate every prompt with ``capacity`` in flight, close it."""
@@ -72,14 +74,16 @@ async def go_warm(engine, prompts, params) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=512, help="requests per engine and repetition")
-    ap.add_argument("--capacity", type=int, default=128, help="requests in flight")
-    ap.add_argument("--max-batch", type=int, default=64, help="engine batch size (both engines)")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per request at most")
+    ap.add_argument("--prompts", type=at_least(1), default=512, help="requests per engine and repetition")
+    ap.add_argument("--capacity", type=at_least(1), default=128, help="requests in flight")
+    ap.add_argument("--max-batch", type=at_least(1), default=64, help="engine batch size (both engines)")
+    ap.add_argument("--max-new-tokens", type=at_least(1), default=64, help="tokens generated per request at most")
     ap.add_argument("--preset", default="tiny", choices=["tiny", "small"], help="model size preset")
-    ap.add_argument("--threads", type=int, default=1, help="engine threads (torch for hf, OpenMP for vLLM's CPU build)")
+    ap.add_argument("--threads", type=at_least(1), default=1,
+                    help="engine threads (torch for hf, OpenMP for vLLM's CPU build)")
     ap.add_argument("--seed", type=int, default=0, help="model init and sampling seed")
-    ap.add_argument("--reps", type=int, default=3, help="alternating hf/vLLM repetitions (median ratio reported)")
+    ap.add_argument("--reps", type=at_least(1), default=3,
+                    help="alternating hf/vLLM repetitions (median ratio reported)")
     args = ap.parse_args()
 
     import torch

@@ -29,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.run_checks import at_least  # noqa: E402
+
 MAIN_MODEL = ROOT / "runs" / "models" / "math-mini-llama"
 
 
@@ -57,12 +59,12 @@ def _batch_seconds(engine, prompts: list[list[int]], max_new: int) -> float:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--reps", type=int, default=5, help="timed batches per dtype (after one warm-up each)")
+    p.add_argument("--reps", type=at_least(1), default=5, help="timed batches per dtype (after one warm-up each)")
     p.add_argument("--model", default=None, help="an HF model directory (default: the main example's, or a fresh mini)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (a RaaS engine process uses 1)")
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=5)
+    p.add_argument("--threads", type=at_least(1), default=1, help="torch threads (a RaaS engine process uses 1)")
+    p.add_argument("--prompts", type=at_least(1), default=16)
+    p.add_argument("--group", type=at_least(1), default=8)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=5)
     a = p.parse_args(argv)
     if a.reps < 1:
         p.error("--reps must be >= 1")

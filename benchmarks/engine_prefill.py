@@ -27,6 +27,7 @@ from astraflow.models import init_model  # noqa: E402
 from astraflow.rollout.engine import SamplingParams  # noqa: E402
 from astraflow.rollout.hf_engine import HFEngine  # noqa: E402
 from astraflow.workloads.base import make_workload  # noqa: E402
+from benchmarks.run_checks import at_least  # noqa: E402
 
 
 def _batch(engine: HFEngine, prompts: list[list[int]], samples: int, new_tokens: int, seed: int):
@@ -42,10 +43,10 @@ def _batch(engine: HFEngine, prompts: list[list[int]], samples: int, new_tokens:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", type=int, default=10, help="batches per setting")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=5)
+    ap.add_argument("--batches", type=at_least(1), default=10, help="batches per setting")
+    ap.add_argument("--prompts", type=at_least(1), default=16)
+    ap.add_argument("--samples", type=at_least(1), default=8)
+    ap.add_argument("--new-tokens", type=at_least(1), default=5)
     ap.add_argument("--model", type=Path, help="an HF model directory (default: a fresh mini Llama)")
     args = ap.parse_args()
     torch.set_num_threads(1)

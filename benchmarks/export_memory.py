@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.run_checks import at_least  # noqa: E402
+
 #: (name, dtype the trainer publishes, --dtype of the export)
 CASES = (("fp32->fp32", "fp32", "auto"), ("fp32->bf16", "fp32", "bf16"), ("bf16->bf16", "bf16", "auto"))
 
@@ -110,13 +112,15 @@ def peak_mb(code: Path, *args: str) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=768, help="model width (a multiple of 128)")
-    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--layers", type=at_least(1), default=16)
     ap.add_argument("--quick", action="store_true", help="a smaller model (8 layers of 512), fp32->bf16 only")
     ap.add_argument("--baseline", default=BASELINE, help="the git revision measured as 'before'")
     ap.add_argument("--out", type=Path, default=None, help="scratch dir (default: benchmarks/out/<tmp>)")
     args = ap.parse_args()
     if args.quick:
         args.hidden, args.layers = 512, 8
+    if args.hidden < 128 or args.hidden % 128:
+        ap.error(f"--hidden {args.hidden}: must be a multiple of 128 (64-wide heads, a KV head per two)")
     cases = CASES[1:2] if args.quick else CASES
     base = args.out or ROOT / "benchmarks" / "out"
     base.mkdir(parents=True, exist_ok=True)

@@ -42,28 +42,29 @@ from astraflow.rollout.hf_engine import HFEngine  # noqa: E402
 from astraflow.training.torch_backend import TorchBackend  # noqa: E402
 from astraflow.training.warmstart import warm_start  # noqa: E402
 from astraflow.workloads.math import MathConfig, format_prompt, make_dataset, math_reward  # noqa: E402
+from benchmarks.run_checks import above, at_least  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
     p.add_argument("--arch", default="qwen2")
-    p.add_argument("--digits", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--digits", type=at_least(1), default=2)
+    p.add_argument("--threads", type=at_least(1), default=2)
     p.add_argument("--device", default="cpu", help="engine and trainer device (cpu: the 2-core reference)")
     p.add_argument("--seed", type=int, default=0, help="model init, warm start, prompt order and sampling")
     p.add_argument("--data-seed", type=int, default=0,
                    help="the problems' train/held-out split (MathConfig.seed; the main example's workload.seed "
                         "is 0): keep it when comparing runs of different --seed")
     p.add_argument("--ws-target", type=float, default=0.25, help="stop the warm start at this held-out acc")
-    p.add_argument("--ws-max-seconds", type=float, default=240.0)
+    p.add_argument("--ws-max-seconds", type=at_least(0, float), default=240.0)
     p.add_argument("--ws-lr", type=float, default=1e-3)
-    p.add_argument("--ws-batch", type=int, default=64)
-    p.add_argument("--ws-eval-every", type=int, default=25)
+    p.add_argument("--ws-batch", type=at_least(1), default=64)
+    p.add_argument("--ws-eval-every", type=at_least(1), default=25)
     p.add_argument("--lr", type=float, default=3e-4, help="RL learning rate")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per RL step")
-    p.add_argument("--group", type=int, default=8, help="samples per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--prompts", type=at_least(1), default=8, help="prompts per RL step")
+    p.add_argument("--group", type=at_least(1), default=8, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=6)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="the trainer's forward/backward (TorchBackend precision)")
@@ -71,12 +72,12 @@ def parse_args(argv=None):
                    help="the engine's weights and forward passes (rollout.engine.dtype)")
     p.add_argument("--clip-low", type=float, default=0.2)
     p.add_argument("--clip-high", type=float, default=0.28)
-    p.add_argument("--rl-seconds", type=float, default=600.0)
+    p.add_argument("--rl-seconds", type=above(0), default=600.0)
     p.add_argument("--rl-cpu-seconds", type=float, default=None,
                    help="also end RL after this many CPU seconds of this process (a proxy for an idle "
                         "machine's wall time when tuning with --threads 1 on a busy one)")
-    p.add_argument("--eval-every", type=int, default=20, help="RL steps between held-out evals")
-    p.add_argument("--eval-size", type=int, default=400)
+    p.add_argument("--eval-every", type=at_least(1), default=20, help="RL steps between held-out evals")
+    p.add_argument("--eval-size", type=at_least(1), default=400)
     p.add_argument("--stop-at-gain", type=float, default=None,
                    help="end RL early once the gain (points) reaches this")
     p.add_argument("--model-dir", default=None, help="reuse a warm-started HF dir (skips init + warm start)")

@@ -77,7 +77,7 @@ from astraflow.training.config import ModelInit  # noqa: E402
 from astraflow.workloads.config import WorkloadConfig  # noqa: E402
 from astraflow.runtime.launch import launch  # noqa: E402
 from astraflow.runtime.model_build import build_model  # noqa: E402
-from benchmarks.run_checks import require_completed  # noqa: E402
+from benchmarks.run_checks import at_least, require_completed  # noqa: E402
 
 
 def make_config(args, workdir: Path, models: dict[str, Path], mode: str, two: bool, seed: int = 0) -> dict:
@@ -235,12 +235,13 @@ def run_one(label: str, cfg_dict: dict, run_dir: Path, console: Console) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=16, help="trainer steps per policy and run (the same in every mode)")
-    ap.add_argument("--batch", type=int, default=64, help="sequences per trainer batch (also the engine batch)")
-    ap.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO group size)")
-    ap.add_argument("--digits", type=int, default=2, help="digits of the addition problems")
+    ap.add_argument("--steps", type=at_least(1), default=16,
+                    help="trainer steps per policy and run (the same in every mode)")
+    ap.add_argument("--batch", type=at_least(1), default=64, help="sequences per trainer batch (also the engine batch)")
+    ap.add_argument("--group", type=at_least(1), default=8, help="samples per prompt (GRPO group size)")
+    ap.add_argument("--digits", type=at_least(1), default=2, help="digits of the addition problems")
     ap.add_argument("--lr", type=float, default=1e-4, help="RL lr (>= 5e-4 wrecks a partly trained tiny policy)")
-    ap.add_argument("--eval-prompts", type=int, default=200, help="held-out problems per evaluation")
+    ap.add_argument("--eval-prompts", type=at_least(1), default=200, help="held-out problems per evaluation")
     ap.add_argument("--preset", default="tiny", help="model size preset of both policies")
     # bounds in steps, not seconds: the warm starts are seeded, so a slow machine builds the models a fast one does
     ap.add_argument("--solver-steps", type=int, default=1226,
@@ -250,16 +251,16 @@ def main() -> None:
     ap.add_argument("--verifier-steps", type=int, default=6000, help="upper bound of the verifier's warm start")
     ap.add_argument("--verifier-target", type=float, default=0.9,
                     help="stop the verifier's warm start at this held-out verdict accuracy (3,550 steps)")
-    ap.add_argument("--max-staleness", type=int, default=4,
+    ap.add_argument("--max-staleness", type=at_least(0), default=4,
                     help="versions a sequence may lag its trainer (every mode); each episode gives the solver "
                          "1-2 sequences and the verifier 1, so the solver's surplus ages in its buffer: at 2 "
                          "about 40 %% of its sequences were dropped as stale, rolled out for nothing")
-    ap.add_argument("--rollout-nodes", type=int, default=1,
+    ap.add_argument("--rollout-nodes", type=at_least(1), default=1,
                     help="RaaS nodes (each runs its engine in its own process; on 2 cores one leaves the trainers a core)")
     ap.add_argument("--capacity", type=int, default=None,
                     help="episodes in flight per RaaS node (default: 2x --batch, the next batch queued "
                          "in the engine; the sync driver rolls out one batch either way)")
-    ap.add_argument("--repeats", type=int, default=3,
+    ap.add_argument("--repeats", type=at_least(1), default=3,
                     help="run (a), (b) and (c) this many times, interleaved, each repeat with its own seed; "
                          "speedups are medians of the per-repeat pairs, accuracies means")
     ap.add_argument("--workdir", type=Path, default=None, help="reuse the models built under this directory")

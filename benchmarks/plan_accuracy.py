@@ -45,6 +45,8 @@ os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from benchmarks.run_checks import above, at_least  # noqa: E402
+
 CONFIG = ROOT / "examples" / "math" / "config.yaml"
 
 
@@ -141,10 +143,10 @@ def show(pair: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=120, help="trainer steps of each run")
+    ap.add_argument("--steps", type=at_least(1), default=120, help="trainer steps of each run")
     ap.add_argument("--pairs", type=int, default=1,
                     help="repetitions of calibrate, real run, plan; the errors reported are their medians")
-    ap.add_argument("--time-scale", type=float, default=1.0, help="the plan's simulated seconds per real second")
+    ap.add_argument("--time-scale", type=above(0), default=1.0, help="the plan's simulated seconds per real second")
     ap.add_argument("--model", default=None, help="the model directory (default: the config's)")
     ap.add_argument("--keep", default=None, help="keep the runs in this directory (default: a temporary one)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",

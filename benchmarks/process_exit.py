@@ -43,6 +43,7 @@ from distributed import Client  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from benchmarks.run_checks import at_least  # noqa: E402
 from tests.schedulers.dask_fixtures import start_dask_scheduler, stop, wait_for_workers  # noqa: E402
 
 COMMANDS = {"baseline": ["-m", "distributed.cli.dask_worker"], "dask_main": ["-m", "schedulers.dask_main", "worker"]}
@@ -118,8 +119,8 @@ def normal_exit(model: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", type=int, default=3, help="workers started and stopped together")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of each")
+    ap.add_argument("--workers", type=at_least(1), default=3, help="workers started and stopped together")
+    ap.add_argument("--rounds", type=at_least(1), default=3, help="alternating rounds of each")
     args = ap.parse_args()
     model = tiny_model()
     tmp = Path(tempfile.mkdtemp(prefix="af-exit-"))

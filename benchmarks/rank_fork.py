@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from astraflow.training.megatron import rank_server  # noqa: E402
 from astraflow.training.megatron.backend import MegatronBackend, MegatronBackendConfig  # noqa: E402
+from benchmarks.run_checks import at_least  # noqa: E402
 from tests.megatron.helpers import loss_fn_name, prompts, save_tiny_llama  # noqa: E402
 
 
@@ -93,8 +94,8 @@ def one_round(hf_dir: Path, tp: int, fork: bool) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of each (default 3)")
-    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per backend (default 2)")
+    ap.add_argument("--rounds", type=at_least(1), default=3, help="rounds of each (default 3)")
+    ap.add_argument("--tp", type=at_least(1), default=2, help="tensor-parallel ranks per backend (default 2)")
     args = ap.parse_args()
     console = Console()
     with tempfile.TemporaryDirectory() as tmp:

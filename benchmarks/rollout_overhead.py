@@ -52,6 +52,7 @@ import cloudpickle  # noqa: E402
 
 from benchmarks import proc_profile  # noqa: E402
 from benchmarks.proc_profile import cpu_delta, print_profile, process_cpu, start_sampler, stop_sampler  # noqa: E402
+from benchmarks.run_checks import at_least  # noqa: E402
 
 cloudpickle.register_pickle_by_value(proc_profile)  # client.run sends its sampler to a worker
 
@@ -251,15 +252,15 @@ def print_tables(rows: list[dict], args, n: int, plain: bool = True) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--groups", type=int, default=200, help="prompts rolled out per path and repetition")
-    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt")
-    ap.add_argument("--capacity", type=int, default=128, help="episodes in flight (both paths)")
-    ap.add_argument("--max-batch", type=int, default=64, help="engine batch size (both paths)")
-    ap.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated per sample at most")
+    ap.add_argument("--groups", type=at_least(1), default=200, help="prompts rolled out per path and repetition")
+    ap.add_argument("--group-size", type=at_least(1), default=8, help="samples per prompt")
+    ap.add_argument("--capacity", type=at_least(1), default=128, help="episodes in flight (both paths)")
+    ap.add_argument("--max-batch", type=at_least(1), default=64, help="engine batch size (both paths)")
+    ap.add_argument("--max-new-tokens", type=at_least(1), default=16, help="tokens generated per sample at most")
     ap.add_argument("--preset", default="tiny", choices=["tiny", "small"], help="model size preset")
-    ap.add_argument("--digits", type=int, default=2, help="digits of the addition problems (prompt length)")
+    ap.add_argument("--digits", type=at_least(1), default=2, help="digits of the addition problems (prompt length)")
     ap.add_argument("--seed", type=int, default=0, help="model init and sampling seed")
-    ap.add_argument("--reps", type=int, default=3, help="alternating bare/RaaS repetitions (median reported)")
+    ap.add_argument("--reps", type=at_least(1), default=3, help="alternating bare/RaaS repetitions (median reported)")
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"],
                     help="the engine of both paths (vllm: needs vLLM installed, e.g. the venv of tests/run_vllm.sh)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda:0"],

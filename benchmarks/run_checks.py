@@ -4,15 +4,19 @@
   returns; a benchmark that runs it in-process must not report a cut-short run as a finished one.
 * ``cuda_problem``: a ``--device cuda...`` on a machine without that GPU would fail in a child
   process with a traceback; the benchmark says so at argument parsing instead.
+* ``at_least``, ``above``, ``counts``: argparse types for counts and durations, so that ``--reps 0``
+  is an argument error (exit 2, one line) rather than a traceback or a RESULT divided by zero
+  after a run.
 
 No side effects on import (the benchmarks set their own environment before importing them).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def stopped_early(summary: dict[str, Any] | None, steps: int, result: Any = None) -> str | None:
@@ -66,3 +70,33 @@ def cuda_problem(device: str, flag: str = "--device") -> str | None:
     if (dev.index or 0) >= count:
         return f"{flag} {device}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})"
     return None
+
+
+def at_least(low: float, kind: Callable[[str], Any] = int) -> Callable[[str], Any]:
+    """An argparse ``type``: ``kind(text)``, refused with a one-line argument error when it is not a
+    number of that kind or is below ``low``."""
+    return _bounded(kind, lambda v: v >= low, f"at least {low}")
+
+
+def above(low: float, kind: Callable[[str], Any] = float) -> Callable[[str], Any]:
+    """As ``at_least``, for a value that must be greater than ``low`` (a duration above 0)."""
+    return _bounded(kind, lambda v: v > low, f"above {low}")
+
+
+def counts(low: int = 1) -> Callable[[str], list[int]]:
+    """An argparse ``type``: comma-separated integers, each at least ``low`` (``--tokens 12,512``)."""
+    one = at_least(low)
+    return lambda text: [one(x.strip()) for x in text.split(",")]
+
+
+def _bounded(kind: Callable[[str], Any], ok: Callable[[Any], bool], said: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {said}, got {text}")
+        return value
+
+    return parse

@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 from astraflow.rollout.hf_engine import HFEngine  # noqa: E402
 from astraflow.rollout.seeds import uniforms  # noqa: E402
+from benchmarks.run_checks import at_least  # noqa: E402
 
 SHAPES = [(64, 512), (128, 4096), (64, 32_000), (16, 151_936)]
 #: top-p 1 (the examples' setting) and 0.95 (both samplers then sort the distribution first)
@@ -39,7 +40,7 @@ def _time(fn, repeats: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--repeats", type=at_least(1), default=50)
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows, ratios = [], {}

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from astraflow.sandbox import Sandbox, SandboxConfig  # noqa: E402
 from astraflow.sandbox.bwrap import interpreter  # noqa: E402
+from benchmarks.run_checks import at_least  # noqa: E402
 
 PROGRAMS = [
     ("def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
@@ -74,7 +75,7 @@ def measure(fn, runs: int, concurrency: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=60, help="executions per configuration")
+    ap.add_argument("--runs", type=at_least(1), default=60, help="executions per configuration")
     args = ap.parse_args()
     python = interpreter(SandboxConfig())
     rows = {}

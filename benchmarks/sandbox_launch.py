@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from astraflow.sandbox import Sandbox, SandboxConfig  # noqa: E402
 from astraflow.sandbox import core  # noqa: E402
+from benchmarks.run_checks import at_least  # noqa: E402
 
 PROGRAM = "def add(a, b):\n    return a + b\n"
 #: Popen as the sandbox uses it (``_PopenAsUser`` stands in for it while the previous way runs)
@@ -63,9 +64,9 @@ def measure(sb: Sandbox, runs: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--host-mb", type=int, default=1500, help="memory this process holds, as a node would")
-    ap.add_argument("--runs", type=int, default=40, help="executions per way and round")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--host-mb", type=at_least(0), default=1500, help="memory this process holds, as a node would")
+    ap.add_argument("--runs", type=at_least(1), default=40, help="executions per way and round")
+    ap.add_argument("--rounds", type=at_least(1), default=2)
     args = ap.parse_args()
     if os.geteuid() != 0 or not shutil.which("setpriv"):
         sys.exit("sandbox_launch: needs root and setpriv (util-linux): as another user no user switch happens")

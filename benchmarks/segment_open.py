@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.run_checks import at_least  # noqa: E402
 from storage.trajectories import EntryRef, StoredSequence, open_trajectory_store  # noqa: E402
 from storage.trajectories.rotating import RotatingWriter  # noqa: E402
 
@@ -71,8 +72,8 @@ def _in_fresh_process(root: str, segment: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
-    ap.add_argument("--entries", type=int, default=1_000_000, help="trajectories written, both ways")
-    ap.add_argument("--bound", type=int, default=50_000,
+    ap.add_argument("--entries", type=at_least(1), default=1_000_000, help="trajectories written, both ways")
+    ap.add_argument("--bound", type=at_least(1), default=50_000,
                     help="rollout.segment_max_entries of the bounded side (entries per segment)")
     ap.add_argument("--measure", nargs=2, metavar=("ROOT", "SEGMENT"), help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -46,6 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.run_checks import at_least  # noqa: E402
 from storage.trajectories import EntryRef, StoredSequence, open_trajectory_store  # noqa: E402
 
 
@@ -209,13 +210,13 @@ def bench_raw(root: Path, n: int, writers: int, tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=10_000, help="trajectories in total")
-    ap.add_argument("--writers", type=int, default=4, help="writer processes (one segment each)")
-    ap.add_argument("--tokens", type=int, default=512, help="mean tokens per trajectory")
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--write-ahead", type=int, default=4,
+    ap.add_argument("--n", type=at_least(1), default=10_000, help="trajectories in total")
+    ap.add_argument("--writers", type=at_least(1), default=4, help="writer processes (one segment each)")
+    ap.add_argument("--tokens", type=at_least(1), default=512, help="mean tokens per trajectory")
+    ap.add_argument("--batch-size", type=at_least(1), default=64)
+    ap.add_argument("--write-ahead", type=at_least(1), default=4,
                     help="batches a writer stages while earlier ones commit (a RaaS node's default)")
-    ap.add_argument("--reps", type=int, default=1, help="alternating repetitions (medians are reported)")
+    ap.add_argument("--reps", type=at_least(1), default=1, help="alternating repetitions (medians are reported)")
     ap.add_argument("--out", type=Path, default=None, help="scratch dir (default: benchmarks/out/<tmp>)")
     ap.add_argument("--no-durable", action="store_true", help="skip fsync of chunk data (scratch stores)")
     args = ap.parse_args()

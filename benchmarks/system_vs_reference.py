@@ -41,13 +41,14 @@ from rich.table import Table  # noqa: E402
 from astraflow.config import load_config  # noqa: E402
 from astraflow.runtime.monitoring import read_metrics  # noqa: E402
 from benchmarks.grpo_reference import compare_with_run  # noqa: E402
+from benchmarks.run_checks import at_least  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="examples/math/config.yaml", help="the system's run config")
-    p.add_argument("--pairs", type=int, default=2, help="rounds of (system run, reference run); 0: only compare "
-                   "the runs given below")
+    p.add_argument("--pairs", type=at_least(0), default=2,
+                   help="rounds of (system run, reference run); 0: only compare the runs given below")
     p.add_argument("--system-run", action="append", default=[], metavar="RUN_DIR",
                    help="also compare this earlier `astraflow run` directory (repeatable)")
     p.add_argument("--reference-result", action="append", default=[], metavar="LOG",

@@ -34,6 +34,7 @@ from astraflow.rollout.engine import SamplingParams  # noqa: E402
 from astraflow.rollout.hf_engine import HFEngine  # noqa: E402
 from astraflow.training.torch_backend import TorchBackend  # noqa: E402
 from astraflow.workloads.base import make_workload  # noqa: E402
+from benchmarks.run_checks import at_least  # noqa: E402
 
 
 def example_batch(engine: HFEngine, workload, problems, samples: int, new_tokens: int, seed: int) -> Batch:
@@ -65,10 +66,10 @@ def example_batch(engine: HFEngine, workload, problems, samples: int, new_tokens
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per setting")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=5)
+    ap.add_argument("--steps", type=at_least(1), default=10, help="timed steps per setting")
+    ap.add_argument("--prompts", type=at_least(1), default=16)
+    ap.add_argument("--samples", type=at_least(1), default=8)
+    ap.add_argument("--new-tokens", type=at_least(1), default=5)
     ap.add_argument("--model", type=Path, help="an HF model directory (default: a fresh mini Llama)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

@@ -38,6 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from benchmarks.run_checks import at_least  # noqa: E402
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -107,16 +109,16 @@ def run(args, hf_dir: Path, dp: int, data, behaviour: list | None):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
-    ap.add_argument("--batch", type=int, default=16, help="sequences per batch")
-    ap.add_argument("--min-len", type=int, default=64)
-    ap.add_argument("--max-len", type=int, default=160)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
+    ap.add_argument("--steps", type=at_least(1), default=3, help="timed steps per configuration")
+    ap.add_argument("--warmup", type=at_least(0), default=1, help="untimed steps before them")
+    ap.add_argument("--batch", type=at_least(1), default=16, help="sequences per batch")
+    ap.add_argument("--min-len", type=at_least(1), default=64)
+    ap.add_argument("--max-len", type=at_least(1), default=160)
+    ap.add_argument("--hidden", type=at_least(1), default=512)
+    ap.add_argument("--layers", type=at_least(1), default=4)
+    ap.add_argument("--vocab", type=at_least(1), default=8192)
+    ap.add_argument("--tp", type=at_least(1), default=1, help="tensor-parallel ranks per replica")
+    ap.add_argument("--threads", type=at_least(1), default=1, help="torch threads per rank (CPU)")
     args = ap.parse_args()
 
     from rich.console import Console

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.run_checks import above, at_least  # noqa: E402
 from storage.weights import WeightStore  # noqa: E402
 
 
@@ -64,10 +65,10 @@ def raw_round_trip(state: dict[str, torch.Tensor], path: Path) -> tuple[float, f
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--params", type=float, default=50e6)
+    ap.add_argument("--params", type=above(0), default=50e6)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="DCP writer threads")
+    ap.add_argument("--repeat", type=at_least(1), default=3)
+    ap.add_argument("--threads", type=at_least(1), default=1, help="DCP writer threads")
     ap.add_argument("--out", type=Path, default=None, help="scratch dir (default: benchmarks/out/<tmp>)")
     args = ap.parse_args()
     torch.set_num_threads(2)

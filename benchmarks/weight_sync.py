@@ -36,6 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from benchmarks.run_checks import at_least  # noqa: E402
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -142,12 +144,13 @@ def pure_bf16_density(cfg, lr, steps, rng) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3, help="trainer steps: versions published after v0 (at least 1)")
+    ap.add_argument("--steps", type=at_least(1), default=3,
+                    help="trainer steps: versions published after v0 (at least 1)")
     ap.add_argument("--lr", type=float, default=2e-6, help="AdamW learning rate of the fp32-master trainer")
-    ap.add_argument("--batch", type=int, default=4,
+    ap.add_argument("--batch", type=at_least(1), default=4,
                     help="sequences per step, one GRPO group with random rewards (at least 2)")
-    ap.add_argument("--seq", type=int, default=64, help="tokens per sequence")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--seq", type=at_least(1), default=64, help="tokens per sequence")
+    ap.add_argument("--threads", type=at_least(1), default=2, help="torch threads")
     args = ap.parse_args()
     if args.batch < 2:  # one sequence's reward is its group's mean: no advantage, no update, an empty delta
         ap.error(f"--batch {args.batch}: a GRPO group of one has no advantage (nothing would change); use 2 or more")

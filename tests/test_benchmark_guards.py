@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.run_checks import cuda_problem, require_completed, stopped_early
+from benchmarks.run_checks import above, at_least, counts, cuda_problem, require_completed, stopped_early
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,12 +65,31 @@ def test_a_cuda_device_without_a_gpu_is_an_argument_error(monkeypatch):
     assert "not a device" in cuda_problem("gpu0")
 
 
+def test_number_types_refuse_what_cannot_be_measured():
+    import argparse
+
+    assert at_least(1)("3") == 3 and above(0)("0.5") == 0.5 and counts()("12, 512") == [12, 512]
+    for parse, text, said in ((at_least(1), "0", "must be at least 1"), (at_least(1), "1.5", "not an integer"),
+                              (above(0), "0", "must be above 0"), (counts(), "1,0", "must be at least 1")):
+        with pytest.raises(argparse.ArgumentTypeError, match=said):
+            parse(text)
+
+
 @pytest.mark.parametrize("script, args, said", [
     ("data_algorithms.py", ["--only", "dynamic_sampl"], "invalid choice: 'dynamic_sampl'"),
     ("worker_startup.py", ["--rounds", "0"], "at least 1"),
     ("local_fork.py", ["--steps", "0"], "at least 1"),
     ("engine_start.py", ["--replicas", "0"], "at least 1"),
     ("trainer_optimizer.py", ["--steps", "0"], "at least 1"),
+    # a count or duration of zero divided by zero after a run, or failed in a child with a traceback
+    ("admission.py", ["--repeats", "0"], "argument --repeats: must be at least 1"),
+    ("tls_cost.py", ["--steps", "1"], "argument --steps: must be at least 2"),
+    ("batch_rows.py", ["--tokens", "12,abc"], "'abc' is not an integer"),
+    ("dask_overhead.py", ["--seconds", "0"], "argument --seconds: must be above 0"),
+    ("durable_scale.py", ["--outstanding", "abc"], "comma-separated integers"),
+    ("export_memory.py", ["--hidden", "100"], "multiple of 128"),
+    ("weight_store.py", ["--repeat", "0"], "argument --repeat: must be at least 1"),
+    ("storage_throughput.py", ["--reps", "0"], "argument --reps: must be at least 1"),
 ])
 def test_argument_errors_exit_2_before_anything_starts(script, args, said):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
