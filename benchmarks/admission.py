@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +35,7 @@ os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from benchmarks.main_example_runs import work_directory  # noqa: E402
 from benchmarks.run_checks import at_least  # noqa: E402
 
 SETTINGS = {
@@ -76,24 +76,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=at_least(2), default=200, help="trainer steps per run (its pace needs two)")
     ap.add_argument("--repeats", type=at_least(1), default=1, help="alternating old/new pairs per setting")
-    ap.add_argument("--workdir", type=Path, default=None, help="keep the run directories here")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="keep the run directories here (default: a temporary directory, removed at the end)")
     args = ap.parse_args()
 
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="astraflow-admission-"))
-    work.mkdir(parents=True, exist_ok=True)
     os.chdir(ROOT)  # the example's model path is relative to the repository root
+    with work_directory(args.workdir, "astraflow-admission-") as work:
+        rows = run_all(work, args.steps, args.repeats)
+    report(rows, args.steps, args.repeats)
+
+
+def run_all(work: Path, steps: int, repeats: int) -> list[dict]:
+    """Every setting with both admissions, ``repeats`` times, alternating which goes first."""
     rows = []
     t0 = time.time()
-    for repeat in range(args.repeats):
+    for repeat in range(repeats):
         for setting in SETTINGS:
             order = ("prefetch", "version") if repeat % 2 == 0 else ("version", "prefetch")
             for admission in order:
-                row = run_one(work, setting, admission, args.steps, repeat)
+                row = run_one(work, setting, admission, steps, repeat)
                 rows.append(row)
                 print(f"[{time.time() - t0:6.0f}s] {setting:<5} {admission:<8} "
                       f"generated/trained {row['generated_per_trained']:.3f}  stale {row['stale_drop_fraction']:.3f}  "
                       f"{row['steps_per_s']:.2f} steps/s  acc {row['acc_after']:.3f}", flush=True)
+    return rows
 
+
+def report(rows: list[dict], steps: int, repeats: int) -> None:
+    """The table of every run, then the RESULT line."""
     print()
     print(f"{'setting':<7} {'admission':<9} {'generated':>9} {'trained':>8} {'gen/trained':>11} "
           f"{'stale drop':>10} {'steps/s':>8} {'held-out':>8}")
@@ -115,7 +125,7 @@ def main() -> None:
         "old_generated_per_trained": max(mean(s, "prefetch", "generated_per_trained") for s in SETTINGS),
         **{f"{s}_{a}_{k}": round(mean(s, a, k), 4) for s in SETTINGS for a in ("prefetch", "version")
            for k in ("stale_drop_fraction", "generated_per_trained", "steps_per_s", "acc_after")},
-        "steps": args.steps, "repeats": args.repeats,
+        "steps": steps, "repeats": repeats,
     }
     print("RESULT " + json.dumps(result))
 

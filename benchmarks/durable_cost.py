@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.main_example_runs import run_main_example  # noqa: E402
+from benchmarks.main_example_runs import run_main_example, work_directory  # noqa: E402
 from benchmarks.run_checks import at_least  # noqa: E402
 
 
@@ -31,20 +30,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=at_least(2), default=200, help="trainer steps per run (its pace needs two)")
     ap.add_argument("--repeats", type=at_least(1), default=1, help="on/off pairs, alternating which goes first")
-    ap.add_argument("--workdir", type=Path, default=None, help="keep the run directories here")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="keep the run directories here (default: a temporary directory, removed at the end)")
     args = ap.parse_args()
 
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="astraflow-durable-"))
-    work.mkdir(parents=True, exist_ok=True)
     rows, t0 = [], time.time()
-    for repeat in range(args.repeats):
-        for durable in ((True, False) if repeat % 2 == 0 else (False, True)):
-            row = run_main_example(work / f"{'on' if durable else 'off'}-{repeat}", {"dataflow.durable": durable},
-                                   args.steps, repeat)
-            snaps = row.pop("summary")["data_layer"].get("snapshots") or {}
-            rows.append({"durable": durable, "repeat": repeat, **row, **{f"snap_{k}": v for k, v in snaps.items()}})
-            print(f"[{time.time() - t0:6.0f}s] durable {'on ' if durable else 'off'} {row['steps_per_s']:.2f} steps/s  "
-                  f"{row['episodes_per_s']:.1f} episodes/s  acc {row['acc_after']:.3f}", flush=True)
+    with work_directory(args.workdir, "astraflow-durable-") as work:
+        for repeat in range(args.repeats):
+            for durable in ((True, False) if repeat % 2 == 0 else (False, True)):
+                row = run_main_example(work / f"{'on' if durable else 'off'}-{repeat}", {"dataflow.durable": durable},
+                                       args.steps, repeat)
+                snaps = row.pop("summary")["data_layer"].get("snapshots") or {}
+                rows.append({"durable": durable, "repeat": repeat, **row, **{f"snap_{k}": v for k, v in snaps.items()}})
+                print(f"[{time.time() - t0:6.0f}s] durable {'on ' if durable else 'off'} "
+                      f"{row['steps_per_s']:.2f} steps/s  {row['episodes_per_s']:.1f} episodes/s  "
+                      f"acc {row['acc_after']:.3f}", flush=True)
 
     print()
     print(f"{'durable':<8} {'repeat':>6} {'steps':>6} {'steps/s':>8} {'episodes/s':>10} {'held-out':>8} "

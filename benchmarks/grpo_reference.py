@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -192,6 +193,15 @@ async def _evaluate(engine, tok, test, max_new_tokens):
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="grpo_ref_"))  # the models it builds; gone at the end, Ctrl-C included
+    try:
+        return run(a, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(a: argparse.Namespace, tmp: Path) -> dict:
+    """The warm start (unless ``--model-dir``), then RL with evaluations; the RESULT."""
     torch.set_num_threads(a.threads)
     from transformers.utils import logging as hf_logging
 
@@ -200,7 +210,6 @@ def main(argv=None) -> dict:
     wl = MathConfig(digits=a.digits, num_test=a.eval_size, seed=a.data_seed)
     train = make_dataset(wl, "train")
     test = make_dataset(wl, "test")
-    tmp = Path(tempfile.mkdtemp(prefix="grpo_ref_"))
     t_start = time.perf_counter()
 
     ws_seconds, ws_steps, ws_cpu = 0.0, 0, 0.0

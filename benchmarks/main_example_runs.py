@@ -7,13 +7,19 @@ between the first and the last step (model loading and the first evaluation excl
 episodes per second, the held-out accuracy at the end, and the summary.
 
 A run that stopped early (Ctrl-C, ``astraflow stop``) ends the benchmark (``require_completed``).
+``work_directory`` holds the runs: the ``--workdir`` given (kept), else a temporary directory that
+goes when the benchmark ends, a failure or Ctrl-C included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +30,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from benchmarks.run_checks import require_completed  # noqa: E402
+
+
+@contextlib.contextmanager
+def work_directory(workdir: Path | None, prefix: str) -> Iterator[Path]:
+    """``workdir`` (created if missing, kept), or a fresh temporary directory removed on exit."""
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        yield workdir
+        return
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def run_main_example(run_dir: Path, overrides: dict[str, Any], steps: int, seed: int) -> dict[str, Any]:

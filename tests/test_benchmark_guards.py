@@ -1,6 +1,7 @@
 """The benchmarks' guards, without running a benchmark: a run that stopped early is refused
 (``benchmarks/run_checks.py``), a missing GPU is an argument error, argument errors exit 2 before
-anything starts, and the elastic benchmark leaves a local Slurm someone else uses running."""
+anything starts, the elastic benchmark leaves a local Slurm someone else uses running, and a
+benchmark that stops (a failure, Ctrl-C) removes the temporary directories it made."""
 
 from __future__ import annotations
 
@@ -116,3 +117,51 @@ def test_elastic_stops_its_local_slurm_only_when_no_one_else_uses_it(monkeypatch
     monkeypatch.setattr(elastic, "run_slurm", no_answer)
     elastic.stop_local_slurm("astraflow.run.1234abcd")
     assert len(stopped) == 1 and "did not answer" in capsys.readouterr().err
+
+
+def test_a_temporary_work_directory_goes_and_a_given_one_stays(tmp_path, monkeypatch):
+    from benchmarks.main_example_runs import work_directory
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    with pytest.raises(RuntimeError), work_directory(None, "bench-") as work:
+        (work / "run").mkdir()
+        raise RuntimeError("a run failed")
+    assert list(tmp_path.iterdir()) == []
+    with work_directory(tmp_path / "kept", "bench-") as work:
+        (work / "run").mkdir()
+    assert (tmp_path / "kept" / "run").is_dir()
+
+
+@pytest.mark.parametrize("module, argv", [("admission", ["--steps", "2"]), ("tls_cost", ["--steps", "2"]),
+                                          ("durable_cost", ["--steps", "2"])])
+def test_a_main_example_comparison_that_fails_leaves_no_run_directories(module, argv, tmp_path, monkeypatch):
+    import importlib
+
+    bench = importlib.import_module(f"benchmarks.{module}")
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the run failed")
+
+    for name in ("run_one", "run_main_example"):
+        if hasattr(bench, name):
+            monkeypatch.setattr(bench, name, fail)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", [module, *argv])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError, match="the run failed"):
+        bench.main()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_reference_run_removes_the_models_it_built(tmp_path, monkeypatch):
+    from benchmarks import grpo_reference
+
+    def fail(args, tmp):
+        (tmp / "warm").mkdir()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grpo_reference, "run", fail)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        grpo_reference.main([])
+    assert list(tmp_path.iterdir()) == []
