@@ -72,15 +72,25 @@ def wait(what: str, check, deadline_s: float, interval: float = 0.2):
     raise TimeoutError(f"{what}: not within {deadline_s:.0f}s")
 
 
-def completed(run_dir: Path) -> int:
-    """Trajectories committed so far, all partitions (the data layer's node table)."""
-    return sum(int(n.get("completed", 0)) for n in status(run_dir).get("data_layer", {}).get("nodes", {}).values())
+def completed(snapshot: dict) -> int:
+    """Trajectories committed so far, all partitions (the data layer's node table in a status)."""
+    return sum(int(n.get("completed", 0)) for n in snapshot.get("data_layer", {}).get("nodes", {}).values())
 
 
 def rate(run_dir: Path, seconds: float) -> float:
-    t0, c0 = time.time(), completed(run_dir)
+    """Trajectories per second over at least ``seconds``, between two status snapshots and by
+    their own ``written_at``: the orchestrator rewrites the status once a tick, so a window timed
+    by this process's clock alone counts a stale snapshot's trajectories (0 in a short window)."""
+    first = wait("a status snapshot", lambda: (s := status(run_dir)).get("written_at") and s, 60)
     time.sleep(seconds)
-    return (completed(run_dir) - c0) / (time.time() - t0)
+    last = wait(f"a status snapshot {seconds:.0f}s newer",
+                lambda: (s := status(run_dir)).get("written_at", 0) >= first["written_at"] + seconds and s, 120)
+    return (completed(last) - completed(first)) / (last["written_at"] - first["written_at"])
+
+
+def ratio(num: float, den: float) -> float | None:
+    """``num / den``; None (not a huge number) when nothing was measured in the denominator's window."""
+    return num / den if den > 0 else None
 
 
 def add_and_time(run_dir: Path, name: str, *opts: str) -> float:
@@ -190,8 +200,8 @@ def main() -> None:
     res["generated_per_trained"] = last.get("rollouts_generated", 0) / max(last.get("consumed", 0), 1)
     res["stale_drop_fraction"] = last.get("stale_dropped", 0) / max(last.get("rollouts_generated", 0), 1)
     res["trainer_steps"] = last.get("step", 0)
-    res["ratio_throughput_add"] = res["traj_per_s_h100_a100"] / max(res["traj_per_s_h100_only"], 1e-9)
-    res["ratio_throughput_remove"] = res["traj_per_s_a100_only"] / max(res["traj_per_s_h100_a100"], 1e-9)
+    res["ratio_throughput_add"] = ratio(res["traj_per_s_h100_a100"], res["traj_per_s_h100_only"])
+    res["ratio_throughput_remove"] = ratio(res["traj_per_s_a100_only"], res["traj_per_s_h100_a100"])
     res["ratio_first_trajectory_slurm_vs_local"] = (
         res["seconds_to_first_trajectory"] / max(res["seconds_to_first_trajectory_local"], 1e-9))
 

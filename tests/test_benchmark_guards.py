@@ -165,3 +165,17 @@ def test_the_reference_run_removes_the_models_it_built(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         grpo_reference.main([])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_elastic_throughput_is_taken_between_status_snapshots(monkeypatch):
+    from benchmarks import elastic
+
+    def snap(at, done):
+        return {"written_at": at, "data_layer": {"nodes": {"n0": {"completed": done}}}}
+
+    # the status is rewritten once a tick: a short window first sees the same snapshot again
+    snaps = iter([snap(100.0, 10), snap(100.0, 10), snap(100.0, 10), snap(104.0, 50)])
+    monkeypatch.setattr(elastic, "status", lambda run_dir: next(snaps))
+    monkeypatch.setattr(elastic.time, "sleep", lambda s: None)
+    assert elastic.rate(Path("run"), 1.0) == 10.0
+    assert elastic.ratio(5.0, 0.0) is None and elastic.ratio(5.0, 2.0) == 2.5
