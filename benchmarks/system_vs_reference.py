@@ -61,7 +61,10 @@ def parse_args(argv=None):
     p.add_argument("--reference-extra-seconds", type=float, default=20.0,
                    help="the reference's RL runs this much longer than the first system run's (so the "
                         "common span is the system's whole run)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.pairs == 0 and not (args.system_run and args.reference_result):
+        p.error("nothing to compare: --pairs 0 needs at least one --system-run and one --reference-result")
+    return args
 
 
 def _result(log: Path) -> dict:

@@ -91,6 +91,7 @@ def test_number_types_refuse_what_cannot_be_measured():
     ("export_memory.py", ["--hidden", "100"], "multiple of 128"),
     ("weight_store.py", ["--repeat", "0"], "argument --repeat: must be at least 1"),
     ("storage_throughput.py", ["--reps", "0"], "argument --reps: must be at least 1"),
+    ("system_vs_reference.py", ["--pairs", "0"], "--pairs 0 needs at least one --system-run"),
 ])
 def test_argument_errors_exit_2_before_anything_starts(script, args, said):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
