@@ -97,9 +97,10 @@ class TrainerRestarts:
         self.history: dict[str, list[dict[str, Any]]] = {p.name: [] for p in cfg.policies}
 
     def record(self) -> dict[str, Any]:
-        """``{policy: {"count": n, "restarts": [...]}}`` for status.json and summary.json."""
-        return {p: {"count": len(h), "limit": self.cfg.cluster.trainer_restarts, "restarts": list(h)}
-                for p, h in self.history.items()}
+        """``{policy: {"count": n, "limit", "worker": the worker its trainer runs on, "restarts":
+        [...]}}`` for status.json and summary.json."""
+        return {p: {"count": len(h), "limit": self.cfg.cluster.trainer_restarts, "worker": self.placed_on.get(p),
+                    "restarts": list(h)} for p, h in self.history.items()}
 
     def start_all(self, placed: dict[str, Any], meanwhile: Callable[[], None]) -> None:
         """The run's start: wait for the trainers ``placed`` (policy -> future of its actor),

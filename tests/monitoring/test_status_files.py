@@ -89,6 +89,24 @@ def test_a_worker_of_several_nodes_is_shown_as_its_nodes(tmp_path):
     assert {(n.job_id, n.state) for n in rollout.nodes} == {("local-102", job_state)}, rollout.nodes
 
 
+def test_a_trainer_or_data_layer_workers_line_says_what_it_runs(tmp_path):
+    """Not a RaaS node's "versions - 0 episodes": a trainer worker's line names the policies it
+    trains and their versions (``trainer_restarts``' ``worker``), the data layer's says so."""
+    paths = RunPaths(tmp_path / "run").make()
+    writer, _ = _writer(paths)
+    write_orchestrator_info(paths, None, None)
+    writer.trainer_restarts = lambda: {"solver": {"count": 0, "limit": 2, "worker": "trainer-trainer-local-cpu-0",
+                                                  "restarts": []}}
+    tick = _tick(3)
+    writer.track(tick)
+    writer.write(tick)
+    lines = format_status(run_status(paths.root)).splitlines()
+    line = next(x for x in lines if x.strip().startswith("trainer-trainer-local-cpu-0"))
+    assert line.endswith("trainer of solver at v1") and "episodes" not in line, line
+    line = next(x for x in lines if x.strip().startswith("data-data-local-cpu-0"))
+    assert line.endswith("the data layer") and "episodes" not in line, line
+
+
 def test_what_the_writer_writes_every_reader_reads_back(tmp_path):
     paths = RunPaths(tmp_path / "run").make()
     writer, fleet = _writer(paths)

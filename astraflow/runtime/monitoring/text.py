@@ -92,15 +92,10 @@ def format_status(st: dict[str, Any]) -> str:
     lines += ["  " + x for x in format_partitions(st).splitlines()]
     lines.append("workers:")
     for name, w in st.get("workers", {}).items():
-        node = worker_nodes(name, dl.get("nodes", {}))
         lines.append(
             f"  {name:<36} {w['job_id']:<14} {w['state']:<9} {w.get('phase', '-'):<9} "
             + (f"waiting: {w['reason']}  " if w.get("reason") else "")
-            + (f"on {w['host']}  " if w.get("host") else "")
-            + (f"{node['nodes']} nodes  " if node.get("nodes") else "")
-            + f"versions {node.get('versions', '-')}  {node.get('completed', 0)} episodes  "
-            f"{node.get('generated_tokens_per_s', 0):.0f} generated tok/s"
-            + (f"  idle {node['idle_fraction']:.0%}" if "idle_fraction" in node else "")
+            + (f"on {w['host']}  " if w.get("host") else "") + _worker_work(st, name, w)
         )
     idle = [n["idle_fraction"] for n in dl.get("nodes", {}).values() if "idle_fraction" in n and not n.get("gone")]
     trainers = st.get("trainers", {})
@@ -128,6 +123,24 @@ def format_status(st: dict[str, Any]) -> str:
 
 #: the most recent evaluations a status shows per policy (the curve is in metrics.jsonl)
 SHOWN_EVALS = 5
+
+
+def _worker_work(st: dict[str, Any], name: str, w: dict[str, Any]) -> str:
+    """What a worker of a status does: the trainers it runs (and their versions), the data layer,
+    or its RaaS nodes' versions, episodes and rate."""
+    role = (st.get("partitions", {}).get(w.get("partition")) or {}).get("role")
+    if role == "trainer":
+        hosted = [p for p, r in (st.get("trainer_restarts") or {}).items() if (r or {}).get("worker") == name]
+        trainers = st.get("trainers", {})
+        shown = [f"trainer of {p} at v{trainers.get(p, {}).get('version', '?')}" for p in hosted]
+        return ", ".join(shown) or "trainer worker"
+    if role == "data":
+        return "the data layer"
+    node = worker_nodes(name, st.get("data_layer", {}).get("nodes", {}))
+    return ((f"{node['nodes']} nodes  " if node.get("nodes") else "")
+            + f"versions {node.get('versions', '-')}  {node.get('completed', 0)} episodes  "
+            f"{node.get('generated_tokens_per_s', 0):.0f} generated tok/s"
+            + (f"  idle {node['idle_fraction']:.0%}" if "idle_fraction" in node else ""))
 
 
 def worker_nodes(worker: str, nodes: dict[str, Any]) -> dict[str, Any]:
