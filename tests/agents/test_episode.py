@@ -464,17 +464,19 @@ def test_a_method_tool_read_from_its_class_is_refused_naming_the_fix():
 
 def test_calls_queued_behind_stuck_tools_run_once_those_are_abandoned():
     """Twice as many stuck calls as a small pool has slots, all at once: the queued ones start
-    as the first ones are abandoned and time out in turn, instead of waiting forever."""
+    as the first ones are abandoned and time out in turn, instead of waiting forever (or timing
+    out in the queue, never having run: a deadline counts from a call's start)."""
 
     import astraflow.agents.tools as tools_mod
     from astraflow.agents.env import ToolCall
     from astraflow.agents.tools import ToolBox, _ToolThreads
 
-    release = threading.Event()
+    release, entered = threading.Event(), []
 
     @tool(timeout_s=0.1)
     def stuck() -> str:
         """Never returns in time."""
+        entered.append(threading.get_ident())
         release.wait(10)
         return "late"
 
@@ -489,9 +491,11 @@ def test_calls_queued_behind_stuck_tools_run_once_those_are_abandoned():
 
     saved, tools_mod._THREADS = tools_mod._THREADS, _ToolThreads(size=4)
     try:
-        t0 = time.monotonic()
         asyncio.run(go())
-        assert time.monotonic() - t0 < 4
+        deadline = time.monotonic() + 10  # a call's deadline runs from its start, a hair before the tool's entry
+        while len(entered) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(set(entered)) == 8, f"{len(entered)} of the 8 calls ran"  # each on a thread of its own
     finally:
         release.set()
         tools_mod._THREADS = saved
