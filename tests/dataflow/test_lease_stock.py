@@ -115,19 +115,41 @@ def test_nodes_lease_from_the_stock_without_a_call_each_and_a_drain_returns_the_
         handle.loop.call_soon_threadsafe(handle.loop.stop)
 
 
+class _HoldingHandle(_LoopHandle):
+    """``_LoopHandle`` that counts the tasks asked for by refills held at its closed gate."""
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.held: list[int] = []
+
+    def lease_ahead(self, worker, want, wait):
+        if not self.gate.is_set():
+            self.held.append(want)
+        return self.__getattr__("lease_ahead")(worker, want, wait)
+
+
 def test_a_lease_on_an_empty_stock_is_answered_at_once_without_a_long_poll(tmp_path):
     layer = make_layer(tmp_path, prefetch_groups=0, batch_size=4, group_size=4)  # one group: four tasks
-    handle = _LoopHandle(layer)
+    handle = _HoldingHandle(layer)
     co = Coalescer(handle, worker="w0", lease_ahead=4, lease_wait_s=0.2)
     try:
         first = co.lease("w0.n0", 8, 5.0).result(10)
         assert len(first) == 4
         empty = co.lease("w0.n1", 1, 0.0)  # none left anywhere: answered as it is asked, no wait
         assert empty.done() and empty.result(0) == []
-        t0 = time.monotonic()
-        assert co.lease("w0.n1", 1, 0.3).result(5) == []  # a long poll ends with the stock's
-        assert 0.2 <= time.monotonic() - t0 < 3.0
+        handle.gate.clear()  # every refill on its way is held: none can answer a waiting node
+        deadline = time.monotonic() + 30
+        while co.stock._asking != sum(handle.held) or not handle.held:
+            assert time.monotonic() < deadline, "the stock's refills did not reach the held data layer"
+            time.sleep(0.01)
+        refills = co.stock.counts["refills"]
+        waiting = co.lease("w0.n1", 1, 30.0)
+        assert not waiting.done()  # a long poll: it waits for the stock's refill
+        handle.gate.set()
+        assert waiting.result(10) == []  # which found nothing: it ends with the stock's, not its own 30 s
+        assert co.stock.counts["refills"] > refills
     finally:
+        handle.gate.set()
         co.drain()
         handle.loop.call_soon_threadsafe(handle.loop.stop)
 
