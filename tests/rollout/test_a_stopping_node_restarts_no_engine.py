@@ -182,11 +182,11 @@ def test_closing_a_process_engine_does_not_wait_for_the_model_its_restart_loads(
         while engine.pid == dead_pid:  # the new process is loading
             assert time.monotonic() < deadline, "the restart started no process"
             time.sleep(0.02)
-        t0 = time.monotonic()
-        engine.close()
-        took = time.monotonic() - t0
+        closer = threading.Thread(target=engine.close, daemon=True)
+        closer.start()
+        closer.join(30)  # the model never loads (``never_ready``): a close that waits for it never returns
+        assert not closer.is_alive(), "close waited for the model its restart loads"
         thread.join(10)
-        assert took < 5, f"close waited {took:.1f} s for the restart"
         assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], EngineProcessError), errors
         assert "closed" in str(errors[0]) and not engine._proc.is_alive()  # the loading process is stopped
         with pytest.raises(EngineProcessError, match="closed"):
