@@ -110,8 +110,9 @@ def run(config: str, run_dir: str | None, overrides: tuple[str, ...], quiet: boo
     metrics.jsonl, summary.json, the trajectory store, the weight store and logs into the run
     directory. Ctrl-C (or SIGTERM, scancel, or the terminal closing: SIGHUP, unless started under
     nohup) stops cleanly without losing what was written and exits with 130; SIGUSR1 (the head
-    job's walltime warning) stops the same way and exits with 75 (the head job then requeues); a
-    failed run exits with 1 and its reason in one line.
+    job's walltime warning) stops the same way and exits with 75 (the head job then requeues), as
+    does a run whose Dask scheduler process died (it resumes); a failed run exits with 1 and its
+    reason in one line.
     summary.json records how the run ended and the worker jobs are cancelled. Run again on the
     directory to resume it (jobs a previous incarnation left are cancelled first).
     """
@@ -175,6 +176,7 @@ def _run(cfg, rd: Path, quiet: bool) -> None:
     from astraflow.runtime.launch import launch
     from astraflow.runtime.stopping import ignore_stop_signals
     from astraflow.runtime.stopping import REQUEUE_EXIT_CODE, StopForRequeue, disk_full, disk_full_reason
+    from astraflow.runtime.placement import SchedulerLost
     from astraflow.runtime.workers import RunFailed
     from astraflow.training.numerics import NonFiniteError
 
@@ -190,6 +192,11 @@ def _run(cfg, rd: Path, quiet: bool) -> None:
         sys.exit(130)
     except ValueError as err:
         raise UserError(str(err)) from None
+    except SchedulerLost as err:  # resumable: 75, on which the head job requeues itself (as for its walltime)
+        ignore_stop_signals()
+        with contextlib.suppress(OSError):
+            click.echo(f"Error: the run failed: {err}", err=True)
+        sys.exit(REQUEUE_EXIT_CODE)
     except (RunFailed, NonFiniteError) as err:  # the run started and failed: exit 1, its reason
         ignore_stop_signals()  # a late stop signal must not turn its 1 into death by signal either
         raise click.ClickException(f"the run failed: {err}") from None

@@ -49,8 +49,8 @@ from astraflow.runtime.jobrecords import PreviousJobs
 from astraflow.runtime.monitoring import StatusWriter, Tick, archive_summary
 from astraflow.runtime.monitoring.disk import DiskWatch, run_places
 from astraflow.runtime.monitoring.writer import STATUS_EVALS
-from astraflow.runtime.placement import (Placement, data_layer_kwargs, loopback_hint, node_kwargs, store_url,
-                                        trainer_kwargs)
+from astraflow.runtime.placement import (Placement, SchedulerLost, data_layer_kwargs, loopback_hint, node_kwargs,
+                                        store_url, trainer_kwargs)
 from astraflow.runtime.progress import Progress
 from astraflow.runtime.reconcile import PartitionSet, local_fork_server, run_tag
 from astraflow.runtime.restarts import DataLayerRestarts, TrainerRestarts, hung, note
@@ -156,14 +156,14 @@ class Orchestrator(Shutdown):
             ending = interrupted(sig)
             self.progress.note(f"{ending.reason}: stopping (nodes flush what they wrote)")
         except RunFailed as err:
-            ending = Ending("failed", str(err))
+            ending = Ending("failed", str(err), requeue=isinstance(err, SchedulerLost))
         except NonFiniteError as err:  # the sync driver's trainer step stopped on its numerics guard
             ending = Ending("failed", f"NonFiniteError: {err}")
         except Exception as err:  # an actor call that raised, a bug: the same way out, traceback in the log
             if disk_full(err):
                 ending = Ending("failed", disk_full_reason(err, self.paths.root))
             elif (gone := self.placement.scheduler_gone()) is not None:
-                ending = Ending("failed", gone)
+                ending = Ending("failed", gone, requeue=True)
             else:
                 where = self.paths.log("orchestrator")
                 ending = Ending("failed", f"{type(err).__name__}: {err} (traceback in {where})")
@@ -184,7 +184,7 @@ class Orchestrator(Shutdown):
         finally:
             self._teardown()
         if ending.status == "failed":
-            raise RunFailed(f"{ending.reason} (summary in {self.paths.summary})")
+            raise (SchedulerLost if ending.requeue else RunFailed)(f"{ending.reason} (summary in {self.paths.summary})")
         return result
 
     def _publish_desired(self) -> None:
@@ -311,7 +311,7 @@ class Orchestrator(Shutdown):
         does not answer is most often a lost worker: ``RunFailed`` then names it; a Dask
         scheduler that is gone is seen first (a call would wait for its reconnect)."""
         if (gone := self.placement.scheduler_gone()) is not None:
-            raise RunFailed(gone)
+            raise SchedulerLost(gone)
         asking, worker = "the data layer", None
         try:
             # the newest evaluations only: a tick shows those, and the history grows with every round

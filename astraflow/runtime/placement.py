@@ -48,6 +48,11 @@ ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED"}) - ACTIVE_STATES
 LOST_CHECK_S = 2.0
 
 
+
+class SchedulerLost(RunFailed):
+    """The run's Dask scheduler process is gone: nothing can go on, and everything the run
+    committed resumes; ``astraflow run`` exits 75 on it, on which the head job requeues itself."""
+
 class Placement:
     """The Dask scheduler process and client of a run, and actors placed on named workers."""
 

@@ -64,7 +64,8 @@ class Ending:
     reason: str | None = None
     """Why it was interrupted or failed, in one line; None for a completed run."""
     requeue: bool = False
-    """True when it was interrupted to be resumed (`StopForRequeue`): the head job requeues."""
+    """True when it stopped to be resumed (`StopForRequeue`, or its Dask scheduler was lost): the
+    head job requeues."""
 
     @property
     def clean(self) -> bool:

@@ -1,5 +1,6 @@
 """A run whose Dask scheduler is killed ends within seconds in one line naming it and the resume
-(not after the client's 30 s reconnect, nor with Dask's own error lines on the terminal)."""
+(not after the client's 30 s reconnect, nor with Dask's own error lines on the terminal), and
+exits 75: the head job requeues itself on it, and the run resumes."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ def test_a_killed_scheduler_ends_the_run_at_once_in_one_line(tiny_model, tmp_pat
         os.kill(int(sched), signal.SIGKILL)  # the scheduler this test's run started
         rc, lines, everything, took = _finish(proc, killed_at)
     assert info["pid"] == proc.pid
-    assert rc == 1, everything[-3000:]
+    assert rc == 75, everything[-3000:]
     assert len(lines) == 1 and lines[0].startswith("Error: the run failed: the Dask scheduler was killed by signal 9")
     assert "distributed.client" not in everything, everything[-3000:]
     # under the client's 30 s of reconnects: the run did not wait them out
     assert took < 29, f"the run took {took:.0f}s to see its scheduler gone"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "failed" and "resume" in summary["reason"]
+    assert summary["status"] == "failed" and "resume" in summary["reason"] and summary["requeue"] is True
     assert not [n for n, w in workers.items() if _alive(_pid(w))], "worker processes were left running"
 
 
