@@ -89,7 +89,7 @@ EnvValue = Annotated[str, Field(pattern=r"^[^\x00]*$"), _fix("env value {value}:
 
 # Options the worker template renders from Partition fields: setting them again is an error.
 MANAGED_SBATCH_OPTIONS: dict[str, str] = {
-    "--job-name": "the worker name (derived)",
+    "--job-name": "the worker name and the run's tag (derived)",
     "--partition": "slurm_partition",
     "--nodes": "nodes_per_worker",
     "--ntasks": "one task per worker (derived)",

@@ -31,8 +31,10 @@ from schedulers.partition import Partition
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 WORKER_TEMPLATE = "worker.sbatch.j2"
 
-#: what a worker name may be made of (it becomes a job name and part of file names)
+#: what a worker name may be made of (it becomes part of the job name and of file names)
 _WORKER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+#: the longest job name a worker job gets: Slurm's accounting keeps a job name in 255 bytes at most
+JOB_NAME_MAX = 200
 #: characters a job directory may not contain: control characters would end a script line, and
 #: a backslash turns off Slurm's ``%j`` replacement in file names
 _BAD_DIR_CHARS = re.compile(r"[\x00-\x1f\x7f\\]")
@@ -57,6 +59,25 @@ def check_job_dir(job_dir: str | Path) -> Path:
         raise ValueError(f"job directory {str(path)!r} has a control character or a backslash: Slurm cannot "
                          "name log files in it; choose a run directory without them")
     return path
+
+
+def job_name(worker: str, tag: str) -> str:
+    """The Slurm job name of worker `worker` of the run tagged `tag`: ``<worker>.<tag>``, so that
+    ``squeue`` tells apart the workers of several runs of one user (each run has workers of the
+    same names), and ``squeue --name`` finds one run's worker. Characters other than letters,
+    digits, ``_``, ``.`` and ``-`` become ``_``; the tag is cut so the name stays within
+    `JOB_NAME_MAX`."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
+    return f"{worker}.{safe}"[:JOB_NAME_MAX]
+
+
+def worker_of_job(name: str, tag: str) -> str:
+    """The worker name in job name `name` of the run tagged `tag` (`job_name`'s inverse); a name
+    without the run's suffix (a job submitted before job names carried it) is the worker's."""
+    for worker in (name.rsplit(".", n)[0] for n in range(1, name.count(".") + 1)):
+        if job_name(worker, tag) == name:
+            return worker
+    return name
 
 
 def log_pattern(job_dir: Path, name: str) -> str:
@@ -85,6 +106,7 @@ def render_worker_job(
     script = template.render(
         partition=partition,
         worker_name=name,
+        job_name=job_name(name, tag),
         gres=gres,
         cpus_per_rank=max(partition.cpus_per_node // partition.ranks_per_node, 1),
         log=str(job_dir / f"{name}.%j.log"),

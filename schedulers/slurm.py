@@ -9,6 +9,8 @@ dry run). `jobs()` is one ``squeue --json`` call; `wait_for` polls it with backo
 
 Jobs carry ``--comment=<tag>``: `jobs()` lists the jobs with this scheduler's tag, so a restarted
 orchestrator with the same tag finds the workers it started before (`cancel_previous` cancels them).
+A job's name is its worker's name followed by the tag (`job_name`): several runs of one user have
+workers of the same names, and ``squeue`` shows names, not comments.
 
 Facts about the Slurm versions this targets (22.05+):
 * ``squeue --json`` ignores ``-j``/``--name`` filters in 22.05, so filtering happens here.
@@ -45,7 +47,8 @@ from schedulers.partition import Partition, parse_worker_name, worker_name
 from schedulers.slurm_cli import (PartialSubmitError, SlurmCommandError, SlurmWaitTimeout, backoff, exit_code,
                                   first_then, is_mine, normalise_state, run_slurm, sbatch_env, state_text, user_name)
 from schedulers.slurm_cli import pyslurm_status, slurm_version  # noqa: F401  (this module's public names)
-from schedulers.sbatch_script import WORKER_TEMPLATE, check_job_dir, environment, render_worker_job
+from schedulers.sbatch_script import (WORKER_TEMPLATE, check_job_dir, environment, job_name, render_worker_job,
+                                     worker_of_job)
 from storage.atomic import write_atomically
 
 log = logging.getLogger("schedulers")
@@ -204,14 +207,15 @@ class SlurmScheduler:
         if Slurm has it (nobody tracks it, and a later submit would reuse the name); says what
         was done."""
         try:
-            uid, me = os.getuid(), user_name()
+            uid, me, named = os.getuid(), user_name(), job_name(name, self.tag)
             found = [str(j["job_id"]) for j in self._squeue()
-                     if j.get("comment") == self.tag and j.get("name") == name and is_mine(j, uid, me)
+                     if j.get("comment") == self.tag and j.get("name") == named and is_mine(j, uid, me)
                      and normalise_state(state_text(j.get("job_state"))) in ACTIVE_STATES]
             if found:
                 run_slurm(["scancel", *found], timeout=self.command_timeout)
         except (SlurmCommandError, OSError, ValueError) as err:
-            return f"whether it submitted {name} anyway is unknown ({err}); look for it with squeue --name {name}"
+            return (f"whether it submitted {name} anyway is unknown ({err}); look for it with "
+                    f"squeue --me --name {job_name(name, self.tag)}")
         return f"it had submitted {name} anyway: cancelled job(s) {', '.join(found)}" if found else \
             f"Slurm lists no job {name}: nothing was submitted"
 
@@ -296,7 +300,7 @@ class SlurmScheduler:
             job_id = str(j["job_id"])
             if j.get("comment") != self.tag or not is_mine(j, uid, me):
                 continue
-            name = j.get("name", "")
+            name = worker_of_job(j.get("name", ""), self.tag)
             try:
                 part = str(parse_worker_name(name)["partition"])
             except ValueError:

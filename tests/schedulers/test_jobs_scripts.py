@@ -38,7 +38,7 @@ def test_head_script_refuses_an_option_in_place_of_the_run_directory(tmp_path):
 def test_worker_template_link_points_at_the_rendered_template():
     link = JOBS / "worker.sbatch.j2"
     assert link.resolve() == (JOBS.parent / "schedulers" / "templates" / "worker.sbatch.j2").resolve()
-    assert "#SBATCH --job-name={{ worker_name }}" in link.read_text()
+    assert "#SBATCH --job-name={{ job_name }}" in link.read_text()
 
 
 def test_head_script_refuses_an_interpreter_without_astraflow(tmp_path):

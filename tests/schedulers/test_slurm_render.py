@@ -249,3 +249,27 @@ def test_the_run_tag_of_a_directory_whose_name_is_not_utf8_text(tmp_path):
     plain = tmp_path / "caf\u00e9"
     plain.mkdir()
     assert run_tag(plain) == f"astraflow.caf_.{hashlib.sha1(str(plain.resolve()).encode()).hexdigest()[:8]}"
+
+
+def test_job_names_tell_apart_the_same_worker_of_two_runs(tmp_path):
+    """Two runs of one user (a sweep) have workers of the same names; ``squeue`` shows job names,
+    not comments, so each job's name carries its run's tag: the sweep's runs are told apart, even
+    two run directories of the same name."""
+    from schedulers.sbatch_script import JOB_NAME_MAX, job_name, worker_of_job
+
+    part = Partition(name="h100", scheduler="slurm", role="rollout", hardware="H100")
+    names = []
+    for run in (tmp_path / "sweep" / "lr1", tmp_path / "other" / "lr1", tmp_path / "sweep" / "lr2"):
+        script, _ = SlurmScheduler(run / "jobs", host="127.0.0.1", tag=run_tag(run)).render(part, "tcp://x:1", 0)
+        (line,) = [x for x in script.splitlines() if x.startswith("#SBATCH --job-name=")]
+        names.append(line.removeprefix("#SBATCH --job-name="))
+    assert len(set(names)) == 3, names
+    assert all(n.startswith("rollout-h100-local-H100-0.astraflow.lr") for n in names), names
+    # within Slurm's limits and safe characters, and read back as the worker's name
+    longest = "rollout-" + "-".join(["p" * 40, "r" * 40, "h" * 40]) + "-123456"
+    for worker, tag in [("rollout-h100-local-H100-0", "a:b c"), (longest, "astraflow." + "x" * 54)]:
+        name = job_name(worker, tag)
+        assert len(name) <= JOB_NAME_MAX and set(name) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                                               "0123456789_.-"), name
+        assert worker_of_job(name, tag) == worker
+    assert worker_of_job("rollout-h100-local-H100-0", "astraflow.a.0123abcd") == "rollout-h100-local-H100-0"

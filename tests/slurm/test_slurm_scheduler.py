@@ -156,3 +156,25 @@ def test_an_sbatch_that_timed_out_after_submitting_leaves_no_job_behind(sched, t
     while [j for j in sched.jobs() if j.active and j.raw_state != "COMPLETING"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [j for j in sched.jobs() if j.active and j.raw_state != "COMPLETING"]
+
+
+@pytest.mark.timeout(90)
+def test_the_same_worker_of_two_runs_has_job_names_squeue_tells_apart(sched, tmp_path):
+    """A user's sweep: two runs submit worker 0 of the same partition. ``squeue`` (names, not
+    comments) lists them under different names, and each run's `jobs()` finds its own only."""
+    import json
+
+    other = SlurmScheduler(tmp_path / "other" / "jobs", interface="lo", tag=f"aftest-{uuid.uuid4().hex[:8]}")
+    try:
+        (mine,) = sched.submit(_cpu(), "tcp://127.0.0.1:9", 1)
+        (theirs,) = other.submit(_cpu(), "tcp://127.0.0.1:9", 1)
+        assert mine.worker_name == theirs.worker_name == "data-cpu-us-cpu-0"
+        listed = {str(j["job_id"]): j["name"] for j in json.loads(run_slurm(["squeue", "--json"]))["jobs"]}
+        assert listed[mine.job_id] != listed[theirs.job_id]
+        assert sched.tag in listed[mine.job_id] and other.tag in listed[theirs.job_id]
+        ours = {j.job_id: j.worker_name for j in sched.jobs()}
+        assert ours == {mine.job_id: "data-cpu-us-cpu-0"}
+    finally:
+        left = [j.job_id for j in other.jobs() if j.active]
+        if left:
+            other.cancel(left)
