@@ -14,6 +14,7 @@ import fcntl
 import json
 import logging
 import os
+import shlex
 import socket
 import time
 from pathlib import Path
@@ -61,7 +62,7 @@ class RunDirLock:
             os.close(fd)
             raise RunDirError(
                 f"run directory {root} is in use by a running `astraflow run` ({_describe(holder)}): pass "
-                f"another --run-dir, or stop that run first (Ctrl-C, or {_scancel(holder)}) and run again on "
+                f"another --run-dir, or stop that run first ({_how_to_stop(root, holder)}) and run again on "
                 "this directory to resume it") from None
         except OSError as err:  # a filesystem without locks: run unguarded rather than not at all
             log.warning("cannot lock %s (%s); nothing stops a second run on this directory", lock, err)
@@ -120,9 +121,12 @@ def head_slurm_job() -> str | None:
     return os.environ.get("SLURM_JOB_ID") or None
 
 
-def _scancel(holder: dict) -> str:
+def _how_to_stop(root: Path, holder: dict) -> str:
+    """The commands that stop the run holding ``root``: ``astraflow stop`` (on the holder's host),
+    and ``scancel`` of its head job where it runs in one; a run outside Slurm has no job to cancel."""
+    stop = f"Ctrl-C, or `astraflow stop {shlex.quote(str(root))}`"
     job = holder.get("slurm_job")
-    return f"`scancel {job}`, its Slurm job" if job else "scancel its job"
+    return f"{stop} on its host, or `scancel {job}`, its Slurm job" if job else stop
 
 
 def _describe(holder: dict) -> str:

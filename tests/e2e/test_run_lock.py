@@ -35,6 +35,22 @@ def test_a_held_directory_is_refused_naming_the_holder_until_released(tmp_path):
         assert again.held
 
 
+def test_the_refusal_names_the_command_that_stops_the_holder(tmp_path, monkeypatch):
+    """Outside Slurm there is no job to cancel: the way to stop the live run is `astraflow stop`;
+    a run in a head job is also stopped by cancelling that job, which is named."""
+    run_dir = tmp_path / "my run"
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with RunDirLock(run_dir):
+        with pytest.raises(RunDirError) as err:
+            RunDirLock(run_dir).acquire()
+    assert f"`astraflow stop '{run_dir}'`" in str(err.value) and "scancel" not in str(err.value), err.value
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    with RunDirLock(run_dir):
+        with pytest.raises(RunDirError) as err:
+            RunDirLock(run_dir).acquire()
+    assert "`astraflow stop" in str(err.value) and "`scancel 4242`, its Slurm job" in str(err.value), err.value
+
+
 def test_the_lock_dies_with_a_killed_holder(tmp_path):
     run_dir = tmp_path / "run"
     holder = subprocess.Popen(
