@@ -118,6 +118,30 @@ def test_runs_started_together_build_a_missing_model_once(tmp_path):
     assert (after.st_ino, after.st_mtime_ns) == (built.st_ino, built.st_mtime_ns)
 
 
+def test_a_built_model_appears_with_its_record(tmp_path, monkeypatch):
+    """A run that finds the model another run has just built checks it against its own ``init``
+    by the record: the directory must never be seen without it (it would be taken for a user's
+    checkpoint and trained whatever the init asks for)."""
+    from pathlib import Path
+
+    from astraflow.runtime.model_build import prepare_models
+    from astraflow.runtime.progress import Progress
+
+    cfg = load_config(_config(tmp_path))
+    model, seen = cfg.policies[0].model, []
+    rename = Path.rename
+
+    def watched(self, target):
+        if Path(target) == model:  # the moment the model directory appears
+            seen.append(sorted(p.name for p in Path(self).iterdir()))
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", watched)
+    prepare_models(cfg, Progress(enabled=False))
+    assert len(seen) == 1 and "astraflow_init.json" in seen[0], seen
+    assert ModelInit.model_validate(json.loads((model / "astraflow_init.json").read_text())) == cfg.policies[0].init
+
+
 def test_a_models_directory_without_locks_still_builds(tmp_path, monkeypatch):
     """NFS mounted nolock, Lustre noflock: flock fails with ENOLCK; the model is built unguarded."""
     import errno

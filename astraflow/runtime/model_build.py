@@ -31,14 +31,16 @@ class ModelDirError(ValueError):
 
 
 def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = None,
-                progress: Progress | None = None, base: Path | None = None, threads: int = 1) -> Path:
+                progress: Progress | None = None, base: Path | None = None, record: dict | None = None,
+                threads: int = 1) -> Path:
     """Build a model directory locally: random init (or a copy of the ``base`` model
     directory, ``init.start_from``'s), then an optional supervised warm start on the
     workload's train split, on ``threads`` torch threads (a run passes its trainer's: torch's
     default of every core spins its threads against each other on a busy machine). Written to
     a temporary sibling and renamed, so an interrupted build never leaves a half-written model
-    behind."""
-    from astraflow.models import init_model
+    behind. ``record``: the init record (`record_init`) written before the rename, so that a
+    run finding the directory finds it with its record."""
+    from astraflow.models import init_model, record_init
 
     progress = progress or Progress()
     out = Path(out)
@@ -59,6 +61,8 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
                 _warm_start(tmp / "init", tmp / "final", init, workload, progress, out)
             shutil.rmtree(tmp / "init")
             (tmp / "final").rename(tmp / "init")
+        if record is not None:  # also replaces a start_from base's record
+            record_init(tmp / "init", record)
         try:
             (tmp / "init").rename(out)  # over an empty directory only (``init-model``'s OUT)
         except OSError as err:
@@ -279,7 +283,7 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
     this model). An existing directory is used as it is; one that records no init, where the
     policy has an ``init``, is said to be (its ``init`` then builds nothing), and one whose warm
     start trained on some of the run's held-out prompts is warned about (``held_out_trained_on``)."""
-    from astraflow.models import WARM_STARTED_ON, record_init, recorded_init
+    from astraflow.models import WARM_STARTED_ON, recorded_init
     from astraflow.sandbox import configure
 
     configure(cfg.sandbox)  # a warm start's held-out checks score with the run's sandbox limits
@@ -307,10 +311,10 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
                     continue
                 progress.note(f"policy {pol.name}: building {pol.model} (no such directory yet)"
                               + (f" from {base}" if base else ""))
-                build_model(pol.model, pol.init, cfg.workload, progress, base=base, threads=pol.trainer.threads)
                 record = pol.init.model_dump(mode="json")
                 if pol.init.warm_starts:  # what it trained on: a later run on other problems is warned
                     record[WARM_STARTED_ON] = workload_identity(cfg.workload)
-                record_init(pol.model, record)  # also replaces a start_from base's record
+                build_model(pol.model, pol.init, cfg.workload, progress, base=base, record=record,
+                            threads=pol.trainer.threads)
         except ModelDirError as err:
             raise ModelDirError(f"policies[{pol.name}].model: {err}") from None
