@@ -159,6 +159,49 @@ def test_a_models_directory_without_locks_still_builds(tmp_path, monkeypatch):
     assert (cfg.policies[0].model / "config.json").is_file()
 
 
+def test_without_locks_a_run_whose_build_lost_the_race_uses_the_other_runs_model(tmp_path, monkeypatch):
+    """Runs started together on a file system without locks build the model twice: the one whose
+    build finishes second finds the directory filled, and uses that model (checked against its
+    init as any other) instead of failing; one that records another init is still refused."""
+    import errno
+    import fcntl
+    import shutil
+
+    from astraflow import models
+    from astraflow.runtime import model_build
+    from astraflow.runtime.progress import Progress
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    cfg = load_config(_config(tmp_path))
+    pol, other_init, building = cfg.policies[0], {}, []
+    init_model = models.init_model
+
+    def built_meanwhile(out, **kwargs):  # the other run's build ends while this one initialises
+        if not building:
+            building.append(out)
+            init = other_init or pol.init.model_dump(mode="json")
+            model_build.build_model(pol.model, ModelInit.model_validate(init), record=init)
+        return init_model(out, **kwargs)
+
+    monkeypatch.setattr(models, "init_model", built_meanwhile)
+    notes = []
+    progress = Progress(enabled=False)
+    monkeypatch.setattr(progress, "note", notes.append)
+    model_build.prepare_models(cfg, progress)
+    assert any("built by another run meanwhile" in n for n in notes), notes
+    assert ModelInit.model_validate(json.loads((pol.model / "astraflow_init.json").read_text())) == pol.init
+    assert not [p for p in pol.model.parent.iterdir() if p.name.startswith(f".{pol.model.name}.") and p.is_dir()]
+
+    shutil.rmtree(pol.model)
+    building.clear()
+    other_init.update(ModelInit(preset="tiny", arch="qwen2", seed=9).model_dump(mode="json"))
+    with pytest.raises(ConfigError, match=r"was built with init \{seed: 9\}, the config's init asks for \{seed: 0\}"):
+        model_build.prepare_models(cfg, progress)
+
+
 def test_a_warm_start_trains_on_the_runs_split_and_a_run_on_other_problems_is_warned(tmp_path, monkeypatch):
     """The math warm start trains on the split of the run's ``workload.seed`` (a held-out problem
     of that seed is never a warm-start one), records what it trained on, and a later run whose

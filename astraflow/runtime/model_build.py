@@ -30,6 +30,10 @@ class ModelDirError(ValueError):
     """The directory a model is to be built into cannot be created."""
 
 
+class BuiltMeanwhile(ModelDirError):
+    """The model directory was filled (by another build) while this build ran; left as it is."""
+
+
 def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = None,
                 progress: Progress | None = None, base: Path | None = None, record: dict | None = None,
                 threads: int = 1) -> Path:
@@ -68,7 +72,7 @@ def build_model(out: Path, init: ModelInit, workload: WorkloadConfig | None = No
         except OSError as err:
             if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
-            raise ModelDirError(f"{out} was filled while this model was built (by another build?); it is "
+            raise BuiltMeanwhile(f"{out} was filled while this model was built (by another build?); it is "
                                 "left as it is: remove it to build it again, or use it") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -314,7 +318,11 @@ def prepare_models(cfg: RunConfig, progress: Progress) -> None:
                 record = pol.init.model_dump(mode="json")
                 if pol.init.warm_starts:  # what it trained on: a later run on other problems is warned
                     record[WARM_STARTED_ON] = workload_identity(cfg.workload)
-                build_model(pol.model, pol.init, cfg.workload, progress, base=base, record=record,
-                            threads=pol.trainer.threads)
+                try:
+                    build_model(pol.model, pol.init, cfg.workload, progress, base=base, record=record,
+                                threads=pol.trainer.threads)
+                except BuiltMeanwhile:  # unguarded (no locks): another run's build finished first
+                    check_built_from_init(pol)
+                    progress.note(f"policy {pol.name}: {pol.model} was built by another run meanwhile")
         except ModelDirError as err:
             raise ModelDirError(f"policies[{pol.name}].model: {err}") from None
