@@ -59,9 +59,11 @@ _JOB_ID = re.compile(r"^\d+(_\d+)?$")
 
 def run_tag(run_dir: Path) -> str:
     """The ``--comment`` of the Slurm jobs of the run in ``run_dir``: readable and unique per run
-    directory, the same for every incarnation of the run (how a restarted run finds its jobs)."""
-    base = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:40] or "run"
-    digest = hashlib.sha1(os.fsencode(run_dir.resolve())).hexdigest()[:8]  # its bytes, whatever the locale
+    directory, the same for every incarnation of the run (how a restarted run finds its jobs),
+    whatever path reaches it (a symlink to it, or to a directory above it)."""
+    real = run_dir.resolve()
+    base = re.sub(r"[^A-Za-z0-9_.-]", "_", real.name)[:40] or "run"
+    digest = hashlib.sha1(os.fsencode(real)).hexdigest()[:8]  # its bytes, whatever the locale
     return f"astraflow.{base}.{digest}"
 
 @dataclass(frozen=True)

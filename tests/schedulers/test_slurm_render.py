@@ -251,6 +251,18 @@ def test_the_run_tag_of_a_directory_whose_name_is_not_utf8_text(tmp_path):
     assert run_tag(plain) == f"astraflow.caf_.{hashlib.sha1(str(plain.resolve()).encode()).hexdigest()[:8]}"
 
 
+def test_a_run_directory_reached_through_a_link_has_the_same_tag(tmp_path):
+    """A run resumed through a symlink to its directory (``runs/latest``) is the same run: the
+    same tag finds, and cancels, the worker jobs its previous incarnation left, which would
+    otherwise join the new scheduler under the new incarnation's worker names."""
+    run = tmp_path / "runs" / "sweep-lr1"
+    run.mkdir(parents=True)
+    (tmp_path / "runs" / "latest").symlink_to(run)
+    (tmp_path / "link").symlink_to(tmp_path / "runs")
+    assert run_tag(tmp_path / "runs" / "latest") == run_tag(run) == run_tag(tmp_path / "link" / "sweep-lr1")
+    assert run_tag(run).startswith("astraflow.sweep-lr1.")
+
+
 def test_job_names_tell_apart_the_same_worker_of_two_runs(tmp_path):
     """Two runs of one user (a sweep) have workers of the same names; ``squeue`` shows job names,
     not comments, so each job's name carries its run's tag: the sweep's runs are told apart, even
