@@ -140,6 +140,9 @@ class StatusView(_View):
                                          "layer started (storage.keep_trajectories: false); None when all are kept")
     disk: list[DiskView] = Field(default_factory=list, description="free space on the filesystems the run writes "
                                  "to; empty before the first sample and once the run ended")
+    data_layer_restarts: int = Field(default=0, description="times the data layer was re-placed on a new worker "
+                                                            "after its worker was lost (at most "
+                                                            "cluster.data_layer_restarts)")
 
 
 LEDGER_EVENTS = ("created", "leased", "completed", "requeued", "failed", "consumed", "dropped", "evaluated")
@@ -250,6 +253,8 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
         waiting=None if summary is not None else (status.get("waiting") or {}).get("what"),
         segments_deleted=(dl.get("retention") or {}).get("segments_deleted"),
         disk=[] if summary is not None else status.get("disk") or [],
+        data_layer_restarts=int(((summary or {}).get("data_layer_restarts") or status.get("data_layer_restarts")
+                                 or {}).get("count", 0)),
     )
 
 

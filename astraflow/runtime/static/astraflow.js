@@ -196,6 +196,7 @@ function renderStatus(st) {
 
   renderAutoscale(st.autoscale);
   renderDisk(st.disk || []);
+  renderRestarts(st);
 
   const L = st.ledger;
   const kv = (title, obj, id) => {
@@ -227,6 +228,14 @@ function partitionStats(part) {
     + ` · serving ${served}`
     + (c ? ` · capacity ${c.node_capacity}/node, ${c.engines_per_node} engine(s) × batch ${c.engine_max_batch}` : "")
     + (b ? ` · autoscale ${b.min_nodes}–${b.max_nodes} nodes, cooldown ${b.cooldown_s}s` : "");
+}
+
+// components re-placed after their worker was lost (cluster.trainer_restarts, cluster.data_layer_restarts)
+function renderRestarts(st) {
+  const parts = st.policies.filter((p) => p.restarts).map((p) => `trainer ${p.name} ${p.restarts}`);
+  if (st.data_layer_restarts) parts.push(`data layer ${st.data_layer_restarts}`);
+  $("restarts").textContent = parts.join(" · ") || "–";
+  $("restarts-box").hidden = !parts.length;
 }
 
 // free space per filesystem the run writes to, and when it fills at the current rate

@@ -1,0 +1,74 @@
+"""What the AstraFlow page and its endpoints say of a run as a researcher watches it: the
+restarts of its components, a finished run's partitions, a token that is not the run's."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from tornado import web
+
+from astraflow.runtime import dashboard
+from astraflow.runtime.monitoring import build_status_view
+from storage.paths import RunPaths
+
+from tests.monitoring.test_dashboard_fixes import get, guarded_app, serve
+
+
+def write_status(run_dir: Path, **fields) -> RunPaths:
+    """A run directory whose status file holds one policy at v3 and ``fields``."""
+    paths = RunPaths(run_dir).make()
+    paths.status_file.write_text(json.dumps({
+        "written_at": time.time(), "data_layer": {"versions": {"solver": 3}}, "trainers": {"solver": {"version": 3}},
+        "partitions": {}, "workers": {}, **fields}))
+    return paths
+
+
+@pytest.fixture
+def driver(tmp_path):
+    """Headless chromium (skips where it is missing), quit after the test."""
+    from tests.monitoring.test_monitoring import _driver
+
+    d = _driver(tmp_path)
+    yield d
+    d.quit()
+
+
+def page_texts(driver, run_dir: Path, *ids: str) -> dict[str, str]:
+    """The text of each element of ``ids`` on the page of ``run_dir`` once it rendered the run's
+    status (empty for a hidden one)."""
+    with serve(web.Application(dashboard.routes(run_dir))) as (port, _):
+        driver.get(f"http://127.0.0.1:{port}/astraflow?refresh=300")
+        deadline = time.time() + 30
+        while driver.execute_script("return document.getElementById('run-dir').textContent;") != str(run_dir):
+            assert time.time() < deadline, driver.find_element("tag name", "main").text
+            time.sleep(0.1)
+        return {i: driver.execute_script(f"const e = document.getElementById('{i}');"
+                                         "return e.offsetParent === null ? '' : e.textContent;") for i in ids}
+
+
+# ------------------------------------------------------------------ restarts
+
+
+RESTARTS = {"trainer_restarts": {"solver": {"count": 1, "limit": 2, "restarts": []}},
+            "data_layer_restarts": {"count": 2, "limit": 2, "restarts": []}}
+
+
+def test_the_status_view_counts_the_data_layer_restarts(tmp_path):
+    """`astraflow status` prints them; `status --json` and the page read the view."""
+    paths = write_status(tmp_path / "run", **RESTARTS)
+    view = build_status_view(paths.root)
+    assert view.policies[0].restarts == 1 and view.data_layer_restarts == 2
+    assert build_status_view(write_status(tmp_path / "calm").root).data_layer_restarts == 0
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(120)
+def test_the_page_shows_the_restarts_of_the_trainers_and_the_data_layer(tmp_path, driver):
+    paths = write_status(tmp_path / "run", **RESTARTS)
+    got = page_texts(driver, paths.root, "restarts-box")["restarts-box"]
+    assert "trainer solver 1" in got and "data layer 2" in got, got
+    calm = write_status(tmp_path / "calm")
+    assert page_texts(driver, calm.root, "restarts-box") == {"restarts-box": ""}  # hidden: nothing restarted
