@@ -72,3 +72,26 @@ def test_the_page_shows_the_restarts_of_the_trainers_and_the_data_layer(tmp_path
     assert "trainer solver 1" in got and "data layer 2" in got, got
     calm = write_status(tmp_path / "calm")
     assert page_texts(driver, calm.root, "restarts-box") == {"restarts-box": ""}  # hidden: nothing restarted
+
+
+# ------------------------------------------------------------------ a finished run
+
+
+ROLLOUT = {"scheduler": "local", "role": "rollout", "hardware": "cpu", "region": "local", "nodes": 2, "live": 2,
+           "serving": 2, "state": "active", "completed": 232, "episodes_per_s": 56.7, "tokens_per_s": 803.0}
+
+
+def test_a_finished_run_has_no_partition_throughput_left_from_its_last_window(tmp_path):
+    """A partition's rate is over the last ~10 s of the run: once it finished, nothing generates
+    (as its live workers, 0), the run-wide figures say how fast it went."""
+    paths = write_status(tmp_path / "run", partitions={"rollout": ROLLOUT})
+    running = next(p for p in build_status_view(paths.root).partitions if p.name == "rollout")
+    assert (running.live, running.trajectories_per_s, running.tokens_per_s) == (2, 56.7, 803.0)
+    paths.summary.write_text(json.dumps({"status": "completed", "reason": None, "steps": {"solver": 3},
+                                         "partitions": {"rollout": ROLLOUT}, "data_layer": {"elapsed_s": 19.0}}))
+    view = build_status_view(paths.root)
+    assert view.finished
+    ended = next(p for p in view.partitions if p.name == "rollout")
+    assert (ended.live, ended.trajectories_per_s, ended.tokens_per_s) == (0, 0.0, 0.0)
+    assert ended.consumed == running.consumed and ended.desired == 2  # what it did is kept
+

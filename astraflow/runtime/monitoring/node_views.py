@@ -82,8 +82,9 @@ class PartitionView(_View):
                                                               "a failure); None when not waiting")
     error: str | None = Field(default=None, description="why it failed; None while healthy")
     trajectories_per_s: float = Field(default=0.0, description="tasks its nodes completed per second over the "
-                                                               "last ~10 s")
-    tokens_per_s: float = Field(default=0.0, description="tokens its nodes sampled per second over the last ~10 s")
+                                                               "last ~10 s; 0 once the run finished")
+    tokens_per_s: float = Field(default=0.0, description="tokens its nodes sampled per second over the last ~10 s; "
+                                                         "0 once the run finished")
     consumed: int = Field(default=0, description="sequences its nodes generated that trainers consumed")
     staleness_mean: float | None = Field(default=None, description="mean versions behind the trainer of those "
                                                                    "sequences when consumed; None before any")

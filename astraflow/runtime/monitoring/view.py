@@ -283,7 +283,8 @@ def _partition_views(status: dict[str, Any], dl: dict[str, Any], ended: str | No
             live=0 if finished else int(p.get("live", 0)), serving=0 if finished else int(p.get("serving", 0)),
             nodes=by_part.get(n, []),
             state=str(p.get("state", "?")), failures=int(p.get("failures", 0)),
-            refill_in_s=p.get("refill_in_s"), error=p.get("error"), **_partition_stats(p),
+            refill_in_s=p.get("refill_in_s"), error=p.get("error"),
+            **_partition_stats(p, rates=not finished),
         )
         for n, p in parts_cfg.items()
     ] + [
@@ -343,10 +344,11 @@ def _ledger_view(dl: dict[str, Any]) -> LedgerView:
     )
 
 
-def _partition_stats(p: dict[str, Any]) -> dict[str, Any]:
-    """A partition's throughput, staleness, versions and bounds from its status entry."""
-    return {"trajectories_per_s": float(p.get("episodes_per_s", 0.0)),
-            "tokens_per_s": float(p.get("tokens_per_s", 0.0)),
+def _partition_stats(p: dict[str, Any], rates: bool) -> dict[str, Any]:
+    """A partition's throughput, staleness, versions and bounds from its status entry; ``rates``
+    False (a finished run): no throughput, its last window's rate is not what it does now."""
+    return {"trajectories_per_s": float(p.get("episodes_per_s", 0.0)) if rates else 0.0,
+            "tokens_per_s": float(p.get("tokens_per_s", 0.0)) if rates else 0.0,
             "consumed": int(p.get("consumed", 0)), "staleness_mean": p.get("staleness_mean"),
             "staleness_max": p.get("staleness_max"),
             "versions": {k: [int(x) for x in v] for k, v in (p.get("versions") or {}).items()},
