@@ -156,11 +156,21 @@ class PageHandler(web.RequestHandler):
 class TokenRequired(web.RequestHandler):
     """Answers every request that lacks the run's token."""
 
+    WHY = "This AstraFlow dashboard needs the run's token"
+
     def prepare(self) -> None:
         self.set_status(403)
         self.set_header("Content-Type", "text/plain; charset=utf-8")
-        self.finish("This AstraFlow dashboard needs the run's token: open the address `astraflow run` printed "
+        self.finish(f"{self.WHY}: open the address `astraflow run` printed "
                     "(also in <run dir>/security/dashboard.url), or send 'Authorization: token <token>'.\n")
+
+
+class TokenWrong(TokenRequired):
+    """Answers a request whose token is not the run's: most often an address of an earlier start of
+    the run (each start, a resume too, makes a new token)."""
+
+    WHY = ("The token given is not this AstraFlow dashboard's (each start of the run, a resume too, makes a "
+           "new one)")
 
 
 class TokenAccepted(web.RequestHandler):
@@ -194,7 +204,7 @@ def require_token(app: web.Application, token: str) -> None:
         query = request.query_arguments.get("token")
         if query and valid(query[0].decode(errors="replace")):
             return app.get_handler_delegate(request, TokenAccepted)
-        return app.get_handler_delegate(request, TokenRequired)
+        return app.get_handler_delegate(request, TokenWrong if query or auth.startswith("token ") else TokenRequired)
 
     app.find_handler = guarded  # type: ignore[method-assign]
 

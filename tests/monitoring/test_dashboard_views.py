@@ -95,3 +95,18 @@ def test_a_finished_run_has_no_partition_throughput_left_from_its_last_window(tm
     assert (ended.live, ended.trajectories_per_s, ended.tokens_per_s) == (0, 0.0, 0.0)
     assert ended.consumed == running.consumed and ended.desired == 2  # what it did is kept
 
+
+# ------------------------------------------------------------------ the token
+
+
+@pytest.mark.parametrize("how", ["query", "header"])
+def test_a_token_that_is_not_the_runs_is_told_apart_from_none(tmp_path, how):
+    """An address kept from an earlier start of the run carries that start's token."""
+    with serve(guarded_app(tmp_path, "token-of-this-start")) as (port, _):
+        none = get(port, "/astraflow/api/status.json")
+        wrong = (get(port, "/astraflow/api/status.json?token=token-of-the-last-start") if how == "query" else
+                 get(port, "/astraflow/api/status.json", {"Authorization": "token token-of-the-last-start"}))
+    assert none[0] == wrong[0] == 403
+    assert "needs the run's token" in none[2] and "not this" not in none[2]
+    assert "token given is not this AstraFlow dashboard's" in wrong[2] and "resume" in wrong[2], wrong[2]
+    assert "dashboard.url" in wrong[2] and "token-of" not in wrong[2]
