@@ -4,12 +4,17 @@ restarts of its components, a finished run's partitions, a token that is not the
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from tornado import web
 
+from astraflow.cli import main
 from astraflow.runtime import dashboard
 from astraflow.runtime.monitoring import build_status_view
 from storage.paths import RunPaths
@@ -110,3 +115,28 @@ def test_a_token_that_is_not_the_runs_is_told_apart_from_none(tmp_path, how):
     assert "needs the run's token" in none[2] and "not this" not in none[2]
     assert "token given is not this AstraFlow dashboard's" in wrong[2] and "resume" in wrong[2], wrong[2]
     assert "dashboard.url" in wrong[2] and "token-of" not in wrong[2]
+
+
+# ------------------------------------------------------------------ a run killed while it started
+
+
+@pytest.mark.parametrize("files", ["lock", "lock+orchestrator"])
+def test_a_run_killed_before_its_first_status_is_said_to_be_gone_not_never_started(tmp_path, files):
+    """Killed while its scheduler started (only its lock names it) or while its workers joined
+    (its orchestrator file too): not 'no run has started', which sends the user to another directory."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)  # its pid names no process now
+    dead = {"pid": gone.pid, "host": socket.gethostname(), "started": time.time() - 5}
+    paths = RunPaths(tmp_path / "run").make()
+    paths.run_lock.write_text(json.dumps(dead))
+    if files == "lock+orchestrator":
+        paths.orchestrator_file.write_text(json.dumps(dead))
+    with pytest.raises(ValueError, match=r"stopped before its first status: its `astraflow run` \(pid \d+ on"):
+        build_status_view(paths.root)
+    for flags in ([], ["--json"]):
+        res = CliRunner().invoke(main, ["status", str(paths.root), *flags])
+        assert res.exit_code == 2 and "is gone without a summary" in res.output, res.output
+        assert "no run has started" not in res.output and "starts it again" in res.output
+    paths.run_lock.write_text("")  # a run that let go of the directory: nothing is said of it
+    paths.orchestrator_file.unlink(missing_ok=True)
+    assert "no run has started" in CliRunner().invoke(main, ["status", str(paths.root)]).output

@@ -262,6 +262,25 @@ class Snapshot:
             return {}
         return holder
 
+    def gone_before_first_status(self) -> dict[str, Any]:
+        """The `astraflow run` (pid, host, start) of a directory with no status and no summary whose
+        process is gone from this host: killed while it started (its orchestrator file or its
+        lock names it); {} otherwise."""
+        if self.status is not None or self.summary is not None:
+            return {}
+        from astraflow.runtime.runlock import holder_of
+
+        for who in (self.info, holder_of(self.paths.root)):
+            if who.get("pid") and who.get("host") == socket.gethostname() and not pid_alive(int(who["pid"])):
+                return who
+        return {}
+
+    def gone_message(self, run_dir: Path | str, who: dict[str, Any]) -> str:
+        since = time.time() - float(who.get("started", time.time()))
+        return (f"the run in {run_dir} stopped before its first status: its `astraflow run` (pid {who.get('pid')} "
+                f"on {who.get('host')}, started {since:.0f}s ago) is gone without a summary (killed?); its output "
+                f"and {self.paths.logs} say why; `astraflow run` on the run directory starts it again")
+
     @property
     def stale(self) -> bool:
         """A snapshot exists and its writer stopped writing it: long ago, or its orchestrator is
@@ -304,6 +323,8 @@ def run_status(run_dir: Path, require_running: bool = True) -> dict[str, Any]:
         raise RunNotRunning(snap.starting_message(run_dir))
     if not snap.running and (resuming := snap.new_incarnation()):
         raise RunNotRunning(snap.starting_message(run_dir, resuming))
+    if gone := snap.gone_before_first_status():
+        raise RunNotRunning(snap.gone_message(run_dir, gone))
     if not paths.orchestrator_file.exists() or snap.status is None:
         if paths.summary.exists():
             raise RunNotRunning(f"the run in {run_dir} has finished; its final state is in {paths.summary}")

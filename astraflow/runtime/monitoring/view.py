@@ -221,6 +221,8 @@ def _build_status_view(run_dir: Path | str, now: float | None) -> StatusView:
     if not snap.running and (resuming := snap.new_incarnation()):
         # the files (a summary too, until the resume sets it aside) are the previous incarnation's
         raise ValueError(snap.starting_message(run_dir, resuming))
+    if gone := snap.gone_before_first_status():
+        raise ValueError(snap.gone_message(run_dir, gone))
     if status is None and summary is None:
         raise ValueError(f"no run has started in {run_dir} yet (no {paths.status_file}): "
                          f"pass the --run-dir of `astraflow run`")
