@@ -299,6 +299,41 @@ def test_the_throughput_plot_of_two_policies_draws_the_run_wide_figures_once(tmp
         len(throughput["episodes/s (run)"]) == 6
 
 
+@pytest.mark.parametrize("lines, said", [
+    # every reward NaN (a reward function's NaN), an evaluation whose accuracy is NaN
+    ([{"policy": "solver", "step": 1, "reward_mean": float("nan"), "episodes_per_s": float("inf"),
+       "generated_tokens_per_s": float("nan")}, {"policy": "solver", "step": 1, "eval_accuracy": float("nan")}],
+     {"reward": "no trainer step with a finite reward yet", "accuracy": "no evaluation with a finite accuracy yet",
+      "throughput": "no trainer step with a finite throughput yet", "staleness": "no trajectory consumed yet"}),
+    # an evaluation of v0 before the first step
+    ([{"policy": "solver", "step": 0, "eval_accuracy": 0.25}],
+     {"reward": "no trainer step with a finite reward yet",
+      "throughput": "no trainer step with a finite throughput yet", "staleness": "no trajectory consumed yet"}),
+])
+def test_a_plot_with_nothing_to_draw_says_so_instead_of_a_blank_plot_with_a_legend(tmp_path, monkeypatch,
+                                                                                  lines, said):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    from astraflow.runtime.monitoring.export import PLOTS, write_plots
+
+    paths = RunPaths(tmp_path / "run").make()
+    paths.metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))  # NaN and Infinity, as json writes them
+    texts, legends = [], []
+    real_text, real_legend = Axes.text, Axes.legend
+    monkeypatch.setattr(Axes, "text", lambda ax, x, y, s, *a, **kw: texts.append((ax.get_title(), s)) or
+                        real_text(ax, x, y, s, *a, **kw))
+    monkeypatch.setattr(Axes, "legend", lambda ax, *a, **kw: legends.append(ax.get_title()) or
+                        real_legend(ax, *a, **kw))
+    assert [p.stem for p in write_plots(paths.root, tmp_path / "plots")] == list(PLOTS)
+    titles = {"reward": "mean reward per training batch", "accuracy": "held-out accuracy",
+              "throughput": "throughput (cumulative average)", "staleness": "staleness of consumed trajectories"}
+    assert dict(texts) == {titles[k]: v for k, v in said.items()}
+    assert not set(legends) & {titles[k] for k in said}  # no legend of a series with no point
+
+
 def test_plots_are_not_written_into_a_run_directory_another_user_can_change(tmp_path):
     """``plot`` writes into the run directory: one that others can write may hold their symlink
     (``plots/reward.png`` -> a file of ours), which would be overwritten. Refused, with the fix;

@@ -6,6 +6,7 @@ matplotlib) or TensorBoard event files (``astraflow tensorboard``, needs tensorb
 from __future__ import annotations
 
 import io
+import math
 import time
 from pathlib import Path
 
@@ -123,27 +124,42 @@ def _draw_all(view, out_dir: Path) -> list[Path]:
 
 
 def _present(xs: list, ys: list) -> tuple[list, list]:
-    """The points of a series whose value is known (a step line may lack a field)."""
-    keep = [(x, y) for x, y in zip(xs, ys) if y is not None]
+    """The points of a series whose value is known and finite (a step line may lack a field; a
+    NaN or an infinity is not drawn: matplotlib would leave a gap or a blank axis)."""
+    keep = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y)]
     return [x for x, _ in keep], [y for _, y in keep]
 
 
+def _legend_or_say(ax, drawn: bool, nothing: str) -> None:
+    """The legend when a series has points, else ``nothing`` in the middle of the axes (a blank
+    plot with a legend reads as a plotting failure)."""
+    if drawn:
+        ax.legend(loc="best")
+    else:
+        ax.text(0.5, 0.5, nothing, ha="center", va="center", transform=ax.transAxes)
+
+
 def _draw_reward(ax, policies: dict) -> None:
+    drawn = False
     for p, c in policies.items():
-        ax.plot(*_present(c.step, c.reward_mean), marker=".", label=p)
+        xs, ys = _present(c.step, c.reward_mean)
+        ax.plot(xs, ys, marker=".", label=p)
+        drawn = drawn or bool(xs)
     ax.set(title="mean reward per training batch", xlabel="trainer step", ylabel="reward")
-    ax.legend(loc="best"), ax.grid(alpha=0.3)
+    _legend_or_say(ax, drawn, "no trainer step with a finite reward yet")
+    ax.grid(alpha=0.3)
 
 
 def _draw_accuracy(ax, policies: dict) -> None:
+    drawn = False
     for p, c in policies.items():
-        if c.eval_step:
-            ax.plot(c.eval_step, c.eval_accuracy, marker="o", label=p)
+        xs, ys = _present(c.eval_step, c.eval_accuracy)
+        if xs:
+            ax.plot(xs, ys, marker="o", label=p)
+            drawn = True
     ax.set(title="held-out accuracy", xlabel="weight version", ylabel="accuracy", ylim=(-0.02, 1.02))
-    if any(c.eval_step for c in policies.values()):
-        ax.legend(loc="best")
-    else:
-        ax.text(0.5, 0.5, "no evaluation yet", ha="center", va="center", transform=ax.transAxes)
+    evaluated = any(c.eval_step for c in policies.values())
+    _legend_or_say(ax, drawn, "no evaluation with a finite accuracy yet" if evaluated else "no evaluation yet")
     ax.grid(alpha=0.3)
 
 
@@ -154,14 +170,18 @@ def _draw_throughput(ax, policies: dict) -> None:
                        for t, e, k in zip(c.time, c.episodes_per_s, c.generated_tokens_per_s)),
                       key=lambda point: point[0])
     times = [t for t, _, _ in run_wide]
-    ax.plot(*_present(times, [e for _, e, _ in run_wide]), marker=".", color="tab:blue", label="episodes/s (run)")
-    ax2.plot(*_present(times, [k for _, _, k in run_wide]), marker=".", color="tab:orange", linestyle="--",
-             label="tokens/s (run)")
+    episodes, tokens = _present(times, [e for _, e, _ in run_wide]), _present(times, [k for _, _, k in run_wide])
+    ax.plot(*episodes, marker=".", color="tab:blue", label="episodes/s (run)")
+    ax2.plot(*tokens, marker=".", color="tab:orange", linestyle="--", label="tokens/s (run)")
     ax.set(title="throughput (cumulative average)", xlabel="seconds", ylabel="episodes/s")
     ax2.set_ylabel("tokens/s")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="best"), ax.grid(alpha=0.3)
+    if episodes[0] or tokens[0]:
+        ax.legend(h1 + h2, l1 + l2, loc="best")
+    else:
+        _legend_or_say(ax, False, "no trainer step with a finite throughput yet")
+    ax.grid(alpha=0.3)
 
 
 def _draw_staleness(ax, policies: dict) -> None:
@@ -171,7 +191,8 @@ def _draw_staleness(ax, policies: dict) -> None:
         ax.bar([int(k) + (i - (n - 1) / 2) * 0.8 / n for k in ks], [c.staleness_hist[k] for k in ks],
                width=0.8 / n, label=p)
     ax.set(title="staleness of consumed trajectories", xlabel="versions behind", ylabel="trajectories")
-    ax.legend(loc="best"), ax.grid(alpha=0.3, axis="y")
+    _legend_or_say(ax, any(c.staleness_hist for c in policies.values()), "no trajectory consumed yet")
+    ax.grid(alpha=0.3, axis="y")
 
 
 _DRAW = {"reward": _draw_reward, "accuracy": _draw_accuracy, "throughput": _draw_throughput,
