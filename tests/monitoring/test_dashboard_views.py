@@ -140,3 +140,20 @@ def test_a_run_killed_before_its_first_status_is_said_to_be_gone_not_never_start
     paths.run_lock.write_text("")  # a run that let go of the directory: nothing is said of it
     paths.orchestrator_file.unlink(missing_ok=True)
     assert "no run has started" in CliRunner().invoke(main, ["status", str(paths.root)]).output
+
+
+# ------------------------------------------------------------------ a run that writes no status
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(120)
+def test_a_page_served_while_the_run_writes_no_status_says_so_not_stopped(tmp_path, driver):
+    """The page is served by the run's scheduler: a run neither running nor finished there has an
+    `astraflow run` that is busy, hung or suspended (`astraflow status` says which), not one that stopped."""
+    paths = write_status(tmp_path / "run")
+    status = json.loads(paths.status_file.read_text())
+    paths.status_file.write_text(json.dumps({**status, "written_at": time.time() - 100}))
+    got = page_texts(driver, paths.root, "run-state")["run-state"]
+    assert got.startswith("no status for 1m 4") and "stopped" not in got, got
+    title = driver.execute_script("return document.getElementById('run-state').title;")
+    assert f"astraflow status {paths.root}" in title and "hung" in title, title

@@ -139,9 +139,15 @@ function barChart(id, title, xlabel, hist) {
 function renderStatus(st) {
   $("run-dir").textContent = st.run_dir;
   const badge = $("run-state");
+  // neither running nor finished while this page is served: its `astraflow run` writes no status
+  // (busy, hung, suspended, or gone while the scheduler lives): said as that, not as a stop
   const state = st.running ? "running" : st.finished ? "finished" : "stopped";
-  badge.textContent = st.running && st.waiting ? "running: " + st.waiting : state;
+  const silent = state !== "stopped" ? "" : st.age_s === null ? "no dated status"
+    : `no status for ${duration(st.age_s)}`;
+  badge.textContent = st.running && st.waiting ? "running: " + st.waiting : silent || state;
   badge.className = "badge " + state;
+  badge.title = silent && "its `astraflow run` is busy, hung, suspended or gone: "
+    + `\`astraflow status ${st.run_dir}\` tells which`;
   $("elapsed").textContent = duration(st.elapsed_s);
   $("traj-s").textContent = fmt(st.episodes_per_s, 1);
   $("tok-s").textContent = fmt(st.generated_tokens_per_s, 0);
