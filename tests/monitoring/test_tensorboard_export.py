@@ -5,7 +5,10 @@ its writer (the process boundary is the event files, not what is tested here).""
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -60,3 +63,15 @@ def test_event_files_are_not_written_into_a_run_directory_another_user_can_chang
     with pytest.raises(ValueError, match="writable by group/others.*pass --logdir"):
         export_tensorboard(paths.root)
     assert export_tensorboard(paths.root, tmp_path / "tb") == 1
+
+
+@pytest.mark.timeout(30)
+def test_following_a_run_killed_before_its_first_status_ends(tmp_path, scalars):
+    """Its orchestrator file names a process that is gone and no status will ever come: the
+    mirror stops, as for a run whose status went stale, instead of polling for ever."""
+    paths = RunPaths(tmp_path / "run").make()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    paths.orchestrator_file.write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname(),
+                                                   "started": time.time() - 5}))
+    assert export_tensorboard(paths.root, logdir=tmp_path / "tb", follow=True, poll_s=0.05, start_grace_s=1.0) == 0

@@ -33,7 +33,8 @@ def export_tensorboard(run_dir: Path | str, logdir: Path | str | None = None, fo
     scalar ``<policy>/<field>`` at its step, every evaluation field ``<policy>/eval/<field>``.
 
     ``follow=True`` keeps mirroring new lines until the run ends (``summary.json`` appears) or its
-    orchestrator stops writing status (its snapshot is stale: ``Snapshot.stale``); a directory
+    orchestrator stops writing status (its snapshot is stale: ``Snapshot.stale``) or is gone before
+    its first (``Snapshot.gone_before_first_status``); a directory
     where no run appears within ``start_grace_s`` (no orchestrator, status, metrics or summary:
     a mistyped one, a run that died before starting) is a ``ValueError``. Returns lines written."""
     try:
@@ -58,7 +59,8 @@ def export_tensorboard(run_dir: Path | str, logdir: Path | str | None = None, fo
                 raise ValueError(f"no run in {paths.root} after {start_grace_s:.0f} s (no status, metrics or summary): "
                                  "pass the --run-dir of a run that started")
             # decided before reading, so the lines written before the run ended are all read
-            ended = not follow or paths.summary.exists() or read_snapshot(paths.root).stale
+            snap = read_snapshot(paths.root) if follow else None
+            ended = not follow or paths.summary.exists() or snap.stale or bool(snap.gone_before_first_status())
             records, offset = tail_records(paths.metrics, offset)
             for rec in records:
                 prefix = f"{rec.get('policy', '?')}/" + ("eval/" if is_eval_record(rec) else "")
