@@ -101,6 +101,18 @@ def test_a_finished_run_has_no_partition_throughput_left_from_its_last_window(tm
     assert ended.consumed == running.consumed and ended.desired == 2  # what it did is kept
 
 
+
+def test_a_run_stopped_while_its_trainer_waited_is_not_waiting_once_finished(tmp_path):
+    """Stopped because rollout starved the trainer: its final state keeps the wait's length, which
+    the page showed as '(waiting 2m)' on a run that had ended."""
+    waiting = {"version": 3, "wait_fraction": 0.9, "batch_wait_s": 120.0}
+    paths = write_status(tmp_path / "run", trainers={"solver": waiting})
+    assert build_status_view(paths.root).policies[0].batch_wait_s == 120.0  # while it runs: said
+    paths.summary.write_text(json.dumps({"status": "interrupted", "reason": "stopped by SIGINT", "steps": {"solver": 3},
+                                         "trainers": {"solver": {**waiting, "done": True}}, "data_layer": {}}))
+    policy = build_status_view(paths.root).policies[0]
+    assert policy.batch_wait_s == 0.0 and policy.wait_fraction == 0.9 and policy.step == 3
+
 # ------------------------------------------------------------------ the token
 
 

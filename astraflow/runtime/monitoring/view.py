@@ -40,7 +40,8 @@ class PolicyView(_View):
     eval_accuracy: float | None = Field(description="latest held-out accuracy; None before the first evaluation")
     eval_step: int | None = Field(description="the version eval_accuracy was measured at")
     wait_fraction: float = Field(description="fraction of the trainer's time spent waiting for a batch")
-    batch_wait_s: float = Field(default=0.0, description="how long its wait for the next batch has lasted (0: none)")
+    batch_wait_s: float = Field(default=0.0, description="how long its wait for the next batch has lasted (0: none, "
+                                                         "and once the run finished)")
     buffer: int = Field(description="trajectories ready for this policy's next batch")
     accepted: int = Field(description="trajectories the data layer accepted")
     filtered: int = Field(description="trajectories the group filter removed")
@@ -322,7 +323,9 @@ def _policy_views(status: dict[str, Any], dl: dict[str, Any], summary: dict[str,
             reward_mean=m.get("reward_mean"), loss=m.get("loss"),
             eval_accuracy=last_ev["eval_accuracy"] if last_ev else None,
             eval_step=int(last_ev["step"]) if last_ev else None,
-            wait_fraction=float(t.get("wait_fraction", 0.0)), batch_wait_s=float(t.get("batch_wait_s") or 0.0),
+            wait_fraction=float(t.get("wait_fraction", 0.0)),
+            # a finished run waits for nothing: a trainer stopped while it waited kept the wait's length
+            batch_wait_s=0.0 if summary is not None else float(t.get("batch_wait_s") or 0.0),
             buffer=int(dl.get("buffers", {}).get(p, 0)),
             accepted=int(c.get("accepted", 0)), filtered=int(c.get("filtered", 0)),
             stale_dropped=int(c.get("stale_dropped", 0)), replayed=int(c.get("replayed", 0)),
