@@ -164,9 +164,11 @@ class Buffers:
         return {s: min(sum(1 for g in b if g.source == s) for b in self.ready.values()) for s in sources}
 
     # -- ingest ------------------------------------------------------------------------------
-    def ingest(self, grp: RolloutGroup, group_filter: GroupFilter) -> list[float]:
+    def ingest(self, grp: RolloutGroup, group_filter: GroupFilter) -> tuple[list[float], list[float]]:
         """A finished group enters the buffers (see the module docstring); returns the first
-        policy's rewards (what the curator observes; empty if it generated nothing)."""
+        policy's rewards and, per sequence, its episode's success (a multi-turn episode's
+        ``success``, else the reward): what the curator observes (``observes``; empty if it
+        generated nothing)."""
         if self.rolling.pop(grp.group_id, None) is not None:
             self._rolling_count[grp.source] -= 1
             self._touch("group", grp.group_id)
@@ -189,9 +191,12 @@ class Buffers:
                 for it in items:  # every policy's items are counted before any is settled (which may end the task)
                     self.routed_left[it.task_id] += 1
         first_rewards: list[float] = []
+        first_success: list[float] = []
         for policy, items, rewards in routed:
             if policy == self.policies[0]:
                 first_rewards = rewards
+                first_success = [float(grp.results[it.task_id].stats.get("success", it.summary.reward))
+                                 for it in items]
             c = self.counts[policy]
             c["sequences_ingested"] += len(items)
             if len(items) < 2:
@@ -217,7 +222,7 @@ class Buffers:
         for tid in live:
             if self.routed_left.get(tid) == 0:
                 self._end_task(tid, "no_policy_tokens")
-        return first_rewards
+        return first_rewards, first_success
 
     def cap(self, policy: str) -> None:
         """A policy whose trainer does not consume keeps at most ``cap_groups`` groups; the

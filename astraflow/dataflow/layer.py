@@ -244,11 +244,12 @@ class DataLayer(NodeFacing, TrainerFacing, LaneServed):
 
     def _ingest(self, grp: RolloutGroup) -> None:
         accepted = self._accepted()
-        first_rewards = self.buffers.ingest(grp, self.group_filter)
+        rewards, success = self.buffers.ingest(grp, self.group_filter)
         if self._accepted() > accepted:  # a group with a signal, kept for a batch (``NothingCompletes``)
             self.ledger.events["kept"] += 1
-        if first_rewards:
-            self.curator.observe(grp.prompt_key, first_rewards)
+        if rewards:
+            self.curator.observe(grp.prompt_key, success if getattr(self.curator, "observes", "") == "success"
+                                 else rewards)
         self._notify()
 
     def _accepted(self) -> int:

@@ -78,6 +78,11 @@ class RuleBase:
     config's values, not the saved ones)."""
 
     Params: ClassVar[type[BaseModel]] = NoParams
+    #: what a curator's ``observe`` gets per sequence: ``"reward"``, its reward (a multi-turn
+    #: episode's return, per-turn rewards and invalid-call penalties included: what the advantage
+    #: is computed from), or ``"success"``, whether its episode succeeded as evaluation counts it
+    #: (a multi-turn episode's ``success``; any other sequence's reward)
+    observes: ClassVar[str] = "reward"
 
     def __init__(self, params: BaseModel, seed: int = 0):
         del params, seed  # a rule without parameters or randomness
@@ -195,6 +200,7 @@ class FilterSolved(RuleBase):
     that forgetting is noticed."""
 
     Params = FilterSolvedParams
+    observes = "success"  # a shaped return above 0 is no success
 
     def __init__(self, params: FilterSolvedParams, seed: int = 0):
         self.threshold, self.decay, self.explore = params.threshold, params.decay, params.explore
@@ -272,6 +278,7 @@ class Curriculum(RuleBase):
     for prompts whose success rate is near ``target`` (neither solved nor hopeless)."""
 
     Params = CurriculumParams
+    observes = "success"
 
     def __init__(self, params: CurriculumParams, seed: int = 0):
         self.target, self.width, self.floor = params.target, params.width, params.floor

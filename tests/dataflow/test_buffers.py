@@ -51,7 +51,7 @@ class Rig:
 def test_ingest_computes_group_stats_and_the_filter_drops():
     rig = Rig()
     grp, first = rig.group([0.0, 1.0])
-    assert first == [0.0, 1.0] and not rig.buffers.rolling
+    assert first == ([0.0, 1.0], [0.0, 1.0]) and not rig.buffers.rolling  # rewards, and success: no episode stats
     (ready,) = rig.buffers.ready["p"]
     assert [(i.group_mean, i.group_std, i.group_size) for i in ready.items] == [(0.5, 0.5, 2)] * 2
     rig.group([1.0, 1.0], filt=DZA)

@@ -315,3 +315,34 @@ def test_a_rule_named_alone_is_that_rule_with_its_default_params(tmp_path, stage
     ``{type: filter_solved}``."""
     assert getattr(run_config(tmp_path, **{stage: name}).dataflow, stage) == \
         getattr(run_config(tmp_path, **{stage: {"type": name}}).dataflow, stage)
+
+
+@pytest.mark.parametrize("curator", ["filter_solved", "curriculum", "greso"])
+def test_success_curators_count_an_agentic_episodes_success_not_its_shaped_return(tmp_path, curator):
+    """A multi-turn episode's reward is its return (shaping and invalid-call penalties included):
+    a failed episode that made progress has a positive one, a solved one with penalties may not.
+    ``filter_solved`` and ``curriculum`` estimate success rates, so they observe the episode's
+    ``success`` (what evaluation counts); ``greso`` predicts zero advantage, so it keeps the returns."""
+    from dataclasses import replace
+
+    from tests.dataflow.helpers import make_trajectory, store_and_ref
+    from tests.dataflow.test_data_layer import make_layer
+
+    layer = make_layer(tmp_path, group_size=4, batch_size=8, curator=curator)
+    seen = []
+    observe = layer.curator.observe
+    layer.curator.observe = lambda key, values: (seen.append(list(values)), observe(key, values))[1]
+
+    async def go():
+        writer = layer.store.writer("n0")
+        tasks = await layer.lease("n0", 8)  # two groups of four
+        returns = [0.3, 0.2, 0.3, 0.1, -0.2, -0.1, -0.2, -0.3]  # group 1 failed with progress, group 2 solved
+        trajs = [replace(make_trajectory(t, r), score=float(i >= 4), stats={"turns": 3.0, "success": float(i >= 4)})
+                 for i, (t, r) in enumerate(zip(tasks, returns))]
+        await layer.complete(store_and_ref(writer, trajs))
+
+    asyncio.run(go())
+    if curator == "greso":
+        assert seen == [[0.3, 0.2, 0.3, 0.1], [-0.2, -0.1, -0.2, -0.3]]
+    else:
+        assert seen == [[0.0] * 4, [1.0] * 4]
