@@ -65,12 +65,15 @@ def check_policy_inits(policies: Sequence[PolicyConfig], workload: Any, workload
                 f"{pol.name!r}; name one of {before} (models are built in the order of `policies`)")
         demos = agentic or hasattr(workload, "demonstration")
         if init is not None and init.warm_starts and workload_name != "math" and not demos:
+            # named by the bound that asks for the warm start (a bound in steps alone, say)
+            field, fix = (("warm_start_seconds", "set it to 0 (and drop warm_start_steps)")
+                          if init.warm_start_seconds > 0 else
+                          ("warm_start_steps", "drop warm_start_steps (and leave warm_start_seconds at 0)"))
             raise ValueError(
-                f"policies[{pol.name}].init.warm_start_seconds: the supervised warm start trains on "
+                f"policies[{pol.name}].init.{field}: the supervised warm start trains on "
                 f"the math workload's generator, an agentic workload's expert or a workload's "
                 f"demonstrations (the dataset workload's reference solutions), not on workload "
-                f"{workload_name!r}; set it to 0 "
-                "(and drop warm_start_steps) or point model at a directory built by a math config")
+                f"{workload_name!r}; {fix} or point model at a directory built by a math config")
         tester = init is not None and init.task == "test"
         if tester and (not callable(getattr(workload, "program", None)) or not hasattr(workload, "demonstration")):
             raise ValueError(

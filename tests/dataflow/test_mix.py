@@ -185,6 +185,12 @@ def test_bad_mix_is_a_config_error_and_the_example_parses(tmp_path):
     data["policies"][0]["init"]["warm_start_seconds"] = 10
     with pytest.raises(ConfigError, match="warm_start_seconds: the supervised warm start trains on the math"):
         config_from_dict(data)
+    # a warm start bounded in steps only is named by the field that asks for it, and so is the fix
+    del data["policies"][0]["init"]["warm_start_seconds"]
+    data["policies"][0]["init"]["warm_start_steps"] = 30
+    with pytest.raises(ConfigError, match=r"init\.warm_start_steps: the supervised warm start trains on the math.*"
+                                          r"drop warm_start_steps \(and leave warm_start_seconds at 0\)"):
+        config_from_dict(data)
 
 
 # -- the data layer: before rollout ------------------------------------------------------------
