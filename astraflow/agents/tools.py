@@ -71,7 +71,7 @@ def parse_action(text: str) -> Action:
         try:
             obj = json.loads(body)
         except json.JSONDecodeError as err:
-            error(f"the tool call is not valid JSON ({err.msg} at character {err.pos})")
+            error(f"the tool call is not valid JSON ({err.msg}: character {err.pos})")  # msg may end in "at"
             continue
         except RecursionError:
             error("the tool call's JSON is nested too deeply")

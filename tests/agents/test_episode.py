@@ -142,6 +142,8 @@ def test_a_turn_ending_on_another_stop_token_is_read_without_it(tok):
 
 @pytest.mark.parametrize("turn,why", [
     ('<tool_call>{"name": "add", "arguments": {"a": 1}</tool_call>', "not valid JSON"),
+    # json's message "Unterminated string starting at" is not followed by a second "at"
+    ('<tool_call>{"name": "add</tool_call>', "not valid JSON (Unterminated string starting at: character 9)"),
     ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}', "must end with"),
     ('<tool_call>{"name": "mul", "arguments": {"a": 1, "b": 2}}</tool_call>', "unknown tool 'mul'"),
     ('<tool_call>{"name": "add", "arguments": {"a": "x", "b": 2}}</tool_call>', "wrong arguments for add"),
