@@ -247,6 +247,9 @@ class Trajectory:
     #: the episode's turns as the episode viewer shows them (JSON-serialisable: the task, each
     #: turn's token span, text, tool calls and rewards); ``None`` for single-turn workflows.
     episode: Mapping[str, Any] | None = None
+    #: the mixture source its task's payload names (``workload.name: mix``), stamped by the RaaS
+    #: node and stored; the episode viewer shows and filters by it. ``None``: no source.
+    source: str | None = None
 
     def __post_init__(self) -> None:
         if not self.sequences:
@@ -276,6 +279,7 @@ class Trajectory:
             "provenance": self.provenance.to_dict(),
             "score": self.score,
             "stats": dict(self.stats),
+            **({"source": self.source} if self.source is not None else {}),
         }
         return [
             StoredSequence(

@@ -92,8 +92,10 @@ class NodeEpisodes:
                     raise  # a deadline inside the episode (a reward's, a tool's): its own message
                 raise EpisodeTimeout(f"episode ran past its {self.cfg.episode_timeout_s:g} s deadline "
                                      "(rollout.episode_timeout_s); it was cancelled") from None
+            source = task.prompt.get("source") if isinstance(task.prompt, dict) else None
             traj = replace(
                 traj,
+                source=source if isinstance(source, str) else traj.source,
                 provenance=replace(
                     traj.provenance,
                     node=self.identity.name,

@@ -255,3 +255,25 @@ def test_a_call_that_could_not_be_read_is_shown_invalid(tmp_path):
     assert shown.stats["invalid_calls"] == 1.0 and len(calls) == 1, calls
     assert calls[0].error and calls[0].valid is False
     assert _turn({"kind": "tool", "calls": [{"error": "not JSON"}]}).calls[0].valid is False  # stored before the flag
+
+
+def test_a_mixtures_single_turn_episodes_show_and_filter_by_their_source(tmp_path):
+    """A ``mix`` run's episodes are single-turn (no episode log with the task): their source is
+    read from what the node stored (``Trajectory.source``), not shown as the run's ``mix``."""
+    from dataclasses import replace
+
+    import yaml
+
+    paths = RunPaths(tmp_path / "run")
+    paths.root.mkdir(parents=True)
+    workload = {"name": "mix", "params": {"sources": {"add2": {}, "mul1": {}}}}
+    paths.config.write_text(yaml.safe_dump({"workload": workload, "policies": [{"name": "solver"}],
+                                            "storage": {"trajectories": None}}))
+    store = open_trajectory_store(str(paths.trajectories), "a", durable=False)
+    with store.writer("rollout-1") as w:
+        for i, src in enumerate(["add2", "mul1", "add2"]):
+            w.write(replace(single_turn(f"st-{i}", reward=0.0), source=src).to_stored())
+            time.sleep(0.002)
+    v = EpisodeReader(paths.root).view(EpisodeQuery())
+    assert [e.workload for e in v.recent] == ["add2", "mul1", "add2"] and v.workloads == ["add2", "mix", "mul1"]
+    assert ids(EpisodeReader(paths.root).view(EpisodeQuery(workload="add2")).recent) == ["st-2", "st-0"]

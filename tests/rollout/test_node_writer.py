@@ -229,7 +229,7 @@ def test_a_node_restarts_a_dead_engine_process_with_the_newest_weights(tmp_path,
 
     async def run():
         node._slot_free = asyncio.Event()
-        node._finished, node._finished_event = [], asyncio.Event()
+        node._finished, node._finished_event, node._slot_free = [], asyncio.Event(), asyncio.Event()
         watcher = asyncio.create_task(node._watch_weights())  # it polls while the engine is dead
         deadline = time.monotonic() + 30
         while engine.version != 3:  # the watcher loads the newest committed version
@@ -436,3 +436,25 @@ def test_a_node_that_rotates_many_segments_keeps_only_its_open_ones(tmp_path):
     assert reported == ["n0"] + [f"n0.{i}" for i in range(1, 11)]  # every closed one, once, in order
     assert node.writer.closed_segments == [] and node._segments_closed == []
     assert set(node._segment_batches) <= {"n0.11"}  # the open segment's count only
+
+
+def test_a_mixture_sources_episode_is_stored_with_its_source(tmp_path):
+    """A single-turn episode keeps no episode log, so its payload's ``source`` (a ``mix`` run's
+    source) is stamped on the trajectory and stored: the episode viewer shows and filters by it."""
+    import json
+
+    node, _ = _node(tmp_path)
+
+    class Stub:
+        async def run_episode(self, engines, task):
+            return make_trajectory(task, 1.0)
+
+    node.workflow = Stub()
+    node._finished, node._finished_event, node._slot_free = [], asyncio.Event(), asyncio.Event()
+    for i, payload in enumerate([{"q": 1, "source": "add2"}, {"q": 2}]):
+        task = RolloutTask(task_id=f"g{i}/0", group_id=f"g{i}", policies=("p",), workflow="single_turn",
+                           prompt=payload, kind="train")
+        asyncio.run(node._episode(task))
+    (a, rows_a), (b, rows_b) = node._finished
+    assert (a.source, json.loads(rows_a[0].meta)["source"]) == ("add2", "add2")
+    assert b.source is None and "source" not in json.loads(rows_b[0].meta)

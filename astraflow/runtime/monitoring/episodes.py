@@ -172,7 +172,8 @@ def episode_views(batch: CommittedBatch, run_workload: str) -> list[EpisodeView]
         meta = json.loads(s["meta"][j])
         ep = meta.get("episode") or {}
         task = ep.get("task")
-        source = task.get("source") if isinstance(task, dict) else None
+        # a single-turn episode has no episode log: its source is in the meta (``Trajectory.source``)
+        source = task.get("source") if isinstance(task, dict) else meta.get("source")
         out.append(EpisodeView(
             id=f"{batch.segment}/{batch.start + j}", written_at=batch.written_at,
             task_id=s["task_id"][j], group_id=s["group_id"][j], seq_index=int(batch.index[j, 2]),
