@@ -2,8 +2,8 @@
 
 A round at version ``v`` is ``k`` evaluation tasks per held-out prompt (greedy when ``k`` is
 1), leased before any training task. A round may run on ``v`` or newer weights (nodes never go
-back; ``eval_version_min``/``max`` record which); the first round gates training, so it always
-measures exactly the starting weights. Rounds overlap and a later one can finish first: records
+back; ``eval_version_min``/``max`` record which); the first round, and a resumed run's first,
+gate training, so they measure exactly the weights training starts from. Rounds overlap and a later one can finish first: records
 are written in version order, a finished round waiting for every earlier one (``write``).
 Only rounds not yet written are held; a written round leaves its record (``results``, the run's
 eval history) and its version (a version is evaluated once), so that neither the layer's memory
@@ -86,6 +86,8 @@ class EvalRounds:
         self._finished = array("q")
         self._rounds: dict[int, EvalRound] = {}
         self._results: list[dict[str, Any]] = []
+        #: the version of a resumed run's first round, which training waits for as for the run's first
+        self.gate: int | None = None
 
     @property
     def rounds(self) -> dict[int, EvalRound]:
@@ -154,10 +156,14 @@ class EvalRounds:
         return tasks
 
     def initial_done(self) -> bool:
-        """Training waits for the first round, so that it measures exactly the starting
-        weights (no newer version exists before the first batch is served)."""
+        """Training waits for the first round, and for a resumed run's first (``gate``), so that
+        it measures exactly the weights training starts from (no newer version exists before the
+        first batch is served)."""
         if not self.rounds:
             return True
+        held = self.rounds.get(self.gate) if self.gate is not None else None
+        if held is not None:
+            return held.remaining <= 0
         low = min(self.rounds)
         return self.rounds[low].remaining <= 0 or (len(self._finished) > 0 and self._finished[0] < low)
 

@@ -164,7 +164,8 @@ class TrainerFacing:
         the change log had, but run on the newer weights the nodes load). Nothing when started."""
         if self._eval_at_start:
             self._eval_at_start = False
-            self._start_eval(self.versions[self.policy_names[0]])  # rounds measure the first policy
+            self.evals.gate = self.versions[self.policy_names[0]]  # rounds measure the first policy
+            self._start_eval(self.evals.gate)
             self._notify()
             await self._durable(sync=True)
 

@@ -146,3 +146,26 @@ def test_a_resumed_round_does_not_count_the_time_between_the_runs(tmp_path):
     assert time.time() - rnd.leased_at < ran_for + 1.0
     assert rnd.leased_at - rnd.started == before.leased_at - before.started
     run(resumed.close())
+
+
+def test_a_resumed_runs_first_evaluation_holds_training_until_it_is_done(tmp_path):
+    """As the run's first round does: the resume's round measures exactly the weights training
+    goes on from, so no batch is served (no newer version made) before its answers are in."""
+    paths = Paths(tmp_path)
+    layer = paths.layer(eval_every=2, max_steps=50)
+    run(Node(layer).roll(8, reward_of=_alternating))
+    run(layer.close())
+    again = paths.layer(eval_every=2, max_steps=50)
+    again._eval_at_start = True
+
+    async def resume():
+        await again.trainer_restarted("p", 9, restart=False)
+        await again.resume_evaluation()
+
+    run(resume())
+    assert again.evals.rounds[9].remaining > 0 and not again.evals.initial_done()
+    tasks = len(again.leases.eval_pending)
+    run(Node(again, "n-new").roll(tasks))  # evaluation tasks are leased first: the round's answers
+    assert 9 not in again.evals.rounds or again.evals.rounds[9].remaining <= 0
+    assert again.evals.initial_done()
+    run(again.close())
