@@ -8,13 +8,14 @@ from __future__ import annotations
 import subprocess
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
 from astraflow.runtime.jobrecords import JobRecords, cancel_previous_jobs, read_job_records
 from astraflow.runtime.progress import Progress
 from astraflow.sections import ClusterConfig
-from schedulers import JobRef, LocalScheduler, Partition
+from schedulers import JobRef, LocalScheduler, Partition, local
 from schedulers.procs import process_identity
 from storage.atomic import write_json
 from storage.paths import RunPaths
@@ -84,12 +85,17 @@ def test_damaged_records_are_skipped_not_fatal(tmp_path):
     assert found.cancelled == [] and not paths.job_records.exists()
 
 
-def test_a_worker_that_exited_is_not_signalled_again(tmp_path):
-    """Its pid may be anyone's by now: with no process of that identity, nothing is sent."""
+def test_a_worker_that_exited_is_not_signalled_again(tmp_path, monkeypatch):
+    """Its pid may be anyone's by now: with no process of that identity, nothing is sent and
+    nothing is waited for (no signal, no pause of the wait for it to end)."""
+    signals: list[tuple[int, int]] = []
+    pauses: list[float] = []
+    monkeypatch.setattr(local, "_killpg", lambda pid, sig: signals.append((pid, sig)))
+    monkeypatch.setattr(local, "time", SimpleNamespace(monotonic=time.monotonic, sleep=pauses.append))
     proc = subprocess.Popen(["sleep", "0"])
     ident = process_identity(proc.pid)
     proc.wait()
     ref = JobRef(f"local-{proc.pid}", "pool", "rollout-pool-local-cpu-0", "local", None, identity=ident)
-    t0 = time.monotonic()
-    assert LocalScheduler(tmp_path).cancel_previous([ref]) == []
-    assert time.monotonic() - t0 < 5.0  # nothing to wait for (a kill would wait its 10 s term_timeout)
+    found = LocalScheduler(tmp_path).cancel_previous([ref])
+    assert signals == [] and pauses == []
+    assert found == []
