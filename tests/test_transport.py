@@ -163,26 +163,75 @@ class _Handle:
         return self.future
 
 
+class _LostWhileWaiting:
+    """A future on an actor whose worker died: it never answers, and the orchestrator swaps the
+    link to the re-placed actor while the first slice of the wait runs. Looking at it again after
+    the swap is the call waiting out its deadline on an actor that will never answer."""
+
+    def __init__(self, link_to_swap, replacement):
+        self.link_to_swap, self.replacement, self.slices = link_to_swap, replacement, []
+
+    def result(self, timeout):
+        self.slices.append(timeout)
+        assert len(self.slices) == 1, "awaited again on the lost actor after its replacement was set"
+        self.link_to_swap[0].set(self.replacement)
+        raise TimeoutError(f"timed out after {timeout} s.")
+
+    def done(self):
+        return False
+
+
 def test_a_call_pending_on_a_lost_actor_is_made_again_on_its_replacement(monkeypatch):
     """The data layer's worker dies while a node's call waits on it; the orchestrator swaps the
-    link to the re-placed data layer: the call is made again there at once, instead of waiting
-    out its deadline on an actor that will never answer."""
+    link to the re-placed data layer: the call is made again there at once (after the slice that
+    was running), instead of waiting out its deadline on an actor that will never answer."""
     monkeypatch.setattr(transport._LinkCall, "SLICE_S", 0.05)
-    old, new = _Handle(_Pending()), _Handle(_Answered(["t1"]))
-    link = Link(old, "the data layer")
-    threading.Timer(0.3, link.set, args=(new,)).start()
-    t0 = time.monotonic()
-    assert call_sync(link.lease, "n0", 4, timeout=30) == ["t1"]
-    assert time.monotonic() - t0 < 5 and old.calls == 1 and new.calls == 1
+    new, link_box = _Handle(_Answered(["t1"])), []
+    lost = _LostWhileWaiting(link_box, new)
+    old = _Handle(lost)
+    link_box.append(Link(old, "the data layer"))
+    assert call_sync(link_box[0].lease, "n0", 4, timeout=30) == ["t1"]
+    assert lost.slices == [0.05] and old.calls == 1 and new.calls == 1
+
+
+class _Clock:
+    """`time` for `astraflow.transport` whose clock moves only when a future waits on it."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+class _PendingOnClock:
+    """A future that never answers, waiting on `_Clock` (each wait recorded) instead of sleeping."""
+
+    def __init__(self, clock):
+        self.clock, self.waits = clock, []
+
+    def result(self, timeout):
+        self.waits.append(timeout)
+        self.clock.sleep(timeout)
+        raise TimeoutError(f"timed out after {timeout} s.")
+
+    def done(self):
+        return False
 
 
 def test_a_call_through_a_link_that_is_not_replaced_still_times_out(monkeypatch):
+    """Its own timeout, awaited in slices: not the 30 s of a lease call, and not given up early."""
     monkeypatch.setattr(transport._LinkCall, "SLICE_S", 0.05)
-    link = Link(_Handle(_Pending()), "the data layer")
-    t0 = time.monotonic()
+    clock = _Clock()
+    monkeypatch.setattr(transport, "time", clock)
+    pending = _PendingOnClock(clock)
+    link = Link(_Handle(pending), "the data layer")
     with pytest.raises(TimeoutError):
         call_sync(link.lease, "n0", 4, timeout=0.4)
-    assert 0.35 < time.monotonic() - t0 < 10  # its own timeout, not the 30 s of a lease call
+    assert max(pending.waits) <= 0.05 and sum(pending.waits) == pytest.approx(0.4, abs=0.002)
 
 
 def test_a_call_to_an_actor_known_lost_waits_past_its_deadline_for_the_replacement(monkeypatch):
