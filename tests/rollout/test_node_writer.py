@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from astraflow.rollout import node_episodes
 from astraflow.rollout.config import RolloutConfig
 
 from astraflow.workloads.config import SamplingConfig
@@ -46,6 +47,41 @@ class _Completions:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         fut.set_result(len(refs))
         return fut
+
+
+#: seconds a wait loop below waits for what it expects before it calls the writer hung
+HUNG_S = 45.0
+
+
+class _WriterWaits:
+    """``asyncio`` as the node's writer sees it, recording its waits for more trajectories to fill
+    a batch: how many began (``began``) and how each ended (``ends``): ``"woken"`` (one finished,
+    or the node closes) or ``"flush_seconds"`` (the oldest waited that long). A test then asserts
+    the reason a batch went out, whatever time the machine took."""
+
+    def __init__(self):
+        self.began = 0
+        self.ends: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(asyncio, name)
+
+    async def wait_for(self, awaitable, timeout):
+        self.began += 1
+        try:
+            result = await asyncio.wait_for(awaitable, timeout)
+        except asyncio.TimeoutError:
+            self.ends.append("flush_seconds")
+            raise
+        self.ends.append("woken")
+        return result
+
+
+@pytest.fixture
+def writer_waits(monkeypatch) -> _WriterWaits:
+    waits = _WriterWaits()
+    monkeypatch.setattr(node_episodes, "asyncio", waits)
+    return waits
 
 
 def _node(tmp_path, **rollout) -> tuple[RaaSNode, _Completions]:
@@ -81,42 +117,46 @@ def _finish(node: RaaSNode, trajs) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_writes_at_once_when_nothing_is_generating(tmp_path):
+def test_writes_at_once_when_nothing_is_generating(tmp_path, writer_waits):
     node, dl = _node(tmp_path, write_batch=1000, flush_seconds=30.0)
 
     async def script():
         t0 = time.monotonic()
         _finish(node, [_traj(i) for i in range(3)])  # the last episodes of the node: inflight is empty
         while not dl.batches:
-            assert time.monotonic() - t0 < 15, "the writer waited for flush_seconds with nothing generating"
+            assert time.monotonic() - t0 < HUNG_S, "the writer never wrote the node's last episodes"
             await asyncio.sleep(0.01)
 
     asyncio.run(_drive(node, script))
     assert [ids for _, ids in dl.batches] == [["g0/0", "g1/0", "g2/0"]]
+    assert writer_waits.ends == [], "the writer waited for more trajectories with nothing generating"
     assert not node.writing and node.counters["episodes"] == 3
 
 
 @pytest.mark.timeout(60)
-def test_holds_a_partial_batch_while_episodes_generate_then_writes_it_full(tmp_path):
+def test_holds_a_partial_batch_while_episodes_generate_then_writes_it_full(tmp_path, writer_waits):
     node, dl = _node(tmp_path, write_batch=4, flush_seconds=30.0)
     node.inflight = {"still/0": None}  # an episode is still generating
 
     async def script():
         _finish(node, [_traj(i) for i in range(3)])
-        await asyncio.sleep(0.3)
-        assert dl.batches == []  # 3 of 4, more are coming: wait
-        _finish(node, [_traj(3)])
         t0 = time.monotonic()
+        while not writer_waits.began and not dl.batches:
+            assert time.monotonic() - t0 < HUNG_S, "the writer never took the finished trajectories"
+            await asyncio.sleep(0.01)
+        assert dl.batches == [] and writer_waits.began == 1  # 3 of 4, more are coming: it waits for them
+        _finish(node, [_traj(3)])
         while not dl.batches:
-            assert time.monotonic() - t0 < 15  # well before flush_seconds
+            assert time.monotonic() - t0 < HUNG_S, "the writer never wrote the full batch"
             await asyncio.sleep(0.01)
 
     asyncio.run(_drive(node, script))
     assert [len(ids) for _, ids in dl.batches] == [4]
+    assert writer_waits.ends == ["woken"], "the full batch went out by age, not because it was full"
 
 
 @pytest.mark.timeout(60)
-def test_flushes_after_flush_seconds_and_takes_everything_finished_per_wake_up(tmp_path):
+def test_flushes_after_flush_seconds_and_takes_everything_finished_per_wake_up(tmp_path, writer_waits):
     node, dl = _node(tmp_path, write_batch=4, flush_seconds=0.3)
     node.inflight = {"still/0": None}
 
@@ -124,7 +164,7 @@ def test_flushes_after_flush_seconds_and_takes_everything_finished_per_wake_up(t
         t0 = time.monotonic()
         _finish(node, [_traj(i) for i in range(10)])  # one wake-up: batches of 4, 4, then 2 held
         while sum(len(ids) for _, ids in dl.batches) < 10:
-            assert time.monotonic() - t0 < 15
+            assert time.monotonic() - t0 < HUNG_S, "the writer never flushed the partial batch"
             await asyncio.sleep(0.01)
         return t0
 
@@ -132,6 +172,7 @@ def test_flushes_after_flush_seconds_and_takes_everything_finished_per_wake_up(t
     sizes = [len(ids) for _, ids in dl.batches]
     assert sizes == [4, 4, 2]
     # the partial batch went out because its oldest waited flush_seconds, not earlier
+    assert writer_waits.ends[-1:] == ["flush_seconds"]
     assert dl.batches[2][0] - dl.batches[1][0] >= 0.25
     assert sorted(i for _, ids in dl.batches for i in ids) == sorted(f"g{i}/0" for i in range(10))
 
@@ -316,7 +357,7 @@ def test_an_evaluation_task_waits_for_its_own_policy_version_only(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_writes_the_next_batch_while_the_previous_commit_is_flushed(tmp_path, monkeypatch):
+def test_writes_the_next_batch_while_the_previous_commit_is_flushed(tmp_path, monkeypatch, writer_waits):
     """While a batch's flush round is held, the writer writes the next batches (their bytes) and
     completes none of them until each one's commit is durable; then all are completed."""
     import threading
@@ -341,21 +382,22 @@ def test_writes_the_next_batch_while_the_previous_commit_is_flushed(tmp_path, mo
         _finish(node, [_traj(i) for i in range(2)])
         t0 = time.monotonic()
         while not started.is_set():
-            assert time.monotonic() - t0 < 15
+            assert time.monotonic() - t0 < HUNG_S, "the first batch was never flushed"
             await asyncio.sleep(0.01)
         _finish(node, [_traj(i) for i in range(2, 6)])  # two more batches while the first flushes
         while len(submitted) < 3:
-            assert time.monotonic() - t0 < 15, "the writer waited for the first commit before writing on"
+            assert time.monotonic() - t0 < HUNG_S, "the writer waited for the first commit before writing on"
             await asyncio.sleep(0.01)
         assert dl.batches == [] and len(node.writing) == 6  # nothing completed before it is durable
         held.set()
         while sum(len(ids) for _, ids in dl.batches) < 6:
-            assert time.monotonic() - t0 < 15
+            assert time.monotonic() - t0 < HUNG_S, "the batches were not completed once their commits were durable"
             await asyncio.sleep(0.01)
         node.inflight = {}
 
     asyncio.run(_drive(node, script))
     assert submitted == [2, 2, 2]
+    assert "flush_seconds" not in writer_waits.ends  # full batches, each written as it filled
     assert sorted(i for _, ids in dl.batches for i in ids) == [f"g{i}/0" for i in range(6)]
     assert not node.writing and node.counters["episodes"] == 6
 
