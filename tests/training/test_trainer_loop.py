@@ -404,7 +404,11 @@ class _Starved:
 
     _worker = "test"
 
+    def __init__(self):
+        self.asked = threading.Event()
+
     def next_batch(self, policy, version, timeout):
+        self.asked.set()
         time.sleep(min(timeout, 0.1))
         f: concurrent.futures.Future = concurrent.futures.Future()
         f.set_exception(TimeoutError("no batch"))
@@ -414,15 +418,36 @@ class _Starved:
         return _done()
 
 
-def test_a_starved_trainer_says_how_long_it_has_waited_for_its_next_batch(tmp_path):
-    """Its wait fraction is over its lifetime and rises slowly; ``batch_wait_s`` is the wait in progress."""
+class _Clock:
+    """The trainer module's ``time``: a clock that moves only when the test moves it."""
+
+    def __init__(self, now: float):
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_a_starved_trainer_says_how_long_it_has_waited_for_its_next_batch(tmp_path, monkeypatch):
+    """Its wait fraction is over its lifetime; ``batch_wait_s`` is the wait in progress (from the
+    moment it asked for the batch, across the data layer's calls that time out)."""
+    import astraflow.training.trainer as trainer_module
+
+    clock = _Clock(1000.0)
+    monkeypatch.setattr(trainer_module, "time", clock)
+    dl = _Starved()
     trainer = Trainer(policy="p", cfg=TrainerConfig(backend="sim", sim_step_seconds=0.05), model_path="",
-                      weights_root=str(tmp_path / "w"), keep_versions=5, data_layer=_Starved(), max_steps=3)
+                      weights_root=str(tmp_path / "w"), keep_versions=5, data_layer=dl, max_steps=3)
     trainer.start()
-    time.sleep(0.6)
-    state = trainer.state()
-    trainer.stop()
-    assert state["version"] == 0 and 0.3 < state["batch_wait_s"] < 30, state
+    try:
+        assert dl.asked.wait(60), "the trainer never asked for a batch"
+        assert trainer.state()["batch_wait_s"] == 0.0  # no time has passed on its clock yet
+        clock.now += 7.5
+        state = trainer.state()
+    finally:
+        trainer.stop()
+    assert state["version"] == 0 and state["batch_wait_s"] == 7.5, state
+    assert state["wait_total_s"] == 7.5 and state["wait_fraction"] == 1.0, state
 
 
 def test_delta_history_stays_bounded_over_many_versions(tmp_path, tiny_model):
