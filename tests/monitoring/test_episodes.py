@@ -275,5 +275,10 @@ def test_a_mixtures_single_turn_episodes_show_and_filter_by_their_source(tmp_pat
             w.write(replace(single_turn(f"st-{i}", reward=0.0), source=src).to_stored())
             time.sleep(0.002)
     v = EpisodeReader(paths.root).view(EpisodeQuery())
-    assert [e.workload for e in v.recent] == ["add2", "mul1", "add2"] and v.workloads == ["add2", "mix", "mul1"]
+    assert [e.workload for e in v.recent] == ["add2", "mul1", "add2"] and v.workloads == ["add2", "mul1"]
     assert ids(EpisodeReader(paths.root).view(EpisodeQuery(workload="add2")).recent) == ["st-2", "st-0"]
+    # the mixture's own name is offered only where a stored episode bears it (one written without
+    # its source): otherwise `--workload mix` would be offered and match nothing
+    with store.writer("rollout-2") as w:
+        w.write(single_turn("st-old", reward=0.0).to_stored())
+    assert EpisodeReader(paths.root).view(EpisodeQuery()).workloads == ["add2", "mix", "mul1"]

@@ -278,7 +278,9 @@ class EpisodeReader:
         cfg = self._run_config()
         wl = cfg.get("workload") or {}
         self._workload = str(wl.get("name", ""))
-        workloads = {self._workload} | set(((wl.get("params") or {}).get("sources") or {}))
+        # a mixture's episodes carry their source, never the mixture's own name (which is added
+        # below only where stored episodes bear it): offering it would filter to nothing
+        workloads = set(((wl.get("params") or {}).get("sources") or {})) or {self._workload}
         policies = {str(p.get("name")) for p in cfg.get("policies") or [] if isinstance(p, dict)}
         url = (cfg.get("storage") or {}).get("trajectories") or str(self.paths.trajectories)
         empty = dict(schema_version=SCHEMA_VERSION, run_dir=str(self.paths.root), batches=0, partial=False,
