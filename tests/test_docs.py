@@ -1,7 +1,8 @@
 """The docs against the code they describe: every repository path the README and ``docs/`` name
 exists, and every config key they name (``rollout.engine.max_batch``, ``policies[].trainer.lr``,
-a ``--set`` example) is a field of the run config. A renamed module or field otherwise leaves a
-doc that sends users to a file that is gone or a key that ``astraflow check`` refuses."""
+a ``--set`` example) is a field of the run config, and every option a quoted command gives
+(``astraflow ...``, ``python benchmarks/...``) exists. A renamed module, field or option otherwise
+leaves a doc that sends users to a file that is gone or a key or option the command refuses."""
 
 from __future__ import annotations
 
@@ -104,3 +105,55 @@ def test_the_reading_order_names_every_module():
                      if p.name not in named and p.name not in ("__init__.py", "__main__.py")
                      and not str(p.relative_to(ROOT)).startswith(whole))
     assert not unnamed, f"add them to docs/reading_order.md: {unnamed}"
+
+
+#: where commands are quoted for a user to copy: the docs, and the examples' comments and docstrings
+COMMAND_SOURCES = [*DOCS, ROOT / "jobs" / "README.md", *sorted((ROOT / "examples").rglob("*.yaml")),
+                   *sorted((ROOT / "examples").rglob("*.py"))]
+
+
+def _command_lines():
+    """(file, line) for each line the sources quote: code blocks (``\\`` continuations joined) and
+    inline spans, cut at a ``#`` comment and at a run of spaces (the README's table of commands)."""
+    for path in COMMAND_SOURCES:
+        text = re.sub(r"\\\n\s*", " ", path.read_text())
+        spans = [m.group(1) for m in re.finditer(r"```[a-z]*\n(.*?)```", text, re.S)]
+        spans += [m.group(1) for m in SPANS.finditer(re.sub(r"```.*?```", "", text, flags=re.S))]
+        if path.suffix != ".md":
+            spans = [text]
+        for span in spans:
+            for line in span.splitlines():
+                line = re.sub(r"^\s*#\s*", "", line) if path.suffix != ".md" else line  # a comment's text
+                for part in re.split(r"&&|;|\|\||\|", re.split(r"\s#\s|\s{3,}", line.strip())[0]):
+                    yield path.relative_to(ROOT), part
+
+
+def _flags(words: list[str]) -> list[str]:
+    """The long options among ``words`` (``[--json]`` and ``--opt=VALUE`` included)."""
+    return [w.lstrip("[").split("=")[0].rstrip("]") for w in words if w.lstrip("[").startswith("--")]
+
+
+def test_every_option_the_docs_give_a_command_exists():
+    """An ``astraflow ...`` command's options are those of its click command, a
+    ``python benchmarks/NAME.py ...`` command's are in the script's argument parser: a renamed
+    option otherwise leaves a doc whose command fails with 'no such option'."""
+    import click
+
+    from astraflow.cli import main
+
+    wrong = []
+    for doc, line in _command_lines():
+        if m := re.search(r"(?:^|[\s/])astraflow\s+(.*)", line):
+            words, cmd, named = m.group(1).split(), main, []
+            while words and isinstance(cmd, click.Group) and words[0] in cmd.commands:
+                named.append(words.pop(0))
+                cmd = cmd.commands[named[-1]]
+            if cmd is main:
+                continue
+            known = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
+            wrong += [f"{doc}: astraflow {' '.join(named)} {f}" for f in _flags(words) if f not in known]
+        for name, rest in re.findall(r"python benchmarks/(\w+)\.py((?:\s+\S+)*)", line):
+            source = (ROOT / "benchmarks" / f"{name}.py").read_text()
+            wrong += [f"{doc}: benchmarks/{name}.py {f}" for f in _flags(rest.split())
+                      if f'"{f}"' not in source and f'"--{f.removeprefix("--no-")}"' not in source and f != "--help"]
+    assert not wrong, wrong
