@@ -231,7 +231,8 @@ def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str,
     (``mix``, ``by_source``): ``consumed_by_source`` (cumulative sequences of each source
     consumed by this policy) and ``groups_by_source`` (train groups created). Multi-turn runs
     add ``episode_turns``, ``episode_tool_calls``, ``episode_invalid_call_rate``,
-    ``episode_truncated_frac`` and ``episode_env_time_fraction`` (``evals.episode_summary``)."""
+    ``episode_truncated_frac`` and ``episode_env_time_fraction`` (``evals.episode_summary``), and
+    ``episode_success`` (the success rate of those episodes: their return may be shaped)."""
     return {
         "step": version,
         "policy": policy,
@@ -257,11 +258,20 @@ def step_record(*, policy: str, version: int, elapsed: float, metrics: dict[str,
         "rollouts_per_consumed": counts["sequences_ingested"] / max(counts["consumed"], 1),
         **generated.rates(elapsed),
         # multi-turn episodes: means over the training episodes since the previous step
-        **summary_of_sums(*generated.take_episode_stats(policy), prefix="episode_"),
+        **_train_episode_summary(*generated.take_episode_stats(policy)),
         "trainer_wait_s": trainer_wait_s,
         "node_versions": node_versions,
         **(by_source or {}),
     }
+
+
+def _train_episode_summary(n: int, sums: dict[str, float]) -> dict[str, float]:
+    """``episode_*`` means of a step's training episodes, with their success rate: the reward
+    of a multi-turn episode is its return (shaping included), so it does not show success."""
+    out = summary_of_sums(n, sums, prefix="episode_")
+    if n and "turns" in sums and "success" in sums:
+        out["episode_success"] = sums["success"] / n
+    return out
 
 
 def snapshot(*, versions: dict[str, int], cfg: DataflowConfig, rules: dict[str, Any], mixer: Mixer,

@@ -107,3 +107,25 @@ def test_second_eval_sets_run_first_and_last_and_are_reported_apart():
     assert first["eval_sets"] == {"humaneval": {"accuracy": 0.0, "pass@1": 0.0, "prompts": 1,
                                                 "code_timeout": 1.0, "code_pass": 0.0}}
     assert "eval_sets" not in middle and last["eval_sets"]["humaneval"]["prompts"] == 1
+
+
+def test_a_step_record_has_the_training_episodes_success_rate():
+    """A multi-turn episode's reward is its return (shaping included: a per-call cost, per-turn
+    rewards), so the step record says how many of the episodes succeeded as well."""
+    from collections import Counter
+
+    from astraflow.dataflow.config import DataflowConfig
+    from astraflow.dataflow.record import step_record
+
+    g = Generated.for_policies(["p"])
+    for i, score in enumerate((1.0, 1.0, 0.0, 1.0)):
+        g.add(ref(f"a/{i}", score))
+
+    def record() -> dict:
+        return step_record(policy="p", version=1, elapsed=1.0, metrics={}, batch_metrics={}, cfg=DataflowConfig(),
+                           counts=Counter(), staleness_hist=Counter(), generated=g, trainer_wait_s=0.0,
+                           node_versions={}, by_source=None)
+
+    rec = record()
+    assert rec["episode_success"] == 0.75 and rec["episode_turns"] == 2.0
+    assert "episode_success" not in record()  # no episodes since: no rate
