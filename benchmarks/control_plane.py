@@ -96,8 +96,8 @@ from distributed import Client, LocalCluster  # noqa: E402
 
 from astraflow.dataflow.layer import DataLayer  # noqa: E402
 from astraflow.transport import Link, call  # noqa: E402
-from control_plane_nodes import (Latencies, build, emulate, gathered, layer_kwargs, loop_lag, probe,  # noqa: E402
-                                 trainer_read, trainer_start)
+from control_plane_nodes import (TEARDOWN_S, Latencies, build, emulate, gathered, layer_kwargs, loop_lag,  # noqa: E402
+                                 probe, trainer_read, trainer_start)
 from storage.trajectories import open_trajectory_store  # noqa: E402
 
 QUIET = {"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False", "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s",
@@ -197,7 +197,7 @@ async def drive(dl, store, n_nodes: int, mode: str, args, pid: int, reader: dict
             n.stop = True
         for t in running:
             t.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
+        await asyncio.wait(running, timeout=TEARDOWN_S)  # the figures are taken: a straggler does not hold them
         window = t1 - t0
         ingested = p1["sequences_generated"] - p0["sequences_generated"]
         cpu_per = (cpu1 - cpu0) / max(ingested, 1)

@@ -235,6 +235,8 @@ class EmuNode:
 
 #: trajectories (or node calls) a writer handles before it lets its process's other work run
 SLICE = 64
+#: seconds an emulator process waits for its cancelled nodes and writers once its window closed
+TEARDOWN_S = 15.0
 
 
 class WorkerWriter:
@@ -374,8 +376,12 @@ def emulate(address: str, dl_pickled: bytes, store_url: str, first: int, count: 
 
     with Client(address, direct_to_workers=True):  # as a node group's worker calls: direct
         dl = Link(pickle.loads(dl_pickled), "the data layer")  # as nodes hold it (its lane, if it has one)
-        return asyncio.run(_emulate(dl, open_trajectory_store(store_url, "a"), first, count, per_worker, grouped,
-                                    opts, start_at, seconds, psutil.Process()))
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(_emulate(dl, open_trajectory_store(store_url, "a"), first, count, per_worker,
+                                                    grouped, opts, start_at, seconds, psutil.Process()))
+        finally:  # not ``asyncio.run``: a call's thread still waiting on the data layer is not joined here
+            loop.close()
 
 
 async def _emulate(dl: Any, store: Any, first: int, count: int, per_worker: int, grouped: bool, opts: dict,
@@ -395,7 +401,7 @@ async def _emulate(dl: Any, store: Any, first: int, count: int, per_worker: int,
         n.stop = True
     for t in running:
         t.cancel()
-    await asyncio.gather(*running, return_exceptions=True)
+    await asyncio.wait(running, timeout=TEARDOWN_S)  # the figures are taken: a straggler does not hold them
     if dead:  # a node or writer that died would leave the figures quietly low
         raise RuntimeError(f"an emulated node or writer failed in emulator process {os.getpid()}") \
             from dead[0].exception()
