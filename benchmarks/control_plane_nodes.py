@@ -96,9 +96,14 @@ _READERS: dict[str, Any] = {}
 
 
 def trainer_start() -> int:
-    """The emulated trainer's process is up, with what it imports loaded; its pid."""
+    """The emulated trainer's process is up, with what it imports loaded; its pid. (Every process
+    of the benchmark's pools runs it first: each then prints its threads' stacks on SIGUSR1, as
+    the benchmark's own process does, so a run that hangs shows where each of them waits.)"""
+    import faulthandler
     import os
+    import signal
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         import astraflow.training.rows  # noqa: F401
     except ImportError:  # a checkout whose data layer serves complete batches: nothing to read

@@ -3,6 +3,7 @@ against a data-layer actor on a real Dask worker, the index-growth part in-proce
 with a ``RESULT`` line holding sane numbers. No timing is asserted: the run is too small (and
 the machine too shared) for its numbers to mean anything."""
 
+import contextlib
 import json
 import math
 import os
@@ -26,11 +27,17 @@ def _run_bounded(cmd: list[str], timeout_s: float = 240) -> subprocess.Completed
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGUSR1)
+        import psutil
+
+        # its emulator, probe and trainer processes print their stacks too (``trainer_start``)
+        pools = [c for c in psutil.Process(proc.pid).children() if "multiprocessing.spawn" in " ".join(c.cmdline())]
+        for p in [*pools, psutil.Process(proc.pid)]:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGUSR1)
         time.sleep(2)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"the benchmark did not end within {timeout_s:g} s; its threads then:\n{err[-6000:]}")
+        pytest.fail(f"the benchmark did not end within {timeout_s:g} s; its processes' threads then:\n{err[-24000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
