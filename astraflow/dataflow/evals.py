@@ -3,8 +3,9 @@
 A round at version ``v`` is ``k`` evaluation tasks per held-out prompt (greedy when ``k`` is
 1), leased before any training task. A round may run on ``v`` or newer weights (nodes never go
 back; ``eval_version_min``/``max`` record which); the first round, and a resumed run's first,
-gate training, so they measure exactly the weights training starts from. Rounds overlap and a later one can finish first: records
-are written in version order, a finished round waiting for every earlier one (``write``).
+gate training, so they measure exactly the weights training starts from. Rounds overlap and a
+later one can finish first: records are written in version order, a finished round waiting for
+every earlier one (``write``).
 Only rounds not yet written are held; a written round leaves its record (``results``, the run's
 eval history) and its version (a version is evaluated once), so that neither the layer's memory
 nor its snapshot grows with the prompts of every round ever run.
